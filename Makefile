@@ -1,0 +1,50 @@
+# Every target installs what it needs and is safe to run again.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+APT_STAMP := .apt-installed
+# Debian packages dsec needs: erofs-utils (image layers), busybox-static (tiny base
+# images for tests and the demo), tini/catatonit (PID 1 in sandboxes), runc (the
+# reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2.
+APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
+                util-linux e2fsprogs procps psmisc
+
+.PHONY: all setup demo test bench clean lint
+
+all: setup
+
+$(APT_STAMP):
+	@if command -v apt-get >/dev/null 2>&1; then \
+	  missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  fi; \
+	else echo "apt-get not found: install $(APT_PACKAGES) by hand"; fi
+	@touch $@
+
+$(STAMP): pyproject.toml $(APT_STAMP)
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,rl]'
+	@touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/dsec demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/dsec bench --quick
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) $(APT_STAMP) .pytest_cache

@@ -1,0 +1,161 @@
+"""Aether transports: Unix domain sockets and TCP, listener and dialer.
+
+Addresses are strings so they fit in config files and CLI flags:
+``unix:/run/dsec/edge.sock`` or ``tcp:127.0.0.1:7070`` (``tcp:[::1]:7070`` for IPv6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+from dsec.aether.connection import Connection, Router
+from dsec.aether.frame import DEFAULT_MAX_FRAME
+from dsec.errors import ConnectionLost, InvalidArgument
+
+__all__ = ["Address", "Server", "connect", "parse_address", "serve"]
+
+# StreamReader buffer: large enough that a burst of pipelined frames is read in one go.
+_STREAM_LIMIT = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class Address:
+    kind: Literal["unix", "tcp"]
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp:{host}:{self.port}"
+
+
+def parse_address(text: str) -> Address:
+    """Parse ``unix:PATH`` or ``tcp:HOST:PORT``."""
+    kind, sep, rest = text.partition(":")
+    if sep and kind == "unix" and rest:
+        return Address("unix", path=os.path.abspath(rest))
+    if sep and kind == "tcp":
+        host, sep2, port = rest.rpartition(":")
+        host = host.strip("[]")
+        if sep2 and host and port.isdigit() and int(port) < 65536:
+            return Address("tcp", host=host, port=int(port))
+    raise InvalidArgument(
+        f"invalid Aether address {text!r}: use 'unix:/path/to.sock' or 'tcp:HOST:PORT'"
+    )
+
+
+async def connect(
+    address: str | Address, *, router: Router | None = None, timeout: float | None = 10.0,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> Connection:
+    """Dial ``address`` and return a ready connection (which can also serve ``router``)."""
+    addr = parse_address(address) if isinstance(address, str) else address
+    try:
+        async with asyncio.timeout(timeout):
+            if addr.kind == "unix":
+                reader, writer = await asyncio.open_unix_connection(addr.path, limit=_STREAM_LIMIT)
+            else:
+                reader, writer = await asyncio.open_connection(addr.host, addr.port, limit=_STREAM_LIMIT)
+    except TimeoutError as exc:
+        raise ConnectionLost(f"could not connect to {addr} within {timeout}s") from exc
+    except OSError as exc:
+        raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}") from exc
+    _tune(writer)
+    return Connection(reader, writer, router=router, dialer=True, max_frame=max_frame, name=str(addr))
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Server:
+    """A listening Aether endpoint; every accepted connection serves ``router``."""
+
+    def __init__(self, router: Router, address: Address, max_frame: int) -> None:
+        self.router = router
+        self.address = address
+        self._max_frame = max_frame
+        self._server: asyncio.base_events.Server | None = None
+        self.connections: set[Connection] = set()
+
+    async def start(self) -> Server:
+        addr = self.address
+        if addr.kind == "unix":
+            os.makedirs(os.path.dirname(addr.path) or ".", exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if not _socket_alive(addr.path):
+                    os.unlink(addr.path)
+            self._server = await asyncio.start_unix_server(
+                self._on_client, addr.path, limit=_STREAM_LIMIT
+            )
+            os.chmod(addr.path, 0o600)  # the edge socket is for root / the apiserver only
+        else:
+            self._server = await asyncio.start_server(
+                self._on_client, addr.host, addr.port, limit=_STREAM_LIMIT
+            )
+            if addr.port == 0:  # report the port the kernel picked
+                port = self._server.sockets[0].getsockname()[1]
+                self.address = Address("tcp", host=addr.host, port=port)
+        return self
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _tune(writer)
+        conn = Connection(reader, writer, router=self.router, dialer=False,
+                          max_frame=self._max_frame, name=f"{self.address}<-peer")
+        self.connections.add(conn)
+        try:
+            await conn.wait_closed()
+        finally:
+            self.connections.discard(conn)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        await asyncio.gather(*(c.close("server shutting down") for c in list(self.connections)),
+                             return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        if self.address.kind == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.address.path)
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _socket_alive(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+async def serve(
+    router: Router, address: str | Address, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> Server:
+    """Listen on ``address`` and serve ``router`` until ``await server.close()``."""
+    addr = parse_address(address) if isinstance(address, str) else address
+    server = Server(router, addr, max_frame)
+    try:
+        return await server.start()
+    except OSError as exc:
+        raise ConnectionLost(f"cannot listen on {addr}: {exc.strerror or exc}") from exc

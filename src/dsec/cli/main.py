@@ -1,0 +1,47 @@
+"""``dsec`` entry point. Subcommands load lazily so ``dsec --help`` stays fast.
+
+To add a command, add ``"name": "module:attribute"`` to ``COMMANDS``; the module holds a
+click command or group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+COMMANDS: dict[str, str] = {
+    "bench": "dsec.cli.bench:bench",
+    "demo": "dsec.cli.demo:demo",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        mod, _, attr = target.partition(":")
+        cmd: click.Command = getattr(importlib.import_module(mod), attr)
+        return cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dsec")
+def cli() -> None:
+    """dsec: elastic sandboxes for agentic reinforcement learning."""
+
+
+def main(argv: list[str] | None = None) -> Any:
+    from dsec.errors import DsecError
+
+    try:
+        return cli.main(args=argv, standalone_mode=True)
+    except DsecError as exc:  # pragma: no cover - click already handled most
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)

@@ -1,0 +1,74 @@
+"""The one interface every sandbox backend implements (simulated, fncall, container, runc, vm).
+
+The :class:`~dsec.edge.node.EdgeNode` owns lifecycle, admission and events; a backend only
+does the work. Backends report deaths they notice on their own (OOM kill, init exited,
+worker crashed) through the ``sink`` given to :meth:`Backend.watch`, so the node can
+record a final event with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol, runtime_checkable
+
+from dsec.edge.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxSpec,
+    SandboxStats,
+)
+from dsec.ids import SandboxId
+
+__all__ = ["Backend", "DeathSink"]
+
+# sink(sandbox_id, reason, detail); reason is one of "oom", "backend_crash", "exited", ...
+DeathSink = Callable[[SandboxId, str, str], None]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def watch(self, sink: DeathSink) -> None:
+        """Register where to report sandboxes that died on their own."""
+
+    async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
+        """Make the sandbox exec-ready. On failure, leave nothing behind and raise."""
+
+    async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
+        """After an edge restart: take back a sandbox created earlier; False if it is gone."""
+
+    async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult: ...
+
+    def exec_stream(self, sid: SandboxId, req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
+        """Yield output chunks as they come, then exactly one final ExecResult
+        (whose stdout/stderr are empty: the data went out as chunks)."""
+
+    async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
+                        length: int | None = None) -> bytes: ...
+
+    async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
+                         append: bool = False) -> None: ...
+
+    async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]: ...
+
+    async def stat(self, sid: SandboxId, path: str) -> FileInfo: ...
+
+    async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None: ...
+
+    async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None: ...
+
+    async def pause(self, sid: SandboxId) -> PauseStats: ...
+
+    async def resume(self, sid: SandboxId) -> None: ...
+
+    async def destroy(self, sid: SandboxId) -> None:
+        """Kill everything and release every resource; idempotent."""
+
+    async def stats(self, sid: SandboxId) -> SandboxStats: ...
+
+    async def close(self) -> None:
+        """Node shutdown: release backend-wide resources (pools, helper processes)."""

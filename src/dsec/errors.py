@@ -1,0 +1,274 @@
+"""The one exception tree of dsec.
+
+Every error a user can see derives from :class:`DsecError`. Each class carries a stable
+machine ``code`` (sent on the wire by Aether error frames and REST error bodies, so the
+receiving side re-raises the same class) and the HTTP status the apiserver answers with::
+
+    DsecError
+    ├── InvalidArgument            the caller sent something we cannot accept     400
+    │   └── UnknownMethod          no handler for an Aether method                400
+    ├── Unauthenticated            missing or wrong API key                       401
+    ├── PermissionDenied           key is valid, role is not enough               403
+    ├── NotFound                                                                  404
+    │   ├── SandboxNotFound
+    │   ├── ImageNotFound
+    │   └── ProjectNotFound
+    ├── Conflict                   the object is not in a state that allows it    409
+    │   ├── InvalidTransition      lifecycle table says no (names sandbox/event/state)
+    │   ├── WrongNode              sandbox id belongs to another edge
+    │   └── InUse                  e.g. removing an image a sandbox still uses
+    ├── Compacted                  a watch asked for history that is gone         410
+    ├── PayloadTooLarge                                                           413
+    ├── ResourceExhausted                                                         429/503
+    │   ├── CapacityExceeded       edge admission: carries what was short
+    │   ├── QuotaExceeded          a project (or ancestor) quota would be broken
+    │   ├── NoCapacity             placement found no node after its retries
+    │   └── RateLimited            per-key rate limit; carries retry_after
+    ├── Timeout                                                                   504
+    │   └── RequestTimeout         the *request* deadline (not a command timeout)
+    ├── ProtocolError              the Aether/HTTP conversation broke
+    │   ├── LocalProtocolError     we produced something invalid (our bug)
+    │   └── RemoteProtocolError    the peer sent something invalid (its bug/corruption)
+    ├── TransportError             the connection itself failed
+    │   └── ConnectionLost         pending calls on a connection that died
+    ├── SandboxError               the sandbox or its backend failed             500
+    │   └── BackendError
+    ├── ImageError                 layer store / build / import problems         400
+    │   ├── CorruptLayer
+    │   └── UnsafeArchive          tar member escaping, device node, ...
+    └── InternalError              an unexpected bug on the remote side          500
+
+Keep "we broke it" apart from "the peer broke it" (CONVENTIONS.md #10) and map lower
+layer exceptions at each boundary with ``raise X(...) from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BackendError",
+    "CapacityExceeded",
+    "Compacted",
+    "Conflict",
+    "ConnectionLost",
+    "CorruptLayer",
+    "DsecError",
+    "ImageError",
+    "ImageNotFound",
+    "InUse",
+    "InternalError",
+    "InvalidArgument",
+    "InvalidTransition",
+    "LocalProtocolError",
+    "NoCapacity",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "ProjectNotFound",
+    "ProtocolError",
+    "QuotaExceeded",
+    "RateLimited",
+    "RemoteProtocolError",
+    "RequestTimeout",
+    "ResourceExhausted",
+    "SandboxError",
+    "SandboxNotFound",
+    "Timeout",
+    "TransportError",
+    "Unauthenticated",
+    "UnknownMethod",
+    "UnsafeArchive",
+    "WrongNode",
+    "error_class",
+    "error_from_wire",
+]
+
+_REGISTRY: dict[str, type[DsecError]] = {}
+
+
+class DsecError(Exception):
+    """Root of every dsec error. ``detail`` holds machine-readable extras (JSON-able)."""
+
+    code: ClassVar[str] = "dsec_error"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail: dict[str, Any] = detail
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code")
+        if code is not None:
+            if code in _REGISTRY and _REGISTRY[code] is not cls:
+                raise TypeError(f"error code {code!r} is used by {_REGISTRY[code].__name__}")
+            _REGISTRY[code] = cls
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.code, self.message, self.detail))
+
+
+_REGISTRY[DsecError.code] = DsecError
+
+
+def _rebuild(code: str, message: str, detail: dict[str, Any]) -> DsecError:
+    return error_from_wire(code, message, detail)
+
+
+def error_class(code: str) -> type[DsecError]:
+    """The class registered for ``code``; unknown codes map to :class:`DsecError`."""
+    return _REGISTRY.get(code, DsecError)
+
+
+def error_from_wire(code: str, message: str, detail: dict[str, Any] | None = None) -> DsecError:
+    """Rebuild an error sent by a peer as the same class it had on the other side."""
+    cls = error_class(code)
+    err = cls.__new__(cls)
+    DsecError.__init__(err, message, **(detail or {}))
+    return err
+
+
+class InvalidArgument(DsecError, ValueError):
+    code = "invalid_argument"
+    http_status = 400
+
+
+class UnknownMethod(InvalidArgument):
+    code = "unknown_method"
+
+
+class Unauthenticated(DsecError):
+    code = "unauthenticated"
+    http_status = 401
+
+
+class PermissionDenied(DsecError):
+    code = "permission_denied"
+    http_status = 403
+
+
+class NotFound(DsecError, LookupError):
+    code = "not_found"
+    http_status = 404
+
+
+class SandboxNotFound(NotFound):
+    code = "sandbox_not_found"
+
+
+class ImageNotFound(NotFound):
+    code = "image_not_found"
+
+
+class ProjectNotFound(NotFound):
+    code = "project_not_found"
+
+
+class Conflict(DsecError):
+    code = "conflict"
+    http_status = 409
+
+
+class InvalidTransition(Conflict):
+    code = "invalid_transition"
+
+
+class WrongNode(Conflict):
+    code = "wrong_node"
+
+
+class InUse(Conflict):
+    code = "in_use"
+
+
+class Compacted(DsecError):
+    code = "compacted"
+    http_status = 410
+
+
+class PayloadTooLarge(InvalidArgument):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class ResourceExhausted(DsecError):
+    code = "resource_exhausted"
+    http_status = 503
+
+
+class CapacityExceeded(ResourceExhausted):
+    code = "capacity_exceeded"
+
+
+class QuotaExceeded(ResourceExhausted):
+    code = "quota_exceeded"
+    http_status = 429
+
+
+class NoCapacity(ResourceExhausted):
+    code = "no_capacity"
+
+
+class RateLimited(ResourceExhausted):
+    code = "rate_limited"
+    http_status = 429
+
+
+class Timeout(DsecError, TimeoutError):
+    code = "timeout"
+    http_status = 504
+
+
+class RequestTimeout(Timeout):
+    code = "request_timeout"
+
+
+class ProtocolError(DsecError):
+    code = "protocol_error"
+    http_status = 502
+
+
+class LocalProtocolError(ProtocolError):
+    code = "local_protocol_error"
+
+
+class RemoteProtocolError(ProtocolError):
+    code = "remote_protocol_error"
+
+
+class TransportError(DsecError, ConnectionError):
+    code = "transport_error"
+    http_status = 502
+
+
+class ConnectionLost(TransportError):
+    code = "connection_lost"
+
+
+class SandboxError(DsecError):
+    code = "sandbox_error"
+    http_status = 500
+
+
+class BackendError(SandboxError):
+    code = "backend_error"
+
+
+class ImageError(DsecError):
+    code = "image_error"
+    http_status = 400
+
+
+class CorruptLayer(ImageError):
+    code = "corrupt_layer"
+
+
+class UnsafeArchive(ImageError):
+    code = "unsafe_archive"
+
+
+class InternalError(DsecError):
+    code = "internal_error"
+    http_status = 500
