@@ -14,18 +14,24 @@ import msgspec
 from dsec.errors import DsecError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
+    "MAX_METHOD_LEN",
     "ErrorBody",
     "Goaway",
     "decode_request",
     "encode_request",
     "error_body",
+    "method_prefix",
 ]
 
 MAX_METHOD_LEN = 255
 
 
 class ErrorBody(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Payload of an ERROR frame; ``code`` maps back to a :class:`DsecError` subclass."""
+    """Payload of an ERROR frame.
+
+    ``code`` names the :class:`DsecError` subclass the *caller* raises (see
+    :func:`dsec.errors.error_from_wire`); unknown codes become plain ``DsecError``.
+    """
 
     code: str
     message: str
@@ -33,10 +39,17 @@ class ErrorBody(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Goaway(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Payload of a GOAWAY frame (stream 0): the sender starts no handler for a request
+    on a stream id above ``last_stream_id``; the receiver fails those calls at once with a
+    retryable ConnectionLost and opens no new calls on this connection."""
+
     reason: str = ""
+    last_stream_id: int = 0
 
 
 def error_body(exc: BaseException) -> ErrorBody:
+    """The ERROR payload for ``exc``: dsec errors keep their code, message and JSON-able
+    detail; anything else is a handler bug and becomes ``internal_error``."""
     if isinstance(exc, DsecError):
         detail = {k: v for k, v in exc.detail.items() if _wire_safe(v)}
         return ErrorBody(code=exc.code, message=exc.message, detail=detail)
@@ -48,20 +61,31 @@ def _wire_safe(v: Any) -> bool:
     return isinstance(v, (str, int, float, bool, type(None), list, dict, tuple))
 
 
+def method_prefix(method: str) -> bytes:
+    """The REQUEST payload prefix for ``method``: u8 length, then the ascii name."""
+    try:
+        m = method.encode("ascii")
+    except UnicodeEncodeError:
+        m = b""
+    if not 0 < len(m) <= MAX_METHOD_LEN or not method.isprintable():
+        raise LocalProtocolError(
+            f"method name {method!r} must be 1..{MAX_METHOD_LEN} printable ascii characters")
+    return bytes((len(m),)) + m
+
+
 def encode_request(method: str, body: bytes) -> bytes:
     """REQUEST payload: u8 method length, ascii method, then the msgpack body."""
-    m = method.encode("ascii")
-    if not 0 < len(m) <= MAX_METHOD_LEN:
-        raise LocalProtocolError(f"method name {method!r} must be 1..255 ascii bytes")
-    return bytes((len(m),)) + m + body
+    return method_prefix(method) + body
 
 
 def decode_request(payload: bytes) -> tuple[str, memoryview]:
+    """Split a REQUEST payload into the method name and a view of the msgpack body."""
     if not payload:
         raise RemoteProtocolError("empty REQUEST payload: no method name")
     n = payload[0]
     if n == 0 or len(payload) < 1 + n:
-        raise RemoteProtocolError(f"REQUEST payload too short for a {n}-byte method name")
+        raise RemoteProtocolError(
+            f"REQUEST payload of {len(payload)} bytes is too short for a {n}-byte method name")
     try:
         method = payload[1 : 1 + n].decode("ascii")
     except UnicodeDecodeError as exc:

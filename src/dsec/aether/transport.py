@@ -11,16 +11,13 @@ import contextlib
 import os
 import socket
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Self
 
-from dsec.aether.connection import Connection, Router
+from dsec.aether.connection import AetherProtocol, Connection, Router
 from dsec.aether.frame import DEFAULT_MAX_FRAME
-from dsec.errors import ConnectionLost, InvalidArgument
+from dsec.errors import ConnectionLost, InvalidArgument, TransportError
 
 __all__ = ["Address", "Server", "connect", "parse_address", "serve"]
-
-# StreamReader buffer: large enough that a burst of pipelined frames is read in one go.
-_STREAM_LIMIT = 1 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,22 +55,28 @@ async def connect(
 ) -> Connection:
     """Dial ``address`` and return a ready connection (which can also serve ``router``)."""
     addr = parse_address(address) if isinstance(address, str) else address
+    loop = asyncio.get_running_loop()
+
+    def factory() -> AetherProtocol:
+        return AetherProtocol(router=router, dialer=True, max_frame=max_frame, name=str(addr))
+
     try:
         async with asyncio.timeout(timeout):
             if addr.kind == "unix":
-                reader, writer = await asyncio.open_unix_connection(addr.path, limit=_STREAM_LIMIT)
+                transport, proto = await loop.create_unix_connection(factory, addr.path)
             else:
-                reader, writer = await asyncio.open_connection(addr.host, addr.port, limit=_STREAM_LIMIT)
+                transport, proto = await loop.create_connection(factory, addr.host, addr.port)
     except TimeoutError as exc:
         raise ConnectionLost(f"could not connect to {addr} within {timeout}s") from exc
     except OSError as exc:
         raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}") from exc
-    _tune(writer)
-    return Connection(reader, writer, router=router, dialer=True, max_frame=max_frame, name=str(addr))
+    _tune(transport)
+    assert proto.conn is not None  # set in connection_made
+    return proto.conn
 
 
-def _tune(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
+def _tune(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -89,41 +92,42 @@ class Server:
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[Connection] = set()
 
+    def _protocol(self) -> AetherProtocol:
+        return AetherProtocol(router=self.router, dialer=False, max_frame=self._max_frame,
+                              name=f"{self.address}<-peer", on_connection=self._accepted)
+
+    def _accepted(self, conn: Connection) -> None:
+        _tune(conn._transport)
+        self.connections.add(conn)
+        conn._close_callbacks.append(self.connections.discard)
+
     async def start(self) -> Server:
         addr = self.address
+        loop = asyncio.get_running_loop()
         if addr.kind == "unix":
             os.makedirs(os.path.dirname(addr.path) or ".", exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
-                if not _socket_alive(addr.path):
-                    os.unlink(addr.path)
-            self._server = await asyncio.start_unix_server(
-                self._on_client, addr.path, limit=_STREAM_LIMIT
-            )
+                if _socket_alive(addr.path):
+                    raise TransportError(
+                        f"cannot listen on {addr}: a live process already serves it; stop "
+                        "it or pick another path")
+                os.unlink(addr.path)  # a stale socket file from a process that died
+            self._server = await loop.create_unix_server(self._protocol, addr.path)
             os.chmod(addr.path, 0o600)  # the edge socket is for root / the apiserver only
         else:
-            self._server = await asyncio.start_server(
-                self._on_client, addr.host, addr.port, limit=_STREAM_LIMIT
-            )
+            self._server = await loop.create_server(self._protocol, addr.host, addr.port)
             if addr.port == 0:  # report the port the kernel picked
                 port = self._server.sockets[0].getsockname()[1]
                 self.address = Address("tcp", host=addr.host, port=port)
         return self
 
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _tune(writer)
-        conn = Connection(reader, writer, router=self.router, dialer=False,
-                          max_frame=self._max_frame, name=f"{self.address}<-peer")
-        self.connections.add(conn)
-        try:
-            await conn.wait_closed()
-        finally:
-            self.connections.discard(conn)
-
-    async def close(self) -> None:
+    async def close(self, *, grace: float | None = None) -> None:
+        """Stop listening, then close every connection (see ``Connection.close``)."""
         if self._server is not None:
             self._server.close()
-        await asyncio.gather(*(c.close("server shutting down") for c in list(self.connections)),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(c.close("server shutting down", grace=grace) for c in list(self.connections)),
+            return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -131,7 +135,7 @@ class Server:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address.path)
 
-    async def __aenter__(self) -> Server:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -158,4 +162,4 @@ async def serve(
     try:
         return await server.start()
     except OSError as exc:
-        raise ConnectionLost(f"cannot listen on {addr}: {exc.strerror or exc}") from exc
+        raise TransportError(f"cannot listen on {addr}: {exc.strerror or exc}") from exc
