@@ -1,0 +1,99 @@
+"""The sandbox lifecycle: a state table, compare-and-set transitions, a per-sandbox event log.
+
+Pure logic: no asyncio, no I/O. The table is the single source of which operation may
+happen in which state (DESIGN.md, "Sandboxes")::
+
+    creating -> running <-> (pausing -> paused -> resuming) -> destroying -> destroyed
+    failed   <- any in-flight state (creating, pausing, resuming, destroying)
+
+A transition checks the current state and sets the next one with no ``await`` in
+between, which on the edge's single event loop is a compare-and-set: of two concurrent
+operations on one sandbox exactly one wins, the other gets :class:`InvalidTransition`
+naming the sandbox, the event and the state it found.
+
+Events are stored as small tuples ``(time, from, to, reason, detail)`` because the burst
+benchmark makes four of them per lifecycle; they become :class:`SandboxEvent` structs
+only when someone reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from dsec.edge.spec import SandboxEvent, SandboxState
+from dsec.errors import InvalidTransition
+
+__all__ = [
+    "FINAL_REASONS",
+    "IN_FLIGHT",
+    "TABLE",
+    "EventTuple",
+    "LifecycleEvent",
+    "allowed_from",
+    "event_structs",
+    "next_state",
+]
+
+LifecycleEvent = Literal[
+    "create", "created", "pause", "paused", "resume", "resumed", "destroy", "destroyed", "fail"
+]
+
+# {state: {event: next state}}. "create" is the birth event, handled by the node.
+TABLE: dict[SandboxState, dict[LifecycleEvent, SandboxState]] = {
+    "creating": {"created": "running", "fail": "failed"},
+    "running": {"pause": "pausing", "destroy": "destroying"},
+    "pausing": {"paused": "paused", "fail": "failed"},
+    "paused": {"resume": "resuming", "destroy": "destroying"},
+    "resuming": {"resumed": "running", "fail": "failed"},
+    "destroying": {"destroyed": "destroyed", "fail": "failed"},
+    "destroyed": {},
+    # A failed sandbox still holds whatever the backend could not release; destroying
+    # it again is the only way out, so nothing stays reserved forever.
+    "failed": {"destroy": "destroying"},
+}
+
+IN_FLIGHT: frozenset[SandboxState] = frozenset({"creating", "pausing", "resuming", "destroying"})
+
+# Why a sandbox ended. Every sandbox that leaves the node carries one of these in its
+# final event, so nothing disappears silently.
+FINAL_REASONS: frozenset[str] = frozenset({
+    "requested",        # a client asked for destroy
+    "ttl",              # spec.ttl_s passed
+    "idle_timeout",     # spec.idle_timeout_s passed with idle_action=destroy
+    "evicted",          # the control plane took the capacity back
+    "preempted",        # a higher-priority sandbox needed the room
+    "oom",              # the backend reported an out-of-memory kill
+    "exited",           # the sandbox's init/worker exited on its own
+    "backend_crash",    # the backend lost it
+    "node_lost",        # after an edge restart the backend no longer had it
+    "create_failed",    # creation failed; everything was rolled back
+    "failed",           # an operation failed and cleanup destroyed it
+    "shutdown",         # the node was drained
+})
+
+EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]
+
+
+def allowed_from(event: LifecycleEvent) -> list[SandboxState]:
+    """States in which ``event`` is legal (for error messages)."""
+    return [s for s, evs in TABLE.items() if event in evs]
+
+
+def next_state(sandbox_id: str, state: SandboxState, event: LifecycleEvent) -> SandboxState:
+    """The state after ``event`` in ``state``, or :class:`InvalidTransition`."""
+    nxt = TABLE[state].get(event)
+    if nxt is None:
+        raise InvalidTransition(
+            f"sandbox {sandbox_id} cannot {event} while it is {state}; "
+            f"{event} is allowed only when it is {' or '.join(allowed_from(event)) or 'never'}",
+            sandbox_id=sandbox_id, event=event, state=state,
+        )
+    return nxt
+
+
+def event_structs(sandbox_id: str, events: list[EventTuple]) -> list[SandboxEvent]:
+    """Turn stored event tuples into wire structs."""
+    return [
+        SandboxEvent(time=t, sandbox_id=sandbox_id, from_state=f, to_state=to, reason=r, detail=d)
+        for (t, f, to, r, d) in events
+    ]
