@@ -1,0 +1,271 @@
+"""A complete single-machine cluster in one asyncio program: what ``dsec up`` and
+``LocalCluster`` run.
+
+Pieces: the SQLite state store under ``state_dir``, the control plane (IAM, quotas,
+registry, placement, heartbeats, sweeper), N edge nodes each served over Aether on a Unix
+socket (``state_dir/edges/<node>.sock``), the REST apiserver on uvicorn and the Aether
+gateway. The apiserver reaches the edges only through their sockets, exactly as it would
+across machines.
+
+``local.json`` in the state dir records how to reach the cluster
+(``{"url", "gateway", "api_key", "pid", "state_dir"}``, mode 0600); the SDK and CLI read it
+when neither ``DSEC_URL`` nor ``url=`` is given. The default state dir is
+``$DSEC_STATE_DIR``, else ``~/.dsec``.
+
+Stopping destroys every sandbox (reason ``shutdown``) so nothing is left behind — no
+process, mount or cgroup — unless ``keep`` is set, in which case sandboxes stay and the
+edges re-adopt them at the next start (from their journals).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
+from dsec.control.api.service import ApiConfig, ApiService
+from dsec.control.apiserver import RestConfig, build_app
+from dsec.control.idempotency import IdempotencyCache
+from dsec.control.metrics import ApiMetrics
+from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.errors import DsecError, InvalidArgument, TransportError
+
+__all__ = ["ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local", "LOCAL_FILE"]
+
+log = logging.getLogger("dsec.cluster")
+
+LOCAL_FILE = "local.json"
+
+
+def default_state_dir() -> str:
+    return os.environ.get("DSEC_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".dsec")
+
+
+def read_local(state_dir: str | None = None) -> dict[str, Any] | None:
+    """The ``local.json`` of a running ``dsec up`` (None if absent or unreadable)."""
+    path = os.path.join(state_dir or default_state_dir(), LOCAL_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass(slots=True, kw_only=True)
+class ClusterConfig:
+    """What to run. ``listen`` is ``HOST:PORT`` for REST (port 0 picks a free one)."""
+
+    state_dir: str
+    listen: str = "127.0.0.1:8470"
+    gateway: str | None = "tcp:127.0.0.1:0"   # Aether gateway address; None = off
+    backend: str = "simulated"                # default backend for creates
+    edges: int = 1
+    edge_cpu_milli: int = 64_000              # per edge; CPU overcommit is the norm here
+    edge_memory_bytes: int = 64 << 30
+    edge_max_sandboxes: int = 100_000
+    keep: bool = False
+    rate: RateLimitConfig = field(default_factory=RateLimitConfig)
+    default_ttl_s: float | None = 6 * 3600.0
+    plane: PlaneConfig = field(default_factory=PlaneConfig)
+    write_local: bool = True
+    access_log: bool = False
+
+
+class ClusterRuntime:
+    """Start with ``await rt.start()``; ``rt.url``, ``rt.gateway_address`` and
+    ``rt.admin_key`` are then set. ``await rt.stop()`` tears it down."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.url = ""
+        self.gateway_address: str | None = None
+        self.admin_key = ""
+        self.metrics = ApiMetrics()
+        self.plane: ControlPlane | None = None
+        self.service: ApiService | None = None
+        self.nodes: list[Any] = []            # EdgeNode
+        self._edge_servers: list[Any] = []
+        self._clients: list[Any] = []
+        self._gateway: Any = None
+        self._uvicorn: Any = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._store: Any = None
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> ClusterRuntime:
+        from dsec.control.store.sqlite import SqliteStore
+        from dsec.edge.service import EdgeClient
+
+        cfg = self.config
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        try:
+            await self._start_edges()
+            self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
+            plane = self.plane = ControlPlane.open(self._store, metrics=self.metrics,
+                                                   config=cfg.plane)
+            for node in self.nodes:
+                addr = f"unix:{self._sock(node.node_id)}"
+                client = await EdgeClient.connect(addr)
+                self._clients.append(client)
+                plane.add_edge(node.node_id, addr, client)
+            loop = asyncio.get_running_loop()
+            service = self.service = ApiService(
+                authority=IamAuthority(plane.iam, self._store), directory=plane, placer=plane,
+                quotas=plane, limiter=RateLimiter(cfg.rate, clock=loop.time),
+                idempotency=IdempotencyCache(clock=time.time,
+                                             store=_sqlite_idem(cfg.state_dir)),
+                metrics=self.metrics,
+                config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend),
+                clock=loop.time)
+            plane.service = service
+            await plane.start()
+            self.admin_key = self._admin_key(plane)
+            if cfg.gateway is not None:
+                from dsec.control.gateway import serve_gateway
+                self._gateway = await serve_gateway(service, plane, cfg.gateway)
+                self.gateway_address = str(self._gateway.address)
+            await self._start_http(service, plane)
+            if cfg.write_local:
+                self._write_local()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    def _sock(self, node_id: str) -> str:
+        return os.path.join(self.config.state_dir, "edges", f"{node_id}.sock")
+
+    async def _start_edges(self) -> None:
+        from dsec.edge.admission import Capacity
+        from dsec.edge.backends import make_backend
+        from dsec.edge.node import EdgeNode, NodeConfig
+        from dsec.edge.service import serve_edge
+
+        cfg = self.config
+        if not 1 <= cfg.edges <= 64:
+            raise InvalidArgument(f"edges={cfg.edges} must be within 1..64")
+        for i in range(cfg.edges):
+            node_id = f"edge-{i}"
+            names = {"simulated", cfg.backend}
+            backends = {n: make_backend(n) for n in sorted(names)}
+            node = EdgeNode(NodeConfig(
+                node_id=node_id,
+                capacity=Capacity(cpu_milli=cfg.edge_cpu_milli,
+                                  memory_bytes=cfg.edge_memory_bytes,
+                                  max_sandboxes=cfg.edge_max_sandboxes),
+                state_dir=os.path.join(cfg.state_dir, "edges", node_id)), backends)
+            self.nodes.append(node)
+            await node.start()
+            self._edge_servers.append(await serve_edge(node, f"unix:{self._sock(node_id)}"))
+
+    def _admin_key(self, plane: ControlPlane) -> str:
+        old = read_local(self.config.state_dir)
+        if old and isinstance(old.get("api_key"), str):
+            try:
+                plane.iam.authenticate(old["api_key"])
+                return str(old["api_key"])
+            except DsecError:
+                pass
+        return plane.bootstrap_admin()
+
+    async def _start_http(self, service: ApiService, plane: ControlPlane) -> None:
+        import uvicorn
+
+        cfg = self.config
+        host, _, port_s = cfg.listen.rpartition(":")
+        if not host or not port_s.isdigit():
+            raise InvalidArgument(f"--listen {cfg.listen!r} must be HOST:PORT, e.g. "
+                                  "127.0.0.1:8470 (port 0 picks a free port)")
+        sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), int(port_s)))
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen on {cfg.listen}: {exc.strerror or exc}; "
+                                 "pick another --listen port") from exc
+        sock.listen(1024)
+        sock.setblocking(False)
+        port = sock.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        app = build_app(service, plane, RestConfig(gateway_address=self.gateway_address))
+        ucfg = uvicorn.Config(app, loop="none", http="httptools", lifespan="off",
+                              access_log=cfg.access_log, log_level="warning")
+        server = self._uvicorn = uvicorn.Server(ucfg)
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+                raise TransportError(f"the HTTP server on {cfg.listen} stopped at start-up")
+            await asyncio.sleep(0.005)
+
+    def _write_local(self) -> None:
+        path = os.path.join(self.config.state_dir, LOCAL_FILE)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": self.url, "gateway": self.gateway_address,
+                       "api_key": self.admin_key, "pid": os.getpid(),
+                       "state_dir": self.config.state_dir}, f)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            for st, c in n.counts().items():
+                counts[st] = counts.get(st, 0) + c
+        return counts
+
+    # ------------------------------------------------------------------- stop
+    async def stop(self) -> None:
+        """Stop serving, then destroy sandboxes (unless ``keep``) and close the edges."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._serve_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._serve_task, 5.0)
+            self._uvicorn = None
+        if self._gateway is not None:
+            await self._gateway.close()
+            self._gateway = None
+        if self.plane is not None:
+            await self.plane.close()
+        for c in self._clients:
+            with contextlib.suppress(Exception):
+                await c.close()
+        self._clients.clear()
+        for s in self._edge_servers:
+            with contextlib.suppress(Exception):
+                await s.close()
+        self._edge_servers.clear()
+        for node in self.nodes:
+            if not self.config.keep:
+                ids = [i.id for i in node.list()]
+                if ids:
+                    await node.destroy_many(ids, reason="shutdown")
+            await node.close()
+        self.nodes.clear()
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.close()
+            self._store = None
+        if self.config.write_local:
+            with contextlib.suppress(FileNotFoundError):
+                data = read_local(self.config.state_dir)
+                if data is not None and data.get("pid") == os.getpid():
+                    os.unlink(os.path.join(self.config.state_dir, LOCAL_FILE))
+
+
+def _sqlite_idem(state_dir: str) -> Any:
+    from dsec.control.idempotency import SqliteIdempotencyStore
+    return SqliteIdempotencyStore(os.path.join(state_dir, "idempotency.sqlite"))

@@ -1,0 +1,431 @@
+"""Wiring of the real control plane into the apiserver's seams.
+
+:class:`ControlPlane` holds the state store (SQLite), IAM, the quota index, the registry,
+placement and the edge directory, and implements what :class:`ApiService` asks of them
+(:class:`Authority`, :class:`QuotaGate`, :class:`Placer`, :class:`NodeDirectory`) plus the
+admin routes (:class:`AdminOps`) and the background loops: edge heartbeats (which feed
+placement and the ``/metrics`` gauges), the edge event feeds (which keep the registry and
+quota usage in step with what edges reap on their own: TTL, idle, OOM), and the leak
+sweeper (:mod:`dsec.control.api.sweeper`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from dsec.control.api.service import ApiService, Caller, EdgeOps
+from dsec.control.api.sweeper import SESSION_LABEL, Session, SweepCandidate, plan_sweep
+from dsec.control.api.types import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SessionView,
+)
+from dsec.control.apiserver import AdminOps
+from dsec.control.iam import Iam
+from dsec.control.metrics import ApiMetrics
+from dsec.control.quota import Quota, QuotaIndex
+from dsec.control.records import SandboxRecord
+from dsec.control.registry import Registry
+from dsec.control.store import QuotaRow, StateStore
+from dsec.edge.spec import SandboxInfo, SandboxSpec
+from dsec.errors import (
+    DsecError,
+    InvalidArgument,
+    NoCapacity,
+    NotFound,
+    PermissionDenied,
+    SandboxNotFound,
+)
+from dsec.ids import NodeId, node_of, parse_project_path
+
+__all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "PlaneConfig"]
+
+log = logging.getLogger("dsec.control")
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class PlaneConfig:
+    heartbeat_interval_s: float = 1.0      # how often the apiserver polls each edge
+    node_ttl_s: float = 10.0               # silent this long -> unhealthy, not placed on
+    sweep_interval_s: float = 5.0
+    unknown_session_grace_s: float = 180.0
+    min_lease_s: float = 5.0
+    max_lease_s: float = 86_400.0
+
+
+class IamAuthority:
+    """API key -> :class:`Caller` with the principal's role bindings resolved once."""
+
+    def __init__(self, iam: Iam, store: StateStore) -> None:
+        self.iam = iam
+        self.store = store
+
+    def authenticate(self, api_key: str) -> Caller:
+        p = self.iam.authenticate(api_key)
+        bindings = self.store.list_role_bindings(p.id)
+        roles = {b.project: b.role for b in bindings}
+        default = min(roles, key=lambda s: (s.count("/"), s)) if roles else "default"
+        return Caller(id=p.id, name=p.name, roles=roles, superuser=p.superuser,
+                      default_project=default)
+
+
+@dataclass(slots=True)
+class EdgeEntry:
+    """One edge as the apiserver knows it: how to reach it and what it last said."""
+
+    node: str
+    address: str
+    link: EdgeOps
+    heartbeat: Any = None           # dsec.edge.protocol.Heartbeat
+    last_seen: float = 0.0
+    feed_after: int = 0
+
+
+@dataclass
+class ControlPlane:
+    """See the module docstring. Build with :meth:`open`, then ``await start()``."""
+
+    store: StateStore
+    iam: Iam
+    quota: QuotaIndex
+    registry: Registry
+    metrics: ApiMetrics
+    config: PlaneConfig = field(default_factory=PlaneConfig)
+    clock: Callable[[], float] = time.time
+    edges: dict[str, EdgeEntry] = field(default_factory=dict)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    service: ApiService | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _pending: int = 0
+    _inflight: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    _started_at: float = 0.0
+
+    @classmethod
+    def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
+             clock: Callable[[], float] = time.time) -> ControlPlane:
+        iam = Iam(store, clock=clock)
+        quota = QuotaIndex()
+        for row in store.list_quotas():
+            quota.set_quota(row.project, Quota(**row.quota))
+        registry = Registry(store, clock=clock, quota=quota)
+        plane = cls(store=store, iam=iam, quota=quota, registry=registry, metrics=metrics,
+                    config=config or PlaneConfig(), clock=clock)
+        metrics.on_scrape(plane._refresh_gauges)
+        return plane
+
+    # ------------------------------------------------------------ bootstrap
+    def bootstrap_admin(self, principal_id: str = "admin") -> str:
+        """Create the superuser (if absent) and return a fresh API key for it."""
+        try:
+            self.iam.get_principal(principal_id)
+        except NotFound:
+            self.iam.create_principal(principal_id, name=principal_id, superuser=True)
+            self.iam.grant(principal_id, "default", "admin")
+        return self.iam.create_key(principal_id).token
+
+    # -------------------------------------------------------------- edges
+    def add_edge(self, node: str, address: str, link: EdgeOps) -> None:
+        self.edges[node] = EdgeEntry(node=node, address=address, link=link)
+
+    def edge(self, node: NodeId) -> EdgeOps | None:
+        e = self.edges.get(node)
+        return e.link if e is not None else None
+
+    def _healthy(self, e: EdgeEntry, now: float) -> bool:
+        return e.heartbeat is not None and now - e.last_seen <= self.config.node_ttl_s
+
+    def nodes(self) -> list[NodeView]:
+        now = self.clock()
+        out = []
+        for e in self.edges.values():
+            hb = e.heartbeat
+            if hb is None:
+                out.append(NodeView(id=e.node, address=e.address, healthy=False))
+                continue
+            out.append(NodeView(
+                id=e.node, address=e.address, healthy=self._healthy(e, now),
+                backends=list(hb.backends), cpu_milli_total=hb.capacity.cpu_milli,
+                cpu_milli_used=hb.usage.cpu_milli, memory_bytes_total=hb.capacity.memory_bytes,
+                memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
+                sandboxes=hb.usage.sandboxes, by_state=dict(hb.counts), labels=dict(hb.labels),
+                last_heartbeat=hb.time))
+        return out
+
+    # ----------------------------------------------------------- placement
+    # SEAM: until dsec.control.placement lands this picks the healthy edge with the most
+    # free millicores among those that offer the backend, overlaying in-flight creates.
+    def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> str:
+        now = self.clock()
+        best: tuple[float, str] | None = None
+        for e in self.edges.values():
+            hb = e.heartbeat
+            if e.node in exclude or hb is None or not self._healthy(e, now):
+                continue
+            if hb.backends and spec.backend not in hb.backends:
+                continue
+            fl = self._inflight.get(e.node, (0, 0, 0))
+            free_cpu = hb.capacity.cpu_milli - hb.usage.cpu_milli - fl[0]
+            free_mem = hb.capacity.memory_bytes - hb.usage.memory_bytes - fl[1]
+            free_n = hb.capacity.sandboxes - hb.usage.sandboxes - fl[2]
+            if free_cpu < spec.cpu_milli or free_mem < spec.memory_bytes or free_n < 1:
+                continue
+            score = free_cpu / max(1, hb.capacity.cpu_milli)
+            if best is None or score > best[0]:
+                best = (score, e.node)
+        if best is None:
+            raise NoCapacity(
+                f"no healthy node offers backend {spec.backend!r} with {spec.cpu_milli} "
+                f"millicores and {spec.memory_bytes} bytes free (nodes: "
+                f"{', '.join(sorted(self.edges)) or 'none'}; excluded: "
+                f"{', '.join(sorted(exclude)) or 'none'})", backend=spec.backend)
+        fl = self._inflight.get(best[1], (0, 0, 0))
+        self._inflight[best[1]] = (fl[0] + spec.cpu_milli, fl[1] + spec.memory_bytes, fl[2] + 1)
+        return best[1]
+
+    def release(self, node: str, spec: SandboxSpec) -> None:
+        fl = self._inflight.get(node)
+        if fl is not None:
+            n = (fl[0] - spec.cpu_milli, fl[1] - spec.memory_bytes, fl[2] - 1)
+            if n[2] <= 0:
+                del self._inflight[node]
+            else:
+                self._inflight[node] = n
+
+    # --------------------------------------------------------------- quotas
+    def admit(self, project: str, spec: SandboxSpec) -> object:
+        """Check the quota chain and hold a provisional charge until commit/abort."""
+        self.quota.check(project, backend=spec.backend, cpu_milli=spec.cpu_milli,
+                         memory_bytes=spec.memory_bytes)
+        self._pending += 1
+        token = f"pending:{self._pending}"
+        self.quota.insert(SandboxRecord(id=token, node="", project=project,
+                                        backend=spec.backend, cpu_milli=spec.cpu_milli,
+                                        memory_bytes=spec.memory_bytes,
+                                        priority=spec.priority))
+        return token
+
+    def commit(self, token: object, info: SandboxInfo) -> None:
+        self.quota.remove(str(token))
+        # The create reached the edge: its node's in-flight overlay is now in its usage.
+        spec = info.spec
+        self.release(info.node, spec)
+        try:
+            self.registry.add_sandbox(SandboxRecord(
+                id=info.id, node=info.node, project=spec.project, backend=spec.backend,
+                cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
+                priority=spec.priority, created_at=info.created_at))
+        except InvalidArgument:
+            pass  # already recorded (an idempotent replay raced the feed)
+
+    def abort(self, token: object) -> None:
+        try:
+            self.quota.remove(str(token))
+        except SandboxNotFound:
+            pass
+
+    def forget(self, sandbox_id: str, reason: str) -> None:
+        """The sandbox is gone: drop it from the registry (and so from quota usage)."""
+        try:
+            self.registry.remove_sandbox(sandbox_id, reason=reason)
+        except SandboxNotFound:
+            pass
+
+    # ----------------------------------------------------------------- admin
+    def _admin(self, caller: Caller, project: str) -> None:
+        ApiService.require(caller, project, "admin")
+
+    def list_projects(self, caller: Caller) -> ProjectList:
+        paths = set(self.quota.quotas()) | set(caller.roles)
+        for r in self.registry.sandboxes():
+            paths.add(r.project)
+        items = [self._view(p) for p in sorted(paths) if caller.role_on(p) is not None]
+        return ProjectList(items=items)
+
+    def _view(self, path: str) -> ProjectView:
+        q = self.quota.quota(path)
+        u = self.quota.usage(path)
+        return ProjectView(
+            path=path,
+            quota=None if q is None else QuotaBody(max_sandboxes=q.max_sandboxes,
+                                                    cpu_milli=q.cpu_milli,
+                                                    memory_bytes=q.memory_bytes),
+            usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
+                   "memory_bytes": u.memory_bytes})
+
+    def get_project(self, caller: Caller, path: str) -> ProjectView:
+        parse_project_path(path)
+        ApiService.require(caller, path, "reader")
+        return self._view(path)
+
+    def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        parse_project_path(path)
+        self._admin(caller, path)
+        quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
+                      memory_bytes=q.memory_bytes)
+        self.quota.set_quota(path, quota)
+        self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
+        return self._view(path)
+
+    def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
+        parse_project_path(req.project)
+        self._admin(caller, req.project)
+        try:
+            self.iam.get_principal(req.name)
+        except NotFound:
+            self.iam.create_principal(req.name, name=req.name)
+        self.iam.grant(req.name, req.project, req.role)
+        key = self.iam.create_key(req.name)
+        return CreateKeyResponse(name=req.name, project=req.project, role=req.role,
+                                 api_key=key.token)
+
+    # -------------------------------------------------------------- sessions
+    def open_session(self, caller: Caller, lease_s: float) -> SessionView:
+        c = self.config
+        if not c.min_lease_s <= lease_s <= c.max_lease_s:
+            raise InvalidArgument(f"lease_s={lease_s} must be within {c.min_lease_s:g}.."
+                                  f"{c.max_lease_s:g} seconds", field="lease_s")
+        sid = "ses-" + secrets.token_hex(8)
+        s = self.sessions[sid] = Session(sid, caller.id, lease_s, self.clock() + lease_s)
+        return SessionView(id=s.id, lease_s=s.lease_s, expires_at=s.expires_at)
+
+    def renew_session(self, caller: Caller, sid: str) -> SessionView:
+        """Extend a lease; an unknown id (apiserver restarted) is re-registered."""
+        if not sid.startswith("ses-") or len(sid) > 64:
+            raise NotFound(f"no session {sid[:64]!r}")
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = Session(sid, caller.id, 60.0, 0.0)
+        elif s.principal_id != caller.id:
+            raise NotFound(f"no session {sid!r}")
+        if s.closed:
+            raise NotFound(f"session {sid} was closed; open a new one")
+        s.expires_at = self.clock() + s.lease_s
+        return SessionView(id=s.id, lease_s=s.lease_s, expires_at=s.expires_at)
+
+    def close_session(self, caller: Caller, sid: str) -> None:
+        s = self.sessions.get(sid)
+        if s is None or s.principal_id != caller.id:
+            raise NotFound(f"no session {sid[:64]!r}")
+        s.closed = True
+        s.expires_at = self.clock()
+
+    # ------------------------------------------------------------- loops
+    async def start(self) -> None:
+        self._started_at = self.clock()
+        await self.poll_edges()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
+        self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        try:
+            self.registry.flush()
+        except Exception:  # noqa: BLE001 - store already closed
+            log.exception("final registry flush failed")
+
+    async def poll_edges(self) -> None:
+        await asyncio.gather(*(self._poll(e) for e in list(self.edges.values())),
+                             return_exceptions=True)
+        self.registry.flush()
+
+    async def _poll(self, e: EdgeEntry) -> None:
+        link: Any = e.link
+        try:
+            hb = await link.heartbeat(include_sandboxes=False)
+            feed = await link.feed(e.feed_after, 10_000)
+        except DsecError as exc:
+            log.debug("edge %s unreachable: %s", e.node, exc)
+            return
+        e.heartbeat = hb
+        e.last_seen = self.clock()
+        e.feed_after = feed.next
+        for ev in feed.events:
+            if ev.to_state in ("destroyed", "failed"):
+                self.forget(ev.sandbox_id, ev.reason)
+            elif ev.to_state == "paused" or (ev.to_state == "running" and
+                                             ev.from_state == "resuming"):
+                try:
+                    self.registry.set_paused(ev.sandbox_id, ev.to_state == "paused",
+                                             reason=ev.reason)
+                except SandboxNotFound:
+                    pass
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            try:
+                await self.poll_edges()
+            except Exception:  # noqa: BLE001 - keep polling
+                log.exception("edge poll failed")
+
+    async def sweep(self) -> list[tuple[str, str]]:
+        """One sweeper pass (also called by tests): returns what it destroyed."""
+        cands: list[SweepCandidate] = []
+        for e in list(self.edges.values()):
+            try:
+                infos = await e.link.list()
+            except DsecError:
+                continue
+            for i in infos:
+                s = i.spec.labels.get(SESSION_LABEL)
+                if s is not None:
+                    cands.append(SweepCandidate(i.id, s, i.state))
+        plan = plan_sweep(self.clock(), cands, self.sessions, started_at=self._started_at,
+                          unknown_grace_s=self.config.unknown_session_grace_s)
+        done: list[tuple[str, str]] = []
+        for sid, why in plan:
+            link = self.edge(node_of(sid))
+            if link is None:
+                continue
+            try:
+                await link.destroy(sid, reason="evicted", detail=f"swept by the apiserver: {why}")
+            except DsecError as exc:
+                log.warning("sweeper could not destroy %s: %s", sid, exc)
+                continue
+            self.forget(sid, why)
+            self.metrics.swept.labels(why).inc()
+            done.append((sid, why))
+        # Closed sessions whose sandboxes are all gone can be forgotten.
+        live = {c.session for c in cands}
+        for k in [k for k, s in self.sessions.items() if s.closed and k not in live]:
+            del self.sessions[k]
+        return done
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001
+                log.exception("sweeper pass failed")
+
+    def _refresh_gauges(self, m: ApiMetrics) -> None:
+        totals: dict[str, int] = {}
+        healthy = 0
+        now = self.clock()
+        for e in self.edges.values():
+            if e.heartbeat is not None:
+                for st, n in e.heartbeat.counts.items():
+                    totals[st] = totals.get(st, 0) + n
+            healthy += self._healthy(e, now)
+        for st in ("creating", "running", "pausing", "paused", "resuming", "destroying",
+                   "failed"):
+            m.sandboxes.labels(st).set(totals.get(st, 0))
+        m.nodes.labels("healthy").set(healthy)
+        m.nodes.labels("unhealthy").set(len(self.edges) - healthy)
+

@@ -1,0 +1,577 @@
+"""The transport-agnostic core of the apiserver: who may do what, and where to forward it.
+
+Both front doors — REST (:mod:`dsec.control.apiserver`) and the Aether gateway
+(:mod:`dsec.control.gateway`) — decode their wire format and call :class:`ApiService`;
+it authenticates, authorizes, rate-limits, and forwards every sandbox operation over
+Aether to the edge encoded in the sandbox id. It keeps no per-sandbox state: the only
+per-sandbox memory is :class:`_ProjectCache`, a bounded cache of the immutable fact
+"sandbox X belongs to project P" that any replica rebuilds with one edge ``get``.
+
+Access rule: a principal that holds no role on a sandbox's project gets
+``SandboxNotFound`` exactly as for an id that never existed, so ids never leak across
+projects. A principal that can see the sandbox but lacks the role for the operation
+(a reader trying exec) gets ``PermissionDenied``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from dsec.control.api.types import (
+    MAX_ARGV_BYTES,
+    MAX_STDIN_BYTES,
+    CreateSandboxRequest,
+    ExecBody,
+    ExecOutput,
+    NodeView,
+)
+from dsec.control.idempotency import IdempotencyCache, fingerprint
+from dsec.control.metrics import ApiMetrics
+from dsec.control.ratelimit import RateLimiter
+from dsec.edge.service import EdgeClient
+from dsec.edge.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+)
+from dsec.errors import (
+    CapacityExceeded,
+    Conflict,
+    DsecError,
+    InvalidArgument,
+    InvalidTransition,
+    NoCapacity,
+    NotFound,
+    PermissionDenied,
+    RateLimited,
+    SandboxNotFound,
+    TransportError,
+    Unauthenticated,
+)
+from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
+
+__all__ = [
+    "ApiConfig", "ApiService", "Authority", "EdgeOps", "NodeDirectory", "Placer", "Caller",
+    "ROLE_RANK", "Role", "exec_output", "exec_request",
+]
+
+Role = Literal["reader", "member", "admin"]
+ROLE_RANK: dict[str, int] = {"reader": 1, "member": 2, "admin": 3}
+
+
+# --------------------------------------------------------------------------- seams
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who is calling: ``roles`` maps a project path to the role held on that subtree."""
+
+    id: str
+    name: str
+    roles: Mapping[str, Role]
+    superuser: bool = False
+    default_project: str = "default"
+
+    def role_on(self, project: str) -> Role | None:
+        """The strongest role on ``project`` or any ancestor (roles inherit downward)."""
+        if self.superuser:
+            return "admin"
+        best: Role | None = None
+        parts = project.split("/")
+        for i in range(len(parts)):
+            r = self.roles.get("/".join(parts[: i + 1]))
+            if r is not None and (best is None or ROLE_RANK[r] > ROLE_RANK[best]):
+                best = r
+        return best
+
+
+class Authority(Protocol):
+    """Turns an API key into a principal (IAM). Raises ``Unauthenticated``."""
+
+    def authenticate(self, api_key: str) -> Caller: ...
+
+
+# The apiserver talks to edges through the edge team's typed Aether client.
+EdgeOps = EdgeClient
+
+
+class NodeDirectory(Protocol):
+    """Which edges exist, how to reach them, and what they last reported."""
+
+    def edge(self, node: NodeId) -> EdgeOps | None: ...
+    def nodes(self) -> list[NodeView]: ...
+
+
+class Placer(Protocol):
+    """Control-plane placement: pick a node for ``spec`` avoiding ``exclude``."""
+
+    def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> str: ...
+    def release(self, node: str, spec: SandboxSpec) -> None: ...
+
+
+class QuotaGate(Protocol):
+    """Control-plane quotas and the registry of what exists.
+
+    ``admit`` checks the project's quota chain (raising ``QuotaExceeded``) and holds a
+    provisional charge, returned as a token; ``commit`` turns it into the real record once
+    the edge created the sandbox, ``abort`` drops it. ``forget`` records a destroy."""
+
+    def admit(self, project: str, spec: SandboxSpec) -> object: ...
+    def commit(self, token: object, info: SandboxInfo) -> None: ...
+    def abort(self, token: object) -> None: ...
+    def forget(self, sandbox_id: str, reason: str) -> None: ...
+
+
+# ---------------------------------------------------------------------- the core
+@dataclass(slots=True, frozen=True, kw_only=True)
+class ApiConfig:
+    """Policy knobs of the apiserver (units in names)."""
+
+    default_ttl_s: float | None = 6 * 3600.0   # a sandbox created without ttl dies after 6 h
+    default_backend: str = "simulated"         # used when a create names no backend
+    max_create_batch: int = 1024               # create_many / gateway batch cap
+    placement_retries: int = 3                 # re-picks after an edge refuses (CapacityExceeded)
+    project_cache_entries: int = 200_000       # sandbox -> project cache (~100 B each)
+    principal_cache_s: float = 5.0             # how long an authenticated key is trusted
+    principal_cache_entries: int = 10_000
+    list_page_max: int = 1000
+
+
+class _ProjectCache:
+    """Bounded LRU of sandbox id -> project. Immutable facts only, so it never goes stale."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._d: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, sid: str) -> str | None:
+        p = self._d.get(sid)
+        if p is not None:
+            self._d.move_to_end(sid)
+        return p
+
+    def put(self, sid: str, project: str) -> None:
+        self._d[sid] = project
+        if len(self._d) > self._cap:
+            self._d.popitem(last=False)
+
+    def drop(self, sid: str) -> None:
+        self._d.pop(sid, None)
+
+
+_msgpack = msgspec.msgpack.Encoder()
+_info_dec = msgspec.msgpack.Decoder(SandboxInfo)
+
+
+@dataclass(slots=True)
+class ApiService:
+    """See the module docstring. One per apiserver process; shared by REST and gateway."""
+
+    authority: Authority
+    directory: NodeDirectory
+    placer: Placer
+    quotas: QuotaGate | None
+    limiter: RateLimiter
+    idempotency: IdempotencyCache
+    metrics: ApiMetrics
+    config: ApiConfig = field(default_factory=ApiConfig)
+    clock: Callable[[], float] = time.monotonic
+    project_defaults: Callable[[str], float | None] = lambda project: None
+    _projects: _ProjectCache = field(init=False)
+    _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._projects = _ProjectCache(self.config.project_cache_entries)
+        self._principals = OrderedDict()
+
+    # ------------------------------------------------------------ auth / limits
+    def authenticate(self, authorization: str | None) -> Caller:
+        """From an ``Authorization: Bearer <key>`` header (or a bare key) to a principal,
+        charging one token of the key's rate limit."""
+        if not authorization:
+            raise Unauthenticated(
+                "no API key: send 'Authorization: Bearer <key>' (dsec up prints the admin key "
+                "and writes it to its state dir's local.json)")
+        scheme, _, key = authorization.partition(" ")
+        if not key:
+            key = scheme
+        elif scheme.lower() != "bearer":
+            raise Unauthenticated(f"unsupported authorization scheme {scheme!r}: use 'Bearer <key>'")
+        key = key.strip()
+        now = self.clock()
+        hit = self._principals.get(key)
+        if hit is not None and hit[0] > now:
+            principal = hit[1]
+        else:
+            principal = self.authority.authenticate(key)
+            self._principals[key] = (now + self.config.principal_cache_s, principal)
+            self._principals.move_to_end(key)
+            while len(self._principals) > self.config.principal_cache_entries:
+                self._principals.popitem(last=False)
+        wait = self.limiter.acquire(principal.id)
+        if wait is not None:
+            self.metrics.rate_limited.inc()
+            raise RateLimited(
+                f"rate limit of {self.limiter.config.rate_per_s:g} requests/s for principal "
+                f"{principal.name!r} exceeded; retry after {wait:.2f}s",
+                retry_after=wait)
+        return principal
+
+    @staticmethod
+    def require(principal: Caller, project: str, need: Role) -> None:
+        have = principal.role_on(project)
+        if have is None or ROLE_RANK[have] < ROLE_RANK[need]:
+            raise PermissionDenied(
+                f"principal {principal.name!r} needs role {need!r} on project {project!r} "
+                f"(has {have or 'none'}); ask an admin of the project for a role binding")
+
+    async def _edge_for(self, principal: Caller, sid: str, need: Role) -> tuple[EdgeOps, str]:
+        """Route ``sid`` to its edge after checking ``principal`` may ``need`` it."""
+        try:
+            parse_sandbox_id(sid)
+        except InvalidArgument:
+            raise SandboxNotFound(f"no sandbox {sid!r} (not a sandbox id: sb-<12 hex>-<node>)",
+                                  sandbox_id=sid) from None
+        edge = self.directory.edge(node_of(sid))
+        if edge is None:
+            raise SandboxNotFound(f"no sandbox {sid!r}", sandbox_id=sid)
+        project = self._projects.get(sid)
+        if project is None:
+            info = await edge.get(sid)
+            project = info.spec.project
+            self._projects.put(sid, project)
+        if principal.role_on(project) is None:
+            raise SandboxNotFound(f"no sandbox {sid!r}", sandbox_id=sid)
+        self.require(principal, project, need)
+        return edge, project
+
+    # ---------------------------------------------------------------- create
+    def build_spec(self, principal: Caller, req: CreateSandboxRequest) -> SandboxSpec:
+        project = req.project or principal.default_project
+        parse_project_path(project)
+        self.require(principal, project, "member")
+        ttl = req.ttl_s
+        if ttl is None:
+            ttl = self.project_defaults(project)
+            if ttl is None:
+                ttl = self.config.default_ttl_s
+        labels = dict(req.labels)
+        if req.session is not None:
+            labels["dsec.io/session"] = req.session
+        for k, v in labels.items():
+            if not k or len(k) > 253 or len(v) > 1024:
+                raise InvalidArgument(f"label {k[:40]!r} is invalid: keys 1..253 chars, values "
+                                      "up to 1024 chars", field="labels")
+        spec = SandboxSpec(
+            image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
+            snapshot=req.snapshot,
+            backend=req.backend or self.config.default_backend,  # type: ignore[arg-type]
+ cpu_milli=req.cpu_milli,
+            memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes, pids_max=req.pids_max,
+            priority=req.priority, labels=labels, project=project, ttl_s=ttl,
+            idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
+            network=req.network, allow_nested=req.allow_nested,
+        )
+        return spec.validate()
+
+    async def create(
+        self, principal: Caller, req: CreateSandboxRequest, *,
+        idempotency_key: str | None = None, raw: bytes = b"",
+    ) -> SandboxInfo:
+        spec = self.build_spec(principal, req)
+        if idempotency_key is None:
+            return await self._create_placed(spec)
+        scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
+        fp = fingerprint(raw or _msgpack.encode(req))
+        begin = self.idempotency.begin(scoped, fp)
+        if begin.replay is not None:
+            self.metrics.idempotent_replays.inc()
+            return _info_dec.decode(begin.replay)
+        if begin.wait is not None:
+            self.metrics.idempotent_replays.inc()
+            return _info_dec.decode(await asyncio.shield(begin.wait))
+        try:
+            info = await self._create_placed(spec)
+        except BaseException as exc:
+            self.idempotency.abort(scoped, exc)
+            raise
+        self.idempotency.finish(scoped, _msgpack.encode(info))
+        return info
+
+    async def _create_placed(self, spec: SandboxSpec) -> SandboxInfo:
+        token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
+        try:
+            info = await self._place_and_create(spec)
+        except BaseException as exc:
+            if self.quotas is not None:
+                self.quotas.abort(token)
+            code = exc.code if isinstance(exc, DsecError) else "internal_error"
+            self.metrics.create_failures.labels(code).inc()
+            raise
+        if self.quotas is not None:
+            self.quotas.commit(token, info)
+        self._projects.put(info.id, spec.project)
+        self.metrics.creations.labels(spec.backend).inc()
+        return info
+
+    async def _place_and_create(self, spec: SandboxSpec) -> SandboxInfo:
+        exclude: set[str] = set()
+        last: DsecError | None = None
+        for attempt in range(self.config.placement_retries + 1):
+            node = self.placer.place(spec, frozenset(exclude))
+            edge = self.directory.edge(NodeId(node))
+            if edge is None:
+                self.placer.release(node, spec)
+                exclude.add(node)
+                continue
+            try:
+                return await edge.create(spec)
+            except (CapacityExceeded, TransportError) as exc:
+                # The edge's own view said no (or it is unreachable): exclude it, pick again.
+                self.placer.release(node, spec)
+                exclude.add(node)
+                last = exc
+                if attempt < self.config.placement_retries:
+                    self.metrics.placement_retries.inc()
+            except BaseException:
+                self.placer.release(node, spec)
+                raise
+        raise NoCapacity(
+            f"no node could take a {spec.backend} sandbox with {spec.cpu_milli} millicores and "
+            f"{spec.memory_bytes} bytes after {self.config.placement_retries + 1} attempts "
+            f"(tried {sorted(exclude)}); last refusal: {last}", tried=sorted(exclude))
+
+    async def create_many(
+        self, principal: Caller, reqs: Sequence[CreateSandboxRequest],
+    ) -> list[SandboxInfo | DsecError]:
+        """Batched create: each item succeeds or fails on its own (errors are returned)."""
+        if len(reqs) > self.config.max_create_batch:
+            raise InvalidArgument(f"create batch of {len(reqs)} exceeds the limit of "
+                                  f"{self.config.max_create_batch}; split it", field="items")
+        out: list[SandboxInfo | DsecError] = [
+            InvalidArgument("not attempted")] * len(reqs)
+
+        async def one(i: int, r: CreateSandboxRequest) -> None:
+            try:
+                out[i] = await self.create(principal, r)
+            except DsecError as exc:
+                out[i] = exc
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+        return out
+
+    # ------------------------------------------------------------- read / list
+    async def get(self, principal: Caller, sid: str) -> SandboxInfo:
+        edge, _ = await self._edge_for(principal, sid, "reader")
+        return await edge.get(sid)
+
+    async def list(
+        self, principal: Caller, *, project: str | None, labels: Mapping[str, str],
+        state: SandboxState | None, limit: int, cursor: str | None,
+    ) -> tuple[list[SandboxInfo], str | None]:
+        """Fan out to every edge, keep what the principal may see and what matches,
+        order by id and page with an opaque cursor (the last id of the previous page)."""
+        if not (1 <= limit <= self.config.list_page_max):
+            raise InvalidArgument(f"limit={limit} must be within 1..{self.config.list_page_max}",
+                                  field="limit")
+        if project is not None:
+            parse_project_path(project)
+            self.require(principal, project, "reader")
+        after = _decode_cursor(cursor) if cursor else ""
+        edges = [e for n in self.directory.nodes() if (e := self.directory.edge(NodeId(n.id)))]
+        results = await asyncio.gather(*(e.list() for e in edges), return_exceptions=True)
+        items: list[SandboxInfo] = []
+        for res in results:
+            if isinstance(res, BaseException):
+                continue  # an unreachable edge: its sandboxes are missing from this page
+            for info in res:
+                p = info.spec.project
+                if project is not None and p != project and not p.startswith(project + "/"):
+                    continue
+                if principal.role_on(p) is None:
+                    continue
+                if state is not None and info.state != state:
+                    continue
+                if labels and any(info.spec.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                if info.id <= after:
+                    continue
+                items.append(info)
+        items.sort(key=lambda i: i.id)
+        page = items[:limit]
+        nxt = _encode_cursor(page[-1].id) if len(items) > limit else None
+        return page, nxt
+
+    # ------------------------------------------------------------- mutate
+    async def destroy(self, principal: Caller, sid: str) -> None:
+        """Idempotent: destroying a destroyed (or destroying) sandbox succeeds."""
+        edge, _ = await self._edge_for(principal, sid, "member")
+        info = await edge.get(sid)
+        if info.state in ("destroyed", "destroying"):
+            return
+        try:
+            await edge.destroy(sid, reason="requested",
+                               detail=f"deleted via the API by {principal.name}")
+        except InvalidTransition:
+            return  # a concurrent destroy won the race: the outcome is the same
+        if self.quotas is not None:
+            self.quotas.forget(sid, "requested")
+
+    async def exec(self, principal: Caller, sid: str, req: ExecRequest) -> ExecResult:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        return await edge.exec(sid, req)
+
+    async def exec_stream(
+        self, principal: Caller, sid: str, req: ExecRequest,
+    ) -> AsyncIterator[ExecChunk | ExecResult]:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        return edge.exec_stream(sid, req)
+
+    async def exec_many(
+        self, principal: Caller, items: Sequence[tuple[str, ExecRequest]],
+    ) -> list[ExecResult | DsecError]:
+        """Batched exec: grouped per edge into one batched Aether call each."""
+        groups: dict[int, tuple[EdgeOps, list[int]]] = {}
+        out: list[ExecResult | DsecError] = [InvalidArgument("not attempted")] * len(items)
+        for i, (sid, _) in enumerate(items):
+            try:
+                edge, _ = await self._edge_for(principal, sid, "member")
+            except DsecError as exc:
+                out[i] = exc
+                continue
+            groups.setdefault(id(edge), (edge, []))[1].append(i)
+
+        async def run(edge: EdgeOps, idx: list[int]) -> None:
+            try:
+                res = await edge.exec_many([(items[i][0], items[i][1]) for i in idx])
+            except DsecError as exc:
+                res = [exc] * len(idx)
+            for i, r in zip(idx, res):
+                out[i] = r
+        await asyncio.gather(*(run(e, idx) for e, idx in groups.values()))
+        return out
+
+    async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
+                        length: int | None) -> bytes:
+        edge, _ = await self._edge_for(principal, sid, "reader")
+        return await edge.read_file(sid, path, offset=offset, length=length)
+
+    async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
+                         mode: int, append: bool) -> None:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        await edge.write_file(sid, path, data, mode=mode, append=append)
+
+    async def list_dir(self, principal: Caller, sid: str, path: str) -> list[FileInfo]:
+        edge, _ = await self._edge_for(principal, sid, "reader")
+        return await edge.list_dir(sid, path)
+
+    async def stat(self, principal: Caller, sid: str, path: str) -> FileInfo:
+        edge, _ = await self._edge_for(principal, sid, "reader")
+        return await edge.stat(sid, path)
+
+    async def mkdir(self, principal: Caller, sid: str, path: str, parents: bool) -> None:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        await edge.mkdir(sid, path, parents=parents)
+
+    async def remove(self, principal: Caller, sid: str, path: str, recursive: bool) -> None:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        await edge.remove(sid, path, recursive=recursive)
+
+    async def pause(self, principal: Caller, sid: str) -> PauseStats:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        return await edge.pause(sid)
+
+    async def resume(self, principal: Caller, sid: str) -> None:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        await edge.resume(sid)
+
+    async def snapshot(self, principal: Caller, sid: str) -> dict[str, Any]:
+        edge, _ = await self._edge_for(principal, sid, "member")
+        snap = getattr(edge, "snapshot", None)
+        if snap is None:
+            # SEAM: the edge protocol has no snapshot method yet (pack_diff lives in
+            # dsec.image); wire it here when edge.snapshot lands.
+            raise Conflict(f"sandbox {sid} cannot be snapshotted: its edge does not offer "
+                           "snapshots yet (needs the container backend with image layers)",
+                           sandbox_id=sid)
+        result: dict[str, Any] = await snap(sid)
+        return result
+
+    async def events(self, principal: Caller, sid: str) -> list[SandboxEvent]:
+        edge, _ = await self._edge_for(principal, sid, "reader")
+        return await edge.events(sid)
+
+    def nodes(self, principal: Caller) -> list[NodeView]:
+        if principal.role_on("default") is None and not principal.roles and not principal.superuser:
+            raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
+        return self.directory.nodes()
+
+
+# ------------------------------------------------------------------ conversions
+def _encode_cursor(last_id: str) -> str:
+    return base64.urlsafe_b64encode(last_id.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> str:
+    try:
+        pad = "=" * (-len(cursor) % 4)
+        text = base64.urlsafe_b64decode(cursor + pad).decode()
+        parse_sandbox_id(text)
+        return text
+    except (ValueError, UnicodeDecodeError, InvalidArgument):
+        raise InvalidArgument(f"invalid cursor {cursor[:40]!r}: pass next_cursor from the "
+                              "previous page unchanged", field="cursor") from None
+
+
+def exec_request(body: ExecBody) -> ExecRequest:
+    """REST exec body -> edge ExecRequest, with argv/stdin size limits checked here."""
+    if (body.argv is None) == (body.shell is None) or (body.argv is not None and not body.argv):
+        raise InvalidArgument("exec needs exactly one of argv (a non-empty list of strings) or "
+                              "shell (a string)", field="argv")
+    size = sum(len(a) + 1 for a in body.argv or ()) + len(body.shell or "")
+    size += sum(len(k) + len(v) + 2 for k, v in body.env.items())
+    if size > MAX_ARGV_BYTES:
+        raise InvalidArgument(
+            f"exec argv+env is {size} bytes, over the {MAX_ARGV_BYTES}-byte limit; pass large "
+            "data via stdin or write it to a file first", field="argv", size=size)
+    if body.stdin_encoding == "base64":
+        try:
+            stdin = base64.b64decode(body.stdin, validate=True)
+        except ValueError:
+            raise InvalidArgument("stdin is not valid base64 (stdin_encoding='base64')",
+                                  field="stdin") from None
+    else:
+        stdin = body.stdin.encode()
+    if len(stdin) > MAX_STDIN_BYTES:
+        raise InvalidArgument(f"stdin of {len(stdin)} bytes exceeds {MAX_STDIN_BYTES}; write "
+                              "large inputs as a file", field="stdin")
+    req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
+                      cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
+                      output_cap_bytes=body.output_cap_bytes, background=body.background)
+    return req.validate()
+
+
+def exec_output(res: ExecResult) -> ExecOutput:
+    """Edge ExecResult -> JSON form: UTF-8 text when both streams decode, else base64."""
+    try:
+        out, err, enc = res.stdout.decode(), res.stderr.decode(), "utf-8"
+    except UnicodeDecodeError:
+        out = base64.b64encode(res.stdout).decode()
+        err = base64.b64encode(res.stderr).decode()
+        enc = "base64"
+    return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err, encoding=enc,  # type: ignore[arg-type]
+                      stdout_truncated=res.stdout_truncated, stderr_truncated=res.stderr_truncated,
+                      timed_out=res.timed_out, duration_s=res.duration_s, pid=res.pid)
+
+

@@ -1,0 +1,70 @@
+"""The leak sweeper: destroys sandboxes a crashed client can no longer clean up.
+
+Three lines of defence against leaks, from cheapest to broadest:
+
+1. **TTL.** Every sandbox created through the API has a lifetime: the request's ``ttl_s``,
+   else the server's ``default_ttl_s`` (6 h). The edge reaps it (event ``ttl``) even if
+   the whole management plane is down.
+2. **Idle timeout** (opt-in per sandbox, ``idle_timeout_s`` + ``idle_action``), also reaped
+   by the edge.
+3. **Session leases** (this module). The SDK opens a session (``POST /v1/sessions``,
+   lease 60 s by default) and renews it every lease/3 from a background task; sandboxes it
+   creates carry the label ``dsec.io/session=<id>``. When a lease has not been renewed
+   for ``lease_s`` seconds (the client crashed or lost the network for that long), the
+   sweeper destroys the session's sandboxes with reason ``session_expired``. Closing a
+   session (``DELETE /v1/sessions/{id}``, the SDK's ``Client.close(kill=True)``) sweeps at
+   once.
+
+Sessions live in the apiserver process. After an apiserver restart they are unknown; a
+live client's next renew re-registers its session (renew is an upsert), so a sandbox
+whose session is unknown is only swept once ``unknown_grace_s`` (default 3 minutes, more
+than any sane lease) has passed since the sweeper started.
+
+:func:`plan_sweep` is the pure decision; the async loop in
+:mod:`dsec.control.api.plane` feeds it and carries out the destroys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["SESSION_LABEL", "Session", "SweepCandidate", "plan_sweep"]
+
+SESSION_LABEL = "dsec.io/session"
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    principal_id: str
+    lease_s: float
+    expires_at: float
+    closed: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class SweepCandidate:
+    sandbox_id: str
+    session: str
+    state: str
+
+
+def plan_sweep(
+    now: float, candidates: Iterable[SweepCandidate], sessions: Mapping[str, Session], *,
+    started_at: float, unknown_grace_s: float,
+) -> list[tuple[str, str]]:
+    """``(sandbox_id, reason)`` for every sandbox to destroy now."""
+    out: list[tuple[str, str]] = []
+    for c in candidates:
+        if c.state in ("destroyed", "destroying", "failed"):
+            continue
+        s = sessions.get(c.session)
+        if s is None:
+            if now - started_at >= unknown_grace_s:
+                out.append((c.sandbox_id, "session_unknown"))
+        elif s.closed:
+            out.append((c.sandbox_id, "session_closed"))
+        elif s.expires_at <= now:
+            out.append((c.sandbox_id, "session_expired"))
+    return out

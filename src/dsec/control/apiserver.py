@@ -1,0 +1,561 @@
+"""The REST apiserver: Starlette routes over :class:`~dsec.control.api.service.ApiService`.
+
+Pure ASGI (served by uvicorn with httptools + uvloop). Bodies are decoded strictly with
+msgspec (an unknown or mistyped field is a 400 naming it), the body size is capped while
+it is read (413 before the whole body is buffered), and every error is JSON
+``{code, message, request_id}`` with the stable code of the ``dsec.errors`` class —
+never a stack trace, never a 500 for bad input. ``/openapi.json`` is generated from the
+same msgspec types (see :mod:`dsec.control.api.openapi`).
+
+Measured trade-off: Starlette's ``Request``/``Response`` objects cost ~6 µs per request
+here; they stay because the routes are I/O bound on the edge round trip (tens of µs), and
+the REST hot path (``GET /v1/sandboxes/{id}``) avoids per-request allocations elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from dsec.control.api.openapi import Op, Param, build_openapi
+from dsec.control.api.service import ApiService, Caller, exec_output, exec_request
+from dsec.control.api.types import (
+    ApiError,
+    CreateKeyRequest,
+    CreateKeyResponse,
+    CreateSandboxRequest,
+    EventList,
+    ExecBody,
+    ExecOutput,
+    ExecStreamLine,
+    FileList,
+    Info,
+    NodeList,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SandboxList,
+    SessionView,
+    SnapshotView,
+)
+from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo
+from dsec.errors import DsecError, InternalError, InvalidArgument, PayloadTooLarge, RateLimited
+
+__all__ = ["AdminOps", "RestConfig", "build_app"]
+
+log = logging.getLogger("dsec.apiserver")
+
+_json = msgspec.json.Encoder()
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder(tp: type) -> msgspec.json.Decoder[Any]:
+    d = _decoders.get(tp)
+    if d is None:
+        d = _decoders[tp] = msgspec.json.Decoder(tp)
+    return d
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class RestConfig:
+    """Limits of the REST front door (bytes)."""
+
+    max_json_body: int = 4 << 20        # JSON bodies; a 10 MB argv is refused with 413
+    max_file_body: int = 256 << 20      # raw bytes of PUT .../files
+    version: str = "0.1.0"
+    gateway_address: str | None = None  # advertised in /v1/info for the SDK fast path
+
+
+class AdminOps:
+    """Admin routes (projects, quotas, keys, sessions) — implemented by the control plane
+    wiring (:mod:`dsec.control.api.plane`); the REST layer only decodes and encodes."""
+
+    def list_projects(self, caller: Caller) -> ProjectList: raise NotImplementedError
+    def get_project(self, caller: Caller, path: str) -> ProjectView: raise NotImplementedError
+    def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        raise NotImplementedError
+    def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
+        raise NotImplementedError
+    def open_session(self, caller: Caller, lease_s: float) -> SessionView:
+        raise NotImplementedError
+    def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
+    def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
+
+
+# ----------------------------------------------------------------- request plumbing
+class _Ctx:
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+_rid_prefix = secrets.token_hex(3)
+_rid_counter = 0
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id")
+    if rid and len(rid) <= 128 and rid.isprintable():
+        return rid
+    global _rid_counter
+    _rid_counter += 1
+    return f"req-{_rid_prefix}-{_rid_counter:x}"
+
+
+def _error_response(exc: DsecError, rid: str) -> Response:
+    detail = {k: v for k, v in exc.detail.items()
+              if isinstance(v, (str, int, float, bool)) or v is None}
+    body = _json.encode(ApiError(code=exc.code, message=exc.message, request_id=rid,
+                                 detail=detail))
+    headers = {"x-request-id": rid}
+    if isinstance(exc, RateLimited):
+        from dsec.control.ratelimit import RateLimiter
+        headers["retry-after"] = RateLimiter.retry_after_header(
+            float(exc.detail.get("retry_after", 1.0)))
+    return Response(body, status_code=exc.http_status, media_type="application/json",
+                    headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            raise InvalidArgument(f"bad Content-Length header {declared[:20]!r}") from None
+        if n > limit:
+            raise PayloadTooLarge(f"request body of {n} bytes exceeds the {limit}-byte limit "
+                                  "of this route", limit=limit, size=n)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit of this route",
+                                  limit=limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(tp: type, raw: bytes) -> Any:
+    if not raw:
+        raise InvalidArgument(f"empty request body: send a JSON {tp.__name__} object")
+    try:
+        return _decoder(tp).decode(raw)
+    except msgspec.ValidationError as exc:
+        # msgspec names the field: "Object contains unknown field `foo`", "Expected `int`,
+        # got `str` - at `$.cpu_milli`".
+        raise InvalidArgument(f"invalid {tp.__name__}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"malformed JSON body: {exc}") from None
+
+
+def _json_response(obj: Any, rid: str, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status_code=status, media_type="application/json",
+                    headers={"x-request-id": rid})
+
+
+def _q_int(request: Request, name: str, default: int | None, lo: int = 0,
+           hi: int = 1 << 62) -> int | None:
+    v = request.query_params.get(name)
+    if v is None:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise InvalidArgument(f"query parameter {name}={v[:40]!r} must be an integer",
+                              field=name) from None
+    if not lo <= n <= hi:
+        raise InvalidArgument(f"query parameter {name}={n} must be within {lo}..{hi}",
+                              field=name)
+    return n
+
+
+def _q_bool(request: Request, name: str) -> bool:
+    v = request.query_params.get(name, "false").lower()
+    if v in ("1", "true", "yes"):
+        return True
+    if v in ("0", "false", "no", ""):
+        return False
+    raise InvalidArgument(f"query parameter {name}={v[:20]!r} must be true or false",
+                          field=name)
+
+
+def _q_path(request: Request) -> str:
+    p = request.query_params.get("path")
+    if not p:
+        raise InvalidArgument("query parameter 'path' (a path inside the sandbox) is required",
+                              field="path")
+    if "\0" in p or len(p) > 4096:
+        raise InvalidArgument("path must be at most 4096 bytes without NUL", field="path")
+    return p
+
+
+# ------------------------------------------------------------------------- app
+Handler = Callable[[Request, Caller, str], Awaitable[Response]]
+
+
+def build_app(service: ApiService, admin: AdminOps | None = None,
+              config: RestConfig | None = None) -> Starlette:
+    """The ASGI app. ``admin`` adds the project/quota/key/session routes."""
+    cfg = config or RestConfig()
+    metrics = service.metrics
+    ops: list[Op] = []
+    routes: list[Route] = []
+    latency = metrics.latency
+    requests = metrics.requests
+
+    def route(op: Op, handler: Handler) -> None:
+        ops.append(op)
+        template = op.path
+        lat = latency.labels(template, op.method)
+        counters: dict[int, Any] = {}
+
+        async def endpoint(request: Request) -> Response:
+            t0 = time.perf_counter()
+            rid = _request_id(request)
+            try:
+                caller = (service.authenticate(request.headers.get("authorization"))
+                          if op.auth else _ANON)
+                resp = await handler(request, caller, rid)
+            except DsecError as exc:
+                resp = _error_response(exc, rid)
+            except Exception as exc:  # a bug: say so, log it, never leak the trace
+                log.exception("request %s %s failed (request id %s)", op.method, template, rid)
+                resp = _error_response(InternalError(
+                    f"internal error ({type(exc).__name__}); quote request id {rid} when "
+                    "reporting it"), rid)
+            c = counters.get(resp.status_code)
+            if c is None:
+                c = counters[resp.status_code] = requests.labels(template, op.method,
+                                                                  str(resp.status_code))
+            c.inc()
+            lat.observe(time.perf_counter() - t0)
+            return resp
+
+        routes.append(Route(op.path, endpoint, methods=[op.method]))
+
+    sid_of = _sid
+
+    # ------------------------------------------------------------- sandboxes
+    async def create(request: Request, caller: Caller, rid: str) -> Response:
+        raw = await _read_body(request, cfg.max_json_body)
+        body = _decode(CreateSandboxRequest, raw)
+        key = request.headers.get("idempotency-key")
+        info = await service.create(caller, body, idempotency_key=key, raw=raw)
+        return _json_response(info, rid, 201)
+
+    route(Op("POST", "/v1/sandboxes", "createSandbox", "Create a sandbox",
+             CreateSandboxRequest, SandboxInfo, 201,
+             headers=(Param("Idempotency-Key", {"type": "string", "maxLength": 255},
+                            description="same key within 5 min -> same sandbox"),)), create)
+
+    async def list_(request: Request, caller: Caller, rid: str) -> Response:
+        labels: dict[str, str] = {}
+        for item in request.query_params.getlist("label"):
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise InvalidArgument(f"label filter {item[:60]!r} must be key=value",
+                                      field="label")
+            labels[k] = v
+        state = request.query_params.get("state")
+        if state is not None and state not in _STATES:
+            raise InvalidArgument(f"state={state[:20]!r} is not one of {sorted(_STATES)}",
+                                  field="state")
+        limit = _q_int(request, "limit", 100, 1, service.config.list_page_max)
+        assert limit is not None
+        items, nxt = await service.list(
+            caller, project=request.query_params.get("project"), labels=labels,
+            state=state, limit=limit, cursor=request.query_params.get("cursor"))  # type: ignore[arg-type]
+        return _json_response(SandboxList(items=items, next_cursor=nxt), rid)
+
+    route(Op("GET", "/v1/sandboxes", "listSandboxes", "List sandboxes", None, SandboxList,
+             params=(Param("project", {"type": "string"}),
+                     Param("label", {"type": "string"}, description="key=value, repeatable"),
+                     Param("state", {"enum": sorted(_STATES)}),
+                     Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                     Param("cursor", {"type": "string"}))), list_)
+
+    async def get(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await service.get(caller, sid_of(request)), rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}", "getSandbox", "Get a sandbox", None, SandboxInfo),
+          get)
+
+    async def delete(request: Request, caller: Caller, rid: str) -> Response:
+        await service.destroy(caller, sid_of(request))
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/sandboxes/{id}", "deleteSandbox",
+             "Destroy a sandbox (idempotent)", status=204), delete)
+
+    async def exec_(request: Request, caller: Caller, rid: str) -> Response:
+        body = _decode(ExecBody, await _read_body(request, cfg.max_json_body))
+        res = await service.exec(caller, sid_of(request), exec_request(body))
+        return _json_response(exec_output(res), rid)
+
+    route(Op("POST", "/v1/sandboxes/{id}/exec", "execSandbox", "Run a command",
+             ExecBody, ExecOutput), exec_)
+
+    async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
+        body = _decode(ExecBody, await _read_body(request, cfg.max_json_body))
+        stream = await service.exec_stream(caller, sid_of(request), exec_request(body))
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in stream:
+                    if isinstance(item, ExecResult):
+                        yield _json.encode(ExecStreamLine(
+                            exit_code=item.exit_code, timed_out=item.timed_out,
+                            duration_s=item.duration_s)) + b"\n"
+                    else:
+                        yield _json.encode(_chunk_line(item.stream, item.data)) + b"\n"
+            except DsecError as exc:
+                yield _json.encode(ExecStreamLine(error=ApiError(
+                    code=exc.code, message=exc.message, request_id=rid))) + b"\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                 headers={"x-request-id": rid})
+
+    route(Op("POST", "/v1/sandboxes/{id}/exec/stream", "execSandboxStream",
+             "Run a command, streaming NDJSON lines", ExecBody, ExecStreamLine,
+             response_media="application/x-ndjson"), exec_stream)
+
+    # ------------------------------------------------------------------ files
+    async def read(request: Request, caller: Caller, rid: str) -> Response:
+        data = await service.read_file(caller, sid_of(request), _q_path(request),
+                                       _q_int(request, "offset", 0) or 0,
+                                       _q_int(request, "length", None))
+        return Response(data, media_type="application/octet-stream",
+                        headers={"x-request-id": rid})
+
+    route(Op("GET", "/v1/sandboxes/{id}/files", "readFile", "Read a file (raw bytes)",
+             None, "binary", params=(Param("path", {"type": "string", "minLength": 1}, True),
+                                     Param("offset", {"type": "integer", "minimum": 0}),
+                                     Param("length", {"type": "integer", "minimum": 0}))),
+          read)
+
+    async def write(request: Request, caller: Caller, rid: str) -> Response:
+        path = _q_path(request)
+        mode = _q_int(request, "mode", 0o644, 0, 0o7777)
+        data = await _read_body(request, cfg.max_file_body)
+        await service.write_file(caller, sid_of(request), path, data, mode or 0,
+                                 _q_bool(request, "append"))
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes body)",
+             "binary", None, 204,
+             params=(Param("path", {"type": "string", "minLength": 1}, True),
+                     Param("mode", {"type": "integer", "minimum": 0, "maximum": 4095}),
+                     Param("append", {"type": "boolean"}))), write)
+
+    async def remove(request: Request, caller: Caller, rid: str) -> Response:
+        await service.remove(caller, sid_of(request), _q_path(request),
+                             _q_bool(request, "recursive"))
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/sandboxes/{id}/files", "removeFile", "Remove a file or directory",
+             None, None, 204, params=(Param("path", {"type": "string", "minLength": 1}, True),
+                                      Param("recursive", {"type": "boolean"}))), remove)
+
+    async def listdir(request: Request, caller: Caller, rid: str) -> Response:
+        items = await service.list_dir(caller, sid_of(request), _q_path(request))
+        return _json_response(FileList(items=items), rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/files/list", "listFiles", "List a directory",
+             None, FileList, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+          listdir)
+
+    async def stat(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await service.stat(caller, sid_of(request), _q_path(request)),
+                              rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/files/stat", "statFile", "Stat a path", None,
+             FileInfo, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+          stat)
+
+    async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
+        await service.mkdir(caller, sid_of(request), _q_path(request), True)
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
+             None, None, 204, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+          mkdir)
+
+    # -------------------------------------------------------------- lifecycle
+    async def pause(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await service.pause(caller, sid_of(request)), rid)
+
+    route(Op("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox", "Pause (freeze, give "
+             "memory back)", None, PauseStats), pause)
+
+    async def resume(request: Request, caller: Caller, rid: str) -> Response:
+        sid = sid_of(request)
+        await service.resume(caller, sid)
+        return _json_response(await service.get(caller, sid), rid)
+
+    route(Op("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox", "Resume", None,
+             SandboxInfo), resume)
+
+    async def snapshot(request: Request, caller: Caller, rid: str) -> Response:
+        snap = await service.snapshot(caller, sid_of(request))
+        return _json_response(snap, rid, 201)
+
+    route(Op("POST", "/v1/sandboxes/{id}/snapshot", "snapshotSandbox",
+             "Snapshot the sandbox's changes (pack_diff)", None, SnapshotView, 201), snapshot)
+
+    async def events(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(EventList(items=await service.events(caller, sid_of(request))),
+                              rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/events", "sandboxEvents", "Lifecycle events",
+             None, EventList), events)
+
+    # ------------------------------------------------------------------ nodes
+    async def nodes(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(NodeList(items=service.nodes(caller)), rid)
+
+    route(Op("GET", "/v1/nodes", "listNodes", "Edge nodes with usage", None, NodeList,
+             tag="nodes"), nodes)
+
+    async def info(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(Info(
+            version=cfg.version, gateway=cfg.gateway_address, principal=caller.id,
+            project=caller.default_project, role=caller.role_on(caller.default_project),
+            default_ttl_s=service.config.default_ttl_s,
+            default_backend=service.config.default_backend), rid)
+
+    route(Op("GET", "/v1/info", "info", "Who am I, server version, gateway address",
+             None, Info, tag="meta"), info)
+
+    # ------------------------------------------------------------------ admin
+    if admin is not None:
+        _admin_routes(route, admin, cfg)
+
+    # ------------------------------------------------------------------- meta
+    async def healthz(request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def metrics_ep(request: Request) -> Response:
+        from dsec.control.metrics import CONTENT_TYPE_LATEST
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    ops.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
+                  auth=False))
+    ops.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
+                  auth=False))
+    doc = _json.encode(build_openapi(ops, version=cfg.version))
+
+    async def openapi(request: Request) -> Response:
+        return Response(doc, media_type="application/json")
+
+    routes += [Route("/healthz", healthz), Route("/metrics", metrics_ep),
+               Route("/openapi.json", openapi)]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        from dsec.errors import NotFound
+        rid = _request_id(request)
+        return _error_response(NotFound(f"no route {request.method} {request.url.path}; "
+                                        "see /openapi.json"), rid)
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        rid = _request_id(request)
+        return _error_response(InvalidArgument(
+            f"method {request.method} is not allowed on {request.url.path}; see /openapi.json"),
+            rid)
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    app.state.openapi = doc
+    return app
+
+
+def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
+                  cfg: RestConfig) -> None:
+    async def projects(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(admin.list_projects(caller), rid)
+
+    route(Op("GET", "/v1/projects", "listProjects", "Projects with quotas and usage",
+             None, ProjectList, tag="admin"), projects)
+
+    async def project(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(admin.get_project(caller, request.path_params["path"]), rid)
+
+    route(Op("GET", "/v1/projects/{path:path}", "getProject", "A project's quota and usage",
+             None, ProjectView, tag="admin"), project)
+
+    async def quota(request: Request, caller: Caller, rid: str) -> Response:
+        body = _decode(QuotaBody, await _read_body(request, cfg.max_json_body))
+        path = request.path_params["path"]
+        return _json_response(admin.set_quota(caller, path, body), rid)
+
+    route(Op("PUT", "/v1/quotas/{path:path}", "setQuota", "Set a project's quota (admin)",
+             QuotaBody, ProjectView, tag="admin"), quota)
+
+    async def key(request: Request, caller: Caller, rid: str) -> Response:
+        body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body))
+        return _json_response(admin.create_key(caller, body), rid, 201)
+
+    route(Op("POST", "/v1/keys", "createKey", "Create a principal + API key with a role "
+             "on a project (admin of that project)", CreateKeyRequest, CreateKeyResponse, 201,
+             tag="admin"), key)
+
+    async def open_session(request: Request, caller: Caller, rid: str) -> Response:
+        lease = request.query_params.get("lease_s", "60")
+        try:
+            lease_s = float(lease)
+        except ValueError:
+            raise InvalidArgument(f"lease_s={lease[:20]!r} must be a number of seconds",
+                                  field="lease_s") from None
+        return _json_response(admin.open_session(caller, lease_s), rid, 201)
+
+    route(Op("POST", "/v1/sessions", "openSession",
+             "Open a client session lease (crash-safe sandboxes)", None, SessionView, 201,
+             params=(Param("lease_s", {"type": "number", "minimum": 5, "maximum": 86400}),),
+             tag="sessions"), open_session)
+
+    async def renew(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(admin.renew_session(caller, request.path_params["id"]), rid)
+
+    route(Op("POST", "/v1/sessions/{id}/renew", "renewSession", "Renew a session lease",
+             None, SessionView, tag="sessions"), renew)
+
+    async def close(request: Request, caller: Caller, rid: str) -> Response:
+        admin.close_session(caller, request.path_params["id"])
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/sessions/{id}", "closeSession",
+             "End a session now: its sandboxes are destroyed", None, None, 204,
+             tag="sessions"), close)
+
+
+_STATES = frozenset({"creating", "running", "pausing", "paused", "resuming", "destroying",
+                     "destroyed", "failed"})
+_ANON = Caller(id="anonymous", name="anonymous", roles={})
+
+
+def _sid(request: Request) -> str:
+    return str(request.path_params["id"])
+
+
+def _chunk_line(stream: str, data: bytes) -> ExecStreamLine:
+    try:
+        return ExecStreamLine(stream=stream, data=data.decode())  # type: ignore[arg-type]
+    except UnicodeDecodeError:
+        import base64
+        return ExecStreamLine(stream=stream, data=base64.b64encode(data).decode(),  # type: ignore[arg-type]
+                              encoding="base64")
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false")

@@ -1,0 +1,259 @@
+"""Nested quotas over the project tree, checked against an incremental usage index.
+
+Projects form a tree (``org/team/exp1``). A :class:`Quota` may sit at any node; a create
+is admitted only if it fits the quota of its project *and* of every ancestor. Usage is
+kept per tree node and updated on every insert/remove/pause/resume/node-lost, so a check
+walks the project's ancestor chain (O(depth), a cached tuple) and never looks at
+sandboxes. It allocates nothing (no per-sandbox work, no intermediate collections).
+
+Paused sandboxes still count as sandboxes; whether they count for CPU and memory is
+:class:`QuotaPolicy` (default: a paused sandbox holds no CPU but keeps its memory
+reservation, since resuming must not fail for lack of memory the project gave away).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dsec.control.records import SandboxRecord
+from dsec.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
+from dsec.ids import ProjectPath, parse_project_path, project_ancestors
+
+__all__ = ["Limits", "Quota", "QuotaIndex", "QuotaPolicy", "Usage"]
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Resource ceilings; ``None`` means no limit on that resource."""
+
+    max_sandboxes: int | None = None
+    cpu_milli: int | None = None
+    memory_bytes: int | None = None
+
+    def validate(self, where: str) -> None:
+        for name in ("max_sandboxes", "cpu_milli", "memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise InvalidArgument(f"quota {where}.{name}={v!r} must be a non-negative "
+                                      "integer or null (no limit)", field=name)
+
+
+class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
+    """A project's quota: overall :class:`Limits` plus optional per-backend limits."""
+
+    backends: dict[str, Limits] = {}
+
+    def validate(self, where: str = "quota") -> None:
+        Limits.validate(self, where)
+        for b, lim in self.backends.items():
+            lim.validate(f"{where}.backends[{b}]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuotaPolicy:
+    """How paused sandboxes are charged. Sandbox count always includes them."""
+
+    paused_counts_cpu: bool = False      # frozen: uses no CPU
+    paused_counts_memory: bool = True    # keep room so a resume cannot be refused
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A copy of one tree node's usage (subtree totals)."""
+
+    sandboxes: int = 0
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    backends: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+class _Node:
+    """Usage of one project-tree node. ``b`` maps backend -> [count, cpu, memory]."""
+
+    __slots__ = ("path", "n", "cpu", "mem", "b", "quota")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.n = 0
+        self.cpu = 0
+        self.mem = 0
+        self.b: dict[str, list[int]] = {}
+        self.quota: Quota | None = None
+
+
+class QuotaIndex:
+    """Quotas plus the live usage index. Pure logic: the caller feeds it changes."""
+
+    def __init__(self, policy: QuotaPolicy | None = None) -> None:
+        self.policy = policy or QuotaPolicy()
+        self._nodes: dict[str, _Node] = {}
+        self._chains: dict[str, tuple[_Node, ...]] = {}
+        self._live: dict[str, SandboxRecord] = {}
+        self._by_node: dict[str, set[str]] = {}
+
+    # --- tree -------------------------------------------------------------------------
+    def _chain(self, project: str) -> tuple[_Node, ...]:
+        chain = self._chains.get(project)
+        if chain is None:
+            path = parse_project_path(project)
+            nodes = []
+            for p in project_ancestors(ProjectPath(path)):
+                n = self._nodes.get(p)
+                if n is None:
+                    n = self._nodes[p] = _Node(p)
+                nodes.append(n)
+            chain = self._chains[project] = tuple(nodes)
+        return chain
+
+    def set_quota(self, project: str, quota: Quota | None) -> None:
+        """Put (or with ``None`` remove) the quota at ``project``. Existing usage above a
+        new, lower quota is kept; only new admissions are refused."""
+        if quota is not None:
+            quota.validate(f"quota of {project!r}")
+        self._chain(project)[-1].quota = quota
+
+    def quota(self, project: str) -> Quota | None:
+        return self._chain(project)[-1].quota
+
+    def quotas(self) -> dict[str, Quota]:
+        return {p: n.quota for p, n in self._nodes.items() if n.quota is not None}
+
+    # --- usage updates ------------------------------------------------------------------
+    def _charge(self, rec: SandboxRecord, paused: bool) -> tuple[int, int]:
+        p = self.policy
+        cpu = rec.cpu_milli if (not paused or p.paused_counts_cpu) else 0
+        mem = rec.memory_bytes if (not paused or p.paused_counts_memory) else 0
+        return cpu, mem
+
+    def _apply(self, rec: SandboxRecord, paused: bool, sign: int, count: int) -> None:
+        cpu, mem = self._charge(rec, paused)
+        cpu *= sign
+        mem *= sign
+        n = count * sign
+        backend = rec.backend
+        for node in self._chain(rec.project):
+            node.n += n
+            node.cpu += cpu
+            node.mem += mem
+            u = node.b.get(backend)
+            if u is None:
+                u = node.b[backend] = [0, 0, 0]
+            u[0] += n
+            u[1] += cpu
+            u[2] += mem
+
+    def insert(self, rec: SandboxRecord) -> None:
+        """Count a new live sandbox (already admitted; this does not check)."""
+        if rec.id in self._live:
+            raise InvalidArgument(f"sandbox {rec.id} is already counted in the quota index")
+        self._apply(rec, rec.paused, +1, 1)
+        self._live[rec.id] = rec
+        self._by_node.setdefault(rec.node, set()).add(rec.id)
+
+    def remove(self, sandbox_id: str) -> SandboxRecord:
+        rec = self._live.pop(sandbox_id, None)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is not in the quota index",
+                                  sandbox_id=sandbox_id)
+        self._apply(rec, rec.paused, -1, 1)
+        ids = self._by_node.get(rec.node)
+        if ids is not None:
+            ids.discard(sandbox_id)
+            if not ids:
+                del self._by_node[rec.node]
+        return rec
+
+    def set_paused(self, sandbox_id: str, paused: bool) -> None:
+        rec = self._live.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is not in the quota index",
+                                  sandbox_id=sandbox_id)
+        if rec.paused == paused:
+            return
+        self._apply(rec, rec.paused, -1, 0)
+        rec = msgspec.structs.replace(rec, paused=paused)
+        self._apply(rec, paused, +1, 0)
+        self._live[sandbox_id] = rec
+
+    def node_lost(self, node: str) -> list[SandboxRecord]:
+        """Uncount every sandbox on ``node``; returns them (e.g. for eviction events)."""
+        ids = sorted(self._by_node.get(node, ()))
+        return [self.remove(i) for i in ids]
+
+    # --- queries ------------------------------------------------------------------------
+    def check(self, project: str, *, backend: str, cpu_milli: int, memory_bytes: int,
+              count: int = 1) -> None:
+        """Raise :class:`QuotaExceeded` unless adding ``count`` sandboxes using
+        ``cpu_milli``/``memory_bytes`` in total fits ``project`` and every ancestor.
+        ``count=0`` checks a resume (resources come back, the sandbox already counts)."""
+        for node in self._chain(project):
+            q = node.quota
+            if q is None:
+                continue
+            if q.max_sandboxes is not None and node.n + count > q.max_sandboxes:
+                self._exceeded(node, project, "sandboxes", node.n, q.max_sandboxes, count, None)
+            if q.cpu_milli is not None and node.cpu + cpu_milli > q.cpu_milli:
+                self._exceeded(node, project, "cpu_milli", node.cpu, q.cpu_milli, cpu_milli,
+                               None)
+            if q.memory_bytes is not None and node.mem + memory_bytes > q.memory_bytes:
+                self._exceeded(node, project, "memory_bytes", node.mem, q.memory_bytes,
+                               memory_bytes, None)
+            if q.backends:
+                lim = q.backends.get(backend)
+                if lim is not None:
+                    u = node.b.get(backend) or (0, 0, 0)
+                    if lim.max_sandboxes is not None and u[0] + count > lim.max_sandboxes:
+                        self._exceeded(node, project, "sandboxes", u[0], lim.max_sandboxes,
+                                       count, backend)
+                    if lim.cpu_milli is not None and u[1] + cpu_milli > lim.cpu_milli:
+                        self._exceeded(node, project, "cpu_milli", u[1], lim.cpu_milli,
+                                       cpu_milli, backend)
+                    if lim.memory_bytes is not None and u[2] + memory_bytes > lim.memory_bytes:
+                        self._exceeded(node, project, "memory_bytes", u[2], lim.memory_bytes,
+                                       memory_bytes, backend)
+
+    def check_record(self, rec: SandboxRecord) -> None:
+        """:meth:`check` for the charge ``rec`` would add if inserted."""
+        cpu, mem = self._charge(rec, rec.paused)
+        self.check(rec.project, backend=rec.backend, cpu_milli=cpu, memory_bytes=mem)
+
+    def check_resume(self, sandbox_id: str) -> None:
+        """Would resuming this paused sandbox fit? (Its paused charge is already counted.)"""
+        rec = self._live.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is not in the quota index",
+                                  sandbox_id=sandbox_id)
+        if not rec.paused:
+            return
+        pc, pm = self._charge(rec, True)
+        rc, rm = self._charge(rec, False)
+        self.check(rec.project, backend=rec.backend, cpu_milli=rc - pc, memory_bytes=rm - pm,
+                   count=0)
+
+    @staticmethod
+    def _exceeded(node: _Node, project: str, resource: str, used: int, limit: int,
+                  requested: int, backend: str | None) -> None:
+        what = resource if backend is None else f"{resource} for backend {backend!r}"
+        where = (f"project {node.path!r}" if node.path == project
+                 else f"project {node.path!r} (an ancestor of {project!r})")
+        raise QuotaExceeded(
+            f"quota of {where} exceeded on {what}: used {used} + requested {requested} > "
+            f"limit {limit}; free resources in {node.path!r} or raise its quota",
+            project=node.path, requested_in=project, resource=resource, backend=backend,
+            used=used, limit=limit, requested=requested)
+
+    def usage(self, project: str) -> Usage:
+        """Subtree usage of ``project`` (a copy)."""
+        n = self._nodes.get(project)
+        if n is None:
+            parse_project_path(project)
+            return Usage()
+        return Usage(n.n, n.cpu, n.mem, {b: (u[0], u[1], u[2]) for b, u in n.b.items()
+                                         if u[0] or u[1] or u[2]})
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        return self._live.get(sandbox_id)
+
+    def __len__(self) -> int:
+        return len(self._live)

@@ -1,0 +1,244 @@
+"""The versioned registry: every control-plane mutation is an event with a global version.
+
+Mutations (a sandbox added, paused, removed or evicted; a node expired) bump one global,
+dense version and append an :class:`Event`. Watchers read from a version and get every
+later event in order, or :class:`~dsec.errors.Compacted` when the events they need were
+compacted away (they must then re-list and watch from the current version, as with a
+Kubernetes 410 Gone).
+
+Writes are batched: mutations queue events in memory and :meth:`Registry.flush` commits
+the batch (events plus the sandbox rows they change) in one store transaction; the batch
+is also flushed when it reaches ``batch_size``. Readers only see committed events.
+Recent committed events stay in an in-memory ring, so a watcher that keeps up never
+touches the database.
+
+One :class:`Registry` is the single writer of its store (the embedded SQLite case, or
+the leader replica with PostgreSQL); versions are assigned here, densely.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from dsec.control.quota import QuotaIndex
+from dsec.control.records import SandboxRecord
+from dsec.control.store import EventRow, SandboxRow, StateStore
+from dsec.errors import Compacted, InvalidArgument, SandboxNotFound
+
+__all__ = ["Event", "EventKind", "Registry", "Watch"]
+
+Event = EventRow
+EventKind = Literal[
+    "sandbox_added", "sandbox_paused", "sandbox_resumed", "sandbox_removed",
+    "node_up", "node_expired", "node_returned",
+]
+
+
+class Registry:
+    """Sandbox records and the event log over a :class:`StateStore`.
+
+    ``quota`` (optional) is kept in step with the sandbox table, so quota checks see a
+    create or remove the moment it is recorded, before the batch is flushed.
+    ``on_commit`` callbacks get the newest committed version after each flush (an async
+    runner uses this to wake its watchers).
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        clock: Callable[[], float],
+        quota: QuotaIndex | None = None,
+        batch_size: int = 512,
+        memory_events: int = 8192,
+    ) -> None:
+        if batch_size < 1 or memory_events < 1:
+            raise InvalidArgument("registry batch_size and memory_events must be >= 1")
+        self._store = store
+        self._clock = clock
+        self.quota = quota
+        self.batch_size = batch_size
+        self._ring: deque[Event] = deque(maxlen=memory_events)
+        self._pending: list[Event] = []
+        self._upserts: dict[str, SandboxRow] = {}
+        self._deletes: set[str] = set()
+        self.on_commit: list[Callable[[int], None]] = []
+        _, self._committed = store.event_bounds()
+        self._version = self._committed
+        self._sandboxes: dict[str, SandboxRecord] = {}
+        self._by_node: dict[str, set[str]] = {}
+        for row in store.list_sandboxes():
+            rec = SandboxRecord.from_dict(row.record)
+            self._index(rec)
+            if quota is not None:
+                quota.insert(rec)
+
+    # --- versions ---------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest version assigned (including events not yet flushed)."""
+        return self._version
+
+    @property
+    def committed_version(self) -> int:
+        """The newest version readers can see."""
+        return self._committed
+
+    # --- mutations ----------------------------------------------------------------------
+    def emit(self, kind: str, *, sandbox_id: str | None = None, node_id: str | None = None,
+             payload: dict[str, Any] | None = None) -> int:
+        """Append one event; returns its version."""
+        self._version += 1
+        self._pending.append(Event(version=self._version, time=self._clock(), kind=kind,
+                                   sandbox_id=sandbox_id, node_id=node_id,
+                                   payload=payload or {}))
+        if len(self._pending) >= self.batch_size:
+            self.flush()
+        return self._version
+
+    def _index(self, rec: SandboxRecord) -> None:
+        self._sandboxes[rec.id] = rec
+        self._by_node.setdefault(rec.node, set()).add(rec.id)
+
+    def _put(self, rec: SandboxRecord) -> None:
+        self._deletes.discard(rec.id)
+        self._upserts[rec.id] = SandboxRow(id=rec.id, node=rec.node, project=rec.project,
+                                           record=rec.to_dict())
+
+    def add_sandbox(self, rec: SandboxRecord, *, reason: str = "created") -> int:
+        """Record a new sandbox (already admitted by quota and placed)."""
+        if rec.id in self._sandboxes:
+            raise InvalidArgument(f"sandbox {rec.id} is already in the registry")
+        if self.quota is not None:
+            self.quota.insert(rec)
+        self._index(rec)
+        self._put(rec)
+        return self.emit("sandbox_added", sandbox_id=rec.id, node_id=rec.node,
+                         payload={"reason": reason, "record": rec.to_dict()})
+
+    def set_paused(self, sandbox_id: str, paused: bool, *, reason: str = "") -> int:
+        rec = self.sandbox(sandbox_id)
+        if rec.paused == paused:
+            return self._version
+        if self.quota is not None:
+            self.quota.set_paused(sandbox_id, paused)
+        rec = SandboxRecord.from_dict({**rec.to_dict(), "paused": paused})
+        self._sandboxes[sandbox_id] = rec
+        self._put(rec)
+        return self.emit("sandbox_paused" if paused else "sandbox_resumed",
+                         sandbox_id=sandbox_id, node_id=rec.node,
+                         payload={"reason": reason or ("paused" if paused else "resumed")})
+
+    def remove_sandbox(self, sandbox_id: str, *, reason: str = "destroyed") -> SandboxRecord:
+        rec = self._sandboxes.pop(sandbox_id, None)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is not in the registry",
+                                  sandbox_id=sandbox_id)
+        ids = self._by_node.get(rec.node)
+        if ids is not None:
+            ids.discard(sandbox_id)
+            if not ids:
+                del self._by_node[rec.node]
+        if self.quota is not None:
+            self.quota.remove(sandbox_id)
+        self._upserts.pop(sandbox_id, None)
+        self._deletes.add(sandbox_id)
+        self.emit("sandbox_removed", sandbox_id=sandbox_id, node_id=rec.node,
+                  payload={"reason": reason, "project": rec.project})
+        return rec
+
+    def evict(self, sandbox_ids: Iterable[str], *, reason: str) -> list[SandboxRecord]:
+        """Remove each known sandbox with its own event; unknown ids are skipped."""
+        return [self.remove_sandbox(i, reason=reason) for i in sandbox_ids
+                if i in self._sandboxes]
+
+    def evict_node(self, node: str, *, reason: str = "node_lost") -> list[SandboxRecord]:
+        """Evict every sandbox recorded on ``node`` (one event each)."""
+        return self.evict(sorted(self._by_node.get(node, ())), reason=reason)
+
+    def flush(self) -> int:
+        """Commit queued events and row changes in one transaction; returns the newest
+        committed version. On a store error nothing is lost: the batch stays queued."""
+        if not self._pending and not self._upserts and not self._deletes:
+            return self._committed
+        events = self._pending
+        self._store.commit_events(events, list(self._upserts.values()), sorted(self._deletes))
+        self._pending = []
+        self._upserts.clear()
+        self._deletes.clear()
+        self._ring.extend(events)
+        if events:
+            self._committed = events[-1].version
+        for cb in self.on_commit:
+            cb(self._committed)
+        return self._committed
+
+    # --- reads --------------------------------------------------------------------------
+    def sandbox(self, sandbox_id: str) -> SandboxRecord:
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is not in the registry",
+                                  sandbox_id=sandbox_id)
+        return rec
+
+    def sandboxes(self) -> list[SandboxRecord]:
+        return list(self._sandboxes.values())
+
+    def sandboxes_on(self, node: str) -> list[SandboxRecord]:
+        return [self._sandboxes[i] for i in sorted(self._by_node.get(node, ()))]
+
+    def read(self, after_version: int, limit: int = 1000) -> list[Event]:
+        """Committed events with version > ``after_version``, oldest first, at most
+        ``limit``. Raises :class:`Compacted` if some of them are gone."""
+        if after_version < 0 or limit < 1:
+            raise InvalidArgument(
+                f"read(after_version={after_version}, limit={limit}): use a version >= 0 "
+                "and a limit >= 1")
+        if after_version >= self._committed:
+            return []
+        ring = self._ring
+        if ring and after_version >= ring[0].version - 1:
+            start = after_version + 1 - ring[0].version
+            stop = min(start + limit, len(ring))
+            return [ring[i] for i in range(start, stop)]
+        oldest, _ = self._store.event_bounds()
+        if after_version < oldest - 1:
+            raise Compacted(
+                f"events after version {after_version} were compacted (oldest kept is "
+                f"{oldest}); list the current state and watch from version "
+                f"{self._committed}", after_version=after_version, oldest=oldest,
+                current=self._committed)
+        return self._store.read_events(after_version, limit)
+
+    def watch(self, after_version: int | None = None) -> Watch:
+        """A cursor over events after ``after_version`` (default: from now on)."""
+        return Watch(self, self._committed if after_version is None else after_version)
+
+    def compact(self, keep_last: int) -> int:
+        """Drop stored events older than the newest ``keep_last``; returns how many."""
+        if keep_last < 1:
+            raise InvalidArgument(f"compact keep_last={keep_last} must be >= 1")
+        self.flush()
+        below = self._committed - keep_last + 1
+        n = self._store.compact_events(below)
+        while self._ring and self._ring[0].version < below:
+            self._ring.popleft()
+        return n
+
+
+class Watch:
+    """A position in the event log; :meth:`poll` returns the next events in order."""
+
+    __slots__ = ("_registry", "position")
+
+    def __init__(self, registry: Registry, position: int) -> None:
+        self._registry = registry
+        self.position = position
+
+    def poll(self, limit: int = 1000) -> list[Event]:
+        events = self._registry.read(self.position, limit)
+        if events:
+            self.position = events[-1].version
+        return events

@@ -1,0 +1,268 @@
+"""Portable SQL behind :class:`~dsec.control.store.StateStore`.
+
+:class:`SqlStore` speaks plain DB-API 2.0 with SQL that SQLite (>= 3.24) and PostgreSQL
+both accept: ``INSERT ... ON CONFLICT (...) DO UPDATE``, ``BIGINT``, ``TEXT``. The bits
+that differ live in :class:`Dialect` (placeholder style, the binary column type,
+connection set-up), so a PostgreSQL store is a new ``Dialect`` plus a connection factory,
+with no change to callers or to the statements here.
+
+JSON payloads are stored as text encoded by msgspec, which both databases can index
+later if needed (``json_extract`` / ``jsonb``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from dsec.control.store import (
+    ApiKeyRow,
+    EventRow,
+    PrincipalRow,
+    QuotaRow,
+    RoleBindingRow,
+    SandboxRow,
+)
+
+__all__ = ["Dialect", "SqlStore"]
+
+_json_enc = msgspec.json.Encoder()
+_json_dec = msgspec.json.Decoder(dict[str, Any])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dialect:
+    """What differs between SQL databases. ``param`` is the DB-API placeholder."""
+
+    name: str
+    param: str = "?"            # sqlite3 uses qmark, psycopg uses "%s"
+    blob: str = "BLOB"          # PostgreSQL: BYTEA
+
+    def sql(self, text: str) -> str:
+        """Rewrite the ``?`` placeholders of the portable statements for this driver."""
+        return text if self.param == "?" else text.replace("?", self.param)
+
+
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS principals (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, superuser INTEGER NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS api_keys (
+        key_id TEXT PRIMARY KEY, principal_id TEXT NOT NULL, secret_hash {blob} NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL, revoked INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS api_keys_principal ON api_keys (principal_id)",
+    """CREATE TABLE IF NOT EXISTS role_bindings (
+        principal_id TEXT NOT NULL, project TEXT NOT NULL, role TEXT NOT NULL,
+        PRIMARY KEY (principal_id, project))""",
+    "CREATE TABLE IF NOT EXISTS quotas (project TEXT PRIMARY KEY, quota TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS events (
+        version BIGINT PRIMARY KEY, time DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL,
+        sandbox_id TEXT, node_id TEXT, payload TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS sandboxes (
+        id TEXT PRIMARY KEY, node TEXT NOT NULL, project TEXT NOT NULL, record TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes (node)",
+]
+
+
+class SqlStore:
+    """A :class:`StateStore` over one DB-API connection, serialised by a lock.
+
+    One connection with a lock is enough for the management plane: statements take
+    microseconds and event writes are batched (see :meth:`commit_events`).
+    """
+
+    def __init__(self, conn: Any, dialect: Dialect) -> None:
+        self._conn = conn
+        self._d = dialect
+        self._lock = threading.Lock()
+        self._q: dict[str, str] = {}
+        with self._tx() as cur:
+            for stmt in _SCHEMA:
+                cur.execute(stmt.format(blob=dialect.blob))
+
+    # --- plumbing -------------------------------------------------------------------
+    def _s(self, text: str) -> str:
+        q = self._q.get(text)
+        if q is None:
+            q = self._q[text] = self._d.sql(text)
+        return q
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        with self._lock:
+            cur = self._conn.cursor()
+            try:
+                yield cur
+                self._conn.commit()
+            except BaseException:
+                self._conn.rollback()
+                raise
+            finally:
+                cur.close()
+
+    def _all(self, text: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._tx() as cur:
+            cur.execute(self._s(text), tuple(args))
+            return list(cur.fetchall())
+
+    def _exec(self, text: str, args: Sequence[Any] = ()) -> int:
+        with self._tx() as cur:
+            cur.execute(self._s(text), tuple(args))
+            return int(cur.rowcount)
+
+    # --- principals and keys ------------------------------------------------------------
+    def put_principal(self, row: PrincipalRow) -> None:
+        self._exec(
+            "INSERT INTO principals (id, name, superuser, created_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET name = excluded.name, "
+            "superuser = excluded.superuser",
+            (row.id, row.name, int(row.superuser), row.created_at),
+        )
+
+    def get_principal(self, principal_id: str) -> PrincipalRow | None:
+        rows = self._all(
+            "SELECT id, name, superuser, created_at FROM principals WHERE id = ?",
+            (principal_id,),
+        )
+        return _principal(rows[0]) if rows else None
+
+    def list_principals(self) -> list[PrincipalRow]:
+        rows = self._all("SELECT id, name, superuser, created_at FROM principals ORDER BY id")
+        return [_principal(r) for r in rows]
+
+    def put_api_key(self, row: ApiKeyRow) -> None:
+        self._exec(
+            "INSERT INTO api_keys (key_id, principal_id, secret_hash, created_at, revoked) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (key_id) DO UPDATE SET "
+            "revoked = excluded.revoked",
+            (row.key_id, row.principal_id, row.secret_hash, row.created_at, int(row.revoked)),
+        )
+
+    def get_api_key(self, key_id: str) -> ApiKeyRow | None:
+        rows = self._all(
+            "SELECT key_id, principal_id, secret_hash, created_at, revoked FROM api_keys "
+            "WHERE key_id = ?",
+            (key_id,),
+        )
+        return _api_key(rows[0]) if rows else None
+
+    def list_api_keys(self, principal_id: str) -> list[ApiKeyRow]:
+        rows = self._all(
+            "SELECT key_id, principal_id, secret_hash, created_at, revoked FROM api_keys "
+            "WHERE principal_id = ? ORDER BY created_at, key_id",
+            (principal_id,),
+        )
+        return [_api_key(r) for r in rows]
+
+    # --- roles ----------------------------------------------------------------------------
+    def put_role_binding(self, row: RoleBindingRow) -> None:
+        self._exec(
+            "INSERT INTO role_bindings (principal_id, project, role) VALUES (?, ?, ?) "
+            "ON CONFLICT (principal_id, project) DO UPDATE SET role = excluded.role",
+            (row.principal_id, row.project, row.role),
+        )
+
+    def delete_role_binding(self, principal_id: str, project: str) -> bool:
+        return self._exec(
+            "DELETE FROM role_bindings WHERE principal_id = ? AND project = ?",
+            (principal_id, project),
+        ) > 0
+
+    def list_role_bindings(self, principal_id: str) -> list[RoleBindingRow]:
+        rows = self._all(
+            "SELECT principal_id, project, role FROM role_bindings WHERE principal_id = ? "
+            "ORDER BY project",
+            (principal_id,),
+        )
+        return [RoleBindingRow(principal_id=r[0], project=r[1], role=r[2]) for r in rows]
+
+    # --- quotas ---------------------------------------------------------------------------
+    def put_quota(self, row: QuotaRow) -> None:
+        self._exec(
+            "INSERT INTO quotas (project, quota) VALUES (?, ?) "
+            "ON CONFLICT (project) DO UPDATE SET quota = excluded.quota",
+            (row.project, _json_enc.encode(row.quota).decode()),
+        )
+
+    def delete_quota(self, project: str) -> bool:
+        return self._exec("DELETE FROM quotas WHERE project = ?", (project,)) > 0
+
+    def list_quotas(self) -> list[QuotaRow]:
+        rows = self._all("SELECT project, quota FROM quotas ORDER BY project")
+        return [QuotaRow(project=r[0], quota=_json_dec.decode(r[1])) for r in rows]
+
+    # --- registry -------------------------------------------------------------------------
+    def commit_events(
+        self,
+        events: Sequence[EventRow],
+        upserts: Sequence[SandboxRow] = (),
+        deletes: Sequence[str] = (),
+    ) -> None:
+        """Append ``events`` and apply the sandbox row changes in one transaction."""
+        enc = _json_enc.encode
+        with self._tx() as cur:
+            if events:
+                cur.executemany(
+                    self._s("INSERT INTO events (version, time, kind, sandbox_id, node_id, "
+                            "payload) VALUES (?, ?, ?, ?, ?, ?)"),
+                    [(e.version, e.time, e.kind, e.sandbox_id, e.node_id,
+                      enc(e.payload).decode()) for e in events],
+                )
+            if upserts:
+                cur.executemany(
+                    self._s("INSERT INTO sandboxes (id, node, project, record) "
+                            "VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                            "node = excluded.node, project = excluded.project, "
+                            "record = excluded.record"),
+                    [(s.id, s.node, s.project, enc(s.record).decode()) for s in upserts],
+                )
+            if deletes:
+                cur.executemany(self._s("DELETE FROM sandboxes WHERE id = ?"),
+                                [(d,) for d in deletes])
+
+    def read_events(self, after_version: int, limit: int) -> list[EventRow]:
+        rows = self._all(
+            "SELECT version, time, kind, sandbox_id, node_id, payload FROM events "
+            "WHERE version > ? ORDER BY version LIMIT ?",
+            (after_version, limit),
+        )
+        dec = _json_dec.decode
+        return [EventRow(version=r[0], time=r[1], kind=r[2], sandbox_id=r[3], node_id=r[4],
+                         payload=dec(r[5])) for r in rows]
+
+    def event_bounds(self) -> tuple[int, int]:
+        rows = self._all("SELECT MIN(version), MAX(version) FROM events")
+        lo, hi = rows[0]
+        return (0, 0) if hi is None else (int(lo), int(hi))
+
+    def compact_events(self, below_version: int) -> int:
+        """Delete events older than ``below_version``; the newest event is always kept
+        so the global version survives a restart."""
+        return self._exec(
+            "DELETE FROM events WHERE version < ? AND version < (SELECT MAX(version) "
+            "FROM events)",
+            (below_version,),
+        )
+
+    def list_sandboxes(self) -> list[SandboxRow]:
+        rows = self._all("SELECT id, node, project, record FROM sandboxes ORDER BY id")
+        return [SandboxRow(id=r[0], node=r[1], project=r[2], record=_json_dec.decode(r[3]))
+                for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _principal(r: tuple[Any, ...]) -> PrincipalRow:
+    return PrincipalRow(id=r[0], name=r[1], superuser=bool(r[2]), created_at=float(r[3]))
+
+
+def _api_key(r: tuple[Any, ...]) -> ApiKeyRow:
+    return ApiKeyRow(key_id=r[0], principal_id=r[1], secret_hash=bytes(r[2]),
+                     created_at=float(r[3]), revoked=bool(r[4]))

@@ -1,0 +1,47 @@
+"""The embedded default :class:`~dsec.control.store.StateStore`: SQLite in WAL mode.
+
+WAL lets readers (watchers) proceed while the writer commits; ``synchronous=NORMAL``
+keeps commits durable against process crashes (not power loss), which is the right
+trade for state the management plane can rebuild from edge heartbeats anyway.
+Measured on the CI machine (MACHINE-NOTES.md): ~33k single-row commits/s, ~170k rows/s
+batched, which is why the registry batches its event writes.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+
+from dsec.control.store.sql import Dialect, SqlStore
+from dsec.errors import InvalidArgument
+
+__all__ = ["SQLITE", "SqliteStore"]
+
+SQLITE = Dialect(name="sqlite", param="?", blob="BLOB")
+
+
+class SqliteStore(SqlStore):
+    """SQLite file (or ``":memory:"`` for tests) in WAL mode."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:
+            # The stdlib's implicit transactions (BEGIN before the first write) plus the
+            # commit in SqlStore._tx make every store method one transaction.
+            conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30.0)
+        except sqlite3.Error as exc:
+            raise InvalidArgument(
+                f"cannot open the SQLite state store at {self.path!r}: {exc}; "
+                "check the directory exists and is writable"
+            ) from exc
+        if self.path != ":memory:":
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                conn.close()
+                raise InvalidArgument(
+                    f"SQLite at {self.path!r} refused WAL mode (got {mode!r}); "
+                    "put the state store on a local filesystem"
+                )
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        super().__init__(conn, SQLITE)

@@ -1,0 +1,325 @@
+"""The watcher: node liveness from heartbeats, eviction on node loss, preemption victims.
+
+A control loop in the ``handle(*events) -> list[Instruction]`` style (CONVENTIONS.md #3):
+it owns no I/O. The runner feeds it :class:`NodeHeartbeat` and :class:`Tick` events (and
+:class:`Preempt` requests) and carries out what comes back:
+
+=====================  ================================================================
+instruction            what the runner does
+=====================  ================================================================
+:class:`UpdateNode`    ``placement.update(view)``
+:class:`EvictNode`     ``placement.remove(node)``; ``registry.evict_node(node,
+                       reason="node_lost")`` (one event per sandbox)
+:class:`DestroySandboxes`  tell the edge to destroy these sandboxes (they were evicted
+                       while the node was gone; they must not come back to life)
+:class:`PreemptSandboxes`  destroy (or pause-and-evict) the victims, then retry the create
+:class:`PreemptionFailed`  answer the create with NoCapacity
+=====================  ================================================================
+
+Liveness uses the time the control plane *received* a heartbeat (``NodeHeartbeat.time``
+stamped by the runner's clock), never the node's clock, so node clock skew cannot keep a
+dead node alive. Nodes are kept in receipt order, so a tick expires nodes in O(expired).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+
+from dsec.control.placement import NodeView
+from dsec.errors import InvalidArgument
+
+__all__ = [
+    "DestroySandboxes",
+    "EvictNode",
+    "Instruction",
+    "LiveSandbox",
+    "NodeHeartbeat",
+    "Preempt",
+    "PreemptSandboxes",
+    "PreemptionFailed",
+    "Tick",
+    "UpdateNode",
+    "Watcher",
+    "WatcherConfig",
+    "choose_victims",
+]
+
+
+class LiveSandbox(msgspec.Struct, frozen=True, kw_only=True):
+    """A sandbox a node reports as alive: id, project, its reservation (``cpu_milli``,
+    ``memory_bytes``), ``priority`` (higher wins), ``created_at`` (node clock, only
+    compared among one node's sandboxes) and ``paused``."""
+
+    id: str
+    project: str = "default"
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    priority: int = 0
+    created_at: float = 0.0
+    paused: bool = False
+
+
+class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """One heartbeat as the watcher consumes it.
+
+    ``time``: when the control plane received it (its clock, seconds). Capacity and usage
+    are reservations in millicores / bytes; ``max_sandboxes`` the edge's slot limit
+    (``None``: none). ``labels``, ``layers`` (mounted layer digests), ``cloud``, ``cost``,
+    ``zone`` and ``healthy`` pass through to placement. ``sandboxes`` lists every sandbox
+    alive on the node. The apiserver converts the edge's own heartbeat into this.
+    """
+
+    node: str
+    time: float
+    cpu_milli_capacity: int
+    memory_bytes_capacity: int
+    cpu_milli_used: int = 0
+    memory_bytes_used: int = 0
+    max_sandboxes: int | None = None
+    healthy: bool = True
+    cloud: bool = False
+    cost: float = 0.0
+    zone: str = ""
+    labels: dict[str, str] = {}
+    layers: frozenset[str] = frozenset()
+    sandboxes: tuple[LiveSandbox, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passes: expire nodes silent since before ``now - ttl_s``."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Make room on ``node`` for a sandbox of ``priority`` needing these resources."""
+
+    node: str
+    cpu_milli: int
+    memory_bytes: int
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateNode:
+    view: NodeView
+
+
+@dataclass(frozen=True, slots=True)
+class EvictNode:
+    """``node`` expired: evict its sandboxes (``sandbox_ids`` as last reported)."""
+
+    node: str
+    sandbox_ids: tuple[str, ...]
+    reason: str = "node_lost"
+
+
+@dataclass(frozen=True, slots=True)
+class DestroySandboxes:
+    node: str
+    sandbox_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptSandboxes:
+    node: str
+    sandbox_ids: tuple[str, ...]
+    for_priority: int
+    reason: str = "preempted"
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionFailed:
+    node: str
+    reason: str
+
+
+Event = NodeHeartbeat | Tick | Preempt
+Instruction = UpdateNode | EvictNode | DestroySandboxes | PreemptSandboxes | PreemptionFailed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatcherConfig:
+    """``ttl_s``: silence after which a node is expired (seconds; default 10, i.e. several
+    missed heartbeats at the edge's 1-2 s interval). ``forget_s``: how long an expired
+    node is remembered so that, if it returns, its evicted sandboxes are destroyed."""
+
+    ttl_s: float = 10.0
+    forget_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not self.ttl_s > 0 or not self.forget_s > 0:
+            raise InvalidArgument(
+                f"watcher ttl_s={self.ttl_s} and forget_s={self.forget_s} must be > 0")
+
+
+class _Node:
+    __slots__ = ("hb", "last_seen", "zombies", "doomed")
+
+    def __init__(self, hb: NodeHeartbeat) -> None:
+        self.hb = hb
+        self.last_seen = hb.time
+        self.zombies: set[str] = set()      # evicted while the node was gone
+        self.doomed: set[str] = set()       # chosen as preemption victims already
+
+
+def choose_victims(
+    sandboxes: tuple[LiveSandbox, ...] | list[LiveSandbox],
+    *,
+    free_cpu_milli: int,
+    free_memory_bytes: int,
+    free_slots: int | None,
+    need: Preempt,
+    skip: set[str] | frozenset[str] = frozenset(),
+) -> list[LiveSandbox] | None:
+    """Victims to free room for ``need``: paused first, then lowest priority, then
+    youngest; only sandboxes of strictly lower priority. ``None`` if even all of them
+    would not make room. Stops as soon as the request fits."""
+    cpu, mem = free_cpu_milli, free_memory_bytes
+    slots = free_slots
+
+    def fits() -> bool:
+        return (cpu >= need.cpu_milli and mem >= need.memory_bytes
+                and (slots is None or slots >= 1))
+
+    if fits():
+        return []
+    eligible = sorted((s for s in sandboxes if s.priority < need.priority and s.id not in skip),
+                      key=lambda s: (not s.paused, s.priority, -s.created_at, s.id))
+    victims = []
+    for s in eligible:
+        victims.append(s)
+        cpu += s.cpu_milli
+        mem += s.memory_bytes
+        if slots is not None:
+            slots += 1
+        if fits():
+            return victims
+    return None
+
+
+class Watcher:
+    """Node liveness and preemption as a pure state machine."""
+
+    def __init__(self, config: WatcherConfig | None = None) -> None:
+        self.config = config or WatcherConfig()
+        self._live: OrderedDict[str, _Node] = OrderedDict()   # receipt order
+        self._expired: OrderedDict[str, tuple[float, _Node]] = OrderedDict()
+        self._now = float("-inf")
+
+    def handle(self, *events: Event) -> list[Instruction]:
+        out: list[Instruction] = []
+        for ev in events:
+            if isinstance(ev, NodeHeartbeat):
+                self._heartbeat(ev, out)
+            elif isinstance(ev, Tick):
+                self._tick(ev.now, out)
+            elif isinstance(ev, Preempt):
+                self._preempt(ev, out)
+            else:
+                raise InvalidArgument(f"watcher cannot handle {type(ev).__name__} events")
+        return out
+
+    # --- heartbeats -------------------------------------------------------------------
+    def _heartbeat(self, hb: NodeHeartbeat, out: list[Instruction]) -> None:
+        if hb.time > self._now:
+            self._now = hb.time
+        node = self._live.pop(hb.node, None)
+        if node is None:
+            back = self._expired.pop(hb.node, None)
+            node = _Node(hb)
+            if back is not None:
+                # Everything it still runs was evicted while it was gone: nothing can have
+                # been placed on an expired node, so every listed sandbox is a zombie.
+                node.zombies = {s.id for s in hb.sandboxes}
+        node.hb = hb
+        node.last_seen = hb.time
+        self._live[hb.node] = node
+        listed = {s.id for s in hb.sandboxes}
+        if node.zombies:
+            node.zombies &= listed
+            if node.zombies:
+                out.append(DestroySandboxes(hb.node, tuple(sorted(node.zombies)), "node_lost"))
+        if node.doomed:
+            node.doomed &= listed
+        out.append(UpdateNode(self._view(hb, node.zombies)))
+
+    @staticmethod
+    def _view(hb: NodeHeartbeat, zombies: set[str]) -> NodeView:
+        groups: dict[str, int] = {}
+        for s in hb.sandboxes:
+            if s.id not in zombies:
+                groups[s.project] = groups.get(s.project, 0) + 1
+        return NodeView(
+            node=hb.node, cpu_milli_capacity=hb.cpu_milli_capacity,
+            memory_bytes_capacity=hb.memory_bytes_capacity, cpu_milli_used=hb.cpu_milli_used,
+            memory_bytes_used=hb.memory_bytes_used, sandboxes=len(hb.sandboxes),
+            max_sandboxes=hb.max_sandboxes, healthy=hb.healthy, cloud=hb.cloud, cost=hb.cost,
+            zone=hb.zone, labels=hb.labels, layers=hb.layers, groups=groups)
+
+    # --- expiry -------------------------------------------------------------------------
+    def _tick(self, now: float, out: list[Instruction]) -> None:
+        if now > self._now:
+            self._now = now
+        deadline = now - self.config.ttl_s
+        live = self._live
+        while live:
+            name, node = next(iter(live.items()))
+            if node.last_seen >= deadline:
+                break
+            del live[name]
+            self._expired[name] = (now, node)
+            out.append(EvictNode(name, tuple(sorted(s.id for s in node.hb.sandboxes))))
+        forget_before = now - self.config.forget_s
+        while self._expired:
+            name, (at, _) = next(iter(self._expired.items()))
+            if at >= forget_before:
+                break
+            del self._expired[name]
+
+    # --- preemption ---------------------------------------------------------------------
+    def _preempt(self, req: Preempt, out: list[Instruction]) -> None:
+        node = self._live.get(req.node)
+        if node is None:
+            out.append(PreemptionFailed(req.node, f"node {req.node!r} is not alive"))
+            return
+        hb = node.hb
+        free_cpu = hb.cpu_milli_capacity - hb.cpu_milli_used
+        free_mem = hb.memory_bytes_capacity - hb.memory_bytes_used
+        free_slots = None if hb.max_sandboxes is None else hb.max_sandboxes - len(hb.sandboxes)
+        for s in hb.sandboxes:   # victims already chosen count as freed
+            if s.id in node.doomed or s.id in node.zombies:
+                free_cpu += s.cpu_milli
+                free_mem += s.memory_bytes
+                if free_slots is not None:
+                    free_slots += 1
+        victims = choose_victims(hb.sandboxes, free_cpu_milli=free_cpu,
+                                 free_memory_bytes=free_mem, free_slots=free_slots, need=req,
+                                 skip=node.doomed | node.zombies)
+        if victims is None:
+            out.append(PreemptionFailed(
+                req.node,
+                f"node {req.node!r} cannot make room for cpu_milli={req.cpu_milli}, "
+                f"memory_bytes={req.memory_bytes} at priority {req.priority}: even evicting "
+                "every lower-priority sandbox would not free enough"))
+            return
+        if victims:
+            node.doomed.update(v.id for v in victims)
+            out.append(PreemptSandboxes(req.node, tuple(v.id for v in victims), req.priority))
+
+    # --- introspection ------------------------------------------------------------------
+    def views(self) -> list[NodeView]:
+        """The current snapshot of live nodes (for a full placement resync)."""
+        return [self._view(n.hb, n.zombies) for n in self._live.values()]
+
+    def live_nodes(self) -> list[str]:
+        return list(self._live)
+
+    def is_expired(self, node: str) -> bool:
+        return node in self._expired
