@@ -15,6 +15,7 @@ import click
 COMMANDS: dict[str, str] = {
     "bench": "dsec.cli.bench:bench",
     "demo": "dsec.cli.demo:demo",
+    "edge": "dsec.cli.edge:edge",
 }
 
 

@@ -1,0 +1,127 @@
+"""``dsec edge``: run one edge node and serve it over Aether until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+from typing import Any
+
+import click
+
+
+def _default_node_id() -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-")
+    return name[:63].strip("-") or "edge"
+
+
+def _mem_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def _labels(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"label {v!r} must look like key=value", param_hint="--label")
+        out[k] = val
+    return out
+
+
+def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
+    if name == "simulated":
+        from dsec.edge.backends.simulated import NodeLatencyProfile
+
+        if profile == "zero":
+            prof = NodeLatencyProfile.zero()
+        else:
+            kind = profile.removeprefix("paper").lstrip("-") or "container"
+            prof = NodeLatencyProfile.paper(kind)  # type: ignore[arg-type]
+        return {"profile": prof}
+    if name == "fncall":
+        return {"pool_size": pool_size}
+    return {}
+
+
+@click.command()
+@click.option("--listen", required=True, metavar="ADDR",
+              help="Where to serve Aether: unix:PATH or tcp:HOST:PORT.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the sandbox journal (a restarted edge adopts what it "
+                   "owned). Without it, records live in memory only.")
+@click.option("--backend", "backends", multiple=True, default=("simulated",), show_default=True,
+              help="Backend to offer (repeatable): simulated, fncall, container, ...")
+@click.option("--node-id", default=_default_node_id, show_default="hostname",
+              help="This node's id; it is part of every sandbox id it creates.")
+@click.option("--cpu-milli", type=int, default=None,
+              help="Admitted millicores (default: cores x 1000).")
+@click.option("--memory-bytes", type=int, default=None, help="Admitted memory (default: RAM).")
+@click.option("--max-sandboxes", type=int, default=1000, show_default=True)
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Node label for placement (repeatable).")
+@click.option("--profile", type=click.Choice(["zero", "paper", "paper-container", "paper-fncall",
+                                              "paper-microvm"]),
+              default="zero", show_default=True, help="Latency profile of the simulated backend.")
+@click.option("--fncall-pool-size", type=int, default=8, show_default=True,
+              help="Warm Python workers kept by the fncall backend.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id: str,
+         cpu_milli: int | None, memory_bytes: int | None, max_sandboxes: int,
+         labels: tuple[str, ...], profile: str, fncall_pool_size: int, log_level: str) -> None:
+    """Run an edge node: sandboxes on this machine, served over Aether."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from dsec.edge.admission import Capacity
+    from dsec.edge.backends import make_backend
+    from dsec.edge.node import EdgeNode, NodeConfig
+    from dsec.errors import DsecError
+
+    try:
+        cfg = NodeConfig(
+            node_id=node_id,
+            capacity=Capacity(cpu_milli=cpu_milli if cpu_milli is not None else (os.cpu_count() or 1) * 1000,
+                              memory_bytes=memory_bytes if memory_bytes is not None else _mem_total(),
+                              max_sandboxes=max_sandboxes),
+            labels=_labels(labels), state_dir=state_dir)
+        built = {name: make_backend(name, **_backend_opts(name, profile, fncall_pool_size))
+                 for name in dict.fromkeys(backends)}
+    except DsecError as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        import uvloop
+
+        uvloop.run(_serve(cfg, built, listen))
+    except DsecError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+async def _serve(cfg: Any, backends: dict[str, Any], listen: str) -> None:
+    from dsec.edge.node import EdgeNode
+    from dsec.edge.service import serve_edge
+
+    log = logging.getLogger("dsec.edge")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with EdgeNode(cfg, backends) as node:
+        server = await serve_edge(node, listen)
+        log.info("edge %s serving %s on %s (%d sandboxes adopted)", cfg.node_id,
+                 ",".join(sorted(backends)), server.address, node.live_count)
+        click.echo(f"edge {cfg.node_id} listening on {server.address}", err=True)
+        try:
+            await stop.wait()
+        finally:
+            await server.close()
+    log.info("edge %s stopped", cfg.node_id)

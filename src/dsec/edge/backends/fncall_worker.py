@@ -1,0 +1,112 @@
+"""A pre-started Python worker for the ``fncall`` backend; run as a script, not imported.
+
+Started as ``python -I fncall_worker.py FD``: it imports what a call needs, writes one
+byte ``R`` on the control socket FD (= warm), then serves exactly one request and exits.
+The edge kills its process group right after, so nothing a call leaves behind (threads,
+children, globals, monkeypatches) reaches the next call.
+
+Wire: requests (edge -> worker) are ``u32 length + msgpack``, and may carry a pickled
+function (the edge is trusted by the worker). Replies (worker -> edge) are plain msgpack
+with no pickles: the code in here is hostile and the edge must never unpickle its output.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import pickle
+import socket
+import struct
+import sys
+import time
+import traceback
+
+import msgspec
+
+_LEN = struct.Struct("!I")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _run_code(code: str, glb: dict) -> object:
+    tree = ast.parse(code, "<fncall>", "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, "<fncall>", "exec"), glb)
+    if last is not None:
+        value = eval(compile(last, "<fncall>", "eval"), glb)
+        if value is not None:
+            print(repr(value))  # like the interactive interpreter
+        return value
+    return glb.get("result")
+
+
+def _read_back(fd: int, cap: int) -> tuple[bytes, bool]:
+    size = os.lseek(fd, 0, os.SEEK_END)
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = os.read(fd, min(size, cap)) if cap else b""
+    return data, size > cap
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock.sendall(b"R")
+    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+    req = msgspec.msgpack.decode(_recv_exact(sock, n))
+    t0 = time.perf_counter()
+    out_fd = os.memfd_create("stdout")
+    err_fd = os.memfd_create("stderr")
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True)
+    sys.stdin = io.TextIOWrapper(io.BytesIO(req.get("stdin") or b""))
+    reply: dict = {"exit_code": 0}
+    try:
+        if req.get("cwd"):
+            os.chdir(req["cwd"])
+        os.environ.update(req.get("env") or {})
+        if req.get("fn") is not None:
+            fn, args, kwargs = pickle.loads(req["fn"])
+            value = fn(*args, **kwargs)
+        else:
+            value = _run_code(req["code"], {"__name__": "__main__"})
+        try:
+            reply["value"] = msgspec.msgpack.encode(value)
+        except (TypeError, ValueError, OverflowError):
+            reply["value_repr"] = repr(value)[:65536]
+    except SystemExit as e:
+        code = e.code
+        reply["exit_code"] = code if isinstance(code, int) else (0 if code is None else 1)
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # show the caller's frames, not this worker's
+        traceback.print_exception(type(e), e, tb)
+        reply["exit_code"] = 1
+        reply["error"] = f"{type(e).__name__}: {e}"[:65536]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    cap = int(req.get("cap", 1 << 20))
+    reply["stdout"], reply["stdout_truncated"] = _read_back(out_fd, cap)
+    reply["stderr"], reply["stderr_truncated"] = _read_back(err_fd, cap)
+    reply["duration_s"] = time.perf_counter() - t0
+    data = msgspec.msgpack.encode(reply)
+    sock.sendall(_LEN.pack(len(data)) + data)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
