@@ -1,0 +1,286 @@
+"""The Aether gateway: the apiserver's operations over Aether for the SDK fast path.
+
+Same :class:`~dsec.control.api.service.ApiService` as REST, so the same auth, roles,
+rate limits, idempotency and forwarding apply; only the encoding differs (msgpack with
+raw bytes, no base64, no HTTP parsing) and calls multiplex and pipeline on one
+connection. ``api.create_many`` and ``api.exec_many`` are single requests carrying many
+items, grouped per edge into one batched edge call each.
+
+Every request body carries the API key (``key``): Aether has no per-connection handshake,
+and the service's principal cache makes a repeated key a dict lookup, not a hash.
+Methods are ``api.<op>``; bodies are the structs below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from dsec.aether import Router, Server, StreamSender, serve
+from dsec.aether.messages import ErrorBody, error_body
+from dsec.control.api.service import ApiService
+from dsec.control.api.types import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    CreateSandboxRequest,
+    Info,
+    NodeView,
+    SandboxList,
+    SessionView,
+)
+from dsec.edge.spec import (
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxState,
+)
+from dsec.errors import DsecError, InvalidArgument
+
+__all__ = [
+    "GwCreate", "GwCreateMany", "GwExec", "GwExecMany", "GwFile", "GwList", "GwRef",
+    "GwSession", "GwWrite", "GwRead", "Outcome", "serve_gateway", "gateway_router",
+]
+
+
+class _Keyed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    key: str
+
+
+class GwRef(_Keyed, kw_only=True):
+    id: str
+
+
+class GwCreate(_Keyed, kw_only=True):
+    req: CreateSandboxRequest
+    idempotency_key: str | None = None
+
+
+class GwCreateMany(_Keyed, kw_only=True):
+    reqs: list[CreateSandboxRequest]
+
+
+class GwList(_Keyed, kw_only=True):
+    project: str | None = None
+    labels: dict[str, str] = {}
+    state: SandboxState | None = None
+    limit: int = 100
+    cursor: str | None = None
+
+
+class GwExec(_Keyed, kw_only=True):
+    id: str
+    req: ExecRequest
+
+
+class GwExecCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    req: ExecRequest
+
+
+class GwExecMany(_Keyed, kw_only=True):
+    calls: list[GwExecCall]
+
+
+class GwRead(_Keyed, kw_only=True):
+    id: str
+    path: str
+    offset: int = 0
+    length: int | None = None
+
+
+class GwWrite(_Keyed, kw_only=True):
+    id: str
+    path: str
+    data: bytes
+    mode: int = 0o644
+    append: bool = False
+
+
+class GwFile(_Keyed, kw_only=True):
+    id: str
+    path: str
+    recursive: bool = False
+    parents: bool = True
+
+
+class GwSession(_Keyed, kw_only=True):
+    id: str | None = None
+    lease_s: float = 60.0
+
+
+class GwKey(_Keyed, kw_only=True):
+    req: CreateKeyRequest
+
+
+class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One item of a batch reply: ``error`` or exactly one value field."""
+
+    error: ErrorBody | None = None
+    info: SandboxInfo | None = None
+    result: ExecResult | None = None
+
+
+def _outcome(x: Any) -> Outcome:
+    if isinstance(x, DsecError):
+        return Outcome(error=error_body(x))
+    if isinstance(x, SandboxInfo):
+        return Outcome(info=x)
+    return Outcome(result=x)
+
+
+def gateway_router(service: ApiService, admin: Any = None) -> Router:
+    """The ``api.*`` methods bound to ``service`` (and ``admin`` for sessions/keys)."""
+    r = Router()
+    auth = service.authenticate
+
+    def caller(body: _Keyed) -> Any:
+        return auth(body.key)
+
+    def info(b: _Keyed) -> Info:
+        c = caller(b)
+        return Info(version="0.1.0", principal=c.id, project=c.default_project,
+                    role=c.role_on(c.default_project),
+                    default_ttl_s=service.config.default_ttl_s,
+                    default_backend=service.config.default_backend)
+
+    r.add("api.info", info, request_type=_Keyed)
+
+    async def create(b: GwCreate) -> SandboxInfo:
+        return await service.create(caller(b), b.req, idempotency_key=b.idempotency_key)
+
+    r.add("api.create", create, request_type=GwCreate)
+
+    async def create_many(b: GwCreateMany) -> list[Outcome]:
+        return [_outcome(x) for x in await service.create_many(caller(b), b.reqs)]
+
+    r.add("api.create_many", create_many, request_type=GwCreateMany)
+
+    async def get(b: GwRef) -> SandboxInfo:
+        return await service.get(caller(b), b.id)
+
+    r.add("api.get", get, request_type=GwRef)
+
+    async def list_(b: GwList) -> SandboxList:
+        items, nxt = await service.list(caller(b), project=b.project, labels=b.labels,
+                                        state=b.state, limit=b.limit, cursor=b.cursor)
+        return SandboxList(items=items, next_cursor=nxt)
+
+    r.add("api.list", list_, request_type=GwList)
+
+    async def destroy(b: GwRef) -> None:
+        await service.destroy(caller(b), b.id)
+
+    r.add("api.destroy", destroy, request_type=GwRef)
+
+    async def exec_(b: GwExec) -> ExecResult:
+        return await service.exec(caller(b), b.id, b.req.validate())
+
+    r.add("api.exec", exec_, request_type=GwExec)
+
+    async def exec_many(b: GwExecMany) -> list[Outcome]:
+        items = [(c.id, c.req.validate()) for c in b.calls]
+        return [_outcome(x) for x in await service.exec_many(caller(b), items)]
+
+    r.add("api.exec_many", exec_many, request_type=GwExecMany)
+
+    async def exec_stream(b: GwExec, out: StreamSender) -> ExecResult:
+        stream = await service.exec_stream(caller(b), b.id, b.req.validate())
+        final: ExecResult | None = None
+        async for item in stream:
+            if isinstance(item, ExecResult):
+                final = item
+            else:
+                await out.send(item)
+        if final is None:
+            raise InvalidArgument("exec stream ended without a result")
+        return final
+
+    r.add("api.exec_stream", exec_stream, request_type=GwExec, streaming=True)
+
+    async def read_file(b: GwRead) -> bytes:
+        return await service.read_file(caller(b), b.id, b.path, b.offset, b.length)
+
+    r.add("api.read_file", read_file, request_type=GwRead)
+
+    async def write_file(b: GwWrite) -> None:
+        await service.write_file(caller(b), b.id, b.path, b.data, b.mode, b.append)
+
+    r.add("api.write_file", write_file, request_type=GwWrite)
+
+    async def list_dir(b: GwFile) -> list[FileInfo]:
+        return await service.list_dir(caller(b), b.id, b.path)
+
+    r.add("api.list_dir", list_dir, request_type=GwFile)
+
+    async def stat(b: GwFile) -> FileInfo:
+        return await service.stat(caller(b), b.id, b.path)
+
+    r.add("api.stat", stat, request_type=GwFile)
+
+    async def mkdir(b: GwFile) -> None:
+        await service.mkdir(caller(b), b.id, b.path, b.parents)
+
+    r.add("api.mkdir", mkdir, request_type=GwFile)
+
+    async def remove(b: GwFile) -> None:
+        await service.remove(caller(b), b.id, b.path, b.recursive)
+
+    r.add("api.remove", remove, request_type=GwFile)
+
+    async def pause(b: GwRef) -> PauseStats:
+        return await service.pause(caller(b), b.id)
+
+    r.add("api.pause", pause, request_type=GwRef)
+
+    async def resume(b: GwRef) -> SandboxInfo:
+        c = caller(b)
+        await service.resume(c, b.id)
+        return await service.get(c, b.id)
+
+    r.add("api.resume", resume, request_type=GwRef)
+
+    async def snapshot(b: GwRef) -> dict[str, Any]:
+        return await service.snapshot(caller(b), b.id)
+
+    r.add("api.snapshot", snapshot, request_type=GwRef)
+
+    async def events(b: GwRef) -> list[SandboxEvent]:
+        return await service.events(caller(b), b.id)
+
+    r.add("api.events", events, request_type=GwRef)
+
+    def nodes(b: _Keyed) -> list[NodeView]:
+        return service.nodes(caller(b))
+
+    r.add("api.nodes", nodes, request_type=_Keyed)
+
+    if admin is not None:
+        def session_open(b: GwSession) -> SessionView:
+            v: SessionView = admin.open_session(caller(b), b.lease_s)
+            return v
+
+        def session_renew(b: GwSession) -> SessionView:
+            v: SessionView = admin.renew_session(caller(b), b.id or "")
+            return v
+
+        def session_close(b: GwSession) -> None:
+            admin.close_session(caller(b), b.id or "")
+
+        def create_key(b: GwKey) -> CreateKeyResponse:
+            v: CreateKeyResponse = admin.create_key(caller(b), b.req)
+            return v
+
+        r.add("api.session_open", session_open, request_type=GwSession)
+        r.add("api.session_renew", session_renew, request_type=GwSession)
+        r.add("api.session_close", session_close, request_type=GwSession)
+        r.add("api.create_key", create_key, request_type=GwKey)
+    return r
+
+
+async def serve_gateway(service: ApiService, admin: Any, address: str) -> Server:
+    """Listen on ``address`` (``tcp:HOST:PORT`` or ``unix:PATH``) for gateway calls."""
+    return await serve(gateway_router(service, admin), address)
