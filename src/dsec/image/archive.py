@@ -1,0 +1,244 @@
+"""Safe extraction of (possibly hostile) tar streams into a staging directory.
+
+Image tarballs come from users and registries, so every member is checked before it
+touches the disk: no absolute names, no ``..``, no device nodes, no relative symlink
+climbing out of the root, no member written through a symlink (the classic
+"symlink then file under it" escape), no member or archive larger than the limits.
+Anything else raises :class:`~dsec.errors.UnsafeArchive` naming the member; the caller
+owns the staging directory and removes it on failure.
+
+Absolute symlink targets are accepted: inside a sandbox they resolve against the
+sandbox root (``/bin/sh -> /bin/busybox``), and nothing here ever follows a link.
+
+With ``oci_whiteouts=True`` the OCI encoding of deletions is translated into overlayfs'
+own: ``dir/.wh.name`` becomes a character device 0/0 at ``dir/name`` and
+``dir/.wh..wh..opq`` sets ``trusted.overlay.opaque=y`` on ``dir``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import stat
+import tarfile
+from dataclasses import dataclass, field
+from typing import IO
+
+from dsec.errors import UnsafeArchive
+from dsec.image.tree import make_whiteout, remove_path, set_opaque
+
+__all__ = ["ExtractLimits", "ExtractStats", "extract_tar"]
+
+_WH = ".wh."
+_OPQ = ".wh..wh..opq"
+_XATTR_PAX = "SCHILY.xattr."
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExtractLimits:
+    """Ceilings that turn a decompression bomb into an error instead of a full disk."""
+
+    max_member_bytes: int = 16 * 2**30      # one file; larger is refused
+    max_total_bytes: int = 64 * 2**30       # sum of regular-file sizes in the archive
+    max_members: int = 5_000_000
+    max_path_bytes: int = 4096
+
+
+@dataclass(slots=True)
+class ExtractStats:
+    members: int = 0
+    content_bytes: int = 0
+    whiteouts: int = 0
+    opaque_dirs: int = 0
+    _dir_meta: list[tuple[str, tarfile.TarInfo]] = field(default_factory=list)
+
+
+def _clean_name(raw: str, what: str) -> str:
+    """Normalise a member name to a relative path; refuse escapes."""
+    if "\0" in raw:
+        raise UnsafeArchive(f"tar {what} {raw!r} contains a NUL byte", member=raw)
+    if raw.startswith("/"):
+        raise UnsafeArchive(f"tar {what} {raw!r} is an absolute path; image archives must "
+                            "use relative names", member=raw)
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeArchive(f"tar {what} {raw!r} contains '..'", member=raw)
+    return "/".join(parts)
+
+
+def _ensure_parent(root: str, rel: str, member: str) -> str:
+    """Create the parent directories of ``rel`` under ``root`` without following links."""
+    parent = root
+    for comp in rel.split("/")[:-1]:
+        parent = os.path.join(parent, comp)
+        try:
+            st = os.lstat(parent)
+        except FileNotFoundError:
+            os.mkdir(parent, 0o755)
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeArchive(
+                f"tar member {member!r} would be written through the symlink "
+                f"{os.path.relpath(parent, root)!r}", member=member)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeArchive(f"tar member {member!r} needs {os.path.relpath(parent, root)!r} "
+                                "to be a directory but it is a file", member=member)
+    return os.path.join(root, rel)
+
+
+def _symlink_escapes(rel: str, target: str) -> bool:
+    if target.startswith("/"):
+        return False
+    depth = len(rel.split("/")) - 1
+    for comp in target.split("/"):
+        if comp == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif comp not in ("", "."):
+            depth += 1
+    return False
+
+
+def _set_meta(path: str, ti: tarfile.TarInfo, *, link: bool, is_root: bool) -> None:
+    if is_root:
+        os.lchown(path, ti.uid, ti.gid)
+    if not link:
+        os.chmod(path, ti.mode & 0o7777)
+        for key, value in ti.pax_headers.items():
+            if key.startswith(_XATTR_PAX):
+                name = key[len(_XATTR_PAX):]
+                # overlay's private xattrs in an archive could forge whiteouts/redirects.
+                if name.startswith("trusted.overlay."):
+                    continue
+                try:
+                    os.setxattr(path, name, value.encode("utf-8", "surrogateescape"),
+                                follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTSUP, errno.EPERM):
+                        raise
+    os.utime(path, ns=(int(ti.mtime * 1e9),) * 2, follow_symlinks=False)
+
+
+def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = ExtractLimits(),
+                oci_whiteouts: bool = False) -> ExtractStats:
+    """Extract the tar stream ``fileobj`` (plain, gzip, bzip2 or xz) into ``dest``."""
+    is_root = os.geteuid() == 0
+    stats = ExtractStats()
+    try:
+        tf = tarfile.open(fileobj=fileobj, mode="r|*")
+    except tarfile.TarError as exc:
+        raise UnsafeArchive(f"not a readable tar stream: {exc}") from exc
+    try:
+        with tf:
+            for ti in tf:
+                _extract_member(tf, ti, dest, limits, stats, oci_whiteouts, is_root)
+    except tarfile.TarError as exc:
+        raise UnsafeArchive(f"corrupt tar stream after {stats.members} members: {exc}") from exc
+    except EOFError as exc:
+        raise UnsafeArchive(f"truncated tar stream after {stats.members} members") from exc
+    for path, ti in reversed(stats._dir_meta):
+        _set_meta(path, ti, link=False, is_root=is_root)
+    stats._dir_meta.clear()
+    return stats
+
+
+def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
+                    limits: ExtractLimits, stats: ExtractStats, oci: bool,
+                    is_root: bool) -> None:
+    stats.members += 1
+    if stats.members > limits.max_members:
+        raise UnsafeArchive(f"tar has more than {limits.max_members} members")
+    if len(ti.name.encode("utf-8", "surrogateescape")) > limits.max_path_bytes:
+        raise UnsafeArchive(f"tar member name of {len(ti.name)} chars exceeds "
+                            f"{limits.max_path_bytes} bytes", member=ti.name[:200])
+    rel = _clean_name(ti.name, "member")
+    if ti.ischr() or ti.isblk():
+        raise UnsafeArchive(f"tar member {ti.name!r} is a device node; images may not carry "
+                            "devices (the sandbox gets its own /dev)", member=ti.name)
+    if ti.isreg() and ti.size > limits.max_member_bytes:
+        raise UnsafeArchive(f"tar member {ti.name!r} is {ti.size} bytes, over the limit of "
+                            f"{limits.max_member_bytes}", member=ti.name)
+    if not rel:                                 # "./" itself: metadata of the root
+        if ti.isdir():
+            stats._dir_meta.append((dest, ti))
+        return
+    base = posixpath.basename(rel)
+    if oci and base.startswith(_WH):
+        parent_rel = posixpath.dirname(rel)
+        if parent_rel:
+            d = _ensure_parent(dest, parent_rel + "/x", ti.name)
+            d = os.path.dirname(d)
+            if not os.path.lexists(d):
+                os.mkdir(d, 0o755)
+        else:
+            d = dest
+        if base == _OPQ:
+            set_opaque(d)
+            stats.opaque_dirs += 1
+        else:
+            hidden = base[len(_WH):]
+            if hidden in ("", ".", "..") or "/" in hidden:
+                raise UnsafeArchive(f"tar whiteout {ti.name!r} names no entry", member=ti.name)
+            target = os.path.join(d, hidden)
+            remove_path(target)
+            make_whiteout(target)
+            stats.whiteouts += 1
+        return
+    path = _ensure_parent(dest, rel, ti.name)
+    if ti.isdir():
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                remove_path(path)
+                os.mkdir(path, 0o700)
+        except FileNotFoundError:
+            os.mkdir(path, 0o700)
+        stats._dir_meta.append((path, ti))
+        return
+    remove_path(path)
+    if ti.isreg():
+        stats.content_bytes += ti.size
+        if stats.content_bytes > limits.max_total_bytes:
+            raise UnsafeArchive(f"tar content exceeds {limits.max_total_bytes} bytes at member "
+                                f"{ti.name!r}", member=ti.name)
+        src = tf.extractfile(ti)
+        assert src is not None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            left = ti.size
+            while left > 0:
+                chunk = src.read(min(_CHUNK, left))
+                if not chunk:
+                    raise UnsafeArchive(f"tar member {ti.name!r} is truncated", member=ti.name)
+                os.write(fd, chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        _set_meta(path, ti, link=False, is_root=is_root)
+    elif ti.issym():
+        if _symlink_escapes(rel, ti.linkname):
+            raise UnsafeArchive(f"tar symlink {ti.name!r} -> {ti.linkname!r} points outside "
+                                "the image root", member=ti.name)
+        os.symlink(ti.linkname, path)
+        _set_meta(path, ti, link=True, is_root=is_root)
+    elif ti.islnk():
+        target_rel = _clean_name(ti.linkname, "hardlink target")
+        target = _ensure_parent(dest, target_rel, ti.name)
+        try:
+            tst = os.lstat(target)
+        except FileNotFoundError:
+            raise UnsafeArchive(f"tar hardlink {ti.name!r} -> {ti.linkname!r}: target is not "
+                                "in the archive before it", member=ti.name) from None
+        if stat.S_ISDIR(tst.st_mode):
+            raise UnsafeArchive(f"tar hardlink {ti.name!r} points at a directory",
+                                member=ti.name)
+        os.link(target, path, follow_symlinks=False)
+    elif ti.isfifo():
+        os.mkfifo(path, 0o600)
+        _set_meta(path, ti, link=False, is_root=is_root)
+    else:
+        raise UnsafeArchive(f"tar member {ti.name!r} has unsupported type {ti.type!r}",
+                            member=ti.name)

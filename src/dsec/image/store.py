@@ -1,0 +1,280 @@
+"""The content-addressed layer store of one node.
+
+Layout under ``root``::
+
+    layers/<hex>.erofs      the layer files, named by their sha256, read-only (0444)
+    manifests/<hex>.json    LayerManifest per layer
+    index/<hex>.idx         pack_diff's record of the upperdir a snapshot was taken from
+    refs.json               {"name:tag": "sha256:<hex>"}
+    tmp/                    staging trees and half-written layers (never read as layers)
+    lock                    flock(2) taken by every mutation (CLI and edge may race)
+
+A layer appears atomically: the EROFS file is written under ``tmp/``, hashed, renamed
+into ``layers/`` and only then gets its manifest. A failed build or import leaves
+nothing behind but a ``tmp/`` entry that is removed on the way out.
+
+Builds are not bit-reproducible (mkfs.erofs 1.5 stamps a random UUID and the build
+time into the superblock), so the same tree built twice gives two digests. Digests name
+bytes, which is what verification needs; dedup of identical trees is not attempted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from typing import IO
+
+import msgspec
+
+from dsec.errors import ImageError, ImageNotFound, InUse, InvalidArgument
+from dsec.image.archive import ExtractLimits, extract_tar
+from dsec.image.erofs import Compression, ProgressFn, hash_file, mkfs_erofs
+from dsec.image.manifest import (
+    DIGEST_PREFIX,
+    LAYER_KINDS,
+    LayerKind,
+    LayerManifest,
+    parse_ref,
+)
+from dsec.image.tree import tree_stats
+
+__all__ = ["LayerStore", "mounted_sources"]
+
+_json_enc = msgspec.json.Encoder()
+_manifest_dec = msgspec.json.Decoder(LayerManifest)
+_refs_dec = msgspec.json.Decoder(dict[str, str])
+
+
+def mounted_sources() -> set[str]:
+    """Sources of every mount in this mount namespace (layer files appear here)."""
+    out: set[str] = set()
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            _, _, rest = line.partition(" - ")
+            parts = rest.split(" ")
+            if len(parts) >= 2:
+                out.add(_unescape(parts[1]))
+    return out
+
+
+def _unescape(s: str) -> str:
+    if "\\" not in s:
+        return s
+    return s.encode().decode("unicode_escape")
+
+
+class LayerStore:
+    """Layers by digest, names by ``name:tag``; safe for concurrent processes."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        for sub in ("layers", "manifests", "index", "tmp"):
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+
+    # ----------------------------------------------------------------- paths & locking
+    def layer_path(self, layer: LayerManifest | str) -> str:
+        digest = layer.digest if isinstance(layer, LayerManifest) else layer
+        return os.path.join(self.root, "layers", digest.removeprefix(DIGEST_PREFIX) + ".erofs")
+
+    def _manifest_path(self, hx: str) -> str:
+        return os.path.join(self.root, "manifests", hx + ".json")
+
+    def index_path(self, digest: str) -> str:
+        return os.path.join(self.root, "index", digest.removeprefix(DIGEST_PREFIX) + ".idx")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def staging(self, prefix: str = "stage-") -> Iterator[str]:
+        """A scratch directory inside the store (same filesystem), removed on exit."""
+        path = os.path.join(self.root, "tmp", prefix + secrets.token_hex(6))
+        os.mkdir(path, 0o755)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------------- refs
+    def _read_refs(self) -> dict[str, str]:
+        try:
+            with open(os.path.join(self.root, "refs.json"), "rb") as f:
+                return _refs_dec.decode(f.read())
+        except FileNotFoundError:
+            return {}
+
+    def _write_refs(self, refs: dict[str, str]) -> None:
+        path = os.path.join(self.root, "refs.json")
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(_json_enc.encode(dict(sorted(refs.items()))))
+        os.replace(tmp, path)
+
+    def refs(self) -> dict[str, str]:
+        """``name:tag`` -> digest."""
+        return self._read_refs()
+
+    def tag(self, ref: str, name: str, tag: str = "latest") -> None:
+        """Point ``name:tag`` at the layer ``ref`` names (moves an existing tag)."""
+        parse_ref(f"{name}:{tag}")
+        m = self.get(ref)
+        with self._locked():
+            refs = self._read_refs()
+            refs[f"{name}:{tag}"] = m.digest
+            self._write_refs(refs)
+
+    # ------------------------------------------------------------------------ reads
+    def get(self, ref: str) -> LayerManifest:
+        """The manifest ``ref`` names (``name[:tag]``, ``sha256:<hex or prefix>``)."""
+        p = parse_ref(ref)
+        if p.digest_hex is not None:
+            hx = p.digest_hex
+            if len(hx) < 64:
+                matches = [n[:-5] for n in os.listdir(os.path.join(self.root, "manifests"))
+                           if n.startswith(hx) and n.endswith(".json")]
+                if len(matches) > 1:
+                    raise InvalidArgument(f"digest prefix {ref!r} is ambiguous: it matches "
+                                          f"{len(matches)} layers; give more digits")
+                if not matches:
+                    raise ImageNotFound(f"no layer with digest {ref!r} in {self.root}", ref=ref)
+                hx = matches[0]
+            return self._load(hx, ref)
+        digest = self._read_refs().get(f"{p.name}:{p.tag}")
+        if digest is None:
+            raise ImageNotFound(f"no image named {p.name}:{p.tag} in {self.root}; "
+                                "see `dsec image ls`", ref=ref)
+        return self._load(digest.removeprefix(DIGEST_PREFIX), ref)
+
+    def _load(self, hx: str, ref: str) -> LayerManifest:
+        try:
+            with open(self._manifest_path(hx), "rb") as f:
+                return _manifest_dec.decode(f.read())
+        except FileNotFoundError:
+            raise ImageNotFound(f"no layer {DIGEST_PREFIX}{hx} in {self.root} (ref {ref!r})",
+                                ref=ref) from None
+        except msgspec.DecodeError as exc:
+            raise ImageError(f"manifest of {DIGEST_PREFIX}{hx} is unreadable: {exc}") from exc
+
+    def list(self) -> list[LayerManifest]:
+        out = []
+        for n in sorted(os.listdir(os.path.join(self.root, "manifests"))):
+            if n.endswith(".json"):
+                out.append(self._load(n[:-5], n))
+        return sorted(out, key=lambda m: m.created)
+
+    def lowers(self, top: LayerManifest) -> list[LayerManifest]:
+        """A snapshot's full stack (its chain, then the image), highest first."""
+        out = [top]
+        seen = {top.digest}
+        cur = top
+        while cur.parent is not None:
+            cur = self.get(cur.parent)
+            if cur.digest in seen:
+                raise ImageError(f"snapshot chain of {top.digest} loops at {cur.digest}")
+            seen.add(cur.digest)
+            out.append(cur)
+        out.extend(self.get(d) for d in top.stack)
+        return out
+
+    # ----------------------------------------------------------------------- writes
+    def add_tree(self, src_dir: str, *, kind: LayerKind, name: str | None = None,
+                 tag: str = "latest", labels: dict[str, str] | None = None,
+                 compression: Compression | None = None, parent: str | None = None,
+                 stack: Sequence[str] = (), progress: ProgressFn | None = None
+                 ) -> LayerManifest:
+        """Pack the directory ``src_dir`` into a new layer."""
+        if kind not in LAYER_KINDS:
+            raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(LAYER_KINDS)}")
+        if name is not None:
+            parse_ref(f"{name}:{tag}")
+        if not os.path.isdir(src_dir):
+            raise InvalidArgument(f"cannot build a layer from {src_dir!r}: not a directory")
+        stats = tree_stats(src_dir)
+        tmp = os.path.join(self.root, "tmp", f"layer-{secrets.token_hex(6)}.erofs")
+        try:
+            mkfs_erofs(src_dir, tmp, compression=compression,
+                       expected_bytes=max(stats.content_bytes, 1), progress=progress)
+            hx = hash_file(tmp, progress=progress)
+            size = os.stat(tmp).st_size
+            os.chmod(tmp, 0o444)
+            manifest = LayerManifest(
+                digest=DIGEST_PREFIX + hx, kind=kind, size_bytes=size, created=time.time(),
+                name=name, tag=tag if name else None, content_bytes=stats.content_bytes,
+                entries=stats.entries, compression=compression, labels=dict(labels or {}),
+                parent=parent, stack=tuple(stack))
+            with self._locked():
+                os.replace(tmp, self.layer_path(manifest.digest))
+                mpath = self._manifest_path(hx)
+                with open(mpath + ".tmp", "wb") as f:
+                    f.write(_json_enc.encode(manifest))
+                os.replace(mpath + ".tmp", mpath)
+                if name:
+                    refs = self._read_refs()
+                    refs[f"{name}:{tag}"] = manifest.digest
+                    self._write_refs(refs)
+            return manifest
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def add_tar(self, fileobj: IO[bytes], *, kind: LayerKind, name: str | None = None,
+                tag: str = "latest", labels: dict[str, str] | None = None,
+                compression: Compression | None = None,
+                limits: ExtractLimits = ExtractLimits(), oci_whiteouts: bool = False,
+                progress: ProgressFn | None = None) -> LayerManifest:
+        """Build a layer from a tar stream, unpacked safely into a staging directory."""
+        with self.staging() as stage:
+            extract_tar(fileobj, stage, limits=limits, oci_whiteouts=oci_whiteouts)
+            return self.add_tree(stage, kind=kind, name=name, tag=tag, labels=labels,
+                                 compression=compression, progress=progress)
+
+    def users(self, digest: str) -> list[str]:
+        """Why ``digest`` cannot be removed: mounts of it and layers that build on it."""
+        why = []
+        if self.layer_path(digest) in mounted_sources():
+            why.append("mounted on this node")
+        for m in self.list():
+            if m.parent == digest or digest in m.stack:
+                why.append(f"snapshot {m.digest} builds on it")
+        return why
+
+    def remove(self, ref: str) -> LayerManifest:
+        """Delete a layer and every ref to it; refuses (InUse) while anything uses it."""
+        m = self.get(ref)
+        with self._locked():
+            why = self.users(m.digest)
+            if why:
+                raise InUse(f"layer {m.ref} ({m.digest}) is in use: {'; '.join(why)}; "
+                            "destroy the sandboxes / snapshots using it first",
+                            digest=m.digest)
+            refs = {k: v for k, v in self._read_refs().items() if v != m.digest}
+            self._write_refs(refs)
+            for path in (self._manifest_path(m.hex), self.layer_path(m.digest),
+                         self.index_path(m.digest)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        return m
+
+    def write_index(self, digest: str, data: bytes) -> None:
+        path = self.index_path(digest)
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+    def read_index(self, digest: str) -> bytes | None:
+        try:
+            with open(self.index_path(digest), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
