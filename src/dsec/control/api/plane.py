@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -35,15 +36,26 @@ from dsec.control.api.types import (
 from dsec.control.apiserver import AdminOps
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
+from dsec.control.placement import Decision, Placement, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
 from dsec.control.store import QuotaRow, StateStore
+from dsec.control.watcher import (
+    DestroySandboxes,
+    EvictNode,
+    LiveSandbox,
+    NodeHeartbeat,
+    PreemptSandboxes,
+    Tick,
+    UpdateNode,
+    Watcher,
+    WatcherConfig,
+)
 from dsec.edge.spec import SandboxInfo, SandboxSpec
 from dsec.errors import (
     DsecError,
     InvalidArgument,
-    NoCapacity,
     NotFound,
     PermissionDenied,
     SandboxNotFound,
@@ -53,6 +65,8 @@ from dsec.ids import NodeId, node_of, parse_project_path
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "PlaneConfig"]
 
 log = logging.getLogger("dsec.control")
+
+BACKEND_LABEL = "dsec.io/backend."
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -107,9 +121,10 @@ class ControlPlane:
     edges: dict[str, EdgeEntry] = field(default_factory=dict)
     sessions: dict[str, Session] = field(default_factory=dict)
     service: ApiService | None = None
+    placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
+    watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
-    _inflight: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     _started_at: float = 0.0
 
     @classmethod
@@ -120,8 +135,10 @@ class ControlPlane:
         for row in store.list_quotas():
             quota.set_quota(row.project, Quota(**row.quota))
         registry = Registry(store, clock=clock, quota=quota)
+        cfg = config or PlaneConfig()
         plane = cls(store=store, iam=iam, quota=quota, registry=registry, metrics=metrics,
-                    config=config or PlaneConfig(), clock=clock)
+                    config=cfg, clock=clock,
+                    watcher=Watcher(WatcherConfig(ttl_s=cfg.node_ttl_s)))
         metrics.on_scrape(plane._refresh_gauges)
         return plane
 
@@ -164,44 +181,19 @@ class ControlPlane:
         return out
 
     # ----------------------------------------------------------- placement
-    # SEAM: until dsec.control.placement lands this picks the healthy edge with the most
-    # free millicores among those that offer the backend, overlaying in-flight creates.
-    def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> str:
-        now = self.clock()
-        best: tuple[float, str] | None = None
-        for e in self.edges.values():
-            hb = e.heartbeat
-            if e.node in exclude or hb is None or not self._healthy(e, now):
-                continue
-            if hb.backends and spec.backend not in hb.backends:
-                continue
-            fl = self._inflight.get(e.node, (0, 0, 0))
-            free_cpu = hb.capacity.cpu_milli - hb.usage.cpu_milli - fl[0]
-            free_mem = hb.capacity.memory_bytes - hb.usage.memory_bytes - fl[1]
-            free_n = hb.capacity.sandboxes - hb.usage.sandboxes - fl[2]
-            if free_cpu < spec.cpu_milli or free_mem < spec.memory_bytes or free_n < 1:
-                continue
-            score = free_cpu / max(1, hb.capacity.cpu_milli)
-            if best is None or score > best[0]:
-                best = (score, e.node)
-        if best is None:
-            raise NoCapacity(
-                f"no healthy node offers backend {spec.backend!r} with {spec.cpu_milli} "
-                f"millicores and {spec.memory_bytes} bytes free (nodes: "
-                f"{', '.join(sorted(self.edges)) or 'none'}; excluded: "
-                f"{', '.join(sorted(exclude)) or 'none'})", backend=spec.backend)
-        fl = self._inflight.get(best[1], (0, 0, 0))
-        self._inflight[best[1]] = (fl[0] + spec.cpu_milli, fl[1] + spec.memory_bytes, fl[2] + 1)
-        return best[1]
+    # dsec.control.placement decides; the edge's backends travel as node labels
+    # ``dsec.io/backend.<name>=1`` so a create selects nodes offering its backend.
+    def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> Decision:
+        req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
+                               selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
+                               group=spec.project)
+        return self.placement.place(req, exclude=exclude)
 
-    def release(self, node: str, spec: SandboxSpec) -> None:
-        fl = self._inflight.get(node)
-        if fl is not None:
-            n = (fl[0] - spec.cpu_milli, fl[1] - spec.memory_bytes, fl[2] - 1)
-            if n[2] <= 0:
-                del self._inflight[node]
-            else:
-                self._inflight[node] = n
+    def accepted(self, decision: Decision) -> None:
+        self.placement.confirm(decision)
+
+    def refused(self, decision: Decision) -> None:
+        self.placement.forget(decision)
 
     # --------------------------------------------------------------- quotas
     def admit(self, project: str, spec: SandboxSpec) -> object:
@@ -218,9 +210,7 @@ class ControlPlane:
 
     def commit(self, token: object, info: SandboxInfo) -> None:
         self.quota.remove(str(token))
-        # The create reached the edge: its node's in-flight overlay is now in its usage.
         spec = info.spec
-        self.release(info.node, spec)
         try:
             self.registry.add_sandbox(SandboxRecord(
                 id=info.id, node=info.node, project=spec.project, backend=spec.backend,
@@ -346,14 +336,25 @@ class ControlPlane:
     async def _poll(self, e: EdgeEntry) -> None:
         link: Any = e.link
         try:
-            hb = await link.heartbeat(include_sandboxes=False)
+            hb = await link.heartbeat(include_sandboxes=True)
             feed = await link.feed(e.feed_after, 10_000)
         except DsecError as exc:
             log.debug("edge %s unreachable: %s", e.node, exc)
             return
         e.heartbeat = hb
-        e.last_seen = self.clock()
+        e.last_seen = now = self.clock()
         e.feed_after = feed.next
+        labels = dict(hb.labels)
+        labels.update({f"{BACKEND_LABEL}{b}": "1" for b in hb.backends})
+        await self._carry_out(self.watcher.handle(NodeHeartbeat(
+            node=e.node, time=now, cpu_milli_capacity=hb.capacity.cpu_milli,
+            memory_bytes_capacity=hb.capacity.memory_bytes, cpu_milli_used=hb.usage.cpu_milli,
+            memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
+            labels=labels,
+            sandboxes=tuple(LiveSandbox(id=b.id, project=b.project, cpu_milli=b.cpu_milli,
+                                        memory_bytes=b.memory_bytes, priority=b.priority,
+                                        paused=b.state == "paused")
+                            for b in hb.sandboxes or ()))))
         for ev in feed.events:
             if ev.to_state in ("destroyed", "failed"):
                 self.forget(ev.sandbox_id, ev.reason)
@@ -365,11 +366,31 @@ class ControlPlane:
                 except SandboxNotFound:
                     pass
 
+    async def _carry_out(self, instructions: list[Any]) -> None:
+        """Execute what the watcher decided."""
+        for ins in instructions:
+            if isinstance(ins, UpdateNode):
+                self.placement.update(ins.view)
+            elif isinstance(ins, EvictNode):
+                self.placement.remove(ins.node)
+                self.registry.evict(ins.sandbox_ids, reason=ins.reason)
+            elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
+                link = self.edge(NodeId(ins.node))
+                if link is not None and ins.sandbox_ids:
+                    reason = "preempted" if isinstance(ins, PreemptSandboxes) else "node_lost"
+                    try:
+                        await link.destroy_many(list(ins.sandbox_ids), reason=reason)
+                    except DsecError as exc:
+                        log.warning("could not destroy %s on %s: %s", ins.sandbox_ids,
+                                    ins.node, exc)
+                self.registry.evict(ins.sandbox_ids, reason=ins.reason)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             try:
                 await self.poll_edges()
+                await self._carry_out(self.watcher.handle(Tick(self.clock())))
             except Exception:  # noqa: BLE001 - keep polling
                 log.exception("edge poll failed")
 

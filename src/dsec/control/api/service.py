@@ -115,10 +115,12 @@ class NodeDirectory(Protocol):
 
 
 class Placer(Protocol):
-    """Control-plane placement: pick a node for ``spec`` avoiding ``exclude``."""
+    """Control-plane placement: a decision (with ``.node``) for ``spec`` avoiding
+    ``exclude``; then ``accepted`` or ``refused`` by the edge. Raises ``NoCapacity``."""
 
-    def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> str: ...
-    def release(self, node: str, spec: SandboxSpec) -> None: ...
+    def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> Any: ...
+    def accepted(self, decision: Any) -> None: ...
+    def refused(self, decision: Any) -> None: ...
 
 
 class QuotaGate(Protocol):
@@ -330,24 +332,28 @@ class ApiService:
         exclude: set[str] = set()
         last: DsecError | None = None
         for attempt in range(self.config.placement_retries + 1):
-            node = self.placer.place(spec, frozenset(exclude))
+            dec = self.placer.place(spec, frozenset(exclude))
+            node = dec.node
             edge = self.directory.edge(NodeId(node))
             if edge is None:
-                self.placer.release(node, spec)
+                self.placer.refused(dec)
                 exclude.add(node)
                 continue
             try:
-                return await edge.create(spec)
+                info = await edge.create(spec)
             except (CapacityExceeded, TransportError) as exc:
                 # The edge's own view said no (or it is unreachable): exclude it, pick again.
-                self.placer.release(node, spec)
+                self.placer.refused(dec)
                 exclude.add(node)
                 last = exc
                 if attempt < self.config.placement_retries:
                     self.metrics.placement_retries.inc()
+                continue
             except BaseException:
-                self.placer.release(node, spec)
+                self.placer.refused(dec)
                 raise
+            self.placer.accepted(dec)
+            return info
         raise NoCapacity(
             f"no node could take a {spec.backend} sandbox with {spec.cpu_milli} millicores and "
             f"{spec.memory_bytes} bytes after {self.config.placement_retries + 1} attempts "
