@@ -391,9 +391,9 @@ class EdgeNode:
         self._feed.append((self._seq, sid, rec.events[0]))
         try:
             await backend.create(SandboxId(sid), spec)
-            self._move(rec, "created", "requested")
             if self.journal is not None:
-                self.journal.put(rec)
+                self.journal.put(rec)  # only notes it; the state is read at flush time
+            self._move(rec, "created", "requested")
         except BaseException as exc:
             await self._abort_create(rec, exc)
             if isinstance(exc, Exception):
@@ -406,9 +406,7 @@ class EdgeNode:
     async def _abort_create(self, rec: _Sandbox, exc: BaseException) -> None:
         """Roll back a failed create: backend cleanup, reservation, record; final event."""
         detail = f"{type(exc).__name__}: {exc}"
-        if rec.state != "failed":
-            if rec.state == "running":  # failed after the backend finished (e.g. journal)
-                rec.state = "creating"
+        if rec.state == "creating":
             self._move(rec, "fail", "create_failed", detail)
         try:
             await rec.backend.destroy(SandboxId(rec.id))
