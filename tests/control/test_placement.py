@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from dsec.control.placement import (
+    NodeView,
+    Placement,
+    PlacementConfig,
+    PlacementRequest,
+)
+from dsec.errors import InvalidArgument, NoCapacity
+
+GiB = 1 << 30
+
+
+def view(i: int | str, *, cpu: int = 16000, mem: int = 64 * GiB, used_cpu: int = 0,
+         used_mem: int = 0, **kw: object) -> NodeView:
+    name = i if isinstance(i, str) else f"n{i}"
+    return NodeView(node=name, cpu_milli_capacity=cpu, memory_bytes_capacity=mem,
+                    cpu_milli_used=used_cpu, memory_bytes_used=used_mem, **kw)  # type: ignore[arg-type]
+
+
+def cluster(n: int, seed: int = 1, **cfg: object) -> Placement:
+    p = Placement(rng=random.Random(seed), config=PlacementConfig(**cfg))  # type: ignore[arg-type]
+    p.apply_snapshot(view(i) for i in range(n))
+    return p
+
+
+REQ = PlacementRequest(cpu_milli=1000, memory_bytes=4 * GiB)
+
+
+def test_k_at_least_n_without_jitter_equals_exhaustive_best() -> None:
+    rng = random.Random(5)
+    p = Placement(rng=random.Random(2), config=PlacementConfig(k=64, jitter=0.0))
+    p.apply_snapshot(view(i, used_cpu=rng.randrange(0, 15000), used_mem=rng.randrange(0, 60) * GiB,
+                          layers=frozenset({"L1"} if i % 3 else set()), groups={"g": i % 4})
+                     for i in range(40))
+    for req in (REQ, PlacementRequest(cpu_milli=500, memory_bytes=GiB, layers=("L1", "L2"),
+                                      group="g")):
+        best = p.best(req)
+        d = p.place(req)
+        assert d.node == best
+        p.forget(d)
+
+
+def test_only_feasible_nodes_are_chosen_and_no_capacity_is_clear() -> None:
+    p = cluster(0)
+    p.apply_snapshot([view(0, used_cpu=16000), view(1, used_mem=63 * GiB),
+                      view(2, max_sandboxes=1, sandboxes=1), view(3, healthy=False),
+                      view(4)])
+    for _ in range(20):
+        d = p.place(REQ)
+        assert d.node == "n4"
+        p.forget(d)
+    p.update(view(4, used_cpu=15500))
+    with pytest.raises(NoCapacity) as exc:
+        p.place(REQ)
+    assert "cpu_milli=1000" in str(exc.value) and "4 candidate nodes" in str(exc.value)
+
+
+def test_scan_fallback_finds_the_last_free_node() -> None:
+    p = Placement(rng=random.Random(3), config=PlacementConfig(k=4, max_rounds=2))
+    p.apply_snapshot(view(i, used_cpu=16000) for i in range(999))
+    p.update(view(999))
+    assert p.place(REQ).node == "n999"
+
+
+def test_selector_samples_from_the_label_pool() -> None:
+    p = cluster(0, k=2)
+    p.apply_snapshot([view(i, labels={"gpu": "a100"} if i == 777 else {"gpu": "none"})
+                      for i in range(1000)])
+    req = PlacementRequest(cpu_milli=100, memory_bytes=GiB, selector={"gpu": "a100"})
+    assert {p.place(req).node for _ in range(10)} == {"n777"}
+    p.update(view(777, labels={"gpu": "h100"}))      # label change moves it between pools
+    with pytest.raises(NoCapacity, match="selector"):
+        p.place(req)
+
+
+def test_required_layers_and_locality_preference() -> None:
+    p = cluster(0, k=8)
+    p.apply_snapshot([view(i, layers=frozenset({"base", "ws"}) if i < 2 else frozenset())
+                      for i in range(8)])
+    req = PlacementRequest(cpu_milli=100, memory_bytes=GiB, layers=("base", "ws"),
+                           require_layers=True)
+    assert {p.place(req).node for _ in range(20)} <= {"n0", "n1"}
+    soft = PlacementRequest(cpu_milli=100, memory_bytes=GiB, layers=("base", "ws"))
+    p2 = cluster(0, k=8)
+    p2.apply_snapshot([view(i, layers=frozenset({"base", "ws"}) if i == 5 else frozenset())
+                       for i in range(8)])
+    d = p2.place(soft)
+    assert d.node == "n5"
+
+
+def test_overlay_back_to_back_decisions_see_their_own_load() -> None:
+    p = cluster(0, k=4)
+    p.apply_snapshot([view(0, max_sandboxes=1), view(1, max_sandboxes=1)])
+    a = p.place(REQ)
+    b = p.place(REQ)
+    assert {a.node, b.node} == {"n0", "n1"}
+    with pytest.raises(NoCapacity):
+        p.place(REQ)
+    p.forget(a)                        # the edge refused: the slot comes back
+    c = p.place(REQ)
+    assert c.node == a.node
+    p.confirm(c)                       # accepted: still charged until the next snapshot
+    assert p.usage(c.node) == (1000, 4 * GiB, 1)
+    # the next snapshot includes the confirmed sandbox; pending b is still overlaid
+    p.update(view(c.node, max_sandboxes=1, used_cpu=1000, used_mem=4 * GiB, sandboxes=1))
+    p.update(view(b.node, max_sandboxes=1))
+    assert p.usage(c.node) == (1000, 4 * GiB, 1)
+    assert p.usage(b.node) == (1000, 4 * GiB, 1) and p.pending(b.node) == 1
+    p.forget(c)                        # confirmed decisions are not un-charged twice
+    assert p.usage(c.node) == (1000, 4 * GiB, 1)
+
+
+def test_cloud_bursting_only_when_allowed_and_above_threshold() -> None:
+    p = cluster(0, k=8)
+    p.apply_snapshot([view(0, used_cpu=12000), view(1, used_cpu=12000),
+                      view("c0", cloud=True, cost=1.0)])
+    burst = PlacementRequest(cpu_milli=1000, memory_bytes=GiB, allow_burst=True)
+    # on-prem at 75% (< 80%): cloud is not a candidate even when allowed
+    assert {p.place(burst).node for _ in range(2)} <= {"n0", "n1"}
+    # now at 81%: cloud joins but pays its penalty, so on-prem still wins while it fits
+    assert p.onprem_utilisation() > 0.8
+    d = p.place(burst)
+    assert d.node in {"n0", "n1"}
+    p.update(view(0, used_cpu=16000))
+    p.update(view(1, used_cpu=16000))
+    with pytest.raises(NoCapacity, match="cloud bursting not allowed"):
+        p.place(REQ)
+    assert p.place(burst).node == "c0"
+
+
+def test_edge_refusal_excludes_and_retries_then_gives_up() -> None:
+    p = cluster(5, max_attempts=3)
+    attempt = p.begin(REQ)
+    seen = []
+    for _ in range(3):
+        d = attempt.next()
+        assert d.node not in seen
+        seen.append(d.node)
+        attempt.refused(d)
+    with pytest.raises(NoCapacity, match="after 3 edge refusals") as exc:
+        attempt.next()
+    assert exc.value.detail["refused"] == seen
+    assert all(p.usage(n) == (0, 0, 0) for n in seen)
+    ok = p.begin(REQ)
+    d = ok.next()
+    ok.accepted(d)
+    assert p.pending(d.node) == 0 and p.usage(d.node)[2] == 1
+
+
+def test_same_seed_same_decisions() -> None:
+    a, b = cluster(300, seed=9), cluster(300, seed=9)
+    assert [a.place(REQ).node for _ in range(50)] == [b.place(REQ).node for _ in range(50)]
+
+
+@pytest.mark.parametrize("jitter,herds", [(0.0, True), (1e-3, False)])
+def test_simultaneous_burst_herds_without_jitter_and_spreads_with_it(
+        jitter: float, herds: bool) -> None:
+    """64 apiserver replicas decide at the same moment from the same snapshot (so no one
+    sees another's overlay). The nodes are identical, every score ties."""
+    snapshot = [view(i) for i in range(16)]
+    chosen = Counter()
+    for replica in range(64):
+        p = Placement(rng=random.Random(replica), config=PlacementConfig(k=16, jitter=jitter))
+        p.apply_snapshot(snapshot)
+        chosen[p.place(REQ).node] += 1
+    if herds:
+        assert len(chosen) == 1
+    else:
+        assert len(chosen) >= 12 and max(chosen.values()) <= 12
+
+
+def test_removed_node_is_never_chosen_and_snapshot_resync() -> None:
+    p = cluster(10)
+    p.remove("n3")
+    for _ in range(200):
+        d = p.place(REQ)
+        assert d.node != "n3"
+        p.forget(d)
+    p.apply_snapshot([view(1), view(2)])
+    assert sorted(p.nodes()) == ["n1", "n2"]
+
+
+def test_bad_config_and_request() -> None:
+    with pytest.raises(InvalidArgument, match="k=0"):
+        PlacementConfig(k=0)
+    with pytest.raises(InvalidArgument, match="burst_threshold"):
+        PlacementConfig(burst_threshold=1.5)
+    with pytest.raises(InvalidArgument, match="negative"):
+        cluster(2).place(PlacementRequest(cpu_milli=-1, memory_bytes=0))

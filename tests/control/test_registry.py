@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsec.control.quota import Quota, QuotaIndex
+from dsec.control.records import SandboxRecord
+from dsec.control.registry import Registry
+from dsec.control.store.sqlite import SqliteStore
+from dsec.errors import Compacted, InvalidArgument, QuotaExceeded, SandboxNotFound
+
+from .conftest import FakeClock
+
+
+def rec(i: int, node: str = "n1", project: str = "org/a") -> SandboxRecord:
+    return SandboxRecord(id=f"sb-{i:012x}-{node}", node=node, project=project,
+                         cpu_milli=1000, memory_bytes=1 << 30, created_at=float(i))
+
+
+def test_every_mutation_is_a_versioned_event_in_order(store: SqliteStore,
+                                                      clock: FakeClock) -> None:
+    reg = Registry(store, clock=clock)
+    w = reg.watch(0)
+    assert reg.add_sandbox(rec(1)) == 1
+    reg.set_paused(rec(1).id, True)
+    reg.set_paused(rec(1).id, False, reason="exec")
+    reg.remove_sandbox(rec(1).id)
+    assert w.poll() == []          # nothing committed yet: batches flush explicitly
+    assert reg.flush() == 4
+    evs = w.poll()
+    assert [(e.version, e.kind) for e in evs] == [
+        (1, "sandbox_added"), (2, "sandbox_paused"), (3, "sandbox_resumed"),
+        (4, "sandbox_removed")]
+    assert evs[0].payload["record"]["project"] == "org/a"
+    assert evs[2].payload["reason"] == "exec"
+    assert w.poll() == [] and w.position == 4
+
+
+def test_state_and_version_survive_a_restart(store_path: Path, clock: FakeClock) -> None:
+    s = SqliteStore(store_path)
+    try:
+        reg = Registry(s, clock=clock)
+        reg.add_sandbox(rec(1))
+        reg.add_sandbox(rec(2))
+        reg.remove_sandbox(rec(1).id)
+        reg.flush()
+    finally:
+        s.close()
+    s = SqliteStore(store_path)
+    try:
+        q = QuotaIndex()
+        reg = Registry(s, clock=clock, quota=q)
+        assert reg.version == 3 and [r.id for r in reg.sandboxes()] == [rec(2).id]
+        assert q.usage("org").sandboxes == 1
+        assert reg.add_sandbox(rec(3)) == 4
+        reg.flush()
+        # a fresh watcher far behind reads from the database, not the ring
+        assert [e.version for e in Registry(s, clock=clock).read(0)] == [1, 2, 3, 4]
+    finally:
+        s.close()
+
+
+def test_batch_size_flushes_automatically(store: SqliteStore, clock: FakeClock) -> None:
+    reg = Registry(store, clock=clock, batch_size=10)
+    for i in range(25):
+        reg.emit("node_up", node_id=f"n{i}")
+    assert reg.committed_version == 20 and reg.version == 25
+    assert store.event_bounds() == (1, 20)
+
+
+def test_compacted_history_raises_with_the_way_out(store: SqliteStore,
+                                                   clock: FakeClock) -> None:
+    reg = Registry(store, clock=clock, memory_events=4)
+    for i in range(20):
+        reg.emit("node_up", node_id=f"n{i}")
+    reg.flush()
+    assert [e.version for e in reg.read(3, limit=2)] == [4, 5]   # from the store
+    assert [e.version for e in reg.read(17)] == [18, 19, 20]     # from the ring
+    assert reg.compact(keep_last=5) == 15
+    with pytest.raises(Compacted) as exc:
+        reg.watch(3).poll()
+    assert "oldest kept is 16" in str(exc.value) and "watch from version 20" in str(exc.value)
+    assert [e.version for e in reg.read(15)] == [16, 17, 18, 19, 20]
+
+
+def test_evict_node_emits_one_event_per_sandbox_and_updates_quota(
+        store: SqliteStore, clock: FakeClock) -> None:
+    q = QuotaIndex()
+    q.set_quota("org", Quota(max_sandboxes=3))
+    reg = Registry(store, clock=clock, quota=q)
+    for i, node in enumerate(["n1", "n1", "n2"]):
+        reg.add_sandbox(rec(i, node))
+    with pytest.raises(QuotaExceeded):
+        q.check("org/a", backend="simulated", cpu_milli=0, memory_bytes=0)
+    evicted = reg.evict_node("n1")
+    reg.flush()
+    assert sorted(r.id for r in evicted) == sorted([rec(0).id, rec(1).id])
+    evs = reg.read(3)
+    assert [(e.kind, e.sandbox_id, e.payload["reason"]) for e in evs] == [
+        ("sandbox_removed", rec(0).id, "node_lost"), ("sandbox_removed", rec(1).id, "node_lost")]
+    q.check("org/a", backend="simulated", cpu_milli=0, memory_bytes=0)
+    assert [r.id for r in store.list_sandboxes()] == [rec(2, "n2").id]
+
+
+def test_bad_input(store: SqliteStore, clock: FakeClock) -> None:
+    reg = Registry(store, clock=clock)
+    with pytest.raises(SandboxNotFound):
+        reg.remove_sandbox("sb-000000000000-n1")
+    reg.add_sandbox(rec(1))
+    with pytest.raises(InvalidArgument, match="already in the registry"):
+        reg.add_sandbox(rec(1))
+    with pytest.raises(InvalidArgument):
+        reg.read(-1)

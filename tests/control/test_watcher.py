@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dsec.control.placement import Placement, PlacementRequest
+from dsec.control.quota import QuotaIndex
+from dsec.control.records import SandboxRecord
+from dsec.control.registry import Registry
+from dsec.control.store.sqlite import SqliteStore
+from dsec.control.watcher import (
+    DestroySandboxes,
+    EvictNode,
+    LiveSandbox,
+    NodeHeartbeat,
+    Preempt,
+    PreemptionFailed,
+    PreemptSandboxes,
+    Tick,
+    UpdateNode,
+    Watcher,
+    WatcherConfig,
+    choose_victims,
+)
+from dsec.errors import InvalidArgument
+
+from .conftest import FakeClock
+
+GiB = 1 << 30
+
+
+def sb(name: str, node: str = "n1", *, prio: int = 0, created: float = 0.0,
+       paused: bool = False, cpu: int = 1000, mem: int = GiB,
+       project: str = "org/a") -> LiveSandbox:
+    return LiveSandbox(id=f"sb-{name:0>12}-{node}", project=project, cpu_milli=cpu,
+                       memory_bytes=mem, priority=prio, created_at=created, paused=paused)
+
+
+def hb(node: str, t: float, sandboxes: tuple[LiveSandbox, ...] = (), *,
+       cpu: int = 8000, mem: int = 32 * GiB, max_sandboxes: int | None = None) -> NodeHeartbeat:
+    return NodeHeartbeat(node=node, time=t, cpu_milli_capacity=cpu, memory_bytes_capacity=mem,
+                         cpu_milli_used=sum(s.cpu_milli for s in sandboxes),
+                         memory_bytes_used=sum(s.memory_bytes for s in sandboxes),
+                         max_sandboxes=max_sandboxes, sandboxes=sandboxes)
+
+
+def test_heartbeat_updates_the_placement_view() -> None:
+    w = Watcher()
+    out = w.handle(hb("n1", 0.0, (sb("1"), sb("2", project="org/b"), sb("3"))))
+    assert len(out) == 1 and isinstance(out[0], UpdateNode)
+    v = out[0].view
+    assert (v.node, v.cpu_milli_used, v.sandboxes, v.groups) == (
+        "n1", 3000, 3, {"org/a": 2, "org/b": 1})
+    assert w.views() == [v]
+
+
+def test_silent_node_expires_after_ttl_only() -> None:
+    w = Watcher(WatcherConfig(ttl_s=5.0))
+    w.handle(hb("n1", 0.0, (sb("1"),)), hb("n2", 3.0))
+    assert w.handle(Tick(5.0)) == []
+    assert w.handle(hb("n1", 4.0, (sb("1"), sb("2")))) != []
+    assert w.handle(Tick(8.5)) == [EvictNode("n2", ())]
+    assert w.handle(Tick(9.5)) == [EvictNode("n1", (sb("1").id, sb("2").id))]
+    assert w.live_nodes() == [] and w.is_expired("n1")
+
+
+def test_node_loss_end_to_end_with_registry_quota_and_placement(
+        store: SqliteStore, clock: FakeClock) -> None:
+    """The runner's loop: watcher instructions applied to placement and the registry."""
+    quota = QuotaIndex()
+    reg = Registry(store, clock=clock, quota=quota)
+    place = Placement(rng=random.Random(0))
+    w = Watcher(WatcherConfig(ttl_s=10.0))
+
+    def run(*events: object) -> list[object]:
+        out = w.handle(*events)  # type: ignore[arg-type]
+        for ins in out:
+            if isinstance(ins, UpdateNode):
+                place.update(ins.view)
+            elif isinstance(ins, EvictNode):
+                place.remove(ins.node)
+                reg.evict_node(ins.node, reason=ins.reason)
+        reg.flush()
+        return out
+
+    live = (sb("1"), sb("2"))
+    for s in live:
+        reg.add_sandbox(SandboxRecord(id=s.id, node="n1", project=s.project,
+                                      cpu_milli=s.cpu_milli, memory_bytes=s.memory_bytes))
+    run(hb("n1", 0.0, live), hb("n2", 0.0))
+    start = reg.flush()
+    run(hb("n2", 9.0))
+    run(Tick(10.5))
+    evs = reg.read(start)
+    assert [(e.kind, e.sandbox_id, e.payload["reason"]) for e in evs] == [
+        ("sandbox_removed", live[0].id, "node_lost"), ("sandbox_removed", live[1].id, "node_lost")]
+    assert quota.usage("org").sandboxes == 0
+    assert place.nodes() == ["n2"]
+    for _ in range(5):
+        assert place.place(PlacementRequest(cpu_milli=100, memory_bytes=GiB)).node == "n2"
+
+    # n1 comes back still running its evicted sandboxes: told to destroy them, and it
+    # gets no registry entries back.
+    out = run(hb("n1", 12.0, live))
+    assert DestroySandboxes("n1", (live[0].id, live[1].id), "node_lost") in out
+    assert reg.sandboxes_on("n1") == []
+    # repeated until the node reports them gone, then no more
+    assert any(isinstance(i, DestroySandboxes) for i in run(hb("n1", 13.0, live[:1])))
+    out = run(hb("n1", 14.0, (sb("9"),)))
+    assert not any(isinstance(i, DestroySandboxes) for i in out)
+
+
+def test_expired_nodes_are_forgotten_after_forget_s() -> None:
+    w = Watcher(WatcherConfig(ttl_s=1.0, forget_s=10.0))
+    w.handle(hb("n1", 0.0, (sb("1"),)), Tick(2.0))
+    w.handle(Tick(13.0))
+    assert not w.is_expired("n1")
+    out = w.handle(hb("n1", 14.0, (sb("1"),)))
+    assert [type(i) for i in out] == [UpdateNode]
+
+
+def test_preemption_order_paused_then_lowest_priority_then_youngest() -> None:
+    live = (
+        sb("old-lo", prio=1, created=1.0),
+        sb("young-lo", prio=1, created=5.0),
+        sb("paused-hi", prio=5, created=2.0, paused=True),
+        sb("lo0", prio=0, created=3.0),
+        sb("equal", prio=9, created=9.0, paused=True),   # not lower than the request
+    )
+    got = choose_victims(live, free_cpu_milli=0, free_memory_bytes=0, free_slots=None,
+                         need=Preempt("n1", 3500, GiB, priority=9))
+    assert got is not None
+    assert [v.id for v in got] == [sb("paused-hi").id, sb("lo0").id, sb("young-lo").id,
+                                   sb("old-lo").id]
+    assert choose_victims(live, free_cpu_milli=0, free_memory_bytes=0, free_slots=None,
+                          need=Preempt("n1", 1000, GiB, priority=9)) == [live[2]]
+    assert choose_victims(live, free_cpu_milli=0, free_memory_bytes=0, free_slots=None,
+                          need=Preempt("n1", 99000, GiB, priority=9)) is None
+
+
+def test_preempt_through_handle_does_not_pick_the_same_victim_twice() -> None:
+    w = Watcher()
+    live = (sb("a", prio=0, created=1.0), sb("b", prio=0, created=2.0))
+    w.handle(hb("n1", 0.0, live, cpu=2000, mem=2 * GiB))
+    first = w.handle(Preempt("n1", 1000, GiB, priority=5))
+    second = w.handle(Preempt("n1", 1000, GiB, priority=5))
+    assert first == [PreemptSandboxes("n1", (live[1].id,), 5)]
+    # the first victim's room is counted as freed already; the second request needs more
+    assert second == []
+    third = w.handle(Preempt("n1", 2000, GiB, priority=5))
+    assert third == [PreemptSandboxes("n1", (live[0].id,), 5)]
+    assert isinstance(w.handle(Preempt("n1", 3000, GiB, priority=9))[0], PreemptionFailed)
+    assert isinstance(w.handle(Preempt("ghost", 1, 1, priority=9))[0], PreemptionFailed)
+
+
+def test_slot_limit_preemption_and_bad_input() -> None:
+    got = choose_victims((sb("x", prio=0),), free_cpu_milli=10**6, free_memory_bytes=10**12,
+                         free_slots=0, need=Preempt("n1", 1, 1, priority=1))
+    assert got is not None and len(got) == 1
+    with pytest.raises(InvalidArgument, match="ttl_s"):
+        WatcherConfig(ttl_s=0)
+    with pytest.raises(InvalidArgument, match="cannot handle"):
+        Watcher().handle("nonsense")  # type: ignore[arg-type]
