@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "bench": "dsec.cli.bench:bench",
     "demo": "dsec.cli.demo:demo",
     "edge": "dsec.cli.edge:edge",
+    "image": "dsec.cli.image:image",
 }
 
 

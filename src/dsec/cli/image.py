@@ -1,0 +1,157 @@
+"""``dsec image``: build, import, list and remove layers of the node's layer store."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dsec.errors import DsecError
+from dsec.image.erofs import ProgressFn
+from dsec.image.manifest import LAYER_KINDS
+
+DEFAULT_ROOT = "/var/lib/dsec/images"
+_PHASES = {"pack": "packing EROFS", "hash": "hashing"}
+
+
+def _store(root: str | None):  # type: ignore[no-untyped-def]
+    from dsec.image.store import LayerStore
+
+    return LayerStore(root or os.environ.get("DSEC_IMAGE_ROOT", DEFAULT_ROOT))
+
+
+@contextmanager
+def _progress(console: Console, quiet: bool) -> Iterator[ProgressFn | None]:
+    if quiet:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as bar:
+        tasks: dict[str, object] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(_PHASES.get(phase, phase), total=total)
+            bar.update(tasks[phase], completed=done, total=total)  # type: ignore[arg-type]
+
+        yield report
+
+
+def _fail(exc: DsecError) -> None:
+    raise click.ClickException(str(exc)) from exc
+
+
+@click.group()
+@click.option("--root", envvar="DSEC_IMAGE_ROOT", default=None,
+              help=f"Layer store directory (default $DSEC_IMAGE_ROOT or {DEFAULT_ROOT}).")
+@click.pass_context
+def image(ctx: click.Context, root: str | None) -> None:
+    """Build and manage read-only image layers (EROFS)."""
+    ctx.obj = root
+
+
+@image.command()
+@click.argument("path")
+@click.option("--kind", type=click.Choice([k for k in LAYER_KINDS if k != "snapshot"]),
+              required=True, help="Role of the layer in a sandbox root.")
+@click.option("--name", required=True, help="Image name, e.g. 'python' or 'org/repo'.")
+@click.option("--tag", default="latest", show_default=True)
+@click.option("--lz4", "compression", flag_value="lz4", default=None,
+              help="Compress with lz4 (smaller file, a little CPU per read).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.pass_obj
+def build(root: str | None, path: str, kind: str, name: str, tag: str,
+          compression: str | None, labels: tuple[str, ...], quiet: bool) -> None:
+    """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin)."""
+    console = Console(stderr=True)
+    lab = dict(item.split("=", 1) for item in labels if "=" in item)
+    store = _store(root)
+    try:
+        with _progress(console, quiet) as progress:
+            if path != "-" and os.path.isdir(path):
+                m = store.add_tree(path, kind=kind, name=name, tag=tag,  # type: ignore[arg-type]
+                                   labels=lab, compression=compression,  # type: ignore[arg-type]
+                                   progress=progress)
+            elif path == "-":
+                m = store.add_tar(sys.stdin.buffer, kind=kind, name=name,  # type: ignore[arg-type]
+                                  tag=tag, labels=lab, compression=compression,  # type: ignore[arg-type]
+                                  progress=progress)
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    m = store.add_tar(f, kind=kind, name=name, tag=tag,  # type: ignore[arg-type]
+                                      labels=lab, compression=compression,  # type: ignore[arg-type]
+                                      progress=progress)
+            else:
+                raise click.BadParameter(f"{path!r} is neither a directory nor a tar file",
+                                         param_hint="PATH")
+    except DsecError as exc:
+        _fail(exc)
+    click.echo(f"{m.name}:{m.tag} {m.digest} {m.size_bytes} bytes")
+
+
+@image.command("import")
+@click.argument("path")
+@click.option("--name", required=True)
+@click.option("--tag", default="latest", show_default=True)
+@click.option("--ref", default=None, help="Image inside a multi-image layout/tarball.")
+@click.option("--lz4", "compression", flag_value="lz4", default=None)
+@click.pass_obj
+def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
+            compression: str | None) -> None:
+    """Import an OCI layout (dir or tar) or a `docker save` tarball as one base layer."""
+    from dsec.image.oci import import_oci
+
+    try:
+        layers = import_oci(_store(root), path, name=name, tag=tag, ref=ref,
+                            compression=compression)  # type: ignore[arg-type]
+    except DsecError as exc:
+        _fail(exc)
+    m = layers[0]
+    click.echo(f"{m.name}:{m.tag} {m.digest} {m.size_bytes} bytes")
+
+
+@image.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="One JSON manifest per line.")
+@click.pass_obj
+def ls(root: str | None, as_json: bool) -> None:
+    """List the layers in the store."""
+    import msgspec
+
+    store = _store(root)
+    refs_by_digest: dict[str, list[str]] = {}
+    for ref, digest in store.refs().items():
+        refs_by_digest.setdefault(digest, []).append(ref)
+    layers = store.list()
+    if as_json:
+        for m in layers:
+            click.echo(msgspec.json.encode(m).decode())
+        return
+    table = Table("REFS", "DIGEST", "KIND", "SIZE", "CREATED", "PARENT")
+    for m in layers:
+        table.add_row(", ".join(sorted(refs_by_digest.get(m.digest, []))) or "-",
+                      m.digest[:19], m.kind, f"{m.size_bytes / 2**20:.1f} MiB",
+                      datetime.datetime.fromtimestamp(m.created).strftime("%Y-%m-%d %H:%M"),
+                      (m.parent or "")[:19])
+    Console().print(table)
+
+
+@image.command("rm")
+@click.argument("refs", nargs=-1, required=True)
+@click.pass_obj
+def rm(root: str | None, refs: tuple[str, ...]) -> None:
+    """Remove layers (refused while mounted or while a snapshot builds on them)."""
+    store = _store(root)
+    for ref in refs:
+        try:
+            m = store.remove(ref)
+        except DsecError as exc:
+            _fail(exc)
+        click.echo(f"removed {m.digest}")
