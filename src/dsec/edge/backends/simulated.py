@@ -352,8 +352,9 @@ class SimulatedBackend:
         if posixpath.dirname(p) not in box.fs.dirs:
             raise NotFound(f"directory {posixpath.dirname(p)} does not exist in sandbox {sid}; "
                            "mkdir it first", sandbox_id=sid, path=p)
+        if p not in box.fs.files:  # like open(O_CREAT): the mode applies on creation
+            box.fs.modes[p] = mode & 0o7777
         box.fs.files[p] = (box.fs.files.get(p, b"") + data) if append else bytes(data)
-        box.fs.modes[p] = mode & 0o7777
         box.fs.mtimes[p] = self.clock.time()
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:

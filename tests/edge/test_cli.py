@@ -1,0 +1,80 @@
+"""``dsec edge`` as a real process: serve, survive a restart with its records, stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dsec.edge.service import EdgeClient
+from dsec.edge.spec import SandboxSpec
+from dsec.errors import ConnectionLost
+
+DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
+
+
+async def _start(sock: str, state: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [*DSEC, "edge", "--listen", f"unix:{sock}",
+         "--state-dir", state, "--node-id", "cli-node", "--max-sandboxes", "10",
+         "--label", "zone=a", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise AssertionError(f"dsec edge exited: {proc.stderr.read().decode()}")  # type: ignore[union-attr]
+        if os.path.exists(sock):
+            return proc
+        await asyncio.sleep(0.02)
+    proc.kill()
+    raise AssertionError("dsec edge did not start listening")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return proc.returncode
+
+
+async def test_edge_cli_serves_and_restarts_with_its_records(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sock, state = str(tmp_path / "edge.sock"), str(tmp_path / "state")
+    proc = await _start(sock, state)
+    try:
+        async with await EdgeClient.connect(f"unix:{sock}", timeout=10) as c:
+            info = await c.info()
+            assert info.node == "cli-node" and info.labels == {"zone": "a"}
+            a = await c.create(SandboxSpec(project="p1"))
+            b = await c.create()
+            await c.pause(b.id)
+    finally:
+        assert _stop(proc) == 0
+    assert not os.path.exists(sock)
+    proc = await _start(sock, state)
+    try:
+        async with await EdgeClient.connect(f"unix:{sock}", timeout=10) as c:
+            assert {i.id: i.state for i in await c.list()} == {a.id: "running", b.id: "paused"}
+            assert (await c.get(a.id)).spec.project == "p1"
+            assert (await c.exec(b.id, "echo ok")).stdout == b"ok\n"
+    finally:
+        assert _stop(proc) == 0
+
+
+def test_edge_cli_rejects_unknown_backend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    r = subprocess.run([*DSEC, "edge", "--listen",
+                        f"unix:{tmp_path}/s.sock", "--backend", "nosuch"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "unknown backend 'nosuch'" in r.stderr
+
+
+async def test_client_to_missing_socket_is_a_typed_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConnectionLost):
+        await EdgeClient.connect(f"unix:{tmp_path}/none.sock", timeout=1)

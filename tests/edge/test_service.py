@@ -1,0 +1,116 @@
+"""EdgeService and EdgeClient over a real Unix socket."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dsec.edge.admission import Capacity
+from dsec.edge.node import EdgeNode
+from dsec.edge.protocol import METHODS
+from dsec.edge.service import EdgeClient, serve_edge
+from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
+from dsec.errors import (
+    CapacityExceeded,
+    InvalidArgument,
+    InvalidTransition,
+    NotFound,
+    SandboxNotFound,
+    WrongNode,
+)
+
+from .conftest import make_node
+
+
+@pytest.fixture
+async def edge(tmp_path) -> AsyncIterator[tuple[EdgeNode, EdgeClient]]:  # type: ignore[no-untyped-def]
+    node = make_node(capacity=Capacity(cpu_milli=8000, memory_bytes=2**40, max_sandboxes=4),
+                     labels={"zone": "z1"})
+    await node.start()
+    server = await serve_edge(node, f"unix:{tmp_path}/edge.sock")
+    client = await EdgeClient.connect(f"unix:{tmp_path}/edge.sock", timeout=10)
+    try:
+        yield node, client
+    finally:
+        await client.close()
+        await server.close()
+        await node.close()
+
+
+async def test_every_operation_over_the_wire(edge: tuple[EdgeNode, EdgeClient]) -> None:
+    node, c = edge
+    info = await c.info()
+    assert info.node == "n1" and sorted(info.methods) == sorted(METHODS)
+    sb = await c.create(image="py", labels={"k": "v"}, env={"A": "1"})
+    assert sb.state == "running" and sb.spec.image == "py"
+    r = await c.exec(sb.id, "env; echo $A", timeout_s=5)
+    assert r.exit_code == 0 and b"A=1\n" in r.stdout
+    r = await c.exec(sb.id, ["cat"], stdin=b"piped")
+    assert r.stdout == b"piped"
+    items = [x async for x in c.exec_stream(sb.id, "echo out; cat /nope")]
+    assert items[:2] == [ExecChunk(stream="stdout", data=b"out\n"),
+                         ExecChunk(stream="stderr", data=b"cat: /nope: No such file or directory\n")]
+    assert isinstance(items[-1], ExecResult) and items[-1].exit_code == 1
+    await c.mkdir(sb.id, "/workspace/d/e")
+    await c.write_file(sb.id, "/workspace/d/e/f", "abc", mode=0o600)
+    await c.write_file(sb.id, "/workspace/d/e/f", b"def", append=True)
+    assert await c.read_file(sb.id, "/workspace/d/e/f") == b"abcdef"
+    st = await c.stat(sb.id, "/workspace/d/e/f")
+    assert (st.size, st.mode, st.type) == (6, 0o600, "file")
+    assert [f.name for f in await c.list_dir(sb.id, "/workspace/d")] == ["e"]
+    with pytest.raises(InvalidArgument, match="not empty"):
+        await c.remove(sb.id, "/workspace/d")
+    await c.remove(sb.id, "/workspace/d", recursive=True)
+    with pytest.raises(NotFound):
+        await c.read_file(sb.id, "/workspace/d/e/f")
+    assert (await c.stats(sb.id)).disk_bytes == 0
+    await c.pause(sb.id)
+    assert (await c.get(sb.id)).state == "paused"
+    assert (await c.resume(sb.id)).state == "running"
+    assert [i.id for i in await c.list(labels={"k": "v"})] == [sb.id]
+    assert await c.list(state="paused") == []
+    hb = await c.heartbeat()
+    assert hb.counts == {"running": 1} and hb.labels == {"zone": "z1"}
+    final = await c.destroy(sb.id)
+    assert final.state == "destroyed"
+    evs = await c.events(sb.id)
+    assert evs[-1].to_state == "destroyed" and evs[-1].reason == "requested"
+    feed = await c.feed(0)
+    assert feed.events[-1] == evs[-1]
+
+
+async def test_batches_report_per_item(edge: tuple[EdgeNode, EdgeClient]) -> None:
+    node, c = edge
+    res = await c.create_many([SandboxSpec()] * 3 + [SandboxSpec(cpu_milli=0)] + [SandboxSpec()] * 3)
+    ok = [r for r in res if not isinstance(r, Exception)]
+    assert len(ok) == 4
+    assert isinstance(res[3], InvalidArgument)
+    assert sum(isinstance(r, CapacityExceeded) for r in res) == 2
+    out = await c.exec_many([(ok[0].id, "echo a"), (ok[1].id, ["echo", "b"]),
+                             ("sb-000000000000-n1", "true"), (ok[2].id, "exit 3")])
+    assert out[0].stdout == b"a\n" and out[1].stdout == b"b\n"  # type: ignore[union-attr]
+    assert isinstance(out[2], SandboxNotFound)
+    assert out[3].exit_code == 3  # type: ignore[union-attr]
+    gone = await c.destroy_many([ok[0].id, ok[0].id, "sb-000000000000-zz"])
+    assert gone[0].state == "destroyed"  # type: ignore[union-attr]
+    assert isinstance(gone[1], InvalidTransition) and isinstance(gone[2], WrongNode)
+    assert node.pool.count == 3
+
+
+async def test_errors_cross_the_wire_typed(edge: tuple[EdgeNode, EdgeClient]) -> None:
+    _, c = edge
+    with pytest.raises(WrongNode):
+        await c.get("sb-000000000000-elsewhere")
+    with pytest.raises(InvalidArgument, match="memory_bytes"):
+        await c.create(memory_bytes=-1)
+    with pytest.raises(InvalidArgument, match="timeout_s"):
+        sb = await c.create()
+        await c.exec(sb.id, "true", timeout_s=-1)
+    with pytest.raises(InvalidArgument, match="either a SandboxSpec"):
+        await c.create(SandboxSpec(), image="x")
+    with pytest.raises(InvalidArgument, match="exactly one of argv"):
+        await c.exec(sb.id, ExecRequest())
+    with pytest.raises(CapacityExceeded) as ei:
+        await c.create(cpu_milli=10_000)
+    assert ei.value.detail["short"] == {"cpu_milli": 3000}
