@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import gymnasium as gym
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -47,7 +48,7 @@ StepResult = tuple[Array, Array, Array, Array, dict[str, Any]]
 
 # The pool's lifecycle as a table (CONVENTIONS #2): {state: {event: next_state}}.
 _TRANSITIONS: dict[PoolState, dict[str, PoolState]] = {
-    "new": {"reset": "ready", "close": "closed"},
+    "new": {"reset": "ready", "restore": "ready", "close": "closed"},
     "ready": {"reset": "ready", "step_async": "stepping", "close": "closed"},
     "stepping": {"step_wait": "ready", "close": "closed"},
     "failed": {"reset": "ready", "close": "closed"},
@@ -284,6 +285,30 @@ class EnvPool:
         self.close()
 
     # -- preemption hooks (used by the Driver; no-ops for shards without sandboxes) ---
+
+    def export_state(self) -> bytes | None:
+        """The shards' resumable state (``None`` if any shard cannot export one: such a
+        pool resumes only in the same process, on the same live objects)."""
+        parts: list[bytes] = []
+        for s in self.shards:
+            fn = getattr(s, "export_state", None)
+            if fn is None:
+                return None
+            parts.append(fn())
+        return msgspec.msgpack.encode(parts)
+
+    def import_state(self, data: bytes) -> None:
+        """Load :meth:`export_state` output into a new pool instead of resetting it."""
+        try:
+            parts = msgspec.msgpack.decode(data, type=list[bytes])
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"not an env pool state ({len(data)} bytes): {exc}") from exc
+        if len(parts) != len(self.shards):
+            raise InvalidArgument(f"pool state has {len(parts)} shards, this pool "
+                                  f"{len(self.shards)}; restore into an identical pool")
+        self._transition("restore")
+        for s, p in zip(self.shards, parts):
+            s.import_state(p)  # type: ignore[attr-defined]
 
     def pause(self) -> None:
         for s in self.shards:

@@ -1,0 +1,220 @@
+"""Per-sandbox command log: a reconnecting trainer gets cached results, not re-runs.
+
+Commands an agent runs are often not idempotent (``echo x >> f``, ``git commit``,
+``pip install``). When a trainer dies and a new one resumes a rollout from an earlier
+:class:`~dsec.rl.driver.RolloutHandle`, a deterministic policy re-issues the commands it
+had already sent. :class:`LoggedAccess` numbers every command per sandbox; for a number
+the log already holds a result for, it returns that result instead of running the
+command again (and checks it is the same command: a different one means the replay
+diverged and is refused). Past the end of the log it runs commands live again.
+
+The log is an append-only file of length-prefixed msgpack records, written *before*
+(intent) and *after* (result) each batch. A command whose intent is logged but whose
+result is not was in flight when the trainer died: it may or may not have run, so
+replaying it raises :class:`CommandInDoubt` unless the caller says re-running is safe.
+A torn last record (crash mid-write) is ignored on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
+from dsec.errors import Conflict
+from dsec.rl.access import ExecOutcome, SandboxAccess
+
+__all__ = ["CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged"]
+
+_LEN = struct.Struct("<I")
+
+
+class ReplayDiverged(Conflict):
+    """A replayed command differs from the one logged at the same position."""
+
+    code = "rl_replay_diverged"
+
+
+class CommandInDoubt(Conflict):
+    """A command was sent but its result never logged: it may have run."""
+
+    code = "rl_command_in_doubt"
+
+
+class _Record(msgspec.Struct, array_like=True):
+    sandbox_id: str
+    seq: int
+    digest: str
+    result: ExecResult | None = None     # None: intent only
+
+
+@dataclass(slots=True)
+class _Entry:
+    digest: str
+    result: ExecResult | None
+
+
+def request_digest(req: ExecRequest) -> str:
+    """A stable fingerprint of a command (everything that affects what it does)."""
+    return hashlib.sha256(msgspec.msgpack.encode(req)).hexdigest()[:32]
+
+
+class CommandLog:
+    """Commands and results by ``(sandbox_id, seq)``; persisted when ``path`` is set."""
+
+    def __init__(self, path: str | None = None, *, fsync: bool = False) -> None:
+        self.path = path
+        self.fsync = fsync
+        self._entries: dict[tuple[str, int], _Entry] = {}
+        self._enc = msgspec.msgpack.Encoder()
+        self._fd: int | None = None
+        if path is not None:
+            self._load(path)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def _load(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return
+        dec = msgspec.msgpack.Decoder(_Record)
+        pos, good = 0, 0
+        while pos + 4 <= len(data):
+            (n,) = _LEN.unpack_from(data, pos)
+            if pos + 4 + n > len(data):
+                break
+            try:
+                rec = dec.decode(data[pos + 4: pos + 4 + n])
+            except msgspec.DecodeError:
+                break
+            self._apply(rec)
+            pos += 4 + n
+            good = pos
+        if good < len(data):           # torn tail from a crash: drop it
+            with open(path, "r+b") as f:
+                f.truncate(good)
+
+    def _apply(self, rec: _Record) -> None:
+        key = (rec.sandbox_id, rec.seq)
+        cur = self._entries.get(key)
+        if cur is None or rec.result is not None or cur.result is None:
+            self._entries[key] = _Entry(rec.digest, rec.result)
+
+    def _write(self, recs: Sequence[_Record]) -> None:
+        for r in recs:
+            self._apply(r)
+        if self._fd is None:
+            return
+        buf = bytearray()
+        for r in recs:
+            body = self._enc.encode(r)
+            buf += _LEN.pack(len(body))
+            buf += body
+        os.write(self._fd, bytes(buf))
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def get(self, sandbox_id: str, seq: int) -> _Entry | None:
+        return self._entries.get((sandbox_id, seq))
+
+    def length(self, sandbox_id: str) -> int:
+        """Number of commands logged for ``sandbox_id`` (the next live seq)."""
+        return 1 + max((s for (sid, s) in self._entries if sid == sandbox_id), default=-1)
+
+    def record_intents(self, items: Sequence[tuple[str, int, str]]) -> None:
+        self._write([_Record(sid, seq, dig) for sid, seq, dig in items])
+
+    def record_results(self, items: Sequence[tuple[str, int, str, ExecResult]]) -> None:
+        self._write([_Record(sid, seq, dig, res) for sid, seq, dig, res in items])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class LoggedAccess:
+    """A :class:`SandboxAccess` whose execs go through a :class:`CommandLog`.
+
+    ``cursors`` holds the next command number per sandbox; :meth:`seek` rewinds them to a
+    handle's positions before a replay. ``rerun_in_doubt`` allows re-running commands
+    whose outcome is unknown (only for idempotent command sets).
+    """
+
+    def __init__(self, inner: SandboxAccess, log: CommandLog, *,
+                 rerun_in_doubt: bool = False) -> None:
+        self.inner = inner
+        self.log = log
+        self.rerun_in_doubt = rerun_in_doubt
+        self.cursors: dict[str, int] = {}
+        self.replayed = 0                # commands answered from the log (for tests/metrics)
+
+    def seek(self, positions: dict[str, int]) -> None:
+        self.cursors.update(positions)
+
+    def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
+        out: list[ExecOutcome | None] = [None] * len(calls)
+        live: list[int] = []
+        keys: list[tuple[str, int, str]] = []
+        cursors = dict(self.cursors)
+        for i, (sid, req) in enumerate(calls):
+            seq = cursors.get(sid, 0)
+            cursors[sid] = seq + 1
+            dig = request_digest(req)
+            keys.append((sid, seq, dig))
+            entry = self.log.get(sid, seq)
+            if entry is None:
+                live.append(i)
+                continue
+            if entry.digest != dig:
+                raise ReplayDiverged(
+                    f"command #{seq} for sandbox {sid} differs from the logged one; the "
+                    "replaying policy is not deterministic or the handle is from another "
+                    "rollout", sandbox_id=sid, seq=seq)
+            if entry.result is None:
+                if not self.rerun_in_doubt:
+                    raise CommandInDoubt(
+                        f"command #{seq} for sandbox {sid} was sent but its result was never "
+                        "recorded (the trainer died mid-step); it may have run. Inspect the "
+                        "sandbox, or pass rerun_in_doubt=True if the commands are idempotent",
+                        sandbox_id=sid, seq=seq)
+                live.append(i)
+                continue
+            out[i] = entry.result
+            self.replayed += 1
+        self.cursors = cursors
+        if live:
+            self.log.record_intents([keys[i] for i in live])
+            results = self.inner.exec_batch([calls[i] for i in live])
+            done: list[tuple[str, int, str, ExecResult]] = []
+            for i, r in zip(live, results):
+                out[i] = r
+                if isinstance(r, ExecResult):
+                    done.append((*keys[i], r))
+            self.log.record_results(done)
+        return out  # type: ignore[return-value]
+
+    # Everything else passes straight through.
+    def create(self, spec: SandboxSpec) -> str:
+        return self.inner.create(spec)
+
+    def destroy(self, sandbox_id: str) -> None:
+        self.inner.destroy(sandbox_id)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self.inner.write_file(sandbox_id, path, data, mode=mode)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self.inner.read_file(sandbox_id, path)
+
+    def pause(self, sandbox_id: str) -> None:
+        self.inner.pause(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        self.inner.resume(sandbox_id)

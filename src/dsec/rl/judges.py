@@ -1,0 +1,265 @@
+"""Judges (verifiers): turn an episode's outcome into a reward.
+
+A judge gets a :class:`JudgeContext` (the submitted answer, the transcript of
+observations, and access to the sandbox) and returns a :class:`Verdict`.
+
+- :class:`RegexJudge`: a pattern over the answer or the transcript.
+- :class:`ReferenceJudge`: compare the answer with a reference (exact, normalised
+  whitespace/case, or numeric within a tolerance).
+- :class:`RubricJudge`: weighted checks (each a judge or a predicate); the reward is the
+  passed weight over the total weight.
+- :class:`ExecutableJudge`: run hidden tests against the sandbox's final state.
+
+Tamper resistance of :class:`ExecutableJudge` (the agent's code is hostile):
+
+- The hidden test files exist nowhere the agent can reach until judging: they are held by
+  the trainer and written at judge time into a fresh directory with an unpredictable name
+  (``secrets.token_hex``), through the file API, not through a shell the agent could have
+  replaced.
+- The verifier is a fresh ``argv`` command chosen by the judge (no shell string, fixed
+  ``PATH`` and cwd); the reward comes from *its* exit status/stdout, never from a file in
+  the sandbox, so a fake ``reward.txt`` or edited visible tests earn nothing.
+- The hidden files are read back after the run; if anything changed them during the run
+  (a background process the agent left behind), the verdict is zero.
+- ``isolate=True`` (recommended with real sandboxes) goes further: a *new* sandbox is
+  created from the judge's spec, only the declared answer files (``carry``) are copied
+  into it as data, and the tests run there. Binaries the agent replaced (a fake
+  ``/bin/sh`` that always exits 0) and processes it left running cannot affect the
+  verdict. In-place judging (``isolate=False``) trusts the sandbox's own binaries, so use
+  it only when the interpreter comes from a read-only toolkit layer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
+from dsec.errors import DsecError, InvalidArgument
+from dsec.rl.access import SandboxAccess
+
+__all__ = [
+    "Check", "ExecutableJudge", "Judge", "JudgeContext", "ReferenceJudge", "RegexJudge",
+    "RubricJudge", "Verdict", "exit_code_score",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    reward: float
+    passed: bool
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class JudgeContext:
+    answer: str                                  # what the agent submitted ("" if none)
+    transcript: Sequence[str] = ()               # observations of the episode, in order
+    access: SandboxAccess | None = None
+    sandbox_id: str | None = None
+    spec: SandboxSpec | None = None              # the episode sandbox's spec
+
+
+class Judge(Protocol):
+    def judge(self, ctx: JudgeContext) -> Verdict: ...
+
+
+Field = Literal["answer", "transcript", "last_observation"]
+
+
+def _text(ctx: JudgeContext, fld: Field) -> str:
+    if fld == "answer":
+        return ctx.answer
+    if fld == "last_observation":
+        return ctx.transcript[-1] if ctx.transcript else ""
+    return "\n".join(ctx.transcript)
+
+
+@dataclass(frozen=True, slots=True)
+class RegexJudge:
+    """Reward ``reward`` when ``pattern`` matches (``fullmatch`` for the whole text)."""
+
+    pattern: str
+    field: Field = "answer"
+    fullmatch: bool = False
+    flags: int = 0
+    reward: float = 1.0
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern, self.flags)
+        except re.error as exc:
+            raise InvalidArgument(f"RegexJudge pattern {self.pattern!r} is invalid: {exc}") from exc
+
+    def judge(self, ctx: JudgeContext) -> Verdict:
+        rx = re.compile(self.pattern, self.flags)
+        text = _text(ctx, self.field)
+        m = rx.fullmatch(text) if self.fullmatch else rx.search(text)
+        if m:
+            return Verdict(self.reward, True, f"{self.field} matches {self.pattern!r}")
+        return Verdict(0.0, False, f"{self.field} does not match {self.pattern!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceJudge:
+    """Compare the answer with ``reference``.
+
+    ``exact``: byte-for-byte; ``normalized``: case-folded, whitespace collapsed;
+    ``numeric``: both parse as floats and differ by at most ``tol`` (absolute) or
+    ``rel_tol`` (relative).
+    """
+
+    reference: str
+    mode: Literal["exact", "normalized", "numeric"] = "normalized"
+    tol: float = 1e-9
+    rel_tol: float = 1e-9
+
+    def judge(self, ctx: JudgeContext) -> Verdict:
+        a, r = ctx.answer, self.reference
+        if self.mode == "exact":
+            ok = a == r
+        elif self.mode == "normalized":
+            ok = " ".join(a.casefold().split()) == " ".join(r.casefold().split())
+        else:
+            try:
+                fa, fr = float(a.strip()), float(r.strip())
+            except ValueError:
+                return Verdict(0.0, False, f"answer {a[:80]!r} is not a number")
+            ok = math.isclose(fa, fr, rel_tol=self.rel_tol, abs_tol=self.tol)
+        return Verdict(1.0 if ok else 0.0, ok,
+                       f"answer {'equals' if ok else 'differs from'} the reference ({self.mode})")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One rubric item: a judge (passes when its verdict passes) or a predicate."""
+
+    name: str
+    weight: float
+    test: Judge | Callable[[JudgeContext], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class RubricJudge:
+    """Weighted checks; reward = passed weight / total weight; ``passed`` when all pass."""
+
+    checks: Sequence[Check]
+    pass_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.checks:
+            raise InvalidArgument("RubricJudge needs at least one check")
+        bad = [c.name for c in self.checks if not (c.weight > 0 and math.isfinite(c.weight))]
+        if bad:
+            raise InvalidArgument(f"rubric checks {bad} need a positive finite weight")
+
+    def judge(self, ctx: JudgeContext) -> Verdict:
+        total = sum(c.weight for c in self.checks)
+        got = 0.0
+        failed: list[str] = []
+        for c in self.checks:
+            judge_fn = getattr(c.test, "judge", None)
+            ok = judge_fn(ctx).passed if judge_fn is not None else bool(c.test(ctx))  # type: ignore[operator]
+            if ok:
+                got += c.weight
+            else:
+                failed.append(c.name)
+        reward = got / total
+        detail = "all checks passed" if not failed else f"failed: {', '.join(failed)}"
+        return Verdict(reward, reward >= self.pass_threshold, detail)
+
+
+def exit_code_score(res: ExecResult) -> float:
+    """1.0 when the verifier exited 0 (and did not time out), else 0.0."""
+    return 1.0 if res.exit_code == 0 and not res.timed_out else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutableJudge:
+    """Run hidden tests in the sandbox and map the verifier's result to a reward.
+
+    ``hidden_files`` maps paths relative to the fresh test directory to their contents.
+    ``command`` is an argv; ``{tests}`` in any element is replaced by that directory.
+    ``score`` maps the verifier's :class:`ExecResult` to a reward in [0, 1] (default:
+    exit code 0 -> 1). ``isolate``/``carry``/``judge_spec``: see the module docstring.
+    """
+
+    hidden_files: Mapping[str, bytes]
+    command: Sequence[str]
+    score: Callable[[ExecResult], float] = exit_code_score
+    cwd: str = "/"
+    env: Mapping[str, str] = field(
+        default_factory=lambda: {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"})
+    timeout_s: float = 60.0
+    tests_root: str = "/tmp"
+    isolate: bool = False
+    carry: Sequence[str] = ()
+    judge_spec: SandboxSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise InvalidArgument("ExecutableJudge needs a verifier command (an argv list)")
+        for p in self.hidden_files:
+            if p.startswith("/") or ".." in p.split("/") or not p:
+                raise InvalidArgument(
+                    f"hidden file path {p!r} must be relative and stay inside the test dir")
+        if self.isolate and not self.carry:
+            raise InvalidArgument("ExecutableJudge(isolate=True) needs carry=[answer paths] "
+                                  "to copy into the fresh judging sandbox")
+
+    def judge(self, ctx: JudgeContext) -> Verdict:
+        if ctx.access is None or ctx.sandbox_id is None:
+            raise InvalidArgument("ExecutableJudge needs the episode's sandbox access and id")
+        access = ctx.access
+        if not self.isolate:
+            return self._run(access, ctx.sandbox_id)
+        spec = self.judge_spec or ctx.spec or SandboxSpec()
+        carried: dict[str, bytes] = {}
+        for path in self.carry:
+            try:
+                carried[path] = access.read_file(ctx.sandbox_id, path)
+            except DsecError as exc:
+                return Verdict(0.0, False, f"answer file {path} could not be read: {exc}")
+        fresh = access.create(spec)
+        try:
+            for path, data in carried.items():
+                self._mkdirs(access, fresh, path.rsplit("/", 1)[0])
+                access.write_file(fresh, path, data)
+            return self._run(access, fresh)
+        finally:
+            access.destroy(fresh)
+
+    def _mkdirs(self, access: SandboxAccess, sid: str, path: str) -> None:
+        if path and path != "/":
+            r = access.exec_batch([(sid, ExecRequest(argv=("mkdir", "-p", path),
+                                                     env=dict(self.env), timeout_s=10.0))])[0]
+            if isinstance(r, DsecError):
+                raise r
+
+    def _run(self, access: SandboxAccess, sid: str) -> Verdict:
+        tests = f"{self.tests_root.rstrip('/')}/.judge-{secrets.token_hex(8)}"
+        dirs = sorted({tests} | {f"{tests}/{p.rsplit('/', 1)[0]}"
+                                 for p in self.hidden_files if "/" in p})
+        for d in dirs:
+            self._mkdirs(access, sid, d)
+        for rel, data in self.hidden_files.items():
+            access.write_file(sid, f"{tests}/{rel}", data, mode=0o644)
+        argv = tuple(a.replace("{tests}", tests) for a in self.command)
+        req = ExecRequest(argv=argv, cwd=self.cwd, env=dict(self.env), timeout_s=self.timeout_s)
+        res = access.exec_batch([(sid, req)])[0]
+        if isinstance(res, DsecError):
+            return Verdict(0.0, False, f"verifier could not run: {res}")
+        for rel, data in self.hidden_files.items():
+            try:
+                now = access.read_file(sid, f"{tests}/{rel}")
+            except DsecError:
+                now = None
+            if now != data:
+                return Verdict(0.0, False, f"hidden test {rel} was modified during judging")
+        reward = min(1.0, max(0.0, float(self.score(res))))
+        detail = f"verifier exit {res.exit_code}" + (" (timed out)" if res.timed_out else "")
+        return Verdict(reward, reward > 0 and reward >= 1.0, detail)

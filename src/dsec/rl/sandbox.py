@@ -1,0 +1,457 @@
+"""Environments whose state is a real sandbox: actions are tool calls, observations text.
+
+An action is a text tool call. A JSON object picks a tool::
+
+    {"tool": "shell", "command": "ls -la", "timeout_s": 10}
+    {"tool": "write_file", "path": "/workspace/a.py", "content": "print(1)"}
+    {"tool": "read_file", "path": "/workspace/a.py"}
+    {"tool": "submit", "answer": "42"}
+
+and any other text is a shell command. The observation is the tool's output (stdout,
+stderr and ``[exit N]`` for commands), cleaned to printable ASCII and cut to
+``max_obs_chars``. An episode ends with ``submit`` (terminated) or after ``max_turns``
+(truncated); then the task's judge scores the sandbox and the answer, and that is the
+step's reward (0 on every other step).
+
+- :class:`SandboxEnv` is a ``gymnasium.Env`` with ``Text`` spaces (passes
+  ``gymnasium.utils.env_checker.check_env``), one sandbox per episode.
+- :class:`SandboxEnvPool` steps many of them: every shell call of a tick goes out in one
+  :meth:`~dsec.rl.access.SandboxAccess.exec_batch` (one round trip per node with
+  :class:`~dsec.rl.access.EdgeAccess`), finished episodes get a fresh sandbox in the same
+  tick, and :meth:`~dsec.rl.envpool.EnvPool.pause`/``export_state`` make it preemptible
+  (see :mod:`dsec.rl.driver`).
+
+Both share :class:`SandboxEpisodes`, which holds the per-env episode state and does the
+batched I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
+from dsec.errors import Conflict, DsecError, InvalidArgument
+from dsec.rl.access import SandboxAccess
+from dsec.rl.commandlog import LoggedAccess
+from dsec.rl.envpool import EnvPool
+from dsec.rl.judges import Judge, JudgeContext, Verdict
+
+__all__ = [
+    "CHARSET", "ReadFile", "SandboxBatchEnv", "SandboxEnv", "SandboxEnvConfig",
+    "SandboxEnvPool", "SandboxEpisodes", "Shell", "Submit", "Task", "ToolCall", "WriteFile",
+    "parse_action",
+]
+
+Array = npt.NDArray[Any]
+# Printable ASCII plus tab/newline/CR: what observations are cleaned to and what actions
+# may contain (Text spaces need a finite charset).
+CHARSET = "".join(c for c in string.printable if c not in "\x0b\x0c")
+_UNPRINTABLE = re.compile(r"[^\t\n\r\x20-\x7e]")
+
+
+class Shell(msgspec.Struct, tag="shell", tag_field="tool", forbid_unknown_fields=True):
+    command: str
+    timeout_s: float | None = None
+
+
+class WriteFile(msgspec.Struct, tag="write_file", tag_field="tool", forbid_unknown_fields=True):
+    path: str
+    content: str
+
+
+class ReadFile(msgspec.Struct, tag="read_file", tag_field="tool", forbid_unknown_fields=True):
+    path: str
+
+
+class Submit(msgspec.Struct, tag="submit", tag_field="tool", forbid_unknown_fields=True):
+    answer: str = ""
+
+
+ToolCall = Shell | WriteFile | ReadFile | Submit
+_tool_decoder = msgspec.json.Decoder(ToolCall)
+
+
+def parse_action(text: str) -> ToolCall:
+    """The tool call in ``text`` (JSON object, or else a shell command).
+
+    Raises :class:`InvalidArgument` with what is wrong for malformed JSON tool calls and
+    empty actions; the env turns that into an observation, not a crash.
+    """
+    s = text.strip()
+    if not s:
+        raise InvalidArgument("empty action: send a shell command or a JSON tool call")
+    if s.startswith("{"):
+        try:
+            return _tool_decoder.decode(s)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(
+                f"invalid tool call: {exc}; tools are shell(command), write_file(path, "
+                "content), read_file(path), submit(answer)") from exc
+    return Shell(command=text)
+
+
+def clean_text(text: str, limit: int) -> str:
+    """Printable ASCII only (others become '?'), at most ``limit`` chars."""
+    t = _UNPRINTABLE.sub("?", text)
+    if len(t) > limit:
+        marker = "\n[... output cut]"
+        t = t[: max(0, limit - len(marker))] + marker[: limit]
+    return t
+
+
+def format_result(res: ExecResult) -> str:
+    out = res.stdout.decode("utf-8", "replace") + res.stderr.decode("utf-8", "replace")
+    if res.stdout_truncated or res.stderr_truncated:
+        out += "\n[output truncated]"
+    tail = "timed out" if res.timed_out else f"exit {res.exit_code}"
+    return f"{out}{'' if not out or out.endswith(chr(10)) else chr(10)}[{tail}]"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One task: a prompt, files to put in the sandbox, and the judge of the result."""
+
+    prompt: str
+    judge: Judge | None = None
+    files: Mapping[str, bytes] = field(default_factory=dict)   # absolute path -> content
+    spec: SandboxSpec = SandboxSpec()
+    max_turns: int = 16
+    workdir: str = "/workspace"
+    name: str = "task"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxEnvConfig:
+    max_obs_chars: int = 4096            # observation Text space max_length
+    max_action_chars: int = 4096         # action Text space max_length
+    command_timeout_s: float = 30.0      # per shell call unless the call asks for less
+    output_cap_bytes: int = 64 * 1024    # per stream, per call
+
+
+class EpisodeState(msgspec.Struct, kw_only=True):
+    """One env slot's episode (what a preempted rollout must carry to resume)."""
+
+    sandbox_id: str | None = None
+    task_index: int = 0
+    episode: int = -1                    # episodes started in this slot
+    turn: int = 0
+    transcript: list[str] = []
+
+
+class _PoolState(msgspec.Struct, kw_only=True):
+    seed: int
+    episodes: list[EpisodeState]
+    cursors: dict[str, int] | None = None    # command-log positions (LoggedAccess)
+
+
+@dataclass(slots=True)
+class StepOut:
+    obs: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    verdict: Verdict | None = None
+
+
+class SandboxEpisodes:
+    """Episode state and batched sandbox I/O for ``num_envs`` env slots."""
+
+    def __init__(self, access: SandboxAccess, tasks: Sequence[Task], num_envs: int,
+                 config: SandboxEnvConfig) -> None:
+        if not tasks:
+            raise InvalidArgument("a sandbox env needs at least one task")
+        if num_envs < 1:
+            raise InvalidArgument(f"num_envs={num_envs} must be >= 1")
+        self.access = access
+        self.tasks = list(tasks)
+        self.config = config
+        self.seed = 0
+        self.states = [EpisodeState() for _ in range(num_envs)]
+
+    # -- episodes ----------------------------------------------------------------------
+
+    def begin(self, i: int) -> str:
+        """Start a new episode in slot ``i``: fresh sandbox, task files; returns the prompt."""
+        st = self.states[i]
+        self.end(i)
+        st.episode += 1
+        # The task depends only on (seed, slot, episode): a resumed pool picks the same
+        # tasks as an uninterrupted one without carrying RNG state.
+        rng = np.random.default_rng([self.seed, i, st.episode])
+        st.task_index = int(rng.integers(len(self.tasks)))
+        st.turn = 0
+        st.transcript = []
+        task = self.tasks[st.task_index]
+        sid = self.access.create(task.spec)
+        st.sandbox_id = sid
+        try:
+            dirs = sorted({p.rsplit("/", 1)[0] for p in task.files if p.rsplit("/", 1)[0]}
+                          | {task.workdir})
+            res = self.access.exec_batch([(sid, ExecRequest(argv=("mkdir", "-p", *dirs),
+                                                            timeout_s=30.0))])[0]
+            if isinstance(res, DsecError):
+                raise res
+            for path, data in task.files.items():
+                self.access.write_file(sid, path, data)
+        except BaseException:
+            self.end(i)
+            raise
+        obs = clean_text(task.prompt, self.config.max_obs_chars)
+        st.transcript.append(obs)
+        return obs
+
+    def end(self, i: int) -> None:
+        st = self.states[i]
+        if st.sandbox_id is not None:
+            sid, st.sandbox_id = st.sandbox_id, None
+            try:
+                self.access.destroy(sid)
+            except DsecError:
+                pass  # already gone (evicted, node lost): nothing left to release
+
+    def step(self, idx: Sequence[int], actions: Sequence[str]) -> list[StepOut]:
+        """Apply one action per listed slot; all shell calls go out in one batch."""
+        cfg = self.config
+        calls: list[tuple[str, ExecRequest]] = []
+        call_of: dict[int, int] = {}
+        text: dict[int, str] = {}
+        submitted: dict[int, str] = {}
+        for k, (i, action) in enumerate(zip(idx, actions)):
+            st = self.states[i]
+            if st.sandbox_id is None:
+                raise Conflict(f"env {i} has no running episode; reset it before stepping")
+            sid = st.sandbox_id
+            task = self.tasks[st.task_index]
+            try:
+                call = parse_action(str(action))
+            except InvalidArgument as exc:
+                text[k] = f"error: {exc.message}"
+                continue
+            if isinstance(call, Shell):
+                t = cfg.command_timeout_s if call.timeout_s is None or call.timeout_s <= 0 \
+                    else min(call.timeout_s, cfg.command_timeout_s)
+                call_of[k] = len(calls)
+                calls.append((sid, ExecRequest(shell=call.command, cwd=task.workdir,
+                                               timeout_s=t,
+                                               output_cap_bytes=cfg.output_cap_bytes)))
+            elif isinstance(call, WriteFile):
+                text[k] = self._file_op(lambda: self.access.write_file(
+                    sid, call.path, call.content.encode()), f"wrote {call.path}")
+            elif isinstance(call, ReadFile):
+                text[k] = self._file_op(lambda: self.access.read_file(sid, call.path), None)
+            else:
+                submitted[k] = call.answer
+                text[k] = "submitted"
+        results = self.access.exec_batch(calls) if calls else []
+        outs: list[StepOut] = []
+        for k, i in enumerate(idx):
+            st = self.states[i]
+            task = self.tasks[st.task_index]
+            if k in call_of:
+                r = results[call_of[k]]
+                raw = f"error: {r.message}" if isinstance(r, DsecError) else format_result(r)
+            else:
+                raw = text[k]
+            obs = clean_text(raw, cfg.max_obs_chars)
+            st.turn += 1
+            st.transcript.append(obs)
+            terminated = k in submitted
+            truncated = not terminated and st.turn >= task.max_turns
+            out = StepOut(obs, 0.0, terminated, truncated)
+            if terminated or truncated:
+                out.verdict = self._judge(i, submitted.get(k, ""))
+                out.reward = out.verdict.reward
+            outs.append(out)
+        return outs
+
+    def _file_op(self, fn: Any, ok: str | None) -> str:
+        try:
+            data = fn()
+        except DsecError as exc:
+            return f"error: {exc.message}"
+        if ok is not None:
+            return ok
+        return bytes(data).decode("utf-8", "replace")
+
+    def _judge(self, i: int, answer: str) -> Verdict:
+        st = self.states[i]
+        task = self.tasks[st.task_index]
+        if task.judge is None:
+            return Verdict(0.0, False, "task has no judge")
+        ctx = JudgeContext(answer=answer, transcript=tuple(st.transcript),
+                           access=self.access, sandbox_id=st.sandbox_id, spec=task.spec)
+        try:
+            return task.judge.judge(ctx)
+        except DsecError as exc:
+            return Verdict(0.0, False, f"judge failed: {exc}")
+
+    # -- preemption --------------------------------------------------------------------
+
+    def live_sandboxes(self) -> list[str]:
+        return [s.sandbox_id for s in self.states if s.sandbox_id is not None]
+
+    def pause(self) -> None:
+        for sid in self.live_sandboxes():
+            self.access.pause(sid)
+
+    def resume(self) -> None:
+        for sid in self.live_sandboxes():
+            self.access.resume(sid)
+
+    def export_state(self) -> bytes:
+        cursors = None
+        if isinstance(self.access, LoggedAccess):
+            live = set(self.live_sandboxes())
+            cursors = {k: v for k, v in self.access.cursors.items() if k in live}
+        return msgspec.msgpack.encode(_PoolState(seed=self.seed, episodes=self.states,
+                                                 cursors=cursors))
+
+    def import_state(self, data: bytes) -> None:
+        try:
+            st = msgspec.msgpack.decode(data, type=_PoolState)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"not a sandbox pool state: {exc}") from exc
+        if len(st.episodes) != len(self.states):
+            raise InvalidArgument(f"pool state holds {len(st.episodes)} envs, this pool "
+                                  f"{len(self.states)}; restore with the same num_envs")
+        bad = [e.task_index for e in st.episodes if e.task_index >= len(self.tasks)]
+        if bad:
+            raise InvalidArgument(f"pool state refers to task {bad[0]} but only "
+                                  f"{len(self.tasks)} tasks were given; pass the same tasks")
+        self.seed = st.seed
+        self.states = st.episodes
+        if st.cursors is not None:
+            if not isinstance(self.access, LoggedAccess):
+                raise InvalidArgument("pool state carries command-log positions; restore "
+                                      "it with a LoggedAccess over the same command log")
+            self.access.seek(st.cursors)
+
+
+def _text_spaces(cfg: SandboxEnvConfig) -> tuple[gym.spaces.Text, gym.spaces.Text]:
+    return (gym.spaces.Text(cfg.max_obs_chars, min_length=0, charset=CHARSET),
+            gym.spaces.Text(cfg.max_action_chars, min_length=0, charset=CHARSET))
+
+
+class SandboxEnv(gym.Env[str, str]):
+    """One sandbox-backed environment (see the module docstring)."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, access: SandboxAccess, tasks: Sequence[Task], *,
+                 config: SandboxEnvConfig | None = None) -> None:
+        self.config = config or SandboxEnvConfig()
+        self.episodes = SandboxEpisodes(access, tasks, 1, self.config)
+        self.observation_space, self.action_space = _text_spaces(self.config)
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        if seed is not None or self.episodes.states[0].episode < 0:
+            self.episodes.seed = int(self.np_random.integers(2**31))
+            self.episodes.states[0].episode = -1
+        obs = self.episodes.begin(0)
+        st = self.episodes.states[0]
+        return obs, {"sandbox_id": st.sandbox_id, "task": self.episodes.tasks[st.task_index].name}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        [out] = self.episodes.step([0], [action])
+        info: dict[str, Any] = {}
+        if out.verdict is not None:
+            info["verdict"] = out.verdict
+        return out.obs, float(out.reward), out.terminated, out.truncated, info
+
+    def close(self) -> None:
+        self.episodes.end(0)
+
+
+class SandboxBatchEnv:
+    """A :class:`~dsec.rl.envpool.BatchEnv` of sandbox envs: one exec batch per tick."""
+
+    def __init__(self, access: SandboxAccess, tasks: Sequence[Task], num_envs: int, *,
+                 config: SandboxEnvConfig | None = None) -> None:
+        self.config = config or SandboxEnvConfig()
+        self.episodes = SandboxEpisodes(access, tasks, num_envs, self.config)
+        self.num_envs = num_envs
+        self.single_observation_space, self.single_action_space = _text_spaces(self.config)
+        self._out: tuple[Array, Array, Array, Array] | None = None
+        self.verdicts: list[Verdict | None] = [None] * num_envs   # of the last finished episode
+
+    def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
+        self._out = (obs, rewards, terminated, truncated)
+
+    def _bound(self) -> tuple[Array, Array, Array, Array]:
+        if self._out is None:
+            raise Conflict("SandboxBatchEnv is not bound to a pool; use SandboxEnvPool")
+        return self._out
+
+    def reset_all(self, seed: int | None) -> None:
+        obs = self._bound()[0]
+        self.episodes.seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+        for i in range(self.num_envs):
+            self.episodes.states[i].episode = -1
+            obs[i] = self.episodes.begin(i)
+
+    def step(self, actions: Array) -> None:
+        obs, rew, term, trunc = self._bound()
+        outs = self.episodes.step(range(self.num_envs), [str(a) for a in actions])
+        for i, o in enumerate(outs):
+            obs[i] = o.obs
+            rew[i] = o.reward
+            term[i] = o.terminated
+            trunc[i] = o.truncated
+            if o.verdict is not None:
+                self.verdicts[i] = o.verdict
+
+    def reset_envs(self, mask: Array) -> None:
+        obs = self._bound()[0]
+        for i in np.flatnonzero(mask).tolist():
+            obs[i] = self.episodes.begin(i)
+
+    def close(self) -> None:
+        for i in range(self.num_envs):
+            self.episodes.end(i)
+
+    def pause(self) -> None:
+        self.episodes.pause()
+
+    def resume(self) -> None:
+        self.episodes.resume()
+
+    def export_state(self) -> bytes:
+        return self.episodes.export_state()
+
+    def import_state(self, data: bytes) -> None:
+        self.episodes.import_state(data)
+
+
+class SandboxEnvPool(EnvPool):
+    """``num_envs`` sandbox envs stepped as one vector env (see the module docstring).
+
+    Use :meth:`restore` in a new trainer process to rebuild the pool of a preempted
+    rollout from ``RolloutHandle.pool_state`` (same tasks, same config, and a
+    :class:`~dsec.rl.commandlog.LoggedAccess` over the same log if one was used).
+    """
+
+    def __init__(self, access: SandboxAccess, tasks: Sequence[Task], num_envs: int, *,
+                 config: SandboxEnvConfig | None = None) -> None:
+        self.batch = SandboxBatchEnv(access, tasks, num_envs, config=config)
+        super().__init__([self.batch])
+
+    @classmethod
+    def restore(cls, pool_state: bytes, access: SandboxAccess, tasks: Sequence[Task],
+                num_envs: int, *, config: SandboxEnvConfig | None = None) -> SandboxEnvPool:
+        pool = cls(access, tasks, num_envs, config=config)
+        pool.import_state(pool_state)
+        return pool
+
+    def sandbox_ids(self) -> list[str | None]:
+        return [s.sandbox_id for s in self.batch.episodes.states]

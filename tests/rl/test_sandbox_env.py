@@ -1,0 +1,149 @@
+"""SandboxEnv / SandboxEnvPool against real EdgeNodes (simulated backend) via EdgeAccess."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from dsec.edge.node import EdgeNode
+from dsec.errors import Conflict, InvalidArgument
+from dsec.ids import node_of
+from dsec.rl.access import EdgeAccess
+from dsec.rl.judges import ReferenceJudge, RegexJudge
+from dsec.rl.sandbox import (
+    CHARSET,
+    SandboxEnv,
+    SandboxEnvConfig,
+    SandboxEnvPool,
+    Shell,
+    Submit,
+    Task,
+    WriteFile,
+    clean_text,
+    parse_action,
+)
+
+TASK = Task(prompt="Put the answer in /workspace/answer and submit it.",
+            files={"/workspace/README": b"the answer is 42\n"},
+            judge=ReferenceJudge("42"), max_turns=4, name="answer42")
+
+
+def test_parse_action() -> None:
+    assert parse_action("ls -la") == Shell(command="ls -la")
+    assert parse_action('{"tool": "submit", "answer": "7"}') == Submit(answer="7")
+    assert parse_action(json.dumps({"tool": "write_file", "path": "/a", "content": "x"})) == \
+        WriteFile(path="/a", content="x")
+    with pytest.raises(InvalidArgument, match="invalid tool call"):
+        parse_action('{"tool": "rm_rf"}')
+    with pytest.raises(InvalidArgument, match="empty action"):
+        parse_action("   ")
+    assert clean_text("a\x00b\u00e9", 100) == "a?b?"
+    assert len(clean_text("x" * 1000, 50)) == 50
+
+
+def test_check_env_passes(sim_access: EdgeAccess) -> None:
+    env = SandboxEnv(sim_access, [TASK], config=SandboxEnvConfig(max_obs_chars=256,
+                                                                  max_action_chars=64))
+    try:
+        check_env(env, skip_render_check=True)
+    finally:
+        env.close()
+
+
+def test_episode_with_tool_calls(sim_access: EdgeAccess, sim_nodes: dict[str, EdgeNode]) -> None:
+    env = SandboxEnv(sim_access, [TASK])
+    try:
+        obs, info = env.reset(seed=3)
+        assert obs == TASK.prompt and info["task"] == "answer42"
+        sid = info["sandbox_id"]
+        obs, r, term, trunc, _ = env.step("cat README")
+        assert obs == "the answer is 42\n[exit 0]" and (r, term, trunc) == (0.0, False, False)
+        obs, *_ = env.step(json.dumps({"tool": "write_file", "path": "/workspace/answer",
+                                       "content": "42"}))
+        assert obs == "wrote /workspace/answer"
+        obs, *_ = env.step('{"tool": "read_file", "path": "/workspace/answer"}')
+        assert obs == "42"
+        obs, r, term, trunc, info = env.step('{"tool": "submit", "answer": " 42 "}')
+        assert (r, term, trunc) == (1.0, True, False) and info["verdict"].passed
+        env.reset()
+        assert sim_nodes[node_of(sid)].get(sid).state == "destroyed"
+        obs, *_ = env.step('{"tool": "oops"}')
+        assert obs.startswith("error: invalid tool call")
+        obs, *_ = env.step("nosuchcmd")
+        assert obs.endswith("[exit 127]")
+        env.step("true")
+        obs, r, term, trunc, info = env.step("false")     # 4th turn: time limit
+        assert (r, term, trunc) == (0.0, False, True)
+        assert "differs" in info["verdict"].detail
+    finally:
+        env.close()
+
+
+class _CountingNode:
+    """Forwards to a real EdgeNode and counts exec_many round trips."""
+
+    def __init__(self, node: EdgeNode) -> None:
+        self.node = node
+        self.exec_many_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.node, name)
+
+    async def exec_many(self, calls: Any) -> Any:
+        self.exec_many_calls += 1
+        return await self.node.exec_many(calls)
+
+
+def test_pool_one_exec_round_trip_per_node_per_tick(sim_nodes: dict[str, EdgeNode],
+                                                    loop_thread: Any) -> None:
+    spies = {k: _CountingNode(v) for k, v in sim_nodes.items()}
+    access = EdgeAccess(spies, loop_thread)
+    tasks = [Task(prompt="count", judge=RegexJudge(r"\[exit 0\]", field="last_observation"),
+                  max_turns=3)]
+    pool = SandboxEnvPool(access, tasks, 6)
+    try:
+        obs, _ = pool.reset(seed=0)
+        assert list(obs) == ["count"] * 6
+        ids = pool.sandbox_ids()
+        assert {node_of(i) for i in ids if i} == {"rl-a", "rl-b"}   # spread over nodes
+        before = {k: s.exec_many_calls for k, s in spies.items()}
+        for t in range(2):
+            obs, rew, term, trunc, info = pool.step([f"echo env{i} tick{t}" for i in range(6)])
+            assert [o for o in obs] == [f"env{i} tick{t}\n[exit 0]" for i in range(6)]
+        assert {k: s.exec_many_calls - before[k] for k, s in spies.items()} == \
+            {"rl-a": 2, "rl-b": 2}
+        # Third turn: every episode hits max_turns, is judged, and auto-resets.
+        obs, rew, term, trunc, info = pool.step(["true"] * 3 + ["false"] * 3)
+        assert trunc.all() and rew.tolist() == [1, 1, 1, 0, 0, 0]
+        assert list(info["final_obs"]) == ["[exit 0]"] * 3 + ["[exit 1]"] * 3
+        assert list(obs) == ["count"] * 6
+        new_ids = pool.sandbox_ids()
+        assert not set(new_ids) & set(ids)
+        for sid in ids:
+            assert sim_nodes[node_of(sid)].get(sid).state == "destroyed"  # type: ignore[union-attr]
+    finally:
+        pool.close()
+    for sid in new_ids:
+        assert sim_nodes[node_of(sid)].get(sid).state == "destroyed"  # type: ignore[union-attr]
+
+
+def test_pool_misuse(sim_access: EdgeAccess) -> None:
+    with pytest.raises(InvalidArgument, match="at least one task"):
+        SandboxEnvPool(sim_access, [], 2)
+    pool = SandboxEnvPool(sim_access, [TASK], 2)
+    try:
+        with pytest.raises(Conflict, match="reset"):
+            pool.step(["true", "true"])
+        with pytest.raises(InvalidArgument, match="pool state"):
+            SandboxEnvPool.restore(b"junk", sim_access, [TASK], 2)
+    finally:
+        pool.close()
+
+
+def test_charset_covers_tool_calls() -> None:
+    assert set('{"tool": "submit", "answer": "x"}\n\t') <= set(CHARSET)
+    assert np.dtype(object) == np.asarray(["a"], dtype=object).dtype
