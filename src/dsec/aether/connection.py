@@ -70,6 +70,7 @@ WRITE_HIGH_WATER = 4 * 1024 * 1024   # callers wait (and servers stop reading) a
 WRITE_LOW_WATER = 1 * 1024 * 1024
 READ_HIGH_WATER = 4 * 1024 * 1024    # undigested input bytes before reading pauses
 _JOIN_LIMIT = 64 * 1024         # corked output up to this size is joined into one write
+CLOSE_LINGER = 1.0              # seconds a closed socket may take to flush before it is reset
 
 # Frame types as plain ints: comparing against IntEnum members costs an attribute lookup
 # on the enum class per frame.
@@ -779,7 +780,7 @@ class Connection:
         except RemoteProtocolError as exc:
             self._fail_protocol(exc)
             return
-        if not self._process_scheduled:
+        if not self._process_scheduled and not self._pause & _PAUSE_OUTPUT:
             self._process()
         elif self._decoder.buffered > READ_HIGH_WATER:
             self._pause_reading(_PAUSE_INPUT)
@@ -787,7 +788,7 @@ class Connection:
     def _process(self) -> None:
         """Handle up to FRAMES_PER_WAKEUP frames, then write every reply in one go."""
         self._process_scheduled = False
-        if self._closed:
+        if self._closed or self._pause & _PAUSE_OUTPUT:
             return
         next_raw = self._decoder.next_raw
         on_frame = self._on_frame
@@ -799,6 +800,15 @@ class Connection:
                 on_frame(*f)
                 if self._closed:
                     return
+                if self._wbytes > WRITE_HIGH_WATER:
+                    # Stop handling requests while the peer does not take our replies;
+                    # _on_write_resumed carries on with the frames still buffered.
+                    self._flush()
+                    if (not self._closed and not self._pending
+                            and self._transport.get_write_buffer_size() > WRITE_HIGH_WATER):
+                        self._pause_reading(_PAUSE_OUTPUT)
+                    if self._closed or self._pause & _PAUSE_OUTPUT:
+                        return
             else:
                 # More may be buffered: let callers and handlers run first.
                 self._process_scheduled = True
@@ -964,8 +974,11 @@ class Connection:
 
     def _reply_error(self, sid: int, exc: BaseException) -> None:
         body = error_body(exc)
-        data = _encoder.encode(body)
-        if len(data) > self._max_frame:  # a huge message or detail: keep the code
+        try:
+            data = _encoder.encode(body)
+        except (TypeError, ValueError, OverflowError):  # e.g. an int beyond 64 bits in detail
+            data = b""
+        if not data or len(data) > self._max_frame:  # keep code and message, drop detail
             data = _encoder.encode(ErrorBody(code=body.code, message=body.message[:1000]))
         self._send(_ERROR, sid, data)
 
@@ -976,7 +989,17 @@ class Connection:
                 self._transport.pause_reading()
             except (AttributeError, NotImplementedError, RuntimeError):
                 pass
+        if why & _PAUSE_OUTPUT and not self._pause & _PAUSE_OUTPUT and self._writer is not None:
+            # Stream pairs: the StreamWriter owns the transport's resume_writing callback.
+            self._loop.create_task(self._resume_after_drain(self._writer))
         self._pause |= why
+
+    async def _resume_after_drain(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            await writer.drain()
+        except (ConnectionError, OSError):
+            return  # the connection is going down anyway
+        self._on_write_resumed()
 
     def _resume_reading(self, why: int) -> None:
         was = self._pause
@@ -1000,6 +1023,9 @@ class Connection:
     def _on_write_resumed(self) -> None:
         if self._pause & _PAUSE_OUTPUT:
             self._resume_reading(_PAUSE_OUTPUT)
+            if not self._process_scheduled and not self._closed:
+                self._process_scheduled = True
+                self._loop.call_soon(self._process)
 
     # --------------------------------------------------------- end of the line
     def _on_eof(self) -> None:
@@ -1058,6 +1084,10 @@ class Connection:
         self._dying.extend(tasks.values())
         try:
             self._transport.close()
+            if self._transport.get_write_buffer_size():
+                # A peer that stopped reading must not keep the socket (and wait_closed)
+                # alive forever.
+                self._loop.call_later(CLOSE_LINGER, self._transport.abort)
         except Exception:  # noqa: BLE001, S110 - the socket is already gone
             pass
         w, self._pump_waiter = self._pump_waiter, None
@@ -1079,9 +1109,6 @@ class Connection:
                     self._on_eof()
                     break
                 self._on_data(data)
-                if (self._transport.get_write_buffer_size() > WRITE_HIGH_WATER
-                        and not self._pending and self._writer is not None):
-                    await self._writer.drain()  # see _on_write_paused
                 while self._pause and not self._closed:
                     self._pump_waiter = self._loop.create_future()
                     await self._pump_waiter
