@@ -1,0 +1,459 @@
+"""The SDK, async: :class:`AsyncClient`, :class:`AsyncSandbox` and friends.
+
+All SDK logic lives here; the sync :class:`~dsec.client.sync.Client` runs these same
+coroutines on a private event-loop thread, so the two can never disagree.
+
+Three timeouts, kept apart and named in errors:
+
+- the **request timeout** (``AsyncClient(timeout=30.0)``): how long one API call may take
+  on the wire; exceeding it raises :class:`~dsec.errors.RequestTimeout`;
+- the **command timeout** (``exec(..., timeout=60.0)``): how long a command may run in the
+  sandbox; exceeding it kills the process group and returns ``ExecResult(timed_out=True)``
+  (a result, not an error). The request deadline of an exec is the command timeout plus
+  the request timeout, so the wire never gives up first;
+- the **sandbox lifetime** (``create(ttl=...)``): after it the edge destroys the sandbox
+  (event reason ``ttl``).
+
+Idempotent calls (get, list, events, destroy, file reads/stat/list) retry on connection
+errors with exponential backoff; ``create`` retries too, reusing one ``Idempotency-Key``
+so a retry never makes a second sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from dsec.control.api.types import CreateSandboxRequest, Info, NodeView
+from dsec.edge.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+)
+from dsec.errors import DsecError, InvalidArgument, NotFound, TransportError, Unauthenticated
+
+__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "Snapshot",
+           "parse_memory", "resolve_target"]
+
+T = TypeVar("T")
+
+_MEM_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 10**6,
+          "mb": 10**6, "mi": 2**20, "mib": 2**20, "g": 10**9, "gb": 10**9, "gi": 2**30,
+          "gib": 2**30, "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
+
+
+def parse_memory(value: int | str) -> int:
+    """``"1GiB"`` -> 1073741824; ints are bytes."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"memory={value!r} must be bytes (int) or a string like '1GiB'")
+    if isinstance(value, int):
+        return value
+    m = _MEM_RE.fullmatch(value) if isinstance(value, str) else None
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise InvalidArgument(f"memory={value!r} is not a size: use bytes or e.g. '512MiB', "
+                              "'1GiB'", field="memory")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def resolve_target(url: str | None, api_key: str | None) -> tuple[str, str, str | None]:
+    """(url, api_key, gateway) from arguments, then DSEC_URL/DSEC_API_KEY, then the local
+    ``dsec up`` cluster's ``local.json`` (``$DSEC_STATE_DIR`` or ``~/.dsec``)."""
+    from dsec.control.api.cluster import default_state_dir, read_local
+
+    url = url or os.environ.get("DSEC_URL")
+    api_key = api_key or os.environ.get("DSEC_API_KEY")
+    gateway = os.environ.get("DSEC_GATEWAY")
+    if url is None or api_key is None:
+        local = read_local()
+        if local is not None:
+            if url is None or url == local.get("url"):
+                url = url or local.get("url")
+                api_key = api_key or local.get("api_key")
+                gateway = gateway or local.get("gateway")
+    if not url:
+        raise TransportError(
+            "no dsec cluster given: pass Client(url=..., api_key=...), set DSEC_URL and "
+            f"DSEC_API_KEY, or start a local one with `dsec up` (it writes "
+            f"{os.path.join(default_state_dir(), 'local.json')})")
+    if not api_key:
+        raise Unauthenticated(f"no API key for {url}: pass api_key=... or set DSEC_API_KEY")
+    return url, api_key, gateway
+
+
+class Snapshot:
+    """A pack_diff snapshot of a sandbox; pass it to ``create(snapshot=...)``."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = dict(data)
+        self.id: str = str(self.data.get("id", ""))
+        self.sandbox_id: str = str(self.data.get("sandbox_id", ""))
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.id!r}, sandbox={self.sandbox_id!r})"
+
+
+class AsyncClient:
+    """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
+
+    ``transport``: ``"auto"`` (the Aether gateway when the server advertises one, else
+    REST), ``"http"`` or ``"aether"``. ``session_lease_s``: sandboxes this client creates
+    are bound to a session that the client renews in the background; if the client dies,
+    the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
+    on a create opts one sandbox out).
+    """
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
+        transport: str = "auto", gateway: str | None = None, retries: int = 3,
+        session_lease_s: float | None = 60.0, _http_transport: Any = None,
+    ) -> None:
+        self.url, self._key, found_gw = resolve_target(url, api_key)
+        self.gateway = gateway or found_gw
+        if transport not in ("auto", "http", "aether"):
+            raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http' or 'aether'")
+        if timeout is not None and timeout <= 0:
+            raise InvalidArgument(f"request timeout={timeout} must be positive seconds or None")
+        self.timeout = timeout
+        self.retries = retries
+        self.session_lease_s = session_lease_s
+        self._mode = transport
+        self._http_transport = _http_transport
+        self._t: Any = None
+        self._info: Info | None = None
+        self._session: str | None = None
+        self._renewer: asyncio.Task[None] | None = None
+        self._session_lock: asyncio.Lock | None = None
+        self.sandboxes = AsyncSandboxes(self)
+
+    # ------------------------------------------------------------------ plumbing
+    async def _transport(self) -> Any:
+        if self._t is not None:
+            return self._t
+        from dsec.client.transport import AetherTransport, HttpTransport
+        http = HttpTransport(self.url, self._key, timeout=self.timeout,
+                             transport=self._http_transport)
+        if self._mode == "http":
+            self._t = http
+            return http
+        gw = self.gateway
+        if gw is None:
+            self._info = await self._retry(http.info)
+            gw = self._info.gateway
+        if gw is None:
+            if self._mode == "aether":
+                await http.close()
+                raise TransportError(f"{self.url} offers no Aether gateway; use transport='http'")
+            self._t = http
+            return http
+        await http.close()
+        self._t = AetherTransport(gw, self._key, timeout=self.timeout)
+        return self._t
+
+    async def _retry(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Call ``fn`` again on connection errors (not on answers), with backoff."""
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return await fn()
+            except TransportError:
+                if attempt >= self.retries:
+                    raise
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay *= 4
+        raise AssertionError("unreachable")
+
+    async def _call(self, name: str, *args: Any, idempotent: bool = True) -> Any:
+        t = await self._transport()
+        fn = getattr(t, name)
+        if idempotent:
+            return await self._retry(lambda: fn(*args))
+        return await fn(*args)
+
+    async def _ensure_session(self) -> str | None:
+        if self.session_lease_s is None:
+            return None
+        if self._session is not None:
+            return self._session
+        if self._session_lock is None:
+            self._session_lock = asyncio.Lock()
+        async with self._session_lock:
+            if self._session is None:
+                view = await self._call("session_open", self.session_lease_s)
+                self._session = view.id
+                self._renewer = asyncio.create_task(self._renew_loop(view.id, view.lease_s))
+        return self._session
+
+    async def _renew_loop(self, session_id: str, lease_s: float) -> None:
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            try:
+                await self._call("session_renew", session_id)
+            except DsecError:
+                pass  # next round tries again; the lease is 3x the interval
+
+    # ------------------------------------------------------------------- public
+    async def info(self) -> Info:
+        return await self._call("info")  # type: ignore[no-any-return]
+
+    async def nodes(self) -> list[NodeView]:
+        return (await self._call("nodes")).items  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        """Stop renewing the session and close it: session-bound sandboxes are swept."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+            self._renewer = None
+        if self._session is not None and self._t is not None:
+            try:
+                await self._t.session_close(self._session)
+            except DsecError:
+                pass
+            self._session = None
+        if self._t is not None:
+            await self._t.close()
+            self._t = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def transport_name(self) -> str | None:
+        return None if self._t is None else str(self._t.name)
+
+
+class AsyncSandboxes:
+    """``client.sandboxes``: create, get, list, create_many, exec_many."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def _request(
+        self, *, image: str = "base", workspace: str | None = None,
+        toolkits: Sequence[str] = (), backend: str | None = None, cpu: float = 1,
+        memory: int | str = "512MiB", ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: str = "destroy",
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, snapshot: Snapshot | str | None = None,
+        priority: int = 0, detached: bool = False, disk: int | str | None = None,
+    ) -> CreateSandboxRequest:
+        if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
+            raise InvalidArgument(f"cpu={cpu!r} must be a positive number of cores", field="cpu")
+        session = None if detached else await self._c._ensure_session()
+        snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        return CreateSandboxRequest(
+            image=image, workspace=workspace, toolkits=list(toolkits), snapshot=snap,
+            backend=backend, cpu_milli=int(round(cpu * 1000)),  # type: ignore[arg-type]
+            memory_bytes=parse_memory(memory),
+            disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
+            labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
+            idle_action=idle_action, env=dict(env or {}), session=session)  # type: ignore[arg-type]
+
+    async def create(self, **kw: Any) -> AsyncSandbox:
+        """Create one sandbox (see :meth:`_request` for the keywords: image, workspace,
+        toolkits, backend, cpu (cores), memory ("1GiB"), ttl (s), idle_timeout (s),
+        labels, env, project, snapshot, priority, detached)."""
+        req = await self._request(**kw)
+        key = "sdk-" + uuid.uuid4().hex  # one key for every retry of this create
+        info = await self._c._call("create", req, key)
+        return AsyncSandbox(self._c, info)
+
+    async def create_many(self, n: int, **kw: Any) -> list[AsyncSandbox]:
+        """``n`` identical sandboxes in batched calls. All or nothing: if any fails, the
+        ones that were created are destroyed and the first error is raised."""
+        if not 0 < n <= 100_000:
+            raise InvalidArgument(f"create_many n={n} must be within 1..100000")
+        req = await self._request(**kw)
+        results: list[SandboxInfo | DsecError] = []
+        for start in range(0, n, 1024):
+            results += await self._c._call("create_many", [req] * min(1024, n - start),
+                                           idempotent=False)
+        ok = [AsyncSandbox(self._c, r) for r in results if isinstance(r, SandboxInfo)]
+        errors = [r for r in results if not isinstance(r, SandboxInfo)]
+        if errors:
+            await asyncio.gather(*(s.kill() for s in ok), return_exceptions=True)
+            raise errors[0]
+        return ok
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        return AsyncSandbox(self._c, await self._c._call("get", sandbox_id))
+
+    async def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
+                   state: str | None = None, limit: int | None = None) -> list[AsyncSandbox]:
+        """Every matching sandbox (pages through the server's cursor)."""
+        out: list[AsyncSandbox] = []
+        cursor: str | None = None
+        while True:
+            page = await self._c._retry(
+                lambda: self._list_page(project, labels or {}, state, cursor))
+            out += [AsyncSandbox(self._c, i) for i in page.items]
+            cursor = page.next_cursor
+            if cursor is None or (limit is not None and len(out) >= limit):
+                return out[:limit] if limit is not None else out
+
+    async def _list_page(self, project: str | None, labels: Mapping[str, str],
+                         state: str | None, cursor: str | None) -> Any:
+        t = await self._c._transport()
+        return await t.list(project=project, labels=labels, state=state, limit=1000,
+                            cursor=cursor)
+
+    async def exec_many(
+        self, calls: Sequence[tuple[AsyncSandbox | str, str | Sequence[str]]], *,
+        timeout: float | None = 60.0, return_exceptions: bool = False,
+    ) -> list[ExecResult | DsecError]:
+        """Many commands, one batched call (grouped per edge on the server)."""
+        items = [(s.id if isinstance(s, AsyncSandbox) else s, _exec_req(cmd, timeout=timeout))
+                 for s, cmd in calls]
+        res: list[ExecResult | DsecError] = await self._c._call(
+            "exec_many", items, _deadline(self._c.timeout, timeout), idempotent=False)
+        if not return_exceptions:
+            for r in res:
+                if isinstance(r, DsecError):
+                    raise r
+        return res
+
+
+def _deadline(request_timeout: float | None, command_timeout: float | None) -> float | None:
+    if request_timeout is None or command_timeout is None:
+        return None
+    return request_timeout + command_timeout
+
+
+def _exec_req(cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+              env: Mapping[str, str] | None = None, cwd: str | None = None,
+              stdin: bytes | str | None = None, user: str | None = None,
+              background: bool = False, output_cap: int | None = None) -> ExecRequest:
+    if isinstance(cmd, str):
+        argv: tuple[str, ...] = ()
+        shell: str | None = cmd
+    elif isinstance(cmd, Sequence) and cmd and all(isinstance(a, str) for a in cmd):
+        argv, shell = tuple(cmd), None
+    else:
+        raise InvalidArgument("a command is a shell string or a non-empty list of strings, "
+                              f"not {type(cmd).__name__}")
+    data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+    req = ExecRequest(argv=argv, shell=shell, env=dict(env or {}), cwd=cwd, user=user,
+                      stdin=data, timeout_s=timeout, background=background,
+                      **({"output_cap_bytes": output_cap} if output_cap is not None else {}))
+    return req.validate()
+
+
+class AsyncFiles:
+    """``sandbox.files``: read, write, list, stat, mkdir, remove (raw bytes)."""
+
+    def __init__(self, sb: AsyncSandbox) -> None:
+        self._sb = sb
+
+    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._sb._c._call("read_file", self._sb.id, path, offset, length)  # type: ignore[no-any-return]
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
+                    append: bool = False) -> None:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        await self._sb._c._call("write_file", self._sb.id, path, raw, mode, append,
+                                idempotent=not append)
+
+    async def list(self, path: str = "/") -> list[FileInfo]:
+        return await self._sb._c._call("list_dir", self._sb.id, path)  # type: ignore[no-any-return]
+
+    async def stat(self, path: str) -> FileInfo:
+        return await self._sb._c._call("stat", self._sb.id, path)  # type: ignore[no-any-return]
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+            return True
+        except NotFound:
+            return False
+
+    async def mkdir(self, path: str) -> None:
+        await self._sb._c._call("mkdir", self._sb.id, path)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._sb._c._call("remove", self._sb.id, path, recursive)
+
+
+class AsyncSandbox:
+    """One sandbox. ``async with`` kills it on exit."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self._c = client
+        self.info = info
+        self.id: str = info.id
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, state={self.info.state!r})"
+
+    @property
+    def state(self) -> str:
+        return self.info.state
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = await self._c._call("get", self.id)
+        return self.info
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: bool = False, output_cap: int | None = None) -> ExecResult:
+        """Run ``cmd`` (a string runs in a shell, a list is an argv). ``timeout`` is the
+        *command* timeout: when it fires the result has ``timed_out=True``."""
+        req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
+                        background=background, output_cap=output_cap)
+        return await self._c._call("exec", self.id, req,  # type: ignore[no-any-return]
+                                   _deadline(self._c.timeout, timeout), idempotent=False)
+
+    async def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                          env: Mapping[str, str] | None = None, cwd: str | None = None,
+                          stdin: bytes | str | None = None) -> AsyncIterator[ExecChunk | ExecResult]:
+        """Yield output chunks as they come, then the final :class:`ExecResult`."""
+        req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
+        t = await self._c._transport()
+        async for item in t.exec_stream(self.id, req, _deadline(self._c.timeout, timeout)):
+            yield item
+
+    async def pause(self) -> PauseStats:
+        stats: PauseStats = await self._c._call("pause", self.id, idempotent=False)
+        self.info.state = "paused"
+        return stats
+
+    async def resume(self) -> None:
+        self.info = await self._c._call("resume", self.id, idempotent=False)
+
+    async def snapshot(self) -> Snapshot:
+        return Snapshot(await self._c._call("snapshot", self.id, idempotent=False))
+
+    async def events(self) -> list[SandboxEvent]:
+        return await self._c._call("events", self.id)  # type: ignore[no-any-return]
+
+    async def kill(self) -> None:
+        """Destroy the sandbox; killing a gone sandbox is not an error."""
+        try:
+            await self._c._call("destroy", self.id)
+        except NotFound:
+            pass
+        self.info.state = "destroyed"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()

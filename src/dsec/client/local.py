@@ -1,0 +1,157 @@
+"""``LocalCluster``: a whole dsec cluster on this machine, for tests and notebooks.
+
+``with LocalCluster(edges=2, backend="simulated") as cluster: client = cluster.client()``
+
+In-process (default), the cluster runs on a private event-loop thread: the apiserver on a
+loopback port, the gateway, the control plane and N edges, each edge served over Aether
+on its own Unix socket under the state dir. With ``subprocess=True`` it runs ``dsec up``
+in a child process instead (what a notebook wants when its own loop must stay free), and
+reads the child's ``local.json``. Either way, leaving the ``with`` block destroys every
+sandbox and removes a temporary state dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from dsec.errors import InvalidArgument, TransportError
+
+__all__ = ["LocalCluster"]
+
+
+class LocalCluster:
+    def __init__(self, *, edges: int = 1, backend: str = "simulated",
+                 state_dir: str | None = None, subprocess: bool = False,
+                 gateway: bool = True, rate_per_s: float | None = None,
+                 start_timeout_s: float = 30.0, **config: Any) -> None:
+        self.edges = edges
+        self.backend = backend
+        self._tmp = state_dir is None
+        self.state_dir = state_dir or tempfile.mkdtemp(prefix="dsec-local-")
+        self._subprocess = subprocess
+        self._gateway = gateway
+        self._rate = rate_per_s
+        self._timeout = start_timeout_s
+        self._config = config
+        self.url = ""
+        self.api_key = ""
+        self.gateway: str | None = None
+        self._proc: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.runtime: Any = None
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> LocalCluster:
+        try:
+            if self._subprocess:
+                self._start_process()
+            else:
+                self._start_thread()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_thread(self) -> None:
+        import uvloop
+
+        from dsec.control.api.cluster import ClusterConfig, ClusterRuntime
+        from dsec.control.ratelimit import RateLimitConfig
+
+        cfg = ClusterConfig(state_dir=self.state_dir, listen="127.0.0.1:0",
+                            gateway="tcp:127.0.0.1:0" if self._gateway else None,
+                            backend=self.backend, edges=self.edges, write_local=False,
+                            rate=RateLimitConfig(rate_per_s=self._rate, burst=max(1.0, (self._rate or 1) * 2)),
+                            **self._config)
+        loop = self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="dsec-local-cluster",
+                                        daemon=True)
+        self._thread.start()
+        rt = ClusterRuntime(cfg)
+        asyncio.run_coroutine_threadsafe(rt.start(), loop).result(self._timeout)
+        self.runtime = rt
+        self.url, self.api_key, self.gateway = rt.url, rt.admin_key, rt.gateway_address
+
+    def _start_process(self) -> None:
+        from dsec.control.api.cluster import read_local
+
+        cmd = [sys.executable, "-m", "dsec.cli.main", "up", "--state-dir", self.state_dir,
+               "--listen", "127.0.0.1:0", "--backend", self.backend,
+               "--edges", str(self.edges), "--quiet"]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE)
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            local = read_local(self.state_dir)
+            if local is not None and local.get("pid") == self._proc.pid:
+                self.url, self.api_key = local["url"], local["api_key"]
+                self.gateway = local.get("gateway")
+                return
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace")[-2000:]
+                raise TransportError(f"`dsec up` exited with {self._proc.returncode}: {err}")
+            time.sleep(0.05)
+        raise TransportError(f"`dsec up` did not come up within {self._timeout}s")
+
+    # ------------------------------------------------------------------ use
+    def client(self, **kw: Any) -> Any:
+        from dsec.client.sync import Client
+        return Client(self.url, self.api_key, **{"gateway": self.gateway, **kw})
+
+    def async_client(self, **kw: Any) -> Any:
+        from dsec.client.core import AsyncClient
+        return AsyncClient(self.url, self.api_key, **{"gateway": self.gateway, **kw})
+
+    def create_key(self, name: str, project: str, role: str = "member") -> str:
+        """A new principal with ``role`` on ``project``; returns its API key."""
+        import httpx
+        r = httpx.post(f"{self.url}/v1/keys", json={"name": name, "project": project,
+                                                    "role": role},
+                       headers={"authorization": f"Bearer {self.api_key}"})
+        if r.status_code != 201:
+            raise InvalidArgument(f"could not create key {name!r}: {r.text}")
+        return str(r.json()["api_key"])
+
+    # ------------------------------------------------------------------ stop
+    def stop(self) -> None:
+        if self.runtime is not None and self._loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self.runtime.stop(), self._loop).result(30)
+            finally:
+                self.runtime = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            if not self._loop.is_running():
+                self._loop.close()
+            self._loop = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGTERM)
+                try:
+                    self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            if self._proc.stderr is not None:
+                self._proc.stderr.close()
+            self._proc = None
+        if self._tmp and os.path.isdir(self.state_dir):
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,215 @@
+"""The SDK, sync: :class:`Client` and :class:`Sandbox`, thin shells over the async core.
+
+Each :class:`Client` owns one private event-loop thread and runs the async core's
+coroutines on it, so there is exactly one implementation of every behaviour (retries,
+idempotency keys, sessions, error mapping) and the sync API mirrors the async one
+method for method. The loop thread also renews the client's session lease in the
+background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from dsec.client.core import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSandboxes, Snapshot
+from dsec.control.api.types import Info, NodeView
+from dsec.edge.spec import (
+    ExecChunk,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+)
+from dsec.errors import DsecError
+
+__all__ = ["Client", "Files", "Sandbox", "Sandboxes"]
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """A daemon thread running an event loop (uvloop when available)."""
+
+    def __init__(self) -> None:
+        try:
+            import uvloop
+            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="dsec-client",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a sync dsec Client was called from its own loop thread")
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result()
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class Client:
+    """``client = Client()`` (or ``Client(url=..., api_key=...)``); see
+    :class:`~dsec.client.core.AsyncClient` for every option."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, **kw: Any) -> None:
+        self._loop = _Loop()
+        try:
+            self._a = AsyncClient(url, api_key, **kw)
+        except BaseException:
+            self._loop.stop()
+            raise
+        self.url = self._a.url
+        self.sandboxes = Sandboxes(self, self._a.sandboxes)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro)
+
+    def info(self) -> Info:
+        return self._run(self._a.info())
+
+    def nodes(self) -> list[NodeView]:
+        return self._run(self._a.nodes())
+
+    @property
+    def transport_name(self) -> str | None:
+        return self._a.transport_name
+
+    def close(self) -> None:
+        if self._loop.loop.is_closed():
+            return
+        try:
+            self._run(self._a.close())
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sandboxes:
+    def __init__(self, client: Client, a: AsyncSandboxes) -> None:
+        self._c = client
+        self._a = a
+
+    def create(self, **kw: Any) -> Sandbox:
+        return Sandbox(self._c, self._c._run(self._a.create(**kw)))
+
+    def create_many(self, n: int, **kw: Any) -> list[Sandbox]:
+        return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(n, **kw))]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
+
+    def list(self, **kw: Any) -> list[Sandbox]:
+        return [Sandbox(self._c, s) for s in self._c._run(self._a.list(**kw))]
+
+    def exec_many(self, calls: Sequence[tuple[Sandbox | AsyncSandbox | str, str | Sequence[str]]],
+                  **kw: Any) -> list[ExecResult | DsecError]:
+        items = [(s._a if isinstance(s, Sandbox) else s, cmd) for s, cmd in calls]
+        return self._c._run(self._a.exec_many(items, **kw))
+
+
+class Files:
+    def __init__(self, client: Client, a: AsyncFiles) -> None:
+        self._c = client
+        self._a = a
+
+    def read(self, path: str, **kw: Any) -> bytes:
+        return self._c._run(self._a.read(path, **kw))
+
+    def read_text(self, path: str) -> str:
+        return self._c._run(self._a.read_text(path))
+
+    def write(self, path: str, data: bytes | str, **kw: Any) -> None:
+        self._c._run(self._a.write(path, data, **kw))
+
+    def list(self, path: str = "/") -> list[FileInfo]:
+        return self._c._run(self._a.list(path))
+
+    def stat(self, path: str) -> FileInfo:
+        return self._c._run(self._a.stat(path))
+
+    def exists(self, path: str) -> bool:
+        return self._c._run(self._a.exists(path))
+
+    def mkdir(self, path: str) -> None:
+        self._c._run(self._a.mkdir(path))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._c._run(self._a.remove(path, recursive=recursive))
+
+
+class Sandbox:
+    """One sandbox; ``with`` kills it on exit."""
+
+    def __init__(self, client: Client, a: AsyncSandbox) -> None:
+        self._c = client
+        self._a = a
+        self.id = a.id
+        self.files = Files(client, a.files)
+
+    def __repr__(self) -> str:
+        return repr(self._a)
+
+    @property
+    def info(self) -> SandboxInfo:
+        return self._a.info
+
+    @property
+    def state(self) -> str:
+        return self._a.state
+
+    def refresh(self) -> SandboxInfo:
+        return self._c._run(self._a.refresh())
+
+    def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+        return self._c._run(self._a.exec(cmd, **kw))
+
+    def exec_stream(self, cmd: str | Sequence[str], **kw: Any) -> Iterator[ExecChunk | ExecResult]:
+        agen = self._a.exec_stream(cmd, **kw)
+        try:
+            while True:
+                try:
+                    yield self._c._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._c._run(agen.aclose())
+
+    def pause(self) -> PauseStats:
+        return self._c._run(self._a.pause())
+
+    def resume(self) -> None:
+        self._c._run(self._a.resume())
+
+    def snapshot(self) -> Snapshot:
+        return self._c._run(self._a.snapshot())
+
+    def events(self) -> list[SandboxEvent]:
+        return self._c._run(self._a.events())
+
+    def kill(self) -> None:
+        self._c._run(self._a.kill())
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+

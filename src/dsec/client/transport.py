@@ -1,0 +1,452 @@
+"""How the SDK reaches an apiserver: REST over httpx, or the Aether gateway.
+
+Both transports expose the same async methods with the same types, so the SDK core
+(:mod:`dsec.client.core`) does not know which one it talks through. Every failure leaves
+here as a :class:`~dsec.errors.DsecError`: HTTP error bodies and Aether error frames are
+rebuilt as the class the server raised, and httpx/OS errors become
+:class:`~dsec.errors.TransportError` / :class:`~dsec.errors.RequestTimeout` naming the
+*request* timeout (never confused with a command timeout, which is a result).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+
+from dsec.control.api.types import (
+    CreateSandboxRequest,
+    ExecOutput,
+    ExecStreamLine,
+    Info,
+    NodeList,
+    SandboxList,
+    SessionView,
+)
+from dsec.edge.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+)
+from dsec.errors import (
+    DsecError,
+    RemoteProtocolError,
+    RequestTimeout,
+    TransportError,
+    error_from_wire,
+)
+
+__all__ = ["AetherTransport", "HttpTransport", "Transport"]
+
+_json = msgspec.json.Encoder()
+
+
+class Transport(Protocol):
+    """What the SDK core needs from a connection to an apiserver."""
+
+    name: str
+
+    async def info(self) -> Info: ...
+    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo: ...
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]: ...
+    async def get(self, sid: str) -> SandboxInfo: ...
+    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
+                   limit: int, cursor: str | None) -> SandboxList: ...
+    async def destroy(self, sid: str) -> None: ...
+    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult: ...
+    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
+                        timeout: float | None) -> list[ExecResult | DsecError]: ...
+    def exec_stream(self, sid: str, req: ExecRequest,
+                    timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]: ...
+    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes: ...
+    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None: ...
+    async def list_dir(self, sid: str, path: str) -> list[FileInfo]: ...
+    async def stat(self, sid: str, path: str) -> FileInfo: ...
+    async def mkdir(self, sid: str, path: str) -> None: ...
+    async def remove(self, sid: str, path: str, recursive: bool) -> None: ...
+    async def pause(self, sid: str) -> PauseStats: ...
+    async def resume(self, sid: str) -> SandboxInfo: ...
+    async def snapshot(self, sid: str) -> dict[str, Any]: ...
+    async def events(self, sid: str) -> list[SandboxEvent]: ...
+    async def nodes(self) -> NodeList: ...
+    async def session_open(self, lease_s: float) -> SessionView: ...
+    async def session_renew(self, session_id: str) -> SessionView: ...
+    async def session_close(self, session_id: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+def _exec_body(req: ExecRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {"timeout_s": req.timeout_s, "output_cap_bytes": req.output_cap_bytes}
+    if req.shell is not None:
+        body["shell"] = req.shell
+    else:
+        body["argv"] = list(req.argv)
+    if req.env:
+        body["env"] = dict(req.env)
+    if req.cwd is not None:
+        body["cwd"] = req.cwd
+    if req.user is not None:
+        body["user"] = req.user
+    if req.background:
+        body["background"] = True
+    if req.stdin:
+        try:
+            body["stdin"] = req.stdin.decode()
+        except UnicodeDecodeError:
+            body["stdin"] = base64.b64encode(req.stdin).decode()
+            body["stdin_encoding"] = "base64"
+    return body
+
+
+def _from_output(o: ExecOutput) -> ExecResult:
+    if o.encoding == "base64":
+        out, err = base64.b64decode(o.stdout), base64.b64decode(o.stderr)
+    else:
+        out, err = o.stdout.encode(), o.stderr.encode()
+    return ExecResult(exit_code=o.exit_code, stdout=out, stderr=err,
+                      stdout_truncated=o.stdout_truncated, stderr_truncated=o.stderr_truncated,
+                      timed_out=o.timed_out, duration_s=o.duration_s, pid=o.pid)
+
+
+class HttpTransport:
+    """REST over httpx (HTTP/1.1 keep-alive, one pooled client)."""
+
+    name = "http"
+
+    def __init__(self, url: str, api_key: str, *, timeout: float | None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers={"authorization": f"Bearer {api_key}"},
+            timeout=timeout, transport=transport,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+    async def _req(self, method: str, path: str, *, timeout: float | None | type[...] = ...,  # type: ignore[valid-type]
+                   **kw: Any) -> httpx.Response:
+        t = self.timeout if timeout is ... else timeout
+        try:
+            resp = await self._http.request(method, path, timeout=t, **kw)
+        except httpx.TimeoutException as exc:
+            raise RequestTimeout(
+                f"{method} {path} got no answer within the request timeout of {t}s "
+                "(Client(timeout=...)); the operation may still have happened",
+                timeout_s=t) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{method} {self.url}{path} failed: {exc!s} "
+                                 f"({type(exc).__name__}); is the apiserver running?") from exc
+        if resp.status_code >= 400:
+            raise _http_error(resp)
+        return resp
+
+    async def _json(self, tp: Any, method: str, path: str, **kw: Any) -> Any:
+        resp = await self._req(method, path, **kw)
+        try:
+            return msgspec.json.decode(resp.content, type=tp)
+        except msgspec.DecodeError as exc:
+            raise RemoteProtocolError(f"{method} {path}: undecodable {tp} reply: {exc}") from exc
+
+    async def info(self) -> Info:
+        return await self._json(Info, "GET", "/v1/info")  # type: ignore[no-any-return]
+
+    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
+        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
+        return await self._json(SandboxInfo, "POST", "/v1/sandboxes",  # type: ignore[no-any-return]
+                                content=_json.encode(req), headers={
+                                    **headers, "content-type": "application/json"})
+
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]:
+        import asyncio
+
+        async def one(r: CreateSandboxRequest) -> SandboxInfo | DsecError:
+            try:
+                return await self.create(r, None)
+            except DsecError as exc:
+                return exc
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    async def get(self, sid: str) -> SandboxInfo:
+        return await self._json(SandboxInfo, "GET", f"/v1/sandboxes/{sid}")  # type: ignore[no-any-return]
+
+    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
+                   limit: int, cursor: str | None) -> SandboxList:
+        params: list[tuple[str, str]] = [("limit", str(limit))]
+        if project:
+            params.append(("project", project))
+        if state:
+            params.append(("state", state))
+        if cursor:
+            params.append(("cursor", cursor))
+        params += [("label", f"{k}={v}") for k, v in labels.items()]
+        return await self._json(SandboxList, "GET", "/v1/sandboxes", params=params)  # type: ignore[no-any-return]
+
+    async def destroy(self, sid: str) -> None:
+        await self._req("DELETE", f"/v1/sandboxes/{sid}")
+
+    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
+        out = await self._json(ExecOutput, "POST", f"/v1/sandboxes/{sid}/exec",
+                               content=_json.encode(_exec_body(req)), timeout=timeout,
+                               headers={"content-type": "application/json"})
+        return _from_output(out)
+
+    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
+                        timeout: float | None) -> list[ExecResult | DsecError]:
+        import asyncio
+
+        async def one(sid: str, r: ExecRequest) -> ExecResult | DsecError:
+            try:
+                return await self.exec(sid, r, timeout)
+            except DsecError as exc:
+                return exc
+        return list(await asyncio.gather(*(one(s, r) for s, r in calls)))
+
+    async def exec_stream(self, sid: str, req: ExecRequest,
+                          timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
+        path = f"/v1/sandboxes/{sid}/exec/stream"
+        dec = msgspec.json.Decoder(ExecStreamLine)
+        try:
+            async with self._http.stream("POST", path, content=_json.encode(_exec_body(req)),
+                                         timeout=timeout,
+                                         headers={"content-type": "application/json"}) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _http_error(resp)
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    item = dec.decode(line)
+                    if item.error is not None:
+                        raise error_from_wire(item.error.code, item.error.message)
+                    if item.exit_code is not None:
+                        yield ExecResult(exit_code=item.exit_code, timed_out=item.timed_out,
+                                         duration_s=item.duration_s or 0.0)
+                        return
+                    data = item.data or ""
+                    raw = base64.b64decode(data) if item.encoding == "base64" else data.encode()
+                    yield ExecChunk(stream=item.stream or "stdout", data=raw)
+        except httpx.TimeoutException as exc:
+            raise RequestTimeout(f"exec stream on {sid} exceeded the request timeout of "
+                                 f"{timeout}s", timeout_s=timeout) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"exec stream on {sid} failed: {exc}") from exc
+
+    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
+        params: dict[str, Any] = {"path": path}
+        if offset:
+            params["offset"] = offset
+        if length is not None:
+            params["length"] = length
+        return (await self._req("GET", f"/v1/sandboxes/{sid}/files", params=params)).content
+
+    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
+        params: dict[str, Any] = {"path": path, "mode": mode}
+        if append:
+            params["append"] = "true"
+        await self._req("PUT", f"/v1/sandboxes/{sid}/files", params=params, content=data,
+                        headers={"content-type": "application/octet-stream"})
+
+    async def list_dir(self, sid: str, path: str) -> list[FileInfo]:
+        class _L(msgspec.Struct):
+            items: list[FileInfo]
+        r: _L = await self._json(_L, "GET", f"/v1/sandboxes/{sid}/files/list",
+                                 params={"path": path})
+        return r.items
+
+    async def stat(self, sid: str, path: str) -> FileInfo:
+        return await self._json(FileInfo, "GET", f"/v1/sandboxes/{sid}/files/stat",  # type: ignore[no-any-return]
+                                params={"path": path})
+
+    async def mkdir(self, sid: str, path: str) -> None:
+        await self._req("POST", f"/v1/sandboxes/{sid}/files/mkdir", params={"path": path})
+
+    async def remove(self, sid: str, path: str, recursive: bool) -> None:
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        await self._req("DELETE", f"/v1/sandboxes/{sid}/files", params=params)
+
+    async def pause(self, sid: str) -> PauseStats:
+        return await self._json(PauseStats, "POST", f"/v1/sandboxes/{sid}/pause")  # type: ignore[no-any-return]
+
+    async def resume(self, sid: str) -> SandboxInfo:
+        return await self._json(SandboxInfo, "POST", f"/v1/sandboxes/{sid}/resume")  # type: ignore[no-any-return]
+
+    async def snapshot(self, sid: str) -> dict[str, Any]:
+        return await self._json(dict[str, Any], "POST", f"/v1/sandboxes/{sid}/snapshot")  # type: ignore[no-any-return]
+
+    async def events(self, sid: str) -> list[SandboxEvent]:
+        class _E(msgspec.Struct):
+            items: list[SandboxEvent]
+        r: _E = await self._json(_E, "GET", f"/v1/sandboxes/{sid}/events")
+        return r.items
+
+    async def nodes(self) -> NodeList:
+        return await self._json(NodeList, "GET", "/v1/nodes")  # type: ignore[no-any-return]
+
+    async def session_open(self, lease_s: float) -> SessionView:
+        return await self._json(SessionView, "POST", "/v1/sessions",  # type: ignore[no-any-return]
+                                params={"lease_s": lease_s})
+
+    async def session_renew(self, session_id: str) -> SessionView:
+        return await self._json(SessionView, "POST", f"/v1/sessions/{session_id}/renew")  # type: ignore[no-any-return]
+
+    async def session_close(self, session_id: str) -> None:
+        await self._req("DELETE", f"/v1/sessions/{session_id}")
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+def _http_error(resp: httpx.Response) -> DsecError:
+    try:
+        body = msgspec.json.decode(resp.content)
+        code, message = body["code"], body["message"]
+        detail = body.get("detail") or {}
+        rid = body.get("request_id")
+        if rid:
+            detail = {**detail, "request_id": rid}
+        return error_from_wire(str(code), str(message), detail)
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return RemoteProtocolError(f"HTTP {resp.status_code} from {resp.request.url} without a "
+                                   f"dsec error body: {resp.text[:200]!r}")
+
+
+class AetherTransport:
+    """The gateway fast path: msgpack over one multiplexed Aether connection."""
+
+    name = "aether"
+
+    def __init__(self, address: str, api_key: str, *, timeout: float | None) -> None:
+        self.address = address
+        self.key = api_key
+        self.timeout = timeout
+        self._conn: Any = None
+        self._lock: Any = None
+
+    async def _c(self) -> Any:
+        import asyncio
+
+        from dsec.aether import connect
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = await connect(self.address, timeout=self.timeout)
+        return self._conn
+
+    async def _call(self, method: str, body: Any, rtype: Any,
+                    timeout: float | None | type[...] = ...) -> Any:  # type: ignore[valid-type]
+        conn = await self._c()
+        t = self.timeout if timeout is ... else timeout
+        return await conn.call(method, body, timeout=t, response_type=rtype)
+
+    def _k(self, **kw: Any) -> dict[str, Any]:
+        return {"key": self.key, **kw}
+
+    async def info(self) -> Info:
+        return await self._call("api.info", self._k(), Info)  # type: ignore[no-any-return]
+
+    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
+        body = self._k(req=req)
+        if idempotency_key:
+            body["idempotency_key"] = idempotency_key
+        return await self._call("api.create", body, SandboxInfo)  # type: ignore[no-any-return]
+
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]:
+        from dsec.control.gateway import Outcome
+        out = await self._call("api.create_many", self._k(reqs=list(reqs)), list[Outcome])
+        return [o.info if o.error is None else error_from_wire(o.error.code, o.error.message,
+                                                               o.error.detail) for o in out]
+
+    async def get(self, sid: str) -> SandboxInfo:
+        return await self._call("api.get", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
+
+    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
+                   limit: int, cursor: str | None) -> SandboxList:
+        body = self._k(labels=dict(labels), limit=limit)
+        for k, v in (("project", project), ("state", state), ("cursor", cursor)):
+            if v is not None:
+                body[k] = v
+        return await self._call("api.list", body, SandboxList)  # type: ignore[no-any-return]
+
+    async def destroy(self, sid: str) -> None:
+        await self._call("api.destroy", self._k(id=sid), None)
+
+    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
+        return await self._call("api.exec", self._k(id=sid, req=req), ExecResult, timeout)  # type: ignore[no-any-return]
+
+    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
+                        timeout: float | None) -> list[ExecResult | DsecError]:
+        from dsec.control.gateway import Outcome
+        body = self._k(calls=[{"id": s, "req": r} for s, r in calls])
+        out = await self._call("api.exec_many", body, list[Outcome], timeout)
+        return [o.result if o.error is None else error_from_wire(o.error.code, o.error.message,
+                                                                 o.error.detail) for o in out]
+
+    async def exec_stream(self, sid: str, req: ExecRequest,
+                          timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
+        conn = await self._c()
+        stream = conn.stream("api.exec_stream", self._k(id=sid, req=req), timeout=timeout,
+                             item_type=ExecChunk, response_type=ExecResult)
+        async with stream:
+            async for chunk in stream:
+                yield chunk
+            yield stream.result
+
+    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
+        return await self._call("api.read_file",  # type: ignore[no-any-return]
+                                self._k(id=sid, path=path, offset=offset, length=length), bytes)
+
+    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
+        await self._call("api.write_file",
+                         self._k(id=sid, path=path, data=data, mode=mode, append=append), None)
+
+    async def list_dir(self, sid: str, path: str) -> list[FileInfo]:
+        return await self._call("api.list_dir", self._k(id=sid, path=path), list[FileInfo])  # type: ignore[no-any-return]
+
+    async def stat(self, sid: str, path: str) -> FileInfo:
+        return await self._call("api.stat", self._k(id=sid, path=path), FileInfo)  # type: ignore[no-any-return]
+
+    async def mkdir(self, sid: str, path: str) -> None:
+        await self._call("api.mkdir", self._k(id=sid, path=path), None)
+
+    async def remove(self, sid: str, path: str, recursive: bool) -> None:
+        await self._call("api.remove", self._k(id=sid, path=path, recursive=recursive), None)
+
+    async def pause(self, sid: str) -> PauseStats:
+        return await self._call("api.pause", self._k(id=sid), PauseStats)  # type: ignore[no-any-return]
+
+    async def resume(self, sid: str) -> SandboxInfo:
+        return await self._call("api.resume", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
+
+    async def snapshot(self, sid: str) -> dict[str, Any]:
+        return await self._call("api.snapshot", self._k(id=sid), dict[str, Any])  # type: ignore[no-any-return]
+
+    async def events(self, sid: str) -> list[SandboxEvent]:
+        return await self._call("api.events", self._k(id=sid), list[SandboxEvent])  # type: ignore[no-any-return]
+
+    async def nodes(self) -> NodeList:
+        from dsec.control.api.types import NodeView
+        items = await self._call("api.nodes", self._k(), list[NodeView])
+        return NodeList(items=items)
+
+    async def session_open(self, lease_s: float) -> SessionView:
+        return await self._call("api.session_open", self._k(lease_s=lease_s), SessionView)  # type: ignore[no-any-return]
+
+    async def session_renew(self, session_id: str) -> SessionView:
+        return await self._call("api.session_renew", self._k(id=session_id), SessionView)  # type: ignore[no-any-return]
+
+    async def session_close(self, session_id: str) -> None:
+        await self._call("api.session_close", self._k(id=session_id), None)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
