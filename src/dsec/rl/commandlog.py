@@ -29,7 +29,7 @@ from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import Conflict
 from dsec.rl.access import ExecOutcome, SandboxAccess
 
-__all__ = ["CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged"]
+__all__ = ["CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged", "request_digest"]
 
 _LEN = struct.Struct("<I")
 

@@ -96,6 +96,7 @@ class RolloutHandle(msgspec.Struct, kw_only=True):
     episode_return: _ArrayBlob
     episode_length: _ArrayBlob
     pool_state: bytes | None = None       # opaque; from the pool's export_state()
+    paused: bool = False                  # taken by preempt(): resume() resumes sandboxes
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -240,8 +241,20 @@ class Driver:
         if self.preempted:
             raise Conflict("driver already preempted; resume the handle it returned")
         self.pool.pause()
+        handle = self.checkpoint()
+        handle.paused = True
+        self.preempted = True
+        return handle
+
+    def checkpoint(self) -> RolloutHandle:
+        """The loop's state as a handle, without pausing anything (the rollout goes on).
+
+        A trainer that checkpoints periodically and later dies resumes from the last
+        handle; with a :class:`~dsec.rl.commandlog.LoggedAccess` the commands issued
+        since the checkpoint are answered from the log instead of running twice.
+        """
         export = getattr(self.pool, "export_state", None)
-        handle = RolloutHandle(
+        return RolloutHandle(
             ticks=self.ticks,
             obs=_pack(self.obs),
             actor=None if self.actor is None else [_pack(self.actor[0]), _pack(self.actor[1])],
@@ -251,8 +264,6 @@ class Driver:
             episode_length=_pack(self.episode_length),
             pool_state=export() if export is not None else None,
         )
-        self.preempted = True
-        return handle
 
 
 def resume(handle: RolloutHandle, *, pool: EnvPool, policy: Policy,
@@ -268,7 +279,8 @@ def resume(handle: RolloutHandle, *, pool: EnvPool, policy: Policy,
     if obs.shape[0] != pool.num_envs:
         raise InvalidArgument(f"rollout handle has {obs.shape[0]} envs but the pool has "
                               f"{pool.num_envs}; resume on the pool the rollout ran on")
-    pool.resume()
+    if handle.paused:
+        pool.resume()
     d.obs = obs
     for name, blobs in (("actor", handle.actor), ("critic", handle.critic)):
         mine = getattr(d, name)

@@ -1,0 +1,172 @@
+"""Preemptible sandbox rollouts: pause/resume mid-episode, and a reconnecting trainer
+replaying from a checkpoint gets logged results instead of re-running commands."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dsec.edge.node import EdgeNode
+from dsec.edge.spec import ExecRequest
+from dsec.ids import node_of
+from dsec.rl.access import EdgeAccess
+from dsec.rl.buffer import ReplayBuffer
+from dsec.rl.commandlog import (
+    CommandInDoubt,
+    CommandLog,
+    LoggedAccess,
+    ReplayDiverged,
+    request_digest,
+)
+from dsec.rl.driver import Driver, LstmState, PolicyOutput, RolloutHandle, resume
+from dsec.rl.judges import RegexJudge
+from dsec.rl.sandbox import SandboxEnvPool, Task
+
+N = 3
+TASKS = [Task(prompt="append numbers to /workspace/log", max_turns=5,
+              judge=RegexJudge(r"^3\n", field="last_observation"), name="t0"),
+         Task(prompt="same, other task", max_turns=5,
+              judge=RegexJudge(r"4", field="last_observation"), name="t1")]
+
+
+class CounterPolicy:
+    """Non-idempotent commands driven by the recurrent state (c counts turns, zeroed on
+    done by the driver): ``echo <c> >> log; cat log``."""
+
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+
+    def __call__(self, obs: np.ndarray, actor: LstmState | None,
+                 critic: LstmState | None) -> PolicyOutput:
+        assert actor is not None
+        h, c = actor
+        nc = c + 1.0
+        acts = np.empty(len(obs), dtype=object)
+        acts[:] = [f"echo {self.tag}{int(nc[i, 0])} >> /workspace/log; cat /workspace/log"
+                   for i in range(len(obs))]
+        return PolicyOutput(action=acts, value=nc[:, 0].astype(np.float32),
+                            actor_state=(h + 1.0, nc), critic_state=(h + 1.0, nc))
+
+
+def _buf() -> ReplayBuffer:
+    return ReplayBuffer(num_envs=N, capacity=32, obs_dtype=object, action_dtype=object,
+                        hidden_size=1)
+
+
+def _logs(access: Any, pool: SandboxEnvPool) -> list[bytes]:
+    return [access.read_file(sid, "/workspace/log") for sid in pool.sandbox_ids()]
+
+
+def _assert_same(a: ReplayBuffer, b: ReplayBuffer) -> None:
+    for name, arr in a.step_major().arrays().items():
+        np.testing.assert_array_equal(b.step_major().arrays()[name], arr, err_msg=name)
+
+
+@pytest.fixture
+def pools(sim_access: EdgeAccess) -> Iterator[list[SandboxEnvPool]]:
+    made: list[SandboxEnvPool] = []
+    try:
+        yield made
+    finally:
+        for p in made:
+            p.close()
+
+
+def test_preempt_mid_episode_then_resume_equals_uninterrupted(
+        sim_access: EdgeAccess, sim_nodes: dict[str, EdgeNode],
+        pools: list[SandboxEnvPool]) -> None:
+    ref_pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(ref_pool)
+    ref = Driver(ref_pool, CounterPolicy(), _buf())
+    ref.start(seed=5)
+    ref.rollout(8)          # crosses an episode boundary (max_turns=5)
+
+    pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(pool)
+    buf = _buf()
+    d = Driver(pool, CounterPolicy(), buf)
+    d.start(seed=5)
+    d.rollout(3)
+    handle = RolloutHandle.from_bytes(d.preempt().to_bytes())
+    for sid in pool.sandbox_ids():
+        assert sid is not None and sim_nodes[node_of(sid)].get(sid).state == "paused"
+    d2 = resume(handle, pool=pool, policy=CounterPolicy(), buffer=buf)
+    for sid in pool.sandbox_ids():
+        assert sim_nodes[node_of(sid)].get(sid).state == "running"  # type: ignore[arg-type]
+    d2.rollout(5)
+    _assert_same(ref.buffer, buf)
+    assert _logs(sim_access, pool) == _logs(sim_access, ref_pool)
+    assert _logs(sim_access, pool)[0] == b"1\n2\n3\n"   # second episode, 3 turns in
+    assert buf.check() == []
+
+
+def test_reconnecting_trainer_replays_from_log_without_rerunning(
+        sim_access: EdgeAccess, tmp_path: Any, pools: list[SandboxEnvPool]) -> None:
+    ref_pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(ref_pool)
+    ref = Driver(ref_pool, CounterPolicy(), _buf())
+    ref.start(seed=9)
+    ref.rollout(4)
+
+    path = str(tmp_path / "commands.log")
+    acc_a = LoggedAccess(sim_access, CommandLog(path))
+    pool_a = SandboxEnvPool(acc_a, TASKS, N)
+    pools.append(pool_a)
+    da = Driver(pool_a, CounterPolicy(), _buf())
+    da.start(seed=9)
+    da.rollout(1)
+    saved = da.checkpoint().to_bytes()       # trainer A checkpoints ...
+    da.rollout(2)                            # ... runs on, then dies without a word
+    acc_a.log.close()
+    assert _logs(sim_access, pool_a)[0] == b"1\n2\n3\n"
+
+    # Trainer B: new process state, same command log file, same sandboxes.
+    handle = RolloutHandle.from_bytes(saved)
+    assert handle.pool_state is not None
+    acc_b = LoggedAccess(sim_access, CommandLog(path))
+    pool_b = SandboxEnvPool.restore(handle.pool_state, acc_b, TASKS, N)
+    buf_b = _buf()
+    db = resume(handle, pool=pool_b, policy=CounterPolicy(), buffer=buf_b)
+    db.rollout(2)                            # the two ticks A already ran: from the log
+    assert acc_b.replayed == 2 * N
+    assert _logs(sim_access, pool_b)[0] == b"1\n2\n3\n"     # not run twice
+    db.rollout(1)                            # past the log: live again
+    assert acc_b.replayed == 2 * N
+    assert _logs(sim_access, pool_b) == _logs(sim_access, ref_pool)
+    # What B recorded after the checkpoint equals the uninterrupted run's steps 1..3.
+    ref_sm, b_sm = ref.buffer.step_major(), buf_b.step_major()
+    for name in ("obs", "action", "reward", "done"):
+        np.testing.assert_array_equal(getattr(b_sm, name), getattr(ref_sm, name)[1:4])
+    acc_b.log.close()
+
+
+def test_log_refuses_divergence_and_commands_in_doubt(sim_access: EdgeAccess,
+                                                      tmp_path: Any) -> None:
+    path = str(tmp_path / "c.log")
+    sid = sim_access.create(TASKS[0].spec)
+    try:
+        acc = LoggedAccess(sim_access, CommandLog(path))
+        req = ExecRequest(shell="echo a >> /tmp/x")
+        acc.exec_batch([(sid, req), (sid, req)])
+        acc.log.record_intents([(sid, 2, request_digest(req))])   # sent, result never recorded
+        acc.log.close()
+        # A torn tail (crash mid-append) is ignored on load.
+        with open(path, "ab") as f:
+            f.write(b"\x40\x00\x00\x00garbage")
+        acc2 = LoggedAccess(sim_access, CommandLog(path))
+        assert acc2.log.length(sid) == 3
+        with pytest.raises(ReplayDiverged, match="#0"):
+            acc2.exec_batch([(sid, ExecRequest(shell="echo b >> /tmp/x"))])
+        acc2.seek({sid: 0})
+        assert acc2.exec_batch([(sid, req), (sid, req)])[1].exit_code == 0
+        assert sim_access.read_file(sid, "/tmp/x") == b"a\na\n"
+        with pytest.raises(CommandInDoubt, match="may have run"):
+            acc2.exec_batch([(sid, req)])
+        assert os.path.getsize(path) > 0
+        acc2.log.close()
+    finally:
+        sim_access.destroy(sid)
