@@ -61,7 +61,7 @@ async def test_timeout_kills_the_whole_process_group(fn: FncallBackend, tmp_path
             os.kill(child, 0)
         except ProcessLookupError:
             break
-        with open(f"/proc/{child}/stat") as f:
+        with open(f"/proc/{child}/stat") as f:  # noqa: ASYNC230
             if f.read().split()[2] == "Z":
                 break
         await asyncio.sleep(0.02)

@@ -1,9 +1,8 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import pytest
 
 from dsec.edge.lifecycle import IN_FLIGHT, TABLE, allowed_from, event_structs, next_state
 from dsec.errors import InvalidTransition

@@ -39,7 +39,7 @@ async def edge(tmp_path) -> AsyncIterator[tuple[EdgeNode, EdgeClient]]:  # type:
 
 
 async def test_every_operation_over_the_wire(edge: tuple[EdgeNode, EdgeClient]) -> None:
-    node, c = edge
+    _, c = edge
     info = await c.info()
     assert info.node == "n1" and sorted(info.methods) == sorted(METHODS)
     sb = await c.create(image="py", labels={"k": "v"}, env={"A": "1"})

@@ -84,7 +84,7 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from dsec.edge.admission import Capacity
     from dsec.edge.backends import make_backend
-    from dsec.edge.node import EdgeNode, NodeConfig
+    from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
 
     try:

@@ -93,7 +93,7 @@ class FncallResult:
 
 
 class _Worker:
-    __slots__ = ("proc", "reader", "writer", "born")
+    __slots__ = ("born", "proc", "reader", "writer")
 
     def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
@@ -400,7 +400,7 @@ class FncallBackend:
         _, d = self._box(sid)
         p = self._path(d, path)
         try:
-            with open(p, "rb") as f:
+            with open(p, "rb") as f:  # noqa: ASYNC230 - local work dir, small files
                 f.seek(offset)
                 return f.read() if length is None else f.read(length)
         except FileNotFoundError as exc:

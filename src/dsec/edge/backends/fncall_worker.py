@@ -42,7 +42,7 @@ def _run_code(code: str, glb: dict) -> object:
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
-    exec(compile(tree, "<fncall>", "exec"), glb)
+    exec(compile(tree, "<fncall>", "exec"), glb)  # noqa: S102 - running it is the job
     if last is not None:
         value = eval(compile(last, "<fncall>", "eval"), glb)
         if value is not None:
@@ -68,8 +68,9 @@ def main() -> None:
     err_fd = os.memfd_create("stderr")
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True)
+    # The process exits right after the call; these wrappers live until then.
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)  # noqa: SIM115
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True)  # noqa: SIM115
     sys.stdin = io.TextIOWrapper(io.BytesIO(req.get("stdin") or b""))
     reply: dict = {"exit_code": 0}
     try:
