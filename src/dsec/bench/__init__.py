@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BenchContext", "Result", "machine_info", "run_suites", "suite", "suites", "write_markdown"]
+from dsec.errors import InvalidArgument
+
+__all__ = [
+    "BenchContext", "Result", "machine_info", "merge_json", "run_suites", "suite", "suites",
+    "write_markdown",
+]
 
 SuiteFn = Callable[["BenchContext"], None]
 _SUITES: dict[str, tuple[SuiteFn, str]] = {}
@@ -100,6 +105,11 @@ def run_suites(
 ) -> tuple[list[Result], dict[str, list[str]], dict[str, str]]:
     """Run suites by name; returns results, notes per suite and errors per suite."""
     registry = suites()
+    names = list(names)
+    for name in names:
+        if name not in registry:
+            raise InvalidArgument(
+                f"unknown benchmark suite {name!r}; known: {', '.join(registry)}", suite=name)
     results: list[Result] = []
     notes: dict[str, list[str]] = {}
     errors: dict[str, str] = {}
