@@ -1,0 +1,654 @@
+"""ContainerBackend: real Linux isolation behind the :class:`~dsec.edge.backend.Backend`
+protocol, with two drivers that share everything but process start:
+
+- ``runtime="native"`` (default): our own namespace/overlay/cgroup/seccomp code, run by a
+  small helper process (:mod:`.zygote`). create ~ms, exec ~ms.
+- ``runtime="runc"``: the same spec as an OCI bundle run by Debian's runc - the reference
+  the fast path is measured against, and a compatibility fallback.
+
+Per sandbox on disk: ``<root_dir>/sb/<sid>/{upper,work,root,state.json}``. The overlay
+(image lowerdirs + ``upper``) is mounted only inside the sandbox's own mount namespace by
+the native driver, so the host mount table never grows and dies with the sandbox.
+cgroups come from :class:`~dsec.edge.governor.Governor`; files go through openat2
+confinement (:mod:`.files`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import resource
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dsec.edge.backend import DeathSink
+from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
+from dsec.edge.backends.container.files import SandboxFiles
+from dsec.edge.backends.container.images import ImageResolver, RootLayers
+from dsec.edge.backends.container.native import ZygoteClient
+from dsec.edge.backends.container.protocol import (
+    Create,
+    Created,
+    Exec,
+    Exited,
+    Failed,
+    Kill,
+    Reply,
+    Started,
+)
+from dsec.edge.backends.container.rootfs import build_env, overlay_options
+from dsec.edge.backends.container.state import (
+    BoxRecord,
+    load_record,
+    process_start_time,
+    save_record,
+)
+from dsec.edge.governor import Governor, Limits, SandboxCgroup, ensure_compressed_swap
+from dsec.edge.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxSpec,
+    SandboxStats,
+)
+from dsec.errors import (
+    BackendError,
+    Conflict,
+    DsecError,
+    InvalidArgument,
+    SandboxNotFound,
+)
+from dsec.ids import SandboxId
+
+__all__ = ["ContainerBackend", "Runtime"]
+
+Runtime = Literal["native", "runc"]
+
+
+@dataclass(slots=True, eq=False)
+class _Box:
+    sid: SandboxId
+    spec: SandboxSpec
+    dir: str
+    cg: SandboxCgroup
+    layers: RootLayers
+    init_pid: int = 0
+    pidfd: int = -1
+    oom_fd: int | None = None
+    oom_seen: int = 0
+    paused: bool = False
+    dying: bool = False
+    adopted: bool = False
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+class ContainerBackend:
+    """Sandboxes as Linux containers. See the module docstring and docs/container.md."""
+
+    def __init__(self, *, root_dir: str, images: ImageResolver, runtime: Runtime = "native",
+                 cgroup_name: str | None = None, governor: Governor | None = None,
+                 zram_swap_bytes: int | None = 4 << 30, runc_binary: str = "runc",
+                 clock: Callable[[], float] = time.time) -> None:
+        if runtime not in ("native", "runc"):
+            raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
+                                  "or 'runc'", field="runtime")
+        self.runtime: Runtime = runtime
+        self.name = "container" if runtime == "native" else "runc"
+        self.root_dir = os.path.abspath(root_dir)
+        self.images = images
+        self.clock = clock
+        os.makedirs(os.path.join(self.root_dir, "sb"), exist_ok=True)
+        # Stable per root_dir, so a restarted edge finds its parent cgroup again.
+        self.cgroup_name = cgroup_name or hashlib.sha1(self.root_dir.encode()).hexdigest()[:10]
+        self.governor = governor or Governor(name=self.cgroup_name)
+        self.swap_note = ensure_compressed_swap(zram_swap_bytes) if zram_swap_bytes else ""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        self._boxes: dict[str, _Box] = {}
+        self._sink: DeathSink | None = None
+        self._zygote = ZygoteClient()
+        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        self._runc = None
+        if runtime == "runc":
+            from dsec.edge.backends.container.runc import RuncDriver
+
+            self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir)
+
+    # -- plumbing ----------------------------------------------------------------------
+    def watch(self, sink: DeathSink) -> None:
+        self._sink = sink
+
+    def upper_dir(self, sid: str) -> str:
+        """The overlay upperdir of ``sid``: the sandbox's changes (for pack_diff)."""
+        return os.path.join(self._dir(sid), "upper")
+
+    def _dir(self, sid: str) -> str:
+        if not sid or "/" in sid or sid.startswith("."):
+            raise InvalidArgument(f"sandbox id {sid!r} cannot name a directory")
+        return os.path.join(self.root_dir, "sb", sid)
+
+    def _box(self, sid: str) -> _Box:
+        box = self._boxes.get(sid)
+        if box is None or box.dying:
+            raise SandboxNotFound(f"sandbox {sid} is not running on this container backend",
+                                  sandbox_id=sid)
+        return box
+
+    def sandbox_ids(self) -> list[str]:
+        return sorted(self._boxes)
+
+    def init_pid(self, sid: str) -> int:
+        """Host pid of the sandbox's init (tests, diagnostics)."""
+        return self._box(sid).init_pid
+
+    # -- create / adopt / destroy ----------------------------------------------------------
+    async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
+        spec.validate()
+        if spec.network.mode == "allowlist":
+            raise InvalidArgument(
+                "network mode 'allowlist' is not implemented by the container backend yet; "
+                "use 'loopback' (default) or 'none'", field="network")
+        if sid in self._boxes:
+            raise Conflict(f"sandbox {sid} already exists on this backend", sandbox_id=sid)
+        d = self._dir(sid)
+        layers = self.images.acquire(spec)
+        box: _Box | None = None
+        try:
+            os.mkdir(d)
+            for sub in ("upper", "work", "root"):
+                os.mkdir(os.path.join(d, sub))
+            opts = overlay_options(layers.lowerdirs, os.path.join(d, "upper"),
+                                   os.path.join(d, "work"))
+            del opts  # validated here, composed again by the driver
+            cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes,
+                                                  spec.pids_max))
+            box = _Box(sid, spec, d, cg, layers)
+            self._boxes[sid] = box
+            if self._runc is not None:
+                box.init_pid = await self._runc.create(box)
+                box.pidfd = os.pidfd_open(box.init_pid)
+            else:
+                box.init_pid, box.pidfd = await self._native_create(box)
+            box.oom_fd = self.governor.oom_eventfd(cg)
+            box.oom_seen = self.governor.oom_kills(cg)
+            self._watch_box(box)
+            save_record(os.path.join(d, "state.json"), self._record(box))
+        except BaseException as exc:
+            self._boxes.pop(sid, None)
+            await self._teardown(sid, d, box, layers)
+            if isinstance(exc, DsecError) or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, ValueError):
+                raise InvalidArgument(f"cannot create sandbox {sid}: {exc}") from exc
+            raise BackendError(f"cannot create sandbox {sid}: {exc}") from exc
+
+    def _record(self, box: _Box) -> BoxRecord:
+        return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
+                         init_pid=box.init_pid,
+                         init_start=process_start_time(box.init_pid) or 0,
+                         cgroup_version=box.cg.version, cgroup_dirs=box.cg.dirs,
+                         lowerdirs=list(box.layers.lowerdirs), created_at=self.clock())
+
+    async def _native_create(self, box: _Box) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[Reply, list[int]]] = loop.create_future()
+        rid = self._zygote.next_id()
+        req = Create(id=rid, lowerdirs=list(box.layers.lowerdirs),
+                     upper=os.path.join(box.dir, "upper"), work=os.path.join(box.dir, "work"),
+                     root=os.path.join(box.dir, "root"), hostname=box.sid[:63],
+                     cgroup_procs=box.cg.procs_files,
+                     loopback=box.spec.network.mode == "loopback",
+                     nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes)
+
+        def on_reply(reply: Reply, fds: list[int]) -> None:
+            self._zygote.done(rid)
+            if fut.done():
+                for fd in fds:
+                    os.close(fd)
+            else:
+                fut.set_result((reply, fds))
+
+        self._zygote.send(req, [], on_reply)
+        reply, fds = await fut
+        if isinstance(reply, Created) and len(fds) == 1:
+            return reply.pid, fds[0]
+        for fd in fds:
+            os.close(fd)
+        msg = reply.message if isinstance(reply, Failed) else repr(reply)
+        raise BackendError(f"sandbox {box.sid} failed to start: {msg}")
+
+    def _watch_box(self, box: _Box) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(box.pidfd, self._on_init_exit, box)
+        if box.oom_fd is not None:
+            loop.add_reader(box.oom_fd, self._on_oom_event, box)
+
+    def _unwatch_box(self, box: _Box) -> None:
+        loop = asyncio.get_running_loop()
+        if box.pidfd >= 0:
+            loop.remove_reader(box.pidfd)
+        if box.oom_fd is not None:
+            loop.remove_reader(box.oom_fd)
+
+    def _on_init_exit(self, box: _Box) -> None:
+        asyncio.get_running_loop().remove_reader(box.pidfd)
+        box.exited.set()
+        if box.dying:
+            return
+        oom = self._check_oom(box, report=False)
+        reason = "oom" if oom else "backend_crash"
+        detail = (f"the sandbox's init (pid {box.init_pid}) exited"
+                  + (f" after the OOM killer fired in its cgroup (memory limit "
+                     f"{box.spec.memory_bytes} bytes)" if oom else ""))
+        self._report(box, reason, detail)
+
+    def _on_oom_event(self, box: _Box) -> None:
+        assert box.oom_fd is not None
+        try:
+            os.eventfd_read(box.oom_fd)
+        except BlockingIOError:
+            return
+        if not box.dying:
+            self._check_oom(box, report=True)
+
+    def _check_oom(self, box: _Box, *, report: bool) -> bool:
+        """True if the OOM killer killed something in ``box`` since the last check."""
+        kills = self.governor.oom_kills(box.cg)
+        if kills <= box.oom_seen:
+            return False
+        n, box.oom_seen = kills - box.oom_seen, kills
+        if report:
+            self._report(box, "oom", f"the OOM killer killed {n} process(es) in sandbox "
+                         f"{box.sid}, which hit its memory limit of {box.spec.memory_bytes} "
+                         "bytes; the sandbox itself is still running - raise memory_bytes")
+        return True
+
+    def _report(self, box: _Box, reason: str, detail: str) -> None:
+        if self._sink is not None:
+            self._sink(box.sid, reason, detail)
+
+    async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
+        """Take back a sandbox a previous edge process created (after a kill -9).
+
+        It is alive if the recorded init pid still has the recorded start time and sits
+        in the recorded cgroup; then it is watched again and exec-able. Otherwise what is
+        left of it (cgroups, directory) is removed and False returned."""
+        if sid in self._boxes:
+            return True
+        d = self._dir(sid)
+        rec = load_record(os.path.join(d, "state.json"))
+        if rec is None:
+            await self._teardown(sid, d, None, None)
+            return False
+        cg = SandboxCgroup(rec.cgroup_version, dict(rec.cgroup_dirs))  # type: ignore[arg-type]
+        layers = RootLayers(tuple(rec.lowerdirs))
+        try:
+            layers = self.images.acquire(spec)
+        except DsecError:
+            pass  # the image went away; the running sandbox still has its mounts
+        box = _Box(sid, spec, d, cg, layers, init_pid=rec.init_pid, adopted=True)
+        alive = (process_start_time(rec.init_pid) == rec.init_start
+                 and rec.init_pid in self.governor.pids(cg))
+        if alive:
+            try:
+                box.pidfd = os.pidfd_open(rec.init_pid)
+            except OSError:
+                alive = False
+        if not alive:
+            await self._teardown(sid, d, box, layers)
+            return False
+        box.paused = self.governor.is_frozen(cg)
+        box.oom_fd = self.governor.oom_eventfd(cg)
+        box.oom_seen = self.governor.oom_kills(cg)
+        self._boxes[sid] = box
+        self._watch_box(box)
+        return True
+
+    async def destroy(self, sid: SandboxId) -> None:
+        box = self._boxes.pop(sid, None)
+        d = self._dir(sid)
+        if box is None:
+            # Left over from a crash or an earlier edge process: adopt() either takes it
+            # back (then it is destroyed like any other) or cleans up what is left.
+            if os.path.isdir(d) and await self.adopt(sid, SandboxSpec()):
+                await self.destroy(sid)
+            return
+        await self._teardown(sid, d, box, box.layers)
+
+    async def _teardown(self, sid: str, d: str, box: _Box | None,
+                        layers: RootLayers | None) -> None:
+        """Kill, wait, remove cgroups, release layers, delete the directory. Each step is
+        tolerant of the resource already being gone, so this also cleans half-creates."""
+        errors: list[str] = []
+        cg = box.cg if box is not None else self.governor.paths(sid)
+        if box is not None:
+            box.dying = True
+            self._unwatch_box(box)
+            if self._runc is not None:
+                await self._runc.destroy(sid)
+            if box.paused:
+                try:
+                    self.governor.thaw(cg)
+                except OSError:
+                    pass
+            if box.pidfd >= 0:
+                try:
+                    linux.pidfd_send_signal(box.pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+        elif self._runc is not None:
+            await self._runc.destroy(sid)
+        try:
+            self.governor.kill_all(cg)
+        except OSError as exc:
+            errors.append(f"kill: {exc}")
+        if box is not None and box.pidfd >= 0:
+            await self._wait_exit(box)
+        try:
+            await self._remove_cgroup(cg)
+        except BackendError as exc:
+            errors.append(str(exc))
+        if box is not None:
+            for fd in (box.pidfd, box.oom_fd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+            box.pidfd, box.oom_fd = -1, None
+        if layers is not None:
+            self.images.release(layers)
+        if os.path.isdir(d):
+            try:
+                shutil.rmtree(d)
+            except OSError as exc:
+                errors.append(f"rmtree {d}: {exc}")
+        if errors:
+            raise BackendError(f"destroying sandbox {sid} left something behind: "
+                               + "; ".join(errors))
+
+    async def _wait_exit(self, box: _Box, timeout_s: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+        loop.add_reader(box.pidfd, ready)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(box.pidfd)
+
+    async def _remove_cgroup(self, cg: SandboxCgroup, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.governor.remove(cg, wait_s=0)
+                return
+            except BackendError:
+                if time.monotonic() > deadline:
+                    raise
+                self.governor.kill_all(cg)
+                await asyncio.sleep(0.002)
+
+    async def close(self) -> None:
+        """Stop the helper and forget sandboxes; they keep running for a later adopt()."""
+        for box in self._boxes.values():
+            self._unwatch_box(box)
+            for fd in (box.pidfd, box.oom_fd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+        self._boxes.clear()
+        self._zygote.close()
+        if self._devnull >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
+
+    # -- exec --------------------------------------------------------------------------
+    async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
+        return await self._exec(sid, req, None)
+
+    async def exec_stream(self, sid: SandboxId,
+                          req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
+        queue: asyncio.Queue[ExecChunk | ExecResult | BaseException] = asyncio.Queue()
+        task = asyncio.ensure_future(self._exec(sid, req, queue.put_nowait))
+        task.add_done_callback(
+            lambda t: queue.put_nowait(t.exception() or t.result()) if not t.cancelled()
+            else None)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, ExecResult):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _exec(self, sid: str, req: ExecRequest,
+                    on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
+        req.validate()
+        box = self._box(sid)
+        if box.paused:  # an exec on a paused sandbox resumes it transparently
+            await self.resume(SandboxId(sid))
+        argv = list(req.argv) if req.argv else ["/bin/sh", "-c", req.shell or ""]
+        env = build_env(box.sid[:63], box.spec.env, req.env)
+        if self._runc is not None:
+            return await self._runc.exec(box, req, argv, env, on_chunk)
+        return await self._native_exec(box, req, argv, env, on_chunk)
+
+    async def _native_exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
+                           on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        started: asyncio.Future[Reply] = loop.create_future()
+        exited: asyncio.Future[Reply] = loop.create_future()
+        rid = self._zygote.next_id()
+
+        def on_reply(reply: Reply, fds: list[int]) -> None:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(reply, Started) and not started.done():
+                started.set_result(reply)
+                if req.background:
+                    self._zygote.done(rid)
+                return
+            self._zygote.done(rid)
+            for f in (started, exited):
+                if not f.done():
+                    f.set_result(reply)
+
+        local: list[int] = []
+        try:
+            if req.background:
+                send_fds = [box.pidfd, self._devnull, self._devnull, self._devnull]
+                pump = None
+            else:
+                out_r, out_w = os.pipe2(os.O_CLOEXEC)
+                local += [out_r, out_w]
+                err_r, err_w = os.pipe2(os.O_CLOEXEC)
+                local += [err_r, err_w]
+                if req.stdin:
+                    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+                    local += [in_r, in_w]
+                else:
+                    in_r, in_w = self._devnull, -1
+                send_fds = [box.pidfd, in_r, out_w, err_w]
+            self._zygote.send(
+                Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
+                     cgroup_procs=box.cg.procs_files, nested=box.spec.allow_nested,
+                     background=req.background), send_fds, on_reply)
+        except BaseException:
+            for fd in local:
+                os.close(fd)
+            raise
+        if req.background:
+            reply = await started
+            if not isinstance(reply, Started):
+                raise BackendError(f"exec in sandbox {box.sid} failed to start: "
+                                   f"{getattr(reply, 'message', reply)}")
+            return ExecResult(exit_code=0, pid=reply.ns_pid,
+                              duration_s=time.monotonic() - t0)
+        for fd in (out_w, err_w) + ((in_r,) if req.stdin else ()):
+            os.close(fd)
+        pump = OutputPump(loop, {"stdout": out_r, "stderr": err_r}, req.output_cap_bytes,
+                          on_chunk)
+        feeder = StdinFeeder(loop, in_w, req.stdin) if req.stdin else None
+        timed_out = False
+        try:
+            reply = await started
+            if isinstance(reply, Failed):
+                raise BackendError(f"exec in sandbox {box.sid} failed to start: "
+                                   f"{reply.message}")
+            try:
+                if req.timeout_s is None:
+                    reply = await asyncio.shield(exited)
+                else:
+                    reply = await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                self._zygote.send(Kill(id=rid), [], None)
+                reply = await exited
+        except BaseException:
+            if not exited.done():  # cancelled: do not leave the command running
+                try:
+                    self._zygote.send(Kill(id=rid), [], None)
+                except DsecError:
+                    pass
+            pump.finish()
+            if feeder is not None:
+                feeder.close()
+            raise
+        pump.finish()
+        if feeder is not None:
+            feeder.close()
+        if isinstance(reply, Failed):
+            raise BackendError(f"exec in sandbox {box.sid} failed: {reply.message}")
+        assert isinstance(reply, Exited)
+        code = _exit_code(reply.status)
+        if code == 128 + signal.SIGKILL and not timed_out:
+            self._check_oom(box, report=True)
+        return ExecResult(
+            exit_code=code,
+            stdout=bytes(pump.bufs["stdout"]), stderr=bytes(pump.bufs["stderr"]),
+            stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
+            timed_out=timed_out, duration_s=time.monotonic() - t0)
+
+    # -- files -------------------------------------------------------------------------
+    def _files(self, sid: str) -> tuple[SandboxFiles, int]:
+        box = self._box(sid)
+        try:
+            linux.pidfd_send_signal(box.pidfd, 0)  # still alive: /proc/<pid> is ours
+            fd = os.open(f"/proc/{box.init_pid}/root", os.O_PATH | os.O_DIRECTORY
+                         | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
+                               ) from exc
+        return SandboxFiles(fd, sid), fd
+
+    async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
+                        length: int | None = None) -> bytes:
+        files, fd = self._files(sid)
+        try:
+            return files.read(path, offset, length)
+        finally:
+            os.close(fd)
+
+    async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
+                         append: bool = False) -> None:
+        files, fd = self._files(sid)
+        try:
+            files.write(path, data, mode=mode, append=append)
+        finally:
+            os.close(fd)
+
+    async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
+        files, fd = self._files(sid)
+        try:
+            return files.list(path)
+        finally:
+            os.close(fd)
+
+    async def stat(self, sid: SandboxId, path: str) -> FileInfo:
+        files, fd = self._files(sid)
+        try:
+            return files.stat(path)
+        finally:
+            os.close(fd)
+
+    async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
+        files, fd = self._files(sid)
+        try:
+            files.mkdir(path, parents=parents)
+        finally:
+            os.close(fd)
+
+    async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
+        files, fd = self._files(sid)
+        try:
+            files.remove(path, recursive=recursive)
+        finally:
+            os.close(fd)
+
+    # -- pause / resume / stats ----------------------------------------------------------
+    async def pause(self, sid: SandboxId) -> PauseStats:
+        """Freeze every task, then push the sandbox's memory out (page cache dropped,
+        anonymous pages to compressed swap). Reports resident bytes before and reclaimed."""
+        box = self._box(sid)
+        t0 = time.monotonic()
+        if not box.paused:
+            try:
+                self.governor.freeze(box.cg)
+            except OSError as exc:
+                raise BackendError(f"cannot freeze sandbox {sid}: {exc}") from exc
+            box.paused = True
+        before, after = await asyncio.to_thread(self.governor.reclaim, box.cg)
+        return PauseStats(resident_before_bytes=before, reclaimed_bytes=max(0, before - after),
+                          duration_s=time.monotonic() - t0)
+
+    async def resume(self, sid: SandboxId) -> None:
+        box = self._box(sid)
+        if not box.paused:
+            return
+        try:
+            self.governor.after_resume(box.cg)
+            self.governor.thaw(box.cg)
+        except OSError as exc:
+            raise BackendError(f"cannot thaw sandbox {sid}: {exc}") from exc
+        box.paused = False
+
+    async def stats(self, sid: SandboxId) -> SandboxStats:
+        box = self._box(sid)
+        mem, peak, cpu, pids = self.governor.stats(box.cg)
+        disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
+        return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
+                            pids=pids, disk_bytes=disk)
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+    return total

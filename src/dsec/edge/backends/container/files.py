@@ -1,0 +1,208 @@
+"""File operations confined to a sandbox root.
+
+Every path is resolved with ``openat2(root_fd, path, RESOLVE_IN_ROOT |
+RESOLVE_NO_MAGICLINKS)``: ``..``, absolute symlinks and symlinks swapped in concurrently
+all resolve *inside* the root, atomically in the kernel (no check-then-open race). The root
+fd is ``/proc/<init>/root`` - the sandbox's own merged overlay as its mount namespace sees
+it, so masked and read-only mounts inside the sandbox bind these calls too. Final path
+components are then acted on relative to an already-confined parent fd (``unlinkat``,
+``mkdirat``), which cannot follow anything out.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import stat as st
+
+from dsec.edge.backends.container import linux
+from dsec.edge.spec import FileInfo, FileType
+from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, SandboxError
+
+__all__ = ["MAX_READ_BYTES", "SandboxFiles", "split_path"]
+
+MAX_READ_BYTES = 64 << 20
+_RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """Lexically normalise ``path`` against ``/`` -> (parent, name); name "" means root."""
+    if not isinstance(path, str) or "\0" in path:
+        raise InvalidArgument(f"path {path!r} must be a string without NUL bytes", field="path")
+    norm = posixpath.normpath("/" + path)
+    if norm.startswith("//"):
+        norm = norm[1:]
+    return posixpath.dirname(norm), posixpath.basename(norm)
+
+
+def _kind(mode: int) -> FileType:
+    if st.S_ISREG(mode):
+        return "file"
+    if st.S_ISDIR(mode):
+        return "dir"
+    if st.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+class SandboxFiles:
+    """Confined file I/O below ``root_fd`` (an O_PATH fd of the sandbox root)."""
+
+    def __init__(self, root_fd: int, sid: str) -> None:
+        self.root_fd = root_fd
+        self.sid = sid
+
+    def _err(self, exc: OSError, what: str, path: str) -> Exception:
+        if isinstance(exc, FileNotFoundError):
+            return NotFound(f"{what} {path!r} in sandbox {self.sid}: no such file or directory",
+                            path=path)
+        if isinstance(exc, (IsADirectoryError, NotADirectoryError, FileExistsError)) or \
+                exc.errno in (39, 22, 30, 1, 13):  # ENOTEMPTY EINVAL EROFS EPERM EACCES
+            return InvalidArgument(f"{what} {path!r} in sandbox {self.sid}: {exc.strerror}",
+                                   path=path)
+        return SandboxError(f"{what} {path!r} in sandbox {self.sid} failed: {exc}", path=path)
+
+    def _open(self, path: str, flags: int, mode: int = 0) -> int:
+        return linux.openat2(self.root_fd, path, flags | os.O_CLOEXEC, mode, _RESOLVE)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if offset < 0 or (length is not None and length < 0):
+            raise InvalidArgument(f"read of {path!r}: offset={offset} and length={length} "
+                                  "must be >= 0", field="offset")
+        try:
+            fd = self._open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError as exc:
+            raise self._err(exc, "read", path) from exc
+        try:
+            info = os.fstat(fd)
+            if not st.S_ISREG(info.st_mode):
+                raise InvalidArgument(f"read {path!r} in sandbox {self.sid}: it is a "
+                                      f"{_kind(info.st_mode)}, not a regular file", path=path)
+            want = max(0, info.st_size - offset) if length is None else length
+            if want > MAX_READ_BYTES:
+                raise PayloadTooLarge(f"read {path!r}: {want} bytes asked, the limit is "
+                                      f"{MAX_READ_BYTES}; pass offset/length to read in parts",
+                                      path=path)
+            out = bytearray()
+            while len(out) < want:
+                chunk = os.pread(fd, want - len(out), offset + len(out))
+                if not chunk:
+                    break
+                out += chunk
+            return bytes(out)
+        except OSError as exc:
+            raise self._err(exc, "read", path) from exc
+        finally:
+            os.close(fd)
+
+    def write(self, path: str, data: bytes, *, mode: int = 0o644, append: bool = False) -> None:
+        parent, name = split_path(path)
+        if not name:
+            raise InvalidArgument(f"write {path!r}: cannot write to the root directory")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOCTTY | os.O_NONBLOCK | \
+            (os.O_APPEND if append else os.O_TRUNC)
+        try:
+            fd = self._open(posixpath.join(parent, name), flags, mode & 0o7777)
+        except OSError as exc:
+            raise self._err(exc, "write", path) from exc
+        try:
+            if not st.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidArgument(f"write {path!r} in sandbox {self.sid}: not a regular "
+                                      "file", path=path)
+            os.fchmod(fd, mode & 0o7777)
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError as exc:
+            raise self._err(exc, "write", path) from exc
+        finally:
+            os.close(fd)
+
+    def _info(self, parent_fd: int, name: str, path: str) -> FileInfo:
+        s = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        target = os.readlink(name, dir_fd=parent_fd) if st.S_ISLNK(s.st_mode) else None
+        return FileInfo(name=name or "/", path=path, type=_kind(s.st_mode), size=s.st_size,
+                        mode=st.S_IMODE(s.st_mode), mtime=s.st_mtime, link_target=target)
+
+    def _parent(self, parent: str, path: str, what: str) -> int:
+        try:
+            return self._open(parent, os.O_PATH | os.O_DIRECTORY)
+        except OSError as exc:
+            raise self._err(exc, what, path) from exc
+
+    def stat(self, path: str) -> FileInfo:
+        parent, name = split_path(path)
+        if not name:
+            s = os.fstat(self.root_fd)
+            return FileInfo(name="/", path="/", type="dir", mode=st.S_IMODE(s.st_mode),
+                            mtime=s.st_mtime)
+        pfd = self._parent(parent, path, "stat")
+        try:
+            return self._info(pfd, name, posixpath.join(parent, name))
+        except OSError as exc:
+            raise self._err(exc, "stat", path) from exc
+        finally:
+            os.close(pfd)
+
+    def list(self, path: str) -> list[FileInfo]:
+        parent, name = split_path(path)
+        full = posixpath.join(parent, name)
+        try:
+            fd = self._open(full, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise self._err(exc, "list", path) from exc
+        try:
+            out = []
+            with os.scandir(fd) as it:
+                for entry in it:
+                    try:
+                        out.append(self._info(fd, entry.name, posixpath.join(full, entry.name)))
+                    except FileNotFoundError:
+                        continue  # removed while listing
+            return sorted(out, key=lambda i: i.name)
+        except OSError as exc:
+            raise self._err(exc, "list", path) from exc
+        finally:
+            os.close(fd)
+
+    def mkdir(self, path: str, *, parents: bool = True) -> None:
+        parent, name = split_path(path)
+        if not name:
+            return
+        parts = [p for p in posixpath.join(parent, name).split("/") if p]
+        todo = parts if parents else parts[-1:]
+        start = 0 if parents else len(parts) - 1
+        for i in range(start, len(parts)):
+            pfd = self._parent("/" + "/".join(parts[:i]), path, "mkdir")
+            try:
+                os.mkdir(parts[i], 0o755, dir_fd=pfd)
+            except FileExistsError:
+                if i == len(parts) - 1 and not parents:
+                    raise InvalidArgument(f"mkdir {path!r} in sandbox {self.sid}: it exists",
+                                          path=path) from None
+            except OSError as exc:
+                raise self._err(exc, "mkdir", path) from exc
+            finally:
+                os.close(pfd)
+        del todo
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        parent, name = split_path(path)
+        if not name:
+            raise InvalidArgument(f"remove {path!r}: refusing to remove the sandbox root")
+        pfd = self._parent(parent, path, "remove")
+        try:
+            s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            if st.S_ISDIR(s.st_mode):
+                if recursive:
+                    shutil.rmtree(name, dir_fd=pfd)
+                else:
+                    os.rmdir(name, dir_fd=pfd)
+            else:
+                os.unlink(name, dir_fd=pfd)
+        except OSError as exc:
+            raise self._err(exc, "remove", path) from exc
+        finally:
+            os.close(pfd)

@@ -1,0 +1,146 @@
+"""The edge side of the zygote: start it, send requests, route replies to waiters.
+
+Replies arrive on one SOCK_SEQPACKET socket read from the event loop; each request id
+maps to a callback (a create gets one reply, a foreground exec two: Started then Exited).
+If the zygote dies, every waiter fails with :class:`BackendError` and the next request
+starts a fresh zygote; running sandboxes are unaffected (they do not depend on it).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import itertools
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+from dsec.edge.backends.container.protocol import (
+    Failed,
+    Reply,
+    Request,
+    decode_reply,
+    encode,
+)
+from dsec.errors import BackendError
+
+__all__ = ["ZygoteClient"]
+
+ReplyHandler = Callable[[Reply, list[int]], None]
+
+
+class ZygoteClient:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.handlers: dict[int, ReplyHandler] = {}
+        self.ids = itertools.count(1)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def _start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dsec.edge.backends.container.zygote",
+                 str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.sock = ours
+        self.loop.add_reader(ours.fileno(), self._readable)
+
+    def next_id(self) -> int:
+        return next(self.ids)
+
+    def send(self, req: Request, fds: list[int], handler: ReplyHandler | None) -> None:
+        """Send ``req`` (with ``fds``); ``handler`` gets every reply carrying its id
+        (None: keep the handler already registered for that id, e.g. for a Kill)."""
+        if self.sock is None:
+            self._start()
+        assert self.sock is not None
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
+            if fds else []
+        if handler is not None:
+            self.handlers[req.id] = handler
+        try:
+            self.sock.sendmsg([encode(req)], anc)
+        except BlockingIOError:
+            # The zygote is far behind (socket buffer full); wait for room synchronously:
+            # rare, and the alternative - queueing fds in memory - is worse.
+            self.sock.setblocking(True)
+            try:
+                self.sock.sendmsg([encode(req)], anc)
+            finally:
+                self.sock.setblocking(False)
+        except OSError as exc:
+            self.handlers.pop(req.id, None)
+            self._dead(f"send failed: {exc}")
+            raise BackendError(f"container helper process is gone ({exc}); retry") from exc
+
+    def done(self, rid: int) -> None:
+        self.handlers.pop(rid, None)
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        while True:
+            try:
+                data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16),
+                                                    socket.MSG_CMSG_CLOEXEC)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._dead(str(exc))
+                return
+            if not data:
+                self._dead("it exited")
+                return
+            fds = array.array("i")
+            for level, kind, blob in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(blob[: len(blob) - len(blob) % 4])
+            reply = decode_reply(data)
+            handler = self.handlers.get(reply.id)
+            if handler is None:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            handler(reply, list(fds))
+
+    def _dead(self, why: str) -> None:
+        if self.sock is not None and self.loop is not None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+        self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+        handlers, self.handlers = self.handlers, {}
+        for rid, h in handlers.items():
+            h(Failed(rid, f"container helper process died: {why}"), [])
+
+    def close(self) -> None:
+        """Stop the zygote. Sandboxes it started keep running."""
+        if self.sock is not None and self.loop is not None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+

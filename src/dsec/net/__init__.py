@@ -1,0 +1,1 @@
+"""Sandbox networking and syscall policy: seccomp profiles, network namespaces, egress."""
