@@ -17,6 +17,9 @@ COMMANDS: dict[str, str] = {
     "demo": "dsec.cli.demo:demo",
     "edge": "dsec.cli.edge:edge",
     "image": "dsec.cli.image:image",
+    "node": "dsec.cli.node:node",
+    "sandbox": "dsec.cli.sandbox:sandbox",
+    "up": "dsec.cli.up:up",
 }
 
 

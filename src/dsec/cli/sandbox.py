@@ -1,0 +1,236 @@
+"""``dsec sandbox ...``: create, list, inspect, run commands in, pause, resume, snapshot,
+remove sandboxes and read their events. Rich tables by default, ``--json`` for scripts.
+Sandboxes made here are not bound to a client session: they live until ``rm`` or TTL."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import click
+import msgspec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["client", "conn_options", "emit_json", "sandbox"]
+
+
+def conn_options(fn: F) -> F:
+    fn = click.option("--url", envvar="DSEC_URL", help="apiserver URL (default: dsec up).")(fn)
+    fn = click.option("--api-key", envvar="DSEC_API_KEY", help="API key.")(fn)
+    fn = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
+    return fn
+
+
+@contextmanager
+def client(url: str | None, api_key: str | None) -> Iterator[Any]:
+    """A sync client without a session lease: CLI-made sandboxes outlive the command."""
+    from dsec.client.sync import Client
+    from dsec.errors import DsecError
+
+    try:
+        c = Client(url, api_key, transport="http", session_lease_s=None)
+    except DsecError as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        yield c
+    except DsecError as exc:
+        raise click.ClickException(f"{exc.code}: {exc}") from exc
+    finally:
+        c.close()
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(msgspec.to_builtins(obj), indent=1) + "\n")
+
+
+def _table(title: str, cols: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+
+
+def _row(info: Any) -> list[str]:
+    s = info.spec
+    age = time.time() - info.created_at
+    labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if not k.startswith("dsec.io/"))
+    return [info.id, info.state, s.backend, s.image, s.project, f"{s.cpu_milli / 1000:g}",
+            f"{s.memory_bytes / 2**20:.0f}Mi", f"{age:.0f}s", labels]
+
+
+_COLS = ["id", "state", "backend", "image", "project", "cpu", "memory", "age", "labels"]
+
+
+@click.group()
+def sandbox() -> None:
+    """Create and drive sandboxes."""
+
+
+@sandbox.command("create")
+@click.option("--image", default="base", show_default=True)
+@click.option("--workspace", default=None)
+@click.option("--toolkit", "toolkits", multiple=True)
+@click.option("--backend", default=None, help="Default: the server's.")
+@click.option("--cpu", type=float, default=1.0, show_default=True, help="Cores.")
+@click.option("--memory", default="512MiB", show_default=True)
+@click.option("--ttl", type=float, default=None, help="Lifetime in seconds.")
+@click.option("--label", "labels", multiple=True, help="key=value, repeatable.")
+@click.option("--project", default=None)
+@click.option("-n", "count", type=click.IntRange(1, 100_000), default=1, show_default=True)
+@conn_options
+def create(image: str, workspace: str | None, toolkits: tuple[str, ...], backend: str | None,
+           cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
+           project: str | None, count: int, url: str | None, api_key: str | None,
+           as_json: bool) -> None:
+    """Create sandbox(es) and print them."""
+    lab = dict(_kv(x) for x in labels)
+    kw = dict(image=image, workspace=workspace, toolkits=toolkits, backend=backend, cpu=cpu,
+              memory=memory, ttl=ttl, labels=lab, project=project, detached=True)
+    with client(url, api_key) as c:
+        sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]
+        if as_json:
+            emit_json([s.info for s in sbs])
+        else:
+            _table("created", _COLS, [_row(s.info) for s in sbs])
+
+
+def _kv(text: str) -> tuple[str, str]:
+    k, sep, v = text.partition("=")
+    if not sep or not k:
+        raise click.BadParameter(f"{text!r} must be key=value")
+    return k, v
+
+
+@sandbox.command("ls")
+@click.option("--project", default=None)
+@click.option("--label", "labels", multiple=True)
+@click.option("--state", default=None)
+@conn_options
+def ls(project: str | None, labels: tuple[str, ...], state: str | None, url: str | None,
+       api_key: str | None, as_json: bool) -> None:
+    """List sandboxes."""
+    with client(url, api_key) as c:
+        sbs = c.sandboxes.list(project=project, labels=dict(_kv(x) for x in labels),
+                               state=state)
+        if as_json:
+            emit_json([s.info for s in sbs])
+        else:
+            _table(f"{len(sbs)} sandbox(es)", _COLS, [_row(s.info) for s in sbs])
+
+
+@sandbox.command("get")
+@click.argument("sandbox_id")
+@conn_options
+def get(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Show one sandbox."""
+    with client(url, api_key) as c:
+        sb = c.sandboxes.get(sandbox_id)
+        if as_json:
+            emit_json(sb.info)
+        else:
+            _table(sandbox_id, _COLS, [_row(sb.info)])
+
+
+@sandbox.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Command timeout in seconds.")
+@click.option("--cwd", default=None)
+@click.option("--env", "env", multiple=True, help="KEY=VALUE, repeatable.")
+@click.option("--shell", is_flag=True, help="Run COMMAND joined as one shell string.")
+@conn_options
+def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float, cwd: str | None,
+          env: tuple[str, ...], shell: bool, url: str | None, api_key: str | None,
+          as_json: bool) -> None:
+    """Run COMMAND in a sandbox; exits with the command's exit code."""
+    with client(url, api_key) as c:
+        sb = c.sandboxes.get(sandbox_id)
+        cmd: str | list[str] = " ".join(command) if shell else list(command)
+        res = sb.exec(cmd, timeout=timeout, cwd=cwd, env=dict(_kv(x) for x in env))
+    if as_json:
+        emit_json({"exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
+                   "stderr": res.stderr.decode(errors="replace"), "timed_out": res.timed_out,
+                   "duration_s": res.duration_s})
+        return
+    sys.stdout.buffer.write(res.stdout)
+    sys.stderr.buffer.write(res.stderr)
+    if res.timed_out:
+        click.echo(f"command timed out after {timeout:g}s (command timeout)", err=True)
+    sys.exit(res.exit_code)
+
+
+def _simple(name: str, verb: str) -> None:
+    @sandbox.command(name)
+    @click.argument("sandbox_ids", nargs=-1, required=True)
+    @conn_options
+    def cmd(sandbox_ids: tuple[str, ...], url: str | None, api_key: str | None,
+            as_json: bool) -> None:
+        out = []
+        with client(url, api_key) as c:
+            for sid in sandbox_ids:
+                sb = c.sandboxes.get(sid)
+                r = getattr(sb, verb)()
+                out.append({"id": sid, "result": msgspec.to_builtins(r)})
+        if as_json:
+            emit_json(out)
+        else:
+            for o in out:
+                click.echo(f"{o['id']}: {verb} ok" + (f" {o['result']}" if o["result"] else ""))
+    cmd.__doc__ = f"{verb.capitalize()} sandbox(es)."
+
+
+_simple("pause", "pause")
+_simple("resume", "resume")
+
+
+@sandbox.command("snapshot")
+@click.argument("sandbox_id")
+@conn_options
+def snapshot(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Snapshot a sandbox's changes."""
+    with client(url, api_key) as c:
+        snap = c.sandboxes.get(sandbox_id).snapshot()
+    emit_json(snap.data) if as_json else click.echo(f"snapshot {snap.id}")
+
+
+@sandbox.command("rm")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@conn_options
+def rm(sandbox_ids: tuple[str, ...], url: str | None, api_key: str | None,
+       as_json: bool) -> None:
+    """Destroy sandbox(es) (idempotent)."""
+    from dsec.errors import NotFound
+    with client(url, api_key) as c:
+        for sid in sandbox_ids:
+            try:
+                c.sandboxes.get(sid).kill()
+            except NotFound:
+                pass
+    emit_json({"removed": list(sandbox_ids)}) if as_json else click.echo(
+        f"removed {len(sandbox_ids)} sandbox(es)")
+
+
+@sandbox.command("events")
+@click.argument("sandbox_id")
+@conn_options
+def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Lifecycle events of a sandbox."""
+    with client(url, api_key) as c:
+        evs = c.sandboxes.get(sandbox_id).events()
+    if as_json:
+        emit_json(evs)
+        return
+    _table(sandbox_id, ["time", "from", "to", "reason", "detail"],
+           [[time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time * 1000) % 1000:03d}",
+             e.from_state or "-", e.to_state, e.reason, e.detail] for e in evs])
