@@ -69,11 +69,27 @@ async def test_timeout_kills_the_whole_process_group(fn: FncallBackend, tmp_path
         pytest.fail(f"child {child} of a timed-out call survived")
 
 
-async def test_empty_pool_cold_starts_and_counts_it() -> None:
-    pool = WorkerPool(pool_size=0)
+@pytest.mark.parametrize("zygote", [True, False])
+async def test_empty_pool_cold_starts_and_counts_it(zygote: bool) -> None:
+    pool = WorkerPool(pool_size=0, zygote=zygote)
     try:
         res = await pool.run({"code": "1"}, 30)
         assert res.cold and res.value == 1 and pool.misses == 1 and pool.hit_rate == 0.0
+    finally:
+        await pool.close()
+
+
+async def test_pool_survives_its_zygote_dying() -> None:
+    pool = WorkerPool(pool_size=1)
+    try:
+        await pool.wait_ready()
+        z = pool._zygote
+        assert z is not None
+        z.proc.kill()
+        await z.proc.wait()
+        for _ in range(3):  # the warm worker, then workers from a restarted zygote
+            assert (await pool.run({"code": "2 * 21"}, 30)).value == 42
+        assert pool._zygote is not None and pool._zygote.proc.returncode is None
     finally:
         await pool.close()
 

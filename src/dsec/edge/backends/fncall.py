@@ -1,7 +1,9 @@
 """The ``fncall`` backend: Python calls handed to pre-started worker processes.
 
 A :class:`WorkerPool` keeps ``pool_size`` interpreters warm (started, imports done,
-blocked on their control socket). A call takes one (a pool hit is a deque pop: the
+blocked on their control socket). Workers are forked from a zygote process that did the
+imports once (see ``fncall_worker.py``); if the zygote cannot run, each worker is a fresh
+interpreter. A call takes one (a pool hit is a deque pop: the
 handout target is <= 5 ms, DSec's published figure), sends it the code or pickled
 function, waits with the call's timeout, and then kills the worker's whole process group:
 one worker, one call, so no state leaks between calls. The pool refills in the
@@ -20,6 +22,7 @@ decoded as plain msgpack, never unpickled, because the code in a worker is hosti
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
@@ -93,18 +96,37 @@ class FncallResult:
 
 
 class _Worker:
-    __slots__ = ("born", "proc", "reader", "writer")
+    """One warm worker. ``proc`` is set when the edge started it directly (it must reap
+    it); zygote-forked workers are reaped by the zygote."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.proc, self.reader, self.writer = proc, reader, writer
-        self.born = time.monotonic()
+    __slots__ = ("pid", "proc", "reader", "writer")
+
+    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 proc: asyncio.subprocess.Process | None = None) -> None:
+        self.pid, self.reader, self.writer, self.proc = pid, reader, writer, proc
+
+    @property
+    def alive(self) -> bool:
+        return not self.reader.at_eof() and (self.proc is None or self.proc.returncode is None)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.writer.close()
+
+    async def reap(self) -> int | None:
+        if self.proc is not None:
+            return await self.proc.wait()
+        return None
+
+
+class _Zygote:
+    __slots__ = ("lock", "proc", "sock")
+
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
+        self.lock = asyncio.Lock()
 
 
 class WorkerPool:
@@ -112,7 +134,7 @@ class WorkerPool:
 
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 2,
                  python: str = sys.executable, isolated: bool = True,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, zygote: bool = True) -> None:
         if pool_size < 0 or max_spawning < 1:
             raise InvalidArgument(f"fncall pool_size={pool_size} must be >= 0 and "
                                   f"max_spawning={max_spawning} >= 1")
@@ -120,6 +142,9 @@ class WorkerPool:
         self.max_spawning = max_spawning
         self.argv = [python, *(["-I"] if isolated else []), WORKER]
         self.start_timeout_s = start_timeout_s
+        self.use_zygote = zygote
+        self._zygote: _Zygote | None = None
+        self._zygote_failed = False
         self._ready: collections.deque[_Worker] = collections.deque()
         self._spawning = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -177,6 +202,94 @@ class WorkerPool:
         self._refill()
 
     async def _spawn(self) -> _Worker:
+        if self.use_zygote and not self._zygote_failed:
+            try:
+                return await self._fork()
+            except BackendError:
+                if self._zygote is None:
+                    self._zygote_failed = True  # could not even start one: go direct
+                raise
+        return await self._exec()
+
+    async def _start_zygote(self) -> _Zygote:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, "--zygote", str(child.fileno()), pass_fds=(child.fileno(),),
+                start_new_session=True, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        except OSError as exc:
+            parent.close()
+            raise BackendError(f"cannot start the fncall zygote {self.argv[0]}: {exc}") from exc
+        finally:
+            child.close()
+        parent.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                ok = await loop.sock_recv(parent, 1)
+        except TimeoutError as exc:
+            ok = b""
+            err: Exception | None = exc
+        else:
+            err = None
+        if ok != b"Z":
+            parent.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise BackendError(f"fncall zygote did not start (got {ok!r}, {err!r})")
+        return _Zygote(proc, parent)
+
+    async def _fork(self) -> _Worker:
+        """Ask the zygote for a worker: send it one end of a socketpair, get a pid back."""
+        loop = asyncio.get_running_loop()
+        if self._zygote is None or self._zygote.proc.returncode is not None:
+            self._zygote = await self._start_zygote()
+        z = self._zygote
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        async with z.lock:
+            try:
+                z.sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                         array.array("i", [child.fileno()]))])
+                raw = b""
+                async with asyncio.timeout(self.start_timeout_s):
+                    while len(raw) < 4:
+                        more = await loop.sock_recv(z.sock, 4 - len(raw))
+                        if not more:
+                            raise ConnectionError("zygote closed its socket")
+                        raw += more
+            except (OSError, TimeoutError) as exc:
+                parent.close()
+                self._zygote = None
+                with contextlib.suppress(ProcessLookupError):
+                    z.proc.kill()
+                raise BackendError(f"fncall zygote failed to fork a worker: {exc!r}") from exc
+            finally:
+                child.close()
+        (pid,) = _LEN.unpack(raw)
+        if pid == 0:
+            parent.close()
+            raise BackendError("fncall zygote refused the fork request")
+        reader, writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
+        w = _Worker(pid, reader, writer)
+        await self._await_ready(w)
+        return w
+
+    async def _await_ready(self, w: _Worker) -> None:
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                ok = await w.reader.readexactly(1)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            w.kill()
+            await w.reap()
+            raise BackendError(f"fncall worker did not become ready: {exc!r}") from exc
+        if ok != b"R":
+            w.kill()
+            await w.reap()
+            raise BackendError(f"fncall worker sent {ok!r} instead of its ready byte")
+
+    async def _exec(self) -> _Worker:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -189,17 +302,8 @@ class WorkerPool:
         finally:
             child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
-        w = _Worker(proc, reader, writer)
-        try:
-            async with asyncio.timeout(self.start_timeout_s):
-                ok = await reader.readexactly(1)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-            w.kill()
-            await proc.wait()
-            raise BackendError(f"fncall worker did not become ready: {exc!r}") from exc
-        if ok != b"R":
-            w.kill()
-            raise BackendError(f"fncall worker sent {ok!r} instead of its ready byte")
+        w = _Worker(proc.pid, reader, writer, proc)
+        await self._await_ready(w)
         return w
 
     async def take(self) -> tuple[_Worker, bool]:
@@ -209,7 +313,7 @@ class WorkerPool:
         ready = self._ready
         while ready:
             w = ready.popleft()
-            if w.proc.returncode is None:
+            if w.alive:
                 self.hits += 1
                 self._refill()
                 return w, False
@@ -242,18 +346,20 @@ class WorkerPool:
                 raise BackendError(f"fncall worker sent an undecodable reply: {exc}") from exc
         finally:
             w.kill()
-            t = asyncio.get_running_loop().create_task(w.proc.wait())
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            if w.proc is not None:
+                t = asyncio.get_running_loop().create_task(w.proc.wait())
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
         dur = time.perf_counter() - t0
         if timed_out:
             return FncallResult(TIMEOUT_EXIT, None, None, f"timed out after {timeout_s}s", b"",
                                 b"", True, cold, handout, dur)
         if reply is None:
-            code = await w.proc.wait()
-            return FncallResult(code if code > 0 else 128 - code, None, None,
-                                f"worker died (exit status {code})", b"", b"", False, cold,
-                                handout, dur)
+            code = await w.reap()
+            status = 1 if code is None else (code if code > 0 else 128 - code)
+            return FncallResult(status, None, None,
+                                f"worker died before replying (exit status {code})", b"", b"",
+                                False, cold, handout, dur)
         value = None
         if reply.value is not None:
             value = msgspec.msgpack.decode(reply.value)
@@ -270,7 +376,13 @@ class WorkerPool:
             w = self._ready.popleft()
             w.kill()
             with contextlib.suppress(Exception):
-                await w.proc.wait()
+                await w.reap()
+        z, self._zygote = self._zygote, None
+        if z is not None:
+            z.sock.close()  # the zygote exits on EOF
+            with contextlib.suppress(ProcessLookupError):
+                z.proc.kill()
+            await z.proc.wait()
 
 
 class FncallBackend:
