@@ -110,7 +110,8 @@ class SandboxFiles:
             if not st.S_ISREG(os.fstat(fd).st_mode):
                 raise InvalidArgument(f"write {path!r} in sandbox {self.sid}: not a regular "
                                       "file", path=path)
-            os.fchmod(fd, mode & 0o7777)
+            if not append:  # an append keeps the mode the file has
+                os.fchmod(fd, mode & 0o7777)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
@@ -172,7 +173,6 @@ class SandboxFiles:
         if not name:
             return
         parts = [p for p in posixpath.join(parent, name).split("/") if p]
-        todo = parts if parents else parts[-1:]
         start = 0 if parents else len(parts) - 1
         for i in range(start, len(parts)):
             pfd = self._parent("/" + "/".join(parts[:i]), path, "mkdir")
@@ -186,7 +186,6 @@ class SandboxFiles:
                 raise self._err(exc, "mkdir", path) from exc
             finally:
                 os.close(pfd)
-        del todo
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         parent, name = split_path(path)
