@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -119,7 +119,7 @@ def test_failed_step_requires_reset(workers: int | None) -> None:
 class _SlowIoShard(TrivialBatchEnv):
     """Records which threads stepped it: the threaded path really uses workers."""
 
-    threads: set[str] = set()
+    threads: ClassVar[set[str]] = set()
     barrier = threading.Barrier(2, timeout=10)
 
     def step(self, actions: np.ndarray) -> None:

@@ -128,7 +128,7 @@ def test_fallback_without_numba() -> None:
         "    raise SystemExit('no error')\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                          timeout=60, env={**os.environ})
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"

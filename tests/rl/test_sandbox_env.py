@@ -112,12 +112,13 @@ def test_pool_one_exec_round_trip_per_node_per_tick(sim_nodes: dict[str, EdgeNod
         assert {node_of(i) for i in ids if i} == {"rl-a", "rl-b"}   # spread over nodes
         before = {k: s.exec_many_calls for k, s in spies.items()}
         for t in range(2):
-            obs, rew, term, trunc, info = pool.step([f"echo env{i} tick{t}" for i in range(6)])
-            assert [o for o in obs] == [f"env{i} tick{t}\n[exit 0]" for i in range(6)]
+            obs, rew, term, trunc, _ = pool.step([f"echo env{i} tick{t}" for i in range(6)])
+            assert not (term.any() or trunc.any()) and not rew.any()
+            assert list(obs) == [f"env{i} tick{t}\n[exit 0]" for i in range(6)]
         assert {k: s.exec_many_calls - before[k] for k, s in spies.items()} == \
             {"rl-a": 2, "rl-b": 2}
         # Third turn: every episode hits max_turns, is judged, and auto-resets.
-        obs, rew, term, trunc, info = pool.step(["true"] * 3 + ["false"] * 3)
+        obs, rew, _, trunc, info = pool.step(["true"] * 3 + ["false"] * 3)
         assert trunc.all() and rew.tolist() == [1, 1, 1, 0, 0, 0]
         assert list(info["final_obs"]) == ["[exit 0]"] * 3 + ["[exit 1]"] * 3
         assert list(obs) == ["count"] * 6

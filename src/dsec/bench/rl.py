@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -79,8 +81,8 @@ def gae_rate(ctx: BenchContext) -> None:
 def buffer_enqueue(ctx: BenchContext) -> None:
     from dsec.rl.buffer import ReplayBuffer
 
-    n, hidden = 64, 128
-    buf = ReplayBuffer(num_envs=n, capacity=1024, obs_shape=(16,), hidden_size=hidden)
+    n, cap = 64, 512
+    budget = 0.3 if ctx.quick else 1.5
     obs = np.ones((n, 16), np.float32)
     act = np.ones(n, np.int64)
     rew = np.ones(n, np.float32)
@@ -88,25 +90,134 @@ def buffer_enqueue(ctx: BenchContext) -> None:
     done[::17] = True
     lp = np.ones(n, np.float32)
     val = np.ones(n, np.float32)
-    h = np.ones((n, hidden), np.float32)
-    budget = 0.3 if ctx.quick else 1.5
+    for hidden in (None, 32, 128):
+        buf = ReplayBuffer(num_envs=n, capacity=cap, obs_shape=(16,), hidden_size=hidden)
+        h = np.ones((n, hidden or 1), np.float32)
+        states = (h, h, h, h) if hidden else ()
+        for _ in range(cap):        # steady state: every ring page already faulted in
+            buf.add(obs, act, rew, done, lp, val, *states)
 
-    def go() -> int:
-        for _ in range(256):
-            buf.add(obs, act, rew, done, lp, val, h, h, h, h)
-        return 256 * n
+        def go(buf: ReplayBuffer = buf, states: tuple[Any, ...] = states) -> int:
+            for _ in range(256):
+                buf.add(obs, act, rew, done, lp, val, *states)
+            return 256 * n
 
-    ctx.record("rl_buffer_enqueue", _rate(go, budget), "transitions/s", envs=n,
-               obs_dim=16, lstm_hidden=hidden, lstm_states=4)
-    buf2 = ReplayBuffer(num_envs=n, capacity=1024, obs_shape=(16,), hidden_size=None)
+        ctx.record("rl_buffer_enqueue", _rate(go, budget), "transitions/s", envs=n,
+                   obs_dim=16, lstm_hidden=hidden or 0, lstm_states=4 if hidden else 0,
+                   capacity=cap)
+    ctx.note("rl_buffer_enqueue: one add() per tick of 64 envs. With LSTM state the row "
+             "carries 4 x hidden float32 per env (2 KiB at hidden=128), so that figure is "
+             "bounded by memory bandwidth, not by Python overhead.")
 
-    def go2() -> int:
-        for _ in range(256):
-            buf2.add(obs, act, rew, done, lp, val)
-        return 256 * n
 
-    ctx.record("rl_buffer_enqueue", _rate(go2, budget), "transitions/s", envs=n,
-               obs_dim=16, lstm_hidden=0, lstm_states=0)
+def _serve_sim_edge(path: str, node_id: str, ready: Any) -> None:
+    import uvloop
+
+    from dsec.edge.admission import Capacity
+    from dsec.edge.backends.simulated import SimulatedBackend
+    from dsec.edge.node import EdgeNode, NodeConfig
+    from dsec.edge.service import serve_edge
+
+    async def main() -> None:
+        node = EdgeNode(NodeConfig(node_id=node_id, capacity=Capacity(
+            cpu_milli=10**7, memory_bytes=1 << 44, max_sandboxes=100_000)), SimulatedBackend())
+        await node.start()
+        srv = await serve_edge(node, f"unix:{path}")
+        ready.set()
+        await asyncio.Event().wait()
+        await srv.close()
+
+    uvloop.run(main())
+
+
+def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
+                   n_envs: int, budget: float) -> None:
+    from dsec.rl.sandbox import SandboxEnv, SandboxEnvPool, Task
+
+    tasks = [Task(prompt="bench", max_turns=1_000_000)]
+    with SandboxEnvPool(access, tasks, n_envs) as pool:
+        pool.reset(seed=0)
+        acts = np.empty(n_envs, dtype=object)
+        acts[:] = "echo hi"
+
+        def batched() -> int:
+            for _ in range(5):
+                pool.step(acts)
+            return 5 * n_envs
+
+        ctx.record("rl_sandbox_env", _rate(batched, budget), "steps/s", envs=n_envs,
+                   mode="pool: 1 exec batch per tick", backend=backend, transport=transport)
+    envs = [SandboxEnv(access, tasks) for _ in range(n_envs)]
+    try:
+        for e in envs:
+            e.reset(seed=0)
+
+        def one_by_one() -> int:
+            for e in envs:
+                e.step("echo hi")
+            return n_envs
+
+        ctx.record("rl_sandbox_env", _rate(one_by_one, budget), "steps/s", envs=n_envs,
+                   mode="one exec call per env", backend=backend, transport=transport)
+    finally:
+        for e in envs:
+            e.close()
+
+
+def sandbox_env(ctx: BenchContext) -> None:
+    import multiprocessing as mp
+    import os
+    import tempfile
+
+    from dsec.edge.admission import Capacity
+    from dsec.edge.backends.simulated import SimulatedBackend
+    from dsec.edge.node import EdgeNode, NodeConfig
+    from dsec.edge.service import EdgeClient
+    from dsec.rl.access import EdgeAccess, LoopThread
+
+    n_envs = 64
+    budget = 0.5 if ctx.quick else 2.0
+    lt = LoopThread()
+    try:
+        async def start() -> EdgeNode:
+            node = EdgeNode(NodeConfig(node_id="bench-rl", capacity=Capacity(
+                cpu_milli=10**7, memory_bytes=1 << 44, max_sandboxes=100_000)),
+                SimulatedBackend())
+            return await node.start()
+
+        node = lt.run(start())
+        try:
+            _sandbox_rates(ctx, EdgeAccess({"bench-rl": node}, lt), "simulated",
+                           "in-process EdgeNode", n_envs, budget)
+        finally:
+            lt.run(node.close())
+
+        with tempfile.TemporaryDirectory(prefix="dsec-bench-rl-") as d:
+            path = os.path.join(d, "edge.sock")
+            mpctx = mp.get_context("spawn")
+            ready = mpctx.Event()
+            proc = mpctx.Process(target=_serve_sim_edge, args=(path, "bench-rl2", ready),
+                                 daemon=True)
+            proc.start()
+            try:
+                if not ready.wait(60):
+                    raise RuntimeError("edge server for the rl bench did not start in 60 s")
+                client = lt.run(EdgeClient.connect(f"unix:{path}"))
+                try:
+                    _sandbox_rates(ctx, EdgeAccess({"bench-rl2": client}, lt), "simulated",
+                                   "EdgeClient over Aether UDS (edge in another process)",
+                                   n_envs, budget)
+                finally:
+                    lt.run(client.close())
+            finally:
+                proc.terminate()
+                proc.join(5)
+    finally:
+        lt.close()
+    ctx.note("rl_sandbox_env: 64 envs, one `echo hi` shell call per env per step, simulated "
+             "backend (no process per exec). 'pool' sends every env's call of a tick in one "
+             "exec_many round trip; 'one exec call per env' pays a thread hop and a round "
+             "trip per step.")
 
 
 @suite("rl", "RL toolkit: env steps/s, GAE transitions/s, buffer enqueue, sandbox env steps/s")
@@ -114,3 +225,4 @@ def run(ctx: BenchContext) -> None:
     env_steps(ctx)
     gae_rate(ctx)
     buffer_enqueue(ctx)
+    sandbox_env(ctx)

@@ -213,7 +213,7 @@ class Driver:
             raise InvalidArgument("bootstrap_gamma is set but the policy returns no value")
         mask = trunc & ~term
         reward = rew.copy()
-        reward[mask] += self.bootstrap_gamma * np.asarray(boot.value)[mask]  # type: ignore[operator]
+        reward[mask] += self.bootstrap_gamma * np.asarray(boot.value)[mask]
         return reward
 
     def last_value(self) -> Array:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 import gymnasium as gym
 import msgspec
@@ -70,8 +70,12 @@ class BatchEnv(Protocol):
     """A group of environments stepped by one call, writing into arrays it was bound to."""
 
     num_envs: int
-    single_observation_space: gym.Space[Any]
-    single_action_space: gym.Space[Any]
+
+    @property
+    def single_observation_space(self) -> gym.Space[Any]: ...
+
+    @property
+    def single_action_space(self) -> gym.Space[Any]: ...
 
     def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
         """Receive the slices of the pool's output arrays this shard writes into."""
@@ -278,7 +282,7 @@ class EnvPool:
         for s in self.shards:
             s.close()
 
-    def __enter__(self) -> EnvPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

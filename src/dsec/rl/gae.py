@@ -60,7 +60,7 @@ def _load_numba_kernel() -> Kernel | None:
         # only the first process on a machine pays the compile (~1 s); later ones ~50 ms.
         # No fastmath: results must match the numpy path and the reference bit-for-bit
         # up to float rounding order, and reassociation buys nothing in this loop.
-        @numba.njit(cache=True, nogil=True)  # type: ignore[misc]
+        @numba.njit(cache=True, nogil=True)  # type: ignore[untyped-decorator]
         def kernel(rewards: Any, values: Any, dones: Any, last_value: Any, out: Any,
                    gamma: float, lam: float) -> None:
             t_len, n = rewards.shape

@@ -91,7 +91,8 @@ def parse_action(text: str) -> ToolCall:
         raise InvalidArgument("empty action: send a shell command or a JSON tool call")
     if s.startswith("{"):
         try:
-            return _tool_decoder.decode(s)
+            call: ToolCall = _tool_decoder.decode(s)
+            return call
         except msgspec.DecodeError as exc:
             raise InvalidArgument(
                 f"invalid tool call: {exc}; tools are shell(command), write_file(path, "
@@ -123,7 +124,7 @@ class Task:
     prompt: str
     judge: Judge | None = None
     files: Mapping[str, bytes] = field(default_factory=dict)   # absolute path -> content
-    spec: SandboxSpec = SandboxSpec()
+    spec: SandboxSpec = field(default_factory=SandboxSpec)
     max_turns: int = 16
     workdir: str = "/workspace"
     name: str = "task"
@@ -244,10 +245,9 @@ class SandboxEpisodes:
                                                timeout_s=t,
                                                output_cap_bytes=cfg.output_cap_bytes)))
             elif isinstance(call, WriteFile):
-                text[k] = self._file_op(lambda: self.access.write_file(
-                    sid, call.path, call.content.encode()), f"wrote {call.path}")
+                text[k] = self._write(sid, call)
             elif isinstance(call, ReadFile):
-                text[k] = self._file_op(lambda: self.access.read_file(sid, call.path), None)
+                text[k] = self._read(sid, call)
             else:
                 submitted[k] = call.answer
                 text[k] = "submitted"
@@ -273,14 +273,19 @@ class SandboxEpisodes:
             outs.append(out)
         return outs
 
-    def _file_op(self, fn: Any, ok: str | None) -> str:
+    def _write(self, sid: str, call: WriteFile) -> str:
         try:
-            data = fn()
+            self.access.write_file(sid, call.path, call.content.encode())
         except DsecError as exc:
             return f"error: {exc.message}"
-        if ok is not None:
-            return ok
-        return bytes(data).decode("utf-8", "replace")
+        return f"wrote {call.path}"
+
+    def _read(self, sid: str, call: ReadFile) -> str:
+        try:
+            data = self.access.read_file(sid, call.path)
+        except DsecError as exc:
+            return f"error: {exc.message}"
+        return data.decode("utf-8", "replace")
 
     def _judge(self, i: int, answer: str) -> Verdict:
         st = self.states[i]
@@ -344,7 +349,7 @@ def _text_spaces(cfg: SandboxEnvConfig) -> tuple[gym.spaces.Text, gym.spaces.Tex
 class SandboxEnv(gym.Env[str, str]):
     """One sandbox-backed environment (see the module docstring)."""
 
-    metadata: dict[str, Any] = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012  (gymnasium convention)
 
     def __init__(self, access: SandboxAccess, tasks: Sequence[Task], *,
                  config: SandboxEnvConfig | None = None) -> None:

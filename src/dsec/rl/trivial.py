@@ -26,7 +26,7 @@ def _spaces(episode_len: int) -> tuple[gym.spaces.Box, gym.spaces.Discrete]:
     return (gym.spaces.Box(0.0, 1.0, shape=(), dtype=np.float32), gym.spaces.Discrete(2))
 
 
-class TrivialEnv(gym.Env[np.float32, np.int64]):
+class TrivialEnv(gym.Env[Any, Any]):
     """One trivial environment (see the module docstring)."""
 
     def __init__(self, episode_len: int = 16) -> None:
