@@ -17,7 +17,6 @@ from dsec.image import LayerStore, MountCache
 from dsec.image.mount import sys_umount
 
 
-
 def mounts_under(prefix: str) -> list[str]:
     out = []
     with open("/proc/self/mountinfo") as f:

@@ -103,7 +103,7 @@ def test_failed_build_leaves_no_layer(store: LayerStore) -> None:
     data = make_tar([(ti("ok"), b"fine"), (ti("/abs"), b"bad")])
     with pytest.raises(UnsafeArchive):
         store.add_tar(io.BytesIO(data), kind="base", name="bad")
-    assert store.list() == []
+    assert store.manifests() == []
     assert store.refs() == {}
     assert os.listdir(os.path.join(store.root, "tmp")) == []
     assert os.listdir(os.path.join(store.root, "layers")) == []

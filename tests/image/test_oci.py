@@ -143,4 +143,4 @@ def test_bad_oci_inputs_leave_nothing(store: LayerStore, tmp_path: object) -> No
         import_oci(store, corrupt, name="corrupt")
     with pytest.raises(ImageError):
         import_oci(store, tmp, name="nolayout")
-    assert store.list() == [] and os.listdir(os.path.join(store.root, "tmp")) == []
+    assert store.manifests() == [] and os.listdir(os.path.join(store.root, "tmp")) == []

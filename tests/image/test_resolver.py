@@ -41,6 +41,7 @@ def test_acquire_release_with_toolkits_and_snapshot(store: LayerStore, cache: Mo
     try:
         write_tree(root, {"work/result": "done"})
         snap = snapshot(store, upper, base=layers.token, name="run1")   # type: ignore[arg-type]
+        assert store.get("run1") == snap and snap.stack == layers.token.digests  # type: ignore[attr-defined]
     finally:
         sys_umount(root)
     images.release(layers)

@@ -78,7 +78,7 @@ def test_mount_cache_shares_and_refcounts(store: LayerStore, cache: MountCache,
     with pytest.raises(InvalidArgument):
         cache.release(m.digest)
     store.remove("b")
-    assert store.list() == [] and store.refs() == {}
+    assert store.manifests() == [] and store.refs() == {}
     assert not os.path.exists(store.layer_path(m))
 
 

@@ -11,7 +11,6 @@ import random
 import resource
 import shutil
 import subprocess
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -128,7 +127,7 @@ def image_suite(ctx: BenchContext) -> None:
         base: LayerManifest | None = None
         for comp in (None, "lz4"):
             t0 = time.perf_counter()
-            m = store.add_tree(src, kind="base", compression=comp)  # type: ignore[arg-type]
+            m = store.add_tree(src, kind="base", compression=comp)
             dt = time.perf_counter() - t0
             ctx.record("layer_build", content / dt / 1e6, "MB/s", compression=comp or "none",
                        tree_mb=round(content / 1e6), image_mb=round(m.size_bytes / 1e6, 1))

@@ -10,7 +10,14 @@ from contextlib import contextmanager
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from dsec.errors import DsecError
@@ -34,12 +41,12 @@ def _progress(console: Console, quiet: bool) -> Iterator[ProgressFn | None]:
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=console, transient=True) as bar:
-        tasks: dict[str, object] = {}
+        tasks: dict[str, TaskID] = {}
 
         def report(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
                 tasks[phase] = bar.add_task(_PHASES.get(phase, phase), total=total)
-            bar.update(tasks[phase], completed=done, total=total)  # type: ignore[arg-type]
+            bar.update(tasks[phase], completed=done, total=total)
 
         yield report
 
@@ -77,17 +84,17 @@ def build(root: str | None, path: str, kind: str, name: str, tag: str,
     try:
         with _progress(console, quiet) as progress:
             if path != "-" and os.path.isdir(path):
-                m = store.add_tree(path, kind=kind, name=name, tag=tag,  # type: ignore[arg-type]
-                                   labels=lab, compression=compression,  # type: ignore[arg-type]
+                m = store.add_tree(path, kind=kind, name=name, tag=tag,
+                                   labels=lab, compression=compression,
                                    progress=progress)
             elif path == "-":
-                m = store.add_tar(sys.stdin.buffer, kind=kind, name=name,  # type: ignore[arg-type]
-                                  tag=tag, labels=lab, compression=compression,  # type: ignore[arg-type]
+                m = store.add_tar(sys.stdin.buffer, kind=kind, name=name,
+                                  tag=tag, labels=lab, compression=compression,
                                   progress=progress)
             elif os.path.isfile(path):
                 with open(path, "rb") as f:
-                    m = store.add_tar(f, kind=kind, name=name, tag=tag,  # type: ignore[arg-type]
-                                      labels=lab, compression=compression,  # type: ignore[arg-type]
+                    m = store.add_tar(f, kind=kind, name=name, tag=tag,
+                                      labels=lab, compression=compression,
                                       progress=progress)
             else:
                 raise click.BadParameter(f"{path!r} is neither a directory nor a tar file",
@@ -129,7 +136,7 @@ def ls(root: str | None, as_json: bool) -> None:
     refs_by_digest: dict[str, list[str]] = {}
     for ref, digest in store.refs().items():
         refs_by_digest.setdefault(digest, []).append(ref)
-    layers = store.list()
+    layers = store.manifests()
     if as_json:
         for m in layers:
             click.echo(msgspec.json.encode(m).decode())

@@ -28,7 +28,7 @@ from typing import IO
 from dsec.errors import UnsafeArchive
 from dsec.image.tree import make_whiteout, remove_path, set_opaque
 
-__all__ = ["ExtractLimits", "ExtractStats", "extract_tar"]
+__all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "extract_tar"]
 
 _WH = ".wh."
 _OPQ = ".wh..wh..opq"
@@ -44,6 +44,9 @@ class ExtractLimits:
     max_total_bytes: int = 64 * 2**30       # sum of regular-file sizes in the archive
     max_members: int = 5_000_000
     max_path_bytes: int = 4096
+
+
+DEFAULT_LIMITS = ExtractLimits()
 
 
 @dataclass(slots=True)
@@ -122,7 +125,7 @@ def _set_meta(path: str, ti: tarfile.TarInfo, *, link: bool, is_root: bool) -> N
     os.utime(path, ns=(int(ti.mtime * 1e9),) * 2, follow_symlinks=False)
 
 
-def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = ExtractLimits(),
+def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = DEFAULT_LIMITS,
                 oci_whiteouts: bool = False) -> ExtractStats:
     """Extract the tar stream ``fileobj`` (plain, gzip, bzip2 or xz) into ``dest``."""
     is_root = os.geteuid() == 0

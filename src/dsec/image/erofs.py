@@ -20,7 +20,7 @@ from typing import Literal
 
 from dsec.errors import ImageError, InvalidArgument
 
-__all__ = ["Compression", "MKFS", "ProgressFn", "hash_file", "mkfs_erofs"]
+__all__ = ["MKFS", "Compression", "ProgressFn", "hash_file", "mkfs_erofs"]
 
 Compression = Literal["lz4", "lz4hc"]
 ProgressFn = Callable[[str, int, int], None]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from dsec.errors import CorruptLayer, ImageError, InvalidArgument
-from dsec.image.archive import ExtractLimits, extract_tar
+from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
 from dsec.image.erofs import Compression, ProgressFn
 from dsec.image.manifest import LayerKind, LayerManifest
 from dsec.image.store import LayerStore
@@ -125,9 +125,10 @@ def read_oci(src: _Source, ref: str | None = None) -> OciImage:
             if not matches:
                 raise ImageError(f"docker-save tarball has no image tagged {ref!r}")
             entry = matches[0]
-        config = src.json(entry["Config"]) if entry.get("Config") else {}
-        layers = tuple((str(p), None) for p in entry.get("Layers", []))
-        return OciImage(layers, config)
+        cfg: dict[str, Any] = src.json(entry["Config"]) if entry.get("Config") else {}
+        saved: tuple[tuple[str, str | None], ...] = tuple(
+            (str(p), None) for p in entry.get("Layers", []))
+        return OciImage(saved, cfg)
     if not src.exists("index.json"):
         raise ImageError(f"{src.path} has neither index.json (OCI layout) nor manifest.json "
                          "(docker save)")
@@ -154,8 +155,9 @@ def read_oci(src: _Source, ref: str | None = None) -> OciImage:
     config: dict[str, Any] = {}
     if doc.get("config", {}).get("digest"):
         config = src.json(_blob(doc["config"]["digest"])[0])
-    layers = tuple(_blob(layer["digest"]) for layer in doc["layers"])
-    return OciImage(layers, config)
+    blobs: tuple[tuple[str, str | None], ...] = tuple(
+        _blob(layer["digest"]) for layer in doc["layers"])
+    return OciImage(blobs, config)
 
 
 class _Hashing:
@@ -187,7 +189,7 @@ def _labels(config: dict[str, Any], ref: str | None) -> dict[str, str]:
 def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: str = "latest",
                ref: str | None = None, squash: bool = True, kind: LayerKind = "base",
                compression: Compression | None = None,
-               limits: ExtractLimits = ExtractLimits(),
+               limits: ExtractLimits = DEFAULT_LIMITS,
                progress: ProgressFn | None = None) -> list[LayerManifest]:
     """Import an OCI image into the store; returns its layers, highest first.
 

@@ -52,8 +52,8 @@ from dsec.image.tree import OPAQUE_XATTR, copy_entry, copy_meta, make_whiteout
 
 __all__ = [
     "DEFAULT_RESIDUE",
-    "Entry",
     "RACY_WINDOW_NS",
+    "Entry",
     "SnapshotPlan",
     "plan_snapshot",
     "restore_stack",

@@ -32,7 +32,7 @@ from typing import IO
 import msgspec
 
 from dsec.errors import ImageError, ImageNotFound, InUse, InvalidArgument
-from dsec.image.archive import ExtractLimits, extract_tar
+from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
 from dsec.image.erofs import Compression, ProgressFn, hash_file, mkfs_erofs
 from dsec.image.manifest import (
     DIGEST_PREFIX,
@@ -166,7 +166,7 @@ class LayerStore:
         except msgspec.DecodeError as exc:
             raise ImageError(f"manifest of {DIGEST_PREFIX}{hx} is unreadable: {exc}") from exc
 
-    def list(self) -> list[LayerManifest]:
+    def manifests(self) -> list[LayerManifest]:
         out = []
         for n in sorted(os.listdir(os.path.join(self.root, "manifests"))):
             if n.endswith(".json"):
@@ -231,7 +231,7 @@ class LayerStore:
     def add_tar(self, fileobj: IO[bytes], *, kind: LayerKind, name: str | None = None,
                 tag: str = "latest", labels: dict[str, str] | None = None,
                 compression: Compression | None = None,
-                limits: ExtractLimits = ExtractLimits(), oci_whiteouts: bool = False,
+                limits: ExtractLimits = DEFAULT_LIMITS, oci_whiteouts: bool = False,
                 progress: ProgressFn | None = None) -> LayerManifest:
         """Build a layer from a tar stream, unpacked safely into a staging directory."""
         with self.staging() as stage:
@@ -244,7 +244,7 @@ class LayerStore:
         why = []
         if self.layer_path(digest) in mounted_sources():
             why.append("mounted on this node")
-        for m in self.list():
+        for m in self.manifests():
             if m.parent == digest or digest in m.stack:
                 why.append(f"snapshot {m.digest} builds on it")
         return why

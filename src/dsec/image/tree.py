@@ -22,11 +22,11 @@ __all__ = [
     "apply_tree",
     "copy_entry",
     "copy_meta",
+    "is_opaque",
     "is_whiteout",
     "make_whiteout",
     "remove_path",
     "set_opaque",
-    "is_opaque",
     "tree_stats",
 ]
 
