@@ -99,7 +99,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
                                                                          "application/json")}
         if not op.auth:
             entry["security"] = []
-        paths.setdefault(op.path, {})[op.method.lower()] = entry
+        paths.setdefault(op.path.replace(":path}", "}"), {})[op.method.lower()] = entry
     return {
         "openapi": "3.1.0",
         "info": {"title": "dsec API", "version": version,

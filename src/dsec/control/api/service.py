@@ -244,18 +244,20 @@ class ApiService:
         try:
             parse_sandbox_id(sid)
         except InvalidArgument:
-            raise SandboxNotFound(f"no sandbox {sid!r} (not a sandbox id: sb-<12 hex>-<node>)",
-                                  sandbox_id=sid) from None
+            raise _not_found(sid) from None
         edge = self.directory.edge(node_of(sid))
         if edge is None:
-            raise SandboxNotFound(f"no sandbox {sid!r}", sandbox_id=sid)
+            raise _not_found(sid)
         project = self._projects.get(sid)
         if project is None:
-            info = await edge.get(sid)
+            try:
+                info = await edge.get(sid)
+            except SandboxNotFound:
+                raise _not_found(sid) from None
             project = info.spec.project
             self._projects.put(sid, project)
         if principal.role_on(project) is None:
-            raise SandboxNotFound(f"no sandbox {sid!r}", sandbox_id=sid)
+            raise _not_found(sid)
         self.require(principal, project, need)
         return edge, project
 
@@ -522,6 +524,13 @@ class ApiService:
         if principal.role_on("default") is None and not principal.roles and not principal.superuser:
             raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
         return self.directory.nodes()
+
+
+def _not_found(sid: str) -> SandboxNotFound:
+    """One message for "never existed", "wrong node" and "another project's": ids must
+    not leak across projects, so all three read exactly alike."""
+    return SandboxNotFound(f"no sandbox {sid[:80]!r} visible to this API key (check the id "
+                           "and that your key has a role on its project)", sandbox_id=sid[:80])
 
 
 # ------------------------------------------------------------------ conversions

@@ -1,0 +1,102 @@
+"""Pure parts of the apiserver: rate limiter, idempotency cache, sweeper decisions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsec.control.api.sweeper import Session, SweepCandidate, plan_sweep
+from dsec.control.idempotency import IdempotencyCache, SqliteIdempotencyStore, fingerprint
+from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.errors import Conflict, InvalidArgument
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_token_bucket_refuses_after_burst_and_refills() -> None:
+    clock = Clock()
+    rl = RateLimiter(RateLimitConfig(rate_per_s=10.0, burst=3.0), clock=clock)
+    assert [rl.acquire("k") for _ in range(3)] == [None, None, None]
+    wait = rl.acquire("k")
+    assert wait == pytest.approx(0.1)
+    assert rl.acquire("other") is None  # buckets are per key
+    clock.t += 0.11
+    assert rl.acquire("k") is None
+    assert RateLimiter.retry_after_header(0.1) == "1"
+    assert RateLimiter.retry_after_header(2.2) == "3"
+
+
+def test_rate_limiter_memory_is_bounded() -> None:
+    rl = RateLimiter(RateLimitConfig(rate_per_s=1.0, burst=1.0, max_keys=100), clock=Clock())
+    for i in range(1000):
+        rl.acquire(f"k{i}")
+    assert len(rl) == 100
+
+
+def test_rate_limit_config_rejects_nonsense() -> None:
+    with pytest.raises(InvalidArgument):
+        RateLimitConfig(rate_per_s=0)
+    assert RateLimiter(RateLimitConfig(rate_per_s=None), clock=Clock()).acquire("k") is None
+
+
+async def test_idempotency_replay_wait_conflict_and_expiry(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    store = SqliteIdempotencyStore(str(tmp_path / "idem.sqlite"))
+    cache = IdempotencyCache(clock=clock, ttl_s=300, store=store)
+    key = IdempotencyCache.scoped("alice", "k1")
+    fp = fingerprint(b'{"image":"base"}')
+    first = cache.begin(key, fp)
+    assert first.proceed
+    second = cache.begin(key, fp)           # a racing retry waits for the first
+    assert second.wait is not None and not second.wait.done()
+    with pytest.raises(Conflict, match="different request body"):
+        cache.begin(key, fingerprint(b"{}"))
+    cache.finish(key, b"answer")
+    assert await asyncio.wait_for(second.wait, 1) == b"answer"
+    assert cache.begin(key, fp).replay == b"answer"
+    # Another replica (fresh cache, same store) honours the key.
+    other = IdempotencyCache(clock=clock, ttl_s=300, store=store)
+    assert other.begin(key, fp).replay == b"answer"
+    clock.t += 301
+    assert other.begin(IdempotencyCache.scoped("alice", "k1"), fp).proceed  # expired
+    store.close()
+
+
+async def test_idempotency_abort_lets_a_retry_proceed() -> None:
+    cache = IdempotencyCache(clock=Clock(), ttl_s=300, max_entries=10)
+    key = IdempotencyCache.scoped("bob", "k")
+    assert cache.begin(key, "fp").proceed
+    waiter = cache.begin(key, "fp").wait
+    cache.abort(key, InvalidArgument("create failed"))
+    assert waiter is not None and isinstance(waiter.exception(), InvalidArgument)
+    assert cache.begin(key, "fp").proceed
+    for i in range(50):
+        k = IdempotencyCache.scoped("bob", f"x{i}")
+        cache.begin(k, "fp")
+        cache.finish(k, b"r")
+    assert len(cache) <= 10
+    with pytest.raises(InvalidArgument):
+        IdempotencyCache.scoped("bob", "")
+
+
+def test_sweeper_plan() -> None:
+    sessions = {
+        "ses-live": Session("ses-live", "p", 60, expires_at=200.0),
+        "ses-dead": Session("ses-dead", "p", 60, expires_at=50.0),
+        "ses-closed": Session("ses-closed", "p", 60, expires_at=500.0, closed=True),
+    }
+    cands = [SweepCandidate("a", "ses-live", "running"), SweepCandidate("b", "ses-dead", "paused"),
+             SweepCandidate("c", "ses-closed", "running"),
+             SweepCandidate("d", "ses-unknown", "running"),
+             SweepCandidate("e", "ses-dead", "destroyed")]
+    assert plan_sweep(100.0, cands, sessions, started_at=0.0, unknown_grace_s=180) == [
+        ("b", "session_expired"), ("c", "session_closed")]
+    assert ("d", "session_unknown") in plan_sweep(
+        300.0, cands, sessions, started_at=0.0, unknown_grace_s=180)
