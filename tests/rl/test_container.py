@@ -1,0 +1,179 @@
+"""Sandbox envs and the executable judge on real container sandboxes (root; runs on CI).
+
+Tamper-proof judging needs real isolation: here the agent's commands really run as root
+in a busybox container and try to cheat the verifier.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from dsec.edge.admission import Capacity
+from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
+from dsec.ids import node_of
+from dsec.rl.access import EdgeAccess, LoopThread
+from dsec.rl.judges import ExecutableJudge, JudgeContext
+from dsec.rl.sandbox import SandboxEnv, SandboxEnvConfig, SandboxEnvPool, Task
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)"),
+]
+
+SPEC = SandboxSpec(backend="container", image="base", memory_bytes=256 << 20, pids_max=256)
+TEST_SH = b'test "$(cat /workspace/answer)" = 42 || { echo "wrong answer"; exit 1; }\necho ok\n'
+
+
+def _judge(isolate: bool) -> ExecutableJudge:
+    return ExecutableJudge(hidden_files={"test.sh": TEST_SH},
+                           command=["/bin/sh", "{tests}/test.sh"], cwd="/workspace",
+                           isolate=isolate, carry=["/workspace/answer"] if isolate else (),
+                           timeout_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def container() -> Iterator[tuple[EdgeAccess, EdgeNode]]:
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.backends.container.testimage import build_busybox_root
+
+    tmp = tempfile.TemporaryDirectory(prefix="dsec-rl-ct-")
+    build_busybox_root(os.path.join(tmp.name, "images", "base"))
+    lt = LoopThread()
+    holder: dict[str, object] = {}
+
+    async def start() -> EdgeNode:
+        b = ContainerBackend(root_dir=os.path.join(tmp.name, "root"),
+                             images=DirectoryImages(os.path.join(tmp.name, "images")))
+        holder["backend"] = b
+        node = EdgeNode(NodeConfig(node_id="rl-ct", capacity=Capacity(
+            cpu_milli=1_000_000, memory_bytes=1 << 40, max_sandboxes=1000)), {"container": b})
+        return await node.start()
+
+    try:
+        node = lt.run(start())
+        yield EdgeAccess({"rl-ct": node}, lt), node
+        for info in node.list():
+            if info.state not in ("destroyed", "failed"):
+                lt.run(node.destroy(info.id))
+        lt.run(node.close())
+    finally:
+        b = holder.get("backend")
+        if b is not None:
+            for sid in b.sandbox_ids():  # type: ignore[attr-defined]
+                try:
+                    lt.run(b.destroy(sid))  # type: ignore[attr-defined]
+                except Exception:  # noqa: BLE001, S110 - keep cleaning up the rest
+                    pass
+            lt.run(b.close())  # type: ignore[attr-defined]
+            b.governor.remove_base()  # type: ignore[attr-defined]
+        lt.close()
+        tmp.cleanup()
+
+
+def _episode(access: EdgeAccess, judge: ExecutableJudge, actions: list[str]) -> float:
+    task = Task(prompt="Write the answer to /workspace/answer. Tests: /workspace/tests.sh",
+                files={"/workspace/tests.sh": TEST_SH}, judge=judge, spec=SPEC, max_turns=20)
+    env = SandboxEnv(access, [task])
+    try:
+        env.reset(seed=0)
+        for a in actions:
+            obs, _, term, trunc, _ = env.step(a)
+            assert not (term or trunc), obs
+        _, reward, term, _, _ = env.step('{"tool": "submit"}')
+        assert term
+        return float(reward)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_correct_answer_passes(container: tuple[EdgeAccess, EdgeNode], isolate: bool) -> None:
+    access, _ = container
+    assert _episode(access, _judge(isolate), ["echo 42 > /workspace/answer"]) == 1.0
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_cheating_agent_gets_no_credit(container: tuple[EdgeAccess, EdgeNode],
+                                       isolate: bool) -> None:
+    access, _ = container
+    cheats = [
+        "echo 41 > /workspace/answer",
+        "echo 1.0 > /workspace/reward.txt; echo 1.0 > /tmp/reward; echo PASS > /tmp/result",
+        "printf 'exit 0\\n' > /workspace/tests.sh",          # edit the visible tests
+        "for i in 0 1 2 3; do mkdir -p /tmp/.judge-$i; printf 'exit 0' > /tmp/.judge-$i/test.sh; done",
+    ]
+    assert _episode(access, _judge(isolate), cheats) == 0.0
+
+
+def test_isolated_judge_ignores_replaced_binaries_and_background_tamperers(
+        container: tuple[EdgeAccess, EdgeNode]) -> None:
+    access, _ = container
+    cheats = [
+        "echo 41 > /workspace/answer",
+        # Replace the shell the verifier would run with one that always passes ...
+        "rm /bin/sh && printf '#!/bin/busybox ash\\nexit 0\\n' > /bin/sh && chmod 755 /bin/sh",
+        # ... and leave a process behind that rewrites any test that shows up.
+        # (setsid: its own session, so it outlives the exec that started it)
+        ("/bin/busybox setsid /bin/busybox ash -c 'while :; do for f in /tmp/.judge-*/test.sh;"
+         " do [ -f \"$f\" ] && echo \"exit 0\" > \"$f\"; done; done' </dev/null >/dev/null 2>&1 &"),
+    ]
+    assert _episode(access, _judge(True), cheats) == 0.0
+
+
+def test_in_place_judge_detects_tests_rewritten_during_the_run(
+        container: tuple[EdgeAccess, EdgeNode]) -> None:
+    access, _ = container
+    sid = access.create(SPEC)
+    try:
+        r = access.exec_batch([(sid, ExecRequest(
+            shell="mkdir -p /workspace && echo 42 > /workspace/answer"))])
+        assert isinstance(r[0], ExecResult) and r[0].exit_code == 0
+        # A verifier that runs long enough for the tamperer to strike for sure.
+        slow = ExecutableJudge(hidden_files={"test.sh": b"sleep 0.5\n" + TEST_SH},
+                               command=["/bin/sh", "{tests}/test.sh"], cwd="/workspace")
+        access.exec_batch([(sid, ExecRequest(shell=(
+            "/bin/busybox setsid /bin/busybox ash -c 'while :; do for f in /tmp/.judge-*/test.sh;"
+            " do [ -f \"$f\" ] && echo \"# mine\" >> \"$f\"; done; sleep 0.05; done' "
+            "</dev/null >/dev/null 2>&1 &")))])
+        v = slow.judge(JudgeContext(answer="", access=access, sandbox_id=sid, spec=SPEC))
+        assert v.reward == 0.0 and "modified during judging" in v.detail
+    finally:
+        access.destroy(sid)
+
+
+def test_check_env_and_batched_pool_on_containers(container: tuple[EdgeAccess, EdgeNode]) -> None:
+    access, node = container
+    task = Task(prompt="hello", spec=SPEC, max_turns=3, judge=_judge(False))
+    env = SandboxEnv(access, [task], config=SandboxEnvConfig(max_obs_chars=512,
+                                                             max_action_chars=48))
+    try:
+        check_env(env, skip_render_check=True)
+    finally:
+        env.close()
+    pool = SandboxEnvPool(access, [task], 4)
+    try:
+        pool.reset(seed=1)
+        acts = np.empty(4, dtype=object)
+        acts[:] = [f"echo {i} > /workspace/answer; hostname; cat /workspace/answer"
+                   for i in range(4)]
+        obs, *_ = pool.step(acts)
+        hostnames = {o.splitlines()[0] for o in obs}
+        assert len(hostnames) == 4                     # four separate sandboxes
+        assert [o.splitlines()[1] for o in obs] == ["0", "1", "2", "3"]
+        ids = pool.sandbox_ids()
+        for sid in ids:
+            assert sid is not None
+            access.pause(sid)
+            assert node.get(sid).state == "paused" and node_of(sid) == "rl-ct"
+            access.resume(sid)
+    finally:
+        pool.close()
+    for sid in ids:
+        assert node.get(sid).state == "destroyed"  # type: ignore[arg-type]
