@@ -378,6 +378,11 @@ class Governor:
         else:
             d = cg.dirs["memory"]
             _write(os.path.join(d, "memory.swappiness"), "100")
+            # Measured on 6.18: without this read, force_empty on a freshly filled cgroup
+            # reclaimed ~1% (42 MB -> 42 MB); with it, 99% (42 MB -> 0.4 MB). Reading
+            # memory.stat flushes the memcg's lazily aggregated LRU statistics, which
+            # reclaim uses to size its scan - unflushed they say "nothing to scan".
+            _read(os.path.join(d, "memory.stat"))
             try:
                 _write(os.path.join(d, "memory.force_empty"), "0")
             except OSError as exc:
