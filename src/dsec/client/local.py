@@ -85,7 +85,7 @@ class LocalCluster:
     def _start_process(self) -> None:
         from dsec.control.api.cluster import read_local
 
-        cmd = [sys.executable, "-m", "dsec.cli.main", "up", "--state-dir", self.state_dir,
+        cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up", "--state-dir", self.state_dir,
                "--listen", "127.0.0.1:0", "--backend", self.backend,
                "--edges", str(self.edges), "--quiet"]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
