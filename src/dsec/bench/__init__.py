@@ -118,7 +118,7 @@ def run_suites(
         ctx = BenchContext(name, quick=quick, echo=echo)
         try:
             fn(ctx)
-        except Exception as exc:  # one broken suite must not lose the others' figures
+        except Exception as exc:  # noqa: BLE001 - one broken suite must not lose the others' figures
             errors[name] = f"{type(exc).__name__}: {exc}"
         results.extend(ctx.results)
         notes[name] = ctx.notes

@@ -33,7 +33,7 @@ def bench(suite_names: tuple[str, ...], quick: bool, json_path: str | None,
     Figures of suites that did not run are kept from the previous JSON file, so one
     suite can be refreshed without re-running the others.
     """
-    console = Console()
+    console = Console(soft_wrap=True)  # one line per figure, whatever the terminal width
     registry = suites()
     if list_only:
         for name, (_, doc) in registry.items():
@@ -54,8 +54,8 @@ def bench(suite_names: tuple[str, ...], quick: bool, json_path: str | None,
         console.print(f"  [cyan]{r.suite}[/] {r.name:<28} [bold]{r.value:>14,.2f}[/] {r.unit:<12} {params}")
 
     results, notes, errors = run_suites(names, quick=quick, echo=echo)
-    doc = merge_json(json_path, results, names, notes)
-    write_markdown(md_path, doc, errors)
+    merged = merge_json(json_path, results, names, notes)
+    write_markdown(md_path, merged, errors)
     for s, e in errors.items():
         console.print(f"[red]suite {s} failed:[/] {e}")
     console.print(f"wrote {json_path} and {md_path}")
