@@ -155,7 +155,8 @@ class ClusterRuntime:
         for i in range(cfg.edges):
             node_id = f"edge-{i}"
             names = {"simulated", cfg.backend}
-            backends = {n: make_backend(n) for n in sorted(names)}
+            backends = {n: make_backend(n, **self._backend_opts(n, node_id))
+                        for n in sorted(names)}
             node = EdgeNode(NodeConfig(
                 node_id=node_id,
                 capacity=Capacity(cpu_milli=cfg.edge_cpu_milli,
@@ -165,6 +166,20 @@ class ClusterRuntime:
             self.nodes.append(node)
             await node.start()
             self._edge_servers.append(await serve_edge(node, f"unix:{self._sock(node_id)}"))
+
+    def _backend_opts(self, name: str, node_id: str) -> dict[str, Any]:
+        """Per-backend options. The container backend gets a root dir per edge and a
+        directory of image roots; ``base`` is a busybox root built on first use (~20 ms)
+        so ``dsec up --backend container`` works on a fresh machine."""
+        if name != "container":
+            return {}
+        from dsec.edge.backends.container.testimage import build_busybox_root
+
+        images = os.path.join(self.config.state_dir, "images")
+        os.makedirs(images, exist_ok=True)
+        build_busybox_root(os.path.join(images, "base"))
+        return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
+                "images_dir": images}
 
     def _admin_key(self, plane: ControlPlane) -> str:
         old = read_local(self.config.state_dir)
