@@ -131,10 +131,10 @@ def _serve_sim_edge(path: str, node_id: str, ready: Any) -> None:
 
 
 def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
-                   n_envs: int, budget: float) -> None:
+                   n_envs: int, budget: float, tasks: list[Any] | None = None) -> None:
     from dsec.rl.sandbox import SandboxEnv, SandboxEnvPool, Task
 
-    tasks = [Task(prompt="bench", max_turns=1_000_000)]
+    tasks = tasks or [Task(prompt="bench", max_turns=1_000_000)]
     with SandboxEnvPool(access, tasks, n_envs) as pool:
         pool.reset(seed=0)
         acts = np.empty(n_envs, dtype=object)
@@ -214,10 +214,64 @@ def sandbox_env(ctx: BenchContext) -> None:
                 proc.join(5)
     finally:
         lt.close()
+    container_env(ctx, n_envs, budget)
     ctx.note("rl_sandbox_env: 64 envs, one `echo hi` shell call per env per step, simulated "
              "backend (no process per exec). 'pool' sends every env's call of a tick in one "
              "exec_many round trip; 'one exec call per env' pays a thread hop and a round "
              "trip per step.")
+
+
+def container_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
+    """The same measurement on real container sandboxes (root only)."""
+    import os
+    import tempfile
+
+    if os.geteuid() != 0:
+        ctx.note("rl_sandbox_env container figures skipped: needs root")
+        return
+    from dsec.edge.admission import Capacity
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.backends.container.testimage import build_busybox_root
+    from dsec.edge.node import EdgeNode, NodeConfig
+    from dsec.edge.spec import SandboxSpec
+    from dsec.rl.access import EdgeAccess, LoopThread
+    from dsec.rl.sandbox import Task
+
+    spec = SandboxSpec(backend="container", image="base", memory_bytes=128 << 20,
+                       pids_max=128)
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-rl-ct-") as d:
+        build_busybox_root(os.path.join(d, "images", "base"))
+        lt = LoopThread()
+        holder: dict[str, Any] = {}
+
+        async def start() -> EdgeNode:
+            b = ContainerBackend(root_dir=os.path.join(d, "root"),
+                                 images=DirectoryImages(os.path.join(d, "images")))
+            holder["b"] = b
+            node = EdgeNode(NodeConfig(node_id="bench-ct", capacity=Capacity(
+                cpu_milli=10**7, memory_bytes=1 << 44, max_sandboxes=10_000)),
+                {"container": b})
+            return await node.start()
+
+        try:
+            node = lt.run(start())
+            try:
+                _sandbox_rates(ctx, EdgeAccess({"bench-ct": node}, lt), "container",
+                               "in-process EdgeNode", n_envs, budget,
+                               tasks=[Task(prompt="bench", spec=spec, max_turns=1_000_000)])
+            finally:
+                lt.run(node.close())
+        finally:
+            b = holder.get("b")
+            if b is not None:
+                for sid in b.sandbox_ids():
+                    try:
+                        lt.run(b.destroy(sid))
+                    except Exception:  # noqa: BLE001, S110 - keep cleaning up the rest
+                        pass
+                lt.run(b.close())
+                b.governor.remove_base()
+            lt.close()
 
 
 @suite("rl", "RL toolkit: env steps/s, GAE transitions/s, buffer enqueue, sandbox env steps/s")
