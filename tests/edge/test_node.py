@@ -316,3 +316,41 @@ async def test_restart_adopts_what_the_journal_holds(tmp_path, clock: FakeClock)
         assert node3.events(a.id)[-1].reason == "node_lost"
     async with make_node(clock=clock, state_dir=state) as node4:
         assert node4.live_count == 0  # node_lost records were removed from the journal
+
+
+async def test_busy_sandbox_is_not_idle_and_destroy_during_exec_is_named(clock: FakeClock) -> None:
+    async with make_node(clock=clock) as node:
+        info = await node.create(SandboxSpec(idle_timeout_s=5))
+        long = asyncio.create_task(node.exec(info.id, ExecRequest(shell="sleep 8; echo done")))
+        while clock.sleepers == 0:
+            await asyncio.sleep(0)
+        clock.advance(6)
+        assert await node.reap() == []  # a command is running: not idle
+        clock.advance(2)  # t=8: the command finishes, activity restarts the idle clock
+        assert (await long).stdout == b"done\n"
+        clock.advance(4)
+        assert await node.reap() == []
+        clock.advance(2)
+        assert [a.reason for a in await node.reap()] == ["idle_timeout"]
+        other = await node.create(SandboxSpec())
+        running = asyncio.create_task(node.exec(other.id, ExecRequest(shell="sleep 100")))
+        while clock.sleepers == 0:
+            await asyncio.sleep(0)
+        await node.destroy(other.id, reason="evicted")
+        clock.advance(100)
+        with pytest.raises(InvalidTransition, match="destroyed \\(reason: evicted\\) while exec"):
+            await running
+
+
+async def test_death_reported_during_create_is_handled_after_it(clock: FakeClock) -> None:
+    class DiesAtBirth(SimulatedBackend):
+        async def create(self, sid, spec):  # type: ignore[no-untyped-def]
+            await super().create(sid, spec)
+            self.kill(sid, "exited", "init exited with status 1")
+
+    async with make_node(DiesAtBirth(clock=clock), clock=clock) as node:
+        info = await node.create(SandboxSpec())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert node.get(info.id).state == "destroyed"
+        assert node.events(info.id)[-1].reason == "exited" and node.pool.count == 0

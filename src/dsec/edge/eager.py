@@ -70,6 +70,6 @@ async def gather_eager(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T | Base
                 t.cancel()
             raise
         for i, t in pending:
-            exc = t.exception()
-            out[i] = exc if exc is not None else t.result()
+            err = t.exception()
+            out[i] = err if err is not None else t.result()
     return out

@@ -19,14 +19,15 @@ Hot-path choices (measured by the ``edge`` bench suite):
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import contextlib
 import heapq
 import logging
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from dsec.edge.admission import Capacity, ResourcePool
 from dsec.edge.backend import Backend
@@ -103,19 +104,8 @@ class ReapAction:
 class _Sandbox:
     """The node's live record of one sandbox (mutable, never leaves the node)."""
 
-    __slots__ = (
-        "active",
-        "backend",
-        "busy",
-        "created_at",
-        "deadline",
-        "events",
-        "id",
-        "last_active_at",
-        "reason",
-        "spec",
-        "state",
-    )
+    __slots__ = ("active", "backend", "busy", "created_at", "deadline", "doomed", "events",
+                 "id", "last_active_at", "reason", "spec", "state")
 
     def __init__(self, sid: str, spec: SandboxSpec, backend: Backend, now: float) -> None:
         self.id = sid
@@ -125,10 +115,11 @@ class _Sandbox:
         self.created_at = now
         self.last_active_at = now
         self.reason = "requested"
-        self.events: list[EventTuple] = [(now, None, "creating", "requested", "")]
+        self.events: builtins.list[EventTuple] = [(now, None, "creating", "requested", "")]
         self.busy: asyncio.Future[None] | None = None  # set while pausing/resuming
         self.active = 0          # operations in flight (exec, files) - never idle-reaped
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
+        self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
 
 
 class EdgeNode:
@@ -161,11 +152,11 @@ class EdgeNode:
         self._feed: collections.deque[tuple[int, str, EventTuple]] = collections.deque(
             maxlen=config.feed_size)
         self._seq = 0
-        self._deadlines: list[tuple[float, str]] = []
+        self._deadlines: builtins.list[tuple[float, str]] = []
         if journal is None and config.state_dir is not None:
             journal = SandboxJournal(config.state_dir, fsync=config.fsync)
         self.journal = journal
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: builtins.list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self._started = False
         self._closed = False
@@ -174,7 +165,7 @@ class EdgeNode:
             b.watch(self._on_death)
 
     # =============================================================== start / close
-    async def start(self) -> EdgeNode:
+    async def start(self) -> Self:
         """Load persisted records, adopt their sandboxes, start the reaper and flusher."""
         if self._started:
             return self
@@ -203,7 +194,7 @@ class EdgeNode:
             except Exception:
                 log.exception("backend %s failed to close", b.name)
 
-    async def __aenter__(self) -> EdgeNode:
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -374,6 +365,14 @@ class EdgeNode:
         return BackendError(f"backend {rec.backend.name} failed to {op} sandbox {rec.id}: "
                             f"{type(exc).__name__}: {exc}", sandbox_id=rec.id, op=op)
 
+    def _interrupted(self, rec: _Sandbox, op: str, exc: BaseException) -> DsecError:
+        """The error for an exec/file call that failed; names a destroy that raced it."""
+        if rec.state in ("destroying", "destroyed", "failed"):
+            return InvalidTransition(
+                f"sandbox {rec.id} was {rec.state} (reason: {rec.reason}) while {op} ran",
+                sandbox_id=rec.id, event=op, state=rec.state, reason=rec.reason)
+        return self._backend_error(rec, op + " in", exc)
+
     # ================================================================ create
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
         """Admit, create and return a running sandbox; on any failure nothing remains."""
@@ -399,7 +398,9 @@ class EdgeNode:
             if isinstance(exc, Exception):
                 raise self._backend_error(rec, "create", exc) from exc
             raise
-        if spec.ttl_s is not None or spec.idle_timeout_s is not None:
+        if rec.doomed is not None:  # the backend reported its death while we created it
+            self._spawn(self._die(rec, *rec.doomed))
+        elif spec.ttl_s is not None or spec.idle_timeout_s is not None:
             self._arm(rec)
         return self._info(rec)
 
@@ -421,7 +422,7 @@ class EdgeNode:
         if self.journal is not None:
             self.journal.delete(rec.id)
 
-    async def create_many(self, specs: Sequence[SandboxSpec]) -> list[SandboxInfo | DsecError]:
+    async def create_many(self, specs: Sequence[SandboxSpec]) -> builtins.list[SandboxInfo | DsecError]:
         """Create each spec; one result per spec in order, failures as error objects."""
         res = await gather_eager([self.create(s) for s in specs])
         return [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
@@ -449,7 +450,7 @@ class EdgeNode:
         return self._info(rec)
 
     async def destroy_many(self, ids: Sequence[str], *,
-                           reason: str = "requested") -> list[SandboxInfo | DsecError]:
+                           reason: str = "requested") -> builtins.list[SandboxInfo | DsecError]:
         res = await gather_eager([self.destroy(i, reason=reason) for i in ids])
         return [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
 
@@ -459,15 +460,15 @@ class EdgeNode:
         if rec is None or rec.state in ("destroying", "destroyed"):
             return
         why = reason if reason in FINAL_REASONS else "backend_crash"
+        if rec.state == "creating":
+            rec.doomed = (why, detail or reason)  # create() cleans up when it returns
+            return
         self._spawn(self._die(rec, why, detail or reason))
 
     async def _die(self, rec: _Sandbox, reason: str, detail: str) -> None:
-        while rec.state in ("creating", "pausing", "resuming"):
-            # Let the in-flight operation finish (it will fail), then clean up.
-            if rec.busy is None:
-                await asyncio.sleep(0.01)
-            else:
-                await asyncio.shield(rec.busy)
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            # Let the in-flight operation finish (it will likely fail), then clean up.
+            await asyncio.shield(rec.busy)
         if rec.id not in self._live or rec.state in ("destroying", "destroyed"):
             return
         try:
@@ -565,7 +566,7 @@ class EdgeNode:
         try:
             return await rec.backend.exec(SandboxId(rec.id), req)
         except Exception as exc:
-            raise self._backend_error(rec, "exec in", exc) from exc
+            raise self._interrupted(rec, "exec", exc) from exc
         finally:
             rec.active -= 1
             rec.last_active_at = self.clock.time()
@@ -573,7 +574,7 @@ class EdgeNode:
                 self._arm(rec)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]]
-                        ) -> list[ExecResult | DsecError]:
+                        ) -> builtins.list[ExecResult | DsecError]:
         """Run many commands (on one or many sandboxes) concurrently; results in order."""
         res = await gather_eager([self.exec(sid, req) for sid, req in calls])
         return [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
@@ -591,7 +592,7 @@ class EdgeNode:
             async for item in rec.backend.exec_stream(SandboxId(rec.id), req):
                 yield item
         except Exception as exc:
-            raise self._backend_error(rec, "exec in", exc) from exc
+            raise self._interrupted(rec, "exec", exc) from exc
         finally:
             rec.active -= 1
             rec.last_active_at = self.clock.time()
@@ -608,7 +609,7 @@ class EdgeNode:
         try:
             return await call(rec.backend, SandboxId(rec.id))
         except Exception as exc:
-            raise self._backend_error(rec, op + " in", exc) from exc
+            raise self._interrupted(rec, op, exc) from exc
         finally:
             rec.active -= 1
             rec.last_active_at = self.clock.time()
@@ -630,7 +631,7 @@ class EdgeNode:
         await self._file_op(sandbox_id, "write_file",
                             lambda b, s: b.write_file(s, path, data, mode=mode, append=append))
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
         return await self._file_op(  # type: ignore[no-any-return]
             sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path))
 
@@ -662,7 +663,7 @@ class EdgeNode:
         return self._info(rec)
 
     def list(self, *, state: SandboxState | None = None, project: str | None = None,
-             labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
+             labels: Mapping[str, str] | None = None) -> builtins.list[SandboxInfo]:
         """Live sandboxes, filtered."""
         out = []
         for rec in self._live.values():
@@ -675,7 +676,7 @@ class EdgeNode:
             out.append(self._info(rec))
         return out
 
-    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+    def events(self, sandbox_id: str) -> builtins.list[SandboxEvent]:
         """Every recorded transition of one sandbox (bounded; the birth event is kept)."""
         rec = self._live.get(sandbox_id) or self._dead.get(sandbox_id)
         if rec is None:
@@ -691,7 +692,7 @@ class EdgeNode:
         first = feed[0][0] if feed else self._seq + 1
         lost = max(0, first - after - 1) if after < first - 1 else 0
         start = max(0, after + 1 - first)
-        out: list[SandboxEvent] = []
+        out: builtins.list[SandboxEvent] = []
         nxt = after
         for i in range(start, min(len(feed), start + limit)):
             seq, sid, (t, f, to, r, d) = feed[i]
@@ -709,7 +710,7 @@ class EdgeNode:
     def live_count(self) -> int:
         return len(self._live)
 
-    def images(self) -> list[str]:
+    def images(self) -> builtins.list[str]:
         """Image refs present: from live specs plus what a backend reports (optional
         ``images_present()`` capability, e.g. a layer store)."""
         seen: set[str] = set()
@@ -735,11 +736,11 @@ class EdgeNode:
             backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs)
 
     # ================================================================ reaping
-    def due(self, now: float | None = None) -> list[ReapAction]:
+    def due(self, now: float | None = None) -> builtins.list[ReapAction]:
         """Sandboxes whose TTL or idle timeout has passed at ``now`` (pure decision)."""
         now = self.clock.time() if now is None else now
         heap = self._deadlines
-        out: list[ReapAction] = []
+        out: builtins.list[ReapAction] = []
         while heap and heap[0][0] <= now:
             _, sid = heapq.heappop(heap)
             rec = self._live.get(sid)
@@ -753,9 +754,12 @@ class EdgeNode:
                 else:
                     self._retry_later(rec, now)
                 continue
-            if (spec.idle_timeout_s is not None and rec.state == "running" and rec.active == 0
+            if (spec.idle_timeout_s is not None and rec.state == "running"
                     and now >= rec.last_active_at + spec.idle_timeout_s):
-                out.append(ReapAction(sid, spec.idle_action, "idle_timeout"))
+                if rec.active:  # a command is still running: not idle, look again later
+                    self._retry_later(rec, now)
+                else:
+                    out.append(ReapAction(sid, spec.idle_action, "idle_timeout"))
                 continue
             if rec.state in ("creating", "pausing", "resuming", "destroying"):
                 self._retry_later(rec, now)
@@ -767,10 +771,10 @@ class EdgeNode:
         rec.deadline = now + self.config.reap_interval_s
         heapq.heappush(self._deadlines, (rec.deadline, rec.id))
 
-    async def reap(self, now: float | None = None) -> list[ReapAction]:
+    async def reap(self, now: float | None = None) -> builtins.list[ReapAction]:
         """Carry out :meth:`due`; returns what was done."""
         actions = self.due(now)
-        coros = []
+        coros: builtins.list[Coroutine[Any, Any, object]] = []
         for a in actions:
             if a.action == "pause":
                 coros.append(self.pause(a.sandbox_id))

@@ -13,8 +13,10 @@ Errors cross the wire as their own class (``CapacityExceeded`` on the edge is
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from types import EllipsisType
+from typing import Any, Self
 
 from dsec.aether import Connection, Router, Server, StreamSender, connect, serve
 from dsec.edge.node import EdgeNode
@@ -59,6 +61,9 @@ from dsec.edge.spec import (
 from dsec.errors import DsecError, RemoteProtocolError
 
 __all__ = ["EdgeClient", "EdgeService", "serve_edge"]
+
+# A call's request deadline in seconds; None waits forever; ... means the client default.
+_Deadline = float | None | EllipsisType
 
 
 class EdgeService:
@@ -135,7 +140,7 @@ class EdgeService:
     async def _write_file(self, b: WriteFileRequest) -> None:
         await self.node.write_file(b.id, b.path, b.data, mode=b.mode, append=b.append)
 
-    async def _list_dir(self, b: FileRequest) -> list[FileInfo]:
+    async def _list_dir(self, b: FileRequest) -> builtins.list[FileInfo]:
         return await self.node.list_dir(b.id, b.path)
 
     async def _stat(self, b: FileRequest) -> FileInfo:
@@ -193,34 +198,34 @@ class EdgeClient:
         if self._owns:
             await self.conn.close()
 
-    async def __aenter__(self) -> EdgeClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _t(self, timeout: float | None | type[Ellipsis]) -> float | None:  # type: ignore[valid-type]
-        return self.timeout if timeout is ... else timeout  # type: ignore[return-value]
+    def _t(self, timeout: _Deadline) -> float | None:
+        return self.timeout if isinstance(timeout, EllipsisType) else timeout
 
-    async def _call(self, method: str, body: Any, rtype: Any, timeout: Any = ...) -> Any:
+    async def _call(self, method: str, body: Any, rtype: Any, timeout: _Deadline = ...) -> Any:
         return await self.conn.call(method, body, timeout=self._t(timeout), response_type=rtype)
 
     # ---------------------------------------------------------------- node
-    async def info(self, *, timeout: Any = ...) -> NodeInfo:
+    async def info(self, *, timeout: _Deadline = ...) -> NodeInfo:
         return await self._call("edge.info", None, NodeInfo, timeout)  # type: ignore[no-any-return]
 
-    async def heartbeat(self, *, include_sandboxes: bool = True, timeout: Any = ...) -> Heartbeat:
+    async def heartbeat(self, *, include_sandboxes: bool = True, timeout: _Deadline = ...) -> Heartbeat:
         return await self._call("edge.heartbeat",  # type: ignore[no-any-return]
                                 HeartbeatRequest(include_sandboxes=include_sandboxes),
                                 Heartbeat, timeout)
 
-    async def feed(self, after: int = 0, limit: int = 1000, *, timeout: Any = ...) -> EventFeed:
+    async def feed(self, after: int = 0, limit: int = 1000, *, timeout: _Deadline = ...) -> EventFeed:
         return await self._call("edge.feed", FeedRequest(after=after, limit=limit),  # type: ignore[no-any-return]
                                 EventFeed, timeout)
 
     # ---------------------------------------------------------------- lifecycle
     async def create(self, spec: SandboxSpec | None = None, *, sandbox_id: str | None = None,
-                     timeout: Any = ..., **spec_fields: Any) -> SandboxInfo:
+                     timeout: _Deadline = ..., **spec_fields: Any) -> SandboxInfo:
         """Create one sandbox: pass a spec, or spec fields as keywords
         (``create(image="python", cpu_milli=500)``)."""
         spec = _spec(spec, spec_fields)
@@ -229,48 +234,48 @@ class EdgeClient:
                                 SandboxInfo, timeout)
 
     async def create_many(self, specs: Sequence[SandboxSpec], *,
-                          timeout: Any = ...) -> list[SandboxInfo | DsecError]:
+                          timeout: _Deadline = ...) -> builtins.list[SandboxInfo | DsecError]:
         reply = await self._call("edge.create_many", CreateMany(specs=list(specs)),
                                  CreateManyReply, timeout)
         return [outcome_value(o, o.info) for o in reply.items]  # type: ignore[misc]
 
-    async def get(self, sandbox_id: str, *, timeout: Any = ...) -> SandboxInfo:
+    async def get(self, sandbox_id: str, *, timeout: _Deadline = ...) -> SandboxInfo:
         return await self._call("edge.get", SandboxRef(id=sandbox_id), SandboxInfo, timeout)  # type: ignore[no-any-return]
 
     async def list(self, *, state: SandboxState | None = None, project: str | None = None,
                    labels: Mapping[str, str] | None = None,
-                   timeout: Any = ...) -> list[SandboxInfo]:
+                   timeout: _Deadline = ...) -> builtins.list[SandboxInfo]:
         body = ListRequest(state=state, project=project, labels=dict(labels or {}))
         return await self._call("edge.list", body, list[SandboxInfo], timeout)  # type: ignore[no-any-return]
 
-    async def events(self, sandbox_id: str, *, timeout: Any = ...) -> list[SandboxEvent]:
+    async def events(self, sandbox_id: str, *, timeout: _Deadline = ...) -> builtins.list[SandboxEvent]:
         return await self._call("edge.events", SandboxRef(id=sandbox_id),  # type: ignore[no-any-return]
                                 list[SandboxEvent], timeout)
 
-    async def pause(self, sandbox_id: str, *, timeout: Any = ...) -> PauseStats:
+    async def pause(self, sandbox_id: str, *, timeout: _Deadline = ...) -> PauseStats:
         return await self._call("edge.pause", SandboxRef(id=sandbox_id), PauseStats, timeout)  # type: ignore[no-any-return]
 
-    async def resume(self, sandbox_id: str, *, timeout: Any = ...) -> SandboxInfo:
+    async def resume(self, sandbox_id: str, *, timeout: _Deadline = ...) -> SandboxInfo:
         return await self._call("edge.resume", SandboxRef(id=sandbox_id), SandboxInfo, timeout)  # type: ignore[no-any-return]
 
     async def destroy(self, sandbox_id: str, *, reason: str = "requested", detail: str = "",
-                      timeout: Any = ...) -> SandboxInfo:
+                      timeout: _Deadline = ...) -> SandboxInfo:
         return await self._call("edge.destroy",  # type: ignore[no-any-return]
                                 DestroyRequest(id=sandbox_id, reason=reason, detail=detail),
                                 SandboxInfo, timeout)
 
     async def destroy_many(self, sandbox_ids: Sequence[str], *, reason: str = "requested",
-                           timeout: Any = ...) -> list[SandboxInfo | DsecError]:
+                           timeout: _Deadline = ...) -> builtins.list[SandboxInfo | DsecError]:
         reply = await self._call("edge.destroy_many",
                                  DestroyMany(ids=list(sandbox_ids), reason=reason),
                                  CreateManyReply, timeout)
         return [outcome_value(o, o.info) for o in reply.items]  # type: ignore[misc]
 
-    async def stats(self, sandbox_id: str, *, timeout: Any = ...) -> SandboxStats:
+    async def stats(self, sandbox_id: str, *, timeout: _Deadline = ...) -> SandboxStats:
         return await self._call("edge.stats", SandboxRef(id=sandbox_id), SandboxStats, timeout)  # type: ignore[no-any-return]
 
     # ---------------------------------------------------------------- exec
-    async def exec(self, sandbox_id: str, cmd: Command, *, timeout: Any = ...,
+    async def exec(self, sandbox_id: str, cmd: Command, *, timeout: _Deadline = ...,
                    **opts: Any) -> ExecResult:
         """Run ``cmd`` (shell string, argv list or ExecRequest); ``opts`` are ExecRequest
         fields (``env``, ``cwd``, ``stdin``, ``timeout_s``, ``output_cap_bytes``)."""
@@ -279,13 +284,13 @@ class EdgeClient:
                                 ExecResult, timeout)
 
     async def exec_many(self, calls: Sequence[tuple[str, Command]], *,
-                        timeout: Any = ...) -> list[ExecResult | DsecError]:
+                        timeout: _Deadline = ...) -> builtins.list[ExecResult | DsecError]:
         """Many commands in one request, run concurrently on the edge; in order."""
         body = ExecMany(calls=[ExecCall(id=sid, req=exec_request(c)) for sid, c in calls])
         reply = await self._call("edge.exec_many", body, ExecManyReply, timeout)
         return [outcome_value(o, o.result) for o in reply.items]  # type: ignore[misc]
 
-    async def exec_stream(self, sandbox_id: str, cmd: Command, *, timeout: Any = ...,
+    async def exec_stream(self, sandbox_id: str, cmd: Command, *, timeout: _Deadline = ...,
                           **opts: Any) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield :class:`ExecChunk` as output arrives, then the final :class:`ExecResult`."""
         req = exec_request(cmd, **opts)
@@ -299,31 +304,31 @@ class EdgeClient:
 
     # ---------------------------------------------------------------- files
     async def read_file(self, sandbox_id: str, path: str, *, offset: int = 0,
-                        length: int | None = None, timeout: Any = ...) -> bytes:
+                        length: int | None = None, timeout: _Deadline = ...) -> bytes:
         body = ReadFileRequest(id=sandbox_id, path=path, offset=offset, length=length)
         return await self._call("edge.read_file", body, bytes, timeout)  # type: ignore[no-any-return]
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str, *,
-                         mode: int = 0o644, append: bool = False, timeout: Any = ...) -> None:
+                         mode: int = 0o644, append: bool = False, timeout: _Deadline = ...) -> None:
         raw = data.encode() if isinstance(data, str) else bytes(data)
         body = WriteFileRequest(id=sandbox_id, path=path, data=raw, mode=mode, append=append)
         await self._call("edge.write_file", body, None, timeout)
 
-    async def list_dir(self, sandbox_id: str, path: str, *, timeout: Any = ...) -> list[FileInfo]:
+    async def list_dir(self, sandbox_id: str, path: str, *, timeout: _Deadline = ...) -> builtins.list[FileInfo]:
         return await self._call("edge.list_dir", FileRequest(id=sandbox_id, path=path),  # type: ignore[no-any-return]
                                 list[FileInfo], timeout)
 
-    async def stat(self, sandbox_id: str, path: str, *, timeout: Any = ...) -> FileInfo:
+    async def stat(self, sandbox_id: str, path: str, *, timeout: _Deadline = ...) -> FileInfo:
         return await self._call("edge.stat", FileRequest(id=sandbox_id, path=path),  # type: ignore[no-any-return]
                                 FileInfo, timeout)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True,
-                    timeout: Any = ...) -> None:
+                    timeout: _Deadline = ...) -> None:
         await self._call("edge.mkdir", FileRequest(id=sandbox_id, path=path, parents=parents),
                          None, timeout)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False,
-                     timeout: Any = ...) -> None:
+                     timeout: _Deadline = ...) -> None:
         await self._call("edge.remove",
                          FileRequest(id=sandbox_id, path=path, recursive=recursive), None, timeout)
 

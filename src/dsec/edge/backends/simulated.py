@@ -92,6 +92,7 @@ class _Box:
     fs: _Fs
     paused: bool = False
     cpu_seconds: float = 0.0
+    dead: bool = False          # destroyed: commands still running in it are "killed"
 
 
 class _Exit(Exception):
@@ -143,7 +144,9 @@ class SimulatedBackend:
         d = self.profile.destroy_s
         if d:
             await self.clock.sleep(d)
-        self._boxes.pop(sid, None)
+        box = self._boxes.pop(sid, None)
+        if box is not None:
+            box.dead = True
 
     async def pause(self, sid: SandboxId) -> PauseStats:
         box = self._box(sid)
@@ -318,10 +321,13 @@ class SimulatedBackend:
             if left is not None and secs >= left:
                 if left > 0:
                     await self.clock.sleep(left)
+                if box.dead:
+                    raise BackendError("the sandbox was destroyed while the command ran")
                 raise TimeoutError
             if secs > 0:
                 await self.clock.sleep(secs)
-            box.cpu_seconds += 0.0
+            if box.dead:
+                raise BackendError("the sandbox was destroyed while the command ran")
             return 0
         err += f"sh: {cmd}: command not found\n".encode()
         return 127
@@ -439,7 +445,8 @@ def _parse(line: str) -> list[tuple[str, list[str]]]:
     lex = shlex.shlex(line, posix=True, punctuation_chars=";&|>")
     lex.whitespace_split = True
     cmds: list[tuple[str, list[str]]] = []
-    op, words = ";", []
+    op: str = ";"
+    words: list[str] = []
     try:
         tokens = list(lex)
     except ValueError as exc:
