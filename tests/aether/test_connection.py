@@ -118,6 +118,25 @@ async def test_call_batch_is_n_calls_on_the_wire() -> None:
     assert batch_bytes == calls_bytes == expected
 
 
+async def test_replies_arriving_byte_by_byte_and_in_random_fragments(raw_pair: Pair) -> None:
+    conn, peer = raw_pair.conn, raw_pair.peer
+    tasks = [asyncio.ensure_future(conn.call("echo", i)) for i in range(20)]
+    sids = [(await peer.frame())[1] for _ in range(20)]
+    bodies = [msgspec.msgpack.encode(["x" * (i * 37), i]) for i in range(20)]
+    wire = b"".join(encode_parts(FrameType.RESPONSE, sid, b) + b
+                    for sid, b in zip(reversed(sids), reversed(bodies), strict=True))
+    rnd = random.Random(11)
+    i = 0
+    while i < len(wire):
+        n = 1 if i < 400 else rnd.randint(1, 300)  # first frames one byte per write
+        peer.send_raw(wire[i : i + n])
+        await peer.writer.drain()
+        await asyncio.sleep(0)  # let the connection read each piece on its own
+        i += n
+    # replies came in reverse order; each call still gets its own
+    assert await asyncio.gather(*tasks) == [["x" * (i * 37), i] for i in range(20)]
+
+
 # ----------------------------------------------------------- server exceptions
 async def test_handler_errors_come_back_typed_and_the_connection_stays_usable(
     served: Served,

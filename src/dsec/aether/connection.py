@@ -1053,6 +1053,13 @@ class Connection:
             self._process()  # complete frames still queued behind the 64-frame limit
         if self._closed:
             return
+        if self._pause & _PAUSE_OUTPUT:
+            # It stopped reading our replies and has now hung up: its queued requests
+            # have nobody to answer to. Not a protocol error.
+            self._shutdown(ConnectionLost(
+                f"connection {self.name} closed by peer with {self._decoder.buffered} bytes "
+                "of its requests not handled"))
+            return
         try:
             self._decoder.eof()
         except RemoteProtocolError as exc:
