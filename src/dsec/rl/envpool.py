@@ -12,10 +12,11 @@ environment.
   per tick) implement :class:`BatchEnv` directly.
 
 ``workers`` picks how shards run: ``None`` steps them inline in the caller's thread (best
-for CPU-bound Python or numpy kernels: the GIL serialises them anyway, and a thread
-hand-off costs ~20-50 us per tick on this VM, more than stepping 16 trivial envs), an int
-runs them on that many threads so shards that wait on I/O (sandboxes, remote envs)
-overlap. Measured in bench suite ``rl`` (``rl_env_steps_fast``).
+for CPU-bound Python or numpy kernels: the GIL serialises them anyway), an int runs them
+on that many threads so shards that wait on I/O (sandboxes, remote envs) overlap.
+Measured (bench ``rl_env_steps_fast``, 64 trivial envs in 4 shards, 2-core VM under
+load): inline 1.0-3.1M steps/s, 4 threads 0.27-0.76M steps/s (the futures' hand-offs
+cost more per tick than stepping 16 envs); one 64-env shard inline 4-10M steps/s.
 
 Finished environments are reset in the same tick (Gymnasium's "same-step" autoreset):
 the observation returned for them is the first one of the new episode, and the last

@@ -16,8 +16,9 @@ Two implementations compute the same thing:
   and compiled with ``cache=True`` so later processes skip the ~1 s JIT);
 - a numpy fallback that loops over T and vectorises over the N environments.
 
-Measured on the 2-core dev VM (T=8192, N=64, float32; bench suite ``rl``): numba ~0.8-1.1G
-transitions/s, numpy ~40-60M/s (its cost is ~6 numpy calls per time step, not arithmetic).
+Measured on the 2-core dev VM (T=8192, N=64, float32; bench suite ``rl``; the range is
+machine load): numba 0.44-0.81G transitions/s, numpy 21-38M/s (its cost is two numpy
+calls per time step, not arithmetic).
 """
 
 from __future__ import annotations
