@@ -132,7 +132,10 @@ class _Zygote:
 class WorkerPool:
     """Warm Python workers; see the module docstring."""
 
-    def __init__(self, *, pool_size: int = 8, max_spawning: int = 2,
+    # max_spawning: refills in flight. Measured on the 2-core VM, 4 callers back to back
+    # (saturating): hit rate 42% with 2, 58% with 4, 76% with 8 (pool 16). Forks from the
+    # zygote are cheap, so 4 is the default; beyond that refills steal the calls' CPU.
+    def __init__(self, *, pool_size: int = 8, max_spawning: int = 4,
                  python: str = sys.executable, isolated: bool = True,
                  start_timeout_s: float = 30.0, zygote: bool = True) -> None:
         if pool_size < 0 or max_spawning < 1:
@@ -390,7 +393,7 @@ class FncallBackend:
 
     name = "fncall"
 
-    def __init__(self, *, pool_size: int = 8, max_spawning: int = 2, root: str | None = None,
+    def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
                  pool: WorkerPool | None = None) -> None:
         self.pool = pool or WorkerPool(pool_size=pool_size, max_spawning=max_spawning)
         self._own_root = root is None
