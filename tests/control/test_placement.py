@@ -4,8 +4,12 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dsec.control.placement import (
+    Decision,
     NodeView,
     Placement,
     PlacementConfig,
@@ -193,3 +197,110 @@ def test_bad_config_and_request() -> None:
         PlacementConfig(burst_threshold=1.5)
     with pytest.raises(InvalidArgument, match="negative"):
         cluster(2).place(PlacementRequest(cpu_milli=-1, memory_bytes=0))
+
+
+def test_locality_draws_find_a_warm_node_among_many_cold_ones() -> None:
+    """With 1 of 2000 nodes holding the image, k=2 finds it every time in O(k)."""
+    p = Placement(rng=random.Random(4), config=PlacementConfig(k=2, memory=False, fit_k=0,
+                                                               affinity_k=1))
+    p.apply_snapshot(view(i, layers=frozenset({"base", "ws-7"} if i == 1234 else {"base"}))
+                     for i in range(2000))
+    req = PlacementRequest(cpu_milli=100, memory_bytes=GiB, layers=("base", "ws-7"))
+    for _ in range(20):
+        d = p.place(req)
+        assert d.node == "n1234"
+        p.forget(d)
+
+
+def test_best_fit_draw_prefers_the_tightest_node_that_fits() -> None:
+    p = Placement(rng=random.Random(1), config=PlacementConfig(k=2, memory=False, fit_k=1))
+    # 999 empty nodes and one with exactly 1000 millicores (and 4 GiB) free
+    p.apply_snapshot([view(i) for i in range(999)] + [view(999, used_cpu=15000, used_mem=60 * GiB)])
+    d = p.place(PlacementRequest(cpu_milli=1000, memory_bytes=GiB))
+    assert d.node == "n999"
+
+
+class PlacementIndexMachine(RuleBasedStateMachine):
+    """Pools, free-CPU bands, totals and the overlay stay consistent under any sequence
+    of snapshots, removals and decisions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = Placement(rng=random.Random(0), config=PlacementConfig(k=3))
+        self.views: dict[str, NodeView] = {}
+        self.pending: list[Decision] = []
+        self.confirmed: list[Decision] = []
+
+    @rule(i=st.integers(0, 7), used=st.integers(0, 16000), healthy=st.booleans(),
+          cloud=st.booleans(), label=st.sampled_from(["a", "b", ""]),
+          layer=st.sampled_from(["x", "y", ""]))
+    def snapshot(self, i: int, used: int, healthy: bool, cloud: bool, label: str,
+                 layer: str) -> None:
+        v = view(i, used_cpu=used, healthy=healthy, cloud=cloud,
+                 labels={"l": label} if label else {}, layers=frozenset({layer} - {""}))
+        self.p.update(v)
+        self.views[v.node] = v
+        self.confirmed = [d for d in self.confirmed if d.node != v.node]
+
+    @rule(i=st.integers(0, 7))
+    def remove(self, i: int) -> None:
+        self.p.remove(f"n{i}")
+        self.views.pop(f"n{i}", None)
+        self.pending = [d for d in self.pending if d.node != f"n{i}"]
+        self.confirmed = [d for d in self.confirmed if d.node != f"n{i}"]
+
+    @rule(cpu=st.integers(1, 9000), burst=st.booleans(), label=st.sampled_from(["a", ""]),
+          layer=st.sampled_from(["x", ""]))
+    def place(self, cpu: int, burst: bool, label: str, layer: str) -> None:
+        req = PlacementRequest(cpu_milli=cpu, memory_bytes=GiB, allow_burst=burst,
+                               selector={"l": label} if label else {},
+                               layers=(layer,) if layer else ())
+        feasible = set(self.p.feasible(req))
+        try:
+            d = self.p.place(req)
+        except NoCapacity:
+            assert not feasible
+            return
+        assert d.node in feasible
+        self.pending.append(d)
+
+    @rule(data=st.data(), accept=st.booleans())
+    def answer(self, data: st.DataObject, accept: bool) -> None:
+        if self.pending:
+            d = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+            if accept:
+                self.p.confirm(d)
+                self.confirmed.append(d)
+            else:
+                self.p.forget(d)
+
+    @invariant()
+    def consistent(self) -> None:
+        p = self.p
+        for name, v in self.views.items():
+            extra = [d for d in self.pending + self.confirmed if d.node == name]
+            assert p.usage(name) == (v.cpu_milli_used + sum(d.cpu_milli for d in extra),
+                                     sum(d.memory_bytes for d in extra),
+                                     len(extra))
+        for (cloud, tag), pool in p._pools.items():
+            want = {n for n, v in self.views.items() if v.healthy and v.cloud == cloud and (
+                tag is None or tag in {f"label:{k}={x}" for k, x in v.labels.items()}
+                | {f"layer:{x}" for x in v.layers})}
+            assert set(pool.pos) == want == {s.node for s in pool.items}
+            assert all(pool.items[i].node == n for n, i in pool.pos.items())
+        for cloud, bands in p._bands.items():
+            for b, pool in enumerate(bands):
+                for s in pool.items:
+                    free = s.cap_cpu - s.used_cpu
+                    assert s.alive and s.cloud == cloud and free > 0 and free.bit_length() == b
+        banded = sum(len(pool.items) for bands in p._bands.values() for pool in bands)
+        assert banded == sum(1 for n, v in self.views.items()
+                             if v.healthy and p.usage(n)[0] < v.cpu_milli_capacity)
+        op = [(n, v) for n, v in self.views.items() if v.healthy and not v.cloud]
+        assert p._op_used_cpu == sum(p.usage(n)[0] for n, _ in op)
+        assert p._op_cap_cpu == sum(v.cpu_milli_capacity for _, v in op)
+
+
+PlacementIndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                   deadline=None)
+TestPlacementIndex = PlacementIndexMachine.TestCase

@@ -33,11 +33,11 @@ from dsec.ids import ProjectPath, parse_project_path, project_ancestors
 
 __all__ = [
     "ACTION_ROLE",
+    "ROLE_RANK",
     "Action",
     "ApiKey",
     "Iam",
     "Principal",
-    "ROLE_RANK",
     "Role",
     "hash_secret",
 ]

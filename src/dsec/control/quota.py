@@ -71,7 +71,7 @@ class Usage:
 class _Node:
     """Usage of one project-tree node. ``b`` maps backend -> [count, cpu, memory]."""
 
-    __slots__ = ("path", "n", "cpu", "mem", "b", "quota")
+    __slots__ = ("b", "cpu", "mem", "n", "path", "quota")
 
     def __init__(self, path: str) -> None:
         self.path = path

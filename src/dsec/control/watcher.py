@@ -160,7 +160,7 @@ class WatcherConfig:
 
 
 class _Node:
-    __slots__ = ("hb", "last_seen", "zombies", "doomed")
+    __slots__ = ("doomed", "hb", "last_seen", "zombies")
 
     def __init__(self, hb: NodeHeartbeat) -> None:
         self.hb = hb
@@ -228,8 +228,7 @@ class Watcher:
 
     # --- heartbeats -------------------------------------------------------------------
     def _heartbeat(self, hb: NodeHeartbeat, out: list[Instruction]) -> None:
-        if hb.time > self._now:
-            self._now = hb.time
+        self._now = max(self._now, hb.time)
         node = self._live.pop(hb.node, None)
         if node is None:
             back = self._expired.pop(hb.node, None)
@@ -265,8 +264,7 @@ class Watcher:
 
     # --- expiry -------------------------------------------------------------------------
     def _tick(self, now: float, out: list[Instruction]) -> None:
-        if now > self._now:
-            self._now = now
+        self._now = max(self._now, now)
         deadline = now - self.config.ttl_s
         live = self._live
         while live:
