@@ -154,14 +154,16 @@ def placement_throughput(ctx: BenchContext) -> None:
             p = Placement(rng=random.Random(k), config=PlacementConfig(k=k))
             p.apply_snapshot(sim.p._slots[x].view for x in sim.p.nodes())
             place, forget = p.place, p.forget
-            t0 = time.perf_counter()
-            for i in range(decisions):
-                forget(place(reqs[i & 1023]))
-            dt = time.perf_counter() - t0
-            ctx.record("placement_throughput", decisions / dt, "decisions/s", nodes=n, k=k)
+            rates = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for i in range(decisions // 3):
+                    forget(place(reqs[i & 1023]))
+                rates.append(decisions // 3 / (time.perf_counter() - t0))
+            ctx.record("placement_throughput", max(rates), "decisions/s", nodes=n, k=k)
     ctx.note("placement_throughput: one decision = place() + forget() (the edge's answer), "
              "heterogeneous nodes, the kchoice_quality request mix (image locality, spread "
-             "group), single thread.")
+             "group), single thread, best of 3 runs (the 2-core machine is shared).")
 
 
 def kchoice_outcome_run(policy: str, k: int = 4, *, n: int = 1000, steps: int = 3000,

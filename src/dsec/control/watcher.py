@@ -16,6 +16,9 @@ instruction            what the runner does
 :class:`PreemptionFailed`  answer the create with NoCapacity
 =====================  ================================================================
 
+A :class:`Preempt` that already fits (counting victims chosen earlier as freed) returns
+no instruction.
+
 Liveness uses the time the control plane *received* a heartbeat (``NodeHeartbeat.time``
 stamped by the runner's clock), never the node's clock, so node clock skew cannot keep a
 dead node alive. Nodes are kept in receipt order, so a tick expires nodes in O(expired).
