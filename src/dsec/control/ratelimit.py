@@ -27,8 +27,8 @@ class RateLimitConfig:
     ``rate_per_s=None`` disables limiting (the embedded ``dsec up`` default is generous
     rather than off, so a runaway script is still noticed)."""
 
-    rate_per_s: float | None = 2000.0
-    burst: float = 4000.0
+    rate_per_s: float | None = 20_000.0   # an RL trainer creating 5k sandboxes/s fits
+    burst: float = 40_000.0
     max_keys: int = 100_000
 
     def __post_init__(self) -> None:

@@ -68,8 +68,11 @@ class ClusterConfig:
     gateway: str | None = "tcp:127.0.0.1:0"   # Aether gateway address; None = off
     backend: str = "simulated"                # default backend for creates
     edges: int = 1
-    edge_cpu_milli: int = 64_000              # per edge; CPU overcommit is the norm here
-    edge_memory_bytes: int = 64 << 30
+    # Per-edge *reservation* ceilings for admission and placement. Agent sandboxes idle
+    # most of the time, so reservations are heavily overcommitted; the real limits are the
+    # per-sandbox cgroups. max_sandboxes is the ceiling that binds in practice.
+    edge_cpu_milli: int = 100_000_000
+    edge_memory_bytes: int = 64 << 40
     edge_max_sandboxes: int = 100_000
     keep: bool = False
     rate: RateLimitConfig = field(default_factory=RateLimitConfig)
