@@ -9,9 +9,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
+import uvloop
 
 from dsec.aether import Connection, Router, Server, connect, serve
 from dsec.aether.frame import FrameDecoder, FrameType, encode_parts
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[
+    str, Callable[[], asyncio.AbstractEventLoop]
+]:
+    """Every async Aether test runs on the stdlib loop and on uvloop (what dsec runs on):
+    their transports differ in flow control and write paths."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 class RawPeer:
