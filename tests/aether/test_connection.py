@@ -447,7 +447,7 @@ async def test_corrupt_request_closes_only_that_connection(
             bad.send(FrameType.REQUEST, 3, req)
         else:
             bad.send_raw(CORRUPTIONS[kind](encode_parts(FrameType.REQUEST, 1, req) + req))
-        ftype, _, body, _ = await bad.frame_of(FrameType.GOAWAY)
+        _, _, body, _ = await bad.frame_of(FrameType.GOAWAY)
         assert "protocol error" in msgspec.msgpack.decode(body, type=Goaway).reason
         assert await bad.closed_by_peer()
         assert await good.call("echo", "unaffected") == "unaffected"
