@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dsec.errors import *  # noqa: F403 - the error tree is part of the public face
+from dsec.errors import *
 from dsec.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:

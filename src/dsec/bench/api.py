@@ -252,15 +252,14 @@ def exec_e2e(ctx: BenchContext) -> None:
     with LocalCluster(subprocess=True, edges=1, backend="container") as cl:
         for transport in ("aether", "http"):
             with Client(cl.url, cl.api_key, gateway=cl.gateway, transport=transport,
-                        session_lease_s=None) as c:
-                with c.sandboxes.create(image="base") as sb:
-                    for _ in range(20):
-                        sb.exec(["true"])
-                    lat = []
-                    for _ in range(n):
-                        t0 = time.perf_counter()
-                        sb.exec(["true"])
-                        lat.append(time.perf_counter() - t0)
+                        session_lease_s=None) as c, c.sandboxes.create(image="base") as sb:
+                for _ in range(20):
+                    sb.exec(["true"])
+                lat = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    sb.exec(["true"])
+                    lat.append(time.perf_counter() - t0)
             lat.sort()
             ctx.record("exec_e2e_p50", statistics.median(lat) * 1000, "ms", via=f"sdk-{transport}",
                        backend="container", n=n, target=3.0)

@@ -46,7 +46,7 @@ __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "Snaps
 
 T = TypeVar("T")
 
-_MEM_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.I)
+_MEM_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 10**6,
           "mb": 10**6, "mi": 2**20, "mib": 2**20, "g": 10**9, "gb": 10**9, "gi": 2**30,
           "gib": 2**30, "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
@@ -298,8 +298,9 @@ class AsyncSandboxes:
         out: list[AsyncSandbox] = []
         cursor: str | None = None
         while True:
+            after = cursor
             page = await self._c._retry(
-                lambda: self._list_page(project, labels or {}, state, cursor))
+                lambda: self._list_page(project, labels or {}, state, after))
             out += [AsyncSandbox(self._c, i) for i in page.items]
             cursor = page.next_cursor
             if cursor is None or (limit is not None and len(out) >= limit):

@@ -41,8 +41,19 @@ from dsec.edge.spec import (
 from dsec.errors import DsecError, InvalidArgument
 
 __all__ = [
-    "GwCreate", "GwCreateMany", "GwExec", "GwExecMany", "GwFile", "GwList", "GwRef",
-    "GwSession", "GwWrite", "GwRead", "Outcome", "serve_gateway", "gateway_router",
+    "GwCreate",
+    "GwCreateMany",
+    "GwExec",
+    "GwExecMany",
+    "GwFile",
+    "GwList",
+    "GwRead",
+    "GwRef",
+    "GwSession",
+    "GwWrite",
+    "Outcome",
+    "gateway_router",
+    "serve_gateway",
 ]
 
 

@@ -43,7 +43,7 @@ class RateLimitConfig:
 class RateLimiter:
     """Token buckets keyed by an opaque string (the principal/key id)."""
 
-    __slots__ = ("_cfg", "_clock", "_buckets")
+    __slots__ = ("_buckets", "_cfg", "_clock")
 
     def __init__(self, config: RateLimitConfig, *, clock: Callable[[], float]) -> None:
         self._cfg = config

@@ -37,7 +37,7 @@ from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.errors import DsecError, InvalidArgument, TransportError
 
-__all__ = ["ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local", "LOCAL_FILE"]
+__all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
 
 log = logging.getLogger("dsec.cluster")
 

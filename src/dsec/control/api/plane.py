@@ -33,7 +33,6 @@ from dsec.control.api.types import (
     QuotaBody,
     SessionView,
 )
-from dsec.control.apiserver import AdminOps
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementRequest
@@ -57,7 +56,6 @@ from dsec.errors import (
     DsecError,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     SandboxNotFound,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
@@ -325,7 +323,7 @@ class ControlPlane:
         self._tasks.clear()
         try:
             self.registry.flush()
-        except Exception:  # noqa: BLE001 - store already closed
+        except Exception:
             log.exception("final registry flush failed")
 
     async def poll_edges(self) -> None:
@@ -391,7 +389,7 @@ class ControlPlane:
             try:
                 await self.poll_edges()
                 await self._carry_out(self.watcher.handle(Tick(self.clock())))
-            except Exception:  # noqa: BLE001 - keep polling
+            except Exception:
                 log.exception("edge poll failed")
 
     async def sweep(self) -> list[tuple[str, str]]:
@@ -432,7 +430,7 @@ class ControlPlane:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
                 await self.sweep()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("sweeper pass failed")
 
     def _refresh_gauges(self, m: ApiMetrics) -> None:

@@ -55,7 +55,6 @@ from dsec.errors import (
     InvalidArgument,
     InvalidTransition,
     NoCapacity,
-    NotFound,
     PermissionDenied,
     RateLimited,
     SandboxNotFound,
@@ -65,8 +64,17 @@ from dsec.errors import (
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
 
 __all__ = [
-    "ApiConfig", "ApiService", "Authority", "EdgeOps", "NodeDirectory", "Placer", "Caller",
-    "ROLE_RANK", "Role", "exec_output", "exec_request",
+    "ROLE_RANK",
+    "ApiConfig",
+    "ApiService",
+    "Authority",
+    "Caller",
+    "EdgeOps",
+    "NodeDirectory",
+    "Placer",
+    "Role",
+    "exec_output",
+    "exec_request",
 ]
 
 Role = Literal["reader", "member", "admin"]

@@ -28,11 +28,30 @@ from dsec.edge.spec import (
 )
 
 __all__ = [
-    "ApiError", "CreateKeyRequest", "CreateKeyResponse",
-    "CreateSandboxRequest", "ExecBody", "ExecOutput", "ExecStreamLine", "ImageView",
-    "ImageList", "Info", "NodeView", "NodeList", "ProjectView", "ProjectList", "QuotaBody",
-    "SandboxList", "SessionView", "SnapshotView", "SnapshotList", "Encoding", "EventList",
-    "FileList", "MAX_ARGV_BYTES", "MAX_STDIN_BYTES",
+    "MAX_ARGV_BYTES",
+    "MAX_STDIN_BYTES",
+    "ApiError",
+    "CreateKeyRequest",
+    "CreateKeyResponse",
+    "CreateSandboxRequest",
+    "Encoding",
+    "EventList",
+    "ExecBody",
+    "ExecOutput",
+    "ExecStreamLine",
+    "FileList",
+    "ImageList",
+    "ImageView",
+    "Info",
+    "NodeList",
+    "NodeView",
+    "ProjectList",
+    "ProjectView",
+    "QuotaBody",
+    "SandboxList",
+    "SessionView",
+    "SnapshotList",
+    "SnapshotView",
 ]
 
 Encoding = Literal["utf-8", "base64"]
