@@ -161,6 +161,7 @@ async def test_handler_errors_come_back_typed_and_the_connection_stays_usable(
     r.add("async_buggy", async_buggy)
     r.add("huge_detail", huge_detail)
     r.add("unencodable", lambda body: object())
+    r.add("returns_coroutine", lambda body: asyncio.sleep(0))
     r.add("echo", lambda body: body)
     conn = await served(r)
 
@@ -177,6 +178,8 @@ async def test_handler_errors_come_back_typed_and_the_connection_stays_usable(
     assert e.value.detail == {}
     with pytest.raises(InternalError, match="cannot be encoded"):
         await conn.call("unencodable")
+    with pytest.raises(InternalError, match="register an `async def` handler"):
+        await conn.call("returns_coroutine")
     assert await conn.call("echo", "still fine") == "still fine"
     assert not conn.closed
 

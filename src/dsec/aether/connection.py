@@ -977,9 +977,15 @@ class Connection:
         try:
             data = _NIL if result is None else _encode_body(result)
         except LocalProtocolError as exc:
-            log.error("handler for %r returned an unencodable value: %s", method, exc)
+            why = exc.message
+            if inspect.isawaitable(result):  # e.g. a lambda around an async function
+                if inspect.iscoroutine(result):
+                    result.close()
+                why = ("it returned an awaitable; register an `async def` handler so the "
+                       "connection awaits it")
+            log.error("handler for %r returned an unencodable value: %s", method, why)
             self._reply_error(sid, InternalError(
-                f"handler for {method!r} returned a value that cannot be encoded: {exc.message}",
+                f"handler for {method!r} returned a value that cannot be encoded: {why}",
                 method=method))
             return
         if len(data) > self._max_frame:
