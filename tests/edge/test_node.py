@@ -354,3 +354,18 @@ async def test_death_reported_during_create_is_handled_after_it(clock: FakeClock
             await asyncio.sleep(0)
         assert node.get(info.id).state == "destroyed"
         assert node.events(info.id)[-1].reason == "exited" and node.pool.count == 0
+
+
+async def test_simulated_shell_reports_syntax_errors_and_unknown_commands(
+        node: EdgeNode, clock: FakeClock) -> None:
+    info = await node.create(SandboxSpec())
+    r = await node.exec(info.id, ExecRequest(shell="echo 'unterminated"))
+    assert r.exit_code == 2 and r.stderr.startswith(b"sh: syntax error")
+    r = await node.exec(info.id, ExecRequest(shell="frobnicate"))
+    assert r.exit_code == 127 and b"frobnicate: command not found" in r.stderr
+    task = asyncio.create_task(node.exec(info.id, ExecRequest(shell="sleep 5", timeout_s=1)))
+    while clock.sleepers == 0:
+        await asyncio.sleep(0)
+    clock.advance(1)
+    r = await task
+    assert (r.exit_code, r.timed_out) == (137, True)

@@ -7,9 +7,9 @@ interpreter. A call takes one (a pool hit is a deque pop: the
 handout target is <= 5 ms, DSec's published figure), sends it the code or pickled
 function, waits with the call's timeout, and then kills the worker's whole process group:
 one worker, one call, so no state leaks between calls. The pool refills in the
-background, at most ``max_spawning`` starts at a time (an interpreter start costs tens of
-milliseconds of CPU; on 2 cores unbounded refills starve the calls themselves). An
-empty pool falls back to a cold start, counted in :attr:`WorkerPool.misses`.
+background, at most ``max_spawning`` starts at a time (each start costs CPU; on 2 cores
+unbounded refills starve the calls themselves). An empty pool falls back to a cold
+start, counted in :attr:`WorkerPool.misses`.
 
 A sandbox of this backend is a working directory (its files persist across calls) plus
 the spec's environment; processes never persist. Exec runs ``shell`` as Python code (the
@@ -59,7 +59,9 @@ __all__ = ["FncallBackend", "FncallResult", "WorkerPool", "make_backend"]
 _LEN = struct.Struct("!I")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fncall_worker.py")
 TIMEOUT_EXIT = 137
-MAX_REPLY = 1 << 30
+# A reply carries at most two capped outputs plus a value; anything larger is a hostile
+# or broken worker, refused before the edge allocates it.
+REPLY_SLACK = 8 << 20
 
 
 class _Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -327,6 +329,7 @@ class WorkerPool:
 
     async def run(self, request: dict[str, Any], timeout_s: float | None) -> FncallResult:
         """Run one request on a fresh worker and discard the worker."""
+        max_reply = 2 * int(request.get("cap", 1 << 20)) + REPLY_SLACK
         t0 = time.perf_counter()
         w, cold = await self.take()
         handout = time.perf_counter() - t0
@@ -338,8 +341,10 @@ class WorkerPool:
             try:
                 async with asyncio.timeout(timeout_s):
                     (n,) = _LEN.unpack(await w.reader.readexactly(4))
-                    if n > MAX_REPLY:
-                        raise BackendError(f"fncall worker sent a {n}-byte reply (limit {MAX_REPLY})")
+                    if n > max_reply:
+                        raise BackendError(
+                            f"fncall worker sent a {n}-byte reply (limit {max_reply}); "
+                            "lower the output or return a smaller value")
                     reply = _reply_decoder.decode(await w.reader.readexactly(n))
             except TimeoutError:
                 timed_out = True

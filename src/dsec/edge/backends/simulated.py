@@ -251,6 +251,9 @@ class SimulatedBackend:
             return 0
         cmd, args = words[0], words[1:]
         fs = box.fs
+        if cmd == "__syntax_error__":
+            err += f"sh: syntax error: {args[0]}\n".encode()
+            return 2
         if cmd == "true":
             return 0
         if cmd == "false":
@@ -449,8 +452,8 @@ def _parse(line: str) -> list[tuple[str, list[str]]]:
     words: list[str] = []
     try:
         tokens = list(lex)
-    except ValueError as exc:
-        return [(";", ["sh:", f"syntax error: {exc}"])]
+    except ValueError as exc:  # e.g. an unterminated quote
+        return [(";", ["__syntax_error__", str(exc)])]
     for tok in tokens:
         if tok in (";", "&&", "||"):
             cmds.append((op, words))
