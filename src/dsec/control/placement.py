@@ -267,6 +267,9 @@ class Placement:
         self._slots: dict[str, _Slot] = {}
         self._pools: dict[tuple[bool, str | None], _Pool] = {}
         self._memo: dict[str, _Slot] = {}     # rarest layer ("" if none) -> last choice
+        # digest -> (on-prem pool, cloud pool): the "layer:<digest>" pools of _pools,
+        # found without building the key string per decision
+        self._layer_pools: dict[str, tuple[_Pool, _Pool]] = {}
         self._bands: dict[bool, list[_Pool]] = {c: [_Pool() for _ in range(64)]
                                                 for c in (False, True)}
         # on-prem totals over healthy nodes (overlay included), for the burst decision
@@ -336,6 +339,10 @@ class Placement:
                     self._pools[(old_cloud, t)].discard(view.node)
             for t in tags:
                 self._pool((view.cloud, t)).add(s)
+            for d in view.layers:
+                if d not in self._layer_pools:
+                    self._layer_pools[d] = (self._pool((False, f"layer:{d}")),
+                                            self._pool((True, f"layer:{d}")))
             s.tags = tags
         self._reband(s)
 
@@ -392,13 +399,16 @@ class Placement:
         (on-prem only unless bursting is active)."""
         best: list[_Slot] = _NO_SLOTS
         digest = ""
-        pools = self._pools
+        lp = self._layer_pools
         for d in layers:
-            p = pools.get((False, "layer:" + d))
-            if cloud and (p is None or not p.items):
-                p = pools.get((True, "layer:" + d))
-            if p is not None and p.items and (not best or len(p.items) < len(best)):
-                best = p.items
+            pp = lp.get(d)
+            if pp is None:
+                continue
+            items = pp[0].items
+            if cloud and not items:
+                items = pp[1].items
+            if items and (not best or len(items) < len(best)):
+                best = items
                 digest = d
         return digest, best
 
