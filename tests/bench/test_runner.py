@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import dsec.bench as bench
+from dsec import bench
 from dsec.bench import BenchContext, merge_json, run_suites, suite, suites, write_markdown
 from dsec.errors import InvalidArgument
 

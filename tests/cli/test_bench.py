@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import dsec.bench as bench
+from dsec import bench
 from dsec.bench import BenchContext, suite
 from dsec.cli.main import cli
 

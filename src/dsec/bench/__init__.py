@@ -163,9 +163,9 @@ def write_markdown(path: str, doc: dict[str, Any], errors: dict[str, str]) -> No
     lines = [
         "# dsec benchmark results",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, kernel {m['kernel']}, "
+        (f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, kernel {m['kernel']}, "
         f"run {m['time']}. Written by `dsec bench`; see docs/benchmarks.md for what each "
-        "figure means and its target.",
+        "figure means and its target."),
         "",
     ]
     by_suite: dict[str, list[dict[str, Any]]] = {}
