@@ -78,3 +78,17 @@ def test_edge_cli_rejects_unknown_backend(tmp_path) -> None:  # type: ignore[no-
 async def test_client_to_missing_socket_is_a_typed_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConnectionLost):
         await EdgeClient.connect(f"unix:{tmp_path}/none.sock", timeout=1)
+
+
+def test_backend_registry_errors_are_typed() -> None:
+    from dsec.edge.backends import known_backends, make_backend
+    from dsec.errors import InvalidArgument
+
+    assert {"simulated", "fncall", "container"} <= set(known_backends())
+    with pytest.raises(InvalidArgument, match="unknown backend 'bogus'"):
+        make_backend("bogus")
+    with pytest.raises(InvalidArgument, match="bad options for backend 'simulated'"):
+        make_backend("simulated", nonsense=1)
+    r = subprocess.run([*DSEC, "edge", "--listen", "unix:/tmp/x.sock", "--backend-opt", "x=1"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode != 0 and "BACKEND.KEY=VALUE" in r.stderr

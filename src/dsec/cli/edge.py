@@ -39,6 +39,19 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for v in values:
+        target, sep, val = v.partition("=")
+        name, dot, key = target.partition(".")
+        if not sep or not dot or not key or name not in backends:
+            raise click.BadParameter(
+                f"{v!r} must look like BACKEND.KEY=VALUE for a backend given with --backend",
+                param_hint="--backend-opt")
+        out.setdefault(name, {})[key] = val
+    return out
+
+
 def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
@@ -75,11 +88,15 @@ def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
               default="zero", show_default=True, help="Latency profile of the simulated backend.")
 @click.option("--fncall-pool-size", type=int, default=8, show_default=True,
               help="Warm Python workers kept by the fncall backend.")
+@click.option("--backend-opt", "backend_opts", multiple=True, metavar="BACKEND.KEY=VALUE",
+              help="Option for one backend's make_backend (repeatable), e.g. "
+                   "container.images_dir=/var/lib/dsec/images. Values are strings.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id: str,
          cpu_milli: int | None, memory_bytes: int | None, max_sandboxes: int,
-         labels: tuple[str, ...], profile: str, fncall_pool_size: int, log_level: str) -> None:
+         labels: tuple[str, ...], profile: str, fncall_pool_size: int,
+         backend_opts: tuple[str, ...], log_level: str) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from dsec.edge.admission import Capacity
@@ -94,7 +111,9 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
                               memory_bytes=memory_bytes if memory_bytes is not None else _mem_total(),
                               max_sandboxes=max_sandboxes),
             labels=_labels(labels), state_dir=state_dir)
-        built = {name: make_backend(name, **_backend_opts(name, profile, fncall_pool_size))
+        extra = _extra_opts(backend_opts, backends)
+        built = {name: make_backend(name, **_backend_opts(name, profile, fncall_pool_size),
+                                    **extra.get(name, {}))
                  for name in dict.fromkeys(backends)}
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc

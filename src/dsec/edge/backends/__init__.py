@@ -74,3 +74,6 @@ def make_backend(name: str, **opts: Any) -> Backend:
         return factory(**opts)
     except TypeError as exc:
         raise InvalidArgument(f"bad options for backend {name!r}: {exc}", backend=name) from exc
+    except KeyError as exc:
+        raise InvalidArgument(f"backend {name!r} needs the option {exc.args[0]!r}",
+                              backend=name) from exc
