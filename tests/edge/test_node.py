@@ -369,3 +369,60 @@ async def test_simulated_shell_reports_syntax_errors_and_unknown_commands(
     clock.advance(1)
     r = await task
     assert (r.exit_code, r.timed_out) == (137, True)
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_random_concurrent_operations_keep_invariants(seed: int) -> None:
+    """Many overlapping operations with latencies: the books always balance."""
+    import random
+
+    from dsec.edge.lifecycle import FINAL_REASONS
+
+    rnd = random.Random(seed)
+    clock = FakeClock()
+    backend = SimulatedBackend(clock=clock, profile=NodeLatencyProfile(
+        create_s=0.3, destroy_s=0.2, pause_s=0.5, resume_s=0.4, exec_s=0.1))
+    node = make_node(backend, clock=clock,
+                     capacity=Capacity(cpu_milli=6000, memory_bytes=2**40, max_sandboxes=8))
+    async with node:
+        ids: list[str] = []
+        tasks: list[asyncio.Task[object]] = []
+        for _ in range(300):
+            op = rnd.choice(["create", "create", "exec", "pause", "resume", "destroy"])
+            if op == "create" or not ids:
+                spec = SandboxSpec(cpu_milli=rnd.choice([500, 1000, 2000]))
+                tasks.append(asyncio.create_task(node.create(spec)))
+            else:
+                sid = rnd.choice(ids)
+                coro = {"exec": lambda: node.exec(sid, ExecRequest(shell="echo x")),
+                        "pause": lambda: node.pause(sid), "resume": lambda: node.resume(sid),
+                        "destroy": lambda: node.destroy(sid)}[op]()
+                tasks.append(asyncio.create_task(coro))
+            await asyncio.sleep(0)
+            clock.advance(rnd.choice([0.0, 0.1, 0.25]))
+            await asyncio.sleep(0)
+            ids = [i.id for i in node.list()] or ids
+        while not all(t.done() for t in tasks):
+            clock.advance(0.5)
+            await asyncio.sleep(0)
+        kinds: set[str] = set()
+        for t in tasks:
+            exc = t.exception()
+            assert exc is None or isinstance(exc, (InvalidTransition, CapacityExceeded)), exc
+            kinds.add(type(exc).__name__ if exc else type(t.result()).__name__)
+        # the run really exercised contention, conflicts, pauses, execs and destroys
+        assert {"CapacityExceeded", "InvalidTransition", "PauseStats", "ExecResult",
+                "SandboxInfo"} <= kinds, kinds
+        assert any(e.reason == "auto_resume" for e in node.feed(0, limit=100_000).events)
+        live = node.list()
+        assert node.pool.held == {i.id for i in live}
+        assert node.pool.usage().cpu_milli == sum(i.spec.cpu_milli for i in live)
+        assert backend.sandboxes == {i.id for i in live}
+        assert all(i.state in ("running", "paused") for i in live)
+        for e in node.feed(0, limit=100_000).events:
+            if e.to_state == "destroyed":
+                assert e.reason in FINAL_REASONS
+        for sid in {e.sandbox_id for e in node.feed(0, limit=100_000).events}:
+            evs = node.events(sid)
+            for a, b in zip(evs, evs[1:]):
+                assert a.to_state == b.from_state  # an unbroken chain of transitions
