@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -394,10 +395,15 @@ async def test_random_concurrent_operations_keep_invariants(seed: int) -> None:
                 tasks.append(asyncio.create_task(node.create(spec)))
             else:
                 sid = rnd.choice(ids)
-                coro = {"exec": lambda: node.exec(sid, ExecRequest(shell="echo x")),
-                        "pause": lambda: node.pause(sid), "resume": lambda: node.resume(sid),
-                        "destroy": lambda: node.destroy(sid)}[op]()
-                tasks.append(asyncio.create_task(coro))
+                if op == "exec":
+                    coro: object = node.exec(sid, ExecRequest(shell="echo x"))
+                elif op == "pause":
+                    coro = node.pause(sid)
+                elif op == "resume":
+                    coro = node.resume(sid)
+                else:
+                    coro = node.destroy(sid)
+                tasks.append(asyncio.create_task(coro))  # type: ignore[arg-type]
             await asyncio.sleep(0)
             clock.advance(rnd.choice([0.0, 0.1, 0.25]))
             await asyncio.sleep(0)
@@ -424,5 +430,5 @@ async def test_random_concurrent_operations_keep_invariants(seed: int) -> None:
                 assert e.reason in FINAL_REASONS
         for sid in {e.sandbox_id for e in node.feed(0, limit=100_000).events}:
             evs = node.events(sid)
-            for a, b in zip(evs, evs[1:]):
+            for a, b in itertools.pairwise(evs):
                 assert a.to_state == b.from_state  # an unbroken chain of transitions
