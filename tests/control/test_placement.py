@@ -201,7 +201,7 @@ def test_bad_config_and_request() -> None:
 
 def test_locality_draws_find_a_warm_node_among_many_cold_ones() -> None:
     """With 1 of 2000 nodes holding the image, k=2 finds it every time in O(k)."""
-    p = Placement(rng=random.Random(4), config=PlacementConfig(k=2, memory=False, fit_k=0,
+    p = Placement(rng=random.Random(4), config=PlacementConfig(k=2, memory=False, fit_share=0.0,
                                                                affinity_k=1))
     p.apply_snapshot(view(i, layers=frozenset({"base", "ws-7"} if i == 1234 else {"base"}))
                      for i in range(2000))
@@ -213,7 +213,7 @@ def test_locality_draws_find_a_warm_node_among_many_cold_ones() -> None:
 
 
 def test_best_fit_draw_prefers_the_tightest_node_that_fits() -> None:
-    p = Placement(rng=random.Random(1), config=PlacementConfig(k=2, memory=False, fit_k=1))
+    p = Placement(rng=random.Random(1), config=PlacementConfig(k=2, memory=False, fit_share=0.5))
     # 999 empty nodes and one with exactly 1000 millicores (and 4 GiB) free
     p.apply_snapshot([view(i) for i in range(999)] + [view(999, used_cpu=15000, used_mem=60 * GiB)])
     d = p.place(PlacementRequest(cpu_milli=1000, memory_bytes=GiB))

@@ -238,11 +238,13 @@ def quota_check(ctx: BenchContext) -> None:
                 q.insert(SandboxRecord(id=f"sb-{i:012x}-n{i % 100}", node=f"n{i % 100}",
                                        project=project, cpu_milli=500, memory_bytes=GiB))
             check = q.check
-            t0 = time.perf_counter()
-            for _ in range(checks):
-                check(project, backend="simulated", cpu_milli=1000, memory_bytes=GiB)
-            dt = time.perf_counter() - t0
-            ctx.record("quota_check", dt / checks * 1e9, "ns/check", live_sandboxes=live,
+            best = float("inf")
+            for _ in range(3):      # best of 3: the 2-core machine is shared
+                t0 = time.perf_counter()
+                for _ in range(checks // 3):
+                    check(project, backend="simulated", cpu_milli=1000, memory_bytes=GiB)
+                best = min(best, (time.perf_counter() - t0) / (checks // 3))
+            ctx.record("quota_check", best * 1e9, "ns/check", live_sandboxes=live,
                        depth=depth)
 
 

@@ -122,8 +122,9 @@ class PlacementConfig:
     refusals tolerated per request by :class:`PlacementAttempt`. ``affinity_k``: how many
     of the k candidates are drawn from nodes that hold the request's rarest image layer
     (at most k - 1; 0 disables locality draws). ``memory``: also evaluate the node chosen
-    last time for the same image (one of the k). ``fit_k``: how many of the k come from
-    the tightest free-CPU band that can hold the request (best-fit draws)."""
+    last time for the same image (one of the k). ``fit_share``: the share of the k drawn
+    from the tightest free-CPU band that can hold the request (best-fit draws; at least
+    one when > 0, and always at least one uniform draw)."""
 
     k: int = 4
     jitter: float = 1e-3
@@ -132,7 +133,7 @@ class PlacementConfig:
     max_rounds: int = 3
     max_attempts: int = 3
     affinity_k: int = 2
-    fit_k: int = 2
+    fit_share: float = 0.5
     memory: bool = True
     weights: ScoreWeights = field(default_factory=ScoreWeights)
 
@@ -144,9 +145,9 @@ class PlacementConfig:
         if not 0.0 <= self.burst_threshold <= 1.0:
             raise InvalidArgument(
                 f"placement burst_threshold={self.burst_threshold} must be within 0..1")
-        if self.affinity_k < 0 or self.fit_k < 0:
-            raise InvalidArgument(f"placement affinity_k={self.affinity_k} and "
-                                  f"fit_k={self.fit_k} must be >= 0")
+        if self.affinity_k < 0 or not 0.0 <= self.fit_share <= 1.0:
+            raise InvalidArgument(f"placement affinity_k={self.affinity_k} must be >= 0 "
+                                  f"and fit_share={self.fit_share} within 0..1")
         if self.max_rounds < 1 or self.max_attempts < 1:
             raise InvalidArgument("placement max_rounds and max_attempts must be >= 1")
 
@@ -264,6 +265,8 @@ class Placement:
     def __init__(self, *, rng: random.Random, config: PlacementConfig | None = None) -> None:
         self.config = config or PlacementConfig()
         self._rng = rng
+        cfg = self.config
+        self._fit_k = max(1, round(cfg.k * cfg.fit_share)) if cfg.fit_share else 0
         self._slots: dict[str, _Slot] = {}
         self._pools: dict[tuple[bool, str | None], _Pool] = {}
         self._memo: dict[str, _Slot] = {}     # rarest layer ("" if none) -> last choice
@@ -429,9 +432,9 @@ class Placement:
         n = na + len(B)
         cfg = self.config
         k = min(n, cfg.k)
-        # The k candidates: the node chosen last time for this image (memory), one
-        # from the tightest free-CPU band (best fit), some from the nodes holding the
-        # image's rarest layer (locality), the rest uniformly from the pool. Each is
+        # The k candidates: a share from the tightest free-CPU band (best fit), the
+        # node chosen last time for this image (memory), some from the nodes holding
+        # the image's rarest layer (locality), the rest uniformly from the pool. Each is
         # O(1) to find because the bands and layer pools are kept up to date on every
         # snapshot and decision. Measured effect at k=4: docs/control.md.
         phases = []
@@ -440,20 +443,20 @@ class Placement:
         L = _NO_SLOTS
         if k < n and req.layers and not req.require_layers:
             memo_key, L = self._rarest_layer_pool(req.layers, cloud)
+        if k < n and self._fit_k and kk > 1:
+            bands = self._bands[False]
+            for b in range(cpu.bit_length(), len(bands)):
+                F = bands[b].items
+                if F:
+                    kf = min(self._fit_k, kk - 1, len(F))
+                    phases.append((F, _NO_SLOTS, len(F), len(F), kf))
+                    kk -= kf
+                    break
         if k < n and cfg.memory and kk > 1:
             m = self._memo.get(memo_key)
             if m is not None and m.alive and m.tags and (cloud or not m.cloud):
                 phases.append(([m], _NO_SLOTS, 1, 1, 1))
                 kk -= 1
-        if k < n and cfg.fit_k and kk > 1:
-            bands = self._bands[False]
-            for b in range(cpu.bit_length(), len(bands)):
-                F = bands[b].items
-                if F:
-                    kf = min(cfg.fit_k, kk - 1, len(F))
-                    phases.append((F, _NO_SLOTS, len(F), len(F), kf))
-                    kk -= kf
-                    break
         if L and cfg.affinity_k and kk > 1:
             ka = min(cfg.affinity_k, kk - 1, len(L))
             phases.append((L, _NO_SLOTS, len(L), len(L), ka))
