@@ -283,3 +283,32 @@ def test_schemathesis_finds_no_5xx(cluster: LocalCluster) -> None:
                 failures.append((op.method, op.path, r.status_code, r.text[:200]))
         run()
     assert failures == []
+
+
+def test_images_build_from_upload_and_list(http: httpx.Client) -> None:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"print('tool')\n"
+        info = tarfile.TarInfo("opt/tool.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    r = http.post("/v1/images", params={"name": "mytool", "kind": "toolkit"},
+                  content=buf.getvalue())
+    assert r.status_code == 201, r.text
+    made = r.json()["items"][0]
+    assert made["ref"] == "mytool:latest" and made["digest"].startswith("sha256:")
+    refs = [i["ref"] for i in http.get("/v1/images").json()["items"]]
+    assert "mytool:latest" in refs
+    bad = tarfile.TarInfo("../escape")
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w") as tar:
+        bad.size = 1
+        tar.addfile(bad, io.BytesIO(b"x"))
+    r = http.post("/v1/images", params={"name": "evil"}, content=evil.getvalue())
+    assert 400 <= r.status_code < 500 and r.json()["code"] in ("unsafe_archive", "image_error",
+                                                               "invalid_argument")
+    assert http.post("/v1/images", params={"name": "x"}, content=b"").status_code == 400
+    assert http.post("/v1/images", content=b"abc").status_code == 400

@@ -40,6 +40,7 @@ from dsec.control.api.types import (
     ExecOutput,
     ExecStreamLine,
     FileList,
+    ImageList,
     Info,
     NodeList,
     ProjectList,
@@ -73,6 +74,7 @@ class RestConfig:
 
     max_json_body: int = 4 << 20        # JSON bodies; a 10 MB argv is refused with 413
     max_file_body: int = 256 << 20      # raw bytes of PUT .../files
+    max_image_body: int = 4 << 30       # image uploads, streamed to a temp file
     version: str = "0.1.0"
     gateway_address: str | None = None  # advertised in /v1/info for the SDK fast path
 
@@ -91,6 +93,10 @@ class AdminOps:
         raise NotImplementedError
     def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
     def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
+    def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
+    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
+                          tag: str, oci: bool) -> ImageList:
+        raise NotImplementedError
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -533,6 +539,46 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
     async def close(request: Request, caller: Caller, rid: str) -> Response:
         admin.close_session(caller, request.path_params["id"])
         return Response(status_code=204, headers={"x-request-id": rid})
+
+    async def images(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(admin.list_images(caller), rid)
+
+    route(Op("GET", "/v1/images", "listImages", "Image layers in the cluster's layer store",
+             None, ImageList, tag="images"), images)
+
+    def upload(oci: bool) -> Handler:
+        async def handler(request: Request, caller: Caller, rid: str) -> Response:
+            import tempfile
+            name = request.query_params.get("name")
+            if not name:
+                raise InvalidArgument("query parameter 'name' (the image name) is required",
+                                      field="name")
+            kind = request.query_params.get("kind", "base")
+            tag = request.query_params.get("tag", "latest")
+            with tempfile.NamedTemporaryFile(prefix="dsec-upload-", suffix=".tar") as f:
+                size = 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > cfg.max_image_body:
+                        raise PayloadTooLarge(f"image upload exceeds {cfg.max_image_body} "
+                                              "bytes", limit=cfg.max_image_body)
+                    f.write(chunk)
+                f.flush()
+                if size == 0:
+                    raise InvalidArgument("empty upload: send a tar archive as the body")
+                out = await admin.build_image(caller, f.name, name=name, kind=kind, tag=tag,
+                                              oci=oci)
+            return _json_response(out, rid, 201)
+        return handler
+
+    params = (Param("name", {"type": "string", "minLength": 1}, True),
+              Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
+              Param("tag", {"type": "string", "minLength": 1}))
+    route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "
+             "body)", "binary", ImageList, 201, params=params, tag="images"), upload(False))
+    route(Op("POST", "/v1/images/import", "importImage", "Import an OCI image (docker save "
+             "tarball or OCI layout tar, raw body)", "binary", ImageList, 201, params=params,
+             tag="images"), upload(True))
 
     route(Op("DELETE", "/v1/sessions/{id}", "closeSession",
              "End a session now: its sandboxes are destroyed", None, None, 204,

@@ -129,6 +129,7 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend),
                 clock=loop.time)
             plane.service = service
+            plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
             self.admin_key = self._admin_key(plane)
             if cfg.gateway is not None:

@@ -27,6 +27,8 @@ from dsec.control.api.sweeper import SESSION_LABEL, Session, SweepCandidate, pla
 from dsec.control.api.types import (
     CreateKeyRequest,
     CreateKeyResponse,
+    ImageList,
+    ImageView,
     NodeView,
     ProjectList,
     ProjectView,
@@ -53,7 +55,9 @@ from dsec.control.watcher import (
 )
 from dsec.edge.spec import SandboxInfo, SandboxSpec
 from dsec.errors import (
+    Conflict,
     DsecError,
+    ImageError,
     InvalidArgument,
     NotFound,
     SandboxNotFound,
@@ -119,6 +123,7 @@ class ControlPlane:
     edges: dict[str, EdgeEntry] = field(default_factory=dict)
     sessions: dict[str, Session] = field(default_factory=dict)
     service: ApiService | None = None
+    layer_dir: str | None = None
     placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -182,6 +187,14 @@ class ControlPlane:
     # dsec.control.placement decides; the edge's backends travel as node labels
     # ``dsec.io/backend.<name>=1`` so a create selects nodes offering its backend.
     def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> Decision:
+        offered = {b for e in self.edges.values() if e.heartbeat is not None
+                   for b in e.heartbeat.backends}
+        if offered and spec.backend not in offered:
+            # Asking for a backend nobody runs is a request problem (400), not a lack of
+            # capacity (503) that a retry could fix.
+            raise InvalidArgument(
+                f"backend {spec.backend!r} is not offered by any node of this cluster; "
+                f"available: {', '.join(sorted(offered))}", field="backend")
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
                                group=spec.project)
@@ -308,6 +321,40 @@ class ControlPlane:
             raise NotFound(f"no session {sid[:64]!r}")
         s.closed = True
         s.expires_at = self.clock()
+
+    # ---------------------------------------------------------------- images
+    def _layers(self) -> Any:
+        if self.layer_dir is None:
+            raise Conflict("this apiserver has no layer store configured")
+        from dsec.image import LayerStore
+        return LayerStore(self.layer_dir)
+
+    def list_images(self, caller: Caller) -> ImageList:
+        ApiService.require(caller, caller.default_project, "reader")
+        return ImageList(items=[_image_view(m) for m in self._layers().manifests()])
+
+    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
+                          tag: str, oci: bool) -> ImageList:
+        """Build (or import) layers with dsec.image in a worker thread (mkfs.erofs)."""
+        ApiService.require(caller, caller.default_project, "member")
+        store = self._layers()
+
+        def work() -> list[Any]:
+            if oci:
+                from dsec.image import import_oci
+                return list(import_oci(store, tar_path, name=name, tag=tag,
+                                       kind=kind))  # type: ignore[arg-type]
+            with open(tar_path, "rb") as f:
+                return [store.add_tar(f, kind=kind, name=name, tag=tag)]  # type: ignore[arg-type]
+        try:
+            made = await asyncio.to_thread(work)
+        except DsecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mkfs/tar failures on hostile uploads
+            log.warning("image build %s:%s failed", name, tag, exc_info=exc)
+            raise ImageError(f"could not build image {name}:{tag} from the upload: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        return ImageList(items=[_image_view(m) for m in made])
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
@@ -448,3 +495,9 @@ class ControlPlane:
         m.nodes.labels("healthy").set(healthy)
         m.nodes.labels("unhealthy").set(len(self.edges) - healthy)
 
+
+
+def _image_view(m: Any) -> ImageView:
+    ref = f"{m.name}:{m.tag}" if m.name else m.digest
+    return ImageView(ref=ref, digest=m.digest, kind=m.kind, size_bytes=m.size_bytes,
+                     created_at=m.created, labels=dict(m.labels))

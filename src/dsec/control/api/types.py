@@ -13,7 +13,7 @@ output in the JSON exec result is text when it is valid UTF-8 and base64 otherwi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -63,6 +63,13 @@ MAX_ARGV_BYTES = 1 << 20
 MAX_STDIN_BYTES = 8 << 20
 
 
+# Bounded ints: a JSON number beyond 64 bits would otherwise pass decoding and fail later
+# when the body is re-encoded as msgpack for the edge (found by the schemathesis test).
+I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=10**9)]
+
+
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     pass
 
@@ -85,15 +92,15 @@ class CreateSandboxRequest(_Strict):
     toolkits: list[str] = []
     snapshot: str | None = None
     backend: BackendName | None = None   # default: the server's default backend
-    cpu_milli: int = 1000
-    memory_bytes: int = 512 * 2**20
-    disk_bytes: int | None = None
-    pids_max: int | None = 1024
-    priority: int = 0
+    cpu_milli: U63 = 1000
+    memory_bytes: U63 = 512 * 2**20
+    disk_bytes: U63 | None = None
+    pids_max: U63 | None = 1024
+    priority: I32 = 0
     labels: dict[str, str] = {}
     project: str | None = None          # default: the key's default project
-    ttl_s: float | None = None          # default: the project's / server's default TTL
-    idle_timeout_s: float | None = None
+    ttl_s: Seconds | None = None        # default: the server's default TTL (6 h)
+    idle_timeout_s: Seconds | None = None
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
     network: NetworkPolicy = NetworkPolicy()
@@ -116,8 +123,8 @@ class ExecBody(_Strict):
     user: str | None = None
     stdin: str = ""
     stdin_encoding: Encoding = "utf-8"
-    timeout_s: float | None = 60.0      # the *command* timeout (kills the process group)
-    output_cap_bytes: int = 1 << 20
+    timeout_s: Seconds | None = 60.0    # the *command* timeout (kills the process group)
+    output_cap_bytes: U63 = 1 << 20
     background: bool = False
 
 
