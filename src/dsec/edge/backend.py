@@ -19,10 +19,11 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxSpec,
     SandboxStats,
+    SnapshotInfo,
 )
 from dsec.ids import SandboxId
 
-__all__ = ["Backend", "DeathSink"]
+__all__ = ["Backend", "DeathSink", "SnapshotBackend"]
 
 # sink(sandbox_id, reason, detail); reason is one of "oom", "backend_crash", "exited", ...
 DeathSink = Callable[[SandboxId, str, str], None]
@@ -72,3 +73,27 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Node shutdown: release backend-wide resources (pools, helper processes)."""
+
+
+@runtime_checkable
+class SnapshotBackend(Protocol):
+    """Optional capability: pack_diff snapshots (container, simulated).
+
+    The node checks for it with ``isinstance(backend, SnapshotBackend)`` and answers
+    ``Conflict`` for backends without it (fncall). Snapshot refs are ``sha256:<hex>``
+    (a unique prefix of >= 12 hex digits is accepted); unknown ones raise
+    ``ImageNotFound``. ``create(spec)`` with ``spec.snapshot`` starts from one.
+    """
+
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
+        """Capture what ``sid`` changed since its previous snapshot (or since its image);
+        an unchanged sandbox returns the previous snapshot with ``unchanged=True``.
+        Works on running and paused sandboxes and leaves the state as it was."""
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot this backend can start sandboxes from."""
+
+    async def snapshot_info(self, ref: str) -> SnapshotInfo: ...
+
+    async def delete_snapshot(self, ref: str) -> SnapshotInfo:
+        """Remove one; ``InUse`` while a sandbox runs from it or a snapshot builds on it."""

@@ -29,8 +29,10 @@ from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+import msgspec
+
 from dsec.edge.admission import Capacity, ResourcePool
-from dsec.edge.backend import Backend
+from dsec.edge.backend import Backend, SnapshotBackend
 from dsec.edge.clock import Clock, SystemClock
 from dsec.edge.eager import gather_eager
 from dsec.edge.journal import JournalRecord, SandboxJournal
@@ -54,10 +56,14 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxState,
     SandboxStats,
+    SnapshotInfo,
 )
 from dsec.errors import (
     BackendError,
+    Conflict,
     DsecError,
+    ImageNotFound,
+    InUse,
     InvalidArgument,
     InvalidTransition,
     SandboxNotFound,
@@ -653,6 +659,99 @@ class EdgeNode:
         except Exception as exc:
             raise self._backend_error(rec, "read stats of", exc) from exc
 
+    # ================================================================ snapshots
+    def _snapshotters(self) -> builtins.list[SnapshotBackend]:
+        """Backends with the snapshot capability, each once (two backends may share one
+        layer store, e.g. container and runc, and then report the same snapshots)."""
+        seen: set[int] = set()
+        out = []
+        for b in self.backends.values():
+            if isinstance(b, SnapshotBackend) and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+        return out
+
+    async def snapshot(self, sandbox_id: str, *, strip: Sequence[str] = ()) -> SnapshotInfo:
+        """pack_diff the sandbox's changes since its previous snapshot into a new one.
+
+        Allowed while running or paused (a paused sandbox stays paused; a running one is
+        frozen by the backend for a consistent cut). Records a lifecycle-neutral event
+        (reason ``snapshot``, state unchanged). Unchanged since the previous snapshot:
+        returns that one with ``unchanged=True``."""
+        rec = self._find(sandbox_id)
+        strip = _check_strip(strip)
+        backend = rec.backend
+        if not isinstance(backend, SnapshotBackend):
+            raise Conflict(f"sandbox {rec.id} runs on the {backend.name} backend, which "
+                           "cannot take snapshots; use the container or simulated backend",
+                           sandbox_id=rec.id, backend=backend.name)
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state not in ("running", "paused"):
+            raise InvalidTransition(
+                f"sandbox {rec.id} cannot snapshot while it is {rec.state}; it must be "
+                "running or paused", sandbox_id=rec.id, event="snapshot", state=rec.state)
+        rec.active += 1  # never idle-reaped mid-snapshot
+        try:
+            info = await backend.snapshot(SandboxId(rec.id), strip=strip)
+        except Exception as exc:
+            raise self._interrupted(rec, "snapshot", exc) from exc
+        finally:
+            rec.active -= 1
+        info = msgspec.structs.replace(info, node=self.node_id)
+        if rec.id in self._live:
+            self._event(rec, rec.state, rec.state, "snapshot",
+                        info.id + (" (unchanged)" if info.unchanged else ""))
+        return info
+
+    async def snapshots(self, *, project: str | None = None,
+                        sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Snapshots this node can start sandboxes from, oldest first, filtered."""
+        out: dict[str, SnapshotInfo] = {}
+        for b in self._snapshotters():
+            try:
+                infos = await b.snapshots()
+            except DsecError:
+                raise
+            except Exception as exc:
+                raise BackendError(f"backend {getattr(b, 'name', b)} failed to list "
+                                   f"snapshots: {type(exc).__name__}: {exc}") from exc
+            for i in infos:
+                if project is not None and i.project != project:
+                    continue
+                if sandbox_id is not None and i.sandbox_id != sandbox_id:
+                    continue
+                out.setdefault(i.id, msgspec.structs.replace(i, node=self.node_id))
+        return sorted(out.values(), key=lambda i: (i.created, i.id))
+
+    async def get_snapshot(self, ref: str) -> SnapshotInfo:
+        """One snapshot by ref (``sha256:<hex>`` or a unique prefix); ImageNotFound."""
+        return (await self._holder(ref))[1]
+
+    async def _holder(self, ref: str) -> tuple[SnapshotBackend, SnapshotInfo]:
+        _check_snapshot_ref(ref)
+        for b in self._snapshotters():
+            try:
+                info = await b.snapshot_info(ref)
+            except ImageNotFound:
+                continue
+            return b, msgspec.structs.replace(info, node=self.node_id)
+        raise ImageNotFound(f"no snapshot {ref[:80]!r} on node {self.node_id}; snapshots "
+                            "live on the node that took them (see the snapshot list)",
+                            ref=ref[:80])
+
+    async def delete_snapshot(self, ref: str) -> SnapshotInfo:
+        """Remove a snapshot. ``InUse`` while a live sandbox was started from it or
+        another snapshot builds on it."""
+        b, info = await self._holder(ref)
+        users = [r.id for r in self._live.values()
+                 if r.spec.snapshot is not None and _same_ref(r.spec.snapshot, info.id)]
+        if users:
+            raise InUse(f"snapshot {info.id} is in use by sandbox(es) {', '.join(users[:5])}"
+                        f"{' ...' if len(users) > 5 else ''}; destroy them first",
+                        ref=info.id, sandboxes=len(users))
+        return msgspec.structs.replace(await b.delete_snapshot(info.id), node=self.node_id)
+
     # ================================================================ queries
     def get(self, sandbox_id: str) -> SandboxInfo:
         """Info of a live sandbox, or of a destroyed one still in the tombstone list."""
@@ -785,6 +884,38 @@ class EdgeNode:
                 log.warning("reaper could not %s %s (%s): %s", a.action, a.sandbox_id,
                             a.reason, r)
         return actions
+
+
+_MAX_STRIP = 256
+
+
+def _check_strip(strip: Sequence[str]) -> tuple[str, ...]:
+    """Snapshot strip patterns: a few short, printable glob patterns."""
+    if isinstance(strip, str):
+        raise InvalidArgument("snapshot strip must be a list of patterns, not one string",
+                              field="strip")
+    out = tuple(strip)
+    if len(out) > _MAX_STRIP:
+        raise InvalidArgument(f"snapshot strip has {len(out)} patterns; at most "
+                              f"{_MAX_STRIP}", field="strip")
+    for p in out:
+        if not isinstance(p, str) or not p or len(p) > 1024 or "\0" in p:
+            raise InvalidArgument(f"snapshot strip pattern {str(p)[:60]!r} must be a "
+                                  "non-empty glob of at most 1024 chars without NUL",
+                                  field="strip")
+    return out
+
+
+def _check_snapshot_ref(ref: str) -> None:
+    if (not isinstance(ref, str) or not ref.startswith("sha256:") or len(ref) > 71
+            or len(ref) < 19 or not all(c in "0123456789abcdef" for c in ref[7:])):
+        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected "
+                              "'sha256:' and 12-64 lowercase hex digits", field="id")
+
+
+def _same_ref(ref: str, full_id: str) -> bool:
+    return ref == full_id or (ref.startswith("sha256:") and len(ref) >= 19
+                              and full_id.startswith(ref))
 
 
 def _as_error(exc: BaseException) -> DsecError:

@@ -49,6 +49,9 @@ __all__ = [
     "ReadFileRequest",
     "SandboxBrief",
     "SandboxRef",
+    "SnapshotQuery",
+    "SnapshotRef",
+    "SnapshotRequest",
     "WriteFileRequest",
     "exec_request",
     "outcome_error",
@@ -100,6 +103,26 @@ class CreateManyReply(msgspec.Struct, kw_only=True):
 
 class SandboxRef(msgspec.Struct, kw_only=True):
     id: str
+
+
+class SnapshotRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``edge.snapshot``: pack_diff sandbox ``id``; ``strip`` path patterns left out."""
+
+    id: str
+    strip: list[str] = []
+
+
+class SnapshotRef(msgspec.Struct, kw_only=True):
+    """``edge.snapshot_get`` / ``edge.snapshot_delete``: a snapshot ref (sha256:...)."""
+
+    id: str
+
+
+class SnapshotQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``edge.snapshots``: list, optionally only one project's or one sandbox's."""
+
+    project: str | None = None
+    sandbox_id: str | None = None
 
 
 class DestroyRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -212,7 +235,8 @@ METHODS: tuple[str, ...] = (
     "edge.feed", "edge.exec", "edge.exec_many", "edge.exec_stream", "edge.read_file",
     "edge.write_file", "edge.list_dir", "edge.stat", "edge.mkdir", "edge.remove",
     "edge.pause", "edge.resume", "edge.destroy", "edge.destroy_many", "edge.stats",
-    "edge.heartbeat",
+    "edge.heartbeat", "edge.snapshot", "edge.snapshots", "edge.snapshot_get",
+    "edge.snapshot_delete",
 )
 
 

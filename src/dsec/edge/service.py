@@ -42,6 +42,9 @@ from dsec.edge.protocol import (
     NodeInfo,
     ReadFileRequest,
     SandboxRef,
+    SnapshotQuery,
+    SnapshotRef,
+    SnapshotRequest,
     WriteFileRequest,
     exec_request,
     outcome_error,
@@ -57,6 +60,7 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxState,
     SandboxStats,
+    SnapshotInfo,
 )
 from dsec.errors import DsecError, RemoteProtocolError
 
@@ -97,6 +101,10 @@ class EdgeService:
         r.add("edge.destroy", self._destroy, request_type=DestroyRequest)
         r.add("edge.destroy_many", self._destroy_many, request_type=DestroyMany)
         r.add("edge.stats", self._stats, request_type=SandboxRef)
+        r.add("edge.snapshot", self._snapshot, request_type=SnapshotRequest)
+        r.add("edge.snapshots", self._snapshots, request_type=SnapshotQuery)
+        r.add("edge.snapshot_get", self._snapshot_get, request_type=SnapshotRef)
+        r.add("edge.snapshot_delete", self._snapshot_delete, request_type=SnapshotRef)
         assert set(r.methods) == set(METHODS), set(r.methods) ^ set(METHODS)
 
     def _info(self, _: Any) -> NodeInfo:
@@ -169,6 +177,18 @@ class EdgeService:
 
     async def _stats(self, b: SandboxRef) -> SandboxStats:
         return await self.node.stats(b.id)
+
+    async def _snapshot(self, b: SnapshotRequest) -> SnapshotInfo:
+        return await self.node.snapshot(b.id, strip=b.strip)
+
+    async def _snapshots(self, b: SnapshotQuery) -> builtins.list[SnapshotInfo]:
+        return await self.node.snapshots(project=b.project, sandbox_id=b.sandbox_id)
+
+    async def _snapshot_get(self, b: SnapshotRef) -> SnapshotInfo:
+        return await self.node.get_snapshot(b.id)
+
+    async def _snapshot_delete(self, b: SnapshotRef) -> SnapshotInfo:
+        return await self.node.delete_snapshot(b.id)
 
 
 async def serve_edge(node: EdgeNode, address: str) -> Server:
@@ -273,6 +293,28 @@ class EdgeClient:
 
     async def stats(self, sandbox_id: str, *, timeout: _Deadline = ...) -> SandboxStats:
         return await self._call("edge.stats", SandboxRef(id=sandbox_id), SandboxStats, timeout)  # type: ignore[no-any-return]
+
+    # ---------------------------------------------------------------- snapshots
+    async def snapshot(self, sandbox_id: str, *, strip: Sequence[str] = (),
+                       timeout: _Deadline = ...) -> SnapshotInfo:
+        """pack_diff the sandbox's changes into a snapshot (see EdgeNode.snapshot)."""
+        return await self._call("edge.snapshot",  # type: ignore[no-any-return]
+                                SnapshotRequest(id=sandbox_id, strip=list(strip)),
+                                SnapshotInfo, timeout)
+
+    async def snapshots(self, *, project: str | None = None, sandbox_id: str | None = None,
+                        timeout: _Deadline = ...) -> builtins.list[SnapshotInfo]:
+        return await self._call("edge.snapshots",  # type: ignore[no-any-return]
+                                SnapshotQuery(project=project, sandbox_id=sandbox_id),
+                                list[SnapshotInfo], timeout)
+
+    async def get_snapshot(self, ref: str, *, timeout: _Deadline = ...) -> SnapshotInfo:
+        return await self._call("edge.snapshot_get", SnapshotRef(id=ref),  # type: ignore[no-any-return]
+                                SnapshotInfo, timeout)
+
+    async def delete_snapshot(self, ref: str, *, timeout: _Deadline = ...) -> SnapshotInfo:
+        return await self._call("edge.snapshot_delete", SnapshotRef(id=ref),  # type: ignore[no-any-return]
+                                SnapshotInfo, timeout)
 
     # ---------------------------------------------------------------- exec
     async def exec(self, sandbox_id: str, cmd: Command, *, timeout: _Deadline = ...,

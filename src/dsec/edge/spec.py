@@ -28,6 +28,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxSpec",
     "SandboxState",
+    "SnapshotInfo",
     "MAX_CPU_MILLI",
     "MAX_MEMORY_BYTES",
 ]
@@ -196,3 +197,27 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     cpu_seconds: float = 0.0
     pids: int = 0
     disk_bytes: int = 0
+
+
+class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A pack_diff snapshot of a sandbox (edge ``snapshot`` capability).
+
+    ``id`` is its layer ref (``sha256:<hex>``); ``parent`` the snapshot it builds on
+    (the sandbox's previous snapshot, or the snapshot the sandbox was started from;
+    ``None`` when it sits directly on the image). ``unchanged`` says nothing changed since
+    ``parent``-or-previous, so this *is* that earlier snapshot and nothing was written.
+    ``size_bytes`` is the stored size of this one layer (not of the chain).
+    """
+
+    id: str
+    parent: str | None = None
+    sandbox_id: str = ""
+    project: str = "default"
+    image: str = ""                         # the image refs the chain applies to
+    workspace: str | None = None
+    toolkits: tuple[str, ...] = ()
+    backend: str = ""
+    node: str = ""                          # the node that answered (set by the edge)
+    created: float = 0.0                    # unix seconds
+    size_bytes: int = 0
+    unchanged: bool = False

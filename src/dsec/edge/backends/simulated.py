@@ -13,12 +13,16 @@ without creating tasks.
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import posixpath
 import shlex
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
+
+import msgspec
 
 from dsec.edge.backend import DeathSink
 from dsec.edge.clock import Clock, SystemClock
@@ -30,8 +34,16 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxSpec,
     SandboxStats,
+    SnapshotInfo,
 )
-from dsec.errors import BackendError, InvalidArgument, NotFound, SandboxNotFound
+from dsec.errors import (
+    BackendError,
+    ImageNotFound,
+    InUse,
+    InvalidArgument,
+    NotFound,
+    SandboxNotFound,
+)
 from dsec.ids import SandboxId
 
 __all__ = ["NodeLatencyProfile", "SimulatedBackend", "make_backend"]
@@ -85,6 +97,19 @@ class _Fs:
     dirs: set[str] = field(default_factory=lambda: {"/", "/tmp", "/workspace"})
     mtimes: dict[str, float] = field(default_factory=dict)
 
+    def copy(self) -> _Fs:
+        # bytes are immutable: copying the containers copies the tree.
+        return _Fs(dict(self.files), dict(self.modes), set(self.dirs), dict(self.mtimes))
+
+    def digest(self) -> str:
+        """Content hash of the whole tree (contents, modes, dirs, mtimes)."""
+        raw = _msgpack.encode((sorted(self.files.items()), sorted(self.modes.items()),
+                               sorted(self.dirs), sorted(self.mtimes.items())))
+        return hashlib.sha256(raw).hexdigest()
+
+
+_msgpack = msgspec.msgpack.Encoder()
+
 
 @dataclass(slots=True)
 class _Box:
@@ -93,6 +118,15 @@ class _Box:
     paused: bool = False
     cpu_seconds: float = 0.0
     dead: bool = False          # destroyed: commands still running in it are "killed"
+    origin: str | None = None   # the snapshot it was started from
+    last: str | None = None     # its latest snapshot
+
+
+@dataclass(slots=True, frozen=True)
+class _Snap:
+    info: SnapshotInfo
+    fs: _Fs                     # a private copy of the tree at snapshot time
+    digest: str                 # _Fs.digest() of that tree
 
 
 class _Exit(Exception):
@@ -110,6 +144,7 @@ class SimulatedBackend:
         self.profile = profile or NodeLatencyProfile.zero()
         self.clock: Clock = clock or SystemClock()
         self._boxes: dict[str, _Box] = {}
+        self._snaps: dict[str, _Snap] = {}
         self._sink: DeathSink | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -127,10 +162,20 @@ class SimulatedBackend:
         return frozenset(self._boxes)
 
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
+        origin = None
+        if spec.snapshot is not None:
+            if spec.workspace is not None or spec.toolkits:
+                raise InvalidArgument(
+                    "a sandbox started from a snapshot takes the snapshot's own image; "
+                    "leave workspace and toolkits empty", field="snapshot")
+            origin = self._snap(spec.snapshot)
         d = self.profile.create_s
         if d:
             await self.clock.sleep(d)
-        self._boxes[sid] = _Box(spec, _Fs())
+        if origin is None:
+            self._boxes[sid] = _Box(spec, _Fs())
+        else:
+            self._boxes[sid] = _Box(spec, origin.fs.copy(), origin=origin.info.id)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         """The simulation keeps nothing across restarts except the record: the sandbox
@@ -173,6 +218,68 @@ class SimulatedBackend:
 
     async def close(self) -> None:
         self._boxes.clear()
+
+    # ------------------------------------------------------------------ snapshots
+    def _snap(self, ref: str) -> _Snap:
+        snap = self._snaps.get(ref)
+        if snap is None and isinstance(ref, str) and ref.startswith("sha256:") and len(ref) >= 19:
+            hits = [v for k, v in self._snaps.items() if k.startswith(ref)]
+            if len(hits) > 1:
+                raise InvalidArgument(f"snapshot prefix {ref!r} is ambiguous: it matches "
+                                      f"{len(hits)} snapshots; give more digits")
+            snap = hits[0] if hits else None
+        if snap is None:
+            raise ImageNotFound(f"no snapshot {str(ref)[:80]!r} in this simulated backend "
+                                "(snapshots live on the node that took them)", ref=str(ref)[:80])
+        return snap
+
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
+        """Copy the in-memory tree (minus ``strip`` patterns), keyed by a content hash.
+        Unchanged since the previous snapshot (or the one it started from): that one."""
+        box = self._box(sid)
+        fs = _strip(box.fs, strip) if strip else box.fs
+        digest = fs.digest()
+        prev = next((self._snaps[p] for p in (box.last, box.origin)
+                     if p is not None and p in self._snaps), None)
+        if prev is not None and prev.digest == digest:
+            return msgspec.structs.replace(prev.info, unchanged=True)
+        parent = prev.info.id if prev is not None else None
+        sid_hash = hashlib.sha256(f"{digest}|{parent}|{sid}|{len(self._snaps)}|"
+                                  f"{time.time_ns()}".encode()).hexdigest()
+        src = self._snaps[box.origin].info if box.origin in self._snaps else None
+        spec = box.spec
+        info = SnapshotInfo(
+            id="sha256:" + sid_hash, parent=parent, sandbox_id=sid, project=spec.project,
+            image=src.image if src else spec.image,
+            workspace=src.workspace if src else spec.workspace,
+            toolkits=src.toolkits if src else spec.toolkits, backend=self.name,
+            created=self.clock.time(), size_bytes=sum(len(v) for v in fs.files.values()))
+        self._snaps[info.id] = _Snap(info, fs.copy(), digest)
+        box.last = info.id
+        return info
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        return [s.info for s in self._snaps.values()]
+
+    async def snapshot_info(self, ref: str) -> SnapshotInfo:
+        return self._snap(ref).info
+
+    async def delete_snapshot(self, ref: str) -> SnapshotInfo:
+        snap = self._snap(ref)
+        sid = snap.info.id
+        users = [k for k, b in self._boxes.items() if b.origin == sid]
+        children = [k for k, s in self._snaps.items() if s.info.parent == sid]
+        if users or children:
+            why = ([f"sandbox {u} was started from it" for u in users[:3]]
+                   + [f"snapshot {c} builds on it" for c in children[:3]])
+            raise InUse(f"snapshot {sid} is in use: {'; '.join(why)}; destroy those first",
+                        ref=sid)
+        del self._snaps[sid]
+        return snap.info
+
+    def images_present(self) -> Iterable[str]:
+        """Snapshot ids, so placement can send create(snapshot=...) to this node."""
+        return self._snaps.keys()
 
     def _box(self, sid: str, *, running: bool = False) -> _Box:
         box = self._boxes.get(sid)
@@ -422,6 +529,28 @@ class SimulatedBackend:
         return FileInfo(name=posixpath.basename(p), path=p, type="file",
                         size=len(box.fs.files[p]), mode=box.fs.modes.get(p, 0o644),
                         mtime=box.fs.mtimes.get(p, 0.0))
+
+
+def _strip(fs: _Fs, patterns: tuple[str, ...]) -> _Fs:
+    """A copy of ``fs`` without paths matching ``patterns`` (or under a matching dir),
+    with pack_diff's rule: a pattern without '/' matches a basename anywhere."""
+    def gone(p: str) -> bool:
+        rel = p.lstrip("/")
+        while rel:
+            base = posixpath.basename(rel)
+            if any(fnmatch.fnmatchcase(rel if "/" in pat else base, pat) for pat in patterns):
+                return True
+            rel = posixpath.dirname(rel)
+        return False
+    out = _Fs(dirs={d for d in fs.dirs if d == "/" or not gone(d)})
+    for p, data in fs.files.items():
+        if not gone(p):
+            out.files[p] = data
+            if p in fs.modes:
+                out.modes[p] = fs.modes[p]
+            if p in fs.mtimes:
+                out.mtimes[p] = fs.mtimes[p]
+    return out
 
 
 def _children(fs: _Fs, d: str) -> set[str]:
