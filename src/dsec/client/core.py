@@ -29,7 +29,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from dsec.control.api.types import CreateSandboxRequest, Info, NodeView
+import msgspec
+
+from dsec.control.api.types import CreateSandboxRequest, Info, NodeView, SnapshotView
 from dsec.edge.spec import (
     ExecChunk,
     ExecRequest,
@@ -41,7 +43,8 @@ from dsec.edge.spec import (
 )
 from dsec.errors import DsecError, InvalidArgument, NotFound, TransportError, Unauthenticated
 
-__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "Snapshot",
+__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
+           "Snapshot",
            "parse_memory", "resolve_target"]
 
 T = TypeVar("T")
@@ -92,15 +95,65 @@ def resolve_target(url: str | None, api_key: str | None) -> tuple[str, str, str 
 
 
 class Snapshot:
-    """A pack_diff snapshot of a sandbox; pass it to ``create(snapshot=...)``."""
+    """A pack_diff snapshot of a sandbox; pass it to ``create(snapshot=...)``.
 
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self.data = dict(data)
-        self.id: str = str(self.data.get("id", ""))
-        self.sandbox_id: str = str(self.data.get("sandbox_id", ""))
+    ``id`` (``sha256:<hex>``), ``parent`` (the snapshot it builds on, or None),
+    ``created`` (unix seconds), ``size`` (bytes of this layer), ``unchanged`` (nothing
+    changed since the previous snapshot, which this is), ``nodes`` (edges holding it)."""
+
+    def __init__(self, view: SnapshotView) -> None:
+        self.view = view
+        self.id: str = view.id
+        self.parent: str | None = view.parent
+        self.created: float = view.created_at
+        self.size: int = view.size_bytes
+        self.sandbox_id: str = view.sandbox_id
+        self.project: str = view.project
+        self.unchanged: bool = view.unchanged
+        self.nodes: list[str] = list(view.nodes)
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The snapshot as plain JSON-able data."""
+        return msgspec.to_builtins(self.view)  # type: ignore[no-any-return]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Snapshot) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
 
     def __repr__(self) -> str:
-        return f"Snapshot({self.id!r}, sandbox={self.sandbox_id!r})"
+        return (f"Snapshot({self.id[:19]}..., sandbox={self.sandbox_id!r}, "
+                f"parent={(self.parent or '')[:19] or None!r}, size={self.size})")
+
+
+class AsyncSnapshots:
+    """``client.snapshots``: list, get, delete (create them with ``sandbox.snapshot()``)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def list(self, *, project: str | None = None,
+                   sandbox_id: str | None = None) -> list[Snapshot]:
+        page = await self._c._call("snapshots", project, sandbox_id)
+        return [Snapshot(v) for v in page.items]
+
+    async def get(self, snapshot: Snapshot | str) -> Snapshot:
+        return Snapshot(await self._c._call("snapshot_get", _snap_id(snapshot)))
+
+    async def delete(self, snapshot: Snapshot | str) -> None:
+        """Delete it; ``InUse`` while a sandbox runs from it or a snapshot builds on it."""
+        await self._c._call("snapshot_delete", _snap_id(snapshot), idempotent=False)
+
+
+def _snap_id(snapshot: Snapshot | str) -> str:
+    if isinstance(snapshot, Snapshot):
+        return snapshot.id
+    if not isinstance(snapshot, str) or not snapshot:
+        raise InvalidArgument(f"snapshot={snapshot!r} must be a Snapshot or its id "
+                              "('sha256:...')", field="snapshot")
+    return snapshot
 
 
 class AsyncClient:
@@ -135,6 +188,7 @@ class AsyncClient:
         self._renewer: asyncio.Task[None] | None = None
         self._session_lock: asyncio.Lock | None = None
         self.sandboxes = AsyncSandboxes(self)
+        self.snapshots = AsyncSnapshots(self)
 
     # ------------------------------------------------------------------ plumbing
     async def _transport(self) -> Any:
@@ -254,7 +308,7 @@ class AsyncSandboxes:
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
             raise InvalidArgument(f"cpu={cpu!r} must be a positive number of cores", field="cpu")
         session = None if detached else await self._c._ensure_session()
-        snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        snap = None if snapshot is None else _snap_id(snapshot)
         return CreateSandboxRequest(
             image=image, workspace=workspace, toolkits=list(toolkits), snapshot=snap,
             backend=backend, cpu_milli=int(round(cpu * 1000)),  # type: ignore[arg-type]
@@ -439,8 +493,15 @@ class AsyncSandbox:
     async def resume(self) -> None:
         self.info = await self._c._call("resume", self.id, idempotent=False)
 
-    async def snapshot(self) -> Snapshot:
-        return Snapshot(await self._c._call("snapshot", self.id, idempotent=False))
+    async def snapshot(self, *, strip: Sequence[str] = ()) -> Snapshot:
+        """pack_diff what changed since the last snapshot (or since the image) into a new
+        snapshot; unchanged -> the previous one (``unchanged=True``). ``strip``: path
+        patterns left out for reuse safety (e.g. ``dsec.image.DEFAULT_RESIDUE``)."""
+        if isinstance(strip, str):
+            raise InvalidArgument("strip must be a list of patterns, not one string",
+                                  field="strip")
+        return Snapshot(await self._c._call("snapshot", self.id, list(strip),
+                                            idempotent=False))
 
     async def events(self) -> list[SandboxEvent]:
         return await self._c._call("events", self.id)  # type: ignore[no-any-return]

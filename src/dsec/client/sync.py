@@ -15,7 +15,14 @@ from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from dsec.client.core import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSandboxes, Snapshot
+from dsec.client.core import (
+    AsyncClient,
+    AsyncFiles,
+    AsyncSandbox,
+    AsyncSandboxes,
+    AsyncSnapshots,
+    Snapshot,
+)
 from dsec.control.api.types import Info, NodeView
 from dsec.edge.spec import (
     ExecChunk,
@@ -27,7 +34,7 @@ from dsec.edge.spec import (
 )
 from dsec.errors import DsecError
 
-__all__ = ["Client", "Files", "Sandbox", "Sandboxes"]
+__all__ = ["Client", "Files", "Sandbox", "Sandboxes", "Snapshots"]
 
 T = TypeVar("T")
 
@@ -72,6 +79,7 @@ class Client:
             raise
         self.url = self._a.url
         self.sandboxes = Sandboxes(self, self._a.sandboxes)
+        self.snapshots = Snapshots(self, self._a.snapshots)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
@@ -122,6 +130,23 @@ class Sandboxes:
                   **kw: Any) -> list[ExecResult | DsecError]:
         items = [(s._a if isinstance(s, Sandbox) else s, cmd) for s, cmd in calls]
         return self._c._run(self._a.exec_many(items, **kw))
+
+
+class Snapshots:
+    """``client.snapshots``: list, get, delete."""
+
+    def __init__(self, client: Client, a: AsyncSnapshots) -> None:
+        self._c = client
+        self._a = a
+
+    def list(self, **kw: Any) -> list[Snapshot]:
+        return self._c._run(self._a.list(**kw))
+
+    def get(self, snapshot: Snapshot | str) -> Snapshot:
+        return self._c._run(self._a.get(snapshot))
+
+    def delete(self, snapshot: Snapshot | str) -> None:
+        self._c._run(self._a.delete(snapshot))
 
 
 class Files:
@@ -197,8 +222,8 @@ class Sandbox:
     def resume(self) -> None:
         self._c._run(self._a.resume())
 
-    def snapshot(self) -> Snapshot:
-        return self._c._run(self._a.snapshot())
+    def snapshot(self, **kw: Any) -> Snapshot:
+        return self._c._run(self._a.snapshot(**kw))
 
     def events(self) -> list[SandboxEvent]:
         return self._c._run(self._a.events())

@@ -25,6 +25,8 @@ from dsec.control.api.types import (
     NodeList,
     SandboxList,
     SessionView,
+    SnapshotList,
+    SnapshotView,
 )
 from dsec.edge.spec import (
     ExecChunk,
@@ -73,7 +75,10 @@ class Transport(Protocol):
     async def remove(self, sid: str, path: str, recursive: bool) -> None: ...
     async def pause(self, sid: str) -> PauseStats: ...
     async def resume(self, sid: str) -> SandboxInfo: ...
-    async def snapshot(self, sid: str) -> dict[str, Any]: ...
+    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView: ...
+    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList: ...
+    async def snapshot_get(self, ref: str) -> SnapshotView: ...
+    async def snapshot_delete(self, ref: str) -> None: ...
     async def events(self, sid: str) -> list[SandboxEvent]: ...
     async def nodes(self) -> NodeList: ...
     async def session_open(self, lease_s: float) -> SessionView: ...
@@ -276,8 +281,20 @@ class HttpTransport:
     async def resume(self, sid: str) -> SandboxInfo:
         return await self._json(SandboxInfo, "POST", f"/v1/sandboxes/{sid}/resume")  # type: ignore[no-any-return]
 
-    async def snapshot(self, sid: str) -> dict[str, Any]:
-        return await self._json(dict[str, Any], "POST", f"/v1/sandboxes/{sid}/snapshot")  # type: ignore[no-any-return]
+    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
+        return await self._json(SnapshotView, "POST", f"/v1/sandboxes/{sid}/snapshot",  # type: ignore[no-any-return]
+                                params=[("strip", p) for p in strip])
+
+    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
+        params = {k: v for k, v in (("project", project), ("sandbox_id", sandbox_id))
+                  if v is not None}
+        return await self._json(SnapshotList, "GET", "/v1/snapshots", params=params)  # type: ignore[no-any-return]
+
+    async def snapshot_get(self, ref: str) -> SnapshotView:
+        return await self._json(SnapshotView, "GET", f"/v1/snapshots/{ref}")  # type: ignore[no-any-return]
+
+    async def snapshot_delete(self, ref: str) -> None:
+        await self._req("DELETE", f"/v1/snapshots/{ref}")
 
     async def events(self, sid: str) -> list[SandboxEvent]:
         class _E(msgspec.Struct):
@@ -426,8 +443,20 @@ class AetherTransport:
     async def resume(self, sid: str) -> SandboxInfo:
         return await self._call("api.resume", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
 
-    async def snapshot(self, sid: str) -> dict[str, Any]:
-        return await self._call("api.snapshot", self._k(id=sid), dict[str, Any])  # type: ignore[no-any-return]
+    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
+        return await self._call("api.snapshot", self._k(id=sid, strip=list(strip)),  # type: ignore[no-any-return]
+                                SnapshotView)
+
+    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
+        body = self._k(**{k: v for k, v in (("project", project), ("sandbox_id", sandbox_id))
+                          if v is not None})
+        return await self._call("api.snapshots", body, SnapshotList)  # type: ignore[no-any-return]
+
+    async def snapshot_get(self, ref: str) -> SnapshotView:
+        return await self._call("api.snapshot_get", self._k(id=ref), SnapshotView)  # type: ignore[no-any-return]
+
+    async def snapshot_delete(self, ref: str) -> None:
+        await self._call("api.snapshot_delete", self._k(id=ref), SnapshotView)
 
     async def events(self, sid: str) -> list[SandboxEvent]:
         return await self._call("api.events", self._k(id=sid), list[SandboxEvent])  # type: ignore[no-any-return]

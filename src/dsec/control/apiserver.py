@@ -48,6 +48,7 @@ from dsec.control.api.types import (
     QuotaBody,
     SandboxList,
     SessionView,
+    SnapshotList,
     SnapshotView,
 )
 from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo
@@ -415,11 +416,42 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              SandboxInfo), resume)
 
     async def snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        snap = await service.snapshot(caller, sid_of(request))
+        strip = request.query_params.getlist("strip")
+        snap = await service.snapshot(caller, sid_of(request), strip)
         return _json_response(snap, rid, 201)
 
     route(Op("POST", "/v1/sandboxes/{id}/snapshot", "snapshotSandbox",
-             "Snapshot the sandbox's changes (pack_diff)", None, SnapshotView, 201), snapshot)
+             "Snapshot the sandbox's changes since its last snapshot (pack_diff); "
+             "unchanged -> that snapshot", None, SnapshotView, 201,
+             params=(Param("strip", {"type": "array", "items": {"type": "string",
+                                                                 "minLength": 1}},
+                           description="path patterns left out (reuse safety), repeatable"),
+                     )), snapshot)
+
+    async def snapshots(request: Request, caller: Caller, rid: str) -> Response:
+        q = request.query_params
+        items = await service.list_snapshots(caller, project=q.get("project"),
+                                             sandbox_id=q.get("sandbox_id"))
+        return _json_response(SnapshotList(items=items), rid)
+
+    route(Op("GET", "/v1/snapshots", "listSnapshots", "Snapshots visible to this key",
+             None, SnapshotList, tag="snapshots",
+             params=(Param("project", {"type": "string", "minLength": 1}),
+                     Param("sandbox_id", {"type": "string", "minLength": 1}))), snapshots)
+
+    async def get_snapshot(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await service.get_snapshot(caller, sid_of(request)), rid)
+
+    route(Op("GET", "/v1/snapshots/{id}", "getSnapshot", "One snapshot and the nodes "
+             "holding it", None, SnapshotView, tag="snapshots"), get_snapshot)
+
+    async def delete_snapshot(request: Request, caller: Caller, rid: str) -> Response:
+        await service.delete_snapshot(caller, sid_of(request))
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/snapshots/{id}", "deleteSnapshot", "Delete a snapshot (409 "
+             "in_use while a sandbox runs from it or a snapshot builds on it)", None, None,
+             204, tag="snapshots"), delete_snapshot)
 
     async def events(request: Request, caller: Caller, rid: str) -> Response:
         return _json_response(EventList(items=await service.events(caller, sid_of(request))),

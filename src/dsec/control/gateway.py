@@ -28,6 +28,8 @@ from dsec.control.api.types import (
     NodeView,
     SandboxList,
     SessionView,
+    SnapshotList,
+    SnapshotView,
 )
 from dsec.edge.spec import (
     ExecRequest,
@@ -50,6 +52,8 @@ __all__ = [
     "GwRead",
     "GwRef",
     "GwSession",
+    "GwSnapshot",
+    "GwSnapshots",
     "GwWrite",
     "Outcome",
     "gateway_router",
@@ -121,6 +125,16 @@ class GwFile(_Keyed, kw_only=True):
 class GwSession(_Keyed, kw_only=True):
     id: str | None = None
     lease_s: float = 60.0
+
+
+class GwSnapshot(_Keyed, kw_only=True):
+    id: str
+    strip: list[str] = []
+
+
+class GwSnapshots(_Keyed, kw_only=True):
+    project: str | None = None
+    sandbox_id: str | None = None
 
 
 class GwKey(_Keyed, kw_only=True):
@@ -254,10 +268,26 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
 
     r.add("api.resume", resume, request_type=GwRef)
 
-    async def snapshot(b: GwRef) -> dict[str, Any]:
-        return await service.snapshot(caller(b), b.id)
+    async def snapshot(b: GwSnapshot) -> SnapshotView:
+        return await service.snapshot(caller(b), b.id, b.strip)
 
-    r.add("api.snapshot", snapshot, request_type=GwRef)
+    r.add("api.snapshot", snapshot, request_type=GwSnapshot)
+
+    async def snapshots(b: GwSnapshots) -> SnapshotList:
+        return SnapshotList(items=await service.list_snapshots(
+            caller(b), project=b.project, sandbox_id=b.sandbox_id))
+
+    r.add("api.snapshots", snapshots, request_type=GwSnapshots)
+
+    async def snapshot_get(b: GwRef) -> SnapshotView:
+        return await service.get_snapshot(caller(b), b.id)
+
+    r.add("api.snapshot_get", snapshot_get, request_type=GwRef)
+
+    async def snapshot_delete(b: GwRef) -> SnapshotView:
+        return await service.delete_snapshot(caller(b), b.id)
+
+    r.add("api.snapshot_delete", snapshot_delete, request_type=GwRef)
 
     async def events(b: GwRef) -> list[SandboxEvent]:
         return await service.events(caller(b), b.id)

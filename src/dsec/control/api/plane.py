@@ -58,7 +58,9 @@ from dsec.errors import (
     Conflict,
     DsecError,
     ImageError,
+    ImageNotFound,
     InvalidArgument,
+    NoCapacity,
     NotFound,
     SandboxNotFound,
 )
@@ -107,6 +109,8 @@ class EdgeEntry:
     heartbeat: Any = None           # dsec.edge.protocol.Heartbeat
     last_seen: float = 0.0
     feed_after: int = 0
+    images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
+    noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
 
 
 @dataclass
@@ -198,7 +202,50 @@ class ControlPlane:
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
                                group=spec.project)
+        if spec.snapshot is not None:
+            return self._place_on_holder(spec.snapshot, req, exclude)
         return self.placement.place(req, exclude=exclude)
+
+    # Snapshots live in the layer store of the node that took them, so a sandbox started
+    # from one must go to a node holding it: image affinity as a hard filter. The holders
+    # are few (one node, or the edges sharing one machine's store), so they are scored
+    # directly instead of going through k-choice sampling.
+    def _place_on_holder(self, ref: str, req: PlacementRequest,
+                         exclude: frozenset[str]) -> Decision:
+        now = self.clock()
+        holders = [n for n, e in self.edges.items()
+                   if self._healthy(e, now) and _holds(e, ref)]
+        if not holders:
+            raise ImageNotFound(
+                f"snapshot {ref[:80]!r} is on no healthy node of this cluster; snapshots live "
+                "on the node that took them (GET /v1/snapshots lists them)", ref=ref[:80])
+        best: tuple[float, str] | None = None
+        for n in holders:
+            if n in exclude:
+                continue
+            sc = self.placement.score(n, req)
+            if sc is not None and (best is None or sc > best[0]):
+                best = (sc, n)
+        if best is None:
+            raise NoCapacity(
+                f"no node holding snapshot {ref[:80]} can take cpu_milli={req.cpu_milli}, "
+                f"memory_bytes={req.memory_bytes} (holders {sorted(holders)}, refused "
+                f"{sorted(exclude)}); free capacity there or snapshot elsewhere",
+                candidates=len(holders), refused=sorted(exclude))
+        return self.placement.commit_to(best[1], req)
+
+    def note_snapshot(self, node: str, snapshot_id: str) -> None:
+        """A snapshot was just taken on ``node``: route creates from it there before the
+        edge's next heartbeat lists it."""
+        e = self.edges.get(node)
+        if e is not None:
+            e.noted.add(snapshot_id)
+
+    def forget_snapshot(self, snapshot_id: str) -> None:
+        for e in self.edges.values():
+            e.noted.discard(snapshot_id)
+            if snapshot_id in e.images:
+                e.images = e.images - {snapshot_id}
 
     def accepted(self, decision: Decision) -> None:
         self.placement.confirm(decision)
@@ -388,6 +435,9 @@ class ControlPlane:
             return
         e.heartbeat = hb
         e.last_seen = now = self.clock()
+        e.images = frozenset(hb.images)
+        if e.noted:
+            e.noted -= e.images
         e.feed_after = feed.next
         labels = dict(hb.labels)
         labels.update({f"{BACKEND_LABEL}{b}": "1" for b in hb.backends})
@@ -495,6 +545,16 @@ class ControlPlane:
         m.nodes.labels("healthy").set(healthy)
         m.nodes.labels("unhealthy").set(len(self.edges) - healthy)
 
+
+
+def _holds(e: EdgeEntry, ref: str) -> bool:
+    """Whether edge ``e`` reported (or just took) ``ref``; a digest prefix matches too."""
+    if ref in e.images or ref in e.noted:
+        return True
+    if ref.startswith("sha256:") and len(ref) >= 19:
+        return any(i.startswith(ref) for i in e.images) or any(
+            i.startswith(ref) for i in e.noted)
+    return False
 
 
 def _image_view(m: Any) -> ImageView:

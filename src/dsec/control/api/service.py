@@ -32,6 +32,7 @@ from dsec.control.api.types import (
     ExecBody,
     ExecOutput,
     NodeView,
+    SnapshotView,
 )
 from dsec.control.idempotency import IdempotencyCache, fingerprint
 from dsec.control.metrics import ApiMetrics
@@ -47,11 +48,12 @@ from dsec.edge.spec import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    SnapshotInfo,
 )
 from dsec.errors import (
     CapacityExceeded,
-    Conflict,
     DsecError,
+    ImageNotFound,
     InvalidArgument,
     InvalidTransition,
     NoCapacity,
@@ -75,6 +77,7 @@ __all__ = [
     "Role",
     "exec_output",
     "exec_request",
+    "snapshot_view",
 ]
 
 Role = Literal["reader", "member", "admin"]
@@ -512,17 +515,86 @@ class ApiService:
         edge, _ = await self._edge_for(principal, sid, "member")
         await edge.resume(sid)
 
-    async def snapshot(self, principal: Caller, sid: str) -> dict[str, Any]:
+    async def snapshot(self, principal: Caller, sid: str,
+                       strip: Sequence[str] = ()) -> SnapshotView:
+        """pack_diff the sandbox into a snapshot on its edge (member role)."""
         edge, _ = await self._edge_for(principal, sid, "member")
-        snap = getattr(edge, "snapshot", None)
-        if snap is None:
-            # SEAM: the edge protocol has no snapshot method yet (pack_diff lives in
-            # dsec.image); wire it here when edge.snapshot lands.
-            raise Conflict(f"sandbox {sid} cannot be snapshotted: its edge does not offer "
-                           "snapshots yet (needs the container backend with image layers)",
-                           sandbox_id=sid)
-        result: dict[str, Any] = await snap(sid)
-        return result
+        info = await edge.snapshot(sid, strip=strip)
+        note = getattr(self.directory, "note_snapshot", None)
+        if note is not None:
+            note(info.node or node_of(sid), info.id)  # placement can route to it at once
+        return snapshot_view(info, [info.node or node_of(sid)])
+
+    def _edges(self) -> list[tuple[str, EdgeOps]]:
+        return [(n.id, e) for n in self.directory.nodes()
+                if (e := self.directory.edge(NodeId(n.id))) is not None]
+
+    async def list_snapshots(self, principal: Caller, *, project: str | None = None,
+                             sandbox_id: str | None = None) -> list[SnapshotView]:
+        """Snapshots on every edge that the principal may see (reader on their project,
+        or on ``project``'s subtree), merged by id, oldest first."""
+        if project is not None:
+            parse_project_path(project)
+            self.require(principal, project, "reader")
+        edges = self._edges()
+        results = await asyncio.gather(*(e.snapshots(sandbox_id=sandbox_id)
+                                         for _, e in edges), return_exceptions=True)
+        merged: dict[str, SnapshotView] = {}
+        for (node, _), res in zip(edges, results):
+            if isinstance(res, BaseException):
+                continue  # an unreachable edge: its snapshots are missing from the answer
+            for info in res:
+                p = info.project
+                if project is not None and p != project and not p.startswith(project + "/"):
+                    continue
+                if principal.role_on(p) is None:
+                    continue
+                have = merged.get(info.id)
+                if have is None:
+                    merged[info.id] = snapshot_view(info, [node])
+                elif node not in have.nodes:
+                    have.nodes.append(node)
+        return sorted(merged.values(), key=lambda v: (v.created_at, v.id))
+
+    async def get_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
+        """One snapshot by id (or a unique prefix >= 12 hex digits), with its holders."""
+        edges = self._edges()
+        results = await asyncio.gather(*(e.get_snapshot(ref) for _, e in edges),
+                                       return_exceptions=True)
+        view: SnapshotView | None = None
+        for (node, _), res in zip(edges, results):
+            if isinstance(res, InvalidArgument):
+                raise res
+            if isinstance(res, BaseException):
+                continue
+            if view is None:
+                view = snapshot_view(res, [node])
+            elif node not in view.nodes:
+                view.nodes.append(node)
+        if view is None or principal.role_on(view.project) is None:
+            raise ImageNotFound(f"no snapshot {ref[:80]!r} visible to this API key (check "
+                                "the id and that your key has a role on its project)",
+                                ref=ref[:80])
+        self.require(principal, view.project, "reader")
+        return view
+
+    async def delete_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
+        """Delete a snapshot on every edge holding it (member role on its project).
+        ``InUse`` (409) while a sandbox runs from it or a snapshot builds on it."""
+        view = await self.get_snapshot(principal, ref)
+        self.require(principal, view.project, "member")
+        for node in view.nodes:
+            edge = self.directory.edge(NodeId(node))
+            if edge is None:
+                continue
+            try:
+                await edge.delete_snapshot(view.id)
+            except ImageNotFound:
+                pass  # a shared layer store: an earlier holder's delete removed it
+        forget = getattr(self.directory, "forget_snapshot", None)
+        if forget is not None:
+            forget(view.id)
+        return view
 
     async def events(self, principal: Caller, sid: str) -> list[SandboxEvent]:
         edge, _ = await self._edge_for(principal, sid, "reader")
@@ -555,6 +627,16 @@ def _decode_cursor(cursor: str) -> str:
     except (ValueError, UnicodeDecodeError, InvalidArgument):
         raise InvalidArgument(f"invalid cursor {cursor[:40]!r}: pass next_cursor from the "
                               "previous page unchanged", field="cursor") from None
+
+
+def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
+    """Edge SnapshotInfo -> API form."""
+    return SnapshotView(id=info.id, sandbox_id=info.sandbox_id, node=info.node or nodes[0],
+                        nodes=list(nodes), project=info.project, parent=info.parent,
+                        image=info.image, workspace=info.workspace,
+                        toolkits=list(info.toolkits), backend=info.backend,
+                        size_bytes=info.size_bytes, created_at=info.created,
+                        unchanged=info.unchanged)
 
 
 def exec_request(body: ExecBody) -> ExecRequest:

@@ -165,13 +165,23 @@ class FileList(msgspec.Struct, kw_only=True):
 
 
 class SnapshotView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A pack_diff snapshot. ``id`` (``sha256:<hex>``) goes into ``create(snapshot=)``;
+    ``nodes`` are the edges that hold it (a sandbox from it is placed on one of them);
+    ``unchanged``: nothing changed since the previous snapshot, which this is."""
+
     id: str
     sandbox_id: str = ""
     node: str = ""
+    nodes: list[str] = []
     project: str = ""
     parent: str | None = None
+    image: str = ""
+    workspace: str | None = None
+    toolkits: list[str] = []
+    backend: str = ""
     size_bytes: int = 0
     created_at: float = 0.0
+    unchanged: bool = False
 
 
 class SnapshotList(msgspec.Struct, kw_only=True):
