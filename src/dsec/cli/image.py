@@ -28,10 +28,24 @@ DEFAULT_ROOT = "/var/lib/dsec/images"
 _PHASES = {"pack": "packing EROFS", "hash": "hashing"}
 
 
+def default_root() -> str:
+    """``$DSEC_IMAGE_ROOT``; else the layer store of the running ``dsec up`` (its state
+    dir's ``layers/``, where its edges start sandboxes from), else the system store."""
+    env = os.environ.get("DSEC_IMAGE_ROOT")
+    if env:
+        return env
+    from dsec.control.api.cluster import read_local
+
+    local = read_local()
+    if local is not None and isinstance(local.get("state_dir"), str):
+        return os.path.join(local["state_dir"], "layers")
+    return DEFAULT_ROOT
+
+
 def _store(root: str | None):  # type: ignore[no-untyped-def]
     from dsec.image.store import LayerStore
 
-    return LayerStore(root or os.environ.get("DSEC_IMAGE_ROOT", DEFAULT_ROOT))
+    return LayerStore(root or default_root())
 
 
 @contextmanager
@@ -57,7 +71,8 @@ def _fail(exc: DsecError) -> None:
 
 @click.group()
 @click.option("--root", envvar="DSEC_IMAGE_ROOT", default=None,
-              help=f"Layer store directory (default $DSEC_IMAGE_ROOT or {DEFAULT_ROOT}).")
+              help="Layer store directory (default $DSEC_IMAGE_ROOT, else the running "
+                   f"`dsec up` cluster's store, else {DEFAULT_ROOT}).")
 @click.pass_context
 def image(ctx: click.Context, root: str | None) -> None:
     """Build and manage read-only image layers (EROFS)."""

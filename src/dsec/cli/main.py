@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "image": "dsec.cli.image:image",
     "node": "dsec.cli.node:node",
     "sandbox": "dsec.cli.sandbox:sandbox",
+    "snapshot": "dsec.cli.snapshot:snapshot",
     "up": "dsec.cli.up:up",
 }
 

@@ -80,6 +80,7 @@ def sandbox() -> None:
 @click.option("--image", default="base", show_default=True)
 @click.option("--workspace", default=None)
 @click.option("--toolkit", "toolkits", multiple=True)
+@click.option("--snapshot", default=None, help="Start from this snapshot (sha256:...).")
 @click.option("--backend", default=None, help="Default: the server's.")
 @click.option("--cpu", type=float, default=1.0, show_default=True, help="Cores.")
 @click.option("--memory", default="512MiB", show_default=True)
@@ -88,14 +89,14 @@ def sandbox() -> None:
 @click.option("--project", default=None)
 @click.option("-n", "count", type=click.IntRange(1, 100_000), default=1, show_default=True)
 @conn_options
-def create(image: str, workspace: str | None, toolkits: tuple[str, ...], backend: str | None,
-           cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
+def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapshot: str | None,
+           backend: str | None, cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
            project: str | None, count: int, url: str | None, api_key: str | None,
            as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
-    kw = dict(image=image, workspace=workspace, toolkits=toolkits, backend=backend, cpu=cpu,
-              memory=memory, ttl=ttl, labels=lab, project=project, detached=True)
+    kw = dict(image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
+              backend=backend, cpu=cpu, memory=memory, ttl=ttl, labels=lab, project=project, detached=True)
     with client(url, api_key) as c:
         sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]
         if as_json:
@@ -196,12 +197,26 @@ _simple("resume", "resume")
 
 @sandbox.command("snapshot")
 @click.argument("sandbox_id")
+@click.option("--strip", "strip", multiple=True, metavar="PATTERN",
+              help="Leave paths matching PATTERN out (a pattern without '/' matches a "
+                   "basename anywhere); repeatable.")
+@click.option("--strip-residue", is_flag=True,
+              help="Also strip build residue (__pycache__, *.pyc, shell histories, tmp/*...).")
 @conn_options
-def snapshot(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
-    """Snapshot a sandbox's changes."""
+def snapshot(sandbox_id: str, strip: tuple[str, ...], strip_residue: bool, url: str | None,
+             api_key: str | None, as_json: bool) -> None:
+    """Snapshot what a sandbox changed since its last snapshot (see `dsec snapshot`)."""
+    pats = list(strip)
+    if strip_residue:
+        from dsec.image.packdiff import DEFAULT_RESIDUE
+        pats += [p for p in DEFAULT_RESIDUE if p not in pats]
     with client(url, api_key) as c:
-        snap = c.sandboxes.get(sandbox_id).snapshot()
-    emit_json(snap.data) if as_json else click.echo(f"snapshot {snap.id}")
+        snap = c.sandboxes.get(sandbox_id).snapshot(strip=pats)
+    if as_json:
+        emit_json(snap.data)
+    else:
+        click.echo(f"{snap.id}{' (unchanged)' if snap.unchanged else ''} parent "
+                   f"{snap.parent or '-'} {snap.size} bytes on {','.join(snap.nodes)}")
 
 
 @sandbox.command("rm")
