@@ -25,7 +25,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from dsec.edge.backend import DeathSink
 from dsec.edge.backends.container import linux
@@ -68,6 +68,9 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+
+if TYPE_CHECKING:
+    from dsec.edge.backends.container.runc import RuncDriver
 
 __all__ = ["ContainerBackend", "Runtime"]
 
@@ -123,11 +126,12 @@ class ContainerBackend:
         self._sink: DeathSink | None = None
         self._zygote = ZygoteClient()
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        self._runc = None
+        self._runc: RuncDriver | None = None
         if runtime == "runc":
             from dsec.edge.backends.container.runc import RuncDriver
 
-            self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir)
+            self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
+                                    cgroup_parent=f"dsec-{self.cgroup_name}")
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -175,8 +179,11 @@ class ContainerBackend:
             opts = overlay_options(layers.lowerdirs, os.path.join(d, "upper"),
                                    os.path.join(d, "work"))
             del opts  # validated here, composed again by the driver
-            cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes,
-                                                  spec.pids_max))
+            if self._runc is not None:  # runc makes (and removes) its own cgroups
+                cg = self.governor.paths(sid)
+            else:
+                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes,
+                                                      spec.pids_max))
             box = _Box(sid, spec, d, cg, layers)
             self._boxes[sid] = box
             if self._runc is not None:
@@ -339,8 +346,6 @@ class ContainerBackend:
         if box is not None:
             box.dying = True
             self._unwatch_box(box)
-            if self._runc is not None:
-                await self._runc.destroy(sid)
             if box.paused:
                 try:
                     self.governor.thaw(cg)
@@ -351,8 +356,8 @@ class ContainerBackend:
                     linux.pidfd_send_signal(box.pidfd, signal.SIGKILL)
                 except OSError:
                     pass
-        elif self._runc is not None:
-            await self._runc.destroy(sid)
+        if self._runc is not None:
+            await self._runc.destroy(sid, d)
         try:
             self.governor.kill_all(cg)
         except OSError as exc:

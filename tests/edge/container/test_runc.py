@@ -1,0 +1,48 @@
+"""The runc driver: same spec, same protocol, run by Debian's runc (the reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dsec.edge.backends.container import ContainerBackend
+from dsec.edge.backends.container.oci import oci_config
+from dsec.edge.spec import ExecRequest, SandboxSpec
+from tests.edge.container.conftest import SPEC, new_sid
+
+
+def test_oci_config_carries_the_spec() -> None:
+    cfg = oci_config(spec=SandboxSpec(cpu_milli=500, memory_bytes=64 << 20, pids_max=10),
+                     hostname="sb-x", cgroups_path="dsec-n/sb-x", init_path="/usr/bin/catatonit")
+    res = cfg["linux"]["resources"]
+    assert res["memory"] == {"limit": 64 << 20, "swap": 64 << 20}
+    assert res["cpu"]["quota"] == 50_000 and res["pids"] == {"limit": 10}
+    assert "/proc/kcore" in cfg["linux"]["maskedPaths"]
+    assert "CAP_SYS_ADMIN" not in cfg["process"]["capabilities"]["bounding"]
+    assert cfg["process"]["noNewPrivileges"] is True
+    json.dumps(cfg)
+
+
+async def test_runc_create_exec_files_pause_destroy(runc_backend: ContainerBackend) -> None:
+    b = runc_backend
+    assert b.name == "runc"
+    sid = new_sid()
+    mounts_before = open("/proc/self/mountinfo").read().count("\n")
+    await b.create(sid, SPEC)
+    r = await b.exec(sid, ExecRequest(shell="hostname; cat; id -u", stdin=b"in\n", user="agent"))
+    assert r.stdout == f"{sid}\nin\n1000\n".encode() and r.exit_code == 0
+    r = await b.exec(sid, ExecRequest(argv=("sleep", "10"), timeout_s=0.3))
+    assert r.timed_out
+    bg = await b.exec(sid, ExecRequest(shell="sleep 100", background=True))
+    assert bg.pid and bg.pid > 1
+    await b.write_file(sid, "/root/x", b"data")
+    assert await b.read_file(sid, "/root/x") == b"data"
+    assert os.path.exists(os.path.join(b.upper_dir(sid), "root/x"))
+    st = await b.pause(sid)
+    assert st.resident_before_bytes > 0
+    r = await b.exec(sid, ExecRequest(shell="cat /root/x; head -c 10 /proc/kcore | wc -c"))
+    assert r.stdout == b"data0\n"
+    await b.destroy(sid)
+    assert open("/proc/self/mountinfo").read().count("\n") == mounts_before
+    assert b.governor.list_sandboxes() == []
+    assert not os.path.exists(os.path.dirname(b.upper_dir(sid)))
