@@ -101,6 +101,8 @@ class ClusterRuntime:
         self._uvicorn: Any = None
         self._serve_task: asyncio.Task[None] | None = None
         self._store: Any = None
+        self._images: Any = None              # StoreImages shared by container edges
+        self._mounts: Any = None              # its MountCache (one per process)
 
     # ------------------------------------------------------------------ start
     async def start(self) -> ClusterRuntime:
@@ -172,18 +174,28 @@ class ClusterRuntime:
             self._edge_servers.append(await serve_edge(node, f"unix:{self._sock(node_id)}"))
 
     def _backend_opts(self, name: str, node_id: str) -> dict[str, Any]:
-        """Per-backend options. The container backend gets a root dir per edge and a
-        directory of image roots; ``base`` is a busybox root built on first use (~20 ms)
-        so ``dsec up --backend container`` works on a fresh machine."""
+        """Per-backend options. The container backend gets a root dir per edge and the
+        cluster's layer store (``state_dir/layers``, where ``dsec image build`` and
+        ``POST /v1/images`` put layers and where snapshots are written), resolved by
+        :class:`~dsec.image.resolver.StoreImages`. All edges of this process share one
+        store and one mount cache, so a layer is mounted once per machine and every local
+        edge can start sandboxes from every snapshot. ``base`` is the busybox base layer,
+        built on first start (~0.1 s) so ``dsec up --backend container`` works on a fresh
+        machine."""
         if name != "container":
             return {}
-        from dsec.edge.backends.container.testimage import build_busybox_root
+        from dsec.image import LayerStore, MountCache, ensure_busybox_base
+        from dsec.image.resolver import StoreImages
 
-        images = os.path.join(self.config.state_dir, "images")
-        os.makedirs(images, exist_ok=True)
-        build_busybox_root(os.path.join(images, "base"))
+        if self._images is None:
+            store = LayerStore(os.path.join(self.config.state_dir, "layers"))
+            base = ensure_busybox_base(store)
+            if "base:latest" not in store.refs():
+                store.tag(base.digest, "base")
+            self._mounts = MountCache()
+            self._images = StoreImages(store, self._mounts)
         return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
-                "images_dir": images}
+                "images": self._images}
 
     def _admin_key(self, plane: ControlPlane) -> str:
         old = read_local(self.config.state_dir)
@@ -274,6 +286,10 @@ class ClusterRuntime:
                     await node.destroy_many(ids, reason="shutdown")
             await node.close()
         self.nodes.clear()
+        if self._mounts is not None:
+            with contextlib.suppress(Exception):
+                self._mounts.close()
+            self._mounts = self._images = None
         if self._store is not None:
             with contextlib.suppress(Exception):
                 self._store.close()
