@@ -1,0 +1,52 @@
+"""Governor: pure layout detection and limit plans for cgroup v1 and v2."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsec.edge.governor import Limits, detect_layout, limit_writes, parse_proc_cgroup
+from dsec.errors import BackendError
+
+V1_MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+V1_SELF = "8:pids:/\n6:freezer:/\n4:memory:/api/abc\n2:cpuacct:/\n1:cpu:/\n0::/\n"
+V2_MOUNTINFO = "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_v1_nests_under_the_edges_own_cgroups() -> None:
+    layout = detect_layout(V1_MOUNTINFO, V1_SELF, name="n1", v2_controllers=lambda d: {"hugetlb"})
+    assert layout.version == 1
+    assert layout.bases["memory"] == "/sys/fs/cgroup/memory/api/abc/dsec-n1"
+    assert layout.bases["cpu"] == "/sys/fs/cgroup/cpu/dsec-n1"
+    assert set(layout.bases) == {"memory", "cpu", "cpuacct", "pids", "freezer"}
+
+
+def test_v2_is_preferred_when_it_has_the_controllers() -> None:
+    layout = detect_layout(V2_MOUNTINFO, "0::/user/edge\n", name="n1",
+                           v2_controllers=lambda d: {"memory", "cpu", "pids", "io"})
+    assert layout.version == 2 and layout.v2_own == "/sys/fs/cgroup/user/edge"
+    assert layout.bases == {"unified": "/sys/fs/cgroup/user/edge/dsec-n1"}
+
+
+def test_no_usable_hierarchy_is_a_clear_error() -> None:
+    with pytest.raises(BackendError, match="no usable cgroup hierarchy"):
+        detect_layout(V2_MOUNTINFO, "0::/\n", name="n", v2_controllers=lambda d: set())
+
+
+def test_limit_plans() -> None:
+    lim = Limits(cpu_milli=1500, memory_bytes=1 << 30, pids_max=None)
+    v1 = {(c, f): v for c, f, v in limit_writes(1, lim, memsw=True)}
+    assert v1[("memory", "memory.memsw.limit_in_bytes")] == str(1 << 30)
+    assert v1[("cpu", "cpu.cfs_quota_us")] == "150000" and v1[("cpu", "cpu.shares")] == "1536"
+    assert v1[("pids", "pids.max")] == "max"
+    v2 = {f: v for _, f, v in limit_writes(2, lim)}
+    assert v2["memory.swap.max"] == "0" and v2["cpu.max"] == "150000 100000"
+    assert 1 <= int(v2["cpu.weight"]) <= 10000
+    assert parse_proc_cgroup("3:cpu,cpuacct:/x\n")["cpuacct"] == "/x"
