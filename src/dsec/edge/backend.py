@@ -25,7 +25,9 @@ from dsec.ids import SandboxId
 
 __all__ = ["Backend", "DeathSink", "SnapshotBackend"]
 
-# sink(sandbox_id, reason, detail); reason is one of "oom", "backend_crash", "exited", ...
+# sink(sandbox_id, reason, detail). A reason in lifecycle.FINAL_REASONS ("oom",
+# "backend_crash", "exited", ...) means the sandbox is dead; a reason in
+# lifecycle.NOTICE_REASONS ("oom_kill": one process was OOM-killed) means it lives on.
 DeathSink = Callable[[SandboxId, str, str], None]
 
 

@@ -26,6 +26,7 @@ from dsec.errors import InvalidTransition
 __all__ = [
     "FINAL_REASONS",
     "IN_FLIGHT",
+    "NOTICE_REASONS",
     "TABLE",
     "EventTuple",
     "LifecycleEvent",
@@ -69,6 +70,12 @@ FINAL_REASONS: frozenset[str] = frozenset({
     "create_failed",    # creation failed; everything was rolled back
     "failed",           # an operation failed and cleanup destroyed it
     "shutdown",         # the node was drained
+})
+
+# Reasons a backend may report for a sandbox that lives on: recorded as an event whose
+# from and to states are equal, never as a death.
+NOTICE_REASONS: frozenset[str] = frozenset({
+    "oom_kill",         # the OOM killer killed a process inside; the sandbox still runs
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -124,7 +124,7 @@ async def test_memory_bomb_is_oom_killed_and_reported(backend: ContainerBackend)
         if events:
             break
         await asyncio.sleep(0.01)
-    assert [(s, why) for s, why, _ in events][:1] == [(bomb, "oom")]
+    assert [(s, why) for s, why, _ in events][:1] == [(bomb, "oom_kill")]
     assert "memory limit of 67108864" in events[0][2]
     code, out = await sh(backend, bystander, "echo fine")
     assert out == "fine\n"

@@ -23,7 +23,7 @@ import resource
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -44,6 +44,7 @@ from dsec.edge.backends.container.protocol import (
     Started,
 )
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
+from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.container.state import (
     BoxRecord,
     load_record,
@@ -59,6 +60,7 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxSpec,
     SandboxStats,
+    SnapshotInfo,
 )
 from dsec.errors import (
     BackendError,
@@ -132,6 +134,7 @@ class ContainerBackend:
 
             self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
                                     cgroup_parent=f"dsec-{self.cgroup_name}")
+        self._snapshots = ContainerSnapshots(self)
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -280,7 +283,7 @@ class ContainerBackend:
             return False
         n, box.oom_seen = kills - box.oom_seen, kills
         if report:
-            self._report(box, "oom", f"the OOM killer killed {n} process(es) in sandbox "
+            self._report(box, "oom_kill", f"the OOM killer killed {n} process(es) in sandbox "
                          f"{box.sid}, which hit its memory limit of {box.spec.memory_bytes} "
                          "bytes; the sandbox itself is still running - raise memory_bytes")
         return True
@@ -645,6 +648,22 @@ class ContainerBackend:
         disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                             pids=pids, disk_bytes=disk)
+
+    # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
+        return await self._snapshots.snapshot(sid, strip=strip)
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        return await self._snapshots.snapshots()
+
+    async def snapshot_info(self, ref: str) -> SnapshotInfo:
+        return await self._snapshots.snapshot_info(ref)
+
+    async def delete_snapshot(self, ref: str) -> SnapshotInfo:
+        return await self._snapshots.delete_snapshot(ref)
+
+    def images_present(self) -> Iterable[str]:
+        return self._snapshots.images_present()
 
 
 def _tree_bytes(path: str) -> int:
