@@ -38,6 +38,7 @@ from dsec.edge.eager import gather_eager
 from dsec.edge.journal import JournalRecord, SandboxJournal
 from dsec.edge.lifecycle import (
     FINAL_REASONS,
+    NOTICE_REASONS,
     TABLE,
     EventTuple,
     LifecycleEvent,
@@ -461,9 +462,14 @@ class EdgeNode:
         return [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
 
     def _on_death(self, sid: SandboxId, reason: str, detail: str) -> None:
-        """Backend sink: a sandbox died on its own (OOM, exited, crash)."""
+        """Backend sink: a sandbox died on its own (OOM, exited, crash), or a notice."""
         rec = self._live.get(sid)
         if rec is None or rec.state in ("destroying", "destroyed"):
+            return
+        if reason in NOTICE_REASONS:
+            # Something happened inside a sandbox that lives on (e.g. one process was
+            # OOM-killed): an event without a state change, so clients can see why.
+            self._event(rec, rec.state, rec.state, reason, detail)
             return
         why = reason if reason in FINAL_REASONS else "backend_crash"
         if rec.state == "creating":
