@@ -65,6 +65,11 @@ class DirectoryImages:
         return path
 
     def acquire(self, spec: SandboxSpec) -> RootLayers:
+        if spec.snapshot is not None:
+            raise InvalidArgument(
+                f"cannot start from snapshot {spec.snapshot[:80]!r}: this backend resolves "
+                "images from plain directories, which hold no snapshots; use the layer "
+                "store (StoreImages, as dsec up does)", field="snapshot")
         layers = [self._dir(t, "toolkits") for t in reversed(spec.toolkits)]
         if spec.workspace:
             layers.append(self._dir(spec.workspace, "workspace"))
