@@ -283,7 +283,7 @@ class ContainerBackend:
             return False
         n, box.oom_seen = kills - box.oom_seen, kills
         if report:
-            self._report(box, "oom", f"the OOM killer killed {n} process(es) in sandbox "
+            self._report(box, "oom_kill", f"the OOM killer killed {n} process(es) in sandbox "
                          f"{box.sid}, which hit its memory limit of {box.spec.memory_bytes} "
                          "bytes; the sandbox itself is still running - raise memory_bytes")
         return True
