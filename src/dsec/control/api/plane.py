@@ -468,7 +468,10 @@ class ControlPlane:
                 self.placement.update(ins.view)
             elif isinstance(ins, EvictNode):
                 self.placement.remove(ins.node)
+                # evict_node, not evict(ins.sandbox_ids): the heartbeat's list misses
+                # sandboxes created on the node after its last heartbeat.
                 self.registry.evict(ins.sandbox_ids, reason=ins.reason)
+                self.registry.evict_node(ins.node, reason=ins.reason)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
                 link = self.edge(NodeId(ins.node))
                 if link is not None and ins.sandbox_ids:
