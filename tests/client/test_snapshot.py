@@ -3,7 +3,9 @@ edges: routing to the node that holds a snapshot, list/get/delete, InUse, visibi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -114,20 +116,19 @@ def test_other_projects_cannot_see_or_delete(cluster: LocalCluster) -> None:
     mallory = cluster.create_key("mallory", "elsewhere", "member")
     reader = cluster.create_key("rita", "default", "reader")
     with cluster.client() as c, Client(cluster.url, mallory) as m, \
-            Client(cluster.url, reader) as r:
-        with c.sandboxes.create() as sb:
-            snap = sb.snapshot()
-            assert snap.id not in [s.id for s in m.snapshots.list()]
-            with pytest.raises(NotFound):
-                m.snapshots.get(snap.id)
-            with pytest.raises(NotFound):
-                m.snapshots.delete(snap.id)
-            assert r.snapshots.get(snap.id).id == snap.id
-            with pytest.raises(PermissionDenied):
-                r.snapshots.delete(snap.id)
-            with pytest.raises(PermissionDenied):
-                r.sandboxes.get(sb.id).snapshot()
-            c.snapshots.delete(snap)
+            Client(cluster.url, reader) as r, c.sandboxes.create() as sb:
+        snap = sb.snapshot()
+        assert snap.id not in [s.id for s in m.snapshots.list()]
+        with pytest.raises(NotFound):
+            m.snapshots.get(snap.id)
+        with pytest.raises(NotFound):
+            m.snapshots.delete(snap.id)
+        assert r.snapshots.get(snap.id).id == snap.id
+        with pytest.raises(PermissionDenied):
+            r.snapshots.delete(snap.id)
+        with pytest.raises(PermissionDenied):
+            r.sandboxes.get(sb.id).snapshot()
+        c.snapshots.delete(snap)
 
 
 async def test_async_client(cluster: LocalCluster) -> None:
@@ -145,3 +146,38 @@ async def test_async_client(cluster: LocalCluster) -> None:
                 await sb.snapshot(strip="*.pyc")  # type: ignore[arg-type]
         finally:
             await sb.kill()
+
+
+def test_container_cluster_toolkit_and_snapshot_flow(tmp_path: Path) -> None:
+    """The user flow on `dsec up --backend container`: build a toolkit with the CLI into
+    the cluster's layer store, start from base + toolkit, change files, snapshot, start
+    new sandboxes from the snapshot (two edges share one machine's store)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    from click.testing import CliRunner
+
+    from dsec.cli.main import cli
+
+    tools = tmp_path / "tools"
+    (tools / "opt/mytools").mkdir(parents=True)
+    (tools / "opt/mytools/hello").write_text("from the toolkit\n")
+    with LocalCluster(edges=2, backend="container") as cl:
+        r = CliRunner().invoke(cli, ["image", "--root", os.path.join(cl.state_dir, "layers"),
+                                     "build", str(tools), "--kind", "toolkit", "--name",
+                                     "mytools", "-q"])
+        assert r.exit_code == 0, r.output
+        with cl.client() as c:
+            sb = c.sandboxes.create(image="base", toolkits=["mytools"])
+            assert sb.exec("cat /opt/mytools/hello").stdout == b"from the toolkit\n"
+            sb.exec("echo mine > /root/x && rm /opt/mytools/hello && ln -s /root/x /root/l")
+            snap = sb.snapshot()
+            assert snap.view.toolkits == ["mytools"] and snap.parent is None
+            clone = c.sandboxes.create(snapshot=snap)
+            out = clone.exec("cat /root/l; ls -A /opt/mytools; readlink /root/l").stdout
+            assert out == b"mine\n/root/x\n"
+            with pytest.raises(InUse):
+                c.snapshots.delete(snap)
+            clone.kill()
+            sb.kill()
+            c.snapshots.delete(snap)
+            assert snap.id not in [s.id for s in c.snapshots.list()]

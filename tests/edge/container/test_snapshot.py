@@ -9,6 +9,7 @@ import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,7 @@ from .conftest import _cleanup
 
 pytestmark = pytest.mark.root
 
-SPEC = dict(backend="container", memory_bytes=256 << 20, pids_max=256)
+SPEC = {"backend": "container", "memory_bytes": 256 << 20, "pids_max": 256}
 # What a tree looks like to a test: every path under the dirs the test touches, with
 # type, mode, link target, and a checksum of regular files (directory sizes depend on
 # the filesystem). /tmp is a tmpfs in the sandbox (not part of the root), so the tests
@@ -52,11 +53,9 @@ async def env(tmp_path: object) -> AsyncIterator[Env]:
     store.tag(base.digest, "base")
     tools = os.path.join(root, "tools")
     os.makedirs(os.path.join(tools, "opt/tools/lib"))
-    with open(os.path.join(tools, "opt/tools/run.sh"), "w") as f:
-        f.write("#!/bin/sh\necho tool-ran\n")
+    Path(tools, "opt/tools/run.sh").write_text("#!/bin/sh\necho tool-ran\n")
     os.chmod(os.path.join(tools, "opt/tools/run.sh"), 0o755)
-    with open(os.path.join(tools, "opt/tools/lib/data.txt"), "w") as f:
-        f.write("toolkit data\n")
+    Path(tools, "opt/tools/lib/data.txt").write_text("toolkit data\n")
     store.add_tree(tools, kind="toolkit", name="mytools")
     cache = MountCache()
     backend = ContainerBackend(root_dir=os.path.join(root, "c"),
@@ -79,8 +78,7 @@ async def env(tmp_path: object) -> AsyncIterator[Env]:
             assert gov.list_sandboxes() == []
         finally:
             cache.close()
-        with open("/proc/self/mountinfo") as f:
-            assert cache.root not in f.read()
+        assert cache.root not in Path("/proc/self/mountinfo").read_text()
 
 
 async def run(node: EdgeNode, sid: str, cmd: str) -> str:
