@@ -22,6 +22,7 @@ so a retry never makes a second sandbox.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import random
 import re
@@ -135,7 +136,7 @@ class AsyncSnapshots:
         self._c = client
 
     async def list(self, *, project: str | None = None,
-                   sandbox_id: str | None = None) -> list[Snapshot]:
+                   sandbox_id: str | None = None) -> builtins.list[Snapshot]:
         page = await self._c._call("snapshots", project, sandbox_id)
         return [Snapshot(v) for v in page.items]
 

@@ -10,6 +10,7 @@ background.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import Future
@@ -139,7 +140,7 @@ class Snapshots:
         self._c = client
         self._a = a
 
-    def list(self, **kw: Any) -> list[Snapshot]:
+    def list(self, **kw: Any) -> builtins.list[Snapshot]:
         return self._c._run(self._a.list(**kw))
 
     def get(self, snapshot: Snapshot | str) -> Snapshot:

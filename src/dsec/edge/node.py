@@ -670,7 +670,7 @@ class EdgeNode:
         """Backends with the snapshot capability, each once (two backends may share one
         layer store, e.g. container and runc, and then report the same snapshots)."""
         seen: set[int] = set()
-        out = []
+        out: builtins.list[SnapshotBackend] = []
         for b in self.backends.values():
             if isinstance(b, SnapshotBackend) and id(b) not in seen:
                 seen.add(id(b))

@@ -16,6 +16,7 @@ projects. A principal that can see the sandbox but lacks the role for the operat
 from __future__ import annotations
 
 import asyncio
+import builtins
 import base64
 import time
 from collections import OrderedDict
@@ -525,12 +526,12 @@ class ApiService:
             note(info.node or node_of(sid), info.id)  # placement can route to it at once
         return snapshot_view(info, [info.node or node_of(sid)])
 
-    def _edges(self) -> list[tuple[str, EdgeOps]]:
+    def _edges(self) -> builtins.list[tuple[str, EdgeOps]]:
         return [(n.id, e) for n in self.directory.nodes()
                 if (e := self.directory.edge(NodeId(n.id))) is not None]
 
     async def list_snapshots(self, principal: Caller, *, project: str | None = None,
-                             sandbox_id: str | None = None) -> list[SnapshotView]:
+                             sandbox_id: str | None = None) -> builtins.list[SnapshotView]:
         """Snapshots on every edge that the principal may see (reader on their project,
         or on ``project``'s subtree), merged by id, oldest first."""
         if project is not None:
