@@ -728,7 +728,8 @@ class EdgeNode:
                 if sandbox_id is not None and i.sandbox_id != sandbox_id:
                     continue
                 out.setdefault(i.id, msgspec.structs.replace(i, node=self.node_id))
-        return sorted(out.values(), key=lambda i: (i.created, i.id))
+        # Stable on ties (a fake clock): backends list in creation order.
+        return sorted(out.values(), key=lambda i: i.created)
 
     async def get_snapshot(self, ref: str) -> SnapshotInfo:
         """One snapshot by ref (``sha256:<hex>`` or a unique prefix); ImageNotFound."""

@@ -555,7 +555,7 @@ class ApiService:
                     merged[info.id] = snapshot_view(info, [node])
                 elif node not in have.nodes:
                     have.nodes.append(node)
-        return sorted(merged.values(), key=lambda v: (v.created_at, v.id))
+        return sorted(merged.values(), key=lambda v: v.created_at)  # stable on ties
 
     async def get_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
         """One snapshot by id (or a unique prefix >= 12 hex digits), with its holders."""
