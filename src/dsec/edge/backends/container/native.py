@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from dsec.edge.backends.container.nsexec import ensure_nsexec
 from dsec.edge.backends.container.protocol import (
     Failed,
     Reply,
@@ -32,7 +33,10 @@ ReplyHandler = Callable[[Reply, list[int]], None]
 
 
 class ZygoteClient:
-    def __init__(self) -> None:
+    def __init__(self, *, nsexec_dir: str | None = None) -> None:
+        """``nsexec_dir``: where ``dsec-nsexec`` is built/cached (default
+        :func:`~.nsexec.default_cache_dir`)."""
+        self.nsexec_dir = nsexec_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -45,11 +49,13 @@ class ZygoteClient:
 
     def _start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # Compiles once per source version (~0.3 s), then a stat.
+        binary = ensure_nsexec(self.nsexec_dir)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dsec.edge.backends.container.zygote",
-                 str(theirs.fileno())],
+                 str(theirs.fileno()), binary],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
