@@ -190,6 +190,8 @@ class AsyncClient:
         self._session_lock: asyncio.Lock | None = None
         self.sandboxes = AsyncSandboxes(self)
         self.snapshots = AsyncSnapshots(self)
+        from dsec.client.images import AsyncImages
+        self.images = AsyncImages(self)
 
     # ------------------------------------------------------------------ plumbing
     async def _transport(self) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import os
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import Future
@@ -24,7 +25,8 @@ from dsec.client.core import (
     AsyncSnapshots,
     Snapshot,
 )
-from dsec.control.api.types import Info, NodeView
+from dsec.client.images import AsyncImages
+from dsec.control.api.types import ImageView, Info, NodeView
 from dsec.edge.spec import (
     ExecChunk,
     ExecResult,
@@ -35,7 +37,7 @@ from dsec.edge.spec import (
 )
 from dsec.errors import DsecError
 
-__all__ = ["Client", "Files", "Sandbox", "Sandboxes", "Snapshots"]
+__all__ = ["Client", "Files", "Images", "Sandbox", "Sandboxes", "Snapshots"]
 
 T = TypeVar("T")
 
@@ -81,6 +83,7 @@ class Client:
         self.url = self._a.url
         self.sandboxes = Sandboxes(self, self._a.sandboxes)
         self.snapshots = Snapshots(self, self._a.snapshots)
+        self.images = Images(self, self._a.images)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
@@ -148,6 +151,23 @@ class Snapshots:
 
     def delete(self, snapshot: Snapshot | str) -> None:
         self._c._run(self._a.delete(snapshot))
+
+
+class Images:
+    """``client.images``: list, build (directory or tar), import_oci."""
+
+    def __init__(self, client: Client, a: AsyncImages) -> None:
+        self._c = client
+        self._a = a
+
+    def list(self) -> builtins.list[ImageView]:
+        return self._c._run(self._a.list())
+
+    def build(self, source: str | os.PathLike[str], **kw: Any) -> ImageView:
+        return self._c._run(self._a.build(source, **kw))
+
+    def import_oci(self, source: str | os.PathLike[str], **kw: Any) -> ImageView:
+        return self._c._run(self._a.import_oci(source, **kw))
 
 
 class Files:

@@ -382,8 +382,12 @@ class ControlPlane:
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
-        """Build (or import) layers with dsec.image in a worker thread (mkfs.erofs)."""
-        ApiService.require(caller, caller.default_project, "member")
+        """Build (or import) layers with dsec.image in a worker thread (mkfs.erofs).
+
+        Layers and their names are shared by every project on the cluster, so a build
+        (which may move a tag such as ``base:latest`` that others start from) needs the
+        admin role; a member could otherwise plant a poisoned base under everyone."""
+        ApiService.require(caller, caller.default_project, "admin")
         store = self._layers()
 
         def work() -> list[Any]:

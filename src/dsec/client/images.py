@@ -1,0 +1,99 @@
+"""``client.images``: the cluster's layer store (list, build from a directory or tar, import).
+
+Uploads are raw tar bodies over REST (``POST /v1/images``); the Aether gateway carries
+sandbox operations only, so this always uses HTTP, whatever the client's transport.
+Building needs the admin role (layers are shared by every project on the cluster).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import tarfile
+import tempfile
+from collections.abc import AsyncIterator
+from typing import IO, TYPE_CHECKING, Literal
+
+from dsec.control.api.types import ImageList, ImageView
+from dsec.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from dsec.client.core import AsyncClient
+
+__all__ = ["AsyncImages", "LayerKind"]
+
+LayerKind = Literal["base", "workspace", "toolkit"]
+_CHUNK = 1 << 20
+
+
+class AsyncImages:
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    def _http(self):  # type: ignore[no-untyped-def]
+        from dsec.client.transport import HttpTransport
+        return HttpTransport(self._c.url, self._c._key, timeout=self._c.timeout,
+                             transport=self._c._http_transport)
+
+    async def list(self) -> builtins.list[ImageView]:
+        http = self._http()
+        try:
+            page: ImageList = await self._c._retry(lambda: http._json(ImageList, "GET", "/v1/images"))
+            return page.items
+        finally:
+            await http.close()
+
+    async def build(self, source: str | os.PathLike[str], *, name: str,
+                    kind: LayerKind = "base", tag: str = "latest") -> ImageView:
+        """Build a layer named ``name[:tag]`` from a directory (packed as a tar here) or
+        from a tar file; returns what the store recorded."""
+        path = os.fspath(source)
+        if kind not in ("base", "workspace", "toolkit"):
+            raise InvalidArgument(f"kind={kind!r}: use 'base', 'workspace' or 'toolkit'",
+                                  field="kind")
+        if os.path.isdir(path):
+            with tempfile.TemporaryFile(prefix="dsec-layer-") as f:
+                _pack_dir(path, f)
+                f.seek(0)
+                return await self._upload("/v1/images", f, name=name, kind=kind, tag=tag)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                return await self._upload("/v1/images", f, name=name, kind=kind, tag=tag)
+        raise InvalidArgument(f"cannot build an image from {path!r}: not a directory or a tar "
+                              "file", field="source")
+
+    async def import_oci(self, source: str | os.PathLike[str], *, name: str,
+                         tag: str = "latest") -> ImageView:
+        """Import an OCI image (``docker save`` tarball or OCI layout tar)."""
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise InvalidArgument(f"cannot import {path!r}: not a file (give a docker save "
+                                  "tarball or an OCI layout tar)", field="source")
+        with open(path, "rb") as f:
+            return await self._upload("/v1/images/import", f, name=name, kind="base", tag=tag)
+
+    async def _upload(self, route: str, f: IO[bytes], *, name: str, kind: str,
+                      tag: str) -> ImageView:
+        http = self._http()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while block := f.read(_CHUNK):
+                yield block
+
+        try:
+            # Not retried: an upload is a stream that was consumed by the first attempt.
+            page: ImageList = await http._json(
+                ImageList, "POST", route, params={"name": name, "kind": kind, "tag": tag},
+                content=chunks(), timeout=None)
+        finally:
+            await http.close()
+        if not page.items:
+            raise InvalidArgument(f"the server built no layer from the upload for {name!r}")
+        return page.items[0]
+
+
+def _pack_dir(root: str, out: IO[bytes]) -> None:
+    """Tar ``root``'s contents (paths relative to it, ownership kept as is)."""
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in sorted(os.listdir(root)):
+            tar.add(os.path.join(root, entry), arcname=entry, recursive=True)
