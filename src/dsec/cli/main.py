@@ -51,3 +51,7 @@ def main(argv: list[str] | None = None) -> Any:
     except DsecError as exc:  # pragma: no cover - click already handled most
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
