@@ -1,0 +1,140 @@
+/* dsec security probe: one hostile action per invocation, run inside a sandbox by
+ * tests/security. Prints "<probe>=ok" when the kernel let the action through and
+ * "<probe>=E<errno>" when it was refused (a seccomp/ABI kill shows as exit status 159).
+ * Compiled statically at test time (gcc -static) and stacked into the sandbox as a
+ * toolkit layer, so the busybox image needs no compiler. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <unistd.h>
+#include <time.h>
+#include <sys/mount.h>
+#include <sys/ptrace.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <linux/vm_sockets.h>
+
+static int res(const char *name, long r) {
+    if (r < 0) printf("%s=E%d\n", name, errno); else printf("%s=ok\n", name);
+    return 0;
+}
+static long fork_ns(unsigned long flags) {
+    long r = syscall(SYS_clone, flags | SIGCHLD, 0, 0, 0, 0);
+    if (r == 0) _exit(0);
+    if (r > 0) waitpid(r, 0, 0);
+    return r;
+}
+struct clone_args_ { uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup; };
+static long clone3_ns(unsigned long flags) {
+    struct clone_args_ a; memset(&a, 0, sizeof a); a.flags = flags; a.exit_signal = SIGCHLD;
+    long r = syscall(435, &a, sizeof a);
+    if (r == 0) _exit(0);
+    if (r > 0) waitpid(r, 0, 0);
+    return r;
+}
+int main(int argc, char **argv) {
+    const char *p = argc > 1 ? argv[1] : "";
+    const char *arg = argc > 2 ? argv[2] : "";
+    if (!strcmp(p, "clone3_userns")) return res(p, clone3_ns(CLONE_NEWUSER));
+    if (!strcmp(p, "clone3_plain")) return res(p, clone3_ns(0));
+    if (!strcmp(p, "clone_userns")) return res(p, fork_ns(CLONE_NEWUSER));
+    if (!strcmp(p, "clone_newns")) return res(p, fork_ns(CLONE_NEWNS));
+    if (!strcmp(p, "clone_newnet")) return res(p, fork_ns(CLONE_NEWNET));
+    if (!strcmp(p, "unshare_user")) return res(p, unshare(CLONE_NEWUSER));
+    if (!strcmp(p, "unshare_mnt")) return res(p, unshare(CLONE_NEWNS));
+    if (!strcmp(p, "setns_mnt")) { int fd = open("/proc/1/ns/mnt", O_RDONLY); if (fd < 0) return res(p, -1); return res(p, setns(fd, 0)); }
+    if (!strcmp(p, "mount_proc")) { mkdir("/tmp/.p", 0755); return res(p, mount("proc", "/tmp/.p", "proc", 0, 0)); }
+    if (!strcmp(p, "mount_cgroup")) { mkdir("/tmp/.c", 0755); return res(p, mount("cgroup", "/tmp/.c", "cgroup", 0, "pids")); }
+    if (!strcmp(p, "fsopen")) return res(p, syscall(430, "tmpfs", 0));
+    if (!strcmp(p, "open_tree")) return res(p, syscall(428, AT_FDCWD, "/", 1 /*OPEN_TREE_CLONE*/));
+    if (!strcmp(p, "keyctl")) return res(p, syscall(SYS_keyctl, 0 /*GET_KEYRING_ID*/, -4 /*USER*/, 0));
+    if (!strcmp(p, "add_key")) return res(p, syscall(SYS_add_key, "user", "dsec-probe", "x", 1, -2 /*PROCESS*/));
+    if (!strcmp(p, "userfaultfd")) return res(p, syscall(323, 0));
+    if (!strcmp(p, "bpf")) { char attr[128]; memset(attr, 0, sizeof attr); return res(p, syscall(321, 0, attr, sizeof attr)); }
+    if (!strcmp(p, "perf_event_open")) { char attr[128]; memset(attr, 0, sizeof attr); *(uint32_t*)(attr+4) = 128; return res(p, syscall(298, attr, 0, -1, -1, 0)); }
+    if (!strcmp(p, "ptrace_traceme")) return res(p, ptrace(PTRACE_TRACEME, 0, 0, 0));
+    if (!strcmp(p, "init_module")) return res(p, syscall(175, "", 0, ""));
+    if (!strcmp(p, "finit_module")) { int fd = open("/bin/busybox", O_RDONLY); return res(p, syscall(313, fd, "", 0)); }
+    if (!strcmp(p, "open_by_handle_at")) { char h[64]; memset(h, 0, sizeof h); *(unsigned*)h = 8; return res(p, syscall(304, AT_FDCWD, h, 0)); }
+    if (!strcmp(p, "mknod_mem")) return res(p, mknod("/tmp/.mem", S_IFCHR | 0600, makedev(1, 1)));
+    if (!strcmp(p, "io_uring_setup")) { char prm[120]; memset(prm, 0, sizeof prm); return res(p, syscall(425, 4, prm)); }
+    if (!strcmp(p, "x32_getpid")) return res(p, syscall(0x40000000 | 39));
+    if (!strcmp(p, "x32_unshare")) return res(p, syscall(0x40000000 | 272, CLONE_NEWUSER));
+    if (!strcmp(p, "int80_getpid")) { long r; __asm__ volatile("int $0x80" : "=a"(r) : "a"(20) : "memory"); printf("%s=ok(%ld)\n", p, r); return 0; }
+    if (!strcmp(p, "kmsg")) return res(p, open("/proc/kmsg", O_RDONLY | O_NONBLOCK));
+    if (!strcmp(p, "sysrq")) return res(p, open("/proc/sysrq-trigger", O_WRONLY));
+    if (!strcmp(p, "proc_sys_write")) return res(p, open("/proc/sys/kernel/core_pattern", O_WRONLY));
+    if (!strcmp(p, "sys_write")) return res(p, open("/sys/kernel/mm/transparent_hugepage/enabled", O_WRONLY));
+    if (!strcmp(p, "sethostname")) return res(p, sethostname("evil", 4));
+    if (!strcmp(p, "settime")) { struct timespec ts = {1, 0}; return res(p, clock_settime(CLOCK_REALTIME, &ts)); }
+    if (!strcmp(p, "chroot_escape")) {
+        mkdir("/tmp/.cx", 0755);
+        if (chroot("/tmp/.cx") < 0) return res(p, -1);
+        for (int i = 0; i < 64; i++) chdir("..");
+        chroot(".");
+        struct stat st; return res(p, stat(arg, &st));
+    }
+    if (!strcmp(p, "stat")) { struct stat st; return res(p, stat(arg, &st)); }
+    if (!strcmp(p, "vsock_bind")) {
+        int s = socket(40, SOCK_STREAM, 0); if (s < 0) return res(p, -1);
+        struct sockaddr_vm a; memset(&a, 0, sizeof a); a.svm_family = 40; a.svm_cid = VMADDR_CID_ANY; a.svm_port = atoi(arg);
+        return res(p, bind(s, (struct sockaddr*)&a, sizeof a));
+    }
+    if (!strcmp(p, "fds")) {
+        DIR *d = opendir("/proc/self/fd"); struct dirent *e; char l[512], path[300]; int me = dirfd(d);
+        while ((e = readdir(d))) { int n = atoi(e->d_name); if (e->d_name[0] == '.' || n == me) continue;
+            snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name); ssize_t k = readlink(path, l, sizeof l - 1); l[k > 0 ? k : 0] = 0;
+            printf("fd %d -> %s\n", n, l); }
+        return 0;
+    }
+    if (!strcmp(p, "euid")) { printf("euid=%d\n", geteuid()); return 0; }
+    if (!strcmp(p, "procroot_loop")) {
+        /* Hammer /proc/<pid>/{root,cwd,exe,fd} of every other process for argv[3] seconds,
+           report any access that reaches the host marker or any foreign fd. */
+        int secs = argc > 3 ? atoi(argv[3]) : 2; time_t end = time(0) + secs; int hits = 0, tries = 0;
+        pid_t me = getpid();
+        while (time(0) < end) {
+            DIR *d = opendir("/proc"); struct dirent *e;
+            while ((e = readdir(d))) {
+                int pid = atoi(e->d_name); if (pid <= 0 || pid == me) continue;
+                char path[600]; struct stat st;
+                snprintf(path, sizeof path, "/proc/%d/root%s", pid, arg); tries++;
+                if (stat(path, &st) == 0) { printf("HIT root %s\n", path); hits++; }
+                snprintf(path, sizeof path, "/proc/%d/cwd%s", pid, arg);
+                if (stat(path, &st) == 0) { printf("HIT cwd %s\n", path); hits++; }
+                for (int fd = 3; fd < 12; fd++) { snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+                    char l[300]; ssize_t k = readlink(path, l, sizeof l - 1);
+                    if (k > 0) { l[k] = 0; if (strstr(l, "socket:") || strstr(l, "dsec") || strstr(l, "python")) { printf("HIT fd %s -> %s\n", path, l); hits++; } } }
+            }
+            closedir(d);
+        }
+        printf("procroot_loop tries=%d hits=%d\n", tries, hits);
+        return 0;
+    }
+
+    if (!strcmp(p, "keyring_id")) {
+        long id = syscall(SYS_keyctl, 0 /*GET_KEYRING_ID*/, -4 /*USER*/, 0);
+        if (id < 0) return res(p, -1);
+        printf("keyring_id=%ld\n", id); return 0;
+    }
+    if (!strcmp(p, "keyread")) {
+        long id = syscall(SYS_keyctl, 10 /*KEYCTL_SEARCH*/, -4 /*USER*/, "user", arg, 0);
+        if (id < 0) return res(p, -1);
+        char buf[256]; long n = syscall(SYS_keyctl, 11 /*KEYCTL_READ*/, id, buf, sizeof buf - 1);
+        if (n < 0) return res(p, -1);
+        buf[n < 255 ? n : 255] = 0; printf("keyread=ok payload=%s\n", buf); return 0;
+    }
+    printf("unknown probe %s\n", p);
+    return 2;
+}
