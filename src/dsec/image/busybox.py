@@ -28,7 +28,8 @@ _FILES = {
 }
 _DIRS = {"bin": 0o755, "sbin": 0o755, "usr/bin": 0o755, "usr/sbin": 0o755, "etc": 0o755,
          "root": 0o700, "home": 0o755, "tmp": 0o1777, "var/tmp": 0o1777, "proc": 0o555,
-         "sys": 0o555, "dev": 0o755, "run": 0o755, "mnt": 0o755, "work": 0o755}
+         "sys": 0o555, "dev": 0o755, "run": 0o755, "mnt": 0o755, "work": 0o755,
+         "workspace": 0o755}
 
 
 def _busybox() -> str:

@@ -89,3 +89,19 @@ async def test_symlink_race_stays_inside(backend: ContainerBackend, tmp_path: ob
         if i % 50 == 0:
             await asyncio.sleep(0)
     assert os.listdir(target) == []  # nothing escaped to the host directory
+
+
+async def test_write_creates_missing_parents_inside_the_root(backend: ContainerBackend,
+                                                            tmp_path: object) -> None:
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    await backend.write_file(sid, "/srv/new/deep/f.txt", b"x")
+    r = await backend.exec(sid, ExecRequest(shell="cat /srv/new/deep/f.txt; stat -c %a /srv/new"))
+    assert r.stdout == b"x755\n"
+    # A parent chain through an absolute symlink still lands inside the sandbox.
+    outside = os.path.join(str(tmp_path), "outside")
+    await backend.exec(sid, ExecRequest(shell=f"mkdir -p {outside} && ln -s {outside} /escape"))
+    await backend.write_file(sid, "/escape/made/f.txt", b"in")
+    assert not os.path.exists(outside)
+    r = await backend.exec(sid, ExecRequest(argv=("cat", f"{outside}/made/f.txt")))
+    assert r.stdout == b"in"

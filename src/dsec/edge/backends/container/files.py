@@ -102,8 +102,15 @@ class SandboxFiles:
             raise InvalidArgument(f"write {path!r}: cannot write to the root directory")
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOCTTY | os.O_NONBLOCK | \
             (os.O_APPEND if append else os.O_TRUNC)
+        target = posixpath.join(parent, name)
         try:
-            fd = self._open(posixpath.join(parent, name), flags, mode & 0o7777)
+            try:
+                fd = self._open(target, flags, mode & 0o7777)
+            except FileNotFoundError:
+                # Like `mkdir -p` + write, what SDK users expect of files.write; the
+                # directories are made through the same confined resolution.
+                self.mkdir(parent, parents=True)
+                fd = self._open(target, flags, mode & 0o7777)
         except OSError as exc:
             raise self._err(exc, "write", path) from exc
         try:
