@@ -465,9 +465,14 @@ class SimulatedBackend:
         p = _abs(path)
         if p in box.fs.dirs:
             raise InvalidArgument(f"{p} in sandbox {sid} is a directory", path=p)
-        if posixpath.dirname(p) not in box.fs.dirs:
-            raise NotFound(f"directory {posixpath.dirname(p)} does not exist in sandbox {sid}; "
-                           "mkdir it first", sandbox_id=sid, path=p)
+        missing, d = [], posixpath.dirname(p)
+        while d not in box.fs.dirs:  # missing parents are made, as the container does
+            if d in box.fs.files:
+                raise InvalidArgument(f"{d} in sandbox {sid} is a file, not a directory",
+                                      path=p)
+            missing.append(d)
+            d = posixpath.dirname(d)
+        box.fs.dirs.update(missing)
         if p not in box.fs.files:  # like open(O_CREAT): the mode applies on creation
             box.fs.modes[p] = mode & 0o7777
         box.fs.files[p] = (box.fs.files.get(p, b"") + data) if append else bytes(data)
