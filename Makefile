@@ -9,7 +9,8 @@ APT_STAMP := .apt-installed
 # reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2.
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs procps psmisc \
-                gcc libc6-dev
+                gcc libc6-dev \
+                wrk
 
 .PHONY: all setup demo test bench clean lint
 
