@@ -38,6 +38,7 @@ from dsec.edge.spec import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    NetworkPolicy,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
@@ -45,7 +46,7 @@ from dsec.edge.spec import (
 from dsec.errors import DsecError, InvalidArgument, NotFound, TransportError, Unauthenticated
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
-           "Snapshot",
+           "ExecCall", "Snapshot",
            "parse_memory", "resolve_target"]
 
 T = TypeVar("T")
@@ -307,6 +308,8 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, detached: bool = False, disk: int | str | None = None,
+        pids_max: int | None = 1024, network: NetworkPolicy | None = None,
+        allow_nested: bool = False,
     ) -> CreateSandboxRequest:
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
             raise InvalidArgument(f"cpu={cpu!r} must be a positive number of cores", field="cpu")
@@ -318,26 +321,39 @@ class AsyncSandboxes:
             memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
-            idle_action=idle_action, env=dict(env or {}), session=session)  # type: ignore[arg-type]
+            idle_action=idle_action, env=dict(env or {}), session=session,  # type: ignore[arg-type]
+            pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested)
 
     async def create(self, **kw: Any) -> AsyncSandbox:
         """Create one sandbox (see :meth:`_request` for the keywords: image, workspace,
-        toolkits, backend, cpu (cores), memory ("1GiB"), ttl (s), idle_timeout (s),
-        labels, env, project, snapshot, priority, detached)."""
+        toolkits, backend, cpu (cores), memory ("1GiB"), disk, ttl (s), idle_timeout (s),
+        labels, env, project, snapshot, priority, detached, pids_max, network,
+        allow_nested)."""
         req = await self._request(**kw)
         key = "sdk-" + uuid.uuid4().hex  # one key for every retry of this create
         info = await self._c._call("create", req, key)
         return AsyncSandbox(self._c, info)
 
-    async def create_many(self, n: int, **kw: Any) -> list[AsyncSandbox]:
-        """``n`` identical sandboxes in batched calls. All or nothing: if any fails, the
-        ones that were created are destroyed and the first error is raised."""
-        if not 0 < n <= 100_000:
-            raise InvalidArgument(f"create_many n={n} must be within 1..100000")
-        req = await self._request(**kw)
+    async def create_many(self, n: int | Sequence[Mapping[str, Any]],
+                          **kw: Any) -> list[AsyncSandbox]:
+        """Many sandboxes in batched calls: ``n`` identical ones (``**kw`` as for
+        :meth:`create`), or one per item of a list of keyword dicts, each laid over
+        ``**kw`` (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
+        All or nothing: if any fails, the ones that were created are destroyed and the
+        first error is raised."""
+        if isinstance(n, int) and not isinstance(n, bool):
+            if not 0 < n <= 100_000:
+                raise InvalidArgument(f"create_many n={n} must be within 1..100000")
+            reqs = [await self._request(**kw)] * n
+        elif isinstance(n, Sequence) and not isinstance(n, (str, bytes)) and \
+                all(isinstance(item, Mapping) for item in n) and 0 < len(n) <= 100_000:
+            reqs = [await self._request(**{**kw, **item}) for item in n]
+        else:
+            raise InvalidArgument(f"create_many takes a count (1..100000) or a list of up to "
+                                  f"100000 keyword dicts, not {type(n).__name__}")
         results: list[SandboxInfo | DsecError] = []
-        for start in range(0, n, 1024):
-            results += await self._c._call("create_many", [req] * min(1024, n - start),
+        for start in range(0, len(reqs), 1024):
+            results += await self._c._call("create_many", reqs[start:start + 1024],
                                            idempotent=False)
         ok = [AsyncSandbox(self._c, r) for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if not isinstance(r, SandboxInfo)]
@@ -370,14 +386,32 @@ class AsyncSandboxes:
                             cursor=cursor)
 
     async def exec_many(
-        self, calls: Sequence[tuple[AsyncSandbox | str, str | Sequence[str]]], *,
-        timeout: float | None = 60.0, return_exceptions: bool = False,
-    ) -> list[ExecResult | DsecError]:
-        """Many commands, one batched call (grouped per edge on the server)."""
-        items = [(s.id if isinstance(s, AsyncSandbox) else s, _exec_req(cmd, timeout=timeout))
-                 for s, cmd in calls]
-        res: list[ExecResult | DsecError] = await self._c._call(
-            "exec_many", items, _deadline(self._c.timeout, timeout), idempotent=False)
+        self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
+        env: Mapping[str, str] | None = None, cwd: str | None = None,
+        stdin: bytes | str | None = None, user: str | None = None,
+        output_cap: int | None = None, return_exceptions: bool = False,
+    ) -> builtins.list[ExecResult | DsecError]:
+        """Many commands in one batched call (the server groups them per edge: one edge
+        round trip per node). Each call is ``(sandbox, command)`` or ``(sandbox, command,
+        overrides)``; ``command`` is a shell string, an argv list, or a complete
+        :class:`~dsec.edge.spec.ExecRequest`. The keywords (as for :meth:`AsyncSandbox.exec`)
+        are defaults for string/argv commands; an ``ExecRequest`` is sent as it is;
+        ``overrides`` (a dict of the same keywords) change one call:
+        ``(sb, "make", {"cwd": "/src", "timeout": 600})``.
+
+        ``return_exceptions=True`` returns a failed item (sandbox gone, ...) as its
+        :class:`DsecError` in place; otherwise the first one is raised."""
+        defaults: dict[str, Any] = {"timeout": timeout, "env": env, "cwd": cwd,
+                                    "stdin": stdin, "user": user, "output_cap": output_cap}
+        items = [_exec_item(call, defaults) for call in calls]
+        if not items:
+            return []
+        longest: float | None = 0.0
+        for _, req in items:
+            longest = None if longest is None or req.timeout_s is None \
+                else max(longest, req.timeout_s)
+        res: builtins.list[ExecResult | DsecError] = await self._c._call(
+            "exec_many", items, _deadline(self._c.timeout, longest), idempotent=False)
         if not return_exceptions:
             for r in res:
                 if isinstance(r, DsecError):
@@ -389,6 +423,48 @@ def _deadline(request_timeout: float | None, command_timeout: float | None) -> f
     if request_timeout is None or command_timeout is None:
         return None
     return request_timeout + command_timeout
+
+
+# One exec_many item: (sandbox, command) or (sandbox, command, {keyword: override}).
+ExecCall = (tuple["AsyncSandbox | str", "str | Sequence[str] | ExecRequest"]
+            | tuple["AsyncSandbox | str", "str | Sequence[str] | ExecRequest", Mapping[str, Any]])
+_EXEC_KEYWORDS = frozenset({"timeout", "env", "cwd", "stdin", "user", "background",
+                            "output_cap"})
+
+
+def _exec_item(call: Any, defaults: Mapping[str, Any]) -> tuple[str, ExecRequest]:
+    """``(sandbox id, validated ExecRequest)`` for one :meth:`AsyncSandboxes.exec_many` item."""
+    if not isinstance(call, tuple) or len(call) not in (2, 3):
+        raise InvalidArgument(f"an exec_many call is (sandbox, command) or (sandbox, command, "
+                              f"{{overrides}}), not {call!r:.80}")
+    sb, cmd = call[0], call[1]
+    over = call[2] if len(call) == 3 else {}
+    if not isinstance(over, Mapping) or not set(over) <= _EXEC_KEYWORDS:
+        bad = sorted(set(over) - _EXEC_KEYWORDS) if isinstance(over, Mapping) else over
+        raise InvalidArgument(f"exec_many overrides {bad!r} are not exec keywords; use "
+                              f"{sorted(_EXEC_KEYWORDS)}")
+    sid = sb.id if isinstance(sb, AsyncSandbox) else sb
+    if not isinstance(sid, str):
+        raise InvalidArgument(f"an exec_many call names a sandbox (object or id), not "
+                              f"{type(sid).__name__}")
+    if isinstance(cmd, ExecRequest):
+        if not over:
+            return sid, cmd.validate()
+        changes: dict[str, Any] = {}
+        for k, v in over.items():
+            if k == "timeout":
+                changes["timeout_s"] = v
+            elif k == "output_cap":
+                if v is not None:
+                    changes["output_cap_bytes"] = v
+            elif k == "stdin":
+                changes["stdin"] = v.encode() if isinstance(v, str) else (v or b"")
+            elif k == "env":
+                changes["env"] = dict(v or {})
+            else:
+                changes[k] = v
+        return sid, msgspec.structs.replace(cmd, **changes).validate()
+    return sid, _exec_req(cmd, **{**defaults, **over})
 
 
 def _exec_req(cmd: str | Sequence[str], *, timeout: float | None = 60.0,

@@ -13,7 +13,7 @@ import asyncio
 import builtins
 import os
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -121,7 +121,7 @@ class Sandboxes:
     def create(self, **kw: Any) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.create(**kw)))
 
-    def create_many(self, n: int, **kw: Any) -> list[Sandbox]:
+    def create_many(self, n: int | Sequence[Mapping[str, Any]], **kw: Any) -> list[Sandbox]:
         return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(n, **kw))]
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -130,9 +130,13 @@ class Sandboxes:
     def list(self, **kw: Any) -> list[Sandbox]:
         return [Sandbox(self._c, s) for s in self._c._run(self._a.list(**kw))]
 
-    def exec_many(self, calls: Sequence[tuple[Sandbox | AsyncSandbox | str, str | Sequence[str]]],
-                  **kw: Any) -> list[ExecResult | DsecError]:
-        items = [(s._a if isinstance(s, Sandbox) else s, cmd) for s, cmd in calls]
+    def exec_many(self, calls: Sequence[tuple[Any, ...]],
+                  **kw: Any) -> builtins.list[ExecResult | DsecError]:
+        """See :meth:`~dsec.client.core.AsyncSandboxes.exec_many`: ``(sandbox, command)``
+        or ``(sandbox, command, overrides)``, command a string, argv or ``ExecRequest``."""
+        items: list[Any] = [
+            (c[0]._a, *c[1:]) if isinstance(c, tuple) and c and isinstance(c[0], Sandbox) else c
+            for c in calls]
         return self._c._run(self._a.exec_many(items, **kw))
 
 

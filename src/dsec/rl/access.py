@@ -6,7 +6,11 @@ read/write, pause/resume. Everything in :mod:`dsec.rl.sandbox` and
 anything that implements it.
 
 The interface is synchronous on purpose: Gymnasium environments and the rollout loop
-are synchronous. :class:`EdgeAccess` implements it over :class:`~dsec.edge.node.EdgeNode`
+are synchronous. :class:`ClientAccess` implements it over the public SDK (a
+:class:`~dsec.client.sync.Client` or :class:`~dsec.client.core.AsyncClient`), so a trainer
+talks to ``dsec up`` or a remote cluster through the apiserver like any user; its
+``exec_batch`` is one ``exec_many`` per tick, which the apiserver splits into one batched
+edge call per node. :class:`EdgeAccess` implements it over :class:`~dsec.edge.node.EdgeNode`
 objects (in-process) or :class:`~dsec.edge.service.EdgeClient` connections (Aether),
 running their coroutines on one event loop in a background thread. Its
 :meth:`EdgeAccess.exec_batch` groups the calls by the node that owns each sandbox (the
@@ -19,14 +23,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections import Counter
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
-from dsec.errors import DsecError, InternalError, InvalidArgument, WrongNode
+from dsec.errors import DsecError, InternalError, InvalidArgument, NotFound, WrongNode
 from dsec.ids import node_of
 
-__all__ = ["EdgeAccess", "ExecOutcome", "LoopThread", "SandboxAccess"]
+if TYPE_CHECKING:
+    from dsec.client.core import AsyncClient, AsyncSandbox
+    from dsec.client.sync import Client
+
+__all__ = ["ClientAccess", "EdgeAccess", "ExecOutcome", "LoopThread", "SandboxAccess"]
 
 T = TypeVar("T")
 # A batch item either ran (ExecResult, whatever its exit code) or failed as an operation
@@ -158,3 +167,158 @@ class EdgeAccess:
 
     def resume(self, sandbox_id: str) -> None:
         self._run(self._target(sandbox_id).resume(sandbox_id))
+
+
+# SandboxSpec fields whose SandboxSpec default stands for "the cluster decides" when they go
+# through the API: the spec's "simulated" backend, "default" project and "no TTL" would
+# otherwise override `dsec up --backend`, the API key's project and the server's TTL.
+_SPEC_DEFAULTS = SandboxSpec()
+
+
+def spec_to_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
+    """The SDK ``create`` keywords for ``spec``.
+
+    ``backend``, ``project`` and ``ttl_s`` left at their :class:`SandboxSpec` defaults are
+    not sent, so the server's defaults apply (``dsec up --backend``, the API key's default
+    project, the server TTL); every other field is sent as it is.
+    """
+    kw: dict[str, Any] = {
+        "image": spec.image, "workspace": spec.workspace, "toolkits": list(spec.toolkits),
+        "snapshot": spec.snapshot, "cpu": spec.cpu_milli / 1000, "memory": spec.memory_bytes,
+        "disk": spec.disk_bytes, "pids_max": spec.pids_max, "priority": spec.priority,
+        "labels": dict(spec.labels), "idle_timeout": spec.idle_timeout_s,
+        "idle_action": spec.idle_action, "env": dict(spec.env), "network": spec.network,
+        "allow_nested": spec.allow_nested,
+    }
+    if spec.backend != _SPEC_DEFAULTS.backend:
+        kw["backend"] = spec.backend
+    if spec.project != _SPEC_DEFAULTS.project:
+        kw["project"] = spec.project
+    if spec.ttl_s is not None:
+        kw["ttl"] = spec.ttl_s
+    return kw
+
+
+class ClientAccess:
+    """:class:`SandboxAccess` over the public SDK: ``dsec up``, a remote cluster, anything
+    a :class:`~dsec.client.sync.Client` reaches.
+
+    - ``client``: a sync ``Client`` (its own loop thread runs our calls) or an
+      ``AsyncClient`` together with the :class:`LoopThread` it is used on (``loop=None``
+      starts one, owned and closed by :meth:`close`; the client must then not be used on
+      another loop).
+    - ``create``: SDK ``create`` keywords laid over every spec's (:func:`spec_to_create_kwargs`),
+      e.g. ``{"backend": "container", "ttl": 3600, "labels": {"run": "7"}}``; labels are
+      merged. Pass ``{"detached": True}`` when a preempted rollout is to be resumed by
+      another trainer process: otherwise the sandboxes are bound to this client's session
+      lease and swept after the client closes.
+
+    ``exec_batch`` is one ``client.sandboxes.exec_many`` per call (per tick of a
+    :class:`~dsec.rl.sandbox.SandboxEnvPool`); the apiserver sends one batched call to each
+    edge. ``calls`` counts the SDK operations issued, by name, for tests and benchmarks.
+    """
+
+    def __init__(self, client: Client | AsyncClient, loop: LoopThread | None = None, *,
+                 create: Mapping[str, Any] | None = None) -> None:
+        from dsec.client.core import AsyncClient
+        from dsec.client.sync import Client
+
+        self._own_loop: LoopThread | None = None
+        self._runner: Callable[[Coroutine[Any, Any, Any]], Any]
+        if isinstance(client, Client):
+            if loop is not None:
+                raise InvalidArgument("ClientAccess(Client(...)) runs on the client's own loop "
+                                      "thread; pass loop= only with an AsyncClient")
+            self.client: AsyncClient = client._a
+            self._runner = client._run
+        elif isinstance(client, AsyncClient):
+            self.client = client
+            if loop is None:
+                loop = self._own_loop = LoopThread(name="dsec-rl-client")
+            self._runner = loop.run
+        else:
+            raise InvalidArgument(f"ClientAccess needs a dsec Client or AsyncClient, not "
+                                  f"{type(client).__name__}")
+        self.create_kwargs = dict(create or {})
+        self.calls: Counter[str] = Counter()
+        # Sandbox handles by id; ids this access did not create (a pool restored in a new
+        # trainer process) are looked up once with `get`.
+        self._handles: dict[str, AsyncSandbox] = {}
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the client on the loop it lives on and wait for it (e.g.
+        ``access.run(async_client.close())`` before :meth:`close`)."""
+        result: T = self._runner(coro)
+        return result
+
+    _run = run
+
+    async def _sandbox(self, sandbox_id: str) -> AsyncSandbox:
+        sb = self._handles.get(sandbox_id)
+        if sb is None:
+            self.calls["get"] += 1
+            sb = self._handles[sandbox_id] = await self.client.sandboxes.get(sandbox_id)
+        return sb
+
+    def create(self, spec: SandboxSpec) -> str:
+        kw = {**spec_to_create_kwargs(spec), **self.create_kwargs}
+        if "labels" in self.create_kwargs:
+            kw["labels"] = {**spec.labels, **self.create_kwargs["labels"]}
+        self.calls["create"] += 1
+        sb = self._run(self.client.sandboxes.create(**kw))
+        self._handles[sb.id] = sb
+        return sb.id
+
+    def destroy(self, sandbox_id: str) -> None:
+        async def go() -> None:
+            try:
+                sb = await self._sandbox(sandbox_id)
+            except NotFound:
+                return
+            self.calls["destroy"] += 1
+            await sb.kill()
+        try:
+            self._run(go())
+        finally:
+            self._handles.pop(sandbox_id, None)
+
+    def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
+        if not calls:
+            return []
+        self.calls["exec_many"] += 1
+        return self._run(self.client.sandboxes.exec_many(list(calls), return_exceptions=True))
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        async def go() -> None:
+            sb = await self._sandbox(sandbox_id)
+            self.calls["write_file"] += 1
+            await sb.files.write(path, data, mode=mode)
+        self._run(go())
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        async def go() -> bytes:
+            sb = await self._sandbox(sandbox_id)
+            self.calls["read_file"] += 1
+            return await sb.files.read(path)
+        return self._run(go())
+
+    def pause(self, sandbox_id: str) -> None:
+        async def go() -> None:
+            sb = await self._sandbox(sandbox_id)
+            self.calls["pause"] += 1
+            await sb.pause()
+        self._run(go())
+
+    def resume(self, sandbox_id: str) -> None:
+        async def go() -> None:
+            sb = await self._sandbox(sandbox_id)
+            self.calls["resume"] += 1
+            await sb.resume()
+        self._run(go())
+
+    def close(self) -> None:
+        """Stop the loop thread this access started, if any. The client stays the
+        caller's: close an ``AsyncClient`` first with ``access.run(client.close())``."""
+        if self._own_loop is not None:
+            self._own_loop.close()
+            self._own_loop = None
