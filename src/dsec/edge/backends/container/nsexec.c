@@ -31,9 +31,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/epoll.h>
 #include <sys/ioctl.h>
+#include <stdint.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -409,12 +415,312 @@ static int do_create(int argc, char **argv) {
     return 1;
 }
 
+/* ---- serve: the zygote ------------------------------------------------------------ */
+
+/* Wire format (SOCK_SEQPACKET, one message each way per event; see protocol.py).
+ * Request: struct req_hdr, then NUL-terminated strings = the exec/create argv above
+ * (without the binary name; create without the init path, which we insert).
+ * fds: exec -> [init pidfd, stdin, stdout, stderr]; create, kill -> none.
+ * Reply: struct rep_hdr, then `len` bytes of message (Failed); Created carries a pidfd. */
+enum { REQ_CREATE = 1, REQ_EXEC = 2, REQ_KILL = 3 };
+enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4 };
+enum { F_BACKGROUND = 1, F_NESTED = 2 };
+struct req_hdr { uint32_t type, flags; uint64_t id; };
+struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
+
+enum { J_FREE = 0, J_FG, J_BG, J_CREATE };
+struct job { int kind; uint64_t id; pid_t pid; int status_fd, pidfd; };
+static struct job *jobs;
+static size_t njobs;
+static int sock = -1, epfd = -1, sigfd = -1, own_pidns = -1, devnull = -1;
+static int bpf_fds[2] = {-1, -1};
+static const char *init_bin = "";
+
+static void send_reply(uint32_t type, uint64_t id, pid_t pid, int ns_pid, int status, int err,
+                       const char *msg, int fd) {
+    struct rep_hdr h = {type, pid, id, ns_pid, status, err, msg ? (uint32_t)strlen(msg) : 0};
+    struct iovec iov[2] = {{&h, sizeof h}, {(void *)(msg ? msg : ""), h.len}};
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } u;
+    struct msghdr m = {0};
+    m.msg_iov = iov;
+    m.msg_iovlen = 2;
+    if (fd >= 0) {
+        m.msg_control = u.buf;
+        m.msg_controllen = sizeof u.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    }
+    while (sendmsg(sock, &m, MSG_NOSIGNAL) < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN) {  /* the edge is behind: wait for room */
+            struct pollfd p = {sock, POLLOUT, 0};
+            poll(&p, 1, 1000);
+            continue;
+        }
+        _exit(0);  /* the edge went away; sandboxes keep running */
+    }
+}
+
+static struct job *new_job(void) {
+    for (size_t k = 0; k < njobs; k++)
+        if (jobs[k].kind == J_FREE) return &jobs[k];
+    size_t n = njobs ? njobs * 2 : 64;
+    struct job *j = realloc(jobs, n * sizeof *j);
+    if (!j) return NULL;
+    memset(j + njobs, 0, (n - njobs) * sizeof *j);
+    jobs = j;
+    struct job *r = &jobs[njobs];
+    njobs = n;
+    return r;
+}
+
+static int ns_pid_of(pid_t pid) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return pid;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return pid;
+    buf[n] = 0;
+    char *l = strstr(buf, "\nNSpid:");
+    if (!l) return pid;
+    char *end = strchr(l + 1, '\n');
+    if (end) *end = 0;
+    char *last = strrchr(l, '\t');
+    return last ? atoi(last + 1) : pid;
+}
+
+/* fork with pid_ns_for_children switched (setns to `ns_fd`, or a new one if < 0) and
+ * restored in the parent; the child gets `dups[i]` as fd i, everything else >= n closed,
+ * and the signal mask we run with cleared. */
+static pid_t fork_into(int ns_fd, const int *dups, int n) {
+    if (ns_fd < 0 ? unshare(CLONE_NEWPID) : setns(ns_fd, CLONE_NEWPID)) return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        for (int i = 0; i < n; i++)
+            if (dup2(dups[i], i) < 0) _exit(126);
+        syscall(SYS_close_range, n, ~0U, 0);
+        return 0;
+    }
+    int saved = errno;
+    if (setns(own_pidns, CLONE_NEWPID) < 0) _exit(3);  /* cannot happen; never half-switch */
+    errno = saved;
+    return pid;
+}
+
+static char *req_argv[1 << 16];
+
+static void handle(char *data, size_t len, int *fds, int nfds) {
+    struct req_hdr h;
+    char err[256];
+    if (len < sizeof h) goto bad;
+    memcpy(&h, data, sizeof h);
+    /* strings -> argv; slot 0 is the program name the child functions skip */
+    int argc = 0;
+    req_argv[argc++] = "dsec-nsexec";
+    for (size_t off = sizeof h; off < len && argc < (int)(sizeof req_argv / sizeof *req_argv) - 2;) {
+        char *z = memchr(data + off, 0, len - off);
+        if (!z) goto bad;
+        req_argv[argc++] = data + off;
+        if (h.type == REQ_CREATE && argc == 7) req_argv[argc++] = (char *)init_bin;
+        off = (size_t)(z - data) + 1;
+    }
+    req_argv[argc] = NULL;
+    int bpf = bpf_fds[(h.flags & F_NESTED) ? 1 : 0];
+    if (h.type == REQ_KILL) {
+        for (size_t k = 0; k < njobs; k++)
+            if (jobs[k].kind == J_FG && jobs[k].id == h.id) {
+                kill(-jobs[k].pid, SIGKILL);
+                kill(jobs[k].pid, SIGKILL);
+            }
+        goto out;
+    }
+    if (h.type == REQ_EXEC) {
+        if (nfds != 4 || argc < 2 || strcmp(req_argv[1], "exec")) {
+            snprintf(err, sizeof err, "exec needs 4 fds and an exec argv, got %d fds", nfds);
+            send_reply(REP_FAILED, h.id, 0, 0, 0, EINVAL, err, -1);
+            goto out;
+        }
+        int bg = h.flags & F_BACKGROUND;
+        int sp[2] = {-1, -1};
+        if (bg && pipe2(sp, O_CLOEXEC) < 0) goto sys;
+        int dups[6] = {bg ? devnull : fds[1], bg ? devnull : fds[2], bg ? devnull : fds[3],
+                       fds[0], bpf, bg ? sp[1] : devnull};
+        struct job *j = new_job();
+        if (!j) { errno = ENOMEM; goto sys_pipe; }
+        pid_t pid = fork_into(fds[0], dups, 6);
+        if (pid == 0) { do_exec(argc, req_argv); _exit(126); }
+        if (pid < 0) goto sys_pipe;
+        j->id = h.id;
+        j->pid = pid;
+        if (!bg) {
+            j->kind = J_FG;
+            send_reply(REP_STARTED, h.id, pid, pid, 0, 0, NULL, -1);
+        } else {
+            close(sp[1]);
+            j->kind = J_BG;
+            j->status_fd = sp[0];
+            j->pidfd = -1;
+            struct epoll_event ev = {EPOLLIN, {.ptr = j}};
+            ev.data.u64 = (uint64_t)(j - jobs) + 2;
+            epoll_ctl(epfd, EPOLL_CTL_ADD, sp[0], &ev);
+        }
+        goto out;
+    sys_pipe:
+        if (sp[0] >= 0) { close(sp[0]); close(sp[1]); }
+        goto sys;
+    }
+    if (h.type == REQ_CREATE) {
+        if (!init_bin[0]) {
+            send_reply(REP_FAILED, h.id, 0, 0, 0, ENOENT,
+                       "no init binary: install catatonit (/usr/bin/catatonit)", -1);
+            goto out;
+        }
+        int sp[2];
+        if (pipe2(sp, O_CLOEXEC) < 0) goto sys;
+        struct job *j = new_job();
+        int dups[5] = {devnull, devnull, devnull, sp[1], bpf};
+        pid_t pid = j ? fork_into(-1, dups, 5) : -1;
+        if (pid == 0) { do_create(argc, req_argv); _exit(1); }
+        close(sp[1]);
+        int pidfd = pid > 0 ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
+        if (pid < 0 || pidfd < 0) {
+            if (pid > 0) kill(pid, SIGKILL);
+            close(sp[0]);
+            goto sys;
+        }
+        fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+        *j = (struct job){J_CREATE, h.id, pid, sp[0], pidfd};
+        struct epoll_event ev = {EPOLLIN, {.u64 = (uint64_t)(j - jobs) + 2}};
+        epoll_ctl(epfd, EPOLL_CTL_ADD, sp[0], &ev);
+        goto out;
+    }
+bad:
+    send_reply(REP_FAILED, len >= sizeof h ? h.id : 0, 0, 0, 0, EINVAL, "undecodable request", -1);
+    goto out;
+sys:
+    snprintf(err, sizeof err, "%s", strerror(errno));
+    send_reply(REP_FAILED, h.id, 0, 0, 0, errno, err, -1);
+out:
+    for (int k = 0; k < nfds; k++) close(fds[k]);
+}
+
+static void on_status(struct job *j) {
+    char msg[4096];
+    ssize_t n = read(j->status_fd, msg, sizeof msg - 1);
+    msg[n > 0 ? n : 0] = 0;
+    epoll_ctl(epfd, EPOLL_CTL_DEL, j->status_fd, NULL);
+    close(j->status_fd);
+    if (j->kind == J_BG) {
+        if (n > 0) send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
+        else send_reply(REP_STARTED, j->id, j->pid, ns_pid_of(j->pid), 0, 0, NULL, -1);
+    } else {
+        if (n > 0) send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
+        else send_reply(REP_CREATED, j->id, j->pid, j->pid, 0, 0, NULL, j->pidfd);
+        close(j->pidfd);
+    }
+    j->kind = J_FREE;
+}
+
+static void reap(void) {
+    struct signalfd_siginfo si;
+    while (read(sigfd, &si, sizeof si) > 0) {}
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (size_t k = 0; k < njobs; k++)
+            if (jobs[k].kind == J_FG && jobs[k].pid == pid) {
+                send_reply(REP_EXITED, jobs[k].id, pid, pid, st, 0, NULL, -1);
+                jobs[k].kind = J_FREE;
+                break;
+            }
+    }
+}
+
+static int high_fd(int fd) {
+    int h = fcntl(fd, F_DUPFD_CLOEXEC, 10);
+    if (h < 0) { perror("dsec-nsexec serve: fcntl"); exit(2); }
+    close(fd);
+    return h;
+}
+
+/* serve <socket fd> <bpf fd> <bpf fd, nested> <init binary or ""> */
+static int do_serve(int argc, char **argv) {
+    if (argc != 6) { fprintf(stderr, "usage: dsec-nsexec serve SOCK BPF BPF_NESTED INIT\n"); return 2; }
+    /* Everything we hold lives at fd >= 10 and 3..9 are held on /dev/null, so the dup2s
+     * of fork_into() (targets 0..5) never overwrite a source they still need. */
+    sock = high_fd(atoi(argv[2]));
+    bpf_fds[0] = high_fd(atoi(argv[3]));
+    bpf_fds[1] = high_fd(atoi(argv[4]));
+    init_bin = argv[5];
+    for (;;) {
+        int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || fd >= 10) { if (fd >= 0) close(fd); break; }
+    }
+    devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    own_pidns = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    sigfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
+    epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (devnull < 0 || own_pidns < 0 || sigfd < 0 || epfd < 0) { perror("dsec-nsexec serve"); return 2; }
+    struct epoll_event ev = {EPOLLIN, {.u64 = 0}};
+    epoll_ctl(epfd, EPOLL_CTL_ADD, sock, &ev);
+    ev.data.u64 = 1;
+    epoll_ctl(epfd, EPOLL_CTL_ADD, sigfd, &ev);
+    static char buf[4 << 20];
+    union { char b[CMSG_SPACE(8 * sizeof(int))]; struct cmsghdr align; } u;
+    for (;;) {
+        struct epoll_event evs[64];
+        int n = epoll_wait(epfd, evs, 64, -1);
+        if (n < 0 && errno != EINTR) return 2;
+        for (int e = 0; e < n; e++) {
+            uint64_t tag = evs[e].data.u64;
+            if (tag == 1) { reap(); continue; }
+            if (tag >= 2) {
+                struct job *j = &jobs[tag - 2];
+                if (j->kind == J_BG || j->kind == J_CREATE) on_status(j);
+                continue;
+            }
+            for (int burst = 0; burst < 256; burst++) {  /* drain queued requests */
+                struct iovec iov = {buf, sizeof buf};
+                struct msghdr m = {0};
+                m.msg_iov = &iov;
+                m.msg_iovlen = 1;
+                m.msg_control = u.b;
+                m.msg_controllen = sizeof u.b;
+                ssize_t r = recvmsg(sock, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+                if (r < 0 && (errno == EAGAIN || errno == EINTR)) break;
+                if (r <= 0) _exit(0);  /* the edge closed: sandboxes keep running */
+                int fds[8], nfds = 0;
+                for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+                    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                        int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                        for (int q = 0; q < k && nfds < 8; q++)
+                            memcpy(&fds[nfds++], CMSG_DATA(c) + q * sizeof(int), sizeof(int));
+                    }
+                handle(buf, (size_t)r, fds, nfds);
+            }
+        }
+    }
+}
+
 int main(int argc, char **argv) {
     /* Non-dumpable until the final execve: a sandbox process cannot open
      * /proc/<us>/root, cwd or fd/N while we still hold host state. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (argc >= 2 && strcmp(argv[1], "exec") == 0) return do_exec(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "create") == 0) return do_create(argc, argv);
-    fprintf(stderr, "usage: dsec-nsexec exec|create ... (started by the dsec zygote)\n");
+    if (argc >= 2 && strcmp(argv[1], "serve") == 0) return do_serve(argc, argv);
+    fprintf(stderr, "usage: dsec-nsexec serve|exec|create ... (started by the dsec edge)\n");
     return 2;
 }

@@ -1,13 +1,24 @@
-"""Messages between the container backend and its helper process (the zygote).
+"""Messages between the container backend and its helper process (the zygote,
+``dsec-nsexec serve``, written in C: see nsexec.c).
 
-One SOCK_SEQPACKET socketpair, one msgpack message per packet; file descriptors travel
-alongside as SCM_RIGHTS (pipes for stdio, pidfds). Every request carries an ``id`` that
-its replies repeat, so many creates and execs are in flight at once.
+One SOCK_SEQPACKET socketpair, one message per packet; file descriptors travel alongside
+as SCM_RIGHTS (pipes for stdio, pidfds). Every request carries an ``id`` that its replies
+repeat, so many creates and execs are in flight at once.
+
+The structs below are what the backend works with; :func:`encode` and
+:func:`decode_reply` turn them into the helper's binary format: a fixed header
+(``struct req_hdr`` / ``struct rep_hdr`` in nsexec.c) followed by NUL-terminated strings,
+which are the helper's own argv for the child it forks - so the C side parses nothing but
+a header and a string list. Strings may not contain NUL (refused with ``ValueError``).
 """
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
+
+from dsec.edge.backends.container.rootfs import overlay_options
 
 __all__ = [
     "Create",
@@ -20,8 +31,8 @@ __all__ = [
     "Request",
     "Started",
     "decode_reply",
-    "decode_request",
     "encode",
+    "request_argv",
 ]
 
 
@@ -88,18 +99,62 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 Reply = Created | Started | Exited | Failed
 
-_enc = msgspec.msgpack.Encoder()
-_req_dec = msgspec.msgpack.Decoder(Request)
-_rep_dec = msgspec.msgpack.Decoder(Reply)
+# struct req_hdr { uint32_t type, flags; uint64_t id; }
+_REQ = struct.Struct("=IIQ")
+# struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err;
+#                  uint32_t len; }  (natural alignment: no padding with these sizes)
+_REP = struct.Struct("=iiQiiiI")
+REQ_CREATE, REQ_EXEC, REQ_KILL = 1, 2, 3
+REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED = 1, 2, 3, 4
+F_BACKGROUND, F_NESTED = 1, 2
 
 
-def encode(msg: Request | Reply) -> bytes:
-    return _enc.encode(msg)
+def _strings(items: list[str]) -> bytes:
+    out = bytearray()
+    for s in items:
+        b = s.encode()
+        if b"\0" in b:
+            raise ValueError(f"{s[:60]!r} contains a NUL byte, which no argv, env entry "
+                             "or path can hold")
+        out += b + b"\0"
+    return bytes(out)
 
 
-def decode_request(data: bytes) -> Request:
-    return _req_dec.decode(data)
+def request_argv(req: Request) -> list[str]:
+    """The strings a request carries: the helper child's argv after the program name
+    (create: without the init path, which the helper inserts). Pure."""
+    if isinstance(req, Create):
+        return ["create", req.root, overlay_options(req.lowerdirs, req.upper, req.work),
+                req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
+                str(len(req.cgroup_procs)), *req.cgroup_procs]
+    if isinstance(req, Exec):
+        return ["exec", req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
+                *req.cgroup_procs, str(len(req.env)), *req.env, "--", *req.argv]
+    return []
+
+
+def encode(req: Request) -> bytes:
+    if isinstance(req, Create):
+        kind, flags = REQ_CREATE, F_NESTED if req.nested else 0
+    elif isinstance(req, Exec):
+        kind = REQ_EXEC
+        flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0)
+    else:
+        kind, flags = REQ_KILL, 0
+    return _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
 
 
 def decode_reply(data: bytes) -> Reply:
-    return _rep_dec.decode(data)
+    if len(data) < _REP.size:
+        raise ValueError(f"reply of {len(data)} bytes is shorter than its {_REP.size}-byte "
+                         "header")
+    kind, pid, rid, ns_pid, status, err, n = _REP.unpack_from(data)
+    if kind == REP_CREATED:
+        return Created(rid, pid)
+    if kind == REP_STARTED:
+        return Started(rid, pid, ns_pid)
+    if kind == REP_EXITED:
+        return Exited(rid, status)
+    if kind == REP_FAILED:
+        return Failed(rid, data[_REP.size:_REP.size + n].decode(errors="replace").strip(), err)
+    raise ValueError(f"unknown reply type {kind}")
