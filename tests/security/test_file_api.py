@@ -42,7 +42,7 @@ def host_dir() -> Iterator[tuple[str, bytes]]:
 
 async def _read_or_none(b: ContainerBackend, sid: str, path: str) -> bytes | None:
     try:
-        return await b.read_file(sid, path)
+        return bytes(await b.read_file(sid, path))
     except DsecError:
         return None
 
@@ -83,8 +83,7 @@ async def test_traversal_and_planted_symlinks_resolve_inside(
         except DsecError:
             pass
     assert sorted(os.listdir(d)) == ["secret.txt", "victim.txt"]
-    with open(os.path.join(d, "victim.txt"), "rb") as f:
-        assert f.read() == b"keep me"
+    assert open(os.path.join(d, "victim.txt"), "rb").read() == b"keep me"  # noqa: ASYNC230, SIM115
 
 
 async def test_symlink_swap_race_never_reaches_the_host(
@@ -150,7 +149,8 @@ async def test_special_files_do_not_hang_or_exhaust_the_edge(backend: ContainerB
             await backend.write_file(sid, path, b"|/tmp/x")
 
 
-@pytest.mark.xfail(strict=True, reason="SECURITY HOLE: the file API writes as host root "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE: the file API writes as host root "
                    "with all capabilities into the sandbox's own procfs: files.py write() "
                    "opens O_WRONLY|O_TRUNC and fchmod()s whatever openat2 resolved, and on a "
                    "generic /proc entry that chmod changes the kernel-global proc_dir_entry "
@@ -176,7 +176,8 @@ async def test_file_api_cannot_change_host_wide_proc_permissions(
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="SECURITY HOLE: reads through the file API are done "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE: reads through the file API are done "
                    "with the edge's credentials (CAP_SYSLOG), so /proc/kallsyms in the sandbox "
                    "reveals real kernel addresses (KASLR) that the sandbox itself sees as 0; "
                    "the same applies to /proc/kmsg (host kernel log)")

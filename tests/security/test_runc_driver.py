@@ -26,10 +26,11 @@ async def test_runc_sandbox_gets_the_same_masks_caps_and_network(
         runc_backend: ContainerBackend) -> None:
     sid = new_sid()
     await runc_backend.create(sid, PROBE_SPEC)
-    code, out = await sh(runc_backend, sid, "grep -E 'CapEff|NoNewPrivs' /proc/self/status")
+    _, out = await sh(runc_backend, sid, "grep -E 'CapEff|NoNewPrivs' /proc/self/status")
     fields = dict(line.split(":\t") for line in out.strip().splitlines())
     assert fields["NoNewPrivs"] == "1"
-    assert int(fields["CapEff"], 16) & ((1 << 21) | (1 << 27) | (1 << 16)) == 0  # ADMIN MKNOD MODULE
+    sys_admin, mknod, sys_module = 1 << 21, 1 << 27, 1 << 16
+    assert int(fields["CapEff"], 16) & (sys_admin | mknod | sys_module) == 0
     for name in ("mount_proc", "mknod_mem", "proc_sys_write", "sys_write", "kmsg", "setns_mnt",
                  "unshare_mnt", "clone_newnet", "sethostname", "open_by_handle_at"):
         assert (await probe(runc_backend, sid, name))[1] != "ok", name
@@ -38,15 +39,17 @@ async def test_runc_sandbox_gets_the_same_masks_caps_and_network(
     assert r.stdout.split() == [b"lo", b"0"]
 
 
-@pytest.mark.xfail(strict=True, reason=f"SECURITY HOLE: {_NO_SECCOMP}")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason=f"SECURITY HOLE: {_NO_SECCOMP}")
 async def test_runc_sandbox_runs_under_seccomp(runc_backend: ContainerBackend) -> None:
     sid = new_sid()
     await runc_backend.create(sid, PROBE_SPEC)
-    code, out = await sh(runc_backend, sid, "grep '^Seccomp:' /proc/self/status")
+    _, out = await sh(runc_backend, sid, "grep '^Seccomp:' /proc/self/status")
     assert out.split() == ["Seccomp:", "2"], out
 
 
-@pytest.mark.xfail(strict=True, reason=f"SECURITY HOLE: {_NO_SECCOMP}: unshare/clone/clone3 "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason=f"SECURITY HOLE: {_NO_SECCOMP}: unshare/clone/clone3 "
                    "with CLONE_NEWUSER succeed, giving the agent a user namespace with full "
                    "capabilities over new mount/net namespaces (large kernel attack surface); "
                    "ptrace, io_uring and the i386 int 0x80 ABI are open too")
@@ -56,16 +59,17 @@ async def test_runc_sandbox_cannot_build_user_namespaces(runc_backend: Container
     opened = {}
     for name in ("unshare_user", "clone_userns", "clone3_userns", "ptrace_traceme",
                  "io_uring_setup"):
-        code, word = await probe(runc_backend, sid, name)
+        _, word = await probe(runc_backend, sid, name)
         if word == "ok":
             opened[name] = word
-    code, word = await probe(runc_backend, sid, "int80_getpid")
+    _, word = await probe(runc_backend, sid, "int80_getpid")
     if word.startswith("ok"):
         opened["int80_getpid"] = word
     assert not opened, f"allowed in a runc sandbox: {sorted(opened)}"
 
 
-@pytest.mark.xfail(strict=True, reason=f"SECURITY HOLE: {_NO_SECCOMP}: keyctl/add_key are "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason=f"SECURITY HOLE: {_NO_SECCOMP}: keyctl/add_key are "
                    "allowed and keyrings are not namespaced, so sandbox root (uid 0 in the "
                    "initial user namespace) shares the host root user's keyring")
 async def test_runc_sandbox_does_not_share_the_host_keyring(
@@ -82,18 +86,20 @@ async def test_runc_sandbox_does_not_share_the_host_keyring(
         "the sandbox's @u is the host root's user keyring"
 
 
-@pytest.mark.xfail(strict=True, reason="SECURITY HOLE: runc.py _numeric_user() opens "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE: runc.py _numeric_user() opens "
                    "<bundle>/root/etc/passwd with the host's open(), following a symlink the "
                    "sandbox planted: exec(user=...) reads host files (and a FIFO or /dev/zero "
                    "target blocks or exhausts the edge's event loop)")
 async def test_runc_exec_user_lookup_stays_inside(runc_backend: ContainerBackend) -> None:
-    host = tempfile.NamedTemporaryFile("w", prefix="dsec-sec-passwd-", delete=False)
+    host = tempfile.NamedTemporaryFile("w", prefix="dsec-sec-passwd-", delete=False)  # noqa: SIM115
     try:
         host.write("alice:x:4242:4343:host file:/:/bin/sh\n")
         host.close()
         sid = new_sid()
         await runc_backend.create(sid, PROBE_SPEC)
-        code, out = await sh(runc_backend, sid, f"rm /etc/passwd && ln -s {host.name} /etc/passwd")
+        code, out = await sh(runc_backend, sid,
+                             f"rm /etc/passwd && ln -s {host.name} /etc/passwd")
         assert code == 0, out
         try:
             r = await runc_backend.exec(sid, ExecRequest(argv=("id", "-u"), user="alice"))
@@ -104,12 +110,13 @@ async def test_runc_exec_user_lookup_stays_inside(runc_backend: ContainerBackend
         os.unlink(host.name)
 
 
-@pytest.mark.xfail(strict=True, reason="SECURITY HOLE: runc.py _run() hands `runc run -d` a "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE: runc.py _run() hands `runc run -d` a "
                    "host temporary file as stderr, which becomes the sandbox init's fd 2: "
                    "the agent can reopen /proc/1/fd/2 and write to a host file (unaccounted "
                    "host disk) that the edge also reads error text from")
 async def test_runc_init_holds_no_host_file(runc_backend: ContainerBackend) -> None:
     sid = new_sid()
     await runc_backend.create(sid, PROBE_SPEC)
-    code, out = await sh(runc_backend, sid, "for f in 0 1 2; do readlink /proc/1/fd/$f; done")
+    _, out = await sh(runc_backend, sid, "for f in 0 1 2; do readlink /proc/1/fd/$f; done")
     assert set(out.split()) <= {"/dev/null"}, out

@@ -1,0 +1,122 @@
+"""An RL agent with root in its sandbox tries to earn a reward it did not deserve from
+:class:`dsec.rl.judges.ExecutableJudge` on real container sandboxes.
+
+The verifier checks ``/workspace/answer``'s sum function: ``add 2 3`` must print 5. The
+agent does not solve the task; it attacks the judge instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from dsec.edge.admission import Capacity
+from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
+from dsec.rl.access import EdgeAccess, LoopThread
+from dsec.rl.judges import ExecutableJudge, JudgeContext
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
+
+SPEC = SandboxSpec(backend="container", image="base", memory_bytes=256 << 20, pids_max=256)
+# Hidden test: source the agent's solution and check it.
+TEST_SH = b'. /workspace/solution.sh\n[ "$(add 2 3)" = 5 ] || { echo wrong; exit 1; }\n'
+
+
+@pytest.fixture(scope="module")
+def access() -> Iterator[EdgeAccess]:
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.backends.container.testimage import build_busybox_root
+
+    tmp = tempfile.TemporaryDirectory(prefix="dsec-sec-judge-")
+    build_busybox_root(os.path.join(tmp.name, "images", "base"))
+    lt = LoopThread()
+    holder: dict[str, object] = {}
+
+    async def start() -> EdgeNode:
+        b = ContainerBackend(root_dir=os.path.join(tmp.name, "root"),
+                             images=DirectoryImages(os.path.join(tmp.name, "images")))
+        holder["backend"] = b
+        node = EdgeNode(NodeConfig(node_id="sec-judge", capacity=Capacity(
+            cpu_milli=1_000_000, memory_bytes=1 << 40, max_sandboxes=100)), {"container": b})
+        return await node.start()
+
+    try:
+        node = lt.run(start())
+        yield EdgeAccess({"sec-judge": node}, lt)
+        for info in node.list():
+            if info.state not in ("destroyed", "failed"):
+                lt.run(node.destroy(info.id))
+        lt.run(node.close())
+    finally:
+        b = holder.get("backend")
+        if b is not None:
+            for sid in b.sandbox_ids():  # type: ignore[attr-defined]
+                try:
+                    lt.run(b.destroy(sid))  # type: ignore[attr-defined]
+                except Exception:  # noqa: BLE001, S110 - keep cleaning up the rest
+                    pass
+            lt.run(b.close())  # type: ignore[attr-defined]
+            b.governor.remove_base()  # type: ignore[attr-defined]
+        lt.close()
+        tmp.cleanup()
+
+
+def _agent(access: EdgeAccess, *shell: str) -> str:
+    sid = access.create(SPEC)
+    for cmd in shell:
+        r = access.exec_batch([(sid, ExecRequest(shell=cmd, timeout_s=20))])[0]
+        assert isinstance(r, ExecResult) and r.exit_code == 0, r
+    return str(sid)
+
+
+def _verdict(access: EdgeAccess, sid: str, judge: ExecutableJudge) -> float:
+    try:
+        return float(judge.judge(JudgeContext(answer="", access=access, sandbox_id=sid,
+                                              spec=SPEC)).reward)
+    finally:
+        access.destroy(sid)
+
+
+WRONG = "mkdir -p /workspace && printf 'add() { echo 4; }\\n' > /workspace/solution.sh"
+
+
+def test_judge_fails_an_honest_wrong_answer(access: EdgeAccess) -> None:
+    for isolate in (False, True):
+        judge = ExecutableJudge(hidden_files={"t.sh": TEST_SH},
+                                command=["/bin/sh", "{tests}/t.sh"], isolate=isolate,
+                                carry=["/workspace/solution.sh"] if isolate else ())
+        assert _verdict(access, _agent(access, WRONG), judge) == 0.0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE (insecure default): ExecutableJudge "
+                   "defaults to isolate=False (src/dsec/rl/judges.py), which runs the verifier "
+                   "with the agent's own binaries; replacing /bin/sh with 'exit 0' earns full "
+                   "reward. Default to isolate=True (or refuse in-place judging unless the "
+                   "interpreter comes from a read-only layer)")
+def test_default_judge_is_not_fooled_by_a_replaced_shell(access: EdgeAccess) -> None:
+    judge = ExecutableJudge(hidden_files={"t.sh": TEST_SH}, command=["/bin/sh", "{tests}/t.sh"])
+    sid = _agent(access, WRONG, "rm /bin/sh && printf '#!/bin/busybox ash\\nexit 0\\n' > /bin/sh"
+                                " && chmod 755 /bin/sh")
+    assert _verdict(access, sid, judge) == 0.0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE (reward hacking): exit_code_score "
+                   "(judges.py) trusts the verifier's exit status, but the carried answer is "
+                   "code the verifier runs: a solution that calls 'exit 0' (sys.exit(0), "
+                   "os._exit(0) in Python) ends the verifier 'successfully' even with "
+                   "isolate=True. Score from a result the answer code cannot forge (e.g. a "
+                   "per-judgement nonce written by the test harness after the tests finished, "
+                   "or run the answer in a separate, unprivileged process)")
+def test_isolated_judge_is_not_fooled_by_answer_code_that_exits_zero(
+        access: EdgeAccess) -> None:
+    judge = ExecutableJudge(hidden_files={"t.sh": TEST_SH}, command=["/bin/sh", "{tests}/t.sh"],
+                            isolate=True, carry=["/workspace/solution.sh"])
+    sid = _agent(access, "mkdir -p /workspace && printf 'exit 0\\n' > /workspace/solution.sh")
+    assert _verdict(access, sid, judge) == 0.0
