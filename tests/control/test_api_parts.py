@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from dsec.control.api.sweeper import Session, SweepCandidate, plan_sweep
-from dsec.control.idempotency import IdempotencyCache, SqliteIdempotencyStore, fingerprint
+from dsec.control.idempotency import IdempotencyCache, fingerprint
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.control.store.sqlite import SqliteStore
 from dsec.errors import Conflict, InvalidArgument
 
 
@@ -48,7 +49,7 @@ def test_rate_limit_config_rejects_nonsense() -> None:
 
 async def test_idempotency_replay_wait_conflict_and_expiry(tmp_path) -> None:  # type: ignore[no-untyped-def]
     clock = Clock()
-    store = SqliteIdempotencyStore(str(tmp_path / "idem.sqlite"))
+    store = SqliteStore(tmp_path / "state.db")
     cache = IdempotencyCache(clock=clock, ttl_s=300, store=store)
     key = IdempotencyCache.scoped("alice", "k1")
     fp = fingerprint(b'{"image":"base"}')

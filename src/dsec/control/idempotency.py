@@ -1,46 +1,55 @@
 """``Idempotency-Key`` handling for create: a retry within the window gets the same answer.
 
-Pure bookkeeping plus an optional durable store. A key is scoped to the principal that
-sent it (two users picking the same key never see each other's sandbox) and bound to a
-fingerprint of the request body: reusing a key with a *different* body is a caller bug
-and gets :class:`~dsec.errors.Conflict` instead of silently returning the wrong sandbox.
+A key is scoped to the principal that sent it (two users picking the same key never see
+each other's sandbox) and bound to a fingerprint of the request body: reusing a key with a
+*different* body is a caller bug and gets :class:`~dsec.errors.Conflict` instead of
+silently returning the wrong sandbox.
 
 States of one key::
 
     absent --begin--> in_flight --finish--> done --(ttl)--> absent
                          └----abort (create failed)----> absent
 
-A second request arriving while the first is ``in_flight`` waits for it (the caller awaits
-the returned future), so two racing retries create one sandbox. Memory is bounded by
-``max_entries``; the oldest completed entries go first. When a durable store is given,
-completed entries are written through and read back on a miss, so a restarted or other
-apiserver replica honours keys it did not see.
+The truth lives in the control plane's :class:`~dsec.control.store.StateStore` (table
+``idempotency``), so every apiserver replica over one store behaves like one: ``begin``
+*claims* the key there (one transaction; of two replicas claiming at once exactly one
+wins), ``finish`` stores the answer, ``abort`` releases the claim. A request that finds
+the key claimed by another replica waits for that replica's answer by polling the store;
+one that finds a claim of its own process waits on a future. An in-flight claim is a lease
+(``in_flight_s``): a replica that died mid-create does not block the key past it.
+
+A bounded in-memory front (``max_entries``, oldest completed first) answers repeats
+without a store read. The store is purged of expired rows (and trimmed to
+``max_entries`` rows, oldest first) every ``purge_every`` claims.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument
 
-__all__ = ["Begin", "IdempotencyCache", "IdempotencyStore", "SqliteIdempotencyStore", "fingerprint",
-           "validate_key"]
+__all__ = ["Begin", "IdempotencyCache", "IdempotencyStore", "fingerprint", "validate_key"]
 
 MAX_KEY_LEN = 255
 
 
 class IdempotencyStore(Protocol):
-    """Durable backing (the control plane's state store). Values are opaque bytes."""
+    """The part of :class:`~dsec.control.store.StateStore` this module uses."""
 
-    def idem_get(self, key: str, now: float) -> tuple[str, bytes] | None:
-        """(fingerprint, response) stored for ``key`` if it has not expired at ``now``."""
-
-    def idem_put(self, key: str, fingerprint: str, response: bytes, expires_at: float) -> None: ...
+    def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow: ...
+    def idem_get(self, key: str, now: float) -> IdempotencyRow | None: ...
+    def idem_finish(self, key: str, owner: str, response: bytes, expires_at: float) -> bool: ...
+    def idem_release(self, key: str, owner: str) -> bool: ...
+    def idem_purge(self, now: float, keep: int) -> int: ...
 
 
 @dataclass(slots=True)
@@ -49,6 +58,7 @@ class _Entry:
     expires_at: float
     response: bytes | None = None                # set when done
     waiter: asyncio.Future[bytes] | None = None  # set while in flight
+    owner: str | None = None                     # our store claim, if this process holds it
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,8 +66,8 @@ class Begin:
     """What :meth:`IdempotencyCache.begin` decided.
 
     Exactly one of: ``replay`` (bytes to send back as-is), ``wait`` (another request with
-    this key is in flight: await it for the bytes), or ``proceed`` (do the work, then call
-    ``finish`` or ``abort``)."""
+    this key is in flight, here or on another replica: await it for the bytes), or
+    ``proceed`` (do the work, then call ``finish`` or ``abort``)."""
 
     replay: bytes | None = None
     wait: asyncio.Future[bytes] | None = None
@@ -77,21 +87,38 @@ def validate_key(key: str) -> str:
 
 
 class IdempotencyCache:
+    """See the module docstring. ``clock`` must be wall time when a store is shared by
+    several processes (expiry times are compared across them)."""
+
     def __init__(
         self, *, clock: Callable[[], float], ttl_s: float = 300.0, max_entries: int = 50_000,
-        store: IdempotencyStore | None = None,
+        store: IdempotencyStore | None = None, in_flight_s: float = 60.0,
+        poll_s: float = 0.02, purge_every: int = 1000,
     ) -> None:
-        if ttl_s <= 0 or max_entries < 1:
-            raise InvalidArgument(f"ttl_s={ttl_s} and max_entries={max_entries} must be positive")
+        if ttl_s <= 0 or max_entries < 1 or in_flight_s <= 0 or poll_s <= 0:
+            raise InvalidArgument(f"ttl_s={ttl_s}, max_entries={max_entries}, in_flight_s="
+                                  f"{in_flight_s} and poll_s={poll_s} must be positive")
         self._clock = clock
         self._ttl = ttl_s
         self._max = max_entries
         self._store = store
+        self._in_flight_s = in_flight_s
+        self._poll_s = poll_s
+        self._purge_every = max(1, purge_every)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._me = secrets.token_hex(6)          # this process, in claim owners
+        self._seq = itertools.count(1)
+        self._pollers: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def scoped(principal: str, key: str) -> str:
         return f"{principal}\x00{validate_key(key)}"
+
+    def _conflict(self) -> Conflict:
+        return Conflict(
+            "this Idempotency-Key was already used with a different request body in "
+            f"the last {self._ttl:g}s; use a new key for a new request",
+            field="Idempotency-Key")
 
     def begin(self, scoped_key: str, fp: str) -> Begin:
         now = self._clock()
@@ -99,24 +126,65 @@ class IdempotencyCache:
         if e is not None and e.response is not None and e.expires_at <= now:
             del self._entries[scoped_key]
             e = None
-        if e is None and self._store is not None:
-            hit = self._store.idem_get(scoped_key, now)
-            if hit is not None:
-                e = _Entry(hit[0], now + self._ttl, response=hit[1])
-                self._insert(scoped_key, e)
         if e is not None:
             if e.fingerprint != fp:
-                raise Conflict(
-                    "this Idempotency-Key was already used with a different request body in "
-                    f"the last {self._ttl:g}s; use a new key for a new request",
-                    field="Idempotency-Key")
+                raise self._conflict()
             if e.response is not None:
                 return Begin(replay=e.response)
             assert e.waiter is not None
             return Begin(wait=e.waiter)
-        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._insert(scoped_key, _Entry(fp, now + self._ttl, waiter=waiter))
-        return Begin(proceed=True)
+        loop = asyncio.get_running_loop()
+        if self._store is None:
+            self._insert(scoped_key, _Entry(fp, now + self._ttl, waiter=loop.create_future()))
+            return Begin(proceed=True)
+        seq = next(self._seq)
+        owner = f"{self._me}:{seq}"
+        row = self._store.idem_claim(IdempotencyRow(
+            key=scoped_key, fingerprint=fp, owner=owner, expires_at=now + self._in_flight_s),
+            now)
+        if seq % self._purge_every == 0:
+            self._store.idem_purge(now, self._max)
+        if row.fingerprint != fp:
+            raise self._conflict()
+        if row.owner == owner:
+            self._insert(scoped_key, _Entry(fp, now + self._ttl, waiter=loop.create_future(),
+                                            owner=owner))
+            return Begin(proceed=True)
+        if row.response is not None:
+            self._insert(scoped_key, _Entry(fp, row.expires_at, response=row.response))
+            return Begin(replay=row.response)
+        # Claimed by another replica and still in flight: wait for its answer.
+        fut: asyncio.Future[bytes] = loop.create_future()
+        self._insert(scoped_key, _Entry(fp, row.expires_at, waiter=fut))
+        t = loop.create_task(self._poll(scoped_key, row.owner, fut))
+        self._pollers.add(t)
+        t.add_done_callback(self._pollers.discard)
+        return Begin(wait=fut)
+
+    async def _poll(self, key: str, owner: str, fut: asyncio.Future[bytes]) -> None:
+        """Wait for another replica's answer; fail the waiters if its claim went away
+        (its create failed, or it died and the in-flight lease ran out)."""
+        assert self._store is not None
+        while not fut.done():
+            await asyncio.sleep(self._poll_s)
+            row = self._store.idem_get(key, self._clock())
+            if row is not None and row.owner == owner and row.response is None:
+                continue
+            e = self._entries.get(key)
+            if row is not None and row.owner == owner and row.response is not None:
+                if e is not None and e.waiter is fut:
+                    e.response, e.waiter, e.expires_at = row.response, None, row.expires_at
+                if not fut.done():
+                    fut.set_result(row.response)
+                return
+            if e is not None and e.waiter is fut:
+                del self._entries[key]
+            if not fut.done():
+                fut.set_exception(Conflict(
+                    "the first request with this Idempotency-Key (on another apiserver "
+                    "replica) failed or timed out before it answered; retry the request",
+                    field="Idempotency-Key"))
+                fut.exception()  # nobody may be waiting; do not log it as unretrieved
 
     def finish(self, scoped_key: str, response: bytes) -> None:
         e = self._entries.get(scoped_key)
@@ -128,8 +196,8 @@ class IdempotencyCache:
         if e.waiter is not None and not e.waiter.done():
             e.waiter.set_result(response)
         e.waiter = None
-        if self._store is not None:
-            self._store.idem_put(scoped_key, e.fingerprint, response, e.expires_at)
+        if self._store is not None and e.owner is not None:
+            self._store.idem_finish(scoped_key, e.owner, response, e.expires_at)
 
     def abort(self, scoped_key: str, exc: BaseException) -> None:
         """The create failed: forget the key (a retry may try again) and fail waiters."""
@@ -138,6 +206,8 @@ class IdempotencyCache:
             e.waiter.set_exception(exc)
             # Nobody may be waiting; mark retrieved so asyncio does not log it.
             e.waiter.exception()
+        if e is not None and e.owner is not None and self._store is not None:
+            self._store.idem_release(scoped_key, e.owner)
 
     def _insert(self, key: str, e: _Entry) -> None:
         self._entries[key] = e
@@ -150,46 +220,11 @@ class IdempotencyCache:
                 continue
             del self._entries[oldest_key]
 
+    async def close(self) -> None:
+        """Stop waiting for other replicas (their waiters get cancelled)."""
+        for t in list(self._pollers):
+            t.cancel()
+        await asyncio.gather(*self._pollers, return_exceptions=True)
+
     def __len__(self) -> int:
         return len(self._entries)
-
-
-class SqliteIdempotencyStore:
-    """Durable :class:`IdempotencyStore` in its own SQLite file (WAL) next to the state
-    store; the control plane's ``StateStore`` interface has no table for it. Expired rows
-    are purged on write, at most once per ``purge_every`` puts."""
-
-    def __init__(self, path: str, *, purge_every: int = 1000) -> None:
-        import sqlite3
-        import threading
-
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        if path != ":memory:":
-            self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, "
-                         "fp TEXT NOT NULL, response BLOB NOT NULL, expires_at REAL NOT NULL)")
-        self._puts = 0
-        self._purge_every = purge_every
-
-    def idem_get(self, key: str, now: float) -> tuple[str, bytes] | None:
-        with self._lock:
-            row = self._db.execute("SELECT fp, response, expires_at FROM idempotency WHERE "
-                                   "key = ?", (key,)).fetchone()
-        if row is None or row[2] <= now:
-            return None
-        return str(row[0]), bytes(row[1])
-
-    def idem_put(self, key: str, fingerprint: str, response: bytes, expires_at: float) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?)",
-                             (key, fingerprint, response, expires_at))
-            self._puts += 1
-            if self._puts % self._purge_every == 0:
-                self._db.execute("DELETE FROM idempotency WHERE expires_at < ?",
-                                 (expires_at - 3600.0,))
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()

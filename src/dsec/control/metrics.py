@@ -54,6 +54,15 @@ class ApiMetrics:
         self.warm_pool_hit_rate = Gauge(
             "dsec_warm_pool_hit_rate", "fraction of fncall handouts served warm (per node)",
             ("node",), registry=r)
+        self.warm_pool_handouts = Gauge(
+            "dsec_warm_pool_handouts", "fncall handouts since the edge started, warm (hit) "
+            "or cold (miss), as the edge's heartbeat reports them", ("node", "outcome"),
+            registry=r)
+        self.warm_pool_ready = Gauge("dsec_warm_pool_ready", "warm fncall workers ready now",
+                                     ("node",), registry=r)
+        self.registry_sandboxes = Gauge(
+            "dsec_registry_sandboxes", "live sandboxes in the control plane's registry "
+            "(what GET /v1/sandboxes lists)", registry=r)
         self.gateway_calls = Counter("dsec_gateway_calls_total", "Aether gateway calls",
                                      ("method",), registry=r)
         self._refreshers: list[Callable[[ApiMetrics], None]] = []

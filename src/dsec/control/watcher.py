@@ -322,5 +322,11 @@ class Watcher:
     def live_nodes(self) -> list[str]:
         return list(self._live)
 
+    def zombies(self, node: str) -> frozenset[str]:
+        """Sandboxes a returned node still runs that were evicted while it was gone
+        (being destroyed; never to be recorded as live again)."""
+        n = self._live.get(node)
+        return frozenset(n.zombies) if n is not None and n.zombies else frozenset()
+
     def is_expired(self, node: str) -> bool:
         return node in self._expired

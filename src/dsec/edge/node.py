@@ -45,7 +45,7 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.protocol import EventFeed, Heartbeat, SandboxBrief, labels_match
+from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.edge.spec import (
     ExecChunk,
     ExecRequest,
@@ -835,11 +835,19 @@ class EdgeNode:
             briefs = [SandboxBrief(r.id, r.state, r.spec.project, r.spec.priority,
                                    r.spec.cpu_milli, r.spec.memory_bytes)
                       for r in self._live.values()]
+        # Warm-pool stats from backends that have a pool (optional ``pool_stats()``
+        # capability, e.g. fncall); the control plane turns them into a hit-rate gauge.
+        pools: dict[str, PoolStats] = {}
+        for name, b in self.backends.items():
+            fn = getattr(b, "pool_stats", None)
+            if callable(fn):
+                pools[name] = fn()
         return Heartbeat(
             node=self.node_id, time=self.clock.time(),
             capacity=self.pool.capacity.as_resources(), usage=self.pool.usage(),
             counts=self.counts(), labels=dict(self.config.labels), images=self.images(),
-            backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs)
+            backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs,
+            pools=pools)
 
     # ================================================================ reaping
     def due(self, now: float | None = None) -> builtins.list[ReapAction]:

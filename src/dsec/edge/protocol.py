@@ -45,6 +45,7 @@ __all__ = [
     "InfoOutcome",
     "ListRequest",
     "NodeInfo",
+    "PoolStats",
     "Outcome",
     "ReadFileRequest",
     "SandboxBrief",
@@ -208,6 +209,17 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_sandboxes: bool = True
 
 
+class PoolStats(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A backend's warm pool (fncall): handouts served warm (``hits``) or cold
+    (``misses``) since the edge started, the pool's target ``size`` and how many workers
+    are warm now (``ready``)."""
+
+    hits: int = 0
+    misses: int = 0
+    size: int = 0
+    ready: int = 0
+
+
 class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     node: str
     time: float
@@ -219,6 +231,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     backends: list[str] = []
     feed_seq: int = 0               # last event sequence number (see EventFeed)
     sandboxes: list[SandboxBrief] | None = None
+    pools: dict[str, PoolStats] = {}    # backend name -> warm-pool stats (optional capability)
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):

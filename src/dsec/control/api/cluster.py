@@ -125,8 +125,7 @@ class ClusterRuntime:
             service = self.service = ApiService(
                 authority=IamAuthority(plane.iam, self._store), directory=plane, placer=plane,
                 quotas=plane, limiter=RateLimiter(cfg.rate, clock=loop.time),
-                idempotency=IdempotencyCache(clock=time.time,
-                                             store=_sqlite_idem(cfg.state_dir)),
+                idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend),
                 clock=loop.time)
@@ -159,19 +158,65 @@ class ClusterRuntime:
         if not 1 <= cfg.edges <= 64:
             raise InvalidArgument(f"edges={cfg.edges} must be within 1..64")
         for i in range(cfg.edges):
-            node_id = f"edge-{i}"
-            names = {"simulated", cfg.backend}
-            backends = {n: make_backend(n, **self._backend_opts(n, node_id))
-                        for n in sorted(names)}
-            node = EdgeNode(NodeConfig(
-                node_id=node_id,
-                capacity=Capacity(cpu_milli=cfg.edge_cpu_milli,
-                                  memory_bytes=cfg.edge_memory_bytes,
-                                  max_sandboxes=cfg.edge_max_sandboxes),
-                state_dir=os.path.join(cfg.state_dir, "edges", node_id)), backends)
+            node, server = await self._run_edge(f"edge-{i}")
             self.nodes.append(node)
-            await node.start()
-            self._edge_servers.append(await serve_edge(node, f"unix:{self._sock(node_id)}"))
+            self._edge_servers.append(server)
+
+    async def _run_edge(self, node_id: str) -> tuple[Any, Any]:
+        """Start edge ``node_id`` (adopting what its journal in the state dir holds) and
+        serve it on its Unix socket."""
+        from dsec.edge.admission import Capacity
+        from dsec.edge.backends import make_backend
+        from dsec.edge.node import EdgeNode, NodeConfig
+        from dsec.edge.service import serve_edge
+
+        cfg = self.config
+        names = {"simulated", cfg.backend}
+        backends = {n: make_backend(n, **self._backend_opts(n, node_id))
+                    for n in sorted(names)}
+        node = EdgeNode(NodeConfig(
+            node_id=node_id,
+            capacity=Capacity(cpu_milli=cfg.edge_cpu_milli,
+                              memory_bytes=cfg.edge_memory_bytes,
+                              max_sandboxes=cfg.edge_max_sandboxes),
+            state_dir=os.path.join(cfg.state_dir, "edges", node_id)), backends)
+        await node.start()
+        try:
+            server = await serve_edge(node, f"unix:{self._sock(node_id)}")
+        except BaseException:
+            await node.close()
+            raise
+        return node, server
+
+    # --------------------------------------------------------- edge outages (tests)
+    def _edge_index(self, node_id: str) -> int:
+        for i, n in enumerate(self.nodes):
+            if n.node_id == node_id:
+                return i
+        raise InvalidArgument(f"no edge {node_id!r} in this cluster; edges: "
+                              f"{[n.node_id for n in self.nodes]}")
+
+    async def stop_edge(self, node_id: str) -> None:
+        """Simulate losing a machine: stop serving edge ``node_id`` and close it, leaving
+        its sandboxes and journal in place (as a crashed or partitioned node would). The
+        control plane notices by missing heartbeats (``PlaneConfig.node_ttl_s``)."""
+        i = self._edge_index(node_id)
+        server = self._edge_servers[i]
+        if server is None:
+            return
+        self._edge_servers[i] = None
+        await server.close()
+        await self.nodes[i].close()
+
+    async def start_edge(self, node_id: str) -> None:
+        """Bring a stopped edge back on the same socket; it re-adopts its sandboxes from
+        its journal, and the control plane reconnects on its next poll."""
+        i = self._edge_index(node_id)
+        if self._edge_servers[i] is not None:
+            return
+        node, server = await self._run_edge(node_id)
+        self.nodes[i] = node
+        self._edge_servers[i] = server
 
     def _backend_opts(self, name: str, node_id: str) -> dict[str, Any]:
         """Per-backend options. The container backend gets a root dir per edge and the
@@ -269,17 +314,29 @@ class ClusterRuntime:
         if self._gateway is not None:
             await self._gateway.close()
             self._gateway = None
+        if self.service is not None:
+            await self.service.idempotency.close()
         if self.plane is not None:
             await self.plane.close()
         for c in self._clients:
             with contextlib.suppress(Exception):
                 await c.close()
         self._clients.clear()
+        stopped = {self.nodes[i].node_id for i, s in enumerate(self._edge_servers)
+                   if s is None and i < len(self.nodes)}
         for s in self._edge_servers:
+            if s is None:
+                continue
             with contextlib.suppress(Exception):
                 await s.close()
         self._edge_servers.clear()
         for node in self.nodes:
+            if node.node_id in stopped:
+                if self.config.keep:
+                    continue  # closed by stop_edge; its journal keeps its sandboxes
+                # Adopt what it left behind so it can be destroyed, not leaked.
+                node, server = await self._run_edge(node.node_id)
+                await server.close()
             if not self.config.keep:
                 ids = [i.id for i in node.list()]
                 if ids:
@@ -300,7 +357,3 @@ class ClusterRuntime:
                 if data is not None and data.get("pid") == os.getpid():
                     os.unlink(os.path.join(self.config.state_dir, LOCAL_FILE))
 
-
-def _sqlite_idem(state_dir: str) -> Any:
-    from dsec.control.idempotency import SqliteIdempotencyStore
-    return SqliteIdempotencyStore(os.path.join(state_dir, "idempotency.sqlite"))

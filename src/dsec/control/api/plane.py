@@ -4,9 +4,27 @@
 placement and the edge directory, and implements what :class:`ApiService` asks of them
 (:class:`Authority`, :class:`QuotaGate`, :class:`Placer`, :class:`NodeDirectory`) plus the
 admin routes (:class:`AdminOps`) and the background loops: edge heartbeats (which feed
-placement and the ``/metrics`` gauges), the edge event feeds (which keep the registry and
-quota usage in step with what edges reap on their own: TTL, idle, OOM), and the leak
-sweeper (:mod:`dsec.control.api.sweeper`).
+placement, the watcher and the ``/metrics`` gauges), the edge event feeds (which keep the
+registry and quota usage in step with what edges reap on their own: TTL, idle, OOM), and
+the leak sweeper (:mod:`dsec.control.api.sweeper`).
+
+Keeping the registry in step with the edges (it answers ``GET /v1/sandboxes``):
+
+- creates, destroys, pauses and resumes made through this apiserver are recorded at once;
+- every poll reads the edge's event feed (TTL/idle reaps, backend deaths, auto-pauses);
+- every poll also reconciles the registry with the heartbeat's full sandbox list, which
+  repairs what a feed cannot tell: events that fell out of the edge's bounded feed
+  (``EventFeed.lost``), a create whose edge-side death raced its registration, sandboxes
+  created by another replica or adopted by a restarted edge;
+- an edge whose feed sequence went backwards restarted: its feed is read from the start;
+- an edge silent for ``node_ttl_s`` is expired by the watcher: its sandboxes are evicted
+  (reason ``node_lost``, quota released) and remembered as tombstones, so ``GET`` and
+  ``/events`` of such a sandbox say what happened while its edge is unreachable; when the
+  edge comes back the watcher has them destroyed, never resurrected.
+
+Durable state is in the store only: sessions (``sessions`` table) and idempotency keys
+(``idempotency`` table, see :mod:`dsec.control.idempotency`) are shared by every replica
+over the same store.
 """
 
 from __future__ import annotations
@@ -16,7 +34,8 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +60,7 @@ from dsec.control.placement import Decision, Placement, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
-from dsec.control.store import QuotaRow, StateStore
+from dsec.control.store import QuotaRow, SessionRow, StateStore
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
@@ -53,7 +72,7 @@ from dsec.control.watcher import (
     Watcher,
     WatcherConfig,
 )
-from dsec.edge.spec import SandboxInfo, SandboxSpec
+from dsec.edge.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from dsec.errors import (
     Conflict,
     DsecError,
@@ -66,7 +85,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of, parse_project_path
 
-__all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "PlaneConfig"]
+__all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
 log = logging.getLogger("dsec.control")
 
@@ -81,6 +100,8 @@ class PlaneConfig:
     unknown_session_grace_s: float = 180.0
     min_lease_s: float = 5.0
     max_lease_s: float = 86_400.0
+    lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
+    reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
 
 
 class IamAuthority:
@@ -111,6 +132,16 @@ class EdgeEntry:
     feed_after: int = 0
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
+    retry_at: float = 0.0                   # next reconnect attempt (link closed)
+
+
+@dataclass(slots=True, frozen=True)
+class LostSandbox:
+    """A sandbox the control plane evicted because its node was lost: what ``GET`` and
+    ``/events`` answer while the edge is unreachable (the edge destroys it on return)."""
+
+    info: SandboxInfo
+    events: list[SandboxEvent]
 
 
 @dataclass
@@ -125,7 +156,6 @@ class ControlPlane:
     config: PlaneConfig = field(default_factory=PlaneConfig)
     clock: Callable[[], float] = time.time
     edges: dict[str, EdgeEntry] = field(default_factory=dict)
-    sessions: dict[str, Session] = field(default_factory=dict)
     service: ApiService | None = None
     layer_dir: str | None = None
     placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
@@ -133,6 +163,7 @@ class ControlPlane:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
     _started_at: float = 0.0
+    _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
 
     @classmethod
     def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
@@ -268,14 +299,25 @@ class ControlPlane:
 
     def commit(self, token: object, info: SandboxInfo) -> None:
         self.quota.remove(str(token))
+        self._record(info)
+
+    def _record(self, info: SandboxInfo, reason: str = "created") -> None:
         spec = info.spec
         try:
             self.registry.add_sandbox(SandboxRecord(
                 id=info.id, node=info.node, project=spec.project, backend=spec.backend,
                 cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
-                priority=spec.priority, created_at=info.created_at))
+                priority=spec.priority, created_at=info.created_at,
+                paused=info.state == "paused", spec=spec), reason=reason)
         except InvalidArgument:
-            pass  # already recorded (an idempotent replay raced the feed)
+            pass  # already recorded (a heartbeat reconcile or replay got there first)
+
+    def paused(self, sandbox_id: str, paused: bool) -> None:
+        """A pause/resume through this apiserver succeeded: list it at once."""
+        try:
+            self.registry.set_paused(sandbox_id, paused)
+        except SandboxNotFound:
+            pass
 
     def abort(self, token: object) -> None:
         try:
@@ -289,6 +331,63 @@ class ControlPlane:
             self.registry.remove_sandbox(sandbox_id, reason=reason)
         except SandboxNotFound:
             pass
+
+    # ------------------------------------------------------------ listing
+    def list_sandboxes(self, caller: Caller, *, project: str | None,
+                       labels: Mapping[str, str], state: SandboxState | None, after: str,
+                       limit: int) -> tuple[list[SandboxInfo], bool]:
+        """A page of live sandboxes from the registry, in id order after ``after``.
+
+        Only projects the caller holds a role on are walked (a per-project sorted index),
+        so a call costs O(projects + page + rows the label/state filter skips), not a
+        question to every edge. The registry tracks running and paused sandboxes; a
+        sandbox in a transition (creating, pausing, ...) lists under the state it is
+        leaving, a failed or destroyed one is gone from the list (``GET`` of one sandbox
+        asks its edge, the source of truth, and shows every state)."""
+        reg = self.registry
+        if project is not None:
+            sub = project + "/"
+            projects: list[str] | None = [p for p in reg.projects()
+                                          if p == project or p.startswith(sub)]
+        elif caller.superuser:
+            projects = None
+        else:
+            projects = [p for p in reg.projects() if caller.role_on(p) is not None]
+        if state is not None and state not in ("running", "paused"):
+            return [], False
+        want_paused = None if state is None else state == "paused"
+        items = list(labels.items())
+
+        def match(r: SandboxRecord) -> bool:
+            if want_paused is not None and r.paused != want_paused:
+                return False
+            if items:
+                have = r.spec.labels if r.spec is not None else {}
+                for k, v in items:
+                    if have.get(k) != v:
+                        return False
+            return True
+        recs, more = reg.page(after=after, limit=limit, projects=projects,
+                              match=match if want_paused is not None or items else None)
+        return [_info_of(r) for r in recs], more
+
+    def lost(self, sandbox_id: str) -> LostSandbox | None:
+        """The tombstone of a sandbox evicted with its lost node, if remembered."""
+        return self._lost.get(sandbox_id)
+
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> None:
+        info = _info_of(rec)
+        info.state, info.reason = "destroyed", reason
+        detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
+                  f"more than {self.config.node_ttl_s:g}s")
+        events = [SandboxEvent(time=rec.created_at, sandbox_id=rec.id, from_state=None,
+                               to_state="running", reason="created"),
+                  SandboxEvent(time=now, sandbox_id=rec.id,
+                               from_state="paused" if rec.paused else "running",
+                               to_state="destroyed", reason=reason, detail=detail)]
+        self._lost[rec.id] = LostSandbox(info=info, events=events)
+        while len(self._lost) > self.config.lost_tombstones:
+            self._lost.popitem(last=False)
 
     # ----------------------------------------------------------------- admin
     def _admin(self, caller: Caller, project: str) -> None:
@@ -345,29 +444,41 @@ class ControlPlane:
             raise InvalidArgument(f"lease_s={lease_s} must be within {c.min_lease_s:g}.."
                                   f"{c.max_lease_s:g} seconds", field="lease_s")
         sid = "ses-" + secrets.token_hex(8)
-        s = self.sessions[sid] = Session(sid, caller.id, lease_s, self.clock() + lease_s)
-        return SessionView(id=s.id, lease_s=s.lease_s, expires_at=s.expires_at)
+        row = SessionRow(id=sid, principal_id=caller.id, lease_s=lease_s,
+                         expires_at=self.clock() + lease_s)
+        self.store.put_session(row)
+        return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
 
     def renew_session(self, caller: Caller, sid: str) -> SessionView:
-        """Extend a lease; an unknown id (apiserver restarted) is re-registered."""
+        """Extend a lease (one atomic store update, so any replica may serve it); an
+        unknown id (forgotten after its sandboxes were swept) is re-registered."""
         if not sid.startswith("ses-") or len(sid) > 64:
             raise NotFound(f"no session {sid[:64]!r}")
-        s = self.sessions.get(sid)
-        if s is None:
-            s = self.sessions[sid] = Session(sid, caller.id, 60.0, 0.0)
-        elif s.principal_id != caller.id:
-            raise NotFound(f"no session {sid!r}")
-        if s.closed:
-            raise NotFound(f"session {sid} was closed; open a new one")
-        s.expires_at = self.clock() + s.lease_s
-        return SessionView(id=s.id, lease_s=s.lease_s, expires_at=s.expires_at)
+        now = self.clock()
+        row = self.store.renew_session(sid, caller.id, now)
+        if row is None:
+            old = self.store.get_session(sid)
+            if old is not None and old.principal_id != caller.id:
+                raise NotFound(f"no session {sid!r}")
+            if old is not None and old.closed:
+                raise NotFound(f"session {sid} was closed; open a new one")
+            row = SessionRow(id=sid, principal_id=caller.id, lease_s=60.0,
+                             expires_at=now + 60.0)
+            self.store.put_session(row)
+        return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
 
     def close_session(self, caller: Caller, sid: str) -> None:
-        s = self.sessions.get(sid)
+        s = self.store.get_session(sid) if len(sid) <= 64 else None
         if s is None or s.principal_id != caller.id:
             raise NotFound(f"no session {sid[:64]!r}")
-        s.closed = True
-        s.expires_at = self.clock()
+        self.store.put_session(SessionRow(id=s.id, principal_id=s.principal_id,
+                                          lease_s=s.lease_s, expires_at=self.clock(),
+                                          closed=True))
+
+    def sessions(self) -> dict[str, Session]:
+        """Every session in the store (what the sweeper decides on)."""
+        return {r.id: Session(r.id, r.principal_id, r.lease_s, r.expires_at, r.closed)
+                for r in self.store.list_sessions()}
 
     # ---------------------------------------------------------------- images
     def _layers(self) -> Any:
@@ -429,10 +540,40 @@ class ControlPlane:
                              return_exceptions=True)
         self.registry.flush()
 
-    async def _poll(self, e: EdgeEntry) -> None:
+    async def _link(self, e: EdgeEntry) -> Any:
+        """The edge's link, reconnected if its connection closed (the edge restarted or
+        the network dropped): Aether connections do not reconnect on their own."""
         link: Any = e.link
+        conn = getattr(link, "conn", None)
+        if conn is None or not conn.closed:
+            return link
+        now = self.clock()
+        if now < e.retry_at:
+            return None
+        e.retry_at = now + self.config.reconnect_interval_s
+        from dsec.edge.service import EdgeClient
+        try:
+            fresh = await EdgeClient.connect(e.address)
+        except DsecError as exc:
+            log.debug("edge %s still unreachable at %s: %s", e.node, e.address, exc)
+            return None
+        e.link = fresh
+        try:
+            await link.close()
+        except DsecError:
+            pass
+        log.info("reconnected to edge %s at %s", e.node, e.address)
+        return fresh
+
+    async def _poll(self, e: EdgeEntry) -> None:
+        link = await self._link(e)
+        if link is None:
+            return
         try:
             hb = await link.heartbeat(include_sandboxes=True)
+            if hb.feed_seq < e.feed_after:
+                # The edge restarted: its feed numbering started over.
+                e.feed_after = 0
             feed = await link.feed(e.feed_after, 10_000)
         except DsecError as exc:
             log.debug("edge %s unreachable: %s", e.node, exc)
@@ -464,6 +605,39 @@ class ControlPlane:
                                              reason=ev.reason)
                 except SandboxNotFound:
                     pass
+        if hb.sandboxes is not None:
+            await self._reconcile(e, link, hb)
+
+    async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
+        """Make the registry's records of node ``e`` match the heartbeat's list."""
+        reg = self.registry
+        zombies = self.watcher.zombies(e.node)
+        listed: dict[str, Any] = {}
+        for b in hb.sandboxes:
+            if b.state in _GONE or b.id in zombies or b.id in self._lost:
+                continue
+            listed[b.id] = b
+        for sid in reg.ids_on(e.node) - listed.keys():
+            # Created before the heartbeat was taken (same edge clock) yet not listed:
+            # it is gone and its feed event was lost. Younger ones may just be racing.
+            try:
+                rec = reg.sandbox(sid)
+            except SandboxNotFound:
+                continue
+            if rec.created_at < hb.time:
+                self.forget(sid, "gone")
+        for sid, b in listed.items():
+            if sid in reg:
+                rec = reg.sandbox(sid)
+                if b.state in ("running", "paused") and rec.paused != (b.state == "paused"):
+                    self.paused(sid, b.state == "paused")
+                continue
+            try:
+                info = await link.get(sid)
+            except DsecError:
+                continue
+            if info.state not in _GONE and sid not in self._lost:
+                self._record(info, reason="discovered")
 
     async def _carry_out(self, instructions: list[Any]) -> None:
         """Execute what the watcher decided."""
@@ -472,10 +646,14 @@ class ControlPlane:
                 self.placement.update(ins.view)
             elif isinstance(ins, EvictNode):
                 self.placement.remove(ins.node)
-                # evict_node, not evict(ins.sandbox_ids): the heartbeat's list misses
+                # evict_node, not evict(ins.sandbox_ids) alone: the heartbeat's list misses
                 # sandboxes created on the node after its last heartbeat.
-                self.registry.evict(ins.sandbox_ids, reason=ins.reason)
-                self.registry.evict_node(ins.node, reason=ins.reason)
+                now = self.clock()
+                for rec in (self.registry.evict(ins.sandbox_ids, reason=ins.reason)
+                            + self.registry.evict_node(ins.node, reason=ins.reason)):
+                    self._tombstone(rec, ins.reason, now)
+                log.warning("node %s lost (no heartbeat for %.1fs): evicted its sandboxes",
+                            ins.node, self.config.node_ttl_s)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
                 link = self.edge(NodeId(ins.node))
                 if link is not None and ins.sandbox_ids:
@@ -493,6 +671,7 @@ class ControlPlane:
             try:
                 await self.poll_edges()
                 await self._carry_out(self.watcher.handle(Tick(self.clock())))
+                self.registry.flush()
             except Exception:
                 log.exception("edge poll failed")
 
@@ -508,7 +687,9 @@ class ControlPlane:
                 s = i.spec.labels.get(SESSION_LABEL)
                 if s is not None:
                     cands.append(SweepCandidate(i.id, s, i.state))
-        plan = plan_sweep(self.clock(), cands, self.sessions, started_at=self._started_at,
+        now = self.clock()
+        sessions = self.sessions()
+        plan = plan_sweep(now, cands, sessions, started_at=self._started_at,
                           unknown_grace_s=self.config.unknown_session_grace_s)
         done: list[tuple[str, str]] = []
         for sid, why in plan:
@@ -523,10 +704,12 @@ class ControlPlane:
             self.forget(sid, why)
             self.metrics.swept.labels(why).inc()
             done.append((sid, why))
-        # Closed sessions whose sandboxes are all gone can be forgotten.
+        # Closed or long-lapsed sessions whose sandboxes are all gone are forgotten (a
+        # lapsed client that renews later is re-registered by the renew upsert).
         live = {c.session for c in cands}
-        for k in [k for k, s in self.sessions.items() if s.closed and k not in live]:
-            del self.sessions[k]
+        stale = [k for k, s in sessions.items() if k not in live and (
+            s.closed or s.expires_at + self.config.unknown_session_grace_s <= now)]
+        self.store.delete_sessions(stale)
         return done
 
     async def _sweep_loop(self) -> None:
@@ -542,16 +725,40 @@ class ControlPlane:
         healthy = 0
         now = self.clock()
         for e in self.edges.values():
-            if e.heartbeat is not None:
-                for st, n in e.heartbeat.counts.items():
+            hb = e.heartbeat
+            if hb is not None:
+                for st, n in hb.counts.items():
                     totals[st] = totals.get(st, 0) + n
+                hits = sum(p.hits for p in hb.pools.values())
+                misses = sum(p.misses for p in hb.pools.values())
+                if hb.pools:
+                    # No handouts yet reads as 1.0 (nothing was served cold).
+                    m.warm_pool_hit_rate.labels(e.node).set(
+                        hits / (hits + misses) if hits + misses else 1.0)
+                    m.warm_pool_handouts.labels(e.node, "hit").set(hits)
+                    m.warm_pool_handouts.labels(e.node, "miss").set(misses)
+                    m.warm_pool_ready.labels(e.node).set(sum(p.ready for p in
+                                                             hb.pools.values()))
             healthy += self._healthy(e, now)
         for st in ("creating", "running", "pausing", "paused", "resuming", "destroying",
                    "failed"):
             m.sandboxes.labels(st).set(totals.get(st, 0))
         m.nodes.labels("healthy").set(healthy)
         m.nodes.labels("unhealthy").set(len(self.edges) - healthy)
+        m.registry_sandboxes.set(len(self.registry))
 
+
+_GONE = frozenset({"destroying", "destroyed", "failed"})
+
+
+def _info_of(rec: SandboxRecord) -> SandboxInfo:
+    """Registry record -> the API's SandboxInfo (``last_active_at`` is not tracked by
+    the control plane: it reads as the creation time; GET one sandbox for the live one)."""
+    spec = rec.spec or SandboxSpec(project=rec.project, backend=rec.backend,  # type: ignore[arg-type]
+                                   cpu_milli=rec.cpu_milli, memory_bytes=rec.memory_bytes,
+                                   priority=rec.priority)
+    return SandboxInfo(id=rec.id, node=rec.node, state="paused" if rec.paused else "running",
+                       spec=spec, created_at=rec.created_at, last_active_at=rec.created_at)
 
 
 def _holds(e: EdgeEntry, ref: str) -> bool:

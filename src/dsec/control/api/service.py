@@ -119,11 +119,25 @@ class Authority(Protocol):
 EdgeOps = EdgeClient
 
 
+class Lost(Protocol):
+    """A sandbox written off with its lost node (see ``ControlPlane.lost``)."""
+
+    @property
+    def info(self) -> SandboxInfo: ...
+    @property
+    def events(self) -> list[SandboxEvent]: ...
+
+
 class NodeDirectory(Protocol):
-    """Which edges exist, how to reach them, and what they last reported."""
+    """Which edges exist, how to reach them, and what they last reported; the registry
+    of live sandboxes (``list_sandboxes``) and the sandboxes evicted with a lost node."""
 
     def edge(self, node: NodeId) -> EdgeOps | None: ...
     def nodes(self) -> list[NodeView]: ...
+    def list_sandboxes(self, caller: Caller, *, project: str | None,
+                       labels: Mapping[str, str], state: SandboxState | None, after: str,
+                       limit: int) -> tuple[list[SandboxInfo], bool]: ...
+    def lost(self, sandbox_id: str) -> Lost | None: ...
 
 
 class Placer(Protocol):
@@ -140,12 +154,14 @@ class QuotaGate(Protocol):
 
     ``admit`` checks the project's quota chain (raising ``QuotaExceeded``) and holds a
     provisional charge, returned as a token; ``commit`` turns it into the real record once
-    the edge created the sandbox, ``abort`` drops it. ``forget`` records a destroy."""
+    the edge created the sandbox, ``abort`` drops it. ``forget`` records a destroy,
+    ``paused`` a pause (True) or resume (False)."""
 
     def admit(self, project: str, spec: SandboxSpec) -> object: ...
     def commit(self, token: object, info: SandboxInfo) -> None: ...
     def abort(self, token: object) -> None: ...
     def forget(self, sandbox_id: str, reason: str) -> None: ...
+    def paused(self, sandbox_id: str, paused: bool) -> None: ...
 
 
 # ---------------------------------------------------------------------- the core
@@ -260,6 +276,12 @@ class ApiService:
         edge = self.directory.edge(node_of(sid))
         if edge is None:
             raise _not_found(sid)
+        lost = self.directory.lost(sid)
+        if lost is not None:
+            self._check_lost(principal, lost, need)
+            raise InvalidTransition(
+                f"sandbox {sid} is destroyed: {lost.info.reason} ({lost.events[-1].detail}); "
+                "create a new one", sandbox_id=sid, state="destroyed")
         project = self._projects.get(sid)
         if project is None:
             try:
@@ -272,6 +294,19 @@ class ApiService:
             raise _not_found(sid)
         self.require(principal, project, need)
         return edge, project
+
+    def _check_lost(self, principal: Caller, lost: Lost, need: Role) -> None:
+        """The access rule for a tombstone: same answers as for a live sandbox."""
+        project = lost.info.spec.project
+        if principal.role_on(project) is None:
+            raise _not_found(lost.info.id)
+        self.require(principal, project, need)
+
+    def _lost(self, principal: Caller, sid: str, need: Role) -> Lost | None:
+        lost = self.directory.lost(sid)
+        if lost is not None:
+            self._check_lost(principal, lost, need)
+        return lost
 
     # ---------------------------------------------------------------- create
     def build_spec(self, principal: Caller, req: CreateSandboxRequest) -> SandboxSpec:
@@ -393,6 +428,9 @@ class ApiService:
 
     # ------------------------------------------------------------- read / list
     async def get(self, principal: Caller, sid: str) -> SandboxInfo:
+        lost = self._lost(principal, sid, "reader")
+        if lost is not None:
+            return lost.info
         edge, _ = await self._edge_for(principal, sid, "reader")
         return await edge.get(sid)
 
@@ -400,8 +438,9 @@ class ApiService:
         self, principal: Caller, *, project: str | None, labels: Mapping[str, str],
         state: SandboxState | None, limit: int, cursor: str | None,
     ) -> tuple[list[SandboxInfo], str | None]:
-        """Fan out to every edge, keep what the principal may see and what matches,
-        order by id and page with an opaque cursor (the last id of the previous page)."""
+        """Live sandboxes the principal may see, from the control plane's registry (no
+        edge is asked), ordered by id and paged with an opaque cursor (the last id of the
+        previous page). Filters: project subtree, labels (all must match), state."""
         if not (1 <= limit <= self.config.list_page_max):
             raise InvalidArgument(f"limit={limit} must be within 1..{self.config.list_page_max}",
                                   field="limit")
@@ -409,33 +448,15 @@ class ApiService:
             parse_project_path(project)
             self.require(principal, project, "reader")
         after = _decode_cursor(cursor) if cursor else ""
-        edges = [e for n in self.directory.nodes() if (e := self.directory.edge(NodeId(n.id)))]
-        results = await asyncio.gather(*(e.list() for e in edges), return_exceptions=True)
-        items: list[SandboxInfo] = []
-        for res in results:
-            if isinstance(res, BaseException):
-                continue  # an unreachable edge: its sandboxes are missing from this page
-            for info in res:
-                p = info.spec.project
-                if project is not None and p != project and not p.startswith(project + "/"):
-                    continue
-                if principal.role_on(p) is None:
-                    continue
-                if state is not None and info.state != state:
-                    continue
-                if labels and any(info.spec.labels.get(k) != v for k, v in labels.items()):
-                    continue
-                if info.id <= after:
-                    continue
-                items.append(info)
-        items.sort(key=lambda i: i.id)
-        page = items[:limit]
-        nxt = _encode_cursor(page[-1].id) if len(items) > limit else None
-        return page, nxt
+        page, more = self.directory.list_sandboxes(principal, project=project, labels=labels,
+                                                   state=state, after=after, limit=limit)
+        return page, (_encode_cursor(page[-1].id) if more and page else None)
 
     # ------------------------------------------------------------- mutate
     async def destroy(self, principal: Caller, sid: str) -> None:
         """Idempotent: destroying a destroyed (or destroying) sandbox succeeds."""
+        if self._lost(principal, sid, "member") is not None:
+            return  # written off with its node; the watcher destroys it if the node returns
         edge, _ = await self._edge_for(principal, sid, "member")
         info = await edge.get(sid)
         if info.state in ("destroyed", "destroying"):
@@ -510,11 +531,16 @@ class ApiService:
 
     async def pause(self, principal: Caller, sid: str) -> PauseStats:
         edge, _ = await self._edge_for(principal, sid, "member")
-        return await edge.pause(sid)
+        stats = await edge.pause(sid)
+        if self.quotas is not None:
+            self.quotas.paused(sid, True)
+        return stats
 
     async def resume(self, principal: Caller, sid: str) -> None:
         edge, _ = await self._edge_for(principal, sid, "member")
         await edge.resume(sid)
+        if self.quotas is not None:
+            self.quotas.paused(sid, False)
 
     async def snapshot(self, principal: Caller, sid: str,
                        strip: Sequence[str] = ()) -> SnapshotView:
@@ -598,6 +624,9 @@ class ApiService:
         return view
 
     async def events(self, principal: Caller, sid: str) -> list[SandboxEvent]:
+        lost = self._lost(principal, sid, "reader")
+        if lost is not None:
+            return list(lost.events)
         edge, _ = await self._edge_for(principal, sid, "reader")
         return await edge.events(sid)
 

@@ -21,11 +21,13 @@ import msgspec
 __all__ = [
     "ApiKeyRow",
     "EventRow",
+    "IdempotencyRow",
     "PrincipalRow",
     "QuotaRow",
     "Role",
     "RoleBindingRow",
     "SandboxRow",
+    "SessionRow",
     "StateStore",
 ]
 
@@ -86,6 +88,28 @@ class EventRow(msgspec.Struct, frozen=True, kw_only=True):
     payload: dict[str, Any] = {}
 
 
+class IdempotencyRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One ``Idempotency-Key`` claim. ``owner`` is the apiserver request that claimed it;
+    ``response`` is None while that request is in flight and the encoded answer once it
+    finished. ``expires_at``: the in-flight lease, then the replay window's end."""
+
+    key: str
+    fingerprint: str
+    owner: str
+    response: bytes | None = None
+    expires_at: float = 0.0
+
+
+class SessionRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A client session lease (see :mod:`dsec.control.api.sweeper`)."""
+
+    id: str
+    principal_id: str
+    lease_s: float
+    expires_at: float
+    closed: bool = False
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Durable state of the management plane. See the module docstring for semantics."""
@@ -114,12 +138,41 @@ class StateStore(Protocol):
         events: Sequence[EventRow],
         upserts: Sequence[SandboxRow] = (),
         deletes: Sequence[str] = (),
-    ) -> None: ...
+        *,
+        assign_versions: bool = False,
+    ) -> int:
+        """Returns the first event's version; with ``assign_versions`` the store
+        allocates the versions (dense, after the newest stored) under its write lock."""
+        ...
     def read_events(self, after_version: int, limit: int) -> list[EventRow]: ...
     def event_bounds(self) -> tuple[int, int]:
         """``(oldest retained version, newest version)``; ``(0, 0)`` when empty."""
         ...
     def compact_events(self, below_version: int) -> int: ...
     def list_sandboxes(self) -> list[SandboxRow]: ...
+
+    # idempotency keys (shared by every apiserver replica over this store)
+    def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow:
+        """Claim ``row.key`` for ``row.owner`` unless a live (unexpired) claim exists;
+        returns the row now stored: ours if the claim succeeded, else the holder's."""
+        ...
+    def idem_get(self, key: str, now: float) -> IdempotencyRow | None: ...
+    def idem_finish(self, key: str, owner: str, response: bytes, expires_at: float) -> bool: ...
+    def idem_release(self, key: str, owner: str) -> bool:
+        """Drop an in-flight claim (its create failed) so a retry may proceed."""
+        ...
+    def idem_purge(self, now: float, keep: int) -> int:
+        """Delete expired rows, then the oldest beyond ``keep``; returns how many."""
+        ...
+
+    # client session leases
+    def put_session(self, row: SessionRow) -> None: ...
+    def get_session(self, session_id: str) -> SessionRow | None: ...
+    def renew_session(self, session_id: str, principal_id: str, now: float) -> SessionRow | None:
+        """Extend an open session of ``principal_id`` to ``now + lease_s`` atomically
+        (two replicas renewing at once cannot lose an update); None if there is none."""
+        ...
+    def list_sessions(self) -> list[SessionRow]: ...
+    def delete_sessions(self, session_ids: Sequence[str]) -> int: ...
 
     def close(self) -> None: ...

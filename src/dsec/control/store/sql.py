@@ -23,10 +23,12 @@ import msgspec
 from dsec.control.store import (
     ApiKeyRow,
     EventRow,
+    IdempotencyRow,
     PrincipalRow,
     QuotaRow,
     RoleBindingRow,
     SandboxRow,
+    SessionRow,
 )
 
 __all__ = ["Dialect", "SqlStore"]
@@ -42,6 +44,12 @@ class Dialect:
     name: str
     param: str = "?"            # sqlite3 uses qmark, psycopg uses "%s"
     blob: str = "BLOB"          # PostgreSQL: BYTEA
+    # Statements that take the write lock before event versions are allocated in
+    # commit_events(assign_versions=True), so registries of several apiserver replicas
+    # over one database never hand out the same version. SQLite: "BEGIN IMMEDIATE" (the
+    # MAX(version) read then happens under the one writer lock); PostgreSQL:
+    # ("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE",) inside the implicit transaction.
+    write_lock: tuple[str, ...] = ()
 
     def sql(self, text: str) -> str:
         """Rewrite the ``?`` placeholders of the portable statements for this driver."""
@@ -66,6 +74,14 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS sandboxes (
         id TEXT PRIMARY KEY, node TEXT NOT NULL, project TEXT NOT NULL, record TEXT NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes (node)",
+    # Idempotency-Key claims, shared by every apiserver replica over this store.
+    """CREATE TABLE IF NOT EXISTS idempotency (
+        key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, owner TEXT NOT NULL,
+        response {blob}, expires_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at)",
+    """CREATE TABLE IF NOT EXISTS sessions (
+        id TEXT PRIMARY KEY, principal_id TEXT NOT NULL, lease_s DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL, closed INTEGER NOT NULL)""",
 ]
 
 
@@ -202,16 +218,30 @@ class SqlStore:
         events: Sequence[EventRow],
         upserts: Sequence[SandboxRow] = (),
         deletes: Sequence[str] = (),
-    ) -> None:
-        """Append ``events`` and apply the sandbox row changes in one transaction."""
+        *,
+        assign_versions: bool = False,
+    ) -> int:
+        """Append ``events`` and apply the sandbox row changes in one transaction.
+
+        With ``assign_versions`` the events get the next dense versions after the newest
+        stored one, allocated under the write lock (their own ``version`` is ignored);
+        otherwise their versions are used as given. Returns the first event's version
+        (0 when there are no events)."""
         enc = _json_enc.encode
+        first = events[0].version if events else 0
         with self._tx() as cur:
+            if events and assign_versions:
+                for stmt in self._d.write_lock:
+                    cur.execute(stmt)
+                cur.execute("SELECT COALESCE(MAX(version), 0) FROM events")
+                first = int(cur.fetchone()[0]) + 1
             if events:
                 cur.executemany(
                     self._s("INSERT INTO events (version, time, kind, sandbox_id, node_id, "
                             "payload) VALUES (?, ?, ?, ?, ?, ?)"),
-                    [(e.version, e.time, e.kind, e.sandbox_id, e.node_id,
-                      enc(e.payload).decode()) for e in events],
+                    [(first + i if assign_versions else e.version, e.time, e.kind,
+                      e.sandbox_id, e.node_id, enc(e.payload).decode())
+                     for i, e in enumerate(events)],
                 )
             if upserts:
                 cur.executemany(
@@ -224,6 +254,7 @@ class SqlStore:
             if deletes:
                 cur.executemany(self._s("DELETE FROM sandboxes WHERE id = ?"),
                                 [(d,) for d in deletes])
+        return first
 
     def read_events(self, after_version: int, limit: int) -> list[EventRow]:
         rows = self._all(
@@ -254,6 +285,87 @@ class SqlStore:
         return [SandboxRow(id=r[0], node=r[1], project=r[2], record=_json_dec.decode(r[3]))
                 for r in rows]
 
+    # --- idempotency keys -----------------------------------------------------------------
+    _IDEM_COLS = "key, fingerprint, owner, response, expires_at"
+
+    def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow:
+        """Delete an expired claim, insert ours unless one is live, read what is stored:
+        one transaction, so of two replicas claiming at once exactly one wins (SQLite
+        serialises writers; PostgreSQL's ``ON CONFLICT DO NOTHING`` lets one insert win)."""
+        with self._tx() as cur:
+            cur.execute(self._s("DELETE FROM idempotency WHERE key = ? AND expires_at <= ?"),
+                        (row.key, now))
+            cur.execute(self._s(f"INSERT INTO idempotency ({self._IDEM_COLS}) VALUES "
+                                "(?, ?, ?, NULL, ?) ON CONFLICT (key) DO NOTHING"),
+                        (row.key, row.fingerprint, row.owner, row.expires_at))
+            cur.execute(self._s(f"SELECT {self._IDEM_COLS} FROM idempotency WHERE key = ?"),
+                        (row.key,))
+            return _idem(cur.fetchone())
+
+    def idem_get(self, key: str, now: float) -> IdempotencyRow | None:
+        rows = self._all(f"SELECT {self._IDEM_COLS} FROM idempotency WHERE key = ? "
+                         "AND expires_at > ?", (key, now))
+        return _idem(rows[0]) if rows else None
+
+    def idem_finish(self, key: str, owner: str, response: bytes, expires_at: float) -> bool:
+        return self._exec("UPDATE idempotency SET response = ?, expires_at = ? "
+                          "WHERE key = ? AND owner = ?",
+                          (response, expires_at, key, owner)) > 0
+
+    def idem_release(self, key: str, owner: str) -> bool:
+        return self._exec("DELETE FROM idempotency WHERE key = ? AND owner = ? "
+                          "AND response IS NULL", (key, owner)) > 0
+
+    def idem_purge(self, now: float, keep: int) -> int:
+        with self._tx() as cur:
+            cur.execute(self._s("DELETE FROM idempotency WHERE expires_at <= ?"), (now,))
+            n = max(0, int(cur.rowcount))
+            cur.execute(self._s("SELECT COUNT(*) FROM idempotency"))
+            over = int(cur.fetchone()[0]) - keep
+            if over > 0:
+                cur.execute(self._s("DELETE FROM idempotency WHERE key IN (SELECT key FROM "
+                                    "idempotency ORDER BY expires_at LIMIT ?)"), (over,))
+                n += max(0, int(cur.rowcount))
+            return n
+
+    # --- sessions ---------------------------------------------------------------------------
+    _SES_COLS = "id, principal_id, lease_s, expires_at, closed"
+
+    def put_session(self, row: SessionRow) -> None:
+        self._exec(
+            f"INSERT INTO sessions ({self._SES_COLS}) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET principal_id = excluded.principal_id, "
+            "lease_s = excluded.lease_s, expires_at = excluded.expires_at, "
+            "closed = excluded.closed",
+            (row.id, row.principal_id, row.lease_s, row.expires_at, int(row.closed)))
+
+    def get_session(self, session_id: str) -> SessionRow | None:
+        rows = self._all(f"SELECT {self._SES_COLS} FROM sessions WHERE id = ?", (session_id,))
+        return _session(rows[0]) if rows else None
+
+    def renew_session(self, session_id: str, principal_id: str, now: float) -> SessionRow | None:
+        with self._tx() as cur:
+            cur.execute(self._s("UPDATE sessions SET expires_at = ? + lease_s WHERE id = ? "
+                                "AND principal_id = ? AND closed = 0"),
+                        (now, session_id, principal_id))
+            if cur.rowcount < 1:
+                return None
+            cur.execute(self._s(f"SELECT {self._SES_COLS} FROM sessions WHERE id = ?"),
+                        (session_id,))
+            return _session(cur.fetchone())
+
+    def list_sessions(self) -> list[SessionRow]:
+        return [_session(r) for r in self._all(f"SELECT {self._SES_COLS} FROM sessions "
+                                                "ORDER BY id")]
+
+    def delete_sessions(self, session_ids: Sequence[str]) -> int:
+        if not session_ids:
+            return 0
+        with self._tx() as cur:
+            cur.executemany(self._s("DELETE FROM sessions WHERE id = ?"),
+                            [(i,) for i in session_ids])
+            return len(session_ids)
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
@@ -261,6 +373,17 @@ class SqlStore:
 
 def _principal(r: tuple[Any, ...]) -> PrincipalRow:
     return PrincipalRow(id=r[0], name=r[1], superuser=bool(r[2]), created_at=float(r[3]))
+
+
+def _idem(r: tuple[Any, ...]) -> IdempotencyRow:
+    return IdempotencyRow(key=r[0], fingerprint=r[1], owner=r[2],
+                          response=None if r[3] is None else bytes(r[3]),
+                          expires_at=float(r[4]))
+
+
+def _session(r: tuple[Any, ...]) -> SessionRow:
+    return SessionRow(id=r[0], principal_id=r[1], lease_s=float(r[2]),
+                      expires_at=float(r[3]), closed=bool(r[4]))
 
 
 def _api_key(r: tuple[Any, ...]) -> ApiKeyRow:

@@ -17,7 +17,7 @@ from dsec.errors import InvalidArgument
 
 __all__ = ["SQLITE", "SqliteStore"]
 
-SQLITE = Dialect(name="sqlite", param="?", blob="BLOB")
+SQLITE = Dialect(name="sqlite", param="?", blob="BLOB", write_lock=("BEGIN IMMEDIATE",))
 
 
 class SqliteStore(SqlStore):

@@ -42,6 +42,7 @@ from typing import Any
 import msgspec
 
 from dsec.edge.backend import DeathSink
+from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
     ExecRequest,
@@ -409,6 +410,11 @@ class FncallBackend:
 
     def watch(self, sink: DeathSink) -> None:
         self._sink = sink
+
+    def pool_stats(self) -> PoolStats:
+        """Warm-pool counters for the node's heartbeat (``Heartbeat.pools``)."""
+        p = self.pool
+        return PoolStats(hits=p.hits, misses=p.misses, size=p.pool_size, ready=p.ready)
 
     def _ensure_pool(self) -> None:
         if not self._started:
