@@ -215,6 +215,7 @@ def sandbox_env(ctx: BenchContext) -> None:
     finally:
         lt.close()
     container_env(ctx, n_envs, budget)
+    sdk_env(ctx, n_envs, budget)
     ctx.note("rl_sandbox_env: 64 envs, one `echo hi` shell call per env per step, simulated "
              "backend (no process per exec). 'pool' sends every env's call of a tick in one "
              "exec_many round trip; 'one exec call per env' pays a thread hop and a round "
@@ -272,6 +273,41 @@ def container_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
                 lt.run(b.close())
                 b.governor.remove_base()
             lt.close()
+
+
+def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
+    """The same measurement through the public SDK (``ClientAccess``) against ``dsec up``
+    in a child process: trainer -> apiserver/gateway -> edge, as a user runs it."""
+    import os
+
+    from dsec.client.local import LocalCluster
+    from dsec.edge.spec import SandboxSpec
+    from dsec.rl.access import ClientAccess
+    from dsec.rl.sandbox import Task
+
+    runs: list[tuple[str, str]] = [("simulated", "aether"), ("simulated", "http")]
+    if os.geteuid() == 0:
+        runs.append(("container", "aether"))
+    else:
+        ctx.note("rl_sandbox_env SDK container figures skipped: needs root")
+    by_backend: dict[str, list[str]] = {}
+    for backend, transport in runs:
+        by_backend.setdefault(backend, []).append(transport)
+    for backend, transports in by_backend.items():
+        spec = SandboxSpec(backend=backend, memory_bytes=128 << 20, pids_max=128)  # type: ignore[arg-type]
+        tasks = [Task(prompt="bench", spec=spec, max_turns=1_000_000)]
+        with LocalCluster(edges=1, backend=backend, subprocess=True,
+                          start_timeout_s=60.0) as cluster:
+            for transport in transports:
+                with cluster.client(transport=transport) as client:
+                    _sandbox_rates(ctx, ClientAccess(client), backend,
+                                   f"SDK ClientAccess, {transport}, dsec up in a subprocess",
+                                   n_envs, budget, tasks=tasks)
+    ctx.note("rl_sandbox_env SDK rows: the trainer process holds the pool and a sync "
+             "Client; `dsec up` (apiserver, gateway, one edge) runs in a child process on "
+             "the same 2 cores. 'aether' sends a tick as one api.exec_many that the "
+             "apiserver forwards as one edge.exec_many; 'http' has no batch route, so a "
+             "tick is one REST call per env issued concurrently.")
 
 
 @suite("rl", "RL toolkit: env steps/s, GAE transitions/s, buffer enqueue, sandbox env steps/s")
