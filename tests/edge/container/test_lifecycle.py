@@ -85,17 +85,23 @@ async def test_sandboxes_survive_edge_kill_9(tmp_path: object, images_dir: str) 
         b.governor.remove_base()
 
 
-def _mounts() -> int:
+def _mounts(root: str) -> int:
+    """Mounts at or below ``root`` (other work on the machine mounts and unmounts too)."""
     with open("/proc/self/mountinfo") as f:
-        return sum(1 for _ in f)
+        return sum(1 for line in f if line.split()[4].startswith(root))
 
 
-def _dsec_processes() -> int:
+def _dsec_processes(cgroup_name: str) -> int:
+    """Sandbox inits of this backend: /dev/.init processes in its cgroup subtree (other
+    tests and benchmarks may run sandboxes of their own meanwhile)."""
     n = 0
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"/dev/.init"):
+                if not f.read().startswith(b"/dev/.init"):
+                    continue
+            with open(f"/proc/{pid}/cgroup") as f:
+                if f"/dsec-{cgroup_name}/" in f.read():
                     n += 1
         except OSError:
             pass
@@ -112,7 +118,8 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
     warm = new_sid()  # start the helper process first: its socket is not a leak
     await backend.create(warm, SPEC)
     await backend.destroy(warm)
-    before = (_mounts(), backend.governor.list_sandboxes(), _dsec_processes(),
+    before = (_mounts(backend.root_dir), backend.governor.list_sandboxes(),
+              _dsec_processes(backend.cgroup_name),
               os.listdir(os.path.join(backend.root_dir, "sb")), len(os.listdir("/proc/self/fd")))
     failures = 0
     for i in range(200):
@@ -139,6 +146,7 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
         finally:
             await backend.destroy(sid)
     assert failures == 60
-    after = (_mounts(), backend.governor.list_sandboxes(), _dsec_processes(),
+    after = (_mounts(backend.root_dir), backend.governor.list_sandboxes(),
+             _dsec_processes(backend.cgroup_name),
              os.listdir(os.path.join(backend.root_dir, "sb")), len(os.listdir("/proc/self/fd")))
     assert after == before

@@ -95,8 +95,10 @@ def _check_private(path: str) -> None:
             "DSEC_NSEXEC_DIR to a private directory")
 
 
-def ensure_nsexec(cache_dir: str | None = None) -> str:
-    """Path of an up-to-date ``dsec-nsexec`` binary, compiling it if needed (~0.5 s once).
+def ensure_nsexec(cache_dir: str | None = None, *,
+                  compilers: tuple[str, ...] = _COMPILERS) -> str:
+    """Path of an up-to-date ``dsec-nsexec`` binary, compiling it if needed (~0.3 s once)
+    with the first of ``compilers`` found on PATH.
 
     Raises :class:`BackendError` naming what to install when no C compiler or static libc
     is available, or what to fix when the cache directory is not private.
@@ -110,10 +112,11 @@ def ensure_nsexec(cache_dir: str | None = None) -> str:
         return target
     os.makedirs(cache_dir, mode=0o755, exist_ok=True)
     _check_private(cache_dir)
-    cc = next((c for c in _COMPILERS if shutil.which(c)), None)
+    cc = next((c for c in compilers if shutil.which(c)), None)
     if cc is None:
         raise BackendError("the native container driver compiles a small C helper "
-                           "(dsec-nsexec) on first use, but no C compiler was found; "
+                           f"(dsec-nsexec) on first use, but none of {list(compilers)} "
+                           "was found on PATH; "
                            "install gcc and libc6-dev (`make setup`) or use runtime='runc'")
     with tempfile.TemporaryDirectory(prefix="dsec-nsexec-", dir=cache_dir) as tmp:
         with open(os.path.join(tmp, "nsexec.c"), "w") as f:

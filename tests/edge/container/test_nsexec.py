@@ -1,0 +1,138 @@
+"""The C zygote (dsec-nsexec): its build, its wire format, and many requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import pytest
+
+from dsec.edge.backends.container import ContainerBackend
+from dsec.edge.backends.container.linux import DEFAULT_CAPS
+from dsec.edge.backends.container.nsexec import ensure_nsexec, tables_header
+from dsec.edge.backends.container.protocol import (
+    Create,
+    Created,
+    Exec,
+    Exited,
+    Failed,
+    Kill,
+    Started,
+    decode_reply,
+    encode,
+    request_argv,
+)
+from dsec.edge.backends.container.rootfs import MASKED_DIRS, MASKED_FILES, READONLY_PATHS
+from dsec.edge.spec import ExecRequest
+from dsec.errors import BackendError, InvalidArgument
+from tests.edge.container.conftest import SPEC, new_sid
+
+EXEC = Exec(id=7, argv=["sh", "-c", "echo hi"], env=["A=1"], cwd=None, user="agent",
+            cgroup_procs=["/cg/a/cgroup.procs", "/cg/b/cgroup.procs"], nested=True,
+            background=True)
+
+
+def test_tables_header_carries_the_rootfs_tables() -> None:
+    h = tables_header()
+    for p in (*MASKED_FILES, *MASKED_DIRS, *READONLY_PATHS):
+        assert f'"{p}",' in h
+    mask = sum(1 << c for c in DEFAULT_CAPS)
+    assert f"#define DSEC_KEEP_CAPS 0x{mask:x}ULL" in h
+    assert '{"null", 1, 3, 0666},' in h
+
+
+def test_exec_request_is_a_header_and_the_child_argv() -> None:
+    raw = encode(EXEC)
+    kind, flags, rid = struct.unpack_from("=IIQ", raw)
+    assert (kind, flags, rid) == (2, 1 | 2, 7)
+    strings = raw[16:].split(b"\0")
+    assert strings[-1] == b""  # every string is NUL-terminated
+    assert [s.decode() for s in strings[:-1]] == [
+        "exec", "", "agent", "2", "/cg/a/cgroup.procs", "/cg/b/cgroup.procs", "1", "A=1",
+        "--", "sh", "-c", "echo hi"]
+
+
+def test_create_and_kill_requests() -> None:
+    c = Create(id=3, lowerdirs=["/l/2", "/l/1"], upper="/s/u", work="/s/w", root="/s/r",
+               hostname="sb-1", cgroup_procs=["/cg/x"], loopback=True, nested=False,
+               tmp_bytes=1 << 20)
+    assert request_argv(c) == ["create", "/s/r", "lowerdir=/l/2:/l/1,upperdir=/s/u,workdir=/s/w",
+                               "sb-1", "1", str(1 << 20), "1", "/cg/x"]
+    assert struct.unpack_from("=IIQ", encode(c)) == (1, 0, 3)
+    assert encode(Kill(id=9)) == struct.pack("=IIQ", 3, 0, 9)
+
+
+def test_nul_bytes_and_bad_overlay_paths_are_refused() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        encode(Exec(id=1, argv=["a\0b"], env=[], cwd=None, user=None, cgroup_procs=[],
+                    nested=False, background=False))
+    with pytest.raises(ValueError, match="':' or ','"):
+        encode(Create(id=1, lowerdirs=["/a:b"], upper="/u", work="/w", root="/r",
+                      hostname="h", cgroup_procs=[], loopback=False, nested=False,
+                      tmp_bytes=1))
+
+
+def test_replies_decode() -> None:
+    hdr = struct.Struct("=iiQiiiI")
+    assert decode_reply(hdr.pack(1, 42, 5, 42, 0, 0, 0)) == Created(5, 42)
+    assert decode_reply(hdr.pack(2, 42, 5, 3, 0, 0, 0)) == Started(5, 42, 3)
+    assert decode_reply(hdr.pack(3, 42, 5, 42, 256, 0, 0)) == Exited(5, 256)
+    assert decode_reply(hdr.pack(4, 0, 5, 0, 0, 2, 4) + b"gone") == Failed(5, "gone", 2)
+    with pytest.raises(ValueError, match="header"):
+        decode_reply(b"\1\0")
+    with pytest.raises(ValueError, match="unknown reply type 9"):
+        decode_reply(hdr.pack(9, 0, 0, 0, 0, 0, 0))
+
+
+def test_build_is_cached_and_refuses_shared_dirs(tmp_path: object) -> None:
+    d = os.path.join(str(tmp_path), "bin")
+    path = ensure_nsexec(d)
+    assert os.access(path, os.X_OK) and os.path.dirname(path) == d
+    mtime = os.stat(path).st_mtime_ns
+    assert ensure_nsexec(d) == path and os.stat(path).st_mtime_ns == mtime
+    assert os.listdir(d) == [os.path.basename(path)]  # no temp dirs left behind
+    with pytest.raises(BackendError, match="no-such-cc"):
+        ensure_nsexec(os.path.join(str(tmp_path), "other"), compilers=("no-such-cc",))
+    shared = os.path.join(str(tmp_path), "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o777)
+    with pytest.raises(BackendError, match="not group/world-writable"):
+        ensure_nsexec(shared)
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+async def test_nul_in_exec_is_invalid_and_leaks_no_fds(backend: ContainerBackend) -> None:
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    await backend.exec(sid, ExecRequest(argv=("true",)))  # the zygote runs
+    before = _open_fds()
+    with pytest.raises(InvalidArgument, match="NUL"):
+        await backend.exec(sid, ExecRequest(argv=("echo", "a\0b")))
+    assert _open_fds() == before
+    r = await backend.exec(sid, ExecRequest(argv=("echo", "ok")))
+    assert r.stdout == b"ok\n"
+
+
+async def test_many_execs_and_creates_in_flight(backend: ContainerBackend) -> None:
+    sids = [new_sid() for _ in range(8)]
+    await asyncio.gather(*(backend.create(s, SPEC) for s in sids))
+
+    async def one(k: int) -> tuple[int, bytes, bytes]:
+        r = await backend.exec(sids[k % len(sids)],
+                               ExecRequest(shell=f"echo {k}; hostname", stdin=b""))
+        return k, r.stdout, sids[k % len(sids)].encode()
+    results = await asyncio.gather(*(one(k) for k in range(200)))
+    for k, out, sid in results:
+        assert out == f"{k}\n".encode() + sid + b"\n"
+    # a blocked exec does not hold up the others: 20 execs finish while it waits
+    waiter = asyncio.ensure_future(backend.exec(sids[0], ExecRequest(
+        shell="while [ ! -e /tmp/go ]; do sleep 0.01; done; echo z")))
+    quick = await asyncio.gather(*(backend.exec(sids[1], ExecRequest(argv=("true",)))
+                                   for _ in range(20)))
+    assert not waiter.done() and all(r.exit_code == 0 for r in quick)
+    await backend.exec(sids[0], ExecRequest(argv=("touch", "/tmp/go")))
+    assert (await waiter).stdout == b"z\n"
