@@ -211,12 +211,17 @@ def test_quota_is_enforced_before_create(http: httpx.Client) -> None:
 
 
 def test_ttl_from_create_is_reaped_by_the_edge(http: httpx.Client) -> None:
-    sid = http.post("/v1/sandboxes", json={"ttl_s": 0.3}).json()["id"]
+    sid = http.post("/v1/sandboxes", json={"ttl_s": 0.3, "labels": {"ttl": "1"}}).json()["id"]
     deadline = time.monotonic() + 10
     while http.get(f"/v1/sandboxes/{sid}").json()["state"] != "destroyed":
         assert time.monotonic() < deadline, "TTL never fired"
         time.sleep(0.1)
     assert http.get(f"/v1/sandboxes/{sid}").json()["reason"] == "ttl"
+    # The list is served by the control plane's registry: the edge's event feed (read on
+    # the next heartbeat poll) removes the reaped sandbox from it, and from quota usage.
+    while _count(http, label="ttl=1"):
+        assert time.monotonic() < deadline, "the reaped sandbox stayed in the list"
+        time.sleep(0.1)
 
 
 def test_sweeper_destroys_sandboxes_of_a_closed_session(cluster: LocalCluster,

@@ -112,3 +112,43 @@ def test_bad_input(store: SqliteStore, clock: FakeClock) -> None:
         reg.add_sandbox(rec(1))
     with pytest.raises(InvalidArgument):
         reg.read(-1)
+
+
+def test_pages_walk_projects_in_id_order_with_filters(store: SqliteStore,
+                                                     clock: FakeClock) -> None:
+    """List pages come from per-project sorted indexes, merged in id order; the spec
+    (labels) survives a restart of the registry from its store."""
+    from dsec.edge.spec import SandboxSpec
+
+    reg = Registry(store, clock=clock)
+    projects = ["org/a", "org/a/x", "org/b", "other"]
+    for i in range(40):
+        p = projects[i % 4]
+        r = SandboxRecord(id=f"sb-{(i * 7919) % 1000:012x}-n1", node="n1", project=p,
+                          created_at=float(i),
+                          spec=SandboxSpec(project=p, labels={"even": str(i % 2 == 0)}))
+        reg.add_sandbox(r)
+    reg.set_paused(f"sb-{0:012x}-n1", True)
+    reg.flush()
+    reg2 = Registry(store, clock=clock)
+    for r_ in (reg, reg2):
+        everything: list[str] = []
+        after, more = "", True
+        while more:
+            page, more = r_.page(after=after, limit=7)
+            assert len(page) <= 7
+            everything += [x.id for x in page]
+            after = page[-1].id if page else after
+        assert everything == sorted(x.id for x in reg.sandboxes())
+        sub = [p for p in r_.projects() if p == "org/a" or p.startswith("org/a/")]
+        page, more = r_.page(after="", limit=100, projects=sub,
+                             match=lambda x: x.spec is not None and x.spec.labels["even"]
+                             == "True")
+        assert not more
+        assert [x.id for x in page] == sorted(
+            x.id for x in reg.sandboxes()
+            if x.project in ("org/a", "org/a/x") and x.spec and x.spec.labels["even"] == "True")
+        assert r_.sandbox(f"sb-{0:012x}-n1").paused
+    reg.remove_sandbox(f"sb-{0:012x}-n1")
+    assert f"sb-{0:012x}-n1" not in reg and len(reg) == 39
+    assert reg.page(after="", limit=1, projects=["nope"]) == ([], False)

@@ -122,6 +122,27 @@ class LocalCluster:
             raise InvalidArgument(f"could not create key {name!r}: {r.text}")
         return str(r.json()["api_key"])
 
+    # ------------------------------------------------------------- edge outages
+    def stop_edge(self, node_id: str) -> None:
+        """Stop one edge as if its machine died (in-process clusters only); its
+        sandboxes stay behind, and the control plane expires the node after
+        ``PlaneConfig.node_ttl_s`` (pass ``plane=PlaneConfig(...)`` to shorten it)."""
+        self._on_loop(self._rt().stop_edge(node_id))
+
+    def start_edge(self, node_id: str) -> None:
+        """Bring a stopped edge back; it re-adopts its sandboxes from its journal."""
+        self._on_loop(self._rt().start_edge(node_id))
+
+    def _rt(self) -> Any:
+        if self.runtime is None:
+            raise InvalidArgument("stop_edge/start_edge need a running in-process "
+                                  "LocalCluster (subprocess=False)")
+        return self.runtime
+
+    def _on_loop(self, coro: Any, timeout: float = 30.0) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
         if self.runtime is not None and self._loop is not None:

@@ -1,0 +1,114 @@
+"""Node loss end to end: a LocalCluster of 2 edges, one edge stopped and brought back.
+
+The watcher TTL is short here (0.6 s, polls every 0.1 s) so the test takes seconds; the
+behaviour is the production one: eviction with reason node_lost visible through the API,
+quota released, creates go to the survivor, and the returning edge destroys (never
+resurrects) what was evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from dsec.client.local import LocalCluster
+from dsec.control.api.plane import PlaneConfig
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(edges=2, gateway=False,
+                      plane=PlaneConfig(heartbeat_interval_s=0.1, node_ttl_s=0.6,
+                                        reconnect_interval_s=0.1)) as cl:
+        yield cl
+
+
+def _until(what: str, cond: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _health(http: httpx.Client) -> dict[str, bool]:
+    # NodeView omits defaults: "healthy" is absent when true
+    return {n["id"]: n.get("healthy", True) for n in http.get("/v1/nodes").json()["items"]}
+
+
+def _listed(http: httpx.Client, **params: Any) -> set[str]:
+    ids: set[str] = set()
+    cursor = None
+    while True:
+        q = {"limit": 2, **params, **({"cursor": cursor} if cursor else {})}
+        page = http.get("/v1/sandboxes", params=q).json()
+        ids |= {i["id"] for i in page["items"]}
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return ids
+
+
+def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
+        cluster: LocalCluster) -> None:
+    h = {"authorization": f"Bearer {cluster.api_key}"}
+    with httpx.Client(base_url=cluster.url, headers=h) as http:
+        assert http.put("/v1/quotas/team", json={"max_sandboxes": 100}).status_code == 200
+        made = [http.post("/v1/sandboxes", json={"project": "team/a", "labels": {"t": "x"}})
+                for _ in range(12)]
+        assert all(r.status_code == 201 for r in made), [r.text for r in made]
+        by_node: dict[str, list[str]] = {}
+        for r in made:
+            by_node.setdefault(r.json()["node"], []).append(r.json()["id"])
+        assert set(by_node) == {"edge-0", "edge-1"}, "placement should use both edges"
+        lost, kept = by_node["edge-1"], by_node["edge-0"]
+        assert _listed(http, label="t=x") == set(lost) | set(kept)
+        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12
+
+        cluster.stop_edge("edge-1")
+        # Creates while edge-1 is silent: before expiry placement may still pick it, the
+        # unreachable edge is excluded and the create retried on edge-0.
+        fresh = [http.post("/v1/sandboxes", json={"project": "team/a"}) for _ in range(4)]
+        assert [r.status_code for r in fresh] == [201] * 4, [r.text for r in fresh]
+        assert {r.json()["node"] for r in fresh} == {"edge-0"}
+
+        _until("edge-1's sandboxes to leave the list",
+               lambda: _listed(http, label="t=x") == set(kept))
+        for sid in lost:
+            info = http.get(f"/v1/sandboxes/{sid}").json()
+            assert (info["state"], info["reason"]) == ("destroyed", "node_lost"), info
+            last = http.get(f"/v1/sandboxes/{sid}/events").json()["items"][-1]
+            assert (last["to_state"], last["reason"]) == ("destroyed", "node_lost")
+            assert "edge-1" in last["detail"]
+        # exec on an evicted sandbox is a clear conflict; delete stays idempotent
+        r = http.post(f"/v1/sandboxes/{lost[0]}/exec", json={"argv": ["true"]})
+        assert r.status_code == 409 and "node_lost" in r.json()["message"]
+        assert http.delete(f"/v1/sandboxes/{lost[0]}").status_code == 204
+        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12 - len(lost) + 4
+        assert _health(http) == {"edge-0": True, "edge-1": False}
+        after = [http.post("/v1/sandboxes", json={"project": "team/a"}).json()["node"]
+                 for _ in range(4)]
+        assert after == ["edge-0"] * 4
+
+        # The node comes back (its journal re-adopts the sandboxes it had): the control
+        # plane reconnects, and the watcher has every evicted sandbox destroyed there.
+        cluster.start_edge("edge-1")
+        rt = cluster.runtime
+
+        async def edge_states() -> dict[str, tuple[str, str]]:
+            node = next(n for n in rt.nodes if n.node_id == "edge-1")
+            return {s: (i.state, i.reason) for s in lost if (i := node.get(s))}
+
+        _until("the returned edge to destroy the evicted sandboxes", lambda: all(
+            v == ("destroyed", "node_lost") for v in cluster._on_loop(edge_states()).values()))
+        _until("edge-1 healthy again", lambda: _health(http)["edge-1"])
+        # not resurrected: the list and the quota still count only the survivors
+        assert _listed(http, label="t=x") == set(kept)
+        assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12 - len(lost) + 8
+        events = http.get(f"/v1/sandboxes/{lost[1]}/events").json()["items"]
+        assert events[-1]["reason"] == "node_lost"

@@ -1,0 +1,168 @@
+"""Two apiserver replicas (ControlPlane + ApiService each) over one SQLite state store and
+one real edge served over Aether on a Unix socket: they must behave like one apiserver
+for Idempotency-Key creates and session leases, and their registries must not collide
+on event versions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dsec.control.api.plane import ControlPlane, IamAuthority
+from dsec.control.api.service import ApiService, Caller
+from dsec.control.api.types import CreateSandboxRequest
+from dsec.control.idempotency import IdempotencyCache, fingerprint
+from dsec.control.metrics import ApiMetrics
+from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.control.store.sqlite import SqliteStore
+from dsec.edge.admission import Capacity
+from dsec.edge.backends import make_backend
+from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.service import EdgeClient, serve_edge
+from dsec.errors import Conflict
+
+
+@dataclass
+class Replica:
+    store: SqliteStore
+    plane: ControlPlane
+    service: ApiService
+    link: EdgeClient
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica, EdgeNode, str]]:
+    node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
+        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=1000)),
+        {"simulated": make_backend("simulated")})
+    await node.start()
+    addr = f"unix:{tmp_path / 'e0.sock'}"
+    server = await serve_edge(node, addr)
+    reps: list[Replica] = []
+    try:
+        for _ in range(2):
+            store = SqliteStore(tmp_path / "control.sqlite")   # one file, two connections
+            plane = ControlPlane.open(store, metrics=ApiMetrics())
+            link = await EdgeClient.connect(addr)
+            plane.add_edge("e0", addr, link)
+            svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane,
+                             placer=plane, quotas=plane,
+                             limiter=RateLimiter(RateLimitConfig(rate_per_s=None),
+                                                 clock=time.monotonic),
+                             idempotency=IdempotencyCache(clock=time.time, store=store),
+                             metrics=plane.metrics)
+            plane.service = svc
+            await plane.poll_edges()
+            reps.append(Replica(store, plane, svc, link))
+        key = reps[0].plane.bootstrap_admin()
+        yield reps[0], reps[1], node, key
+    finally:
+        for r in reps:
+            await r.service.idempotency.close()
+            await r.plane.close()
+            await r.link.close()
+            r.store.close()
+        await server.close()
+        await node.close()
+
+
+async def test_create_retried_on_the_other_replica_returns_the_same_sandbox(
+        replicas: tuple[Replica, Replica, EdgeNode, str]) -> None:
+    a, b, node, key = replicas
+    caller_a = a.service.authenticate(f"Bearer {key}")
+    caller_b = b.service.authenticate(f"Bearer {key}")  # the key is in the shared store
+    req = CreateSandboxRequest(labels={"run": "1"})
+    raw = b'{"labels": {"run": "1"}}'
+    first = await a.service.create(caller_a, req, idempotency_key="retry-1", raw=raw)
+    again = await b.service.create(caller_b, req, idempotency_key="retry-1", raw=raw)
+    assert again.id == first.id
+    assert [i.id for i in node.list()] == [first.id]          # nothing else was created
+    with pytest.raises(Conflict, match="different request body"):
+        await b.service.create(caller_b, CreateSandboxRequest(), idempotency_key="retry-1",
+                               raw=b"{}")
+    assert node.live_count == 1
+    # Both registries write the one store: versions are allocated there, no collision.
+    other = await b.service.create(caller_b, CreateSandboxRequest())
+    a.plane.registry.flush()
+    b.plane.registry.flush()
+    versions = [e.version for e in a.store.read_events(0, 100)]
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) == 2
+    # Each replica learns the other's sandboxes from the edge's heartbeat.
+    await a.plane.poll_edges()
+    page, _ = a.service.directory.list_sandboxes(caller_a, project=None, labels={},
+                                                 state=None, after="", limit=10)
+    assert {i.id for i in page} == {first.id, other.id}
+
+
+async def test_concurrent_create_on_two_replicas_creates_one(
+        replicas: tuple[Replica, Replica, EdgeNode, str]) -> None:
+    a, b, node, key = replicas
+    ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
+    req = CreateSandboxRequest(labels={"race": "1"})
+    x, y = await asyncio.gather(
+        a.service.create(ca, req, idempotency_key="race-1", raw=b"same"),
+        b.service.create(cb, req, idempotency_key="race-1", raw=b"same"))
+    assert x.id == y.id and node.live_count == 1
+
+
+async def test_a_waiter_on_another_replica_fails_cleanly_when_the_first_create_fails(
+        tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    try:
+        one = IdempotencyCache(clock=time.time, store=store, poll_s=0.005)
+        two = IdempotencyCache(clock=time.time, store=store, poll_s=0.005)
+        key, fp = IdempotencyCache.scoped("p", "k"), fingerprint(b"body")
+        assert one.begin(key, fp).proceed
+        wait = two.begin(key, fp).wait
+        assert wait is not None
+        one.abort(key, RuntimeError("edge refused"))
+        with pytest.raises(Conflict, match="another apiserver replica"):
+            await asyncio.wait_for(wait, 5)
+        assert two.begin(key, fp).proceed          # the key is free again
+        two.finish(key, b"answer")
+        assert one.begin(key, fp).replay == b"answer"
+        await one.close()
+        await two.close()
+    finally:
+        store.close()
+
+
+async def test_idempotency_rows_expire_and_stay_bounded(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    try:
+        clock = [1000.0]
+        cache = IdempotencyCache(clock=lambda: clock[0], store=store, ttl_s=300,
+                                 max_entries=20, purge_every=10)
+        for i in range(100):
+            k = IdempotencyCache.scoped("p", f"k{i}")
+            assert cache.begin(k, "fp").proceed
+            cache.finish(k, b"r")
+        assert len(cache) <= 20
+        assert store.idem_purge(clock[0], 20) >= 0
+        assert len(store._all("SELECT key FROM idempotency")) <= 20
+        clock[0] += 301                                        # the 5-minute window ends
+        assert store.idem_get(IdempotencyCache.scoped("p", "k99"), clock[0]) is None
+        assert cache.begin(IdempotencyCache.scoped("p", "k99"), "other-body").proceed
+    finally:
+        store.close()
+
+
+async def test_session_opened_on_one_replica_is_renewable_and_closable_on_the_other(
+        replicas: tuple[Replica, Replica, EdgeNode, str]) -> None:
+    a, b, node, key = replicas
+    ca: Caller = a.service.authenticate(f"Bearer {key}")
+    cb: Caller = b.service.authenticate(f"Bearer {key}")
+    ses = a.plane.open_session(ca, 30.0)
+    renewed = b.plane.renew_session(cb, ses.id)
+    assert renewed.id == ses.id and renewed.expires_at >= ses.expires_at
+    sb = await a.service.create(ca, CreateSandboxRequest(session=ses.id))
+    assert await a.plane.sweep() == [] and await b.plane.sweep() == []
+    b.plane.close_session(cb, ses.id)
+    # replica A sweeps what B closed
+    assert await a.plane.sweep() == [(sb.id, "session_closed")]
+    assert node.get(sb.id).state == "destroyed"
