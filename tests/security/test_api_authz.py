@@ -176,3 +176,15 @@ def test_errors_do_not_reveal_host_paths(ct: Tenants) -> None:
                      headers=ct.h(ct.mallory))
     assert 400 <= r.status_code < 500
     assert ct.cluster.state_dir not in r.text, r.text
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="weakness (node DoS): a create with \"pids_max\": null is accepted "
+                   "(types.py CreateSandboxRequest, spec.py validate) and gives the sandbox no "
+                   "pids limit at all; with kernel.pid_max=32768 one fork bomb can take every "
+                   "pid on its node. Cap it server-side (quota) instead of letting clients "
+                   "opt out")
+def test_clients_cannot_opt_out_of_the_fork_bomb_guard(sim: Tenants) -> None:
+    r = sim.http.post("/v1/sandboxes", json={"project": "teamc", "pids_max": None},
+                      headers=sim.h(sim.mallory))
+    assert r.status_code == 400 or r.json()["spec"].get("pids_max") is not None, r.text
