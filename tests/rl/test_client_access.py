@@ -8,15 +8,29 @@ tamper-proof executable judge and preempt/resume on real sandboxes.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
 from dsec import AsyncClient, Client, ExecResult, InvalidArgument, LocalCluster, SandboxNotFound
+from dsec.edge.node import EdgeNode
 from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
-from dsec.rl.access import ClientAccess, LoopThread, SandboxAccess, spec_to_create_kwargs
+from dsec.ids import node_of
+from dsec.rl.access import (
+    BatchSandboxAccess,
+    ClientAccess,
+    EdgeAccess,
+    ExecOutcome,
+    LoopThread,
+    SandboxAccess,
+    create_sandboxes,
+    destroy_sandboxes,
+    pause_sandboxes,
+    resume_sandboxes,
+    spec_to_create_kwargs,
+)
 from dsec.rl.buffer import ReplayBuffer
 from dsec.rl.driver import Driver, LstmState, PolicyOutput, RolloutHandle, resume
 from dsec.rl.judges import ExecutableJudge, RegexJudge
@@ -137,6 +151,8 @@ def test_pool_steps_with_one_exec_many_per_tick_across_edges(
     pool = SandboxEnvPool(access, [task], 6)
     try:
         pool.reset(seed=3)
+        # Episode starts are batched too: one create_many, one mkdir batch, the files.
+        assert access.calls == {"create_many": 1, "exec_many": 1, "write_file": 6}
         ids = pool.sandbox_ids()
         assert len(set(ids)) == 6
         assert {client.sandboxes.get(s).info.node for s in ids if s} == {"edge-0", "edge-1"}
@@ -174,6 +190,71 @@ def test_async_client_on_its_own_loop_thread(cluster: LocalCluster) -> None:
     finally:
         acc.run(ac.close())
         acc.close()
+
+
+class PlainAccess:
+    """Only the SandboxAccess protocol (no batched methods): the one-by-one fallback."""
+
+    def __init__(self, inner: EdgeAccess, fail_at: int | None = None) -> None:
+        self.inner = inner
+        self.fail_at = fail_at
+        self.created: list[str] = []
+
+    def create(self, spec: SandboxSpec) -> str:
+        if len(self.created) == self.fail_at:
+            raise InvalidArgument("no more sandboxes for this test")
+        self.created.append(self.inner.create(spec))
+        return self.created[-1]
+
+    def destroy(self, sandbox_id: str) -> None:
+        self.inner.destroy(sandbox_id)
+
+    def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
+        return self.inner.exec_batch(calls)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self.inner.write_file(sandbox_id, path, data, mode=mode)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self.inner.read_file(sandbox_id, path)
+
+    def pause(self, sandbox_id: str) -> None:
+        self.inner.pause(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        self.inner.resume(sandbox_id)
+
+
+def _live(nodes: dict[str, EdgeNode]) -> list[str]:
+    return [i.id for n in nodes.values() for i in n.list()
+            if i.state not in ("destroyed", "failed")]
+
+
+def test_batched_creates_are_all_or_nothing(sim_access: EdgeAccess,
+                                            sim_nodes: dict[str, EdgeNode],
+                                            access: ClientAccess, client: Client) -> None:
+    bad = SandboxSpec(memory_bytes=1)                  # refused by validation
+    ok = SandboxSpec()
+    plain = PlainAccess(sim_access, fail_at=2)
+    assert not isinstance(plain, BatchSandboxAccess)
+    assert isinstance(sim_access, BatchSandboxAccess) and isinstance(access, BatchSandboxAccess)
+    with pytest.raises(InvalidArgument, match="no more"):
+        create_sandboxes(plain, [ok, ok, ok])
+    assert len(plain.created) == 2 and _live(sim_nodes) == []     # the two were destroyed
+    with pytest.raises(InvalidArgument, match="memory_bytes"):
+        create_sandboxes(sim_access, [ok, bad, ok])
+    assert _live(sim_nodes) == []
+    tag = {"labels": {"batch": "all-or-nothing"}}
+    with pytest.raises(InvalidArgument, match="memory_bytes"):
+        create_sandboxes(ClientAccess(client, create=tag), [ok, bad, ok])
+    assert [s.state for s in client.sandboxes.list(labels=tag["labels"])
+            if s.state != "destroyed"] == []
+    ids = create_sandboxes(plain := PlainAccess(sim_access), [ok, ok])
+    pause_sandboxes(plain, ids)
+    assert {sim_nodes[node_of(s)].get(s).state for s in ids} == {"paused"}
+    resume_sandboxes(plain, ids)
+    destroy_sandboxes(plain, [*ids, ids[0]])          # already gone is fine
+    assert _live(sim_nodes) == []
 
 
 # ------------------------------------------------------------------ preempt / resume

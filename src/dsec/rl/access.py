@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from dsec.client.core import AsyncClient, AsyncSandbox
     from dsec.client.sync import Client
 
-__all__ = ["ClientAccess", "EdgeAccess", "ExecOutcome", "LoopThread", "SandboxAccess"]
+__all__ = ["BatchSandboxAccess", "ClientAccess", "EdgeAccess", "ExecOutcome", "LoopThread",
+           "SandboxAccess", "create_sandboxes", "destroy_sandboxes", "pause_sandboxes",
+           "resume_sandboxes", "spec_to_create_kwargs"]
 
 T = TypeVar("T")
 # A batch item either ran (ExecResult, whatever its exit code) or failed as an operation
@@ -62,6 +64,86 @@ class SandboxAccess(Protocol):
     def pause(self, sandbox_id: str) -> None: ...
 
     def resume(self, sandbox_id: str) -> None: ...
+
+
+@runtime_checkable
+class BatchSandboxAccess(SandboxAccess, Protocol):
+    """A :class:`SandboxAccess` that also creates, destroys, pauses and resumes many
+    sandboxes at once (concurrently, or in one batched call). Optional: the module-level
+    functions below fall back to one call per sandbox for a plain ``SandboxAccess``."""
+
+    def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:
+        """All or nothing: on any failure the ones created are destroyed and it raises."""
+
+    def destroy_many(self, sandbox_ids: Sequence[str]) -> None:
+        """Best effort, like ``destroy`` of each (already gone is fine)."""
+
+    def pause_many(self, sandbox_ids: Sequence[str]) -> None: ...
+
+    def resume_many(self, sandbox_ids: Sequence[str]) -> None: ...
+
+
+def create_sandboxes(access: SandboxAccess, specs: Sequence[SandboxSpec]) -> list[str]:
+    """Create one sandbox per spec, batched when ``access`` can; all or nothing."""
+    if not specs:
+        return []
+    if isinstance(access, BatchSandboxAccess):
+        return access.create_many(specs)
+    made: list[str] = []
+    try:
+        for spec in specs:
+            made.append(access.create(spec))
+    except BaseException:
+        destroy_sandboxes(access, made)
+        raise
+    return made
+
+
+def destroy_sandboxes(access: SandboxAccess, sandbox_ids: Sequence[str]) -> None:
+    """Destroy them, batched when ``access`` can; errors (already gone) are ignored."""
+    if not sandbox_ids:
+        return
+    if isinstance(access, BatchSandboxAccess):
+        try:
+            access.destroy_many(sandbox_ids)
+        except DsecError:
+            pass
+        return
+    for sid in sandbox_ids:
+        try:
+            access.destroy(sid)
+        except DsecError:
+            pass  # already gone (evicted, node lost): nothing left to release
+
+
+def pause_sandboxes(access: SandboxAccess, sandbox_ids: Sequence[str]) -> None:
+    """Pause them, concurrently when ``access`` can (a preemption pauses every sandbox of
+    a rollout: 64 container pauses one by one took 0.8 s through the API)."""
+    if isinstance(access, BatchSandboxAccess):
+        if sandbox_ids:
+            access.pause_many(sandbox_ids)
+        return
+    for sid in sandbox_ids:
+        access.pause(sid)
+
+
+def resume_sandboxes(access: SandboxAccess, sandbox_ids: Sequence[str]) -> None:
+    if isinstance(access, BatchSandboxAccess):
+        if sandbox_ids:
+            access.resume_many(sandbox_ids)
+        return
+    for sid in sandbox_ids:
+        access.resume(sid)
+
+
+async def _gather_all(coros: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Run them concurrently; raise the first error only after every one finished (so no
+    operation is left running behind the caller's back)."""
+    res = await asyncio.gather(*coros, return_exceptions=True)
+    for r in res:
+        if isinstance(r, BaseException):
+            raise r
+    return res
 
 
 class LoopThread:
@@ -155,6 +237,30 @@ class EdgeAccess:
         if groups:
             self._run(all_nodes())
         return out  # type: ignore[return-value]
+
+    def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:
+        targets = [self.targets[next(self._turn)] for _ in specs]
+
+        async def go() -> list[str]:
+            res = await asyncio.gather(*(t.create(s) for t, s in zip(targets, specs)),
+                                       return_exceptions=True)
+            made = [str(r.id) for r in res if not isinstance(r, BaseException)]
+            failed = [r for r in res if isinstance(r, BaseException)]
+            if failed:
+                await asyncio.gather(*(self._target(sid).destroy(sid) for sid in made),
+                                     return_exceptions=True)
+                raise failed[0]
+            return made
+        return self._run(go())
+
+    def destroy_many(self, sandbox_ids: Sequence[str]) -> None:
+        self._run(_gather_all([self._target(s).destroy(s) for s in sandbox_ids]))
+
+    def pause_many(self, sandbox_ids: Sequence[str]) -> None:
+        self._run(_gather_all([self._target(s).pause(s) for s in sandbox_ids]))
+
+    def resume_many(self, sandbox_ids: Sequence[str]) -> None:
+        self._run(_gather_all([self._target(s).resume(s) for s in sandbox_ids]))
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._run(self._target(sandbox_id).write_file(sandbox_id, path, data, mode=mode))
@@ -260,12 +366,15 @@ class ClientAccess:
             sb = self._handles[sandbox_id] = await self.client.sandboxes.get(sandbox_id)
         return sb
 
-    def create(self, spec: SandboxSpec) -> str:
+    def _create_kwargs(self, spec: SandboxSpec) -> dict[str, Any]:
         kw = {**spec_to_create_kwargs(spec), **self.create_kwargs}
         if "labels" in self.create_kwargs:
             kw["labels"] = {**spec.labels, **self.create_kwargs["labels"]}
+        return kw
+
+    def create(self, spec: SandboxSpec) -> str:
         self.calls["create"] += 1
-        sb = self._run(self.client.sandboxes.create(**kw))
+        sb = self._run(self.client.sandboxes.create(**self._create_kwargs(spec)))
         self._handles[sb.id] = sb
         return sb.id
 
@@ -287,6 +396,42 @@ class ClientAccess:
             return []
         self.calls["exec_many"] += 1
         return self._run(self.client.sandboxes.exec_many(list(calls), return_exceptions=True))
+
+    def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:
+        """One batched SDK ``create_many`` (per-item keywords); all or nothing."""
+        items = [self._create_kwargs(spec) for spec in specs]
+        self.calls["create_many"] += 1
+        made = self._run(self.client.sandboxes.create_many(items))
+        self._handles.update((sb.id, sb) for sb in made)
+        return [sb.id for sb in made]
+
+    def destroy_many(self, sandbox_ids: Sequence[str]) -> None:
+        async def one(sid: str) -> None:
+            try:
+                sb = await self._sandbox(sid)
+            except NotFound:
+                return
+            self.calls["destroy"] += 1
+            await sb.kill()
+        try:
+            self._run(_gather_all([one(s) for s in sandbox_ids]))
+        finally:
+            for sid in sandbox_ids:
+                self._handles.pop(sid, None)
+
+    def pause_many(self, sandbox_ids: Sequence[str]) -> None:
+        async def one(sid: str) -> None:
+            sb = await self._sandbox(sid)
+            self.calls["pause"] += 1
+            await sb.pause()
+        self._run(_gather_all([one(s) for s in sandbox_ids]))
+
+    def resume_many(self, sandbox_ids: Sequence[str]) -> None:
+        async def one(sid: str) -> None:
+            sb = await self._sandbox(sid)
+            self.calls["resume"] += 1
+            await sb.resume()
+        self._run(_gather_all([one(s) for s in sandbox_ids]))
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
         async def go() -> None:

@@ -27,7 +27,14 @@ import msgspec
 
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import Conflict
-from dsec.rl.access import ExecOutcome, SandboxAccess
+from dsec.rl.access import (
+    ExecOutcome,
+    SandboxAccess,
+    create_sandboxes,
+    destroy_sandboxes,
+    pause_sandboxes,
+    resume_sandboxes,
+)
 
 __all__ = ["CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged", "request_digest"]
 
@@ -218,3 +225,16 @@ class LoggedAccess:
 
     def resume(self, sandbox_id: str) -> None:
         self.inner.resume(sandbox_id)
+
+    # Batched forms (BatchSandboxAccess): batched when the inner access is.
+    def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:
+        return create_sandboxes(self.inner, specs)
+
+    def destroy_many(self, sandbox_ids: Sequence[str]) -> None:
+        destroy_sandboxes(self.inner, sandbox_ids)
+
+    def pause_many(self, sandbox_ids: Sequence[str]) -> None:
+        pause_sandboxes(self.inner, sandbox_ids)
+
+    def resume_many(self, sandbox_ids: Sequence[str]) -> None:
+        resume_sandboxes(self.inner, sandbox_ids)

@@ -40,7 +40,13 @@ import numpy.typing as npt
 
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import Conflict, DsecError, InvalidArgument
-from dsec.rl.access import SandboxAccess
+from dsec.rl.access import (
+    SandboxAccess,
+    create_sandboxes,
+    destroy_sandboxes,
+    pause_sandboxes,
+    resume_sandboxes,
+)
 from dsec.rl.commandlog import LoggedAccess
 from dsec.rl.envpool import EnvPool
 from dsec.rl.judges import Judge, JudgeContext, Verdict
@@ -182,42 +188,65 @@ class SandboxEpisodes:
 
     def begin(self, i: int) -> str:
         """Start a new episode in slot ``i``: fresh sandbox, task files; returns the prompt."""
-        st = self.states[i]
-        self.end(i)
-        st.episode += 1
-        # The task depends only on (seed, slot, episode): a resumed pool picks the same
-        # tasks as an uninterrupted one without carrying RNG state.
-        rng = np.random.default_rng([self.seed, i, st.episode])
-        st.task_index = int(rng.integers(len(self.tasks)))
-        st.turn = 0
-        st.transcript = []
-        task = self.tasks[st.task_index]
-        sid = self.access.create(task.spec)
-        st.sandbox_id = sid
+        return self.begin_many([i])[0]
+
+    def begin_many(self, idx: Sequence[int]) -> list[str]:
+        """Start new episodes in slots ``idx``; returns their prompts.
+
+        Batched: the old sandboxes go in one destroy batch, the new ones come from one
+        create batch (when the access can batch) and their directories from one exec
+        batch. Through the API, 64 episode starts one by one took ~2.5 s on containers.
+        """
+        idx = list(idx)
+        self.end_many(idx)
+        tasks: list[Task] = []
+        for i in idx:
+            st = self.states[i]
+            st.episode += 1
+            # The task depends only on (seed, slot, episode): a resumed pool picks the
+            # same tasks as an uninterrupted one without carrying RNG state.
+            rng = np.random.default_rng([self.seed, i, st.episode])
+            st.task_index = int(rng.integers(len(self.tasks)))
+            st.turn = 0
+            st.transcript = []
+            tasks.append(self.tasks[st.task_index])
+        sids = create_sandboxes(self.access, [t.spec for t in tasks])
+        for i, sid in zip(idx, sids):
+            self.states[i].sandbox_id = sid
         try:
-            dirs = sorted({p.rsplit("/", 1)[0] for p in task.files if p.rsplit("/", 1)[0]}
-                          | {task.workdir})
-            res = self.access.exec_batch([(sid, ExecRequest(argv=("mkdir", "-p", *dirs),
-                                                            timeout_s=30.0))])[0]
-            if isinstance(res, DsecError):
-                raise res
-            for path, data in task.files.items():
-                self.access.write_file(sid, path, data)
+            mkdirs = []
+            for sid, task in zip(sids, tasks):
+                dirs = sorted({p.rsplit("/", 1)[0] for p in task.files if p.rsplit("/", 1)[0]}
+                              | {task.workdir})
+                mkdirs.append((sid, ExecRequest(argv=("mkdir", "-p", *dirs), timeout_s=30.0)))
+            for res in self.access.exec_batch(mkdirs):
+                if isinstance(res, DsecError):
+                    raise res
+            for sid, task in zip(sids, tasks):
+                for path, data in task.files.items():
+                    self.access.write_file(sid, path, data)
         except BaseException:
-            self.end(i)
+            self.end_many(idx)
             raise
-        obs = clean_text(task.prompt, self.config.max_obs_chars)
-        st.transcript.append(obs)
-        return obs
+        out = []
+        for i, task in zip(idx, tasks):
+            obs = clean_text(task.prompt, self.config.max_obs_chars)
+            self.states[i].transcript.append(obs)
+            out.append(obs)
+        return out
 
     def end(self, i: int) -> None:
-        st = self.states[i]
-        if st.sandbox_id is not None:
-            sid, st.sandbox_id = st.sandbox_id, None
-            try:
-                self.access.destroy(sid)
-            except DsecError:
-                pass  # already gone (evicted, node lost): nothing left to release
+        self.end_many([i])
+
+    def end_many(self, idx: Sequence[int]) -> None:
+        """Destroy the sandboxes of slots ``idx`` (already gone is fine)."""
+        sids = []
+        for i in idx:
+            st = self.states[i]
+            if st.sandbox_id is not None:
+                sids.append(st.sandbox_id)
+                st.sandbox_id = None
+        destroy_sandboxes(self.access, sids)
 
     def step(self, idx: Sequence[int], actions: Sequence[str]) -> list[StepOut]:
         """Apply one action per listed slot; all shell calls go out in one batch."""
@@ -305,12 +334,10 @@ class SandboxEpisodes:
         return [s.sandbox_id for s in self.states if s.sandbox_id is not None]
 
     def pause(self) -> None:
-        for sid in self.live_sandboxes():
-            self.access.pause(sid)
+        pause_sandboxes(self.access, self.live_sandboxes())
 
     def resume(self) -> None:
-        for sid in self.live_sandboxes():
-            self.access.resume(sid)
+        resume_sandboxes(self.access, self.live_sandboxes())
 
     def export_state(self) -> bytes:
         cursors = None
@@ -403,7 +430,8 @@ class SandboxBatchEnv:
         self.episodes.seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
         for i in range(self.num_envs):
             self.episodes.states[i].episode = -1
-            obs[i] = self.episodes.begin(i)
+        for i, o in enumerate(self.episodes.begin_many(range(self.num_envs))):
+            obs[i] = o
 
     def step(self, actions: Array) -> None:
         obs, rew, term, trunc = self._bound()
@@ -418,12 +446,13 @@ class SandboxBatchEnv:
 
     def reset_envs(self, mask: Array) -> None:
         obs = self._bound()[0]
-        for i in np.flatnonzero(mask).tolist():
-            obs[i] = self.episodes.begin(i)
+        idx = np.flatnonzero(mask).tolist()
+        if idx:
+            for i, o in zip(idx, self.episodes.begin_many(idx)):
+                obs[i] = o
 
     def close(self) -> None:
-        for i in range(self.num_envs):
-            self.episodes.end(i)
+        self.episodes.end_many(range(self.num_envs))
 
     def pause(self) -> None:
         self.episodes.pause()
