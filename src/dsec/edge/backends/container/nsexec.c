@@ -353,11 +353,23 @@ static void build_root(const char *overlay_opts, const char *init_path, long lon
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_FILES[k]));
         if (exists(p)) xmount(q, p, NULL, MS_BIND, NULL);
     }
+    /* One empty read-only tmpfs, bind-mounted over every masked directory: each extra
+     * superblock per sandbox adds to the kernel's per-memcg list_lru reparenting work when
+     * any sandbox cgroup is removed (measured: that walk dominated destroy at 1,500
+     * sandboxes), binds add none. */
+    char first[8192] = "";
     for (size_t k = 0; k < sizeof DSEC_MASKED_DIRS / sizeof DSEC_MASKED_DIRS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_DIRS[k]));
-        if (is_dir(p))
+        if (!is_dir(p)) continue;
+        if (!first[0]) {
             xmount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                    "size=0,nr_inodes=1");
+            snprintf(first, sizeof first, "%s", p);
+        } else {
+            xmount(first, p, NULL, MS_BIND, NULL);
+            xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+                   | MS_NOEXEC, NULL);
+        }
     }
     for (size_t k = 0; k < sizeof DSEC_READONLY_PATHS / sizeof DSEC_READONLY_PATHS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_READONLY_PATHS[k]));
