@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from dsec.edge.backends.container import ContainerBackend
+from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.testimage import build_busybox_root
 from dsec.edge.spec import ExecRequest, SandboxSpec
-from tests.edge.container.conftest import backend, new_sid, runc_backend  # noqa: F401
+from tests.edge.container.conftest import _cleanup, backend, new_sid  # noqa: F401
 
 __all__ = ["PROBE_SPEC", "new_sid", "probe", "sh"]
 
@@ -49,6 +49,36 @@ def images_dir(tmp_path_factory: pytest.TempPathFactory, probe_binary: str) -> I
     os.makedirs(d / "probe")
     shutil.copy2(probe_binary, d / "probe" / "probe")
     yield str(d)
+
+
+def _rmdir_everywhere(name: str) -> None:
+    """rmdir every (empty) cgroup directory called ``name`` in any v1/v2 hierarchy."""
+    for top in os.listdir("/sys/fs/cgroup"):
+        for dirpath, dirnames, _ in os.walk(os.path.join("/sys/fs/cgroup", top)):
+            if dirpath.count("/") > 8:
+                dirnames[:] = []
+                continue
+            if name in dirnames:
+                try:
+                    os.rmdir(os.path.join(dirpath, name))
+                except OSError:
+                    pass
+                dirnames.remove(name)
+
+
+@pytest.fixture
+async def runc_backend(tmp_path: object, images_dir: str) -> AsyncIterator[ContainerBackend]:
+    """The container suite's runc fixture, plus removal of the ``dsec-<name>`` parents runc
+    makes in controllers the governor does not manage (blkio, cpuset, devices, ...)."""
+    if shutil.which("runc") is None:
+        pytest.skip("needs runc")
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "rroot"),
+                         images=DirectoryImages(images_dir), runtime="runc")
+    try:
+        yield b
+    finally:
+        await _cleanup(b)
+        _rmdir_everywhere(f"dsec-{b.cgroup_name}")
 
 
 async def sh(b: ContainerBackend, sid: str, cmd: str, **kw: object) -> tuple[int, str]:

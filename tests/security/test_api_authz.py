@@ -8,6 +8,7 @@ superuser should reach ``teama``'s sandboxes or snapshots.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from dsec.client.local import LocalCluster
+from tests.security.conftest import _rmdir_everywhere
 
 
 class Tenants:
@@ -51,10 +53,13 @@ def ct() -> Iterator[Tenants]:
         pytest.skip("needs root (CI runs as root)")
     with LocalCluster(edges=1, backend="container") as cl:
         t = Tenants(cl)
+        root_dir = os.path.abspath(os.path.join(cl.state_dir, "container", "edge-0"))
         try:
             yield t
         finally:
             t.http.close()
+    # The cluster leaves its edge's (empty) parent cgroups behind; remove them.
+    _rmdir_everywhere("dsec-" + hashlib.sha1(root_dir.encode()).hexdigest()[:10])
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
