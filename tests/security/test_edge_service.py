@@ -1,0 +1,64 @@
+"""The edge's own Aether service (dsec.edge.service, served by `dsec edge --listen ...`):
+whoever reaches it can create, exec in, read and destroy every sandbox of the node, so
+it must not answer an unauthenticated peer, and its Unix socket must not be open to
+every local user."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dsec.edge.node import EdgeNode
+from dsec.edge.service import EdgeClient, serve_edge
+from dsec.edge.spec import SandboxSpec
+from dsec.errors import DsecError
+from tests.edge.conftest import make_node
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[EdgeNode]:
+    n = make_node(node_id="sec-edge")
+    await n.start()
+    try:
+        yield n
+    finally:
+        await n.close()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SECURITY HOLE: the edge's Aether service has no authentication "
+                   "(edge/service.py serve_edge, `dsec edge --listen tcp:HOST:PORT` for "
+                   "multi-node clusters): any peer that reaches the port creates sandboxes, "
+                   "execs as root in every sandbox of the node and reads their files. "
+                   "Require a shared secret / mTLS between apiserver and edges, or bind "
+                   "edges to a private socket only")
+async def test_edge_refuses_an_unauthenticated_tcp_peer(node: EdgeNode) -> None:
+    server = await serve_edge(node, "tcp:127.0.0.1:0")
+    try:
+        stranger = await EdgeClient.connect(str(server.address), timeout=10)
+        try:
+            info = await stranger.create(SandboxSpec())
+        except DsecError:
+            return  # refused: what we want
+        finally:
+            await stranger.close()
+        assert info is None, f"a stranger created {info.id} on the edge"
+    finally:
+        await server.close()
+
+
+async def test_edge_unix_socket_is_not_world_accessible(node: EdgeNode, tmp_path: object) -> None:
+    old = os.umask(0o022)  # a typical service umask
+    try:
+        path = os.path.join(str(tmp_path), "edge.sock")
+        server = await serve_edge(node, f"unix:{path}")
+    finally:
+        os.umask(old)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o002 == 0, f"edge socket {path} is world-writable ({oct(mode)})"
+    finally:
+        await server.close()
