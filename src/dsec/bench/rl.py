@@ -136,7 +136,20 @@ def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
 
     tasks = tasks or [Task(prompt="bench", max_turns=1_000_000)]
     with SandboxEnvPool(access, tasks, n_envs) as pool:
+        t0 = time.perf_counter()
         pool.reset(seed=0)
+        ctx.record("rl_sandbox_env_reset", n_envs / (time.perf_counter() - t0), "episodes/s",
+                   envs=n_envs, mode="pool.reset: batched create + mkdir", backend=backend,
+                   transport=transport)
+        t0 = time.perf_counter()
+        pool.pause()
+        t1 = time.perf_counter()
+        pool.resume()
+        ctx.record("rl_sandbox_env_preempt", (t1 - t0) * 1000, "ms", envs=n_envs,
+                   op="pause every sandbox", backend=backend, transport=transport)
+        ctx.record("rl_sandbox_env_preempt", (time.perf_counter() - t1) * 1000, "ms",
+                   envs=n_envs, op="resume every sandbox", backend=backend,
+                   transport=transport)
         acts = np.empty(n_envs, dtype=object)
         acts[:] = "echo hi"
 

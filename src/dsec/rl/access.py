@@ -399,6 +399,8 @@ class ClientAccess:
 
     def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:
         """One batched SDK ``create_many`` (per-item keywords); all or nothing."""
+        if not specs:
+            return []
         items = [self._create_kwargs(spec) for spec in specs]
         self.calls["create_many"] += 1
         made = self._run(self.client.sandboxes.create_many(items))
