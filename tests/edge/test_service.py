@@ -114,3 +114,25 @@ async def test_errors_cross_the_wire_typed(edge: tuple[EdgeNode, EdgeClient]) ->
     with pytest.raises(CapacityExceeded) as ei:
         await c.create(cpu_milli=10_000)
     assert ei.value.detail["short"] == {"cpu_milli": 3000}
+
+
+async def test_tcp_edge_requires_a_token(tmp_path: object) -> None:
+    from dsec.errors import InvalidArgument, Unauthenticated
+
+    async with make_node() as node:
+        with pytest.raises(InvalidArgument, match="without a token"):
+            await serve_edge(node, "tcp:127.0.0.1:0")
+        server = await serve_edge(node, "tcp:127.0.0.1:0", token="t" * 32)
+        try:
+            with pytest.raises(Unauthenticated):
+                await EdgeClient.connect(str(server.address), token="wrong-token-000000")
+            anon = await EdgeClient.connect(str(server.address))
+            with pytest.raises(Unauthenticated):
+                await anon.create(SandboxSpec())
+            await anon.close()
+            edge = await EdgeClient.connect(str(server.address), token="t" * 32)
+            info = await edge.create(SandboxSpec())
+            assert (await edge.get(info.id)).state == "running"
+            await edge.close()
+        finally:
+            await server.close()

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Literal, Self
 
-from dsec.aether.connection import AetherProtocol, Connection, Router
+from dsec.aether.connection import AUTH_METHOD, AetherProtocol, Connection, Router
 from dsec.aether.frame import DEFAULT_MAX_FRAME
 from dsec.errors import ConnectionLost, InvalidArgument, TransportError
 
@@ -51,9 +51,11 @@ def parse_address(text: str) -> Address:
 
 async def connect(
     address: str | Address, *, router: Router | None = None, timeout: float | None = 10.0,
-    max_frame: int = DEFAULT_MAX_FRAME,
+    max_frame: int = DEFAULT_MAX_FRAME, token: bytes | str | None = None,
 ) -> Connection:
-    """Dial ``address`` and return a ready connection (which can also serve ``router``)."""
+    """Dial ``address`` and return a ready connection (which can also serve ``router``).
+
+    ``token``: authenticate first, for endpoints whose Router requires one."""
     addr = parse_address(address) if isinstance(address, str) else address
     loop = asyncio.get_running_loop()
 
@@ -72,7 +74,15 @@ async def connect(
         raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}") from exc
     _tune(transport)
     assert proto.conn is not None  # set in connection_made
-    return proto.conn
+    conn = proto.conn
+    if token is not None:
+        raw = token.encode() if isinstance(token, str) else token
+        try:
+            await conn.call(AUTH_METHOD, raw, timeout=timeout)
+        except BaseException:
+            await conn.close("authentication failed")
+            raise
+    return conn
 
 
 def _tune(transport: asyncio.BaseTransport) -> None:

@@ -91,12 +91,19 @@ def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
 @click.option("--backend-opt", "backend_opts", multiple=True, metavar="BACKEND.KEY=VALUE",
               help="Option for one backend's make_backend (repeatable), e.g. "
                    "container.images_dir=/var/lib/dsec/images. Values are strings.")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="File holding the secret every Aether connection must present first "
+                   "(required with a tcp: listener; the apiserver gets the same file).")
+@click.option("--insecure", is_flag=True,
+              help="Serve tcp: without a token (anyone who connects can run commands in "
+                   "sandboxes): only on a private test network.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id: str,
          cpu_milli: int | None, memory_bytes: int | None, max_sandboxes: int,
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
-         backend_opts: tuple[str, ...], log_level: str) -> None:
+         backend_opts: tuple[str, ...], token_file: str | None, insecure: bool,
+         log_level: str) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from dsec.edge.admission import Capacity
@@ -120,12 +127,20 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg, built, listen))
+        token = None
+        if token_file is not None:
+            with open(token_file, "rb") as f:
+                token = f.read().strip()
+            if len(token) < 16:
+                raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
+                                         "secret of at least 16", param_hint="--token-file")
+        uvloop.run(_serve(cfg, built, listen, token, insecure))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
 
 
-async def _serve(cfg: Any, backends: dict[str, Any], listen: str) -> None:
+async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
+                 insecure: bool) -> None:
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
 
@@ -135,7 +150,7 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with EdgeNode(cfg, backends) as node:
-        server = await serve_edge(node, listen)
+        server = await serve_edge(node, listen, token=token, insecure=insecure)
         log.info("edge %s serving %s on %s (%d sandboxes adopted)", cfg.node_id,
                  ",".join(sorted(backends)), server.address, node.live_count)
         click.echo(f"edge {cfg.node_id} listening on {server.address}", err=True)

@@ -62,7 +62,7 @@ from dsec.edge.spec import (
     SandboxStats,
     SnapshotInfo,
 )
-from dsec.errors import DsecError, RemoteProtocolError
+from dsec.errors import DsecError, InvalidArgument, RemoteProtocolError
 
 __all__ = ["EdgeClient", "EdgeService", "serve_edge"]
 
@@ -73,9 +73,9 @@ _Deadline = float | None | EllipsisType
 class EdgeService:
     """Binds an :class:`EdgeNode` to an Aether :class:`Router` (``service.router``)."""
 
-    def __init__(self, node: EdgeNode) -> None:
+    def __init__(self, node: EdgeNode, *, token: bytes | str | None = None) -> None:
         self.node = node
-        r = self.router = Router()
+        r = self.router = Router(token=token)
         n = node
         r.add("edge.info", self._info)
         r.add("edge.create", self._create, request_type=CreateRequest)
@@ -191,9 +191,20 @@ class EdgeService:
         return await self.node.delete_snapshot(b.id)
 
 
-async def serve_edge(node: EdgeNode, address: str) -> Server:
-    """Serve ``node`` on ``address`` (``unix:PATH`` or ``tcp:HOST:PORT``)."""
-    return await serve(EdgeService(node).router, address)
+async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None = None,
+                     insecure: bool = False) -> Server:
+    """Serve ``node`` on ``address`` (``unix:PATH`` or ``tcp:HOST:PORT``).
+
+    Whoever reaches an edge can run code as root in its sandboxes, so a TCP listener needs
+    a ``token`` that every connection must present first (``insecure=True`` waives it, for
+    a private test network only). A Unix socket is created 0600 (root only); a token
+    there is optional."""
+    if address.startswith("tcp:") and token is None and not insecure:
+        raise InvalidArgument(
+            f"refusing to serve edge {node.node_id} on {address} without a token: anyone who "
+            "can connect could run commands in its sandboxes; pass a token (dsec edge "
+            "--token-file FILE) or listen on a unix: socket")
+    return await serve(EdgeService(node, token=token).router, address)
 
 
 class EdgeClient:
@@ -211,8 +222,9 @@ class EdgeClient:
         self._owns = owns_connection
 
     @classmethod
-    async def connect(cls, address: str, *, timeout: float | None = 60.0) -> EdgeClient:
-        return cls(await connect(address), timeout=timeout, owns_connection=True)
+    async def connect(cls, address: str, *, timeout: float | None = 60.0,
+                      token: bytes | str | None = None) -> EdgeClient:
+        return cls(await connect(address, token=token), timeout=timeout, owns_connection=True)
 
     async def close(self) -> None:
         if self._owns:
