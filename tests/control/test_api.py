@@ -317,3 +317,21 @@ def test_images_build_from_upload_and_list(http: httpx.Client) -> None:
                                                                "invalid_argument")
     assert http.post("/v1/images", params={"name": "x"}, content=b"").status_code == 400
     assert http.post("/v1/images", content=b"abc").status_code == 400
+
+
+def test_get_fast_path_matches_the_rest_of_the_api(cluster: LocalCluster,
+                                                  http: httpx.Client) -> None:
+    """GET /v1/sandboxes/{id} is served by the raw-ASGI fast path: same auth, errors,
+    request ids and headers as every other route."""
+    sid = http.post("/v1/sandboxes", json={}).json()["id"]
+    r = http.get(f"/v1/sandboxes/{sid}", headers={"x-request-id": "trace-7"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7"
+    assert r.headers["content-type"] == "application/json" and r.json()["id"] == sid
+    anon = httpx.get(f"{cluster.url}/v1/sandboxes/{sid}")
+    assert anon.status_code == 401 and anon.json()["code"] == "unauthenticated"
+    assert anon.json()["request_id"] == anon.headers["x-request-id"]
+    bad = http.get("/v1/sandboxes/not-an-id")
+    assert bad.status_code == 404 and bad.json()["code"] == "sandbox_not_found"
+    assert http.get(f"/v1/sandboxes/{sid}/nope").status_code == 404   # falls through
+    assert http.head(f"/v1/sandboxes/{sid}").status_code == 200        # Starlette route
+    http.delete(f"/v1/sandboxes/{sid}")

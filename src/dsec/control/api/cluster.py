@@ -274,6 +274,7 @@ class ClusterRuntime:
         self.url = f"http://{host}:{port}"
         app = build_app(service, plane, RestConfig(gateway_address=self.gateway_address))
         ucfg = uvicorn.Config(app, loop="none", http="httptools", lifespan="off",
+                              proxy_headers=False, server_header=False,
                               access_log=cfg.access_log, log_level="warning")
         server = self._uvicorn = uvicorn.Server(ucfg)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -269,19 +269,29 @@ class ApiService:
 
     async def _edge_for(self, principal: Caller, sid: str, need: Role) -> tuple[EdgeOps, str]:
         """Route ``sid`` to its edge after checking ``principal`` may ``need`` it."""
+        edge, lost, project = await self._route(principal, sid, need)
+        if lost is not None:
+            raise InvalidTransition(
+                f"sandbox {sid} is destroyed: {lost.info.reason} ({lost.events[-1].detail}); "
+                "create a new one", sandbox_id=sid, state="destroyed")
+        return edge, project
+
+    async def _route(self, principal: Caller, sid: str,
+                     need: Role) -> tuple[EdgeOps, Lost | None, str]:
+        """The edge of ``sid`` (or its tombstone, if it was evicted with a lost node)
+        after the access check. On the hot path (GET one sandbox) this is one id parse
+        and three dict lookups; the node is the id's tail (``sb-<12 hex>-<node>``)."""
         try:
             parse_sandbox_id(sid)
         except InvalidArgument:
             raise _not_found(sid) from None
-        edge = self.directory.edge(node_of(sid))
+        edge = self.directory.edge(NodeId(sid[16:]))
         if edge is None:
             raise _not_found(sid)
         lost = self.directory.lost(sid)
         if lost is not None:
             self._check_lost(principal, lost, need)
-            raise InvalidTransition(
-                f"sandbox {sid} is destroyed: {lost.info.reason} ({lost.events[-1].detail}); "
-                "create a new one", sandbox_id=sid, state="destroyed")
+            return edge, lost, lost.info.spec.project
         project = self._projects.get(sid)
         if project is None:
             try:
@@ -290,10 +300,11 @@ class ApiService:
                 raise _not_found(sid) from None
             project = info.spec.project
             self._projects.put(sid, project)
-        if principal.role_on(project) is None:
-            raise _not_found(sid)
-        self.require(principal, project, need)
-        return edge, project
+        if not principal.superuser:
+            if principal.role_on(project) is None:
+                raise _not_found(sid)
+            self.require(principal, project, need)
+        return edge, None, project
 
     def _check_lost(self, principal: Caller, lost: Lost, need: Role) -> None:
         """The access rule for a tombstone: same answers as for a live sandbox."""
@@ -428,10 +439,9 @@ class ApiService:
 
     # ------------------------------------------------------------- read / list
     async def get(self, principal: Caller, sid: str) -> SandboxInfo:
-        lost = self._lost(principal, sid, "reader")
+        edge, lost, _ = await self._route(principal, sid, "reader")
         if lost is not None:
             return lost.info
-        edge, _ = await self._edge_for(principal, sid, "reader")
         return await edge.get(sid)
 
     async def list(
