@@ -137,7 +137,8 @@ def test_in_place_judge_detects_tests_rewritten_during_the_run(
         assert isinstance(r[0], ExecResult) and r[0].exit_code == 0
         # A verifier that runs long enough for the tamperer to strike for sure.
         slow = ExecutableJudge(hidden_files={"test.sh": b"sleep 0.5\n" + TEST_SH},
-                               command=["/bin/sh", "{tests}/test.sh"], cwd="/workspace")
+                               command=["/bin/sh", "{tests}/test.sh"], cwd="/workspace",
+                               isolate=False)
         access.exec_batch([(sid, ExecRequest(shell=(
             "/bin/busybox setsid /bin/busybox ash -c 'while :; do for f in /tmp/.judge-*/test.sh;"
             " do [ -f \"$f\" ] && echo \"# mine\" >> \"$f\"; done; sleep 0.05; done' "

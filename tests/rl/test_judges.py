@@ -67,7 +67,7 @@ def _score(res: ExecResult) -> float:
 
 HIDDEN = ExecutableJudge(hidden_files={"expected": b"expect 42\n"},
                          command=["cat", "{tests}/expected", "/workspace/answer"],
-                         score=_score, cwd="/workspace")
+                         score=_score, cwd="/workspace", isolate=False)
 
 
 def _episode(access: EdgeAccess, judge: ExecutableJudge,
@@ -191,4 +191,4 @@ def test_isolated_judging_sees_only_carried_files(sim_access: EdgeAccess,
     with pytest.raises(InvalidArgument, match="carry"):
         ExecutableJudge(hidden_files={}, command=["true"], isolate=True)
     with pytest.raises(InvalidArgument, match="relative"):
-        ExecutableJudge(hidden_files={"../x": b""}, command=["true"])
+        ExecutableJudge(hidden_files={"../x": b""}, command=["true"], isolate=False)

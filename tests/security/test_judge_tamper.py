@@ -17,6 +17,7 @@ from dsec.edge.admission import Capacity
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.rl.access import EdgeAccess, LoopThread
+from dsec.errors import InvalidArgument
 from dsec.rl.judges import ExecutableJudge, JudgeContext
 
 pytestmark = [pytest.mark.root,
@@ -93,21 +94,20 @@ def test_judge_fails_an_honest_wrong_answer(access: EdgeAccess) -> None:
         assert _verdict(access, _agent(access, WRONG), judge) == 0.0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE (insecure default): ExecutableJudge "
-                   "defaults to isolate=False (src/dsec/rl/judges.py), which runs the verifier "
-                   "with the agent's own binaries; replacing /bin/sh with 'exit 0' earns full "
-                   "reward. Default to isolate=True (or refuse in-place judging unless the "
-                   "interpreter comes from a read-only layer)")
 def test_default_judge_is_not_fooled_by_a_replaced_shell(access: EdgeAccess) -> None:
-    judge = ExecutableJudge(hidden_files={"t.sh": TEST_SH}, command=["/bin/sh", "{tests}/t.sh"])
+    with pytest.raises(InvalidArgument, match="carry"):  # no silent in-place default
+        ExecutableJudge(hidden_files={"t.sh": TEST_SH}, command=["/bin/sh", "{tests}/t.sh"])
+    judge = ExecutableJudge(hidden_files={"t.sh": TEST_SH}, command=["/bin/sh", "{tests}/t.sh"],
+                            carry=["/workspace/solution.sh"])
     sid = _agent(access, WRONG, "rm /bin/sh && printf '#!/bin/busybox ash\\nexit 0\\n' > /bin/sh"
                                 " && chmod 755 /bin/sh")
     assert _verdict(access, sid, judge) == 0.0
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE (reward hacking): exit_code_score "
+                   reason="KNOWN LIMITATION (reward hacking, documented in judges.py): "
+                   "with the default exit_code_score and a harness that sources the answer, "
+                   "exit_code_score "
                    "(judges.py) trusts the verifier's exit status, but the carried answer is "
                    "code the verifier runs: a solution that calls 'exit 0' (sys.exit(0), "
                    "os._exit(0) in Python) ends the verifier 'successfully' even with "
@@ -120,3 +120,19 @@ def test_isolated_judge_is_not_fooled_by_answer_code_that_exits_zero(
                             isolate=True, carry=["/workspace/solution.sh"])
     sid = _agent(access, "mkdir -p /workspace && printf 'exit 0\\n' > /workspace/solution.sh")
     assert _verdict(access, sid, judge) == 0.0
+
+
+def test_marker_judge_is_not_fooled_by_answer_code_that_exits_zero(access: EdgeAccess) -> None:
+    harness = (b'. /workspace/solution.sh\n[ "$(add 2 3)" = 5 ] || { echo wrong; exit 1; }\n'
+               b'echo "DSEC-PASS $1"\n')
+    judge = ExecutableJudge(hidden_files={"t.sh": harness},
+                            command=["/bin/sh", "{tests}/t.sh", "{nonce}"],
+                            carry=["/workspace/solution.sh"], require_marker=True)
+    cheat = _agent(access, "mkdir -p /workspace && printf 'exit 0\\n' > /workspace/solution.sh")
+    assert _verdict(access, cheat, judge) == 0.0
+    forged = _agent(access, "mkdir -p /workspace && printf 'echo DSEC-PASS guess; exit 0\\n'"
+                            " > /workspace/solution.sh")
+    assert _verdict(access, forged, judge) == 0.0
+    honest = _agent(access, "mkdir -p /workspace && printf 'add() { echo $(($1 + $2)); }\\n'"
+                            " > /workspace/solution.sh")
+    assert _verdict(access, honest, judge) == 1.0

@@ -21,12 +21,19 @@ Tamper resistance of :class:`ExecutableJudge` (the agent's code is hostile):
   the sandbox, so a fake ``reward.txt`` or edited visible tests earn nothing.
 - The hidden files are read back after the run; if anything changed them during the run
   (a background process the agent left behind), the verdict is zero.
-- ``isolate=True`` (recommended with real sandboxes) goes further: a *new* sandbox is
-  created from the judge's spec, only the declared answer files (``carry``) are copied
-  into it as data, and the tests run there. Binaries the agent replaced (a fake
-  ``/bin/sh`` that always exits 0) and processes it left running cannot affect the
-  verdict. In-place judging (``isolate=False``) trusts the sandbox's own binaries, so use
-  it only when the interpreter comes from a read-only toolkit layer.
+- ``isolate=True`` (the default) goes further: a *new* sandbox is created from the
+  judge's spec, only the declared answer files (``carry``) are copied into it as data,
+  and the tests run there. Binaries the agent replaced (a fake ``/bin/sh`` that always
+  exits 0) and processes it left running cannot affect the verdict. In-place judging
+  (``isolate=False``, explicit) trusts the sandbox's own binaries, so use it only when
+  the interpreter comes from a read-only toolkit layer.
+- A harness that runs the answer *in its own process* (a shell that sources it, a Python
+  harness that imports it) can be ended early by the answer: ``exit 0`` looks like a pass
+  to :func:`exit_code_score`. ``require_marker=True`` closes that: the judge passes a
+  fresh nonce as ``{nonce}`` and only a last stdout line ``DSEC-PASS <nonce>``, printed by
+  the harness after its checks, earns the reward. An answer written to read the
+  harness's own arguments could still forge it; for that threat run answer code in a
+  child process of the harness (as an unprivileged user), which no judge can do for you.
 """
 
 from __future__ import annotations
@@ -196,9 +203,10 @@ class ExecutableJudge:
         default_factory=lambda: {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"})
     timeout_s: float = 60.0
     tests_root: str = "/tmp"
-    isolate: bool = False
+    isolate: bool = True
     carry: Sequence[str] = ()
     judge_spec: SandboxSpec | None = None
+    require_marker: bool = False
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -208,8 +216,13 @@ class ExecutableJudge:
                 raise InvalidArgument(
                     f"hidden file path {p!r} must be relative and stay inside the test dir")
         if self.isolate and not self.carry:
-            raise InvalidArgument("ExecutableJudge(isolate=True) needs carry=[answer paths] "
-                                  "to copy into the fresh judging sandbox")
+            raise InvalidArgument(
+                "ExecutableJudge judges in a fresh sandbox by default and needs "
+                "carry=[answer paths] to copy into it; pass isolate=False to judge in the "
+                "agent's own sandbox (which trusts the binaries the agent could replace)")
+        if self.require_marker and not any("{nonce}" in a for a in self.command):
+            raise InvalidArgument("require_marker=True needs '{nonce}' in the verifier command "
+                                  "(the harness prints 'DSEC-PASS <nonce>' last)")
 
     def judge(self, ctx: JudgeContext) -> Verdict:
         if ctx.access is None or ctx.sandbox_id is None:
@@ -248,7 +261,9 @@ class ExecutableJudge:
             self._mkdirs(access, sid, d)
         for rel, data in self.hidden_files.items():
             access.write_file(sid, f"{tests}/{rel}", data, mode=0o644)
-        argv = tuple(a.replace("{tests}", tests) for a in self.command)
+        nonce = secrets.token_hex(16)
+        argv = tuple(a.replace("{tests}", tests).replace("{nonce}", nonce)
+                     for a in self.command)
         req = ExecRequest(argv=argv, cwd=self.cwd, env=dict(self.env), timeout_s=self.timeout_s)
         res = access.exec_batch([(sid, req)])[0]
         if isinstance(res, DsecError):
@@ -260,6 +275,11 @@ class ExecutableJudge:
                 now = None
             if now != data:
                 return Verdict(0.0, False, f"hidden test {rel} was modified during judging")
+        if self.require_marker:
+            lines = res.stdout.decode(errors="replace").rstrip("\n").rsplit("\n", 1)
+            if lines[-1] != f"DSEC-PASS {nonce}":
+                return Verdict(0.0, False, f"verifier exit {res.exit_code} without the pass "
+                                           "marker (the harness did not finish its checks)")
         reward = min(1.0, max(0.0, float(self.score(res))))
         detail = f"verifier exit {res.exit_code}" + (" (timed out)" if res.timed_out else "")
         return Verdict(reward, reward > 0 and reward >= 1.0, detail)
