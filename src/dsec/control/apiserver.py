@@ -573,7 +573,7 @@ class FastPaths:
             status, body = 200, _json.encode(info)
             headers = [_JSON_CT, (b"content-length", str(len(body)).encode()),
                        (b"x-request-id", rid.encode())]
-        except Exception as exc:  # noqa: BLE001 - mapped exactly as the Starlette routes do
+        except Exception as exc:  # mapped exactly as the Starlette routes do
             if not isinstance(exc, DsecError):
                 log.exception("request GET /v1/sandboxes/{id} failed (request id %s)", rid)
                 exc = InternalError(f"internal error ({type(exc).__name__}); quote request "

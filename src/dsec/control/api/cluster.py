@@ -149,11 +149,6 @@ class ClusterRuntime:
         return os.path.join(self.config.state_dir, "edges", f"{node_id}.sock")
 
     async def _start_edges(self) -> None:
-        from dsec.edge.admission import Capacity
-        from dsec.edge.backends import make_backend
-        from dsec.edge.node import EdgeNode, NodeConfig
-        from dsec.edge.service import serve_edge
-
         cfg = self.config
         if not 1 <= cfg.edges <= 64:
             raise InvalidArgument(f"edges={cfg.edges} must be within 1..64")

@@ -491,7 +491,7 @@ class ApiService:
 
     async def exec_many(
         self, principal: Caller, items: Sequence[tuple[str, ExecRequest]],
-    ) -> list[ExecResult | DsecError]:
+    ) -> builtins.list[ExecResult | DsecError]:
         """Batched exec: grouped per edge into one batched Aether call each."""
         groups: dict[int, tuple[EdgeOps, list[int]]] = {}
         out: list[ExecResult | DsecError] = [InvalidArgument("not attempted")] * len(items)
@@ -523,7 +523,7 @@ class ApiService:
         edge, _ = await self._edge_for(principal, sid, "member")
         await edge.write_file(sid, path, data, mode=mode, append=append)
 
-    async def list_dir(self, principal: Caller, sid: str, path: str) -> list[FileInfo]:
+    async def list_dir(self, principal: Caller, sid: str, path: str) -> builtins.list[FileInfo]:
         edge, _ = await self._edge_for(principal, sid, "reader")
         return await edge.list_dir(sid, path)
 
@@ -633,14 +633,14 @@ class ApiService:
             forget(view.id)
         return view
 
-    async def events(self, principal: Caller, sid: str) -> list[SandboxEvent]:
+    async def events(self, principal: Caller, sid: str) -> builtins.list[SandboxEvent]:
         lost = self._lost(principal, sid, "reader")
         if lost is not None:
             return list(lost.events)
         edge, _ = await self._edge_for(principal, sid, "reader")
         return await edge.events(sid)
 
-    def nodes(self, principal: Caller) -> list[NodeView]:
+    def nodes(self, principal: Caller) -> builtins.list[NodeView]:
         if principal.role_on("default") is None and not principal.roles and not principal.superuser:
             raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
         return self.directory.nodes()
