@@ -15,10 +15,11 @@ Three lines of defence against leaks, from cheapest to broadest:
    session (``DELETE /v1/sessions/{id}``, the SDK's ``Client.close(kill=True)``) sweeps at
    once.
 
-Sessions live in the apiserver process. After an apiserver restart they are unknown; a
-live client's next renew re-registers its session (renew is an upsert), so a sandbox
-whose session is unknown is only swept once ``unknown_grace_s`` (default 3 minutes, more
-than any sane lease) has passed since the sweeper started.
+Sessions live in the control plane's state store (``sessions`` table), so every apiserver
+replica over one store shares them and a restart keeps them. A session forgotten after its
+sandboxes were swept is re-registered by its client's next renew (renew is an upsert), and
+a sandbox whose session is unknown is only swept once ``unknown_grace_s`` (default 3
+minutes, more than any sane lease) has passed since the sweeper started.
 
 :func:`plan_sweep` is the pure decision; the async loop in
 :mod:`dsec.control.api.plane` feeds it and carries out the destroys.
