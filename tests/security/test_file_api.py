@@ -159,14 +159,6 @@ async def test_special_files_do_not_hang_or_exhaust_the_edge(backend: ContainerB
             await backend.write_file(sid, path, b"|/tmp/x")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE: the file API writes as host root "
-                   "with all capabilities into the sandbox's own procfs: files.py write() "
-                   "opens O_WRONLY|O_TRUNC and fchmod()s whatever openat2 resolved, and on a "
-                   "generic /proc entry that chmod changes the kernel-global proc_dir_entry "
-                   "(every procfs instance: other sandboxes and the host). The same path "
-                   "lets an API client write CAP_SYS_ADMIN-gated proc files such as "
-                   "/proc/mtrr with the edge's privileges")
 async def test_file_api_cannot_change_host_wide_proc_permissions(
         backend: ContainerBackend) -> None:
     a, other = new_sid(), new_sid()
@@ -186,11 +178,6 @@ async def test_file_api_cannot_change_host_wide_proc_permissions(
             pass
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE: reads through the file API are done "
-                   "with the edge's credentials (CAP_SYSLOG), so /proc/kallsyms in the sandbox "
-                   "reveals real kernel addresses (KASLR) that the sandbox itself sees as 0; "
-                   "the same applies to /proc/kmsg (host kernel log)")
 async def test_file_api_reads_proc_with_sandbox_privileges(backend: ContainerBackend) -> None:
     sid = new_sid()
     await backend.create(sid, PROBE_SPEC)

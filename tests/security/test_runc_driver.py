@@ -1,6 +1,6 @@
 """The runc driver (runtime="runc", oci.py + runc.py) must give a sandbox the same
-isolation as the native one: same masks, capabilities, no_new_privs - and the same
-seccomp deny list, which oci.py does not emit today."""
+isolation as the native one: same masks, capabilities, no_new_privs and the same seccomp
+deny list (oci.py emits it as linux.seccomp from dsec.net.seccomp's rules)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,6 @@ from tests.security.conftest import PROBE_SPEC, new_sid, probe, sh
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
-
-_NO_SECCOMP = ("oci.py oci_config() emits no linux.seccomp section (the module docstring "
-               "says the deny list 'is not duplicated'), so runc sandboxes run unfiltered")
-
 
 async def test_runc_sandbox_gets_the_same_masks_caps_and_network(
         runc_backend: ContainerBackend) -> None:
@@ -39,8 +35,6 @@ async def test_runc_sandbox_gets_the_same_masks_caps_and_network(
     assert r.stdout.split() == [b"lo", b"0"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason=f"SECURITY HOLE: {_NO_SECCOMP}")
 async def test_runc_sandbox_runs_under_seccomp(runc_backend: ContainerBackend) -> None:
     sid = new_sid()
     await runc_backend.create(sid, PROBE_SPEC)
@@ -48,11 +42,6 @@ async def test_runc_sandbox_runs_under_seccomp(runc_backend: ContainerBackend) -
     assert out.split() == ["Seccomp:", "2"], out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason=f"SECURITY HOLE: {_NO_SECCOMP}: unshare/clone/clone3 "
-                   "with CLONE_NEWUSER succeed, giving the agent a user namespace with full "
-                   "capabilities over new mount/net namespaces (large kernel attack surface); "
-                   "ptrace, io_uring and the i386 int 0x80 ABI are open too")
 async def test_runc_sandbox_cannot_build_user_namespaces(runc_backend: ContainerBackend) -> None:
     sid = new_sid()
     await runc_backend.create(sid, PROBE_SPEC)
@@ -68,10 +57,6 @@ async def test_runc_sandbox_cannot_build_user_namespaces(runc_backend: Container
     assert not opened, f"allowed in a runc sandbox: {sorted(opened)}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason=f"SECURITY HOLE: {_NO_SECCOMP}: keyctl/add_key are "
-                   "allowed and keyrings are not namespaced, so sandbox root (uid 0 in the "
-                   "initial user namespace) shares the host root user's keyring")
 async def test_runc_sandbox_does_not_share_the_host_keyring(
         runc_backend: ContainerBackend) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -86,11 +71,6 @@ async def test_runc_sandbox_does_not_share_the_host_keyring(
         "the sandbox's @u is the host root's user keyring"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE: runc.py _numeric_user() opens "
-                   "<bundle>/root/etc/passwd with the host's open(), following a symlink the "
-                   "sandbox planted: exec(user=...) reads host files (and a FIFO or /dev/zero "
-                   "target blocks or exhausts the edge's event loop)")
 async def test_runc_exec_user_lookup_stays_inside(runc_backend: ContainerBackend) -> None:
     host = tempfile.NamedTemporaryFile("w", prefix="dsec-sec-passwd-", delete=False)  # noqa: SIM115
     try:
@@ -110,11 +90,6 @@ async def test_runc_exec_user_lookup_stays_inside(runc_backend: ContainerBackend
         os.unlink(host.name)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE: runc.py _run() hands `runc run -d` a "
-                   "host temporary file as stderr, which becomes the sandbox init's fd 2: "
-                   "the agent can reopen /proc/1/fd/2 and write to a host file (unaccounted "
-                   "host disk) that the edge also reads error text from")
 async def test_runc_init_holds_no_host_file(runc_backend: ContainerBackend) -> None:
     sid = new_sid()
     await runc_backend.create(sid, PROBE_SPEC)

@@ -35,6 +35,7 @@ __all__ = [
     "ensure_compressed_swap",
     "limit_writes",
     "parse_mountinfo",
+    "v1_leaf_dirs",
     "parse_proc_cgroup",
 ]
 
@@ -156,6 +157,25 @@ def detect_layout(mountinfo: str, proc_cgroup: str, *, name: str,
     return CgroupLayout(version=1, bases=bases, memsw=memsw)
 
 
+def v1_leaf_dirs(mountinfo: str, proc_cgroup: str, *, name: str) -> list[str]:
+    """``<own cgroup>/dsec-<name>`` in *every* mounted v1 hierarchy (blkio, cpuset,
+    devices, name=systemd, ... - not only the ones the governor manages): where runc's
+    cgroupfs driver also makes the parent of a relative cgroupsPath (pure)."""
+    own: dict[frozenset[str], str] = {}
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[1]:
+            own[frozenset(parts[1].split(","))] = parts[2]
+    out = []
+    for m in parse_mountinfo(mountinfo):
+        if m.fstype != "cgroup":
+            continue
+        path = next((p for ctrls, p in own.items() if ctrls <= m.super_options), None)
+        if path is not None:
+            out.append(os.path.join(_join(m, path), f"dsec-{name}"))
+    return sorted(set(out))
+
+
 def limit_writes(version: CgroupVersion, limits: Limits, *,
                  memsw: bool = False) -> list[tuple[str, str, str]]:
     """The ``(controller, file, value)`` writes that apply ``limits`` (pure).
@@ -256,6 +276,7 @@ class Governor:
 
     def __init__(self, *, name: str = "dsec", layout: CgroupLayout | None = None,
                  favor_dynmods: bool = True) -> None:
+        self.name = name
         mountinfo = _read("/proc/self/mountinfo")
         if favor_dynmods:
             self.favordynmods = enable_favordynmods(mountinfo)
@@ -492,13 +513,32 @@ class Governor:
                                            ) from exc
                     time.sleep(0.001)
 
+    def limit_total_pids(self, n: int) -> None:
+        """``pids.max = n`` on the parent cgroup of all sandboxes: whatever each sandbox's
+        own limit, together they cannot take the node's last pids (the edge and the host
+        keep ``kernel.pid_max - n``)."""
+        ctrl = "unified" if self.version == 2 else "pids"
+        _write(os.path.join(self.layout.bases[ctrl], "pids.max"), str(n))
+
     def remove_base(self) -> None:
-        """rmdir this edge's (empty) parent cgroups - for tests and node decommission."""
-        for base in self.layout.bases.values():
+        """rmdir this edge's (empty) parent cgroups - for edge shutdown with no sandboxes
+        left, tests and node decommission. v1: in every hierarchy, including those only
+        runc makes a parent in. A parent that still holds sandboxes (EBUSY) is kept."""
+        dirs = list(self.layout.bases.values())
+        if self.version == 1:
+            try:
+                dirs += v1_leaf_dirs(_read("/proc/self/mountinfo"), _read("/proc/self/cgroup"),
+                                     name=self.name)
+            except OSError:
+                pass
+        for base in dict.fromkeys(dirs):
             try:
                 os.rmdir(base)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise
 
     def list_sandboxes(self) -> list[str]:
         """Names of the sandbox cgroups currently under this edge's parent (leak checks)."""

@@ -8,6 +8,11 @@ processes (ptrace), open files by handle (escapes a chroot), or build new namesp
 ``clone``, whose flags we can check. Calls from a non-native ABI (i386 ``int 0x80``) kill
 the process (libseccomp's default bad-arch action).
 
+Also refused: ``socket(AF_VSOCK, ...)`` (vsock is not confined by network namespaces: a
+sandbox would share the VM's vsock port space with the host and reach the hypervisor) and
+io_uring (``ENOSYS``, as on a kernel built without it, so runtimes fall back to epoll; a
+large, often-exploited kernel surface that Docker's default profile blocks too).
+
 The profile is a pure description (:func:`profile_rules`); :func:`compile_profile` turns it
 into classic BPF bytes with libseccomp once per helper process, and the helper loads those
 bytes in each new process with one prctl (``linux.load_seccomp``): building costs ~ms,
@@ -21,8 +26,10 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
+    "AF_VSOCK",
     "CLONE_NS_FLAGS",
     "DENIED_ALWAYS",
+    "DENIED_ENOSYS",
     "DENIED_UNLESS_NESTED",
     "Rule",
     "compile_profile",
@@ -45,6 +52,9 @@ DENIED_ALWAYS: tuple[str, ...] = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "stime",
     "nfsservctl", "vm86", "vm86old", "get_kernel_syms", "query_module",
 )
+# Answer ENOSYS (the call "does not exist"), so libraries fall back instead of failing.
+DENIED_ENOSYS: tuple[str, ...] = ("io_uring_setup", "io_uring_enter", "io_uring_register")
+AF_VSOCK = 40
 # Mount and namespace calls. With allow_nested they are permitted, but CAP_SYS_ADMIN stays
 # dropped, so they only work inside a user namespace the sandbox creates itself.
 DENIED_UNLESS_NESTED: tuple[str, ...] = (
@@ -55,16 +65,20 @@ DENIED_UNLESS_NESTED: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """``syscall`` answers ``errno``; with ``arg0_mask`` only when ``arg0 & mask == mask``."""
+    """``syscall`` answers ``errno``; with ``arg0_mask`` only when ``arg0 & mask == mask``,
+    with ``arg0_eq`` only when ``arg0 == arg0_eq`` (at most one of the two)."""
 
     syscall: str
     errno: int = errno.EPERM
     arg0_mask: int | None = None
+    arg0_eq: int | None = None
 
 
 def profile_rules(*, allow_nested: bool) -> list[Rule]:
     """The deny rules of the default profile (pure: no libseccomp involved)."""
     rules = [Rule(name) for name in DENIED_ALWAYS]
+    rules += [Rule(name, errno=errno.ENOSYS) for name in DENIED_ENOSYS]
+    rules.append(Rule("socket", errno=errno.EAFNOSUPPORT, arg0_eq=AF_VSOCK))
     if not allow_nested:
         rules += [Rule(name) for name in DENIED_UNLESS_NESTED]
         rules += [Rule("clone", arg0_mask=flag) for flag in CLONE_NS_FLAGS]
@@ -88,7 +102,10 @@ def compile_profile(*, allow_nested: bool) -> bytes:
             continue
         if nr < 0:
             continue
-        if rule.arg0_mask is None:
+        if rule.arg0_eq is not None:
+            f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall,
+                       pyseccomp.Arg(0, pyseccomp.EQ, rule.arg0_eq))
+        elif rule.arg0_mask is None:
             f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall)
         else:
             f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall,

@@ -7,6 +7,16 @@ fd is ``/proc/<init>/root`` - the sandbox's own merged overlay as its mount name
 it, so masked and read-only mounts inside the sandbox bind these calls too. Final path
 components are then acted on relative to an already-confined parent fd (``unlinkat``,
 ``mkdirat``), which cannot follow anything out.
+
+The edge does this I/O as host root with every capability, which inside the sandbox's
+*kernel* filesystems is more than the sandbox itself may do: a chmod of a generic /proc
+entry changes it in every procfs instance (host included), /proc/kallsyms shows real
+addresses to CAP_SYSLOG, /proc/kmsg the host log. So every fd is checked with
+``fstatfs`` right after ``openat2``, before anything is read, truncated or chmod'ed:
+only the sandbox's own data filesystems pass (the overlay root, and tmpfs for /tmp,
+/dev/shm and a disk-capped upper); procfs, sysfs, devpts, cgroupfs, debugfs, the host
+filesystem behind the read-only /dev/.init bind, ... are refused with InvalidArgument.
+Cost: one fstatfs per opened fd, ~1 µs (measured 0.6-1.2 µs here).
 """
 
 from __future__ import annotations
@@ -20,10 +30,15 @@ from dsec.edge.backends.container import linux
 from dsec.edge.spec import FileInfo, FileType
 from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, SandboxError
 
-__all__ = ["MAX_READ_BYTES", "SandboxFiles", "split_path"]
+__all__ = ["MAX_READ_BYTES", "SANDBOX_FS_TYPES", "SandboxFiles", "split_path"]
 
 MAX_READ_BYTES = 64 << 20
 _RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+# statfs f_type of the filesystems a sandbox's own files live on. (devtmpfs also reports
+# TMPFS_MAGIC, but no devtmpfs is ever mounted in a sandbox's mount namespace.)
+OVERLAYFS_SUPER_MAGIC = 0x794C7630
+TMPFS_MAGIC = 0x01021994
+SANDBOX_FS_TYPES: frozenset[int] = frozenset({OVERLAYFS_SUPER_MAGIC, TMPFS_MAGIC})
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -53,6 +68,26 @@ class SandboxFiles:
         self.root_fd = root_fd
         self.sid = sid
 
+    @classmethod
+    def of_process(cls, pidfd: int, pid: int, sid: str) -> SandboxFiles:
+        """Files of the sandbox whose init is ``pid`` (its root as its mount namespace sees
+        it). The pidfd check first makes sure ``/proc/<pid>`` is still that process.
+        Close with :meth:`close` (or use as a context manager)."""
+        linux.pidfd_send_signal(pidfd, 0)
+        return cls(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
+                   sid)
+
+    def close(self) -> None:
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
+
+    def __enter__(self) -> SandboxFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _err(self, exc: OSError, what: str, path: str) -> Exception:
         if isinstance(exc, FileNotFoundError):
             return NotFound(f"{what} {path!r} in sandbox {self.sid}: no such file or directory",
@@ -64,7 +99,21 @@ class SandboxFiles:
         return SandboxError(f"{what} {path!r} in sandbox {self.sid} failed: {exc}", path=path)
 
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
-        return linux.openat2(self.root_fd, path, flags | os.O_CLOEXEC, mode, _RESOLVE)
+        """openat2 confined to the root, then refuse (closing it) any fd that is not on
+        one of the sandbox's own filesystems (see the module docstring)."""
+        fd = linux.openat2(self.root_fd, path, flags | os.O_CLOEXEC, mode, _RESOLVE)
+        try:
+            fs = linux.fstatfs_type(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if fs not in SANDBOX_FS_TYPES:
+            os.close(fd)
+            raise InvalidArgument(
+                f"{path!r} in sandbox {self.sid} is on a kernel or host filesystem "
+                f"(statfs type 0x{fs:x}); the file API only acts on the sandbox's own files "
+                "- read it from inside the sandbox with exec", path=path)
+        return fd
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         if offset < 0 or (length is not None and length < 0):
@@ -100,8 +149,10 @@ class SandboxFiles:
         parent, name = split_path(path)
         if not name:
             raise InvalidArgument(f"write {path!r}: cannot write to the root directory")
+        # No O_TRUNC here: nothing is changed before the fd passed the filesystem and
+        # regular-file checks (ftruncate below).
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOCTTY | os.O_NONBLOCK | \
-            (os.O_APPEND if append else os.O_TRUNC)
+            (os.O_APPEND if append else 0)
         target = posixpath.join(parent, name)
         try:
             try:
@@ -118,6 +169,7 @@ class SandboxFiles:
                 raise InvalidArgument(f"write {path!r} in sandbox {self.sid}: not a regular "
                                       "file", path=path)
             if not append:  # an append keeps the mode the file has
+                os.ftruncate(fd, 0)
                 os.fchmod(fd, mode & 0o7777)
             view = memoryview(data)
             while view:

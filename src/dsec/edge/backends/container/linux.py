@@ -35,6 +35,7 @@ __all__ = [
     "RESOLVE_IN_ROOT",
     "RESOLVE_NO_MAGICLINKS",
     "drop_capabilities",
+    "fstatfs_type",
     "load_seccomp",
     "mount",
     "openat2",
@@ -180,6 +181,14 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
                      ctypes.c_size_t(ctypes.sizeof(how)))),
         f"openat2({path!r})",
     )
+
+
+def fstatfs_type(fd: int) -> int:
+    """``f_type`` of the filesystem ``fd`` lives on (fstatfs(2); works on O_PATH fds).
+    Python's ``os.fstatvfs`` does not report it."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit
+    _check(_libc.fstatfs(ctypes.c_int(fd), buf), f"fstatfs({fd})")
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def set_no_new_privs() -> None:

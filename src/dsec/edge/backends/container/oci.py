@@ -2,21 +2,28 @@
 
 Same tree as the native driver builds (:mod:`.rootfs` tables), same init (catatonit -P
 bind-mounted read-only at /dev/.init), same limits, same hardening (capabilities,
-no_new_privs, masked/read-only paths). The seccomp deny list is not duplicated in JSON:
-runc here is the *reference* for speed, and the hostile-agent suite runs on the native
-driver; see docs/container.md.
+no_new_privs, masked/read-only paths) and the same seccomp deny list: :func:`oci_seccomp`
+translates :func:`dsec.net.seccomp.profile_rules` into ``linux.seccomp``, with only the
+native architecture listed, so runc's libseccomp refuses the i386/x32 ABIs as the native
+driver's filter does.
 """
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
 from dsec.edge.backends.container.linux import DEFAULT_CAPS
 from dsec.edge.backends.container.rootfs import MASKED_DIRS, MASKED_FILES, READONLY_PATHS
 from dsec.edge.governor import CFS_PERIOD_US
 from dsec.edge.spec import SandboxSpec
+from dsec.net.seccomp import profile_rules
 
-__all__ = ["CAP_NAMES", "oci_config"]
+__all__ = ["CAP_NAMES", "oci_config", "oci_seccomp"]
+
+_SCMP_ARCH = {"x86_64": "SCMP_ARCH_X86_64", "aarch64": "SCMP_ARCH_AARCH64",
+              "ppc64le": "SCMP_ARCH_PPC64LE", "s390x": "SCMP_ARCH_S390X",
+              "riscv64": "SCMP_ARCH_RISCV64"}
 
 CAP_NAMES = {0: "CAP_CHOWN", 1: "CAP_DAC_OVERRIDE", 3: "CAP_FOWNER", 4: "CAP_FSETID",
              5: "CAP_KILL", 6: "CAP_SETGID", 7: "CAP_SETUID", 8: "CAP_SETPCAP",
@@ -24,8 +31,41 @@ CAP_NAMES = {0: "CAP_CHOWN", 1: "CAP_DAC_OVERRIDE", 3: "CAP_FOWNER", 4: "CAP_FSE
              29: "CAP_AUDIT_WRITE", 31: "CAP_SETFCAP"}
 
 
+def oci_seccomp(*, allow_nested: bool, machine: str | None = None) -> dict[str, Any]:
+    """The default seccomp profile as an OCI ``linux.seccomp`` object (pure).
+
+    Same rules as the native driver's filter (``profile_rules``): unconditional denials
+    grouped by errno, argument rules one each (``clone`` namespace flags as
+    ``SCMP_CMP_MASKED_EQ``, ``socket(AF_VSOCK)`` as ``SCMP_CMP_EQ``). Syscall names
+    runc's libseccomp does not know are skipped by runc, as by ``compile_profile``.
+    """
+    machine = machine or platform.machine()
+    arch = _SCMP_ARCH.get(machine)
+    if arch is None:
+        raise ValueError(f"no seccomp architecture name for machine {machine!r}; "
+                         f"known: {sorted(_SCMP_ARCH)}")
+    plain: dict[int, list[str]] = {}
+    syscalls: list[dict[str, Any]] = []
+    for rule in profile_rules(allow_nested=allow_nested):
+        if rule.arg0_mask is None and rule.arg0_eq is None:
+            plain.setdefault(rule.errno, []).append(rule.syscall)
+            continue
+        if rule.arg0_eq is not None:
+            arg = {"index": 0, "value": rule.arg0_eq, "op": "SCMP_CMP_EQ"}
+        else:
+            arg = {"index": 0, "value": rule.arg0_mask, "valueTwo": rule.arg0_mask,
+                   "op": "SCMP_CMP_MASKED_EQ"}
+        syscalls.append({"names": [rule.syscall], "action": "SCMP_ACT_ERRNO",
+                         "errnoRet": rule.errno, "args": [arg]})
+    syscalls[:0] = [{"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": err}
+                    for err, names in sorted(plain.items())]
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": [arch], "syscalls": syscalls}
+
+
 def oci_config(*, spec: SandboxSpec, hostname: str, cgroups_path: str, init_path: str,
-               rootfs: str = "root") -> dict[str, Any]:
+               rootfs: str = "root", pids_max: int | None = None) -> dict[str, Any]:
+    """``config.json`` for ``spec``. ``pids_max`` is the effective task limit the backend
+    decided (spec.pids_max capped by the node); None falls back to ``spec.pids_max``."""
     caps = [CAP_NAMES[c] for c in DEFAULT_CAPS]
     namespaces = [{"type": t} for t in ("pid", "mount", "network", "uts", "ipc", "cgroup")]
     resources: dict[str, Any] = {
@@ -35,8 +75,9 @@ def oci_config(*, spec: SandboxSpec, hostname: str, cgroups_path: str, init_path
                 "period": CFS_PERIOD_US},
         "devices": [{"allow": False, "access": "rwm"}],
     }
-    if spec.pids_max is not None:
-        resources["pids"] = {"limit": spec.pids_max}
+    pids = spec.pids_max if pids_max is None else pids_max
+    if pids is not None:
+        resources["pids"] = {"limit": pids}
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -71,5 +112,6 @@ def oci_config(*, spec: SandboxSpec, hostname: str, cgroups_path: str, init_path
             "resources": resources,
             "maskedPaths": list(MASKED_FILES + MASKED_DIRS),
             "readonlyPaths": list(READONLY_PATHS),
+            "seccomp": oci_seccomp(allow_nested=spec.allow_nested),
         },
     }

@@ -12,6 +12,7 @@ driver is measured against.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -21,10 +22,11 @@ from typing import TYPE_CHECKING
 
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
+from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.rootfs import overlay_options
 from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult
-from dsec.errors import BackendError
+from dsec.errors import BackendError, DsecError
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.backend import _Box
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["RuncDriver"]
 
 INIT = "/usr/bin/catatonit"
+PASSWD_MAX_BYTES = 1 << 20  # the sandbox's /etc/passwd is read as hostile: capped
 
 
 class RuncDriver:
@@ -39,32 +42,42 @@ class RuncDriver:
         self.binary = binary
         self.state_root = os.path.join(root_dir, "runc-state")
         self.cgroup_parent = cgroup_parent
-        os.makedirs(self.state_root, exist_ok=True)
+        os.makedirs(self.state_root, mode=0o700, exist_ok=True)
+        os.chmod(self.state_root, 0o700)
+        self._seq = itertools.count()
 
     def _cmd(self, *args: str) -> list[str]:
         return [self.binary, "--root", self.state_root, *args]
 
     async def _run(self, *args: str) -> tuple[int, str]:
-        """Run a runc command; its stderr goes to a temporary file, not a pipe, because
-        ``run -d``/``exec -d`` hand their stdio to the container process, which would
-        hold a pipe open forever."""
-        import tempfile
+        """Run a runc command with /dev/null as stdin, stdout and stderr.
 
-        with tempfile.TemporaryFile() as err:
+        ``run -d``/``exec -d`` hand their stdio to the container process: a pipe would be
+        held open forever, and a host temp file would become init's fd 2 - reachable from
+        inside as /proc/1/fd/2 (host disk the sandbox could write). runc's own error text
+        goes to a ``--log`` file in the private state dir instead (runc's init reports
+        through a pipe to its parent, so the container never holds that file)."""
+        log = os.path.join(self.state_root, f".log-{os.getpid()}-{next(self._seq)}")
+        try:
             proc = await asyncio.create_subprocess_exec(
-                *self._cmd(*args), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=err)
+                self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
+                *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL)
             await proc.wait()
-            err.seek(0)
-            return proc.returncode or 0, err.read().decode(errors="replace").strip()
+            return proc.returncode or 0, _log_errors(log)
+        finally:
+            try:
+                os.unlink(log)
+            except FileNotFoundError:
+                pass
 
     async def create(self, box: _Box) -> int:
         root = os.path.join(box.dir, "root")
         linux.mount("overlay", root, "overlay", linux.MS_NODEV,
-                    overlay_options(box.layers.lowerdirs, os.path.join(box.dir, "upper"),
-                                    os.path.join(box.dir, "work")))
+                    overlay_options(box.layers.lowerdirs, box.upper, box.work))
         cfg = oci_config(spec=box.spec, hostname=box.sid[:63],
-                         cgroups_path=f"{self.cgroup_parent}/{box.sid}", init_path=INIT)
+                         cgroups_path=f"{self.cgroup_parent}/{box.sid}", init_path=INIT,
+                         pids_max=box.pids_max)
         with open(os.path.join(box.dir, "config.json"), "w") as f:
             json.dump(cfg, f)
         pid_file = os.path.join(box.dir, "init.pid")
@@ -93,7 +106,7 @@ class RuncDriver:
             args += ["--env", e]
         args += ["--cwd", req.cwd or "/"]
         if req.user is not None:
-            args += ["--user", _numeric_user(os.path.join(box.dir, "root"), req.user)]
+            args += ["--user", _numeric_user(box, req.user)]
         pid_file = os.path.join(box.dir, f"exec-{time.monotonic_ns()}.pid")
         args += ["--pid-file", pid_file]
         if req.background:
@@ -154,18 +167,45 @@ class RuncDriver:
             timed_out=timed_out, duration_s=time.monotonic() - t0)
 
 
-def _numeric_user(root: str, user: str) -> str:
+def _log_errors(path: str) -> str:
+    """The error/fatal messages of a runc ``--log-format json`` log ("" if none)."""
+    msgs = []
+    try:
+        with open(path, "rb") as f:
+            lines = f.read(1 << 20).splitlines()
+    except FileNotFoundError:
+        return ""
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("level") in ("error", "fatal"):
+            msgs.append(str(rec.get("msg", "")))
+    return "; ".join(msgs)
+
+
+def _numeric_user(box: _Box, user: str) -> str:
+    """``uid:gid`` for ``user`` from the sandbox's own /etc/passwd, read through the
+    confined file API (openat2 RESOLVE_IN_ROOT under /proc/<init>/root, non-blocking,
+    regular files only, at most PASSWD_MAX_BYTES): a symlink the sandbox planted resolves
+    inside it, a FIFO or device is refused instead of blocking the edge."""
     name, _, group = user.partition(":")
     if name.isdigit():
         return user
     try:
-        with open(os.path.join(root, "etc/passwd")) as f:
-            for line in f:
-                parts = line.split(":")
-                if len(parts) >= 4 and parts[0] == name:
-                    return f"{parts[2]}:{group or parts[3]}"
-    except OSError:
-        pass
+        with SandboxFiles.of_process(box.pidfd, box.init_pid, box.sid) as files:
+            data = files.read("/etc/passwd", 0, PASSWD_MAX_BYTES)
+    except OSError as exc:
+        raise BackendError(f"sandbox {box.sid} is not running (its init is gone): {exc}"
+                           ) from exc
+    except DsecError as exc:
+        raise BackendError(f"cannot look up user {name!r} in sandbox {box.sid}: its "
+                           f"/etc/passwd is unusable ({exc})") from exc
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.split(":")
+        if len(parts) >= 4 and parts[0] == name:
+            return f"{parts[2]}:{group or parts[3]}"
     raise BackendError(f"unknown user {name!r} in the sandbox's /etc/passwd")
 
 
