@@ -133,6 +133,7 @@ class EdgeEntry:
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
+    token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
 
 
 @dataclass(slots=True, frozen=True)
@@ -191,8 +192,10 @@ class ControlPlane:
         return self.iam.create_key(principal_id).token
 
     # -------------------------------------------------------------- edges
-    def add_edge(self, node: str, address: str, link: EdgeOps) -> None:
-        self.edges[node] = EdgeEntry(node=node, address=address, link=link)
+    def add_edge(self, node: str, address: str, link: EdgeOps, *,
+                 token: bytes | str | None = None) -> None:
+        """Register an edge; ``token`` is what :meth:`_link` reconnects with."""
+        self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token)
 
     def edge(self, node: NodeId) -> EdgeOps | None:
         e = self.edges.get(node)
@@ -553,7 +556,7 @@ class ControlPlane:
         e.retry_at = now + self.config.reconnect_interval_s
         from dsec.edge.service import EdgeClient
         try:
-            fresh = await EdgeClient.connect(e.address)
+            fresh = await EdgeClient.connect(e.address, token=e.token)
         except DsecError as exc:
             log.debug("edge %s still unreachable at %s: %s", e.node, e.address, exc)
             return None
