@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
-from dsec.net.seccomp import CLONE_NS_FLAGS, compile_profile, profile_rules
+from dsec.net.seccomp import AF_VSOCK, CLONE_NS_FLAGS, compile_profile, profile_rules
 
 
 def test_rules_cover_the_issue_list_and_nesting_switch() -> None:
@@ -48,3 +48,43 @@ def test_compiled_program_denies_in_a_child() -> None:
     result = os.read(r, 1)
     os.waitpid(pid, 0)
     assert result == b"\x00"
+
+
+def test_vsock_and_io_uring_rules() -> None:
+    rules = profile_rules(allow_nested=True)  # denied with or without nesting
+    vsock = [r for r in rules if r.syscall == "socket"]
+    assert [(r.arg0_eq, r.arg0_mask, r.errno) for r in vsock] == [
+        (AF_VSOCK, None, errno.EAFNOSUPPORT)]
+    assert {r.syscall for r in rules if r.errno == errno.ENOSYS} >= {
+        "io_uring_setup", "io_uring_enter", "io_uring_register"}
+
+
+def test_compiled_program_refuses_vsock_but_not_other_sockets() -> None:
+    import socket
+
+    from dsec.edge.backends.container import linux
+
+    bpf = compile_profile(allow_nested=False)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        out = b"?"
+        try:
+            linux.set_no_new_privs()
+            linux.load_seccomp(bpf)
+            try:
+                socket.socket(AF_VSOCK, socket.SOCK_STREAM).close()
+                out = b"vsock-allowed"
+            except OSError as exc:
+                if exc.errno == errno.EAFNOSUPPORT:
+                    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+                    out = b"ok"
+                else:
+                    out = str(exc.errno).encode()
+        finally:
+            os.write(w, out)
+            os._exit(0)
+    os.close(w)
+    result = os.read(r, 64)
+    os.waitpid(pid, 0)
+    assert result == b"ok"

@@ -35,7 +35,7 @@ __all__ = [
     "ensure_compressed_swap",
     "limit_writes",
     "parse_mountinfo",
-    "v1_leaf_dirs",
+    "all_leaf_dirs",
     "parse_proc_cgroup",
 ]
 
@@ -157,20 +157,26 @@ def detect_layout(mountinfo: str, proc_cgroup: str, *, name: str,
     return CgroupLayout(version=1, bases=bases, memsw=memsw)
 
 
-def v1_leaf_dirs(mountinfo: str, proc_cgroup: str, *, name: str) -> list[str]:
-    """``<own cgroup>/dsec-<name>`` in *every* mounted v1 hierarchy (blkio, cpuset,
-    devices, name=systemd, ... - not only the ones the governor manages): where runc's
-    cgroupfs driver also makes the parent of a relative cgroupsPath (pure)."""
+def all_leaf_dirs(mountinfo: str, proc_cgroup: str, *, name: str) -> list[str]:
+    """``<own cgroup>/dsec-<name>`` in *every* mounted hierarchy (v1 blkio, cpuset,
+    devices, name=systemd, ... and the v2 mount - not only the ones the governor manages):
+    where runc's cgroupfs driver also makes the parent of a relative cgroupsPath (pure)."""
     own: dict[frozenset[str], str] = {}
+    v2_own = None
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
-        if len(parts) == 3 and parts[1]:
+        if len(parts) != 3:
+            continue
+        if parts[1]:
             own[frozenset(parts[1].split(","))] = parts[2]
+        else:
+            v2_own = parts[2]
     out = []
     for m in parse_mountinfo(mountinfo):
-        if m.fstype != "cgroup":
-            continue
-        path = next((p for ctrls, p in own.items() if ctrls <= m.super_options), None)
+        if m.fstype == "cgroup2":
+            path = v2_own
+        else:
+            path = next((p for ctrls, p in own.items() if ctrls <= m.super_options), None)
         if path is not None:
             out.append(os.path.join(_join(m, path), f"dsec-{name}"))
     return sorted(set(out))
@@ -522,13 +528,13 @@ class Governor:
 
     def remove_base(self) -> None:
         """rmdir this edge's (empty) parent cgroups - for edge shutdown with no sandboxes
-        left, tests and node decommission. v1: in every hierarchy, including those only
-        runc makes a parent in. A parent that still holds sandboxes (EBUSY) is kept."""
+        left, tests and node decommission. v1: in every hierarchy (and the v2 mount of a
+        hybrid layout), including those only runc makes a parent in. A parent that still holds sandboxes (EBUSY) is kept."""
         dirs = list(self.layout.bases.values())
         if self.version == 1:
             try:
-                dirs += v1_leaf_dirs(_read("/proc/self/mountinfo"), _read("/proc/self/cgroup"),
-                                     name=self.name)
+                dirs += all_leaf_dirs(_read("/proc/self/mountinfo"),
+                                      _read("/proc/self/cgroup"), name=self.name)
             except OSError:
                 pass
         for base in dict.fromkeys(dirs):

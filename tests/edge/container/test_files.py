@@ -9,7 +9,7 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.spec import ExecRequest
-from dsec.errors import InvalidArgument, NotFound
+from dsec.errors import DsecError, InvalidArgument, NotFound
 from tests.edge.container.conftest import SPEC, new_sid
 
 
@@ -105,3 +105,35 @@ async def test_write_creates_missing_parents_inside_the_root(backend: ContainerB
     assert not os.path.exists(outside)
     r = await backend.exec(sid, ExecRequest(argv=("cat", f"{outside}/made/f.txt")))
     assert r.stdout == b"in"
+
+
+async def test_only_the_sandboxes_own_filesystems_are_reachable(
+        backend: ContainerBackend) -> None:
+    """The edge acts as host root: on procfs/sysfs/devpts or the host file behind the
+    /dev/.init bind it would do more than the sandbox may (a chmod of /proc/version is
+    kernel-wide), so those are refused before anything is read, truncated or chmod'ed;
+    the overlay root, /tmp and /dev/shm (tmpfs) work."""
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    for path in ("/proc/version", "/proc/1/status", "/proc/kallsyms", "/sys/kernel/uevent_seqnum",
+                 "/dev/.init", "/dev/pts/ptmx"):
+        with pytest.raises(InvalidArgument):
+            await backend.read_file(sid, path)
+        with pytest.raises(DsecError):  # InvalidArgument, or the kernel's own refusal
+            await backend.write_file(sid, path, b"", mode=0o600)
+    for path in ("/proc", "/sys/kernel", "/dev/pts"):
+        with pytest.raises(InvalidArgument):
+            await backend.list_dir(sid, path)
+        with pytest.raises(InvalidArgument):
+            await backend.mkdir(sid, path + "/newdir")
+    with pytest.raises(InvalidArgument):
+        await backend.remove(sid, "/proc/sys/kernel/hostname")
+    r = await backend.exec(sid, ExecRequest(shell="stat -c %a /proc/version /dev/.init"))
+    assert r.stdout.split()[0] == b"444"  # untouched
+    for path in ("/tmp/t", "/dev/shm/s", "/root/r"):
+        await backend.write_file(sid, path, b"ok", mode=0o640)
+        assert await backend.read_file(sid, path) == b"ok"
+        assert (await backend.stat(sid, path)).mode == 0o640
+    assert [i.name for i in await backend.list_dir(sid, "/dev/shm")] == ["s"]
+    # listing a directory that holds mount points works; only entering them is refused
+    assert "proc" in {i.name for i in await backend.list_dir(sid, "/")}

@@ -128,13 +128,20 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
         try:
             if kind == 7:
                 await backend.create(sid, SandboxSpec(backend="container", image="missing"))
-            elif kind == 8:
-                await backend.create(sid, SandboxSpec(backend="container", image="broken"))
+            elif kind == 8:  # fails half-way with its disk tmpfs already mounted
+                await backend.create(sid, SandboxSpec(backend="container", image="broken",
+                                                      disk_bytes=4 << 20))
             elif kind == 9:
                 await backend.create(sid, SandboxSpec(backend="container", cpu_milli=0))
             else:
                 await backend.create(sid, SPEC)
-                if kind == 3:
+                if kind == 1:  # disk-capped: filled past its tmpfs
+                    await backend.destroy(sid)
+                    await backend.create(sid, SandboxSpec(backend="container",
+                                                          disk_bytes=2 << 20))
+                    await backend.exec(sid, ExecRequest(
+                        shell="dd if=/dev/zero of=/root/f bs=1M count=4"))
+                elif kind == 3:
                     await backend.exec(sid, ExecRequest(shell="sleep 5", timeout_s=0.05))
                 elif kind == 5:
                     await backend.exec(sid, ExecRequest(shell="sleep 100", background=True))

@@ -23,6 +23,32 @@ def test_oci_config_carries_the_spec() -> None:
     json.dumps(cfg)
 
 
+def test_oci_seccomp_carries_the_native_profile() -> None:
+    from dsec.net.seccomp import AF_VSOCK, CLONE_NS_FLAGS
+
+    sec = oci_config(spec=SandboxSpec(pids_max=None), hostname="h", cgroups_path="p",
+                     init_path="/i", pids_max=77)
+    assert sec["linux"]["resources"]["pids"] == {"limit": 77}  # the backend's effective cap
+    seccomp = sec["linux"]["seccomp"]
+    assert seccomp["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert seccomp["architectures"] == ["SCMP_ARCH_X86_64"]  # i386/x32 are bad-arch
+    by_name: dict[str, list[dict]] = {}
+    for rule in seccomp["syscalls"]:
+        assert rule["action"] == "SCMP_ACT_ERRNO"
+        for name in rule["names"]:
+            by_name.setdefault(name, []).append(rule)
+    assert by_name["clone3"][0]["errnoRet"] == 38 and by_name["keyctl"][0]["errnoRet"] == 1
+    assert by_name["io_uring_setup"][0]["errnoRet"] == 38
+    assert {r["args"][0]["value"] for r in by_name["clone"]} == set(CLONE_NS_FLAGS)
+    assert all(r["args"][0]["op"] == "SCMP_CMP_MASKED_EQ" for r in by_name["clone"])
+    assert by_name["socket"][0]["args"] == [{"index": 0, "value": AF_VSOCK,
+                                             "op": "SCMP_CMP_EQ"}]
+    nested = oci_config(spec=SandboxSpec(allow_nested=True), hostname="h",
+                        cgroups_path="p", init_path="/i")["linux"]["seccomp"]
+    names = {n for r in nested["syscalls"] for n in r["names"]}
+    assert "unshare" not in names and "clone" not in names and "ptrace" in names
+
+
 async def test_runc_create_exec_files_pause_destroy(runc_backend: ContainerBackend) -> None:
     b = runc_backend
     assert b.name == "runc"

@@ -133,6 +133,16 @@ class ContainerBackend:
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
+        pid_max = _kernel_pid_max()
+        if not 0 <= pids_headroom < pid_max:
+            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
+                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
+        if max_sandbox_pids < 1:
+            raise InvalidArgument(f"max_sandbox_pids={max_sandbox_pids} must be >= 1",
+                                  field="max_sandbox_pids")
+        #: pids.max of the parent cgroup of all this backend's sandboxes
+        self.pids_total = pid_max - pids_headroom
+        self.max_sandbox_pids = min(max_sandbox_pids, self.pids_total)
         self.runtime: Runtime = runtime
         self.name = "container" if runtime == "native" else "runc"
         self.root_dir = os.path.abspath(root_dir)
@@ -144,16 +154,6 @@ class ContainerBackend:
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
         self.cgroup_name = cgroup_name or hashlib.sha1(self.root_dir.encode()).hexdigest()[:10]
         self.governor = governor or Governor(name=self.cgroup_name)
-        pid_max = _kernel_pid_max()
-        if not 0 <= pids_headroom < pid_max:
-            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
-                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
-        #: pids.max of the parent cgroup of all this backend's sandboxes
-        self.pids_total = pid_max - pids_headroom
-        if max_sandbox_pids < 1:
-            raise InvalidArgument(f"max_sandbox_pids={max_sandbox_pids} must be >= 1",
-                                  field="max_sandbox_pids")
-        self.max_sandbox_pids = min(max_sandbox_pids, self.pids_total)
         try:
             self.governor.limit_total_pids(self.pids_total)
         except OSError as exc:
