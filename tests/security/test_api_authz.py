@@ -62,35 +62,97 @@ def ct() -> Iterator[Tenants]:
     _rmdir_everywhere("dsec-" + hashlib.sha1(root_dir.encode()).hexdigest()[:10])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE (critical): POST /v1/keys lets the admin "
-                   "of ANY project mint a key for an EXISTING principal - including the "
-                   "bootstrap superuser 'admin' (plane.py ControlPlane.create_key: "
-                   "get_principal() succeeds, then iam.create_key(req.name)); the key is "
-                   "superuser everywhere: full cluster takeover")
 def test_project_admin_cannot_mint_a_superuser_key(sim: Tenants) -> None:
+    # Was a hole (critical): POST /v1/keys minted a key for any EXISTING principal,
+    # including the bootstrap superuser, to the admin of any project.
     r = sim.http.post("/v1/keys", json={"name": "admin", "project": "teamb", "role": "reader"},
                       headers=sim.h(sim.bob))
-    if r.status_code != 201:
-        return
-    stolen = r.json()["api_key"]
-    info = sim.http.get("/v1/info", headers=sim.h(stolen)).json()
-    assert info["principal"] != "admin" and info.get("role") != "admin", info
+    assert r.status_code == 403 and r.json()["code"] == "permission_denied", r.text
+    assert "dsk_" not in r.text
+    # not even another superuser's key: only "admin" itself mints keys for "admin"
+    info = sim.http.get("/v1/info", headers=sim.h(sim.bob)).json()
+    assert info["principal"] == "bob" and info["role"] == "admin"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE (critical): the same create_key path "
-                   "mints a key for a principal of another project (alice of teama) to the "
-                   "admin of teamb, who then acts as alice on teama's sandboxes")
 def test_project_admin_cannot_impersonate_another_projects_principal(sim: Tenants) -> None:
+    # Was a hole (critical): the same path minted alice's key to teamb's admin.
     sid = sim.new_sandbox(sim.alice, "teama")
     r = sim.http.post("/v1/keys", json={"name": "alice", "project": "teamb", "role": "reader"},
                       headers=sim.h(sim.bob))
-    if r.status_code != 201:
-        return
-    as_alice = r.json()["api_key"]
-    got = sim.http.get(f"/v1/sandboxes/{sid}", headers=sim.h(as_alice))
-    assert got.status_code == 404, "bob now reads teama's sandbox as alice"
+    assert r.status_code == 409 and r.json()["code"] == "conflict", r.text
+    assert "dsk_" not in r.text
+    # nothing was granted to alice in teamb either
+    roles = sim.http.get("/v1/projects", headers=sim.h(sim.alice)).json()["items"]
+    assert "teamb" not in [p["path"] for p in roles]
+    got = sim.http.get(f"/v1/sandboxes/{sid}", headers=sim.h(sim.bob))
+    assert got.status_code == 404
+
+
+def test_project_admin_creates_new_principals_only_inside_its_subtree(sim: Tenants) -> None:
+    r = sim.http.post("/v1/keys", json={"name": "carol", "project": "teamb/exp1",
+                                        "role": "member"}, headers=sim.h(sim.bob))
+    assert r.status_code == 201, r.text
+    carol = r.json()["api_key"]
+    assert sim.http.get("/v1/info", headers=sim.h(carol)).json()["principal"] == "carol"
+    sim.new_sandbox(carol, "teamb/exp1")
+    for project in ("teama", "teamb-x", "default"):
+        r = sim.http.post("/v1/keys", json={"name": f"dave-{project}", "project": project,
+                                            "role": "reader"}, headers=sim.h(sim.bob))
+        assert r.status_code == 403, (project, r.text)
+    # a member is no admin: it creates no principals, not even in its own project
+    r = sim.http.post("/v1/keys", json={"name": "erin", "project": "teama", "role": "reader"},
+                      headers=sim.h(sim.alice))
+    assert r.status_code == 403, r.text
+    # and bob cannot hand out a second key for carol (an existing principal) either
+    r = sim.http.post("/v1/keys", json={"name": "carol", "project": "teamb/exp1",
+                                        "role": "member"}, headers=sim.h(sim.bob))
+    assert r.status_code == 409, r.text
+
+
+def test_a_principal_mints_and_revokes_its_own_keys_only(sim: Tenants) -> None:
+    h = sim.h(sim.mallory)
+    r = sim.http.post("/v1/keys", json={"name": "mallory", "project": "teamc",
+                                        "role": "member"}, headers=h)
+    assert r.status_code == 201, r.text
+    extra, extra_id = r.json()["api_key"], r.json()["key_id"]
+    assert extra.startswith(f"dsk_{extra_id}_")
+    assert sim.http.get("/v1/info", headers=sim.h(extra)).json()["principal"] == "mallory"
+    # an own extra key grants nothing: no role escalation through it
+    r = sim.http.post("/v1/keys", json={"name": "mallory", "project": "teamc", "role": "admin"},
+                      headers=h)
+    assert r.status_code == 403, r.text
+    r = sim.http.post("/v1/keys", json={"name": "mallory", "project": "teama",
+                                        "role": "reader"}, headers=h)
+    assert r.status_code == 403, r.text
+    # someone else's key id answers exactly like a key id that does not exist
+    bob_key_id = sim.bob.split("_")[1]
+    other = sim.http.delete(f"/v1/keys/{bob_key_id}", headers=h)
+    missing = sim.http.delete("/v1/keys/0123456789abcdef", headers=h)
+    assert other.status_code == missing.status_code == 404
+    assert other.json()["message"].replace(bob_key_id, "X") == \
+        missing.json()["message"].replace("0123456789abcdef", "X")
+    assert sim.http.get("/v1/info", headers=sim.h(sim.bob)).status_code == 200
+    # revoked: stops working at once on this apiserver (its auth cache is told)
+    assert sim.http.delete(f"/v1/keys/{extra_id}", headers=h).status_code == 204
+    r = sim.http.get("/v1/info", headers=sim.h(extra))
+    assert r.status_code == 401 and "revoked" in r.json()["message"], r.text
+    assert sim.http.get("/v1/info", headers=h).status_code == 200   # the other key works
+
+
+def test_superuser_mints_and_revokes_for_others_but_not_for_superusers(sim: Tenants) -> None:
+    admin = sim.h(sim.cluster.api_key)
+    r = sim.http.post("/v1/keys", json={"name": "mallory", "project": "teamc/sub",
+                                        "role": "admin"}, headers=admin)
+    assert r.status_code == 201, r.text
+    key, key_id = r.json()["api_key"], r.json()["key_id"]
+    assert sim.http.get("/v1/projects/teamc/sub", headers=sim.h(key)).status_code == 200
+    assert sim.http.delete(f"/v1/keys/{key_id}", headers=admin).status_code == 204
+    assert sim.http.get("/v1/info", headers=sim.h(key)).status_code == 401
+    # the bootstrap superuser may mint its own extra key, and revoke it
+    r = sim.http.post("/v1/keys", json={"name": "admin", "project": "default",
+                                        "role": "admin"}, headers=admin)
+    assert r.status_code == 201, r.text
+    assert sim.http.delete(f"/v1/keys/{r.json()['key_id']}", headers=admin).status_code == 204
 
 
 def test_foreign_sandbox_ids_answer_exactly_like_missing_ones(sim: Tenants) -> None:
@@ -139,48 +201,54 @@ def test_hostile_path_params_get_clean_json_errors(sim: Tenants, raw_id: str) ->
         assert body["code"] and "Traceback" not in r.text and "x-evil" not in r.headers
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE: GET /v1/images (plane.py list_images) "
-                   "lists every layer of the shared layer store to any reader, including "
-                   "other projects' snapshot layers with their digests and labels "
-                   "(dsec.io/project, dsec.io/sandbox)")
 def test_images_do_not_list_other_projects_snapshots(ct: Tenants) -> None:
+    # Was a hole: GET /v1/images listed every layer, other projects' snapshots included.
     sid = ct.new_sandbox(ct.alice, "teama")
     snap = ct.http.post(f"/v1/sandboxes/{sid}/snapshot", headers=ct.h(ct.alice)).json()["id"]
     items = ct.http.get("/v1/images", headers=ct.h(ct.mallory)).json()["items"]
     assert snap not in [i["digest"] for i in items]
+    assert [i for i in items if i["kind"] == "base"]           # shared layers still listed
+    assert not [i for i in items if i["labels"].get("dsec.io/project") == "teama"]
+    mine = ct.http.get("/v1/images", headers=ct.h(ct.alice)).json()["items"]
+    assert snap in [i["digest"] for i in mine]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SECURITY HOLE: a sandbox may be created from ANY "
-                   "snapshot id (service.py build_spec passes req.snapshot through; placement "
-                   "only checks that a node holds it; no role check on the snapshot's "
-                   "project), so another project reads the snapshot's files - e.g. an "
-                   "episode's answers")
 def test_other_projects_snapshot_cannot_seed_a_sandbox(ct: Tenants) -> None:
+    # Was a hole: a create from ANY snapshot id booted another project's files.
     sid = ct.new_sandbox(ct.alice, "teama")
     r = ct.http.post(f"/v1/sandboxes/{sid}/exec", headers=ct.h(ct.alice),
                      json={"shell": "mkdir -p /workspace && echo 42-secret > /workspace/answer"})
     assert r.json()["exit_code"] == 0, r.text
     snap = ct.http.post(f"/v1/sandboxes/{sid}/snapshot", headers=ct.h(ct.alice)).json()["id"]
-    r = ct.http.post("/v1/sandboxes", json={"project": "teamc", "snapshot": snap},
-                     headers=ct.h(ct.mallory))
-    if r.status_code != 201:
-        return
+    missing = "sha256:" + ("0" if snap[7] != "0" else "1") + snap[8:]
+    answers = []
+    for ref in (snap, missing, snap[:19]):
+        r = ct.http.post("/v1/sandboxes", json={"project": "teamc", "snapshot": ref},
+                         headers=ct.h(ct.mallory))
+        assert r.status_code == 404 and r.json()["code"] == "image_not_found", r.text
+        answers.append(r.json()["message"].replace(ref[:80], "X"))
+    assert answers[0] == answers[1] == answers[2], answers
+    listed = ct.http.get("/v1/sandboxes", params={"project": "teamc", "limit": 1000},
+                         headers=ct.h(ct.mallory)).json()["items"]
+    assert not [i for i in listed if i["spec"].get("snapshot")], "nothing was created"
+    # the owner still boots it (a reader of teama could too)
+    r = ct.http.post("/v1/sandboxes", json={"project": "teama", "snapshot": snap},
+                     headers=ct.h(ct.alice))
+    assert r.status_code == 201, r.text
     got = ct.http.get(f"/v1/sandboxes/{r.json()['id']}/files",
-                      params={"path": "/workspace/answer"}, headers=ct.h(ct.mallory))
-    assert b"42-secret" not in got.content, "mallory read teama's snapshot"
+                      params={"path": "/workspace/answer"}, headers=ct.h(ct.alice))
+    assert got.content == b"42-secret\n"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="weakness (info leak): error messages name host paths "
-                   "(e.g. image_not_found: 'no image named x:latest in <state_dir>/layers', "
-                   "from dsec.image's resolver) to any API client")
 def test_errors_do_not_reveal_host_paths(ct: Tenants) -> None:
-    r = ct.http.post("/v1/sandboxes", json={"project": "teamc", "image": "no-such-image"},
-                     headers=ct.h(ct.mallory))
-    assert 400 <= r.status_code < 500
-    assert ct.cluster.state_dir not in r.text, r.text
+    for body in ({"project": "teamc", "image": "no-such-image"},
+                 {"project": "teamc", "image": "sha256:0123456789abcdef"},
+                 {"project": "teamc", "toolkits": ["nope"]}):
+        r = ct.http.post("/v1/sandboxes", json=body, headers=ct.h(ct.mallory))
+        assert 400 <= r.status_code < 500, r.text
+        assert ct.cluster.state_dir not in r.text, r.text
+        assert os.path.realpath(ct.cluster.state_dir) not in r.text, r.text
+    assert r.json()["code"] == "image_not_found" and "'nope'" in r.json()["message"], r.text
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,

@@ -82,6 +82,11 @@ class RestConfig:
     max_image_body: int = 4 << 30       # image uploads, streamed to a temp file
     version: str = "0.1.0"
     gateway_address: str | None = None  # advertised in /v1/info for the SDK fast path
+    # /metrics: with a token, it needs 'Authorization: Bearer <metrics_token>' from
+    # anywhere; without one it answers loopback (and Unix socket) clients only, unless
+    # metrics_loopback_only is turned off (an explicit choice to publish it).
+    metrics_token: str | None = None
+    metrics_loopback_only: bool = True
 
 
 class AdminOps:
@@ -94,6 +99,7 @@ class AdminOps:
         raise NotImplementedError
     def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
         raise NotImplementedError
+    def revoke_key(self, caller: Caller, key_id: str) -> None: raise NotImplementedError
     def open_session(self, caller: Caller, lease_s: float) -> SessionView:
         raise NotImplementedError
     def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
@@ -238,11 +244,12 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
             t0 = time.perf_counter()
             rid = _request_id(request)
             try:
-                caller = (service.authenticate(request.headers.get("authorization"))
+                caller = (service.authenticate(request.headers.get("authorization"),
+                                               _client_host(request.scope))
                           if op.auth else _ANON)
                 resp = await handler(request, caller, rid)
             except DsecError as exc:
-                resp = _error_response(exc, rid)
+                resp = _error_response(service.redact(exc), rid)
             except Exception as exc:  # a bug: say so, log it, never leak the trace
                 log.exception("request %s %s failed (request id %s)", op.method, template, rid)
                 resp = _error_response(InternalError(
@@ -491,6 +498,18 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def metrics_ep(request: Request) -> Response:
         from dsec.control.metrics import CONTENT_TYPE_LATEST
+        client = _client_host(request.scope)
+        try:
+            if client is not None:
+                service.check_anonymous(client, charge=False)
+            try:
+                _metrics_access(cfg, request.headers.get("authorization"), client)
+            except DsecError:
+                if client is not None:
+                    service.check_anonymous(client, charge=True)
+                raise
+        except DsecError as exc:
+            return _error_response(exc, _request_id(request))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     ops.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
@@ -569,7 +588,7 @@ class FastPaths:
             rid = f"req-{_rid_prefix}-{_rid_counter:x}"
         svc = self._service
         try:
-            info = await svc.get(svc.authenticate(auth), sid)
+            info = await svc.get(svc.authenticate(auth, _client_host(scope)), sid)
             status, body = 200, _json.encode(info)
             headers = [_JSON_CT, (b"content-length", str(len(body)).encode()),
                        (b"x-request-id", rid.encode())]
@@ -578,7 +597,7 @@ class FastPaths:
                 log.exception("request GET /v1/sandboxes/{id} failed (request id %s)", rid)
                 exc = InternalError(f"internal error ({type(exc).__name__}); quote request "
                                     f"id {rid} when reporting it")
-            resp = _error_response(exc, rid)
+            resp = _error_response(svc.redact(exc), rid)
             status, body = resp.status_code, bytes(resp.body)
             headers = resp.raw_headers
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -617,9 +636,18 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
         body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body))
         return _json_response(admin.create_key(caller, body), rid, 201)
 
-    route(Op("POST", "/v1/keys", "createKey", "Create a principal + API key with a role "
-             "on a project (admin of that project)", CreateKeyRequest, CreateKeyResponse, 201,
-             tag="admin"), key)
+    route(Op("POST", "/v1/keys", "createKey", "Create an API key: for a new principal with "
+             "a role on a project (admin of that project), or an extra key of the caller's "
+             "own; keys of other existing principals only by a superuser",
+             CreateKeyRequest, CreateKeyResponse, 201, tag="admin"), key)
+
+    async def revoke_key(request: Request, caller: Caller, rid: str) -> Response:
+        admin.revoke_key(caller, request.path_params["id"])
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/keys/{id}", "revokeKey", "Revoke an API key by its id (your own "
+             "keys; a superuser: any non-superuser's)", None, None, 204, tag="admin"),
+          revoke_key)
 
     async def open_session(request: Request, caller: Caller, rid: str) -> Response:
         lease = request.query_params.get("lease_s", "60")
@@ -693,6 +721,39 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
 _STATES = frozenset({"creating", "running", "pausing", "paused", "resuming", "destroying",
                      "destroyed", "failed"})
 _ANON = Caller(id="anonymous", name="anonymous", roles={})
+
+
+def _client_host(scope: Any) -> str | None:
+    """The peer address of an ASGI request (None over a Unix socket or in-process)."""
+    client = scope.get("client")
+    if client and isinstance(client[0], str) and client[0]:
+        return client[0]
+    return None
+
+
+def _metrics_access(cfg: RestConfig, authorization: str | None, client: str | None) -> None:
+    """Raise unless this request may read ``/metrics`` (see ``RestConfig.metrics_token``)."""
+    import hmac
+    import ipaddress
+
+    from dsec.errors import PermissionDenied, Unauthenticated
+    if cfg.metrics_token is not None:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), cfg.metrics_token.encode()):
+            raise Unauthenticated("/metrics needs 'Authorization: Bearer <metrics token>' "
+                                  "(the apiserver's metrics_token)")
+        return
+    if not cfg.metrics_loopback_only or client is None:
+        return
+    try:
+        local = ipaddress.ip_address(client.split("%")[0]).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        raise PermissionDenied(f"/metrics answers loopback clients only (request from "
+                               f"{client[:64]}); configure a metrics_token to scrape it "
+                               "from elsewhere")
 
 
 def _sid(request: Request) -> str:

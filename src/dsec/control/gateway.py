@@ -13,6 +13,8 @@ Methods are ``api.<op>``; bodies are the structs below.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -149,7 +151,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     result: ExecResult | None = None
 
 
-def _outcome(x: Any) -> Outcome:
+def _outcome_of(x: Any) -> Outcome:
     if isinstance(x, DsecError):
         return Outcome(error=error_body(x))
     if isinstance(x, SandboxInfo):
@@ -161,9 +163,32 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
     """The ``api.*`` methods bound to ``service`` (and ``admin`` for sessions/keys)."""
     r = Router()
     auth = service.authenticate
+    redact = service.redact
 
     def caller(body: _Keyed) -> Any:
-        return auth(body.key)
+        # Aether handlers do not see the peer's address: failed keys on the gateway
+        # share one budget of the service's per-client limiter ("gateway").
+        return auth(body.key, "gateway")
+
+    def add(method: str, fn: Callable[..., Any], **kw: Any) -> None:
+        """``r.add`` with errors passed through ``service.redact`` (no host paths)."""
+        if inspect.iscoroutinefunction(fn):
+            async def run_async(*args: Any) -> Any:
+                try:
+                    return await fn(*args)
+                except DsecError as exc:
+                    raise redact(exc) from None
+            r.add(method, run_async, **kw)
+        else:
+            def run(*args: Any) -> Any:
+                try:
+                    return fn(*args)
+                except DsecError as exc:
+                    raise redact(exc) from None
+            r.add(method, run, **kw)
+
+    def _outcome(x: Any) -> Outcome:
+        return _outcome_of(redact(x) if isinstance(x, DsecError) else x)
 
     def info(b: _Keyed) -> Info:
         c = caller(b)
@@ -172,45 +197,45 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
                     default_ttl_s=service.config.default_ttl_s,
                     default_backend=service.config.default_backend)
 
-    r.add("api.info", info, request_type=_Keyed)
+    add("api.info", info, request_type=_Keyed)
 
     async def create(b: GwCreate) -> SandboxInfo:
         return await service.create(caller(b), b.req, idempotency_key=b.idempotency_key)
 
-    r.add("api.create", create, request_type=GwCreate)
+    add("api.create", create, request_type=GwCreate)
 
     async def create_many(b: GwCreateMany) -> list[Outcome]:
         return [_outcome(x) for x in await service.create_many(caller(b), b.reqs)]
 
-    r.add("api.create_many", create_many, request_type=GwCreateMany)
+    add("api.create_many", create_many, request_type=GwCreateMany)
 
     async def get(b: GwRef) -> SandboxInfo:
         return await service.get(caller(b), b.id)
 
-    r.add("api.get", get, request_type=GwRef)
+    add("api.get", get, request_type=GwRef)
 
     async def list_(b: GwList) -> SandboxList:
         items, nxt = await service.list(caller(b), project=b.project, labels=b.labels,
                                         state=b.state, limit=b.limit, cursor=b.cursor)
         return SandboxList(items=items, next_cursor=nxt)
 
-    r.add("api.list", list_, request_type=GwList)
+    add("api.list", list_, request_type=GwList)
 
     async def destroy(b: GwRef) -> None:
         await service.destroy(caller(b), b.id)
 
-    r.add("api.destroy", destroy, request_type=GwRef)
+    add("api.destroy", destroy, request_type=GwRef)
 
     async def exec_(b: GwExec) -> ExecResult:
         return await service.exec(caller(b), b.id, b.req.validate())
 
-    r.add("api.exec", exec_, request_type=GwExec)
+    add("api.exec", exec_, request_type=GwExec)
 
     async def exec_many(b: GwExecMany) -> list[Outcome]:
         items = [(c.id, c.req.validate()) for c in b.calls]
         return [_outcome(x) for x in await service.exec_many(caller(b), items)]
 
-    r.add("api.exec_many", exec_many, request_type=GwExecMany)
+    add("api.exec_many", exec_many, request_type=GwExecMany)
 
     async def exec_stream(b: GwExec, out: StreamSender) -> ExecResult:
         stream = await service.exec_stream(caller(b), b.id, b.req.validate())
@@ -224,80 +249,80 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
             raise InvalidArgument("exec stream ended without a result")
         return final
 
-    r.add("api.exec_stream", exec_stream, request_type=GwExec, streaming=True)
+    add("api.exec_stream", exec_stream, request_type=GwExec, streaming=True)
 
     async def read_file(b: GwRead) -> bytes:
         return await service.read_file(caller(b), b.id, b.path, b.offset, b.length)
 
-    r.add("api.read_file", read_file, request_type=GwRead)
+    add("api.read_file", read_file, request_type=GwRead)
 
     async def write_file(b: GwWrite) -> None:
         await service.write_file(caller(b), b.id, b.path, b.data, b.mode, b.append)
 
-    r.add("api.write_file", write_file, request_type=GwWrite)
+    add("api.write_file", write_file, request_type=GwWrite)
 
     async def list_dir(b: GwFile) -> list[FileInfo]:
         return await service.list_dir(caller(b), b.id, b.path)
 
-    r.add("api.list_dir", list_dir, request_type=GwFile)
+    add("api.list_dir", list_dir, request_type=GwFile)
 
     async def stat(b: GwFile) -> FileInfo:
         return await service.stat(caller(b), b.id, b.path)
 
-    r.add("api.stat", stat, request_type=GwFile)
+    add("api.stat", stat, request_type=GwFile)
 
     async def mkdir(b: GwFile) -> None:
         await service.mkdir(caller(b), b.id, b.path, b.parents)
 
-    r.add("api.mkdir", mkdir, request_type=GwFile)
+    add("api.mkdir", mkdir, request_type=GwFile)
 
     async def remove(b: GwFile) -> None:
         await service.remove(caller(b), b.id, b.path, b.recursive)
 
-    r.add("api.remove", remove, request_type=GwFile)
+    add("api.remove", remove, request_type=GwFile)
 
     async def pause(b: GwRef) -> PauseStats:
         return await service.pause(caller(b), b.id)
 
-    r.add("api.pause", pause, request_type=GwRef)
+    add("api.pause", pause, request_type=GwRef)
 
     async def resume(b: GwRef) -> SandboxInfo:
         c = caller(b)
         await service.resume(c, b.id)
         return await service.get(c, b.id)
 
-    r.add("api.resume", resume, request_type=GwRef)
+    add("api.resume", resume, request_type=GwRef)
 
     async def snapshot(b: GwSnapshot) -> SnapshotView:
         return await service.snapshot(caller(b), b.id, b.strip)
 
-    r.add("api.snapshot", snapshot, request_type=GwSnapshot)
+    add("api.snapshot", snapshot, request_type=GwSnapshot)
 
     async def snapshots(b: GwSnapshots) -> SnapshotList:
         return SnapshotList(items=await service.list_snapshots(
             caller(b), project=b.project, sandbox_id=b.sandbox_id))
 
-    r.add("api.snapshots", snapshots, request_type=GwSnapshots)
+    add("api.snapshots", snapshots, request_type=GwSnapshots)
 
     async def snapshot_get(b: GwRef) -> SnapshotView:
         return await service.get_snapshot(caller(b), b.id)
 
-    r.add("api.snapshot_get", snapshot_get, request_type=GwRef)
+    add("api.snapshot_get", snapshot_get, request_type=GwRef)
 
     async def snapshot_delete(b: GwRef) -> SnapshotView:
         return await service.delete_snapshot(caller(b), b.id)
 
-    r.add("api.snapshot_delete", snapshot_delete, request_type=GwRef)
+    add("api.snapshot_delete", snapshot_delete, request_type=GwRef)
 
     async def events(b: GwRef) -> list[SandboxEvent]:
         return await service.events(caller(b), b.id)
 
-    r.add("api.events", events, request_type=GwRef)
+    add("api.events", events, request_type=GwRef)
 
     def nodes(b: _Keyed) -> list[NodeView]:
         return service.nodes(caller(b))
 
-    r.add("api.nodes", nodes, request_type=_Keyed)
+    add("api.nodes", nodes, request_type=_Keyed)
 
     if admin is not None:
         def session_open(b: GwSession) -> SessionView:
@@ -315,10 +340,15 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
             v: CreateKeyResponse = admin.create_key(caller(b), b.req)
             return v
 
-        r.add("api.session_open", session_open, request_type=GwSession)
-        r.add("api.session_renew", session_renew, request_type=GwSession)
-        r.add("api.session_close", session_close, request_type=GwSession)
-        r.add("api.create_key", create_key, request_type=GwKey)
+        add("api.session_open", session_open, request_type=GwSession)
+        add("api.session_renew", session_renew, request_type=GwSession)
+        add("api.session_close", session_close, request_type=GwSession)
+        add("api.create_key", create_key, request_type=GwKey)
+
+        def revoke_key(b: GwRef) -> None:
+            admin.revoke_key(caller(b), b.id)
+
+        add("api.revoke_key", revoke_key, request_type=GwRef)
     return r
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from dsec.control.store import ApiKeyRow, PrincipalRow, Role, RoleBindingRow, StateStore
-from dsec.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from dsec.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from dsec.ids import ProjectPath, parse_project_path, project_ancestors
 
 __all__ = [
@@ -114,13 +114,18 @@ class Iam:
     # --- administration --------------------------------------------------------------
     def create_principal(self, principal_id: str, *, name: str = "",
                          superuser: bool = False) -> Principal:
+        """Create a new principal; :class:`Conflict` if the id exists. Never an upsert:
+        re-"creating" an existing principal must not change it (e.g. clear ``superuser``)
+        nor hand its name to whoever asked second."""
         if not isinstance(principal_id, str) or not _PRINCIPAL_RE.fullmatch(principal_id):
             raise InvalidArgument(
                 f"invalid principal id {principal_id!r}: use 1-128 lowercase letters, "
                 "digits and '_.@-'", field="principal_id")
         row = PrincipalRow(id=principal_id, name=name or principal_id, superuser=superuser,
                            created_at=self._clock())
-        self._store.put_principal(row)
+        if not self._store.add_principal(row):
+            raise Conflict(f"principal {principal_id!r} already exists; pick another name",
+                           principal_id=principal_id)
         return Principal(row.id, row.name, row.superuser)
 
     def get_principal(self, principal_id: str) -> Principal:

@@ -1,4 +1,5 @@
-"""Per-API-key rate limiting: a token bucket per key, pure logic with an injected clock.
+"""Rate limiting (per principal; per client address for failed authentication): a token
+bucket per key, pure logic with an injected clock.
 
 The apiserver asks :meth:`RateLimiter.acquire` once per request; ``None`` means go ahead,
 a float is how many seconds until a token is available (sent as ``Retry-After``).
@@ -74,6 +75,15 @@ class RateLimiter:
             return None
         self._buckets[key] = (tokens, now)
         return (cost - tokens) / rate
+
+    def peek(self, key: str, cost: float = 1.0) -> float | None:
+        """Like :meth:`acquire` but takes nothing: ``None`` if ``cost`` tokens are there."""
+        rate = self._cfg.rate_per_s
+        b = self._buckets.get(key)
+        if rate is None or b is None:
+            return None
+        tokens = min(self._cfg.burst, b[0] + (self._clock() - b[1]) * rate)
+        return None if tokens >= cost else (cost - tokens) / rate
 
     @staticmethod
     def retry_after_header(seconds: float) -> str:

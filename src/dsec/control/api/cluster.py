@@ -76,10 +76,22 @@ class ClusterConfig:
     edge_max_sandboxes: int = 100_000
     keep: bool = False
     rate: RateLimitConfig = field(default_factory=RateLimitConfig)
+    # Requests that fail to authenticate, per client address (key-guessing floods -> 429).
+    anon_rate: RateLimitConfig = field(default_factory=lambda: RateLimitConfig(
+        rate_per_s=20.0, burst=100.0, max_keys=100_000))
+    # /metrics: None = open to loopback clients only (dsec up listens on 127.0.0.1 by
+    # default); a token = 'Authorization: Bearer <token>' required from anywhere.
+    metrics_token: str | None = None
     default_ttl_s: float | None = 6 * 3600.0
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     write_local: bool = True
     access_log: bool = False
+
+
+def _host_paths(state_dir: str) -> tuple[str, ...]:
+    """The spellings of ``state_dir`` an error message may carry, longest first."""
+    paths = {os.path.abspath(state_dir), os.path.realpath(state_dir)}
+    return tuple(sorted((p for p in paths if p not in ("", "/")), key=len, reverse=True))
 
 
 class ClusterRuntime:
@@ -127,8 +139,10 @@ class ClusterRuntime:
                 quotas=plane, limiter=RateLimiter(cfg.rate, clock=loop.time),
                 idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
-                config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend),
-                clock=loop.time)
+                config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
+                                 redact_paths=_host_paths(cfg.state_dir)),
+                clock=loop.time,
+                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time))
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
@@ -267,7 +281,8 @@ class ClusterRuntime:
         sock.setblocking(False)
         port = sock.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        app = build_app(service, plane, RestConfig(gateway_address=self.gateway_address))
+        app = build_app(service, plane, RestConfig(gateway_address=self.gateway_address,
+                                                   metrics_token=cfg.metrics_token))
         ucfg = uvicorn.Config(app, loop="none", http="httptools", lifespan="off",
                               proxy_headers=False, server_header=False,
                               access_log=cfg.access_log, log_level="warning")

@@ -18,13 +18,16 @@ Keeping the registry in step with the edges (it answers ``GET /v1/sandboxes``):
   created by another replica or adopted by a restarted edge;
 - an edge whose feed sequence went backwards restarted: its feed is read from the start;
 - an edge silent for ``node_ttl_s`` is expired by the watcher: its sandboxes are evicted
-  (reason ``node_lost``, quota released) and remembered as tombstones, so ``GET`` and
-  ``/events`` of such a sandbox say what happened while its edge is unreachable; when the
-  edge comes back the watcher has them destroyed, never resurrected.
+  (reason ``node_lost``, quota released) and remembered as tombstones (in memory and in
+  the store's ``lost_sandboxes`` table), so ``GET`` and ``/events`` of such a sandbox say
+  what happened while its edge is unreachable; when the edge comes back they are
+  destroyed there, never resurrected: by the watcher, or, after an apiserver restart
+  (the watcher starts empty), by the reconcile step, which finds them in the tombstones
+  loaded from the store.
 
-Durable state is in the store only: sessions (``sessions`` table) and idempotency keys
-(``idempotency`` table, see :mod:`dsec.control.idempotency`) are shared by every replica
-over the same store.
+Durable state is in the store only: sessions (``sessions`` table), idempotency keys
+(``idempotency`` table, see :mod:`dsec.control.idempotency`) and lost-node tombstones
+(``lost_sandboxes``) are shared by every replica over the same store.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -60,7 +64,7 @@ from dsec.control.placement import Decision, Placement, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
-from dsec.control.store import QuotaRow, SessionRow, StateStore
+from dsec.control.store import LostSandboxRow, QuotaRow, SessionRow, StateStore
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
@@ -81,6 +85,7 @@ from dsec.errors import (
     InvalidArgument,
     NoCapacity,
     NotFound,
+    PermissionDenied,
     SandboxNotFound,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
@@ -90,6 +95,7 @@ __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneCon
 log = logging.getLogger("dsec.control")
 
 BACKEND_LABEL = "dsec.io/backend."
+_KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -98,6 +104,7 @@ class PlaneConfig:
     node_ttl_s: float = 10.0               # silent this long -> unhealthy, not placed on
     sweep_interval_s: float = 5.0
     unknown_session_grace_s: float = 180.0
+    session_retention_s: float = 86_400.0  # a lapsed session's row is kept (renewable) this long
     min_lease_s: float = 5.0
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
@@ -136,8 +143,7 @@ class EdgeEntry:
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
 
 
-@dataclass(slots=True, frozen=True)
-class LostSandbox:
+class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
     """A sandbox the control plane evicted because its node was lost: what ``GET`` and
     ``/events`` answer while the edge is unreachable (the edge destroys it on return)."""
 
@@ -179,6 +185,11 @@ class ControlPlane:
                     config=cfg, clock=clock,
                     watcher=Watcher(WatcherConfig(ttl_s=cfg.node_ttl_s)))
         metrics.on_scrape(plane._refresh_gauges)
+        for lost in store.list_lost(cfg.lost_tombstones):
+            try:
+                plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+            except msgspec.ValidationError:
+                log.warning("unreadable lost-node tombstone %s ignored", lost.id)
         return plane
 
     # ------------------------------------------------------------ bootstrap
@@ -378,7 +389,7 @@ class ControlPlane:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
 
-    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> None:
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> LostSandboxRow:
         info = _info_of(rec)
         info.state, info.reason = "destroyed", reason
         detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
@@ -388,9 +399,11 @@ class ControlPlane:
                   SandboxEvent(time=now, sandbox_id=rec.id,
                                from_state="paused" if rec.paused else "running",
                                to_state="destroyed", reason=reason, detail=detail)]
-        self._lost[rec.id] = LostSandbox(info=info, events=events)
+        lost = self._lost[rec.id] = LostSandbox(info=info, events=events)
         while len(self._lost) > self.config.lost_tombstones:
             self._lost.popitem(last=False)
+        return LostSandboxRow(id=rec.id, node=rec.node, lost_at=now,
+                              record=msgspec.to_builtins(lost))
 
     # ----------------------------------------------------------------- admin
     def _admin(self, caller: Caller, project: str) -> None:
@@ -429,16 +442,69 @@ class ControlPlane:
         return self._view(path)
 
     def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
+        """Mint an API key. Who may mint for whom (a key acts as its principal, with
+        every role that principal holds anywhere, so minting one for someone else is
+        impersonation):
+
+        - ``req.name`` is the caller itself: an extra key of its own. Nothing is granted;
+          the caller must already hold ``req.role`` on ``req.project``.
+        - ``req.name`` is new: the caller must be admin of ``req.project``; the principal
+          is created with ``req.role`` there (inside the caller's subtree, never above).
+        - ``req.name`` exists and is someone else: only a superuser may (it also grants
+          ``req.role`` on ``req.project``), and never for another superuser: a
+          superuser's keys are minted by that superuser alone. A project admin gets a
+          ``409 conflict`` (the name is taken), never a key.
+        """
         parse_project_path(req.project)
-        self._admin(caller, req.project)
-        try:
-            self.iam.get_principal(req.name)
-        except NotFound:
-            self.iam.create_principal(req.name, name=req.name)
-        self.iam.grant(req.name, req.project, req.role)
+        target = self.store.get_principal(req.name)
+        if target is not None and target.id == caller.id:
+            ApiService.require(caller, req.project, req.role)
+        else:
+            self._admin(caller, req.project)
+            if target is None:
+                self.iam.create_principal(req.name, name=req.name)  # Conflict on a race
+                self.iam.grant(req.name, req.project, req.role)
+            elif target.superuser:
+                raise PermissionDenied(
+                    f"principal {req.name!r} is a superuser: only it may mint keys for "
+                    "itself (POST /v1/keys with its own key and its own name)")
+            elif not caller.superuser:
+                raise Conflict(
+                    f"principal {req.name!r} already exists and is not yours: only it "
+                    "(minting its own extra key) or a superuser may create keys for an "
+                    "existing principal; pick a new name for a new principal")
+            else:
+                self.iam.grant(req.name, req.project, req.role)
+                self._forget_principal(req.name)
         key = self.iam.create_key(req.name)
         return CreateKeyResponse(name=req.name, project=req.project, role=req.role,
-                                 api_key=key.token)
+                                 api_key=key.token, key_id=key.key_id)
+
+    def revoke_key(self, caller: Caller, key_id: str) -> None:
+        """Revoke key ``key_id`` (its id, the 16 hex digits after ``dsk_``): the same
+        rule as minting, so a principal revokes its own keys and a superuser those of
+        non-superusers. A key the caller may not revoke answers exactly like a missing
+        one (key ids do not leak). Takes effect at once on this replica (its principal
+        cache is told) and within ``ApiConfig.principal_cache_s`` on other replicas."""
+        row = self.store.get_api_key(key_id) if _KEY_ID_RE.fullmatch(key_id) else None
+        allowed = False
+        if row is not None:
+            if row.principal_id == caller.id:
+                allowed = True
+            elif caller.superuser:
+                owner = self.store.get_principal(row.principal_id)
+                allowed = owner is None or not owner.superuser
+        if not allowed:
+            raise NotFound(f"no API key {key_id[:32]!r} visible to this API key (give the "
+                           "key id: the 16 hex digits after 'dsk_')", key_id=key_id[:32])
+        self.iam.revoke_key(key_id)
+        if self.service is not None:
+            self.service.forget_key(key_id)
+
+    def _forget_principal(self, principal_id: str) -> None:
+        """Drop cached authentications of ``principal_id`` (its roles just changed)."""
+        if self.service is not None:
+            self.service.forget_principal(principal_id)
 
     # -------------------------------------------------------------- sessions
     def open_session(self, caller: Caller, lease_s: float) -> SessionView:
@@ -453,21 +519,20 @@ class ControlPlane:
         return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
 
     def renew_session(self, caller: Caller, sid: str) -> SessionView:
-        """Extend a lease (one atomic store update, so any replica may serve it); an
-        unknown id (forgotten after its sandboxes were swept) is re-registered."""
+        """Extend a lease (one atomic store update, so any replica may serve it). Only
+        the principal that opened the session may renew it; an unknown id (never opened,
+        or forgotten ``session_retention_s`` after it lapsed) is a 404 and is never
+        claimed by whoever renews it first: session ids show up in sandbox labels, and
+        the owner of a session decides when its sandboxes are swept."""
         if not sid.startswith("ses-") or len(sid) > 64:
-            raise NotFound(f"no session {sid[:64]!r}")
-        now = self.clock()
-        row = self.store.renew_session(sid, caller.id, now)
+            raise NotFound(f"no session {sid[:64]!r}; open one with POST /v1/sessions")
+        row = self.store.renew_session(sid, caller.id, self.clock())
         if row is None:
             old = self.store.get_session(sid)
-            if old is not None and old.principal_id != caller.id:
-                raise NotFound(f"no session {sid!r}")
-            if old is not None and old.closed:
+            if old is not None and old.principal_id == caller.id and old.closed:
                 raise NotFound(f"session {sid} was closed; open a new one")
-            row = SessionRow(id=sid, principal_id=caller.id, lease_s=60.0,
-                             expires_at=now + 60.0)
-            self.store.put_session(row)
+            raise NotFound(f"no session {sid!r} of this API key's principal; open one with "
+                           "POST /v1/sessions")
         return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
 
     def close_session(self, caller: Caller, sid: str) -> None:
@@ -491,8 +556,13 @@ class ControlPlane:
         return LayerStore(self.layer_dir)
 
     def list_images(self, caller: Caller) -> ImageList:
+        """Layers in the shared layer store. Snapshot layers are one project's data (their
+        digests boot sandboxes, their labels name the project and sandbox), so they are
+        listed only to callers with a role on their project (``GET /v1/snapshots`` is
+        the route for them); base, workspace and toolkit layers are listed to everyone."""
         ApiService.require(caller, caller.default_project, "reader")
-        return ImageList(items=[_image_view(m) for m in self._layers().manifests()])
+        return ImageList(items=[_image_view(m) for m in self._layers().manifests()
+                                if _layer_visible(m, caller)])
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
@@ -515,7 +585,7 @@ class ControlPlane:
             made = await asyncio.to_thread(work)
         except DsecError:
             raise
-        except Exception as exc:  # noqa: BLE001 - mkfs/tar failures on hostile uploads
+        except Exception as exc:
             log.warning("image build %s:%s failed", name, tag, exc_info=exc)
             raise ImageError(f"could not build image {name}:{tag} from the upload: "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -616,10 +686,23 @@ class ControlPlane:
         reg = self.registry
         zombies = self.watcher.zombies(e.node)
         listed: dict[str, Any] = {}
+        written_off: list[str] = []
         for b in hb.sandboxes:
-            if b.state in _GONE or b.id in zombies or b.id in self._lost:
+            if b.state in _GONE or b.id in zombies:
+                continue
+            if b.id in self._lost:
+                written_off.append(b.id)
                 continue
             listed[b.id] = b
+        if written_off:
+            # Evicted with this node while it was away, and the watcher does not know
+            # (this apiserver restarted since, or the watcher forgot the expiry): the
+            # tombstones (kept in the store) say destroy them, never resurrect them.
+            try:
+                await link.destroy_many(written_off, reason="node_lost")
+            except DsecError as exc:
+                log.warning("could not destroy written-off %s on %s: %s", written_off,
+                            e.node, exc)
         for sid in reg.ids_on(e.node) - listed.keys():
             # Created before the heartbeat was taken (same edge clock) yet not listed:
             # it is gone and its feed event was lost. Younger ones may just be racing.
@@ -652,9 +735,12 @@ class ControlPlane:
                 # evict_node, not evict(ins.sandbox_ids) alone: the heartbeat's list misses
                 # sandboxes created on the node after its last heartbeat.
                 now = self.clock()
-                for rec in (self.registry.evict(ins.sandbox_ids, reason=ins.reason)
-                            + self.registry.evict_node(ins.node, reason=ins.reason)):
-                    self._tombstone(rec, ins.reason, now)
+                rows = [self._tombstone(rec, ins.reason, now)
+                        for rec in (self.registry.evict(ins.sandbox_ids, reason=ins.reason)
+                                    + self.registry.evict_node(ins.node, reason=ins.reason))]
+                # Durable before the registry's removal is flushed: an apiserver restarted
+                # in between still knows the node's returning sandboxes are written off.
+                self.store.put_lost(rows, keep=self.config.lost_tombstones)
                 log.warning("node %s lost (no heartbeat for %.1fs): evicted its sandboxes",
                             ins.node, self.config.node_ttl_s)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
@@ -668,13 +754,18 @@ class ControlPlane:
                                     ins.node, exc)
                 self.registry.evict(ins.sandbox_ids, reason=ins.reason)
 
+    async def tick(self) -> None:
+        """One round of the heartbeat loop (also called by tests): poll every edge, let
+        the watcher expire silent nodes, carry out what it decided, flush the registry."""
+        await self.poll_edges()
+        await self._carry_out(self.watcher.handle(Tick(self.clock())))
+        self.registry.flush()
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             try:
-                await self.poll_edges()
-                await self._carry_out(self.watcher.handle(Tick(self.clock())))
-                self.registry.flush()
+                await self.tick()
             except Exception:
                 log.exception("edge poll failed")
 
@@ -707,11 +798,13 @@ class ControlPlane:
             self.forget(sid, why)
             self.metrics.swept.labels(why).inc()
             done.append((sid, why))
-        # Closed or long-lapsed sessions whose sandboxes are all gone are forgotten (a
-        # lapsed client that renews later is re-registered by the renew upsert).
+        # Closed sessions whose sandboxes are all gone are forgotten; lapsed ones are kept
+        # for session_retention_s (their owner may still renew them: a suspended client)
+        # and then forgotten too (a renew is then a 404: open a new session).
         live = {c.session for c in cands}
+        keep_s = max(self.config.session_retention_s, self.config.unknown_session_grace_s)
         stale = [k for k, s in sessions.items() if k not in live and (
-            s.closed or s.expires_at + self.config.unknown_session_grace_s <= now)]
+            s.closed or s.expires_at + keep_s <= now)]
         self.store.delete_sessions(stale)
         return done
 
@@ -772,6 +865,23 @@ def _holds(e: EdgeEntry, ref: str) -> bool:
         return any(i.startswith(ref) for i in e.images) or any(
             i.startswith(ref) for i in e.noted)
     return False
+
+
+PROJECT_LABEL = "dsec.io/project"
+
+
+def _layer_visible(m: Any, caller: Caller) -> bool:
+    """Whether ``caller`` may see layer manifest ``m`` in ``GET /v1/images``."""
+    if m.kind != "snapshot" and PROJECT_LABEL not in m.labels:
+        return True
+    project = m.labels.get(PROJECT_LABEL)
+    if project is None:
+        return caller.superuser
+    try:
+        parse_project_path(project)
+    except InvalidArgument:
+        return caller.superuser
+    return caller.role_on(project) is not None
 
 
 def _image_view(m: Any) -> ImageView:

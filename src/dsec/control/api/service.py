@@ -16,8 +16,8 @@ projects. A principal that can see the sandbox but lacks the role for the operat
 from __future__ import annotations
 
 import asyncio
-import builtins
 import base64
+import builtins
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -63,6 +63,7 @@ from dsec.errors import (
     SandboxNotFound,
     TransportError,
     Unauthenticated,
+    error_from_wire,
 )
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
 
@@ -176,6 +177,10 @@ class ApiConfig:
     project_cache_entries: int = 200_000       # sandbox -> project cache (~100 B each)
     principal_cache_s: float = 5.0             # how long an authenticated key is trusted
     principal_cache_entries: int = 10_000
+    snapshot_cache_entries: int = 10_000       # snapshot ref -> (id, project) for creates
+    # Host paths (the state dir) never shown to API clients: error messages from deeper
+    # layers (image store, backends) name files under them; see ApiService.redact.
+    redact_paths: tuple[str, ...] = ()
     list_page_max: int = 1000
 
 
@@ -219,37 +224,59 @@ class ApiService:
     config: ApiConfig = field(default_factory=ApiConfig)
     clock: Callable[[], float] = time.monotonic
     project_defaults: Callable[[str], float | None] = lambda project: None
+    anon_limiter: RateLimiter | None = None     # per client address, failed auth only
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
+    _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
 
     def __post_init__(self) -> None:
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
+        self._snapshots = OrderedDict()
 
     # ------------------------------------------------------------ auth / limits
-    def authenticate(self, authorization: str | None) -> Caller:
+    def authenticate(self, authorization: str | None, client: str | None = None) -> Caller:
         """From an ``Authorization: Bearer <key>`` header (or a bare key) to a principal,
-        charging one token of the key's rate limit."""
-        if not authorization:
-            raise Unauthenticated(
-                "no API key: send 'Authorization: Bearer <key>' (dsec up prints the admin key "
-                "and writes it to its state dir's local.json)")
-        scheme, _, key = authorization.partition(" ")
-        if not key:
-            key = scheme
-        elif scheme.lower() != "bearer":
-            raise Unauthenticated(f"unsupported authorization scheme {scheme!r}: use 'Bearer <key>'")
-        key = key.strip()
+        charging one token of the key's rate limit.
+
+        ``client`` (the peer address; None where the transport gives none) is charged a
+        token of ``anon_limiter`` for every request that fails to authenticate, and once
+        its bucket is empty a key not already known good (in the principal cache, even
+        if that entry is due for re-checking) is refused with ``429`` *before* it is
+        checked: a flood of guessed keys costs the store nothing and learns nothing,
+        while callers with working keys behind the same address carry on."""
         now = self.clock()
-        hit = self._principals.get(key)
-        if hit is not None and hit[0] > now:
-            principal = hit[1]
-        else:
-            principal = self.authority.authenticate(key)
-            self._principals[key] = (now + self.config.principal_cache_s, principal)
-            self._principals.move_to_end(key)
-            while len(self._principals) > self.config.principal_cache_entries:
-                self._principals.popitem(last=False)
+        key = ""
+        hit: tuple[float, Caller] | None = None
+        try:
+            if not authorization:
+                raise Unauthenticated(
+                    "no API key: send 'Authorization: Bearer <key>' (dsec up prints the "
+                    "admin key and writes it to its state dir's local.json)")
+            scheme, _, key = authorization.partition(" ")
+            if not key:
+                key = scheme
+            elif scheme.lower() != "bearer":
+                raise Unauthenticated(
+                    f"unsupported authorization scheme {scheme[:20]!r}: use 'Bearer <key>'")
+            key = key.strip()
+            hit = self._principals.get(key)
+            if hit is not None and hit[0] > now:
+                principal = hit[1]
+            else:
+                if hit is None and client is not None:
+                    self.check_anonymous(client, charge=False)
+                principal = self.authority.authenticate(key)
+                self._principals[key] = (now + self.config.principal_cache_s, principal)
+                self._principals.move_to_end(key)
+                while len(self._principals) > self.config.principal_cache_entries:
+                    self._principals.popitem(last=False)
+        except Unauthenticated:
+            if hit is not None:
+                self._principals.pop(key, None)   # revoked meanwhile
+            if client is not None:
+                self.check_anonymous(client, charge=True)
+            raise
         wait = self.limiter.acquire(principal.id)
         if wait is not None:
             self.metrics.rate_limited.inc()
@@ -258,6 +285,51 @@ class ApiService:
                 f"{principal.name!r} exceeded; retry after {wait:.2f}s",
                 retry_after=wait)
         return principal
+
+    def check_anonymous(self, client: str, *, charge: bool) -> None:
+        """Charge (or, without ``charge``, only test) ``client``'s budget for requests
+        that fail to authenticate; ``RateLimited`` when it is spent."""
+        lim = self.anon_limiter
+        if lim is None:
+            return
+        wait = lim.acquire(client) if charge else lim.peek(client)
+        if wait is not None:
+            self.metrics.rate_limited.inc()
+            raise RateLimited(
+                f"too many requests without a valid API key from {client[:64]} (limit "
+                f"{lim.config.rate_per_s:g}/s); retry after {wait:.2f}s with a valid key",
+                retry_after=wait)
+
+    def forget_key(self, key_id: str) -> None:
+        """A key was revoked: drop its cached authentication so it stops working on this
+        replica at once (other replicas re-check within ``principal_cache_s``)."""
+        prefix = f"dsk_{key_id}_"
+        for k in [k for k in self._principals if k.startswith(prefix)]:
+            del self._principals[k]
+
+    def forget_principal(self, principal_id: str) -> None:
+        """A principal's roles changed: re-read them on its next request."""
+        for k in [k for k, (_, c) in self._principals.items() if c.id == principal_id]:
+            del self._principals[k]
+
+    def redact(self, exc: DsecError) -> DsecError:
+        """``exc`` as API clients may see it: every ``config.redact_paths`` prefix in its
+        message and string details replaced by ``<state-dir>`` (a copy of the same class;
+        ``exc`` itself when nothing needed replacing)."""
+        paths = self.config.redact_paths
+        if not paths:
+            return exc
+
+        def scrub(text: str) -> str:
+            for p in paths:
+                if p in text:
+                    text = text.replace(p, "<state-dir>")
+            return text
+        msg = scrub(exc.message)
+        detail = {k: scrub(v) if isinstance(v, str) else v for k, v in exc.detail.items()}
+        if msg == exc.message and detail == exc.detail:
+            return exc
+        return error_from_wire(exc.code, msg, detail)
 
     @staticmethod
     def require(principal: Caller, project: str, need: Role) -> None:
@@ -353,6 +425,12 @@ class ApiService:
         idempotency_key: str | None = None, raw: bytes = b"",
     ) -> SandboxInfo:
         spec = self.build_spec(principal, req)
+        if spec.snapshot is not None:
+            # Only a caller that may read the snapshot's project may boot it (its files
+            # are that project's data); the edge would start from any id it holds.
+            snap_id = await self._visible_snapshot(principal, spec.snapshot)
+            if snap_id != spec.snapshot:
+                spec = msgspec.structs.replace(spec, snapshot=snap_id)
         if idempotency_key is None:
             return await self._create_placed(spec)
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
@@ -409,6 +487,14 @@ class ApiService:
                 if attempt < self.config.placement_retries:
                     self.metrics.placement_retries.inc()
                 continue
+            except ImageNotFound as exc:
+                self.placer.refused(dec)
+                # The image store's message names its directory on the node: say the ref.
+                ref = str(exc.detail.get("ref") or spec.image)[:200]
+                raise ImageNotFound(
+                    f"no image {ref!r} in this cluster's layer store: check the name "
+                    "(GET /v1/images lists them) or build/import it (POST /v1/images)",
+                    ref=ref) from None
             except BaseException:
                 self.placer.refused(dec)
                 raise
@@ -593,8 +679,27 @@ class ApiService:
                     have.nodes.append(node)
         return sorted(merged.values(), key=lambda v: v.created_at)  # stable on ties
 
-    async def get_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
-        """One snapshot by id (or a unique prefix >= 12 hex digits), with its holders."""
+    async def _visible_snapshot(self, principal: Caller, ref: str) -> str:
+        """The full id of snapshot ``ref`` if ``principal`` holds a role on its project,
+        else ``ImageNotFound`` worded exactly as for a snapshot that does not exist.
+        Snapshot -> project is an immutable fact, cached so repeated creates from one
+        snapshot do not ask every edge each time (full ids only)."""
+        hit = self._snapshots.get(ref)
+        if hit is None:
+            view = await self._find_snapshot(ref)
+            hit = (view.id, view.project)
+            if view.id == ref:  # a prefix could later match a second snapshot: not cached
+                self._snapshots[ref] = hit
+                while len(self._snapshots) > self.config.snapshot_cache_entries:
+                    self._snapshots.popitem(last=False)
+        else:
+            self._snapshots.move_to_end(ref)
+        if principal.role_on(hit[1]) is None:
+            raise _snapshot_not_found(ref)
+        return hit[0]
+
+    async def _find_snapshot(self, ref: str) -> SnapshotView:
+        """Snapshot ``ref`` on every edge holding it (no access check)."""
         edges = self._edges()
         results = await asyncio.gather(*(e.get_snapshot(ref) for _, e in edges),
                                        return_exceptions=True)
@@ -606,13 +711,21 @@ class ApiService:
                 continue
             if view is None:
                 view = snapshot_view(res, [node])
+            elif res.id != view.id:
+                raise InvalidArgument(f"snapshot id prefix {ref[:80]!r} is ambiguous: it "
+                                      f"matches {view.id} and {res.id}; give more digits",
+                                      field="snapshot")
             elif node not in view.nodes:
                 view.nodes.append(node)
-        if view is None or principal.role_on(view.project) is None:
-            raise ImageNotFound(f"no snapshot {ref[:80]!r} visible to this API key (check "
-                                "the id and that your key has a role on its project)",
-                                ref=ref[:80])
-        self.require(principal, view.project, "reader")
+        if view is None:
+            raise _snapshot_not_found(ref)
+        return view
+
+    async def get_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
+        """One snapshot by id (or a unique prefix >= 12 hex digits), with its holders."""
+        view = await self._find_snapshot(ref)
+        if principal.role_on(view.project) is None:
+            raise _snapshot_not_found(ref)
         return view
 
     async def delete_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
@@ -628,6 +741,8 @@ class ApiService:
                 await edge.delete_snapshot(view.id)
             except ImageNotFound:
                 pass  # a shared layer store: an earlier holder's delete removed it
+        for k in [k for k, (sid, _) in self._snapshots.items() if sid == view.id]:
+            del self._snapshots[k]
         forget = getattr(self.directory, "forget_snapshot", None)
         if forget is not None:
             forget(view.id)
@@ -644,6 +759,12 @@ class ApiService:
         if principal.role_on("default") is None and not principal.roles and not principal.superuser:
             raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
         return self.directory.nodes()
+
+
+def _snapshot_not_found(ref: str) -> ImageNotFound:
+    """One message for a snapshot that does not exist and one of another project."""
+    return ImageNotFound(f"no snapshot {ref[:80]!r} visible to this API key (check the id "
+                         "and that your key has a role on its project)", ref=ref[:80])
 
 
 def _not_found(sid: str) -> SandboxNotFound:

@@ -246,12 +246,14 @@ class CreateKeyRequest(_Strict):
 
 
 class CreateKeyResponse(msgspec.Struct, kw_only=True):
-    """``api_key`` is shown exactly once; only its hash is stored."""
+    """``api_key`` is shown exactly once; only its hash is stored. ``key_id`` names the
+    key for ``DELETE /v1/keys/{key_id}``."""
 
     name: str
     project: str
     role: Role
     api_key: str
+    key_id: str = ""
 
 
 class SessionView(msgspec.Struct, kw_only=True):

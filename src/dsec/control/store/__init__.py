@@ -22,6 +22,7 @@ __all__ = [
     "ApiKeyRow",
     "EventRow",
     "IdempotencyRow",
+    "LostSandboxRow",
     "PrincipalRow",
     "QuotaRow",
     "Role",
@@ -110,12 +111,29 @@ class SessionRow(msgspec.Struct, frozen=True, kw_only=True):
     closed: bool = False
 
 
+class LostSandboxRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A sandbox written off with its lost node (a tombstone). Kept in the store so an
+    apiserver restarted while the node was away still knows, when the node returns, that
+    these sandboxes must be destroyed there and not recorded as live again. ``record``
+    is the JSON of what ``GET`` and ``/events`` answer for it (see
+    :class:`dsec.control.api.plane.LostSandbox`)."""
+
+    id: str
+    node: str
+    lost_at: float
+    record: dict[str, Any]
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Durable state of the management plane. See the module docstring for semantics."""
 
     # principals and keys
     def put_principal(self, row: PrincipalRow) -> None: ...
+    def add_principal(self, row: PrincipalRow) -> bool:
+        """Insert ``row`` unless its id exists (then change nothing, return False): one
+        statement, so two admins creating the same new name cannot both get it."""
+        ...
     def get_principal(self, principal_id: str) -> PrincipalRow | None: ...
     def list_principals(self) -> list[PrincipalRow]: ...
     def put_api_key(self, row: ApiKeyRow) -> None: ...
@@ -174,5 +192,13 @@ class StateStore(Protocol):
         ...
     def list_sessions(self) -> list[SessionRow]: ...
     def delete_sessions(self, session_ids: Sequence[str]) -> int: ...
+
+    # sandboxes evicted with a lost node (tombstones)
+    def put_lost(self, rows: Sequence[LostSandboxRow], keep: int) -> None:
+        """Upsert ``rows``, then delete the oldest (by ``lost_at``) beyond ``keep``."""
+        ...
+    def list_lost(self, limit: int) -> list[LostSandboxRow]:
+        """The newest ``limit`` tombstones, oldest first."""
+        ...
 
     def close(self) -> None: ...

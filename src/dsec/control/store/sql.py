@@ -24,6 +24,7 @@ from dsec.control.store import (
     ApiKeyRow,
     EventRow,
     IdempotencyRow,
+    LostSandboxRow,
     PrincipalRow,
     QuotaRow,
     RoleBindingRow,
@@ -82,6 +83,12 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS sessions (
         id TEXT PRIMARY KEY, principal_id TEXT NOT NULL, lease_s DOUBLE PRECISION NOT NULL,
         expires_at DOUBLE PRECISION NOT NULL, closed INTEGER NOT NULL)""",
+    # Sandboxes evicted with a lost node: a returning node is told to destroy them even
+    # after an apiserver restart.
+    """CREATE TABLE IF NOT EXISTS lost_sandboxes (
+        id TEXT PRIMARY KEY, node TEXT NOT NULL, lost_at DOUBLE PRECISION NOT NULL,
+        record TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS lost_sandboxes_age ON lost_sandboxes (lost_at)",
 ]
 
 
@@ -139,6 +146,13 @@ class SqlStore:
             "superuser = excluded.superuser",
             (row.id, row.name, int(row.superuser), row.created_at),
         )
+
+    def add_principal(self, row: PrincipalRow) -> bool:
+        return self._exec(
+            "INSERT INTO principals (id, name, superuser, created_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (id) DO NOTHING",
+            (row.id, row.name, int(row.superuser), row.created_at),
+        ) > 0
 
     def get_principal(self, principal_id: str) -> PrincipalRow | None:
         rows = self._all(
@@ -365,6 +379,30 @@ class SqlStore:
             cur.executemany(self._s("DELETE FROM sessions WHERE id = ?"),
                             [(i,) for i in session_ids])
             return len(session_ids)
+
+    # --- lost-node tombstones ---------------------------------------------------------------
+    def put_lost(self, rows: Sequence[LostSandboxRow], keep: int) -> None:
+        enc = _json_enc.encode
+        with self._tx() as cur:
+            if rows:
+                cur.executemany(
+                    self._s("INSERT INTO lost_sandboxes (id, node, lost_at, record) "
+                            "VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                            "node = excluded.node, lost_at = excluded.lost_at, "
+                            "record = excluded.record"),
+                    [(r.id, r.node, r.lost_at, enc(r.record).decode()) for r in rows])
+            cur.execute(self._s("SELECT COUNT(*) FROM lost_sandboxes"))
+            over = int(cur.fetchone()[0]) - keep
+            if over > 0:
+                cur.execute(self._s("DELETE FROM lost_sandboxes WHERE id IN (SELECT id FROM "
+                                    "lost_sandboxes ORDER BY lost_at, id LIMIT ?)"), (over,))
+
+    def list_lost(self, limit: int) -> list[LostSandboxRow]:
+        rows = self._all("SELECT id, node, lost_at, record FROM lost_sandboxes "
+                         "ORDER BY lost_at DESC, id DESC LIMIT ?", (limit,))
+        dec = _json_dec.decode
+        return [LostSandboxRow(id=r[0], node=r[1], lost_at=float(r[2]), record=dec(r[3]))
+                for r in reversed(rows)]
 
     def close(self) -> None:
         with self._lock:
