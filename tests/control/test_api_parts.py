@@ -1,4 +1,5 @@
-"""Pure parts of the apiserver: rate limiter, idempotency cache, sweeper decisions."""
+"""Pure parts of the apiserver: rate limiter, idempotency cache, sweeper decisions, the
+service's auth cache, failed-auth budget and error redaction."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import asyncio
 
 import pytest
 
+from dsec.control.api.service import ApiConfig, ApiService, Caller
 from dsec.control.api.sweeper import Session, SweepCandidate, plan_sweep
 from dsec.control.idempotency import IdempotencyCache, fingerprint
+from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store.sqlite import SqliteStore
-from dsec.errors import Conflict, InvalidArgument
+from dsec.errors import Conflict, ImageNotFound, InvalidArgument, RateLimited, Unauthenticated
 
 
 class Clock:
@@ -101,3 +104,93 @@ def test_sweeper_plan() -> None:
         ("b", "session_expired"), ("c", "session_closed")]
     assert ("d", "session_unknown") in plan_sweep(
         300.0, cands, sessions, started_at=0.0, unknown_grace_s=180)
+
+
+def test_peek_takes_nothing() -> None:
+    clock = Clock()
+    rl = RateLimiter(RateLimitConfig(rate_per_s=1.0, burst=2.0), clock=clock)
+    assert rl.peek("a") is None                       # unknown key: a full bucket
+    assert rl.acquire("a") is None and rl.acquire("a") is None
+    assert rl.peek("a") == pytest.approx(1.0)
+    assert rl.peek("a") == pytest.approx(1.0)         # peeking again took nothing
+    clock.t += 1.0
+    assert rl.peek("a") is None and rl.acquire("a") is None
+
+
+class _Keys:
+    """Authority fake (the boundary under test is ApiService's cache and limiter)."""
+
+    def __init__(self) -> None:
+        self.valid = {"dsk_00000000000000aa_" + "a" * 43: "alice"}
+        self.calls = 0
+
+    def authenticate(self, api_key: str) -> Caller:
+        self.calls += 1
+        who = self.valid.get(api_key)
+        if who is None:
+            raise Unauthenticated("API key is not valid")
+        return Caller(id=who, name=who, roles={"team": "member"})
+
+
+def _service(keys: _Keys, clock: Clock, **cfg: object) -> ApiService:
+    return ApiService(authority=keys, directory=None, placer=None, quotas=None,  # type: ignore[arg-type]
+                      limiter=RateLimiter(RateLimitConfig(rate_per_s=None), clock=clock),
+                      idempotency=IdempotencyCache(clock=clock), metrics=ApiMetrics(),
+                      config=ApiConfig(**cfg), clock=clock,  # type: ignore[arg-type]
+                      anon_limiter=RateLimiter(RateLimitConfig(rate_per_s=1.0, burst=2.0),
+                                               clock=clock))
+
+
+def test_failed_auth_budget_is_per_address_and_spares_known_keys() -> None:
+    keys, clock = _Keys(), Clock()
+    svc = _service(keys, clock)
+    good = next(iter(keys.valid))
+    assert svc.authenticate(f"Bearer {good}", "10.0.0.1").id == "alice"
+    for _ in range(2):
+        with pytest.raises(Unauthenticated):
+            svc.authenticate("Bearer dsk_bad", "10.0.0.1")
+    calls = keys.calls
+    with pytest.raises(RateLimited) as over:
+        svc.authenticate("Bearer dsk_bad", "10.0.0.1")
+    assert keys.calls == calls                        # refused before any key check
+    assert over.value.detail["retry_after"] == pytest.approx(1.0)
+    with pytest.raises(RateLimited):
+        svc.authenticate(None, "10.0.0.1")
+    with pytest.raises(Unauthenticated):              # another address has its own budget
+        svc.authenticate("Bearer dsk_bad", "10.0.0.2")
+    clock.t += 60.0                                   # cache entry due for re-checking
+    assert svc.authenticate(f"Bearer {good}", "10.0.0.1").id == "alice"
+    keys.valid.clear()                                # revoked elsewhere
+    clock.t += 60.0
+    with pytest.raises(Unauthenticated):              # re-checked: refused, and charged
+        svc.authenticate(f"Bearer {good}", "10.0.0.1")
+    with pytest.raises(Unauthenticated):
+        svc.authenticate(f"Bearer {good}", "10.0.0.1")
+    with pytest.raises(RateLimited):                  # no longer known good: pre-checked
+        svc.authenticate(f"Bearer {good}", "10.0.0.1")
+
+
+def test_forget_key_and_principal_drop_cached_authentications() -> None:
+    keys, clock = _Keys(), Clock()
+    svc = _service(keys, clock)
+    good = next(iter(keys.valid))
+    svc.authenticate(good)
+    keys.valid.clear()
+    assert svc.authenticate(good).id == "alice"       # cached for principal_cache_s
+    svc.forget_principal("bob")
+    assert svc.authenticate(good).id == "alice"
+    svc.forget_key("00000000000000aa")
+    with pytest.raises(Unauthenticated):
+        svc.authenticate(good)
+
+
+def test_redact_replaces_host_paths_and_keeps_the_class() -> None:
+    svc = _service(_Keys(), Clock(), redact_paths=("/var/lib/dsec-state",))
+    err = ImageNotFound("no image x:latest in /var/lib/dsec-state/layers", ref="x",
+                        path="/var/lib/dsec-state/layers/x")
+    out = svc.redact(err)
+    assert type(out) is ImageNotFound and out.code == "image_not_found"
+    assert out.message == "no image x:latest in <state-dir>/layers"
+    assert out.detail == {"ref": "x", "path": "<state-dir>/layers/x"}
+    same = InvalidArgument("nothing to hide")
+    assert svc.redact(same) is same

@@ -6,7 +6,7 @@ import pytest
 
 from dsec.control.iam import ACTION_ROLE, Iam, hash_secret
 from dsec.control.store.sqlite import SqliteStore
-from dsec.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from dsec.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 
 from .conftest import FakeClock
 
@@ -109,3 +109,10 @@ def test_bad_input_is_rejected_clearly(iam: Iam) -> None:
         iam.grant("alice", "org", "owner")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="invalid project path"):
         iam.grant("alice", "Org//x", "reader")
+
+
+def test_create_principal_refuses_an_existing_id(iam: Iam) -> None:
+    iam.create_principal("root", superuser=True)
+    with pytest.raises(Conflict, match="already exists"):
+        iam.create_principal("root")
+    assert iam.get_principal("root").superuser   # unchanged

@@ -8,6 +8,7 @@ import pytest
 from dsec.control.store import (
     ApiKeyRow,
     EventRow,
+    LostSandboxRow,
     PrincipalRow,
     QuotaRow,
     RoleBindingRow,
@@ -84,3 +85,29 @@ def test_compaction_keeps_the_newest_event(store: SqliteStore) -> None:
 def test_unopenable_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="cannot open the SQLite state store"):
         SqliteStore(tmp_path / "missing-dir" / "state.db")
+
+
+def test_add_principal_never_overwrites(store: SqliteStore) -> None:
+    root = PrincipalRow(id="root", name="root", superuser=True, created_at=1.0)
+    assert store.add_principal(root) is True
+    assert store.add_principal(PrincipalRow(id="root", name="evil", superuser=False,
+                                            created_at=2.0)) is False
+    assert store.get_principal("root") == root
+
+
+def test_lost_tombstones_round_trip_newest_kept(store_path: Path) -> None:
+    s = SqliteStore(store_path)
+    try:
+        s.put_lost([LostSandboxRow(id=f"sb-{i}", node="n1", lost_at=float(i),
+                                   record={"i": i}) for i in range(5)], keep=3)
+        s.put_lost([LostSandboxRow(id="sb-4", node="n1", lost_at=4.0, record={"i": 44})],
+                   keep=3)
+    finally:
+        s.close()
+    s = SqliteStore(store_path)
+    try:
+        assert [(r.id, r.record) for r in s.list_lost(10)] == [
+            ("sb-2", {"i": 2}), ("sb-3", {"i": 3}), ("sb-4", {"i": 44})]
+        assert [r.id for r in s.list_lost(2)] == ["sb-3", "sb-4"]
+    finally:
+        s.close()

@@ -261,3 +261,74 @@ def test_clients_cannot_opt_out_of_the_fork_bomb_guard(sim: Tenants) -> None:
     r = sim.http.post("/v1/sandboxes", json={"project": "teamc", "pids_max": None},
                       headers=sim.h(sim.mallory))
     assert r.status_code == 400 or r.json()["spec"].get("pids_max") is not None, r.text
+
+
+def test_session_ids_cannot_be_claimed_or_renewed_by_strangers(sim: Tenants) -> None:
+    # Session ids appear in sandbox labels; whoever owns a session decides when its
+    # sandboxes are swept. A renew used to re-register an unknown id for the caller.
+    r = sim.http.post("/v1/sessions", params={"lease_s": 30}, headers=sim.h(sim.alice))
+    assert r.status_code == 201, r.text
+    ses = r.json()["id"]
+    unknown = "ses-0123456789abcdef"
+    for sid in (ses, unknown):
+        for method, path in (("POST", f"/v1/sessions/{sid}/renew"),
+                             ("DELETE", f"/v1/sessions/{sid}")):
+            r = sim.http.request(method, path, headers=sim.h(sim.mallory))
+            assert r.status_code == 404, (method, path, r.text)
+    # the unknown id was not registered for anyone, not even when its "owner" renews
+    assert sim.http.post(f"/v1/sessions/{unknown}/renew",
+                         headers=sim.h(sim.alice)).status_code == 404
+    assert sim.cluster.runtime.plane.store.get_session(unknown) is None
+    row = sim.cluster.runtime.plane.store.get_session(ses)
+    assert row is not None and row.principal_id == "alice" and not row.closed
+    assert sim.http.post(f"/v1/sessions/{ses}/renew",
+                         headers=sim.h(sim.alice)).status_code == 200
+    assert sim.http.delete(f"/v1/sessions/{ses}", headers=sim.h(sim.alice)).status_code == 204
+
+
+def test_metrics_answer_loopback_clients_only_by_default(sim: Tenants) -> None:
+    from dsec.control.apiserver import RestConfig, build_app
+
+    rt = sim.cluster.runtime
+    app = build_app(rt.service, rt.plane, RestConfig())
+
+    async def scrape(client: tuple[str, int]) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, client=client)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+            return await c.get("/metrics")
+    assert sim.cluster._on_loop(scrape(("127.0.0.1", 5000))).status_code == 200
+    assert sim.cluster._on_loop(scrape(("::1", 5000))).status_code == 200
+    far = sim.cluster._on_loop(scrape(("192.0.2.7", 5000)))
+    assert far.status_code == 403 and "metrics_token" in far.json()["message"], far.text
+    assert "dsec_api_requests_total" not in far.text
+
+
+def test_failed_auth_is_rate_limited_per_client_address_and_metrics_token() -> None:
+    from dsec.control.ratelimit import RateLimitConfig
+
+    with LocalCluster(edges=1, gateway=False, metrics_token="metrics-secret-1",
+                      anon_rate=RateLimitConfig(rate_per_s=0.01, burst=6)) as cl:
+        admin = {"authorization": f"Bearer {cl.api_key}"}
+        with httpx.Client(base_url=cl.url, timeout=30) as http:
+            ok = http.get("/metrics", headers={"authorization": "Bearer metrics-secret-1"})
+            assert ok.status_code == 200 and "dsec_api_requests_total" in ok.text
+            no = http.get("/metrics")
+            assert no.status_code == 401 and no.json()["code"] == "unauthenticated"
+            assert http.get("/v1/info", headers=admin).status_code == 200   # known good
+            fresh = cl.create_key("fresh", "team", "member")                # never used
+            guess = {"authorization": "Bearer dsk_0123456789abcdef_" + "A" * 43}
+            codes = [http.get("/v1/info", headers=guess).status_code for _ in range(8)]
+            assert codes[:5] == [401] * 5 and codes[5:] == [429] * 3, codes
+            r = http.get("/v1/info", headers=guess)
+            assert r.json()["code"] == "rate_limited" and int(r.headers["retry-after"]) >= 1
+            # the raw-ASGI GET fast path and requests without any key are limited too
+            assert http.get("/v1/sandboxes/sb-000000000000-edge-0",
+                            headers=guess).status_code == 429
+            assert http.get("/v1/sandboxes").status_code == 429
+            # a key that worked from here before carries on; an unseen one waits, as
+            # does a metrics scrape (its failures share the address's budget)
+            assert http.get("/v1/info", headers=admin).status_code == 200
+            assert http.get("/v1/info",
+                            headers={"authorization": f"Bearer {fresh}"}).status_code == 429
+            assert http.get("/metrics", headers={
+                "authorization": "Bearer metrics-secret-1"}).status_code == 429
