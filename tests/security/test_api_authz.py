@@ -251,16 +251,18 @@ def test_errors_do_not_reveal_host_paths(ct: Tenants) -> None:
     assert r.json()["code"] == "image_not_found" and "'nope'" in r.json()["message"], r.text
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="weakness (node DoS): a create with \"pids_max\": null is accepted "
-                   "(types.py CreateSandboxRequest, spec.py validate) and gives the sandbox no "
-                   "pids limit at all; with kernel.pid_max=32768 one fork bomb can take every "
-                   "pid on its node. Cap it server-side (quota) instead of letting clients "
-                   "opt out")
 def test_clients_cannot_opt_out_of_the_fork_bomb_guard(sim: Tenants) -> None:
+    # Was a weakness: "pids_max": null gave the sandbox no pids limit at all.
     r = sim.http.post("/v1/sandboxes", json={"project": "teamc", "pids_max": None},
                       headers=sim.h(sim.mallory))
     assert r.status_code == 400 or r.json()["spec"].get("pids_max") is not None, r.text
+    assert r.json()["code"] == "invalid_argument" and "16384" in r.json()["message"]
+    r = sim.http.post("/v1/sandboxes", json={"project": "teamc", "pids_max": 10**6},
+                      headers=sim.h(sim.mallory))
+    assert r.status_code == 400, r.text
+    r = sim.http.post("/v1/sandboxes", json={"project": "teamc", "pids_max": 16384},
+                      headers=sim.h(sim.mallory))
+    assert r.status_code == 201 and r.json()["spec"]["pids_max"] == 16384, r.text
 
 
 def test_session_ids_cannot_be_claimed_or_renewed_by_strangers(sim: Tenants) -> None:

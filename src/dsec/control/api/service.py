@@ -182,6 +182,10 @@ class ApiConfig:
     # layers (image store, backends) name files under them; see ApiService.redact.
     redact_paths: tuple[str, ...] = ()
     list_page_max: int = 1000
+    # Per-sandbox pids ceiling: a create may ask for up to this many, never for none
+    # ("pids_max": null), so one fork bomb cannot take every pid of its node
+    # (kernel.pid_max is 32768 on a default kernel). None lets clients opt out.
+    pids_max_ceiling: int | None = 16_384
 
 
 class _ProjectCache:
@@ -408,6 +412,12 @@ class ApiService:
             if not k or len(k) > 253 or len(v) > 1024:
                 raise InvalidArgument(f"label {k[:40]!r} is invalid: keys 1..253 chars, values "
                                       "up to 1024 chars", field="labels")
+        cap = self.config.pids_max_ceiling
+        if cap is not None and (req.pids_max is None or req.pids_max > cap):
+            raise InvalidArgument(
+                f"pids_max={req.pids_max if req.pids_max is not None else 'null'} is refused: "
+                f"this apiserver caps processes per sandbox at {cap} (a fork-bomb guard "
+                f"for the node); ask for 1..{cap}", field="pids_max", limit=cap)
         spec = SandboxSpec(
             image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
             snapshot=req.snapshot,
