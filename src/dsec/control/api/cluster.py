@@ -81,7 +81,9 @@ class ClusterConfig:
         rate_per_s=20.0, burst=100.0, max_keys=100_000))
     # /metrics: None = open to loopback clients only (dsec up listens on 127.0.0.1 by
     # default); a token = 'Authorization: Bearer <token>' required from anywhere.
-    metrics_token: str | None = None
+    # `dsec up` takes it from $DSEC_METRICS_TOKEN.
+    metrics_token: str | None = field(
+        default_factory=lambda: os.environ.get("DSEC_METRICS_TOKEN") or None)
     default_ttl_s: float | None = 6 * 3600.0
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     write_local: bool = True
