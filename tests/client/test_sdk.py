@@ -196,3 +196,28 @@ def test_client_finds_dsec_up_through_local_json(tmp_path, monkeypatch) -> None:
                 assert sb.exec("echo via-up").stdout == b"via-up\n"
         assert threading.active_count() >= 1
     assert not (tmp_path / "up" / "local.json").exists()
+
+
+async def test_a_forgotten_session_is_replaced_not_reused(cluster: LocalCluster) -> None:
+    """If the server forgets the client's session (closed elsewhere, or lapsed for long),
+    the SDK stops renewing it and the next create opens a new one."""
+    import asyncio
+
+    import httpx
+
+    async with AsyncClient(cluster.url, cluster.api_key, gateway=cluster.gateway,
+                           session_lease_s=5) as c:
+        first = await c.sandboxes.create()
+        old = first.info.spec.labels["dsec.io/session"]
+        r = httpx.delete(f"{cluster.url}/v1/sessions/{old}",
+                         headers={"authorization": f"Bearer {cluster.api_key}"})
+        assert r.status_code == 204
+        for _ in range(60):  # the renewer runs every lease/3 (1.7 s)
+            if c._session is None:
+                break
+            await asyncio.sleep(0.1)
+        assert c._session is None
+        second = await c.sandboxes.create()
+        new = second.info.spec.labels["dsec.io/session"]
+        assert new != old
+        await second.kill()

@@ -257,6 +257,13 @@ class AsyncClient:
             await asyncio.sleep(lease_s / 3)
             try:
                 await self._call("session_renew", session_id)
+            except NotFound:
+                # The server forgot the session (it lapsed long ago): its sandboxes are
+                # gone; the next create opens a fresh session instead of reusing this id.
+                if self._session == session_id:
+                    self._session = None
+                    self._renewer = None
+                return
             except DsecError:
                 pass  # next round tries again; the lease is 3x the interval
 
