@@ -30,12 +30,12 @@ __all__ = [
     "Governor",
     "Limits",
     "SandboxCgroup",
+    "all_leaf_dirs",
     "detect_layout",
     "enable_favordynmods",
     "ensure_compressed_swap",
     "limit_writes",
     "parse_mountinfo",
-    "all_leaf_dirs",
     "parse_proc_cgroup",
 ]
 

@@ -4,8 +4,8 @@ leaves no parent cgroup behind when it closes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +21,11 @@ pytestmark = [pytest.mark.root,
 
 DISK = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=64,
                    disk_bytes=8 << 20)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _mount_opts(path: str) -> list[str] | None:
@@ -82,14 +87,15 @@ async def main():
     await b.close()
 asyncio.run(main())
 """
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
     b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
     try:
         disk = os.path.join(root, "sb", sid, "disk")
         assert _mount_opts(disk) is not None
         assert await b.adopt(SandboxId(sid), SandboxSpec(backend="container", disk_bytes=4 << 20))
         assert b.upper_dir(sid) == os.path.join(disk, "upper")
-        code, out = await _sh(b, sid, "cat /root/f; dd if=/dev/zero of=/root/x bs=1M count=8")
+        _, out = await _sh(b, sid, "cat /root/f; dd if=/dev/zero of=/root/x bs=1M count=8")
         assert out.startswith("kept\n") and "No space left" in out
         await b.destroy(SandboxId(sid))
         assert _mount_opts(disk) is None
@@ -106,17 +112,15 @@ async def test_pids_max_none_gets_the_node_cap_and_more_is_refused(
         await b.create(sid, SandboxSpec(backend="container", pids_max=None))
         cg = b.governor.paths(sid)
         pids_dir = cg.dirs.get("pids", cg.dirs.get("unified", ""))
-        with open(os.path.join(pids_dir, "pids.max")) as f:
-            assert f.read().strip() == "100"
+        assert _read(os.path.join(pids_dir, "pids.max")) == "100"
         with pytest.raises(InvalidArgument, match="per-sandbox maximum of 100"):
             await b.create(new_sid(), SandboxSpec(backend="container", pids_max=101))
         assert b.sandbox_ids() == [sid]
         assert sorted(os.listdir(os.path.join(b.root_dir, "sb"))) == [sid]
         # all sandboxes together: kernel.pid_max minus the headroom
-        with open("/proc/sys/kernel/pid_max") as f:
-            pid_max = int(f.read())
-        with open(os.path.join(os.path.dirname(pids_dir), "pids.max")) as f:
-            assert int(f.read()) == b.pids_total == pid_max - 4096
+        pid_max = int(_read("/proc/sys/kernel/pid_max"))
+        total = int(_read(os.path.join(os.path.dirname(pids_dir), "pids.max")))
+        assert total == b.pids_total == pid_max - 4096
     finally:
         await _cleanup(b)
 

@@ -136,3 +136,16 @@ async def test_many_execs_and_creates_in_flight(backend: ContainerBackend) -> No
     assert not waiter.done() and all(r.exit_code == 0 for r in quick)
     await backend.exec(sids[0], ExecRequest(argv=("touch", "/tmp/go")))
     assert (await waiter).stdout == b"z\n"
+
+
+async def test_a_flood_of_execs_does_not_deadlock_the_helper_socket(
+        backend: ContainerBackend) -> None:
+    """More execs at once than the request socket holds: the edge waits for room while
+    still reading replies (the zygote blocks on its replies meanwhile). Before, a blocking
+    sendmsg on both sides hung the edge for good at ~600 gathered execs."""
+    sids = [new_sid() for _ in range(4)]
+    await asyncio.gather(*(backend.create(s, SPEC) for s in sids))
+    results = await asyncio.wait_for(asyncio.gather(*(
+        backend.exec(sids[k % 4], ExecRequest(argv=("echo", str(k)))) for k in range(800))),
+        120)
+    assert [r.stdout for r in results] == [f"{k}\n".encode() for k in range(800)]

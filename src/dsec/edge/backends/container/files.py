@@ -25,6 +25,7 @@ import os
 import posixpath
 import shutil
 import stat as st
+from typing import Self
 
 from dsec.edge.backends.container import linux
 from dsec.edge.spec import FileInfo, FileType
@@ -82,7 +83,7 @@ class SandboxFiles:
             os.close(self.root_fd)
             self.root_fd = -1
 
-    def __enter__(self) -> SandboxFiles:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

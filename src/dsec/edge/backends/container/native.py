@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import errno
 import itertools
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -106,19 +108,35 @@ class ZygoteClient:
         if handler is not None:
             self.handlers[req.id] = handler
         try:
-            self.sock.sendmsg([data], anc)
-        except BlockingIOError:
-            # The zygote is far behind (socket buffer full); wait for room synchronously:
-            # rare, and the alternative - queueing fds in memory - is worse.
-            self.sock.setblocking(True)
             try:
                 self.sock.sendmsg([data], anc)
-            finally:
-                self.sock.setblocking(False)
+            except BlockingIOError:
+                self._send_when_room(data, anc)
         except OSError as exc:
             self.handlers.pop(req.id, None)
             self._dead(f"send failed: {exc}")
             raise BackendError(f"container helper process is gone ({exc}); retry") from exc
+
+    def _send_when_room(self, data: bytes, anc: list[tuple[int, int, bytes]]) -> None:
+        """The zygote is far behind (our send buffer is full): wait for room synchronously
+        - rare, and queueing fds in memory is worse - but keep reading its replies while
+        waiting. The zygote itself blocks on sending a reply while *our* receive buffer is
+        full; a plain blocking sendmsg here deadlocked both for good (seen with 600 execs
+        gathered on one backend)."""
+        poller = select.poll()
+        while True:
+            if self.sock is None:
+                raise BrokenPipeError(errno.EPIPE, "the container helper went away")
+            try:
+                self.sock.sendmsg([data], anc)
+                return
+            except BlockingIOError:
+                pass
+            poller.register(self.sock.fileno(), select.POLLIN | select.POLLOUT)
+            events = poller.poll(1000)
+            poller.unregister(self.sock.fileno())
+            if any(ev & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, ev in events):
+                self._readable()
 
     def done(self, rid: int) -> None:
         self.handlers.pop(rid, None)
