@@ -613,8 +613,11 @@ class ContainerBackend:
                     reply = await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
+                leader = reply.pid if isinstance(reply, Started) else 0
                 self._zygote.send(Kill(id=rid), [], None)
                 reply = await exited
+                if leader > 0:
+                    await _group_gone(leader)
         except BaseException:
             if not exited.done():  # cancelled: do not leave the command running
                 try:
@@ -766,3 +769,21 @@ def _tree_bytes(path: str) -> int:
                 if exc.errno != errno.ENOENT:
                     raise
     return total
+
+
+async def _group_gone(pgid: int, *, limit_s: float = 2.0) -> None:
+    """Wait until every process of a killed exec's group has been reaped (the sandbox's
+    init reaps the orphans a moment after the SIGKILL), so a timed-out result means the
+    command's processes are gone, not dying. Bounded: a process stuck in the kernel (D
+    state) must not hold the caller forever."""
+    deadline = time.monotonic() + limit_s
+    delay = 0.0005
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)
