@@ -20,10 +20,18 @@ from dsec.errors import *
 from dsec.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:
-    from dsec.client.core import AsyncClient, AsyncSandbox, Snapshot
-    from dsec.client.local import LocalCluster
-    from dsec.client.sync import Client, Sandbox
-    from dsec.edge.spec import ExecResult, FileInfo, SandboxEvent, SandboxInfo
+    # Redundant aliases mark these as re-exports for type checkers; at runtime
+    # they are loaded lazily by __getattr__ below.
+    from dsec.client.core import AsyncClient as AsyncClient
+    from dsec.client.core import AsyncSandbox as AsyncSandbox
+    from dsec.client.core import Snapshot as Snapshot
+    from dsec.client.local import LocalCluster as LocalCluster
+    from dsec.client.sync import Client as Client
+    from dsec.client.sync import Sandbox as Sandbox
+    from dsec.edge.spec import ExecResult as ExecResult
+    from dsec.edge.spec import FileInfo as FileInfo
+    from dsec.edge.spec import SandboxEvent as SandboxEvent
+    from dsec.edge.spec import SandboxInfo as SandboxInfo
 
 __version__ = "0.1.0"
 
@@ -40,7 +48,8 @@ _LAZY = {
     "SandboxInfo": "dsec.edge.spec",
 }
 
-__all__ = sorted([*_LAZY, *_errors_all, "__version__"])
+# Computed so that _LAZY and dsec.errors.__all__ stay the single source of the names.
+__all__ = sorted([*_LAZY, *_errors_all, "__version__"])  # noqa: PLE0605
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ ImageRef = NewType("ImageRef", str)
 
 _NODE_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _TOKEN_LEN = 12
-_SANDBOX_RE = re.compile(r"sb-([0-9a-f]{%d})-(.+)" % _TOKEN_LEN)
+_SANDBOX_RE = re.compile(rf"sb-([0-9a-f]{{{_TOKEN_LEN}}})-(.+)")
 _PROJECT_PART_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 
 

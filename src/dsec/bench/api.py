@@ -347,5 +347,5 @@ def api(ctx: BenchContext) -> None:
     for part in (apiserver_rps, create_e2e, exec_e2e):
         try:
             part(ctx)
-        except Exception as exc:  # one broken figure must not lose the others
+        except Exception as exc:  # noqa: BLE001 - one broken figure must not lose the others
             ctx.note(f"{part.__name__} failed: {type(exc).__name__}: {exc}")

@@ -95,8 +95,9 @@ def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapsho
            as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
-    kw = dict(image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
-              backend=backend, cpu=cpu, memory=memory, ttl=ttl, labels=lab, project=project, detached=True)
+    kw = {"image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
+          "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
+          "project": project, "detached": True}
     with client(url, api_key) as c:
         sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]
         if as_json:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 from dsec.errors import InvalidArgument, TransportError
 
@@ -51,7 +51,7 @@ class LocalCluster:
         self.runtime: Any = None
 
     # ------------------------------------------------------------------ start
-    def start(self) -> LocalCluster:
+    def start(self) -> Self:
         try:
             if self._subprocess:
                 self._start_process()
@@ -171,7 +171,7 @@ class LocalCluster:
         if self._tmp and os.path.isdir(self.state_dir):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

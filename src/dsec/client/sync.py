@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from dsec.client.core import (
     AsyncClient,
@@ -106,7 +106,7 @@ class Client:
         finally:
             self._loop.stop()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -256,7 +256,7 @@ class Sandbox:
     def kill(self) -> None:
         self._c._run(self._a.kill())
 
-    def __enter__(self) -> Sandbox:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

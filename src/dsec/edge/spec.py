@@ -14,23 +14,23 @@ import msgspec
 from dsec.errors import InvalidArgument
 
 __all__ = [
-    "ExecChunk",
-    "FileInfo",
-    "FileType",
-    "PauseStats",
-    "SandboxStats",
+    "MAX_CPU_MILLI",
+    "MAX_MEMORY_BYTES",
     "BackendName",
+    "ExecChunk",
     "ExecRequest",
     "ExecResult",
+    "FileInfo",
+    "FileType",
     "IdleAction",
     "NetworkPolicy",
+    "PauseStats",
     "SandboxEvent",
     "SandboxInfo",
     "SandboxSpec",
     "SandboxState",
+    "SandboxStats",
     "SnapshotInfo",
-    "MAX_CPU_MILLI",
-    "MAX_MEMORY_BYTES",
 ]
 
 SandboxState = Literal[

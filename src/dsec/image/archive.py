@@ -131,7 +131,8 @@ def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = DEFAUL
     is_root = os.geteuid() == 0
     stats = ExtractStats()
     try:
-        tf = tarfile.open(fileobj=fileobj, mode="r|*")
+        # Opened apart from `with tf:` below so a bad stream is told apart from a bad member.
+        tf = tarfile.open(fileobj=fileobj, mode="r|*")  # noqa: SIM115
     except tarfile.TarError as exc:
         raise UnsafeArchive(f"not a readable tar stream: {exc}") from exc
     try:

@@ -22,7 +22,7 @@ import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Self
 
 from dsec.errors import ImageError, InvalidArgument
 from dsec.image.manifest import LayerManifest
@@ -179,7 +179,7 @@ class SandboxRoot:
         for d in self.stack.digests:
             self._cache.release(d)
 
-    def __enter__(self) -> SandboxRoot:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

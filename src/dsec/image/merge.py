@@ -8,6 +8,7 @@ exactly what the originals hid in the layers below it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from dsec.errors import InvalidArgument
@@ -51,7 +52,7 @@ def merge_layers(store: LayerStore, cache: MountCache, layers: Sequence[LayerMan
     kinds = {m.kind for m in layers}
     out_kind: LayerKind = kind or (lowest.kind if len(kinds) == 1 else "base")
     if out_kind == "snapshot":
-        for upper_m, lower_m in zip(layers, layers[1:]):
+        for upper_m, lower_m in itertools.pairwise(layers):
             if upper_m.parent != lower_m.digest:
                 raise InvalidArgument(f"snapshot {upper_m.digest} is not the child of "
                                       f"{lower_m.digest}; only consecutive chains merge")

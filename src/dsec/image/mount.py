@@ -18,6 +18,7 @@ import os
 import tempfile
 import threading
 from dataclasses import dataclass
+from typing import Self
 
 from dsec.errors import CorruptLayer, ImageError, InvalidArgument
 from dsec.image.erofs import hash_file
@@ -180,7 +181,7 @@ class MountCache:
             except OSError:
                 pass
 
-    def __enter__(self) -> MountCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

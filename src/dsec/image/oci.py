@@ -51,7 +51,8 @@ class _Source:
         self._tar: tarfile.TarFile | None = None
         if os.path.isfile(path):
             try:
-                self._tar = tarfile.open(path, "r:*")
+                # Kept open for the object's lifetime; closed by close().
+                self._tar = tarfile.open(path, "r:*")  # noqa: SIM115
             except tarfile.TarError as exc:
                 raise InvalidArgument(f"{path} is not an OCI/docker-save tarball: {exc}") from exc
         elif not os.path.isdir(path):
@@ -72,7 +73,8 @@ class _Source:
             raise ImageError(f"OCI image references the path {rel!r} outside its layout")
         if self._tar is None:
             try:
-                f: IO[bytes] = open(os.path.join(self.path, rel), "rb")
+                # Opened apart from `with f:` so only a missing file becomes ImageError.
+                f: IO[bytes] = open(os.path.join(self.path, rel), "rb")  # noqa: SIM115
             except FileNotFoundError:
                 raise ImageError(f"OCI image {self.path} lacks {rel}") from None
             with f:

@@ -461,7 +461,7 @@ class ContainerBackend:
         loop.add_reader(box.pidfd, ready)
         try:
             await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             loop.remove_reader(box.pidfd)
@@ -611,7 +611,7 @@ class ContainerBackend:
                     reply = await asyncio.shield(exited)
                 else:
                     reply = await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 leader = reply.pid if isinstance(reply, Started) else 0
                 self._zygote.send(Kill(id=rid), [], None)

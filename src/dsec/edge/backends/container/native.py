@@ -31,11 +31,9 @@ import os
 import select
 import socket
 import subprocess
-import sys
 from collections.abc import Callable
 
 from dsec.edge.backends.container.nsexec import ensure_nsexec
-from dsec.net.seccomp import compile_profile
 from dsec.edge.backends.container.protocol import (
     Failed,
     Reply,
@@ -44,6 +42,7 @@ from dsec.edge.backends.container.protocol import (
     encode,
 )
 from dsec.errors import BackendError, InvalidArgument
+from dsec.net.seccomp import compile_profile
 
 __all__ = ["INIT_BINARIES", "ZygoteClient"]
 

@@ -58,8 +58,8 @@ def tables_header() -> str:
         f"#define DSEC_CAP_LAST_CAP {CAP_LAST_CAP}",
         f"#define DSEC_KEEP_CAPS 0x{keep:x}ULL",
         f"#define DSEC_SHM_BYTES {SHM_BYTES}LL",
-        "static const struct { const char *name; unsigned major, minor, mode; } "
-        "DSEC_DEVICES[] = {",
+        ("static const struct { const char *name; unsigned major, minor, mode; } "
+         "DSEC_DEVICES[] = {"),
         *(f"    {{{_c_str(n)}, {ma}, {mi}, 0{mo:o}}}," for n, ma, mi, mo in DEVICES),
         "};",
     ]
