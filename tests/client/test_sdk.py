@@ -167,10 +167,10 @@ def test_request_timeout_and_connection_errors_are_named() -> None:
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         port = silent.getsockname()[1]
-        with Client(f"http://127.0.0.1:{port}", "dsk_x", transport="http", timeout=0.3,
-                    retries=0, session_lease_s=None) as c:
-            with pytest.raises(RequestTimeout, match="request timeout of 0.3s"):
-                c.sandboxes.get("sb-000000000000-edge-0")
+        with (Client(f"http://127.0.0.1:{port}", "dsk_x", transport="http", timeout=0.3,
+                     retries=0, session_lease_s=None) as c,
+              pytest.raises(RequestTimeout, match="request timeout of 0.3s")):
+            c.sandboxes.get("sb-000000000000-edge-0")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
@@ -209,8 +209,9 @@ async def test_a_forgotten_session_is_replaced_not_reused(cluster: LocalCluster)
                            session_lease_s=5) as c:
         first = await c.sandboxes.create()
         old = first.info.spec.labels["dsec.io/session"]
-        r = httpx.delete(f"{cluster.url}/v1/sessions/{old}",
-                         headers={"authorization": f"Bearer {cluster.api_key}"})
+        async with httpx.AsyncClient() as http:
+            r = await http.delete(f"{cluster.url}/v1/sessions/{old}",
+                                  headers={"authorization": f"Bearer {cluster.api_key}"})
         assert r.status_code == 204
         for _ in range(60):  # the renewer runs every lease/3 (1.7 s)
             if c._session is None:

@@ -271,7 +271,6 @@ def test_rate_limit_answers_429_with_retry_after() -> None:
 
 def test_schemathesis_finds_no_5xx(cluster: LocalCluster) -> None:
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
 
     schema = schemathesis.openapi.from_url(cluster.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
@@ -279,15 +278,25 @@ def test_schemathesis_finds_no_5xx(cluster: LocalCluster) -> None:
     failures: list[tuple[str, str, int, str]] = []
     auth = {"Authorization": f"Bearer {cluster.api_key}"}
     for op in ops:
-        @given(case=op.as_strategy())
-        @settings(max_examples=8, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
-        def run(case: Any) -> None:
-            r = case.call(base_url=cluster.url, headers=auth)
-            if r.status_code >= 500:
-                failures.append((op.method, op.path, r.status_code, r.text[:200]))
-        run()
+        _fuzz_operation(op, cluster.url, auth, failures)
     assert failures == []
+
+
+def _fuzz_operation(op: Any, url: str, auth: dict[str, str],
+                    failures: list[tuple[str, str, int, str]]) -> None:
+    """Run a few generated cases of one operation, recording any 5xx reply in `failures`.
+
+    A function of its own so the hypothesis test binds this `op`, not the loop variable."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    @given(case=op.as_strategy())
+    @settings(max_examples=8, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def run(case: Any) -> None:
+        r = case.call(base_url=url, headers=auth)
+        if r.status_code >= 500:
+            failures.append((op.method, op.path, r.status_code, r.text[:200]))
+    run()
 
 
 def test_images_build_from_upload_and_list(http: httpx.Client) -> None:

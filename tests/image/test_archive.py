@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_extracts_files_dirs_links_and_metadata(tmp_path: object) -> None:
     assert stats.members == 6
     f = os.path.join(dest, "dir/file")
     st = os.stat(f)
-    assert open(f, "rb").read() == b"hello"
+    assert Path(f).read_bytes() == b"hello"
     assert (st.st_mode & 0o7777, st.st_uid, st.st_mtime) == (0o4755, 1234, 1_700_000_000)
     assert os.getxattr(f, "user.k") == b"v"
     # overlay's private xattrs in an archive are dropped (they could forge whiteouts)

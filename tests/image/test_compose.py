@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -33,14 +34,14 @@ def test_priority_toolkits_over_workspace_over_base(store: LayerStore, cache: Mo
     assert stack.digests == (t2.digest, t1.digest, ws.digest, base.digest)
     with mount_root(store, cache, stack, os.path.join(tmp, "sb")) as root:
         def read(p: str) -> str:
-            return open(os.path.join(root.target, p)).read()
+            return Path(root.target, p).read_text()
         assert (read("who"), read("ws"), read("only-base"), read("t1")) == ("t2", "ws", "b", "t1")
         with open(os.path.join(root.target, "who"), "w") as f:
             f.write("mine")
-        assert open(os.path.join(root.upper, "who")).read() == "mine"
+        assert Path(root.upper, "who").read_text() == "mine"
         # second sandbox shares the layer mounts and sees the image, not sandbox 1's write
         with mount_root(store, cache, stack, os.path.join(tmp, "sb2")) as root2:
-            assert open(os.path.join(root2.target, "who")).read() == "t2"
+            assert Path(root2.target, "who").read_text() == "t2"
             assert cache.refs(base.digest) == 2
     assert cache.mounted() == {}
     assert mounts_under(tmp) == []
@@ -70,7 +71,7 @@ def test_new_mount_api_and_missing_lower(store: LayerStore, cache: MountCache,
         mount_overlay(lowers, None, None, target, api="new")     # fsconfig(lowerdir+)
         try:
             assert sorted(os.listdir(target)) == ["f0", "f1", "f2", "top"]
-            assert open(os.path.join(target, "top")).read() == "0"
+            assert Path(target, "top").read_text() == "0"
         finally:
             os.system(f"umount {target}")
         with pytest.raises(ImageError, match="missing"):

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -82,7 +83,7 @@ def tar_dir(src: str, out: str) -> None:
 def check(store: LayerStore, cache: MountCache, layers: list, tmp: str) -> None:
     with mount_root(store, cache, RootStack(tuple(layers)), os.path.join(tmp, "sb")) as r:
         got = tree_of(r.target)
-        flat = {k: ("d" if v[0] == "d" else open(os.path.join(r.target, k), "rb").read())
+        flat = {k: ("d" if v[0] == "d" else Path(r.target, k).read_bytes())
                 for k, v in got.items()}
         assert flat == WANT
 

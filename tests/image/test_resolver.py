@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_acquire_release_with_toolkits_and_snapshot(store: LayerStore, cache: Mo
     restored = images.acquire(SandboxSpec(image="busybox", snapshot="run1"))
     try:
         assert len(restored.lowerdirs) == 3
-        assert open(os.path.join(restored.lowerdirs[0], "work/result")).read() == "done"
+        assert Path(restored.lowerdirs[0], "work/result").read_text() == "done"
     finally:
         images.release(restored)
     with pytest.raises(ImageNotFound):

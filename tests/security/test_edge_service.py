@@ -14,7 +14,7 @@ import pytest
 from dsec.edge.node import EdgeNode
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.edge.spec import SandboxSpec
-from dsec.errors import DsecError, InvalidArgument, Unauthenticated
+from dsec.errors import InvalidArgument, Unauthenticated
 from tests.edge.conftest import make_node
 
 

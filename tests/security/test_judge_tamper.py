@@ -16,8 +16,8 @@ import pytest
 from dsec.edge.admission import Capacity
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
-from dsec.rl.access import EdgeAccess, LoopThread
 from dsec.errors import InvalidArgument
+from dsec.rl.access import EdgeAccess, LoopThread
 from dsec.rl.judges import ExecutableJudge, JudgeContext
 
 pytestmark = [pytest.mark.root,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
+import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -36,7 +36,7 @@ async def _cleanup(b: ContainerBackend) -> None:
     for sid in b.sandbox_ids():
         try:
             await b.destroy(SandboxId(sid))
-        except Exception:  # noqa: BLE001 - keep cleaning the rest
+        except Exception:  # noqa: BLE001, S110 - keep cleaning the rest
             pass
     gov = b.governor
     await b.close()
@@ -61,7 +61,7 @@ async def backend(tmp_path: object, images_dir: str) -> AsyncIterator[ContainerB
 
 @pytest.fixture
 async def runc_backend(tmp_path: object, images_dir: str) -> AsyncIterator[ContainerBackend]:
-    if os.geteuid() != 0 or subprocess.run(["which", "runc"], capture_output=True).returncode:
+    if os.geteuid() != 0 or shutil.which("runc") is None:
         pytest.skip("needs root and runc")
     b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "rroot"),
                          images=DirectoryImages(images_dir), runtime="runc")

@@ -41,13 +41,13 @@ async def test_cannot_see_other_sandboxes(backend: ContainerBackend) -> None:
     await backend.create(b, SPEC)
     await backend.write_file(b, "/root/answer.txt", b"42")
     await backend.exec(b, ExecRequest(shell="sleep 60", background=True))
-    code, out = await sh(backend, a, "find / -name answer.txt 2>/dev/null; echo ---; "
-                                     "ps -o comm")
+    _code, out = await sh(backend, a, "find / -name answer.txt 2>/dev/null; echo ---; "
+                                      "ps -o comm")
     found, procs = out.split("---")
     assert found.strip() == "" and "sleep" not in procs.split()
-    code, out = await sh(backend, a, "ls /proc | grep -c '^[0-9]'")
+    _code, out = await sh(backend, a, "ls /proc | grep -c '^[0-9]'")
     assert int(out) <= 4  # init, sh, ls, grep: its own processes only
-    code, out = await sh(backend, a, f"ls {backend.root_dir} 2>&1; cat /proc/1/mountinfo")
+    _code, out = await sh(backend, a, f"ls {backend.root_dir} 2>&1; cat /proc/1/mountinfo")
     assert backend.upper_dir(b) not in out.split("upperdir=")[0]
 
 
@@ -66,7 +66,7 @@ async def test_cannot_reach_host_sockets(backend: ContainerBackend, tmp_path: ob
     tcp.listen()
     port = tcp.getsockname()[1]
     try:
-        code, out = await sh(backend, sid, f"ls -la {path} 2>&1; "
+        _code, out = await sh(backend, sid, f"ls -la {path} 2>&1; "
                                            f"echo x | nc -w1 127.0.0.1 {port} && echo TCPOK")
         assert "No such file" in out and "TCPOK" not in out
         r = await backend.exec(sid, ExecRequest(shell="grep -c dsec-test-edge /proc/net/unix"))
@@ -126,9 +126,9 @@ async def test_memory_bomb_is_oom_killed_and_reported(backend: ContainerBackend)
         await asyncio.sleep(0.01)
     assert [(s, why) for s, why, _ in events][:1] == [(bomb, "oom_kill")]
     assert "memory limit of 67108864" in events[0][2]
-    code, out = await sh(backend, bystander, "echo fine")
+    _code, out = await sh(backend, bystander, "echo fine")
     assert out == "fine\n"
-    code, out = await sh(backend, bomb, "echo still-exec-able")
+    _code, out = await sh(backend, bomb, "echo still-exec-able")
     assert out == "still-exec-able\n"
 
 
@@ -144,6 +144,6 @@ async def test_fork_bomb_hits_pids_max(backend: ContainerBackend) -> None:
     # an exec still gets in (joining a cgroup is not a fork) and sees the cap
     r = await backend.exec(sid, ExecRequest(argv=("ls", "/proc")))
     assert 50 <= sum(1 for n in r.stdout.split() if n.isdigit()) <= 64
-    code, out = await sh(backend, other, "echo ok")  # other sandboxes unaffected
+    _code, out = await sh(backend, other, "echo ok")  # other sandboxes unaffected
     assert out == "ok\n"
     await backend.destroy(sid)  # and it can still be torn down

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.spec import ExecRequest, SandboxSpec
@@ -59,7 +60,8 @@ _EDGE = textwrap.dedent("""
 async def test_sandboxes_survive_edge_kill_9(tmp_path: object, images_dir: str) -> None:
     root = os.path.join(str(tmp_path), "root")
     sids = [new_sid(), new_sid()]
-    edge = subprocess.Popen([sys.executable, "-c", _EDGE, root, images_dir, *sids],
+    # the test drives a real edge process and blocks on it on purpose (kill -9, restart)
+    edge = subprocess.Popen([sys.executable, "-c", _EDGE, root, images_dir, *sids],  # noqa: ASYNC220
                             stdout=subprocess.PIPE)
     b = None
     try:
@@ -114,7 +116,7 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
     # procfs on it fails half-way: after namespaces and cgroup membership exist)
     broken = os.path.join(images_dir, "broken")
     os.makedirs(broken, exist_ok=True)
-    open(os.path.join(broken, "proc"), "w").close()
+    Path(broken, "proc").write_bytes(b"")
     warm = new_sid()  # start the helper process first: its socket is not a leak
     await backend.create(warm, SPEC)
     await backend.destroy(warm)
