@@ -55,7 +55,7 @@ async def _run(ctx: BenchContext, work: str) -> None:
     n_exec = ctx.scale(300, 50)
     n_burst = ctx.scale(3000, 300)
     for runtime in ("native", "runc"):
-        b = ContainerBackend(root_dir=os.path.join(work, runtime), runtime=runtime,  # type: ignore[arg-type]
+        b = ContainerBackend(root_dir=os.path.join(work, runtime), runtime=runtime,
                              images=DirectoryImages(images))
         try:
             warm = new_sandbox_id(node)
@@ -77,11 +77,12 @@ async def _run(ctx: BenchContext, work: str) -> None:
             sids = [new_sandbox_id(node) for _ in range(total)]
             sem = asyncio.Semaphore(16)
 
-            async def one(sid: SandboxId) -> None:
+            async def one(sid: SandboxId, sem: asyncio.Semaphore,
+                          b: ContainerBackend) -> None:
                 async with sem:
                     await b.create(sid, spec)
             t0 = time.perf_counter()
-            await asyncio.gather(*(one(s) for s in sids))
+            await asyncio.gather(*(one(s, sem, b) for s in sids))
             dt = time.perf_counter() - t0
             ctx.record("container_create_throughput", total / dt, "creates/s", runtime=runtime,
                        concurrency=16, n=total)
@@ -119,8 +120,8 @@ async def _run(ctx: BenchContext, work: str) -> None:
             if runtime == "native":
                 await _density(ctx, b, spec, node)
         finally:
-            for s in b.sandbox_ids():
-                await b.destroy(SandboxId(s))
+            for left in b.sandbox_ids():
+                await b.destroy(SandboxId(left))
             gov = b.governor
             await b.close()
             gov.remove_base()

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import os
 import random
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Self, TypeVar
 
 import msgspec
 
@@ -81,11 +82,10 @@ def resolve_target(url: str | None, api_key: str | None) -> tuple[str, str, str 
     gateway = os.environ.get("DSEC_GATEWAY")
     if url is None or api_key is None:
         local = read_local()
-        if local is not None:
-            if url is None or url == local.get("url"):
-                url = url or local.get("url")
-                api_key = api_key or local.get("api_key")
-                gateway = gateway or local.get("gateway")
+        if local is not None and (url is None or url == local.get("url")):
+            url = url or local.get("url")
+            api_key = api_key or local.get("api_key")
+            gateway = gateway or local.get("gateway")
     if not url:
         raise TransportError(
             "no dsec cluster given: pass Client(url=..., api_key=...), set DSEC_URL and "
@@ -290,7 +290,7 @@ class AsyncClient:
             await self._t.close()
             self._t = None
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -324,7 +324,7 @@ class AsyncSandboxes:
         snap = None if snapshot is None else _snap_id(snapshot)
         return CreateSandboxRequest(
             image=image, workspace=workspace, toolkits=list(toolkits), snapshot=snap,
-            backend=backend, cpu_milli=int(round(cpu * 1000)),  # type: ignore[arg-type]
+            backend=backend, cpu_milli=round(cpu * 1000),  # type: ignore[arg-type]
             memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
@@ -378,9 +378,8 @@ class AsyncSandboxes:
         out: list[AsyncSandbox] = []
         cursor: str | None = None
         while True:
-            after = cursor
             page = await self._c._retry(
-                lambda: self._list_page(project, labels or {}, state, after))
+                functools.partial(self._list_page, project, labels or {}, state, cursor))
             out += [AsyncSandbox(self._c, i) for i in page.items]
             cursor = page.next_cursor
             if cursor is None or (limit is not None and len(out) >= limit):
@@ -564,7 +563,8 @@ class AsyncSandbox:
 
     async def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                           env: Mapping[str, str] | None = None, cwd: str | None = None,
-                          stdin: bytes | str | None = None) -> AsyncIterator[ExecChunk | ExecResult]:
+                          stdin: bytes | str | None = None
+                          ) -> AsyncGenerator[ExecChunk | ExecResult, None]:
         """Yield output chunks as they come, then the final :class:`ExecResult`."""
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
         t = await self._c._transport()
@@ -600,7 +600,7 @@ class AsyncSandbox:
             pass
         self.info.state = "destroyed"
 
-    async def __aenter__(self) -> AsyncSandbox:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -11,7 +11,9 @@ rebuilt as the class the server raised, and httpx/OS errors become
 from __future__ import annotations
 
 import base64
+import builtins
 from collections.abc import AsyncIterator, Mapping, Sequence
+from types import EllipsisType
 from typing import Any, Protocol
 
 import httpx
@@ -64,12 +66,12 @@ class Transport(Protocol):
     async def destroy(self, sid: str) -> None: ...
     async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult: ...
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> list[ExecResult | DsecError]: ...
+                        timeout: float | None) -> builtins.list[ExecResult | DsecError]: ...
     def exec_stream(self, sid: str, req: ExecRequest,
                     timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]: ...
     async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes: ...
     async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None: ...
-    async def list_dir(self, sid: str, path: str) -> list[FileInfo]: ...
+    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]: ...
     async def stat(self, sid: str, path: str) -> FileInfo: ...
     async def mkdir(self, sid: str, path: str) -> None: ...
     async def remove(self, sid: str, path: str, recursive: bool) -> None: ...
@@ -79,7 +81,7 @@ class Transport(Protocol):
     async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList: ...
     async def snapshot_get(self, ref: str) -> SnapshotView: ...
     async def snapshot_delete(self, ref: str) -> None: ...
-    async def events(self, sid: str) -> list[SandboxEvent]: ...
+    async def events(self, sid: str) -> builtins.list[SandboxEvent]: ...
     async def nodes(self) -> NodeList: ...
     async def session_open(self, lease_s: float) -> SessionView: ...
     async def session_renew(self, session_id: str) -> SessionView: ...
@@ -134,7 +136,7 @@ class HttpTransport:
             timeout=timeout, transport=transport,
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
 
-    async def _req(self, method: str, path: str, *, timeout: float | None | type[...] = ...,  # type: ignore[valid-type]
+    async def _req(self, method: str, path: str, *, timeout: float | None | EllipsisType = ...,
                    **kw: Any) -> httpx.Response:
         t = self.timeout if timeout is ... else timeout
         try:
@@ -202,7 +204,7 @@ class HttpTransport:
         return _from_output(out)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> list[ExecResult | DsecError]:
+                        timeout: float | None) -> builtins.list[ExecResult | DsecError]:
         import asyncio
 
         async def one(sid: str, r: ExecRequest) -> ExecResult | DsecError:
@@ -257,7 +259,7 @@ class HttpTransport:
         await self._req("PUT", f"/v1/sandboxes/{sid}/files", params=params, content=data,
                         headers={"content-type": "application/octet-stream"})
 
-    async def list_dir(self, sid: str, path: str) -> list[FileInfo]:
+    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
         class _L(msgspec.Struct):
             items: list[FileInfo]
         r: _L = await self._json(_L, "GET", f"/v1/sandboxes/{sid}/files/list",
@@ -296,7 +298,7 @@ class HttpTransport:
     async def snapshot_delete(self, ref: str) -> None:
         await self._req("DELETE", f"/v1/snapshots/{ref}")
 
-    async def events(self, sid: str) -> list[SandboxEvent]:
+    async def events(self, sid: str) -> builtins.list[SandboxEvent]:
         class _E(msgspec.Struct):
             items: list[SandboxEvent]
         r: _E = await self._json(_E, "GET", f"/v1/sandboxes/{sid}/events")
@@ -359,7 +361,7 @@ class AetherTransport:
         return self._conn
 
     async def _call(self, method: str, body: Any, rtype: Any,
-                    timeout: float | None | type[...] = ...) -> Any:  # type: ignore[valid-type]
+                    timeout: float | None | EllipsisType = ...) -> Any:
         conn = await self._c()
         t = self.timeout if timeout is ... else timeout
         return await conn.call(method, body, timeout=t, response_type=rtype)
@@ -400,7 +402,7 @@ class AetherTransport:
         return await self._call("api.exec", self._k(id=sid, req=req), ExecResult, timeout)  # type: ignore[no-any-return]
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> list[ExecResult | DsecError]:
+                        timeout: float | None) -> builtins.list[ExecResult | DsecError]:
         from dsec.control.gateway import Outcome
         body = self._k(calls=[{"id": s, "req": r} for s, r in calls])
         out = await self._call("api.exec_many", body, list[Outcome], timeout)
@@ -425,7 +427,7 @@ class AetherTransport:
         await self._call("api.write_file",
                          self._k(id=sid, path=path, data=data, mode=mode, append=append), None)
 
-    async def list_dir(self, sid: str, path: str) -> list[FileInfo]:
+    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
         return await self._call("api.list_dir", self._k(id=sid, path=path), list[FileInfo])  # type: ignore[no-any-return]
 
     async def stat(self, sid: str, path: str) -> FileInfo:
@@ -458,7 +460,7 @@ class AetherTransport:
     async def snapshot_delete(self, ref: str) -> None:
         await self._call("api.snapshot_delete", self._k(id=ref), SnapshotView)
 
-    async def events(self, sid: str) -> list[SandboxEvent]:
+    async def events(self, sid: str) -> builtins.list[SandboxEvent]:
         return await self._call("api.events", self._k(id=sid), list[SandboxEvent])  # type: ignore[no-any-return]
 
     async def nodes(self) -> NodeList:

@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.applications import Starlette
@@ -89,9 +89,11 @@ class RestConfig:
     metrics_loopback_only: bool = True
 
 
-class AdminOps:
+class AdminOps(Protocol):
     """Admin routes (projects, quotas, keys, sessions) — implemented by the control plane
-    wiring (:mod:`dsec.control.api.plane`); the REST layer only decodes and encodes."""
+    wiring (:mod:`dsec.control.api.plane`); the REST layer only decodes and encodes.
+
+    A Protocol, so ControlPlane satisfies it structurally without inheriting from it."""
 
     def list_projects(self, caller: Caller) -> ProjectList: raise NotImplementedError
     def get_project(self, caller: Caller, path: str) -> ProjectView: raise NotImplementedError

@@ -580,7 +580,7 @@ class ControlPlane:
                 return list(import_oci(store, tar_path, name=name, tag=tag,
                                        kind=kind))  # type: ignore[arg-type]
             with open(tar_path, "rb") as f:
-                return [store.add_tar(f, kind=kind, name=name, tag=tag)]  # type: ignore[arg-type]
+                return [store.add_tar(f, kind=kind, name=name, tag=tag)]
         try:
             made = await asyncio.to_thread(work)
         except DsecError:

@@ -30,6 +30,7 @@ import struct
 import sys
 import time
 import traceback
+from typing import Any
 
 import msgspec
 
@@ -46,11 +47,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _run_code(code: str, glb: dict) -> object:
+def _run_code(code: str, glb: dict[str, Any]) -> object:
     tree = ast.parse(code, "<fncall>", "exec")
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    if tree.body and isinstance(tail := tree.body[-1], ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(tail.value)
     exec(compile(tree, "<fncall>", "exec"), glb)  # noqa: S102 - running it is the job
     if last is not None:
         value = eval(compile(last, "<fncall>", "eval"), glb)
@@ -120,7 +122,7 @@ def serve_one(fd: int) -> None:
     sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)  # noqa: SIM115
     sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True)  # noqa: SIM115
     sys.stdin = io.TextIOWrapper(io.BytesIO(req.get("stdin") or b""))
-    reply: dict = {"exit_code": 0}
+    reply: dict[str, Any] = {"exit_code": 0}
     try:
         if req.get("cwd"):
             os.chdir(req["cwd"])
