@@ -99,3 +99,14 @@ class SnapshotBackend(Protocol):
 
     async def delete_snapshot(self, ref: str) -> SnapshotInfo:
         """Remove one; ``InUse`` while a sandbox runs from it or a snapshot builds on it."""
+
+
+async def replay_as_stream(res: ExecResult) -> AsyncIterator[ExecChunk | ExecResult]:
+    """``exec_stream`` for backends that only learn the output at the end: the captured
+    output as (at most) two chunks, then the result with its output moved out."""
+    if res.stdout:
+        yield ExecChunk(stream="stdout", data=res.stdout)
+    if res.stderr:
+        yield ExecChunk(stream="stderr", data=res.stderr)
+    res.stdout = res.stderr = b""
+    yield res

@@ -41,7 +41,7 @@ from typing import Any
 
 import msgspec
 
-from dsec.edge.backend import DeathSink
+from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
@@ -217,18 +217,25 @@ class WorkerPool:
                 raise
         return await self._exec()
 
-    async def _start_zygote(self) -> _Zygote:
+    async def _launch(self, *flags: str, what: str
+                      ) -> tuple[asyncio.subprocess.Process, socket.socket]:
+        """Start ``self.argv`` in its own session with one end of a socketpair as its
+        channel (passed by fd number); returns the process and our end."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.argv, "--zygote", str(child.fileno()), pass_fds=(child.fileno(),),
+                *self.argv, *flags, str(child.fileno()), pass_fds=(child.fileno(),),
                 start_new_session=True, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         except OSError as exc:
             parent.close()
-            raise BackendError(f"cannot start the fncall zygote {self.argv[0]}: {exc}") from exc
+            raise BackendError(f"cannot start {what} {self.argv[0]}: {exc}") from exc
         finally:
             child.close()
+        return proc, parent
+
+    async def _start_zygote(self) -> _Zygote:
+        proc, parent = await self._launch("--zygote", what="the fncall zygote")
         parent.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
@@ -296,17 +303,7 @@ class WorkerPool:
             raise BackendError(f"fncall worker sent {ok!r} instead of its ready byte")
 
     async def _exec(self) -> _Worker:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv, str(child.fileno()), pass_fds=(child.fileno(),),
-                start_new_session=True, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        except OSError as exc:
-            parent.close()
-            raise BackendError(f"cannot start fncall worker {self.argv[0]}: {exc}") from exc
-        finally:
-            child.close()
+        proc, parent = await self._launch(what="fncall worker")
         reader, writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
         w = _Worker(proc.pid, reader, writer, proc)
         await self._await_ready(w)
@@ -503,13 +500,8 @@ class FncallBackend:
 
     async def exec_stream(self, sid: SandboxId,
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
-        res = await self.exec(sid, req)
-        if res.stdout:
-            yield ExecChunk(stream="stdout", data=res.stdout)
-        if res.stderr:
-            yield ExecChunk(stream="stderr", data=res.stderr)
-        res.stdout = res.stderr = b""
-        yield res
+        async for item in replay_as_stream(await self.exec(sid, req)):
+            yield item
 
     # ---------------------------------------------------------------- files
     def _path(self, root: str, path: str) -> str:

@@ -24,7 +24,7 @@ from typing import Literal
 
 import msgspec
 
-from dsec.edge.backend import DeathSink
+from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.clock import Clock, SystemClock
 from dsec.edge.spec import (
     ExecChunk,
@@ -317,13 +317,8 @@ class SimulatedBackend:
 
     async def exec_stream(self, sid: SandboxId,
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
-        res = await self.exec(sid, req)
-        if res.stdout:
-            yield ExecChunk(stream="stdout", data=res.stdout)
-        if res.stderr:
-            yield ExecChunk(stream="stderr", data=res.stderr)
-        res.stdout = res.stderr = b""
-        yield res
+        async for item in replay_as_stream(await self.exec(sid, req)):
+            yield item
 
     async def _run(self, box: _Box, req: ExecRequest, env: dict[str, str], cwd: str,
                    out: bytearray, err: bytearray, t0: float) -> int:
