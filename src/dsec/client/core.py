@@ -316,7 +316,7 @@ class AsyncSandboxes:
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, detached: bool = False, disk: int | str | None = None,
         pids_max: int | None = 1024, network: NetworkPolicy | None = None,
-        allow_nested: bool = False,
+        allow_nested: bool = False, user_namespace: bool = False,
     ) -> CreateSandboxRequest:
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
             raise InvalidArgument(f"cpu={cpu!r} must be a positive number of cores", field="cpu")
@@ -329,13 +329,14 @@ class AsyncSandboxes:
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
             idle_action=idle_action, env=dict(env or {}), session=session,  # type: ignore[arg-type]
-            pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested)
+            pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
+            user_namespace=user_namespace)
 
     async def create(self, **kw: Any) -> AsyncSandbox:
         """Create one sandbox (see :meth:`_request` for the keywords: image, workspace,
         toolkits, backend, cpu (cores), memory ("1GiB"), disk, ttl (s), idle_timeout (s),
         labels, env, project, snapshot, priority, detached, pids_max, network,
-        allow_nested)."""
+        allow_nested, user_namespace)."""
         req = await self._request(**kw)
         key = "sdk-" + uuid.uuid4().hex  # one key for every retry of this create
         info = await self._c._call("create", req, key)

@@ -74,6 +74,7 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     env: dict[str, str] = {}
     network: NetworkPolicy = NetworkPolicy()
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
+    user_namespace: bool = False            # root inside = unprivileged uid on the host
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
@@ -94,6 +95,8 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
                 raise bad(name, v, "use a positive number of seconds up to 30 days, or null")
         if not self.image:
             raise bad("image", self.image, "name an image")
+        if not isinstance(self.user_namespace, bool):
+            raise bad("user_namespace", self.user_namespace, "use true or false")
         for k in self.env:
             if not k or "=" in k or "\0" in k:
                 raise bad("env", k, "environment names must be non-empty without '=' or NUL")

@@ -427,6 +427,7 @@ class ApiService:
             priority=req.priority, labels=labels, project=project, ttl_s=ttl,
             idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
             network=req.network, allow_nested=req.allow_nested,
+            user_namespace=req.user_namespace,
         )
         return spec.validate()
 

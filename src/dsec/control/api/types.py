@@ -105,6 +105,7 @@ class CreateSandboxRequest(_Strict):
     env: dict[str, str] = {}
     network: NetworkPolicy = NetworkPolicy()
     allow_nested: bool = False
+    user_namespace: bool = False        # root inside = unprivileged uid on the host
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
 
 

@@ -89,6 +89,15 @@ Runtime = Literal["native", "runc"]
 # dev VM: all sandboxes together get 28,672).
 DEFAULT_MAX_SANDBOX_PIDS = 8192
 DEFAULT_PIDS_HEADROOM = 4096
+# Host ids of user-namespace sandboxes (spec.user_namespace): root inside is host uid/gid
+# USERNS_BASE, ids 0..65535 inside map to USERNS_BASE.. +65535. One range shared by all
+# such sandboxes of a node for now (above the 1000.. range of host accounts and Debian's
+# subuid default 100000 + 65536 * n; configurable per backend): an escapee of its mount
+# namespace is an unprivileged user on the host, though the same one as other
+# user-namespace sandboxes' roots. Per-sandbox slices would need an allocator persisted
+# for re-adoption.
+USERNS_BASE = 100000
+USERNS_SIZE = 65536
 
 
 @dataclass(slots=True, eq=False)
@@ -124,6 +133,7 @@ class ContainerBackend:
                  zram_swap_bytes: int | None = 4 << 30, runc_binary: str = "runc",
                  max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
                  pids_headroom: int = DEFAULT_PIDS_HEADROOM,
+                 userns_range: tuple[int, int] = (USERNS_BASE, USERNS_SIZE),
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -140,6 +150,12 @@ class ContainerBackend:
         if max_sandbox_pids < 1:
             raise InvalidArgument(f"max_sandbox_pids={max_sandbox_pids} must be >= 1",
                                   field="max_sandbox_pids")
+        base, size = userns_range
+        if not (1 <= base and 1 <= size and base + size <= 2**32 - 1):
+            raise InvalidArgument(f"userns_range={userns_range!r} must be (first host id >= 1, "
+                                  "count >= 1) ending below 2**32-1", field="userns_range")
+        #: host (uid/gid of root, id count) of user-namespace sandboxes
+        self.userns_range = (base, size)
         #: pids.max of the parent cgroup of all this backend's sandboxes
         self.pids_total = pid_max - pids_headroom
         self.max_sandbox_pids = min(max_sandbox_pids, self.pids_total)
@@ -224,6 +240,10 @@ class ContainerBackend:
             raise InvalidArgument(
                 "network mode 'allowlist' is not implemented by the container backend yet; "
                 "use 'loopback' (default) or 'none'", field="network")
+        if spec.user_namespace and self.runtime != "native":
+            raise InvalidArgument("user_namespace is implemented by the native container "
+                                  "driver only; use runtime='native' or drop it",
+                                  field="user_namespace")
         if sid in self._boxes:
             raise Conflict(f"sandbox {sid} already exists on this backend", sandbox_id=sid)
         d = self._dir(sid)
@@ -237,6 +257,8 @@ class ContainerBackend:
             upper, work = _rw_dirs(d)
             for sub in (upper, work, os.path.join(d, "root")):
                 os.mkdir(sub, 0o700 if sub != upper else 0o755)
+            if spec.user_namespace:  # the overlay's root dir: writable by the mapped root
+                os.chown(upper, self.userns_range[0], self.userns_range[0])
             opts = overlay_options(layers.lowerdirs, upper, work)
             del opts  # validated here, composed again by the driver
             if self._runc is not None:  # runc makes (and removes) its own cgroups
@@ -279,7 +301,8 @@ class ContainerBackend:
                      root=os.path.join(box.dir, "root"), hostname=box.sid[:63],
                      cgroup_procs=box.cg.procs_files,
                      loopback=box.spec.network.mode == "loopback",
-                     nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes)
+                     nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes,
+                     userns=self.userns_range if box.spec.user_namespace else None)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             self._zygote.done(rid)
@@ -583,7 +606,8 @@ class ContainerBackend:
             self._zygote.send(
                 Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
                      cgroup_procs=box.cg.procs_files, nested=box.spec.allow_nested,
-                     background=req.background), send_fds, on_reply)
+                     background=req.background, userns=box.spec.user_namespace),
+                send_fds, on_reply)
         except BaseException:
             for fd in local:
                 os.close(fd)
@@ -645,7 +669,9 @@ class ContainerBackend:
     def _files(self, sid: str) -> SandboxFiles:
         box = self._box(sid)
         try:
-            return SandboxFiles.of_process(box.pidfd, box.init_pid, sid)
+            return SandboxFiles.of_process(
+                box.pidfd, box.init_pid, sid,
+                owner=self.userns_range[0] if box.spec.user_namespace else None)
         except OSError as exc:
             raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
                                ) from exc

@@ -65,18 +65,27 @@ def _kind(mode: int) -> FileType:
 class SandboxFiles:
     """Confined file I/O below ``root_fd`` (an O_PATH fd of the sandbox root)."""
 
-    def __init__(self, root_fd: int, sid: str) -> None:
+    def __init__(self, root_fd: int, sid: str, *, owner: int | None = None) -> None:
+        """``owner``: host uid=gid of the sandbox's root when it runs in a user namespace;
+        files and directories made here as host root (uid 0, unmapped in there, so the
+        sandbox's root could not change them) are given to it."""
         self.root_fd = root_fd
         self.sid = sid
+        self.owner = owner
+
+    def _own(self, fd: int) -> None:
+        if self.owner is not None and os.fstat(fd).st_uid == 0:
+            os.fchown(fd, self.owner, self.owner)
 
     @classmethod
-    def of_process(cls, pidfd: int, pid: int, sid: str) -> SandboxFiles:
+    def of_process(cls, pidfd: int, pid: int, sid: str, *,
+                   owner: int | None = None) -> SandboxFiles:
         """Files of the sandbox whose init is ``pid`` (its root as its mount namespace sees
         it). The pidfd check first makes sure ``/proc/<pid>`` is still that process.
         Close with :meth:`close` (or use as a context manager)."""
         linux.pidfd_send_signal(pidfd, 0)
         return cls(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
-                   sid)
+                   sid, owner=owner)
 
     def close(self) -> None:
         if self.root_fd >= 0:
@@ -169,6 +178,7 @@ class SandboxFiles:
             if not st.S_ISREG(os.fstat(fd).st_mode):
                 raise InvalidArgument(f"write {path!r} in sandbox {self.sid}: not a regular "
                                       "file", path=path)
+            self._own(fd)
             if not append:  # an append keeps the mode the file has
                 os.ftruncate(fd, 0)
                 os.fchmod(fd, mode & 0o7777)
@@ -238,6 +248,9 @@ class SandboxFiles:
             pfd = self._parent("/" + "/".join(parts[:i]), path, "mkdir")
             try:
                 os.mkdir(parts[i], 0o755, dir_fd=pfd)
+                if self.owner is not None:
+                    os.chown(parts[i], self.owner, self.owner, dir_fd=pfd,
+                             follow_symlinks=False)
             except FileExistsError:
                 if i == len(parts) - 1 and not parents:
                     raise InvalidArgument(f"mkdir {path!r} in sandbox {self.sid}: it exists",

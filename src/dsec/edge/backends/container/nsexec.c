@@ -15,6 +15,10 @@
  *   create: fds 3 status pipe, 4 seccomp BPF; PID 1 of the new pid namespace: join
  *           cgroups, unshare the other namespaces, overlay + /proc + /dev + /tmp + /sys +
  *           masks, pivot_root, hostname, lo up, caps, seccomp, execve the init.
+ *   F_USERNS (spec.user_namespace): create also makes a user namespace mapping root to an
+ *           unprivileged host range (net, uts, ipc owned by it; mnt, cgroup, pid by the
+ *           host's), idmaps the lowerdirs with it and enters it last (after every
+ *           mount); exec enters it after the other namespaces. See make_userns.
  *
  * Errors: exec writes "dsec: cannot run ..." to stderr (and the status pipe of a
  * background exec) and exits 127 (not found) or 126; create writes the reason to the
@@ -31,6 +35,7 @@
 #include <grp.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/mount.h>
 #include <linux/seccomp.h>
 #include <net/if.h>
 #include <sched.h>
@@ -63,6 +68,7 @@
 #define NS_ENTER (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP)
 
 static int status_fd = -1;   /* where failures are reported (create) */
+static int userns_req = 0;   /* F_USERNS on the request being served (inherited by fork) */
 static int exec_mode = 0;
 static const char *exec_what = "";
 
@@ -245,6 +251,13 @@ static int do_exec(int argc, char **argv) {
     /* pidfd setns (5.8+): all five namespaces at once; the mount namespace switch also
      * moves root and cwd to the sandbox's root. */
     if (setns(FD_PIDFD, NS_ENTER) < 0) die(126, "setns");
+    /* user_namespace sandboxes: the user namespace last (its root may not join the
+     * host-owned others), then become its root (host uid 0 is unmapped there). */
+    if (userns_req) {
+        if (setns(FD_PIDFD, CLONE_NEWUSER) < 0) die(126, "setns(user)");
+        if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+            die(126, "become root of the user namespace");
+    }
     close(FD_PIDFD);
     uid_t uid = 0;
     gid_t gid = 0;
@@ -306,9 +319,99 @@ static int is_dir(const char *p) {
     return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-static void build_root(const char *overlay_opts, const char *init_path, long long tmp_bytes) {
+/* A user namespace mapping root to host ids [base, base+size), as an fd. Only a process
+ * of the parent namespace may write a multi-id map (opening the map file itself after the
+ * target entered the namespace); we are PID 1 of a new pid namespace whose /proc is still
+ * the host's, so a child's pid does not name its /proc entry here. Hence: a short-lived
+ * child unshares the user namespace and reports its /proc name (readlink /proc/self); we
+ * write its maps, open its ns/user and kill it - the namespace lives on through the fd.
+ * Measured: see docs/container.md (create p50 with/without). */
+#define NS_OWNED (CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC)
+static const char *const ns_owned_names[3] = {"net", "uts", "ipc"};
+
+static int make_userns(const char *base, const char *size, int owned[3]) {
+    int sync[2];
+    if (pipe2(sync, O_CLOEXEC) < 0) die(1, "pipe2");
+    pid_t h = fork();
+    if (h < 0) die(1, "fork (user namespace)");
+    if (h == 0) {
+        char self[32] = "";
+        /* net, uts and ipc with it, owned by it: the sandbox's root may then bind ports
+         * < 1024, use raw sockets and set its hostname - in its own namespaces only. */
+        if (unshare(CLONE_NEWUSER | NS_OWNED) == 0) {
+            ssize_t n = readlink("/proc/self", self, sizeof self - 1);
+            self[n > 0 ? n : 0] = 0;
+        }
+        if (write(sync[1], self, sizeof self) != sizeof self) _exit(1);
+        for (;;) pause();
+    }
+    close(sync[1]);
+    char self[32] = "", path[96], map[96];
+    ssize_t r = read(sync[0], self, sizeof self);
+    close(sync[0]);
+    int fd = -1;
+    if (r == sizeof self && self[0] && strspn(self, "0123456789") == strlen(self)) {
+        int n = snprintf(map, sizeof map, "0 %s %s\n", base, size);
+        snprintf(path, sizeof path, "/proc/%s/uid_map", self);
+        int m = open(path, O_WRONLY | O_CLOEXEC);
+        int ok = m >= 0 && write(m, map, (size_t)n) == n;
+        if (m >= 0) close(m);
+        snprintf(path, sizeof path, "/proc/%s/gid_map", self);
+        m = ok ? open(path, O_WRONLY | O_CLOEXEC) : -1;
+        ok = m >= 0 && write(m, map, (size_t)n) == n;
+        if (m >= 0) close(m);
+        for (int k = 0; ok && k < 3; k++) {
+            snprintf(path, sizeof path, "/proc/%s/ns/%s", self, ns_owned_names[k]);
+            ok = (owned[k] = open(path, O_RDONLY | O_CLOEXEC)) >= 0;
+        }
+        snprintf(path, sizeof path, "/proc/%s/ns/user", self);
+        if (ok) fd = open(path, O_RDONLY | O_CLOEXEC);
+    } else {
+        errno = EPERM;
+    }
+    int saved = errno;
+    kill(h, SIGKILL);
+    waitpid(h, NULL, 0);
+    errno = saved;
+    if (fd < 0) die(1, "user namespace with map '0 %s %s' (%s)", base, size, path);
+    return fd;
+}
+
+/* Cover every lowerdir of `overlay_opts` (in our private mount namespace) with an
+ * idmapped clone of itself: files owned by host uid 0 there appear owned by the user
+ * namespace's root, and the overlay - which reads lowers through these mounts - shows
+ * them so; copy-ups keep that (mapped) owner. Paths hold no ':' or ',' (rootfs.py). */
+static void idmap_lowers(const char *overlay_opts, int userns_fd) {
+    char lows[4096];
+    const char *l = strstr(overlay_opts, "lowerdir=");
+    if (!l) { errno = EINVAL; die(1, "no lowerdir in overlay options"); }
+    l += 9;
+    size_t n = strcspn(l, ",");
+    if (n >= sizeof lows) { errno = E2BIG; die(1, "lowerdir list"); }
+    memcpy(lows, l, n);
+    lows[n] = 0;
+    for (char *dir = lows, *next; dir && *dir; dir = next) {
+        next = strchr(dir, ':');
+        if (next) *next++ = 0;
+        int t = (int)syscall(SYS_open_tree, AT_FDCWD, dir, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+        if (t < 0) die(1, "open_tree %s", dir);
+        struct mount_attr a;
+        memset(&a, 0, sizeof a);
+        a.attr_set = MOUNT_ATTR_IDMAP;
+        a.userns_fd = (uint64_t)userns_fd;
+        if (syscall(SYS_mount_setattr, t, "", AT_EMPTY_PATH, &a, sizeof a) < 0)
+            die(1, "mount_setattr(MOUNT_ATTR_IDMAP) %s", dir);
+        if (syscall(SYS_move_mount, t, "", AT_FDCWD, dir, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            die(1, "move_mount %s", dir);
+        close(t);
+    }
+}
+
+static void build_root(const char *overlay_opts, const char *init_path, long long tmp_bytes,
+                       int userns_fd) {
     char p[8192], q[8192], opts[256];
     xmount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+    if (userns_fd >= 0) idmap_lowers(overlay_opts, userns_fd);
     xmount("overlay", root_path, "overlay", MS_NODEV, overlay_opts);
     static const char *subdirs[] = {"/proc", "/dev", "/sys", "/tmp"};
     for (size_t k = 0; k < 4; k++) xmkdir(at_root(subdirs[k]), 0755);
@@ -399,7 +502,8 @@ static void loopback_up(void) {
 }
 
 static int do_create(int argc, char **argv) {
-    /* argv: create root overlay_opts hostname loopback tmp_bytes init ncg cg... */
+    /* argv: create root overlay_opts hostname loopback tmp_bytes init ncg cg...
+     *       [uid_base uid_count: with F_USERNS] */
     status_fd = FD_STATUS_CREATE;
     fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     if (argc < 9) { errno = EINVAL; die(1, "usage"); }
@@ -411,13 +515,33 @@ static int do_create(int argc, char **argv) {
     const char *init_path = argv[7];
     int ncg = atoi(argv[8]);
     if (9 + ncg > argc) { errno = EINVAL; die(1, "usage"); }
+    int userns_fd = -1;
+    if (userns_req && 11 + ncg != argc) { errno = EINVAL; die(1, "usage (user namespace)"); }
     join_cgroups(ncg, &argv[9]);
-    if (unshare(NS_ENTER) < 0) die(1, "unshare(0x%x)", NS_ENTER);
+    int unshared = NS_ENTER;
+    if (userns_req) {
+        int owned[3] = {-1, -1, -1};
+        userns_fd = make_userns(argv[9 + ncg], argv[10 + ncg], owned);
+        for (int k = 0; k < 3; k++) {  /* we stay host root until the end: we may join */
+            if (setns(owned[k], 0) < 0) die(1, "setns(%s)", ns_owned_names[k]);
+            close(owned[k]);
+        }
+        unshared &= ~NS_OWNED;
+    }
+    if (unshare(unshared) < 0) die(1, "unshare(0x%x)", unshared);
     umask(0);
-    build_root(overlay_opts, init_path, tmp_bytes);
+    build_root(overlay_opts, init_path, tmp_bytes, userns_fd);
     umask(022);
     if (sethostname(hostname, strnlen(hostname, 64)) < 0) die(1, "sethostname");
     if (loopback) loopback_up();
+    if (userns_fd >= 0) {
+        /* Mounts, hostname and lo were set up as host root; from here on the sandbox is
+         * its user namespace's root: host uid <base>, capabilities only in there. */
+        if (setns(userns_fd, CLONE_NEWUSER) < 0) die(1, "setns(user)");
+        close(userns_fd);
+        if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+            die(1, "become root of the user namespace");
+    }
     int null = open("/dev/null", O_RDWR);
     if (null < 0) die(1, "open /dev/null");
     for (int k = 0; k < 3; k++)
@@ -443,7 +567,7 @@ static int do_create(int argc, char **argv) {
  * Reply: struct rep_hdr, then `len` bytes of message (Failed); Created carries a pidfd. */
 enum { REQ_CREATE = 1, REQ_EXEC = 2, REQ_KILL = 3 };
 enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4 };
-enum { F_BACKGROUND = 1, F_NESTED = 2 };
+enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
@@ -553,6 +677,7 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
     }
     req_argv[argc] = NULL;
     int bpf = bpf_fds[(h.flags & F_NESTED) ? 1 : 0];
+    userns_req = (h.flags & F_USERNS) != 0;
     if (h.type == REQ_KILL) {
         for (size_t k = 0; k < njobs; k++)
             if (jobs[k].kind == J_FG && jobs[k].id == h.id) {

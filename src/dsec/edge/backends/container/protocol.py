@@ -49,6 +49,8 @@ class Create(msgspec.Struct, tag="create", frozen=True):
     loopback: bool
     nested: bool
     tmp_bytes: int
+    #: (host uid/gid of the sandbox's root, how many ids) for a user namespace; None: none
+    userns: tuple[int, int] | None = None
 
 
 class Exec(msgspec.Struct, tag="exec", frozen=True):
@@ -62,6 +64,7 @@ class Exec(msgspec.Struct, tag="exec", frozen=True):
     cgroup_procs: list[str]
     nested: bool
     background: bool
+    userns: bool = False      # the sandbox has a user namespace: enter it too
 
 
 class Kill(msgspec.Struct, tag="kill", frozen=True):
@@ -106,7 +109,7 @@ _REQ = struct.Struct("=IIQ")
 _REP = struct.Struct("=iiQiiiI")
 REQ_CREATE, REQ_EXEC, REQ_KILL = 1, 2, 3
 REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED = 1, 2, 3, 4
-F_BACKGROUND, F_NESTED = 1, 2
+F_BACKGROUND, F_NESTED, F_USERNS = 1, 2, 4
 
 
 def _strings(items: list[str]) -> bytes:
@@ -126,7 +129,8 @@ def request_argv(req: Request) -> list[str]:
     if isinstance(req, Create):
         return ["create", req.root, overlay_options(req.lowerdirs, req.upper, req.work),
                 req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
-                str(len(req.cgroup_procs)), *req.cgroup_procs]
+                str(len(req.cgroup_procs)), *req.cgroup_procs,
+                *((str(req.userns[0]), str(req.userns[1])) if req.userns else ())]
     if isinstance(req, Exec):
         return ["exec", req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
                 *req.cgroup_procs, str(len(req.env)), *req.env, "--", *req.argv]
@@ -135,10 +139,12 @@ def request_argv(req: Request) -> list[str]:
 
 def encode(req: Request) -> bytes:
     if isinstance(req, Create):
-        kind, flags = REQ_CREATE, F_NESTED if req.nested else 0
+        kind = REQ_CREATE
+        flags = (F_NESTED if req.nested else 0) | (F_USERNS if req.userns else 0)
     elif isinstance(req, Exec):
         kind = REQ_EXEC
-        flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0)
+        flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \
+            | (F_USERNS if req.userns else 0)
     else:
         kind, flags = REQ_KILL, 0
     return _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
