@@ -112,3 +112,24 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12 - len(lost) + 8
         events = http.get(f"/v1/sandboxes/{lost[1]}/events").json()["items"]
         assert events[-1]["reason"] == "node_lost"
+
+
+def test_placement_sees_which_node_holds_an_image() -> None:
+    """Edge heartbeats carry the images a node holds; creates ask for their image's refs,
+    so placement's locality term favours the node that already has them."""
+    from dsec.control.placement import PlacementRequest
+
+    with LocalCluster(edges=2, gateway=False,
+                      plane=PlaneConfig(heartbeat_interval_s=0.1)) as cl, \
+            cl.client(session_lease_s=None) as c:
+        sb = c.sandboxes.create(image="rare-image", backend="simulated")
+        holder = sb.info.node
+        plane = cl.runtime.plane
+        _until("a heartbeat listing the image",
+               lambda: "rare-image" in plane.edges[holder].images)
+        other = next(n for n in plane.edges if n != holder)
+        plain = PlacementRequest(cpu_milli=1000, memory_bytes=1 << 29)
+        wants = PlacementRequest(cpu_milli=1000, memory_bytes=1 << 29, layers=("rare-image",))
+        assert plane.placement.score(holder, wants) > plane.placement.score(holder, plain)
+        assert plane.placement.score(other, wants) == plane.placement.score(other, plain)
+        sb.kill()

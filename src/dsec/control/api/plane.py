@@ -244,9 +244,12 @@ class ControlPlane:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not offered by any node of this cluster; "
                 f"available: {', '.join(sorted(offered))}", field="backend")
+        # Image refs as the edges report them (Heartbeat.images): placement scores nodes
+        # that already hold the image's layers higher (locality, no first-mount cost).
+        refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
-                               group=spec.project)
+                               group=spec.project, layers=refs)
         if spec.snapshot is not None:
             return self._place_on_holder(spec.snapshot, req, exclude)
         return self.placement.place(req, exclude=exclude)
@@ -663,7 +666,7 @@ class ControlPlane:
             node=e.node, time=now, cpu_milli_capacity=hb.capacity.cpu_milli,
             memory_bytes_capacity=hb.capacity.memory_bytes, cpu_milli_used=hb.usage.cpu_milli,
             memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
-            labels=labels,
+            labels=labels, layers=e.images,
             sandboxes=tuple(LiveSandbox(id=b.id, project=b.project, cpu_milli=b.cpu_milli,
                                         memory_bytes=b.memory_bytes, priority=b.priority,
                                         paused=b.state == "paused")
