@@ -68,27 +68,19 @@ class LiveSandbox(msgspec.Struct, frozen=True, kw_only=True):
 class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """One heartbeat as the watcher consumes it.
 
-    ``time``: when the control plane received it (its clock, seconds). Capacity and usage
-    are reservations in millicores / bytes; ``max_sandboxes`` the edge's slot limit
-    (``None``: none). ``labels``, ``layers`` (mounted layer digests), ``cloud``, ``cost``,
-    ``zone`` and ``healthy`` pass through to placement. ``sandboxes`` lists every sandbox
-    alive on the node. The apiserver converts the edge's own heartbeat into this.
+    ``time``: when the control plane received it (its clock, seconds). ``view``: the node
+    as placement sees it (capacity, usage, labels, layers, ...; its ``sandboxes`` and
+    ``groups`` are recomputed here from ``sandboxes``, which lists every sandbox alive on
+    the node). The apiserver converts the edge's own heartbeat into this.
     """
 
-    node: str
     time: float
-    cpu_milli_capacity: int
-    memory_bytes_capacity: int
-    cpu_milli_used: int = 0
-    memory_bytes_used: int = 0
-    max_sandboxes: int | None = None
-    healthy: bool = True
-    cloud: bool = False
-    cost: float = 0.0
-    zone: str = ""
-    labels: dict[str, str] = {}
-    layers: frozenset[str] = frozenset()
+    view: NodeView
     sandboxes: tuple[LiveSandbox, ...] = ()
+
+    @property
+    def node(self) -> str:
+        return self.view.node
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +250,7 @@ class Watcher:
         for s in hb.sandboxes:
             if s.id not in zombies:
                 groups[s.project] = groups.get(s.project, 0) + 1
-        return NodeView(
-            node=hb.node, cpu_milli_capacity=hb.cpu_milli_capacity,
-            memory_bytes_capacity=hb.memory_bytes_capacity, cpu_milli_used=hb.cpu_milli_used,
-            memory_bytes_used=hb.memory_bytes_used, sandboxes=len(hb.sandboxes),
-            max_sandboxes=hb.max_sandboxes, healthy=hb.healthy, cloud=hb.cloud, cost=hb.cost,
-            zone=hb.zone, labels=hb.labels, layers=hb.layers, groups=groups)
+        return msgspec.structs.replace(hb.view, sandboxes=len(hb.sandboxes), groups=groups)
 
     # --- expiry -------------------------------------------------------------------------
     def _tick(self, now: float, out: list[Instruction]) -> None:
@@ -291,9 +278,10 @@ class Watcher:
             out.append(PreemptionFailed(req.node, f"node {req.node!r} is not alive"))
             return
         hb = node.hb
-        free_cpu = hb.cpu_milli_capacity - hb.cpu_milli_used
-        free_mem = hb.memory_bytes_capacity - hb.memory_bytes_used
-        free_slots = None if hb.max_sandboxes is None else hb.max_sandboxes - len(hb.sandboxes)
+        v = hb.view
+        free_cpu = v.cpu_milli_capacity - v.cpu_milli_used
+        free_mem = v.memory_bytes_capacity - v.memory_bytes_used
+        free_slots = None if v.max_sandboxes is None else v.max_sandboxes - len(hb.sandboxes)
         for s in hb.sandboxes:   # victims already chosen count as freed
             if s.id in node.doomed or s.id in node.zombies:
                 free_cpu += s.cpu_milli

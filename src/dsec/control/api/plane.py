@@ -61,6 +61,7 @@ from dsec.control.api.types import (
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementRequest
+from dsec.control.placement import NodeView as PlacementView
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
@@ -663,10 +664,11 @@ class ControlPlane:
         labels = dict(hb.labels)
         labels.update({f"{BACKEND_LABEL}{b}": "1" for b in hb.backends})
         await self._carry_out(self.watcher.handle(NodeHeartbeat(
-            node=e.node, time=now, cpu_milli_capacity=hb.capacity.cpu_milli,
-            memory_bytes_capacity=hb.capacity.memory_bytes, cpu_milli_used=hb.usage.cpu_milli,
-            memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
-            labels=labels, layers=e.images,
+            time=now, view=PlacementView(
+                node=e.node, cpu_milli_capacity=hb.capacity.cpu_milli,
+                memory_bytes_capacity=hb.capacity.memory_bytes,
+                cpu_milli_used=hb.usage.cpu_milli, memory_bytes_used=hb.usage.memory_bytes,
+                max_sandboxes=hb.capacity.sandboxes, labels=labels, layers=e.images),
             sandboxes=tuple(LiveSandbox(id=b.id, project=b.project, cpu_milli=b.cpu_milli,
                                         memory_bytes=b.memory_bytes, priority=b.priority,
                                         paused=b.state == "paused")
