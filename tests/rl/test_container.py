@@ -7,20 +7,19 @@ in a busybox container and try to cheat the verifier.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from dsec.edge.admission import Capacity
-from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.node import EdgeNode
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.ids import node_of
-from dsec.rl.access import EdgeAccess, LoopThread
+from dsec.rl.access import EdgeAccess
 from dsec.rl.judges import ExecutableJudge, JudgeContext
 from dsec.rl.sandbox import SandboxEnv, SandboxEnvConfig, SandboxEnvPool, Task
+from tests.rl.conftest import container_edge
 
 pytestmark = [
     pytest.mark.root,
@@ -40,41 +39,8 @@ def _judge(isolate: bool) -> ExecutableJudge:
 
 @pytest.fixture(scope="module")
 def container() -> Iterator[tuple[EdgeAccess, EdgeNode]]:
-    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-    from dsec.edge.backends.container.testimage import build_busybox_root
-
-    tmp = tempfile.TemporaryDirectory(prefix="dsec-rl-ct-")
-    build_busybox_root(os.path.join(tmp.name, "images", "base"))
-    lt = LoopThread()
-    holder: dict[str, object] = {}
-
-    async def start() -> EdgeNode:
-        b = ContainerBackend(root_dir=os.path.join(tmp.name, "root"),
-                             images=DirectoryImages(os.path.join(tmp.name, "images")))
-        holder["backend"] = b
-        node = EdgeNode(NodeConfig(node_id="rl-ct", capacity=Capacity(
-            cpu_milli=1_000_000, memory_bytes=1 << 40, max_sandboxes=1000)), {"container": b})
-        return await node.start()
-
-    try:
-        node = lt.run(start())
-        yield EdgeAccess({"rl-ct": node}, lt), node
-        for info in node.list():
-            if info.state not in ("destroyed", "failed"):
-                lt.run(node.destroy(info.id))
-        lt.run(node.close())
-    finally:
-        b = holder.get("backend")
-        if b is not None:
-            for sid in b.sandbox_ids():  # type: ignore[attr-defined]
-                try:
-                    lt.run(b.destroy(sid))  # type: ignore[attr-defined]
-                except Exception:  # noqa: BLE001, S110 - keep cleaning up the rest
-                    pass
-            lt.run(b.close())  # type: ignore[attr-defined]
-            b.governor.remove_base()  # type: ignore[attr-defined]
-        lt.close()
-        tmp.cleanup()
+    with container_edge("rl-ct") as pair:
+        yield pair
 
 
 def _episode(access: EdgeAccess, judge: ExecutableJudge, actions: list[str]) -> float:

@@ -8,17 +8,15 @@ agent does not solve the task; it attacks the judge instead.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 
 import pytest
 
-from dsec.edge.admission import Capacity
-from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import InvalidArgument
-from dsec.rl.access import EdgeAccess, LoopThread
+from dsec.rl.access import EdgeAccess
 from dsec.rl.judges import ExecutableJudge, JudgeContext
+from tests.rl.conftest import container_edge
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
@@ -30,41 +28,8 @@ TEST_SH = b'. /workspace/solution.sh\n[ "$(add 2 3)" = 5 ] || { echo wrong; exit
 
 @pytest.fixture(scope="module")
 def access() -> Iterator[EdgeAccess]:
-    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-    from dsec.edge.backends.container.testimage import build_busybox_root
-
-    tmp = tempfile.TemporaryDirectory(prefix="dsec-sec-judge-")
-    build_busybox_root(os.path.join(tmp.name, "images", "base"))
-    lt = LoopThread()
-    holder: dict[str, object] = {}
-
-    async def start() -> EdgeNode:
-        b = ContainerBackend(root_dir=os.path.join(tmp.name, "root"),
-                             images=DirectoryImages(os.path.join(tmp.name, "images")))
-        holder["backend"] = b
-        node = EdgeNode(NodeConfig(node_id="sec-judge", capacity=Capacity(
-            cpu_milli=1_000_000, memory_bytes=1 << 40, max_sandboxes=100)), {"container": b})
-        return await node.start()
-
-    try:
-        node = lt.run(start())
-        yield EdgeAccess({"sec-judge": node}, lt)
-        for info in node.list():
-            if info.state not in ("destroyed", "failed"):
-                lt.run(node.destroy(info.id))
-        lt.run(node.close())
-    finally:
-        b = holder.get("backend")
-        if b is not None:
-            for sid in b.sandbox_ids():  # type: ignore[attr-defined]
-                try:
-                    lt.run(b.destroy(sid))  # type: ignore[attr-defined]
-                except Exception:  # noqa: BLE001, S110 - keep cleaning up the rest
-                    pass
-            lt.run(b.close())  # type: ignore[attr-defined]
-            b.governor.remove_base()  # type: ignore[attr-defined]
-        lt.close()
-        tmp.cleanup()
+    with container_edge("sec-judge") as (acc, _):
+        yield acc
 
 
 def _agent(access: EdgeAccess, *shell: str) -> str:
