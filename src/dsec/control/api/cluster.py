@@ -289,9 +289,9 @@ class ClusterRuntime:
                               proxy_headers=False, server_header=False,
                               access_log=cfg.access_log, log_level="warning")
         server = self._uvicorn = uvicorn.Server(ucfg)
-        # NB: uvicorn >= 0.29 has no install_signal_handlers (it uses capture_signals(),
-        # which only acts on the main thread), so this assignment no longer does anything.
-        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
+        # The runtime owns SIGINT/SIGTERM (`dsec up` stops the whole cluster on them):
+        # uvicorn must not swap in its own handlers while it serves on the main thread.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
         self._serve_task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self._serve_task.done():
