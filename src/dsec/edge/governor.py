@@ -437,6 +437,19 @@ class Governor:
                 return int(v)
         return 0
 
+    def pids_limit_hits(self, cg: SandboxCgroup) -> int:
+        """How many forks in this sandbox were refused because it reached ``pids.max``
+        (the ``max`` counter of ``pids.events``, v1 and v2)."""
+        try:
+            text = _read(os.path.join(self._main(cg, "pids"), "pids.events"))
+        except FileNotFoundError:
+            return 0
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "max":
+                return int(v)
+        return 0
+
     def oom_eventfd(self, cg: SandboxCgroup) -> int | None:
         """v1: an eventfd that becomes readable whenever the sandbox hits its memory limit
         (``cgroup.event_control`` on ``memory.oom_control``). v2: None (callers check

@@ -76,6 +76,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
 # from and to states are equal, never as a death.
 NOTICE_REASONS: frozenset[str] = frozenset({
     "oom_kill",         # the OOM killer killed a process inside; the sandbox still runs
+    "pids_limit",       # a fork inside was refused at pids_max; the sandbox still runs
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]
