@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+import dsec
 from dsec.edge.backends.fncall import FncallBackend
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from tests.edge.conftest import make_node
@@ -260,6 +261,15 @@ async def test_proc_does_not_lead_out(fncall: FncallBackend, host_secret: str) -
             res[p] = e.errno
     print(res)
     print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))  # JSON too
+    seen = b''
+    for p in os.listdir('/proc'):
+        if p.isdigit() or p == 'self':
+            for f in ('cmdline', 'environ'):
+                try:
+                    seen += open(f'/proc/{{p}}/{{f}}', 'rb').read() + b'\\n'
+                except OSError:
+                    pass
+    print(repr(seen))
     print(open('/proc/self/mountinfo').read())
     """)
     assert code == 0, out
@@ -267,9 +277,13 @@ async def test_proc_does_not_lead_out(fncall: FncallBackend, host_secret: str) -
     assert "'ok'" not in lines[0], lines[0]
     pids = json.loads(lines[1])
     assert me not in pids and max(pids) < 100, pids  # its own pid namespace, nothing else
-    mountinfo = "\n".join(lines[2:])
-    for host_path in (fncall.root, os.path.dirname(host_secret), tempfile.gettempdir() + "/"):
+    src = os.path.dirname(os.path.dirname(os.path.abspath(dsec.__file__)))
+    procs = lines[2]  # every process's argv and environment, as the call sees them
+    mountinfo = "\n".join(lines[3:])
+    for host_path in (fncall.root, os.path.dirname(host_secret), tempfile.gettempdir() + "/",
+                      src):
         assert host_path not in mountinfo, f"{host_path} visible in mountinfo:\n{mountinfo}"
+        assert host_path not in procs, f"{host_path} in a jailed process's argv/env: {procs}"
 
 
 async def test_the_root_is_read_only_and_only_the_work_dir_persists(

@@ -86,10 +86,11 @@ WORKDIR = "/workspace"
 DEFAULT_DISK_BYTES = 1 << 30
 DEFAULT_MAX_SANDBOX_PIDS = 8192
 DEFAULT_PIDS_HEADROOM = 4096
-# The worker is started as `python -I -c BOOT SRC MODE FD`: -I keeps PYTHONPATH, the user
-# site and the current directory out; BOOT puts only the edge's own dsec source on the path.
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from dsec.edge.backends.fncall_worker import main; main(sys.argv[2:])")
+# The worker is started as `python -I -c BOOT MODE FD`: -I keeps PYTHONPATH, the user
+# site and the current directory out; BOOT puts only the edge's own dsec source on the
+# path, read from stdin so the host path is not in the argv a jailed call can read.
+_BOOT = ("import sys; sys.path.insert(0, sys.stdin.buffer.read().decode()); "
+         "from dsec.edge.backends.fncall_worker import main; main(sys.argv[1:])")
 _SRC = os.path.dirname(os.path.dirname(os.path.abspath(dsec.__file__)))
 # The zygote and workers inherit nothing of the edge's environment (API keys, tokens).
 _LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -264,7 +265,7 @@ class WorkerPool:
                                   "the zygote builds the jail's root")
         self.pool_size = pool_size
         self.max_spawning = max_spawning
-        self.argv = [python, "-I", "-c", _BOOT, _SRC]
+        self.argv = [python, "-I", "-c", _BOOT]
         self.jail = jail
         self.start_timeout_s = start_timeout_s
         self.use_zygote = zygote
@@ -350,10 +351,13 @@ class WorkerPool:
         """Start ``self.argv`` in its own session with one end of a socketpair as its
         channel (passed by fd number); returns the process and our end (non-blocking)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        src_r, src_w = os.pipe()
+        os.write(src_w, _SRC.encode())  # a path: far below the pipe's buffer
+        os.close(src_w)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.argv, *flags, str(child.fileno()), pass_fds=(child.fileno(),),
-                start_new_session=True, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True, stdin=src_r,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
                 env=_LAUNCH_ENV, cwd="/")
         except OSError as exc:
@@ -361,6 +365,7 @@ class WorkerPool:
             raise BackendError(f"cannot start {what} {self.argv[0]}: {exc}") from exc
         finally:
             child.close()
+            os.close(src_r)
         parent.setblocking(False)
         return proc, parent
 
@@ -504,22 +509,23 @@ class WorkerPool:
         if holder is not None:
             holder.add(w)
         try:
+            data = msgspec.msgpack.encode(request)
+            payload = memoryview(b"C" + _LEN.pack(len(data)) + data)
             fds = grant() if grant is not None else []
-            try:
-                w.sock.sendmsg([b"C"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                         array.array("i", fds))] if fds else [])
-            except OSError as exc:
-                if not isinstance(exc, BlockingIOError):
-                    fds_note = f"; {len(fds)} fds" if fds else ""
-                    raise BackendError(f"fncall worker {w.pid} is gone: {exc}{fds_note}") from exc
+            try:  # one message: the worker wakes once, fds ride on its first byte
+                sent = w.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                   array.array("i", fds))] if fds else [])
+            except BlockingIOError as exc:  # a fresh worker's socket buffer is empty
                 raise BackendError("fncall worker socket is full before the call") from exc
+            except OSError as exc:
+                raise BackendError(f"fncall worker is gone before the call: {exc}") from exc
             finally:
                 for fd in fds:
                     os.close(fd)
-            data = msgspec.msgpack.encode(request)
             try:
                 async with asyncio.timeout(timeout_s):
-                    await loop.sock_sendall(w.sock, _LEN.pack(len(data)) + data)
+                    if sent < len(payload):  # a large request (pickled function, stdin)
+                        await loop.sock_sendall(w.sock, payload[sent:])
                     (n,) = _LEN.unpack(await _recv_exactly(w.sock, 4))
                     if n > max_reply:
                         raise BackendError(
@@ -534,12 +540,14 @@ class WorkerPool:
                 raise BackendError(f"fncall worker sent an undecodable reply: {exc}") from exc
         finally:
             w.kill()
-            if holder is not None:
-                holder.discard(w)
-            if w.proc is not None:
-                self._background(w.proc.wait())
-            elif w.pidfd is not None:  # return once nothing of the call is left running
-                await asyncio.shield(self._background(w.reap()))
+            try:
+                if w.proc is not None:
+                    self._background(w.proc.wait())
+                elif w.pidfd is not None:  # return once nothing of the call is left running
+                    await asyncio.shield(self._background(w.reap()))
+            finally:
+                if holder is not None:
+                    holder.discard(w)  # after the reap: a destroy waits for this
         dur = time.perf_counter() - t0
         if timed_out:
             return FncallResult(TIMEOUT_EXIT, None, None, f"timed out after {timeout_s}s", b"",
@@ -828,6 +836,13 @@ class FncallBackend:
 
     async def destroy(self, sid: SandboxId) -> None:
         box = self._boxes.pop(sid, None)
+        if box is not None and box.active:
+            for w in list(box.active):
+                w.signal_kill()  # each call sees EOF, answers "died" and reaps its worker
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while box.active:  # so the cgroup is empty before we remove it
+                        await asyncio.sleep(0.005)
         self._teardown(sid, box.dir if box else os.path.join(self.root, sid), box)
 
     async def pause(self, sid: SandboxId) -> PauseStats:
@@ -874,14 +889,17 @@ class FncallBackend:
         """Opens, per call, what admits a worker into ``box``: a detached clone of the
         work dir's mount and the sandbox's ``cgroup.procs`` files."""
         def grant() -> list[int]:
-            fds = [clone_tree(box.dir)]
+            fds: list[int] = []
             try:
+                fds.append(clone_tree(box.dir))
                 for path in box.cg.procs_files:
                     fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
             except OSError as exc:
                 for fd in fds:
                     os.close(fd)
-                raise BackendError(f"cannot open the cgroup of {box.files.sid}: {exc}") from exc
+                raise BackendError(f"cannot hand sandbox {box.files.sid} to a worker (it is "
+                                   f"being destroyed, or its work dir or cgroup is gone): "
+                                   f"{exc}") from exc
             return fds
         return grant
 
