@@ -20,10 +20,12 @@ from dsec.edge.backends.fncall_jail import (
     JailConfig,
     python_runtime,
     root_plan,
+    split_profile,
     worker_mounts,
 )
 from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
 from dsec.errors import InvalidArgument
+from dsec.net.seccomp import profile_rules
 
 from .conftest import make_node
 
@@ -177,6 +179,13 @@ def test_the_root_plan_holds_only_the_runtime_and_synthetic_files() -> None:
     devs = {s.path for s in steps if s.kind == "dev"}
     assert devs == {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom",
                     "/dev/tty"}
+
+
+def test_the_seccomp_profile_is_split_without_losing_a_rule() -> None:
+    rules = profile_rules(allow_nested=False)
+    pre, admit = split_profile(rules)
+    assert sorted(map(repr, pre + admit)) == sorted(map(repr, rules))
+    assert {r.syscall for r in admit} == {"unshare", "move_mount"}
 
 
 def test_worker_mounts_mask_proc_like_a_container() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DENIED_UNLESS_NESTED",
     "Rule",
     "compile_profile",
+    "compile_rules",
     "profile_rules",
 ]
 
@@ -87,7 +89,14 @@ def profile_rules(*, allow_nested: bool) -> list[Rule]:
 
 
 def compile_profile(*, allow_nested: bool) -> bytes:
-    """Build the profile with libseccomp and return the BPF program bytes.
+    """Build the profile with libseccomp and return the BPF program bytes."""
+    return compile_rules(profile_rules(allow_nested=allow_nested))
+
+
+def compile_rules(rules: Iterable[Rule]) -> bytes:
+    """Build "allow everything but ``rules``" with libseccomp; the BPF program bytes.
+    (A part of the profile, e.g. for the fncall worker, which loads the profile in two
+    stacked parts: the second one after the calls it still needs at admission.)
 
     Syscall names this libseccomp or architecture does not know (e.g. ``vm86`` on x86_64)
     are skipped: a call that does not exist cannot be made.
@@ -95,7 +104,7 @@ def compile_profile(*, allow_nested: bool) -> bytes:
     import pyseccomp
 
     f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    for rule in profile_rules(allow_nested=allow_nested):
+    for rule in rules:
         try:
             nr = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, rule.syscall)
         # pyseccomp raises an untyped error when libseccomp does not know the name

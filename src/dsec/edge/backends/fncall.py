@@ -61,7 +61,7 @@ import dsec
 from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.files import SandboxFiles
-from dsec.edge.backends.fncall_jail import JailConfig, clone_tree, python_runtime
+from dsec.edge.backends.fncall_jail import JailConfig, clone_tree, python_runtime, split_profile
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
@@ -687,9 +687,10 @@ class FncallBackend:
 
     def _jail_config(self, runtime: Iterable[str] | None) -> JailConfig:
         try:
-            from dsec.net.seccomp import compile_profile
+            from dsec.net.seccomp import compile_rules, profile_rules
 
-            bpf = compile_profile(allow_nested=False)
+            pre, admit = split_profile(profile_rules(allow_nested=False))
+            bpf, bpf_admit = compile_rules(pre), compile_rules(admit)
         except Exception as exc:  # pyseccomp/libseccomp missing or broken
             raise BackendError(f"cannot build the seccomp profile for fncall workers: {exc}; "
                                "install libseccomp2 and the pyseccomp package") from exc
@@ -699,7 +700,7 @@ class FncallBackend:
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
         return JailConfig(uid=self.uid, workdir=WORKDIR, runtime=paths, mountpoint=self.root,
-                          seccomp=bpf)
+                          seccomp=bpf, seccomp_admit=bpf_admit)
 
     def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Any:
         from dsec.edge.governor import Governor

@@ -38,6 +38,7 @@ import socket
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -51,6 +52,7 @@ from dsec.edge.backends.container.rootfs import (
 )
 
 __all__ = [
+    "ADMISSION_SYSCALLS",
     "FORBIDDEN_RUNTIME_ROOTS",
     "NS_FLAGS",
     "JailConfig",
@@ -65,8 +67,17 @@ __all__ = [
     "prestart_call",
     "python_runtime",
     "root_plan",
+    "split_profile",
     "worker_mounts",
 ]
+
+
+class _HasSyscall(Protocol):
+    @property
+    def syscall(self) -> str: ...
+
+
+RuleT = TypeVar("RuleT", bound=_HasSyscall)
 
 # Namespaces of a worker besides its pid namespace (the zygote makes that one at fork).
 NS_FLAGS = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWUTS | linux.CLONE_NEWIPC
@@ -87,20 +98,39 @@ class JailConfig(msgspec.Struct, frozen=True, kw_only=True):
     appears. ``runtime``: host directories bound read-only at the same path
     (:func:`python_runtime`). ``mountpoint``: an empty host directory the zygote mounts
     the jail's root tmpfs on, in its private mount namespace (the host sees it empty).
-    ``seccomp``: the BPF program (``dsec.net.seccomp.compile_profile``).
+    ``seccomp`` + ``seccomp_admit``: the container profile in two stacked parts
+    (:func:`split_profile`).
     """
 
     uid: int = 65534
     workdir: str = "/workspace"
     runtime: tuple[str, ...] = ()
     mountpoint: str = ""
-    seccomp: bytes = b""
+    seccomp: bytes = b""        # loaded when pre-started: the profile minus ADMISSION_SYSCALLS
+    seccomp_admit: bytes = b""  # stacked on it at the end of admission: exactly those
     tmp_bytes: int = 1 << 30   # private /tmp (pages count against the sandbox's memory)
     shm_bytes: int = SHM_BYTES
     hostname: str = "fncall"
 
 
+# The calls of the container seccomp profile that admission itself still makes: the
+# cgroup namespace (unshare) and attaching the work dir (move_mount). The rest of the
+# profile is loaded when the worker is pre-started; these follow as a second, stacked
+# filter once admission is done. Measured on the dev VM: the first filter a process
+# loads costs ~0.3 ms (the full profile, 92 instructions), a second small one stacked on
+# it ~0.04 ms - so the handout pays 0.04 ms instead of 0.3 and the end state is the
+# same profile as a container's.
+ADMISSION_SYSCALLS: frozenset[str] = frozenset({"unshare", "move_mount"})
+
+
 # ------------------------------------------------------------------------- pure plans
+def split_profile(rules: Sequence[RuleT]) -> tuple[list[RuleT], list[RuleT]]:
+    """(loaded at pre-start, stacked at admission): the rules of ``rules`` on calls
+    admission does not make, and those it does. Together they are ``rules``."""
+    return ([r for r in rules if r.syscall not in ADMISSION_SYSCALLS],
+            [r for r in rules if r.syscall in ADMISSION_SYSCALLS])
+
+
 @dataclass(frozen=True, slots=True)
 class RootStep:
     """One entry of the jail root. ``kind``: ``dir`` (mode), ``bind`` (read-only bind of
@@ -379,8 +409,9 @@ def enter_worker(cfg: JailConfig) -> None:
 
 def prestart_call(cfg: JailConfig) -> None:
     """Call process, before any call: shrink the capability bounding set (to nothing, or
-    to the container default set for uid 0) and set no_new_privs. The effective set
-    stays until :func:`admit` has used it."""
+    to the container default set for uid 0), set no_new_privs and load the seccomp
+    profile but for the calls admission makes. The effective capability set stays until
+    :func:`admit` has used it."""
     keep = set(linux.DEFAULT_CAPS) if cfg.uid == 0 else set()
     for cap in range(linux.CAP_LAST_CAP + 1):
         if cap not in keep:
@@ -389,6 +420,8 @@ def prestart_call(cfg: JailConfig) -> None:
             if r < 0 and ctypes.get_errno() != errno.EINVAL:
                 _check(r, f"prctl(PR_CAPBSET_DROP, {cap})")
     linux.set_no_new_privs()
+    if cfg.seccomp:
+        linux.load_seccomp(cfg.seccomp)
 
 
 def admit(cfg: JailConfig, fds: Sequence[int], *, hostname: str) -> None:
@@ -418,5 +451,5 @@ def admit(cfg: JailConfig, fds: Sequence[int], *, hostname: str) -> None:
     # Credentials changed, so the kernel made us non-dumpable (/proc/self/* root-owned);
     # user code (subprocess's fd cleanup, ...) needs its own /proc/self back.
     _prctl(_PR_SET_DUMPABLE, 1, "prctl(PR_SET_DUMPABLE)")
-    if cfg.seccomp:
-        linux.load_seccomp(cfg.seccomp)
+    if cfg.seccomp_admit:
+        linux.load_seccomp(cfg.seccomp_admit)  # now the whole container profile holds
