@@ -62,6 +62,7 @@ from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.fncall_jail import JailConfig, clone_tree, python_runtime, split_profile
+from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
@@ -263,6 +264,11 @@ class WorkerPool:
         if jail is not None and not zygote:
             raise InvalidArgument("a jailed fncall pool needs its zygote (zygote=True): "
                                   "the zygote builds the jail's root")
+        if jail is not None and not (os.path.isabs(jail.mountpoint)
+                                     and os.path.isdir(jail.mountpoint)):
+            raise InvalidArgument(f"JailConfig.mountpoint={jail.mountpoint!r} must be an "
+                                  "existing directory (absolute path) for the jail's root",
+                                  field="mountpoint")
         self.pool_size = pool_size
         self.max_spawning = max_spawning
         self.argv = [python, "-I", "-c", _BOOT]
@@ -619,7 +625,7 @@ class _Box:
     spec: SandboxSpec
     dir: str
     files: WorkFiles
-    cg: Any = None                      # governor.SandboxCgroup when isolated
+    cg: SandboxCgroup | None = None     # when isolated
     active: set[_Worker] = field(default_factory=set)
     oom_seen: int = 0
     pids_seen: int = 0
@@ -639,7 +645,7 @@ class FncallBackend:
 
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
                  pool: WorkerPool | None = None, isolate: bool = True, uid: int = 65534,
-                 cgroup_name: str | None = None, governor: Any = None,
+                 cgroup_name: str | None = None, governor: Governor | None = None,
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
                  max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
                  pids_headroom: int = DEFAULT_PIDS_HEADROOM,
@@ -655,7 +661,7 @@ class FncallBackend:
         self._own_root = root is None
         self.root = os.path.abspath(root) if root else tempfile.mkdtemp(prefix="dsec-fncall-")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
-        self.governor: Any = None
+        self.governor: Governor | None = None
         self.max_sandbox_pids = max_sandbox_pids
         jail = None
         if isolate:
@@ -702,9 +708,7 @@ class FncallBackend:
         return JailConfig(uid=self.uid, workdir=WORKDIR, runtime=paths, mountpoint=self.root,
                           seccomp=bpf, seccomp_admit=bpf_admit)
 
-    def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Any:
-        from dsec.edge.governor import Governor
-
+    def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
         with open("/proc/sys/kernel/pid_max") as f:
             pid_max = int(f.read())
         if not 0 <= pids_headroom < pid_max:
@@ -776,9 +780,9 @@ class FncallBackend:
     def _open_box(self, sid: str, spec: SandboxSpec, d: str, disk: int, pids: int | None, *,
                   fresh: bool) -> _Box:
         cg = None
-        if self.isolate:
+        gov = self.governor
+        if gov is not None:
             from dsec.edge.backends.container.rootfs import disk_tmpfs_options
-            from dsec.edge.governor import Limits
 
             if fresh:
                 try:
@@ -788,16 +792,15 @@ class FncallBackend:
                     raise BackendError(f"cannot mount the work dir of {sid}: {exc}") from exc
             limits = Limits(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                             pids_max=pids)
-            gov = self.governor
             cg = gov.paths(sid)
             if fresh or not gov.exists(cg):
                 gov.remove(cg)  # a leftover of a crashed create with the same id
                 cg = gov.create(sid, limits)
         fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         box = _Box(spec, d, WorkFiles(fd, sid, owner=self.uid if self.isolate else None), cg)
-        if cg is not None:
-            box.oom_seen = self.governor.oom_kills(cg)
-            box.pids_seen = self.governor.pids_limit_hits(cg)
+        if gov is not None and cg is not None:
+            box.oom_seen = gov.oom_kills(cg)
+            box.pids_seen = gov.pids_limit_hits(cg)
         return box
 
     def _teardown(self, sid: str, d: str, box: _Box | None) -> None:
@@ -806,8 +809,8 @@ class FncallBackend:
             for w in list(box.active):
                 w.signal_kill()  # its call sees EOF, returns "died" and reaps it
             box.files.close()
-        if self.isolate:
-            gov = self.governor
+        gov = self.governor
+        if gov is not None:
             cg = box.cg if box is not None and box.cg is not None else gov.paths(sid)
             if gov.exists(cg) and gov.pids(cg):
                 gov.kill_all(cg)  # stragglers from before an edge restart
@@ -828,7 +831,8 @@ class FncallBackend:
             except Exception:  # noqa: BLE001 - not adoptable: clean up, report it gone
                 usable = False
             else:
-                if self.isolate and self.governor.pids(box.cg):
+                if self.governor is not None and box.cg is not None and \
+                        self.governor.pids(box.cg):
                     self.governor.kill_all(box.cg)  # calls cut off by the edge's crash
                 self._boxes[sid] = box
                 return True
@@ -855,7 +859,7 @@ class FncallBackend:
 
     async def stats(self, sid: SandboxId) -> SandboxStats:
         box = self._box(sid)
-        if box.cg is not None:
+        if self.governor is not None and box.cg is not None:
             mem, peak, cpu, pids = self.governor.stats(box.cg)
             vfs = os.statvfs(box.dir)
             return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
@@ -886,14 +890,14 @@ class FncallBackend:
                 self.governor.remove_base()
 
     # ---------------------------------------------------------------- calls
-    def _grant(self, box: _Box) -> Callable[[], list[int]]:
+    def _grant(self, box: _Box, cg: SandboxCgroup) -> Callable[[], list[int]]:
         """Opens, per call, what admits a worker into ``box``: a detached clone of the
         work dir's mount and the sandbox's ``cgroup.procs`` files."""
         def grant() -> list[int]:
             fds: list[int] = []
             try:
                 fds.append(clone_tree(box.dir))
-                for path in box.cg.procs_files:
+                for path in cg.procs_files:
                     fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
             except OSError as exc:
                 for fd in fds:
@@ -908,15 +912,18 @@ class FncallBackend:
                    timeout_s: float | None) -> FncallResult:
         self._ensure_pool()
         request["hostname"] = sid
-        if box.cg is None:
+        gov, cg = self.governor, box.cg
+        if gov is None or cg is None:
             return await self.pool.run(request, timeout_s, holder=box.active)
-        res = await self.pool.run(request, timeout_s, grant=self._grant(box), holder=box.active)
-        return self._after_call(sid, box, res)
+        res = await self.pool.run(request, timeout_s, grant=self._grant(box, cg),
+                                  holder=box.active)
+        return self._after_call(sid, box, gov, cg, res)
 
-    def _after_call(self, sid: str, box: _Box, res: FncallResult) -> FncallResult:
+    def _after_call(self, sid: str, box: _Box, gov: Governor, cg: SandboxCgroup,
+                    res: FncallResult) -> FncallResult:
         """Turn limit hits during the call into sandbox events (the sandbox lives on)."""
-        gov, spec = self.governor, box.spec
-        kills = gov.oom_kills(box.cg)
+        spec = box.spec
+        kills = gov.oom_kills(cg)
         if kills > box.oom_seen:
             n, box.oom_seen = kills - box.oom_seen, kills
             self._notice(sid, "oom_kill", f"the OOM killer killed {n} process(es) of a call in "
@@ -928,7 +935,7 @@ class FncallBackend:
                                    f"has memory_bytes={spec.memory_bytes}", res.stdout,
                                    res.stderr, False, res.cold, res.handout_s, res.duration_s,
                                    died=True)
-        hits = gov.pids_limit_hits(box.cg)
+        hits = gov.pids_limit_hits(cg)
         if hits > box.pids_seen:
             n, box.pids_seen = hits - box.pids_seen, hits
             self._notice(sid, "pids_limit", f"{n} fork(s) in sandbox {sid} were refused: it "
