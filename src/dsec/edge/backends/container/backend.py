@@ -144,6 +144,7 @@ class ContainerBackend:
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
                  disk_pool_bytes: int | None = None,
                  notice_interval_s: float = 60.0,
+                 snapshot_max_apparent_bytes: int = 64 << 30,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -154,7 +155,9 @@ class ContainerBackend:
         ``disk_pool_bytes``: size of the btrfs pool holding every sandbox's upper layer
         when it is first made (None: 90% of the free space of ``root_dir``'s filesystem;
         see :mod:`.disk`). ``notice_interval_s``: at most one ``disk_full`` event per
-        sandbox this often."""
+        sandbox this often. ``snapshot_max_apparent_bytes``: the most file bytes one
+        snapshot may pack, sparse files at their full size (mkfs.erofs 1.5 reads them
+        whole, ~4.6 s/GiB; see :mod:`.snapshot`)."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -199,6 +202,7 @@ class ContainerBackend:
         #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
         self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
         self._notices = NoticeLimiter(notice_interval_s)
+        self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
         sb_dir = os.path.join(self.root_dir, "sb")
         for name in self.disk.sandboxes():
             # A subvolume without its sandbox dir is garbage by construction: teardown
@@ -841,8 +845,9 @@ class ContainerBackend:
                             pids=pids, disk_bytes=disk, disk_cap_bytes=cap, disk_full=full)
 
     # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
-    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
-        return await self._snapshots.snapshot(sid, strip=strip)
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
+        return await self._snapshots.snapshot(sid, strip=strip, max_bytes=max_bytes)
 
     async def snapshots(self) -> list[SnapshotInfo]:
         return await self._snapshots.snapshots()
