@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.disk import BTRFS_SUPER_MAGIC, DiskPool, near_cap
 from dsec.edge.backends.container.linux import fstatfs_type
 from dsec.edge.spec import ExecRequest, SandboxSpec
-from dsec.errors import CapacityExceeded, QuotaExceeded
+from dsec.errors import CapacityExceeded, DsecError, QuotaExceeded
 from dsec.ids import SandboxId
 from tests.edge.container.conftest import SPEC, _cleanup, new_sid
 
@@ -98,7 +99,7 @@ async def test_inodes_are_capped_by_the_same_limit(capped) -> None:  # type: ign
     b, _ = capped
     sid = new_sid()
     await b.create(sid, SandboxSpec(backend="container", disk_bytes=1 * MiB))
-    code, out = await _sh(b, sid, "mkdir /root/d; i=0; while [ $i -lt 200000 ] && "
+    _, out = await _sh(b, sid, "mkdir /root/d; i=0; while [ $i -lt 200000 ] && "
                                   "{ true > /root/d/f$i; } 2>/dev/null; do i=$((i+1)); done; echo $i")
     made = int(out.split()[-1])
     assert 100 < made < 200000, out
@@ -119,8 +120,7 @@ async def test_caps_that_cannot_fit_the_pool_are_refused_and_a_full_pool_is_enos
         big = SandboxSpec(backend="container", disk_bytes=200 * MiB)
         await b.create(one, big)
         await b.create(two, big)       # caps are limits, not reservations: both fit now
-        code, out = await _sh(b, one, "dd if=/dev/zero of=/root/a bs=1M count=150 "
-                                      "2>/dev/null; echo $?")
+        await _sh(b, one, "dd if=/dev/zero of=/root/a bs=1M count=150")
         code, out = await _sh(b, two, "dd if=/dev/zero of=/root/a bs=1M count=150")
         assert code != 0 and "No space left on device" in out, out   # the pool, not the host
         assert any(e[0] == two and e[1] == "disk_full" and "pool is full" in e[2]
@@ -176,6 +176,9 @@ async def test_no_subvolume_qgroup_or_mount_leaks_over_cycles(
         import shutil
         if shutil.which("runc") is None:
             pytest.skip("needs runc")
+    broken = os.path.join(images_dir, "broken")   # "proc" is a file: mounting /proc fails
+    os.makedirs(broken, exist_ok=True)
+    Path(broken, "proc").touch()
     b = _new(tmp_path, images_dir, runtime=runtime, default_disk_bytes=4 * MiB,
              disk_pool_bytes=512 * MiB)
     qgroups = f"/sys/fs/btrfs/{b.disk.fsid}/qgroups"
@@ -188,14 +191,16 @@ async def test_no_subvolume_qgroup_or_mount_leaks_over_cycles(
         for i in range(12):
             sid = new_sid()
             try:
-                if i % 3 == 0:   # fails after its subvolume exists (no such image)
-                    await b.create(sid, SandboxSpec(backend="container", image="missing"))
+                if i % 3 == 0:   # refused before its subvolume exists (no such image)
+                    with pytest.raises(DsecError):
+                        await b.create(sid, SandboxSpec(backend="container", image="missing"))
+                elif i % 3 == 1:  # fails in the helper after its subvolume exists
+                    with pytest.raises(DsecError):
+                        await b.create(sid, SandboxSpec(backend="container", image="broken"))
                 else:
                     await b.create(sid, SandboxSpec(backend="container"))
-                    code, out = await _sh(b, sid, "dd if=/dev/zero of=/root/f bs=1M count=8")
+                    _, out = await _sh(b, sid, "dd if=/dev/zero of=/root/f bs=1M count=8")
                     assert "Disk quota exceeded" in out, out    # same cap under runc
-            except Exception:  # noqa: BLE001 - the failing creates are the point
-                pass
             finally:
                 await b.destroy(sid)
         assert b.disk.sandboxes() == [] and os.listdir(os.path.join(b.root_dir, "sb")) == []

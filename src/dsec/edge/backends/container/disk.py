@@ -237,7 +237,8 @@ class DiskPool:
         finally:
             os.close(fd)
         proc = subprocess.run([mkfs, "-q", "-f", "-m", "single", "-d", "single",
-                               "-L", "dsec-pool", tmp], capture_output=True, text=True)
+                               "-L", "dsec-pool", tmp], check=False, capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
             raise BackendError(f"mkfs.btrfs of the sandbox disk pool {tmp} failed: "
@@ -248,7 +249,8 @@ class DiskPool:
         # util-linux sets up the loop device (with autoclear: the umount releases it);
         # once per backend start, so its ~4 ms do not matter.
         proc = subprocess.run(["mount", "-t", "btrfs", "-o", "loop,noatime,nosuid,nodev",
-                               self.image, self.path], capture_output=True, text=True)
+                               self.image, self.path], check=False, capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             raise BackendError(f"cannot mount the sandbox disk pool {self.image} at "
                                f"{self.path}: {proc.stderr.strip()}")
