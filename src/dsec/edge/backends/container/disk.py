@@ -134,8 +134,8 @@ for _t, _size in ((_VolArgsV2, 4096), (_InoLookup, 4096), (_FsInfo, 1024), (_Quo
     assert ctypes.sizeof(_t) == _size, (_t.__name__, ctypes.sizeof(_t))
 
 
-def _ioctl(fd: int, request: int, arg: object, what: str) -> None:
-    ptr = ctypes.byref(arg) if arg is not None else None  # type: ignore[call-overload]
+def _ioctl(fd: int, request: int, arg: ctypes.Structure | None, what: str) -> None:
+    ptr = ctypes.byref(arg) if arg is not None else None
     if _libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(request), ptr) < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")

@@ -151,7 +151,7 @@ class ContainerSnapshots:
                 pack_diff, store, upper, previous, base=stack, strip=strip, labels=labels,
                 max_bytes=bound,
                 max_apparent_bytes=self.backend.snapshot_max_apparent_bytes,
-                on_copied=lambda: loop.call_soon_threadsafe(thaw))
+                on_copied=lambda: _discard(loop.call_soon_threadsafe(thaw)))
         finally:
             thaw()
         if previous is not None and m.digest == previous.digest:
@@ -248,6 +248,10 @@ class ContainerSnapshots:
         out = [DIGEST_PREFIX + n[:-5] for n in names if n.endswith(".json")]
         out += store.refs()
         return out
+
+
+def _discard(_: object) -> None:
+    """Drop a value (the thaw's Handle: the thread has nothing to do with it)."""
 
 
 def _has_entries(upper: str, strip: tuple[str, ...]) -> bool:
