@@ -77,6 +77,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
 NOTICE_REASONS: frozenset[str] = frozenset({
     "oom_kill",         # the OOM killer killed a process inside; the sandbox still runs
     "pids_limit",       # a fork inside was refused at pids_max; the sandbox still runs
+    "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]
