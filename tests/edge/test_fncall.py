@@ -132,7 +132,7 @@ async def test_pool_survives_its_zygote_dying() -> None:
 
 async def test_paths_cannot_escape_and_argv_must_be_python(fn: FncallBackend) -> None:
     with pytest.raises(InvalidArgument, match="leaves"):
-        os.symlink("/etc", os.path.join(fn.root, SID, "etc"))
+        os.symlink("/etc", os.path.join(fn.work_dir(SID), "etc"))
         await fn.read_file(SID, "/etc/passwd")
     with pytest.raises(InvalidArgument, match="runs Python code"):
         await fn.exec(SID, ExecRequest(argv=("ls", "-l")))
@@ -150,7 +150,7 @@ async def test_edge_node_over_fncall_cleans_up() -> None:
         r = await node.exec(info.id, ExecRequest(shell="'resumed'"))
         assert r.stdout == b"'resumed'\n"
         await node.destroy(info.id)
-        assert os.listdir(backend.root) == []
+        assert not os.path.exists(backend.work_dir(info.id))
 
 
 # ------------------------------------------------------------------ the jail's plans (pure)
@@ -204,6 +204,12 @@ def _mounts(under: str) -> set[str]:
         return {p for p in (line.split()[4] for line in f) if p.startswith(under)}
 
 
+async def _destroy_all(b: FncallBackend) -> None:
+    """A given root keeps sandboxes for adoption at close(); a failed test must not."""
+    for sid in list(b._boxes):
+        await b.destroy(sid)  # type: ignore[arg-type]
+
+
 def _cgroups(b: FncallBackend) -> list[str]:
     return b.governor.list_sandboxes() if b.governor is not None else []
 
@@ -233,12 +239,13 @@ async def test_failures_and_destroys_leave_nothing(tmp_path) -> None:  # type: i
             await b.destroy(sid)  # type: ignore[arg-type]
             r = await asyncio.wait_for(running, 10)
             assert r.exit_code != 0
-        assert _mounts(str(tmp_path)) == set()
+        assert _mounts(str(tmp_path)) == {b.disk.path}  # the disk pool, nothing per sandbox
         assert _cgroups(b) == []
-        assert os.listdir(b.root) == []
+        assert b.disk.sandboxes() == []
         await b.pool.wait_ready()
         assert len(os.listdir("/proc/self/fd")) == fds
     finally:
+        await _destroy_all(b)
         await b.close()
     assert b.governor is not None and not any(os.path.exists(d)
                                               for d in b.governor.layout.bases.values())
@@ -251,6 +258,9 @@ async def test_a_restarted_edge_adopts_work_dirs_and_limits(tmp_path) -> None:  
     try:
         await b.create(SID, SandboxSpec(backend="fncall", memory_bytes=48 << 20))  # type: ignore[arg-type]
         await b.write_file(SID, "/kept.txt", b"still here")  # type: ignore[arg-type]
+    except BaseException:
+        await _destroy_all(b)
+        raise
     finally:
         await b.close()  # a given root: the sandbox stays for the next edge
     b = FncallBackend(pool_size=1, root=root)
@@ -263,8 +273,9 @@ async def test_a_restarted_edge_adopts_work_dirs_and_limits(tmp_path) -> None:  
         assert (await b.exec(SID, ExecRequest(shell="open('kept.txt').read()"))).stdout == \
             b"'still here'\n"  # type: ignore[arg-type]
         await b.destroy(SID)  # type: ignore[arg-type]
-        assert not os.path.ismount(os.path.join(root, SID)) and _cgroups(b) == []
+        assert not os.path.exists(b.work_dir(SID)) and _cgroups(b) == []
     finally:
+        await _destroy_all(b)
         await b.close()
 
 

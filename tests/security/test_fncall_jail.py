@@ -60,6 +60,12 @@ async def fncall(tmp_path: object) -> AsyncIterator[FncallBackend]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def work_dir(b: FncallBackend, sid: str) -> str:
+    """Host path of a sandbox's work dir (``<root>/<sid>`` in the backend before the jail,
+    so these tests can still be run against it)."""
+    return b.work_dir(sid) if hasattr(b, "work_dir") else os.path.join(b.root, sid)
+
+
 async def run(b: FncallBackend, sid: str, code: str, timeout_s: float = 30) -> tuple[int, str]:
     r = await b.exec(sid, ExecRequest(shell=textwrap.dedent(code), timeout_s=timeout_s))  # type: ignore[arg-type]
     return r.exit_code, (r.stdout + r.stderr).decode(errors="replace")
@@ -98,7 +104,7 @@ async def test_host_files_and_other_sandboxes_are_not_there(fncall: FncallBacken
     await fncall.write_file(B, "/b-secret.txt", b"b-secret")  # type: ignore[arg-type]
     root = fncall.root
     targets = [host_secret, "/etc/shadow", "/root/.bash_history", "/proc/1/environ",
-               os.path.join(root, B, "b-secret.txt"), os.path.join(root, A)]
+               os.path.join(work_dir(fncall, B), "b-secret.txt"), work_dir(fncall, A)]
     code, out = await run(fncall, A, _probe_read(targets) + textwrap.dedent("""
     import os
     print(sorted(os.listdir('/')))
@@ -396,9 +402,20 @@ async def test_no_process_outlives_its_call(fncall: FncallBackend) -> None:
                 os.execvp('sleep', ['sleep', '{marker}'])
             os._exit(0)
         subprocess.Popen(['sleep', '{marker}'])
-        print('left behind')
+        import time
+        for _ in range(400):  # return only once both really run 'sleep <marker>'
+            n = 0
+            for p in os.listdir('/proc'):
+                try:
+                    n += b'{marker}' in open(f'/proc/{{p}}/cmdline', 'rb').read()
+                except OSError:
+                    pass
+            if n >= 2:
+                break
+            time.sleep(0.01)
+        print('left behind', n)
         """)
-        assert code == 0 and "left behind" in out, out
+        assert code == 0 and "left behind 2" in out, out
         assert _host_pids_with(marker) == [], "processes of a finished call still run"
     finally:
         for pid in _host_pids_with(marker):  # only if the jail was missing
@@ -411,7 +428,7 @@ async def test_no_process_outlives_its_call(fncall: FncallBackend) -> None:
 async def test_concurrent_calls_do_not_see_each_other(fncall: FncallBackend) -> None:
     marker = f"88.{secrets.randbelow(10**6)}"
     b_tmp = f"/tmp/dsec-fncall-b-{marker}"
-    b_file = os.path.join(fncall.root, B, f"b-{marker}")
+    b_file = os.path.join(work_dir(fncall, B), f"b-{marker}")
     slow = asyncio.ensure_future(run(fncall, B, f"""
     import subprocess, time
     open({b_tmp!r}, 'w').write('b')
@@ -487,7 +504,7 @@ async def test_the_jail_user_is_configurable(tmp_path: object, uid: int) -> None
         u, caps, sec = out.split()
         assert (int(u), sec) == (uid, "2"), out
         assert (caps == "0000000000000000") == (uid != 0), out  # root keeps the container set
-        assert os.stat(os.path.join(b.root, A, "mine")).st_uid == uid
+        assert os.stat(os.path.join(work_dir(b, A), "mine")).st_uid == uid
     finally:
         with contextlib.suppress(Exception):
             await b.destroy(A)  # type: ignore[arg-type]
@@ -505,3 +522,44 @@ def test_a_non_root_edge_refuses_to_run_unjailed_calls_silently(tmp_path: object
                        timeout=60, check=False, cwd="/",
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.stdout.startswith("refused:") and "isolate=False" in r.stdout, (r.stdout, r.stderr)
+
+
+async def test_the_work_dir_disk_cap_holds_and_btrfs_calls_are_refused() -> None:
+    """A call cannot write past its sandbox's disk cap (the event says so), nor escape
+    the cap's quota with a btrfs subvolume or snapshot of its own inside the work dir."""
+    backend = FncallBackend(pool_size=1)  # its own root: close() removes everything
+    try:
+        async with make_node(backend) as node:
+            info = await node.create(SandboxSpec(backend="fncall", disk_bytes=16 << 20))  # type: ignore[arg-type]
+            r = await node.exec(info.id, ExecRequest(shell=textwrap.dedent("""
+            import errno, fcntl, os, struct
+            try:
+                with open('big', 'wb') as f:
+                    for _ in range(64):
+                        f.write(b'x' * (1 << 20))
+                        f.flush()
+                        os.fsync(f.fileno())
+                print('wrote 64 MiB')
+            except OSError as e:
+                print('refused', errno.errorcode[e.errno], os.path.getsize('big') >> 20)
+            os.unlink('big')
+            args = bytearray(struct.pack('q4088s', 0, b'escape'))  # btrfs_ioctl_vol_args
+            fd = os.open('.', os.O_RDONLY | os.O_DIRECTORY)
+            for name, cmd in (('subvol_create', 0x5000940E), ('snap_create', 0x50009401)):
+                try:
+                    fcntl.ioctl(fd, cmd, args)
+                    print(name, 'ok')
+                except OSError as e:
+                    print(name, errno.errorcode[e.errno])
+            print(sorted(os.listdir('.')))
+            """), timeout_s=60))
+            lines = r.stdout.decode().splitlines()
+            assert r.exit_code == 0, r
+            assert lines[0].startswith("refused EDQUOT"), lines
+            assert int(lines[0].split()[-1]) <= 16, lines
+            assert lines[1:] == ["subvol_create ENOTTY", "snap_create ENOTTY", "[]"], lines
+            reasons = [e.reason for e in node.events(info.id)]
+            assert "disk_full" in reasons, reasons
+            await node.destroy(info.id)
+    finally:
+        await backend.close()

@@ -68,12 +68,14 @@ DENIED_UNLESS_NESTED: tuple[str, ...] = (
 @dataclass(frozen=True, slots=True)
 class Rule:
     """``syscall`` answers ``errno``; with ``arg0_mask`` only when ``arg0 & mask == mask``,
-    with ``arg0_eq`` only when ``arg0 == arg0_eq`` (at most one of the two)."""
+    with ``arg0_eq`` only when ``arg0 == arg0_eq``, with ``arg1_masked=(mask, value)``
+    only when ``arg1 & mask == value`` (at most one of the three)."""
 
     syscall: str
     errno: int = errno.EPERM
     arg0_mask: int | None = None
     arg0_eq: int | None = None
+    arg1_masked: tuple[int, int] | None = None
 
 
 def profile_rules(*, allow_nested: bool) -> list[Rule]:
@@ -112,7 +114,11 @@ def compile_rules(rules: Iterable[Rule]) -> bytes:
             continue
         if nr < 0:
             continue
-        if rule.arg0_eq is not None:
+        if rule.arg1_masked is not None:
+            mask, value = rule.arg1_masked
+            f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall,
+                       pyseccomp.Arg(1, pyseccomp.MASKED_EQ, mask, value))
+        elif rule.arg0_eq is not None:
             f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall,
                        pyseccomp.Arg(0, pyseccomp.EQ, rule.arg0_eq))
         elif rule.arg0_mask is None:

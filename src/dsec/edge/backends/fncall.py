@@ -60,9 +60,17 @@ import msgspec
 import dsec
 from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.files import SandboxFiles
-from dsec.edge.backends.fncall_jail import JailConfig, clone_tree, python_runtime, split_profile
+from dsec.edge.backends.fncall_jail import (
+    JAIL_EXTRA_RULES,
+    JailConfig,
+    clone_tree,
+    python_runtime,
+    split_profile,
+)
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
@@ -84,7 +92,6 @@ TIMEOUT_EXIT = 137
 # or broken worker, refused before the edge allocates it.
 REPLY_SLACK = 8 << 20
 WORKDIR = "/workspace"
-DEFAULT_DISK_BYTES = 1 << 30
 DEFAULT_MAX_SANDBOX_PIDS = 8192
 DEFAULT_PIDS_HEADROOM = 4096
 # The worker is started as `python -I -c BOOT MODE FD`: -I keeps PYTHONPATH, the user
@@ -626,6 +633,7 @@ class _Box:
     dir: str
     files: WorkFiles
     cg: SandboxCgroup | None = None     # when isolated
+    disk_q: str = ""                    # sysfs dir of the work dir's qgroup, when isolated
     active: set[_Worker] = field(default_factory=set)
     oom_seen: int = 0
     pids_seen: int = 0
@@ -636,9 +644,12 @@ class FncallBackend:
 
     ``isolate`` (default True; needs root): jail every call (module docstring). ``uid``:
     the user calls run as (0 = root with the container's capability set). ``root``: where
-    work dirs live (default: a fresh private temp dir removed at close).
-    ``default_disk_bytes``: work-dir size when the spec has no ``disk_bytes``.
-    ``max_sandbox_pids`` / ``pids_headroom``: as for the container backend.
+    the work dirs live (default: a fresh private temp dir removed at close); jailed, they
+    are subvolumes of a btrfs disk pool there (``container/disk.py``: ``pool.img``,
+    ``pool/<sid>``), unjailed plain directories ``<root>/<sid>``.
+    ``default_disk_bytes``: the work dir's cap when the spec has no ``disk_bytes``;
+    ``disk_pool_bytes``: the pool's size when first made. ``max_sandbox_pids`` /
+    ``pids_headroom`` / ``notice_interval_s``: as for the container backend.
     """
 
     name = "fncall"
@@ -647,9 +658,12 @@ class FncallBackend:
                  pool: WorkerPool | None = None, isolate: bool = True, uid: int = 65534,
                  cgroup_name: str | None = None, governor: Governor | None = None,
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
+                 disk_pool_bytes: int | None = None,
                  max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
                  pids_headroom: int = DEFAULT_PIDS_HEADROOM,
-                 runtime: Iterable[str] | None = None) -> None:
+                 notice_interval_s: float = 60.0,
+                 runtime: Iterable[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 <= uid < 2**32 - 1:
             raise InvalidArgument(f"fncall uid={uid} must be 0..{2**32 - 2}", field="uid")
         if default_disk_bytes < 1 << 20:
@@ -658,10 +672,13 @@ class FncallBackend:
         self.isolate = isolate
         self.uid = uid
         self.default_disk_bytes = default_disk_bytes
+        self.clock = clock
+        self._notices = NoticeLimiter(notice_interval_s)
         self._own_root = root is None
         self.root = os.path.abspath(root) if root else tempfile.mkdtemp(prefix="dsec-fncall-")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self.governor: Governor | None = None
+        self.disk: DiskPool | None = None
         self.max_sandbox_pids = max_sandbox_pids
         jail = None
         if isolate:
@@ -675,6 +692,7 @@ class FncallBackend:
             try:
                 jail = self._jail_config(runtime)
                 self.governor = governor or self._make_governor(cgroup_name, pids_headroom)
+                self.disk = DiskPool(self.root, size_bytes=disk_pool_bytes)
             except BaseException:
                 self._cleanup_root()
                 raise
@@ -686,8 +704,11 @@ class FncallBackend:
         self._boxes: dict[str, _Box] = {}
         self._sink: DeathSink | None = None
         self._started = False
+        self._closed = False
 
     def _cleanup_root(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -696,7 +717,8 @@ class FncallBackend:
             from dsec.net.seccomp import compile_rules, profile_rules
 
             pre, admit = split_profile(profile_rules(allow_nested=False))
-            bpf, bpf_admit = compile_rules(pre), compile_rules(admit)
+            bpf = compile_rules([*pre, *JAIL_EXTRA_RULES])
+            bpf_admit = compile_rules(admit)
         except Exception as exc:  # pyseccomp/libseccomp missing or broken
             raise BackendError(f"cannot build the seccomp profile for fncall workers: {exc}; "
                                "install libseccomp2 and the pyseccomp package") from exc
@@ -722,6 +744,12 @@ class FncallBackend:
         except OSError as exc:
             raise BackendError(f"cannot cap the pids of all fncall sandboxes: {exc}") from exc
         return gov
+
+    def work_dir(self, sid: str) -> str:
+        """Host path of ``sid``'s work dir (``/workspace`` inside its calls)."""
+        if self.disk is not None:
+            return self.disk.sandbox_path(sid)
+        return os.path.join(self.root, sid)
 
     def watch(self, sink: DeathSink) -> None:
         self._sink = sink
@@ -766,44 +794,52 @@ class FncallBackend:
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         disk, pids = self._check_spec(spec)
         self._ensure_pool()
-        d = os.path.join(self.root, sid)
+        d = self.work_dir(sid)
         try:
-            os.mkdir(d, 0o700)
+            if self.disk is not None:
+                self.disk.check_fit(disk)
+                self.disk.create(sid, disk)  # a subvolume whose qgroup caps it at `disk`
+                os.chown(d, self.uid, self.uid)
+            else:
+                os.mkdir(d, 0o700)
         except OSError as exc:
+            self._teardown(sid, None)
             raise BackendError(f"cannot make the work dir of {sid}: {exc}") from exc
-        try:
-            self._boxes[sid] = self._open_box(sid, spec, d, disk, pids, fresh=True)
         except BaseException:
-            self._teardown(sid, d, None)
+            self._teardown(sid, None)
+            raise
+        try:
+            self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True)
+        except BaseException:
+            self._teardown(sid, None)
             raise
 
-    def _open_box(self, sid: str, spec: SandboxSpec, d: str, disk: int, pids: int | None, *,
+    def _open_box(self, sid: str, spec: SandboxSpec, pids: int | None, *,
                   fresh: bool) -> _Box:
+        d = self.work_dir(sid)
         cg = None
         gov = self.governor
         if gov is not None:
-            from dsec.edge.backends.container.rootfs import disk_tmpfs_options
-
-            if fresh:
-                try:
-                    linux.mount("tmpfs", d, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-                                disk_tmpfs_options(disk) + f",uid={self.uid},gid={self.uid}")
-                except OSError as exc:
-                    raise BackendError(f"cannot mount the work dir of {sid}: {exc}") from exc
             limits = Limits(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                             pids_max=pids)
             cg = gov.paths(sid)
             if fresh or not gov.exists(cg):
                 gov.remove(cg)  # a leftover of a crashed create with the same id
                 cg = gov.create(sid, limits)
-        fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         box = _Box(spec, d, WorkFiles(fd, sid, owner=self.uid if self.isolate else None), cg)
+        if self.disk is not None:
+            try:
+                box.disk_q = self.disk.qgroup_dir(sid)
+            except OSError as exc:
+                box.files.close()
+                raise BackendError(f"the work dir of {sid} has no disk quota: {exc}") from exc
         if gov is not None and cg is not None:
             box.oom_seen = gov.oom_kills(cg)
             box.pids_seen = gov.pids_limit_hits(cg)
         return box
 
-    def _teardown(self, sid: str, d: str, box: _Box | None) -> None:
+    def _teardown(self, sid: str, box: _Box | None) -> None:
         """Undo whatever exists of sandbox ``sid``; tolerates every part being gone."""
         if box is not None:
             for w in list(box.active):
@@ -815,28 +851,30 @@ class FncallBackend:
             if gov.exists(cg) and gov.pids(cg):
                 gov.kill_all(cg)  # stragglers from before an edge restart
             gov.remove(cg)
-            if os.path.ismount(d):
-                with contextlib.suppress(OSError):
-                    linux.umount2(d, linux.MNT_DETACH)
-        shutil.rmtree(d, ignore_errors=True)
+        self._notices.forget(sid)
+        if self.disk is not None:
+            try:
+                self.disk.remove(sid)
+            except OSError as exc:
+                raise BackendError(f"cannot delete the work dir of {sid}: {exc}") from exc
+        else:
+            shutil.rmtree(self.work_dir(sid), ignore_errors=True)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         self._ensure_pool()
-        d = os.path.join(self.root, sid)
-        usable = os.path.isdir(d) and (not self.isolate or os.path.ismount(d))
-        if usable:
+        if os.path.isdir(self.work_dir(sid)):
             try:
-                disk, pids = self._check_spec(spec)
-                box = self._open_box(sid, spec, d, disk, pids, fresh=False)
-            except Exception:  # noqa: BLE001 - not adoptable: clean up, report it gone
-                usable = False
+                _, pids = self._check_spec(spec)
+                box = self._open_box(sid, spec, pids, fresh=False)
+            except Exception:  # noqa: BLE001, S110 - not adoptable: clean up, report it gone
+                pass
             else:
                 if self.governor is not None and box.cg is not None and \
                         self.governor.pids(box.cg):
                     self.governor.kill_all(box.cg)  # calls cut off by the edge's crash
                 self._boxes[sid] = box
                 return True
-        self._teardown(sid, d, None)
+        self._teardown(sid, None)
         return False
 
     async def destroy(self, sid: SandboxId) -> None:
@@ -848,7 +886,7 @@ class FncallBackend:
                 async with asyncio.timeout(10):
                     while box.active:  # so the cgroup is empty before we remove it
                         await asyncio.sleep(0.005)
-        self._teardown(sid, box.dir if box else os.path.join(self.root, sid), box)
+        self._teardown(sid, box)
 
     async def pause(self, sid: SandboxId) -> PauseStats:
         self._box(sid)
@@ -861,9 +899,11 @@ class FncallBackend:
         box = self._box(sid)
         if self.governor is not None and box.cg is not None:
             mem, peak, cpu, pids = self.governor.stats(box.cg)
-            vfs = os.statvfs(box.dir)
+            use = DiskPool.usage_at(box.disk_q)
             return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
-                                pids=pids, disk_bytes=(vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize)
+                                pids=pids, disk_bytes=use.used_bytes,
+                                disk_cap_bytes=use.cap_bytes,
+                                disk_full=self._check_disk(sid, box))
         size = 0
         for dirpath, _, files in os.walk(box.dir):
             for f in files:
@@ -871,20 +911,50 @@ class FncallBackend:
                     size += os.lstat(os.path.join(dirpath, f)).st_size
         return SandboxStats(disk_bytes=size)
 
+    def _check_disk(self, sid: str, box: _Box) -> bool:
+        """A sandbox at its disk cap (or on a full pool) gets a ``disk_full`` notice, at
+        most one per ``notice_interval_s`` (as in the container backend)."""
+        if not box.disk_q:
+            return False
+        use = DiskPool.usage_at(box.disk_q)
+        if near_cap(use.used_bytes, use.cap_bytes):
+            detail = (f"sandbox {sid} filled its disk cap of {use.cap_bytes} bytes "
+                      f"({use.used_bytes} used); writes fail with EDQUOT (Disk quota "
+                      "exceeded) until files are removed - free space inside the sandbox "
+                      "or create it with a larger disk_bytes")
+        else:
+            vfs = os.statvfs(box.dir)
+            free = vfs.f_bavail * vfs.f_frsize
+            if free >= 1 << 20:
+                return False
+            detail = (f"the node's fncall disk pool is full ({free} bytes free, sandbox "
+                      f"{sid} holds {use.used_bytes} of its {use.cap_bytes}-byte cap); "
+                      "writes fail with ENOSPC until sandboxes free space")
+        if self._notices.allow(sid, "disk_full", self.clock()):
+            self._notice(sid, "disk_full", detail)
+        return True
+
     async def close(self) -> None:
         """Node shutdown. With its own temp root every sandbox goes; with a given root
-        the sandboxes stay for the next edge to adopt (work dirs, mounts and cgroups).
-        The parent cgroups go once no sandbox is left."""
+        the sandboxes stay for the next edge to adopt (work dirs and cgroups). The disk
+        pool is unmounted and the parent cgroups go once no sandbox is left. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         await self.pool.close()
         if self._own_root:
             for sid, box in list(self._boxes.items()):
-                self._teardown(sid, box.dir, box)
+                self._teardown(sid, box)
         for box in self._boxes.values():
             box.files.close()
         self._boxes.clear()
+        left = bool(self.disk.sandboxes()) if self.disk is not None else False
+        if self.disk is not None:
+            self.disk.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
-        left = os.path.isdir(self.root) and any(os.scandir(self.root))
+        elif self.disk is None:
+            left = any(e.is_dir() for e in os.scandir(self.root))
         if self.governor is not None and not left:
             with contextlib.suppress(OSError, BackendError):
                 self.governor.remove_base()
@@ -935,6 +1005,7 @@ class FncallBackend:
                                    f"has memory_bytes={spec.memory_bytes}", res.stdout,
                                    res.stderr, False, res.cold, res.handout_s, res.duration_s,
                                    died=True)
+        self._check_disk(sid, box)
         hits = gov.pids_limit_hits(cg)
         if hits > box.pids_seen:
             n, box.pids_seen = hits - box.pids_seen, hits

@@ -50,10 +50,12 @@ from dsec.edge.backends.container.rootfs import (
     READONLY_PATHS,
     SHM_BYTES,
 )
+from dsec.net.seccomp import Rule
 
 __all__ = [
     "ADMISSION_SYSCALLS",
     "FORBIDDEN_RUNTIME_ROOTS",
+    "JAIL_EXTRA_RULES",
     "NS_FLAGS",
     "JailConfig",
     "RootStep",
@@ -121,6 +123,17 @@ class JailConfig(msgspec.Struct, frozen=True, kw_only=True):
 # it ~0.04 ms - so the handout pays 0.04 ms instead of 0.3 and the end state is the
 # same profile as a container's.
 ADMISSION_SYSCALLS: frozenset[str] = frozenset({"unshare", "move_mount"})
+
+
+# What only a fncall jail adds to the container profile. Its work dir is a btrfs subvolume
+# (the disk pool of container/disk.py) bound in directly - a container reaches its upper
+# only through overlayfs, which passes no btrfs ioctl on - so btrfs' own ioctls (type
+# 0x94: creating a subvolume or snapshot inside the work dir would make data no qgroup
+# limit counts, and a nested subvolume would block the work dir's deletion; clone,
+# dedupe, ...) answer ENOTTY, as on a filesystem without them.
+JAIL_EXTRA_RULES: tuple[Rule, ...] = (
+    Rule("ioctl", errno=errno.ENOTTY, arg1_masked=(0xFF00, 0x9400)),
+)
 
 
 # ------------------------------------------------------------------------- pure plans
