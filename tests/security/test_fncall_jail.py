@@ -102,7 +102,6 @@ def _probe_read(paths: list[str]) -> str:
 async def test_host_files_and_other_sandboxes_are_not_there(fncall: FncallBackend,
                                                             host_secret: str) -> None:
     await fncall.write_file(B, "/b-secret.txt", b"b-secret")  # type: ignore[arg-type]
-    root = fncall.root
     targets = [host_secret, "/etc/shadow", "/root/.bash_history", "/proc/1/environ",
                os.path.join(work_dir(fncall, B), "b-secret.txt"), work_dir(fncall, A)]
     code, out = await run(fncall, A, _probe_read(targets) + textwrap.dedent("""
