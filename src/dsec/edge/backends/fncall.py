@@ -24,9 +24,10 @@ the host - kept for hosts without root and as the benchmark's baseline.
 
 A sandbox of this backend is a work directory (its files persist across calls) plus
 the spec's environment and a cgroup; processes never persist. With isolation the work
-dir is a tmpfs of its own (``disk_bytes`` of the spec, default 1 GiB: ENOSPC inside,
-never on the host; its pages count against the sandbox's memory), so the jail's
-``/proc/self/mountinfo`` shows no host path for it. Exec runs ``shell`` as Python code
+dir is a btrfs subvolume of the node's disk pool with a qgroup cap (``disk_bytes`` of the
+spec, default 10 GiB: EDQUOT inside, never a full host disk; see
+``container/disk.py``), so the jail's ``/proc/self/mountinfo`` shows no host path for it
+and btrfs' own ioctls are refused in the jail. Exec runs ``shell`` as Python code
 (the value of a final expression is printed, as in the interactive interpreter) or
 ``argv = ["python", "-c", CODE]``. :meth:`FncallBackend.call` runs a picklable function.
 Worker replies are decoded as plain msgpack, never unpickled: the code in a worker is
