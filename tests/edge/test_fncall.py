@@ -130,6 +130,27 @@ async def test_pool_survives_its_zygote_dying() -> None:
         await pool.close()
 
 
+@needs_root
+async def test_a_jailed_pool_survives_its_zygote_dying() -> None:
+    """The warm workers die with their zygote (PR_SET_PDEATHSIG); the pool notices, starts
+    a new zygote and serves on."""
+    b = FncallBackend(pool_size=2)
+    try:
+        await b.create(SID, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        await b.pool.wait_ready()
+        z = b.pool._zygote
+        assert z is not None
+        z.proc.kill()
+        await z.proc.wait()
+        for _ in range(3):
+            r = await b.exec(SID, ExecRequest(shell="import sys; sys.path"))  # type: ignore[arg-type]
+            assert r.exit_code == 0, r
+            assert b"/src" not in r.stdout, r.stdout  # no host source dir on the jail's path
+        assert b.pool._zygote is not None and b.pool._zygote.proc.returncode is None
+    finally:
+        await b.close()
+
+
 async def test_paths_cannot_escape_and_argv_must_be_python(fn: FncallBackend) -> None:
     with pytest.raises(InvalidArgument, match="leaves"):
         os.symlink("/etc", os.path.join(fn.work_dir(SID), "etc"))

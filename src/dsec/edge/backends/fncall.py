@@ -44,6 +44,7 @@ import hashlib
 import os
 import pickle
 import posixpath
+import select
 import shutil
 import signal
 import site
@@ -189,16 +190,22 @@ class _Worker:
     every process of the call). Unjailed: ``pid`` leads its own process group; ``proc``
     is set when the edge started it directly (it must reap it)."""
 
-    __slots__ = ("pid", "pidfd", "proc", "sock")
+    __slots__ = ("pid", "pidfd", "proc", "sock", "zygote")
 
     def __init__(self, pid: int, sock: socket.socket, *, pidfd: int | None = None,
-                 proc: asyncio.subprocess.Process | None = None) -> None:
+                 proc: asyncio.subprocess.Process | None = None,
+                 zygote: asyncio.subprocess.Process | None = None) -> None:
         self.pid, self.sock, self.pidfd, self.proc = pid, sock, pidfd, proc
+        self.zygote = zygote  # jailed workers die with it (PR_SET_PDEATHSIG)
 
     @property
     def alive(self) -> bool:
         if self.sock.fileno() < 0:
             return False
+        if self.pidfd is not None and (
+                (self.zygote is not None and self.zygote.returncode is not None)
+                or select.select([self.pidfd], [], [], 0)[0]):
+            return False  # its init exited, or is being killed with its zygote
         try:
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
@@ -427,8 +434,10 @@ class WorkerPool:
             except (OSError, TimeoutError) as exc:
                 parent.close()
                 self._zygote = None
+                z.sock.close()
                 with contextlib.suppress(ProcessLookupError):
                     z.proc.kill()
+                self._background(z.proc.wait())
                 raise BackendError(f"fncall zygote failed to fork a worker: {exc!r}") from exc
             finally:
                 child.close()
@@ -436,7 +445,7 @@ class WorkerPool:
         if pid == 0:
             parent.close()
             raise BackendError("fncall zygote could not fork a worker")
-        w = _Worker(pid, parent)
+        w = _Worker(pid, parent, zygote=z.proc if self.jail is not None else None)
         await self._await_ready(w)
         return w
 

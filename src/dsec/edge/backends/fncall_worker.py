@@ -132,6 +132,9 @@ def zygote(fd: int) -> None:
             own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             fncall_jail.build_root(jail)
             _devnull_stdio()
+            # Host paths that do not exist in the jail (the dsec source, PYTHONPATH-like
+            # leftovers) go from sys.path: imports look only where the runtime is.
+            sys.path[:] = [p for p in sys.path if p and os.path.isdir(p)]
         except Exception as exc:  # noqa: BLE001 - reported to the edge, then we exit
             ctl.sendall(b"E" + f"{type(exc).__name__}: {exc}".encode()[:4000])
             os._exit(1)
