@@ -31,7 +31,7 @@ def test_build_is_content_addressed_and_named(store: LayerStore, tmp_path: objec
     with open(path, "rb") as f:
         assert m.digest == "sha256:" + hashlib.sha256(f.read()).hexdigest()
     assert m.size_bytes == os.path.getsize(path)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o444
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400   # read-only, owner only
     assert (m.kind, m.name, m.tag, m.labels, m.content_bytes) == ("toolkit", "tools", "v1",
                                                                   {"team": "rl"}, 5)
     assert store.get("tools:v1") == m
