@@ -19,10 +19,9 @@ import tarfile
 import tempfile
 from collections.abc import AsyncIterator
 from typing import IO, TYPE_CHECKING, Literal
+from urllib.parse import quote
 
 import msgspec
-
-from urllib.parse import quote
 
 from dsec.control.api.types import ImageList, ImageTagRequest, ImageView
 from dsec.errors import InvalidArgument

@@ -57,7 +57,7 @@ from dsec.image.manifest import (
 )
 from dsec.image.tree import tree_stats
 
-__all__ = ["LayerStore", "mounted_sources", "may_point_at"]
+__all__ = ["LayerStore", "may_point_at", "mounted_sources"]
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
