@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -28,7 +29,10 @@ from rich.table import Table
 
 from dsec.errors import DsecError
 from dsec.image.erofs import ProgressFn
-from dsec.image.manifest import LAYER_KINDS
+from dsec.image.manifest import LAYER_KINDS, LayerManifest
+
+if TYPE_CHECKING:
+    from dsec.image.store import LayerStore
 
 DEFAULT_ROOT = "/var/lib/dsec/images"
 _PHASES = {"pack": "packing EROFS", "hash": "hashing"}
@@ -48,7 +52,7 @@ def default_root() -> str:
     return DEFAULT_ROOT
 
 
-def _store(root: str | None):  # type: ignore[no-untyped-def]
+def _store(root: str | None) -> LayerStore:
     from dsec.image.store import LayerStore
 
     return LayerStore(root or default_root())
@@ -125,18 +129,25 @@ def build(root: str | None, path: str, kind: str, name: str, tag: str,
     lab = dict(item.split("=", 1) for item in labels if "=" in item)
     namespace, bare, tag = _split_name(name, tag)
     store = _store(root)
-    common = {"kind": kind, "name": bare, "tag": tag, "labels": lab,
-              "compression": compression, "namespace": namespace, "owner": _host_owner()}
+    owner = _host_owner()
+
+    def add(src: str | IO[bytes], progress: ProgressFn | None) -> LayerManifest:
+        if isinstance(src, str):
+            return store.add_tree(src, kind=kind, name=bare,  # type: ignore[arg-type]
+                                  tag=tag, labels=lab, compression=compression,  # type: ignore[arg-type]
+                                  namespace=namespace, owner=owner, progress=progress)
+        return store.add_tar(src, kind=kind, name=bare,  # type: ignore[arg-type]
+                             tag=tag, labels=lab, compression=compression,  # type: ignore[arg-type]
+                             namespace=namespace, owner=owner, progress=progress)
     try:
         with _progress(console, quiet) as progress:
             if path != "-" and os.path.isdir(path):
-                m = store.add_tree(path, progress=progress, **common)  # type: ignore[arg-type]
+                m = add(path, progress)
             elif path == "-":
-                m = store.add_tar(sys.stdin.buffer, progress=progress,
-                                  **common)  # type: ignore[arg-type]
+                m = add(sys.stdin.buffer, progress)
             elif os.path.isfile(path):
                 with open(path, "rb") as f:
-                    m = store.add_tar(f, progress=progress, **common)  # type: ignore[arg-type]
+                    m = add(f, progress)
             else:
                 raise click.BadParameter(f"{path!r} is neither a directory nor a tar file",
                                          param_hint="PATH")
