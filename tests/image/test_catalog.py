@@ -149,17 +149,21 @@ def test_store_index_follows_the_store(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "etc").mkdir(parents=True)
     (src / "etc/f").write_text("1")
-    assert index.manifests() == [] and index.digest_of("a:latest") is None
+    assert index.sync(listing=True).manifests() == [] and index.digest_of("a:latest") is None
     a = store.add_tree(str(src), kind="toolkit", name="a", namespace="teama", owner="alice")
-    # seen at once: refs.json is replaced (new inode), a new digest is read from disk
-    assert index.digest_of("teama/a:latest") == a.digest
-    assert index.manifest(a.hex) == a and [m.digest for m in index.manifests()] == [a.digest]
+    # lookups read no disk until the next sync, then see the change at once: refs.json
+    # is replaced (new inode), a new digest's manifest is read on first use
+    assert index.digest_of("teama/a:latest") is None
+    assert index.sync().digest_of("teama/a:latest") == a.digest
+    assert index.manifest(a.hex) == a
+    assert [m.digest for m in index.sync(listing=True).manifests()] == [a.digest]
     b = store.add_tree(str(src), kind="base")
-    assert {m.digest for m in index.manifests()} == {a.digest, b.digest}
+    assert {m.digest for m in index.sync(listing=True).manifests()} == {a.digest, b.digest}
     assert index.by_prefix(b.hex[:12]) == [b]
     store.tag(b.digest, "b", namespace="teama")
-    assert index.names_of(b.digest) == ("teama/b:latest",)
+    assert index.sync().names_of(b.digest) == ("teama/b:latest",)
     store.remove(a.digest)
     time.sleep(0.06)   # past the racy window of the directory's mtime
+    index.sync(listing=True)
     assert index.manifest(a.hex) is None and index.digest_of("teama/a:latest") is None
     assert [m.digest for m in index.manifests()] == [b.digest]

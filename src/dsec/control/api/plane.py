@@ -581,11 +581,14 @@ class ControlPlane:
             self._index_cache = StoreIndex(self._store_cache.root)
         return self._store_cache
 
-    def _index(self) -> StoreIndex | None:
+    def _index(self, *, listing: bool = False) -> StoreIndex | None:
+        """The layer index, caught up with the store (``listing``: also with removals,
+        for the image routes; creates only need names and the manifests they hit)."""
         if self.layer_dir is None:
             return None
         self._layers()
-        return self._index_cache
+        assert self._index_cache is not None
+        return self._index_cache.sync(listing=listing)
 
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
         """``spec`` with ``image``/``workspace``/``toolkits`` resolved *for this caller*
@@ -635,7 +638,7 @@ class ControlPlane:
         and those of (or named in) projects it holds a role on. Snapshot layers are one
         project's data too (``GET /v1/snapshots`` is their route)."""
         ApiService.require(caller, caller.default_project, "reader")
-        index = self._index()
+        index = self._index(listing=True)
         if index is None:
             raise Conflict("this apiserver has no layer store configured")
         can_see = _can_see(caller)
@@ -643,7 +646,7 @@ class ControlPlane:
                                 if visible(index, m, can_see)])
 
     def _find_image(self, caller: Caller, ref: str) -> tuple[StoreIndex, LayerManifest]:
-        index = self._index()
+        index = self._index(listing=True)
         if index is None:
             raise Conflict("this apiserver has no layer store configured")
         found = resolve(index, ref, project=caller.default_project, can_see=_can_see(caller))
@@ -666,7 +669,7 @@ class ControlPlane:
         of those namespaces; ``InUse`` while a sandbox runs from it or a snapshot builds
         on it."""
         parsed = parse_ref(ref)
-        index = self._index()
+        index = self._index(listing=True)
         if index is None:
             raise Conflict("this apiserver has no layer store configured")
         can_see = _can_see(caller)
@@ -683,7 +686,7 @@ class ControlPlane:
             _require_write(caller, parse_ref(key).namespace, what=f"delete {key}")
             store.untag(key)
             try:
-                if not index.names_of(m.digest):
+                if not index.sync().names_of(m.digest):
                     _require_write(caller, layer_namespace(m), what="")
                     store.remove(m.digest)
             except (PermissionDenied, InUse):
@@ -712,7 +715,7 @@ class ControlPlane:
         _require_write(caller, target.namespace, what=f"tag {target.key}")
         index, m = self._find_image(caller, req.source)
         self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace)
-        return _image_view(index, m, _can_see(caller))
+        return _image_view(index.sync(), m, _can_see(caller))
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
