@@ -47,6 +47,7 @@ class World:
         self.bob = cluster.create_key("bob", "teamb", "member")
         self.mallory = cluster.create_key("mallory", "teamc", "member")
         self.http = httpx.Client(base_url=cluster.url, timeout=60)
+        self.alices_victim: dict[str, Any] = {}
 
     def h(self, key: str) -> dict[str, str]:
         return {"authorization": f"Bearer {key}"}
@@ -87,6 +88,9 @@ def world() -> Iterator[World]:
         try:
             r = w.build(w.root_key, "victim", "superuser\n")
             assert r.status_code == 201, r.text
+            r = w.build(w.alice, "teama/victim", "alice\n")
+            assert r.status_code == 201, r.text
+            w.alices_victim = r.json()["items"][0]
             yield w
         finally:
             w.http.close()
@@ -123,9 +127,7 @@ def test_a_project_admin_cannot_move_a_cluster_wide_name(world: World) -> None:
 
 
 def test_bare_names_resolve_in_the_sandboxs_project_then_cluster_wide(world: World) -> None:
-    r = world.build(world.alice, "teama/victim", "alice\n")
-    assert r.status_code == 201, r.text
-    made = r.json()["items"][0]
+    made = world.alices_victim     # built by alice as teama/victim
     assert (made["ref"], made["namespace"], made["owner"]) == (
         "teama/victim:latest", "teama", "alice")
     for door in DOORS:
@@ -231,6 +233,9 @@ def test_a_tag_never_moves_to_a_tree_built_outside_its_namespace(world: World) -
     assert r.status_code == 201, r.text
     assert world.build(world.bob, "teama/x", "bob\n").status_code == 403
     assert world.build(world.bob, "tools", "bob\n").status_code == 403   # cluster-wide
+    # nor can an upload pass for a snapshot (it would list under another project)
+    r = world.build(world.bob, "teamb/fake", "bob\n", kind="snapshot")
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
     # even the superuser cannot give a project's tree a cluster-wide name ...
     r = world.tag(world.root_key, "teama/victim", "victim")
     assert r.status_code == 403 and "built in project 'teama'" in r.json()["message"], r.text
@@ -259,9 +264,10 @@ def test_a_tag_never_moves_to_a_tree_built_outside_its_namespace(world: World) -
     d = world.http.delete(f"/v1/images/{base}", headers=world.h(world.alice))
     assert d.status_code == 403, d.text
     # the last name of a project's own layer takes the layer with it
-    digest = world.http.get("/v1/images/teama/mine", headers=world.h(world.alice)).json()[
-        "digest"]
-    assert world.http.delete("/v1/images/teama/mine",
+    r = world.build(world.alice, "teama/short-lived", "alice\n")
+    assert r.status_code == 201, r.text
+    digest = r.json()["items"][0]["digest"]
+    assert world.http.delete("/v1/images/teama/short-lived",
                              headers=world.h(world.alice)).status_code == 204
     assert world.http.get(f"/v1/images/{digest}",
                           headers=world.h(world.alice)).status_code == 404
@@ -305,9 +311,25 @@ def test_snapshot_prefixes_never_expand_across_projects(world: World) -> None:
         # the superuser sees both: a real ambiguity, said without guessing
         r = world.http.get(f"/v1/snapshots/{prefix}", headers=world.h(world.root_key))
         assert r.status_code == 400 and "ambiguous" in r.json()["message"], r.text
-        # delete by another project's full id or prefix: 404, nothing removed
-        r = world.http.delete(f"/v1/snapshots/{theirs}", headers=world.h(world.mallory))
-        assert r.status_code == 404, r.text
+        # another project's full id, through every door and every snapshot operation,
+        # answers like an id nobody has; list filters answer like an unknown sandbox
+        nobody = "sha256:" + secrets.token_hex(32)
+        for door in DOORS:
+            with world.client(world.mallory, door) as c:
+                answers = []
+                for ref in (theirs, nobody):
+                    for call in (lambda r: c.snapshots.get(r), lambda r: c.snapshots.delete(r),
+                                 lambda r: c.sandboxes.create(snapshot=r, project="teamc")):
+                        with pytest.raises(DsecError) as e:
+                            call(ref)
+                        answers.append((e.value.code, e.value.message.replace(ref, "X")))
+                assert answers[:3] == answers[3:], (door, answers)
+                assert {a[0] for a in answers} == {"image_not_found"}
+        with world.client(world.alice, "http") as c:
+            alice_sb = c.snapshots.get(theirs).view.sandbox_id
+        with world.client(world.mallory, "aether") as c:
+            assert c.snapshots.list(sandbox_id=alice_sb) == []
+            assert c.snapshots.list(sandbox_id="sb-000000000000-edge-0") == []
         assert world.http.get(f"/v1/snapshots/{theirs}",
                               headers=world.h(world.alice)).status_code == 200
     finally:

@@ -732,6 +732,12 @@ class ControlPlane:
         if parsed.name is None:
             raise InvalidArgument(f"name {name[:200]!r} must be [project/]name, not a digest",
                                   field="name")
+        if kind not in ("base", "workspace", "toolkit"):
+            # A "snapshot" built from an upload would pass for a sandbox's snapshot (and
+            # list under whatever project its labels claim): only edges make those.
+            raise InvalidArgument(f"kind={kind[:40]!r}: build a 'base', 'workspace' or "
+                                  "'toolkit' layer (snapshots are taken of sandboxes)",
+                                  field="kind")
         ns = parsed.namespace
         _require_write(caller, ns, what=f"build {parsed.key}")
         store = self._layers()
