@@ -335,3 +335,32 @@ def test_snapshot_prefixes_never_expand_across_projects(world: World) -> None:
     finally:
         os.unlink(planted_path)
         os.unlink(os.path.join(store, "layers", planted[7:] + ".erofs"))
+
+
+def test_project_builds_share_the_projects_layer_storage_quota(world: World) -> None:
+    # Members may build into their project now; the layer store is one disk, so a
+    # project's images count against its layer-storage quota (snapshot_bytes) like its
+    # snapshots do. A refused build leaves nothing behind and moves no name.
+    admin = world.h(world.root_key)
+    quinn = world.cluster.create_key("quinn", "teamq", "member")
+    first = world.build(quinn, "teamq/img", "one\n")
+    assert first.status_code == 201, first.text
+    size = first.json()["items"][0]["size_bytes"]
+    r = world.http.put("/v1/quotas/teamq", json={"snapshot_bytes": size + size // 2},
+                       headers=admin)
+    assert r.status_code == 200, r.text
+    assert world.http.get("/v1/projects/teamq", headers=admin).json()["usage"][
+        "snapshot_bytes"] == size
+    before = set(os.listdir(os.path.join(world.cluster.state_dir, "layers", "layers")))
+    r = world.build(quinn, "teamq/img", "two\n")
+    assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+    assert set(os.listdir(os.path.join(world.cluster.state_dir, "layers", "layers"))) == before
+    got = world.http.get("/v1/images/teamq/img", headers=world.h(quinn)).json()
+    assert got["digest"] == first.json()["items"][0]["digest"]      # the name did not move
+    # deleting gives the room back
+    assert world.http.delete("/v1/images/teamq/img", headers=world.h(quinn)).status_code == 204
+    assert world.http.get("/v1/projects/teamq", headers=admin).json()["usage"][
+        "snapshot_bytes"] == 0
+    assert world.build(quinn, "teamq/img", "two\n").status_code == 201
+    # cluster-wide layers (a superuser's) are nobody's quota
+    assert world.build(world.root_key, "shared-tools", "x\n").status_code == 201

@@ -357,7 +357,7 @@ class LayerStore:
                 compression: Compression | None = None,
                 limits: ExtractLimits = DEFAULT_LIMITS, oci_whiteouts: bool = False,
                 progress: ProgressFn | None = None, namespace: str | None = None,
-                owner: str | None = None) -> LayerManifest:
+                owner: str | None = None, max_bytes: int | None = None) -> LayerManifest:
         """Build a layer from a tar stream, unpacked safely into a staging directory."""
         if name is not None:
             _name_key(namespace, name, tag)  # a bad name fails before the upload is unpacked
@@ -365,7 +365,7 @@ class LayerStore:
             extract_tar(fileobj, stage, limits=limits, oci_whiteouts=oci_whiteouts)
             return self.add_tree(stage, kind=kind, name=name, tag=tag, labels=labels,
                                  compression=compression, progress=progress,
-                                 namespace=namespace, owner=owner)
+                                 namespace=namespace, owner=owner, max_bytes=max_bytes)
 
     def users(self, digest: str) -> list[str]:
         """Why ``digest`` cannot be removed: mounts of it and layers that build on it."""

@@ -33,6 +33,7 @@ Durable state is in the store only: sessions (``sessions`` table), idempotency k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -721,6 +722,7 @@ class ControlPlane:
                 if not index.sync().names_of(m.digest):
                     _require_write(caller, layer_namespace(m), what="")
                     store.remove(m.digest)
+                    self.release_snapshot(m.digest)
             except (PermissionDenied, InUse):
                 pass   # the name is gone; the layer stays (another's, or in use)
             return
@@ -729,6 +731,7 @@ class ControlPlane:
             _require_write(caller, ns, what=f"delete {m.digest}")
         try:
             store.remove(m.digest)
+            self.release_snapshot(m.digest)
         except InUse:
             # The store names the users (mounts, other projects' snapshots): say only
             # that there are some.
@@ -773,17 +776,22 @@ class ControlPlane:
         ns = parsed.namespace
         _require_write(caller, ns, what=f"build {parsed.key}")
         store = self._layers()
+        # A project's layers share its layer-storage quota with its snapshots
+        # (``snapshot_bytes``, every ancestor's too): members build now, and the layer
+        # store is one disk. Cluster-wide layers (a superuser's) are not charged.
+        room = self.quota.snapshot_room(ns) if ns else None
+        if room == 0 and ns:
+            self.quota.check_snapshot(ns, 1)   # raises, naming the full quota
 
-        def work() -> list[Any]:
+        def work() -> list[LayerManifest]:
+            # Built without a name, named only once charged: a refused build moves no tag.
             if oci:
                 from dsec.image import import_oci
-                return list(import_oci(store, tar_path, name=parsed.name, tag=parsed.tag,
-                                       kind=kind,  # type: ignore[arg-type]
-                                       namespace=ns, owner=caller.id))
+                return list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
+                                       namespace=ns, owner=caller.id, max_bytes=room))
             with open(tar_path, "rb") as f:
                 return [store.add_tar(f, kind=kind,  # type: ignore[arg-type]
-                                      name=parsed.name, tag=parsed.tag, namespace=ns,
-                                      owner=caller.id)]
+                                      namespace=ns, owner=caller.id, max_bytes=room)]
         try:
             made = await asyncio.to_thread(work)
         except DsecError:
@@ -792,6 +800,20 @@ class ControlPlane:
             log.warning("image build %s failed", parsed.key, exc_info=exc)
             raise ImageError(f"could not build image {parsed.key} from the upload: "
                              f"{type(exc).__name__}: {exc}") from exc
+        charged: list[str] = []
+        try:
+            if ns:
+                for m in made:
+                    self.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                    charged.append(m.digest)
+            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns)
+        except BaseException:
+            for m in made:
+                with contextlib.suppress(DsecError, OSError):
+                    store.remove(m.digest)
+            for digest in charged:
+                self.release_snapshot(digest)
+            raise
         index = self._index()
         assert index is not None
         can_see = _can_see(caller)
