@@ -110,6 +110,10 @@ class JailConfig(msgspec.Struct, frozen=True, kw_only=True):
     mountpoint: str = ""
     seccomp: bytes = b""        # loaded when pre-started: the profile minus ADMISSION_SYSCALLS
     seccomp_admit: bytes = b""  # stacked on it at the end of admission: exactly those
+    # Nice value of the zygote and of each worker's init: building warm workers (forks,
+    # namespaces, mounts) yields to calls being served; the call process itself runs at
+    # nice 0 (see docs/isolation.md for what was measured).
+    prestart_nice: int = 5
     tmp_bytes: int = 1 << 30   # private /tmp (pages count against the sandbox's memory)
     shm_bytes: int = SHM_BYTES
     hostname: str = "fncall"
@@ -432,6 +436,7 @@ def prestart_call(cfg: JailConfig) -> None:
                             ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
             if r < 0 and ctypes.get_errno() != errno.EINVAL:
                 _check(r, f"prctl(PR_CAPBSET_DROP, {cap})")
+    os.setpriority(os.PRIO_PROCESS, 0, 0)  # it serves a call: back from prestart_nice
     linux.set_no_new_privs()
     if cfg.seccomp:
         linux.load_seccomp(cfg.seccomp)

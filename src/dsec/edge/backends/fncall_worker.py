@@ -132,6 +132,7 @@ def zygote(fd: int) -> None:
             own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             fncall_jail.build_root(jail)
             _devnull_stdio()
+            os.setpriority(os.PRIO_PROCESS, 0, jail.prestart_nice)  # workers inherit it
             # Host paths that do not exist in the jail (the dsec source, PYTHONPATH-like
             # leftovers) go from sys.path: imports look only where the runtime is.
             sys.path[:] = [p for p in sys.path if p and os.path.isdir(p)]
