@@ -311,7 +311,9 @@ def run(ctx: BenchContext) -> None:
     ctx.note("fncall_handout ends when the call's first line runs, so isolated=true "
              "includes admission into the jail (cgroup joins ~0.1-0.3 ms in 5 v1 "
              "hierarchies, cgroup ns + move_mount ~0.1 ms, uid drop ~0.06 ms, the stacked "
-             "second seccomp filter ~0.04 ms); the rest is waking the worker. fncall_call "
+             "second seccomp filter ~0.04 ms); the rest is waking the worker and, on a busy "
+             "machine, the time slice lost when it moves into the sandbox's cpu cgroup "
+             "(the kernel reschedules there) and waits for the global cgroup mutex. fncall_call "
              "returns only once the worker's pid namespace is gone (every process the call "
              "started reaped): ~2-6 ms of process teardown on this VM, off the handout.")
     ctx.note("pause_resume uses real sleeps of the paper profile (pause 4 s, resume 1 s), all "
