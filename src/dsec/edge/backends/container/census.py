@@ -1,0 +1,160 @@
+"""What a container backend holds on the host, found by looking (not by remembering).
+
+After a crash the edge's memory is gone but its sandboxes' traces are not: a directory
+under ``<root_dir>/sb``, a cgroup ``dsec-<name>/<sid>`` in every hierarchy (v1 memory,
+cpu, pids, freezer, ...; the ones runc makes in blkio, cpuset, devices, name=systemd and
+the v2 mount too), the processes in those cgroups (the init, whose pid namespace and
+netns die with it), mounts below the sandbox directory (the disk tmpfs, runc's rootfs
+overlay) and runc's state directory. A :class:`Census` lists each of them by sandbox id,
+so start-up reconciliation (``ContainerBackend.reconcile``), ``destroy`` of an id the node
+forgot, the leak tests and the ``faults`` bench all read the host the same way.
+
+The parsing is pure (mountinfo text in, mount points out); :func:`take_census` does the
+reading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+from dsec.edge.governor import all_leaf_dirs
+
+__all__ = ["Census", "cgroup_name_of", "cgroup_parents", "mounts_below", "take_census"]
+
+
+def cgroup_name_of(root_dir: str) -> str:
+    """The default cgroup name of a backend rooted at ``root_dir``: stable across
+    restarts, so a restarted edge finds its sandboxes' parent cgroup again (pure)."""
+    return hashlib.sha1(os.path.abspath(root_dir).encode()).hexdigest()[:10]
+
+
+def _unescape(path: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
+    if "\\" not in path:
+        return path
+    out, i = [], 0
+    while i < len(path):
+        esc = path[i + 1:i + 4]
+        if path[i] == "\\" and len(esc) == 3 and all(c in "01234567" for c in esc):
+            out.append(chr(int(esc, 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_below(mountinfo: str, prefix: str) -> list[str]:
+    """Mount points strictly below directory ``prefix`` in a ``/proc/self/mountinfo``
+    text, deepest first (the order to unmount them in). Pure."""
+    base = prefix.rstrip("/") + "/"
+    out = []
+    for line in mountinfo.splitlines():
+        fields = line.split(" ", 5)
+        if len(fields) < 5:
+            continue
+        mp = _unescape(fields[4])
+        if mp.startswith(base):
+            out.append(mp)
+    return sorted(set(out), key=lambda p: (-p.count("/"), p))
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """Host traces of one container backend, by sandbox id."""
+
+    dirs: frozenset[str] = frozenset()                     # <root_dir>/sb/<sid>
+    cgroups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # sid -> cgroup dirs
+    tasks: dict[str, tuple[int, ...]] = field(default_factory=dict)    # sid -> pids inside
+    mounts: dict[str, tuple[str, ...]] = field(default_factory=dict)   # sid -> mount points
+    runc: frozenset[str] = frozenset()                     # <root_dir>/runc-state/<sid>
+
+    def sandboxes(self) -> set[str]:
+        """Every sandbox id with any trace on the host."""
+        return set(self.dirs) | set(self.cgroups) | set(self.mounts) | set(self.runc)
+
+    def describe(self, sid: str) -> str:
+        """What the host holds for ``sid``, in words (for events and logs)."""
+        parts = []
+        if sid in self.dirs:
+            parts.append("directory")
+        if self.cgroups.get(sid):
+            parts.append(f"{len(self.cgroups[sid])} cgroup(s)")
+        if self.tasks.get(sid):
+            parts.append(f"{len(self.tasks[sid])} process(es)")
+        if self.mounts.get(sid):
+            parts.append(f"{len(self.mounts[sid])} mount(s)")
+        if sid in self.runc:
+            parts.append("runc state")
+        return ", ".join(parts) or "nothing"
+
+    def counts(self) -> dict[str, int]:
+        """Totals (leak checks compare these before and after)."""
+        return {"dirs": len(self.dirs),
+                "cgroups": sum(len(v) for v in self.cgroups.values()),
+                "tasks": sum(len(v) for v in self.tasks.values()),
+                "mounts": sum(len(v) for v in self.mounts.values()),
+                "runc": len(self.runc)}
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _tasks(cgroup_dir: str) -> list[int]:
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def cgroup_parents(cgroup_name: str) -> list[str]:
+    """``<own cgroup>/dsec-<cgroup_name>`` in every mounted hierarchy."""
+    with open("/proc/self/mountinfo") as f:
+        mountinfo = f.read()
+    with open("/proc/self/cgroup") as f:
+        own = f.read()
+    return all_leaf_dirs(mountinfo, own, name=cgroup_name)
+
+
+def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> Census:
+    """Read what the backend rooted at ``root_dir`` (cgroup parent ``dsec-<name>``, in
+    the calling process's own cgroups) holds on the host right now; with ``only``, just
+    for that sandbox id (cheaper: no directory listings)."""
+    root_dir = os.path.abspath(root_dir)
+    sb = os.path.join(root_dir, "sb")
+    runc_root = os.path.join(root_dir, "runc-state")
+    if only is not None:
+        if not only or "/" in only or only.startswith("."):
+            return Census()
+        dirs = frozenset([only] if os.path.isdir(os.path.join(sb, only)) else [])
+        runc = frozenset([only] if os.path.isdir(os.path.join(runc_root, only)) else [])
+    else:
+        dirs = frozenset(_subdirs(sb))
+        runc = frozenset(n for n in _subdirs(runc_root) if not n.startswith("."))
+    cgroups: dict[str, list[str]] = {}
+    tasks: dict[str, set[int]] = {}
+    for parent in cgroup_parents(cgroup_name):
+        names = _subdirs(parent) if only is None else (
+            [only] if os.path.isdir(os.path.join(parent, only)) else [])
+        for sid in names:
+            d = os.path.join(parent, sid)
+            cgroups.setdefault(sid, []).append(d)
+            pids = _tasks(d)
+            if pids:
+                tasks.setdefault(sid, set()).update(pids)
+    with open("/proc/self/mountinfo") as f:
+        mountinfo = f.read()
+    mounts: dict[str, list[str]] = {}
+    for mp in mounts_below(mountinfo, sb if only is None else os.path.join(sb, only)):
+        sid = mp[len(sb) + 1:].split("/", 1)[0]
+        mounts.setdefault(sid, []).append(mp)
+    return Census(dirs=dirs, cgroups={k: tuple(v) for k, v in cgroups.items()},
+                  tasks={k: tuple(sorted(v)) for k, v in tasks.items()},
+                  mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc)
