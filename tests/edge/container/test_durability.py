@@ -91,3 +91,170 @@ async def test_acknowledged_creates_survive_kill_9(edge: EdgeProcess) -> None:
         live = await _assert_host_matches(edge, c)
         r = await c.exec(live[0], "echo alive")
         assert r.stdout == b"alive\n"
+
+
+async def test_kill_9_under_load_keeps_every_answer_and_leaks_nothing(
+        edge: EdgeProcess) -> None:
+    """Concurrent create/pause/destroy (some with a disk tmpfs mount), kill -9 at a random
+    moment, three times. After the last restart: every acknowledged create is there unless
+    its destroy was acknowledged too, every acknowledged pause comes back paused, every
+    acknowledged destroy stays destroyed, and the host holds exactly the live sandboxes."""
+    rnd = random.Random(5)
+    created: set[str] = set()
+    destroyed: set[str] = set()
+    paused: set[str] = set()
+    tried: set[str] = set()  # a destroy or pause was sent but not answered: either outcome
+    disk_spec = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64,
+                            disk_bytes=4 << 20)
+    for _ in range(3):
+        await edge.start()
+        c = await edge.client()
+
+        async def worker(c: EdgeClient = c) -> None:
+            while True:
+                sid = _sid(rnd, edge.node_id)
+                await c.create(disk_spec if rnd.random() < 0.3 else SPEC, sandbox_id=sid)
+                created.add(sid)
+                op = rnd.random()
+                if op < 0.7:
+                    tried.add(sid)
+                if op < 0.5:
+                    await c.destroy(sid)
+                    destroyed.add(sid)
+                elif op < 0.7:
+                    await c.pause(sid)
+                    paused.add(sid)
+                tried.discard(sid)
+
+        tasks = [asyncio.ensure_future(worker()) for _ in range(12)]
+        await asyncio.sleep(rnd.uniform(0.4, 1.2))
+        edge.kill9()
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, DsecError) for r in res), res
+        await c.close()
+    assert len(created) >= 20 and destroyed and paused
+    await edge.start()
+    async with await edge.client() as c:
+        lost = []
+        for sid in sorted(created):
+            try:
+                info = await c.get(sid)
+            except SandboxNotFound:
+                lost.append((sid, "not found"))
+                continue
+            want = ("destroyed" if sid in destroyed else
+                    "paused" if sid in paused else "running")
+            if info.state != want and not (sid in tried and info.state in (
+                    "running", "paused", "destroyed")):
+                lost.append((sid, f"{info.state} ({info.reason}), want {want}"))
+        assert lost == [], f"{len(lost)} of {len(created)} acknowledged answers lost: {lost[:5]}"
+        live = await _assert_host_matches(edge, c)
+        assert any(m for m in edge.census().mounts.values())  # disk tmpfs mounts came back
+        p = sorted(paused - destroyed)[0]
+        assert (await c.exec(p, "echo thawed")).stdout == b"thawed\n"  # auto-resume
+        assert p in live
+
+
+async def test_leftovers_the_journal_does_not_know_are_destroyed_with_a_reason(
+        edge: EdgeProcess, images_dir: str) -> None:
+    """A sandbox on the host that no journal record names (made by a backend the edge
+    never heard of) is destroyed when the edge starts, and get(id) says why."""
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.ids import SandboxId
+
+    stray = SandboxId(_sid(random.Random(3), edge.node_id))
+    b = ContainerBackend(root_dir=edge.root, images=DirectoryImages(images_dir))
+    await b.create(stray, SandboxSpec(backend="container", disk_bytes=2 << 20))
+    await b.close()  # leaves it running, as a crashed edge would
+    assert edge.census().tasks.get(stray)
+    await edge.start()
+    async with await edge.client() as c:
+        info = await c.get(stray)
+        assert (info.state, info.reason) == ("destroyed", "node_lost")
+        ev = (await c.events(stray))[-1]
+        assert "found on the host at edge start with no journal record" in ev.detail
+        assert "1 process(es)" in ev.detail and "mount" in ev.detail
+        assert edge.census().sandboxes() == set()
+        with pytest.raises(InvalidTransition, match="node_lost"):
+            await c.exec(stray, "true")
+    edge.stop()
+    await edge.start()  # the tombstone itself is in the journal
+    async with await edge.client() as c:
+        assert (await c.get(stray)).reason == "node_lost"
+
+
+_LAYERED_EDGE = """
+import asyncio, sys
+from dsec.edge.backends.container import ContainerBackend
+from dsec.edge.spec import SandboxSpec
+from dsec.image import LayerStore, MountCache, ensure_busybox_base
+from dsec.image.resolver import StoreImages
+async def main():
+    store = LayerStore(sys.argv[1])
+    store.tag(ensure_busybox_base(store).digest, "base")
+    cache = MountCache()
+    b = ContainerBackend(root_dir=sys.argv[2], images=StoreImages(store, cache),
+                         runtime=sys.argv[4])
+    await b.create(sys.argv[3], SandboxSpec(backend="container", image="base"))
+    print(cache.root, flush=True)
+    await asyncio.sleep(1000)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("runtime", ["native", "runc"])
+async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed(
+        tmp_path: object, runtime: str) -> None:
+    """kill -9 leaves the EROFS layer mounts of the dead process's cache; the next cache
+    detaches them (lazily) and an adopted sandbox still reads its image files: overlayfs
+    holds its own clones of the lower layers (runc's overlay is a host mount, too)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from dsec.edge.backends.container import ContainerBackend
+    from dsec.edge.spec import ExecRequest
+    from dsec.ids import SandboxId
+    from dsec.image import LayerStore, MountCache
+    from dsec.image.resolver import StoreImages
+
+    if os.geteuid() != 0 or (runtime == "runc" and shutil.which("runc") is None):
+        pytest.skip("needs root (and runc)")
+    store_dir, root = os.path.join(str(tmp_path), "store"), os.path.join(str(tmp_path), "r")
+    sid = SandboxId(_sid(random.Random(9), "t1"))
+    spec = SandboxSpec(backend="container", image="base")
+    edge = subprocess.Popen([sys.executable, "-c", _LAYERED_EDGE, store_dir, root, sid,  # noqa: ASYNC220
+                             runtime], stdout=subprocess.PIPE)
+    b = cache = None
+    try:
+        assert edge.stdout is not None
+        old_root = edge.stdout.readline().decode().strip()
+        assert old_root.startswith("/run/dsec/m")
+        edge.kill()
+        edge.wait()
+        cache = MountCache()
+        assert [os.path.dirname(m) for m in cache.reclaimed] == [old_root]
+        assert not os.path.exists(old_root)
+        b = ContainerBackend(root_dir=root, images=StoreImages(LayerStore(store_dir), cache),
+                             runtime=runtime)  # type: ignore[arg-type]
+        assert await b.adopt(sid, spec)
+        r = await b.exec(sid, ExecRequest(shell="head -c 5 /bin/busybox | od -c | head -1; "
+                                                "ls /bin | wc -l"))
+        assert r.exit_code == 0 and b"E   L   F" in r.stdout and int(r.stdout.split()[-1]) > 50
+        other = SandboxId(_sid(random.Random(10), "t1"))
+        await b.create(other, spec)  # new sandboxes use the layers re-mounted by this cache
+        assert (await b.exec(other, ExecRequest(argv=("true",)))).exit_code == 0
+        await b.destroy(other)
+        await b.destroy(sid)
+        assert b.census().sandboxes() == set()
+    finally:
+        if edge.poll() is None:
+            edge.kill()
+            edge.wait()
+        if b is not None:
+            for s in b.sandbox_ids():
+                await b.destroy(SandboxId(s))
+            await b.close()
+            b.governor.remove_base()
+        if cache is not None:
+            cache.close()

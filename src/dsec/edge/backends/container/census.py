@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from dsec.edge.governor import all_leaf_dirs
+from dsec.image.mount import mounts_below
 
 __all__ = ["Census", "cgroup_name_of", "cgroup_parents", "mounts_below", "take_census"]
 
@@ -28,37 +29,6 @@ def cgroup_name_of(root_dir: str) -> str:
     """The default cgroup name of a backend rooted at ``root_dir``: stable across
     restarts, so a restarted edge finds its sandboxes' parent cgroup again (pure)."""
     return hashlib.sha1(os.path.abspath(root_dir).encode()).hexdigest()[:10]
-
-
-def _unescape(path: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
-    if "\\" not in path:
-        return path
-    out, i = [], 0
-    while i < len(path):
-        esc = path[i + 1:i + 4]
-        if path[i] == "\\" and len(esc) == 3 and all(c in "01234567" for c in esc):
-            out.append(chr(int(esc, 8)))
-            i += 4
-        else:
-            out.append(path[i])
-            i += 1
-    return "".join(out)
-
-
-def mounts_below(mountinfo: str, prefix: str) -> list[str]:
-    """Mount points strictly below directory ``prefix`` in a ``/proc/self/mountinfo``
-    text, deepest first (the order to unmount them in). Pure."""
-    base = prefix.rstrip("/") + "/"
-    out = []
-    for line in mountinfo.splitlines():
-        fields = line.split(" ", 5)
-        if len(fields) < 5:
-            continue
-        mp = _unescape(fields[4])
-        if mp.startswith(base):
-            out.append(mp)
-    return sorted(set(out), key=lambda p: (-p.count("/"), p))
 
 
 @dataclass(frozen=True, slots=True)
