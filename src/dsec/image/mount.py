@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from dsec.errors import CorruptLayer, ImageError, InUse, InvalidArgument
+from dsec.ownership import claim, disown, owner_alive
 from dsec.image.erofs import hash_file
 from dsec.image.manifest import LayerManifest, short_digest
 
@@ -41,7 +42,6 @@ __all__ = ["MS_RDONLY", "MountCache", "is_mountpoint", "mounts_below", "reclaim_
            "sys_mount", "sys_umount"]
 
 RUN_ROOT = "/run/dsec"
-OWNER = ".owner"
 
 MS_RDONLY = 0x1
 MNT_DETACH = 0x2
@@ -106,40 +106,6 @@ def mounts_below(mountinfo: str, prefix: str) -> list[str]:
     return sorted(set(out), key=lambda p: (-p.count("/"), p))
 
 
-def _start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks since boot): with the pid, it names one
-    process across pid reuse. None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rfind(b")") + 2:].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _owner_file(root: str) -> str:
-    return root.rstrip("/") + OWNER
-
-
-def _write_owner(root: str) -> None:
-    me = os.getpid()
-    tmp = _owner_file(root) + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{me} {_start_time(me)}\n")
-    os.replace(tmp, _owner_file(root))
-
-
-def _owner_alive(root: str) -> bool | None:
-    """True/False if ``root`` names its owner and it is alive/gone; None if it does not."""
-    try:
-        with open(_owner_file(root)) as f:
-            pid_s, start_s = f.read().split()
-        pid, start = int(pid_s), int(start_s)
-    except (OSError, ValueError):
-        return None
-    return _start_time(pid) == start
-
-
 def _reclaim_root(root: str, *, remove_root: bool) -> list[str]:
     """Detach every mount below ``root`` and remove the emptied mount points."""
     with open("/proc/self/mountinfo") as f:
@@ -170,11 +136,7 @@ def _reclaim_root(root: str, *, remove_root: bool) -> list[str]:
             os.rmdir(root)
         except OSError:
             pass
-    for path in (_owner_file(root), _owner_file(root) + ".tmp"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    disown(root)
     return gone
 
 
@@ -188,7 +150,7 @@ def reclaim_dead_roots(parent: str = RUN_ROOT) -> list[str]:
         return gone
     for e in entries:
         if e.name.startswith("m") and e.is_dir(follow_symlinks=False) \
-                and _owner_alive(e.path) is False:
+                and owner_alive(e.path) is False:
             gone += _reclaim_root(e.path, remove_root=True)
     return gone
 
@@ -218,14 +180,14 @@ class MountCache:
             mount_root = tempfile.mkdtemp(prefix="m", dir=RUN_ROOT)
         else:
             os.makedirs(mount_root, exist_ok=True)
-            alive = _owner_alive(mount_root)
+            alive = owner_alive(mount_root)
             if alive:
                 raise InUse(f"mount root {mount_root} belongs to another live mount cache; "
                             "close it or give this cache another mount_root",
                             mount_root=mount_root)
             self.reclaimed = (_reclaim_root(mount_root, remove_root=False)
                               if alive is False else [])
-        _write_owner(mount_root)
+        claim(mount_root)
         self.root = mount_root
         self.verify = verify
         self._lock = threading.Lock()
@@ -322,10 +284,7 @@ class MountCache:
             for ent in self._mounts.values():
                 self._unmount(ent.path)
             self._mounts.clear()
-        try:
-            os.unlink(_owner_file(self.root))
-        except FileNotFoundError:
-            pass
+        disown(self.root)
         if self._own_root:
             try:
                 os.rmdir(self.root)

@@ -35,6 +35,17 @@ async def edge(tmp_path: object, images_dir: str) -> AsyncIterator[EdgeProcess]:
         assert left.sandboxes() == set(), f"host still holds {left.counts()}: {sorted(left.sandboxes())[:5]}"
 
 
+def _running(pid: int) -> bool:
+    """True if ``pid`` is a process that is not a zombie (killed orphans are reaped by
+    PID 1 whenever it gets to it; a zombie holds nothing but its pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2:].split()[0] != b"Z"
+
+
 def _sid(rnd: random.Random, node: str) -> str:
     return f"sb-{rnd.getrandbits(48):012x}-{node}"
 
@@ -258,3 +269,127 @@ async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed
             b.governor.remove_base()
         if cache is not None:
             cache.close()
+
+
+async def test_destroy_removes_what_the_host_holds_for_an_id_the_node_forgot(
+        tmp_path: object, images_dir: str) -> None:
+    """DELETE of an id the node has no record of, whose traces are still on the host (a
+    directory, cgroups with a process inside), removes them and answers with a tombstone
+    instead of SandboxNotFound; an id with no traces is still SandboxNotFound."""
+    import subprocess
+
+    from dsec.edge.admission import Capacity
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.governor import Limits
+    from dsec.edge.node import EdgeNode, NodeConfig
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    root = os.path.join(str(tmp_path), "root")
+    backend = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    cfg = NodeConfig(node_id="t1", capacity=Capacity(cpu_milli=10_000, memory_bytes=1 << 34,
+                                                     max_sandboxes=10),
+                     state_dir=os.path.join(str(tmp_path), "state"))
+    rnd = random.Random(4)
+    sleeper = None
+    async with EdgeNode(cfg, backend) as node:
+        sid = _sid(rnd, "t1")
+        cg = backend.governor.create(sid, Limits(100, 64 << 20, 16))
+        os.makedirs(os.path.join(root, "sb", sid, "upper"))
+        sleeper = subprocess.Popen(["sleep", "1000"])
+        for procs in cg.procs_files:
+            with open(procs, "w") as f:
+                f.write(str(sleeper.pid))
+        try:
+            found = backend.census(sid).describe(sid)
+            assert found.startswith("directory, ") and "1 process(es)" in found
+            info = await node.destroy(sid, reason="evicted")
+            assert (info.state, info.reason) == ("destroyed", "evicted")
+            assert "the node had no record of it" in node.events(sid)[-1].detail
+            assert sleeper.wait(10) == -9
+            assert backend.census().sandboxes() == set()
+            with pytest.raises(SandboxNotFound):
+                await node.destroy(_sid(rnd, "t1"))
+        finally:
+            if sleeper.poll() is None:
+                sleeper.kill()
+                sleeper.wait()
+    backend.governor.remove_base()
+
+
+_BARE_EDGE = """
+import asyncio, sys
+from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+from dsec.edge.spec import ExecRequest, SandboxSpec
+async def main():
+    b = ContainerBackend(root_dir=sys.argv[1], images=DirectoryImages(sys.argv[2]),
+                         runtime=sys.argv[3])
+    for i, sid in enumerate(sys.argv[4:]):
+        await b.create(sid, SandboxSpec(backend="container", disk_bytes=(4 << 20) if i else None))
+        await b.exec(sid, ExecRequest(shell="sleep 1000", background=True))
+    print("ready", flush=True)
+    await asyncio.sleep(1000)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("runtime", ["native", "runc"])
+async def test_reconcile_removes_every_trace_of_what_is_not_kept(
+        tmp_path: object, images_dir: str, runtime: str) -> None:
+    """After kill -9: keep one sandbox, reconcile away the other (processes, cgroups in
+    every hierarchy - runc makes them in blkio, cpuset, devices, ... too -, its disk
+    tmpfs, runc's rootfs mount and state dir, its directory)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.spec import ExecRequest
+    from dsec.ids import SandboxId
+
+    if os.geteuid() != 0 or (runtime == "runc" and shutil.which("runc") is None):
+        pytest.skip("needs root (and runc)")
+    root = os.path.join(str(tmp_path), "root")
+    rnd = random.Random(21)
+    keep, drop = SandboxId(_sid(rnd, "t1")), SandboxId(_sid(rnd, "t1"))
+    edge = subprocess.Popen([sys.executable, "-c", _BARE_EDGE, root, images_dir, runtime,  # noqa: ASYNC220
+                             keep, drop], stdout=subprocess.PIPE)
+    b = None
+    try:
+        assert edge.stdout is not None and edge.stdout.readline() == b"ready\n"
+        edge.kill()
+        edge.wait()
+        b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir),
+                             runtime=runtime)  # type: ignore[arg-type]
+        before = b.census()
+        assert before.sandboxes() == {keep, drop}
+        assert len(before.tasks[drop]) >= 2 and before.mounts[drop]
+        if runtime == "runc":
+            assert drop in before.runc and len(before.cgroups[drop]) > 5
+        assert await b.adopt(keep, SandboxSpec(backend="container"))
+        left = await b.reconcile({keep})
+        assert [x.sandbox_id for x in left] == [drop]
+        assert "could not" not in left[0].what and left[0].spec is not None
+        after = b.census()
+        assert after.sandboxes() == {keep} and after.counts() == {
+            "dirs": 1, "cgroups": len(before.cgroups[keep]), "tasks": len(before.tasks[keep]),
+            "mounts": len(before.mounts.get(keep, ())), "runc": int(runtime == "runc")}
+        for _ in range(500):  # SIGKILLed: out of its cgroup at once, gone a moment later
+            if not [p for p in before.tasks[drop] if _running(p)]:
+                break
+            await asyncio.sleep(0.01)
+        assert not [p for p in before.tasks[drop] if _running(p)]
+        r = await b.exec(keep, ExecRequest(shell="echo kept"))
+        assert r.stdout == b"kept\n"
+        await b.destroy(keep)
+        assert b.census().sandboxes() == set()
+    finally:
+        if edge.poll() is None:
+            edge.kill()
+            edge.wait()
+        if b is not None:
+            for s in b.sandbox_ids():
+                await b.destroy(SandboxId(s))
+            await b.reconcile(set())
+            await b.close()
+            b.governor.remove_base()
