@@ -4,6 +4,7 @@ import asyncio
 import errno
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -105,9 +106,8 @@ async def test_group_commit_one_write_covers_every_waiter(tmp_path) -> None:  # 
     async def one(i: int) -> None:
         j.put(rec(i))
         await j.commit()
-        with open(j.path, "rb") as f:
-            if rec(i).id.encode() not in f.read():
-                seen_missing.append(i)
+        if rec(i).id.encode() not in Path(j.path).read_bytes():
+            seen_missing.append(i)
 
     await asyncio.gather(*(one(i) for i in range(200)))
     assert seen_missing == []

@@ -8,11 +8,13 @@ record a final event with the reason.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Set
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dsec.edge.spec import (
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -107,7 +109,7 @@ class Leftover:
     """What a backend found (and removed) on the host for a sandbox the node does not own."""
 
     sandbox_id: str
-    backend: str                       # the backend's name
+    backend: BackendName               # the backend's name
     what: str                          # e.g. "directory, 5 cgroup(s), 1 process(es)"
     spec: SandboxSpec | None = None    # as recorded on the host, if it was
 
@@ -123,7 +125,7 @@ class ReconcilingBackend(Protocol):
     removed, so the node can record a tombstone with the reason. :meth:`discard` does the
     same for one id the node has no record of (``destroy`` of such an id)."""
 
-    async def reconcile(self, keep: Set[str]) -> list[Leftover]: ...
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]: ...
 
     async def discard(self, sid: SandboxId) -> Leftover | None: ...
 

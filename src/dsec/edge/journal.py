@@ -104,6 +104,15 @@ class Journaled(Protocol):
     last_active_at: float
 
 
+class Ending(Protocol):
+    """A record that ended: the journal asks it for its tombstone at write time (so a
+    sandbox created and ended within one tick costs nothing in ``tick`` mode)."""
+
+    id: str
+
+    def ended(self) -> JournalEnd: ...
+
+
 @dataclass(frozen=True, slots=True)
 class JournalContents:
     """What :meth:`SandboxJournal.open` found: live records by id, tombstones oldest first."""
@@ -116,8 +125,8 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(JournalRecord | JournalEnd | _Delete)
 
 # A noted change: the live record (state read at write time) with an optional state to
-# write instead of its current one, or a tombstone.
-_Noted = tuple[Journaled, SandboxState | None] | JournalEnd
+# write instead of its current one, or a tombstone (ready, or made at write time).
+_Noted = tuple[Journaled, SandboxState | None] | JournalEnd | Ending
 # What to keep when compacting: (live records, tombstones oldest first).
 KeepFn = Callable[[], tuple[Iterable[Journaled], Iterable[JournalEnd]]]
 
@@ -141,9 +150,11 @@ class SandboxJournal:
         self._lock_fd = -1
         self._torn = False                    # the last write may have left half a line
         self._keep: KeepFn | None = None
-        # group commit: the future every commit() since the last write started waits on,
-        # and whether a write is in flight
-        self._waiting: asyncio.Future[None] | None = None
+        # group commit: a future per commit() since the last write started (one each, so
+        # a cancelled waiter cancels only its own), and whether a write is in flight.
+        # Measured: a shared future under asyncio.shield costs a future and two callbacks
+        # more per waiter; this took the batched durable burst from ~8k to ~14k/s.
+        self._waiting: list[asyncio.Future[None]] | None = None
         self._writing = False
         self._scheduled = False
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -219,8 +230,7 @@ class SandboxJournal:
             if self.keep_ended:
                 chunk.extend(_encoder.encode(t) for t in tombs[-self.keep_ended:])
             n = len(chunk)
-            for k in range(0, n, 4096):
-                f.write(b"\n".join(chunk[k:k + 4096]) + b"\n")
+            f.writelines(b"\n".join(chunk[k:k + 4096]) + b"\n" for k in range(0, n, 4096))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -243,7 +253,7 @@ class SandboxJournal:
         or ``state`` if given (a state the caller will switch to once it is durable)."""
         self._pending[rec.id] = (rec, state)
 
-    def end(self, tomb: JournalEnd) -> None:
+    def end(self, tomb: JournalEnd | Ending) -> None:
         """Note that a sandbox ended. In ``tick`` mode a sandbox that never reached the
         file (created and ended within one tick) is not written at all."""
         self._pending[tomb.id] = tomb
@@ -260,12 +270,11 @@ class SandboxJournal:
         tick = self.sync == "tick"
         out: list[bytes] = []
         for sid, item in pending.items():
-            if isinstance(item, JournalEnd):
-                if tick and sid not in on_disk:
-                    continue
-                out.append(_encoder.encode(item))
-            else:
+            if isinstance(item, tuple):
                 out.append(_encoder.encode(_record(*item)))
+            elif not tick or sid in on_disk:
+                out.append(_encoder.encode(item if isinstance(item, JournalEnd)
+                                           else item.ended()))
         if not out:
             return b"", pending
         data = b"\n".join(out) + b"\n"
@@ -285,10 +294,10 @@ class SandboxJournal:
     def _applied(self, data: bytes, taken: dict[str, _Noted]) -> None:
         on_disk = self._on_disk
         for sid, item in taken.items():
-            if isinstance(item, JournalEnd):
-                on_disk.discard(sid)
-            else:
+            if isinstance(item, tuple):
                 on_disk.add(sid)
+            else:
+                on_disk.discard(sid)
         if data:
             self.bytes_written += len(data)
             self.writes += 1
@@ -326,12 +335,13 @@ class SandboxJournal:
         if that write failed (the records stay noted for a retry)."""
         if self.sync == "tick" or self._fd < 0:
             return
-        fut = self._waiting
-        if fut is None:
-            fut = self._waiting = asyncio.get_running_loop().create_future()
-            fut.add_done_callback(_retrieve)
+        fut = asyncio.get_running_loop().create_future()
+        waiting = self._waiting
+        if waiting is None:
+            waiting = self._waiting = []
             self._schedule()
-        await asyncio.shield(fut)
+        waiting.append(fut)
+        await fut
 
     def write_soon(self) -> None:
         """Start a write of what is noted if none is in flight (the tick loop's job in
@@ -352,54 +362,49 @@ class SandboxJournal:
         self._scheduled = False
         if self._writing or self._fd < 0:
             return
-        fut, self._waiting = self._waiting, None
+        waiters, self._waiting = self._waiting or [], None
         if not self._pending:
-            if fut is not None:
-                fut.set_result(None)
+            _resolve(waiters, None)
             return
         data, taken = self._take()
         self._writing = True
-        loop = asyncio.get_running_loop()
         if not data:
-            self._done(fut, data, taken, None)
+            self._done(waiters, data, taken, None)
             return
         if self.sync != "fsync":
             # write(2) into the page cache costs ~10 µs: a thread hop would cost more.
             try:
                 self._append(data)
             except OSError as exc:
-                self._done(fut, data, taken, exc)
+                self._done(waiters, data, taken, exc)
             else:
-                self._done(fut, data, taken, None)
+                self._done(waiters, data, taken, None)
             return
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "dsec-journal")
         # fsync takes ~0.2-3 ms here (MACHINE-NOTES: VM disk); on its own thread the loop
         # keeps serving, and whatever it notes meanwhile goes into the next write.
-        task = loop.run_in_executor(self._pool, self._append, data)
+        task = asyncio.get_running_loop().run_in_executor(self._pool, self._append, data)
         task.add_done_callback(
-            lambda t: self._done(fut, data, taken,
+            lambda t: self._done(waiters, data, taken,
                                  None if t.cancelled() else t.exception()))
 
-    def _done(self, fut: asyncio.Future[None] | None, data: bytes, taken: dict[str, _Noted],
-              exc: BaseException | None) -> None:
+    def _done(self, waiters: list[asyncio.Future[None]], data: bytes,
+              taken: dict[str, _Noted], exc: BaseException | None) -> None:
         self._writing = False
         if exc is None:
             try:
                 self._applied(data, taken)
-            except OSError as cexc:
+            except OSError:
                 log.exception("journal compaction failed; the appended file stays valid")
-                del cexc
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            _resolve(waiters, None)
         else:
             self._failed(taken)
             log.error("journal write to %s failed: %s", self.path, exc)
-            if fut is not None and not fut.done():
-                fut.set_exception(BackendError(
-                    f"the edge could not record the change in its journal {self.path}: "
-                    f"{exc}; free space on (or repair) the state dir's filesystem",
-                    path=self.path))
+            _resolve(waiters, BackendError(
+                f"the edge could not record the change in its journal {self.path}: "
+                f"{exc}; free space on (or repair) the state dir's filesystem",
+                path=self.path))
         if self._waiting is not None:
             self._schedule()
 
@@ -419,10 +424,14 @@ class SandboxJournal:
             self._pool = None
 
 
-def _retrieve(fut: asyncio.Future[None]) -> None:
-    """Mark a commit's outcome as seen: its waiters may all have been cancelled."""
-    if not fut.cancelled():
-        fut.exception()
+def _resolve(waiters: list[asyncio.Future[None]], exc: BaseException | None) -> None:
+    """Wake every waiter of one write (a cancelled one is already done)."""
+    for fut in waiters:
+        if not fut.done():
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
 
 
 def _record(r: Journaled, state: SandboxState | None) -> JournalRecord:

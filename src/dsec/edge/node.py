@@ -146,6 +146,12 @@ class _Sandbox:
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
         self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
 
+    def ended(self) -> JournalEnd:
+        """The journal's tombstone of this (ended) sandbox, from its final event."""
+        t, _, to, reason, detail = self.events[-1]
+        return JournalEnd(id=self.id, state=to, spec=self.spec, created_at=self.created_at,
+                          ended_at=t, reason=reason, detail=detail)
+
 
 class EdgeNode:
     """See the module docstring. Use as ``async with EdgeNode(cfg, backends) as node``."""
@@ -182,6 +188,7 @@ class EdgeNode:
             journal = SandboxJournal(config.state_dir, sync=config.journal_sync,
                                      keep_ended=config.tombstones)
         self.journal = journal
+        self._durable: SandboxJournal | None = None  # the journal, unless in tick mode
         self._tasks: builtins.list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
         self._started = False
@@ -199,6 +206,7 @@ class EdgeNode:
         self._started = True
         journal = self.journal
         if journal is not None:
+            self._durable = journal if journal.sync != "tick" else None
             contents = journal.open(keep=self._journal_keep)
             self._load_ended(contents.ended)
             await self._adopt_all(contents.records)
@@ -294,7 +302,7 @@ class EdgeNode:
         rec.reason = reason
         self._tomb(rec)
         if self.journal is not None:
-            self.journal.end(self._end_of(rec))
+            self.journal.end(rec)
 
     def _load_ended(self, ended: builtins.list[JournalEnd]) -> None:
         """Tombstones from the journal: ended sandboxes stay answerable across restarts."""
@@ -310,15 +318,9 @@ class EdgeNode:
             rec.events = [(e.ended_at, None, e.state, e.reason, e.detail)]
             self._tomb(rec)
 
-    @staticmethod
-    def _end_of(rec: _Sandbox) -> JournalEnd:
-        t, _, to, reason, detail = rec.events[-1]
-        return JournalEnd(id=rec.id, state=to, spec=rec.spec, created_at=rec.created_at,
-                          ended_at=t, reason=reason, detail=detail)
-
     def _journal_keep(self) -> tuple[builtins.list[_Sandbox], builtins.list[JournalEnd]]:
         """What a compaction of the journal keeps: live records and the tombstones."""
-        return list(self._live.values()), [self._end_of(r) for r in self._dead.values()]
+        return list(self._live.values()), [r.ended() for r in self._dead.values()]
 
     def _reconcilers(self) -> builtins.list[ReconcilingBackend]:
         seen: set[int] = set()
@@ -505,19 +507,21 @@ class EdgeNode:
         self._live[sid] = rec
         self._seq += 1
         self._feed.append((self._seq, sid, rec.events[0]))
-        journal = self.journal
+        journal, durable = self.journal, self._durable
         try:
             if journal is not None:
                 # Intent first: a crash from here on finds the record at restart and
                 # rolls the create back (with whatever the backend had made).
                 journal.put(rec)
-                await journal.commit()
+                if durable is not None:
+                    await durable.commit()
             await backend.create(SandboxId(sid), spec)
             if journal is not None:
                 # Durable before acknowledged: the record says running before we answer
                 # (and before the state switches, so a failed write rolls back cleanly).
                 journal.put(rec, "running")
-                await journal.commit()
+                if durable is not None:
+                    await durable.commit()
             self._move(rec, "created", "requested")
         except BaseException as exc:
             await self._abort_create(rec, exc)
@@ -548,7 +552,7 @@ class EdgeNode:
         self._live.pop(rec.id, None)
         self._tomb(rec)
         if self.journal is not None:
-            self.journal.end(self._end_of(rec))  # the tick writes it; nobody waits
+            self.journal.end(rec)  # the tick writes it; nobody waits
 
     async def create_many(self, specs: Sequence[SandboxSpec]) -> builtins.list[SandboxInfo | DsecError]:
         """Create each spec; one result per spec in order, failures as error objects."""
@@ -587,8 +591,9 @@ class EdgeNode:
         del self._live[rec.id]
         self._tomb(rec)
         if self.journal is not None:
-            self.journal.end(self._end_of(rec))
-            await self.journal.commit()
+            self.journal.end(rec)
+            if self._durable is not None:
+                await self._durable.commit()
         return self._info(rec)
 
     async def _discard(self, sandbox_id: str, reason: str, detail: str) -> _Sandbox | None:
@@ -610,8 +615,8 @@ class EdgeNode:
                 rec = self._record_leftover(
                     left, reason, "the node had no record of it; removed what the host "
                     f"still held ({left.what})" + (f"; {detail}" if detail else ""))
-                if rec is not None and self.journal is not None:
-                    await self.journal.commit()
+                if rec is not None and self._durable is not None:
+                    await self._durable.commit()
                 return rec
         return None
 
@@ -666,7 +671,8 @@ class EdgeNode:
         self._move(rec, "paused", "requested")
         if self.journal is not None:  # acknowledged paused = adopted paused after a crash
             self.journal.put(rec)
-            await self.journal.commit()
+            if self._durable is not None:
+                await self._durable.commit()
         return stats
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -692,7 +698,8 @@ class EdgeNode:
         self._arm(rec)
         if self.journal is not None:
             self.journal.put(rec)
-            await self.journal.commit()
+            if self._durable is not None:
+                await self._durable.commit()
 
     @staticmethod
     def _release_busy(rec: _Sandbox) -> None:

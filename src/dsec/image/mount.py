@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Self
 
 from dsec.errors import CorruptLayer, ImageError, InUse, InvalidArgument
-from dsec.ownership import claim, disown, owner_alive
 from dsec.image.erofs import hash_file
 from dsec.image.manifest import LayerManifest, short_digest
+from dsec.ownership import claim, disown, owner_alive
 
 __all__ = ["MS_RDONLY", "MountCache", "is_mountpoint", "mounts_below", "reclaim_dead_roots",
            "sys_mount", "sys_umount"]

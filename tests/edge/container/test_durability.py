@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -73,7 +74,7 @@ async def test_acknowledged_creates_survive_kill_9(edge: EdgeProcess) -> None:
                 acked.append((await c.create(SPEC, sandbox_id=_sid(rnd, edge.node_id))).id)
             ids = [_sid(rnd, edge.node_id) for _ in range(4)]
             tasks = [asyncio.ensure_future(c.create(SPEC, sandbox_id=i)) for i in ids]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             edge.kill9()  # the moment one of them is acknowledged; the others are mid-create
             for sid, t in zip(ids, tasks, strict=True):
                 try:
@@ -161,7 +162,7 @@ async def test_kill_9_under_load_keeps_every_answer_and_leaks_nothing(
         assert lost == [], f"{len(lost)} of {len(created)} acknowledged answers lost: {lost[:5]}"
         live = await _assert_host_matches(edge, c)
         assert any(m for m in edge.census().mounts.values())  # disk tmpfs mounts came back
-        p = sorted(paused - destroyed)[0]
+        p = min(paused - destroyed)
         assert (await c.exec(p, "echo thawed")).stdout == b"thawed\n"  # auto-resume
         assert p in live
 
@@ -296,10 +297,9 @@ async def test_destroy_removes_what_the_host_holds_for_an_id_the_node_forgot(
         sid = _sid(rnd, "t1")
         cg = backend.governor.create(sid, Limits(100, 64 << 20, 16))
         os.makedirs(os.path.join(root, "sb", sid, "upper"))
-        sleeper = subprocess.Popen(["sleep", "1000"])
+        sleeper = subprocess.Popen(["sleep", "1000"])  # noqa: ASYNC220 - a host process to find
         for procs in cg.procs_files:
-            with open(procs, "w") as f:
-                f.write(str(sleeper.pid))
+            Path(procs).write_text(str(sleeper.pid))
         try:
             found = backend.census(sid).describe(sid)
             assert found.startswith("directory, ") and "1 process(es)" in found

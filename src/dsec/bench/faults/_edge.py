@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from dsec.edge.backends.container.census import Census, cgroup_name_of, take_census
 from dsec.edge.service import EdgeClient
@@ -56,13 +57,11 @@ class EdgeProcess:
     async def start(self, timeout_s: float = 120.0) -> None:
         """Start the edge and return once it answers on its socket (after adoption and
         reconciliation, which run before it listens)."""
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=log)
+        self.proc = self._spawn()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                with open(self.log, "rb") as f:
-                    tail = f.read()[-2000:].decode(errors="replace")
+                tail = Path(self.log).read_bytes()[-2000:].decode(errors="replace")
                 raise RuntimeError(f"dsec edge exited with {self.proc.returncode}: {tail}")
             try:
                 c = await EdgeClient.connect(f"unix:{self.sock}", timeout=10)
@@ -78,6 +77,10 @@ class EdgeProcess:
                 await c.close()
         self.kill9()
         raise RuntimeError(f"dsec edge did not answer within {timeout_s} s")
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as log:
+            return subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=log)
 
     async def client(self, timeout_s: float = 60.0) -> EdgeClient:
         return await EdgeClient.connect(f"unix:{self.sock}", timeout=timeout_s)

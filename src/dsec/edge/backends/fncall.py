@@ -35,7 +35,8 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Set
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -480,7 +481,7 @@ class FncallBackend:
         ownership.disown(self.root)
 
     # ---------------------------------------------------------------- after a crash
-    async def reconcile(self, keep: Set[str]) -> list[Leftover]:
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
         """At node start, after adoption: kill workers a dead edge left running (calls
         nobody will read: processes never outlive a call here) and remove the work dirs
         of sandboxes the node does not keep."""
@@ -493,7 +494,7 @@ class FncallBackend:
                 continue
             n = sum(1 for cwd in strays if cwd == d or cwd.startswith(d + os.sep))
             shutil.rmtree(d, ignore_errors=True)
-            out.append(Leftover(name, self.name, "work directory"
+            out.append(Leftover(name, "fncall", "work directory"
                                 + (f", {n} runaway worker(s)" if n else "")))
         return out
 
@@ -503,7 +504,7 @@ class FncallBackend:
             return None
         _kill_groups(pgid for cwd, pgid in _stray_workers(d).items())
         shutil.rmtree(d, ignore_errors=True)
-        return Leftover(sid, self.name, "work directory")
+        return Leftover(sid, "fncall", "work directory")
 
     # ---------------------------------------------------------------- calls
     async def call(self, sid: SandboxId, fn: Callable[..., Any], *args: Any,

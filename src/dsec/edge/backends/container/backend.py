@@ -30,7 +30,8 @@ import resource
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Set
+from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -61,6 +62,7 @@ from dsec.edge.backends.container.state import (
 )
 from dsec.edge.governor import Governor, Limits, SandboxCgroup, ensure_compressed_swap
 from dsec.edge.spec import (
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -539,7 +541,7 @@ class ContainerBackend:
         """What the host holds for this backend (or for ``sid`` only), by sandbox id."""
         return take_census(self.root_dir, self.cgroup_name, only=sid)
 
-    async def reconcile(self, keep: Set[str]) -> list[Leftover]:
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
         """Remove every trace on the host of sandboxes this backend does not hold and the
         node does not keep: their processes (found through their cgroups; the pid
         namespace and netns die with the init), cgroups in every hierarchy, mounts below
@@ -555,12 +557,16 @@ class ContainerBackend:
             self._runc.sweep_logs()
         return out
 
+    @property
+    def _kind(self) -> BackendName:
+        return "container" if self._runc is None else "runc"
+
     async def discard(self, sid: SandboxId) -> Leftover | None:
         """Remove what the host holds for ``sid``, which the node has no record of; None
         if there is nothing."""
         if sid in self._boxes:
             await self.destroy(sid)
-            return Leftover(sid, self.name, "a running sandbox the node did not list")
+            return Leftover(sid, self._kind, "a running sandbox the node did not list")
         census = self.census(sid)
         if sid not in census.sandboxes():
             return None
@@ -600,7 +606,7 @@ class ContainerBackend:
             what += "; could not remove all of it: " + "; ".join(errors)
         else:
             log.warning("removed leftovers of sandbox %s: %s", sid, what)
-        return Leftover(sid, self.name, what, rec.spec if rec is not None else None)
+        return Leftover(sid, self._kind, what, rec.spec if rec is not None else None)
 
     # -- exec --------------------------------------------------------------------------
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
@@ -855,6 +861,18 @@ def _lock_root(root_dir: str) -> int:
     return fd
 
 
+def _kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
+            pids = [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
     """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
     and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
@@ -865,14 +883,7 @@ async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
             if not os.path.isdir(top):
                 continue
             for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-                try:
-                    with open(os.path.join(dirpath, "cgroup.procs")) as f:
-                        pids = [int(p) for p in f.read().split()]
-                except (OSError, ValueError):
-                    pids = []
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                _kill_tasks(dirpath)
                 try:
                     os.rmdir(dirpath)
                 except FileNotFoundError:
