@@ -149,6 +149,7 @@ class SandboxJournal:
         self._fd = -1
         self._lock_fd = -1
         self._torn = False                    # the last write may have left half a line
+        self._failing = False                 # writes fail (logged once, not per tick)
         self._keep: KeepFn | None = None
         # group commit: a future per commit() since the last write started (one each, so
         # a cancelled waiter cancels only its own), and whether a write is in flight.
@@ -185,7 +186,13 @@ class SandboxJournal:
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         contents = self._read()
-        self._rewrite(contents.records.values(), contents.ended)
+        try:
+            self._rewrite(contents.records.values(), contents.ended)
+        except OSError as exc:
+            self.close()
+            raise BackendError(f"cannot rewrite the journal {self.path}: {exc}; free space "
+                               "on (or repair) the state dir's filesystem",
+                               path=self.path) from exc
         return contents
 
     def _read(self) -> JournalContents:
@@ -393,6 +400,9 @@ class SandboxJournal:
               taken: dict[str, _Noted], exc: BaseException | None) -> None:
         self._writing = False
         if exc is None:
+            if self._failing:
+                self._failing = False
+                log.warning("journal writes to %s work again", self.path)
             try:
                 self._applied(data, taken)
             except OSError:
@@ -400,7 +410,10 @@ class SandboxJournal:
             _resolve(waiters, None)
         else:
             self._failed(taken)
-            log.error("journal write to %s failed: %s", self.path, exc)
+            if not self._failing:
+                self._failing = True
+                log.error("journal write to %s failed (retried every tick; answers that "
+                          "need it fail meanwhile): %s", self.path, exc)
             _resolve(waiters, BackendError(
                 f"the edge could not record the change in its journal {self.path}: "
                 f"{exc}; free space on (or repair) the state dir's filesystem",
