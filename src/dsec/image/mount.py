@@ -175,11 +175,14 @@ class MountCache:
     def __init__(self, *, mount_root: str | None = None, verify: bool = True) -> None:
         self._own_root = mount_root is None
         if mount_root is None:
+            # mkdtemp makes the cache's own root 0700: the mounted layers below it are
+            # tenants' files, and other host users must not walk into them.
             os.makedirs(RUN_ROOT, mode=0o700, exist_ok=True)
             self.reclaimed = reclaim_dead_roots(RUN_ROOT)
             mount_root = tempfile.mkdtemp(prefix="m", dir=RUN_ROOT)
         else:
-            os.makedirs(mount_root, exist_ok=True)
+            os.makedirs(mount_root, mode=0o700, exist_ok=True)
+            os.chmod(mount_root, 0o700)
             alive = owner_alive(mount_root)
             if alive:
                 raise InUse(f"mount root {mount_root} belongs to another live mount cache; "

@@ -161,7 +161,7 @@ async def test_kill_9_under_load_keeps_every_answer_and_leaks_nothing(
                 lost.append((sid, f"{info.state} ({info.reason}), want {want}"))
         assert lost == [], f"{len(lost)} of {len(created)} acknowledged answers lost: {lost[:5]}"
         live = await _assert_host_matches(edge, c)
-        assert any(m for m in edge.census().mounts.values())  # disk tmpfs mounts came back
+        assert edge.census().disk  # disk subvolumes came back with their sandboxes
         p = min(paused - destroyed)
         assert (await c.exec(p, "echo thawed")).stdout == b"thawed\n"  # auto-resume
         assert p in live
@@ -185,7 +185,7 @@ async def test_leftovers_the_journal_does_not_know_are_destroyed_with_a_reason(
         assert (info.state, info.reason) == ("destroyed", "node_lost")
         ev = (await c.events(stray))[-1]
         assert "found on the host at edge start with no journal record" in ev.detail
-        assert "1 process(es)" in ev.detail and "mount" in ev.detail
+        assert "1 process(es)" in ev.detail and "disk subvolume" in ev.detail
         assert edge.census().sandboxes() == set()
         with pytest.raises(InvalidTransition, match="node_lost"):
             await c.exec(stray, "true")
@@ -363,9 +363,10 @@ async def test_reconcile_removes_every_trace_of_what_is_not_kept(
                              runtime=runtime)  # type: ignore[arg-type]
         before = b.census()
         assert before.sandboxes() == {keep, drop}
-        assert len(before.tasks[drop]) >= 2 and before.mounts[drop]
-        if runtime == "runc":
-            assert drop in before.runc and len(before.cgroups[drop]) > 5
+        assert len(before.tasks[drop]) >= 2 and drop in before.disk
+        if runtime == "runc":  # its rootfs overlay is a host mount; cgroups everywhere
+            assert drop in before.runc and before.mounts[drop]
+            assert len(before.cgroups[drop]) > 5
         assert await b.adopt(keep, SandboxSpec(backend="container"))
         left = await b.reconcile({keep})
         assert [x.sandbox_id for x in left] == [drop]
@@ -373,7 +374,8 @@ async def test_reconcile_removes_every_trace_of_what_is_not_kept(
         after = b.census()
         assert after.sandboxes() == {keep} and after.counts() == {
             "dirs": 1, "cgroups": len(before.cgroups[keep]), "tasks": len(before.tasks[keep]),
-            "mounts": len(before.mounts.get(keep, ())), "runc": int(runtime == "runc")}
+            "mounts": len(before.mounts.get(keep, ())), "runc": int(runtime == "runc"),
+            "disk": 1, "pool_mounts": 1}
         for _ in range(500):  # SIGKILLed: out of its cgroup at once, gone a moment later
             if not [p for p in before.tasks[drop] if _running(p)]:
                 break

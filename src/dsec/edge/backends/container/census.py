@@ -1,7 +1,7 @@
 """What a container backend holds on the host, found by looking (not by remembering).
 
 After a crash the edge's memory is gone but its sandboxes' traces are not: a directory
-under ``<root_dir>/sb``, a cgroup ``dsec-<name>/<sid>`` in every hierarchy (v1 memory,
+under ``<root_dir>/sb``, a subvolume of the disk pool (``<root_dir>/pool/<sid>``), a cgroup ``dsec-<name>/<sid>`` in every hierarchy (v1 memory,
 cpu, pids, freezer, ...; the ones runc makes in blkio, cpuset, devices, name=systemd and
 the v2 mount too), the processes in those cgroups (the init, whose pid namespace and
 netns die with it), mounts below the sandbox directory (the disk tmpfs, runc's rootfs
@@ -40,16 +40,21 @@ class Census:
     tasks: dict[str, tuple[int, ...]] = field(default_factory=dict)    # sid -> pids inside
     mounts: dict[str, tuple[str, ...]] = field(default_factory=dict)   # sid -> mount points
     runc: frozenset[str] = frozenset()                     # <root_dir>/runc-state/<sid>
+    disk: frozenset[str] = frozenset()                     # <root_dir>/pool/<sid>
+    pool_mounted: bool = False   # the backend-wide disk pool (kept while sandboxes live)
 
     def sandboxes(self) -> set[str]:
         """Every sandbox id with any trace on the host."""
-        return set(self.dirs) | set(self.cgroups) | set(self.mounts) | set(self.runc)
+        return (set(self.dirs) | set(self.cgroups) | set(self.mounts) | set(self.runc)
+                | set(self.disk))
 
     def describe(self, sid: str) -> str:
         """What the host holds for ``sid``, in words (for events and logs)."""
         parts = []
         if sid in self.dirs:
             parts.append("directory")
+        if sid in self.disk:
+            parts.append("disk subvolume")
         if self.cgroups.get(sid):
             parts.append(f"{len(self.cgroups[sid])} cgroup(s)")
         if self.tasks.get(sid):
@@ -66,7 +71,8 @@ class Census:
                 "cgroups": sum(len(v) for v in self.cgroups.values()),
                 "tasks": sum(len(v) for v in self.tasks.values()),
                 "mounts": sum(len(v) for v in self.mounts.values()),
-                "runc": len(self.runc)}
+                "runc": len(self.runc), "disk": len(self.disk),
+                "pool_mounts": int(self.pool_mounted)}
 
 
 def _subdirs(path: str) -> list[str]:
@@ -100,14 +106,17 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
     root_dir = os.path.abspath(root_dir)
     sb = os.path.join(root_dir, "sb")
     runc_root = os.path.join(root_dir, "runc-state")
+    pool = os.path.join(root_dir, "pool")
     if only is not None:
         if not only or "/" in only or only.startswith("."):
             return Census()
         dirs = frozenset([only] if os.path.isdir(os.path.join(sb, only)) else [])
         runc = frozenset([only] if os.path.isdir(os.path.join(runc_root, only)) else [])
+        disk = frozenset([only] if os.path.isdir(os.path.join(pool, only)) else [])
     else:
         dirs = frozenset(_subdirs(sb))
         runc = frozenset(n for n in _subdirs(runc_root) if not n.startswith("."))
+        disk = frozenset(n for n in _subdirs(pool) if not n.startswith("."))
     cgroups: dict[str, list[str]] = {}
     tasks: dict[str, set[int]] = {}
     for parent in cgroup_parents(cgroup_name):
@@ -127,4 +136,5 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
         mounts.setdefault(sid, []).append(mp)
     return Census(dirs=dirs, cgroups={k: tuple(v) for k, v in cgroups.items()},
                   tasks={k: tuple(sorted(v)) for k, v in tasks.items()},
-                  mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc)
+                  mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc, disk=disk,
+                  pool_mounted=os.path.ismount(pool))
