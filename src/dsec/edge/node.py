@@ -494,7 +494,52 @@ class EdgeNode:
 
     # ================================================================ create
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
-        """Admit, create and return a running sandbox; on any failure nothing remains."""
+        """Admit, create and return a running sandbox; on any failure nothing remains.
+
+        Durable before acknowledged: the intent (``creating``) is in the journal before
+        the backend starts, the ``running`` record before the answer."""
+        rec = self._admit(spec, sandbox_id)
+        await self._commit_or_abort(rec)
+        await self._build(rec)
+        await self._commit_or_abort(rec)
+        return self._created(rec)
+
+    async def create_many(self, specs: Sequence[SandboxSpec]) -> builtins.list[SandboxInfo | DsecError]:
+        """Create each spec; one result per spec in order, failures as error objects.
+
+        The same steps as :meth:`create`, phase by phase over the whole batch, so the
+        batch shares two journal commits instead of waiting on them item by item
+        (measured, 1,000 per batch: per-item waits cost a task and three wake-ups per
+        lifecycle, ~4x the journal-off time; phased, the durable burst stays within
+        ~1.5x of it)."""
+        out: builtins.list[SandboxInfo | DsecError | None] = [None] * len(specs)
+        recs: builtins.list[tuple[int, _Sandbox]] = []
+        for i, spec in enumerate(specs):
+            try:
+                recs.append((i, self._admit(spec, None)))
+            except DsecError as exc:
+                out[i] = exc
+        try:
+            recs = await self._commit_batch(recs, out)
+            res = await gather_eager([self._build(r) for _, r in recs])
+            built: builtins.list[tuple[int, _Sandbox]] = []
+            for (i, r), x in zip(recs, res, strict=True):
+                if isinstance(x, BaseException):
+                    out[i] = _as_error(x)
+                else:
+                    built.append((i, r))
+            for i, r in await self._commit_batch(built, out):
+                out[i] = self._created(r)
+        except BaseException as exc:  # cancelled: nothing half-made stays
+            for _, r in recs:
+                if r.id in self._live and r.state == "creating":
+                    await self._abort_create(r, exc)
+            raise
+        return out  # type: ignore[return-value]
+
+    def _admit(self, spec: SandboxSpec, sandbox_id: str | None) -> _Sandbox:
+        """Validate, reserve, record (no await): the sandbox exists as ``creating`` and
+        its intent is noted in the journal."""
         spec.validate()
         backend = self.backends.get(spec.backend)
         if backend is None:
@@ -507,30 +552,55 @@ class EdgeNode:
         self._live[sid] = rec
         self._seq += 1
         self._feed.append((self._seq, sid, rec.events[0]))
-        journal, durable = self.journal, self._durable
+        if self.journal is not None:
+            # Intent first: a crash from here on finds the record at restart and rolls
+            # the create back (with whatever the backend had made).
+            self.journal.put(rec)
+        return rec
+
+    async def _commit_or_abort(self, rec: _Sandbox) -> None:
+        """Wait for the journal to hold what was noted; on failure roll ``rec`` back."""
+        if self._durable is None:
+            return
         try:
-            if journal is not None:
-                # Intent first: a crash from here on finds the record at restart and
-                # rolls the create back (with whatever the backend had made).
-                journal.put(rec)
-                if durable is not None:
-                    await durable.commit()
-            await backend.create(SandboxId(sid), spec)
-            if journal is not None:
-                # Durable before acknowledged: the record says running before we answer
-                # (and before the state switches, so a failed write rolls back cleanly).
-                journal.put(rec, "running")
-                if durable is not None:
-                    await durable.commit()
-            self._move(rec, "created", "requested")
+            await self._durable.commit()
+        except BaseException as exc:
+            await self._abort_create(rec, exc)
+            raise
+
+    async def _commit_batch(self, recs: builtins.list[tuple[int, _Sandbox]],
+                            out: builtins.list[Any]) -> builtins.list[tuple[int, _Sandbox]]:
+        if self._durable is None or not recs:
+            return recs
+        try:
+            await self._durable.commit()
+        except DsecError as exc:
+            for i, r in recs:
+                await self._abort_create(r, exc)
+                out[i] = exc
+            return []
+        return recs
+
+    async def _build(self, rec: _Sandbox) -> None:
+        """The backend's part of a create, then the running record noted; on failure
+        everything is rolled back and the error raised."""
+        try:
+            await rec.backend.create(SandboxId(rec.id), rec.spec)
         except BaseException as exc:
             await self._abort_create(rec, exc)
             if isinstance(exc, Exception):
                 raise self._backend_error(rec, "create", exc) from exc
             raise
+        if self.journal is not None:
+            # Durable before acknowledged: the record says running before the answer
+            # (and before the state switches, so a failed write rolls back cleanly).
+            self.journal.put(rec, "running")
+
+    def _created(self, rec: _Sandbox) -> SandboxInfo:
+        self._move(rec, "created", "requested")
         if rec.doomed is not None:  # the backend reported its death while we created it
             self._spawn(self._die(rec, *rec.doomed))
-        elif spec.ttl_s is not None or spec.idle_timeout_s is not None:
+        elif rec.spec.ttl_s is not None or rec.spec.idle_timeout_s is not None:
             self._arm(rec)
         return self._info(rec)
 
@@ -554,11 +624,6 @@ class EdgeNode:
         if self.journal is not None:
             self.journal.end(rec)  # the tick writes it; nobody waits
 
-    async def create_many(self, specs: Sequence[SandboxSpec]) -> builtins.list[SandboxInfo | DsecError]:
-        """Create each spec; one result per spec in order, failures as error objects."""
-        res = await gather_eager([self.create(s) for s in specs])
-        return [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
-
     # ================================================================ destroy
     async def destroy(self, sandbox_id: str, *, reason: str = "requested",
                       detail: str = "") -> SandboxInfo:
@@ -568,6 +633,13 @@ class EdgeNode:
         An id this node has no record of, but whose traces a backend still finds on the
         host, is cleaned up too (and answered with a tombstone) instead of
         ``SandboxNotFound``."""
+        info = await self._destroy(sandbox_id, reason, detail)
+        if self._durable is not None:
+            await self._durable.commit()
+        return info
+
+    async def _destroy(self, sandbox_id: str, reason: str, detail: str) -> SandboxInfo:
+        """:meth:`destroy` up to noting the tombstone (the caller commits)."""
         if reason not in FINAL_REASONS:
             raise InvalidArgument(f"destroy reason {reason!r} is not one of "
                                   f"{', '.join(sorted(FINAL_REASONS))}", field="reason")
@@ -592,8 +664,6 @@ class EdgeNode:
         self._tomb(rec)
         if self.journal is not None:
             self.journal.end(rec)
-            if self._durable is not None:
-                await self._durable.commit()
         return self._info(rec)
 
     async def _discard(self, sandbox_id: str, reason: str, detail: str) -> _Sandbox | None:
@@ -622,8 +692,15 @@ class EdgeNode:
 
     async def destroy_many(self, ids: Sequence[str], *,
                            reason: str = "requested") -> builtins.list[SandboxInfo | DsecError]:
-        res = await gather_eager([self.destroy(i, reason=reason) for i in ids])
-        return [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
+        """Destroy each; the batch shares one journal commit before the answer."""
+        res = await gather_eager([self._destroy(i, reason, "") for i in ids])
+        out = [r if not isinstance(r, BaseException) else _as_error(r) for r in res]
+        if self._durable is not None and any(isinstance(r, SandboxInfo) for r in out):
+            try:
+                await self._durable.commit()
+            except DsecError as exc:  # destroyed, but not recorded: say so for each
+                out = [exc if isinstance(r, SandboxInfo) else r for r in out]
+        return out
 
     def _on_death(self, sid: SandboxId, reason: str, detail: str) -> None:
         """Backend sink: a sandbox died on its own (OOM, exited, crash), or a notice."""

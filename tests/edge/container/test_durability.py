@@ -107,7 +107,7 @@ async def test_acknowledged_creates_survive_kill_9(edge: EdgeProcess) -> None:
 
 async def test_kill_9_under_load_keeps_every_answer_and_leaks_nothing(
         edge: EdgeProcess) -> None:
-    """Concurrent create/pause/destroy (some with a disk tmpfs mount), kill -9 at a random
+    """Concurrent create/pause/destroy (some with a small disk cap), kill -9 at a random
     moment, three times. After the last restart: every acknowledged create is there unless
     its destroy was acknowledged too, every acknowledged pause comes back paused, every
     acknowledged destroy stays destroyed, and the host holds exactly the live sandboxes."""
@@ -338,7 +338,7 @@ async def test_reconcile_removes_every_trace_of_what_is_not_kept(
         tmp_path: object, images_dir: str, runtime: str) -> None:
     """After kill -9: keep one sandbox, reconcile away the other (processes, cgroups in
     every hierarchy - runc makes them in blkio, cpuset, devices, ... too -, its disk
-    tmpfs, runc's rootfs mount and state dir, its directory)."""
+    subvolume, runc's rootfs mount and state dir, its directory)."""
     import shutil
     import subprocess
     import sys
