@@ -1,16 +1,18 @@
 """What a container backend holds on the host, found by looking (not by remembering).
 
 After a crash the edge's memory is gone but its sandboxes' traces are not: a directory
-under ``<root_dir>/sb``, a subvolume of the disk pool (``<root_dir>/pool/<sid>``), a cgroup ``dsec-<name>/<sid>`` in every hierarchy (v1 memory,
-cpu, pids, freezer, ...; the ones runc makes in blkio, cpuset, devices, name=systemd and
-the v2 mount too), the processes in those cgroups (the init, whose pid namespace and
-netns die with it), mounts below the sandbox directory (the disk tmpfs, runc's rootfs
-overlay) and runc's state directory. A :class:`Census` lists each of them by sandbox id,
-so start-up reconciliation (``ContainerBackend.reconcile``), ``destroy`` of an id the node
-forgot, the leak tests and the ``faults`` bench all read the host the same way.
+under ``<root_dir>/sb``, a subvolume of the disk pool (``<root_dir>/pool/<sid>``), a
+cgroup ``dsec-<name>/<sid>`` in every hierarchy (v1 memory, cpu, pids, freezer, ...; the
+ones runc makes in blkio, cpuset, devices, name=systemd and the v2 mount too), the
+processes in those cgroups (the init, whose pid namespace and netns die with it), mounts
+below the sandbox directory (runc's rootfs overlay; the disk tmpfs of a sandbox made
+before the disk pool) and runc's state directory. A :class:`Census` lists each of them
+by sandbox id, so start-up reconciliation (``ContainerBackend.reconcile``), ``destroy`` of
+an id the node forgot, the leak tests and the ``faults`` bench all read the host the
+same way.
 
-The parsing is pure (mountinfo text in, mount points out); :func:`take_census` does the
-reading.
+The parsing is pure (:func:`~dsec.image.mount.mounts_below`: mountinfo text in, mount
+points out); :func:`take_census` does the reading.
 """
 
 from __future__ import annotations
