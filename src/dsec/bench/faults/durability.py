@@ -19,6 +19,9 @@ Figures (targets 0):
   list, summed over restarts, plus whatever is left after destroying everything.
 - ``faults_acked_destroys_back``: answered destroys that came back.
 - ``faults_edge_restart_s``: start to answering (adopt + reconcile), median over restarts.
+- ``faults_acked_creates_lost_tick_mode``: the same rounds (a quarter of them) with
+  ``--journal-sync tick`` (answer first, write within 50 ms: the pre-issue-12 behaviour),
+  to show what the count would catch: not a target, a control.
 """
 
 from __future__ import annotations
@@ -111,13 +114,14 @@ async def _check(edge: object, acked: list[str], destroyed: list[str]) -> tuple[
     return lost, back, leaked
 
 
-async def _run(ctx: BenchContext, work: str, images: str) -> None:
+async def _run(ctx: BenchContext, work: str, images: str, *, sync: str = "fsync") -> None:
     from dsec.bench.faults._edge import EdgeProcess
 
-    kills = ctx.scale(20, 5)
+    kills = ctx.scale(20, 5) if sync == "fsync" else ctx.scale(5, 2)
     per_round = ctx.scale(50, 40)
     rnd = random.Random(12)
-    edge = EdgeProcess(os.path.join(work, "edge"), images, node_id="faults")
+    edge = EdgeProcess(os.path.join(work, f"edge-{sync}"), images, node_id="faults",
+                       extra=("--journal-sync", sync))
     acked: list[str] = []
     destroyed: list[str] = []
     total_acked = total_unacked = lost = back = leaked = 0
@@ -145,6 +149,11 @@ async def _run(ctx: BenchContext, work: str, images: str) -> None:
         leaked += len(edge.census().sandboxes())
     finally:
         await edge.wipe()
+    if sync != "fsync":
+        ctx.record("faults_acked_creates_lost_tick_mode", lost, "count", acked=total_acked,
+                   kills=kills, unacked=total_unacked, journal=sync, leaked=leaked,
+                   note="control: answers before the journal write are lost by a kill")
+        return
     ctx.record("faults_acked_creates_lost", lost, "count", acked=total_acked, kills=kills,
                unacked=total_unacked, backend="container", journal="fsync")
     ctx.record("faults_leaked_sandboxes", leaked, "count", kills=kills, backend="container",
@@ -169,3 +178,4 @@ def durability(ctx: BenchContext) -> None:
         images = os.path.join(work, "images")
         build_busybox_root(os.path.join(images, "base"))
         uvloop.run(_run(ctx, work, images))
+        uvloop.run(_run(ctx, work, images, sync="tick"))
