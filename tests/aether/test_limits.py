@@ -322,9 +322,10 @@ async def test_partial_frames_are_freed_when_their_peers_leave() -> None:
 
 # ------------------------------------------------------------------ out of fds
 _CHILD = textwrap.dedent("""
-    import asyncio, os, sys
+    import asyncio, os, resource, sys
     import uvloop
     from dsec.aether import Router, serve
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     from dsec.aether.limits import ProcessBudget
 
     async def main():
@@ -360,9 +361,7 @@ def test_out_of_fds_refuses_with_a_reason_without_spinning(tmp_path: Any) -> Non
     flag = tmp_path / "free"
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD % {"token": TOKEN.decode()}, str(flag)],
-        stdout=subprocess.PIPE, text=True,
-        preexec_fn=lambda: __import__("resource").setrlimit(
-            __import__("resource").RLIMIT_NOFILE, (256, 256)))
+        stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         port = int(child.stdout.readline())

@@ -154,7 +154,8 @@ def edge_proc(tmp_path: Path) -> Iterator[Any]:
 
 
 _BLIND = textwrap.dedent("""
-    import asyncio, json, os, sys, time
+    import asyncio, json, os, resource, sys, time
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     sys.path.insert(0, sys.argv[3])
     from tests.control.conftest import FakeClock
     from tests.control.test_node_reachability import _apiserver, _close
@@ -213,9 +214,7 @@ def test_an_apiserver_out_of_fds_holds_its_edge_and_keeps_its_sandboxes(
     root = str(Path(__file__).resolve().parents[2])
     run = subprocess.run(
         [sys.executable, "-c", _BLIND, addr, str(tmp_path / "control.sqlite"), root],
-        capture_output=True, text=True, timeout=120,
-        preexec_fn=lambda: __import__("resource").setrlimit(
-            __import__("resource").RLIMIT_NOFILE, (256, 256)))
+        check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     status, healthy, problem, expired, kept = out["held"]
@@ -257,16 +256,17 @@ async def test_an_edge_restarted_within_the_node_ttl_keeps_its_sandboxes(
         assert ids <= set(plane.registry.ids_on("e0"))
         link = plane.edges["e0"].link
         assert {(await link.get(i)).state for i in ids} == {"running"}
-        got = await service.get(admin, sorted(ids)[0])
+        got = await service.get(admin, min(ids))
         assert got.state == "running"
     finally:
         await _close(store, plane, service)
 
 
 def test_dsec_up_takes_the_node_ttl() -> None:
-    out = subprocess.run([*DSEC, "up", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*DSEC, "up", "--help"], check=True, capture_output=True, text=True,
+                         timeout=60)
     text = " ".join(out.stdout.split())
     assert "--node-ttl SECONDS" in text and "Restart (upgrade) an edge within it" in text
-    bad = subprocess.run([*DSEC, "up", "--node-ttl", "0"], capture_output=True, text=True,
-                         timeout=60)
+    bad = subprocess.run([*DSEC, "up", "--node-ttl", "0"], check=False, capture_output=True,
+                         text=True, timeout=60)
     assert bad.returncode != 0 and "--node-ttl" in bad.stderr
