@@ -1422,22 +1422,22 @@ class Connection:
             t.cancel()
         self._dying.extend(tasks.values())
         try:
-            t = self._transport
+            tr = self._transport
             g = self._guard
             if (linger and g is not None and self._writer is None
-                    and g.budget.lingering < MAX_LINGERING and t.can_write_eof()):
+                    and g.budget.lingering < MAX_LINGERING and tr.can_write_eof()):
                 g.budget.lingering += 1
                 self._lingering = True
-                t.write_eof()         # GOAWAY, then FIN; reading goes on (data dropped)
+                tr.write_eof()         # GOAWAY, then FIN; reading goes on (data dropped)
                 if self._pause:
-                    t.resume_reading()
-                self._loop.call_later(CLOSE_LINGER, t.abort)
+                    tr.resume_reading()
+                self._loop.call_later(CLOSE_LINGER, tr.abort)
             else:
-                t.close()
-                if t.get_write_buffer_size():
+                tr.close()
+                if tr.get_write_buffer_size():
                     # A peer that stopped reading must not keep the socket (and
                     # wait_closed) alive forever.
-                    self._loop.call_later(CLOSE_LINGER, t.abort)
+                    self._loop.call_later(CLOSE_LINGER, tr.abort)
         except Exception:  # noqa: BLE001, S110 - the socket is already gone
             pass
         w, self._pump_waiter = self._pump_waiter, None
