@@ -910,7 +910,8 @@ class Connection:
             self._pause_reading(_PAUSE_INPUT)
         if self._guard is not None and not self._closed:
             self._last_rx = self._loop.time()
-            self._account()
+            if self._held or self._decoder.buffered:  # the common case holds nothing
+                self._account()
 
     def _process(self) -> None:
         """Handle up to FRAMES_PER_WAKEUP frames, then write every reply in one go."""
