@@ -18,7 +18,13 @@ listeners have (:mod:`dsec.aether.limits`):
 - between requests, uvicorn's own keep-alive timeout (``timeout_keep_alive``) applies.
 
 "Pending" (the per-peer cap on unauthenticated connections) here means a connection that
-has not yet completed its first request's headers.
+has not yet completed its first request's headers; when the listener's pending slots are
+full the oldest pending connection is answered 503 and closed to make room.
+
+uvicorn accepts through ``loop.create_server``: on EMFILE uvloop (libuv) accepts with a
+descriptor it keeps in reserve and closes at once, without spinning (measured: 0.4 ms of
+CPU over 3 s with the fd table full); the shared fd share keeps the process from getting
+there in the first place.
 
 Subclassing uvicorn's protocol is the seam uvicorn offers (``Config(http=<class>)``); the
 overrides call the parent first and only add bookkeeping around its parser callbacks.
