@@ -44,7 +44,6 @@ import msgspec
 
 from dsec.control.placement import NodeView
 from dsec.errors import (
-    ConnectionLost,
     DsecError,
     InvalidArgument,
     LocalProtocolError,
@@ -133,13 +132,13 @@ def link_failure_cause(exc: DsecError) -> LinkCause:
       ``internal_error`` from a handler that hit EMFILE is still a live node), or an
       overload refusal (GOAWAY ``overloaded``) from its listener;
     - ``blind``: this side failed before the node could be asked: its own fd/port/memory
-      shortage on connect (``ConnectionLost`` with ``local``), or a request it could not
-      encode (``LocalProtocolError``);
+      shortage on connect (a ``TransportError`` with ``detail["local"]``), or a request
+      it could not encode (``LocalProtocolError``);
     - ``silent``: no answer: refused, reset, closed, or no reply within the deadline.
     """
     if isinstance(exc, Overloaded):
         return "answered"
-    if isinstance(exc, ConnectionLost) and exc.detail.get("local"):
+    if isinstance(exc, TransportError) and exc.detail.get("local"):
         return "blind"
     if isinstance(exc, LocalProtocolError):
         return "blind"
