@@ -241,3 +241,40 @@ def test_rest_refuses_floods_and_cuts_slow_loris(up_simulated: dict[str, Any]) -
     finally:
         for s in idle:
             s.close()
+
+
+def test_full_waiting_slots_make_room_for_clients_that_speak_at_once() -> None:
+    """When a listener's slots for connections that have not yet sent a request (REST)
+    or authenticated (gateway) are full, a newcomer pushes out the oldest: an idle
+    flood cannot lock out clients that make their request right away."""
+    from dsec.aether.limits import ServerLimits
+    from dsec.client.local import LocalCluster
+    from dsec.control.api.http_limits import HttpLimits
+
+    five = ServerLimits(max_pending=5)
+    with LocalCluster(http_limits=HttpLimits(connections=five), listener_limits=five) as cl:
+        host, _, port = cl.url.removeprefix("http://").rpartition(":")
+        rest = [socket.create_connection((host, int(port)), source_address=(f"127.0.0.{i}", 0))
+                for i in range(2, 7)]
+        assert cl.gateway is not None
+        gw_host, _, gw_port = cl.gateway.removeprefix("tcp:").rpartition(":")
+        gw = [socket.create_connection((gw_host, int(gw_port)),
+                                       source_address=(f"127.0.0.{i}", 0)) for i in range(2, 7)]
+        try:
+            time.sleep(0.3)
+            with httpx.Client(base_url=cl.url,
+                              headers={"authorization": f"Bearer {cl.api_key}"}) as http:
+                assert http.get("/v1/info").status_code == 200
+            with cl.client(transport="aether") as c:
+                assert c.info().principal == "admin"
+            first = _http_read(rest[0], 5)
+            assert first.startswith(b"HTTP/1.1 503 ") and b"dropped to make room" in first
+            dec = FrameDecoder()
+            dec.feed(_http_read(gw[0], 5))
+            f = dec.next_frame()
+            assert f is not None and f.type == FrameType.GOAWAY
+            g = msgspec.msgpack.decode(f.payload, type=Goaway)
+            assert g.code == "overloaded" and "dropped to make room" in g.reason
+        finally:
+            for s in rest + gw:
+                s.close()

@@ -223,9 +223,11 @@ class Server:
                 return
             except OSError as exc:
                 self.stats.accept_errors += 1
+                if exc.errno in _PEER_GONE:
+                    continue
                 if exc.errno in _OUT_OF_FDS:
                     self._out_of_fds(lsock, exc)
-                elif exc.errno not in _PEER_GONE:
+                else:
                     log.warning("accept on %s failed: %s; pausing %.2fs", self.address, exc,
                                 self._backoff)
                     self._pause_accepting()
