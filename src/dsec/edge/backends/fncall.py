@@ -54,13 +54,15 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 import dsec
-from dsec.edge.backend import DeathSink, replay_as_stream
+from dsec import ownership
+from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.files import SandboxFiles
@@ -685,8 +687,13 @@ class FncallBackend:
         self.clock = clock
         self._notices = NoticeLimiter(notice_interval_s)
         self._own_root = root is None
-        self.root = os.path.abspath(root) if root else tempfile.mkdtemp(prefix="dsec-fncall-")
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        if root is None:
+            _reclaim_dead_roots(tempfile.gettempdir())
+            root = tempfile.mkdtemp(prefix=_ROOT_PREFIX)
+        else:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        self.root = os.path.abspath(root)
+        ownership.claim(self.root)
         self.governor: Governor | None = None
         self.disk: DiskPool | None = None
         self.max_sandbox_pids = max_sandbox_pids
@@ -721,6 +728,7 @@ class FncallBackend:
             self.disk.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
+        ownership.disown(self.root)
 
     def _jail_config(self, runtime: Iterable[str] | None) -> JailConfig:
         try:
@@ -968,6 +976,62 @@ class FncallBackend:
         if self.governor is not None and not left:
             with contextlib.suppress(OSError, BackendError):
                 self.governor.remove_base()
+        ownership.disown(self.root)
+
+    # ---------------------------------------------------------------- after a crash
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
+        """At node start, after adoption: remove every trace of sandboxes the node does not
+        keep - the processes still in their cgroups, the cgroups, their work dirs. Jailed
+        workers of a dead edge died with its zygote (PR_SET_PDEATHSIG); what a call left
+        running is found by its sandbox's cgroup, never by a pid number or a cwd. Unjailed
+        workers are found by their cwd under the root and killed by process group."""
+        out = []
+        if self.disk is not None and self.governor is not None:
+            names = set(self.disk.sandboxes()) | set(self.governor.list_sandboxes())
+            for name in sorted(names - set(keep) - set(self._boxes)):
+                out.append(self._discard_jailed(name))
+            return out
+        strays = _stray_workers(self.root)
+        _kill_groups(strays.values())
+        for name in sorted(os.listdir(self.root)):
+            d = os.path.join(self.root, name)
+            if name in keep or name in self._boxes or not os.path.isdir(d):
+                continue
+            n = sum(1 for cwd in strays if cwd == d or cwd.startswith(d + os.sep))
+            shutil.rmtree(d, ignore_errors=True)
+            out.append(Leftover(name, "fncall", "work directory"
+                                + (f", {n} runaway worker(s)" if n else "")))
+        return out
+
+    async def discard(self, sid: SandboxId) -> Leftover | None:
+        """Remove what is left of a sandbox the node does not know (``reconcile`` for one)."""
+        if sid in self._boxes or "/" in sid or sid.startswith("."):
+            return None
+        if self.disk is not None and self.governor is not None:
+            if not (os.path.lexists(self.work_dir(sid))
+                    or self.governor.exists(self.governor.paths(sid))):
+                return None
+            return self._discard_jailed(sid)
+        d = os.path.join(self.root, sid)
+        if not os.path.isdir(d):
+            return None
+        _kill_groups(pgid for cwd, pgid in _stray_workers(d).items())
+        shutil.rmtree(d, ignore_errors=True)
+        return Leftover(sid, "fncall", "work directory")
+
+    def _discard_jailed(self, name: str) -> Leftover:
+        gov = self.governor
+        assert gov is not None
+        cg = gov.paths(name)
+        found = (["work directory"] if os.path.lexists(self.work_dir(name)) else []) + \
+            (["cgroup"] if gov.exists(cg) else [])
+        n = len(gov.pids(cg)) if gov.exists(cg) else 0
+        try:
+            self._teardown(name, None)
+        except BackendError as exc:
+            found.append(f"not all removed: {exc}")
+        return Leftover(name, "fncall", ", ".join(
+            found + ([f"{n} runaway process(es)"] if n else [])))
 
     # ---------------------------------------------------------------- calls
     def _grant(self, box: _Box, cg: SandboxCgroup) -> Callable[[], list[int]]:
@@ -1109,6 +1173,65 @@ def _code_of(req: ExecRequest) -> str:
     raise InvalidArgument(
         f"the fncall backend runs Python code: pass shell=<code> or argv=['python', '-c', <code>], "
         f"not argv={list(argv)!r}", field="argv")
+
+
+_ROOT_PREFIX = "dsec-fncall-"
+
+
+def _stray_workers(root: str) -> dict[str, int]:
+    """cwd -> process group of *unjailed* fncall workers whose working directory is under
+    ``root`` (a worker runs a call in its sandbox's work dir; user code that chdir'd
+    elsewhere is not found - see docs/edge.md). Jailed workers are never looked for this
+    way: they die with their zygote, and calls are found by their sandbox's cgroup."""
+    out: dict[str, int] = {}
+    prefix = root.rstrip("/") + "/"
+    me = os.getpid()
+    for pid_s in os.listdir("/proc"):
+        if not pid_s.isdigit() or int(pid_s) == me:
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid_s}/cwd")
+            if cwd != root and not cwd.startswith(prefix):
+                continue
+            with open(f"/proc/{pid_s}/cmdline", "rb") as f:
+                if b"fncall_worker" not in f.read():
+                    continue
+            out[cwd] = os.getpgid(int(pid_s))
+        except (OSError, ProcessLookupError):
+            continue
+    return out
+
+
+def _kill_groups(pgids: Any) -> None:
+    for pgid in set(pgids):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _reclaim_dead_roots(tmp: str) -> None:
+    """Remove the default roots of fncall backends whose process died (a crash skips
+    ``close``): the processes left in their sandboxes' cgroups, the cgroups, the disk
+    pool's mount, the files; unjailed workers still running in them."""
+    for e in os.scandir(tmp):
+        if not (e.name.startswith(_ROOT_PREFIX) and e.is_dir(follow_symlinks=False)
+                and ownership.owner_alive(e.path) is False):
+            continue
+        _kill_groups(_stray_workers(e.path).values())
+        if os.geteuid() == 0 and os.path.exists(os.path.join(e.path, "pool.img")):
+            with contextlib.suppress(OSError, BackendError):
+                gov = Governor(name="fncall-" + hashlib.sha1(e.path.encode()).hexdigest()[:10],
+                               favor_dynmods=False)
+                for sid in gov.list_sandboxes():
+                    cg = gov.paths(sid)
+                    gov.kill_all(cg)
+                    gov.remove(cg)
+                gov.remove_base()
+            pool = os.path.join(e.path, "pool")
+            if os.path.ismount(pool):
+                with contextlib.suppress(OSError):
+                    linux.umount2(pool, linux.MNT_DETACH)
+        shutil.rmtree(e.path, ignore_errors=True)
+        ownership.disown(e.path)
 
 
 def make_backend(**opts: Any) -> FncallBackend:
