@@ -350,3 +350,38 @@ async def test_an_edge_killed_mid_call_leaves_no_call_running(tmp_path) -> None:
         await b.adopt("sb-00000000000c-n1", SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
         await b.destroy("sb-00000000000c-n1")  # type: ignore[arg-type]
         await b.close()
+
+
+@needs_root
+async def test_reconcile_removes_unknown_sandboxes_with_their_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What a dead edge left (a work dir subvolume, a cgroup with a process in it) is
+    found through the disk pool and the cgroups, killed, removed and reported."""
+    root = str(tmp_path / "root")
+    a = FncallBackend(pool_size=0, root=root)
+    keep, gone = "sb-00000000000d-n1", "sb-00000000000e-n1"
+    stray = None
+    try:
+        for sid in (keep, gone):
+            await a.create(sid, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        assert a.governor is not None
+        stray = subprocess.Popen(["sleep", "300"])  # noqa: ASYNC220 - stands in for a runaway call
+        for procs in a.governor.paths(gone).procs_files:
+            with open(procs, "w") as f:  # noqa: ASYNC230
+                f.write(str(stray.pid))
+        await a.close()  # a given root: both stay, as after a crash
+        b = FncallBackend(pool_size=0, root=root)
+        try:
+            assert await b.adopt(keep, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+            left = await b.reconcile({keep})
+            assert [(x.sandbox_id, x.backend) for x in left] == [(gone, "fncall")]
+            assert "work directory" in left[0].what and "1 runaway process(es)" in left[0].what
+            assert stray.wait(10) == -signal.SIGKILL
+            assert not os.path.exists(b.work_dir(gone)) and _cgroups(b) == [keep]
+            assert await b.discard(gone) is None  # nothing left of it
+        finally:
+            await _destroy_all(b)
+            await b.close()
+    finally:
+        if stray is not None and stray.poll() is None:
+            stray.kill()
+            stray.wait()

@@ -86,6 +86,15 @@ async def test_fncall_edge_crash_adopts_and_reconciles(tmp_path) -> None:  # typ
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+        # The edge keeps its sandboxes for the next start; this test does not restart it,
+        # so what would be adopted goes: the work dirs' disk pool and their cgroups.
+        from dsec.edge.backends.fncall import FncallBackend
+
+        if os.path.isdir(root):
+            b = FncallBackend(pool_size=0, root=root)
+            for left in await b.reconcile(set()):
+                assert left.backend == "fncall"
+            await b.close()
 
 
 def _zombie_free(pid: int) -> bool:
