@@ -110,9 +110,9 @@ class JailConfig(msgspec.Struct, frozen=True, kw_only=True):
     mountpoint: str = ""
     seccomp: bytes = b""        # loaded when pre-started: the profile minus ADMISSION_SYSCALLS
     seccomp_admit: bytes = b""  # stacked on it at the end of admission: exactly those
-    # Nice value of the zygote and of each worker's init: building warm workers (forks,
-    # namespaces, mounts) yields to calls being served; the call process itself runs at
-    # nice 0 (see docs/isolation.md for what was measured).
+    # Nice value of the zygote and of each worker's init while it builds the worker
+    # (forks, namespaces, mounts): refills yield to calls being served. The call process
+    # and the built init run at nice 0 (see docs/isolation.md for what was measured).
     prestart_nice: int = 5
     tmp_bytes: int = 1 << 30   # private /tmp (pages count against the sandbox's memory)
     shm_bytes: int = SHM_BYTES

@@ -200,6 +200,9 @@ def worker_init(sock_fd: int, jail: JailConfig) -> None:
         os._exit(1)
     sock.close()
     os.close(me)
+    # Built: back from prestart_nice, so tearing the worker down after its call (the
+    # edge waits for that) is not slowed by its low priority.
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
     while True:
         try:
             pid, _ = os.waitpid(-1, 0)
