@@ -17,7 +17,6 @@ import subprocess
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.governor import kill_verified
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.ids import SandboxId
 from tests.edge.container.conftest import new_sid
@@ -130,6 +129,8 @@ def test_a_pid_missing_from_the_second_listing_is_not_signalled() -> None:
     """The v1 kill through pidfds: a pid is signalled only if a listing taken after its
     pidfd was opened still names it - a pid that left (and may already be someone
     else's) is spared. Real processes; the listings are the injected boundary."""
+    from dsec.edge.governor import kill_verified
+
     victim = subprocess.Popen(["sleep", "30"])
     bystander = subprocess.Popen(["sleep", "30"])
     try:

@@ -938,6 +938,7 @@ class ContainerBackend:
 
     async def stats(self, sid: SandboxId) -> SandboxStats:
         box = self._box(sid)
+        self._check_limits(box)  # a trainer polling stats sees the notices too
         mem, peak, cpu, pids = self.governor.stats(box.cg)
         mnt = os.path.join(box.dir, "disk")
         if box.spec.disk_bytes is not None and os.path.ismount(mnt):
@@ -946,7 +947,8 @@ class ContainerBackend:
         else:
             disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
-                            pids=pids, disk_bytes=disk)
+                            pids=pids, disk_bytes=disk,
+                            memory_tmpfs_bytes=self.governor.memory_shmem(box.cg))
 
     # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
