@@ -24,7 +24,8 @@ from tests.edge.container.conftest import new_sid
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
 
-# Keeps IN_FLIGHT children alive, each living 0-2 ms, until SIGTERM; then reports how
+# Keeps IN_FLIGHT children (each its own session and process group) alive, each living
+# 0-2 ms, until SIGTERM; then reports how
 # they ended. A child killed by anyone is seen as WIFSIGNALED; the spawner itself dying
 # shows in its exit status.
 SPAWNER = r"""
@@ -54,6 +55,8 @@ int main(int argc, char **argv) {
             long ns = rand() % 2000000;
             pid_t p = fork();
             if (p == 0) {
+                /* a group leader: a stray kill of a process-group number hits it too */
+                setsid();
                 struct timespec d = {0, ns};
                 nanosleep(&d, NULL);
                 _exit(0);
@@ -78,8 +81,9 @@ int main(int argc, char **argv) {
 }
 """
 
-BOMB = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=400)
-ROUNDS = 12
+# Capped hard (CPU too): the machine is shared, and the point is pid churn, not load.
+BOMB = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=128, cpu_milli=250)
+ROUNDS = 8
 SANDBOXES = 3
 
 
@@ -95,21 +99,31 @@ def spawner(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out
 
 
+async def _churn(b: ContainerBackend, rounds: int) -> int:
+    """Fork-bombing sandboxes, exec timeouts with escaping processes, destroys."""
+    destroyed = 0
+    for _ in range(rounds):
+        sids = [new_sid() for _ in range(SANDBOXES)]
+        await asyncio.gather(*(b.create(s, BOMB) for s in sids))
+        for s in sids:  # each process forks two and exits: constant pid churn
+            await b.exec(s, ExecRequest(shell="f(){ f|f& }; f", background=True))
+        # more load on the kill paths: execs that time out (or, at the task limit, give up)
+        await asyncio.gather(*(b.exec(s, ExecRequest(
+            shell="setsid sleep 50 & while :; do true & done", timeout_s=0.3)) for s in sids))
+        await asyncio.gather(*(b.destroy(SandboxId(s)) for s in sids))
+        destroyed += len(sids)
+    return destroyed
+
+
 async def test_destroying_fork_bombs_never_signals_a_host_process(
-        backend: ContainerBackend, spawner: str) -> None:
+        backend: ContainerBackend, runc_backend: ContainerBackend, spawner: str) -> None:
     host = await asyncio.create_subprocess_exec(
         spawner, "600", "24", stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     destroyed = 0
     try:
-        for _ in range(ROUNDS):
-            sids = [new_sid() for _ in range(SANDBOXES)]
-            await asyncio.gather(*(backend.create(s, BOMB) for s in sids))
-            for s in sids:  # each process forks two and exits: constant pid churn
-                await backend.exec(s, ExecRequest(shell="f(){ f|f& }; f", background=True))
-            await asyncio.sleep(0.4)
-            await asyncio.gather(*(backend.destroy(SandboxId(s)) for s in sids))
-            destroyed += len(sids)
+        destroyed += await _churn(backend, ROUNDS)
+        destroyed += await _churn(runc_backend, 1)
     finally:
         host.terminate()  # stop spawning, reap the last ones, report
         try:
@@ -121,8 +135,9 @@ async def test_destroying_fork_bombs_never_signals_a_host_process(
     counts = dict(kv.split("=") for kv in out.decode().split())
     assert counts["signaled"] == "0", err.decode()[-2000:]
     assert int(counts["spawned"]) >= 1000, counts
-    assert destroyed == ROUNDS * SANDBOXES
+    assert destroyed == (ROUNDS + 1) * SANDBOXES
     assert backend.governor.list_sandboxes() == []
+    assert runc_backend.governor.list_sandboxes() == []
 
 
 def test_a_pid_missing_from_the_second_listing_is_not_signalled() -> None:
