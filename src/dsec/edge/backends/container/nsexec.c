@@ -301,6 +301,28 @@ static void spawn_final(int fail_code, int pids_fd, int home_fd) {
     }
 }
 
+/* The exec's fast path: the final process shares our memory (no page-table copy - a
+ * fork's main cost on this PVM VM) and we wait until it has exec'd or died
+ * (CLONE_VM | CLONE_VFORK, as posix_spawn does); it has its own fd table and credentials.
+ * At the task limit that clone fails like any fork: then spawn_final's slow path. */
+static char final_stack[256 << 10] __attribute__((aligned(64)));
+
+static void run_final(int fail_code, int pids_fd, int home_fd, int (*fn)(void *), void *arg) {
+    pid_t pid = clone(fn, final_stack + sizeof final_stack,
+                      CLONE_VM | CLONE_VFORK | CLONE_PARENT, arg);
+    if (pid < 0 && errno == EAGAIN) {
+        spawn_final(fail_code, pids_fd, home_fd);  /* returns in the final process */
+        _exit(fn(arg));
+    }
+    if (pid < 0) die(fail_code, "clone into the sandbox's pid namespace");
+    struct report r = {my_slot, my_gen, pid, 0};
+    while (send(FD_REPORT, &r, sizeof r, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+    _exit(0);
+}
+
+struct final_args { const char *cwd, *user; int nenv; char **env, **target; };
+static int exec_final(void *arg);
+
 static int do_exec(int argc, char **argv) {
     /* argv: exec cwd user ncg cg... pids_index home_procs nenv env... -- target... */
     exec_mode = 1;
@@ -340,8 +362,18 @@ static int do_exec(int argc, char **argv) {
             die(126, "become root of the user namespace");
     }
     close(FD_PIDFD);
-    spawn_final(126, pids_fd, home_fd);
-    /* The command's process: visible inside from here on, and already all inside. */
+    struct final_args a = {cwd, user, nenv, env, target};
+    run_final(126, pids_fd, home_fd, exec_final, &a);
+    return 126;
+}
+
+/* The command's process: visible inside from its birth, and already all inside. */
+static int exec_final(void *arg) {
+    const struct final_args *a = arg;
+    const char *cwd = a->cwd, *user = a->user;
+    int nenv = a->nenv;
+    char **env = a->env, **target = a->target;
+    close(FD_REPORT);
     if (setsid() < 0) die(126, "setsid");
     uid_t uid = 0;
     gid_t gid = 0;
