@@ -201,6 +201,7 @@ class ContainerBackend:
         self._notices = NoticeLimiter()
         self.limits_poll_s = limits_poll_s
         self._poll: asyncio.TimerHandle | None = None
+        self._poll_next = 0
         # exec cgroup names: unique across edge restarts (a lingering one may survive)
         self._exec_seq = itertools.count(time.time_ns() // 1000)
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -353,17 +354,27 @@ class ContainerBackend:
         if self._poll is None and self.limits_poll_s is not None:
             self._poll = loop.call_later(self.limits_poll_s, self._poll_limits)
 
+    _POLL_SLICE = 256  # sandboxes checked per timer tick (~8 us each): no long loop stall
+
     def _poll_limits(self) -> None:
         """Every ``limits_poll_s``: limit counters of every sandbox (v1 pids.events has no
         notification, and a fork bomb in a background process may never be followed by
-        an exec)."""
+        an exec). At most _POLL_SLICE sandboxes per tick, ticks coming sooner when there
+        are more, so each is still checked about every ``limits_poll_s``."""
         self._poll = None
-        for box in list(self._boxes.values()):
+        boxes = list(self._boxes.values())
+        if not boxes or self.limits_poll_s is None:
+            return
+        start = self._poll_next % len(boxes)
+        chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
+        self._poll_next = start + len(chunk)
+        for box in chunk:
             if not box.dying:
-                self._check_limits(box)
-        if self._boxes and self.limits_poll_s is not None:
-            self._poll = asyncio.get_running_loop().call_later(self.limits_poll_s,
-                                                               self._poll_limits)
+                self._check_pids(box)
+                if box.oom_fd is None:  # v2: no OOM eventfd to wake us
+                    self._check_oom(box, report=True)
+        delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
+        self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
 
     def _unwatch_box(self, box: _Box) -> None:
         loop = asyncio.get_running_loop()
