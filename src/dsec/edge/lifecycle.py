@@ -81,6 +81,7 @@ NOTICE_REASONS: frozenset[str] = frozenset({
     "pids_limit",       # forks inside failed: the sandbox is at its task limit (pids_max)
     "tmpfs_full",       # tmpfs files (/tmp, /dev/shm) hold most of the memory limit, so
                         # new processes get OOM-killed; free them with the file API
+    "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -1,44 +1,40 @@
-"""Rate limiting for notices: events about a sandbox that lives on.
+"""Rate-limited notices: events about a sandbox that lives on.
 
 A backend reports what happens inside a running sandbox - a process OOM-killed, forks
-refused at the task limit, a full disk - as *notices* (``lifecycle.NOTICE_REASONS``): an
-event whose from and to states are equal. A runaway agent can trigger one per fork, so a
-backend passes each through a :class:`NoticeLimiter` first: the first notice of a kind
-goes out at once, later ones of the same (sandbox, reason) at most once per interval, and
-the one that goes out says how many were folded into it. Pure: the clock is injected.
+refused at the task limit, a disk that stays full - as *notices*
+(``lifecycle.NOTICE_REASONS``: an event whose from and to states are equal). A runaway
+agent can trigger one per fork or per failed write, which would push the sandbox's
+lifecycle history out of the bounded event feed, so a backend passes each through a
+:class:`NoticeLimiter`: the first of a kind goes out at once, later ones of the same
+(sandbox, reason) at most once per interval, and the one that goes out says how many were
+folded into it.
+
+Pure: the caller passes the clock reading; nothing here sleeps or does I/O.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-__all__ = ["DEFAULT_NOTICE_INTERVAL_S", "NoticeLimiter"]
-
-#: the least time between two notices of one kind about one sandbox
-DEFAULT_NOTICE_INTERVAL_S = 10.0
+__all__ = ["NoticeLimiter"]
 
 
 class NoticeLimiter:
-    """At most one notice per (sandbox, reason) per ``interval_s``; the rest are counted."""
+    """At most one notice per (sandbox, reason) every ``interval_s`` seconds; the rest
+    are counted into the next one."""
 
-    def __init__(self, *, interval_s: float = DEFAULT_NOTICE_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if interval_s < 0:
-            raise ValueError(f"interval_s={interval_s} must be >= 0")
+    def __init__(self, interval_s: float = 60.0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"notice interval_s={interval_s} must be positive")
         self.interval_s = interval_s
-        self.clock = clock
-        # (sandbox, reason) -> [time the last notice went out, notices folded since]
-        self._last: dict[tuple[str, str], list[float]] = {}
+        # sandbox -> reason -> [time the last notice went out, notices folded since]
+        self._last: dict[str, dict[str, list[float]]] = {}
 
-    def admit(self, sandbox_id: str, reason: str) -> int | None:
-        """None: drop this notice (it is counted into the next one). Otherwise let it
-        through; the value is how many notices were dropped since the last one."""
-        now = self.clock()
-        key = (sandbox_id, reason)
-        slot = self._last.get(key)
+    def admit(self, sid: str, reason: str, now: float) -> int | None:
+        """None: drop this notice (it is counted into the next one). Otherwise let it out
+        (and remember ``now``); the value is how many were dropped since the last one."""
+        seen = self._last.setdefault(sid, {})
+        slot = seen.get(reason)
         if slot is None:
-            self._last[key] = [now, 0]
+            seen[reason] = [now, 0]
             return 0
         if now - slot[0] < self.interval_s:
             slot[1] += 1
@@ -47,7 +43,6 @@ class NoticeLimiter:
         slot[0], slot[1] = now, 0
         return folded
 
-    def forget(self, sandbox_id: str) -> None:
-        """The sandbox is gone: drop its counters."""
-        for key in [k for k in self._last if k[0] == sandbox_id]:
-            del self._last[key]
+    def forget(self, sid: str) -> None:
+        """Drop what is remembered about ``sid`` (it was destroyed)."""
+        self._last.pop(sid, None)

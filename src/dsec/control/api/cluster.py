@@ -36,6 +36,7 @@ from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.errors import DsecError, InvalidArgument, TransportError
+from dsec.statedir import ensure_private_dir
 
 __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
 
@@ -88,6 +89,11 @@ class ClusterConfig:
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     write_local: bool = True
     access_log: bool = False
+    # Container sandboxes' disk: the cap of a sandbox created without disk_bytes, and the
+    # size of each edge's btrfs disk pool when first made (None: 90% of the state dir
+    # filesystem's free space; sparse, so it takes host space only as it fills).
+    disk_default_bytes: int = 10 << 30
+    disk_pool_bytes: int | None = None
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -124,7 +130,8 @@ class ClusterRuntime:
         from dsec.edge.service import EdgeClient
 
         cfg = self.config
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
+        ensure_private_dir(cfg.state_dir)
         try:
             await self._start_edges()
             self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
@@ -144,7 +151,7 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(cfg.state_dir)),
                 clock=loop.time,
-                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time))
+                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
@@ -251,7 +258,9 @@ class ClusterRuntime:
             self._mounts = MountCache()
             self._images = StoreImages(store, self._mounts)
         return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
-                "images": self._images}
+                "images": self._images,
+                "default_disk_bytes": self.config.disk_default_bytes,
+                "disk_pool_bytes": self.config.disk_pool_bytes}
 
     def _admin_key(self, plane: ControlPlane) -> str:
         old = read_local(self.config.state_dir)
