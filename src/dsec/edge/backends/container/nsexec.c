@@ -643,6 +643,8 @@ static void loopback_up(void) {
     close(s);
 }
 
+static int create_init(void *arg);
+
 static int do_create(int argc, char **argv) {
     /* argv: create root nlower lower... upper work hostname loopback tmp_bytes ncg cg...
      *       [uid_base uid_count: with F_USERNS] */
@@ -682,8 +684,15 @@ static int do_create(int argc, char **argv) {
     if (sethostname(hostname, strnlen(hostname, 64)) < 0) die(1, "sethostname");
     if (loopback) loopback_up();
     if (unshare(CLONE_NEWPID) < 0) die(1, "unshare(CLONE_NEWPID)");
-    spawn_final(1, -1, -1);
-    /* PID 1 of the sandbox's pid namespace. */
+    run_final(1, -1, -1, create_init, &userns_fd);
+    return 1;
+}
+
+/* PID 1 of the sandbox's pid namespace (sharing the intermediate's memory until its
+ * execve, like an exec's command: see run_final). */
+static int create_init(void *arg) {
+    int userns_fd = *(int *)arg;
+    close(FD_REPORT);
     build_root_inner();
     umask(022);
     if (userns_fd >= 0) {
