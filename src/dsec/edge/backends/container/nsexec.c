@@ -31,6 +31,9 @@
  * CLONE_PARENT makes us the parent of the final process, so we reap it and hand its exit
  * status to the edge; the intermediate reports its pid over the report socket (a pidfd
  * is opened for it then: an unreaped child cannot be confused with another process).
+ * The final process is cloned CLONE_VM | CLONE_VFORK (run_final): it shares the
+ * intermediate's memory until its execve, so the extra process costs no page-table copy
+ * (measured: exec and create CPU per call equal to the single-fork design's).
  *
  * Errors: exec writes "dsec: cannot run ..." to stderr (and the status pipe of a
  * background exec) and exits 127 (not found) or 126; create writes the reason to the
