@@ -930,8 +930,8 @@ class FncallBackend:
         return SandboxStats(disk_bytes=size)
 
     def _check_disk(self, sid: str, box: _Box) -> bool:
-        """A sandbox at its disk cap (or on a full pool) gets a ``disk_full`` notice, at
-        most one per ``notice_interval_s`` (as in the container backend)."""
+        """A sandbox at its disk cap (or on a full pool) gets a ``disk_full`` notice (rate
+        limited like every notice, as in the container backend)."""
         if not box.disk_q:
             return False
         use = DiskPool.usage_at(box.disk_q)
@@ -948,8 +948,7 @@ class FncallBackend:
             detail = (f"the node's fncall disk pool is full ({free} bytes free, sandbox "
                       f"{sid} holds {use.used_bytes} of its {use.cap_bytes}-byte cap); "
                       "writes fail with ENOSPC until sandboxes free space")
-        if self._notices.allow(sid, "disk_full", self.clock()):
-            self._notice(sid, "disk_full", detail)
+        self._notice(sid, "disk_full", detail)
         return True
 
     async def close(self) -> None:
@@ -1089,6 +1088,14 @@ class FncallBackend:
         return res
 
     def _notice(self, sid: str, reason: str, detail: str) -> None:
+        """Report a notice (the sandbox lives on), at most one per kind and sandbox per
+        ``notice_interval_s``; the next one says how many were folded into it."""
+        folded = self._notices.admit(sid, reason, self.clock())
+        if folded is None:
+            return
+        if folded:
+            detail += (f" ({folded} more notice(s) of this kind in the last "
+                       f"{self._notices.interval_s:g} s were folded into this one)")
         if self._sink is not None:
             self._sink(SandboxId(sid), reason, detail)
 
