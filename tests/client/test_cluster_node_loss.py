@@ -21,7 +21,9 @@ from dsec.control.api.plane import PlaneConfig
 
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=2, gateway=False,
+    # Edges in processes of their own: stop_edge kills one with SIGKILL (its machine
+    # died) and start_edge starts a fresh process on its journal.
+    with LocalCluster(edges=2, gateway=False, edge_processes=True,
                       plane=PlaneConfig(heartbeat_interval_s=0.1, node_ttl_s=0.6,
                                         reconnect_interval_s=0.1)) as cl:
         yield cl
@@ -70,6 +72,7 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         assert _listed(http, label="t=x") == set(lost) | set(kept)
         assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12
 
+        time.sleep(0.2)   # the edge journal's flush tick (until creates are durable at ack)
         cluster.stop_edge("edge-1")
         # Creates while edge-1 is silent: before expiry placement may still pick it, the
         # unreachable edge is excluded and the create retried on edge-0.
@@ -98,11 +101,13 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         # The node comes back (its journal re-adopts the sandboxes it had): the control
         # plane reconnects, and the watcher has every evicted sandbox destroyed there.
         cluster.start_edge("edge-1")
-        rt = cluster.runtime
 
         async def edge_states() -> dict[str, tuple[str, str]]:
-            node = next(n for n in rt.nodes if n.node_id == "edge-1")
-            return {s: (i.state, i.reason) for s in lost if (i := node.get(s))}
+            from dsec.edge.service import EdgeClient
+
+            sock = f"unix:{cluster.state_dir}/edges/edge-1.sock"
+            async with await EdgeClient.connect(sock) as edge:
+                return {s: (i.state, i.reason) for s in lost if (i := await edge.get(s))}
 
         _until("the returned edge to destroy the evicted sandboxes", lambda: all(
             v == ("destroyed", "node_lost") for v in cluster._on_loop(edge_states()).values()))
