@@ -56,7 +56,8 @@ def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str,
 
 
 def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None,
-                  layer_store: str | None) -> dict[str, Any]:
+                  layer_store: str | None, owned: list[Any]) -> dict[str, Any]:
+    """``make_backend`` options; what must be closed at exit is appended to ``owned``."""
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
 
@@ -76,7 +77,9 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
             from dsec.image import LayerStore, MountCache
             from dsec.image.resolver import StoreImages
 
-            opts["images"] = StoreImages(LayerStore(layer_store), MountCache())
+            mounts = MountCache()   # layers mounted once for all this node's sandboxes
+            owned.append(mounts)
+            opts["images"] = StoreImages(LayerStore(layer_store), mounts)
         return opts
     return {}
 
@@ -226,6 +229,7 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
     from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
 
+    owned: list[Any] = []
     try:
         if state_dir is not None:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -237,7 +241,7 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
                          state_dir=state_dir)
         extra = _extra_opts(backend_opts, backends)
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
-                                                              state_dir, layer_store),
+                                                              state_dir, layer_store, owned),
                                              **extra.get(name, {})})
                  for name in dict.fromkeys(backends)}
     except DsecError as exc:
@@ -260,6 +264,9 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
         uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        for o in owned:
+            o.close()   # the layer mounts; sandboxes kept for adoption hold their own
 
 
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,

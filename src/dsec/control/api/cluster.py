@@ -70,6 +70,9 @@ log = logging.getLogger("dsec.cluster")
 
 LOCAL_FILE = "local.json"
 LOCK_FILE = "up.lock"
+# How long a restarted edge process takes to serve again: measured 0.3-0.8 s (Python
+# start-up, imports, journal re-adoption) on the 2-core dev VM under load; doubled.
+EDGE_RESTART_BUDGET_S = 2.0
 DSEC_ARGV = (sys.executable, "-c", "from dsec.cli.main import main; main()")
 
 
@@ -196,6 +199,15 @@ class ClusterRuntime:
                 parse_node_id(node)
                 if node in self.node_ids:
                     raise InvalidArgument(f"remote edge {node!r} clashes with a local edge")
+            if cfg.edges and cfg.edge_processes:
+                worst = cfg.restart.first_delay_s + EDGE_RESTART_BUDGET_S
+                if worst >= cfg.plane.node_ttl_s:
+                    log.warning(
+                        "a crashed edge is restarted after %.1fs and takes up to ~%.1fs to "
+                        "serve again, but the node-loss TTL is %.1fs: the control plane "
+                        "may write its sandboxes off first; raise node_ttl_s or lower "
+                        "restart.first_delay_s", cfg.restart.first_delay_s,
+                        EDGE_RESTART_BUDGET_S, cfg.plane.node_ttl_s)
             if cfg.edges:
                 self._lock_state_dir()
                 self._size_edges()
