@@ -121,7 +121,8 @@ def capacity_options(what: str) -> Callable[[F], F]:
                               "/proc/meminfo or the cgroup memory limit, the lower)."),
             click.option("--disk", type=SIZE, default=None,
                          help="Largest disk one sandbox may be given (default: the size of "
-                              "the state dir's filesystem)."),
+                              "the state dir's filesystem, or of the container backend's "
+                              "disk pool if smaller)."),
             click.option("--cpu-overcommit", type=click.FloatRange(0.001, 10_000),
                          default=64.0, show_default=True,
                          help="Admit sandbox CPU up to this many times the cores (a "
@@ -208,6 +209,11 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--insecure", is_flag=True,
               help="Serve tcp: without a token (anyone who connects can run commands in "
                    "sandboxes): only on a private test network.")
+@click.option("--disk-default", default="10GiB", show_default=True, metavar="SIZE",
+              help="Disk cap of a container sandbox created without one.")
+@click.option("--disk-pool", default=None, metavar="SIZE",
+              help="Size of the container backend's sandbox disk pool when first made "
+                   "[default: 90% of its root dir's free space].")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -219,12 +225,13 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
          memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
          disk_bytes: int | None, max_sandboxes: int, labels: tuple[str, ...], profile: str,
          fncall_pool_size: int, layer_store: str | None, backend_opts: tuple[str, ...],
-         token_file: str | None, insecure: bool, ready_fd: int | None,
-         supervisor_pid: int | None, log_level: str) -> None:
+         token_file: str | None, insecure: bool, disk_default: str, disk_pool: str | None,
+         ready_fd: int | None, supervisor_pid: int | None, log_level: str) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
@@ -237,13 +244,20 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
             state_dir=state_dir, cpus=cpus, memory=memory, disk=disk, cpu_milli=cpu_milli,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, cpu_overcommit=cpu_overcommit,
             memory_overcommit=memory_overcommit, max_sandboxes=max_sandboxes)
-        cfg = NodeConfig(node_id=node_id, capacity=capacity, labels=_labels(labels),
-                         state_dir=state_dir)
         extra = _extra_opts(backend_opts, backends)
+        from dsec.client.core import parse_memory
+        disk_opts: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
+                                     "disk_pool_bytes": None if disk_pool is None
+                                     else parse_memory(disk_pool)}
+        for name in backends:
+            if name == "container":
+                extra[name] = {**disk_opts, **extra.get(name, {})}
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
                                                               state_dir, layer_store, owned),
                                              **extra.get(name, {})})
                  for name in dict.fromkeys(backends)}
+        cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
+                         labels=_labels(labels), state_dir=state_dir)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

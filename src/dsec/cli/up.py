@@ -38,18 +38,30 @@ from dsec.cli.edge import capacity_options
 @click.option("--in-process-edges", is_flag=True, hidden=True,
               help="Run the edges inside this process (debugging, profiling).")
 @click.option("--keep", is_flag=True, help="On exit, leave sandboxes running for re-adoption.")
+@click.option("--disk-default", default="10GiB", show_default=True, metavar="SIZE",
+              help="Disk cap of a container sandbox created without one.")
+@click.option("--disk-pool", default=None, metavar="SIZE",
+              help="Size of each edge's sandbox disk pool when first made "
+                   "[default: 90% of the state dir's free space].")
 @click.option("--quiet", is_flag=True, help="No status line.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
-       quiet: bool) -> None:
+       disk_default: str, disk_pool: str | None, quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
+    from dsec.client.core import parse_memory
     from dsec.control.api.cluster import ClusterConfig, default_state_dir
     from dsec.edge.admission import Overcommit
+    from dsec.errors import DsecError
 
+    try:
+        default_disk = parse_memory(disk_default)
+        pool = None if disk_pool is None else parse_memory(disk_pool)
+    except DsecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--disk-default/--disk-pool") from exc
     cfg = ClusterConfig(
         state_dir=state_dir or default_state_dir(), listen=listen,
         gateway=None if gateway == "off" else gateway, backend=backend, edges=edges,
@@ -57,7 +69,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         cpu_milli=cpu_milli or (round(cpus * 1000) if cpus is not None else None),
         memory_bytes=memory_bytes or memory, disk_bytes=disk_bytes or disk,
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
-        edge_max_sandboxes=max_sandboxes)
+        edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
+        disk_pool_bytes=pool)
     uvloop.run(_run(cfg, quiet))
 
 

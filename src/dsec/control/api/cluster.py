@@ -60,7 +60,14 @@ from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.supervisor import RestartPolicy
-from dsec.edge.admission import Capacity, HostResources, Overcommit, measure_host, plan_capacity
+from dsec.edge.admission import (
+    Capacity,
+    HostResources,
+    Overcommit,
+    bound_disk,
+    measure_host,
+    plan_capacity,
+)
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 
@@ -128,6 +135,11 @@ class ClusterConfig:
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     write_local: bool = True
     access_log: bool = False
+    # Container sandboxes' disk: the cap of a sandbox created without disk_bytes, and the
+    # size of each edge's btrfs disk pool when first made (None: 90% of the state dir
+    # filesystem's free space; sparse, so it takes host space only as it fills).
+    disk_default_bytes: int = 10 << 30
+    disk_pool_bytes: int | None = None
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -340,7 +352,10 @@ class ClusterRuntime:
         if "container" in self._local_backends():
             argv += ["--layer-store", os.path.join(cfg.state_dir, "layers"),
                      "--backend-opt",
-                     f"container.root_dir={os.path.join(cfg.state_dir, 'container', node)}"]
+                     f"container.root_dir={os.path.join(cfg.state_dir, 'container', node)}",
+                     "--disk-default", str(cfg.disk_default_bytes)]
+            if cfg.disk_pool_bytes is not None:
+                argv += ["--disk-pool", str(cfg.disk_pool_bytes)]
         return argv
 
     def _on_report(self, node: str, level: str, message: str) -> None:
@@ -396,7 +411,7 @@ class ClusterRuntime:
         backends = {n: make_backend(n, **self._backend_opts(n, node_id))
                     for n in self._local_backends()}
         node = EdgeNode(NodeConfig(
-            node_id=node_id, capacity=self.capacity,
+            node_id=node_id, capacity=bound_disk(self.capacity, backends.values()),
             state_dir=os.path.join(self.config.state_dir, "edges", node_id)), backends)
         await node.start()
         try:
@@ -423,7 +438,9 @@ class ClusterRuntime:
             self._images = StoreImages(
                 LayerStore(os.path.join(self.config.state_dir, "layers")), self._mounts)
         return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
-                "images": self._images}
+                "images": self._images,
+                "default_disk_bytes": self.config.disk_default_bytes,
+                "disk_pool_bytes": self.config.disk_pool_bytes}
 
     # --------------------------------------------------------- edge outages
     def _check_node(self, node_id: str) -> None:

@@ -228,6 +228,7 @@ class QuotaBody(_Strict):
     max_sandboxes: int | None = None
     cpu_milli: int | None = None
     memory_bytes: int | None = None
+    snapshot_bytes: int | None = None      # stored bytes of the subtree's snapshots
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

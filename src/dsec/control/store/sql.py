@@ -30,6 +30,7 @@ from dsec.control.store import (
     RoleBindingRow,
     SandboxRow,
     SessionRow,
+    SnapshotChargeRow,
 )
 
 __all__ = ["Dialect", "SqlStore"]
@@ -89,6 +90,10 @@ _SCHEMA = [
         id TEXT PRIMARY KEY, node TEXT NOT NULL, lost_at DOUBLE PRECISION NOT NULL,
         record TEXT NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS lost_sandboxes_age ON lost_sandboxes (lost_at)",
+    # Stored bytes of each snapshot, charged to its project's snapshot_bytes quota.
+    """CREATE TABLE IF NOT EXISTS snapshot_charges (
+        id TEXT PRIMARY KEY, project TEXT NOT NULL, node TEXT NOT NULL,
+        size_bytes BIGINT NOT NULL)""",
 ]
 
 
@@ -225,6 +230,20 @@ class SqlStore:
     def list_quotas(self) -> list[QuotaRow]:
         rows = self._all("SELECT project, quota FROM quotas ORDER BY project")
         return [QuotaRow(project=r[0], quota=_json_dec.decode(r[1])) for r in rows]
+
+    # --- snapshot storage charges ---------------------------------------------------------
+    def put_snapshot_charge(self, row: SnapshotChargeRow) -> None:
+        self._exec(
+            "INSERT INTO snapshot_charges (id, project, node, size_bytes) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (id) DO NOTHING", (row.id, row.project, row.node, row.size_bytes))
+
+    def delete_snapshot_charge(self, snapshot_id: str) -> bool:
+        return self._exec("DELETE FROM snapshot_charges WHERE id = ?", (snapshot_id,)) > 0
+
+    def list_snapshot_charges(self) -> list[SnapshotChargeRow]:
+        rows = self._all("SELECT id, project, node, size_bytes FROM snapshot_charges")
+        return [SnapshotChargeRow(id=r[0], project=r[1], node=r[2], size_bytes=int(r[3]))
+                for r in rows]
 
     # --- registry -------------------------------------------------------------------------
     def commit_events(
