@@ -154,3 +154,19 @@ def test_measure_host_on_this_machine(tmp_path) -> None:  # type: ignore[no-unty
     assert 0 < h.memory_bytes <= total
     st = os.statvfs(str(tmp_path))
     assert h.disk_bytes == st.f_blocks * st.f_frsize
+
+
+def test_the_disk_ceiling_is_the_smaller_of_filesystem_and_disk_pool() -> None:
+    from types import SimpleNamespace
+
+    from dsec.edge.admission import Resources, bound_disk
+
+    phys = Resources(cpu_milli=1000, memory_bytes=1 << 30, disk_bytes=1 << 40)
+    cap = Capacity(cpu_milli=1000, memory_bytes=1 << 30, max_sandboxes=1,
+                   disk_bytes=1 << 40, physical=phys)
+    pooled = SimpleNamespace(disk=SimpleNamespace(total_bytes=lambda: 100 << 30))
+    assert bound_disk(cap, [object(), pooled]).disk_bytes == 100 << 30
+    assert bound_disk(cap, [pooled]).physical.disk_bytes == 100 << 30  # type: ignore[union-attr]
+    assert bound_disk(cap, [object()]) is cap                       # no pool: unchanged
+    small = Capacity(cpu_milli=1000, memory_bytes=1 << 30, max_sandboxes=1, disk_bytes=1 << 30)
+    assert bound_disk(small, [pooled]) is small                     # the fs is smaller

@@ -49,14 +49,16 @@ def _up_flags(config: dict[str, Any]) -> list[str]:
     flags: list[str] = []
     for key, flag in (("cpu_milli", "--cpu-milli"), ("memory_bytes", "--memory-bytes"),
                       ("disk_bytes", "--disk-bytes"),
-                      ("edge_max_sandboxes", "--max-sandboxes")):
+                      ("edge_max_sandboxes", "--max-sandboxes"),
+                      ("disk_default_bytes", "--disk-default"),
+                      ("disk_pool_bytes", "--disk-pool")):
         if config.get(key) is not None:
             flags += [flag, str(config[key])]
     oc = config.get("overcommit")
     if oc is not None:
         flags += ["--cpu-overcommit", repr(oc.cpu), "--memory-overcommit", repr(oc.memory)]
     unknown = set(config) - {"cpu_milli", "memory_bytes", "disk_bytes", "edge_max_sandboxes",
-                             "overcommit"}
+                             "overcommit", "disk_default_bytes", "disk_pool_bytes"}
     if unknown:
         raise InvalidArgument(f"LocalCluster(subprocess=True) cannot pass {sorted(unknown)} "
                               "to `dsec up`; drop them or use subprocess=False")

@@ -23,8 +23,9 @@ exceed the machine; the real limits are each sandbox's cgroup).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -32,7 +33,7 @@ import msgspec
 from dsec.errors import CapacityExceeded, Conflict, InvalidArgument, Unsatisfiable
 
 __all__ = ["Capacity", "HostResources", "Overcommit", "ResourcePool", "Resources",
-           "describe_request", "format_amount", "format_bytes", "format_cpu",
+           "bound_disk", "describe_request", "format_amount", "format_bytes", "format_cpu",
            "measure_host", "plan_capacity", "too_big"]
 
 
@@ -125,6 +126,23 @@ def plan_capacity(host: HostResources, *, overcommit: Overcommit, max_sandboxes:
                     memory_bytes=int(physical.memory_bytes * overcommit.memory),
                     max_sandboxes=max_sandboxes, disk_bytes=host.disk_bytes,
                     physical=physical)
+
+
+def bound_disk(capacity: Capacity, backends: Iterable[object]) -> Capacity:
+    """``capacity`` with its per-sandbox disk ceiling lowered to the largest disk pool a
+    backend has (the container backend's ``disk.total_bytes()``: its sandboxes' upper
+    layers live there, so no cap above it can ever be honoured)."""
+    pools = [total() for b in backends
+             if callable(total := getattr(getattr(b, "disk", None), "total_bytes", None))]
+    if not pools:
+        return capacity
+    most = max(int(p) for p in pools)
+    if capacity.disk_bytes is not None and capacity.disk_bytes <= most:
+        return capacity
+    physical = capacity.physical
+    if physical is not None:
+        physical = msgspec.structs.replace(physical, disk_bytes=most)
+    return dataclasses.replace(capacity, disk_bytes=most, physical=physical)
 
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as ~2**63 rounded to the page size
