@@ -165,6 +165,9 @@ class EdgeProcess:
             return
         self._feed(Stop(self.clock(), grace_s))
         await self._until(lambda: self.state in ("stopped", "failed", "idle"))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def kill(self, signum: int = signal.SIGKILL) -> bool:
         """Send ``signum`` to the edge behind the supervisor's back (a crash, for tests
