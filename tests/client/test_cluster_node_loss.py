@@ -23,7 +23,10 @@ from dsec.control.api.plane import PlaneConfig
 def cluster() -> Iterator[LocalCluster]:
     # Edges in processes of their own: stop_edge kills one with SIGKILL (its machine
     # died) and start_edge starts a fresh process on its journal.
+    # A machine so large that packing does not pull the creates onto one edge: both
+    # edges must hold several of them.
     with LocalCluster(edges=2, gateway=False, edge_processes=True,
+                      cpu_milli=10**8, memory_bytes=1 << 46,
                       plane=PlaneConfig(heartbeat_interval_s=0.1, node_ttl_s=0.6,
                                         reconnect_interval_s=0.1)) as cl:
         yield cl
