@@ -239,7 +239,9 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
     owned: list[Any] = []
     try:
         if state_dir is not None:
-            os.makedirs(state_dir, mode=0o700, exist_ok=True)
+            from dsec.statedir import ensure_private_dir
+            # 0700 even when it existed: journals, sandbox records (with their env).
+            state_dir = ensure_private_dir(state_dir)
         capacity = resolve_capacity(
             state_dir=state_dir, cpus=cpus, memory=memory, disk=disk, cpu_milli=cpu_milli,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, cpu_overcommit=cpu_overcommit,

@@ -70,6 +70,7 @@ from dsec.edge.admission import (
 )
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
+from dsec.statedir import ensure_private_dir
 
 __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
 
@@ -202,7 +203,8 @@ class ClusterRuntime:
         from dsec.control.store.sqlite import SqliteStore
 
         cfg = self.config
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
+        ensure_private_dir(cfg.state_dir)
         try:
             if not 0 <= cfg.edges <= 64 or (cfg.edges == 0 and not cfg.remote_edges):
                 raise InvalidArgument(f"edges={cfg.edges} must be within 1..64 (or 0 with "
@@ -248,7 +250,7 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(cfg.state_dir)),
                 clock=loop.time,
-                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time))
+                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
