@@ -103,14 +103,24 @@ def test_crashes_outside_the_window_do_not_count() -> None:
 
 
 def test_not_ready_in_time_is_killed_and_counted() -> None:
-    s = Supervision("edge e0", RestartPolicy(start_timeout_s=5.0, crash_loop_crashes=5))
-    s.handle(Start(0.0))
-    out = s.handle(Tick(5.0))
+    s = _running(RestartPolicy(start_timeout_s=5.0, crash_loop_crashes=5))
+    wake = next(i for i in s.handle(Exited(1.0, KILLED)) if isinstance(i, WakeAt))
+    s.handle(Tick(wake.at))                          # restarted, never ready again
+    out = s.handle(Tick(wake.at + 5.0))
     assert Signal(signal.SIGKILL) in out
-    out = s.handle(Exited(5.1, KILLED))
+    out = s.handle(Exited(wake.at + 5.1, KILLED))
     assert s.state == "backoff"
     msg = next(i for i in out if isinstance(i, Report)).message
     assert "failed to start (did not become ready within 5s)" in msg
+
+
+def test_a_first_start_that_fails_is_not_retried() -> None:
+    s = Supervision("edge e0")
+    s.handle(Start(0.0))
+    out = s.handle(Exited(0.8, ExitStatus(code=1)))
+    assert s.state == "failed" and _kinds(out) == ["Report"]
+    assert out[0].message == ("edge e0 failed to start (exit code 1) and never served; "  # type: ignore[union-attr]
+                              "not restarting it: fix the cause and start it again")
 
 
 def test_stop_terms_then_kills_after_the_grace_and_never_restarts() -> None:

@@ -10,7 +10,8 @@ One :class:`Supervision` per child. Feed it events (``Start``, ``Ready``, ``Exit
 Policy (:class:`RestartPolicy`): a child that exits without being asked to is restarted
 after a delay that starts small (well inside the control plane's node-loss TTL, so one
 crash never costs a node its sandboxes) and doubles with each further crash, back to the
-first delay after a run of ``stable_after_s``. ``crash_loop_crashes`` crashes within
+first delay after a run of ``stable_after_s``. A child that never became ready is not
+restarted at all (a first start that fails is a configuration problem). ``crash_loop_crashes`` crashes within
 ``crash_loop_window_s`` is a crash loop: the child is left ``failed`` and a report says
 why, instead of burning the machine restarting something that cannot start. A child
 that does not report ready within ``start_timeout_s`` is killed, which counts as a crash.
@@ -168,6 +169,7 @@ class Supervision:
         self.restarts = 0                     # restarts done (for status lines)
         self.last_exit: ExitStatus | None = None
         self.started_at = 0.0
+        self.ever_ready = False               # it served at least once
         self._deadline: float | None = None   # start timeout / stop grace / restart time
         self._killed_for_timeout = False
 
@@ -192,6 +194,7 @@ class Supervision:
             if self.state != "starting":
                 return []   # a late readiness note after a stop: nothing to do
             self._go("ready")
+            self.ever_ready = True
             self._deadline = None
             return [Report("info", f"{self.name} is ready")] if self.restarts else []
         if isinstance(event, Exited):
@@ -230,6 +233,13 @@ class Supervision:
             self.crashes.popleft()
         why = ("did not become ready within "
                f"{p.start_timeout_s:g}s" if self._killed_for_timeout else str(status))
+        if not self.ever_ready:
+            # It never served: a first start that fails is a configuration problem
+            # (bad flags, a locked state dir), which restarting would only repeat.
+            self._go("give_up")
+            self._deadline = None
+            return [Report("error", f"{self.name} failed to start ({why}) and never served; "
+                                    "not restarting it: fix the cause and start it again")]
         if len(self.crashes) >= p.crash_loop_crashes:
             self._go("give_up")
             self._deadline = None

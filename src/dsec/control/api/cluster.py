@@ -263,7 +263,9 @@ class ClusterRuntime:
             if cfg.write_local:
                 self._write_local()
         except BaseException:
-            await self.stop()
+            # A start that failed destroys nothing: the sandboxes edges re-adopted from a
+            # `--keep` run stay for the next attempt.
+            await self.stop(keep=True)
             raise
         return self
 
@@ -590,8 +592,10 @@ class ClusterRuntime:
                 await self.plane.poll_edges()
 
     # ------------------------------------------------------------------- stop
-    async def stop(self) -> None:
-        """Stop serving, then destroy sandboxes (unless ``keep``) and stop the edges."""
+    async def stop(self, *, keep: bool | None = None) -> None:
+        """Stop serving, then destroy sandboxes (unless ``keep``, default the config's)
+        and stop the edges."""
+        keep = self.config.keep if keep is None else keep
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
@@ -608,15 +612,18 @@ class ClusterRuntime:
         await asyncio.gather(*self._bg, return_exceptions=True)
         if self.plane is not None:
             await self.plane.close()
+            for e in self.plane.edges.values():   # links the plane redialled itself
+                with contextlib.suppress(Exception):
+                    await e.link.close()
         for c in self._clients:
             with contextlib.suppress(Exception):
                 await c.close()
         self._clients.clear()
         if self.processes:
-            await asyncio.gather(*(self._stop_process(p) for p in self.processes.values()),
-                                 return_exceptions=True)
+            await asyncio.gather(*(self._stop_process(p, keep)
+                                   for p in self.processes.values()), return_exceptions=True)
             self.processes.clear()
-        await self._stop_inprocess_edges()
+        await self._stop_inprocess_edges(keep)
         if self._mounts is not None:
             with contextlib.suppress(Exception):
                 self._mounts.close()
@@ -634,12 +641,12 @@ class ClusterRuntime:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    async def _stop_process(self, proc: EdgeProcess) -> None:
+    async def _stop_process(self, proc: EdgeProcess, keep: bool) -> None:
         """Destroy the edge's sandboxes through it (unless ``keep``; an edge that is down
         is started once more for that, so nothing is leaked), then stop it gracefully."""
         from dsec.edge.service import EdgeClient
 
-        if not self.config.keep and proc.ever_ready:
+        if not keep and proc.ever_ready:
             try:
                 if proc.state != "running":
                     await proc.start()
@@ -653,7 +660,7 @@ class ClusterRuntime:
                           "journal for the next start", proc.node, exc)
         await proc.stop()
 
-    async def _stop_inprocess_edges(self) -> None:
+    async def _stop_inprocess_edges(self, keep: bool) -> None:
         stopped = {self.nodes[i].node_id for i, s in enumerate(self._edge_servers)
                    if s is None and i < len(self.nodes)}
         for s in self._edge_servers:
@@ -664,12 +671,12 @@ class ClusterRuntime:
         self._edge_servers.clear()
         for node in self.nodes:
             if node.node_id in stopped:
-                if self.config.keep:
+                if keep:
                     continue  # closed by stop_edge; its journal keeps its sandboxes
                 # Adopt what it left behind so it can be destroyed, not leaked.
                 node, server = await self._run_edge(node.node_id)
                 await server.close()
-            if not self.config.keep:
+            if not keep:
                 ids = [i.id for i in node.list()]
                 if ids:
                     await node.destroy_many(ids, reason="shutdown")

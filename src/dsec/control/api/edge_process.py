@@ -124,12 +124,16 @@ class EdgeProcess:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
-        self.ever_ready = False   # it served at least once (so it may hold sandboxes)
 
     # ------------------------------------------------------------ public face
     @property
     def state(self) -> ChildState:
         return self.sup.state
+
+    @property
+    def ever_ready(self) -> bool:
+        """It served at least once (so it may hold sandboxes)."""
+        return self.sup.ever_ready
 
     @property
     def pid(self) -> int | None:
@@ -283,7 +287,6 @@ class EdgeProcess:
             data = b""
         self._close_ready()
         if data.startswith(b"ready"):
-            self.ever_ready = True
             self._feed(Ready(self.clock()))
             if self.on_ready is not None:
                 self.on_ready(self.node)
