@@ -75,7 +75,6 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         assert _listed(http, label="t=x") == set(lost) | set(kept)
         assert http.get("/v1/projects/team").json()["usage"]["sandboxes"] == 12
 
-        time.sleep(0.2)   # the edge journal's flush tick (until creates are durable at ack)
         cluster.stop_edge("edge-1")
         # Creates while edge-1 is silent: before expiry placement may still pick it, the
         # unreachable edge is excluded and the create retried on edge-0.

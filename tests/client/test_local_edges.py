@@ -30,7 +30,6 @@ def test_crash_restart_crash_loop_and_manual_start() -> None:
     with LocalCluster(edges=1, gateway=False, edge_processes=True, restart=policy) as cl, \
             cl.client(session_lease_s=None) as c:
         sb = c.sandboxes.create(detached=True)
-        time.sleep(0.2)   # the edge journal's flush tick (until creates are durable at ack)
         pids = []
         for n in range(1, 3):
             pids.append(cl.kill_edge("edge-0"))

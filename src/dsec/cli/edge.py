@@ -68,7 +68,10 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
             prof = NodeLatencyProfile.paper(kind)  # type: ignore[arg-type]
         return {"profile": prof}
     if name == "fncall":
-        return {"pool_size": pool_size}
+        # Work dirs next to the journal: a restarted edge adopts its fncall sandboxes
+        # and reconciles the rest (a temp dir per process could do neither).
+        root = {"root": os.path.join(state_dir, "fncall")} if state_dir else {}
+        return {"pool_size": pool_size, **root}
     if name == "container":
         opts: dict[str, Any] = {}
         if state_dir is not None:
@@ -184,6 +187,11 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Directory for the sandbox journal (a restarted edge adopts what it "
                    "owned). Without it, records live in memory only.")
+@click.option("--journal-sync", type=click.Choice(["fsync", "write", "tick"]), default="fsync",
+              show_default=True,
+              help="When an answered create/destroy/pause/resume is on disk: fsync before "
+                   "the answer (survives kill -9 and power loss), write before it (kill -9 "
+                   "only), or tick (up to 50 ms later: a crash loses that tick).")
 @click.option("--backend", "backends", multiple=True, default=("simulated",), show_default=True,
               help="Backend to offer (repeatable): simulated, fncall, container, ...")
 @click.option("--node-id", default=_default_node_id, show_default="hostname",
@@ -220,13 +228,14 @@ def _die_with_supervisor(pid: int) -> None:
               help="Stop (keeping sandboxes) when this parent process dies.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id: str,
-         cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
-         memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
-         disk_bytes: int | None, max_sandboxes: int, labels: tuple[str, ...], profile: str,
-         fncall_pool_size: int, layer_store: str | None, backend_opts: tuple[str, ...],
-         token_file: str | None, insecure: bool, disk_default: str, disk_pool: str | None,
-         ready_fd: int | None, supervisor_pid: int | None, log_level: str) -> None:
+def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
+         node_id: str, cpus: float | None, memory: int | None, disk: int | None,
+         cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
+         memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
+         labels: tuple[str, ...], profile: str, fncall_pool_size: int,
+         layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
+         insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
+         supervisor_pid: int | None, log_level: str) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
@@ -259,7 +268,8 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
                                              **extra.get(name, {})})
                  for name in dict.fromkeys(backends)}
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
-                         labels=_labels(labels), state_dir=state_dir)
+                         labels=_labels(labels), state_dir=state_dir,
+                         journal_sync=journal_sync)  # type: ignore[arg-type]
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

@@ -43,17 +43,22 @@ from dsec.cli.edge import capacity_options
 @click.option("--disk-pool", default=None, metavar="SIZE",
               help="Size of each edge's sandbox disk pool when first made "
                    "[default: 90% of the state dir's free space].")
+@click.option("--node-ttl", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="An edge silent this long is lost: its sandboxes are evicted (node_lost). "
+                   "Restart (upgrade) an edge within it to keep them.")
 @click.option("--quiet", is_flag=True, help="No status line.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
-       disk_default: str, disk_pool: str | None, quiet: bool) -> None:
+       disk_default: str, disk_pool: str | None, node_ttl: float, quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
     from dsec.client.core import parse_memory
     from dsec.control.api.cluster import ClusterConfig, default_state_dir
+    from dsec.control.api.plane import PlaneConfig
     from dsec.edge.admission import Overcommit
     from dsec.errors import DsecError
 
@@ -70,7 +75,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         memory_bytes=memory_bytes or memory, disk_bytes=disk_bytes or disk,
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
         edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
-        disk_pool_bytes=pool)
+        disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl))
     uvloop.run(_run(cfg, quiet))
 
 

@@ -22,19 +22,23 @@ confinement (:mod:`.files`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
-import hashlib
+import fcntl
+import logging
 import os
 import resource
 import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from dsec.edge.backend import DeathSink
+from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.census import Census, cgroup_name_of, take_census
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
@@ -61,6 +65,7 @@ from dsec.edge.backends.container.state import (
 from dsec.edge.governor import Governor, Limits, SandboxCgroup, ensure_compressed_swap
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.spec import (
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -74,6 +79,7 @@ from dsec.errors import (
     BackendError,
     Conflict,
     DsecError,
+    InUse,
     InvalidArgument,
     QuotaExceeded,
     SandboxError,
@@ -85,6 +91,8 @@ if TYPE_CHECKING:
     from dsec.edge.backends.container.runc import RuncDriver
 
 __all__ = ["ContainerBackend", "Runtime"]
+
+log = logging.getLogger("dsec.edge.container")
 
 Runtime = Literal["native", "runc"]
 
@@ -189,7 +197,7 @@ class ContainerBackend:
             os.makedirs(d, mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)  # also when it existed: upper layers may hold setuid files
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
-        self.cgroup_name = cgroup_name or hashlib.sha1(self.root_dir.encode()).hexdigest()[:10]
+        self.cgroup_name = cgroup_name or cgroup_name_of(self.root_dir)
         self.governor = governor or Governor(name=self.cgroup_name)
         try:
             self.governor.limit_total_pids(self.pids_total)
@@ -223,6 +231,9 @@ class ContainerBackend:
             self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
                                     cgroup_parent=f"dsec-{self.cgroup_name}")
         self._snapshots = ContainerSnapshots(self)
+        # One live backend per root_dir (last, so a failed __init__ holds nothing):
+        # reconcile() removes whatever this backend does not hold.
+        self._lock_fd = _lock_root(self.root_dir)
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -603,6 +614,87 @@ class ContainerBackend:
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
         self.disk.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the root_dir lock
+            self._lock_fd = -1
+
+    # -- reconciliation after a crash -------------------------------------------------------
+    def census(self, sid: str | None = None) -> Census:
+        """What the host holds for this backend (or for ``sid`` only), by sandbox id."""
+        return take_census(self.root_dir, self.cgroup_name, only=sid)
+
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
+        """Remove every trace on the host of sandboxes this backend does not hold and the
+        node does not keep: their processes (found through their cgroups; the pid
+        namespace and netns die with the init), cgroups in every hierarchy, mounts below
+        their directory (runc rootfs, an old disk tmpfs), their disk subvolume, runc state
+        and the directory. The node
+        calls this at start, after adoption; returns what was removed, one per sandbox."""
+        census = self.census()
+        out = []
+        for sid in sorted(census.sandboxes()):
+            if sid in self._boxes or sid in keep:
+                continue
+            out.append(await self._remove_leftover(sid, census))
+        if self._runc is not None:
+            self._runc.sweep_logs()
+        return out
+
+    @property
+    def _kind(self) -> BackendName:
+        return "container" if self._runc is None else "runc"
+
+    async def discard(self, sid: SandboxId) -> Leftover | None:
+        """Remove what the host holds for ``sid``, which the node has no record of; None
+        if there is nothing."""
+        if sid in self._boxes:
+            await self.destroy(sid)
+            return Leftover(sid, self._kind, "a running sandbox the node did not list")
+        census = self.census(sid)
+        if sid not in census.sandboxes():
+            return None
+        return await self._remove_leftover(sid, census)
+
+    async def _remove_leftover(self, sid: str, census: Census) -> Leftover:
+        what = census.describe(sid)
+        d = os.path.join(self.root_dir, "sb", sid)
+        rec = load_record(os.path.join(d, "state.json")) if sid in census.dirs else None
+        errors: list[str] = []
+        if sid in census.runc and self._runc is not None:
+            await self._runc.destroy(sid, d)  # runc kill + delete --force + rootfs umount
+        cg_dirs = list(census.cgroups.get(sid, ()))
+        managed = self.governor.paths(sid)
+        if self.governor.exists(managed):
+            with contextlib.suppress(OSError):  # freeze, kill, thaw: no fork escapes
+                self.governor.kill_all(managed)
+        try:
+            await _remove_cgroup_dirs(cg_dirs)
+        except OSError as exc:
+            errors.append(f"cgroups: {exc}")
+        for mp in census.mounts.get(sid, ()):
+            try:  # lazily: a dying mount namespace may still hold it
+                linux.umount2(mp, linux.MNT_DETACH)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOENT):
+                    errors.append(f"umount {mp}: {exc}")
+        self._notices.forget(sid)
+        try:  # before the directory: a subvolume without one is known garbage at start
+            self.disk.remove(sid)
+        except OSError as exc:
+            errors.append(f"delete disk subvolume: {exc}")
+        for path in (d, os.path.join(self.root_dir, "runc-state", sid)):
+            if os.path.isdir(path) and not errors:
+                try:
+                    shutil.rmtree(path)
+                except OSError as exc:
+                    errors.append(f"rmtree {path}: {exc}")
+        if errors:
+            log.error("leftovers of sandbox %s (%s) not fully removed: %s", sid, what,
+                      "; ".join(errors))
+            what += "; could not remove all of it: " + "; ".join(errors)
+        else:
+            log.warning("removed leftovers of sandbox %s: %s", sid, what)
+        return Leftover(sid, self._kind, what, rec.spec if rec is not None else None)
 
     # -- exec --------------------------------------------------------------------------
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
@@ -860,6 +952,59 @@ class ContainerBackend:
 
     def images_present(self) -> Iterable[str]:
         return self._snapshots.images_present()
+
+
+def _lock_root(root_dir: str) -> int:
+    """flock ``<root_dir>/backend.lock`` (released when the process dies)."""
+    fd = os.open(os.path.join(root_dir, "backend.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise InUse(f"container root_dir {root_dir} is in use by another backend (pid "
+                    f"{owner or '?'}); stop it or give this one another root_dir",
+                    root_dir=root_dir) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
+            pids = [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
+    """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
+    and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy: OSError | None = None
+        for top in dirs:
+            if not os.path.isdir(top):
+                continue
+            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+                _kill_tasks(dirpath)
+                try:
+                    os.rmdir(dirpath)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    busy = exc
+        if busy is None:
+            return
+        if time.monotonic() > deadline:
+            raise busy
+        await asyncio.sleep(0.005)
 
 
 def _kernel_pid_max() -> int:

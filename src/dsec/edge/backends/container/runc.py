@@ -89,6 +89,23 @@ class RuncDriver:
         with open(pid_file) as f:  # noqa: ASYNC230 - a few bytes on local disk
             return int(f.read().strip())
 
+    def sweep_logs(self) -> int:
+        """Remove ``--log`` files of edge processes that died mid-command (a crash skips
+        the unlink in :meth:`_run`); returns how many."""
+        n = 0
+        for name in os.listdir(self.state_root):
+            if not name.startswith(".log-"):
+                continue
+            pid = name.split("-")[1]
+            if pid.isdigit() and (int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}")):
+                continue
+            try:
+                os.unlink(os.path.join(self.state_root, name))
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
     async def destroy(self, sid: str, box_dir: str) -> None:
         await self._run("kill", sid, "KILL")
         await self._run("delete", "--force", sid)
