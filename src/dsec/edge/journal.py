@@ -155,9 +155,14 @@ class SandboxJournal:
         # a cancelled waiter cancels only its own), and whether a write is in flight.
         # Measured: a shared future under asyncio.shield costs a future and two callbacks
         # more per waiter; this took the batched durable burst from ~8k to ~14k/s.
-        self._waiting: list[asyncio.Future[None]] | None = None
-        self._writing = False
+        self._waiting: list[tuple[asyncio.Future[None], bool]] | None = None  # (fut, fsync?)
         self._scheduled = False
+        # The fsync pipeline: waiters whose records are written and need an fsync that
+        # starts after their write, what those records were (re-noted if it fails), and
+        # whether an fsync is running on the journal thread.
+        self._sync_waiting: list[asyncio.Future[None]] = []
+        self._sync_taken: dict[str, _Noted] = {}
+        self._syncing = False
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.bytes_written = 0
         self.writes = 0                        # write(2) calls that appended records
@@ -290,13 +295,11 @@ class SandboxJournal:
         return data, pending
 
     def _append(self, data: bytes) -> None:
-        """write(2) + (fsync) in one go; may run on the journal's own thread."""
+        """write(2) all of ``data`` (the fsync, if any, is the pipeline's job)."""
         view = memoryview(data)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
-        if self.sync == "fsync":
-            os.fsync(self._fd)
 
     def _applied(self, data: bytes, taken: dict[str, _Noted]) -> None:
         on_disk = self._on_disk
@@ -308,11 +311,19 @@ class SandboxJournal:
         if data:
             self.bytes_written += len(data)
             self.writes += 1
-            self.syncs += self.sync == "fsync"
             self._lines += data.count(b"\n")
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Rewrite the file when it has grown well past what it keeps - never while an
+        fsync runs on the old file descriptor (the next write or fsync retries)."""
         keep = self._keep
-        if keep is not None and self._lines > 4 * (len(on_disk) + self.keep_ended) + 10_000:
-            self._rewrite(*keep())
+        if (keep is not None and not self._syncing
+                and self._lines > 4 * (len(self._on_disk) + self.keep_ended) + 10_000):
+            try:
+                self._rewrite(*keep())
+            except OSError:
+                log.exception("journal compaction failed; the appended file stays valid")
 
     def _failed(self, taken: dict[str, _Noted]) -> None:
         """Keep what a failed write held noted (unless noted again since) for a retry."""
@@ -322,10 +333,9 @@ class SandboxJournal:
 
     def flush(self) -> int:
         """Write everything noted now, in the calling thread (the tick loop, close);
-        returns the bytes appended. Not while a group commit write is in flight."""
+        returns the bytes appended."""
         if self._fd < 0 or not self._pending:
             return 0
-        assert not self._writing, "flush() during a group commit write"
         data, taken = self._take()
         try:
             if data:
@@ -336,10 +346,17 @@ class SandboxJournal:
         self._applied(data, taken)
         return len(data)
 
-    async def commit(self) -> None:
-        """Return once everything noted before this call is written (and fsynced in
-        ``fsync`` mode). Concurrent callers share one write. Raises ``BackendError``
-        if that write failed (the records stay noted for a retry)."""
+    async def commit(self, *, sync: bool = True) -> None:
+        """Return once everything noted before this call is written - and, with ``sync``
+        in ``fsync`` mode, fsynced. Concurrent callers share one write and one fsync
+        (group commit). Raises ``BackendError`` if that write or fsync failed (the
+        records stay noted for a retry).
+
+        ``sync=False`` is for intents: a record that only has to be found after a crash
+        of the *edge* (the page cache survives kill -9). After a host crash no sandbox
+        process survives either, and what is left on disk is found by the backend's
+        reconcile at start, so an intent does not pay for an fsync; the answer to the
+        caller does."""
         if self.sync == "tick" or self._fd < 0:
             return
         fut = asyncio.get_running_loop().create_future()
@@ -347,83 +364,102 @@ class SandboxJournal:
         if waiting is None:
             waiting = self._waiting = []
             self._schedule()
-        waiting.append(fut)
+        waiting.append((fut, sync and self.sync == "fsync"))
         await fut
 
     def write_soon(self) -> None:
-        """Start a write of what is noted if none is in flight (the tick loop's job in
-        every mode; nobody waits for it)."""
+        """Start a write of what is noted (the tick loop's job in every mode; nobody
+        waits for it)."""
         if self._pending and self._fd >= 0:
             self._schedule()
 
     def _schedule(self) -> None:
-        if self._writing or self._scheduled:
-            return  # the write in flight starts the next one when it is done
+        if self._scheduled:
+            return
         self._scheduled = True
         # call_soon, not now: every caller already woken in this loop iteration (e.g. the
-        # rest of a create_many, or the waiters of the write that just finished) notes
+        # rest of a create_many, or the waiters of the fsync that just finished) notes
         # its record first and rides along in the same write.
         asyncio.get_running_loop().call_soon(self._start)
 
     def _start(self) -> None:
+        """Write everything noted (on the loop: write(2) into the page cache costs
+        ~10 µs, less than a thread hop), answer the waiters that need no fsync, and
+        hand the others to the fsync pipeline."""
         self._scheduled = False
-        if self._writing or self._fd < 0:
-            return
         waiters, self._waiting = self._waiting or [], None
-        if not self._pending:
-            _resolve(waiters, None)
+        if self._fd < 0:
+            _resolve([f for f, _ in waiters], None)
             return
         data, taken = self._take()
-        self._writing = True
-        if not data:
-            self._done(waiters, data, taken, None)
-            return
-        if self.sync != "fsync":
-            # write(2) into the page cache costs ~10 µs: a thread hop would cost more.
+        if data:
             try:
                 self._append(data)
             except OSError as exc:
-                self._done(waiters, data, taken, exc)
-            else:
-                self._done(waiters, data, taken, None)
+                self._failed(taken)
+                self._report_failure(exc)
+                _resolve([f for f, _ in waiters], self._error(exc))
+                return
+        self._recovered()
+        self._applied(data, taken)
+        _resolve([f for f, need in waiters if not need], None)
+        synced = [f for f, need in waiters if need]
+        if synced:
+            self._sync_waiting.extend(synced)
+            self._sync_taken.update(taken)
+            self._sync_soon()
+
+    def _sync_soon(self) -> None:
+        """Start an fsync for the waiters whose records are written, unless one is in
+        flight (it starts the next when done: an fsync started before a write does not
+        cover it)."""
+        if self._syncing or not self._sync_waiting:
             return
+        waiters, self._sync_waiting = self._sync_waiting, []
+        taken, self._sync_taken = self._sync_taken, {}
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "dsec-journal")
+        self._syncing = True
         # fsync takes ~0.2-3 ms here (MACHINE-NOTES: VM disk); on its own thread the loop
-        # keeps serving, and whatever it notes meanwhile goes into the next write.
-        task = asyncio.get_running_loop().run_in_executor(self._pool, self._append, data)
+        # keeps serving, noting and writing meanwhile; those writes ride the next fsync.
+        task = asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._fd)
         task.add_done_callback(
-            lambda t: self._done(waiters, data, taken,
-                                 None if t.cancelled() else t.exception()))
+            lambda t: self._synced(waiters, taken, None if t.cancelled() else t.exception()))
 
-    def _done(self, waiters: list[asyncio.Future[None]], data: bytes,
-              taken: dict[str, _Noted], exc: BaseException | None) -> None:
-        self._writing = False
+    def _synced(self, waiters: list[asyncio.Future[None]], taken: dict[str, _Noted],
+                exc: BaseException | None) -> None:
+        self._syncing = False
+        self.syncs += exc is None
         if exc is None:
-            if self._failing:
-                self._failing = False
-                log.warning("journal writes to %s work again", self.path)
-            try:
-                self._applied(data, taken)
-            except OSError:
-                log.exception("journal compaction failed; the appended file stays valid")
             _resolve(waiters, None)
         else:
+            # What the page cache held may not reach the disk: write it again (later
+            # lines win on load) and fail the callers who needed it durable.
             self._failed(taken)
-            if not self._failing:
-                self._failing = True
-                log.error("journal write to %s failed (retried every tick; answers that "
-                          "need it fail meanwhile): %s", self.path, exc)
-            _resolve(waiters, BackendError(
-                f"the edge could not record the change in its journal {self.path}: "
-                f"{exc}; free space on (or repair) the state dir's filesystem",
-                path=self.path))
-        if self._waiting is not None:
-            self._schedule()
+            self._report_failure(exc)
+            _resolve(waiters, self._error(exc))
+        self._maybe_compact()
+        self._sync_soon()
+
+    def _error(self, exc: BaseException) -> BackendError:
+        return BackendError(
+            f"the edge could not record the change in its journal {self.path}: {exc}; "
+            "free space on (or repair) the state dir's filesystem", path=self.path)
+
+    def _report_failure(self, exc: BaseException) -> None:
+        if not self._failing:
+            self._failing = True
+            log.error("journal write to %s failed (retried every tick; answers that "
+                      "need it fail meanwhile): %s", self.path, exc)
+
+    def _recovered(self) -> None:
+        if self._failing:
+            self._failing = False
+            log.warning("journal writes to %s work again", self.path)
 
     async def drain(self) -> None:
-        """Wait until no write is in flight or scheduled (close)."""
-        while self._writing or self._scheduled:
+        """Wait until no write or fsync is in flight or scheduled (close)."""
+        while self._syncing or self._scheduled:
             await asyncio.sleep(0.001)
 
     def close(self) -> None:

@@ -8,9 +8,11 @@ and are always awaited. It is backend-agnostic: it takes any mapping of
 
 Hot-path choices (measured by the ``edge`` bench suite):
 - A create is: validate, reserve, one dict insert, two transitions (tuple events), one
-  awaited backend call and two journal commits (intent before the backend acts, the
-  running record before the answer). Commits are group commits: concurrent creates share
-  one write+fsync (:mod:`dsec.edge.journal`), so a batch of 1,000 costs ~2-4 fsyncs.
+  awaited backend call and two journal commits: the intent is *written* before the
+  backend acts (the page cache survives kill -9; after a host crash reconcile finds
+  what is left), the running record is written *and fsynced* before the answer. Commits
+  are group commits: concurrent creates share one write and one fsync
+  (:mod:`dsec.edge.journal`), so a batch of 1,000 costs ~2 writes and 1 fsync.
 - Batch calls (``create_many``, ``exec_many``, ``destroy_many``) step each coroutine
   eagerly (:mod:`dsec.edge.eager`) so an operation that never waits costs no task.
 - Events are tuples in a bounded per-sandbox list plus a bounded node-wide feed; they
@@ -499,7 +501,7 @@ class EdgeNode:
         Durable before acknowledged: the intent (``creating``) is in the journal before
         the backend starts, the ``running`` record before the answer."""
         rec = self._admit(spec, sandbox_id)
-        await self._commit_or_abort(rec)
+        await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
         await self._build(rec)
         await self._commit_or_abort(rec)
         return self._created(rec)
@@ -520,7 +522,7 @@ class EdgeNode:
             except DsecError as exc:
                 out[i] = exc
         try:
-            recs = await self._commit_batch(recs, out)
+            recs = await self._commit_batch(recs, out, sync=False)
             res = await gather_eager([self._build(r) for _, r in recs])
             built: builtins.list[tuple[int, _Sandbox]] = []
             for (i, r), x in zip(recs, res, strict=True):
@@ -558,22 +560,24 @@ class EdgeNode:
             self.journal.put(rec)
         return rec
 
-    async def _commit_or_abort(self, rec: _Sandbox) -> None:
-        """Wait for the journal to hold what was noted; on failure roll ``rec`` back."""
+    async def _commit_or_abort(self, rec: _Sandbox, *, sync: bool = True) -> None:
+        """Wait for the journal to hold what was noted (fsynced unless ``sync=False``:
+        see :meth:`SandboxJournal.commit`); on failure roll ``rec`` back."""
         if self._durable is None:
             return
         try:
-            await self._durable.commit()
+            await self._durable.commit(sync=sync)
         except BaseException as exc:
             await self._abort_create(rec, exc)
             raise
 
     async def _commit_batch(self, recs: builtins.list[tuple[int, _Sandbox]],
-                            out: builtins.list[Any]) -> builtins.list[tuple[int, _Sandbox]]:
+                            out: builtins.list[Any], *,
+                            sync: bool = True) -> builtins.list[tuple[int, _Sandbox]]:
         if self._durable is None or not recs:
             return recs
         try:
-            await self._durable.commit()
+            await self._durable.commit(sync=sync)
         except DsecError as exc:
             for i, r in recs:
                 await self._abort_create(r, exc)
