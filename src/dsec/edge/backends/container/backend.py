@@ -145,6 +145,9 @@ class ContainerBackend:
                  disk_pool_bytes: int | None = None,
                  notice_interval_s: float = 60.0,
                  snapshot_max_apparent_bytes: int = 64 << 30,
+                 snapshot_max_entries: int = 1_000_000,
+                 snapshot_max_path_bytes: int = 128 << 20,
+                 snapshot_workers: int = 2,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -157,7 +160,11 @@ class ContainerBackend:
         see :mod:`.disk`). ``notice_interval_s``: at most one ``disk_full`` event per
         sandbox this often. ``snapshot_max_apparent_bytes``: the most file bytes one
         snapshot may pack, sparse files at their full size (mkfs.erofs 1.5 reads them
-        whole, ~4.6 s/GiB; see :mod:`.snapshot`)."""
+        whole, ~4.6 s/GiB; see :mod:`.snapshot`). ``snapshot_max_entries`` and
+        ``snapshot_max_path_bytes``: the most upper entries (and bytes of their paths) one
+        snapshot scans and indexes - the edge holds them all in memory (a 64 MiB cap held
+        92,080 files with 3.6 KB paths: 680 MiB of edge memory unbounded).
+        ``snapshot_workers``: threads building snapshots (one project gets all but one)."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -203,6 +210,8 @@ class ContainerBackend:
         self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
         self._notices = NoticeLimiter(notice_interval_s)
         self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
+        self.snapshot_max_entries = snapshot_max_entries
+        self.snapshot_max_path_bytes = snapshot_max_path_bytes
         sb_dir = os.path.join(self.root_dir, "sb")
         for name in self.disk.sandboxes():
             # A subvolume without its sandbox dir is garbage by construction: teardown
@@ -222,7 +231,7 @@ class ContainerBackend:
 
             self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
                                     cgroup_parent=f"dsec-{self.cgroup_name}")
-        self._snapshots = ContainerSnapshots(self)
+        self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -602,6 +611,7 @@ class ContainerBackend:
         if idle and not (os.path.isdir(sb) and os.listdir(sb)) \
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
+        self._snapshots.close()
         self.disk.close()
 
     # -- exec --------------------------------------------------------------------------
