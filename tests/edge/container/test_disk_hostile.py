@@ -190,6 +190,25 @@ async def test_many_long_paths_are_refused_before_they_cost_the_edge_its_memory(
         assert await env.node.snapshots() == []
 
 
+async def test_a_snapshots_size_counts_its_index(tmp_path: object, disktool: str) -> None:
+    """Every snapshot stores an index of *every* upper entry next to its layer (how the
+    next one finds what changed). It was not part of the snapshot's size, so the
+    project's snapshot_bytes quota never saw it: a sandbox with many long paths could
+    store ~130 MB per snapshot while being charged the few KiB of a one-file layer."""
+    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB) as env:
+        sid = (await env.node.create(_spec(disk_bytes=64 * MiB))).id
+        await _sh(env.node, sid, "/disktool/dt deep /root/x 9 100 3000")
+        first = await env.node.snapshot(sid)
+        await _sh(env.node, sid, "echo one > /root/one")
+        info = await env.node.snapshot(sid)          # a one-file layer, a full index
+        layer = os.path.getsize(env.store.layer_path(info.id))
+        index = os.path.getsize(env.store.index_path(info.id))
+        assert index > 2 * MiB > 8 * layer
+        assert info.size_bytes == layer + index
+        listed = {s.id: s.size_bytes for s in await env.node.snapshots()}
+        assert listed[info.id] == info.size_bytes and listed[first.id] == first.size_bytes
+
+
 async def test_entry_count_of_one_snapshot_is_bounded(tmp_path: object, disktool: str) -> None:
     """Empty files cost btrfs ~350 bytes of the cap each (a 10 GiB cap holds ~30 million)
     and the snapshot's scan, stage (host inodes) and index one entry each."""

@@ -93,15 +93,20 @@ def host_room(free: int, total: int, unbacked: int) -> int:
     return max(0, free - unbacked - reserve) // 2
 
 
-def snapshot_info(m: LayerManifest) -> SnapshotInfo:
-    """The edge's view of a snapshot layer (from its manifest and labels)."""
+def snapshot_info(m: LayerManifest, index_bytes: int = 0) -> SnapshotInfo:
+    """The edge's view of a snapshot layer (from its manifest and labels). Its size is
+    what it stores: the layer file plus its upperdir index (``index_bytes``), which
+    lists every upper entry - not only the changed ones - and can be far larger than a
+    small layer (40,000 deep paths: a ~130 MB index beside a 4 KiB layer, for every
+    snapshot of that sandbox), so the project's snapshot_bytes quota charges both."""
     lab = m.labels
     return SnapshotInfo(
         id=m.digest, parent=m.parent, sandbox_id=lab.get(_L + "sandbox", ""),
         project=lab.get(_L + "project", "default"), image=lab.get(_L + "image", ""),
         workspace=lab.get(_L + "workspace") or None,
         toolkits=tuple(t for t in lab.get(_L + "toolkits", "").split(",") if t),
-        backend=lab.get(_L + "backend", ""), created=m.created, size_bytes=m.size_bytes)
+        backend=lab.get(_L + "backend", ""), created=m.created,
+        size_bytes=m.size_bytes + index_bytes)
 
 
 class ContainerSnapshots:
@@ -248,7 +253,7 @@ class ContainerSnapshots:
         if previous is not None and m.digest == previous.digest:
             return self._unchanged(m)
         await asyncio.to_thread(_write_last, last_path, m.digest)
-        return snapshot_info(m)
+        return self._info(m)
 
     def _host_space(self, store_root: str) -> tuple[int, int, int]:
         """(free, total, unbacked) bytes of the layer store's filesystem; ``unbacked`` is
@@ -280,9 +285,16 @@ class ContainerSnapshots:
         plus 1/8 (EROFS lays files out differently from btrfs) plus 1 MiB."""
         return disk_cap + disk_cap // 8 + (1 << 20) if disk_cap else None
 
-    @staticmethod
-    def _unchanged(m: LayerManifest) -> SnapshotInfo:
-        info = snapshot_info(m)
+    def _info(self, m: LayerManifest) -> SnapshotInfo:
+        images = self.images
+        size = 0
+        if images is not None:
+            with contextlib.suppress(FileNotFoundError):
+                size = os.stat(images.store.index_path(m.digest)).st_size
+        return snapshot_info(m, size)
+
+    def _unchanged(self, m: LayerManifest) -> SnapshotInfo:
+        info = self._info(m)
         info.unchanged = True
         return info
 
@@ -326,7 +338,8 @@ class ContainerSnapshots:
         if images is None:
             return []
         ms = await asyncio.to_thread(images.store.manifests)
-        return [snapshot_info(m) for m in ms if m.kind == "snapshot"]
+        return await asyncio.to_thread(
+            lambda: [self._info(m) for m in ms if m.kind == "snapshot"])
 
     def _get(self, ref: str) -> LayerManifest:
         images = self.images
@@ -339,15 +352,16 @@ class ContainerSnapshots:
         return m
 
     async def snapshot_info(self, ref: str) -> SnapshotInfo:
-        return snapshot_info(await asyncio.to_thread(self._get, ref))
+        return await asyncio.to_thread(lambda: self._info(self._get(ref)))
 
     async def delete_snapshot(self, ref: str) -> SnapshotInfo:
         """Remove the layer; the store refuses (InUse) while it is mounted (a sandbox
         runs from it) or a snapshot builds on it."""
         m = await asyncio.to_thread(self._get, ref)
         images = self._store_images()
+        info = await asyncio.to_thread(self._info, m)
         await asyncio.to_thread(images.store.remove, m.digest)
-        return snapshot_info(m)
+        return info
 
     def images_present(self) -> Iterable[str]:
         """Every layer digest in the store plus its ``name:tag`` refs (one listdir and
