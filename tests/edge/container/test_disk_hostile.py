@@ -392,3 +392,28 @@ async def test_btrfs_ioctls_and_privileged_flags_do_not_pass_through_overlayfs(
         assert "rand=ok" in out.split("\n")[-2], out      # freed space is its own again
         st = await node.stats(sid)
         assert st.disk_bytes <= 16 * MiB
+
+
+# ------------------------------------------------------------------------ the file API
+async def test_a_file_write_past_the_cap_changes_nothing(tmp_path: object,
+                                                         disktool: str) -> None:
+    """write_file truncated the file first and then hit EDQUOT mid-write: the caller got
+    QuotaExceeded, but the file's old content was gone and half of the new one was
+    there (space a truncate frees returns only at the next btrfs commit, so even an
+    overwrite with less data than the file held failed that way). A write that cannot
+    fit the cap is refused before the file is touched; /tmp (tmpfs, memory) is not the
+    disk and keeps taking writes bigger than the cap."""
+    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB) as env:
+        node = env.node
+        sid = (await node.create(_spec(disk_bytes=8 * MiB))).id
+        await node.write_file(sid, "/root/keep", b"precious\n" * 100_000)   # ~0.9 MiB
+        await _sh(node, sid, "dd if=/dev/zero of=/root/fill bs=1M count=5 2>/dev/null; sync")
+        for append in (False, True):
+            with pytest.raises(QuotaExceeded, match="disk cap of 8388608 bytes"):
+                await node.write_file(sid, "/root/keep", b"y" * (3 * MiB), append=append)
+            assert await node.read_file(sid, "/root/keep") == b"precious\n" * 100_000
+        with pytest.raises(QuotaExceeded, match="disk cap"):
+            await node.write_file(sid, "/root/new", b"z" * (3 * MiB))
+        assert "No such file" in await _sh(node, sid, "ls /root/new")
+        await node.write_file(sid, "/tmp/scratch", b"t" * (12 * MiB))      # not the disk
+        assert (await node.stat(sid, "/tmp/scratch")).size == 12 * MiB

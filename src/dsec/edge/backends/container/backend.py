@@ -447,6 +447,17 @@ class ContainerBackend:
             self._report(box, "disk_full", detail)
         return True
 
+    def _disk_room(self, box: _Box) -> tuple[int, str]:
+        """Bytes ``box`` may still write to its disk (its cap, or the pool when that has
+        less free) and a phrase naming the limit (for the file API's refusals)."""
+        use = DiskPool.usage_at(box.disk_q)
+        room = max(0, use.cap_bytes - use.used_bytes)
+        vfs = os.statvfs(box.upper)
+        pool_free = vfs.f_bavail * vfs.f_frsize
+        if pool_free < room:
+            return pool_free, "the node's sandbox disk pool"
+        return room, (f"its disk cap of {use.cap_bytes} bytes ({use.used_bytes} used)")
+
     def _report(self, box: _Box, reason: str, detail: str) -> None:
         if self._sink is not None:
             self._sink(box.sid, reason, detail)
@@ -764,7 +775,8 @@ class ContainerBackend:
         try:
             return SandboxFiles.of_process(
                 box.pidfd, box.init_pid, sid,
-                owner=self.userns_range[0] if box.spec.user_namespace else None)
+                owner=self.userns_range[0] if box.spec.user_namespace else None,
+                disk_room=(lambda: self._disk_room(box)) if box.disk_q else None)
         except OSError as exc:
             raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
                                ) from exc
