@@ -88,8 +88,8 @@ static int rawioctl(const char *path, long nr, long size, long dir) {
     return res("ioctl", ioctl(fd, req, buf));
 }
 
-/* sparsechop PATH SIZE STEP: a SIZE-byte file with one 4 KiB data block every STEP bytes
- * (as many extents as SIZE/STEP). */
+/* sparsechop PATH SIZE STEP: a SIZE-byte file with one distinct 4 KiB data block every
+ * STEP bytes (as many extents as SIZE/STEP). */
 static int sparsechop(const char *path, long long size, long long step) {
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) return res("sparsechop", -1);
@@ -97,6 +97,7 @@ static int sparsechop(const char *path, long long size, long long step) {
     memset(block, 'x', sizeof block);
     long long off, n = 0;
     for (off = 0; off < size; off += step) {
+        memcpy(block, &off, sizeof off);          /* every block differs: no dedup */
         if (pwrite(fd, block, sizeof block, off) != sizeof block) {
             printf("sparsechop=E%d %lld\n", errno, n);
             return 0;

@@ -167,6 +167,25 @@ async def test_snapshot_staging_is_bounded_by_the_cap_not_by_shared_extents(
             assert (await env.node.snapshot(sid)).size_bytes < 16 * MiB
 
 
+async def test_a_chunked_layer_cannot_outgrow_the_data_it_holds(tmp_path: object,
+                                                                 disktool: str) -> None:
+    """A chunk-based layer (chosen for sparse files) stores every 64 KiB chunk that holds
+    any data whole. A file with 4 KiB of distinct data every 64 KiB (48 MiB in a 64 MiB
+    cap) was estimated at its allocation, built chunked, and mkfs.erofs wrote a 768 MiB
+    layer to the store's filesystem before the size check refused it - here a 256 MiB
+    filesystem, which it filled."""
+    root = str(tmp_path)
+    with _small_fs(os.path.join(root, "store"), 256 * MiB) as store_dir:
+        async with _env(root, disktool, store_dir=store_dir,
+                        disk_pool_bytes=512 * MiB) as env:
+            sid = (await env.node.create(_spec(disk_bytes=64 * MiB))).id
+            out = await _sh(env.node, sid, f"/disktool/dt sparsechop /root/s {768 * MiB} 65536")
+            assert "sparsechop=ok 12288" in out, out
+            with pytest.raises(QuotaExceeded, match="over the limit of 76546048 bytes"):
+                await env.node.snapshot(sid)
+            assert await env.node.snapshots() == []
+
+
 # ------------------------------------------------------------------ scan and index size
 async def test_many_long_paths_are_refused_before_they_cost_the_edge_its_memory(
         tmp_path: object, disktool: str) -> None:
