@@ -93,8 +93,9 @@ async def _env(root: str, disktool: str, *, store_dir: str | None = None,
 
 
 def _spec(project: str = "default", **kw: object) -> SandboxSpec:
-    return SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=256,
-                       toolkits=("disktool",), project=project, **kw)  # type: ignore[arg-type]
+    kw.setdefault("backend", "container")
+    return SandboxSpec(memory_bytes=256 << 20, pids_max=256, toolkits=("disktool",),
+                       project=project, **kw)  # type: ignore[arg-type]
 
 
 async def _sh(node: EdgeNode, sid: str, cmd: str, timeout_s: float = 300) -> str:
@@ -387,16 +388,20 @@ async def test_the_pool_survives_the_host_filesystem_filling_up(
 
 
 # ------------------------------------------------------------------ attacks that failed
+@pytest.mark.parametrize("runtime", ["native", "runc"])
 async def test_btrfs_ioctls_and_privileged_flags_do_not_pass_through_overlayfs(
-        tmp_path: object, disktool: str) -> None:
+        tmp_path: object, disktool: str, runtime: str) -> None:
     """What stays shut (regression guard): btrfs ioctls (subvolume/snapshot create,
     quota control, sync, ino lookup, tree search) do not reach the pool through the
     sandbox's overlay (ENOTTY), immutable/append-only need CAP_LINUX_IMMUTABLE, and
     reflinks or deleting and rewriting never take a sandbox past its cap (a reflinked
     extent is counted once; freed space is only reusable by the sandbox itself)."""
-    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB) as env:
+    if runtime == "runc" and shutil.which("runc") is None:
+        pytest.skip("needs runc")
+    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB,
+                    runtime=runtime) as env:
         node = env.node
-        sid = (await node.create(_spec(disk_bytes=16 * MiB))).id
+        sid = (await node.create(_spec(disk_bytes=16 * MiB, backend=env.backend.name))).id
         out = await _sh(node, sid, "for nr in 1 8 14 15 18 23 24 40 42 44 63; do "
                         "/disktool/dt ioctl /root $nr 4096 1; /disktool/dt ioctl / $nr "
                         "4096 3; done")
