@@ -845,9 +845,9 @@ class ControlPlane:
         # A project's layers share its layer-storage quota with its snapshots
         # (``snapshot_bytes``, every ancestor's too): members build now, and the layer
         # store is one disk. Cluster-wide layers (a superuser's) are not charged.
-        room = self.quota.snapshot_room(ns) if ns else None
+        room = self.snapshot_room(ns) if ns else None
         if room == 0 and ns:
-            self.quota.check_snapshot(ns, 1)   # raises, naming the full quota
+            self.check_snapshot(ns, 1)   # raises, naming the full quota
 
         def work() -> list[LayerManifest]:
             # Built without a name, named only once charged: a refused build moves no tag.
