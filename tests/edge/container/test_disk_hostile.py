@@ -379,8 +379,11 @@ async def test_the_pool_survives_the_host_filesystem_filling_up(
             two = (await node.create(_spec(disk_bytes=300 * MiB))).id
             free, _ = _host(env)
             # another host user (logs, another service) takes all but 64 MiB
-            subprocess.run(["fallocate", "-l", str(free - 64 * MiB),
-                            os.path.join(host, "filler")], check=True)
+            fd = os.open(os.path.join(host, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, free - 64 * MiB)
+            finally:
+                os.close(fd)
             await _sh(node, one, f"/disktool/dt rand /root/a {250 * MiB}; sync")
             # one may get ENOSPC for its own write - but two must keep a working disk
             out = await _sh(node, two, "echo ok > /root/f && sync && cat /root/f")
