@@ -318,43 +318,47 @@ def _materialize(upper: str, stage: str, plan: SnapshotPlan, cur: dict[str, Entr
     dirs: list[tuple[str, str, os.stat_result]] = []
     linked: dict[tuple[int, int], str] = {}
     data = 0
-    for rel in plan.copy:
-        src = os.path.join(upper, rel)
-        dst = os.path.join(stage, rel)
-        try:
-            st = os.lstat(src)
-        except FileNotFoundError:
-            # Removed while we copied (sandbox not frozen): the next snapshot sees it gone.
-            cur.pop(rel, None)
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            os.mkdir(dst, 0o700)
-            copy_meta(src, dst, st, times=False)
-            if rel in plan.opaque:
-                os.setxattr(dst, OPAQUE_XATTR, b"y", follow_symlinks=False)
-            dirs.append((src, dst, st))
-        else:
-            key = (st.st_dev, st.st_ino)
-            if st.st_nlink > 1 and stat.S_ISREG(st.st_mode) and key in linked:
-                os.link(linked[key], dst)
-                continue
+    rel = ""
+    try:
+        for rel in plan.copy:
+            src = os.path.join(upper, rel)
+            dst = os.path.join(stage, rel)
             try:
-                if max_data_bytes is not None and stat.S_ISREG(st.st_mode):
-                    data += _data_bytes(src)
-                    if data > max_data_bytes:
-                        raise QuotaExceeded(
-                            f"snapshot would copy more than {data} bytes of file data "
-                            f"(reflinked and compressed extents count in full), over the "
-                            f"limit of {max_data_bytes} bytes; nothing was stored - take "
-                            "it with fewer or smaller files, or raise the quota",
-                            resource="snapshot_bytes", used=data, limit=max_data_bytes,
-                            requested=data)
-                copy_entry(src, dst, st)
+                st = os.lstat(src)
             except FileNotFoundError:
+                # Removed while we copied (sandbox not frozen): the next snapshot sees it gone.
                 cur.pop(rel, None)
                 continue
-            if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
-                linked[key] = dst
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(dst, 0o700)
+                copy_meta(src, dst, st, times=False)
+                if rel in plan.opaque:
+                    os.setxattr(dst, OPAQUE_XATTR, b"y", follow_symlinks=False)
+                dirs.append((src, dst, st))
+            else:
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and stat.S_ISREG(st.st_mode) and key in linked:
+                    os.link(linked[key], dst)
+                    continue
+                try:
+                    if max_data_bytes is not None and stat.S_ISREG(st.st_mode):
+                        data += _data_bytes(src)
+                        if data > max_data_bytes:
+                            raise QuotaExceeded(
+                                f"snapshot would copy more than {data} bytes of file data "
+                                f"(reflinked and compressed extents count in full), over the "
+                                f"limit of {max_data_bytes} bytes; nothing was stored - take "
+                                "it with fewer or smaller files, or raise the quota",
+                                resource="snapshot_bytes", used=data, limit=max_data_bytes,
+                                requested=data)
+                    copy_entry(src, dst, st)
+                except FileNotFoundError:
+                    cur.pop(rel, None)
+                    continue
+                if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+                    linked[key] = dst
+    except ImageError as exc:   # e.g. xattrs an inode of the store cannot hold
+        raise ImageError(f"snapshot cannot hold {rel[:200]!r}: {exc}") from exc
     for rel in plan.whiteouts:
         make_whiteout(os.path.join(stage, rel))
     for _, dst, st in reversed(dirs):

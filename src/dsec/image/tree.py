@@ -16,6 +16,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dsec.errors import ImageError
+
 __all__ = [
     "OPAQUE_XATTR",
     "TreeStats",
@@ -97,8 +99,20 @@ def copy_meta(src: str, dst: str, st: os.stat_result, *, times: bool = True) -> 
     os.lchown(dst, st.st_uid, st.st_gid)
     if not link:
         os.chmod(dst, stat.S_IMODE(st.st_mode))
-        for name, value in _user_xattrs(src):
-            os.setxattr(dst, name, value, follow_symlinks=False)
+        xattrs = list(_user_xattrs(src))
+        for name, value in xattrs:
+            try:
+                os.setxattr(dst, name, value, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.E2BIG, errno.ERANGE):
+                    raise
+                # ext4 keeps an inode's xattrs in one block (btrfs allows ~16 KiB each):
+                # ENOSPC here is the inode, not the disk.
+                total = sum(len(n) + len(v) for n, v in xattrs)
+                raise ImageError(
+                    f"its {len(xattrs)} extended attributes ({total} bytes) do not fit one "
+                    f"inode of the layer store's filesystem ({exc.strerror}); remove or "
+                    "shrink them") from exc
     if times:
         os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 

@@ -28,7 +28,7 @@ from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, SandboxSpec
-from dsec.errors import CapacityExceeded, DsecError, QuotaExceeded
+from dsec.errors import CapacityExceeded, DsecError, ImageError, QuotaExceeded
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
 from dsec.image.resolver import StoreImages
 
@@ -419,6 +419,25 @@ async def test_btrfs_ioctls_and_privileged_flags_do_not_pass_through_overlayfs(
         assert "rand=ok" in out.split("\n")[-2], out      # freed space is its own again
         st = await node.stats(sid)
         assert st.disk_bytes <= 16 * MiB
+
+
+async def test_xattrs_the_store_cannot_hold_are_a_clear_error_without_host_paths(
+        tmp_path: object, disktool: str) -> None:
+    """btrfs holds ~16 KiB of xattrs per file, ext4 (the layer store here) one block per
+    inode: such a file failed the snapshot with a raw "OSError: [Errno 28] No space left
+    on device: '<host path of the stage>'" - a host path, and a full disk that was not."""
+    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB) as env:
+        sid = (await env.node.create(_spec(disk_bytes=16 * MiB))).id
+        v = "v" * 3900
+        out = await _sh(env.node, sid, f"touch /root/x && /disktool/dt setxattr /root/x "
+                        f"user.a {v} && /disktool/dt setxattr /root/x user.b {v}")
+        assert out == "setxattr=ok\nsetxattr=ok\n", out
+        with pytest.raises(ImageError, match="snapshot cannot hold 'root/x': its 2 extended "
+                                             "attributes") as err:
+            await env.node.snapshot(sid)
+        assert str(tmp_path) not in str(err.value)
+        await _sh(env.node, sid, "rm /root/x")
+        assert (await env.node.snapshot(sid)).size_bytes > 0
 
 
 # ------------------------------------------------------------------------ the file API
