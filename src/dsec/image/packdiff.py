@@ -62,6 +62,7 @@ __all__ = [
     "snapshot",
 ]
 
+_PATH_MAX = 4096
 RACY_WINDOW_NS = 50_000_000
 """Entries changed this close to a scan are re-captured next time (coarse timestamps)."""
 
@@ -143,6 +144,14 @@ def scan_upper(upper: str, strip: Sequence[str] = (), *,
     while stack:
         rel_dir = stack.pop()
         abs_dir = os.path.join(upper, rel_dir) if rel_dir else upper
+        if len(abs_dir) >= _PATH_MAX - 256:
+            # Made with *at() calls, a tree can be deeper than any path the host can name
+            # (PATH_MAX, with the upper's own path in front); neither this scan nor
+            # mkfs.erofs can walk it (and ENAMETOOLONG would name the host path).
+            raise ImageError(
+                f"snapshot cannot hold {rel_dir[:120]!r}...: its path is {len(rel_dir)} "
+                "characters, more than the host can name below the sandbox's upper layer; "
+                "shorten or remove that directory tree")
         try:
             it = os.scandir(abs_dir)
         except FileNotFoundError:

@@ -440,6 +440,18 @@ async def test_xattrs_the_store_cannot_hold_are_a_clear_error_without_host_paths
         assert (await env.node.snapshot(sid)).size_bytes > 0
 
 
+async def test_a_tree_deeper_than_path_max_is_a_clear_error_without_host_paths(
+        tmp_path: object, disktool: str) -> None:
+    """mkdirat/openat make a tree deeper than PATH_MAX; the scan failed with a raw
+    ENAMETOOLONG naming the upper's host path (state dir, pool, sandbox id)."""
+    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB) as env:
+        sid = (await env.node.create(_spec(disk_bytes=16 * MiB))).id
+        assert await _sh(env.node, sid, "/disktool/dt deep /root/x 45 100 1") == "deep=ok 1\n"
+        with pytest.raises(ImageError, match="more than the host can name") as err:
+            await env.node.snapshot(sid)
+        assert str(tmp_path) not in str(err.value) and "/pool" not in str(err.value)
+
+
 # ------------------------------------------------------------------------ the file API
 async def test_a_file_write_past_the_cap_changes_nothing(tmp_path: object,
                                                          disktool: str) -> None:

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from dsec.edge.spec import SnapshotInfo
 from dsec.errors import (
+    BackendError,
     CapacityExceeded,
     Conflict,
     ImageNotFound,
@@ -248,6 +249,10 @@ class ContainerSnapshots:
             if host_bound and exc.detail.get("resource") == "snapshot_bytes":
                 raise self._host_full(sid, free, unbacked, exc) from exc
             raise
+        except OSError as exc:
+            # Without the file name: it is a host path (state dir, disk pool, stage).
+            raise BackendError(f"snapshot of {sid} failed: {exc.strerror or exc}; nothing "
+                               "was stored", sandbox_id=sid) from exc
         finally:
             thaw()
         if previous is not None and m.digest == previous.digest:
