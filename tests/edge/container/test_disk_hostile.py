@@ -26,6 +26,7 @@ import pytest
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
+from dsec.edge.backends.container.snapshot import host_room
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import CapacityExceeded, DsecError, ImageError, QuotaExceeded
@@ -475,3 +476,10 @@ async def test_a_file_write_past_the_cap_changes_nothing(tmp_path: object,
         assert "No such file" in await _sh(node, sid, "ls /root/new")
         await node.write_file(sid, "/tmp/scratch", b"t" * (12 * MiB))      # not the disk
         assert (await node.stat(sid, "/tmp/scratch")).size == 12 * MiB
+
+
+def test_host_room_leaves_the_pools_promise_and_a_reserve() -> None:
+    GiB = 1 << 30
+    assert host_room(10 * GiB, 100 * GiB, 7 * GiB) == GiB            # (10 - 7 - 1) / 2
+    assert host_room(400 * MiB, 800 * MiB, 100 * MiB) == 130 * MiB    # 5% reserve: 40 MiB
+    assert host_room(5 * GiB, 100 * GiB, 7 * GiB) == 0                # the pool needs it all

@@ -167,7 +167,7 @@ class ContainerBackend:
                  snapshot_max_apparent_bytes: int = 64 << 30,
                  snapshot_max_entries: int = 1_000_000,
                  snapshot_max_path_bytes: int = 128 << 20,
-                 snapshot_workers: int = 2,
+                 snapshot_workers: int = 4,
                  limits_poll_s: float | None = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
@@ -186,7 +186,8 @@ class ContainerBackend:
         ``snapshot_max_path_bytes``: the most upper entries (and bytes of their paths) one
         snapshot scans and indexes - the edge holds them all in memory (a 64 MiB cap held
         92,080 files with 3.6 KB paths: 680 MiB of edge memory unbounded).
-        ``snapshot_workers``: threads building snapshots (one project gets all but one).
+        ``snapshot_workers``: threads building snapshots (4; one project gets all but one,
+        so another project always finds one free; mkfs.erofs is CPU-bound).
         ``limits_poll_s``: how often every sandbox's limit counters (task limit hits; OOM
         kills on v2) are checked for notices besides after each exec and on stats (None:
         never); ~8 us per sandbox."""

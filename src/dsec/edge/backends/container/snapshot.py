@@ -86,10 +86,11 @@ most this, or 5% of that filesystem when it is smaller than 20 GiB."""
 
 
 def host_room(free: int, total: int, unbacked: int) -> int:
-    """Bytes a snapshot may write to a host filesystem with ``free`` of ``total`` bytes
-    free, ``unbacked`` of which a sparse disk pool on it was promised (pure): half of
-    what is left after the pool's promise and the state dir's reserve (the stage and the
-    layer are both written before the stage is removed)."""
+    """The layer bound a snapshot may get on a host filesystem with ``free`` of ``total``
+    bytes free, ``unbacked`` of which a sparse disk pool on it was promised (pure): half
+    of what is left after the pool's promise and the state dir's reserve (the stage and
+    the layer are both written before the stage is removed). Builds in flight hold
+    twice their bound of it until they end."""
     reserve = min(HOST_RESERVE_BYTES, total // 20)
     return max(0, free - unbacked - reserve) // 2
 
@@ -113,7 +114,7 @@ def snapshot_info(m: LayerManifest, index_bytes: int = 0) -> SnapshotInfo:
 class ContainerSnapshots:
     """Snapshots for one :class:`ContainerBackend` whose resolver is StoreImages."""
 
-    def __init__(self, backend: ContainerBackend, *, workers: int = 2) -> None:
+    def __init__(self, backend: ContainerBackend, *, workers: int = 4) -> None:
         if workers < 1:
             raise InvalidArgument(f"snapshot_workers={workers} must be >= 1",
                                   field="snapshot_workers")
@@ -123,6 +124,7 @@ class ContainerSnapshots:
         self._pool: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
         self._projects: dict[str, tuple[asyncio.Semaphore, int]] = {}
+        self._host_held = 0          # host bytes granted to builds in flight (2 x bound)
 
     def close(self) -> None:
         """Stop the build threads (a build in flight finishes in its thread)."""
@@ -198,25 +200,41 @@ class ContainerSnapshots:
                     strip: tuple[str, ...], max_bytes: int | None) -> SnapshotInfo:
         store = images.store
         box = self.backend._box(sid)
-        upper = self.backend.upper_dir(sid)
-        last_path = os.path.join(box.dir, _LAST)
-        previous = await asyncio.to_thread(self._previous, last_path)
+        previous = await asyncio.to_thread(self._previous, os.path.join(box.dir, _LAST))
         top = stack.layers[0]
         origin = top if top.kind == "snapshot" else None
         labels = self._labels(sid, box.spec, origin)
-        gov = self.backend.governor
         bound = self.layer_bound(box.disk_cap)
         if bound is not None and max_bytes is not None:
             bound = min(bound, max_bytes)
         elif max_bytes is not None:
             bound = max_bytes
         free, total, unbacked = await asyncio.to_thread(self._host_space, store.root)
-        host = host_room(free, total, unbacked)
+        # Builds in flight have room granted that they may not have written yet.
+        host = max(0, host_room(free, total, unbacked) - self._host_held // 2)
         host_bound = bound is None or host < bound
         if host_bound:
             bound = host
         if host == 0:
             raise self._host_full(sid, free, unbacked)
+        assert bound is not None
+        held = 2 * bound                      # the stage and the layer
+        self._host_held += held
+        try:
+            return await self._build(images, sid, stack, strip, bound, host_bound, labels,
+                                     previous, origin, free, unbacked)
+        finally:
+            self._host_held -= held
+
+    async def _build(self, images: StoreImages, sid: SandboxId, stack: RootStack,
+                     strip: tuple[str, ...], bound: int, host_bound: bool,
+                     labels: dict[str, str], previous: LayerManifest | None,
+                     origin: LayerManifest | None, free: int, unbacked: int) -> SnapshotInfo:
+        store = images.store
+        box = self.backend._box(sid)
+        upper = self.backend.upper_dir(sid)
+        last_path = os.path.join(box.dir, _LAST)
+        gov = self.backend.governor
         frozen_here = False
         if not box.paused:
             try:
