@@ -483,3 +483,20 @@ def test_host_room_leaves_the_pools_promise_and_a_reserve() -> None:
     assert host_room(10 * GiB, 100 * GiB, 7 * GiB) == GiB            # (10 - 7 - 1) / 2
     assert host_room(400 * MiB, 800 * MiB, 100 * MiB) == 130 * MiB    # 5% reserve: 40 MiB
     assert host_room(5 * GiB, 100 * GiB, 7 * GiB) == 0                # the pool needs it all
+
+
+async def test_destroyed_sandboxes_give_their_disk_back_at_once(tmp_path: object,
+                                                                disktool: str) -> None:
+    """A deleted subvolume kept its space until btrfs' next commit (~30 s): one sandbox
+    at a time, created with a 150 MiB cap, filled and destroyed three times in 10 s held
+    420 MiB of a 499 MiB pool, and every create on the node was refused until then."""
+    async with _env(str(tmp_path), disktool, disk_pool_bytes=512 * MiB) as env:
+        node = env.node
+        for _ in range(6):
+            sid = (await node.create(_spec(disk_bytes=150 * MiB))).id
+            out = await _sh(node, sid, f"/disktool/dt rand /root/a {140 * MiB}; sync")
+            assert "rand=ok" in out, out
+            await node.destroy(sid)
+        bystander = (await node.create(_spec(disk_bytes=300 * MiB))).id
+        out = await _sh(node, bystander, f"/disktool/dt rand /root/b {280 * MiB}")
+        assert "rand=ok" in out, out

@@ -84,6 +84,7 @@ from dsec.edge.spec import (
 )
 from dsec.errors import (
     BackendError,
+    CapacityExceeded,
     Conflict,
     DsecError,
     InUse,
@@ -255,6 +256,8 @@ class ContainerBackend:
         # exec cgroup names: unique across edge restarts (a lingering one may survive)
         self._exec_seq = itertools.count(time.time_ns() // 1000)
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._settling: asyncio.Task[None] | None = None
+        self._settle_again = False
         self._zygote = ZygoteClient()
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         self._runc: RuncDriver | None = None
@@ -338,7 +341,13 @@ class ContainerBackend:
         d = self._dir(sid)
         pids = self._pids_for(spec)
         cap = self.disk_cap(spec)
-        self.disk.check_fit(cap)
+        try:
+            self.disk.check_fit(cap)
+        except CapacityExceeded:
+            if self._settling is None or self._settling.done():
+                raise
+            await self._settled()     # space of just-destroyed sandboxes coming back
+            self.disk.check_fit(cap)
         layers = self.images.acquire(spec)
         box: _Box | None = None
         try:
@@ -666,7 +675,7 @@ class ContainerBackend:
         self._notices.forget(sid)
         disk_kept = False
         try:  # before the directory: a subvolume without one is known garbage at start
-            self.disk.remove(sid)
+            self._remove_disk(sid)
         except OSError as exc:
             disk_kept = True
             errors.append(f"delete disk subvolume of {sid}: {exc}")
@@ -684,6 +693,42 @@ class ContainerBackend:
         if errors:
             raise BackendError(f"destroying sandbox {sid} left something behind: "
                                + "; ".join(errors))
+
+    def _remove_disk(self, sid: str) -> None:
+        """Delete ``sid``'s subvolume and have btrfs give its space back soon.
+
+        A deleted subvolume keeps its space until btrfs' cleaner drops it, which it does
+        after the next transaction commit - up to 30 s later. Measured before: one
+        sandbox created with a 150 MiB cap, filled and destroyed three times in 10 s
+        held 420 MiB of a 499 MiB pool, and every other create was refused
+        (CapacityExceeded) or writes failed (ENOSPC) until the commit. A commit
+        (BTRFS_IOC_SYNC, 1-8 ms here) right after the delete returns it at once; it runs
+        off the loop, coalesced, so destroy does not wait for it."""
+        self.disk.remove(sid)
+        if self._settling is not None and not self._settling.done():
+            self._settle_again = True
+            return
+        try:
+            self._settling = asyncio.get_running_loop().create_task(self._settle())
+        except RuntimeError:      # no loop (a synchronous caller): settle here
+            self.disk.settle()
+
+    async def _settle(self) -> None:
+        while True:
+            self._settle_again = False
+            try:
+                await asyncio.to_thread(self.disk.settle)
+            except OSError as exc:
+                log.warning("btrfs sync of the disk pool %s failed: %s", self.disk.path, exc)
+                return
+            if not self._settle_again:
+                return
+
+    async def _settled(self) -> None:
+        """Wait for a commit in flight that gives deleted subvolumes' space back."""
+        task = self._settling
+        if task is not None and not task.done():
+            await asyncio.shield(task)
 
     async def _wait_exit(self, box: _Box, timeout_s: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
@@ -737,6 +782,7 @@ class ContainerBackend:
         if idle and not (os.path.isdir(sb) and os.listdir(sb)) \
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
+        await self._settled()
         self._snapshots.close()
         self.disk.close()
         if self._lock_fd >= 0:
@@ -804,7 +850,7 @@ class ContainerBackend:
                     errors.append(f"umount {mp}: {exc}")
         self._notices.forget(sid)
         try:  # before the directory: a subvolume without one is known garbage at start
-            self.disk.remove(sid)
+            self._remove_disk(sid)
         except OSError as exc:
             errors.append(f"delete disk subvolume: {exc}")
         for path in (d, os.path.join(self.root_dir, "runc-state", sid)):
