@@ -291,8 +291,11 @@ class ContainerBackend:
         return _legacy_rw_dirs(self._dir(sid))
 
     def disk_cap(self, spec: SandboxSpec) -> int:
-        """The disk cap a sandbox gets: ``spec.disk_bytes`` or the node default."""
-        return self.default_disk_bytes if spec.disk_bytes is None else spec.disk_bytes
+        """The disk cap a sandbox gets: ``spec.disk_bytes`` or the node default (clamped
+        to the pool's size)."""
+        if spec.disk_bytes is None:
+            return self.disk.default_cap(self.default_disk_bytes)
+        return spec.disk_bytes
 
     def _pids_for(self, spec: SandboxSpec) -> int:
         """The task limit a sandbox gets: ``spec.pids_max``, or the node's per-sandbox
