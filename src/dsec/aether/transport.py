@@ -15,7 +15,7 @@ from typing import Literal, Self
 
 from dsec.aether.connection import AUTH_METHOD, AetherProtocol, Connection, Router
 from dsec.aether.frame import DEFAULT_MAX_FRAME
-from dsec.errors import ConnectionLost, InvalidArgument, TransportError
+from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, TransportError
 
 __all__ = ["Address", "Server", "connect", "parse_address", "serve"]
 
@@ -69,9 +69,9 @@ async def connect(
             else:
                 transport, proto = await loop.create_connection(factory, addr.host, addr.port)
     except TimeoutError as exc:
-        raise ConnectionLost(f"could not connect to {addr} within {timeout}s") from exc
+        raise ConnectFailed(f"could not connect to {addr} within {timeout}s") from exc
     except OSError as exc:
-        raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}") from exc
+        raise ConnectFailed(f"could not connect to {addr}: {exc.strerror or exc}") from exc
     _tune(transport)
     assert proto.conn is not None  # set in connection_made
     conn = proto.conn
