@@ -256,7 +256,9 @@ def test_nodes_metrics_openapi_healthz(cluster: LocalCluster, http: httpx.Client
         assert p in doc["paths"], p
     assert "CreateSandboxRequest" in doc["components"]["schemas"]
     assert http.get("/v1/nope").status_code == 404
-    assert http.patch("/v1/sandboxes").status_code == 400
+    r = http.patch("/v1/sandboxes")
+    assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "GET, HEAD, POST"
 
 
 def test_rate_limit_answers_429_with_retry_after() -> None:

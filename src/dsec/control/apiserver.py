@@ -55,8 +55,15 @@ from dsec.control.api.types import (
     SnapshotList,
     SnapshotView,
 )
-from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo
-from dsec.errors import DsecError, InternalError, InvalidArgument, PayloadTooLarge, RateLimited
+from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo, check_path
+from dsec.errors import (
+    DsecError,
+    InternalError,
+    InvalidArgument,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RateLimited,
+)
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
 
@@ -217,9 +224,7 @@ def _q_path(request: Request) -> str:
     if not p:
         raise InvalidArgument("query parameter 'path' (a path inside the sandbox) is required",
                               field="path")
-    if "\0" in p or len(p) > 4096:
-        raise InvalidArgument("path must be at most 4096 bytes without NUL", field="path")
-    return p
+    return check_path(p)
 
 
 # ------------------------------------------------------------------------- app
@@ -534,9 +539,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
         rid = _request_id(request)
-        return _error_response(InvalidArgument(
-            f"method {request.method} is not allowed on {request.url.path}; see /openapi.json"),
-            rid)
+        allow = _allowed_methods(routes, request.scope)
+        resp = _error_response(MethodNotAllowed(
+            f"method {request.method[:16]} is not allowed on {request.url.path[:200]}; it "
+            f"allows {', '.join(allow) or 'nothing'} (see /openapi.json)",
+            allow=", ".join(allow)), rid)
+        resp.headers["allow"] = ", ".join(allow)
+        return resp
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
@@ -756,6 +765,20 @@ def _metrics_access(cfg: RestConfig, authorization: str | None, client: str | No
         raise PermissionDenied(f"/metrics answers loopback clients only (request from "
                                f"{client[:64]}); configure a metrics_token to scrape it "
                                "from elsewhere")
+
+
+def _allowed_methods(routes: list[Route], scope: Any) -> list[str]:
+    """Every method some route declares for the request's path (the ``Allow`` header of
+    a 405): each method is a Route of its own here, so Starlette's partial match names
+    only the first."""
+    from starlette.routing import Match
+
+    allow: set[str] = set()
+    for r in routes:
+        match, _ = r.matches(scope)
+        if match in (Match.FULL, Match.PARTIAL) and r.methods:
+            allow.update(r.methods)
+    return sorted(allow)
 
 
 def _sid(request: Request) -> str:

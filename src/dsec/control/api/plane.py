@@ -393,11 +393,34 @@ class ControlPlane:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
 
-    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> LostSandboxRow:
+    def vanished(self, sandbox_id: str) -> LostSandbox | None:
+        """The sandbox's edge does not know ``sandbox_id``: if the registry has it live,
+        the node lost it (it restarted without it): write it off as ``node_lost`` (an
+        event, quota released, a tombstone in the store) and return the tombstone."""
+        lost = self._lost.get(sandbox_id)
+        if lost is not None:
+            return lost
+        try:
+            rec = self.registry.sandbox(sandbox_id)
+        except SandboxNotFound:
+            return None
+        self._write_off(rec, f"node {rec.node} no longer has it: the node restarted "
+                             "without it (it was not in the node's journal)")
+        return self._lost.get(sandbox_id)
+
+    def _write_off(self, rec: SandboxRecord, detail: str) -> None:
+        now = self.clock()
+        row = self._tombstone(rec, "node_lost", now, detail=detail)
+        self.store.put_lost([row], keep=self.config.lost_tombstones)
+        self.registry.evict([rec.id], reason="node_lost")
+        log.warning("sandbox %s written off: %s", rec.id, detail)
+
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float,
+                   detail: str | None = None) -> LostSandboxRow:
         info = _info_of(rec)
         info.state, info.reason = "destroyed", reason
-        detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
-                  f"more than {self.config.node_ttl_s:g}s")
+        detail = detail or (f"evicted by the control plane: node {rec.node} sent no "
+                            f"heartbeat for more than {self.config.node_ttl_s:g}s")
         events = [SandboxEvent(time=rec.created_at, sandbox_id=rec.id, from_state=None,
                                to_state="running", reason="created"),
                   SandboxEvent(time=now, sandbox_id=rec.id,
@@ -716,7 +739,18 @@ class ControlPlane:
             except SandboxNotFound:
                 continue
             if rec.created_at < hb.time:
-                self.forget(sid, "gone")
+                try:
+                    gone = await link.get(sid)
+                except SandboxNotFound:
+                    # Not even a tombstone on the edge: it restarted without this one.
+                    self._write_off(rec, f"node {e.node} no longer has it: the node "
+                                         "restarted without it (it was not in the "
+                                         "node's journal)")
+                    continue
+                except DsecError:
+                    continue  # ask again on the next poll
+                if gone.state in _GONE:
+                    self.forget(sid, gone.reason or "gone")
         for sid, b in listed.items():
             if sid in reg:
                 rec = reg.sandbox(sid)

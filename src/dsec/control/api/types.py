@@ -18,6 +18,15 @@ from typing import Annotated, Literal
 import msgspec
 
 from dsec.edge.spec import (
+    MAX_ARG_BYTES,
+    MAX_ARGV_BYTES,
+    MAX_ARGV_ITEMS,
+    MAX_CWD_BYTES,
+    MAX_ENV_ITEMS,
+    MAX_EXEC_TIMEOUT_S,
+    MAX_OUTPUT_CAP_BYTES,
+    MAX_STDIN_BYTES,
+    MAX_USER_BYTES,
     BackendName,
     FileInfo,
     IdleAction,
@@ -57,10 +66,18 @@ __all__ = [
 Encoding = Literal["utf-8", "base64"]
 Role = Literal["admin", "member", "reader"]
 
-# Linux refuses an execve whose argv+envp exceed ARG_MAX (2 MiB with the default 8 MiB
-# stack); we refuse earlier with a clear 400 instead of an opaque E2BIG from the edge.
-MAX_ARGV_BYTES = 1 << 20
-MAX_STDIN_BYTES = 8 << 20
+# The exec limits live with ExecRequest (dsec.edge.spec), which every door validates
+# with; re-exported here for callers of the API types. In the schema below they appear
+# as ``extra_json_schema`` only, so the one validator (and its messages) stays the rule.
+
+
+def _doc(**schema: object) -> msgspec.Meta:
+    """A limit documented in the OpenAPI schema, enforced by the shared validators."""
+    return msgspec.Meta(extra_json_schema=schema)
+
+
+ArgStr = Annotated[str, _doc(maxLength=MAX_ARG_BYTES,
+                             description="at most MAX_ARG_BYTES UTF-8 bytes, no NUL")]
 
 
 # Bounded ints: a JSON number beyond 64 bits would otherwise pass decoding and fail later
@@ -115,17 +132,20 @@ class SandboxList(msgspec.Struct, kw_only=True):
 
 
 class ExecBody(_Strict):
-    """Body of ``POST /v1/sandboxes/{id}/exec``: exactly one of ``argv`` / ``shell``."""
+    """Body of ``POST /v1/sandboxes/{id}/exec``: exactly one of ``argv`` / ``shell``.
+    argv (or shell) and env together: at most 1 MiB of UTF-8 (``MAX_ARGV_BYTES``)."""
 
-    argv: list[str] | None = None
-    shell: str | None = None
-    env: dict[str, str] = {}
-    cwd: str | None = None
-    user: str | None = None
-    stdin: str = ""
+    argv: Annotated[list[ArgStr], _doc(minItems=1, maxItems=MAX_ARGV_ITEMS)] | None = None
+    shell: ArgStr | None = None
+    env: Annotated[dict[str, str], _doc(maxProperties=MAX_ENV_ITEMS)] = {}
+    cwd: Annotated[str, _doc(minLength=1, maxLength=MAX_CWD_BYTES)] | None = None
+    user: Annotated[str, _doc(minLength=1, maxLength=MAX_USER_BYTES)] | None = None
+    stdin: str = ""                     # at most MAX_STDIN_BYTES once decoded
     stdin_encoding: Encoding = "utf-8"
-    timeout_s: Seconds | None = 60.0    # the *command* timeout (kills the process group)
-    output_cap_bytes: U63 = 1 << 20
+    # the *command* timeout (kills the process group)
+    timeout_s: Annotated[float, _doc(exclusiveMinimum=0, maximum=MAX_EXEC_TIMEOUT_S)] | \
+        None = 60.0
+    output_cap_bytes: Annotated[int, _doc(minimum=0, maximum=MAX_OUTPUT_CAP_BYTES)] = 1 << 20
     background: bool = False
 
 
