@@ -13,6 +13,7 @@ import pytest
 from dsec import (
     AsyncClient,
     Client,
+    ConnectFailed,
     ConnectionLost,
     ExecResult,
     InvalidArgument,
@@ -178,8 +179,9 @@ def test_request_timeout_and_connection_errors_are_named() -> None:
                 session_lease_s=None) as c:
         with pytest.raises(TransportError) as ei:
             c.sandboxes.get("sb-000000000000-edge-0")
-        assert not isinstance(ei.value, ConnectionLost) or True
-        assert "apiserver running" in str(ei.value)
+        # nothing listens: the request never left, and the error says so
+        assert isinstance(ei.value, ConnectFailed) and not isinstance(ei.value, ConnectionLost)
+        assert "apiserver running" in str(ei.value) and "nothing was sent" in str(ei.value)
 
 
 def test_client_finds_dsec_up_through_local_json(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

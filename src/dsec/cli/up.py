@@ -27,9 +27,13 @@ import click
 @click.option("--edges", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Edge nodes to run (each on its own Unix socket).")
 @click.option("--keep", is_flag=True, help="On exit, leave sandboxes running for re-adoption.")
+@click.option("--profile", type=click.Choice(["zero", "paper", "paper-container", "paper-fncall",
+                                              "paper-microvm"]),
+              default="zero", show_default=True,
+              help="Latency profile of the simulated backend (as `dsec edge --profile`).")
 @click.option("--quiet", is_flag=True, help="No status line.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
-       keep: bool, quiet: bool) -> None:
+       keep: bool, profile: str, quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
@@ -37,7 +41,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
 
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
-                        edges=edges, keep=keep)
+                        edges=edges, keep=keep, simulated_profile=profile)
     uvloop.run(_run(cfg, quiet))
 
 

@@ -88,6 +88,9 @@ class ClusterConfig:
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     write_local: bool = True
     access_log: bool = False
+    # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
+    # -microvm]" (slow creates widen the crash windows the fault tests aim at).
+    simulated_profile: str = "zero"
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -238,6 +241,16 @@ class ClusterRuntime:
         edge can start sandboxes from every snapshot. ``base`` is the busybox base layer,
         built on first start (~0.1 s) so ``dsec up --backend container`` works on a fresh
         machine."""
+        if name == "simulated":
+            from dsec.edge.backends.simulated import NodeLatencyProfile
+            prof = self.config.simulated_profile
+            if prof == "zero":
+                return {"profile": NodeLatencyProfile.zero()}
+            kind = prof.removeprefix("paper").lstrip("-") or "container"
+            if kind not in ("container", "fncall", "microvm"):
+                raise InvalidArgument(f"simulated_profile={prof!r}: use 'zero' or "
+                                      "'paper[-container|-fncall|-microvm]'")
+            return {"profile": NodeLatencyProfile.paper(kind)}  # type: ignore[arg-type]
         if name != "container":
             return {}
         from dsec.image import LayerStore, MountCache, ensure_busybox_base
