@@ -146,7 +146,7 @@ def test_huge_bodies_and_huge_argv(http: httpx.Client) -> None:
     r = http.post("/v1/sandboxes", content=b'{"image":"' + b"x" * (5 << 20) + b'"}')
     assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
     sid = http.post("/v1/sandboxes", json={}).json()["id"]
-    big = json.dumps({"argv": ["echo", "a" * (10 << 20)]})
+    big = json.dumps({"argv": ["echo", "a" * (17 << 20)]})
     r = http.post(f"/v1/sandboxes/{sid}/exec", content=big)
     assert r.status_code == 413
     r = http.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["echo"] + ["a" * 1000] * 2000})

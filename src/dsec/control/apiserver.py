@@ -84,7 +84,11 @@ def _decoder(tp: type) -> msgspec.json.Decoder[Any]:
 class RestConfig:
     """Limits of the REST front door (bytes)."""
 
-    max_json_body: int = 4 << 20        # JSON bodies; a 10 MB argv is refused with 413
+    max_json_body: int = 4 << 20        # JSON bodies; a 10 MB create is refused with 413
+    # An exec body carries what the shared exec limits allow (8 MiB of stdin, 10.7 MiB as
+    # base64, plus 1 MiB of argv+env), as one Aether gateway frame (16 MiB) can: the
+    # limits, not the door, decide. Beyond it: 413.
+    max_exec_body: int = 16 << 20
     max_file_body: int = 256 << 20      # raw bytes of PUT .../files
     max_image_body: int = 4 << 30       # image uploads, streamed to a temp file
     version: str = "0.1.0"
@@ -327,7 +331,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              "Destroy a sandbox (idempotent)", status=204), delete)
 
     async def exec_(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_json_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
         res = await service.exec(caller, sid_of(request), exec_request(body))
         return _json_response(exec_output(res), rid)
 
@@ -335,7 +339,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              ExecBody, ExecOutput), exec_)
 
     async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_json_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
         stream = await service.exec_stream(caller, sid_of(request), exec_request(body))
 
         async def lines() -> AsyncIterator[bytes]:
