@@ -65,6 +65,7 @@ from dsec.control.placement import NodeView as PlacementView
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
+from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import LostSandboxRow, QuotaRow, SessionRow, StateStore
 from dsec.control.watcher import (
     DestroySandboxes,
@@ -110,6 +111,9 @@ class PlaneConfig:
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
     reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
+    # How much history the state store keeps (events, idempotency keys, tombstones,
+    # process leases), trimmed every retention.interval_s: see dsec.control.retention.
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 class IamAuthority:
@@ -624,6 +628,7 @@ class ControlPlane:
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
+        self._tasks.append(asyncio.create_task(self._retention_loop(), name="dsec-retention"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -846,6 +851,34 @@ class ControlPlane:
             s.closed or s.expires_at + keep_s <= now)]
         self.store.delete_sessions(stale)
         return done
+
+    async def retain(self) -> RetentionReport:
+        """One retention pass (also called by tests): trim every growing table of the
+        store (see :mod:`dsec.control.retention`), off the event loop."""
+        cfg = self.config.retention
+        now = self.clock()
+        report = await asyncio.to_thread(retain, self.store, cfg.plan(now))
+        self.registry.trim_ring()
+        if cfg.lost_max_age_s is not None:
+            cutoff = now - cfg.lost_max_age_s
+            while self._lost:
+                sid, lost = next(iter(self._lost.items()))
+                if lost.events and lost.events[-1].time >= cutoff:
+                    break
+                del self._lost[sid]
+        if report.total:
+            log.info("retention removed %d events, %d idempotency keys, %d tombstones, "
+                     "%d process leases", report.events, report.idempotency,
+                     report.lost_sandboxes, report.process_leases)
+        return report
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention.interval_s)
+            try:
+                await self.retain()
+            except Exception:
+                log.exception("retention pass failed; the next one tries again")
 
     async def _sweep_loop(self) -> None:
         while True:

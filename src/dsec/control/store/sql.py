@@ -495,6 +495,10 @@ class SqlStore:
         return max(0, self._exec("DELETE FROM lost_sandboxes WHERE lost_at < ?",
                                  (older_than,)))
 
+    def reclaim_space(self, pages: int) -> None:
+        """Give up to ``pages`` pages freed by deletes back to the filesystem (after
+        retention). Nothing to do by default: PostgreSQL's autovacuum does it."""
+
     def table_rows(self) -> dict[str, int]:
         out: dict[str, int] = {}
         with self._tx() as cur:
