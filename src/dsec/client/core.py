@@ -416,8 +416,9 @@ class AsyncSandboxes:
         c = self._c
         if idempotency_key is not None and (
                 not isinstance(idempotency_key, str)
-                or not 0 < len(idempotency_key) <= 255 or not idempotency_key.isprintable()):
-            raise InvalidArgument("idempotency_key must be 1..255 printable characters",
+                or not 0 < len(idempotency_key) <= 255 or not idempotency_key.isascii()
+                or not idempotency_key.isprintable()):
+            raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
                                   field="idempotency_key")
         key = idempotency_key or "sdk-" + uuid.uuid4().hex  # one key for every retry
         req = await c._retry_until(lambda: self._request(**kw), c.create_retry_s)

@@ -32,7 +32,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from dsec.control.api.openapi import Op, Param, build_openapi
+from dsec.control.api.openapi import (
+    FILE_PATH,
+    IDEMPOTENCY_KEY,
+    PROJECT_PATH,
+    SANDBOX_ID,
+    Op,
+    Param,
+    build_openapi,
+)
 from dsec.control.api.service import ApiService, Caller, exec_output, exec_request
 from dsec.control.api.types import (
     ApiError,
@@ -288,7 +296,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     route(Op("POST", "/v1/sandboxes", "createSandbox", "Create a sandbox",
              CreateSandboxRequest, SandboxInfo, 201,
-             headers=(Param("Idempotency-Key", {"type": "string", "maxLength": 255},
+             headers=(Param("Idempotency-Key", IDEMPOTENCY_KEY,
                             description="same key within 5 min -> same sandbox"),)), create)
 
     async def list_(request: Request, caller: Caller, rid: str) -> Response:
@@ -311,8 +319,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return _json_response(SandboxList(items=items, next_cursor=nxt), rid)
 
     route(Op("GET", "/v1/sandboxes", "listSandboxes", "List sandboxes", None, SandboxList,
-             params=(Param("project", {"type": "string"}),
-                     Param("label", {"type": "string"}, description="key=value, repeatable"),
+             params=(Param("project", PROJECT_PATH),
+                     Param("label", {"type": "string", "pattern": "^[^=]+=.*$"},
+                           description="key=value, repeatable"),
                      Param("state", {"enum": sorted(_STATES)}),
                      Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
                      Param("cursor", {"type": "string"}))), list_)
@@ -370,7 +379,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                         headers={"x-request-id": rid})
 
     route(Op("GET", "/v1/sandboxes/{id}/files", "readFile", "Read a file (raw bytes)",
-             None, "binary", params=(Param("path", {"type": "string", "minLength": 1}, True),
+             None, "binary", params=(Param("path", FILE_PATH, True),
                                      Param("offset", {"type": "integer", "minimum": 0}),
                                      Param("length", {"type": "integer", "minimum": 0}))),
           read)
@@ -383,9 +392,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                  _q_bool(request, "append"))
         return Response(status_code=204, headers={"x-request-id": rid})
 
-    route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes body)",
-             "binary", None, 204,
-             params=(Param("path", {"type": "string", "minLength": 1}, True),
+    route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes "
+             "body; empty: an empty file)", "binary", None, 204, body_required=False,
+             params=(Param("path", FILE_PATH, True),
                      Param("mode", {"type": "integer", "minimum": 0, "maximum": 4095}),
                      Param("append", {"type": "boolean"}))), write)
 
@@ -395,7 +404,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/sandboxes/{id}/files", "removeFile", "Remove a file or directory",
-             None, None, 204, params=(Param("path", {"type": "string", "minLength": 1}, True),
+             None, None, 204, params=(Param("path", FILE_PATH, True),
                                       Param("recursive", {"type": "boolean"}))), remove)
 
     async def listdir(request: Request, caller: Caller, rid: str) -> Response:
@@ -403,7 +412,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return _json_response(FileList(items=items), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/list", "listFiles", "List a directory",
-             None, FileList, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+             None, FileList, params=(Param("path", FILE_PATH, True),)),
           listdir)
 
     async def stat(request: Request, caller: Caller, rid: str) -> Response:
@@ -411,7 +420,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                               rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/stat", "statFile", "Stat a path", None,
-             FileInfo, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+             FileInfo, params=(Param("path", FILE_PATH, True),)),
           stat)
 
     async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
@@ -419,7 +428,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
-             None, None, 204, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+             None, None, 204, params=(Param("path", FILE_PATH, True),)),
           mkdir)
 
     # -------------------------------------------------------------- lifecycle
@@ -458,8 +467,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     route(Op("GET", "/v1/snapshots", "listSnapshots", "Snapshots visible to this key",
              None, SnapshotList, tag="snapshots",
-             params=(Param("project", {"type": "string", "minLength": 1}),
-                     Param("sandbox_id", {"type": "string", "minLength": 1}))), snapshots)
+             params=(Param("project", PROJECT_PATH),
+                     Param("sandbox_id", SANDBOX_ID))), snapshots)
 
     async def get_snapshot(request: Request, caller: Caller, rid: str) -> Response:
         return _json_response(await service.get_snapshot(caller, sid_of(request)), rid)
@@ -719,9 +728,10 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
             return _json_response(out, rid, 201)
         return handler
 
-    params = (Param("name", {"type": "string", "minLength": 1}, True),
+    params = (Param("name", {"type": "string", "pattern":
+                             r"^[a-z0-9][a-z0-9._/-]{0,127}$"}, True),
               Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
-              Param("tag", {"type": "string", "minLength": 1}))
+              Param("tag", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"}))
     route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "
              "body)", "binary", ImageList, 201, params=params, tag="images"), upload(False))
     route(Op("POST", "/v1/images/import", "importImage", "Import an OCI image (docker save "

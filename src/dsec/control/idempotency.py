@@ -136,10 +136,10 @@ def fingerprint(body: bytes) -> str:
 
 
 def validate_key(key: str) -> str:
-    if not (0 < len(key) <= MAX_KEY_LEN) or not key.isprintable():
+    if not (0 < len(key) <= MAX_KEY_LEN) or not (key.isascii() and key.isprintable()):
         raise InvalidArgument(
-            f"Idempotency-Key must be 1..{MAX_KEY_LEN} printable characters, got {len(key)} "
-            "characters", field="Idempotency-Key")
+            f"Idempotency-Key must be 1..{MAX_KEY_LEN} printable ASCII characters, got "
+            f"{len(key)} characters", field="Idempotency-Key")
     return key
 
 

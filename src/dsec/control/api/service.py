@@ -445,7 +445,7 @@ class ApiService:
 
     # ---------------------------------------------------------------- create
     def build_spec(self, principal: Caller, req: CreateSandboxRequest) -> SandboxSpec:
-        project = req.project or principal.default_project
+        project = principal.default_project if req.project is None else req.project
         parse_project_path(project)
         self.require(principal, project, "member")
         ttl = req.ttl_s
@@ -950,6 +950,8 @@ class ApiService:
         if project is not None:
             parse_project_path(project)
             self.require(principal, project, "reader")
+        if sandbox_id is not None:
+            parse_sandbox_id(sandbox_id)
         edges = self._edges()
         results = await asyncio.gather(*(e.snapshots(sandbox_id=sandbox_id)
                                          for _, e in edges), return_exceptions=True)
