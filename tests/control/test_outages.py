@@ -86,9 +86,9 @@ def test_no_healthy_node_is_unavailable_not_no_capacity() -> None:
             time.sleep(0.2)
         assert r.status_code == 503 and r.json()["code"] == "unavailable", r.text
         assert "no healthy node" in r.json()["message"]
-        with cl.client(transport="aether", session_lease_s=None, create_retry_s=0) as c:
-            with pytest.raises(Unavailable, match="no healthy node"):
-                c.sandboxes.create()
+        with (cl.client(transport="aether", session_lease_s=None, create_retry_s=0) as c,
+              pytest.raises(Unavailable, match="no healthy node")):
+            c.sandboxes.create()
 
 
 @pytest.mark.parametrize("door", ["rest", "gateway"])

@@ -15,7 +15,7 @@ from typing import Literal, Self
 
 from dsec.aether.connection import AUTH_METHOD, AetherProtocol, Connection, Router
 from dsec.aether.frame import DEFAULT_MAX_FRAME
-from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, TransportError
+from dsec.errors import ConnectFailed, InvalidArgument, TransportError
 
 __all__ = ["Address", "Server", "connect", "parse_address", "serve"]
 

@@ -51,7 +51,6 @@ from dsec.errors import (
     DsecError,
     RemoteProtocolError,
     RequestTimeout,
-    TransportError,
     error_from_wire,
 )
 

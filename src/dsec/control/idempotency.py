@@ -212,7 +212,7 @@ class IdempotencyCache:
             await asyncio.sleep(self.lease_renew_s)
             try:
                 self.renew_lease()
-            except Exception:  # noqa: BLE001 - a store hiccup: the next tick tries again
+            except Exception:
                 log.exception("renewing the apiserver's idempotency lease failed")
 
     # ---------------------------------------------------------------- claims
@@ -310,9 +310,9 @@ class IdempotencyCache:
         now = self._clock()
         if e is None:
             return
-        if self._store is not None and e.owner is not None:
-            if not self._store.idem_finish(scoped_key, e.owner, response, now + self._ttl):
-                raise self._lost(scoped_key)
+        if self._store is not None and e.owner is not None and not self._store.idem_finish(
+                scoped_key, e.owner, response, now + self._ttl):
+            raise self._lost(scoped_key)
         e.response = response
         e.expires_at = now + self._ttl
         if e.waiter is not None and not e.waiter.done():
@@ -362,7 +362,7 @@ class IdempotencyCache:
         if self._store is not None:
             try:
                 self._store.lease_drop(self.holder)
-            except Exception:  # noqa: BLE001 - the store may be closing too
+            except Exception:
                 log.debug("dropping the idempotency lease failed", exc_info=True)
 
     def __len__(self) -> int:

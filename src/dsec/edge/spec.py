@@ -14,9 +14,9 @@ import msgspec
 from dsec.errors import InvalidArgument
 
 __all__ = [
-    "MAX_ARG_BYTES",
     "MAX_ARGV_BYTES",
     "MAX_ARGV_ITEMS",
+    "MAX_ARG_BYTES",
     "MAX_CPU_MILLI",
     "MAX_CWD_BYTES",
     "MAX_ENV_ITEMS",

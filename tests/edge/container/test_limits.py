@@ -12,7 +12,7 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.spec import ExecRequest, SandboxSpec
-from dsec.errors import InvalidArgument
+from dsec.errors import DsecError, InvalidArgument
 from dsec.ids import SandboxId
 from tests.edge.container.conftest import SPEC, _cleanup, new_sid
 
@@ -60,7 +60,7 @@ async def test_disk_bytes_is_a_tmpfs_of_that_size_and_full_means_enospc(
     code, out = await _sh(backend, sid, "dd if=/dev/zero of=/root/more bs=1M count=4")
     assert code != 0 and "No space left on device" in out, out
     # the file API hits the same cap
-    with pytest.raises(Exception, match="No space left"):
+    with pytest.raises(DsecError, match="No space left"):
         await backend.write_file(SandboxId(sid), "/root/api", b"x" * (4 << 20))
     # other sandboxes (plain upper on the host fs) are not limited by it
     code, out = await _sh(backend, bystander, "dd if=/dev/zero of=/root/big bs=1M count=12 "

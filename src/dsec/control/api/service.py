@@ -372,7 +372,7 @@ class ApiService:
 
     def _vanished(self, sid: str) -> Lost | None:
         fn = getattr(self.directory, "vanished", None)
-        return None if fn is None else fn(sid)  # type: ignore[no-any-return]
+        return None if fn is None else fn(sid)
 
     def _healthy(self, node: str) -> bool:
         return any(n.id == node and n.healthy for n in self.directory.nodes())

@@ -18,18 +18,18 @@ from typing import Annotated, Literal
 import msgspec
 
 from dsec.edge.spec import (
-    MAX_CPU_MILLI,
-    MAX_DISK_BYTES,
-    MAX_MEMORY_BYTES,
-    MAX_TTL_S,
     MAX_ARG_BYTES,
     MAX_ARGV_BYTES,
     MAX_ARGV_ITEMS,
+    MAX_CPU_MILLI,
     MAX_CWD_BYTES,
+    MAX_DISK_BYTES,
     MAX_ENV_ITEMS,
     MAX_EXEC_TIMEOUT_S,
+    MAX_MEMORY_BYTES,
     MAX_OUTPUT_CAP_BYTES,
     MAX_STDIN_BYTES,
+    MAX_TTL_S,
     MAX_USER_BYTES,
     BackendName,
     FileInfo,

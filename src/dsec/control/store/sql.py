@@ -12,6 +12,7 @@ later if needed (``json_extract`` / ``jsonb``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ from dsec.control.store import (
 )
 
 __all__ = ["Dialect", "SqlStore"]
+
+log = logging.getLogger("dsec.store")
 
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder(dict[str, Any])
@@ -136,12 +139,14 @@ class SqlStore:
                 cur.execute(f"SELECT {column} FROM {table} WHERE 1 = 0")
             return
         except Exception:  # noqa: BLE001 - the table or the column is missing
-            pass
+            log.debug("store: %s.%s is missing", table, column)
         try:
             with self._tx() as cur:
                 cur.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            log.info("store: added column %s.%s (a store written by an older dsec)", table,
+                     column)
         except Exception:  # noqa: BLE001 - no such table yet: the schema creates it whole
-            pass
+            log.debug("store: no table %s yet", table)
 
     # --- plumbing -------------------------------------------------------------------
     def _s(self, text: str) -> str:
