@@ -8,7 +8,7 @@ APT_STAMP := .apt-installed
 # images for tests and the demo), tini/catatonit (PID 1 in sandboxes), runc (the
 # reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2.
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
-                util-linux e2fsprogs procps psmisc \
+                util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
                 wrk
 

@@ -97,13 +97,18 @@ def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
 @click.option("--insecure", is_flag=True,
               help="Serve tcp: without a token (anyone who connects can run commands in "
                    "sandboxes): only on a private test network.")
+@click.option("--disk-default", default="10GiB", show_default=True, metavar="SIZE",
+              help="Disk cap of a container sandbox created without one.")
+@click.option("--disk-pool", default=None, metavar="SIZE",
+              help="Size of the container backend's sandbox disk pool when first made "
+                   "[default: 90% of its root dir's free space].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id: str,
          cpu_milli: int | None, memory_bytes: int | None, max_sandboxes: int,
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
          backend_opts: tuple[str, ...], token_file: str | None, insecure: bool,
-         log_level: str) -> None:
+         disk_default: str, disk_pool: str | None, log_level: str) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from dsec.edge.admission import Capacity
@@ -119,6 +124,13 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
                               max_sandboxes=max_sandboxes),
             labels=_labels(labels), state_dir=state_dir)
         extra = _extra_opts(backend_opts, backends)
+        from dsec.client.core import parse_memory
+        disk: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
+                                "disk_pool_bytes": None if disk_pool is None
+                                else parse_memory(disk_pool)}
+        for name in backends:
+            if name == "container":
+                extra[name] = {**disk, **extra.get(name, {})}
         built = {name: make_backend(name, **_backend_opts(name, profile, fncall_pool_size),
                                     **extra.get(name, {}))
                  for name in dict.fromkeys(backends)}

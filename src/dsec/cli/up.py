@@ -31,17 +31,31 @@ import click
                                               "paper-microvm"]),
               default="zero", show_default=True,
               help="Latency profile of the simulated backend (as `dsec edge --profile`).")
+@click.option("--disk-default", default="10GiB", show_default=True, metavar="SIZE",
+              help="Disk cap of a container sandbox created without one.")
+@click.option("--disk-pool", default=None, metavar="SIZE",
+              help="Size of each edge's sandbox disk pool when first made "
+                   "[default: 90% of the state dir's free space].")
 @click.option("--quiet", is_flag=True, help="No status line.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
-       keep: bool, profile: str, quiet: bool) -> None:
+       keep: bool, profile: str, disk_default: str, disk_pool: str | None,
+       quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
+    from dsec.client.core import parse_memory
     from dsec.control.api.cluster import ClusterConfig, default_state_dir
+    from dsec.errors import DsecError
 
+    try:
+        disk = parse_memory(disk_default)
+        pool = None if disk_pool is None else parse_memory(disk_pool)
+    except DsecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--disk-default/--disk-pool") from exc
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
-                        edges=edges, keep=keep, simulated_profile=profile)
+                        edges=edges, keep=keep, disk_default_bytes=disk,
+                        disk_pool_bytes=pool, simulated_profile=profile)
     uvloop.run(_run(cfg, quiet))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-import tarfile
 import tempfile
 from collections.abc import AsyncIterator
 from typing import IO, TYPE_CHECKING, Literal
@@ -98,7 +97,7 @@ class AsyncImages:
 
 
 def _pack_dir(root: str, out: IO[bytes]) -> None:
-    """Tar ``root``'s contents (paths relative to it, ownership kept as is)."""
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for entry in sorted(os.listdir(root)):
-            tar.add(os.path.join(root, entry), arcname=entry, recursive=True)
+    """Tar ``root``'s contents (paths relative to it, ownership kept as is); files with
+    holes go as sparse members, so only their data is uploaded."""
+    from dsec.image.archive import pack_tree
+    pack_tree(root, out)

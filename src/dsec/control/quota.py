@@ -9,6 +9,13 @@ sandboxes. It allocates nothing (no per-sandbox work, no intermediate collection
 Paused sandboxes still count as sandboxes; whether they count for CPU and memory is
 :class:`QuotaPolicy` (default: a paused sandbox holds no CPU but keeps its memory
 reservation, since resuming must not fail for lack of memory the project gave away).
+
+Snapshot storage (``snapshot_bytes``) is a dimension of its own: the stored bytes of the
+project subtree's snapshot layers. It rises when a snapshot is recorded
+(:meth:`QuotaIndex.add_snapshot`) and falls when one is deleted; before a snapshot is
+taken, :meth:`QuotaIndex.snapshot_room` tells how many bytes the new layer may take
+(the least room over the ancestor chain), which the edge enforces before anything
+enters its layer store.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_sandboxes: int | None = None
     cpu_milli: int | None = None
     memory_bytes: int | None = None
+    snapshot_bytes: int | None = None       # stored bytes of the subtree's snapshots
 
     def validate(self, where: str) -> None:
-        for name in ("max_sandboxes", "cpu_milli", "memory_bytes"):
+        for name in ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise InvalidArgument(f"quota {where}.{name}={v!r} must be a non-negative "
@@ -66,18 +74,20 @@ class Usage:
     cpu_milli: int = 0
     memory_bytes: int = 0
     backends: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    snapshot_bytes: int = 0
 
 
 class _Node:
     """Usage of one project-tree node. ``b`` maps backend -> [count, cpu, memory]."""
 
-    __slots__ = ("b", "cpu", "mem", "n", "path", "quota")
+    __slots__ = ("b", "cpu", "mem", "n", "path", "quota", "snap")
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.n = 0
         self.cpu = 0
         self.mem = 0
+        self.snap = 0
         self.b: dict[str, list[int]] = {}
         self.quota: Quota | None = None
 
@@ -91,6 +101,7 @@ class QuotaIndex:
         self._chains: dict[str, tuple[_Node, ...]] = {}
         self._live: dict[str, SandboxRecord] = {}
         self._by_node: dict[str, set[str]] = {}
+        self._snaps: dict[str, tuple[str, int]] = {}    # snapshot id -> (project, bytes)
 
     # --- tree -------------------------------------------------------------------------
     def _chain(self, project: str) -> tuple[_Node, ...]:
@@ -181,6 +192,55 @@ class QuotaIndex:
         ids = sorted(self._by_node.get(node, ()))
         return [self.remove(i) for i in ids]
 
+    # --- snapshot storage -----------------------------------------------------------------
+    def add_snapshot(self, snapshot_id: str, project: str, size_bytes: int) -> bool:
+        """Charge a recorded snapshot to ``project`` and its ancestors (already checked;
+        this does not check). False if it was charged already (an unchanged snapshot)."""
+        if snapshot_id in self._snaps:
+            return False
+        if size_bytes < 0:
+            raise InvalidArgument(f"snapshot {snapshot_id} size {size_bytes} is negative")
+        for node in self._chain(project):
+            node.snap += size_bytes
+        self._snaps[snapshot_id] = (project, size_bytes)
+        return True
+
+    def remove_snapshot(self, snapshot_id: str) -> int:
+        """Release a deleted snapshot's charge; returns the bytes freed (0 if unknown)."""
+        hit = self._snaps.pop(snapshot_id, None)
+        if hit is None:
+            return 0
+        project, size = hit
+        for node in self._chain(project):
+            node.snap -= size
+        return size
+
+    def snapshot_charge(self, snapshot_id: str) -> tuple[str, int] | None:
+        return self._snaps.get(snapshot_id)
+
+    def snapshot_room(self, project: str) -> int | None:
+        """Bytes a new snapshot in ``project`` may take: the least room left under a
+        ``snapshot_bytes`` quota on the project and its ancestors (0 when one is used
+        up); None when no node of the chain limits snapshot storage."""
+        room: int | None = None
+        for node in self._chain(project):
+            q = node.quota
+            if q is None or q.snapshot_bytes is None:
+                continue
+            left = max(0, q.snapshot_bytes - node.snap)
+            room = left if room is None else min(room, left)
+        return room
+
+    def check_snapshot(self, project: str, size_bytes: int) -> None:
+        """Raise :class:`QuotaExceeded` unless ``size_bytes`` more snapshot storage fits
+        ``project`` and every ancestor."""
+        for node in self._chain(project):
+            q = node.quota
+            if q is not None and q.snapshot_bytes is not None \
+                    and node.snap + size_bytes > q.snapshot_bytes:
+                self._exceeded(node, project, "snapshot_bytes", node.snap, q.snapshot_bytes,
+                               size_bytes, None)
+
     # --- queries ------------------------------------------------------------------------
     def check(self, project: str, *, backend: str, cpu_milli: int, memory_bytes: int,
               count: int = 1) -> None:
@@ -250,7 +310,7 @@ class QuotaIndex:
             parse_project_path(project)
             return Usage()
         return Usage(n.n, n.cpu, n.mem, {b: (u[0], u[1], u[2]) for b, u in n.b.items()
-                                         if u[0] or u[1] or u[2]})
+                                         if u[0] or u[1] or u[2]}, n.snap)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         return self._live.get(sandbox_id)

@@ -87,10 +87,12 @@ class SnapshotBackend(Protocol):
     ``ImageNotFound``. ``create(spec)`` with ``spec.snapshot`` starts from one.
     """
 
-    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
         """Capture what ``sid`` changed since its previous snapshot (or since its image);
         an unchanged sandbox returns the previous snapshot with ``unchanged=True``.
-        Works on running and paused sandboxes and leaves the state as it was."""
+        Works on running and paused sandboxes and leaves the state as it was. A new
+        layer over ``max_bytes`` is refused with ``QuotaExceeded`` and not stored."""
 
     async def snapshots(self) -> list[SnapshotInfo]:
         """Every snapshot this backend can start sandboxes from."""

@@ -76,6 +76,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
 # from and to states are equal, never as a death.
 NOTICE_REASONS: frozenset[str] = frozenset({
     "oom_kill",         # the OOM killer killed a process inside; the sandbox still runs
+    "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -689,15 +689,20 @@ class EdgeNode:
                 out.append(b)
         return out
 
-    async def snapshot(self, sandbox_id: str, *, strip: Sequence[str] = ()) -> SnapshotInfo:
+    async def snapshot(self, sandbox_id: str, *, strip: Sequence[str] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
         """pack_diff the sandbox's changes since its previous snapshot into a new one.
 
         Allowed while running or paused (a paused sandbox stays paused; a running one is
         frozen by the backend for a consistent cut). Records a lifecycle-neutral event
         (reason ``snapshot``, state unchanged). Unchanged since the previous snapshot:
-        returns that one with ``unchanged=True``."""
+        returns that one with ``unchanged=True``. ``max_bytes`` bounds the new layer
+        (``QuotaExceeded`` over it, nothing stored)."""
         rec = self._find(sandbox_id)
         strip = _check_strip(strip)
+        if max_bytes is not None and max_bytes < 0:
+            raise InvalidArgument(f"snapshot max_bytes={max_bytes} must be >= 0",
+                                  field="max_bytes")
         backend = rec.backend
         if not isinstance(backend, SnapshotBackend):
             raise Conflict(f"sandbox {rec.id} runs on the {backend.name} backend, which "
@@ -715,7 +720,8 @@ class EdgeNode:
                     state=rec.state)
             rec.active += 1  # never idle-reaped mid-snapshot
             try:
-                info = await backend.snapshot(SandboxId(rec.id), strip=strip)
+                info = await backend.snapshot(SandboxId(rec.id), strip=strip,
+                                              max_bytes=max_bytes)
             except Exception as exc:
                 raise self._interrupted(rec, "snapshot", exc) from exc
             finally:

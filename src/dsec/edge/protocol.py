@@ -107,10 +107,13 @@ class SandboxRef(msgspec.Struct, kw_only=True):
 
 
 class SnapshotRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """``edge.snapshot``: pack_diff sandbox ``id``; ``strip`` path patterns left out."""
+    """``edge.snapshot``: pack_diff sandbox ``id``; ``strip`` path patterns left out;
+    ``max_bytes``: the most the new layer may take (the project's remaining snapshot
+    storage quota, from the control plane; None: only the sandbox's own bound)."""
 
     id: str
     strip: list[str] = []
+    max_bytes: int | None = None
 
 
 class SnapshotRef(msgspec.Struct, kw_only=True):

@@ -179,7 +179,7 @@ class EdgeService:
         return await self.node.stats(b.id)
 
     async def _snapshot(self, b: SnapshotRequest) -> SnapshotInfo:
-        return await self.node.snapshot(b.id, strip=b.strip)
+        return await self.node.snapshot(b.id, strip=b.strip, max_bytes=b.max_bytes)
 
     async def _snapshots(self, b: SnapshotQuery) -> builtins.list[SnapshotInfo]:
         return await self.node.snapshots(project=b.project, sandbox_id=b.sandbox_id)
@@ -308,10 +308,12 @@ class EdgeClient:
 
     # ---------------------------------------------------------------- snapshots
     async def snapshot(self, sandbox_id: str, *, strip: Sequence[str] = (),
+                       max_bytes: int | None = None,
                        timeout: _Deadline = ...) -> SnapshotInfo:
         """pack_diff the sandbox's changes into a snapshot (see EdgeNode.snapshot)."""
         return await self._call("edge.snapshot",  # type: ignore[no-any-return]
-                                SnapshotRequest(id=sandbox_id, strip=list(strip)),
+                                SnapshotRequest(id=sandbox_id, strip=list(strip),
+                                                max_bytes=max_bytes),
                                 SnapshotInfo, timeout)
 
     async def snapshots(self, *, project: str | None = None, sandbox_id: str | None = None,

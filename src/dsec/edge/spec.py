@@ -137,7 +137,7 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     backend: BackendName = "simulated"
     cpu_milli: int = 1000                   # millicores (1000 = one core)
     memory_bytes: int = 512 * 2**20
-    disk_bytes: int | None = None           # upper-layer size cap; None = no cap
+    disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
     pids_max: int | None = 1024             # fork-bomb guard; None = no cap
     priority: int = 0                       # higher wins preemption
     labels: dict[str, str] = {}
@@ -322,11 +322,17 @@ class PauseStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Resource use now. ``disk_bytes`` of ``disk_cap_bytes`` (None: the backend has no
+    per-sandbox disk cap); ``disk_full`` says writes are failing for lack of space (the
+    cap, or the node's disk pool) - free space inside or recreate with more disk."""
+
     memory_bytes: int = 0
     memory_peak_bytes: int = 0
     cpu_seconds: float = 0.0
     pids: int = 0
     disk_bytes: int = 0
+    disk_cap_bytes: int | None = None
+    disk_full: bool = False
 
 
 class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):

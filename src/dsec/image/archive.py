@@ -13,11 +13,18 @@ sandbox root (``/bin/sh -> /bin/busybox``), and nothing here ever follows a link
 With ``oci_whiteouts=True`` the OCI encoding of deletions is translated into overlayfs'
 own: ``dir/.wh.name`` becomes a character device 0/0 at ``dir/name`` and
 ``dir/.wh..wh..opq`` sets ``trusted.overlay.opaque=y`` on ``dir``.
+
+Holes: extraction leaves whole zero blocks unwritten (a sparse member, or a plain one
+full of zeros, costs what its data costs), and :func:`pack_tree` writes files with holes
+as GNU PAX 1.0 sparse members (which Python's tarfile and GNU tar read), so a directory
+holding a 1 GiB sparse file uploads and stores as its data, not as 1 GiB of zeros. The
+limits still count a member at its full size: that is what mkfs.erofs reads.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import os
 import posixpath
 import stat
@@ -26,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from dsec.errors import UnsafeArchive
-from dsec.image.tree import make_whiteout, remove_path, set_opaque
+from dsec.image.tree import data_extents, make_whiteout, remove_path, set_opaque, write_sparse
 
-__all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "extract_tar"]
+__all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "extract_tar", "pack_tree"]
 
 _WH = ".wh."
 _OPQ = ".wh..wh..opq"
@@ -212,13 +219,14 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
         assert src is not None
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            left = ti.size
-            while left > 0:
-                chunk = src.read(min(_CHUNK, left))
+            done = 0
+            while done < ti.size:
+                chunk = src.read(min(_CHUNK, ti.size - done))
                 if not chunk:
                     raise UnsafeArchive(f"tar member {ti.name!r} is truncated", member=ti.name)
-                os.write(fd, chunk)
-                left -= len(chunk)
+                write_sparse(fd, chunk, done)
+                done += len(chunk)
+            os.ftruncate(fd, ti.size)
         finally:
             os.close(fd)
         _set_meta(path, ti, link=False, is_root=is_root)
@@ -246,3 +254,83 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
     else:
         raise UnsafeArchive(f"tar member {ti.name!r} has unsupported type {ti.type!r}",
                             member=ti.name)
+
+
+# A file is packed as a sparse member when its holes save at least this much.
+_SPARSE_MIN_SAVING = 1 << 20
+# ustar's octal size field ends at 8 GiB; beyond it tarfile adds a pax "size" record that
+# would override the sparse member's real size, so such members are packed plainly.
+_USTAR_MAX_SIZE = 8 << 30
+
+
+def pack_tree(root: str, out: IO[bytes]) -> None:
+    """Tar ``root``'s contents (names relative to it, owners and modes kept, PAX format),
+    writing files with holes as GNU PAX 1.0 sparse members: only their data travels."""
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(dirnames) + sorted(filenames):
+                path = os.path.join(dirpath, name)
+                arc = os.path.relpath(path, root)
+                ti = tar.gettarinfo(path, arcname=arc)
+                if ti.isreg():
+                    _add_file(tar, ti, path)
+                else:
+                    tar.addfile(ti)
+
+
+def _add_file(tar: tarfile.TarFile, ti: tarfile.TarInfo, path: str) -> None:
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_size - st.st_blocks * 512 < _SPARSE_MIN_SAVING:
+            tar.addfile(ti, f)
+            return
+        extents = list(data_extents(f.fileno(), st.st_size))
+        table = [f"{len(extents) + 1}\n"]
+        table += [f"{off}\n{length}\n" for off, length in extents]
+        table.append(f"{st.st_size}\n0\n")     # GNU tar ends the map at the real size
+        head = "".join(table).encode()
+        head += bytes(-len(head) % tarfile.BLOCKSIZE)
+        stored = len(head) + sum(length for _, length in extents)
+        if stored >= _USTAR_MAX_SIZE:
+            tar.addfile(ti, f)
+            return
+        ti.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                          "GNU.sparse.name": ti.name, "GNU.sparse.realsize": str(st.st_size)}
+        ti.name = f"GNUSparseFile.0/{os.path.basename(ti.name)[:80]}"
+        ti.size = stored
+        tar.addfile(ti, _SparseStream(f.fileno(), head, extents))
+
+
+class _SparseStream(io.RawIOBase):
+    """The data of a sparse member: the map block, then each data run in order."""
+
+    def __init__(self, fd: int, head: bytes, extents: list[tuple[int, int]]) -> None:
+        self._fd = fd
+        self._head = head
+        self._extents = extents
+        self._i = 0
+        self._pos = 0      # offset within the current run
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        """Exactly ``n`` bytes until the end (tarfile's copy treats a short read as a
+        truncated file)."""
+        if n < 0:
+            n = 1 << 62
+        out = bytearray(self._head[:n])
+        self._head = self._head[len(out):]
+        while len(out) < n and self._i < len(self._extents):
+            off, length = self._extents[self._i]
+            if self._pos >= length:
+                self._i += 1
+                self._pos = 0
+                continue
+            data = os.pread(self._fd, min(n - len(out), length - self._pos), off + self._pos)
+            if not data:
+                raise UnsafeArchive(f"file shrank while it was packed (run at {off})")
+            self._pos += len(data)
+            out += data
+        return bytes(out)

@@ -31,9 +31,9 @@ from typing import IO
 
 import msgspec
 
-from dsec.errors import ImageError, ImageNotFound, InUse, InvalidArgument
+from dsec.errors import ImageError, ImageNotFound, InUse, InvalidArgument, QuotaExceeded
 from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
-from dsec.image.erofs import Compression, ProgressFn, hash_file, mkfs_erofs
+from dsec.image.erofs import Compression, ProgressFn, hash_file, layout_for, mkfs_erofs
 from dsec.image.manifest import (
     DIGEST_PREFIX,
     LAYER_KINDS,
@@ -191,9 +191,15 @@ class LayerStore:
     def add_tree(self, src_dir: str, *, kind: LayerKind, name: str | None = None,
                  tag: str = "latest", labels: dict[str, str] | None = None,
                  compression: Compression | None = None, parent: str | None = None,
-                 stack: Sequence[str] = (), progress: ProgressFn | None = None
-                 ) -> LayerManifest:
-        """Pack the directory ``src_dir`` into a new layer."""
+                 stack: Sequence[str] = (), progress: ProgressFn | None = None,
+                 max_bytes: int | None = None, max_apparent_bytes: int | None = None,
+                 what: str = "layer") -> LayerManifest:
+        """Pack the directory ``src_dir`` into a new layer.
+
+        Bounds (``QuotaExceeded`` naming them, nothing stored): ``max_bytes`` for the
+        layer file (checked on the estimate before mkfs and on the result before it
+        enters the store), ``max_apparent_bytes`` for the file sizes mkfs must read
+        (sparse files are read whole by mkfs.erofs 1.5: that is its time)."""
         if kind not in LAYER_KINDS:
             raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(LAYER_KINDS)}")
         if name is not None:
@@ -201,10 +207,26 @@ class LayerStore:
         if not os.path.isdir(src_dir):
             raise InvalidArgument(f"cannot build a layer from {src_dir!r}: not a directory")
         stats = tree_stats(src_dir)
+        if max_apparent_bytes is not None and stats.apparent_bytes > max_apparent_bytes:
+            raise QuotaExceeded(
+                f"{what} would pack {stats.apparent_bytes} bytes of file contents (sparse "
+                f"files count at their full size; {stats.allocated_bytes} bytes allocated), "
+                f"over the limit of {max_apparent_bytes}; remove or shrink large (sparse) "
+                "files first", resource="apparent_bytes", used=stats.apparent_bytes,
+                limit=max_apparent_bytes, requested=stats.apparent_bytes)
+        chunk = layout_for(files=stats.files, apparent_bytes=stats.apparent_bytes,
+                           allocated_bytes=stats.allocated_bytes, entries=stats.entries)
+        if max_bytes is not None and chunk is None and compression is None \
+                and stats.apparent_bytes > max_bytes:
+            # a flat, uncompressed layer holds every apparent byte: refuse before mkfs
+            raise self._too_big(what, stats.apparent_bytes, max_bytes, "at least")
         tmp = os.path.join(self.root, "tmp", f"layer-{secrets.token_hex(6)}.erofs")
         try:
-            mkfs_erofs(src_dir, tmp, compression=compression,
+            mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,
                        expected_bytes=max(stats.content_bytes, 1), progress=progress)
+            size = os.stat(tmp).st_blocks * 512
+            if max_bytes is not None and size > max_bytes:
+                raise self._too_big(what, size, max_bytes, "")
             hx = hash_file(tmp, progress=progress)
             size = os.stat(tmp).st_size
             os.chmod(tmp, 0o444)
@@ -227,6 +249,14 @@ class LayerStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    @staticmethod
+    def _too_big(what: str, size: int, limit: int, qualifier: str) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"{what} would take {qualifier + ' ' if qualifier else ''}{size} bytes, over the "
+            f"limit of {limit} bytes; nothing was stored - take it with fewer or smaller "
+            "files, or raise the quota", resource="snapshot_bytes", used=size, limit=limit,
+            requested=size)
 
     def add_tar(self, fileobj: IO[bytes], *, kind: LayerKind, name: str | None = None,
                 tag: str = "latest", labels: dict[str, str] | None = None,

@@ -22,17 +22,21 @@ __all__ = [
     "apply_tree",
     "copy_entry",
     "copy_meta",
+    "data_extents",
     "is_opaque",
     "is_whiteout",
     "make_whiteout",
     "remove_path",
     "set_opaque",
     "tree_stats",
+    "write_sparse",
 ]
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 _OVERLAY_XATTR_PREFIX = "trusted.overlay."
 _COPY_CHUNK = 1 << 20
+_BLOCK = 4096
+_ZERO_BLOCK = bytes(_BLOCK)
 
 
 def is_whiteout(st: os.stat_result) -> bool:
@@ -99,33 +103,76 @@ def copy_meta(src: str, dst: str, st: os.stat_result, *, times: bool = True) -> 
         os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each data run of the open file ``fd`` (``size`` bytes long),
+    skipping holes (SEEK_DATA/SEEK_HOLE); a filesystem without hole reporting yields the
+    whole file as one run."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:      # only a hole from pos to the end
+                return
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                yield pos, size - pos
+                return
+            raise
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end - start
+        pos = end
+
+
+def write_sparse(fd: int, data: bytes, offset: int) -> None:
+    """Write ``data`` at ``offset``, leaving whole zero blocks as holes (the file's size is
+    set by the caller with ftruncate). ``bytes == bytes`` is a memcmp: ~10 GB/s."""
+    view = memoryview(data)
+    for i in range(0, len(data), _BLOCK):
+        block = view[i:i + _BLOCK]
+        if block != _ZERO_BLOCK[:len(block)]:
+            os.pwrite(fd, block, offset + i)
+
+
 def _copy_data(src: str, dst: str, mode: int) -> None:
+    """Copy a regular file's bytes keeping its holes: a 1 GiB sparse file with 4 KiB of
+    data costs 4 KiB here, not 1 GiB (snapshots of a capped sandbox stay that size)."""
     fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             size = os.fstat(fd_in).st_size
-            # copy_file_range stays in the kernel (and may share extents); fall back to
-            # read/write when the two files live on filesystems that refuse it (EROFS->ext4).
-            try:
-                left = size
-                while left > 0:
-                    n = os.copy_file_range(fd_in, fd_out, min(left, 1 << 30))
-                    if n == 0:
-                        break
-                    left -= n
-            except OSError as exc:
-                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                os.lseek(fd_in, 0, os.SEEK_SET)
-                os.ftruncate(fd_out, 0)
-                os.lseek(fd_out, 0, os.SEEK_SET)
-                while chunk := os.read(fd_in, _COPY_CHUNK):
-                    os.write(fd_out, chunk)
+            for start, length in data_extents(fd_in, size):
+                _copy_range(fd_in, fd_out, start, length)
+            os.ftruncate(fd_out, size)
         finally:
             os.close(fd_out)
     finally:
         os.close(fd_in)
+
+
+def _copy_range(fd_in: int, fd_out: int, start: int, length: int) -> None:
+    # copy_file_range stays in the kernel (and may share extents); fall back to
+    # read/write when the two files live on filesystems that refuse it (EROFS->ext4).
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(fd_in, fd_out, min(length - done, 1 << 30),
+                                   start + done, start + done)
+            if n == 0:
+                return
+            done += n
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    while done < length:
+        chunk = os.pread(fd_in, min(_COPY_CHUNK, length - done), start + done)
+        if not chunk:
+            return
+        write_sparse(fd_out, chunk, start + done)
+        done += len(chunk)
 
 
 def copy_entry(src: str, dst: str, st: os.stat_result, *, times: bool = True) -> None:
@@ -149,19 +196,36 @@ def copy_entry(src: str, dst: str, st: os.stat_result, *, times: bool = True) ->
 
 @dataclass(slots=True)
 class TreeStats:
+    """What a tree holds. ``content_bytes`` sums regular-file sizes per path (what a
+    reader sees); ``apparent_bytes`` and ``allocated_bytes`` count each inode once
+    (hardlinks share one), apparent by size, allocated by the blocks it really uses
+    (holes cost nothing)."""
+
     entries: int = 0
     content_bytes: int = 0
+    files: int = 0
+    apparent_bytes: int = 0
+    allocated_bytes: int = 0
 
 
 def tree_stats(root: str) -> TreeStats:
     """Count entries and regular-file bytes under ``root`` (not following links)."""
     out = TreeStats()
+    seen: set[tuple[int, int]] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         out.entries += len(dirnames) + len(filenames)
         for name in filenames:
             st = os.lstat(os.path.join(dirpath, name))
             if stat.S_ISREG(st.st_mode):
                 out.content_bytes += st.st_size
+                if st.st_nlink > 1:
+                    key = (st.st_dev, st.st_ino)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                out.files += 1
+                out.apparent_bytes += st.st_size
+                out.allocated_bytes += st.st_blocks * 512
     return out
 
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.backends.container.testimage import build_busybox_root
 from dsec.edge.spec import SandboxSpec
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
@@ -45,6 +46,8 @@ async def _cleanup(b: ContainerBackend) -> None:
         gov.kill_all(cg)
         gov.remove(cg, wait_s=5)
     gov.remove_base()
+    if os.path.ismount(b.disk.path):  # sandboxes left for adoption keep the disk pool
+        umount2(b.disk.path, MNT_DETACH)
 
 
 @pytest.fixture

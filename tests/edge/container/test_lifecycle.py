@@ -124,7 +124,8 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
     await backend.destroy(warm)
     before = (_mounts(backend.root_dir), backend.governor.list_sandboxes(),
               _dsec_processes(backend.cgroup_name),
-              os.listdir(os.path.join(backend.root_dir, "sb")), len(os.listdir("/proc/self/fd")))
+              os.listdir(os.path.join(backend.root_dir, "sb")), len(os.listdir("/proc/self/fd")),
+              backend.disk.sandboxes())
     failures = 0
     for i in range(200):
         sid = new_sid()
@@ -132,14 +133,14 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
         try:
             if kind == 7:
                 await backend.create(sid, SandboxSpec(backend="container", image="missing"))
-            elif kind == 8:  # fails half-way with its disk tmpfs already mounted
+            elif kind == 8:  # fails half-way with its disk subvolume already made
                 await backend.create(sid, SandboxSpec(backend="container", image="broken",
                                                       disk_bytes=4 << 20))
             elif kind == 9:
                 await backend.create(sid, SandboxSpec(backend="container", cpu_milli=0))
             else:
                 await backend.create(sid, SPEC)
-                if kind == 1:  # disk-capped: filled past its tmpfs
+                if kind == 1:  # disk-capped: filled past its cap
                     await backend.destroy(sid)
                     await backend.create(sid, SandboxSpec(backend="container",
                                                           disk_bytes=2 << 20))
@@ -159,5 +160,6 @@ async def test_no_leaks_over_200_cycles(backend: ContainerBackend, images_dir: s
     assert failures == 60
     after = (_mounts(backend.root_dir), backend.governor.list_sandboxes(),
              _dsec_processes(backend.cgroup_name),
-             os.listdir(os.path.join(backend.root_dir, "sb")), len(os.listdir("/proc/self/fd")))
+             os.listdir(os.path.join(backend.root_dir, "sb")), len(os.listdir("/proc/self/fd")),
+             backend.disk.sandboxes())
     assert after == before

@@ -88,6 +88,11 @@ class ClusterConfig:
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     write_local: bool = True
     access_log: bool = False
+    # Container sandboxes' disk: the cap of a sandbox created without disk_bytes, and the
+    # size of each edge's btrfs disk pool when first made (None: 90% of the state dir
+    # filesystem's free space; sparse, so it takes host space only as it fills).
+    disk_default_bytes: int = 10 << 30
+    disk_pool_bytes: int | None = None
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
@@ -264,7 +269,9 @@ class ClusterRuntime:
             self._mounts = MountCache()
             self._images = StoreImages(store, self._mounts)
         return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
-                "images": self._images}
+                "images": self._images,
+                "default_disk_bytes": self.config.disk_default_bytes,
+                "disk_pool_bytes": self.config.disk_pool_bytes}
 
     def _admin_key(self, plane: ControlPlane) -> str:
         old = read_local(self.config.state_dir)

@@ -66,7 +66,13 @@ from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
 from dsec.control.retention import RetentionConfig, RetentionReport, retain
-from dsec.control.store import LostSandboxRow, QuotaRow, SessionRow, StateStore
+from dsec.control.store import (
+    LostSandboxRow,
+    QuotaRow,
+    SessionRow,
+    SnapshotChargeRow,
+    StateStore,
+)
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
@@ -184,6 +190,8 @@ class ControlPlane:
         quota = QuotaIndex()
         for row in store.list_quotas():
             quota.set_quota(row.project, Quota(**row.quota))
+        for charge in store.list_snapshot_charges():
+            quota.add_snapshot(charge.id, charge.project, charge.size_bytes)
         registry = Registry(store, clock=clock, quota=quota)
         cfg = config or PlaneConfig()
         plane = cls(store=store, iam=iam, quota=quota, registry=registry, metrics=metrics,
@@ -318,6 +326,29 @@ class ControlPlane:
                                         memory_bytes=spec.memory_bytes,
                                         priority=spec.priority))
         return token
+
+    def snapshot_room(self, project: str) -> int | None:
+        """Bytes a new snapshot of ``project`` may store (None: no snapshot quota)."""
+        return self.quota.snapshot_room(project)
+
+    def check_snapshot(self, project: str, size_bytes: int) -> None:
+        self.quota.check_snapshot(project, size_bytes)
+
+    def charge_snapshot(self, snapshot_id: str, project: str, node: str,
+                        size_bytes: int) -> None:
+        """Record a snapshot's stored bytes against its project's quota chain, durably;
+        ``QuotaExceeded`` if it no longer fits (a concurrent snapshot took the room)."""
+        if self.quota.snapshot_charge(snapshot_id) is not None:
+            return
+        self.quota.check_snapshot(project, size_bytes)
+        self.store.put_snapshot_charge(SnapshotChargeRow(
+            id=snapshot_id, project=project, node=node, size_bytes=size_bytes))
+        self.quota.add_snapshot(snapshot_id, project, size_bytes)
+
+    def release_snapshot(self, snapshot_id: str) -> None:
+        """A snapshot was deleted: its bytes leave the quota usage."""
+        self.store.delete_snapshot_charge(snapshot_id)
+        self.quota.remove_snapshot(snapshot_id)
 
     def commit(self, token: object, info: SandboxInfo) -> None:
         self.quota.remove(str(token))
@@ -454,9 +485,10 @@ class ControlPlane:
             path=path,
             quota=None if q is None else QuotaBody(max_sandboxes=q.max_sandboxes,
                                                     cpu_milli=q.cpu_milli,
-                                                    memory_bytes=q.memory_bytes),
+                                                    memory_bytes=q.memory_bytes,
+                                                    snapshot_bytes=q.snapshot_bytes),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
-                   "memory_bytes": u.memory_bytes})
+                   "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
 
     def get_project(self, caller: Caller, path: str) -> ProjectView:
         parse_project_path(path)
@@ -467,7 +499,7 @@ class ControlPlane:
         parse_project_path(path)
         self._admin(caller, path)
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
-                      memory_bytes=q.memory_bytes)
+                      memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
         return self._view(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import logging
 import secrets
 import time
@@ -64,6 +65,7 @@ from dsec.errors import (
     NoCapacity,
     PermissionDenied,
     ProtocolError,
+    QuotaExceeded,
     RateLimited,
     RequestTimeout,
     SandboxLost,
@@ -180,6 +182,11 @@ class QuotaGate(Protocol):
     def abort(self, token: object) -> None: ...
     def forget(self, sandbox_id: str, reason: str) -> None: ...
     def paused(self, sandbox_id: str, paused: bool) -> None: ...
+    def snapshot_room(self, project: str) -> int | None: ...
+    def check_snapshot(self, project: str, size_bytes: int) -> None: ...
+    def charge_snapshot(self, snapshot_id: str, project: str, node: str,
+                        size_bytes: int) -> None: ...
+    def release_snapshot(self, snapshot_id: str) -> None: ...
 
 
 # ---------------------------------------------------------------------- the core
@@ -930,10 +937,27 @@ class ApiService:
 
     async def snapshot(self, principal: Caller, sid: str,
                        strip: Sequence[str] = ()) -> SnapshotView:
-        """pack_diff the sandbox into a snapshot on its edge (member role)."""
-        edge, _ = await self._edge_for(principal, sid, "member")
-        info = await self._via(edge, sid, "snapshot", lambda: edge.snapshot(sid, strip=strip),
+        """pack_diff the sandbox into a snapshot on its edge (member role).
+
+        Bounded by the project's ``snapshot_bytes`` quota (and every ancestor's): the
+        edge is told the room left and refuses a bigger layer before it enters its
+        store; a snapshot that fit then but not now (a concurrent one took the room) is
+        deleted again. Either way ``QuotaExceeded`` and no layer is left behind."""
+        edge, project = await self._edge_for(principal, sid, "member")
+        room = self.quotas.snapshot_room(project) if self.quotas is not None else None
+        if room == 0 and self.quotas is not None:
+            self.quotas.check_snapshot(project, 1)   # raises, naming the full quota
+        info = await self._via(edge, sid, "snapshot",
+                               lambda: edge.snapshot(sid, strip=strip, max_bytes=room),
                                effect=True)
+        if self.quotas is not None and not info.unchanged:
+            try:
+                self.quotas.charge_snapshot(info.id, info.project or project,
+                                            info.node or node_of(sid), info.size_bytes)
+            except QuotaExceeded:
+                with contextlib.suppress(DsecError):
+                    await edge.delete_snapshot(info.id)
+                raise
         note = getattr(self.directory, "note_snapshot", None)
         if note is not None:
             note(info.node or node_of(sid), info.id)  # placement can route to it at once
@@ -1039,6 +1063,8 @@ class ApiService:
         forget = getattr(self.directory, "forget_snapshot", None)
         if forget is not None:
             forget(view.id)
+        if self.quotas is not None:
+            self.quotas.release_snapshot(view.id)
         return view
 
     async def events(self, principal: Caller, sid: str) -> builtins.list[SandboxEvent]:

@@ -279,6 +279,7 @@ class QuotaBody(_Strict):
     max_sandboxes: NonNegative | None = None
     cpu_milli: NonNegative | None = None
     memory_bytes: NonNegative | None = None
+    snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -29,6 +29,7 @@ __all__ = [
     "RoleBindingRow",
     "SandboxRow",
     "SessionRow",
+    "SnapshotChargeRow",
     "StateStore",
 ]
 
@@ -60,6 +61,15 @@ class RoleBindingRow(msgspec.Struct, frozen=True, kw_only=True):
     principal_id: str
     project: str
     role: Role
+
+
+class SnapshotChargeRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot's stored bytes, charged to its project's ``snapshot_bytes`` quota."""
+
+    id: str
+    project: str
+    node: str
+    size_bytes: int
 
 
 class QuotaRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,6 +167,11 @@ class StateStore(Protocol):
     def put_quota(self, row: QuotaRow) -> None: ...
     def delete_quota(self, project: str) -> bool: ...
     def list_quotas(self) -> list[QuotaRow]: ...
+
+    # snapshot storage charges
+    def put_snapshot_charge(self, row: SnapshotChargeRow) -> None: ...
+    def delete_snapshot_charge(self, snapshot_id: str) -> bool: ...
+    def list_snapshot_charges(self) -> list[SnapshotChargeRow]: ...
 
     # registry
     def commit_events(

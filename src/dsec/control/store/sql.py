@@ -31,6 +31,7 @@ from dsec.control.store import (
     RoleBindingRow,
     SandboxRow,
     SessionRow,
+    SnapshotChargeRow,
 )
 
 __all__ = ["Dialect", "SqlStore"]
@@ -98,6 +99,10 @@ _SCHEMA = [
         record TEXT NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS lost_sandboxes_age ON lost_sandboxes (lost_at)",
     "CREATE INDEX IF NOT EXISTS events_time ON events (time)",
+    # Stored bytes of each snapshot, charged to its project's snapshot_bytes quota.
+    """CREATE TABLE IF NOT EXISTS snapshot_charges (
+        id TEXT PRIMARY KEY, project TEXT NOT NULL, node TEXT NOT NULL,
+        size_bytes BIGINT NOT NULL)""",
 ]
 
 # Columns added after a table first shipped: (table, column, definition). A store made by
@@ -109,7 +114,7 @@ _ADDED_COLUMNS = [
 
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
-           "idempotency", "process_leases", "sessions", "lost_sandboxes")
+           "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges")
 
 
 class SqlStore:
@@ -265,6 +270,20 @@ class SqlStore:
     def list_quotas(self) -> list[QuotaRow]:
         rows = self._all("SELECT project, quota FROM quotas ORDER BY project")
         return [QuotaRow(project=r[0], quota=_json_dec.decode(r[1])) for r in rows]
+
+    # --- snapshot storage charges ---------------------------------------------------------
+    def put_snapshot_charge(self, row: SnapshotChargeRow) -> None:
+        self._exec(
+            "INSERT INTO snapshot_charges (id, project, node, size_bytes) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (id) DO NOTHING", (row.id, row.project, row.node, row.size_bytes))
+
+    def delete_snapshot_charge(self, snapshot_id: str) -> bool:
+        return self._exec("DELETE FROM snapshot_charges WHERE id = ?", (snapshot_id,)) > 0
+
+    def list_snapshot_charges(self) -> list[SnapshotChargeRow]:
+        rows = self._all("SELECT id, project, node, size_bytes FROM snapshot_charges")
+        return [SnapshotChargeRow(id=r[0], project=r[1], node=r[2], size_bytes=int(r[3]))
+                for r in rows]
 
     # --- registry -------------------------------------------------------------------------
     def commit_events(

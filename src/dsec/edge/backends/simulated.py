@@ -42,6 +42,7 @@ from dsec.errors import (
     InUse,
     InvalidArgument,
     NotFound,
+    QuotaExceeded,
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
@@ -233,7 +234,8 @@ class SimulatedBackend:
                                 "(snapshots live on the node that took them)", ref=str(ref)[:80])
         return snap
 
-    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
         """Copy the in-memory tree (minus ``strip`` patterns), keyed by a content hash.
         Unchanged since the previous snapshot (or the one it started from): that one."""
         box = self._box(sid)
@@ -244,6 +246,12 @@ class SimulatedBackend:
         if prev is not None and prev.digest == digest:
             return msgspec.structs.replace(prev.info, unchanged=True)
         parent = prev.info.id if prev is not None else None
+        size = sum(len(v) for v in fs.files.values())
+        if max_bytes is not None and size > max_bytes:
+            raise QuotaExceeded(
+                f"snapshot of sandbox {sid} would take {size} bytes, over the limit of "
+                f"{max_bytes} bytes; nothing was stored - remove files or raise the quota",
+                resource="snapshot_bytes", used=size, limit=max_bytes, requested=size)
         sid_hash = hashlib.sha256(f"{digest}|{parent}|{sid}|{len(self._snaps)}|"
                                   f"{time.time_ns()}".encode()).hexdigest()
         src = self._snaps[box.origin].info if box.origin in self._snaps else None
@@ -253,7 +261,7 @@ class SimulatedBackend:
             image=src.image if src else spec.image,
             workspace=src.workspace if src else spec.workspace,
             toolkits=src.toolkits if src else spec.toolkits, backend=self.name,
-            created=self.clock.time(), size_bytes=sum(len(v) for v in fs.files.values()))
+            created=self.clock.time(), size_bytes=size)
         self._snaps[info.id] = _Snap(info, fs.copy(), digest)
         box.last = info.id
         return info

@@ -14,7 +14,7 @@ entry changes it in every procfs instance (host included), /proc/kallsyms shows 
 addresses to CAP_SYSLOG, /proc/kmsg the host log. So every fd is checked with
 ``fstatfs`` right after ``openat2``, before anything is read, truncated or chmod'ed:
 only the sandbox's own data filesystems pass (the overlay root, and tmpfs for /tmp,
-/dev/shm and a disk-capped upper); procfs, sysfs, devpts, cgroupfs, debugfs, the host
+/dev/shm); procfs, sysfs, devpts, cgroupfs, debugfs, the host
 filesystem behind the read-only /dev/.init bind, ... are refused with InvalidArgument.
 Cost: one fstatfs per opened fd, ~1 µs (measured 0.6-1.2 µs here).
 """

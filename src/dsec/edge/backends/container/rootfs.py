@@ -14,7 +14,6 @@ __all__ = [
     "READONLY_PATHS",
     "SHM_BYTES",
     "build_env",
-    "disk_tmpfs_options",
     "overlay_options",
 ]
 
@@ -70,13 +69,3 @@ def overlay_options(lowerdirs: tuple[str, ...] | list[str], upper: str, work: st
                          f"layer paths or fewer layers ({len(lowerdirs)} given)")
     return data
 
-
-def disk_tmpfs_options(disk_bytes: int) -> str:
-    """tmpfs mount data for a disk-capped sandbox's upper+work filesystem.
-
-    ``size`` is the cap (a write past it fails with ENOSPC inside the sandbox). Inodes are
-    capped too - one per 8 KiB of the cap, at least 4,096 - because empty files cost
-    kernel memory but no size. ``mode=0700``: only root on the host may enter it.
-    """
-    inodes = max(4096, disk_bytes // 8192)
-    return f"size={disk_bytes},nr_inodes={inodes},mode=0700"

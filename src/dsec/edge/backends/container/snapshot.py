@@ -10,10 +10,17 @@ was started from; none when it sits on the image). A sandbox created with
 StoreImages` does that), so it sees exactly the tree the snapshot captured.
 
 Consistency: a running sandbox is frozen (cgroup freezer) for the scan and copy, so no
-process in it writes mid-capture; a paused one is already frozen and stays paused. The
-freeze covers the whole pack_diff call, EROFS build included: for the small diffs of
-agent steps that is a few ms (see ``dsec bench image`` packdiff_*); splitting the copy
-from the mkfs would shorten the freeze for large diffs at the cost of a second code path.
+process in it writes mid-capture; a paused one is already frozen and stays paused. It is
+thawed as soon as the copy into the store's staging dir is done: the EROFS build reads
+only that copy, and it can take seconds (mkfs.erofs 1.5 reads sparse files whole, ~4.6
+s/GiB of apparent size).
+
+Bounds: the layer may hold at most the sandbox's disk cap plus 1/8 (EROFS and btrfs
+metadata differ) and, when the control plane passes one, the project's remaining
+snapshot storage (``max_bytes``); the build may read at most the backend's
+``snapshot_max_apparent_bytes`` of file sizes. Over a bound: ``QuotaExceeded`` and no
+layer in the store. Holes and hardlinks are kept (see :mod:`dsec.image.packdiff`), so a
+sandbox holding a 1 GiB sparse file stores about what it uses.
 
 Which snapshot a sandbox last took is kept in ``<sandbox dir>/snapshot`` so an edge
 restart (adopt) continues the chain incrementally. Snapshot metadata (sandbox, project,
@@ -80,7 +87,8 @@ class ContainerSnapshots:
         return images
 
     # ------------------------------------------------------------------ take
-    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = ()) -> SnapshotInfo:
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
         images = self._store_images()
         box = self.backend._box(sid)
         stack = box.layers.token
@@ -93,7 +101,7 @@ class ContainerSnapshots:
         self._locks[sid] = (lock, users + 1)
         try:
             async with lock:
-                return await self._take(images, sid, stack, strip)
+                return await self._take(images, sid, stack, strip, max_bytes)
         finally:
             lock, users = self._locks[sid]
             if users == 1:
@@ -102,7 +110,7 @@ class ContainerSnapshots:
                 self._locks[sid] = (lock, users - 1)
 
     async def _take(self, images: StoreImages, sid: SandboxId, stack: RootStack,
-                    strip: tuple[str, ...]) -> SnapshotInfo:
+                    strip: tuple[str, ...], max_bytes: int | None) -> SnapshotInfo:
         store = images.store
         box = self.backend._box(sid)
         upper = self.backend.upper_dir(sid)
@@ -112,6 +120,11 @@ class ContainerSnapshots:
         origin = top if top.kind == "snapshot" else None
         labels = self._labels(sid, box.spec, origin)
         gov = self.backend.governor
+        bound = self.layer_bound(box.disk_cap)
+        if bound is not None and max_bytes is not None:
+            bound = min(bound, max_bytes)
+        elif max_bytes is not None:
+            bound = max_bytes
         frozen_here = False
         if not box.paused:
             try:
@@ -120,22 +133,37 @@ class ContainerSnapshots:
                 raise SandboxNotFound(f"sandbox {sid} could not be frozen for its snapshot "
                                       f"(is it gone?): {exc}", sandbox_id=sid) from exc
             frozen_here = True
+        loop = asyncio.get_running_loop()
+
+        def thaw() -> None:  # a pause that raced us owns the freeze now
+            nonlocal frozen_here
+            if frozen_here and not box.paused:
+                with contextlib.suppress(OSError):
+                    gov.thaw(box.cg)
+            frozen_here = False
+
         try:
             if previous is None and origin is not None and not await asyncio.to_thread(
                     _has_entries, upper, strip):
                 # Started from a snapshot and changed nothing: that snapshot is the answer.
                 return self._unchanged(origin)
-            m = await asyncio.to_thread(pack_diff, store, upper, previous, base=stack,
-                                        strip=strip, labels=labels)
+            m = await asyncio.to_thread(
+                pack_diff, store, upper, previous, base=stack, strip=strip, labels=labels,
+                max_bytes=bound,
+                max_apparent_bytes=self.backend.snapshot_max_apparent_bytes,
+                on_copied=lambda: _discard(loop.call_soon_threadsafe(thaw)))
         finally:
-            # A pause that raced us owns the freeze now; otherwise give the sandbox back.
-            if frozen_here and not box.paused:
-                with contextlib.suppress(OSError):
-                    gov.thaw(box.cg)
+            thaw()
         if previous is not None and m.digest == previous.digest:
             return self._unchanged(m)
         await asyncio.to_thread(_write_last, last_path, m.digest)
         return snapshot_info(m)
+
+    @staticmethod
+    def layer_bound(disk_cap: int) -> int | None:
+        """The most a sandbox with ``disk_cap`` may put into one snapshot layer: its cap
+        plus 1/8 (EROFS lays files out differently from btrfs) plus 1 MiB."""
+        return disk_cap + disk_cap // 8 + (1 << 20) if disk_cap else None
 
     @staticmethod
     def _unchanged(m: LayerManifest) -> SnapshotInfo:
@@ -220,6 +248,10 @@ class ContainerSnapshots:
         out = [DIGEST_PREFIX + n[:-5] for n in names if n.endswith(".json")]
         out += store.refs()
         return out
+
+
+def _discard(_: object) -> None:
+    """Drop a value (the thaw's Handle: the thread has nothing to do with it)."""
 
 
 def _has_entries(upper: str, strip: tuple[str, ...]) -> bool:
