@@ -27,6 +27,7 @@ from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import ClaimLost, IdempotencyCache, fingerprint
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.control.store import IdempotencyRow
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
@@ -266,3 +267,53 @@ async def test_an_old_store_gains_the_new_columns(tmp_path: Path) -> None:
         assert store.idem_note("p\x00k", "x:1", "sb-000000000001-e0") is False  # finished
     finally:
         store.close()
+
+
+def _dead_process_holder() -> str:
+    """The holder id a process of this machine had, once that process has exited."""
+    import subprocess
+    import sys
+
+    from dsec.control.idempotency import _boot_id, _start_ticks
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ticks = _start_ticks(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    import socket
+    return f"{_boot_id()}:{socket.gethostname()}:{p.pid}:{ticks}:deadbeef0000"
+
+
+def test_holder_gone_judges_only_processes_of_this_machine() -> None:
+    from dsec.control.idempotency import holder_gone, local_holder
+    me = local_holder("tok")
+    assert not holder_gone(me)                               # alive: its lease decides
+    dead = _dead_process_holder()
+    assert holder_gone(dead)
+    boot, host, pid, ticks, tok = me.split(":")
+    assert holder_gone(f"{boot}:{host}:{pid}:{int(ticks) + 1}:{tok}")   # pid reused
+    assert not holder_gone(f"{boot}:another-host:{pid}:0:{tok}")      # not ours to judge
+    assert not holder_gone("a3f09c1e22b4")                           # unknown form
+
+
+async def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(
+        world: World) -> None:
+    """kill -9 of `dsec up` leaves its lease valid for up to lease_s; the restarted one
+    on the same machine sees the process is gone and does not wait for it."""
+    live = await world.api()
+    key = live.plane.bootstrap_admin()
+    caller = live.service.authenticate(f"Bearer {key}")
+    dead = _dead_process_holder()
+    scoped = IdempotencyCache.scoped(caller.id, "k-pid")
+    now = time.time()
+    live.store.lease_renew(dead, now + 3600)                 # a lease far from lapsing
+    live.store.idem_claim(IdempotencyRow(key=scoped, fingerprint=fingerprint(RAW),
+                                         owner=f"{dead}:1", holder=dead,
+                                         expires_at=now + 300), now)
+    sid = "sb-00000000d1ed-e0"
+    assert live.store.idem_note(scoped, f"{dead}:1", sid)
+    t0 = time.monotonic()
+    info = await live.service.create(caller, REQ, idempotency_key="k-pid", raw=RAW)
+    assert info.id == sid and world.node.live_count == 1
+    assert time.monotonic() - t0 < 30                         # not the hour-long lease

@@ -25,8 +25,11 @@ a restarted one:
   (``process_leases``) every ``lease_renew_s`` and a claim whose holder's lease ran out
   (``lease_s`` after it died) is *stale*. The next request with the key takes the claim
   over at once, and so does a waiter polling for a dead holder's answer: a crash costs
-  a retry about ``lease_s``, not a fixed in-flight lease. ``in_flight_s`` stays as a
-  backstop for a live holder that never finishes.
+  a retry about ``lease_s``, not a fixed in-flight lease. A holder on this very machine
+  (same boot, same host name) is checked directly: if its process is gone (no such pid,
+  or a pid reused by a later process), its lease is dropped and the claim taken over
+  without waiting, so ``dsec up`` restarted after a crash answers at once.
+  ``in_flight_s`` stays as a backstop for a live holder that never finishes.
 - Before it asks an edge, the owner *notes* the sandbox id it is about to create
   (``Claim.note``). Whoever takes a dead owner's claim over gets that ``intent`` and looks
   for the sandbox on its edge before creating anything, so a retry after a crash returns
@@ -46,7 +49,9 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import os
 import secrets
+import socket
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +79,45 @@ class IdempotencyStore(Protocol):
     def idem_purge(self, now: float, keep: int) -> int: ...
     def lease_renew(self, holder: str, expires_at: float) -> None: ...
     def lease_drop(self, holder: str) -> None: ...
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()[:8]
+    except OSError:
+        return "noboot"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot), None if there is none:
+    with the pid it names one process for the whole boot (pids are reused, this is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def local_holder(token: str) -> str:
+    """A holder id that says which process holds a claim: ``boot:host:pid:start:token``."""
+    pid = os.getpid()
+    return f"{_boot_id()}:{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}:{token}"
+
+
+def holder_gone(holder: str) -> bool:
+    """True only when ``holder`` names a process of this machine and boot that no longer
+    runs (its pid is free, or taken by a later process). Holders of other machines, or
+    of an unknown form, are never judged here: their leases say."""
+    parts = holder.split(":")
+    if len(parts) != 5 or parts[0] != _boot_id() or parts[1] != socket.gethostname():
+        return False
+    try:
+        pid = int(parts[2])
+    except ValueError:
+        return False
+    return _start_ticks(pid) != parts[3]
 
 
 class ClaimLost(Unavailable):
@@ -169,9 +213,10 @@ class IdempotencyCache:
         self.lease_s = lease_s
         self.lease_renew_s = lease_renew_s
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        # This process in claim holders (and owners, "<holder>:<seq>"). Random, so a
-        # restarted apiserver never inherits the claims of its previous life.
-        self.holder = holder or secrets.token_hex(8)
+        # This process in claim holders (and owners, "<holder>:<seq>"): which process it is
+        # (see local_holder) and a random token, so a restarted apiserver never inherits
+        # the claims of its previous life.
+        self.holder = holder or local_holder(secrets.token_hex(6))
         self._seq = itertools.count(1)
         self._pollers: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -236,9 +281,14 @@ class IdempotencyCache:
         self._ensure_lease()
         seq = next(self._seq)
         owner = f"{self.holder}:{seq}"
-        row = self._store.idem_claim(IdempotencyRow(
-            key=scoped_key, fingerprint=fp, owner=owner, holder=self.holder,
-            expires_at=now + self._in_flight_s), now)
+        claim_row = IdempotencyRow(key=scoped_key, fingerprint=fp, owner=owner,
+                                   holder=self.holder, expires_at=now + self._in_flight_s)
+        row = self._store.idem_claim(claim_row, now)
+        if (row.owner != owner and row.response is None and not row.stale
+                and holder_gone(row.holder)):
+            # Its process on this machine is gone: no need to wait for its lease to lapse.
+            self._store.lease_drop(row.holder)
+            row = self._store.idem_claim(claim_row, now)
         if seq % self._purge_every == 0:
             self._store.idem_purge(now, self._max)
         if row.fingerprint != fp:
@@ -272,7 +322,9 @@ class IdempotencyCache:
             row = self._store.idem_get(key, self._clock())
             if (row is not None and row.owner == owner and row.response is None
                     and not row.stale):
-                continue
+                if not holder_gone(row.holder):
+                    continue
+                self._store.lease_drop(row.holder)   # a dead process of this machine
             e = self._entries.get(key)
             if row is not None and row.response is not None:
                 if e is not None and e.waiter is fut:
