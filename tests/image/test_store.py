@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from dsec.errors import CorruptLayer, ImageNotFound, InUse, InvalidArgument
+from dsec.errors import CorruptLayer, ImageNotFound, InUse, InvalidArgument, PermissionDenied
 from dsec.image import LayerStore, MountCache
 from dsec.image.mount import is_mountpoint
 from tests.conftest import requires_root
@@ -31,7 +31,7 @@ def test_build_is_content_addressed_and_named(store: LayerStore, tmp_path: objec
     with open(path, "rb") as f:
         assert m.digest == "sha256:" + hashlib.sha256(f.read()).hexdigest()
     assert m.size_bytes == os.path.getsize(path)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o444
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400   # read-only, owner only
     assert (m.kind, m.name, m.tag, m.labels, m.content_bytes) == ("toolkit", "tools", "v1",
                                                                   {"team": "rl"}, 5)
     assert store.get("tools:v1") == m
@@ -111,3 +111,54 @@ def test_unverified_garbage_is_corrupt_not_mounted(store: LayerStore, tmp_path: 
         with pytest.raises(CorruptLayer):
             c.acquire(m, path)
         assert c.mounted() == {} and os.listdir(c.root) == []
+
+
+def test_names_are_namespaced_and_a_tag_never_leaves_its_namespace(
+        store: LayerStore, tmp_path: object) -> None:
+    base = build(store, str(tmp_path), {"bin/sh": "x"}, kind="base", name="base")
+    mine = build(store, str(tmp_path), {"a": "a"}, kind="toolkit", name="tools",
+                 namespace="teama", owner="alice")
+    theirs = build(store, str(tmp_path), {"b": "b"}, kind="toolkit", name="tools",
+                   namespace="org/team")
+    assert (mine.namespace, mine.owner, mine.ref) == ("teama", "alice", "teama/tools:latest")
+    assert store.refs() == {"base:latest": base.digest, "teama/tools:latest": mine.digest,
+                            "org/team/tools:latest": theirs.digest}
+    assert store.get("teama/tools") == mine and store.get("org/team/tools:latest") == theirs
+    with pytest.raises(ImageNotFound):
+        store.get("tools")            # bare: cluster-wide only, and there is none
+    with pytest.raises(InvalidArgument):
+        store.add_tree(str(tmp_path), kind="toolkit", name="teama/x")  # project: namespace=
+    # a tag only points at layers of its namespace, of an ancestor, or cluster-wide
+    for ns, layer in ((None, mine), ("teamb", mine), ("org", theirs), ("teama", theirs)):
+        with pytest.raises(PermissionDenied):
+            store.tag(layer.digest, "t", namespace=ns)
+    store.tag(theirs.digest, "t", namespace="org/team/exp")      # a descendant
+    store.tag(base.digest, "t", namespace="teama")               # cluster-wide layer
+    assert store.get("teama/t") == base and store.get("org/team/exp/t") == theirs
+    # a snapshot is no image: it takes no name, not even in its own project
+    snap = build(store, str(tmp_path), {"s": "s"}, kind="snapshot",
+                 labels={"dsec.io/project": "teama"})
+    assert snap.namespace == "teama"
+    with pytest.raises(PermissionDenied, match="snapshot="):
+        store.tag(snap.digest, "s", namespace="teama")
+    assert store.untag("teama/t:latest") == base.digest and store.untag("teama/t:latest") is None
+    assert store.get(base.digest) == base                       # untag keeps the layer
+
+
+def test_store_files_are_private_even_in_a_preexisting_open_dir(tmp_path: object) -> None:
+    root = os.path.join(str(tmp_path), "open-store")
+    os.makedirs(os.path.join(root, "manifests"))
+    for d in (root, os.path.join(root, "manifests")):
+        os.chmod(d, 0o755)
+    old = os.umask(0)        # even a careless umask gives no one else access
+    try:
+        store = LayerStore(root)
+        m = build(store, str(tmp_path), {"a": "a"}, kind="base", name="b")
+        store.write_index(m.digest, b"idx")
+    finally:
+        os.umask(old)
+    for dirpath, _, files in os.walk(root):
+        assert stat.S_IMODE(os.stat(dirpath).st_mode) == 0o700, dirpath
+        for n in files:
+            mode = stat.S_IMODE(os.stat(os.path.join(dirpath, n)).st_mode)
+            assert mode == (0o400 if n.endswith(".erofs") else 0o600), (n, oct(mode))

@@ -117,6 +117,10 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
     from dsec.errors import DsecError
 
     try:
+        if state_dir is not None:
+            from dsec.statedir import ensure_private_dir
+            # 0700 even when it existed: journals, sandbox records (with their env).
+            state_dir = ensure_private_dir(state_dir)
         cfg = NodeConfig(
             node_id=node_id,
             capacity=Capacity(cpu_milli=cpu_milli if cpu_milli is not None else (os.cpu_count() or 1) * 1000,

@@ -1,4 +1,10 @@
-"""``dsec image``: build, import, list and remove layers of the node's layer store."""
+"""``dsec image``: build, import, tag, list and remove layers of the node's layer store.
+
+This works on the store directly, as the host user owning it (who can read every layer
+anyway), so it is the cluster's superuser: a bare ``--name`` is cluster-wide and
+``teama/tools`` is project ``teama``'s. Layers built here record ``host:<user>`` as their
+owner. Tenants build through the API (``POST /v1/images``), where the namespace rules
+apply (docs/images.md, "Names and tenancy")."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -22,7 +29,10 @@ from rich.table import Table
 
 from dsec.errors import DsecError
 from dsec.image.erofs import ProgressFn
-from dsec.image.manifest import LAYER_KINDS
+from dsec.image.manifest import LAYER_KINDS, LayerManifest
+
+if TYPE_CHECKING:
+    from dsec.image.store import LayerStore
 
 DEFAULT_ROOT = "/var/lib/dsec/images"
 _PHASES = {"pack": "packing EROFS", "hash": "hashing"}
@@ -42,7 +52,7 @@ def default_root() -> str:
     return DEFAULT_ROOT
 
 
-def _store(root: str | None):  # type: ignore[no-untyped-def]
+def _store(root: str | None) -> LayerStore:
     from dsec.image.store import LayerStore
 
     return LayerStore(root or default_root())
@@ -69,6 +79,27 @@ def _fail(exc: DsecError) -> None:
     raise click.ClickException(str(exc)) from exc
 
 
+def _host_owner() -> str:
+    import pwd
+    try:
+        return "host:" + pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"host:{os.geteuid()}"
+
+
+def _split_name(name: str, tag: str) -> tuple[str | None, str, str]:
+    """``[project/]name`` + tag -> (namespace, bare name, tag), validated."""
+    from dsec.image.manifest import parse_ref
+
+    try:
+        p = parse_ref(f"{name}:{tag}")
+    except DsecError as exc:
+        raise click.BadParameter(exc.message, param_hint="--name") from exc
+    if p.name is None:
+        raise click.BadParameter(f"{name!r} is a digest, not a name", param_hint="--name")
+    return p.namespace, p.name, p.tag
+
+
 @click.group()
 @click.option("--root", envvar="DSEC_IMAGE_ROOT", default=None,
               help="Layer store directory (default $DSEC_IMAGE_ROOT, else the running "
@@ -83,7 +114,8 @@ def image(ctx: click.Context, root: str | None) -> None:
 @click.argument("path")
 @click.option("--kind", type=click.Choice([k for k in LAYER_KINDS if k != "snapshot"]),
               required=True, help="Role of the layer in a sandbox root.")
-@click.option("--name", required=True, help="Image name, e.g. 'python' or 'org/repo'.")
+@click.option("--name", required=True,
+              help="[project/]name: 'python' is cluster-wide, 'teama/repo' project teama's.")
 @click.option("--tag", default="latest", show_default=True)
 @click.option("--lz4", "compression", flag_value="lz4", default=None,
               help="Compress with lz4 (smaller file, a little CPU per read).")
@@ -95,28 +127,33 @@ def build(root: str | None, path: str, kind: str, name: str, tag: str,
     """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin)."""
     console = Console(stderr=True)
     lab = dict(item.split("=", 1) for item in labels if "=" in item)
+    namespace, bare, tag = _split_name(name, tag)
     store = _store(root)
+    owner = _host_owner()
+
+    def add(src: str | IO[bytes], progress: ProgressFn | None) -> LayerManifest:
+        if isinstance(src, str):
+            return store.add_tree(src, kind=kind, name=bare,  # type: ignore[arg-type]
+                                  tag=tag, labels=lab, compression=compression,  # type: ignore[arg-type]
+                                  namespace=namespace, owner=owner, progress=progress)
+        return store.add_tar(src, kind=kind, name=bare,  # type: ignore[arg-type]
+                             tag=tag, labels=lab, compression=compression,  # type: ignore[arg-type]
+                             namespace=namespace, owner=owner, progress=progress)
     try:
         with _progress(console, quiet) as progress:
             if path != "-" and os.path.isdir(path):
-                m = store.add_tree(path, kind=kind, name=name, tag=tag,
-                                   labels=lab, compression=compression,
-                                   progress=progress)
+                m = add(path, progress)
             elif path == "-":
-                m = store.add_tar(sys.stdin.buffer, kind=kind, name=name,
-                                  tag=tag, labels=lab, compression=compression,
-                                  progress=progress)
+                m = add(sys.stdin.buffer, progress)
             elif os.path.isfile(path):
                 with open(path, "rb") as f:
-                    m = store.add_tar(f, kind=kind, name=name, tag=tag,
-                                      labels=lab, compression=compression,
-                                      progress=progress)
+                    m = add(f, progress)
             else:
                 raise click.BadParameter(f"{path!r} is neither a directory nor a tar file",
                                          param_hint="PATH")
     except DsecError as exc:
         _fail(exc)
-    click.echo(f"{m.name}:{m.tag} {m.digest} {m.size_bytes} bytes")
+    click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
 
 
 @image.command("import")
@@ -131,13 +168,36 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
     """Import an OCI layout (dir or tar) or a `docker save` tarball as one base layer."""
     from dsec.image.oci import import_oci
 
+    namespace, bare, tag = _split_name(name, tag)
     try:
-        layers = import_oci(_store(root), path, name=name, tag=tag, ref=ref,
-                            compression=compression)  # type: ignore[arg-type]
+        layers = import_oci(_store(root), path, name=bare, tag=tag, ref=ref,
+                            compression=compression,  # type: ignore[arg-type]
+                            namespace=namespace, owner=_host_owner())
     except DsecError as exc:
         _fail(exc)
     m = layers[0]
-    click.echo(f"{m.name}:{m.tag} {m.digest} {m.size_bytes} bytes")
+    click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+
+
+@image.command("tag")
+@click.argument("source")
+@click.argument("target")
+@click.pass_obj
+def tag_(root: str | None, source: str, target: str) -> None:
+    """Point the name TARGET ([project/]name[:tag]) at the layer SOURCE names. Refused
+    when that layer was built outside TARGET's project (or its ancestors): a tag never
+    moves to a tree built by someone without the right on its namespace."""
+    from dsec.image.manifest import parse_ref
+
+    try:
+        t = parse_ref(target)
+        if t.name is None:
+            raise click.BadParameter("TARGET must be a name, not a digest",
+                                     param_hint="TARGET")
+        m = _store(root).tag(source, t.name, t.tag, namespace=t.namespace)
+    except DsecError as exc:
+        _fail(exc)
+    click.echo(f"{t.key} -> {m.digest}")
 
 
 @image.command("ls")
@@ -156,10 +216,15 @@ def ls(root: str | None, as_json: bool) -> None:
         for m in layers:
             click.echo(msgspec.json.encode(m).decode())
         return
-    table = Table("REFS", "DIGEST", "KIND", "SIZE", "CREATED", "PARENT")
+    from dsec.image.manifest import layer_namespace
+
+    table = Table("REFS", "DIGEST", "KIND", "NAMESPACE", "OWNER", "SIZE", "CREATED", "PARENT")
     for m in layers:
+        ns = layer_namespace(m)
         table.add_row(", ".join(sorted(refs_by_digest.get(m.digest, []))) or "-",
-                      m.digest[:19], m.kind, f"{m.size_bytes / 2**20:.1f} MiB",
+                      m.digest[:19], m.kind,
+                      "(cluster-wide)" if ns is None else ns or "(none)", m.owner or "-",
+                      f"{m.size_bytes / 2**20:.1f} MiB",
                       datetime.datetime.fromtimestamp(m.created).strftime("%Y-%m-%d %H:%M"),
                       (m.parent or "")[:19])
     Console().print(table)

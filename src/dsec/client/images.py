@@ -1,8 +1,13 @@
-"""``client.images``: the cluster's layer store (list, build from a directory or tar, import).
+"""``client.images``: the cluster's layer store (list, get, build from a directory or tar,
+import, tag, delete).
 
 Uploads are raw tar bodies over REST (``POST /v1/images``); the Aether gateway carries
 sandbox operations only, so this always uses HTTP, whatever the client's transport.
-Building needs the admin role (layers are shared by every project on the cluster).
+
+Names are namespaced per project (docs/images.md, "Names and tenancy"):
+``name="teama/tools"`` is project ``teama``'s (building it needs ``member`` there), a bare
+``name="tools"`` is cluster-wide (a superuser's). A sandbox's ``image="tools"`` finds
+``<its project>/tools`` first, then the cluster-wide ``tools``.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ import os
 import tempfile
 from collections.abc import AsyncIterator
 from typing import IO, TYPE_CHECKING, Literal
+from urllib.parse import quote
 
-from dsec.control.api.types import ImageList, ImageView
+import msgspec
+
+from dsec.control.api.types import ImageList, ImageTagRequest, ImageView
 from dsec.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -37,6 +45,8 @@ class AsyncImages:
                              transport=self._c._http_transport)
 
     async def list(self) -> builtins.list[ImageView]:
+        """Every layer this key may see: cluster-wide ones and its projects' (each with
+        its ``namespace``, ``owner`` and the names pointing at it)."""
         http = self._http()
         try:
             page: ImageList = await self._c._retry(lambda: http._json(ImageList, "GET", "/v1/images"))
@@ -44,10 +54,42 @@ class AsyncImages:
         finally:
             await http.close()
 
+    async def get(self, ref: str) -> ImageView:
+        """One image by ``[project/]name[:tag]`` or digest (``ImageNotFound`` when this
+        key may not see it, exactly as when it does not exist)."""
+        http = self._http()
+        try:
+            view: ImageView = await self._c._retry(lambda: http._json(
+                ImageView, "GET", "/v1/images/" + _path(ref)))
+            return view
+        finally:
+            await http.close()
+
+    async def tag(self, source: str, target: str) -> ImageView:
+        """Point the name ``target`` at the layer ``source`` names (moving it)."""
+        http = self._http()
+        try:
+            view: ImageView = await http._json(
+                ImageView, "POST", "/v1/images/tag",
+                content=msgspec.json.encode(ImageTagRequest(source=source, target=target)),
+                headers={"content-type": "application/json"})
+            return view
+        finally:
+            await http.close()
+
+    async def delete(self, ref: str | ImageView) -> None:
+        """Delete a layer and its names (``InUse`` while a sandbox or snapshot uses it)."""
+        key = ref.digest if isinstance(ref, ImageView) else ref
+        http = self._http()
+        try:
+            await http._req("DELETE", "/v1/images/" + _path(key))
+        finally:
+            await http.close()
+
     async def build(self, source: str | os.PathLike[str], *, name: str,
                     kind: LayerKind = "base", tag: str = "latest") -> ImageView:
-        """Build a layer named ``name[:tag]`` from a directory (packed as a tar here) or
-        from a tar file; returns what the store recorded."""
+        """Build a layer named ``[project/]name:tag`` from a directory (packed as a tar
+        here) or from a tar file; returns what the store recorded."""
         path = os.fspath(source)
         if kind not in ("base", "workspace", "toolkit"):
             raise InvalidArgument(f"kind={kind!r}: use 'base', 'workspace' or 'toolkit'",
@@ -94,6 +136,14 @@ class AsyncImages:
         if not page.items:
             raise InvalidArgument(f"the server built no layer from the upload for {name!r}")
         return page.items[0]
+
+
+def _path(ref: str) -> str:
+    """A ref as a URL path tail (its '/' and ':' stay, anything else is escaped)."""
+    if not ref or ref.startswith("/"):
+        raise InvalidArgument(f"image ref {ref!r} must be [project/]name[:tag] or a digest",
+                              field="ref")
+    return quote(ref, safe="/:")
 
 
 def _pack_dir(root: str, out: IO[bytes]) -> None:

@@ -158,7 +158,7 @@ class Snapshots:
 
 
 class Images:
-    """``client.images``: list, build (directory or tar), import_oci."""
+    """``client.images``: list, get, build (directory or tar), import_oci, tag, delete."""
 
     def __init__(self, client: Client, a: AsyncImages) -> None:
         self._c = client
@@ -166,6 +166,15 @@ class Images:
 
     def list(self) -> builtins.list[ImageView]:
         return self._c._run(self._a.list())
+
+    def get(self, ref: str) -> ImageView:
+        return self._c._run(self._a.get(ref))
+
+    def tag(self, source: str, target: str) -> ImageView:
+        return self._c._run(self._a.tag(source, target))
+
+    def delete(self, ref: str | ImageView) -> None:
+        self._c._run(self._a.delete(ref))
 
     def build(self, source: str | os.PathLike[str], **kw: Any) -> ImageView:
         return self._c._run(self._a.build(source, **kw))

@@ -53,6 +53,8 @@ from dsec.control.api.types import (
     ExecStreamLine,
     FileList,
     ImageList,
+    ImageTagRequest,
+    ImageView,
     Info,
     NodeList,
     ProjectList,
@@ -126,6 +128,10 @@ class AdminOps(Protocol):
     def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
     def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
     def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
+    def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
+    def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
+    def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
+        raise NotImplementedError
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
         raise NotImplementedError
@@ -700,8 +706,34 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
     async def images(request: Request, caller: Caller, rid: str) -> Response:
         return _json_response(admin.list_images(caller), rid)
 
-    route(Op("GET", "/v1/images", "listImages", "Image layers in the cluster's layer store",
+    route(Op("GET", "/v1/images", "listImages", "Image layers of the cluster's layer store "
+             "visible to this key (cluster-wide ones and those of its projects)",
              None, ImageList, tag="images"), images)
+
+    async def tag_image(request: Request, caller: Caller, rid: str) -> Response:
+        body = _decode(ImageTagRequest, await _read_body(request, cfg.max_json_body))
+        return _json_response(admin.tag_image(caller, body), rid)
+
+    route(Op("POST", "/v1/images/tag", "tagImage", "Point a name ([project/]name[:tag]) at "
+             "a layer (write right on the name's namespace; the layer must belong to it, an "
+             "ancestor project or be cluster-wide)", ImageTagRequest, ImageView,
+             tag="images"), tag_image)
+
+    async def get_image(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(admin.get_image(caller, request.path_params["ref"]), rid)
+
+    route(Op("GET", "/v1/images/{ref:path}", "getImage", "One image by [project/]name[:tag] "
+             "or digest (a bare name: the key's project first, then cluster-wide)", None,
+             ImageView, tag="images"), get_image)
+
+    async def delete_image(request: Request, caller: Caller, rid: str) -> Response:
+        admin.delete_image(caller, request.path_params["ref"])
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/images/{ref:path}", "deleteImage", "Delete a name (and its layer "
+             "when nothing else names or uses it), or by digest a layer and all its names "
+             "(write right on the namespaces; 409 in_use while a sandbox or snapshot uses "
+             "it)", None, None, 204, tag="images"), delete_image)
 
     def upload(oci: bool) -> Handler:
         async def handler(request: Request, caller: Caller, rid: str) -> Response:
@@ -728,8 +760,9 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
             return _json_response(out, rid, 201)
         return handler
 
-    params = (Param("name", {"type": "string", "pattern":
-                             r"^[a-z0-9][a-z0-9._/-]{0,127}$"}, True),
+    params = (Param("name", {"type": "string", "minLength": 1}, True,
+                    "[project/]name: a project's name needs member there, a bare "
+                    "(cluster-wide) name a superuser"),
               Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
               Param("tag", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"}))
     route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dsec.errors import InvalidArgument
 from dsec.image.compose import RootStack, acquire_stack
 from dsec.image.erofs import Compression
-from dsec.image.manifest import LayerKind, LayerManifest
+from dsec.image.manifest import PROJECT_LABEL, LayerKind, LayerManifest, layer_namespace
 from dsec.image.mount import MountCache
 from dsec.image.store import LayerStore
 from dsec.image.tree import apply_tree
@@ -56,6 +56,20 @@ def merge_layers(store: LayerStore, cache: MountCache, layers: Sequence[LayerMan
             if upper_m.parent != lower_m.digest:
                 raise InvalidArgument(f"snapshot {upper_m.digest} is not the child of "
                                       f"{lower_m.digest}; only consecutive chains merge")
+    # The merged tree holds every input's files, so it belongs where the most private of
+    # them does: cluster-wide only when all are; never to two projects at once.
+    projects = {layer_namespace(m) for m in layers} - {None}
+    if len(projects) > 1:
+        raise InvalidArgument(f"cannot merge layers of different projects "
+                              f"({', '.join(sorted(str(p) for p in projects))}): the merged "
+                              "layer would belong to all of them")
+    namespace = projects.pop() if projects else None
+    if namespace == "" and out_kind != "snapshot":
+        raise InvalidArgument("cannot merge a snapshot that names no project into a "
+                              f"{out_kind} layer: it would become cluster-wide")
+    labels = {"merged_from": ",".join(m.digest for m in layers)}
+    if namespace is not None and PROJECT_LABEL in lowest.labels:
+        labels[PROJECT_LABEL] = lowest.labels[PROJECT_LABEL]
     stack = RootStack(tuple(layers))
     mounts = acquire_stack(store, cache, stack)
     try:
@@ -64,7 +78,7 @@ def merge_layers(store: LayerStore, cache: MountCache, layers: Sequence[LayerMan
                 apply_tree(path, stage, keep_whiteouts=not bottom)
             merged = store.add_tree(
                 stage, kind=out_kind, name=name, tag=tag, compression=compression,
-                labels={"merged_from": ",".join(m.digest for m in layers)},
+                labels=labels, namespace=namespace or None,
                 parent=lowest.parent if out_kind == "snapshot" else None,
                 stack=lowest.stack if out_kind == "snapshot" else ())
         if out_kind == "snapshot":

@@ -75,10 +75,13 @@ class MountCache:
     def __init__(self, *, mount_root: str | None = None, verify: bool = True) -> None:
         self._own_root = mount_root is None
         if mount_root is None:
-            os.makedirs("/run/dsec", exist_ok=True)
+            # mkdtemp makes the cache's own root 0700: the mounted layers below it are
+            # tenants' files, and other host users must not walk into them.
+            os.makedirs("/run/dsec", mode=0o700, exist_ok=True)
             mount_root = tempfile.mkdtemp(prefix="m", dir="/run/dsec")
         else:
-            os.makedirs(mount_root, exist_ok=True)
+            os.makedirs(mount_root, mode=0o700, exist_ok=True)
+            os.chmod(mount_root, 0o700)
         self.root = mount_root
         self.verify = verify
         self._lock = threading.Lock()

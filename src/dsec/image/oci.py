@@ -192,11 +192,15 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
                ref: str | None = None, squash: bool = True, kind: LayerKind = "base",
                compression: Compression | None = None,
                limits: ExtractLimits = DEFAULT_LIMITS,
-               progress: ProgressFn | None = None) -> list[LayerManifest]:
+               progress: ProgressFn | None = None, namespace: str | None = None,
+               owner: str | None = None, max_bytes: int | None = None
+               ) -> list[LayerManifest]:
     """Import an OCI image into the store; returns its layers, highest first.
 
     With ``squash`` (default) that is one layer of ``kind`` (named ``name:tag``);
-    otherwise one layer per OCI layer, the top one named.
+    otherwise one layer per OCI layer, the top one named. Every layer, named or not,
+    belongs to project ``namespace`` (None: cluster-wide). ``max_bytes`` bounds each
+    layer file (``QuotaExceeded``, as ``LayerStore.add_tree``).
     """
     src = _Source(path)
     try:
@@ -220,13 +224,16 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
                 for stage in stages:
                     apply_tree(stage, final, keep_whiteouts=False)
                 return [store.add_tree(final, kind=kind, name=name, tag=tag, labels=labels,
-                                       compression=compression, progress=progress)]
+                                       compression=compression, progress=progress,
+                                       namespace=namespace, owner=owner,
+                                       max_bytes=max_bytes)]
             out: list[LayerManifest] = []
             for i, stage in enumerate(stages):
                 top = i == len(stages) - 1
                 out.append(store.add_tree(stage, kind=kind, name=name if top else None,
                                           tag=tag, labels=labels if top else {},
-                                          compression=compression))
+                                          compression=compression, namespace=namespace,
+                                          owner=owner, max_bytes=max_bytes))
             return out[::-1]
     finally:
         src.close()

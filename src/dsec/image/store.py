@@ -1,13 +1,23 @@
 """The content-addressed layer store of one node.
 
-Layout under ``root``::
+Layout under ``root`` (every directory 0700, every file 0600, layers 0400: a layer
+holds one project's files and a manifest names its project, so no other host user may
+read them, even when the store lives outside a private state dir)::
 
-    layers/<hex>.erofs      the layer files, named by their sha256, read-only (0444)
+    layers/<hex>.erofs      the layer files, named by their sha256, read-only
     manifests/<hex>.json    LayerManifest per layer
     index/<hex>.idx         pack_diff's record of the upperdir a snapshot was taken from
-    refs.json               {"name:tag": "sha256:<hex>"}
+    refs.json               {"[project/]name:tag": "sha256:<hex>"}
     tmp/                    staging trees and half-written layers (never read as layers)
     lock                    flock(2) taken by every mutation (CLI and edge may race)
+
+Names are namespaced (:mod:`dsec.image.manifest`): ``teama/tools:v1`` is project
+``teama``'s, ``tools:v1`` is cluster-wide. The store answers exact names and digests for
+whoever may open it (the host's dsec processes); who may *see* or *write* which name is
+the control plane's rule (:mod:`dsec.image.catalog`), except one rule kept here so no door
+can skip it: a tag in namespace N only ever points at a layer of N, of an ancestor of N,
+or a cluster-wide one (:meth:`LayerStore.tag`), so a tag never moves to a tree built by
+someone without the right on N.
 
 A layer appears atomically: the EROFS file is written under ``tmp/``, hashed, renamed
 into ``layers/`` and only then gets its manifest. A failed build or import leaves
@@ -31,19 +41,35 @@ from typing import IO
 
 import msgspec
 
-from dsec.errors import ImageError, ImageNotFound, InUse, InvalidArgument, QuotaExceeded
+from dsec.errors import (
+    ImageError,
+    ImageNotFound,
+    InUse,
+    InvalidArgument,
+    PermissionDenied,
+    QuotaExceeded,
+)
+from dsec.ids import parse_project_path
 from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
 from dsec.image.erofs import Compression, ProgressFn, hash_file, layout_for, mkfs_erofs
 from dsec.image.manifest import (
     DIGEST_PREFIX,
     LAYER_KINDS,
+    PROJECT_LABEL,
     LayerKind,
     LayerManifest,
+    layer_namespace,
     parse_ref,
+    ref_key,
 )
 from dsec.image.tree import tree_stats
 
-__all__ = ["LayerStore", "mounted_sources"]
+__all__ = ["LayerStore", "may_point_at", "mounted_sources"]
+
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_LAYER_MODE = 0o400
+_SUBDIRS = ("layers", "manifests", "index", "tmp")
 
 _json_enc = msgspec.json.Encoder()
 _manifest_dec = msgspec.json.Decoder(LayerManifest)
@@ -68,13 +94,50 @@ def _unescape(s: str) -> str:
     return s.encode().decode("unicode_escape")
 
 
+def may_point_at(namespace: str | None, layer: LayerManifest) -> bool:
+    """Whether a tag in ``namespace`` (None: cluster-wide) may name ``layer``: only a
+    layer built in that namespace, in an ancestor project (whose writers hold the right
+    on every descendant), or cluster-wide (built by a superuser); never a snapshot."""
+    if layer.kind == "snapshot":
+        return False
+    owner = layer_namespace(layer)
+    if owner is None:
+        return True
+    if namespace is None:
+        return False
+    return namespace == owner or namespace.startswith(owner + "/")
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """Write ``path`` atomically (temp file + rename), mode 0600 whatever the umask."""
+    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 class LayerStore:
     """Layers by digest, names by ``name:tag``; safe for concurrent processes."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        for sub in ("layers", "manifests", "index", "tmp"):
-            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+        try:
+            for d in (self.root, *(os.path.join(self.root, s) for s in _SUBDIRS)):
+                os.makedirs(d, mode=_DIR_MODE, exist_ok=True)
+                # Also when it existed (a store made by an older dsec, or a pre-created
+                # 0755 dir): the layers are tenants' files.
+                if os.stat(d).st_uid == os.geteuid():
+                    os.chmod(d, _DIR_MODE)
+        except OSError as exc:
+            raise ImageError(f"cannot open the layer store at {self.root}: {exc.strerror or exc}"
+                             "; run as the user owning it (root for dsec up's store) or "
+                             "point --root / $DSEC_IMAGE_ROOT elsewhere") from exc
 
     # ----------------------------------------------------------------- paths & locking
     def layer_path(self, layer: LayerManifest | str) -> str:
@@ -89,7 +152,7 @@ class LayerStore:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT, _FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -100,7 +163,7 @@ class LayerStore:
     def staging(self, prefix: str = "stage-") -> Iterator[str]:
         """A scratch directory inside the store (same filesystem), removed on exit."""
         path = os.path.join(self.root, "tmp", prefix + secrets.token_hex(6))
-        os.mkdir(path, 0o755)
+        os.mkdir(path, _DIR_MODE)
         try:
             yield path
         finally:
@@ -115,24 +178,46 @@ class LayerStore:
             return {}
 
     def _write_refs(self, refs: dict[str, str]) -> None:
-        path = os.path.join(self.root, "refs.json")
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(_json_enc.encode(dict(sorted(refs.items()))))
-        os.replace(tmp, path)
+        _write_private(os.path.join(self.root, "refs.json"),
+                       _json_enc.encode(dict(sorted(refs.items()))))
 
     def refs(self) -> dict[str, str]:
-        """``name:tag`` -> digest."""
+        """``[project/]name:tag`` -> digest."""
         return self._read_refs()
 
-    def tag(self, ref: str, name: str, tag: str = "latest") -> None:
-        """Point ``name:tag`` at the layer ``ref`` names (moves an existing tag)."""
-        parse_ref(f"{name}:{tag}")
+    def tag(self, ref: str, name: str, tag: str = "latest", *,
+            namespace: str | None = None) -> LayerManifest:
+        """Point ``[namespace/]name:tag`` at the layer ``ref`` names (moves an existing
+        tag). ``PermissionDenied`` unless that layer may carry a name of ``namespace``
+        (:func:`may_point_at`): a tag never moves to a tree built outside its namespace."""
+        key = _name_key(namespace, name, tag)
         m = self.get(ref)
+        if not may_point_at(namespace, m):
+            where = layer_namespace(m)
+            raise PermissionDenied(
+                f"cannot tag {m.kind} layer {m.digest} as {key}: "
+                + ("a snapshot is not an image; start sandboxes from it with snapshot="
+                   if m.kind == "snapshot" else
+                   f"it was built in project {where!r}, and a "
+                   + (f"name in project {namespace!r}" if namespace else "cluster-wide name")
+                   + " may only point at layers built there, in an ancestor project or "
+                   "cluster-wide; build it under that name instead"))
         with self._locked():
             refs = self._read_refs()
-            refs[f"{name}:{tag}"] = m.digest
+            refs[key] = m.digest
             self._write_refs(refs)
+        return m
+
+    def untag(self, key: str) -> str | None:
+        """Remove the name ``key`` (``[project/]name:tag``); returns the digest it named
+        (None when there was no such name). The layer stays."""
+        parse_ref(key)
+        with self._locked():
+            refs = self._read_refs()
+            digest = refs.pop(key, None)
+            if digest is not None:
+                self._write_refs(refs)
+        return digest
 
     # ------------------------------------------------------------------------ reads
     def get(self, ref: str) -> LayerManifest:
@@ -150,9 +235,9 @@ class LayerStore:
                     raise ImageNotFound(f"no layer with digest {ref!r} in {self.root}", ref=ref)
                 hx = matches[0]
             return self._load(hx, ref)
-        digest = self._read_refs().get(f"{p.name}:{p.tag}")
+        digest = self._read_refs().get(p.key)
         if digest is None:
-            raise ImageNotFound(f"no image named {p.name}:{p.tag} in {self.root}; "
+            raise ImageNotFound(f"no image named {p.key} in {self.root}; "
                                 "see `dsec image ls`", ref=ref)
         return self._load(digest.removeprefix(DIGEST_PREFIX), ref)
 
@@ -193,8 +278,11 @@ class LayerStore:
                  compression: Compression | None = None, parent: str | None = None,
                  stack: Sequence[str] = (), progress: ProgressFn | None = None,
                  max_bytes: int | None = None, max_apparent_bytes: int | None = None,
-                 what: str = "layer") -> LayerManifest:
-        """Pack the directory ``src_dir`` into a new layer.
+                 what: str = "layer", namespace: str | None = None,
+                 owner: str | None = None) -> LayerManifest:
+        """Pack the directory ``src_dir`` into a new layer of project ``namespace`` (None:
+        cluster-wide; a snapshot's comes from its project label), named
+        ``[namespace/]name:tag`` when ``name`` (bare, no '/') is given.
 
         Bounds (``QuotaExceeded`` naming them, nothing stored): ``max_bytes`` for the
         layer file (checked on the estimate before mkfs and on the result before it
@@ -202,8 +290,12 @@ class LayerStore:
         (sparse files are read whole by mkfs.erofs 1.5: that is its time)."""
         if kind not in LAYER_KINDS:
             raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(LAYER_KINDS)}")
-        if name is not None:
-            parse_ref(f"{name}:{tag}")
+        if namespace is not None:
+            parse_project_path(namespace)
+        elif kind == "snapshot" and labels and PROJECT_LABEL in labels:
+            with contextlib.suppress(InvalidArgument):
+                namespace = parse_project_path(labels[PROJECT_LABEL])
+        key = _name_key(namespace, name, tag) if name is not None else None
         if not os.path.isdir(src_dir):
             raise InvalidArgument(f"cannot build a layer from {src_dir!r}: not a directory")
         stats = tree_stats(src_dir)
@@ -229,21 +321,23 @@ class LayerStore:
                 raise self._too_big(what, size, max_bytes, "")
             hx = hash_file(tmp, progress=progress)
             size = os.stat(tmp).st_size
-            os.chmod(tmp, 0o444)
+            os.chmod(tmp, _LAYER_MODE)
+            # Digests never collide across builds (mkfs.erofs stamps a random UUID), so a
+            # manifest, and with it the layer's namespace, is written once per layer. If
+            # builds ever become reproducible, two projects' identical trees would share a
+            # digest: the manifest must then become per (namespace, digest).
             manifest = LayerManifest(
                 digest=DIGEST_PREFIX + hx, kind=kind, size_bytes=size, created=time.time(),
-                name=name, tag=tag if name else None, content_bytes=stats.content_bytes,
+                name=name, tag=tag if name else None, namespace=namespace, owner=owner,
+                content_bytes=stats.content_bytes,
                 entries=stats.entries, compression=compression, labels=dict(labels or {}),
                 parent=parent, stack=tuple(stack))
             with self._locked():
                 os.replace(tmp, self.layer_path(manifest.digest))
-                mpath = self._manifest_path(hx)
-                with open(mpath + ".tmp", "wb") as f:
-                    f.write(_json_enc.encode(manifest))
-                os.replace(mpath + ".tmp", mpath)
-                if name:
+                _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+                if key is not None:
                     refs = self._read_refs()
-                    refs[f"{name}:{tag}"] = manifest.digest
+                    refs[key] = manifest.digest
                     self._write_refs(refs)
             return manifest
         finally:
@@ -262,12 +356,16 @@ class LayerStore:
                 tag: str = "latest", labels: dict[str, str] | None = None,
                 compression: Compression | None = None,
                 limits: ExtractLimits = DEFAULT_LIMITS, oci_whiteouts: bool = False,
-                progress: ProgressFn | None = None) -> LayerManifest:
+                progress: ProgressFn | None = None, namespace: str | None = None,
+                owner: str | None = None, max_bytes: int | None = None) -> LayerManifest:
         """Build a layer from a tar stream, unpacked safely into a staging directory."""
+        if name is not None:
+            _name_key(namespace, name, tag)  # a bad name fails before the upload is unpacked
         with self.staging() as stage:
             extract_tar(fileobj, stage, limits=limits, oci_whiteouts=oci_whiteouts)
             return self.add_tree(stage, kind=kind, name=name, tag=tag, labels=labels,
-                                 compression=compression, progress=progress)
+                                 compression=compression, progress=progress,
+                                 namespace=namespace, owner=owner, max_bytes=max_bytes)
 
     def users(self, digest: str) -> list[str]:
         """Why ``digest`` cannot be removed: mounts of it and layers that build on it."""
@@ -297,10 +395,7 @@ class LayerStore:
         return m
 
     def write_index(self, digest: str, data: bytes) -> None:
-        path = self.index_path(digest)
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
+        _write_private(self.index_path(digest), data)
 
     def read_index(self, digest: str) -> bytes | None:
         try:
@@ -308,3 +403,11 @@ class LayerStore:
                 return f.read()
         except FileNotFoundError:
             return None
+
+
+def _name_key(namespace: str | None, name: str | None, tag: str) -> str:
+    """refs.json key of a bare ``name`` in ``namespace``, validated."""
+    if name is None or "/" in name:
+        raise InvalidArgument(f"image name {name!r} must be bare (no '/'): the project goes "
+                              "in namespace=, e.g. name='tools', namespace='teama'")
+    return parse_ref(ref_key(namespace, name, tag)).key

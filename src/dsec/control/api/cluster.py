@@ -36,6 +36,7 @@ from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.errors import DsecError, InvalidArgument, TransportError
+from dsec.statedir import ensure_private_dir
 
 __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
 
@@ -132,7 +133,8 @@ class ClusterRuntime:
         from dsec.edge.service import EdgeClient
 
         cfg = self.config
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
+        ensure_private_dir(cfg.state_dir)
         try:
             await self._start_edges()
             self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
@@ -152,7 +154,7 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(cfg.state_dir)),
                 clock=loop.time,
-                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time))
+                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()

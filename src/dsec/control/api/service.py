@@ -60,6 +60,7 @@ from dsec.errors import (
     DsecError,
     EdgeUnreachable,
     ImageNotFound,
+    InUse,
     InvalidArgument,
     InvalidTransition,
     NoCapacity,
@@ -76,6 +77,7 @@ from dsec.errors import (
     error_from_wire,
 )
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
+from dsec.image.catalog import image_not_found
 
 __all__ = [
     "ROLE_RANK",
@@ -84,6 +86,8 @@ __all__ = [
     "Authority",
     "Caller",
     "EdgeOps",
+    "ImageResolver",
+    "NamesOnly",
     "NodeDirectory",
     "Placer",
     "Role",
@@ -167,6 +171,27 @@ class Placer(Protocol):
     def place(self, spec: SandboxSpec, exclude: frozenset[str]) -> Any: ...
     def accepted(self, decision: Any) -> None: ...
     def refused(self, decision: Any) -> None: ...
+
+
+class ImageResolver(Protocol):
+    """What a create's image refs name for this caller (``ControlPlane.resolve_layers``):
+    ``spec`` with ``image``/``workspace``/``toolkits`` replaced by what the edge should
+    resolve (full digests of layers the caller may see). Raises ``ImageNotFound`` for a
+    ref naming nothing the caller may see, worded exactly as for one naming nothing."""
+
+    def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec: ...
+
+
+class NamesOnly:
+    """The :class:`ImageResolver` of an apiserver without a layer store: bare names go
+    on to the edge (which has only cluster-wide names under bare keys, or resolves names
+    its own way); a digest or a project name cannot be checked, so it is refused."""
+
+    def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        for ref in (spec.image, spec.workspace, *spec.toolkits):
+            if ref and (ref.startswith("sha256:") or "/" in ref) and spec.snapshot is None:
+                raise image_not_found(ref)
+        return spec
 
 
 class QuotaGate(Protocol):
@@ -256,6 +281,7 @@ class ApiService:
     clock: Callable[[], float] = time.monotonic
     project_defaults: Callable[[str], float | None] = lambda project: None
     anon_limiter: RateLimiter | None = None     # per client address, failed auth only
+    images: ImageResolver = field(default_factory=NamesOnly)
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
@@ -497,6 +523,8 @@ class ApiService:
             snap_id = await self._visible_snapshot(principal, spec.snapshot)
             if snap_id != spec.snapshot:
                 spec = msgspec.structs.replace(spec, snapshot=snap_id)
+        # Image refs resolve among the layers this caller may see; the edge gets digests.
+        spec = self.images.resolve_layers(principal, spec)
         if idempotency_key is None:
             return await self._create_placed(spec)
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
@@ -714,12 +742,9 @@ class ApiService:
                 continue
             except ImageNotFound as exc:
                 self.placer.refused(dec)
-                # The image store's message names its directory on the node: say the ref.
-                ref = str(exc.detail.get("ref") or spec.image)[:200]
-                raise ImageNotFound(
-                    f"no image {ref!r} in this cluster's layer store: check the name "
-                    "(GET /v1/images lists them) or build/import it (POST /v1/images)",
-                    ref=ref) from None
+                # The image store's message names its directory on the node: say the ref,
+                # in the words every other "no such image" answer uses.
+                raise image_not_found(str(exc.detail.get("ref") or spec.image)) from None
             except BaseException:
                 self.placer.refused(dec)
                 raise
@@ -1001,54 +1026,79 @@ class ApiService:
         else ``ImageNotFound`` worded exactly as for a snapshot that does not exist.
         Snapshot -> project is an immutable fact, cached so repeated creates from one
         snapshot do not ask every edge each time (full ids only)."""
+        _check_snapshot_ref(ref)
         hit = self._snapshots.get(ref)
         if hit is None:
-            view = await self._find_snapshot(ref)
+            view = await self._resolve_snapshot(principal, ref)
             hit = (view.id, view.project)
-            if view.id == ref:  # a prefix could later match a second snapshot: not cached
-                self._snapshots[ref] = hit
-                while len(self._snapshots) > self.config.snapshot_cache_entries:
-                    self._snapshots.popitem(last=False)
+            self._remember_snapshot(view)
         else:
             self._snapshots.move_to_end(ref)
         if principal.role_on(hit[1]) is None:
             raise _snapshot_not_found(ref)
         return hit[0]
 
-    async def _find_snapshot(self, ref: str) -> SnapshotView:
-        """Snapshot ``ref`` on every edge holding it (no access check)."""
+    def _remember_snapshot(self, view: SnapshotView) -> None:
+        self._snapshots[view.id] = (view.id, view.project)
+        while len(self._snapshots) > self.config.snapshot_cache_entries:
+            self._snapshots.popitem(last=False)
+
+    async def _resolve_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
+        """Snapshot ``ref`` as ``principal`` may see it, with every edge holding it.
+
+        A full id is asked of every edge and then checked against the caller's roles. A
+        prefix is matched against the snapshots the caller may see *only* (never handed
+        to an edge, whose store would expand it across projects): another project's
+        snapshot sharing the prefix neither makes it ambiguous nor shows up in the
+        error."""
+        _check_snapshot_ref(ref)
+        if len(ref) == 71:
+            view = await self._find_snapshot(ref)
+            if principal.role_on(view.project) is None:
+                raise _snapshot_not_found(ref)
+            return view
+        hits = [v for v in await self.list_snapshots(principal) if v.id.startswith(ref)]
+        if len(hits) > 1:
+            raise InvalidArgument(f"snapshot id prefix {ref!r} is ambiguous: it matches "
+                                  f"{len(hits)} snapshots visible to this API key "
+                                  f"({', '.join(v.id[:19] for v in hits[:4])}"
+                                  f"{' ...' if len(hits) > 4 else ''}); give more digits",
+                                  field="snapshot")
+        if not hits:
+            raise _snapshot_not_found(ref)
+        return hits[0]
+
+    async def _find_snapshot(self, full_id: str) -> SnapshotView:
+        """Snapshot ``full_id`` (``sha256:`` + 64 hex) on every edge holding it (no
+        access check: callers check the project)."""
         edges = self._edges()
-        results = await asyncio.gather(*(e.get_snapshot(ref) for _, e in edges),
+        results = await asyncio.gather(*(e.get_snapshot(full_id) for _, e in edges),
                                        return_exceptions=True)
         view: SnapshotView | None = None
         for (node, _), res in zip(edges, results):
-            if isinstance(res, InvalidArgument):
-                raise res
             if isinstance(res, BaseException):
-                continue
+                continue   # not there (or unreachable, or not a snapshot on that edge)
+            if res.id != full_id:
+                continue   # an edge expanding the id differently: not this snapshot
             if view is None:
                 view = snapshot_view(res, [node])
-            elif res.id != view.id:
-                raise InvalidArgument(f"snapshot id prefix {ref[:80]!r} is ambiguous: it "
-                                      f"matches {view.id} and {res.id}; give more digits",
-                                      field="snapshot")
             elif node not in view.nodes:
                 view.nodes.append(node)
         if view is None:
-            raise _snapshot_not_found(ref)
+            raise _snapshot_not_found(full_id)
         return view
 
     async def get_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
-        """One snapshot by id (or a unique prefix >= 12 hex digits), with its holders."""
-        view = await self._find_snapshot(ref)
-        if principal.role_on(view.project) is None:
-            raise _snapshot_not_found(ref)
+        """One snapshot by id (or a unique prefix >= 12 hex digits among the snapshots the
+        key may see), with its holders."""
+        view = await self._resolve_snapshot(principal, ref)
+        self._remember_snapshot(view)
         return view
 
     async def delete_snapshot(self, principal: Caller, ref: str) -> SnapshotView:
         """Delete a snapshot on every edge holding it (member role on its project).
         ``InUse`` (409) while a sandbox runs from it or a snapshot builds on it."""
-        view = await self.get_snapshot(principal, ref)
+        view = await self._resolve_snapshot(principal, ref)
         self.require(principal, view.project, "member")
         for node in view.nodes:
             edge = self.directory.edge(NodeId(node))
@@ -1058,6 +1108,13 @@ class ApiService:
                 await edge.delete_snapshot(view.id)
             except ImageNotFound:
                 pass  # a shared layer store: an earlier holder's delete removed it
+            except InUse:
+                # The edge names what uses it: sandbox ids and snapshots, possibly of
+                # other projects (a caller with roles on several may have started them).
+                raise InUse(f"snapshot {view.id} is in use by sandboxes started from it "
+                            "or by a snapshot that builds on it; destroy those sandboxes and "
+                            "delete those snapshots first (GET /v1/snapshots lists the "
+                            "ones you may see)", ref=view.id) from None
         for k in [k for k, (sid, _) in self._snapshots.items() if sid == view.id]:
             del self._snapshots[k]
         forget = getattr(self.directory, "forget_snapshot", None)
@@ -1146,6 +1203,14 @@ def _lost_error(lost: Lost) -> SandboxLost:
         f"sandbox {sid} was lost with its node ({lost.info.reason}: {detail}); it will not "
         "come back: create a new one", sandbox_id=sid, state="destroyed",
         reason=lost.info.reason)
+
+
+def _check_snapshot_ref(ref: str) -> None:
+    """A snapshot id is ``sha256:`` and 12..64 lowercase hex digits (a prefix)."""
+    if (not isinstance(ref, str) or not ref.startswith("sha256:") or not 19 <= len(ref) <= 71
+            or not all(c in "0123456789abcdef" for c in ref[7:])):
+        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected 'sha256:' "
+                              "and 12-64 lowercase hex digits", field="snapshot")
 
 
 def _snapshot_not_found(ref: str) -> ImageNotFound:

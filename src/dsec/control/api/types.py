@@ -54,6 +54,7 @@ __all__ = [
     "ExecStreamLine",
     "FileList",
     "ImageList",
+    "ImageTagRequest",
     "ImageView",
     "Info",
     "NodeList",
@@ -238,12 +239,31 @@ class SnapshotList(msgspec.Struct, kw_only=True):
 
 
 class ImageView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A layer in the cluster's layer store, as the calling key may see it.
+
+    ``ref``: its first name visible to the key (``[project/]name:tag``), else its digest;
+    ``refs``: every name visible to the key that points at it. ``namespace``: the project
+    the layer belongs to, ``null`` for a cluster-wide layer (written by a superuser only);
+    ``owner``: who built it (an API principal, or ``host:<user>`` for ``dsec image`` on
+    the host), ``null`` when not recorded (snapshots, older layers)."""
+
     ref: str
+    namespace: str | None          # always present: null = cluster-wide
+    owner: str | None              # always present: null = not recorded
+    refs: list[str] = []
     digest: str = ""
     kind: str = ""
     size_bytes: int = 0
     created_at: float = 0.0
     labels: dict[str, str] = {}
+
+
+class ImageTagRequest(_Strict):
+    """Body of ``POST /v1/images/tag``: point name ``target`` at the layer ``source``
+    names. ``target`` is ``[project/]name[:tag]`` (bare: cluster-wide, superuser only)."""
+
+    source: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    target: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
 
 
 class ImageList(msgspec.Struct, kw_only=True):

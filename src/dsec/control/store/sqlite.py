@@ -25,6 +25,8 @@ class SqliteStore(SqlStore):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        if self.path != ":memory:":
+            _private_files(self.path)
         try:
             # The stdlib's implicit transactions (BEGIN before the first write) plus the
             # commit in SqlStore._tx make every store method one transaction.
@@ -60,3 +62,22 @@ class SqliteStore(SqlStore):
             return
         with self._lock:
             self._conn.executescript(f"PRAGMA incremental_vacuum({int(pages)});")
+
+
+def _private_files(path: str) -> None:
+    """Make the database file 0600 before SQLite opens it: it holds API key hashes and
+    stored create requests (with their ``env``). SQLite creates ``-wal`` and ``-shm``
+    with the main file's mode, and older ones are tightened here too."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return   # sqlite3.connect below reports it with the path and what to do
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for extra in (path + "-wal", path + "-shm", path + "-journal"):
+        try:
+            os.chmod(extra, 0o600)
+        except FileNotFoundError:
+            pass
