@@ -1115,6 +1115,10 @@ class ApiService:
                             "or by a snapshot that builds on it; destroy those sandboxes and "
                             "delete those snapshots first (GET /v1/snapshots lists the "
                             "ones you may see)", ref=view.id) from None
+            except _LINK_ERRORS as exc:
+                # the apiserver's link, not the caller's: say which node, and retry
+                raise _unreachable(node, "snapshot delete", "", exc, effect=True,
+                                   sent=True) from exc
         for k in [k for k, (sid, _) in self._snapshots.items() if sid == view.id]:
             del self._snapshots[k]
         forget = getattr(self.directory, "forget_snapshot", None)
