@@ -41,7 +41,8 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     ├── TransportError             the caller's own connection failed
     │   ├── ConnectFailed          could not connect: nothing was sent
     │   └── ConnectionLost         pending calls on a connection that died: the
-    │                              request may have been carried out
+    │       │                      request may have been carried out
+    │       └── Overloaded         a server refused the connection: at its limits  503
     ├── SandboxError               the sandbox or its backend failed             500
     │   └── BackendError
     ├── ImageError                 layer store / build / import problems         400
@@ -83,6 +84,7 @@ __all__ = [
     "MethodNotAllowed",
     "NoCapacity",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "PermissionDenied",
     "ProjectNotFound",
@@ -314,6 +316,15 @@ class ConnectionLost(TransportError):
     """The connection died with the request on it: the peer may have carried it out."""
 
     code = "connection_lost"
+
+
+class Overloaded(ConnectionLost):
+    """A listener refused or closed the connection because it is at one of its limits
+    (connections per listener or per peer, file descriptors, buffered bytes). Nothing on
+    it was processed; retry later, with backoff."""
+
+    code = "overloaded"
+    http_status = 503
 
 
 class SandboxError(DsecError):
