@@ -75,7 +75,7 @@ def _doors_exec(cluster: LocalCluster, sid: str, req: ExecRequest) -> list[tuple
 
     async def gateway() -> tuple[str, int, str]:
         assert cluster.gateway is not None
-        conn = await connect(cluster.gateway)
+        conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
             await conn.call("api.exec", {"key": cluster.api_key, "id": sid, "req": req},
                             response_type=ExecResult, timeout=60)
@@ -164,7 +164,7 @@ def _doors_read(cluster: LocalCluster, sid: str, path: str,
 
     async def gateway() -> tuple[str, int, str]:
         assert cluster.gateway is not None
-        conn = await connect(cluster.gateway)
+        conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
             await conn.call("api.stat", {"key": cluster.api_key, "id": sid, "path": path},
                             response_type=FileInfo, timeout=60)
@@ -207,7 +207,7 @@ def test_every_file_operation_checks_the_path_at_the_gateway_and_the_edge(
 
     async def run() -> list[str]:
         assert cluster.gateway is not None
-        conn = await connect(cluster.gateway)
+        conn = await connect(cluster.gateway, token=cluster.api_key)
         edge = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
         k = {"key": cluster.api_key, "id": sid, "path": long}
         calls = [conn.call("api.read_file", k), conn.call("api.write_file", {**k, "data": b""}),

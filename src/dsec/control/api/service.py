@@ -771,10 +771,15 @@ class ApiService:
                 nodes=sorted(unreachable), node=min(unreachable))
         views = self.directory.nodes()
         if views and not any(v.healthy for v in views):
-            return Unavailable(
-                f"no healthy node: the cluster's {len(views)} node(s) "
-                f"({', '.join(sorted(v.id for v in views)[:8])}) sent no recent heartbeat; "
-                "retry once a node is back", nodes=len(views))
+            said = "; ".join(f"{v.id}: {v.status}" + (f" ({v.problem[:120]})" if v.problem
+                                                       else "")
+                             for v in sorted(views, key=lambda v: v.id)[:8])
+            cut = sorted(v.id for v in views if v.status == "unreachable")
+            cls = EdgeUnreachable if cut else Unavailable   # its link, or the nodes' silence
+            return cls(
+                f"no healthy node: the cluster's {len(views)} node(s) cannot take sandboxes "
+                f"now ({said}); retry once a node is back", nodes=len(views),
+                **({"node": cut[0]} if cut else {}))
         assert exc is not None
         return exc
 
