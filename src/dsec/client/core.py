@@ -41,6 +41,7 @@ import msgspec
 
 from dsec.control.api.types import CreateSandboxRequest, Info, NodeView, SnapshotView
 from dsec.edge.spec import (
+    FILE_CHUNK_BYTES,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -49,6 +50,7 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    read_in_chunks,
 )
 from dsec.errors import (
     DsecError,
@@ -587,7 +589,12 @@ class AsyncFiles:
         self._sb = sb
 
     async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return await self._sb._c._call("read_file", self._sb.id, path, offset, length)  # type: ignore[no-any-return]
+        """Up to 64 MiB (``MAX_FILE_READ_BYTES``) per call; fetched in 8 MiB pieces so any
+        transport carries it."""
+        async def piece(at: int, n: int) -> bytes:
+            return await self._sb._c._call(  # type: ignore[no-any-return]
+                "read_file", self._sb.id, path, at, n)
+        return await read_in_chunks(piece, offset, length)
 
     async def read_text(self, path: str) -> str:
         return (await self.read(path)).decode()
@@ -595,8 +602,12 @@ class AsyncFiles:
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
                     append: bool = False) -> None:
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        await self._sb._c._call("write_file", self._sb.id, path, raw, mode, append,
-                                idempotent=not append)
+        # in 8 MiB pieces (an Aether frame is 16 MiB); the first truncates unless appending
+        for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
+            more = append or at > 0
+            await self._sb._c._call("write_file", self._sb.id, path,
+                                    raw[at:at + FILE_CHUNK_BYTES], mode, more,
+                                    idempotent=not more)
 
     async def list(self, path: str = "/") -> list[FileInfo]:
         return await self._sb._c._call("list_dir", self._sb.id, path)  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ Units are in the field names; ``None`` means "none/unlimited", never 0 or -1.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import msgspec
@@ -14,6 +15,7 @@ import msgspec
 from dsec.errors import InvalidArgument
 
 __all__ = [
+    "FILE_CHUNK_BYTES",
     "MAX_ARGV_BYTES",
     "MAX_ARGV_ITEMS",
     "MAX_ARG_BYTES",
@@ -21,6 +23,7 @@ __all__ = [
     "MAX_CWD_BYTES",
     "MAX_ENV_ITEMS",
     "MAX_EXEC_TIMEOUT_S",
+    "MAX_FILE_READ_BYTES",
     "MAX_MEMORY_BYTES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
@@ -42,6 +45,7 @@ __all__ = [
     "SandboxStats",
     "SnapshotInfo",
     "check_path",
+    "read_in_chunks",
 ]
 
 SandboxState = Literal[
@@ -72,6 +76,12 @@ MAX_USER_BYTES = 256                  # a user name or numeric uid[:gid]
 MAX_EXEC_TIMEOUT_S = 7 * 24 * 3600.0  # a command timeout; null = none
 MAX_OUTPUT_CAP_BYTES = 1 << 30        # captured output per stream
 MAX_PATH_BYTES = 4096                 # PATH_MAX, for the file API
+# File contents cross the Aether links (SDK <-> gateway, apiserver <-> edge) in pieces of
+# FILE_CHUNK_BYTES, well inside a 16 MiB frame, so the size a door accepts is the size
+# that arrives; one read answers at most MAX_FILE_READ_BYTES (pass offset/length for
+# more). Cost: one extra round trip per 8 MiB; nothing for files below it.
+FILE_CHUNK_BYTES = 8 << 20
+MAX_FILE_READ_BYTES = 64 << 20
 
 
 def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
@@ -357,3 +367,33 @@ class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created: float = 0.0                    # unix seconds
     size_bytes: int = 0
     unchanged: bool = False
+
+
+async def read_in_chunks(read: Callable[[int, int], Awaitable[bytes]], offset: int,
+                         length: int | None) -> bytes:
+    """Read ``length`` bytes from ``offset`` (None: to the end) through ``read(offset, n)``
+    calls of at most ``FILE_CHUNK_BYTES``, stopping at the first short piece. More than
+    ``MAX_FILE_READ_BYTES`` in all is refused (``PayloadTooLarge``), as one read would be."""
+    from dsec.errors import PayloadTooLarge
+
+    if length is not None and length > MAX_FILE_READ_BYTES:
+        raise PayloadTooLarge(f"read of {length} bytes asked, the limit is "
+                              f"{MAX_FILE_READ_BYTES}; pass offset/length to read in parts",
+                              size=length, limit=MAX_FILE_READ_BYTES)
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        n = FILE_CHUNK_BYTES if length is None else min(FILE_CHUNK_BYTES, length - total)
+        if n <= 0:
+            break
+        piece = await read(offset + total, n)
+        parts.append(piece)
+        total += len(piece)
+        if len(piece) < n:
+            break
+        if total > MAX_FILE_READ_BYTES or (length is None and total == MAX_FILE_READ_BYTES
+                                           and await read(offset + total, 1)):
+            raise PayloadTooLarge(f"the file is larger than the {MAX_FILE_READ_BYTES}-byte "
+                                  "limit of one read; pass offset/length to read in parts",
+                                  limit=MAX_FILE_READ_BYTES)
+    return b"".join(parts)

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -41,6 +42,7 @@ from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
 from dsec.edge.service import EdgeClient
 from dsec.edge.spec import (
+    FILE_CHUNK_BYTES,
     MAX_STDIN_BYTES,
     ExecChunk,
     ExecRequest,
@@ -53,6 +55,7 @@ from dsec.edge.spec import (
     SandboxState,
     SnapshotInfo,
     check_path,
+    read_in_chunks,
 )
 from dsec.errors import (
     CapacityExceeded,
@@ -919,15 +922,24 @@ class ApiService:
                         length: int | None) -> bytes:
         check_path(path)
         edge, _ = await self._edge_for(principal, sid, "reader")
-        return await self._via(edge, sid, "read_file", lambda: edge.read_file(
-            sid, path, offset=offset, length=length))
+
+        async def piece(at: int, n: int) -> bytes:
+            return await self._via(edge, sid, "read_file", lambda: edge.read_file(
+                sid, path, offset=at, length=n))
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.edge.spec)
+        return await read_in_chunks(piece, offset, length)
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
         check_path(path)
         edge, _ = await self._edge_for(principal, sid, "member")
-        await self._via(edge, sid, "write_file", lambda: edge.write_file(
-            sid, path, data, mode=mode, append=append), effect=True)
+        # in pieces that fit an Aether frame (the first one truncates unless appending):
+        # not atomic, a failure midway leaves the pieces written so far
+        for at in range(0, max(1, len(data)), FILE_CHUNK_BYTES):
+            chunk = data[at:at + FILE_CHUNK_BYTES]
+            more = append or at > 0
+            await self._via(edge, sid, "write_file", functools.partial(
+                edge.write_file, sid, path, chunk, mode=mode, append=more), effect=True)
 
     async def list_dir(self, principal: Caller, sid: str, path: str) -> builtins.list[FileInfo]:
         check_path(path)
