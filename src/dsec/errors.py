@@ -8,8 +8,9 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     ├── InvalidArgument            the caller sent something we cannot accept     400
     │   ├── UnknownMethod          no handler for an Aether method                400
     │   ├── MethodNotAllowed       an HTTP method the route does not declare      405
-    │   └── CannotRun              exec named a program, user or cwd the sandbox
-    │                              does not have (foreground: exit 127/126)       400
+    │   ├── CannotRun              exec named a program, user or cwd the sandbox
+    │   │                          does not have (foreground: exit 127/126)       400
+    │   └── Unsatisfiable          more than any node could ever hold (not "full now")
     ├── Unauthenticated            missing or wrong API key                       401
     ├── PermissionDenied           key is valid, role is not enough               403
     ├── NotFound                                                                  404
@@ -103,6 +104,7 @@ __all__ = [
     "Unavailable",
     "UnknownMethod",
     "UnsafeArchive",
+    "Unsatisfiable",
     "WrongNode",
     "error_class",
     "error_from_wire",
@@ -178,6 +180,13 @@ class CannotRun(InvalidArgument):
     :class:`NotFound`, which callers read as "the sandbox (or file) is gone"."""
 
     code = "cannot_run"
+
+
+class Unsatisfiable(InvalidArgument):
+    """A sandbox larger than any node's whole capacity: waiting or retrying cannot help
+    (unlike ``CapacityExceeded``/``NoCapacity``, which mean "full right now")."""
+
+    code = "unsatisfiable"
 
 
 class Unauthenticated(DsecError):
