@@ -126,8 +126,9 @@ def test_the_control_plane_trims_on_its_schedule(cluster: LocalCluster) -> None:
     h = {"authorization": f"Bearer {cluster.api_key}"}
     with httpx.Client(base_url=cluster.url, headers=h, timeout=30) as http:
         for _ in range(150):                                     # 300+ events
-            sid = http.post("/v1/sandboxes", json={}).json()["id"]
-            assert http.delete(f"/v1/sandboxes/{sid}").status_code == 204
+            r = http.post("/v1/sandboxes", json={})
+            assert r.status_code == 201, r.text
+            assert http.delete(f"/v1/sandboxes/{r.json()['id']}").status_code == 204
     store = cluster.runtime.plane.store
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:   # until the registry flushed and a pass ran
