@@ -37,7 +37,13 @@ from dsec.control.api.types import (
     NodeView,
     SnapshotView,
 )
-from dsec.control.idempotency import Claim, ClaimLost, IdempotencyCache, Retry, fingerprint
+from dsec.control.idempotency import (
+    Claim,
+    ClaimLost,
+    IdempotencyCache,
+    Retry,
+    request_fingerprint,
+)
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
 from dsec.edge.service import EdgeClient
@@ -266,6 +272,8 @@ class _ProjectCache:
 
 
 _msgpack = msgspec.msgpack.Encoder()
+# How often one create asks its key again after losing its claim to another apiserver.
+_RETAKES = 3
 _info_dec = msgspec.msgpack.Decoder(SandboxInfo)
 
 
@@ -375,7 +383,17 @@ class ApiService:
     def redact(self, exc: DsecError) -> DsecError:
         """``exc`` as API clients may see it: every ``config.redact_paths`` prefix in its
         message and string details replaced by ``<state-dir>`` (a copy of the same class;
-        ``exc`` itself when nothing needed replacing)."""
+        ``exc`` itself when nothing needed replacing). A ``TransportError`` here is the
+        failure of one of the apiserver's own links inside the cluster (the caller's
+        connection is the one carrying this answer): it goes out as ``Unavailable``
+        (503, retry), never as the caller's ``ConnectionLost``/``ConnectFailed``, which
+        would tell the caller *its* connection broke. The operations map their own link
+        errors more precisely (``EdgeUnreachable``); this is the net under all of them."""
+        if isinstance(exc, TransportError):
+            exc = Unavailable(
+                f"the apiserver could not finish the request: one of its links inside the "
+                f"cluster failed ({exc.code}: {exc.message}); retry in a few seconds",
+                cause=exc.code)
         paths = self.config.redact_paths
         if not paths:
             return exc
@@ -531,7 +549,26 @@ class ApiService:
         if idempotency_key is None:
             return await self._create_placed(spec)
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
-        fp = fingerprint(raw or _msgpack.encode(req))
+        # Of the decoded request, not of its bytes (``raw`` is unused): one request is
+        # one key whichever door and encoding it came through.
+        fp = request_fingerprint(req)
+        for _ in range(_RETAKES):
+            info = await self._create_keyed(spec, scoped, fp)
+            if info is not None:
+                return info
+            # Our claim was taken over while we worked (this apiserver stalled past its
+            # lease): the new owner answers for the key. Ask the key again: its answer
+            # is (or will be) there, so the caller gets that sandbox, not an error about
+            # ids it never saw, and no second sandbox.
+        raise ClaimLost(
+            f"the Idempotency-Key was taken over by other apiservers {_RETAKES} times while "
+            "this one worked on it; retry the request to get their answer",
+            field="Idempotency-Key")
+
+    async def _create_keyed(self, spec: SandboxSpec, scoped: str,
+                            fp: str) -> SandboxInfo | None:
+        """One go at a create under ``scoped``: the answer, or None when the claim was
+        lost to another apiserver before this one could answer (ask the key again)."""
         while True:
             begin = self.idempotency.begin(scoped, fp)
             if begin.replay is not None:
@@ -549,6 +586,12 @@ class ApiService:
         assert claim is not None
         try:
             info = await self._create_claimed(spec, claim)
+        except Exception as exc:
+            lost = isinstance(exc, ClaimLost) or not self.idempotency.holds(claim)
+            self.idempotency.abort(scoped, exc)
+            if lost:
+                return None   # e.g. the edge said our noted id is in use: the new owner made it
+            raise
         except BaseException as exc:
             self.idempotency.abort(scoped, exc)
             raise
@@ -556,7 +599,7 @@ class ApiService:
             self.idempotency.finish(scoped, _msgpack.encode(info))
         except ClaimLost:
             await self._drop_duplicate(scoped, info)
-            raise
+            return None
         return info
 
     async def _drop_duplicate(self, scoped: str, info: SandboxInfo) -> None:
@@ -591,10 +634,10 @@ class ApiService:
         return await self._create_placed(spec, claim)
 
     async def _settled(self, edge: EdgeOps, sid: str) -> SandboxInfo | None:
-        """``sid`` on its edge once it is out of a transition (None: not there). A link
-        error while its node is healthy is :class:`EdgeUnreachable` (retry later); while
-        the node is not healthy its sandboxes are written off anyway: None."""
-        node = node_of(sid)
+        """``sid`` on its edge once it is out of a transition, or when
+        ``recover_wait_s`` ran out (None: the edge does not have it). A link error is
+        :class:`EdgeUnreachable` (retry later), whatever the node's health: the sandbox
+        may be there, and making another one elsewhere would make two."""
         deadline = self.clock() + self.config.recover_wait_s
         while True:
             try:
@@ -602,10 +645,8 @@ class ApiService:
             except SandboxNotFound:
                 return None
             except _LINK_ERRORS as exc:
-                if self._healthy(node):
-                    raise _unreachable(node, "create", sid, exc, effect=True,
-                                       sent=True) from exc
-                return None
+                raise _unreachable(node_of(sid), "create", sid, exc, effect=True,
+                                   sent=True) from exc
             if info.state not in ("creating", "pausing", "resuming") or \
                     self.clock() >= deadline:
                 return info
@@ -613,7 +654,9 @@ class ApiService:
 
     async def _recover(self, spec: SandboxSpec, claim: Claim) -> SandboxInfo | None:
         """Find (or make, under the very same id) the sandbox a previous owner of
-        ``claim`` was creating. None: it is gone for good; create a new one."""
+        ``claim`` was creating. None: it is gone for good; create a new one. While it
+        may still come into being (its edge cannot be reached, or it is still
+        ``creating``) the answer is a retryable 503, never a second sandbox."""
         sid = claim.intent
         assert sid is not None
         try:
@@ -635,7 +678,15 @@ class ApiService:
                 info = await self._settled(edge, sid)
                 if info is None:
                     return None
-        if info.state not in ("running", "paused"):
+            except _LINK_ERRORS as exc:
+                raise _unreachable(node, "create", sid, exc, effect=True,
+                                   sent=True) from exc
+        if info.state == "creating":
+            raise Unavailable(
+                f"sandbox {sid}, which an earlier attempt of this create asked node {node} "
+                f"for, is still being created after {self.config.recover_wait_s:g}s; retry "
+                "(same Idempotency-Key) to get it", node=node, sandbox_id=sid)
+        if info.state not in ("running", "paused", "pausing", "resuming"):
             return None  # the first attempt's sandbox failed or was destroyed
         self._adopted(info)
         return info
