@@ -231,7 +231,8 @@ class HttpTransport:
                         continue
                     item = dec.decode(line)
                     if item.error is not None:
-                        raise error_from_wire(item.error.code, item.error.message)
+                        raise error_from_wire(item.error.code, item.error.message,
+                                              dict(item.error.detail))
                     if item.exit_code is not None:
                         yield ExecResult(exit_code=item.exit_code, timed_out=item.timed_out,
                                          duration_s=item.duration_s or 0.0)
