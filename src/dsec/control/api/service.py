@@ -839,17 +839,25 @@ class ApiService:
 
     async def create_many(
         self, principal: Caller, reqs: Sequence[CreateSandboxRequest],
+        keys: Sequence[str] | None = None,
     ) -> list[SandboxInfo | DsecError]:
-        """Batched create: each item succeeds or fails on its own (errors are returned)."""
+        """Batched create: each item succeeds or fails on its own (errors are returned).
+        ``keys``: one Idempotency-Key per item, so a retried batch (its reply lost to a
+        crash) answers each item with the sandbox its first attempt made."""
         if len(reqs) > self.config.max_create_batch:
             raise InvalidArgument(f"create batch of {len(reqs)} exceeds the limit of "
                                   f"{self.config.max_create_batch}; split it", field="items")
+        if keys is not None and len(keys) != len(reqs):
+            raise InvalidArgument(f"{len(keys)} idempotency keys for {len(reqs)} requests: "
+                                  "give one key per request, or none",
+                                  field="idempotency_keys")
         out: list[SandboxInfo | DsecError] = [
             InvalidArgument("not attempted")] * len(reqs)
 
         async def one(i: int, r: CreateSandboxRequest) -> None:
             try:
-                out[i] = await self.create(principal, r)
+                out[i] = await self.create(principal, r, idempotency_key=None if keys is None
+                                           else keys[i])
             except DsecError as exc:
                 out[i] = exc
         await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
