@@ -217,7 +217,8 @@ class ControlPlane:
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
-    _started_at: float = 0.0
+    _started_at: float = 0.0     # since when the sweeper has watched without a break
+    _last_sweep: float = 0.0
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _store_cache: LayerStore | None = None
     _index_cache: StoreIndex | None = None
@@ -918,7 +919,7 @@ class ControlPlane:
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
-        self._started_at = self.clock()
+        self._started_at = self._last_sweep = self.clock()
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
@@ -1201,9 +1202,25 @@ class ControlPlane:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
-                await self.sweep()
+                await self.sweep_tick()
             except Exception:
                 log.exception("sweeper pass failed")
+
+    async def sweep_tick(self) -> list[tuple[str, str]]:
+        """One round of the sweeper loop: a pass, after noticing a stall. A round that
+        comes much later than asked (this process was stopped or starved, or the wall
+        clock jumped) restarts the sweeper's watch: no client could renew its session
+        meanwhile, so each gets a full lease again (see dsec.control.api.sweeper)."""
+        now = self.clock()
+        interval = self.config.sweep_interval_s
+        if self._last_sweep and now - self._last_sweep > 2 * interval + 1.0:
+            log.warning("sweeper woke %.1fs after its last pass (expected %.1fs): this "
+                        "apiserver was stalled or its clock jumped; sessions get a full "
+                        "lease to renew before any is swept", now - self._last_sweep,
+                        interval)
+            self._started_at = now
+        self._last_sweep = now
+        return await self.sweep()
 
     def _refresh_gauges(self, m: ApiMetrics) -> None:
         totals: dict[str, int] = {}
