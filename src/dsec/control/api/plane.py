@@ -188,6 +188,10 @@ class EdgeEntry:
     # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
     failure: str = ""
     problem: str = ""
+    # Held by whoever runs the edge (``dsec up``'s supervisor restarting it) until this
+    # time: its silence does not count toward node_ttl_s meanwhile (see hold_edge).
+    held_until: float = 0.0
+    held_why: str = ""
 
 
 class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
@@ -984,7 +988,8 @@ class ControlPlane:
         if e.failure:
             log.warning("edge %s reachable again (it was %s: %s)", e.node,
                         "silent" if e.failure == "silent" else "unreachable", e.problem)
-        e.failure = e.problem = ""
+        e.failure = e.problem = e.held_why = ""
+        e.held_until = 0.0
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
@@ -1017,20 +1022,38 @@ class ControlPlane:
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
 
+    async def hold_edge(self, node: str, why: str, for_s: float) -> None:
+        """Whoever runs edge ``node`` says it is coming back (``dsec up``'s supervisor
+        restarting its process): for ``for_s`` its silence is not a lost node (held,
+        sandboxes kept, out of placement), however long the restart takes; the holder
+        renews the hold while the restart lasts. A crash loop that gives up stops
+        renewing, and the TTL counts again."""
+        e = self.edges.get(node)
+        if e is None:
+            return
+        now = self.clock()
+        e.held_until, e.held_why = now + for_s, why
+        await self._carry_out(self.watcher.handle(
+            LinkFailed(node=node, time=now, cause="blind", detail=why)))
+
     async def _poll_failed(self, e: EdgeEntry, exc: DsecError) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
-        failure, or an edge that answered with an error, holds it unreachable."""
+        failure, or an edge that answered with an error, holds it unreachable; so does a
+        hold from whoever runs the edge (:meth:`hold_edge`)."""
         cause = link_failure_cause(exc)
+        message = exc.message
+        if cause == "silent" and self.clock() < e.held_until:
+            cause, message = "blind", f"{e.held_why} ({exc.message})"
         if cause != e.failure:
             how = {"silent": "silent (counts toward node_ttl_s)",
                    "answered": "unreachable: it answers, with an error (held, not lost)",
                    "blind": "unreachable from this apiserver (held, not lost)"}[cause]
-            log.warning("edge %s %s: %s", e.node, how, exc.message)
+            log.warning("edge %s %s: %s", e.node, how, message)
         e.failure = cause
-        e.problem = f"{cause}: {exc.message}"
+        e.problem = f"{cause}: {message}"
         if cause != "silent":
             await self._carry_out(self.watcher.handle(
-                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=exc.message)))
+                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=message)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list."""
