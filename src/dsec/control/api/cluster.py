@@ -698,6 +698,7 @@ class ClusterRuntime:
             await self._gateway.close()
             self._gateway = None
         if self.service is not None:
+            await self.service.close()
             await self.service.idempotency.close()
         for t in self._bg:
             t.cancel()

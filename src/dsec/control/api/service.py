@@ -296,11 +296,21 @@ class ApiService:
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
+    _keyed: set[asyncio.Future[SandboxInfo | None]] = field(init=False)  # claims at work
 
     def __post_init__(self) -> None:
+        self._keyed = set()
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
+
+    async def close(self) -> None:
+        """Stop keyed creates still at work (their claims are released, with the sandbox
+        id they noted, for whoever retries next: another apiserver, or this one again)."""
+        work = list(self._keyed)
+        for w in work:
+            w.cancel()
+        await asyncio.gather(*work, return_exceptions=True)
 
     # ------------------------------------------------------------ auth / limits
     def authenticate(self, authorization: str | None, client: str | None = None) -> Caller:
@@ -584,6 +594,19 @@ class ApiService:
             break
         claim = begin.claim
         assert claim is not None
+        # The key's work, not this request's: it runs to its end even if the request is
+        # cancelled (the gateway cancels a handler whose caller timed out or hung up),
+        # so the caller's retry, waiting on the key, gets its sandbox. Cancelled with it,
+        # a create slower than the caller's timeout was cut off on every attempt and
+        # never happened (and took the edge's create down with it).
+        work = asyncio.ensure_future(self._claimed(spec, scoped, claim))
+        self._keyed.add(work)
+        work.add_done_callback(_settle_keyed(self._keyed))
+        return await asyncio.shield(work)
+
+    async def _claimed(self, spec: SandboxSpec, scoped: str,
+                       claim: Claim) -> SandboxInfo | None:
+        """The work of a claim (see :meth:`_create_keyed`)."""
         try:
             info = await self._create_claimed(spec, claim)
         except Exception as exc:
@@ -1245,6 +1268,17 @@ def _exec_deadline(req: ExecRequest) -> float | None:
     if req.background:
         return EXEC_DEADLINE_MARGIN_S
     return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
+
+
+def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],
+                  ) -> Callable[[asyncio.Future[SandboxInfo | None]], None]:
+    """Done callback of a keyed create's work: forget it, and mark its error retrieved
+    (its caller may have gone; the error went to the key's waiters already)."""
+    def done(work: asyncio.Future[SandboxInfo | None]) -> None:
+        keyed.discard(work)
+        if not work.cancelled():
+            work.exception()
+    return done
 
 
 def _new_sandbox_id(node: str) -> str:
