@@ -17,7 +17,7 @@ import pytest
 
 from dsec.client.local import LocalCluster
 from dsec.control.api.plane import PlaneConfig
-from dsec.errors import EdgeUnreachable
+from dsec.errors import EdgeUnreachable, Unavailable
 
 
 @pytest.fixture
@@ -108,7 +108,13 @@ def test_an_edge_restart_slower_than_the_ttl_loses_no_sandbox(
         assert new is not None
         os.kill(new, signal.SIGSTOP)            # the restart takes 2x the TTL
         try:
-            time.sleep(2 * 6.0)
+            time.sleep(6.0)
+            # meanwhile a create is told the node is out for now, not "ask for less"
+            with cluster.client(session_lease_s=None, create_retry_s=0) as once, \
+                    pytest.raises(Unavailable) as err:
+                once.sandboxes.create(memory="16MiB", cpu=0.01)
+            assert "ask for less" not in err.value.message, err.value.message
+            time.sleep(6.0)
         finally:
             os.kill(new, signal.SIGCONT)
         _wait(lambda: cluster.edge_states()["edge-0"] == "running", 60, "the restart")

@@ -1033,6 +1033,10 @@ class ControlPlane:
             return
         now = self.clock()
         e.held_until, e.held_why = now + for_s, why
+        if e.failure in ("", "silent"):
+            # not healthy for placement, for the nodes list and for a create's answer
+            # ("unreachable", 503), as the watcher's hold makes it for placement
+            e.failure, e.problem = "blind", f"blind: {why}"
         await self._carry_out(self.watcher.handle(
             LinkFailed(node=node, time=now, cause="blind", detail=why)))
 
