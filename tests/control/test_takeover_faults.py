@@ -362,3 +362,31 @@ def test_a_live_holder_in_another_pid_namespace_is_not_judged_gone() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+async def test_a_takeover_interrupted_by_a_second_crash_still_makes_one_sandbox(
+        world: World) -> None:
+    """kill -9 twice in a row: the first owner noted sb-X and died before asking the
+    edge; the apiserver that took over stalled while creating sb-X itself; a third
+    takes over from it. One sandbox, and all three answers (where they come) are it."""
+    first, second, third = await world.api(), await world.api(), await world.api()
+    caller = _admin(first)
+    scoped = IdempotencyCache.scoped(caller.id, "k-twice")
+    claim = first.cache.begin(scoped, request_fingerprint(REQ)).claim
+    assert claim is not None
+    claim.note("sb-00000000abcd-e0")
+    _stall(first)                                             # first death
+    gate = Gate(second.link)
+    second.plane.edges["e0"].link = gate
+    taking = asyncio.ensure_future(second.service.create(caller, REQ,
+                                                         idempotency_key="k-twice", raw=RAW))
+    await asyncio.wait_for(gate.reached.wait(), 10)           # recovering sb-X
+    _stall(second)                                            # second death, mid-takeover
+    answer = await asyncio.wait_for(
+        third.service.create(caller, REQ, idempotency_key="k-twice", raw=RAW), 20)
+    assert answer.id == "sb-00000000abcd-e0"
+    _resume(second)                                           # it was only stalled
+    gate.opened.set()
+    late = await asyncio.wait_for(taking, 20)
+    assert late.id == answer.id
+    assert [i.id for i in world.node.list()] == [answer.id]
