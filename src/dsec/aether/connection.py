@@ -493,6 +493,10 @@ class Connection:
         self._read_high = READ_HIGH_WATER
         self._write_high = WRITE_HIGH_WATER
         self._held = 0                      # bytes counted in guard.budget.buffered
+        # Async handlers of the peer's calls allowed at once (None: no cap); at the cap
+        # (_calls_full) frames are not handled until one finishes (see _on_request).
+        self._max_calls = guard.limits.max_calls_in_flight if guard is not None else None
+        self._calls_full = False
         self._opened_at = 0.0               # loop time the listener accepted it
         self._last_rx = 0.0                 # loop time of the last bytes received
         self._partial_since: float | None = None
@@ -573,6 +577,13 @@ class Connection:
         """Past the listener's admission: authenticated (or, on an endpoint without a
         token, delivered a first frame). Always true for dialed connections."""
         return self._established
+
+    @property
+    def last_received(self) -> float:
+        """Loop time (``loop.time()``) of the last bytes received from the peer; 0.0 before
+        any. Lets a caller whose request timed out tell a busy peer (it kept sending
+        other replies) from a silent one."""
+        return self._last_rx
 
     @property
     def peer(self) -> str:
@@ -904,19 +915,20 @@ class Connection:
         except RemoteProtocolError as exc:
             self._fail_protocol(exc)
             return
-        if not self._process_scheduled and not self._pause & _PAUSE_OUTPUT:
+        if (not self._process_scheduled and not self._pause & _PAUSE_OUTPUT
+                and not self._calls_full):
             self._process()
         elif self._decoder.buffered > self._read_high:
             self._pause_reading(_PAUSE_INPUT)
-        if self._guard is not None and not self._closed:
+        if not self._closed:
             self._last_rx = self._loop.time()
-            if self._held or self._decoder.buffered:  # the common case holds nothing
-                self._account()
+            if self._guard is not None and (self._held or self._decoder.buffered):
+                self._account()   # the common case holds nothing
 
     def _process(self) -> None:
         """Handle up to FRAMES_PER_WAKEUP frames, then write every reply in one go."""
         self._process_scheduled = False
-        if self._closed or self._pause & _PAUSE_OUTPUT:
+        if self._closed or self._pause & _PAUSE_OUTPUT or self._calls_full:
             return
         next_raw = self._decoder.next_raw
         on_frame = self._on_frame
@@ -928,6 +940,8 @@ class Connection:
                 on_frame(*f)
                 if self._closed:
                     return
+                if self._calls_full:
+                    break   # at max_calls_in_flight: the rest waits for a handler to end
                 if not self._established and not self._auth_required:
                     self._establish()  # a no-token endpoint: the first valid frame admits
                 if self._wbytes > self._write_high:
@@ -1073,10 +1087,19 @@ class Connection:
             self._reply_handler_error(sid, route.method, exc)
             return
         task = self._loop.create_task(coro)
-        self._tasks[sid] = task
+        tasks = self._tasks
+        tasks[sid] = task
         task.add_done_callback(functools.partial(self._handler_done, sid, route.method))
+        if self._max_calls is not None and len(tasks) >= self._max_calls:
+            # Like HTTP/2's MAX_CONCURRENT_STREAMS, but as backpressure: the peer's further
+            # frames are not handled until one of these calls ends. They wait undecoded
+            # (up to the read high-water mark, then in the peer's socket), not as tasks;
+            # reading goes on below that mark, so a hang-up is still noticed.
+            self._calls_full = True
 
     def _handler_done(self, sid: int, method: str, task: asyncio.Task[Any]) -> None:
+        if self._calls_full:
+            self._calls_ended(len(self._tasks) - (self._tasks.get(sid) is task))
         if self._tasks.get(sid) is not task:
             return  # the caller cancelled it, or the connection closed: nobody to tell
         del self._tasks[sid]
@@ -1091,6 +1114,16 @@ class Connection:
             self._reply_handler_error(sid, method, exc)
             return
         self._reply(sid, method, task.result())
+
+    def _calls_ended(self, running: int) -> None:
+        """A handler ended while reading was paused at max_calls_in_flight (``running``
+        are left): resume once the connection is below the cap again."""
+        if self._closed or self._max_calls is None or running >= self._max_calls:
+            return
+        self._calls_full = False
+        if not self._process_scheduled and not self._pause & _PAUSE_OUTPUT:
+            self._process_scheduled = True
+            self._loop.call_soon(self._process)
 
     def _on_unauthenticated(self, sid: int, payload: bytes, n: int) -> None:
         """The one request an unauthenticated peer may make is AUTH_METHOD with the token
@@ -1346,9 +1379,10 @@ class Connection:
             self._process()  # complete frames still queued behind the 64-frame limit
         if self._closed:
             return
-        if self._pause & _PAUSE_OUTPUT:
-            # It stopped reading our replies and has now hung up: its queued requests
-            # have nobody to answer to. Not a protocol error.
+        if self._pause & _PAUSE_OUTPUT or self._calls_full:
+            # It stopped reading our replies (or pipelined past max_calls_in_flight) and
+            # has now hung up: its queued requests have nobody to answer to. Not a
+            # protocol error.
             self._shutdown(ConnectionLost(
                 f"connection {self.name} closed by peer with {self._decoder.buffered} bytes "
                 "of its requests not handled"))

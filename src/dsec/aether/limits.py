@@ -71,6 +71,13 @@ class ServerLimits:
     idle_timeout_s: float | None = 900.0
     # Seconds a frame may take from its header to its last byte (16 MiB at 140 KB/s).
     frame_timeout_s: float | None = 120.0
+    # Calls of one connection handled at once (async handlers running); at the cap the
+    # connection is not read until one ends (backpressure, nothing is refused). Without
+    # it a tenant pipelining 40,000 execs per connection made the gateway hold them all
+    # (RSS +300 MB) and queue them in front of the apiserver's polls of its edge, which
+    # timed out until the node was written off (node_lost). Edges leave it off: their
+    # one peer, the apiserver, multiplexes every tenant over a link it must keep read.
+    max_calls_in_flight: int | None = 1024
     # Largest frame (bytes) accepted before authentication; an auth call is < 200 bytes.
     pending_max_frame: int = 4096
     # Largest frame (bytes) accepted after it.
@@ -78,7 +85,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_connections_per_peer", "max_pending",
-                     "max_pending_per_peer"):
+                     "max_pending_per_peer", "max_calls_in_flight"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise InvalidArgument(f"ServerLimits.{name}={v} must be >= 1 or None")
