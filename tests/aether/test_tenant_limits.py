@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from dsec.aether import Router, connect, serve
@@ -103,3 +104,56 @@ def test_max_calls_in_flight_must_be_positive_or_none() -> None:
     with pytest.raises(InvalidArgument, match="max_calls_in_flight=0"):
         ServerLimits(max_calls_in_flight=0)
     assert ServerLimits(max_calls_in_flight=None).max_calls_in_flight is None
+
+
+async def test_over_the_buffer_budget_the_largest_holder_is_closed_not_an_ordinary_call(
+        ) -> None:
+    """Three peers each announce a 4 MiB frame and send 1 MiB of it (3 MiB of a 3.5 MiB
+    budget); then a client makes an ordinary 1 MiB call. Before the fix the call's own
+    connection, whose read crossed the line, was closed (``Overloaded``) and the three
+    kept their bytes: in ``dsec up`` that connection can be the apiserver's link to its
+    edge. Now the largest holder is closed and the call goes through."""
+    from dsec.aether.connection import AUTH_METHOD
+    from dsec.aether.frame import FrameType, encode_parts
+    from dsec.aether.messages import encode_request
+    from tests.aether.conftest import RawPeer
+
+    budget = ProcessBudget(nofile=lambda: 100_000, max_buffered_bytes=7 << 19)
+    r = Router(token=TOKEN)
+    r.add("echo", lambda b: b)
+    server = await serve(r, "tcp:127.0.0.1:0", budget=budget,
+                         limits=ServerLimits(frame_timeout_s=30.0))
+    hogs: list[RawPeer] = []
+    conn = await connect(str(server.address), token=TOKEN)
+    try:
+        for _ in range(3):
+            rd, wr = await asyncio.open_connection(server.address.host, server.address.port)
+            p = RawPeer(rd, wr)
+            hogs.append(p)
+            p.send(FrameType.REQUEST, 1, encode_request(AUTH_METHOD, msgspec.msgpack.encode(TOKEN)))
+            assert (await p.frame())[0] == FrameType.RESPONSE
+            p.send_raw(encode_parts(FrameType.REQUEST, 3, b"\0" * (4 << 20)) + b"\0" * (1 << 20))
+        for _ in range(500):
+            if budget.buffered >= 3 << 20:
+                break
+            await asyncio.sleep(0.01)
+        assert budget.buffered >= 3 << 20
+        data = b"x" * (1 << 20)
+        assert await conn.call("echo", data, timeout=10) == data
+        cut = 0
+        for p in hogs:
+            try:
+                f = await p.frame_of(FrameType.GOAWAY, timeout=0.5)
+            except (TimeoutError, EOFError):
+                continue
+            assert b"overloaded" in f[2] and b"holds the most" in f[2]
+            cut += 1
+        assert cut >= 1
+        assert server.stats.closed["buffer_budget"] == cut
+        assert budget.buffered <= 7 << 19
+    finally:
+        await conn.close()
+        for p in hogs:
+            await p.close()
+        await server.close()
+    assert budget.buffered == 0 and not budget.holders

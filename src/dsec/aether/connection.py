@@ -1200,13 +1200,11 @@ class Connection:
         if delta:
             self._held = held
             budget = g.budget
-            budget.buffered += delta
+            budget.hold(self, held)
             if delta > 0 and budget.over_buffer():
-                self._cut("buffer_budget", (
-                    f"the server holds {budget.buffered} bytes of incoming frames across "
-                    f"its connections, over its budget of {budget.max_buffered_bytes}; "
-                    "retry later"), code=Overloaded.code)
-                return
+                self._over_budget(budget)
+                if self._closed:
+                    return
         if dec.partial:
             if self._partial_since is None:
                 self._partial_since = now = self._loop.time()
@@ -1215,6 +1213,24 @@ class Connection:
                     self._arm_watch(now + ft)
         else:
             self._partial_since = None
+
+    def _over_budget(self, budget: ProcessBudget) -> None:
+        """Over the process's buffer budget: close the largest holders (the one that
+        crossed the line only if it is the largest) until back under it."""
+        while budget.over_buffer():
+            hog = budget.largest_holder()
+            if not isinstance(hog, Connection) or hog._closed:
+                budget.holders.pop(hog, None)
+                if hog is None:
+                    return
+                continue
+            hog._cut("buffer_budget", (
+                f"the server holds {budget.buffered} bytes of incoming frames across its "
+                f"connections, over its budget of {budget.max_buffered_bytes}, and this "
+                f"connection holds the most ({hog._held}); retry later"),
+                code=Overloaded.code)
+            if hog is self:
+                return
 
     def _arm_watch(self, at: float) -> None:
         if at < self._watch_at:
@@ -1438,7 +1454,7 @@ class Connection:
         self._decoder.release()
         if self._guard is not None:
             self._cancel_watch()
-            self._guard.budget.buffered -= self._held
+            self._guard.budget.hold(self, 0)
             self._held = 0
             self._partial_since = None
         buf = self._wbuf

@@ -124,6 +124,12 @@ class ProcessBudget:
     connections: int = 0
     buffered: int = 0
     lingering: int = 0      # closed connections still draining their peer (<= 1 s each)
+    # Who holds the buffered bytes (connection -> bytes; only those holding some): over
+    # the budget, the largest holder is closed, not whichever connection's next read
+    # happened to cross the line (that used to be a client mid-way through an ordinary
+    # 1 MiB write - or the apiserver's own link to its edge - while a few strangers
+    # held 16 MiB partial frames each).
+    holders: dict[object, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.connection_share < 1:
@@ -137,6 +143,19 @@ class ProcessBudget:
 
     def over_buffer(self) -> bool:
         return self.max_buffered_bytes is not None and self.buffered > self.max_buffered_bytes
+
+    def hold(self, holder: object, held: int) -> None:
+        """``holder`` now holds ``held`` bytes (0: none); ``buffered`` follows."""
+        before = self.holders.pop(holder, 0)
+        if held:
+            self.holders[holder] = held
+        self.buffered += held - before
+
+    def largest_holder(self) -> object | None:
+        """The holder of the most buffered bytes (the one to close when over budget)."""
+        if not self.holders:
+            return None
+        return max(self.holders.items(), key=lambda kv: kv[1])[0]
 
 
 _PROCESS_BUDGET: ProcessBudget | None = None
