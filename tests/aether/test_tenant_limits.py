@@ -157,3 +157,67 @@ async def test_over_the_buffer_budget_the_largest_holder_is_closed_not_an_ordina
             await p.close()
         await server.close()
     assert budget.buffered == 0 and not budget.holders
+
+
+async def test_a_streaming_call_whose_reader_falls_behind_is_cancelled_not_buffered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aether has no per-stream flow control: the connection is read for every call on
+    it. A gateway client that never read its exec_stream made the apiserver hold the
+    whole output (600 MB for one command). Past STREAM_BACKLOG_MAX unread bytes the
+    call is cancelled (the server stops producing) and the reader told why; past
+    STREAMS_BACKLOG_MAX for the whole connection, the stream furthest behind goes."""
+    import dsec.aether.connection as aconn
+    from dsec.errors import ResourceExhausted
+
+    monkeypatch.setattr(aconn, "STREAM_BACKLOG_MAX", 1 << 20)
+    monkeypatch.setattr(aconn, "STREAMS_BACKLOG_MAX", 3 << 20)
+    sent: dict[int, int] = {}
+    cancelled: list[int] = []
+
+    async def gush(n: int, out: aconn.StreamSender) -> str:
+        sent[n] = 0
+        try:
+            for _ in range(1000):
+                await out.send(b"x" * 65536)
+                sent[n] += 1
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+        return "done"
+
+    r = Router()
+    r.add("gush", gush, streaming=True)
+    budget = ProcessBudget(nofile=lambda: 100_000)
+    server = await serve(r, "tcp:127.0.0.1:0", budget=budget)
+    conn = await connect(str(server.address))
+    try:
+        lazy = conn.stream("gush", 0, timeout=30)
+        for _ in range(500):
+            if cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert cancelled == [0] and sent[0] < 40          # ~16 items, not 1000
+        with pytest.raises(ResourceExhausted, match="fell .* bytes behind"):
+            async for _ in lazy:
+                pass
+        assert conn._stream_backlog == 0
+        # four streams read a little at a time: together they pass 3 MiB first
+        streams = [conn.stream("gush", i, timeout=30) for i in range(1, 5)]
+        for _ in range(500):
+            if cancelled[1:]:
+                break
+            await asyncio.sleep(0.01)
+        assert len(cancelled) >= 2 and conn._stream_backlog <= 3 << 20
+        for st in streams:
+            st.cancel()
+        assert conn._stream_backlog == 0
+        # the connection itself is fine
+        ok = conn.stream("gush", 9, timeout=30)
+        n = 0
+        async for _ in ok:
+            n += 1
+        assert (n, ok.result) == (1000, "done")
+    finally:
+        await conn.close()
+        await server.close()

@@ -69,6 +69,7 @@ from dsec.errors import (
     PayloadTooLarge,
     RemoteProtocolError,
     RequestTimeout,
+    ResourceExhausted,
     Unauthenticated,
     UnknownMethod,
     error_from_wire,
@@ -90,6 +91,13 @@ WRITE_LOW_WATER = 1 * 1024 * 1024
 READ_HIGH_WATER = 4 * 1024 * 1024    # undigested input bytes before reading pauses
 _JOIN_LIMIT = 64 * 1024         # corked output up to this size is joined into one write
 CLOSE_LINGER = 1.0              # seconds a closed socket may take to flush before it is reset
+# Bytes of STREAM items a streaming call may hold unread before it is cancelled. Aether has
+# no per-stream flow control (the connection is read for every call on it), so without
+# this a gateway client that never read its exec_stream made the apiserver hold the
+# whole output (600 MB for one `head -c 600M /dev/zero`, output cap up to 1 GiB).
+STREAM_BACKLOG_MAX = 16 * 1024 * 1024
+# ... and all streaming calls of one connection together (the largest backlog goes first).
+STREAMS_BACKLOG_MAX = 64 * 1024 * 1024
 # Write buffer marks of a connection that has not authenticated yet: its replies are
 # small ERROR/PONG frames; a peer that does not read them stops being read far sooner.
 PENDING_WRITE_HIGH = 64 * 1024
@@ -281,10 +289,11 @@ class _Batch(_Slot):
 
 
 class _StreamSlot(_Slot):
-    __slots__ = ("done", "error", "items", "result", "waiter")
+    __slots__ = ("backlog", "done", "error", "items", "result", "waiter")
 
     def __init__(self) -> None:
         self.items: collections.deque[bytes] = collections.deque()
+        self.backlog = 0     # bytes of items received and not yet taken by the reader
         self.waiter: asyncio.Future[None] | None = None
         self.done = False
         self.result: bytes | None = None
@@ -292,6 +301,7 @@ class _StreamSlot(_Slot):
 
     def item(self, payload: bytes) -> None:
         self.items.append(payload)
+        self.backlog += len(payload)
         self._wake()
 
     def ok(self, sid: int, payload: bytes) -> None:
@@ -369,6 +379,8 @@ class CallStream:
         while True:
             if slot.items:
                 raw = slot.items.popleft()
+                slot.backlog -= len(raw)
+                self._conn._stream_backlog -= len(raw)
                 try:
                     return self._item_decoder.decode(raw)
                 except msgspec.DecodeError as exc:
@@ -399,6 +411,11 @@ class CallStream:
     def cancel(self) -> None:
         """Stop the call: a CANCEL frame goes out and the server's handler is cancelled."""
         self._finish()
+        slot = self._slot
+        if slot.backlog:
+            self._conn._stream_backlog -= slot.backlog
+            slot.backlog = 0
+            slot.items.clear()
         if not self._slot.done:
             self._slot.done = True
             self._conn._abandon(self._sid)
@@ -493,6 +510,7 @@ class Connection:
         self._read_high = READ_HIGH_WATER
         self._write_high = WRITE_HIGH_WATER
         self._held = 0                      # bytes counted in guard.budget.buffered
+        self._stream_backlog = 0            # unread STREAM bytes of all our streaming calls
         # Async handlers of the peer's calls allowed at once (None: no cap); at the cap
         # (_calls_full) frames are not handled until one finishes (see _on_request).
         self._max_calls = guard.limits.max_calls_in_flight if guard is not None else None
@@ -988,6 +1006,11 @@ class Connection:
             slot = self._pending.get(sid)
             if isinstance(slot, _StreamSlot):
                 slot.item(payload)
+                self._stream_backlog += len(payload)
+                if slot.backlog > STREAM_BACKLOG_MAX:
+                    self._stream_overflow(sid, slot)
+                elif self._stream_backlog > STREAMS_BACKLOG_MAX:
+                    self._streams_overflow()
         elif ftype == _ERROR:
             slot = self._pending.pop(sid, None)
             if slot is not None:
@@ -1004,6 +1027,34 @@ class Connection:
                 _resolve(slot, sid, payload)
         else:  # _GOAWAY; the decoder lets no other type through
             self._on_goaway(payload)
+
+    def _stream_overflow(self, sid: int, slot: _StreamSlot) -> None:
+        """A streaming call's reader fell too far behind: cancel the call (the server
+        stops producing) and fail the reader, rather than buffer without bound. A link
+        cannot be paused for one slow stream without stalling every other call on it."""
+        backlog = slot.backlog
+        del self._pending[sid]
+        slot.items.clear()
+        slot.backlog = 0
+        self._stream_backlog -= backlog
+        slot.fail(sid, ResourceExhausted(
+            f"streaming call on stream {sid} of connection {self.name} was cancelled: its "
+            f"reader fell {backlog} bytes behind (the limit is {STREAM_BACKLOG_MAX}); read "
+            "the stream as it comes", backlog=backlog, limit=STREAM_BACKLOG_MAX))
+        if not self._closed:
+            self._send(_CANCEL, sid, b"")
+
+    def _streams_overflow(self) -> None:
+        """All streaming calls together hold too much unread: cancel the ones furthest
+        behind until back under STREAMS_BACKLOG_MAX."""
+        while self._stream_backlog > STREAMS_BACKLOG_MAX:
+            worst = max(((sid, slot) for sid, slot in self._pending.items()
+                         if isinstance(slot, _StreamSlot)),
+                        key=lambda kv: kv[1].backlog, default=None)
+            if worst is None or not worst[1].backlog:
+                self._stream_backlog = 0    # nothing left to hold it: resync
+                return
+            self._stream_overflow(*worst)
 
     def _wire_error(self, sid: int, payload: bytes) -> BaseException:
         try:
