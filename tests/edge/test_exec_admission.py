@@ -146,3 +146,29 @@ async def test_a_tenant_running_hundreds_of_commands_cannot_take_the_nodes_fds(
             f"{type(e).__name__}: {e}" for e in errors}
         r = await http.post(f"/v1/sandboxes/{victim}/exec", json={"argv": ["echo", "ok"]})
         assert r.status_code == 200, r.text
+
+
+async def test_a_command_collects_no_more_output_than_its_reply_can_carry() -> None:
+    """``output_cap_bytes`` may be up to 1 GiB (for exec_stream), but a reply is at most
+    16 MiB: a plain exec collected all of it in the edge's memory (1 GB for one
+    ``head -c 600M``) only to fail. Now it keeps ``max_reply_output_bytes`` per stream and
+    flags the rest truncated; a stream still gets everything."""
+    node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
+        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=10),
+        max_reply_output_bytes=1 << 20), {"simulated": make_backend("simulated")})
+    await node.start()
+    try:
+        sid = (await node.create(SandboxSpec(image="base"))).id
+        await node.write_file(sid, "/big", b"y" * (3 << 20))
+        big = ExecRequest(argv=("cat", "/big"), output_cap_bytes=1 << 30)
+        res = await node.exec(sid, big)
+        assert (len(res.stdout), res.stdout_truncated) == (1 << 20, True)
+        (one,) = await node.exec_many([(sid, big)])
+        assert not isinstance(one, Exception)
+        assert (len(one.stdout), one.stdout_truncated) == (1 << 20, True)
+        got = 0
+        async for item in node.exec_stream(sid, big):
+            got += len(getattr(item, "data", b""))
+        assert got == 3 << 20
+    finally:
+        await node.close()

@@ -105,6 +105,11 @@ class NodeConfig:
     # (a tenant, with all its sub-projects) holds at most half of max_execs: one tenant
     # cannot take the whole share, the others always find room.
     max_execs_per_sandbox: int | None = 256
+    # Output a command's reply carries, per stream (stdout, stderr): a non-streaming
+    # exec collects at most this much in the edge's memory whatever output_cap_bytes
+    # asks (up to 1 GiB is valid, for exec_stream). One `head -c 600M /dev/zero` with a
+    # 1 GiB cap grew dsec up by 1 GB, only to fail: no reply is over 16 MiB (max_frame).
+    max_reply_output_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -593,6 +598,11 @@ class EdgeNode:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
         req.validate()
+        room = self.config.max_reply_output_bytes
+        if req.output_cap_bytes > room:
+            # more would be collected only to fail as too large for one reply: keep what
+            # fits and flag the rest truncated, like any capped output
+            req = msgspec.structs.replace(req, output_cap_bytes=room)
         if rec.state != "running":
             await self._ready(rec, "exec")
         self._admit_exec(rec)
