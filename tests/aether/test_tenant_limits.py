@@ -221,3 +221,42 @@ async def test_a_streaming_call_whose_reader_falls_behind_is_cancelled_not_buffe
     finally:
         await conn.close()
         await server.close()
+
+
+async def test_when_the_fd_share_is_full_of_strangers_a_client_still_gets_in() -> None:
+    """The process's connection share (half of RLIMIT_NOFILE: 512 at 1024) can bind
+    before any listener's pending cap (1,024): a stranger's idle flood over a few
+    addresses then had every client refused (``fds``), with a key or not, and nothing
+    was ever evicted. Now the oldest stranger of the listener holding the most goes,
+    on whichever listener the client came to."""
+    budget = ProcessBudget(nofile=lambda: 40)              # a share of 20 connections
+    r = Router(token=TOKEN)
+    r.add("echo", lambda b: b)
+    flooded = await serve(r, "tcp:127.0.0.1:0", budget=budget)
+    other = await serve(r, "tcp:127.0.0.1:0", budget=budget)
+    idle: list[asyncio.StreamWriter] = []
+    try:
+        for i in range(20):
+            _, w = await asyncio.open_connection(flooded.address.host, flooded.address.port,
+                                                 local_addr=(f"127.0.2.{1 + i % 4}", 0))
+            idle.append(w)
+        for _ in range(200):
+            if budget.connections == 20:
+                break
+            await asyncio.sleep(0.01)
+        assert budget.connections == 20
+        clients = []
+        try:
+            for server in (flooded, other):    # both stay open: each needed room
+                clients.append(await connect(str(server.address), token=TOKEN))
+                assert await clients[-1].call("echo", "in", timeout=5) == "in"
+        finally:
+            for c in clients:
+                await c.close()
+        assert flooded.stats.closed.get("evicted") == 2
+        assert not flooded.stats.refused and not other.stats.refused
+    finally:
+        for w in idle:
+            w.close()
+        await flooded.close()
+        await other.close()

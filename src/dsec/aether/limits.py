@@ -36,8 +36,10 @@ through an injected callable.
 from __future__ import annotations
 
 import resource
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dsec.aether.frame import DEFAULT_MAX_FRAME, MAX_FRAME_LIMIT
 from dsec.errors import InvalidArgument
@@ -46,6 +48,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "Admission",
     "ListenerStats",
+    "PendingPool",
     "ProcessBudget",
     "ServerLimits",
     "process_budget",
@@ -108,6 +111,14 @@ def soft_nofile() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+class PendingPool(Protocol):
+    """A listener's connections that have not authenticated yet (see ProcessBudget)."""
+
+    def pending_count(self) -> int: ...
+
+    def evict_oldest_pending(self) -> bool: ...
+
+
 @dataclass(slots=True, eq=False, kw_only=True)
 class ProcessBudget:
     """What all listeners of one process share: file descriptors and buffered bytes.
@@ -130,6 +141,12 @@ class ProcessBudget:
     # 1 MiB write - or the apiserver's own link to its edge - while a few strangers
     # held 16 MiB partial frames each).
     holders: dict[object, int] = field(default_factory=dict)
+    # Every listener's not-yet-authenticated connections: when the fd share is what is
+    # full, the oldest of the listener holding the most is dropped for a newcomer, as
+    # when one listener's pending slots are full. Without it a stranger's idle flood
+    # over a few addresses filled a small share (RLIMIT_NOFILE 1024: 512) with pending
+    # connections, and every client, key or not, was refused.
+    pools: weakref.WeakSet[PendingPool] = field(default_factory=weakref.WeakSet)
 
     def __post_init__(self) -> None:
         if not 0 < self.connection_share < 1:
@@ -150,6 +167,12 @@ class ProcessBudget:
         if held:
             self.holders[holder] = held
         self.buffered += held - before
+
+    def make_room(self) -> bool:
+        """Drop the oldest unauthenticated connection of the listener holding the most;
+        False if no listener holds any."""
+        pool = max(self.pools, key=lambda p: p.pending_count(), default=None)
+        return pool is not None and pool.pending_count() > 0 and pool.evict_oldest_pending()
 
     def largest_holder(self) -> object | None:
         """The holder of the most buffered bytes (the one to close when over budget)."""
