@@ -260,3 +260,51 @@ async def test_when_the_fd_share_is_full_of_strangers_a_client_still_gets_in() -
             w.close()
         await flooded.close()
         await other.close()
+
+
+async def test_a_peer_that_leaves_its_replies_unread_is_cut_not_buffered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading stops at the write high-water mark, but the calls already running still
+    answer: 300 pipelined read_file calls of an 8 MiB file, never read, grew dsec up by
+    1.5 GB. Past UNREAD_REPLIES_MAX unread bytes the listener cuts the connection."""
+    import socket
+
+    import dsec.aether.connection as aconn
+    from dsec.aether.connection import AUTH_METHOD
+    from dsec.aether.frame import FrameType, encode_parts
+    from dsec.aether.messages import encode_request
+
+    monkeypatch.setattr(aconn, "UNREAD_REPLIES_MAX", 8 << 20, raising=False)
+
+    async def blob(n: int) -> bytes:
+        await asyncio.sleep(0)
+        return b"b" * n
+
+    r = Router(token=TOKEN)
+    r.add("blob", blob)
+    budget = ProcessBudget(nofile=lambda: 100_000)
+    server = await serve(r, "tcp:127.0.0.1:0", budget=budget)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((server.address.host, server.address.port))
+    s.setblocking(False)
+    try:
+        frames = [encode_parts(FrameType.REQUEST, 1, p := encode_request(
+            AUTH_METHOD, msgspec.msgpack.encode(TOKEN))) + p]
+        call = encode_request("blob", msgspec.msgpack.encode(1 << 20))
+        frames += [encode_parts(FrameType.REQUEST, sid, call) + call
+                   for sid in range(3, 3 + 2 * 100, 2)]
+        await asyncio.get_running_loop().sock_sendall(s, b"".join(frames))
+        for _ in range(500):
+            if server.stats.closed.get("unread_replies"):
+                break
+            await asyncio.sleep(0.01)
+        assert server.stats.closed.get("unread_replies") == 1
+        for _ in range(300):
+            if not server.connections:
+                break
+            await asyncio.sleep(0.01)
+        assert not server.connections and budget.connections == 0
+    finally:
+        s.close()
+        await server.close()

@@ -98,6 +98,12 @@ CLOSE_LINGER = 1.0              # seconds a closed socket may take to flush befo
 STREAM_BACKLOG_MAX = 16 * 1024 * 1024
 # ... and all streaming calls of one connection together (the largest backlog goes first).
 STREAMS_BACKLOG_MAX = 64 * 1024 * 1024
+# Bytes of our replies a listener's peer may leave unread before it is cut. Reading stops
+# at WRITE_HIGH_WATER, but the calls already running still answer: a tenant that
+# pipelined 300 read_file calls of an 8 MiB file and never read grew dsec up by 1.5 GB
+# (and by up to max_calls_in_flight x 16 MiB per connection). Dialed connections (our
+# own links) are never cut for this.
+UNREAD_REPLIES_MAX = 64 * 1024 * 1024
 # Write buffer marks of a connection that has not authenticated yet: its replies are
 # small ERROR/PONG frames; a peer that does not read them stops being read far sooner.
 PENDING_WRITE_HIGH = 64 * 1024
@@ -903,6 +909,12 @@ class Connection:
             self._shutdown(ConnectionLost(f"write on connection {self.name} failed: {exc}"))
             return
         buf.clear()
+        if self._guard is not None and self._goaway_sent is None:
+            unread = self._transport.get_write_buffer_size()
+            if unread > UNREAD_REPLIES_MAX:
+                self._cut("unread_replies", (
+                    f"the peer left {unread} bytes of replies unread (the limit is "
+                    f"{UNREAD_REPLIES_MAX}); read replies as they come"), code=Overloaded.code)
 
     async def _drain(self) -> None:
         """Wait until the transport's write buffer is below its low-water mark."""
