@@ -10,7 +10,6 @@ tenants' too) and the server must not buffer its work without bound.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
