@@ -67,6 +67,7 @@ from dsec.control.api.types import (
     QuotaBody,
     SessionView,
 )
+from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementRequest
@@ -213,6 +214,7 @@ class ControlPlane:
     service: ApiService | None = None
     layer_dir: str | None = None
     placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
+    ceiling: Ceiling = field(default_factory=Ceiling)   # refuses what no node could hold
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
@@ -317,6 +319,8 @@ class ControlPlane:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not offered by any node of this cluster; "
                 f"available: {', '.join(sorted(offered))}", field="backend")
+        self.ceiling.check(backend=spec.backend, cpu_milli=spec.cpu_milli,
+                           memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
@@ -953,6 +957,7 @@ class ControlPlane:
         e.failure = e.problem = ""
         e.heartbeat = hb
         e.last_seen = now = self.clock()
+        self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
         e.images = frozenset(hb.images)
         if e.noted:
             e.noted -= e.images
