@@ -62,7 +62,7 @@ def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
 @pytest.fixture
 def short_ttl() -> Iterator[LocalCluster]:
     with LocalCluster(edges=1, edge_processes=True, cpu_milli=8000, memory_bytes=8 << 30,
-                      plane=PlaneConfig(node_ttl_s=6.0)) as c:
+                      plane=PlaneConfig(node_ttl_s=6.0, poll_timeout_s=1.5)) as c:
         yield c
 
 

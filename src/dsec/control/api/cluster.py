@@ -410,12 +410,13 @@ class ClusterRuntime:
           back: the node is held (:meth:`ControlPlane.hold_edge`) for as long as the
           restart takes, also past the TTL (re-adopting many sandboxes on a loaded
           machine); a crash loop that gives up stops the hold;
-        - an edge whose process runs but has not answered a heartbeat for half the TTL
-          is hung (stopped, deadlocked, stuck in the kernel): it is killed, so its
+        - an edge whose process runs but is silent (a poll timed out or was refused
+          with nothing else heard from it) and has not answered a heartbeat for half the
+          TTL is hung (stopped, deadlocked, stuck in the kernel): it is killed, so its
           supervisor restarts it and it re-adopts its sandboxes from its journal, as
-          after a crash, instead of being written off. An edge that answers with errors,
-          or that this apiserver cannot reach for a reason of its own (``answered``,
-          ``blind``), is alive and left alone."""
+          after a crash, instead of being written off. An edge that answers with errors
+          or late (busy), or that this apiserver cannot reach for a reason of its own
+          (``answered``, ``blind``), is alive and left alone."""
         plane = self.plane
         assert plane is not None
         cfg = self.config.plane
@@ -441,7 +442,7 @@ class ClusterRuntime:
                                   f"(restart {proc.sup.restarts})", 2 * cfg.node_ttl_s)
                     elif (proc.state == "running" and proc.ready_at is not None
                           and proc.clock() - proc.ready_at > hang_s
-                          and e.failure in ("", "silent") and e.heartbeat is not None
+                          and e.failure == "silent" and e.heartbeat is not None
                           and plane.clock() - e.last_seen > hang_s):
                         why = (f"edge {node} (pid {proc.pid}) has not answered a heartbeat "
                                f"for {plane.clock() - e.last_seen:.1f}s though its process "
@@ -449,7 +450,9 @@ class ClusterRuntime:
                                f"sandboxes before the node-loss TTL ({cfg.node_ttl_s:g}s)")
                         log.warning("%s", why)
                         self._on_report(node, "warning", why)
-                        proc.kill(signal.SIGKILL)
+                        if proc.kill(signal.SIGKILL):
+                            await plane.hold_edge(node, f"edge {node} was hung; dsec up "
+                                                  "is restarting it", 2 * cfg.node_ttl_s)
                 except Exception:
                     log.exception("minding edge %s failed", node)
 
