@@ -486,8 +486,23 @@ class ControlPlane:
         return self._view(path)
 
     def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        """Set ``path``'s quota. It needs admin on the *parent* project (a superuser for a
+        top-level one): a quota bounds a project's admins too, so they must not be able
+        to lift the one they were given (they still set their subprojects' quotas)."""
         parse_project_path(path)
-        self._admin(caller, path)
+        parent = path.rpartition("/")[0]
+        if parent:
+            have = caller.role_on(parent)
+            if have != "admin":
+                raise PermissionDenied(
+                    f"principal {caller.name!r} cannot set the quota of project {path!r}: "
+                    f"that needs role 'admin' on its parent project {parent!r} (has "
+                    f"{have or 'none'}); a project's own admins cannot raise its quota")
+        elif not caller.superuser:
+            raise PermissionDenied(
+                f"principal {caller.name!r} cannot set the quota of top-level project "
+                f"{path!r}: only a superuser may (a project's own admins cannot raise its "
+                "quota); admins set the quotas of their subprojects")
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
         self.quota.set_quota(path, quota)
@@ -504,9 +519,13 @@ class ControlPlane:
         - ``req.name`` is new: the caller must be admin of ``req.project``; the principal
           is created with ``req.role`` there (inside the caller's subtree, never above).
         - ``req.name`` exists and is someone else: only a superuser may (it also grants
-          ``req.role`` on ``req.project``), and never for another superuser: a
-          superuser's keys are minted by that superuser alone. A project admin gets a
-          ``409 conflict`` (the name is taken), never a key.
+          ``req.role`` on ``req.project``), and only when it says so (``req.existing``),
+          and never for another superuser: a superuser's keys are minted by that
+          superuser alone. A project admin gets a ``409 conflict`` (the name is taken),
+          never a key. ``existing`` must be explicit because project admins create
+          principals in the same cluster-wide id space: an admin who pre-creates
+          ``carol`` keeps a key for her, and a superuser "creating" carol later would
+          otherwise grant that key whatever carol is meant to get (a red-team finding).
         """
         parse_project_path(req.project)
         target = self.store.get_principal(req.name)
@@ -526,6 +545,14 @@ class ControlPlane:
                     f"principal {req.name!r} already exists and is not yours: only it "
                     "(minting its own extra key) or a superuser may create keys for an "
                     "existing principal; pick a new name for a new principal")
+            elif not req.existing:
+                raise Conflict(
+                    f"principal {req.name!r} already exists (with roles on "
+                    f"{len(self.store.list_role_bindings(req.name))} project(s)); granting "
+                    f"it {req.role!r} on {req.project!r} would give that role to every key "
+                    "it already holds, including keys minted by whoever created it. Pass "
+                    "\"existing\": true to grant this existing principal, or pick a new name",
+                    principal_id=req.name)
             else:
                 self.iam.grant(req.name, req.project, req.role)
                 self._forget_principal(req.name)

@@ -1,0 +1,123 @@
+"""Red team of the tenancy rules (after issue 11 item 1 landed): hostile tenants against a
+real in-process cluster (apiserver + edge over a Unix socket + SQLite), every door.
+
+Principals: the bootstrap superuser (the operator); ``bob`` administers ``teamb``;
+``mallory`` is a member of ``teamc``. Each test is one attack that worked before its
+fix: the test says what the attacker did and what it must get now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from dsec.aether import connect
+from dsec.client.local import LocalCluster
+from dsec.errors import DsecError
+
+
+class Tenants:
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.root = cluster.api_key
+        self.bob = cluster.create_key("bob", "teamb", "admin")
+        self.mallory = cluster.create_key("mallory", "teamc", "member")
+        self.http = httpx.Client(base_url=cluster.url, timeout=30)
+
+    def h(self, key: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {key}"}
+
+    def gateway(self, method: str, body: dict[str, Any]) -> Any:
+        """One raw call on the Aether gateway (the SDK's default door); a ``DsecError``
+        is returned, not raised."""
+        async def go() -> Any:
+            assert self.cluster.gateway is not None
+            conn = await connect(self.cluster.gateway)
+            try:
+                return await conn.call(method, body)
+            except DsecError as exc:
+                return exc
+            finally:
+                await conn.close()
+        return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def t() -> Iterator[Tenants]:
+    with LocalCluster(edges=1) as cl:
+        w = Tenants(cl)
+        try:
+            yield w
+        finally:
+            w.http.close()
+
+
+# ------------------------------------------------------------------ principal squatting
+@pytest.mark.parametrize("door", ["rest", "gateway"])
+def test_a_squatted_principal_name_gains_nothing_from_a_later_grant(t: Tenants,
+                                                                      door: str) -> None:
+    # Was a hole (high): principal ids are one cluster-wide namespace and project admins
+    # create principals in it. bob (admin of teamb only) created "carol-<door>" ahead of
+    # the real carol and kept her key; when the operator later "created" carol as admin
+    # of teama, POST /v1/keys silently granted the EXISTING principal, and bob's key for
+    # carol became an admin key of teama.
+    name = f"carol-{door}"
+    r = t.http.post("/v1/keys", json={"name": name, "project": "teamb", "role": "reader"},
+                    headers=t.h(t.bob))
+    assert r.status_code == 201, r.text
+    squatter_key = r.json()["api_key"]
+    onboard = {"name": name, "project": "teama", "role": "admin"}
+    if door == "rest":
+        r = t.http.post("/v1/keys", json=onboard, headers=t.h(t.root))
+        code, message = r.json().get("code"), r.json().get("message", "")
+    else:
+        got = t.gateway("api.create_key", {"key": t.root, "req": onboard})
+        assert isinstance(got, DsecError), got
+        code, message = got.code, got.message
+    assert code == "conflict" and "already exists" in message and "existing" in message
+    # the squatter's key holds nothing on teama
+    assert t.http.get("/v1/projects/teama", headers=t.h(squatter_key)).status_code == 403
+    r = t.http.post("/v1/sandboxes", json={"project": "teama"}, headers=t.h(squatter_key))
+    assert r.status_code == 403, r.text
+    # an operator who does mean that principal says so, and then knows what it grants
+    r = t.http.post("/v1/keys", json={**onboard, "existing": True}, headers=t.h(t.root))
+    assert r.status_code == 201, r.text
+
+
+# ------------------------------------------------------------------------- quotas
+def test_a_project_admin_cannot_lift_its_own_projects_quota(t: Tenants) -> None:
+    # Was a hole (medium): PUT /v1/quotas/{path} needed admin on the path itself, so the
+    # admin of a project lifted the quota the operator gave it (sandboxes, CPU, memory,
+    # snapshot_bytes: all of it, e.g. {"max_sandboxes": null}).
+    admin = t.h(t.root)
+    assert t.http.put("/v1/quotas/teamb", json={"max_sandboxes": 1, "snapshot_bytes": 10},
+                      headers=admin).status_code == 200
+    for body in ({"max_sandboxes": None}, {"max_sandboxes": 1000}, {}):
+        r = t.http.put("/v1/quotas/teamb", json=body, headers=t.h(t.bob))
+        assert r.status_code == 403 and r.json()["code"] == "permission_denied", r.text
+        assert "parent" in r.json()["message"] or "superuser" in r.json()["message"]
+    got = t.http.get("/v1/projects/teamb", headers=t.h(t.bob)).json()["quota"]
+    assert got == {"max_sandboxes": 1, "snapshot_bytes": 10}
+    # still one sandbox only
+    a = t.http.post("/v1/sandboxes", json={"project": "teamb"}, headers=t.h(t.bob))
+    assert a.status_code == 201, a.text
+    b = t.http.post("/v1/sandboxes", json={"project": "teamb"}, headers=t.h(t.bob))
+    assert b.status_code == 429 and b.json()["code"] == "quota_exceeded", b.text
+    t.http.delete(f"/v1/sandboxes/{a.json()['id']}", headers=t.h(t.bob))
+    # nor through a subproject's path upwards: an admin sets its subprojects' quotas only
+    r = t.http.put("/v1/quotas/teamb/exp", json={"max_sandboxes": 5}, headers=t.h(t.bob))
+    assert r.status_code == 200, r.text
+    b2 = t.http.post("/v1/keys", json={"name": "bob2", "project": "teamb/exp",
+                                       "role": "admin"}, headers=t.h(t.bob))
+    assert b2.status_code == 201, b2.text
+    r = t.http.put("/v1/quotas/teamb/exp", json={"max_sandboxes": None},
+                   headers=t.h(b2.json()["api_key"]))
+    assert r.status_code == 403, r.text
+    assert t.http.put("/v1/quotas/teamb", json={}, headers=admin).status_code == 200
+    assert msgspec.json.decode(t.http.get("/v1/projects/teamb/exp", headers=admin).content)[
+        "quota"] == {"max_sandboxes": 5}
