@@ -121,3 +121,109 @@ def test_a_project_admin_cannot_lift_its_own_projects_quota(t: Tenants) -> None:
     assert t.http.put("/v1/quotas/teamb", json={}, headers=admin).status_code == 200
     assert msgspec.json.decode(t.http.get("/v1/projects/teamb/exp", headers=admin).content)[
         "quota"] == {"max_sandboxes": 5}
+
+
+# ------------------------------------------------------------- the edge's Unix socket
+NOBODY = 65534
+
+
+def _as_nobody(fn: Any) -> Any:
+    """Run ``fn()`` in a forked child that dropped root for uid/gid 65534; returns its
+    result (or the ``OSError`` it raised, as ``(errno, strerror)``)."""
+    import json
+    import os
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                out: Any = fn()
+            except OSError as exc:
+                out = ["oserror", exc.errno, exc.strerror]
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+@pytest.fixture
+def public_dir() -> Iterator[str]:
+    """A fresh 0755 directory in /tmp (every ancestor traversable by other users)."""
+    import os
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="dsec-rt-", dir="/tmp")
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_edge_socket_cannot_be_swapped_by_another_host_user(public_dir: str) -> None:
+    # Was a hole (medium, under a permissive umask): `dsec edge --listen unix:PATH`
+    # created PATH's missing directories with the umask's mode (0777 under umask 0), and
+    # the socket itself with the umask's mode, chmod'ing it to 0600 only after it was
+    # listening. Another host user could then delete the edge's socket and listen in its
+    # place: the apiserver's next (re)connect went to an impostor edge, which received
+    # every tenant's create specs (env secrets), commands and file writes.
+    import os
+    import socket
+    import stat
+    import subprocess
+    import sys
+    import time
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    from pathlib import Path
+    base = Path(public_dir)
+    sock = str(base / "run" / "dsec" / "edge.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from dsec.cli.main import main; main()", "edge",
+         "--listen", f"unix:{sock}", "--node-id", "rt"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.umask(0))
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                proc.stderr.read().decode() if proc.stderr else ""
+            time.sleep(0.05)
+        def swap() -> Any:
+            os.unlink(sock)
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(sock)
+            return "swapped"
+
+        def dial() -> Any:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            return "connected"
+        got = _as_nobody(swap)
+        assert got != "swapped" and got[0] == "oserror", got
+        assert _as_nobody(dial)[0] == "oserror"
+        assert os.path.exists(sock) and proc.poll() is None
+        for d in (base / "run", base / "run" / "dsec"):
+            assert stat.S_IMODE(os.stat(d).st_mode) & 0o022 == 0, (d, oct(os.stat(d).st_mode))
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        # nothing but the socket is left next to it (the private bind directory is gone)
+        assert os.listdir(base / "run" / "dsec") == ["edge.sock"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

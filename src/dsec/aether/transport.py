@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from typing import Literal, Self
 
@@ -115,15 +117,21 @@ class Server:
         addr = self.address
         loop = asyncio.get_running_loop()
         if addr.kind == "unix":
-            os.makedirs(os.path.dirname(addr.path) or ".", exist_ok=True)
+            _make_private_dirs(os.path.dirname(addr.path) or ".")
             with contextlib.suppress(FileNotFoundError):
                 if _socket_alive(addr.path):
                     raise TransportError(
                         f"cannot listen on {addr}: a live process already serves it; stop "
                         "it or pick another path")
                 os.unlink(addr.path)  # a stale socket file from a process that died
-            self._server = await loop.create_unix_server(self._protocol, addr.path)
-            os.chmod(addr.path, 0o600)  # the edge socket is for root / the apiserver only
+            sock = _bind_private_unix(addr.path)
+            try:
+                self._server = await loop.create_unix_server(self._protocol, sock=sock)
+            except BaseException:
+                sock.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(addr.path)
+                raise
         else:
             self._server = await loop.create_server(self._protocol, addr.host, addr.port)
             if addr.port == 0:  # report the port the kernel picked
@@ -150,6 +158,50 @@ class Server:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create the missing directories of ``path``, each 0700. ``os.makedirs`` gives the
+    ones it creates the umask's mode (0777 under umask 0), and a directory others may
+    write lets them swap the socket for their own: the apiserver would then talk to an
+    impostor edge. Directories that exist are left as they are."""
+    missing: list[str] = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+
+
+def _bind_private_unix(path: str) -> socket.socket:
+    """A Unix socket bound at ``path`` that never exists there with a mode other than
+    0600 (the edge socket is for root / the apiserver only: whoever connects runs
+    commands in sandboxes). bind(2) creates the file with the umask's mode, so binding
+    in place and chmod'ing after left a window (forever, under umask 0, for a peer that
+    connected in it); instead bind inside a fresh 0700 directory next to ``path`` (via
+    ``/proc/self/fd``, so a long ``path`` does not hit the 108-byte sun_path limit),
+    chmod, and rename into place."""
+    tmp = tempfile.mkdtemp(prefix=".aether-", dir=os.path.dirname(path) or ".")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dfd}/s")
+            os.chmod("s", 0o600, dir_fd=dfd)
+            os.rename("s", path, src_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sock
 
 
 def _socket_alive(path: str) -> bool:
