@@ -227,3 +227,54 @@ def test_an_edge_socket_cannot_be_swapped_by_another_host_user(public_dir: str) 
             proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+# ------------------------------------------------------------------ the state dir path
+def test_a_state_dir_another_user_can_redirect_is_refused(public_dir: str) -> None:
+    # Was a hole (medium): ensure_private_dir made the state dir 0700 and checked its
+    # owner through the path it was given, then dsec kept using that path. A path
+    # through another user's symlink (one planted in /tmp ahead of `dsec up --state-dir
+    # /tmp/dsec`) passed every check while the link pointed at a root-owned directory;
+    # its owner then re-pointed it at a directory of theirs, and the keys (local.json),
+    # control.sqlite, every tenant's layers and the edge sockets were written there. A
+    # directory under a parent others may write (no sticky bit) can be renamed away and
+    # replaced the same way.
+    import os
+    import subprocess
+    import sys
+
+    from dsec.errors import InvalidArgument
+    from dsec.statedir import ensure_private_dir
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    sticky = os.path.join(public_dir, "tmp")
+    os.mkdir(sticky)
+    os.chmod(sticky, 0o1777)
+    target = os.path.join(public_dir, "root-owned")
+    os.mkdir(target, 0o700)
+    theirs = os.path.join(sticky, "theirs")
+    link = os.path.join(sticky, "dsec")
+
+    def plant() -> Any:
+        os.mkdir(theirs, 0o777)
+        os.symlink(target, link)
+        return "planted"
+    assert _as_nobody(plant) == "planted"
+    with pytest.raises(InvalidArgument, match="symlink .* owned by uid 65534"):
+        ensure_private_dir(link)
+    r = subprocess.run([sys.executable, "-c", "from dsec.cli.main import main; main()", "up",
+                        "--state-dir", link, "--listen", "127.0.0.1:0", "--quiet"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode != 0 and "symlink" in r.stderr, r.stderr[-2000:]
+    assert os.listdir(target) == [] and os.listdir(theirs) == []
+    # a parent that others may write (not sticky): the directory can be moved away
+    loose = os.path.join(public_dir, "loose")
+    os.mkdir(loose)
+    os.chmod(loose, 0o777)
+    with pytest.raises(InvalidArgument, match="other users may write"):
+        ensure_private_dir(os.path.join(loose, "state"))
+    # root's own symlink is fine, and the real path is what dsec goes on with
+    mine = os.path.join(public_dir, "mine")
+    os.symlink(target, mine)
+    assert ensure_private_dir(mine) == os.path.realpath(target)
+    assert ensure_private_dir(os.path.join(sticky, "state")) == os.path.join(sticky, "state")

@@ -26,7 +26,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
@@ -129,9 +129,10 @@ class ClusterRuntime:
         from dsec.control.store.sqlite import SqliteStore
         from dsec.edge.service import EdgeClient
 
-        cfg = self.config
-        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
-        ensure_private_dir(cfg.state_dir)
+        given = self.config.state_dir
+        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers);
+        # its real path from then on, so nobody can swap a symlink on the way to it.
+        cfg = self.config = replace(self.config, state_dir=ensure_private_dir(given))
         try:
             await self._start_edges()
             self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
@@ -149,7 +150,7 @@ class ClusterRuntime:
                 idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
-                                 redact_paths=_host_paths(cfg.state_dir)),
+                                 redact_paths=_host_paths(given)),
                 clock=loop.time,
                 anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
             plane.service = service
