@@ -192,7 +192,7 @@ def test_an_edge_socket_cannot_be_swapped_by_another_host_user(public_dir: str) 
         [sys.executable, "-c", "from dsec.cli.main import main; main()", "edge",
          "--listen", f"unix:{sock}", "--node-id", "rt"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        preexec_fn=lambda: os.umask(0))
+        umask=0)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(sock):
@@ -278,3 +278,42 @@ def test_a_state_dir_another_user_can_redirect_is_refused(public_dir: str) -> No
     os.symlink(target, mine)
     assert ensure_private_dir(mine) == os.path.realpath(target)
     assert ensure_private_dir(os.path.join(sticky, "state")) == os.path.join(sticky, "state")
+
+
+# ------------------------------------------------------------- the gateway's budget
+def test_one_peer_flooding_bad_keys_does_not_lock_others_out_of_the_gateway() -> None:
+    # Was a hole (medium; an unauthenticated peer against every tenant): the gateway (the
+    # SDK's default door) charged every failed key to ONE budget ("gateway"), because
+    # Aether handlers did not see the peer. Once a peer had spent it (100 bad keys, then
+    # 20/s), every key not already in the principal cache was refused with 429 on the
+    # gateway: a freshly minted key, and after an apiserver restart every key.
+    from dsec.aether import Connection
+    from dsec.control.ratelimit import RateLimitConfig
+
+    async def calls(addr: str, local: str, keys: list[str]) -> list[str]:
+        host, _, port = addr.removeprefix("tcp:").rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
+        conn = Connection(reader, writer)
+        out = []
+        try:
+            for k in keys:
+                try:
+                    await conn.call("api.info", {"key": k})
+                    out.append("ok")
+                except DsecError as exc:
+                    out.append(exc.code)
+        finally:
+            await conn.close()
+        return out
+
+    with LocalCluster(edges=1, anon_rate=RateLimitConfig(rate_per_s=0.01, burst=6)) as cl:
+        assert cl.gateway is not None and cl.gateway.startswith("tcp:127.0.0.1:")
+        fresh = cl.create_key("fresh", "team", "member")           # never used yet
+        guess = "dsk_0123456789abcdef_" + "A" * 43
+        flood = asyncio.run(calls(cl.gateway, "127.0.0.2", [guess] * 9))
+        assert flood[:6] == ["unauthenticated"] * 6 and flood[6:] == ["rate_limited"] * 3
+        # the flooding peer's own new keys wait (its address spent its budget) ...
+        assert asyncio.run(calls(cl.gateway, "127.0.0.2", [fresh])) == ["rate_limited"]
+        # ... another peer's do not
+        assert asyncio.run(calls(cl.gateway, "127.0.0.1", [fresh, guess])) == [
+            "ok", "unauthenticated"]

@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import functools
 import hmac
 import inspect
 import logging
+import socket
+import struct
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -72,7 +75,8 @@ from dsec.errors import (
     error_from_wire,
 )
 
-__all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Router", "StreamSender"]
+__all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Router", "StreamSender",
+           "current_peer"]
 
 # The method a peer calls first on an endpoint whose Router has a token (body: the token
 # as msgpack bin). Edges listening on TCP require it; their Unix sockets are root-only.
@@ -211,6 +215,34 @@ class Router:
     @property
     def methods(self) -> list[str]:
         return sorted(self._routes)
+
+
+# ------------------------------------------------------------------------ the peer
+_PEER: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsec_aether_peer",
+                                                                 default=None)
+
+
+def current_peer() -> str | None:
+    """Who sent the request a handler is serving: the peer's IP address over TCP,
+    ``uid:<n>`` over a Unix socket (SO_PEERCRED), None where unknown (in-memory stream
+    pairs) or outside a handler. Per-client limits (the gateway's budget for failed API
+    keys) key on it, so one peer's flood does not spend everybody's budget."""
+    return _PEER.get()
+
+
+def _peer_of(transport: asyncio.BaseTransport) -> str | None:
+    try:
+        name = transport.get_extra_info("peername")
+        if isinstance(name, tuple) and name and isinstance(name[0], str) and name[0]:
+            return name[0]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                    struct.calcsize("3i"))
+            return f"uid:{struct.unpack('3i', creds)[1]}"
+    except (OSError, AttributeError, ValueError):
+        pass
+    return None
 
 
 # --------------------------------------------------------------------- call slots
@@ -461,6 +493,7 @@ class Connection:
         self._transport_gone = asyncio.Event()
         self._close_callbacks: list[Callable[[Connection], None]] = []
         self.name = name
+        self.peer = _peer_of(transport) if router is not None else None
         try:
             transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         except (AttributeError, NotImplementedError):  # a transport without flow control
@@ -953,21 +986,27 @@ class Connection:
                 f"Aether method {route.method!r} must be called with {how}",
                 method=route.method))
             return
-        if not route.is_async:
+        # The handler (and the task running it, which copies the context) sees the peer
+        # through current_peer(); a set/reset pair costs ~0.1 us per request.
+        peer = _PEER.set(self.peer)
+        try:
+            if not route.is_async:
+                try:
+                    result = route.handler(body)
+                except Exception as exc:  # noqa: BLE001 - any handler failure becomes an ERROR
+                    self._reply_handler_error(sid, route.method, exc)
+                    return
+                self._reply(sid, route.method, result)
+                return
             try:
-                result = route.handler(body)
-            except Exception as exc:  # noqa: BLE001 - any handler failure becomes an ERROR
+                coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
+                        else route.handler(body))
+            except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
                 self._reply_handler_error(sid, route.method, exc)
                 return
-            self._reply(sid, route.method, result)
-            return
-        try:
-            coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
-                    else route.handler(body))
-        except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
-            self._reply_handler_error(sid, route.method, exc)
-            return
-        task = self._loop.create_task(coro)
+            task = self._loop.create_task(coro)
+        finally:
+            _PEER.reset(peer)
         self._tasks[sid] = task
         task.add_done_callback(functools.partial(self._handler_done, sid, route.method))
 

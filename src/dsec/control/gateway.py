@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from dsec.aether import Router, Server, StreamSender, serve
+from dsec.aether import Router, Server, StreamSender, current_peer, serve
 from dsec.aether.messages import ErrorBody, error_body
 from dsec.control.api.service import ApiService
 from dsec.control.api.types import (
@@ -166,9 +166,11 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
     redact = service.redact
 
     def caller(body: _Keyed) -> Any:
-        # Aether handlers do not see the peer's address: failed keys on the gateway
-        # share one budget of the service's per-client limiter ("gateway").
-        return auth(body.key, "gateway")
+        # Failed keys are charged to the peer's address (uid:<n> over a Unix socket), as
+        # on REST. They used to share one budget ("gateway", still the fallback when the
+        # transport names no peer): one peer sending bad keys locked every key not yet
+        # in the principal cache (all of them after a restart) out of the gateway.
+        return auth(body.key, current_peer() or "gateway")
 
     def add(method: str, fn: Callable[..., Any], **kw: Any) -> None:
         """``r.add`` with errors passed through ``service.redact`` (no host paths)."""
