@@ -317,3 +317,49 @@ def test_one_peer_flooding_bad_keys_does_not_lock_others_out_of_the_gateway() ->
         # ... another peer's do not
         assert asyncio.run(calls(cl.gateway, "127.0.0.1", [fresh, guess])) == [
             "ok", "unauthenticated"]
+
+
+# ------------------------------------------------------------------------- sessions
+def test_a_least_role_key_cannot_fill_the_store_with_sessions() -> None:
+    # Was a hole (medium; the least role against every tenant): any key, a reader's
+    # included, opened sessions without limit (20,000 in 3.3 s here, kept up to two days
+    # each), and the sweeper reads every session row on each pass on the apiserver's
+    # event loop (0.15 s per 20,000): minutes of it stalled the apiserver for everyone.
+    from dsec.control.api.plane import PlaneConfig
+
+    with LocalCluster(edges=1, plane=PlaneConfig(max_sessions_per_principal=5)) as cl:
+        rita = cl.create_key("rita", "teamr", "reader")
+        other = cl.create_key("olga", "teamo", "reader")
+        h = {"authorization": f"Bearer {rita}"}
+        with httpx.Client(base_url=cl.url, timeout=30) as http:
+            opened = [http.post("/v1/sessions", json={"lease_s": 86400}, headers=h)
+                      for _ in range(3)]
+            assert [r.status_code for r in opened] == [201] * 3
+
+            async def gw(n: int) -> list[str]:
+                assert cl.gateway is not None
+                conn = await connect(cl.gateway)
+                out = []
+                try:
+                    for _ in range(n):
+                        try:
+                            await conn.call("api.session_open", {"key": rita, "lease_s": 60})
+                            out.append("ok")
+                        except DsecError as exc:
+                            out.append(exc.code)
+                finally:
+                    await conn.close()
+                return out
+            assert asyncio.run(gw(3)) == ["ok", "ok", "quota_exceeded"]
+            r = http.post("/v1/sessions", json={"lease_s": 60}, headers=h)
+            assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+            assert "limit is 5" in r.json()["message"]
+            # renewing is fine, and so is another principal; closing and sweeping frees one
+            sid = opened[0].json()["id"]
+            assert http.post(f"/v1/sessions/{sid}/renew", headers=h).status_code == 200
+            assert http.post("/v1/sessions", json={"lease_s": 60}, headers={
+                "authorization": f"Bearer {other}"}).status_code == 201
+            assert http.delete(f"/v1/sessions/{sid}", headers=h).status_code == 204
+            cl._on_loop(cl.runtime.plane.sweep())
+            assert http.post("/v1/sessions", json={"lease_s": 60},
+                             headers=h).status_code == 201

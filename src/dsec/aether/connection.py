@@ -987,7 +987,7 @@ class Connection:
                 method=route.method))
             return
         # The handler (and the task running it, which copies the context) sees the peer
-        # through current_peer(); a set/reset pair costs ~0.1 us per request.
+        # through current_peer(); a set/reset pair costs ~0.2 us (measured here, loaded).
         peer = _PEER.set(self.peer)
         try:
             if not route.is_async:

@@ -97,6 +97,7 @@ from dsec.errors import (
     NoCapacity,
     NotFound,
     PermissionDenied,
+    QuotaExceeded,
     SandboxNotFound,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
@@ -131,6 +132,12 @@ class PlaneConfig:
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
     reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
+    # Session rows one principal may hold (open, lapsed ones kept for renewal, closed ones
+    # not yet swept). Without a cap a key with the least role filled the store: 20,000
+    # sessions took 3.3 s to open here, and every sweeper pass reads all of them (0.15 s
+    # per 20,000, on the event loop), so a few minutes of it stalled the apiserver for
+    # every tenant. None: no cap.
+    max_sessions_per_principal: int | None = 10_000
 
 
 class IamAuthority:
@@ -592,6 +599,16 @@ class ControlPlane:
         if not c.min_lease_s <= lease_s <= c.max_lease_s:
             raise InvalidArgument(f"lease_s={lease_s} must be within {c.min_lease_s:g}.."
                                   f"{c.max_lease_s:g} seconds", field="lease_s")
+        cap = c.max_sessions_per_principal
+        if cap is not None:
+            have = self.store.count_sessions(caller.id)
+            if have >= cap:
+                raise QuotaExceeded(
+                    f"principal {caller.name!r} holds {have} sessions (open ones, lapsed "
+                    f"ones kept {c.session_retention_s:g}s for renewal, closed ones not yet "
+                    f"swept), the limit is {cap}: close the sessions you no longer use "
+                    "(DELETE /v1/sessions/{id}) or renew one instead of opening another",
+                    resource="sessions", used=have, limit=cap, requested=1)
         sid = "ses-" + secrets.token_hex(8)
         row = SessionRow(id=sid, principal_id=caller.id, lease_s=lease_s,
                          expires_at=self.clock() + lease_s)
