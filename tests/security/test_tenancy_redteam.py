@@ -363,3 +363,24 @@ def test_a_least_role_key_cannot_fill_the_store_with_sessions() -> None:
             cl._on_loop(cl.runtime.plane.sweep())
             assert http.post("/v1/sessions", json={"lease_s": 60},
                              headers=h).status_code == 201
+
+
+def test_a_principal_cannot_mint_keys_of_its_own_without_limit() -> None:
+    # Was a hole (low; same class as sessions): any principal minted extra keys of its
+    # own without limit, each a row in the state store (~20,000 a second per key).
+    from dsec.control.api.plane import PlaneConfig
+
+    with LocalCluster(edges=1, plane=PlaneConfig(max_keys_per_principal=3)) as cl:
+        rita = cl.create_key("rita", "teamr", "reader")
+        body = {"name": "rita", "project": "teamr", "role": "reader"}
+        with httpx.Client(base_url=cl.url, timeout=30) as http:
+            h = {"authorization": f"Bearer {rita}"}
+            got = [http.post("/v1/keys", json=body, headers=h) for _ in range(3)]
+            assert [r.status_code for r in got] == [201, 201, 429], got[-1].text
+            assert got[-1].json()["code"] == "quota_exceeded"
+            # the superuser's grant to her is refused whole: no role without a key
+            r = http.post("/v1/keys", json={"name": "rita", "project": "teamx",
+                                            "role": "admin", "existing": True},
+                          headers={"authorization": f"Bearer {cl.api_key}"})
+            assert r.status_code == 429, r.text
+            assert http.get("/v1/projects/teamx", headers=h).status_code == 403

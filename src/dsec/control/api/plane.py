@@ -138,6 +138,10 @@ class PlaneConfig:
     # per 20,000, on the event loop), so a few minutes of it stalled the apiserver for
     # every tenant. None: no cap.
     max_sessions_per_principal: int | None = 10_000
+    # API keys (revoked ones included: their rows stay) one principal may have; without
+    # a cap any principal minted extra keys of its own without limit (the store grows
+    # ~20,000 rows a second per key holder). None: no cap.
+    max_keys_per_principal: int | None = 1_000
 
 
 class IamAuthority:
@@ -538,6 +542,7 @@ class ControlPlane:
         target = self.store.get_principal(req.name)
         if target is not None and target.id == caller.id:
             ApiService.require(caller, req.project, req.role)
+            self._check_key_room(req.name)
         else:
             self._admin(caller, req.project)
             if target is None:
@@ -561,11 +566,23 @@ class ControlPlane:
                     "\"existing\": true to grant this existing principal, or pick a new name",
                     principal_id=req.name)
             else:
+                self._check_key_room(req.name)    # before granting: all or nothing
                 self.iam.grant(req.name, req.project, req.role)
                 self._forget_principal(req.name)
         key = self.iam.create_key(req.name)
         return CreateKeyResponse(name=req.name, project=req.project, role=req.role,
                                  api_key=key.token, key_id=key.key_id)
+
+    def _check_key_room(self, principal_id: str) -> None:
+        cap = self.config.max_keys_per_principal
+        if cap is None:
+            return
+        have = len(self.store.list_api_keys(principal_id))
+        if have >= cap:
+            raise QuotaExceeded(
+                f"principal {principal_id!r} has {have} API keys (revoked ones included), "
+                f"the limit is {cap}: reuse a key you hold instead of minting more",
+                resource="api_keys", used=have, limit=cap, requested=1)
 
     def revoke_key(self, caller: Caller, key_id: str) -> None:
         """Revoke key ``key_id`` (its id, the 16 hex digits after ``dsk_``): the same
