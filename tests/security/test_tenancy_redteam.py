@@ -384,3 +384,82 @@ def test_a_principal_cannot_mint_keys_of_its_own_without_limit() -> None:
                           headers={"authorization": f"Bearer {cl.api_key}"})
             assert r.status_code == 429, r.text
             assert http.get("/v1/projects/teamx", headers=h).status_code == 403
+
+
+# ------------------------------------------------------------- prefix lookups' cost
+class _DirOpens:
+    """Counts how often the kernel saw the directory ``path`` itself opened (inotify
+    IN_OPEN with IN_ISDIR and no name: what listdir does) since the last ``count()``;
+    inotify merges an event equal to the last one queued, so count after each step."""
+
+    IN_OPEN, IN_ISDIR, IN_NONBLOCK = 0x20, 0x40000000, 0o4000
+
+    def __init__(self, path: str) -> None:
+        import ctypes
+        import ctypes.util
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self.fd = self._libc.inotify_init1(self.IN_NONBLOCK)
+        assert self.fd >= 0
+        assert self._libc.inotify_add_watch(self.fd, path.encode(), self.IN_OPEN) >= 0
+
+    def count(self) -> int:
+        import os
+        import struct
+        n = 0
+        while True:
+            try:
+                buf = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return n
+            off = 0
+            while off < len(buf):
+                _, mask, _, ln = struct.unpack_from("iIII", buf, off)
+                if mask & self.IN_ISDIR and ln == 0:
+                    n += 1
+                off += 16 + ln
+
+    def close(self) -> None:
+        import os
+        os.close(self.fd)
+
+
+def test_a_digest_prefix_lookup_does_not_reread_the_whole_store(tmp_path: Any) -> None:
+    # Was a hole (low-medium; any key against the apiserver): every digest prefix (GET
+    # /v1/images/sha256:<12 hex>, or image=sha256:<12 hex> in a create) re-listed the
+    # store's manifests/ directory and re-sorted every digest, on the event loop: 72 ms a
+    # lookup at 20,000 layers here, so a reader's loop of them stalled every tenant's
+    # requests. A lookup while the store is unchanged now reads no directory.
+    import os
+    import time
+
+    import msgspec
+
+    from dsec.image.catalog import StoreIndex
+    from dsec.image.manifest import LayerManifest
+    d = tmp_path / "store"
+    (d / "manifests").mkdir(parents=True)
+    enc = msgspec.json.Encoder()
+
+    def add(hx: str) -> None:
+        m = LayerManifest(digest="sha256:" + hx, kind="base", size_bytes=1, created=0.0)
+        (d / "manifests" / f"{hx}.json").write_bytes(enc.encode(m))
+    for i in range(200):
+        add(f"{i:04x}" + "0" * 60)
+    index = StoreIndex(str(d)).sync(listing=True)
+    time.sleep(0.06)                      # past the racy window of the directory's mtime
+    watch = _DirOpens(str(d / "manifests"))
+    try:
+        reads = 0
+        for _ in range(50):
+            assert [m.hex for m in index.by_prefix("0012" + "0" * 8)] == ["0012" + "0" * 60]
+            reads += watch.count()       # read each time: the kernel merges equal events
+        assert reads <= 1                # at most once (the first, after the sync above)
+        # and still exact: a layer added since is found by the next lookup
+        add("0fff" + "a" * 60)
+        assert [m.hex for m in index.by_prefix("0fffaaaa")] == ["0fff" + "a" * 60]
+        os.unlink(d / "manifests" / ("0012" + "0" * 60 + ".json"))
+        time.sleep(0.06)
+        index.sync(listing=True)
+        assert index.by_prefix("0012" + "0" * 8) == []
+    finally:
+        watch.close()

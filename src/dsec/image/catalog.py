@@ -233,6 +233,7 @@ class StoreIndex:
         self._names: dict[str, tuple[str, ...]] = {}
         self._refs_sig: tuple[int, int, int] | None = None
         self._layers: dict[str, LayerManifest] = {}
+        self._sorted: list[str] | None = None       # sorted(self._layers), kept until it changes
         self._dir_sig: tuple[int, int] | None = None
         self._dir_racy = True
 
@@ -284,17 +285,18 @@ class StoreIndex:
             m = self._load(hx)
             if m is not None:
                 self._layers[hx] = m
+                self._sorted = None
         return m
 
-    def _fresh_listing(self, force: bool = False) -> None:
+    def _fresh_listing(self) -> None:
         d = os.path.join(self.root, "manifests")
         try:
             st = os.stat(d)
         except FileNotFoundError:
-            self._layers, self._dir_sig = {}, None
+            self._layers, self._dir_sig, self._sorted = {}, None, None
             return
         sig = (st.st_ino, st.st_mtime_ns)
-        if sig == self._dir_sig and not self._dir_racy and not force:
+        if sig == self._dir_sig and not self._dir_racy:
             return
         names = {n[:-5] for n in os.listdir(d) if n.endswith(".json")}
         for gone in self._layers.keys() - names:
@@ -303,12 +305,19 @@ class StoreIndex:
             m = self._load(hx)
             if m is not None:
                 self._layers[hx] = m
+        self._sorted = None
         self._dir_sig = sig
         self._dir_racy = self._clock() - st.st_mtime_ns / 1e9 < _RACY_S
 
     def by_prefix(self, hx: str) -> list[LayerManifest]:
-        self._fresh_listing(force=True)  # rare (a human typing a short digest): be exact
-        return _prefixed(sorted(self._layers), hx, self._layers)
+        # Exact like a listing (the directory's signature, with the racy-clean rule), and
+        # cheap while the store does not change: this answers any key's prefix lookups,
+        # and re-listing plus sorting on each one cost 72 ms at 20,000 layers (measured
+        # here), which let one reader stall the apiserver.
+        self._fresh_listing()
+        if self._sorted is None:
+            self._sorted = sorted(self._layers)
+        return _prefixed(self._sorted, hx, self._layers)
 
     def manifests(self) -> list[LayerManifest]:
         """Every layer as of the last ``sync(listing=True)``, oldest first."""
