@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -107,7 +108,6 @@ from dsec.image.catalog import (
     StoreIndex,
     image_not_found,
     resolve,
-    visible,
     visible_names,
 )
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
@@ -735,9 +735,9 @@ class ControlPlane:
         index = self._index(listing=True)
         if index is None:
             raise Conflict("this apiserver has no layer store configured")
-        can_see = _can_see(caller)
-        return ImageList(items=[_image_view(index, m, can_see) for m in index.manifests()
-                                if visible(index, m, can_see)])
+        can_see = functools.lru_cache(maxsize=None)(_can_see(caller))
+        return ImageList(items=[_image_view(index, m, can_see)
+                                for m in index.visible_manifests(can_see)])
 
     def _find_image(self, caller: Caller, ref: str) -> tuple[StoreIndex, LayerManifest]:
         index = self._index(listing=True)
