@@ -31,6 +31,7 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     │   └── RemoteProtocolError    the peer sent something invalid (its bug/corruption)
     ├── TransportError             the connection itself failed
     │   └── ConnectionLost         pending calls on a connection that died
+    │       └── Overloaded         a server refused the connection: at its limits  503
     ├── SandboxError               the sandbox or its backend failed             500
     │   └── BackendError
     ├── ImageError                 layer store / build / import problems         400
@@ -63,6 +64,7 @@ __all__ = [
     "LocalProtocolError",
     "NoCapacity",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "PermissionDenied",
     "ProjectNotFound",
@@ -245,6 +247,15 @@ class TransportError(DsecError, ConnectionError):
 
 class ConnectionLost(TransportError):
     code = "connection_lost"
+
+
+class Overloaded(ConnectionLost):
+    """A listener refused or closed the connection because it is at one of its limits
+    (connections per listener or per peer, file descriptors, buffered bytes). Nothing on
+    it was processed; retry later, with backoff."""
+
+    code = "overloaded"
+    http_status = 503
 
 
 class SandboxError(DsecError):

@@ -12,6 +12,7 @@ from dsec.control.store.sqlite import SqliteStore
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
+    LinkFailed,
     LiveSandbox,
     NodeHeartbeat,
     Preempt,
@@ -22,8 +23,16 @@ from dsec.control.watcher import (
     Watcher,
     WatcherConfig,
     choose_victims,
+    link_failure_cause,
 )
-from dsec.errors import InvalidArgument
+from dsec.errors import (
+    ConnectionLost,
+    InternalError,
+    InvalidArgument,
+    LocalProtocolError,
+    Overloaded,
+    RequestTimeout,
+)
 
 from .conftest import FakeClock
 
@@ -162,3 +171,40 @@ def test_slot_limit_preemption_and_bad_input() -> None:
         WatcherConfig(ttl_s=0)
     with pytest.raises(InvalidArgument, match="cannot handle"):
         Watcher().handle("nonsense")  # type: ignore[arg-type]
+
+
+def test_a_node_this_side_cannot_reach_is_held_not_expired() -> None:
+    """Issue 12: an apiserver out of file descriptors could not poll its own edge and
+    wrote it off. Only silence counts toward the TTL; a failed poll that was this side's
+    fault (blind) or that the node answered (answered) holds the node out of placement."""
+    w = Watcher(WatcherConfig(ttl_s=5.0))
+    w.handle(hb("n1", 0.0, (sb("1"),)), hb("n2", 0.0, (sb("2", node="n2"),)))
+    out = w.handle(LinkFailed(node="n1", time=4.0, cause="blind", detail="EMFILE"))
+    assert [type(i) for i in out] == [UpdateNode]
+    assert out[0].view.node == "n1" and out[0].view.healthy is False
+    out = w.handle(LinkFailed(node="n1", time=8.0, cause="answered"), Tick(9.0))
+    # n2 was silent for 9 s and is lost; n1 was held at 8.0 and is not
+    assert [i.node for i in out if isinstance(i, EvictNode)] == ["n2"]
+    assert w.live_nodes() == ["n1"]
+    assert w.handle(Tick(12.9)) == []
+    # held nodes still expire once they fall silent for a whole TTL
+    assert [type(i) for i in w.handle(Tick(13.1))] == [EvictNode]
+    # a failure on a node already expired (or never seen) changes nothing
+    assert w.handle(LinkFailed(node="n1", time=14.0, cause="blind")) == []
+    assert w.handle(LinkFailed(node="n9", time=14.0, cause="blind")) == []
+    assert w.is_expired("n1")
+
+
+@pytest.mark.parametrize(("exc", "cause"), [
+    (ConnectionLost("could not connect: Too many open files", errno=24, local=True), "blind"),
+    (LocalProtocolError("cannot encode"), "blind"),
+    (Overloaded("refused: listener at its limit"), "answered"),
+    (InternalError("OSError: [Errno 24] Too many open files"), "answered"),
+    (InvalidArgument("body does not decode"), "answered"),
+    (ConnectionLost("could not connect: Connection refused", errno=111, local=False),
+     "silent"),
+    (ConnectionLost("connection closed by peer"), "silent"),
+    (RequestTimeout("no reply within 5s"), "silent"),
+])
+def test_link_failure_cause(exc: Exception, cause: str) -> None:
+    assert link_failure_cause(exc) == cause  # type: ignore[arg-type]

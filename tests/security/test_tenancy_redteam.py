@@ -37,7 +37,7 @@ class Tenants:
         is returned, not raised."""
         async def go() -> Any:
             assert self.cluster.gateway is not None
-            conn = await connect(self.cluster.gateway)
+            conn = await connect(self.cluster.gateway, token=body["key"])
             try:
                 return await conn.call(method, body)
             except DsecError as exc:
@@ -282,20 +282,25 @@ def test_a_state_dir_another_user_can_redirect_is_refused(public_dir: str) -> No
 
 # ------------------------------------------------------------- the gateway's budget
 def test_one_peer_flooding_bad_keys_does_not_lock_others_out_of_the_gateway() -> None:
-    # Was a hole (medium; an unauthenticated peer against every tenant): the gateway (the
-    # SDK's default door) charged every failed key to ONE budget ("gateway"), because
-    # Aether handlers did not see the peer. Once a peer had spent it (100 bad keys, then
-    # 20/s), every key not already in the principal cache was refused with 429 on the
-    # gateway: a freshly minted key, and after an apiserver restart every key.
+    # Was a hole (medium; one key holder against every tenant): the gateway (the SDK's
+    # default door) charged every failed per-call key to ONE budget ("gateway"), because
+    # Aether handlers did not see the peer. A peer (its connection authenticated with
+    # its own least-role key) spent it with bad keys in its request bodies (100, then
+    # 20/s), and from then on every per-call key not already in the principal cache was
+    # refused with 429 on every connection: a freshly minted key, a proxy's other
+    # tenants' keys, and after an apiserver restart every key. (Before the listener
+    # limits landed, connections needed no key at all, so any stranger could do it.)
     from dsec.aether import Connection
+    from dsec.aether.connection import AUTH_METHOD
     from dsec.control.ratelimit import RateLimitConfig
 
-    async def calls(addr: str, local: str, keys: list[str]) -> list[str]:
+    async def calls(addr: str, local: str, conn_key: str, keys: list[str]) -> list[str]:
         host, _, port = addr.removeprefix("tcp:").rpartition(":")
         reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
         conn = Connection(reader, writer)
         out = []
         try:
+            await conn.call(AUTH_METHOD, conn_key.encode())
             for k in keys:
                 try:
                     await conn.call("api.info", {"key": k})
@@ -308,14 +313,17 @@ def test_one_peer_flooding_bad_keys_does_not_lock_others_out_of_the_gateway() ->
 
     with LocalCluster(edges=1, anon_rate=RateLimitConfig(rate_per_s=0.01, burst=6)) as cl:
         assert cl.gateway is not None and cl.gateway.startswith("tcp:127.0.0.1:")
-        fresh = cl.create_key("fresh", "team", "member")           # never used yet
+        mallory = cl.create_key("mallory", "teamc", "reader")
+        victim = cl.create_key("victim", "teamv", "member")
+        fresh = cl.create_key("fresh", "teamv", "member")          # never used yet
         guess = "dsk_0123456789abcdef_" + "A" * 43
-        flood = asyncio.run(calls(cl.gateway, "127.0.0.2", [guess] * 9))
+        flood = asyncio.run(calls(cl.gateway, "127.0.0.2", mallory, [guess] * 9))
         assert flood[:6] == ["unauthenticated"] * 6 and flood[6:] == ["rate_limited"] * 3
         # the flooding peer's own new keys wait (its address spent its budget) ...
-        assert asyncio.run(calls(cl.gateway, "127.0.0.2", [fresh])) == ["rate_limited"]
+        assert asyncio.run(calls(cl.gateway, "127.0.0.2", mallory, [fresh])) == [
+            "rate_limited"]
         # ... another peer's do not
-        assert asyncio.run(calls(cl.gateway, "127.0.0.1", [fresh, guess])) == [
+        assert asyncio.run(calls(cl.gateway, "127.0.0.1", victim, [fresh, guess])) == [
             "ok", "unauthenticated"]
 
 
@@ -338,7 +346,7 @@ def test_a_least_role_key_cannot_fill_the_store_with_sessions() -> None:
 
             async def gw(n: int) -> list[str]:
                 assert cl.gateway is not None
-                conn = await connect(cl.gateway)
+                conn = await connect(cl.gateway, token=rita)
                 out = []
                 try:
                     for _ in range(n):

@@ -39,8 +39,6 @@ import functools
 import hmac
 import inspect
 import logging
-import socket
-import struct
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +58,7 @@ from dsec.aether.frame import (
     FrameType,
     encode_parts,
 )
+from dsec.aether.limits import ListenerStats, ProcessBudget, ServerLimits
 from dsec.aether.messages import ErrorBody, Goaway, error_body, method_prefix
 from dsec.errors import (
     ConnectionLost,
@@ -67,6 +66,7 @@ from dsec.errors import (
     InternalError,
     InvalidArgument,
     LocalProtocolError,
+    Overloaded,
     PayloadTooLarge,
     RemoteProtocolError,
     RequestTimeout,
@@ -75,8 +75,8 @@ from dsec.errors import (
     error_from_wire,
 )
 
-__all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Router", "StreamSender",
-           "current_peer"]
+__all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Guard", "Router",
+           "StreamSender", "current_peer"]
 
 # The method a peer calls first on an endpoint whose Router has a token (body: the token
 # as msgpack bin). Edges listening on TCP require it; their Unix sockets are root-only.
@@ -91,6 +91,13 @@ WRITE_LOW_WATER = 1 * 1024 * 1024
 READ_HIGH_WATER = 4 * 1024 * 1024    # undigested input bytes before reading pauses
 _JOIN_LIMIT = 64 * 1024         # corked output up to this size is joined into one write
 CLOSE_LINGER = 1.0              # seconds a closed socket may take to flush before it is reset
+# Write buffer marks of a connection that has not authenticated yet: its replies are
+# small ERROR/PONG frames; a peer that does not read them stops being read far sooner.
+PENDING_WRITE_HIGH = 64 * 1024
+PENDING_WRITE_LOW = 16 * 1024
+# Connections of a process closed on a listener limit that may linger (each holding its
+# fd for up to CLOSE_LINGER) so their GOAWAY is read; beyond that they close at once.
+MAX_LINGERING = 256
 
 # Frame types as plain ints: comparing against IntEnum members costs an attribute lookup
 # on the enum class per frame.
@@ -165,19 +172,39 @@ class _Route:
     streaming: bool
 
 
+#: Checks the credential a peer sent with AUTH_METHOD; ``peer`` is its address key
+#: (``ip`` or ``uid:N``; "" when unknown). Returns to accept, raises a DsecError
+#: (Unauthenticated, RateLimited, ...) to refuse; the connection is then closed.
+Authenticator = Callable[[bytes, str], None]
+
+
 class Router:
     """Method name -> handler. Handlers take the decoded body (and a StreamSender when
     ``streaming``) and return a msgpack-able result; sync handlers run inline in the read
-    path, so they must not block."""
+    path, so they must not block.
 
-    def __init__(self, *, token: bytes | str | None = None) -> None:
+    Authentication (per connection, before any method): ``token`` (a shared secret,
+    compared in constant time) or ``authenticate`` (a callable that checks the
+    credential, e.g. an API key); ``credential`` names it in error messages."""
+
+    def __init__(self, *, token: bytes | str | None = None,
+                 authenticate: Authenticator | None = None,
+                 credential: str = "token") -> None:
+        if token is not None and authenticate is not None:
+            raise InvalidArgument("a Router takes a token or an authenticate callable, not both")
         self._routes: dict[str, _Route] = {}
         # Keyed by the raw REQUEST prefix (u8 length + ascii name) so the read path finds
         # the route without decoding the method name.
         self._by_prefix: dict[bytes, _Route] = {}
-        # With a token, each connection must first call AUTH_METHOD with it; until then
-        # every other request is refused (see Connection._on_unauthenticated).
+        # With a token (or authenticator), each connection must first call AUTH_METHOD;
+        # until then every other request is refused (see Connection._on_unauthenticated).
         self.token: bytes | None = token.encode() if isinstance(token, str) else token
+        self.authenticate = authenticate
+        self.credential = credential
+
+    @property
+    def requires_auth(self) -> bool:
+        return self.token is not None or self.authenticate is not None
 
     def add(
         self,
@@ -223,26 +250,12 @@ _PEER: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsec_aether_
 
 
 def current_peer() -> str | None:
-    """Who sent the request a handler is serving: the peer's IP address over TCP,
-    ``uid:<n>`` over a Unix socket (SO_PEERCRED), None where unknown (in-memory stream
-    pairs) or outside a handler. Per-client limits (the gateway's budget for failed API
-    keys) key on it, so one peer's flood does not spend everybody's budget."""
+    """Who sent the request a handler is serving: :attr:`Connection.peer`, the address
+    key the listener counts it by (the IP over TCP, ``uid:<n>`` over a Unix socket),
+    None where unknown (a connection not accepted by a listener) or outside a handler.
+    Per-client limits (the gateway's budget for failed API keys) key on it, so one
+    peer's flood does not spend everybody's budget."""
     return _PEER.get()
-
-
-def _peer_of(transport: asyncio.BaseTransport) -> str | None:
-    try:
-        name = transport.get_extra_info("peername")
-        if isinstance(name, tuple) and name and isinstance(name[0], str) and name[0]:
-            return name[0]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family == socket.AF_UNIX:
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
-            return f"uid:{struct.unpack('3i', creds)[1]}"
-    except (OSError, AttributeError, ValueError):
-        pass
-    return None
 
 
 # --------------------------------------------------------------------- call slots
@@ -423,6 +436,19 @@ def _decode_reply(data: bytes, response_type: Any, method: str) -> Any:
 
 
 # ---------------------------------------------------------------------- connection
+@dataclass(slots=True, eq=False)
+class Guard:
+    """What a listener imposes on a connection it accepted (see :mod:`dsec.aether.limits`):
+    its limits, the process budget its buffered bytes count against, its counters, the
+    peer's address key and what to call once it authenticates."""
+
+    limits: ServerLimits
+    budget: ProcessBudget
+    stats: ListenerStats
+    peer: str
+    on_established: Callable[[Connection], None]
+
+
 class Connection:
     """One multiplexed Aether connection.
 
@@ -439,9 +465,10 @@ class Connection:
         dialer: bool = True,
         max_frame: int = DEFAULT_MAX_FRAME,
         name: str = "",
+        guard: Guard | None = None,
     ) -> None:
         transport = writer.transport
-        self._setup(transport, router, dialer, max_frame, name)  # type: ignore[arg-type]
+        self._setup(transport, router, dialer, max_frame, name, guard)  # type: ignore[arg-type]
         self._writer: asyncio.StreamWriter | None = writer
         self._protocol: AetherProtocol | None = None
         self._pump: asyncio.Task[None] | None = self._loop.create_task(self._pump_reader(reader))
@@ -450,9 +477,10 @@ class Connection:
     def _over_transport(
         cls, transport: asyncio.Transport, protocol: AetherProtocol, *,
         router: Router | None, dialer: bool, max_frame: int, name: str,
+        guard: Guard | None = None,
     ) -> Connection:
         self = cls.__new__(cls)
-        self._setup(transport, router, dialer, max_frame, name)
+        self._setup(transport, router, dialer, max_frame, name, guard)
         self._writer = None
         self._protocol = protocol
         self._pump = None
@@ -460,7 +488,7 @@ class Connection:
 
     def _setup(
         self, transport: asyncio.Transport, router: Router | None, dialer: bool,
-        max_frame: int, name: str,
+        max_frame: int, name: str, guard: Guard | None = None,
     ) -> None:
         if not 0 < max_frame <= MAX_FRAME_LIMIT:
             raise InvalidArgument(f"max_frame must be 1..{MAX_FRAME_LIMIT} bytes, got {max_frame}")
@@ -469,8 +497,24 @@ class Connection:
         self._router = router
         self._routes: dict[bytes, _Route] = router._by_prefix if router is not None else {}
         self._token = router.token if router is not None else None
-        self._authed = self._token is None
+        self._auth_required = router is not None and router.requires_auth
+        self._authed = not self._auth_required
         self._decoder = FrameDecoder(max_frame=max_frame)
+        # Listener limits (None on dialed connections and plain stream pairs): until it
+        # is established (authenticated, or a first frame on a no-token endpoint) a
+        # connection gets small frames and buffers, and a deadline; see _watch.
+        self._guard = guard
+        self._established = guard is None
+        self._read_high = READ_HIGH_WATER
+        self._write_high = WRITE_HIGH_WATER
+        self._held = 0                      # bytes counted in guard.budget.buffered
+        self._opened_at = 0.0               # loop time the listener accepted it
+        self._last_rx = 0.0                 # loop time of the last bytes received
+        self._partial_since: float | None = None
+        self._watch_at = float("inf")
+        self._watch_handle: asyncio.TimerHandle | None = None
+        self._goaway_error: DsecError | None = None
+        self._lingering = False             # closed by us, draining the peer (see _shutdown)
         self._max_frame = max_frame
         self._next_sid = 1 if dialer else 2
         self._peer_parity = 0 if dialer else 1
@@ -493,9 +537,24 @@ class Connection:
         self._transport_gone = asyncio.Event()
         self._close_callbacks: list[Callable[[Connection], None]] = []
         self.name = name
-        self.peer = _peer_of(transport) if router is not None else None
+        high, low = WRITE_HIGH_WATER, WRITE_LOW_WATER
+        if guard is not None:
+            lim = guard.limits
+            if self._auth_required:
+                # Until it authenticates, a peer is a stranger: small frames, small
+                # buffers. (On an endpoint without a token there is nothing to wait for:
+                # only the first-frame deadline applies.)
+                self._decoder.set_max_frame(
+                    lim.pending_max_frame,
+                    "frames are limited to this size until the connection authenticates")
+                self._read_high = 2 * lim.pending_max_frame
+                high, low = PENDING_WRITE_HIGH, PENDING_WRITE_LOW
+                self._write_high = high
+            self._last_rx = self._opened_at = now = self._loop.time()
+            if lim.auth_timeout_s is not None:
+                self._arm_watch(now + lim.auth_timeout_s)
         try:
-            transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+            transport.set_write_buffer_limits(high=high, low=low)
         except (AttributeError, NotImplementedError):  # a transport without flow control
             pass
 
@@ -523,6 +582,17 @@ class Connection:
     def going_away(self) -> bool:
         """A GOAWAY was sent or received: no new calls start on this connection."""
         return self._goaway_sent is not None or self._goaway_received is not None
+
+    @property
+    def established(self) -> bool:
+        """Past the listener's admission: authenticated (or, on an endpoint without a
+        token, delivered a first frame). Always true for dialed connections."""
+        return self._established
+
+    @property
+    def peer(self) -> str:
+        """The peer's address key as the listener counts it ("" when not accepted by one)."""
+        return self._guard.peer if self._guard is not None else ""
 
     async def call(
         self, method: str, body: Any = None, *, timeout: float | None = None,
@@ -722,7 +792,9 @@ class Connection:
             await self._transport_gone.wait()
 
     # ------------------------------------------------------------- errors, state
-    def _unusable(self) -> ConnectionLost:
+    def _unusable(self) -> DsecError:
+        if self._goaway_error is not None:
+            return self._goaway_error
         if self._closed:
             return self._lost_error()
         why = (f"the peer said GOAWAY ({self._goaway_received})"
@@ -731,7 +803,9 @@ class Connection:
             f"connection {self.name} takes no new calls: {why}; open a new connection",
             retryable=True)
 
-    def _lost_error(self) -> ConnectionLost:
+    def _lost_error(self) -> DsecError:
+        if self._goaway_error is not None:
+            return self._goaway_error
         err = self._close_error
         if isinstance(err, ConnectionLost):
             return err
@@ -828,11 +902,11 @@ class Connection:
             self._shutdown(ConnectionLost(f"connection {self.name} lost while writing: {exc}"))
             raise self._lost_error() from exc
 
-    def _send_goaway(self, reason: str) -> None:
+    def _send_goaway(self, reason: str, code: str = "") -> None:
         if self._goaway_sent is None and not self._closed:
             self._goaway_sent = self._last_peer_sid
             body = _encoder.encode(Goaway(reason=reason[:1000],
-                                          last_stream_id=self._last_peer_sid))
+                                          last_stream_id=self._last_peer_sid, code=code))
             self._send(_GOAWAY, 0, body)
             self._flush()
 
@@ -847,8 +921,12 @@ class Connection:
             return
         if not self._process_scheduled and not self._pause & _PAUSE_OUTPUT:
             self._process()
-        elif self._decoder.buffered > READ_HIGH_WATER:
+        elif self._decoder.buffered > self._read_high:
             self._pause_reading(_PAUSE_INPUT)
+        if self._guard is not None and not self._closed:
+            self._last_rx = self._loop.time()
+            if self._held or self._decoder.buffered:  # the common case holds nothing
+                self._account()
 
     def _process(self) -> None:
         """Handle up to FRAMES_PER_WAKEUP frames, then write every reply in one go."""
@@ -865,12 +943,14 @@ class Connection:
                 on_frame(*f)
                 if self._closed:
                     return
-                if self._wbytes > WRITE_HIGH_WATER:
+                if not self._established and not self._auth_required:
+                    self._establish()  # a no-token endpoint: the first valid frame admits
+                if self._wbytes > self._write_high:
                     # Stop handling requests while the peer does not take our replies;
                     # _on_write_resumed carries on with the frames still buffered.
                     self._flush()
                     if (not self._closed and not self._pending
-                            and self._transport.get_write_buffer_size() > WRITE_HIGH_WATER):
+                            and self._transport.get_write_buffer_size() > self._write_high):
                         self._pause_reading(_PAUSE_OUTPUT)
                     if self._closed or self._pause & _PAUSE_OUTPUT:
                         return
@@ -878,7 +958,7 @@ class Connection:
                 # More may be buffered: let callers and handlers run first.
                 self._process_scheduled = True
                 self._loop.call_soon(self._process)
-                if self._decoder.buffered > READ_HIGH_WATER:
+                if self._decoder.buffered > self._read_high:
                     self._pause_reading(_PAUSE_INPUT)
         except RemoteProtocolError as exc:
             self._fail_protocol(exc)
@@ -892,6 +972,8 @@ class Connection:
             self._resume_reading(_PAUSE_INPUT)
         if self._wbuf:
             self._flush()
+        if self._guard is not None and self._held:
+            self._account()
 
     def _on_frame(self, ftype: int, sid: int, payload: bytes, flags: int) -> None:
         if ftype == _RESPONSE:
@@ -937,9 +1019,14 @@ class Connection:
         except msgspec.DecodeError as exc:
             raise RemoteProtocolError(f"undecodable GOAWAY body: {exc}") from exc
         self._goaway_received = g.reason or "no reason given"
+        if g.code:
+            # e.g. "overloaded": the listener refused this connection at its limits.
+            self._goaway_error = error_from_wire(
+                g.code, f"connection {self.name} refused by the server: "
+                f"{self._goaway_received}", {"retryable": True})
         pending = self._pending
         for sid in [s for s in pending if s > g.last_stream_id]:
-            _reject(pending.pop(sid), sid, ConnectionLost(
+            _reject(pending.pop(sid), sid, self._goaway_error or ConnectionLost(
                 f"connection {self.name} is going away ({self._goaway_received}); the call "
                 f"on stream {sid} was not processed and is safe to retry", retryable=True))
 
@@ -988,7 +1075,7 @@ class Connection:
             return
         # The handler (and the task running it, which copies the context) sees the peer
         # through current_peer(); a set/reset pair costs ~0.2 us (measured here, loaded).
-        peer = _PEER.set(self.peer)
+        peer = _PEER.set(self.peer or None)
         try:
             if not route.is_async:
                 try:
@@ -1027,24 +1114,164 @@ class Connection:
         self._reply(sid, method, task.result())
 
     def _on_unauthenticated(self, sid: int, payload: bytes, n: int) -> None:
-        """The one request an unauthenticated peer may make is AUTH_METHOD with the token;
-        a wrong token closes the connection (no guessing on one socket)."""
+        """The one request an unauthenticated peer may make is AUTH_METHOD with the token
+        (or credential); a wrong one closes the connection (no guessing on one socket)."""
+        router = self._router
+        assert router is not None
         if payload[1 : 1 + n] != AUTH_METHOD.encode():
             self._reply_error(sid, Unauthenticated(
-                "this Aether endpoint requires a token: call "
+                f"this Aether endpoint requires a {router.credential}: call "
                 f"{AUTH_METHOD!r} first (connect(..., token=...))"))
             return
         try:
             offered = msgspec.msgpack.decode(payload[1 + n :], type=bytes)
         except msgspec.DecodeError:
             offered = b""
-        assert self._token is not None
-        if hmac.compare_digest(offered, self._token):
-            self._authed = True
-            self._reply(sid, AUTH_METHOD, None)
+        refusal: DsecError
+        if self._token is not None:
+            if hmac.compare_digest(offered, self._token):
+                self._accept_auth(sid)
+                return
+            refusal = Unauthenticated("wrong Aether token; connection closed")
+        else:
+            assert router.authenticate is not None
+            try:
+                router.authenticate(offered, self.peer)
+            except DsecError as exc:
+                refusal = exc
+            except Exception as exc:
+                log.error("Aether authenticator failed", exc_info=exc)
+                refusal = InternalError(f"authentication failed: {type(exc).__name__}")
+            else:
+                self._accept_auth(sid)
+                return
+        self._reply_error(sid, refusal)
+        self._loop.call_soon(self._close_now, f"authentication failed ({refusal.code})")
+
+    def _accept_auth(self, sid: int) -> None:
+        self._authed = True
+        self._establish()
+        self._reply(sid, AUTH_METHOD, None)
+
+    # ------------------------------------------------------------ listener limits
+    def _establish(self) -> None:
+        """Past admission: full frame size and buffers, idle timeout instead of the
+        authentication deadline."""
+        g = self._guard
+        if self._established or g is None:
+            self._established = True
             return
-        self._reply_error(sid, Unauthenticated("wrong Aether token; connection closed"))
-        self._loop.call_soon(self._close_now, "wrong token")
+        self._established = True
+        lim = g.limits
+        self._decoder.set_max_frame(self._max_frame)
+        self._read_high = READ_HIGH_WATER
+        self._write_high = WRITE_HIGH_WATER
+        try:
+            self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        except (AttributeError, NotImplementedError):
+            pass
+        g.on_established(self)
+        self._cancel_watch()
+        if lim.idle_timeout_s is not None:
+            self._arm_watch(self._loop.time() + lim.idle_timeout_s)
+        if self._partial_since is not None and lim.frame_timeout_s is not None:
+            self._arm_watch(self._partial_since + lim.frame_timeout_s)
+
+    def _account(self) -> None:
+        """Keep the process budget's count of buffered input bytes in step with this
+        connection's, refuse the connection that pushes it over, and time partial frames."""
+        g = self._guard
+        assert g is not None
+        dec = self._decoder
+        held = dec.buffered
+        delta = held - self._held
+        if delta:
+            self._held = held
+            budget = g.budget
+            budget.buffered += delta
+            if delta > 0 and budget.over_buffer():
+                self._cut("buffer_budget", (
+                    f"the server holds {budget.buffered} bytes of incoming frames across "
+                    f"its connections, over its budget of {budget.max_buffered_bytes}; "
+                    "retry later"), code=Overloaded.code)
+                return
+        if dec.partial:
+            if self._partial_since is None:
+                self._partial_since = now = self._loop.time()
+                ft = g.limits.frame_timeout_s
+                if ft is not None:
+                    self._arm_watch(now + ft)
+        else:
+            self._partial_since = None
+
+    def _arm_watch(self, at: float) -> None:
+        if at < self._watch_at:
+            if self._watch_handle is not None:
+                self._watch_handle.cancel()
+            self._watch_at = at
+            self._watch_handle = self._loop.call_at(at, self._watch)
+
+    def _cancel_watch(self) -> None:
+        if self._watch_handle is not None:
+            self._watch_handle.cancel()
+            self._watch_handle = None
+        self._watch_at = float("inf")
+
+    def _watch(self) -> None:
+        """The listener's deadlines, checked lazily: one timer per connection, moved only
+        when it fires (no per-frame rescheduling)."""
+        self._watch_handle = None
+        self._watch_at = float("inf")
+        g = self._guard
+        if self._closed or g is None:
+            return
+        lim = g.limits
+        now = self._loop.time()
+        nxt = float("inf")
+        if not self._established:
+            if lim.auth_timeout_s is not None:
+                deadline = self._opened_at + lim.auth_timeout_s
+                if now >= deadline:
+                    what = ("authenticate" if self._auth_required
+                            else "send its first frame")
+                    self._cut("auth_timeout",
+                              f"the connection did not {what} within "
+                              f"{lim.auth_timeout_s:g}s of connecting")
+                    return
+                nxt = deadline
+        elif lim.idle_timeout_s is not None:
+            if self._pending or self._tasks:
+                nxt = now + lim.idle_timeout_s   # busy: look again later
+            else:
+                deadline = self._last_rx + lim.idle_timeout_s
+                if now >= deadline:
+                    self._cut("idle", f"idle for {lim.idle_timeout_s:g}s with no call in "
+                              "flight; reconnect to carry on")
+                    return
+                nxt = deadline
+        if self._partial_since is not None and lim.frame_timeout_s is not None:
+            deadline = self._partial_since + lim.frame_timeout_s
+            if now >= deadline:
+                self._cut("frame_timeout",
+                          f"a frame begun {now - self._partial_since:.0f}s ago is still "
+                          f"incomplete ({self._decoder.buffered} bytes in; the limit is "
+                          f"{lim.frame_timeout_s:g}s per frame)")
+                return
+            nxt = min(nxt, deadline)
+        if nxt != float("inf"):
+            self._arm_watch(nxt)
+
+    def _cut(self, kind: str, reason: str, *, code: str = "") -> None:
+        """Close at once on a listener limit, telling the peer why (GOAWAY)."""
+        if self._closed:
+            return
+        if self._guard is not None:
+            self._guard.stats.close(kind)
+        log.info("closing Aether connection %s (%s): %s", self.name, kind, reason)
+        self._send_goaway(reason, code)
+        err: DsecError = (error_from_wire(code, f"connection {self.name} closed: {reason}")
+                          if code else ConnectionLost(f"connection {self.name} closed: {reason}"))
+        self._shutdown(err, linger=True)
 
     def _close_now(self, reason: str) -> None:
         self._loop.create_task(self.close(reason))
@@ -1156,6 +1383,10 @@ class Connection:
         self._shutdown(ConnectionLost(f"connection {self.name} closed by peer{why}"))
 
     def _on_lost(self, exc: BaseException | None) -> None:
+        if self._lingering:
+            self._lingering = False
+            assert self._guard is not None
+            self._guard.budget.lingering -= 1
         if not self._closed:
             if exc is None:
                 self._on_eof()
@@ -1166,7 +1397,12 @@ class Connection:
     def _fail_protocol(self, exc: RemoteProtocolError) -> None:
         """Corruption or a protocol violation: nothing more from this byte stream can be
         trusted, so close it; pending calls fail with ConnectionLost caused by ``exc``."""
-        log.warning("closing Aether connection %s: %s", self.name, exc)
+        if self._established:
+            log.warning("closing Aether connection %s: %s", self.name, exc)
+        else:  # an unauthenticated peer: one log line each would let it flood the log
+            log.debug("closing unauthenticated Aether connection %s: %s", self.name, exc)
+        if self._guard is not None:
+            self._guard.stats.close("protocol_error")
         self._protocol_error = exc
         self._send_goaway(f"protocol error: {exc.message}")
         err = ConnectionLost(f"connection {self.name} closed: the peer sent invalid data "
@@ -1174,11 +1410,24 @@ class Connection:
         err.__cause__ = exc
         self._shutdown(err)
 
-    def _shutdown(self, err: BaseException) -> None:
+    def _shutdown(self, err: BaseException, *, linger: bool = False) -> None:
+        """Close: fail pending calls with ``err``, cancel handlers, release buffers.
+        ``linger``: half-close and discard what the peer still sends for up to
+        CLOSE_LINGER seconds, so a final GOAWAY is not overtaken by the RST the kernel
+        sends when a socket is closed with unread input."""
         if self._closed:
             return
         self._closed = True
         self._close_error = err
+        # Whatever the peer left half-sent is garbage now: free it at once (a Connection
+        # and its AetherProtocol refer to each other, so without this a partial 16 MiB
+        # frame would wait for the cyclic garbage collector).
+        self._decoder.release()
+        if self._guard is not None:
+            self._cancel_watch()
+            self._guard.budget.buffered -= self._held
+            self._held = 0
+            self._partial_since = None
         buf = self._wbuf
         if buf:  # a final GOAWAY or replies already produced
             try:
@@ -1195,11 +1444,22 @@ class Connection:
             t.cancel()
         self._dying.extend(tasks.values())
         try:
-            self._transport.close()
-            if self._transport.get_write_buffer_size():
-                # A peer that stopped reading must not keep the socket (and wait_closed)
-                # alive forever.
-                self._loop.call_later(CLOSE_LINGER, self._transport.abort)
+            tr = self._transport
+            g = self._guard
+            if (linger and g is not None and self._writer is None
+                    and g.budget.lingering < MAX_LINGERING and tr.can_write_eof()):
+                g.budget.lingering += 1
+                self._lingering = True
+                tr.write_eof()         # GOAWAY, then FIN; reading goes on (data dropped)
+                if self._pause:
+                    tr.resume_reading()
+                self._loop.call_later(CLOSE_LINGER, tr.abort)
+            else:
+                tr.close()
+                if tr.get_write_buffer_size():
+                    # A peer that stopped reading must not keep the socket (and
+                    # wait_closed) alive forever.
+                    self._loop.call_later(CLOSE_LINGER, tr.abort)
         except Exception:  # noqa: BLE001, S110 - the socket is already gone
             pass
         w, self._pump_waiter = self._pump_waiter, None
@@ -1237,8 +1497,10 @@ class AetherProtocol(asyncio.Protocol):
     """Feeds a :class:`Connection` straight from transport callbacks (no reader task)."""
 
     def __init__(self, *, router: Router | None, dialer: bool, max_frame: int, name: str,
-                 on_connection: Callable[[Connection], None] | None = None) -> None:
+                 on_connection: Callable[[Connection], None] | None = None,
+                 guard: Guard | None = None) -> None:
         self._args = (router, dialer, max_frame, name)
+        self._guard = guard
         self._on_connection = on_connection
         self.conn: Connection | None = None
         self._write_paused = False
@@ -1248,7 +1510,7 @@ class AetherProtocol(asyncio.Protocol):
         router, dialer, max_frame, name = self._args
         self.conn = Connection._over_transport(
             transport, self, router=router, dialer=dialer,  # type: ignore[arg-type]
-            max_frame=max_frame, name=name)
+            max_frame=max_frame, name=name, guard=self._guard)
         if self._on_connection is not None:
             self._on_connection(self.conn)
 

@@ -105,7 +105,11 @@ def encode(frame: Frame) -> bytes:
     return encode_parts(frame.type, frame.stream_id, frame.payload, frame.flags) + frame.payload
 
 
-def _bad_header(magic: bytes, version: int, length: int, max_frame: int) -> RemoteProtocolError:
+_RAISE_MAX = "raise max_frame on both ends if this is intended"
+
+
+def _bad_header(magic: bytes, version: int, length: int, max_frame: int,
+                why: str = _RAISE_MAX) -> RemoteProtocolError:
     if magic != MAGIC:
         return RemoteProtocolError(
             f"bad frame magic {bytes(magic)!r}, expected {MAGIC!r}: the peer does not speak "
@@ -114,8 +118,8 @@ def _bad_header(magic: bytes, version: int, length: int, max_frame: int) -> Remo
         return RemoteProtocolError(
             f"unsupported Aether version {version}; this side speaks {VERSION}")
     return RemoteProtocolError(
-        f"frame of {length} bytes exceeds the limit of {max_frame} bytes "
-        "(raise max_frame on both ends if this is intended)")
+        f"frame of {length} bytes exceeds the limit of {max_frame} bytes ({why})",
+        size=length, max_frame=max_frame)
 
 
 def decode_parts(
@@ -151,22 +155,41 @@ class FrameDecoder:
     resynchronised, so the connection must be closed.
     """
 
-    __slots__ = ("_acc", "_buf", "_error", "_max", "_need", "_pos")
+    __slots__ = ("_acc", "_buf", "_error", "_max", "_need", "_pos", "_why")
 
     def __init__(self, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        if not 0 <= max_frame <= MAX_FRAME_LIMIT:
-            raise ValueError(f"max_frame must be 0..{MAX_FRAME_LIMIT} bytes, got {max_frame}")
         self._buf = b""             # bytes being parsed
         self._pos = 0               # parse position in _buf
         self._acc = bytearray()     # an incomplete frame, gathered across feeds
         self._need = 0              # bytes _acc must hold before parsing is retried
-        self._max = max_frame
+        self._max = 0
+        self._why = _RAISE_MAX      # what the oversize error tells the peer to change
         self._error: RemoteProtocolError | None = None
+        self.set_max_frame(max_frame)
+
+    def set_max_frame(self, max_frame: int, why: str = _RAISE_MAX) -> None:
+        """Change the payload limit for frames whose header has not arrived yet (a
+        listener lifts its small pre-authentication limit this way); ``why`` goes into
+        the error for a frame over it."""
+        if not 0 <= max_frame <= MAX_FRAME_LIMIT:
+            raise ValueError(f"max_frame must be 0..{MAX_FRAME_LIMIT} bytes, got {max_frame}")
+        self._max = max_frame
+        self._why = why
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as frames."""
         return len(self._buf) - self._pos + len(self._acc)
+
+    @property
+    def partial(self) -> bool:
+        """Part of a frame is in, the rest is awaited from the peer."""
+        return bool(self._acc)
+
+    def release(self) -> None:
+        """Drop every buffered byte now (the connection is closed): a partial 16 MiB frame
+        must not wait for the cyclic garbage collector to be freed."""
+        self._buf, self._pos, self._acc, self._need = b"", 0, bytearray(), 0
 
     @property
     def error(self) -> RemoteProtocolError | None:
@@ -199,7 +222,7 @@ class FrameDecoder:
             return None
         magic, version, sid, ftype, length, flags, crc = _FULL.unpack_from(buf, pos)
         if magic != MAGIC or version != VERSION or length > self._max:
-            self._error = _bad_header(magic, version, length, self._max)
+            self._error = _bad_header(magic, version, length, self._max, self._why)
             raise self._error
         start = pos + HEADER_SIZE
         end = start + length

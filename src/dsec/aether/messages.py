@@ -41,10 +41,14 @@ class ErrorBody(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Goaway(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Payload of a GOAWAY frame (stream 0): the sender starts no handler for a request
     on a stream id above ``last_stream_id``; the receiver fails those calls at once with a
-    retryable ConnectionLost and opens no new calls on this connection."""
+    retryable ConnectionLost and opens no new calls on this connection.
+
+    ``code`` (optional) names the :mod:`dsec.errors` class those calls fail with instead,
+    e.g. ``overloaded`` when a listener refuses a connection at its limits."""
 
     reason: str = ""
     last_stream_id: int = 0
+    code: str = ""
 
 
 def error_body(exc: BaseException) -> ErrorBody:

@@ -32,14 +32,20 @@ import click
 @click.option("--disk-pool", default=None, metavar="SIZE",
               help="Size of each edge's sandbox disk pool when first made "
                    "[default: 90% of the state dir's free space].")
+@click.option("--node-ttl", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="An edge silent this long is lost: its sandboxes are evicted (node_lost). "
+                   "Restart (upgrade) an edge within it to keep them.")
 @click.option("--quiet", is_flag=True, help="No status line.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
-       keep: bool, disk_default: str, disk_pool: str | None, quiet: bool) -> None:
+       keep: bool, disk_default: str, disk_pool: str | None, node_ttl: float,
+       quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
     from dsec.client.core import parse_memory
     from dsec.control.api.cluster import ClusterConfig, default_state_dir
+    from dsec.control.api.plane import PlaneConfig
     from dsec.errors import DsecError
 
     try:
@@ -50,7 +56,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=edges, keep=keep, disk_default_bytes=disk,
-                        disk_pool_bytes=pool)
+                        disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl))
     uvloop.run(_run(cfg, quiet))
 
 

@@ -357,7 +357,9 @@ class AetherTransport:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._conn is None or self._conn.closed:
-                self._conn = await connect(self.address, timeout=self.timeout)
+                # The gateway admits a connection once it presents an API key.
+                self._conn = await connect(self.address, timeout=self.timeout,
+                                           token=self.key)
         return self._conn
 
     async def _call(self, method: str, body: Any, rtype: Any,

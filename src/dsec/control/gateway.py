@@ -6,9 +6,13 @@ raw bytes, no base64, no HTTP parsing) and calls multiplex and pipeline on one
 connection. ``api.create_many`` and ``api.exec_many`` are single requests carrying many
 items, grouped per edge into one batched edge call each.
 
-Every request body carries the API key (``key``): Aether has no per-connection handshake,
-and the service's principal cache makes a repeated key a dict lookup, not a hash.
-Methods are ``api.<op>``; bodies are the structs below.
+A connection first authenticates with an API key (``aether.auth``, i.e.
+``connect(address, token=api_key)``): until then it may send nothing else, frames over
+4 KiB, or stay longer than the listener's ``auth_timeout_s``, so a stranger holding
+connections costs the node a bounded number of file descriptors and bytes (see
+:mod:`dsec.aether.limits`). Every request body still carries the key it acts with
+(``key``): authorization is per call, and the service's principal cache makes a repeated
+key a dict lookup, not a hash. Methods are ``api.<op>``; bodies are the structs below.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import msgspec
 
 from dsec.aether import Router, Server, StreamSender, current_peer, serve
+from dsec.aether.limits import ServerLimits
 from dsec.aether.messages import ErrorBody, error_body
 from dsec.control.api.service import ApiService
 from dsec.control.api.types import (
@@ -161,15 +166,22 @@ def _outcome_of(x: Any) -> Outcome:
 
 def gateway_router(service: ApiService, admin: Any = None) -> Router:
     """The ``api.*`` methods bound to ``service`` (and ``admin`` for sessions/keys)."""
-    r = Router()
     auth = service.authenticate
+
+    def admit(credential: bytes, peer: str) -> None:
+        # The connection's key: failures charge the peer address's anonymous budget
+        # (429 once it is spent), like REST does per client address.
+        auth(credential.decode("utf-8", "replace"), peer or "gateway")
+
+    r = Router(authenticate=admit, credential="API key")
     redact = service.redact
 
     def caller(body: _Keyed) -> Any:
-        # Failed keys are charged to the peer's address (uid:<n> over a Unix socket), as
-        # on REST. They used to share one budget ("gateway", still the fallback when the
-        # transport names no peer): one peer sending bad keys locked every key not yet
-        # in the principal cache (all of them after a restart) out of the gateway.
+        # A call's own key: failures are charged to the peer's address too (uid:<n> over
+        # a Unix socket), like the connection's key. They used to share one budget
+        # ("gateway", still the fallback when no listener names the peer): a peer could
+        # spend it with bad per-call keys and lock every key not yet in the principal
+        # cache out of the gateway's calls.
         return auth(body.key, current_peer() or "gateway")
 
     def add(method: str, fn: Callable[..., Any], **kw: Any) -> None:
@@ -354,6 +366,8 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
     return r
 
 
-async def serve_gateway(service: ApiService, admin: Any, address: str) -> Server:
-    """Listen on ``address`` (``tcp:HOST:PORT`` or ``unix:PATH``) for gateway calls."""
-    return await serve(gateway_router(service, admin), address)
+async def serve_gateway(service: ApiService, admin: Any, address: str, *,
+                        limits: ServerLimits | None = None) -> Server:
+    """Listen on ``address`` (``tcp:HOST:PORT`` or ``unix:PATH``) for gateway calls, under
+    ``limits`` (default :data:`dsec.aether.limits.DEFAULT_LIMITS`)."""
+    return await serve(gateway_router(service, admin), address, limits=limits)

@@ -22,22 +22,41 @@ no instruction.
 Liveness uses the time the control plane *received* a heartbeat (``NodeHeartbeat.time``
 stamped by the runner's clock), never the node's clock, so node clock skew cannot keep a
 dead node alive. Nodes are kept in receipt order, so a tick expires nodes in O(expired).
+
+"I cannot reach my edge" is not "the edge is lost" (issue 12: an apiserver out of file
+descriptors once wrote off a healthy edge and destroyed its sandboxes). Only *silence*
+counts toward ``ttl_s``: connection refused or reset, no reply in time. A poll that failed
+for another reason is a :class:`LinkFailed` event, and it holds the node instead:
+``answered`` (the node replied, with an error or an overload refusal: it is alive) or
+``blind`` (this side could not look: its own fd, port or memory limits). The node is then
+taken out of placement (``UpdateNode`` with ``healthy=False``) but its sandboxes stay;
+its TTL counts from the failed poll, as if it had been seen then.
+:func:`link_failure_cause` sorts a failed poll's error into the three causes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
 from dsec.control.placement import NodeView
-from dsec.errors import InvalidArgument
+from dsec.errors import (
+    DsecError,
+    InvalidArgument,
+    LocalProtocolError,
+    Overloaded,
+    Timeout,
+    TransportError,
+)
 
 __all__ = [
     "DestroySandboxes",
     "EvictNode",
     "Instruction",
+    "LinkFailed",
     "LiveSandbox",
     "NodeHeartbeat",
     "Preempt",
@@ -48,6 +67,7 @@ __all__ = [
     "Watcher",
     "WatcherConfig",
     "choose_victims",
+    "link_failure_cause",
 ]
 
 
@@ -88,6 +108,43 @@ class Tick:
     """Time passes: expire nodes silent since before ``now - ttl_s``."""
 
     now: float
+
+
+LinkCause = Literal["answered", "blind", "silent"]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFailed:
+    """A poll of ``node`` at ``time`` failed for a reason that is not the node's silence
+    (see the module docstring): ``answered`` or ``blind``. Holds the node, never
+    expires it; ``detail`` says what happened (for logs and ``GET /v1/nodes``)."""
+
+    node: str
+    time: float
+    cause: Literal["answered", "blind"]
+    detail: str = ""
+
+
+def link_failure_cause(exc: DsecError) -> LinkCause:
+    """Why a call to a node failed, as liveness sees it.
+
+    - ``answered``: the node replied: any error decoded from its ERROR frame (an
+      ``internal_error`` from a handler that hit EMFILE is still a live node), or an
+      overload refusal (GOAWAY ``overloaded``) from its listener;
+    - ``blind``: this side failed before the node could be asked: its own fd/port/memory
+      shortage on connect (a ``TransportError`` with ``detail["local"]``), or a request
+      it could not encode (``LocalProtocolError``);
+    - ``silent``: no answer: refused, reset, closed, or no reply within the deadline.
+    """
+    if isinstance(exc, Overloaded):
+        return "answered"
+    if isinstance(exc, TransportError) and exc.detail.get("local"):
+        return "blind"
+    if isinstance(exc, LocalProtocolError):
+        return "blind"
+    if isinstance(exc, (TransportError, Timeout)):
+        return "silent"
+    return "answered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +192,7 @@ class PreemptionFailed:
     reason: str
 
 
-Event = NodeHeartbeat | Tick | Preempt
+Event = NodeHeartbeat | Tick | Preempt | LinkFailed
 Instruction = UpdateNode | EvictNode | DestroySandboxes | PreemptSandboxes | PreemptionFailed
 
 
@@ -217,6 +274,8 @@ class Watcher:
                 self._tick(ev.now, out)
             elif isinstance(ev, Preempt):
                 self._preempt(ev, out)
+            elif isinstance(ev, LinkFailed):
+                self._link_failed(ev, out)
             else:
                 raise InvalidArgument(f"watcher cannot handle {type(ev).__name__} events")
         return out
@@ -251,6 +310,17 @@ class Watcher:
             if s.id not in zombies:
                 groups[s.project] = groups.get(s.project, 0) + 1
         return msgspec.structs.replace(hb.view, sandboxes=len(hb.sandboxes), groups=groups)
+
+    def _link_failed(self, ev: LinkFailed, out: list[Instruction]) -> None:
+        node = self._live.get(ev.node)
+        if node is None:
+            return  # never seen, or already expired: nothing to hold
+        self._now = max(self._now, ev.time)
+        if ev.time > node.last_seen:
+            node.last_seen = ev.time
+            self._live.move_to_end(ev.node)
+        view = self._view(node.hb, node.zombies)
+        out.append(UpdateNode(msgspec.structs.replace(view, healthy=False)))
 
     # --- expiry -------------------------------------------------------------------------
     def _tick(self, now: float, out: list[Instruction]) -> None:

@@ -19,6 +19,7 @@ from types import EllipsisType
 from typing import Any, Self
 
 from dsec.aether import Connection, Router, Server, StreamSender, connect, serve
+from dsec.aether.limits import ServerLimits
 from dsec.edge.node import EdgeNode
 from dsec.edge.protocol import (
     METHODS,
@@ -192,19 +193,25 @@ class EdgeService:
 
 
 async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None = None,
-                     insecure: bool = False) -> Server:
+                     insecure: bool = False, limits: ServerLimits | None = None) -> Server:
     """Serve ``node`` on ``address`` (``unix:PATH`` or ``tcp:HOST:PORT``).
 
     Whoever reaches an edge can run code as root in its sandboxes, so a TCP listener needs
     a ``token`` that every connection must present first (``insecure=True`` waives it, for
     a private test network only). A Unix socket is created 0600 (root only); a token
-    there is optional."""
+    there is optional.
+
+    ``limits`` bound what peers may hold (connections, unauthenticated ones per address,
+    deadlines, frame sizes; :data:`dsec.aether.limits.DEFAULT_LIMITS` by default), and
+    accepted connections of every listener in the process share the process's fd
+    budget, so a flood on the edge's socket cannot take the fds its sandboxes' exec
+    pipes and its journal need."""
     if address.startswith("tcp:") and token is None and not insecure:
         raise InvalidArgument(
             f"refusing to serve edge {node.node_id} on {address} without a token: anyone who "
             "can connect could run commands in its sandboxes; pass a token (dsec edge "
             "--token-file FILE) or listen on a unix: socket")
-    return await serve(EdgeService(node, token=token).router, address)
+    return await serve(EdgeService(node, token=token).router, address, limits=limits)
 
 
 class EdgeClient:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dsec.aether.limits import ServerLimits
+from dsec.control.api.http_limits import HttpLimits
 from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService
 from dsec.control.apiserver import RestConfig, build_app
@@ -87,6 +89,10 @@ class ClusterConfig:
         default_factory=lambda: os.environ.get("DSEC_METRICS_TOKEN") or None)
     default_ttl_s: float | None = 6 * 3600.0
     plane: PlaneConfig = field(default_factory=PlaneConfig)
+    # What peers may hold on the Aether listeners (gateway, edge sockets) and on REST:
+    # connection caps per listener and per address, deadlines, frame sizes (issue 12).
+    listener_limits: ServerLimits = field(default_factory=ServerLimits)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
     write_local: bool = True
     access_log: bool = False
     # Container sandboxes' disk: the cap of a sandbox created without disk_bytes, and the
@@ -94,6 +100,12 @@ class ClusterConfig:
     # filesystem's free space; sparse, so it takes host space only as it fills).
     disk_default_bytes: int = 10 << 30
     disk_pool_bytes: int | None = None
+
+
+def _plus_one(n: int | None) -> int | None:
+    # uvicorn answers 503 once len(connections) >= limit_concurrency, counting the one
+    # asking: one more than the admitted maximum lets every admitted connection be served.
+    return None if n is None else n + 1
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -121,6 +133,7 @@ class ClusterRuntime:
         self._uvicorn: Any = None
         self._serve_task: asyncio.Task[None] | None = None
         self._store: Any = None
+        self.http_admission: Any = None       # the REST listener's Admission (counters)
         self._images: Any = None              # StoreImages shared by container edges
         self._mounts: Any = None              # its MountCache (one per process)
 
@@ -159,7 +172,8 @@ class ClusterRuntime:
             self.admin_key = self._admin_key(plane)
             if cfg.gateway is not None:
                 from dsec.control.gateway import serve_gateway
-                self._gateway = await serve_gateway(service, plane, cfg.gateway)
+                self._gateway = await serve_gateway(service, plane, cfg.gateway,
+                                                    limits=cfg.listener_limits)
                 self.gateway_address = str(self._gateway.address)
             await self._start_http(service, plane)
             if cfg.write_local:
@@ -201,7 +215,8 @@ class ClusterRuntime:
             state_dir=os.path.join(cfg.state_dir, "edges", node_id)), backends)
         await node.start()
         try:
-            server = await serve_edge(node, f"unix:{self._sock(node_id)}")
+            server = await serve_edge(node, f"unix:{self._sock(node_id)}",
+                                      limits=cfg.listener_limits)
         except BaseException:
             await node.close()
             raise
@@ -295,9 +310,14 @@ class ClusterRuntime:
         self.url = f"http://{host}:{port}"
         app = build_app(service, plane, RestConfig(gateway_address=self.gateway_address,
                                                    metrics_token=cfg.metrics_token))
-        ucfg = uvicorn.Config(app, loop="none", http="httptools", lifespan="off",
+        from dsec.control.api.http_limits import guarded_protocol
+        protocol, self.http_admission = guarded_protocol(cfg.http_limits,
+                                                         name=f"REST listener {cfg.listen}")
+        ucfg = uvicorn.Config(app, loop="none", http=protocol, lifespan="off",
                               proxy_headers=False, server_header=False,
-                              access_log=cfg.access_log, log_level="warning")
+                              access_log=cfg.access_log, log_level="warning",
+                              limit_concurrency=_plus_one(
+                                  cfg.http_limits.connections.max_connections))
         server = self._uvicorn = uvicorn.Server(ucfg)
         # The runtime owns SIGINT/SIGTERM (`dsec up` stops the whole cluster on them):
         # uvicorn must not swap in its own handlers while it serves on the main thread.

@@ -17,13 +17,19 @@ Keeping the registry in step with the edges (it answers ``GET /v1/sandboxes``):
   (``EventFeed.lost``), a create whose edge-side death raced its registration, sandboxes
   created by another replica or adopted by a restarted edge;
 - an edge whose feed sequence went backwards restarted: its feed is read from the start;
-- an edge silent for ``node_ttl_s`` is expired by the watcher: its sandboxes are evicted
-  (reason ``node_lost``, quota released) and remembered as tombstones (in memory and in
-  the store's ``lost_sandboxes`` table), so ``GET`` and ``/events`` of such a sandbox say
-  what happened while its edge is unreachable; when the edge comes back they are
-  destroyed there, never resurrected: by the watcher, or, after an apiserver restart
-  (the watcher starts empty), by the reconcile step, which finds them in the tombstones
-  loaded from the store.
+- an edge *silent* for ``node_ttl_s`` (refused or reset connections, no reply in time)
+  is expired by the watcher: its sandboxes are evicted (reason ``node_lost``, quota
+  released) and remembered as tombstones (in memory and in the store's
+  ``lost_sandboxes`` table), so ``GET`` and ``/events`` of such a sandbox say what
+  happened while its edge is unreachable; when the edge comes back they are destroyed
+  there, never resurrected: by the watcher, or, after an apiserver restart (the watcher
+  starts empty), by the reconcile step, which finds them in the tombstones loaded from
+  the store;
+- an edge this apiserver *failed to use* is not silent: when the poll fails on this
+  side (out of file descriptors or ports: ``blind``) or the edge answers with an error or
+  an overload refusal (``answered``), the node is held ``unreachable`` (out of
+  placement, reported by ``GET /v1/nodes`` with the reason, sandboxes kept) and its TTL
+  counts from that poll (see :mod:`dsec.control.watcher`).
 
 Durable state is in the store only: sessions (``sessions`` table), idempotency keys
 (``idempotency`` table, see :mod:`dsec.control.idempotency`) and lost-node tombstones
@@ -79,6 +85,7 @@ from dsec.control.store import (
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
+    LinkFailed,
     LiveSandbox,
     NodeHeartbeat,
     PreemptSandboxes,
@@ -86,10 +93,12 @@ from dsec.control.watcher import (
     UpdateNode,
     Watcher,
     WatcherConfig,
+    link_failure_cause,
 )
 from dsec.edge.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from dsec.errors import (
     Conflict,
+    ConnectionLost,
     DsecError,
     ImageError,
     ImageNotFound,
@@ -124,7 +133,13 @@ _KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
 @dataclass(slots=True, frozen=True, kw_only=True)
 class PlaneConfig:
     heartbeat_interval_s: float = 1.0      # how often the apiserver polls each edge
-    node_ttl_s: float = 10.0               # silent this long -> unhealthy, not placed on
+    # Silent this long -> the node is lost: its sandboxes are evicted (node_lost) and
+    # destroyed if it returns. An edge restarted (upgraded) within this grace keeps them;
+    # `dsec up --node-ttl` sets it. Only silence counts (see the module docstring).
+    node_ttl_s: float = 10.0
+    # Deadline of one poll (connect, heartbeat, feed): a hung edge must not hold up the
+    # polling of the others, nor delay its own expiry.
+    poll_timeout_s: float = 5.0
     sweep_interval_s: float = 5.0
     unknown_session_grace_s: float = 180.0
     session_retention_s: float = 86_400.0  # a lapsed session's row is kept (renewable) this long
@@ -174,6 +189,10 @@ class EdgeEntry:
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
+    # How the last poll failed ("" = it worked): "answered" / "blind" hold the node
+    # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
+    failure: str = ""
+    problem: str = ""
 
 
 class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
@@ -250,18 +269,39 @@ class ControlPlane:
         return e.link if e is not None else None
 
     def _healthy(self, e: EdgeEntry, now: float) -> bool:
-        return e.heartbeat is not None and now - e.last_seen <= self.config.node_ttl_s
+        return (e.heartbeat is not None and now - e.last_seen <= self.config.node_ttl_s
+                and e.failure in ("", "silent"))
+
+    def _status(self, e: EdgeEntry, now: float) -> tuple[str, str]:
+        """(status, problem) of one edge for ``GET /v1/nodes``: ``healthy``;
+        ``unreachable`` (this apiserver failed to use its link, or it answered with an
+        error: held, sandboxes kept); ``silent`` (no answer: lost after node_ttl_s);
+        ``lost`` (expired: its sandboxes were evicted)."""
+        if self.watcher.is_expired(e.node):
+            return "lost", e.problem or f"no heartbeat for more than {self.config.node_ttl_s:g}s"
+        if e.failure in ("answered", "blind"):
+            return "unreachable", e.problem
+        if e.failure == "silent" or e.heartbeat is None:
+            left = self.config.node_ttl_s - (now - e.last_seen)
+            why = e.problem or "no heartbeat yet"
+            if e.heartbeat is not None:
+                why += f"; written off as lost in {max(left, 0.0):.1f}s unless it answers"
+            return "silent", why
+        return "healthy", ""
 
     def nodes(self) -> list[NodeView]:
         now = self.clock()
         out = []
         for e in self.edges.values():
             hb = e.heartbeat
+            status, problem = self._status(e, now)
             if hb is None:
-                out.append(NodeView(id=e.node, address=e.address, healthy=False))
+                out.append(NodeView(id=e.node, address=e.address, healthy=False,
+                                    status=status, problem=problem))
                 continue
             out.append(NodeView(
                 id=e.node, address=e.address, healthy=self._healthy(e, now),
+                status=status, problem=problem,
                 backends=list(hb.backends), cpu_milli_total=hb.capacity.cpu_milli,
                 cpu_milli_used=hb.usage.cpu_milli, memory_bytes_total=hb.capacity.memory_bytes,
                 memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
@@ -904,7 +944,8 @@ class ControlPlane:
 
     async def _link(self, e: EdgeEntry) -> Any:
         """The edge's link, reconnected if its connection closed (the edge restarted or
-        the network dropped): Aether connections do not reconnect on their own."""
+        the network dropped): Aether connections do not reconnect on their own. None
+        while waiting to retry; a failed reconnect raises (its cause matters)."""
         link: Any = e.link
         conn = getattr(link, "conn", None)
         if conn is None or not conn.closed:
@@ -915,10 +956,11 @@ class ControlPlane:
         e.retry_at = now + self.config.reconnect_interval_s
         from dsec.edge.service import EdgeClient
         try:
-            fresh = await EdgeClient.connect(e.address, token=e.token)
-        except DsecError as exc:
-            log.debug("edge %s still unreachable at %s: %s", e.node, e.address, exc)
-            return None
+            async with asyncio.timeout(self.config.poll_timeout_s):
+                fresh = await EdgeClient.connect(e.address, token=e.token)
+        except TimeoutError as exc:
+            raise ConnectionLost(f"could not connect to edge {e.node} at {e.address} within "
+                                 f"{self.config.poll_timeout_s:g}s") from exc
         e.link = fresh
         try:
             await link.close()
@@ -928,18 +970,23 @@ class ControlPlane:
         return fresh
 
     async def _poll(self, e: EdgeEntry) -> None:
-        link = await self._link(e)
-        if link is None:
-            return
+        t = self.config.poll_timeout_s
         try:
-            hb = await link.heartbeat(include_sandboxes=True)
+            link = await self._link(e)
+            if link is None:
+                return
+            hb = await link.heartbeat(include_sandboxes=True, timeout=t)
             if hb.feed_seq < e.feed_after:
                 # The edge restarted: its feed numbering started over.
                 e.feed_after = 0
-            feed = await link.feed(e.feed_after, 10_000)
+            feed = await link.feed(e.feed_after, 10_000, timeout=t)
         except DsecError as exc:
-            log.debug("edge %s unreachable: %s", e.node, exc)
+            await self._poll_failed(e, exc)
             return
+        if e.failure:
+            log.warning("edge %s reachable again (it was %s: %s)", e.node,
+                        "silent" if e.failure == "silent" else "unreachable", e.problem)
+        e.failure = e.problem = ""
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         e.images = frozenset(hb.images)
@@ -970,6 +1017,21 @@ class ControlPlane:
                     pass
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
+
+    async def _poll_failed(self, e: EdgeEntry, exc: DsecError) -> None:
+        """A poll failed: only the edge's silence counts toward its TTL; this side's own
+        failure, or an edge that answered with an error, holds it unreachable."""
+        cause = link_failure_cause(exc)
+        if cause != e.failure:
+            how = {"silent": "silent (counts toward node_ttl_s)",
+                   "answered": "unreachable: it answers, with an error (held, not lost)",
+                   "blind": "unreachable from this apiserver (held, not lost)"}[cause]
+            log.warning("edge %s %s: %s", e.node, how, exc.message)
+        e.failure = cause
+        e.problem = f"{cause}: {exc.message}"
+        if cause != "silent":
+            await self._carry_out(self.watcher.handle(
+                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=exc.message)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list."""
@@ -1131,6 +1193,9 @@ class ControlPlane:
             m.sandboxes.labels(st).set(totals.get(st, 0))
         m.nodes.labels("healthy").set(healthy)
         m.nodes.labels("unhealthy").set(len(self.edges) - healthy)
+        # of the unhealthy: held because this apiserver cannot use their link (not lost)
+        m.nodes.labels("unreachable").set(
+            sum(e.failure in ("answered", "blind") for e in self.edges.values()))
         m.registry_sandboxes.set(len(self.registry))
 
 

@@ -226,6 +226,11 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     address: str = ""
     healthy: bool = True
+    # healthy | unreachable (the apiserver failed to use its link, or the node answers
+    # with errors: held, sandboxes kept) | silent (no answer; lost after the node TTL) |
+    # lost (expired: its sandboxes were evicted); problem says what happened.
+    status: str = "healthy"
+    problem: str = ""
     backends: list[str] = []
     cpu_milli_total: int = 0
     cpu_milli_used: int = 0
