@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.clock import FakeClock
+from dsec.edge.journal import SandboxJournal
 from dsec.edge.node import EdgeNode
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import (
@@ -109,29 +111,23 @@ class FaultyBackend(SimulatedBackend):
         await super().destroy(sid)
 
 
-class FailingJournal:
-    """Journal stand-in whose put fails (the step after the backend succeeded)."""
+class FailingJournal(SandboxJournal):
+    """A real journal whose second write fails (the running record, after the backend
+    succeeded and the intent was written), as on a disk that just filled up."""
 
-    def open(self) -> dict[str, object]:
-        return {}
+    def __init__(self, state_dir: str) -> None:
+        super().__init__(state_dir)
+        self.appends = 0
 
-    def put(self, rec: object) -> None:
-        raise OSError("journal disk full")
-
-    def delete(self, sid: str) -> None:
-        pass
-
-    dirty = False
-
-    def flush(self, live: object = None) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
+    def _append(self, data: bytes) -> None:
+        self.appends += 1
+        if self.appends == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super()._append(data)
 
 
 @pytest.mark.parametrize("step", ["before", "after", "journal", "cancel"])
-async def test_failure_at_each_creation_step_leaks_nothing(step: str) -> None:
+async def test_failure_at_each_creation_step_leaks_nothing(step: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     clock = FakeClock()
     if step == "cancel":
         backend = SimulatedBackend(clock=clock, profile=NodeLatencyProfile(create_s=5.0))
@@ -139,7 +135,7 @@ async def test_failure_at_each_creation_step_leaks_nothing(step: str) -> None:
         backend = FaultyBackend(step if step in ("before", "after") else "none", clock=clock)
     node = make_node(backend, clock=clock)
     if step == "journal":
-        node.journal = FailingJournal()  # type: ignore[assignment]
+        node.journal = FailingJournal(str(tmp_path))
     await node.start()
     try:
         if step == "cancel":

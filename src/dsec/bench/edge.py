@@ -5,11 +5,17 @@ What each figure measures (targets from issue 3; the Rust reference in brackets)
   ``transport=uds`` through EdgeService in a separate server process (one core each),
   ``transport=uds-same-process`` with client and server sharing one event loop, and
   ``transport=in-process`` calling EdgeNode directly. Target >= 13,000/s at C=64 [13.2-13.4k].
+  Param ``journal``: ``none`` (no state dir: what this figure measured before issue 12),
+  ``tick`` (journal written once per 50 ms tick, a crash loses that tick) and ``durable``
+  (the default: intent and running record group-committed with write+fsync before the
+  answer; ``fsyncs`` in params counts them). The state dir is under ``$TMPDIR``.
 - ``creation_paper``: the same with the paper (container) latency profile, C=256.
   Target >= 6,300/s.
 - ``burst``: 100,000 create+destroy lifecycles in-process, batched (create_many /
-  destroy_many of 1,000) and one call at a time; journal on (state dir in /tmp).
-  Target >= 56,700 lifecycles/s with 0 errors.
+  destroy_many of 1,000) and one call at a time, with ``journal: tick`` (the target's
+  setting: creates and destroys within one tick cost no I/O) and ``journal: durable``
+  (every lifecycle waits for 3 group commits; one call at a time that is 3 fsyncs per
+  lifecycle, so that variant runs n/10). Target >= 56,700 lifecycles/s with 0 errors.
 - ``pause_resume``: latency p50/p99 of pause and of resume through EdgeNode under the
   paper profile (4 s pause, 1 s resume, real sleeps), many sandboxes at once; the
   overhead figure is the latency minus the profile's sleep.
@@ -38,22 +44,30 @@ def _profile(name: str) -> Any:
     return NodeLatencyProfile.zero() if name == "zero" else NodeLatencyProfile.paper("container")
 
 
-def _node(profile: str, state_dir: str | None = None) -> Any:
+JOURNALS = ("none", "tick", "durable")
+
+
+def _node(profile: str, state_dir: str | None = None, journal: str = "durable") -> Any:
+    """A bench node; ``journal`` none (no state dir), tick or durable (fsync)."""
     from dsec.edge.admission import Capacity
     from dsec.edge.backends.simulated import SimulatedBackend
     from dsec.edge.node import EdgeNode, NodeConfig
 
-    cfg = NodeConfig(node_id="bench", capacity=Capacity(**BIG), state_dir=state_dir)
+    if journal == "none":
+        state_dir = None
+    cfg = NodeConfig(node_id="bench", capacity=Capacity(**BIG), state_dir=state_dir,
+                     journal_sync="tick" if journal == "tick" else "fsync")
     return EdgeNode(cfg, SimulatedBackend(profile=_profile(profile)))
 
 
-def _serve(path: str, profile: str, ready: Any) -> None:
+def _serve(path: str, profile: str, ready: Any, journal: str = "none") -> None:
     import uvloop
 
     from dsec.edge.service import serve_edge
 
     async def main() -> None:
-        async with _node(profile) as node:
+        async with _node(profile, os.path.join(os.path.dirname(path), "state"),
+                         journal) as node:
             srv = await serve_edge(node, f"unix:{path}")
             ready.set()
             await asyncio.Event().wait()
@@ -100,7 +114,7 @@ def _record_rate(ctx: BenchContext, name: str, rates: list[float], errors: int, 
 
 
 async def _over_uds(ctx: BenchContext, path: str, name: str, n: int, concs: tuple[int, ...],
-                    transport: str, profile: str) -> None:
+                    transport: str, profile: str, journal: str = "none") -> None:
     from dsec.edge.service import EdgeClient
 
     async with await EdgeClient.connect(f"unix:{path}") as c:
@@ -115,60 +129,66 @@ async def _over_uds(ctx: BenchContext, path: str, name: str, n: int, concs: tupl
                 for k in range(0, len(ids), 1000):
                     await c.destroy_many(ids[k:k + 1000])
             _record_rate(ctx, name, rates, errors, "sandboxes/s", concurrency=conc, n=n,
-                         transport=transport, profile=profile)
+                         transport=transport, profile=profile, journal=journal)
 
 
 def _separate_process(ctx: BenchContext, name: str, n: int, concs: tuple[int, ...],
-                      profile: str) -> None:
+                      profile: str, journal: str = "none") -> None:
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="dsec-bench-edge-") as d:
         path = os.path.join(d, "edge.sock")
         mpctx = mp.get_context("spawn")
         ready = mpctx.Event()
-        proc = mpctx.Process(target=_serve, args=(path, profile, ready), daemon=True)
+        proc = mpctx.Process(target=_serve, args=(path, profile, ready, journal), daemon=True)
         proc.start()
         try:
             if not ready.wait(60):
                 raise RuntimeError("edge benchmark server did not start within 60 s")
-            uvloop.run(_over_uds(ctx, path, name, n, concs, "uds", profile))
+            uvloop.run(_over_uds(ctx, path, name, n, concs, "uds", profile, journal))
         finally:
             proc.terminate()
             proc.join(10)
 
 
 async def _same_process(ctx: BenchContext, name: str, n: int, concs: tuple[int, ...],
-                        profile: str) -> None:
+                        profile: str, journal: str = "none") -> None:
     from dsec.edge.service import serve_edge
 
     with tempfile.TemporaryDirectory(prefix="dsec-bench-edge-") as d:
-        async with _node(profile) as node:
+        async with _node(profile, os.path.join(d, "s1"), journal) as node:
             srv = await serve_edge(node, f"unix:{d}/edge.sock")
             try:
                 await _over_uds(ctx, f"{d}/edge.sock", name, n, concs, "uds-same-process",
-                                profile)
+                                profile, journal)
             finally:
                 await srv.close()
-        async with _node(profile) as node:
+        async with _node(profile, os.path.join(d, "s2"), journal) as node:
             for conc in concs:
                 rates, errors = [], 0
+                syncs0 = node.journal.syncs if node.journal is not None else 0
                 for _ in range(_runs(ctx)):
                     rate, err = await _create_rate(node.create, n, conc)
                     rates.append(rate)
                     errors += err
                     await node.destroy_many([i.id for i in node.list()])
+                extra = {}
+                if journal == "durable":  # per run: n creates + n destroys
+                    extra["fsyncs"] = (node.journal.syncs - syncs0) // len(rates)
                 _record_rate(ctx, name, rates, errors, "sandboxes/s", concurrency=conc, n=n,
-                             transport="in-process", profile=profile)
+                             transport="in-process", profile=profile, journal=journal, **extra)
 
 
 def creation(ctx: BenchContext) -> None:
     import uvloop
 
     n = ctx.scale(5000, 2000)
-    _separate_process(ctx, "creation", n, (64, 256), "zero")
-    uvloop.run(_same_process(ctx, "creation", n, (64, 256), "zero"))
+    for journal in JOURNALS:
+        _separate_process(ctx, "creation", n, (64, 256), "zero", journal)
+        uvloop.run(_same_process(ctx, "creation", n, (64, 256), "zero", journal))
     _separate_process(ctx, "creation_paper", n, (256,), "paper")
     uvloop.run(_same_process(ctx, "creation_paper", n, (256,), "paper"))
+    _separate_process(ctx, "creation_paper", n, (256,), "paper", "durable")
 
 
 async def _burst_batched(node: Any, n: int) -> tuple[float, int]:
@@ -204,15 +224,20 @@ async def _burst_single(node: Any, n: int) -> tuple[float, int]:
 async def _burst(ctx: BenchContext, n: int) -> None:
     total_errors = 0
     with tempfile.TemporaryDirectory(prefix="dsec-bench-edge-") as d:
-        for batch, fn in ((1000, _burst_batched), (1, _burst_single)):
-            rates, errors = [], 0
-            for k in range(_runs(ctx)):
-                async with _node("zero", state_dir=os.path.join(d, f"{batch}-{k}")) as node:
-                    rate, err = await fn(node, n)
-                    rates.append(rate)
-                    errors += err + node.live_count
-            _record_rate(ctx, "burst", rates, errors, "lifecycles/s", n=n, batch=batch)
-            total_errors += errors
+        for journal in ("tick", "durable"):
+            for batch, fn in ((1000, _burst_batched), (1, _burst_single)):
+                m = n // 10 if journal == "durable" and batch == 1 else n
+                rates, errors, syncs = [], 0, 0
+                for k in range(_runs(ctx)):
+                    async with _node("zero", os.path.join(d, f"{journal}-{batch}-{k}"),
+                                     journal) as node:
+                        rate, err = await fn(node, m)
+                        rates.append(rate)
+                        errors += err + node.live_count
+                        syncs += node.journal.syncs
+                _record_rate(ctx, "burst", rates, errors, "lifecycles/s", n=m, batch=batch,
+                             journal=journal, fsyncs=syncs // len(rates))
+                total_errors += errors
     print(f"burst: {total_errors} errors")
 
 
@@ -281,8 +306,14 @@ def run(ctx: BenchContext) -> None:
     ctx.note("creation transport=uds: EdgeService in a separate process (spawned, uvloop), "
              "client in the bench process, one UDS connection, each caller awaiting one "
              "create at a time; uds-same-process shares one event loop for both ends.")
-    ctx.note("burst runs with the journal on (state dir under /tmp); creates and destroys "
-             "within one 50 ms tick cost no journal I/O by design.")
+    ctx.note("burst runs with the journal on (state dir under $TMPDIR): journal=tick writes "
+             "once per 50 ms tick (creates and destroys within one tick cost no I/O); "
+             "journal=durable group-commits intent, running record and tombstone with "
+             "write+fsync before each answer (batched: ~3-6 fsyncs per 1,000; one call at "
+             "a time: 3 per lifecycle, so it runs n/10).")
+    ctx.note("creation journal=none has no state dir (the pre-issue-12 figure); tick writes "
+             "once per tick; durable (the default) answers a create only after its intent "
+             "and its running record were fsynced, shared by every create in flight.")
     ctx.note("Figures are the median of 3 runs (best in params) because the 2-core VM is "
              "shared. What bounds creation over UDS (cProfile, same process): Aether framing "
              "and dispatch ~35%, EdgeNode.create incl. the simulated backend ~33%, msgpack "

@@ -52,7 +52,8 @@ def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str,
     return out
 
 
-def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
+def _backend_opts(name: str, profile: str, pool_size: int,
+                  state_dir: str | None) -> dict[str, Any]:
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
 
@@ -63,7 +64,10 @@ def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
             prof = NodeLatencyProfile.paper(kind)  # type: ignore[arg-type]
         return {"profile": prof}
     if name == "fncall":
-        return {"pool_size": pool_size}
+        # Work dirs next to the journal: a restarted edge adopts its fncall sandboxes
+        # and reconciles the rest (a temp dir per process could do neither).
+        root = {"root": os.path.join(state_dir, "fncall")} if state_dir else {}
+        return {"pool_size": pool_size, **root}
     return {}
 
 
@@ -73,6 +77,11 @@ def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Directory for the sandbox journal (a restarted edge adopts what it "
                    "owned). Without it, records live in memory only.")
+@click.option("--journal-sync", type=click.Choice(["fsync", "write", "tick"]), default="fsync",
+              show_default=True,
+              help="When an answered create/destroy/pause/resume is on disk: fsync before "
+                   "the answer (survives kill -9 and power loss), write before it (kill -9 "
+                   "only), or tick (up to 50 ms later: a crash loses that tick).")
 @click.option("--backend", "backends", multiple=True, default=("simulated",), show_default=True,
               help="Backend to offer (repeatable): simulated, fncall, container, ...")
 @click.option("--node-id", default=_default_node_id, show_default="hostname",
@@ -104,7 +113,8 @@ def _backend_opts(name: str, profile: str, pool_size: int) -> dict[str, Any]:
                    "[default: 90% of its root dir's free space].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id: str,
+def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
+         node_id: str,
          cpu_milli: int | None, memory_bytes: int | None, max_sandboxes: int,
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
          backend_opts: tuple[str, ...], token_file: str | None, insecure: bool,
@@ -126,7 +136,8 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
             capacity=Capacity(cpu_milli=cpu_milli if cpu_milli is not None else (os.cpu_count() or 1) * 1000,
                               memory_bytes=memory_bytes if memory_bytes is not None else _mem_total(),
                               max_sandboxes=max_sandboxes),
-            labels=_labels(labels), state_dir=state_dir)
+            labels=_labels(labels), state_dir=state_dir,
+            journal_sync=journal_sync)  # type: ignore[arg-type]
         extra = _extra_opts(backend_opts, backends)
         from dsec.client.core import parse_memory
         disk: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
@@ -135,8 +146,9 @@ def edge(listen: str, state_dir: str | None, backends: tuple[str, ...], node_id:
         for name in backends:
             if name == "container":
                 extra[name] = {**disk, **extra.get(name, {})}
-        built = {name: make_backend(name, **_backend_opts(name, profile, fncall_pool_size),
-                                    **extra.get(name, {}))
+        built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
+                                                             state_dir),
+                                              **extra.get(name, {})})
                  for name in dict.fromkeys(backends)}
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc

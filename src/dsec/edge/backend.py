@@ -9,9 +9,12 @@ record a final event with the reason.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dsec.edge.spec import (
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -23,7 +26,7 @@ from dsec.edge.spec import (
 )
 from dsec.ids import SandboxId
 
-__all__ = ["Backend", "DeathSink", "SnapshotBackend"]
+__all__ = ["Backend", "DeathSink", "Leftover", "ReconcilingBackend", "SnapshotBackend"]
 
 # sink(sandbox_id, reason, detail). A reason in lifecycle.FINAL_REASONS ("oom",
 # "backend_crash", "exited", ...) means the sandbox is dead; a reason in
@@ -101,6 +104,32 @@ class SnapshotBackend(Protocol):
 
     async def delete_snapshot(self, ref: str) -> SnapshotInfo:
         """Remove one; ``InUse`` while a sandbox runs from it or a snapshot builds on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """What a backend found (and removed) on the host for a sandbox the node does not own."""
+
+    sandbox_id: str
+    backend: BackendName               # the backend's name
+    what: str                          # e.g. "directory, 5 cgroup(s), 1 process(es)"
+    spec: SandboxSpec | None = None    # as recorded on the host, if it was
+
+
+@runtime_checkable
+class ReconcilingBackend(Protocol):
+    """Optional capability of backends that leave state on the host (container, runc,
+    fncall): after a crash the node's journal and the host may disagree.
+
+    At start, once the node has adopted what its journal holds, it calls
+    :meth:`reconcile` with the ids it owns; the backend removes every trace of any other
+    sandbox (processes, cgroups, mounts, directories, runtime state) and says what it
+    removed, so the node can record a tombstone with the reason. :meth:`discard` does the
+    same for one id the node has no record of (``destroy`` of such an id)."""
+
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]: ...
+
+    async def discard(self, sid: SandboxId) -> Leftover | None: ...
 
 
 async def replay_as_stream(res: ExecResult) -> AsyncIterator[ExecChunk | ExecResult]:

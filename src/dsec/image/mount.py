@@ -7,6 +7,19 @@ call mount(2) ourselves. Each layer is mounted once per node at a short path
 string), shared by every sandbox, reference-counted and unmounted when the last user
 releases it. The file's sha256 is verified before its first mount on this node, so a
 corrupt or truncated layer raises :class:`~dsec.errors.CorruptLayer` and mounts nothing.
+
+Crashes: refcounts live in the process, so a process killed with -9 leaves its mount root
+(``/run/dsec/m*``) mounted. Each root has an owner file beside it (``<root>.owner``: pid +
+start time, so pid reuse cannot fool it); a new
+cache reclaims the roots of owners that are gone: it detaches (``MNT_DETACH``) every mount
+below them and removes the directories. Lazily, because sandboxes left running for
+re-adoption may still use those layers: overlayfs holds its own private clone of each
+lower layer, so a running sandbox keeps reading its files after the host-side mount is
+detached (tested: an adopted sandbox reads its image after the reclaim), and the kernel
+frees the superblock when the last overlay goes. A re-adopted sandbox takes its layers'
+references in the new cache, so new sandboxes share the same (re-mounted) layers.
+Roots without an owner file (made before it existed, or being created right now) are
+left alone: there is no telling whether their owner still runs.
 """
 
 from __future__ import annotations
@@ -21,11 +34,15 @@ import threading
 from dataclasses import dataclass
 from typing import Self
 
-from dsec.errors import CorruptLayer, ImageError, InvalidArgument
+from dsec.errors import CorruptLayer, ImageError, InUse, InvalidArgument
 from dsec.image.erofs import hash_file
 from dsec.image.manifest import LayerManifest, short_digest
+from dsec.ownership import claim, disown, owner_alive
 
-__all__ = ["MS_RDONLY", "MountCache", "is_mountpoint", "sys_mount", "sys_umount"]
+__all__ = ["MS_RDONLY", "MountCache", "is_mountpoint", "mounts_below", "reclaim_dead_roots",
+           "sys_mount", "sys_umount"]
+
+RUN_ROOT = "/run/dsec"
 
 MS_RDONLY = 0x1
 MNT_DETACH = 0x2
@@ -59,6 +76,86 @@ def is_mountpoint(path: str) -> bool:
         return False
 
 
+def _unescape(path: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
+    if "\\" not in path:
+        return path
+    out, i = [], 0
+    while i < len(path):
+        esc = path[i + 1:i + 4]
+        if path[i] == "\\" and len(esc) == 3 and all(c in "01234567" for c in esc):
+            out.append(chr(int(esc, 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_below(mountinfo: str, prefix: str) -> list[str]:
+    """Mount points strictly below directory ``prefix`` in a ``/proc/self/mountinfo``
+    text, deepest first (the order to unmount them in). Pure."""
+    base = prefix.rstrip("/") + "/"
+    out = []
+    for line in mountinfo.splitlines():
+        fields = line.split(" ", 5)
+        if len(fields) < 5:
+            continue
+        mp = _unescape(fields[4])
+        if mp.startswith(base):
+            out.append(mp)
+    return sorted(set(out), key=lambda p: (-p.count("/"), p))
+
+
+def _reclaim_root(root: str, *, remove_root: bool) -> list[str]:
+    """Detach every mount below ``root`` and remove the emptied mount points."""
+    with open("/proc/self/mountinfo") as f:
+        mountinfo = f.read()
+    gone = []
+    for mp in mounts_below(mountinfo, root):
+        try:
+            sys_umount(mp, detach=True)
+            gone.append(mp)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: already unmounted by someone else
+                raise
+        try:
+            os.rmdir(mp)
+        except OSError:
+            pass
+    try:
+        for e in os.scandir(root):
+            if e.is_dir(follow_symlinks=False):
+                try:
+                    os.rmdir(e.path)
+                except OSError:
+                    pass
+    except FileNotFoundError:
+        return gone
+    if remove_root:
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+    disown(root)
+    return gone
+
+
+def reclaim_dead_roots(parent: str = RUN_ROOT) -> list[str]:
+    """Reclaim the mount roots under ``parent`` whose owner process is gone (see the
+    module docstring); returns the mount points detached."""
+    gone: list[str] = []
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return gone
+    for e in entries:
+        if e.name.startswith("m") and e.is_dir(follow_symlinks=False) \
+                and owner_alive(e.path) is False:
+            gone += _reclaim_root(e.path, remove_root=True)
+    return gone
+
+
 @dataclass(slots=True)
 class _Entry:
     path: str
@@ -83,8 +180,11 @@ class MountCache:
     """Mount each layer once per node, shared and reference-counted.
 
     ``mount_root`` defaults to a fresh short directory under ``/run/dsec`` owned by this
-    cache (one cache per node process: refcounts live in this process). ``close()``
-    unmounts everything it still holds.
+    cache (one cache per node process: refcounts live in this process); making one first
+    reclaims the roots of caches whose process died (``reclaimed`` lists what was
+    detached). A given ``mount_root`` left by a dead process is reclaimed the same way;
+    one a live process owns is refused with ``InUse``. ``close()`` unmounts everything
+    it still holds.
     """
 
     def __init__(self, *, mount_root: str | None = None, verify: bool = True) -> None:
@@ -92,12 +192,21 @@ class MountCache:
         if mount_root is None:
             # mkdtemp makes the cache's own root 0700: the mounted layers below it are
             # tenants' files, and other host users must not walk into them.
-            os.makedirs("/run/dsec", mode=0o700, exist_ok=True)
-            _not_writable_by_others("/run/dsec")
-            mount_root = tempfile.mkdtemp(prefix="m", dir="/run/dsec")
+            os.makedirs(RUN_ROOT, mode=0o700, exist_ok=True)
+            _not_writable_by_others(RUN_ROOT)
+            self.reclaimed = reclaim_dead_roots(RUN_ROOT)
+            mount_root = tempfile.mkdtemp(prefix="m", dir=RUN_ROOT)
         else:
             os.makedirs(mount_root, mode=0o700, exist_ok=True)
             os.chmod(mount_root, 0o700)
+            alive = owner_alive(mount_root)
+            if alive:
+                raise InUse(f"mount root {mount_root} belongs to another live mount cache; "
+                            "close it or give this cache another mount_root",
+                            mount_root=mount_root)
+            self.reclaimed = (_reclaim_root(mount_root, remove_root=False)
+                              if alive is False else [])
+        claim(mount_root)
         self.root = mount_root
         self.verify = verify
         self._lock = threading.Lock()
@@ -194,6 +303,7 @@ class MountCache:
             for ent in self._mounts.values():
                 self._unmount(ent.path)
             self._mounts.clear()
+        disown(self.root)
         if self._own_root:
             try:
                 os.rmdir(self.root)

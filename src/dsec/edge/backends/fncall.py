@@ -36,12 +36,14 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from dsec.edge.backend import DeathSink, replay_as_stream
+from dsec import ownership
+from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
@@ -398,9 +400,19 @@ class FncallBackend:
 
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
                  pool: WorkerPool | None = None) -> None:
+        """``root``: where sandbox work dirs live; give a persistent one (``dsec edge``
+        uses ``<state-dir>/fncall``) for sandboxes to be adopted after a restart. The
+        default is a fresh temp dir per process; making one reclaims the temp dirs of
+        processes that died (work dirs and runaway workers)."""
         self.pool = pool or WorkerPool(pool_size=pool_size, max_spawning=max_spawning)
         self._own_root = root is None
-        self.root = root or tempfile.mkdtemp(prefix="dsec-fncall-")
+        if root is None:
+            _reclaim_dead_roots(tempfile.gettempdir())
+            root = tempfile.mkdtemp(prefix=_ROOT_PREFIX)
+        else:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        self.root = os.path.abspath(root)
+        ownership.claim(self.root)
         self._boxes: dict[str, tuple[SandboxSpec, str]] = {}
         self._sink: DeathSink | None = None
         self._started = False
@@ -466,6 +478,33 @@ class FncallBackend:
         await self.pool.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
+        ownership.disown(self.root)
+
+    # ---------------------------------------------------------------- after a crash
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
+        """At node start, after adoption: kill workers a dead edge left running (calls
+        nobody will read: processes never outlive a call here) and remove the work dirs
+        of sandboxes the node does not keep."""
+        strays = _stray_workers(self.root)
+        _kill_groups(strays.values())
+        out = []
+        for name in sorted(os.listdir(self.root)):
+            d = os.path.join(self.root, name)
+            if name in keep or name in self._boxes or not os.path.isdir(d):
+                continue
+            n = sum(1 for cwd in strays if cwd == d or cwd.startswith(d + os.sep))
+            shutil.rmtree(d, ignore_errors=True)
+            out.append(Leftover(name, "fncall", "work directory"
+                                + (f", {n} runaway worker(s)" if n else "")))
+        return out
+
+    async def discard(self, sid: SandboxId) -> Leftover | None:
+        d = os.path.join(self.root, sid)
+        if sid in self._boxes or "/" in sid or not os.path.isdir(d):
+            return None
+        _kill_groups(pgid for cwd, pgid in _stray_workers(d).items())
+        shutil.rmtree(d, ignore_errors=True)
+        return Leftover(sid, "fncall", "work directory")
 
     # ---------------------------------------------------------------- calls
     async def call(self, sid: SandboxId, fn: Callable[..., Any], *args: Any,
@@ -606,6 +645,49 @@ def _code_of(req: ExecRequest) -> str:
     raise InvalidArgument(
         f"the fncall backend runs Python code: pass shell=<code> or argv=['python', '-c', <code>], "
         f"not argv={list(argv)!r}", field="argv")
+
+
+_ROOT_PREFIX = "dsec-fncall-"
+
+
+def _stray_workers(root: str) -> dict[str, int]:
+    """cwd -> process group of fncall workers whose working directory is under
+    ``root`` (a worker runs a call in its sandbox's work dir; user code that chdir'd
+    elsewhere is not found - see docs/edge.md)."""
+    out: dict[str, int] = {}
+    prefix = root.rstrip("/") + "/"
+    me = os.getpid()
+    for pid_s in os.listdir("/proc"):
+        if not pid_s.isdigit() or int(pid_s) == me:
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid_s}/cwd")
+            if cwd != root and not cwd.startswith(prefix):
+                continue
+            with open(f"/proc/{pid_s}/cmdline", "rb") as f:
+                if b"fncall_worker" not in f.read():
+                    continue
+            out[cwd] = os.getpgid(int(pid_s))
+        except (OSError, ProcessLookupError):
+            continue
+    return out
+
+
+def _kill_groups(pgids: Any) -> None:
+    for pgid in set(pgids):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _reclaim_dead_roots(tmp: str) -> None:
+    """Remove the default roots of fncall backends whose process died (a crash skips
+    ``close``), with any worker still running in them."""
+    for e in os.scandir(tmp):
+        if e.name.startswith(_ROOT_PREFIX) and e.is_dir(follow_symlinks=False) \
+                and ownership.owner_alive(e.path) is False:
+            _kill_groups(_stray_workers(e.path).values())
+            shutil.rmtree(e.path, ignore_errors=True)
+            ownership.disown(e.path)
 
 
 def make_backend(**opts: Any) -> FncallBackend:
