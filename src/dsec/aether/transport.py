@@ -178,16 +178,9 @@ class Server:
                         f"cannot listen on {addr}: a live process already serves it; stop "
                         "it or pick another path")
                 os.unlink(addr.path)  # a stale socket file from a process that died
-            # Appears 0600 (see _bind_private_unix) and listens only then: the edge socket
-            # is for root / the apiserver only.
-            sock = _bind_private_unix(addr.path)
-            try:
-                sock.listen(BACKLOG)
-            except BaseException:
-                sock.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(addr.path)
-                raise
+            # Appears 0600 and already listening (see _bind_private_unix): the edge
+            # socket is for root / the apiserver only, and whoever sees the path may dial.
+            sock = _bind_private_unix(addr.path, BACKLOG)
         else:
             infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
@@ -410,14 +403,14 @@ def _make_private_dirs(path: str) -> None:
             os.mkdir(d, 0o700)
 
 
-def _bind_private_unix(path: str) -> socket.socket:
-    """A Unix socket bound at ``path`` that never exists there with a mode other than
-    0600 (the edge socket is for root / the apiserver only: whoever connects runs
-    commands in sandboxes). bind(2) creates the file with the umask's mode, so binding
-    in place and chmod'ing after left a window (forever, under umask 0, for a peer that
-    connected in it); instead bind inside a fresh 0700 directory next to ``path`` (via
-    ``/proc/self/fd``, so a long ``path`` does not hit the 108-byte sun_path limit),
-    chmod, and rename into place."""
+def _bind_private_unix(path: str, backlog: int) -> socket.socket:
+    """A listening Unix socket at ``path`` that never exists there with a mode other than
+    0600, nor before it listens (the edge socket is for root / the apiserver only:
+    whoever connects runs commands in sandboxes; and a client that waits for the path
+    must not be refused). bind(2) creates the file with the umask's mode, so it is bound
+    inside a fresh 0700 directory next to ``path`` (via ``/proc/self/fd``, so a long
+    ``path`` does not hit the 108-byte sun_path limit), chmod'ed, set listening, and
+    renamed into place."""
     tmp = tempfile.mkdtemp(prefix=".aether-", dir=os.path.dirname(path) or ".")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -425,6 +418,7 @@ def _bind_private_unix(path: str) -> socket.socket:
         try:
             sock.bind(f"/proc/self/fd/{dfd}/s")
             os.chmod("s", 0o600, dir_fd=dfd)
+            sock.listen(backlog)
             os.rename("s", path, src_dir_fd=dfd)
         finally:
             os.close(dfd)
