@@ -33,7 +33,7 @@ from dsec.aether.limits import (
     process_budget,
 )
 from dsec.aether.messages import Goaway
-from dsec.errors import ConnectionLost, InvalidArgument, Overloaded, TransportError
+from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, Overloaded, TransportError
 
 __all__ = ["Address", "Server", "connect", "parse_address", "refusal_frame", "serve"]
 
@@ -101,14 +101,14 @@ async def connect(
             else:
                 transport, proto = await loop.create_connection(factory, addr.host, addr.port)
     except TimeoutError as exc:
-        raise ConnectionLost(f"could not connect to {addr} within {timeout}s") from exc
+        raise ConnectFailed(f"could not connect to {addr} within {timeout}s") from exc
     except OSError as exc:
         # Out of fds, buffers or ephemeral ports *here* says nothing about the peer: the
         # control plane must not write a node off for its own exhaustion.
         local = exc.errno in _LOCAL_ERRNOS
         why = " (a limit of this process or host, not of the peer)" if local else ""
-        raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}{why}",
-                             errno=exc.errno, local=local) from exc
+        raise ConnectFailed(f"could not connect to {addr}: {exc.strerror or exc}{why}",
+                            errno=exc.errno, local=local) from exc
     _tune(transport)
     assert proto.conn is not None  # set in connection_made
     conn = proto.conn

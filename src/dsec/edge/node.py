@@ -72,6 +72,7 @@ from dsec.edge.spec import (
     SandboxState,
     SandboxStats,
     SnapshotInfo,
+    check_path,
 )
 from dsec.errors import (
     BackendError,
@@ -132,7 +133,7 @@ class _Sandbox:
     """The node's live record of one sandbox (mutable, never leaves the node)."""
 
     __slots__ = ("active", "backend", "busy", "created_at", "deadline", "doomed", "events",
-                 "id", "last_active_at", "reason", "spec", "state")
+                 "id", "last_active_at", "reason", "snap_lock", "spec", "state")
 
     def __init__(self, sid: str, spec: SandboxSpec, backend: Backend, now: float) -> None:
         self.id = sid
@@ -147,6 +148,10 @@ class _Sandbox:
         self.active = 0          # operations in flight (exec, files) - never idle-reaped
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
         self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
+        # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
+        # a destroy waits for the one in flight (its final write renames files inside the
+        # sandbox's directory, which the destroy removes).
+        self.snap_lock: asyncio.Lock | None = None
 
     def ended(self) -> JournalEnd:
         """The journal's tombstone of this (ended) sandbox, from its final event."""
@@ -655,6 +660,10 @@ class EdgeNode:
                     return self._info(left)
             rec = self._find(sandbox_id)
         self._move(rec, "destroy", reason, detail)
+        lock = rec.snap_lock
+        if lock is not None and lock.locked():
+            async with lock:
+                pass  # let the snapshot in flight finish its final write first
         try:
             await rec.backend.destroy(SandboxId(rec.id))
         except Exception as exc:
@@ -861,8 +870,9 @@ class EdgeNode:
                 self._arm(rec)
 
     # ================================================================ files
-    async def _file_op(self, sandbox_id: str, op: str, call: Any) -> Any:
+    async def _file_op(self, sandbox_id: str, op: str, call: Any, path: str) -> Any:
         rec = self._find(sandbox_id)
+        check_path(path)  # the same limits whatever door the request came through
         if rec.state != "running":
             await self._ready(rec, op)
         rec.active += 1
@@ -883,29 +893,31 @@ class EdgeNode:
             raise InvalidArgument(f"read_file offset={offset} length={length} must be >= 0")
         return await self._file_op(  # type: ignore[no-any-return]
             sandbox_id, "read_file",
-            lambda b, s: b.read_file(s, path, offset=offset, length=length))
+            lambda b, s: b.read_file(s, path, offset=offset, length=length), path)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
         if not 0 <= mode <= 0o7777:
             raise InvalidArgument(f"write_file mode={mode:o} must be within 0..0o7777")
         await self._file_op(sandbox_id, "write_file",
-                            lambda b, s: b.write_file(s, path, data, mode=mode, append=append))
+                            lambda b, s: b.write_file(s, path, data, mode=mode, append=append),
+                            path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
         return await self._file_op(  # type: ignore[no-any-return]
-            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path))
+            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path)
 
     async def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return await self._file_op(  # type: ignore[no-any-return]
-            sandbox_id, "stat", lambda b, s: b.stat(s, path))
+            sandbox_id, "stat", lambda b, s: b.stat(s, path), path)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> None:
-        await self._file_op(sandbox_id, "mkdir", lambda b, s: b.mkdir(s, path, parents=parents))
+        await self._file_op(sandbox_id, "mkdir", lambda b, s: b.mkdir(s, path, parents=parents),
+                            path)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         await self._file_op(sandbox_id, "remove",
-                            lambda b, s: b.remove(s, path, recursive=recursive))
+                            lambda b, s: b.remove(s, path, recursive=recursive), path)
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
         rec = self._find(sandbox_id)
@@ -945,19 +957,24 @@ class EdgeNode:
             raise Conflict(f"sandbox {rec.id} runs on the {backend.name} backend, which "
                            "cannot take snapshots; use the container or simulated backend",
                            sandbox_id=rec.id, backend=backend.name)
-        while rec.state in ("pausing", "resuming") and rec.busy is not None:
-            await asyncio.shield(rec.busy)
-        if rec.state not in ("running", "paused"):
-            raise InvalidTransition(
-                f"sandbox {rec.id} cannot snapshot while it is {rec.state}; it must be "
-                "running or paused", sandbox_id=rec.id, event="snapshot", state=rec.state)
-        rec.active += 1  # never idle-reaped mid-snapshot
-        try:
-            info = await backend.snapshot(SandboxId(rec.id), strip=strip, max_bytes=max_bytes)
-        except Exception as exc:
-            raise self._interrupted(rec, "snapshot", exc) from exc
-        finally:
-            rec.active -= 1
+        if rec.snap_lock is None:
+            rec.snap_lock = asyncio.Lock()
+        async with rec.snap_lock:  # one snapshot at a time; a destroy waits for it
+            while rec.state in ("pausing", "resuming") and rec.busy is not None:
+                await asyncio.shield(rec.busy)
+            if rec.state not in ("running", "paused"):
+                raise InvalidTransition(
+                    f"sandbox {rec.id} cannot snapshot while it is {rec.state}; it must be "
+                    "running or paused", sandbox_id=rec.id, event="snapshot",
+                    state=rec.state)
+            rec.active += 1  # never idle-reaped mid-snapshot
+            try:
+                info = await backend.snapshot(SandboxId(rec.id), strip=strip,
+                                              max_bytes=max_bytes)
+            except Exception as exc:
+                raise self._interrupted(rec, "snapshot", exc) from exc
+            finally:
+                rec.active -= 1
         info = msgspec.structs.replace(info, node=self.node_id)
         if rec.id in self._live:
             self._event(rec, rec.state, rec.state, "snapshot",

@@ -76,6 +76,7 @@ from dsec.control.placement import NodeView as PlacementView
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
+from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
     LostSandboxRow,
     QuotaRow,
@@ -158,6 +159,9 @@ class PlaneConfig:
     # a cap any principal minted extra keys of its own without limit (the store grows
     # ~20,000 rows a second per key holder). None: no cap.
     max_keys_per_principal: int | None = 1_000
+    # How much history the state store keeps (events, idempotency keys, tombstones,
+    # process leases), trimmed every retention.interval_s: see dsec.control.retention.
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 class IamAuthority:
@@ -518,11 +522,34 @@ class ControlPlane:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
 
-    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> LostSandboxRow:
+    def vanished(self, sandbox_id: str) -> LostSandbox | None:
+        """The sandbox's edge does not know ``sandbox_id``: if the registry has it live,
+        the node lost it (it restarted without it): write it off as ``node_lost`` (an
+        event, quota released, a tombstone in the store) and return the tombstone."""
+        lost = self._lost.get(sandbox_id)
+        if lost is not None:
+            return lost
+        try:
+            rec = self.registry.sandbox(sandbox_id)
+        except SandboxNotFound:
+            return None
+        self._write_off(rec, f"node {rec.node} no longer has it: the node restarted "
+                             "without it (it was not in the node's journal)")
+        return self._lost.get(sandbox_id)
+
+    def _write_off(self, rec: SandboxRecord, detail: str) -> None:
+        now = self.clock()
+        row = self._tombstone(rec, "node_lost", now, detail=detail)
+        self.store.put_lost([row], keep=self.config.lost_tombstones)
+        self.registry.evict([rec.id], reason="node_lost")
+        log.warning("sandbox %s written off: %s", rec.id, detail)
+
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float,
+                   detail: str | None = None) -> LostSandboxRow:
         info = _info_of(rec)
         info.state, info.reason = "destroyed", reason
-        detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
-                  f"more than {self.config.node_ttl_s:g}s")
+        detail = detail or (f"evicted by the control plane: node {rec.node} sent no "
+                            f"heartbeat for more than {self.config.node_ttl_s:g}s")
         events = [SandboxEvent(time=rec.created_at, sandbox_id=rec.id, from_state=None,
                                to_state="running", reason="created"),
                   SandboxEvent(time=now, sandbox_id=rec.id,
@@ -955,6 +982,7 @@ class ControlPlane:
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
+        self._tasks.append(asyncio.create_task(self._retention_loop(), name="dsec-retention"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -1093,7 +1121,18 @@ class ControlPlane:
             except SandboxNotFound:
                 continue
             if rec.created_at < hb.time:
-                self.forget(sid, "gone")
+                try:
+                    gone = await link.get(sid)
+                except SandboxNotFound:
+                    # Not even a tombstone on the edge: it restarted without this one.
+                    self._write_off(rec, f"node {e.node} no longer has it: the node "
+                                         "restarted without it (it was not in the "
+                                         "node's journal)")
+                    continue
+                except DsecError:
+                    continue  # ask again on the next poll
+                if gone.state in _GONE:
+                    self.forget(sid, gone.reason or "gone")
         for sid, b in listed.items():
             if sid in reg:
                 rec = reg.sandbox(sid)
@@ -1189,6 +1228,34 @@ class ControlPlane:
             s.closed or s.expires_at + keep_s <= now)]
         self.store.delete_sessions(stale)
         return done
+
+    async def retain(self) -> RetentionReport:
+        """One retention pass (also called by tests): trim every growing table of the
+        store (see :mod:`dsec.control.retention`), off the event loop."""
+        cfg = self.config.retention
+        now = self.clock()
+        report = await asyncio.to_thread(retain, self.store, cfg.plan(now))
+        self.registry.trim_ring()
+        if cfg.lost_max_age_s is not None:
+            cutoff = now - cfg.lost_max_age_s
+            while self._lost:
+                sid, lost = next(iter(self._lost.items()))
+                if lost.events and lost.events[-1].time >= cutoff:
+                    break
+                del self._lost[sid]
+        if report.total:
+            log.info("retention removed %d events, %d idempotency keys, %d tombstones, "
+                     "%d process leases", report.events, report.idempotency,
+                     report.lost_sandboxes, report.process_leases)
+        return report
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention.interval_s)
+            try:
+                await self.retain()
+            except Exception:
+                log.exception("retention pass failed; the next one tries again")
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -54,6 +54,7 @@ from dsec.edge.backends.container.protocol import (
     Kill,
     Reply,
     Started,
+    exec_failure,
 )
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
@@ -972,8 +973,8 @@ class ContainerBackend:
         if req.background:
             reply = await started
             if not isinstance(reply, Started):
-                raise BackendError(f"exec in sandbox {box.sid} failed to start: "
-                                   f"{getattr(reply, 'message', reply)}")
+                # a missing program, user or cwd is the caller's mistake (CannotRun, 4xx)
+                raise exec_failure(box.sid, str(getattr(reply, "message", reply)))
             return ExecResult(exit_code=0, pid=reply.ns_pid,
                               duration_s=time.monotonic() - t0)
         assert ec is not None
