@@ -91,6 +91,7 @@ from dsec.control.watcher import (
     LiveSandbox,
     NodeHeartbeat,
     PreemptSandboxes,
+    StallMeter,
     Tick,
     UpdateNode,
     Watcher,
@@ -111,6 +112,7 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
     SandboxNotFound,
+    Timeout,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
 from dsec.image.catalog import (
@@ -162,6 +164,10 @@ class PlaneConfig:
     # How much history the state store keeps (events, idempotency keys, tombstones,
     # process leases), trimmed every retention.interval_s: see dsec.control.retention.
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    # How often the apiserver checks that its own event loop runs (StallMeter): a poll
+    # that timed out while the loop was stalled for half its deadline is this side's
+    # blindness, not the edge's silence.
+    stall_tick_s: float = 0.1
 
 
 class IamAuthority:
@@ -231,6 +237,7 @@ class ControlPlane:
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _store_cache: LayerStore | None = None
     _index_cache: StoreIndex | None = None
+    _stalls: StallMeter | None = None
 
     @classmethod
     def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
@@ -979,6 +986,7 @@ class ControlPlane:
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
         self._started_at = self.clock()
+        self._tasks.append(asyncio.create_task(self._stall_loop(), name="dsec-stall-meter"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
@@ -1026,8 +1034,19 @@ class ControlPlane:
         log.info("reconnected to edge %s at %s", e.node, e.address)
         return fresh
 
+    async def _stall_loop(self) -> None:
+        """Tick the stall meter: how late this loop wakes is how long it could not run."""
+        loop = asyncio.get_running_loop()
+        meter = self._stalls = StallMeter(self.config.stall_tick_s)
+        while True:
+            meter.tick(loop.time())
+            await asyncio.sleep(meter.interval_s)
+
     async def _poll(self, e: EdgeEntry) -> None:
         t = self.config.poll_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        link: Any = None
         try:
             link = await self._link(e)
             if link is None:
@@ -1038,7 +1057,13 @@ class ControlPlane:
                 e.feed_after = 0
             feed = await link.feed(e.feed_after, 10_000, timeout=t)
         except DsecError as exc:
-            await self._poll_failed(e, exc)
+            now = loop.time()
+            conn = getattr(link, "conn", None)
+            heard = conn is not None and conn.last_received > started
+            stalls = self._stalls
+            stalled = (stalls is not None
+                       and stalls.stalled(started, now) >= min(t, now - started) / 2)
+            await self._poll_failed(e, exc, heard=heard, stalled=stalled)
             return
         if e.failure:
             log.warning("edge %s reachable again (it was %s: %s)", e.node,
@@ -1076,20 +1101,30 @@ class ControlPlane:
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
 
-    async def _poll_failed(self, e: EdgeEntry, exc: DsecError) -> None:
+    async def _poll_failed(self, e: EdgeEntry, exc: DsecError, *, heard: bool = False,
+                           stalled: bool = False) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
-        failure, or an edge that answered with an error, holds it unreachable."""
-        cause = link_failure_cause(exc)
+        failure, or an edge that answered with an error, holds it unreachable. A poll
+        that timed out while the link carried other replies (``heard``: the edge is
+        busy) or while this loop was stalled (``stalled``: we were not listening) is
+        not silence either."""
+        cause = link_failure_cause(exc, heard=heard, stalled=stalled)
+        why = exc.message
+        if cause != "silent" and isinstance(exc, Timeout):
+            why += ("; the edge kept sending other replies meanwhile (busy, not silent)"
+                    if heard else "; this apiserver's event loop was stalled for most of "
+                    "that time (it could not listen)")
         if cause != e.failure:
             how = {"silent": "silent (counts toward node_ttl_s)",
-                   "answered": "unreachable: it answers, with an error (held, not lost)",
+                   "answered": "unreachable: it answers, with an error or late (held, "
+                               "not lost)",
                    "blind": "unreachable from this apiserver (held, not lost)"}[cause]
-            log.warning("edge %s %s: %s", e.node, how, exc.message)
+            log.warning("edge %s %s: %s", e.node, how, why)
         e.failure = cause
-        e.problem = f"{cause}: {exc.message}"
+        e.problem = f"{cause}: {why}"
         if cause != "silent":
             await self._carry_out(self.watcher.handle(
-                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=exc.message)))
+                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=why)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list."""
