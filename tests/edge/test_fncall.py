@@ -216,7 +216,8 @@ def test_worker_mounts_mask_proc_like_a_container() -> None:
     assert {"/proc/kcore", "/proc/keys", "/proc/timer_list"} <= masked
     ro = {m.target for m in ms if m.source is None}
     assert {"/proc/sys", "/proc/sysrq-trigger"} <= ro
-    assert [m.target for m in ms if m.fstype == "tmpfs"] == ["/tmp", "/dev/shm"]
+    # private /tmp, /dev/shm and /etc (admission names the sandbox's own uid in it)
+    assert [m.target for m in ms if m.fstype == "tmpfs"] == ["/tmp", "/dev/shm", "/etc"]
 
 
 # ------------------------------------------------------------- lifecycle, leaks, restarts

@@ -39,6 +39,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -56,7 +57,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -85,16 +86,40 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, InvalidArgument, SandboxNotFound
+from dsec.errors import BackendError, CapacityExceeded, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
 
-__all__ = ["FncallBackend", "FncallResult", "WorkerPool", "make_backend"]
+__all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
+           "make_backend"]
 
 _LEN = struct.Struct("!I")
 TIMEOUT_EXIT = 137
-# A reply carries at most two capped outputs plus a value; anything larger is a hostile
-# or broken worker, refused before the edge allocates it.
-REPLY_SLACK = 8 << 20
+# A reply carries at most two capped outputs, two strings the worker cuts at 64 KiB (the
+# error, a value's repr) and, for a call that wants one, a value of at most
+# MAX_VALUE_BYTES; anything larger is a hostile or broken worker, refused before the
+# edge allocates it.
+REPLY_SLACK = 1 << 20
+# The msgpack of a call's return value. The edge decodes it, and decoded msgpack can be
+# far larger than its bytes: measured on the dev VM (tracemalloc), 1 MiB of empty
+# arrays (one byte each) became 64 MiB of Python lists, of empty maps 72 MiB - so a
+# hostile worker gets at most that out of one call. (Before this bound every reply's value was decoded, an exec's too: a 10 MiB
+# reply made the edge allocate 750 MiB, and output_cap_bytes=1 GiB allowed 2 GiB.)
+MAX_VALUE_BYTES = 1 << 20
+# Host uids of jailed sandboxes (FncallBackend(uid=None), the default): each sandbox runs
+# as one of its own. The kernel counts some resources per host uid, over every process
+# of that uid: inotify instances (fs.inotify.max_user_instances, 128 on the dev VM), fds
+# in flight over unix sockets (RLIMIT_NOFILE), pipe buffer pages, RLIMIT_NPROC,
+# SIGPENDING and MSGQUEUE. With one uid for all (65534 before), a call holding them made
+# every other tenant's calls - and host processes running as nobody - fail inotify_init
+# (EMFILE) and fd passing (ETOOMANYREFS). The range lies where systemd documents no
+# users (above its container range, below 2^31: some tools read uids as signed), away
+# from Debian's subuid ranges and the container backend's user namespaces (100000+).
+FNCALL_UIDS: tuple[int, int] = (2_000_000_000, 65536)
+# Threads that run the file API beside the event loop (their own pool: a tenant walking a
+# huge tree delays other sandboxes' file operations at worst, never the loop or other
+# backends' threads).
+FILE_THREADS = 4
+_T = TypeVar("_T")
 WORKDIR = "/workspace"
 DEFAULT_MAX_SANDBOX_PIDS = 8192
 DEFAULT_PIDS_HEADROOM = 4096
@@ -518,13 +543,20 @@ class WorkerPool:
 
     async def run(self, request: dict[str, Any], timeout_s: float | None, *,
                   grant: Callable[[], list[int]] | None = None,
-                  holder: set[_Worker] | None = None) -> FncallResult:
+                  holder: set[_Worker] | None = None,
+                  value_cap: int = MAX_VALUE_BYTES) -> FncallResult:
         """Run one request on a fresh worker and discard the worker.
 
         ``grant()`` returns the fds that admit the worker into its sandbox (work-dir tree,
         cgroup.procs files); they are sent with the call and closed here. While the call
-        runs the worker is in ``holder`` (so a destroy can kill it)."""
-        max_reply = 2 * int(request.get("cap", 1 << 20)) + REPLY_SLACK
+        runs the worker is in ``holder`` (so a destroy can kill it). ``value_cap``: the
+        most bytes of msgpack the return value may have (0: no value wanted - a worker's
+        value is then never decoded)."""
+        if not 0 <= value_cap <= MAX_VALUE_BYTES:
+            raise InvalidArgument(f"value_cap={value_cap} must be within 0..{MAX_VALUE_BYTES}",
+                                  field="value_cap")
+        request = {**request, "value_cap": value_cap}
+        max_reply = 2 * int(request.get("cap", 1 << 20)) + REPLY_SLACK + value_cap
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         w, cold = await self.take()
@@ -589,7 +621,11 @@ class WorkerPool:
         if reply.t_start:  # the worker's clock is ours (CLOCK_MONOTONIC); clamp a forgery
             handout = min(max(reply.t_start - t0, handout), dur)
         value = None
-        if reply.value is not None:
+        if reply.value is not None and value_cap:
+            if len(reply.value) > value_cap:
+                raise BackendError(f"fncall worker returned a {len(reply.value)}-byte value "
+                                   f"(limit {value_cap} bytes of msgpack); return a smaller "
+                                   "value or write the result to a file in the work dir")
             try:
                 value = msgspec.msgpack.decode(reply.value)
             except msgspec.DecodeError as exc:
@@ -646,6 +682,7 @@ class _Box:
     files: WorkFiles
     cg: SandboxCgroup | None = None     # when isolated
     disk_q: str = ""                    # sysfs dir of the work dir's qgroup, when isolated
+    uid: int | None = None              # host uid (= gid) its calls run as, when isolated
     active: set[_Worker] = field(default_factory=set)
     oom_seen: int = 0
     pids_seen: int = 0
@@ -655,7 +692,12 @@ class FncallBackend:
     """Backend protocol over a :class:`WorkerPool`; a sandbox is a work dir + a cgroup.
 
     ``isolate`` (default True; needs root): jail every call (module docstring). ``uid``:
-    the user calls run as (0 = root with the container's capability set). ``root``: where
+    None (default) gives each sandbox a host uid of its own from ``uid_range`` (first,
+    count; it owns the work dir, which is how an adopting edge finds it again); 0 runs
+    every call as root with the container's capability set; another number runs every
+    sandbox as that one uid (a single-tenant node only: the kernel counts inotify
+    instances, fds in flight, processes per host uid, so tenants sharing one can starve
+    each other). ``root``: where
     the work dirs live (default: a fresh private temp dir removed at close); jailed, they
     are subvolumes of a btrfs disk pool there (``container/disk.py``: ``pool.img``,
     ``pool/<sid>``), unjailed plain directories ``<root>/<sid>``.
@@ -667,7 +709,8 @@ class FncallBackend:
     name = "fncall"
 
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
-                 pool: WorkerPool | None = None, isolate: bool = True, uid: int = 65534,
+                 pool: WorkerPool | None = None, isolate: bool = True,
+                 uid: int | None = None, uid_range: tuple[int, int] = FNCALL_UIDS,
                  cgroup_name: str | None = None, governor: Governor | None = None,
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
                  disk_pool_bytes: int | None = None,
@@ -676,13 +719,22 @@ class FncallBackend:
                  notice_interval_s: float = 60.0,
                  runtime: Iterable[str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 <= uid < 2**32 - 1:
+        if uid is not None and not 0 <= uid < 2**32 - 1:
             raise InvalidArgument(f"fncall uid={uid} must be 0..{2**32 - 2}", field="uid")
+        first, count = uid_range
+        if not (first >= 1 and count >= 1 and first + count <= 2**31):
+            raise InvalidArgument(f"fncall uid_range={uid_range} must be (first, count) with "
+                                  "first >= 1, count >= 1 and first + count <= 2**31",
+                                  field="uid_range")
         if default_disk_bytes < 1 << 20:
             raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be >= 1 MiB",
                                   field="default_disk_bytes")
         self.isolate = isolate
         self.uid = uid
+        self.uid_range = (first, count)
+        self._next_uid = first
+        self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._file_ops: set[asyncio.Future[Any]] = set()
         self.default_disk_bytes = default_disk_bytes
         self.clock = clock
         self._notices = NoticeLimiter(notice_interval_s)
@@ -745,7 +797,10 @@ class FncallBackend:
                 sys.prefix, sys.base_prefix, site.getsitepackages())
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
-        return JailConfig(uid=self.uid, workdir=WORKDIR, runtime=paths, mountpoint=self.root,
+        # Per-sandbox uids: each call names its own; 65534 is the fallback the jail's
+        # /etc lists (never used by this backend's calls).
+        return JailConfig(uid=65534 if self.uid is None else self.uid, workdir=WORKDIR,
+                          runtime=paths, mountpoint=self.root,
                           seccomp=bpf, seccomp_admit=bpf_admit)
 
     def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
@@ -813,11 +868,14 @@ class FncallBackend:
         disk, pids = self._check_spec(spec)
         self._ensure_pool()
         d = self.work_dir(sid)
+        # No await from here until the box is in self._boxes: the uid stays ours.
+        uid = self._new_uid() if self.isolate else None
         try:
             if self.disk is not None:
                 self.disk.check_fit(disk)
                 self.disk.create(sid, disk)  # a subvolume whose qgroup caps it at `disk`
-                os.chown(d, self.uid, self.uid)
+                assert uid is not None
+                os.chown(d, uid, uid)
             else:
                 os.mkdir(d, 0o700)
         except OSError as exc:
@@ -827,14 +885,44 @@ class FncallBackend:
             self._teardown(sid, None)
             raise
         try:
-            self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True)
+            self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True, uid=uid)
         except BaseException:
             self._teardown(sid, None)
             raise
 
+    def _new_uid(self) -> int:
+        """The uid for a new sandbox: the fixed one, or the next one of the range no
+        sandbox of this backend holds (round robin, so a freed uid is reused last)."""
+        if self.uid is not None:
+            return self.uid
+        first, count = self.uid_range
+        used = {b.uid for b in self._boxes.values()}
+        for i in range(count):
+            u = first + (self._next_uid - first + i) % count
+            if u not in used:
+                self._next_uid = first + (u - first + 1) % count
+                return u
+        raise CapacityExceeded(f"all {count} fncall sandbox uids ({first}..{first + count - 1})"
+                               " are in use; destroy sandboxes or give the backend a larger "
+                               "uid_range", resource="fncall_uids", limit=count)
+
+    def _adopted_uid(self, d: str) -> int:
+        """An adopted sandbox's uid: the owner of its work dir (given it at create), or a
+        new one if it was a uid-0 sandbox (then the work dir is given to that uid)."""
+        if self.uid is not None:
+            return self.uid
+        owner = os.stat(d).st_uid
+        if owner != 0:
+            return owner
+        uid = self._new_uid()
+        os.chown(d, uid, uid)
+        return uid
+
     def _open_box(self, sid: str, spec: SandboxSpec, pids: int | None, *,
-                  fresh: bool) -> _Box:
+                  fresh: bool, uid: int | None = None) -> _Box:
         d = self.work_dir(sid)
+        if self.isolate and uid is None:
+            uid = self._adopted_uid(d)
         cg = None
         gov = self.governor
         if gov is not None:
@@ -845,7 +933,7 @@ class FncallBackend:
                 gov.remove(cg)  # a leftover of a crashed create with the same id
                 cg = gov.create(sid, limits)
         fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        box = _Box(spec, d, WorkFiles(fd, sid, owner=self.uid if self.isolate else None), cg)
+        box = _Box(spec, d, WorkFiles(fd, sid, owner=uid), cg, uid=uid)
         if self.disk is not None:
             try:
                 box.disk_q = self.disk.qgroup_dir(sid)
@@ -959,6 +1047,9 @@ class FncallBackend:
             return
         self._closed = True
         await self.pool.close()
+        if self._file_pool is not None:  # file operations in flight finish first
+            await asyncio.gather(*self._file_ops, return_exceptions=True)
+            self._file_pool.shutdown(wait=True)
         if self._own_root:
             for sid, box in list(self._boxes.items()):
                 self._teardown(sid, box)
@@ -1052,14 +1143,16 @@ class FncallBackend:
         return grant
 
     async def _run(self, sid: str, box: _Box, request: dict[str, Any],
-                   timeout_s: float | None) -> FncallResult:
+                   timeout_s: float | None, *, value_cap: int) -> FncallResult:
         self._ensure_pool()
         request["hostname"] = sid
         gov, cg = self.governor, box.cg
         if gov is None or cg is None:
-            return await self.pool.run(request, timeout_s, holder=box.active)
+            return await self.pool.run(request, timeout_s, holder=box.active,
+                                       value_cap=value_cap)
+        request["uid"] = box.uid
         res = await self.pool.run(request, timeout_s, grant=self._grant(box, cg),
-                                  holder=box.active)
+                                  holder=box.active, value_cap=value_cap)
         return self._after_call(sid, box, gov, cg, res)
 
     def _after_call(self, sid: str, box: _Box, gov: Governor, cg: SandboxCgroup,
@@ -1123,7 +1216,8 @@ class FncallBackend:
         except Exception as exc:
             raise InvalidArgument(f"cannot pickle the call to {fn!r}: {exc}") from exc
         return await self._run(sid, box, {"fn": blob, "cwd": self._cwd(box, None),
-                                          "env": dict(box.spec.env)}, timeout_s)
+                                          "env": dict(box.spec.env)}, timeout_s,
+                               value_cap=MAX_VALUE_BYTES)
 
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
         box = self._box(sid)
@@ -1134,7 +1228,7 @@ class FncallBackend:
         r = await self._run(sid, box, {"code": code, "cwd": cwd,
                                        "env": {**box.spec.env, **req.env},
                                        "stdin": req.stdin, "cap": req.output_cap_bytes},
-                            req.timeout_s)
+                            req.timeout_s, value_cap=0)  # an exec prints its value
         cap = req.output_cap_bytes
         stderr = r.stderr
         if r.died and r.error:
@@ -1150,25 +1244,54 @@ class FncallBackend:
             yield item
 
     # ---------------------------------------------------------------- files
+    async def _files(self, sid: SandboxId, op: Callable[[WorkFiles], _T]) -> _T:
+        """Run ``op`` beside the event loop, in the backend's file threads. A sandbox
+        decides how big its trees are (a 10 GiB cap holds tens of millions of files), so
+        walking one on the loop stopped every other sandbox's calls, heartbeats and
+        connections: measured on the dev VM, 300,000 files took 15 s to list and 25 s to
+        remove. ``op`` gets its own dup of the work dir's fd, closed by its thread, so a
+        destroy closing the sandbox's fd meanwhile can never leave the thread holding a
+        number the kernel gave to another sandbox's directory."""
+        box = self._box(sid)
+        files = WorkFiles(os.dup(box.files.root_fd), box.files.sid, owner=box.files.owner)
+
+        def work() -> _T:
+            try:
+                return op(files)
+            finally:
+                files.close()
+
+        if self._file_pool is None:
+            self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="dsec-fncall-files")
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._file_pool, work)
+        except BaseException:
+            files.close()
+            raise
+        self._file_ops.add(fut)
+        fut.add_done_callback(self._file_ops.discard)
+        return await fut
+
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        return self._box(sid).files.read(path, offset, length)
+        return await self._files(sid, lambda f: f.read(path, offset, length))
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        self._box(sid).files.write(path, data, mode=mode, append=append)
+        await self._files(sid, lambda f: f.write(path, data, mode=mode, append=append))
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        return self._box(sid).files.list(path)
+        return await self._files(sid, lambda f: f.list(path))
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        return self._box(sid).files.stat(path)
+        return await self._files(sid, lambda f: f.stat(path))
 
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        self._box(sid).files.mkdir(path, parents=parents)
+        await self._files(sid, lambda f: f.mkdir(path, parents=parents))
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        self._box(sid).files.remove(path, recursive=recursive)
+        await self._files(sid, lambda f: f.remove(path, recursive=recursive))
 
 
 def _code_of(req: ExecRequest) -> str:
