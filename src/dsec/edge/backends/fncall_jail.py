@@ -297,11 +297,12 @@ def worker_mounts(cfg: JailConfig) -> list[WorkerMount]:
                            f"mode=1777,size={cfg.tmp_bytes},nr_inodes={max(4096, cfg.tmp_bytes >> 13)}"))
     out.append(WorkerMount("tmpfs", "/dev/shm", "tmpfs", nsd | linux.MS_NOEXEC,
                            f"mode=1777,size={cfg.shm_bytes}"))
-    # Refilled with etc_files() right after (and ld.so.cache bound back in): admission
-    # adds the sandbox's user to passwd/group. Root-owned, so only a uid-0 call could
-    # change it, and only its own copy.
-    out.append(WorkerMount("tmpfs", "/etc", "tmpfs", nsd | linux.MS_NOEXEC,
-                           f"mode=0755,size={ETC_BYTES},nr_inodes=64"))
+    if cfg.uid != 0:
+        # Refilled with etc_files() right after (and ld.so.cache bound back in):
+        # admission adds the sandbox's user to passwd/group. Root-owned, so the call
+        # (unprivileged by then) cannot change it. Root calls keep the read-only /etc.
+        out.append(WorkerMount("tmpfs", "/etc", "tmpfs", nsd | linux.MS_NOEXEC,
+                               f"mode=0755,size={ETC_BYTES},nr_inodes=64"))
     return out
 
 
@@ -442,7 +443,8 @@ def enter_worker(cfg: JailConfig) -> None:
     _prctl(_PR_SET_PDEATHSIG, 9, "prctl(PR_SET_PDEATHSIG)")
     linux.unshare(NS_FLAGS)
     # The root's read-only ld.so.cache, kept across the tmpfs that covers /etc below.
-    cache = _open_tree(_LD_CACHE) if os.path.isfile(_LD_CACHE) else -1
+    private_etc = cfg.uid != 0
+    cache = _open_tree(_LD_CACHE) if private_etc and os.path.isfile(_LD_CACHE) else -1
     try:
         for m in worker_mounts(cfg):
             try:
@@ -450,7 +452,7 @@ def enter_worker(cfg: JailConfig) -> None:
             except OSError as exc:
                 if not (m.optional and exc.errno in (errno.ENOENT, errno.ENOTDIR)):
                     raise
-        for path, data in etc_files(cfg.uid).items():
+        for path, data in etc_files(cfg.uid).items() if private_etc else ():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, data)
