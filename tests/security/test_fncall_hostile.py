@@ -2,8 +2,9 @@
 its reply channel, other tenants through what the kernel accounts per host uid, and the
 whole node through the file API (findings of the review of the s3-fncall change).
 
-As in ``test_fncall_jail.py`` every attack is real code run by the fncall backend and a
-test passes when the attack fails. The attacks are contained: the reply forgery hurts
+As in ``test_fncall_jail.py`` every attack is real code run by the fncall backend (or, at
+the end, what another host user can plant in /tmp) and a test passes when the attack
+fails. The attacks are contained: the reply forgery hurts
 only the edge process of the test, the per-uid hog runs as the jail's own uid for a few
 seconds, the big directory lives in the test's own disk pool.
 """
@@ -23,9 +24,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from dsec import ownership
 from dsec.edge.backends import fncall as fncall_mod
 from dsec.edge.backends.container import files as files_mod
-from dsec.edge.backends.fncall import FncallBackend
+from dsec.edge.backends.fncall import FncallBackend, _reclaim_dead_roots
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import BackendError, PayloadTooLarge
 
@@ -268,3 +270,46 @@ async def test_a_huge_directory_neither_stalls_the_edge_nor_exhausts_its_memory(
         await removing
     assert [i.name for i in await fncall.list_dir(A, "/")] == []  # type: ignore[arg-type]
 
+
+
+# ------------------------------------------------- another host user vs. the default root
+# FncallBackend() without root= makes its root in the host's /tmp, a directory every host
+# user can write (sticky). Its owner record (<root>.owner, so the next backend can reclaim
+# what a crashed one left) was written as root through a fixed temp name, following
+# whatever another user planted there; and any dsec-fncall-* directory with an owner
+# record naming a dead process was "reclaimed" as root, whoever made it.
+
+def test_the_owner_record_never_follows_what_another_user_planted(tmp_path: object) -> None:
+    base = str(tmp_path)
+    os.chmod(base, 0o1777)  # like /tmp
+    victim = os.path.join(base, "victim")  # stands in for /etc/passwd
+    with open(victim, "w") as f:
+        f.write("root:x:0:0::/root:/bin/sh\n")
+    root = os.path.join(base, "dsec-fncall-x1")
+    os.mkdir(root, 0o700)
+    os.symlink(victim, root + ".owner.tmp")  # planted before the backend claims it
+    os.lchown(root + ".owner.tmp", 65534, 65534)
+    ownership.claim(root)
+    with open(victim) as f:
+        assert f.read() == "root:x:0:0::/root:/bin/sh\n", "claim wrote through a symlink"
+    assert not os.path.islink(root + ".owner") and ownership.owner_alive(root) is True
+    ownership.disown(root)
+
+
+def test_a_root_another_user_made_is_never_reclaimed(tmp_path: object) -> None:
+    base = str(tmp_path)
+    os.chmod(base, 0o1777)
+    theirs = os.path.join(base, "dsec-fncall-theirs")
+    os.mkdir(theirs)
+    with open(os.path.join(theirs, "keep"), "w") as f:
+        f.write("their file")
+    open(os.path.join(theirs, "pool.img"), "w").close()  # it claims to be a jailed root
+    with open(theirs + ".owner", "w") as f:
+        f.write("999999999 1\n")  # a process that is not running: "reclaim me"
+    for p in (theirs, os.path.join(theirs, "keep"), os.path.join(theirs, "pool.img"),
+              theirs + ".owner"):
+        os.chown(p, 65534, 65534)
+    # Had its name's hash matched a live backend's cgroup name (a 40-bit prefix of sha1),
+    # root would have killed every process of that backend's sandboxes and removed them.
+    _reclaim_dead_roots(base)
+    assert os.path.exists(os.path.join(theirs, "keep")), "root reclaimed another user's dir"

@@ -1343,7 +1343,11 @@ def _reclaim_dead_roots(tmp: str) -> None:
     ``close``): the processes left in their sandboxes' cgroups, the cgroups, the disk
     pool's mount, the files; unjailed workers still running in them."""
     for e in os.scandir(tmp):
+        # Only a directory we made (tmp is every host user's: another user's
+        # dsec-fncall-* with an owner record naming a dead process is not ours to kill
+        # processes for, unmount or delete).
         if not (e.name.startswith(_ROOT_PREFIX) and e.is_dir(follow_symlinks=False)
+                and e.stat(follow_symlinks=False).st_uid == os.geteuid()
                 and ownership.owner_alive(e.path) is False):
             continue
         _kill_groups(_stray_workers(e.path).values())
