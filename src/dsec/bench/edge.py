@@ -38,7 +38,7 @@ from typing import Any
 
 from dsec.bench import BenchContext, suite
 
-BIG = {"cpu_milli": 10**12, "memory_bytes": 2**62, "max_sandboxes": 10**7}
+BIG: dict[str, Any] = {"cpu_milli": 10**12, "memory_bytes": 2**62, "max_sandboxes": 10**7}
 
 
 def _profile(name: str) -> Any:

@@ -279,6 +279,16 @@ class DiskPool:
         vfs = os.fstatvfs(self._fd)
         return vfs.f_blocks * vfs.f_frsize
 
+    def unbacked_bytes(self) -> int:
+        """How much more host space the sparse image may take as the pool fills: its size
+        less what it has allocated (0 for a pool that is not our image). Whatever else
+        writes to the image's host filesystem must leave this free - a write the loop
+        device cannot back aborts btrfs' transaction and makes the whole pool read-only."""
+        if not self.owned:
+            return 0
+        st = os.stat(self.image)
+        return max(0, st.st_size - st.st_blocks * 512)
+
     def check_fit(self, cap: int) -> None:
         """Refuse (``CapacityExceeded``) a cap the pool could never hold, or that does not
         fit what the pool - and, for the sparse image, the host filesystem under it -
@@ -372,7 +382,13 @@ class DiskPool:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self.owned and os.path.ismount(self.path) and not self.sandboxes():
+        if not (self.owned and os.path.ismount(self.path)):
+            return
+        try:
+            left = self.sandboxes()
+        except OSError:   # a pool btrfs forced read-only/broken: leave it for an operator
+            return
+        if not left:
             with contextlib.suppress(OSError):
                 linux.umount2(self.path)
 
