@@ -1253,7 +1253,8 @@ class FncallBackend:
         destroy closing the sandbox's fd meanwhile can never leave the thread holding a
         number the kernel gave to another sandbox's directory."""
         box = self._box(sid)
-        files = WorkFiles(os.dup(box.files.root_fd), box.files.sid, owner=box.files.owner)
+        files = WorkFiles(os.dup(box.files.root_fd), box.files.sid, owner=box.files.owner,
+                          disk_room=box.files.disk_room)
 
         def work() -> _T:
             try:
