@@ -226,10 +226,17 @@ async def test_sandboxes_get_host_uids_of_their_own_that_survive_a_restart(
         raise
     finally:
         await b.close()  # a given root: both stay
+    # B as an older edge left it: every sandbox as 65534, its files too.
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "pool", B)):
+        for name in [".", *dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), 65534, 65534)
     b = FncallBackend(pool_size=1, root=root)
     try:
         for sid in (A, B):
             assert await b.adopt(sid, SPEC)  # type: ignore[arg-type]
+        # B got a uid of the range again (not the shared 65534), and its files with it
+        ub = os.stat(b.work_dir(B)).st_uid
+        assert ub not in (65534, ua) and os.stat(os.path.join(b.work_dir(B), "d", "f")).st_uid == ub
         c = "sb-0000000000e3-n1"
         await b.create(c, SPEC)  # type: ignore[arg-type]
         again = {sid: int((await run(b, sid, probe))[1].split()[0]) for sid in (A, B, c)}
@@ -240,6 +247,24 @@ async def test_sandboxes_get_host_uids_of_their_own_that_survive_a_restart(
             with contextlib.suppress(Exception):
                 await b.destroy(sid)  # type: ignore[arg-type]
         await b.close()
+
+
+async def test_backends_on_one_host_never_share_a_sandbox_uid(tmp_path: object) -> None:
+    """One host may run several edges (``dsec up --edges N``), each with its own fncall
+    backend drawing from the same uid range: the host-wide registry keeps every live
+    sandbox's uid its own (each backend alone would start at the range's first uid)."""
+    backends = [FncallBackend(pool_size=0, root=os.path.join(str(tmp_path), f"r{i}"))
+                for i in range(2)]
+    try:
+        for b in backends:
+            await b.create(A, SPEC)  # type: ignore[arg-type]
+        uids = [os.stat(b.work_dir(A)).st_uid for b in backends]
+        assert uids[0] != uids[1], uids
+    finally:
+        for b in backends:
+            with contextlib.suppress(Exception):
+                await b.destroy(A)  # type: ignore[arg-type]
+            await b.close()
 
 
 async def test_a_huge_directory_neither_stalls_the_edge_nor_exhausts_its_memory(

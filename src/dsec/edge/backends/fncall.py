@@ -74,6 +74,7 @@ from dsec.edge.backends.fncall_jail import (
     python_runtime,
     split_profile,
 )
+from dsec.edge.backends.fncall_uids import UID_REGISTRY, UidRegistry
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
@@ -114,6 +115,8 @@ MAX_VALUE_BYTES = 1 << 20
 # (EMFILE) and fd passing (ETOOMANYREFS). The range lies where systemd documents no
 # users (above its container range, below 2^31: some tools read uids as signed), away
 # from Debian's subuid ranges and the container backend's user namespaces (100000+).
+# Every backend on a host draws from it; fncall_uids.UidRegistry keeps them unique
+# host-wide (one host may run several edges).
 FNCALL_UIDS: tuple[int, int] = (2_000_000_000, 65536)
 # Threads that run the file API beside the event loop (their own pool: a tenant walking a
 # huge tree delays other sandboxes' file operations at worst, never the loop or other
@@ -711,6 +714,7 @@ class FncallBackend:
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
                  pool: WorkerPool | None = None, isolate: bool = True,
                  uid: int | None = None, uid_range: tuple[int, int] = FNCALL_UIDS,
+                 uid_registry: str = UID_REGISTRY,
                  cgroup_name: str | None = None, governor: Governor | None = None,
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
                  disk_pool_bytes: int | None = None,
@@ -733,6 +737,7 @@ class FncallBackend:
         self.uid = uid
         self.uid_range = (first, count)
         self._next_uid = first
+        self._uids: UidRegistry | None = None
         self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._file_ops: set[asyncio.Future[Any]] = set()
         self.default_disk_bytes = default_disk_bytes
@@ -762,6 +767,11 @@ class FncallBackend:
                 jail = self._jail_config(runtime)
                 self.governor = governor or self._make_governor(cgroup_name, pids_headroom)
                 self.disk = DiskPool(self.root, size_bytes=disk_pool_bytes)
+                if uid is None:
+                    self._uids = UidRegistry(uid_registry)
+                    # claims of sandboxes a crash removed but did not release
+                    self._uids.release_gone(
+                        self.root, lambda sid: os.path.lexists(self.work_dir(sid)))
             except BaseException:
                 self._cleanup_root()
                 raise
@@ -868,8 +878,8 @@ class FncallBackend:
         disk, pids = self._check_spec(spec)
         self._ensure_pool()
         d = self.work_dir(sid)
-        # No await from here until the box is in self._boxes: the uid stays ours.
-        uid = self._new_uid() if self.isolate else None
+        # No await from here until the box is in self._boxes (or the claim is released).
+        uid = self._new_uid(sid) if self.isolate else None
         try:
             if self.disk is not None:
                 self.disk.check_fit(disk)
@@ -879,50 +889,64 @@ class FncallBackend:
             else:
                 os.mkdir(d, 0o700)
         except OSError as exc:
-            self._teardown(sid, None)
+            self._teardown(sid, None, uid)
             raise BackendError(f"cannot make the work dir of {sid}: {exc}") from exc
         except BaseException:
-            self._teardown(sid, None)
+            self._teardown(sid, None, uid)
             raise
         try:
             self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True, uid=uid)
         except BaseException:
-            self._teardown(sid, None)
+            self._teardown(sid, None, uid)
             raise
 
-    def _new_uid(self) -> int:
-        """The uid for a new sandbox: the fixed one, or the next one of the range no
-        sandbox of this backend holds (round robin, so a freed uid is reused last)."""
+    def _new_uid(self, sid: str) -> int:
+        """The uid for new sandbox ``sid``: the fixed one, or the next one of the range no
+        sandbox on this host holds, claimed for it (round robin, so a freed uid is
+        reused last)."""
         if self.uid is not None:
             return self.uid
+        assert self._uids is not None
         first, count = self.uid_range
         used = {b.uid for b in self._boxes.values()}
-        for i in range(count):
-            u = first + (self._next_uid - first + i) % count
-            if u not in used:
-                self._next_uid = first + (u - first + 1) % count
-                return u
-        raise CapacityExceeded(f"all {count} fncall sandbox uids ({first}..{first + count - 1})"
-                               " are in use; destroy sandboxes or give the backend a larger "
-                               "uid_range", resource="fncall_uids", limit=count)
+        start = self._next_uid
+        order = (first + (start - first + i) % count for i in range(count))
+        uid = self._uids.claim(self.root, sid, (u for u in order if u not in used))
+        if uid is None:
+            raise CapacityExceeded(
+                f"all {count} fncall sandbox uids ({first}..{first + count - 1}) are held by "
+                "sandboxes on this host; destroy sandboxes or give the backends a larger "
+                "uid_range", resource="fncall_uids", limit=count)
+        self._next_uid = first + (uid - first + 1) % count
+        return uid
 
-    def _adopted_uid(self, d: str) -> int:
-        """An adopted sandbox's uid: the owner of its work dir (given it at create), or a
-        new one if it was a uid-0 sandbox (then the work dir is given to that uid)."""
+    def _adopted_uid(self, sid: str, d: str) -> int:
+        """An adopted sandbox's uid: the owner of its work dir (given it at create) if it
+        is one of our range that no other sandbox on the host holds; otherwise (a uid-0
+        or shared-uid sandbox of an older configuration, a clash) a new one, and the
+        whole work dir is given to it."""
         if self.uid is not None:
             return self.uid
+        assert self._uids is not None
         owner = os.stat(d).st_uid
-        if owner != 0:
+        first, count = self.uid_range
+        if first <= owner < first + count and \
+                owner not in {b.uid for b in self._boxes.values()} and \
+                self._uids.hold(owner, self.root, sid):
             return owner
-        uid = self._new_uid()
-        os.chown(d, uid, uid)
+        uid = self._new_uid(sid)
+        try:
+            _chown_tree(d, uid)
+        except BaseException:
+            self._uids.release(uid, self.root, sid)
+            raise
         return uid
 
     def _open_box(self, sid: str, spec: SandboxSpec, pids: int | None, *,
                   fresh: bool, uid: int | None = None) -> _Box:
         d = self.work_dir(sid)
         if self.isolate and uid is None:
-            uid = self._adopted_uid(d)
+            uid = self._adopted_uid(sid, d)
         cg = None
         gov = self.governor
         if gov is not None:
@@ -945,8 +969,14 @@ class FncallBackend:
             box.pids_seen = gov.pids_limit_hits(cg)
         return box
 
-    def _teardown(self, sid: str, box: _Box | None) -> None:
-        """Undo whatever exists of sandbox ``sid``; tolerates every part being gone."""
+    def _teardown(self, sid: str, box: _Box | None, uid: int | None = None) -> None:
+        """Undo whatever exists of sandbox ``sid``; tolerates every part being gone.
+        ``uid``: its claimed uid when there is no box yet (a failed create)."""
+        if box is not None and box.uid is not None:
+            uid = box.uid
+        elif uid is None and self._uids is not None:
+            with contextlib.suppress(OSError):  # a leftover: its work dir names its uid
+                uid = os.lstat(self.work_dir(sid)).st_uid
         if box is not None:
             for w in list(box.active):
                 w.signal_kill()  # its call sees EOF, returns "died" and reaps it
@@ -965,6 +995,8 @@ class FncallBackend:
                 raise BackendError(f"cannot delete the work dir of {sid}: {exc}") from exc
         else:
             shutil.rmtree(self.work_dir(sid), ignore_errors=True)
+        if self._uids is not None and uid is not None:
+            self._uids.release(uid, self.root, sid)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         self._ensure_pool()
@@ -1331,6 +1363,15 @@ def _stray_workers(root: str) -> dict[str, int]:
         except (OSError, ProcessLookupError):
             continue
     return out
+
+
+def _chown_tree(top: str, uid: int) -> None:
+    """Give ``top`` and everything below it to ``uid`` (= gid), never following a
+    symlink (only while no call runs in it: at adoption)."""
+    os.lchown(top, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
 def _kill_groups(pgids: Any) -> None:
