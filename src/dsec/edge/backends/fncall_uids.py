@@ -6,8 +6,9 @@ docs/isolation.md), so two sandboxes must never share one - not within one backe
 not across the several edge processes one host can run (``dsec up --edges N``). Each
 backend hands out uids from the same range, so the claims live in one host-wide
 directory: a file ``<uid>`` per claimed uid holding ``<backend root>\\t<sandbox id>``,
-changed only under an exclusive ``flock`` of ``.lock`` there (a claim costs a lock, a
-stat and a small write: tens of µs).
+changed only under an exclusive ``flock`` of ``.lock`` there (a claim is a lock, a read
+and a small write + rename: p50 39 µs, release 19 µs, measured on the loaded dev VM's
+ext4; p99 3 ms under load - on the create path, not the call's).
 
 A claim is released when its sandbox is torn down. One whose backend root no longer
 exists (a temp root removed, a state dir deleted) is stale and may be taken over; the
