@@ -280,7 +280,14 @@ def test_an_edge_that_cannot_start_fails_dsec_up_clearly_and_destroys_nothing(
     big = ("--edges", "2", "--cpus", "100000", "--memory", "64TiB")   # flat packing: spread
     up = Up(state, *big, "--keep").start()
     with up.client() as c:
-        ids = {c.sandboxes.create(project=f"p/{i}", detached=True).id for i in range(6)}
+        # Both edges must hold sandboxes. Placement spreads over healthy nodes; under load
+        # an edge's first heartbeat can lag its start, so create until both are used.
+        ids: set[str] = set()
+        for i in range(40):
+            ids.add(c.sandboxes.create(project=f"p/{i}", detached=True).id)
+            if len(ids) >= 6 and {x.rsplit("-", 2)[-2] + "-" + x.rsplit("-", 1)[-1]
+                                  for x in ids} == {"edge-0", "edge-1"}:
+                break
         assert {i.rsplit("-", 2)[-2] + "-" + i.rsplit("-", 1)[-1] for i in ids} == {
             "edge-0", "edge-1"}
     assert up.stop() == 0

@@ -147,6 +147,9 @@ class ClusterConfig:
     # filesystem's free space; sparse, so it takes host space only as it fills).
     disk_default_bytes: int = 10 << 30
     disk_pool_bytes: int | None = None
+    # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
+    # -microvm]" (slow creates widen the crash windows the fault tests aim at).
+    simulated_profile: str = "zero"
 
 
 def _plus_one(n: int | None) -> int | None:
@@ -367,6 +370,8 @@ class ClusterRuntime:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():
             argv += ["--backend", b]
+        if cfg.simulated_profile != "zero":
+            argv += ["--profile", cfg.simulated_profile]
         if "container" in self._local_backends():
             argv += ["--layer-store", os.path.join(cfg.state_dir, "layers"),
                      "--backend-opt",
@@ -447,6 +452,16 @@ class ClusterRuntime:
         written), resolved by :class:`~dsec.image.resolver.StoreImages`. In-process edges
         share one store and one mount cache, so a layer is mounted once per process and
         every local edge can start sandboxes from every snapshot."""
+        if name == "simulated":
+            from dsec.edge.backends.simulated import NodeLatencyProfile
+            prof = self.config.simulated_profile
+            if prof == "zero":
+                return {"profile": NodeLatencyProfile.zero()}
+            kind = prof.removeprefix("paper").lstrip("-") or "container"
+            if kind not in ("container", "fncall", "microvm"):
+                raise InvalidArgument(f"simulated_profile={prof!r}: use 'zero' or "
+                                      "'paper[-container|-fncall|-microvm]'")
+            return {"profile": NodeLatencyProfile.paper(kind)}  # type: ignore[arg-type]
         if name != "container":
             return {}
         from dsec.image import LayerStore, MountCache

@@ -75,6 +75,7 @@ from dsec.control.placement import NodeView as PlacementView
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
+from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
     LostSandboxRow,
     QuotaRow,
@@ -89,6 +90,7 @@ from dsec.control.watcher import (
     LiveSandbox,
     NodeHeartbeat,
     PreemptSandboxes,
+    StallMeter,
     Tick,
     UpdateNode,
     Watcher,
@@ -109,6 +111,7 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
     SandboxNotFound,
+    Timeout,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
 from dsec.image.catalog import (
@@ -148,6 +151,13 @@ class PlaneConfig:
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
     reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
+    # How much history the state store keeps (events, idempotency keys, tombstones,
+    # process leases), trimmed every retention.interval_s: see dsec.control.retention.
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    # How often the apiserver checks that its own event loop runs (StallMeter): a poll
+    # that timed out while the loop was stalled for half its deadline is this side's
+    # blindness, not the edge's silence.
+    stall_tick_s: float = 0.1
 
 
 class IamAuthority:
@@ -217,6 +227,7 @@ class ControlPlane:
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _store_cache: LayerStore | None = None
     _index_cache: StoreIndex | None = None
+    _stalls: StallMeter | None = None
 
     @classmethod
     def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
@@ -508,11 +519,34 @@ class ControlPlane:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
 
-    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> LostSandboxRow:
+    def vanished(self, sandbox_id: str) -> LostSandbox | None:
+        """The sandbox's edge does not know ``sandbox_id``: if the registry has it live,
+        the node lost it (it restarted without it): write it off as ``node_lost`` (an
+        event, quota released, a tombstone in the store) and return the tombstone."""
+        lost = self._lost.get(sandbox_id)
+        if lost is not None:
+            return lost
+        try:
+            rec = self.registry.sandbox(sandbox_id)
+        except SandboxNotFound:
+            return None
+        self._write_off(rec, f"node {rec.node} no longer has it: the node restarted "
+                             "without it (it was not in the node's journal)")
+        return self._lost.get(sandbox_id)
+
+    def _write_off(self, rec: SandboxRecord, detail: str) -> None:
+        now = self.clock()
+        row = self._tombstone(rec, "node_lost", now, detail=detail)
+        self.store.put_lost([row], keep=self.config.lost_tombstones)
+        self.registry.evict([rec.id], reason="node_lost")
+        log.warning("sandbox %s written off: %s", rec.id, detail)
+
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float,
+                   detail: str | None = None) -> LostSandboxRow:
         info = _info_of(rec)
         info.state, info.reason = "destroyed", reason
-        detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
-                  f"more than {self.config.node_ttl_s:g}s")
+        detail = detail or (f"evicted by the control plane: node {rec.node} sent no "
+                            f"heartbeat for more than {self.config.node_ttl_s:g}s")
         events = [SandboxEvent(time=rec.created_at, sandbox_id=rec.id, from_state=None,
                                to_state="running", reason="created"),
                   SandboxEvent(time=now, sandbox_id=rec.id,
@@ -892,9 +926,11 @@ class ControlPlane:
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
         self._started_at = self.clock()
+        self._tasks.append(asyncio.create_task(self._stall_loop(), name="dsec-stall-meter"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
+        self._tasks.append(asyncio.create_task(self._retention_loop(), name="dsec-retention"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -938,8 +974,19 @@ class ControlPlane:
         log.info("reconnected to edge %s at %s", e.node, e.address)
         return fresh
 
+    async def _stall_loop(self) -> None:
+        """Tick the stall meter: how late this loop wakes is how long it could not run."""
+        loop = asyncio.get_running_loop()
+        meter = self._stalls = StallMeter(self.config.stall_tick_s)
+        while True:
+            meter.tick(loop.time())
+            await asyncio.sleep(meter.interval_s)
+
     async def _poll(self, e: EdgeEntry) -> None:
         t = self.config.poll_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        link: Any = None
         try:
             link = await self._link(e)
             if link is None:
@@ -950,7 +997,13 @@ class ControlPlane:
                 e.feed_after = 0
             feed = await link.feed(e.feed_after, 10_000, timeout=t)
         except DsecError as exc:
-            await self._poll_failed(e, exc)
+            now = loop.time()
+            conn = getattr(link, "conn", None)
+            heard = conn is not None and conn.last_received > started
+            stalls = self._stalls
+            stalled = (stalls is not None
+                       and stalls.stalled(started, now) >= min(t, now - started) / 2)
+            await self._poll_failed(e, exc, heard=heard, stalled=stalled)
             return
         if e.failure:
             log.warning("edge %s reachable again (it was %s: %s)", e.node,
@@ -988,20 +1041,30 @@ class ControlPlane:
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
 
-    async def _poll_failed(self, e: EdgeEntry, exc: DsecError) -> None:
+    async def _poll_failed(self, e: EdgeEntry, exc: DsecError, *, heard: bool = False,
+                           stalled: bool = False) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
-        failure, or an edge that answered with an error, holds it unreachable."""
-        cause = link_failure_cause(exc)
+        failure, or an edge that answered with an error, holds it unreachable. A poll
+        that timed out while the link carried other replies (``heard``: the edge is
+        busy) or while this loop was stalled (``stalled``: we were not listening) is
+        not silence either."""
+        cause = link_failure_cause(exc, heard=heard, stalled=stalled)
+        why = exc.message
+        if cause != "silent" and isinstance(exc, Timeout):
+            why += ("; the edge kept sending other replies meanwhile (busy, not silent)"
+                    if heard else "; this apiserver's event loop was stalled for most of "
+                    "that time (it could not listen)")
         if cause != e.failure:
             how = {"silent": "silent (counts toward node_ttl_s)",
-                   "answered": "unreachable: it answers, with an error (held, not lost)",
+                   "answered": "unreachable: it answers, with an error or late (held, "
+                               "not lost)",
                    "blind": "unreachable from this apiserver (held, not lost)"}[cause]
-            log.warning("edge %s %s: %s", e.node, how, exc.message)
+            log.warning("edge %s %s: %s", e.node, how, why)
         e.failure = cause
-        e.problem = f"{cause}: {exc.message}"
+        e.problem = f"{cause}: {why}"
         if cause != "silent":
             await self._carry_out(self.watcher.handle(
-                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=exc.message)))
+                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=why)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list."""
@@ -1033,7 +1096,18 @@ class ControlPlane:
             except SandboxNotFound:
                 continue
             if rec.created_at < hb.time:
-                self.forget(sid, "gone")
+                try:
+                    gone = await link.get(sid)
+                except SandboxNotFound:
+                    # Not even a tombstone on the edge: it restarted without this one.
+                    self._write_off(rec, f"node {e.node} no longer has it: the node "
+                                         "restarted without it (it was not in the "
+                                         "node's journal)")
+                    continue
+                except DsecError:
+                    continue  # ask again on the next poll
+                if gone.state in _GONE:
+                    self.forget(sid, gone.reason or "gone")
         for sid, b in listed.items():
             if sid in reg:
                 rec = reg.sandbox(sid)
@@ -1129,6 +1203,34 @@ class ControlPlane:
             s.closed or s.expires_at + keep_s <= now)]
         self.store.delete_sessions(stale)
         return done
+
+    async def retain(self) -> RetentionReport:
+        """One retention pass (also called by tests): trim every growing table of the
+        store (see :mod:`dsec.control.retention`), off the event loop."""
+        cfg = self.config.retention
+        now = self.clock()
+        report = await asyncio.to_thread(retain, self.store, cfg.plan(now))
+        self.registry.trim_ring()
+        if cfg.lost_max_age_s is not None:
+            cutoff = now - cfg.lost_max_age_s
+            while self._lost:
+                sid, lost = next(iter(self._lost.items()))
+                if lost.events and lost.events[-1].time >= cutoff:
+                    break
+                del self._lost[sid]
+        if report.total:
+            log.info("retention removed %d events, %d idempotency keys, %d tombstones, "
+                     "%d process leases", report.events, report.idempotency,
+                     report.lost_sandboxes, report.process_leases)
+        return report
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention.interval_s)
+            try:
+                await self.retain()
+            except Exception:
+                log.exception("retention pass failed; the next one tries again")
 
     async def _sweep_loop(self) -> None:
         while True:

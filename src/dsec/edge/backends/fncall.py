@@ -872,7 +872,11 @@ class FncallBackend:
             elif pids > self.max_sandbox_pids:
                 raise InvalidArgument(f"pids_max={pids} is above this node's per-sandbox "
                                       f"maximum of {self.max_sandbox_pids}", field="pids_max")
-        return spec.disk_bytes or self.default_disk_bytes, pids
+        if spec.disk_bytes is not None:
+            return spec.disk_bytes, pids
+        if self.disk is not None:
+            return self.disk.default_cap(self.default_disk_bytes), pids
+        return self.default_disk_bytes, pids
 
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         disk, pids = self._check_spec(spec)

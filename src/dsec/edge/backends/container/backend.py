@@ -54,6 +54,7 @@ from dsec.edge.backends.container.protocol import (
     Kill,
     Reply,
     Started,
+    exec_failure,
 )
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
@@ -291,8 +292,11 @@ class ContainerBackend:
         return _legacy_rw_dirs(self._dir(sid))
 
     def disk_cap(self, spec: SandboxSpec) -> int:
-        """The disk cap a sandbox gets: ``spec.disk_bytes`` or the node default."""
-        return self.default_disk_bytes if spec.disk_bytes is None else spec.disk_bytes
+        """The disk cap a sandbox gets: ``spec.disk_bytes`` or the node default (clamped
+        to the pool's size)."""
+        if spec.disk_bytes is None:
+            return self.disk.default_cap(self.default_disk_bytes)
+        return spec.disk_bytes
 
     def _pids_for(self, spec: SandboxSpec) -> int:
         """The task limit a sandbox gets: ``spec.pids_max``, or the node's per-sandbox
@@ -969,8 +973,8 @@ class ContainerBackend:
         if req.background:
             reply = await started
             if not isinstance(reply, Started):
-                raise BackendError(f"exec in sandbox {box.sid} failed to start: "
-                                   f"{getattr(reply, 'message', reply)}")
+                # a missing program, user or cwd is the caller's mistake (CannotRun, 4xx)
+                raise exec_failure(box.sid, str(getattr(reply, "message", reply)))
             return ExecResult(exit_code=0, pid=reply.ns_pid,
                               duration_s=time.monotonic() - t0)
         assert ec is not None
