@@ -1,10 +1,11 @@
-"""The container backend's file API still walks a sandbox's trees on the edge's event loop
-(found by the fncall red team: the fncall backend's same hole is fixed and tested in
+"""The container backend's file API walked a sandbox's trees on the edge's event loop
+(found by the fncall red team: the fncall backend's same hole is tested in
 test_fncall_hostile.py, where removing 300,000 files stopped the whole edge for 25 s).
 
-A sandbox decides how big its trees are; ``remove(recursive=True)`` and ``list_dir`` of
-one run synchronously inside ``ContainerBackend``'s coroutines, so every other sandbox's
-exec, the heartbeats and the connections wait for the walk.
+A sandbox decides how big its trees are; ``remove(recursive=True)`` and ``list_dir`` ran
+synchronously inside ``ContainerBackend``'s coroutines, so every other sandbox's exec,
+the heartbeats and the connections waited for the walk. They run in the backend's file
+threads now (``ContainerBackend._file_op``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ContainerBackend.list_dir/remove/read_file/... call SandboxFiles synchronously in the "
-    "event loop; the fix is the fncall one (FncallBackend._files: each operation in the "
-    "backend's own threads on its own dup of the root fd, closed by the thread), in the "
-    "container backend's lane"))
 async def test_removing_a_huge_container_tree_does_not_stall_other_sandboxes(
         backend: ContainerBackend) -> None:
     a, b = new_sid(), new_sid()
