@@ -24,7 +24,7 @@ import pytest
 from dsec.control.api.plane import ControlPlane, IamAuthority
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
-from dsec.control.idempotency import ClaimLost, IdempotencyCache, fingerprint
+from dsec.control.idempotency import ClaimLost, IdempotencyCache, request_fingerprint
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store import IdempotencyRow
@@ -119,7 +119,7 @@ def _spec(svc: ApiService, caller: Caller) -> SandboxSpec:
 
 
 async def _claim(api: Api, caller: Caller, key: str) -> object:
-    begin = api.cache.begin(IdempotencyCache.scoped(caller.id, key), fingerprint(RAW))
+    begin = api.cache.begin(IdempotencyCache.scoped(caller.id, key), request_fingerprint(REQ))
     assert begin.claim is not None
     return begin.claim
 
@@ -308,7 +308,7 @@ async def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(
     scoped = IdempotencyCache.scoped(caller.id, "k-pid")
     now = time.time()
     live.store.lease_renew(dead, now + 3600)                 # a lease far from lapsing
-    live.store.idem_claim(IdempotencyRow(key=scoped, fingerprint=fingerprint(RAW),
+    live.store.idem_claim(IdempotencyRow(key=scoped, fingerprint=request_fingerprint(REQ),
                                          owner=f"{dead}:1", holder=dead,
                                          expires_at=now + 300), now)
     sid = "sb-00000000d1ed-e0"

@@ -175,6 +175,11 @@ def _snap_id(snapshot: Snapshot | str) -> str:
     return snapshot
 
 
+# What a create (one key per sandbox) is retried on: its own connection, the request
+# timeout, 503s (an apiserver restarting, an edge it cannot reach) and rate limits.
+_CREATE_RETRYABLE = (TransportError, RequestTimeout, Unavailable, RateLimited)
+
+
 class AsyncClient:
     """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
 
@@ -278,7 +283,7 @@ class AsyncClient:
         while True:
             try:
                 return await fn()
-            except (TransportError, RequestTimeout, Unavailable, RateLimited) as exc:
+            except _CREATE_RETRYABLE as exc:
                 wait = delay * (0.5 + random.random())
                 if isinstance(exc, RateLimited):
                     wait = max(wait, float(exc.detail.get("retry_after") or 0.0))
@@ -437,27 +442,66 @@ class AsyncSandboxes:
         :meth:`create`), or one per item of a list of keyword dicts, each laid over
         ``**kw`` (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
         All or nothing: if any fails, the ones that were created are destroyed and the
-        first error is raised."""
+        first error is raised. Each item carries an Idempotency-Key of its own and the
+        batch is retried like :meth:`create` (``create_retry_s``), so a batch whose
+        reply was lost (an apiserver crash) makes each sandbox exactly once."""
+        c = self._c
+
+        async def request(**one: Any) -> CreateSandboxRequest:
+            # the session it is bound to is opened on the first one: retried as a create
+            return await c._retry_until(lambda: self._request(**one), c.create_retry_s)
         if isinstance(n, int) and not isinstance(n, bool):
             if not 0 < n <= 100_000:
                 raise InvalidArgument(f"create_many n={n} must be within 1..100000")
-            reqs = [await self._request(**kw)] * n
+            reqs = [await request(**kw)] * n
         elif isinstance(n, Sequence) and not isinstance(n, (str, bytes)) and \
                 all(isinstance(item, Mapping) for item in n) and 0 < len(n) <= 100_000:
-            reqs = [await self._request(**{**kw, **item}) for item in n]
+            reqs = [await request(**{**kw, **item}) for item in n]
         else:
             raise InvalidArgument(f"create_many takes a count (1..100000) or a list of up to "
                                   f"100000 keyword dicts, not {type(n).__name__}")
+        keys = ["sdk-" + uuid.uuid4().hex for _ in reqs]   # one per item, for every retry
         results: list[SandboxInfo | DsecError] = []
         for start in range(0, len(reqs), 1024):
-            results += await self._c._call("create_many", reqs[start:start + 1024],
-                                           idempotent=False)
+            results += await self._create_batch(reqs[start:start + 1024],
+                                                keys[start:start + 1024])
         ok = [AsyncSandbox(self._c, r) for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if not isinstance(r, SandboxInfo)]
         if errors:
             await asyncio.gather(*(s.kill() for s in ok), return_exceptions=True)
             raise errors[0]
         return ok
+
+    async def _create_batch(self, reqs: Sequence[CreateSandboxRequest],
+                            keys: Sequence[str]) -> list[SandboxInfo | DsecError]:
+        """One batched call, retried as :meth:`create` retries (same keys, so nothing is
+        made twice): the whole call on a lost connection, a timeout or a 503, then the
+        items that failed retryably, until ``create_retry_s`` has passed."""
+        c = self._c
+        loop = asyncio.get_running_loop()
+        deadline = None if c.create_retry_s is None else loop.time() + c.create_retry_s
+        out: list[SandboxInfo | DsecError] = [InvalidArgument("not attempted")] * len(reqs)
+        todo = list(range(len(reqs)))
+        delay = 0.05
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+
+            async def attempt(todo: list[int] = todo) -> list[SandboxInfo | DsecError]:
+                t = await c._transport()
+                return await t.create_many(  # type: ignore[no-any-return]
+                    [reqs[i] for i in todo], [keys[i] for i in todo])
+            got = await c._retry_until(attempt, left)
+            again = []
+            for i, r in zip(todo, got):
+                out[i] = r
+                if isinstance(r, _CREATE_RETRYABLE):
+                    again.append(i)
+            wait = delay * (0.5 + random.random())
+            if not again or deadline is None or loop.time() + wait >= deadline:
+                return out
+            todo = again
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, 1.0)
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         return AsyncSandbox(self._c, await self._c._call("get", sandbox_id))

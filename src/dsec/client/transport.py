@@ -66,7 +66,8 @@ class Transport(Protocol):
 
     async def info(self) -> Info: ...
     async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo: ...
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]: ...
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]: ...
     async def get(self, sid: str) -> SandboxInfo: ...
     async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
                    limit: int, cursor: str | None) -> SandboxList: ...
@@ -170,15 +171,16 @@ class HttpTransport:
                                 content=_json.encode(req), headers={
                                     **headers, "content-type": "application/json"})
 
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]:
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
         import asyncio
 
-        async def one(r: CreateSandboxRequest) -> SandboxInfo | DsecError:
+        async def one(i: int, r: CreateSandboxRequest) -> SandboxInfo | DsecError:
             try:
-                return await self.create(r, None)
+                return await self.create(r, None if keys is None else keys[i])
             except DsecError as exc:
                 return exc
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
 
     async def get(self, sid: str) -> SandboxInfo:
         return await self._json(SandboxInfo, "GET", f"/v1/sandboxes/{sid}")  # type: ignore[no-any-return]
@@ -231,7 +233,8 @@ class HttpTransport:
                         continue
                     item = dec.decode(line)
                     if item.error is not None:
-                        raise error_from_wire(item.error.code, item.error.message)
+                        raise error_from_wire(item.error.code, item.error.message,
+                                              dict(item.error.detail))
                     if item.exit_code is not None:
                         yield ExecResult(exit_code=item.exit_code, timed_out=item.timed_out,
                                          duration_s=item.duration_s or 0.0)
@@ -416,9 +419,13 @@ class AetherTransport:
             body["idempotency_key"] = idempotency_key
         return await self._call("api.create", body, SandboxInfo)  # type: ignore[no-any-return]
 
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]:
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
         from dsec.control.gateway import Outcome
-        out = await self._call("api.create_many", self._k(reqs=list(reqs)), list[Outcome])
+        body = self._k(reqs=list(reqs))
+        if keys is not None:
+            body["idempotency_keys"] = list(keys)
+        out = await self._call("api.create_many", body, list[Outcome])
         return [o.info if o.error is None else error_from_wire(o.error.code, o.error.message,
                                                                o.error.detail) for o in out]
 

@@ -367,8 +367,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                     else:
                         yield _json.encode(_chunk_line(item.stream, item.data)) + b"\n"
             except DsecError as exc:
+                # as every other answer: redacted, and with its detail (may_have_run)
+                exc = service.redact(exc)
+                detail = {k: v for k, v in exc.detail.items()
+                          if isinstance(v, (str, int, float, bool)) or v is None}
                 yield _json.encode(ExecStreamLine(error=ApiError(
-                    code=exc.code, message=exc.message, request_id=rid))) + b"\n"
+                    code=exc.code, message=exc.message, request_id=rid,
+                    detail=detail))) + b"\n"
         return StreamingResponse(lines(), media_type="application/x-ndjson",
                                  headers={"x-request-id": rid})
 

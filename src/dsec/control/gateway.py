@@ -83,6 +83,8 @@ class GwCreate(_Keyed, kw_only=True):
 
 class GwCreateMany(_Keyed, kw_only=True):
     reqs: list[CreateSandboxRequest]
+    # One Idempotency-Key per item (the SDK's): a retried batch makes nothing twice.
+    idempotency_keys: list[str] | None = None
 
 
 class GwList(_Keyed, kw_only=True):
@@ -219,7 +221,8 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
     add("api.create", create, request_type=GwCreate)
 
     async def create_many(b: GwCreateMany) -> list[Outcome]:
-        return [_outcome(x) for x in await service.create_many(caller(b), b.reqs)]
+        return [_outcome(x) for x in await service.create_many(caller(b), b.reqs,
+                                                               b.idempotency_keys)]
 
     add("api.create_many", create_many, request_type=GwCreateMany)
 

@@ -26,16 +26,21 @@ a restarted one:
   (``lease_s`` after it died) is *stale*. The next request with the key takes the claim
   over at once, and so does a waiter polling for a dead holder's answer: a crash costs
   a retry about ``lease_s``, not a fixed in-flight lease. A holder on this very machine
-  (same boot, same host name) is checked directly: if its process is gone (no such pid,
-  or a pid reused by a later process), its lease is dropped and the claim taken over
-  without waiting, so ``dsec up`` restarted after a crash answers at once.
+  (same boot, same host name, same pid namespace) is checked directly: if its process
+  is gone (no such pid, or a pid reused by a later process), its lease is dropped and
+  the claim taken over without waiting, so ``dsec up`` restarted after a crash answers
+  at once. A holder in another pid namespace (a container sharing the host's name) is
+  left to its lease: its pid means nothing here.
   ``in_flight_s`` stays as a backstop for a live holder that never finishes.
 - Before it asks an edge, the owner *notes* the sandbox id it is about to create
   (``Claim.note``). Whoever takes a dead owner's claim over gets that ``intent`` and looks
   for the sandbox on its edge before creating anything, so a retry after a crash returns
   the sandbox the first attempt made instead of a second one. An owner whose claim was
   taken over while it was alive (its lease lapsed in a stall) learns it from a failed
-  ``note``/``finish`` and backs off (:class:`ClaimLost`).
+  ``note``/``finish`` (or from the edge refusing the noted id, which the new owner
+  made) and asks the key again, answering its caller with the new owner's sandbox
+  (:class:`ClaimLost` internally; destroying its own sandbox if the key's answer is
+  another one).
 
 A bounded in-memory front (``max_entries``, oldest completed first) answers repeats
 without a store read. The store is purged of expired rows (and trimmed to ``max_entries``
@@ -57,11 +62,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument, Unavailable
 
 __all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
-           "fingerprint", "validate_key"]
+           "fingerprint", "request_fingerprint", "validate_key"]
 
 log = logging.getLogger("dsec.idempotency")
 
@@ -82,11 +89,21 @@ class IdempotencyStore(Protocol):
 
 
 def _boot_id() -> str:
+    """The space this process's pid numbers mean something in: this boot, and this pid
+    namespace. Two apiservers in containers that share the host name (host networking)
+    and the boot, each in its own pid namespace, must not judge each other's pids: pid 7
+    in one is another process (or none) in the other, and a live holder would be taken
+    for a dead one and its claims taken over while it works."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()[:8]
+            boot = f.read().strip()[:8]
     except OSError:
-        return "noboot"
+        boot = "noboot"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "nons"
+    return f"{boot}.{pidns}"
 
 
 def _start_ticks(pid: int) -> str | None:
@@ -101,15 +118,17 @@ def _start_ticks(pid: int) -> str | None:
 
 
 def local_holder(token: str) -> str:
-    """A holder id that says which process holds a claim: ``boot:host:pid:start:token``."""
+    """A holder id that says which process holds a claim: ``boot.pidns:host:pid:start:
+    token``."""
     pid = os.getpid()
     return f"{_boot_id()}:{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}:{token}"
 
 
 def holder_gone(holder: str) -> bool:
-    """True only when ``holder`` names a process of this machine and boot that no longer
-    runs (its pid is free, or taken by a later process). Holders of other machines, or
-    of an unknown form, are never judged here: their leases say."""
+    """True only when ``holder`` names a process of this machine, boot and pid namespace
+    that no longer runs (its pid is free, or taken by a later process). Holders of other
+    machines or pid namespaces, or of an unknown form, are never judged here: their
+    leases say."""
     parts = holder.split(":")
     if len(parts) != 5 or parts[0] != _boot_id() or parts[1] != socket.gethostname():
         return False
@@ -177,6 +196,16 @@ class Begin:
 
 def fingerprint(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+_canonical = msgspec.msgpack.Encoder(order="sorted")
+
+
+def request_fingerprint(request: object) -> str:
+    """The fingerprint of a decoded request in one canonical form (msgpack, keys
+    sorted), not of its bytes on the wire: REST's JSON and the gateway's msgpack of one
+    request, or JSON with its keys in another order, are one request under one key."""
+    return fingerprint(_canonical.encode(request))
 
 
 def validate_key(key: str) -> str:
@@ -383,6 +412,14 @@ class IdempotencyCache:
             e.waiter.exception()
         if e is not None and e.owner is not None and self._store is not None:
             self._store.idem_release(scoped_key, e.owner)
+
+    def holds(self, claim: Claim) -> bool:
+        """Whether ``claim`` is still this request's (False once another apiserver took
+        it over, or its row is gone). Always True without a store."""
+        if self._store is None or claim.owner is None:
+            return True
+        row = self._store.idem_get(claim.key, self._clock())
+        return row is not None and row.owner == claim.owner
 
     def peek(self, scoped_key: str) -> IdempotencyRow | None:
         """The key's row in the store as it is now (None without a store or row)."""

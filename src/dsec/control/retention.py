@@ -13,9 +13,13 @@ events          two+ rows per sandbox lifecycle              newest ``events_kee
                                                              newest row always: it holds
                                                              the global version)
 idempotency     one row per create with a key                finished rows for their
-                                                             5-minute window, at most
-                                                             ``idempotency_keep``; stale
-                                                             claims without a sandbox id
+                                                             5-minute window (beyond
+                                                             ``idempotency_keep`` the
+                                                             oldest keep only their
+                                                             sandbox id); stale claims
+                                                             without a sandbox id; with
+                                                             one, once their window passed
+                                                             and their holder is gone
 lost_sandboxes  one row per sandbox of a lost node           ``lost_max_age_s`` (and
                                                              ``PlaneConfig.lost_tombstones``
                                                              on every write)

@@ -281,6 +281,7 @@ class EdgeNode:
 
     async def _adopt_all(self, records: dict[str, JournalRecord]) -> None:
         now = self.clock.time()
+        over = False
         for r in records.values():
             if r.id.endswith(self._suffix) is False:
                 log.warning("journal holds %s, which is not this node's; dropped", r.id)
@@ -312,13 +313,14 @@ class EdgeNode:
                 else:
                     self._bury(rec, "node_lost", why)
                 continue
-            try:
-                self.pool.reserve(r.id, r.spec.cpu_milli, r.spec.memory_bytes)
-            except DsecError as exc:
-                with contextlib.suppress(Exception):
-                    await backend.destroy(SandboxId(r.id))
-                self._bury(rec, "node_lost", f"no capacity after restart: {exc.message}")
-                continue
+            # Held past the capacity if it shrank since the last start: a running
+            # sandbox is never destroyed for an accounting limit (new creates wait).
+            if not self.pool.adopt(r.id, r.spec.cpu_milli, r.spec.memory_bytes) and \
+                    not over:
+                over = True
+                log.warning("node %s re-adopted more than its capacity now admits (%s); "
+                            "no new sandbox is admitted until enough of them are gone",
+                            self.node_id, self.pool.capacity)
             self._live[r.id] = rec
             state: SandboxState = "paused" if r.state in ("paused", "pausing") else "running"
             if r.state == "resuming":

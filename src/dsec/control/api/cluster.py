@@ -271,6 +271,8 @@ class ClusterRuntime:
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
+            if self.processes:
+                self._background(self._mind_edges(), "dsec-edge-minder")
             self.admin_key = self._admin_key(plane)
             if cfg.gateway is not None:
                 from dsec.control.gateway import serve_gateway
@@ -393,9 +395,67 @@ class ClusterRuntime:
         if plane is None or entry is None:
             return
         entry.retry_at = 0.0
-        task = asyncio.get_running_loop().create_task(plane.poll_edges())
+        self._background(plane.poll_edges(), "dsec-edge-redial")
+
+    def _background(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+    async def _mind_edges(self) -> None:
+        """What only the supervisor of local edge processes can tell the control plane,
+        which otherwise sees nothing but a silent node and writes it off after
+        ``node_ttl_s`` (destroying its sandboxes when it returns):
+
+        - an edge being restarted (after a crash, or by :meth:`start_edge`) is coming
+          back: the node is held (:meth:`ControlPlane.hold_edge`) for as long as the
+          restart takes, also past the TTL (re-adopting many sandboxes on a loaded
+          machine); a crash loop that gives up stops the hold;
+        - an edge whose process runs but is silent (a poll timed out or was refused
+          with nothing else heard from it) and has not answered a heartbeat for half the
+          TTL is hung (stopped, deadlocked, stuck in the kernel): it is killed, so its
+          supervisor restarts it and it re-adopts its sandboxes from its journal, as
+          after a crash, instead of being written off. An edge that answers with errors
+          or late (busy), or that this apiserver cannot reach for a reason of its own
+          (``answered``, ``blind``), is alive and left alone."""
+        plane = self.plane
+        assert plane is not None
+        cfg = self.config.plane
+        hang_s = max(cfg.node_ttl_s / 2, 3 * cfg.heartbeat_interval_s)
+        period = min(1.0, cfg.node_ttl_s / 10)
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now, woke_late = time.monotonic(), time.monotonic() - last > 3 * period + 1.0
+            last = now
+            if woke_late:
+                # This process itself was stopped or starved: the edges' silence is its
+                # own. Let the control plane poll them again before judging any.
+                continue
+            for node, proc in list(self.processes.items()):
+                e = plane.edges.get(node)
+                if e is None:
+                    continue
+                try:
+                    if proc.ever_ready and proc.state in ("starting", "backoff"):
+                        await plane.hold_edge(
+                            node, f"edge {node} is being restarted by dsec up "
+                                  f"(restart {proc.sup.restarts})", 2 * cfg.node_ttl_s)
+                    elif (proc.state == "running" and proc.ready_at is not None
+                          and proc.clock() - proc.ready_at > hang_s
+                          and e.failure == "silent" and e.heartbeat is not None
+                          and plane.clock() - e.last_seen > hang_s):
+                        why = (f"edge {node} (pid {proc.pid}) has not answered a heartbeat "
+                               f"for {plane.clock() - e.last_seen:.1f}s though its process "
+                               "runs: killing it so it restarts and re-adopts its "
+                               f"sandboxes before the node-loss TTL ({cfg.node_ttl_s:g}s)")
+                        log.warning("%s", why)
+                        self._on_report(node, "warning", why)
+                        if proc.kill(signal.SIGKILL):
+                            await plane.hold_edge(node, f"edge {node} was hung; dsec up "
+                                                  "is restarting it", 2 * cfg.node_ttl_s)
+                except Exception:
+                    log.exception("minding edge %s failed", node)
 
     async def _begin_edge_processes(self) -> None:
         cfg = self.config
@@ -642,6 +702,7 @@ class ClusterRuntime:
             await self._gateway.close()
             self._gateway = None
         if self.service is not None:
+            await self.service.close()
             await self.service.idempotency.close()
         for t in self._bg:
             t.cancel()

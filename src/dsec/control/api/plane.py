@@ -204,6 +204,10 @@ class EdgeEntry:
     # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
     failure: str = ""
     problem: str = ""
+    # Held by whoever runs the edge (``dsec up``'s supervisor restarting it) until this
+    # time: its silence does not count toward node_ttl_s meanwhile (see hold_edge).
+    held_until: float = 0.0
+    held_why: str = ""
 
 
 class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
@@ -233,7 +237,8 @@ class ControlPlane:
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
-    _started_at: float = 0.0
+    _started_at: float = 0.0     # since when the sweeper has watched without a break
+    _last_sweep: float = 0.0
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _store_cache: LayerStore | None = None
     _index_cache: StoreIndex | None = None
@@ -985,7 +990,7 @@ class ControlPlane:
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
-        self._started_at = self.clock()
+        self._started_at = self._last_sweep = self.clock()
         self._tasks.append(asyncio.create_task(self._stall_loop(), name="dsec-stall-meter"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
@@ -1068,7 +1073,8 @@ class ControlPlane:
         if e.failure:
             log.warning("edge %s reachable again (it was %s: %s)", e.node,
                         "silent" if e.failure == "silent" else "unreachable", e.problem)
-        e.failure = e.problem = ""
+        e.failure = e.problem = e.held_why = ""
+        e.held_until = 0.0
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
@@ -1101,19 +1107,40 @@ class ControlPlane:
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
 
+    async def hold_edge(self, node: str, why: str, for_s: float) -> None:
+        """Whoever runs edge ``node`` says it is coming back (``dsec up``'s supervisor
+        restarting its process): for ``for_s`` its silence is not a lost node (held,
+        sandboxes kept, out of placement), however long the restart takes; the holder
+        renews the hold while the restart lasts. A crash loop that gives up stops
+        renewing, and the TTL counts again."""
+        e = self.edges.get(node)
+        if e is None:
+            return
+        now = self.clock()
+        e.held_until, e.held_why = now + for_s, why
+        if e.failure in ("", "silent"):
+            # not healthy for placement, for the nodes list and for a create's answer
+            # ("unreachable", 503), as the watcher's hold makes it for placement
+            e.failure, e.problem = "blind", f"blind: {why}"
+        await self._carry_out(self.watcher.handle(
+            LinkFailed(node=node, time=now, cause="blind", detail=why)))
+
     async def _poll_failed(self, e: EdgeEntry, exc: DsecError, *, heard: bool = False,
                            stalled: bool = False) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
         failure, or an edge that answered with an error, holds it unreachable. A poll
         that timed out while the link carried other replies (``heard``: the edge is
         busy) or while this loop was stalled (``stalled``: we were not listening) is
-        not silence either."""
+        not silence either; nor is one while whoever runs the edge holds it
+        (:meth:`hold_edge`)."""
         cause = link_failure_cause(exc, heard=heard, stalled=stalled)
         why = exc.message
         if cause != "silent" and isinstance(exc, Timeout):
             why += ("; the edge kept sending other replies meanwhile (busy, not silent)"
                     if heard else "; this apiserver's event loop was stalled for most of "
                     "that time (it could not listen)")
+        if cause == "silent" and self.clock() < e.held_until:
+            cause, why = "blind", f"{e.held_why} ({why})"
         if cause != e.failure:
             how = {"silent": "silent (counts toward node_ttl_s)",
                    "answered": "unreachable: it answers, with an error or late (held, "
@@ -1296,9 +1323,25 @@ class ControlPlane:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
-                await self.sweep()
+                await self.sweep_tick()
             except Exception:
                 log.exception("sweeper pass failed")
+
+    async def sweep_tick(self) -> list[tuple[str, str]]:
+        """One round of the sweeper loop: a pass, after noticing a stall. A round that
+        comes much later than asked (this process was stopped or starved, or the wall
+        clock jumped) restarts the sweeper's watch: no client could renew its session
+        meanwhile, so each gets a full lease again (see dsec.control.api.sweeper)."""
+        now = self.clock()
+        interval = self.config.sweep_interval_s
+        if self._last_sweep and now - self._last_sweep > 2 * interval + 1.0:
+            log.warning("sweeper woke %.1fs after its last pass (expected %.1fs): this "
+                        "apiserver was stalled or its clock jumped; sessions get a full "
+                        "lease to renew before any is swept", now - self._last_sweep,
+                        interval)
+            self._started_at = now
+        self._last_sweep = now
+        return await self.sweep()
 
     def _refresh_gauges(self, m: ApiMetrics) -> None:
         totals: dict[str, int] = {}

@@ -37,7 +37,13 @@ from dsec.control.api.types import (
     NodeView,
     SnapshotView,
 )
-from dsec.control.idempotency import Claim, ClaimLost, IdempotencyCache, Retry, fingerprint
+from dsec.control.idempotency import (
+    Claim,
+    ClaimLost,
+    IdempotencyCache,
+    Retry,
+    request_fingerprint,
+)
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
 from dsec.edge.service import EdgeClient
@@ -266,6 +272,8 @@ class _ProjectCache:
 
 
 _msgpack = msgspec.msgpack.Encoder()
+# How often one create asks its key again after losing its claim to another apiserver.
+_RETAKES = 3
 _info_dec = msgspec.msgpack.Decoder(SandboxInfo)
 
 
@@ -288,11 +296,21 @@ class ApiService:
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
+    _keyed: set[asyncio.Future[SandboxInfo | None]] = field(init=False)  # claims at work
 
     def __post_init__(self) -> None:
+        self._keyed = set()
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
+
+    async def close(self) -> None:
+        """Stop keyed creates still at work (their claims are released, with the sandbox
+        id they noted, for whoever retries next: another apiserver, or this one again)."""
+        work = list(self._keyed)
+        for w in work:
+            w.cancel()
+        await asyncio.gather(*work, return_exceptions=True)
 
     # ------------------------------------------------------------ auth / limits
     def authenticate(self, authorization: str | None, client: str | None = None) -> Caller:
@@ -375,7 +393,17 @@ class ApiService:
     def redact(self, exc: DsecError) -> DsecError:
         """``exc`` as API clients may see it: every ``config.redact_paths`` prefix in its
         message and string details replaced by ``<state-dir>`` (a copy of the same class;
-        ``exc`` itself when nothing needed replacing)."""
+        ``exc`` itself when nothing needed replacing). A ``TransportError`` here is the
+        failure of one of the apiserver's own links inside the cluster (the caller's
+        connection is the one carrying this answer): it goes out as ``Unavailable``
+        (503, retry), never as the caller's ``ConnectionLost``/``ConnectFailed``, which
+        would tell the caller *its* connection broke. The operations map their own link
+        errors more precisely (``EdgeUnreachable``); this is the net under all of them."""
+        if isinstance(exc, TransportError):
+            exc = Unavailable(
+                f"the apiserver could not finish the request: one of its links inside the "
+                f"cluster failed ({exc.code}: {exc.message}); retry in a few seconds",
+                cause=exc.code)
         paths = self.config.redact_paths
         if not paths:
             return exc
@@ -531,7 +559,26 @@ class ApiService:
         if idempotency_key is None:
             return await self._create_placed(spec)
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
-        fp = fingerprint(raw or _msgpack.encode(req))
+        # Of the decoded request, not of its bytes (``raw`` is unused): one request is
+        # one key whichever door and encoding it came through.
+        fp = request_fingerprint(req)
+        for _ in range(_RETAKES):
+            info = await self._create_keyed(spec, scoped, fp)
+            if info is not None:
+                return info
+            # Our claim was taken over while we worked (this apiserver stalled past its
+            # lease): the new owner answers for the key. Ask the key again: its answer
+            # is (or will be) there, so the caller gets that sandbox, not an error about
+            # ids it never saw, and no second sandbox.
+        raise ClaimLost(
+            f"the Idempotency-Key was taken over by other apiservers {_RETAKES} times while "
+            "this one worked on it; retry the request to get their answer",
+            field="Idempotency-Key")
+
+    async def _create_keyed(self, spec: SandboxSpec, scoped: str,
+                            fp: str) -> SandboxInfo | None:
+        """One go at a create under ``scoped``: the answer, or None when the claim was
+        lost to another apiserver before this one could answer (ask the key again)."""
         while True:
             begin = self.idempotency.begin(scoped, fp)
             if begin.replay is not None:
@@ -547,8 +594,27 @@ class ApiService:
             break
         claim = begin.claim
         assert claim is not None
+        # The key's work, not this request's: it runs to its end even if the request is
+        # cancelled (the gateway cancels a handler whose caller timed out or hung up),
+        # so the caller's retry, waiting on the key, gets its sandbox. Cancelled with it,
+        # a create slower than the caller's timeout was cut off on every attempt and
+        # never happened (and took the edge's create down with it).
+        work = asyncio.ensure_future(self._claimed(spec, scoped, claim))
+        self._keyed.add(work)
+        work.add_done_callback(_settle_keyed(self._keyed))
+        return await asyncio.shield(work)
+
+    async def _claimed(self, spec: SandboxSpec, scoped: str,
+                       claim: Claim) -> SandboxInfo | None:
+        """The work of a claim (see :meth:`_create_keyed`)."""
         try:
             info = await self._create_claimed(spec, claim)
+        except Exception as exc:
+            lost = isinstance(exc, ClaimLost) or not self.idempotency.holds(claim)
+            self.idempotency.abort(scoped, exc)
+            if lost:
+                return None   # e.g. the edge said our noted id is in use: the new owner made it
+            raise
         except BaseException as exc:
             self.idempotency.abort(scoped, exc)
             raise
@@ -556,7 +622,7 @@ class ApiService:
             self.idempotency.finish(scoped, _msgpack.encode(info))
         except ClaimLost:
             await self._drop_duplicate(scoped, info)
-            raise
+            return None
         return info
 
     async def _drop_duplicate(self, scoped: str, info: SandboxInfo) -> None:
@@ -591,10 +657,10 @@ class ApiService:
         return await self._create_placed(spec, claim)
 
     async def _settled(self, edge: EdgeOps, sid: str) -> SandboxInfo | None:
-        """``sid`` on its edge once it is out of a transition (None: not there). A link
-        error while its node is healthy is :class:`EdgeUnreachable` (retry later); while
-        the node is not healthy its sandboxes are written off anyway: None."""
-        node = node_of(sid)
+        """``sid`` on its edge once it is out of a transition, or when
+        ``recover_wait_s`` ran out (None: the edge does not have it). A link error is
+        :class:`EdgeUnreachable` (retry later), whatever the node's health: the sandbox
+        may be there, and making another one elsewhere would make two."""
         deadline = self.clock() + self.config.recover_wait_s
         while True:
             try:
@@ -602,10 +668,8 @@ class ApiService:
             except SandboxNotFound:
                 return None
             except _LINK_ERRORS as exc:
-                if self._healthy(node):
-                    raise _unreachable(node, "create", sid, exc, effect=True,
-                                       sent=True) from exc
-                return None
+                raise _unreachable(node_of(sid), "create", sid, exc, effect=True,
+                                   sent=True) from exc
             if info.state not in ("creating", "pausing", "resuming") or \
                     self.clock() >= deadline:
                 return info
@@ -613,7 +677,9 @@ class ApiService:
 
     async def _recover(self, spec: SandboxSpec, claim: Claim) -> SandboxInfo | None:
         """Find (or make, under the very same id) the sandbox a previous owner of
-        ``claim`` was creating. None: it is gone for good; create a new one."""
+        ``claim`` was creating. None: it is gone for good; create a new one. While it
+        may still come into being (its edge cannot be reached, or it is still
+        ``creating``) the answer is a retryable 503, never a second sandbox."""
         sid = claim.intent
         assert sid is not None
         try:
@@ -635,7 +701,15 @@ class ApiService:
                 info = await self._settled(edge, sid)
                 if info is None:
                     return None
-        if info.state not in ("running", "paused"):
+            except _LINK_ERRORS as exc:
+                raise _unreachable(node, "create", sid, exc, effect=True,
+                                   sent=True) from exc
+        if info.state == "creating":
+            raise Unavailable(
+                f"sandbox {sid}, which an earlier attempt of this create asked node {node} "
+                f"for, is still being created after {self.config.recover_wait_s:g}s; retry "
+                "(same Idempotency-Key) to get it", node=node, sandbox_id=sid)
+        if info.state not in ("running", "paused", "pausing", "resuming"):
             return None  # the first attempt's sandbox failed or was destroyed
         self._adopted(info)
         return info
@@ -788,17 +862,25 @@ class ApiService:
 
     async def create_many(
         self, principal: Caller, reqs: Sequence[CreateSandboxRequest],
+        keys: Sequence[str] | None = None,
     ) -> list[SandboxInfo | DsecError]:
-        """Batched create: each item succeeds or fails on its own (errors are returned)."""
+        """Batched create: each item succeeds or fails on its own (errors are returned).
+        ``keys``: one Idempotency-Key per item, so a retried batch (its reply lost to a
+        crash) answers each item with the sandbox its first attempt made."""
         if len(reqs) > self.config.max_create_batch:
             raise InvalidArgument(f"create batch of {len(reqs)} exceeds the limit of "
                                   f"{self.config.max_create_batch}; split it", field="items")
+        if keys is not None and len(keys) != len(reqs):
+            raise InvalidArgument(f"{len(keys)} idempotency keys for {len(reqs)} requests: "
+                                  "give one key per request, or none",
+                                  field="idempotency_keys")
         out: list[SandboxInfo | DsecError] = [
             InvalidArgument("not attempted")] * len(reqs)
 
         async def one(i: int, r: CreateSandboxRequest) -> None:
             try:
-                out[i] = await self.create(principal, r)
+                out[i] = await self.create(principal, r, idempotency_key=None if keys is None
+                                           else keys[i])
             except DsecError as exc:
                 out[i] = exc
         await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
@@ -1186,6 +1268,17 @@ def _exec_deadline(req: ExecRequest) -> float | None:
     if req.background:
         return EXEC_DEADLINE_MARGIN_S
     return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
+
+
+def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],
+                  ) -> Callable[[asyncio.Future[SandboxInfo | None]], None]:
+    """Done callback of a keyed create's work: forget it, and mark its error retrieved
+    (its caller may have gone; the error went to the key's waiters already)."""
+    def done(work: asyncio.Future[SandboxInfo | None]) -> None:
+        keyed.discard(work)
+        if not work.cancelled():
+            work.exception()
+    return done
 
 
 def _new_sandbox_id(node: str) -> str:

@@ -225,8 +225,11 @@ class StateStore(Protocol):
         and looks for that sandbox first."""
         ...
     def idem_purge(self, now: float, keep: int) -> int:
-        """Delete finished rows past their window and stale in-flight rows without an
-        intent, then the oldest finished rows beyond ``keep``; returns how many."""
+        """Delete finished rows past their window, stale in-flight rows without an
+        intent, and in-flight rows past their window whose holder is gone; then trim
+        finished rows to ``keep``: the oldest lose their stored answer but keep their
+        sandbox id (``intent``) until their window ends, so a retry finds the sandbox
+        instead of making another. Returns how many rows were deleted or trimmed."""
         ...
 
     # apiserver process leases (what keeps an in-flight idempotency claim alive)
