@@ -70,6 +70,7 @@ from dsec.edge.admission import (
     measure_host,
     plan_capacity,
 )
+from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.statedir import ensure_private_dir
@@ -197,6 +198,7 @@ class ClusterRuntime:
         self.service: ApiService | None = None
         self.host: HostResources | None = None
         self.capacity: Capacity | None = None   # of each local edge
+        self._pool_default: int | None = None   # each local edge's disk pool (_pool_share)
         self.node_ids: list[str] = [f"edge-{i}" for i in range(config.edges)]
         self.nodes: list[Any] = []            # EdgeNode (in-process edges)
         self.processes: dict[str, EdgeProcess] = {}   # supervised edge processes
@@ -380,9 +382,28 @@ class ClusterRuntime:
                      "--backend-opt",
                      f"container.root_dir={os.path.join(cfg.state_dir, 'container', node)}",
                      "--disk-default", str(cfg.disk_default_bytes)]
-            if cfg.disk_pool_bytes is not None:
-                argv += ["--disk-pool", str(cfg.disk_pool_bytes)]
+            pool = self._pool_share()
+            if pool is not None:
+                argv += ["--disk-pool", str(pool)]
         return argv
+
+    def _pool_share(self) -> int | None:
+        """Each local edge's disk pool size: ``disk_pool_bytes`` if given, else the
+        default pool (half the state filesystem's free space, at most 64 GiB) split over
+        the edges - measured once here. Each edge deciding for itself took half of what
+        was free *then*, so N edges starting together reserved N halves (the pools are
+        preallocated) and the last ones failed to start. None: the edges' own default
+        ($DSEC_DISK_POOL_BYTES, which they inherit)."""
+        cfg = self.config
+        if cfg.disk_pool_bytes is not None:
+            return cfg.disk_pool_bytes
+        if os.environ.get(POOL_SIZE_ENV):
+            return None
+        if self._pool_default is None:
+            vfs = os.statvfs(cfg.state_dir)
+            self._pool_default = max(MIN_POOL_BYTES,
+                                     pool_size_for(vfs.f_bavail * vfs.f_frsize) // cfg.edges)
+        return self._pool_default
 
     def _on_report(self, node: str, level: str, message: str) -> None:
         self.reports.append((time.time(), node, level, message))
@@ -535,7 +556,7 @@ class ClusterRuntime:
         return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
                 "images": self._images,
                 "default_disk_bytes": self.config.disk_default_bytes,
-                "disk_pool_bytes": self.config.disk_pool_bytes}
+                "disk_pool_bytes": self._pool_share()}
 
     # --------------------------------------------------------- edge outages
     def _check_node(self, node_id: str) -> None:
