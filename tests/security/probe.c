@@ -161,6 +161,50 @@ int main(int argc, char **argv) {
         printf("nsview_loop scans=%ld reads=%ld hits=%ld\n", scans, reads, hits);
         return 0;
     }
+    if (!strcmp(p, "nested_cgroupfs")) {
+        /* allow_nested: build a user namespace (root = our host uid), a mount namespace and
+           a cgroup namespace, mount the cgroup hierarchy argv[2] (v1 controller or
+           "unified") and write argv[4] into its file argv[3] - the sandbox's own cgroup,
+           the root of that view. "ok" = the write went through (a limit escaped). How:
+           argv[5] = "unshare" (default), "clone" or "clone3". */
+        const char *how = argc > 5 ? argv[5] : "unshare";
+        unsigned long fl = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP;
+        if (!strcmp(how, "clone") || !strcmp(how, "clone3")) {
+            long c = !strcmp(how, "clone") ? syscall(SYS_clone, fl | SIGCHLD, 0, 0, 0, 0) : 0;
+            if (!strcmp(how, "clone3")) {
+                struct clone_args_ a; memset(&a, 0, sizeof a); a.flags = fl; a.exit_signal = SIGCHLD;
+                c = syscall(435, &a, sizeof a);
+            }
+            if (c < 0) return res(p, -1);
+            if (c > 0) { int st; waitpid(c, &st, 0); return 0; }  /* the child prints */
+        } else if (unshare(fl) < 0) {
+            return res(p, -1);
+        }
+        int fd = open("/proc/self/setgroups", O_WRONLY); if (fd >= 0) { write(fd, "deny", 4); close(fd); }
+        fd = open("/proc/self/uid_map", O_WRONLY); if (fd >= 0) { write(fd, "0 0 1", 5); close(fd); }
+        fd = open("/proc/self/gid_map", O_WRONLY); if (fd >= 0) { write(fd, "0 0 1", 5); close(fd); }
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+        mkdir("/tmp/.ncg", 0755);
+        long r = !strcmp(arg, "unified") ? mount("cgroup2", "/tmp/.ncg", "cgroup2", 0, NULL)
+                                         : mount("cgroup", "/tmp/.ncg", "cgroup", 0, arg);
+        if (r < 0) { res(p, -1); fflush(stdout); if (strcmp(how, "unshare")) _exit(0); return 0; }
+        char path[300]; snprintf(path, sizeof path, "/tmp/.ncg/%s", argc > 3 ? argv[3] : "pids.max");
+        const char *val = argc > 4 ? argv[4] : "max";
+        fd = open(path, O_WRONLY);
+        r = fd < 0 ? -1 : write(fd, val, strlen(val));
+        if (fd >= 0) close(fd);
+        res(p, r); fflush(stdout);
+        if (strcmp(how, "unshare")) _exit(0);
+        return 0;
+    }
+    if (!strcmp(p, "nested_userns_tmpfs")) {
+        /* allow_nested's purpose still works: a user + mount namespace with a tmpfs in it */
+        if (unshare(CLONE_NEWUSER | CLONE_NEWNS) < 0) return res(p, -1);
+        int fd = open("/proc/self/uid_map", O_WRONLY); if (fd >= 0) { write(fd, "0 0 1", 5); close(fd); }
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+        mkdir("/tmp/.nt", 0755);
+        return res(p, mount("tmpfs", "/tmp/.nt", "tmpfs", 0, "size=1m"));
+    }
     if (!strcmp(p, "keyring_id")) {
         long id = syscall(SYS_keyctl, 0 /*GET_KEYRING_ID*/, -4 /*USER*/, 0);
         if (id < 0) return res(p, -1);
