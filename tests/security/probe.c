@@ -205,6 +205,62 @@ int main(int argc, char **argv) {
         mkdir("/tmp/.nt", 0755);
         return res(p, mount("tmpfs", "/tmp/.nt", "tmpfs", 0, "size=1m"));
     }
+    if (!strcmp(p, "stop_newcomers")) {
+        /* SIGSTOP every process born after us (the next pids of this pid namespace) until
+           /tmp/stop exists or argv[2] seconds pass: a hostile process freezing whatever
+           the edge starts in the sandbox before it can run its command. */
+        int secs = atoi(arg); time_t end = time(0) + secs; long rounds = 0; struct stat st;
+        pid_t me = getpid();
+        while (time(0) < end && stat("/tmp/stop", &st) != 0) {
+            for (pid_t q = me + 1; q < me + 64; q++) kill(q, SIGSTOP);
+            rounds++;
+        }
+        printf("stop_newcomers rounds=%ld\n", rounds);
+        return 0;
+    }
+    if (!strcmp(p, "clone_parent")) {
+        /* argv[2] children made with clone(CLONE_PARENT): siblings of ours, so children
+           of whoever started us; each exits at once */
+        int n = atoi(arg), made = 0;
+        for (int i = 0; i < n; i++) {
+            long c = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+            if (c == 0) _exit(0);
+            if (c > 0) made++;
+        }
+        printf("clone_parent=%d\n", made);
+        return 0;
+    }
+    if (!strcmp(p, "cmdline_loop")) {
+        /* Until the file argv[2] exists (at most argv[3] seconds): read /proc/<pid>/cmdline
+           and comm of every other process and print each distinct text once ("cmdline: ..."),
+           NULs as spaces - what a process inside learns about the processes the edge starts. */
+        static char seen[200][300]; int nseen = 0; long reads = 0;
+        int secs = argc > 3 ? atoi(argv[3]) : 60; time_t end = time(0) + secs;
+        pid_t me = getpid(); struct stat st;
+        while (time(0) < end && stat(arg, &st) != 0) {
+            DIR *d = opendir("/proc"); struct dirent *e;
+            while ((e = readdir(d))) {
+                int pid = atoi(e->d_name); if (pid <= 1 || pid == me) continue;
+                static const char *const files[] = {"cmdline", "comm"};
+                for (int k = 0; k < 2; k++) {
+                    char path[64], buf[290]; snprintf(path, sizeof path, "/proc/%d/%s", pid, files[k]);
+                    int fd = open(path, O_RDONLY); if (fd < 0) continue;
+                    ssize_t n = read(fd, buf, sizeof buf - 1); close(fd);
+                    if (n <= 0) continue;
+                    reads++;
+                    for (ssize_t i = 0; i < n; i++) if (buf[i] == 0 || buf[i] == '\n') buf[i] = ' ';
+                    buf[n] = 0;
+                    char key[300]; snprintf(key, sizeof key, "%s: %s", files[k], buf);
+                    int dup = 0; for (int i = 0; i < nseen && !dup; i++) dup = !strcmp(seen[i], key);
+                    if (!dup && nseen < 200) strcpy(seen[nseen++], key);
+                }
+            }
+            closedir(d);
+        }
+        for (int i = 0; i < nseen; i++) printf("%s\n", seen[i]);
+        printf("cmdline_loop reads=%ld\n", reads);
+        return 0;
+    }
     if (!strcmp(p, "keyring_id")) {
         long id = syscall(SYS_keyctl, 0 /*GET_KEYRING_ID*/, -4 /*USER*/, 0);
         if (id < 0) return res(p, -1);

@@ -69,6 +69,7 @@ from dsec.edge.governor import (
     Limits,
     SandboxCgroup,
     ensure_compressed_swap,
+    kill_verified,
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.spec import (
@@ -166,6 +167,7 @@ class ContainerBackend:
                  notice_interval_s: float = 60.0,
                  snapshot_max_apparent_bytes: int = 64 << 30,
                  limits_poll_s: float | None = 5.0,
+                 exec_start_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -181,7 +183,10 @@ class ContainerBackend:
         file bytes one snapshot may pack, sparse files at their full size (mkfs.erofs 1.5
         reads them whole, ~4.6 s/GiB; see :mod:`.snapshot`). ``limits_poll_s``: how often
         every sandbox's limit counters (task limit hits; OOM kills on v2) are checked for
-        notices besides after each exec and on stats (None: never); ~8 us per sandbox."""
+        notices besides after each exec and on stats (None: never); ~8 us per sandbox.
+        ``exec_start_timeout_s``: how long a background exec may take to start its command
+        (milliseconds normally; a process in the sandbox can stop it before it runs, and
+        the call must not wait for ever) - then it is killed and the call fails."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -239,6 +244,10 @@ class ContainerBackend:
         self._boxes: dict[str, _Box] = {}
         self._sink: DeathSink | None = None
         self.limits_poll_s = limits_poll_s
+        if not exec_start_timeout_s > 0:
+            raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
+                                  field="exec_start_timeout_s")
+        self.exec_start_timeout_s = exec_start_timeout_s
         self._poll: asyncio.TimerHandle | None = None
         self._poll_next = 0
         # exec cgroup names: unique across edge restarts (a lingering one may survive)
@@ -762,13 +771,15 @@ class ContainerBackend:
         d = os.path.join(self.root_dir, "sb", sid)
         rec = load_record(os.path.join(d, "state.json")) if sid in census.dirs else None
         errors: list[str] = []
-        if sid in census.runc and self._runc is not None:
-            await self._runc.destroy(sid, d)  # runc kill + delete --force + rootfs umount
         cg_dirs = list(census.cgroups.get(sid, ()))
         managed = self.governor.paths(sid)
         if self.governor.exists(managed):
-            with contextlib.suppress(OSError):  # freeze, kill, thaw: no fork escapes
-                self.governor.kill_all(managed)
+            with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
+                self.governor.kill_all(managed)  # escapes, no pid number is signalled
+        if sid in census.runc and self._runc is not None:
+            # after the kill: `delete --force` of a running container signals its init by
+            # pid number; of a stopped one it only removes state, cgroups and the rootfs
+            await self._runc.destroy(sid, d)
         try:
             await _remove_cgroup_dirs(cg_dirs)
         except OSError as exc:
@@ -898,7 +909,11 @@ class ContainerBackend:
                 self.governor.remove_exec(ec)
             raise
         if req.background:
-            reply = await started
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(started),
+                                               self.exec_start_timeout_s)
+            except TimeoutError:
+                reply = await self._kill_unstarted(box, rid, started)
             if not isinstance(reply, Started):
                 raise BackendError(f"exec in sandbox {box.sid} failed to start: "
                                    f"{getattr(reply, 'message', reply)}")
@@ -955,12 +970,32 @@ class ContainerBackend:
             stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
             timed_out=timed_out, duration_s=time.monotonic() - t0)
 
+    async def _kill_unstarted(self, box: _Box, rid: int,
+                              started: asyncio.Future[Reply]) -> Reply:
+        """A background exec that did not start in time - stopped (a SIGSTOP from a process
+        inside) or held before its execve: kill it through the zygote and take its answer
+        (Started if it started meanwhile; else Failed, raised here with the reason)."""
+        try:
+            self._zygote.send(Kill(id=rid), [], None)
+            reply = await asyncio.wait_for(asyncio.shield(started), 10.0)
+        except (DsecError, TimeoutError):
+            self._zygote.done(rid)
+            reply = Failed(rid, "no answer from the container helper")
+        if isinstance(reply, Started):
+            return reply
+        raise BackendError(
+            f"background exec in sandbox {box.sid} did not start its command within "
+            f"{self.exec_start_timeout_s:g} s (its process was stopped or held before it "
+            "could run - e.g. by a SIGSTOP from a process inside); it was killed "
+            f"({getattr(reply, 'message', reply)})")
+
     async def _runc_exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
                          on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         """``runc exec``, a foreground one in its own cgroup (the same rule as native)."""
         assert self._runc is not None
         if req.background:
-            return await self._runc.exec(box, req, argv, env, on_chunk)
+            return await self._runc.exec(box, req, argv, env, on_chunk,
+                                         start_timeout_s=self.exec_start_timeout_s)
         ec = self._new_exec_cgroup(box)
         try:
             res = await self._runc.exec(box, req, argv, env, on_chunk, cgroup=ec,
@@ -1188,16 +1223,22 @@ def _lock_root(root_dir: str) -> int:
     return fd
 
 
-def _kill_tasks(cgroup_dir: str) -> None:
-    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
+def _listed(cgroup_dir: str) -> set[int]:
+    """The pids ``cgroup_dir/cgroup.procs`` lists (empty if it cannot be read)."""
     try:
         with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
-            pids = [int(p) for p in f.read().split()]
+            return {int(p) for p in f.read().split()}
     except (OSError, ValueError):
-        return
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        return set()
+
+
+def _kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists, never a pid number that went to another
+    process meanwhile (pidfds checked against a second listing: governor.kill_verified).
+    It used to os.kill the numbers it read - the race issue 11.5 removed everywhere else,
+    left in the reconciliation of leftovers (found by the rt-kernel review)."""
+    with contextlib.suppress(OSError):
+        kill_verified(lambda: _listed(cgroup_dir))
 
 
 async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
