@@ -266,15 +266,21 @@ static void send_report(pid_t pid) {
  * (outside every sandbox cgroup on v2). Also drops the host cgroup fds it inherited. */
 static int go_fds[2] = {-1, -1};
 static int held_fds[2] = {-1, -1};  /* pids_fd, home_fd: cgroup.procs opened as host root */
+/* Set by the intermediate once it reported: the final process of the fast path shares our
+ * memory, and usually runs after we exited (we keep the CPU after clone) - then it finds
+ * this set and skips the blocking read (no extra wakeup on the exec's path). */
+static int go_now;
 
 static void await_go(void) {
     close(FD_REPORT);
     for (int k = 0; k < 2; k++)
         if (held_fds[k] >= 0) close(held_fds[k]);
     close(go_fds[1]);
-    char c = 0;
-    ssize_t n;
-    while ((n = read(go_fds[0], &c, 1)) < 0 && errno == EINTR) {}
+    ssize_t n = 1;
+    if (!__atomic_load_n(&go_now, __ATOMIC_ACQUIRE)) {
+        char c = 0;
+        while ((n = read(go_fds[0], &c, 1)) < 0 && errno == EINTR) {}
+    }
     close(go_fds[0]);
     if (n != 1) { errno = ECHILD; die(126, "the exec helper died before the command started"); }
 }
@@ -338,6 +344,7 @@ static void run_exec_final(int pids_fd, int home_fd, int (*fn)(void *), void *ar
     }
     if (pid < 0) die(126, "clone into the sandbox's pid namespace");
     send_report(pid);
+    __atomic_store_n(&go_now, 1, __ATOMIC_RELEASE);
     if (write(go_fds[1], "g", 1) < 0) {}
     _exit(0);
 }
