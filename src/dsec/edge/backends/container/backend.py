@@ -248,6 +248,9 @@ class ContainerBackend:
             raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
                                   field="exec_start_timeout_s")
         self.exec_start_timeout_s = exec_start_timeout_s
+        #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
+        #: it returns anyway (a command the kernel holds in D state cannot die sooner)
+        self.kill_wait_s = 10.0
         self._poll: asyncio.TimerHandle | None = None
         self._poll_next = 0
         # exec cgroup names: unique across edge restarts (a lingering one may survive)
@@ -631,8 +634,8 @@ class ContainerBackend:
         # Nothing here signals a pid number: the init through its pidfd (its pid namespace
         # takes every process inside with it), the cgroups race-free (governor.kill_all:
         # cgroup.kill, or pidfds checked against a second listing).
-        try:
-            self.governor.kill_all(cg)
+        try:  # no wait for the freeze here: _remove_cgroup repeats the kill off the loop
+            self.governor.kill_all(cg, freeze_wait_s=0)
         except OSError as exc:
             errors.append(f"kill: {exc}")
         if box is not None and box.pidfd >= 0:
@@ -696,7 +699,12 @@ class ContainerBackend:
             except BackendError:
                 if time.monotonic() > deadline:
                     raise
-                self.governor.kill_all(cg)
+                # In a thread: the v1 freeze waits up to 50 ms, every round, while a task
+                # the kernel holds (D state: a `sync` of a full upper is one) keeps the
+                # cgroup FREEZING - it blocked the event loop, so every sandbox on the
+                # node, for the whole 5 s (rt-kernel review).
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.governor.kill_all, cg)
                 await asyncio.sleep(0.002)
 
     async def close(self) -> None:
@@ -775,7 +783,8 @@ class ContainerBackend:
         managed = self.governor.paths(sid)
         if self.governor.exists(managed):
             with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
-                self.governor.kill_all(managed)  # escapes, no pid number is signalled
+                # escapes, no pid number is signalled; in a thread (the freeze waits)
+                await asyncio.to_thread(self.governor.kill_all, managed)
         if sid in census.runc and self._runc is not None:
             # after the kill: `delete --force` of a running container signals its init by
             # pid number; of a stopped one it only removes state, cgroups and the rootfs
@@ -939,7 +948,14 @@ class ContainerBackend:
             except TimeoutError:
                 timed_out = True
                 self._kill_exec(rid, ec)
-                reply = await exited
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(exited), self.kill_wait_s)
+                except TimeoutError:
+                    # SIGKILLed but held by the kernel (D state): it dies when let go; the
+                    # zygote still reaps it. The call does not wait for that (it waited
+                    # for as long as the kernel held the command - for ever on a hung
+                    # filesystem; rt-kernel review).
+                    reply = Exited(rid, signal.SIGKILL)
                 await self._clear_exec_cgroup(box, ec)
         except BaseException:
             # cancelled (or failed to start): nothing the exec started may run on
@@ -999,7 +1015,8 @@ class ContainerBackend:
         ec = self._new_exec_cgroup(box)
         try:
             res = await self._runc.exec(box, req, argv, env, on_chunk, cgroup=ec,
-                                        kill=lambda: self.governor.kill_exec(ec))
+                                        kill=lambda: self.governor.kill_exec(
+                                            ec, freeze_wait_s=0))
         except BaseException:
             self._kill_exec(0, ec, send=False)
             task = asyncio.ensure_future(self._clear_exec_cgroup(box, ec))
@@ -1040,8 +1057,8 @@ class ContainerBackend:
                 self._zygote.send(Kill(id=rid), [], None)
             except DsecError:
                 pass  # the zygote is gone; the cgroup kill below still applies
-        try:
-            self.governor.kill_exec(ec)
+        try:  # no waiting for the freeze on the event loop (_clear_exec_cgroup waits)
+            self.governor.kill_exec(ec, freeze_wait_s=0)
         except OSError:
             pass
 
@@ -1062,7 +1079,8 @@ class ContainerBackend:
             if time.monotonic() > deadline:
                 box.lingering.append(ec)
                 return
-            self._kill_exec(0, ec, send=False)
+            with contextlib.suppress(OSError):  # the freeze waits: off the event loop
+                await asyncio.to_thread(self.governor.kill_exec, ec)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
