@@ -191,3 +191,59 @@ async def test_a_timed_out_command_held_in_the_kernel_does_not_hold_the_call(
         await asyncio.sleep(0.05)
     r = await b.exec(sid, ExecRequest(shell="cat /held 2>/dev/null; echo ok"))
     assert r.stdout.endswith(b"ok\n"), r
+
+
+async def test_pausing_a_sandbox_with_a_held_task_does_not_block_the_event_loop(
+        backend: ContainerBackend, caplog: pytest.LogCaptureFixture) -> None:
+    """Pause waits for the v1 freezer to report FROZEN (up to ~1 s), which a task held in
+    the kernel never lets it reach: that wait ran on the event loop."""
+    b = backend
+    if b.governor.version != 1:
+        pytest.skip("the blocking freeze wait is the v1 freezer's")
+    sid = new_sid()
+    await b.create(sid, SPEC)
+    major, minor = _pool_device(b)
+    blk = f"/sys/fs/cgroup/blkio/dsec-test-throttle-{os.getpid()}"
+    os.mkdir(blk)
+    rule = os.path.join(blk, "blkio.throttle.write_bps_device")
+    loop = asyncio.get_running_loop()
+    try:
+        with open(rule, "w") as f:
+            f.write(f"{major}:{minor} 4096")
+        await b.exec(sid, ExecRequest(
+            shell="while [ ! -e /tmp/go ]; do sleep 0.02; done; "
+                  "exec dd if=/dev/zero of=/direct bs=1M count=2 oflag=direct",
+            background=True))
+        for p in [p for d, _, _ in os.walk(b.governor.paths(sid).dirs["freezer"])
+                  for p in open(os.path.join(d, "cgroup.procs")).read().split()]:
+            with open(os.path.join(blk, "cgroup.procs"), "w") as f:
+                f.write(p)
+        await b.write_file(sid, "/tmp/go", b"")
+        await _until_held(b, sid)
+        caplog.set_level(logging.WARNING, logger="asyncio")
+        loop.set_debug(True)
+        loop.slow_callback_duration = SLOW_S
+        pausing = asyncio.ensure_future(b.pause(sid))
+        await asyncio.sleep(1.0)  # the freeze waits for FROZEN meanwhile (~1 s, in vain)
+        loop.set_debug(False)
+        with open(rule, "w") as f:  # let the writer go, so the reclaim after it is quick
+            f.write(f"{major}:{minor} 0")
+        await asyncio.wait_for(pausing, 60)
+        held = [float(m.split(" took ")[1].split()[0]) for m in (
+            rec.getMessage() for rec in caplog.records if rec.name == "asyncio")
+            if " took " in m]
+        assert max(held, default=0.0) < 0.5, f"the event loop was held for {max(held)} s"
+        await b.resume(sid)
+    finally:
+        loop.set_debug(False)
+        with open(rule, "w") as f:
+            f.write(f"{major}:{minor} 0")
+        await b.destroy(sid)
+        for _ in range(400):
+            try:
+                os.rmdir(blk)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                await asyncio.sleep(0.05)

@@ -1169,8 +1169,9 @@ class ContainerBackend:
         box = self._box(sid)
         t0 = time.monotonic()
         if not box.paused:
-            try:
-                self.governor.freeze(box.cg)
+            try:  # in a thread: v1 waits up to ~1 s for FROZEN, which a task the kernel
+                # holds (D state) never reaches - that wait blocked the event loop
+                await asyncio.to_thread(self.governor.freeze, box.cg)
             except OSError as exc:
                 raise BackendError(f"cannot freeze sandbox {sid}: {exc}") from exc
             box.paused = True
