@@ -33,7 +33,7 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.protocol import Exec, Exited, Failed, Reply
-from dsec.edge.spec import ExecRequest
+from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import BackendError
 from tests.edge.container.conftest import _cleanup
 from tests.security.conftest import PROBE_SPEC, new_sid
@@ -81,9 +81,10 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-async def _stopped_background_exec_fails_in_bounded_time(b: ContainerBackend) -> None:
+async def _stopped_background_exec_fails_in_bounded_time(
+        b: ContainerBackend, spec: SandboxSpec = PROBE_SPEC) -> None:
     sid = new_sid()
-    await b.create(sid, PROBE_SPEC)
+    await b.create(sid, spec)
     await b.exec(sid, ExecRequest(argv=("/probe", "stop_newcomers", "120"), background=True))
     await asyncio.sleep(0.2)
     held = None
@@ -109,9 +110,12 @@ async def _stopped_background_exec_fails_in_bounded_time(b: ContainerBackend) ->
     assert r.stdout == b"fine\n"
 
 
+@pytest.mark.parametrize("userns", [False, True], ids=["plain", "userns"])
 async def test_a_stopped_background_exec_fails_in_bounded_time(
-        quick: ContainerBackend) -> None:
-    await _stopped_background_exec_fails_in_bounded_time(quick)
+        quick: ContainerBackend, userns: bool) -> None:
+    await _stopped_background_exec_fails_in_bounded_time(quick, SandboxSpec(
+        backend="container", toolkits=("probe",), memory_bytes=256 << 20, pids_max=256,
+        user_namespace=userns))
 
 
 async def test_runc_a_stopped_background_exec_fails_in_bounded_time(
