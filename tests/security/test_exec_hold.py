@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -70,6 +71,16 @@ async def quick_runc(tmp_path: object, images_dir: str) -> AsyncIterator[Contain
         yield b
     finally:
         await _cleanup(b)
+
+
+def _put(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _listed(cgroup_dir: str) -> list[int]:
+    with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
+        return [int(p) for p in f.read().split()]
 
 
 def _state(pid: int) -> str:
@@ -242,8 +253,7 @@ async def test_at_the_task_limit_a_command_whose_helper_died_never_runs(
     fifo = None
     raw = None
     try:
-        with open(os.path.join(limited, "pids.max"), "w") as f:
-            f.write("1")  # the intermediate alone fills it: its clone gets EAGAIN
+        _put(os.path.join(limited, "pids.max"), "1")  # the intermediate alone fills it
         # room for the "0" of the join, not for the command's pid
         fifo = _FullFifo(os.path.join(str(tmp_path), "pids.procs"), room=1)
         raw = _RawExec(b, sid, [os.path.join(limited, "cgroup.procs"), fifo.path],
@@ -251,8 +261,7 @@ async def test_at_the_task_limit_a_command_whose_helper_died_never_runs(
                        home_procs=os.path.join(home, "cgroup.procs"))
         procs: list[int] = []
         for _ in range(200):  # intermediate + the command it forked, both in `home`
-            with open(os.path.join(home, "cgroup.procs")) as f:
-                procs = [int(p) for p in f.read().split()]
+            procs = _listed(home)
             if len(procs) == 2:
                 break
             await asyncio.sleep(0.02)
@@ -264,17 +273,14 @@ async def test_at_the_task_limit_a_command_whose_helper_died_never_runs(
         mid = next(p for p in procs if levels(p) == 1)  # the one in the host pid namespace
         fd = os.pidfd_open(mid)
         try:
-            import signal
-
             signal.pidfd_send_signal(fd, signal.SIGKILL)
         finally:
             os.close(fd)
         reply = await asyncio.wait_for(raw.done, 10)
         assert isinstance(reply, Exited) and reply.pid == 0, reply
         for _ in range(50):  # the orphaned command's fate shows within moments
-            with open(os.path.join(home, "cgroup.procs")) as f:
-                if not f.read().split():
-                    break
+            if not _listed(home):
+                break
             await asyncio.sleep(0.05)
         out, err = raw.output()
         assert b"ran" not in out, f"the command ran outside the task limit: {out!r}"

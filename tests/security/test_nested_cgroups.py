@@ -56,7 +56,7 @@ async def _cannot_lift_limits(b: ContainerBackend, spec: SandboxSpec) -> None:
     let_through = []
     for how in ("unshare", "clone", "clone3"):
         for ctrl, fname, value in WRITES:
-            code, word = await probe(b, sid, "nested_cgroupfs", ctrl, fname, value, how)
+            _, word = await probe(b, sid, "nested_cgroupfs", ctrl, fname, value, how)
             if word == "ok":
                 let_through.append((how, fname))
     assert not let_through, f"the sandbox wrote its own cgroup limits: {let_through}"

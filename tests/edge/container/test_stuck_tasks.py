@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import time
+from typing import Self
 
 import pytest
 
@@ -34,6 +35,20 @@ pytestmark = [pytest.mark.root,
 
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
 SLOW_S = 0.045  # the old freeze wait was 50 ms per retry
+
+
+def _put(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _sandbox_pids(b: ContainerBackend, sid: str) -> list[str]:
+    """Every task of the sandbox (its freezer subtree: exec cgroups included)."""
+    out = []
+    for d, _, _ in os.walk(b.governor.paths(sid).dirs["freezer"]):
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            out += f.read().split()
+    return out
 
 
 def _task_states(b: ContainerBackend, sid: str) -> list[str]:
@@ -57,7 +72,7 @@ class _HeldPool:
         self.fd = os.open(b.disk.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.frozen = False
 
-    def __enter__(self) -> _HeldPool:
+    def __enter__(self) -> Self:
         fcntl.ioctl(self.fd, FIFREEZE, 0)
         self.frozen = True
         return self
@@ -109,21 +124,18 @@ async def test_a_d_state_task_does_not_block_the_event_loop(
     rule = os.path.join(blk, "blkio.throttle.write_bps_device")
     loop = asyncio.get_running_loop()
     try:
-        with open(rule, "w") as f:
-            f.write(f"{major}:{minor} 4096")
+        _put(rule, f"{major}:{minor} 4096")
         task = asyncio.ensure_future(b.exec(sid, ExecRequest(
             shell="(while [ ! -e /tmp/go ]; do sleep 0.02; done; "
                   "exec dd if=/dev/zero of=/direct bs=1M count=2 oflag=direct) & "
                   "exec sleep 100", timeout_s=2)))
         for _ in range(100):  # both processes are there: throttle them, then let go
-            pids = [p for d, _, _ in os.walk(b.governor.paths(sid).dirs["freezer"])
-                    for p in open(os.path.join(d, "cgroup.procs")).read().split()]
+            pids = _sandbox_pids(b, sid)
             if len(pids) >= 3:
                 break
             await asyncio.sleep(0.02)
         for pid in pids:
-            with open(os.path.join(blk, "cgroup.procs"), "w") as f:
-                f.write(pid)
+            _put(os.path.join(blk, "cgroup.procs"), pid)
         await b.write_file(sid, "/tmp/go", b"")
         await _until_held(b, sid)
         caplog.set_level(logging.WARNING, logger="asyncio")
@@ -146,16 +158,14 @@ async def test_a_d_state_task_does_not_block_the_event_loop(
         assert len(slow) <= 10, f"{len(slow)} callbacks held the event loop " \
                                f">{SLOW_S * 1000:.0f} ms:\n" + "\n".join(slow[:5])
         assert served > 0
-        with open(rule, "w") as f:  # lift the throttle: the write completes
-            f.write(f"{major}:{minor} 0")
+        _put(rule, f"{major}:{minor} 0")  # lift the throttle: the write completes
         # the held task dies once let go (its SIGKILL was pending); the exec's cgroup
         # lingered and goes with the sandbox
         await b.destroy(sid)
         assert sid not in b.governor.list_sandboxes()
     finally:
         loop.set_debug(False)
-        with open(rule, "w") as f:
-            f.write(f"{major}:{minor} 0")
+        _put(rule, f"{major}:{minor} 0")
         await b.destroy(sid)  # (again, if the test failed before: kills what is left)
         for _ in range(400):
             try:
@@ -208,16 +218,13 @@ async def test_pausing_a_sandbox_with_a_held_task_does_not_block_the_event_loop(
     rule = os.path.join(blk, "blkio.throttle.write_bps_device")
     loop = asyncio.get_running_loop()
     try:
-        with open(rule, "w") as f:
-            f.write(f"{major}:{minor} 4096")
+        _put(rule, f"{major}:{minor} 4096")
         await b.exec(sid, ExecRequest(
             shell="while [ ! -e /tmp/go ]; do sleep 0.02; done; "
                   "exec dd if=/dev/zero of=/direct bs=1M count=2 oflag=direct",
             background=True))
-        for p in [p for d, _, _ in os.walk(b.governor.paths(sid).dirs["freezer"])
-                  for p in open(os.path.join(d, "cgroup.procs")).read().split()]:
-            with open(os.path.join(blk, "cgroup.procs"), "w") as f:
-                f.write(p)
+        for p in _sandbox_pids(b, sid):
+            _put(os.path.join(blk, "cgroup.procs"), p)
         await b.write_file(sid, "/tmp/go", b"")
         await _until_held(b, sid)
         caplog.set_level(logging.WARNING, logger="asyncio")
@@ -226,8 +233,7 @@ async def test_pausing_a_sandbox_with_a_held_task_does_not_block_the_event_loop(
         pausing = asyncio.ensure_future(b.pause(sid))
         await asyncio.sleep(1.0)  # the freeze waits for FROZEN meanwhile (~1 s, in vain)
         loop.set_debug(False)
-        with open(rule, "w") as f:  # let the writer go, so the reclaim after it is quick
-            f.write(f"{major}:{minor} 0")
+        _put(rule, f"{major}:{minor} 0")  # let the writer go, so the reclaim after it is quick
         await asyncio.wait_for(pausing, 60)
         held = [float(m.split(" took ")[1].split()[0]) for m in (
             rec.getMessage() for rec in caplog.records if rec.name == "asyncio")
@@ -236,8 +242,7 @@ async def test_pausing_a_sandbox_with_a_held_task_does_not_block_the_event_loop(
         await b.resume(sid)
     finally:
         loop.set_debug(False)
-        with open(rule, "w") as f:
-            f.write(f"{major}:{minor} 0")
+        _put(rule, f"{major}:{minor} 0")
         await b.destroy(sid)
         for _ in range(400):
             try:

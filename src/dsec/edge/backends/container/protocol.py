@@ -19,13 +19,13 @@ import struct
 import msgspec
 
 __all__ = [
+    "MAX_REQUEST_BYTES",
     "Create",
     "Created",
     "Exec",
     "Exited",
     "Failed",
     "Kill",
-    "MAX_REQUEST_BYTES",
     "Reply",
     "Request",
     "Started",
