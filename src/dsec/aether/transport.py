@@ -31,7 +31,7 @@ from dsec.aether.limits import (
     process_budget,
 )
 from dsec.aether.messages import Goaway
-from dsec.errors import ConnectionLost, InvalidArgument, Overloaded, TransportError
+from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, Overloaded, TransportError
 
 __all__ = ["Address", "Server", "connect", "parse_address", "refusal_frame", "serve"]
 
@@ -99,14 +99,14 @@ async def connect(
             else:
                 transport, proto = await loop.create_connection(factory, addr.host, addr.port)
     except TimeoutError as exc:
-        raise ConnectionLost(f"could not connect to {addr} within {timeout}s") from exc
+        raise ConnectFailed(f"could not connect to {addr} within {timeout}s") from exc
     except OSError as exc:
         # Out of fds, buffers or ephemeral ports *here* says nothing about the peer: the
         # control plane must not write a node off for its own exhaustion.
         local = exc.errno in _LOCAL_ERRNOS
         why = " (a limit of this process or host, not of the peer)" if local else ""
-        raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}{why}",
-                             errno=exc.errno, local=local) from exc
+        raise ConnectFailed(f"could not connect to {addr}: {exc.strerror or exc}{why}",
+                            errno=exc.errno, local=local) from exc
     _tune(transport)
     assert proto.conn is not None  # set in connection_made
     conn = proto.conn
@@ -207,6 +207,7 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._sock = self._listen_socket()
         self.admission.name = f"listener {self.address}"
+        self.budget.pools.add(self)
         self._loop.add_reader(self._sock.fileno(), self._on_acceptable)
         _SPARE.ensure()
         _return_big_buffers_to_the_os()
@@ -272,10 +273,9 @@ class Server:
         peer = _peer_key(sock, addr)
         verdict = self.admission.admit(peer)
         if verdict is not None and verdict[0] == "pending_full" and self._pending:
-            oldest = next(iter(self._pending))
-            oldest._cut("evicted", "dropped to make room: this listener's slots for "
-                        "connections that have not authenticated yet are full; "
-                        "authenticate right after connecting", code=Overloaded.code)
+            self.evict_oldest_pending()
+            verdict = self.admission.admit(peer)
+        elif verdict is not None and verdict[0] == "fds" and self.budget.make_room():
             verdict = self.admission.admit(peer)
         if verdict is not None:
             self._refuse(sock, *verdict)
@@ -310,6 +310,19 @@ class Server:
             sock.close()
             self.admission.release(peer, established=False)
             raise
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def evict_oldest_pending(self) -> bool:
+        """Close the oldest connection that has not authenticated yet, to make room."""
+        if not self._pending:
+            return False
+        oldest = next(iter(self._pending))
+        oldest._cut("evicted", "dropped to make room: the slots for connections that have "
+                    "not authenticated yet are full; authenticate right after connecting",
+                    code=Overloaded.code)
+        return True
 
     def _accepted(self, conn: Connection) -> None:
         self.connections.add(conn)
@@ -366,6 +379,7 @@ class Server:
     async def close(self, *, grace: float | None = None) -> None:
         """Stop listening, then close every connection (see ``Connection.close``)."""
         self._closing = True
+        self.budget.pools.discard(self)
         if self._paused is not None:
             self._paused.cancel()
             self._paused = None

@@ -67,6 +67,7 @@ from dsec.control.api.types import (
     QuotaBody,
     SessionView,
 )
+from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementRequest
@@ -74,6 +75,7 @@ from dsec.control.placement import NodeView as PlacementView
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
+from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
     LostSandboxRow,
     QuotaRow,
@@ -88,6 +90,7 @@ from dsec.control.watcher import (
     LiveSandbox,
     NodeHeartbeat,
     PreemptSandboxes,
+    StallMeter,
     Tick,
     UpdateNode,
     Watcher,
@@ -106,7 +109,9 @@ from dsec.errors import (
     NoCapacity,
     NotFound,
     PermissionDenied,
+    QuotaExceeded,
     SandboxNotFound,
+    Timeout,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
 from dsec.image.catalog import (
@@ -146,6 +151,13 @@ class PlaneConfig:
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
     reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
+    # How much history the state store keeps (events, idempotency keys, tombstones,
+    # process leases), trimmed every retention.interval_s: see dsec.control.retention.
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    # How often the apiserver checks that its own event loop runs (StallMeter): a poll
+    # that timed out while the loop was stalled for half its deadline is this side's
+    # blindness, not the edge's silence.
+    stall_tick_s: float = 0.1
 
 
 class IamAuthority:
@@ -207,6 +219,7 @@ class ControlPlane:
     service: ApiService | None = None
     layer_dir: str | None = None
     placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
+    ceiling: Ceiling = field(default_factory=Ceiling)   # refuses what no node could hold
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
@@ -214,6 +227,7 @@ class ControlPlane:
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _store_cache: LayerStore | None = None
     _index_cache: StoreIndex | None = None
+    _stalls: StallMeter | None = None
 
     @classmethod
     def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
@@ -310,6 +324,8 @@ class ControlPlane:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not offered by any node of this cluster; "
                 f"available: {', '.join(sorted(offered))}", field="backend")
+        self.ceiling.check(backend=spec.backend, cpu_milli=spec.cpu_milli,
+                           memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
@@ -380,23 +396,45 @@ class ControlPlane:
                                         priority=spec.priority))
         return token
 
+    # Snapshot charges: the store is the arbiter, since every replica charges and
+    # releases snapshots; the quota index is a cache reloaded from it (one query of the
+    # charges table) before a room or usage is answered. Before this, each replica knew
+    # only its own charges: two replicas each let a project fill its whole quota, and a
+    # snapshot deleted through one stayed charged on the other.
+    def _sync_snapshots(self) -> None:
+        self.quota.replace_snapshots((c.id, c.project, c.size_bytes)
+                                     for c in self.store.list_snapshot_charges())
+
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot of ``project`` may store (None: no snapshot quota)."""
+        if not self.quota.snapshot_limits(project):
+            return None
+        self._sync_snapshots()
         return self.quota.snapshot_room(project)
 
     def check_snapshot(self, project: str, size_bytes: int) -> None:
+        self._sync_snapshots()
         self.quota.check_snapshot(project, size_bytes)
 
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
                         size_bytes: int) -> None:
-        """Record a snapshot's stored bytes against its project's quota chain, durably;
-        ``QuotaExceeded`` if it no longer fits (a concurrent snapshot took the room)."""
-        if self.quota.snapshot_charge(snapshot_id) is not None:
-            return
-        self.quota.check_snapshot(project, size_bytes)
-        self.store.put_snapshot_charge(SnapshotChargeRow(
-            id=snapshot_id, project=project, node=node, size_bytes=size_bytes))
-        self.quota.add_snapshot(snapshot_id, project, size_bytes)
+        """Record a snapshot's stored bytes against its project's quota chain, durably
+        and atomically with the check (:meth:`StateStore.charge_snapshot`);
+        ``QuotaExceeded`` if it no longer fits (a concurrent snapshot, maybe through
+        another replica, took the room)."""
+        over = self.store.charge_snapshot(
+            SnapshotChargeRow(id=snapshot_id, project=project, node=node,
+                              size_bytes=size_bytes),
+            self.quota.snapshot_limits(project))
+        self._sync_snapshots()
+        if over is not None:
+            self.quota.check_snapshot(project, size_bytes)   # raises, naming the quota
+            where, used = over                               # (released meanwhile)
+            raise QuotaExceeded(
+                f"snapshot of {size_bytes} bytes does not fit the snapshot_bytes quota of "
+                f"project {where!r} ({used} bytes used); delete snapshots or raise the "
+                "quota", resource="snapshot_bytes", project=where, used=used,
+                requested=size_bytes)
 
     def release_snapshot(self, snapshot_id: str) -> None:
         """A snapshot was deleted: its bytes leave the quota usage."""
@@ -481,11 +519,34 @@ class ControlPlane:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
 
-    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> LostSandboxRow:
+    def vanished(self, sandbox_id: str) -> LostSandbox | None:
+        """The sandbox's edge does not know ``sandbox_id``: if the registry has it live,
+        the node lost it (it restarted without it): write it off as ``node_lost`` (an
+        event, quota released, a tombstone in the store) and return the tombstone."""
+        lost = self._lost.get(sandbox_id)
+        if lost is not None:
+            return lost
+        try:
+            rec = self.registry.sandbox(sandbox_id)
+        except SandboxNotFound:
+            return None
+        self._write_off(rec, f"node {rec.node} no longer has it: the node restarted "
+                             "without it (it was not in the node's journal)")
+        return self._lost.get(sandbox_id)
+
+    def _write_off(self, rec: SandboxRecord, detail: str) -> None:
+        now = self.clock()
+        row = self._tombstone(rec, "node_lost", now, detail=detail)
+        self.store.put_lost([row], keep=self.config.lost_tombstones)
+        self.registry.evict([rec.id], reason="node_lost")
+        log.warning("sandbox %s written off: %s", rec.id, detail)
+
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float,
+                   detail: str | None = None) -> LostSandboxRow:
         info = _info_of(rec)
         info.state, info.reason = "destroyed", reason
-        detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
-                  f"more than {self.config.node_ttl_s:g}s")
+        detail = detail or (f"evicted by the control plane: node {rec.node} sent no "
+                            f"heartbeat for more than {self.config.node_ttl_s:g}s")
         events = [SandboxEvent(time=rec.created_at, sandbox_id=rec.id, from_state=None,
                                to_state="running", reason="created"),
                   SandboxEvent(time=now, sandbox_id=rec.id,
@@ -505,6 +566,7 @@ class ControlPlane:
         paths = set(self.quota.quotas()) | set(caller.roles)
         for r in self.registry.sandboxes():
             paths.add(r.project)
+        self._sync_snapshots()
         items = [self._view(p) for p in sorted(paths) if caller.role_on(p) is not None]
         return ProjectList(items=items)
 
@@ -523,6 +585,7 @@ class ControlPlane:
     def get_project(self, caller: Caller, path: str) -> ProjectView:
         parse_project_path(path)
         ApiService.require(caller, path, "reader")
+        self._sync_snapshots()
         return self._view(path)
 
     def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
@@ -532,6 +595,7 @@ class ControlPlane:
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
+        self._sync_snapshots()
         return self._view(path)
 
     def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
@@ -819,9 +883,9 @@ class ControlPlane:
         # A project's layers share its layer-storage quota with its snapshots
         # (``snapshot_bytes``, every ancestor's too): members build now, and the layer
         # store is one disk. Cluster-wide layers (a superuser's) are not charged.
-        room = self.quota.snapshot_room(ns) if ns else None
+        room = self.snapshot_room(ns) if ns else None
         if room == 0 and ns:
-            self.quota.check_snapshot(ns, 1)   # raises, naming the full quota
+            self.check_snapshot(ns, 1)   # raises, naming the full quota
 
         def work() -> list[LayerManifest]:
             # Built without a name, named only once charged: a refused build moves no tag.
@@ -862,9 +926,11 @@ class ControlPlane:
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
         self._started_at = self.clock()
+        self._tasks.append(asyncio.create_task(self._stall_loop(), name="dsec-stall-meter"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
+        self._tasks.append(asyncio.create_task(self._retention_loop(), name="dsec-retention"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -908,8 +974,19 @@ class ControlPlane:
         log.info("reconnected to edge %s at %s", e.node, e.address)
         return fresh
 
+    async def _stall_loop(self) -> None:
+        """Tick the stall meter: how late this loop wakes is how long it could not run."""
+        loop = asyncio.get_running_loop()
+        meter = self._stalls = StallMeter(self.config.stall_tick_s)
+        while True:
+            meter.tick(loop.time())
+            await asyncio.sleep(meter.interval_s)
+
     async def _poll(self, e: EdgeEntry) -> None:
         t = self.config.poll_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        link: Any = None
         try:
             link = await self._link(e)
             if link is None:
@@ -920,7 +997,13 @@ class ControlPlane:
                 e.feed_after = 0
             feed = await link.feed(e.feed_after, 10_000, timeout=t)
         except DsecError as exc:
-            await self._poll_failed(e, exc)
+            now = loop.time()
+            conn = getattr(link, "conn", None)
+            heard = conn is not None and conn.last_received > started
+            stalls = self._stalls
+            stalled = (stalls is not None
+                       and stalls.stalled(started, now) >= min(t, now - started) / 2)
+            await self._poll_failed(e, exc, heard=heard, stalled=stalled)
             return
         if e.failure:
             log.warning("edge %s reachable again (it was %s: %s)", e.node,
@@ -928,6 +1011,7 @@ class ControlPlane:
         e.failure = e.problem = ""
         e.heartbeat = hb
         e.last_seen = now = self.clock()
+        self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
         e.images = frozenset(hb.images)
         if e.noted:
             e.noted -= e.images
@@ -957,20 +1041,30 @@ class ControlPlane:
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
 
-    async def _poll_failed(self, e: EdgeEntry, exc: DsecError) -> None:
+    async def _poll_failed(self, e: EdgeEntry, exc: DsecError, *, heard: bool = False,
+                           stalled: bool = False) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
-        failure, or an edge that answered with an error, holds it unreachable."""
-        cause = link_failure_cause(exc)
+        failure, or an edge that answered with an error, holds it unreachable. A poll
+        that timed out while the link carried other replies (``heard``: the edge is
+        busy) or while this loop was stalled (``stalled``: we were not listening) is
+        not silence either."""
+        cause = link_failure_cause(exc, heard=heard, stalled=stalled)
+        why = exc.message
+        if cause != "silent" and isinstance(exc, Timeout):
+            why += ("; the edge kept sending other replies meanwhile (busy, not silent)"
+                    if heard else "; this apiserver's event loop was stalled for most of "
+                    "that time (it could not listen)")
         if cause != e.failure:
             how = {"silent": "silent (counts toward node_ttl_s)",
-                   "answered": "unreachable: it answers, with an error (held, not lost)",
+                   "answered": "unreachable: it answers, with an error or late (held, "
+                               "not lost)",
                    "blind": "unreachable from this apiserver (held, not lost)"}[cause]
-            log.warning("edge %s %s: %s", e.node, how, exc.message)
+            log.warning("edge %s %s: %s", e.node, how, why)
         e.failure = cause
-        e.problem = f"{cause}: {exc.message}"
+        e.problem = f"{cause}: {why}"
         if cause != "silent":
             await self._carry_out(self.watcher.handle(
-                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=exc.message)))
+                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=why)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list."""
@@ -1002,7 +1096,18 @@ class ControlPlane:
             except SandboxNotFound:
                 continue
             if rec.created_at < hb.time:
-                self.forget(sid, "gone")
+                try:
+                    gone = await link.get(sid)
+                except SandboxNotFound:
+                    # Not even a tombstone on the edge: it restarted without this one.
+                    self._write_off(rec, f"node {e.node} no longer has it: the node "
+                                         "restarted without it (it was not in the "
+                                         "node's journal)")
+                    continue
+                except DsecError:
+                    continue  # ask again on the next poll
+                if gone.state in _GONE:
+                    self.forget(sid, gone.reason or "gone")
         for sid, b in listed.items():
             if sid in reg:
                 rec = reg.sandbox(sid)
@@ -1098,6 +1203,34 @@ class ControlPlane:
             s.closed or s.expires_at + keep_s <= now)]
         self.store.delete_sessions(stale)
         return done
+
+    async def retain(self) -> RetentionReport:
+        """One retention pass (also called by tests): trim every growing table of the
+        store (see :mod:`dsec.control.retention`), off the event loop."""
+        cfg = self.config.retention
+        now = self.clock()
+        report = await asyncio.to_thread(retain, self.store, cfg.plan(now))
+        self.registry.trim_ring()
+        if cfg.lost_max_age_s is not None:
+            cutoff = now - cfg.lost_max_age_s
+            while self._lost:
+                sid, lost = next(iter(self._lost.items()))
+                if lost.events and lost.events[-1].time >= cutoff:
+                    break
+                del self._lost[sid]
+        if report.total:
+            log.info("retention removed %d events, %d idempotency keys, %d tombstones, "
+                     "%d process leases", report.events, report.idempotency,
+                     report.lost_sandboxes, report.process_leases)
+        return report
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention.interval_s)
+            try:
+                await self.retain()
+            except Exception:
+                log.exception("retention pass failed; the next one tries again")
 
     async def _sweep_loop(self) -> None:
         while True:

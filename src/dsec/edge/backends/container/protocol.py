@@ -18,6 +18,8 @@ import struct
 
 import msgspec
 
+from dsec.errors import BackendError, CannotRun, DsecError
+
 __all__ = [
     "MAX_REQUEST_BYTES",
     "Create",
@@ -31,6 +33,7 @@ __all__ = [
     "Started",
     "decode_reply",
     "encode",
+    "exec_failure",
     "request_argv",
 ]
 
@@ -187,3 +190,24 @@ def decode_reply(data: bytes) -> Reply:
     if kind == REP_FAILED:
         return Failed(rid, data[_REP.size:_REP.size + n].decode(errors="replace").strip(), err)
     raise ValueError(f"unknown reply type {kind}")
+
+
+# What an exec child reports before it runs the command ("dsec: cannot run 'X': WHAT:
+# strerror", see die() in nsexec.c) when the caller named something the sandbox does not
+# have: the program, the user or the working directory. Anything else that fails there
+# (setns, capset, seccomp...) is the node's problem, not the caller's.
+_CALLER_MISTAKES = ("unknown user", "user name too long", "chdir ", "execve", "execvpe")
+
+
+def exec_failure(sid: str, message: str) -> DsecError:
+    """The error for an exec whose command could not start (a background exec's Failed
+    reply; a foreground one exits 127/126 with the same message on stderr)."""
+    text = message.strip()
+    what = text.removeprefix("dsec: ")
+    if text.startswith("dsec: cannot run") and any(m in what for m in _CALLER_MISTAKES):
+        code = 127 if ("execv" in what and "No such file" in what) else 126
+        return CannotRun(f"exec in sandbox {sid} could not start: {what[:300]} (a "
+                         f"foreground exec exits {code}); check the program, user and cwd",
+                         sandbox_id=sid, exit_code=code)
+    return BackendError(f"exec in sandbox {sid} failed to start: {text[:500]}",
+                        sandbox_id=sid)

@@ -28,7 +28,7 @@ from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.rootfs import overlay_options
 from dsec.edge.governor import ExecCgroup
 from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult
-from dsec.errors import BackendError, DsecError
+from dsec.errors import BackendError, CannotRun, DsecError
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.backend import _Box
@@ -163,6 +163,12 @@ class RuncDriver:
                     f"{start_timeout_s:g} s (its process was stopped or held before it could "
                     f"run - e.g. by a SIGSTOP from a process inside): {exc}") from exc
             if code != 0:
+                if _caller_mistake(err):
+                    # a missing program or cwd: the caller's mistake (4xx), as natively
+                    raise CannotRun(f"exec in sandbox {box.sid} could not start: runc: "
+                                    f"{err.strip()[:300]}; check the program and cwd",
+                                    sandbox_id=box.sid, exit_code=126
+                                    if "chdir to cwd" in err else 127)
                 raise BackendError(f"runc exec failed in sandbox {box.sid}: {err}")
             with open(pid_file) as f:  # noqa: ASYNC230 - a few bytes on local disk
                 pid = int(f.read().strip())
@@ -276,7 +282,16 @@ def _numeric_user(box: _Box, user: str) -> str:
         parts = line.split(":")
         if len(parts) >= 4 and parts[0] == name:
             return f"{parts[2]}:{group or parts[3]}"
-    raise BackendError(f"unknown user {name!r} in the sandbox's /etc/passwd")
+    raise CannotRun(f"exec in sandbox {box.sid} could not start: unknown user {name[:64]!r} "
+                    "in the sandbox's /etc/passwd", sandbox_id=box.sid, exit_code=126)
+
+
+def _caller_mistake(err: str) -> bool:
+    """Whether runc exec failed because the caller named a program or cwd the sandbox
+    does not have (``exec: "x": executable file not found``, ``exec: "/x": stat /x: no
+    such file or directory``, ``chdir to cwd ... failed``)."""
+    return ("executable file not found" in err or "chdir to cwd" in err
+            or ('exec: "' in err and "no such file or directory" in err))
 
 
 def _ns_pid(pid: int) -> int:
