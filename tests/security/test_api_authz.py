@@ -142,7 +142,7 @@ def test_a_principal_mints_and_revokes_its_own_keys_only(sim: Tenants) -> None:
 def test_superuser_mints_and_revokes_for_others_but_not_for_superusers(sim: Tenants) -> None:
     admin = sim.h(sim.cluster.api_key)
     r = sim.http.post("/v1/keys", json={"name": "mallory", "project": "teamc/sub",
-                                        "role": "admin"}, headers=admin)
+                                        "role": "admin", "existing": True}, headers=admin)
     assert r.status_code == 201, r.text
     key, key_id = r.json()["api_key"], r.json()["key_id"]
     assert sim.http.get("/v1/projects/teamc/sub", headers=sim.h(key)).status_code == 200

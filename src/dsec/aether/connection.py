@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import functools
 import hmac
 import inspect
@@ -76,7 +77,7 @@ from dsec.errors import (
 )
 
 __all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Guard", "Router",
-           "StreamSender"]
+           "StreamSender", "current_peer"]
 
 # The method a peer calls first on an endpoint whose Router has a token (body: the token
 # as msgpack bin). Edges listening on TCP require it; their Unix sockets are root-only.
@@ -255,6 +256,20 @@ class Router:
     @property
     def methods(self) -> list[str]:
         return sorted(self._routes)
+
+
+# ------------------------------------------------------------------------ the peer
+_PEER: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsec_aether_peer",
+                                                                 default=None)
+
+
+def current_peer() -> str | None:
+    """Who sent the request a handler is serving: :attr:`Connection.peer`, the address
+    key the listener counts it by (the IP over TCP, ``uid:<n>`` over a Unix socket),
+    None where unknown (a connection not accepted by a listener) or outside a handler.
+    Per-client limits (the gateway's budget for failed API keys) key on it, so one
+    peer's flood does not spend everybody's budget."""
+    return _PEER.get()
 
 
 # --------------------------------------------------------------------- call slots
@@ -1135,21 +1150,27 @@ class Connection:
                 f"Aether method {route.method!r} must be called with {how}",
                 method=route.method))
             return
-        if not route.is_async:
+        # The handler (and the task running it, which copies the context) sees the peer
+        # through current_peer(); a set/reset pair costs ~0.2 us (measured here, loaded).
+        peer = _PEER.set(self.peer or None)
+        try:
+            if not route.is_async:
+                try:
+                    result = route.handler(body)
+                except Exception as exc:  # noqa: BLE001 - any handler failure becomes an ERROR
+                    self._reply_handler_error(sid, route.method, exc)
+                    return
+                self._reply(sid, route.method, result)
+                return
             try:
-                result = route.handler(body)
-            except Exception as exc:  # noqa: BLE001 - any handler failure becomes an ERROR
+                coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
+                        else route.handler(body))
+            except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
                 self._reply_handler_error(sid, route.method, exc)
                 return
-            self._reply(sid, route.method, result)
-            return
-        try:
-            coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
-                    else route.handler(body))
-        except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
-            self._reply_handler_error(sid, route.method, exc)
-            return
-        task = self._loop.create_task(coro)
+            task = self._loop.create_task(coro)
+        finally:
+            _PEER.reset(peer)
         tasks = self._tasks
         tasks[sid] = task
         task.add_done_callback(functools.partial(self._handler_done, sid, route.method))

@@ -13,8 +13,10 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import socket
 import struct
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -169,23 +171,16 @@ class Server:
     def _listen_socket(self) -> socket.socket:
         addr = self.address
         if addr.kind == "unix":
-            os.makedirs(os.path.dirname(addr.path) or ".", exist_ok=True)
+            _make_private_dirs(os.path.dirname(addr.path) or ".")
             with contextlib.suppress(FileNotFoundError):
                 if _socket_alive(addr.path):
                     raise TransportError(
                         f"cannot listen on {addr}: a live process already serves it; stop "
                         "it or pick another path")
                 os.unlink(addr.path)  # a stale socket file from a process that died
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.bind(addr.path)
-                # The edge socket is for root / the apiserver only; made private before
-                # listen(), so nobody can connect in between.
-                os.chmod(addr.path, 0o600)
-                sock.listen(BACKLOG)
-            except BaseException:
-                sock.close()
-                raise
+            # Appears 0600 and already listening (see _bind_private_unix): the edge
+            # socket is for root / the apiserver only, and whoever sees the path may dial.
+            sock = _bind_private_unix(addr.path, BACKLOG)
         else:
             infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
@@ -402,6 +397,51 @@ class Server:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create the missing directories of ``path``, each 0700. ``os.makedirs`` gives the
+    ones it creates the umask's mode (0777 under umask 0), and a directory others may
+    write lets them swap the socket for their own: the apiserver would then talk to an
+    impostor edge. Directories that exist are left as they are."""
+    missing: list[str] = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+
+
+def _bind_private_unix(path: str, backlog: int) -> socket.socket:
+    """A listening Unix socket at ``path`` that never exists there with a mode other than
+    0600, nor before it listens (the edge socket is for root / the apiserver only:
+    whoever connects runs commands in sandboxes; and a client that waits for the path
+    must not be refused). bind(2) creates the file with the umask's mode, so it is bound
+    inside a fresh 0700 directory next to ``path`` (via ``/proc/self/fd``, so a long
+    ``path`` does not hit the 108-byte sun_path limit), chmod'ed, set listening, and
+    renamed into place."""
+    tmp = tempfile.mkdtemp(prefix=".aether-", dir=os.path.dirname(path) or ".")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dfd}/s")
+            os.chmod("s", 0o600, dir_fd=dfd)
+            sock.listen(backlog)
+            os.rename("s", path, src_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sock
 
 
 def refusal_frame(reason: str) -> bytes:

@@ -49,7 +49,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from dsec.aether.limits import ServerLimits
@@ -218,9 +218,10 @@ class ClusterRuntime:
     async def start(self) -> ClusterRuntime:
         from dsec.control.store.sqlite import SqliteStore
 
-        cfg = self.config
-        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
-        ensure_private_dir(cfg.state_dir)
+        given = self.config.state_dir
+        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers);
+        # its real path from then on, so nobody can swap a symlink on the way to it.
+        cfg = self.config = replace(self.config, state_dir=ensure_private_dir(given))
         try:
             if not 0 <= cfg.edges <= 64 or (cfg.edges == 0 and not cfg.remote_edges):
                 raise InvalidArgument(f"edges={cfg.edges} must be within 1..64 (or 0 with "
@@ -264,7 +265,7 @@ class ClusterRuntime:
                 idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
-                                 redact_paths=_host_paths(cfg.state_dir)),
+                                 redact_paths=_host_paths(given)),
                 clock=loop.time,
                 anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
             plane.service = service

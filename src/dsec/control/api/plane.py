@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -120,7 +121,6 @@ from dsec.image.catalog import (
     StoreIndex,
     image_not_found,
     resolve,
-    visible,
     visible_names,
 )
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
@@ -151,6 +151,16 @@ class PlaneConfig:
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
     reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
+    # Session rows one principal may hold (open, lapsed ones kept for renewal, closed ones
+    # not yet swept). Without a cap a key with the least role filled the store: 20,000
+    # sessions took 3.3 s to open here, and every sweeper pass reads all of them (0.15 s
+    # per 20,000, on the event loop), so a few minutes of it stalled the apiserver for
+    # every tenant. None: no cap.
+    max_sessions_per_principal: int | None = 10_000
+    # API keys (revoked ones included: their rows stay) one principal may have; without
+    # a cap any principal minted extra keys of its own without limit (the store grows
+    # ~20,000 rows a second per key holder). None: no cap.
+    max_keys_per_principal: int | None = 1_000
     # How much history the state store keeps (events, idempotency keys, tombstones,
     # process leases), trimmed every retention.interval_s: see dsec.control.retention.
     retention: RetentionConfig = field(default_factory=RetentionConfig)
@@ -589,8 +599,23 @@ class ControlPlane:
         return self._view(path)
 
     def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        """Set ``path``'s quota. It needs admin on the *parent* project (a superuser for a
+        top-level one): a quota bounds a project's admins too, so they must not be able
+        to lift the one they were given (they still set their subprojects' quotas)."""
         parse_project_path(path)
-        self._admin(caller, path)
+        parent = path.rpartition("/")[0]
+        if parent:
+            have = caller.role_on(parent)
+            if have != "admin":
+                raise PermissionDenied(
+                    f"principal {caller.name!r} cannot set the quota of project {path!r}: "
+                    f"that needs role 'admin' on its parent project {parent!r} (has "
+                    f"{have or 'none'}); a project's own admins cannot raise its quota")
+        elif not caller.superuser:
+            raise PermissionDenied(
+                f"principal {caller.name!r} cannot set the quota of top-level project "
+                f"{path!r}: only a superuser may (a project's own admins cannot raise its "
+                "quota); admins set the quotas of their subprojects")
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
         self.quota.set_quota(path, quota)
@@ -608,14 +633,19 @@ class ControlPlane:
         - ``req.name`` is new: the caller must be admin of ``req.project``; the principal
           is created with ``req.role`` there (inside the caller's subtree, never above).
         - ``req.name`` exists and is someone else: only a superuser may (it also grants
-          ``req.role`` on ``req.project``), and never for another superuser: a
-          superuser's keys are minted by that superuser alone. A project admin gets a
-          ``409 conflict`` (the name is taken), never a key.
+          ``req.role`` on ``req.project``), and only when it says so (``req.existing``),
+          and never for another superuser: a superuser's keys are minted by that
+          superuser alone. A project admin gets a ``409 conflict`` (the name is taken),
+          never a key. ``existing`` must be explicit because project admins create
+          principals in the same cluster-wide id space: an admin who pre-creates
+          ``carol`` keeps a key for her, and a superuser "creating" carol later would
+          otherwise grant that key whatever carol is meant to get (a red-team finding).
         """
         parse_project_path(req.project)
         target = self.store.get_principal(req.name)
         if target is not None and target.id == caller.id:
             ApiService.require(caller, req.project, req.role)
+            self._check_key_room(req.name)
         else:
             self._admin(caller, req.project)
             if target is None:
@@ -630,12 +660,32 @@ class ControlPlane:
                     f"principal {req.name!r} already exists and is not yours: only it "
                     "(minting its own extra key) or a superuser may create keys for an "
                     "existing principal; pick a new name for a new principal")
+            elif not req.existing:
+                raise Conflict(
+                    f"principal {req.name!r} already exists (with roles on "
+                    f"{len(self.store.list_role_bindings(req.name))} project(s)); granting "
+                    f"it {req.role!r} on {req.project!r} would give that role to every key "
+                    "it already holds, including keys minted by whoever created it. Pass "
+                    "\"existing\": true to grant this existing principal, or pick a new name",
+                    principal_id=req.name)
             else:
+                self._check_key_room(req.name)    # before granting: all or nothing
                 self.iam.grant(req.name, req.project, req.role)
                 self._forget_principal(req.name)
         key = self.iam.create_key(req.name)
         return CreateKeyResponse(name=req.name, project=req.project, role=req.role,
                                  api_key=key.token, key_id=key.key_id)
+
+    def _check_key_room(self, principal_id: str) -> None:
+        cap = self.config.max_keys_per_principal
+        if cap is None:
+            return
+        have = len(self.store.list_api_keys(principal_id))
+        if have >= cap:
+            raise QuotaExceeded(
+                f"principal {principal_id!r} has {have} API keys (revoked ones included), "
+                f"the limit is {cap}: reuse a key you hold instead of minting more",
+                resource="api_keys", used=have, limit=cap, requested=1)
 
     def revoke_key(self, caller: Caller, key_id: str) -> None:
         """Revoke key ``key_id`` (its id, the 16 hex digits after ``dsk_``): the same
@@ -669,6 +719,16 @@ class ControlPlane:
         if not c.min_lease_s <= lease_s <= c.max_lease_s:
             raise InvalidArgument(f"lease_s={lease_s} must be within {c.min_lease_s:g}.."
                                   f"{c.max_lease_s:g} seconds", field="lease_s")
+        cap = c.max_sessions_per_principal
+        if cap is not None:
+            have = self.store.count_sessions(caller.id)
+            if have >= cap:
+                raise QuotaExceeded(
+                    f"principal {caller.name!r} holds {have} sessions (open ones, lapsed "
+                    f"ones kept {c.session_retention_s:g}s for renewal, closed ones not yet "
+                    f"swept), the limit is {cap}: close the sessions you no longer use "
+                    "(DELETE /v1/sessions/{id}) or renew one instead of opening another",
+                    resource="sessions", used=have, limit=cap, requested=1)
         sid = "ses-" + secrets.token_hex(8)
         row = SessionRow(id=sid, principal_id=caller.id, lease_s=lease_s,
                          expires_at=self.clock() + lease_s)
@@ -778,9 +838,9 @@ class ControlPlane:
         index = self._index(listing=True)
         if index is None:
             raise Conflict("this apiserver has no layer store configured")
-        can_see = _can_see(caller)
-        return ImageList(items=[_image_view(index, m, can_see) for m in index.manifests()
-                                if visible(index, m, can_see)])
+        can_see = functools.lru_cache(maxsize=None)(_can_see(caller))
+        return ImageList(items=[_image_view(index, m, can_see)
+                                for m in index.visible_manifests(can_see)])
 
     def _find_image(self, caller: Caller, ref: str) -> tuple[StoreIndex, LayerManifest]:
         index = self._index(listing=True)

@@ -318,9 +318,16 @@ class ProjectList(msgspec.Struct, kw_only=True):
 
 
 class CreateKeyRequest(_Strict):
+    """``existing``: the caller (a superuser) means to grant ``role`` on ``project`` to a
+    principal that already exists, and every key that principal already has gains it.
+    Without it, naming an existing principal is a ``409``: principal ids are one
+    cluster-wide namespace that project admins create names in, so an unasked-for grant
+    could land on a name a tenant pre-created and holds keys for."""
+
     name: Annotated[str, _doc(pattern=PRINCIPAL_PATTERN)]
     project: Project
     role: Role = "member"
+    existing: bool = False
 
 
 class CreateKeyResponse(msgspec.Struct, kw_only=True):

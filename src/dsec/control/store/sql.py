@@ -96,6 +96,7 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS sessions (
         id TEXT PRIMARY KEY, principal_id TEXT NOT NULL, lease_s DOUBLE PRECISION NOT NULL,
         expires_at DOUBLE PRECISION NOT NULL, closed INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS sessions_principal ON sessions (principal_id)",
     # Sandboxes evicted with a lost node: a returning node is told to destroy them even
     # after an apiserver restart.
     """CREATE TABLE IF NOT EXISTS lost_sandboxes (
@@ -506,6 +507,11 @@ class SqlStore:
     def list_sessions(self) -> list[SessionRow]:
         return [_session(r) for r in self._all(f"SELECT {self._SES_COLS} FROM sessions "
                                                 "ORDER BY id")]
+
+    def count_sessions(self, principal_id: str) -> int:
+        rows = self._all("SELECT COUNT(*) FROM sessions WHERE principal_id = ?",
+                         (principal_id,))
+        return int(rows[0][0])
 
     def delete_sessions(self, session_ids: Sequence[str]) -> int:
         if not session_ids:
