@@ -71,6 +71,7 @@ from dsec.edge.governor import (
     Limits,
     SandboxCgroup,
     ensure_compressed_swap,
+    kill_verified,
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.spec import (
@@ -175,6 +176,7 @@ class ContainerBackend:
                  snapshot_max_path_bytes: int = 128 << 20,
                  snapshot_workers: int = 4,
                  limits_poll_s: float | None = 5.0,
+                 exec_start_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -196,7 +198,10 @@ class ContainerBackend:
         so another project always finds one free; mkfs.erofs is CPU-bound).
         ``limits_poll_s``: how often every sandbox's limit counters (task limit hits; OOM
         kills on v2) are checked for notices besides after each exec and on stats (None:
-        never); ~8 us per sandbox."""
+        never); ~8 us per sandbox.
+        ``exec_start_timeout_s``: how long a background exec may take to start its command
+        (milliseconds normally; a process in the sandbox can stop it before it runs, and
+        the call must not wait for ever) - then it is killed and the call fails."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -256,6 +261,13 @@ class ContainerBackend:
         self._boxes: dict[str, _Box] = {}
         self._sink: DeathSink | None = None
         self.limits_poll_s = limits_poll_s
+        if not exec_start_timeout_s > 0:
+            raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
+                                  field="exec_start_timeout_s")
+        self.exec_start_timeout_s = exec_start_timeout_s
+        #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
+        #: it returns anyway (a command the kernel holds in D state cannot die sooner)
+        self.kill_wait_s = 10.0
         self._poll: asyncio.TimerHandle | None = None
         self._poll_next = 0
         # exec cgroup names: unique across edge restarts (a lingering one may survive)
@@ -664,8 +676,8 @@ class ContainerBackend:
         # Nothing here signals a pid number: the init through its pidfd (its pid namespace
         # takes every process inside with it), the cgroups race-free (governor.kill_all:
         # cgroup.kill, or pidfds checked against a second listing).
-        try:
-            self.governor.kill_all(cg)
+        try:  # no wait for the freeze here: _remove_cgroup repeats the kill off the loop
+            self.governor.kill_all(cg, freeze_wait_s=0)
         except OSError as exc:
             errors.append(f"kill: {exc}")
         if box is not None and box.pidfd >= 0:
@@ -765,7 +777,12 @@ class ContainerBackend:
             except BackendError:
                 if time.monotonic() > deadline:
                     raise
-                self.governor.kill_all(cg)
+                # In a thread: the v1 freeze waits up to 50 ms, every round, while a task
+                # the kernel holds (D state: a `sync` of a full upper is one) keeps the
+                # cgroup FREEZING - it blocked the event loop, so every sandbox on the
+                # node, for the whole 5 s (rt-kernel review).
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.governor.kill_all, cg)
                 await asyncio.sleep(0.002)
 
     async def close(self) -> None:
@@ -846,13 +863,16 @@ class ContainerBackend:
         d = os.path.join(self.root_dir, "sb", sid)
         rec = load_record(os.path.join(d, "state.json")) if sid in census.dirs else None
         errors: list[str] = []
-        if sid in census.runc and self._runc is not None:
-            await self._runc.destroy(sid, d)  # runc kill + delete --force + rootfs umount
         cg_dirs = list(census.cgroups.get(sid, ()))
         managed = self.governor.paths(sid)
         if self.governor.exists(managed):
-            with contextlib.suppress(OSError):  # freeze, kill, thaw: no fork escapes
-                self.governor.kill_all(managed)
+            with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
+                # escapes, no pid number is signalled; in a thread (the freeze waits)
+                await asyncio.to_thread(self.governor.kill_all, managed)
+        if sid in census.runc and self._runc is not None:
+            # after the kill: `delete --force` of a running container signals its init by
+            # pid number; of a stopped one it only removes state, cgroups and the rootfs
+            await self._runc.destroy(sid, d)
         try:
             await _remove_cgroup_dirs(cg_dirs)
         except OSError as exc:
@@ -982,7 +1002,11 @@ class ContainerBackend:
                 self.governor.remove_exec(ec)
             raise
         if req.background:
-            reply = await started
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(started),
+                                               self.exec_start_timeout_s)
+            except TimeoutError:
+                reply = await self._kill_unstarted(box, rid, started)
             if not isinstance(reply, Started):
                 # a missing program, user or cwd is the caller's mistake (CannotRun, 4xx)
                 raise exec_failure(box.sid, str(getattr(reply, "message", reply)))
@@ -1008,7 +1032,14 @@ class ContainerBackend:
             except TimeoutError:
                 timed_out = True
                 self._kill_exec(rid, ec)
-                reply = await exited
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(exited), self.kill_wait_s)
+                except TimeoutError:
+                    # SIGKILLed but held by the kernel (D state): it dies when let go; the
+                    # zygote still reaps it. The call does not wait for that (it waited
+                    # for as long as the kernel held the command - for ever on a hung
+                    # filesystem; rt-kernel review).
+                    reply = Exited(rid, signal.SIGKILL)
                 await self._clear_exec_cgroup(box, ec)
         except BaseException:
             # cancelled (or failed to start): nothing the exec started may run on
@@ -1039,16 +1070,37 @@ class ContainerBackend:
             stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
             timed_out=timed_out, duration_s=time.monotonic() - t0)
 
+    async def _kill_unstarted(self, box: _Box, rid: int,
+                              started: asyncio.Future[Reply]) -> Reply:
+        """A background exec that did not start in time - stopped (a SIGSTOP from a process
+        inside) or held before its execve: kill it through the zygote and take its answer
+        (Started if it started meanwhile; else Failed, raised here with the reason)."""
+        try:
+            self._zygote.send(Kill(id=rid), [], None)
+            reply = await asyncio.wait_for(asyncio.shield(started), 10.0)
+        except (DsecError, TimeoutError):
+            self._zygote.done(rid)
+            reply = Failed(rid, "no answer from the container helper")
+        if isinstance(reply, Started):
+            return reply
+        raise BackendError(
+            f"background exec in sandbox {box.sid} did not start its command within "
+            f"{self.exec_start_timeout_s:g} s (its process was stopped or held before it "
+            "could run - e.g. by a SIGSTOP from a process inside); it was killed "
+            f"({getattr(reply, 'message', reply)})")
+
     async def _runc_exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
                          on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         """``runc exec``, a foreground one in its own cgroup (the same rule as native)."""
         assert self._runc is not None
         if req.background:
-            return await self._runc.exec(box, req, argv, env, on_chunk)
+            return await self._runc.exec(box, req, argv, env, on_chunk,
+                                         start_timeout_s=self.exec_start_timeout_s)
         ec = self._new_exec_cgroup(box)
         try:
             res = await self._runc.exec(box, req, argv, env, on_chunk, cgroup=ec,
-                                        kill=lambda: self.governor.kill_exec(ec))
+                                        kill=lambda: self.governor.kill_exec(
+                                            ec, freeze_wait_s=0))
         except BaseException:
             self._kill_exec(0, ec, send=False)
             task = asyncio.ensure_future(self._clear_exec_cgroup(box, ec))
@@ -1089,8 +1141,8 @@ class ContainerBackend:
                 self._zygote.send(Kill(id=rid), [], None)
             except DsecError:
                 pass  # the zygote is gone; the cgroup kill below still applies
-        try:
-            self.governor.kill_exec(ec)
+        try:  # no waiting for the freeze on the event loop (_clear_exec_cgroup waits)
+            self.governor.kill_exec(ec, freeze_wait_s=0)
         except OSError:
             pass
 
@@ -1111,7 +1163,8 @@ class ContainerBackend:
             if time.monotonic() > deadline:
                 box.lingering.append(ec)
                 return
-            self._kill_exec(0, ec, send=False)
+            with contextlib.suppress(OSError):  # the freeze waits: off the event loop
+                await asyncio.to_thread(self.governor.kill_exec, ec)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
@@ -1221,8 +1274,9 @@ class ContainerBackend:
         box = self._box(sid)
         t0 = time.monotonic()
         if not box.paused:
-            try:
-                self.governor.freeze(box.cg)
+            try:  # in a thread: v1 waits up to ~1 s for FROZEN, which a task the kernel
+                # holds (D state) never reaches - that wait blocked the event loop
+                await asyncio.to_thread(self.governor.freeze, box.cg)
             except OSError as exc:
                 raise BackendError(f"cannot freeze sandbox {sid}: {exc}") from exc
             box.paused = True
@@ -1293,16 +1347,22 @@ def _lock_root(root_dir: str) -> int:
     return fd
 
 
-def _kill_tasks(cgroup_dir: str) -> None:
-    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
+def _listed(cgroup_dir: str) -> set[int]:
+    """The pids ``cgroup_dir/cgroup.procs`` lists (empty if it cannot be read)."""
     try:
         with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
-            pids = [int(p) for p in f.read().split()]
+            return {int(p) for p in f.read().split()}
     except (OSError, ValueError):
-        return
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        return set()
+
+
+def _kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists, never a pid number that went to another
+    process meanwhile (pidfds checked against a second listing: governor.kill_verified).
+    It used to os.kill the numbers it read - the race issue 11.5 removed everywhere else,
+    left in the reconciliation of leftovers (found by the rt-kernel review)."""
+    with contextlib.suppress(OSError):
+        kill_verified(lambda: _listed(cgroup_dir))
 
 
 async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:

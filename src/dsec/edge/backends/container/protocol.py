@@ -21,6 +21,7 @@ import msgspec
 from dsec.errors import BackendError, CannotRun, DsecError
 
 __all__ = [
+    "MAX_REQUEST_BYTES",
     "Create",
     "Created",
     "Exec",
@@ -112,6 +113,12 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 Reply = Created | Started | Exited | Failed
 
+#: The largest request the helper takes: its receive buffer (``buf`` in nsexec.c's
+#: ``do_serve``). The edge sizes its socket's send buffer to carry one this big and
+#: refuses bigger ones with ValueError (an exec's argv + env beyond Linux's ARG_MAX,
+#: 2 MiB here, fails at execve anyway, with "Argument list too long").
+MAX_REQUEST_BYTES = 4 << 20
+
 # struct req_hdr { uint32_t type, flags; uint64_t id; }
 _REQ = struct.Struct("=IIQ")
 # struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err;
@@ -160,7 +167,13 @@ def encode(req: Request) -> bytes:
             | (F_USERNS if req.userns else 0)
     else:
         kind, flags = REQ_KILL, 0
-    return _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
+    data = _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
+    if len(data) > MAX_REQUEST_BYTES:
+        raise ValueError(f"the request is {len(data)} bytes (argv, env and paths), over the "
+                         f"{MAX_REQUEST_BYTES}-byte most the sandbox helper takes; an exec's "
+                         "argv + env must stay within Linux's ARG_MAX (2 MiB) - pass large "
+                         "data as stdin or a file")
+    return data
 
 
 def decode_reply(data: bytes) -> Reply:

@@ -51,21 +51,32 @@ class RuncDriver:
     def _cmd(self, *args: str) -> list[str]:
         return [self.binary, "--root", self.state_root, *args]
 
-    async def _run(self, *args: str) -> tuple[int, str]:
+    async def _run(self, *args: str, timeout_s: float | None = None) -> tuple[int, str]:
         """Run a runc command with /dev/null as stdin, stdout and stderr.
 
         ``run -d``/``exec -d`` hand their stdio to the container process: a pipe would be
         held open forever, and a host temp file would become init's fd 2 - reachable from
         inside as /proc/1/fd/2 (host disk the sandbox could write). runc's own error text
         goes to a ``--log`` file in the private state dir instead (runc's init reports
-        through a pipe to its parent, so the container never holds that file)."""
+        through a pipe to its parent, so the container never holds that file).
+
+        ``timeout_s``: kill runc (our own unreaped child: its pid is exact) after that long
+        and raise :class:`BackendError` - for calls a process in the sandbox can hold, like
+        ``exec -d``, which waits for its command to start (a SIGSTOP inside held it for
+        good)."""
         log = os.path.join(self.state_root, f".log-{os.getpid()}-{next(self._seq)}")
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL)
-            await proc.wait()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise BackendError(f"runc {args[0]} did not finish within {timeout_s:g} s "
+                                   "and was killed") from None
             return proc.returncode or 0, _log_errors(log)
         finally:
             try:
@@ -122,9 +133,11 @@ class RuncDriver:
     async def exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
                    on_chunk: Callable[[ExecChunk], None] | None, *,
                    cgroup: ExecCgroup | None = None,
-                   kill: Callable[[], object] = lambda: None) -> ExecResult:
+                   kill: Callable[[], object] = lambda: None,
+                   start_timeout_s: float | None = None) -> ExecResult:
         """``cgroup``: the foreground exec's own cgroup (its process is started in it);
-        ``kill``: kills everything in it - what a timeout does, until runc exits."""
+        ``kill``: kills everything in it - what a timeout does, until runc exits;
+        ``start_timeout_s``: how long a background exec may take to start."""
         t0 = time.monotonic()
         args = ["exec"]
         if cgroup is not None:
@@ -142,7 +155,13 @@ class RuncDriver:
         args += [box.sid, *argv]
         loop = asyncio.get_running_loop()
         if req.background:
-            code, err = await self._run(*args)
+            try:
+                code, err = await self._run(*args, timeout_s=start_timeout_s)
+            except BackendError as exc:
+                raise BackendError(
+                    f"background exec in sandbox {box.sid} did not start its command within "
+                    f"{start_timeout_s:g} s (its process was stopped or held before it could "
+                    f"run - e.g. by a SIGSTOP from a process inside): {exc}") from exc
             if code != 0:
                 if _caller_mistake(err):
                     # a missing program or cwd: the caller's mistake (4xx), as natively
