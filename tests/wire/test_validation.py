@@ -4,6 +4,7 @@ error names the field, the size and the limit the same way each time."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 from typing import Any
 
@@ -171,3 +172,55 @@ def test_batches_are_bounded(make: Any, field: str) -> None:
                  f"a batch of {MAX_BATCH_ITEMS + 1} {field} is over the limit")
     assert e.detail["limit"] == MAX_BATCH_ITEMS
     make(3)
+
+
+# ------------------------------------------------------------------ every limit
+def _read_too_much() -> None:
+    async def reader(offset: int, n: int) -> bytes:
+        return b""
+    asyncio.run(spec.read_in_chunks(reader, 0, spec.MAX_FILE_READ_BYTES + 1))
+
+
+# One request past each limit of the vocabulary. A MAX_* constant added to wire/spec.py
+# without a case here fails the guard below: a limit nobody tried to break is not known
+# to hold.
+PAST_EACH_LIMIT: dict[str, Any] = {
+    "MAX_CPU_MILLI": lambda: SandboxSpec(cpu_milli=spec.MAX_CPU_MILLI + 1).validate(),
+    "MAX_MEMORY_BYTES": lambda: SandboxSpec(memory_bytes=spec.MAX_MEMORY_BYTES + 1).validate(),
+    "MAX_DISK_BYTES": lambda: SandboxSpec(disk_bytes=spec.MAX_DISK_BYTES + 1).validate(),
+    "MAX_PIDS": lambda: SandboxSpec(pids_max=spec.MAX_PIDS + 1).validate(),
+    "MAX_TTL_S": lambda: SandboxSpec(ttl_s=spec.MAX_TTL_S + 1).validate(),
+    "MAX_ARGV_BYTES": lambda: ExecRequest(argv=("a" * 100_000,) * 11),
+    "MAX_ARG_BYTES": lambda: ExecRequest(argv=("a" * (MAX_ARG_BYTES + 1),)),
+    "MAX_ARGV_ITEMS": lambda: ExecRequest(argv=("a",) * (spec.MAX_ARGV_ITEMS + 1)),
+    "MAX_ENV_ITEMS": lambda: ExecRequest(shell="true", env={
+        f"K{i}": "" for i in range(spec.MAX_ENV_ITEMS + 1)}),
+    "MAX_STDIN_BYTES": lambda: ExecRequest(shell="true", stdin=b"x" * (MAX_STDIN_BYTES + 1)),
+    "MAX_CWD_BYTES": lambda: ExecRequest(shell="true", cwd="/" + "d" * spec.MAX_CWD_BYTES),
+    "MAX_USER_BYTES": lambda: ExecRequest(shell="true", user="u" * (spec.MAX_USER_BYTES + 1)),
+    "MAX_EXEC_TIMEOUT_S": lambda: ExecRequest(shell="true",
+                                              timeout_s=spec.MAX_EXEC_TIMEOUT_S + 1),
+    "MAX_OUTPUT_CAP_BYTES": lambda: ExecRequest(
+        shell="true", output_cap_bytes=spec.MAX_OUTPUT_CAP_BYTES + 1),
+    "MAX_PATH_BYTES": lambda: FileRef(id="s", path=LONG),
+    "MAX_FILE_READ_BYTES": _read_too_much,
+    "MAX_FILE_MODE": lambda: WriteFile(id="s", path="/f", data=b"",
+                                       mode=spec.MAX_FILE_MODE + 1),
+    "MAX_BATCH_ITEMS": lambda: DestroyMany(ids=["s"] * (MAX_BATCH_ITEMS + 1)),
+    "MAX_IDEMPOTENCY_KEY_CHARS": lambda: CreateSandbox(
+        idempotency_key="k" * (spec.MAX_IDEMPOTENCY_KEY_CHARS + 1)),
+}
+
+
+def test_every_limit_has_a_case() -> None:
+    assert set(PAST_EACH_LIMIT) == {n for n in dir(spec) if n.startswith("MAX_")}
+
+
+@pytest.mark.parametrize("name", sorted(PAST_EACH_LIMIT))
+def test_each_limit_refuses_and_says_which(name: str) -> None:
+    """Past each limit: InvalidArgument (or its PayloadTooLarge) carrying the limit in
+    its detail, so every door can report it the same way."""
+    with pytest.raises(InvalidArgument) as ei:
+        PAST_EACH_LIMIT[name]()
+    assert ei.value.detail.get("limit") == getattr(spec, name), ei.value.detail
+    assert len(ei.value.message) < 300, "the message echoes the value"

@@ -31,6 +31,7 @@ __all__ = [
     "MAX_MEMORY_BYTES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
+    "MAX_PIDS",
     "MAX_STDIN_BYTES",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
@@ -68,6 +69,7 @@ MAX_CPU_MILLI = 1024 * 1000          # 1024 cores
 MAX_MEMORY_BYTES = 16 * 2**40         # 16 TiB
 MAX_DISK_BYTES = 1024 * 2**40         # 1 PiB
 MAX_TTL_S = 30 * 24 * 3600.0          # 30 days
+MAX_PIDS = 4_194_304                  # the kernel's pid_max ceiling (PID_MAX_LIMIT)
 
 # Exec and file limits: one set of rules whatever the door (REST, the Aether gateway, the
 # edge itself). ExecRequest checks them whenever one is made (__post_init__: built,
@@ -219,21 +221,25 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
-        def bad(field: str, value: object, why: str) -> InvalidArgument:
+        def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
-                                   field=field)
+                                   field=field, **limit)
         if not (1 <= self.cpu_milli <= MAX_CPU_MILLI):
-            raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores")
+            raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores",
+                      limit=MAX_CPU_MILLI)
         if not (1 << 20 <= self.memory_bytes <= MAX_MEMORY_BYTES):
-            raise bad("memory_bytes", self.memory_bytes, "use 1 MiB..16 TiB (bytes)")
+            raise bad("memory_bytes", self.memory_bytes, "use 1 MiB..16 TiB (bytes)",
+                      limit=MAX_MEMORY_BYTES)
         if self.disk_bytes is not None and not (1 << 20 <= self.disk_bytes <= MAX_DISK_BYTES):
-            raise bad("disk_bytes", self.disk_bytes, "use 1 MiB..1 PiB (bytes) or null")
-        if self.pids_max is not None and not (1 <= self.pids_max <= 4_194_304):
-            raise bad("pids_max", self.pids_max, "use 1..4194304 or null")
+            raise bad("disk_bytes", self.disk_bytes, "use 1 MiB..1 PiB (bytes) or null",
+                      limit=MAX_DISK_BYTES)
+        if self.pids_max is not None and not (1 <= self.pids_max <= MAX_PIDS):
+            raise bad("pids_max", self.pids_max, f"use 1..{MAX_PIDS} or null", limit=MAX_PIDS)
         for name in ("ttl_s", "idle_timeout_s"):
             v = getattr(self, name)
             if v is not None and not (0 < v <= MAX_TTL_S):
-                raise bad(name, v, "use a positive number of seconds up to 30 days, or null")
+                raise bad(name, v, "use a positive number of seconds up to 30 days, or null",
+                          limit=MAX_TTL_S)
         if not self.image:
             raise bad("image", self.image, "name an image")
         if not isinstance(self.user_namespace, bool):
