@@ -9,7 +9,10 @@ the file already says what was answered."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from dsec.edge.clock import FakeClock
 from dsec.edge.journal import JOURNAL, SandboxJournal
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import SandboxSpec
+from dsec.errors import DsecError
 
 from .conftest import BIG, make_node
 from .test_durable import on_disk
@@ -73,3 +77,46 @@ async def test_compaction_keeps_what_was_answered(tmp_path, sync) -> None:  # ty
         for sid, st in expected.items():
             if st != "destroyed":
                 assert again.get(sid).state == st
+
+
+async def test_no_answer_rides_an_fsync_after_one_that_failed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Linux reports a writeback error to one fsync only (errseq: the "fsyncgate"
+    semantics PostgreSQL hit): pages written before a failed fsync may never reach the
+    disk, yet the next fsync on the descriptor succeeds. Create A's fsync fails while
+    create B's ``running`` line, written meanwhile, waits for the next fsync: B was
+    answered on that next fsync although nothing had written its line again. Now
+    everything written since the last good fsync is written again before an answer
+    rides a later one (or the answer is an error)."""
+    state = str(tmp_path / "state")
+    clock = FakeClock()
+    gate = threading.Event()
+    armed = [False]
+
+    def fsync(fd: int) -> None:
+        if armed[0]:
+            armed[0] = False
+            gate.wait(30)
+            raise OSError(errno.EIO, "Input/output error")
+        os.fsync(fd)
+
+    journal = SandboxJournal(state, fsync=fsync)
+    a_id, b_id = "sb-00000000000a-n1", "sb-00000000000b-n1"
+    async with _node(state, clock, journal) as node:
+        armed[0] = True
+        a = asyncio.ensure_future(node.create(SandboxSpec(), sandbox_id=a_id))
+        while not (on_disk(state).get(a_id) == ("running", "") and not armed[0]):
+            await asyncio.sleep(0.001)        # A's line written, its fsync blocked
+        b = asyncio.ensure_future(node.create(SandboxSpec(), sandbox_id=b_id))
+        while on_disk(state).get(b_id) != ("running", ""):
+            await asyncio.sleep(0.001)        # B's line written, waiting for an fsync
+        gate.set()                            # A's fsync fails
+        ra, rb = await asyncio.gather(a, b, return_exceptions=True)
+        assert isinstance(ra, DsecError) and "journal" in str(ra)
+        if isinstance(rb, BaseException):
+            assert isinstance(rb, DsecError)
+        else:
+            lines = [ln for ln in Path(state, JOURNAL).read_bytes().splitlines()
+                     if b_id.encode() in ln and b'"running"' in ln]
+            assert len(lines) >= 2, ("B answered on an fsync that no write after the "
+                                     "failed one covered")
+            assert node.get(b_id).state == "running"

@@ -464,10 +464,24 @@ class SandboxJournal:
             _resolve(waiters, None)
         else:
             # What the page cache held may not reach the disk: write it again (later
-            # lines win on load) and fail the callers who needed it durable.
+            # lines win on load) and fail the callers who needed it durable. Linux
+            # reports a writeback error to one fsync only (errseq_t), so the next fsync
+            # of this descriptor succeeds even if pages written *before this failure*
+            # were lost: the records written since and waiting for that next fsync are
+            # suspect too. They are noted again (newest first wins) and their waiters
+            # wait for that new write and an fsync started after it.
+            self._failed(self._sync_taken)
             self._failed(taken)
+            self._sync_taken = {}
+            requeue, self._sync_waiting = self._sync_waiting, []
             self._report_failure(exc)
             _resolve(waiters, self._error(exc))
+            if requeue:
+                again = self._waiting
+                if again is None:
+                    again = self._waiting = []
+                    self._schedule()
+                again.extend((f, True) for f in requeue)
         self._maybe_compact()
         self._sync_soon()
 
