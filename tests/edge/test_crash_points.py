@@ -21,7 +21,7 @@ from dsec.edge.backends.simulated import SimulatedBackend
 from dsec.edge.clock import FakeClock
 from dsec.edge.journal import JOURNAL, SandboxJournal
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import SandboxSpec
+from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import DsecError
 
 from .conftest import BIG, make_node
@@ -120,3 +120,29 @@ async def test_no_answer_rides_an_fsync_after_one_that_failed(tmp_path) -> None:
             assert len(lines) >= 2, ("B answered on an fsync that no write after the "
                                      "failed one covered")
             assert node.get(b_id).state == "running"
+
+
+async def test_a_restart_does_not_idle_reap_a_sandbox_in_use(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """docs/edge.md: "a restart resets idle clocks" (exec activity is never journaled).
+    The adopted record took ``last_active_at`` from its last journal line instead - the
+    create - so a sandbox exec'd a moment before a kill -9, with ``idle_timeout_s``
+    shorter than its age, was destroyed (``idle_timeout``, the default idle_action) by
+    the first reaper pass after the restart."""
+    state = str(tmp_path / "state")
+    clock = FakeClock()
+    node = make_node(clock=clock, state_dir=state)
+    await node.start()
+    a = await node.create(SandboxSpec(idle_timeout_s=60))
+    for _ in range(4):
+        clock.advance(50)
+        await node.exec(a.id, ExecRequest(shell="true"))
+        assert await node.reap() == []
+    crashed = Path(state, JOURNAL).read_bytes()      # kill -9 right after that exec
+    await node.close()
+    Path(state, JOURNAL).write_bytes(crashed)
+    clock.advance(1)
+    async with make_node(clock=clock, state_dir=state) as again:
+        assert await again.reap() == []
+        assert again.get(a.id).state == "running"
+        clock.advance(61)                             # idle from the restart on: reaped
+        assert [x.reason for x in await again.reap()] == ["idle_timeout"]

@@ -254,7 +254,10 @@ class EdgeNode:
                 log.warning("journal holds %s, which is not this node's; dropped", r.id)
                 continue
             rec = _Sandbox(r.id, r.spec, self.backends.get(r.spec.backend), now)  # type: ignore[arg-type]
-            rec.created_at, rec.last_active_at = r.created_at, r.last_active_at
+            # The idle clock restarts with the edge: exec activity is never journaled, so
+            # the line's last_active_at may be far older than the last use (a sandbox in
+            # use a moment before a crash was idle-reaped by the first pass after it).
+            rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
             backend = rec.backend
             if backend is None:
