@@ -283,6 +283,17 @@ class EdgeNode:
                 else:
                     self._bury(rec, "node_lost", why)
                 continue
+            if r.state == "running":
+                # Answered running (or a pause/snapshot was cut short): a freeze the
+                # crash left must not stop it for good while it is reported running.
+                # Every backend's resume is a no-op on a running sandbox.
+                try:
+                    await backend.resume(SandboxId(r.id))
+                except Exception as exc:  # noqa: BLE001
+                    with contextlib.suppress(Exception):
+                        await backend.destroy(SandboxId(r.id))
+                    self._bury(rec, "node_lost", f"could not thaw it after a restart: {exc!r}")
+                    continue
             try:
                 self.pool.reserve(r.id, r.spec.cpu_milli, r.spec.memory_bytes)
             except DsecError as exc:
