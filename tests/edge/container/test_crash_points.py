@@ -6,6 +6,7 @@ edge reports must be what the host does, and nothing may be left on the host."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 from collections.abc import AsyncIterator
@@ -89,3 +90,109 @@ async def test_kill_9_mid_pause_leaves_no_running_sandbox_frozen(edge: EdgeProce
             assert _freezer_state(edge, sid) == "THAWED"
         else:
             assert _freezer_state(edge, sid) == "FROZEN"
+
+
+def _own_v1_cgroups() -> dict[str, str]:
+    """v1 hierarchy mount point -> this process's cgroup dir in it."""
+    from dsec.edge.governor import _join, parse_mountinfo
+
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if ctrls:
+            own[frozenset(ctrls.split(","))] = path
+    out = {}
+    for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text()):
+        if m.fstype != "cgroup":
+            continue
+        path = next((p for c, p in own.items() if c <= m.super_options), None)
+        if path is not None:
+            out[m.mountpoint] = _join(m, path)
+    return out
+
+
+class _EdgeInCgroup(EdgeProcess):
+    """``dsec edge`` started inside child cgroups of the test's own (as a restart from
+    another login session or service manager is)."""
+
+    def __init__(self, *a: object, cgroups: list[str], **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.cgroups = cgroups
+
+    def _spawn(self):  # type: ignore[no-untyped-def]
+        import subprocess
+
+        enter = "".join(f"echo $$ > {os.path.join(d, 'cgroup.procs')}; " for d in self.cgroups)
+        with open(self.log, "ab") as log:
+            return subprocess.Popen(["/bin/sh", "-c", enter + 'exec "$@"', "sh", *self.argv()],
+                                    stdout=subprocess.DEVNULL, stderr=log)
+
+
+async def test_restart_in_another_cgroup_still_finds_what_the_host_holds(
+        tmp_path: object, images_dir: str) -> None:
+    """Sandbox cgroups nest under the edge's *own* cgroup, and the census looked only
+    there: an edge restarted in another cgroup (another login session's scope, another
+    service manager) never saw the cgroups - and the processes in them - that the
+    previous process made. A leftover the journal does not know lost its directory at
+    reconciliation while its init and cgroups lived on, found by nothing, forever."""
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.backends.container.census import cgroup_name_of
+    from dsec.ids import SandboxId
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    work = os.path.join(str(tmp_path), "edge")
+    tag = f"rtd-{os.getpid()}-{random.Random().getrandbits(24):06x}"
+    made = []
+    for own in _own_v1_cgroups().values():
+        d = os.path.join(own, tag)
+        os.mkdir(d)
+        made.append(d)
+        for f in ("cpuset.cpus", "cpuset.mems"):  # a cpuset takes no task before these
+            if os.path.exists(os.path.join(d, f)):
+                Path(d, f).write_text(Path(own, f).read_text())
+    e = _EdgeInCgroup(work, images_dir, node_id="rtd", cgroups=made)
+    stray = SandboxId(f"sb-{random.Random(5).getrandbits(48):012x}-rtd")
+    b = ContainerBackend(root_dir=e.root, images=DirectoryImages(images_dir))
+    init = 0
+    try:
+        await b.create(stray, SPEC)
+        init = b.init_pid(stray)
+        old_dirs = b.governor.paths(stray).dirs.values()
+        await b.close()  # leaves it running, as a crashed edge in the test's cgroup would
+        await e.start()  # restarted in another cgroup
+        async with await e.client() as c:
+            info = await c.get(stray)
+            assert (info.state, info.reason) == ("destroyed", "node_lost")
+        for _ in range(500):
+            if not _alive(init):
+                break
+            await asyncio.sleep(0.01)
+        assert not _alive(init), "the stray's init survived the reconciliation"
+        assert not [d for d in old_dirs if os.path.isdir(d)], "its cgroups survived"
+    finally:
+        await e.wipe()
+        from dsec.edge.governor import Governor
+
+        g = Governor(name=cgroup_name_of(e.root))  # the test's own cgroup: clean up
+        cg = g.paths(stray)
+        g.kill_all(cg)
+        g.remove(cg, wait_s=5)
+        g.remove_base()
+        for d in made:
+            for sub in sorted((w[0] for w in os.walk(d)), key=len, reverse=True):
+                with contextlib.suppress(OSError):
+                    os.rmdir(sub)
+        if os.path.ismount(os.path.join(e.root, "pool")):
+            from dsec.edge.backends.container.linux import MNT_DETACH, umount2
+
+            umount2(os.path.join(e.root, "pool"), MNT_DETACH)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2:].split()[0] != b"Z"

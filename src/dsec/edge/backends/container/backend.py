@@ -38,7 +38,14 @@ from typing import TYPE_CHECKING, Literal
 
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
-from dsec.edge.backends.container.census import Census, cgroup_name_of, take_census
+from dsec.edge.backends.container.census import (
+    Census,
+    cgroup_name_of,
+    cgroup_parents,
+    record_parents,
+    recorded_parents,
+    take_census,
+)
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
@@ -234,6 +241,14 @@ class ContainerBackend:
         # One live backend per root_dir (last, so a failed __init__ holds nothing):
         # reconcile() removes whatever this backend does not hold.
         self._lock_fd = _lock_root(self.root_dir)
+        try:  # where this process nests sandbox cgroups, beside where earlier ones did
+            self._own_parents = cgroup_parents(self.cgroup_name)
+            record_parents(self.root_dir, self.cgroup_name, self._own_parents)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
+                               f"{exc}") from exc
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -638,6 +653,12 @@ class ContainerBackend:
             out.append(await self._remove_leftover(sid, census))
         if self._runc is not None:
             self._runc.sweep_logs()
+        # Parents an earlier process (in another cgroup) made: gone once empty.
+        for parent in recorded_parents(self.root_dir, self.cgroup_name):
+            if parent not in self._own_parents:
+                with contextlib.suppress(OSError):
+                    os.rmdir(parent)
+        record_parents(self.root_dir, self.cgroup_name, self._own_parents)
         return out
 
     @property

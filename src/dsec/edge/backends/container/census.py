@@ -11,8 +11,15 @@ by sandbox id, so start-up reconciliation (``ContainerBackend.reconcile``), ``de
 an id the node forgot, the leak tests and the ``faults`` bench all read the host the
 same way.
 
+Sandbox cgroups nest under the edge's *own* cgroup, which is not the same for every
+process that uses one ``root_dir`` (an edge restarted from another login session or by
+another service manager starts elsewhere). So every parent a backend used is recorded in
+``<root_dir>/cgroup-parents`` (:func:`record_parents`) and the census looks under all of
+them: a restart in another cgroup still finds, and reconciles, the previous process's
+cgroups and the processes in them.
+
 The parsing is pure (:func:`~dsec.image.mount.mounts_below`: mountinfo text in, mount
-points out); :func:`take_census` does the reading.
+points out; :func:`parse_parents`); :func:`take_census` does the reading.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from dataclasses import dataclass, field
 from dsec.edge.governor import all_leaf_dirs
 from dsec.image.mount import mounts_below
 
-__all__ = ["Census", "cgroup_name_of", "cgroup_parents", "mounts_below", "take_census"]
+__all__ = ["Census", "cgroup_name_of", "cgroup_parents", "mounts_below", "parse_parents",
+           "record_parents", "recorded_parents", "take_census"]
+
+PARENTS = "cgroup-parents"
 
 
 def cgroup_name_of(root_dir: str) -> str:
@@ -101,6 +111,44 @@ def cgroup_parents(cgroup_name: str) -> list[str]:
     return all_leaf_dirs(mountinfo, own, name=cgroup_name)
 
 
+def parse_parents(text: str, cgroup_name: str) -> list[str]:
+    """The parent dirs a ``cgroup-parents`` text names: absolute, normalised paths
+    ending in ``dsec-<cgroup_name>`` (anything else is ignored: a damaged record must
+    not point reconciliation at other cgroups). Pure."""
+    leaf = f"dsec-{cgroup_name}"
+    out = []
+    for line in text.splitlines():
+        p = line.strip()
+        if p.startswith("/") and os.path.normpath(p) == p and os.path.basename(p) == leaf:
+            out.append(p)
+    return out
+
+
+def recorded_parents(root_dir: str, cgroup_name: str) -> list[str]:
+    """The parents recorded for the backend rooted at ``root_dir``."""
+    try:
+        with open(os.path.join(root_dir, PARENTS)) as f:
+            return parse_parents(f.read(), cgroup_name)
+    except FileNotFoundError:
+        return []
+
+
+def record_parents(root_dir: str, cgroup_name: str, parents: list[str]) -> list[str]:
+    """Write the record: ``parents`` (this process's) plus those recorded before that
+    still exist; returns what it holds. Atomic (temp file, rename) and fsynced: written
+    once per backend start, before any sandbox is made under a new parent."""
+    keep = sorted(set(parents) | {p for p in recorded_parents(root_dir, cgroup_name)
+                                  if os.path.isdir(p)})
+    path = os.path.join(root_dir, PARENTS)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(p + "\n" for p in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return keep
+
+
 def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> Census:
     """Read what the backend rooted at ``root_dir`` (cgroup parent ``dsec-<name>``, in
     the calling process's own cgroups) holds on the host right now; with ``only``, just
@@ -121,7 +169,8 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
         disk = frozenset(n for n in _subdirs(pool) if not n.startswith("."))
     cgroups: dict[str, list[str]] = {}
     tasks: dict[str, set[int]] = {}
-    for parent in cgroup_parents(cgroup_name):
+    parents = set(cgroup_parents(cgroup_name)) | set(recorded_parents(root_dir, cgroup_name))
+    for parent in sorted(parents):
         names = _subdirs(parent) if only is None else (
             [only] if os.path.isdir(os.path.join(parent, only)) else [])
         for sid in names:
