@@ -260,6 +260,11 @@ class ClusterRuntime:
         edge can start sandboxes from every snapshot. ``base`` is the busybox base layer,
         built on first start (~0.1 s) so ``dsec up --backend container`` works on a fresh
         machine."""
+        if name == "fncall":
+            # Work dirs beside the edge's journal (as `dsec edge --state-dir` does): a
+            # restarted edge adopts its fncall sandboxes. A temp dir per process lost
+            # every one of them at each restart.
+            return {"root": os.path.join(self.config.state_dir, "edges", node_id, "fncall")}
         if name != "container":
             return {}
         from dsec.image import LayerStore, MountCache, ensure_busybox_base
