@@ -8,7 +8,8 @@ read them, even when the store lives outside a private state dir)::
     manifests/<hex>.json    LayerManifest per layer
     index/<hex>.idx         pack_diff's record of the upperdir a snapshot was taken from
     refs.json               {"[project/]name:tag": "sha256:<hex>"}
-    tmp/                    staging trees and half-written layers (never read as layers)
+    tmp/<owner>/            staging trees and half-written layers of one process (never
+                            read as layers; a dead process's are removed on the next open)
     lock                    flock(2) taken by every mutation (CLI and edge may race)
 
 Names are namespaced (:mod:`dsec.image.manifest`): ``teama/tools:v1`` is project
@@ -21,7 +22,9 @@ someone without the right on N.
 
 A layer appears atomically: the EROFS file is written under ``tmp/``, hashed, renamed
 into ``layers/`` and only then gets its manifest. A failed build or import leaves
-nothing behind but a ``tmp/`` entry that is removed on the way out.
+nothing behind but a ``tmp/`` entry that is removed on the way out - or, when the process
+was killed (-9) mid-build, by the next ``LayerStore`` opened on the same root: scratch
+space is per process (``tmp/<owner token>``, :mod:`dsec.ownership`).
 
 Builds are not bit-reproducible (mkfs.erofs 1.5 stamps a random UUID and the build
 time into the superblock), so the same tree built twice gives two digests. Digests name
@@ -41,6 +44,7 @@ from typing import IO
 
 import msgspec
 
+from dsec import ownership
 from dsec.errors import (
     ImageError,
     ImageNotFound,
@@ -138,6 +142,7 @@ class LayerStore:
             raise ImageError(f"cannot open the layer store at {self.root}: {exc.strerror or exc}"
                              "; run as the user owning it (root for dsec up's store) or "
                              "point --root / $DSEC_IMAGE_ROOT elsewhere") from exc
+        self._reclaim_scratch()
 
     # ----------------------------------------------------------------- paths & locking
     def layer_path(self, layer: LayerManifest | str) -> str:
@@ -159,10 +164,30 @@ class LayerStore:
         finally:
             os.close(fd)
 
+    def _scratch(self) -> str:
+        """This process's scratch dir, ``tmp/<owner token>`` (see :mod:`dsec.ownership`):
+        what a killed process leaves there is removed by the next store opened."""
+        d = os.path.join(self.root, "tmp", ownership.token())
+        os.makedirs(d, mode=_DIR_MODE, exist_ok=True)
+        return d
+
+    def _reclaim_scratch(self) -> None:
+        """Remove the scratch dirs of processes that died mid-build (a kill -9 skips the
+        cleanup on the way out: staging trees and half-written layers stayed, ~the size
+        of each snapshot, for good). A live owner's, another pid namespace's and names
+        that are no owner token (made by older versions) are left alone."""
+        try:
+            entries = list(os.scandir(os.path.join(self.root, "tmp")))
+        except OSError:
+            return
+        for e in entries:
+            if e.is_dir(follow_symlinks=False) and ownership.token_alive(e.name) is False:
+                shutil.rmtree(e.path, ignore_errors=True)
+
     @contextlib.contextmanager
     def staging(self, prefix: str = "stage-") -> Iterator[str]:
         """A scratch directory inside the store (same filesystem), removed on exit."""
-        path = os.path.join(self.root, "tmp", prefix + secrets.token_hex(6))
+        path = os.path.join(self._scratch(), prefix + secrets.token_hex(6))
         os.mkdir(path, _DIR_MODE)
         try:
             yield path
@@ -312,7 +337,7 @@ class LayerStore:
                 and stats.apparent_bytes > max_bytes:
             # a flat, uncompressed layer holds every apparent byte: refuse before mkfs
             raise self._too_big(what, stats.apparent_bytes, max_bytes, "at least")
-        tmp = os.path.join(self.root, "tmp", f"layer-{secrets.token_hex(6)}.erofs")
+        tmp = os.path.join(self._scratch(), f"layer-{secrets.token_hex(6)}.erofs")
         try:
             mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,
                        expected_bytes=max(stats.content_bytes, 1), progress=progress)
