@@ -196,3 +196,60 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return raw[raw.rfind(b")") + 2:].split()[0] != b"Z"
+
+
+async def test_two_root_dirs_cannot_share_a_cgroup_name(tmp_path: object,
+                                                        images_dir: str) -> None:
+    """The census takes every cgroup under ``dsec-<cgroup_name>`` for its own. With an
+    explicit ``cgroup_name`` shared by two edges' root dirs, one edge starting while the
+    other was down reconciled the other's sandboxes away (killed), and the other's
+    restart lost every acknowledged sandbox (``node_lost``). Now the second root dir is
+    refused the name while the first exists."""
+    import shutil
+
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.errors import InUse
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    name = f"rtd-{os.getpid()}-{random.Random().getrandbits(24):06x}"
+    a_root, b_root = (os.path.join(str(tmp_path), x) for x in ("a", "b"))
+    sid = f"sb-{random.Random(6).getrandbits(48):012x}-na"
+    a = ContainerBackend(root_dir=a_root, images=DirectoryImages(images_dir),
+                         cgroup_name=name)
+    try:
+        await a.create(sid, SPEC)
+        await a.close()  # edge A is down; its sandbox waits for adoption
+        try:  # edge B starts on its own root dir with the same cgroup name
+            b = ContainerBackend(root_dir=b_root, images=DirectoryImages(images_dir),
+                                 cgroup_name=name)
+        except InUse as exc:
+            assert "cgroup name" in str(exc)
+        else:
+            await b.reconcile(set())
+            await b.close()
+        a = ContainerBackend(root_dir=a_root, images=DirectoryImages(images_dir),
+                             cgroup_name=name)
+        assert await a.adopt(sid, SPEC), "B's reconciliation killed A's sandbox"
+        await a.destroy(sid)
+        await a.close()
+        a.governor.remove_base()
+        shutil.rmtree(a_root)  # A's root dir is gone: the name may be taken over
+        b = ContainerBackend(root_dir=b_root, images=DirectoryImages(images_dir),
+                             cgroup_name=name)
+        await b.close()
+        b.governor.remove_base()
+    finally:
+        from dsec.edge.backends.container.linux import MNT_DETACH, umount2
+        from dsec.edge.governor import Governor
+
+        g = Governor(name=name)  # whatever a failing run left
+        for s in g.list_sandboxes():
+            g.kill_all(g.paths(s))
+            g.remove(g.paths(s), wait_s=5)
+        g.remove_base()
+        for root in (a_root, b_root):
+            if os.path.ismount(os.path.join(root, "pool")):
+                umount2(os.path.join(root, "pool"), MNT_DETACH)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join("/run/dsec/cgroup-names", name))

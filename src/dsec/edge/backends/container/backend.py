@@ -42,8 +42,10 @@ from dsec.edge.backends.container.census import (
     Census,
     cgroup_name_of,
     cgroup_parents,
+    claim_cgroup_name,
     record_parents,
     recorded_parents,
+    release_cgroup_name,
     take_census,
 )
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
@@ -205,6 +207,10 @@ class ContainerBackend:
             os.chmod(d, 0o700)  # also when it existed: upper layers may hold setuid files
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
         self.cgroup_name = cgroup_name or cgroup_name_of(self.root_dir)
+        try:  # one root dir per cgroup name: the census owns everything under it
+            claim_cgroup_name(self.cgroup_name, self.root_dir)
+        except OSError as exc:
+            raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
         self.governor = governor or Governor(name=self.cgroup_name)
         try:
             self.governor.limit_total_pids(self.pids_total)
@@ -628,6 +634,7 @@ class ContainerBackend:
         if idle and not (os.path.isdir(sb) and os.listdir(sb)) \
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
+            release_cgroup_name(self.cgroup_name, self.root_dir)
         self.disk.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the root_dir lock

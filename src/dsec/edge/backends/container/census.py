@@ -31,8 +31,18 @@ from dataclasses import dataclass, field
 from dsec.edge.governor import all_leaf_dirs
 from dsec.image.mount import mounts_below
 
-__all__ = ["Census", "cgroup_name_of", "cgroup_parents", "mounts_below", "parse_parents",
-           "record_parents", "recorded_parents", "take_census"]
+__all__ = [
+    "Census",
+    "cgroup_name_of",
+    "cgroup_parents",
+    "claim_cgroup_name",
+    "mounts_below",
+    "parse_parents",
+    "record_parents",
+    "recorded_parents",
+    "release_cgroup_name",
+    "take_census",
+]
 
 PARENTS = "cgroup-parents"
 
@@ -109,6 +119,63 @@ def cgroup_parents(cgroup_name: str) -> list[str]:
     with open("/proc/self/cgroup") as f:
         own = f.read()
     return all_leaf_dirs(mountinfo, own, name=cgroup_name)
+
+
+NAMES_DIR = "/run/dsec/cgroup-names"
+
+
+def claim_cgroup_name(cgroup_name: str, root_dir: str, *, names_dir: str = NAMES_DIR) -> None:
+    """Bind ``cgroup_name`` to ``root_dir`` for this boot (``<names_dir>/<name>`` holds
+    the root dir; /run is empty after a reboot, as is every cgroup).
+
+    The census takes every cgroup under ``dsec-<name>`` for this backend's, so two
+    root dirs sharing one explicit ``cgroup_name`` reconciled each other's sandboxes
+    away: an edge starting while the other was down killed all of its sandboxes. A
+    name bound to another root dir that still exists is refused (``InUse``); one whose
+    root dir is gone is taken over (nothing there can be adopted any more)."""
+    from dsec.errors import InUse, InvalidArgument
+
+    if (not cgroup_name or cgroup_name.startswith(".") or len(cgroup_name) > 64
+            or not all(c.isalnum() or c in "-_." for c in cgroup_name)):
+        raise InvalidArgument(f"cgroup_name {cgroup_name[:80]!r} must be 1-64 letters, "
+                              "digits, '-', '_' or '.', not starting with '.'",
+                              field="cgroup_name")
+    os.makedirs(names_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(names_dir, cgroup_name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        owner = None
+    else:
+        try:
+            owner = os.read(fd, 4096).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+    if owner == root_dir:
+        return
+    if owner and os.path.isdir(owner):
+        raise InUse(f"cgroup name {cgroup_name!r} belongs to the container backend rooted "
+                    f"at {owner} (see {path}); two root dirs sharing it would reconcile "
+                    "each other's sandboxes away - give this one another cgroup_name",
+                    cgroup_name=cgroup_name, root_dir=owner)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(root_dir + "\n")
+    os.replace(tmp, path)
+
+
+def release_cgroup_name(cgroup_name: str, root_dir: str, *,
+                        names_dir: str = NAMES_DIR) -> None:
+    """Drop the binding of :func:`claim_cgroup_name` if it is ``root_dir``'s (a backend
+    that closes with nothing left under the name)."""
+    path = os.path.join(names_dir, cgroup_name)
+    try:
+        with open(path) as f:
+            if f.read().strip() != root_dir:
+                return
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def parse_parents(text: str, cgroup_name: str) -> list[str]:
