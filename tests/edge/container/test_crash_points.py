@@ -253,3 +253,15 @@ async def test_two_root_dirs_cannot_share_a_cgroup_name(tmp_path: object,
                 umount2(os.path.join(root, "pool"), MNT_DETACH)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join("/run/dsec/cgroup-names", name))
+
+
+def test_runc_log_sweep_is_not_fooled_by_a_recycled_pid(tmp_path: object) -> None:
+    """runc ``--log`` files were named by the edge's pid and kept while any process had
+    that pid: a killed edge's file stayed as long as its pid was reused (pid 1: forever).
+    The root_dir lock means every file not of this process is a dead one's."""
+    from dsec.edge.backends.container.runc import RuncDriver
+
+    d = RuncDriver(binary="runc", root_dir=str(tmp_path), cgroup_parent="dsec-x")
+    stale = os.path.join(d.state_root, ".log-1-0")  # a dead edge that had pid 1's number
+    Path(stale).write_text("{}")
+    assert d.sweep_logs() == 1 and not os.path.exists(stale)

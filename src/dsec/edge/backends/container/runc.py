@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dsec import ownership
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
@@ -45,6 +46,7 @@ class RuncDriver:
         os.makedirs(self.state_root, mode=0o700, exist_ok=True)
         os.chmod(self.state_root, 0o700)
         self._seq = itertools.count()
+        self._owner = ownership.token()  # names this process's --log files
 
     def _cmd(self, *args: str) -> list[str]:
         return [self.binary, "--root", self.state_root, *args]
@@ -57,7 +59,7 @@ class RuncDriver:
         inside as /proc/1/fd/2 (host disk the sandbox could write). runc's own error text
         goes to a ``--log`` file in the private state dir instead (runc's init reports
         through a pipe to its parent, so the container never holds that file)."""
-        log = os.path.join(self.state_root, f".log-{os.getpid()}-{next(self._seq)}")
+        log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
@@ -91,13 +93,14 @@ class RuncDriver:
 
     def sweep_logs(self) -> int:
         """Remove ``--log`` files of edge processes that died mid-command (a crash skips
-        the unlink in :meth:`_run`); returns how many."""
+        the unlink in :meth:`_run`); returns how many. Every file not of this process is
+        a dead one's: the backend's root_dir lock means no other live process runs runc
+        here. (A file named by a bare pid was kept while any process had that pid - a
+        recycled pid kept a dead edge's file - and a reused pid could read a stale one.)"""
         n = 0
+        mine = f".log-{self._owner}-"
         for name in os.listdir(self.state_root):
-            if not name.startswith(".log-"):
-                continue
-            pid = name.split("-")[1]
-            if pid.isdigit() and (int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}")):
+            if not name.startswith(".log-") or name.startswith(mine):
                 continue
             try:
                 os.unlink(os.path.join(self.state_root, name))
