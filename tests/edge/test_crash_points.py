@@ -146,3 +146,32 @@ async def test_a_restart_does_not_idle_reap_a_sandbox_in_use(tmp_path) -> None: 
         assert again.get(a.id).state == "running"
         clock.advance(61)                             # idle from the restart on: reaped
         assert [x.reason for x in await again.reap()] == ["idle_timeout"]
+
+
+async def test_two_live_fncall_backends_cannot_share_a_root(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An fncall backend's reconcile removes every work dir it does not hold. Two live
+    backends given one ``root`` (``--backend-opt fncall.root=...`` on two edges): the
+    second one's start deleted the first one's sandboxes. The root's owner record
+    (pid + start time) now refuses a second live owner."""
+    from dsec.edge.backends.fncall import FncallBackend
+    from dsec.errors import InUse
+
+    root = str(tmp_path / "fncall")
+    a = FncallBackend(pool_size=1, root=root)
+    sid = "sb-0000000000f1-n1"
+    try:
+        await a.create(sid, SandboxSpec(backend="fncall"))
+        await a.write_file(sid, "kept.txt", b"mine")
+        try:
+            b = FncallBackend(pool_size=1, root=root)
+        except InUse:
+            pass
+        else:
+            await b.reconcile(set())
+            await b.close()
+        assert await a.read_file(sid, "kept.txt") == b"mine"
+    finally:
+        await a.destroy(sid)
+        await a.close()
+    again = FncallBackend(pool_size=1, root=root)  # the owner is gone: free to take
+    await again.close()

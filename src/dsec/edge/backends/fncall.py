@@ -54,7 +54,7 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, InvalidArgument, NotFound, SandboxNotFound
+from dsec.errors import BackendError, InUse, InvalidArgument, NotFound, SandboxNotFound
 from dsec.ids import SandboxId
 
 __all__ = ["FncallBackend", "FncallResult", "WorkerPool", "make_backend"]
@@ -411,6 +411,12 @@ class FncallBackend:
             root = tempfile.mkdtemp(prefix=_ROOT_PREFIX)
         else:
             os.makedirs(root, mode=0o700, exist_ok=True)
+            # reconcile() removes every work dir this backend does not hold: a second
+            # live backend on the same root would delete the first one's sandboxes.
+            if ownership.owner_alive(root):
+                raise InUse(f"fncall root {root} belongs to another live backend (see "
+                            f"{root}.owner); stop it or give this one another root",
+                            root=root)
         self.root = os.path.abspath(root)
         ownership.claim(self.root)
         self._boxes: dict[str, tuple[SandboxSpec, str]] = {}
