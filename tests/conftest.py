@@ -6,4 +6,10 @@ import os
 
 import pytest
 
+# Every container/fncall backend makes a preallocated btrfs disk pool (its size is taken
+# from the host while it exists; see dsec.edge.backends.container.disk). The default -
+# half the free space, at most 64 GiB - is for a node; a test suite makes hundreds of
+# backends, one at a time, so it asks for 2 GiB each (subprocesses inherit it).
+os.environ.setdefault("DSEC_DISK_POOL_BYTES", str(2 << 30))
+
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")

@@ -6,7 +6,8 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
 
     DsecError
     ├── InvalidArgument            the caller sent something we cannot accept     400
-    │   └── UnknownMethod          no handler for an Aether method                400
+    │   ├── UnknownMethod          no handler for an Aether method                400
+    │   └── Unsatisfiable          more than any node could ever hold (not "full now")
     ├── Unauthenticated            missing or wrong API key                       401
     ├── PermissionDenied           key is valid, role is not enough               403
     ├── NotFound                                                                  404
@@ -81,6 +82,7 @@ __all__ = [
     "Unauthenticated",
     "UnknownMethod",
     "UnsafeArchive",
+    "Unsatisfiable",
     "WrongNode",
     "error_class",
     "error_from_wire",
@@ -139,6 +141,13 @@ class InvalidArgument(DsecError, ValueError):
 
 class UnknownMethod(InvalidArgument):
     code = "unknown_method"
+
+
+class Unsatisfiable(InvalidArgument):
+    """A sandbox larger than any node's whole capacity: waiting or retrying cannot help
+    (unlike ``CapacityExceeded``/``NoCapacity``, which mean "full right now")."""
+
+    code = "unsatisfiable"
 
 
 class Unauthenticated(DsecError):

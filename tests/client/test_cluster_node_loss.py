@@ -21,7 +21,12 @@ from dsec.control.api.plane import PlaneConfig
 
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=2, gateway=False,
+    # Edges in processes of their own: stop_edge kills one with SIGKILL (its machine
+    # died) and start_edge starts a fresh process on its journal.
+    # A machine so large that packing does not pull the creates onto one edge: both
+    # edges must hold several of them.
+    with LocalCluster(edges=2, gateway=False, edge_processes=True,
+                      cpu_milli=10**8, memory_bytes=1 << 46,
                       plane=PlaneConfig(heartbeat_interval_s=0.1, node_ttl_s=0.6,
                                         reconnect_interval_s=0.1)) as cl:
         yield cl
@@ -98,11 +103,13 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
         # The node comes back (its journal re-adopts the sandboxes it had): the control
         # plane reconnects, and the watcher has every evicted sandbox destroyed there.
         cluster.start_edge("edge-1")
-        rt = cluster.runtime
 
         async def edge_states() -> dict[str, tuple[str, str]]:
-            node = next(n for n in rt.nodes if n.node_id == "edge-1")
-            return {s: (i.state, i.reason) for s in lost if (i := node.get(s))}
+            from dsec.edge.service import EdgeClient
+
+            sock = f"unix:{cluster.state_dir}/edges/edge-1.sock"
+            async with await EdgeClient.connect(sock) as edge:
+                return {s: (i.state, i.reason) for s in lost if (i := await edge.get(s))}
 
         _until("the returned edge to destroy the evicted sandboxes", lambda: all(
             v == ("destroyed", "node_lost") for v in cluster._on_loop(edge_states()).values()))

@@ -4,13 +4,28 @@ recorded snapshot and falls when one is deleted, a refused snapshot leaves no la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 
 from dsec import Client, LocalCluster
+from dsec.control.api.plane import ControlPlane, IamAuthority
+from dsec.control.api.service import ApiService, Caller
+from dsec.control.api.types import CreateSandboxRequest, QuotaBody
+from dsec.control.idempotency import IdempotencyCache
+from dsec.control.metrics import ApiMetrics
 from dsec.control.quota import Quota, QuotaIndex
+from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.control.store.sqlite import SqliteStore
+from dsec.edge.admission import Capacity
+from dsec.edge.backends import make_backend
+from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import QuotaExceeded
 
 
@@ -82,3 +97,96 @@ def test_snapshot_over_the_project_quota_is_refused_at_every_door(
                 sb.kill()
     finally:
         admin.close()
+
+
+# ------------------------------------------------------------- two apiserver replicas
+@pytest.fixture
+async def replicas(tmp_path: Path) -> AsyncIterator[tuple[list[_Replica], EdgeNode, str]]:
+    """Two apiserver replicas (ControlPlane + ApiService each) over one SQLite store and
+    one simulated edge over Aether; project ``default`` has snapshot_bytes=1000, set
+    before the second replica opens (so both know the quota itself)."""
+    node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
+        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=100)),
+        {"simulated": make_backend("simulated")})
+    await node.start()
+    addr = f"unix:{tmp_path / 'e0.sock'}"
+    server = await serve_edge(node, addr)
+    reps: list[_Replica] = []
+    key = ""
+    try:
+        for i in range(2):
+            store = SqliteStore(tmp_path / "control.sqlite")   # one file, two connections
+            plane = ControlPlane.open(store, metrics=ApiMetrics())
+            link = await EdgeClient.connect(addr)
+            plane.add_edge("e0", addr, link)
+            svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane,
+                             placer=plane, quotas=plane,
+                             limiter=RateLimiter(RateLimitConfig(rate_per_s=None),
+                                                 clock=time.monotonic),
+                             idempotency=IdempotencyCache(clock=time.time, store=store),
+                             metrics=plane.metrics)
+            plane.service = svc
+            await plane.poll_edges()
+            reps.append(_Replica(store, plane, svc, link))
+            if i == 0:
+                key = plane.bootstrap_admin()
+                admin = svc.authenticate(f"Bearer {key}")
+                plane.set_quota(admin, admin.default_project, QuotaBody(snapshot_bytes=1000))
+        yield reps, node, key
+    finally:
+        for r in reps:
+            await r.service.idempotency.close()
+            await r.plane.close()
+            await r.link.close()
+            r.store.close()
+        await server.close()
+        await node.close()
+
+
+@dataclass
+class _Replica:
+    store: SqliteStore
+    plane: ControlPlane
+    service: ApiService
+    link: EdgeClient
+
+
+async def _sandbox_with(r: _Replica, caller: Caller, size: int) -> str:
+    info = await r.service.create(caller, CreateSandboxRequest())
+    await r.service.write_file(caller, info.id, "/workspace/data", b"x" * size, 0o644, False)
+    return info.id
+
+
+async def test_replicas_share_one_snapshot_quota(
+        replicas: tuple[list[_Replica], EdgeNode, str]) -> None:
+    """Each replica's quota index knew only the charges it made itself (and those in the
+    store when it opened): two replicas each let a project store a full snapshot_bytes
+    quota, and a snapshot deleted through one replica stayed charged on the other."""
+    (a, b), _, key = replicas
+    ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
+    project = ca.default_project
+    s1 = await a.service.snapshot(ca, await _sandbox_with(a, ca, 600))
+    assert s1.size_bytes == 600
+    with pytest.raises(QuotaExceeded, match="over the limit of 400 bytes"):   # 600 + 600
+        await b.service.snapshot(cb, await _sandbox_with(b, cb, 600))
+    assert sum(c.size_bytes for c in a.store.list_snapshot_charges()) == 600
+    for r in (a, b):
+        assert r.plane.get_project(ca, project).usage["snapshot_bytes"] == 600
+    await b.service.delete_snapshot(cb, s1.id)       # the room comes back on both
+    for r in (a, b):
+        assert r.plane.get_project(ca, project).usage["snapshot_bytes"] == 0
+    assert (await a.service.snapshot(ca, await _sandbox_with(a, ca, 900))).size_bytes == 900
+
+
+async def test_concurrent_snapshots_on_two_replicas_stay_within_the_quota(
+        replicas: tuple[list[_Replica], EdgeNode, str]) -> None:
+    (a, b), _, key = replicas
+    ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
+    x, y = await _sandbox_with(a, ca, 600), await _sandbox_with(b, cb, 600)
+    got = await asyncio.gather(a.service.snapshot(ca, x), b.service.snapshot(cb, y),
+                               return_exceptions=True)
+    assert sorted(type(g).__name__ for g in got) == ["QuotaExceeded", "SnapshotView"], got
+    assert sum(c.size_bytes for c in a.store.list_snapshot_charges()) == 600
+    views = [g for g in got if not isinstance(g, BaseException)]
+    snaps = await a.link.snapshots()
+    assert [s.id for s in snaps] == [v.id for v in views]   # the refused one was deleted

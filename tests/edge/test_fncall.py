@@ -1,26 +1,42 @@
-"""The fncall backend with real worker processes."""
+"""The fncall backend with real worker processes, jailed (the default, needs root) and
+unjailed (``isolate=False``, the benchmark's baseline). The red-team tests of the jail
+are in tests/security/test_fncall_jail.py."""
 
 from __future__ import annotations
 
 import asyncio
 import operator
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
 
 from dsec.edge.backends.fncall import FncallBackend, WorkerPool
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.edge.backends.fncall_jail import (
+    JailConfig,
+    python_runtime,
+    root_plan,
+    split_profile,
+    worker_mounts,
+)
+from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
 from dsec.errors import InvalidArgument
+from dsec.net.seccomp import profile_rules
 
 from .conftest import make_node
 
 SID = "sb-00000000000a-n1"
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root (CI runs as root)")
 
 
-@pytest.fixture
-async def fn() -> AsyncIterator[FncallBackend]:
-    b = FncallBackend(pool_size=2)
+@pytest.fixture(params=[pytest.param(True, id="jailed", marks=needs_root),
+                        pytest.param(False, id="unjailed")])
+async def fn(request: pytest.FixtureRequest) -> AsyncIterator[FncallBackend]:
+    b = FncallBackend(pool_size=2, isolate=request.param)
     await b.create(SID, SandboxSpec(backend="fncall", env={"GREETING": "hi"}))  # type: ignore[arg-type]
     await b.pool.wait_ready()
     try:
@@ -48,25 +64,45 @@ async def test_calls_run_code_and_functions_without_leaking_state(fn: FncallBack
     assert r.stdout == b"x" * 10 and r.stdout_truncated
 
 
-async def test_timeout_kills_the_whole_process_group(fn: FncallBackend, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    pidfile = tmp_path / "child.pid"
-    code = ("import subprocess, time\n"
-            f"p = subprocess.Popen(['sleep', '60'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+def _host_pids_running(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker`` (zombies excluded)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmd and state != "Z":
+            out.append(int(name))
+    return out
+
+
+async def test_timeout_kills_the_whole_process_group(fn: FncallBackend) -> None:
+    """A timed-out call returns once every process it started is gone, including a
+    child in its own session (setsid) that the old process-group kill missed."""
+    marker = f"60.{os.getpid()}{id(fn) % 10**6}"
+    code = ("import subprocess, time, os\n"
+            f"p = subprocess.Popen(['sleep', '{marker}'])\n"
+            + (f"q = subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+               if fn.isolate else "")  # unjailed: a new session escapes the group kill
+            + "open('started', 'w').write('yes')\n"
             "time.sleep(60)")
     r = await fn.exec(SID, ExecRequest(shell=code, timeout_s=1.0))
     assert r.timed_out and r.exit_code == 137
-    child = int(pidfile.read_text())
-    for _ in range(100):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
+    assert await fn.read_file(SID, "started") == b"yes"  # the children did start
+    for _ in range(0 if fn.isolate else 100):  # unjailed: the group kill is asynchronous
+        if not _host_pids_running(marker):
             break
-        with open(f"/proc/{child}/stat") as f:  # noqa: ASYNC230
-            if f.read().split()[2] == "Z":
-                break
         await asyncio.sleep(0.02)
-    else:
-        pytest.fail(f"child {child} of a timed-out call survived")
+    assert _host_pids_running(marker) == []
+    cg = fn._boxes[SID].cg
+    if cg is not None:
+        assert fn.governor.pids(cg) == []
 
 
 @pytest.mark.parametrize("zygote", [True, False])
@@ -94,9 +130,30 @@ async def test_pool_survives_its_zygote_dying() -> None:
         await pool.close()
 
 
+@needs_root
+async def test_a_jailed_pool_survives_its_zygote_dying() -> None:
+    """The warm workers die with their zygote (PR_SET_PDEATHSIG); the pool notices, starts
+    a new zygote and serves on."""
+    b = FncallBackend(pool_size=2)
+    try:
+        await b.create(SID, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        await b.pool.wait_ready()
+        z = b.pool._zygote
+        assert z is not None
+        z.proc.kill()
+        await z.proc.wait()
+        for _ in range(3):
+            r = await b.exec(SID, ExecRequest(shell="import sys; sys.path"))  # type: ignore[arg-type]
+            assert r.exit_code == 0, r
+            assert b"/src" not in r.stdout, r.stdout  # no host source dir on the jail's path
+        assert b.pool._zygote is not None and b.pool._zygote.proc.returncode is None
+    finally:
+        await b.close()
+
+
 async def test_paths_cannot_escape_and_argv_must_be_python(fn: FncallBackend) -> None:
     with pytest.raises(InvalidArgument, match="leaves"):
-        os.symlink("/etc", os.path.join(fn.root, SID, "etc"))
+        os.symlink("/etc", os.path.join(fn.work_dir(SID), "etc"))
         await fn.read_file(SID, "/etc/passwd")
     with pytest.raises(InvalidArgument, match="runs Python code"):
         await fn.exec(SID, ExecRequest(argv=("ls", "-l")))
@@ -114,4 +171,217 @@ async def test_edge_node_over_fncall_cleans_up() -> None:
         r = await node.exec(info.id, ExecRequest(shell="'resumed'"))
         assert r.stdout == b"'resumed'\n"
         await node.destroy(info.id)
-        assert os.listdir(backend.root) == []
+        assert not os.path.exists(backend.work_dir(info.id))
+
+
+# ------------------------------------------------------------------ the jail's plans (pure)
+def test_python_runtime_is_minimal_and_never_a_host_tree() -> None:
+    assert python_runtime("/opt/venv", "/usr", ["/opt/venv/lib/python3.11/site-packages",
+                                                 "/usr/lib/python3/dist-packages"]) == \
+        ("/usr", "/opt/venv")
+    assert python_runtime("/work/x/.venv", "/root/.pyenv/versions/3.11.7") == \
+        ("/usr", "/work/x/.venv", "/root/.pyenv/versions/3.11.7")
+    for bad in ("/root", "/", "/home", "/var", "/tmp"):
+        with pytest.raises(ValueError, match="expose the host"):
+            python_runtime(bad, "/usr")
+
+
+def test_the_root_plan_holds_only_the_runtime_and_synthetic_files() -> None:
+    cfg = JailConfig(uid=65534, runtime=("/usr", "/opt/py"), mountpoint="/x")
+    steps = root_plan(cfg, {"bin": "usr/bin", "lib": "usr/lib"}, ["/etc/ld.so.cache"])
+    binds = sorted(s.source for s in steps if s.kind == "bind")
+    assert binds == ["/etc/ld.so.cache", "/opt/py", "/usr"]
+    written = {s.path: s.data for s in steps if s.kind == "write"}
+    assert sorted(written) == ["/etc/group", "/etc/hosts", "/etc/nsswitch.conf", "/etc/passwd"]
+    assert b"nobody:x:65534:65534" in written["/etc/passwd"]
+    dirs = [s.path for s in steps if s.kind == "dir"]
+    assert dirs.index("/opt") < dirs.index("/opt/py")  # parents first
+    assert {"/proc", "/tmp", "/dev/shm", "/workspace"} <= set(dirs)
+    devs = {s.path for s in steps if s.kind == "dev"}
+    assert devs == {"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom",
+                    "/dev/tty"}
+
+
+def test_the_seccomp_profile_is_split_without_losing_a_rule() -> None:
+    rules = profile_rules(allow_nested=False)
+    pre, admit = split_profile(rules)
+    assert sorted(map(repr, pre + admit)) == sorted(map(repr, rules))
+    assert {r.syscall for r in admit} == {"unshare", "move_mount"}
+
+
+def test_worker_mounts_mask_proc_like_a_container() -> None:
+    ms = worker_mounts(JailConfig())
+    assert (ms[0].target, ms[0].fstype) == ("/proc", "proc")
+    masked = {m.target for m in ms if m.source == "/dev/null"}
+    assert {"/proc/kcore", "/proc/keys", "/proc/timer_list"} <= masked
+    ro = {m.target for m in ms if m.source is None}
+    assert {"/proc/sys", "/proc/sysrq-trigger"} <= ro
+    assert [m.target for m in ms if m.fstype == "tmpfs"] == ["/tmp", "/dev/shm"]
+
+
+# ------------------------------------------------------------- lifecycle, leaks, restarts
+def _mounts(under: str) -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {p for p in (line.split()[4] for line in f) if p.startswith(under)}
+
+
+async def _destroy_all(b: FncallBackend) -> None:
+    """A given root keeps sandboxes for adoption at close(); a failed test must not."""
+    for sid in list(b._boxes):
+        await b.destroy(sid)  # type: ignore[arg-type]
+
+
+def _cgroups(b: FncallBackend) -> list[str]:
+    return b.governor.list_sandboxes() if b.governor is not None else []
+
+
+@needs_root
+async def test_failures_and_destroys_leave_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Bad specs, timeouts, OOM kills, a destroy while a call runs: afterwards no mount,
+    cgroup, process, fd or directory of any sandbox is left."""
+    b = FncallBackend(pool_size=2, root=str(tmp_path / "root"))
+    try:
+        b.pool.start()
+        await b.pool.wait_ready()
+        fds = len(os.listdir("/proc/self/fd"))  # with a full pool
+        for i in range(6):
+            sid = f"sb-{i:012x}-n1"
+            with pytest.raises(InvalidArgument, match="loopback"):
+                await b.create(sid, SandboxSpec(backend="fncall",  # type: ignore[arg-type]
+                                                network=NetworkPolicy(mode="allowlist")))
+            await b.create(sid, SandboxSpec(backend="fncall", memory_bytes=48 << 20))  # type: ignore[arg-type]
+            r = await b.exec(sid, ExecRequest(shell="import time; time.sleep(30)", timeout_s=0.3))  # type: ignore[arg-type]
+            assert r.timed_out
+            r = await b.exec(sid, ExecRequest(shell="x = bytearray(200 << 20)", timeout_s=30))  # type: ignore[arg-type]
+            assert r.exit_code == 137 and b"OOM" in r.stderr, r
+            running = asyncio.ensure_future(b.exec(sid, ExecRequest(  # type: ignore[arg-type]
+                shell="import subprocess, time; subprocess.Popen(['sleep', '30']); time.sleep(30)")))
+            await asyncio.sleep(0.3)
+            await b.destroy(sid)  # type: ignore[arg-type]
+            r = await asyncio.wait_for(running, 10)
+            assert r.exit_code != 0
+        assert _mounts(str(tmp_path)) == {b.disk.path}  # the disk pool, nothing per sandbox
+        assert _cgroups(b) == []
+        assert b.disk.sandboxes() == []
+        await b.pool.wait_ready()
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        await _destroy_all(b)
+        await b.close()
+    assert b.governor is not None and not any(os.path.exists(d)
+                                              for d in b.governor.layout.bases.values())
+
+
+@needs_root
+async def test_a_restarted_edge_adopts_work_dirs_and_limits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    root = str(tmp_path / "root")
+    b = FncallBackend(pool_size=1, root=root)
+    try:
+        await b.create(SID, SandboxSpec(backend="fncall", memory_bytes=48 << 20))  # type: ignore[arg-type]
+        await b.write_file(SID, "/kept.txt", b"still here")  # type: ignore[arg-type]
+    except BaseException:
+        await _destroy_all(b)
+        raise
+    finally:
+        await b.close()  # a given root: the sandbox stays for the next edge
+    b = FncallBackend(pool_size=1, root=root)
+    try:
+        assert await b.adopt(SID, SandboxSpec(backend="fncall", memory_bytes=48 << 20))  # type: ignore[arg-type]
+        assert not await b.adopt("sb-00000000000b-n1", SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        r = await b.exec(SID, ExecRequest(shell="print(open('kept.txt').read())\n"  # type: ignore[arg-type]
+                                                "bytearray(100 << 20)"))
+        assert r.exit_code == 137, r  # the memory limit came back with the sandbox
+        assert (await b.exec(SID, ExecRequest(shell="open('kept.txt').read()"))).stdout == \
+            b"'still here'\n"  # type: ignore[arg-type]
+        await b.destroy(SID)  # type: ignore[arg-type]
+        assert not os.path.exists(b.work_dir(SID)) and _cgroups(b) == []
+    finally:
+        await _destroy_all(b)
+        await b.close()
+
+
+KILLED_EDGE = """
+import asyncio, sys
+from dsec.edge.backends.fncall import FncallBackend
+from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
+async def main():
+    b = FncallBackend(pool_size=2, root=sys.argv[1])
+    await b.create("sb-00000000000c-n1", SandboxSpec(backend="fncall"))
+    print("ready", flush=True)
+    code = open(sys.argv[2]).read()  # not in our argv: the test looks for the marker
+    await b.exec("sb-00000000000c-n1", ExecRequest(shell=code, timeout_s=600))
+asyncio.run(main())
+"""
+
+
+@needs_root
+async def test_an_edge_killed_mid_call_leaves_no_call_running(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    marker = f"91.{os.getpid()}"
+    code = textwrap.dedent(f"""
+    import subprocess, time
+    subprocess.Popen(['sleep', '{marker}'], start_new_session=True)
+    while True:
+        time.sleep(1)
+    """)
+    root = str(tmp_path / "root")
+    (tmp_path / "code.py").write_text(code)
+    edge = subprocess.Popen([sys.executable, "-c", KILLED_EDGE, root, str(tmp_path / "code.py")],  # noqa: ASYNC220 - a child we kill -9
+                            stdout=subprocess.PIPE, env={**os.environ,
+                                                         "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert edge.stdout is not None
+        assert edge.stdout.readline().strip() == b"ready"
+        for _ in range(200):
+            if _host_pids_running(marker):
+                break
+            await asyncio.sleep(0.05)
+        assert _host_pids_running(marker), "the call never started"
+        edge.send_signal(signal.SIGKILL)
+        edge.wait()
+        for _ in range(200):
+            if not _host_pids_running(marker):
+                break
+            await asyncio.sleep(0.05)
+        assert _host_pids_running(marker) == [], "a call outlived its edge"
+    finally:
+        edge.kill()
+        edge.wait()
+        b = FncallBackend(pool_size=0, root=root)  # the next edge cleans up what is left
+        await b.adopt("sb-00000000000c-n1", SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        await b.destroy("sb-00000000000c-n1")  # type: ignore[arg-type]
+        await b.close()
+
+
+@needs_root
+async def test_reconcile_removes_unknown_sandboxes_with_their_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What a dead edge left (a work dir subvolume, a cgroup with a process in it) is
+    found through the disk pool and the cgroups, killed, removed and reported."""
+    root = str(tmp_path / "root")
+    a = FncallBackend(pool_size=0, root=root)
+    keep, gone = "sb-00000000000d-n1", "sb-00000000000e-n1"
+    stray = None
+    try:
+        for sid in (keep, gone):
+            await a.create(sid, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        assert a.governor is not None
+        stray = subprocess.Popen(["sleep", "300"])  # noqa: ASYNC220 - stands in for a runaway call
+        for procs in a.governor.paths(gone).procs_files:
+            with open(procs, "w") as f:  # noqa: ASYNC230
+                f.write(str(stray.pid))
+        await a.close()  # a given root: both stay, as after a crash
+        b = FncallBackend(pool_size=0, root=root)
+        try:
+            assert await b.adopt(keep, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+            left = await b.reconcile({keep})
+            assert [(x.sandbox_id, x.backend) for x in left] == [(gone, "fncall")]
+            assert "work directory" in left[0].what and "1 runaway process(es)" in left[0].what
+            assert stray.wait(10) == -signal.SIGKILL
+            assert not os.path.exists(b.work_dir(gone)) and _cgroups(b) == [keep]
+            assert await b.discard(gone) is None  # nothing left of it
+        finally:
+            await _destroy_all(b)
+            await b.close()
+    finally:
+        if stray is not None and stray.poll() is None:
+            stray.kill()
+            stray.wait()

@@ -17,6 +17,7 @@ from dsec.errors import (
     InvalidTransition,
     NotFound,
     SandboxNotFound,
+    Unsatisfiable,
     WrongNode,
 )
 
@@ -112,8 +113,13 @@ async def test_errors_cross_the_wire_typed(edge: tuple[EdgeNode, EdgeClient]) ->
     with pytest.raises(InvalidArgument, match="exactly one of argv"):
         await c.exec(sb.id, ExecRequest())
     with pytest.raises(CapacityExceeded) as ei:
-        await c.create(cpu_milli=10_000)
-    assert ei.value.detail["short"] == {"cpu_milli": 3000}
+        await c.create(cpu_milli=8_000)   # fits the node, not what is left of it
+    assert ei.value.detail["short"] == {"cpu_milli": 1000}
+    with pytest.raises(Unsatisfiable) as un:
+        await c.create(cpu_milli=10_000)  # more than the whole node: never
+    assert un.value.detail == {"field": "cpu_milli", "requested": 10_000, "most": 8_000,
+                               "node": "node n1"}
+    assert "cpu=10 cores is more than node n1 could ever hold" in str(un.value)
 
 
 async def test_tcp_edge_requires_a_token(tmp_path: object) -> None:

@@ -9,14 +9,15 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from dsec.errors import QuotaExceeded
 from dsec.image import LayerStore, MountCache, compose, mount_root, restore_stack, snapshot
 from dsec.image.archive import pack_tree
-from dsec.image.erofs import CHUNK_BYTES, layout_for
-from dsec.image.tree import copy_entry
+from dsec.image.erofs import CHUNK_BYTES, OutputTooLarge, layout_for, mkfs_erofs
+from dsec.image.tree import copy_entry, tree_stats
 from tests.conftest import requires_root
 
 pytestmark = requires_root
@@ -149,3 +150,38 @@ def test_tar_builds_keep_holes_both_ways(store: LayerStore, tmp_path: object) ->
     m = store.add_tar(buf, kind="base", name="sparse-tar")
     assert _allocated(store.layer_path(m)) < 1 * MiB
     assert m.content_bytes == GiB + 6
+
+
+def test_chunked_estimate_counts_every_chunk_that_holds_data(tmp_path: Path) -> None:
+    """4 KiB of distinct data every 64 KiB: allocation is 1/16 of the file, but a chunked
+    layer stores each of those chunks whole - the flat layout is no bigger, so it is
+    chosen, and an over-limit layer is refused before mkfs runs."""
+    src = tmp_path / "src"
+    src.mkdir()
+    fd = os.open(src / "chop", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for i in range(256):
+            os.pwrite(fd, i.to_bytes(8, "little") * 512, i * CHUNK_BYTES)
+        os.ftruncate(fd, 256 * CHUNK_BYTES)
+    finally:
+        os.close(fd)
+    stats = tree_stats(str(src))
+    assert stats.allocated_bytes == 256 * 4096 and stats.chunked_bytes == 256 * CHUNK_BYTES
+    assert layout_for(files=1, apparent_bytes=stats.apparent_bytes,
+                      allocated_bytes=stats.chunked_bytes, entries=1) is None
+    store = LayerStore(str(tmp_path / "store"))
+    with pytest.raises(QuotaExceeded, match="at least 16777216 bytes"):
+        store.add_tree(str(src), kind="snapshot", max_bytes=4 * MiB, what="snapshot")
+
+
+def test_mkfs_output_is_bounded_while_it_is_written(tmp_path: Path) -> None:
+    """The layer's size is known only after mkfs.erofs wrote it: mkfs runs under an
+    RLIMIT_FSIZE of the bound, so it stops there instead of filling the disk."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data").write_bytes(os.urandom(8 * MiB))
+    out = tmp_path / "out.erofs"
+    with pytest.raises(OutputTooLarge, match="limit of 2097152 bytes"):
+        mkfs_erofs(str(src), str(out), max_output_bytes=2 * MiB)
+    assert not out.exists() or out.stat().st_size <= 2 * MiB
+    mkfs_erofs(str(src), str(tmp_path / "ok.erofs"), max_output_bytes=16 * MiB)

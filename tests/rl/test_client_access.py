@@ -39,7 +39,9 @@ from dsec.rl.sandbox import SandboxEnv, SandboxEnvConfig, SandboxEnvPool, Task
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=2) as cl:
+    # A machine so large that packing does not pull a batch onto the edge that already
+    # holds this module's earlier sandboxes: the batches here must spread over both edges.
+    with LocalCluster(edges=2, cpu_milli=10**8, memory_bytes=1 << 46) as cl:
         yield cl
 
 

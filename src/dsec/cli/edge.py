@@ -1,32 +1,35 @@
-"""``dsec edge``: run one edge node and serve it over Aether until SIGINT/SIGTERM."""
+"""``dsec edge``: run one edge node and serve it over Aether until SIGINT/SIGTERM.
+
+Run by hand (one per machine) or by ``dsec up``, which starts one ``dsec edge`` process
+per node and supervises it (:mod:`dsec.control.api.edge_process`): ``--ready-fd`` tells the
+supervisor when the node serves, ``--supervisor-pid`` makes the edge stop (gracefully,
+keeping its sandboxes for the next start) when its supervisor dies, even by kill -9.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import re
 import signal
 import socket
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _default_node_id() -> str:
     name = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-")
     return name[:63].strip("-") or "edge"
-
-
-def _mem_total() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
 
 
 def _labels(values: tuple[str, ...]) -> dict[str, str]:
@@ -52,8 +55,9 @@ def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str,
     return out
 
 
-def _backend_opts(name: str, profile: str, pool_size: int,
-                  state_dir: str | None) -> dict[str, Any]:
+def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None,
+                  layer_store: str | None, owned: list[Any]) -> dict[str, Any]:
+    """``make_backend`` options; what must be closed at exit is appended to ``owned``."""
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
 
@@ -68,7 +72,113 @@ def _backend_opts(name: str, profile: str, pool_size: int,
         # and reconciles the rest (a temp dir per process could do neither).
         root = {"root": os.path.join(state_dir, "fncall")} if state_dir else {}
         return {"pool_size": pool_size, **root}
+    if name == "container":
+        opts: dict[str, Any] = {}
+        if state_dir is not None:
+            opts["root_dir"] = os.path.join(state_dir, "container")
+        if layer_store is not None:
+            from dsec.image import LayerStore, MountCache
+            from dsec.image.resolver import StoreImages
+
+            mounts = MountCache()   # layers mounted once for all this node's sandboxes
+            owned.append(mounts)
+            opts["images"] = StoreImages(LayerStore(layer_store), mounts)
+        return opts
     return {}
+
+
+# ------------------------------------------------------------------ capacity flags
+class _Size(click.ParamType[int]):
+    """'24GiB', '512MiB' or bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        from dsec.client.core import parse_memory
+        from dsec.errors import InvalidArgument
+
+        try:
+            n = parse_memory(str(value))
+        except InvalidArgument:
+            self.fail(f"{value!r} is not a size: use bytes or e.g. '512MiB', '24GiB'", param, ctx)
+        if n <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return n
+
+
+SIZE = _Size()
+
+
+def capacity_options(what: str) -> Callable[[F], F]:
+    """The capacity flags ``dsec edge`` and ``dsec up`` share. ``what`` names what the
+    figures describe ("this node", "this machine")."""
+    def deco(fn: F) -> F:
+        opts = [
+            click.option("--cpus", type=click.FloatRange(0.001, 1_000_000), default=None,
+                         help=f"Cores {what} has (default: measured: CPU affinity and the "
+                              "cgroup CPU quota)."),
+            click.option("--memory", type=SIZE, default=None,
+                         help=f"Memory {what} has, e.g. 24GiB (default: measured: "
+                              "/proc/meminfo or the cgroup memory limit, the lower)."),
+            click.option("--disk", type=SIZE, default=None,
+                         help="Largest disk one sandbox may be given (default: the size of "
+                              "the state dir's filesystem, or of the container backend's "
+                              "disk pool if smaller)."),
+            click.option("--cpu-overcommit", type=click.FloatRange(0.001, 10_000),
+                         default=64.0, show_default=True,
+                         help="Admit sandbox CPU up to this many times the cores (a "
+                              "sandbox's cpu is a ceiling; agent sandboxes mostly idle)."),
+            click.option("--memory-overcommit", type=click.FloatRange(0.001, 10_000),
+                         default=4.0, show_default=True,
+                         help="Admit sandbox memory limits up to this many times the "
+                              "memory."),
+            # Exact figures (what `dsec up` passes to the edges it runs).
+            click.option("--cpu-milli", type=click.IntRange(1), default=None, hidden=True),
+            click.option("--memory-bytes", type=click.IntRange(1), default=None, hidden=True),
+            click.option("--disk-bytes", type=click.IntRange(1), default=None, hidden=True),
+        ]
+        for o in reversed(opts):
+            fn = o(fn)
+        return fn
+    return deco
+
+
+def resolve_capacity(*, state_dir: str | None, cpus: float | None, memory: int | None,
+                     disk: int | None, cpu_milli: int | None, memory_bytes: int | None,
+                     disk_bytes: int | None, cpu_overcommit: float, memory_overcommit: float,
+                     max_sandboxes: int, share: int = 1) -> Any:
+    """The node Capacity the capacity flags describe (measured where not given)."""
+    from dsec.edge.admission import HostResources, Overcommit, measure_host, plan_capacity
+
+    measured = measure_host(state_dir)
+    sources = dict(measured.sources)
+    cpu = cpu_milli or (round(cpus * 1000) if cpus is not None else None)
+    mem = memory_bytes or memory
+    dsk = disk_bytes or disk
+    for name, given in (("cpu", cpu), ("memory", mem), ("disk", dsk)):
+        if given is not None:
+            sources[name] = "given"
+    host = HostResources(cpu_milli=cpu or measured.cpu_milli,
+                         memory_bytes=mem or measured.memory_bytes,
+                         disk_bytes=dsk or measured.disk_bytes, sources=sources)
+    return plan_capacity(host, overcommit=Overcommit(cpu=cpu_overcommit,
+                                                     memory=memory_overcommit),
+                         max_sandboxes=max_sandboxes, share=share)
+
+
+def _die_with_supervisor(pid: int) -> None:
+    """Ask the kernel for SIGTERM when our parent (the supervisor) dies, then check it
+    has not died already (a race the prctl alone cannot close)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise click.ClickException(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != pid:
+        click.echo(f"supervisor pid {pid} is gone (parent is {os.getppid()}); not starting",
+                   err=True)
+        sys.exit(1)
 
 
 @click.command()
@@ -86,9 +196,7 @@ def _backend_opts(name: str, profile: str, pool_size: int,
               help="Backend to offer (repeatable): simulated, fncall, container, ...")
 @click.option("--node-id", default=_default_node_id, show_default="hostname",
               help="This node's id; it is part of every sandbox id it creates.")
-@click.option("--cpu-milli", type=int, default=None,
-              help="Admitted millicores (default: cores x 1000).")
-@click.option("--memory-bytes", type=int, default=None, help="Admitted memory (default: RAM).")
+@capacity_options("this node")
 @click.option("--max-sandboxes", type=int, default=1000, show_default=True)
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Node label for placement (repeatable).")
@@ -97,6 +205,9 @@ def _backend_opts(name: str, profile: str, pool_size: int,
               default="zero", show_default=True, help="Latency profile of the simulated backend.")
 @click.option("--fncall-pool-size", type=int, default=8, show_default=True,
               help="Warm Python workers kept by the fncall backend.")
+@click.option("--layer-store", type=click.Path(file_okay=False), default=None,
+              help="Layer store the container backend starts sandboxes from (images and "
+                   "snapshots; `dsec up` passes <state-dir>/layers).")
 @click.option("--backend-opt", "backend_opts", multiple=True, metavar="BACKEND.KEY=VALUE",
               help="Option for one backend's make_backend (repeatable), e.g. "
                    "container.images_dir=/var/lib/dsec/images. Values are strings.")
@@ -111,47 +222,61 @@ def _backend_opts(name: str, profile: str, pool_size: int,
 @click.option("--disk-pool", default=None, metavar="SIZE",
               help="Size of the container backend's sandbox disk pool when first made "
                    "[default: 90% of its root dir's free space].")
+@click.option("--ready-fd", type=int, default=None, hidden=True,
+              help="Write 'ready' to this inherited fd once serving (for a supervisor).")
+@click.option("--supervisor-pid", type=int, default=None, hidden=True,
+              help="Stop (keeping sandboxes) when this parent process dies.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
-         node_id: str,
-         cpu_milli: int | None, memory_bytes: int | None, max_sandboxes: int,
+         node_id: str, cpus: float | None, memory: int | None, disk: int | None,
+         cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
+         memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
-         backend_opts: tuple[str, ...], token_file: str | None, insecure: bool,
-         disk_default: str, disk_pool: str | None, log_level: str) -> None:
+         layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
+         insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
+         supervisor_pid: int | None, log_level: str) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
+    if supervisor_pid is not None:
+        _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from dsec.edge.admission import Capacity
+    from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
 
+    owned: list[Any] = []
     try:
         if state_dir is not None:
             from dsec.statedir import ensure_private_dir
             # 0700 even when it existed: journals, sandbox records (with their env).
             state_dir = ensure_private_dir(state_dir)
-        cfg = NodeConfig(
-            node_id=node_id,
-            capacity=Capacity(cpu_milli=cpu_milli if cpu_milli is not None else (os.cpu_count() or 1) * 1000,
-                              memory_bytes=memory_bytes if memory_bytes is not None else _mem_total(),
-                              max_sandboxes=max_sandboxes),
-            labels=_labels(labels), state_dir=state_dir,
-            journal_sync=journal_sync)  # type: ignore[arg-type]
+        capacity = resolve_capacity(
+            state_dir=state_dir, cpus=cpus, memory=memory, disk=disk, cpu_milli=cpu_milli,
+            memory_bytes=memory_bytes, disk_bytes=disk_bytes, cpu_overcommit=cpu_overcommit,
+            memory_overcommit=memory_overcommit, max_sandboxes=max_sandboxes)
         extra = _extra_opts(backend_opts, backends)
         from dsec.client.core import parse_memory
-        disk: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
-                                "disk_pool_bytes": None if disk_pool is None
-                                else parse_memory(disk_pool)}
+        disk_opts: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
+                                     "disk_pool_bytes": None if disk_pool is None
+                                     else parse_memory(disk_pool)}
         for name in backends:
             if name == "container":
-                extra[name] = {**disk, **extra.get(name, {})}
+                extra[name] = {**disk_opts, **extra.get(name, {})}
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
-                                                             state_dir),
-                                              **extra.get(name, {})})
+                                                              state_dir, layer_store, owned),
+                                             **extra.get(name, {})})
                  for name in dict.fromkeys(backends)}
+        cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
+                         labels=_labels(labels), state_dir=state_dir,
+                         journal_sync=journal_sync)  # type: ignore[arg-type]
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
+    except KeyError as exc:
+        raise click.ClickException(
+            f"backend option {exc} is required: pass --backend-opt BACKEND.{exc.args[0]}=..."
+            " (the container backend needs --state-dir and --layer-store, or root_dir and "
+            "images_dir)") from exc
     try:
         import uvloop
 
@@ -162,13 +287,17 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if len(token) < 16:
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
-        uvloop.run(_serve(cfg, built, listen, token, insecure))
+        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        for o in owned:
+            o.close()   # the layer mounts; sandboxes kept for adoption hold their own
 
 
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
-                 insecure: bool) -> None:
+                 insecure: bool, ready_fd: int | None) -> None:
+    from dsec.edge.admission import format_bytes, format_cpu
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
 
@@ -179,9 +308,20 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
         loop.add_signal_handler(sig, stop.set)
     async with EdgeNode(cfg, backends) as node:
         server = await serve_edge(node, listen, token=token, insecure=insecure)
-        log.info("edge %s serving %s on %s (%d sandboxes adopted)", cfg.node_id,
-                 ",".join(sorted(backends)), server.address, node.live_count)
+        cap = cfg.capacity
+        phys = cap.physical
+        log.info("edge %s serving %s on %s (%d sandboxes adopted); admits %s and %s "
+                 "(machine: %s, %s)", cfg.node_id, ",".join(sorted(backends)), server.address,
+                 node.live_count, format_cpu(cap.cpu_milli), format_bytes(cap.memory_bytes),
+                 format_cpu(phys.cpu_milli) if phys else "?",
+                 format_bytes(phys.memory_bytes) if phys else "?")
         click.echo(f"edge {cfg.node_id} listening on {server.address}", err=True)
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, b"ready\n")
+                os.close(ready_fd)
+            except OSError as exc:
+                log.warning("could not tell the supervisor we are ready: %s", exc)
         try:
             await stop.wait()
         finally:

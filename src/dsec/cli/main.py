@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 COMMANDS: dict[str, str] = {
+    "apiserver": "dsec.cli.apiserver:apiserver",
     "bench": "dsec.cli.bench:bench",
     "demo": "dsec.cli.demo:demo",
     "edge": "dsec.cli.edge:edge",

@@ -1,18 +1,23 @@
-"""``dsec up``: a complete single-node cluster in the foreground.
+"""``dsec up``: a complete single-machine cluster in the foreground.
 
 apiserver (REST + Aether gateway) + control plane (SQLite state, placement, watcher,
-sweeper) + one edge, with a one-line status. Ctrl-C / SIGTERM stops it cleanly: every
-sandbox is destroyed (no process, mount or cgroup left), unless ``--keep`` leaves them
-for the next ``dsec up`` to re-adopt. Connection details go to ``<state-dir>/local.json``,
-which the SDK and the CLI read when ``DSEC_URL`` is not set.
+sweeper) in this process, and each edge in a supervised ``dsec edge`` process of its own
+(restarted on a crash; it re-adopts its sandboxes), with a one-line status. Ctrl-C /
+SIGTERM stops it cleanly: every sandbox is destroyed (no process, mount or cgroup left),
+unless ``--keep`` leaves them for the next ``dsec up`` to re-adopt. Connection details go
+to ``<state-dir>/local.json``, which the SDK and the CLI read when ``DSEC_URL`` is not
+set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from typing import Any
 
 import click
+
+from dsec.cli.edge import capacity_options
 
 
 @click.command()
@@ -25,7 +30,13 @@ import click
 @click.option("--backend", type=click.Choice(["container", "simulated", "fncall"]),
               default="simulated", show_default=True, help="Default sandbox backend.")
 @click.option("--edges", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Edge nodes to run (each on its own Unix socket).")
+              help="Edge nodes to run (each its own process on its own Unix socket; they "
+                   "share the machine's capacity evenly).")
+@capacity_options("this machine")
+@click.option("--max-sandboxes", type=click.IntRange(1), default=100_000, show_default=True,
+              help="Live sandboxes per edge.")
+@click.option("--in-process-edges", is_flag=True, hidden=True,
+              help="Run the edges inside this process (debugging, profiling).")
 @click.option("--keep", is_flag=True, help="On exit, leave sandboxes running for re-adoption.")
 @click.option("--disk-default", default="10GiB", show_default=True, metavar="SIZE",
               help="Disk cap of a container sandbox created without one.")
@@ -38,35 +49,71 @@ import click
                    "Restart (upgrade) an edge within it to keep them.")
 @click.option("--quiet", is_flag=True, help="No status line.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
-       keep: bool, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool) -> None:
+       cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
+       memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
+       disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
+       disk_default: str, disk_pool: str | None, node_ttl: float, quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
     from dsec.client.core import parse_memory
     from dsec.control.api.cluster import ClusterConfig, default_state_dir
     from dsec.control.api.plane import PlaneConfig
+    from dsec.edge.admission import Overcommit
     from dsec.errors import DsecError
 
     try:
-        disk = parse_memory(disk_default)
+        default_disk = parse_memory(disk_default)
         pool = None if disk_pool is None else parse_memory(disk_pool)
     except DsecError as exc:
         raise click.BadParameter(str(exc), param_hint="--disk-default/--disk-pool") from exc
-    cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
-                        gateway=None if gateway == "off" else gateway, backend=backend,
-                        edges=edges, keep=keep, disk_default_bytes=disk,
-                        disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl))
+    cfg = ClusterConfig(
+        state_dir=state_dir or default_state_dir(), listen=listen,
+        gateway=None if gateway == "off" else gateway, backend=backend, edges=edges,
+        edge_processes=not in_process_edges, keep=keep,
+        cpu_milli=cpu_milli or (round(cpus * 1000) if cpus is not None else None),
+        memory_bytes=memory_bytes or memory, disk_bytes=disk_bytes or disk,
+        overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
+        edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
+        disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl))
     uvloop.run(_run(cfg, quiet))
 
 
-async def _run(cfg: object, quiet: bool) -> None:
+def _sizes(rt: Any) -> str:
+    from dsec.edge.admission import format_bytes, format_cpu
+
+    cap, host = rt.capacity, rt.host
+    if cap is None or host is None:
+        return ""
+    oc = rt.config.overcommit
+    per = f" each ({len(rt.node_ids)} edges share it)" if len(rt.node_ids) > 1 else ""
+    return (f"machine {format_cpu(host.cpu_milli)}, {format_bytes(host.memory_bytes)}; "
+            f"admits {format_cpu(cap.cpu_milli)} (cpu x{oc.cpu:g}) and "
+            f"{format_bytes(cap.memory_bytes)} (memory x{oc.memory:g}){per}")
+
+
+def _log_to(console: Any) -> None:
+    """Warnings (and the supervisor's restart notes) print above the status line."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=console, show_path=False, markup=False,
+                          rich_tracebacks=False)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s",
+                        handlers=[handler])
+    logging.getLogger("dsec.supervisor").setLevel(logging.INFO)
+
+
+async def _run(cfg: Any, quiet: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     from dsec.control.api.cluster import ClusterRuntime
 
     console = Console(stderr=True)
-    rt = ClusterRuntime(cfg)  # type: ignore[arg-type]
+    _log_to(console)
+    rt = ClusterRuntime(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -74,13 +121,14 @@ async def _run(cfg: object, quiet: bool) -> None:
     try:
         await rt.start()
     except Exception as exc:
-        console.print(f"[red]dsec up failed:[/red] {exc}")
+        console.print(f"[red]dsec up failed:[/red] {escape(str(exc))}")
         raise SystemExit(1) from exc
     if not quiet:
         console.print(f"[bold]dsec up[/bold]  REST {rt.url}  gateway {rt.gateway_address}  "
                       f"state {rt.config.state_dir}")
         console.print(f"admin key: {rt.admin_key}  (also in "
                       f"{rt.config.state_dir}/local.json)")
+        console.print(_sizes(rt))
     try:
         if quiet:
             await stop.wait()
@@ -89,13 +137,16 @@ async def _run(cfg: object, quiet: bool) -> None:
                 while not stop.is_set():
                     counts = rt.status()
                     line = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "idle"
-                    status.update(f"{len(rt.nodes)} edge(s), backend {rt.config.backend}: "
-                                  f"{line}  (Ctrl-C to stop)")
+                    states = rt.edge_states()
+                    odd = ", ".join(f"{n} {s}" for n, s in states.items() if s != "running")
+                    status.update(f"{len(rt.node_ids)} edge(s){f' ({odd})' if odd else ''}, "
+                                  f"backend {rt.config.backend}: {line}  (Ctrl-C to stop)")
                     try:
                         await asyncio.wait_for(stop.wait(), 1.0)
                     except TimeoutError:
                         pass
     finally:
+        await rt.refresh()
         n = sum(rt.status().values())
         if not quiet:
             what = "keeping" if rt.config.keep else "destroying"

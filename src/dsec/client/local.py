@@ -2,12 +2,24 @@
 
 ``with LocalCluster(edges=2, backend="simulated") as cluster: client = cluster.client()``
 
-In-process (default), the cluster runs on a private event-loop thread: the apiserver on a
-loopback port, the gateway, the control plane and N edges, each edge served over Aether
-on its own Unix socket under the state dir. With ``subprocess=True`` it runs ``dsec up``
-in a child process instead (what a notebook wants when its own loop must stay free), and
-reads the child's ``local.json``. Either way, leaving the ``with`` block destroys every
-sandbox and removes a temporary state dir.
+Three topologies, one interface:
+
+- default: the cluster runs on a private event-loop thread of this process: the
+  apiserver on a loopback port, the gateway, the control plane and N edges, each edge
+  served over Aether on its own Unix socket under the state dir. Tests reach into it
+  (``cluster.runtime.nodes`` are the :class:`~dsec.edge.node.EdgeNode` objects);
+- ``edge_processes=True``: the apiserver as above, each edge a supervised ``dsec edge``
+  process, as under ``dsec up``: ``stop_edge`` kills the process (a machine dying),
+  ``start_edge`` starts it again, ``kill_edge`` crashes it and the supervisor restarts it;
+- ``subprocess=True``: ``dsec up`` itself in a child process (what a notebook wants when
+  its own loop must stay free; edges are processes of their own there too), found through
+  the child's ``local.json``.
+
+Capacity: the edges measure the machine and overcommit it (see ``dsec up``); pass
+``cpu_milli``/``memory_bytes``/``overcommit=Overcommit(...)`` to size it by hand (a
+simulated-backend load test creating thousands of 512 MiB sandboxes needs that).
+Either way, leaving the ``with`` block destroys every sandbox and removes a temporary
+state dir.
 """
 
 from __future__ import annotations
@@ -28,16 +40,43 @@ from dsec.errors import InvalidArgument, TransportError
 __all__ = ["LocalCluster"]
 
 
+async def _call(fn: Any) -> Any:
+    return fn()
+
+
+def _up_flags(config: dict[str, Any]) -> list[str]:
+    """``dsec up`` flags for the ClusterConfig fields a subprocess cluster understands."""
+    flags: list[str] = []
+    for key, flag in (("cpu_milli", "--cpu-milli"), ("memory_bytes", "--memory-bytes"),
+                      ("disk_bytes", "--disk-bytes"),
+                      ("edge_max_sandboxes", "--max-sandboxes"),
+                      ("disk_default_bytes", "--disk-default"),
+                      ("disk_pool_bytes", "--disk-pool")):
+        if config.get(key) is not None:
+            flags += [flag, str(config[key])]
+    oc = config.get("overcommit")
+    if oc is not None:
+        flags += ["--cpu-overcommit", repr(oc.cpu), "--memory-overcommit", repr(oc.memory)]
+    unknown = set(config) - {"cpu_milli", "memory_bytes", "disk_bytes", "edge_max_sandboxes",
+                             "overcommit", "disk_default_bytes", "disk_pool_bytes"}
+    if unknown:
+        raise InvalidArgument(f"LocalCluster(subprocess=True) cannot pass {sorted(unknown)} "
+                              "to `dsec up`; drop them or use subprocess=False")
+    return flags
+
+
 class LocalCluster:
     def __init__(self, *, edges: int = 1, backend: str = "simulated",
                  state_dir: str | None = None, subprocess: bool = False,
-                 gateway: bool = True, rate_per_s: float | None = None,
-                 start_timeout_s: float = 30.0, **config: Any) -> None:
+                 edge_processes: bool = False, gateway: bool = True,
+                 rate_per_s: float | None = None, start_timeout_s: float = 30.0,
+                 **config: Any) -> None:
         self.edges = edges
         self.backend = backend
         self._tmp = state_dir is None
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="dsec-local-")
         self._subprocess = subprocess
+        self._edge_processes = edge_processes
         self._gateway = gateway
         self._rate = rate_per_s
         self._timeout = start_timeout_s
@@ -71,6 +110,7 @@ class LocalCluster:
         cfg = ClusterConfig(state_dir=self.state_dir, listen="127.0.0.1:0",
                             gateway="tcp:127.0.0.1:0" if self._gateway else None,
                             backend=self.backend, edges=self.edges, write_local=False,
+                            edge_processes=self._edge_processes,
                             rate=RateLimitConfig(rate_per_s=self._rate, burst=max(1.0, (self._rate or 1) * 2)),
                             **self._config)
         loop = self._loop = uvloop.new_event_loop()
@@ -85,9 +125,10 @@ class LocalCluster:
     def _start_process(self) -> None:
         from dsec.control.api.cluster import read_local
 
-        cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up", "--state-dir", self.state_dir,
-               "--listen", "127.0.0.1:0", "--backend", self.backend,
-               "--edges", str(self.edges), "--quiet"]
+        cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up",
+               "--state-dir", self.state_dir, "--listen", "127.0.0.1:0",
+               "--backend", self.backend, "--edges", str(self.edges), "--quiet",
+               *_up_flags(self._config)]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE)
         deadline = time.monotonic() + self._timeout
@@ -124,7 +165,8 @@ class LocalCluster:
 
     # ------------------------------------------------------------- edge outages
     def stop_edge(self, node_id: str) -> None:
-        """Stop one edge as if its machine died (in-process clusters only); its
+        """Stop one edge as if its machine died: with ``edge_processes=True`` its process
+        is killed (SIGKILL) and not restarted; in-process, it stops serving. Its
         sandboxes stay behind, and the control plane expires the node after
         ``PlaneConfig.node_ttl_s`` (pass ``plane=PlaneConfig(...)`` to shorten it)."""
         self._on_loop(self._rt().stop_edge(node_id))
@@ -133,10 +175,20 @@ class LocalCluster:
         """Bring a stopped edge back; it re-adopts its sandboxes from its journal."""
         self._on_loop(self._rt().start_edge(node_id))
 
+    def kill_edge(self, node_id: str, signum: int = signal.SIGKILL) -> int:
+        """Crash one edge process (``edge_processes=True``) behind its supervisor's back,
+        which restarts it; returns the pid killed."""
+        rt = self._rt()
+        return int(self._on_loop(_call(lambda: rt.kill_edge(node_id, signum))))
+
+    def edge_states(self) -> dict[str, str]:
+        """Local edge -> "running", "restarting", "failed", "stopped", ..."""
+        return dict(self._on_loop(_call(self._rt().edge_states)))
+
     def _rt(self) -> Any:
         if self.runtime is None:
-            raise InvalidArgument("stop_edge/start_edge need a running in-process "
-                                  "LocalCluster (subprocess=False)")
+            raise InvalidArgument("stop_edge/start_edge/kill_edge need a running "
+                                  "LocalCluster with subprocess=False")
         return self.runtime
 
     def _on_loop(self, coro: Any, timeout: float = 30.0) -> Any:

@@ -20,6 +20,7 @@ enters its layer store.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -217,6 +218,20 @@ class QuotaIndex:
 
     def snapshot_charge(self, snapshot_id: str) -> tuple[str, int] | None:
         return self._snaps.get(snapshot_id)
+
+    def replace_snapshots(self, charges: Iterable[tuple[str, str, int]]) -> None:
+        """Make the snapshot charges exactly ``(id, project, bytes)`` (the store's rows:
+        other apiserver replicas charge and release snapshots too)."""
+        for sid in list(self._snaps):
+            self.remove_snapshot(sid)
+        for sid, project, size in charges:
+            self.add_snapshot(sid, project, size)
+
+    def snapshot_limits(self, project: str) -> list[tuple[str, int]]:
+        """``(ancestor, snapshot_bytes)`` for every node of ``project``'s chain that limits
+        snapshot storage (pure; what :meth:`StateStore.charge_snapshot` checks)."""
+        return [(node.path, node.quota.snapshot_bytes) for node in self._chain(project)
+                if node.quota is not None and node.quota.snapshot_bytes is not None]
 
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot in ``project`` may take: the least room left under a

@@ -74,8 +74,13 @@ FINAL_REASONS: frozenset[str] = frozenset({
 
 # Reasons a backend may report for a sandbox that lives on: recorded as an event whose
 # from and to states are equal, never as a death.
+# Backends rate-limit them (dsec.edge.notices.NoticeLimiter): a runaway agent can trigger
+# one per fork.
 NOTICE_REASONS: frozenset[str] = frozenset({
     "oom_kill",         # the OOM killer killed a process inside; the sandbox still runs
+    "pids_limit",       # forks inside failed: the sandbox is at its task limit (pids_max)
+    "tmpfs_full",       # tmpfs files (/tmp, /dev/shm) hold most of the memory limit, so
+                        # new processes get OOM-killed; free them with the file API
     "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
 })
 

@@ -179,7 +179,7 @@ class EdgeNode:
         # Sandbox ids only need to be unique, not secret (they are not credentials);
         # a seeded Random is ~10x cheaper than secrets.token_hex per id.
         self._rng = rng or random.Random()
-        self.pool = ResourcePool(config.capacity)
+        self.pool = ResourcePool(config.capacity, node=f"node {config.node_id}")
         self._live: dict[str, _Sandbox] = {}
         self._dead: collections.OrderedDict[str, _Sandbox] = collections.OrderedDict()
         self._feed: collections.deque[tuple[int, str, EventTuple]] = collections.deque(
@@ -563,7 +563,7 @@ class EdgeNode:
                 f"backend {spec.backend!r} is not available on node {self.node_id}; "
                 f"it offers: {', '.join(sorted(self.backends))}", field="backend")
         sid = self._new_id() if sandbox_id is None else self._claim_id(sandbox_id)
-        self.pool.reserve(sid, spec.cpu_milli, spec.memory_bytes)
+        self.pool.reserve(sid, spec.cpu_milli, spec.memory_bytes, disk_bytes=spec.disk_bytes)
         rec = _Sandbox(sid, spec, backend, self.clock.time())
         self._live[sid] = rec
         self._seq += 1
@@ -1112,7 +1112,8 @@ class EdgeNode:
                 pools[name] = fn()
         return Heartbeat(
             node=self.node_id, time=self.clock.time(),
-            capacity=self.pool.capacity.as_resources(), usage=self.pool.usage(),
+            capacity=self.pool.capacity.as_resources(), physical=self.pool.capacity.physical,
+            usage=self.pool.usage(),
             counts=self.counts(), labels=dict(self.config.labels), images=self.images(),
             backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs,
             pools=pools)

@@ -235,6 +235,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     feed_seq: int = 0               # last event sequence number (see EventFeed)
     sandboxes: list[SandboxBrief] | None = None
     pools: dict[str, PoolStats] = {}    # backend name -> warm-pool stats (optional capability)
+    physical: Resources | None = None   # the machine before overcommit (capacity / physical)
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):
@@ -243,6 +244,7 @@ class NodeInfo(msgspec.Struct, kw_only=True):
     capacity: Resources
     labels: dict[str, str]
     methods: list[str]
+    physical: Resources | None = None
 
 
 # Every method the edge service exposes (the service checks it registers exactly these).

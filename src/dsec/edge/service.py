@@ -112,7 +112,7 @@ class EdgeService:
         n = self.node
         return NodeInfo(node=n.node_id, backends=sorted(n.backends),
                         capacity=n.pool.capacity.as_resources(), labels=dict(n.config.labels),
-                        methods=list(METHODS))
+                        methods=list(METHODS), physical=n.pool.capacity.physical)
 
     async def _create(self, b: CreateRequest) -> SandboxInfo:
         return await self.node.create(b.spec, sandbox_id=b.sandbox_id)

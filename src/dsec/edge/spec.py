@@ -201,6 +201,9 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
     memory_bytes: int = 0
     memory_peak_bytes: int = 0
+    #: of memory_bytes, what tmpfs files hold (/tmp, /dev/shm): no OOM kill frees it, so
+    #: near the limit every new process is OOM-killed (notice "tmpfs_full")
+    memory_tmpfs_bytes: int = 0
     cpu_seconds: float = 0.0
     pids: int = 0
     disk_bytes: int = 0

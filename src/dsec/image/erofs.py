@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -31,8 +32,8 @@ from typing import Literal
 
 from dsec.errors import ImageError, InvalidArgument
 
-__all__ = ["CHUNK_BYTES", "MKFS", "Compression", "ProgressFn", "hash_file", "layout_for",
-           "mkfs_erofs"]
+__all__ = ["CHUNK_BYTES", "MKFS", "Compression", "OutputTooLarge", "ProgressFn", "hash_file",
+           "layout_for", "mkfs_erofs"]
 
 Compression = Literal["lz4", "lz4hc"]
 ProgressFn = Callable[[str, int, int], None]
@@ -58,12 +59,28 @@ def layout_for(*, files: int, apparent_bytes: int, allocated_bytes: int,
     return CHUNK_BYTES if chunked * 2 < flat and flat - chunked > 1 << 20 else None
 
 
+class OutputTooLarge(ImageError):
+    """mkfs.erofs stopped because its output reached ``max_output_bytes`` (no ``code``:
+    callers map it to the error of the bound they passed)."""
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message, limit=limit)
+        self.limit = limit
+
+
 def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None = None,
                chunk_bytes: int | None = None, expected_bytes: int = 0,
-               progress: ProgressFn | None = None, poll_s: float = 0.05) -> None:
+               progress: ProgressFn | None = None, poll_s: float = 0.05,
+               max_output_bytes: int | None = None) -> None:
     """Pack ``src_dir`` into the EROFS file ``out_path`` (which must not exist).
     ``chunk_bytes``: build chunk-based files (see :func:`layout_for`); it overrides
-    ``compression`` (mkfs.erofs 1.5 does not compress chunked files)."""
+    ``compression`` (mkfs.erofs 1.5 does not compress chunked files).
+
+    ``max_output_bytes``: mkfs runs under that RLIMIT_FSIZE (util-linux ``prlimit``), so
+    the layer cannot grow past it on disk while it is built (``OutputTooLarge``). The
+    size of a layer is only known at the end: a sparse file with 4 KiB of distinct data
+    every 64 KiB made a 768 MiB chunked layer from 48 MiB of data before the check after
+    the build refused it."""
     exe = shutil.which(MKFS)
     if exe is None:
         raise ImageError(f"{MKFS} not found on PATH: install the Debian package erofs-utils")
@@ -71,6 +88,12 @@ def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None =
         raise InvalidArgument(f"compression={compression!r} is not supported: use lz4, lz4hc "
                               "or none (erofs-utils 1.5)")
     argv = [exe, "--quiet", "--preserve-mtime"]
+    if max_output_bytes is not None:
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:
+            raise ImageError("prlimit not found on PATH: install the Debian package "
+                             "util-linux (it bounds the layer mkfs.erofs writes)")
+        argv = [prlimit, f"--fsize={max(max_output_bytes, 1 << 20)}", "--", *argv]
     if chunk_bytes is not None:
         argv.append(f"--chunksize={chunk_bytes}")
     elif compression:
@@ -96,6 +119,10 @@ def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None =
             proc.wait()
         if proc.stderr:
             proc.stderr.close()
+    if rc != 0 and max_output_bytes is not None and (
+            rc == -signal.SIGXFSZ or "File too large" in err):
+        raise OutputTooLarge(f"{MKFS} output for {src_dir} reached its limit of "
+                             f"{max_output_bytes} bytes", limit=max_output_bytes)
     if rc != 0:
         raise ImageError(f"{MKFS} failed with exit code {rc} packing {src_dir}: {err.strip()}")
     if progress is not None:

@@ -55,7 +55,14 @@ from dsec.errors import (
 )
 from dsec.ids import parse_project_path
 from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
-from dsec.image.erofs import Compression, ProgressFn, hash_file, layout_for, mkfs_erofs
+from dsec.image.erofs import (
+    Compression,
+    OutputTooLarge,
+    ProgressFn,
+    hash_file,
+    layout_for,
+    mkfs_erofs,
+)
 from dsec.image.manifest import (
     DIGEST_PREFIX,
     LAYER_KINDS,
@@ -332,15 +339,19 @@ class LayerStore:
                 "files first", resource="apparent_bytes", used=stats.apparent_bytes,
                 limit=max_apparent_bytes, requested=stats.apparent_bytes)
         chunk = layout_for(files=stats.files, apparent_bytes=stats.apparent_bytes,
-                           allocated_bytes=stats.allocated_bytes, entries=stats.entries)
+                           allocated_bytes=stats.chunked_bytes, entries=stats.entries)
         if max_bytes is not None and chunk is None and compression is None \
                 and stats.apparent_bytes > max_bytes:
             # a flat, uncompressed layer holds every apparent byte: refuse before mkfs
             raise self._too_big(what, stats.apparent_bytes, max_bytes, "at least")
         tmp = os.path.join(self._scratch(), f"layer-{secrets.token_hex(6)}.erofs")
         try:
-            mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,
-                       expected_bytes=max(stats.content_bytes, 1), progress=progress)
+            try:
+                mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,
+                           expected_bytes=max(stats.content_bytes, 1), progress=progress,
+                           max_output_bytes=max_bytes)
+            except OutputTooLarge as exc:
+                raise self._too_big(what, exc.limit, exc.limit, "more than") from exc
             size = os.stat(tmp).st_blocks * 512
             if max_bytes is not None and size > max_bytes:
                 raise self._too_big(what, size, max_bytes, "")

@@ -16,6 +16,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dsec.errors import ImageError
+
 __all__ = [
     "OPAQUE_XATTR",
     "TreeStats",
@@ -97,8 +99,20 @@ def copy_meta(src: str, dst: str, st: os.stat_result, *, times: bool = True) -> 
     os.lchown(dst, st.st_uid, st.st_gid)
     if not link:
         os.chmod(dst, stat.S_IMODE(st.st_mode))
-        for name, value in _user_xattrs(src):
-            os.setxattr(dst, name, value, follow_symlinks=False)
+        xattrs = list(_user_xattrs(src))
+        for name, value in xattrs:
+            try:
+                os.setxattr(dst, name, value, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.E2BIG, errno.ERANGE):
+                    raise
+                # ext4 keeps an inode's xattrs in one block (btrfs allows ~16 KiB each):
+                # ENOSPC here is the inode, not the disk.
+                total = sum(len(n) + len(v) for n, v in xattrs)
+                raise ImageError(
+                    f"its {len(xattrs)} extended attributes ({total} bytes) do not fit one "
+                    f"inode of the layer store's filesystem ({exc.strerror}); remove or "
+                    "shrink them") from exc
     if times:
         os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
@@ -199,16 +213,36 @@ class TreeStats:
     """What a tree holds. ``content_bytes`` sums regular-file sizes per path (what a
     reader sees); ``apparent_bytes`` and ``allocated_bytes`` count each inode once
     (hardlinks share one), apparent by size, allocated by the blocks it really uses
-    (holes cost nothing)."""
+    (holes cost nothing). ``chunked_bytes``: what the files' data takes in a
+    chunk-based layer of ``chunk_bytes`` chunks, where a chunk holding any data is
+    stored whole (only all-zero chunks are shared): a file with 4 KiB of data every 64
+    KiB is 16 times its allocation there."""
 
     entries: int = 0
     content_bytes: int = 0
     files: int = 0
     apparent_bytes: int = 0
     allocated_bytes: int = 0
+    chunked_bytes: int = 0
 
 
-def tree_stats(root: str) -> TreeStats:
+def _chunked_bytes(path: str, st: os.stat_result, chunk_bytes: int) -> int:
+    if st.st_blocks * 512 >= st.st_size:           # no holes: its blocks
+        return st.st_blocks * 512
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        chunks = 0
+        last = -1
+        for off, length in data_extents(fd, st.st_size):
+            first, end = off // chunk_bytes, (off + length - 1) // chunk_bytes
+            chunks += end - max(first, last + 1) + 1 if end > last else 0
+            last = max(last, end)
+        return chunks * chunk_bytes
+    finally:
+        os.close(fd)
+
+
+def tree_stats(root: str, *, chunk_bytes: int = 64 << 10) -> TreeStats:
     """Count entries and regular-file bytes under ``root`` (not following links)."""
     out = TreeStats()
     seen: set[tuple[int, int]] = set()
@@ -226,6 +260,8 @@ def tree_stats(root: str) -> TreeStats:
                 out.files += 1
                 out.apparent_bytes += st.st_size
                 out.allocated_bytes += st.st_blocks * 512
+                out.chunked_bytes += _chunked_bytes(os.path.join(dirpath, name), st,
+                                                    chunk_bytes)
     return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DENIED_UNLESS_NESTED",
     "Rule",
     "compile_profile",
+    "compile_rules",
     "profile_rules",
 ]
 
@@ -66,12 +68,14 @@ DENIED_UNLESS_NESTED: tuple[str, ...] = (
 @dataclass(frozen=True, slots=True)
 class Rule:
     """``syscall`` answers ``errno``; with ``arg0_mask`` only when ``arg0 & mask == mask``,
-    with ``arg0_eq`` only when ``arg0 == arg0_eq`` (at most one of the two)."""
+    with ``arg0_eq`` only when ``arg0 == arg0_eq``, with ``arg1_masked=(mask, value)``
+    only when ``arg1 & mask == value`` (at most one of the three)."""
 
     syscall: str
     errno: int = errno.EPERM
     arg0_mask: int | None = None
     arg0_eq: int | None = None
+    arg1_masked: tuple[int, int] | None = None
 
 
 def profile_rules(*, allow_nested: bool) -> list[Rule]:
@@ -87,7 +91,14 @@ def profile_rules(*, allow_nested: bool) -> list[Rule]:
 
 
 def compile_profile(*, allow_nested: bool) -> bytes:
-    """Build the profile with libseccomp and return the BPF program bytes.
+    """Build the profile with libseccomp and return the BPF program bytes."""
+    return compile_rules(profile_rules(allow_nested=allow_nested))
+
+
+def compile_rules(rules: Iterable[Rule]) -> bytes:
+    """Build "allow everything but ``rules``" with libseccomp; the BPF program bytes.
+    (A part of the profile, e.g. for the fncall worker, which loads the profile in two
+    stacked parts: the second one after the calls it still needs at admission.)
 
     Syscall names this libseccomp or architecture does not know (e.g. ``vm86`` on x86_64)
     are skipped: a call that does not exist cannot be made.
@@ -95,7 +106,7 @@ def compile_profile(*, allow_nested: bool) -> bytes:
     import pyseccomp
 
     f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    for rule in profile_rules(allow_nested=allow_nested):
+    for rule in rules:
         try:
             nr = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, rule.syscall)
         # pyseccomp raises an untyped error when libseccomp does not know the name
@@ -103,7 +114,11 @@ def compile_profile(*, allow_nested: bool) -> bytes:
             continue
         if nr < 0:
             continue
-        if rule.arg0_eq is not None:
+        if rule.arg1_masked is not None:
+            mask, value = rule.arg1_masked
+            f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall,
+                       pyseccomp.Arg(1, pyseccomp.MASKED_EQ, mask, value))
+        elif rule.arg0_eq is not None:
             f.add_rule(pyseccomp.ERRNO(rule.errno), rule.syscall,
                        pyseccomp.Arg(0, pyseccomp.EQ, rule.arg0_eq))
         elif rule.arg0_mask is None:

@@ -234,3 +234,28 @@ def test_near_cap_is_within_a_block_or_a_percent() -> None:
     assert near_cap(1000 * MiB - 5 * MiB, 1000 * MiB)    # 1/128 of a large cap
     assert not near_cap(0, 1 * MiB)
     assert DiskPool.usage_at("/nonexistent").used_bytes == 0
+
+
+async def test_the_pool_image_is_preallocated_and_given_back_when_empty(
+        tmp_path: object, images_dir: str) -> None:
+    """The pool owns its host space while it exists (a sparse image let a full host make
+    the whole pool read-only), and an empty pool is deleted at close so a backend that
+    is gone holds no disk."""
+    b = _new(tmp_path, images_dir, disk_pool_bytes=300 * MiB)
+    image = b.disk.image
+    try:
+        st = os.stat(image)
+        assert st.st_size == 300 * MiB and st.st_blocks * 512 >= st.st_size, st
+        opts = next(line.split()[5] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                    if line.split()[4] == b.disk.path)
+        assert "nosuid" in opts and "nodev" in opts, opts
+        sid = new_sid()
+        await b.create(sid, SandboxSpec(backend="container", memory_bytes=64 * MiB))
+        # no disk_bytes: the 10 GiB node default, clamped to what this 300 MiB pool has free
+        cap = (await b.stats(SandboxId(sid))).disk_cap_bytes
+        assert 200 * MiB < cap < 300 * MiB, cap
+        await b.destroy(sid)
+    finally:
+        await _cleanup(b)
+    assert not os.path.ismount(b.disk.path)
+    assert not os.path.exists(image)

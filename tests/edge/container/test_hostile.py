@@ -7,6 +7,8 @@ import asyncio
 import os
 import socket
 
+import pytest
+
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
@@ -132,18 +134,23 @@ async def test_memory_bomb_is_oom_killed_and_reported(backend: ContainerBackend)
     assert out == "still-exec-able\n"
 
 
-async def test_fork_bomb_hits_pids_max(backend: ContainerBackend) -> None:
+@pytest.mark.parametrize("userns", [False, True], ids=["plain", "userns"])
+async def test_fork_bomb_hits_pids_max(backend: ContainerBackend, userns: bool) -> None:
     sid, other = new_sid(), new_sid()
-    await backend.create(sid, SandboxSpec(backend="container", pids_max=64))
+    await backend.create(sid, SandboxSpec(backend="container", pids_max=64,
+                                          user_namespace=userns))
     await backend.create(other, SPEC)
     r = await backend.exec(sid, ExecRequest(
         shell="i=0; while [ $i -lt 200 ]; do sleep 30 & i=$((i+1)); done", timeout_s=30))
     assert b"can't fork" in r.stderr or b"Resource temporarily unavailable" in r.stderr
     stats = await backend.stats(sid)
     assert 50 <= stats.pids <= 64
-    # an exec still gets in (joining a cgroup is not a fork) and sees the cap
+    # an exec still gets in (its helper forks outside the cap and moves the command in)
+    # and sees the cap; the command is counted in the sandbox's pids cgroup
     r = await backend.exec(sid, ExecRequest(argv=("ls", "/proc")))
     assert 50 <= sum(1 for n in r.stdout.split() if n.isdigit()) <= 64
+    r = await backend.exec(sid, ExecRequest(shell="sleep 30 & echo $?", user="agent"))
+    assert r.exit_code != 0 or b"can't fork" in r.stderr  # its own forks stay capped
     _code, out = await sh(backend, other, "echo ok")  # other sandboxes unaffected
     assert out == "ok\n"
     await backend.destroy(sid)  # and it can still be torn down

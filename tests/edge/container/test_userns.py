@@ -24,9 +24,12 @@ async def sh(b: ContainerBackend, sid: str, cmd: str, **kw: object) -> str:
     return r.stdout.decode()
 
 
-def _mounts() -> int:
+def _mounts(under: str) -> list[str]:
+    """Host mount points below ``under`` (the backend's root_dir). Only those: other tests
+    on the machine mount and unmount elsewhere all the time."""
     with open("/proc/self/mountinfo") as f:
-        return sum(1 for _ in f)
+        return sorted(p for p in (line.split()[4] for line in f)
+                      if p == under or p.startswith(under + "/"))
 
 
 async def test_root_inside_is_mapped_uid_outside(backend: ContainerBackend) -> None:
@@ -72,7 +75,7 @@ async def test_files_pause_resume_destroy(backend: ContainerBackend) -> None:
     warm = new_sid()  # starts the zygote (its socket is one fd of ours for good)
     await backend.create(warm, USERNS)
     await backend.destroy(warm)
-    mounts, fds = _mounts(), len(os.listdir("/proc/self/fd"))
+    mounts, fds = _mounts(backend.root_dir), len(os.listdir("/proc/self/fd"))
     sid = new_sid()
     await backend.create(sid, USERNS)
     await backend.write_file(sid, "/work/a/note.txt", b"from the host")
@@ -93,7 +96,7 @@ async def test_files_pause_resume_destroy(backend: ContainerBackend) -> None:
     assert not os.path.exists(d)
     assert backend.sandbox_ids() == []
     assert not backend.governor.list_sandboxes()
-    assert _mounts() == mounts and len(os.listdir("/proc/self/fd")) == fds
+    assert _mounts(backend.root_dir) == mounts and len(os.listdir("/proc/self/fd")) == fds
 
 
 async def test_disk_capped_upper(backend: ContainerBackend) -> None:

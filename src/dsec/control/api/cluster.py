@@ -1,35 +1,59 @@
-"""A complete single-machine cluster in one asyncio program: what ``dsec up`` and
+"""A complete single-machine cluster: what ``dsec up``, ``dsec apiserver`` and
 ``LocalCluster`` run.
 
 Pieces: the SQLite state store under ``state_dir``, the control plane (IAM, quotas,
-registry, placement, heartbeats, sweeper), N edge nodes each served over Aether on a Unix
-socket (``state_dir/edges/<node>.sock``), the REST apiserver on uvicorn and the Aether
-gateway. The apiserver reaches the edges only through their sockets, exactly as it would
-across machines.
+registry, placement, heartbeats, sweeper), the REST apiserver on uvicorn and the Aether
+gateway, and the edges. The apiserver reaches every edge only through its socket, exactly
+as it would across machines. Where the edges run is the topology:
+
+- ``edge_processes=True`` (``dsec up``): each of ``edges`` local nodes is a ``dsec edge``
+  process of its own on ``state_dir/edges/<node>.sock``, supervised
+  (:mod:`dsec.control.api.edge_process`): restarted on a crash with backoff (it re-adopts
+  its sandboxes from its journal, well within the node-loss TTL, so the control plane
+  never declares the node lost), given up on after a crash loop, with a report. An edge
+  crash is then one node's problem, never the apiserver's;
+- ``edge_processes=False``: the edges run in this process (tests that reach into an
+  :class:`~dsec.edge.node.EdgeNode`);
+- ``remote_edges`` (``dsec apiserver``): edges this process does not run, by address.
+
+Each local edge's capacity is measured from the machine (cores, memory, the state dir's
+filesystem; see :func:`dsec.edge.admission.measure_host`), split evenly among the local
+edges (together they admit what the machine does) and multiplied by ``overcommit``.
 
 ``local.json`` in the state dir records how to reach the cluster
 (``{"url", "gateway", "api_key", "pid", "state_dir"}``, mode 0600); the SDK and CLI read it
 when neither ``DSEC_URL`` nor ``url=`` is given. The default state dir is
-``$DSEC_STATE_DIR``, else ``~/.dsec``.
+``$DSEC_STATE_DIR``, else ``~/.dsec``. ``up.lock`` in the state dir is held while local
+edges run, so two ``dsec up`` cannot share one state dir, and the next ``dsec up`` after a
+kill -9 knows that any edge process still recorded in ``edges/<node>.pid`` was left behind
+(it stops it gracefully, so its sandboxes are adopted by the fresh edge).
 
 Stopping destroys every sandbox (reason ``shutdown``) so nothing is left behind — no
 process, mount or cgroup — unless ``keep`` is set, in which case sandboxes stay and the
-edges re-adopt them at the next start (from their journals).
+edges re-adopt them at the next start (from their journals). A ``dsec up`` killed with -9
+cannot do either: its edges stop when they notice (the kernel sends them SIGTERM), keep
+their sandboxes, and the next ``dsec up`` re-adopts them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import signal
 import socket
+import sys
 import time
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from dsec.aether.limits import ServerLimits
+from dsec.control.api.edge_process import EdgePaths, EdgeProcess, reclaim_orphan
 from dsec.control.api.http_limits import HttpLimits
 from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService
@@ -37,7 +61,17 @@ from dsec.control.apiserver import RestConfig, build_app
 from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
-from dsec.errors import DsecError, InvalidArgument, TransportError
+from dsec.control.supervisor import RestartPolicy
+from dsec.edge.admission import (
+    Capacity,
+    HostResources,
+    Overcommit,
+    bound_disk,
+    measure_host,
+    plan_capacity,
+)
+from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
+from dsec.ids import parse_node_id
 from dsec.statedir import ensure_private_dir
 
 __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
@@ -45,6 +79,11 @@ __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir",
 log = logging.getLogger("dsec.cluster")
 
 LOCAL_FILE = "local.json"
+LOCK_FILE = "up.lock"
+# How long a restarted edge process takes to serve again: measured 0.3-0.8 s (Python
+# start-up, imports, journal re-adoption) on the 2-core dev VM under load; doubled.
+EDGE_RESTART_BUDGET_S = 2.0
+DSEC_ARGV = (sys.executable, "-c", "from dsec.cli.main import main; main()")
 
 
 def default_state_dir() -> str:
@@ -70,12 +109,20 @@ class ClusterConfig:
     listen: str = "127.0.0.1:8470"
     gateway: str | None = "tcp:127.0.0.1:0"   # Aether gateway address; None = off
     backend: str = "simulated"                # default backend for creates
-    edges: int = 1
-    # Per-edge *reservation* ceilings for admission and placement. Agent sandboxes idle
-    # most of the time, so reservations are heavily overcommitted; the real limits are the
-    # per-sandbox cgroups. max_sandboxes is the ceiling that binds in practice.
-    edge_cpu_milli: int = 100_000_000
-    edge_memory_bytes: int = 64 << 40
+    edges: int = 1                            # local edges to run (0: remote_edges only)
+    # Each local edge in its own supervised `dsec edge` process (False: in this process,
+    # for tests that reach into an EdgeNode).
+    edge_processes: bool = True
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # Edges this process does not run (`dsec apiserver`): node id -> unix:PATH|tcp:H:P.
+    remote_edges: Mapping[str, str] = field(default_factory=dict)
+    edge_token: bytes | None = None           # Aether token for tcp: remote edges
+    # The machine the local edges share; None = measured (cores, memory, disk of the
+    # state dir's filesystem). Split evenly among the local edges, then overcommitted.
+    cpu_milli: int | None = None
+    memory_bytes: int | None = None
+    disk_bytes: int | None = None
+    overcommit: Overcommit = field(default_factory=Overcommit)
     edge_max_sandboxes: int = 100_000
     keep: bool = False
     rate: RateLimitConfig = field(default_factory=RateLimitConfig)
@@ -114,6 +161,25 @@ def _host_paths(state_dir: str) -> tuple[str, ...]:
     return tuple(sorted((p for p in paths if p not in ("", "/")), key=len, reverse=True))
 
 
+class _Unreachable:
+    """The connection of an edge that could not be dialled: every call fails with a
+    clear error, and ``closed`` makes the control plane's poll keep redialling it."""
+
+    closed = True
+
+    def __init__(self, node: str, address: str, why: str) -> None:
+        self._why = f"edge {node} at {address} is unreachable: {why}"
+
+    async def call(self, *_: Any, **__: Any) -> Any:
+        raise ConnectionLost(self._why)
+
+    def stream(self, *_: Any, **__: Any) -> Any:
+        raise ConnectionLost(self._why)
+
+    async def close(self) -> None:
+        return None
+
+
 class ClusterRuntime:
     """Start with ``await rt.start()``; ``rt.url``, ``rt.gateway_address`` and
     ``rt.admin_key`` are then set. ``await rt.stop()`` tears it down."""
@@ -126,7 +192,13 @@ class ClusterRuntime:
         self.metrics = ApiMetrics()
         self.plane: ControlPlane | None = None
         self.service: ApiService | None = None
-        self.nodes: list[Any] = []            # EdgeNode
+        self.host: HostResources | None = None
+        self.capacity: Capacity | None = None   # of each local edge
+        self.node_ids: list[str] = [f"edge-{i}" for i in range(config.edges)]
+        self.nodes: list[Any] = []            # EdgeNode (in-process edges)
+        self.processes: dict[str, EdgeProcess] = {}   # supervised edge processes
+        #: recent supervisor reports (time, node, level, message), newest last
+        self.reports: deque[tuple[float, str, str, str]] = deque(maxlen=20)
         self._edge_servers: list[Any] = []
         self._clients: list[Any] = []
         self._gateway: Any = None
@@ -134,27 +206,54 @@ class ClusterRuntime:
         self._serve_task: asyncio.Task[None] | None = None
         self._store: Any = None
         self.http_admission: Any = None       # the REST listener's Admission (counters)
-        self._images: Any = None              # StoreImages shared by container edges
+        self._images: Any = None              # StoreImages shared by in-process container edges
         self._mounts: Any = None              # its MountCache (one per process)
+        self._lock_fd = -1
+        self._bg: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ start
     async def start(self) -> ClusterRuntime:
         from dsec.control.store.sqlite import SqliteStore
-        from dsec.edge.service import EdgeClient
 
         cfg = self.config
         # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
         ensure_private_dir(cfg.state_dir)
         try:
-            await self._start_edges()
+            if not 0 <= cfg.edges <= 64 or (cfg.edges == 0 and not cfg.remote_edges):
+                raise InvalidArgument(f"edges={cfg.edges} must be within 1..64 (or 0 with "
+                                      "remote edges given)")
+            for node in cfg.remote_edges:
+                parse_node_id(node)
+                if node in self.node_ids:
+                    raise InvalidArgument(f"remote edge {node!r} clashes with a local edge")
+            if cfg.edges and cfg.edge_processes:
+                worst = cfg.restart.first_delay_s + EDGE_RESTART_BUDGET_S
+                if worst >= cfg.plane.node_ttl_s:
+                    log.warning(
+                        "a crashed edge is restarted after %.1fs and takes up to ~%.1fs to "
+                        "serve again, but the node-loss TTL is %.1fs: the control plane "
+                        "may write its sandboxes off first; raise node_ttl_s or lower "
+                        "restart.first_delay_s", cfg.restart.first_delay_s,
+                        EDGE_RESTART_BUDGET_S, cfg.plane.node_ttl_s)
+            if cfg.edges:
+                self._lock_state_dir()
+                self._size_edges()
+                if cfg.edge_processes:
+                    await self._begin_edge_processes()
+                else:
+                    await self._start_edges()
+            # The edge processes boot (~0.3 s of Python start-up and re-adoption) while
+            # this process opens its store and loads the HTTP stack.
+            import uvicorn  # noqa: F401 - imported now to overlap with the edges' start
+
             self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
             plane = self.plane = ControlPlane.open(self._store, metrics=self.metrics,
                                                    config=cfg.plane)
-            for node in self.nodes:
-                addr = f"unix:{self._sock(node.node_id)}"
-                client = await EdgeClient.connect(addr)
-                self._clients.append(client)
-                plane.add_edge(node.node_id, addr, client)
+            await asyncio.gather(*(p.started() for p in self.processes.values()))
+            for node in self.node_ids:
+                await self._add_edge(plane, node, f"unix:{self._sock(node)}", None)
+            for node, addr in cfg.remote_edges.items():
+                await self._add_edge(plane, node, addr, cfg.edge_token)
             loop = asyncio.get_running_loop()
             service = self.service = ApiService(
                 authority=IamAuthority(plane.iam, self._store), directory=plane, placer=plane,
@@ -172,68 +271,218 @@ class ClusterRuntime:
             if cfg.gateway is not None:
                 from dsec.control.gateway import serve_gateway
                 self._gateway = await serve_gateway(service, plane, cfg.gateway,
-                                                    limits=cfg.listener_limits)
+                                                    limits=self.config.listener_limits)
                 self.gateway_address = str(self._gateway.address)
             await self._start_http(service, plane)
             if cfg.write_local:
                 self._write_local()
         except BaseException:
-            await self.stop()
+            # A start that failed destroys nothing: the sandboxes edges re-adopted from a
+            # `--keep` run stay for the next attempt.
+            await self.stop(keep=True)
             raise
         return self
+
+    async def _add_edge(self, plane: ControlPlane, node: str, addr: str,
+                        token: bytes | None) -> None:
+        """Register an edge with the control plane. One that cannot be dialled yet (a
+        remote edge still starting) is registered anyway: the plane redials it on every
+        poll, and it becomes healthy with its first heartbeat."""
+        from dsec.edge.service import EdgeClient
+
+        try:
+            client = await EdgeClient.connect(addr, token=token)
+        except DsecError as exc:
+            if node in self.node_ids:
+                raise
+            log.warning("edge %s at %s is not reachable yet (%s); will keep trying", node,
+                        addr, exc)
+            client = EdgeClient(cast(Any, _Unreachable(node, addr, str(exc))))
+        self._clients.append(client)
+        plane.add_edge(node, addr, client, token=token)
+
+    def _lock_state_dir(self) -> None:
+        """One ``dsec up`` per state dir: its edges' journals, sockets and pid files are
+        this process's. The lock dies with the process, so after a kill -9 the next
+        start takes it and knows leftover edge processes are orphans."""
+        path = os.path.join(self.config.state_dir, LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise InUse(f"another dsec up (pid {owner}) runs on state dir "
+                        f"{self.config.state_dir}; stop it or pass another --state-dir",
+                        state_dir=self.config.state_dir) from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _size_edges(self) -> None:
+        cfg = self.config
+        measured = measure_host(cfg.state_dir)
+        sources = dict(measured.sources)
+        for name, given in (("cpu", cfg.cpu_milli), ("memory", cfg.memory_bytes),
+                            ("disk", cfg.disk_bytes)):
+            if given is not None:
+                sources[name] = "given"
+        self.host = HostResources(
+            cpu_milli=cfg.cpu_milli or measured.cpu_milli,
+            memory_bytes=cfg.memory_bytes or measured.memory_bytes,
+            disk_bytes=cfg.disk_bytes or measured.disk_bytes, sources=sources)
+        self.capacity = plan_capacity(self.host, overcommit=cfg.overcommit,
+                                      max_sandboxes=cfg.edge_max_sandboxes, share=cfg.edges)
 
     def _sock(self, node_id: str) -> str:
         return os.path.join(self.config.state_dir, "edges", f"{node_id}.sock")
 
-    async def _start_edges(self) -> None:
+    def _local_backends(self) -> list[str]:
+        return sorted({"simulated", self.config.backend})
+
+    def _ensure_base_layer(self) -> None:
+        """``base`` (busybox) in the cluster's layer store, built on first use (~0.1 s) so
+        ``dsec up --backend container`` works on a fresh machine; done once here, so
+        edges never race to build it."""
+        from dsec.image import LayerStore, ensure_busybox_base
+
+        store = LayerStore(os.path.join(self.config.state_dir, "layers"))
+        base = ensure_busybox_base(store)
+        if "base:latest" not in store.refs():
+            store.tag(base.digest, "base")
+
+    # ------------------------------------------------------- edge processes
+    def _edge_argv(self, node: str) -> list[str]:
+        cfg, cap = self.config, self.capacity
+        assert cap is not None and cap.physical is not None
+        paths = EdgePaths.under(cfg.state_dir, node)
+        argv = [*DSEC_ARGV, "edge", "--listen", f"unix:{paths.socket}",
+                "--state-dir", paths.state_dir, "--node-id", node,
+                "--cpu-milli", str(cap.physical.cpu_milli),
+                "--memory-bytes", str(cap.physical.memory_bytes),
+                "--cpu-overcommit", repr(cfg.overcommit.cpu),
+                "--memory-overcommit", repr(cfg.overcommit.memory),
+                "--max-sandboxes", str(cap.max_sandboxes), "--log-level", "warning"]
+        if cap.disk_bytes is not None:
+            argv += ["--disk-bytes", str(cap.disk_bytes)]
+        for b in self._local_backends():
+            argv += ["--backend", b]
+        if "container" in self._local_backends():
+            argv += ["--layer-store", os.path.join(cfg.state_dir, "layers"),
+                     "--backend-opt",
+                     f"container.root_dir={os.path.join(cfg.state_dir, 'container', node)}",
+                     "--disk-default", str(cfg.disk_default_bytes)]
+            if cfg.disk_pool_bytes is not None:
+                argv += ["--disk-pool", str(cfg.disk_pool_bytes)]
+        return argv
+
+    def _on_report(self, node: str, level: str, message: str) -> None:
+        self.reports.append((time.time(), node, level, message))
+
+    def _on_ready(self, node: str) -> None:
+        """A (re)started edge serves again: have the control plane redial it now rather
+        than at its next poll, so a crashed edge is back in well under a second."""
+        plane = self.plane
+        entry = plane.edges.get(node) if plane is not None else None
+        if plane is None or entry is None:
+            return
+        entry.retry_at = 0.0
+        task = asyncio.get_running_loop().create_task(plane.poll_edges())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _begin_edge_processes(self) -> None:
         cfg = self.config
-        if not 1 <= cfg.edges <= 64:
-            raise InvalidArgument(f"edges={cfg.edges} must be within 1..64")
-        for i in range(cfg.edges):
-            node, server = await self._run_edge(f"edge-{i}")
+        os.makedirs(os.path.join(cfg.state_dir, "edges"), mode=0o700, exist_ok=True)
+        for node in self.node_ids:
+            paths = EdgePaths.under(cfg.state_dir, node)
+            what = await reclaim_orphan(paths)
+            if what is not None:
+                log.warning("%s: %s", node, what)
+                self._on_report(node, "warning", what)
+            proc = self.processes[node] = EdgeProcess(
+                node, self._edge_argv(node), paths, policy=cfg.restart,
+                on_report=self._on_report, on_ready=self._on_ready)
+            proc.begin()
+        if "container" in self._local_backends():
+            # While the edges boot: they need the base layer only at their first create,
+            # which cannot come before this runtime serves.
+            await asyncio.to_thread(self._ensure_base_layer)
+
+    # ------------------------------------------------------ in-process edges
+    async def _start_edges(self) -> None:
+        if "container" in self._local_backends():
+            await asyncio.to_thread(self._ensure_base_layer)
+        for node_id in self.node_ids:
+            node, server = await self._run_edge(node_id)
             self.nodes.append(node)
             self._edge_servers.append(server)
 
     async def _run_edge(self, node_id: str) -> tuple[Any, Any]:
-        """Start edge ``node_id`` (adopting what its journal in the state dir holds) and
-        serve it on its Unix socket."""
-        from dsec.edge.admission import Capacity
+        """Start edge ``node_id`` in this process (adopting what its journal in the
+        state dir holds) and serve it on its Unix socket."""
         from dsec.edge.backends import make_backend
         from dsec.edge.node import EdgeNode, NodeConfig
         from dsec.edge.service import serve_edge
 
-        cfg = self.config
-        names = {"simulated", cfg.backend}
+        assert self.capacity is not None
         backends = {n: make_backend(n, **self._backend_opts(n, node_id))
-                    for n in sorted(names)}
+                    for n in self._local_backends()}
         node = EdgeNode(NodeConfig(
-            node_id=node_id,
-            capacity=Capacity(cpu_milli=cfg.edge_cpu_milli,
-                              memory_bytes=cfg.edge_memory_bytes,
-                              max_sandboxes=cfg.edge_max_sandboxes),
-            state_dir=os.path.join(cfg.state_dir, "edges", node_id)), backends)
+            node_id=node_id, capacity=bound_disk(self.capacity, backends.values()),
+            state_dir=os.path.join(self.config.state_dir, "edges", node_id)), backends)
         await node.start()
         try:
             server = await serve_edge(node, f"unix:{self._sock(node_id)}",
-                                      limits=cfg.listener_limits)
+                                      limits=self.config.listener_limits)
         except BaseException:
             await node.close()
             raise
         return node, server
 
-    # --------------------------------------------------------- edge outages (tests)
-    def _edge_index(self, node_id: str) -> int:
-        for i, n in enumerate(self.nodes):
-            if n.node_id == node_id:
-                return i
-        raise InvalidArgument(f"no edge {node_id!r} in this cluster; edges: "
-                              f"{[n.node_id for n in self.nodes]}")
+    def _backend_opts(self, name: str, node_id: str) -> dict[str, Any]:
+        """Per-backend options of an in-process edge. The container backend gets a root
+        dir per edge and the cluster's layer store (``state_dir/layers``, where ``dsec
+        image build`` and ``POST /v1/images`` put layers and where snapshots are
+        written), resolved by :class:`~dsec.image.resolver.StoreImages`. In-process edges
+        share one store and one mount cache, so a layer is mounted once per process and
+        every local edge can start sandboxes from every snapshot. fncall work dirs live
+        beside the edge's journal, as ``dsec edge --state-dir`` keeps them, so a
+        restarted edge adopts its fncall sandboxes (a temp dir per process lost every
+        one of them at each restart)."""
+        if name == "fncall":
+            return {"root": os.path.join(self.config.state_dir, "edges", node_id, "fncall")}
+        if name != "container":
+            return {}
+        from dsec.image import LayerStore, MountCache
+        from dsec.image.resolver import StoreImages
+
+        if self._images is None:
+            self._mounts = MountCache()
+            self._images = StoreImages(
+                LayerStore(os.path.join(self.config.state_dir, "layers")), self._mounts)
+        return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
+                "images": self._images,
+                "default_disk_bytes": self.config.disk_default_bytes,
+                "disk_pool_bytes": self.config.disk_pool_bytes}
+
+    # --------------------------------------------------------- edge outages
+    def _check_node(self, node_id: str) -> None:
+        if node_id not in self.node_ids:
+            raise InvalidArgument(f"no local edge {node_id!r} in this cluster; edges: "
+                                  f"{self.node_ids}")
 
     async def stop_edge(self, node_id: str) -> None:
-        """Simulate losing a machine: stop serving edge ``node_id`` and close it, leaving
-        its sandboxes and journal in place (as a crashed or partitioned node would). The
+        """Simulate losing a machine: the edge stops at once (its process is killed with
+        SIGKILL and not restarted; an in-process edge stops serving and closes), leaving
+        its sandboxes and journal in place, as a crashed or partitioned node would. The
         control plane notices by missing heartbeats (``PlaneConfig.node_ttl_s``)."""
-        i = self._edge_index(node_id)
+        self._check_node(node_id)
+        proc = self.processes.get(node_id)
+        if proc is not None:
+            await proc.stop(grace_s=0)
+            return
+        i = self.node_ids.index(node_id)
         server = self._edge_servers[i]
         if server is None:
             return
@@ -242,45 +491,46 @@ class ClusterRuntime:
         await self.nodes[i].close()
 
     async def start_edge(self, node_id: str) -> None:
-        """Bring a stopped edge back on the same socket; it re-adopts its sandboxes from
-        its journal, and the control plane reconnects on its next poll."""
-        i = self._edge_index(node_id)
+        """Bring a stopped (or crash-looped) edge back on the same socket; it re-adopts
+        its sandboxes from its journal, and the control plane reconnects on its next
+        poll."""
+        self._check_node(node_id)
+        proc = self.processes.get(node_id)
+        if proc is not None:
+            await proc.start()
+            return
+        i = self.node_ids.index(node_id)
         if self._edge_servers[i] is not None:
             return
         node, server = await self._run_edge(node_id)
         self.nodes[i] = node
         self._edge_servers[i] = server
 
-    def _backend_opts(self, name: str, node_id: str) -> dict[str, Any]:
-        """Per-backend options. The container backend gets a root dir per edge and the
-        cluster's layer store (``state_dir/layers``, where ``dsec image build`` and
-        ``POST /v1/images`` put layers and where snapshots are written), resolved by
-        :class:`~dsec.image.resolver.StoreImages`. All edges of this process share one
-        store and one mount cache, so a layer is mounted once per machine and every local
-        edge can start sandboxes from every snapshot. ``base`` is the busybox base layer,
-        built on first start (~0.1 s) so ``dsec up --backend container`` works on a fresh
-        machine."""
-        if name == "fncall":
-            # Work dirs beside the edge's journal (as `dsec edge --state-dir` does): a
-            # restarted edge adopts its fncall sandboxes. A temp dir per process lost
-            # every one of them at each restart.
-            return {"root": os.path.join(self.config.state_dir, "edges", node_id, "fncall")}
-        if name != "container":
-            return {}
-        from dsec.image import LayerStore, MountCache, ensure_busybox_base
-        from dsec.image.resolver import StoreImages
+    def kill_edge(self, node_id: str, signum: int = signal.SIGKILL) -> int:
+        """Crash an edge process (kill -9 by default) behind its supervisor's back; the
+        supervisor restarts it. Returns the pid killed."""
+        self._check_node(node_id)
+        proc = self.processes.get(node_id)
+        if proc is None:
+            raise InvalidArgument("kill_edge needs edges in their own processes "
+                                  "(edge_processes=True)")
+        pid = proc.pid
+        if pid is None or not proc.kill(signum):
+            raise InvalidArgument(f"edge {node_id} is not running (it is {proc.state})")
+        return pid
 
-        if self._images is None:
-            store = LayerStore(os.path.join(self.config.state_dir, "layers"))
-            base = ensure_busybox_base(store)
-            if "base:latest" not in store.refs():
-                store.tag(base.digest, "base")
-            self._mounts = MountCache()
-            self._images = StoreImages(store, self._mounts)
-        return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
-                "images": self._images,
-                "default_disk_bytes": self.config.disk_default_bytes,
-                "disk_pool_bytes": self.config.disk_pool_bytes}
+    def edge_states(self) -> dict[str, str]:
+        """Local edge -> "running", "restarting", "failed", ... (for status lines)."""
+        out: dict[str, str] = {}
+        for node in self.node_ids:
+            proc = self.processes.get(node)
+            if proc is not None:
+                out[node] = {"backoff": "restarting", "starting": "starting"}.get(
+                    proc.state, proc.state)
+            elif self.nodes:
+                i = self.node_ids.index(node)
+                out[node] = "running" if self._edge_servers[i] is not None else "stopped"
+        return out
 
     def _admin_key(self, plane: ControlPlane) -> str:
         old = read_local(self.config.state_dir)
@@ -345,15 +595,32 @@ class ClusterRuntime:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, int]:
+        """Live sandboxes by state over the local edges (in-process: exact; edge
+        processes: as of the control plane's last heartbeat from each)."""
         counts: dict[str, int] = {}
-        for n in self.nodes:
-            for st, c in n.counts().items():
-                counts[st] = counts.get(st, 0) + c
+        if self.nodes:
+            per_node = [n.counts() for n in self.nodes]
+        elif self.plane is not None:
+            per_node = [e.heartbeat.counts for e in self.plane.edges.values()
+                        if e.heartbeat is not None]
+        else:
+            per_node = []
+        for c in per_node:
+            for st, n in c.items():
+                counts[st] = counts.get(st, 0) + n
         return counts
 
+    async def refresh(self) -> None:
+        """Poll every edge once now (so :meth:`status` is current)."""
+        if self.plane is not None and not self.nodes:
+            with contextlib.suppress(Exception):
+                await self.plane.poll_edges()
+
     # ------------------------------------------------------------------- stop
-    async def stop(self) -> None:
-        """Stop serving, then destroy sandboxes (unless ``keep``) and close the edges."""
+    async def stop(self, *, keep: bool | None = None) -> None:
+        """Stop serving, then destroy sandboxes (unless ``keep``, default the config's)
+        and stop the edges."""
+        keep = self.config.keep if keep is None else keep
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
@@ -365,33 +632,23 @@ class ClusterRuntime:
             self._gateway = None
         if self.service is not None:
             await self.service.idempotency.close()
+        for t in self._bg:
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
         if self.plane is not None:
             await self.plane.close()
+            for e in self.plane.edges.values():   # links the plane redialled itself
+                with contextlib.suppress(Exception):
+                    await e.link.close()
         for c in self._clients:
             with contextlib.suppress(Exception):
                 await c.close()
         self._clients.clear()
-        stopped = {self.nodes[i].node_id for i, s in enumerate(self._edge_servers)
-                   if s is None and i < len(self.nodes)}
-        for s in self._edge_servers:
-            if s is None:
-                continue
-            with contextlib.suppress(Exception):
-                await s.close()
-        self._edge_servers.clear()
-        for node in self.nodes:
-            if node.node_id in stopped:
-                if self.config.keep:
-                    continue  # closed by stop_edge; its journal keeps its sandboxes
-                # Adopt what it left behind so it can be destroyed, not leaked.
-                node, server = await self._run_edge(node.node_id)
-                await server.close()
-            if not self.config.keep:
-                ids = [i.id for i in node.list()]
-                if ids:
-                    await node.destroy_many(ids, reason="shutdown")
-            await node.close()
-        self.nodes.clear()
+        if self.processes:
+            await asyncio.gather(*(self._stop_process(p, keep)
+                                   for p in self.processes.values()), return_exceptions=True)
+            self.processes.clear()
+        await self._stop_inprocess_edges(keep)
         if self._mounts is not None:
             with contextlib.suppress(Exception):
                 self._mounts.close()
@@ -405,4 +662,48 @@ class ClusterRuntime:
                 data = read_local(self.config.state_dir)
                 if data is not None and data.get("pid") == os.getpid():
                     os.unlink(os.path.join(self.config.state_dir, LOCAL_FILE))
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
+    async def _stop_process(self, proc: EdgeProcess, keep: bool) -> None:
+        """Destroy the edge's sandboxes through it (unless ``keep``; an edge that is down
+        is started once more for that, so nothing is leaked), then stop it gracefully."""
+        from dsec.edge.service import EdgeClient
+
+        if not keep and proc.ever_ready:
+            try:
+                if proc.state != "running":
+                    await proc.start()
+                async with await EdgeClient.connect(f"unix:{proc.paths.socket}",
+                                                    timeout=120) as edge:
+                    ids = [i.id for i in await edge.list()]
+                    if ids:
+                        await edge.destroy_many(ids, reason="shutdown")
+            except DsecError as exc:
+                log.error("could not destroy the sandboxes of edge %s: %s; they stay in its "
+                          "journal for the next start", proc.node, exc)
+        await proc.stop()
+
+    async def _stop_inprocess_edges(self, keep: bool) -> None:
+        stopped = {self.nodes[i].node_id for i, s in enumerate(self._edge_servers)
+                   if s is None and i < len(self.nodes)}
+        for s in self._edge_servers:
+            if s is None:
+                continue
+            with contextlib.suppress(Exception):
+                await s.close()
+        self._edge_servers.clear()
+        for node in self.nodes:
+            if node.node_id in stopped:
+                if keep:
+                    continue  # closed by stop_edge; its journal keeps its sandboxes
+                # Adopt what it left behind so it can be destroyed, not leaked.
+                node, server = await self._run_edge(node.node_id)
+                await server.close()
+            if not keep:
+                ids = [i.id for i in node.list()]
+                if ids:
+                    await node.destroy_many(ids, reason="shutdown")
+            await node.close()
+        self.nodes.clear()

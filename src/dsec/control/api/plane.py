@@ -67,6 +67,7 @@ from dsec.control.api.types import (
     QuotaBody,
     SessionView,
 )
+from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementRequest
@@ -106,6 +107,7 @@ from dsec.errors import (
     NoCapacity,
     NotFound,
     PermissionDenied,
+    QuotaExceeded,
     SandboxNotFound,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
@@ -207,6 +209,7 @@ class ControlPlane:
     service: ApiService | None = None
     layer_dir: str | None = None
     placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
+    ceiling: Ceiling = field(default_factory=Ceiling)   # refuses what no node could hold
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
@@ -310,6 +313,8 @@ class ControlPlane:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not offered by any node of this cluster; "
                 f"available: {', '.join(sorted(offered))}", field="backend")
+        self.ceiling.check(backend=spec.backend, cpu_milli=spec.cpu_milli,
+                           memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
@@ -380,23 +385,45 @@ class ControlPlane:
                                         priority=spec.priority))
         return token
 
+    # Snapshot charges: the store is the arbiter, since every replica charges and
+    # releases snapshots; the quota index is a cache reloaded from it (one query of the
+    # charges table) before a room or usage is answered. Before this, each replica knew
+    # only its own charges: two replicas each let a project fill its whole quota, and a
+    # snapshot deleted through one stayed charged on the other.
+    def _sync_snapshots(self) -> None:
+        self.quota.replace_snapshots((c.id, c.project, c.size_bytes)
+                                     for c in self.store.list_snapshot_charges())
+
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot of ``project`` may store (None: no snapshot quota)."""
+        if not self.quota.snapshot_limits(project):
+            return None
+        self._sync_snapshots()
         return self.quota.snapshot_room(project)
 
     def check_snapshot(self, project: str, size_bytes: int) -> None:
+        self._sync_snapshots()
         self.quota.check_snapshot(project, size_bytes)
 
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
                         size_bytes: int) -> None:
-        """Record a snapshot's stored bytes against its project's quota chain, durably;
-        ``QuotaExceeded`` if it no longer fits (a concurrent snapshot took the room)."""
-        if self.quota.snapshot_charge(snapshot_id) is not None:
-            return
-        self.quota.check_snapshot(project, size_bytes)
-        self.store.put_snapshot_charge(SnapshotChargeRow(
-            id=snapshot_id, project=project, node=node, size_bytes=size_bytes))
-        self.quota.add_snapshot(snapshot_id, project, size_bytes)
+        """Record a snapshot's stored bytes against its project's quota chain, durably
+        and atomically with the check (:meth:`StateStore.charge_snapshot`);
+        ``QuotaExceeded`` if it no longer fits (a concurrent snapshot, maybe through
+        another replica, took the room)."""
+        over = self.store.charge_snapshot(
+            SnapshotChargeRow(id=snapshot_id, project=project, node=node,
+                              size_bytes=size_bytes),
+            self.quota.snapshot_limits(project))
+        self._sync_snapshots()
+        if over is not None:
+            self.quota.check_snapshot(project, size_bytes)   # raises, naming the quota
+            where, used = over                               # (released meanwhile)
+            raise QuotaExceeded(
+                f"snapshot of {size_bytes} bytes does not fit the snapshot_bytes quota of "
+                f"project {where!r} ({used} bytes used); delete snapshots or raise the "
+                "quota", resource="snapshot_bytes", project=where, used=used,
+                requested=size_bytes)
 
     def release_snapshot(self, snapshot_id: str) -> None:
         """A snapshot was deleted: its bytes leave the quota usage."""
@@ -505,6 +532,7 @@ class ControlPlane:
         paths = set(self.quota.quotas()) | set(caller.roles)
         for r in self.registry.sandboxes():
             paths.add(r.project)
+        self._sync_snapshots()
         items = [self._view(p) for p in sorted(paths) if caller.role_on(p) is not None]
         return ProjectList(items=items)
 
@@ -523,6 +551,7 @@ class ControlPlane:
     def get_project(self, caller: Caller, path: str) -> ProjectView:
         parse_project_path(path)
         ApiService.require(caller, path, "reader")
+        self._sync_snapshots()
         return self._view(path)
 
     def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
@@ -532,6 +561,7 @@ class ControlPlane:
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
+        self._sync_snapshots()
         return self._view(path)
 
     def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
@@ -819,9 +849,9 @@ class ControlPlane:
         # A project's layers share its layer-storage quota with its snapshots
         # (``snapshot_bytes``, every ancestor's too): members build now, and the layer
         # store is one disk. Cluster-wide layers (a superuser's) are not charged.
-        room = self.quota.snapshot_room(ns) if ns else None
+        room = self.snapshot_room(ns) if ns else None
         if room == 0 and ns:
-            self.quota.check_snapshot(ns, 1)   # raises, naming the full quota
+            self.check_snapshot(ns, 1)   # raises, naming the full quota
 
         def work() -> list[LayerManifest]:
             # Built without a name, named only once charged: a refused build moves no tag.
@@ -928,6 +958,7 @@ class ControlPlane:
         e.failure = e.problem = ""
         e.heartbeat = hb
         e.last_seen = now = self.clock()
+        self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
         e.images = frozenset(hb.images)
         if e.noted:
             e.noted -= e.images

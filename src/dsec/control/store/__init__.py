@@ -162,6 +162,13 @@ class StateStore(Protocol):
 
     # snapshot storage charges
     def put_snapshot_charge(self, row: SnapshotChargeRow) -> None: ...
+    def charge_snapshot(self, row: SnapshotChargeRow,
+                        limits: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
+        """Record ``row`` unless it would take a ``(project, snapshot_bytes)`` limit's
+        subtree past it; check and insert are one transaction, so replicas sharing the
+        store never overbook. Returns the first ``(project, used)`` over its limit, or
+        None when recorded (or already recorded)."""
+        ...
     def delete_snapshot_charge(self, snapshot_id: str) -> bool: ...
     def list_snapshot_charges(self) -> list[SnapshotChargeRow]: ...
 

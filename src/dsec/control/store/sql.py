@@ -52,6 +52,10 @@ class Dialect:
     # MAX(version) read then happens under the one writer lock); PostgreSQL:
     # ("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE",) inside the implicit transaction.
     write_lock: tuple[str, ...] = ()
+    # Statements that serialise snapshot charges between replicas (the subtree sums and
+    # the insert in one transaction). SQLite: "BEGIN IMMEDIATE"; PostgreSQL:
+    # ("LOCK TABLE snapshot_charges IN SHARE ROW EXCLUSIVE MODE",).
+    charge_lock: tuple[str, ...] = ()
 
     def sql(self, text: str) -> str:
         """Rewrite the ``?`` placeholders of the portable statements for this driver."""
@@ -236,6 +240,26 @@ class SqlStore:
         self._exec(
             "INSERT INTO snapshot_charges (id, project, node, size_bytes) VALUES (?, ?, ?, ?) "
             "ON CONFLICT (id) DO NOTHING", (row.id, row.project, row.node, row.size_bytes))
+
+    def charge_snapshot(self, row: SnapshotChargeRow,
+                        limits: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
+        like = self._s("SELECT COALESCE(SUM(size_bytes), 0) FROM snapshot_charges "
+                       "WHERE project = ? OR substr(project, 1, ?) = ?")
+        with self._tx() as cur:
+            for stmt in self._d.charge_lock:
+                cur.execute(stmt)
+            cur.execute(self._s("SELECT 1 FROM snapshot_charges WHERE id = ?"), (row.id,))
+            if cur.fetchone() is not None:
+                return None
+            for project, limit in limits:
+                cur.execute(like, (project, len(project) + 1, project + "/"))
+                used = int(cur.fetchone()[0])
+                if used + row.size_bytes > limit:
+                    return project, used
+            cur.execute(self._s("INSERT INTO snapshot_charges (id, project, node, size_bytes) "
+                                "VALUES (?, ?, ?, ?)"),
+                        (row.id, row.project, row.node, row.size_bytes))
+        return None
 
     def delete_snapshot_charge(self, snapshot_id: str) -> bool:
         return self._exec("DELETE FROM snapshot_charges WHERE id = ?", (snapshot_id,)) > 0

@@ -17,7 +17,8 @@ from dsec.errors import InvalidArgument
 
 __all__ = ["SQLITE", "SqliteStore"]
 
-SQLITE = Dialect(name="sqlite", param="?", blob="BLOB", write_lock=("BEGIN IMMEDIATE",))
+SQLITE = Dialect(name="sqlite", param="?", blob="BLOB", write_lock=("BEGIN IMMEDIATE",),
+                 charge_lock=("BEGIN IMMEDIATE",))
 
 
 class SqliteStore(SqlStore):

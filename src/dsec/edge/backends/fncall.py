@@ -1,23 +1,37 @@
-"""The ``fncall`` backend: Python calls handed to pre-started worker processes.
+"""The ``fncall`` backend: Python calls handed to pre-started, jailed worker processes.
 
 A :class:`WorkerPool` keeps ``pool_size`` interpreters warm (started, imports done,
-blocked on their control socket). Workers are forked from a zygote process that did the
-imports once (see ``fncall_worker.py``); if the zygote cannot run, each worker is a fresh
-interpreter. A call takes one (a pool hit is a deque pop: the
-handout target is <= 5 ms, DSec's published figure), sends it the code or pickled
-function, waits with the call's timeout, and then kills the worker's whole process group:
-one worker, one call, so no state leaks between calls. The pool refills in the
-background, at most ``max_spawning`` starts at a time (each start costs CPU; on 2 cores
-unbounded refills starve the calls themselves). An empty pool falls back to a cold
-start, counted in :attr:`WorkerPool.misses`.
+namespaces built, blocked on their control socket). Workers are forked from a zygote
+process that did the imports once (see ``fncall_worker.py``). A call takes one (a pool
+hit is a deque pop), admits it into the sandbox, sends it the code or pickled function,
+waits with the call's timeout, and then kills the worker: one worker, one call, so no
+state leaks between calls. The pool refills in the background, at most ``max_spawning``
+starts at a time (each start costs CPU; on 2 cores unbounded refills starve the calls
+themselves). An empty pool falls back to a cold start, counted in :attr:`WorkerPool.misses`.
 
-A sandbox of this backend is a working directory (its files persist across calls) plus
-the spec's environment; processes never persist. Exec runs ``shell`` as Python code (the
-value of a final expression is printed, as in the interactive interpreter) or
+**Isolation** (``FncallBackend(isolate=True)``, the default; see ``fncall_jail.py`` and
+docs/isolation.md): every worker runs in its own pid, mount, net, uts, ipc and cgroup
+namespaces over a read-only root that holds only the Python runtime, with a fresh /proc
+(container masks), private /tmp and /dev/shm, loopback only. At admission the call
+process joins the sandbox's cgroup (memory, cpu, pids limits of the spec, via
+:mod:`dsec.edge.governor`), gets the sandbox's work dir attached at ``/workspace`` (the
+edge hands it a detached ``open_tree`` clone, never a directory fd it could walk out
+of), becomes uid 65534 with no capabilities and no_new_privs, and loads the container
+seccomp profile. The worker is killed through a pidfd of its pid namespace's init:
+every process the call started dies with it, and no pid number is ever signalled.
+``isolate=False`` is the old behaviour - the caller's code runs as the edge's user on
+the host - kept for hosts without root and as the benchmark's baseline.
+
+A sandbox of this backend is a work directory (its files persist across calls) plus
+the spec's environment and a cgroup; processes never persist. With isolation the work
+dir is a btrfs subvolume of the node's disk pool with a qgroup cap (``disk_bytes`` of the
+spec, default 10 GiB: EDQUOT inside, never a full host disk; see
+``container/disk.py``), so the jail's ``/proc/self/mountinfo`` shows no host path for it
+and btrfs' own ioctls are refused in the jail. Exec runs ``shell`` as Python code
+(the value of a final expression is printed, as in the interactive interpreter) or
 ``argv = ["python", "-c", CODE]``. :meth:`FncallBackend.call` runs a picklable function.
-
-Security note: there is no isolation here beyond a separate process; worker replies are
-decoded as plain msgpack, never unpickled, because the code in a worker is hostile.
+Worker replies are decoded as plain msgpack, never unpickled: the code in a worker is
+hostile.
 """
 
 from __future__ import annotations
@@ -26,24 +40,41 @@ import array
 import asyncio
 import collections
 import contextlib
+import hashlib
 import os
 import pickle
+import posixpath
+import select
 import shutil
 import signal
+import site
 import socket
 import struct
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+import dsec
 from dsec import ownership
 from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
+from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
+from dsec.edge.backends.container.files import SandboxFiles
+from dsec.edge.backends.fncall_jail import (
+    JAIL_EXTRA_RULES,
+    JailConfig,
+    clone_tree,
+    python_runtime,
+    split_profile,
+)
+from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
     ExecChunk,
@@ -54,17 +85,28 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, InUse, InvalidArgument, NotFound, SandboxNotFound
+from dsec.errors import BackendError, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
 
 __all__ = ["FncallBackend", "FncallResult", "WorkerPool", "make_backend"]
 
 _LEN = struct.Struct("!I")
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fncall_worker.py")
 TIMEOUT_EXIT = 137
 # A reply carries at most two capped outputs plus a value; anything larger is a hostile
 # or broken worker, refused before the edge allocates it.
 REPLY_SLACK = 8 << 20
+WORKDIR = "/workspace"
+DEFAULT_MAX_SANDBOX_PIDS = 8192
+DEFAULT_PIDS_HEADROOM = 4096
+# The worker is started as `python -I -c BOOT MODE FD`: -I keeps PYTHONPATH, the user
+# site and the current directory out; BOOT puts only the edge's own dsec source on the
+# path, read from stdin so the host path is not in the argv a jailed call can read.
+_BOOT = ("import sys; sys.path.insert(0, sys.stdin.buffer.read().decode()); "
+         "from dsec.edge.backends.fncall_worker import main; main(sys.argv[1:])")
+_SRC = os.path.dirname(os.path.dirname(os.path.abspath(dsec.__file__)))
+# The zygote and workers inherit nothing of the edge's environment (API keys, tokens).
+_LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "LANG": "C.UTF-8"}
 
 
 class _Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -77,6 +119,8 @@ class _Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     duration_s: float = 0.0
+    t_start: float = 0.0                # perf_counter when user code began (handout end)
+    jail_error: str | None = None       # the worker could not enter the sandbox
 
 
 _reply_decoder = msgspec.msgpack.Decoder(_Reply)
@@ -94,33 +138,120 @@ class FncallResult:
     stderr: bytes
     timed_out: bool
     cold: bool                 # the pool was empty: this call paid for a cold start
-    handout_s: float           # time to get a ready worker
+    handout_s: float           # from asking for a worker to the call's first line running
     duration_s: float
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    died: bool = False         # the worker ended without replying (crash, kill, OOM)
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _wait_readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, _set_done, fut)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"worker closed its socket after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+async def _recv_with_fds(sock: socket.socket, maxfds: int) -> tuple[bytes, list[int]]:
+    """One ``recvmsg`` of up to 4 KiB with at most ``maxfds`` SCM_RIGHTS fds."""
+    while True:
+        try:
+            msg, anc, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(4 * maxfds))
+        except BlockingIOError:
+            await _wait_readable(sock)
+            continue
+        fds: list[int] = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+        return msg, fds
 
 
 class _Worker:
-    """One warm worker. ``proc`` is set when the edge started it directly (it must reap
-    it); zygote-forked workers are reaped by the zygote."""
+    """One warm worker. Jailed: ``pidfd`` is its pid namespace's init (killing it kills
+    every process of the call). Unjailed: ``pid`` leads its own process group; ``proc``
+    is set when the edge started it directly (it must reap it)."""
 
-    __slots__ = ("pid", "proc", "reader", "writer")
+    __slots__ = ("pid", "pidfd", "proc", "sock", "zygote")
 
-    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 proc: asyncio.subprocess.Process | None = None) -> None:
-        self.pid, self.reader, self.writer, self.proc = pid, reader, writer, proc
+    def __init__(self, pid: int, sock: socket.socket, *, pidfd: int | None = None,
+                 proc: asyncio.subprocess.Process | None = None,
+                 zygote: asyncio.subprocess.Process | None = None) -> None:
+        self.pid, self.sock, self.pidfd, self.proc = pid, sock, pidfd, proc
+        self.zygote = zygote  # jailed workers die with it (PR_SET_PDEATHSIG)
 
     @property
     def alive(self) -> bool:
-        return not self.reader.at_eof() and (self.proc is None or self.proc.returncode is None)
+        if self.sock.fileno() < 0:
+            return False
+        if self.pidfd is not None and (
+                (self.zygote is not None and self.zygote.returncode is not None)
+                or select.select([self.pidfd], [], [], 0)[0]):
+            return False  # its init exited, or is being killed with its zygote
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def signal_kill(self) -> None:
+        """SIGKILL the worker - jailed: its pid namespace's init, so every process of the
+        call - leaving our socket open: whoever waits on it sees EOF."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        elif self.pid > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            self.writer.close()
+        """:meth:`signal_kill` and close our socket; :meth:`reap` then waits until the
+        worker's processes are gone."""
+        self.signal_kill()
+        self.pid = 0
+        self.sock.close()
 
-    async def reap(self) -> int | None:
+    async def reap(self, timeout_s: float = 10.0) -> int | None:
+        """Wait until the worker is gone. Jailed: until its init's pidfd turns readable,
+        which the kernel does only after every other process of the pid namespace was
+        killed and reaped (zap_pid_ns_processes), so nothing the call started is left
+        (and the sandbox's pids.current is back down). Returns the exit status when the
+        edge started the worker itself, else None."""
+        if self.pidfd is not None:
+            fd, self.pidfd = self.pidfd, None
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _set_done, fut)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await fut
+            except TimeoutError:
+                pass  # stuck in the kernel (e.g. D state); the cgroup removal reports it
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+            return None
         if self.proc is not None:
             return await self.proc.wait()
         return None
@@ -135,31 +266,44 @@ class _Zygote:
 
 
 class WorkerPool:
-    """Warm Python workers; see the module docstring."""
+    """Warm Python workers; see the module docstring. ``jail``: the isolation every
+    worker runs in (None: none at all - the caller's code runs as the edge's user)."""
 
     # max_spawning: refills in flight. Measured on the 2-core VM, 4 callers back to back
     # (saturating): hit rate 42% with 2, 58% with 4, 76% with 8 (pool 16). Forks from the
     # zygote are cheap, so 4 is the default; beyond that refills steal the calls' CPU.
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4,
-                 python: str = sys.executable, isolated: bool = True,
+                 python: str = sys.executable, jail: JailConfig | None = None,
                  start_timeout_s: float = 30.0, zygote: bool = True) -> None:
         if pool_size < 0 or max_spawning < 1:
             raise InvalidArgument(f"fncall pool_size={pool_size} must be >= 0 and "
                                   f"max_spawning={max_spawning} >= 1")
+        if jail is not None and not zygote:
+            raise InvalidArgument("a jailed fncall pool needs its zygote (zygote=True): "
+                                  "the zygote builds the jail's root")
+        if jail is not None and not (os.path.isabs(jail.mountpoint)
+                                     and os.path.isdir(jail.mountpoint)):
+            raise InvalidArgument(f"JailConfig.mountpoint={jail.mountpoint!r} must be an "
+                                  "existing directory (absolute path) for the jail's root",
+                                  field="mountpoint")
         self.pool_size = pool_size
         self.max_spawning = max_spawning
-        self.argv = [python, *(["-I"] if isolated else []), WORKER]
+        self.argv = [python, "-I", "-c", _BOOT]
+        self.jail = jail
         self.start_timeout_s = start_timeout_s
         self.use_zygote = zygote
         self._zygote: _Zygote | None = None
         self._zygote_failed = False
+        self._zygote_start = asyncio.Lock()
         self._ready: collections.deque[_Worker] = collections.deque()
         self._spawning = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()     # refills
+        self._reaping: set[asyncio.Task[Any]] = set()   # workers being waited for
         self._closed = False
         self.hits = 0
         self.misses = 0
         self.spawn_failures = 0
+        self.last_spawn_error = ""
 
     @property
     def ready(self) -> int:
@@ -178,9 +322,14 @@ class WorkerPool:
         """Wait until ``n`` (default: pool_size) workers are warm."""
         want = self.pool_size if n is None else n
         self._refill()
-        async with asyncio.timeout(timeout):
-            while len(self._ready) < want:
-                await asyncio.sleep(0.005)
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self._ready) < want:
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            raise BackendError(f"only {len(self._ready)} of {want} fncall workers warm after "
+                               f"{timeout}s; last start error: {self.last_spawn_error or 'none'}"
+                               ) from None
 
     def _refill(self) -> None:
         if self._closed:
@@ -196,15 +345,16 @@ class WorkerPool:
     async def _spawn_into_pool(self) -> None:
         try:
             w = await self._spawn()
-        except Exception:  # noqa: BLE001 - counted; the next refill tries again
+        except Exception as exc:  # noqa: BLE001 - counted; the next refill tries again
             self.spawn_failures += 1
+            self.last_spawn_error = str(exc)
             w = None
             await asyncio.sleep(0.5)  # do not spin on a broken interpreter
         finally:
             self._spawning -= 1
         if w is not None:
             if self._closed:
-                w.kill()
+                self._discard(w)
             else:
                 self._ready.append(w)
         self._refill()
@@ -214,7 +364,7 @@ class WorkerPool:
             try:
                 return await self._fork()
             except BackendError:
-                if self._zygote is None:
+                if self._zygote is None and self.jail is None:
                     self._zygote_failed = True  # could not even start one: go direct
                 raise
         return await self._exec()
@@ -222,80 +372,113 @@ class WorkerPool:
     async def _launch(self, *flags: str, what: str
                       ) -> tuple[asyncio.subprocess.Process, socket.socket]:
         """Start ``self.argv`` in its own session with one end of a socketpair as its
-        channel (passed by fd number); returns the process and our end."""
+        channel (passed by fd number); returns the process and our end (non-blocking)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        src_r, src_w = os.pipe()
+        os.write(src_w, _SRC.encode())  # a path: far below the pipe's buffer
+        os.close(src_w)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.argv, *flags, str(child.fileno()), pass_fds=(child.fileno(),),
-                start_new_session=True, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+                start_new_session=True, stdin=src_r,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                env=_LAUNCH_ENV, cwd="/")
         except OSError as exc:
             parent.close()
             raise BackendError(f"cannot start {what} {self.argv[0]}: {exc}") from exc
         finally:
             child.close()
+            os.close(src_r)
+        parent.setblocking(False)
         return proc, parent
 
     async def _start_zygote(self) -> _Zygote:
         proc, parent = await self._launch("--zygote", what="the fncall zygote")
-        parent.setblocking(False)
-        loop = asyncio.get_running_loop()
+        config = msgspec.msgpack.encode({"jail": self.jail})
+        err: Exception | None = None
+        ok = b""
         try:
             async with asyncio.timeout(self.start_timeout_s):
-                ok = await loop.sock_recv(parent, 1)
-        except TimeoutError as exc:
-            ok = b""
-            err: Exception | None = exc
-        else:
-            err = None
+                await asyncio.get_running_loop().sock_sendall(parent, _LEN.pack(len(config))
+                                                              + config)
+                ok = await _recv_exactly(parent, 1)
+                if ok == b"E":
+                    more = b""
+                    with contextlib.suppress(ConnectionError, OSError):
+                        while chunk := await asyncio.get_running_loop().sock_recv(parent, 4096):
+                            more += chunk
+                    ok += more
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            err = exc
         if ok != b"Z":
             parent.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-            raise BackendError(f"fncall zygote did not start (got {ok!r}, {err!r})")
+            why = ok[1:].decode(errors="replace") if ok.startswith(b"E") else f"{ok!r}, {err!r}"
+            raise BackendError(f"fncall zygote did not start: {why}")
         return _Zygote(proc, parent)
 
     async def _fork(self) -> _Worker:
         """Ask the zygote for a worker: send it one end of a socketpair, get a pid back."""
-        loop = asyncio.get_running_loop()
-        if self._zygote is None or self._zygote.proc.returncode is not None:
-            self._zygote = await self._start_zygote()
+        async with self._zygote_start:  # one zygote at a time: a replaced one takes its
+            if self._zygote is None or self._zygote.proc.returncode is not None:  # workers
+                self._zygote = await self._start_zygote()                         # along
         z = self._zygote
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        parent.setblocking(False)
         async with z.lock:
             try:
                 z.sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                          array.array("i", [child.fileno()]))])
-                raw = b""
                 async with asyncio.timeout(self.start_timeout_s):
-                    while len(raw) < 4:
-                        more = await loop.sock_recv(z.sock, 4 - len(raw))
-                        if not more:
-                            raise ConnectionError("zygote closed its socket")
-                        raw += more
+                    raw = await _recv_exactly(z.sock, 4)
             except (OSError, TimeoutError) as exc:
                 parent.close()
                 self._zygote = None
+                z.sock.close()
                 with contextlib.suppress(ProcessLookupError):
                     z.proc.kill()
+                self._background(z.proc.wait())
                 raise BackendError(f"fncall zygote failed to fork a worker: {exc!r}") from exc
             finally:
                 child.close()
         (pid,) = _LEN.unpack(raw)
         if pid == 0:
             parent.close()
-            raise BackendError("fncall zygote refused the fork request")
-        reader, writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
-        w = _Worker(pid, reader, writer)
+            raise BackendError("fncall zygote could not fork a worker")
+        w = _Worker(pid, parent, zygote=z.proc if self.jail is not None else None)
         await self._await_ready(w)
         return w
 
     async def _await_ready(self, w: _Worker) -> None:
+        """The worker's ``R`` (with the pidfd of its init when jailed), or its error."""
         try:
             async with asyncio.timeout(self.start_timeout_s):
-                ok = await w.reader.readexactly(1)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+                msg, fds = await _recv_with_fds(w.sock, 1)
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            w.kill()
+            await w.reap()
+            raise BackendError(f"fncall worker did not become ready: {exc!r}") from exc
+        if msg == b"R" and len(fds) == (self.jail is not None):
+            if fds:
+                w.pidfd = fds[0]
+                w.pid = 0  # never signalled by number
+            return
+        for f in fds:
+            os.close(f)
+        w.kill()
+        await w.reap()
+        why = msg[1:].decode(errors="replace") if msg.startswith(b"E") else repr(msg[:64])
+        raise BackendError(f"fncall worker failed to start: {why}")
+
+    async def _exec(self) -> _Worker:
+        proc, parent = await self._launch("--worker", what="fncall worker")
+        w = _Worker(proc.pid, parent, proc=proc)
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                ok = await _recv_exactly(parent, 1)
+        except (TimeoutError, ConnectionError, OSError) as exc:
             w.kill()
             await w.reap()
             raise BackendError(f"fncall worker did not become ready: {exc!r}") from exc
@@ -303,12 +486,6 @@ class WorkerPool:
             w.kill()
             await w.reap()
             raise BackendError(f"fncall worker sent {ok!r} instead of its ready byte")
-
-    async def _exec(self) -> _Worker:
-        proc, parent = await self._launch(what="fncall worker")
-        reader, writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
-        w = _Worker(proc.pid, reader, writer, proc)
-        await self._await_ready(w)
         return w
 
     async def take(self) -> tuple[_Worker, bool]:
@@ -322,42 +499,80 @@ class WorkerPool:
                 self.hits += 1
                 self._refill()
                 return w, False
-            w.kill()  # died while waiting (e.g. killed from outside)
+            self._discard(w)  # died while waiting (e.g. killed from outside)
         self.misses += 1
         self._refill()
         return await self._spawn(), True
 
-    async def run(self, request: dict[str, Any], timeout_s: float | None) -> FncallResult:
-        """Run one request on a fresh worker and discard the worker."""
+    def _background(self, coro: Any) -> asyncio.Task[Any]:
+        """Reap a worker in the background (close() waits for these, never cancels)."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._reaping.add(t)
+        t.add_done_callback(self._reaping.discard)
+        return t
+
+    def _discard(self, w: _Worker) -> None:
+        """Kill a worker that served no call, and reap it in the background."""
+        w.kill()
+        self._background(w.reap())
+
+    async def run(self, request: dict[str, Any], timeout_s: float | None, *,
+                  grant: Callable[[], list[int]] | None = None,
+                  holder: set[_Worker] | None = None) -> FncallResult:
+        """Run one request on a fresh worker and discard the worker.
+
+        ``grant()`` returns the fds that admit the worker into its sandbox (work-dir tree,
+        cgroup.procs files); they are sent with the call and closed here. While the call
+        runs the worker is in ``holder`` (so a destroy can kill it)."""
         max_reply = 2 * int(request.get("cap", 1 << 20)) + REPLY_SLACK
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         w, cold = await self.take()
         handout = time.perf_counter() - t0
         timed_out = False
         reply: _Reply | None = None
+        if holder is not None:
+            holder.add(w)
         try:
             data = msgspec.msgpack.encode(request)
-            w.writer.write(_LEN.pack(len(data)) + data)
+            payload = memoryview(b"C" + _LEN.pack(len(data)) + data)
+            fds = grant() if grant is not None else []
+            try:  # one message: the worker wakes once, fds ride on its first byte
+                sent = w.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                   array.array("i", fds))] if fds else [])
+            except BlockingIOError as exc:  # a fresh worker's socket buffer is empty
+                raise BackendError("fncall worker socket is full before the call") from exc
+            except OSError as exc:
+                raise BackendError(f"fncall worker is gone before the call: {exc}") from exc
+            finally:
+                for fd in fds:
+                    os.close(fd)
             try:
                 async with asyncio.timeout(timeout_s):
-                    (n,) = _LEN.unpack(await w.reader.readexactly(4))
+                    if sent < len(payload):  # a large request (pickled function, stdin)
+                        await loop.sock_sendall(w.sock, payload[sent:])
+                    (n,) = _LEN.unpack(await _recv_exactly(w.sock, 4))
                     if n > max_reply:
                         raise BackendError(
                             f"fncall worker sent a {n}-byte reply (limit {max_reply}); "
                             "lower the output or return a smaller value")
-                    reply = _reply_decoder.decode(await w.reader.readexactly(n))
+                    reply = _reply_decoder.decode(await _recv_exactly(w.sock, n))
             except TimeoutError:
                 timed_out = True
-            except (asyncio.IncompleteReadError, ConnectionError):
+            except (ConnectionError, OSError):
                 reply = None
             except msgspec.DecodeError as exc:
                 raise BackendError(f"fncall worker sent an undecodable reply: {exc}") from exc
         finally:
             w.kill()
-            if w.proc is not None:
-                t = asyncio.get_running_loop().create_task(w.proc.wait())
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+            try:
+                if w.proc is not None:
+                    self._background(w.proc.wait())
+                elif w.pidfd is not None:  # return once nothing of the call is left running
+                    await asyncio.shield(self._background(w.reap()))
+            finally:
+                if holder is not None:
+                    holder.discard(w)  # after the reap: a destroy waits for this
         dur = time.perf_counter() - t0
         if timed_out:
             return FncallResult(TIMEOUT_EXIT, None, None, f"timed out after {timeout_s}s", b"",
@@ -366,11 +581,19 @@ class WorkerPool:
             code = await w.reap()
             status = 1 if code is None else (code if code > 0 else 128 - code)
             return FncallResult(status, None, None,
-                                f"worker died before replying (exit status {code})", b"", b"",
-                                False, cold, handout, dur)
+                                "the call's process died before replying"
+                                + (f" (exit status {code})" if code is not None else ""),
+                                b"", b"", False, cold, handout, dur, died=True)
+        if reply.jail_error is not None:
+            raise BackendError(f"fncall worker could not enter its sandbox: {reply.jail_error}")
+        if reply.t_start:  # the worker's clock is ours (CLOCK_MONOTONIC); clamp a forgery
+            handout = min(max(reply.t_start - t0, handout), dur)
         value = None
         if reply.value is not None:
-            value = msgspec.msgpack.decode(reply.value)
+            try:
+                value = msgspec.msgpack.decode(reply.value)
+            except msgspec.DecodeError as exc:
+                raise BackendError(f"fncall worker sent an undecodable value: {exc}") from exc
         return FncallResult(reply.exit_code, value, reply.value_repr, reply.error,
                             reply.stdout, reply.stderr, False, cold, handout, dur,
                             reply.stdout_truncated, reply.stderr_truncated)
@@ -381,10 +604,8 @@ class WorkerPool:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         while self._ready:
-            w = self._ready.popleft()
-            w.kill()
-            with contextlib.suppress(Exception):
-                await w.reap()
+            self._discard(self._ready.popleft())
+        await asyncio.gather(*self._reaping, return_exceptions=True)
         z, self._zygote = self._zygote, None
         if z is not None:
             z.sock.close()  # the zygote exits on EOF
@@ -393,18 +614,78 @@ class WorkerPool:
             await z.proc.wait()
 
 
+# ------------------------------------------------------------------------ the backend
+_EXDEV = 18
+
+
+class WorkFiles(SandboxFiles):
+    """The container's confined file API over a fncall work dir: ``openat2`` with
+    ``RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS`` below an O_PATH fd of
+    the work dir, so ``..``, absolute symlinks and symlinks swapped in by a concurrent
+    call are refused in the kernel, atomically (the old realpath-then-open could be raced
+    into reading a host file as root). NO_XDEV also keeps every fd on the work dir's own
+    filesystem, which is what the container's fstatfs check is for."""
+
+    _RESOLVE = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
+
+    def _open(self, path: str, flags: int, mode: int = 0) -> int:
+        return linux.openat2(self.root_fd, path.lstrip("/") or ".", flags | os.O_CLOEXEC,
+                             mode, self._RESOLVE)
+
+    def _err(self, exc: OSError, what: str, path: str) -> Exception:
+        if exc.errno == _EXDEV:
+            return InvalidArgument(f"{what} {path!r}: the path leaves the sandbox's work dir "
+                                   f"of {self.sid} (through '..' or a symlink)", path=path)
+        return super()._err(exc, what, path)
+
+
+@dataclass(slots=True)
+class _Box:
+    spec: SandboxSpec
+    dir: str
+    files: WorkFiles
+    cg: SandboxCgroup | None = None     # when isolated
+    disk_q: str = ""                    # sysfs dir of the work dir's qgroup, when isolated
+    active: set[_Worker] = field(default_factory=set)
+    oom_seen: int = 0
+    pids_seen: int = 0
+
+
 class FncallBackend:
-    """Backend protocol over a :class:`WorkerPool`; a sandbox is a working directory."""
+    """Backend protocol over a :class:`WorkerPool`; a sandbox is a work dir + a cgroup.
+
+    ``isolate`` (default True; needs root): jail every call (module docstring). ``uid``:
+    the user calls run as (0 = root with the container's capability set). ``root``: where
+    the work dirs live (default: a fresh private temp dir removed at close); jailed, they
+    are subvolumes of a btrfs disk pool there (``container/disk.py``: ``pool.img``,
+    ``pool/<sid>``), unjailed plain directories ``<root>/<sid>``.
+    ``default_disk_bytes``: the work dir's cap when the spec has no ``disk_bytes``;
+    ``disk_pool_bytes``: the pool's size when first made. ``max_sandbox_pids`` /
+    ``pids_headroom`` / ``notice_interval_s``: as for the container backend.
+    """
 
     name = "fncall"
 
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
-                 pool: WorkerPool | None = None) -> None:
-        """``root``: where sandbox work dirs live; give a persistent one (``dsec edge``
-        uses ``<state-dir>/fncall``) for sandboxes to be adopted after a restart. The
-        default is a fresh temp dir per process; making one reclaims the temp dirs of
-        processes that died (work dirs and runaway workers)."""
-        self.pool = pool or WorkerPool(pool_size=pool_size, max_spawning=max_spawning)
+                 pool: WorkerPool | None = None, isolate: bool = True, uid: int = 65534,
+                 cgroup_name: str | None = None, governor: Governor | None = None,
+                 default_disk_bytes: int = DEFAULT_DISK_BYTES,
+                 disk_pool_bytes: int | None = None,
+                 max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
+                 pids_headroom: int = DEFAULT_PIDS_HEADROOM,
+                 notice_interval_s: float = 60.0,
+                 runtime: Iterable[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 <= uid < 2**32 - 1:
+            raise InvalidArgument(f"fncall uid={uid} must be 0..{2**32 - 2}", field="uid")
+        if default_disk_bytes < 1 << 20:
+            raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be >= 1 MiB",
+                                  field="default_disk_bytes")
+        self.isolate = isolate
+        self.uid = uid
+        self.default_disk_bytes = default_disk_bytes
+        self.clock = clock
+        self._notices = NoticeLimiter(notice_interval_s)
         self._own_root = root is None
         if root is None:
             _reclaim_dead_roots(tempfile.gettempdir())
@@ -419,9 +700,80 @@ class FncallBackend:
                             root=root)
         self.root = os.path.abspath(root)
         ownership.claim(self.root)
-        self._boxes: dict[str, tuple[SandboxSpec, str]] = {}
+        self.governor: Governor | None = None
+        self.disk: DiskPool | None = None
+        self.max_sandbox_pids = max_sandbox_pids
+        jail = None
+        if isolate:
+            if os.geteuid() != 0:
+                self._cleanup_root()
+                raise BackendError(
+                    "the fncall backend isolates calls with namespaces, mounts and cgroups, "
+                    "which needs root: run the edge as root, or pass isolate=False to run "
+                    "calls unisolated as the edge's own user (trusted code only)")
+            os.chmod(self.root, 0o700)  # work dirs may hold anything the sandboxes wrote
+            try:
+                jail = self._jail_config(runtime)
+                self.governor = governor or self._make_governor(cgroup_name, pids_headroom)
+                self.disk = DiskPool(self.root, size_bytes=disk_pool_bytes)
+            except BaseException:
+                self._cleanup_root()
+                raise
+        self.pool = pool or WorkerPool(pool_size=pool_size, max_spawning=max_spawning,
+                                       jail=jail)
+        if isolate and self.pool.jail is None:
+            raise InvalidArgument("FncallBackend(isolate=True) was given a pool without a "
+                                  "jail; build it with WorkerPool(jail=...) or omit pool=")
+        self._boxes: dict[str, _Box] = {}
         self._sink: DeathSink | None = None
         self._started = False
+        self._closed = False
+
+    def _cleanup_root(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+        ownership.disown(self.root)
+
+    def _jail_config(self, runtime: Iterable[str] | None) -> JailConfig:
+        try:
+            from dsec.net.seccomp import compile_rules, profile_rules
+
+            pre, admit = split_profile(profile_rules(allow_nested=False))
+            bpf = compile_rules([*pre, *JAIL_EXTRA_RULES])
+            bpf_admit = compile_rules(admit)
+        except Exception as exc:  # pyseccomp/libseccomp missing or broken
+            raise BackendError(f"cannot build the seccomp profile for fncall workers: {exc}; "
+                               "install libseccomp2 and the pyseccomp package") from exc
+        try:
+            paths = tuple(runtime) if runtime is not None else python_runtime(
+                sys.prefix, sys.base_prefix, site.getsitepackages())
+        except ValueError as exc:
+            raise BackendError(str(exc)) from exc
+        return JailConfig(uid=self.uid, workdir=WORKDIR, runtime=paths, mountpoint=self.root,
+                          seccomp=bpf, seccomp_admit=bpf_admit)
+
+    def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+        if not 0 <= pids_headroom < pid_max:
+            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
+                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
+        self.max_sandbox_pids = min(self.max_sandbox_pids, pid_max - pids_headroom)
+        name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
+        gov = Governor(name=name)
+        try:
+            gov.limit_total_pids(pid_max - pids_headroom)
+        except OSError as exc:
+            raise BackendError(f"cannot cap the pids of all fncall sandboxes: {exc}") from exc
+        return gov
+
+    def work_dir(self, sid: str) -> str:
+        """Host path of ``sid``'s work dir (``/workspace`` inside its calls)."""
+        if self.disk is not None:
+            return self.disk.sandbox_path(sid)
+        return os.path.join(self.root, sid)
 
     def watch(self, sink: DeathSink) -> None:
         self._sink = sink
@@ -436,33 +788,133 @@ class FncallBackend:
             self._started = True
             self.pool.start()
 
-    def _box(self, sid: str) -> tuple[SandboxSpec, str]:
+    def _box(self, sid: str) -> _Box:
         box = self._boxes.get(sid)
         if box is None:
             raise SandboxNotFound(f"fncall backend has no sandbox {sid}", sandbox_id=sid)
         return box
 
+    # ------------------------------------------------------------- lifecycle
+    def _check_spec(self, spec: SandboxSpec) -> tuple[int, int | None]:
+        """(disk bytes, pids.max) for ``spec``, or InvalidArgument for what fncall cannot
+        give: it has loopback only and never nests namespaces."""
+        if spec.network.mode == "allowlist":
+            raise InvalidArgument("the fncall backend has no network beyond loopback; use "
+                                  "network mode 'loopback' or 'none' (or the container "
+                                  "backend)", field="network")
+        if spec.allow_nested:
+            raise InvalidArgument("the fncall backend does not allow nested namespaces; drop "
+                                  "allow_nested or use the container backend",
+                                  field="allow_nested")
+        pids = spec.pids_max
+        if self.isolate:
+            if pids is None:
+                pids = self.max_sandbox_pids
+            elif pids > self.max_sandbox_pids:
+                raise InvalidArgument(f"pids_max={pids} is above this node's per-sandbox "
+                                      f"maximum of {self.max_sandbox_pids}", field="pids_max")
+        if spec.disk_bytes is not None:
+            return spec.disk_bytes, pids
+        if self.disk is not None:
+            return self.disk.default_cap(self.default_disk_bytes), pids
+        return self.default_disk_bytes, pids
+
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
+        disk, pids = self._check_spec(spec)
         self._ensure_pool()
-        d = os.path.join(self.root, sid)
+        d = self.work_dir(sid)
         try:
-            os.makedirs(d, mode=0o700)
+            if self.disk is not None:
+                self.disk.check_fit(disk)
+                self.disk.create(sid, disk)  # a subvolume whose qgroup caps it at `disk`
+                os.chown(d, self.uid, self.uid)
+            else:
+                os.mkdir(d, 0o700)
         except OSError as exc:
+            self._teardown(sid, None)
             raise BackendError(f"cannot make the work dir of {sid}: {exc}") from exc
-        self._boxes[sid] = (spec, d)
+        except BaseException:
+            self._teardown(sid, None)
+            raise
+        try:
+            self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True)
+        except BaseException:
+            self._teardown(sid, None)
+            raise
+
+    def _open_box(self, sid: str, spec: SandboxSpec, pids: int | None, *,
+                  fresh: bool) -> _Box:
+        d = self.work_dir(sid)
+        cg = None
+        gov = self.governor
+        if gov is not None:
+            limits = Limits(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
+                            pids_max=pids)
+            cg = gov.paths(sid)
+            if fresh or not gov.exists(cg):
+                gov.remove(cg)  # a leftover of a crashed create with the same id
+                cg = gov.create(sid, limits)
+        fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        box = _Box(spec, d, WorkFiles(fd, sid, owner=self.uid if self.isolate else None), cg)
+        if self.disk is not None:
+            try:
+                box.disk_q = self.disk.qgroup_dir(sid)
+            except OSError as exc:
+                box.files.close()
+                raise BackendError(f"the work dir of {sid} has no disk quota: {exc}") from exc
+        if gov is not None and cg is not None:
+            box.oom_seen = gov.oom_kills(cg)
+            box.pids_seen = gov.pids_limit_hits(cg)
+        return box
+
+    def _teardown(self, sid: str, box: _Box | None) -> None:
+        """Undo whatever exists of sandbox ``sid``; tolerates every part being gone."""
+        if box is not None:
+            for w in list(box.active):
+                w.signal_kill()  # its call sees EOF, returns "died" and reaps it
+            box.files.close()
+        gov = self.governor
+        if gov is not None:
+            cg = box.cg if box is not None and box.cg is not None else gov.paths(sid)
+            if gov.exists(cg) and gov.pids(cg):
+                gov.kill_all(cg)  # stragglers from before an edge restart
+            gov.remove(cg)
+        self._notices.forget(sid)
+        if self.disk is not None:
+            try:
+                self.disk.remove(sid)
+            except OSError as exc:
+                raise BackendError(f"cannot delete the work dir of {sid}: {exc}") from exc
+        else:
+            shutil.rmtree(self.work_dir(sid), ignore_errors=True)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         self._ensure_pool()
-        d = os.path.join(self.root, sid)
-        if not os.path.isdir(d):
-            return False
-        self._boxes[sid] = (spec, d)
-        return True
+        if os.path.isdir(self.work_dir(sid)):
+            try:
+                _, pids = self._check_spec(spec)
+                box = self._open_box(sid, spec, pids, fresh=False)
+            except Exception:  # noqa: BLE001, S110 - not adoptable: clean up, report it gone
+                pass
+            else:
+                if self.governor is not None and box.cg is not None and \
+                        self.governor.pids(box.cg):
+                    self.governor.kill_all(box.cg)  # calls cut off by the edge's crash
+                self._boxes[sid] = box
+                return True
+        self._teardown(sid, None)
+        return False
 
     async def destroy(self, sid: SandboxId) -> None:
         box = self._boxes.pop(sid, None)
-        d = box[1] if box else os.path.join(self.root, sid)
-        shutil.rmtree(d, ignore_errors=True)
+        if box is not None and box.active:
+            for w in list(box.active):
+                w.signal_kill()  # each call sees EOF, answers "died" and reaps its worker
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while box.active:  # so the cgroup is empty before we remove it
+                        await asyncio.sleep(0.005)
+        self._teardown(sid, box)
 
     async def pause(self, sid: SandboxId) -> PauseStats:
         self._box(sid)
@@ -472,28 +924,84 @@ class FncallBackend:
         self._box(sid)
 
     async def stats(self, sid: SandboxId) -> SandboxStats:
-        _, d = self._box(sid)
+        box = self._box(sid)
+        if self.governor is not None and box.cg is not None:
+            mem, peak, cpu, pids = self.governor.stats(box.cg)
+            use = DiskPool.usage_at(box.disk_q)
+            return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
+                                pids=pids, disk_bytes=use.used_bytes,
+                                disk_cap_bytes=use.cap_bytes,
+                                disk_full=self._check_disk(sid, box))
         size = 0
-        for dirpath, _, files in os.walk(d):
+        for dirpath, _, files in os.walk(box.dir):
             for f in files:
                 with contextlib.suppress(OSError):
                     size += os.lstat(os.path.join(dirpath, f)).st_size
         return SandboxStats(disk_bytes=size)
 
+    def _check_disk(self, sid: str, box: _Box) -> bool:
+        """A sandbox at its disk cap (or on a full pool) gets a ``disk_full`` notice (rate
+        limited like every notice, as in the container backend)."""
+        if not box.disk_q:
+            return False
+        use = DiskPool.usage_at(box.disk_q)
+        if near_cap(use.used_bytes, use.cap_bytes):
+            detail = (f"sandbox {sid} filled its disk cap of {use.cap_bytes} bytes "
+                      f"({use.used_bytes} used); writes fail with EDQUOT (Disk quota "
+                      "exceeded) until files are removed - free space inside the sandbox "
+                      "or create it with a larger disk_bytes")
+        else:
+            vfs = os.statvfs(box.dir)
+            free = vfs.f_bavail * vfs.f_frsize
+            if free >= 1 << 20:
+                return False
+            detail = (f"the node's fncall disk pool is full ({free} bytes free, sandbox "
+                      f"{sid} holds {use.used_bytes} of its {use.cap_bytes}-byte cap); "
+                      "writes fail with ENOSPC until sandboxes free space")
+        self._notice(sid, "disk_full", detail)
+        return True
+
     async def close(self) -> None:
+        """Node shutdown. With its own temp root every sandbox goes; with a given root
+        the sandboxes stay for the next edge to adopt (work dirs and cgroups). The disk
+        pool is unmounted and the parent cgroups go once no sandbox is left. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         await self.pool.close()
         if self._own_root:
+            for sid, box in list(self._boxes.items()):
+                self._teardown(sid, box)
+        for box in self._boxes.values():
+            box.files.close()
+        self._boxes.clear()
+        left = bool(self.disk.sandboxes()) if self.disk is not None else False
+        if self.disk is not None:
+            self.disk.close()
+        if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
+        elif self.disk is None:
+            left = any(e.is_dir() for e in os.scandir(self.root))
+        if self.governor is not None and not left:
+            with contextlib.suppress(OSError, BackendError):
+                self.governor.remove_base()
         ownership.disown(self.root)
 
     # ---------------------------------------------------------------- after a crash
     async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
-        """At node start, after adoption: kill workers a dead edge left running (calls
-        nobody will read: processes never outlive a call here) and remove the work dirs
-        of sandboxes the node does not keep."""
+        """At node start, after adoption: remove every trace of sandboxes the node does not
+        keep - the processes still in their cgroups, the cgroups, their work dirs. Jailed
+        workers of a dead edge died with its zygote (PR_SET_PDEATHSIG); what a call left
+        running is found by its sandbox's cgroup, never by a pid number or a cwd. Unjailed
+        workers are found by their cwd under the root and killed by process group."""
+        out = []
+        if self.disk is not None and self.governor is not None:
+            names = set(self.disk.sandboxes()) | set(self.governor.list_sandboxes())
+            for name in sorted(names - set(keep) - set(self._boxes)):
+                out.append(self._discard_jailed(name))
+            return out
         strays = _stray_workers(self.root)
         _kill_groups(strays.values())
-        out = []
         for name in sorted(os.listdir(self.root)):
             d = os.path.join(self.root, name)
             if name in keep or name in self._boxes or not os.path.isdir(d):
@@ -505,42 +1013,145 @@ class FncallBackend:
         return out
 
     async def discard(self, sid: SandboxId) -> Leftover | None:
+        """Remove what is left of a sandbox the node does not know (``reconcile`` for one)."""
+        if sid in self._boxes or "/" in sid or sid.startswith("."):
+            return None
+        if self.disk is not None and self.governor is not None:
+            if not (os.path.lexists(self.work_dir(sid))
+                    or self.governor.exists(self.governor.paths(sid))):
+                return None
+            return self._discard_jailed(sid)
         d = os.path.join(self.root, sid)
-        if sid in self._boxes or "/" in sid or not os.path.isdir(d):
+        if not os.path.isdir(d):
             return None
         _kill_groups(pgid for cwd, pgid in _stray_workers(d).items())
         shutil.rmtree(d, ignore_errors=True)
         return Leftover(sid, "fncall", "work directory")
 
+    def _discard_jailed(self, name: str) -> Leftover:
+        gov = self.governor
+        assert gov is not None
+        cg = gov.paths(name)
+        found = (["work directory"] if os.path.lexists(self.work_dir(name)) else []) + \
+            (["cgroup"] if gov.exists(cg) else [])
+        n = len(gov.pids(cg)) if gov.exists(cg) else 0
+        try:
+            self._teardown(name, None)
+        except BackendError as exc:
+            found.append(f"not all removed: {exc}")
+        return Leftover(name, "fncall", ", ".join(
+            found + ([f"{n} runaway process(es)"] if n else [])))
+
     # ---------------------------------------------------------------- calls
+    def _grant(self, box: _Box, cg: SandboxCgroup) -> Callable[[], list[int]]:
+        """Opens, per call, what admits a worker into ``box``: a detached clone of the
+        work dir's mount and the sandbox's ``cgroup.procs`` files."""
+        def grant() -> list[int]:
+            fds: list[int] = []
+            try:
+                fds.append(clone_tree(box.dir))
+                for path in cg.procs_files:
+                    fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                raise BackendError(f"cannot hand sandbox {box.files.sid} to a worker (it is "
+                                   f"being destroyed, or its work dir or cgroup is gone): "
+                                   f"{exc}") from exc
+            return fds
+        return grant
+
+    async def _run(self, sid: str, box: _Box, request: dict[str, Any],
+                   timeout_s: float | None) -> FncallResult:
+        self._ensure_pool()
+        request["hostname"] = sid
+        gov, cg = self.governor, box.cg
+        if gov is None or cg is None:
+            return await self.pool.run(request, timeout_s, holder=box.active)
+        res = await self.pool.run(request, timeout_s, grant=self._grant(box, cg),
+                                  holder=box.active)
+        return self._after_call(sid, box, gov, cg, res)
+
+    def _after_call(self, sid: str, box: _Box, gov: Governor, cg: SandboxCgroup,
+                    res: FncallResult) -> FncallResult:
+        """Turn limit hits during the call into sandbox events (the sandbox lives on)."""
+        spec = box.spec
+        kills = gov.oom_kills(cg)
+        if kills > box.oom_seen:
+            n, box.oom_seen = kills - box.oom_seen, kills
+            self._notice(sid, "oom_kill", f"the OOM killer killed {n} process(es) of a call in "
+                         f"sandbox {sid}, which hit its memory limit of {spec.memory_bytes} "
+                         "bytes; the sandbox itself is still there - raise memory_bytes")
+            if res.died:
+                res = FncallResult(TIMEOUT_EXIT, None, None,
+                                   f"the call was killed by the OOM killer: sandbox {sid} "
+                                   f"has memory_bytes={spec.memory_bytes}", res.stdout,
+                                   res.stderr, False, res.cold, res.handout_s, res.duration_s,
+                                   died=True)
+        self._check_disk(sid, box)
+        hits = gov.pids_limit_hits(cg)
+        if hits > box.pids_seen:
+            n, box.pids_seen = hits - box.pids_seen, hits
+            self._notice(sid, "pids_limit", f"{n} fork(s) in sandbox {sid} were refused: it "
+                         f"reached its pids_max; raise pids_max if the call needs more "
+                         "processes")
+        return res
+
+    def _notice(self, sid: str, reason: str, detail: str) -> None:
+        """Report a notice (the sandbox lives on), at most one per kind and sandbox per
+        ``notice_interval_s``; the next one says how many were folded into it."""
+        folded = self._notices.admit(sid, reason, self.clock())
+        if folded is None:
+            return
+        if folded:
+            detail += (f" ({folded} more notice(s) of this kind in the last "
+                       f"{self._notices.interval_s:g} s were folded into this one)")
+        if self._sink is not None:
+            self._sink(SandboxId(sid), reason, detail)
+
+    def _cwd(self, box: _Box, cwd: str | None) -> str | None:
+        """The call's working directory as the worker sees it, or None if it is not a
+        directory of the work dir."""
+        rel = posixpath.normpath("/" + (cwd or "")).lstrip("/")
+        if rel:
+            try:
+                if box.files.stat(rel).type != "dir":
+                    return None
+            except (InvalidArgument, SandboxNotFound, LookupError):
+                return None
+        base = WORKDIR if self.isolate else box.dir
+        return posixpath.join(base, rel) if rel else base
+
     async def call(self, sid: SandboxId, fn: Callable[..., Any], *args: Any,
                    timeout_s: float | None = 60.0, **kwargs: Any) -> FncallResult:
         """Run ``fn(*args, **kwargs)`` in a fresh worker (fn must be picklable by
-        reference, i.e. importable in the worker)."""
-        spec, d = self._box(sid)
-        self._ensure_pool()
+        reference, i.e. importable in the worker: the standard library and the packages
+        installed in the edge's venv)."""
+        box = self._box(sid)
         try:
             blob = pickle.dumps((fn, args, kwargs))
         except Exception as exc:
             raise InvalidArgument(f"cannot pickle the call to {fn!r}: {exc}") from exc
-        return await self.pool.run({"fn": blob, "cwd": d, "env": dict(spec.env)}, timeout_s)
+        return await self._run(sid, box, {"fn": blob, "cwd": self._cwd(box, None),
+                                          "env": dict(box.spec.env)}, timeout_s)
 
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
-        spec, d = self._box(sid)
-        self._ensure_pool()
+        box = self._box(sid)
         code = _code_of(req)
-        if req.cwd:
-            cwd = self._path(d, req.cwd)
-            if not os.path.isdir(cwd):
-                return ExecResult(exit_code=2, stderr=f"cwd {req.cwd}: no such directory\n".encode())
-        else:
-            cwd = d
-        r = await self.pool.run({"code": code, "cwd": cwd, "env": {**spec.env, **req.env},
-                                 "stdin": req.stdin, "cap": req.output_cap_bytes}, req.timeout_s)
+        cwd = self._cwd(box, req.cwd)
+        if cwd is None:
+            return ExecResult(exit_code=2, stderr=f"cwd {req.cwd}: no such directory\n".encode())
+        r = await self._run(sid, box, {"code": code, "cwd": cwd,
+                                       "env": {**box.spec.env, **req.env},
+                                       "stdin": req.stdin, "cap": req.output_cap_bytes},
+                            req.timeout_s)
         cap = req.output_cap_bytes
-        return ExecResult(exit_code=r.exit_code, stdout=r.stdout[:cap], stderr=r.stderr[:cap],
+        stderr = r.stderr
+        if r.died and r.error:
+            stderr += f"{r.error}\n".encode()
+        return ExecResult(exit_code=r.exit_code, stdout=r.stdout[:cap], stderr=stderr[:cap],
                           stdout_truncated=r.stdout_truncated or len(r.stdout) > cap,
-                          stderr_truncated=r.stderr_truncated or len(r.stderr) > cap,
+                          stderr_truncated=r.stderr_truncated or len(stderr) > cap,
                           timed_out=r.timed_out, duration_s=r.duration_s)
 
     async def exec_stream(self, sid: SandboxId,
@@ -549,97 +1160,25 @@ class FncallBackend:
             yield item
 
     # ---------------------------------------------------------------- files
-    def _path(self, root: str, path: str) -> str:
-        """Map a sandbox path onto its work dir; refuse anything that escapes it."""
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise InvalidArgument(f"invalid path {path!r}: use a non-empty path without NUL")
-        p = os.path.realpath(os.path.join(root, os.path.normpath("/" + path).lstrip("/")))
-        if p != root and not p.startswith(root + os.sep):
-            raise InvalidArgument(f"path {path!r} leaves the sandbox's work dir", path=path)
-        return p
-
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        _, d = self._box(sid)
-        p = self._path(d, path)
-        try:
-            with open(p, "rb") as f:  # noqa: ASYNC230 - local work dir, small files
-                f.seek(offset)
-                return f.read() if length is None else f.read(length)
-        except FileNotFoundError as exc:
-            raise NotFound(f"no file {path} in sandbox {sid}", sandbox_id=sid, path=path) from exc
-        except IsADirectoryError as exc:
-            raise InvalidArgument(f"{path} in sandbox {sid} is a directory", path=path) from exc
+        return self._box(sid).files.read(path, offset, length)
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        _, d = self._box(sid)
-        p = self._path(d, path)
-        try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
-                         | (os.O_APPEND if append else os.O_TRUNC), mode & 0o7777)
-        except FileNotFoundError as exc:
-            raise NotFound(f"directory of {path} does not exist in sandbox {sid}; mkdir it first",
-                           sandbox_id=sid, path=path) from exc
-        except IsADirectoryError as exc:
-            raise InvalidArgument(f"{path} in sandbox {sid} is a directory", path=path) from exc
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        self._box(sid).files.write(path, data, mode=mode, append=append)
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        _, d = self._box(sid)
-        p = self._path(d, path)
-        try:
-            names = sorted(os.listdir(p))
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise NotFound(f"no directory {path} in sandbox {sid}", path=path) from exc
-        return [self._info(d, os.path.join(p, n)) for n in names]
+        return self._box(sid).files.list(path)
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        _, d = self._box(sid)
-        return self._info(d, self._path(d, path))
-
-    def _info(self, root: str, p: str) -> FileInfo:
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError as exc:
-            raise NotFound(f"no such path {p[len(root):] or '/'}") from exc
-        import stat as st_mod
-
-        kind = ("dir" if st_mod.S_ISDIR(st.st_mode) else "file" if st_mod.S_ISREG(st.st_mode)
-                else "symlink" if st_mod.S_ISLNK(st.st_mode) else "other")
-        rel = "/" + os.path.relpath(p, root).lstrip(".").lstrip("/") if p != root else "/"
-        return FileInfo(name=os.path.basename(rel) or "/", path=rel, type=kind,  # type: ignore[arg-type]
-                        size=st.st_size, mode=st.st_mode & 0o7777, mtime=st.st_mtime,
-                        link_target=os.readlink(p) if kind == "symlink" else None)
+        return self._box(sid).files.stat(path)
 
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        _, d = self._box(sid)
-        p = self._path(d, path)
-        try:
-            os.makedirs(p, exist_ok=True) if parents else os.mkdir(p)
-        except FileExistsError:
-            pass
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise NotFound(f"parent of {path} does not exist in sandbox {sid}", path=path) from exc
+        self._box(sid).files.mkdir(path, parents=parents)
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        _, d = self._box(sid)
-        p = self._path(d, path)
-        if p == d:
-            raise InvalidArgument(f"refusing to remove / in sandbox {sid}")
-        try:
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p) if recursive else os.rmdir(p)
-            else:
-                os.unlink(p)
-        except FileNotFoundError as exc:
-            raise NotFound(f"no such path {path} in sandbox {sid}", path=path) from exc
-        except OSError as exc:
-            raise InvalidArgument(f"cannot remove {path} in sandbox {sid}: {exc.strerror}; "
-                                  "pass recursive=True for a non-empty directory") from exc
+        self._box(sid).files.remove(path, recursive=recursive)
 
 
 def _code_of(req: ExecRequest) -> str:
@@ -657,9 +1196,10 @@ _ROOT_PREFIX = "dsec-fncall-"
 
 
 def _stray_workers(root: str) -> dict[str, int]:
-    """cwd -> process group of fncall workers whose working directory is under
+    """cwd -> process group of *unjailed* fncall workers whose working directory is under
     ``root`` (a worker runs a call in its sandbox's work dir; user code that chdir'd
-    elsewhere is not found - see docs/edge.md)."""
+    elsewhere is not found - see docs/edge.md). Jailed workers are never looked for this
+    way: they die with their zygote, and calls are found by their sandbox's cgroup."""
     out: dict[str, int] = {}
     prefix = root.rstrip("/") + "/"
     me = os.getpid()
@@ -687,13 +1227,28 @@ def _kill_groups(pgids: Any) -> None:
 
 def _reclaim_dead_roots(tmp: str) -> None:
     """Remove the default roots of fncall backends whose process died (a crash skips
-    ``close``), with any worker still running in them."""
+    ``close``): the processes left in their sandboxes' cgroups, the cgroups, the disk
+    pool's mount, the files; unjailed workers still running in them."""
     for e in os.scandir(tmp):
-        if e.name.startswith(_ROOT_PREFIX) and e.is_dir(follow_symlinks=False) \
-                and ownership.owner_alive(e.path) is False:
-            _kill_groups(_stray_workers(e.path).values())
-            shutil.rmtree(e.path, ignore_errors=True)
-            ownership.disown(e.path)
+        if not (e.name.startswith(_ROOT_PREFIX) and e.is_dir(follow_symlinks=False)
+                and ownership.owner_alive(e.path) is False):
+            continue
+        _kill_groups(_stray_workers(e.path).values())
+        if os.geteuid() == 0 and os.path.exists(os.path.join(e.path, "pool.img")):
+            with contextlib.suppress(OSError, BackendError):
+                gov = Governor(name="fncall-" + hashlib.sha1(e.path.encode()).hexdigest()[:10],
+                               favor_dynmods=False)
+                for sid in gov.list_sandboxes():
+                    cg = gov.paths(sid)
+                    gov.kill_all(cg)
+                    gov.remove(cg)
+                gov.remove_base()
+            pool = os.path.join(e.path, "pool")
+            if os.path.ismount(pool):
+                with contextlib.suppress(OSError):
+                    linux.umount2(pool, linux.MNT_DETACH)
+        shutil.rmtree(e.path, ignore_errors=True)
+        ownership.disown(e.path)
 
 
 def make_backend(**opts: Any) -> FncallBackend:

@@ -19,7 +19,7 @@ with ``ENOSPC`` - on the pool, never on the host filesystem the state dir lives 
   off. Node kernels are not ours to choose, so the backing must work without them.
 - *an ext4 image + loop device per sandbox*: mkfs + losetup + mount is ~10+ ms per create
   and a jbd2 thread and loop workqueue per sandbox (density).
-- *btrfs qgroups* (this module): one sparse image file under ``root_dir``, loop-mounted
+- *btrfs qgroups* (this module): one image file under ``root_dir``, loop-mounted
   once (mkfs + mount + quota enable ~80 ms at backend start); per sandbox one
   ``BTRFS_IOC_SUBVOL_CREATE_V2`` that creates the subvolume *with* its qgroup limit in the
   same call: create + 2 mkdirs 0.035 ms p50, destroy 0.018 ms p50 (200 each), no RAM
@@ -28,12 +28,21 @@ with ``ENOSPC`` - on the pool, never on the host filesystem the state dir lives 
   files), so the byte cap also caps inodes. Simple quotas (kernel >= 6.7) are used when
   the kernel has them (no backref walks at commit), else full qgroups.
 
-The image is sparse and mounted with ``discard=async`` (btrfs' default), so it takes
-host space only for what sandboxes hold and gives it back when they delete. Because the
-pool can promise more than the host has free, a create is refused (``CapacityExceeded``)
-when its cap does not fit what the pool *and* the host filesystem have free at that
-moment; caps are limits, not reservations (as with Docker's quotas), so sandboxes filling
-the pool together later get ENOSPC inside, with a ``disk_full`` event.
+The image is **preallocated** (``posix_fallocate``: unwritten extents, ~ms for GiBs on
+ext4) and mounted ``nodiscard``, so the pool owns its host space for as long as it
+exists. Measured with a sparse image first: when anything else filled the host
+filesystem under it, the loop device could not back btrfs' next write, btrfs aborted its
+transaction and forced the *whole pool* read-only - every sandbox lost its disk and
+destroy could no longer delete subvolumes. Preallocated, a full host is the other
+writer's ENOSPC, never the pool's. The price is that the pool's size is taken from the
+host when it is made, so the default is modest (half the free space of the state dir's
+filesystem, at most 64 GiB; ``--disk-pool`` sets it, ``$DSEC_DISK_POOL_BYTES`` gives
+the default for a test suite or CI) and an empty pool is deleted when its backend
+closes. A create is refused (``CapacityExceeded``) when its cap does not fit what the
+pool has free at that moment; caps are limits, not reservations (as with Docker's
+quotas), so sandboxes filling the pool together later get ENOSPC inside, with a
+``disk_full`` event. A sandbox that names no cap gets the node default, or what the
+pool has free if that is less.
 
 Deleted subvolumes are cleaned by btrfs' cleaner thread (space returns within one commit
 interval, ~30 s, or at once after :meth:`DiskPool.settle`) and their qgroups are removed
@@ -48,6 +57,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
 import shutil
 import subprocess
@@ -56,6 +66,8 @@ from dataclasses import dataclass
 
 from dsec.edge.backends.container import linux
 from dsec.errors import BackendError, CapacityExceeded, InvalidArgument
+
+log = logging.getLogger("dsec.edge.disk")
 
 __all__ = [
     "BTRFS_SUPER_MAGIC",
@@ -71,8 +83,12 @@ DEFAULT_DISK_BYTES = 10 << 30
 """The cap a sandbox gets when its spec names none (``disk_bytes=None``)."""
 MIN_POOL_BYTES = 256 << 20
 """mkfs.btrfs needs ~110 MiB for its own trees; smaller pools are refused."""
-POOL_FREE_FRACTION = 0.9
-"""Default pool size: this share of the state dir filesystem's free space at first start."""
+POOL_FREE_FRACTION = 0.5
+"""Default pool size: this share of the state dir filesystem's free space at first start,"""
+POOL_MAX_DEFAULT_BYTES = 64 << 30
+"""... and at most this much (the image is preallocated: its size is taken from the host)."""
+POOL_SIZE_ENV = "DSEC_DISK_POOL_BYTES"
+"""Environment variable with the default pool size in bytes (test suites, CI)."""
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -150,10 +166,11 @@ class DiskUsage:
     cap_bytes: int
 
 
-def pool_size_for(free_bytes: int, *, fraction: float = POOL_FREE_FRACTION) -> int:
+def pool_size_for(free_bytes: int, *, fraction: float = POOL_FREE_FRACTION,
+                  most: int = POOL_MAX_DEFAULT_BYTES) -> int:
     """The default pool size for a state dir filesystem with ``free_bytes`` free: a share
-    of it, whole MiB. Raises when that is too small for a pool at all."""
-    size = int(free_bytes * fraction) & ~((1 << 20) - 1)
+    of it, at most ``most``, whole MiB. Raises when that is too small for a pool at all."""
+    size = min(int(free_bytes * fraction), most) & ~((1 << 20) - 1)
     if size < MIN_POOL_BYTES:
         raise BackendError(
             f"the state dir's filesystem has only {free_bytes} bytes free: the sandbox disk "
@@ -173,9 +190,10 @@ class DiskPool:
     """The btrfs filesystem holding every sandbox's upper layer, one subvolume each.
 
     ``<root_dir>/pool`` is the mount point (or, if ``root_dir`` is itself on btrfs with
-    quotas enabled, a plain directory there); ``<root_dir>/pool.img`` the sparse image.
-    ``size_bytes``: the image size when it is first made (None: 90% of the state dir
-    filesystem's free space); an existing image keeps its size.
+    quotas enabled, a plain directory there); ``<root_dir>/pool.img`` the preallocated
+    image. ``size_bytes``: the image size when it is first made (None:
+    ``$DSEC_DISK_POOL_BYTES``, else half the state dir filesystem's free space, at most
+    64 GiB); an existing image keeps its size.
     """
 
     def __init__(self, root_dir: str, *, size_bytes: int | None = None) -> None:
@@ -206,6 +224,8 @@ class DiskPool:
         if not os.path.ismount(self.path):
             if not os.path.exists(self.image):
                 self._make_image(size_bytes)
+            else:
+                self._preallocate_existing()
             self._mount()
         if _fs_type(self.path) != BTRFS_SUPER_MAGIC:
             raise BackendError(f"{self.path} is a mount point but not a btrfs filesystem; "
@@ -228,15 +248,32 @@ class DiskPool:
             raise BackendError("mkfs.btrfs not found: install the Debian package btrfs-progs "
                                "(make setup does); the sandbox disk pool is a btrfs image")
         if size_bytes is None:
-            vfs = os.statvfs(self.root_dir)
-            size_bytes = pool_size_for(vfs.f_bavail * vfs.f_frsize)
+            env = os.environ.get(POOL_SIZE_ENV)
+            if env:
+                try:
+                    size_bytes = int(env)
+                except ValueError as exc:
+                    raise InvalidArgument(f"${POOL_SIZE_ENV}={env!r} must be a number of "
+                                          "bytes", field=POOL_SIZE_ENV) from exc
+            else:
+                vfs = os.statvfs(self.root_dir)
+                size_bytes = pool_size_for(vfs.f_bavail * vfs.f_frsize)
         tmp = self.image + ".tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size_bytes)   # sparse: takes host space only as it is written
-        finally:
+            # Preallocated, not sparse: see the module docstring (a sparse image made the
+            # whole pool read-only when the host filled up).
+            os.posix_fallocate(fd, 0, size_bytes)
+        except OSError as exc:
             os.close(fd)
-        proc = subprocess.run([mkfs, "-q", "-f", "-m", "single", "-d", "single",
+            os.unlink(tmp)
+            raise BackendError(
+                f"cannot reserve {size_bytes} bytes for the sandbox disk pool under "
+                f"{self.root_dir}: {exc.strerror}; free space there or set a smaller pool "
+                "(dsec edge/up --disk-pool)") from exc
+        os.close(fd)
+        # -K: no discard of the (file) device, which would punch the preallocation out.
+        proc = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single",
                                "-L", "dsec-pool", tmp], check=False, capture_output=True,
                               text=True)
         if proc.returncode != 0:
@@ -245,10 +282,26 @@ class DiskPool:
                                f"{proc.stderr.strip()}")
         os.replace(tmp, self.image)
 
+    def _preallocate_existing(self) -> None:
+        """Give an image made sparse (by an older dsec) its blocks back before mounting;
+        if the host has not got them, run as it is and say so."""
+        st = os.stat(self.image)
+        if st.st_blocks * 512 >= st.st_size:
+            return
+        fd = os.open(self.image, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, st.st_size)
+        except OSError as exc:
+            log.warning("the sandbox disk pool %s is sparse and the host cannot back it "
+                        "(%s): a full host filesystem would make the pool read-only; free "
+                        "space there", self.image, exc.strerror)
+        finally:
+            os.close(fd)
+
     def _mount(self) -> None:
         # util-linux sets up the loop device (with autoclear: the umount releases it);
         # once per backend start, so its ~4 ms do not matter.
-        proc = subprocess.run(["mount", "-t", "btrfs", "-o", "loop,noatime,nosuid,nodev",
+        proc = subprocess.run(["mount", "-t", "btrfs", "-o", "loop,noatime,nosuid,nodev,nodiscard",
                                self.image, self.path], check=False, capture_output=True,
                               text=True)
         if proc.returncode != 0:
@@ -279,10 +332,27 @@ class DiskPool:
         vfs = os.fstatvfs(self._fd)
         return vfs.f_blocks * vfs.f_frsize
 
+    def unbacked_bytes(self) -> int:
+        """How much more host space the image may take as the pool fills: its size less
+        what it has allocated (0 for a preallocated image or a pool that is not ours). Whatever else
+        writes to the image's host filesystem must leave this free - a write the loop
+        device cannot back aborts btrfs' transaction and makes the whole pool read-only."""
+        if not self.owned:
+            return 0
+        st = os.stat(self.image)
+        return max(0, st.st_size - st.st_blocks * 512)
+
+    def default_cap(self, node_default: int) -> int:
+        """The cap of a sandbox that names none: the node default, or what the pool has
+        free now if that is less (a small pool - a test suite's - would otherwise refuse
+        every such create). An explicit cap that does not fit is refused instead."""
+        vfs = os.fstatvfs(self._fd)
+        return max(1 << 20, min(node_default, vfs.f_bavail * vfs.f_frsize))
+
     def check_fit(self, cap: int) -> None:
         """Refuse (``CapacityExceeded``) a cap the pool could never hold, or that does not
-        fit what the pool - and, for the sparse image, the host filesystem under it -
-        has free now. Placement tries another node on CapacityExceeded."""
+        fit what the pool - and, for an image the host could not preallocate, the host
+        filesystem under it - has free now. Placement tries another node on CapacityExceeded."""
         vfs = os.fstatvfs(self._fd)
         total = vfs.f_blocks * vfs.f_frsize
         free = vfs.f_bavail * vfs.f_frsize
@@ -296,7 +366,7 @@ class DiskPool:
                 f"disk_bytes={cap} does not fit: this node's sandbox disk pool has {free} "
                 f"of {total} bytes free; ask for less or use another node",
                 resource="disk_bytes", requested=cap, available=free)
-        if self.owned:
+        if self.unbacked_bytes():   # an image the host could not preallocate
             host = os.statvfs(self.root_dir)
             host_free = host.f_bavail * host.f_frsize
             if cap > host_free:
@@ -368,13 +438,25 @@ class DiskPool:
 
     def close(self) -> None:
         """Release the pool; an owned pool with no sandbox left is unmounted (which also
-        frees its loop device). With sandboxes left it stays for their adoption."""
+        frees its loop device) and its image deleted, giving its preallocated space back
+        to the host. With sandboxes left it stays for their adoption."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self.owned and os.path.ismount(self.path) and not self.sandboxes():
-            with contextlib.suppress(OSError):
-                linux.umount2(self.path)
+        if not (self.owned and os.path.ismount(self.path)):
+            return
+        try:
+            left = self.sandboxes()
+        except OSError:   # a pool btrfs forced read-only/broken: leave it for an operator
+            return
+        if left:
+            return
+        try:
+            linux.umount2(self.path)
+        except OSError:
+            return  # still busy (a sandbox's namespace holds it): keep the image
+        with contextlib.suppress(OSError):
+            os.unlink(self.image)
 
 
 def _fs_type(path: str) -> int:

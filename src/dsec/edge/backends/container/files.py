@@ -25,11 +25,12 @@ import os
 import posixpath
 import shutil
 import stat as st
+from collections.abc import Callable
 from typing import Self
 
 from dsec.edge.backends.container import linux
 from dsec.edge.spec import FileInfo, FileType
-from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, SandboxError
+from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
 
 __all__ = ["MAX_READ_BYTES", "SANDBOX_FS_TYPES", "SandboxFiles", "split_path"]
 
@@ -65,27 +66,31 @@ def _kind(mode: int) -> FileType:
 class SandboxFiles:
     """Confined file I/O below ``root_fd`` (an O_PATH fd of the sandbox root)."""
 
-    def __init__(self, root_fd: int, sid: str, *, owner: int | None = None) -> None:
+    def __init__(self, root_fd: int, sid: str, *, owner: int | None = None,
+                 disk_room: Callable[[], tuple[int, str]] | None = None) -> None:
         """``owner``: host uid=gid of the sandbox's root when it runs in a user namespace;
         files and directories made here as host root (uid 0, unmapped in there, so the
-        sandbox's root could not change them) are given to it."""
+        sandbox's root could not change them) are given to it. ``disk_room``: the bytes
+        a write to the sandbox's disk (its overlay root) may still take, and a phrase
+        naming that limit; a write bigger than that is refused before anything changes."""
         self.root_fd = root_fd
         self.sid = sid
         self.owner = owner
+        self.disk_room = disk_room
 
     def _own(self, fd: int) -> None:
         if self.owner is not None and os.fstat(fd).st_uid == 0:
             os.fchown(fd, self.owner, self.owner)
 
     @classmethod
-    def of_process(cls, pidfd: int, pid: int, sid: str, *,
-                   owner: int | None = None) -> SandboxFiles:
+    def of_process(cls, pidfd: int, pid: int, sid: str, *, owner: int | None = None,
+                   disk_room: Callable[[], tuple[int, str]] | None = None) -> SandboxFiles:
         """Files of the sandbox whose init is ``pid`` (its root as its mount namespace sees
         it). The pidfd check first makes sure ``/proc/<pid>`` is still that process.
         Close with :meth:`close` (or use as a context manager)."""
         linux.pidfd_send_signal(pidfd, 0)
         return cls(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
-                   sid, owner=owner)
+                   sid, owner=owner, disk_room=disk_room)
 
     def close(self) -> None:
         if self.root_fd >= 0:
@@ -164,6 +169,7 @@ class SandboxFiles:
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOCTTY | os.O_NONBLOCK | \
             (os.O_APPEND if append else 0)
         target = posixpath.join(parent, name)
+        self._check_room(parent, path, len(data))
         try:
             try:
                 fd = self._open(target, flags, mode & 0o7777)
@@ -190,6 +196,40 @@ class SandboxFiles:
             raise self._err(exc, "write", path) from exc
         finally:
             os.close(fd)
+
+    def _check_room(self, parent: str, path: str, size: int) -> None:
+        """Refuse a write of ``size`` bytes to the sandbox's disk that does not fit what its
+        cap (or the disk pool) has left, before the file is created or truncated: a
+        write that hit EDQUOT half-way had already truncated the old content (and btrfs
+        gives a truncated file's space back only at its next commit, so an overwrite
+        needs the new size free on top of the old). The filesystem is that of the
+        nearest existing ancestor of the file (/tmp is a tmpfs, not the disk)."""
+        if self.disk_room is None or size == 0:
+            return
+        fs = None
+        while fs is None:
+            try:
+                fd = self._open(parent, os.O_PATH | os.O_DIRECTORY)
+            except FileNotFoundError:
+                if parent in ("", "/"):
+                    return
+                parent = posixpath.dirname(parent.rstrip("/")) or "/"
+                continue
+            except OSError:
+                return          # the write itself reports what is wrong with the path
+            try:
+                fs = linux.fstatfs_type(fd)
+            finally:
+                os.close(fd)
+        if fs != OVERLAYFS_SUPER_MAGIC:
+            return
+        room, limit = self.disk_room()
+        if size > room:
+            raise QuotaExceeded(
+                f"write {path[:200]!r} ({size} bytes) in sandbox {self.sid} refused: "
+                f"{limit} has {room} bytes left; nothing was changed - remove files in "
+                "the sandbox or create it with a larger disk_bytes", resource="disk_bytes",
+                sandbox_id=self.sid, requested=size, available=room, path=path[:200])
 
     def _info(self, parent_fd: int, name: str, path: str) -> FileInfo:
         s = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)

@@ -5,20 +5,35 @@
  *
  * The edge (native.py) starts one per backend and sends requests over a SOCK_SEQPACKET
  * socket (wire format below `serve`, Python side in protocol.py). Per request this
- * single-threaded process switches its pid namespace for children - setns into the
- * sandbox's (exec) or unshare a fresh one (create) - and fork()s; its address space is
- * tiny, so that is cheap, and it never blocks on a child. The child:
+ * single-threaded process fork()s an *intermediate* child - its address space is tiny, so
+ * that is cheap - and never blocks on it. Everything else runs in the children, in C:
  *
- *   exec:   fds 0-2 stdio, 3 init pidfd, 4 seccomp BPF (memfd), 5 status pipe|/dev/null;
- *           setsid, join cgroups, setns(pidfd, mnt|net|uts|ipc|cgroup), user lookup in the
- *           sandbox's /etc/passwd, chdir, caps, setuid, no_new_privs, seccomp, execve.
- *   create: fds 3 status pipe, 4 seccomp BPF; PID 1 of the new pid namespace: join
- *           cgroups, unshare the other namespaces, overlay + /proc + /dev + /tmp + /sys +
- *           masks, pivot_root, hostname, lo up, caps, seccomp, execve the init.
- *   F_USERNS (spec.user_namespace): create also makes a user namespace mapping root to an
- *           unprivileged host range (net, uts, ipc owned by it; mnt, cgroup, pid by the
- *           host's), idmaps the lowerdirs with it and enters it last (after every
- *           mount); exec enters it after the other namespaces. See make_userns.
+ *   exec    intermediate (host pid namespace, so invisible from inside the sandbox):
+ *           fds 0-2 stdio, 3 init pidfd, 4 seccomp BPF (memfd), 5 status pipe|/dev/null,
+ *           6 report socket; joins the cgroups (the exec's own freezer/v2 cgroup first),
+ *           setns(pidfd, mnt|net|uts|ipc|cgroup|pid) [+ user], then clone(CLONE_PARENT)s
+ *           the command's process, which is born fully inside: the sandbox's namespaces,
+ *           root and cgroups. It reports that child's pid to us and exits. The child:
+ *           setsid, user lookup in the sandbox's /etc/passwd, chdir, caps, setuid,
+ *           no_new_privs, seccomp, execve.
+ *   create  intermediate: fds 3 status pipe, 4 seccomp BPF, 6 report socket; joins the
+ *           cgroups, unshares mnt/net/uts/ipc/cgroup (user namespace: see make_userns),
+ *           builds the root (overlay from /proc/self/fd paths - no host path reaches the
+ *           sandbox's mountinfo - /dev, /tmp, /sys), then unshares the pid namespace and
+ *           clone(CLONE_PARENT)s its PID 1, which mounts /proc, masks, pivot_root, caps,
+ *           seccomp and execs the init.
+ *
+ * Why the intermediate (issue 11.3; runc's nsexec does the same): a process is visible in
+ * the sandbox's /proc from the moment it exists in its pid namespace, and /proc/<pid>/
+ * {mountinfo,net/...} show *that process's* namespaces. A child forked straight into the pid
+ * namespace was readable there while it still had the host's mount and network
+ * namespaces. Entering the pid namespace last, with one more fork, closes that window.
+ * CLONE_PARENT makes us the parent of the final process, so we reap it and hand its exit
+ * status to the edge; the intermediate reports its pid over the report socket (a pidfd
+ * is opened for it then: an unreaped child cannot be confused with another process).
+ * The final process is cloned CLONE_VM | CLONE_VFORK (run_final): it shares the
+ * intermediate's memory until its execve, so the extra process costs no page-table copy
+ * (measured: exec and create CPU per call equal to the single-fork design's).
  *
  * Errors: exec writes "dsec: cannot run ..." to stderr (and the status pipe of a
  * background exec) and exits 127 (not found) or 126; create writes the reason to the
@@ -64,6 +79,7 @@
 #define FD_BPF 4
 #define FD_STATUS_EXEC 5
 #define FD_STATUS_CREATE 3
+#define FD_REPORT 6   /* intermediate -> zygote: "my child is pid N" (SOCK_SEQPACKET) */
 
 #define NS_ENTER (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP)
 
@@ -71,6 +87,9 @@ static int status_fd = -1;   /* where failures are reported (create) */
 static int userns_req = 0;   /* F_USERNS on the request being served (inherited by fork) */
 static int exec_mode = 0;
 static const char *exec_what = "";
+static const char *init_bin = "";
+/* The job slot and generation the intermediate reports for (set before its fork). */
+static uint32_t my_slot, my_gen;
 
 static void die(int code, const char *fmt, ...) {
     char msg[1024];
@@ -227,17 +246,99 @@ static void exec_path(char **argv, char **envp) {
     die(errno == ENOENT ? 127 : 126, "execvpe");
 }
 
+
+/* ---- the intermediate's last step --------------------------------------------------- */
+
+struct report { uint32_t slot, gen; int32_t pid, pad; };
+
+/* fork whose child gets our parent (the zygote) as its parent. A raw clone like fork():
+ * we are single-threaded and the child calls nothing that trusts glibc's cached tid. */
+static pid_t clone_parent(void) {
+    return (pid_t)syscall(SYS_clone, (unsigned long)CLONE_PARENT, 0, NULL, NULL, 0);
+}
+
+/* Intermediate: fork the final process (born inside), tell the zygote its pid, exit.
+ * Returns only in the final process.
+ *
+ * A sandbox at its task limit refuses that fork (the intermediate is already counted in
+ * its pids cgroup), yet an exec must still get in - to look, or to kill the fork bomb. So
+ * on EAGAIN, with `pids_fd` (the cgroup.procs the limit applies to) and `home_fd` (ours
+ * before joining) opened before the setns (cgroupfs checks the opener's credentials and
+ * cgroup namespace): step back out of the limited cgroup, fork, move the child in -
+ * migration is not limited - and only then let it run. While it waits it is inside in
+ * every respect but its pids cgroup, which /proc/<pid>/cgroup inside shows as "/../.."
+ * (the sandbox's cgroups sit two levels below ours): no host name. */
+static void spawn_final(int fail_code, int pids_fd, int home_fd) {
+    int go[2] = {-1, -1};
+    pid_t pid = clone_parent();
+    if (pid < 0 && errno == EAGAIN && pids_fd >= 0 && home_fd >= 0) {
+        if (pipe2(go, O_CLOEXEC) < 0) die(fail_code, "pipe2");
+        if (write(home_fd, "0", 1) < 0) die(fail_code, "leave the task-limited cgroup");
+        pid = clone_parent();
+        if (pid > 0) {
+            char num[24];
+            int n = snprintf(num, sizeof num, "%d", (int)pid);
+            if (write(pids_fd, num, (size_t)n) < 0) {
+                int saved = errno;
+                kill(pid, SIGKILL);  /* our own, still waiting: never runs outside */
+                errno = saved;
+                die(fail_code, "move the command into the sandbox's pids cgroup");
+            }
+            close(go[1]);
+        }
+    }
+    if (pid < 0) die(fail_code, "clone into the sandbox's pid namespace");
+    if (pid > 0) {
+        struct report r = {my_slot, my_gen, pid, 0};
+        while (send(FD_REPORT, &r, sizeof r, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+        _exit(0);
+    }
+    close(FD_REPORT);
+    if (pids_fd >= 0) close(pids_fd);
+    if (home_fd >= 0) close(home_fd);
+    if (go[0] >= 0) {
+        char c;
+        close(go[1]);
+        while (read(go[0], &c, 1) < 0 && errno == EINTR) {}  /* EOF: moved in */
+        close(go[0]);
+    }
+}
+
+/* The exec's fast path: the final process shares our memory (no page-table copy - a
+ * fork's main cost on this PVM VM) and we wait until it has exec'd or died
+ * (CLONE_VM | CLONE_VFORK, as posix_spawn does); it has its own fd table and credentials.
+ * At the task limit that clone fails like any fork: then spawn_final's slow path. */
+static char final_stack[256 << 10] __attribute__((aligned(64)));
+
+static void run_final(int fail_code, int pids_fd, int home_fd, int (*fn)(void *), void *arg) {
+    pid_t pid = clone(fn, final_stack + sizeof final_stack,
+                      CLONE_VM | CLONE_VFORK | CLONE_PARENT, arg);
+    if (pid < 0 && errno == EAGAIN) {
+        spawn_final(fail_code, pids_fd, home_fd);  /* returns in the final process */
+        _exit(fn(arg));
+    }
+    if (pid < 0) die(fail_code, "clone into the sandbox's pid namespace");
+    struct report r = {my_slot, my_gen, pid, 0};
+    while (send(FD_REPORT, &r, sizeof r, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+    _exit(0);
+}
+
+struct final_args { const char *cwd, *user; int nenv; char **env, **target; };
+static int exec_final(void *arg);
+
 static int do_exec(int argc, char **argv) {
-    /* argv: exec cwd user ncg cg... nenv env... -- target... */
+    /* argv: exec cwd user ncg cg... pids_index home_procs nenv env... -- target... */
     exec_mode = 1;
     int i = 2;
-    if (argc < 6) { errno = EINVAL; die(126, "usage"); }
+    if (argc < 8) { errno = EINVAL; die(126, "usage"); }
     const char *cwd = argv[i++];
     const char *user = argv[i++];
     int ncg = atoi(argv[i++]);
+    if (ncg < 0 || i + ncg + 2 >= argc) { errno = EINVAL; die(126, "usage"); }
     char **cgs = &argv[i];
     i += ncg;
-    if (i >= argc) { errno = EINVAL; die(126, "usage"); }
+    int pids_index = atoi(argv[i++]);
+    const char *home_procs = argv[i++];
     int nenv = atoi(argv[i++]);
     char **env = &argv[i];
     i += nenv;
@@ -245,12 +346,17 @@ static int do_exec(int argc, char **argv) {
     char **target = &argv[i + 1];
     exec_what = target[0];
     fcntl(FD_STATUS_EXEC, F_SETFD, FD_CLOEXEC);
-    syscall(SYS_close_range, FD_STATUS_EXEC + 1, ~0U, 0);
-    if (setsid() < 0) die(126, "setsid");
+    syscall(SYS_close_range, FD_REPORT + 1, ~0U, 0);
+    /* Intermediate, in the host's pid namespace (nothing inside can see it): the cgroups
+     * first (the edge lists the exec's freezer/v2 cgroup first, so a kill that freezes it
+     * finds us), then every namespace at once with the pidfd (5.8+) - the mount namespace
+     * switch also moves root and cwd to the sandbox's root - and the pid namespace for
+     * children, so the fork below is born fully inside. */
+    int pids_fd = pids_index >= 0 && pids_index < ncg
+        ? open(cgs[pids_index], O_WRONLY | O_CLOEXEC) : -1;
+    int home_fd = home_procs[0] ? open(home_procs, O_WRONLY | O_CLOEXEC) : -1;
     join_cgroups(ncg, cgs);
-    /* pidfd setns (5.8+): all five namespaces at once; the mount namespace switch also
-     * moves root and cwd to the sandbox's root. */
-    if (setns(FD_PIDFD, NS_ENTER) < 0) die(126, "setns");
+    if (setns(FD_PIDFD, NS_ENTER | CLONE_NEWPID) < 0) die(126, "setns");
     /* user_namespace sandboxes: the user namespace last (its root may not join the
      * host-owned others), then become its root (host uid 0 is unmapped there). */
     if (userns_req) {
@@ -259,6 +365,19 @@ static int do_exec(int argc, char **argv) {
             die(126, "become root of the user namespace");
     }
     close(FD_PIDFD);
+    struct final_args a = {cwd, user, nenv, env, target};
+    run_final(126, pids_fd, home_fd, exec_final, &a);
+    return 126;
+}
+
+/* The command's process: visible inside from its birth, and already all inside. */
+static int exec_final(void *arg) {
+    const struct final_args *a = arg;
+    const char *cwd = a->cwd, *user = a->user;
+    int nenv = a->nenv;
+    char **env = a->env, **target = a->target;
+    close(FD_REPORT);
+    if (setsid() < 0) die(126, "setsid");
     uid_t uid = 0;
     gid_t gid = 0;
     char home[1024];
@@ -321,11 +440,10 @@ static int is_dir(const char *p) {
 
 /* A user namespace mapping root to host ids [base, base+size), as an fd. Only a process
  * of the parent namespace may write a multi-id map (opening the map file itself after the
- * target entered the namespace); we are PID 1 of a new pid namespace whose /proc is still
- * the host's, so a child's pid does not name its /proc entry here. Hence: a short-lived
- * child unshares the user namespace and reports its /proc name (readlink /proc/self); we
- * write its maps, open its ns/user and kill it - the namespace lives on through the fd.
- * Measured: see docs/container.md (create p50 with/without). */
+ * target entered the namespace): a short-lived child unshares the user namespace (and
+ * net, uts, ipc with it); we write its maps, open its namespaces and kill it - they live
+ * on through the fds. We are the create's intermediate, in the host's pid namespace, so
+ * the child's pid names its /proc entry. Measured: see docs/container.md. */
 #define NS_OWNED (CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC)
 static const char *const ns_owned_names[3] = {"net", "uts", "ipc"};
 
@@ -335,87 +453,107 @@ static int make_userns(const char *base, const char *size, int owned[3]) {
     pid_t h = fork();
     if (h < 0) die(1, "fork (user namespace)");
     if (h == 0) {
-        char self[32] = "";
         /* net, uts and ipc with it, owned by it: the sandbox's root may then bind ports
          * < 1024, use raw sockets and set its hostname - in its own namespaces only. */
-        if (unshare(CLONE_NEWUSER | NS_OWNED) == 0) {
-            ssize_t n = readlink("/proc/self", self, sizeof self - 1);
-            self[n > 0 ? n : 0] = 0;
-        }
-        if (write(sync[1], self, sizeof self) != sizeof self) _exit(1);
+        char ok = unshare(CLONE_NEWUSER | NS_OWNED) == 0;
+        if (write(sync[1], &ok, 1) != 1) _exit(1);
         for (;;) pause();
     }
     close(sync[1]);
-    char self[32] = "", path[96], map[96];
-    ssize_t r = read(sync[0], self, sizeof self);
+    char ok = 0, path[96], map[96];
+    ssize_t r = read(sync[0], &ok, 1);
     close(sync[0]);
     int fd = -1;
-    if (r == sizeof self && self[0] && strspn(self, "0123456789") == strlen(self)) {
+    snprintf(path, sizeof path, "/proc/%d", (int)h);
+    if (r == 1 && ok) {
         int n = snprintf(map, sizeof map, "0 %s %s\n", base, size);
-        snprintf(path, sizeof path, "/proc/%s/uid_map", self);
+        snprintf(path, sizeof path, "/proc/%d/uid_map", (int)h);
         int m = open(path, O_WRONLY | O_CLOEXEC);
-        int ok = m >= 0 && write(m, map, (size_t)n) == n;
+        int good = m >= 0 && write(m, map, (size_t)n) == n;
         if (m >= 0) close(m);
-        snprintf(path, sizeof path, "/proc/%s/gid_map", self);
-        m = ok ? open(path, O_WRONLY | O_CLOEXEC) : -1;
-        ok = m >= 0 && write(m, map, (size_t)n) == n;
+        snprintf(path, sizeof path, "/proc/%d/gid_map", (int)h);
+        m = good ? open(path, O_WRONLY | O_CLOEXEC) : -1;
+        good = m >= 0 && write(m, map, (size_t)n) == n;
         if (m >= 0) close(m);
-        for (int k = 0; ok && k < 3; k++) {
-            snprintf(path, sizeof path, "/proc/%s/ns/%s", self, ns_owned_names[k]);
-            ok = (owned[k] = open(path, O_RDONLY | O_CLOEXEC)) >= 0;
+        for (int k = 0; good && k < 3; k++) {
+            snprintf(path, sizeof path, "/proc/%d/ns/%s", (int)h, ns_owned_names[k]);
+            good = (owned[k] = open(path, O_RDONLY | O_CLOEXEC)) >= 0;
         }
-        snprintf(path, sizeof path, "/proc/%s/ns/user", self);
-        if (ok) fd = open(path, O_RDONLY | O_CLOEXEC);
+        snprintf(path, sizeof path, "/proc/%d/ns/user", (int)h);
+        if (good) fd = open(path, O_RDONLY | O_CLOEXEC);
     } else {
         errno = EPERM;
     }
     int saved = errno;
-    kill(h, SIGKILL);
+    kill(h, SIGKILL);  /* our own unreaped child: the pid cannot name anyone else */
     waitpid(h, NULL, 0);
     errno = saved;
     if (fd < 0) die(1, "user namespace with map '0 %s %s' (%s)", base, size, path);
     return fd;
 }
 
-/* Cover every lowerdir of `overlay_opts` (in our private mount namespace) with an
- * idmapped clone of itself: files owned by host uid 0 there appear owned by the user
- * namespace's root, and the overlay - which reads lowers through these mounts - shows
- * them so; copy-ups keep that (mapped) owner. Paths hold no ':' or ',' (rootfs.py). */
-static void idmap_lowers(const char *overlay_opts, int userns_fd) {
-    char lows[4096];
-    const char *l = strstr(overlay_opts, "lowerdir=");
-    if (!l) { errno = EINVAL; die(1, "no lowerdir in overlay options"); }
-    l += 9;
-    size_t n = strcspn(l, ",");
-    if (n >= sizeof lows) { errno = E2BIG; die(1, "lowerdir list"); }
-    memcpy(lows, l, n);
-    lows[n] = 0;
-    for (char *dir = lows, *next; dir && *dir; dir = next) {
-        next = strchr(dir, ':');
-        if (next) *next++ = 0;
-        int t = (int)syscall(SYS_open_tree, AT_FDCWD, dir, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
-        if (t < 0) die(1, "open_tree %s", dir);
-        struct mount_attr a;
-        memset(&a, 0, sizeof a);
-        a.attr_set = MOUNT_ATTR_IDMAP;
-        a.userns_fd = (uint64_t)userns_fd;
-        if (syscall(SYS_mount_setattr, t, "", AT_EMPTY_PATH, &a, sizeof a) < 0)
-            die(1, "mount_setattr(MOUNT_ATTR_IDMAP) %s", dir);
-        if (syscall(SYS_move_mount, t, "", AT_FDCWD, dir, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-            die(1, "move_mount %s", dir);
-        close(t);
-    }
+/* Cover a lowerdir (in our private mount namespace) with an idmapped clone of itself:
+ * files owned by host uid 0 there appear owned by the user namespace's root, and the
+ * overlay - which reads lowers through these mounts - shows them so; copy-ups keep that
+ * (mapped) owner. */
+static void idmap_dir(const char *dir, int userns_fd) {
+    int t = (int)syscall(SYS_open_tree, AT_FDCWD, dir, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (t < 0) die(1, "open_tree %s", dir);
+    struct mount_attr a;
+    memset(&a, 0, sizeof a);
+    a.attr_set = MOUNT_ATTR_IDMAP;
+    a.userns_fd = (uint64_t)userns_fd;
+    if (syscall(SYS_mount_setattr, t, "", AT_EMPTY_PATH, &a, sizeof a) < 0)
+        die(1, "mount_setattr(MOUNT_ATTR_IDMAP) %s", dir);
+    if (syscall(SYS_move_mount, t, "", AT_FDCWD, dir, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        die(1, "move_mount %s", dir);
+    close(t);
 }
 
-static void build_root(const char *overlay_opts, const char *init_path, long long tmp_bytes,
-                       int userns_fd) {
-    char p[8192], q[8192], opts[256];
+static int open_dir_path(const char *dir) {
+    int fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) die(1, "open %s", dir);
+    return fd;
+}
+
+/* The overlay root, named by fd: overlayfs shows its options in mountinfo exactly as
+ * given (checked on 6.18), so "lowerdir=/proc/self/fd/7:..." keeps the state dir, the
+ * layer store and the upper/work paths out of the sandbox's /proc/self/mountinfo. The
+ * short names also keep many layers under the one-page option limit. */
+static void mount_overlay(int nlower, char **lowers, const char *upper, const char *work,
+                          int userns_fd) {
+    char opts[4096];
+    int fds[512], nfd = 0;
+    size_t n = 0;
+    if (nlower < 1 || nlower > 500) { errno = EINVAL; die(1, "%d lower layers", nlower); }
+    n += (size_t)snprintf(opts + n, sizeof opts - n, "lowerdir=");
+    for (int k = 0; k < nlower; k++) {
+        if (userns_fd >= 0) idmap_dir(lowers[k], userns_fd);
+        fds[nfd] = open_dir_path(lowers[k]);
+        n += (size_t)snprintf(opts + n, n < sizeof opts ? sizeof opts - n : 0,
+                              "%s/proc/self/fd/%d", k ? ":" : "", fds[nfd]);
+        nfd++;
+    }
+    fds[nfd] = open_dir_path(upper);
+    int ufd = fds[nfd++];
+    fds[nfd] = open_dir_path(work);
+    int wfd = fds[nfd++];
+    n += (size_t)snprintf(opts + n, n < sizeof opts ? sizeof opts - n : 0,
+                          ",upperdir=/proc/self/fd/%d,workdir=/proc/self/fd/%d", ufd, wfd);
+    if (n >= sizeof opts) { errno = E2BIG; die(1, "overlay options for %d layers", nlower); }
+    xmount("overlay", root_path, "overlay", MS_NODEV, opts);
+    for (int k = 0; k < nfd; k++) close(fds[k]);
+}
+
+/* The part of the root the intermediate builds: everything that does not depend on the
+ * pid namespace (overlay, /dev, /tmp, /sys - sysfs follows the network namespace). */
+static void build_root_outer(int nlower, char **lowers, const char *upper, const char *work,
+                             long long tmp_bytes, int userns_fd) {
+    char p[8192], opts[256];
     xmount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
-    if (userns_fd >= 0) idmap_lowers(overlay_opts, userns_fd);
-    xmount("overlay", root_path, "overlay", MS_NODEV, overlay_opts);
+    mount_overlay(nlower, lowers, upper, work, userns_fd);
     static const char *subdirs[] = {"/proc", "/dev", "/sys", "/tmp"};
     for (size_t k = 0; k < 4; k++) xmkdir(at_root(subdirs[k]), 0755);
-    xmount("proc", at_root("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     char dev[4200];
     snprintf(dev, sizeof dev, "%s/dev", root_path);
     xmount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=755,size=64k,nr_inodes=64");
@@ -446,12 +584,19 @@ static void build_root(const char *overlay_opts, const char *init_path, long lon
     int fd = open(p, O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
     if (fd < 0) die(1, "create %s", p);
     close(fd);
-    xmount(init_path, p, NULL, MS_BIND, NULL);
+    xmount(init_bin, p, NULL, MS_BIND, NULL);
     xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
     snprintf(opts, sizeof opts, "mode=1777,size=%lld", tmp_bytes);
     xmount("tmpfs", at_root("/tmp"), "tmpfs", MS_NOSUID | MS_NODEV, opts);
     xmount("sysfs", at_root("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-    snprintf(q, sizeof q, "%s/null", dev);
+}
+
+/* The part PID 1 of the new pid namespace builds: /proc (procfs shows the pid namespace
+ * of whoever mounts it), the masks over /proc and /sys paths, then pivot_root. */
+static void build_root_inner(void) {
+    char p[8192], q[8192];
+    xmount("proc", at_root("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    snprintf(q, sizeof q, "%s/dev/null", root_path);
     for (size_t k = 0; k < sizeof DSEC_MASKED_FILES / sizeof DSEC_MASKED_FILES[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_FILES[k]));
         if (exists(p)) xmount(q, p, NULL, MS_BIND, NULL);
@@ -501,27 +646,35 @@ static void loopback_up(void) {
     close(s);
 }
 
+static int create_init(void *arg);
+
 static int do_create(int argc, char **argv) {
-    /* argv: create root overlay_opts hostname loopback tmp_bytes init ncg cg...
+    /* argv: create root nlower lower... upper work hostname loopback tmp_bytes ncg cg...
      *       [uid_base uid_count: with F_USERNS] */
     status_fd = FD_STATUS_CREATE;
     fcntl(status_fd, F_SETFD, FD_CLOEXEC);
-    if (argc < 9) { errno = EINVAL; die(1, "usage"); }
-    snprintf(root_path, sizeof root_path, "%s", argv[2]);
-    const char *overlay_opts = argv[3];
-    const char *hostname = argv[4];
-    int loopback = atoi(argv[5]);
-    long long tmp_bytes = atoll(argv[6]);
-    const char *init_path = argv[7];
-    int ncg = atoi(argv[8]);
-    if (9 + ncg > argc) { errno = EINVAL; die(1, "usage"); }
-    int userns_fd = -1;
-    if (userns_req && 11 + ncg != argc) { errno = EINVAL; die(1, "usage (user namespace)"); }
-    join_cgroups(ncg, &argv[9]);
+    syscall(SYS_close_range, FD_REPORT + 1, ~0U, 0);
+    int i = 2;
+    if (argc < 4) { errno = EINVAL; die(1, "usage"); }
+    snprintf(root_path, sizeof root_path, "%s", argv[i++]);
+    int nlower = atoi(argv[i++]);
+    if (nlower < 1 || i + nlower + 6 > argc) { errno = EINVAL; die(1, "usage"); }
+    char **lowers = &argv[i];
+    i += nlower;
+    const char *upper = argv[i++], *work = argv[i++], *hostname = argv[i++];
+    int loopback = atoi(argv[i++]);
+    long long tmp_bytes = atoll(argv[i++]);
+    int ncg = atoi(argv[i++]);
+    if (ncg < 0 || i + ncg + (userns_req ? 2 : 0) != argc) { errno = EINVAL; die(1, "usage"); }
+    char **cgs = &argv[i];
+    i += ncg;
+    /* Intermediate (host pid namespace): cgroups, then every namespace but pid. */
+    join_cgroups(ncg, cgs);
     int unshared = NS_ENTER;
+    int userns_fd = -1;
     if (userns_req) {
         int owned[3] = {-1, -1, -1};
-        userns_fd = make_userns(argv[9 + ncg], argv[10 + ncg], owned);
+        userns_fd = make_userns(argv[i], argv[i + 1], owned);
         for (int k = 0; k < 3; k++) {  /* we stay host root until the end: we may join */
             if (setns(owned[k], 0) < 0) die(1, "setns(%s)", ns_owned_names[k]);
             close(owned[k]);
@@ -530,10 +683,21 @@ static int do_create(int argc, char **argv) {
     }
     if (unshare(unshared) < 0) die(1, "unshare(0x%x)", unshared);
     umask(0);
-    build_root(overlay_opts, init_path, tmp_bytes, userns_fd);
-    umask(022);
+    build_root_outer(nlower, lowers, upper, work, tmp_bytes, userns_fd);
     if (sethostname(hostname, strnlen(hostname, 64)) < 0) die(1, "sethostname");
     if (loopback) loopback_up();
+    if (unshare(CLONE_NEWPID) < 0) die(1, "unshare(CLONE_NEWPID)");
+    run_final(1, -1, -1, create_init, &userns_fd);
+    return 1;
+}
+
+/* PID 1 of the sandbox's pid namespace (sharing the intermediate's memory until its
+ * execve, like an exec's command: see run_final). */
+static int create_init(void *arg) {
+    int userns_fd = *(int *)arg;
+    close(FD_REPORT);
+    build_root_inner();
+    umask(022);
     if (userns_fd >= 0) {
         /* Mounts, hostname and lo were set up as host root; from here on the sandbox is
          * its user namespace's root: host uid <base>, capabilities only in there. */
@@ -562,22 +726,80 @@ static int do_create(int argc, char **argv) {
 
 /* Wire format (SOCK_SEQPACKET, one message each way per event; see protocol.py).
  * Request: struct req_hdr, then NUL-terminated strings = the exec/create argv above
- * (without the binary name; create without the init path, which we insert).
- * fds: exec -> [init pidfd, stdin, stdout, stderr]; create, kill -> none.
- * Reply: struct rep_hdr, then `len` bytes of message (Failed); Created carries a pidfd. */
+ * (without the binary name). fds: exec -> [init pidfd, stdin, stdout, stderr];
+ * create, kill -> none.
+ * Reply: struct rep_hdr, then `len` bytes of message (Failed); Created carries a pidfd.
+ * Exited.pid is the command's pid, or 0 when the intermediate died before forking it. */
 enum { REQ_CREATE = 1, REQ_EXEC = 2, REQ_KILL = 3 };
 enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4 };
 enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
+/* One in-flight request. A slot lives until its reply is sent and every child we must
+ * reap for it is reaped; `gen` changes on reuse, so stale epoll events and reports are
+ * recognised. Epoll tags: gen << 32 | slot << 2 | what (what 3 = the fixed fds). */
 enum { J_FREE = 0, J_FG, J_BG, J_CREATE };
-struct job { int kind; uint64_t id; pid_t pid; int status_fd, pidfd; };
+enum { W_STATUS = 0, W_MID = 1, W_FINAL = 2, W_FIXED = 3 };
+enum { T_SOCK = 0, T_SIG = 1, T_REPORT = 2 };
+struct job {
+    int kind;
+    uint32_t gen;
+    uint64_t id;
+    pid_t mid;          /* the intermediate; 0 once reaped */
+    int mid_fd;         /* its pidfd (epoll), -1 once reaped */
+    pid_t pid;          /* the final process (from the report); 0 before */
+    int pid_fd;         /* its pidfd: FG exec (epoll: exit), create (handed to the edge) */
+    int final_done;     /* FG: the final process was reaped */
+    int final_status;   /* FG: its wait status */
+    int status_fd;      /* create / BG exec: status pipe; -1 once read */
+    int eof;            /* the status pipe read EOF (success, pending the report) */
+    int replied;        /* the last reply for this request was sent */
+    int killed;         /* Kill arrived: kill the final process as soon as it is known */
+    int ns_pid;         /* BG: the command's pid inside */
+};
 static struct job *jobs;
 static size_t njobs;
-static int sock = -1, epfd = -1, sigfd = -1, own_pidns = -1, devnull = -1;
+static int sock = -1, epfd = -1, sigfd = -1, devnull = -1;
+static int rep_fds[2] = {-1, -1};
 static int bpf_fds[2] = {-1, -1};
-static const char *init_bin = "";
+static int pending_mids = 0;   /* intermediates not yet reported nor reaped */
+static int sweep_deferred = 0;
+
+/* Pids of our children nobody waits on for a status (inits, background commands):
+ * reaped by sweep(). Sorted, for binary search. */
+static pid_t *reapable;
+static size_t nreapable, capreapable;
+
+static size_t reapable_pos(pid_t p) {
+    size_t lo = 0, hi = nreapable;
+    while (lo < hi) {
+        size_t m = (lo + hi) / 2;
+        if (reapable[m] < p) lo = m + 1; else hi = m;
+    }
+    return lo;
+}
+static void reapable_add(pid_t p) {
+    size_t k = reapable_pos(p);
+    if (k < nreapable && reapable[k] == p) return;
+    if (nreapable == capreapable) {
+        size_t n = capreapable ? capreapable * 2 : 256;
+        pid_t *r = realloc(reapable, n * sizeof *r);
+        if (!r) return;  /* then sweep() reaps it as an orphan once nothing is pending */
+        reapable = r;
+        capreapable = n;
+    }
+    memmove(reapable + k + 1, reapable + k, (nreapable - k) * sizeof *reapable);
+    reapable[k] = p;
+    nreapable++;
+}
+static int reapable_take(pid_t p) {
+    size_t k = reapable_pos(p);
+    if (k >= nreapable || reapable[k] != p) return 0;
+    memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
+    nreapable--;
+    return 1;
+}
 
 static void send_reply(uint32_t type, uint64_t id, pid_t pid, int ns_pid, int status, int err,
                        const char *msg, int fd) {
@@ -606,20 +828,6 @@ static void send_reply(uint32_t type, uint64_t id, pid_t pid, int ns_pid, int st
         _exit(0);  /* the edge went away; sandboxes keep running */
     }
 }
-
-static struct job *new_job(void) {
-    for (size_t k = 0; k < njobs; k++)
-        if (jobs[k].kind == J_FREE) return &jobs[k];
-    size_t n = njobs ? njobs * 2 : 64;
-    struct job *j = realloc(jobs, n * sizeof *j);
-    if (!j) return NULL;
-    memset(j + njobs, 0, (n - njobs) * sizeof *j);
-    jobs = j;
-    struct job *r = &jobs[njobs];
-    njobs = n;
-    return r;
-}
-
 static int ns_pid_of(pid_t pid) {
     char path[64], buf[4096];
     snprintf(path, sizeof path, "/proc/%d/status", pid);
@@ -637,11 +845,214 @@ static int ns_pid_of(pid_t pid) {
     return last ? atoi(last + 1) : pid;
 }
 
-/* fork with pid_ns_for_children switched (setns to `ns_fd`, or a new one if < 0) and
- * restored in the parent; the child gets `dups[i]` as fd i, everything else >= n closed,
- * and the signal mask we run with cleared. */
-static pid_t fork_into(int ns_fd, const int *dups, int n) {
-    if (ns_fd < 0 ? unshare(CLONE_NEWPID) : setns(ns_fd, CLONE_NEWPID)) return -1;
+static uint64_t tag(struct job *j, int what) {
+    return ((uint64_t)j->gen << 32) | ((uint64_t)(j - jobs) << 2) | (uint64_t)what;
+}
+
+static int watch(int fd, uint64_t t) {
+    struct epoll_event ev = {EPOLLIN, {.u64 = t}};
+    return epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev);
+}
+
+static void unwatch_close(int *fd) {
+    if (*fd < 0) return;
+    epoll_ctl(epfd, EPOLL_CTL_DEL, *fd, NULL);
+    close(*fd);
+    *fd = -1;
+}
+
+static struct job *new_job(void) {
+    for (size_t k = 0; k < njobs; k++)
+        if (jobs[k].kind == J_FREE) return &jobs[k];
+    size_t n = njobs ? njobs * 2 : 64;
+    struct job *j = realloc(jobs, n * sizeof *j);
+    if (!j) return NULL;
+    memset(j + njobs, 0, (n - njobs) * sizeof *j);
+    jobs = j;
+    struct job *r = &jobs[njobs];
+    njobs = n;
+    return r;
+}
+
+static void maybe_free(struct job *j) {
+    if (!j->replied || j->mid || j->status_fd >= 0) return;
+    if (j->kind == J_FG && j->pid && !j->final_done) return;
+    if (j->pid_fd >= 0) unwatch_close(&j->pid_fd);
+    uint32_t gen = j->gen + 1;
+    memset(j, 0, sizeof *j);
+    j->gen = gen;
+    j->kind = J_FREE;
+}
+
+static int pidfd_signal(int fd, int sig) {
+    return (int)syscall(SYS_pidfd_send_signal, fd, sig, NULL, 0);
+}
+
+/* Create / BG exec: both the status pipe and the report (or the intermediate's death) are
+ * in; answer. */
+static void finish_start(struct job *j, const char *msg) {
+    if (j->replied) return;
+    if (msg && msg[0]) {
+        send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
+    } else if (!j->pid) {
+        send_reply(REP_FAILED, j->id, 0, 0, 0, ECHILD,
+                   j->kind == J_CREATE ? "the sandbox's start helper died before its init"
+                                       : "the exec helper died before the command started",
+                   -1);
+    } else if (j->kind == J_BG) {
+        send_reply(REP_STARTED, j->id, j->pid, j->ns_pid, 0, 0, NULL, -1);
+    } else if (j->pid_fd < 0) {
+        send_reply(REP_FAILED, j->id, j->pid, 0, 0, errno, "pidfd_open of the sandbox's init", -1);
+    } else {
+        send_reply(REP_CREATED, j->id, j->pid, j->pid, 0, 0, NULL, j->pid_fd);
+        close(j->pid_fd);
+        j->pid_fd = -1;
+    }
+    j->replied = 1;
+}
+
+static void on_report(const struct report *r) {
+    if (r->slot >= njobs) return;
+    struct job *j = &jobs[r->slot];
+    if (j->kind == J_FREE || j->gen != r->gen || j->pid || r->pid <= 0) return;
+    j->pid = r->pid;
+    if (j->mid) pending_mids--;
+    /* An unreaped child of ours: its pid cannot be reused, so this pidfd is exact. */
+    if (j->kind == J_FG) {
+        j->pid_fd = (int)syscall(SYS_pidfd_open, j->pid, 0);
+        if (j->pid_fd >= 0) {
+            fcntl(j->pid_fd, F_SETFD, FD_CLOEXEC);
+            watch(j->pid_fd, tag(j, W_FINAL));
+        }
+        if (j->killed) {
+            if (j->pid_fd >= 0) pidfd_signal(j->pid_fd, SIGKILL);
+            else kill(j->pid, SIGKILL);
+        }
+        return;  /* without a pidfd (EMFILE) sweep() finds its exit */
+    }
+    reapable_add(j->pid);
+    if (j->kind == J_BG) {
+        j->ns_pid = ns_pid_of(j->pid);
+    } else {
+        j->pid_fd = (int)syscall(SYS_pidfd_open, j->pid, 0);
+        if (j->pid_fd >= 0) fcntl(j->pid_fd, F_SETFD, FD_CLOEXEC);
+    }
+    if (j->eof) {
+        finish_start(j, NULL);
+        maybe_free(j);
+    }
+}
+
+static void drain_reports(void) {
+    struct report r;
+    ssize_t n;
+    int any = 0;
+    while ((n = recv(rep_fds[0], &r, sizeof r, MSG_DONTWAIT)) == (ssize_t)sizeof r) {
+        on_report(&r);
+        any = 1;
+    }
+    if (any && sweep_deferred) sweep_deferred = 2;
+}
+
+/* FG: Exited once both the command and its intermediate are reaped, so the exec's
+ * cgroup holds neither when the edge removes it. */
+static void fg_exited(struct job *j) {
+    if (j->replied || !j->final_done || j->mid) return;
+    send_reply(REP_EXITED, j->id, j->pid, j->pid, j->final_status, 0, NULL, -1);
+    j->replied = 1;
+}
+
+static void on_mid_exit(struct job *j) {
+    if (!j->mid) return;
+    int st = 0;
+    pid_t r = waitpid(j->mid, &st, WNOHANG);
+    if (r == 0) return;  /* not yet (a stale wakeup) */
+    drain_reports();     /* a report it sent just before exiting */
+    unwatch_close(&j->mid_fd);
+    j->mid = 0;
+    if (!j->pid) {
+        pending_mids--;
+        if (sweep_deferred) sweep_deferred = 2;
+        if (j->kind == J_FG) {  /* it failed (message on stderr) or was killed */
+            send_reply(REP_EXITED, j->id, 0, 0, st, 0, NULL, -1);
+            j->replied = 1;
+        } else if (j->eof) {
+            finish_start(j, NULL);
+        }
+    }
+    if (j->kind == J_FG) fg_exited(j);
+    maybe_free(j);
+}
+
+static void on_final_exit(struct job *j) {
+    if (!j->pid || j->final_done) return;
+    int st = 0;
+    if (waitpid(j->pid, &st, WNOHANG) == 0) return;
+    j->final_done = 1;
+    j->final_status = st;
+    unwatch_close(&j->pid_fd);
+    fg_exited(j);
+    maybe_free(j);
+}
+
+static void on_status(struct job *j) {
+    char msg[4096];
+    ssize_t n = read(j->status_fd, msg, sizeof msg - 1);
+    msg[n > 0 ? n : 0] = 0;
+    unwatch_close(&j->status_fd);
+    j->eof = 1;
+    if (n > 0) {
+        finish_start(j, msg);
+    } else {
+        drain_reports();
+        if (j->pid || !j->mid) finish_start(j, NULL);
+    }
+    maybe_free(j);
+}
+
+static struct job *job_of_pid(pid_t p) {
+    for (size_t k = 0; k < njobs; k++)
+        if (jobs[k].kind != J_FREE && (jobs[k].mid == p || jobs[k].pid == p)) return &jobs[k];
+    return NULL;
+}
+
+/* Reap whatever has exited among our children: inits and background commands (nobody
+ * waits for their status), and our jobs' processes if their pidfd event has not come
+ * yet. A child we know nothing about is a final process whose intermediate has not
+ * reported yet - unless no intermediate is pending, then it is an orphan (its
+ * intermediate was killed between fork and report) and is reaped. Peeking with WNOWAIT
+ * never reaps a pid we might still be told about, so a reported pid is always ours. */
+static void sweep(void) {
+    drain_reports();
+    sweep_deferred = 0;
+    for (;;) {
+        siginfo_t si;
+        memset(&si, 0, sizeof si);
+        if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 || si.si_pid == 0) return;
+        pid_t p = si.si_pid;
+        if (reapable_take(p)) {
+            waitpid(p, NULL, WNOHANG);
+            continue;
+        }
+        struct job *j = job_of_pid(p);
+        if (j && j->mid == p) { on_mid_exit(j); continue; }
+        if (j && j->kind == J_FG) { on_final_exit(j); continue; }
+        if (pending_mids == 0) {
+            waitpid(p, NULL, WNOHANG);
+            continue;
+        }
+        sweep_deferred = 1;  /* its report is on the way: retry when it (or a death) comes */
+        return;
+    }
+}
+
+static char *req_argv[1 << 16];
+
+/* fork an intermediate: `dups[i]` becomes its fd i, everything else >= n is closed and
+ * the signal mask we run with is cleared. */
+static pid_t fork_mid(struct job *j, const int *dups, int n) {
+    my_slot = (uint32_t)(j - jobs);
+    my_gen = j->gen;
     pid_t pid = fork();
     if (pid == 0) {
         sigset_t none;
@@ -652,13 +1063,16 @@ static pid_t fork_into(int ns_fd, const int *dups, int n) {
         syscall(SYS_close_range, n, ~0U, 0);
         return 0;
     }
-    int saved = errno;
-    if (setns(own_pidns, CLONE_NEWPID) < 0) _exit(3);  /* cannot happen; never half-switch */
-    errno = saved;
+    if (pid < 0) return -1;
+    j->mid = pid;
+    pending_mids++;
+    j->mid_fd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (j->mid_fd >= 0) {
+        fcntl(j->mid_fd, F_SETFD, FD_CLOEXEC);
+        watch(j->mid_fd, tag(j, W_MID));
+    }  /* else sweep() finds its exit */
     return pid;
 }
-
-static char *req_argv[1 << 16];
 
 static void handle(char *data, size_t len, int *fds, int nfds) {
     struct req_hdr h;
@@ -672,17 +1086,24 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
         char *z = memchr(data + off, 0, len - off);
         if (!z) goto bad;
         req_argv[argc++] = data + off;
-        if (h.type == REQ_CREATE && argc == 7) req_argv[argc++] = (char *)init_bin;
         off = (size_t)(z - data) + 1;
     }
     req_argv[argc] = NULL;
     int bpf = bpf_fds[(h.flags & F_NESTED) ? 1 : 0];
     userns_req = (h.flags & F_USERNS) != 0;
     if (h.type == REQ_KILL) {
+        /* The exec's intermediate and command, by pidfd (the edge kills the rest of the
+         * exec's cgroup); a command reported later is killed on arrival. */
         for (size_t k = 0; k < njobs; k++)
-            if (jobs[k].kind == J_FG && jobs[k].id == h.id) {
-                kill(-jobs[k].pid, SIGKILL);
-                kill(jobs[k].pid, SIGKILL);
+            if (jobs[k].kind == J_FG && jobs[k].id == h.id && !jobs[k].replied) {
+                struct job *j = &jobs[k];
+                j->killed = 1;
+                if (j->mid_fd >= 0) pidfd_signal(j->mid_fd, SIGKILL);
+                else if (j->mid) kill(j->mid, SIGKILL);
+                if (j->pid && !j->final_done) {
+                    if (j->pid_fd >= 0) pidfd_signal(j->pid_fd, SIGKILL);
+                    else kill(j->pid, SIGKILL);  /* unreaped child: exact */
+                }
             }
         goto out;
     }
@@ -695,26 +1116,22 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
         int bg = h.flags & F_BACKGROUND;
         int sp[2] = {-1, -1};
         if (bg && pipe2(sp, O_CLOEXEC) < 0) goto sys;
-        int dups[6] = {bg ? devnull : fds[1], bg ? devnull : fds[2], bg ? devnull : fds[3],
-                       fds[0], bpf, bg ? sp[1] : devnull};
+        int dups[7] = {bg ? devnull : fds[1], bg ? devnull : fds[2], bg ? devnull : fds[3],
+                       fds[0], bpf, bg ? sp[1] : devnull, rep_fds[1]};
         struct job *j = new_job();
         if (!j) { errno = ENOMEM; goto sys_pipe; }
-        pid_t pid = fork_into(fds[0], dups, 6);
-        if (pid == 0) { do_exec(argc, req_argv); _exit(126); }
-        if (pid < 0) goto sys_pipe;
+        j->kind = bg ? J_BG : J_FG;
         j->id = h.id;
-        j->pid = pid;
+        j->mid_fd = j->pid_fd = j->status_fd = -1;
+        pid_t pid = fork_mid(j, dups, 7);
+        if (pid == 0) { do_exec(argc, req_argv); _exit(126); }
+        if (pid < 0) { j->kind = J_FREE; goto sys_pipe; }
         if (!bg) {
-            j->kind = J_FG;
-            send_reply(REP_STARTED, h.id, pid, pid, 0, 0, NULL, -1);
+            send_reply(REP_STARTED, h.id, pid, 0, 0, 0, NULL, -1);
         } else {
             close(sp[1]);
-            j->kind = J_BG;
             j->status_fd = sp[0];
-            j->pidfd = -1;
-            struct epoll_event ev = {EPOLLIN, {.ptr = j}};
-            ev.data.u64 = (uint64_t)(j - jobs) + 2;
-            epoll_ctl(epfd, EPOLL_CTL_ADD, sp[0], &ev);
+            watch(sp[0], tag(j, W_STATUS));
         }
         goto out;
     sys_pipe:
@@ -727,23 +1144,26 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
                        "no init binary: install catatonit (/usr/bin/catatonit)", -1);
             goto out;
         }
+        if (argc < 2 || strcmp(req_argv[1], "create")) goto bad;
         int sp[2];
         if (pipe2(sp, O_CLOEXEC) < 0) goto sys;
         struct job *j = new_job();
-        int dups[5] = {devnull, devnull, devnull, sp[1], bpf};
-        pid_t pid = j ? fork_into(-1, dups, 5) : -1;
+        int dups[7] = {devnull, devnull, devnull, sp[1], bpf, devnull, rep_fds[1]};
+        if (j) {
+            j->kind = J_CREATE;
+            j->id = h.id;
+            j->mid_fd = j->pid_fd = j->status_fd = -1;
+        }
+        pid_t pid = j ? fork_mid(j, dups, 7) : -1;
         if (pid == 0) { do_create(argc, req_argv); _exit(1); }
         close(sp[1]);
-        int pidfd = pid > 0 ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
-        if (pid < 0 || pidfd < 0) {
-            if (pid > 0) kill(pid, SIGKILL);
+        if (pid < 0) {
+            if (j) j->kind = J_FREE;
             close(sp[0]);
             goto sys;
         }
-        fcntl(pidfd, F_SETFD, FD_CLOEXEC);
-        *j = (struct job){J_CREATE, h.id, pid, sp[0], pidfd};
-        struct epoll_event ev = {EPOLLIN, {.u64 = (uint64_t)(j - jobs) + 2}};
-        epoll_ctl(epfd, EPOLL_CTL_ADD, sp[0], &ev);
+        j->status_fd = sp[0];
+        watch(sp[0], tag(j, W_STATUS));
         goto out;
     }
 bad:
@@ -754,38 +1174,6 @@ sys:
     send_reply(REP_FAILED, h.id, 0, 0, 0, errno, err, -1);
 out:
     for (int k = 0; k < nfds; k++) close(fds[k]);
-}
-
-static void on_status(struct job *j) {
-    char msg[4096];
-    ssize_t n = read(j->status_fd, msg, sizeof msg - 1);
-    msg[n > 0 ? n : 0] = 0;
-    epoll_ctl(epfd, EPOLL_CTL_DEL, j->status_fd, NULL);
-    close(j->status_fd);
-    if (j->kind == J_BG) {
-        if (n > 0) send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
-        else send_reply(REP_STARTED, j->id, j->pid, ns_pid_of(j->pid), 0, 0, NULL, -1);
-    } else {
-        if (n > 0) send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
-        else send_reply(REP_CREATED, j->id, j->pid, j->pid, 0, 0, NULL, j->pidfd);
-        close(j->pidfd);
-    }
-    j->kind = J_FREE;
-}
-
-static void reap(void) {
-    struct signalfd_siginfo si;
-    while (read(sigfd, &si, sizeof si) > 0) {}
-    int st;
-    pid_t pid;
-    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
-        for (size_t k = 0; k < njobs; k++)
-            if (jobs[k].kind == J_FG && jobs[k].pid == pid) {
-                send_reply(REP_EXITED, jobs[k].id, pid, pid, st, 0, NULL, -1);
-                jobs[k].kind = J_FREE;
-                break;
-            }
-    }
 }
 
 static int high_fd(int fd) {
@@ -799,7 +1187,7 @@ static int high_fd(int fd) {
 static int do_serve(int argc, char **argv) {
     if (argc != 6) { fprintf(stderr, "usage: dsec-nsexec serve SOCK BPF BPF_NESTED INIT\n"); return 2; }
     /* Everything we hold lives at fd >= 10 and 3..9 are held on /dev/null, so the dup2s
-     * of fork_into() (targets 0..5) never overwrite a source they still need. */
+     * of fork_mid() (targets 0..6) never overwrite a source they still need. */
     sock = high_fd(atoi(argv[2]));
     bpf_fds[0] = high_fd(atoi(argv[3]));
     bpf_fds[1] = high_fd(atoi(argv[4]));
@@ -809,32 +1197,47 @@ static int do_serve(int argc, char **argv) {
         if (fd < 0 || fd >= 10) { if (fd >= 0) close(fd); break; }
     }
     devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
-    own_pidns = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, rep_fds) < 0) {
+        perror("dsec-nsexec serve: socketpair");
+        return 2;
+    }
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
     sigprocmask(SIG_BLOCK, &chld, NULL);
     sigfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     epfd = epoll_create1(EPOLL_CLOEXEC);
-    if (devnull < 0 || own_pidns < 0 || sigfd < 0 || epfd < 0) { perror("dsec-nsexec serve"); return 2; }
-    struct epoll_event ev = {EPOLLIN, {.u64 = 0}};
-    epoll_ctl(epfd, EPOLL_CTL_ADD, sock, &ev);
-    ev.data.u64 = 1;
-    epoll_ctl(epfd, EPOLL_CTL_ADD, sigfd, &ev);
+    if (devnull < 0 || sigfd < 0 || epfd < 0) { perror("dsec-nsexec serve"); return 2; }
+    watch(sock, ((uint64_t)T_SOCK << 2) | W_FIXED);
+    watch(sigfd, ((uint64_t)T_SIG << 2) | W_FIXED);
+    watch(rep_fds[0], ((uint64_t)T_REPORT << 2) | W_FIXED);
     static char buf[4 << 20];
     union { char b[CMSG_SPACE(8 * sizeof(int))]; struct cmsghdr align; } u;
     for (;;) {
         struct epoll_event evs[64];
         int n = epoll_wait(epfd, evs, 64, -1);
         if (n < 0 && errno != EINTR) return 2;
+        int need_sweep = 0;
         for (int e = 0; e < n; e++) {
-            uint64_t tag = evs[e].data.u64;
-            if (tag == 1) { reap(); continue; }
-            if (tag >= 2) {
-                struct job *j = &jobs[tag - 2];
-                if (j->kind == J_BG || j->kind == J_CREATE) on_status(j);
+            uint64_t t = evs[e].data.u64;
+            int what = (int)(t & 3);
+            size_t slot = (size_t)((t >> 2) & 0x3fffffff);
+            if (what != W_FIXED) {
+                if (slot >= njobs) continue;
+                struct job *j = &jobs[slot];
+                if (j->kind == J_FREE || j->gen != (uint32_t)(t >> 32)) continue;  /* stale */
+                if (what == W_STATUS && j->status_fd >= 0) on_status(j);
+                else if (what == W_MID) on_mid_exit(j);
+                else if (what == W_FINAL) on_final_exit(j);
                 continue;
             }
+            if (slot == T_SIG) {
+                struct signalfd_siginfo si;
+                while (read(sigfd, &si, sizeof si) > 0) {}
+                need_sweep = 1;
+                continue;
+            }
+            if (slot == T_REPORT) { drain_reports(); continue; }
             for (int burst = 0; burst < 256; burst++) {  /* drain queued requests */
                 struct iovec iov = {buf, sizeof buf};
                 struct msghdr m = {0};
@@ -855,13 +1258,14 @@ static int do_serve(int argc, char **argv) {
                 handle(buf, (size_t)r, fds, nfds);
             }
         }
+        if (need_sweep || sweep_deferred == 2) sweep();
     }
 }
 
 int main(int argc, char **argv) {
     /* Non-dumpable, inherited by every fork until its final execve: a sandbox process
      * cannot open /proc/<child>/root, cwd or fd/N while the child still holds host state
-     * (it is in the sandbox's pid namespace from birth). */
+     * (the command's process is visible inside from its birth). */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (argc >= 2 && strcmp(argv[1], "serve") == 0) return do_serve(argc, argv);
     fprintf(stderr, "usage: dsec-nsexec serve SOCK BPF BPF_NESTED INIT (started by the dsec edge)\n");

@@ -18,8 +18,6 @@ import struct
 
 import msgspec
 
-from dsec.edge.backends.container.rootfs import overlay_options
-
 __all__ = [
     "Create",
     "Created",
@@ -65,10 +63,16 @@ class Exec(msgspec.Struct, tag="exec", frozen=True):
     nested: bool
     background: bool
     userns: bool = False      # the sandbox has a user namespace: enter it too
+    #: index in cgroup_procs of the one the task limit applies to, and the cgroup.procs
+    #: the helper came from: at the limit it forks outside and moves the command in
+    #: (nsexec.c, spawn_final); -1 / "": no fallback
+    pids_index: int = -1
+    home_procs: str = ""
 
 
 class Kill(msgspec.Struct, tag="kill", frozen=True):
-    """SIGKILL the process group of a running exec."""
+    """SIGKILL a running exec's intermediate and command (by pidfd; a command reported
+    later is killed on arrival). The rest of the exec's processes go with its cgroup."""
 
     id: int
 
@@ -92,6 +96,9 @@ class Started(msgspec.Struct, tag="started", frozen=True):
 class Exited(msgspec.Struct, tag="exited", frozen=True):
     id: int
     status: int         # raw wait status
+    #: host pid of the command; 0 when the intermediate died before it forked the command
+    #: (it failed, with its reason on stderr, or was killed)
+    pid: int = 0
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
@@ -125,15 +132,18 @@ def _strings(items: list[str]) -> bytes:
 
 def request_argv(req: Request) -> list[str]:
     """The strings a request carries: the helper child's argv after the program name
-    (create: without the init path, which the helper inserts). Pure."""
+    (the init binary is the helper's own setting). Pure."""
     if isinstance(req, Create):
-        return ["create", req.root, overlay_options(req.lowerdirs, req.upper, req.work),
-                req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
+        # The layer paths travel one by one; the helper opens them and mounts the overlay
+        # from /proc/self/fd names, so none of them shows in the sandbox's mountinfo.
+        return ["create", req.root, str(len(req.lowerdirs)), *req.lowerdirs, req.upper,
+                req.work, req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
                 str(len(req.cgroup_procs)), *req.cgroup_procs,
                 *((str(req.userns[0]), str(req.userns[1])) if req.userns else ())]
     if isinstance(req, Exec):
         return ["exec", req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
-                *req.cgroup_procs, str(len(req.env)), *req.env, "--", *req.argv]
+                *req.cgroup_procs, str(req.pids_index), req.home_procs, str(len(req.env)),
+                *req.env, "--", *req.argv]
     return []
 
 
@@ -160,7 +170,7 @@ def decode_reply(data: bytes) -> Reply:
     if kind == REP_STARTED:
         return Started(rid, pid, ns_pid)
     if kind == REP_EXITED:
-        return Exited(rid, status)
+        return Exited(rid, status, pid)
     if kind == REP_FAILED:
         return Failed(rid, data[_REP.size:_REP.size + n].decode(errors="replace").strip(), err)
     raise ValueError(f"unknown reply type {kind}")

@@ -6,7 +6,9 @@ path). cgroupsPath is *relative* (``dsec-<name>/<sid>``), which runc's cgroupfs 
 places under the runtime's own cgroup per controller - the same directories the
 :class:`~dsec.edge.governor.Governor` computes, so pause/stats/OOM watching are shared.
 Each exec is a ``runc exec`` process (Go, ~15-20 ms here): that cost is what the native
-driver is measured against.
+driver is measured against. A foreground exec runs in its own sub-cgroup (``runc exec
+--cgroup``), made and killed by the backend exactly as for the native driver; nothing here
+signals a pid number.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.rootfs import overlay_options
+from dsec.edge.governor import ExecCgroup
 from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult
 from dsec.errors import BackendError, DsecError
 
@@ -75,8 +77,7 @@ class RuncDriver:
 
     async def create(self, box: _Box) -> int:
         root = os.path.join(box.dir, "root")
-        linux.mount("overlay", root, "overlay", linux.MS_NODEV,
-                    overlay_options(box.layers.lowerdirs, box.upper, box.work))
+        _mount_overlay(root, box.layers.lowerdirs, box.upper, box.work)
         cfg = oci_config(spec=box.spec, hostname=box.sid[:63],
                          cgroups_path=f"{self.cgroup_parent}/{box.sid}", init_path=INIT,
                          pids_max=box.pids_max)
@@ -110,7 +111,9 @@ class RuncDriver:
         return n
 
     async def destroy(self, sid: str, box_dir: str) -> None:
-        await self._run("kill", sid, "KILL")
+        """Forget a container the backend already killed (init by pidfd, the rest through
+        the cgroup): ``runc kill`` signals a pid number and is not used; ``delete`` of a
+        stopped container only removes its state and cgroups."""
         await self._run("delete", "--force", sid)
         root = os.path.join(box_dir, "root")
         for _ in range(3):
@@ -120,9 +123,16 @@ class RuncDriver:
                 break
 
     async def exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
-                   on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
+                   on_chunk: Callable[[ExecChunk], None] | None, *,
+                   cgroup: ExecCgroup | None = None,
+                   kill: Callable[[], object] = lambda: None) -> ExecResult:
+        """``cgroup``: the foreground exec's own cgroup (its process is started in it);
+        ``kill``: kills everything in it - what a timeout does, until runc exits."""
         t0 = time.monotonic()
         args = ["exec"]
+        if cgroup is not None:
+            sub = os.path.basename(cgroup.dir)
+            args += ["--cgroup", sub if cgroup.version == 2 else f"freezer:{sub}"]
         for e in env:
             args += ["--env", e]
         args += ["--cwd", req.cwd or "/"]
@@ -166,11 +176,16 @@ class RuncDriver:
             await asyncio.wait_for(asyncio.shield(proc.wait()), req.timeout_s)
         except TimeoutError:
             timed_out = True
-            try:  # runc exec and the command share the session's process group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
+            # runc exec returns once its command is dead; the command may not be in its
+            # cgroup yet when the kill reads it, so kill again until runc is done.
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:  # bounded: runc itself may hang
+                kill()
+                try:
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 0.05)
+                    break
+                except TimeoutError:
+                    continue
         finally:
             pump.finish()
             if feeder is not None:
@@ -186,6 +201,24 @@ class RuncDriver:
             exit_code=code, stdout=bytes(pump.bufs["stdout"]), stderr=bytes(pump.bufs["stderr"]),
             stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
             timed_out=timed_out, duration_s=time.monotonic() - t0)
+
+
+def _mount_overlay(target: str, lowerdirs: tuple[str, ...] | list[str], upper: str,
+                   work: str) -> None:
+    """The overlay at ``target``, its layers named by fd: overlayfs shows its options in
+    mountinfo as given, and this mount becomes the container's root, so absolute paths
+    would show the state dir and the layer store inside (/proc/self/mountinfo)."""
+    overlay_options(lowerdirs, upper, work)  # the same checks as the native driver
+    fds: list[int] = []
+    try:
+        for p in (*lowerdirs, upper, work):
+            fds.append(os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        names = [f"/proc/self/fd/{fd}" for fd in fds]
+        linux.mount("overlay", target, "overlay", linux.MS_NODEV,
+                    overlay_options(names[:-2], names[-2], names[-1]))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _log_errors(path: str) -> str:

@@ -15,12 +15,30 @@ thawed as soon as the copy into the store's staging dir is done: the EROFS build
 only that copy, and it can take seconds (mkfs.erofs 1.5 reads sparse files whole, ~4.6
 s/GiB of apparent size).
 
-Bounds: the layer may hold at most the sandbox's disk cap plus 1/8 (EROFS and btrfs
-metadata differ) and, when the control plane passes one, the project's remaining
-snapshot storage (``max_bytes``); the build may read at most the backend's
-``snapshot_max_apparent_bytes`` of file sizes. Over a bound: ``QuotaExceeded`` and no
-layer in the store. Holes and hardlinks are kept (see :mod:`dsec.image.packdiff`), so a
-sandbox holding a 1 GiB sparse file stores about what it uses.
+Bounds: the layer - and the file data staged for it - may hold at most the sandbox's
+disk cap plus 1/8 (EROFS and btrfs metadata differ) and, when the control plane passes
+one, the project's remaining snapshot storage (``max_bytes``); the build may read at
+most the backend's ``snapshot_max_apparent_bytes`` of file sizes, and the scan index at
+most ``snapshot_max_entries`` entries with ``snapshot_max_path_bytes`` of paths. Over a
+bound: ``QuotaExceeded`` and no layer in the store, found before or while the upper is
+read (a sandbox's cap counts a reflinked extent once, but every copy of it is data in
+the stage). Holes and hardlinks are kept (see :mod:`dsec.image.packdiff`), so a sandbox
+holding a 1 GiB sparse file stores about what it uses.
+
+The host: the stage and the layer go to the layer store's filesystem, which is also
+where the disk pool's sparse image lives (``<root_dir>/pool.img``). The pool has been
+promised its full size; if the host filesystem fills before the image has grown to it,
+the loop device's writes fail and btrfs aborts its transaction and goes read-only - for
+every sandbox on the node (measured: "BTRFS: error ... IO failure", "forced
+readonly"). So a snapshot may write at most half of what the host filesystem has free
+beyond the pool's unbacked bytes and a reserve for the state dir (SQLite, journal):
+``CapacityExceeded`` otherwise, and nothing is written.
+
+Fairness: builds run in the backend's own executor of ``snapshot_workers`` threads (not
+asyncio's default one, which pause's reclaim and other calls share: six slow builds
+there stalled every pause on the node), and one project holds at most all but one of
+them, so a tenant's slow snapshots (mkfs.erofs reads sparse files whole) leave a
+worker for everyone else.
 
 Which snapshot a sandbox last took is kept in ``<sandbox dir>/snapshot`` so an edge
 restart (adopt) continues the chain incrementally. Snapshot metadata (sandbox, project,
@@ -32,12 +50,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from dsec.edge.spec import SnapshotInfo
-from dsec.errors import Conflict, ImageNotFound, InvalidArgument, SandboxNotFound
+from dsec.errors import (
+    BackendError,
+    CapacityExceeded,
+    Conflict,
+    ImageNotFound,
+    InvalidArgument,
+    QuotaExceeded,
+    SandboxNotFound,
+)
 from dsec.ids import SandboxId
 from dsec.image.compose import RootStack
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
@@ -51,25 +79,84 @@ __all__ = ["ContainerSnapshots", "snapshot_info"]
 
 _L = "dsec.io/"          # manifest label prefix
 _LAST = "snapshot"       # file in the sandbox dir: digest of its latest snapshot
+_T = TypeVar("_T")
+HOST_RESERVE_BYTES = 1 << 30
+"""Kept free on the layer store's filesystem for the state dir (SQLite, journals): at
+most this, or 5% of that filesystem when it is smaller than 20 GiB."""
 
 
-def snapshot_info(m: LayerManifest) -> SnapshotInfo:
-    """The edge's view of a snapshot layer (from its manifest and labels)."""
+def host_room(free: int, total: int, unbacked: int) -> int:
+    """The layer bound a snapshot may get on a host filesystem with ``free`` of ``total``
+    bytes free, ``unbacked`` of which a sparse disk pool on it was promised (pure): half
+    of what is left after the pool's promise and the state dir's reserve (the stage and
+    the layer are both written before the stage is removed). Builds in flight hold
+    twice their bound of it until they end."""
+    reserve = min(HOST_RESERVE_BYTES, total // 20)
+    return max(0, free - unbacked - reserve) // 2
+
+
+def snapshot_info(m: LayerManifest, index_bytes: int = 0) -> SnapshotInfo:
+    """The edge's view of a snapshot layer (from its manifest and labels). Its size is
+    what it stores: the layer file plus its upperdir index (``index_bytes``), which
+    lists every upper entry - not only the changed ones - and can be far larger than a
+    small layer (40,000 deep paths: a ~130 MB index beside a 4 KiB layer, for every
+    snapshot of that sandbox), so the project's snapshot_bytes quota charges both."""
     lab = m.labels
     return SnapshotInfo(
         id=m.digest, parent=m.parent, sandbox_id=lab.get(_L + "sandbox", ""),
         project=lab.get(_L + "project", "default"), image=lab.get(_L + "image", ""),
         workspace=lab.get(_L + "workspace") or None,
         toolkits=tuple(t for t in lab.get(_L + "toolkits", "").split(",") if t),
-        backend=lab.get(_L + "backend", ""), created=m.created, size_bytes=m.size_bytes)
+        backend=lab.get(_L + "backend", ""), created=m.created,
+        size_bytes=m.size_bytes + index_bytes)
 
 
 class ContainerSnapshots:
     """Snapshots for one :class:`ContainerBackend` whose resolver is StoreImages."""
 
-    def __init__(self, backend: ContainerBackend) -> None:
+    def __init__(self, backend: ContainerBackend, *, workers: int = 4) -> None:
+        if workers < 1:
+            raise InvalidArgument(f"snapshot_workers={workers} must be >= 1",
+                                  field="snapshot_workers")
         self.backend = backend
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._projects: dict[str, tuple[asyncio.Semaphore, int]] = {}
+        self._host_held = 0          # host bytes granted to builds in flight (2 x bound)
+
+    def close(self) -> None:
+        """Stop the build threads (a build in flight finishes in its thread)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    async def _run(self, fn: Callable[..., _T], *args: object, **kw: object) -> _T:
+        """Run a build step on the snapshot executor (never asyncio's default one)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="dsec-snapshot")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args, **kw))
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, project: str):  # type: ignore[no-untyped-def]
+        """A build slot: one of ``workers``, and at most ``workers - 1`` (at least one)
+        per project, taken before the sandbox is frozen (so it never waits frozen)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        per_project = max(1, self.workers - 1)
+        sem, users = self._projects.get(project) or (asyncio.Semaphore(per_project), 0)
+        self._projects[project] = (sem, users + 1)
+        try:
+            async with sem, self._slots:
+                yield
+        finally:
+            sem, users = self._projects[project]
+            if users == 1:
+                del self._projects[project]
+            else:
+                self._projects[project] = (sem, users - 1)
 
     @property
     def images(self) -> StoreImages | None:
@@ -100,7 +187,7 @@ class ContainerSnapshots:
         lock, users = self._locks.get(sid) or (asyncio.Lock(), 0)
         self._locks[sid] = (lock, users + 1)
         try:
-            async with lock:
+            async with lock, self._turn(box.spec.project):
                 return await self._take(images, sid, stack, strip, max_bytes)
         finally:
             lock, users = self._locks[sid]
@@ -113,18 +200,41 @@ class ContainerSnapshots:
                     strip: tuple[str, ...], max_bytes: int | None) -> SnapshotInfo:
         store = images.store
         box = self.backend._box(sid)
-        upper = self.backend.upper_dir(sid)
-        last_path = os.path.join(box.dir, _LAST)
-        previous = await asyncio.to_thread(self._previous, last_path)
+        previous = await asyncio.to_thread(self._previous, os.path.join(box.dir, _LAST))
         top = stack.layers[0]
         origin = top if top.kind == "snapshot" else None
         labels = self._labels(sid, box.spec, origin)
-        gov = self.backend.governor
         bound = self.layer_bound(box.disk_cap)
         if bound is not None and max_bytes is not None:
             bound = min(bound, max_bytes)
         elif max_bytes is not None:
             bound = max_bytes
+        free, total, unbacked = await asyncio.to_thread(self._host_space, store.root)
+        # Builds in flight have room granted that they may not have written yet.
+        host = max(0, host_room(free, total, unbacked) - self._host_held // 2)
+        host_bound = bound is None or host < bound
+        if host_bound:
+            bound = host
+        if host == 0:
+            raise self._host_full(sid, free, unbacked)
+        assert bound is not None
+        held = 2 * bound                      # the stage and the layer
+        self._host_held += held
+        try:
+            return await self._build(images, sid, stack, strip, bound, host_bound, labels,
+                                     previous, origin, free, unbacked)
+        finally:
+            self._host_held -= held
+
+    async def _build(self, images: StoreImages, sid: SandboxId, stack: RootStack,
+                     strip: tuple[str, ...], bound: int, host_bound: bool,
+                     labels: dict[str, str], previous: LayerManifest | None,
+                     origin: LayerManifest | None, free: int, unbacked: int) -> SnapshotInfo:
+        store = images.store
+        box = self.backend._box(sid)
+        upper = self.backend.upper_dir(sid)
+        last_path = os.path.join(box.dir, _LAST)
+        gov = self.backend.governor
         frozen_here = False
         if not box.paused:
             try:
@@ -142,22 +252,55 @@ class ContainerSnapshots:
                     gov.thaw(box.cg)
             frozen_here = False
 
+        b = self.backend
         try:
-            if previous is None and origin is not None and not await asyncio.to_thread(
+            if previous is None and origin is not None and not await self._run(
                     _has_entries, upper, strip):
                 # Started from a snapshot and changed nothing: that snapshot is the answer.
                 return self._unchanged(origin)
-            m = await asyncio.to_thread(
+            m = await self._run(
                 pack_diff, store, upper, previous, base=stack, strip=strip, labels=labels,
-                max_bytes=bound,
-                max_apparent_bytes=self.backend.snapshot_max_apparent_bytes,
+                max_bytes=bound, max_apparent_bytes=b.snapshot_max_apparent_bytes,
+                max_entries=b.snapshot_max_entries, max_path_bytes=b.snapshot_max_path_bytes,
                 on_copied=lambda: _discard(loop.call_soon_threadsafe(thaw)))
+        except QuotaExceeded as exc:
+            if host_bound and exc.detail.get("resource") == "snapshot_bytes":
+                raise self._host_full(sid, free, unbacked, exc) from exc
+            raise
+        except OSError as exc:
+            # Without the file name: it is a host path (state dir, disk pool, stage).
+            raise BackendError(f"snapshot of {sid} failed: {exc.strerror or exc}; nothing "
+                               "was stored", sandbox_id=sid) from exc
         finally:
             thaw()
         if previous is not None and m.digest == previous.digest:
             return self._unchanged(m)
         await asyncio.to_thread(_write_last, last_path, m.digest)
-        return snapshot_info(m)
+        return self._info(m)
+
+    def _host_space(self, store_root: str) -> tuple[int, int, int]:
+        """(free, total, unbacked) bytes of the layer store's filesystem; ``unbacked`` is
+        what the disk pool's sparse image on it may still grow by (0 when the pool lives
+        elsewhere)."""
+        vfs = os.statvfs(store_root)
+        unbacked = 0
+        pool = self.backend.disk
+        if pool.owned and os.stat(pool.image).st_dev == os.stat(store_root).st_dev:
+            unbacked = pool.unbacked_bytes()
+        return vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize, unbacked
+
+    @staticmethod
+    def _host_full(sid: str, free: int, unbacked: int,
+                   exc: QuotaExceeded | None = None) -> CapacityExceeded:
+        used = exc.detail.get("used") if exc is not None else None
+        need = f" ({used} bytes or more)" if used else ""
+        return CapacityExceeded(
+            f"snapshot of {sid} refused: it needs more room{need} than this node's layer "
+            f"store filesystem can give - {free} bytes free, {unbacked} of them promised to "
+            "the sandbox disk pool, and a reserve kept for the state dir; nothing was "
+            "written. Delete snapshots or images on this node, or give it more disk",
+            resource="snapshot_host_bytes", available=max(0, free - unbacked),
+            sandbox_id=sid)
 
     @staticmethod
     def layer_bound(disk_cap: int) -> int | None:
@@ -165,9 +308,16 @@ class ContainerSnapshots:
         plus 1/8 (EROFS lays files out differently from btrfs) plus 1 MiB."""
         return disk_cap + disk_cap // 8 + (1 << 20) if disk_cap else None
 
-    @staticmethod
-    def _unchanged(m: LayerManifest) -> SnapshotInfo:
-        info = snapshot_info(m)
+    def _info(self, m: LayerManifest) -> SnapshotInfo:
+        images = self.images
+        size = 0
+        if images is not None:
+            with contextlib.suppress(FileNotFoundError):
+                size = os.stat(images.store.index_path(m.digest)).st_size
+        return snapshot_info(m, size)
+
+    def _unchanged(self, m: LayerManifest) -> SnapshotInfo:
+        info = self._info(m)
         info.unchanged = True
         return info
 
@@ -211,7 +361,8 @@ class ContainerSnapshots:
         if images is None:
             return []
         ms = await asyncio.to_thread(images.store.manifests)
-        return [snapshot_info(m) for m in ms if m.kind == "snapshot"]
+        return await asyncio.to_thread(
+            lambda: [self._info(m) for m in ms if m.kind == "snapshot"])
 
     def _get(self, ref: str) -> LayerManifest:
         images = self.images
@@ -224,15 +375,16 @@ class ContainerSnapshots:
         return m
 
     async def snapshot_info(self, ref: str) -> SnapshotInfo:
-        return snapshot_info(await asyncio.to_thread(self._get, ref))
+        return await asyncio.to_thread(lambda: self._info(self._get(ref)))
 
     async def delete_snapshot(self, ref: str) -> SnapshotInfo:
         """Remove the layer; the store refuses (InUse) while it is mounted (a sandbox
         runs from it) or a snapshot builds on it."""
         m = await asyncio.to_thread(self._get, ref)
         images = self._store_images()
+        info = await asyncio.to_thread(self._info, m)
         await asyncio.to_thread(images.store.remove, m.digest)
-        return snapshot_info(m)
+        return info
 
     def images_present(self) -> Iterable[str]:
         """Every layer digest in the store plus its ``name:tag`` refs (one listdir and
@@ -255,13 +407,17 @@ def _discard(_: object) -> None:
 
 
 def _has_entries(upper: str, strip: tuple[str, ...]) -> bool:
-    from dsec.image.packdiff import scan_upper
+    """Whether the upper holds anything a snapshot would keep. A scan skips a stripped
+    directory with everything below it, so the top level answers, up to its first kept
+    entry, where a full scan would hold every entry in memory just to say "yes"."""
+    from dsec.image.packdiff import is_stripped
 
     try:
-        entries, _ = scan_upper(upper, strip)
+        it = os.scandir(upper)
     except FileNotFoundError:
         return False
-    return bool(entries)
+    with it:
+        return any(not is_stripped(de.name, strip) for de in it)
 
 
 def _write_last(path: str, digest: str) -> None:

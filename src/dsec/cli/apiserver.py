@@ -1,0 +1,98 @@
+"""``dsec apiserver``: the management plane alone (REST + Aether gateway + control plane)
+against edges that run elsewhere (``dsec edge`` on this or other machines).
+
+The apiserver keeps no sandbox state of its own: it rebuilds its view from the edges'
+heartbeats, and its durable state (keys, quotas, sessions, idempotency keys, lost-node
+tombstones) is in ``<state-dir>/control.sqlite``. Several apiservers may share one state
+store. An edge that is not reachable yet is dialled again on every poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import click
+
+
+def _edges(values: tuple[str, ...]) -> dict[str, str]:
+    from dsec.errors import InvalidArgument
+    from dsec.ids import parse_node_id
+
+    out: dict[str, str] = {}
+    for v in values:
+        node, sep, addr = v.partition("=")
+        if not sep or not addr.startswith(("unix:", "tcp:")):
+            raise click.BadParameter(f"{v!r} must look like NODE=unix:PATH or "
+                                     "NODE=tcp:HOST:PORT", param_hint="--edge")
+        try:
+            parse_node_id(node)
+        except InvalidArgument as exc:
+            raise click.BadParameter(str(exc), param_hint="--edge") from exc
+        if node in out:
+            raise click.BadParameter(f"edge {node!r} given twice", param_hint="--edge")
+        out[node] = addr
+    return out
+
+
+@click.command()
+@click.option("--edge", "edges", multiple=True, required=True, metavar="NODE=ADDR",
+              help="An edge to use (repeatable): NODE=unix:PATH or NODE=tcp:HOST:PORT; "
+                   "NODE is the edge's --node-id.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the control plane's state lives (default $DSEC_STATE_DIR or "
+                   "~/.dsec).")
+@click.option("--listen", default="127.0.0.1:8470", show_default=True,
+              help="REST address HOST:PORT (port 0 picks a free one).")
+@click.option("--gateway", default="tcp:127.0.0.1:0", show_default=True,
+              help="Aether gateway address ('off' to disable).")
+@click.option("--backend", default="simulated", show_default=True,
+              help="Default sandbox backend of creates that name none.")
+@click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="File with the secret tcp: edges require (their --token-file).")
+@click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
+              backend: str, edge_token_file: str | None, quiet: bool) -> None:
+    """Run the API (REST, gateway, control plane) against edges given by address."""
+    import uvloop
+
+    from dsec.control.api.cluster import ClusterConfig, default_state_dir
+
+    remote = _edges(edges)
+    token = None
+    if edge_token_file is not None:
+        with open(edge_token_file, "rb") as f:
+            token = f.read().strip()
+    cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
+                        gateway=None if gateway == "off" else gateway, backend=backend,
+                        edges=0, remote_edges=remote, edge_token=token)
+    uvloop.run(_run(cfg, quiet))
+
+
+async def _run(cfg: Any, quiet: bool) -> None:
+    import logging
+
+    from dsec.control.api.cluster import ClusterRuntime
+
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    rt = ClusterRuntime(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await rt.start()
+    except Exception as exc:
+        click.echo(f"dsec apiserver failed: {exc}", err=True)
+        raise SystemExit(1) from exc
+    if not quiet:
+        click.echo(f"dsec apiserver  REST {rt.url}  gateway {rt.gateway_address}  state "
+                   f"{cfg.state_dir}  edges {', '.join(cfg.remote_edges)}", err=True)
+        click.echo(f"admin key: {rt.admin_key}  (also in {cfg.state_dir}/local.json)",
+                   err=True)
+    try:
+        await stop.wait()
+    finally:
+        await rt.stop()
