@@ -36,3 +36,22 @@ def test_fncall_sandboxes_survive_kill_9_of_dsec_up(tmp_path) -> None:  # type: 
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_fncall_sandboxes_survive_an_in_process_edge_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same for edges in the runtime's own process (LocalCluster's default): the
+    restarted edge built a fresh fncall temp dir, so every sandbox ended ``node_lost``
+    and the old work dirs were deleted."""
+    from dsec import Client
+    from dsec.client.local import LocalCluster
+
+    with LocalCluster(backend="fncall", gateway=False, state_dir=str(tmp_path / "st")) as cl:
+        with Client(cl.url, cl.api_key, session_lease_s=None) as c:
+            sb = c.sandboxes.create(detached=True)
+            sb.files.write("/kept.txt", b"still here")
+            cl.stop_edge("edge-0")
+            cl.start_edge("edge-0")
+            again = c.sandboxes.get(sb.id)
+            assert again.state == "running", again.info
+            assert again.files.read("/kept.txt") == b"still here"
+            again.kill()
