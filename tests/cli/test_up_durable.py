@@ -45,13 +45,13 @@ def test_fncall_sandboxes_survive_an_in_process_edge_restart(tmp_path) -> None: 
     from dsec import Client
     from dsec.client.local import LocalCluster
 
-    with LocalCluster(backend="fncall", gateway=False, state_dir=str(tmp_path / "st")) as cl:
-        with Client(cl.url, cl.api_key, session_lease_s=None) as c:
-            sb = c.sandboxes.create(detached=True)
-            sb.files.write("/kept.txt", b"still here")
-            cl.stop_edge("edge-0")
-            cl.start_edge("edge-0")
-            again = c.sandboxes.get(sb.id)
-            assert again.state == "running", again.info
-            assert again.files.read("/kept.txt") == b"still here"
-            again.kill()
+    with LocalCluster(backend="fncall", gateway=False, state_dir=str(tmp_path / "st")) as cl, \
+            Client(cl.url, cl.api_key, session_lease_s=None) as c:
+        sb = c.sandboxes.create(detached=True)
+        sb.files.write("/kept.txt", b"still here")
+        cl.stop_edge("edge-0")
+        cl.start_edge("edge-0")
+        again = c.sandboxes.get(sb.id)
+        assert again.state == "running", again.info
+        assert again.files.read("/kept.txt") == b"still here"
+        again.kill()

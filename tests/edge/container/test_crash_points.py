@@ -329,3 +329,93 @@ async def test_kill_9_at_random_points_of_every_operation(edge: EdgeProcess) -> 
             if (_freezer_state(edge, s) == "FROZEN") != (st == "paused"):
                 problems.append((it, op, s, st, _freezer_state(edge, s)))
     assert problems == []
+
+
+_FNCALL_EDGE = """
+import asyncio, sys
+from dsec.edge.backends.fncall import FncallBackend
+from dsec.edge.spec import ExecRequest, SandboxSpec
+async def main():
+    b = FncallBackend(pool_size=1, root=sys.argv[1])
+    await b.create(sys.argv[2], SandboxSpec(backend="fncall"))
+    code = "import os, time\\nos.fork()\\ntime.sleep(1000)"   # a call in flight, forked
+    call = asyncio.ensure_future(b.exec(sys.argv[2], ExecRequest(argv=("python", "-c", code))))
+    procs = b.governor.paths(sys.argv[2]).dirs["pids"] + "/cgroup.procs"
+    while len(open(procs).read().split()) < 2:
+        await asyncio.sleep(0.01)
+    print("0", b.governor.paths(sys.argv[2]).dirs["pids"], flush=True)
+    await call
+asyncio.run(main())
+"""
+
+
+async def test_fncall_restart_in_another_cgroup_kills_what_calls_left(
+        tmp_path: object) -> None:
+    """The fncall backend's jailed sandboxes have cgroups under the edge's own cgroup
+    too. After a kill -9 and a restart in another cgroup, adoption and reconciliation
+    looked only under the new parent: the old sandbox cgroups (and their parent) stayed
+    forever. A call in flight at the kill is checked too: its worker dies with the edge
+    and what it forked with the worker's pid namespace - nothing may outlive that."""
+    import subprocess
+    import sys
+
+    from dsec.edge.backends.fncall import FncallBackend
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    root = os.path.join(str(tmp_path), "fncall")
+    sid = "sb-0000000000c1-fc"
+    tag = f"rtd-{os.getpid()}-{random.Random().getrandbits(24):06x}"
+    made = []
+    for own in _own_v1_cgroups().values():
+        d = os.path.join(own, tag)
+        os.mkdir(d)
+        made.append(d)
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            if os.path.exists(os.path.join(d, f)):
+                Path(d, f).write_text(Path(own, f).read_text())
+    enter = "".join(f"echo $$ > {os.path.join(d, 'cgroup.procs')}; " for d in made)
+    edge = subprocess.Popen(["/bin/sh", "-c", enter + 'exec "$@"', "sh", sys.executable,  # noqa: ASYNC220
+                             "-c", _FNCALL_EDGE, root, sid], stdout=subprocess.PIPE)
+    b = None
+    old_cg = ""
+    try:
+        assert edge.stdout is not None
+        code, old_cg = edge.stdout.readline().decode().split()
+        assert code == "0" and tag in old_cg
+        left = [int(p) for p in Path(old_cg, "cgroup.procs").read_text().split()]
+        assert len(left) >= 2, "the call's worker and its fork"
+        edge.kill()
+        edge.wait()
+        b = FncallBackend(pool_size=1, root=root)   # restarted in the test's own cgroup
+        assert await b.adopt(sid, SandboxSpec(backend="fncall"))
+        await b.reconcile({sid})
+        for _ in range(500):
+            if not [p for p in left if _alive(p)]:
+                break
+            await asyncio.sleep(0.01)
+        assert not [p for p in left if _alive(p)], "a call's process outlived the restart"
+        assert not os.path.isdir(old_cg), "the old sandbox cgroup was left behind"
+        assert not os.path.isdir(os.path.dirname(old_cg)), "and its parent"
+    finally:
+        if edge.poll() is None:
+            edge.kill()
+            edge.wait()
+        if b is not None:
+            with contextlib.suppress(Exception):
+                await b.destroy(sid)
+            await b.close()
+        for d in made:
+            for sub in sorted((w[0] for w in os.walk(d)), key=len, reverse=True):
+                with contextlib.suppress(OSError):
+                    for p in Path(sub, "cgroup.procs").read_text().split():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(p), 9)
+                for _ in range(100):
+                    try:
+                        os.rmdir(sub)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.01)

@@ -64,6 +64,13 @@ import dsec
 from dsec import ownership
 from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.census import (
+    cgroup_parents,
+    record_parents,
+    recorded_parents,
+    remove_cgroup_dirs,
+    tasks_of,
+)
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.fncall_jail import (
@@ -701,6 +708,7 @@ class FncallBackend:
         self.root = os.path.abspath(root)
         ownership.claim(self.root)
         self.governor: Governor | None = None
+        self._own_parents: list[str] = []
         self.disk: DiskPool | None = None
         self.max_sandbox_pids = max_sandbox_pids
         jail = None
@@ -715,6 +723,10 @@ class FncallBackend:
             try:
                 jail = self._jail_config(runtime)
                 self.governor = governor or self._make_governor(cgroup_name, pids_headroom)
+                # Where this process nests sandbox cgroups, beside where earlier ones
+                # did (an edge restarted in another cgroup): reconcile looks in all.
+                self._own_parents = cgroup_parents(self.governor.name)
+                record_parents(self.root, self.governor.name, self._own_parents)
                 self.disk = DiskPool(self.root, size_bytes=disk_pool_bytes)
             except BaseException:
                 self._cleanup_root()
@@ -996,9 +1008,12 @@ class FncallBackend:
         workers are found by their cwd under the root and killed by process group."""
         out = []
         if self.disk is not None and self.governor is not None:
+            earlier = await self._reclaim_earlier_parents()
             names = set(self.disk.sandboxes()) | set(self.governor.list_sandboxes())
             for name in sorted(names - set(keep) - set(self._boxes)):
                 out.append(self._discard_jailed(name))
+            for name in sorted(set(earlier) - names - set(keep) - set(self._boxes)):
+                out.append(Leftover(name, "fncall", earlier[name]))
             return out
         strays = _stray_workers(self.root)
         _kill_groups(strays.values())
@@ -1011,6 +1026,32 @@ class FncallBackend:
             out.append(Leftover(name, "fncall", "work directory"
                                 + (f", {n} runaway worker(s)" if n else "")))
         return out
+
+    async def _reclaim_earlier_parents(self) -> dict[str, str]:
+        """Kill what runs in, and remove, the sandbox cgroups under parents an earlier
+        process of this root used (it ran in another cgroup): none of them is this
+        process's - calls never outlive their edge, an adopted sandbox gets its cgroups
+        under this process's parents. Returns what was found, by sandbox id."""
+        gov = self.governor
+        assert gov is not None
+        found: dict[str, str] = {}
+        for parent in recorded_parents(self.root, gov.name):
+            if parent in self._own_parents or not os.path.isdir(parent):
+                continue
+            for e in os.scandir(parent):
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                n = sum(len(tasks_of(d)) for d, _, _ in os.walk(e.path))
+                try:
+                    await remove_cgroup_dirs([e.path])
+                    what = "cgroup under an earlier edge's parent"
+                except OSError as exc:
+                    what = f"cgroup under an earlier edge's parent, not removed: {exc}"
+                found[e.name] = what + (f", {n} runaway process(es)" if n else "")
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+        record_parents(self.root, gov.name, self._own_parents)
+        return found
 
     async def discard(self, sid: SandboxId) -> Leftover | None:
         """Remove what is left of a sandbox the node does not know (``reconcile`` for one)."""

@@ -47,6 +47,7 @@ from dsec.edge.backends.container.census import (
     record_parents,
     recorded_parents,
     release_cgroup_name,
+    remove_cgroup_dirs,
     take_census,
 )
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
@@ -870,7 +871,7 @@ class ContainerBackend:
             with contextlib.suppress(OSError):  # freeze, kill, thaw: no fork escapes
                 self.governor.kill_all(managed)
         try:
-            await _remove_cgroup_dirs(cg_dirs)
+            await remove_cgroup_dirs(cg_dirs)
         except OSError as exc:
             errors.append(f"cgroups: {exc}")
         for mp in census.mounts.get(sid, ()):
@@ -1287,42 +1288,6 @@ def _lock_root(root_dir: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def _kill_tasks(cgroup_dir: str) -> None:
-    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
-    try:
-        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
-            pids = [int(p) for p in f.read().split()]
-    except (OSError, ValueError):
-        return
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
-    """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
-    and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        busy: OSError | None = None
-        for top in dirs:
-            if not os.path.isdir(top):
-                continue
-            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-                _kill_tasks(dirpath)
-                try:
-                    os.rmdir(dirpath)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    busy = exc
-        if busy is None:
-            return
-        if time.monotonic() > deadline:
-            raise busy
-        await asyncio.sleep(0.005)
 
 
 def _kernel_pid_max() -> int:

@@ -24,8 +24,12 @@ points out; :func:`parse_parents`); :func:`take_census` does the reading.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import os
+import signal
+import time
 from dataclasses import dataclass, field
 
 from dsec.edge.governor import all_leaf_dirs
@@ -36,12 +40,15 @@ __all__ = [
     "cgroup_name_of",
     "cgroup_parents",
     "claim_cgroup_name",
+    "kill_tasks",
     "mounts_below",
     "parse_parents",
     "record_parents",
     "recorded_parents",
     "release_cgroup_name",
+    "remove_cgroup_dirs",
     "take_census",
+    "tasks_of",
 ]
 
 PARENTS = "cgroup-parents"
@@ -104,7 +111,8 @@ def _subdirs(path: str) -> list[str]:
         return []
 
 
-def _tasks(cgroup_dir: str) -> list[int]:
+def tasks_of(cgroup_dir: str) -> list[int]:
+    """The pids ``cgroup_dir`` lists (none if it is gone)."""
     try:
         with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
             return [int(p) for p in f.read().split()]
@@ -243,7 +251,7 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
         for sid in names:
             d = os.path.join(parent, sid)
             cgroups.setdefault(sid, []).append(d)
-            pids = _tasks(d)
+            pids = tasks_of(d)
             if pids:
                 tasks.setdefault(sid, set()).update(pids)
     with open("/proc/self/mountinfo") as f:
@@ -256,3 +264,39 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
                   tasks={k: tuple(sorted(v)) for k, v in tasks.items()},
                   mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc, disk=disk,
                   pool_mounted=os.path.ismount(pool))
+
+
+def kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
+            pids = [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
+    """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
+    and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy: OSError | None = None
+        for top in dirs:
+            if not os.path.isdir(top):
+                continue
+            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+                kill_tasks(dirpath)
+                try:
+                    os.rmdir(dirpath)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    busy = exc
+        if busy is None:
+            return
+        if time.monotonic() > deadline:
+            raise busy
+        await asyncio.sleep(0.005)
