@@ -175,3 +175,29 @@ async def test_two_live_fncall_backends_cannot_share_a_root(tmp_path) -> None:  
         await a.close()
     again = FncallBackend(pool_size=1, root=root)  # the owner is gone: free to take
     await again.close()
+
+
+async def test_two_fncall_roots_cannot_share_a_cgroup_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The jailed fncall backend's reconcile takes every cgroup under its name for its
+    own (as the container backend's does): a second root given the same explicit
+    ``cgroup_name`` would kill the first one's calls and remove its sandbox cgroups."""
+    import pytest
+
+    from dsec.edge.backends.fncall import FncallBackend
+    from dsec.errors import InUse
+
+    if os.geteuid() != 0:
+        pytest.skip("the jailed fncall backend needs root")
+    name = f"rtd-f-{os.getpid()}-{random.Random().getrandbits(24):06x}"
+    a = FncallBackend(pool_size=1, root=str(tmp_path / "a"), cgroup_name=name)
+    try:
+        try:
+            b = FncallBackend(pool_size=1, root=str(tmp_path / "b"), cgroup_name=name)
+        except InUse as exc:
+            assert "cgroup name" in str(exc)
+        else:
+            await b.close()
+            pytest.fail("a second root got the cgroup name of a live one")
+    finally:
+        await a.close()
+    assert not os.path.exists(os.path.join("/run/dsec/cgroup-names", name))  # released

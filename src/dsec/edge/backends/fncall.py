@@ -66,9 +66,12 @@ from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.census import (
     cgroup_parents,
+    claim_cgroup_name,
     record_parents,
     recorded_parents,
+    release_cgroup_name,
     remove_cgroup_dirs,
+    remove_cgroup_dirs_now,
     tasks_of,
 )
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
@@ -774,6 +777,8 @@ class FncallBackend:
                                   f"kernel.pid_max={pid_max}", field="pids_headroom")
         self.max_sandbox_pids = min(self.max_sandbox_pids, pid_max - pids_headroom)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
+        # one root per cgroup name: reconcile takes every cgroup under it for its own
+        claim_cgroup_name(name, self.root)
         gov = Governor(name=name)
         try:
             gov.limit_total_pids(pid_max - pids_headroom)
@@ -997,6 +1002,7 @@ class FncallBackend:
         if self.governor is not None and not left:
             with contextlib.suppress(OSError, BackendError):
                 self.governor.remove_base()
+            release_cgroup_name(self.governor.name, self.root)
         ownership.disown(self.root)
 
     # ---------------------------------------------------------------- after a crash
@@ -1284,6 +1290,11 @@ def _reclaim_dead_roots(tmp: str) -> None:
                     gov.kill_all(cg)
                     gov.remove(cg)
                 gov.remove_base()
+            name = "fncall-" + hashlib.sha1(e.path.encode()).hexdigest()[:10]
+            for parent in recorded_parents(e.path, name):  # it ran in another cgroup
+                with contextlib.suppress(OSError):
+                    remove_cgroup_dirs_now([parent])
+            release_cgroup_name(name, e.path)
             pool = os.path.join(e.path, "pool")
             if os.path.ismount(pool):
                 with contextlib.suppress(OSError):

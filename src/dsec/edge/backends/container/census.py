@@ -47,6 +47,7 @@ __all__ = [
     "recorded_parents",
     "release_cgroup_name",
     "remove_cgroup_dirs",
+    "remove_cgroup_dirs_now",
     "take_census",
     "tasks_of",
 ]
@@ -278,25 +279,38 @@ def kill_tasks(cgroup_dir: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _sweep(dirs: list[str]) -> OSError | None:
+    """One pass: SIGKILL and rmdir bottom-up; the last rmdir error (a task still
+    leaving), or None once every dir is gone."""
+    busy: OSError | None = None
+    for top in dirs:
+        if not os.path.isdir(top):
+            continue
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+            kill_tasks(dirpath)
+            try:
+                os.rmdir(dirpath)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                busy = exc
+    return busy
+
+
 async def remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
     """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
     and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        busy: OSError | None = None
-        for top in dirs:
-            if not os.path.isdir(top):
-                continue
-            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-                kill_tasks(dirpath)
-                try:
-                    os.rmdir(dirpath)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    busy = exc
-        if busy is None:
-            return
+    while (busy := _sweep(dirs)) is not None:
         if time.monotonic() > deadline:
             raise busy
         await asyncio.sleep(0.005)
+
+
+def remove_cgroup_dirs_now(dirs: list[str], timeout_s: float = 5.0) -> None:
+    """:func:`remove_cgroup_dirs` for callers without an event loop (blocks)."""
+    deadline = time.monotonic() + timeout_s
+    while (busy := _sweep(dirs)) is not None:
+        if time.monotonic() > deadline:
+            raise busy
+        time.sleep(0.005)
