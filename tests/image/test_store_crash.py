@@ -1,7 +1,7 @@
 """kill -9 in the middle of a layer build (a snapshot, an image build, an OCI import)
 used to leave its staging tree and half-written EROFS file in ``<store>/tmp`` forever -
-about the size of the snapshot, once per crash. Scratch space is per process now and
-the next store opened removes a dead process's; a live one's is never touched."""
+about the size of the snapshot, once per crash. Scratch entries are named by their process
+now and the next store opened removes a dead process's; a live one's is never touched."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_a_build_killed_mid_way_leaves_nothing_in_the_store(tmp_path: object) ->
         assert not os.path.exists(dead_stage)
         assert os.path.isdir(live_stage)
         left = os.listdir(os.path.join(store_dir, "tmp"))
-        assert left == [os.path.basename(os.path.dirname(live_stage))], left
+        assert left == [os.path.basename(live_stage)], left
     finally:
         for p in (live, dead):
             if p is not None and p.poll() is None:
