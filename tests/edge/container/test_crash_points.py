@@ -319,7 +319,8 @@ async def test_kill_9_at_random_points_of_every_operation(edge: EdgeProcess) -> 
             if op == "exec" and before == "paused":
                 allowed |= {"paused"}   # auto-resume not reached before the kill
             if got not in allowed:
-                problems.append((it, op, sid, answered, got, allowed))
+                evs = [(e.to_state, e.reason, e.detail[:200]) for e in await c.events(sid)]
+                problems.append((it, op, sid, answered, got, allowed, evs[-3:]))
             want[sid] = got
             listed = {i.id: i.state for i in await c.list()}
         census = edge.census()

@@ -627,14 +627,19 @@ class ContainerBackend:
         if os.path.isdir(self.disk.sandbox_path(sid)):
             box.disk_q = self.disk.qgroup_dir(sid)
             box.disk_cap = DiskPool.usage_at(box.disk_q).cap_bytes
-        alive = (process_start_time(rec.init_pid) == rec.init_start
-                 and rec.init_pid in self.governor.pids(cg))
+        start = process_start_time(rec.init_pid)
+        members = self.governor.pids(cg)
+        alive = start == rec.init_start and rec.init_pid in members
+        why = ("" if alive else f"its init (pid {rec.init_pid}, start {rec.init_start}) is "
+               + ("gone" if start is None else f"another process (start {start})"
+                  if start != rec.init_start else f"not in its cgroup ({len(members)} there)"))
         if alive:
             try:
                 box.pidfd = os.pidfd_open(rec.init_pid)
-            except OSError:
-                alive = False
+            except OSError as exc:
+                alive, why = False, f"pidfd_open of its init failed: {exc}"
         if not alive:
+            log.warning("sandbox %s cannot be adopted: %s; removing what is left", sid, why)
             await self._teardown(sid, d, box, layers)
             return False
         box.paused = self.governor.is_frozen(cg)
