@@ -7,6 +7,9 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     DsecError
     ├── InvalidArgument            the caller sent something we cannot accept     400
     │   ├── UnknownMethod          no handler for an Aether method                400
+    │   ├── MethodNotAllowed       an HTTP method the route does not declare      405
+    │   ├── CannotRun              exec named a program, user or cwd the sandbox
+    │   │                          does not have (foreground: exit 127/126)       400
     │   └── Unsatisfiable          more than any node could ever hold (not "full now")
     ├── Unauthenticated            missing or wrong API key                       401
     ├── PermissionDenied           key is valid, role is not enough               403
@@ -16,6 +19,8 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     │   └── ProjectNotFound
     ├── Conflict                   the object is not in a state that allows it    409
     │   ├── InvalidTransition      lifecycle table says no (names sandbox/event/state)
+    │   │   └── SandboxLost        written off with its node (node expired, or it
+    │   │                          restarted without the sandbox)
     │   ├── WrongNode              sandbox id belongs to another edge
     │   └── InUse                  e.g. removing an image a sandbox still uses
     ├── Compacted                  a watch asked for history that is gone         410
@@ -25,13 +30,19 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     │   ├── QuotaExceeded          a project (or ancestor) quota would be broken
     │   ├── NoCapacity             placement found no node after its retries
     │   └── RateLimited            per-key rate limit; carries retry_after
+    ├── Unavailable                a part of the cluster the request needs cannot
+    │   │                          be reached right now; retry later              503
+    │   └── EdgeUnreachable        the apiserver's link to the sandbox's node failed
+    │                              (never the caller's own connection)
     ├── Timeout                                                                   504
     │   └── RequestTimeout         the *request* deadline (not a command timeout)
     ├── ProtocolError              the Aether/HTTP conversation broke
     │   ├── LocalProtocolError     we produced something invalid (our bug)
     │   └── RemoteProtocolError    the peer sent something invalid (its bug/corruption)
-    ├── TransportError             the connection itself failed
-    │   └── ConnectionLost         pending calls on a connection that died
+    ├── TransportError             the caller's own connection failed
+    │   ├── ConnectFailed          could not connect: nothing was sent
+    │   └── ConnectionLost         pending calls on a connection that died: the
+    │       │                      request may have been carried out
     │       └── Overloaded         a server refused the connection: at its limits  503
     ├── SandboxError               the sandbox or its backend failed             500
     │   └── BackendError
@@ -39,6 +50,11 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     │   ├── CorruptLayer
     │   └── UnsafeArchive          tar member escaping, device node, ...
     └── InternalError              an unexpected bug on the remote side          500
+
+Retryable, for a caller: ``TransportError`` (its own connection), ``RequestTimeout``,
+``Unavailable`` and ``RateLimited``; the SDK retries creates on them with one
+``Idempotency-Key``. ``detail["may_have_run"]`` on an exec error says whether the
+command may have started before the failure (``ConnectFailed``: never).
 
 Keep "we broke it" apart from "the peer broke it" (CONVENTIONS.md #10) and map lower
 layer exceptions at each boundary with ``raise X(...) from exc``.
@@ -50,12 +66,15 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendError",
+    "CannotRun",
     "CapacityExceeded",
     "Compacted",
     "Conflict",
+    "ConnectFailed",
     "ConnectionLost",
     "CorruptLayer",
     "DsecError",
+    "EdgeUnreachable",
     "ImageError",
     "ImageNotFound",
     "InUse",
@@ -63,6 +82,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidTransition",
     "LocalProtocolError",
+    "MethodNotAllowed",
     "NoCapacity",
     "NotFound",
     "Overloaded",
@@ -76,10 +96,12 @@ __all__ = [
     "RequestTimeout",
     "ResourceExhausted",
     "SandboxError",
+    "SandboxLost",
     "SandboxNotFound",
     "Timeout",
     "TransportError",
     "Unauthenticated",
+    "Unavailable",
     "UnknownMethod",
     "UnsafeArchive",
     "Unsatisfiable",
@@ -143,6 +165,23 @@ class UnknownMethod(InvalidArgument):
     code = "unknown_method"
 
 
+class MethodNotAllowed(InvalidArgument):
+    """The REST route exists but not with this HTTP method (``detail["allow"]``: the
+    methods it does declare, also sent as the ``Allow`` header)."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+
+class CannotRun(InvalidArgument):
+    """An exec could not start its command: the program, the user or the working
+    directory does not exist in the sandbox (``detail``: ``exit_code`` 127 or 126, what a
+    foreground exec reports for the same mistake). A caller mistake, so 4xx; not a
+    :class:`NotFound`, which callers read as "the sandbox (or file) is gone"."""
+
+    code = "cannot_run"
+
+
 class Unsatisfiable(InvalidArgument):
     """A sandbox larger than any node's whole capacity: waiting or retrying cannot help
     (unlike ``CapacityExceeded``/``NoCapacity``, which mean "full right now")."""
@@ -186,6 +225,13 @@ class InvalidTransition(Conflict):
     code = "invalid_transition"
 
 
+class SandboxLost(InvalidTransition):
+    """The sandbox was written off with its node: the node stopped heartbeating and was
+    expired, or it restarted without the sandbox. It will not come back."""
+
+    code = "sandbox_lost"
+
+
 class WrongNode(Conflict):
     code = "wrong_node"
 
@@ -227,6 +273,21 @@ class RateLimited(ResourceExhausted):
     http_status = 429
 
 
+class Unavailable(DsecError):
+    """Something the request needs cannot be reached right now; the same request may
+    succeed later (the SDK retries creates on it)."""
+
+    code = "unavailable"
+    http_status = 503
+
+
+class EdgeUnreachable(Unavailable):
+    """The apiserver could not use its link to the sandbox's node (``detail``: ``node``,
+    and ``may_have_run`` for an exec). Not the caller's connection: that one is fine."""
+
+    code = "edge_unreachable"
+
+
 class Timeout(DsecError, TimeoutError):
     code = "timeout"
     http_status = 504
@@ -254,7 +315,15 @@ class TransportError(DsecError, ConnectionError):
     http_status = 502
 
 
+class ConnectFailed(TransportError):
+    """The connection could not be opened: the request was never sent."""
+
+    code = "connect_failed"
+
+
 class ConnectionLost(TransportError):
+    """The connection died with the request on it: the peer may have carried it out."""
+
     code = "connection_lost"
 
 

@@ -16,8 +16,10 @@ their owner (``<store>/tmp/<token>/...``): :func:`token_alive` tells a dead owne
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 
 __all__ = ["claim", "disown", "owner_alive", "start_time", "token", "token_alive"]
 
@@ -54,33 +56,32 @@ def _alive(pid: int, start: int, ns: int | None) -> bool | None:
 
 
 def claim(path: str) -> None:
-    """Record this process as the owner of ``path`` (atomically replaced). The temp file
-    is created exclusively and never through a symlink (``path`` may sit in a shared,
-    world-writable directory)."""
+    """Record this process as the owner of ``path`` (atomically replaced).
+
+    The record may sit in a directory other users can write (fncall's default root is
+    in /tmp), so it is written through a fresh, randomly named file (O_EXCL: never one
+    someone planted - with a fixed temp name, root followed a planted symlink and
+    overwrote its target) and renamed over whatever ``<path>.owner`` was (a rename
+    replaces a planted symlink, it does not follow it)."""
     me = os.getpid()
-    final = _file(path)
-    tmp = f"{final}.{me}.tmp"
+    owner = _file(path)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(owner) + ".",
+                               dir=os.path.dirname(owner) or ".")
     try:
-        os.unlink(tmp)  # a stale one of ours, or someone else's trap: never written through
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644)
-    try:
-        os.write(fd, f"{me} {start_time(me)} {_pid_ns()}\n".encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{me} {start_time(me)} {_pid_ns()}\n")
+            os.fchmod(f.fileno(), 0o644)
+        os.replace(tmp, owner)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def disown(path: str) -> None:
     """Remove the owner record of ``path`` (after removing or handing over ``path``)."""
-    final = _file(path)
-    for p in (final, f"{final}.{os.getpid()}.tmp", final + ".tmp"):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_file(path))
 
 
 def owner_alive(path: str) -> bool | None:

@@ -6,7 +6,9 @@ images and snapshots, ``container/`` the sandboxes' roots, ``edges/`` the journa
 the edges' Aether sockets (no token on a Unix socket: who can connect can run commands).
 So the directory is made 0700 at every start, also when it already existed with a looser
 mode (a pre-created 0755 directory used to leave all of that world-readable), and it is
-refused when another user owns it (that user could read or swap anything in it).
+refused when another user owns it (that user could read or swap anything in it) or could
+redirect its path (another user's symlink on the way, a parent others may write):
+dsec then goes on with the real path it checked.
 Files inside get private modes of their own as well (the SQLite store 0600, the layer
 store 0700/0600), which matters where they live outside a state dir.
 """
@@ -18,16 +20,19 @@ import stat
 
 from dsec.errors import InvalidArgument
 
-__all__ = ["ensure_private_dir"]
+__all__ = ["check_path_is_ours", "ensure_private_dir"]
 
 
 def ensure_private_dir(path: str, *, what: str = "state dir") -> str:
-    """Create ``path`` (and parents) if needed, then make it mode 0700. Returns its
-    absolute path. ``InvalidArgument`` when it is not a directory or another user owns
-    it."""
+    """Create ``path`` (and parents) if needed, then make it mode 0700. Returns its real
+    path (symlinks resolved), which callers must use from then on. ``InvalidArgument``
+    when it is not a directory, another user owns it, or another user could redirect it
+    (:func:`check_path_is_ours`)."""
     path = os.path.abspath(path)
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
+        check_path_is_ours(path, what=what)
+        path = os.path.realpath(path)
         st = os.stat(path)
     except OSError as exc:
         raise InvalidArgument(f"cannot create the {what} {path}: {exc.strerror or exc}; "
@@ -42,3 +47,43 @@ def ensure_private_dir(path: str, *, what: str = "state dir") -> str:
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
+
+
+def check_path_is_ours(path: str, *, what: str = "state dir") -> None:
+    """Refuse a ``path`` that another host user could point elsewhere: a 0700 directory
+    protects nothing if its *name* can be moved. That is the case when a symlink along
+    ``path`` belongs to another user (one planted in /tmp: its owner swaps it for a
+    link to a directory of theirs after the checks, and the cluster's keys, layers and
+    sockets are written there), or when a directory above it (symlinks resolved) is
+    owned by another user or is writable by others without the sticky bit (they rename
+    ours away and put theirs in its place). Owners root and this process's uid are
+    trusted (as OpenSSH's StrictModes does)."""
+    ok = {0, os.geteuid()}
+    parts = os.path.abspath(path).split("/")[1:]
+    cur = ""
+    for part in parts:
+        cur += "/" + part
+        st = os.lstat(cur)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in ok:
+            raise InvalidArgument(
+                f"the {what} {path} goes through the symlink {cur}, owned by uid "
+                f"{st.st_uid}: that user can point it anywhere after dsec checked it; use "
+                "a path without other users' symlinks (e.g. the real directory)")
+    real = os.path.realpath(path)
+    d = os.path.dirname(real)
+    while True:
+        st = os.stat(d)
+        if st.st_uid not in ok:
+            raise InvalidArgument(
+                f"the {what} {real} is inside {d}, owned by uid {st.st_uid}: that user "
+                "could rename it and put a directory of theirs in its place; pick a "
+                "directory whose parents belong to root or to this user")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise InvalidArgument(
+                f"the {what} {real} is inside {d} (mode {stat.S_IMODE(st.st_mode):o}), "
+                "which other users may write: they could rename it and put a directory "
+                "of theirs in its place; pick a directory whose parents only root or "
+                "this user can write (or a sticky one such as /tmp)")
+        if d == "/":
+            break
+        d = os.path.dirname(d)

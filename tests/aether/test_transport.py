@@ -13,7 +13,7 @@ import pytest
 import uvloop
 
 from dsec.aether import Address, Router, connect, parse_address, serve
-from dsec.errors import ConnectionLost, InvalidArgument, TransportError
+from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, TransportError
 
 
 def _router() -> Router:
@@ -94,14 +94,16 @@ async def test_server_close_closes_its_connections(tmp_path: Path) -> None:
     await conn.close()
 
 
-async def test_connecting_to_nothing_is_connection_lost(tmp_path: Path) -> None:
-    with pytest.raises(ConnectionLost, match="could not connect to unix:"):
+async def test_connecting_to_nothing_is_connect_failed(tmp_path: Path) -> None:
+    """Nothing was sent: ConnectFailed, not ConnectionLost (which says a request on the
+    connection may have been carried out)."""
+    with pytest.raises(ConnectFailed, match="could not connect to unix:"):
         await connect(f"unix:{tmp_path}/nobody.sock")
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens on this port now
-    with pytest.raises(ConnectionLost, match=f"could not connect to tcp:127.0.0.1:{port}"):
+    with pytest.raises(ConnectFailed, match=f"could not connect to tcp:127.0.0.1:{port}"):
         await connect(f"tcp:127.0.0.1:{port}")
 
 

@@ -13,6 +13,7 @@ import pytest
 from dsec import (
     AsyncClient,
     Client,
+    ConnectFailed,
     ConnectionLost,
     ExecResult,
     InvalidArgument,
@@ -33,13 +34,15 @@ def cluster() -> Iterator[LocalCluster]:
 @pytest.fixture(params=["http", "aether"])
 def client(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[Client]:
     with cluster.client(transport=request.param) as c:
+        c.info()
+        # the transport asked for, not a silent fallback to the other one
+        assert c.transport_name == request.param
         yield c
 
 
 def test_sandbox_roundtrip(client: Client) -> None:
     with client.sandboxes.create(image="base", cpu=0.5, memory="256MiB", ttl=600,
                                  labels={"sdk": "yes"}) as sb:
-        assert client.transport_name in ("http", "aether")
         assert sb.info.spec.cpu_milli == 500 and sb.info.spec.memory_bytes == 256 << 20
         assert sb.info.spec.ttl_s == 600
         r = sb.exec("echo hello")
@@ -178,8 +181,9 @@ def test_request_timeout_and_connection_errors_are_named() -> None:
                 session_lease_s=None) as c:
         with pytest.raises(TransportError) as ei:
             c.sandboxes.get("sb-000000000000-edge-0")
-        assert not isinstance(ei.value, ConnectionLost) or True
-        assert "apiserver running" in str(ei.value)
+        # nothing listens: the request never left, and the error says so
+        assert isinstance(ei.value, ConnectFailed) and not isinstance(ei.value, ConnectionLost)
+        assert "apiserver running" in str(ei.value) and "nothing was sent" in str(ei.value)
 
 
 def test_client_finds_dsec_up_through_local_json(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

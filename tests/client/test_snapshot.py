@@ -12,7 +12,7 @@ import pytest
 
 from dsec import AsyncClient, Client, InUse, LocalCluster
 from dsec.client.core import Snapshot
-from dsec.errors import ImageNotFound, InvalidArgument, NotFound, PermissionDenied
+from dsec.errors import ImageNotFound, InvalidArgument, PermissionDenied
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +120,9 @@ def test_other_projects_cannot_see_or_delete(cluster: LocalCluster) -> None:
             Client(cluster.url, reader) as r, c.sandboxes.create() as sb:
         snap = sb.snapshot()
         assert snap.id not in [s.id for s in m.snapshots.list()]
-        with pytest.raises(NotFound):
+        with pytest.raises(ImageNotFound):
             m.snapshots.get(snap.id)
-        with pytest.raises(NotFound):
+        with pytest.raises(ImageNotFound):
             m.snapshots.delete(snap.id)
         assert r.snapshots.get(snap.id).id == snap.id
         with pytest.raises(PermissionDenied):

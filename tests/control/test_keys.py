@@ -54,8 +54,15 @@ def test_superuser_grants_to_existing_principals_and_admins_only_create(
     with pytest.raises(PermissionDenied):      # outside bob's subtree, even a new name
         plane.create_key(bob, CreateKeyRequest(name="dave", project="org", role="reader"))
     assert plane.store.get_principal("dave") is None
+    # the superuser grants an existing principal only when it says so: bob created carol
+    # and holds a key of hers, which would gain the role too
+    with pytest.raises(Conflict, match="existing"):
+        plane.create_key(root, CreateKeyRequest(name="carol", project="org/c",
+                                                role="member"))
+    assert carol.roles == {"org/b/x": "reader"}
+    assert _as(plane, made.api_key).roles == {"org/b/x": "reader"}
     again = plane.create_key(root, CreateKeyRequest(name="carol", project="org/c",
-                                                    role="member"))
+                                                    role="member", existing=True))
     assert _as(plane, again.api_key).roles == {"org/b/x": "reader", "org/c": "member"}
     # a project admin does not revoke keys of others, even of principals it created
     with pytest.raises(NotFound):

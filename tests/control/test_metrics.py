@@ -88,7 +88,9 @@ def test_placement_retries_count_refusals(cluster: LocalCluster) -> None:
     try:
         r = httpx.post(f"{cluster.url}/v1/sandboxes", json={},
                        headers={"authorization": f"Bearer {cluster.api_key}"})
-        assert r.status_code == 503 and r.json()["code"] == "no_capacity", r.text
+        # reported as the outage it is, not as a lack of capacity ("ask for less")
+        assert r.status_code == 503 and r.json()["code"] == "edge_unreachable", r.text
+        assert "edge-0" in r.json()["message"] and "ask for less" not in r.text
     finally:
         cluster._on_loop(swap(real))
     after = _samples(cluster.url)[("dsec_placement_retries_total", ())]

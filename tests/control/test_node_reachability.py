@@ -37,7 +37,7 @@ from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
-from dsec.errors import NoCapacity
+from dsec.errors import Unavailable
 from tests.control.conftest import FakeClock
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
@@ -98,7 +98,9 @@ async def test_an_edge_that_answers_with_errors_is_held_not_lost(tmp_path: Path)
         assert not plane.watcher.is_expired("e0")
         assert ids <= set(plane.registry.ids_on("e0"))
         assert all(plane.lost(i) is None for i in ids)
-        with pytest.raises(NoCapacity):   # held out of placement meanwhile
+        # held out of placement meanwhile, and a create says why (an outage, not a lack
+        # of capacity that asking for less would fix)
+        with pytest.raises(Unavailable, match="e0: unreachable"):
             await service.create(admin, CreateSandboxRequest(project="team"))
 
         node.heartbeat = real_heartbeat  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ import pytest
 
 from dsec.edge.service import EdgeClient
 from dsec.edge.spec import SandboxSpec
-from dsec.errors import ConnectionLost
+from dsec.errors import ConnectFailed
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 
@@ -76,7 +76,7 @@ def test_edge_cli_rejects_unknown_backend(tmp_path) -> None:  # type: ignore[no-
 
 
 async def test_client_to_missing_socket_is_a_typed_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ConnectionLost):
+    with pytest.raises(ConnectFailed):
         await EdgeClient.connect(f"unix:{tmp_path}/none.sock", timeout=1)
 
 

@@ -216,7 +216,11 @@ def test_worker_mounts_mask_proc_like_a_container() -> None:
     assert {"/proc/kcore", "/proc/keys", "/proc/timer_list"} <= masked
     ro = {m.target for m in ms if m.source is None}
     assert {"/proc/sys", "/proc/sysrq-trigger"} <= ro
-    assert [m.target for m in ms if m.fstype == "tmpfs"] == ["/tmp", "/dev/shm"]
+    # private /tmp, /dev/shm and /etc (admission names the sandbox's own uid in it; a
+    # root jail keeps the root's read-only /etc)
+    assert [m.target for m in ms if m.fstype == "tmpfs"] == ["/tmp", "/dev/shm", "/etc"]
+    assert [m.target for m in worker_mounts(JailConfig(uid=0))
+            if m.fstype == "tmpfs"] == ["/tmp", "/dev/shm"]
 
 
 # ------------------------------------------------------------- lifecycle, leaks, restarts

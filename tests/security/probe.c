@@ -161,6 +161,106 @@ int main(int argc, char **argv) {
         printf("nsview_loop scans=%ld reads=%ld hits=%ld\n", scans, reads, hits);
         return 0;
     }
+    if (!strcmp(p, "nested_cgroupfs")) {
+        /* allow_nested: build a user namespace (root = our host uid), a mount namespace and
+           a cgroup namespace, mount the cgroup hierarchy argv[2] (v1 controller or
+           "unified") and write argv[4] into its file argv[3] - the sandbox's own cgroup,
+           the root of that view. "ok" = the write went through (a limit escaped). How:
+           argv[5] = "unshare" (default), "clone" or "clone3". */
+        const char *how = argc > 5 ? argv[5] : "unshare";
+        unsigned long fl = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP;
+        if (!strcmp(how, "clone") || !strcmp(how, "clone3")) {
+            long c = !strcmp(how, "clone") ? syscall(SYS_clone, fl | SIGCHLD, 0, 0, 0, 0) : 0;
+            if (!strcmp(how, "clone3")) {
+                struct clone_args_ a; memset(&a, 0, sizeof a); a.flags = fl; a.exit_signal = SIGCHLD;
+                c = syscall(435, &a, sizeof a);
+            }
+            if (c < 0) return res(p, -1);
+            if (c > 0) { int st; waitpid(c, &st, 0); return 0; }  /* the child prints */
+        } else if (unshare(fl) < 0) {
+            return res(p, -1);
+        }
+        int fd = open("/proc/self/setgroups", O_WRONLY); if (fd >= 0) { write(fd, "deny", 4); close(fd); }
+        fd = open("/proc/self/uid_map", O_WRONLY); if (fd >= 0) { write(fd, "0 0 1", 5); close(fd); }
+        fd = open("/proc/self/gid_map", O_WRONLY); if (fd >= 0) { write(fd, "0 0 1", 5); close(fd); }
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+        mkdir("/tmp/.ncg", 0755);
+        long r = !strcmp(arg, "unified") ? mount("cgroup2", "/tmp/.ncg", "cgroup2", 0, NULL)
+                                         : mount("cgroup", "/tmp/.ncg", "cgroup", 0, arg);
+        if (r < 0) { res(p, -1); fflush(stdout); if (strcmp(how, "unshare")) _exit(0); return 0; }
+        char path[300]; snprintf(path, sizeof path, "/tmp/.ncg/%s", argc > 3 ? argv[3] : "pids.max");
+        const char *val = argc > 4 ? argv[4] : "max";
+        fd = open(path, O_WRONLY);
+        r = fd < 0 ? -1 : write(fd, val, strlen(val));
+        if (fd >= 0) close(fd);
+        res(p, r); fflush(stdout);
+        if (strcmp(how, "unshare")) _exit(0);
+        return 0;
+    }
+    if (!strcmp(p, "nested_userns_tmpfs")) {
+        /* allow_nested's purpose still works: a user + mount namespace with a tmpfs in it */
+        if (unshare(CLONE_NEWUSER | CLONE_NEWNS) < 0) return res(p, -1);
+        int fd = open("/proc/self/uid_map", O_WRONLY); if (fd >= 0) { write(fd, "0 0 1", 5); close(fd); }
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+        mkdir("/tmp/.nt", 0755);
+        return res(p, mount("tmpfs", "/tmp/.nt", "tmpfs", 0, "size=1m"));
+    }
+    if (!strcmp(p, "stop_newcomers")) {
+        /* SIGSTOP every process born after us (the next pids of this pid namespace) until
+           /tmp/stop exists or argv[2] seconds pass: a hostile process freezing whatever
+           the edge starts in the sandbox before it can run its command. */
+        int secs = atoi(arg); time_t end = time(0) + secs; long rounds = 0; struct stat st;
+        pid_t me = getpid();
+        while (time(0) < end && stat("/tmp/stop", &st) != 0) {
+            for (pid_t q = me + 1; q < me + 64; q++) kill(q, SIGSTOP);
+            rounds++;
+        }
+        printf("stop_newcomers rounds=%ld\n", rounds);
+        return 0;
+    }
+    if (!strcmp(p, "clone_parent")) {
+        /* argv[2] children made with clone(CLONE_PARENT): siblings of ours, so children
+           of whoever started us; each exits at once */
+        int n = atoi(arg), made = 0;
+        for (int i = 0; i < n; i++) {
+            long c = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+            if (c == 0) _exit(0);
+            if (c > 0) made++;
+        }
+        printf("clone_parent=%d\n", made);
+        return 0;
+    }
+    if (!strcmp(p, "cmdline_loop")) {
+        /* Until the file argv[2] exists (at most argv[3] seconds): read /proc/<pid>/cmdline
+           and comm of every other process and print each distinct text once ("cmdline: ..."),
+           NULs as spaces - what a process inside learns about the processes the edge starts. */
+        static char seen[200][300]; int nseen = 0; long reads = 0;
+        int secs = argc > 3 ? atoi(argv[3]) : 60; time_t end = time(0) + secs;
+        pid_t me = getpid(); struct stat st;
+        while (time(0) < end && stat(arg, &st) != 0) {
+            DIR *d = opendir("/proc"); struct dirent *e;
+            while ((e = readdir(d))) {
+                int pid = atoi(e->d_name); if (pid <= 1 || pid == me) continue;
+                static const char *const files[] = {"cmdline", "comm"};
+                for (int k = 0; k < 2; k++) {
+                    char path[64], buf[290]; snprintf(path, sizeof path, "/proc/%d/%s", pid, files[k]);
+                    int fd = open(path, O_RDONLY); if (fd < 0) continue;
+                    ssize_t n = read(fd, buf, sizeof buf - 1); close(fd);
+                    if (n <= 0) continue;
+                    reads++;
+                    for (ssize_t i = 0; i < n; i++) if (buf[i] == 0 || buf[i] == '\n') buf[i] = ' ';
+                    buf[n] = 0;
+                    char key[300]; snprintf(key, sizeof key, "%s: %s", files[k], buf);
+                    int dup = 0; for (int i = 0; i < nseen && !dup; i++) dup = !strcmp(seen[i], key);
+                    if (!dup && nseen < 200) strcpy(seen[nseen++], key);
+                }
+            }
+            closedir(d);
+        }
+        for (int i = 0; i < nseen; i++) printf("%s\n", seen[i]);
+        printf("cmdline_loop reads=%ld\n", reads);
+        return 0;
+    }
     if (!strcmp(p, "keyring_id")) {
         long id = syscall(SYS_keyctl, 0 /*GET_KEYRING_ID*/, -4 /*USER*/, 0);
         if (id < 0) return res(p, -1);

@@ -103,3 +103,37 @@ async def test_runc_mountinfo_names_no_host_path(runc_backend: ContainerBackend)
     assert r.exit_code == 0 and " / / " in text, text
     leaked = [p for p in _host_paths(b, sid) if p in text]
     assert not leaked, f"host paths {leaked} visible in the sandbox's mountinfo:\n{text}"
+
+
+async def test_exec_children_show_no_host_path_in_their_cmdline(
+        backend: ContainerBackend) -> None:
+    """Until its execve an exec's final process carries the zygote's argv, readable by
+    anyone in the sandbox as /proc/<pid>/cmdline: it named the helper binary by its host
+    path (the nsexec cache dir; rt-kernel review). A watcher inside collects every
+    cmdline and comm it sees during execs."""
+    from dsec.edge.backends.container.nsexec import ensure_nsexec
+
+    sid = new_sid()
+    await backend.create(sid, PROBE_SPEC)
+    await backend.exec(sid, ExecRequest(
+        shell="/probe cmdline_loop /tmp/stop 120 > /tmp/cmd.out 2>&1", background=True))
+    await asyncio.sleep(0.2)
+    sem = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(k: int) -> int:
+        async with sem:  # user= makes the start longer (a /etc/passwd read)
+            r = await backend.exec(sid, ExecRequest(argv=("true",),
+                                                    user="agent" if k % 2 else None))
+            return r.exit_code
+    assert set(await asyncio.gather(*(one(k) for k in range(600)))) == {0}
+    await backend.write_file(sid, "/tmp/stop", b"")
+    out = ""
+    for _ in range(400):
+        out = (await backend.read_file(sid, "/tmp/cmd.out")).decode()
+        if "cmdline_loop reads=" in out:
+            break
+        await asyncio.sleep(0.05)
+    assert "cmdline_loop reads=" in out, out
+    host = [os.path.dirname(ensure_nsexec()), backend.root_dir, "/var/cache", "dsec-nsexec-"]
+    leaked = [line for line in out.splitlines() if any(h in line for h in host)]
+    assert not leaked, f"host paths in what the sandbox sees: {leaked}\n{out}"

@@ -156,9 +156,11 @@ while True:
 
 
 @pytest.fixture
-def recorder() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A host process running as uid 65534 - the jail's own uid, so only namespaces stand
-    between a call and it - that records every signal it receives."""
+def recorder(fncall: FncallBackend) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A host process running as sandbox A's own host uid (the owner of its work dir) -
+    so only namespaces stand between a call and it - that records every signal it
+    receives."""
+    uid = os.stat(work_dir(fncall, A)).st_uid
     d = tempfile.mkdtemp(prefix="dsec-fncall-sig-")
     os.chmod(d, 0o777)
     out = os.path.join(d, "signals")
@@ -166,7 +168,7 @@ def recorder() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     with open(script, "w") as f:
         f.write(RECORDER)
     os.chmod(script, 0o644)
-    proc = subprocess.Popen(["/usr/bin/python3", "-I", script, out], user=65534, group=65534,
+    proc = subprocess.Popen(["/usr/bin/python3", "-I", script, out], user=uid, group=uid,
                             extra_groups=[], stdin=subprocess.DEVNULL,
                             start_new_session=True)  # its own group: killpg hits only it
     try:
@@ -312,7 +314,9 @@ async def test_the_root_is_read_only_and_only_the_work_dir_persists(
         """)
         assert code == 0, out
         assert "written" not in out.splitlines()[0], out
-        assert out.splitlines()[1] == "65534 65534 65534", out
+        uid, euid, gid = map(int, out.splitlines()[1].split())
+        assert uid == euid == gid == os.stat(work_dir(fncall, A)).st_uid, out
+        assert uid not in (0, 65534), out  # the sandbox's own host uid
         assert await fncall.read_file(A, "/w") == b"ok"  # type: ignore[arg-type]
         code, out = await run(fncall, A, f"""
         import os

@@ -1,11 +1,18 @@
 """Aether: dsec's binary, multiplexed, CRC-checked wire protocol (see docs/aether.md)."""
 
-from dsec.aether.connection import AetherProtocol, CallStream, Connection, Router, StreamSender
+from dsec.aether.connection import (
+    AetherProtocol,
+    CallStream,
+    Connection,
+    Router,
+    StreamSender,
+    current_peer,
+)
 from dsec.aether.frame import Frame, FrameDecoder, FrameFlags, FrameType, decode_parts, encode
 from dsec.aether.transport import Address, Server, connect, parse_address, serve
 
 __all__ = [
     "Address", "AetherProtocol", "CallStream", "Connection", "Frame", "FrameDecoder", "FrameFlags", "FrameType",
-    "Router", "Server", "StreamSender", "connect", "decode_parts", "encode", "parse_address",
-    "serve",
+    "Router", "Server", "StreamSender", "connect", "current_peer", "decode_parts", "encode",
+    "parse_address", "serve",
 ]

@@ -36,8 +36,10 @@ through an injected callable.
 from __future__ import annotations
 
 import resource
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dsec.aether.frame import DEFAULT_MAX_FRAME, MAX_FRAME_LIMIT
 from dsec.errors import InvalidArgument
@@ -46,6 +48,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "Admission",
     "ListenerStats",
+    "PendingPool",
     "ProcessBudget",
     "ServerLimits",
     "process_budget",
@@ -71,6 +74,13 @@ class ServerLimits:
     idle_timeout_s: float | None = 900.0
     # Seconds a frame may take from its header to its last byte (16 MiB at 140 KB/s).
     frame_timeout_s: float | None = 120.0
+    # Calls of one connection handled at once (async handlers running); at the cap the
+    # connection is not read until one ends (backpressure, nothing is refused). Without
+    # it a tenant pipelining 40,000 execs per connection made the gateway hold them all
+    # (RSS +300 MB) and queue them in front of the apiserver's polls of its edge, which
+    # timed out until the node was written off (node_lost). Edges leave it off: their
+    # one peer, the apiserver, multiplexes every tenant over a link it must keep read.
+    max_calls_in_flight: int | None = 1024
     # Largest frame (bytes) accepted before authentication; an auth call is < 200 bytes.
     pending_max_frame: int = 4096
     # Largest frame (bytes) accepted after it.
@@ -78,7 +88,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_connections_per_peer", "max_pending",
-                     "max_pending_per_peer"):
+                     "max_pending_per_peer", "max_calls_in_flight"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise InvalidArgument(f"ServerLimits.{name}={v} must be >= 1 or None")
@@ -101,6 +111,14 @@ def soft_nofile() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+class PendingPool(Protocol):
+    """A listener's connections that have not authenticated yet (see ProcessBudget)."""
+
+    def pending_count(self) -> int: ...
+
+    def evict_oldest_pending(self) -> bool: ...
+
+
 @dataclass(slots=True, eq=False, kw_only=True)
 class ProcessBudget:
     """What all listeners of one process share: file descriptors and buffered bytes.
@@ -117,6 +135,18 @@ class ProcessBudget:
     connections: int = 0
     buffered: int = 0
     lingering: int = 0      # closed connections still draining their peer (<= 1 s each)
+    # Who holds the buffered bytes (connection -> bytes; only those holding some): over
+    # the budget, the largest holder is closed, not whichever connection's next read
+    # happened to cross the line (that used to be a client mid-way through an ordinary
+    # 1 MiB write - or the apiserver's own link to its edge - while a few strangers
+    # held 16 MiB partial frames each).
+    holders: dict[object, int] = field(default_factory=dict)
+    # Every listener's not-yet-authenticated connections: when the fd share is what is
+    # full, the oldest of the listener holding the most is dropped for a newcomer, as
+    # when one listener's pending slots are full. Without it a stranger's idle flood
+    # over a few addresses filled a small share (RLIMIT_NOFILE 1024: 512) with pending
+    # connections, and every client, key or not, was refused.
+    pools: weakref.WeakSet[PendingPool] = field(default_factory=weakref.WeakSet)
 
     def __post_init__(self) -> None:
         if not 0 < self.connection_share < 1:
@@ -130,6 +160,25 @@ class ProcessBudget:
 
     def over_buffer(self) -> bool:
         return self.max_buffered_bytes is not None and self.buffered > self.max_buffered_bytes
+
+    def hold(self, holder: object, held: int) -> None:
+        """``holder`` now holds ``held`` bytes (0: none); ``buffered`` follows."""
+        before = self.holders.pop(holder, 0)
+        if held:
+            self.holders[holder] = held
+        self.buffered += held - before
+
+    def make_room(self) -> bool:
+        """Drop the oldest unauthenticated connection of the listener holding the most;
+        False if no listener holds any."""
+        pool = max(self.pools, key=lambda p: p.pending_count(), default=None)
+        return pool is not None and pool.pending_count() > 0 and pool.evict_oldest_pending()
+
+    def largest_holder(self) -> object | None:
+        """The holder of the most buffered bytes (the one to close when over budget)."""
+        if not self.holders:
+            return None
+        return max(self.holders.items(), key=lambda kv: kv[1])[0]
 
 
 _PROCESS_BUDGET: ProcessBudget | None = None

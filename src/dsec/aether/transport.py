@@ -13,8 +13,10 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import socket
 import struct
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -31,7 +33,7 @@ from dsec.aether.limits import (
     process_budget,
 )
 from dsec.aether.messages import Goaway
-from dsec.errors import ConnectionLost, InvalidArgument, Overloaded, TransportError
+from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, Overloaded, TransportError
 
 __all__ = ["Address", "Server", "connect", "parse_address", "refusal_frame", "serve"]
 
@@ -99,14 +101,14 @@ async def connect(
             else:
                 transport, proto = await loop.create_connection(factory, addr.host, addr.port)
     except TimeoutError as exc:
-        raise ConnectionLost(f"could not connect to {addr} within {timeout}s") from exc
+        raise ConnectFailed(f"could not connect to {addr} within {timeout}s") from exc
     except OSError as exc:
         # Out of fds, buffers or ephemeral ports *here* says nothing about the peer: the
         # control plane must not write a node off for its own exhaustion.
         local = exc.errno in _LOCAL_ERRNOS
         why = " (a limit of this process or host, not of the peer)" if local else ""
-        raise ConnectionLost(f"could not connect to {addr}: {exc.strerror or exc}{why}",
-                             errno=exc.errno, local=local) from exc
+        raise ConnectFailed(f"could not connect to {addr}: {exc.strerror or exc}{why}",
+                            errno=exc.errno, local=local) from exc
     _tune(transport)
     assert proto.conn is not None  # set in connection_made
     conn = proto.conn
@@ -169,23 +171,16 @@ class Server:
     def _listen_socket(self) -> socket.socket:
         addr = self.address
         if addr.kind == "unix":
-            os.makedirs(os.path.dirname(addr.path) or ".", exist_ok=True)
+            _make_private_dirs(os.path.dirname(addr.path) or ".")
             with contextlib.suppress(FileNotFoundError):
                 if _socket_alive(addr.path):
                     raise TransportError(
                         f"cannot listen on {addr}: a live process already serves it; stop "
                         "it or pick another path")
                 os.unlink(addr.path)  # a stale socket file from a process that died
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.bind(addr.path)
-                # The edge socket is for root / the apiserver only; made private before
-                # listen(), so nobody can connect in between.
-                os.chmod(addr.path, 0o600)
-                sock.listen(BACKLOG)
-            except BaseException:
-                sock.close()
-                raise
+            # Appears 0600 and already listening (see _bind_private_unix): the edge
+            # socket is for root / the apiserver only, and whoever sees the path may dial.
+            sock = _bind_private_unix(addr.path, BACKLOG)
         else:
             infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
@@ -207,6 +202,7 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._sock = self._listen_socket()
         self.admission.name = f"listener {self.address}"
+        self.budget.pools.add(self)
         self._loop.add_reader(self._sock.fileno(), self._on_acceptable)
         _SPARE.ensure()
         _return_big_buffers_to_the_os()
@@ -272,10 +268,9 @@ class Server:
         peer = _peer_key(sock, addr)
         verdict = self.admission.admit(peer)
         if verdict is not None and verdict[0] == "pending_full" and self._pending:
-            oldest = next(iter(self._pending))
-            oldest._cut("evicted", "dropped to make room: this listener's slots for "
-                        "connections that have not authenticated yet are full; "
-                        "authenticate right after connecting", code=Overloaded.code)
+            self.evict_oldest_pending()
+            verdict = self.admission.admit(peer)
+        elif verdict is not None and verdict[0] == "fds" and self.budget.make_room():
             verdict = self.admission.admit(peer)
         if verdict is not None:
             self._refuse(sock, *verdict)
@@ -310,6 +305,19 @@ class Server:
             sock.close()
             self.admission.release(peer, established=False)
             raise
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def evict_oldest_pending(self) -> bool:
+        """Close the oldest connection that has not authenticated yet, to make room."""
+        if not self._pending:
+            return False
+        oldest = next(iter(self._pending))
+        oldest._cut("evicted", "dropped to make room: the slots for connections that have "
+                    "not authenticated yet are full; authenticate right after connecting",
+                    code=Overloaded.code)
+        return True
 
     def _accepted(self, conn: Connection) -> None:
         self.connections.add(conn)
@@ -366,6 +374,7 @@ class Server:
     async def close(self, *, grace: float | None = None) -> None:
         """Stop listening, then close every connection (see ``Connection.close``)."""
         self._closing = True
+        self.budget.pools.discard(self)
         if self._paused is not None:
             self._paused.cancel()
             self._paused = None
@@ -388,6 +397,51 @@ class Server:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create the missing directories of ``path``, each 0700. ``os.makedirs`` gives the
+    ones it creates the umask's mode (0777 under umask 0), and a directory others may
+    write lets them swap the socket for their own: the apiserver would then talk to an
+    impostor edge. Directories that exist are left as they are."""
+    missing: list[str] = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+
+
+def _bind_private_unix(path: str, backlog: int) -> socket.socket:
+    """A listening Unix socket at ``path`` that never exists there with a mode other than
+    0600, nor before it listens (the edge socket is for root / the apiserver only:
+    whoever connects runs commands in sandboxes; and a client that waits for the path
+    must not be refused). bind(2) creates the file with the umask's mode, so it is bound
+    inside a fresh 0700 directory next to ``path`` (via ``/proc/self/fd``, so a long
+    ``path`` does not hit the 108-byte sun_path limit), chmod'ed, set listening, and
+    renamed into place."""
+    tmp = tempfile.mkdtemp(prefix=".aether-", dir=os.path.dirname(path) or ".")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dfd}/s")
+            os.chmod("s", 0o600, dir_fd=dfd)
+            sock.listen(backlog)
+            os.rename("s", path, src_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sock
 
 
 def refusal_frame(reason: str) -> bytes:

@@ -12,8 +12,11 @@ cgroup or process is left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import glob
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -71,17 +74,21 @@ async def _each(items: Sequence[Any], fn: Callable[[Any], Awaitable[T]]
 
 
 def _host_leftovers(state_dir: str, sandbox_ids: set[str]) -> dict[str, int]:
-    """Mounts below the cluster's state dir and cgroups of the demo's sandboxes still on
-    the host after teardown."""
+    """Mounts below the cluster's state dir, loop devices backed by files in it and
+    cgroups of the demo's sandboxes still on the host after teardown."""
     real = os.path.realpath(state_dir)
     with open("/proc/self/mountinfo") as f:
         mounts = sum(1 for line in f if line.split()[4].startswith(real + "/"))
+    loops = 0
+    for dev in glob.glob("/sys/block/loop*/loop/backing_file"):
+        with contextlib.suppress(OSError), open(dev) as f:
+            loops += f.read().strip().startswith(real + "/")
     cgroups = 0
     for ctrl in ("memory", "pids", "cpu", "freezer", "unified"):
         for _, dirs, _ in os.walk(os.path.join("/sys/fs/cgroup", ctrl)):
             cgroups += sum(1 for d in dirs if d in sandbox_ids)
     # A cgroup cannot be removed while a process is in it, so no cgroup = no process.
-    return {"mounts": mounts, "cgroups": cgroups}
+    return {"mounts": mounts, "loop devices": loops, "cgroups": cgroups}
 
 
 async def _run(console: Console, n: int, cluster: Any, backend: str,
@@ -207,6 +214,8 @@ def demo(sandboxes: int, backend: str) -> None:
         with console.status("stopping the cluster..."):
             cluster.stop()
     leftovers = _host_leftovers(state_dir, ids) if backend == "container" else {}
+    if not any(leftovers.values()):
+        shutil.rmtree(state_dir, ignore_errors=True)   # nothing mounted from it: it can go
     table = Table(title="what happened")
     for col, just in (("step", "left"), ("n", "right"), ("wall ms", "right"),
                       ("p50 ms", "right"), ("p99 ms", "right"), ("result", "left")):
@@ -217,6 +226,7 @@ def demo(sandboxes: int, backend: str) -> None:
     console.print(table)
     if leftovers:
         console.print(f"after teardown: {leftovers['mounts']} mounts under the state dir, "
+                      f"{leftovers['loop devices']} loop devices backed by it, "
                       f"{leftovers['cgroups']} sandbox cgroups (so no sandbox process) left")
     failed = [s for s in steps if s.result.split("/")[0].isdigit()
               and s.result.split("/")[0] != s.result.split("/")[1].split()[0]]

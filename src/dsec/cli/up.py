@@ -38,6 +38,10 @@ from dsec.cli.edge import capacity_options
 @click.option("--in-process-edges", is_flag=True, hidden=True,
               help="Run the edges inside this process (debugging, profiling).")
 @click.option("--keep", is_flag=True, help="On exit, leave sandboxes running for re-adoption.")
+@click.option("--profile", type=click.Choice(["zero", "paper", "paper-container", "paper-fncall",
+                                              "paper-microvm"]),
+              default="zero", show_default=True,
+              help="Latency profile of the simulated backend (as `dsec edge --profile`).")
 @click.option("--disk-default", default="10GiB", show_default=True, metavar="SIZE",
               help="Disk cap of a container sandbox created without one.")
 @click.option("--disk-pool", default=None, metavar="SIZE",
@@ -52,7 +56,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
-       disk_default: str, disk_pool: str | None, node_ttl: float, quiet: bool) -> None:
+       profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
+       quiet: bool) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
@@ -75,7 +80,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         memory_bytes=memory_bytes or memory, disk_bytes=disk_bytes or disk,
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
         edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
-        disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl))
+        disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl),
+        simulated_profile=profile)
     uvloop.run(_run(cfg, quiet))
 
 

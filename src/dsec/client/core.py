@@ -15,8 +15,14 @@ Three timeouts, kept apart and named in errors:
   (event reason ``ttl``).
 
 Idempotent calls (get, list, events, destroy, file reads/stat/list) retry on connection
-errors with exponential backoff; ``create`` retries too, reusing one ``Idempotency-Key``
-so a retry never makes a second sandbox.
+errors with exponential backoff (``retries`` times). ``create`` sends one
+``Idempotency-Key`` (its own, or the caller's ``idempotency_key=``) on every attempt and
+keeps retrying through lost connections, request timeouts and ``503``s (the apiserver
+restarting, an edge it cannot reach) until ``create_retry_s`` has passed: long enough to
+span an apiserver restart. The server answers a retry with the sandbox the first attempt
+made, also across an apiserver crash (docs/sdk.md "Retries"). On a lost gateway
+connection the client asks the REST endpoint for the gateway's address again (a
+restarted ``dsec up`` may listen elsewhere).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import msgspec
 
 from dsec.control.api.types import CreateSandboxRequest, Info, NodeView, SnapshotView
 from dsec.edge.spec import (
+    FILE_CHUNK_BYTES,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -43,8 +50,18 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    read_in_chunks,
 )
-from dsec.errors import DsecError, InvalidArgument, NotFound, TransportError, Unauthenticated
+from dsec.errors import (
+    DsecError,
+    InvalidArgument,
+    NotFound,
+    RateLimited,
+    RequestTimeout,
+    TransportError,
+    Unauthenticated,
+    Unavailable,
+)
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
            "ExecCall", "Snapshot",
@@ -158,6 +175,11 @@ def _snap_id(snapshot: Snapshot | str) -> str:
     return snapshot
 
 
+# What a create (one key per sandbox) is retried on: its own connection, the request
+# timeout, 503s (an apiserver restarting, an edge it cannot reach) and rate limits.
+_CREATE_RETRYABLE = (TransportError, RequestTimeout, Unavailable, RateLimited)
+
+
 class AsyncClient:
     """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
 
@@ -165,13 +187,17 @@ class AsyncClient:
     REST), ``"http"`` or ``"aether"``. ``session_lease_s``: sandboxes this client creates
     are bound to a session that the client renews in the background; if the client dies,
     the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
-    on a create opts one sandbox out).
+    on a create opts one sandbox out). ``retries``: attempts after a connection error for
+    idempotent calls. ``create_retry_s``: how long one ``create()`` keeps retrying (same
+    Idempotency-Key) through connection errors, request timeouts and 503s (default 120 s,
+    enough to span an apiserver restart; ``None``: ``retries`` attempts only).
     """
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
         transport: str = "auto", gateway: str | None = None, retries: int = 3,
-        session_lease_s: float | None = 60.0, _http_transport: Any = None,
+        session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
+        _http_transport: Any = None,
     ) -> None:
         self.url, self._key, found_gw = resolve_target(url, api_key)
         self.gateway = gateway or found_gw
@@ -179,8 +205,13 @@ class AsyncClient:
             raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http' or 'aether'")
         if timeout is not None and timeout <= 0:
             raise InvalidArgument(f"request timeout={timeout} must be positive seconds or None")
+        if create_retry_s is not None and create_retry_s < 0:
+            raise InvalidArgument(f"create_retry_s={create_retry_s} must be >= 0 seconds or "
+                                  "None")
         self.timeout = timeout
         self.retries = retries
+        self.create_retry_s = create_retry_s
+        self._rediscover = False
         self.session_lease_s = session_lease_s
         self._mode = transport
         self._http_transport = _http_transport
@@ -204,10 +235,17 @@ class AsyncClient:
         if self._mode == "http":
             self._t = http
             return http
-        gw = self.gateway
+        gw = None if self._rediscover else self.gateway
         if gw is None:
-            self._info = await self._retry(http.info)
+            try:
+                self._info = await self._retry(http.info)
+            except BaseException:
+                await http.close()
+                raise
             gw = self._info.gateway
+            if self._rediscover and gw is not None:
+                self.gateway = gw
+            self._rediscover = False
         if gw is None:
             if self._mode == "aether":
                 await http.close()
@@ -230,6 +268,45 @@ class AsyncClient:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay *= 4
         raise AssertionError("unreachable")
+
+    async def _retry_until(self, fn: Callable[[], Awaitable[T]], deadline_s: float | None) -> T:
+        """Call ``fn`` until it succeeds, a non-retryable error comes back, or
+        ``deadline_s`` passed (then the last error is raised). Retryable: the connection
+        (``TransportError``), ``RequestTimeout``, ``Unavailable`` (503: the apiserver
+        cannot reach an edge, or handed the request over) and ``RateLimited`` (after its
+        ``retry_after``). Only for calls that are safe to repeat (create with one key)."""
+        if deadline_s is None:
+            return await self._retry(fn)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        delay = 0.05
+        while True:
+            try:
+                return await fn()
+            except _CREATE_RETRYABLE as exc:
+                wait = delay * (0.5 + random.random())
+                if isinstance(exc, RateLimited):
+                    wait = max(wait, float(exc.detail.get("retry_after") or 0.0))
+                if loop.time() + wait >= deadline:
+                    raise
+                if isinstance(exc, TransportError):
+                    await self._reset_transport()
+                await asyncio.sleep(wait)
+                delay = min(delay * 2, 1.0)
+
+    async def _reset_transport(self) -> None:
+        """After a lost gateway connection: close it, and find the gateway's address
+        again through REST on the next call (a restarted apiserver may listen on another
+        port). REST connections need nothing: httpx reconnects."""
+        t = self._t
+        if t is None or t.name != "aether":
+            return
+        self._t = None
+        self._rediscover = True
+        try:
+            await t.close()
+        except DsecError:
+            pass
 
     async def _call(self, name: str, *args: Any, idempotent: bool = True) -> Any:
         t = await self._transport()
@@ -332,15 +409,32 @@ class AsyncSandboxes:
             pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
-    async def create(self, **kw: Any) -> AsyncSandbox:
+    async def create(self, *, idempotency_key: str | None = None, **kw: Any) -> AsyncSandbox:
         """Create one sandbox (see :meth:`_request` for the keywords: image, workspace,
         toolkits, backend, cpu (cores), memory ("1GiB"), disk, ttl (s), idle_timeout (s),
         labels, env, project, snapshot, priority, detached, pids_max, network,
-        allow_nested, user_namespace)."""
-        req = await self._request(**kw)
-        key = "sdk-" + uuid.uuid4().hex  # one key for every retry of this create
-        info = await self._c._call("create", req, key)
-        return AsyncSandbox(self._c, info)
+        allow_nested, user_namespace).
+
+        Every attempt carries one ``Idempotency-Key``: ``idempotency_key`` (to make a
+        create idempotent across client processes too), else a fresh random one. Lost
+        connections, request timeouts and 503s are retried with it for
+        ``create_retry_s``; the server answers a retry with the sandbox the first attempt
+        made, never a second one."""
+        c = self._c
+        if idempotency_key is not None and (
+                not isinstance(idempotency_key, str)
+                or not 0 < len(idempotency_key) <= 255 or not idempotency_key.isascii()
+                or not idempotency_key.isprintable()):
+            raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
+                                  field="idempotency_key")
+        key = idempotency_key or "sdk-" + uuid.uuid4().hex  # one key for every retry
+        req = await c._retry_until(lambda: self._request(**kw), c.create_retry_s)
+
+        async def attempt() -> SandboxInfo:
+            t = await c._transport()
+            return await t.create(req, key)  # type: ignore[no-any-return]
+        info = await c._retry_until(attempt, c.create_retry_s)
+        return AsyncSandbox(c, info)
 
     async def create_many(self, n: int | Sequence[Mapping[str, Any]],
                           **kw: Any) -> list[AsyncSandbox]:
@@ -348,27 +442,66 @@ class AsyncSandboxes:
         :meth:`create`), or one per item of a list of keyword dicts, each laid over
         ``**kw`` (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
         All or nothing: if any fails, the ones that were created are destroyed and the
-        first error is raised."""
+        first error is raised. Each item carries an Idempotency-Key of its own and the
+        batch is retried like :meth:`create` (``create_retry_s``), so a batch whose
+        reply was lost (an apiserver crash) makes each sandbox exactly once."""
+        c = self._c
+
+        async def request(**one: Any) -> CreateSandboxRequest:
+            # the session it is bound to is opened on the first one: retried as a create
+            return await c._retry_until(lambda: self._request(**one), c.create_retry_s)
         if isinstance(n, int) and not isinstance(n, bool):
             if not 0 < n <= 100_000:
                 raise InvalidArgument(f"create_many n={n} must be within 1..100000")
-            reqs = [await self._request(**kw)] * n
+            reqs = [await request(**kw)] * n
         elif isinstance(n, Sequence) and not isinstance(n, (str, bytes)) and \
                 all(isinstance(item, Mapping) for item in n) and 0 < len(n) <= 100_000:
-            reqs = [await self._request(**{**kw, **item}) for item in n]
+            reqs = [await request(**{**kw, **item}) for item in n]
         else:
             raise InvalidArgument(f"create_many takes a count (1..100000) or a list of up to "
                                   f"100000 keyword dicts, not {type(n).__name__}")
+        keys = ["sdk-" + uuid.uuid4().hex for _ in reqs]   # one per item, for every retry
         results: list[SandboxInfo | DsecError] = []
         for start in range(0, len(reqs), 1024):
-            results += await self._c._call("create_many", reqs[start:start + 1024],
-                                           idempotent=False)
+            results += await self._create_batch(reqs[start:start + 1024],
+                                                keys[start:start + 1024])
         ok = [AsyncSandbox(self._c, r) for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if not isinstance(r, SandboxInfo)]
         if errors:
             await asyncio.gather(*(s.kill() for s in ok), return_exceptions=True)
             raise errors[0]
         return ok
+
+    async def _create_batch(self, reqs: Sequence[CreateSandboxRequest],
+                            keys: Sequence[str]) -> list[SandboxInfo | DsecError]:
+        """One batched call, retried as :meth:`create` retries (same keys, so nothing is
+        made twice): the whole call on a lost connection, a timeout or a 503, then the
+        items that failed retryably, until ``create_retry_s`` has passed."""
+        c = self._c
+        loop = asyncio.get_running_loop()
+        deadline = None if c.create_retry_s is None else loop.time() + c.create_retry_s
+        out: list[SandboxInfo | DsecError] = [InvalidArgument("not attempted")] * len(reqs)
+        todo = list(range(len(reqs)))
+        delay = 0.05
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+
+            async def attempt(todo: list[int] = todo) -> list[SandboxInfo | DsecError]:
+                t = await c._transport()
+                return await t.create_many(  # type: ignore[no-any-return]
+                    [reqs[i] for i in todo], [keys[i] for i in todo])
+            got = await c._retry_until(attempt, left)
+            again = []
+            for i, r in zip(todo, got):
+                out[i] = r
+                if isinstance(r, _CREATE_RETRYABLE):
+                    again.append(i)
+            wait = delay * (0.5 + random.random())
+            if not again or deadline is None or loop.time() + wait >= deadline:
+                return out
+            todo = again
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, 1.0)
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         return AsyncSandbox(self._c, await self._c._call("get", sandbox_id))
@@ -500,7 +633,12 @@ class AsyncFiles:
         self._sb = sb
 
     async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return await self._sb._c._call("read_file", self._sb.id, path, offset, length)  # type: ignore[no-any-return]
+        """Up to 64 MiB (``MAX_FILE_READ_BYTES``) per call; fetched in 8 MiB pieces so any
+        transport carries it."""
+        async def piece(at: int, n: int) -> bytes:
+            return await self._sb._c._call(  # type: ignore[no-any-return]
+                "read_file", self._sb.id, path, at, n)
+        return await read_in_chunks(piece, offset, length)
 
     async def read_text(self, path: str) -> str:
         return (await self.read(path)).decode()
@@ -508,8 +646,12 @@ class AsyncFiles:
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
                     append: bool = False) -> None:
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        await self._sb._c._call("write_file", self._sb.id, path, raw, mode, append,
-                                idempotent=not append)
+        # in 8 MiB pieces (an Aether frame is 16 MiB); the first truncates unless appending
+        for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
+            more = append or at > 0
+            await self._sb._c._call("write_file", self._sb.id, path,
+                                    raw[at:at + FILE_CHUNK_BYTES], mode, more,
+                                    idempotent=not more)
 
     async def list(self, path: str = "/") -> list[FileInfo]:
         return await self._sb._c._call("list_dir", self._sb.id, path)  # type: ignore[no-any-return]

@@ -6,6 +6,12 @@ here as a :class:`~dsec.errors.DsecError`: HTTP error bodies and Aether error fr
 rebuilt as the class the server raised, and httpx/OS errors become
 :class:`~dsec.errors.TransportError` / :class:`~dsec.errors.RequestTimeout` naming the
 *request* timeout (never confused with a command timeout, which is a result).
+
+A failed connection says whether the request got out: :class:`~dsec.errors.ConnectFailed`
+when it could not connect (nothing was sent, nothing happened) and
+:class:`~dsec.errors.ConnectionLost` when the connection died with the request on it
+(it may have been carried out: for an exec, ``detail["may_have_run"]`` is True and the
+message says to check before running the command again).
 """
 
 from __future__ import annotations
@@ -40,10 +46,11 @@ from dsec.edge.spec import (
     SandboxInfo,
 )
 from dsec.errors import (
+    ConnectFailed,
+    ConnectionLost,
     DsecError,
     RemoteProtocolError,
     RequestTimeout,
-    TransportError,
     error_from_wire,
 )
 
@@ -59,7 +66,8 @@ class Transport(Protocol):
 
     async def info(self) -> Info: ...
     async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo: ...
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]: ...
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]: ...
     async def get(self, sid: str) -> SandboxInfo: ...
     async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
                    limit: int, cursor: str | None) -> SandboxList: ...
@@ -137,18 +145,12 @@ class HttpTransport:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
 
     async def _req(self, method: str, path: str, *, timeout: float | None | EllipsisType = ...,
-                   **kw: Any) -> httpx.Response:
+                   effect: str = "the operation", **kw: Any) -> httpx.Response:
         t = self.timeout if timeout is ... else timeout
         try:
             resp = await self._http.request(method, path, timeout=t, **kw)
-        except httpx.TimeoutException as exc:
-            raise RequestTimeout(
-                f"{method} {path} got no answer within the request timeout of {t}s "
-                "(Client(timeout=...)); the operation may still have happened",
-                timeout_s=t) from exc
         except httpx.HTTPError as exc:
-            raise TransportError(f"{method} {self.url}{path} failed: {exc!s} "
-                                 f"({type(exc).__name__}); is the apiserver running?") from exc
+            raise _http_failure(exc, f"{method} {self.url}{path}", t, effect) from exc
         if resp.status_code >= 400:
             raise _http_error(resp)
         return resp
@@ -169,15 +171,16 @@ class HttpTransport:
                                 content=_json.encode(req), headers={
                                     **headers, "content-type": "application/json"})
 
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]:
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
         import asyncio
 
-        async def one(r: CreateSandboxRequest) -> SandboxInfo | DsecError:
+        async def one(i: int, r: CreateSandboxRequest) -> SandboxInfo | DsecError:
             try:
-                return await self.create(r, None)
+                return await self.create(r, None if keys is None else keys[i])
             except DsecError as exc:
                 return exc
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
 
     async def get(self, sid: str) -> SandboxInfo:
         return await self._json(SandboxInfo, "GET", f"/v1/sandboxes/{sid}")  # type: ignore[no-any-return]
@@ -200,7 +203,7 @@ class HttpTransport:
     async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
         out = await self._json(ExecOutput, "POST", f"/v1/sandboxes/{sid}/exec",
                                content=_json.encode(_exec_body(req)), timeout=timeout,
-                               headers={"content-type": "application/json"})
+                               effect=_COMMAND, headers={"content-type": "application/json"})
         return _from_output(out)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
@@ -230,7 +233,8 @@ class HttpTransport:
                         continue
                     item = dec.decode(line)
                     if item.error is not None:
-                        raise error_from_wire(item.error.code, item.error.message)
+                        raise error_from_wire(item.error.code, item.error.message,
+                                              dict(item.error.detail))
                     if item.exit_code is not None:
                         yield ExecResult(exit_code=item.exit_code, timed_out=item.timed_out,
                                          duration_s=item.duration_s or 0.0)
@@ -238,11 +242,8 @@ class HttpTransport:
                     data = item.data or ""
                     raw = base64.b64decode(data) if item.encoding == "base64" else data.encode()
                     yield ExecChunk(stream=item.stream or "stdout", data=raw)
-        except httpx.TimeoutException as exc:
-            raise RequestTimeout(f"exec stream on {sid} exceeded the request timeout of "
-                                 f"{timeout}s", timeout_s=timeout) from exc
         except httpx.HTTPError as exc:
-            raise TransportError(f"exec stream on {sid} failed: {exc}") from exc
+            raise _http_failure(exc, f"exec stream on {sid}", timeout, _COMMAND) from exc
 
     async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
         params: dict[str, Any] = {"path": path}
@@ -321,6 +322,32 @@ class HttpTransport:
         await self._http.aclose()
 
 
+_COMMAND = "the command"
+
+
+def _http_failure(exc: httpx.HTTPError, what: str, timeout: float | None,
+                  effect: str) -> DsecError:
+    """An httpx failure as a dsec error saying whether the request may have happened:
+    a failed connect sent nothing; a timeout or a dropped connection may have."""
+    may = effect == _COMMAND
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return RequestTimeout(
+            f"{what} got no answer within the request timeout of {timeout}s "
+            f"(Client(timeout=...)); {effect} may still have happened"
+            + ("; check its effects before running it again" if may else ""),
+            timeout_s=timeout, **({"may_have_run": True} if may else {}))
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return ConnectFailed(
+            f"{what} failed: could not connect ({exc!s}; {type(exc).__name__}); nothing "
+            f"was sent, so {effect} did not happen; is the apiserver running?",
+            **({"may_have_run": False} if may else {}))
+    return ConnectionLost(
+        f"{what} failed: the connection dropped with the request on it ({exc!s}; "
+        f"{type(exc).__name__}); {effect} may have happened"
+        + (": check its effects before running it again" if may else "")
+        + "; is the apiserver running?", **({"may_have_run": True} if may else {}))
+
+
 def _http_error(resp: httpx.Response) -> DsecError:
     try:
         body = msgspec.json.decode(resp.content)
@@ -363,10 +390,22 @@ class AetherTransport:
         return self._conn
 
     async def _call(self, method: str, body: Any, rtype: Any,
-                    timeout: float | None | EllipsisType = ...) -> Any:
+                    timeout: float | None | EllipsisType = ...,
+                    effect: str = "the operation") -> Any:
         conn = await self._c()
         t = self.timeout if timeout is ... else timeout
-        return await conn.call(method, body, timeout=t, response_type=rtype)
+        try:
+            return await conn.call(method, body, timeout=t, response_type=rtype)
+        except ConnectionLost as exc:
+            if exc.detail.get("retryable"):
+                raise  # the peer never processed it (GOAWAY): nothing happened
+            raise _aether_lost(exc, method, self.address, effect) from exc
+        except RequestTimeout as exc:
+            if effect != _COMMAND:
+                raise
+            raise RequestTimeout(f"{exc.message}; the command may still have run: check "
+                                 "its effects before running it again",
+                                 **{**exc.detail, "may_have_run": True}) from exc
 
     def _k(self, **kw: Any) -> dict[str, Any]:
         return {"key": self.key, **kw}
@@ -380,9 +419,13 @@ class AetherTransport:
             body["idempotency_key"] = idempotency_key
         return await self._call("api.create", body, SandboxInfo)  # type: ignore[no-any-return]
 
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest]) -> list[SandboxInfo | DsecError]:
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
         from dsec.control.gateway import Outcome
-        out = await self._call("api.create_many", self._k(reqs=list(reqs)), list[Outcome])
+        body = self._k(reqs=list(reqs))
+        if keys is not None:
+            body["idempotency_keys"] = list(keys)
+        out = await self._call("api.create_many", body, list[Outcome])
         return [o.info if o.error is None else error_from_wire(o.error.code, o.error.message,
                                                                o.error.detail) for o in out]
 
@@ -401,13 +444,15 @@ class AetherTransport:
         await self._call("api.destroy", self._k(id=sid), None)
 
     async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
-        return await self._call("api.exec", self._k(id=sid, req=req), ExecResult, timeout)  # type: ignore[no-any-return]
+        return await self._call("api.exec", self._k(id=sid, req=req), ExecResult, timeout,  # type: ignore[no-any-return]
+                                effect=_COMMAND)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
                         timeout: float | None) -> builtins.list[ExecResult | DsecError]:
         from dsec.control.gateway import Outcome
         body = self._k(calls=[{"id": s, "req": r} for s, r in calls])
-        out = await self._call("api.exec_many", body, list[Outcome], timeout)
+        out = await self._call("api.exec_many", body, list[Outcome], timeout,
+                               effect=_COMMAND)
         return [o.result if o.error is None else error_from_wire(o.error.code, o.error.message,
                                                                  o.error.detail) for o in out]
 
@@ -416,10 +461,15 @@ class AetherTransport:
         conn = await self._c()
         stream = conn.stream("api.exec_stream", self._k(id=sid, req=req), timeout=timeout,
                              item_type=ExecChunk, response_type=ExecResult)
-        async with stream:
-            async for chunk in stream:
-                yield chunk
-            yield stream.result
+        try:
+            async with stream:
+                async for chunk in stream:
+                    yield chunk
+                yield stream.result
+        except ConnectionLost as exc:
+            if exc.detail.get("retryable"):
+                raise
+            raise _aether_lost(exc, "api.exec_stream", self.address, _COMMAND) from exc
 
     async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
         return await self._call("api.read_file",  # type: ignore[no-any-return]
@@ -483,3 +533,13 @@ class AetherTransport:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+def _aether_lost(exc: ConnectionLost, method: str, address: str, effect: str) -> ConnectionLost:
+    """The gateway connection died with ``method`` on it: say it may have happened."""
+    may = effect == _COMMAND
+    return ConnectionLost(
+        f"{method} via the gateway at {address}: the connection dropped with the request "
+        f"on it ({exc.message}); {effect} may have happened"
+        + (": check its effects before running it again" if may else ""),
+        **({"may_have_run": True} if may else {}))

@@ -32,7 +32,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from dsec.control.api.openapi import Op, Param, build_openapi
+from dsec.control.api.openapi import (
+    FILE_PATH,
+    IDEMPOTENCY_KEY,
+    PROJECT_PATH,
+    SANDBOX_ID,
+    Op,
+    Param,
+    build_openapi,
+)
 from dsec.control.api.service import ApiService, Caller, exec_output, exec_request
 from dsec.control.api.types import (
     ApiError,
@@ -57,8 +65,15 @@ from dsec.control.api.types import (
     SnapshotList,
     SnapshotView,
 )
-from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo
-from dsec.errors import DsecError, InternalError, InvalidArgument, PayloadTooLarge, RateLimited
+from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo, check_path
+from dsec.errors import (
+    DsecError,
+    InternalError,
+    InvalidArgument,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RateLimited,
+)
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
 
@@ -79,7 +94,11 @@ def _decoder(tp: type) -> msgspec.json.Decoder[Any]:
 class RestConfig:
     """Limits of the REST front door (bytes)."""
 
-    max_json_body: int = 4 << 20        # JSON bodies; a 10 MB argv is refused with 413
+    max_json_body: int = 4 << 20        # JSON bodies; a 10 MB create is refused with 413
+    # An exec body carries what the shared exec limits allow (8 MiB of stdin, 10.7 MiB as
+    # base64, plus 1 MiB of argv+env), as one Aether gateway frame (16 MiB) can: the
+    # limits, not the door, decide. Beyond it: 413.
+    max_exec_body: int = 16 << 20
     max_file_body: int = 256 << 20      # raw bytes of PUT .../files
     max_image_body: int = 4 << 30       # image uploads, streamed to a temp file
     version: str = "0.1.0"
@@ -223,9 +242,7 @@ def _q_path(request: Request) -> str:
     if not p:
         raise InvalidArgument("query parameter 'path' (a path inside the sandbox) is required",
                               field="path")
-    if "\0" in p or len(p) > 4096:
-        raise InvalidArgument("path must be at most 4096 bytes without NUL", field="path")
-    return p
+    return check_path(p)
 
 
 # ------------------------------------------------------------------------- app
@@ -285,7 +302,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     route(Op("POST", "/v1/sandboxes", "createSandbox", "Create a sandbox",
              CreateSandboxRequest, SandboxInfo, 201,
-             headers=(Param("Idempotency-Key", {"type": "string", "maxLength": 255},
+             headers=(Param("Idempotency-Key", IDEMPOTENCY_KEY,
                             description="same key within 5 min -> same sandbox"),)), create)
 
     async def list_(request: Request, caller: Caller, rid: str) -> Response:
@@ -308,8 +325,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return _json_response(SandboxList(items=items, next_cursor=nxt), rid)
 
     route(Op("GET", "/v1/sandboxes", "listSandboxes", "List sandboxes", None, SandboxList,
-             params=(Param("project", {"type": "string"}),
-                     Param("label", {"type": "string"}, description="key=value, repeatable"),
+             params=(Param("project", PROJECT_PATH),
+                     Param("label", {"type": "string", "pattern": "^[^=]+=.*$"},
+                           description="key=value, repeatable"),
                      Param("state", {"enum": sorted(_STATES)}),
                      Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
                      Param("cursor", {"type": "string"}))), list_)
@@ -328,7 +346,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              "Destroy a sandbox (idempotent)", status=204), delete)
 
     async def exec_(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_json_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
         res = await service.exec(caller, sid_of(request), exec_request(body))
         return _json_response(exec_output(res), rid)
 
@@ -336,7 +354,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              ExecBody, ExecOutput), exec_)
 
     async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_json_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
         stream = await service.exec_stream(caller, sid_of(request), exec_request(body))
 
         async def lines() -> AsyncIterator[bytes]:
@@ -349,8 +367,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                     else:
                         yield _json.encode(_chunk_line(item.stream, item.data)) + b"\n"
             except DsecError as exc:
+                # as every other answer: redacted, and with its detail (may_have_run)
+                exc = service.redact(exc)
+                detail = {k: v for k, v in exc.detail.items()
+                          if isinstance(v, (str, int, float, bool)) or v is None}
                 yield _json.encode(ExecStreamLine(error=ApiError(
-                    code=exc.code, message=exc.message, request_id=rid))) + b"\n"
+                    code=exc.code, message=exc.message, request_id=rid,
+                    detail=detail))) + b"\n"
         return StreamingResponse(lines(), media_type="application/x-ndjson",
                                  headers={"x-request-id": rid})
 
@@ -367,7 +390,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                         headers={"x-request-id": rid})
 
     route(Op("GET", "/v1/sandboxes/{id}/files", "readFile", "Read a file (raw bytes)",
-             None, "binary", params=(Param("path", {"type": "string", "minLength": 1}, True),
+             None, "binary", params=(Param("path", FILE_PATH, True),
                                      Param("offset", {"type": "integer", "minimum": 0}),
                                      Param("length", {"type": "integer", "minimum": 0}))),
           read)
@@ -380,9 +403,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                  _q_bool(request, "append"))
         return Response(status_code=204, headers={"x-request-id": rid})
 
-    route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes body)",
-             "binary", None, 204,
-             params=(Param("path", {"type": "string", "minLength": 1}, True),
+    route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes "
+             "body; empty: an empty file)", "binary", None, 204, body_required=False,
+             params=(Param("path", FILE_PATH, True),
                      Param("mode", {"type": "integer", "minimum": 0, "maximum": 4095}),
                      Param("append", {"type": "boolean"}))), write)
 
@@ -392,7 +415,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/sandboxes/{id}/files", "removeFile", "Remove a file or directory",
-             None, None, 204, params=(Param("path", {"type": "string", "minLength": 1}, True),
+             None, None, 204, params=(Param("path", FILE_PATH, True),
                                       Param("recursive", {"type": "boolean"}))), remove)
 
     async def listdir(request: Request, caller: Caller, rid: str) -> Response:
@@ -400,7 +423,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return _json_response(FileList(items=items), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/list", "listFiles", "List a directory",
-             None, FileList, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+             None, FileList, params=(Param("path", FILE_PATH, True),)),
           listdir)
 
     async def stat(request: Request, caller: Caller, rid: str) -> Response:
@@ -408,7 +431,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                               rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/stat", "statFile", "Stat a path", None,
-             FileInfo, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+             FileInfo, params=(Param("path", FILE_PATH, True),)),
           stat)
 
     async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
@@ -416,7 +439,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
-             None, None, 204, params=(Param("path", {"type": "string", "minLength": 1}, True),)),
+             None, None, 204, params=(Param("path", FILE_PATH, True),)),
           mkdir)
 
     # -------------------------------------------------------------- lifecycle
@@ -455,8 +478,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     route(Op("GET", "/v1/snapshots", "listSnapshots", "Snapshots visible to this key",
              None, SnapshotList, tag="snapshots",
-             params=(Param("project", {"type": "string", "minLength": 1}),
-                     Param("sandbox_id", {"type": "string", "minLength": 1}))), snapshots)
+             params=(Param("project", PROJECT_PATH),
+                     Param("sandbox_id", SANDBOX_ID))), snapshots)
 
     async def get_snapshot(request: Request, caller: Caller, rid: str) -> Response:
         return _json_response(await service.get_snapshot(caller, sid_of(request)), rid)
@@ -540,9 +563,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
         rid = _request_id(request)
-        return _error_response(InvalidArgument(
-            f"method {request.method} is not allowed on {request.url.path}; see /openapi.json"),
-            rid)
+        allow = _allowed_methods(routes, request.scope)
+        resp = _error_response(MethodNotAllowed(
+            f"method {request.method[:16]} is not allowed on {request.url.path[:200]}; it "
+            f"allows {', '.join(allow) or 'nothing'} (see /openapi.json)",
+            allow=", ".join(allow)), rid)
+        resp.headers["allow"] = ", ".join(allow)
+        return resp
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
@@ -742,7 +769,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
                     "[project/]name: a project's name needs member there, a bare "
                     "(cluster-wide) name a superuser"),
               Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
-              Param("tag", {"type": "string", "minLength": 1}))
+              Param("tag", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"}))
     route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "
              "body)", "binary", ImageList, 201, params=params, tag="images"), upload(False))
     route(Op("POST", "/v1/images/import", "importImage", "Import an OCI image (docker save "
@@ -790,6 +817,20 @@ def _metrics_access(cfg: RestConfig, authorization: str | None, client: str | No
         raise PermissionDenied(f"/metrics answers loopback clients only (request from "
                                f"{client[:64]}); configure a metrics_token to scrape it "
                                "from elsewhere")
+
+
+def _allowed_methods(routes: list[Route], scope: Any) -> list[str]:
+    """Every method some route declares for the request's path (the ``Allow`` header of
+    a 405): each method is a Route of its own here, so Starlette's partial match names
+    only the first."""
+    from starlette.routing import Match
+
+    allow: set[str] = set()
+    for r in routes:
+        match, _ = r.matches(scope)
+        if match in (Match.FULL, Match.PARTIAL) and r.methods:
+            allow.update(r.methods)
+    return sorted(allow)
 
 
 def _sid(request: Request) -> str:

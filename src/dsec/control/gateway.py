@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from dsec.aether import Router, Server, StreamSender, serve
+from dsec.aether import Router, Server, StreamSender, current_peer, serve
 from dsec.aether.limits import ServerLimits
 from dsec.aether.messages import ErrorBody, error_body
 from dsec.control.api.service import ApiService
@@ -83,6 +83,8 @@ class GwCreate(_Keyed, kw_only=True):
 
 class GwCreateMany(_Keyed, kw_only=True):
     reqs: list[CreateSandboxRequest]
+    # One Idempotency-Key per item (the SDK's): a retried batch makes nothing twice.
+    idempotency_keys: list[str] | None = None
 
 
 class GwList(_Keyed, kw_only=True):
@@ -177,9 +179,12 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
     redact = service.redact
 
     def caller(body: _Keyed) -> Any:
-        # Aether handlers do not see the peer's address: failed keys on the gateway
-        # share one budget of the service's per-client limiter ("gateway").
-        return auth(body.key, "gateway")
+        # A call's own key: failures are charged to the peer's address too (uid:<n> over
+        # a Unix socket), like the connection's key. They used to share one budget
+        # ("gateway", still the fallback when no listener names the peer): a peer could
+        # spend it with bad per-call keys and lock every key not yet in the principal
+        # cache out of the gateway's calls.
+        return auth(body.key, current_peer() or "gateway")
 
     def add(method: str, fn: Callable[..., Any], **kw: Any) -> None:
         """``r.add`` with errors passed through ``service.redact`` (no host paths)."""
@@ -216,7 +221,8 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
     add("api.create", create, request_type=GwCreate)
 
     async def create_many(b: GwCreateMany) -> list[Outcome]:
-        return [_outcome(x) for x in await service.create_many(caller(b), b.reqs)]
+        return [_outcome(x) for x in await service.create_many(caller(b), b.reqs,
+                                                               b.idempotency_keys)]
 
     add("api.create_many", create_many, request_type=GwCreateMany)
 

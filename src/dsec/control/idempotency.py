@@ -7,20 +7,45 @@ silently returning the wrong sandbox.
 
 States of one key::
 
-    absent --begin--> in_flight --finish--> done --(ttl)--> absent
-                         └----abort (create failed)----> absent
+    absent --claim--> in_flight --note(sandbox id)--> in_flight+intent --finish--> done
+                         |  ^                               |                       |
+                         |  └------ take over (holder dead) ┘                     (ttl)
+                         └---- release (create failed; kept holderless if it       |
+                               named a sandbox that may exist) ---> absent     absent
 
 The truth lives in the control plane's :class:`~dsec.control.store.StateStore` (table
-``idempotency``), so every apiserver replica over one store behaves like one: ``begin``
-*claims* the key there (one transaction; of two replicas claiming at once exactly one
-wins), ``finish`` stores the answer, ``abort`` releases the claim. A request that finds
-the key claimed by another replica waits for that replica's answer by polling the store;
-one that finds a claim of its own process waits on a future. An in-flight claim is a lease
-(``in_flight_s``): a replica that died mid-create does not block the key past it.
+``idempotency``), so every apiserver replica over one store behaves like one, and so does
+a restarted one:
+
+- ``begin`` *claims* the key in one transaction: of two replicas claiming at once exactly
+  one wins. A request that finds the key claimed by another live process waits for that
+  process's answer by polling the store; one that finds a claim of its own process
+  waits on a future.
+- A claim is tied to a live owner: every process renews a lease row
+  (``process_leases``) every ``lease_renew_s`` and a claim whose holder's lease ran out
+  (``lease_s`` after it died) is *stale*. The next request with the key takes the claim
+  over at once, and so does a waiter polling for a dead holder's answer: a crash costs
+  a retry about ``lease_s``, not a fixed in-flight lease. A holder on this very machine
+  (same boot, same host name, same pid namespace) is checked directly: if its process
+  is gone (no such pid, or a pid reused by a later process), its lease is dropped and
+  the claim taken over without waiting, so ``dsec up`` restarted after a crash answers
+  at once. A holder in another pid namespace (a container sharing the host's name) is
+  left to its lease: its pid means nothing here.
+  ``in_flight_s`` stays as a backstop for a live holder that never finishes.
+- Before it asks an edge, the owner *notes* the sandbox id it is about to create
+  (``Claim.note``). Whoever takes a dead owner's claim over gets that ``intent`` and looks
+  for the sandbox on its edge before creating anything, so a retry after a crash returns
+  the sandbox the first attempt made instead of a second one. An owner whose claim was
+  taken over while it was alive (its lease lapsed in a stall) learns it from a failed
+  ``note``/``finish`` (or from the edge refusing the noted id, which the new owner
+  made) and asks the key again, answering its caller with the new owner's sandbox
+  (:class:`ClaimLost` internally; destroying its own sandbox if the key's answer is
+  another one).
 
 A bounded in-memory front (``max_entries``, oldest completed first) answers repeats
-without a store read. The store is purged of expired rows (and trimmed to
-``max_entries`` rows, oldest first) every ``purge_every`` claims.
+without a store read. The store is purged of expired rows (and trimmed to ``max_entries``
+finished rows, oldest first) every ``purge_every`` claims and by the control plane's
+retention pass.
 """
 
 from __future__ import annotations
@@ -28,16 +53,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
+import os
 import secrets
+import socket
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from dsec.control.store import IdempotencyRow
-from dsec.errors import Conflict, InvalidArgument
+import msgspec
 
-__all__ = ["Begin", "IdempotencyCache", "IdempotencyStore", "fingerprint", "validate_key"]
+from dsec.control.store import IdempotencyRow
+from dsec.errors import Conflict, InvalidArgument, Unavailable
+
+__all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
+           "fingerprint", "request_fingerprint", "validate_key"]
+
+log = logging.getLogger("dsec.idempotency")
 
 MAX_KEY_LEN = 255
 
@@ -47,9 +80,74 @@ class IdempotencyStore(Protocol):
 
     def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow: ...
     def idem_get(self, key: str, now: float) -> IdempotencyRow | None: ...
+    def idem_note(self, key: str, owner: str, intent: str) -> bool: ...
     def idem_finish(self, key: str, owner: str, response: bytes, expires_at: float) -> bool: ...
     def idem_release(self, key: str, owner: str) -> bool: ...
     def idem_purge(self, now: float, keep: int) -> int: ...
+    def lease_renew(self, holder: str, expires_at: float) -> None: ...
+    def lease_drop(self, holder: str) -> None: ...
+
+
+def _boot_id() -> str:
+    """The space this process's pid numbers mean something in: this boot, and this pid
+    namespace. Two apiservers in containers that share the host name (host networking)
+    and the boot, each in its own pid namespace, must not judge each other's pids: pid 7
+    in one is another process (or none) in the other, and a live holder would be taken
+    for a dead one and its claims taken over while it works."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "nons"
+    return f"{boot}.{pidns}"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot), None if there is none:
+    with the pid it names one process for the whole boot (pids are reused, this is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def local_holder(token: str) -> str:
+    """A holder id that says which process holds a claim: ``boot.pidns:host:pid:start:
+    token``."""
+    pid = os.getpid()
+    return f"{_boot_id()}:{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}:{token}"
+
+
+def holder_gone(holder: str) -> bool:
+    """True only when ``holder`` names a process of this machine, boot and pid namespace
+    that no longer runs (its pid is free, or taken by a later process). Holders of other
+    machines or pid namespaces, or of an unknown form, are never judged here: their
+    leases say."""
+    parts = holder.split(":")
+    if len(parts) != 5 or parts[0] != _boot_id() or parts[1] != socket.gethostname():
+        return False
+    try:
+        pid = int(parts[2])
+    except ValueError:
+        return False
+    return _start_ticks(pid) != parts[3]
+
+
+class ClaimLost(Unavailable):
+    """This request's claim on the key was taken over by another apiserver (this one's
+    lease lapsed while it worked); the other one answers for the key now. Retryable:
+    the retry gets that answer. Not sent to clients as its own code: it is an
+    :class:`~dsec.errors.Unavailable` (503) on the wire."""
+
+
+class Retry(Exception):
+    """Internal: the claim a waiter was waiting on went away; call ``begin`` again."""
 
 
 @dataclass(slots=True)
@@ -61,28 +159,60 @@ class _Entry:
     owner: str | None = None                     # our store claim, if this process holds it
 
 
+@dataclass(slots=True)
+class Claim:
+    """This request owns the key: do the work, ``note`` the sandbox id before asking an
+    edge, then ``finish`` or ``abort`` through the cache. ``intent``: the sandbox id a
+    previous (dead) owner noted, to look for before creating anything."""
+
+    key: str
+    owner: str | None
+    intent: str | None
+    _cache: IdempotencyCache
+
+    def note(self, sandbox_id: str) -> None:
+        """Record ``sandbox_id`` as what this claim creates (durably, before acting).
+        Raises :class:`ClaimLost` if another apiserver took the claim over."""
+        self._cache._note(self, sandbox_id)
+
+
 @dataclass(slots=True, frozen=True)
 class Begin:
     """What :meth:`IdempotencyCache.begin` decided.
 
     Exactly one of: ``replay`` (bytes to send back as-is), ``wait`` (another request with
-    this key is in flight, here or on another replica: await it for the bytes), or
-    ``proceed`` (do the work, then call ``finish`` or ``abort``)."""
+    this key is in flight, here or on another replica: await it for the bytes; it raises
+    :class:`Retry` when that request went away and ``begin`` must be called again), or
+    ``claim`` (do the work, then call ``finish`` or ``abort``)."""
 
     replay: bytes | None = None
     wait: asyncio.Future[bytes] | None = None
-    proceed: bool = False
+    claim: Claim | None = None
+
+    @property
+    def proceed(self) -> bool:
+        return self.claim is not None
 
 
 def fingerprint(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
+_canonical = msgspec.msgpack.Encoder(order="sorted")
+
+
+def request_fingerprint(request: object) -> str:
+    """The fingerprint of a decoded request in one canonical form (msgpack, keys
+    sorted), not of its bytes on the wire: REST's JSON and the gateway's msgpack of one
+    request, or JSON with its keys in another order, are one request under one key."""
+    return fingerprint(_canonical.encode(request))
+
+
 def validate_key(key: str) -> str:
-    if not (0 < len(key) <= MAX_KEY_LEN) or not key.isprintable():
+    if not (0 < len(key) <= MAX_KEY_LEN) or not (key.isascii() and key.isprintable()):
         raise InvalidArgument(
-            f"Idempotency-Key must be 1..{MAX_KEY_LEN} printable characters, got {len(key)} "
-            "characters", field="Idempotency-Key")
+            f"Idempotency-Key must be 1..{MAX_KEY_LEN} printable ASCII characters, got "
+            f"{len(key)} characters", field="Idempotency-Key")
     return key
 
 
@@ -92,12 +222,16 @@ class IdempotencyCache:
 
     def __init__(
         self, *, clock: Callable[[], float], ttl_s: float = 300.0, max_entries: int = 50_000,
-        store: IdempotencyStore | None = None, in_flight_s: float = 60.0,
-        poll_s: float = 0.02, purge_every: int = 1000,
+        store: IdempotencyStore | None = None, in_flight_s: float = 300.0,
+        poll_s: float = 0.02, purge_every: int = 1000, lease_s: float = 3.0,
+        lease_renew_s: float = 1.0, holder: str | None = None,
     ) -> None:
-        if ttl_s <= 0 or max_entries < 1 or in_flight_s <= 0 or poll_s <= 0:
-            raise InvalidArgument(f"ttl_s={ttl_s}, max_entries={max_entries}, in_flight_s="
-                                  f"{in_flight_s} and poll_s={poll_s} must be positive")
+        if (ttl_s <= 0 or max_entries < 1 or in_flight_s <= 0 or poll_s <= 0
+                or not 0 < lease_renew_s < lease_s):
+            raise InvalidArgument(
+                f"ttl_s={ttl_s}, max_entries={max_entries}, in_flight_s={in_flight_s} and "
+                f"poll_s={poll_s} must be positive, and 0 < lease_renew_s={lease_renew_s} "
+                f"< lease_s={lease_s}")
         self._clock = clock
         self._ttl = ttl_s
         self._max = max_entries
@@ -105,10 +239,18 @@ class IdempotencyCache:
         self._in_flight_s = in_flight_s
         self._poll_s = poll_s
         self._purge_every = max(1, purge_every)
+        self.lease_s = lease_s
+        self.lease_renew_s = lease_renew_s
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._me = secrets.token_hex(6)          # this process, in claim owners
+        # This process in claim holders (and owners, "<holder>:<seq>"): which process it is
+        # (see local_holder) and a random token, so a restarted apiserver never inherits
+        # the claims of its previous life.
+        self.holder = holder or local_holder(secrets.token_hex(6))
         self._seq = itertools.count(1)
         self._pollers: set[asyncio.Task[None]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+        self._renewed_at = float("-inf")
+        self._closed = False
 
     @staticmethod
     def scoped(principal: str, key: str) -> str:
@@ -120,6 +262,34 @@ class IdempotencyCache:
             f"the last {self._ttl:g}s; use a new key for a new request",
             field="Idempotency-Key")
 
+    # ----------------------------------------------------------- process lease
+    def renew_lease(self) -> None:
+        """Write this process's lease (``lease_s`` from now). Called every
+        ``lease_renew_s`` by a background task, and before a claim if it is overdue."""
+        if self._store is None or self._closed:
+            return
+        now = self._clock()
+        self._store.lease_renew(self.holder, now + self.lease_s)
+        self._renewed_at = now
+
+    def _ensure_lease(self) -> None:
+        if self._store is None:
+            return
+        if self._clock() - self._renewed_at >= self.lease_renew_s:
+            self.renew_lease()
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(
+                self._renew_loop(), name="dsec-idempotency-lease")
+
+    async def _renew_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.lease_renew_s)
+            try:
+                self.renew_lease()
+            except Exception:
+                log.exception("renewing the apiserver's idempotency lease failed")
+
+    # ---------------------------------------------------------------- claims
     def begin(self, scoped_key: str, fp: str) -> Begin:
         now = self._clock()
         e = self._entries.get(scoped_key)
@@ -136,12 +306,18 @@ class IdempotencyCache:
         loop = asyncio.get_running_loop()
         if self._store is None:
             self._insert(scoped_key, _Entry(fp, now + self._ttl, waiter=loop.create_future()))
-            return Begin(proceed=True)
+            return Begin(claim=Claim(scoped_key, None, None, self))
+        self._ensure_lease()
         seq = next(self._seq)
-        owner = f"{self._me}:{seq}"
-        row = self._store.idem_claim(IdempotencyRow(
-            key=scoped_key, fingerprint=fp, owner=owner, expires_at=now + self._in_flight_s),
-            now)
+        owner = f"{self.holder}:{seq}"
+        claim_row = IdempotencyRow(key=scoped_key, fingerprint=fp, owner=owner,
+                                   holder=self.holder, expires_at=now + self._in_flight_s)
+        row = self._store.idem_claim(claim_row, now)
+        if (row.owner != owner and row.response is None and not row.stale
+                and holder_gone(row.holder)):
+            # Its process on this machine is gone: no need to wait for its lease to lapse.
+            self._store.lease_drop(row.holder)
+            row = self._store.idem_claim(claim_row, now)
         if seq % self._purge_every == 0:
             self._store.idem_purge(now, self._max)
         if row.fingerprint != fp:
@@ -149,11 +325,15 @@ class IdempotencyCache:
         if row.owner == owner:
             self._insert(scoped_key, _Entry(fp, now + self._ttl, waiter=loop.create_future(),
                                             owner=owner))
-            return Begin(proceed=True)
+            if row.intent is not None:
+                log.info("took over idempotency claim %r (its apiserver is gone): looking "
+                         "for sandbox %s first", scoped_key.split("\x00", 1)[-1][:40],
+                         row.intent)
+            return Begin(claim=Claim(scoped_key, owner, row.intent, self))
         if row.response is not None:
             self._insert(scoped_key, _Entry(fp, row.expires_at, response=row.response))
             return Begin(replay=row.response)
-        # Claimed by another replica and still in flight: wait for its answer.
+        # Claimed by another live process and still in flight: wait for its answer.
         fut: asyncio.Future[bytes] = loop.create_future()
         self._insert(scoped_key, _Entry(fp, row.expires_at, waiter=fut))
         t = loop.create_task(self._poll(scoped_key, row.owner, fut))
@@ -162,16 +342,20 @@ class IdempotencyCache:
         return Begin(wait=fut)
 
     async def _poll(self, key: str, owner: str, fut: asyncio.Future[bytes]) -> None:
-        """Wait for another replica's answer; fail the waiters if its claim went away
-        (its create failed, or it died and the in-flight lease ran out)."""
+        """Wait for another process's answer. When its claim goes away (its create
+        failed, or it died and its lease lapsed: ``stale``), the waiters get
+        :class:`Retry` and claim the key themselves (taking a stale claim over)."""
         assert self._store is not None
         while not fut.done():
             await asyncio.sleep(self._poll_s)
             row = self._store.idem_get(key, self._clock())
-            if row is not None and row.owner == owner and row.response is None:
-                continue
+            if (row is not None and row.owner == owner and row.response is None
+                    and not row.stale):
+                if not holder_gone(row.holder):
+                    continue
+                self._store.lease_drop(row.holder)   # a dead process of this machine
             e = self._entries.get(key)
-            if row is not None and row.owner == owner and row.response is not None:
+            if row is not None and row.response is not None:
                 if e is not None and e.waiter is fut:
                     e.response, e.waiter, e.expires_at = row.response, None, row.expires_at
                 if not fut.done():
@@ -180,27 +364,47 @@ class IdempotencyCache:
             if e is not None and e.waiter is fut:
                 del self._entries[key]
             if not fut.done():
-                fut.set_exception(Conflict(
-                    "the first request with this Idempotency-Key (on another apiserver "
-                    "replica) failed or timed out before it answered; retry the request",
-                    field="Idempotency-Key"))
+                fut.set_exception(Retry())
                 fut.exception()  # nobody may be waiting; do not log it as unretrieved
 
+    def _note(self, claim: Claim, sandbox_id: str) -> None:
+        claim.intent = sandbox_id
+        if self._store is None or claim.owner is None:
+            return
+        if not self._store.idem_note(claim.key, claim.owner, sandbox_id):
+            raise self._lost(claim.key)
+
+    def _lost(self, key: str) -> ClaimLost:
+        e = self._entries.pop(key, None)
+        if e is not None and e.waiter is not None and not e.waiter.done():
+            e.waiter.set_exception(Retry())
+            e.waiter.exception()
+        return ClaimLost(
+            "another apiserver took over this Idempotency-Key while this one worked on it "
+            "(its lease lapsed); retry the request to get that apiserver's answer",
+            field="Idempotency-Key")
+
     def finish(self, scoped_key: str, response: bytes) -> None:
+        """Store the answer. Raises :class:`ClaimLost` if the claim was taken over
+        meanwhile (the caller must then undo its own work: the other owner answers)."""
         e = self._entries.get(scoped_key)
         now = self._clock()
         if e is None:
             return
+        if self._store is not None and e.owner is not None and not self._store.idem_finish(
+                scoped_key, e.owner, response, now + self._ttl):
+            raise self._lost(scoped_key)
         e.response = response
         e.expires_at = now + self._ttl
         if e.waiter is not None and not e.waiter.done():
             e.waiter.set_result(response)
         e.waiter = None
-        if self._store is not None and e.owner is not None:
-            self._store.idem_finish(scoped_key, e.owner, response, e.expires_at)
+        e.owner = None
 
     def abort(self, scoped_key: str, exc: BaseException) -> None:
-        """The create failed: forget the key (a retry may try again) and fail waiters."""
+        """The create failed: forget the key (a retry may try again) and fail waiters.
+        A claim that named a sandbox stays in the store without a holder, so the retry
+        looks for that sandbox before creating one."""
         e = self._entries.pop(scoped_key, None)
         if e is not None and e.waiter is not None and not e.waiter.done():
             e.waiter.set_exception(exc)
@@ -208,6 +412,20 @@ class IdempotencyCache:
             e.waiter.exception()
         if e is not None and e.owner is not None and self._store is not None:
             self._store.idem_release(scoped_key, e.owner)
+
+    def holds(self, claim: Claim) -> bool:
+        """Whether ``claim`` is still this request's (False once another apiserver took
+        it over, or its row is gone). Always True without a store."""
+        if self._store is None or claim.owner is None:
+            return True
+        row = self._store.idem_get(claim.key, self._clock())
+        return row is not None and row.owner == claim.owner
+
+    def peek(self, scoped_key: str) -> IdempotencyRow | None:
+        """The key's row in the store as it is now (None without a store or row)."""
+        if self._store is None:
+            return None
+        return self._store.idem_get(scoped_key, self._clock())
 
     def _insert(self, key: str, e: _Entry) -> None:
         self._entries[key] = e
@@ -221,10 +439,20 @@ class IdempotencyCache:
             del self._entries[oldest_key]
 
     async def close(self) -> None:
-        """Stop waiting for other replicas (their waiters get cancelled)."""
-        for t in list(self._pollers):
+        """Stop waiting for other replicas (their waiters get cancelled) and give up this
+        process's lease: claims still held are taken over at once."""
+        self._closed = True
+        tasks = list(self._pollers)
+        if self._renewer is not None:
+            tasks.append(self._renewer)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._pollers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._store is not None:
+            try:
+                self._store.lease_drop(self.holder)
+            except Exception:
+                log.debug("dropping the idempotency lease failed", exc_info=True)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -290,6 +290,14 @@ class Registry:
         """A cursor over events after ``after_version`` (default: from now on)."""
         return Watch(self, self._committed if after_version is None else after_version)
 
+    def trim_ring(self) -> None:
+        """Drop in-memory events older than the oldest one the store still holds (after
+        retention pruned the store), so reads of compacted history say ``Compacted``
+        whichever of the two would have answered them."""
+        oldest, _ = self._store.event_bounds()
+        while self._ring and self._ring[0].version < oldest:
+            self._ring.popleft()
+
     def compact(self, keep_last: int) -> int:
         """Drop stored events older than the newest ``keep_last``; returns how many."""
         if keep_last < 1:

@@ -32,11 +32,18 @@ for another reason is a :class:`LinkFailed` event, and it holds the node instead
 taken out of placement (``UpdateNode`` with ``healthy=False``) but its sandboxes stay;
 its TTL counts from the failed poll, as if it had been seen then.
 :func:`link_failure_cause` sorts a failed poll's error into the three causes.
+
+A poll that merely timed out is silence only if the apiserver really listened: the
+node is ``answered`` (busy, held) when its link carried other replies during the poll
+(a tenant once queued 300,000 execs in front of the poll and got a healthy node written
+off), and this side is ``blind`` when its own event loop could not run for much of the
+poll's deadline (:class:`StallMeter`: CPU-heavy requests, or the host starving the
+process).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,6 +69,7 @@ __all__ = [
     "Preempt",
     "PreemptSandboxes",
     "PreemptionFailed",
+    "StallMeter",
     "Tick",
     "UpdateNode",
     "Watcher",
@@ -125,7 +133,8 @@ class LinkFailed:
     detail: str = ""
 
 
-def link_failure_cause(exc: DsecError) -> LinkCause:
+def link_failure_cause(exc: DsecError, *, heard: bool = False,
+                       stalled: bool = False) -> LinkCause:
     """Why a call to a node failed, as liveness sees it.
 
     - ``answered``: the node replied: any error decoded from its ERROR frame (an
@@ -135,7 +144,18 @@ def link_failure_cause(exc: DsecError) -> LinkCause:
       shortage on connect (a ``TransportError`` with ``detail["local"]``), or a request
       it could not encode (``LocalProtocolError``);
     - ``silent``: no answer: refused, reset, closed, or no reply within the deadline.
+
+    A deadline that passed is not silence when ``heard`` (the link received other bytes
+    from the node while this call waited: it is alive, its answer is queued: ``answered``)
+    or ``stalled`` (this side's event loop could not run for much of the deadline: it
+    was not listening: ``blind``).
     """
+    if isinstance(exc, Timeout):
+        if heard:
+            return "answered"
+        if stalled:
+            return "blind"
+        return "silent"
     if isinstance(exc, Overloaded):
         return "answered"
     if isinstance(exc, TransportError) and exc.detail.get("local"):
@@ -145,6 +165,49 @@ def link_failure_cause(exc: DsecError) -> LinkCause:
     if isinstance(exc, (TransportError, Timeout)):
         return "silent"
     return "answered"
+
+
+class StallMeter:
+    """How long this process's event loop could not run, from the lateness of a ticker.
+
+    The runner calls :meth:`tick` from a task that sleeps ``interval_s`` between calls;
+    a tick that comes late says the loop was busy (or the process descheduled) for that
+    long. :meth:`stalled` sums it over a window, counting a tick overdue right now too
+    (the loop may be in the middle of its stall when a timer fires). Pure: the runner
+    passes the times."""
+
+    __slots__ = ("_keep_s", "_last", "_samples", "interval_s")
+
+    def __init__(self, interval_s: float, *, keep_s: float = 120.0) -> None:
+        if not interval_s > 0:
+            raise InvalidArgument(f"StallMeter interval_s={interval_s} must be > 0")
+        self.interval_s = interval_s
+        self._keep_s = keep_s
+        self._last: float | None = None
+        self._samples: deque[tuple[float, float]] = deque()    # (tick time, lateness)
+
+    def tick(self, now: float) -> None:
+        last, self._last = self._last, now
+        if last is None:
+            return
+        late = now - last - self.interval_s
+        if late > 0:
+            self._samples.append((now, late))
+        while self._samples and self._samples[0][0] < now - self._keep_s:
+            self._samples.popleft()
+
+    def stalled(self, since: float, now: float) -> float:
+        """Seconds of ``[since, now]`` during which the loop was not running."""
+        total = 0.0
+        for at, late in self._samples:
+            lo, hi = max(at - late, since), min(at, now)
+            if hi > lo:
+                total += hi - lo
+        if self._last is not None:   # a tick overdue now: the loop is stalled right now
+            overdue_from = max(self._last + self.interval_s, since)
+            if now > overdue_from:
+                total += now - overdue_from
+        return total
 
 
 @dataclass(frozen=True, slots=True)

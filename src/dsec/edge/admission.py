@@ -417,6 +417,21 @@ class ResourcePool:
                   "sandboxes": free.sandboxes},
         )
 
+    def adopt(self, key: str, cpu_milli: int, memory_bytes: int) -> bool:
+        """Hold what a sandbox that already runs holds (re-adopted at an edge restart),
+        past the capacity if need be: the capacity is re-measured at every start and may
+        have shrunk, and a limit on new reservations is no reason to kill a running
+        sandbox. The node then admits nothing new until usage is back under capacity.
+        Returns False when the pool is now over its capacity."""
+        if key in self._held:
+            raise Conflict(f"resources for {key} are already reserved", key=key)
+        self._held[key] = (cpu_milli, memory_bytes)
+        self.cpu_milli += cpu_milli
+        self.memory_bytes += memory_bytes
+        cap = self.capacity
+        return (self.cpu_milli <= cap.cpu_milli and self.memory_bytes <= cap.memory_bytes
+                and len(self._held) <= cap.max_sandboxes)
+
     def release(self, key: str) -> bool:
         """Give back what ``key`` holds; False if it held nothing (idempotent)."""
         if key not in self._held:

@@ -662,15 +662,21 @@ class Governor:
             time.sleep(0.0002)
         return True
 
-    def kill_all(self, cg: SandboxCgroup) -> int:
+    def kill_all(self, cg: SandboxCgroup, *, freeze_wait_s: float = 0.05) -> int:
         """SIGKILL every task in the sandbox, exec cgroups included (v2 ``cgroup.kill``;
-        v1: freeze, pidfd-verified kill, thaw). Returns the tasks signalled (v1; v2: 0)."""
+        v1: freeze, pidfd-verified kill, thaw). Returns the tasks signalled (v1; v2: 0).
+
+        ``freeze_wait_s``: how long v1 waits (sleeping: call it from a thread in async
+        code) for the freeze to complete; a task the kernel holds in D state keeps it
+        FREEZING for that long on every call. 0: ask and go on (the kill is exact either
+        way; freezing only keeps fork bombs from outrunning it)."""
         if not self.exists(cg):
             return 0
         if cg.version == 2:
             _write(os.path.join(cg.dirs["unified"], "cgroup.kill"), "1")
             return 0
-        frozen = self._freeze_briefly(cg.dirs["freezer"]) if "freezer" in cg.dirs else False
+        frozen = self._freeze_briefly(cg.dirs["freezer"], freeze_wait_s) \
+            if "freezer" in cg.dirs else False
         try:
             return kill_verified(lambda: self._v1_sandbox_pids(cg))
         finally:
@@ -692,9 +698,10 @@ class Governor:
     def exec_pids(self, ec: ExecCgroup) -> set[int]:
         return set(_procs(ec.dir))
 
-    def kill_exec(self, ec: ExecCgroup) -> int:
+    def kill_exec(self, ec: ExecCgroup, *, freeze_wait_s: float = 0.05) -> int:
         """SIGKILL every process of one exec (v2 ``cgroup.kill``; v1: freeze it, kill
-        through verified pidfds, thaw). The sandbox's other processes are untouched."""
+        through verified pidfds, thaw). The sandbox's other processes are untouched.
+        ``freeze_wait_s``: as for :meth:`kill_all`."""
         if ec.version == 2:
             try:
                 _write(os.path.join(ec.dir, "cgroup.kill"), "1")
@@ -703,7 +710,7 @@ class Governor:
             return 0
         if not os.path.isdir(ec.dir):
             return 0
-        frozen = self._freeze_briefly(ec.dir)
+        frozen = self._freeze_briefly(ec.dir, freeze_wait_s)
         try:
             return kill_verified(lambda: self.exec_pids(ec))
         finally:

@@ -35,10 +35,11 @@ import logging
 import random
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import msgspec
 
+from dsec.aether.limits import soft_nofile
 from dsec.edge.admission import Capacity, ResourcePool
 from dsec.edge.backend import Backend, Leftover, ReconcilingBackend, SnapshotBackend
 from dsec.edge.clock import Clock, SystemClock
@@ -72,15 +73,18 @@ from dsec.edge.spec import (
     SandboxState,
     SandboxStats,
     SnapshotInfo,
+    check_path,
 )
 from dsec.errors import (
     BackendError,
+    CapacityExceeded,
     Conflict,
     DsecError,
     ImageNotFound,
     InUse,
     InvalidArgument,
     InvalidTransition,
+    RateLimited,
     SandboxNotFound,
     WrongNode,
 )
@@ -108,6 +112,22 @@ class NodeConfig:
     events_per_sandbox: int = 64          # bounded per-sandbox event log (first event kept)
     feed_size: int = 65_536               # bounded node-wide event feed
     tombstones: int = 10_000              # destroyed sandboxes still answerable by id
+    # Commands running at once. Each holds file descriptors of this process (output
+    # pipes, stdin, a pidfd): a member key running 600 `sleep`s in its own sandbox took
+    # every fd of a dsec up process (RLIMIT_NOFILE 1024), and other tenants' execs and
+    # creates failed with EMFILE. Beyond a cap an exec is refused with a clear error.
+    # "auto": an eighth of the soft RLIMIT_NOFILE (read at each exec: backends raise
+    # it), i.e. at most half the fds the listeners leave to the node's own work.
+    max_execs: int | None | Literal["auto"] = "auto"
+    # ... and per sandbox, at most this and a quarter of max_execs; a top-level project
+    # (a tenant, with all its sub-projects) holds at most half of max_execs: one tenant
+    # cannot take the whole share, the others always find room.
+    max_execs_per_sandbox: int | None = 256
+    # Output a command's reply carries, per stream (stdout, stderr): a non-streaming
+    # exec collects at most this much in the edge's memory whatever output_cap_bytes
+    # asks (up to 1 GiB is valid, for exec_stream). One `head -c 600M /dev/zero` with a
+    # 1 GiB cap grew dsec up by 1 GB, only to fail: no reply is over 16 MiB (max_frame).
+    max_reply_output_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -117,6 +137,11 @@ class NodeConfig:
         for name in ("flush_interval_s", "reap_interval_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"node config {name} must be positive seconds")
+        for name in ("max_execs", "max_execs_per_sandbox"):
+            v = getattr(self, name)
+            if v is not None and v != "auto" and (not isinstance(v, int) or v < 1):
+                raise InvalidArgument(f"node config {name}={v!r} must be >= 1, None"
+                                      + (" or 'auto'" if name == "max_execs" else ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +157,7 @@ class _Sandbox:
     """The node's live record of one sandbox (mutable, never leaves the node)."""
 
     __slots__ = ("active", "backend", "busy", "created_at", "deadline", "doomed", "events",
-                 "id", "last_active_at", "reason", "spec", "state")
+                 "execs", "id", "last_active_at", "reason", "snap_lock", "spec", "state")
 
     def __init__(self, sid: str, spec: SandboxSpec, backend: Backend, now: float) -> None:
         self.id = sid
@@ -145,8 +170,13 @@ class _Sandbox:
         self.events: builtins.list[EventTuple] = [(now, None, "creating", "requested", "")]
         self.busy: asyncio.Future[None] | None = None  # set while pausing/resuming
         self.active = 0          # operations in flight (exec, files) - never idle-reaped
+        self.execs = 0           # of which commands (see NodeConfig.max_execs_per_sandbox)
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
         self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
+        # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
+        # a destroy waits for the one in flight (its final write renames files inside the
+        # sandbox's directory, which the destroy removes).
+        self.snap_lock: asyncio.Lock | None = None
 
     def ended(self) -> JournalEnd:
         """The journal's tombstone of this (ended) sandbox, from its final event."""
@@ -193,6 +223,8 @@ class EdgeNode:
         self._durable: SandboxJournal | None = None  # the journal, unless in tick mode
         self._tasks: builtins.list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[Any]] = set()
+        self._execs = 0          # commands running on this node (NodeConfig.max_execs)
+        self._execs_by_tenant: dict[str, int] = {}   # ... by top-level project
         self._started = False
         self._closed = False
         self._suffix = f"-{self.node_id}"
@@ -249,6 +281,7 @@ class EdgeNode:
 
     async def _adopt_all(self, records: dict[str, JournalRecord]) -> None:
         now = self.clock.time()
+        over = False
         for r in records.values():
             if r.id.endswith(self._suffix) is False:
                 log.warning("journal holds %s, which is not this node's; dropped", r.id)
@@ -294,13 +327,14 @@ class EdgeNode:
                         await backend.destroy(SandboxId(r.id))
                     self._bury(rec, "node_lost", f"could not thaw it after a restart: {exc!r}")
                     continue
-            try:
-                self.pool.reserve(r.id, r.spec.cpu_milli, r.spec.memory_bytes)
-            except DsecError as exc:
-                with contextlib.suppress(Exception):
-                    await backend.destroy(SandboxId(r.id))
-                self._bury(rec, "node_lost", f"no capacity after restart: {exc.message}")
-                continue
+            # Held past the capacity if it shrank since the last start: a running
+            # sandbox is never destroyed for an accounting limit (new creates wait).
+            if not self.pool.adopt(r.id, r.spec.cpu_milli, r.spec.memory_bytes) and \
+                    not over:
+                over = True
+                log.warning("node %s re-adopted more than its capacity now admits (%s); "
+                            "no new sandbox is admitted until enough of them are gone",
+                            self.node_id, self.pool.capacity)
             self._live[r.id] = rec
             state: SandboxState = "paused" if r.state in ("paused", "pausing") else "running"
             if r.state == "resuming":
@@ -669,6 +703,10 @@ class EdgeNode:
                     return self._info(left)
             rec = self._find(sandbox_id)
         self._move(rec, "destroy", reason, detail)
+        lock = rec.snap_lock
+        if lock is not None and lock.locked():
+            async with lock:
+                pass  # let the snapshot in flight finish its final write first
         try:
             await rec.backend.destroy(SandboxId(rec.id))
         except Exception as exc:
@@ -834,8 +872,14 @@ class EdgeNode:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
         req.validate()
+        room = self.config.max_reply_output_bytes
+        if req.output_cap_bytes > room:
+            # more would be collected only to fail as too large for one reply: keep what
+            # fits and flag the rest truncated, like any capped output
+            req = msgspec.structs.replace(req, output_cap_bytes=room)
         if rec.state != "running":
             await self._ready(rec, "exec")
+        self._admit_exec(rec)
         rec.active += 1
         rec.last_active_at = self.clock.time()
         try:
@@ -844,9 +888,51 @@ class EdgeNode:
             raise self._interrupted(rec, "exec", exc) from exc
         finally:
             rec.active -= 1
+            self._exec_ended(rec)
             rec.last_active_at = self.clock.time()
             if rec.spec.idle_timeout_s is not None:
                 self._arm(rec)
+
+    def _admit_exec(self, rec: _Sandbox) -> None:
+        """Count one more command on ``rec`` and the node, or refuse it with the cap it
+        would pass (the caller retries later) - never an EMFILE from deep inside."""
+        cfg = self.config
+        cap = cfg.max_execs
+        if cap == "auto":
+            cap = max(1, soft_nofile() // 8)
+        per = cfg.max_execs_per_sandbox
+        if cap is not None:
+            per = max(1, cap // 4) if per is None else max(1, min(per, cap // 4))
+        if per is not None and rec.execs >= per:
+            raise RateLimited(
+                f"sandbox {rec.id} already runs {rec.execs} commands, the per-sandbox "
+                f"limit; wait for some to finish (or run them as one script)",
+                sandbox_id=rec.id, limit=per, retry_after=1.0)
+        tenant = rec.spec.project.partition("/")[0]
+        mine = self._execs_by_tenant.get(tenant, 0)
+        if cap is not None and mine >= max(1, cap // 2):
+            raise RateLimited(
+                f"project {tenant} already runs {mine} commands on node {self.node_id}, "
+                f"half of the node's limit of {cap}; wait for some to finish",
+                sandbox_id=rec.id, limit=max(1, cap // 2), retry_after=1.0)
+        if cap is not None and self._execs >= cap:
+            raise CapacityExceeded(
+                f"node {self.node_id} already runs {self._execs} commands, its limit "
+                f"({cap}: each holds file descriptors of the node); retry later",
+                sandbox_id=rec.id, limit=cap, retry_after=1.0)
+        rec.execs += 1
+        self._execs += 1
+        self._execs_by_tenant[tenant] = mine + 1
+
+    def _exec_ended(self, rec: _Sandbox) -> None:
+        rec.execs -= 1
+        self._execs -= 1
+        tenant = rec.spec.project.partition("/")[0]
+        n = self._execs_by_tenant.get(tenant, 0) - 1
+        if n > 0:
+            self._execs_by_tenant[tenant] = n
+        else:
+            self._execs_by_tenant.pop(tenant, None)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]]
                         ) -> builtins.list[ExecResult | DsecError]:
@@ -861,6 +947,7 @@ class EdgeNode:
         req.validate()
         if rec.state != "running":
             await self._ready(rec, "exec")
+        self._admit_exec(rec)
         rec.active += 1
         rec.last_active_at = self.clock.time()
         try:
@@ -870,13 +957,15 @@ class EdgeNode:
             raise self._interrupted(rec, "exec", exc) from exc
         finally:
             rec.active -= 1
+            self._exec_ended(rec)
             rec.last_active_at = self.clock.time()
             if rec.spec.idle_timeout_s is not None:
                 self._arm(rec)
 
     # ================================================================ files
-    async def _file_op(self, sandbox_id: str, op: str, call: Any) -> Any:
+    async def _file_op(self, sandbox_id: str, op: str, call: Any, path: str) -> Any:
         rec = self._find(sandbox_id)
+        check_path(path)  # the same limits whatever door the request came through
         if rec.state != "running":
             await self._ready(rec, op)
         rec.active += 1
@@ -897,29 +986,31 @@ class EdgeNode:
             raise InvalidArgument(f"read_file offset={offset} length={length} must be >= 0")
         return await self._file_op(  # type: ignore[no-any-return]
             sandbox_id, "read_file",
-            lambda b, s: b.read_file(s, path, offset=offset, length=length))
+            lambda b, s: b.read_file(s, path, offset=offset, length=length), path)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
         if not 0 <= mode <= 0o7777:
             raise InvalidArgument(f"write_file mode={mode:o} must be within 0..0o7777")
         await self._file_op(sandbox_id, "write_file",
-                            lambda b, s: b.write_file(s, path, data, mode=mode, append=append))
+                            lambda b, s: b.write_file(s, path, data, mode=mode, append=append),
+                            path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
         return await self._file_op(  # type: ignore[no-any-return]
-            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path))
+            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path)
 
     async def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return await self._file_op(  # type: ignore[no-any-return]
-            sandbox_id, "stat", lambda b, s: b.stat(s, path))
+            sandbox_id, "stat", lambda b, s: b.stat(s, path), path)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> None:
-        await self._file_op(sandbox_id, "mkdir", lambda b, s: b.mkdir(s, path, parents=parents))
+        await self._file_op(sandbox_id, "mkdir", lambda b, s: b.mkdir(s, path, parents=parents),
+                            path)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         await self._file_op(sandbox_id, "remove",
-                            lambda b, s: b.remove(s, path, recursive=recursive))
+                            lambda b, s: b.remove(s, path, recursive=recursive), path)
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
         rec = self._find(sandbox_id)
@@ -959,19 +1050,24 @@ class EdgeNode:
             raise Conflict(f"sandbox {rec.id} runs on the {backend.name} backend, which "
                            "cannot take snapshots; use the container or simulated backend",
                            sandbox_id=rec.id, backend=backend.name)
-        while rec.state in ("pausing", "resuming") and rec.busy is not None:
-            await asyncio.shield(rec.busy)
-        if rec.state not in ("running", "paused"):
-            raise InvalidTransition(
-                f"sandbox {rec.id} cannot snapshot while it is {rec.state}; it must be "
-                "running or paused", sandbox_id=rec.id, event="snapshot", state=rec.state)
-        rec.active += 1  # never idle-reaped mid-snapshot
-        try:
-            info = await backend.snapshot(SandboxId(rec.id), strip=strip, max_bytes=max_bytes)
-        except Exception as exc:
-            raise self._interrupted(rec, "snapshot", exc) from exc
-        finally:
-            rec.active -= 1
+        if rec.snap_lock is None:
+            rec.snap_lock = asyncio.Lock()
+        async with rec.snap_lock:  # one snapshot at a time; a destroy waits for it
+            while rec.state in ("pausing", "resuming") and rec.busy is not None:
+                await asyncio.shield(rec.busy)
+            if rec.state not in ("running", "paused"):
+                raise InvalidTransition(
+                    f"sandbox {rec.id} cannot snapshot while it is {rec.state}; it must be "
+                    "running or paused", sandbox_id=rec.id, event="snapshot",
+                    state=rec.state)
+            rec.active += 1  # never idle-reaped mid-snapshot
+            try:
+                info = await backend.snapshot(SandboxId(rec.id), strip=strip,
+                                              max_bytes=max_bytes)
+            except Exception as exc:
+                raise self._interrupted(rec, "snapshot", exc) from exc
+            finally:
+                rec.active -= 1
         info = msgspec.structs.replace(info, node=self.node_id)
         if rec.id in self._live:
             self._event(rec, rec.state, rec.state, "snapshot",

@@ -14,12 +14,13 @@ Errors cross the wire as their own class (``CapacityExceeded`` on the edge is
 from __future__ import annotations
 
 import builtins
+import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import EllipsisType
 from typing import Any, Self
 
 from dsec.aether import Connection, Router, Server, StreamSender, connect, serve
-from dsec.aether.limits import ServerLimits
+from dsec.aether.limits import DEFAULT_LIMITS, ServerLimits
 from dsec.edge.node import EdgeNode
 from dsec.edge.protocol import (
     METHODS,
@@ -211,7 +212,11 @@ async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None 
             f"refusing to serve edge {node.node_id} on {address} without a token: anyone who "
             "can connect could run commands in its sandboxes; pass a token (dsec edge "
             "--token-file FILE) or listen on a unix: socket")
-    return await serve(EdgeService(node, token=token).router, address, limits=limits)
+    # No max_calls_in_flight here: the edge's peer is the apiserver, whose one link
+    # carries every tenant's calls and its own polls; pausing it at a cap would let long
+    # execs hold up the heartbeat. Tenants are capped at the gateway, per connection.
+    lim = dataclasses.replace(limits or DEFAULT_LIMITS, max_calls_in_flight=None)
+    return await serve(EdgeService(node, token=token).router, address, limits=lim)
 
 
 class EdgeClient:

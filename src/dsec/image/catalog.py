@@ -233,6 +233,10 @@ class StoreIndex:
         self._names: dict[str, tuple[str, ...]] = {}
         self._refs_sig: tuple[int, int, int] | None = None
         self._layers: dict[str, LayerManifest] = {}
+        # the same layers by their project (None: cluster-wide), so a listing for one
+        # caller skips the projects it may not see wholesale
+        self._by_ns: dict[str | None, dict[str, LayerManifest]] = {}
+        self._sorted: list[str] | None = None       # sorted(self._layers), kept until it changes
         self._dir_sig: tuple[int, int] | None = None
         self._dir_racy = True
 
@@ -283,33 +287,73 @@ class StoreIndex:
         if m is None:
             m = self._load(hx)
             if m is not None:
-                self._layers[hx] = m
+                self._put(hx, m)
         return m
 
-    def _fresh_listing(self, force: bool = False) -> None:
+    def _put(self, hx: str, m: LayerManifest) -> None:
+        self._layers[hx] = m
+        self._by_ns.setdefault(layer_namespace(m), {})[hx] = m
+        self._sorted = None
+
+    def _drop(self, hx: str) -> None:
+        m = self._layers.pop(hx)
+        ns = layer_namespace(m)
+        group = self._by_ns.get(ns)
+        if group is not None:
+            group.pop(hx, None)
+            if not group:
+                del self._by_ns[ns]
+        self._sorted = None
+
+    def _fresh_listing(self) -> None:
         d = os.path.join(self.root, "manifests")
         try:
             st = os.stat(d)
         except FileNotFoundError:
-            self._layers, self._dir_sig = {}, None
+            self._layers, self._by_ns, self._dir_sig, self._sorted = {}, {}, None, None
             return
         sig = (st.st_ino, st.st_mtime_ns)
-        if sig == self._dir_sig and not self._dir_racy and not force:
+        if sig == self._dir_sig and not self._dir_racy:
             return
         names = {n[:-5] for n in os.listdir(d) if n.endswith(".json")}
         for gone in self._layers.keys() - names:
-            del self._layers[gone]
+            self._drop(gone)
         for hx in names - self._layers.keys():
             m = self._load(hx)
             if m is not None:
-                self._layers[hx] = m
+                self._put(hx, m)
         self._dir_sig = sig
         self._dir_racy = self._clock() - st.st_mtime_ns / 1e9 < _RACY_S
 
     def by_prefix(self, hx: str) -> list[LayerManifest]:
-        self._fresh_listing(force=True)  # rare (a human typing a short digest): be exact
-        return _prefixed(sorted(self._layers), hx, self._layers)
+        # Exact like a listing (the directory's signature, with the racy-clean rule), and
+        # cheap while the store does not change: this answers any key's prefix lookups,
+        # and re-listing plus sorting on each one cost 72 ms at 20,000 layers (measured
+        # here), which let one reader stall the apiserver.
+        self._fresh_listing()
+        if self._sorted is None:
+            self._sorted = sorted(self._layers)
+        return _prefixed(self._sorted, hx, self._layers)
 
     def manifests(self) -> list[LayerManifest]:
         """Every layer as of the last ``sync(listing=True)``, oldest first."""
         return sorted(self._layers.values(), key=lambda m: m.created)
+
+    def visible_manifests(self, can_see: CanSee) -> list[LayerManifest]:
+        """The layers :func:`visible` to ``can_see``, oldest first, as of the last
+        ``sync(listing=True)``: those of the namespaces it sees, plus those a name in such
+        a namespace points at. Costs O(namespaces + names + what it returns), not
+        O(layers): filtering every layer for every ``GET /v1/images`` took 190 ms at
+        20,000 layers here, and any key may call it."""
+        see = functools.lru_cache(maxsize=None)(can_see)
+        out: dict[str, LayerManifest] = {}
+        for ns, group in self._by_ns.items():
+            if see(ns):
+                out.update(group)
+        for key, digest in self._refs.items():
+            hx = digest.removeprefix(DIGEST_PREFIX)
+            if hx not in out and see(_key_namespace(key)):
+                m = self._layers.get(hx)
+                if m is not None:
+                    out[hx] = m
+        return sorted(out.values(), key=lambda m: m.created)

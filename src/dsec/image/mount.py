@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -161,6 +162,20 @@ class _Entry:
     refs: int
 
 
+def _not_writable_by_others(path: str) -> None:
+    """Refuse a ``path`` owned by another user and drop group/other write bits from it:
+    whoever may write the directory holding the cache's own 0700 root could rename that
+    root away and put a directory of theirs in its place, and every layer (tenants'
+    files) would then be mounted where they can read it. (/run/dsec was made with the
+    umask's mode by older code: 0777 under umask 0.)"""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ImageError(f"{path} is not a directory owned by uid {os.geteuid()} (it is "
+                         f"owned by uid {st.st_uid}); remove it or pass mount_root=")
+    if st.st_mode & 0o022:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+
 class MountCache:
     """Mount each layer once per node, shared and reference-counted.
 
@@ -178,6 +193,7 @@ class MountCache:
             # mkdtemp makes the cache's own root 0700: the mounted layers below it are
             # tenants' files, and other host users must not walk into them.
             os.makedirs(RUN_ROOT, mode=0o700, exist_ok=True)
+            _not_writable_by_others(RUN_ROOT)
             self.reclaimed = reclaim_dead_roots(RUN_ROOT)
             mount_root = tempfile.mkdtemp(prefix="m", dir=RUN_ROOT)
         else:

@@ -3,7 +3,8 @@
 A deny list on top of "allow": the calls that let root inside a sandbox reach the kernel's
 global state (mounts, modules, kexec, keyrings, bpf, perf, swap, reboot), inspect other
 processes (ptrace), open files by handle (escapes a chroot), or build new namespaces
-(unless the spec asks for ``allow_nested``) answer ``EPERM``. ``clone3`` answers
+(unless the spec asks for ``allow_nested``; a new cgroup namespace even then) answer
+``EPERM``. ``clone3`` answers
 ``ENOSYS`` because its flags live in a struct seccomp cannot read; libc then falls back to
 ``clone``, whose flags we can check. Calls from a non-native ABI (i386 ``int 0x80``) kill
 the process (libseccomp's default bad-arch action).
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "AF_VSOCK",
+    "CLONE_NEWCGROUP",
     "CLONE_NS_FLAGS",
     "DENIED_ALWAYS",
     "DENIED_ENOSYS",
@@ -41,6 +43,7 @@ __all__ = [
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 CLONE_NS_FLAGS: tuple[int, ...] = (0x00020000, 0x02000000, 0x04000000, 0x08000000,
                                    0x10000000, 0x20000000, 0x40000000)
+CLONE_NEWCGROUP = 0x02000000
 
 DENIED_ALWAYS: tuple[str, ...] = (
     "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
@@ -58,7 +61,11 @@ DENIED_ALWAYS: tuple[str, ...] = (
 DENIED_ENOSYS: tuple[str, ...] = ("io_uring_setup", "io_uring_enter", "io_uring_register")
 AF_VSOCK = 40
 # Mount and namespace calls. With allow_nested they are permitted, but CAP_SYS_ADMIN stays
-# dropped, so they only work inside a user namespace the sandbox creates itself.
+# dropped, so they only work inside a user namespace the sandbox creates itself - except a
+# new cgroup namespace, refused even then: one made with such a user namespace lets the
+# sandbox mount cgroupfs rooted at its own cgroup, and without a sandbox user namespace
+# its root is host uid 0, the owner of the cgroup files - it raised its own pids.max,
+# memory and CPU limits (tests/security/test_nested_cgroups.py).
 DENIED_UNLESS_NESTED: tuple[str, ...] = (
     "mount", "umount", "umount2", "pivot_root", "unshare", "setns",
     "fsopen", "fsmount", "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr",
@@ -83,10 +90,14 @@ def profile_rules(*, allow_nested: bool) -> list[Rule]:
     rules = [Rule(name) for name in DENIED_ALWAYS]
     rules += [Rule(name, errno=errno.ENOSYS) for name in DENIED_ENOSYS]
     rules.append(Rule("socket", errno=errno.EAFNOSUPPORT, arg0_eq=AF_VSOCK))
+    # clone3 carries its flags in memory: always ENOSYS (libc falls back to clone), or a
+    # nested sandbox could ask for what the clone rules below refuse.
+    rules.append(Rule("clone3", errno=errno.ENOSYS))
     if not allow_nested:
         rules += [Rule(name) for name in DENIED_UNLESS_NESTED]
         rules += [Rule("clone", arg0_mask=flag) for flag in CLONE_NS_FLAGS]
-        rules.append(Rule("clone3", errno=errno.ENOSYS))
+    else:
+        rules += [Rule(name, arg0_mask=CLONE_NEWCGROUP) for name in ("unshare", "clone")]
     return rules
 
 

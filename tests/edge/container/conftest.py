@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -48,6 +49,10 @@ async def _cleanup(b: ContainerBackend) -> None:
     gov.remove_base()
     if os.path.ismount(b.disk.path):  # sandboxes left for adoption keep the disk pool
         umount2(b.disk.path, MNT_DETACH)
+    # The pool image is preallocated (2 GiB in the suite): a test's leftover would hold
+    # real disk until pytest's temp dirs rotate out.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(b.disk.image)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -94,7 +95,12 @@ async def test_background_process_outlives_exec(backend: ContainerBackend) -> No
     await backend.create(sid, SPEC)
     r = await backend.exec(sid, ExecRequest(shell="sleep 30", background=True))
     assert r.exit_code == 0 and r.pid is not None and r.pid > 1
-    ps = await backend.exec(sid, ExecRequest(argv=("cat", f"/proc/{r.pid}/cmdline")))
+    # Started means the shell runs; its own exec of `sleep` follows a moment later
+    for _ in range(100):
+        ps = await backend.exec(sid, ExecRequest(argv=("cat", f"/proc/{r.pid}/cmdline")))
+        if not ps.stdout.startswith(b"/bin/sh"):
+            break
+        await asyncio.sleep(0.01)
     assert ps.stdout.startswith(b"sleep")
     # a foreground command whose child keeps stdout open still returns
     fg = await backend.exec(sid, ExecRequest(shell="sleep 30 & echo done", timeout_s=10))

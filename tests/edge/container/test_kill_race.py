@@ -162,3 +162,54 @@ def test_a_pid_missing_from_the_second_listing_is_not_signalled() -> None:
         for p in (victim, bystander):
             p.kill()
             p.wait()
+
+
+def test_leftover_cleanup_never_signals_a_pid_that_left_the_cgroup(tmp_path: object) -> None:
+    """Reconciliation kills what a leftover sandbox's cgroups still list (hierarchies the
+    governor does not manage: runc's devices, blkio, ...). It signalled the pid numbers
+    it read (rt-kernel review): a listed task that exits lets its number go to a host
+    process before the kill lands. Now a pid is signalled only if a second listing,
+    taken after its pidfd was opened, still names it. Here ``cgroup.procs`` is a FIFO the
+    test answers twice: the bystander (a real process) is listed first and gone from the
+    second listing - as a task that exited and whose number was reused would be."""
+    import threading
+
+    from dsec.edge.backends.container.backend import _kill_tasks
+
+    d = os.path.join(str(tmp_path), "leftover-cg")
+    os.mkdir(d)
+    procs = os.path.join(d, "cgroup.procs")
+    os.mkfifo(procs)
+    bystander = subprocess.Popen(["sleep", "30"])
+    answers = [f"{bystander.pid}\n", ""]
+
+    def serve() -> None:
+        import errno
+        import time
+
+        for k, text in enumerate(answers):
+            while k:  # the previous listing's reader must be gone (else this open would
+                try:  # succeed at once and answer the wrong listing; the second answer
+                      # is empty, so a probe that meets the next reader answers it right)
+                    os.close(os.open(procs, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # no reader
+                        break
+                    raise
+                time.sleep(0.001)
+            fd = os.open(procs, os.O_WRONLY)  # waits for the next listing
+            os.write(fd, text.encode())
+            os.close(fd)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        _kill_tasks(d)
+        with pytest.raises(subprocess.TimeoutExpired):  # still alive half a second later
+            bystander.wait(0.5)
+    finally:
+        if t.is_alive():  # the old code listed once: release the second answer
+            fd = os.open(procs, os.O_RDONLY | os.O_NONBLOCK)
+            t.join(5)
+            os.close(fd)
+        bystander.kill()
+        bystander.wait()

@@ -155,3 +155,38 @@ async def test_a_flood_of_execs_does_not_deadlock_the_helper_socket(
         backend.exec(sids[k % 4], ExecRequest(argv=("echo", str(k)))) for k in range(800))),
         120)
     assert [r.stdout for r in results] == [f"{k}\n".encode() for k in range(800)]
+
+
+async def test_a_request_too_big_for_the_helper_fails_alone(backend: ContainerBackend) -> None:
+    """An exec whose argv + env passed the API's 1 MiB check but not the helper socket's
+    default ~208 KiB datagram size killed the helper (rt-kernel review): every create and
+    exec in flight on the node - other tenants' - failed with "helper process died". Now
+    the socket carries the largest request the helper takes, a bigger one is refused
+    alone, and a request that cannot be sent for any other reason fails alone too."""
+    sids = [new_sid(), new_sid()]
+    await asyncio.gather(*(backend.create(s, SPEC) for s in sids))
+    victim = asyncio.ensure_future(backend.exec(sids[1], ExecRequest(
+        shell="while [ ! -e /tmp/go ]; do sleep 0.01; done; echo still-here")))
+    await asyncio.sleep(0.2)
+    helper = backend._zygote.pid
+    # 400 KB of argv, each string under Linux's 128 KiB (the shared request check admits
+    # 1 MiB): the socket's default ~208 KiB datagram limit refused it and the helper died
+    r = await backend.exec(sids[0], ExecRequest(argv=("true", *["x" * 100_000] * 4)))
+    assert r.exit_code == 0, r
+    r = await backend.exec(sids[0], ExecRequest(shell='echo ${#BIG}',
+                                                env={"BIG": "y" * 100_000,
+                                                     "BIG2": "z" * 100_000}))
+    assert (r.exit_code, r.stdout) == (0, b"100000\n"), r
+    assert backend._zygote.pid == helper  # the helper lives on
+    await backend.exec(sids[1], ExecRequest(argv=("touch", "/tmp/go")))
+    assert (await victim).stdout == b"still-here\n"
+
+
+def test_a_request_over_the_helpers_buffer_is_refused_before_sending() -> None:
+    """The helper reads one request into a 4 MiB buffer; a bigger one (no door admits
+    one today: argv + env are capped at 1 MiB) is refused by name, not truncated."""
+    with pytest.raises(ValueError, match="ARG_MAX"):
+        encode(Exec(id=1, argv=["x" * 100_000] * 50, env=[], cwd=None, user=None,
+                    cgroup_procs=[], nested=False, background=False))
+    assert len(encode(Exec(id=1, argv=["x" * 100_000] * 40, env=[], cwd=None, user=None,
+                           cgroup_procs=[], nested=False, background=False))) < 4 << 20

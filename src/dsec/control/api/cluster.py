@@ -49,7 +49,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from dsec.aether.limits import ServerLimits
@@ -70,6 +70,7 @@ from dsec.edge.admission import (
     measure_host,
     plan_capacity,
 )
+from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.statedir import ensure_private_dir
@@ -147,6 +148,9 @@ class ClusterConfig:
     # filesystem's free space; sparse, so it takes host space only as it fills).
     disk_default_bytes: int = 10 << 30
     disk_pool_bytes: int | None = None
+    # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
+    # -microvm]" (slow creates widen the crash windows the fault tests aim at).
+    simulated_profile: str = "zero"
 
 
 def _plus_one(n: int | None) -> int | None:
@@ -194,6 +198,7 @@ class ClusterRuntime:
         self.service: ApiService | None = None
         self.host: HostResources | None = None
         self.capacity: Capacity | None = None   # of each local edge
+        self._pool_default: int | None = None   # each local edge's disk pool (_pool_share)
         self.node_ids: list[str] = [f"edge-{i}" for i in range(config.edges)]
         self.nodes: list[Any] = []            # EdgeNode (in-process edges)
         self.processes: dict[str, EdgeProcess] = {}   # supervised edge processes
@@ -215,9 +220,10 @@ class ClusterRuntime:
     async def start(self) -> ClusterRuntime:
         from dsec.control.store.sqlite import SqliteStore
 
-        cfg = self.config
-        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers).
-        ensure_private_dir(cfg.state_dir)
+        given = self.config.state_dir
+        # 0700 even when it existed: see dsec.statedir (keys, env, every tenant's layers);
+        # its real path from then on, so nobody can swap a symlink on the way to it.
+        cfg = self.config = replace(self.config, state_dir=ensure_private_dir(given))
         try:
             if not 0 <= cfg.edges <= 64 or (cfg.edges == 0 and not cfg.remote_edges):
                 raise InvalidArgument(f"edges={cfg.edges} must be within 1..64 (or 0 with "
@@ -261,12 +267,14 @@ class ClusterRuntime:
                 idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
-                                 redact_paths=_host_paths(cfg.state_dir)),
+                                 redact_paths=_host_paths(given)),
                 clock=loop.time,
                 anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
+            if self.processes:
+                self._background(self._mind_edges(), "dsec-edge-minder")
             self.admin_key = self._admin_key(plane)
             if cfg.gateway is not None:
                 from dsec.control.gateway import serve_gateway
@@ -367,14 +375,35 @@ class ClusterRuntime:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():
             argv += ["--backend", b]
+        if cfg.simulated_profile != "zero":
+            argv += ["--profile", cfg.simulated_profile]
         if "container" in self._local_backends():
             argv += ["--layer-store", os.path.join(cfg.state_dir, "layers"),
                      "--backend-opt",
                      f"container.root_dir={os.path.join(cfg.state_dir, 'container', node)}",
                      "--disk-default", str(cfg.disk_default_bytes)]
-            if cfg.disk_pool_bytes is not None:
-                argv += ["--disk-pool", str(cfg.disk_pool_bytes)]
+            pool = self._pool_share()
+            if pool is not None:
+                argv += ["--disk-pool", str(pool)]
         return argv
+
+    def _pool_share(self) -> int | None:
+        """Each local edge's disk pool size: ``disk_pool_bytes`` if given, else the
+        default pool (half the state filesystem's free space, at most 64 GiB) split over
+        the edges - measured once here. Each edge deciding for itself took half of what
+        was free *then*, so N edges starting together reserved N halves (the pools are
+        preallocated) and the last ones failed to start. None: the edges' own default
+        ($DSEC_DISK_POOL_BYTES, which they inherit)."""
+        cfg = self.config
+        if cfg.disk_pool_bytes is not None:
+            return cfg.disk_pool_bytes
+        if os.environ.get(POOL_SIZE_ENV):
+            return None
+        if self._pool_default is None:
+            vfs = os.statvfs(cfg.state_dir)
+            self._pool_default = max(MIN_POOL_BYTES,
+                                     pool_size_for(vfs.f_bavail * vfs.f_frsize) // cfg.edges)
+        return self._pool_default
 
     def _on_report(self, node: str, level: str, message: str) -> None:
         self.reports.append((time.time(), node, level, message))
@@ -387,9 +416,67 @@ class ClusterRuntime:
         if plane is None or entry is None:
             return
         entry.retry_at = 0.0
-        task = asyncio.get_running_loop().create_task(plane.poll_edges())
+        self._background(plane.poll_edges(), "dsec-edge-redial")
+
+    def _background(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+    async def _mind_edges(self) -> None:
+        """What only the supervisor of local edge processes can tell the control plane,
+        which otherwise sees nothing but a silent node and writes it off after
+        ``node_ttl_s`` (destroying its sandboxes when it returns):
+
+        - an edge being restarted (after a crash, or by :meth:`start_edge`) is coming
+          back: the node is held (:meth:`ControlPlane.hold_edge`) for as long as the
+          restart takes, also past the TTL (re-adopting many sandboxes on a loaded
+          machine); a crash loop that gives up stops the hold;
+        - an edge whose process runs but is silent (a poll timed out or was refused
+          with nothing else heard from it) and has not answered a heartbeat for half the
+          TTL is hung (stopped, deadlocked, stuck in the kernel): it is killed, so its
+          supervisor restarts it and it re-adopts its sandboxes from its journal, as
+          after a crash, instead of being written off. An edge that answers with errors
+          or late (busy), or that this apiserver cannot reach for a reason of its own
+          (``answered``, ``blind``), is alive and left alone."""
+        plane = self.plane
+        assert plane is not None
+        cfg = self.config.plane
+        hang_s = max(cfg.node_ttl_s / 2, 3 * cfg.heartbeat_interval_s)
+        period = min(1.0, cfg.node_ttl_s / 10)
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now, woke_late = time.monotonic(), time.monotonic() - last > 3 * period + 1.0
+            last = now
+            if woke_late:
+                # This process itself was stopped or starved: the edges' silence is its
+                # own. Let the control plane poll them again before judging any.
+                continue
+            for node, proc in list(self.processes.items()):
+                e = plane.edges.get(node)
+                if e is None:
+                    continue
+                try:
+                    if proc.ever_ready and proc.state in ("starting", "backoff"):
+                        await plane.hold_edge(
+                            node, f"edge {node} is being restarted by dsec up "
+                                  f"(restart {proc.sup.restarts})", 2 * cfg.node_ttl_s)
+                    elif (proc.state == "running" and proc.ready_at is not None
+                          and proc.clock() - proc.ready_at > hang_s
+                          and e.failure == "silent" and e.heartbeat is not None
+                          and plane.clock() - e.last_seen > hang_s):
+                        why = (f"edge {node} (pid {proc.pid}) has not answered a heartbeat "
+                               f"for {plane.clock() - e.last_seen:.1f}s though its process "
+                               "runs: killing it so it restarts and re-adopts its "
+                               f"sandboxes before the node-loss TTL ({cfg.node_ttl_s:g}s)")
+                        log.warning("%s", why)
+                        self._on_report(node, "warning", why)
+                        if proc.kill(signal.SIGKILL):
+                            await plane.hold_edge(node, f"edge {node} was hung; dsec up "
+                                                  "is restarting it", 2 * cfg.node_ttl_s)
+                except Exception:
+                    log.exception("minding edge %s failed", node)
 
     async def _begin_edge_processes(self) -> None:
         cfg = self.config
@@ -452,6 +539,16 @@ class ClusterRuntime:
         one of them at each restart)."""
         if name == "fncall":
             return {"root": os.path.join(self.config.state_dir, "edges", node_id, "fncall")}
+        if name == "simulated":
+            from dsec.edge.backends.simulated import NodeLatencyProfile
+            prof = self.config.simulated_profile
+            if prof == "zero":
+                return {"profile": NodeLatencyProfile.zero()}
+            kind = prof.removeprefix("paper").lstrip("-") or "container"
+            if kind not in ("container", "fncall", "microvm"):
+                raise InvalidArgument(f"simulated_profile={prof!r}: use 'zero' or "
+                                      "'paper[-container|-fncall|-microvm]'")
+            return {"profile": NodeLatencyProfile.paper(kind)}  # type: ignore[arg-type]
         if name != "container":
             return {}
         from dsec.image import LayerStore, MountCache
@@ -464,7 +561,7 @@ class ClusterRuntime:
         return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
                 "images": self._images,
                 "default_disk_bytes": self.config.disk_default_bytes,
-                "disk_pool_bytes": self.config.disk_pool_bytes}
+                "disk_pool_bytes": self._pool_share()}
 
     # --------------------------------------------------------- edge outages
     def _check_node(self, node_id: str) -> None:
@@ -631,6 +728,7 @@ class ClusterRuntime:
             await self._gateway.close()
             self._gateway = None
         if self.service is not None:
+            await self.service.close()
             await self.service.idempotency.close()
         for t in self._bg:
             t.cancel()

@@ -124,6 +124,7 @@ class EdgeProcess:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
+        self.ready_at: float | None = None     # when it last said ready (clock), if running
 
     # ------------------------------------------------------------ public face
     @property
@@ -287,6 +288,7 @@ class EdgeProcess:
             data = b""
         self._close_ready()
         if data.startswith(b"ready"):
+            self.ready_at = self.clock()
             self._feed(Ready(self.clock()))
             if self.on_ready is not None:
                 self.on_ready(self.node)
@@ -297,6 +299,7 @@ class EdgeProcess:
         os.close(self._pidfd)
         self._pidfd = -1
         rc = self.proc.wait()
+        self.ready_at = None
         self._close_ready()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.paths.pid_file)

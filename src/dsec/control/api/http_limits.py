@@ -93,6 +93,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # first: when the listener's pending slots are full the oldest is dropped for the
     # newcomer (an idle flood cannot lock out clients that send their request at once).
     pending: ClassVar[dict[GuardedHttpProtocol, None]]
+    pool: ClassVar[_RestPending]    # the same, as the process budget sees it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
@@ -108,10 +109,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._lingers = False
         verdict = self.admission.admit(self._peer)
         if verdict is not None and verdict[0] == "pending_full" and self.pending:
-            oldest = next(iter(self.pending))
-            oldest._timeout_out("evicted", 503, "Service Unavailable", Overloaded.code,
-                                "dropped to make room: this listener's slots for connections "
-                                "that have not sent a request yet are full")
+            self.pool.evict_oldest_pending()
+            verdict = self.admission.admit(self._peer)
+        elif (verdict is not None and verdict[0] == "fds"
+              and self.admission.budget.make_room()):
             verdict = self.admission.admit(self._peer)
         self._admitted = verdict is None
         if verdict is not None:
@@ -251,6 +252,26 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
 
+class _RestPending:
+    """A REST listener's connections without a whole request head yet, as a
+    :class:`~dsec.aether.limits.PendingPool` of the process budget."""
+
+    def __init__(self, pending: dict[GuardedHttpProtocol, None]) -> None:
+        self.pending = pending
+
+    def pending_count(self) -> int:
+        return len(self.pending)
+
+    def evict_oldest_pending(self) -> bool:
+        if not self.pending:
+            return False
+        oldest = next(iter(self.pending))
+        oldest._timeout_out("evicted", 503, "Service Unavailable", Overloaded.code,
+                            "dropped to make room: the slots for connections that have "
+                            "not sent a request yet are full")
+        return True
+
+
 def guarded_protocol(limits: HttpLimits | None = None, *,
                      budget: ProcessBudget | None = None,
                      name: str = "REST listener") -> tuple[type[GuardedHttpProtocol], Admission]:
@@ -259,6 +280,9 @@ def guarded_protocol(limits: HttpLimits | None = None, *,
     process's, shared with the Aether listeners)."""
     lim = limits or HttpLimits()
     adm = Admission(lim.connections, budget or process_budget(), name=name)
+    pending: dict[GuardedHttpProtocol, None] = {}
+    pool = _RestPending(pending)
+    adm.budget.pools.add(pool)   # weakly: it lives as long as the protocol class
     attrs: dict[str, Any] = {"admission": adm, "http_limits": lim, "lingering": [0],
-                             "pending": {}}
+                             "pending": pending, "pool": pool}
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs), adm

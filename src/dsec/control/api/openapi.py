@@ -13,11 +13,45 @@ from typing import Any, Literal
 
 import msgspec
 
-from dsec.control.api.types import ApiError
+from dsec.control.api.types import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
+from dsec.edge.spec import MAX_PATH_BYTES
 
-__all__ = ["Op", "Param", "build_openapi"]
+__all__ = ["FILE_PATH", "IDEMPOTENCY_KEY", "KEY_ID", "PROJECT_PATH", "SANDBOX_ID",
+           "SESSION_ID", "SNAPSHOT_ID", "Op", "Param", "build_openapi", "path_param_schema"]
 
 Body = type | Literal["binary"] | None
+
+# Patterns and limits the server enforces on identifiers and paths, as JSON schema. The
+# server's own checks are dsec.ids (parse_sandbox_id, parse_project_path), the shared
+# exec/path validators in dsec.edge.spec and the IAM rules; tests/control/test_openapi.py
+# sends values on both sides of each bound and checks the server agrees.
+_NODE = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+SANDBOX_ID: dict[str, Any] = {"type": "string", "pattern": rf"^sb-[0-9a-f]{{12}}-{_NODE}$"}
+SNAPSHOT_ID: dict[str, Any] = {
+    "type": "string", "pattern": SNAPSHOT_PATTERN,
+    "description": "sha256:<hex>, or a unique prefix of at least 12 hex digits"}
+KEY_ID: dict[str, Any] = {"type": "string", "pattern": r"^[0-9a-f]{16}$",
+                          "description": "the 16 hex digits after dsk_"}
+SESSION_ID: dict[str, Any] = {"type": "string", "pattern": r"^ses-[0-9a-f]{16}$"}
+PROJECT_PATH: dict[str, Any] = {"type": "string", "pattern": PROJECT_PATTERN,
+                                "description": "'/'-separated lowercase names, 1-16 levels"}
+FILE_PATH: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": MAX_PATH_BYTES,
+                             "description": "a path inside the sandbox: at most "
+                                            f"{MAX_PATH_BYTES} UTF-8 bytes, no NUL"}
+IDEMPOTENCY_KEY: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": 255,
+                                   "pattern": "^[\\x20-\\x7e]+$",
+                                   "description": "1-255 printable ASCII characters"}
+
+
+def path_param_schema(path: str, name: str) -> dict[str, Any]:
+    """The schema of path parameter ``name`` of route ``path`` (by what it names)."""
+    if name == "path":
+        return PROJECT_PATH
+    for prefix, schema in (("/v1/sandboxes/", SANDBOX_ID), ("/v1/snapshots/", SNAPSHOT_ID),
+                           ("/v1/keys/", KEY_ID), ("/v1/sessions/", SESSION_ID)):
+        if path.startswith(prefix):
+            return schema
+    return {"type": "string", "minLength": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +78,14 @@ class Op:
     auth: bool = True
     response_media: str = "application/json"
     headers: tuple[Param, ...] = field(default=())
+    body_required: bool = True      # False: an empty body is valid (an empty file)
 
 
 _ERROR_CODES = {400: "bad input", 401: "missing or invalid API key",
                 403: "role not sufficient", 404: "not found (or not visible to this key)",
                 409: "conflict", 413: "body too large", 429: "rate limit or quota",
-                503: "no capacity", 504: "request timeout"}
+                503: "no capacity, or a node the request needs is unreachable (retry)",
+                504: "request timeout"}
 
 
 def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
@@ -71,7 +107,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for op in ops:
         params = [{"name": p.name, "in": "path", "required": True,
-                   "schema": {"type": "string", "minLength": 1}}
+                   "schema": path_param_schema(op.path, p.name)}
                   for p in _path_params(op.path)]
         params += [{"name": p.name, "in": "query", "required": p.required, "schema": p.schema,
                     **({"description": p.description} if p.description else {})}
@@ -95,8 +131,8 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
                                  "tags": [op.tag], "parameters": params,
                                  "responses": responses}
         if op.request is not None:
-            entry["requestBody"] = {"required": True, "content": content(op.request,
-                                                                         "application/json")}
+            entry["requestBody"] = {"required": op.body_required,
+                                    "content": content(op.request, "application/json")}
         if not op.auth:
             entry["security"] = []
         paths.setdefault(op.path.replace(":path}", "}"), {})[op.method.lower()] = entry

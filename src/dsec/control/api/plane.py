@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -75,6 +76,7 @@ from dsec.control.placement import NodeView as PlacementView
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
+from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
     LostSandboxRow,
     QuotaRow,
@@ -89,6 +91,7 @@ from dsec.control.watcher import (
     LiveSandbox,
     NodeHeartbeat,
     PreemptSandboxes,
+    StallMeter,
     Tick,
     UpdateNode,
     Watcher,
@@ -109,6 +112,7 @@ from dsec.errors import (
     PermissionDenied,
     QuotaExceeded,
     SandboxNotFound,
+    Timeout,
 )
 from dsec.ids import NodeId, node_of, parse_project_path
 from dsec.image.catalog import (
@@ -117,7 +121,6 @@ from dsec.image.catalog import (
     StoreIndex,
     image_not_found,
     resolve,
-    visible,
     visible_names,
 )
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
@@ -148,6 +151,23 @@ class PlaneConfig:
     max_lease_s: float = 86_400.0
     lost_tombstones: int = 100_000         # evicted sandboxes remembered for GET/events
     reconnect_interval_s: float = 1.0      # retry an unreachable edge's connection
+    # Session rows one principal may hold (open, lapsed ones kept for renewal, closed ones
+    # not yet swept). Without a cap a key with the least role filled the store: 20,000
+    # sessions took 3.3 s to open here, and every sweeper pass reads all of them (0.15 s
+    # per 20,000, on the event loop), so a few minutes of it stalled the apiserver for
+    # every tenant. None: no cap.
+    max_sessions_per_principal: int | None = 10_000
+    # API keys (revoked ones included: their rows stay) one principal may have; without
+    # a cap any principal minted extra keys of its own without limit (the store grows
+    # ~20,000 rows a second per key holder). None: no cap.
+    max_keys_per_principal: int | None = 1_000
+    # How much history the state store keeps (events, idempotency keys, tombstones,
+    # process leases), trimmed every retention.interval_s: see dsec.control.retention.
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    # How often the apiserver checks that its own event loop runs (StallMeter): a poll
+    # that timed out while the loop was stalled for half its deadline is this side's
+    # blindness, not the edge's silence.
+    stall_tick_s: float = 0.1
 
 
 class IamAuthority:
@@ -184,6 +204,10 @@ class EdgeEntry:
     # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
     failure: str = ""
     problem: str = ""
+    # Held by whoever runs the edge (``dsec up``'s supervisor restarting it) until this
+    # time: its silence does not count toward node_ttl_s meanwhile (see hold_edge).
+    held_until: float = 0.0
+    held_why: str = ""
 
 
 class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
@@ -213,10 +237,12 @@ class ControlPlane:
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _pending: int = 0
-    _started_at: float = 0.0
+    _started_at: float = 0.0     # since when the sweeper has watched without a break
+    _last_sweep: float = 0.0
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _store_cache: LayerStore | None = None
     _index_cache: StoreIndex | None = None
+    _stalls: StallMeter | None = None
 
     @classmethod
     def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
@@ -508,11 +534,34 @@ class ControlPlane:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
 
-    def _tombstone(self, rec: SandboxRecord, reason: str, now: float) -> LostSandboxRow:
+    def vanished(self, sandbox_id: str) -> LostSandbox | None:
+        """The sandbox's edge does not know ``sandbox_id``: if the registry has it live,
+        the node lost it (it restarted without it): write it off as ``node_lost`` (an
+        event, quota released, a tombstone in the store) and return the tombstone."""
+        lost = self._lost.get(sandbox_id)
+        if lost is not None:
+            return lost
+        try:
+            rec = self.registry.sandbox(sandbox_id)
+        except SandboxNotFound:
+            return None
+        self._write_off(rec, f"node {rec.node} no longer has it: the node restarted "
+                             "without it (it was not in the node's journal)")
+        return self._lost.get(sandbox_id)
+
+    def _write_off(self, rec: SandboxRecord, detail: str) -> None:
+        now = self.clock()
+        row = self._tombstone(rec, "node_lost", now, detail=detail)
+        self.store.put_lost([row], keep=self.config.lost_tombstones)
+        self.registry.evict([rec.id], reason="node_lost")
+        log.warning("sandbox %s written off: %s", rec.id, detail)
+
+    def _tombstone(self, rec: SandboxRecord, reason: str, now: float,
+                   detail: str | None = None) -> LostSandboxRow:
         info = _info_of(rec)
         info.state, info.reason = "destroyed", reason
-        detail = (f"evicted by the control plane: node {rec.node} sent no heartbeat for "
-                  f"more than {self.config.node_ttl_s:g}s")
+        detail = detail or (f"evicted by the control plane: node {rec.node} sent no "
+                            f"heartbeat for more than {self.config.node_ttl_s:g}s")
         events = [SandboxEvent(time=rec.created_at, sandbox_id=rec.id, from_state=None,
                                to_state="running", reason="created"),
                   SandboxEvent(time=now, sandbox_id=rec.id,
@@ -555,8 +604,23 @@ class ControlPlane:
         return self._view(path)
 
     def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        """Set ``path``'s quota. It needs admin on the *parent* project (a superuser for a
+        top-level one): a quota bounds a project's admins too, so they must not be able
+        to lift the one they were given (they still set their subprojects' quotas)."""
         parse_project_path(path)
-        self._admin(caller, path)
+        parent = path.rpartition("/")[0]
+        if parent:
+            have = caller.role_on(parent)
+            if have != "admin":
+                raise PermissionDenied(
+                    f"principal {caller.name!r} cannot set the quota of project {path!r}: "
+                    f"that needs role 'admin' on its parent project {parent!r} (has "
+                    f"{have or 'none'}); a project's own admins cannot raise its quota")
+        elif not caller.superuser:
+            raise PermissionDenied(
+                f"principal {caller.name!r} cannot set the quota of top-level project "
+                f"{path!r}: only a superuser may (a project's own admins cannot raise its "
+                "quota); admins set the quotas of their subprojects")
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
         self.quota.set_quota(path, quota)
@@ -574,14 +638,19 @@ class ControlPlane:
         - ``req.name`` is new: the caller must be admin of ``req.project``; the principal
           is created with ``req.role`` there (inside the caller's subtree, never above).
         - ``req.name`` exists and is someone else: only a superuser may (it also grants
-          ``req.role`` on ``req.project``), and never for another superuser: a
-          superuser's keys are minted by that superuser alone. A project admin gets a
-          ``409 conflict`` (the name is taken), never a key.
+          ``req.role`` on ``req.project``), and only when it says so (``req.existing``),
+          and never for another superuser: a superuser's keys are minted by that
+          superuser alone. A project admin gets a ``409 conflict`` (the name is taken),
+          never a key. ``existing`` must be explicit because project admins create
+          principals in the same cluster-wide id space: an admin who pre-creates
+          ``carol`` keeps a key for her, and a superuser "creating" carol later would
+          otherwise grant that key whatever carol is meant to get (a red-team finding).
         """
         parse_project_path(req.project)
         target = self.store.get_principal(req.name)
         if target is not None and target.id == caller.id:
             ApiService.require(caller, req.project, req.role)
+            self._check_key_room(req.name)
         else:
             self._admin(caller, req.project)
             if target is None:
@@ -596,12 +665,32 @@ class ControlPlane:
                     f"principal {req.name!r} already exists and is not yours: only it "
                     "(minting its own extra key) or a superuser may create keys for an "
                     "existing principal; pick a new name for a new principal")
+            elif not req.existing:
+                raise Conflict(
+                    f"principal {req.name!r} already exists (with roles on "
+                    f"{len(self.store.list_role_bindings(req.name))} project(s)); granting "
+                    f"it {req.role!r} on {req.project!r} would give that role to every key "
+                    "it already holds, including keys minted by whoever created it. Pass "
+                    "\"existing\": true to grant this existing principal, or pick a new name",
+                    principal_id=req.name)
             else:
+                self._check_key_room(req.name)    # before granting: all or nothing
                 self.iam.grant(req.name, req.project, req.role)
                 self._forget_principal(req.name)
         key = self.iam.create_key(req.name)
         return CreateKeyResponse(name=req.name, project=req.project, role=req.role,
                                  api_key=key.token, key_id=key.key_id)
+
+    def _check_key_room(self, principal_id: str) -> None:
+        cap = self.config.max_keys_per_principal
+        if cap is None:
+            return
+        have = len(self.store.list_api_keys(principal_id))
+        if have >= cap:
+            raise QuotaExceeded(
+                f"principal {principal_id!r} has {have} API keys (revoked ones included), "
+                f"the limit is {cap}: reuse a key you hold instead of minting more",
+                resource="api_keys", used=have, limit=cap, requested=1)
 
     def revoke_key(self, caller: Caller, key_id: str) -> None:
         """Revoke key ``key_id`` (its id, the 16 hex digits after ``dsk_``): the same
@@ -635,6 +724,16 @@ class ControlPlane:
         if not c.min_lease_s <= lease_s <= c.max_lease_s:
             raise InvalidArgument(f"lease_s={lease_s} must be within {c.min_lease_s:g}.."
                                   f"{c.max_lease_s:g} seconds", field="lease_s")
+        cap = c.max_sessions_per_principal
+        if cap is not None:
+            have = self.store.count_sessions(caller.id)
+            if have >= cap:
+                raise QuotaExceeded(
+                    f"principal {caller.name!r} holds {have} sessions (open ones, lapsed "
+                    f"ones kept {c.session_retention_s:g}s for renewal, closed ones not yet "
+                    f"swept), the limit is {cap}: close the sessions you no longer use "
+                    "(DELETE /v1/sessions/{id}) or renew one instead of opening another",
+                    resource="sessions", used=have, limit=cap, requested=1)
         sid = "ses-" + secrets.token_hex(8)
         row = SessionRow(id=sid, principal_id=caller.id, lease_s=lease_s,
                          expires_at=self.clock() + lease_s)
@@ -744,9 +843,9 @@ class ControlPlane:
         index = self._index(listing=True)
         if index is None:
             raise Conflict("this apiserver has no layer store configured")
-        can_see = _can_see(caller)
-        return ImageList(items=[_image_view(index, m, can_see) for m in index.manifests()
-                                if visible(index, m, can_see)])
+        can_see = functools.lru_cache(maxsize=None)(_can_see(caller))
+        return ImageList(items=[_image_view(index, m, can_see)
+                                for m in index.visible_manifests(can_see)])
 
     def _find_image(self, caller: Caller, ref: str) -> tuple[StoreIndex, LayerManifest]:
         index = self._index(listing=True)
@@ -891,10 +990,12 @@ class ControlPlane:
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
-        self._started_at = self.clock()
+        self._started_at = self._last_sweep = self.clock()
+        self._tasks.append(asyncio.create_task(self._stall_loop(), name="dsec-stall-meter"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
+        self._tasks.append(asyncio.create_task(self._retention_loop(), name="dsec-retention"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -938,8 +1039,19 @@ class ControlPlane:
         log.info("reconnected to edge %s at %s", e.node, e.address)
         return fresh
 
+    async def _stall_loop(self) -> None:
+        """Tick the stall meter: how late this loop wakes is how long it could not run."""
+        loop = asyncio.get_running_loop()
+        meter = self._stalls = StallMeter(self.config.stall_tick_s)
+        while True:
+            meter.tick(loop.time())
+            await asyncio.sleep(meter.interval_s)
+
     async def _poll(self, e: EdgeEntry) -> None:
         t = self.config.poll_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        link: Any = None
         try:
             link = await self._link(e)
             if link is None:
@@ -950,12 +1062,19 @@ class ControlPlane:
                 e.feed_after = 0
             feed = await link.feed(e.feed_after, 10_000, timeout=t)
         except DsecError as exc:
-            await self._poll_failed(e, exc)
+            now = loop.time()
+            conn = getattr(link, "conn", None)
+            heard = conn is not None and conn.last_received > started
+            stalls = self._stalls
+            stalled = (stalls is not None
+                       and stalls.stalled(started, now) >= min(t, now - started) / 2)
+            await self._poll_failed(e, exc, heard=heard, stalled=stalled)
             return
         if e.failure:
             log.warning("edge %s reachable again (it was %s: %s)", e.node,
                         "silent" if e.failure == "silent" else "unreachable", e.problem)
-        e.failure = e.problem = ""
+        e.failure = e.problem = e.held_why = ""
+        e.held_until = 0.0
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
@@ -988,20 +1107,51 @@ class ControlPlane:
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb)
 
-    async def _poll_failed(self, e: EdgeEntry, exc: DsecError) -> None:
+    async def hold_edge(self, node: str, why: str, for_s: float) -> None:
+        """Whoever runs edge ``node`` says it is coming back (``dsec up``'s supervisor
+        restarting its process): for ``for_s`` its silence is not a lost node (held,
+        sandboxes kept, out of placement), however long the restart takes; the holder
+        renews the hold while the restart lasts. A crash loop that gives up stops
+        renewing, and the TTL counts again."""
+        e = self.edges.get(node)
+        if e is None:
+            return
+        now = self.clock()
+        e.held_until, e.held_why = now + for_s, why
+        if e.failure in ("", "silent"):
+            # not healthy for placement, for the nodes list and for a create's answer
+            # ("unreachable", 503), as the watcher's hold makes it for placement
+            e.failure, e.problem = "blind", f"blind: {why}"
+        await self._carry_out(self.watcher.handle(
+            LinkFailed(node=node, time=now, cause="blind", detail=why)))
+
+    async def _poll_failed(self, e: EdgeEntry, exc: DsecError, *, heard: bool = False,
+                           stalled: bool = False) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
-        failure, or an edge that answered with an error, holds it unreachable."""
-        cause = link_failure_cause(exc)
+        failure, or an edge that answered with an error, holds it unreachable. A poll
+        that timed out while the link carried other replies (``heard``: the edge is
+        busy) or while this loop was stalled (``stalled``: we were not listening) is
+        not silence either; nor is one while whoever runs the edge holds it
+        (:meth:`hold_edge`)."""
+        cause = link_failure_cause(exc, heard=heard, stalled=stalled)
+        why = exc.message
+        if cause != "silent" and isinstance(exc, Timeout):
+            why += ("; the edge kept sending other replies meanwhile (busy, not silent)"
+                    if heard else "; this apiserver's event loop was stalled for most of "
+                    "that time (it could not listen)")
+        if cause == "silent" and self.clock() < e.held_until:
+            cause, why = "blind", f"{e.held_why} ({why})"
         if cause != e.failure:
             how = {"silent": "silent (counts toward node_ttl_s)",
-                   "answered": "unreachable: it answers, with an error (held, not lost)",
+                   "answered": "unreachable: it answers, with an error or late (held, "
+                               "not lost)",
                    "blind": "unreachable from this apiserver (held, not lost)"}[cause]
-            log.warning("edge %s %s: %s", e.node, how, exc.message)
+            log.warning("edge %s %s: %s", e.node, how, why)
         e.failure = cause
-        e.problem = f"{cause}: {exc.message}"
+        e.problem = f"{cause}: {why}"
         if cause != "silent":
             await self._carry_out(self.watcher.handle(
-                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=exc.message)))
+                LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=why)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list."""
@@ -1033,7 +1183,18 @@ class ControlPlane:
             except SandboxNotFound:
                 continue
             if rec.created_at < hb.time:
-                self.forget(sid, "gone")
+                try:
+                    gone = await link.get(sid)
+                except SandboxNotFound:
+                    # Not even a tombstone on the edge: it restarted without this one.
+                    self._write_off(rec, f"node {e.node} no longer has it: the node "
+                                         "restarted without it (it was not in the "
+                                         "node's journal)")
+                    continue
+                except DsecError:
+                    continue  # ask again on the next poll
+                if gone.state in _GONE:
+                    self.forget(sid, gone.reason or "gone")
         for sid, b in listed.items():
             if sid in reg:
                 rec = reg.sandbox(sid)
@@ -1130,13 +1291,57 @@ class ControlPlane:
         self.store.delete_sessions(stale)
         return done
 
+    async def retain(self) -> RetentionReport:
+        """One retention pass (also called by tests): trim every growing table of the
+        store (see :mod:`dsec.control.retention`), off the event loop."""
+        cfg = self.config.retention
+        now = self.clock()
+        report = await asyncio.to_thread(retain, self.store, cfg.plan(now))
+        self.registry.trim_ring()
+        if cfg.lost_max_age_s is not None:
+            cutoff = now - cfg.lost_max_age_s
+            while self._lost:
+                sid, lost = next(iter(self._lost.items()))
+                if lost.events and lost.events[-1].time >= cutoff:
+                    break
+                del self._lost[sid]
+        if report.total:
+            log.info("retention removed %d events, %d idempotency keys, %d tombstones, "
+                     "%d process leases", report.events, report.idempotency,
+                     report.lost_sandboxes, report.process_leases)
+        return report
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retention.interval_s)
+            try:
+                await self.retain()
+            except Exception:
+                log.exception("retention pass failed; the next one tries again")
+
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
-                await self.sweep()
+                await self.sweep_tick()
             except Exception:
                 log.exception("sweeper pass failed")
+
+    async def sweep_tick(self) -> list[tuple[str, str]]:
+        """One round of the sweeper loop: a pass, after noticing a stall. A round that
+        comes much later than asked (this process was stopped or starved, or the wall
+        clock jumped) restarts the sweeper's watch: no client could renew its session
+        meanwhile, so each gets a full lease again (see dsec.control.api.sweeper)."""
+        now = self.clock()
+        interval = self.config.sweep_interval_s
+        if self._last_sweep and now - self._last_sweep > 2 * interval + 1.0:
+            log.warning("sweeper woke %.1fs after its last pass (expected %.1fs): this "
+                        "apiserver was stalled or its clock jumped; sessions get a full "
+                        "lease to renew before any is swept", now - self._last_sweep,
+                        interval)
+            self._started_at = now
+        self._last_sweep = now
+        return await self.sweep()
 
     def _refresh_gauges(self, m: ApiMetrics) -> None:
         totals: dict[str, int] = {}

@@ -19,28 +19,37 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import functools
+import logging
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from dsec.control.api.types import (
-    MAX_ARGV_BYTES,
-    MAX_STDIN_BYTES,
     CreateSandboxRequest,
     ExecBody,
     ExecOutput,
     NodeView,
     SnapshotView,
 )
-from dsec.control.idempotency import IdempotencyCache, fingerprint
+from dsec.control.idempotency import (
+    Claim,
+    ClaimLost,
+    IdempotencyCache,
+    Retry,
+    request_fingerprint,
+)
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
 from dsec.edge.service import EdgeClient
 from dsec.edge.spec import (
+    FILE_CHUNK_BYTES,
+    MAX_STDIN_BYTES,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -51,21 +60,29 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxState,
     SnapshotInfo,
+    check_path,
+    read_in_chunks,
 )
 from dsec.errors import (
     CapacityExceeded,
+    ConnectFailed,
     DsecError,
+    EdgeUnreachable,
     ImageNotFound,
     InUse,
     InvalidArgument,
     InvalidTransition,
     NoCapacity,
     PermissionDenied,
+    ProtocolError,
     QuotaExceeded,
     RateLimited,
+    RequestTimeout,
+    SandboxLost,
     SandboxNotFound,
     TransportError,
     Unauthenticated,
+    Unavailable,
     error_from_wire,
 )
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
@@ -87,6 +104,10 @@ __all__ = [
     "exec_request",
     "snapshot_view",
 ]
+
+log = logging.getLogger("dsec.apiserver")
+
+T = TypeVar("T")
 
 Role = Literal["reader", "member", "admin"]
 ROLE_RANK: dict[str, int] = {"reader": 1, "member": 2, "admin": 3}
@@ -145,6 +166,11 @@ class NodeDirectory(Protocol):
                        labels: Mapping[str, str], state: SandboxState | None, after: str,
                        limit: int) -> tuple[list[SandboxInfo], bool]: ...
     def lost(self, sandbox_id: str) -> Lost | None: ...
+    def vanished(self, sandbox_id: str) -> Lost | None:
+        """The sandbox's edge answered that it does not know ``sandbox_id``. If the
+        control plane had recorded it as live, the node lost it (restarted without it):
+        write it off like a sandbox of a lost node and return its tombstone; else None."""
+        ...
 
 
 class Placer(Protocol):
@@ -218,6 +244,9 @@ class ApiConfig:
     # ("pids_max": null), so one fork bomb cannot take every pid of its node
     # (kernel.pid_max is 32768 on a default kernel). None lets clients opt out.
     pids_max_ceiling: int | None = 16_384
+    # A create that took over a dead apiserver's idempotency claim waits this long for
+    # the sandbox that one was creating to leave `creating` before giving up on it.
+    recover_wait_s: float = 30.0
 
 
 class _ProjectCache:
@@ -243,6 +272,8 @@ class _ProjectCache:
 
 
 _msgpack = msgspec.msgpack.Encoder()
+# How often one create asks its key again after losing its claim to another apiserver.
+_RETAKES = 3
 _info_dec = msgspec.msgpack.Decoder(SandboxInfo)
 
 
@@ -265,11 +296,21 @@ class ApiService:
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
+    _keyed: set[asyncio.Future[SandboxInfo | None]] = field(init=False)  # claims at work
 
     def __post_init__(self) -> None:
+        self._keyed = set()
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
+
+    async def close(self) -> None:
+        """Stop keyed creates still at work (their claims are released, with the sandbox
+        id they noted, for whoever retries next: another apiserver, or this one again)."""
+        work = list(self._keyed)
+        for w in work:
+            w.cancel()
+        await asyncio.gather(*work, return_exceptions=True)
 
     # ------------------------------------------------------------ auth / limits
     def authenticate(self, authorization: str | None, client: str | None = None) -> Caller:
@@ -352,7 +393,17 @@ class ApiService:
     def redact(self, exc: DsecError) -> DsecError:
         """``exc`` as API clients may see it: every ``config.redact_paths`` prefix in its
         message and string details replaced by ``<state-dir>`` (a copy of the same class;
-        ``exc`` itself when nothing needed replacing)."""
+        ``exc`` itself when nothing needed replacing). A ``TransportError`` here is the
+        failure of one of the apiserver's own links inside the cluster (the caller's
+        connection is the one carrying this answer): it goes out as ``Unavailable``
+        (503, retry), never as the caller's ``ConnectionLost``/``ConnectFailed``, which
+        would tell the caller *its* connection broke. The operations map their own link
+        errors more precisely (``EdgeUnreachable``); this is the net under all of them."""
+        if isinstance(exc, TransportError):
+            exc = Unavailable(
+                f"the apiserver could not finish the request: one of its links inside the "
+                f"cluster failed ({exc.code}: {exc.message}); retry in a few seconds",
+                cause=exc.code)
         paths = self.config.redact_paths
         if not paths:
             return exc
@@ -380,10 +431,34 @@ class ApiService:
         """Route ``sid`` to its edge after checking ``principal`` may ``need`` it."""
         edge, lost, project = await self._route(principal, sid, need)
         if lost is not None:
-            raise InvalidTransition(
-                f"sandbox {sid} is destroyed: {lost.info.reason} ({lost.events[-1].detail}); "
-                "create a new one", sandbox_id=sid, state="destroyed")
+            raise _lost_error(lost)
         return edge, project
+
+    def _vanished(self, sid: str) -> Lost | None:
+        fn = getattr(self.directory, "vanished", None)
+        return None if fn is None else fn(sid)
+
+    def _healthy(self, node: str) -> bool:
+        return any(n.id == node and n.healthy for n in self.directory.nodes())
+
+    async def _via(self, edge: EdgeOps, sid: str, op: str,
+                   call: Callable[[], Awaitable[T]], *, effect: bool = False) -> T:
+        """Run one edge call for sandbox ``sid`` and turn what went wrong on the way into
+        the caller's terms: the edge no longer knowing a sandbox the control plane
+        recorded is :class:`SandboxLost` (written off with its node), and a failure of
+        the apiserver's own link to the edge is :class:`EdgeUnreachable` (503, retry),
+        never the caller's ``ConnectionLost``. ``effect``: the operation changes the
+        sandbox (exec, write...), so the error says whether it may have happened."""
+        sent = not getattr(getattr(edge, "conn", None), "closed", False)
+        try:
+            return await call()
+        except SandboxNotFound:
+            lost = self._vanished(sid)
+            if lost is not None:
+                raise _lost_error(lost) from None
+            raise _not_found(sid) from None
+        except _LINK_ERRORS as exc:
+            raise _unreachable(node_of(sid), op, sid, exc, effect=effect, sent=sent) from exc
 
     async def _route(self, principal: Caller, sid: str,
                      need: Role) -> tuple[EdgeOps, Lost | None, str]:
@@ -404,9 +479,13 @@ class ApiService:
         project = self._projects.get(sid)
         if project is None:
             try:
-                info = await edge.get(sid)
-            except SandboxNotFound:
-                raise _not_found(sid) from None
+                info = await self._via(edge, sid, "get", lambda: edge.get(sid))
+            except SandboxLost:
+                lost = self.directory.lost(sid)
+                if lost is None:
+                    raise
+                self._check_lost(principal, lost, need)
+                return edge, lost, lost.info.spec.project
             project = info.spec.project
             self._projects.put(sid, project)
         if not principal.superuser:
@@ -430,7 +509,7 @@ class ApiService:
 
     # ---------------------------------------------------------------- create
     def build_spec(self, principal: Caller, req: CreateSandboxRequest) -> SandboxSpec:
-        project = req.project or principal.default_project
+        project = principal.default_project if req.project is None else req.project
         parse_project_path(project)
         self.require(principal, project, "member")
         ttl = req.ttl_s
@@ -480,26 +559,204 @@ class ApiService:
         if idempotency_key is None:
             return await self._create_placed(spec)
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
-        fp = fingerprint(raw or _msgpack.encode(req))
-        begin = self.idempotency.begin(scoped, fp)
-        if begin.replay is not None:
-            self.metrics.idempotent_replays.inc()
-            return _info_dec.decode(begin.replay)
-        if begin.wait is not None:
-            self.metrics.idempotent_replays.inc()
-            return _info_dec.decode(await asyncio.shield(begin.wait))
+        # Of the decoded request, not of its bytes (``raw`` is unused): one request is
+        # one key whichever door and encoding it came through.
+        fp = request_fingerprint(req)
+        for _ in range(_RETAKES):
+            info = await self._create_keyed(spec, scoped, fp)
+            if info is not None:
+                return info
+            # Our claim was taken over while we worked (this apiserver stalled past its
+            # lease): the new owner answers for the key. Ask the key again: its answer
+            # is (or will be) there, so the caller gets that sandbox, not an error about
+            # ids it never saw, and no second sandbox.
+        raise ClaimLost(
+            f"the Idempotency-Key was taken over by other apiservers {_RETAKES} times while "
+            "this one worked on it; retry the request to get their answer",
+            field="Idempotency-Key")
+
+    async def _create_keyed(self, spec: SandboxSpec, scoped: str,
+                            fp: str) -> SandboxInfo | None:
+        """One go at a create under ``scoped``: the answer, or None when the claim was
+        lost to another apiserver before this one could answer (ask the key again)."""
+        while True:
+            begin = self.idempotency.begin(scoped, fp)
+            if begin.replay is not None:
+                self.metrics.idempotent_replays.inc()
+                return _info_dec.decode(begin.replay)
+            if begin.wait is not None:
+                try:
+                    data = await asyncio.shield(begin.wait)
+                except Retry:
+                    continue  # the holder went away (died, or gave up): claim it ourselves
+                self.metrics.idempotent_replays.inc()
+                return _info_dec.decode(data)
+            break
+        claim = begin.claim
+        assert claim is not None
+        # The key's work, not this request's: it runs to its end even if the request is
+        # cancelled (the gateway cancels a handler whose caller timed out or hung up),
+        # so the caller's retry, waiting on the key, gets its sandbox. Cancelled with it,
+        # a create slower than the caller's timeout was cut off on every attempt and
+        # never happened (and took the edge's create down with it).
+        work = asyncio.ensure_future(self._claimed(spec, scoped, claim))
+        self._keyed.add(work)
+        work.add_done_callback(_settle_keyed(self._keyed))
+        return await asyncio.shield(work)
+
+    async def _claimed(self, spec: SandboxSpec, scoped: str,
+                       claim: Claim) -> SandboxInfo | None:
+        """The work of a claim (see :meth:`_create_keyed`)."""
         try:
-            info = await self._create_placed(spec)
+            info = await self._create_claimed(spec, claim)
+        except Exception as exc:
+            lost = isinstance(exc, ClaimLost) or not self.idempotency.holds(claim)
+            self.idempotency.abort(scoped, exc)
+            if lost:
+                return None   # e.g. the edge said our noted id is in use: the new owner made it
+            raise
         except BaseException as exc:
             self.idempotency.abort(scoped, exc)
             raise
-        self.idempotency.finish(scoped, _msgpack.encode(info))
+        try:
+            self.idempotency.finish(scoped, _msgpack.encode(info))
+        except ClaimLost:
+            await self._drop_duplicate(scoped, info)
+            return None
         return info
 
-    async def _create_placed(self, spec: SandboxSpec) -> SandboxInfo:
+    async def _drop_duplicate(self, scoped: str, info: SandboxInfo) -> None:
+        """Our claim was taken over while we created ``info`` (this apiserver stalled past
+        its lease). The new owner answers for the key; unless it answers (or will answer,
+        through the intent) with this very sandbox, ours is a duplicate: destroy it."""
+        row = self.idempotency.peek(scoped)
+        if row is not None and (row.intent == info.id or (
+                row.response is not None and _info_dec.decode(row.response).id == info.id)):
+            return
+        edge = self.directory.edge(NodeId(info.node))
+        if edge is None:
+            return
+        try:
+            await edge.destroy(info.id, reason="requested",
+                               detail="duplicate of an idempotent create that another "
+                                      "apiserver answered")
+        except DsecError as exc:
+            log.warning("could not destroy duplicate %s: %s", info.id, exc)
+            return
+        if self.quotas is not None:
+            self.quotas.forget(info.id, "requested")
+
+    async def _create_claimed(self, spec: SandboxSpec, claim: Claim) -> SandboxInfo:
+        """A create under an idempotency claim. A claim taken over from a dead apiserver
+        names the sandbox that one was creating (``claim.intent``): find it first and
+        answer with it, so a retry after a crash never makes a second sandbox."""
+        if claim.intent is not None:
+            info = await self._recover(spec, claim)
+            if info is not None:
+                return info
+        return await self._create_placed(spec, claim)
+
+    async def _settled(self, edge: EdgeOps, sid: str) -> SandboxInfo | None:
+        """``sid`` on its edge once it is out of a transition, or when
+        ``recover_wait_s`` ran out (None: the edge does not have it). A link error is
+        :class:`EdgeUnreachable` (retry later), whatever the node's health: the sandbox
+        may be there, and making another one elsewhere would make two."""
+        deadline = self.clock() + self.config.recover_wait_s
+        while True:
+            try:
+                info = await edge.get(sid)
+            except SandboxNotFound:
+                return None
+            except _LINK_ERRORS as exc:
+                raise _unreachable(node_of(sid), "create", sid, exc, effect=True,
+                                   sent=True) from exc
+            if info.state not in ("creating", "pausing", "resuming") or \
+                    self.clock() >= deadline:
+                return info
+            await asyncio.sleep(0.05)
+
+    async def _recover(self, spec: SandboxSpec, claim: Claim) -> SandboxInfo | None:
+        """Find (or make, under the very same id) the sandbox a previous owner of
+        ``claim`` was creating. None: it is gone for good; create a new one. While it
+        may still come into being (its edge cannot be reached, or it is still
+        ``creating``) the answer is a retryable 503, never a second sandbox."""
+        sid = claim.intent
+        assert sid is not None
+        try:
+            node = node_of(sid)
+        except InvalidArgument:
+            return None
+        edge = self.directory.edge(node)
+        if edge is None:
+            return None
+        info = await self._settled(edge, sid)
+        if info is None:
+            # Not on its edge: create it there under the same id, so that a first attempt
+            # still on its way to the edge can only be refused (ids are unique per edge).
+            try:
+                return await self._create_on(spec, edge, sid)
+            except CapacityExceeded:
+                return None  # the node is full now: place it anew (under a new intent)
+            except _IdInUse:
+                info = await self._settled(edge, sid)
+                if info is None:
+                    return None
+            except _LINK_ERRORS as exc:
+                raise _unreachable(node, "create", sid, exc, effect=True,
+                                   sent=True) from exc
+        if info.state == "creating":
+            raise Unavailable(
+                f"sandbox {sid}, which an earlier attempt of this create asked node {node} "
+                f"for, is still being created after {self.config.recover_wait_s:g}s; retry "
+                "(same Idempotency-Key) to get it", node=node, sandbox_id=sid)
+        if info.state not in ("running", "paused", "pausing", "resuming"):
+            return None  # the first attempt's sandbox failed or was destroyed
+        self._adopted(info)
+        return info
+
+    def _adopted(self, info: SandboxInfo) -> None:
+        """Record a sandbox an earlier create made (found through its intent)."""
+        if self.quotas is not None:
+            try:
+                token = self.quotas.admit(info.spec.project, info.spec)
+            except DsecError:
+                pass  # over quota now: the next heartbeat reconcile records it anyway
+            else:
+                self.quotas.commit(token, info)
+        self._projects.put(info.id, info.spec.project)
+
+    async def _create_on(self, spec: SandboxSpec, edge: EdgeOps, sid: str) -> SandboxInfo:
+        """Create ``sid`` on ``edge`` with quota admission, outside placement (the edge
+        has the final say on capacity). ``_IdInUse`` when the edge already has ``sid``."""
         token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
         try:
-            info = await self._place_and_create(spec)
+            info = await self._edge_create(edge, spec, sid)
+        except BaseException:
+            if self.quotas is not None:
+                self.quotas.abort(token)
+            raise
+        if self.quotas is not None:
+            self.quotas.commit(token, info)
+        self._projects.put(info.id, spec.project)
+        self.metrics.creations.labels(spec.backend).inc()
+        return info
+
+    async def _edge_create(self, edge: EdgeOps, spec: SandboxSpec,
+                           sid: str | None) -> SandboxInfo:
+        if sid is None:
+            return await edge.create(spec)
+        try:
+            return await edge.create(spec, sandbox_id=sid)
+        except InvalidArgument as exc:
+            if exc.detail.get("sandbox_id") == sid and "already in use" in exc.message:
+                raise _IdInUse(sid) from exc
+            raise
+
+    async def _create_placed(self, spec: SandboxSpec,
+                             claim: Claim | None = None) -> SandboxInfo:
+        token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
+        try:
+            info = await self._place_and_create(spec, claim)
         except BaseException as exc:
             if self.quotas is not None:
                 self.quotas.abort(token)
@@ -512,23 +769,50 @@ class ApiService:
         self.metrics.creations.labels(spec.backend).inc()
         return info
 
-    async def _place_and_create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def _place_and_create(self, spec: SandboxSpec,
+                                claim: Claim | None = None) -> SandboxInfo:
+        """Place and create, re-placing after a refusal. Under an idempotency ``claim``
+        the sandbox id is chosen here and noted in the claim before the edge is asked,
+        and a link failure after the request may have reached the edge ends the attempt
+        (:class:`EdgeUnreachable`, retryable): a second node must not get a second
+        sandbox while the first may have made one; the retry looks for it first."""
         exclude: set[str] = set()
+        unreachable: dict[str, DsecError] = {}
         last: DsecError | None = None
         for attempt in range(self.config.placement_retries + 1):
-            dec = self.placer.place(spec, frozenset(exclude))
+            try:
+                dec = self.placer.place(spec, frozenset(exclude))
+            except NoCapacity as exc:
+                raise self._no_node(spec, exc, unreachable) from exc
             node = dec.node
             edge = self.directory.edge(NodeId(node))
             if edge is None:
                 self.placer.refused(dec)
                 exclude.add(node)
                 continue
+            sid: str | None = None
+            sent = not getattr(getattr(edge, "conn", None), "closed", False)
             try:
-                info = await edge.create(spec)
-            except (CapacityExceeded, TransportError) as exc:
-                # The edge's own view said no (or it is unreachable): exclude it, pick again.
+                if claim is not None:
+                    sid = _new_sandbox_id(node)
+                    claim.note(sid)
+                info = await self._edge_create(edge, spec, sid)
+            except CapacityExceeded as exc:
+                # The edge's own view said no: exclude it, pick again.
                 self.placer.refused(dec)
                 exclude.add(node)
+                last = exc
+                if attempt < self.config.placement_retries:
+                    self.metrics.placement_retries.inc()
+                continue
+            except _LINK_ERRORS as exc:
+                self.placer.refused(dec)
+                if claim is not None and sent and not isinstance(exc, ConnectFailed) \
+                        and not exc.detail.get("retryable"):
+                    raise _unreachable(node, "create", sid or "", exc, effect=True,
+                                       sent=True) from exc
+                exclude.add(node)
+                unreachable[node] = exc
                 last = exc
                 if attempt < self.config.placement_retries:
                     self.metrics.placement_retries.inc()
@@ -543,24 +827,60 @@ class ApiService:
                 raise
             self.placer.accepted(dec)
             return info
+        if unreachable and len(unreachable) == len(exclude):
+            raise self._no_node(spec, None, unreachable)
         raise NoCapacity(
             f"no node could take a {spec.backend} sandbox with {spec.cpu_milli} millicores and "
             f"{spec.memory_bytes} bytes after {self.config.placement_retries + 1} attempts "
-            f"(tried {sorted(exclude)}); last refusal: {last}", tried=sorted(exclude))
+            f"(tried {sorted(exclude)}); last refusal: {last}", tried=sorted(exclude),
+            unreachable=sorted(unreachable))
+
+    def _no_node(self, spec: SandboxSpec, exc: NoCapacity | None,
+                 unreachable: Mapping[str, DsecError]) -> DsecError:
+        """What to answer when placement has no node left: an outage (nodes it could not
+        reach, or no healthy node at all) is :class:`Unavailable`, not a lack of
+        capacity that asking for less would fix."""
+        if unreachable:
+            nodes = ", ".join(f"{n} ({type(e).__name__})" for n, e in sorted(unreachable.items()))
+            return EdgeUnreachable(
+                f"could not reach node(s) {nodes} to create the sandbox, and no other node "
+                "could take it; the apiserver keeps reconnecting: retry in a few seconds",
+                nodes=sorted(unreachable), node=min(unreachable))
+        views = self.directory.nodes()
+        if views and not any(v.healthy for v in views):
+            said = "; ".join(f"{v.id}: {v.status}" + (f" ({v.problem[:120]})" if v.problem
+                                                       else "")
+                             for v in sorted(views, key=lambda v: v.id)[:8])
+            cut = sorted(v.id for v in views if v.status == "unreachable")
+            cls = EdgeUnreachable if cut else Unavailable   # its link, or the nodes' silence
+            return cls(
+                f"no healthy node: the cluster's {len(views)} node(s) cannot take sandboxes "
+                f"now ({said}); retry once a node is back", nodes=len(views),
+                **({"node": cut[0]} if cut else {}))
+        assert exc is not None
+        return exc
 
     async def create_many(
         self, principal: Caller, reqs: Sequence[CreateSandboxRequest],
+        keys: Sequence[str] | None = None,
     ) -> list[SandboxInfo | DsecError]:
-        """Batched create: each item succeeds or fails on its own (errors are returned)."""
+        """Batched create: each item succeeds or fails on its own (errors are returned).
+        ``keys``: one Idempotency-Key per item, so a retried batch (its reply lost to a
+        crash) answers each item with the sandbox its first attempt made."""
         if len(reqs) > self.config.max_create_batch:
             raise InvalidArgument(f"create batch of {len(reqs)} exceeds the limit of "
                                   f"{self.config.max_create_batch}; split it", field="items")
+        if keys is not None and len(keys) != len(reqs):
+            raise InvalidArgument(f"{len(keys)} idempotency keys for {len(reqs)} requests: "
+                                  "give one key per request, or none",
+                                  field="idempotency_keys")
         out: list[SandboxInfo | DsecError] = [
             InvalidArgument("not attempted")] * len(reqs)
 
         async def one(i: int, r: CreateSandboxRequest) -> None:
             try:
-                out[i] = await self.create(principal, r)
+                out[i] = await self.create(principal, r, idempotency_key=None if keys is None
+                                           else keys[i])
             except DsecError as exc:
                 out[i] = exc
         await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
@@ -571,7 +891,13 @@ class ApiService:
         edge, lost, _ = await self._route(principal, sid, "reader")
         if lost is not None:
             return lost.info
-        return await edge.get(sid)
+        try:
+            return await self._via(edge, sid, "get", lambda: edge.get(sid))
+        except SandboxLost:
+            lost = self.directory.lost(sid)
+            if lost is None:
+                raise
+            return lost.info
 
     async def list(
         self, principal: Caller, *, project: str | None, labels: Mapping[str, str],
@@ -593,16 +919,19 @@ class ApiService:
 
     # ------------------------------------------------------------- mutate
     async def destroy(self, principal: Caller, sid: str) -> None:
-        """Idempotent: destroying a destroyed (or destroying) sandbox succeeds."""
+        """Idempotent: destroying a destroyed (or destroying, or lost) sandbox succeeds."""
         if self._lost(principal, sid, "member") is not None:
             return  # written off with its node; the watcher destroys it if the node returns
-        edge, _ = await self._edge_for(principal, sid, "member")
-        info = await edge.get(sid)
-        if info.state in ("destroyed", "destroying"):
-            return
         try:
-            await edge.destroy(sid, reason="requested",
-                               detail=f"deleted via the API by {principal.name}")
+            edge, _ = await self._edge_for(principal, sid, "member")
+            info = await self._via(edge, sid, "get", lambda: edge.get(sid))
+            if info.state in ("destroyed", "destroying"):
+                return
+            await self._via(edge, sid, "destroy", lambda: edge.destroy(
+                sid, reason="requested", detail=f"deleted via the API by {principal.name}"),
+                effect=True)
+        except SandboxLost:
+            return  # its node lost it: nothing is left to destroy
         except InvalidTransition:
             return  # a concurrent destroy won the race: the outcome is the same
         if self.quotas is not None:
@@ -610,13 +939,31 @@ class ApiService:
 
     async def exec(self, principal: Caller, sid: str, req: ExecRequest) -> ExecResult:
         edge, _ = await self._edge_for(principal, sid, "member")
-        return await edge.exec(sid, req)
+        return await self._via(edge, sid, "exec",
+                               lambda: edge.exec(sid, req, timeout=_exec_deadline(req)),
+                               effect=True)
 
     async def exec_stream(
         self, principal: Caller, sid: str, req: ExecRequest,
     ) -> AsyncIterator[ExecChunk | ExecResult]:
         edge, _ = await self._edge_for(principal, sid, "member")
-        return edge.exec_stream(sid, req)
+        return self._stream(edge, sid, req)
+
+    async def _stream(self, edge: EdgeOps, sid: str,
+                      req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
+        """``edge.exec_stream`` with its errors mapped as :meth:`_via` maps them."""
+        sent = not getattr(getattr(edge, "conn", None), "closed", False)
+        try:
+            async for item in edge.exec_stream(sid, req, timeout=_exec_deadline(req)):
+                yield item
+        except SandboxNotFound:
+            lost = self._vanished(sid)
+            if lost is not None:
+                raise _lost_error(lost) from None
+            raise _not_found(sid) from None
+        except _LINK_ERRORS as exc:
+            raise _unreachable(node_of(sid), "exec", sid, exc, effect=True,
+                               sent=sent) from exc
 
     async def exec_many(
         self, principal: Caller, items: Sequence[tuple[str, ExecRequest]],
@@ -633,51 +980,82 @@ class ApiService:
             groups.setdefault(id(edge), (edge, []))[1].append(i)
 
         async def run(edge: EdgeOps, idx: list[int]) -> None:
+            deadlines = [_exec_deadline(items[i][1]) for i in idx]
+            deadline = None if None in deadlines else max(d for d in deadlines if d)
+            sent = not getattr(getattr(edge, "conn", None), "closed", False)
+            res: list[ExecResult | DsecError]
             try:
-                res = await edge.exec_many([(items[i][0], items[i][1]) for i in idx])
+                res = await edge.exec_many([(items[i][0], items[i][1]) for i in idx],
+                                           timeout=deadline)
+            except _LINK_ERRORS as exc:
+                res = [_unreachable(node_of(items[i][0]), "exec", items[i][0], exc,
+                                    effect=True, sent=sent) for i in idx]
             except DsecError as exc:
                 res = [exc] * len(idx)
             for i, r in zip(idx, res):
+                if isinstance(r, SandboxNotFound):
+                    lost = self._vanished(items[i][0])
+                    r = _not_found(items[i][0]) if lost is None else _lost_error(lost)
                 out[i] = r
         await asyncio.gather(*(run(e, idx) for e, idx in groups.values()))
         return out
 
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
                         length: int | None) -> bytes:
+        check_path(path)
         edge, _ = await self._edge_for(principal, sid, "reader")
-        return await edge.read_file(sid, path, offset=offset, length=length)
+
+        async def piece(at: int, n: int) -> bytes:
+            return await self._via(edge, sid, "read_file", lambda: edge.read_file(
+                sid, path, offset=at, length=n))
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.edge.spec)
+        return await read_in_chunks(piece, offset, length)
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
+        check_path(path)
         edge, _ = await self._edge_for(principal, sid, "member")
-        await edge.write_file(sid, path, data, mode=mode, append=append)
+        # in pieces that fit an Aether frame (the first one truncates unless appending):
+        # not atomic, a failure midway leaves the pieces written so far
+        for at in range(0, max(1, len(data)), FILE_CHUNK_BYTES):
+            chunk = data[at:at + FILE_CHUNK_BYTES]
+            more = append or at > 0
+            await self._via(edge, sid, "write_file", functools.partial(
+                edge.write_file, sid, path, chunk, mode=mode, append=more), effect=True)
 
     async def list_dir(self, principal: Caller, sid: str, path: str) -> builtins.list[FileInfo]:
+        check_path(path)
         edge, _ = await self._edge_for(principal, sid, "reader")
-        return await edge.list_dir(sid, path)
+        return await self._via(edge, sid, "list_dir", lambda: edge.list_dir(sid, path))
 
     async def stat(self, principal: Caller, sid: str, path: str) -> FileInfo:
+        check_path(path)
         edge, _ = await self._edge_for(principal, sid, "reader")
-        return await edge.stat(sid, path)
+        return await self._via(edge, sid, "stat", lambda: edge.stat(sid, path))
 
     async def mkdir(self, principal: Caller, sid: str, path: str, parents: bool) -> None:
+        check_path(path)
         edge, _ = await self._edge_for(principal, sid, "member")
-        await edge.mkdir(sid, path, parents=parents)
+        await self._via(edge, sid, "mkdir", lambda: edge.mkdir(sid, path, parents=parents),
+                        effect=True)
 
     async def remove(self, principal: Caller, sid: str, path: str, recursive: bool) -> None:
+        check_path(path)
         edge, _ = await self._edge_for(principal, sid, "member")
-        await edge.remove(sid, path, recursive=recursive)
+        await self._via(edge, sid, "remove", lambda: edge.remove(sid, path,
+                                                                 recursive=recursive),
+                        effect=True)
 
     async def pause(self, principal: Caller, sid: str) -> PauseStats:
         edge, _ = await self._edge_for(principal, sid, "member")
-        stats = await edge.pause(sid)
+        stats = await self._via(edge, sid, "pause", lambda: edge.pause(sid), effect=True)
         if self.quotas is not None:
             self.quotas.paused(sid, True)
         return stats
 
     async def resume(self, principal: Caller, sid: str) -> None:
         edge, _ = await self._edge_for(principal, sid, "member")
-        await edge.resume(sid)
+        await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
         if self.quotas is not None:
             self.quotas.paused(sid, False)
 
@@ -693,7 +1071,9 @@ class ApiService:
         room = self.quotas.snapshot_room(project) if self.quotas is not None else None
         if room == 0 and self.quotas is not None:
             self.quotas.check_snapshot(project, 1)   # raises, naming the full quota
-        info = await edge.snapshot(sid, strip=strip, max_bytes=room)
+        info = await self._via(edge, sid, "snapshot",
+                               lambda: edge.snapshot(sid, strip=strip, max_bytes=room),
+                               effect=True)
         if self.quotas is not None and not info.unchanged:
             try:
                 self.quotas.charge_snapshot(info.id, info.project or project,
@@ -718,6 +1098,8 @@ class ApiService:
         if project is not None:
             parse_project_path(project)
             self.require(principal, project, "reader")
+        if sandbox_id is not None:
+            parse_sandbox_id(sandbox_id)
         edges = self._edges()
         results = await asyncio.gather(*(e.snapshots(sandbox_id=sandbox_id)
                                          for _, e in edges), return_exceptions=True)
@@ -832,6 +1214,10 @@ class ApiService:
                             "or by a snapshot that builds on it; destroy those sandboxes and "
                             "delete those snapshots first (GET /v1/snapshots lists the "
                             "ones you may see)", ref=view.id) from None
+            except _LINK_ERRORS as exc:
+                # the apiserver's link, not the caller's: say which node, and retry
+                raise _unreachable(node, "snapshot delete", "", exc, effect=True,
+                                   sent=True) from exc
         for k in [k for k, (sid, _) in self._snapshots.items() if sid == view.id]:
             del self._snapshots[k]
         forget = getattr(self.directory, "forget_snapshot", None)
@@ -845,13 +1231,92 @@ class ApiService:
         lost = self._lost(principal, sid, "reader")
         if lost is not None:
             return list(lost.events)
-        edge, _ = await self._edge_for(principal, sid, "reader")
-        return await edge.events(sid)
+        try:
+            edge, _ = await self._edge_for(principal, sid, "reader")
+            return await self._via(edge, sid, "events", lambda: edge.events(sid))
+        except SandboxLost:
+            lost = self.directory.lost(sid)
+            if lost is None:
+                raise
+            return list(lost.events)
 
     def nodes(self, principal: Caller) -> builtins.list[NodeView]:
         if principal.role_on("default") is None and not principal.roles and not principal.superuser:
             raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
         return self.directory.nodes()
+
+
+# Failures of the apiserver's own link to an edge (never the caller's connection).
+_LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
+
+# How much longer than a command's own timeout the apiserver waits for the edge's answer
+# (the edge kills the process group at the timeout and reaps it before answering).
+EXEC_DEADLINE_MARGIN_S = 30.0
+
+
+class _IdInUse(InvalidTransition):
+    """The edge already has the sandbox id a create under a claim asked for."""
+
+    def __init__(self, sid: str) -> None:
+        super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
+
+
+def _exec_deadline(req: ExecRequest) -> float | None:
+    """How long the apiserver waits for an exec's answer from the edge: the command
+    timeout plus a margin (None: no command timeout, so no deadline either). The edge
+    link's default deadline would otherwise cut off any command running longer."""
+    if req.background:
+        return EXEC_DEADLINE_MARGIN_S
+    return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
+
+
+def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],
+                  ) -> Callable[[asyncio.Future[SandboxInfo | None]], None]:
+    """Done callback of a keyed create's work: forget it, and mark its error retrieved
+    (its caller may have gone; the error went to the key's waiters already)."""
+    def done(work: asyncio.Future[SandboxInfo | None]) -> None:
+        keyed.discard(work)
+        if not work.cancelled():
+            work.exception()
+    return done
+
+
+def _new_sandbox_id(node: str) -> str:
+    """A fresh sandbox id on ``node`` (for creates whose id must be noted before the edge
+    is asked); 48 random bits, as the edge's own ids."""
+    return f"sb-{secrets.token_hex(6)}-{node}"
+
+
+def _unreachable(node: str, op: str, sid: str, exc: BaseException, *, effect: bool,
+                 sent: bool) -> EdgeUnreachable:
+    """The caller-facing error for a failure of the apiserver's link to ``node``."""
+    if isinstance(exc, ConnectFailed) or (isinstance(exc, DsecError)
+                                          and exc.detail.get("retryable")):
+        sent = False  # could not connect, or the edge said it did not process it
+    why = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:300]
+    what = f"{op} of sandbox {sid}" if sid else op
+    if not effect:
+        outcome = "retry in a few seconds"
+    elif not sent:
+        outcome = f"the {op} was not carried out; retry in a few seconds"
+    elif op == "exec":
+        outcome = ("the command may have run (the request reached the link before it "
+                   "failed): check its effects before running it again")
+    else:
+        outcome = f"the {op} may have happened; check before repeating it"
+    return EdgeUnreachable(
+        f"the apiserver lost its link to node {node} during {what} ({why}); {outcome}",
+        node=node, sandbox_id=sid or None, may_have_run=effect and sent)
+
+
+def _lost_error(lost: Lost) -> SandboxLost:
+    """The error for an operation on a sandbox written off with its node."""
+    sid = lost.info.id
+    detail = lost.events[-1].detail if lost.events else ""
+    return SandboxLost(
+        f"sandbox {sid} was lost with its node ({lost.info.reason}: {detail}); it will not "
+        "come back: create a new one", sandbox_id=sid, state="destroyed",
+        reason=lost.info.reason)
 
 
 def _check_snapshot_ref(ref: str) -> None:
@@ -902,27 +1367,25 @@ def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
 
 
 def exec_request(body: ExecBody) -> ExecRequest:
-    """REST exec body -> edge ExecRequest, with argv/stdin size limits checked here."""
-    if (body.argv is None) == (body.shell is None) or (body.argv is not None and not body.argv):
-        raise InvalidArgument("exec needs exactly one of argv (a non-empty list of strings) or "
-                              "shell (a string)", field="argv")
-    size = sum(len(a) + 1 for a in body.argv or ()) + len(body.shell or "")
-    size += sum(len(k) + len(v) + 2 for k, v in body.env.items())
-    if size > MAX_ARGV_BYTES:
-        raise InvalidArgument(
-            f"exec argv+env is {size} bytes, over the {MAX_ARGV_BYTES}-byte limit; pass large "
-            "data via stdin or write it to a file first", field="argv", size=size)
+    """REST exec body -> edge ExecRequest, checked by :meth:`ExecRequest.validate` (the
+    same limits and messages as the gateway and the edge). Only decoding base64 stdin is
+    REST's own step."""
     if body.stdin_encoding == "base64":
+        if len(body.stdin) > MAX_STDIN_BYTES * 4 // 3 + 4:
+            raise InvalidArgument(f"exec stdin is over the {MAX_STDIN_BYTES}-byte limit; "
+                                  "write large inputs to a file first", field="stdin",
+                                  limit=MAX_STDIN_BYTES)
         try:
             stdin = base64.b64decode(body.stdin, validate=True)
         except ValueError:
             raise InvalidArgument("stdin is not valid base64 (stdin_encoding='base64')",
                                   field="stdin") from None
     else:
-        stdin = body.stdin.encode()
-    if len(stdin) > MAX_STDIN_BYTES:
-        raise InvalidArgument(f"stdin of {len(stdin)} bytes exceeds {MAX_STDIN_BYTES}; write "
-                              "large inputs as a file", field="stdin")
+        try:
+            stdin = body.stdin.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument("exec stdin is not valid Unicode text (send bytes with "
+                                  "stdin_encoding='base64')", field="stdin") from None
     req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
                       cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
                       output_cap_bytes=body.output_cap_bytes, background=body.background)

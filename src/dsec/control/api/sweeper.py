@@ -21,6 +21,13 @@ sandboxes were swept is re-registered by its client's next renew (renew is an up
 a sandbox whose session is unknown is only swept once ``unknown_grace_s`` (default 3
 minutes, more than any sane lease) has passed since the sweeper started.
 
+A lease only says a client is gone if the client could have renewed it: while no
+apiserver ran (a crash, a restart, an upgrade, a stopped or starved process, a jump of
+the wall clock) renewals failed for every client. So a session is expired only once the
+sweeper has been watching for a whole lease (``started_at``: when it started, or woke up
+from a stall); before, an apiserver back from an outage longer than the lease destroyed
+every live client's sandboxes at its first sweep, ahead of their next renewal.
+
 :func:`plan_sweep` is the pure decision; the async loop in
 :mod:`dsec.control.api.plane` feeds it and carries out the destroys.
 """
@@ -55,7 +62,8 @@ def plan_sweep(
     now: float, candidates: Iterable[SweepCandidate], sessions: Mapping[str, Session], *,
     started_at: float, unknown_grace_s: float,
 ) -> list[tuple[str, str]]:
-    """``(sandbox_id, reason)`` for every sandbox to destroy now."""
+    """``(sandbox_id, reason)`` for every sandbox to destroy now. ``started_at``: since
+    when the sweeper has been watching without a break (see the module docstring)."""
     out: list[tuple[str, str]] = []
     for c in candidates:
         if c.state in ("destroyed", "destroying", "failed"):
@@ -66,6 +74,6 @@ def plan_sweep(
                 out.append((c.sandbox_id, "session_unknown"))
         elif s.closed:
             out.append((c.sandbox_id, "session_closed"))
-        elif s.expires_at <= now:
+        elif s.expires_at <= now and now - started_at >= s.lease_s:
             out.append((c.sandbox_id, "session_expired"))
     return out

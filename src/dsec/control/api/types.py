@@ -18,6 +18,19 @@ from typing import Annotated, Literal
 import msgspec
 
 from dsec.edge.spec import (
+    MAX_ARG_BYTES,
+    MAX_ARGV_BYTES,
+    MAX_ARGV_ITEMS,
+    MAX_CPU_MILLI,
+    MAX_CWD_BYTES,
+    MAX_DISK_BYTES,
+    MAX_ENV_ITEMS,
+    MAX_EXEC_TIMEOUT_S,
+    MAX_MEMORY_BYTES,
+    MAX_OUTPUT_CAP_BYTES,
+    MAX_STDIN_BYTES,
+    MAX_TTL_S,
+    MAX_USER_BYTES,
     BackendName,
     FileInfo,
     IdleAction,
@@ -58,17 +71,34 @@ __all__ = [
 Encoding = Literal["utf-8", "base64"]
 Role = Literal["admin", "member", "reader"]
 
-# Linux refuses an execve whose argv+envp exceed ARG_MAX (2 MiB with the default 8 MiB
-# stack); we refuse earlier with a clear 400 instead of an opaque E2BIG from the edge.
-MAX_ARGV_BYTES = 1 << 20
-MAX_STDIN_BYTES = 8 << 20
+# The exec limits live with ExecRequest (dsec.edge.spec), which every door validates
+# with; re-exported here for callers of the API types. In the schema below they appear
+# as ``extra_json_schema`` only, so the one validator (and its messages) stays the rule.
+
+
+def _doc(**schema: object) -> msgspec.Meta:
+    """A limit documented in the OpenAPI schema, enforced by the shared validators."""
+    return msgspec.Meta(extra_json_schema=schema)
+
+
+ArgStr = Annotated[str, _doc(maxLength=MAX_ARG_BYTES,
+                             description="at most MAX_ARG_BYTES UTF-8 bytes, no NUL")]
+
+# Identifier patterns the server enforces (dsec.ids, dsec.control.iam), for the schema.
+_PART = r"[a-z0-9][a-z0-9_.-]{0,62}"
+PROJECT_PATTERN = rf"^{_PART}(?:/{_PART}){{0,15}}$"
+SNAPSHOT_PATTERN = r"^sha256:[0-9a-f]{12,64}$"
+PRINCIPAL_PATTERN = r"^[a-z0-9][a-z0-9_.@-]{0,127}$"
+PIDS_MAX_CEILING = 16_384     # ApiConfig.pids_max_ceiling's default
+
+Project = Annotated[str, _doc(pattern=PROJECT_PATTERN)]
 
 
 # Bounded ints: a JSON number beyond 64 bits would otherwise pass decoding and fail later
 # when the body is re-encoded as msgpack for the edge (found by the schemathesis test).
+# Fields with tighter server bounds (cpu_milli, memory_bytes, ...) are checked by
+# SandboxSpec.validate before anything is encoded, and only documented below.
 I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
-U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Seconds = Annotated[float, msgspec.Meta(ge=0, le=10**9)]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -85,25 +115,40 @@ class ApiError(msgspec.Struct, kw_only=True):
     detail: dict[str, str | int | float | bool | None] = {}
 
 
-class CreateSandboxRequest(_Strict):
-    """Body of ``POST /v1/sandboxes``. Units are in the names; ``null`` means none."""
+def _int(lo: int, hi: int) -> msgspec.Meta:
+    """An int the server checks to be within lo..hi (SandboxSpec.validate, with its own
+    message, before anything is encoded for the edge), documented as such. No decode
+    constraint: msgspec's ge/le would override the schema and word the error apart."""
+    return _doc(minimum=lo, maximum=hi)
 
-    image: str = "base"
+
+# Seconds the server wants in (0, MAX_TTL_S] (SandboxSpec.validate).
+PositiveSeconds = Annotated[float, _doc(exclusiveMinimum=0, maximum=MAX_TTL_S)]
+
+
+class CreateSandboxRequest(_Strict):
+    """Body of ``POST /v1/sandboxes``. Units are in the names; ``null`` means none.
+    The bounds in the schema are what the server checks (SandboxSpec.validate and the
+    apiserver's pids_max ceiling, 16,384 by default; ``null`` only where it is off)."""
+
+    image: Annotated[str, _doc(minLength=1)] = "base"
     workspace: str | None = None
     toolkits: list[str] = []
-    snapshot: str | None = None
+    snapshot: Annotated[str, _doc(pattern=SNAPSHOT_PATTERN)] | None = None
     backend: BackendName | None = None   # default: the server's default backend
-    cpu_milli: U63 = 1000
-    memory_bytes: U63 = 512 * 2**20
-    disk_bytes: U63 | None = None
-    pids_max: U63 | None = 1024
+    cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = 1000
+    memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = 512 * 2**20
+    disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None
+    pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = 1024
     priority: I32 = 0
-    labels: dict[str, str] = {}
-    project: str | None = None          # default: the key's default project
-    ttl_s: Seconds | None = None        # default: the server's default TTL (6 h)
-    idle_timeout_s: Seconds | None = None
+    labels: Annotated[dict[str, Annotated[str, _doc(maxLength=1024)]], _doc(
+        propertyNames={"minLength": 1, "maxLength": 253})] = {}
+    project: Project | None = None      # default: the key's default project
+    # default: the server's default TTL (6 h)
+    ttl_s: PositiveSeconds | None = None
+    idle_timeout_s: PositiveSeconds | None = None
     idle_action: IdleAction = "destroy"
-    env: dict[str, str] = {}
+    env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}
     network: NetworkPolicy = NetworkPolicy()
     allow_nested: bool = False
     user_namespace: bool = False        # root inside = unprivileged uid on the host
@@ -116,17 +161,20 @@ class SandboxList(msgspec.Struct, kw_only=True):
 
 
 class ExecBody(_Strict):
-    """Body of ``POST /v1/sandboxes/{id}/exec``: exactly one of ``argv`` / ``shell``."""
+    """Body of ``POST /v1/sandboxes/{id}/exec``: exactly one of ``argv`` / ``shell``.
+    argv (or shell) and env together: at most 1 MiB of UTF-8 (``MAX_ARGV_BYTES``)."""
 
-    argv: list[str] | None = None
-    shell: str | None = None
-    env: dict[str, str] = {}
-    cwd: str | None = None
-    user: str | None = None
-    stdin: str = ""
+    argv: Annotated[list[ArgStr], _doc(minItems=1, maxItems=MAX_ARGV_ITEMS)] | None = None
+    shell: ArgStr | None = None
+    env: Annotated[dict[str, str], _doc(maxProperties=MAX_ENV_ITEMS)] = {}
+    cwd: Annotated[str, _doc(minLength=1, maxLength=MAX_CWD_BYTES)] | None = None
+    user: Annotated[str, _doc(minLength=1, maxLength=MAX_USER_BYTES)] | None = None
+    stdin: str = ""                     # at most MAX_STDIN_BYTES once decoded
     stdin_encoding: Encoding = "utf-8"
-    timeout_s: Seconds | None = 60.0    # the *command* timeout (kills the process group)
-    output_cap_bytes: U63 = 1 << 20
+    # the *command* timeout (kills the process group)
+    timeout_s: Annotated[float, _doc(exclusiveMinimum=0, maximum=MAX_EXEC_TIMEOUT_S)] | \
+        None = 60.0
+    output_cap_bytes: Annotated[int, _doc(minimum=0, maximum=MAX_OUTPUT_CAP_BYTES)] = 1 << 20
     background: bool = False
 
 
@@ -247,13 +295,16 @@ class NodeList(msgspec.Struct, kw_only=True):
     items: list[NodeView]
 
 
+NonNegative = Annotated[int, _doc(minimum=0)]
+
+
 class QuotaBody(_Strict):
     """A quota on a project (and, through the tree, on its descendants). ``null`` = none."""
 
-    max_sandboxes: int | None = None
-    cpu_milli: int | None = None
-    memory_bytes: int | None = None
-    snapshot_bytes: int | None = None      # stored bytes of the subtree's snapshots
+    max_sandboxes: NonNegative | None = None
+    cpu_milli: NonNegative | None = None
+    memory_bytes: NonNegative | None = None
+    snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -267,9 +318,16 @@ class ProjectList(msgspec.Struct, kw_only=True):
 
 
 class CreateKeyRequest(_Strict):
-    name: str
-    project: str
+    """``existing``: the caller (a superuser) means to grant ``role`` on ``project`` to a
+    principal that already exists, and every key that principal already has gains it.
+    Without it, naming an existing principal is a ``409``: principal ids are one
+    cluster-wide namespace that project admins create names in, so an unasked-for grant
+    could land on a name a tenant pre-created and holds keys for."""
+
+    name: Annotated[str, _doc(pattern=PRINCIPAL_PATTERN)]
+    project: Project
     role: Role = "member"
+    existing: bool = False
 
 
 class CreateKeyResponse(msgspec.Struct, kw_only=True):

@@ -100,15 +100,23 @@ class EventRow(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IdempotencyRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One ``Idempotency-Key`` claim. ``owner`` is the apiserver request that claimed it;
-    ``response`` is None while that request is in flight and the encoded answer once it
-    finished. ``expires_at``: the in-flight lease, then the replay window's end."""
+    """One ``Idempotency-Key`` claim. ``owner`` is the apiserver request that claimed it
+    and ``holder`` the apiserver process it runs in (whose lease in ``process_leases``
+    keeps the claim alive); ``response`` is None while that request is in flight and the
+    encoded answer once it finished. ``expires_at``: the in-flight backstop, then the
+    replay window's end. ``intent``: the sandbox id the owner is creating, written
+    before it asks the edge, so whoever takes a dead owner's claim over can find that
+    sandbox instead of making a second one. ``stale`` (computed on read): in flight, and
+    its holder's lease expired or the backstop passed; the next claim takes it over."""
 
     key: str
     fingerprint: str
     owner: str
+    holder: str = ""
     response: bytes | None = None
     expires_at: float = 0.0
+    intent: str | None = None
+    stale: bool = False
 
 
 class SessionRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,20 +197,46 @@ class StateStore(Protocol):
         """``(oldest retained version, newest version)``; ``(0, 0)`` when empty."""
         ...
     def compact_events(self, below_version: int) -> int: ...
+    def prune_events(self, *, keep_last: int | None, older_than: float | None) -> int:
+        """Delete events beyond the newest ``keep_last`` and events with ``time`` before
+        ``older_than`` (None: no such bound); the newest event is always kept (it
+        carries the global version across restarts). Returns how many."""
+        ...
     def list_sandboxes(self) -> list[SandboxRow]: ...
 
     # idempotency keys (shared by every apiserver replica over this store)
     def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow:
-        """Claim ``row.key`` for ``row.owner`` unless a live (unexpired) claim exists;
-        returns the row now stored: ours if the claim succeeded, else the holder's."""
+        """Claim ``row.key`` for ``row.owner`` (in process ``row.holder``) unless a live
+        claim exists: a finished row past its window is dropped, a stale in-flight row
+        with the same fingerprint is taken over (its ``intent`` kept). Returns the row
+        now stored: ours if the claim succeeded, else the live holder's."""
         ...
-    def idem_get(self, key: str, now: float) -> IdempotencyRow | None: ...
+    def idem_get(self, key: str, now: float) -> IdempotencyRow | None:
+        """The row (in flight, or finished within its window), with ``stale`` set."""
+        ...
+    def idem_note(self, key: str, owner: str, intent: str) -> bool:
+        """Record the sandbox id ``owner`` is about to create; False if the claim is no
+        longer ``owner``'s (it was taken over)."""
+        ...
     def idem_finish(self, key: str, owner: str, response: bytes, expires_at: float) -> bool: ...
     def idem_release(self, key: str, owner: str) -> bool:
-        """Drop an in-flight claim (its create failed) so a retry may proceed."""
+        """Give up an in-flight claim (its create failed): deleted, or, when it names an
+        ``intent`` that may exist, left without a holder so the next claim takes it over
+        and looks for that sandbox first."""
         ...
     def idem_purge(self, now: float, keep: int) -> int:
-        """Delete expired rows, then the oldest beyond ``keep``; returns how many."""
+        """Delete finished rows past their window, stale in-flight rows without an
+        intent, and in-flight rows past their window whose holder is gone; then trim
+        finished rows to ``keep``: the oldest lose their stored answer but keep their
+        sandbox id (``intent``) until their window ends, so a retry finds the sandbox
+        instead of making another. Returns how many rows were deleted or trimmed."""
+        ...
+
+    # apiserver process leases (what keeps an in-flight idempotency claim alive)
+    def lease_renew(self, holder: str, expires_at: float) -> None: ...
+    def lease_drop(self, holder: str) -> None: ...
+    def lease_purge(self, now: float) -> int:
+        """Delete expired process leases; returns how many."""
         ...
 
     # client session leases
@@ -213,6 +247,9 @@ class StateStore(Protocol):
         (two replicas renewing at once cannot lose an update); None if there is none."""
         ...
     def list_sessions(self) -> list[SessionRow]: ...
+    def count_sessions(self, principal_id: str) -> int:
+        """Rows of ``principal_id`` (open, lapsed but kept, closed not yet swept)."""
+        ...
     def delete_sessions(self, session_ids: Sequence[str]) -> int: ...
 
     # sandboxes evicted with a lost node (tombstones)
@@ -221,6 +258,16 @@ class StateStore(Protocol):
         ...
     def list_lost(self, limit: int) -> list[LostSandboxRow]:
         """The newest ``limit`` tombstones, oldest first."""
+        ...
+    def prune_lost(self, older_than: float) -> int:
+        """Delete tombstones lost before ``older_than``; returns how many."""
+        ...
+
+    def table_rows(self) -> dict[str, int]:
+        """Row count of every table (what retention keeps bounded; for metrics/tests)."""
+        ...
+    def reclaim_space(self, pages: int) -> None:
+        """Give up to ``pages`` pages freed by deletes back to the filesystem."""
         ...
 
     def close(self) -> None: ...

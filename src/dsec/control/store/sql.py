@@ -12,6 +12,7 @@ later if needed (``json_extract`` / ``jsonb``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +35,8 @@ from dsec.control.store import (
 )
 
 __all__ = ["Dialect", "SqlStore"]
+
+log = logging.getLogger("dsec.store")
 
 _json_enc = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder(dict[str, Any])
@@ -83,22 +86,40 @@ _SCHEMA = [
     # Idempotency-Key claims, shared by every apiserver replica over this store.
     """CREATE TABLE IF NOT EXISTS idempotency (
         key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, owner TEXT NOT NULL,
-        response {blob}, expires_at DOUBLE PRECISION NOT NULL)""",
+        response {blob}, expires_at DOUBLE PRECISION NOT NULL,
+        holder TEXT NOT NULL DEFAULT '', intent TEXT)""",
     "CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at)",
+    # One row per live apiserver process, renewed every second: an in-flight
+    # idempotency claim is alive while its holder's lease is.
+    """CREATE TABLE IF NOT EXISTS process_leases (
+        holder TEXT PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS sessions (
         id TEXT PRIMARY KEY, principal_id TEXT NOT NULL, lease_s DOUBLE PRECISION NOT NULL,
         expires_at DOUBLE PRECISION NOT NULL, closed INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS sessions_principal ON sessions (principal_id)",
     # Sandboxes evicted with a lost node: a returning node is told to destroy them even
     # after an apiserver restart.
     """CREATE TABLE IF NOT EXISTS lost_sandboxes (
         id TEXT PRIMARY KEY, node TEXT NOT NULL, lost_at DOUBLE PRECISION NOT NULL,
         record TEXT NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS lost_sandboxes_age ON lost_sandboxes (lost_at)",
+    "CREATE INDEX IF NOT EXISTS events_time ON events (time)",
     # Stored bytes of each snapshot, charged to its project's snapshot_bytes quota.
     """CREATE TABLE IF NOT EXISTS snapshot_charges (
         id TEXT PRIMARY KEY, project TEXT NOT NULL, node TEXT NOT NULL,
         size_bytes BIGINT NOT NULL)""",
 ]
+
+# Columns added after a table first shipped: (table, column, definition). A store made by
+# an older dsec gets them on open (CREATE TABLE IF NOT EXISTS leaves old tables as they are).
+_ADDED_COLUMNS = [
+    ("idempotency", "holder", "TEXT NOT NULL DEFAULT ''"),
+    ("idempotency", "intent", "TEXT"),
+]
+
+# Every table the store keeps (for table_rows).
+_TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
+           "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges")
 
 
 class SqlStore:
@@ -113,9 +134,29 @@ class SqlStore:
         self._d = dialect
         self._lock = threading.Lock()
         self._q: dict[str, str] = {}
+        for table, column, definition in _ADDED_COLUMNS:
+            self._add_column(table, column, definition)
         with self._tx() as cur:
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
+
+    def _add_column(self, table: str, column: str, definition: str) -> None:
+        """Add ``column`` to an existing ``table`` that lacks it (a store written by an
+        older dsec). Probing with a SELECT is portable: SQLite and PostgreSQL both fail it
+        on a missing column, and a failed statement is rolled back before the ALTER."""
+        try:
+            with self._tx() as cur:
+                cur.execute(f"SELECT {column} FROM {table} WHERE 1 = 0")
+            return
+        except Exception:  # noqa: BLE001 - the table or the column is missing
+            log.debug("store: %s.%s is missing", table, column)
+        try:
+            with self._tx() as cur:
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            log.info("store: added column %s.%s (a store written by an older dsec)", table,
+                     column)
+        except Exception:  # noqa: BLE001 - no such table yet: the schema creates it whole
+            log.debug("store: no table %s yet", table)
 
     # --- plumbing -------------------------------------------------------------------
     def _s(self, text: str) -> str:
@@ -337,53 +378,124 @@ class SqlStore:
             (below_version,),
         )
 
+    def prune_events(self, *, keep_last: int | None, older_than: float | None) -> int:
+        n = 0
+        with self._tx() as cur:
+            if keep_last is not None:
+                cur.execute(self._s("DELETE FROM events WHERE version <= (SELECT MAX(version) "
+                                    "FROM events) - ?"), (max(1, keep_last),))
+                n += max(0, int(cur.rowcount))
+            if older_than is not None:
+                cur.execute(self._s("DELETE FROM events WHERE time < ? AND version < "
+                                    "(SELECT MAX(version) FROM events)"), (older_than,))
+                n += max(0, int(cur.rowcount))
+        return n
+
     def list_sandboxes(self) -> list[SandboxRow]:
         rows = self._all("SELECT id, node, project, record FROM sandboxes ORDER BY id")
         return [SandboxRow(id=r[0], node=r[1], project=r[2], record=_json_dec.decode(r[3]))
                 for r in rows]
 
     # --- idempotency keys -----------------------------------------------------------------
-    _IDEM_COLS = "key, fingerprint, owner, response, expires_at"
+    _IDEM_COLS = "key, fingerprint, owner, holder, response, expires_at, intent"
+    # A row is stale when it is in flight and its holder is gone (no live process lease)
+    # or its backstop passed. Computed in SQL so one statement answers it.
+    _IDEM_STALE = ("(response IS NULL AND (expires_at <= ? OR NOT EXISTS (SELECT 1 FROM "
+                   "process_leases l WHERE l.holder = idempotency.holder AND "
+                   "l.expires_at > ?)))")
 
     def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow:
-        """Delete an expired claim, insert ours unless one is live, read what is stored:
-        one transaction, so of two replicas claiming at once exactly one wins (SQLite
-        serialises writers; PostgreSQL's ``ON CONFLICT DO NOTHING`` lets one insert win)."""
+        """Drop a finished row past its window, take over a stale in-flight row with the
+        same fingerprint (keeping its intent), insert ours unless a live one exists, and
+        read back what is stored: one transaction, so of two replicas claiming at once
+        exactly one wins (SQLite serialises writers; on PostgreSQL the UPDATE locks the
+        row and ``ON CONFLICT DO NOTHING`` lets one insert win)."""
         with self._tx() as cur:
-            cur.execute(self._s("DELETE FROM idempotency WHERE key = ? AND expires_at <= ?"),
-                        (row.key, now))
+            cur.execute(self._s("DELETE FROM idempotency WHERE key = ? AND expires_at <= ? "
+                                "AND response IS NOT NULL"), (row.key, now))
+            cur.execute(self._s("UPDATE idempotency SET owner = ?, holder = ?, expires_at = ? "
+                                f"WHERE key = ? AND fingerprint = ? AND {self._IDEM_STALE}"),
+                        (row.owner, row.holder, row.expires_at, row.key, row.fingerprint,
+                         now, now))
             cur.execute(self._s(f"INSERT INTO idempotency ({self._IDEM_COLS}) VALUES "
-                                "(?, ?, ?, NULL, ?) ON CONFLICT (key) DO NOTHING"),
-                        (row.key, row.fingerprint, row.owner, row.expires_at))
-            cur.execute(self._s(f"SELECT {self._IDEM_COLS} FROM idempotency WHERE key = ?"),
-                        (row.key,))
+                                "(?, ?, ?, ?, NULL, ?, NULL) ON CONFLICT (key) DO NOTHING"),
+                        (row.key, row.fingerprint, row.owner, row.holder, row.expires_at))
+            cur.execute(self._s(f"SELECT {self._IDEM_COLS}, {self._IDEM_STALE} FROM "
+                                "idempotency WHERE key = ?"), (now, now, row.key))
             return _idem(cur.fetchone())
 
     def idem_get(self, key: str, now: float) -> IdempotencyRow | None:
-        rows = self._all(f"SELECT {self._IDEM_COLS} FROM idempotency WHERE key = ? "
-                         "AND expires_at > ?", (key, now))
+        rows = self._all(f"SELECT {self._IDEM_COLS}, {self._IDEM_STALE} FROM idempotency "
+                         "WHERE key = ? AND (response IS NULL OR expires_at > ?)",
+                         (now, now, key, now))
         return _idem(rows[0]) if rows else None
+
+    def idem_note(self, key: str, owner: str, intent: str) -> bool:
+        return self._exec("UPDATE idempotency SET intent = ? WHERE key = ? AND owner = ? "
+                          "AND response IS NULL", (intent, key, owner)) > 0
 
     def idem_finish(self, key: str, owner: str, response: bytes, expires_at: float) -> bool:
         return self._exec("UPDATE idempotency SET response = ?, expires_at = ? "
-                          "WHERE key = ? AND owner = ?",
+                          "WHERE key = ? AND owner = ? AND response IS NULL",
                           (response, expires_at, key, owner)) > 0
 
     def idem_release(self, key: str, owner: str) -> bool:
-        return self._exec("DELETE FROM idempotency WHERE key = ? AND owner = ? "
-                          "AND response IS NULL", (key, owner)) > 0
+        with self._tx() as cur:
+            cur.execute(self._s("DELETE FROM idempotency WHERE key = ? AND owner = ? "
+                                "AND response IS NULL AND intent IS NULL"), (key, owner))
+            n = int(cur.rowcount)
+            cur.execute(self._s("UPDATE idempotency SET holder = '' WHERE key = ? AND "
+                                "owner = ? AND response IS NULL"), (key, owner))
+            return n + int(cur.rowcount) > 0
 
     def idem_purge(self, now: float, keep: int) -> int:
         with self._tx() as cur:
-            cur.execute(self._s("DELETE FROM idempotency WHERE expires_at <= ?"), (now,))
+            cur.execute(self._s("DELETE FROM idempotency WHERE response IS NOT NULL AND "
+                                "expires_at <= ?"), (now,))
             n = max(0, int(cur.rowcount))
-            cur.execute(self._s("SELECT COUNT(*) FROM idempotency"))
+            # A stale claim that never named a sandbox has nothing to find: drop it.
+            cur.execute(self._s(f"DELETE FROM idempotency WHERE intent IS NULL AND "
+                                f"{self._IDEM_STALE}"), (now, now))
+            n += max(0, int(cur.rowcount))
+            # One that did, past its window, with no live holder: a create that failed
+            # after naming its sandbox (the edge refused it) or whose apiserver died.
+            # Kept until then for a retry to look for that sandbox; without this rule
+            # every refused keyed create left a row forever.
+            cur.execute(self._s("DELETE FROM idempotency WHERE response IS NULL AND "
+                                "expires_at <= ? AND NOT EXISTS (SELECT 1 FROM "
+                                "process_leases l WHERE l.holder = idempotency.holder AND "
+                                "l.expires_at > ?)"), (now, now))
+            n += max(0, int(cur.rowcount))
+            cur.execute(self._s("SELECT COUNT(*) FROM idempotency WHERE response IS NOT NULL"))
             over = int(cur.fetchone()[0]) - keep
             if over > 0:
-                cur.execute(self._s("DELETE FROM idempotency WHERE key IN (SELECT key FROM "
-                                    "idempotency ORDER BY expires_at LIMIT ?)"), (over,))
-                n += max(0, int(cur.rowcount))
+                # Over the count bound, the oldest finished keys give up their stored
+                # answer but keep the sandbox id until their window ends (a holderless
+                # claim naming it): a retry then finds that sandbox on its edge instead
+                # of making a second one. At 1,000 creates/s, 50,000 answers last under a
+                # minute; the SDK retries a create for two. Only rows without a sandbox
+                # id are deleted outright (nothing to find).
+                oldest = ("SELECT key FROM idempotency WHERE response IS NOT NULL ORDER BY "
+                          "expires_at LIMIT ?")
+                cur.execute(self._s(f"DELETE FROM idempotency WHERE intent IS NULL AND key "
+                                    f"IN ({oldest})"), (over,))
+                gone = max(0, int(cur.rowcount))
+                cur.execute(self._s(f"UPDATE idempotency SET response = NULL, holder = '' "
+                                    f"WHERE key IN ({oldest})"), (over - gone,))
+                n += gone + max(0, int(cur.rowcount))
             return n
+
+    # --- process leases -----------------------------------------------------------------
+    def lease_renew(self, holder: str, expires_at: float) -> None:
+        self._exec("INSERT INTO process_leases (holder, expires_at) VALUES (?, ?) "
+                   "ON CONFLICT (holder) DO UPDATE SET expires_at = excluded.expires_at",
+                   (holder, expires_at))
+
+    def lease_drop(self, holder: str) -> None:
+        self._exec("DELETE FROM process_leases WHERE holder = ?", (holder,))
+
+    def lease_purge(self, now: float) -> int:
+        return max(0, self._exec("DELETE FROM process_leases WHERE expires_at <= ?", (now,)))
 
     # --- sessions ---------------------------------------------------------------------------
     _SES_COLS = "id, principal_id, lease_s, expires_at, closed"
@@ -414,6 +526,11 @@ class SqlStore:
     def list_sessions(self) -> list[SessionRow]:
         return [_session(r) for r in self._all(f"SELECT {self._SES_COLS} FROM sessions "
                                                 "ORDER BY id")]
+
+    def count_sessions(self, principal_id: str) -> int:
+        rows = self._all("SELECT COUNT(*) FROM sessions WHERE principal_id = ?",
+                         (principal_id,))
+        return int(rows[0][0])
 
     def delete_sessions(self, session_ids: Sequence[str]) -> int:
         if not session_ids:
@@ -447,6 +564,22 @@ class SqlStore:
         return [LostSandboxRow(id=r[0], node=r[1], lost_at=float(r[2]), record=dec(r[3]))
                 for r in reversed(rows)]
 
+    def prune_lost(self, older_than: float) -> int:
+        return max(0, self._exec("DELETE FROM lost_sandboxes WHERE lost_at < ?",
+                                 (older_than,)))
+
+    def reclaim_space(self, pages: int) -> None:
+        """Give up to ``pages`` pages freed by deletes back to the filesystem (after
+        retention). Nothing to do by default: PostgreSQL's autovacuum does it."""
+
+    def table_rows(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self._tx() as cur:
+            for t in _TABLES:
+                cur.execute(f"SELECT COUNT(*) FROM {t}")
+                out[t] = int(cur.fetchone()[0])
+        return out
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
@@ -457,9 +590,9 @@ def _principal(r: tuple[Any, ...]) -> PrincipalRow:
 
 
 def _idem(r: tuple[Any, ...]) -> IdempotencyRow:
-    return IdempotencyRow(key=r[0], fingerprint=r[1], owner=r[2],
-                          response=None if r[3] is None else bytes(r[3]),
-                          expires_at=float(r[4]))
+    return IdempotencyRow(key=r[0], fingerprint=r[1], owner=r[2], holder=r[3] or "",
+                          response=None if r[4] is None else bytes(r[4]),
+                          expires_at=float(r[5]), intent=r[6], stale=bool(r[7]))
 
 
 def _session(r: tuple[Any, ...]) -> SessionRow:

@@ -37,6 +37,12 @@ class SqliteStore(SqlStore):
                 f"cannot open the SQLite state store at {self.path!r}: {exc}; "
                 "check the directory exists and is writable"
             ) from exc
+        # Retention deletes rows; with incremental auto-vacuum the freed pages can be given
+        # back to the filesystem (SqlStore.reclaim_space), so the file shrinks too. It can
+        # only be switched on before the first table exists: new stores get it, an older
+        # store keeps its size at its high-water mark (a one-off VACUUM converts it).
+        if not conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]:
+            conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         if self.path != ":memory:":
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
@@ -48,6 +54,15 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         super().__init__(conn, SQLITE)
+
+    def reclaim_space(self, pages: int) -> None:
+        """``PRAGMA incremental_vacuum`` of up to ``pages`` free pages. Run through
+        ``executescript``: stepped through a cursor, the pragma stops after one page
+        (measured: 1 of 942 free pages given back per call)."""
+        if pages <= 0:
+            return
+        with self._lock:
+            self._conn.executescript(f"PRAGMA incremental_vacuum({int(pages)});")
 
 
 def _private_files(path: str) -> None:

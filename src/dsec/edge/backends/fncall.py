@@ -39,6 +39,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -56,7 +57,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -83,6 +84,7 @@ from dsec.edge.backends.fncall_jail import (
     python_runtime,
     split_profile,
 )
+from dsec.edge.backends.fncall_uids import UID_REGISTRY, UidRegistry
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
@@ -95,16 +97,42 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, InUse, InvalidArgument, SandboxNotFound
+from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
 
-__all__ = ["FncallBackend", "FncallResult", "WorkerPool", "make_backend"]
+__all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
+           "make_backend"]
 
 _LEN = struct.Struct("!I")
 TIMEOUT_EXIT = 137
-# A reply carries at most two capped outputs plus a value; anything larger is a hostile
-# or broken worker, refused before the edge allocates it.
-REPLY_SLACK = 8 << 20
+# A reply carries at most two capped outputs, two strings the worker cuts at 64 KiB (the
+# error, a value's repr) and, for a call that wants one, a value of at most
+# MAX_VALUE_BYTES; anything larger is a hostile or broken worker, refused before the
+# edge allocates it.
+REPLY_SLACK = 1 << 20
+# The msgpack of a call's return value. The edge decodes it, and decoded msgpack can be
+# far larger than its bytes: measured on the dev VM (tracemalloc), 1 MiB of empty
+# arrays (one byte each) became 64 MiB of Python lists, of empty maps 72 MiB - so a
+# hostile worker gets at most that out of one call. (Before this bound every reply's value was decoded, an exec's too: a 10 MiB
+# reply made the edge allocate 750 MiB, and output_cap_bytes=1 GiB allowed 2 GiB.)
+MAX_VALUE_BYTES = 1 << 20
+# Host uids of jailed sandboxes (FncallBackend(uid=None), the default): each sandbox runs
+# as one of its own. The kernel counts some resources per host uid, over every process
+# of that uid: inotify instances (fs.inotify.max_user_instances, 128 on the dev VM), fds
+# in flight over unix sockets (RLIMIT_NOFILE), pipe buffer pages, RLIMIT_NPROC,
+# SIGPENDING and MSGQUEUE. With one uid for all (65534 before), a call holding them made
+# every other tenant's calls - and host processes running as nobody - fail inotify_init
+# (EMFILE) and fd passing (ETOOMANYREFS). The range lies where systemd documents no
+# users (above its container range, below 2^31: some tools read uids as signed), away
+# from Debian's subuid ranges and the container backend's user namespaces (100000+).
+# Every backend on a host draws from it; fncall_uids.UidRegistry keeps them unique
+# host-wide (one host may run several edges).
+FNCALL_UIDS: tuple[int, int] = (2_000_000_000, 65536)
+# Threads that run the file API beside the event loop (their own pool: a tenant walking a
+# huge tree delays other sandboxes' file operations at worst, never the loop or other
+# backends' threads).
+FILE_THREADS = 4
+_T = TypeVar("_T")
 WORKDIR = "/workspace"
 DEFAULT_MAX_SANDBOX_PIDS = 8192
 DEFAULT_PIDS_HEADROOM = 4096
@@ -528,13 +556,20 @@ class WorkerPool:
 
     async def run(self, request: dict[str, Any], timeout_s: float | None, *,
                   grant: Callable[[], list[int]] | None = None,
-                  holder: set[_Worker] | None = None) -> FncallResult:
+                  holder: set[_Worker] | None = None,
+                  value_cap: int = MAX_VALUE_BYTES) -> FncallResult:
         """Run one request on a fresh worker and discard the worker.
 
         ``grant()`` returns the fds that admit the worker into its sandbox (work-dir tree,
         cgroup.procs files); they are sent with the call and closed here. While the call
-        runs the worker is in ``holder`` (so a destroy can kill it)."""
-        max_reply = 2 * int(request.get("cap", 1 << 20)) + REPLY_SLACK
+        runs the worker is in ``holder`` (so a destroy can kill it). ``value_cap``: the
+        most bytes of msgpack the return value may have (0: no value wanted - a worker's
+        value is then never decoded)."""
+        if not 0 <= value_cap <= MAX_VALUE_BYTES:
+            raise InvalidArgument(f"value_cap={value_cap} must be within 0..{MAX_VALUE_BYTES}",
+                                  field="value_cap")
+        request = {**request, "value_cap": value_cap}
+        max_reply = 2 * int(request.get("cap", 1 << 20)) + REPLY_SLACK + value_cap
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         w, cold = await self.take()
@@ -599,7 +634,11 @@ class WorkerPool:
         if reply.t_start:  # the worker's clock is ours (CLOCK_MONOTONIC); clamp a forgery
             handout = min(max(reply.t_start - t0, handout), dur)
         value = None
-        if reply.value is not None:
+        if reply.value is not None and value_cap:
+            if len(reply.value) > value_cap:
+                raise BackendError(f"fncall worker returned a {len(reply.value)}-byte value "
+                                   f"(limit {value_cap} bytes of msgpack); return a smaller "
+                                   "value or write the result to a file in the work dir")
             try:
                 value = msgspec.msgpack.decode(reply.value)
             except msgspec.DecodeError as exc:
@@ -656,6 +695,7 @@ class _Box:
     files: WorkFiles
     cg: SandboxCgroup | None = None     # when isolated
     disk_q: str = ""                    # sysfs dir of the work dir's qgroup, when isolated
+    uid: int | None = None              # host uid (= gid) its calls run as, when isolated
     active: set[_Worker] = field(default_factory=set)
     oom_seen: int = 0
     pids_seen: int = 0
@@ -665,7 +705,12 @@ class FncallBackend:
     """Backend protocol over a :class:`WorkerPool`; a sandbox is a work dir + a cgroup.
 
     ``isolate`` (default True; needs root): jail every call (module docstring). ``uid``:
-    the user calls run as (0 = root with the container's capability set). ``root``: where
+    None (default) gives each sandbox a host uid of its own from ``uid_range`` (first,
+    count; it owns the work dir, which is how an adopting edge finds it again); 0 runs
+    every call as root with the container's capability set; another number runs every
+    sandbox as that one uid (a single-tenant node only: the kernel counts inotify
+    instances, fds in flight, processes per host uid, so tenants sharing one can starve
+    each other). ``root``: where
     the work dirs live (default: a fresh private temp dir removed at close); jailed, they
     are subvolumes of a btrfs disk pool there (``container/disk.py``: ``pool.img``,
     ``pool/<sid>``), unjailed plain directories ``<root>/<sid>``.
@@ -677,7 +722,9 @@ class FncallBackend:
     name = "fncall"
 
     def __init__(self, *, pool_size: int = 8, max_spawning: int = 4, root: str | None = None,
-                 pool: WorkerPool | None = None, isolate: bool = True, uid: int = 65534,
+                 pool: WorkerPool | None = None, isolate: bool = True,
+                 uid: int | None = None, uid_range: tuple[int, int] = FNCALL_UIDS,
+                 uid_registry: str = UID_REGISTRY,
                  cgroup_name: str | None = None, governor: Governor | None = None,
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
                  disk_pool_bytes: int | None = None,
@@ -686,13 +733,23 @@ class FncallBackend:
                  notice_interval_s: float = 60.0,
                  runtime: Iterable[str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 <= uid < 2**32 - 1:
+        if uid is not None and not 0 <= uid < 2**32 - 1:
             raise InvalidArgument(f"fncall uid={uid} must be 0..{2**32 - 2}", field="uid")
+        first, count = uid_range
+        if not (first >= 1 and count >= 1 and first + count <= 2**31):
+            raise InvalidArgument(f"fncall uid_range={uid_range} must be (first, count) with "
+                                  "first >= 1, count >= 1 and first + count <= 2**31",
+                                  field="uid_range")
         if default_disk_bytes < 1 << 20:
             raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be >= 1 MiB",
                                   field="default_disk_bytes")
         self.isolate = isolate
         self.uid = uid
+        self.uid_range = (first, count)
+        self._next_uid = first
+        self._uids: UidRegistry | None = None
+        self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._file_ops: set[asyncio.Future[Any]] = set()
         self.default_disk_bytes = default_disk_bytes
         self.clock = clock
         self._notices = NoticeLimiter(notice_interval_s)
@@ -731,6 +788,11 @@ class FncallBackend:
                 self._own_parents = cgroup_parents(self.governor.name)
                 record_parents(self.root, self.governor.name, self._own_parents)
                 self.disk = DiskPool(self.root, size_bytes=disk_pool_bytes)
+                if uid is None:
+                    self._uids = UidRegistry(uid_registry)
+                    # claims of sandboxes a crash removed but did not release
+                    self._uids.release_gone(
+                        self.root, lambda sid: os.path.lexists(self.work_dir(sid)))
             except BaseException:
                 self._cleanup_root()
                 raise
@@ -766,7 +828,10 @@ class FncallBackend:
                 sys.prefix, sys.base_prefix, site.getsitepackages())
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
-        return JailConfig(uid=self.uid, workdir=WORKDIR, runtime=paths, mountpoint=self.root,
+        # Per-sandbox uids: each call names its own; 65534 is the fallback the jail's
+        # /etc lists (never used by this backend's calls).
+        return JailConfig(uid=65534 if self.uid is None else self.uid, workdir=WORKDIR,
+                          runtime=paths, mountpoint=self.root,
                           seccomp=bpf, seccomp_admit=bpf_admit)
 
     def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
@@ -840,28 +905,75 @@ class FncallBackend:
         disk, pids = self._check_spec(spec)
         self._ensure_pool()
         d = self.work_dir(sid)
+        # No await from here until the box is in self._boxes (or the claim is released).
+        uid = self._new_uid(sid) if self.isolate else None
         try:
             if self.disk is not None:
                 self.disk.check_fit(disk)
                 self.disk.create(sid, disk)  # a subvolume whose qgroup caps it at `disk`
-                os.chown(d, self.uid, self.uid)
+                assert uid is not None
+                os.chown(d, uid, uid)
             else:
                 os.mkdir(d, 0o700)
         except OSError as exc:
-            self._teardown(sid, None)
+            self._teardown(sid, None, uid)
             raise BackendError(f"cannot make the work dir of {sid}: {exc}") from exc
         except BaseException:
-            self._teardown(sid, None)
+            self._teardown(sid, None, uid)
             raise
         try:
-            self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True)
+            self._boxes[sid] = self._open_box(sid, spec, pids, fresh=True, uid=uid)
         except BaseException:
-            self._teardown(sid, None)
+            self._teardown(sid, None, uid)
             raise
 
+    def _new_uid(self, sid: str) -> int:
+        """The uid for new sandbox ``sid``: the fixed one, or the next one of the range no
+        sandbox on this host holds, claimed for it (round robin, so a freed uid is
+        reused last)."""
+        if self.uid is not None:
+            return self.uid
+        assert self._uids is not None
+        first, count = self.uid_range
+        used = {b.uid for b in self._boxes.values()}
+        start = self._next_uid
+        order = (first + (start - first + i) % count for i in range(count))
+        uid = self._uids.claim(self.root, sid, (u for u in order if u not in used))
+        if uid is None:
+            raise CapacityExceeded(
+                f"all {count} fncall sandbox uids ({first}..{first + count - 1}) are held by "
+                "sandboxes on this host; destroy sandboxes or give the backends a larger "
+                "uid_range", resource="fncall_uids", limit=count)
+        self._next_uid = first + (uid - first + 1) % count
+        return uid
+
+    def _adopted_uid(self, sid: str, d: str) -> int:
+        """An adopted sandbox's uid: the owner of its work dir (given it at create) if it
+        is one of our range that no other sandbox on the host holds; otherwise (a uid-0
+        or shared-uid sandbox of an older configuration, a clash) a new one, and the
+        whole work dir is given to it."""
+        if self.uid is not None:
+            return self.uid
+        assert self._uids is not None
+        owner = os.stat(d).st_uid
+        first, count = self.uid_range
+        if first <= owner < first + count and \
+                owner not in {b.uid for b in self._boxes.values()} and \
+                self._uids.hold(owner, self.root, sid):
+            return owner
+        uid = self._new_uid(sid)
+        try:
+            _chown_tree(d, uid)
+        except BaseException:
+            self._uids.release(uid, self.root, sid)
+            raise
+        return uid
+
     def _open_box(self, sid: str, spec: SandboxSpec, pids: int | None, *,
-                  fresh: bool) -> _Box:
+                  fresh: bool, uid: int | None = None) -> _Box:
         d = self.work_dir(sid)
+        if self.isolate and uid is None:
+            uid = self._adopted_uid(sid, d)
         cg = None
         gov = self.governor
         if gov is not None:
@@ -872,7 +984,7 @@ class FncallBackend:
                 gov.remove(cg)  # a leftover of a crashed create with the same id
                 cg = gov.create(sid, limits)
         fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        box = _Box(spec, d, WorkFiles(fd, sid, owner=self.uid if self.isolate else None), cg)
+        box = _Box(spec, d, WorkFiles(fd, sid, owner=uid), cg, uid=uid)
         if self.disk is not None:
             try:
                 box.disk_q = self.disk.qgroup_dir(sid)
@@ -884,8 +996,14 @@ class FncallBackend:
             box.pids_seen = gov.pids_limit_hits(cg)
         return box
 
-    def _teardown(self, sid: str, box: _Box | None) -> None:
-        """Undo whatever exists of sandbox ``sid``; tolerates every part being gone."""
+    def _teardown(self, sid: str, box: _Box | None, uid: int | None = None) -> None:
+        """Undo whatever exists of sandbox ``sid``; tolerates every part being gone.
+        ``uid``: its claimed uid when there is no box yet (a failed create)."""
+        if box is not None and box.uid is not None:
+            uid = box.uid
+        elif uid is None and self._uids is not None:
+            with contextlib.suppress(OSError):  # a leftover: its work dir names its uid
+                uid = os.lstat(self.work_dir(sid)).st_uid
         if box is not None:
             for w in list(box.active):
                 w.signal_kill()  # its call sees EOF, returns "died" and reaps it
@@ -904,6 +1022,8 @@ class FncallBackend:
                 raise BackendError(f"cannot delete the work dir of {sid}: {exc}") from exc
         else:
             shutil.rmtree(self.work_dir(sid), ignore_errors=True)
+        if self._uids is not None and uid is not None:
+            self._uids.release(uid, self.root, sid)
 
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         self._ensure_pool()
@@ -986,6 +1106,9 @@ class FncallBackend:
             return
         self._closed = True
         await self.pool.close()
+        if self._file_pool is not None:  # file operations in flight finish first
+            await asyncio.gather(*self._file_ops, return_exceptions=True)
+            self._file_pool.shutdown(wait=True)
         if self._own_root:
             for sid, box in list(self._boxes.items()):
                 self._teardown(sid, box)
@@ -1109,14 +1232,16 @@ class FncallBackend:
         return grant
 
     async def _run(self, sid: str, box: _Box, request: dict[str, Any],
-                   timeout_s: float | None) -> FncallResult:
+                   timeout_s: float | None, *, value_cap: int) -> FncallResult:
         self._ensure_pool()
         request["hostname"] = sid
         gov, cg = self.governor, box.cg
         if gov is None or cg is None:
-            return await self.pool.run(request, timeout_s, holder=box.active)
+            return await self.pool.run(request, timeout_s, holder=box.active,
+                                       value_cap=value_cap)
+        request["uid"] = box.uid
         res = await self.pool.run(request, timeout_s, grant=self._grant(box, cg),
-                                  holder=box.active)
+                                  holder=box.active, value_cap=value_cap)
         return self._after_call(sid, box, gov, cg, res)
 
     def _after_call(self, sid: str, box: _Box, gov: Governor, cg: SandboxCgroup,
@@ -1180,7 +1305,8 @@ class FncallBackend:
         except Exception as exc:
             raise InvalidArgument(f"cannot pickle the call to {fn!r}: {exc}") from exc
         return await self._run(sid, box, {"fn": blob, "cwd": self._cwd(box, None),
-                                          "env": dict(box.spec.env)}, timeout_s)
+                                          "env": dict(box.spec.env)}, timeout_s,
+                               value_cap=MAX_VALUE_BYTES)
 
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
         box = self._box(sid)
@@ -1191,7 +1317,7 @@ class FncallBackend:
         r = await self._run(sid, box, {"code": code, "cwd": cwd,
                                        "env": {**box.spec.env, **req.env},
                                        "stdin": req.stdin, "cap": req.output_cap_bytes},
-                            req.timeout_s)
+                            req.timeout_s, value_cap=0)  # an exec prints its value
         cap = req.output_cap_bytes
         stderr = r.stderr
         if r.died and r.error:
@@ -1207,25 +1333,55 @@ class FncallBackend:
             yield item
 
     # ---------------------------------------------------------------- files
+    async def _files(self, sid: SandboxId, op: Callable[[WorkFiles], _T]) -> _T:
+        """Run ``op`` beside the event loop, in the backend's file threads. A sandbox
+        decides how big its trees are (a 10 GiB cap holds tens of millions of files), so
+        walking one on the loop stopped every other sandbox's calls, heartbeats and
+        connections: measured on the dev VM, 300,000 files took 15 s to list and 25 s to
+        remove. ``op`` gets its own dup of the work dir's fd, closed by its thread, so a
+        destroy closing the sandbox's fd meanwhile can never leave the thread holding a
+        number the kernel gave to another sandbox's directory."""
+        box = self._box(sid)
+        files = WorkFiles(os.dup(box.files.root_fd), box.files.sid, owner=box.files.owner,
+                          disk_room=box.files.disk_room)
+
+        def work() -> _T:
+            try:
+                return op(files)
+            finally:
+                files.close()
+
+        if self._file_pool is None:
+            self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="dsec-fncall-files")
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._file_pool, work)
+        except BaseException:
+            files.close()
+            raise
+        self._file_ops.add(fut)
+        fut.add_done_callback(self._file_ops.discard)
+        return await fut
+
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        return self._box(sid).files.read(path, offset, length)
+        return await self._files(sid, lambda f: f.read(path, offset, length))
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        self._box(sid).files.write(path, data, mode=mode, append=append)
+        await self._files(sid, lambda f: f.write(path, data, mode=mode, append=append))
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        return self._box(sid).files.list(path)
+        return await self._files(sid, lambda f: f.list(path))
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        return self._box(sid).files.stat(path)
+        return await self._files(sid, lambda f: f.stat(path))
 
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        self._box(sid).files.mkdir(path, parents=parents)
+        await self._files(sid, lambda f: f.mkdir(path, parents=parents))
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        self._box(sid).files.remove(path, recursive=recursive)
+        await self._files(sid, lambda f: f.remove(path, recursive=recursive))
 
 
 def _code_of(req: ExecRequest) -> str:
@@ -1266,6 +1422,15 @@ def _stray_workers(root: str) -> dict[str, int]:
     return out
 
 
+def _chown_tree(top: str, uid: int) -> None:
+    """Give ``top`` and everything below it to ``uid`` (= gid), never following a
+    symlink (only while no call runs in it: at adoption)."""
+    os.lchown(top, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
 def _kill_groups(pgids: Any) -> None:
     for pgid in set(pgids):
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -1277,7 +1442,11 @@ def _reclaim_dead_roots(tmp: str) -> None:
     ``close``): the processes left in their sandboxes' cgroups, the cgroups, the disk
     pool's mount, the files; unjailed workers still running in them."""
     for e in os.scandir(tmp):
+        # Only a directory we made (tmp is every host user's: another user's
+        # dsec-fncall-* with an owner record naming a dead process is not ours to kill
+        # processes for, unmount or delete).
         if not (e.name.startswith(_ROOT_PREFIX) and e.is_dir(follow_symlinks=False)
+                and e.stat(follow_symlinks=False).st_uid == os.geteuid()
                 and ownership.owner_alive(e.path) is False):
             continue
         _kill_groups(_stray_workers(e.path).values())

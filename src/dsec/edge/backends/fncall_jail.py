@@ -12,16 +12,21 @@ three steps, each by a different process of the worker tree (see ``fncall_worker
 2. **worker init** (per warm worker, PID 1 of a fresh pid namespace): its own mount, net,
    uts and ipc namespaces; a fresh ``/proc`` with the container's masks
    (``rootfs.MASKED_FILES``/``MASKED_DIRS``/``READONLY_PATHS``), private ``/tmp`` and
-   ``/dev/shm`` tmpfs, ``lo`` up (no other interface exists). Killing this process kills
-   every process of the call (the kernel tears the pid namespace down), so the edge
-   kills a worker through a pidfd of it: race-free, never by a pid number.
+   ``/dev/shm`` tmpfs, a private ``/etc`` (a small tmpfs with the synthetic files, so
+   admission can name the sandbox's user in it), ``lo`` up (no other interface
+   exists). Killing this process kills every process of the call (the kernel tears the
+   pid namespace down), so the edge kills a worker through a pidfd of it: race-free,
+   never by a pid number.
 3. **call process** (PID 2): at pre-start it cuts its capability bounding set and sets
    no_new_privs; at **admission** (when a call arrives) it joins the sandbox's cgroups
    (through ``cgroup.procs`` fds the edge opened), unshares a cgroup namespace,
    ``move_mount``s the sandbox's work dir (a detached bind the edge made with
    ``open_tree(OPEN_TREE_CLONE)`` and passed as an fd) onto ``/workspace``, sets the
-   hostname, switches to the unprivileged uid (all capabilities gone), and loads the
-   container seccomp profile (``dsec.net.seccomp``). Only then does user code run.
+   hostname, switches to the sandbox's own unprivileged host uid (all capabilities
+   gone; the edge gives each sandbox a uid of its own, because the kernel counts some
+   resources per host uid - inotify instances, fds in flight, RLIMIT_NPROC - and a
+   shared uid lets one tenant use them up for all others), and loads the container
+   seccomp profile (``dsec.net.seccomp``). Only then does user code run.
 
 The plans (what the root holds, what each worker mounts) are pure tables, tested without
 root; the functions below them carry them out with the system calls of
@@ -70,6 +75,7 @@ __all__ = [
     "python_runtime",
     "root_plan",
     "split_profile",
+    "user_lines",
     "worker_mounts",
 ]
 
@@ -90,14 +96,17 @@ FORBIDDEN_RUNTIME_ROOTS: tuple[str, ...] = ("/", "/root", "/home", "/var", "/run
                                             "/tmp", "/proc", "/sys", "/dev", "/srv", "/mnt",
                                             "/media", "/opt", "/work")
 _TOP_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+ETC_BYTES = 256 << 10  # a worker's private /etc: the synthetic files and one more user
+_LD_CACHE = "/etc/ld.so.cache"
 
 
 class JailConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How the worker tree isolates a call (sent to the zygote as msgpack).
 
-    ``uid``: the user (uid = gid) calls run as; 65534 (nobody) by default, 0 means root
-    with the container's default capabilities. ``workdir``: where the sandbox's work dir
-    appears. ``runtime``: host directories bound read-only at the same path
+    ``uid``: 0 means calls run as root with the container's default capabilities;
+    anything else means calls run unprivileged, as the uid (= gid) each call names
+    (the sandbox's own, see ``FncallBackend``), or as ``uid`` itself when the call names
+    none. ``workdir``: where the sandbox's work dir appears. ``runtime``: host directories bound read-only at the same path
     (:func:`python_runtime`). ``mountpoint``: an empty host directory the zygote mounts
     the jail's root tmpfs on, in its private mount namespace (the host sees it empty).
     ``seccomp`` + ``seccomp_admit``: the container profile in two stacked parts
@@ -202,15 +211,23 @@ def python_runtime(prefix: str, base_prefix: str, site_dirs: Iterable[str] = ())
     return tuple(out)
 
 
+def user_lines(uid: int, workdir: str = "/workspace") -> tuple[str, str]:
+    """The /etc/passwd and /etc/group lines of the unprivileged ``uid`` calls run as
+    (programs look themselves up: git, ssh, getpass)."""
+    name = "nobody" if uid == 65534 else "sandbox"
+    gname = "nogroup" if uid == 65534 else "sandbox"
+    return (f"{name}:x:{uid}:{uid}:{name}:{workdir}:/usr/sbin/nologin\n",
+            f"{gname}:x:{uid}:\n")
+
+
 def etc_files(uid: int) -> dict[str, bytes]:
     """The synthetic /etc: who the ids are, localhost, files-only name service."""
     passwd = "root:x:0:0:root:/root:/usr/sbin/nologin\n"
     group = "root:x:0:\n"
     if uid != 0:
-        name = "nobody" if uid == 65534 else "sandbox"
-        gname = "nogroup" if uid == 65534 else "sandbox"
-        passwd += f"{name}:x:{uid}:{uid}:{name}:/workspace:/usr/sbin/nologin\n"
-        group += f"{gname}:x:{uid}:\n"
+        pw, gr = user_lines(uid)
+        passwd += pw
+        group += gr
     return {
         "/etc/passwd": passwd.encode(),
         "/etc/group": group.encode(),
@@ -280,6 +297,12 @@ def worker_mounts(cfg: JailConfig) -> list[WorkerMount]:
                            f"mode=1777,size={cfg.tmp_bytes},nr_inodes={max(4096, cfg.tmp_bytes >> 13)}"))
     out.append(WorkerMount("tmpfs", "/dev/shm", "tmpfs", nsd | linux.MS_NOEXEC,
                            f"mode=1777,size={cfg.shm_bytes}"))
+    if cfg.uid != 0:
+        # Refilled with etc_files() right after (and ld.so.cache bound back in):
+        # admission adds the sandbox's user to passwd/group. Root-owned, so the call
+        # (unprivileged by then) cannot change it. Root calls keep the read-only /etc.
+        out.append(WorkerMount("tmpfs", "/etc", "tmpfs", nsd | linux.MS_NOEXEC,
+                               f"mode=0755,size={ETC_BYTES},nr_inodes=64"))
     return out
 
 
@@ -315,14 +338,19 @@ def _check(ret: int, what: str) -> int:
     return ret
 
 
+def _open_tree(path: str) -> int:
+    return _check(int(_syscall(_SYS_OPEN_TREE, ctypes.c_int(-100), path.encode(),
+                               ctypes.c_uint(OPEN_TREE_CLONE | os.O_CLOEXEC
+                                             | AT_SYMLINK_NOFOLLOW))),
+                  f"open_tree({path!r})")
+
+
 def clone_tree(path: str) -> int:
     """A detached bind mount of directory ``path`` (``open_tree(OPEN_TREE_CLONE)``),
     nosuid and nodev, as a close-on-exec fd: the edge hands it to a worker, which can
     only attach it (``move_mount``) - never walk out of it: the root of a detached mount
     is its own parent, so ``..`` stays put."""
-    fd = _check(int(_syscall(_SYS_OPEN_TREE, ctypes.c_int(-100), path.encode(),
-                             ctypes.c_uint(OPEN_TREE_CLONE | os.O_CLOEXEC
-                                           | AT_SYMLINK_NOFOLLOW))), f"open_tree({path!r})")
+    fd = _open_tree(path)
     try:
         attr = _MountAttr(MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
         _check(int(_syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"",
@@ -414,12 +442,28 @@ def enter_worker(cfg: JailConfig) -> None:
     zygote exits on EOF of its control socket, and each worker's pid namespace with it."""
     _prctl(_PR_SET_PDEATHSIG, 9, "prctl(PR_SET_PDEATHSIG)")
     linux.unshare(NS_FLAGS)
-    for m in worker_mounts(cfg):
-        try:
-            linux.mount(m.source, m.target, m.fstype, m.flags, m.data)
-        except OSError as exc:
-            if not (m.optional and exc.errno in (errno.ENOENT, errno.ENOTDIR)):
-                raise
+    # The root's read-only ld.so.cache, kept across the tmpfs that covers /etc below.
+    private_etc = cfg.uid != 0
+    cache = _open_tree(_LD_CACHE) if private_etc and os.path.isfile(_LD_CACHE) else -1
+    try:
+        for m in worker_mounts(cfg):
+            try:
+                linux.mount(m.source, m.target, m.fstype, m.flags, m.data)
+            except OSError as exc:
+                if not (m.optional and exc.errno in (errno.ENOENT, errno.ENOTDIR)):
+                    raise
+        for path, data in etc_files(cfg.uid).items() if private_etc else ():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        if cache >= 0:
+            os.close(os.open(_LD_CACHE, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+            _move_mount(cache, _LD_CACHE)
+    finally:
+        if cache >= 0:
+            os.close(cache)
     linux.sethostname(cfg.hostname)
     _lo_up()
 
@@ -442,13 +486,19 @@ def prestart_call(cfg: JailConfig) -> None:
         linux.load_seccomp(cfg.seccomp)
 
 
-def admit(cfg: JailConfig, fds: Sequence[int], *, hostname: str) -> None:
+def admit(cfg: JailConfig, fds: Sequence[int], *, hostname: str,
+          uid: int | None = None) -> None:
     """Call process, when a call arrives: ``fds`` = [work-dir tree, cgroup.procs...].
     Join the cgroups, unshare a cgroup namespace, attach the work dir, drop to the
-    jail's user and load seccomp. Closes ``fds``. After this nothing privileged is left
-    in the process: no capability, no host fd but the reply socket."""
-    if not fds:
-        raise ValueError("admission needs the work dir's tree fd")
+    sandbox's user ``uid`` (default: ``cfg.uid``) and load seccomp. Closes ``fds``. After
+    this nothing privileged is left in the process: no capability, no host fd but the
+    reply socket."""
+    uid = cfg.uid if uid is None else uid
+    if not fds or (uid == 0) != (cfg.uid == 0) or not 0 <= uid < 2**32 - 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"admission needs the work dir's tree fd ({len(fds)} fds) and "
+                         f"a uid of this jail's kind (uid {uid}, jail uid {cfg.uid})")
     tree, cgroups = fds[0], fds[1:]
     try:
         for fd in cgroups:
@@ -459,7 +509,14 @@ def admit(cfg: JailConfig, fds: Sequence[int], *, hostname: str) -> None:
     finally:
         for fd in fds:
             os.close(fd)
-    uid = cfg.uid
+    if uid not in (0, cfg.uid):  # name the sandbox's user (the worker's own /etc)
+        for path, line in zip(("/etc/passwd", "/etc/group"), user_lines(uid, cfg.workdir),
+                              strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
     if uid == 0:
         linux.drop_capabilities(linux.DEFAULT_CAPS)
     else:

@@ -263,7 +263,9 @@ def serve_one(fd: int, jail: JailConfig | None) -> None:
     try:
         if jail is not None:
             host = str(req.get("hostname") or jail.hostname)
-            fncall_jail.admit(jail, grant, hostname=host)
+            uid = req.get("uid")
+            fncall_jail.admit(jail, grant, hostname=host,
+                              uid=None if uid is None else int(uid))
             os.environ["HOSTNAME"] = host
         else:
             for f in grant:
@@ -285,10 +287,23 @@ def serve_one(fd: int, jail: JailConfig | None) -> None:
             value = fn(*args, **kwargs)
         else:
             value = _run_code(req["code"], {"__name__": "__main__"})
-        try:
-            reply["value"] = msgspec.msgpack.encode(value)
-        except (TypeError, ValueError, OverflowError):
-            reply["value_repr"] = repr(value)[:65536]
+        # At most value_cap bytes of msgpack (0: the caller wants no value, e.g. an
+        # exec, which prints it): the edge refuses more, as its decoded form can be ~64x
+        # larger. A bigger or non-msgpack value comes back as its repr.
+        value_cap = int(req.get("value_cap", 0))
+        if value_cap > 0:
+            try:
+                packed: bytes | None = msgspec.msgpack.encode(value)
+            except (TypeError, ValueError, OverflowError):
+                packed = None
+            if packed is not None and len(packed) <= value_cap:
+                reply["value"] = packed
+            else:
+                if packed is not None:
+                    print(f"fncall: the return value is {len(packed)} bytes of msgpack, "
+                          f"over the {value_cap}-byte limit; value_repr holds its repr - "
+                          "write large results to a file", file=sys.stderr)
+                reply["value_repr"] = repr(value)[:65536]
     except SystemExit as e:
         code = e.code
         reply["exit_code"] = code if isinstance(code, int) else (0 if code is None else 1)

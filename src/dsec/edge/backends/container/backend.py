@@ -22,6 +22,7 @@ confinement (:mod:`.files`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -35,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
@@ -64,6 +65,7 @@ from dsec.edge.backends.container.protocol import (
     Kill,
     Reply,
     Started,
+    exec_failure,
 )
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
@@ -118,6 +120,9 @@ Runtime = Literal["native", "runc"]
 # Per-sandbox task cap when a spec asks for none (pids_max=None), and the most a spec may
 # ask for; and the pids kept free for the edge/host below kernel.pid_max (32,768 on the
 # dev VM: all sandboxes together get 28,672).
+_T = TypeVar("_T")
+
+FILE_THREADS = 4   # threads for file operations (one tenant's walk leaves others three)
 DEFAULT_MAX_SANDBOX_PIDS = 8192
 DEFAULT_PIDS_HEADROOM = 4096
 # Host ids of user-namespace sandboxes (spec.user_namespace): root inside is host uid/gid
@@ -180,6 +185,7 @@ class ContainerBackend:
                  snapshot_max_path_bytes: int = 128 << 20,
                  snapshot_workers: int = 4,
                  limits_poll_s: float | None = 5.0,
+                 exec_start_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -201,7 +207,10 @@ class ContainerBackend:
         so another project always finds one free; mkfs.erofs is CPU-bound).
         ``limits_poll_s``: how often every sandbox's limit counters (task limit hits; OOM
         kills on v2) are checked for notices besides after each exec and on stats (None:
-        never); ~8 us per sandbox."""
+        never); ~8 us per sandbox.
+        ``exec_start_timeout_s``: how long a background exec may take to start its command
+        (milliseconds normally; a process in the sandbox can stop it before it runs, and
+        the call must not wait for ever) - then it is killed and the call fails."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -265,11 +274,21 @@ class ContainerBackend:
         self._boxes: dict[str, _Box] = {}
         self._sink: DeathSink | None = None
         self.limits_poll_s = limits_poll_s
+        if not exec_start_timeout_s > 0:
+            raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
+                                  field="exec_start_timeout_s")
+        self.exec_start_timeout_s = exec_start_timeout_s
+        #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
+        #: it returns anyway (a command the kernel holds in D state cannot die sooner)
+        self.kill_wait_s = 10.0
         self._poll: asyncio.TimerHandle | None = None
         self._poll_next = 0
         # exec cgroup names: unique across edge restarts (a lingering one may survive)
         self._exec_seq = itertools.count(time.time_ns() // 1000)
         self._cleanups: set[asyncio.Task[None]] = set()
+        # file operations run beside the loop (see _file_op); made on first use
+        self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._file_ops: set[asyncio.Future[Any]] = set()
         self._settling: asyncio.Task[None] | None = None
         self._settle_again = False
         self._zygote = ZygoteClient()
@@ -683,8 +702,8 @@ class ContainerBackend:
         # Nothing here signals a pid number: the init through its pidfd (its pid namespace
         # takes every process inside with it), the cgroups race-free (governor.kill_all:
         # cgroup.kill, or pidfds checked against a second listing).
-        try:
-            self.governor.kill_all(cg)
+        try:  # no wait for the freeze here: _remove_cgroup repeats the kill off the loop
+            self.governor.kill_all(cg, freeze_wait_s=0)
         except OSError as exc:
             errors.append(f"kill: {exc}")
         if box is not None and box.pidfd >= 0:
@@ -784,7 +803,12 @@ class ContainerBackend:
             except BackendError:
                 if time.monotonic() > deadline:
                     raise
-                self.governor.kill_all(cg)
+                # In a thread: the v1 freeze waits up to 50 ms, every round, while a task
+                # the kernel holds (D state: a `sync` of a full upper is one) keeps the
+                # cgroup FREEZING - it blocked the event loop, so every sandbox on the
+                # node, for the whole 5 s (rt-kernel review).
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.governor.kill_all, cg)
                 await asyncio.sleep(0.002)
 
     async def close(self) -> None:
@@ -798,6 +822,10 @@ class ContainerBackend:
             self._poll = None
         if self._cleanups:  # timed-out/cancelled execs still being cleared
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+        if self._file_pool is not None:  # file operations in flight finish first
+            await asyncio.gather(*self._file_ops, return_exceptions=True)
+            self._file_pool.shutdown(wait=True)
+            self._file_pool = None
         for box in self._boxes.values():
             self._unwatch_box(box)
             for fd in (box.pidfd, box.oom_fd):
@@ -868,13 +896,16 @@ class ContainerBackend:
         d = os.path.join(self.root_dir, "sb", sid)
         rec = load_record(os.path.join(d, "state.json")) if sid in census.dirs else None
         errors: list[str] = []
-        if sid in census.runc and self._runc is not None:
-            await self._runc.destroy(sid, d)  # runc kill + delete --force + rootfs umount
         cg_dirs = list(census.cgroups.get(sid, ()))
         managed = self.governor.paths(sid)
         if self.governor.exists(managed):
-            with contextlib.suppress(OSError):  # freeze, kill, thaw: no fork escapes
-                self.governor.kill_all(managed)
+            with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
+                # escapes, no pid number is signalled; in a thread (the freeze waits)
+                await asyncio.to_thread(self.governor.kill_all, managed)
+        if sid in census.runc and self._runc is not None:
+            # after the kill: `delete --force` of a running container signals its init by
+            # pid number; of a stopped one it only removes state, cgroups and the rootfs
+            await self._runc.destroy(sid, d)
         try:
             await remove_cgroup_dirs(cg_dirs)
         except OSError as exc:
@@ -1004,10 +1035,14 @@ class ContainerBackend:
                 self.governor.remove_exec(ec)
             raise
         if req.background:
-            reply = await started
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(started),
+                                               self.exec_start_timeout_s)
+            except TimeoutError:
+                reply = await self._kill_unstarted(box, rid, started)
             if not isinstance(reply, Started):
-                raise BackendError(f"exec in sandbox {box.sid} failed to start: "
-                                   f"{getattr(reply, 'message', reply)}")
+                # a missing program, user or cwd is the caller's mistake (CannotRun, 4xx)
+                raise exec_failure(box.sid, str(getattr(reply, "message", reply)))
             return ExecResult(exit_code=0, pid=reply.ns_pid,
                               duration_s=time.monotonic() - t0)
         assert ec is not None
@@ -1030,7 +1065,14 @@ class ContainerBackend:
             except TimeoutError:
                 timed_out = True
                 self._kill_exec(rid, ec)
-                reply = await exited
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(exited), self.kill_wait_s)
+                except TimeoutError:
+                    # SIGKILLed but held by the kernel (D state): it dies when let go; the
+                    # zygote still reaps it. The call does not wait for that (it waited
+                    # for as long as the kernel held the command - for ever on a hung
+                    # filesystem; rt-kernel review).
+                    reply = Exited(rid, signal.SIGKILL)
                 await self._clear_exec_cgroup(box, ec)
         except BaseException:
             # cancelled (or failed to start): nothing the exec started may run on
@@ -1061,16 +1103,37 @@ class ContainerBackend:
             stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
             timed_out=timed_out, duration_s=time.monotonic() - t0)
 
+    async def _kill_unstarted(self, box: _Box, rid: int,
+                              started: asyncio.Future[Reply]) -> Reply:
+        """A background exec that did not start in time - stopped (a SIGSTOP from a process
+        inside) or held before its execve: kill it through the zygote and take its answer
+        (Started if it started meanwhile; else Failed, raised here with the reason)."""
+        try:
+            self._zygote.send(Kill(id=rid), [], None)
+            reply = await asyncio.wait_for(asyncio.shield(started), 10.0)
+        except (DsecError, TimeoutError):
+            self._zygote.done(rid)
+            reply = Failed(rid, "no answer from the container helper")
+        if isinstance(reply, Started):
+            return reply
+        raise BackendError(
+            f"background exec in sandbox {box.sid} did not start its command within "
+            f"{self.exec_start_timeout_s:g} s (its process was stopped or held before it "
+            "could run - e.g. by a SIGSTOP from a process inside); it was killed "
+            f"({getattr(reply, 'message', reply)})")
+
     async def _runc_exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
                          on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         """``runc exec``, a foreground one in its own cgroup (the same rule as native)."""
         assert self._runc is not None
         if req.background:
-            return await self._runc.exec(box, req, argv, env, on_chunk)
+            return await self._runc.exec(box, req, argv, env, on_chunk,
+                                         start_timeout_s=self.exec_start_timeout_s)
         ec = self._new_exec_cgroup(box)
         try:
             res = await self._runc.exec(box, req, argv, env, on_chunk, cgroup=ec,
-                                        kill=lambda: self.governor.kill_exec(ec))
+                                        kill=lambda: self.governor.kill_exec(
+                                            ec, freeze_wait_s=0))
         except BaseException:
             self._kill_exec(0, ec, send=False)
             task = asyncio.ensure_future(self._clear_exec_cgroup(box, ec))
@@ -1111,8 +1174,8 @@ class ContainerBackend:
                 self._zygote.send(Kill(id=rid), [], None)
             except DsecError:
                 pass  # the zygote is gone; the cgroup kill below still applies
-        try:
-            self.governor.kill_exec(ec)
+        try:  # no waiting for the freeze on the event loop (_clear_exec_cgroup waits)
+            self.governor.kill_exec(ec, freeze_wait_s=0)
         except OSError:
             pass
 
@@ -1133,7 +1196,8 @@ class ContainerBackend:
             if time.monotonic() > deadline:
                 box.lingering.append(ec)
                 return
-            self._kill_exec(0, ec, send=False)
+            with contextlib.suppress(OSError):  # the freeze waits: off the event loop
+                await asyncio.to_thread(self.governor.kill_exec, ec)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
@@ -1172,49 +1236,69 @@ class ContainerBackend:
             raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
                                ) from exc
 
+    async def _file_op(self, sid: str, op: Callable[[SandboxFiles], _T]) -> _T:
+        """Run ``op`` on the sandbox's files beside the event loop, in the backend's file
+        threads. A sandbox decides how big its trees are, so a walk on the loop (a
+        recursive remove or a listing of hundreds of thousands of files: tens of seconds
+        measured on the fncall backend) stopped every other sandbox's execs, heartbeats
+        and connections. ``op`` gets its own root fd (opened here, closed by its thread),
+        so a destroy meanwhile can never leave the thread with a number the kernel gave
+        to something else. Measured cost of the hop: ~30-60 µs per call on the dev VM."""
+        files = self._files(sid)
+
+        def work() -> _T:
+            with files:
+                return op(files)
+
+        if self._file_pool is None:
+            self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="dsec-container-files")
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._file_pool, work)
+        except BaseException:
+            files.close()
+            raise
+        self._file_ops.add(fut)
+        fut.add_done_callback(self._file_ops.discard)
+        return await fut
+
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        with self._files(sid) as files:
-            return files.read(path, offset, length)
+        return await self._file_op(sid, lambda f: f.read(path, offset, length))
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        with self._files(sid) as files:
-            try:
-                files.write(path, data, mode=mode, append=append)
-            except SandboxError as exc:
-                cause = exc.__cause__
-                if not (isinstance(cause, OSError)
-                        and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
-                    raise
-                box = self._box(sid)
-                self._check_disk(box)
-                use = DiskPool.usage_at(box.disk_q) if box.disk_q else None
-                where = (f"its disk cap of {use.cap_bytes} bytes ({use.used_bytes} used)"
-                         if use is not None and cause.errno == errno.EDQUOT
-                         else "the node's sandbox disk pool")
-                raise QuotaExceeded(
-                    f"write {path[:200]!r} ({len(data)} bytes) in sandbox {sid} failed: "
-                    f"{cause.strerror}: the sandbox filled {where}; remove files in it "
-                    "or create the sandbox with a larger disk_bytes",
-                    resource="disk_bytes", sandbox_id=sid,
-                    limit=use.cap_bytes if use is not None else None) from exc
+        try:
+            await self._file_op(sid, lambda f: f.write(path, data, mode=mode, append=append))
+        except SandboxError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, OSError)
+                    and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+                raise
+            box = self._box(sid)
+            self._check_disk(box)
+            use = DiskPool.usage_at(box.disk_q) if box.disk_q else None
+            where = (f"its disk cap of {use.cap_bytes} bytes ({use.used_bytes} used)"
+                     if use is not None and cause.errno == errno.EDQUOT
+                     else "the node's sandbox disk pool")
+            raise QuotaExceeded(
+                f"write {path[:200]!r} ({len(data)} bytes) in sandbox {sid} failed: "
+                f"{cause.strerror}: the sandbox filled {where}; remove files in it "
+                "or create the sandbox with a larger disk_bytes",
+                resource="disk_bytes", sandbox_id=sid,
+                limit=use.cap_bytes if use is not None else None) from exc
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        with self._files(sid) as files:
-            return files.list(path)
+        return await self._file_op(sid, lambda f: f.list(path))
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        with self._files(sid) as files:
-            return files.stat(path)
+        return await self._file_op(sid, lambda f: f.stat(path))
 
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        with self._files(sid) as files:
-            files.mkdir(path, parents=parents)
+        await self._file_op(sid, lambda f: f.mkdir(path, parents=parents))
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        with self._files(sid) as files:
-            files.remove(path, recursive=recursive)
+        await self._file_op(sid, lambda f: f.remove(path, recursive=recursive))
 
     # -- pause / resume / stats ----------------------------------------------------------
     async def pause(self, sid: SandboxId) -> PauseStats:
@@ -1223,8 +1307,9 @@ class ContainerBackend:
         box = self._box(sid)
         t0 = time.monotonic()
         if not box.paused:
-            try:
-                self.governor.freeze(box.cg)
+            try:  # in a thread: v1 waits up to ~1 s for FROZEN, which a task the kernel
+                # holds (D state) never reaches - that wait blocked the event loop
+                await asyncio.to_thread(self.governor.freeze, box.cg)
             except OSError as exc:
                 raise BackendError(f"cannot freeze sandbox {sid}: {exc}") from exc
             box.paused = True

@@ -28,11 +28,10 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
-from dsec.edge.governor import all_leaf_dirs
+from dsec.edge.governor import all_leaf_dirs, kill_verified
 from dsec.image.mount import mounts_below
 
 __all__ = [
@@ -267,16 +266,22 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
                   pool_mounted=os.path.ismount(pool))
 
 
-def kill_tasks(cgroup_dir: str) -> None:
-    """SIGKILL every task ``cgroup_dir`` lists (a few bytes of cgroupfs: no thread hop)."""
+def _listed(cgroup_dir: str) -> set[int]:
+    """The pids ``cgroup_dir/cgroup.procs`` lists (empty if it cannot be read)."""
     try:
         with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
-            pids = [int(p) for p in f.read().split()]
+            return {int(p) for p in f.read().split()}
     except (OSError, ValueError):
-        return
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        return set()
+
+
+def kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists, never a pid number that went to another
+    process meanwhile (pidfds checked against a second listing: governor.kill_verified).
+    Killing the numbers read was the race issue 11.5 removed everywhere (found left in
+    the reconciliation of leftovers by the rt-kernel review)."""
+    with contextlib.suppress(OSError):
+        kill_verified(lambda: _listed(cgroup_dir))
 
 
 def _sweep(dirs: list[str]) -> OSError | None:

@@ -32,9 +32,15 @@ from dsec.edge.backends.container import linux
 from dsec.edge.spec import FileInfo, FileType
 from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
 
-__all__ = ["MAX_READ_BYTES", "SANDBOX_FS_TYPES", "SandboxFiles", "split_path"]
+__all__ = ["MAX_LIST_ENTRIES", "MAX_READ_BYTES", "SANDBOX_FS_TYPES", "SandboxFiles",
+           "split_path"]
 
 MAX_READ_BYTES = 64 << 20
+# Entries of one listing. A sandbox decides how many files a directory holds (a 10 GiB
+# disk cap fits tens of millions of empty ones) and the edge builds one FileInfo per
+# entry (~250 bytes): unbounded, one listing could take the edge's memory. 65,536
+# entries with 40-byte names are ~10 MB of msgpack, inside Aether's 16 MiB default frame.
+MAX_LIST_ENTRIES = 65536
 _RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
 # statfs f_type of the filesystems a sandbox's own files live on. (devtmpfs also reports
 # TMPFS_MAGIC, but no devtmpfs is ever mounted in a sandbox's mount namespace.)
@@ -265,9 +271,14 @@ class SandboxFiles:
         except OSError as exc:
             raise self._err(exc, "list", path) from exc
         try:
-            out = []
+            out: list[FileInfo] = []
             with os.scandir(fd) as it:
                 for entry in it:
+                    if len(out) >= MAX_LIST_ENTRIES:
+                        raise PayloadTooLarge(
+                            f"list {path!r} in sandbox {self.sid}: the directory has more "
+                            f"than {MAX_LIST_ENTRIES} entries; list it from inside the "
+                            "sandbox with exec, or split it into subdirectories", path=path)
                     try:
                         out.append(self._info(fd, entry.name, posixpath.join(full, entry.name)))
                     except FileNotFoundError:

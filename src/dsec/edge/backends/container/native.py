@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from dsec.edge.backends.container.nsexec import ensure_nsexec
 from dsec.edge.backends.container.protocol import (
+    MAX_REQUEST_BYTES,
     Failed,
     Reply,
     Request,
@@ -49,6 +50,26 @@ __all__ = ["INIT_BINARIES", "ZygoteClient"]
 INIT_BINARIES = ("/usr/bin/catatonit",)
 
 ReplyHandler = Callable[[Reply, list[int]], None]
+
+
+# sendmsg errors that mean the helper is gone; any other fails only the request at hand.
+_HELPER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED})
+
+
+def _size_send_buffer(sock: socket.socket) -> None:
+    """Let one SOCK_SEQPACKET message carry the largest request the helper takes: a unix
+    datagram may be at most the sender's ``SO_SNDBUF`` (minus a little), which defaults to
+    ~208 KiB - less than the 1 MiB of argv + env the API admits. Root may exceed
+    ``net.core.wmem_max`` with ``SO_SNDBUFFORCE``; the kernel doubles what it is given.
+    A limit, not an allocation: memory is used only by requests in flight."""
+    want = MAX_REQUEST_BYTES + (64 << 10)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, want)
+    except OSError:  # not root: as far as wmem_max allows; bigger requests fail alone
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
+
+
+_SO_SNDBUFFORCE = 32  # <asm-generic/socket.h>; not exported by Python's socket module
 
 
 class ZygoteClient:
@@ -77,10 +98,15 @@ class ZygoteClient:
             os.write(fd, compile_profile(allow_nested=nested))
             bpf.append(fd)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _size_send_buffer(ours)
         try:
+            # argv[0] is a bare name: every exec's final process shows the zygote's argv
+            # in /proc/<pid>/cmdline inside the sandbox until its execve, and the binary's
+            # path is a host path (the nsexec cache dir).
             self.proc = subprocess.Popen(
-                [binary, "serve", str(theirs.fileno()), str(bpf[0]), str(bpf[1]), init],
-                pass_fds=[theirs.fileno(), *bpf], stdin=subprocess.DEVNULL, close_fds=True)
+                ["dsec-nsexec", "serve", str(theirs.fileno()), str(bpf[0]), str(bpf[1]), init],
+                executable=binary, pass_fds=[theirs.fileno(), *bpf],
+                stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
             for fd in bpf:
@@ -113,6 +139,12 @@ class ZygoteClient:
                 self._send_when_room(data, anc)
         except OSError as exc:
             self.handlers.pop(req.id, None)
+            if exc.errno not in _HELPER_GONE:
+                # This request could not be sent (too big, a bad fd, no memory right now):
+                # it fails alone. Killing the helper for it failed every other create and
+                # exec in flight on the node (an argv over the socket's ~208 KiB default did).
+                raise BackendError(f"cannot pass this request to the container helper: "
+                                   f"{exc}") from exc
             self._dead(f"send failed: {exc}")
             raise BackendError(f"container helper process is gone ({exc}); retry") from exc
 

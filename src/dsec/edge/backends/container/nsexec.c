@@ -31,9 +31,12 @@
  * CLONE_PARENT makes us the parent of the final process, so we reap it and hand its exit
  * status to the edge; the intermediate reports its pid over the report socket (a pidfd
  * is opened for it then: an unreaped child cannot be confused with another process).
- * The final process is cloned CLONE_VM | CLONE_VFORK (run_final): it shares the
- * intermediate's memory until its execve, so the extra process costs no page-table copy
- * (measured: exec and create CPU per call equal to the single-fork design's).
+ * The final process is cloned CLONE_VM: it shares the intermediate's memory until its
+ * execve, so the extra process costs no page-table copy (measured: exec and create CPU per
+ * call equal to the single-fork design's). An exec's final process runs nothing before the
+ * intermediate reported it and sent a go byte, and the intermediate never waits for it
+ * (run_exec_final: nothing in the sandbox can hold the intermediate); create's PID 1,
+ * alone in its new pid namespace, is a CLONE_VFORK clone (run_init).
  *
  * Errors: exec writes "dsec: cannot run ..." to stderr (and the status pipe of a
  * background exec) and exits 127 (not found) or 126; create writes the reason to the
@@ -251,75 +254,109 @@ static void exec_path(char **argv, char **envp) {
 
 struct report { uint32_t slot, gen; int32_t pid, pad; };
 
+static void send_report(pid_t pid) {
+    struct report r = {my_slot, my_gen, pid, 0};
+    while (send(FD_REPORT, &r, sizeof r, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+}
+
+/* The final process's side of the start handshake: it runs nothing of its own before the
+ * intermediate has reported its pid (and, at the task limit, moved it into the sandbox's
+ * pids cgroup). One byte = go; EOF = the intermediate died first - then it must not run:
+ * nobody knows its pid, and at the task limit it would run outside the pids cgroup
+ * (outside every sandbox cgroup on v2). Also drops the host cgroup fds it inherited. */
+static int go_fds[2] = {-1, -1};
+static int held_fds[2] = {-1, -1};  /* pids_fd, home_fd: cgroup.procs opened as host root */
+/* Set by the intermediate once it reported: the final process of the fast path shares our
+ * memory, and usually runs after we exited (we keep the CPU after clone) - then it finds
+ * this set and skips the blocking read (no extra wakeup on the exec's path). */
+static int go_now;
+
+static void await_go(void) {
+    close(FD_REPORT);
+    for (int k = 0; k < 2; k++)
+        if (held_fds[k] >= 0) close(held_fds[k]);
+    close(go_fds[1]);
+    ssize_t n = 1;
+    if (!__atomic_load_n(&go_now, __ATOMIC_ACQUIRE)) {
+        char c = 0;
+        while ((n = read(go_fds[0], &c, 1)) < 0 && errno == EINTR) {}
+    }
+    close(go_fds[0]);
+    if (n != 1) { errno = ECHILD; die(126, "the exec helper died before the command started"); }
+}
+
 /* fork whose child gets our parent (the zygote) as its parent. A raw clone like fork():
  * we are single-threaded and the child calls nothing that trusts glibc's cached tid. */
 static pid_t clone_parent(void) {
     return (pid_t)syscall(SYS_clone, (unsigned long)CLONE_PARENT, 0, NULL, NULL, 0);
 }
 
-/* Intermediate: fork the final process (born inside), tell the zygote its pid, exit.
- * Returns only in the final process.
+/* Intermediate at the task limit: fork the final process outside the pids cgroup, move it
+ * in, report, let it go, exit. Returns only in the final process.
  *
- * A sandbox at its task limit refuses that fork (the intermediate is already counted in
- * its pids cgroup), yet an exec must still get in - to look, or to kill the fork bomb. So
- * on EAGAIN, with `pids_fd` (the cgroup.procs the limit applies to) and `home_fd` (ours
- * before joining) opened before the setns (cgroupfs checks the opener's credentials and
- * cgroup namespace): step back out of the limited cgroup, fork, move the child in -
+ * A sandbox at its task limit refuses the final process's clone (the intermediate is
+ * already counted in its pids cgroup), yet an exec must still get in - to look, or to kill
+ * the fork bomb. So, with `pids_fd` (the cgroup.procs the limit applies to) and `home_fd`
+ * (ours before joining) opened before the setns (cgroupfs checks the opener's credentials
+ * and cgroup namespace): step back out of the limited cgroup, fork, move the child in -
  * migration is not limited - and only then let it run. While it waits it is inside in
  * every respect but its pids cgroup, which /proc/<pid>/cgroup inside shows as "/../.."
  * (the sandbox's cgroups sit two levels below ours): no host name. */
 static void spawn_final(int fail_code, int pids_fd, int home_fd) {
-    int go[2] = {-1, -1};
+    if (write(home_fd, "0", 1) < 0) die(fail_code, "leave the task-limited cgroup");
     pid_t pid = clone_parent();
-    if (pid < 0 && errno == EAGAIN && pids_fd >= 0 && home_fd >= 0) {
-        if (pipe2(go, O_CLOEXEC) < 0) die(fail_code, "pipe2");
-        if (write(home_fd, "0", 1) < 0) die(fail_code, "leave the task-limited cgroup");
-        pid = clone_parent();
-        if (pid > 0) {
-            char num[24];
-            int n = snprintf(num, sizeof num, "%d", (int)pid);
-            if (write(pids_fd, num, (size_t)n) < 0) {
-                int saved = errno;
-                kill(pid, SIGKILL);  /* our own, still waiting: never runs outside */
-                errno = saved;
-                die(fail_code, "move the command into the sandbox's pids cgroup");
-            }
-            close(go[1]);
-        }
-    }
     if (pid < 0) die(fail_code, "clone into the sandbox's pid namespace");
-    if (pid > 0) {
-        struct report r = {my_slot, my_gen, pid, 0};
-        while (send(FD_REPORT, &r, sizeof r, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
-        _exit(0);
+    if (pid == 0) return;  /* the final process: waits for the go byte first thing */
+    char num[24];
+    int n = snprintf(num, sizeof num, "%d", (int)pid);
+    if (write(pids_fd, num, (size_t)n) < 0) {
+        int saved = errno;
+        kill(pid, SIGKILL);  /* our own, still waiting: never runs outside */
+        errno = saved;
+        die(fail_code, "move the command into the sandbox's pids cgroup");
     }
-    close(FD_REPORT);
-    if (pids_fd >= 0) close(pids_fd);
-    if (home_fd >= 0) close(home_fd);
-    if (go[0] >= 0) {
-        char c;
-        close(go[1]);
-        while (read(go[0], &c, 1) < 0 && errno == EINTR) {}  /* EOF: moved in */
-        close(go[0]);
-    }
+    send_report(pid);
+    if (write(go_fds[1], "g", 1) < 0) {}  /* EPIPE: it died meanwhile (the zygote reaps) */
+    _exit(0);
 }
 
-/* The exec's fast path: the final process shares our memory (no page-table copy - a
- * fork's main cost on this PVM VM) and we wait until it has exec'd or died
- * (CLONE_VM | CLONE_VFORK, as posix_spawn does); it has its own fd table and credentials.
- * At the task limit that clone fails like any fork: then spawn_final's slow path. */
+/* The exec's final process. It shares our memory (CLONE_VM: no page-table copy - a
+ * fork's main cost on this PVM VM) but not our wait: we report its pid, hand it the go
+ * byte and exit while it sets up and execs. It used to be CLONE_VFORK (we waited until its
+ * execve), but it is visible inside from birth, and a sandbox process that SIGSTOPped it
+ * there held us - a pending intermediate - for good (rt-kernel review): a background
+ * exec never answered, and the zygote, which reaps no unknown child while an
+ * intermediate is pending, stopped reaping other sandboxes' inits. Now nothing inside can
+ * hold us. Until the go byte the final process runs nothing, so we are done with the
+ * shared memory before it starts (we touch only our own stack and the report socket).
+ * At the task limit the clone fails like any fork: then spawn_final's slow path. */
 static char final_stack[256 << 10] __attribute__((aligned(64)));
 
-static void run_final(int fail_code, int pids_fd, int home_fd, int (*fn)(void *), void *arg) {
-    pid_t pid = clone(fn, final_stack + sizeof final_stack,
-                      CLONE_VM | CLONE_VFORK | CLONE_PARENT, arg);
-    if (pid < 0 && errno == EAGAIN) {
-        spawn_final(fail_code, pids_fd, home_fd);  /* returns in the final process */
+static void run_exec_final(int pids_fd, int home_fd, int (*fn)(void *), void *arg) {
+    if (pipe2(go_fds, O_CLOEXEC) < 0) die(126, "pipe2");
+    held_fds[0] = pids_fd;
+    held_fds[1] = home_fd;
+    signal(SIGPIPE, SIG_IGN);  /* a go byte to a final process that died: no matter */
+    pid_t pid = clone(fn, final_stack + sizeof final_stack, CLONE_VM | CLONE_PARENT, arg);
+    if (pid < 0 && errno == EAGAIN && pids_fd >= 0 && home_fd >= 0) {
+        spawn_final(126, pids_fd, home_fd);  /* returns in the final process */
         _exit(fn(arg));
     }
-    if (pid < 0) die(fail_code, "clone into the sandbox's pid namespace");
-    struct report r = {my_slot, my_gen, pid, 0};
-    while (send(FD_REPORT, &r, sizeof r, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+    if (pid < 0) die(126, "clone into the sandbox's pid namespace");
+    send_report(pid);
+    __atomic_store_n(&go_now, 1, __ATOMIC_RELEASE);
+    if (write(go_fds[1], "g", 1) < 0) {}
+    _exit(0);
+}
+
+/* The create's PID 1: shares our memory until its execve and we wait for that
+ * (CLONE_VM | CLONE_VFORK, as posix_spawn does); it has its own fd table and credentials.
+ * Nothing can see or signal it meanwhile - it is alone in a new pid namespace. */
+static void run_init(int (*fn)(void *), void *arg) {
+    pid_t pid = clone(fn, final_stack + sizeof final_stack,
+                      CLONE_VM | CLONE_VFORK | CLONE_PARENT, arg);
+    if (pid < 0) die(1, "clone into the sandbox's pid namespace");
+    send_report(pid);
     _exit(0);
 }
 
@@ -366,7 +403,7 @@ static int do_exec(int argc, char **argv) {
     }
     close(FD_PIDFD);
     struct final_args a = {cwd, user, nenv, env, target};
-    run_final(126, pids_fd, home_fd, exec_final, &a);
+    run_exec_final(pids_fd, home_fd, exec_final, &a);
     return 126;
 }
 
@@ -376,7 +413,8 @@ static int exec_final(void *arg) {
     const char *cwd = a->cwd, *user = a->user;
     int nenv = a->nenv;
     char **env = a->env, **target = a->target;
-    close(FD_REPORT);
+    await_go();
+    signal(SIGPIPE, SIG_DFL);  /* the intermediate ignored it; the command gets the default */
     if (setsid() < 0) die(126, "setsid");
     uid_t uid = 0;
     gid_t gid = 0;
@@ -687,12 +725,12 @@ static int do_create(int argc, char **argv) {
     if (sethostname(hostname, strnlen(hostname, 64)) < 0) die(1, "sethostname");
     if (loopback) loopback_up();
     if (unshare(CLONE_NEWPID) < 0) die(1, "unshare(CLONE_NEWPID)");
-    run_final(1, -1, -1, create_init, &userns_fd);
+    run_init(create_init, &userns_fd);
     return 1;
 }
 
 /* PID 1 of the sandbox's pid namespace (sharing the intermediate's memory until its
- * execve, like an exec's command: see run_final). */
+ * execve: see run_init). */
 static int create_init(void *arg) {
     int userns_fd = *(int *)arg;
     close(FD_REPORT);
@@ -894,6 +932,9 @@ static void finish_start(struct job *j, const char *msg) {
     if (j->replied) return;
     if (msg && msg[0]) {
         send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
+    } else if (j->killed) {
+        send_reply(REP_FAILED, j->id, j->pid, 0, 0, ECANCELED,
+                   "the exec was killed before its command started", -1);
     } else if (!j->pid) {
         send_reply(REP_FAILED, j->id, 0, 0, 0, ECHILD,
                    j->kind == J_CREATE ? "the sandbox's start helper died before its init"
@@ -932,6 +973,7 @@ static void on_report(const struct report *r) {
     }
     reapable_add(j->pid);
     if (j->kind == J_BG) {
+        if (j->killed) kill(j->pid, SIGKILL);  /* unreaped child: exact */
         j->ns_pid = ns_pid_of(j->pid);
     } else {
         j->pid_fd = (int)syscall(SYS_pidfd_open, j->pid, 0);
@@ -1016,6 +1058,30 @@ static struct job *job_of_pid(pid_t p) {
     return NULL;
 }
 
+/* Reap, one by one, the children we know that have exited: what sweep() does when a child
+ * it cannot place yet blocks waitid(P_ALL) (which always returns the oldest exited child).
+ * Without this, one such child - an exec's final process whose report is still coming,
+ * or one a sandbox process made with clone(CLONE_PARENT), which makes it ours - held up
+ * the reaping of every later child (other sandboxes' inits, background commands) for as
+ * long as some intermediate was pending (rt-kernel review). O(children we know); a
+ * waitpid of one pid is O(1) in the kernel. */
+static void reap_known(void) {
+    for (size_t k = 0; k < nreapable;) {
+        if (waitpid(reapable[k], NULL, WNOHANG) == reapable[k]) {
+            memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
+            nreapable--;
+            continue;
+        }
+        k++;
+    }
+    for (size_t k = 0; k < njobs; k++) {
+        struct job *j = &jobs[k];
+        if (j->kind == J_FREE) continue;
+        if (j->mid) on_mid_exit(j);
+        if (j->kind == J_FG && j->pid && !j->final_done) on_final_exit(j);
+    }
+}
+
 /* Reap whatever has exited among our children: inits and background commands (nobody
  * waits for their status), and our jobs' processes if their pidfd event has not come
  * yet. A child we know nothing about is a final process whose intermediate has not
@@ -1042,6 +1108,7 @@ static void sweep(void) {
             continue;
         }
         sweep_deferred = 1;  /* its report is on the way: retry when it (or a death) comes */
+        reap_known();
         return;
     }
 }
@@ -1092,10 +1159,13 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
     int bpf = bpf_fds[(h.flags & F_NESTED) ? 1 : 0];
     userns_req = (h.flags & F_USERNS) != 0;
     if (h.type == REQ_KILL) {
-        /* The exec's intermediate and command, by pidfd (the edge kills the rest of the
-         * exec's cgroup); a command reported later is killed on arrival. */
+        /* The exec's intermediate and command, by pidfd (the edge kills the rest of a
+         * foreground exec's cgroup); a command reported later is killed on arrival. A
+         * background exec is killed only before it was reported started (the edge gave
+         * up waiting for it); then it answers Failed. */
         for (size_t k = 0; k < njobs; k++)
-            if (jobs[k].kind == J_FG && jobs[k].id == h.id && !jobs[k].replied) {
+            if ((jobs[k].kind == J_FG || jobs[k].kind == J_BG) && jobs[k].id == h.id
+                    && !jobs[k].replied) {
                 struct job *j = &jobs[k];
                 j->killed = 1;
                 if (j->mid_fd >= 0) pidfd_signal(j->mid_fd, SIGKILL);
@@ -1267,6 +1337,9 @@ int main(int argc, char **argv) {
      * cannot open /proc/<child>/root, cwd or fd/N while the child still holds host state
      * (the command's process is visible inside from its birth). */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* The name every exec's final process shows inside until its execve (/proc/<pid>/comm;
+     * the file's name carries a build hash). */
+    prctl(PR_SET_NAME, "dsec-nsexec", 0, 0, 0);
     if (argc >= 2 && strcmp(argv[1], "serve") == 0) return do_serve(argc, argv);
     fprintf(stderr, "usage: dsec-nsexec serve SOCK BPF BPF_NESTED INIT (started by the dsec edge)\n");
     return 2;

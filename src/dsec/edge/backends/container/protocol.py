@@ -18,7 +18,10 @@ import struct
 
 import msgspec
 
+from dsec.errors import BackendError, CannotRun, DsecError
+
 __all__ = [
+    "MAX_REQUEST_BYTES",
     "Create",
     "Created",
     "Exec",
@@ -30,6 +33,7 @@ __all__ = [
     "Started",
     "decode_reply",
     "encode",
+    "exec_failure",
     "request_argv",
 ]
 
@@ -109,6 +113,12 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 Reply = Created | Started | Exited | Failed
 
+#: The largest request the helper takes: its receive buffer (``buf`` in nsexec.c's
+#: ``do_serve``). The edge sizes its socket's send buffer to carry one this big and
+#: refuses bigger ones with ValueError (an exec's argv + env beyond Linux's ARG_MAX,
+#: 2 MiB here, fails at execve anyway, with "Argument list too long").
+MAX_REQUEST_BYTES = 4 << 20
+
 # struct req_hdr { uint32_t type, flags; uint64_t id; }
 _REQ = struct.Struct("=IIQ")
 # struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err;
@@ -157,7 +167,13 @@ def encode(req: Request) -> bytes:
             | (F_USERNS if req.userns else 0)
     else:
         kind, flags = REQ_KILL, 0
-    return _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
+    data = _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
+    if len(data) > MAX_REQUEST_BYTES:
+        raise ValueError(f"the request is {len(data)} bytes (argv, env and paths), over the "
+                         f"{MAX_REQUEST_BYTES}-byte most the sandbox helper takes; an exec's "
+                         "argv + env must stay within Linux's ARG_MAX (2 MiB) - pass large "
+                         "data as stdin or a file")
+    return data
 
 
 def decode_reply(data: bytes) -> Reply:
@@ -174,3 +190,24 @@ def decode_reply(data: bytes) -> Reply:
     if kind == REP_FAILED:
         return Failed(rid, data[_REP.size:_REP.size + n].decode(errors="replace").strip(), err)
     raise ValueError(f"unknown reply type {kind}")
+
+
+# What an exec child reports before it runs the command ("dsec: cannot run 'X': WHAT:
+# strerror", see die() in nsexec.c) when the caller named something the sandbox does not
+# have: the program, the user or the working directory. Anything else that fails there
+# (setns, capset, seccomp...) is the node's problem, not the caller's.
+_CALLER_MISTAKES = ("unknown user", "user name too long", "chdir ", "execve", "execvpe")
+
+
+def exec_failure(sid: str, message: str) -> DsecError:
+    """The error for an exec whose command could not start (a background exec's Failed
+    reply; a foreground one exits 127/126 with the same message on stderr)."""
+    text = message.strip()
+    what = text.removeprefix("dsec: ")
+    if text.startswith("dsec: cannot run") and any(m in what for m in _CALLER_MISTAKES):
+        code = 127 if ("execv" in what and "No such file" in what) else 126
+        return CannotRun(f"exec in sandbox {sid} could not start: {what[:300]} (a "
+                         f"foreground exec exits {code}); check the program, user and cwd",
+                         sandbox_id=sid, exit_code=code)
+    return BackendError(f"exec in sandbox {sid} failed to start: {text[:500]}",
+                        sandbox_id=sid)

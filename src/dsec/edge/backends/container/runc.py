@@ -29,7 +29,7 @@ from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.rootfs import overlay_options
 from dsec.edge.governor import ExecCgroup
 from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult
-from dsec.errors import BackendError, DsecError
+from dsec.errors import BackendError, CannotRun, DsecError
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.backend import _Box
@@ -53,21 +53,32 @@ class RuncDriver:
     def _cmd(self, *args: str) -> list[str]:
         return [self.binary, "--root", self.state_root, *args]
 
-    async def _run(self, *args: str) -> tuple[int, str]:
+    async def _run(self, *args: str, timeout_s: float | None = None) -> tuple[int, str]:
         """Run a runc command with /dev/null as stdin, stdout and stderr.
 
         ``run -d``/``exec -d`` hand their stdio to the container process: a pipe would be
         held open forever, and a host temp file would become init's fd 2 - reachable from
         inside as /proc/1/fd/2 (host disk the sandbox could write). runc's own error text
         goes to a ``--log`` file in the private state dir instead (runc's init reports
-        through a pipe to its parent, so the container never holds that file)."""
+        through a pipe to its parent, so the container never holds that file).
+
+        ``timeout_s``: kill runc (our own unreaped child: its pid is exact) after that long
+        and raise :class:`BackendError` - for calls a process in the sandbox can hold, like
+        ``exec -d``, which waits for its command to start (a SIGSTOP inside held it for
+        good)."""
         log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL)
-            await proc.wait()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise BackendError(f"runc {args[0]} did not finish within {timeout_s:g} s "
+                                   "and was killed") from None
             return proc.returncode or 0, _log_errors(log)
         finally:
             try:
@@ -125,9 +136,11 @@ class RuncDriver:
     async def exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
                    on_chunk: Callable[[ExecChunk], None] | None, *,
                    cgroup: ExecCgroup | None = None,
-                   kill: Callable[[], object] = lambda: None) -> ExecResult:
+                   kill: Callable[[], object] = lambda: None,
+                   start_timeout_s: float | None = None) -> ExecResult:
         """``cgroup``: the foreground exec's own cgroup (its process is started in it);
-        ``kill``: kills everything in it - what a timeout does, until runc exits."""
+        ``kill``: kills everything in it - what a timeout does, until runc exits;
+        ``start_timeout_s``: how long a background exec may take to start."""
         t0 = time.monotonic()
         args = ["exec"]
         if cgroup is not None:
@@ -145,8 +158,20 @@ class RuncDriver:
         args += [box.sid, *argv]
         loop = asyncio.get_running_loop()
         if req.background:
-            code, err = await self._run(*args)
+            try:
+                code, err = await self._run(*args, timeout_s=start_timeout_s)
+            except BackendError as exc:
+                raise BackendError(
+                    f"background exec in sandbox {box.sid} did not start its command within "
+                    f"{start_timeout_s:g} s (its process was stopped or held before it could "
+                    f"run - e.g. by a SIGSTOP from a process inside): {exc}") from exc
             if code != 0:
+                if _caller_mistake(err):
+                    # a missing program or cwd: the caller's mistake (4xx), as natively
+                    raise CannotRun(f"exec in sandbox {box.sid} could not start: runc: "
+                                    f"{err.strip()[:300]}; check the program and cwd",
+                                    sandbox_id=box.sid, exit_code=126
+                                    if "chdir to cwd" in err else 127)
                 raise BackendError(f"runc exec failed in sandbox {box.sid}: {err}")
             with open(pid_file) as f:  # noqa: ASYNC230 - a few bytes on local disk
                 pid = int(f.read().strip())
@@ -260,7 +285,16 @@ def _numeric_user(box: _Box, user: str) -> str:
         parts = line.split(":")
         if len(parts) >= 4 and parts[0] == name:
             return f"{parts[2]}:{group or parts[3]}"
-    raise BackendError(f"unknown user {name!r} in the sandbox's /etc/passwd")
+    raise CannotRun(f"exec in sandbox {box.sid} could not start: unknown user {name[:64]!r} "
+                    "in the sandbox's /etc/passwd", sandbox_id=box.sid, exit_code=126)
+
+
+def _caller_mistake(err: str) -> bool:
+    """Whether runc exec failed because the caller named a program or cwd the sandbox
+    does not have (``exec: "x": executable file not found``, ``exec: "/x": stat /x: no
+    such file or directory``, ``chdir to cwd ... failed``)."""
+    return ("executable file not found" in err or "chdir to cwd" in err
+            or ('exec: "' in err and "no such file or directory" in err))
 
 
 def _ns_pid(pid: int) -> int:

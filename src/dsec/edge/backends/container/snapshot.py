@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -67,8 +68,9 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
-from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
+from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace
 from dsec.image.packdiff import snapshot as pack_diff
 from dsec.image.resolver import StoreImages
 
@@ -104,7 +106,9 @@ def snapshot_info(m: LayerManifest, index_bytes: int = 0) -> SnapshotInfo:
     lab = m.labels
     return SnapshotInfo(
         id=m.digest, parent=m.parent, sandbox_id=lab.get(_L + "sandbox", ""),
-        project=lab.get(_L + "project", "default"), image=lab.get(_L + "image", ""),
+        # The one tenancy rule (dsec.image.catalog): a snapshot naming no project is
+        # nobody's (""), not the "default" project's.
+        project=layer_namespace(m) or "", image=lab.get(_L + "image", ""),
         workspace=lab.get(_L + "workspace") or None,
         toolkits=tuple(t for t in lab.get(_L + "toolkits", "").split(",") if t),
         backend=lab.get(_L + "backend", ""), created=m.created,
@@ -120,6 +124,8 @@ class ContainerSnapshots:
                                   field="snapshot_workers")
         self.backend = backend
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._index: StoreIndex | None = None
+        self._index_lock = threading.Lock()     # listings run in worker threads
         self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -360,9 +366,18 @@ class ContainerSnapshots:
         images = self.images
         if images is None:
             return []
-        ms = await asyncio.to_thread(images.store.manifests)
-        return await asyncio.to_thread(
-            lambda: [self._info(m) for m in ms if m.kind == "snapshot"])
+        return await asyncio.to_thread(self._listed, images.store.root)
+
+    def _listed(self, root: str) -> list[SnapshotInfo]:
+        """Every snapshot in the store, through a cached :class:`StoreIndex` (manifests
+        are read once, the directory only when it changed): reading every manifest per
+        call took 1.1 s at 20,000 layers (measured here), and any key's ``GET
+        /v1/snapshots`` or snapshot prefix asks every edge for this."""
+        with self._index_lock:
+            if self._index is None or self._index.root != root:
+                self._index = StoreIndex(root)
+            ms = self._index.sync(listing=True).manifests()
+        return [self._info(m) for m in ms if m.kind == "snapshot"]
 
     def _get(self, ref: str) -> LayerManifest:
         images = self.images

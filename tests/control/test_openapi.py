@@ -1,0 +1,108 @@
+"""The OpenAPI document and the server agree: the same routes and methods, a 405 with an
+``Allow`` header for every method a path does not declare, and every pattern and limit
+the document declares enforced by the server (schemathesis: requests that violate the
+schema are refused with a 4xx, every answer is a documented status with a body that
+matches its schema, undeclared methods answer 405)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dsec.client.local import LocalCluster
+
+METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1) as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def doc(cluster: LocalCluster) -> dict[str, Any]:
+    return dict(httpx.get(f"{cluster.url}/openapi.json").json())
+
+
+def _concrete(path: str) -> str:
+    """A request path for an OpenAPI path template (values matching the patterns)."""
+    return (path.replace("/v1/sandboxes/{id}", "/v1/sandboxes/sb-000000000000-edge-0")
+            .replace("/v1/snapshots/{id}", "/v1/snapshots/sha256:000000000000")
+            .replace("/v1/keys/{id}", "/v1/keys/0000000000000000")
+            .replace("/v1/sessions/{id}", "/v1/sessions/ses-0000000000000000")
+            .replace("{path}", "default").replace("{ref}", "base"))
+
+
+def test_the_document_lists_exactly_the_routes_the_server_serves(
+        cluster: LocalCluster, doc: dict[str, Any]) -> None:
+    from starlette.routing import Route
+    app = cluster.runtime.service and cluster.runtime._uvicorn.config.app.app
+    served: set[tuple[str, str]] = set()
+    for r in app.routes:
+        assert isinstance(r, Route)
+        if r.path == "/openapi.json":
+            continue                         # the document does not describe itself
+        path = re.sub(r"\{(\w+):path\}", r"{\1}", r.path)
+        for m in r.methods or ():
+            if m != "HEAD":
+                served.add((path, m))
+    declared = {(p, m.upper()) for p, ops in doc["paths"].items() for m in ops}
+    assert served == declared
+
+
+def _template_re(path: str) -> re.Pattern[str]:
+    """A regex for an OpenAPI path template: ``{ref}``/``{path}`` span slashes (image
+    refs, project paths), other parameters one segment."""
+    out = ""
+    for part in re.split(r"(\{\w+\})", path):
+        if part.startswith("{"):
+            out += ".+" if part in ("{ref}", "{path}") else "[^/]+"
+        else:
+            out += re.escape(part)
+    return re.compile(out + "$")
+
+
+def test_undeclared_methods_answer_405_with_allow(cluster: LocalCluster,
+                                                  doc: dict[str, Any]) -> None:
+    h = {"authorization": f"Bearer {cluster.api_key}"}
+    templates = [(_template_re(p), {m.upper() for m in ops}) for p, ops in doc["paths"].items()]
+    checked = 0
+    for path in doc["paths"]:
+        url = _concrete(path)
+        # every template the concrete path matches (GET /v1/images/tag is getImage)
+        allowed = set().union(*(ms for rx, ms in templates if rx.match(url)))
+        expect = sorted(allowed | ({"HEAD"} if "GET" in allowed else set()))
+        for m in METHODS:
+            if m in allowed:
+                continue
+            r = httpx.request(m, cluster.url + url, headers=h)
+            assert r.status_code == 405, (m, path, r.status_code, r.text)
+            assert r.json()["code"] == "method_not_allowed"
+            assert r.headers["allow"].split(", ") == expect, (m, path)
+            checked += 1
+    assert checked > 50
+
+
+def test_schemathesis_finds_the_server_and_the_document_in_agreement(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """Coverage phase: for every operation, values on both sides of each declared bound
+    and pattern, missing required parts, and undeclared methods."""
+    st = Path(sys.executable).with_name("schemathesis")
+    checks = ("not_a_server_error,unsupported_method,negative_data_rejection,"
+              "status_code_conformance,response_schema_conformance")
+    cmd = [str(st), "run", f"{cluster.url}/openapi.json",
+           "-H", f"Authorization: Bearer {cluster.api_key}", "--checks", checks,
+           "--phases", "coverage", "--max-examples", "5", "--seed", "1", "--no-color"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                       check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert re.search(r"\b3[0-9] passed\b", out), out[-3000:]   # every operation ran
