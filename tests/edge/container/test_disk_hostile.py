@@ -31,8 +31,8 @@ from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import BackendError, CapacityExceeded, DsecError, ImageError, QuotaExceeded
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
-from dsec.image.resolver import StoreImages
 from dsec.image.packdiff import RACY_WINDOW_NS
+from dsec.image.resolver import StoreImages
 
 from .conftest import _cleanup
 
