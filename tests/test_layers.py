@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules whose logic must stay pure: decisions as data, no sockets, processes, files, clocks.
 PURE_MODULES = (
     "dsec.aether.frame",
+    "dsec.aether.state",
     "dsec.control.placement",
     "dsec.control.watcher",
     "dsec.control.api.sweeper",
