@@ -859,17 +859,19 @@ class ControlPlane:
                 # Durable before the registry's removal is flushed: an apiserver restarted
                 # in between still knows the node's returning sandboxes are written off.
                 self.store.put_lost(rows, keep=self.config.lost_tombstones)
-                log.warning("node %s lost (no heartbeat for %.1fs): evicted its sandboxes",
-                            ins.node, self.config.node_ttl_s)
+                log.warning("node %s lost (no heartbeat for %.1fs; stimulus %s): evicted its "
+                            "sandboxes", ins.node, self.config.node_ttl_s, ins.stimulus_id)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
                 link = self.edge(NodeId(ins.node))
                 if link is not None and ins.sandbox_ids:
                     reason = "preempted" if isinstance(ins, PreemptSandboxes) else "node_lost"
+                    log.info("destroying %s on %s (%s; stimulus %s)", ins.sandbox_ids,
+                             ins.node, reason, ins.stimulus_id)
                     try:
                         await link.destroy_many(list(ins.sandbox_ids), reason=reason)
                     except DsecError as exc:
-                        log.warning("could not destroy %s on %s: %s", ins.sandbox_ids,
-                                    ins.node, exc)
+                        log.warning("could not destroy %s on %s (stimulus %s): %s",
+                                    ins.sandbox_ids, ins.node, ins.stimulus_id, exc)
                 self.registry.evict(ins.sandbox_ids, reason=ins.reason)
 
     async def tick(self) -> None:
