@@ -38,8 +38,9 @@ PURE_MODULES = (
     "dsec.aether.state",
     "dsec.control.placement",
     "dsec.control.watcher",
-    "dsec.control.api.sweeper",
+    "dsec.control.sweeper",
     "dsec.control.quota",
+    "dsec.control.reconcile",
     "dsec.edge.lifecycle",
 )
 # Packages whose every module is pure (checked once they exist: the vocabulary, issue 13).
