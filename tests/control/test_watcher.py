@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from dsec.control.placement import NodeView, Placement, PlacementRequest
+from dsec.control.placement import Placement, PlacementNode, PlacementRequest
 from dsec.control.quota import QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
@@ -53,7 +53,7 @@ def sb(name: str, node: str = "n1", *, prio: int = 0, created: float = 0.0,
 
 def hb(node: str, t: float, sandboxes: tuple[LiveSandbox, ...] = (), *,
        cpu: int = 8000, mem: int = 32 * GiB, max_sandboxes: int | None = None) -> NodeHeartbeat:
-    return NodeHeartbeat(time=t, sandboxes=sandboxes, view=NodeView(
+    return NodeHeartbeat(time=t, sandboxes=sandboxes, view=PlacementNode(
         node=node, cpu_milli_capacity=cpu, memory_bytes_capacity=mem,
         cpu_milli_used=sum(s.cpu_milli for s in sandboxes),
         memory_bytes_used=sum(s.memory_bytes for s in sandboxes), max_sandboxes=max_sandboxes))

@@ -58,7 +58,7 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from dsec.control.placement import NodeView
+from dsec.control.placement import PlacementNode
 from dsec.errors import (
     DsecError,
     InvalidArgument,
@@ -113,7 +113,7 @@ class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     time: float
-    view: NodeView
+    view: PlacementNode
     sandboxes: tuple[LiveSandbox, ...] = ()
     stimulus_id: str = ""
 
@@ -236,7 +236,7 @@ class Preempt:
 
 @dataclass(frozen=True, slots=True)
 class UpdateNode:
-    view: NodeView
+    view: PlacementNode
     # What caused it (the event's stimulus id); not part of what the instruction is.
     stimulus_id: str = field(default="", compare=False)
 
@@ -458,7 +458,7 @@ class Watcher:
         out.append(UpdateNode(self._view(hb, node.zombies), stimulus_id=sid))
 
     @staticmethod
-    def _view(hb: NodeHeartbeat, zombies: set[str]) -> NodeView:
+    def _view(hb: NodeHeartbeat, zombies: set[str]) -> PlacementNode:
         groups: dict[str, int] = {}
         for s in hb.sandboxes:
             if s.id not in zombies:
@@ -530,7 +530,7 @@ class Watcher:
                                         stimulus_id=sid))
 
     # --- introspection ------------------------------------------------------------------
-    def views(self) -> list[NodeView]:
+    def views(self) -> list[PlacementNode]:
         """The current snapshot of live nodes (for a full placement resync)."""
         return [self._view(n.hb, n.zombies) for n in self._live.values()]
 

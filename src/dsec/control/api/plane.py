@@ -70,8 +70,7 @@ from dsec.control.api.types import (
 from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
-from dsec.control.placement import Decision, Placement, PlacementRequest
-from dsec.control.placement import NodeView as PlacementView
+from dsec.control.placement import Decision, Placement, PlacementNode, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.reconcile import (
     Forget,
@@ -732,7 +731,7 @@ class ControlPlane:
         labels = dict(hb.labels)
         labels.update({f"{BACKEND_LABEL}{b}": "1" for b in hb.backends})
         await self._carry_out(self.watcher.handle(NodeHeartbeat(
-            time=now, view=PlacementView(
+            time=now, view=PlacementNode(
                 node=e.node, cpu_milli_capacity=hb.capacity.cpu_milli,
                 memory_bytes_capacity=hb.capacity.memory_bytes,
                 cpu_milli_used=hb.usage.cpu_milli, memory_bytes_used=hb.usage.memory_bytes,
