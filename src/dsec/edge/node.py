@@ -33,9 +33,9 @@ import contextlib
 import heapq
 import logging
 import random
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 import msgspec
 
@@ -73,7 +73,9 @@ from dsec.edge.spec import (
     SandboxState,
     SandboxStats,
     SnapshotInfo,
+    check_mode,
     check_path,
+    check_read_range,
 )
 from dsec.errors import (
     BackendError,
@@ -93,6 +95,7 @@ from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
 log = logging.getLogger("dsec.edge")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -871,7 +874,6 @@ class EdgeNode:
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
-        req.validate()
         room = self.config.max_reply_output_bytes
         if req.output_cap_bytes > room:
             # more would be collected only to fail as too large for one reply: keep what
@@ -944,7 +946,6 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
-        req.validate()
         if rec.state != "running":
             await self._ready(rec, "exec")
         self._admit_exec(rec)
@@ -963,7 +964,8 @@ class EdgeNode:
                 self._arm(rec)
 
     # ================================================================ files
-    async def _file_op(self, sandbox_id: str, op: str, call: Any, path: str) -> Any:
+    async def _file_op(self, sandbox_id: str, op: str,
+                       call: Callable[[Backend, SandboxId], Awaitable[_T]], path: str) -> _T:
         rec = self._find(sandbox_id)
         check_path(path)  # the same limits whatever door the request came through
         if rec.state != "running":
@@ -982,26 +984,24 @@ class EdgeNode:
 
     async def read_file(self, sandbox_id: str, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        if offset < 0 or (length is not None and length < 0):
-            raise InvalidArgument(f"read_file offset={offset} length={length} must be >= 0")
-        return await self._file_op(  # type: ignore[no-any-return]
+        check_read_range(offset, length)
+        return await self._file_op(
             sandbox_id, "read_file",
             lambda b, s: b.read_file(s, path, offset=offset, length=length), path)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        if not 0 <= mode <= 0o7777:
-            raise InvalidArgument(f"write_file mode={mode:o} must be within 0..0o7777")
+        check_mode(mode)
         await self._file_op(sandbox_id, "write_file",
                             lambda b, s: b.write_file(s, path, data, mode=mode, append=append),
                             path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
-        return await self._file_op(  # type: ignore[no-any-return]
+        return await self._file_op(
             sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path)
 
     async def stat(self, sandbox_id: str, path: str) -> FileInfo:
-        return await self._file_op(  # type: ignore[no-any-return]
+        return await self._file_op(
             sandbox_id, "stat", lambda b, s: b.stat(s, path), path)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> None:
