@@ -260,3 +260,87 @@ def test_file_sizes_a_door_accepts_arrive_whole(cluster: LocalCluster, sid: str)
     r = httpx.get(f"{cluster.url}/v1/sandboxes/{sid}/files",
                   params={"path": "/tmp/huge", "offset": MAX_FILE_READ_BYTES}, headers=h)
     assert r.status_code == 200 and r.content == b"z"
+
+
+# ------------------------------------------------------- one answer, whatever the door
+def _rest(cluster: LocalCluster, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, f"{cluster.url}{path}", timeout=60,
+                         headers={"authorization": f"Bearer {cluster.api_key}"}, **kw)
+
+
+def _gw(cluster: LocalCluster, method: str, body: dict[str, Any], rtype: Any) -> Any:
+    """One raw gateway call (no SDK), acting with the cluster's admin key."""
+    async def run() -> Any:
+        assert cluster.gateway is not None
+        conn = await connect(cluster.gateway, token=cluster.api_key)
+        try:
+            return await conn.call(method, {"key": cluster.api_key, **body},
+                                   response_type=rtype, timeout=60)
+        finally:
+            await conn.close()
+    return _on_loop(cluster, run())
+
+
+def test_info_is_one_answer_at_every_door(cluster: LocalCluster) -> None:
+    """``/v1/info`` and ``api.info`` used to be built apart: the gateway's said a
+    hard-coded version and no gateway address, so an SDK asking it could not tell."""
+    from dsec.control.api.types import Info
+    rest = msgspec.json.decode(_rest(cluster, "GET", "/v1/info").content, type=Info)
+    gw = _gw(cluster, "api.info", {}, Info)
+    assert rest.gateway == cluster.gateway and rest.gateway is not None
+    assert gw == rest
+
+
+def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
+    """A sandbox's resource use was served by the edge only: no REST route, no gateway
+    method, no SDK call."""
+    from dsec.edge.spec import SandboxStats
+    r = _rest(cluster, "GET", f"/v1/sandboxes/{sid}/stats")
+    assert r.status_code == 200, r.text
+    rest = msgspec.json.decode(r.content, type=SandboxStats)
+    gw = _gw(cluster, "api.stats", {"id": sid}, SandboxStats)
+    for st in (rest, gw):
+        assert st.memory_bytes > 0 and st.pids >= 1, st
+    for transport in ("aether", "http"):
+        with cluster.client(transport=transport, session_lease_s=None) as c:
+            st = c.sandboxes.get(sid).stats()
+            assert isinstance(st, SandboxStats) and st.memory_bytes > 0
+    # another project's key sees no such sandbox, at every door (ids never leak)
+    assert _rest(cluster, "GET", "/v1/sandboxes/sb-000000000000-edge-0/stats"
+                 ).status_code == 404
+
+
+def test_mkdir_parents_is_honoured_at_every_door(cluster: LocalCluster, sid: str) -> None:
+    """REST forced ``parents=True`` while the gateway and the edge honoured it."""
+    r = _rest(cluster, "POST", f"/v1/sandboxes/{sid}/files/mkdir",
+              params={"path": "/tmp/np-rest/a/b", "parents": "false"})
+    assert r.status_code == 404, r.text
+    assert "parent of /tmp/np-rest/a/b does not exist" in r.json()["message"]
+    with pytest.raises(DsecError, match="parent of /tmp/np-gw/a/b does not exist"):
+        _gw(cluster, "api.mkdir", {"id": sid, "path": "/tmp/np-gw/a/b", "parents": False},
+            None)
+    assert _rest(cluster, "POST", f"/v1/sandboxes/{sid}/files/mkdir",
+                 params={"path": "/tmp/np-rest/a/b"}).status_code == 204   # default: parents
+    for transport in ("aether", "http"):
+        with cluster.client(transport=transport, session_lease_s=None) as c:
+            sb = c.sandboxes.get(sid)
+            with pytest.raises(DsecError, match="does not exist"):
+                sb.files.mkdir(f"/tmp/np-{transport}/x/y", parents=False)
+            sb.files.mkdir(f"/tmp/np-{transport}/x/y")
+            assert sb.files.stat(f"/tmp/np-{transport}/x/y").type == "dir"
+
+
+def test_replies_have_one_shape_at_every_door(cluster: LocalCluster, sid: str) -> None:
+    """``events``, ``list_dir`` and ``nodes`` answered a bare list through the gateway and
+    an ``{"items": [...]}`` record through REST: one record type per reply now."""
+    from dsec.control.api.types import EventList, FileList, NodeList
+    for method, path, body, rtype in (
+            ("api.events", f"/v1/sandboxes/{sid}/events", {"id": sid}, EventList),
+            ("api.list_dir", f"/v1/sandboxes/{sid}/files/list?path=/",
+             {"id": sid, "path": "/"}, FileList),
+            ("api.nodes", "/v1/nodes", {}, NodeList)):
+        rest = msgspec.json.decode(_rest(cluster, "GET", path).content, type=rtype)
+        gw = _gw(cluster, method, body, rtype)
+        assert type(gw) is rtype and gw.items, (method, gw)
+        if rtype is not NodeList:   # nodes carry live usage figures that move
+            assert gw == rest, method

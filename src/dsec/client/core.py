@@ -50,6 +50,7 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxStats,
     read_in_chunks,
 )
 from dsec.errors import (
@@ -666,8 +667,10 @@ class AsyncFiles:
         except NotFound:
             return False
 
-    async def mkdir(self, path: str) -> None:
-        await self._sb._c._call("mkdir", self._sb.id, path)
+    async def mkdir(self, path: str, *, parents: bool = True) -> None:
+        """Create directory ``path``; ``parents=False``: ``NotFound`` when its parent is
+        missing (else the missing parents are created too, like ``mkdir -p``)."""
+        await self._sb._c._call("mkdir", self._sb.id, path, parents)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._sb._c._call("remove", self._sb.id, path, recursive)
@@ -734,6 +737,12 @@ class AsyncSandbox:
 
     async def events(self) -> list[SandboxEvent]:
         return await self._c._call("events", self.id)  # type: ignore[no-any-return]
+
+    async def stats(self) -> SandboxStats:
+        """Resource use now: memory (and how much of it tmpfs holds), cpu seconds,
+        processes, disk use against its cap (``disk_full`` when writes fail)."""
+        stats: SandboxStats = await self._c._call("stats", self.id)
+        return stats
 
     async def kill(self) -> None:
         """Destroy the sandbox; killing a gone sandbox is not an error."""

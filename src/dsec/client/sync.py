@@ -34,6 +34,7 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxStats,
 )
 from dsec.errors import DsecError
 
@@ -206,8 +207,8 @@ class Files:
     def exists(self, path: str) -> bool:
         return self._c._run(self._a.exists(path))
 
-    def mkdir(self, path: str) -> None:
-        self._c._run(self._a.mkdir(path))
+    def mkdir(self, path: str, *, parents: bool = True) -> None:
+        self._c._run(self._a.mkdir(path, parents=parents))
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._c._run(self._a.remove(path, recursive=recursive))
@@ -261,6 +262,9 @@ class Sandbox:
 
     def events(self) -> list[SandboxEvent]:
         return self._c._run(self._a.events())
+
+    def stats(self) -> SandboxStats:
+        return self._c._run(self._a.stats())
 
     def kill(self) -> None:
         self._c._run(self._a.kill())

@@ -27,8 +27,10 @@ import msgspec
 
 from dsec.control.api.types import (
     CreateSandboxRequest,
+    EventList,
     ExecOutput,
     ExecStreamLine,
+    FileList,
     Info,
     NodeList,
     SandboxList,
@@ -44,6 +46,7 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxStats,
 )
 from dsec.errors import (
     ConnectFailed,
@@ -81,7 +84,7 @@ class Transport(Protocol):
     async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None: ...
     async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]: ...
     async def stat(self, sid: str, path: str) -> FileInfo: ...
-    async def mkdir(self, sid: str, path: str) -> None: ...
+    async def mkdir(self, sid: str, path: str, parents: bool) -> None: ...
     async def remove(self, sid: str, path: str, recursive: bool) -> None: ...
     async def pause(self, sid: str) -> PauseStats: ...
     async def resume(self, sid: str) -> SandboxInfo: ...
@@ -90,6 +93,7 @@ class Transport(Protocol):
     async def snapshot_get(self, ref: str) -> SnapshotView: ...
     async def snapshot_delete(self, ref: str) -> None: ...
     async def events(self, sid: str) -> builtins.list[SandboxEvent]: ...
+    async def stats(self, sid: str) -> SandboxStats: ...
     async def nodes(self) -> NodeList: ...
     async def session_open(self, lease_s: float) -> SessionView: ...
     async def session_renew(self, session_id: str) -> SessionView: ...
@@ -261,18 +265,17 @@ class HttpTransport:
                         headers={"content-type": "application/octet-stream"})
 
     async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        class _L(msgspec.Struct):
-            items: list[FileInfo]
-        r: _L = await self._json(_L, "GET", f"/v1/sandboxes/{sid}/files/list",
-                                 params={"path": path})
+        r: FileList = await self._json(FileList, "GET", f"/v1/sandboxes/{sid}/files/list",
+                                       params={"path": path})
         return r.items
 
     async def stat(self, sid: str, path: str) -> FileInfo:
         return await self._json(FileInfo, "GET", f"/v1/sandboxes/{sid}/files/stat",  # type: ignore[no-any-return]
                                 params={"path": path})
 
-    async def mkdir(self, sid: str, path: str) -> None:
-        await self._req("POST", f"/v1/sandboxes/{sid}/files/mkdir", params={"path": path})
+    async def mkdir(self, sid: str, path: str, parents: bool) -> None:
+        await self._req("POST", f"/v1/sandboxes/{sid}/files/mkdir",
+                        params={"path": path, "parents": "true" if parents else "false"})
 
     async def remove(self, sid: str, path: str, recursive: bool) -> None:
         params = {"path": path, "recursive": "true" if recursive else "false"}
@@ -300,10 +303,12 @@ class HttpTransport:
         await self._req("DELETE", f"/v1/snapshots/{ref}")
 
     async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        class _E(msgspec.Struct):
-            items: list[SandboxEvent]
-        r: _E = await self._json(_E, "GET", f"/v1/sandboxes/{sid}/events")
+        r: EventList = await self._json(EventList, "GET", f"/v1/sandboxes/{sid}/events")
         return r.items
+
+    async def stats(self, sid: str) -> SandboxStats:
+        r: SandboxStats = await self._json(SandboxStats, "GET", f"/v1/sandboxes/{sid}/stats")
+        return r
 
     async def nodes(self) -> NodeList:
         return await self._json(NodeList, "GET", "/v1/nodes")  # type: ignore[no-any-return]
@@ -480,13 +485,14 @@ class AetherTransport:
                          self._k(id=sid, path=path, data=data, mode=mode, append=append), None)
 
     async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        return await self._call("api.list_dir", self._k(id=sid, path=path), list[FileInfo])  # type: ignore[no-any-return]
+        r: FileList = await self._call("api.list_dir", self._k(id=sid, path=path), FileList)
+        return r.items
 
     async def stat(self, sid: str, path: str) -> FileInfo:
         return await self._call("api.stat", self._k(id=sid, path=path), FileInfo)  # type: ignore[no-any-return]
 
-    async def mkdir(self, sid: str, path: str) -> None:
-        await self._call("api.mkdir", self._k(id=sid, path=path), None)
+    async def mkdir(self, sid: str, path: str, parents: bool) -> None:
+        await self._call("api.mkdir", self._k(id=sid, path=path, parents=parents), None)
 
     async def remove(self, sid: str, path: str, recursive: bool) -> None:
         await self._call("api.remove", self._k(id=sid, path=path, recursive=recursive), None)
@@ -513,12 +519,16 @@ class AetherTransport:
         await self._call("api.snapshot_delete", self._k(id=ref), SnapshotView)
 
     async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        return await self._call("api.events", self._k(id=sid), list[SandboxEvent])  # type: ignore[no-any-return]
+        r: EventList = await self._call("api.events", self._k(id=sid), EventList)
+        return r.items
+
+    async def stats(self, sid: str) -> SandboxStats:
+        r: SandboxStats = await self._call("api.stats", self._k(id=sid), SandboxStats)
+        return r
 
     async def nodes(self) -> NodeList:
-        from dsec.control.api.types import NodeView
-        items = await self._call("api.nodes", self._k(), list[NodeView])
-        return NodeList(items=items)
+        r: NodeList = await self._call("api.nodes", self._k(), NodeList)
+        return r
 
     async def session_open(self, lease_s: float) -> SessionView:
         return await self._call("api.session_open", self._k(lease_s=lease_s), SessionView)  # type: ignore[no-any-return]

@@ -65,7 +65,14 @@ from dsec.control.api.types import (
     SnapshotList,
     SnapshotView,
 )
-from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo, check_path
+from dsec.edge.spec import (
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxInfo,
+    SandboxStats,
+    check_path,
+)
 from dsec.errors import (
     DsecError,
     InternalError,
@@ -101,8 +108,6 @@ class RestConfig:
     max_exec_body: int = 16 << 20
     max_file_body: int = 256 << 20      # raw bytes of PUT .../files
     max_image_body: int = 4 << 30       # image uploads, streamed to a temp file
-    version: str = "0.1.0"
-    gateway_address: str | None = None  # advertised in /v1/info for the SDK fast path
     # /metrics: with a token, it needs 'Authorization: Bearer <metrics_token>' from
     # anywhere; without one it answers loopback (and Unix socket) clients only, unless
     # metrics_loopback_only is turned off (an explicit choice to publish it).
@@ -227,8 +232,11 @@ def _q_int(request: Request, name: str, default: int | None, lo: int = 0,
     return n
 
 
-def _q_bool(request: Request, name: str) -> bool:
-    v = request.query_params.get(name, "false").lower()
+def _q_bool(request: Request, name: str, default: bool = False) -> bool:
+    v = request.query_params.get(name)
+    if v is None:
+        return default
+    v = v.lower()
     if v in ("1", "true", "yes"):
         return True
     if v in ("0", "false", "no", ""):
@@ -435,11 +443,15 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
           stat)
 
     async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
-        await service.mkdir(caller, sid_of(request), _q_path(request), True)
+        await service.mkdir(caller, sid_of(request), _q_path(request),
+                            _q_bool(request, "parents", True))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
-             None, None, 204, params=(Param("path", FILE_PATH, True),)),
+             None, None, 204, params=(Param("path", FILE_PATH, True),
+                                      Param("parents", {"type": "boolean", "default": True},
+                                            description="create missing parents too "
+                                            "(false: 404 when the parent is missing)"))),
           mkdir)
 
     # -------------------------------------------------------------- lifecycle
@@ -502,6 +514,12 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     route(Op("GET", "/v1/sandboxes/{id}/events", "sandboxEvents", "Lifecycle events",
              None, EventList), events)
 
+    async def stats(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await service.stats(caller, sid_of(request)), rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/stats", "sandboxStats", "Resource use now "
+             "(memory, cpu, pids, disk)", None, SandboxStats), stats)
+
     # ------------------------------------------------------------------ nodes
     async def nodes(request: Request, caller: Caller, rid: str) -> Response:
         return _json_response(NodeList(items=service.nodes(caller)), rid)
@@ -510,11 +528,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              tag="nodes"), nodes)
 
     async def info(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(Info(
-            version=cfg.version, gateway=cfg.gateway_address, principal=caller.id,
-            project=caller.default_project, role=caller.role_on(caller.default_project),
-            default_ttl_s=service.config.default_ttl_s,
-            default_backend=service.config.default_backend), rid)
+        return _json_response(service.info(caller), rid)
 
     route(Op("GET", "/v1/info", "info", "Who am I, server version, gateway address",
              None, Info, tag="meta"), info)
@@ -547,7 +561,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                   auth=False))
     ops.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
                   auth=False))
-    doc = _json.encode(build_openapi(ops, version=cfg.version))
+    doc = _json.encode(build_openapi(ops, version=service.config.version))
 
     async def openapi(request: Request) -> Response:
         return Response(doc, media_type="application/json")

@@ -31,8 +31,10 @@ from dsec.control.api.types import (
     CreateKeyRequest,
     CreateKeyResponse,
     CreateSandboxRequest,
+    EventList,
+    FileList,
     Info,
-    NodeView,
+    NodeList,
     SandboxList,
     SessionView,
     SnapshotList,
@@ -43,9 +45,9 @@ from dsec.edge.spec import (
     ExecResult,
     FileInfo,
     PauseStats,
-    SandboxEvent,
     SandboxInfo,
     SandboxState,
+    SandboxStats,
 )
 from dsec.errors import DsecError, InvalidArgument
 
@@ -207,11 +209,7 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
         return _outcome_of(redact(x) if isinstance(x, DsecError) else x)
 
     def info(b: _Keyed) -> Info:
-        c = caller(b)
-        return Info(version="0.1.0", principal=c.id, project=c.default_project,
-                    role=c.role_on(c.default_project),
-                    default_ttl_s=service.config.default_ttl_s,
-                    default_backend=service.config.default_backend)
+        return service.info(caller(b))
 
     add("api.info", info, request_type=_Keyed)
 
@@ -278,8 +276,8 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
 
     add("api.write_file", write_file, request_type=GwWrite)
 
-    async def list_dir(b: GwFile) -> list[FileInfo]:
-        return await service.list_dir(caller(b), b.id, b.path)
+    async def list_dir(b: GwFile) -> FileList:
+        return FileList(items=await service.list_dir(caller(b), b.id, b.path))
 
     add("api.list_dir", list_dir, request_type=GwFile)
 
@@ -331,13 +329,18 @@ def gateway_router(service: ApiService, admin: Any = None) -> Router:
 
     add("api.snapshot_delete", snapshot_delete, request_type=GwRef)
 
-    async def events(b: GwRef) -> list[SandboxEvent]:
-        return await service.events(caller(b), b.id)
+    async def events(b: GwRef) -> EventList:
+        return EventList(items=await service.events(caller(b), b.id))
 
     add("api.events", events, request_type=GwRef)
 
-    def nodes(b: _Keyed) -> list[NodeView]:
-        return service.nodes(caller(b))
+    async def stats(b: GwRef) -> SandboxStats:
+        return await service.stats(caller(b), b.id)
+
+    add("api.stats", stats, request_type=GwRef)
+
+    def nodes(b: _Keyed) -> NodeList:
+        return NodeList(items=service.nodes(caller(b)))
 
     add("api.nodes", nodes, request_type=_Keyed)
 

@@ -34,6 +34,7 @@ from dsec.control.api.types import (
     CreateSandboxRequest,
     ExecBody,
     ExecOutput,
+    Info,
     NodeView,
     SnapshotView,
 )
@@ -59,6 +60,7 @@ from dsec.edge.spec import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    SandboxStats,
     SnapshotInfo,
     check_path,
     read_in_chunks,
@@ -247,6 +249,8 @@ class ApiConfig:
     # A create that took over a dead apiserver's idempotency claim waits this long for
     # the sandbox that one was creating to leave `creating` before giving up on it.
     recover_wait_s: float = 30.0
+    # The server version every door reports (/v1/info, api.info, the OpenAPI document).
+    version: str = "0.1.0"
 
 
 class _ProjectCache:
@@ -293,6 +297,9 @@ class ApiService:
     project_defaults: Callable[[str], float | None] = lambda project: None
     anon_limiter: RateLimiter | None = None     # per client address, failed auth only
     images: ImageResolver = field(default_factory=NamesOnly)
+    # The Aether gateway's address, advertised by ``info`` at every door (set once the
+    # gateway listens; None: no gateway, the SDK uses REST).
+    gateway_address: str | None = None
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
@@ -1239,6 +1246,19 @@ class ApiService:
             if lost is None:
                 raise
             return list(lost.events)
+
+    async def stats(self, principal: Caller, sid: str) -> SandboxStats:
+        """A sandbox's resource use now (reader role), from its edge."""
+        edge, _ = await self._edge_for(principal, sid, "reader")
+        return await self._via(edge, sid, "stats", lambda: edge.stats(sid))
+
+    def info(self, principal: Caller) -> Info:
+        """Who is calling and what this apiserver offers: one answer at every door."""
+        return Info(version=self.config.version, gateway=self.gateway_address,
+                    principal=principal.id, project=principal.default_project,
+                    role=principal.role_on(principal.default_project),
+                    default_ttl_s=self.config.default_ttl_s,
+                    default_backend=self.config.default_backend)
 
     def nodes(self, principal: Caller) -> builtins.list[NodeView]:
         if principal.role_on("default") is None and not principal.roles and not principal.superuser:
