@@ -1,17 +1,17 @@
 """Protocol-level Aether bodies and the request payload layout.
 
-Method bodies are msgspec msgpack structs defined next to the service that owns them
-(e.g. ``dsec.edge.protocol``); this module holds what the protocol itself needs. Large
+Method bodies are msgspec msgpack structs of the shared vocabulary (:mod:`dsec.wire`);
+this module holds what the protocol itself needs (the ERROR payload, :class:`ErrorBody`,
+lives in :mod:`dsec.wire.outcome` because batch items carry it too). Large
 byte payloads travel as msgpack ``bin`` (raw bytes), never base64.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
-from dsec.errors import DsecError, LocalProtocolError, RemoteProtocolError
+from dsec.errors import LocalProtocolError, RemoteProtocolError
+from dsec.wire.outcome import ErrorBody, error_body
 
 __all__ = [
     "MAX_METHOD_LEN",
@@ -26,18 +26,6 @@ __all__ = [
 MAX_METHOD_LEN = 255
 
 
-class ErrorBody(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Payload of an ERROR frame.
-
-    ``code`` names the :class:`DsecError` subclass the *caller* raises (see
-    :func:`dsec.errors.error_from_wire`); unknown codes become plain ``DsecError``.
-    """
-
-    code: str
-    message: str
-    detail: dict[str, Any] = {}
-
-
 class Goaway(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Payload of a GOAWAY frame (stream 0): the sender starts no handler for a request
     on a stream id above ``last_stream_id``; the receiver fails those calls at once with a
@@ -49,20 +37,6 @@ class Goaway(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str = ""
     last_stream_id: int = 0
     code: str = ""
-
-
-def error_body(exc: BaseException) -> ErrorBody:
-    """The ERROR payload for ``exc``: dsec errors keep their code, message and JSON-able
-    detail; anything else is a handler bug and becomes ``internal_error``."""
-    if isinstance(exc, DsecError):
-        detail = {k: v for k, v in exc.detail.items() if _wire_safe(v)}
-        return ErrorBody(code=exc.code, message=exc.message, detail=detail)
-    # Not one of ours: a bug in a handler. Say what, not where (no stack trace on the wire).
-    return ErrorBody(code="internal_error", message=f"{type(exc).__name__}: {exc}")
-
-
-def _wire_safe(v: Any) -> bool:
-    return isinstance(v, (str, int, float, bool, type(None), list, dict, tuple))
 
 
 def method_prefix(method: str) -> bytes:

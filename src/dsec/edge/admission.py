@@ -31,21 +31,11 @@ from dataclasses import dataclass
 import msgspec
 
 from dsec.errors import CapacityExceeded, Conflict, InvalidArgument, Unsatisfiable
+from dsec.wire.node import Resources
 
 __all__ = ["Capacity", "HostResources", "Overcommit", "ResourcePool", "Resources",
            "bound_disk", "describe_request", "format_amount", "format_bytes", "format_cpu",
            "measure_host", "plan_capacity", "too_big"]
-
-
-class Resources(msgspec.Struct, frozen=True, kw_only=True):
-    """An amount of node resources (capacity, usage or free). ``disk_bytes`` is only
-    meaningful in a capacity: the most disk one sandbox may be given (the size of the
-    node's state filesystem); None = not known, not checked."""
-
-    cpu_milli: int = 0
-    memory_bytes: int = 0
-    sandboxes: int = 0
-    disk_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,48 +1,44 @@
-"""Wire types of the REST API (JSON) and the Aether gateway (msgpack).
-
-These msgspec structs are the single source of truth: request bodies are decoded with them
-(strictly: an unknown field is a 400 naming the field), responses are encoded from them,
-and ``/openapi.json`` is generated from them by :mod:`dsec.control.api.openapi`.
-Edge records (:class:`~dsec.edge.spec.SandboxInfo`, ``SandboxEvent``, ``FileInfo``) are
-re-used as they are so the edge and the API cannot drift apart.
-
-Byte payloads: file contents travel as raw ``application/octet-stream`` bodies. Command
-output in the JSON exec result is text when it is valid UTF-8 and base64 otherwise
-(``encoding`` says which), so the common case costs no base64.
-"""
+"""Moved to :mod:`dsec.wire.api` (issue 13). A re-export until the imports move (plan step 19)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
-import msgspec
-
-from dsec.edge.spec import (
-    MAX_ARG_BYTES,
+from dsec.wire.api import (
     MAX_ARGV_BYTES,
-    MAX_ARGV_ITEMS,
-    MAX_CPU_MILLI,
-    MAX_CWD_BYTES,
-    MAX_DISK_BYTES,
-    MAX_ENV_ITEMS,
-    MAX_EXEC_TIMEOUT_S,
-    MAX_MEMORY_BYTES,
-    MAX_OUTPUT_CAP_BYTES,
     MAX_STDIN_BYTES,
-    MAX_TTL_S,
-    MAX_USER_BYTES,
-    BackendName,
-    FileInfo,
-    IdleAction,
-    NetworkPolicy,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxState,
+    PRINCIPAL_PATTERN,
+    PROJECT_PATTERN,
+    SNAPSHOT_PATTERN,
+    ApiError,
+    CreateKeyRequest,
+    CreateKeyResponse,
+    CreateSandboxRequest,
+    Encoding,
+    EventList,
+    ExecBody,
+    ExecOutput,
+    ExecStreamLine,
+    FileList,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
+    Info,
+    NodeList,
+    NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SandboxList,
+    SessionView,
+    SnapshotList,
+    SnapshotView,
 )
 
 __all__ = [
     "MAX_ARGV_BYTES",
     "MAX_STDIN_BYTES",
+    "PRINCIPAL_PATTERN",
+    "PROJECT_PATTERN",
+    "SNAPSHOT_PATTERN",
     "ApiError",
     "CreateKeyRequest",
     "CreateKeyResponse",
@@ -67,297 +63,3 @@ __all__ = [
     "SnapshotList",
     "SnapshotView",
 ]
-
-Encoding = Literal["utf-8", "base64"]
-Role = Literal["admin", "member", "reader"]
-
-# The exec limits live with ExecRequest (dsec.edge.spec), which every door validates
-# with; re-exported here for callers of the API types. In the schema below they appear
-# as ``extra_json_schema`` only, so the one validator (and its messages) stays the rule.
-
-
-def _doc(**schema: object) -> msgspec.Meta:
-    """A limit documented in the OpenAPI schema, enforced by the shared validators."""
-    return msgspec.Meta(extra_json_schema=schema)
-
-
-ArgStr = Annotated[str, _doc(maxLength=MAX_ARG_BYTES,
-                             description="at most MAX_ARG_BYTES UTF-8 bytes, no NUL")]
-
-# Identifier patterns the server enforces (dsec.ids, dsec.control.iam), for the schema.
-_PART = r"[a-z0-9][a-z0-9_.-]{0,62}"
-PROJECT_PATTERN = rf"^{_PART}(?:/{_PART}){{0,15}}$"
-SNAPSHOT_PATTERN = r"^sha256:[0-9a-f]{12,64}$"
-PRINCIPAL_PATTERN = r"^[a-z0-9][a-z0-9_.@-]{0,127}$"
-PIDS_MAX_CEILING = 16_384     # ApiConfig.pids_max_ceiling's default
-
-Project = Annotated[str, _doc(pattern=PROJECT_PATTERN)]
-
-
-# Bounded ints: a JSON number beyond 64 bits would otherwise pass decoding and fail later
-# when the body is re-encoded as msgpack for the edge (found by the schemathesis test).
-# Fields with tighter server bounds (cpu_milli, memory_bytes, ...) are checked by
-# SandboxSpec.validate before anything is encoded, and only documented below.
-I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
-
-
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    pass
-
-
-class ApiError(msgspec.Struct, kw_only=True):
-    """Every error response: a stable machine ``code`` (from ``dsec.errors``), a message
-    that says what happened and what to change, and the request id to quote in reports."""
-
-    code: str
-    message: str
-    request_id: str
-    detail: dict[str, str | int | float | bool | None] = {}
-
-
-def _int(lo: int, hi: int) -> msgspec.Meta:
-    """An int the server checks to be within lo..hi (SandboxSpec.validate, with its own
-    message, before anything is encoded for the edge), documented as such. No decode
-    constraint: msgspec's ge/le would override the schema and word the error apart."""
-    return _doc(minimum=lo, maximum=hi)
-
-
-# Seconds the server wants in (0, MAX_TTL_S] (SandboxSpec.validate).
-PositiveSeconds = Annotated[float, _doc(exclusiveMinimum=0, maximum=MAX_TTL_S)]
-
-
-class CreateSandboxRequest(_Strict):
-    """Body of ``POST /v1/sandboxes``. Units are in the names; ``null`` means none.
-    The bounds in the schema are what the server checks (SandboxSpec.validate and the
-    apiserver's pids_max ceiling, 16,384 by default; ``null`` only where it is off)."""
-
-    image: Annotated[str, _doc(minLength=1)] = "base"
-    workspace: str | None = None
-    toolkits: list[str] = []
-    snapshot: Annotated[str, _doc(pattern=SNAPSHOT_PATTERN)] | None = None
-    backend: BackendName | None = None   # default: the server's default backend
-    cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = 1000
-    memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = 512 * 2**20
-    disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None
-    pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = 1024
-    priority: I32 = 0
-    labels: Annotated[dict[str, Annotated[str, _doc(maxLength=1024)]], _doc(
-        propertyNames={"minLength": 1, "maxLength": 253})] = {}
-    project: Project | None = None      # default: the key's default project
-    # default: the server's default TTL (6 h)
-    ttl_s: PositiveSeconds | None = None
-    idle_timeout_s: PositiveSeconds | None = None
-    idle_action: IdleAction = "destroy"
-    env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}
-    network: NetworkPolicy = NetworkPolicy()
-    allow_nested: bool = False
-    user_namespace: bool = False        # root inside = unprivileged uid on the host
-    session: str | None = None          # client session lease; see docs/api.md "Sweeper"
-
-
-class SandboxList(msgspec.Struct, kw_only=True):
-    items: list[SandboxInfo]
-    next_cursor: str | None = None
-
-
-class ExecBody(_Strict):
-    """Body of ``POST /v1/sandboxes/{id}/exec``: exactly one of ``argv`` / ``shell``.
-    argv (or shell) and env together: at most 1 MiB of UTF-8 (``MAX_ARGV_BYTES``)."""
-
-    argv: Annotated[list[ArgStr], _doc(minItems=1, maxItems=MAX_ARGV_ITEMS)] | None = None
-    shell: ArgStr | None = None
-    env: Annotated[dict[str, str], _doc(maxProperties=MAX_ENV_ITEMS)] = {}
-    cwd: Annotated[str, _doc(minLength=1, maxLength=MAX_CWD_BYTES)] | None = None
-    user: Annotated[str, _doc(minLength=1, maxLength=MAX_USER_BYTES)] | None = None
-    stdin: str = ""                     # at most MAX_STDIN_BYTES once decoded
-    stdin_encoding: Encoding = "utf-8"
-    # the *command* timeout (kills the process group)
-    timeout_s: Annotated[float, _doc(exclusiveMinimum=0, maximum=MAX_EXEC_TIMEOUT_S)] | \
-        None = 60.0
-    output_cap_bytes: Annotated[int, _doc(minimum=0, maximum=MAX_OUTPUT_CAP_BYTES)] = 1 << 20
-    background: bool = False
-
-
-class ExecOutput(msgspec.Struct, kw_only=True):
-    """A finished command. ``timed_out``: the command timeout fired and the process
-    group was killed (this is a result, not an error)."""
-
-    exit_code: int
-    stdout: str = ""
-    stderr: str = ""
-    encoding: Encoding = "utf-8"
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    timed_out: bool = False
-    duration_s: float = 0.0
-    pid: int | None = None
-
-
-class ExecStreamLine(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One NDJSON line of ``POST /v1/sandboxes/{id}/exec/stream``: output chunks
-    (``stream`` + ``data``), then exactly one line with ``exit_code`` (or ``error``)."""
-
-    stream: Literal["stdout", "stderr"] | None = None
-    data: str | None = None
-    encoding: Encoding = "utf-8"
-    exit_code: int | None = None
-    timed_out: bool = False
-    duration_s: float | None = None
-    error: ApiError | None = None
-
-
-class EventList(msgspec.Struct, kw_only=True):
-    items: list[SandboxEvent]
-
-
-class FileList(msgspec.Struct, kw_only=True):
-    items: list[FileInfo]
-
-
-class SnapshotView(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A pack_diff snapshot. ``id`` (``sha256:<hex>``) goes into ``create(snapshot=)``;
-    ``nodes`` are the edges that hold it (a sandbox from it is placed on one of them);
-    ``unchanged``: nothing changed since the previous snapshot, which this is."""
-
-    id: str
-    sandbox_id: str = ""
-    node: str = ""
-    nodes: list[str] = []
-    project: str = ""
-    parent: str | None = None
-    image: str = ""
-    workspace: str | None = None
-    toolkits: list[str] = []
-    backend: str = ""
-    size_bytes: int = 0
-    created_at: float = 0.0
-    unchanged: bool = False
-
-
-class SnapshotList(msgspec.Struct, kw_only=True):
-    items: list[SnapshotView]
-
-
-class ImageView(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A layer in the cluster's layer store, as the calling key may see it.
-
-    ``ref``: its first name visible to the key (``[project/]name:tag``), else its digest;
-    ``refs``: every name visible to the key that points at it. ``namespace``: the project
-    the layer belongs to, ``null`` for a cluster-wide layer (written by a superuser only);
-    ``owner``: who built it (an API principal, or ``host:<user>`` for ``dsec image`` on
-    the host), ``null`` when not recorded (snapshots, older layers)."""
-
-    ref: str
-    namespace: str | None          # always present: null = cluster-wide
-    owner: str | None              # always present: null = not recorded
-    refs: list[str] = []
-    digest: str = ""
-    kind: str = ""
-    size_bytes: int = 0
-    created_at: float = 0.0
-    labels: dict[str, str] = {}
-
-
-class ImageTagRequest(_Strict):
-    """Body of ``POST /v1/images/tag``: point name ``target`` at the layer ``source``
-    names. ``target`` is ``[project/]name[:tag]`` (bare: cluster-wide, superuser only)."""
-
-    source: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
-    target: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
-
-
-class ImageList(msgspec.Struct, kw_only=True):
-    items: list[ImageView]
-
-
-class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    address: str = ""
-    healthy: bool = True
-    # healthy | unreachable (the apiserver failed to use its link, or the node answers
-    # with errors: held, sandboxes kept) | silent (no answer; lost after the node TTL) |
-    # lost (expired: its sandboxes were evicted); problem says what happened.
-    status: str = "healthy"
-    problem: str = ""
-    backends: list[str] = []
-    cpu_milli_total: int = 0
-    cpu_milli_used: int = 0
-    memory_bytes_total: int = 0
-    memory_bytes_used: int = 0
-    max_sandboxes: int = 0
-    sandboxes: int = 0
-    by_state: dict[str, int] = {}
-    labels: dict[str, str] = {}
-    last_heartbeat: float = 0.0
-
-
-class NodeList(msgspec.Struct, kw_only=True):
-    items: list[NodeView]
-
-
-NonNegative = Annotated[int, _doc(minimum=0)]
-
-
-class QuotaBody(_Strict):
-    """A quota on a project (and, through the tree, on its descendants). ``null`` = none."""
-
-    max_sandboxes: NonNegative | None = None
-    cpu_milli: NonNegative | None = None
-    memory_bytes: NonNegative | None = None
-    snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
-
-
-class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):
-    path: str
-    quota: QuotaBody | None = None
-    usage: dict[str, int] = {}
-
-
-class ProjectList(msgspec.Struct, kw_only=True):
-    items: list[ProjectView]
-
-
-class CreateKeyRequest(_Strict):
-    """``existing``: the caller (a superuser) means to grant ``role`` on ``project`` to a
-    principal that already exists, and every key that principal already has gains it.
-    Without it, naming an existing principal is a ``409``: principal ids are one
-    cluster-wide namespace that project admins create names in, so an unasked-for grant
-    could land on a name a tenant pre-created and holds keys for."""
-
-    name: Annotated[str, _doc(pattern=PRINCIPAL_PATTERN)]
-    project: Project
-    role: Role = "member"
-    existing: bool = False
-
-
-class CreateKeyResponse(msgspec.Struct, kw_only=True):
-    """``api_key`` is shown exactly once; only its hash is stored. ``key_id`` names the
-    key for ``DELETE /v1/keys/{key_id}``."""
-
-    name: str
-    project: str
-    role: Role
-    api_key: str
-    key_id: str = ""
-
-
-class SessionView(msgspec.Struct, kw_only=True):
-    """A client session lease: sandboxes created with ``session`` are destroyed by the
-    sweeper once the lease has not been renewed for ``lease_s`` seconds."""
-
-    id: str
-    lease_s: float
-    expires_at: float
-
-
-class Info(msgspec.Struct, kw_only=True, omit_defaults=True):
-    version: str
-    gateway: str | None = None           # Aether gateway address for the SDK fast path
-    principal: str | None = None
-    project: str | None = None
-    role: Role | None = None
-    default_ttl_s: float | None = None
-    default_backend: str | None = None
-
-
-StateFilter = SandboxState

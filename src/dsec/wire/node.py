@@ -1,0 +1,94 @@
+"""What an edge node says about itself: its identity, capacity, heartbeats and event feed.
+
+The control plane builds its whole view of a node from these (placement, the watcher,
+reconcile). Heartbeats use ``array_like`` briefs because a node with 100k sandboxes
+sends 100k of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from dsec.wire.spec import SandboxEvent, SandboxState
+
+__all__ = [
+    "EventFeed",
+    "Heartbeat",
+    "NodeInfo",
+    "PoolStats",
+    "Resources",
+    "SandboxBrief",
+    "labels_match",
+]
+
+
+class Resources(msgspec.Struct, frozen=True, kw_only=True):
+    """An amount of node resources (capacity, usage or free). ``disk_bytes`` is only
+    meaningful in a capacity: the most disk one sandbox may be given (the size of the
+    node's state filesystem); None = not known, not checked."""
+
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    sandboxes: int = 0
+    disk_bytes: int | None = None
+
+
+class EventFeed(msgspec.Struct, kw_only=True):
+    """Node-wide events after ``FeedRequest.after``. ``next`` is the cursor for the next
+    read; ``lost`` counts events that fell out of the bounded feed before being read."""
+
+    events: list[SandboxEvent]
+    next: int
+    lost: int = 0
+
+
+class SandboxBrief(msgspec.Struct, array_like=True, frozen=True):
+    """What the control plane needs per sandbox to rebuild its view from heartbeats."""
+
+    id: str
+    state: SandboxState
+    project: str
+    priority: int
+    cpu_milli: int
+    memory_bytes: int
+
+
+class PoolStats(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A backend's warm pool (fncall): handouts served warm (``hits``) or cold
+    (``misses``) since the edge started, the pool's target ``size`` and how many workers
+    are warm now (``ready``)."""
+
+    hits: int = 0
+    misses: int = 0
+    size: int = 0
+    ready: int = 0
+
+
+class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    node: str
+    time: float
+    capacity: Resources
+    usage: Resources
+    counts: dict[str, int]          # live sandboxes by state
+    labels: dict[str, str] = {}
+    images: list[str] = []          # image refs present on the node
+    backends: list[str] = []
+    feed_seq: int = 0               # last event sequence number (see EventFeed)
+    sandboxes: list[SandboxBrief] | None = None
+    pools: dict[str, PoolStats] = {}    # backend name -> warm-pool stats (optional capability)
+    physical: Resources | None = None   # the machine before overcommit (capacity / physical)
+
+
+class NodeInfo(msgspec.Struct, kw_only=True):
+    node: str
+    backends: list[str]
+    capacity: Resources
+    labels: dict[str, str]
+    methods: list[str]
+    physical: Resources | None = None
+
+
+def labels_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())

@@ -1,0 +1,404 @@
+"""Records that describe a sandbox and the operations on it.
+
+These are msgspec structs so the same type travels over Aether (msgpack), over REST
+(JSON) and is persisted in the edge state dir, without a second schema to keep in sync.
+Units are in the field names; ``None`` means "none/unlimited", never 0 or -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import msgspec
+
+from dsec.errors import InvalidArgument
+
+__all__ = [
+    "FILE_CHUNK_BYTES",
+    "MAX_ARGV_BYTES",
+    "MAX_ARGV_ITEMS",
+    "MAX_ARG_BYTES",
+    "MAX_CPU_MILLI",
+    "MAX_CWD_BYTES",
+    "MAX_DISK_BYTES",
+    "MAX_ENV_ITEMS",
+    "MAX_EXEC_TIMEOUT_S",
+    "MAX_FILE_READ_BYTES",
+    "MAX_MEMORY_BYTES",
+    "MAX_OUTPUT_CAP_BYTES",
+    "MAX_PATH_BYTES",
+    "MAX_STDIN_BYTES",
+    "MAX_TTL_S",
+    "MAX_USER_BYTES",
+    "BackendName",
+    "ExecChunk",
+    "ExecRequest",
+    "ExecResult",
+    "FileInfo",
+    "FileType",
+    "IdleAction",
+    "NetworkPolicy",
+    "PauseStats",
+    "SandboxEvent",
+    "SandboxInfo",
+    "SandboxSpec",
+    "SandboxState",
+    "SandboxStats",
+    "SnapshotInfo",
+    "check_path",
+    "read_in_chunks",
+]
+
+SandboxState = Literal[
+    "creating", "running", "pausing", "paused", "resuming", "destroying", "destroyed", "failed"
+]
+BackendName = Literal["simulated", "fncall", "container", "runc", "vm"]
+IdleAction = Literal["destroy", "pause"]
+
+# Sanity ceilings: a spec above these is a typo (e.g. bytes given as KiB), not a request.
+MAX_CPU_MILLI = 1024 * 1000          # 1024 cores
+MAX_MEMORY_BYTES = 16 * 2**40         # 16 TiB
+MAX_DISK_BYTES = 1024 * 2**40         # 1 PiB
+MAX_TTL_S = 30 * 24 * 3600.0          # 30 days
+
+# Exec and file limits: one set of rules whatever the door (REST, the Aether gateway, the
+# edge itself). Checked by ExecRequest.validate and check_path, which the apiserver calls
+# before forwarding and the edge calls on every request it gets.
+# Linux refuses an execve whose argv+envp exceed ARG_MAX (2 MiB with the default 8 MiB
+# stack) and any single string over MAX_ARG_STRLEN (32 pages = 128 KiB, NUL included);
+# we refuse earlier with a clear error instead of an opaque E2BIG (exit 126) inside.
+MAX_ARGV_BYTES = 1 << 20              # argv (or shell) + env, UTF-8, with separators
+MAX_ARG_BYTES = (128 << 10) - 1       # one argv/env string (MAX_ARG_STRLEN minus its NUL)
+MAX_ARGV_ITEMS = 65_536               # argv entries
+MAX_ENV_ITEMS = 65_536                # environment entries
+MAX_STDIN_BYTES = 8 << 20             # larger inputs: write a file first
+MAX_CWD_BYTES = 4096                  # PATH_MAX
+MAX_USER_BYTES = 256                  # a user name or numeric uid[:gid]
+MAX_EXEC_TIMEOUT_S = 7 * 24 * 3600.0  # a command timeout; null = none
+MAX_OUTPUT_CAP_BYTES = 1 << 30        # captured output per stream
+MAX_PATH_BYTES = 4096                 # PATH_MAX, for the file API
+# File contents cross the Aether links (SDK <-> gateway, apiserver <-> edge) in pieces of
+# FILE_CHUNK_BYTES, well inside a 16 MiB frame, so the size a door accepts is the size
+# that arrives; one read answers at most MAX_FILE_READ_BYTES (pass offset/length for
+# more). Cost: one extra round trip per 8 MiB; nothing for files below it.
+FILE_CHUNK_BYTES = 8 << 20
+MAX_FILE_READ_BYTES = 64 << 20
+
+
+def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
+    return InvalidArgument(f"exec {field} {why}", field=field, **detail)
+
+
+def _arg_name(field: str | int) -> str:
+    return f"argv[{field}]" if isinstance(field, int) else field
+
+
+def _utf8_len(text: str, field: str | int) -> int:
+    """UTF-8 length of ``text``; NUL (which would silently cut the string at execve)
+    and unencodable text (lone surrogates) are refused naming ``field`` (an int is an
+    argv index)."""
+    if "\0" in text:
+        raise _bad_exec(_arg_name(field), "contains a NUL character; strings passed to a "
+                        "program cannot")
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError:
+        raise _bad_exec(_arg_name(field), "is not valid Unicode text (a lone "
+                        "surrogate)") from None
+
+
+def check_path(path: object, *, field: str = "path") -> str:
+    """Validate a path of the file API (read, write, list, stat, mkdir, remove): a
+    non-empty string of at most ``MAX_PATH_BYTES`` UTF-8 bytes without NUL. The error
+    never echoes more than 60 characters of it. Returns ``path``."""
+    if not isinstance(path, str) or not path:
+        raise InvalidArgument(f"{field} must be a non-empty string (a path inside the "
+                              "sandbox)", field=field)
+    n = len(path) if len(path) > MAX_PATH_BYTES else None
+    if n is None:
+        try:
+            n = len(path.encode())
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"{field} {path[:60]!r} is not valid Unicode text",
+                                  field=field) from None
+    if n > MAX_PATH_BYTES:
+        raise InvalidArgument(f"{field} is {n} bytes long, over the {MAX_PATH_BYTES}-byte "
+                              f"limit (PATH_MAX): {path[:60]!r}...", field=field, size=n,
+                              limit=MAX_PATH_BYTES)
+    if "\0" in path:
+        raise InvalidArgument(f"{field} {path[:60]!r} contains a NUL character",
+                              field=field)
+    return path
+
+
+class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Egress policy. Default: loopback only. ``allow`` lists ``host:port`` entries."""
+
+    mode: Literal["none", "loopback", "allowlist"] = "loopback"
+    allow: tuple[str, ...] = ()
+
+
+class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a caller asks for. Validated by :meth:`validate` at every trust boundary."""
+
+    image: str = "base"                     # image ref: name[:tag] or sha256:<digest>
+    workspace: str | None = None            # optional workspace layer ref
+    toolkits: tuple[str, ...] = ()          # toolkit layer refs, later ones win
+    snapshot: str | None = None             # start from a pack_diff snapshot instead
+    backend: BackendName = "simulated"
+    cpu_milli: int = 1000                   # millicores (1000 = one core)
+    memory_bytes: int = 512 * 2**20
+    disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
+    pids_max: int | None = 1024             # fork-bomb guard; None = no cap
+    priority: int = 0                       # higher wins preemption
+    labels: dict[str, str] = {}
+    project: str = "default"
+    ttl_s: float | None = None              # lifetime from creation; None = forever
+    idle_timeout_s: float | None = None     # no operation for this long -> idle_action
+    idle_action: IdleAction = "destroy"
+    env: dict[str, str] = {}
+    network: NetworkPolicy = NetworkPolicy()
+    allow_nested: bool = False              # permit unshare/clone namespace flags inside
+    user_namespace: bool = False            # root inside = unprivileged uid on the host
+
+    def validate(self) -> SandboxSpec:
+        """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
+        def bad(field: str, value: object, why: str) -> InvalidArgument:
+            return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
+                                   field=field)
+        if not (1 <= self.cpu_milli <= MAX_CPU_MILLI):
+            raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores")
+        if not (1 << 20 <= self.memory_bytes <= MAX_MEMORY_BYTES):
+            raise bad("memory_bytes", self.memory_bytes, "use 1 MiB..16 TiB (bytes)")
+        if self.disk_bytes is not None and not (1 << 20 <= self.disk_bytes <= MAX_DISK_BYTES):
+            raise bad("disk_bytes", self.disk_bytes, "use 1 MiB..1 PiB (bytes) or null")
+        if self.pids_max is not None and not (1 <= self.pids_max <= 4_194_304):
+            raise bad("pids_max", self.pids_max, "use 1..4194304 or null")
+        for name in ("ttl_s", "idle_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not (0 < v <= MAX_TTL_S):
+                raise bad(name, v, "use a positive number of seconds up to 30 days, or null")
+        if not self.image:
+            raise bad("image", self.image, "name an image")
+        if not isinstance(self.user_namespace, bool):
+            raise bad("user_namespace", self.user_namespace, "use true or false")
+        for k in self.env:
+            if not k or "=" in k or "\0" in k:
+                raise bad("env", k, "environment names must be non-empty without '=' or NUL")
+        return self
+
+
+class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One command. Exactly one of ``argv`` / ``shell``."""
+
+    argv: tuple[str, ...] = ()
+    shell: str | None = None
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    user: str | None = None
+    stdin: bytes = b""
+    timeout_s: float | None = 60.0          # command timeout; kills the process group
+    output_cap_bytes: int = 1 << 20         # per stream; beyond it output is dropped
+    background: bool = False                # start and return at once (pid in result)
+
+    def validate(self) -> ExecRequest:
+        """Check every limit (the ``MAX_*`` constants of this module); raise
+        :class:`InvalidArgument` naming the field, the size and the limit, without
+        echoing a large value. Returns self. Cost: one pass over the strings."""
+        if bool(self.argv) == (self.shell is not None):
+            raise InvalidArgument("exec needs exactly one of argv (a non-empty list of "
+                                  "strings) or shell (a string)", field="argv")
+        if len(self.argv) > MAX_ARGV_ITEMS:
+            raise _bad_exec("argv", f"has {len(self.argv)} entries, over the limit of "
+                            f"{MAX_ARGV_ITEMS}", size=len(self.argv), limit=MAX_ARGV_ITEMS)
+        if len(self.env) > MAX_ENV_ITEMS:
+            raise _bad_exec("env", f"has {len(self.env)} entries, over the limit of "
+                            f"{MAX_ENV_ITEMS}", size=len(self.env), limit=MAX_ENV_ITEMS)
+        total = 0
+        strings = self.argv if self.shell is None else (self.shell,)
+        for i, text in enumerate(strings):
+            n = _utf8_len(text, i if self.shell is None else "shell")
+            if n > MAX_ARG_BYTES:
+                raise _bad_exec(_arg_name(i if self.shell is None else "shell"),
+                                f"is {n} bytes, over the {MAX_ARG_BYTES}-byte limit for one "
+                                "argument; pass large data via stdin or a file",
+                                size=n, limit=MAX_ARG_BYTES)
+            total += n + 1
+        for k, v in self.env.items():
+            if not k or "=" in k:
+                raise _bad_exec("env", f"name {k[:60]!r} is invalid: names are non-empty "
+                                "without '='")
+            n = _utf8_len(k, "env") + _utf8_len(v, "env") + 1
+            if n > MAX_ARG_BYTES:
+                raise _bad_exec("env", f"entry {k[:60]!r} is {n} bytes, over the "
+                                f"{MAX_ARG_BYTES}-byte limit for one string", size=n,
+                                limit=MAX_ARG_BYTES)
+            total += n + 1
+        if total > MAX_ARGV_BYTES:
+            raise InvalidArgument(
+                f"exec argv+env is {total} bytes, over the {MAX_ARGV_BYTES}-byte limit; "
+                "pass large data via stdin or write it to a file first", field="argv",
+                size=total, limit=MAX_ARGV_BYTES)
+        if len(self.stdin) > MAX_STDIN_BYTES:
+            raise _bad_exec("stdin", f"is {len(self.stdin)} bytes, over the "
+                            f"{MAX_STDIN_BYTES}-byte limit; write large inputs to a file "
+                            "first", size=len(self.stdin), limit=MAX_STDIN_BYTES)
+        if self.cwd is not None:
+            n = _utf8_len(self.cwd, "cwd")
+            if not 0 < n <= MAX_CWD_BYTES:
+                raise _bad_exec("cwd", f"is {n} bytes; use 1..{MAX_CWD_BYTES} bytes (a "
+                                f"directory in the sandbox): {self.cwd[:60]!r}", size=n,
+                                limit=MAX_CWD_BYTES)
+        if self.user is not None:
+            n = _utf8_len(self.user, "user")
+            if not 0 < n <= MAX_USER_BYTES:
+                raise _bad_exec("user", f"is {n} bytes; use 1..{MAX_USER_BYTES} (a user "
+                                f"name or uid): {self.user[:60]!r}", size=n,
+                                limit=MAX_USER_BYTES)
+        if self.timeout_s is not None and not (0 < self.timeout_s <= MAX_EXEC_TIMEOUT_S):
+            raise InvalidArgument(
+                f"exec timeout_s={self.timeout_s!r} must be a positive number of seconds up "
+                f"to {MAX_EXEC_TIMEOUT_S:g} (or null for no command timeout)",
+                field="timeout_s", limit=MAX_EXEC_TIMEOUT_S)
+        if not (0 <= self.output_cap_bytes <= MAX_OUTPUT_CAP_BYTES):
+            raise InvalidArgument(
+                f"exec output_cap_bytes={self.output_cap_bytes} must be within "
+                f"0..{MAX_OUTPUT_CAP_BYTES} (1 GiB)", field="output_cap_bytes",
+                limit=MAX_OUTPUT_CAP_BYTES)
+        return self
+
+
+class ExecResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a finished command did. ``timed_out`` means the command timeout fired."""
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    duration_s: float = 0.0
+    pid: int | None = None                  # set for background execs
+
+
+class SandboxEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One lifecycle transition: never does a sandbox change state without one."""
+
+    time: float
+    sandbox_id: str
+    from_state: SandboxState | None
+    to_state: SandboxState
+    reason: str
+    detail: str = ""
+
+
+class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The edge's view of one sandbox, as returned by get/list/create."""
+
+    id: str
+    node: str
+    state: SandboxState
+    spec: SandboxSpec
+    created_at: float
+    last_active_at: float
+    reason: str = ""                        # reason of the last transition
+
+
+class ExecChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of a streaming exec's output (Aether STREAM frame body)."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+FileType = Literal["file", "dir", "symlink", "other"]
+
+
+class FileInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    name: str
+    path: str
+    type: FileType
+    size: int = 0
+    mode: int = 0                           # permission bits (st_mode & 0o7777)
+    mtime: float = 0.0
+    link_target: str | None = None
+
+
+class PauseStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a pause gave back: ``reclaimed_bytes`` of ``resident_before_bytes``."""
+
+    resident_before_bytes: int = 0
+    reclaimed_bytes: int = 0
+    duration_s: float = 0.0
+
+
+class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Resource use now. ``disk_bytes`` of ``disk_cap_bytes`` (None: the backend has no
+    per-sandbox disk cap); ``disk_full`` says writes are failing for lack of space (the
+    cap, or the node's disk pool) - free space inside or recreate with more disk."""
+
+    memory_bytes: int = 0
+    memory_peak_bytes: int = 0
+    #: of memory_bytes, what tmpfs files hold (/tmp, /dev/shm): no OOM kill frees it, so
+    #: near the limit every new process is OOM-killed (notice "tmpfs_full")
+    memory_tmpfs_bytes: int = 0
+    cpu_seconds: float = 0.0
+    pids: int = 0
+    disk_bytes: int = 0
+    disk_cap_bytes: int | None = None
+    disk_full: bool = False
+
+
+class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A pack_diff snapshot of a sandbox (edge ``snapshot`` capability).
+
+    ``id`` is its layer ref (``sha256:<hex>``); ``parent`` the snapshot it builds on
+    (the sandbox's previous snapshot, or the snapshot the sandbox was started from;
+    ``None`` when it sits directly on the image). ``unchanged`` says nothing changed since
+    ``parent``-or-previous, so this *is* that earlier snapshot and nothing was written.
+    ``size_bytes`` is the stored size of this one layer (not of the chain).
+    """
+
+    id: str
+    parent: str | None = None
+    sandbox_id: str = ""
+    project: str = "default"
+    image: str = ""                         # the image refs the chain applies to
+    workspace: str | None = None
+    toolkits: tuple[str, ...] = ()
+    backend: str = ""
+    node: str = ""                          # the node that answered (set by the edge)
+    created: float = 0.0                    # unix seconds
+    size_bytes: int = 0
+    unchanged: bool = False
+
+
+async def read_in_chunks(read: Callable[[int, int], Awaitable[bytes]], offset: int,
+                         length: int | None) -> bytes:
+    """Read ``length`` bytes from ``offset`` (None: to the end) through ``read(offset, n)``
+    calls of at most ``FILE_CHUNK_BYTES``, stopping at the first short piece. More than
+    ``MAX_FILE_READ_BYTES`` in all is refused (``PayloadTooLarge``), as one read would be."""
+    from dsec.errors import PayloadTooLarge
+
+    if length is not None and length > MAX_FILE_READ_BYTES:
+        raise PayloadTooLarge(f"read of {length} bytes asked, the limit is "
+                              f"{MAX_FILE_READ_BYTES}; pass offset/length to read in parts",
+                              size=length, limit=MAX_FILE_READ_BYTES)
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        n = FILE_CHUNK_BYTES if length is None else min(FILE_CHUNK_BYTES, length - total)
+        if n <= 0:
+            break
+        piece = await read(offset + total, n)
+        parts.append(piece)
+        total += len(piece)
+        if len(piece) < n:
+            break
+        if total > MAX_FILE_READ_BYTES or (length is None and total == MAX_FILE_READ_BYTES
+                                           and await read(offset + total, 1)):
+            raise PayloadTooLarge(f"the file is larger than the {MAX_FILE_READ_BYTES}-byte "
+                                  "limit of one read; pass offset/length to read in parts",
+                                  limit=MAX_FILE_READ_BYTES)
+    return b"".join(parts)
