@@ -410,17 +410,35 @@ class AsyncSandboxes:
             pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
-    async def create(self, *, idempotency_key: str | None = None, **kw: Any) -> AsyncSandbox:
-        """Create one sandbox (see :meth:`_request` for the keywords: image, workspace,
-        toolkits, backend, cpu (cores), memory ("1GiB"), disk, ttl (s), idle_timeout (s),
-        labels, env, project, snapshot, priority, detached, pids_max, network,
-        allow_nested, user_namespace).
+    async def create(
+        self, *, image: str = "base", workspace: str | None = None,
+        toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
+        backend: str | None = None, cpu: float = 1, memory: int | str = "512MiB",
+        disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: str = "destroy",
+        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        user_namespace: bool = False, detached: bool = False,
+        idempotency_key: str | None = None,
+    ) -> AsyncSandbox:
+        """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
+        ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
+        bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
+        "destroy" or "pause"); ``project``: the key's default project when None;
+        ``detached``: not bound to this client's session (outlives the client).
 
         Every attempt carries one ``Idempotency-Key``: ``idempotency_key`` (to make a
         create idempotent across client processes too), else a fresh random one. Lost
         connections, request timeouts and 503s are retried with it for
         ``create_retry_s``; the server answers a retry with the sandbox the first attempt
         made, never a second one."""
+        kw: dict[str, Any] = {
+            "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
+            "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
+            "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
+            "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "allow_nested": allow_nested, "user_namespace": user_namespace, "detached": detached}
         c = self._c
         if idempotency_key is not None and (
                 not isinstance(idempotency_key, str)
@@ -437,15 +455,31 @@ class AsyncSandboxes:
         info = await c._retry_until(attempt, c.create_retry_s)
         return AsyncSandbox(c, info)
 
-    async def create_many(self, n: int | Sequence[Mapping[str, Any]],
-                          **kw: Any) -> list[AsyncSandbox]:
-        """Many sandboxes in batched calls: ``n`` identical ones (``**kw`` as for
+    async def create_many(
+        self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
+        workspace: str | None = None, toolkits: Sequence[str] = (),
+        snapshot: Snapshot | str | None = None, backend: str | None = None, cpu: float = 1,
+        memory: int | str = "512MiB", disk: int | str | None = None,
+        pids_max: int | None = 1024, priority: int = 0,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: str = "destroy",
+        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        user_namespace: bool = False, detached: bool = False,
+    ) -> list[AsyncSandbox]:
+        """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list of keyword dicts, each laid over
-        ``**kw`` (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
+        the keywords (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
         All or nothing: if any fails, the ones that were created are destroyed and the
         first error is raised. Each item carries an Idempotency-Key of its own and the
         batch is retried like :meth:`create` (``create_retry_s``), so a batch whose
         reply was lost (an apiserver crash) makes each sandbox exactly once."""
+        kw: dict[str, Any] = {
+            "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
+            "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
+            "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
+            "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "allow_nested": allow_nested, "user_namespace": user_namespace, "detached": detached}
         c = self._c
 
         async def request(**one: Any) -> CreateSandboxRequest:
