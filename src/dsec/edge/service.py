@@ -25,7 +25,7 @@ from dsec.edge.node import EdgeNode
 from dsec.edge.protocol import (
     METHODS,
     Command,
-    CreateMany,
+    CreateManyOnNode,
     CreateManyReply,
     CreateRequest,
     DestroyMany,
@@ -81,7 +81,7 @@ class EdgeService:
         n = node
         r.add("edge.info", self._info)
         r.add("edge.create", self._create, request_type=CreateRequest)
-        r.add("edge.create_many", self._create_many, request_type=CreateMany)
+        r.add("edge.create_many", self._create_many, request_type=CreateManyOnNode)
         r.add("edge.get", lambda b: n.get(b.id), request_type=SandboxRef)
         r.add("edge.list", lambda b: n.list(state=b.state, project=b.project, labels=b.labels),
               request_type=ListRequest)
@@ -118,7 +118,7 @@ class EdgeService:
     async def _create(self, b: CreateRequest) -> SandboxInfo:
         return await self.node.create(b.spec, sandbox_id=b.sandbox_id)
 
-    async def _create_many(self, b: CreateMany) -> CreateManyReply:
+    async def _create_many(self, b: CreateManyOnNode) -> CreateManyReply:
         res = await self.node.create_many(b.specs)
         return CreateManyReply(items=[
             InfoOutcome(error=outcome_error(r)) if isinstance(r, BaseException)
@@ -279,7 +279,7 @@ class EdgeClient:
 
     async def create_many(self, specs: Sequence[SandboxSpec], *,
                           timeout: _Deadline = ...) -> builtins.list[SandboxInfo | DsecError]:
-        reply = await self._call("edge.create_many", CreateMany(specs=list(specs)),
+        reply = await self._call("edge.create_many", CreateManyOnNode(specs=list(specs)),
                                  CreateManyReply, timeout)
         return [outcome_value(o, o.info) for o in reply.items]  # type: ignore[misc]
 

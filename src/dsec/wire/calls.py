@@ -9,30 +9,52 @@ Replies are records of :mod:`dsec.wire.spec`, :mod:`dsec.wire.node` and, for bat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 
 from dsec.errors import InvalidArgument
+from dsec.wire.api import QuotaBody
 from dsec.wire.spec import ExecRequest, SandboxSpec, SandboxState
 
 __all__ = [
     "METHODS",
     "Command",
     "CreateMany",
+    "CreateManyOnNode",
+    "CreateOnNode",
     "CreateRequest",
+    "CreateSandbox",
     "DestroyMany",
+    "DestroyOnNode",
     "DestroyRequest",
+    "Empty",
     "ExecCall",
     "ExecMany",
     "FeedRequest",
+    "FileRef",
     "FileRequest",
     "HeartbeatRequest",
+    "ImageRef",
+    "ImageUpload",
+    "KeyRef",
     "ListRequest",
+    "ListSandboxes",
+    "Mkdir",
+    "ProjectRef",
+    "QuotaSet",
+    "ReadFile",
     "ReadFileRequest",
+    "Remove",
     "SandboxRef",
+    "SessionOpen",
+    "SessionRef",
+    "SnapshotCall",
+    "SnapshotOnNode",
     "SnapshotQuery",
     "SnapshotRef",
     "SnapshotRequest",
+    "WriteFile",
     "WriteFileRequest",
     "exec_request",
 ]
@@ -54,20 +76,74 @@ def exec_request(cmd: Command, **kw: object) -> ExecRequest:
                           f"not {type(cmd).__name__}")
 
 
-class CreateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class _Call(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A request body: an unknown field is refused, naming it, at every door (an edge
+    that silently dropped a field it does not know, say a new network-policy rule, would
+    run the request without it)."""
+
+
+class SandboxRef(_Call, kw_only=True):
+    """Operations on one sandbox that take nothing else (get, pause, stats, ...)."""
+
+    id: str
+
+
+class Empty(_Call, kw_only=True):
+    """The body of an operation that takes no arguments (info, nodes, projects, ...)."""
+
+
+# ------------------------------------------------------------------ create
+class CreateSandbox(_Call, kw_only=True):
+    """``create`` at the API doors: the spec as the caller wrote it, the client session
+    whose lease the sandbox lives under, and the key that makes a retry safe."""
+
+    spec: SandboxSpec = SandboxSpec()
+    session: str | None = None          # client session lease; see docs/api.md "Sweeper"
+    idempotency_key: str | None = None  # same key within 5 min -> the same sandbox
+
+
+class CreateOnNode(_Call, kw_only=True):
+    """``edge.create``: a spec the control plane resolved, and the id it chose."""
+
     spec: SandboxSpec
     sandbox_id: str | None = None       # pre-chosen id (must name this node); None = new
 
 
-class CreateMany(msgspec.Struct, kw_only=True):
+class CreateMany(_Call, kw_only=True):
+    """``create_many`` at the API doors: one spec per sandbox, in order; one
+    idempotency key per item (a retried batch makes nothing twice)."""
+
+    items: list[SandboxSpec]
+    session: str | None = None
+    idempotency_keys: list[str] | None = None
+
+
+class CreateManyOnNode(_Call, kw_only=True):
+    """``edge.create_many``: resolved specs, created concurrently on the node."""
+
     specs: list[SandboxSpec]
 
 
-class SandboxRef(msgspec.Struct, kw_only=True):
+class ListSandboxes(_Call, kw_only=True):
+    """``list``: filters, then a page of at most ``limit`` sandboxes sorted by id
+    (``cursor``: the ``next_cursor`` of the previous page)."""
+
+    project: str | None = None
+    labels: dict[str, str] = {}
+    state: SandboxState | None = None
+    limit: int = 100
+    cursor: str | None = None
+
+
+class SnapshotCall(_Call, kw_only=True):
+    """``snapshot`` at the API doors: pack_diff sandbox ``id``, leaving out the path
+    patterns in ``strip``."""
+
     id: str
+    strip: list[str] = []
 
 
-class SnapshotRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class SnapshotOnNode(_Call, kw_only=True):
     """``edge.snapshot``: pack_diff sandbox ``id``; ``strip`` path patterns left out;
     ``max_bytes``: the most the new layer may take (the project's remaining snapshot
     storage quota, from the control plane; None: only the sandbox's own bound)."""
@@ -77,47 +153,55 @@ class SnapshotRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_bytes: int | None = None
 
 
-class SnapshotRef(msgspec.Struct, kw_only=True):
-    """``edge.snapshot_get`` / ``edge.snapshot_delete``: a snapshot ref (sha256:...)."""
+class SnapshotRef(_Call, kw_only=True):
+    """``snapshot_get`` / ``snapshot_delete``: a snapshot ref (sha256:...)."""
 
     id: str
 
 
-class SnapshotQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """``edge.snapshots``: list, optionally only one project's or one sandbox's."""
+class SnapshotQuery(_Call, kw_only=True):
+    """``snapshots``: list, optionally only one project's or one sandbox's."""
 
     project: str | None = None
     sandbox_id: str | None = None
 
 
-class DestroyRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class DestroyOnNode(_Call, kw_only=True):
+    """``edge.destroy``: the reason and detail go into the sandbox's last event (the
+    control plane sets them; a caller of the API only names the sandbox)."""
+
     id: str
     reason: str = "requested"
     detail: str = ""
 
 
-class DestroyMany(msgspec.Struct, kw_only=True, omit_defaults=True):
+class DestroyMany(_Call, kw_only=True):
     ids: list[str]
     reason: str = "requested"
 
 
-class ExecCall(msgspec.Struct, kw_only=True):
+class ExecCall(_Call, kw_only=True):
     id: str
     req: ExecRequest
 
 
-class ExecMany(msgspec.Struct, kw_only=True):
+class ExecMany(_Call, kw_only=True):
     calls: list[ExecCall]
 
 
-class ReadFileRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ReadFile(_Call, kw_only=True):
+    """``read_file``: ``length`` bytes from ``offset`` (None: to the end, at most
+    ``MAX_FILE_READ_BYTES``)."""
+
     id: str
     path: str
     offset: int = 0
     length: int | None = None
 
 
-class WriteFileRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class WriteFile(_Call, kw_only=True):
+    """``write_file``: replace the file with ``data`` (or add it at the end)."""
+
     id: str
     path: str
     data: bytes
@@ -125,8 +209,32 @@ class WriteFileRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     append: bool = False
 
 
-class FileRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """list_dir, stat, mkdir and remove: a path and the one flag that applies."""
+class FileRef(_Call, kw_only=True):
+    """``list_dir`` and ``stat``: a path in sandbox ``id``."""
+
+    id: str
+    path: str
+
+
+class Mkdir(_Call, kw_only=True):
+    """``mkdir``: create ``path`` (and its missing parents unless ``parents`` is false)."""
+
+    id: str
+    path: str
+    parents: bool = True
+
+
+class Remove(_Call, kw_only=True):
+    """``remove``: a file, an empty directory, or with ``recursive`` a whole tree."""
+
+    id: str
+    path: str
+    recursive: bool = False
+
+
+class FileRequest(_Call, kw_only=True):
+    """``edge.list_dir/stat/mkdir/remove`` today: a path and the one flag that applies
+    (the edge moves to :class:`FileRef`, :class:`Mkdir` and :class:`Remove`)."""
 
     id: str
     path: str
@@ -134,19 +242,76 @@ class FileRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     recursive: bool = False     # remove
 
 
-class ListRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ListRequest(_Call, kw_only=True):
+    """``edge.list`` today: every match, unpaged."""
+
     state: SandboxState | None = None
     project: str | None = None
     labels: dict[str, str] = {}
 
 
-class FeedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class FeedRequest(_Call, kw_only=True):
     after: int = 0              # sequence number of the last event already seen
     limit: int = 1000
 
 
-class HeartbeatRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class HeartbeatRequest(_Call, kw_only=True):
     include_sandboxes: bool = True
+
+
+# ------------------------------------------------------- management plane only
+class SessionOpen(_Call, kw_only=True):
+    """``session_open``: a client session lease of ``lease_s`` seconds."""
+
+    lease_s: float = 60.0
+
+
+class SessionRef(_Call, kw_only=True):
+    """``session_renew`` / ``session_close``."""
+
+    id: str
+
+
+class KeyRef(_Call, kw_only=True):
+    """``revoke_key``: the ``key_id`` :class:`~dsec.wire.api.CreateKeyResponse` gave."""
+
+    id: str
+
+
+class ProjectRef(_Call, kw_only=True):
+    """``project_get``: a project path (``team/sub``)."""
+
+    path: str
+
+
+class QuotaSet(_Call, kw_only=True):
+    """``quota_set``: the quota on project ``path`` (replaces the previous one)."""
+
+    path: str
+    quota: QuotaBody
+
+
+class ImageRef(_Call, kw_only=True):
+    """``image_get`` / ``image_delete``: ``[project/]name[:tag]`` or a digest."""
+
+    ref: str
+
+
+class ImageUpload(_Call, kw_only=True):
+    """``image_build`` / ``image_import``: where the uploaded layer is named; the tar
+    itself streams as the request body."""
+
+    name: str
+    kind: Literal["base", "workspace", "toolkit"] = "base"
+    tag: str = "latest"
+
+
+# The names these types had before issue 13 (their wire form is unchanged).
+CreateRequest = CreateOnNode
+DestroyRequest = DestroyOnNode
+SnapshotRequest = SnapshotOnNode
+ReadFileRequest = ReadFile
+WriteFileRequest = WriteFile
 
 
 # Every method the edge service exposes (the service checks it registers exactly these).

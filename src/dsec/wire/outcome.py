@@ -9,7 +9,8 @@ the others.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 
@@ -17,11 +18,13 @@ from dsec.errors import DsecError, error_from_wire
 from dsec.wire.spec import ExecResult, SandboxInfo
 
 __all__ = [
+    "Batch",
     "CreateManyReply",
     "ErrorBody",
     "ExecManyReply",
     "ExecOutcome",
     "InfoOutcome",
+    "ItemOutcome",
     "Outcome",
     "error_body",
     "outcome_error",
@@ -55,17 +58,56 @@ def _wire_safe(v: Any) -> bool:
     return isinstance(v, (str, int, float, bool, type(None), list, dict, tuple))
 
 
-class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One item of a batch: ``error`` set, or the value in the typed subclass field."""
+T = TypeVar("T")
+
+
+class Outcome(msgspec.Struct, Generic[T], kw_only=True, omit_defaults=True):
+    """One item of a batch: ``error`` set, or ``value``."""
+
+    error: ErrorBody | None = None
+    value: T | None = None
+
+    @classmethod
+    def of(cls, x: T | BaseException) -> Outcome[T]:
+        """The outcome of one item: an exception becomes its :class:`ErrorBody`."""
+        if isinstance(x, BaseException):
+            return Outcome(error=error_body(x))
+        return Outcome(value=x)
+
+    def result(self) -> T | DsecError:
+        """The value, or the :class:`DsecError` the item failed with (same class and
+        detail as if the call had been made alone)."""
+        if self.error is not None:
+            return error_from_wire(self.error.code, self.error.message, self.error.detail)
+        # an item without error carries its value (no operation's reply type is None)
+        return cast(T, self.value)
+
+
+class Batch(msgspec.Struct, Generic[T], kw_only=True):
+    """The reply of a batched operation: one :class:`Outcome` per item, in order."""
+
+    items: list[Outcome[T]]
+
+    @classmethod
+    def of(cls, results: Iterable[T | BaseException]) -> Batch[T]:
+        return Batch(items=[Outcome.of(x) for x in results])
+
+    def results(self) -> list[T | DsecError]:
+        return [o.result() for o in self.items]
+
+
+class ItemOutcome(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One item of a batch before :class:`Outcome` (``error``, or the value in the typed
+    subclass field); the edge moves to :class:`Batch`."""
 
     error: ErrorBody | None = None
 
 
-class InfoOutcome(Outcome, kw_only=True, omit_defaults=True):
+class InfoOutcome(ItemOutcome, kw_only=True, omit_defaults=True):
     info: SandboxInfo | None = None
 
 
-class ExecOutcome(Outcome, kw_only=True, omit_defaults=True):
+class ExecOutcome(ItemOutcome, kw_only=True, omit_defaults=True):
     result: ExecResult | None = None
 
 
@@ -81,7 +123,7 @@ def outcome_error(exc: BaseException) -> ErrorBody:
     return error_body(exc)
 
 
-def outcome_value(o: Outcome, value: object) -> object:
+def outcome_value(o: ItemOutcome, value: object) -> object:
     """The value of a batch item, or the DsecError it carried."""
     if o.error is not None:
         e: DsecError = error_from_wire(o.error.code, o.error.message, o.error.detail)

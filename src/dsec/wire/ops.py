@@ -1,0 +1,641 @@
+"""The operation catalogue: one row per operation, every door built from it.
+
+A row (:class:`Op`) says what an operation is once: its name, its request and reply
+types, the least role it needs on the target's project, whether repeating it is safe,
+which doors serve it (the edge's Aether router, the apiserver's Aether gateway, REST)
+and, for REST, its method, path and how the request maps onto path, query, headers and
+body (:class:`Rest`). The doors, the OpenAPI document, the SDK transports and the docs
+read the rows instead of spelling each operation out again; ``docs/operations.md`` is
+the recipe for adding one.
+
+Where the edge's request or reply differs from the API's, the row says so
+(``edge_request``/``edge_reply``): the control plane adds fields a caller must never set
+(the node a sandbox goes to, the destroy reason, the snapshot room left in the quota).
+
+Pure data: no I/O. A row's type arguments are written on its annotation
+(``EXEC: Op[ExecCall, ExecResult]``) so mypy knows what ``call(EXEC, body)`` returns;
+``tests/wire/test_ops.py`` checks each annotation against the row it describes.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Final, Generic, Literal, TypeVar
+
+from dsec.wire.api import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    EventList,
+    FileList,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
+    Info,
+    NodeList,
+    ProjectList,
+    ProjectView,
+    Role,
+    SandboxList,
+    SessionView,
+    SnapshotList,
+    SnapshotView,
+)
+from dsec.wire.calls import (
+    CreateMany,
+    CreateManyOnNode,
+    CreateOnNode,
+    CreateSandbox,
+    DestroyMany,
+    DestroyOnNode,
+    Empty,
+    ExecCall,
+    ExecMany,
+    FeedRequest,
+    FileRef,
+    FileRequest,
+    HeartbeatRequest,
+    ImageRef,
+    ImageUpload,
+    KeyRef,
+    ListRequest,
+    ListSandboxes,
+    Mkdir,
+    ProjectRef,
+    QuotaSet,
+    ReadFile,
+    Remove,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotOnNode,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
+from dsec.wire.outcome import Batch, CreateManyReply, ExecManyReply
+from dsec.wire.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxStats,
+    SnapshotInfo,
+)
+
+__all__ = [
+    "ALL_DOORS",
+    "ALL_OPS",
+    "API_DOORS",
+    "BY_NAME",
+    "CREATE",
+    "CREATE_KEY",
+    "CREATE_MANY",
+    "DESTROY",
+    "DESTROY_MANY",
+    "EDGE_OPS",
+    "EVENTS",
+    "EXEC",
+    "EXEC_DEADLINE_MARGIN_S",
+    "EXEC_MANY",
+    "EXEC_STREAM",
+    "FEED",
+    "GATEWAY_OPS",
+    "GET",
+    "HEARTBEAT",
+    "IMAGES",
+    "IMAGE_BUILD",
+    "IMAGE_DELETE",
+    "IMAGE_GET",
+    "IMAGE_IMPORT",
+    "IMAGE_TAG",
+    "INFO",
+    "LIST",
+    "LIST_DIR",
+    "MKDIR",
+    "NODES",
+    "NODE_INFO",
+    "PAUSE",
+    "PROJECTS",
+    "PROJECT_GET",
+    "QUOTA_SET",
+    "READ_FILE",
+    "REMOVE",
+    "REST_OPS",
+    "RESUME",
+    "REVOKE_KEY",
+    "SESSION_CLOSE",
+    "SESSION_OPEN",
+    "SESSION_RENEW",
+    "SNAPSHOT",
+    "SNAPSHOTS",
+    "SNAPSHOT_DELETE",
+    "SNAPSHOT_GET",
+    "STAT",
+    "STATS",
+    "USE_CLIENT_DEFAULT",
+    "WRITE_FILE",
+    "Deadline",
+    "Door",
+    "Op",
+    "Rest",
+    "StreamOp",
+    "Target",
+    "UploadOp",
+    "UseClientDefault",
+    "exec_deadline",
+    "path_params",
+]
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+Item = TypeVar("Item")
+
+Door = Literal["edge", "gateway", "rest"]
+ALL_DOORS: Final[frozenset[Door]] = frozenset({"edge", "gateway", "rest"})
+API_DOORS: Final[frozenset[Door]] = frozenset({"gateway", "rest"})
+_EDGE: Final[frozenset[Door]] = frozenset({"edge"})
+_REST: Final[frozenset[Door]] = frozenset({"rest"})
+
+Target = Literal["sandbox", "snapshot", "project", "node", "cluster", "self"]
+"""What a request names, and so where the apiserver checks ``role``:
+
+- ``sandbox``: the request has ``id`` (a sandbox id); routed to the id's edge, ``role``
+  checked on the sandbox's project.
+- ``snapshot``: the request has ``id`` (a snapshot ref); visibility from its project.
+- ``project``: the request names a project (or none: the key's default project).
+- ``node``: an edge's own operation, called by the control plane only.
+- ``cluster``: any authenticated caller.
+- ``self``: the caller's own sessions and keys.
+"""
+
+
+class UseClientDefault(enum.Enum):
+    """A call's timeout left unsaid: the client's configured request timeout applies."""
+
+    TOKEN = 0
+
+
+USE_CLIENT_DEFAULT: Final = UseClientDefault.TOKEN
+Deadline = float | None | UseClientDefault
+"""A request deadline in seconds; None waits forever; USE_CLIENT_DEFAULT: the client's."""
+
+# How much longer than a command's own timeout a caller waits for its answer (the edge
+# kills the process group at the timeout and reaps it before answering).
+EXEC_DEADLINE_MARGIN_S = 30.0
+
+
+def exec_deadline(req: ExecRequest) -> float | None:
+    """How long to wait for an exec's answer: the command timeout plus a margin (None: no
+    command timeout, so no deadline either). A link's default request deadline would
+    otherwise cut off any command running longer."""
+    if req.background:
+        return EXEC_DEADLINE_MARGIN_S
+    return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
+
+
+def _exec_call_deadline(body: ExecCall) -> float | None:
+    return exec_deadline(body.req)
+
+
+def _exec_many_deadline(body: ExecMany) -> float | None:
+    """The longest item's deadline (None if any item waits forever)."""
+    longest = 0.0
+    for call in body.calls:
+        d = exec_deadline(call.req)
+        if d is None:
+            return None
+        longest = max(longest, d)
+    return longest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rest:
+    """The REST binding of a row.
+
+    ``path`` names request fields in braces (``{id}``; ``{ref:path}`` matches slashes).
+    ``query`` and ``headers`` map request fields to parameter and header names (a
+    ``list`` field repeats its parameter; a ``dict[str, str]`` field repeats it as
+    ``key=value``). ``body`` is ``"*"`` (the remaining fields as one JSON object), the
+    name of the one field that is the body (JSON, or raw bytes for a ``bytes`` field),
+    or None. ``body_limit`` names the :class:`RestConfig` cap on the body's size.
+    ``reply`` is how the answer is written: JSON, raw bytes, NDJSON lines (a stream
+    operation) or nothing (``status`` 204).
+    """
+
+    method: Literal["GET", "POST", "PUT", "DELETE"]
+    path: str
+    operation_id: str
+    status: int = 200
+    query: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: str | None = None
+    body_limit: Literal["json", "exec", "file", "image"] = "json"
+    reply: Literal["json", "raw", "ndjson", "empty"] = "json"
+    tag: str = "sandboxes"
+
+
+_PATH_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::path)?\}")
+
+
+def path_params(path: str) -> tuple[str, ...]:
+    """The request fields a REST path names: ``/v1/images/{ref:path}`` -> ``("ref",)``."""
+    return tuple(_PATH_PARAM.findall(path))
+
+
+def _q(*names: str, **renamed: str) -> dict[str, str]:
+    """Query parameters: fields carried under their own name, or ``field="param"``."""
+    return {**{n: n for n in names}, **renamed}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Op(Generic[Req, Rep]):
+    """One operation. ``request`` is its one request type at the API doors (REST, the
+    gateway, both SDK transports); ``reply`` the type expression of its answer (a
+    struct, ``bytes``, ``None`` or ``Batch[T]``). Rows are singletons: equal only to
+    themselves, hashable by identity."""
+
+    name: str
+    request: type[Req]
+    reply: Any
+    _: KW_ONLY
+    summary: str
+    #: the least role on the target's project; None: the policy is the apiserver's own
+    #: (written next to the row)
+    role: Role | None
+    target: Target
+    #: safe to repeat after a lost connection (the SDK retries it; REST verbs follow)
+    idempotent: bool
+    doors: frozenset[Door]
+    edge_request: Any = None      # the edge's request type when it differs from `request`
+    edge_reply: Any = None        # the edge's reply type when it differs from `reply`
+    rest: Rest | None = None      # None: not on REST
+    batch_of: Op[Any, Any] | None = None   # this op is `batch_of` in bulk, items in order
+    #: how long a caller waits for the answer, from the request (exec: the command
+    #: timeout plus a margin); None: the caller's default request deadline
+    deadline: Callable[[Any], float | None] | None = None
+
+    @property
+    def effect(self) -> bool:
+        """A lost link leaves "it may have happened" (the error says so)."""
+        return not self.idempotent
+
+    @property
+    def api_method(self) -> str:
+        """The gateway's Aether method name."""
+        return f"api.{self.name}"
+
+    @property
+    def edge_method(self) -> str:
+        """The edge's Aether method name."""
+        return f"edge.{self.name}"
+
+    @property
+    def edge_type(self) -> Any:
+        """The request type the edge decodes."""
+        return self.request if self.edge_request is None else self.edge_request
+
+    @property
+    def edge_reply_type(self) -> Any:
+        """The reply type the edge answers with."""
+        return self.reply if self.edge_reply is None else self.edge_reply
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class StreamOp(Op[Req, Rep], Generic[Req, Item, Rep]):
+    """An operation that streams ``item`` bodies (Aether STREAM frames, NDJSON lines)
+    before its final ``reply``."""
+
+    item: type[Item]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class UploadOp(Op[Req, Rep]):
+    """An operation whose REST body is a raw byte stream (an image tar): the handler
+    gets the request and the chunks."""
+
+
+# ======================================================================== the table
+# Sandbox operations: served by the edge, forwarded by the apiserver (every door).
+
+CREATE: Op[CreateSandbox, SandboxInfo] = Op(
+    "create", CreateSandbox, SandboxInfo, summary="Create a sandbox",
+    # not idempotent: a retry is made safe by its idempotency key, not by repeating
+    role="member", target="project", idempotent=False, doors=ALL_DOORS,
+    edge_request=CreateOnNode,
+    rest=Rest(method="POST", path="/v1/sandboxes", operation_id="createSandbox", status=201,
+              query=_q("session"), headers={"idempotency_key": "Idempotency-Key"},
+              body="spec"))
+
+CREATE_MANY: Op[CreateMany, Batch[SandboxInfo]] = Op(
+    "create_many", CreateMany, Batch[SandboxInfo],
+    summary="Create many sandboxes in one request (each item succeeds or fails alone)",
+    role="member", target="project", idempotent=False, doors=ALL_DOORS,
+    edge_request=CreateManyOnNode, edge_reply=CreateManyReply,
+    rest=Rest(method="POST", path="/v1/batch/create", operation_id="createSandboxes",
+              body="*"))
+
+GET: Op[SandboxRef, SandboxInfo] = Op(
+    "get", SandboxRef, SandboxInfo, summary="Get a sandbox",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}", operation_id="getSandbox"))
+
+LIST: Op[ListSandboxes, SandboxList] = Op(
+    "list", ListSandboxes, SandboxList, summary="List sandboxes",
+    # reader on `project` when given, else only what the key may see
+    role="reader", target="project", idempotent=True, doors=ALL_DOORS,
+    edge_request=ListRequest, edge_reply=list[SandboxInfo],
+    rest=Rest(method="GET", path="/v1/sandboxes", operation_id="listSandboxes",
+              query=_q("project", "state", "limit", "cursor", labels="label")))
+
+DESTROY: Op[SandboxRef, None] = Op(
+    "destroy", SandboxRef, None, summary="Destroy a sandbox (idempotent)",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_request=DestroyOnNode, edge_reply=SandboxInfo,
+    rest=Rest(method="DELETE", path="/v1/sandboxes/{id}", operation_id="deleteSandbox",
+              status=204, reply="empty"))
+
+EXEC: Op[ExecCall, ExecResult] = Op(
+    "exec", ExecCall, ExecResult, summary="Run a command",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    deadline=_exec_call_deadline,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/exec", operation_id="execSandbox",
+              body="req", body_limit="exec"))
+
+EXEC_MANY: Op[ExecMany, Batch[ExecResult]] = Op(
+    "exec_many", ExecMany, Batch[ExecResult],
+    summary="Run many commands in one request (each item succeeds or fails alone)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    edge_reply=ExecManyReply, batch_of=EXEC, deadline=_exec_many_deadline,
+    rest=Rest(method="POST", path="/v1/batch/exec", operation_id="execMany", body="*",
+              body_limit="exec"))
+
+EXEC_STREAM: StreamOp[ExecCall, ExecChunk, ExecResult] = StreamOp(
+    "exec_stream", ExecCall, ExecResult, item=ExecChunk,
+    summary="Run a command, streaming its output",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    deadline=_exec_call_deadline,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/exec/stream",
+              operation_id="execSandboxStream", body="req", body_limit="exec",
+              reply="ndjson"))
+
+READ_FILE: Op[ReadFile, bytes] = Op(
+    "read_file", ReadFile, bytes, summary="Read a file (raw bytes)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files", operation_id="readFile",
+              query=_q("path", "offset", "length"), reply="raw"))
+
+WRITE_FILE: Op[WriteFile, None] = Op(
+    "write_file", WriteFile, None,
+    summary="Write a file (raw bytes body; empty: an empty file)",
+    # the first piece truncates: the SDK retries only pieces that do not append
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="PUT", path="/v1/sandboxes/{id}/files", operation_id="writeFile",
+              query=_q("path", "mode", "append"), body="data", body_limit="file",
+              status=204, reply="empty"))
+
+LIST_DIR: Op[FileRef, FileList] = Op(
+    "list_dir", FileRef, FileList, summary="List a directory",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_request=FileRequest, edge_reply=list[FileInfo],
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/list", operation_id="listFiles",
+              query=_q("path")))
+
+STAT: Op[FileRef, FileInfo] = Op(
+    "stat", FileRef, FileInfo, summary="Stat a path",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_request=FileRequest,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/stat", operation_id="statFile",
+              query=_q("path")))
+
+MKDIR: Op[Mkdir, None] = Op(
+    "mkdir", Mkdir, None, summary="Create a directory",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_request=FileRequest,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/files/mkdir", operation_id="mkdir",
+              query=_q("path", "parents"), status=204, reply="empty"))
+
+REMOVE: Op[Remove, None] = Op(
+    "remove", Remove, None, summary="Remove a file or directory",
+    # a repeat after success answers NotFound: not idempotent, so never retried blindly
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    edge_request=FileRequest,
+    rest=Rest(method="DELETE", path="/v1/sandboxes/{id}/files", operation_id="removeFile",
+              query=_q("path", "recursive"), status=204, reply="empty"))
+
+PAUSE: Op[SandboxRef, PauseStats] = Op(
+    "pause", SandboxRef, PauseStats, summary="Pause (freeze, give memory back)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/pause", operation_id="pauseSandbox"))
+
+RESUME: Op[SandboxRef, SandboxInfo] = Op(
+    "resume", SandboxRef, SandboxInfo, summary="Resume",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/resume", operation_id="resumeSandbox"))
+
+STATS: Op[SandboxRef, SandboxStats] = Op(
+    "stats", SandboxRef, SandboxStats, summary="Resource use now (memory, cpu, pids, disk)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/stats", operation_id="sandboxStats"))
+
+EVENTS: Op[SandboxRef, EventList] = Op(
+    "events", SandboxRef, EventList, summary="Lifecycle events",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_reply=list[SandboxEvent],
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/events", operation_id="sandboxEvents"))
+
+SNAPSHOT: Op[SnapshotCall, SnapshotView] = Op(
+    "snapshot", SnapshotCall, SnapshotView,
+    summary="Snapshot the sandbox's changes since its last snapshot (pack_diff); "
+            "unchanged -> that snapshot",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    edge_request=SnapshotOnNode, edge_reply=SnapshotInfo,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/snapshot",
+              operation_id="snapshotSandbox", query=_q("strip"), status=201))
+
+SNAPSHOTS: Op[SnapshotQuery, SnapshotList] = Op(
+    "snapshots", SnapshotQuery, SnapshotList, summary="Snapshots visible to this key",
+    # reader on `project` when given, else only what the key may see
+    role="reader", target="project", idempotent=True, doors=ALL_DOORS,
+    edge_reply=list[SnapshotInfo],
+    rest=Rest(method="GET", path="/v1/snapshots", operation_id="listSnapshots",
+              query=_q("project", "sandbox_id"), tag="snapshots"))
+
+SNAPSHOT_GET: Op[SnapshotRef, SnapshotView] = Op(
+    "snapshot_get", SnapshotRef, SnapshotView,
+    summary="One snapshot and the nodes holding it",
+    # visible with any role on the snapshot's project
+    role="reader", target="snapshot", idempotent=True, doors=ALL_DOORS,
+    edge_reply=SnapshotInfo,
+    rest=Rest(method="GET", path="/v1/snapshots/{id}", operation_id="getSnapshot",
+              tag="snapshots"))
+
+SNAPSHOT_DELETE: Op[SnapshotRef, SnapshotView] = Op(
+    "snapshot_delete", SnapshotRef, SnapshotView,
+    summary="Delete a snapshot (409 in_use while a sandbox runs from it or a snapshot "
+            "builds on it)",
+    role="member", target="snapshot", idempotent=False, doors=ALL_DOORS,
+    edge_reply=SnapshotInfo,
+    rest=Rest(method="DELETE", path="/v1/snapshots/{id}", operation_id="deleteSnapshot",
+              status=204, reply="empty", tag="snapshots"))
+
+# Node operations: the edge's own, called by the control plane only.
+
+NODE_INFO: Op[Empty, NodeInfo] = Op(
+    "node_info", Empty, NodeInfo, summary="The node: id, backends, capacity, methods",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+HEARTBEAT: Op[HeartbeatRequest, Heartbeat] = Op(
+    "heartbeat", HeartbeatRequest, Heartbeat,
+    summary="Usage now and, optionally, a brief of every sandbox",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+FEED: Op[FeedRequest, EventFeed] = Op(
+    "feed", FeedRequest, EventFeed, summary="Node-wide lifecycle events after a cursor",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+DESTROY_MANY: Op[DestroyMany, Batch[SandboxInfo]] = Op(
+    "destroy_many", DestroyMany, Batch[SandboxInfo],
+    summary="Destroy many sandboxes (the watcher's evictions, reconcile)",
+    role=None, target="node", idempotent=True, doors=_EDGE, edge_reply=CreateManyReply)
+
+# Management-plane operations: the gateway and REST, no edge. role=None: the policy is
+# the apiserver's (who may see or change what is decided there, per operation).
+
+INFO: Op[Empty, Info] = Op(
+    "info", Empty, Info, summary="Who am I, server version, gateway address",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/info", operation_id="info", tag="meta"))
+
+NODES: Op[Empty, NodeList] = Op(
+    "nodes", Empty, NodeList, summary="Edge nodes with usage",
+    # any role anywhere
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/nodes", operation_id="listNodes", tag="nodes"))
+
+SESSION_OPEN: Op[SessionOpen, SessionView] = Op(
+    "session_open", SessionOpen, SessionView,
+    summary="Open a client session lease (crash-safe sandboxes)",
+    role=None, target="self", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/sessions", operation_id="openSession", status=201,
+              query=_q("lease_s"), tag="sessions"))
+
+SESSION_RENEW: Op[SessionRef, SessionView] = Op(
+    "session_renew", SessionRef, SessionView, summary="Renew a session lease",
+    role=None, target="self", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/sessions/{id}/renew", operation_id="renewSession",
+              tag="sessions"))
+
+SESSION_CLOSE: Op[SessionRef, None] = Op(
+    "session_close", SessionRef, None,
+    summary="End a session now: its sandboxes are destroyed",
+    role=None, target="self", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/sessions/{id}", operation_id="closeSession",
+              status=204, reply="empty", tag="sessions"))
+
+CREATE_KEY: Op[CreateKeyRequest, CreateKeyResponse] = Op(
+    "create_key", CreateKeyRequest, CreateKeyResponse,
+    summary="Create an API key: for a new principal with a role on a project (admin of "
+            "that project), or an extra key of the caller's own; keys of other existing "
+            "principals only by a superuser",
+    role=None, target="self", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/keys", operation_id="createKey", status=201,
+              body="*", tag="admin"))
+
+REVOKE_KEY: Op[KeyRef, None] = Op(
+    "revoke_key", KeyRef, None,
+    summary="Revoke an API key by its id (your own keys; a superuser: any "
+            "non-superuser's)",
+    role=None, target="self", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/keys/{id}", operation_id="revokeKey", status=204,
+              reply="empty", tag="admin"))
+
+PROJECTS: Op[Empty, ProjectList] = Op(
+    "projects", Empty, ProjectList, summary="Projects with quotas and usage",
+    # the projects the key administers
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/projects", operation_id="listProjects", tag="admin"))
+
+PROJECT_GET: Op[ProjectRef, ProjectView] = Op(
+    "project_get", ProjectRef, ProjectView, summary="A project's quota and usage",
+    role="admin", target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/projects/{path:path}", operation_id="getProject",
+              tag="admin"))
+
+QUOTA_SET: Op[QuotaSet, ProjectView] = Op(
+    "quota_set", QuotaSet, ProjectView, summary="Set a project's quota (admin)",
+    role="admin", target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="PUT", path="/v1/quotas/{path:path}", operation_id="setQuota",
+              body="quota", tag="admin"))
+
+IMAGES: Op[Empty, ImageList] = Op(
+    "images", Empty, ImageList,
+    summary="Image layers of the cluster's layer store visible to this key "
+            "(cluster-wide ones and those of its projects)",
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/images", operation_id="listImages", tag="images"))
+
+IMAGE_GET: Op[ImageRef, ImageView] = Op(
+    "image_get", ImageRef, ImageView,
+    summary="One image by [project/]name[:tag] or digest (a bare name: the key's project "
+            "first, then cluster-wide)",
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/images/{ref:path}", operation_id="getImage",
+              tag="images"))
+
+IMAGE_TAG: Op[ImageTagRequest, ImageView] = Op(
+    "image_tag", ImageTagRequest, ImageView,
+    summary="Point a name ([project/]name[:tag]) at a layer (write right on the name's "
+            "namespace; the layer must belong to it, an ancestor project or be "
+            "cluster-wide)",
+    # write right on the namespace: member of the project, superuser for cluster-wide
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/tag", operation_id="tagImage", body="*",
+              tag="images"))
+
+IMAGE_DELETE: Op[ImageRef, None] = Op(
+    "image_delete", ImageRef, None,
+    summary="Delete a name (and its layer when nothing else names or uses it), or by "
+            "digest a layer and all its names (write right on the namespaces; 409 in_use "
+            "while a sandbox or snapshot uses it)",
+    role=None, target="project", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/images/{ref:path}", operation_id="deleteImage",
+              status=204, reply="empty", tag="images"))
+
+# Uploads stream up to gigabytes: REST only until chunked uploads come to Aether.
+IMAGE_BUILD: UploadOp[ImageUpload, ImageList] = UploadOp(
+    "image_build", ImageUpload, ImageList,
+    summary="Build a layer from an uploaded tar (raw body)",
+    role=None, target="project", idempotent=False, doors=_REST,
+    rest=Rest(method="POST", path="/v1/images", operation_id="buildImage", status=201,
+              query=_q("name", "kind", "tag"), body_limit="image", tag="images"))
+
+IMAGE_IMPORT: UploadOp[ImageUpload, ImageList] = UploadOp(
+    "image_import", ImageUpload, ImageList,
+    summary="Import an OCI image (docker save tarball or OCI layout tar, raw body)",
+    role=None, target="project", idempotent=False, doors=_REST,
+    rest=Rest(method="POST", path="/v1/images/import", operation_id="importImage",
+              status=201, query=_q("name", "kind", "tag"), body_limit="image", tag="images"))
+
+
+ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
+    CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
+    READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
+    SNAPSHOT, SNAPSHOTS, SNAPSHOT_GET, SNAPSHOT_DELETE,
+    NODE_INFO, HEARTBEAT, FEED, DESTROY_MANY,
+    INFO, NODES, SESSION_OPEN, SESSION_RENEW, SESSION_CLOSE, CREATE_KEY, REVOKE_KEY,
+    PROJECTS, PROJECT_GET, QUOTA_SET, IMAGES, IMAGE_GET, IMAGE_TAG, IMAGE_DELETE,
+    IMAGE_BUILD, IMAGE_IMPORT,
+)
+BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
+EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
+GATEWAY_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(
+    op for op in ALL_OPS if "gateway" in op.doors)
+REST_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "rest" in op.doors)

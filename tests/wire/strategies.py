@@ -1,0 +1,116 @@
+"""Hypothesis strategies for any record of :mod:`dsec.wire`, built from its type hints.
+
+``st.from_type`` fills only a struct's required fields; these fill every field, honour
+``msgspec.Meta`` bounds on ``Annotated`` types, keep numbers inside what msgpack and
+JSON carry exactly (64-bit ints, finite floats) and substitute the type arguments of
+generic structs (``Batch[SandboxInfo]``). A record whose ``__post_init__`` refuses the
+drawn values is rejected, not failed: the round trip is about encodings, validation has
+its own tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+import typing
+from typing import Any
+
+import msgspec
+from hypothesis import strategies as st
+
+from dsec.errors import DsecError
+
+_I64 = (-(2**63), 2**63 - 1)
+
+
+def _bounds(meta: list[msgspec.Meta]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in meta:
+        for name in ("ge", "le", "gt", "lt", "min_length", "max_length"):
+            v = getattr(m, name, None)
+            if v is not None:
+                out[name] = v
+    return out
+
+
+def _substitute(tp: Any, env: dict[Any, Any]) -> Any:
+    if isinstance(tp, typing.TypeVar):
+        return env.get(tp, tp)
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if not args or origin is None:
+        return tp
+    new = tuple(_substitute(a, env) for a in args)
+    if origin is typing.Annotated:
+        return typing.Annotated[(new[0], *args[1:])]
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, new)
+    if origin is typing.Literal:
+        return tp
+    return origin[new] if len(new) > 1 else origin[new[0]]
+
+
+def _struct(cls: type[msgspec.Struct], env: dict[Any, Any]) -> st.SearchStrategy[Any]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f: of(_substitute(hints[f], env)) for f in cls.__struct_fields__}
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Any:
+        kw = {f: draw(s) for f, s in fields.items()}
+        try:
+            return cls(**kw)
+        except (DsecError, ValueError):
+            from hypothesis import reject
+            reject()
+
+    return build()
+
+
+def of(tp: Any) -> st.SearchStrategy[Any]:
+    """A strategy for values of the type expression ``tp``."""
+    return _of(tp, [])
+
+
+def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _of(args[0], meta + [m for m in args[1:] if isinstance(m, msgspec.Meta)])
+    b = _bounds(meta)
+    if tp is Any:  # a JSON-able detail value
+        return st.one_of(st.none(), st.booleans(), st.integers(*_I64), st.text(max_size=8))
+    if tp is None or tp is type(None):
+        return st.none()
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        lo = b.get("ge", b["gt"] + 1 if "gt" in b else _I64[0])
+        hi = b.get("le", b["lt"] - 1 if "lt" in b else _I64[1])
+        return st.integers(max(lo, _I64[0]), min(hi, _I64[1]))
+    if tp is float:
+        return st.floats(allow_nan=False, allow_infinity=False, min_value=b.get("ge"),
+                         max_value=b.get("le"))
+    if tp is str:
+        return st.text(min_size=b.get("min_length", 0), max_size=min(b.get("max_length", 20),
+                                                                      20))
+    if tp is bytes:
+        return st.binary(max_size=64)
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(_of(a, meta) for a in args))
+    if origin is list:
+        return st.lists(_of(args[0], []), max_size=3)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return st.lists(_of(args[0], []), max_size=3).map(tuple)
+        return st.tuples(*(_of(a, []) for a in args))
+    if origin is dict:
+        return st.dictionaries(_of(args[0], []), _of(args[1], []), max_size=3)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return _struct(tp, {})
+    if origin is not None and isinstance(origin, type) and issubclass(origin, msgspec.Struct):
+        env = dict(zip(origin.__parameters__, args, strict=True))
+        return _struct(origin, env)
+    raise TypeError(f"no strategy for {tp!r}: teach tests/wire/strategies.py this type")
