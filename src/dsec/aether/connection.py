@@ -184,18 +184,29 @@ class _Route:
     decoder: msgspec.msgpack.Decoder[Any]
     is_async: bool
     streaming: bool
+    with_context: bool
 
 
 #: Checks the credential a peer sent with AUTH_METHOD; ``peer`` is its address key
 #: (``ip`` or ``uid:N``; "" when unknown). Returns to accept, raises a DsecError
 #: (Unauthenticated, RateLimited, ...) to refuse; the connection is then closed.
-Authenticator = Callable[[bytes, str], None]
+#: What it returns is the connection's *context* (:attr:`Connection.auth_context`), handed
+#: to every handler registered ``with_context=True``: the credential is checked once per
+#: connection and the handlers see who it belongs to (e.g. the gateway's API key session)
+#: without it riding in every body.
+Authenticator = Callable[[bytes, str], object]
 
 
 class Router:
     """Method name -> handler. Handlers take the decoded body (and a StreamSender when
     ``streaming``) and return a msgpack-able result; sync handlers run inline in the read
-    path, so they must not block.
+    path, so they must not block. A handler added ``with_context=True`` takes the
+    connection's context first: ``handler(ctx, body[, sender])``, ``ctx`` being what the
+    authenticator returned (None on a token or open endpoint).
+
+    A body that fails its type's validation (``__post_init__`` raising a
+    :class:`~dsec.errors.DsecError`) is refused with that error itself (class, message and
+    detail), not a generic decode failure: the same words a caller gets from any door.
 
     Authentication (per connection, before any method): ``token`` (a shared secret,
     compared in constant time) or ``authenticate`` (a callable that checks the
@@ -227,6 +238,7 @@ class Router:
         *,
         request_type: Any = None,
         streaming: bool = False,
+        with_context: bool = False,
     ) -> None:
         if method in self._routes:
             raise InvalidArgument(f"Aether method {method!r} is already registered")
@@ -238,15 +250,18 @@ class Router:
         if streaming and not is_async:
             raise InvalidArgument(f"streaming handler for {method!r} must be an async def")
         decoder = msgspec.msgpack.Decoder(request_type) if request_type is not None else _ANY
-        route = _Route(method, handler, request_type, decoder, is_async, streaming)
+        route = _Route(method, handler, request_type, decoder, is_async, streaming,
+                       with_context)
         self._routes[method] = route
         self._by_prefix[prefix] = route
 
     def route(
-        self, method: str, *, request_type: Any = None, streaming: bool = False
+        self, method: str, *, request_type: Any = None, streaming: bool = False,
+        with_context: bool = False,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.add(method, fn, request_type=request_type, streaming=streaming)
+            self.add(method, fn, request_type=request_type, streaming=streaming,
+                     with_context=with_context)
             return fn
         return deco
 
@@ -522,6 +537,7 @@ class Connection:
         self._token = router.token if router is not None else None
         self._auth_required = router is not None and router.requires_auth
         self._authed = not self._auth_required
+        self._auth_context: object = None   # what the router's authenticator returned
         self._decoder = FrameDecoder(max_frame=max_frame)
         # Listener limits (None on dialed connections and plain stream pairs): until it
         # is established (authenticated, or a first frame on a no-token endpoint) a
@@ -610,6 +626,13 @@ class Connection:
     def going_away(self) -> bool:
         """A GOAWAY was sent or received: no new calls start on this connection."""
         return self._goaway_sent is not None or self._goaway_received is not None
+
+    @property
+    def auth_context(self) -> object:
+        """What the router's authenticator returned for this connection's credential
+        (None before authentication, on a token endpoint and on dialed connections);
+        handlers added ``with_context=True`` receive it as their first argument."""
+        return self._auth_context
 
     @property
     def established(self) -> bool:
@@ -1139,6 +1162,11 @@ class Connection:
             body = route.decoder.decode(
                 payload[1 + n :] if len(payload) < 4096 else memoryview(payload)[1 + n :])
         except msgspec.DecodeError as exc:
+            if isinstance(exc.__cause__, DsecError):
+                # The type's own validation refused it (msgspec wraps what __post_init__
+                # raised in a ValidationError): answer with that error unchanged.
+                self._reply_error(sid, exc.__cause__)
+                return
             want = getattr(route.request_type, "__name__", "msgpack")
             self._reply_error(sid, InvalidArgument(
                 f"body of the {route.method!r} request does not decode as {want}: {exc}",
@@ -1156,15 +1184,21 @@ class Connection:
         try:
             if not route.is_async:
                 try:
-                    result = route.handler(body)
+                    result = (route.handler(self._auth_context, body) if route.with_context
+                              else route.handler(body))
                 except Exception as exc:  # noqa: BLE001 - any handler failure becomes an ERROR
                     self._reply_handler_error(sid, route.method, exc)
                     return
                 self._reply(sid, route.method, result)
                 return
             try:
-                coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
-                        else route.handler(body))
+                if route.with_context:
+                    ctx = self._auth_context
+                    coro = (route.handler(ctx, body, StreamSender(self, sid)) if route.streaming
+                            else route.handler(ctx, body))
+                else:
+                    coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
+                            else route.handler(body))
             except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
                 self._reply_handler_error(sid, route.method, exc)
                 return
@@ -1232,13 +1266,14 @@ class Connection:
         else:
             assert router.authenticate is not None
             try:
-                router.authenticate(offered, self.peer)
+                context = router.authenticate(offered, self.peer)
             except DsecError as exc:
                 refusal = exc
             except Exception as exc:
                 log.error("Aether authenticator failed", exc_info=exc)
                 refusal = InternalError(f"authentication failed: {type(exc).__name__}")
             else:
+                self._auth_context = context
                 self._accept_auth(sid)
                 return
         self._reply_error(sid, refusal)
