@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -41,7 +41,13 @@ from dsec.control.api.openapi import (
     Param,
     build_openapi,
 )
-from dsec.control.api.service import ApiService, Caller, exec_output, exec_request
+from dsec.control.api.service import (
+    AdminOps,
+    ApiService,
+    Caller,
+    exec_output,
+    exec_request,
+)
 from dsec.control.api.types import (
     ApiError,
     CreateKeyRequest,
@@ -81,6 +87,28 @@ from dsec.errors import (
     PayloadTooLarge,
     RateLimited,
 )
+from dsec.wire import ops
+from dsec.wire.calls import (
+    Empty,
+    ExecCall,
+    FileRef,
+    ImageRef,
+    ImageUpload,
+    KeyRef,
+    ListSandboxes,
+    Mkdir,
+    ProjectRef,
+    QuotaSet,
+    ReadFile,
+    Remove,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
 
@@ -113,33 +141,6 @@ class RestConfig:
     # metrics_loopback_only is turned off (an explicit choice to publish it).
     metrics_token: str | None = None
     metrics_loopback_only: bool = True
-
-
-class AdminOps(Protocol):
-    """Admin routes (projects, quotas, keys, sessions) — implemented by the control plane
-    wiring (:mod:`dsec.control.api.plane`); the REST layer only decodes and encodes.
-
-    A Protocol, so ControlPlane satisfies it structurally without inheriting from it."""
-
-    def list_projects(self, caller: Caller) -> ProjectList: raise NotImplementedError
-    def get_project(self, caller: Caller, path: str) -> ProjectView: raise NotImplementedError
-    def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
-        raise NotImplementedError
-    def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
-        raise NotImplementedError
-    def revoke_key(self, caller: Caller, key_id: str) -> None: raise NotImplementedError
-    def open_session(self, caller: Caller, lease_s: float) -> SessionView:
-        raise NotImplementedError
-    def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
-    def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
-    def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
-    def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
-    def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
-    def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
-        raise NotImplementedError
-    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
-                          tag: str, oci: bool) -> ImageList:
-        raise NotImplementedError
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -262,13 +263,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     """The ASGI app. ``admin`` adds the project/quota/key/session routes."""
     cfg = config or RestConfig()
     metrics = service.metrics
-    ops: list[Op] = []
+    documented: list[Op] = []
     routes: list[Route] = []
     latency = metrics.latency
     requests = metrics.requests
 
     def route(op: Op, handler: Handler) -> None:
-        ops.append(op)
+        documented.append(op)
         template = op.path
         lat = latency.labels(template, op.method)
         counters: dict[int, Any] = {}
@@ -299,6 +300,18 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         routes.append(Route(op.path, endpoint, methods=[op.method]))
 
     sid_of = _sid
+    # Every operation's policy, resolved now: a row without one fails here, at start.
+    h = service.handler
+    list_policy, get_policy, destroy_policy = h(ops.LIST), h(ops.GET), h(ops.DESTROY)
+    exec_policy, stream_policy = h(ops.EXEC), service.stream_handler(ops.EXEC_STREAM)
+    read_policy, write_policy = h(ops.READ_FILE), h(ops.WRITE_FILE)
+    remove_policy, list_dir_policy = h(ops.REMOVE), h(ops.LIST_DIR)
+    stat_policy, mkdir_policy = h(ops.STAT), h(ops.MKDIR)
+    pause_policy, resume_policy, stats_policy = h(ops.PAUSE), h(ops.RESUME), h(ops.STATS)
+    events_policy, snapshot_policy = h(ops.EVENTS), h(ops.SNAPSHOT)
+    snapshots_policy, snapshot_get_policy = h(ops.SNAPSHOTS), h(ops.SNAPSHOT_GET)
+    snapshot_delete_policy = h(ops.SNAPSHOT_DELETE)
+    nodes_policy, info_policy = h(ops.NODES), h(ops.INFO)
 
     # ------------------------------------------------------------- sandboxes
     async def create(request: Request, caller: Caller, rid: str) -> Response:
@@ -327,10 +340,10 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                   field="state")
         limit = _q_int(request, "limit", 100, 1, service.config.list_page_max)
         assert limit is not None
-        items, nxt = await service.list(
-            caller, project=request.query_params.get("project"), labels=labels,
-            state=state, limit=limit, cursor=request.query_params.get("cursor"))  # type: ignore[arg-type]
-        return _json_response(SandboxList(items=items, next_cursor=nxt), rid)
+        page = await list_policy(caller, ListSandboxes(
+            project=request.query_params.get("project"), labels=labels,
+            state=state, limit=limit, cursor=request.query_params.get("cursor")))  # type: ignore[arg-type]
+        return _json_response(page, rid)
 
     route(Op("GET", "/v1/sandboxes", "listSandboxes", "List sandboxes", None, SandboxList,
              params=(Param("project", PROJECT_PATH),
@@ -341,13 +354,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                      Param("cursor", {"type": "string"}))), list_)
 
     async def get(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.get(caller, sid_of(request)), rid)
+        return _json_response(await get_policy(caller, SandboxRef(id=sid_of(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}", "getSandbox", "Get a sandbox", None, SandboxInfo),
           get)
 
     async def delete(request: Request, caller: Caller, rid: str) -> Response:
-        await service.destroy(caller, sid_of(request))
+        await destroy_policy(caller, SandboxRef(id=sid_of(request)))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/sandboxes/{id}", "deleteSandbox",
@@ -355,7 +368,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def exec_(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
-        res = await service.exec(caller, sid_of(request), exec_request(body))
+        res = await exec_policy(caller, ExecCall(id=sid_of(request), req=exec_request(body)))
         return _json_response(exec_output(res), rid)
 
     route(Op("POST", "/v1/sandboxes/{id}/exec", "execSandbox", "Run a command",
@@ -363,7 +376,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
-        stream = await service.exec_stream(caller, sid_of(request), exec_request(body))
+        stream = await stream_policy(caller, ExecCall(id=sid_of(request),
+                                                      req=exec_request(body)))
 
         async def lines() -> AsyncIterator[bytes]:
             try:
@@ -391,9 +405,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     # ------------------------------------------------------------------ files
     async def read(request: Request, caller: Caller, rid: str) -> Response:
-        data = await service.read_file(caller, sid_of(request), _q_path(request),
-                                       _q_int(request, "offset", 0) or 0,
-                                       _q_int(request, "length", None))
+        data = await read_policy(caller, ReadFile(
+            id=sid_of(request), path=_q_path(request),
+            offset=_q_int(request, "offset", 0) or 0, length=_q_int(request, "length", None)))
         return Response(data, media_type="application/octet-stream",
                         headers={"x-request-id": rid})
 
@@ -407,8 +421,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         path = _q_path(request)
         mode = _q_int(request, "mode", 0o644, 0, 0o7777)
         data = await _read_body(request, cfg.max_file_body)
-        await service.write_file(caller, sid_of(request), path, data, mode or 0,
-                                 _q_bool(request, "append"))
+        await write_policy(caller, WriteFile(id=sid_of(request), path=path, data=data,
+                                             mode=mode or 0, append=_q_bool(request, "append")))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes "
@@ -418,8 +432,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                      Param("append", {"type": "boolean"}))), write)
 
     async def remove(request: Request, caller: Caller, rid: str) -> Response:
-        await service.remove(caller, sid_of(request), _q_path(request),
-                             _q_bool(request, "recursive"))
+        await remove_policy(caller, Remove(id=sid_of(request), path=_q_path(request),
+                                           recursive=_q_bool(request, "recursive")))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/sandboxes/{id}/files", "removeFile", "Remove a file or directory",
@@ -427,24 +441,24 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                       Param("recursive", {"type": "boolean"}))), remove)
 
     async def listdir(request: Request, caller: Caller, rid: str) -> Response:
-        items = await service.list_dir(caller, sid_of(request), _q_path(request))
-        return _json_response(FileList(items=items), rid)
+        return _json_response(await list_dir_policy(
+            caller, FileRef(id=sid_of(request), path=_q_path(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/list", "listFiles", "List a directory",
              None, FileList, params=(Param("path", FILE_PATH, True),)),
           listdir)
 
     async def stat(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.stat(caller, sid_of(request), _q_path(request)),
-                              rid)
+        return _json_response(await stat_policy(
+            caller, FileRef(id=sid_of(request), path=_q_path(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/stat", "statFile", "Stat a path", None,
              FileInfo, params=(Param("path", FILE_PATH, True),)),
           stat)
 
     async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
-        await service.mkdir(caller, sid_of(request), _q_path(request),
-                            _q_bool(request, "parents", True))
+        await mkdir_policy(caller, Mkdir(id=sid_of(request), path=_q_path(request),
+                                         parents=_q_bool(request, "parents", True)))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
@@ -456,22 +470,21 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     # -------------------------------------------------------------- lifecycle
     async def pause(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.pause(caller, sid_of(request)), rid)
+        return _json_response(await pause_policy(caller, SandboxRef(id=sid_of(request))), rid)
 
     route(Op("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox", "Pause (freeze, give "
              "memory back)", None, PauseStats), pause)
 
     async def resume(request: Request, caller: Caller, rid: str) -> Response:
-        sid = sid_of(request)
-        await service.resume(caller, sid)
-        return _json_response(await service.get(caller, sid), rid)
+        return _json_response(await resume_policy(caller, SandboxRef(id=sid_of(request))),
+                              rid)
 
     route(Op("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox", "Resume", None,
              SandboxInfo), resume)
 
     async def snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        strip = request.query_params.getlist("strip")
-        snap = await service.snapshot(caller, sid_of(request), strip)
+        snap = await snapshot_policy(caller, SnapshotCall(
+            id=sid_of(request), strip=request.query_params.getlist("strip")))
         return _json_response(snap, rid, 201)
 
     route(Op("POST", "/v1/sandboxes/{id}/snapshot", "snapshotSandbox",
@@ -484,9 +497,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def snapshots(request: Request, caller: Caller, rid: str) -> Response:
         q = request.query_params
-        items = await service.list_snapshots(caller, project=q.get("project"),
-                                             sandbox_id=q.get("sandbox_id"))
-        return _json_response(SnapshotList(items=items), rid)
+        return _json_response(await snapshots_policy(caller, SnapshotQuery(
+            project=q.get("project"), sandbox_id=q.get("sandbox_id"))), rid)
 
     route(Op("GET", "/v1/snapshots", "listSnapshots", "Snapshots visible to this key",
              None, SnapshotList, tag="snapshots",
@@ -494,13 +506,14 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                      Param("sandbox_id", SANDBOX_ID))), snapshots)
 
     async def get_snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.get_snapshot(caller, sid_of(request)), rid)
+        return _json_response(await snapshot_get_policy(
+            caller, SnapshotRef(id=sid_of(request))), rid)
 
     route(Op("GET", "/v1/snapshots/{id}", "getSnapshot", "One snapshot and the nodes "
              "holding it", None, SnapshotView, tag="snapshots"), get_snapshot)
 
     async def delete_snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        await service.delete_snapshot(caller, sid_of(request))
+        await snapshot_delete_policy(caller, SnapshotRef(id=sid_of(request)))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/snapshots/{id}", "deleteSnapshot", "Delete a snapshot (409 "
@@ -508,34 +521,36 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              204, tag="snapshots"), delete_snapshot)
 
     async def events(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(EventList(items=await service.events(caller, sid_of(request))),
+        return _json_response(await events_policy(caller, SandboxRef(id=sid_of(request))),
                               rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/events", "sandboxEvents", "Lifecycle events",
              None, EventList), events)
 
     async def stats(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.stats(caller, sid_of(request)), rid)
+        return _json_response(await stats_policy(caller, SandboxRef(id=sid_of(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/stats", "sandboxStats", "Resource use now "
              "(memory, cpu, pids, disk)", None, SandboxStats), stats)
 
     # ------------------------------------------------------------------ nodes
     async def nodes(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(NodeList(items=service.nodes(caller)), rid)
+        return _json_response(await nodes_policy(caller, Empty()), rid)
 
     route(Op("GET", "/v1/nodes", "listNodes", "Edge nodes with usage", None, NodeList,
              tag="nodes"), nodes)
 
     async def info(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(service.info(caller), rid)
+        return _json_response(await info_policy(caller, Empty()), rid)
 
     route(Op("GET", "/v1/info", "info", "Who am I, server version, gateway address",
              None, Info, tag="meta"), info)
 
     # ------------------------------------------------------------------ admin
     if admin is not None:
-        _admin_routes(route, admin, cfg)
+        if service.admin is None:
+            service.admin = admin
+        _admin_routes(route, service, cfg)
 
     # ------------------------------------------------------------------- meta
     async def healthz(request: Request) -> Response:
@@ -557,11 +572,11 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
             return _error_response(exc, _request_id(request))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    ops.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
+    documented.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
                   auth=False))
-    ops.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
+    documented.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
                   auth=False))
-    doc = _json.encode(build_openapi(ops, version=service.config.version))
+    doc = _json.encode(build_openapi(documented, version=service.config.version))
 
     async def openapi(request: Request) -> Response:
         return Response(doc, media_type="application/json")
@@ -659,16 +674,26 @@ class FastPaths:
         self._lat.observe(time.perf_counter() - t0)
 
 
-def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
+def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
                   cfg: RestConfig) -> None:
+    h = service.handler
+    projects_p, project_p, quota_p = h(ops.PROJECTS), h(ops.PROJECT_GET), h(ops.QUOTA_SET)
+    key_p, revoke_p = h(ops.CREATE_KEY), h(ops.REVOKE_KEY)
+    open_p, renew_p, close_p = h(ops.SESSION_OPEN), h(ops.SESSION_RENEW), h(ops.SESSION_CLOSE)
+    images_p, tag_p, image_p = h(ops.IMAGES), h(ops.IMAGE_TAG), h(ops.IMAGE_GET)
+    delete_image_p = h(ops.IMAGE_DELETE)
+    build_p = service.upload_handler(ops.IMAGE_BUILD)
+    import_p = service.upload_handler(ops.IMAGE_IMPORT)
+
     async def projects(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.list_projects(caller), rid)
+        return _json_response(await projects_p(caller, Empty()), rid)
 
     route(Op("GET", "/v1/projects", "listProjects", "Projects with quotas and usage",
              None, ProjectList, tag="admin"), projects)
 
     async def project(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.get_project(caller, request.path_params["path"]), rid)
+        return _json_response(await project_p(caller, ProjectRef(
+            path=request.path_params["path"])), rid)
 
     route(Op("GET", "/v1/projects/{path:path}", "getProject", "A project's quota and usage",
              None, ProjectView, tag="admin"), project)
@@ -676,14 +701,14 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
     async def quota(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(QuotaBody, await _read_body(request, cfg.max_json_body))
         path = request.path_params["path"]
-        return _json_response(admin.set_quota(caller, path, body), rid)
+        return _json_response(await quota_p(caller, QuotaSet(path=path, quota=body)), rid)
 
     route(Op("PUT", "/v1/quotas/{path:path}", "setQuota", "Set a project's quota (admin)",
              QuotaBody, ProjectView, tag="admin"), quota)
 
     async def key(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body))
-        return _json_response(admin.create_key(caller, body), rid, 201)
+        return _json_response(await key_p(caller, body), rid, 201)
 
     route(Op("POST", "/v1/keys", "createKey", "Create an API key: for a new principal with "
              "a role on a project (admin of that project), or an extra key of the caller's "
@@ -691,7 +716,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              CreateKeyRequest, CreateKeyResponse, 201, tag="admin"), key)
 
     async def revoke_key(request: Request, caller: Caller, rid: str) -> Response:
-        admin.revoke_key(caller, request.path_params["id"])
+        await revoke_p(caller, KeyRef(id=request.path_params["id"]))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/keys/{id}", "revokeKey", "Revoke an API key by its id (your own "
@@ -705,7 +730,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
         except ValueError:
             raise InvalidArgument(f"lease_s={lease[:20]!r} must be a number of seconds",
                                   field="lease_s") from None
-        return _json_response(admin.open_session(caller, lease_s), rid, 201)
+        return _json_response(await open_p(caller, SessionOpen(lease_s=lease_s)), rid, 201)
 
     route(Op("POST", "/v1/sessions", "openSession",
              "Open a client session lease (crash-safe sandboxes)", None, SessionView, 201,
@@ -713,17 +738,18 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              tag="sessions"), open_session)
 
     async def renew(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.renew_session(caller, request.path_params["id"]), rid)
+        return _json_response(await renew_p(caller, SessionRef(
+            id=request.path_params["id"])), rid)
 
     route(Op("POST", "/v1/sessions/{id}/renew", "renewSession", "Renew a session lease",
              None, SessionView, tag="sessions"), renew)
 
     async def close(request: Request, caller: Caller, rid: str) -> Response:
-        admin.close_session(caller, request.path_params["id"])
+        await close_p(caller, SessionRef(id=request.path_params["id"]))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     async def images(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.list_images(caller), rid)
+        return _json_response(await images_p(caller, Empty()), rid)
 
     route(Op("GET", "/v1/images", "listImages", "Image layers of the cluster's layer store "
              "visible to this key (cluster-wide ones and those of its projects)",
@@ -731,7 +757,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
 
     async def tag_image(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(ImageTagRequest, await _read_body(request, cfg.max_json_body))
-        return _json_response(admin.tag_image(caller, body), rid)
+        return _json_response(await tag_p(caller, body), rid)
 
     route(Op("POST", "/v1/images/tag", "tagImage", "Point a name ([project/]name[:tag]) at "
              "a layer (write right on the name's namespace; the layer must belong to it, an "
@@ -739,14 +765,15 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              tag="images"), tag_image)
 
     async def get_image(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.get_image(caller, request.path_params["ref"]), rid)
+        return _json_response(await image_p(caller, ImageRef(ref=request.path_params["ref"])),
+                              rid)
 
     route(Op("GET", "/v1/images/{ref:path}", "getImage", "One image by [project/]name[:tag] "
              "or digest (a bare name: the key's project first, then cluster-wide)", None,
              ImageView, tag="images"), get_image)
 
     async def delete_image(request: Request, caller: Caller, rid: str) -> Response:
-        admin.delete_image(caller, request.path_params["ref"])
+        await delete_image_p(caller, ImageRef(ref=request.path_params["ref"]))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/images/{ref:path}", "deleteImage", "Delete a name (and its layer "
@@ -754,7 +781,8 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              "(write right on the namespaces; 409 in_use while a sandbox or snapshot uses "
              "it)", None, None, 204, tag="images"), delete_image)
 
-    def upload(oci: bool) -> Handler:
+    def upload(policy: Callable[[Caller, ImageUpload, str], Awaitable[ImageList]]
+               ) -> Handler:
         async def handler(request: Request, caller: Caller, rid: str) -> Response:
             import tempfile
             name = request.query_params.get("name")
@@ -774,8 +802,8 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
                 f.flush()
                 if size == 0:
                     raise InvalidArgument("empty upload: send a tar archive as the body")
-                out = await admin.build_image(caller, f.name, name=name, kind=kind, tag=tag,
-                                              oci=oci)
+                out = await policy(caller, ImageUpload(name=name, kind=kind, tag=tag),  # type: ignore[arg-type]
+                                   f.name)
             return _json_response(out, rid, 201)
         return handler
 
@@ -785,10 +813,10 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
               Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
               Param("tag", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"}))
     route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "
-             "body)", "binary", ImageList, 201, params=params, tag="images"), upload(False))
+             "body)", "binary", ImageList, 201, params=params, tag="images"), upload(build_p))
     route(Op("POST", "/v1/images/import", "importImage", "Import an OCI image (docker save "
              "tarball or OCI layout tar, raw body)", "binary", ImageList, 201, params=params,
-             tag="images"), upload(True))
+             tag="images"), upload(import_p))
 
     route(Op("DELETE", "/v1/sessions/{id}", "closeSession",
              "End a session now: its sandboxes are destroyed", None, None, 204,

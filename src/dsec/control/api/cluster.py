@@ -269,7 +269,8 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(given)),
                 clock=loop.time,
-                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
+                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane,
+                admin=plane)
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()

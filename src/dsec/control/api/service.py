@@ -26,16 +26,30 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
 from dsec.control.api.types import (
+    CreateKeyRequest,
+    CreateKeyResponse,
     CreateSandboxRequest,
+    EventList,
     ExecBody,
     ExecOutput,
+    FileList,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
     Info,
+    NodeList,
     NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SandboxList,
+    SessionView,
+    SnapshotList,
     SnapshotView,
 )
 from dsec.control.idempotency import (
@@ -71,6 +85,7 @@ from dsec.errors import (
     DsecError,
     EdgeUnreachable,
     ImageNotFound,
+    InternalError,
     InUse,
     InvalidArgument,
     InvalidTransition,
@@ -89,9 +104,34 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
 from dsec.image.catalog import image_not_found
+from dsec.wire import ops
+from dsec.wire.calls import (
+    CreateMany,
+    CreateSandbox,
+    Empty,
+    ExecCall,
+    ExecMany,
+    ImageRef,
+    ImageUpload,
+    KeyRef,
+    ListSandboxes,
+    ProjectRef,
+    QuotaSet,
+    ReadFile,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.ops import Op, StreamOp, UploadOp
+from dsec.wire.outcome import Batch
 
 __all__ = [
     "ROLE_RANK",
+    "AdminOps",
     "ApiConfig",
     "ApiService",
     "Authority",
@@ -101,6 +141,7 @@ __all__ = [
     "NamesOnly",
     "NodeDirectory",
     "Placer",
+    "Policy",
     "Role",
     "exec_output",
     "exec_request",
@@ -110,6 +151,9 @@ __all__ = [
 log = logging.getLogger("dsec.apiserver")
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+Item = TypeVar("Item")
 
 Role = Literal["reader", "member", "admin"]
 ROLE_RANK: dict[str, int] = {"reader": 1, "member": 2, "admin": 3}
@@ -225,6 +269,36 @@ class QuotaGate(Protocol):
     def release_snapshot(self, snapshot_id: str) -> None: ...
 
 
+class AdminOps(Protocol):
+    """Projects, quotas, keys, sessions and images: the control plane's administration
+    (:class:`~dsec.control.api.plane.ControlPlane`), which :meth:`ApiService.handler`
+    hands those operations to. A Protocol, so the plane satisfies it structurally."""
+
+    def list_projects(self, caller: Caller) -> ProjectList: raise NotImplementedError
+    def get_project(self, caller: Caller, path: str) -> ProjectView: raise NotImplementedError
+    def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        raise NotImplementedError
+    def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
+        raise NotImplementedError
+    def revoke_key(self, caller: Caller, key_id: str) -> None: raise NotImplementedError
+    def open_session(self, caller: Caller, lease_s: float) -> SessionView:
+        raise NotImplementedError
+    def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
+    def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
+    def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
+    def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
+    def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
+    def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
+        raise NotImplementedError
+    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
+                          tag: str, oci: bool) -> ImageList:
+        raise NotImplementedError
+
+
+#: What a door calls for one operation: the policy of :meth:`ApiService.handler`.
+Policy = Callable[[Caller, Any], Awaitable[Any]]
+
+
 # ---------------------------------------------------------------------- the core
 @dataclass(slots=True, frozen=True, kw_only=True)
 class ApiConfig:
@@ -300,6 +374,10 @@ class ApiService:
     # The Aether gateway's address, advertised by ``info`` at every door (set once the
     # gateway listens; None: no gateway, the SDK uses REST).
     gateway_address: str | None = None
+    # Projects, quotas, keys, sessions, images (the control plane); None: those
+    # operations answer Unavailable (an apiserver wired without them, as in some tests).
+    admin: AdminOps | None = None
+    _policies: dict[str, Policy] = field(init=False)
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
@@ -310,6 +388,7 @@ class ApiService:
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
+        self._policies = self._policy_table()
 
     async def close(self) -> None:
         """Stop keyed creates still at work (their claims are released, with the sandbox
@@ -1265,6 +1344,185 @@ class ApiService:
             raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
         return self.directory.nodes()
 
+    # ------------------------------------------------------------- the catalogue
+    def handler(self, op: Op[Req, Rep]) -> Callable[[Caller, Req], Awaitable[Rep]]:
+        """The policy of ``op`` (a row of :mod:`dsec.wire.ops`): what every door (REST,
+        the Aether gateway) calls with the caller and the request object it decoded.
+        Sandbox operations that only check the row's role and forward to the sandbox's
+        edge share one policy (:meth:`_forward`); the others have their own (tombstones,
+        quota bookkeeping, fan-out over edges, chunking, administration). A row without
+        one is a wiring bug, raised when a door is built, not at the first call."""
+        policy = self._policies.get(op.name)
+        if policy is None:
+            raise InternalError(f"operation {op.name!r} has no apiserver policy (doors: "
+                                f"{sorted(op.doors)}); add one to ApiService._policy_table")
+        return policy
+
+    def stream_handler(self, op: StreamOp[Req, Item, Rep],
+                       ) -> Callable[[Caller, Req], Awaitable[AsyncIterator[Item | Rep]]]:
+        """The policy of a streaming row: its items, then the final reply, in order."""
+        policy = self._policies.get(op.name)
+        if policy is None:
+            raise InternalError(f"streaming operation {op.name!r} has no apiserver policy")
+        return policy
+
+    def upload_handler(self, op: UploadOp[Req, Rep],
+                       ) -> Callable[[Caller, Req, str], Awaitable[Rep]]:
+        """The policy of an upload row: the request and the path of the uploaded file."""
+        oci = op is ops.IMAGE_IMPORT
+
+        async def upload(caller: Caller, b: ImageUpload, tar_path: str) -> ImageList:
+            return await self._admin().build_image(caller, tar_path, name=b.name,
+                                                   kind=b.kind, tag=b.tag, oci=oci)
+        return cast(Callable[[Caller, Req, str], Awaitable[Rep]], upload)
+
+    def _admin(self) -> AdminOps:
+        if self.admin is None:
+            raise Unavailable("this apiserver serves no administration (projects, keys, "
+                              "sessions, images): it was started without a control plane")
+        return self.admin
+
+    def _policy_table(self) -> dict[str, Policy]:
+        """One entry per operation of the gateway and REST rows; see :meth:`handler`."""
+        fwd = self._forward
+        return {
+            "create": self._create_op, "create_many": self._create_many_op,
+            "get": self._get_op, "list": self._list_op, "destroy": self._destroy_op,
+            "exec": functools.partial(fwd, ops.EXEC), "exec_many": self._exec_many_op,
+            "exec_stream": self._exec_stream_op,
+            "read_file": self._read_file_op, "write_file": self._write_file_op,
+            "list_dir": functools.partial(fwd, ops.LIST_DIR),
+            "stat": functools.partial(fwd, ops.STAT),
+            "mkdir": functools.partial(fwd, ops.MKDIR),
+            "remove": functools.partial(fwd, ops.REMOVE),
+            "pause": self._pause_op, "resume": self._resume_op,
+            "stats": functools.partial(fwd, ops.STATS), "events": self._events_op,
+            "snapshot": self._snapshot_op, "snapshots": self._snapshots_op,
+            "snapshot_get": self._snapshot_get_op,
+            "snapshot_delete": self._snapshot_delete_op,
+            "info": self._info_op, "nodes": self._nodes_op,
+            "session_open": self._session_open_op, "session_renew": self._session_renew_op,
+            "session_close": self._session_close_op, "create_key": self._create_key_op,
+            "revoke_key": self._revoke_key_op, "projects": self._projects_op,
+            "project_get": self._project_get_op, "quota_set": self._quota_set_op,
+            "images": self._images_op, "image_get": self._image_get_op,
+            "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
+            "image_build": self._upload_refused, "image_import": self._upload_refused,
+        }
+
+    async def _forward(self, op: Op[Any, Any], caller: Caller, body: Any) -> Any:
+        """A sandbox operation whose only rule is the row's role on the sandbox's
+        project: route by id, check, call its edge, map link errors (``op.effect``: the
+        error says whether it may have happened)."""
+        sid: str = body.id
+        assert op.role is not None
+        edge, _ = await self._edge_for(caller, sid, op.role)
+        call = _EDGE_CALLS[op.name]
+        deadline = op.deadline(body) if op.deadline is not None else ...
+        return await self._via(edge, sid, op.name, lambda: call(edge, body, deadline),
+                               effect=op.effect)
+
+    async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
+        return await self.create(caller, _create_request(b.spec, b.session),
+                                 idempotency_key=b.idempotency_key)
+
+    async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
+        reqs = [_create_request(spec, b.session) for spec in b.items]
+        return Batch.of(await self.create_many(caller, reqs, b.idempotency_keys))
+
+    async def _get_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
+        return await self.get(caller, b.id)
+
+    async def _list_op(self, caller: Caller, b: ListSandboxes) -> SandboxList:
+        items, nxt = await self.list(caller, project=b.project, labels=b.labels,
+                                     state=b.state, limit=b.limit, cursor=b.cursor)
+        return SandboxList(items=items, next_cursor=nxt)
+
+    async def _destroy_op(self, caller: Caller, b: SandboxRef) -> None:
+        await self.destroy(caller, b.id)
+
+    async def _exec_many_op(self, caller: Caller, b: ExecMany) -> Batch[ExecResult]:
+        return Batch.of(await self.exec_many(caller, [(c.id, c.req) for c in b.calls]))
+
+    async def _exec_stream_op(self, caller: Caller,
+                              b: ExecCall) -> AsyncIterator[ExecChunk | ExecResult]:
+        return await self.exec_stream(caller, b.id, b.req)
+
+    async def _read_file_op(self, caller: Caller, b: ReadFile) -> bytes:
+        return await self.read_file(caller, b.id, b.path, b.offset, b.length)
+
+    async def _write_file_op(self, caller: Caller, b: WriteFile) -> None:
+        await self.write_file(caller, b.id, b.path, b.data, b.mode, b.append)
+
+    async def _pause_op(self, caller: Caller, b: SandboxRef) -> PauseStats:
+        return await self.pause(caller, b.id)
+
+    async def _resume_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
+        await self.resume(caller, b.id)
+        return await self.get(caller, b.id)
+
+    async def _events_op(self, caller: Caller, b: SandboxRef) -> EventList:
+        return EventList(items=await self.events(caller, b.id))
+
+    async def _snapshot_op(self, caller: Caller, b: SnapshotCall) -> SnapshotView:
+        return await self.snapshot(caller, b.id, b.strip)
+
+    async def _snapshots_op(self, caller: Caller, b: SnapshotQuery) -> SnapshotList:
+        return SnapshotList(items=await self.list_snapshots(
+            caller, project=b.project, sandbox_id=b.sandbox_id))
+
+    async def _snapshot_get_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
+        return await self.get_snapshot(caller, b.id)
+
+    async def _snapshot_delete_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
+        return await self.delete_snapshot(caller, b.id)
+
+    async def _info_op(self, caller: Caller, b: Empty) -> Info:
+        return self.info(caller)
+
+    async def _nodes_op(self, caller: Caller, b: Empty) -> NodeList:
+        return NodeList(items=self.nodes(caller))
+
+    async def _session_open_op(self, caller: Caller, b: SessionOpen) -> SessionView:
+        return self._admin().open_session(caller, b.lease_s)
+
+    async def _session_renew_op(self, caller: Caller, b: SessionRef) -> SessionView:
+        return self._admin().renew_session(caller, b.id)
+
+    async def _session_close_op(self, caller: Caller, b: SessionRef) -> None:
+        self._admin().close_session(caller, b.id)
+
+    async def _create_key_op(self, caller: Caller, b: CreateKeyRequest) -> CreateKeyResponse:
+        return self._admin().create_key(caller, b)
+
+    async def _revoke_key_op(self, caller: Caller, b: KeyRef) -> None:
+        self._admin().revoke_key(caller, b.id)
+
+    async def _projects_op(self, caller: Caller, b: Empty) -> ProjectList:
+        return self._admin().list_projects(caller)
+
+    async def _project_get_op(self, caller: Caller, b: ProjectRef) -> ProjectView:
+        return self._admin().get_project(caller, b.path)
+
+    async def _quota_set_op(self, caller: Caller, b: QuotaSet) -> ProjectView:
+        return self._admin().set_quota(caller, b.path, b.quota)
+
+    async def _images_op(self, caller: Caller, b: Empty) -> ImageList:
+        return self._admin().list_images(caller)
+
+    async def _image_get_op(self, caller: Caller, b: ImageRef) -> ImageView:
+        return self._admin().get_image(caller, b.ref)
+
+    async def _image_tag_op(self, caller: Caller, b: ImageTagRequest) -> ImageView:
+        return self._admin().tag_image(caller, b)
+
+    async def _image_delete_op(self, caller: Caller, b: ImageRef) -> None:
+        self._admin().delete_image(caller, b.ref)
+
+    async def _upload_refused(self, caller: Caller, b: Any) -> Any:
+        raise InvalidArgument("an image upload streams its tar as the request body: use "
+                              "REST (POST /v1/images or /v1/images/import)")
+
 
 # Failures of the apiserver's own link to an edge (never the caller's connection).
 _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
@@ -1288,6 +1546,34 @@ def _exec_deadline(req: ExecRequest) -> float | None:
     if req.background:
         return EXEC_DEADLINE_MARGIN_S
     return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
+
+
+# The edge call of each operation :meth:`ApiService._forward` serves: (edge, request,
+# deadline) -> reply in the row's reply type.
+_EDGE_CALLS: dict[str, Callable[[EdgeOps, Any, Any], Awaitable[Any]]] = {
+    "exec": lambda e, b, t: e.exec(b.id, b.req, timeout=t),
+    "list_dir": lambda e, b, t: _file_list(e.list_dir(b.id, b.path, timeout=t)),
+    "stat": lambda e, b, t: e.stat(b.id, b.path, timeout=t),
+    "mkdir": lambda e, b, t: e.mkdir(b.id, b.path, parents=b.parents, timeout=t),
+    "remove": lambda e, b, t: e.remove(b.id, b.path, recursive=b.recursive, timeout=t),
+    "stats": lambda e, b, t: e.stats(b.id, timeout=t),
+}
+
+
+async def _file_list(items: Awaitable[builtins.list[FileInfo]]) -> FileList:
+    return FileList(items=await items)
+
+
+def _create_request(spec: SandboxSpec, session: str | None) -> CreateSandboxRequest:
+    """The create of a caller's spec as the policy takes it (``create``)."""
+    return CreateSandboxRequest(
+        image=spec.image, workspace=spec.workspace, toolkits=list(spec.toolkits),
+        snapshot=spec.snapshot, backend=spec.backend, cpu_milli=spec.cpu_milli,
+        memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes, pids_max=spec.pids_max,
+        priority=spec.priority, labels=dict(spec.labels), project=spec.project,
+        ttl_s=spec.ttl_s, idle_timeout_s=spec.idle_timeout_s, idle_action=spec.idle_action,
+        env=dict(spec.env), network=spec.network, allow_nested=spec.allow_nested,
+        user_namespace=spec.user_namespace, session=session)
 
 
 def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],
