@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from dsec.aether import connect
 from dsec.edge.node import EdgeNode
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.edge.spec import SandboxSpec
@@ -33,7 +34,11 @@ async def test_edge_refuses_an_unauthenticated_tcp_peer(node: EdgeNode) -> None:
         await serve_edge(node, "tcp:127.0.0.1:0")  # no open TCP edge by accident
     server = await serve_edge(node, "tcp:127.0.0.1:0", token=os.urandom(32))
     try:
-        stranger = await EdgeClient.connect(str(server.address), timeout=10)
+        with pytest.raises(Unauthenticated):  # EdgeClient.connect asks the node's protocol
+            await EdgeClient.connect(str(server.address), timeout=10)
+        # a raw connection that skips that: every method is still refused
+        stranger = EdgeClient(await connect(str(server.address)), timeout=10,
+                              owns_connection=True)
         try:
             with pytest.raises(Unauthenticated):
                 await stranger.create(SandboxSpec())

@@ -486,10 +486,10 @@ def test_listing_snapshots_does_not_reread_every_manifest(tmp_path: Any) -> None
 
     import msgspec
 
+    from dsec.edge.backends.container.images import StoreImages
     from dsec.edge.backends.container.snapshot import ContainerSnapshots
     from dsec.image.manifest import PROJECT_LABEL, LayerManifest
     from dsec.image.mount import MountCache
-    from dsec.image.resolver import StoreImages
     from dsec.image.store import LayerStore
     store = LayerStore(str(tmp_path / "store"))
     enc = msgspec.json.Encoder()

@@ -1,7 +1,7 @@
 """Suite ``snapshot``: sandbox snapshots end to end on the container backend.
 
 Measured through :class:`~dsec.edge.node.EdgeNode` with the layer store
-(:class:`~dsec.image.resolver.StoreImages`), i.e. what ``POST /v1/sandboxes/{id}/snapshot``
+(:class:`~dsec.edge.backends.container.images.StoreImages`), i.e. what ``POST /v1/sandboxes/{id}/snapshot``
 costs on the edge: the freeze, pack_diff's scan, the EROFS build of the diff, the thaw.
 
 - ``snapshot_unchanged``: snapshots of a sandbox that changed nothing since its last one
@@ -42,11 +42,11 @@ def snapshot_suite(ctx: BenchContext) -> None:
 async def _run(ctx: BenchContext) -> None:
     from dsec.edge.admission import Capacity
     from dsec.edge.backends.container import ContainerBackend
+    from dsec.edge.backends.container.images import StoreImages
     from dsec.edge.node import EdgeNode, NodeConfig
     from dsec.edge.spec import ExecRequest, SandboxSpec
     from dsec.image import LayerStore, MountCache, ensure_busybox_base
     from dsec.image.packdiff import RACY_WINDOW_NS
-    from dsec.image.resolver import StoreImages
 
     root = tempfile.mkdtemp(prefix="dsec-bench-snap-")
     cache = MountCache()

@@ -77,8 +77,8 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
         if state_dir is not None:
             opts["root_dir"] = os.path.join(state_dir, "container")
         if layer_store is not None:
+            from dsec.edge.backends.container.images import StoreImages
             from dsec.image import LayerStore, MountCache
-            from dsec.image.resolver import StoreImages
 
             mounts = MountCache()   # layers mounted once for all this node's sandboxes
             owned.append(mounts)

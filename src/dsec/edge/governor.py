@@ -30,6 +30,7 @@ __all__ = [
     "ExecCgroup",
     "Governor",
     "Limits",
+    "Remount",
     "SandboxCgroup",
     "all_leaf_dirs",
     "detect_layout",
@@ -310,17 +311,21 @@ def _subtree(d: str) -> list[str]:
     return out
 
 
-def enable_favordynmods(mountinfo: str) -> bool:
+#: Remounts the filesystem at a mount point with the given options (``MS_REMOUNT``);
+#: raises OSError. The backends pass :func:`dsec.edge.backends.container.linux.remount`
+#: (the syscall wrappers live with them, above this module).
+Remount = Callable[[str, str], None]
+
+
+def enable_favordynmods(mountinfo: str, remount: Remount) -> bool:
     """Turn on ``favordynmods`` via the cgroup2 mount (global for all hierarchies; it
     removes the RCU grace period from every task migration). False if it cannot."""
-    from dsec.edge.backends.container import linux
-
     for m in parse_mountinfo(mountinfo):
         if m.fstype == "cgroup2":
             if "favordynmods" in m.super_options:
                 return True
             try:
-                linux.mount(None, m.mountpoint, None, linux.MS_REMOUNT, "favordynmods")
+                remount(m.mountpoint, "favordynmods")
                 return True
             except OSError:
                 return False
@@ -402,11 +407,14 @@ class Governor:
     """Creates, limits, freezes, reclaims and removes sandbox cgroups."""
 
     def __init__(self, *, name: str = "dsec", layout: CgroupLayout | None = None,
-                 favor_dynmods: bool = True) -> None:
+                 favor_dynmods: Remount | None = None) -> None:
+        """``favor_dynmods``: how to remount the cgroup2 mount to turn ``favordynmods`` on
+        (see :func:`enable_favordynmods`); None leaves the mount as it is."""
         self.name = name
         mountinfo = _read("/proc/self/mountinfo")
-        if favor_dynmods:
-            self.favordynmods = enable_favordynmods(mountinfo)
+        self.favordynmods = False
+        if favor_dynmods is not None:
+            self.favordynmods = enable_favordynmods(mountinfo, favor_dynmods)
         self.layout = layout or detect_layout(
             mountinfo, _read("/proc/self/cgroup"), name=name,
             v2_controllers=lambda d: set(_read(os.path.join(d, "cgroup.controllers")).split())

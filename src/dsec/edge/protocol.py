@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from dsec.wire.calls import (
-    METHODS,
     Command,
     CreateMany,
     CreateManyOnNode,
@@ -19,7 +18,6 @@ from dsec.wire.calls import (
     ExecMany,
     FeedRequest,
     FileRef,
-    FileRequest,
     HeartbeatRequest,
     ImageRef,
     ImageUpload,
@@ -45,6 +43,7 @@ from dsec.wire.calls import (
     exec_request,
 )
 from dsec.wire.node import (
+    EDGE_PROTOCOL,
     EventFeed,
     Heartbeat,
     NodeInfo,
@@ -53,25 +52,22 @@ from dsec.wire.node import (
     SandboxBrief,
     labels_match,
 )
+from dsec.wire.ops import EDGE_OPS
 from dsec.wire.outcome import (
     Batch,
-    CreateManyReply,
-    ExecManyReply,
-    ExecOutcome,
-    InfoOutcome,
-    ItemOutcome,
     Outcome,
-    outcome_error,
-    outcome_value,
 )
 
+# Every method the edge serves: one per row of the catalogue with the edge door.
+METHODS: tuple[str, ...] = tuple(op.edge_method for op in EDGE_OPS)
+
 __all__ = [
+    "EDGE_PROTOCOL",
     "METHODS",
     "Batch",
     "Command",
     "CreateMany",
     "CreateManyOnNode",
-    "CreateManyReply",
     "CreateOnNode",
     "CreateRequest",
     "CreateSandbox",
@@ -82,17 +78,12 @@ __all__ = [
     "EventFeed",
     "ExecCall",
     "ExecMany",
-    "ExecManyReply",
-    "ExecOutcome",
     "FeedRequest",
     "FileRef",
-    "FileRequest",
     "Heartbeat",
     "HeartbeatRequest",
     "ImageRef",
     "ImageUpload",
-    "InfoOutcome",
-    "ItemOutcome",
     "KeyRef",
     "ListRequest",
     "ListSandboxes",
@@ -119,6 +110,4 @@ __all__ = [
     "WriteFileRequest",
     "exec_request",
     "labels_match",
-    "outcome_error",
-    "outcome_value",
 ]

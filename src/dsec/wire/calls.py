@@ -18,7 +18,6 @@ from dsec.wire.api import QuotaBody
 from dsec.wire.spec import ExecRequest, SandboxSpec, SandboxState
 
 __all__ = [
-    "METHODS",
     "Command",
     "CreateMany",
     "CreateManyOnNode",
@@ -33,7 +32,6 @@ __all__ = [
     "ExecMany",
     "FeedRequest",
     "FileRef",
-    "FileRequest",
     "HeartbeatRequest",
     "ImageRef",
     "ImageUpload",
@@ -232,16 +230,6 @@ class Remove(_Call, kw_only=True):
     recursive: bool = False
 
 
-class FileRequest(_Call, kw_only=True):
-    """``edge.list_dir/stat/mkdir/remove`` today: a path and the one flag that applies
-    (the edge moves to :class:`FileRef`, :class:`Mkdir` and :class:`Remove`)."""
-
-    id: str
-    path: str
-    parents: bool = True        # mkdir
-    recursive: bool = False     # remove
-
-
 class ListRequest(_Call, kw_only=True):
     """``edge.list`` today: every match, unpaged."""
 
@@ -312,14 +300,3 @@ DestroyRequest = DestroyOnNode
 SnapshotRequest = SnapshotOnNode
 ReadFileRequest = ReadFile
 WriteFileRequest = WriteFile
-
-
-# Every method the edge service exposes (the service checks it registers exactly these).
-METHODS: tuple[str, ...] = (
-    "edge.info", "edge.create", "edge.create_many", "edge.get", "edge.list", "edge.events",
-    "edge.feed", "edge.exec", "edge.exec_many", "edge.exec_stream", "edge.read_file",
-    "edge.write_file", "edge.list_dir", "edge.stat", "edge.mkdir", "edge.remove",
-    "edge.pause", "edge.resume", "edge.destroy", "edge.destroy_many", "edge.stats",
-    "edge.heartbeat", "edge.snapshot", "edge.snapshots", "edge.snapshot_get",
-    "edge.snapshot_delete",
-)

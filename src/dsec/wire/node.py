@@ -8,12 +8,20 @@ sends 100k of them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 import msgspec
 
 from dsec.wire.spec import SandboxEvent, SandboxState
 
+#: The version of the edge's Aether methods and bodies (:mod:`dsec.wire.ops` rows with
+#: the edge door). Raise it with any change an edge of the previous release would
+#: misread. 1: before issue 13 (``edge.info``, per-type batch items); 2: the catalogue
+#: (``edge.node_info``, ``Batch[T]``, request bodies refuse unknown fields).
+EDGE_PROTOCOL: Final = 2
+
 __all__ = [
+    "EDGE_PROTOCOL",
     "EventFeed",
     "Heartbeat",
     "NodeInfo",
@@ -82,12 +90,16 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):
+    """``edge.node_info``: who the node is, what it runs and which edge protocol it
+    speaks (:data:`EDGE_PROTOCOL`; an edge of another release is refused on connect)."""
+
     node: str
     backends: list[str]
     capacity: Resources
     labels: dict[str, str]
     methods: list[str]
     physical: Resources | None = None
+    protocol: int = 0               # 0: an edge from before the field existed
 
 
 def labels_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:

@@ -10,7 +10,10 @@ the recipe for adding one.
 
 Where the edge's request or reply differs from the API's, the row says so
 (``edge_request``/``edge_reply``): the control plane adds fields a caller must never set
-(the node a sandbox goes to, the destroy reason, the snapshot room left in the quota).
+(the id it chose for a sandbox, the destroy reason, the snapshot room left in the
+quota), answers from its own registry (``list``: the API pages, the edge answers every
+match) or merges what several edges hold (snapshots: the edge's ``SnapshotInfo``, the
+API's ``SnapshotView`` with every holding node).
 
 Pure data: no I/O. A row's type arguments are written on its annotation
 (``EXEC: Op[ExecCall, ExecResult]``) so mypy knows what ``call(EXEC, body)`` returns;
@@ -55,7 +58,6 @@ from dsec.wire.calls import (
     ExecMany,
     FeedRequest,
     FileRef,
-    FileRequest,
     HeartbeatRequest,
     ImageRef,
     ImageUpload,
@@ -77,14 +79,13 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
-from dsec.wire.outcome import Batch, CreateManyReply, ExecManyReply
+from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileInfo,
     PauseStats,
-    SandboxEvent,
     SandboxInfo,
     SandboxStats,
     SnapshotInfo,
@@ -338,7 +339,7 @@ CREATE_MANY: Op[CreateMany, Batch[SandboxInfo]] = Op(
     "create_many", CreateMany, Batch[SandboxInfo],
     summary="Create many sandboxes in one request (each item succeeds or fails alone)",
     role="member", target="project", idempotent=False, doors=ALL_DOORS,
-    edge_request=CreateManyOnNode, edge_reply=CreateManyReply,
+    edge_request=CreateManyOnNode,
     rest=Rest(method="POST", path="/v1/batch/create", operation_id="createSandboxes",
               body="*"))
 
@@ -349,7 +350,8 @@ GET: Op[SandboxRef, SandboxInfo] = Op(
 
 LIST: Op[ListSandboxes, SandboxList] = Op(
     "list", ListSandboxes, SandboxList, summary="List sandboxes",
-    # reader on `project` when given, else only what the key may see
+    # reader on `project` when given, else only what the key may see. The edge answers
+    # every match unpaged (the control plane's view of a node; the API pages its registry)
     role="reader", target="project", idempotent=True, doors=ALL_DOORS,
     edge_request=ListRequest, edge_reply=list[SandboxInfo],
     rest=Rest(method="GET", path="/v1/sandboxes", operation_id="listSandboxes",
@@ -373,7 +375,7 @@ EXEC_MANY: Op[ExecMany, Batch[ExecResult]] = Op(
     "exec_many", ExecMany, Batch[ExecResult],
     summary="Run many commands in one request (each item succeeds or fails alone)",
     role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
-    edge_reply=ExecManyReply, batch_of=EXEC, deadline=_exec_many_deadline,
+    batch_of=EXEC, deadline=_exec_many_deadline,
     rest=Rest(method="POST", path="/v1/batch/exec", operation_id="execMany", body="*",
               body_limit="exec"))
 
@@ -404,21 +406,18 @@ WRITE_FILE: Op[WriteFile, None] = Op(
 LIST_DIR: Op[FileRef, FileList] = Op(
     "list_dir", FileRef, FileList, summary="List a directory",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
-    edge_request=FileRequest, edge_reply=list[FileInfo],
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/list", operation_id="listFiles",
               query=_q("path")))
 
 STAT: Op[FileRef, FileInfo] = Op(
     "stat", FileRef, FileInfo, summary="Stat a path",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
-    edge_request=FileRequest,
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/stat", operation_id="statFile",
               query=_q("path")))
 
 MKDIR: Op[Mkdir, None] = Op(
     "mkdir", Mkdir, None, summary="Create a directory",
     role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
-    edge_request=FileRequest,
     rest=Rest(method="POST", path="/v1/sandboxes/{id}/files/mkdir", operation_id="mkdir",
               query=_q("path", "parents"), status=204, reply="empty"))
 
@@ -426,7 +425,6 @@ REMOVE: Op[Remove, None] = Op(
     "remove", Remove, None, summary="Remove a file or directory",
     # a repeat after success answers NotFound: not idempotent, so never retried blindly
     role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
-    edge_request=FileRequest,
     rest=Rest(method="DELETE", path="/v1/sandboxes/{id}/files", operation_id="removeFile",
               query=_q("path", "recursive"), status=204, reply="empty"))
 
@@ -448,7 +446,6 @@ STATS: Op[SandboxRef, SandboxStats] = Op(
 EVENTS: Op[SandboxRef, EventList] = Op(
     "events", SandboxRef, EventList, summary="Lifecycle events",
     role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
-    edge_reply=list[SandboxEvent],
     rest=Rest(method="GET", path="/v1/sandboxes/{id}/events", operation_id="sandboxEvents"))
 
 SNAPSHOT: Op[SnapshotCall, SnapshotView] = Op(
@@ -504,7 +501,7 @@ FEED: Op[FeedRequest, EventFeed] = Op(
 DESTROY_MANY: Op[DestroyMany, Batch[SandboxInfo]] = Op(
     "destroy_many", DestroyMany, Batch[SandboxInfo],
     summary="Destroy many sandboxes (the watcher's evictions, reconcile)",
-    role=None, target="node", idempotent=True, doors=_EDGE, edge_reply=CreateManyReply)
+    role=None, target="node", idempotent=True, doors=_EDGE)
 
 # Management-plane operations: the gateway and REST, no edge. role=None: the policy is
 # the apiserver's (who may see or change what is decided there, per operation).

@@ -15,20 +15,12 @@ from typing import Any, Generic, TypeVar, cast
 import msgspec
 
 from dsec.errors import DsecError, error_from_wire
-from dsec.wire.spec import ExecResult, SandboxInfo
 
 __all__ = [
     "Batch",
-    "CreateManyReply",
     "ErrorBody",
-    "ExecManyReply",
-    "ExecOutcome",
-    "InfoOutcome",
-    "ItemOutcome",
     "Outcome",
     "error_body",
-    "outcome_error",
-    "outcome_value",
 ]
 
 
@@ -94,38 +86,3 @@ class Batch(msgspec.Struct, Generic[T], kw_only=True):
 
     def results(self) -> list[T | DsecError]:
         return [o.result() for o in self.items]
-
-
-class ItemOutcome(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One item of a batch before :class:`Outcome` (``error``, or the value in the typed
-    subclass field); the edge moves to :class:`Batch`."""
-
-    error: ErrorBody | None = None
-
-
-class InfoOutcome(ItemOutcome, kw_only=True, omit_defaults=True):
-    info: SandboxInfo | None = None
-
-
-class ExecOutcome(ItemOutcome, kw_only=True, omit_defaults=True):
-    result: ExecResult | None = None
-
-
-class CreateManyReply(msgspec.Struct, kw_only=True):
-    items: list[InfoOutcome]
-
-
-class ExecManyReply(msgspec.Struct, kw_only=True):
-    items: list[ExecOutcome]
-
-
-def outcome_error(exc: BaseException) -> ErrorBody:
-    return error_body(exc)
-
-
-def outcome_value(o: ItemOutcome, value: object) -> object:
-    """The value of a batch item, or the DsecError it carried."""
-    if o.error is not None:
-        e: DsecError = error_from_wire(o.error.code, o.error.message, o.error.detail)
-        return e
-    return value

@@ -200,7 +200,7 @@ import asyncio, sys
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.spec import SandboxSpec
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
-from dsec.image.resolver import StoreImages
+from dsec.edge.backends.container.images import StoreImages
 async def main():
     store = LayerStore(sys.argv[1])
     store.tag(ensure_busybox_base(store).digest, "base")
@@ -225,10 +225,10 @@ async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed
     import sys
 
     from dsec.edge.backends.container import ContainerBackend
+    from dsec.edge.backends.container.images import StoreImages
     from dsec.edge.spec import ExecRequest
     from dsec.ids import SandboxId
     from dsec.image import LayerStore, MountCache
-    from dsec.image.resolver import StoreImages
 
     if os.geteuid() != 0 or (runtime == "runc" and shutil.which("runc") is None):
         pytest.skip("needs root (and runc)")

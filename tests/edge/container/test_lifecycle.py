@@ -28,9 +28,9 @@ async def test_pause_reclaims_and_resume_thaws(backend: ContainerBackend) -> Non
     stats = await backend.pause(sid)
     assert stats.resident_before_bytes > 30 << 20
     assert stats.reclaimed_bytes >= 0.6 * stats.resident_before_bytes
-    assert backend.governor.is_frozen(backend._box(sid).cg)
+    assert backend.governor.is_frozen(backend.box(sid).cg)
     await backend.resume(sid)
-    assert not backend.governor.is_frozen(backend._box(sid).cg)
+    assert not backend.governor.is_frozen(backend.box(sid).cg)
     r = await backend.exec(sid, ExecRequest(argv=("md5sum", "/tmp/blob")))
     assert r.stdout == digest and len(digest) == 44  # the data survived the trip via swap
     # an exec on a paused sandbox resumes it

@@ -15,12 +15,12 @@ import pytest
 
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.container import ContainerBackend
+from dsec.edge.backends.container.images import StoreImages
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import Conflict, ImageNotFound, InUse
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
 from dsec.image.packdiff import RACY_WINDOW_NS
-from dsec.image.resolver import StoreImages
 
 from .conftest import _cleanup
 
@@ -183,14 +183,14 @@ async def test_paused_sandbox_stays_paused_and_strip(env: Env) -> None:
     await node.pause(sb.id)
     snap = await node.snapshot(sb.id, strip=["__pycache__", "work/answer"])
     assert node.get(sb.id).state == "paused"
-    assert env.backend.governor.is_frozen(env.backend._box(sb.id).cg)
+    assert env.backend.governor.is_frozen(env.backend.box(sb.id).cg)
     clone = await node.create(SandboxSpec(snapshot=snap.id, **SPEC))
     assert await run(node, clone.id, "ls -a /work") == ".\n..\nkeep\n"
     # a running sandbox is thawed again after its snapshot
     await node.resume(sb.id)
     await run(node, sb.id, "echo more > /work/more")
     await node.snapshot(sb.id)
-    assert not env.backend.governor.is_frozen(env.backend._box(sb.id).cg)
+    assert not env.backend.governor.is_frozen(env.backend.box(sb.id).cg)
     assert await run(node, sb.id, "cat /work/answer") == "42\n"
 
 

@@ -532,7 +532,7 @@ class ClusterRuntime:
         """Per-backend options of an in-process edge. The container backend gets a root
         dir per edge and the cluster's layer store (``state_dir/layers``, where ``dsec
         image build`` and ``POST /v1/images`` put layers and where snapshots are
-        written), resolved by :class:`~dsec.image.resolver.StoreImages`. In-process edges
+        written), resolved by :class:`~dsec.edge.backends.container.images.StoreImages`. In-process edges
         share one store and one mount cache, so a layer is mounted once per process and
         every local edge can start sandboxes from every snapshot."""
         if name == "simulated":
@@ -547,8 +547,8 @@ class ClusterRuntime:
             return {"profile": NodeLatencyProfile.paper(kind)}  # type: ignore[arg-type]
         if name != "container":
             return {}
+        from dsec.edge.backends.container.images import StoreImages
         from dsec.image import LayerStore, MountCache
-        from dsec.image.resolver import StoreImages
 
         if self._images is None:
             self._mounts = MountCache()

@@ -2,8 +2,11 @@
 
 :class:`ControlPlane` holds the state store (SQLite), IAM, the quota index, the registry,
 placement and the edge directory, and implements what :class:`ApiService` asks of them
-(:class:`Authority`, :class:`QuotaGate`, :class:`Placer`, :class:`NodeDirectory`) plus the
-admin routes (:class:`AdminOps`) and the background loops: edge heartbeats (which feed
+(:class:`Authority`, :class:`QuotaGate`, :class:`Placer`, :class:`NodeDirectory`) and the
+background loops. Administration (projects, quotas, keys, sessions) is
+:class:`~dsec.control.api.admin.Admin` and the image routes
+:class:`~dsec.control.api.images.ImageAdmin`, built over the plane's parts
+(``plane.admin``, ``plane.images``). The loops: edge heartbeats (which feed
 placement, the watcher and the ``/metrics`` gauges), the edge event feeds (which keep the
 registry and quota usage in step with what edges reap on their own: TTL, idle, OOM), and
 the leak sweeper (:mod:`dsec.control.api.sweeper`).
@@ -39,13 +42,8 @@ Durable state is in the store only: sessions (``sessions`` table), idempotency k
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import os
 import random
-import re
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -54,6 +52,8 @@ from typing import Any
 
 import msgspec
 
+from dsec.control.api.admin import Admin
+from dsec.control.api.images import ImageAdmin
 from dsec.control.api.service import ApiService, Caller, EdgeOps
 from dsec.control.api.sweeper import SESSION_LABEL, Session, SweepCandidate, plan_sweep
 from dsec.control.api.types import (
@@ -79,8 +79,6 @@ from dsec.control.registry import Registry
 from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
     LostSandboxRow,
-    QuotaRow,
-    SessionRow,
     SnapshotChargeRow,
     StateStore,
 )
@@ -100,38 +98,23 @@ from dsec.control.watcher import (
 )
 from dsec.edge.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from dsec.errors import (
-    Conflict,
     ConnectionLost,
     DsecError,
-    ImageError,
     ImageNotFound,
-    InUse,
     InvalidArgument,
     NoCapacity,
     NotFound,
-    PermissionDenied,
     QuotaExceeded,
     SandboxNotFound,
     Timeout,
 )
-from dsec.ids import NodeId, node_of, parse_project_path
-from dsec.image.catalog import (
-    CanSee,
-    Role,
-    StoreIndex,
-    image_not_found,
-    resolve,
-    visible_names,
-)
-from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
-from dsec.image.store import LayerStore
+from dsec.ids import NodeId, node_of
 
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
 log = logging.getLogger("dsec.control")
 
 BACKEND_LABEL = "dsec.io/backend."
-_KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -231,7 +214,6 @@ class ControlPlane:
     clock: Callable[[], float] = time.time
     edges: dict[str, EdgeEntry] = field(default_factory=dict)
     service: ApiService | None = None
-    layer_dir: str | None = None
     placement: Placement = field(default_factory=lambda: Placement(rng=random.Random()))
     ceiling: Ceiling = field(default_factory=Ceiling)   # refuses what no node could hold
     watcher: Watcher = field(default_factory=Watcher)
@@ -240,9 +222,26 @@ class ControlPlane:
     _started_at: float = 0.0     # since when the sweeper has watched without a break
     _last_sweep: float = 0.0
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
-    _store_cache: LayerStore | None = None
-    _index_cache: StoreIndex | None = None
     _stalls: StallMeter | None = None
+    # Administration (projects, quotas, keys, sessions) and the image routes, over this
+    # plane's parts: see dsec.control.api.admin and dsec.control.api.images.
+    admin: Admin = field(init=False)
+    images: ImageAdmin = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admin = Admin(store=self.store, iam=self.iam, quota=self.quota,
+                           registry=self.registry, limits=self.config, clock=self.clock,
+                           sync_snapshots=self._sync_snapshots, caches=lambda: self.service)
+        self.images = ImageAdmin(self)
+
+    @property
+    def layer_dir(self) -> str | None:
+        """The shared layer store's directory (None: no layer store; see ImageAdmin)."""
+        return self.images.layer_dir
+
+    @layer_dir.setter
+    def layer_dir(self, path: str | None) -> None:
+        self.images.layer_dir = path
 
     @classmethod
     def open(cls, store: StateStore, *, metrics: ApiMetrics, config: PlaneConfig | None = None,
@@ -573,420 +572,56 @@ class ControlPlane:
         return LostSandboxRow(id=rec.id, node=rec.node, lost_at=now,
                               record=msgspec.to_builtins(lost))
 
-    # ----------------------------------------------------------------- admin
-    def _admin(self, caller: Caller, project: str) -> None:
-        ApiService.require(caller, project, "admin")
-
+    # ---------------------------------------------- the doors' admin face (AdminOps)
+    # The REST and gateway doors are handed this plane as their AdminOps until they are
+    # built from the operation catalogue (issue 13, B3) and reach plane.admin and
+    # plane.images directly; until then each route forwards here, one line each.
     def list_projects(self, caller: Caller) -> ProjectList:
-        paths = set(self.quota.quotas()) | set(caller.roles)
-        for r in self.registry.sandboxes():
-            paths.add(r.project)
-        self._sync_snapshots()
-        items = [self._view(p) for p in sorted(paths) if caller.role_on(p) is not None]
-        return ProjectList(items=items)
-
-    def _view(self, path: str) -> ProjectView:
-        q = self.quota.quota(path)
-        u = self.quota.usage(path)
-        return ProjectView(
-            path=path,
-            quota=None if q is None else QuotaBody(max_sandboxes=q.max_sandboxes,
-                                                    cpu_milli=q.cpu_milli,
-                                                    memory_bytes=q.memory_bytes,
-                                                    snapshot_bytes=q.snapshot_bytes),
-            usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
-                   "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
+        return self.admin.list_projects(caller)
 
     def get_project(self, caller: Caller, path: str) -> ProjectView:
-        parse_project_path(path)
-        ApiService.require(caller, path, "reader")
-        self._sync_snapshots()
-        return self._view(path)
+        return self.admin.get_project(caller, path)
 
     def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
-        """Set ``path``'s quota. It needs admin on the *parent* project (a superuser for a
-        top-level one): a quota bounds a project's admins too, so they must not be able
-        to lift the one they were given (they still set their subprojects' quotas)."""
-        parse_project_path(path)
-        parent = path.rpartition("/")[0]
-        if parent:
-            have = caller.role_on(parent)
-            if have != "admin":
-                raise PermissionDenied(
-                    f"principal {caller.name!r} cannot set the quota of project {path!r}: "
-                    f"that needs role 'admin' on its parent project {parent!r} (has "
-                    f"{have or 'none'}); a project's own admins cannot raise its quota")
-        elif not caller.superuser:
-            raise PermissionDenied(
-                f"principal {caller.name!r} cannot set the quota of top-level project "
-                f"{path!r}: only a superuser may (a project's own admins cannot raise its "
-                "quota); admins set the quotas of their subprojects")
-        quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
-                      memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
-        self.quota.set_quota(path, quota)
-        self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
-        self._sync_snapshots()
-        return self._view(path)
+        return self.admin.set_quota(caller, path, q)
 
     def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
-        """Mint an API key. Who may mint for whom (a key acts as its principal, with
-        every role that principal holds anywhere, so minting one for someone else is
-        impersonation):
-
-        - ``req.name`` is the caller itself: an extra key of its own. Nothing is granted;
-          the caller must already hold ``req.role`` on ``req.project``.
-        - ``req.name`` is new: the caller must be admin of ``req.project``; the principal
-          is created with ``req.role`` there (inside the caller's subtree, never above).
-        - ``req.name`` exists and is someone else: only a superuser may (it also grants
-          ``req.role`` on ``req.project``), and only when it says so (``req.existing``),
-          and never for another superuser: a superuser's keys are minted by that
-          superuser alone. A project admin gets a ``409 conflict`` (the name is taken),
-          never a key. ``existing`` must be explicit because project admins create
-          principals in the same cluster-wide id space: an admin who pre-creates
-          ``carol`` keeps a key for her, and a superuser "creating" carol later would
-          otherwise grant that key whatever carol is meant to get (a red-team finding).
-        """
-        parse_project_path(req.project)
-        target = self.store.get_principal(req.name)
-        if target is not None and target.id == caller.id:
-            ApiService.require(caller, req.project, req.role)
-            self._check_key_room(req.name)
-        else:
-            self._admin(caller, req.project)
-            if target is None:
-                self.iam.create_principal(req.name, name=req.name)  # Conflict on a race
-                self.iam.grant(req.name, req.project, req.role)
-            elif target.superuser:
-                raise PermissionDenied(
-                    f"principal {req.name!r} is a superuser: only it may mint keys for "
-                    "itself (POST /v1/keys with its own key and its own name)")
-            elif not caller.superuser:
-                raise Conflict(
-                    f"principal {req.name!r} already exists and is not yours: only it "
-                    "(minting its own extra key) or a superuser may create keys for an "
-                    "existing principal; pick a new name for a new principal")
-            elif not req.existing:
-                raise Conflict(
-                    f"principal {req.name!r} already exists (with roles on "
-                    f"{len(self.store.list_role_bindings(req.name))} project(s)); granting "
-                    f"it {req.role!r} on {req.project!r} would give that role to every key "
-                    "it already holds, including keys minted by whoever created it. Pass "
-                    "\"existing\": true to grant this existing principal, or pick a new name",
-                    principal_id=req.name)
-            else:
-                self._check_key_room(req.name)    # before granting: all or nothing
-                self.iam.grant(req.name, req.project, req.role)
-                self._forget_principal(req.name)
-        key = self.iam.create_key(req.name)
-        return CreateKeyResponse(name=req.name, project=req.project, role=req.role,
-                                 api_key=key.token, key_id=key.key_id)
-
-    def _check_key_room(self, principal_id: str) -> None:
-        cap = self.config.max_keys_per_principal
-        if cap is None:
-            return
-        have = len(self.store.list_api_keys(principal_id))
-        if have >= cap:
-            raise QuotaExceeded(
-                f"principal {principal_id!r} has {have} API keys (revoked ones included), "
-                f"the limit is {cap}: reuse a key you hold instead of minting more",
-                resource="api_keys", used=have, limit=cap, requested=1)
+        return self.admin.create_key(caller, req)
 
     def revoke_key(self, caller: Caller, key_id: str) -> None:
-        """Revoke key ``key_id`` (its id, the 16 hex digits after ``dsk_``): the same
-        rule as minting, so a principal revokes its own keys and a superuser those of
-        non-superusers. A key the caller may not revoke answers exactly like a missing
-        one (key ids do not leak). Takes effect at once on this replica (its principal
-        cache is told) and within ``ApiConfig.principal_cache_s`` on other replicas."""
-        row = self.store.get_api_key(key_id) if _KEY_ID_RE.fullmatch(key_id) else None
-        allowed = False
-        if row is not None:
-            if row.principal_id == caller.id:
-                allowed = True
-            elif caller.superuser:
-                owner = self.store.get_principal(row.principal_id)
-                allowed = owner is None or not owner.superuser
-        if not allowed:
-            raise NotFound(f"no API key {key_id[:32]!r} visible to this API key (give the "
-                           "key id: the 16 hex digits after 'dsk_')", key_id=key_id[:32])
-        self.iam.revoke_key(key_id)
-        if self.service is not None:
-            self.service.forget_key(key_id)
+        self.admin.revoke_key(caller, key_id)
 
-    def _forget_principal(self, principal_id: str) -> None:
-        """Drop cached authentications of ``principal_id`` (its roles just changed)."""
-        if self.service is not None:
-            self.service.forget_principal(principal_id)
-
-    # -------------------------------------------------------------- sessions
     def open_session(self, caller: Caller, lease_s: float) -> SessionView:
-        c = self.config
-        if not c.min_lease_s <= lease_s <= c.max_lease_s:
-            raise InvalidArgument(f"lease_s={lease_s} must be within {c.min_lease_s:g}.."
-                                  f"{c.max_lease_s:g} seconds", field="lease_s")
-        cap = c.max_sessions_per_principal
-        if cap is not None:
-            have = self.store.count_sessions(caller.id)
-            if have >= cap:
-                raise QuotaExceeded(
-                    f"principal {caller.name!r} holds {have} sessions (open ones, lapsed "
-                    f"ones kept {c.session_retention_s:g}s for renewal, closed ones not yet "
-                    f"swept), the limit is {cap}: close the sessions you no longer use "
-                    "(DELETE /v1/sessions/{id}) or renew one instead of opening another",
-                    resource="sessions", used=have, limit=cap, requested=1)
-        sid = "ses-" + secrets.token_hex(8)
-        row = SessionRow(id=sid, principal_id=caller.id, lease_s=lease_s,
-                         expires_at=self.clock() + lease_s)
-        self.store.put_session(row)
-        return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
+        return self.admin.open_session(caller, lease_s)
 
     def renew_session(self, caller: Caller, sid: str) -> SessionView:
-        """Extend a lease (one atomic store update, so any replica may serve it). Only
-        the principal that opened the session may renew it; an unknown id (never opened,
-        or forgotten ``session_retention_s`` after it lapsed) is a 404 and is never
-        claimed by whoever renews it first: session ids show up in sandbox labels, and
-        the owner of a session decides when its sandboxes are swept."""
-        if not sid.startswith("ses-") or len(sid) > 64:
-            raise NotFound(f"no session {sid[:64]!r}; open one with POST /v1/sessions")
-        row = self.store.renew_session(sid, caller.id, self.clock())
-        if row is None:
-            old = self.store.get_session(sid)
-            if old is not None and old.principal_id == caller.id and old.closed:
-                raise NotFound(f"session {sid} was closed; open a new one")
-            raise NotFound(f"no session {sid!r} of this API key's principal; open one with "
-                           "POST /v1/sessions")
-        return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
+        return self.admin.renew_session(caller, sid)
 
     def close_session(self, caller: Caller, sid: str) -> None:
-        s = self.store.get_session(sid) if len(sid) <= 64 else None
-        if s is None or s.principal_id != caller.id:
-            raise NotFound(f"no session {sid[:64]!r}")
-        self.store.put_session(SessionRow(id=s.id, principal_id=s.principal_id,
-                                          lease_s=s.lease_s, expires_at=self.clock(),
-                                          closed=True))
+        self.admin.close_session(caller, sid)
 
     def sessions(self) -> dict[str, Session]:
-        """Every session in the store (what the sweeper decides on)."""
-        return {r.id: Session(r.id, r.principal_id, r.lease_s, r.expires_at, r.closed)
-                for r in self.store.list_sessions()}
-
-    # ---------------------------------------------------------------- images
-    # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
-    # rules live in dsec.image.catalog (who sees what, what a ref names) and
-    # LayerStore.tag (what a tag may point at); here they meet the caller's roles.
-    def _layers(self) -> LayerStore:
-        if self.layer_dir is None:
-            raise Conflict("this apiserver has no layer store configured")
-        if self._store_cache is None or self._store_cache.root != os.path.abspath(
-                self.layer_dir):
-            self._store_cache = LayerStore(self.layer_dir)
-            self._index_cache = StoreIndex(self._store_cache.root)
-        return self._store_cache
-
-    def _index(self, *, listing: bool = False) -> StoreIndex | None:
-        """The layer index, caught up with the store (``listing``: also with removals,
-        for the image routes; creates only need names and the manifests they hit)."""
-        if self.layer_dir is None:
-            return None
-        self._layers()
-        assert self._index_cache is not None
-        return self._index_cache.sync(listing=listing)
+        return self.admin.sessions()
 
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
-        """``spec`` with ``image``/``workspace``/``toolkits`` resolved *for this caller*
-        (``ImageResolver``, called on every create through every door) and replaced by
-        spellings the edge's store resolves exactly, with no caller context: a full
-        digest for a digest or prefix, a name qualified by the project it was found in
-        (``tools`` -> ``teamb/tools``; a cluster-wide ``tools`` stays ``tools``, which a
-        store looks up cluster-wide only). The edge never looks up a name in a project or
-        expands a prefix on the caller's behalf. A name can still move between this check
-        and the edge's lookup, but only by someone with the right on its namespace (a
-        namespace this caller sees), and only to a layer built there (LayerStore.tag).
-
-        A bare name found neither in the sandbox's project nor cluster-wide is passed on
-        unchanged: an edge store only holds cluster-wide names under bare keys, and other
-        backends (plain image directories, the simulated one) resolve names their own
-        way. A digest or a project name that resolves to nothing visible is refused here
-        with the same error as one that does not exist."""
-        if spec.snapshot is not None:
-            return spec   # the snapshot brings its own stack (checked by ApiService)
-        index = self._index()
-        can_see = _can_see(caller)
-
-        def one(ref: str, role: Role) -> str:
-            try:
-                parsed = parse_ref(ref)
-            except InvalidArgument:
-                if "/" in ref or ref.startswith(DIGEST_PREFIX):
-                    raise
-                return ref      # not a store name: a backend with its own names decides
-            if index is None:
-                if parsed.digest_hex is not None or parsed.namespace is not None:
-                    raise image_not_found(ref)
-                return ref
-            found = resolve(index, ref, project=spec.project, can_see=can_see, role=role)
-            return ref if found is None else found.exact
-
-        image = one(spec.image, "image")
-        workspace = one(spec.workspace, "workspace") if spec.workspace else spec.workspace
-        toolkits = tuple(one(t, "toolkit") for t in spec.toolkits)
-        if (image, workspace, toolkits) == (spec.image, spec.workspace, spec.toolkits):
-            return spec
-        return msgspec.structs.replace(spec, image=image, workspace=workspace,
-                                       toolkits=toolkits)
+        return self.images.resolve_layers(caller, spec)
 
     def list_images(self, caller: Caller) -> ImageList:
-        """Layers in the shared layer store that the caller may see: cluster-wide ones,
-        and those of (or named in) projects it holds a role on. Snapshot layers are one
-        project's data too (``GET /v1/snapshots`` is their route)."""
-        ApiService.require(caller, caller.default_project, "reader")
-        index = self._index(listing=True)
-        if index is None:
-            raise Conflict("this apiserver has no layer store configured")
-        can_see = functools.lru_cache(maxsize=None)(_can_see(caller))
-        return ImageList(items=[_image_view(index, m, can_see)
-                                for m in index.visible_manifests(can_see)])
-
-    def _find_image(self, caller: Caller, ref: str) -> tuple[StoreIndex, LayerManifest]:
-        index = self._index(listing=True)
-        if index is None:
-            raise Conflict("this apiserver has no layer store configured")
-        found = resolve(index, ref, project=caller.default_project, can_see=_can_see(caller))
-        if found is None:
-            raise image_not_found(ref)
-        return index, found.layer
+        return self.images.list_images(caller)
 
     def get_image(self, caller: Caller, ref: str) -> ImageView:
-        """One image by ``[project/]name[:tag]`` (a bare name: the caller's default
-        project first, then cluster-wide) or digest / prefix, if the caller may see it."""
-        index, m = self._find_image(caller, ref)
-        return _image_view(index, m, _can_see(caller))
+        return self.images.get_image(caller, ref)
 
     def delete_image(self, caller: Caller, ref: str) -> None:
-        """Delete an image. A name (``[project/]name[:tag]``, a bare one resolved like
-        ``get_image``) is removed, needing the write right on its namespace; its layer
-        goes too when no other name points at it, the caller may write the layer's
-        namespace and nothing uses it (otherwise the layer stays, by digest). A digest
-        removes the layer and every name pointing at it, needing the write right on all
-        of those namespaces; ``InUse`` while a sandbox runs from it or a snapshot builds
-        on it."""
-        parsed = parse_ref(ref)
-        index = self._index(listing=True)
-        if index is None:
-            raise Conflict("this apiserver has no layer store configured")
-        can_see = _can_see(caller)
-        found = resolve(index, ref, project=caller.default_project, can_see=can_see)
-        if found is None:
-            raise image_not_found(ref)
-        m = found.layer
-        if m.kind == "snapshot":
-            raise InvalidArgument(f"{ref[:200]!r} is a snapshot: delete it with DELETE "
-                                  f"/v1/snapshots/{m.digest}", field="ref")
-        store = self._layers()
-        if parsed.name is not None:
-            key = parse_ref(found.exact).key
-            _require_write(caller, parse_ref(key).namespace, what=f"delete {key}")
-            store.untag(key)
-            try:
-                if not index.sync().names_of(m.digest):
-                    _require_write(caller, layer_namespace(m), what="")
-                    store.remove(m.digest)
-                    self.release_snapshot(m.digest)
-            except (PermissionDenied, InUse):
-                pass   # the name is gone; the layer stays (another's, or in use)
-            return
-        for ns in {layer_namespace(m), *(parse_ref(k).namespace
-                                         for k in index.names_of(m.digest))}:
-            _require_write(caller, ns, what=f"delete {m.digest}")
-        try:
-            store.remove(m.digest)
-            self.release_snapshot(m.digest)
-        except InUse:
-            # The store names the users (mounts, other projects' snapshots): say only
-            # that there are some.
-            raise InUse(f"layer {m.digest} is in use by sandboxes running from it or by "
-                        "snapshots that build on it; destroy those sandboxes and delete "
-                        "those snapshots first", digest=m.digest) from None
+        self.images.delete_image(caller, ref)
 
     def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
-        """Point the name ``req.target`` at the layer ``req.source`` names. The caller
-        needs the write right on the target's namespace and must see the source; and the
-        store refuses a layer built outside that namespace (LayerStore.tag)."""
-        target = parse_ref(req.target)
-        if target.name is None:
-            raise InvalidArgument(f"target {req.target[:200]!r} must be a name "
-                                  "([project/]name[:tag]), not a digest", field="target")
-        _require_write(caller, target.namespace, what=f"tag {target.key}")
-        index, m = self._find_image(caller, req.source)
-        self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace)
-        return _image_view(index.sync(), m, _can_see(caller))
+        return self.images.tag_image(caller, req)
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
-        """Build (or import) layers with dsec.image in a worker thread (mkfs.erofs).
-
-        ``name`` is ``[project/]name``: a project name needs the write right there
-        (``member``), a bare name is cluster-wide and needs a superuser, because every
-        project starts from those (a project admin could otherwise move ``base`` under
-        everyone). Every layer made, named or not, belongs to that namespace."""
-        try:
-            parsed = parse_ref(f"{name}:{tag}")
-        except InvalidArgument as exc:
-            raise InvalidArgument(exc.message, field="name") from None
-        if parsed.name is None:
-            raise InvalidArgument(f"name {name[:200]!r} must be [project/]name, not a digest",
-                                  field="name")
-        if kind not in ("base", "workspace", "toolkit"):
-            # A "snapshot" built from an upload would pass for a sandbox's snapshot (and
-            # list under whatever project its labels claim): only edges make those.
-            raise InvalidArgument(f"kind={kind[:40]!r}: build a 'base', 'workspace' or "
-                                  "'toolkit' layer (snapshots are taken of sandboxes)",
-                                  field="kind")
-        ns = parsed.namespace
-        _require_write(caller, ns, what=f"build {parsed.key}")
-        store = self._layers()
-        # A project's layers share its layer-storage quota with its snapshots
-        # (``snapshot_bytes``, every ancestor's too): members build now, and the layer
-        # store is one disk. Cluster-wide layers (a superuser's) are not charged.
-        room = self.snapshot_room(ns) if ns else None
-        if room == 0 and ns:
-            self.check_snapshot(ns, 1)   # raises, naming the full quota
-
-        def work() -> list[LayerManifest]:
-            # Built without a name, named only once charged: a refused build moves no tag.
-            if oci:
-                from dsec.image import import_oci
-                return list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
-                                       namespace=ns, owner=caller.id, max_bytes=room))
-            with open(tar_path, "rb") as f:
-                return [store.add_tar(f, kind=kind,  # type: ignore[arg-type]
-                                      namespace=ns, owner=caller.id, max_bytes=room)]
-        try:
-            made = await asyncio.to_thread(work)
-        except DsecError:
-            raise
-        except Exception as exc:
-            log.warning("image build %s failed", parsed.key, exc_info=exc)
-            raise ImageError(f"could not build image {parsed.key} from the upload: "
-                             f"{type(exc).__name__}: {exc}") from exc
-        charged: list[str] = []
-        try:
-            if ns:
-                for m in made:
-                    self.charge_snapshot(m.digest, ns, "", m.size_bytes)
-                    charged.append(m.digest)
-            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns)
-        except BaseException:
-            for m in made:
-                with contextlib.suppress(DsecError, OSError):
-                    store.remove(m.digest)
-            for digest in charged:
-                self.release_snapshot(digest)
-            raise
-        index = self._index()
-        assert index is not None
-        can_see = _can_see(caller)
-        return ImageList(items=[_image_view(index, m, can_see) for m in made])
+        return await self.images.build_image(caller, tar_path, name=name, kind=kind, tag=tag,
+                                             oci=oci)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
@@ -1395,40 +1030,3 @@ def _holds(e: EdgeEntry, ref: str) -> bool:
         return any(i.startswith(ref) for i in e.images) or any(
             i.startswith(ref) for i in e.noted)
     return False
-
-
-def _can_see(caller: Caller) -> CanSee:
-    """The caller's view of image namespaces: cluster-wide (None) is everyone's, a project
-    needs a role on it (or an ancestor); ``""`` (a snapshot naming no project) and
-    anything that is not a project path are the superuser's alone."""
-    def see(ns: str | None) -> bool:
-        if ns is None or caller.superuser:
-            return True
-        try:
-            parse_project_path(ns)
-        except InvalidArgument:
-            return False
-        return caller.role_on(ns) is not None
-    return see
-
-
-def _require_write(caller: Caller, ns: str | None, *, what: str) -> None:
-    """The write right on image namespace ``ns``: ``member`` of the project (members
-    already write project layers: snapshots); cluster-wide names: a superuser only."""
-    if ns is None:
-        if not caller.superuser:
-            raise PermissionDenied(
-                f"cannot {what}: cluster-wide image names are writable only by a "
-                f"superuser (principal {caller.name!r} is not one); use a name in your "
-                f"project instead, e.g. '{caller.default_project}/<name>'")
-        return
-    if not ns:
-        raise PermissionDenied(f"cannot {what}: it belongs to no project")
-    ApiService.require(caller, ns, "member")
-
-
-def _image_view(index: StoreIndex, m: LayerManifest, can_see: CanSee) -> ImageView:
-    names = visible_names(index, m, can_see)
-    return ImageView(ref=names[0] if names else m.digest, refs=names, digest=m.digest,
-                     kind=m.kind, size_bytes=m.size_bytes, created_at=m.created,
-                     labels=dict(m.labels), namespace=layer_namespace(m), owner=m.owner)

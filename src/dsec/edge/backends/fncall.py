@@ -61,7 +61,6 @@ from typing import Any, TypeVar
 
 import msgspec
 
-import dsec
 from dsec import ownership
 from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.backends.container import linux
@@ -131,7 +130,9 @@ DEFAULT_PIDS_HEADROOM = 4096
 # path, read from stdin so the host path is not in the argv a jailed call can read.
 _BOOT = ("import sys; sys.path.insert(0, sys.stdin.buffer.read().decode()); "
          "from dsec.edge.backends.fncall_worker import main; main(sys.argv[1:])")
-_SRC = os.path.dirname(os.path.dirname(os.path.abspath(dsec.__file__)))
+# The directory holding the dsec package (this file is dsec/edge/backends/fncall.py),
+# found without importing the root package `dsec` from down here (tests/test_layers.py).
+_SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
 # The zygote and workers inherit nothing of the edge's environment (API keys, tokens).
 _LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "LANG": "C.UTF-8"}
@@ -821,7 +822,7 @@ class FncallBackend:
                                   f"kernel.pid_max={pid_max}", field="pids_headroom")
         self.max_sandbox_pids = min(self.max_sandbox_pids, pid_max - pids_headroom)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
-        gov = Governor(name=name)
+        gov = Governor(name=name, favor_dynmods=linux.remount)
         try:
             gov.limit_total_pids(pid_max - pids_headroom)
         except OSError as exc:
@@ -1399,8 +1400,7 @@ def _reclaim_dead_roots(tmp: str) -> None:
         _kill_groups(_stray_workers(e.path).values())
         if os.geteuid() == 0 and os.path.exists(os.path.join(e.path, "pool.img")):
             with contextlib.suppress(OSError, BackendError):
-                gov = Governor(name="fncall-" + hashlib.sha1(e.path.encode()).hexdigest()[:10],
-                               favor_dynmods=False)
+                gov = Governor(name="fncall-" + hashlib.sha1(e.path.encode()).hexdigest()[:10])
                 for sid in gov.list_sandboxes():
                     cg = gov.paths(sid)
                     gov.kill_all(cg)

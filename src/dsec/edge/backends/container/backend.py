@@ -2,7 +2,8 @@
 protocol, with two drivers that share everything but process start:
 
 - ``runtime="native"`` (default): our own namespace/overlay/cgroup/seccomp code, run by a
-  small helper process (:mod:`.zygote`). create ~ms, exec ~ms.
+  small static C helper process, the zygote (``dsec-nsexec serve``, driven by :mod:`.native`;
+  built by :mod:`.nsexec`). create ~ms, exec ~ms.
 - ``runtime="runc"``: the same spec as an OCI bundle run by Debian's runc - the reference
   the fast path is measured against, and a compatibility fallback.
 
@@ -35,11 +36,11 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.census import Census, cgroup_name_of, take_census
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
@@ -127,33 +128,6 @@ USERNS_BASE = 100000
 USERNS_SIZE = 65536
 
 
-@dataclass(slots=True, eq=False)
-class _Box:
-    sid: SandboxId
-    spec: SandboxSpec
-    dir: str
-    cg: SandboxCgroup
-    layers: RootLayers
-    upper: str = ""
-    work: str = ""
-    pids_max: int | None = None   # the effective task limit (spec.pids_max capped)
-    disk_cap: int = 0             # the effective disk cap (spec.disk_bytes or the default)
-    disk_q: str = ""              # sysfs dir of its qgroup (usage counters), "" if none
-    init_pid: int = 0
-    pidfd: int = -1
-    oom_fd: int | None = None
-    oom_seen: int = 0
-    pids_seen: int = 0            # pids.events "max" already reported
-    # exec cgroups whose command exited normally but left processes behind (daemons a
-    # foreground command started): removed once empty, or with the sandbox
-    lingering: list[ExecCgroup] = field(default_factory=list)
-    lingering_checked: float = 0.0
-    paused: bool = False
-    dying: bool = False
-    adopted: bool = False
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-
-
 def _exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -234,7 +208,7 @@ class ContainerBackend:
             os.chmod(d, 0o700)  # also when it existed: upper layers may hold setuid files
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
         self.cgroup_name = cgroup_name or cgroup_name_of(self.root_dir)
-        self.governor = governor or Governor(name=self.cgroup_name)
+        self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
         try:
             self.governor.limit_total_pids(self.pids_total)
         except OSError as exc:
@@ -258,7 +232,7 @@ class ContainerBackend:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self._boxes: dict[str, _Box] = {}
+        self._boxes: dict[str, Box] = {}
         self._sink: DeathSink | None = None
         self.limits_poll_s = limits_poll_s
         if not exec_start_timeout_s > 0:
@@ -334,7 +308,7 @@ class ContainerBackend:
             raise InvalidArgument(f"sandbox id {sid!r} cannot name a directory")
         return os.path.join(self.root_dir, "sb", sid)
 
-    def _box(self, sid: str) -> _Box:
+    def box(self, sid: str) -> Box:
         box = self._boxes.get(sid)
         if box is None or box.dying:
             raise SandboxNotFound(f"sandbox {sid} is not running on this container backend",
@@ -346,7 +320,7 @@ class ContainerBackend:
 
     def init_pid(self, sid: str) -> int:
         """Host pid of the sandbox's init (tests, diagnostics)."""
-        return self._box(sid).init_pid
+        return self.box(sid).init_pid
 
     # -- create / adopt / destroy ----------------------------------------------------------
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
@@ -372,7 +346,7 @@ class ContainerBackend:
             await self._settled()     # space of just-destroyed sandboxes coming back
             self.disk.check_fit(cap)
         layers = self.images.acquire(spec)
-        box: _Box | None = None
+        box: Box | None = None
         try:
             os.mkdir(d, 0o700)
             sub = self.disk.create(sid, cap)
@@ -387,7 +361,7 @@ class ContainerBackend:
                 cg = self.governor.paths(sid)
             else:
                 cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids))
-            box = _Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
+            box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
             if self._runc is not None:
@@ -409,14 +383,14 @@ class ContainerBackend:
                 raise InvalidArgument(f"cannot create sandbox {sid}: {exc}") from exc
             raise BackendError(f"cannot create sandbox {sid}: {exc}") from exc
 
-    def _record(self, box: _Box) -> BoxRecord:
+    def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
                          init_pid=box.init_pid,
                          init_start=process_start_time(box.init_pid) or 0,
                          cgroup_version=box.cg.version, cgroup_dirs=box.cg.dirs,
                          lowerdirs=list(box.layers.lowerdirs), created_at=self.clock())
 
-    async def _native_create(self, box: _Box) -> tuple[int, int]:
+    async def _native_create(self, box: Box) -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[Reply, list[int]]] = loop.create_future()
         rid = self._zygote.next_id()
@@ -445,7 +419,7 @@ class ContainerBackend:
         msg = reply.message if isinstance(reply, Failed) else repr(reply)
         raise BackendError(f"sandbox {box.sid} failed to start: {msg}")
 
-    def _watch_box(self, box: _Box) -> None:
+    def _watch_box(self, box: Box) -> None:
         loop = asyncio.get_running_loop()
         loop.add_reader(box.pidfd, self._on_init_exit, box)
         if box.oom_fd is not None:
@@ -475,14 +449,14 @@ class ContainerBackend:
         delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
         self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
 
-    def _unwatch_box(self, box: _Box) -> None:
+    def _unwatch_box(self, box: Box) -> None:
         loop = asyncio.get_running_loop()
         if box.pidfd >= 0:
             loop.remove_reader(box.pidfd)
         if box.oom_fd is not None:
             loop.remove_reader(box.oom_fd)
 
-    def _on_init_exit(self, box: _Box) -> None:
+    def _on_init_exit(self, box: Box) -> None:
         asyncio.get_running_loop().remove_reader(box.pidfd)
         box.exited.set()
         if box.dying:
@@ -494,7 +468,7 @@ class ContainerBackend:
                      f"{box.spec.memory_bytes} bytes)" if oom else ""))
         self._report(box, reason, detail)
 
-    def _on_oom_event(self, box: _Box) -> None:
+    def _on_oom_event(self, box: Box) -> None:
         assert box.oom_fd is not None
         try:
             os.eventfd_read(box.oom_fd)
@@ -503,7 +477,7 @@ class ContainerBackend:
         if not box.dying:
             self._check_oom(box, report=True)
 
-    def _check_oom(self, box: _Box, *, report: bool) -> bool:
+    def _check_oom(self, box: Box, *, report: bool) -> bool:
         """True if the OOM killer killed something in ``box`` since the last check."""
         kills = self.governor.oom_kills(box.cg)
         if kills <= box.oom_seen:
@@ -516,7 +490,7 @@ class ContainerBackend:
             self._check_tmpfs(box)
         return True
 
-    def _check_disk(self, box: _Box) -> bool:
+    def _check_disk(self, box: Box) -> bool:
         """After an exec (and on a refused file write): a sandbox at its disk cap, or on a
         full pool, gets a ``disk_full`` notice (at most one per ``notice_interval_s``).
         Two sysfs reads and one statvfs, ~20 µs."""
@@ -539,7 +513,7 @@ class ContainerBackend:
         self._notice(box, "disk_full", detail)
         return True
 
-    def _disk_room(self, box: _Box) -> tuple[int, str]:
+    def _disk_room(self, box: Box) -> tuple[int, str]:
         """Bytes ``box`` may still write to its disk (its cap, or the pool when that has
         less free) and a phrase naming the limit (for the file API's refusals)."""
         use = DiskPool.usage_at(box.disk_q)
@@ -550,7 +524,7 @@ class ContainerBackend:
             return pool_free, "the node's sandbox disk pool"
         return room, (f"its disk cap of {use.cap_bytes} bytes ({use.used_bytes} used)")
 
-    def _check_tmpfs(self, box: _Box) -> None:
+    def _check_tmpfs(self, box: Box) -> None:
         """After an OOM kill: if tmpfs files (/tmp and /dev/shm are sized by memory, and
         no OOM kill frees them) hold most of the memory limit, every new process will be
         OOM-killed too - the sandbox is wedged though "running". Say so, and how out."""
@@ -564,7 +538,7 @@ class ContainerBackend:
             "processes will be OOM-killed. Delete files there with the file API (remove "
             "'/tmp/...'), which needs no process inside, or destroy the sandbox"))
 
-    def _check_pids(self, box: _Box) -> None:
+    def _check_pids(self, box: Box) -> None:
         """A notice when forks in ``box`` failed on its task limit since the last check."""
         hits = self.governor.pids_limit_hits(box.cg)
         if hits <= box.pids_seen:
@@ -577,14 +551,14 @@ class ContainerBackend:
             f"node together may have {self.pids_total}); the sandbox itself is still "
             "running - raise pids_max or end processes"))
 
-    def _check_limits(self, box: _Box) -> None:
+    def _check_limits(self, box: Box) -> None:
         """Every limit that turns into a notice, after each exec: OOM kills, the task
         limit (~8 us per counter read), the disk cap (~20 us)."""
         self._check_oom(box, report=True)
         self._check_pids(box)
         self._check_disk(box)
 
-    def _notice(self, box: _Box, reason: str, detail: str) -> None:
+    def _notice(self, box: Box, reason: str, detail: str) -> None:
         """Report a notice (``lifecycle.NOTICE_REASONS``: the sandbox lives on), at most
         one per kind and sandbox per interval; the next one says how many were folded.
         The helper for every backend-level limit event (OOM kills, task limit, disk)."""
@@ -596,7 +570,7 @@ class ContainerBackend:
                        f"{self._notices.interval_s:g} s were folded into this one)")
         self._report(box, reason, detail)
 
-    def _report(self, box: _Box, reason: str, detail: str) -> None:
+    def _report(self, box: Box, reason: str, detail: str) -> None:
         if self._sink is not None:
             self._sink(box.sid, reason, detail)
 
@@ -620,7 +594,7 @@ class ContainerBackend:
         except DsecError:
             pass  # the image went away; the running sandbox still has its mounts
         upper, work = self._rw_dirs(sid)
-        box = _Box(sid, spec, d, cg, layers, upper=upper, work=work,
+        box = Box(sid, spec, d, cg, layers, upper=upper, work=work,
                    pids_max=rec.spec.pids_max, init_pid=rec.init_pid, adopted=True)
         if os.path.isdir(self.disk.sandbox_path(sid)):
             box.disk_q = self.disk.qgroup_dir(sid)
@@ -654,7 +628,7 @@ class ContainerBackend:
             return
         await self._teardown(sid, d, box, box.layers)
 
-    async def _teardown(self, sid: str, d: str, box: _Box | None,
+    async def _teardown(self, sid: str, d: str, box: Box | None,
                         layers: RootLayers | None) -> None:
         """Kill, wait, remove cgroups, release layers, delete the directory. Each step is
         tolerant of the resource already being gone, so this also cleans half-creates."""
@@ -753,7 +727,7 @@ class ContainerBackend:
         if task is not None and not task.done():
             await asyncio.shield(task)
 
-    async def _wait_exit(self, box: _Box, timeout_s: float = 10.0) -> None:
+    async def _wait_exit(self, box: Box, timeout_s: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -928,7 +902,7 @@ class ContainerBackend:
     async def _exec(self, sid: str, req: ExecRequest,
                     on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         req.validate()
-        box = self._box(sid)
+        box = self.box(sid)
         if box.paused:  # an exec on a paused sandbox resumes it transparently
             await self.resume(SandboxId(sid))
         argv = list(req.argv) if req.argv else ["/bin/sh", "-c", req.shell or ""]
@@ -947,7 +921,7 @@ class ContainerBackend:
             if not box.dying:
                 self._check_limits(box)
 
-    async def _native_exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
+    async def _native_exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
                            on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
@@ -1070,7 +1044,7 @@ class ContainerBackend:
             stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
             timed_out=timed_out, duration_s=time.monotonic() - t0)
 
-    async def _kill_unstarted(self, box: _Box, rid: int,
+    async def _kill_unstarted(self, box: Box, rid: int,
                               started: asyncio.Future[Reply]) -> Reply:
         """A background exec that did not start in time - stopped (a SIGSTOP from a process
         inside) or held before its execve: kill it through the zygote and take its answer
@@ -1089,7 +1063,7 @@ class ContainerBackend:
             "could run - e.g. by a SIGSTOP from a process inside); it was killed "
             f"({getattr(reply, 'message', reply)})")
 
-    async def _runc_exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
+    async def _runc_exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
                          on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         """``runc exec``, a foreground one in its own cgroup (the same rule as native)."""
         assert self._runc is not None
@@ -1121,7 +1095,7 @@ class ContainerBackend:
     # the next exec of the sandbox) or the sandbox is destroyed. Measured: mkdir + rmdir
     # of a v1 freezer cgroup ~16 us per exec.
 
-    def _new_exec_cgroup(self, box: _Box) -> ExecCgroup:
+    def _new_exec_cgroup(self, box: Box) -> ExecCgroup:
         for _ in range(8):
             try:
                 return self.governor.exec_cgroup(box.cg, f"x{next(self._exec_seq)}")
@@ -1146,7 +1120,7 @@ class ContainerBackend:
         except OSError:
             pass
 
-    async def _clear_exec_cgroup(self, box: _Box, ec: ExecCgroup, *,
+    async def _clear_exec_cgroup(self, box: Box, ec: ExecCgroup, *,
                                  limit_s: float = 5.0) -> None:
         """Kill what is left in a killed exec's cgroup until it is empty, then remove
         it, so a timed-out result means its processes are gone, not dying. Bounded: a
@@ -1168,7 +1142,7 @@ class ContainerBackend:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    async def _clear_after(self, box: _Box, ec: ExecCgroup,
+    async def _clear_after(self, box: Box, ec: ExecCgroup,
                            exited: asyncio.Future[Reply]) -> None:
         """A cancelled exec: once the zygote reports the end, clear its cgroup."""
         try:
@@ -1177,7 +1151,7 @@ class ContainerBackend:
             pass
         await self._clear_exec_cgroup(box, ec)
 
-    def _release_exec_cgroup(self, box: _Box, ec: ExecCgroup) -> None:
+    def _release_exec_cgroup(self, box: Box, ec: ExecCgroup) -> None:
         """An exec that ended on its own: remove its cgroup if empty, else keep it (its
         background processes live on). Earlier ones that were not empty are retried at
         most once a second (a failed rmdir is ~2 us, but an agent may leave many)."""
@@ -1193,7 +1167,7 @@ class ContainerBackend:
 
     # -- files -------------------------------------------------------------------------
     def _files(self, sid: str) -> SandboxFiles:
-        box = self._box(sid)
+        box = self.box(sid)
         try:
             return SandboxFiles.of_process(
                 box.pidfd, box.init_pid, sid,
@@ -1242,7 +1216,7 @@ class ContainerBackend:
             if not (isinstance(cause, OSError)
                     and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
                 raise
-            box = self._box(sid)
+            box = self.box(sid)
             self._check_disk(box)
             use = DiskPool.usage_at(box.disk_q) if box.disk_q else None
             where = (f"its disk cap of {use.cap_bytes} bytes ({use.used_bytes} used)"
@@ -1271,7 +1245,7 @@ class ContainerBackend:
     async def pause(self, sid: SandboxId) -> PauseStats:
         """Freeze every task, then push the sandbox's memory out (page cache dropped,
         anonymous pages to compressed swap). Reports resident bytes before and reclaimed."""
-        box = self._box(sid)
+        box = self.box(sid)
         t0 = time.monotonic()
         if not box.paused:
             try:  # in a thread: v1 waits up to ~1 s for FROZEN, which a task the kernel
@@ -1285,7 +1259,7 @@ class ContainerBackend:
                           duration_s=time.monotonic() - t0)
 
     async def resume(self, sid: SandboxId) -> None:
-        box = self._box(sid)
+        box = self.box(sid)
         if not box.paused:
             return
         try:
@@ -1296,7 +1270,7 @@ class ContainerBackend:
         box.paused = False
 
     async def stats(self, sid: SandboxId) -> SandboxStats:
-        box = self._box(sid)
+        box = self.box(sid)
         self._check_oom(box, report=True)  # a trainer polling stats sees the notices too
         self._check_pids(box)
         mem, peak, cpu, pids = self.governor.stats(box.cg)

@@ -1,9 +1,14 @@
 """Where a sandbox's read-only root layers come from.
 
 The container backend asks an :class:`ImageResolver` for the lowerdirs of a spec's image
-(and workspace/toolkit layers) at create and gives them back at destroy. The image store
-supplies an EROFS-backed resolver (layers mounted once per node, shared by every sandbox);
-:class:`DirectoryImages` is the plain-directory one used until then and by tests.
+(and workspace/toolkit layers) at create and gives them back at destroy.
+:class:`StoreImages` is the EROFS-backed resolver over the layer store (layers mounted once
+per node, shared by every sandbox; what ``dsec up`` uses); :class:`DirectoryImages` is the
+plain-directory one used by tests and small setups.
+
+The resolvers live here, with the backend that uses them, not in :mod:`dsec.image`: the
+image package knows layers, stacks and mounts but nothing of sandboxes, so the edge sits
+above it and the arrow runs one way (issue 13; it used to be ``dsec.image.resolver``).
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from typing import Protocol, runtime_checkable
 
 from dsec.edge.spec import SandboxSpec
 from dsec.errors import ImageNotFound, InvalidArgument
+from dsec.image.compose import RootStack, acquire_stack, compose
+from dsec.image.mount import MountCache
+from dsec.image.packdiff import restore_stack
+from dsec.image.store import LayerStore
 
-__all__ = ["DirectoryImages", "ImageResolver", "RootLayers"]
+__all__ = ["DirectoryImages", "ImageResolver", "RootLayers", "StoreImages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +87,42 @@ class DirectoryImages:
 
     def release(self, layers: RootLayers) -> None:
         return None
+
+
+class StoreImages:
+    """``ImageResolver`` over a :class:`LayerStore` and a node :class:`MountCache`.
+
+    ``acquire(spec)`` resolves ``spec.image`` / ``workspace`` / ``toolkits`` (or
+    ``spec.snapshot``) to mounted EROFS layers and returns their mount points, highest
+    priority first; ``release`` drops the references (the mount cache unmounts a layer when
+    its last sandbox goes). The returned token is the :class:`~dsec.image.compose.RootStack`,
+    which is also the ``base`` a sandbox's first :func:`~dsec.image.packdiff.snapshot` needs.
+    """
+
+    def __init__(self, store: LayerStore, mount_cache: MountCache) -> None:
+        self.store = store
+        self.cache = mount_cache
+
+    def stack_for(self, spec: SandboxSpec) -> RootStack:
+        """The layer stack ``spec`` asks for (no mounting)."""
+        if spec.snapshot is not None:
+            if spec.workspace is not None or spec.toolkits:
+                raise InvalidArgument(
+                    "a sandbox started from a snapshot takes the snapshot's own image; "
+                    "leave workspace and toolkits empty", field="snapshot")
+            return restore_stack(self.store, spec.snapshot)
+        return compose(self.store.get(spec.image),
+                       self.store.get(spec.workspace) if spec.workspace else None,
+                       [self.store.get(t) for t in spec.toolkits])
+
+    def acquire(self, spec: SandboxSpec) -> RootLayers:
+        stack = self.stack_for(spec)
+        lowers = acquire_stack(self.store, self.cache, stack)
+        return RootLayers(tuple(lowers), token=stack)
+
+    def release(self, layers: RootLayers) -> None:
+        stack = layers.token
+        if not isinstance(stack, RootStack):
+            raise InvalidArgument("release() got layers this resolver did not hand out")
+        for d in stack.digests:
+            self.cache.release(d)

@@ -42,6 +42,7 @@ __all__ = [
     "pidfd_open",
     "pidfd_send_signal",
     "pivot_root",
+    "remount",
     "set_no_new_privs",
     "sethostname",
     "setns",
@@ -140,6 +141,11 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int = 0,
         ),
         f"mount({source!r}, {target!r}, {fstype!r}, 0x{flags:x}, {data!r})",
     )
+
+
+def remount(target: str, data: str) -> None:
+    """Remount the filesystem mounted at ``target`` with options ``data`` (``MS_REMOUNT``)."""
+    mount(None, target, None, MS_REMOUNT, data)
 
 
 def umount2(target: str, flags: int = 0) -> None:

@@ -19,9 +19,9 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.container.oci import oci_config
@@ -29,9 +29,6 @@ from dsec.edge.backends.container.rootfs import overlay_options
 from dsec.edge.governor import ExecCgroup
 from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult
 from dsec.errors import BackendError, CannotRun, DsecError
-
-if TYPE_CHECKING:
-    from dsec.edge.backends.container.backend import _Box
 
 __all__ = ["RuncDriver"]
 
@@ -84,7 +81,7 @@ class RuncDriver:
             except FileNotFoundError:
                 pass
 
-    async def create(self, box: _Box) -> int:
+    async def create(self, box: Box) -> int:
         root = os.path.join(box.dir, "root")
         _mount_overlay(root, box.layers.lowerdirs, box.upper, box.work)
         cfg = oci_config(spec=box.spec, hostname=box.sid[:63],
@@ -130,7 +127,7 @@ class RuncDriver:
             except OSError:
                 break
 
-    async def exec(self, box: _Box, req: ExecRequest, argv: list[str], env: list[str],
+    async def exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
                    on_chunk: Callable[[ExecChunk], None] | None, *,
                    cgroup: ExecCgroup | None = None,
                    kill: Callable[[], object] = lambda: None,
@@ -261,7 +258,7 @@ def _log_errors(path: str) -> str:
     return "; ".join(msgs)
 
 
-def _numeric_user(box: _Box, user: str) -> str:
+def _numeric_user(box: Box, user: str) -> str:
     """``uid:gid`` for ``user`` from the sandbox's own /etc/passwd, read through the
     confined file API (openat2 RESOLVE_IN_ROOT under /proc/<init>/root, non-blocking,
     regular files only, at most PASSWD_MAX_BYTES): a symlink the sandbox planted resolves

@@ -6,7 +6,7 @@ everything it ever changed is in its upperdir, in overlay's own encoding.
 snapshot into a new layer of the node's :class:`~dsec.image.store.LayerStore`, whose
 ``parent`` is that previous snapshot (or, for the first one, the snapshot the sandbox
 was started from; none when it sits on the image). A sandbox created with
-``spec.snapshot`` mounts the chain above the image (:class:`~dsec.image.resolver.
+``spec.snapshot`` mounts the chain above the image (:class:`~dsec.edge.backends.container.images.
 StoreImages` does that), so it sees exactly the tree the snapshot captured.
 
 Consistency: a running sandbox is frozen (cgroup freezer) for the scan and copy, so no
@@ -55,8 +55,12 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
+from dsec.edge.backends.container.box import Box
+from dsec.edge.backends.container.disk import DiskPool
+from dsec.edge.backends.container.images import ImageResolver, StoreImages
+from dsec.edge.governor import Governor
 from dsec.edge.spec import SnapshotInfo
 from dsec.errors import (
     BackendError,
@@ -72,12 +76,8 @@ from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace
 from dsec.image.packdiff import snapshot as pack_diff
-from dsec.image.resolver import StoreImages
 
-if TYPE_CHECKING:
-    from dsec.edge.backends.container.backend import ContainerBackend
-
-__all__ = ["ContainerSnapshots", "snapshot_info"]
+__all__ = ["ContainerSnapshots", "SnapshotHost", "snapshot_info"]
 
 _L = "dsec.io/"          # manifest label prefix
 _LAST = "snapshot"       # file in the sandbox dir: digest of its latest snapshot
@@ -115,10 +115,38 @@ def snapshot_info(m: LayerManifest, index_bytes: int = 0) -> SnapshotInfo:
         size_bytes=m.size_bytes + index_bytes)
 
 
-class ContainerSnapshots:
-    """Snapshots for one :class:`ContainerBackend` whose resolver is StoreImages."""
+class SnapshotHost(Protocol):
+    """What snapshots use of the backend they serve (the container backend is one): declared
+    here so this module sits below the backend instead of importing it back."""
 
-    def __init__(self, backend: ContainerBackend, *, workers: int = 4) -> None:
+    @property
+    def name(self) -> str: ...            # the backend's name, recorded in the manifest
+    @property
+    def images(self) -> ImageResolver: ...
+    @property
+    def governor(self) -> Governor: ...
+    @property
+    def disk(self) -> DiskPool: ...
+    @property
+    def snapshot_max_apparent_bytes(self) -> int: ...
+    @property
+    def snapshot_max_entries(self) -> int: ...
+    @property
+    def snapshot_max_path_bytes(self) -> int: ...
+
+    def box(self, sid: str) -> Box:
+        """The live sandbox ``sid`` (SandboxNotFound if it is not running)."""
+        ...
+
+    def upper_dir(self, sid: str) -> str:
+        """The directory of ``sid``'s writable overlay layer."""
+        ...
+
+
+class ContainerSnapshots:
+    """Snapshots for one backend (a :class:`SnapshotHost`) whose resolver is StoreImages."""
+
+    def __init__(self, backend: SnapshotHost, *, workers: int = 4) -> None:
         if workers < 1:
             raise InvalidArgument(f"snapshot_workers={workers} must be >= 1",
                                   field="snapshot_workers")
@@ -183,7 +211,7 @@ class ContainerSnapshots:
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
                        max_bytes: int | None = None) -> SnapshotInfo:
         images = self._store_images()
-        box = self.backend._box(sid)
+        box = self.backend.box(sid)
         stack = box.layers.token
         if not isinstance(stack, RootStack):
             raise Conflict(f"sandbox {sid} was not started from the layer store, so it has "
@@ -205,7 +233,7 @@ class ContainerSnapshots:
     async def _take(self, images: StoreImages, sid: SandboxId, stack: RootStack,
                     strip: tuple[str, ...], max_bytes: int | None) -> SnapshotInfo:
         store = images.store
-        box = self.backend._box(sid)
+        box = self.backend.box(sid)
         previous = await asyncio.to_thread(self._previous, os.path.join(box.dir, _LAST))
         top = stack.layers[0]
         origin = top if top.kind == "snapshot" else None
@@ -237,7 +265,7 @@ class ContainerSnapshots:
                      labels: dict[str, str], previous: LayerManifest | None,
                      origin: LayerManifest | None, free: int, unbacked: int) -> SnapshotInfo:
         store = images.store
-        box = self.backend._box(sid)
+        box = self.backend.box(sid)
         upper = self.backend.upper_dir(sid)
         last_path = os.path.join(box.dir, _LAST)
         gov = self.backend.governor

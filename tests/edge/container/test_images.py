@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from dsec.edge.backends.container.images import ImageResolver, RootLayers
+from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
 from dsec.edge.spec import SandboxSpec
 from dsec.errors import ImageNotFound, InvalidArgument
 from dsec.image import LayerStore, MountCache, ensure_busybox_base, mount_overlay, snapshot
 from dsec.image.mount import sys_umount
-from dsec.image.resolver import StoreImages
 from tests.conftest import requires_root
-from tests.image.conftest import write_tree
+from tests.image.conftest import cache, store, write_tree
+
+__all__ = ["cache", "store"]  # the layer store and mount cache fixtures, used by name
 
 pytestmark = requires_root
 

@@ -1,0 +1,325 @@
+"""Image administration: the layer store as the API's callers see it.
+
+Image names are namespaced per project (docs/images.md, "Names and tenancy"): the rules
+live in :mod:`dsec.image.catalog` (who sees what, what a ref names) and
+:meth:`LayerStore.tag <dsec.image.store.LayerStore.tag>` (what a tag may point at); here
+they meet the caller's roles. :meth:`ImageAdmin.resolve_layers` is also what every create
+goes through (the :class:`~dsec.control.api.service.ImageResolver` of the apiserver).
+It used to live in :class:`~dsec.control.api.plane.ControlPlane` (issue 13 moved it out);
+the project's layer-storage quota (``snapshot_bytes``, shared with snapshots) stays with
+the plane's quota gate, reached through :class:`SnapshotCharges`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+from typing import Protocol
+
+import msgspec
+
+from dsec.control.api.service import ApiService, Caller
+from dsec.control.api.types import ImageList, ImageTagRequest, ImageView
+from dsec.edge.spec import SandboxSpec
+from dsec.errors import (
+    Conflict,
+    DsecError,
+    ImageError,
+    InUse,
+    InvalidArgument,
+    PermissionDenied,
+)
+from dsec.ids import parse_project_path
+from dsec.image.catalog import (
+    CanSee,
+    Role,
+    StoreIndex,
+    image_not_found,
+    resolve,
+    visible_names,
+)
+from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
+from dsec.image.store import LayerStore
+
+__all__ = ["ImageAdmin", "SnapshotCharges"]
+
+log = logging.getLogger("dsec.control")
+
+
+class SnapshotCharges(Protocol):
+    """The layer-storage quota (``snapshot_bytes``) a project's built layers share with
+    its snapshots (the control plane's quota gate implements it)."""
+
+    def snapshot_room(self, project: str) -> int | None: ...
+    def check_snapshot(self, project: str, size_bytes: int) -> None: ...
+    def charge_snapshot(self, snapshot_id: str, project: str, node: str,
+                        size_bytes: int) -> None: ...
+    def release_snapshot(self, snapshot_id: str) -> None: ...
+
+
+class ImageAdmin:
+    """The image routes over the shared layer store at ``layer_dir`` (None: this apiserver
+    has none; the image routes answer Conflict and creates pass bare names on)."""
+
+    def __init__(self, charges: SnapshotCharges, *, layer_dir: str | None = None) -> None:
+        self.charges = charges
+        self.layer_dir = layer_dir
+        self._store_cache: LayerStore | None = None
+        self._index_cache: StoreIndex | None = None
+
+    # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
+    # rules live in dsec.image.catalog (who sees what, what a ref names) and
+    # LayerStore.tag (what a tag may point at); here they meet the caller's roles.
+    def _layers(self) -> LayerStore:
+        if self.layer_dir is None:
+            raise Conflict("this apiserver has no layer store configured")
+        if self._store_cache is None or self._store_cache.root != os.path.abspath(
+                self.layer_dir):
+            self._store_cache = LayerStore(self.layer_dir)
+            self._index_cache = StoreIndex(self._store_cache.root)
+        return self._store_cache
+
+    def _index(self, *, listing: bool = False) -> StoreIndex | None:
+        """The layer index, caught up with the store (``listing``: also with removals,
+        for the image routes; creates only need names and the manifests they hit)."""
+        if self.layer_dir is None:
+            return None
+        self._layers()
+        assert self._index_cache is not None
+        return self._index_cache.sync(listing=listing)
+
+    def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        """``spec`` with ``image``/``workspace``/``toolkits`` resolved *for this caller*
+        (``ImageResolver``, called on every create through every door) and replaced by
+        spellings the edge's store resolves exactly, with no caller context: a full
+        digest for a digest or prefix, a name qualified by the project it was found in
+        (``tools`` -> ``teamb/tools``; a cluster-wide ``tools`` stays ``tools``, which a
+        store looks up cluster-wide only). The edge never looks up a name in a project or
+        expands a prefix on the caller's behalf. A name can still move between this check
+        and the edge's lookup, but only by someone with the right on its namespace (a
+        namespace this caller sees), and only to a layer built there (LayerStore.tag).
+
+        A bare name found neither in the sandbox's project nor cluster-wide is passed on
+        unchanged: an edge store only holds cluster-wide names under bare keys, and other
+        backends (plain image directories, the simulated one) resolve names their own
+        way. A digest or a project name that resolves to nothing visible is refused here
+        with the same error as one that does not exist."""
+        if spec.snapshot is not None:
+            return spec   # the snapshot brings its own stack (checked by ApiService)
+        index = self._index()
+        can_see = _can_see(caller)
+
+        def one(ref: str, role: Role) -> str:
+            try:
+                parsed = parse_ref(ref)
+            except InvalidArgument:
+                if "/" in ref or ref.startswith(DIGEST_PREFIX):
+                    raise
+                return ref      # not a store name: a backend with its own names decides
+            if index is None:
+                if parsed.digest_hex is not None or parsed.namespace is not None:
+                    raise image_not_found(ref)
+                return ref
+            found = resolve(index, ref, project=spec.project, can_see=can_see, role=role)
+            return ref if found is None else found.exact
+
+        image = one(spec.image, "image")
+        workspace = one(spec.workspace, "workspace") if spec.workspace else spec.workspace
+        toolkits = tuple(one(t, "toolkit") for t in spec.toolkits)
+        if (image, workspace, toolkits) == (spec.image, spec.workspace, spec.toolkits):
+            return spec
+        return msgspec.structs.replace(spec, image=image, workspace=workspace,
+                                       toolkits=toolkits)
+
+    def list_images(self, caller: Caller) -> ImageList:
+        """Layers in the shared layer store that the caller may see: cluster-wide ones,
+        and those of (or named in) projects it holds a role on. Snapshot layers are one
+        project's data too (``GET /v1/snapshots`` is their route)."""
+        ApiService.require(caller, caller.default_project, "reader")
+        index = self._index(listing=True)
+        if index is None:
+            raise Conflict("this apiserver has no layer store configured")
+        can_see = functools.lru_cache(maxsize=None)(_can_see(caller))
+        return ImageList(items=[_image_view(index, m, can_see)
+                                for m in index.visible_manifests(can_see)])
+
+    def _find_image(self, caller: Caller, ref: str) -> tuple[StoreIndex, LayerManifest]:
+        index = self._index(listing=True)
+        if index is None:
+            raise Conflict("this apiserver has no layer store configured")
+        found = resolve(index, ref, project=caller.default_project, can_see=_can_see(caller))
+        if found is None:
+            raise image_not_found(ref)
+        return index, found.layer
+
+    def get_image(self, caller: Caller, ref: str) -> ImageView:
+        """One image by ``[project/]name[:tag]`` (a bare name: the caller's default
+        project first, then cluster-wide) or digest / prefix, if the caller may see it."""
+        index, m = self._find_image(caller, ref)
+        return _image_view(index, m, _can_see(caller))
+
+    def delete_image(self, caller: Caller, ref: str) -> None:
+        """Delete an image. A name (``[project/]name[:tag]``, a bare one resolved like
+        ``get_image``) is removed, needing the write right on its namespace; its layer
+        goes too when no other name points at it, the caller may write the layer's
+        namespace and nothing uses it (otherwise the layer stays, by digest). A digest
+        removes the layer and every name pointing at it, needing the write right on all
+        of those namespaces; ``InUse`` while a sandbox runs from it or a snapshot builds
+        on it."""
+        parsed = parse_ref(ref)
+        index = self._index(listing=True)
+        if index is None:
+            raise Conflict("this apiserver has no layer store configured")
+        can_see = _can_see(caller)
+        found = resolve(index, ref, project=caller.default_project, can_see=can_see)
+        if found is None:
+            raise image_not_found(ref)
+        m = found.layer
+        if m.kind == "snapshot":
+            raise InvalidArgument(f"{ref[:200]!r} is a snapshot: delete it with DELETE "
+                                  f"/v1/snapshots/{m.digest}", field="ref")
+        store = self._layers()
+        if parsed.name is not None:
+            key = parse_ref(found.exact).key
+            _require_write(caller, parse_ref(key).namespace, what=f"delete {key}")
+            store.untag(key)
+            try:
+                if not index.sync().names_of(m.digest):
+                    _require_write(caller, layer_namespace(m), what="")
+                    store.remove(m.digest)
+                    self.charges.release_snapshot(m.digest)
+            except (PermissionDenied, InUse):
+                pass   # the name is gone; the layer stays (another's, or in use)
+            return
+        for ns in {layer_namespace(m), *(parse_ref(k).namespace
+                                         for k in index.names_of(m.digest))}:
+            _require_write(caller, ns, what=f"delete {m.digest}")
+        try:
+            store.remove(m.digest)
+            self.charges.release_snapshot(m.digest)
+        except InUse:
+            # The store names the users (mounts, other projects' snapshots): say only
+            # that there are some.
+            raise InUse(f"layer {m.digest} is in use by sandboxes running from it or by "
+                        "snapshots that build on it; destroy those sandboxes and delete "
+                        "those snapshots first", digest=m.digest) from None
+
+    def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
+        """Point the name ``req.target`` at the layer ``req.source`` names. The caller
+        needs the write right on the target's namespace and must see the source; and the
+        store refuses a layer built outside that namespace (LayerStore.tag)."""
+        target = parse_ref(req.target)
+        if target.name is None:
+            raise InvalidArgument(f"target {req.target[:200]!r} must be a name "
+                                  "([project/]name[:tag]), not a digest", field="target")
+        _require_write(caller, target.namespace, what=f"tag {target.key}")
+        index, m = self._find_image(caller, req.source)
+        self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace)
+        return _image_view(index.sync(), m, _can_see(caller))
+
+    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
+                          tag: str, oci: bool) -> ImageList:
+        """Build (or import) layers with dsec.image in a worker thread (mkfs.erofs).
+
+        ``name`` is ``[project/]name``: a project name needs the write right there
+        (``member``), a bare name is cluster-wide and needs a superuser, because every
+        project starts from those (a project admin could otherwise move ``base`` under
+        everyone). Every layer made, named or not, belongs to that namespace."""
+        try:
+            parsed = parse_ref(f"{name}:{tag}")
+        except InvalidArgument as exc:
+            raise InvalidArgument(exc.message, field="name") from None
+        if parsed.name is None:
+            raise InvalidArgument(f"name {name[:200]!r} must be [project/]name, not a digest",
+                                  field="name")
+        if kind not in ("base", "workspace", "toolkit"):
+            # A "snapshot" built from an upload would pass for a sandbox's snapshot (and
+            # list under whatever project its labels claim): only edges make those.
+            raise InvalidArgument(f"kind={kind[:40]!r}: build a 'base', 'workspace' or "
+                                  "'toolkit' layer (snapshots are taken of sandboxes)",
+                                  field="kind")
+        ns = parsed.namespace
+        _require_write(caller, ns, what=f"build {parsed.key}")
+        store = self._layers()
+        # A project's layers share its layer-storage quota with its snapshots
+        # (``snapshot_bytes``, every ancestor's too): members build now, and the layer
+        # store is one disk. Cluster-wide layers (a superuser's) are not charged.
+        room = self.charges.snapshot_room(ns) if ns else None
+        if room == 0 and ns:
+            self.charges.check_snapshot(ns, 1)   # raises, naming the full quota
+
+        def work() -> list[LayerManifest]:
+            # Built without a name, named only once charged: a refused build moves no tag.
+            if oci:
+                from dsec.image import import_oci
+                return list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
+                                       namespace=ns, owner=caller.id, max_bytes=room))
+            with open(tar_path, "rb") as f:
+                return [store.add_tar(f, kind=kind,  # type: ignore[arg-type]
+                                      namespace=ns, owner=caller.id, max_bytes=room)]
+        try:
+            made = await asyncio.to_thread(work)
+        except DsecError:
+            raise
+        except Exception as exc:
+            log.warning("image build %s failed", parsed.key, exc_info=exc)
+            raise ImageError(f"could not build image {parsed.key} from the upload: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        charged: list[str] = []
+        try:
+            if ns:
+                for m in made:
+                    self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                    charged.append(m.digest)
+            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns)
+        except BaseException:
+            for m in made:
+                with contextlib.suppress(DsecError, OSError):
+                    store.remove(m.digest)
+            for digest in charged:
+                self.charges.release_snapshot(digest)
+            raise
+        index = self._index()
+        assert index is not None
+        can_see = _can_see(caller)
+        return ImageList(items=[_image_view(index, m, can_see) for m in made])
+
+
+def _can_see(caller: Caller) -> CanSee:
+    """The caller's view of image namespaces: cluster-wide (None) is everyone's, a project
+    needs a role on it (or an ancestor); ``""`` (a snapshot naming no project) and
+    anything that is not a project path are the superuser's alone."""
+    def see(ns: str | None) -> bool:
+        if ns is None or caller.superuser:
+            return True
+        try:
+            parse_project_path(ns)
+        except InvalidArgument:
+            return False
+        return caller.role_on(ns) is not None
+    return see
+
+
+def _require_write(caller: Caller, ns: str | None, *, what: str) -> None:
+    """The write right on image namespace ``ns``: ``member`` of the project (members
+    already write project layers: snapshots); cluster-wide names: a superuser only."""
+    if ns is None:
+        if not caller.superuser:
+            raise PermissionDenied(
+                f"cannot {what}: cluster-wide image names are writable only by a "
+                f"superuser (principal {caller.name!r} is not one); use a name in your "
+                f"project instead, e.g. '{caller.default_project}/<name>'")
+        return
+    if not ns:
+        raise PermissionDenied(f"cannot {what}: it belongs to no project")
+    ApiService.require(caller, ns, "member")
+
+
+def _image_view(index: StoreIndex, m: LayerManifest, can_see: CanSee) -> ImageView:
+    names = visible_names(index, m, can_see)
+    return ImageView(ref=names[0] if names else m.digest, refs=names, digest=m.digest,
+                     kind=m.kind, size_bytes=m.size_bytes, created_at=m.created,
+                     labels=dict(m.labels), namespace=layer_namespace(m), owner=m.owner)

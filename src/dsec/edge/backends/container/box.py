@@ -1,0 +1,48 @@
+"""What the container backend holds in memory for one live sandbox.
+
+:class:`Box` is shared by the backend and its helpers (the runc driver, snapshots), which
+import it from here rather than from the backend module: they sit below the backend, and
+the backend imports them (issue 13 broke the ``backend -> runc -> backend`` cycle this
+way). The on-disk record that survives an edge restart is :class:`.state.BoxRecord`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from dsec.edge.backends.container.images import RootLayers
+from dsec.edge.governor import ExecCgroup, SandboxCgroup
+from dsec.edge.spec import SandboxSpec
+from dsec.ids import SandboxId
+
+__all__ = ["Box"]
+
+
+@dataclass(slots=True, eq=False)
+class Box:
+    """One live sandbox of a :class:`~.backend.ContainerBackend` (see its module docstring)."""
+
+    sid: SandboxId
+    spec: SandboxSpec
+    dir: str
+    cg: SandboxCgroup
+    layers: RootLayers
+    upper: str = ""
+    work: str = ""
+    pids_max: int | None = None   # the effective task limit (spec.pids_max capped)
+    disk_cap: int = 0             # the effective disk cap (spec.disk_bytes or the default)
+    disk_q: str = ""              # sysfs dir of its qgroup (usage counters), "" if none
+    init_pid: int = 0
+    pidfd: int = -1
+    oom_fd: int | None = None
+    oom_seen: int = 0
+    pids_seen: int = 0            # pids.events "max" already reported
+    # exec cgroups whose command exited normally but left processes behind (daemons a
+    # foreground command started): removed once empty, or with the sandbox
+    lingering: list[ExecCgroup] = field(default_factory=list)
+    lingering_checked: float = 0.0
+    paused: bool = False
+    dying: bool = False
+    adopted: bool = False
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
