@@ -77,7 +77,7 @@ def _doors_exec(cluster: LocalCluster, sid: str, req: ExecRequest) -> list[tuple
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
-            await conn.call("api.exec", {"key": cluster.api_key, "id": sid, "req": req},
+            await conn.call("api.exec", {"id": sid, "req": req},
                             response_type=ExecResult, timeout=60)
             return "gateway", 200, "ok"
         except DsecError as exc:
@@ -166,7 +166,7 @@ def _doors_read(cluster: LocalCluster, sid: str, path: str,
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
-            await conn.call("api.stat", {"key": cluster.api_key, "id": sid, "path": path},
+            await conn.call("api.stat", {"id": sid, "path": path},
                             response_type=FileInfo, timeout=60)
             return "gateway", 200, "ok"
         except DsecError as exc:
@@ -209,7 +209,7 @@ def test_every_file_operation_checks_the_path_at_the_gateway_and_the_edge(
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         edge = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
-        k = {"key": cluster.api_key, "id": sid, "path": long}
+        k = {"id": sid, "path": long}
         calls = [conn.call("api.read_file", k), conn.call("api.write_file", {**k, "data": b""}),
                  conn.call("api.list_dir", k), conn.call("api.mkdir", k),
                  conn.call("api.remove", k),
@@ -274,7 +274,7 @@ def _gw(cluster: LocalCluster, method: str, body: dict[str, Any], rtype: Any) ->
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
-            return await conn.call(method, {"key": cluster.api_key, **body},
+            return await conn.call(method, body,
                                    response_type=rtype, timeout=60)
         finally:
             await conn.close()
@@ -305,7 +305,7 @@ def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
         with cluster.client(transport=transport, session_lease_s=None) as c:
             st = c.sandboxes.get(sid).stats()
             assert isinstance(st, SandboxStats) and st.memory_bytes > 0
-    # another project's key sees no such sandbox, at every door (ids never leak)
+    # an id no sandbox has: the same 404 as for another project's (ids never leak)
     assert _rest(cluster, "GET", "/v1/sandboxes/sb-000000000000-edge-0/stats"
                  ).status_code == 404
 
@@ -344,3 +344,44 @@ def test_replies_have_one_shape_at_every_door(cluster: LocalCluster, sid: str) -
         assert type(gw) is rtype and gw.items, (method, gw)
         if rtype is not NodeList:   # nodes carry live usage figures that move
             assert gw == rest, method
+
+
+def test_the_gateway_takes_the_key_once_per_connection(cluster: LocalCluster,
+                                                        sid: str) -> None:
+    """The API key rides on the connection (``aether.auth``), not in every body: a body
+    naming one is refused like any unknown field, and a key revoked while its connection
+    is open stops working on that connection's next call."""
+    from dsec.wire.api import Info
+    r = _rest(cluster, "POST", "/v1/keys", json={"name": "gw-once", "project": "default",
+                                                  "role": "member"})
+    assert r.status_code == 201, r.text
+    key, key_id = r.json()["api_key"], r.json()["key_id"]
+
+    async def run() -> list[str]:
+        assert cluster.gateway is not None
+        conn = await connect(cluster.gateway, token=key)
+        out = []
+        try:
+            for body in ({"id": sid, "key": key}, {"id": sid}):
+                try:
+                    await conn.call("api.get", body, timeout=30)
+                    out.append("ok")
+                except DsecError as exc:
+                    out.append(f"{exc.code}: {exc.message}")
+            info = await conn.call("api.info", {}, response_type=Info, timeout=30)
+            out.append(f"principal {info.principal}")
+            async with httpx.AsyncClient() as http:   # (this loop serves the apiserver)
+                r = await http.delete(f"{cluster.url}/v1/keys/{key_id}", headers={
+                    "authorization": f"Bearer {cluster.api_key}"})
+                assert r.status_code == 204, r.text
+            try:
+                await conn.call("api.get", {"id": sid}, timeout=30)
+                out.append("ok")
+            except DsecError as exc:
+                out.append(exc.code)
+        finally:
+            await conn.close()
+        return out
+    unknown, ok, who, revoked = _on_loop(cluster, run())
+    assert unknown.startswith("invalid_argument") and "key" in unknown, unknown
+    assert ok == "ok" and who.startswith("principal ") and revoked == "unauthenticated"

@@ -39,8 +39,18 @@ from typing import Any, Self, TypeVar
 
 import msgspec
 
-from dsec.control.api.types import CreateSandboxRequest, Info, NodeView, SnapshotView
-from dsec.edge.spec import (
+from dsec.errors import (
+    DsecError,
+    InvalidArgument,
+    NotFound,
+    RateLimited,
+    RequestTimeout,
+    TransportError,
+    Unauthenticated,
+    Unavailable,
+)
+from dsec.wire.api import GATEWAY_PROTOCOL, CreateSandboxRequest, Info, NodeView, SnapshotView
+from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     ExecChunk,
     ExecRequest,
@@ -52,16 +62,6 @@ from dsec.edge.spec import (
     SandboxInfo,
     SandboxStats,
     read_in_chunks,
-)
-from dsec.errors import (
-    DsecError,
-    InvalidArgument,
-    NotFound,
-    RateLimited,
-    RequestTimeout,
-    TransportError,
-    Unauthenticated,
-    Unavailable,
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
@@ -244,6 +244,15 @@ class AsyncClient:
                 await http.close()
                 raise
             gw = self._info.gateway
+            spoken = self._info.gateway_protocol
+            if gw is not None and spoken != GATEWAY_PROTOCOL:
+                # A gateway of another release: its bodies would not decode. REST works.
+                if self._mode == "aether":
+                    await http.close()
+                    raise TransportError(
+                        f"the gateway at {gw} speaks protocol {spoken}, this SDK "
+                        f"{GATEWAY_PROTOCOL}; use protocol 'http' or a matching SDK")
+                gw = None
             if self._rediscover and gw is not None:
                 self.gateway = gw
             self._rediscover = False

@@ -26,8 +26,9 @@ from dsec.client.core import (
     Snapshot,
 )
 from dsec.client.images import AsyncImages, LayerKind
-from dsec.control.api.types import ImageView, Info, NodeView
-from dsec.edge.spec import (
+from dsec.errors import DsecError
+from dsec.wire.api import ImageView, Info, NodeView
+from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -38,7 +39,6 @@ from dsec.edge.spec import (
     SandboxInfo,
     SandboxStats,
 )
-from dsec.errors import DsecError
 
 __all__ = ["Client", "ExecCall", "Files", "Images", "Sandbox", "Sandboxes", "Snapshots"]
 

@@ -20,12 +20,21 @@ import base64
 import builtins
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import EllipsisType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import msgspec
 
-from dsec.control.api.types import (
+from dsec.errors import (
+    ConnectFailed,
+    ConnectionLost,
+    DsecError,
+    RemoteProtocolError,
+    RequestTimeout,
+    error_from_wire,
+)
+from dsec.wire import ops
+from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ExecOutput,
@@ -38,7 +47,27 @@ from dsec.control.api.types import (
     SnapshotList,
     SnapshotView,
 )
-from dsec.edge.spec import (
+from dsec.wire.calls import (
+    CreateMany,
+    CreateSandbox,
+    Empty,
+    ExecCall,
+    ExecMany,
+    FileRef,
+    ListSandboxes,
+    Mkdir,
+    ReadFile,
+    Remove,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UseClientDefault
+from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -46,20 +75,15 @@ from dsec.edge.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxSpec,
     SandboxStats,
-)
-from dsec.errors import (
-    ConnectFailed,
-    ConnectionLost,
-    DsecError,
-    RemoteProtocolError,
-    RequestTimeout,
-    error_from_wire,
 )
 
 __all__ = ["AetherTransport", "HttpTransport", "Transport"]
 
 _json = msgspec.json.Encoder()
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 
 class Transport(Protocol):
@@ -368,7 +392,9 @@ def _http_error(resp: httpx.Response) -> DsecError:
 
 
 class AetherTransport:
-    """The gateway fast path: msgpack over one multiplexed Aether connection."""
+    """The gateway fast path: msgpack over one multiplexed Aether connection, which
+    presents the API key once (``aether.auth``); every call is one row of the catalogue,
+    :meth:`call` (``api.<op>`` with the row's request and reply types)."""
 
     name = "aether"
 
@@ -378,6 +404,7 @@ class AetherTransport:
         self.timeout = timeout
         self._conn: Any = None
         self._lock: Any = None
+        self._info: Info | None = None
 
     async def _c(self) -> Any:
         import asyncio
@@ -394,78 +421,87 @@ class AetherTransport:
                                            token=self.key)
         return self._conn
 
-    async def _call(self, method: str, body: Any, rtype: Any,
-                    timeout: float | None | EllipsisType = ...,
-                    effect: str = "the operation") -> Any:
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """``op`` through the gateway: its reply, typed by the row. A connection lost
+        with the request on it says whether it may have happened (``op.effect``)."""
         conn = await self._c()
-        t = self.timeout if timeout is ... else timeout
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        effect = _COMMAND if op.name in _COMMANDS else "the operation"
         try:
-            return await conn.call(method, body, timeout=t, response_type=rtype)
+            reply: Rep = await conn.call(op.api_method, body, timeout=t,
+                                         response_type=op.reply)
         except ConnectionLost as exc:
             if exc.detail.get("retryable"):
                 raise  # the peer never processed it (GOAWAY): nothing happened
-            raise _aether_lost(exc, method, self.address, effect) from exc
+            raise _aether_lost(exc, op.api_method, self.address, effect) from exc
         except RequestTimeout as exc:
             if effect != _COMMAND:
                 raise
             raise RequestTimeout(f"{exc.message}; the command may still have run: check "
                                  "its effects before running it again",
                                  **{**exc.detail, "may_have_run": True}) from exc
-
-    def _k(self, **kw: Any) -> dict[str, Any]:
-        return {"key": self.key, **kw}
+        return reply
 
     async def info(self) -> Info:
-        return await self._call("api.info", self._k(), Info)  # type: ignore[no-any-return]
+        self._info = await self.call(ops.INFO, Empty())
+        return self._info
+
+    async def _spec(self, req: CreateSandboxRequest) -> SandboxSpec:
+        """The spec a create asks for, with what the request leaves to the server (its
+        default backend, the key's default project) filled in from ``api.info`` (asked
+        once per connection's life)."""
+        info = self._info if self._info is not None else await self.info()
+        return SandboxSpec(
+            image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
+            snapshot=req.snapshot,
+            backend=req.backend or info.default_backend or "simulated",  # type: ignore[arg-type]
+            cpu_milli=req.cpu_milli, memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes,
+            pids_max=req.pids_max, priority=req.priority, labels=dict(req.labels),
+            project=req.project or info.project or "default", ttl_s=req.ttl_s,
+            idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
+            network=req.network, allow_nested=req.allow_nested,
+            user_namespace=req.user_namespace)
 
     async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
-        body = self._k(req=req)
-        if idempotency_key:
-            body["idempotency_key"] = idempotency_key
-        return await self._call("api.create", body, SandboxInfo)  # type: ignore[no-any-return]
+        return await self.call(ops.CREATE, CreateSandbox(
+            spec=await self._spec(req), session=req.session, idempotency_key=idempotency_key))
 
     async def create_many(self, reqs: Sequence[CreateSandboxRequest],
                           keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
-        from dsec.control.gateway import Outcome
-        body = self._k(reqs=list(reqs))
-        if keys is not None:
-            body["idempotency_keys"] = list(keys)
-        out = await self._call("api.create_many", body, list[Outcome])
-        return [o.info if o.error is None else error_from_wire(o.error.code, o.error.message,
-                                                               o.error.detail) for o in out]
+        specs = [await self._spec(r) for r in reqs]
+        session = reqs[0].session if reqs else None
+        batch = await self.call(ops.CREATE_MANY, CreateMany(
+            items=specs, session=session, idempotency_keys=None if keys is None else list(keys)))
+        return batch.results()
 
     async def get(self, sid: str) -> SandboxInfo:
-        return await self._call("api.get", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
+        return await self.call(ops.GET, SandboxRef(id=sid))
 
     async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
                    limit: int, cursor: str | None) -> SandboxList:
-        body = self._k(labels=dict(labels), limit=limit)
-        for k, v in (("project", project), ("state", state), ("cursor", cursor)):
-            if v is not None:
-                body[k] = v
-        return await self._call("api.list", body, SandboxList)  # type: ignore[no-any-return]
+        return await self.call(ops.LIST, ListSandboxes(
+            project=project, labels=dict(labels), state=state,  # type: ignore[arg-type]
+            limit=limit, cursor=cursor))
 
     async def destroy(self, sid: str) -> None:
-        await self._call("api.destroy", self._k(id=sid), None)
+        await self.call(ops.DESTROY, SandboxRef(id=sid))
 
     async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
-        return await self._call("api.exec", self._k(id=sid, req=req), ExecResult, timeout,  # type: ignore[no-any-return]
-                                effect=_COMMAND)
+        return await self.call(ops.EXEC, ExecCall(id=sid, req=req), timeout=timeout)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
                         timeout: float | None) -> builtins.list[ExecResult | DsecError]:
-        from dsec.control.gateway import Outcome
-        body = self._k(calls=[{"id": s, "req": r} for s, r in calls])
-        out = await self._call("api.exec_many", body, list[Outcome], timeout,
-                               effect=_COMMAND)
-        return [o.result if o.error is None else error_from_wire(o.error.code, o.error.message,
-                                                                 o.error.detail) for o in out]
+        batch = await self.call(ops.EXEC_MANY, ExecMany(
+            calls=[ExecCall(id=s, req=r) for s, r in calls]), timeout=timeout)
+        return batch.results()
 
     async def exec_stream(self, sid: str, req: ExecRequest,
                           timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
         conn = await self._c()
-        stream = conn.stream("api.exec_stream", self._k(id=sid, req=req), timeout=timeout,
-                             item_type=ExecChunk, response_type=ExecResult)
+        op = ops.EXEC_STREAM
+        stream = conn.stream(op.api_method, ExecCall(id=sid, req=req), timeout=timeout,
+                             item_type=op.item, response_type=op.reply)
         try:
             async with stream:
                 async for chunk in stream:
@@ -474,75 +510,73 @@ class AetherTransport:
         except ConnectionLost as exc:
             if exc.detail.get("retryable"):
                 raise
-            raise _aether_lost(exc, "api.exec_stream", self.address, _COMMAND) from exc
+            raise _aether_lost(exc, op.api_method, self.address, _COMMAND) from exc
 
     async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
-        return await self._call("api.read_file",  # type: ignore[no-any-return]
-                                self._k(id=sid, path=path, offset=offset, length=length), bytes)
+        return await self.call(ops.READ_FILE, ReadFile(id=sid, path=path, offset=offset,
+                                                       length=length))
 
     async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
-        await self._call("api.write_file",
-                         self._k(id=sid, path=path, data=data, mode=mode, append=append), None)
+        await self.call(ops.WRITE_FILE, WriteFile(id=sid, path=path, data=data, mode=mode,
+                                                  append=append))
 
     async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        r: FileList = await self._call("api.list_dir", self._k(id=sid, path=path), FileList)
-        return r.items
+        return (await self.call(ops.LIST_DIR, FileRef(id=sid, path=path))).items
 
     async def stat(self, sid: str, path: str) -> FileInfo:
-        return await self._call("api.stat", self._k(id=sid, path=path), FileInfo)  # type: ignore[no-any-return]
+        return await self.call(ops.STAT, FileRef(id=sid, path=path))
 
     async def mkdir(self, sid: str, path: str, parents: bool) -> None:
-        await self._call("api.mkdir", self._k(id=sid, path=path, parents=parents), None)
+        await self.call(ops.MKDIR, Mkdir(id=sid, path=path, parents=parents))
 
     async def remove(self, sid: str, path: str, recursive: bool) -> None:
-        await self._call("api.remove", self._k(id=sid, path=path, recursive=recursive), None)
+        await self.call(ops.REMOVE, Remove(id=sid, path=path, recursive=recursive))
 
     async def pause(self, sid: str) -> PauseStats:
-        return await self._call("api.pause", self._k(id=sid), PauseStats)  # type: ignore[no-any-return]
+        return await self.call(ops.PAUSE, SandboxRef(id=sid))
 
     async def resume(self, sid: str) -> SandboxInfo:
-        return await self._call("api.resume", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
+        return await self.call(ops.RESUME, SandboxRef(id=sid))
 
     async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
-        return await self._call("api.snapshot", self._k(id=sid, strip=list(strip)),  # type: ignore[no-any-return]
-                                SnapshotView)
+        return await self.call(ops.SNAPSHOT, SnapshotCall(id=sid, strip=list(strip)))
 
     async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
-        body = self._k(**{k: v for k, v in (("project", project), ("sandbox_id", sandbox_id))
-                          if v is not None})
-        return await self._call("api.snapshots", body, SnapshotList)  # type: ignore[no-any-return]
+        return await self.call(ops.SNAPSHOTS, SnapshotQuery(project=project,
+                                                            sandbox_id=sandbox_id))
 
     async def snapshot_get(self, ref: str) -> SnapshotView:
-        return await self._call("api.snapshot_get", self._k(id=ref), SnapshotView)  # type: ignore[no-any-return]
+        return await self.call(ops.SNAPSHOT_GET, SnapshotRef(id=ref))
 
     async def snapshot_delete(self, ref: str) -> None:
-        await self._call("api.snapshot_delete", self._k(id=ref), SnapshotView)
+        await self.call(ops.SNAPSHOT_DELETE, SnapshotRef(id=ref))
 
     async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        r: EventList = await self._call("api.events", self._k(id=sid), EventList)
-        return r.items
+        return (await self.call(ops.EVENTS, SandboxRef(id=sid))).items
 
     async def stats(self, sid: str) -> SandboxStats:
-        r: SandboxStats = await self._call("api.stats", self._k(id=sid), SandboxStats)
-        return r
+        return await self.call(ops.STATS, SandboxRef(id=sid))
 
     async def nodes(self) -> NodeList:
-        r: NodeList = await self._call("api.nodes", self._k(), NodeList)
-        return r
+        return await self.call(ops.NODES, Empty())
 
     async def session_open(self, lease_s: float) -> SessionView:
-        return await self._call("api.session_open", self._k(lease_s=lease_s), SessionView)  # type: ignore[no-any-return]
+        return await self.call(ops.SESSION_OPEN, SessionOpen(lease_s=lease_s))
 
     async def session_renew(self, session_id: str) -> SessionView:
-        return await self._call("api.session_renew", self._k(id=session_id), SessionView)  # type: ignore[no-any-return]
+        return await self.call(ops.SESSION_RENEW, SessionRef(id=session_id))
 
     async def session_close(self, session_id: str) -> None:
-        await self._call("api.session_close", self._k(id=session_id), None)
+        await self.call(ops.SESSION_CLOSE, SessionRef(id=session_id))
 
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+# Operations whose lost answer means "the command may have run" (the wording says so).
+_COMMANDS = frozenset({"exec", "exec_many", "exec_stream"})
 
 
 def _aether_lost(exc: ConnectionLost, method: str, address: str, effect: str) -> ConnectionLost:

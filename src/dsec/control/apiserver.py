@@ -48,7 +48,16 @@ from dsec.control.api.service import (
     exec_output,
     exec_request,
 )
-from dsec.control.api.types import (
+from dsec.errors import (
+    DsecError,
+    InternalError,
+    InvalidArgument,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RateLimited,
+)
+from dsec.wire import ops
+from dsec.wire.api import (
     ApiError,
     CreateKeyRequest,
     CreateKeyResponse,
@@ -71,23 +80,6 @@ from dsec.control.api.types import (
     SnapshotList,
     SnapshotView,
 )
-from dsec.edge.spec import (
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxInfo,
-    SandboxStats,
-    check_path,
-)
-from dsec.errors import (
-    DsecError,
-    InternalError,
-    InvalidArgument,
-    MethodNotAllowed,
-    PayloadTooLarge,
-    RateLimited,
-)
-from dsec.wire import ops
 from dsec.wire.calls import (
     Empty,
     ExecCall,
@@ -108,6 +100,14 @@ from dsec.wire.calls import (
     SnapshotQuery,
     SnapshotRef,
     WriteFile,
+)
+from dsec.wire.spec import (
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxInfo,
+    SandboxStats,
+    check_path,
 )
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]

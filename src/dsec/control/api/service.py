@@ -30,28 +30,6 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
-from dsec.control.api.types import (
-    CreateKeyRequest,
-    CreateKeyResponse,
-    CreateSandboxRequest,
-    EventList,
-    ExecBody,
-    ExecOutput,
-    FileList,
-    ImageList,
-    ImageTagRequest,
-    ImageView,
-    Info,
-    NodeList,
-    NodeView,
-    ProjectList,
-    ProjectView,
-    QuotaBody,
-    SandboxList,
-    SessionView,
-    SnapshotList,
-    SnapshotView,
-)
 from dsec.control.idempotency import (
     Claim,
     ClaimLost,
@@ -61,24 +39,7 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
-from dsec.edge.service import EdgeClient
-from dsec.edge.spec import (
-    FILE_CHUNK_BYTES,
-    MAX_STDIN_BYTES,
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SandboxState,
-    SandboxStats,
-    SnapshotInfo,
-    check_path,
-    read_in_chunks,
-)
+from dsec.edge.client import EdgeClient
 from dsec.errors import (
     CapacityExceeded,
     ConnectFailed,
@@ -105,6 +66,28 @@ from dsec.errors import (
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
 from dsec.image.catalog import image_not_found
 from dsec.wire import ops
+from dsec.wire.api import (
+    GATEWAY_PROTOCOL,
+    CreateKeyRequest,
+    CreateKeyResponse,
+    CreateSandboxRequest,
+    EventList,
+    ExecBody,
+    ExecOutput,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
+    Info,
+    NodeList,
+    NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SandboxList,
+    SessionView,
+    SnapshotList,
+    SnapshotView,
+)
 from dsec.wire.calls import (
     CreateMany,
     CreateSandbox,
@@ -126,8 +109,23 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
-from dsec.wire.ops import Op, StreamOp, UploadOp
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
+from dsec.wire.spec import (
+    FILE_CHUNK_BYTES,
+    MAX_STDIN_BYTES,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    SnapshotInfo,
+    check_path,
+    read_in_chunks,
+)
 
 __all__ = [
     "ROLE_RANK",
@@ -1023,12 +1021,6 @@ class ApiService:
         if self.quotas is not None:
             self.quotas.forget(sid, "requested")
 
-    async def exec(self, principal: Caller, sid: str, req: ExecRequest) -> ExecResult:
-        edge, _ = await self._edge_for(principal, sid, "member")
-        return await self._via(edge, sid, "exec",
-                               lambda: edge.exec(sid, req, timeout=_exec_deadline(req)),
-                               effect=True)
-
     async def exec_stream(
         self, principal: Caller, sid: str, req: ExecRequest,
     ) -> AsyncIterator[ExecChunk | ExecResult]:
@@ -1040,7 +1032,7 @@ class ApiService:
         """``edge.exec_stream`` with its errors mapped as :meth:`_via` maps them."""
         sent = not getattr(getattr(edge, "conn", None), "closed", False)
         try:
-            async for item in edge.exec_stream(sid, req, timeout=_exec_deadline(req)):
+            async for item in edge.exec_stream(sid, req, timeout=ops.exec_deadline(req)):
                 yield item
         except SandboxNotFound:
             lost = self._vanished(sid)
@@ -1066,7 +1058,7 @@ class ApiService:
             groups.setdefault(id(edge), (edge, []))[1].append(i)
 
         async def run(edge: EdgeOps, idx: list[int]) -> None:
-            deadlines = [_exec_deadline(items[i][1]) for i in idx]
+            deadlines = [ops.exec_deadline(items[i][1]) for i in idx]
             deadline = None if None in deadlines else max(d for d in deadlines if d)
             sent = not getattr(getattr(edge, "conn", None), "closed", False)
             res: list[ExecResult | DsecError]
@@ -1108,29 +1100,6 @@ class ApiService:
             more = append or at > 0
             await self._via(edge, sid, "write_file", functools.partial(
                 edge.write_file, sid, path, chunk, mode=mode, append=more), effect=True)
-
-    async def list_dir(self, principal: Caller, sid: str, path: str) -> builtins.list[FileInfo]:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader")
-        return await self._via(edge, sid, "list_dir", lambda: edge.list_dir(sid, path))
-
-    async def stat(self, principal: Caller, sid: str, path: str) -> FileInfo:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader")
-        return await self._via(edge, sid, "stat", lambda: edge.stat(sid, path))
-
-    async def mkdir(self, principal: Caller, sid: str, path: str, parents: bool) -> None:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "member")
-        await self._via(edge, sid, "mkdir", lambda: edge.mkdir(sid, path, parents=parents),
-                        effect=True)
-
-    async def remove(self, principal: Caller, sid: str, path: str, recursive: bool) -> None:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "member")
-        await self._via(edge, sid, "remove", lambda: edge.remove(sid, path,
-                                                                 recursive=recursive),
-                        effect=True)
 
     async def pause(self, principal: Caller, sid: str) -> PauseStats:
         edge, _ = await self._edge_for(principal, sid, "member")
@@ -1326,14 +1295,11 @@ class ApiService:
                 raise
             return list(lost.events)
 
-    async def stats(self, principal: Caller, sid: str) -> SandboxStats:
-        """A sandbox's resource use now (reader role), from its edge."""
-        edge, _ = await self._edge_for(principal, sid, "reader")
-        return await self._via(edge, sid, "stats", lambda: edge.stats(sid))
-
     def info(self, principal: Caller) -> Info:
         """Who is calling and what this apiserver offers: one answer at every door."""
-        return Info(version=self.config.version, gateway=self.gateway_address,
+        gw = self.gateway_address
+        return Info(version=self.config.version, gateway=gw,
+                    gateway_protocol=None if gw is None else GATEWAY_PROTOCOL,
                     principal=principal.id, project=principal.default_project,
                     role=principal.role_on(principal.default_project),
                     default_ttl_s=self.config.default_ttl_s,
@@ -1417,10 +1383,9 @@ class ApiService:
         sid: str = body.id
         assert op.role is not None
         edge, _ = await self._edge_for(caller, sid, op.role)
-        call = _EDGE_CALLS[op.name]
-        deadline = op.deadline(body) if op.deadline is not None else ...
-        return await self._via(edge, sid, op.name, lambda: call(edge, body, deadline),
-                               effect=op.effect)
+        deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
+        return await self._via(edge, sid, op.name,
+                               lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
 
     async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
         return await self.create(caller, _create_request(b.spec, b.session),
@@ -1428,7 +1393,8 @@ class ApiService:
 
     async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
         reqs = [_create_request(spec, b.session) for spec in b.items]
-        return Batch.of(await self.create_many(caller, reqs, b.idempotency_keys))
+        return Batch.of(self._redacted(await self.create_many(caller, reqs,
+                                                              b.idempotency_keys)))
 
     async def _get_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
         return await self.get(caller, b.id)
@@ -1442,7 +1408,12 @@ class ApiService:
         await self.destroy(caller, b.id)
 
     async def _exec_many_op(self, caller: Caller, b: ExecMany) -> Batch[ExecResult]:
-        return Batch.of(await self.exec_many(caller, [(c.id, c.req) for c in b.calls]))
+        return Batch.of(self._redacted(await self.exec_many(
+            caller, [(c.id, c.req) for c in b.calls])))
+
+    def _redacted(self, items: Sequence[T | DsecError]) -> builtins.list[T | DsecError]:
+        """A batch's failed items as the caller may see them (:meth:`redact`)."""
+        return [self.redact(x) if isinstance(x, DsecError) else x for x in items]
 
     async def _exec_stream_op(self, caller: Caller,
                               b: ExecCall) -> AsyncIterator[ExecChunk | ExecResult]:
@@ -1527,10 +1498,6 @@ class ApiService:
 # Failures of the apiserver's own link to an edge (never the caller's connection).
 _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
 
-# How much longer than a command's own timeout the apiserver waits for the edge's answer
-# (the edge kills the process group at the timeout and reaps it before answering).
-EXEC_DEADLINE_MARGIN_S = 30.0
-
 
 class _IdInUse(InvalidTransition):
     """The edge already has the sandbox id a create under a claim asked for."""
@@ -1539,33 +1506,11 @@ class _IdInUse(InvalidTransition):
         super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
 
 
-def _exec_deadline(req: ExecRequest) -> float | None:
-    """How long the apiserver waits for an exec's answer from the edge: the command
-    timeout plus a margin (None: no command timeout, so no deadline either). The edge
-    link's default deadline would otherwise cut off any command running longer."""
-    if req.background:
-        return EXEC_DEADLINE_MARGIN_S
-    return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
-
-
-# The edge call of each operation :meth:`ApiService._forward` serves: (edge, request,
-# deadline) -> reply in the row's reply type.
-_EDGE_CALLS: dict[str, Callable[[EdgeOps, Any, Any], Awaitable[Any]]] = {
-    "exec": lambda e, b, t: e.exec(b.id, b.req, timeout=t),
-    "list_dir": lambda e, b, t: _file_list(e.list_dir(b.id, b.path, timeout=t)),
-    "stat": lambda e, b, t: e.stat(b.id, b.path, timeout=t),
-    "mkdir": lambda e, b, t: e.mkdir(b.id, b.path, parents=b.parents, timeout=t),
-    "remove": lambda e, b, t: e.remove(b.id, b.path, recursive=b.recursive, timeout=t),
-    "stats": lambda e, b, t: e.stats(b.id, timeout=t),
-}
-
-
-async def _file_list(items: Awaitable[builtins.list[FileInfo]]) -> FileList:
-    return FileList(items=await items)
-
-
 def _create_request(spec: SandboxSpec, session: str | None) -> CreateSandboxRequest:
-    """The create of a caller's spec as the policy takes it (``create``)."""
+    """The create of a caller's spec as :meth:`ApiService.create` takes it. Until
+    ``SandboxSpec.backend``/``project`` can be left unset (issue 13, step 12), a spec
+    names both: the SDK fills them from ``api.info`` (the server's default backend, the
+    key's default project)."""
     return CreateSandboxRequest(
         image=spec.image, workspace=spec.workspace, toolkits=list(spec.toolkits),
         snapshot=spec.snapshot, backend=spec.backend, cpu_milli=spec.cpu_milli,
