@@ -385,3 +385,38 @@ def test_the_gateway_takes_the_key_once_per_connection(cluster: LocalCluster,
     unknown, ok, who, revoked = _on_loop(cluster, run())
     assert unknown.startswith("invalid_argument") and "key" in unknown, unknown
     assert ok == "ok" and who.startswith("principal ") and revoked == "unauthenticated"
+
+
+def test_batches_are_one_request_at_both_doors(cluster: LocalCluster, sid: str) -> None:
+    """``create_many``/``exec_many`` were gateway-only (the SDK over REST sent one
+    request per item): both doors now take one request and answer one ``Batch``, an
+    outcome per item in order, a failed item as its error in place."""
+    from dsec.wire.outcome import Batch
+    from dsec.wire.spec import SandboxInfo
+    ghost = "sb-000000000000-edge-0"
+    calls = [{"id": sid, "req": {"argv": ["echo", "hi"]}}, {"id": ghost,
+                                                            "req": {"argv": ["true"]}}]
+    r = _rest(cluster, "POST", "/v1/batch/exec", json={"calls": calls})
+    assert r.status_code == 200, r.text
+    rest = msgspec.json.decode(r.content, type=Batch[ExecResult]).results()
+    gw = _gw(cluster, "api.exec_many", {"calls": calls}, Batch[ExecResult]).results()
+    for got in (rest, gw):
+        assert isinstance(got[0], ExecResult) and got[0].stdout == b"hi\n", got
+        assert isinstance(got[1], DsecError) and got[1].code == "sandbox_not_found", got
+    assert str(rest[1]) == str(gw[1])                       # the same words
+    r = _rest(cluster, "POST", "/v1/batch/create",
+              json={"items": [{"labels": {"b": "1"}}, {"cpu_milli": 0}]})
+    assert r.status_code == 200, r.text
+    made, bad = msgspec.json.decode(r.content, type=Batch[SandboxInfo]).results()
+    assert isinstance(made, SandboxInfo) and made.spec.labels["b"] == "1"
+    assert isinstance(bad, DsecError) and bad.code == "invalid_argument"
+    assert _rest(cluster, "DELETE", f"/v1/sandboxes/{made.id}").status_code == 204
+    with cluster.client(transport="http", session_lease_s=None) as c:
+        res = c.sandboxes.exec_many([(sid, "echo a"), (ghost, "true")],
+                                    return_exceptions=True)
+        assert isinstance(res[0], ExecResult) and res[0].stdout == b"a\n"
+        assert isinstance(res[1], DsecError)
+        two = c.sandboxes.create_many(2, labels={"many": "http"})
+        assert len(two) == 2 and all(s.info.spec.labels["many"] == "http" for s in two)
+        for s in two:
+            s.kill()

@@ -16,7 +16,6 @@ message says to check before running the command again).
 
 from __future__ import annotations
 
-import base64
 import builtins
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import EllipsisType
@@ -66,7 +65,9 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.jsonform import exec_body, exec_result, stream_item
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UseClientDefault
+from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
@@ -125,39 +126,6 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-def _exec_body(req: ExecRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"timeout_s": req.timeout_s, "output_cap_bytes": req.output_cap_bytes}
-    if req.shell is not None:
-        body["shell"] = req.shell
-    else:
-        body["argv"] = list(req.argv)
-    if req.env:
-        body["env"] = dict(req.env)
-    if req.cwd is not None:
-        body["cwd"] = req.cwd
-    if req.user is not None:
-        body["user"] = req.user
-    if req.background:
-        body["background"] = True
-    if req.stdin:
-        try:
-            body["stdin"] = req.stdin.decode()
-        except UnicodeDecodeError:
-            body["stdin"] = base64.b64encode(req.stdin).decode()
-            body["stdin_encoding"] = "base64"
-    return body
-
-
-def _from_output(o: ExecOutput) -> ExecResult:
-    if o.encoding == "base64":
-        out, err = base64.b64decode(o.stdout), base64.b64decode(o.stderr)
-    else:
-        out, err = o.stdout.encode(), o.stderr.encode()
-    return ExecResult(exit_code=o.exit_code, stdout=out, stderr=err,
-                      stdout_truncated=o.stdout_truncated, stderr_truncated=o.stderr_truncated,
-                      timed_out=o.timed_out, duration_s=o.duration_s, pid=o.pid)
-
-
 class HttpTransport:
     """REST over httpx (HTTP/1.1 keep-alive, one pooled client)."""
 
@@ -167,6 +135,7 @@ class HttpTransport:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._info: Info | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url, headers={"authorization": f"Bearer {api_key}"},
             timeout=timeout, transport=transport,
@@ -201,14 +170,16 @@ class HttpTransport:
 
     async def create_many(self, reqs: Sequence[CreateSandboxRequest],
                           keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
-        import asyncio
-
-        async def one(i: int, r: CreateSandboxRequest) -> SandboxInfo | DsecError:
-            try:
-                return await self.create(r, None if keys is None else keys[i])
-            except DsecError as exc:
-                return exc
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
+        """One ``POST /v1/batch/create`` (each item succeeds or fails alone)."""
+        if self._info is None:
+            self._info = await self.info()
+        body = CreateMany(items=[spec_of(r, self._info) for r in reqs],
+                          session=reqs[0].session if reqs else None,
+                          idempotency_keys=None if keys is None else list(keys))
+        batch: Batch[SandboxInfo] = await self._json(
+            ops.CREATE_MANY.reply, "POST", "/v1/batch/create", content=_json.encode(body),
+            headers={"content-type": "application/json"})
+        return batch.results()
 
     async def get(self, sid: str) -> SandboxInfo:
         return await self._json(SandboxInfo, "GET", f"/v1/sandboxes/{sid}")  # type: ignore[no-any-return]
@@ -230,27 +201,25 @@ class HttpTransport:
 
     async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
         out = await self._json(ExecOutput, "POST", f"/v1/sandboxes/{sid}/exec",
-                               content=_json.encode(_exec_body(req)), timeout=timeout,
+                               content=_json.encode(exec_body(req)), timeout=timeout,
                                effect=_COMMAND, headers={"content-type": "application/json"})
-        return _from_output(out)
+        return exec_result(out)
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
                         timeout: float | None) -> builtins.list[ExecResult | DsecError]:
-        import asyncio
-
-        async def one(sid: str, r: ExecRequest) -> ExecResult | DsecError:
-            try:
-                return await self.exec(sid, r, timeout)
-            except DsecError as exc:
-                return exc
-        return list(await asyncio.gather(*(one(s, r) for s, r in calls)))
+        """One ``POST /v1/batch/exec``, grouped per edge by the apiserver."""
+        body = ExecMany(calls=[ExecCall(id=s, req=r) for s, r in calls])
+        batch: Batch[ExecResult] = await self._json(
+            ops.EXEC_MANY.reply, "POST", "/v1/batch/exec", content=_json.encode(body),
+            timeout=timeout, effect=_COMMAND, headers={"content-type": "application/json"})
+        return batch.results()
 
     async def exec_stream(self, sid: str, req: ExecRequest,
                           timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
         path = f"/v1/sandboxes/{sid}/exec/stream"
         dec = msgspec.json.Decoder(ExecStreamLine)
         try:
-            async with self._http.stream("POST", path, content=_json.encode(_exec_body(req)),
+            async with self._http.stream("POST", path, content=_json.encode(exec_body(req)),
                                          timeout=timeout,
                                          headers={"content-type": "application/json"}) as resp:
                 if resp.status_code >= 400:
@@ -259,17 +228,10 @@ class HttpTransport:
                 async for line in resp.aiter_lines():
                     if not line:
                         continue
-                    item = dec.decode(line)
-                    if item.error is not None:
-                        raise error_from_wire(item.error.code, item.error.message,
-                                              dict(item.error.detail))
-                    if item.exit_code is not None:
-                        yield ExecResult(exit_code=item.exit_code, timed_out=item.timed_out,
-                                         duration_s=item.duration_s or 0.0)
+                    item = stream_item(dec.decode(line))
+                    yield item
+                    if isinstance(item, ExecResult):
                         return
-                    data = item.data or ""
-                    raw = base64.b64decode(data) if item.encoding == "base64" else data.encode()
-                    yield ExecChunk(stream=item.stream or "stdout", data=raw)
         except httpx.HTTPError as exc:
             raise _http_failure(exc, f"exec stream on {sid}", timeout, _COMMAND) from exc
 
@@ -448,20 +410,8 @@ class AetherTransport:
         return self._info
 
     async def _spec(self, req: CreateSandboxRequest) -> SandboxSpec:
-        """The spec a create asks for, with what the request leaves to the server (its
-        default backend, the key's default project) filled in from ``api.info`` (asked
-        once per connection's life)."""
-        info = self._info if self._info is not None else await self.info()
-        return SandboxSpec(
-            image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
-            snapshot=req.snapshot,
-            backend=req.backend or info.default_backend or "simulated",  # type: ignore[arg-type]
-            cpu_milli=req.cpu_milli, memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes,
-            pids_max=req.pids_max, priority=req.priority, labels=dict(req.labels),
-            project=req.project or info.project or "default", ttl_s=req.ttl_s,
-            idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
-            network=req.network, allow_nested=req.allow_nested,
-            user_namespace=req.user_namespace)
+        """The spec a create asks for (:func:`spec_of`; ``api.info`` asked once)."""
+        return spec_of(req, self._info if self._info is not None else await self.info())
 
     async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
         return await self.call(ops.CREATE, CreateSandbox(
@@ -573,6 +523,23 @@ class AetherTransport:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+def spec_of(req: CreateSandboxRequest, info: Info) -> SandboxSpec:
+    """The spec a create asks for, with what the request leaves to the server filled in
+    from its ``info`` (the default backend, the key's default project): until a spec can
+    leave them unset (issue 13's spec passthrough) the catalogue's create rows take both
+    as given."""
+    return SandboxSpec(
+        image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
+        snapshot=req.snapshot,
+        backend=req.backend or info.default_backend or "simulated",  # type: ignore[arg-type]
+        cpu_milli=req.cpu_milli, memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes,
+        pids_max=req.pids_max, priority=req.priority, labels=dict(req.labels),
+        project=req.project or info.project or "default", ttl_s=req.ttl_s,
+        idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
+        network=req.network, allow_nested=req.allow_nested,
+        user_namespace=req.user_namespace)
 
 
 # Operations whose lost answer means "the command may have run" (the wording says so).

@@ -18,6 +18,7 @@ route (I/O bound on edge work that takes far longer) stays on Starlette.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -41,13 +42,7 @@ from dsec.control.api.openapi import (
     Param,
     build_openapi,
 )
-from dsec.control.api.service import (
-    AdminOps,
-    ApiService,
-    Caller,
-    exec_output,
-    exec_request,
-)
+from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.errors import (
     DsecError,
     InternalError,
@@ -101,8 +96,9 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.jsonform import exec_output, exec_request, stream_line
+from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.spec import (
-    ExecResult,
     FileInfo,
     PauseStats,
     SandboxInfo,
@@ -205,9 +201,14 @@ def _decode(tp: type, raw: bytes) -> Any:
     try:
         return _decoder(tp).decode(raw)
     except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, DsecError):
+            # refused by the type's own check (__post_init__): the same class, words
+            # and detail as at every other door
+            raise exc.__cause__ from None
         # msgspec names the field: "Object contains unknown field `foo`", "Expected `int`,
         # got `str` - at `$.cpu_milli`".
-        raise InvalidArgument(f"invalid {tp.__name__}: {exc}") from None
+        name = getattr(tp, "__name__", str(tp))
+        raise InvalidArgument(f"invalid {name}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed JSON body: {exc}") from None
 
@@ -269,6 +270,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     requests = metrics.requests
 
     def route(op: Op, handler: Handler) -> None:
+        op = _from_row(op)
         documented.append(op)
         template = op.path
         lat = latency.labels(template, op.method)
@@ -312,6 +314,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     snapshots_policy, snapshot_get_policy = h(ops.SNAPSHOTS), h(ops.SNAPSHOT_GET)
     snapshot_delete_policy = h(ops.SNAPSHOT_DELETE)
     nodes_policy, info_policy = h(ops.NODES), h(ops.INFO)
+    create_many_policy, exec_many_policy = h(ops.CREATE_MANY), h(ops.EXEC_MANY)
 
     # ------------------------------------------------------------- sandboxes
     async def create(request: Request, caller: Caller, rid: str) -> Response:
@@ -382,12 +385,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for item in stream:
-                    if isinstance(item, ExecResult):
-                        yield _json.encode(ExecStreamLine(
-                            exit_code=item.exit_code, timed_out=item.timed_out,
-                            duration_s=item.duration_s)) + b"\n"
-                    else:
-                        yield _json.encode(_chunk_line(item.stream, item.data)) + b"\n"
+                    yield _json.encode(stream_line(item)) + b"\n"
             except DsecError as exc:
                 # as every other answer: redacted, and with its detail (may_have_run)
                 exc = service.redact(exc)
@@ -402,6 +400,22 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     route(Op("POST", "/v1/sandboxes/{id}/exec/stream", "execSandboxStream",
              "Run a command, streaming NDJSON lines", ExecBody, ExecStreamLine,
              response_media="application/x-ndjson"), exec_stream)
+
+    # ------------------------------------------------------------------ batches
+    def batch(op: CatalogueOp[Any, Any], policy: Callable[[Caller, Any], Awaitable[Any]],
+              limit: int) -> None:
+        """A batched row: its request as one JSON object, its ``Batch`` reply."""
+        assert op.rest is not None
+        request_type = op.request
+
+        async def handler(request: Request, caller: Caller, rid: str) -> Response:
+            body = _decode(request_type, await _read_body(request, limit))
+            return _json_response(await policy(caller, body), rid)
+        route(Op(op.rest.method, op.rest.path, op.rest.operation_id, op.summary,
+                 op.request, op.reply, op.rest.status, tag=op.rest.tag), handler)
+
+    batch(ops.CREATE_MANY, create_many_policy, cfg.max_json_body)
+    batch(ops.EXEC_MANY, exec_many_policy, cfg.max_exec_body)
 
     # ------------------------------------------------------------------ files
     async def read(request: Request, caller: Caller, rid: str) -> Response:
@@ -828,6 +842,25 @@ _STATES = frozenset({"creating", "running", "pausing", "paused", "resuming", "de
 _ANON = Caller(id="anonymous", name="anonymous", roles={})
 
 
+_ROWS: dict[tuple[str, str], CatalogueOp[Any, Any]] = {
+    (op.rest.method, op.rest.path): op for op in ops.REST_OPS if op.rest is not None}
+
+
+def _from_row(route: Op) -> Op:
+    """A route as its catalogue row says (operation id, status, summary, tag): a route
+    without a row, or one that disagrees with it, is a wiring bug raised at start."""
+    row = _ROWS.get((route.method, route.path))
+    if row is None or row.rest is None:
+        raise InternalError(f"REST route {route.method} {route.path} has no row in "
+                            "dsec.wire.ops")
+    rest = row.rest
+    if (route.operation_id, route.status) != (rest.operation_id, rest.status):
+        raise InternalError(f"REST route {route.method} {route.path} says "
+                            f"{route.operation_id}/{route.status}, its row "
+                            f"{rest.operation_id}/{rest.status}")
+    return dataclasses.replace(route, summary=row.summary, tag=rest.tag)
+
+
 def _client_host(scope: Any) -> str | None:
     """The peer address of an ASGI request (None over a Unix socket or in-process)."""
     client = scope.get("client")
@@ -877,15 +910,6 @@ def _allowed_methods(routes: list[Route], scope: Any) -> list[str]:
 
 def _sid(request: Request) -> str:
     return str(request.path_params["id"])
-
-
-def _chunk_line(stream: str, data: bytes) -> ExecStreamLine:
-    try:
-        return ExecStreamLine(stream=stream, data=data.decode())  # type: ignore[arg-type]
-    except UnicodeDecodeError:
-        import base64
-        return ExecStreamLine(stream=stream, data=base64.b64encode(data).decode(),  # type: ignore[arg-type]
-                              encoding="base64")
 
 
 def env_flag(name: str) -> bool:

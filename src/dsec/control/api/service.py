@@ -72,8 +72,6 @@ from dsec.wire.api import (
     CreateKeyResponse,
     CreateSandboxRequest,
     EventList,
-    ExecBody,
-    ExecOutput,
     ImageList,
     ImageTagRequest,
     ImageView,
@@ -113,7 +111,6 @@ from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
-    MAX_STDIN_BYTES,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -141,8 +138,6 @@ __all__ = [
     "Placer",
     "Policy",
     "Role",
-    "exec_output",
-    "exec_request",
     "snapshot_view",
 ]
 
@@ -1615,44 +1610,3 @@ def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
                         toolkits=list(info.toolkits), backend=info.backend,
                         size_bytes=info.size_bytes, created_at=info.created,
                         unchanged=info.unchanged)
-
-
-def exec_request(body: ExecBody) -> ExecRequest:
-    """REST exec body -> edge ExecRequest, checked by :meth:`ExecRequest.validate` (the
-    same limits and messages as the gateway and the edge). Only decoding base64 stdin is
-    REST's own step."""
-    if body.stdin_encoding == "base64":
-        if len(body.stdin) > MAX_STDIN_BYTES * 4 // 3 + 4:
-            raise InvalidArgument(f"exec stdin is over the {MAX_STDIN_BYTES}-byte limit; "
-                                  "write large inputs to a file first", field="stdin",
-                                  limit=MAX_STDIN_BYTES)
-        try:
-            stdin = base64.b64decode(body.stdin, validate=True)
-        except ValueError:
-            raise InvalidArgument("stdin is not valid base64 (stdin_encoding='base64')",
-                                  field="stdin") from None
-    else:
-        try:
-            stdin = body.stdin.encode()
-        except UnicodeEncodeError:
-            raise InvalidArgument("exec stdin is not valid Unicode text (send bytes with "
-                                  "stdin_encoding='base64')", field="stdin") from None
-    req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
-                      cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
-                      output_cap_bytes=body.output_cap_bytes, background=body.background)
-    return req.validate()
-
-
-def exec_output(res: ExecResult) -> ExecOutput:
-    """Edge ExecResult -> JSON form: UTF-8 text when both streams decode, else base64."""
-    try:
-        out, err, enc = res.stdout.decode(), res.stderr.decode(), "utf-8"
-    except UnicodeDecodeError:
-        out = base64.b64encode(res.stdout).decode()
-        err = base64.b64encode(res.stderr).decode()
-        enc = "base64"
-    return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err, encoding=enc,  # type: ignore[arg-type]
-                      stdout_truncated=res.stdout_truncated, stderr_truncated=res.stderr_truncated,
-                      timed_out=res.timed_out, duration_s=res.duration_s, pid=res.pid)
-
-
