@@ -1,8 +1,9 @@
 """One set of rules at every door: each exec and file limit, sent past its bound through
-REST, through the Aether gateway (raw calls, not the SDK, which would refuse first) and
-to the edge directly (EdgeClient, which sends what it is given), is refused by every door
-as a 4xx ``invalid_argument`` with the very same message, which never echoes a large
-value. And a value at the bound passes every door."""
+REST, through the Aether gateway and to the edge directly (raw bodies, as an attacker
+sends them: an ``ExecRequest`` past a limit cannot even be built, and neither the SDK nor
+EdgeClient would send one), is refused by every door as a 4xx ``invalid_argument`` with
+the very same message, which never echoes a large value. And a value at the bound passes
+every door."""
 
 from __future__ import annotations
 
@@ -54,19 +55,32 @@ def _on_loop(cluster: LocalCluster, coro: Any) -> Any:
     return cluster._on_loop(coro, timeout=60)
 
 
-def _rest_body(req: ExecRequest) -> dict[str, Any]:
-    body = msgspec.to_builtins(req)
+Raw = dict[str, Any]
+
+
+def _raw(**fields: Any) -> Raw:
+    """An exec request body built field by field, never checked on this side."""
+    return fields
+
+
+def _rest_body(req: Raw) -> dict[str, Any]:
+    body = dict(req)
     stdin = body.pop("stdin", None)
     if stdin is not None:
-        body["stdin"] = base64.b64encode(req.stdin).decode()
+        body["stdin"] = base64.b64encode(stdin).decode()
         body["stdin_encoding"] = "base64"
     if "argv" in body and not body["argv"]:
         del body["argv"]
-    return dict(body)
+    return body
 
 
-def _doors_exec(cluster: LocalCluster, sid: str, req: ExecRequest) -> list[tuple[str, int, str]]:
+def _doors_exec(cluster: LocalCluster, sid: str,
+                req: Raw | ExecRequest) -> list[tuple[str, int, str]]:
     """(door, status-or-0, message) of an exec through REST, the gateway and the edge."""
+    if isinstance(req, ExecRequest):
+        req = msgspec.to_builtins(req)
+        if "stdin" in req:
+            req["stdin"] = base64.b64decode(req["stdin"])
     out: list[tuple[str, int, str]] = []
     r = httpx.post(f"{cluster.url}/v1/sandboxes/{sid}/exec", json=_rest_body(req),
                    headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)
@@ -88,7 +102,8 @@ def _doors_exec(cluster: LocalCluster, sid: str, req: ExecRequest) -> list[tuple
     async def edge() -> tuple[str, int, str]:
         client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
         try:
-            await client.exec(sid, req, timeout=60)
+            await client.conn.call("edge.exec", {"id": sid, "req": req},
+                                   response_type=ExecResult, timeout=60)
             return "edge", 200, "ok"
         except DsecError as exc:
             return "edge", exc.http_status, exc.message
@@ -111,42 +126,42 @@ def _same_refusal(results: list[tuple[str, int, str]], needle: str) -> None:
 
 BIG = "a" * 100_000
 # (name, request past the limit, needle of the message, request just at the limit)
-EXEC_LIMITS: list[tuple[str, ExecRequest, str, ExecRequest | None]] = [
-    ("argv bytes", ExecRequest(argv=("true",) + (BIG,) * 11), f"{MAX_ARGV_BYTES}-byte limit",
+EXEC_LIMITS: list[tuple[str, Raw, str, ExecRequest | None]] = [
+    ("argv bytes", _raw(argv=("true",) + (BIG,) * 11), f"{MAX_ARGV_BYTES}-byte limit",
      ExecRequest(argv=("true",) + (BIG,) * 10)),
-    ("one argument", ExecRequest(argv=("true", "a" * (MAX_ARG_BYTES + 1))),
+    ("one argument", _raw(argv=("true", "a" * (MAX_ARG_BYTES + 1))),
      f"argv[1] is {MAX_ARG_BYTES + 1} bytes", ExecRequest(argv=("true", "a" * MAX_ARG_BYTES))),
-    ("shell string", ExecRequest(shell="#" + "a" * MAX_ARG_BYTES),
+    ("shell string", _raw(shell="#" + "a" * MAX_ARG_BYTES),
      f"shell is {MAX_ARG_BYTES + 1} bytes", None),
-    ("argv count", ExecRequest(argv=("true",) + ("a",) * MAX_ARGV_ITEMS),
+    ("argv count", _raw(argv=("true",) + ("a",) * MAX_ARGV_ITEMS),
      f"argv has {MAX_ARGV_ITEMS + 1} entries",
      ExecRequest(argv=("true",) + ("a",) * (MAX_ARGV_ITEMS - 1))),
-    ("NUL in argv", ExecRequest(argv=("echo", "a\0b")), "argv[1] contains a NUL", None),
-    ("env count", ExecRequest(argv=("true",), env={f"K{i}": "" for i in range(
+    ("NUL in argv", _raw(argv=("echo", "a\0b")), "argv[1] contains a NUL", None),
+    ("env count", _raw(argv=("true",), env={f"K{i}": "" for i in range(
         MAX_ENV_ITEMS + 1)}), f"env has {MAX_ENV_ITEMS + 1} entries", None),
-    ("env bytes", ExecRequest(argv=("true",), env={f"K{i}": BIG for i in range(11)}),
+    ("env bytes", _raw(argv=("true",), env={f"K{i}": BIG for i in range(11)}),
      "argv+env is", None),
-    ("env name", ExecRequest(argv=("true",), env={"A=B": "c"}), "env name 'A=B'", None),
-    ("stdin", ExecRequest(argv=("true",), stdin=b"x" * (MAX_STDIN_BYTES + 1)),
+    ("env name", _raw(argv=("true",), env={"A=B": "c"}), "env name 'A=B'", None),
+    ("stdin", _raw(argv=("true",), stdin=b"x" * (MAX_STDIN_BYTES + 1)),
      f"stdin is {MAX_STDIN_BYTES + 1} bytes", ExecRequest(argv=("true",),
                                                           stdin=b"x" * MAX_STDIN_BYTES)),
-    ("cwd", ExecRequest(argv=("true",), cwd="/" + "d" * MAX_CWD_BYTES),
+    ("cwd", _raw(argv=("true",), cwd="/" + "d" * MAX_CWD_BYTES),
      f"cwd is {MAX_CWD_BYTES + 1} bytes", None),
-    ("user", ExecRequest(argv=("true",), user="u" * (MAX_USER_BYTES + 1)),
+    ("user", _raw(argv=("true",), user="u" * (MAX_USER_BYTES + 1)),
      f"user is {MAX_USER_BYTES + 1} bytes", None),
-    ("output cap", ExecRequest(argv=("true",), output_cap_bytes=MAX_OUTPUT_CAP_BYTES + 1),
+    ("output cap", _raw(argv=("true",), output_cap_bytes=MAX_OUTPUT_CAP_BYTES + 1),
      "output_cap_bytes=1073741825 must be within", ExecRequest(
          argv=("true",), output_cap_bytes=MAX_OUTPUT_CAP_BYTES)),
-    ("timeout zero", ExecRequest(argv=("true",), timeout_s=0.0), "timeout_s=0.0 must be", None),
-    ("timeout huge", ExecRequest(argv=("true",), timeout_s=MAX_EXEC_TIMEOUT_S + 1),
+    ("timeout zero", _raw(argv=("true",), timeout_s=0.0), "timeout_s=0.0 must be", None),
+    ("timeout huge", _raw(argv=("true",), timeout_s=MAX_EXEC_TIMEOUT_S + 1),
      f"up to {MAX_EXEC_TIMEOUT_S:g}", ExecRequest(argv=("true",), timeout_s=MAX_EXEC_TIMEOUT_S)),
-    ("neither argv nor shell", ExecRequest(), "exactly one of argv", None),
+    ("neither argv nor shell", _raw(), "exactly one of argv", None),
 ]
 
 
 @pytest.mark.parametrize("name,bad,needle,ok", EXEC_LIMITS, ids=[x[0] for x in EXEC_LIMITS])
 def test_every_exec_limit_is_the_same_at_every_door(
-        cluster: LocalCluster, sid: str, name: str, bad: ExecRequest, needle: str,
+        cluster: LocalCluster, sid: str, name: str, bad: Raw, needle: str,
         ok: ExecRequest | None) -> None:
     _same_refusal(_doors_exec(cluster, sid, bad), needle)
     if ok is not None:
@@ -177,7 +192,8 @@ def _doors_read(cluster: LocalCluster, sid: str, path: str,
     async def edge() -> tuple[str, int, str]:
         client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
         try:
-            await client.stat(sid, path)
+            await client.conn.call("edge.stat", {"id": sid, "path": path},
+                                   response_type=FileInfo, timeout=60)
             return "edge", 200, "ok"
         except DsecError as exc:
             return "edge", exc.http_status, exc.message
@@ -213,8 +229,12 @@ def test_every_file_operation_checks_the_path_at_the_gateway_and_the_edge(
         calls = [conn.call("api.read_file", k), conn.call("api.write_file", {**k, "data": b""}),
                  conn.call("api.list_dir", k), conn.call("api.mkdir", k),
                  conn.call("api.remove", k),
-                 edge.read_file(sid, long), edge.write_file(sid, long, b""),
-                 edge.list_dir(sid, long), edge.mkdir(sid, long), edge.remove(sid, long)]
+                 *(edge.conn.call(f"edge.{op}", body) for op, body in (
+                     ("read_file", {"id": sid, "path": long}),
+                     ("write_file", {"id": sid, "path": long, "data": b""}),
+                     ("list_dir", {"id": sid, "path": long}),
+                     ("mkdir", {"id": sid, "path": long}),
+                     ("remove", {"id": sid, "path": long})))]
         try:
             res = await asyncio.gather(*calls, return_exceptions=True)
         finally:

@@ -20,6 +20,8 @@ import msgspec
 from hypothesis import strategies as st
 
 from dsec.errors import DsecError
+from dsec.wire import spec
+from dsec.wire.spec import SandboxSpec
 
 _I64 = (-(2**63), 2**63 - 1)
 
@@ -72,6 +74,28 @@ def of(tp: Any) -> st.SearchStrategy[Any]:
     return _of(tp, [])
 
 
+def valid_spec() -> st.SearchStrategy[SandboxSpec]:
+    """A spec :meth:`SandboxSpec.validate` accepts (every field drawn within bounds)."""
+    seconds = st.none() | st.floats(min_value=0.001, max_value=spec.MAX_TTL_S)
+    env_name = st.text(min_size=1, max_size=8).filter(lambda k: "=" not in k and "\0" not in k)
+    return st.builds(
+        SandboxSpec,
+        image=st.text(min_size=1, max_size=12), workspace=st.none() | st.text(max_size=12),
+        toolkits=st.lists(st.text(max_size=8), max_size=2).map(tuple),
+        snapshot=st.none() | st.text(max_size=12),
+        backend=st.sampled_from(typing.get_args(spec.BackendName)),
+        cpu_milli=st.integers(1, spec.MAX_CPU_MILLI),
+        memory_bytes=st.integers(1 << 20, spec.MAX_MEMORY_BYTES),
+        disk_bytes=st.none() | st.integers(1 << 20, spec.MAX_DISK_BYTES),
+        pids_max=st.none() | st.integers(1, 4_194_304), priority=st.integers(-(2**31), 2**31 - 1),
+        labels=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2),
+        project=st.text(max_size=12), ttl_s=seconds, idle_timeout_s=seconds,
+        idle_action=st.sampled_from(typing.get_args(spec.IdleAction)),
+        env=st.dictionaries(env_name, st.text(max_size=8), max_size=2),
+        network=of(spec.NetworkPolicy), allow_nested=st.booleans(),
+        user_namespace=st.booleans())
+
+
 def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -108,6 +132,8 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
         return st.tuples(*(_of(a, []) for a in args))
     if origin is dict:
         return st.dictionaries(_of(args[0], []), _of(args[1], []), max_size=3)
+    if tp is SandboxSpec:   # half within bounds, so requests that validate it get drawn
+        return st.one_of(valid_spec(), _struct(tp, {}))
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return _struct(tp, {})
     if origin is not None and isinstance(origin, type) and issubclass(origin, msgspec.Struct):

@@ -136,12 +136,13 @@ class EdgeClient:
         """Call ``op`` on the edge with ``body``; its reply, typed by the row. For rows
         the edge serves with its own types (``op.edge_request``/``edge_reply``, which
         the control plane fills in) use the named methods below."""
-        if op.edge_request is not None or op.edge_reply is not None:
+        if not op.edge_plain:
             raise InvalidArgument(
                 f"{op.name} takes {_name(op.edge_type)} and answers "
                 f"{_name(op.edge_reply_type)} at the edge: call EdgeClient.{op.name}()")
-        reply: Rep = await self.conn.call(op.edge_method, body, timeout=self._t(timeout),
-                                          response_type=op.reply)
+        reply: Rep = await self.conn.call(
+            op.edge_method, body, response_type=op.reply,
+            timeout=self.timeout if timeout is USE_CLIENT_DEFAULT else timeout)
         return reply
 
     async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,

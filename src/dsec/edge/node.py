@@ -73,7 +73,9 @@ from dsec.edge.spec import (
     SandboxState,
     SandboxStats,
     SnapshotInfo,
+    check_mode,
     check_path,
+    check_read_range,
 )
 from dsec.errors import (
     BackendError,
@@ -857,7 +859,6 @@ class EdgeNode:
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
-        req.validate()
         room = self.config.max_reply_output_bytes
         if req.output_cap_bytes > room:
             # more would be collected only to fail as too large for one reply: keep what
@@ -930,7 +931,6 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
-        req.validate()
         if rec.state != "running":
             await self._ready(rec, "exec")
         self._admit_exec(rec)
@@ -968,16 +968,14 @@ class EdgeNode:
 
     async def read_file(self, sandbox_id: str, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        if offset < 0 or (length is not None and length < 0):
-            raise InvalidArgument(f"read_file offset={offset} length={length} must be >= 0")
+        check_read_range(offset, length)
         return await self._file_op(  # type: ignore[no-any-return]
             sandbox_id, "read_file",
             lambda b, s: b.read_file(s, path, offset=offset, length=length), path)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        if not 0 <= mode <= 0o7777:
-            raise InvalidArgument(f"write_file mode={mode:o} must be within 0..0o7777")
+        check_mode(mode)
         await self._file_op(sandbox_id, "write_file",
                             lambda b, s: b.write_file(s, path, data, mode=mode, append=append),
                             path)

@@ -279,30 +279,42 @@ class EdgeAccess:
 # through the API: the spec's "simulated" backend, "default" project and "no TTL" would
 # otherwise override `dsec up --backend`, the API key's project and the server's TTL.
 _SPEC_DEFAULTS = SandboxSpec()
+_CLUSTER_DECIDES = ("backend", "project", "ttl_s")
+# The SDK keyword of each spec field whose name differs (with the unit conversion); every
+# other field goes under its own name. Built from the spec's field list, not kept by
+# hand: a field added to SandboxSpec reaches the SDK (or fails loudly there as an
+# unknown keyword) instead of being dropped, as user_namespace once was.
+_SDK_KEYWORD: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "cpu_milli": ("cpu", lambda v: v / 1000),
+    "memory_bytes": ("memory", lambda v: v),
+    "disk_bytes": ("disk", lambda v: v),
+    "ttl_s": ("ttl", lambda v: v),
+    "idle_timeout_s": ("idle_timeout", lambda v: v),
+    "toolkits": ("toolkits", list),
+    "labels": ("labels", dict),
+    "env": ("env", dict),
+}
 
 
 def spec_to_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
-    """The SDK ``create`` keywords for ``spec``.
+    """The SDK ``create`` keywords for ``spec``: every field of it.
 
     ``backend``, ``project`` and ``ttl_s`` left at their :class:`SandboxSpec` defaults are
     not sent, so the server's defaults apply (``dsec up --backend``, the API key's default
     project, the server TTL); every other field is sent as it is.
     """
-    kw: dict[str, Any] = {
-        "image": spec.image, "workspace": spec.workspace, "toolkits": list(spec.toolkits),
-        "snapshot": spec.snapshot, "cpu": spec.cpu_milli / 1000, "memory": spec.memory_bytes,
-        "disk": spec.disk_bytes, "pids_max": spec.pids_max, "priority": spec.priority,
-        "labels": dict(spec.labels), "idle_timeout": spec.idle_timeout_s,
-        "idle_action": spec.idle_action, "env": dict(spec.env), "network": spec.network,
-        "allow_nested": spec.allow_nested,
-    }
-    if spec.backend != _SPEC_DEFAULTS.backend:
-        kw["backend"] = spec.backend
-    if spec.project != _SPEC_DEFAULTS.project:
-        kw["project"] = spec.project
-    if spec.ttl_s is not None:
-        kw["ttl"] = spec.ttl_s
+    kw: dict[str, Any] = {}
+    for name in spec.__struct_fields__:
+        value = getattr(spec, name)
+        if name in _CLUSTER_DECIDES and value == getattr(_SPEC_DEFAULTS, name):
+            continue
+        keyword, convert = _SDK_KEYWORD.get(name, (name, _same))
+        kw[keyword] = convert(value)
     return kw
+
+
+def _same(v: Any) -> Any:
+    return v
 
 
 class ClientAccess:

@@ -15,7 +15,16 @@ import msgspec
 
 from dsec.errors import InvalidArgument
 from dsec.wire.api import QuotaBody
-from dsec.wire.spec import ExecRequest, SandboxSpec, SandboxState
+from dsec.wire.spec import (
+    ExecRequest,
+    SandboxSpec,
+    SandboxState,
+    check_batch,
+    check_idempotency_key,
+    check_mode,
+    check_path,
+    check_read_range,
+)
 
 __all__ = [
     "Command",
@@ -77,7 +86,12 @@ def exec_request(cmd: Command, **kw: object) -> ExecRequest:
 class _Call(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """A request body: an unknown field is refused, naming it, at every door (an edge
     that silently dropped a field it does not know, say a new network-policy rule, would
-    run the request without it)."""
+    run the request without it).
+
+    A request validates itself in ``__post_init__`` (construction, ``replace``,
+    ``convert`` and every decode, at every door), so one that exists is within its
+    limits; the Aether router and the REST decoder answer what it raised unchanged.
+    Batches do not validate their items here: each item succeeds or fails on its own."""
 
 
 class SandboxRef(_Call, kw_only=True):
@@ -99,6 +113,10 @@ class CreateSandbox(_Call, kw_only=True):
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
     idempotency_key: str | None = None  # same key within 5 min -> the same sandbox
 
+    def __post_init__(self) -> None:
+        check_idempotency_key(self.idempotency_key)
+        self.spec.validate()
+
 
 class CreateOnNode(_Call, kw_only=True):
     """``edge.create``: a spec the control plane resolved, and the id it chose."""
@@ -115,11 +133,25 @@ class CreateMany(_Call, kw_only=True):
     session: str | None = None
     idempotency_keys: list[str] | None = None
 
+    def __post_init__(self) -> None:
+        check_batch(len(self.items), "items")
+        if self.idempotency_keys is not None:
+            if len(self.idempotency_keys) != len(self.items):
+                raise InvalidArgument(
+                    f"idempotency_keys has {len(self.idempotency_keys)} keys for "
+                    f"{len(self.items)} items: give one per item, or none",
+                    field="idempotency_keys")
+            for key in self.idempotency_keys:
+                check_idempotency_key(key)
+
 
 class CreateManyOnNode(_Call, kw_only=True):
     """``edge.create_many``: resolved specs, created concurrently on the node."""
 
     specs: list[SandboxSpec]
+
+    def __post_init__(self) -> None:
+        check_batch(len(self.specs), "specs")
 
 
 class ListSandboxes(_Call, kw_only=True):
@@ -177,6 +209,9 @@ class DestroyMany(_Call, kw_only=True):
     ids: list[str]
     reason: str = "requested"
 
+    def __post_init__(self) -> None:
+        check_batch(len(self.ids), "ids")
+
 
 class ExecCall(_Call, kw_only=True):
     id: str
@@ -185,6 +220,9 @@ class ExecCall(_Call, kw_only=True):
 
 class ExecMany(_Call, kw_only=True):
     calls: list[ExecCall]
+
+    def __post_init__(self) -> None:
+        check_batch(len(self.calls), "calls")
 
 
 class ReadFile(_Call, kw_only=True):
@@ -196,6 +234,10 @@ class ReadFile(_Call, kw_only=True):
     offset: int = 0
     length: int | None = None
 
+    def __post_init__(self) -> None:
+        check_path(self.path)
+        check_read_range(self.offset, self.length)
+
 
 class WriteFile(_Call, kw_only=True):
     """``write_file``: replace the file with ``data`` (or add it at the end)."""
@@ -206,12 +248,19 @@ class WriteFile(_Call, kw_only=True):
     mode: int = 0o644
     append: bool = False
 
+    def __post_init__(self) -> None:
+        check_path(self.path)
+        check_mode(self.mode)
+
 
 class FileRef(_Call, kw_only=True):
     """``list_dir`` and ``stat``: a path in sandbox ``id``."""
 
     id: str
     path: str
+
+    def __post_init__(self) -> None:
+        check_path(self.path)
 
 
 class Mkdir(_Call, kw_only=True):
@@ -221,6 +270,9 @@ class Mkdir(_Call, kw_only=True):
     path: str
     parents: bool = True
 
+    def __post_init__(self) -> None:
+        check_path(self.path)
+
 
 class Remove(_Call, kw_only=True):
     """``remove``: a file, an empty directory, or with ``recursive`` a whole tree."""
@@ -228,6 +280,9 @@ class Remove(_Call, kw_only=True):
     id: str
     path: str
     recursive: bool = False
+
+    def __post_init__(self) -> None:
+        check_path(self.path)
 
 
 class ListRequest(_Call, kw_only=True):

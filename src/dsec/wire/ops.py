@@ -283,30 +283,30 @@ class Op(Generic[Req, Rep]):
     #: timeout plus a margin); None: the caller's default request deadline
     deadline: Callable[[Any], float | None] | None = None
 
+    # Derived once per row (a door reads them on every call; measured: building
+    # f"edge.{name}" per call cost ~0.3 us of an 18 us edge get).
+    api_method: str = field(init=False, repr=False)        # the gateway's Aether method
+    edge_method: str = field(init=False, repr=False)       # the edge's Aether method
+    edge_type: Any = field(init=False, repr=False)         # the request type the edge decodes
+    edge_reply_type: Any = field(init=False, repr=False)   # the reply type the edge answers
+    #: the edge takes `request` and answers `reply` (no edge_request/edge_reply)
+    edge_plain: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        derived = {
+            "api_method": f"api.{self.name}",
+            "edge_method": f"edge.{self.name}",
+            "edge_type": self.request if self.edge_request is None else self.edge_request,
+            "edge_reply_type": self.reply if self.edge_reply is None else self.edge_reply,
+            "edge_plain": self.edge_request is None and self.edge_reply is None,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
     @property
     def effect(self) -> bool:
         """A lost link leaves "it may have happened" (the error says so)."""
         return not self.idempotent
-
-    @property
-    def api_method(self) -> str:
-        """The gateway's Aether method name."""
-        return f"api.{self.name}"
-
-    @property
-    def edge_method(self) -> str:
-        """The edge's Aether method name."""
-        return f"edge.{self.name}"
-
-    @property
-    def edge_type(self) -> Any:
-        """The request type the edge decodes."""
-        return self.request if self.edge_request is None else self.edge_request
-
-    @property
-    def edge_reply_type(self) -> Any:
-        """The reply type the edge answers with."""
-        return self.reply if self.edge_reply is None else self.edge_reply
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -19,15 +19,19 @@ __all__ = [
     "MAX_ARGV_BYTES",
     "MAX_ARGV_ITEMS",
     "MAX_ARG_BYTES",
+    "MAX_BATCH_ITEMS",
     "MAX_CPU_MILLI",
     "MAX_CWD_BYTES",
     "MAX_DISK_BYTES",
     "MAX_ENV_ITEMS",
     "MAX_EXEC_TIMEOUT_S",
+    "MAX_FILE_MODE",
     "MAX_FILE_READ_BYTES",
+    "MAX_IDEMPOTENCY_KEY_CHARS",
     "MAX_MEMORY_BYTES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
+    "MAX_PIDS",
     "MAX_STDIN_BYTES",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
@@ -46,7 +50,11 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotInfo",
+    "check_batch",
+    "check_idempotency_key",
+    "check_mode",
     "check_path",
+    "check_read_range",
     "read_in_chunks",
 ]
 
@@ -61,10 +69,12 @@ MAX_CPU_MILLI = 1024 * 1000          # 1024 cores
 MAX_MEMORY_BYTES = 16 * 2**40         # 16 TiB
 MAX_DISK_BYTES = 1024 * 2**40         # 1 PiB
 MAX_TTL_S = 30 * 24 * 3600.0          # 30 days
+MAX_PIDS = 4_194_304                  # the kernel's pid_max ceiling (PID_MAX_LIMIT)
 
 # Exec and file limits: one set of rules whatever the door (REST, the Aether gateway, the
-# edge itself). Checked by ExecRequest.validate and check_path, which the apiserver calls
-# before forwarding and the edge calls on every request it gets.
+# edge itself). ExecRequest checks them whenever one is made (__post_init__: built,
+# replaced or decoded); the request types of the file API call check_path the same way
+# (dsec.wire.calls), and the edge checks again for its in-process callers.
 # Linux refuses an execve whose argv+envp exceed ARG_MAX (2 MiB with the default 8 MiB
 # stack) and any single string over MAX_ARG_STRLEN (32 pages = 128 KiB, NUL included);
 # we refuse earlier with a clear error instead of an opaque E2BIG (exit 126) inside.
@@ -84,6 +94,11 @@ MAX_PATH_BYTES = 4096                 # PATH_MAX, for the file API
 # more). Cost: one extra round trip per 8 MiB; nothing for files below it.
 FILE_CHUNK_BYTES = 8 << 20
 MAX_FILE_READ_BYTES = 64 << 20
+MAX_FILE_MODE = 0o7777                # permission bits a write may set
+# Items in one batched request (create_many, exec_many, destroy_many): a wire sanity
+# bound; the apiserver's own caps (ApiConfig.max_create_batch, ...) are policy, lower.
+MAX_BATCH_ITEMS = 100_000
+MAX_IDEMPOTENCY_KEY_CHARS = 255
 
 
 def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
@@ -108,6 +123,17 @@ def _utf8_len(text: str, field: str | int) -> int:
                         "surrogate)") from None
 
 
+def _encodes(text: str) -> bool:
+    """``text`` is valid Unicode (no lone surrogate), so it encodes as UTF-8."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_path(path: object, *, field: str = "path") -> str:
     """Validate a path of the file API (read, write, list, stat, mkdir, remove): a
     non-empty string of at most ``MAX_PATH_BYTES`` UTF-8 bytes without NUL. The error
@@ -130,6 +156,37 @@ def check_path(path: object, *, field: str = "path") -> str:
         raise InvalidArgument(f"{field} {path[:60]!r} contains a NUL character",
                               field=field)
     return path
+
+
+def check_read_range(offset: int, length: int | None) -> None:
+    """A file read's ``offset`` and ``length`` (None: to the end) are not negative."""
+    if offset < 0 or (length is not None and length < 0):
+        raise InvalidArgument(f"read_file offset={offset} length={length} must be >= 0",
+                              field="offset" if offset < 0 else "length")
+
+
+def check_mode(mode: int) -> None:
+    """A file mode is permission bits only (0..0o7777)."""
+    if not 0 <= mode <= MAX_FILE_MODE:
+        raise InvalidArgument(f"write_file mode={mode:o} must be within 0..0o7777",
+                              field="mode", limit=MAX_FILE_MODE)
+
+
+def check_batch(n: int, field: str) -> None:
+    """A batch of ``n`` items is within :data:`MAX_BATCH_ITEMS`."""
+    if n > MAX_BATCH_ITEMS:
+        raise InvalidArgument(f"a batch of {n} {field} is over the limit of "
+                              f"{MAX_BATCH_ITEMS} items per request; split it", field=field,
+                              size=n, limit=MAX_BATCH_ITEMS)
+
+
+def check_idempotency_key(key: str | None) -> None:
+    """An idempotency key is 1..255 printable ASCII characters (it travels as an HTTP
+    header, ``Idempotency-Key``)."""
+    if key is not None and (not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS
+                            or not key.isascii() or not key.isprintable()):
+        raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
+                              field="idempotency_key", limit=MAX_IDEMPOTENCY_KEY_CHARS)
 
 
 class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -164,21 +221,25 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
-        def bad(field: str, value: object, why: str) -> InvalidArgument:
+        def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
-                                   field=field)
+                                   field=field, **limit)
         if not (1 <= self.cpu_milli <= MAX_CPU_MILLI):
-            raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores")
+            raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores",
+                      limit=MAX_CPU_MILLI)
         if not (1 << 20 <= self.memory_bytes <= MAX_MEMORY_BYTES):
-            raise bad("memory_bytes", self.memory_bytes, "use 1 MiB..16 TiB (bytes)")
+            raise bad("memory_bytes", self.memory_bytes, "use 1 MiB..16 TiB (bytes)",
+                      limit=MAX_MEMORY_BYTES)
         if self.disk_bytes is not None and not (1 << 20 <= self.disk_bytes <= MAX_DISK_BYTES):
-            raise bad("disk_bytes", self.disk_bytes, "use 1 MiB..1 PiB (bytes) or null")
-        if self.pids_max is not None and not (1 <= self.pids_max <= 4_194_304):
-            raise bad("pids_max", self.pids_max, "use 1..4194304 or null")
+            raise bad("disk_bytes", self.disk_bytes, "use 1 MiB..1 PiB (bytes) or null",
+                      limit=MAX_DISK_BYTES)
+        if self.pids_max is not None and not (1 <= self.pids_max <= MAX_PIDS):
+            raise bad("pids_max", self.pids_max, f"use 1..{MAX_PIDS} or null", limit=MAX_PIDS)
         for name in ("ttl_s", "idle_timeout_s"):
             v = getattr(self, name)
             if v is not None and not (0 < v <= MAX_TTL_S):
-                raise bad(name, v, "use a positive number of seconds up to 30 days, or null")
+                raise bad(name, v, "use a positive number of seconds up to 30 days, or null",
+                          limit=MAX_TTL_S)
         if not self.image:
             raise bad("image", self.image, "name an image")
         if not isinstance(self.user_namespace, bool):
@@ -202,10 +263,54 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     output_cap_bytes: int = 1 << 20         # per stream; beyond it output is dropped
     background: bool = False                # start and return at once (pid in result)
 
+    def __post_init__(self) -> None:
+        # Runs on construction, msgspec.structs.replace, convert and every decode, so an
+        # ExecRequest that exists is within every limit, whichever door it came through.
+        # Measured (small argv+env, loaded 2-core VM): the exact check alone 2.8 us, the
+        # plain-case test below ~0.6 us; decoding the struct itself costs ~0.4 us.
+        if not self._plainly_valid():
+            self._check()
+
     def validate(self) -> ExecRequest:
+        """Return self: an ExecRequest that exists has passed every limit (checked in
+        ``__post_init__``). Kept so older callers' ``req.validate()`` still reads right."""
+        return self
+
+    def _plainly_valid(self) -> bool:
+        """True when every limit obviously holds, False for "check exactly" (:meth:`_check`
+        then passes or raises the precise error). Obvious: all the strings together, NUL
+        separated, are under a quarter of one argument's limit (UTF-8 takes at most 4
+        bytes a character, so every per-string and total size limit holds), hold no NUL
+        of their own and encode."""
+        argv, shell, env = self.argv, self.shell, self.env
+        if shell is None:
+            if not argv:
+                return False
+            parts = [*argv, *env, *env.values()] if env else argv
+        elif argv:
+            return False
+        else:
+            parts = [shell, *env, *env.values()] if env else (shell,)
+        text = "\0".join(parts)
+        if (4 * len(text) > MAX_ARG_BYTES or text.count("\0") != len(parts) - 1
+                or not (text.isascii() or _encodes(text))):
+            return False
+        for k in env:
+            if not k or "=" in k:
+                return False
+        for small in (self.cwd, self.user):   # both far under their limit when obvious
+            if small is not None and (not small or 4 * len(small) > MAX_USER_BYTES
+                                      or "\0" in small or not _encodes(small)):
+                return False
+        t = self.timeout_s
+        return (len(self.stdin) <= MAX_STDIN_BYTES
+                and (t is None or 0 < t <= MAX_EXEC_TIMEOUT_S)
+                and 0 <= self.output_cap_bytes <= MAX_OUTPUT_CAP_BYTES)
+
+    def _check(self) -> None:
         """Check every limit (the ``MAX_*`` constants of this module); raise
         :class:`InvalidArgument` naming the field, the size and the limit, without
-        echoing a large value. Returns self. Cost: one pass over the strings."""
+        echoing a large value. Cost: one pass over the strings."""
         if bool(self.argv) == (self.shell is not None):
             raise InvalidArgument("exec needs exactly one of argv (a non-empty list of "
                                   "strings) or shell (a string)", field="argv")
@@ -266,7 +371,6 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
                 f"exec output_cap_bytes={self.output_cap_bytes} must be within "
                 f"0..{MAX_OUTPUT_CAP_BYTES} (1 GiB)", field="output_cap_bytes",
                 limit=MAX_OUTPUT_CAP_BYTES)
-        return self
 
 
 class ExecResult(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -901,7 +901,6 @@ class ContainerBackend:
 
     async def _exec(self, sid: str, req: ExecRequest,
                     on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
-        req.validate()
         box = self.box(sid)
         if box.paused:  # an exec on a paused sandbox resumes it transparently
             await self.resume(SandboxId(sid))

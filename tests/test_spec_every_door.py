@@ -1,0 +1,114 @@
+"""Every field of a sandbox spec arrives, whichever door creates the sandbox.
+
+One spec with every field set away from its default goes in through raw REST, both SDK
+transports, the RL toolkit's ClientAccess and EdgeAccess, and EdgeClient straight to the
+edge; the sandbox each makes reports that very spec. (ClientAccess rebuilt create
+keywords from a hand-kept field list and dropped ``user_namespace``: a sandbox asked to
+map root inside to an unprivileged host uid got real root instead.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from dsec import LocalCluster
+from dsec.edge.client import EdgeClient
+from dsec.rl.access import ClientAccess, EdgeAccess, LoopThread
+from dsec.wire.spec import NetworkPolicy, SandboxSpec
+
+SAMPLE = SandboxSpec(
+    image="python", workspace="ws:1", toolkits=("tk:1", "tk:2"), backend="simulated",
+    cpu_milli=1500, memory_bytes=256 << 20, disk_bytes=1 << 30, pids_max=512, priority=7,
+    labels={"team": "rl"}, project="default/sub", ttl_s=3600.0, idle_timeout_s=600.0,
+    idle_action="pause", env={"E": "1"},
+    network=NetworkPolicy(mode="allowlist", allow=("example.com:443",)), allow_nested=True,
+    user_namespace=True)
+
+
+def test_the_sample_sets_every_field() -> None:
+    """A field added to SandboxSpec must be added here (or this fails): that is what keeps
+    the round trips below covering every field."""
+    default = SandboxSpec()
+    same = [f for f in SandboxSpec.__struct_fields__
+            if getattr(SAMPLE, f) == getattr(default, f)]
+    # snapshot: a sandbox from a snapshot takes the snapshot's image (test below);
+    # backend: the test cluster runs only the simulated backend, which is the default
+    assert same == ["snapshot", "backend"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1) as cl:
+        yield cl
+
+
+def _sdk_kwargs(spec: SandboxSpec) -> dict[str, Any]:
+    """The SDK's create keywords for ``spec``, written out here (not derived)."""
+    return {"image": spec.image, "workspace": spec.workspace, "toolkits": list(spec.toolkits),
+            "snapshot": spec.snapshot, "backend": spec.backend, "cpu": spec.cpu_milli / 1000,
+            "memory": spec.memory_bytes, "disk": spec.disk_bytes, "pids_max": spec.pids_max,
+            "priority": spec.priority, "labels": spec.labels, "project": spec.project,
+            "ttl": spec.ttl_s, "idle_timeout": spec.idle_timeout_s,
+            "idle_action": spec.idle_action, "env": spec.env, "network": spec.network,
+            "allow_nested": spec.allow_nested, "user_namespace": spec.user_namespace}
+
+
+def _edge_address(cluster: LocalCluster) -> str:
+    return f"unix:{cluster.state_dir}/edges/edge-0.sock"
+
+
+def _through_every_door(cluster: LocalCluster, spec: SandboxSpec) -> dict[str, SandboxSpec]:
+    got: dict[str, SandboxSpec] = {}
+    r = httpx.post(f"{cluster.url}/v1/sandboxes", json=msgspec.to_builtins(spec),
+                   headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)
+    assert r.status_code == 201, r.text
+    with cluster.client(transport="http") as c:
+        got["rest"] = c.sandboxes.get(r.json()["id"]).info.spec
+    for transport in ("http", "aether"):
+        with cluster.client(transport=transport) as c:
+            sb = c.sandboxes.create(**_sdk_kwargs(spec), detached=True)
+            got[f"sdk-{transport}"] = c.sandboxes.get(sb.id).info.spec
+            access = ClientAccess(c, create={"detached": True})
+            sid = access.create(spec)
+            got[f"client-access-{transport}"] = c.sandboxes.get(sid).info.spec
+
+    async def edge_client() -> SandboxSpec:
+        async with await EdgeClient.connect(_edge_address(cluster)) as edge:
+            return (await edge.get((await edge.create(spec)).id)).spec
+    got["edge-client"] = cluster._on_loop(edge_client(), timeout=60)
+    lt = LoopThread(name="spec-doors")
+    try:
+        edge = lt.run(EdgeClient.connect(_edge_address(cluster)), 60)
+        try:
+            sid = EdgeAccess({"edge-0": edge}, lt).create(spec)
+            got["edge-access"] = lt.run(edge.get(sid), 60).spec
+        finally:
+            lt.run(edge.close(), 60)
+    finally:
+        lt.close()
+    return got
+
+
+def test_every_spec_field_arrives_through_every_door(cluster: LocalCluster) -> None:
+    got = _through_every_door(cluster, SAMPLE)
+    assert set(got) == {"rest", "sdk-http", "sdk-aether", "client-access-http",
+                        "client-access-aether", "edge-client", "edge-access"}
+    for door, spec in got.items():
+        lost = {f: (getattr(spec, f), getattr(SAMPLE, f)) for f in SandboxSpec.__struct_fields__
+                if getattr(spec, f) != getattr(SAMPLE, f)}
+        assert not lost, f"{door} changed fields (got, sent): {lost}"
+
+
+def test_a_spec_from_a_snapshot_arrives_through_every_door(cluster: LocalCluster) -> None:
+    with cluster.client(transport="http") as c:
+        snap = c.sandboxes.create(detached=True).snapshot()
+    from_snapshot = msgspec.structs.replace(SAMPLE, image="base", workspace=None, toolkits=(),
+                                            snapshot=snap.id)
+    for door, spec in _through_every_door(cluster, from_snapshot).items():
+        assert spec.snapshot == snap.id, door
+        assert spec == from_snapshot, door
