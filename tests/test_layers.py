@@ -35,10 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules whose logic must stay pure: decisions as data, no sockets, processes, files, clocks.
 PURE_MODULES = (
     "dsec.aether.frame",
+    "dsec.aether.state",
     "dsec.control.placement",
     "dsec.control.watcher",
-    "dsec.control.api.sweeper",
+    "dsec.control.sweeper",
     "dsec.control.quota",
+    "dsec.control.reconcile",
     "dsec.edge.lifecycle",
 )
 # Packages whose every module is pure (checked once they exist: the vocabulary, issue 13).

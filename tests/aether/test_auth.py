@@ -149,3 +149,27 @@ async def test_post_init_refusal_is_the_error_itself() -> None:
         await c.close()
     finally:
         await server.close()
+
+
+async def test_a_second_guess_pipelined_behind_a_wrong_one_is_not_served(
+    router: Router,
+) -> None:
+    """One guess per connection, even when the guesses arrive in one write: the wrong
+    token's refusal is a GOAWAY, and the right token sent right behind it is never checked
+    (it used to be, before the close scheduled for the refusal had run)."""
+    import asyncio
+
+    server = await serve(router, "tcp:127.0.0.1:0")
+    try:
+        c = await connect(server.address)
+        wrong, right = await asyncio.gather(
+            c.call(AUTH_METHOD, b"guess"), c.call(AUTH_METHOD, b"s3cret-token"),
+            return_exceptions=True)
+        assert isinstance(wrong, Unauthenticated)
+        assert isinstance(right, ConnectionLost), right
+        assert right.detail.get("retryable") is True    # not processed: a retry is safe
+        with pytest.raises(ConnectionLost):
+            await c.call("echo", 1)
+        await c.close()
+    finally:
+        await server.close()

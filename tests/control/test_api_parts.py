@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from dsec.control.api.service import ApiConfig, ApiService, Caller
-from dsec.control.api.sweeper import Session, SweepCandidate, plan_sweep
 from dsec.control.idempotency import IdempotencyCache, fingerprint
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store.sqlite import SqliteStore
+from dsec.control.sweeper import Session, SweepCandidate, plan_sweep
 from dsec.errors import Conflict, ImageNotFound, InvalidArgument, RateLimited, Unauthenticated
 
 

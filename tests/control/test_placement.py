@@ -10,9 +10,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dsec.control.placement import (
     Decision,
-    NodeView,
     Placement,
     PlacementConfig,
+    PlacementNode,
     PlacementRequest,
 )
 from dsec.errors import InvalidArgument, NoCapacity
@@ -21,9 +21,9 @@ GiB = 1 << 30
 
 
 def view(i: int | str, *, cpu: int = 16000, mem: int = 64 * GiB, used_cpu: int = 0,
-         used_mem: int = 0, **kw: object) -> NodeView:
+         used_mem: int = 0, **kw: object) -> PlacementNode:
     name = i if isinstance(i, str) else f"n{i}"
-    return NodeView(node=name, cpu_milli_capacity=cpu, memory_bytes_capacity=mem,
+    return PlacementNode(node=name, cpu_milli_capacity=cpu, memory_bytes_capacity=mem,
                     cpu_milli_used=used_cpu, memory_bytes_used=used_mem, **kw)  # type: ignore[arg-type]
 
 
@@ -227,7 +227,7 @@ class PlacementIndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.p = Placement(rng=random.Random(0), config=PlacementConfig(k=3))
-        self.views: dict[str, NodeView] = {}
+        self.views: dict[str, PlacementNode] = {}
         self.pending: list[Decision] = []
         self.confirmed: list[Decision] = []
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsec.control.api.plane import ControlPlane
-from dsec.control.api.sweeper import Session, SweepCandidate, plan_sweep
 from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
+from dsec.control.sweeper import Session, SweepCandidate, plan_sweep
 
 
 def test_a_session_that_lapsed_while_no_apiserver_ran_gets_a_lease_to_renew() -> None:

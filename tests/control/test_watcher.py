@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import msgspec
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from dsec.control.placement import NodeView, Placement, PlacementRequest
+from dsec.control.placement import Placement, PlacementNode, PlacementRequest
 from dsec.control.quota import QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
@@ -48,7 +53,7 @@ def sb(name: str, node: str = "n1", *, prio: int = 0, created: float = 0.0,
 
 def hb(node: str, t: float, sandboxes: tuple[LiveSandbox, ...] = (), *,
        cpu: int = 8000, mem: int = 32 * GiB, max_sandboxes: int | None = None) -> NodeHeartbeat:
-    return NodeHeartbeat(time=t, sandboxes=sandboxes, view=NodeView(
+    return NodeHeartbeat(time=t, sandboxes=sandboxes, view=PlacementNode(
         node=node, cpu_milli_capacity=cpu, memory_bytes_capacity=mem,
         cpu_milli_used=sum(s.cpu_milli for s in sandboxes),
         memory_bytes_used=sum(s.memory_bytes for s in sandboxes), max_sandboxes=max_sandboxes))
@@ -208,3 +213,109 @@ def test_a_node_this_side_cannot_reach_is_held_not_expired() -> None:
 ])
 def test_link_failure_cause(exc: Exception, cause: str) -> None:
     assert link_failure_cause(exc) == cause  # type: ignore[arg-type]
+
+
+# ------------------------------------------------- stimuli, story, validate_state (C4)
+
+
+def test_instructions_carry_their_stimulus_and_the_story_tells_it() -> None:
+    w = Watcher(WatcherConfig(ttl_s=5.0))
+    live = (sb("1"), sb("2"))
+    [up] = w.handle(hb("n1", 0.0, live))
+    assert up.stimulus_id == "hb-n1-1"               # named by the watcher when not given
+    [evict] = w.handle(Tick(6.0, stimulus_id="tick-A"))
+    assert evict == EvictNode("n1", (live[0].id, live[1].id))   # provenance not compared
+    assert evict.stimulus_id == "tick-A"
+    back = w.handle(NodeHeartbeat(time=7.0, sandboxes=live, view=hb("n1", 7.0).view,
+                                  stimulus_id="hb-B"))
+    assert {i.stimulus_id for i in back} == {"hb-B"}
+    assert [(e.stimulus_id, e.event, e.instructions) for e in w.story_of("n1")] == [
+        ("hb-n1-1", "NodeHeartbeat", ("UpdateNode",)),
+        ("tick-A", "Tick", ("EvictNode",)),
+        ("hb-B", "NodeHeartbeat", ("DestroySandboxes", "UpdateNode")),
+    ]
+    w.validate_state()
+
+
+def test_validate_state_names_a_broken_invariant() -> None:
+    w = Watcher()
+    w.handle(hb("n1", 0.0, (sb("1"),)), hb("n2", 1.0))
+    w.validate_state()
+    w._live.move_to_end("n1")           # n1 (seen at 0) now after n2 (seen at 1)
+    with pytest.raises(AssertionError, match="out of receipt order"):
+        w.validate_state()
+    w._live.move_to_end("n2")
+    w._live["n1"].zombies.add("sb-not-listed")
+    with pytest.raises(AssertionError, match="zombies .* not in its last heartbeat"):
+        w.validate_state()
+
+
+NODES = ("n1", "n2", "n3")
+POOL = {n: tuple(sb(str(i), n, prio=i % 3, created=float(i), paused=i == 4,
+                    cpu=500, mem=GiB // 2) for i in range(6)) for n in NODES}
+
+
+class WatcherMachine(RuleBasedStateMachine):
+    """Random heartbeats, ticks, link failures and preemptions; the watcher's invariants
+    hold after every event, every instruction names the stimulus that caused it, and a
+    node is expired only after ttl_s of silence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = Watcher(WatcherConfig(ttl_s=5.0, forget_s=30.0))
+        self.now = 0.0
+        self.n = 0
+        self.seen: dict[str, float] = {}      # node -> when it was last heard (model)
+
+    def _handle(self, ev: object) -> list[object]:
+        self.n += 1
+        sid = f"s{self.n}" if self.n % 2 else ""     # half named by the runner
+        ev = dataclasses.replace(ev, stimulus_id=sid) if dataclasses.is_dataclass(ev) \
+            else msgspec.structs.replace(ev, stimulus_id=sid)  # type: ignore[type-var]
+        out = self.w.handle(ev)  # type: ignore[arg-type]
+        self.w.validate_state()
+        last = self.w.story[-1]
+        assert last.event == type(ev).__name__
+        assert last.instructions == tuple(type(i).__name__ for i in out)
+        assert (last.stimulus_id == sid) if sid else last.stimulus_id
+        assert all(i.stimulus_id == last.stimulus_id for i in out)  # type: ignore[attr-defined]
+        return out  # type: ignore[return-value]
+
+    @rule(node=st.sampled_from(NODES), dt=st.floats(0, 4), keep=st.sets(st.integers(0, 5)))
+    def heartbeat(self, node: str, dt: float, keep: set[int]) -> None:
+        self.now += dt
+        sbs = tuple(s for i, s in enumerate(POOL[node]) if i in keep)
+        self._handle(hb(node, self.now, sbs, cpu=2000, mem=2 * GiB, max_sandboxes=5))
+        self.seen[node] = self.now
+
+    @rule(dt=st.floats(0, 8))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        out = self._handle(Tick(self.now))
+        for ins in out:
+            if isinstance(ins, EvictNode):
+                assert self.seen[ins.node] < self.now - 5.0, (ins.node, self.seen, self.now)
+                del self.seen[ins.node]
+        for node, at in self.seen.items():
+            assert at >= self.now - 5.0, f"{node} silent since {at}, not expired at {self.now}"
+
+    @rule(node=st.sampled_from(NODES), cause=st.sampled_from(["answered", "blind"]))
+    def link_failed(self, node: str, cause: str) -> None:
+        out = self._handle(LinkFailed(node=node, time=self.now, cause=cause))  # type: ignore[arg-type]
+        if node in self.seen:
+            self.seen[node] = max(self.seen[node], self.now)
+            assert [type(i) for i in out] == [UpdateNode] and not out[0].view.healthy  # type: ignore[attr-defined]
+        else:
+            assert out == []
+
+    @rule(node=st.sampled_from(NODES), prio=st.integers(0, 4), cpu=st.integers(0, 2500))
+    def preempt(self, node: str, prio: int, cpu: int) -> None:
+        out = self._handle(Preempt(node=node, cpu_milli=cpu, memory_bytes=0, priority=prio))
+        for ins in out:
+            if isinstance(ins, PreemptSandboxes):
+                assert node in self.seen
+                assert all(int(v[3:15]) % 3 < prio for v in ins.sandbox_ids)
+
+
+TestWatcherMachine = WatcherMachine.TestCase
+TestWatcherMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsec.bench import BenchContext, suite
-from dsec.control.placement import NodeView, Placement, PlacementConfig, PlacementRequest
+from dsec.control.placement import Placement, PlacementConfig, PlacementNode, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
@@ -75,7 +75,7 @@ class _Sim:
 
     def _snap(self, name: str) -> None:
         u = self.used[name]
-        self.p.update(NodeView(
+        self.p.update(PlacementNode(
             node=name, cpu_milli_capacity=self.cap[name][0],
             memory_bytes_capacity=self.cap[name][1], cpu_milli_used=u[0],
             memory_bytes_used=u[1], sandboxes=u[2], groups=dict(self.groups[name]),

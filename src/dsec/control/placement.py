@@ -47,16 +47,16 @@ from dsec.errors import InvalidArgument, NoCapacity
 
 __all__ = [
     "Decision",
-    "NodeView",
     "Placement",
     "PlacementAttempt",
     "PlacementConfig",
+    "PlacementNode",
     "PlacementRequest",
     "ScoreWeights",
 ]
 
 
-class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+class PlacementNode(msgspec.Struct, frozen=True, kw_only=True):
     """What placement knows about one edge node (from the watcher's last snapshot).
 
     Capacities and usage are reservations: ``cpu_milli_*`` in millicores,
@@ -177,14 +177,14 @@ class _Slot:
         "view",
     )
 
-    def __init__(self, view: NodeView) -> None:
+    def __init__(self, view: PlacementNode) -> None:
         self.pending: set[Decision] = set()
         self.alive = True
         self.tags: tuple[str | None, ...] = ()
         self.view = view
         self.band = -1                       # free-CPU band (see Placement._reband)
 
-    def load(self, v: NodeView, pen: float) -> None:
+    def load(self, v: PlacementNode, pen: float) -> None:
         self.view = v
         self.node = v.node
         self.cap_cpu = v.cpu_milli_capacity
@@ -313,7 +313,7 @@ class Placement:
             self._op_used_cpu += sign * s.used_cpu
             self._op_used_mem += sign * s.used_mem
 
-    def update(self, view: NodeView) -> None:
+    def update(self, view: PlacementNode) -> None:
         """Replace what is known about one node (O(labels + layers) of that node)."""
         if view.cpu_milli_capacity < 0 or view.memory_bytes_capacity < 0:
             raise InvalidArgument(f"node {view.node!r} reports a negative capacity")
@@ -361,7 +361,7 @@ class Placement:
         s.alive = False
         s.pending.clear()
 
-    def apply_snapshot(self, views: Iterable[NodeView]) -> None:
+    def apply_snapshot(self, views: Iterable[PlacementNode]) -> None:
         """Make the node set exactly ``views`` (a full resync from the watcher)."""
         seen = set()
         for v in views:

@@ -39,17 +39,26 @@ node is ``answered`` (busy, held) when its link carried other replies during the
 off), and this side is ``blind`` when its own event loop could not run for much of the
 poll's deadline (:class:`StallMeter`: CPU-heavy requests, or the host starving the
 process).
+
+Every event carries a ``stimulus_id`` (the runner may name it; otherwise the watcher does:
+``hb-<node>-<n>``, ``tick-<now>``, ``link-<node>-<n>``, ``preempt-<node>-<n>``), and every
+instruction carries the stimulus that caused it, so a log line saying a node was lost or
+a sandbox destroyed can name the heartbeat or tick behind it. The watcher keeps a bounded
+:attr:`Watcher.story` of what each stimulus did (``story_of(node)`` for tests and logs),
+and :meth:`Watcher.validate_state` checks its invariants (Dask's
+``WorkerState.handle_stimulus`` / ``validate_state`` are the model).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import msgspec
 
-from dsec.control.placement import NodeView
+from dsec.control.placement import PlacementNode
 from dsec.errors import (
     DsecError,
     InvalidArgument,
@@ -70,6 +79,7 @@ __all__ = [
     "PreemptSandboxes",
     "PreemptionFailed",
     "StallMeter",
+    "StoryEntry",
     "Tick",
     "UpdateNode",
     "Watcher",
@@ -103,8 +113,9 @@ class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     time: float
-    view: NodeView
+    view: PlacementNode
     sandboxes: tuple[LiveSandbox, ...] = ()
+    stimulus_id: str = ""
 
     @property
     def node(self) -> str:
@@ -116,6 +127,7 @@ class Tick:
     """Time passes: expire nodes silent since before ``now - ttl_s``."""
 
     now: float
+    stimulus_id: str = ""
 
 
 LinkCause = Literal["answered", "blind", "silent"]
@@ -131,6 +143,7 @@ class LinkFailed:
     time: float
     cause: Literal["answered", "blind"]
     detail: str = ""
+    stimulus_id: str = ""
 
 
 def link_failure_cause(exc: DsecError, *, heard: bool = False,
@@ -218,11 +231,14 @@ class Preempt:
     cpu_milli: int
     memory_bytes: int
     priority: int
+    stimulus_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class UpdateNode:
-    view: NodeView
+    view: PlacementNode
+    # What caused it (the event's stimulus id); not part of what the instruction is.
+    stimulus_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +248,8 @@ class EvictNode:
     node: str
     sandbox_ids: tuple[str, ...]
     reason: str = "node_lost"
+    # What caused it (the event's stimulus id); not part of what the instruction is.
+    stimulus_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +257,8 @@ class DestroySandboxes:
     node: str
     sandbox_ids: tuple[str, ...]
     reason: str
+    # What caused it (the event's stimulus id); not part of what the instruction is.
+    stimulus_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,16 +267,33 @@ class PreemptSandboxes:
     sandbox_ids: tuple[str, ...]
     for_priority: int
     reason: str = "preempted"
+    # What caused it (the event's stimulus id); not part of what the instruction is.
+    stimulus_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class PreemptionFailed:
     node: str
     reason: str
+    # What caused it (the event's stimulus id); not part of what the instruction is.
+    stimulus_id: str = field(default="", compare=False)
 
 
 Event = NodeHeartbeat | Tick | Preempt | LinkFailed
 Instruction = UpdateNode | EvictNode | DestroySandboxes | PreemptSandboxes | PreemptionFailed
+
+
+class StoryEntry(NamedTuple):
+    """What one stimulus did: its id, the event kind, the nodes it concerned (the event's
+    node, or those a tick expired) and the kinds of the instructions it produced."""
+
+    stimulus_id: str
+    event: str
+    nodes: tuple[str, ...]
+    instructions: tuple[str, ...]
+
+
+STORY_MAX = 10_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -272,6 +309,11 @@ class WatcherConfig:
         if not self.ttl_s > 0 or not self.forget_s > 0:
             raise InvalidArgument(
                 f"watcher ttl_s={self.ttl_s} and forget_s={self.forget_s} must be > 0")
+
+
+def _check(ok: bool, broken: str) -> None:
+    if not ok:
+        raise AssertionError(f"watcher invariant broken: {broken}")
 
 
 class _Node:
@@ -327,24 +369,72 @@ class Watcher:
         self._live: OrderedDict[str, _Node] = OrderedDict()   # receipt order
         self._expired: OrderedDict[str, tuple[float, _Node]] = OrderedDict()
         self._now = float("-inf")
+        self._seq = 0
+        #: What each recent stimulus did, oldest first (bounded: STORY_MAX entries).
+        self.story: deque[StoryEntry] = deque(maxlen=STORY_MAX)
 
     def handle(self, *events: Event) -> list[Instruction]:
         out: list[Instruction] = []
         for ev in events:
+            start = len(out)
             if isinstance(ev, NodeHeartbeat):
-                self._heartbeat(ev, out)
+                sid = ev.stimulus_id or self._name("hb", ev.node)
+                self._heartbeat(ev, sid, out)
+                nodes: tuple[str, ...] = (ev.node,)
             elif isinstance(ev, Tick):
-                self._tick(ev.now, out)
+                sid = ev.stimulus_id or f"tick-{ev.now:.3f}"
+                self._tick(ev.now, sid, out)
+                nodes = tuple(i.node for i in out[start:] if isinstance(i, EvictNode))
             elif isinstance(ev, Preempt):
-                self._preempt(ev, out)
+                sid = ev.stimulus_id or self._name("preempt", ev.node)
+                self._preempt(ev, sid, out)
+                nodes = (ev.node,)
             elif isinstance(ev, LinkFailed):
-                self._link_failed(ev, out)
+                sid = ev.stimulus_id or self._name("link", ev.node)
+                self._link_failed(ev, sid, out)
+                nodes = (ev.node,)
             else:
                 raise InvalidArgument(f"watcher cannot handle {type(ev).__name__} events")
+            self.story.append(StoryEntry(sid, type(ev).__name__, nodes,
+                                         tuple(type(i).__name__ for i in out[start:])))
         return out
 
+    def _name(self, kind: str, node: str) -> str:
+        self._seq += 1
+        return f"{kind}-{node}-{self._seq}"
+
+    def story_of(self, node: str) -> list[StoryEntry]:
+        """The stimuli (still in :attr:`story`) that concerned ``node``, oldest first."""
+        return [e for e in self.story if node in e.nodes]
+
+    def validate_state(self) -> None:
+        """Check the watcher's invariants; AssertionError naming the one broken. For
+        tests (run after every event there) and debugging, not the hot path. (Explicit
+        raises, not ``assert``: it checks under ``python -O`` too.)"""
+        live, expired = self._live, self._expired
+        both = live.keys() & expired.keys()
+        _check(not both, f"nodes both live and expired: {sorted(both)}")
+        seen = [n.last_seen for n in live.values()]
+        _check(all(a <= b for a, b in itertools.pairwise(seen)),
+               "live nodes out of receipt order (a tick expires in O(expired) by it): "
+               f"{[(k, n.last_seen) for k, n in live.items()]}")
+        at = [t for t, _ in expired.values()]
+        _check(all(a <= b for a, b in itertools.pairwise(at)),
+               f"expired nodes out of expiry order: {[(k, t) for k, (t, _) in expired.items()]}")
+        for name, node in live.items():
+            _check(node.hb.node == name, f"node {name!r} holds the heartbeat of {node.hb.node!r}")
+            listed = {s.id for s in node.hb.sandboxes}
+            _check(node.zombies <= listed,
+                   f"{name}: zombies {sorted(node.zombies - listed)} not in its last heartbeat")
+            _check(node.doomed <= listed,
+                   f"{name}: victims {sorted(node.doomed - listed)} not in its last heartbeat")
+            _check(not node.doomed & node.zombies,
+                   f"{name}: {sorted(node.doomed & node.zombies)} both victims and zombies")
+            _check(node.last_seen <= self._now,
+                   f"{name}: last seen at {node.last_seen} after the watcher's now {self._now}")
+
     # --- heartbeats -------------------------------------------------------------------
-    def _heartbeat(self, hb: NodeHeartbeat, out: list[Instruction]) -> None:
+    def _heartbeat(self, hb: NodeHeartbeat, sid: str, out: list[Instruction]) -> None:
         self._now = max(self._now, hb.time)
         node = self._live.pop(hb.node, None)
         if node is None:
@@ -361,20 +451,21 @@ class Watcher:
         if node.zombies:
             node.zombies &= listed
             if node.zombies:
-                out.append(DestroySandboxes(hb.node, tuple(sorted(node.zombies)), "node_lost"))
+                out.append(DestroySandboxes(hb.node, tuple(sorted(node.zombies)), "node_lost",
+                                            stimulus_id=sid))
         if node.doomed:
             node.doomed &= listed
-        out.append(UpdateNode(self._view(hb, node.zombies)))
+        out.append(UpdateNode(self._view(hb, node.zombies), stimulus_id=sid))
 
     @staticmethod
-    def _view(hb: NodeHeartbeat, zombies: set[str]) -> NodeView:
+    def _view(hb: NodeHeartbeat, zombies: set[str]) -> PlacementNode:
         groups: dict[str, int] = {}
         for s in hb.sandboxes:
             if s.id not in zombies:
                 groups[s.project] = groups.get(s.project, 0) + 1
         return msgspec.structs.replace(hb.view, sandboxes=len(hb.sandboxes), groups=groups)
 
-    def _link_failed(self, ev: LinkFailed, out: list[Instruction]) -> None:
+    def _link_failed(self, ev: LinkFailed, sid: str, out: list[Instruction]) -> None:
         node = self._live.get(ev.node)
         if node is None:
             return  # never seen, or already expired: nothing to hold
@@ -383,10 +474,10 @@ class Watcher:
             node.last_seen = ev.time
             self._live.move_to_end(ev.node)
         view = self._view(node.hb, node.zombies)
-        out.append(UpdateNode(msgspec.structs.replace(view, healthy=False)))
+        out.append(UpdateNode(msgspec.structs.replace(view, healthy=False), stimulus_id=sid))
 
     # --- expiry -------------------------------------------------------------------------
-    def _tick(self, now: float, out: list[Instruction]) -> None:
+    def _tick(self, now: float, sid: str, out: list[Instruction]) -> None:
         self._now = max(self._now, now)
         deadline = now - self.config.ttl_s
         live = self._live
@@ -396,7 +487,8 @@ class Watcher:
                 break
             del live[name]
             self._expired[name] = (now, node)
-            out.append(EvictNode(name, tuple(sorted(s.id for s in node.hb.sandboxes))))
+            out.append(EvictNode(name, tuple(sorted(s.id for s in node.hb.sandboxes)),
+                                 stimulus_id=sid))
         forget_before = now - self.config.forget_s
         while self._expired:
             name, (at, _) = next(iter(self._expired.items()))
@@ -405,10 +497,11 @@ class Watcher:
             del self._expired[name]
 
     # --- preemption ---------------------------------------------------------------------
-    def _preempt(self, req: Preempt, out: list[Instruction]) -> None:
+    def _preempt(self, req: Preempt, sid: str, out: list[Instruction]) -> None:
         node = self._live.get(req.node)
         if node is None:
-            out.append(PreemptionFailed(req.node, f"node {req.node!r} is not alive"))
+            out.append(PreemptionFailed(req.node, f"node {req.node!r} is not alive",
+                                        stimulus_id=sid))
             return
         hb = node.hb
         v = hb.view
@@ -429,14 +522,15 @@ class Watcher:
                 req.node,
                 f"node {req.node!r} cannot make room for cpu_milli={req.cpu_milli}, "
                 f"memory_bytes={req.memory_bytes} at priority {req.priority}: even evicting "
-                "every lower-priority sandbox would not free enough"))
+                "every lower-priority sandbox would not free enough", stimulus_id=sid))
             return
         if victims:
             node.doomed.update(v.id for v in victims)
-            out.append(PreemptSandboxes(req.node, tuple(v.id for v in victims), req.priority))
+            out.append(PreemptSandboxes(req.node, tuple(v.id for v in victims), req.priority,
+                                        stimulus_id=sid))
 
     # --- introspection ------------------------------------------------------------------
-    def views(self) -> list[NodeView]:
+    def views(self) -> list[PlacementNode]:
         """The current snapshot of live nodes (for a full placement resync)."""
         return [self._view(n.hb, n.zombies) for n in self._live.values()]
 

@@ -9,7 +9,7 @@ background loops. Administration (projects, quotas, keys, sessions) is
 (``plane.admin``, ``plane.images``). The loops: edge heartbeats (which feed
 placement, the watcher and the ``/metrics`` gauges), the edge event feeds (which keep the
 registry and quota usage in step with what edges reap on their own: TTL, idle, OOM), and
-the leak sweeper (:mod:`dsec.control.api.sweeper`).
+the leak sweeper (:mod:`dsec.control.sweeper`).
 
 Keeping the registry in step with the edges (it answers ``GET /v1/sandboxes``):
 
@@ -55,7 +55,6 @@ import msgspec
 from dsec.control.api.admin import Admin
 from dsec.control.api.images import ImageAdmin
 from dsec.control.api.service import ApiService, Caller, EdgeOps
-from dsec.control.api.sweeper import SESSION_LABEL, Session, SweepCandidate, plan_sweep
 from dsec.control.api.types import (
     CreateKeyRequest,
     CreateKeyResponse,
@@ -71,9 +70,20 @@ from dsec.control.api.types import (
 from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
-from dsec.control.placement import Decision, Placement, PlacementRequest
-from dsec.control.placement import NodeView as PlacementView
+from dsec.control.placement import Decision, Placement, PlacementNode, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
+from dsec.control.reconcile import (
+    Forget,
+    Probe,
+    ProbeResult,
+    Record,
+    RecordBrief,
+    SetPaused,
+    Settled,
+    WriteOff,
+    plan_reconcile,
+    settle_probe,
+)
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
 from dsec.control.retention import RetentionConfig, RetentionReport, retain
@@ -82,6 +92,7 @@ from dsec.control.store import (
     SnapshotChargeRow,
     StateStore,
 )
+from dsec.control.sweeper import SESSION_LABEL, Session, SweepCandidate, plan_sweep
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
@@ -720,7 +731,7 @@ class ControlPlane:
         labels = dict(hb.labels)
         labels.update({f"{BACKEND_LABEL}{b}": "1" for b in hb.backends})
         await self._carry_out(self.watcher.handle(NodeHeartbeat(
-            time=now, view=PlacementView(
+            time=now, view=PlacementNode(
                 node=e.node, cpu_milli_capacity=hb.capacity.cpu_milli,
                 memory_bytes_capacity=hb.capacity.memory_bytes,
                 cpu_milli_used=hb.usage.cpu_milli, memory_bytes_used=hb.usage.memory_bytes,
@@ -789,59 +800,57 @@ class ControlPlane:
                 LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=why)))
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
-        """Make the registry's records of node ``e`` match the heartbeat's list."""
+        """Make the registry's records of node ``e`` match the heartbeat's list: the plan
+        is :func:`dsec.control.reconcile.plan_reconcile` (pure); this carries it out, asks
+        the edge about every sandbox it probes at once, and settles each answer."""
         reg = self.registry
-        zombies = self.watcher.zombies(e.node)
-        listed: dict[str, Any] = {}
-        written_off: list[str] = []
-        for b in hb.sandboxes:
-            if b.state in _GONE or b.id in zombies:
-                continue
-            if b.id in self._lost:
-                written_off.append(b.id)
-                continue
-            listed[b.id] = b
-        if written_off:
-            # Evicted with this node while it was away, and the watcher does not know
-            # (this apiserver restarted since, or the watcher forgot the expiry): the
-            # tombstones (kept in the store) say destroy them, never resurrect them.
-            try:
-                await link.destroy_many(written_off, reason="node_lost")
-            except DsecError as exc:
-                log.warning("could not destroy written-off %s on %s: %s", written_off,
-                            e.node, exc)
-        for sid in reg.ids_on(e.node) - listed.keys():
-            # Created before the heartbeat was taken (same edge clock) yet not listed:
-            # it is gone and its feed event was lost. Younger ones may just be racing.
-            try:
-                rec = reg.sandbox(sid)
-            except SandboxNotFound:
-                continue
-            if rec.created_at < hb.time:
-                try:
-                    gone = await link.get(sid)
-                except SandboxNotFound:
-                    # Not even a tombstone on the edge: it restarted without this one.
-                    self._write_off(rec, f"node {e.node} no longer has it: the node "
-                                         "restarted without it (it was not in the "
-                                         "node's journal)")
-                    continue
-                except DsecError:
-                    continue  # ask again on the next poll
-                if gone.state in _GONE:
-                    self.forget(sid, gone.reason or "gone")
-        for sid, b in listed.items():
+        listed = [(b.id, b.state) for b in hb.sandboxes]
+        on_node = reg.ids_on(e.node)
+        records: dict[str, RecordBrief] = {}
+        for sid in on_node.union(b.id for b in hb.sandboxes):
             if sid in reg:
                 rec = reg.sandbox(sid)
-                if b.state in ("running", "paused") and rec.paused != (b.state == "paused"):
-                    self.paused(sid, b.state == "paused")
-                continue
+                records[sid] = RecordBrief(created_at=rec.created_at, paused=rec.paused)
+        steps = plan_reconcile(hb_time=hb.time, listed=listed, on_node=on_node,
+                               records=records, zombies=self.watcher.zombies(e.node),
+                               lost=self._lost.keys())
+        probes: list[Probe] = []
+        for step in steps:
+            if isinstance(step, Probe):
+                probes.append(step)
+            elif isinstance(step, SetPaused):
+                self.paused(step.sandbox_id, step.paused)
+            else:
+                try:
+                    await link.destroy_many(list(step.sandbox_ids), reason="node_lost")
+                except DsecError as exc:
+                    log.warning("could not destroy written-off %s on %s: %s",
+                                step.sandbox_ids, e.node, exc)
+        for i in range(0, len(probes), _PROBES_AT_ONCE):
+            chunk = probes[i : i + _PROBES_AT_ONCE]
+            answers = await asyncio.gather(*(self._probe(link, p.sandbox_id) for p in chunk))
+            for probe, answer in zip(chunk, answers, strict=True):
+                self._settle(settle_probe(probe, answer, node=e.node, lost=self._lost.keys()))
+
+    @staticmethod
+    async def _probe(link: Any, sandbox_id: str) -> ProbeResult:
+        try:
+            info: SandboxInfo = await link.get(sandbox_id)
+        except DsecError as exc:
+            return exc
+        return info
+
+    def _settle(self, step: Settled | None) -> None:
+        if isinstance(step, WriteOff):
             try:
-                info = await link.get(sid)
-            except DsecError:
-                continue
-            if info.state not in _GONE and sid not in self._lost:
-                self._record(info, reason="discovered")
+                rec = self.registry.sandbox(step.sandbox_id)
+            except SandboxNotFound:
+                return   # forgotten meanwhile (its destroy came through the feed)
+            self._write_off(rec, step.detail)
+        elif isinstance(step, Forget):
+            self.forget(step.sandbox_id, step.reason)
+        elif isinstance(step, Record):
+            self._record(step.info, reason="discovered")
 
     async def _carry_out(self, instructions: list[Any]) -> None:
         """Execute what the watcher decided."""
@@ -859,17 +868,19 @@ class ControlPlane:
                 # Durable before the registry's removal is flushed: an apiserver restarted
                 # in between still knows the node's returning sandboxes are written off.
                 self.store.put_lost(rows, keep=self.config.lost_tombstones)
-                log.warning("node %s lost (no heartbeat for %.1fs): evicted its sandboxes",
-                            ins.node, self.config.node_ttl_s)
+                log.warning("node %s lost (no heartbeat for %.1fs; stimulus %s): evicted its "
+                            "sandboxes", ins.node, self.config.node_ttl_s, ins.stimulus_id)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
                 link = self.edge(NodeId(ins.node))
                 if link is not None and ins.sandbox_ids:
                     reason = "preempted" if isinstance(ins, PreemptSandboxes) else "node_lost"
+                    log.info("destroying %s on %s (%s; stimulus %s)", ins.sandbox_ids,
+                             ins.node, reason, ins.stimulus_id)
                     try:
                         await link.destroy_many(list(ins.sandbox_ids), reason=reason)
                     except DsecError as exc:
-                        log.warning("could not destroy %s on %s: %s", ins.sandbox_ids,
-                                    ins.node, exc)
+                        log.warning("could not destroy %s on %s (stimulus %s): %s",
+                                    ins.sandbox_ids, ins.node, ins.stimulus_id, exc)
                 self.registry.evict(ins.sandbox_ids, reason=ins.reason)
 
     async def tick(self) -> None:
@@ -966,7 +977,7 @@ class ControlPlane:
         """One round of the sweeper loop: a pass, after noticing a stall. A round that
         comes much later than asked (this process was stopped or starved, or the wall
         clock jumped) restarts the sweeper's watch: no client could renew its session
-        meanwhile, so each gets a full lease again (see dsec.control.api.sweeper)."""
+        meanwhile, so each gets a full lease again (see dsec.control.sweeper)."""
         now = self.clock()
         interval = self.config.sweep_interval_s
         if self._last_sweep and now - self._last_sweep > 2 * interval + 1.0:
@@ -1009,7 +1020,9 @@ class ControlPlane:
         m.registry_sandboxes.set(len(self.registry))
 
 
-_GONE = frozenset({"destroying", "destroyed", "failed"})
+# Edge lookups a reconcile sends at once (each is one pipelined Aether call; a restarted
+# apiserver may discover thousands of sandboxes in its first poll of an edge).
+_PROBES_AT_ONCE = 256
 
 
 def _info_of(rec: SandboxRecord) -> SandboxInfo:

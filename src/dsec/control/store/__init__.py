@@ -120,7 +120,7 @@ class IdempotencyRow(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SessionRow(msgspec.Struct, frozen=True, kw_only=True):
-    """A client session lease (see :mod:`dsec.control.api.sweeper`)."""
+    """A client session lease (see :mod:`dsec.control.sweeper`)."""
 
     id: str
     principal_id: str

@@ -12,8 +12,8 @@ Three lines of defence against leaks, from cheapest to broadest:
    creates carry the label ``dsec.io/session=<id>``. When a lease has not been renewed
    for ``lease_s`` seconds (the client crashed or lost the network for that long), the
    sweeper destroys the session's sandboxes with reason ``session_expired``. Closing a
-   session (``DELETE /v1/sessions/{id}``, the SDK's ``Client.close(kill=True)``) sweeps at
-   once.
+   session (``DELETE /v1/sessions/{id}``, which the SDK's ``AsyncClient.close()`` /
+   ``Client.close()`` sends) sweeps at once.
 
 Sessions live in the control plane's state store (``sessions`` table), so every apiserver
 replica over one store shares them and a restart keeps them. A session forgotten after its
