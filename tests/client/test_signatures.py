@@ -76,3 +76,17 @@ def test_public_methods_take_written_out_keywords(cls: type) -> None:
     for name, fn in _public(cls).items():
         kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{cls.__name__}.{name}"
+
+
+def test_the_client_is_typed_without_ignores() -> None:
+    """Every public call returns the catalogue row's reply type (``AsyncClient.call``):
+    nothing in the SDK needs a ``type: ignore`` (there were 40, 38 of them
+    ``no-any-return`` on the untyped per-method transport)."""
+    from pathlib import Path
+
+    import dsec.client
+    root = Path(dsec.client.__file__).parent
+    found = [f"{p.name}:{n}" for p in sorted(root.glob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if "type: ignore" in line]
+    assert found == []

@@ -35,7 +35,7 @@ import random
 import re
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import msgspec
 
@@ -49,17 +49,46 @@ from dsec.errors import (
     Unauthenticated,
     Unavailable,
 )
-from dsec.wire.api import GATEWAY_PROTOCOL, CreateSandboxRequest, Info, NodeView, SnapshotView
+from dsec.wire import ops
+from dsec.wire.api import (
+    GATEWAY_PROTOCOL,
+    CreateSandboxRequest,
+    Info,
+    NodeView,
+    SandboxList,
+    SnapshotView,
+)
+from dsec.wire.calls import (
+    Empty,
+    ExecMany,
+    FileRef,
+    ListSandboxes,
+    Mkdir,
+    ReadFile,
+    Remove,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.calls import ExecCall as WireExecCall
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileInfo,
+    IdleAction,
     NetworkPolicy,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxState,
     SandboxStats,
     read_in_chunks,
 )
@@ -68,7 +97,12 @@ __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "Async
            "ExecCall", "Snapshot",
            "parse_memory", "resolve_target"]
 
+if TYPE_CHECKING:
+    from dsec.client.transport import Transport
+
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 _MEM_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 10**6,
@@ -135,7 +169,8 @@ class Snapshot:
     @property
     def data(self) -> dict[str, Any]:
         """The snapshot as plain JSON-able data."""
-        return msgspec.to_builtins(self.view)  # type: ignore[no-any-return]
+        data: dict[str, Any] = msgspec.to_builtins(self.view)
+        return data
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Snapshot) and other.id == self.id
@@ -156,15 +191,16 @@ class AsyncSnapshots:
 
     async def list(self, *, project: str | None = None,
                    sandbox_id: str | None = None) -> builtins.list[Snapshot]:
-        page = await self._c._call("snapshots", project, sandbox_id)
+        page = await self._c.call(ops.SNAPSHOTS, SnapshotQuery(project=project,
+                                                                sandbox_id=sandbox_id))
         return [Snapshot(v) for v in page.items]
 
     async def get(self, snapshot: Snapshot | str) -> Snapshot:
-        return Snapshot(await self._c._call("snapshot_get", _snap_id(snapshot)))
+        return Snapshot(await self._c.call(ops.SNAPSHOT_GET, SnapshotRef(id=_snap_id(snapshot))))
 
     async def delete(self, snapshot: Snapshot | str) -> None:
         """Delete it; ``InUse`` while a sandbox runs from it or a snapshot builds on it."""
-        await self._c._call("snapshot_delete", _snap_id(snapshot), idempotent=False)
+        await self._c.call(ops.SNAPSHOT_DELETE, SnapshotRef(id=_snap_id(snapshot)))
 
 
 def _snap_id(snapshot: Snapshot | str) -> str:
@@ -185,7 +221,9 @@ class AsyncClient:
     """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
 
     ``transport``: ``"auto"`` (the Aether gateway when the server advertises one, else
-    REST), ``"http"`` or ``"aether"``. ``session_lease_s``: sandboxes this client creates
+    REST), ``"http"`` or ``"aether"``; or a :class:`~dsec.client.transport.Transport`
+    object to go through (``url``/``api_key`` are then not needed), e.g. an in-memory
+    :class:`dsec.client.testing.MockTransport` in tests. ``session_lease_s``: sandboxes this client creates
     are bound to a session that the client renews in the background; if the client dies,
     the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
     on a create opts one sandbox out). ``retries``: attempts after a connection error for
@@ -196,14 +234,20 @@ class AsyncClient:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str = "auto", gateway: str | None = None, retries: int = 3,
+        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
-        self.url, self._key, found_gw = resolve_target(url, api_key)
+        injected: Transport | None = None
+        if isinstance(transport, str):
+            if transport not in ("auto", "http", "aether"):
+                raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http', "
+                                      "'aether' or a Transport object")
+            self.url, self._key, found_gw = resolve_target(url, api_key)
+        else:
+            injected = transport
+            self.url, self._key, found_gw = url or "", api_key or "", None
         self.gateway = gateway or found_gw
-        if transport not in ("auto", "http", "aether"):
-            raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http' or 'aether'")
         if timeout is not None and timeout <= 0:
             raise InvalidArgument(f"request timeout={timeout} must be positive seconds or None")
         if create_retry_s is not None and create_retry_s < 0:
@@ -214,9 +258,9 @@ class AsyncClient:
         self.create_retry_s = create_retry_s
         self._rediscover = False
         self.session_lease_s = session_lease_s
-        self._mode = transport
+        self._mode = transport if isinstance(transport, str) else "injected"
         self._http_transport = _http_transport
-        self._t: Any = None
+        self._t: Transport | None = injected
         self._info: Info | None = None
         self._session: str | None = None
         self._renewer: asyncio.Task[None] | None = None
@@ -227,7 +271,7 @@ class AsyncClient:
         self.images = AsyncImages(self)
 
     # ------------------------------------------------------------------ plumbing
-    async def _transport(self) -> Any:
+    async def _transport(self) -> Transport:
         if self._t is not None:
             return self._t
         from dsec.client.transport import AetherTransport, HttpTransport
@@ -318,12 +362,17 @@ class AsyncClient:
         except DsecError:
             pass
 
-    async def _call(self, name: str, *args: Any, idempotent: bool = True) -> Any:
+    async def call(self, op: Op[Req, Rep], body: Req, *, idempotent: bool | None = None,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """Call one operation of the catalogue (:mod:`dsec.wire.ops`) with its request
+        object, through this client's transport: its reply, typed by the row. Retried
+        on connection errors when repeating it is safe (``op.idempotent``, or
+        ``idempotent``); ``timeout``: the request deadline (the client's by default).
+        The typed escape hatch under every method of the SDK."""
         t = await self._transport()
-        fn = getattr(t, name)
-        if idempotent:
-            return await self._retry(lambda: fn(*args))
-        return await fn(*args)
+        if op.idempotent if idempotent is None else idempotent:
+            return await self._retry(lambda: t.call(op, body, timeout=timeout))
+        return await t.call(op, body, timeout=timeout)
 
     async def _ensure_session(self) -> str | None:
         if self.session_lease_s is None:
@@ -334,7 +383,9 @@ class AsyncClient:
             self._session_lock = asyncio.Lock()
         async with self._session_lock:
             if self._session is None:
-                view = await self._call("session_open", self.session_lease_s)
+                view = await self.call(ops.SESSION_OPEN,
+                                       SessionOpen(lease_s=self.session_lease_s),
+                                       idempotent=True)
                 self._session = view.id
                 self._renewer = asyncio.create_task(self._renew_loop(view.id, view.lease_s))
         return self._session
@@ -343,7 +394,7 @@ class AsyncClient:
         while True:
             await asyncio.sleep(lease_s / 3)
             try:
-                await self._call("session_renew", session_id)
+                await self.call(ops.SESSION_RENEW, SessionRef(id=session_id))
             except NotFound:
                 # The server forgot the session (it lapsed long ago): its sandboxes are
                 # gone; the next create opens a fresh session instead of reusing this id.
@@ -356,10 +407,10 @@ class AsyncClient:
 
     # ------------------------------------------------------------------- public
     async def info(self) -> Info:
-        return await self._call("info")  # type: ignore[no-any-return]
+        return await self.call(ops.INFO, Empty())
 
     async def nodes(self) -> list[NodeView]:
-        return (await self._call("nodes")).items  # type: ignore[no-any-return]
+        return (await self.call(ops.NODES, Empty())).items
 
     async def close(self) -> None:
         """Stop renewing the session and close it: session-bound sandboxes are swept."""
@@ -369,7 +420,7 @@ class AsyncClient:
             self._renewer = None
         if self._session is not None and self._t is not None:
             try:
-                await self._t.session_close(self._session)
+                await self._t.call(ops.SESSION_CLOSE, SessionRef(id=self._session))
             except DsecError:
                 pass
             self._session = None
@@ -396,9 +447,9 @@ class AsyncSandboxes:
 
     async def _request(
         self, *, image: str = "base", workspace: str | None = None,
-        toolkits: Sequence[str] = (), backend: str | None = None, cpu: float = 1,
+        toolkits: Sequence[str] = (), backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", ttl: float | None = None,
-        idle_timeout: float | None = None, idle_action: str = "destroy",
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, detached: bool = False, disk: int | str | None = None,
@@ -411,22 +462,22 @@ class AsyncSandboxes:
         snap = None if snapshot is None else _snap_id(snapshot)
         return CreateSandboxRequest(
             image=image, workspace=workspace, toolkits=list(toolkits), snapshot=snap,
-            backend=backend, cpu_milli=round(cpu * 1000),  # type: ignore[arg-type]
+            backend=backend, cpu_milli=round(cpu * 1000),
             memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
-            idle_action=idle_action, env=dict(env or {}), session=session,  # type: ignore[arg-type]
+            idle_action=idle_action, env=dict(env or {}), session=session,
             pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
     async def create(
         self, *, image: str = "base", workspace: str | None = None,
         toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
-        backend: str | None = None, cpu: float = 1, memory: int | str = "512MiB",
+        backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
         disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
-        idle_timeout: float | None = None, idle_action: str = "destroy",
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None,
@@ -460,19 +511,19 @@ class AsyncSandboxes:
 
         async def attempt() -> SandboxInfo:
             t = await c._transport()
-            return await t.create(req, key)  # type: ignore[no-any-return]
+            return await t.create(req, key)
         info = await c._retry_until(attempt, c.create_retry_s)
         return AsyncSandbox(c, info)
 
     async def create_many(
         self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
         workspace: str | None = None, toolkits: Sequence[str] = (),
-        snapshot: Snapshot | str | None = None, backend: str | None = None, cpu: float = 1,
+        snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", disk: int | str | None = None,
         pids_max: int | None = 1024, priority: int = 0,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
-        idle_timeout: float | None = None, idle_action: str = "destroy",
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
     ) -> list[AsyncSandbox]:
@@ -532,7 +583,7 @@ class AsyncSandboxes:
 
             async def attempt(todo: list[int] = todo) -> list[SandboxInfo | DsecError]:
                 t = await c._transport()
-                return await t.create_many(  # type: ignore[no-any-return]
+                return await t.create_many(
                     [reqs[i] for i in todo], [keys[i] for i in todo])
             got = await c._retry_until(attempt, left)
             again = []
@@ -548,10 +599,10 @@ class AsyncSandboxes:
             delay = min(delay * 2, 1.0)
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
-        return AsyncSandbox(self._c, await self._c._call("get", sandbox_id))
+        return AsyncSandbox(self._c, await self._c.call(ops.GET, SandboxRef(id=sandbox_id)))
 
     async def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
-                   state: str | None = None, limit: int | None = None) -> list[AsyncSandbox]:
+                   state: SandboxState | None = None, limit: int | None = None) -> list[AsyncSandbox]:
         """Every matching sandbox (pages through the server's cursor)."""
         out: list[AsyncSandbox] = []
         cursor: str | None = None
@@ -564,10 +615,10 @@ class AsyncSandboxes:
                 return out[:limit] if limit is not None else out
 
     async def _list_page(self, project: str | None, labels: Mapping[str, str],
-                         state: str | None, cursor: str | None) -> Any:
-        t = await self._c._transport()
-        return await t.list(project=project, labels=labels, state=state, limit=1000,
-                            cursor=cursor)
+                         state: SandboxState | None, cursor: str | None) -> SandboxList:
+        return await self._c.call(ops.LIST, ListSandboxes(
+            project=project, labels=dict(labels), state=state,
+            limit=1000, cursor=cursor))
 
     async def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
@@ -594,8 +645,10 @@ class AsyncSandboxes:
         for _, req in items:
             longest = None if longest is None or req.timeout_s is None \
                 else max(longest, req.timeout_s)
-        res: builtins.list[ExecResult | DsecError] = await self._c._call(
-            "exec_many", items, _deadline(self._c.timeout, longest), idempotent=False)
+        batch = await self._c.call(ops.EXEC_MANY, ExecMany(
+            calls=[WireExecCall(id=sid, req=req) for sid, req in items]),
+            timeout=_deadline(self._c.timeout, longest))
+        res = batch.results()
         if not return_exceptions:
             for r in res:
                 if isinstance(r, DsecError):
@@ -680,8 +733,8 @@ class AsyncFiles:
         """Up to 64 MiB (``MAX_FILE_READ_BYTES``) per call; fetched in 8 MiB pieces so any
         transport carries it."""
         async def piece(at: int, n: int) -> bytes:
-            return await self._sb._c._call(  # type: ignore[no-any-return]
-                "read_file", self._sb.id, path, at, n)
+            return await self._sb._c.call(ops.READ_FILE, ReadFile(
+                id=self._sb.id, path=path, offset=at, length=n))
         return await read_in_chunks(piece, offset, length)
 
     async def read_text(self, path: str) -> str:
@@ -693,15 +746,15 @@ class AsyncFiles:
         # in 8 MiB pieces (an Aether frame is 16 MiB); the first truncates unless appending
         for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
             more = append or at > 0
-            await self._sb._c._call("write_file", self._sb.id, path,
-                                    raw[at:at + FILE_CHUNK_BYTES], mode, more,
-                                    idempotent=not more)
+            await self._sb._c.call(ops.WRITE_FILE, WriteFile(
+                id=self._sb.id, path=path, data=raw[at:at + FILE_CHUNK_BYTES], mode=mode,
+                append=more), idempotent=not more)
 
     async def list(self, path: str = "/") -> list[FileInfo]:
-        return await self._sb._c._call("list_dir", self._sb.id, path)  # type: ignore[no-any-return]
+        return (await self._sb._c.call(ops.LIST_DIR, FileRef(id=self._sb.id, path=path))).items
 
     async def stat(self, path: str) -> FileInfo:
-        return await self._sb._c._call("stat", self._sb.id, path)  # type: ignore[no-any-return]
+        return await self._sb._c.call(ops.STAT, FileRef(id=self._sb.id, path=path))
 
     async def exists(self, path: str) -> bool:
         try:
@@ -713,10 +766,12 @@ class AsyncFiles:
     async def mkdir(self, path: str, *, parents: bool = True) -> None:
         """Create directory ``path``; ``parents=False``: ``NotFound`` when its parent is
         missing (else the missing parents are created too, like ``mkdir -p``)."""
-        await self._sb._c._call("mkdir", self._sb.id, path, parents)
+        await self._sb._c.call(ops.MKDIR, Mkdir(id=self._sb.id, path=path, parents=parents))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._sb._c._call("remove", self._sb.id, path, recursive)
+        # not retried on a lost connection: a repeat after it happened says NotFound
+        await self._sb._c.call(ops.REMOVE, Remove(id=self._sb.id, path=path,
+                                                  recursive=recursive))
 
 
 class AsyncSandbox:
@@ -736,7 +791,7 @@ class AsyncSandbox:
         return self.info.state
 
     async def refresh(self) -> SandboxInfo:
-        self.info = await self._c._call("get", self.id)
+        self.info = await self._c.call(ops.GET, SandboxRef(id=self.id))
         return self.info
 
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
@@ -747,8 +802,8 @@ class AsyncSandbox:
         *command* timeout: when it fires the result has ``timed_out=True``."""
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
                         background=background, output_cap=output_cap)
-        return await self._c._call("exec", self.id, req,  # type: ignore[no-any-return]
-                                   _deadline(self._c.timeout, timeout), idempotent=False)
+        return await self._c.call(ops.EXEC, WireExecCall(id=self.id, req=req),
+                                  timeout=_deadline(self._c.timeout, timeout))
 
     async def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                           env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -757,16 +812,17 @@ class AsyncSandbox:
         """Yield output chunks as they come, then the final :class:`ExecResult`."""
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
         t = await self._c._transport()
-        async for item in t.exec_stream(self.id, req, _deadline(self._c.timeout, timeout)):
+        async for item in t.stream(ops.EXEC_STREAM, WireExecCall(id=self.id, req=req),
+                                   timeout=_deadline(self._c.timeout, timeout)):
             yield item
 
     async def pause(self) -> PauseStats:
-        stats: PauseStats = await self._c._call("pause", self.id, idempotent=False)
+        stats = await self._c.call(ops.PAUSE, SandboxRef(id=self.id))
         self.info.state = "paused"
         return stats
 
     async def resume(self) -> None:
-        self.info = await self._c._call("resume", self.id, idempotent=False)
+        self.info = await self._c.call(ops.RESUME, SandboxRef(id=self.id))
 
     async def snapshot(self, *, strip: Sequence[str] = ()) -> Snapshot:
         """pack_diff what changed since the last snapshot (or since the image) into a new
@@ -775,22 +831,21 @@ class AsyncSandbox:
         if isinstance(strip, str):
             raise InvalidArgument("strip must be a list of patterns, not one string",
                                   field="strip")
-        return Snapshot(await self._c._call("snapshot", self.id, list(strip),
-                                            idempotent=False))
+        return Snapshot(await self._c.call(ops.SNAPSHOT, SnapshotCall(id=self.id,
+                                                                      strip=list(strip))))
 
     async def events(self) -> list[SandboxEvent]:
-        return await self._c._call("events", self.id)  # type: ignore[no-any-return]
+        return (await self._c.call(ops.EVENTS, SandboxRef(id=self.id))).items
 
     async def stats(self) -> SandboxStats:
         """Resource use now: memory (and how much of it tmpfs holds), cpu seconds,
         processes, disk use against its cap (``disk_full`` when writes fail)."""
-        stats: SandboxStats = await self._c._call("stats", self.id)
-        return stats
+        return await self._c.call(ops.STATS, SandboxRef(id=self.id))
 
     async def kill(self) -> None:
         """Destroy the sandbox; killing a gone sandbox is not an error."""
         try:
-            await self._c._call("destroy", self.id)
+            await self._c.call(ops.DESTROY, SandboxRef(id=self.id))
         except NotFound:
             pass
         self.info.state = "destroyed"

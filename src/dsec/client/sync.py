@@ -26,23 +26,30 @@ from dsec.client.core import (
     Snapshot,
 )
 from dsec.client.images import AsyncImages, LayerKind
+from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
 from dsec.wire.spec import (
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileInfo,
+    IdleAction,
     NetworkPolicy,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxState,
     SandboxStats,
 )
 
 __all__ = ["Client", "ExecCall", "Files", "Images", "Sandbox", "Sandboxes", "Snapshots"]
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 # One exec_many item: (sandbox, command) or (sandbox, command, {keyword: override}).
 ExecCall = (tuple["Sandbox | str", "str | Sequence[str] | ExecRequest"]
@@ -82,7 +89,7 @@ class Client:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str = "auto", gateway: str | None = None, retries: int = 3,
+        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
@@ -103,6 +110,12 @@ class Client:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
+
+    def call(self, op: Op[Req, Rep], body: Req, *, idempotent: bool | None = None,
+             timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """See :meth:`~dsec.client.core.AsyncClient.call`: one operation of the
+        catalogue with its request object, typed by the row."""
+        return self._run(self._a.call(op, body, idempotent=idempotent, timeout=timeout))
 
     def info(self) -> Info:
         return self._run(self._a.info())
@@ -137,11 +150,11 @@ class Sandboxes:
     def create(
         self, *, image: str = "base", workspace: str | None = None,
         toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
-        backend: str | None = None, cpu: float = 1, memory: int | str = "512MiB",
+        backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
         disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
-        idle_timeout: float | None = None, idle_action: str = "destroy",
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None,
@@ -158,12 +171,12 @@ class Sandboxes:
     def create_many(
         self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
         workspace: str | None = None, toolkits: Sequence[str] = (),
-        snapshot: Snapshot | str | None = None, backend: str | None = None, cpu: float = 1,
+        snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", disk: int | str | None = None,
         pids_max: int | None = 1024, priority: int = 0,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
-        idle_timeout: float | None = None, idle_action: str = "destroy",
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
     ) -> list[Sandbox]:
@@ -179,7 +192,7 @@ class Sandboxes:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
 
     def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
-             state: str | None = None, limit: int | None = None) -> list[Sandbox]:
+             state: SandboxState | None = None, limit: int | None = None) -> list[Sandbox]:
         """Every matching sandbox (pages through the server's cursor)."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.list(
             project=project, labels=labels, state=state, limit=limit))]

@@ -17,9 +17,9 @@ message says to check before running the command again).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import EllipsisType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast, get_args
 
 import httpx
 import msgspec
@@ -28,6 +28,7 @@ from dsec.errors import (
     ConnectFailed,
     ConnectionLost,
     DsecError,
+    InvalidArgument,
     RemoteProtocolError,
     RequestTimeout,
     error_from_wire,
@@ -35,49 +36,21 @@ from dsec.errors import (
 from dsec.wire import ops
 from dsec.wire.api import (
     CreateSandboxRequest,
-    EventList,
-    ExecOutput,
     ExecStreamLine,
-    FileList,
     Info,
-    NodeList,
-    SandboxList,
-    SessionView,
-    SnapshotList,
-    SnapshotView,
 )
 from dsec.wire.calls import (
     CreateMany,
     CreateSandbox,
     Empty,
-    ExecCall,
-    ExecMany,
-    FileRef,
-    ListSandboxes,
-    Mkdir,
-    ReadFile,
-    Remove,
-    SandboxRef,
-    SessionOpen,
-    SessionRef,
-    SnapshotCall,
-    SnapshotQuery,
-    SnapshotRef,
-    WriteFile,
 )
-from dsec.wire.jsonform import exec_body, exec_result, stream_item
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UseClientDefault
-from dsec.wire.outcome import Batch
+from dsec.wire.jsonform import stream_item
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UseClientDefault
+from dsec.wire.rest import decode_reply, encode_request
 from dsec.wire.spec import (
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxEvent,
+    BackendName,
     SandboxInfo,
     SandboxSpec,
-    SandboxStats,
 )
 
 __all__ = ["AetherTransport", "HttpTransport", "Transport"]
@@ -85,44 +58,26 @@ __all__ = ["AetherTransport", "HttpTransport", "Transport"]
 _json = msgspec.json.Encoder()
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
+Item = TypeVar("Item")
 
 
 class Transport(Protocol):
-    """What the SDK core needs from a connection to an apiserver."""
+    """How the SDK reaches an apiserver: one typed call per operation of the catalogue
+    (:mod:`dsec.wire.ops`), a stream for streaming rows, and (until a create's spec can
+    leave backend and project to the server) the two create calls. Two implementations
+    (REST and the Aether gateway) and, for tests, :class:`dsec.client.testing.MockTransport`."""
 
     name: str
 
-    async def info(self) -> Info: ...
-    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo: ...
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep: ...
+    def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+               timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]: ...
+    async def create(self, req: CreateSandboxRequest,
+                     idempotency_key: str | None) -> SandboxInfo: ...
     async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]: ...
-    async def get(self, sid: str) -> SandboxInfo: ...
-    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
-                   limit: int, cursor: str | None) -> SandboxList: ...
-    async def destroy(self, sid: str) -> None: ...
-    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult: ...
-    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> builtins.list[ExecResult | DsecError]: ...
-    def exec_stream(self, sid: str, req: ExecRequest,
-                    timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]: ...
-    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes: ...
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None: ...
-    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]: ...
-    async def stat(self, sid: str, path: str) -> FileInfo: ...
-    async def mkdir(self, sid: str, path: str, parents: bool) -> None: ...
-    async def remove(self, sid: str, path: str, recursive: bool) -> None: ...
-    async def pause(self, sid: str) -> PauseStats: ...
-    async def resume(self, sid: str) -> SandboxInfo: ...
-    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView: ...
-    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList: ...
-    async def snapshot_get(self, ref: str) -> SnapshotView: ...
-    async def snapshot_delete(self, ref: str) -> None: ...
-    async def events(self, sid: str) -> builtins.list[SandboxEvent]: ...
-    async def stats(self, sid: str) -> SandboxStats: ...
-    async def nodes(self) -> NodeList: ...
-    async def session_open(self, lease_s: float) -> SessionView: ...
-    async def session_renew(self, session_id: str) -> SessionView: ...
-    async def session_close(self, session_id: str) -> None: ...
+                          keys: Sequence[str] | None = None,
+                          ) -> builtins.list[SandboxInfo | DsecError]: ...
     async def close(self) -> None: ...
 
 
@@ -140,6 +95,18 @@ class HttpTransport:
             base_url=self.url, headers={"authorization": f"Bearer {api_key}"},
             timeout=timeout, transport=transport,
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """``op`` over REST (:func:`dsec.wire.rest.encode_request`): its reply, typed by
+        the row (a row answering 204 on REST gives None)."""
+        r = encode_request(op, body)
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        effect = _COMMAND if op.name in _COMMANDS else "the operation"
+        resp = await self._req(r.method, r.path, timeout=t, effect=effect,
+                               params=r.params, headers=r.headers, content=r.content)
+        reply: Rep = decode_reply(op, resp.content)
+        return reply
 
     async def _req(self, method: str, path: str, *, timeout: float | None | EllipsisType = ...,
                    effect: str = "the operation", **kw: Any) -> httpx.Response:
@@ -159,14 +126,40 @@ class HttpTransport:
         except msgspec.DecodeError as exc:
             raise RemoteProtocolError(f"{method} {path}: undecodable {tp} reply: {exc}") from exc
 
+    async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+                     timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
+        """A streaming row over REST: NDJSON lines (:mod:`dsec.wire.jsonform`), the
+        items, then the final reply."""
+        r = encode_request(op, body)
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        dec = msgspec.json.Decoder(ExecStreamLine)
+        try:
+            async with self._http.stream(r.method, r.path, params=tuple(r.params),
+                                         content=r.content,
+                                         timeout=t, headers=r.headers) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _http_error(resp)
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    item: Any = stream_item(dec.decode(line))
+                    yield item
+                    if isinstance(item, op.reply):
+                        return
+        except httpx.HTTPError as exc:
+            raise _http_failure(exc, f"{op.name} {r.path}", t, _COMMAND) from exc
+
     async def info(self) -> Info:
-        return await self._json(Info, "GET", "/v1/info")  # type: ignore[no-any-return]
+        self._info = await self.call(ops.INFO, Empty())
+        return self._info
 
     async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
         headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
-        return await self._json(SandboxInfo, "POST", "/v1/sandboxes",  # type: ignore[no-any-return]
-                                content=_json.encode(req), headers={
-                                    **headers, "content-type": "application/json"})
+        info: SandboxInfo = await self._json(
+            SandboxInfo, "POST", "/v1/sandboxes", content=_json.encode(req),
+            headers={**headers, "content-type": "application/json"})
+        return info
 
     async def create_many(self, reqs: Sequence[CreateSandboxRequest],
                           keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
@@ -176,138 +169,7 @@ class HttpTransport:
         body = CreateMany(items=[spec_of(r, self._info) for r in reqs],
                           session=reqs[0].session if reqs else None,
                           idempotency_keys=None if keys is None else list(keys))
-        batch: Batch[SandboxInfo] = await self._json(
-            ops.CREATE_MANY.reply, "POST", "/v1/batch/create", content=_json.encode(body),
-            headers={"content-type": "application/json"})
-        return batch.results()
-
-    async def get(self, sid: str) -> SandboxInfo:
-        return await self._json(SandboxInfo, "GET", f"/v1/sandboxes/{sid}")  # type: ignore[no-any-return]
-
-    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
-                   limit: int, cursor: str | None) -> SandboxList:
-        params: list[tuple[str, str]] = [("limit", str(limit))]
-        if project:
-            params.append(("project", project))
-        if state:
-            params.append(("state", state))
-        if cursor:
-            params.append(("cursor", cursor))
-        params += [("label", f"{k}={v}") for k, v in labels.items()]
-        return await self._json(SandboxList, "GET", "/v1/sandboxes", params=params)  # type: ignore[no-any-return]
-
-    async def destroy(self, sid: str) -> None:
-        await self._req("DELETE", f"/v1/sandboxes/{sid}")
-
-    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
-        out = await self._json(ExecOutput, "POST", f"/v1/sandboxes/{sid}/exec",
-                               content=_json.encode(exec_body(req)), timeout=timeout,
-                               effect=_COMMAND, headers={"content-type": "application/json"})
-        return exec_result(out)
-
-    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> builtins.list[ExecResult | DsecError]:
-        """One ``POST /v1/batch/exec``, grouped per edge by the apiserver."""
-        body = ExecMany(calls=[ExecCall(id=s, req=r) for s, r in calls])
-        batch: Batch[ExecResult] = await self._json(
-            ops.EXEC_MANY.reply, "POST", "/v1/batch/exec", content=_json.encode(body),
-            timeout=timeout, effect=_COMMAND, headers={"content-type": "application/json"})
-        return batch.results()
-
-    async def exec_stream(self, sid: str, req: ExecRequest,
-                          timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
-        path = f"/v1/sandboxes/{sid}/exec/stream"
-        dec = msgspec.json.Decoder(ExecStreamLine)
-        try:
-            async with self._http.stream("POST", path, content=_json.encode(exec_body(req)),
-                                         timeout=timeout,
-                                         headers={"content-type": "application/json"}) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    raise _http_error(resp)
-                async for line in resp.aiter_lines():
-                    if not line:
-                        continue
-                    item = stream_item(dec.decode(line))
-                    yield item
-                    if isinstance(item, ExecResult):
-                        return
-        except httpx.HTTPError as exc:
-            raise _http_failure(exc, f"exec stream on {sid}", timeout, _COMMAND) from exc
-
-    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
-        params: dict[str, Any] = {"path": path}
-        if offset:
-            params["offset"] = offset
-        if length is not None:
-            params["length"] = length
-        return (await self._req("GET", f"/v1/sandboxes/{sid}/files", params=params)).content
-
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
-        params: dict[str, Any] = {"path": path, "mode": mode}
-        if append:
-            params["append"] = "true"
-        await self._req("PUT", f"/v1/sandboxes/{sid}/files", params=params, content=data,
-                        headers={"content-type": "application/octet-stream"})
-
-    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        r: FileList = await self._json(FileList, "GET", f"/v1/sandboxes/{sid}/files/list",
-                                       params={"path": path})
-        return r.items
-
-    async def stat(self, sid: str, path: str) -> FileInfo:
-        return await self._json(FileInfo, "GET", f"/v1/sandboxes/{sid}/files/stat",  # type: ignore[no-any-return]
-                                params={"path": path})
-
-    async def mkdir(self, sid: str, path: str, parents: bool) -> None:
-        await self._req("POST", f"/v1/sandboxes/{sid}/files/mkdir",
-                        params={"path": path, "parents": "true" if parents else "false"})
-
-    async def remove(self, sid: str, path: str, recursive: bool) -> None:
-        params = {"path": path, "recursive": "true" if recursive else "false"}
-        await self._req("DELETE", f"/v1/sandboxes/{sid}/files", params=params)
-
-    async def pause(self, sid: str) -> PauseStats:
-        return await self._json(PauseStats, "POST", f"/v1/sandboxes/{sid}/pause")  # type: ignore[no-any-return]
-
-    async def resume(self, sid: str) -> SandboxInfo:
-        return await self._json(SandboxInfo, "POST", f"/v1/sandboxes/{sid}/resume")  # type: ignore[no-any-return]
-
-    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
-        return await self._json(SnapshotView, "POST", f"/v1/sandboxes/{sid}/snapshot",  # type: ignore[no-any-return]
-                                params=[("strip", p) for p in strip])
-
-    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
-        params = {k: v for k, v in (("project", project), ("sandbox_id", sandbox_id))
-                  if v is not None}
-        return await self._json(SnapshotList, "GET", "/v1/snapshots", params=params)  # type: ignore[no-any-return]
-
-    async def snapshot_get(self, ref: str) -> SnapshotView:
-        return await self._json(SnapshotView, "GET", f"/v1/snapshots/{ref}")  # type: ignore[no-any-return]
-
-    async def snapshot_delete(self, ref: str) -> None:
-        await self._req("DELETE", f"/v1/snapshots/{ref}")
-
-    async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        r: EventList = await self._json(EventList, "GET", f"/v1/sandboxes/{sid}/events")
-        return r.items
-
-    async def stats(self, sid: str) -> SandboxStats:
-        r: SandboxStats = await self._json(SandboxStats, "GET", f"/v1/sandboxes/{sid}/stats")
-        return r
-
-    async def nodes(self) -> NodeList:
-        return await self._json(NodeList, "GET", "/v1/nodes")  # type: ignore[no-any-return]
-
-    async def session_open(self, lease_s: float) -> SessionView:
-        return await self._json(SessionView, "POST", "/v1/sessions",  # type: ignore[no-any-return]
-                                params={"lease_s": lease_s})
-
-    async def session_renew(self, session_id: str) -> SessionView:
-        return await self._json(SessionView, "POST", f"/v1/sessions/{session_id}/renew")  # type: ignore[no-any-return]
-
-    async def session_close(self, session_id: str) -> None:
-        await self._req("DELETE", f"/v1/sessions/{session_id}")
+        return (await self.call(ops.CREATE_MANY, body)).results()
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -405,6 +267,23 @@ class AetherTransport:
                                  **{**exc.detail, "may_have_run": True}) from exc
         return reply
 
+    async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+                     timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
+        """A streaming row through the gateway: STREAM frames, then the final reply."""
+        conn = await self._c()
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        s = conn.stream(op.api_method, body, timeout=t, item_type=op.item,
+                        response_type=op.reply)
+        try:
+            async with s:
+                async for item in s:
+                    yield item
+                yield s.result
+        except ConnectionLost as exc:
+            if exc.detail.get("retryable"):
+                raise
+            raise _aether_lost(exc, op.api_method, self.address, _COMMAND) from exc
+
     async def info(self) -> Info:
         self._info = await self.call(ops.INFO, Empty())
         return self._info
@@ -425,104 +304,21 @@ class AetherTransport:
             items=specs, session=session, idempotency_keys=None if keys is None else list(keys)))
         return batch.results()
 
-    async def get(self, sid: str) -> SandboxInfo:
-        return await self.call(ops.GET, SandboxRef(id=sid))
-
-    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
-                   limit: int, cursor: str | None) -> SandboxList:
-        return await self.call(ops.LIST, ListSandboxes(
-            project=project, labels=dict(labels), state=state,  # type: ignore[arg-type]
-            limit=limit, cursor=cursor))
-
-    async def destroy(self, sid: str) -> None:
-        await self.call(ops.DESTROY, SandboxRef(id=sid))
-
-    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
-        return await self.call(ops.EXEC, ExecCall(id=sid, req=req), timeout=timeout)
-
-    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> builtins.list[ExecResult | DsecError]:
-        batch = await self.call(ops.EXEC_MANY, ExecMany(
-            calls=[ExecCall(id=s, req=r) for s, r in calls]), timeout=timeout)
-        return batch.results()
-
-    async def exec_stream(self, sid: str, req: ExecRequest,
-                          timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
-        conn = await self._c()
-        op = ops.EXEC_STREAM
-        stream = conn.stream(op.api_method, ExecCall(id=sid, req=req), timeout=timeout,
-                             item_type=op.item, response_type=op.reply)
-        try:
-            async with stream:
-                async for chunk in stream:
-                    yield chunk
-                yield stream.result
-        except ConnectionLost as exc:
-            if exc.detail.get("retryable"):
-                raise
-            raise _aether_lost(exc, op.api_method, self.address, _COMMAND) from exc
-
-    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
-        return await self.call(ops.READ_FILE, ReadFile(id=sid, path=path, offset=offset,
-                                                       length=length))
-
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
-        await self.call(ops.WRITE_FILE, WriteFile(id=sid, path=path, data=data, mode=mode,
-                                                  append=append))
-
-    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        return (await self.call(ops.LIST_DIR, FileRef(id=sid, path=path))).items
-
-    async def stat(self, sid: str, path: str) -> FileInfo:
-        return await self.call(ops.STAT, FileRef(id=sid, path=path))
-
-    async def mkdir(self, sid: str, path: str, parents: bool) -> None:
-        await self.call(ops.MKDIR, Mkdir(id=sid, path=path, parents=parents))
-
-    async def remove(self, sid: str, path: str, recursive: bool) -> None:
-        await self.call(ops.REMOVE, Remove(id=sid, path=path, recursive=recursive))
-
-    async def pause(self, sid: str) -> PauseStats:
-        return await self.call(ops.PAUSE, SandboxRef(id=sid))
-
-    async def resume(self, sid: str) -> SandboxInfo:
-        return await self.call(ops.RESUME, SandboxRef(id=sid))
-
-    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
-        return await self.call(ops.SNAPSHOT, SnapshotCall(id=sid, strip=list(strip)))
-
-    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
-        return await self.call(ops.SNAPSHOTS, SnapshotQuery(project=project,
-                                                            sandbox_id=sandbox_id))
-
-    async def snapshot_get(self, ref: str) -> SnapshotView:
-        return await self.call(ops.SNAPSHOT_GET, SnapshotRef(id=ref))
-
-    async def snapshot_delete(self, ref: str) -> None:
-        await self.call(ops.SNAPSHOT_DELETE, SnapshotRef(id=ref))
-
-    async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        return (await self.call(ops.EVENTS, SandboxRef(id=sid))).items
-
-    async def stats(self, sid: str) -> SandboxStats:
-        return await self.call(ops.STATS, SandboxRef(id=sid))
-
-    async def nodes(self) -> NodeList:
-        return await self.call(ops.NODES, Empty())
-
-    async def session_open(self, lease_s: float) -> SessionView:
-        return await self.call(ops.SESSION_OPEN, SessionOpen(lease_s=lease_s))
-
-    async def session_renew(self, session_id: str) -> SessionView:
-        return await self.call(ops.SESSION_RENEW, SessionRef(id=session_id))
-
-    async def session_close(self, session_id: str) -> None:
-        await self.call(ops.SESSION_CLOSE, SessionRef(id=session_id))
-
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+def _backend(name: str | None) -> BackendName:
+    """The server's default backend as a :data:`BackendName` (one this SDK knows)."""
+    if name is None:
+        return "simulated"
+    for known in get_args(BackendName):
+        if name == known:
+            return cast(BackendName, known)
+    raise InvalidArgument(f"the server's default backend {name!r} is not one this SDK "
+                          f"knows ({', '.join(get_args(BackendName))}); name a backend")
 
 
 def spec_of(req: CreateSandboxRequest, info: Info) -> SandboxSpec:
@@ -533,7 +329,7 @@ def spec_of(req: CreateSandboxRequest, info: Info) -> SandboxSpec:
     return SandboxSpec(
         image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
         snapshot=req.snapshot,
-        backend=req.backend or info.default_backend or "simulated",  # type: ignore[arg-type]
+        backend=req.backend or _backend(info.default_backend),
         cpu_milli=req.cpu_milli, memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes,
         pids_max=req.pids_max, priority=req.priority, labels=dict(req.labels),
         project=req.project or info.project or "default", ttl_s=req.ttl_s,

@@ -320,6 +320,11 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     async def create(request: Request, caller: Caller, rid: str) -> Response:
         raw = await _read_body(request, cfg.max_json_body)
         body = _decode(CreateSandboxRequest, raw)
+        session = request.query_params.get("session")
+        if session is not None and body.session is None:
+            # the catalogue's form (the row: the spec as the body, the session a query
+            # parameter); the body's own `session` stays for older clients
+            body = msgspec.structs.replace(body, session=session)
         key = request.headers.get("idempotency-key")
         info = await service.create(caller, body, idempotency_key=key, raw=raw)
         return _json_response(info, rid, 201)
