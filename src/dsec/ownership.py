@@ -1,20 +1,27 @@
 """Which process owns a directory it made for itself, so the next process can reclaim
 what a dead one left behind (a crash skips every cleanup).
 
-The owner is written beside the directory (``<dir>.owner``: pid and the process's start
-time from ``/proc/<pid>/stat``, which together name one process across pid reuse), not
-inside it, so the directory's own listing stays what its user put there. A directory
-without an owner file is someone else's business (made before this existed, or being
-made right now): callers must leave it alone.
+The owner is written beside the directory (``<dir>.owner``: pid, the process's start
+time from ``/proc/<pid>/stat`` and its pid namespace, which together name one process
+across pid reuse), not inside it, so the directory's own listing stays what its user put
+there. A directory without an owner file is someone else's business (made before this
+existed, or being made right now): callers must leave it alone. So is one whose owner
+lives in another pid namespace (its pid means nothing here), and an owner file this
+user did not write (another local user may plant one beside a directory in a shared
+place such as /tmp to have it "reclaimed").
+
+:func:`token` is the same identity as one path component, for scratch entries named by
+their owner (``<store>/tmp/<token>/...``): :func:`token_alive` tells a dead owner's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 
-__all__ = ["claim", "disown", "owner_alive", "start_time"]
+__all__ = ["claim", "disown", "owner_alive", "start_time", "token", "token_alive"]
 
 SUFFIX = ".owner"
 
@@ -30,8 +37,22 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def _pid_ns() -> int:
+    """The inode of this process's pid namespace (0 if unreadable)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def _file(path: str) -> str:
     return path.rstrip("/") + SUFFIX
+
+
+def _alive(pid: int, start: int, ns: int | None) -> bool | None:
+    if ns is not None and ns != _pid_ns():
+        return None  # another pid namespace's process: no telling from here
+    return start_time(pid) == start
 
 
 def claim(path: str) -> None:
@@ -48,7 +69,7 @@ def claim(path: str) -> None:
                                dir=os.path.dirname(owner) or ".")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(f"{me} {start_time(me)}\n")
+            f.write(f"{me} {start_time(me)} {_pid_ns()}\n")
             os.fchmod(f.fileno(), 0o644)
         os.replace(tmp, owner)
     except BaseException:
@@ -65,15 +86,37 @@ def disown(path: str) -> None:
 
 def owner_alive(path: str) -> bool | None:
     """True if the recorded owner of ``path`` still runs, False if it is gone, None if
-    ``path`` has no owner record of ours: none, unreadable, a symlink, or a file another
-    user made (in a shared directory anyone can write one that names a dead process)."""
+    ``path`` has no owner record this user wrote (none, unreadable, not a regular file,
+    written by another user) or its owner is in another pid namespace."""
     try:
         fd = os.open(_file(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd) as f:
-            if os.fstat(f.fileno()).st_uid != os.geteuid():
-                return None
-            pid_s, start_s = f.read().split()
-        pid, start = int(pid_s), int(start_s)
-    except (OSError, ValueError):
+    except OSError:
         return None
-    return start_time(pid) == start
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        fields = os.read(fd, 128).split()
+        pid, start = int(fields[0]), int(fields[1])
+        ns = int(fields[2]) if len(fields) > 2 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(fd)
+    return _alive(pid, start, ns)
+
+
+def token() -> str:
+    """This process as one path component: ``<pid-namespace>.<pid>.<start time>``."""
+    me = os.getpid()
+    return f"{_pid_ns()}.{me}.{start_time(me)}"
+
+
+def token_alive(name: str) -> bool | None:
+    """For a name made by :func:`token`: True if that process runs, False if it is gone,
+    None if ``name`` is not such a token or belongs to another pid namespace."""
+    parts = name.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    ns, pid, start = (int(p) for p in parts)
+    return _alive(pid, start, ns)

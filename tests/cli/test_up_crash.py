@@ -28,10 +28,11 @@ def _layer_mounts(state: str) -> set[str]:
     return out
 
 
-def _start(state: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def _start(state: str, *, backend: str = "container"
+           ) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     p = subprocess.Popen([sys.executable, "-c", "from dsec.cli.main import main; main()",
                           "up", "--state-dir", state, "--listen", "127.0.0.1:0", "--quiet",
-                          "--backend", "container"], stderr=subprocess.PIPE)
+                          "--backend", backend], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

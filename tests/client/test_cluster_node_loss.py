@@ -64,6 +64,9 @@ def test_lost_node_is_evicted_and_its_sandboxes_are_destroyed_on_return(
     h = {"authorization": f"Bearer {cluster.api_key}"}
     with httpx.Client(base_url=cluster.url, headers=h) as http:
         assert http.put("/v1/quotas/team", json={"max_sandboxes": 100}).status_code == 200
+        # With a 0.6 s TTL, an edge process still starting on a loaded machine can be
+        # unhealthy for a moment, and placement rightly avoids it: start from both healthy.
+        _until("both edges healthy", lambda: _health(http) == {"edge-0": True, "edge-1": True})
         made = [http.post("/v1/sandboxes", json={"project": "team/a", "labels": {"t": "x"}})
                 for _ in range(12)]
         assert all(r.status_code == 201 for r in made), [r.text for r in made]

@@ -230,3 +230,12 @@ async def test_an_edge_of_another_release_is_refused_on_connect(tmp_path: object
                 await EdgeClient.connect(f"unix:{tmp_path}/skew.sock")
         finally:
             await server.close()
+
+
+async def test_a_misspelt_spec_keyword_is_refused_not_dropped(
+        edge: tuple[EdgeNode, EdgeClient]) -> None:
+    """``create(imagee="python")`` used to make a default sandbox without a word."""
+    node, c = edge
+    with pytest.raises(InvalidArgument, match="unknown field `imagee`"):
+        await c.create(imagee="python")
+    assert node.live_count == 0

@@ -8,7 +8,7 @@ tamper-proof executable judge and preempt/resume on real sandboxes.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -21,8 +21,8 @@ from dsec.ids import node_of
 from dsec.rl.access import (
     BatchSandboxAccess,
     ClientAccess,
+    DelegatingAccess,
     EdgeAccess,
-    ExecOutcome,
     LoopThread,
     SandboxAccess,
     create_sandboxes,
@@ -194,11 +194,11 @@ def test_async_client_on_its_own_loop_thread(cluster: LocalCluster) -> None:
         acc.close()
 
 
-class PlainAccess:
+class PlainAccess(DelegatingAccess):
     """Only the SandboxAccess protocol (no batched methods): the one-by-one fallback."""
 
     def __init__(self, inner: EdgeAccess, fail_at: int | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.fail_at = fail_at
         self.created: list[str] = []
 
@@ -207,24 +207,6 @@ class PlainAccess:
             raise InvalidArgument("no more sandboxes for this test")
         self.created.append(self.inner.create(spec))
         return self.created[-1]
-
-    def destroy(self, sandbox_id: str) -> None:
-        self.inner.destroy(sandbox_id)
-
-    def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
-        return self.inner.exec_batch(calls)
-
-    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        self.inner.write_file(sandbox_id, path, data, mode=mode)
-
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self.inner.read_file(sandbox_id, path)
-
-    def pause(self, sandbox_id: str) -> None:
-        self.inner.pause(sandbox_id)
-
-    def resume(self, sandbox_id: str) -> None:
-        self.inner.resume(sandbox_id)
 
 
 def _live(nodes: dict[str, EdgeNode]) -> list[str]:

@@ -12,7 +12,7 @@ from dsec.edge.node import EdgeNode
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import InvalidArgument
 from dsec.ids import node_of
-from dsec.rl.access import EdgeAccess, ExecOutcome
+from dsec.rl.access import DelegatingAccess, EdgeAccess, ExecOutcome
 from dsec.rl.judges import (
     Check,
     ExecutableJudge,
@@ -130,15 +130,9 @@ def test_hidden_tests_are_absent_until_judging(sim_access: EdgeAccess) -> None:
         env.close()
 
 
-class _TamperDuringRun:
+class _TamperDuringRun(DelegatingAccess):
     """A background process of the agent's, rewriting hidden tests while the verifier
     runs (the simulated backend has no background processes, so the access does it)."""
-
-    def __init__(self, inner: EdgeAccess) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
 
     def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
         for sid, req in calls:
@@ -152,7 +146,7 @@ def test_tests_modified_during_judging_give_zero(sim_access: EdgeAccess) -> None
     sid = sim_access.create(SandboxSpec())
     try:
         sim_access.write_file(sid, "/workspace/answer", b"41\n")
-        v = HIDDEN.judge(JudgeContext(answer="", access=_TamperDuringRun(sim_access),  # type: ignore[arg-type]
+        v = HIDDEN.judge(JudgeContext(answer="", access=_TamperDuringRun(sim_access),
                                       sandbox_id=sid))
         assert v.reward == 0.0 and "modified during judging" in v.detail
     finally:
@@ -163,10 +157,7 @@ def test_isolated_judging_sees_only_carried_files(sim_access: EdgeAccess,
                                                   sim_nodes: dict[str, EdgeNode]) -> None:
     created: list[str] = []
 
-    class Spy:
-        def __getattr__(self, name: str) -> object:
-            return getattr(sim_access, name)
-
+    class Spy(DelegatingAccess):
         def create(self, spec: SandboxSpec) -> str:
             sid = sim_access.create(spec)
             created.append(sid)
@@ -181,7 +172,7 @@ def test_isolated_judging_sees_only_carried_files(sim_access: EdgeAccess,
     try:
         sim_access.write_file(sid, "/workspace/answer", b"42\n")
         sim_access.write_file(sid, "/workspace/notes", b"planted by the agent\n")
-        v = judge.judge(JudgeContext(answer="", access=Spy(), sandbox_id=sid))  # type: ignore[arg-type]
+        v = judge.judge(JudgeContext(answer="", access=Spy(sim_access), sandbox_id=sid))
         # /workspace/notes was not carried: cat fails on it but prints the rest.
         assert v.reward == 1.0, v
         [fresh] = created

@@ -224,3 +224,16 @@ def test_each_limit_refuses_and_says_which(name: str) -> None:
         PAST_EACH_LIMIT[name]()
     assert ei.value.detail.get("limit") == getattr(spec, name), ei.value.detail
     assert len(ei.value.message) < 300, "the message echoes the value"
+
+
+@pytest.mark.parametrize("tp,raw", [
+    (SandboxSpec, {"image": "py", "network_rules": ["deny *"]}),
+    (spec.NetworkPolicy, {"mode": "allowlist", "deny": ["10.0.0.0/8"]}),
+    (ExecRequest, {"shell": "true", "seccomp": "off"}),
+    (CreateSandbox, {"spec": {"imagee": "py"}}),
+], ids=["spec", "network", "exec", "nested"])
+def test_a_field_this_release_does_not_know_is_refused_by_name(tp: Any, raw: Any) -> None:
+    """Dropping it would run the request without it (a newer network rule, say)."""
+    for codec in (msgspec.msgpack, msgspec.json):
+        with pytest.raises(msgspec.ValidationError, match="unknown field"):
+            codec.decode(codec.encode(raw), type=tp)

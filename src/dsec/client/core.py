@@ -41,6 +41,7 @@ import msgspec
 
 from dsec.errors import (
     DsecError,
+    EdgeUnreachable,
     InvalidArgument,
     NotFound,
     RateLimited,
@@ -215,6 +216,7 @@ def _snap_id(snapshot: Snapshot | str) -> str:
 # What a create (one key per sandbox) is retried on: its own connection, the request
 # timeout, 503s (an apiserver restarting, an edge it cannot reach) and rate limits.
 _CREATE_RETRYABLE = (TransportError, RequestTimeout, Unavailable, RateLimited)
+_EDGE_RELINK_S = 0.5  # half the apiserver's default reconnect_interval_s
 
 
 class AsyncClient:
@@ -311,15 +313,22 @@ class AsyncClient:
         return self._t
 
     async def _retry(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """Call ``fn`` again on connection errors (not on answers), with backoff."""
+        """Call ``fn`` again on connection errors (not on answers), with backoff; and on
+        :class:`EdgeUnreachable` (the apiserver's link to the sandbox's edge is being
+        re-established, e.g. the edge just restarted: the apiserver reconnects at most
+        once per ``reconnect_interval_s``, 1 s by default), at least that long apart. Only
+        idempotent calls come here, so repeating one the link may have carried is safe."""
         delay = 0.05
         for attempt in range(self.retries + 1):
             try:
                 return await fn()
-            except TransportError:
+            except (TransportError, EdgeUnreachable) as exc:
                 if attempt >= self.retries:
                     raise
-                await asyncio.sleep(delay * (0.5 + random.random()))
+                wait = delay * (0.5 + random.random())
+                if isinstance(exc, EdgeUnreachable):
+                    wait = max(wait, _EDGE_RELINK_S)
+                await asyncio.sleep(wait)
                 delay *= 4
         raise AssertionError("unreachable")
 

@@ -69,7 +69,10 @@ class Backend(Protocol):
 
     async def pause(self, sid: SandboxId) -> PauseStats: ...
 
-    async def resume(self, sid: SandboxId) -> None: ...
+    async def resume(self, sid: SandboxId) -> None:
+        """Thaw a paused sandbox. A cheap no-op for one that is not paused: the node
+        calls it on every sandbox it adopts as running (a crash mid-pause or mid-snapshot
+        can leave one frozen)."""
 
     async def destroy(self, sid: SandboxId) -> None:
         """Kill everything and release every resource; idempotent."""

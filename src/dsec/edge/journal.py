@@ -135,7 +135,11 @@ class SandboxJournal:
     """See the module docstring. Holds an exclusive lock on the state dir while open."""
 
     def __init__(self, state_dir: str, *, sync: JournalSync = "fsync",
-                 keep_ended: int = 10_000) -> None:
+                 keep_ended: int = 10_000, compact_min_lines: int = 10_000,
+                 fsync: Callable[[int], None] = os.fsync) -> None:
+        """``compact_min_lines``: lines the file may hold beyond 4x what it keeps before
+        it is compacted. ``fsync``: the call that makes the file durable (injected so
+        tests can make it fail the way a failing disk does)."""
         if sync not in JOURNAL_SYNC_MODES:
             raise InvalidArgument(f"journal sync mode {sync!r} is not one of "
                                   f"{', '.join(JOURNAL_SYNC_MODES)}", field="journal_sync")
@@ -143,8 +147,10 @@ class SandboxJournal:
         self.path = os.path.join(self.state_dir, JOURNAL)
         self.sync: JournalSync = sync
         self.keep_ended = keep_ended
+        self.compact_min_lines = compact_min_lines
+        self._fsync = fsync
         self._pending: dict[str, _Noted] = {}
-        self._on_disk: set[str] = set()       # live ids with a line in the file
+        self._on_disk: dict[str, SandboxState] = {}  # live id -> state its line says
         self._lines = 0
         self._fd = -1
         self._lock_fd = -1
@@ -167,6 +173,7 @@ class SandboxJournal:
         self.bytes_written = 0
         self.writes = 0                        # write(2) calls that appended records
         self.syncs = 0                         # of which were followed by fsync
+        self.compactions = 0                   # rewrites of the file (open included)
 
     # ------------------------------------------------------------------ open/load
     def open(self, keep: KeepFn | None = None) -> JournalContents:
@@ -230,34 +237,56 @@ class SandboxJournal:
         return JournalContents(records, tombs)
 
     def _rewrite(self, records: Iterable[Journaled], ended: Iterable[JournalEnd]) -> None:
+        """Replace the file with ``records`` and ``ended`` (the newest ``keep_ended``).
+
+        A record that already has a line in the file is rewritten with the state that
+        line holds, not the record's state now: the file's meaning must not change under
+        a compaction. (A create's ``running`` line is written while the node still says
+        ``creating`` - it switches once the line is durable, then answers; rewriting it
+        as ``creating`` rolled back an answered create after a crash. A sandbox caught
+        ``pausing`` keeps the ``running`` its file said.)"""
         tmp = self.path + ".tmp"
-        n = 0
-        ids: set[str] = set()
-        with open(tmp, "wb") as f:
-            chunk: list[bytes] = []
-            for r in records:
-                chunk.append(_encoder.encode(_record(r, None)))
-                ids.add(r.id)
-            tombs = list(ended)
-            if self.keep_ended:
-                chunk.extend(_encoder.encode(t) for t in tombs[-self.keep_ended:])
-            n = len(chunk)
-            f.writelines(b"\n".join(chunk[k:k + 4096]) + b"\n" for k in range(0, n, 4096))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        states: dict[str, SandboxState] = {}
+        written = self._on_disk
+        chunk: list[bytes] = []
+        for r in records:
+            rec = _record(r, written.get(r.id))
+            chunk.append(_encoder.encode(rec))
+            states[r.id] = rec.state
+        if self.keep_ended:
+            chunk.extend(_encoder.encode(t) for t in list(ended)[-self.keep_ended:])
+        n = len(chunk)
+        # The new descriptor is opened on the temp file before the rename and swapped in
+        # after it: a failure at any step leaves the old file and descriptor in use (an
+        # open after closing the old one could fail, e.g. EMFILE, and leave a closed fd
+        # number that a later open reuses - the journal would append into that file).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                     0o600)
+        try:
+            for k in range(0, n, 4096):
+                data = memoryview(b"\n".join(chunk[k:k + 4096]) + b"\n")
+                while data:
+                    data = data[os.write(fd, data):]
+            self._fsync(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):  # a full disk wants its space back
+                os.unlink(tmp)
+            raise
         with contextlib.suppress(OSError):  # make the rename itself durable
             dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                os.fsync(dfd)
+                self._fsync(dfd)
             finally:
                 os.close(dfd)
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._on_disk = ids
+        old, self._fd = self._fd, fd
+        if old >= 0:
+            os.close(old)
+        self._on_disk = states
         self._lines = n
         self._torn = False
+        self.compactions += 1
 
     # ------------------------------------------------------------------ noting
     def put(self, rec: Journaled, state: SandboxState | None = None) -> None:
@@ -305,9 +334,9 @@ class SandboxJournal:
         on_disk = self._on_disk
         for sid, item in taken.items():
             if isinstance(item, tuple):
-                on_disk.add(sid)
+                on_disk[sid] = item[1] or item[0].state  # as _take encoded it
             else:
-                on_disk.discard(sid)
+                on_disk.pop(sid, None)
         if data:
             self.bytes_written += len(data)
             self.writes += 1
@@ -319,7 +348,8 @@ class SandboxJournal:
         fsync runs on the old file descriptor (the next write or fsync retries)."""
         keep = self._keep
         if (keep is not None and not self._syncing
-                and self._lines > 4 * (len(self._on_disk) + self.keep_ended) + 10_000):
+                and self._lines > 4 * (len(self._on_disk) + self.keep_ended)
+                + self.compact_min_lines):
             try:
                 self._rewrite(*keep())
             except OSError:
@@ -422,7 +452,7 @@ class SandboxJournal:
         self._syncing = True
         # fsync takes ~0.2-3 ms here (MACHINE-NOTES: VM disk); on its own thread the loop
         # keeps serving, noting and writing meanwhile; those writes ride the next fsync.
-        task = asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._fd)
+        task = asyncio.get_running_loop().run_in_executor(self._pool, self._fsync, self._fd)
         task.add_done_callback(
             lambda t: self._synced(waiters, taken, None if t.cancelled() else t.exception()))
 
@@ -434,10 +464,24 @@ class SandboxJournal:
             _resolve(waiters, None)
         else:
             # What the page cache held may not reach the disk: write it again (later
-            # lines win on load) and fail the callers who needed it durable.
+            # lines win on load) and fail the callers who needed it durable. Linux
+            # reports a writeback error to one fsync only (errseq_t), so the next fsync
+            # of this descriptor succeeds even if pages written *before this failure*
+            # were lost: the records written since and waiting for that next fsync are
+            # suspect too. They are noted again (newest first wins) and their waiters
+            # wait for that new write and an fsync started after it.
+            self._failed(self._sync_taken)
             self._failed(taken)
+            self._sync_taken = {}
+            requeue, self._sync_waiting = self._sync_waiting, []
             self._report_failure(exc)
             _resolve(waiters, self._error(exc))
+            if requeue:
+                again = self._waiting
+                if again is None:
+                    again = self._waiting = []
+                    self._schedule()
+                again.extend((f, True) for f in requeue)
         self._maybe_compact()
         self._sync_soon()
 

@@ -289,7 +289,10 @@ class EdgeNode:
                 log.warning("journal holds %s, which is not this node's; dropped", r.id)
                 continue
             rec = _Sandbox(r.id, r.spec, self.backends.get(r.spec.backend), now)  # type: ignore[arg-type]
-            rec.created_at, rec.last_active_at = r.created_at, r.last_active_at
+            # The idle clock restarts with the edge: exec activity is never journaled, so
+            # the line's last_active_at may be far older than the last use (a sandbox in
+            # use a moment before a crash was idle-reaped by the first pass after it).
+            rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
             backend = rec.backend
             if backend is None:
@@ -315,6 +318,17 @@ class EdgeNode:
                 else:
                     self._bury(rec, "node_lost", why)
                 continue
+            if r.state == "running":
+                # Answered running (or a pause/snapshot was cut short): a freeze the
+                # crash left must not stop it for good while it is reported running.
+                # Every backend's resume is a no-op on a running sandbox.
+                try:
+                    await backend.resume(SandboxId(r.id))
+                except Exception as exc:  # noqa: BLE001
+                    with contextlib.suppress(Exception):
+                        await backend.destroy(SandboxId(r.id))
+                    self._bury(rec, "node_lost", f"could not thaw it after a restart: {exc!r}")
+                    continue
             # Held past the capacity if it shrank since the last start: a running
             # sandbox is never destroyed for an accounting limit (new creates wait).
             if not self.pool.adopt(r.id, r.spec.cpu_milli, r.spec.memory_bytes) and \

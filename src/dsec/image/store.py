@@ -8,7 +8,8 @@ read them, even when the store lives outside a private state dir)::
     manifests/<hex>.json    LayerManifest per layer
     index/<hex>.idx         pack_diff's record of the upperdir a snapshot was taken from
     refs.json               {"[project/]name:tag": "sha256:<hex>"}
-    tmp/                    staging trees and half-written layers (never read as layers)
+    tmp/<owner>-*           staging trees and half-written layers, named by their process
+                            (never read as layers; a dead process's go on the next open)
     lock                    flock(2) taken by every mutation (CLI and edge may race)
 
 Names are namespaced (:mod:`dsec.image.manifest`): ``teama/tools:v1`` is project
@@ -21,7 +22,9 @@ someone without the right on N.
 
 A layer appears atomically: the EROFS file is written under ``tmp/``, hashed, renamed
 into ``layers/`` and only then gets its manifest. A failed build or import leaves
-nothing behind but a ``tmp/`` entry that is removed on the way out.
+nothing behind but a ``tmp/`` entry that is removed on the way out - or, when the process
+was killed (-9) mid-build, by the next ``LayerStore`` opened on the same root: scratch
+entries are named by their process (``tmp/<owner token>-...``, :mod:`dsec.ownership`).
 
 Builds are not bit-reproducible (mkfs.erofs 1.5 stamps a random UUID and the build
 time into the superblock), so the same tree built twice gives two digests. Digests name
@@ -41,6 +44,7 @@ from typing import IO
 
 import msgspec
 
+from dsec import ownership
 from dsec.errors import (
     ImageError,
     ImageNotFound,
@@ -145,6 +149,7 @@ class LayerStore:
             raise ImageError(f"cannot open the layer store at {self.root}: {exc.strerror or exc}"
                              "; run as the user owning it (root for dsec up's store) or "
                              "point --root / $DSEC_IMAGE_ROOT elsewhere") from exc
+        self._reclaim_scratch()
 
     # ----------------------------------------------------------------- paths & locking
     def layer_path(self, layer: LayerManifest | str) -> str:
@@ -166,10 +171,34 @@ class LayerStore:
         finally:
             os.close(fd)
 
+    def _scratch(self, name: str) -> str:
+        """A path for scratch entry ``name`` in ``tmp/``, prefixed with this process's
+        owner token (:mod:`dsec.ownership`): what a killed process leaves there is
+        removed by the next store opened."""
+        return os.path.join(self.root, "tmp", f"{ownership.token()}-{name}")
+
+    def _reclaim_scratch(self) -> None:
+        """Remove the scratch entries of processes that died mid-build (a kill -9 skips
+        the cleanup on the way out: staging trees and half-written layers stayed, ~the
+        size of each snapshot, for good). A live owner's, another pid namespace's and
+        names without an owner token (made by older versions) are left alone."""
+        try:
+            entries = list(os.scandir(os.path.join(self.root, "tmp")))
+        except OSError:
+            return
+        for e in entries:
+            if ownership.token_alive(e.name.split("-", 1)[0]) is not False:
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
+
     @contextlib.contextmanager
     def staging(self, prefix: str = "stage-") -> Iterator[str]:
         """A scratch directory inside the store (same filesystem), removed on exit."""
-        path = os.path.join(self.root, "tmp", prefix + secrets.token_hex(6))
+        path = self._scratch(prefix + secrets.token_hex(6))
         os.mkdir(path, _DIR_MODE)
         try:
             yield path
@@ -319,7 +348,7 @@ class LayerStore:
                 and stats.apparent_bytes > max_bytes:
             # a flat, uncompressed layer holds every apparent byte: refuse before mkfs
             raise self._too_big(what, stats.apparent_bytes, max_bytes, "at least")
-        tmp = os.path.join(self.root, "tmp", f"layer-{secrets.token_hex(6)}.erofs")
+        tmp = self._scratch(f"layer-{secrets.token_hex(6)}.erofs")
         try:
             try:
                 mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from dsec.client.core import AsyncClient, AsyncSandbox
     from dsec.client.sync import Client
 
-__all__ = ["BatchSandboxAccess", "ClientAccess", "EdgeAccess", "ExecOutcome", "LoopThread",
-           "SandboxAccess", "create_sandboxes", "destroy_sandboxes", "pause_sandboxes",
-           "resume_sandboxes", "spec_to_create_kwargs"]
+__all__ = ["BatchSandboxAccess", "ClientAccess", "DelegatingAccess", "EdgeAccess",
+           "ExecOutcome", "LoopThread", "SandboxAccess", "create_sandboxes",
+           "destroy_sandboxes", "pause_sandboxes", "resume_sandboxes", "spec_to_create_kwargs"]
 
 T = TypeVar("T")
 # A batch item either ran (ExecResult, whatever its exit code) or failed as an operation
@@ -64,6 +64,36 @@ class SandboxAccess(Protocol):
     def pause(self, sandbox_id: str) -> None: ...
 
     def resume(self, sandbox_id: str) -> None: ...
+
+
+class DelegatingAccess:
+    """A :class:`SandboxAccess` that passes every call to ``inner``: subclass it and
+    override what you change (a command log, a test's spy or fault injector). Written
+    out rather than ``__getattr__``, so mypy sees each method and the protocol holds."""
+
+    def __init__(self, inner: SandboxAccess) -> None:
+        self.inner = inner
+
+    def create(self, spec: SandboxSpec) -> str:
+        return self.inner.create(spec)
+
+    def destroy(self, sandbox_id: str) -> None:
+        self.inner.destroy(sandbox_id)
+
+    def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
+        return self.inner.exec_batch(calls)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self.inner.write_file(sandbox_id, path, data, mode=mode)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self.inner.read_file(sandbox_id, path)
+
+    def pause(self, sandbox_id: str) -> None:
+        self.inner.pause(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        self.inner.resume(sandbox_id)
 
 
 @runtime_checkable

@@ -28,6 +28,7 @@ import msgspec
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import Conflict
 from dsec.rl.access import (
+    DelegatingAccess,
     ExecOutcome,
     SandboxAccess,
     create_sandboxes,
@@ -146,8 +147,9 @@ class CommandLog:
             self._fd = None
 
 
-class LoggedAccess:
-    """A :class:`SandboxAccess` whose execs go through a :class:`CommandLog`.
+class LoggedAccess(DelegatingAccess):
+    """A :class:`SandboxAccess` whose execs go through a :class:`CommandLog` (everything
+    else passes straight through to ``inner``).
 
     ``cursors`` holds the next command number per sandbox; :meth:`seek` rewinds them to a
     handle's positions before a replay. ``rerun_in_doubt`` allows re-running commands
@@ -156,7 +158,7 @@ class LoggedAccess:
 
     def __init__(self, inner: SandboxAccess, log: CommandLog, *,
                  rerun_in_doubt: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.log = log
         self.rerun_in_doubt = rerun_in_doubt
         self.cursors: dict[str, int] = {}
@@ -206,25 +208,6 @@ class LoggedAccess:
                     done.append((*keys[i], r))
             self.log.record_results(done)
         return out  # type: ignore[return-value]
-
-    # Everything else passes straight through.
-    def create(self, spec: SandboxSpec) -> str:
-        return self.inner.create(spec)
-
-    def destroy(self, sandbox_id: str) -> None:
-        self.inner.destroy(sandbox_id)
-
-    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        self.inner.write_file(sandbox_id, path, data, mode=mode)
-
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self.inner.read_file(sandbox_id, path)
-
-    def pause(self, sandbox_id: str) -> None:
-        self.inner.pause(sandbox_id)
-
-    def resume(self, sandbox_id: str) -> None:
-        self.inner.resume(sandbox_id)
 
     # Batched forms (BatchSandboxAccess): batched when the inner access is.
     def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:

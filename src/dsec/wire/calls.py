@@ -9,7 +9,7 @@ Replies are records of :mod:`dsec.wire.spec`, :mod:`dsec.wire.node` and, for bat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -69,16 +69,16 @@ __all__ = [
 Command = ExecRequest | str | Sequence[str]
 
 
-def exec_request(cmd: Command, **kw: object) -> ExecRequest:
+def exec_request(cmd: Command, **kw: Any) -> ExecRequest:
     """``"echo hi"`` -> shell, ``["echo", "hi"]`` -> argv, an ExecRequest as is (no kw)."""
     if isinstance(cmd, ExecRequest):
         if kw:
             raise InvalidArgument("pass options inside the ExecRequest, not as keywords")
         return cmd
     if isinstance(cmd, str):
-        return ExecRequest(shell=cmd, **kw)  # type: ignore[arg-type]
+        return ExecRequest(shell=cmd, **kw)
     if isinstance(cmd, Sequence) and all(isinstance(a, str) for a in cmd):
-        return ExecRequest(argv=tuple(cmd), **kw)  # type: ignore[arg-type]
+        return ExecRequest(argv=tuple(cmd), **kw)
     raise InvalidArgument(f"a command is a shell string, a list of strings or an ExecRequest, "
                           f"not {type(cmd).__name__}")
 

@@ -189,15 +189,20 @@ def check_idempotency_key(key: str | None) -> None:
                               field="idempotency_key", limit=MAX_IDEMPOTENCY_KEY_CHARS)
 
 
-class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
+                    forbid_unknown_fields=True):
     """Egress policy. Default: loopback only. ``allow`` lists ``host:port`` entries."""
 
     mode: Literal["none", "loopback", "allowlist"] = "loopback"
     allow: tuple[str, ...] = ()
 
 
-class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """What a caller asks for. Validated by :meth:`validate` at every trust boundary."""
+class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
+                  forbid_unknown_fields=True):
+    """What a caller asks for. Validated by :meth:`validate` at every trust boundary (not
+    on decode: it is also stored, and a tightened limit must not make old state
+    unreadable). A field this release does not know is refused by name, never dropped
+    (say a newer network rule: running without it would be a hole)."""
 
     image: str = "base"                     # image ref: name[:tag] or sha256:<digest>
     workspace: str | None = None            # optional workspace layer ref
@@ -250,7 +255,8 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
         return self
 
 
-class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
+                  forbid_unknown_fields=True):
     """One command. Exactly one of ``argv`` / ``shell``."""
 
     argv: tuple[str, ...] = ()

@@ -121,7 +121,10 @@ async def test_memory_bomb_is_oom_killed_and_reported(backend: ContainerBackend)
     await backend.create(bystander, SPEC)
     r = await backend.exec(bomb, ExecRequest(
         shell="head -c 500m /dev/zero | tail > /dev/null; echo survived", timeout_s=60))
-    assert b"survived" in r.stdout  # tail was killed, the shell lives on
+    # The kernel kills the biggest task (tail) and the shell lives on; on a loaded host a
+    # second OOM can come while tail's memory is still being freed and take the shell
+    # too (seen once in a full suite run). Either way: killed by the OOM killer, reported.
+    assert b"survived" in r.stdout or (r.exit_code == 137 and not r.timed_out), r
     for _ in range(100):
         if events:
             break

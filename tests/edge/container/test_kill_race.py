@@ -174,7 +174,7 @@ def test_leftover_cleanup_never_signals_a_pid_that_left_the_cgroup(tmp_path: obj
     second listing - as a task that exited and whose number was reused would be."""
     import threading
 
-    from dsec.edge.backends.container.backend import _kill_tasks
+    from dsec.edge.backends.container.census import kill_tasks as _kill_tasks
 
     d = os.path.join(str(tmp_path), "leftover-cg")
     os.mkdir(d)

@@ -534,7 +534,12 @@ class ClusterRuntime:
         image build`` and ``POST /v1/images`` put layers and where snapshots are
         written), resolved by :class:`~dsec.edge.backends.container.images.StoreImages`. In-process edges
         share one store and one mount cache, so a layer is mounted once per process and
-        every local edge can start sandboxes from every snapshot."""
+        every local edge can start sandboxes from every snapshot. fncall work dirs live
+        beside the edge's journal, as ``dsec edge --state-dir`` keeps them, so a
+        restarted edge adopts its fncall sandboxes (a temp dir per process lost every
+        one of them at each restart)."""
+        if name == "fncall":
+            return {"root": os.path.join(self.config.state_dir, "edges", node_id, "fncall")}
         if name == "simulated":
             from dsec.edge.backends.simulated import NodeLatencyProfile
             prof = self.config.simulated_profile

@@ -64,6 +64,16 @@ import msgspec
 from dsec import ownership
 from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.backends.container import linux
+from dsec.edge.backends.container.census import (
+    cgroup_parents,
+    claim_cgroup_name,
+    record_parents,
+    recorded_parents,
+    release_cgroup_name,
+    remove_cgroup_dirs,
+    remove_cgroup_dirs_now,
+    tasks_of,
+)
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.fncall_jail import (
@@ -86,7 +96,7 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, CapacityExceeded, InvalidArgument, SandboxNotFound
+from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
 
 __all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
@@ -750,9 +760,16 @@ class FncallBackend:
             root = tempfile.mkdtemp(prefix=_ROOT_PREFIX)
         else:
             os.makedirs(root, mode=0o700, exist_ok=True)
+            # reconcile() removes every work dir this backend does not hold: a second
+            # live backend on the same root would delete the first one's sandboxes.
+            if ownership.owner_alive(root):
+                raise InUse(f"fncall root {root} belongs to another live backend (see "
+                            f"{root}.owner); stop it or give this one another root",
+                            root=root)
         self.root = os.path.abspath(root)
         ownership.claim(self.root)
         self.governor: Governor | None = None
+        self._own_parents: list[str] = []
         self.disk: DiskPool | None = None
         self.max_sandbox_pids = max_sandbox_pids
         jail = None
@@ -767,6 +784,10 @@ class FncallBackend:
             try:
                 jail = self._jail_config(runtime)
                 self.governor = governor or self._make_governor(cgroup_name, pids_headroom)
+                # Where this process nests sandbox cgroups, beside where earlier ones
+                # did (an edge restarted in another cgroup): reconcile looks in all.
+                self._own_parents = cgroup_parents(self.governor.name)
+                record_parents(self.root, self.governor.name, self._own_parents)
                 self.disk = DiskPool(self.root, size_bytes=disk_pool_bytes)
                 if uid is None:
                     self._uids = UidRegistry(uid_registry)
@@ -822,6 +843,8 @@ class FncallBackend:
                                   f"kernel.pid_max={pid_max}", field="pids_headroom")
         self.max_sandbox_pids = min(self.max_sandbox_pids, pid_max - pids_headroom)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
+        # one root per cgroup name: reconcile takes every cgroup under it for its own
+        claim_cgroup_name(name, self.root)
         gov = Governor(name=name, favor_dynmods=linux.remount)
         try:
             gov.limit_total_pids(pid_max - pids_headroom)
@@ -1103,6 +1126,7 @@ class FncallBackend:
         if self.governor is not None and not left:
             with contextlib.suppress(OSError, BackendError):
                 self.governor.remove_base()
+            release_cgroup_name(self.governor.name, self.root)
         ownership.disown(self.root)
 
     # ---------------------------------------------------------------- after a crash
@@ -1114,9 +1138,12 @@ class FncallBackend:
         workers are found by their cwd under the root and killed by process group."""
         out = []
         if self.disk is not None and self.governor is not None:
+            earlier = await self._reclaim_earlier_parents()
             names = set(self.disk.sandboxes()) | set(self.governor.list_sandboxes())
             for name in sorted(names - set(keep) - set(self._boxes)):
                 out.append(self._discard_jailed(name))
+            for name in sorted(set(earlier) - names - set(keep) - set(self._boxes)):
+                out.append(Leftover(name, "fncall", earlier[name]))
             return out
         strays = _stray_workers(self.root)
         _kill_groups(strays.values())
@@ -1129,6 +1156,32 @@ class FncallBackend:
             out.append(Leftover(name, "fncall", "work directory"
                                 + (f", {n} runaway worker(s)" if n else "")))
         return out
+
+    async def _reclaim_earlier_parents(self) -> dict[str, str]:
+        """Kill what runs in, and remove, the sandbox cgroups under parents an earlier
+        process of this root used (it ran in another cgroup): none of them is this
+        process's - calls never outlive their edge, an adopted sandbox gets its cgroups
+        under this process's parents. Returns what was found, by sandbox id."""
+        gov = self.governor
+        assert gov is not None
+        found: dict[str, str] = {}
+        for parent in recorded_parents(self.root, gov.name):
+            if parent in self._own_parents or not os.path.isdir(parent):
+                continue
+            for e in os.scandir(parent):
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                n = sum(len(tasks_of(d)) for d, _, _ in os.walk(e.path))
+                try:
+                    await remove_cgroup_dirs([e.path])
+                    what = "cgroup under an earlier edge's parent"
+                except OSError as exc:
+                    what = f"cgroup under an earlier edge's parent, not removed: {exc}"
+                found[e.name] = what + (f", {n} runaway process(es)" if n else "")
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+        record_parents(self.root, gov.name, self._own_parents)
+        return found
 
     async def discard(self, sid: SandboxId) -> Leftover | None:
         """Remove what is left of a sandbox the node does not know (``reconcile`` for one)."""
@@ -1406,6 +1459,11 @@ def _reclaim_dead_roots(tmp: str) -> None:
                     gov.kill_all(cg)
                     gov.remove(cg)
                 gov.remove_base()
+            name = "fncall-" + hashlib.sha1(e.path.encode()).hexdigest()[:10]
+            for parent in recorded_parents(e.path, name):  # it ran in another cgroup
+                with contextlib.suppress(OSError):
+                    remove_cgroup_dirs_now([parent])
+            release_cgroup_name(name, e.path)
             pool = os.path.join(e.path, "pool")
             if os.path.ismount(pool):
                 with contextlib.suppress(OSError):

@@ -206,6 +206,8 @@ class SimulatedBackend:
 
     async def resume(self, sid: SandboxId) -> None:
         box = self._box(sid)
+        if not box.paused:  # a no-op, also in time (the node resumes adopted ones)
+            return
         if self.profile.resume_s:
             await self.clock.sleep(self.profile.resume_s)
         box.paused = False

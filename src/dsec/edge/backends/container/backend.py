@@ -41,7 +41,17 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
-from dsec.edge.backends.container.census import Census, cgroup_name_of, take_census
+from dsec.edge.backends.container.census import (
+    Census,
+    cgroup_name_of,
+    cgroup_parents,
+    claim_cgroup_name,
+    record_parents,
+    recorded_parents,
+    release_cgroup_name,
+    remove_cgroup_dirs,
+    take_census,
+)
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
@@ -72,7 +82,6 @@ from dsec.edge.governor import (
     Limits,
     SandboxCgroup,
     ensure_compressed_swap,
-    kill_verified,
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.spec import (
@@ -208,6 +217,10 @@ class ContainerBackend:
             os.chmod(d, 0o700)  # also when it existed: upper layers may hold setuid files
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
         self.cgroup_name = cgroup_name or cgroup_name_of(self.root_dir)
+        try:  # one root dir per cgroup name: the census owns everything under it
+            claim_cgroup_name(self.cgroup_name, self.root_dir)
+        except OSError as exc:
+            raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
         self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
         try:
             self.governor.limit_total_pids(self.pids_total)
@@ -264,6 +277,14 @@ class ContainerBackend:
         # One live backend per root_dir (last, so a failed __init__ holds nothing):
         # reconcile() removes whatever this backend does not hold.
         self._lock_fd = _lock_root(self.root_dir)
+        try:  # where this process nests sandbox cgroups, beside where earlier ones did
+            self._own_parents = cgroup_parents(self.cgroup_name)
+            record_parents(self.root_dir, self.cgroup_name, self._own_parents)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
+                               f"{exc}") from exc
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -599,14 +620,19 @@ class ContainerBackend:
         if os.path.isdir(self.disk.sandbox_path(sid)):
             box.disk_q = self.disk.qgroup_dir(sid)
             box.disk_cap = DiskPool.usage_at(box.disk_q).cap_bytes
-        alive = (process_start_time(rec.init_pid) == rec.init_start
-                 and rec.init_pid in self.governor.pids(cg))
+        start = process_start_time(rec.init_pid)
+        members = self.governor.pids(cg)
+        alive = start == rec.init_start and rec.init_pid in members
+        why = ("" if alive else f"its init (pid {rec.init_pid}, start {rec.init_start}) is "
+               + ("gone" if start is None else f"another process (start {start})"
+                  if start != rec.init_start else f"not in its cgroup ({len(members)} there)"))
         if alive:
             try:
                 box.pidfd = os.pidfd_open(rec.init_pid)
-            except OSError:
-                alive = False
+            except OSError as exc:
+                alive, why = False, f"pidfd_open of its init failed: {exc}"
         if not alive:
+            log.warning("sandbox %s cannot be adopted: %s; removing what is left", sid, why)
             await self._teardown(sid, d, box, layers)
             return False
         box.paused = self.governor.is_frozen(cg)
@@ -788,6 +814,7 @@ class ContainerBackend:
         if idle and not (os.path.isdir(sb) and os.listdir(sb)) \
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
+            release_cgroup_name(self.cgroup_name, self.root_dir)
         await self._settled()
         self._snapshots.close()
         self.disk.close()
@@ -815,6 +842,12 @@ class ContainerBackend:
             out.append(await self._remove_leftover(sid, census))
         if self._runc is not None:
             self._runc.sweep_logs()
+        # Parents an earlier process (in another cgroup) made: gone once empty.
+        for parent in recorded_parents(self.root_dir, self.cgroup_name):
+            if parent not in self._own_parents:
+                with contextlib.suppress(OSError):
+                    os.rmdir(parent)
+        record_parents(self.root_dir, self.cgroup_name, self._own_parents)
         return out
 
     @property
@@ -848,7 +881,7 @@ class ContainerBackend:
             # pid number; of a stopped one it only removes state, cgroups and the rootfs
             await self._runc.destroy(sid, d)
         try:
-            await _remove_cgroup_dirs(cg_dirs)
+            await remove_cgroup_dirs(cg_dirs)
         except OSError as exc:
             errors.append(f"cgroups: {exc}")
         for mp in census.mounts.get(sid, ()):
@@ -1318,48 +1351,6 @@ def _lock_root(root_dir: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def _listed(cgroup_dir: str) -> set[int]:
-    """The pids ``cgroup_dir/cgroup.procs`` lists (empty if it cannot be read)."""
-    try:
-        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
-            return {int(p) for p in f.read().split()}
-    except (OSError, ValueError):
-        return set()
-
-
-def _kill_tasks(cgroup_dir: str) -> None:
-    """SIGKILL every task ``cgroup_dir`` lists, never a pid number that went to another
-    process meanwhile (pidfds checked against a second listing: governor.kill_verified).
-    It used to os.kill the numbers it read - the race issue 11.5 removed everywhere else,
-    left in the reconciliation of leftovers (found by the rt-kernel review)."""
-    with contextlib.suppress(OSError):
-        kill_verified(lambda: _listed(cgroup_dir))
-
-
-async def _remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
-    """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
-    and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        busy: OSError | None = None
-        for top in dirs:
-            if not os.path.isdir(top):
-                continue
-            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-                _kill_tasks(dirpath)
-                try:
-                    os.rmdir(dirpath)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    busy = exc
-        if busy is None:
-            return
-        if time.monotonic() > deadline:
-            raise busy
-        await asyncio.sleep(0.005)
 
 
 def _kernel_pid_max() -> int:

@@ -11,20 +11,47 @@ by sandbox id, so start-up reconciliation (``ContainerBackend.reconcile``), ``de
 an id the node forgot, the leak tests and the ``faults`` bench all read the host the
 same way.
 
+Sandbox cgroups nest under the edge's *own* cgroup, which is not the same for every
+process that uses one ``root_dir`` (an edge restarted from another login session or by
+another service manager starts elsewhere). So every parent a backend used is recorded in
+``<root_dir>/cgroup-parents`` (:func:`record_parents`) and the census looks under all of
+them: a restart in another cgroup still finds, and reconciles, the previous process's
+cgroups and the processes in them.
+
 The parsing is pure (:func:`~dsec.image.mount.mounts_below`: mountinfo text in, mount
-points out); :func:`take_census` does the reading.
+points out; :func:`parse_parents`); :func:`take_census` does the reading.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 
-from dsec.edge.governor import all_leaf_dirs
+from dsec.edge.governor import all_leaf_dirs, kill_verified
 from dsec.image.mount import mounts_below
 
-__all__ = ["Census", "cgroup_name_of", "cgroup_parents", "mounts_below", "take_census"]
+__all__ = [
+    "Census",
+    "cgroup_name_of",
+    "cgroup_parents",
+    "claim_cgroup_name",
+    "kill_tasks",
+    "mounts_below",
+    "parse_parents",
+    "record_parents",
+    "recorded_parents",
+    "release_cgroup_name",
+    "remove_cgroup_dirs",
+    "remove_cgroup_dirs_now",
+    "take_census",
+    "tasks_of",
+]
+
+PARENTS = "cgroup-parents"
 
 
 def cgroup_name_of(root_dir: str) -> str:
@@ -84,7 +111,8 @@ def _subdirs(path: str) -> list[str]:
         return []
 
 
-def _tasks(cgroup_dir: str) -> list[int]:
+def tasks_of(cgroup_dir: str) -> list[int]:
+    """The pids ``cgroup_dir`` lists (none if it is gone)."""
     try:
         with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
             return [int(p) for p in f.read().split()]
@@ -99,6 +127,101 @@ def cgroup_parents(cgroup_name: str) -> list[str]:
     with open("/proc/self/cgroup") as f:
         own = f.read()
     return all_leaf_dirs(mountinfo, own, name=cgroup_name)
+
+
+NAMES_DIR = "/run/dsec/cgroup-names"
+
+
+def claim_cgroup_name(cgroup_name: str, root_dir: str, *, names_dir: str = NAMES_DIR) -> None:
+    """Bind ``cgroup_name`` to ``root_dir`` for this boot (``<names_dir>/<name>`` holds
+    the root dir; /run is empty after a reboot, as is every cgroup).
+
+    The census takes every cgroup under ``dsec-<name>`` for this backend's, so two
+    root dirs sharing one explicit ``cgroup_name`` reconciled each other's sandboxes
+    away: an edge starting while the other was down killed all of its sandboxes. A
+    name bound to another root dir that still exists is refused (``InUse``); one whose
+    root dir is gone is taken over (nothing there can be adopted any more)."""
+    from dsec.errors import InUse, InvalidArgument
+
+    if (not cgroup_name or cgroup_name.startswith(".") or len(cgroup_name) > 64
+            or not all(c.isalnum() or c in "-_." for c in cgroup_name)):
+        raise InvalidArgument(f"cgroup_name {cgroup_name[:80]!r} must be 1-64 letters, "
+                              "digits, '-', '_' or '.', not starting with '.'",
+                              field="cgroup_name")
+    os.makedirs(names_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(names_dir, cgroup_name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        owner = None
+    else:
+        try:
+            owner = os.read(fd, 4096).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+    if owner == root_dir:
+        return
+    if owner and os.path.isdir(owner):
+        raise InUse(f"cgroup name {cgroup_name!r} belongs to the container backend rooted "
+                    f"at {owner} (see {path}); two root dirs sharing it would reconcile "
+                    "each other's sandboxes away - give this one another cgroup_name",
+                    cgroup_name=cgroup_name, root_dir=owner)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(root_dir + "\n")
+    os.replace(tmp, path)
+
+
+def release_cgroup_name(cgroup_name: str, root_dir: str, *,
+                        names_dir: str = NAMES_DIR) -> None:
+    """Drop the binding of :func:`claim_cgroup_name` if it is ``root_dir``'s (a backend
+    that closes with nothing left under the name)."""
+    path = os.path.join(names_dir, cgroup_name)
+    try:
+        with open(path) as f:
+            if f.read().strip() != root_dir:
+                return
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def parse_parents(text: str, cgroup_name: str) -> list[str]:
+    """The parent dirs a ``cgroup-parents`` text names: absolute, normalised paths
+    ending in ``dsec-<cgroup_name>`` (anything else is ignored: a damaged record must
+    not point reconciliation at other cgroups). Pure."""
+    leaf = f"dsec-{cgroup_name}"
+    out = []
+    for line in text.splitlines():
+        p = line.strip()
+        if p.startswith("/") and os.path.normpath(p) == p and os.path.basename(p) == leaf:
+            out.append(p)
+    return out
+
+
+def recorded_parents(root_dir: str, cgroup_name: str) -> list[str]:
+    """The parents recorded for the backend rooted at ``root_dir``."""
+    try:
+        with open(os.path.join(root_dir, PARENTS)) as f:
+            return parse_parents(f.read(), cgroup_name)
+    except FileNotFoundError:
+        return []
+
+
+def record_parents(root_dir: str, cgroup_name: str, parents: list[str]) -> list[str]:
+    """Write the record: ``parents`` (this process's) plus those recorded before that
+    still exist; returns what it holds. Atomic (temp file, rename) and fsynced: written
+    once per backend start, before any sandbox is made under a new parent."""
+    keep = sorted(set(parents) | {p for p in recorded_parents(root_dir, cgroup_name)
+                                  if os.path.isdir(p)})
+    path = os.path.join(root_dir, PARENTS)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(p + "\n" for p in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return keep
 
 
 def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> Census:
@@ -121,13 +244,14 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
         disk = frozenset(n for n in _subdirs(pool) if not n.startswith("."))
     cgroups: dict[str, list[str]] = {}
     tasks: dict[str, set[int]] = {}
-    for parent in cgroup_parents(cgroup_name):
+    parents = set(cgroup_parents(cgroup_name)) | set(recorded_parents(root_dir, cgroup_name))
+    for parent in sorted(parents):
         names = _subdirs(parent) if only is None else (
             [only] if os.path.isdir(os.path.join(parent, only)) else [])
         for sid in names:
             d = os.path.join(parent, sid)
             cgroups.setdefault(sid, []).append(d)
-            pids = _tasks(d)
+            pids = tasks_of(d)
             if pids:
                 tasks.setdefault(sid, set()).update(pids)
     with open("/proc/self/mountinfo") as f:
@@ -140,3 +264,58 @@ def take_census(root_dir: str, cgroup_name: str, *, only: str | None = None) -> 
                   tasks={k: tuple(sorted(v)) for k, v in tasks.items()},
                   mounts={k: tuple(v) for k, v in mounts.items()}, runc=runc, disk=disk,
                   pool_mounted=os.path.ismount(pool))
+
+
+def _listed(cgroup_dir: str) -> set[int]:
+    """The pids ``cgroup_dir/cgroup.procs`` lists (empty if it cannot be read)."""
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as f:
+            return {int(p) for p in f.read().split()}
+    except (OSError, ValueError):
+        return set()
+
+
+def kill_tasks(cgroup_dir: str) -> None:
+    """SIGKILL every task ``cgroup_dir`` lists, never a pid number that went to another
+    process meanwhile (pidfds checked against a second listing: governor.kill_verified).
+    Killing the numbers read was the race issue 11.5 removed everywhere (found left in
+    the reconciliation of leftovers by the rt-kernel review)."""
+    with contextlib.suppress(OSError):
+        kill_verified(lambda: _listed(cgroup_dir))
+
+
+def _sweep(dirs: list[str]) -> OSError | None:
+    """One pass: SIGKILL and rmdir bottom-up; the last rmdir error (a task still
+    leaving), or None once every dir is gone."""
+    busy: OSError | None = None
+    for top in dirs:
+        if not os.path.isdir(top):
+            continue
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+            kill_tasks(dirpath)
+            try:
+                os.rmdir(dirpath)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                busy = exc
+    return busy
+
+
+async def remove_cgroup_dirs(dirs: list[str], timeout_s: float = 5.0) -> None:
+    """SIGKILL every task in ``dirs`` (and in cgroups a nested sandbox made below them)
+    and rmdir them, bottom-up, until they are gone; OSError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (busy := _sweep(dirs)) is not None:
+        if time.monotonic() > deadline:
+            raise busy
+        await asyncio.sleep(0.005)
+
+
+def remove_cgroup_dirs_now(dirs: list[str], timeout_s: float = 5.0) -> None:
+    """:func:`remove_cgroup_dirs` for callers without an event loop (blocks)."""
+    deadline = time.monotonic() + timeout_s
+    while (busy := _sweep(dirs)) is not None:
+        if time.monotonic() > deadline:
+            raise busy
+        time.sleep(0.005)

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 
+from dsec import ownership
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
@@ -44,6 +45,7 @@ class RuncDriver:
         os.makedirs(self.state_root, mode=0o700, exist_ok=True)
         os.chmod(self.state_root, 0o700)
         self._seq = itertools.count()
+        self._owner = ownership.token()  # names this process's --log files
 
     def _cmd(self, *args: str) -> list[str]:
         return [self.binary, "--root", self.state_root, *args]
@@ -61,7 +63,7 @@ class RuncDriver:
         and raise :class:`BackendError` - for calls a process in the sandbox can hold, like
         ``exec -d``, which waits for its command to start (a SIGSTOP inside held it for
         good)."""
-        log = os.path.join(self.state_root, f".log-{os.getpid()}-{next(self._seq)}")
+        log = os.path.join(self.state_root, f".log-{self._owner}-{next(self._seq)}")
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
@@ -100,13 +102,14 @@ class RuncDriver:
 
     def sweep_logs(self) -> int:
         """Remove ``--log`` files of edge processes that died mid-command (a crash skips
-        the unlink in :meth:`_run`); returns how many."""
+        the unlink in :meth:`_run`); returns how many. Every file not of this process is
+        a dead one's: the backend's root_dir lock means no other live process runs runc
+        here. (A file named by a bare pid was kept while any process had that pid - a
+        recycled pid kept a dead edge's file - and a reused pid could read a stale one.)"""
         n = 0
+        mine = f".log-{self._owner}-"
         for name in os.listdir(self.state_root):
-            if not name.startswith(".log-"):
-                continue
-            pid = name.split("-")[1]
-            if pid.isdigit() and (int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}")):
+            if not name.startswith(".log-") or name.startswith(mine):
                 continue
             try:
                 os.unlink(os.path.join(self.state_root, name))

@@ -1,0 +1,149 @@
+"""The edge door walks the catalogue: every row with the edge door is served, answers
+its row's edge reply type, and refuses a past-the-limit raw body with the request
+type's own error (the words a request built in-process gets). Over a real Unix socket,
+raw Aether calls (what any peer may send), not EdgeClient sugar."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from dsec.aether import Connection, connect
+from dsec.edge.node import EdgeNode
+from dsec.edge.service import serve_edge
+from dsec.errors import DsecError, InvalidArgument
+from dsec.wire import ops
+from dsec.wire.calls import ExecCall, FileRef, ReadFile, WriteFile
+from dsec.wire.ops import EDGE_OPS, Op, StreamOp
+from dsec.wire.spec import MAX_PATH_BYTES, ExecChunk, ExecRequest, SandboxSpec
+
+from .conftest import make_node
+
+
+@dataclass
+class World:
+    sid: str            # a running sandbox
+    spare: str          # a sandbox the destroy row takes
+    snap: str           # a snapshot of `sid`
+    spare_snap: str     # a snapshot of `spare` (nothing builds on it: deletable)
+
+
+Example = Callable[[World], dict[str, Any]]
+
+# A valid raw body for each edge row.
+EXAMPLES: dict[str, Example] = {
+    "node_info": lambda w: {},
+    "heartbeat": lambda w: {"include_sandboxes": True},
+    "feed": lambda w: {"after": 0, "limit": 10},
+    "create": lambda w: {"spec": {"image": "py"}},
+    "create_many": lambda w: {"specs": [{}, {"cpu_milli": 0}]},
+    "get": lambda w: {"id": w.sid},
+    "list": lambda w: {"labels": {}},
+    "events": lambda w: {"id": w.sid},
+    "pause": lambda w: {"id": w.sid},
+    "resume": lambda w: {"id": w.sid},
+    "stats": lambda w: {"id": w.sid},
+    "exec": lambda w: {"id": w.sid, "req": {"shell": "echo hi"}},
+    "exec_many": lambda w: {"calls": [{"id": w.sid, "req": {"argv": ["true"]}}]},
+    "exec_stream": lambda w: {"id": w.sid, "req": {"shell": "echo hi"}},
+    "write_file": lambda w: {"id": w.sid, "path": "/tmp/f", "data": b"abc"},
+    "read_file": lambda w: {"id": w.sid, "path": "/tmp/f"},
+    "mkdir": lambda w: {"id": w.sid, "path": "/tmp/d/e"},
+    "list_dir": lambda w: {"id": w.sid, "path": "/tmp"},
+    "stat": lambda w: {"id": w.sid, "path": "/tmp/f"},
+    "remove": lambda w: {"id": w.sid, "path": "/tmp/d", "recursive": True},
+    "snapshot": lambda w: {"id": w.sid, "strip": []},
+    "snapshots": lambda w: {"sandbox_id": w.sid},
+    "snapshot_get": lambda w: {"id": w.snap},
+    "snapshot_delete": lambda w: {"id": w.spare_snap},
+    "destroy": lambda w: {"id": w.spare, "reason": "requested"},
+    "destroy_many": lambda w: {"ids": [w.sid]},
+}
+
+LONG = "/" + "p" * MAX_PATH_BYTES
+# Past-the-limit raw bodies of the edge rows whose request types carry limits, with the
+# request type built the same way in-process (whose error the edge must answer with).
+INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
+    "exec": [(lambda w: {"id": w.sid, "req": {"argv": ["a\0b"]}},
+              lambda w: ExecCall(id=w.sid, req=ExecRequest(argv=("a\0b",))))],
+    "exec_stream": [(lambda w: {"id": w.sid, "req": {"shell": "x", "timeout_s": 0.0}},
+                     lambda w: ExecRequest(shell="x", timeout_s=0.0))],
+    "read_file": [(lambda w: {"id": w.sid, "path": LONG},
+                   lambda w: ReadFile(id=w.sid, path=LONG)),
+                  (lambda w: {"id": w.sid, "path": "/f", "offset": -1},
+                   lambda w: ReadFile(id=w.sid, path="/f", offset=-1))],
+    "write_file": [(lambda w: {"id": w.sid, "path": "/f", "data": b"", "mode": 0o10000},
+                    lambda w: WriteFile(id=w.sid, path="/f", data=b"", mode=0o10000))],
+    "stat": [(lambda w: {"id": w.sid, "path": "a\0b"}, lambda w: FileRef(id=w.sid,
+                                                                      path="a\0b"))],
+}
+
+
+def test_examples_cover_every_edge_row() -> None:
+    assert set(EXAMPLES) == {op.name for op in EDGE_OPS}
+
+
+@pytest.fixture
+async def world(tmp_path: Any) -> AsyncIterator[tuple[Connection, World]]:
+    node: EdgeNode = make_node()
+    await node.start()
+    server = await serve_edge(node, f"unix:{tmp_path}/edge.sock")
+    conn = await connect(f"unix:{tmp_path}/edge.sock")
+    try:
+        sid = (await node.create(SandboxSpec())).id
+        await node.write_file(sid, "/tmp/f", b"x")
+        spare = (await node.create(SandboxSpec(labels={"spare": "1"}))).id
+        await node.write_file(spare, "/tmp/mine", b"spare")
+        w = World(sid=sid, spare=spare, snap=(await node.snapshot(sid)).id,
+                  spare_snap=(await node.snapshot(spare)).id)
+        yield conn, w
+    finally:
+        await conn.close()
+        await server.close()
+        await node.close()
+
+
+def _is(value: Any, tp: Any) -> bool:
+    if tp is None:
+        return value is None
+    origin = getattr(tp, "__origin__", None)
+    if origin is list:
+        return isinstance(value, list) and all(isinstance(v, tp.__args__[0]) for v in value)
+    return isinstance(value, origin or tp)
+
+
+async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any:
+    if isinstance(op, StreamOp):
+        s = conn.stream(op.edge_method, body, item_type=op.item, response_type=op.reply,
+                        timeout=30)
+        async with s:
+            items = [i async for i in s]
+        assert all(isinstance(i, ExecChunk) for i in items)
+        return s.result
+    return await conn.call(op.edge_method, body, response_type=op.edge_reply_type, timeout=30)
+
+
+async def test_every_edge_row_answers_its_reply_type(
+        world: tuple[Connection, World]) -> None:
+    conn, w = world
+    for op in EDGE_OPS:      # in table order, so destroy and destroy_many come last
+        reply = await _call(conn, op, EXAMPLES[op.name](w))
+        assert _is(reply, op.edge_reply_type), (op.name, reply)
+
+
+async def test_every_limit_is_refused_at_the_edge_in_the_types_words(
+        world: tuple[Connection, World]) -> None:
+    conn, w = world
+    for name, cases in INVALID.items():
+        op = ops.BY_NAME[name]
+        for raw, built in cases:
+            with pytest.raises(InvalidArgument) as local:
+                built(w)
+            with pytest.raises(DsecError) as remote:
+                await _call(conn, op, raw(w))
+            assert type(remote.value) is type(local.value), name
+            assert remote.value.message == local.value.message, name
+            assert remote.value.detail == local.value.detail, name
