@@ -11,16 +11,42 @@ redirect its path (another user's symlink on the way, a parent others may write)
 dsec then goes on with the real path it checked.
 Files inside get private modes of their own as well (the SQLite store 0600, the layer
 store 0700/0600), which matters where they live outside a state dir.
+
+Where the directory is (:func:`default_state_dir`) and what a running ``dsec up`` wrote in
+it for clients (:func:`read_local`: its URL, gateway and admin key) live here, on the
+ground floor, so the SDK finds a local cluster without importing the server (issue 13).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from typing import Any
 
 from dsec.errors import InvalidArgument
 
-__all__ = ["check_path_is_ours", "ensure_private_dir"]
+__all__ = ["LOCAL_FILE", "check_path_is_ours", "default_state_dir", "ensure_private_dir",
+           "read_local"]
+
+#: What a running ``dsec up`` writes in its state dir for local clients (mode 0600).
+LOCAL_FILE = "local.json"
+
+
+def default_state_dir() -> str:
+    """``$DSEC_STATE_DIR``, else ``~/.dsec``."""
+    return os.environ.get("DSEC_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".dsec")
+
+
+def read_local(state_dir: str | None = None) -> dict[str, Any] | None:
+    """The ``local.json`` of a running ``dsec up`` (None if absent or unreadable)."""
+    path = os.path.join(state_dir or default_state_dir(), LOCAL_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def ensure_private_dir(path: str, *, what: str = "state dir") -> str:

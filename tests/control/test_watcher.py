@@ -288,6 +288,12 @@ class WatcherMachine(RuleBasedStateMachine):
         self._handle(hb(node, self.now, sbs, cpu=2000, mem=2 * GiB, max_sandboxes=5))
         self.seen[node] = self.now
 
+    @rule(back=st.floats(0.1, 6))
+    def clock_steps_back(self, back: float) -> None:
+        """The runner's wall clock (time.time) jumps back: later events carry earlier
+        times. Nodes silent longer than ttl_s by the ticks' clock still expire."""
+        self.now -= back
+
     @rule(dt=st.floats(0, 8))
     def tick(self, dt: float) -> None:
         self.now += dt

@@ -57,7 +57,8 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
-    from dsec.control.api.cluster import ClusterConfig, default_state_dir
+    from dsec.control.api.cluster import ClusterConfig
+    from dsec.statedir import default_state_dir
 
     remote = _edges(edges)
     token = None

@@ -44,7 +44,7 @@ def default_root() -> str:
     env = os.environ.get("DSEC_IMAGE_ROOT")
     if env:
         return env
-    from dsec.control.api.cluster import read_local
+    from dsec.statedir import read_local
 
     local = read_local()
     if local is not None and isinstance(local.get("state_dir"), str):

@@ -62,10 +62,11 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
     import uvloop
 
     from dsec.client.core import parse_memory
-    from dsec.control.api.cluster import ClusterConfig, default_state_dir
+    from dsec.control.api.cluster import ClusterConfig
     from dsec.control.api.plane import PlaneConfig
     from dsec.edge.admission import Overcommit
     from dsec.errors import DsecError
+    from dsec.statedir import default_state_dir
 
     try:
         default_disk = parse_memory(disk_default)

@@ -446,7 +446,7 @@ class Watcher:
                 node.zombies = {s.id for s in hb.sandboxes}
         node.hb = hb
         node.last_seen = hb.time
-        self._live[hb.node] = node
+        self._put_live(hb.node, node)
         listed = {s.id for s in hb.sandboxes}
         if node.zombies:
             node.zombies &= listed
@@ -471,10 +471,22 @@ class Watcher:
             return  # never seen, or already expired: nothing to hold
         self._now = max(self._now, ev.time)
         if ev.time > node.last_seen:
+            del self._live[ev.node]
             node.last_seen = ev.time
-            self._live.move_to_end(ev.node)
+            self._put_live(ev.node, node)
         view = self._view(node.hb, node.zombies)
         out.append(UpdateNode(msgspec.structs.replace(view, healthy=False), stimulus_id=sid))
+
+    def _put_live(self, name: str, node: _Node) -> None:
+        """Append ``node`` (not in ``_live``) in receipt order. Times come from one clock
+        and events in receipt order, so it goes last - unless that clock stepped back
+        (``time.time`` can): then it is put in its place, so a silent node is never hidden
+        behind one stamped later and the tick's early stop still holds (O(n), rare)."""
+        live = self._live
+        last = next(reversed(live.values()), None)
+        live[name] = node
+        if last is not None and last.last_seen > node.last_seen:
+            self._live = OrderedDict(sorted(live.items(), key=lambda kv: kv[1].last_seen))
 
     # --- expiry -------------------------------------------------------------------------
     def _tick(self, now: float, sid: str, out: list[Instruction]) -> None:
@@ -486,7 +498,9 @@ class Watcher:
             if node.last_seen >= deadline:
                 break
             del live[name]
-            self._expired[name] = (now, node)
+            # stamped with the watcher's now (>= now): expiry order holds even if the
+            # clock stepped back, and forget_s counts from the latest time known
+            self._expired[name] = (self._now, node)
             out.append(EvictNode(name, tuple(sorted(s.id for s in node.hb.sandboxes)),
                                  stimulus_id=sid))
         forget_before = now - self.config.forget_s

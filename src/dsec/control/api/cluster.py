@@ -73,33 +73,17 @@ from dsec.edge.admission import (
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
-from dsec.statedir import ensure_private_dir
+from dsec.statedir import LOCAL_FILE, default_state_dir, ensure_private_dir, read_local
 
 __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
 
 log = logging.getLogger("dsec.cluster")
 
-LOCAL_FILE = "local.json"
 LOCK_FILE = "up.lock"
 # How long a restarted edge process takes to serve again: measured 0.3-0.8 s (Python
 # start-up, imports, journal re-adoption) on the 2-core dev VM under load; doubled.
 EDGE_RESTART_BUDGET_S = 2.0
 DSEC_ARGV = (sys.executable, "-c", "from dsec.cli.main import main; main()")
-
-
-def default_state_dir() -> str:
-    return os.environ.get("DSEC_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".dsec")
-
-
-def read_local(state_dir: str | None = None) -> dict[str, Any] | None:
-    """The ``local.json`` of a running ``dsec up`` (None if absent or unreadable)."""
-    path = os.path.join(state_dir or default_state_dir(), LOCAL_FILE)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass(slots=True, kw_only=True)
