@@ -78,14 +78,14 @@ def exec_request(body: ExecBody) -> ExecRequest:
 
 def exec_output(res: ExecResult) -> ExecOutput:
     """An :class:`ExecResult` as JSON: text when both streams are UTF-8, else base64."""
+    enc: Encoding
     try:
         out, err, enc = res.stdout.decode(), res.stderr.decode(), "utf-8"
     except UnicodeDecodeError:
         out = base64.b64encode(res.stdout).decode()
         err = base64.b64encode(res.stderr).decode()
         enc = "base64"
-    return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err,
-                      encoding=enc,  # type: ignore[arg-type]
+    return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err, encoding=enc,
                       stdout_truncated=res.stdout_truncated,
                       stderr_truncated=res.stderr_truncated, timed_out=res.timed_out,
                       duration_s=res.duration_s, pid=res.pid)
