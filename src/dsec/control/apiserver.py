@@ -1,5 +1,11 @@
 """The REST apiserver: Starlette routes over :class:`~dsec.control.api.service.ApiService`.
 
+Each route is one row of the operation catalogue (:mod:`dsec.wire.ops`): it decodes the
+row's request object from the path, query, headers and body as the row's ``Rest``
+binding places them, calls the row's policy (``ApiService.handler(op)``, the same the
+Aether gateway calls) and takes its operation id, status, summary and tag from the row;
+a route without a row, or one that disagrees with it, fails when the app is built.
+
 Pure ASGI (served by uvicorn with httptools + uvloop). Bodies are decoded strictly with
 msgspec (an unknown or mistyped field is a 400 naming it), the body size is capped while
 it is read (413 before the whole body is buffered), and every error is JSON

@@ -1,9 +1,10 @@
 """The transport-agnostic core of the apiserver: who may do what, and where to forward it.
 
 Both front doors — REST (:mod:`dsec.control.apiserver`) and the Aether gateway
-(:mod:`dsec.control.gateway`) — decode their wire format and call :class:`ApiService`;
-it authenticates, authorizes, rate-limits, and forwards every sandbox operation over
-Aether to the edge encoded in the sandbox id. It keeps no per-sandbox state: the only
+(:mod:`dsec.control.gateway`) — decode their wire format into the request object of an
+operation of the catalogue (:mod:`dsec.wire.ops`) and call that operation's policy,
+:meth:`ApiService.handler`; it authenticates, authorizes, rate-limits, and forwards every
+sandbox operation over Aether to the edge encoded in the sandbox id. It keeps no per-sandbox state: the only
 per-sandbox memory is :class:`_ProjectCache`, a bounded cache of the immutable fact
 "sandbox X belongs to project P" that any replica rebuilds with one edge ``get``.
 
