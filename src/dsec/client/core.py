@@ -128,7 +128,7 @@ def parse_memory(value: int | str) -> int:
 def resolve_target(url: str | None, api_key: str | None) -> tuple[str, str, str | None]:
     """(url, api_key, gateway) from arguments, then DSEC_URL/DSEC_API_KEY, then the local
     ``dsec up`` cluster's ``local.json`` (``$DSEC_STATE_DIR`` or ``~/.dsec``)."""
-    from dsec.control.api.cluster import default_state_dir, read_local
+    from dsec.statedir import default_state_dir, read_local
 
     url = url or os.environ.get("DSEC_URL")
     api_key = api_key or os.environ.get("DSEC_API_KEY")
