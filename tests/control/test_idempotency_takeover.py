@@ -21,12 +21,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dsec.control.api.plane import ControlPlane, IamAuthority
+from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import ClaimLost, IdempotencyCache, request_fingerprint
 from dsec.control.metrics import ApiMetrics
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store import IdempotencyRow
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
@@ -34,6 +33,7 @@ from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.edge.spec import SandboxSpec
+from tests.control.conftest import api_service
 
 LEASE_S = 0.4     # short leases keep the test fast; the default is 3 s
 RENEW_S = 0.1
@@ -63,15 +63,8 @@ class World:
         plane = ControlPlane.open(store, metrics=ApiMetrics())
         link = await EdgeClient.connect(self.addr)
         plane.add_edge("e0", self.addr, link)
-        svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane,
-                         placer=plane, quotas=plane,
-                         limiter=RateLimiter(RateLimitConfig(rate_per_s=None),
-                                             clock=time.monotonic),
-                         idempotency=IdempotencyCache(clock=time.time, store=store,
-                                                      lease_s=LEASE_S,
-                                                      lease_renew_s=RENEW_S, poll_s=0.01),
-                         metrics=plane.metrics)
-        plane.service = svc
+        svc = api_service(store, plane, idempotency={
+            "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
         await plane.poll_edges()
         api = Api(store, plane, svc, link)
         self.apis.append(api)

@@ -12,18 +12,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
-from dsec.control.api.service import ApiService
+from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.types import CreateSandboxRequest
-from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
-from tests.control.conftest import FakeClock
+from tests.control.conftest import FakeClock, api_service
 
 
 class Apiserver:
@@ -34,13 +31,7 @@ class Apiserver:
         self.plane = ControlPlane.open(self.store, metrics=ApiMetrics(), clock=clock,
                                        config=PlaneConfig(node_ttl_s=10.0,
                                                           reconnect_interval_s=0.0))
-        self.service = ApiService(
-            authority=IamAuthority(self.plane.iam, self.store), directory=self.plane,
-            placer=self.plane, quotas=self.plane,
-            limiter=RateLimiter(RateLimitConfig(rate_per_s=None), clock=time.monotonic),
-            idempotency=IdempotencyCache(clock=time.time, store=self.store),
-            metrics=self.plane.metrics)
-        self.plane.service = self.service
+        self.service = api_service(self.store, self.plane)
         self.link: EdgeClient | None = None
 
     async def connect(self, addr: str) -> None:

@@ -26,19 +26,17 @@ from typing import Any
 
 import pytest
 
-from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
+from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiService
 from dsec.control.api.types import CreateSandboxRequest
-from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Unavailable
-from tests.control.conftest import FakeClock
+from tests.control.conftest import FakeClock, api_service
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 
@@ -48,12 +46,7 @@ def _apiserver(db: Path, clock: FakeClock, ttl: float = 10.0
     store = SqliteStore(db)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock, config=PlaneConfig(
         node_ttl_s=ttl, reconnect_interval_s=0.0, poll_timeout_s=5.0))
-    service = ApiService(
-        authority=IamAuthority(plane.iam, store), directory=plane, placer=plane, quotas=plane,
-        limiter=RateLimiter(RateLimitConfig(rate_per_s=None), clock=time.monotonic),
-        idempotency=IdempotencyCache(clock=time.time, store=store), metrics=plane.metrics)
-    plane.service = service
-    return store, plane, service
+    return store, plane, api_service(store, plane)
 
 
 async def _close(store: SqliteStore, plane: ControlPlane, service: ApiService) -> None:

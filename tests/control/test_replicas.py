@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from dsec.control.api.plane import ControlPlane, IamAuthority
+from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, Retry, fingerprint
 from dsec.control.metrics import ApiMetrics
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Conflict
+from tests.control.conftest import api_service
 
 
 @dataclass
@@ -50,13 +50,7 @@ async def replicas(tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica, Edge
             plane = ControlPlane.open(store, metrics=ApiMetrics())
             link = await EdgeClient.connect(addr)
             plane.add_edge("e0", addr, link)
-            svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane,
-                             placer=plane, quotas=plane,
-                             limiter=RateLimiter(RateLimitConfig(rate_per_s=None),
-                                                 clock=time.monotonic),
-                             idempotency=IdempotencyCache(clock=time.time, store=store),
-                             metrics=plane.metrics)
-            plane.service = svc
+            svc = api_service(store, plane)
             await plane.poll_edges()
             reps.append(Replica(store, plane, svc, link))
         key = reps[0].plane.bootstrap_admin()

@@ -5,7 +5,6 @@ recorded snapshot and falls when one is deleted, a refused snapshot leaves no la
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,19 +13,18 @@ import httpx
 import pytest
 
 from dsec import Client, LocalCluster
-from dsec.control.api.plane import ControlPlane, IamAuthority
+from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest, QuotaBody
-from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
 from dsec.control.quota import Quota, QuotaIndex
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import QuotaExceeded
+from tests.control.conftest import api_service
 
 
 def test_snapshot_room_is_the_least_over_the_ancestor_chain() -> None:
@@ -119,13 +117,7 @@ async def replicas(tmp_path: Path) -> AsyncIterator[tuple[list[_Replica], EdgeNo
             plane = ControlPlane.open(store, metrics=ApiMetrics())
             link = await EdgeClient.connect(addr)
             plane.add_edge("e0", addr, link)
-            svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane,
-                             placer=plane, quotas=plane,
-                             limiter=RateLimiter(RateLimitConfig(rate_per_s=None),
-                                                 clock=time.monotonic),
-                             idempotency=IdempotencyCache(clock=time.time, store=store),
-                             metrics=plane.metrics)
-            plane.service = svc
+            svc = api_service(store, plane)
             await plane.poll_edges()
             reps.append(_Replica(store, plane, svc, link))
             if i == 0:

@@ -24,12 +24,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
+from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, request_fingerprint
 from dsec.control.metrics import ApiMetrics
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
 from dsec.control.retention import RetentionConfig, retain
 from dsec.control.store import IdempotencyRow
 from dsec.control.store.sqlite import SqliteStore
@@ -39,6 +38,7 @@ from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Conflict, DsecError, TransportError, Unavailable
 from tests.conftest import requires_root
+from tests.control.conftest import api_service
 
 LEASE_S = 0.4
 RENEW_S = 0.1
@@ -103,15 +103,8 @@ class World:
         p = ControlPlane.open(store, metrics=ApiMetrics(), config=plane)
         link = await EdgeClient.connect(self.addr)
         p.add_edge("e0", self.addr, link)
-        svc = ApiService(authority=IamAuthority(p.iam, store), directory=p, placer=p,
-                         quotas=p,
-                         limiter=RateLimiter(RateLimitConfig(rate_per_s=None),
-                                             clock=time.monotonic),
-                         idempotency=IdempotencyCache(clock=time.time, store=store,
-                                                      lease_s=LEASE_S,
-                                                      lease_renew_s=RENEW_S, poll_s=0.01),
-                         metrics=p.metrics, config=config or ApiConfig())
-        p.service = svc
+        svc = api_service(store, p, config=config or ApiConfig(), idempotency={
+            "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
         await p.poll_edges()
         api = Api(store, p, svc, link)
         self.apis.append(api)

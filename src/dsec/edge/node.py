@@ -33,9 +33,9 @@ import contextlib
 import heapq
 import logging
 import random
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 import msgspec
 
@@ -95,6 +95,7 @@ from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
 log = logging.getLogger("dsec.edge")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -963,7 +964,8 @@ class EdgeNode:
                 self._arm(rec)
 
     # ================================================================ files
-    async def _file_op(self, sandbox_id: str, op: str, call: Any, path: str) -> Any:
+    async def _file_op(self, sandbox_id: str, op: str,
+                       call: Callable[[Backend, SandboxId], Awaitable[_T]], path: str) -> _T:
         rec = self._find(sandbox_id)
         check_path(path)  # the same limits whatever door the request came through
         if rec.state != "running":
@@ -983,7 +985,7 @@ class EdgeNode:
     async def read_file(self, sandbox_id: str, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
         check_read_range(offset, length)
-        return await self._file_op(  # type: ignore[no-any-return]
+        return await self._file_op(
             sandbox_id, "read_file",
             lambda b, s: b.read_file(s, path, offset=offset, length=length), path)
 
@@ -995,11 +997,11 @@ class EdgeNode:
                             path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
-        return await self._file_op(  # type: ignore[no-any-return]
+        return await self._file_op(
             sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path)
 
     async def stat(self, sandbox_id: str, path: str) -> FileInfo:
-        return await self._file_op(  # type: ignore[no-any-return]
+        return await self._file_op(
             sandbox_id, "stat", lambda b, s: b.stat(s, path), path)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> None:

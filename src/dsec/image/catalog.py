@@ -35,9 +35,9 @@ from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, p
 __all__ = [
     "CanSee",
     "LayerIndex",
+    "LayerRole",
     "MemoryIndex",
     "Resolved",
-    "Role",
     "StoreIndex",
     "image_not_found",
     "resolve",
@@ -47,9 +47,10 @@ __all__ = [
 
 #: namespace (None: cluster-wide) -> whether the caller may see it.
 CanSee = Callable[[str | None], bool]
-#: What a ref is used as in a sandbox: decides which layer kinds fit.
-Role = Literal["image", "workspace", "toolkit"]
-_KIND_OF: dict[Role, str] = {"image": "base", "workspace": "workspace", "toolkit": "toolkit"}
+#: What a ref is used as in a sandbox: decides which layer kinds fit. (Not an IAM role; the
+#: SDK calls the matching layer kinds "base", "workspace", "toolkit": see _KIND_OF.)
+LayerRole = Literal["image", "workspace", "toolkit"]
+_KIND_OF: dict[LayerRole, str] = {"image": "base", "workspace": "workspace", "toolkit": "toolkit"}
 
 
 def image_not_found(ref: str) -> ImageNotFound:
@@ -99,7 +100,7 @@ class Resolved(msgspec.Struct, frozen=True):
 
 
 def resolve(index: LayerIndex, ref: str, *, project: str | None, can_see: CanSee,
-            role: Role | None = None) -> Resolved | None:
+            role: LayerRole | None = None) -> Resolved | None:
     """What ``ref`` names for a caller in ``project`` (a bare name's first home).
 
     Returns None only for a bare name that exists neither in ``project`` nor

@@ -35,7 +35,7 @@ from dsec.errors import (
 from dsec.ids import parse_project_path
 from dsec.image.catalog import (
     CanSee,
-    Role,
+    LayerRole,
     StoreIndex,
     image_not_found,
     resolve,
@@ -112,7 +112,7 @@ class ImageAdmin:
         index = self._index()
         can_see = _can_see(caller)
 
-        def one(ref: str, role: Role) -> str:
+        def one(ref: str, role: LayerRole) -> str:
             try:
                 parsed = parse_ref(ref)
             except InvalidArgument:
