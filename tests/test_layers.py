@@ -152,6 +152,16 @@ unmatched_ignore_imports_alerting = "error"
 ignore_imports = [{floors_ignore}]
 
 [[tool.importlinter.contracts]]
+id = "high-not-side"
+name = "high reaches side only through mid"
+type = "forbidden"
+source_modules = ["pkg.high"]
+forbidden_modules = ["pkg.side"]
+allow_indirect_imports = true
+unmatched_ignore_imports_alerting = "error"
+ignore_imports = []
+
+[[tool.importlinter.contracts]]
 id = "acyclic"
 name = "acyclic"
 type = "acyclic_siblings"
@@ -193,6 +203,12 @@ def test_self_test_upward_import_is_reported(tmp_path: Path) -> None:
 def test_self_test_sibling_import_is_reported(tmp_path: Path) -> None:
     out = _run_planted(tmp_path, {"pkg/side.py": "import pkg.mid.a\n"})
     assert out.startswith("rc=1") and "pkg.side is not allowed to import pkg.mid" in out, out
+
+
+def test_self_test_forbidden_import_is_reported(tmp_path: Path) -> None:
+    # allowed by the floors (side is below high), refused by the forbidden contract
+    out = _run_planted(tmp_path, {"pkg/high.py": "import pkg.mid\nimport pkg.side\n"})
+    assert out.startswith("rc=1") and "pkg.high is not allowed to import pkg.side" in out, out
 
 
 def test_self_test_cycle_through_type_checking_is_reported(tmp_path: Path) -> None:
