@@ -91,7 +91,7 @@ def _doors_exec(cluster: LocalCluster, sid: str,
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
-            await conn.call("api.exec", {"key": cluster.api_key, "id": sid, "req": req},
+            await conn.call("api.exec", {"id": sid, "req": req},
                             response_type=ExecResult, timeout=60)
             return "gateway", 200, "ok"
         except DsecError as exc:
@@ -181,7 +181,7 @@ def _doors_read(cluster: LocalCluster, sid: str, path: str,
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         try:
-            await conn.call("api.stat", {"key": cluster.api_key, "id": sid, "path": path},
+            await conn.call("api.stat", {"id": sid, "path": path},
                             response_type=FileInfo, timeout=60)
             return "gateway", 200, "ok"
         except DsecError as exc:
@@ -225,7 +225,7 @@ def test_every_file_operation_checks_the_path_at_the_gateway_and_the_edge(
         assert cluster.gateway is not None
         conn = await connect(cluster.gateway, token=cluster.api_key)
         edge = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
-        k = {"key": cluster.api_key, "id": sid, "path": long}
+        k = {"id": sid, "path": long}
         calls = [conn.call("api.read_file", k), conn.call("api.write_file", {**k, "data": b""}),
                  conn.call("api.list_dir", k), conn.call("api.mkdir", k),
                  conn.call("api.remove", k),
@@ -280,3 +280,163 @@ def test_file_sizes_a_door_accepts_arrive_whole(cluster: LocalCluster, sid: str)
     r = httpx.get(f"{cluster.url}/v1/sandboxes/{sid}/files",
                   params={"path": "/tmp/huge", "offset": MAX_FILE_READ_BYTES}, headers=h)
     assert r.status_code == 200 and r.content == b"z"
+
+
+# ------------------------------------------------------- one answer, whatever the door
+def _rest(cluster: LocalCluster, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, f"{cluster.url}{path}", timeout=60,
+                         headers={"authorization": f"Bearer {cluster.api_key}"}, **kw)
+
+
+def _gw(cluster: LocalCluster, method: str, body: dict[str, Any], rtype: Any) -> Any:
+    """One raw gateway call (no SDK), acting with the cluster's admin key."""
+    async def run() -> Any:
+        assert cluster.gateway is not None
+        conn = await connect(cluster.gateway, token=cluster.api_key)
+        try:
+            return await conn.call(method, body,
+                                   response_type=rtype, timeout=60)
+        finally:
+            await conn.close()
+    return _on_loop(cluster, run())
+
+
+def test_info_is_one_answer_at_every_door(cluster: LocalCluster) -> None:
+    """``/v1/info`` and ``api.info`` used to be built apart: the gateway's said a
+    hard-coded version and no gateway address, so an SDK asking it could not tell."""
+    from dsec.control.api.types import Info
+    rest = msgspec.json.decode(_rest(cluster, "GET", "/v1/info").content, type=Info)
+    gw = _gw(cluster, "api.info", {}, Info)
+    assert rest.gateway == cluster.gateway and rest.gateway is not None
+    assert gw == rest
+
+
+def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
+    """A sandbox's resource use was served by the edge only: no REST route, no gateway
+    method, no SDK call."""
+    from dsec.edge.spec import SandboxStats
+    r = _rest(cluster, "GET", f"/v1/sandboxes/{sid}/stats")
+    assert r.status_code == 200, r.text
+    rest = msgspec.json.decode(r.content, type=SandboxStats)
+    gw = _gw(cluster, "api.stats", {"id": sid}, SandboxStats)
+    for st in (rest, gw):
+        assert st.memory_bytes > 0 and st.pids >= 1, st
+    for transport in ("aether", "http"):
+        with cluster.client(transport=transport, session_lease_s=None) as c:
+            st = c.sandboxes.get(sid).stats()
+            assert isinstance(st, SandboxStats) and st.memory_bytes > 0
+    # an id no sandbox has: the same 404 as for another project's (ids never leak)
+    assert _rest(cluster, "GET", "/v1/sandboxes/sb-000000000000-edge-0/stats"
+                 ).status_code == 404
+
+
+def test_mkdir_parents_is_honoured_at_every_door(cluster: LocalCluster, sid: str) -> None:
+    """REST forced ``parents=True`` while the gateway and the edge honoured it."""
+    r = _rest(cluster, "POST", f"/v1/sandboxes/{sid}/files/mkdir",
+              params={"path": "/tmp/np-rest/a/b", "parents": "false"})
+    assert r.status_code == 404, r.text
+    assert "parent of /tmp/np-rest/a/b does not exist" in r.json()["message"]
+    with pytest.raises(DsecError, match="parent of /tmp/np-gw/a/b does not exist"):
+        _gw(cluster, "api.mkdir", {"id": sid, "path": "/tmp/np-gw/a/b", "parents": False},
+            None)
+    assert _rest(cluster, "POST", f"/v1/sandboxes/{sid}/files/mkdir",
+                 params={"path": "/tmp/np-rest/a/b"}).status_code == 204   # default: parents
+    for transport in ("aether", "http"):
+        with cluster.client(transport=transport, session_lease_s=None) as c:
+            sb = c.sandboxes.get(sid)
+            with pytest.raises(DsecError, match="does not exist"):
+                sb.files.mkdir(f"/tmp/np-{transport}/x/y", parents=False)
+            sb.files.mkdir(f"/tmp/np-{transport}/x/y")
+            assert sb.files.stat(f"/tmp/np-{transport}/x/y").type == "dir"
+
+
+def test_replies_have_one_shape_at_every_door(cluster: LocalCluster, sid: str) -> None:
+    """``events``, ``list_dir`` and ``nodes`` answered a bare list through the gateway and
+    an ``{"items": [...]}`` record through REST: one record type per reply now."""
+    from dsec.control.api.types import EventList, FileList, NodeList
+    for method, path, body, rtype in (
+            ("api.events", f"/v1/sandboxes/{sid}/events", {"id": sid}, EventList),
+            ("api.list_dir", f"/v1/sandboxes/{sid}/files/list?path=/",
+             {"id": sid, "path": "/"}, FileList),
+            ("api.nodes", "/v1/nodes", {}, NodeList)):
+        rest = msgspec.json.decode(_rest(cluster, "GET", path).content, type=rtype)
+        gw = _gw(cluster, method, body, rtype)
+        assert type(gw) is rtype and gw.items, (method, gw)
+        if rtype is not NodeList:   # nodes carry live usage figures that move
+            assert gw == rest, method
+
+
+def test_the_gateway_takes_the_key_once_per_connection(cluster: LocalCluster,
+                                                        sid: str) -> None:
+    """The API key rides on the connection (``aether.auth``), not in every body: a body
+    naming one is refused like any unknown field, and a key revoked while its connection
+    is open stops working on that connection's next call."""
+    from dsec.wire.api import Info
+    r = _rest(cluster, "POST", "/v1/keys", json={"name": "gw-once", "project": "default",
+                                                  "role": "member"})
+    assert r.status_code == 201, r.text
+    key, key_id = r.json()["api_key"], r.json()["key_id"]
+
+    async def run() -> list[str]:
+        assert cluster.gateway is not None
+        conn = await connect(cluster.gateway, token=key)
+        out = []
+        try:
+            for body in ({"id": sid, "key": key}, {"id": sid}):
+                try:
+                    await conn.call("api.get", body, timeout=30)
+                    out.append("ok")
+                except DsecError as exc:
+                    out.append(f"{exc.code}: {exc.message}")
+            info = await conn.call("api.info", {}, response_type=Info, timeout=30)
+            out.append(f"principal {info.principal}")
+            async with httpx.AsyncClient() as http:   # (this loop serves the apiserver)
+                r = await http.delete(f"{cluster.url}/v1/keys/{key_id}", headers={
+                    "authorization": f"Bearer {cluster.api_key}"})
+                assert r.status_code == 204, r.text
+            try:
+                await conn.call("api.get", {"id": sid}, timeout=30)
+                out.append("ok")
+            except DsecError as exc:
+                out.append(exc.code)
+        finally:
+            await conn.close()
+        return out
+    unknown, ok, who, revoked = _on_loop(cluster, run())
+    assert unknown.startswith("invalid_argument") and "key" in unknown, unknown
+    assert ok == "ok" and who.startswith("principal ") and revoked == "unauthenticated"
+
+
+def test_batches_are_one_request_at_both_doors(cluster: LocalCluster, sid: str) -> None:
+    """``create_many``/``exec_many`` were gateway-only (the SDK over REST sent one
+    request per item): both doors now take one request and answer one ``Batch``, an
+    outcome per item in order, a failed item as its error in place."""
+    from dsec.wire.outcome import Batch
+    from dsec.wire.spec import SandboxInfo
+    ghost = "sb-000000000000-edge-0"
+    calls = [{"id": sid, "req": {"argv": ["echo", "hi"]}}, {"id": ghost,
+                                                            "req": {"argv": ["true"]}}]
+    r = _rest(cluster, "POST", "/v1/batch/exec", json={"calls": calls})
+    assert r.status_code == 200, r.text
+    rest = msgspec.json.decode(r.content, type=Batch[ExecResult]).results()
+    gw = _gw(cluster, "api.exec_many", {"calls": calls}, Batch[ExecResult]).results()
+    for got in (rest, gw):
+        assert isinstance(got[0], ExecResult) and got[0].stdout == b"hi\n", got
+        assert isinstance(got[1], DsecError) and got[1].code == "sandbox_not_found", got
+    assert str(rest[1]) == str(gw[1])                       # the same words
+    r = _rest(cluster, "POST", "/v1/batch/create",
+              json={"items": [{"labels": {"b": "1"}}, {"cpu_milli": 0}]})
+    assert r.status_code == 200, r.text
+    made, bad = msgspec.json.decode(r.content, type=Batch[SandboxInfo]).results()
+    assert isinstance(made, SandboxInfo) and made.spec.labels["b"] == "1"
+    assert isinstance(bad, DsecError) and bad.code == "invalid_argument"
+    assert _rest(cluster, "DELETE", f"/v1/sandboxes/{made.id}").status_code == 204
+    with cluster.client(transport="http", session_lease_s=None) as c:
+        res = c.sandboxes.exec_many([(sid, "echo a"), (ghost, "true")],
+                                    return_exceptions=True)
+        assert isinstance(res[0], ExecResult) and res[0].stdout == b"a\n"
+        assert isinstance(res[1], DsecError)
+        two = c.sandboxes.create_many(2, labels={"many": "http"})
+        assert len(two) == 2 and all(s.info.spec.labels["many"] == "http" for s in two)
+        for s in two:
+            s.kill()

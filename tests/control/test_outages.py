@@ -21,6 +21,8 @@ import pytest
 from dsec.client.local import LocalCluster
 from dsec.control.api.plane import PlaneConfig
 from dsec.errors import ConnectionLost, EdgeUnreachable, SandboxLost, Unavailable
+from dsec.wire import ops
+from dsec.wire.calls import ExecCall
 
 
 @pytest.fixture
@@ -64,7 +66,7 @@ def test_an_unreachable_edge_is_reported_as_such(cluster: LocalCluster) -> None:
             c.sandboxes.get(sid)
         assert not isinstance(ei.value, ConnectionLost)
         with pytest.raises(EdgeUnreachable) as ei:
-            c._run(c._a._call("exec", sid, _req(), 30, idempotent=False))
+            c._run(c._a.call(ops.EXEC, ExecCall(id=sid, req=_req()), timeout=30))
         assert ei.value.detail["may_have_run"] is False
     cluster.start_edge("edge-0")
 

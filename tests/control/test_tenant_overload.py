@@ -130,7 +130,7 @@ def test_a_tenant_pipelining_calls_through_the_gateway_does_not_get_the_node_wri
         floods = [Pipeliner(up["gateway"], key, f"127.0.0.{2 + i}") for i in range(8)]
         statuses: list[str] = []
         try:
-            body = {"key": key, "id": ids[0], "req": {"argv": ["true"]}}
+            body = {"id": ids[0], "req": {"argv": ["true"]}}
             for p in floods:
                 p.flood("api.exec", body, 40_000)
             start = time.monotonic()

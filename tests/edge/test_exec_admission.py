@@ -128,7 +128,7 @@ async def test_a_tenant_running_hundreds_of_commands_cannot_take_the_nodes_fds(
         conn = await connect(up["gateway"], token=key)
         try:
             flood = asyncio.ensure_future(conn.call_batch(
-                [("api.exec", {"key": key, "id": mine,
+                [("api.exec", {"id": mine,
                                "req": {"argv": ["sleep", "8"], "timeout_s": 30}})] * 600,
                 timeout=60, return_exceptions=True))
             await asyncio.sleep(4)

@@ -32,12 +32,12 @@ class Tenants:
     def h(self, key: str) -> dict[str, str]:
         return {"authorization": f"Bearer {key}"}
 
-    def gateway(self, method: str, body: dict[str, Any]) -> Any:
-        """One raw call on the Aether gateway (the SDK's default door); a ``DsecError``
-        is returned, not raised."""
+    def gateway(self, method: str, body: dict[str, Any], *, key: str) -> Any:
+        """One raw call on the Aether gateway (the SDK's default door) on a connection
+        that authenticated with ``key``; a ``DsecError`` is returned, not raised."""
         async def go() -> Any:
             assert self.cluster.gateway is not None
-            conn = await connect(self.cluster.gateway, token=body["key"])
+            conn = await connect(self.cluster.gateway, token=key)
             try:
                 return await conn.call(method, body)
             except DsecError as exc:
@@ -76,7 +76,7 @@ def test_a_squatted_principal_name_gains_nothing_from_a_later_grant(t: Tenants,
         r = t.http.post("/v1/keys", json=onboard, headers=t.h(t.root))
         code, message = r.json().get("code"), r.json().get("message", "")
     else:
-        got = t.gateway("api.create_key", {"key": t.root, "req": onboard})
+        got = t.gateway("api.create_key", onboard, key=t.root)
         assert isinstance(got, DsecError), got
         code, message = got.code, got.message
     assert code == "conflict" and "already exists" in message and "existing" in message
@@ -284,47 +284,46 @@ def test_a_state_dir_another_user_can_redirect_is_refused(public_dir: str) -> No
 def test_one_peer_flooding_bad_keys_does_not_lock_others_out_of_the_gateway() -> None:
     # Was a hole (medium; one key holder against every tenant): the gateway (the SDK's
     # default door) charged every failed per-call key to ONE budget ("gateway"), because
-    # Aether handlers did not see the peer. A peer (its connection authenticated with
-    # its own least-role key) spent it with bad keys in its request bodies (100, then
-    # 20/s), and from then on every per-call key not already in the principal cache was
-    # refused with 429 on every connection: a freshly minted key, a proxy's other
-    # tenants' keys, and after an apiserver restart every key. (Before the listener
-    # limits landed, connections needed no key at all, so any stranger could do it.)
+    # Aether handlers did not see the peer. A peer spent it with bad keys (100, then
+    # 20/s), and from then on every key not already in the principal cache was refused
+    # with 429 on every connection: a freshly minted key, a proxy's other tenants' keys,
+    # and after an apiserver restart every key. Keys now come once per connection (the
+    # bodies carry none) and every failure is charged to the peer's address.
     from dsec.aether import Connection
     from dsec.aether.connection import AUTH_METHOD
     from dsec.control.ratelimit import RateLimitConfig
 
-    async def calls(addr: str, local: str, conn_key: str, keys: list[str]) -> list[str]:
+    async def calls(addr: str, local: str, keys: list[str]) -> list[str]:
+        """One connection from ``local`` per key: authenticate with it, call api.info."""
         host, _, port = addr.removeprefix("tcp:").rpartition(":")
-        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
-        conn = Connection(reader, writer)
         out = []
-        try:
-            await conn.call(AUTH_METHOD, conn_key.encode())
-            for k in keys:
-                try:
-                    await conn.call("api.info", {"key": k})
-                    out.append("ok")
-                except DsecError as exc:
-                    out.append(exc.code)
-        finally:
-            await conn.close()
+        for k in keys:
+            reader, writer = await asyncio.open_connection(host, int(port),
+                                                           local_addr=(local, 0))
+            conn = Connection(reader, writer)
+            try:
+                await conn.call(AUTH_METHOD, k.encode())
+                await conn.call("api.info", {})
+                out.append("ok")
+            except DsecError as exc:
+                out.append(exc.code)
+            finally:
+                await conn.close()
         return out
 
     with LocalCluster(edges=1, anon_rate=RateLimitConfig(rate_per_s=0.01, burst=6)) as cl:
         assert cl.gateway is not None and cl.gateway.startswith("tcp:127.0.0.1:")
-        mallory = cl.create_key("mallory", "teamc", "reader")
+        cl.create_key("mallory", "teamc", "reader")
         victim = cl.create_key("victim", "teamv", "member")
         fresh = cl.create_key("fresh", "teamv", "member")          # never used yet
         guess = "dsk_0123456789abcdef_" + "A" * 43
-        flood = asyncio.run(calls(cl.gateway, "127.0.0.2", mallory, [guess] * 9))
+        flood = asyncio.run(calls(cl.gateway, "127.0.0.2", [guess] * 9))
         assert flood[:6] == ["unauthenticated"] * 6 and flood[6:] == ["rate_limited"] * 3
         # the flooding peer's own new keys wait (its address spent its budget) ...
-        assert asyncio.run(calls(cl.gateway, "127.0.0.2", mallory, [fresh])) == [
-            "rate_limited"]
+        assert asyncio.run(calls(cl.gateway, "127.0.0.2", [fresh])) == ["rate_limited"]
         # ... another peer's do not
-        assert asyncio.run(calls(cl.gateway, "127.0.0.1", victim, [fresh, guess])) == [
-            "ok", "unauthenticated"]
+        assert asyncio.run(calls(cl.gateway, "127.0.0.1", [victim, fresh, guess])) == [
+            "ok", "ok", "unauthenticated"]
 
 
 # ------------------------------------------------------------------------- sessions
@@ -351,7 +350,7 @@ def test_a_least_role_key_cannot_fill_the_store_with_sessions() -> None:
                 try:
                     for _ in range(n):
                         try:
-                            await conn.call("api.session_open", {"key": rita, "lease_s": 60})
+                            await conn.call("api.session_open", {"lease_s": 60})
                             out.append("ok")
                         except DsecError as exc:
                             out.append(exc.code)

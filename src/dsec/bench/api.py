@@ -278,6 +278,8 @@ def create_e2e(ctx: BenchContext) -> None:
 async def _creates(cl: Any, transport: str, n: int, backend: str | None = None) -> float:
     from dsec.client.core import AsyncClient
     from dsec.control.api.types import CreateSandboxRequest
+    from dsec.wire import ops
+    from dsec.wire.calls import SandboxRef
     c = AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, transport=transport,
                     session_lease_s=None)
     try:
@@ -298,8 +300,8 @@ async def _creates(cl: Any, transport: str, n: int, backend: str | None = None) 
             await asyncio.gather(*(one() for _ in range(n)))
         dt = time.perf_counter() - t0
         for start in range(0, len(ids), 256):
-            await asyncio.gather(*(t.destroy(i) for i in ids[start:start + 256]),
-                                 return_exceptions=True)
+            await asyncio.gather(*(t.call(ops.DESTROY, SandboxRef(id=i))
+                                   for i in ids[start:start + 256]), return_exceptions=True)
         return len(ids) / dt
     finally:
         await c.close()

@@ -35,23 +35,10 @@ import random
 import re
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import msgspec
 
-from dsec.control.api.types import CreateSandboxRequest, Info, NodeView, SnapshotView
-from dsec.edge.spec import (
-    FILE_CHUNK_BYTES,
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    NetworkPolicy,
-    PauseStats,
-    SandboxEvent,
-    SandboxInfo,
-    read_in_chunks,
-)
 from dsec.errors import (
     DsecError,
     EdgeUnreachable,
@@ -63,12 +50,60 @@ from dsec.errors import (
     Unauthenticated,
     Unavailable,
 )
+from dsec.wire import ops
+from dsec.wire.api import (
+    GATEWAY_PROTOCOL,
+    CreateSandboxRequest,
+    Info,
+    NodeView,
+    SandboxList,
+    SnapshotView,
+)
+from dsec.wire.calls import (
+    Empty,
+    ExecMany,
+    FileRef,
+    ListSandboxes,
+    Mkdir,
+    ReadFile,
+    Remove,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.calls import ExecCall as WireExecCall
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.spec import (
+    FILE_CHUNK_BYTES,
+    BackendName,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    IdleAction,
+    NetworkPolicy,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxState,
+    SandboxStats,
+    read_in_chunks,
+)
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
            "ExecCall", "Snapshot",
            "parse_memory", "resolve_target"]
 
+if TYPE_CHECKING:
+    from dsec.client.transport import Transport
+
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 _MEM_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 10**6,
@@ -93,7 +128,7 @@ def parse_memory(value: int | str) -> int:
 def resolve_target(url: str | None, api_key: str | None) -> tuple[str, str, str | None]:
     """(url, api_key, gateway) from arguments, then DSEC_URL/DSEC_API_KEY, then the local
     ``dsec up`` cluster's ``local.json`` (``$DSEC_STATE_DIR`` or ``~/.dsec``)."""
-    from dsec.control.api.cluster import default_state_dir, read_local
+    from dsec.statedir import default_state_dir, read_local
 
     url = url or os.environ.get("DSEC_URL")
     api_key = api_key or os.environ.get("DSEC_API_KEY")
@@ -135,7 +170,8 @@ class Snapshot:
     @property
     def data(self) -> dict[str, Any]:
         """The snapshot as plain JSON-able data."""
-        return msgspec.to_builtins(self.view)  # type: ignore[no-any-return]
+        data: dict[str, Any] = msgspec.to_builtins(self.view)
+        return data
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Snapshot) and other.id == self.id
@@ -156,15 +192,16 @@ class AsyncSnapshots:
 
     async def list(self, *, project: str | None = None,
                    sandbox_id: str | None = None) -> builtins.list[Snapshot]:
-        page = await self._c._call("snapshots", project, sandbox_id)
+        page = await self._c.call(ops.SNAPSHOTS, SnapshotQuery(project=project,
+                                                                sandbox_id=sandbox_id))
         return [Snapshot(v) for v in page.items]
 
     async def get(self, snapshot: Snapshot | str) -> Snapshot:
-        return Snapshot(await self._c._call("snapshot_get", _snap_id(snapshot)))
+        return Snapshot(await self._c.call(ops.SNAPSHOT_GET, SnapshotRef(id=_snap_id(snapshot))))
 
     async def delete(self, snapshot: Snapshot | str) -> None:
         """Delete it; ``InUse`` while a sandbox runs from it or a snapshot builds on it."""
-        await self._c._call("snapshot_delete", _snap_id(snapshot), idempotent=False)
+        await self._c.call(ops.SNAPSHOT_DELETE, SnapshotRef(id=_snap_id(snapshot)))
 
 
 def _snap_id(snapshot: Snapshot | str) -> str:
@@ -186,7 +223,9 @@ class AsyncClient:
     """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
 
     ``transport``: ``"auto"`` (the Aether gateway when the server advertises one, else
-    REST), ``"http"`` or ``"aether"``. ``session_lease_s``: sandboxes this client creates
+    REST), ``"http"`` or ``"aether"``; or a :class:`~dsec.client.transport.Transport`
+    object to go through (``url``/``api_key`` are then not needed), e.g. an in-memory
+    :class:`dsec.client.testing.MockTransport` in tests. ``session_lease_s``: sandboxes this client creates
     are bound to a session that the client renews in the background; if the client dies,
     the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
     on a create opts one sandbox out). ``retries``: attempts after a connection error for
@@ -197,14 +236,20 @@ class AsyncClient:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str = "auto", gateway: str | None = None, retries: int = 3,
+        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
-        self.url, self._key, found_gw = resolve_target(url, api_key)
+        injected: Transport | None = None
+        if isinstance(transport, str):
+            if transport not in ("auto", "http", "aether"):
+                raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http', "
+                                      "'aether' or a Transport object")
+            self.url, self._key, found_gw = resolve_target(url, api_key)
+        else:
+            injected = transport
+            self.url, self._key, found_gw = url or "", api_key or "", None
         self.gateway = gateway or found_gw
-        if transport not in ("auto", "http", "aether"):
-            raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http' or 'aether'")
         if timeout is not None and timeout <= 0:
             raise InvalidArgument(f"request timeout={timeout} must be positive seconds or None")
         if create_retry_s is not None and create_retry_s < 0:
@@ -215,9 +260,9 @@ class AsyncClient:
         self.create_retry_s = create_retry_s
         self._rediscover = False
         self.session_lease_s = session_lease_s
-        self._mode = transport
+        self._mode = transport if isinstance(transport, str) else "injected"
         self._http_transport = _http_transport
-        self._t: Any = None
+        self._t: Transport | None = injected
         self._info: Info | None = None
         self._session: str | None = None
         self._renewer: asyncio.Task[None] | None = None
@@ -228,7 +273,7 @@ class AsyncClient:
         self.images = AsyncImages(self)
 
     # ------------------------------------------------------------------ plumbing
-    async def _transport(self) -> Any:
+    async def _transport(self) -> Transport:
         if self._t is not None:
             return self._t
         from dsec.client.transport import AetherTransport, HttpTransport
@@ -245,6 +290,15 @@ class AsyncClient:
                 await http.close()
                 raise
             gw = self._info.gateway
+            spoken = self._info.gateway_protocol
+            if gw is not None and spoken != GATEWAY_PROTOCOL:
+                # A gateway of another release: its bodies would not decode. REST works.
+                if self._mode == "aether":
+                    await http.close()
+                    raise TransportError(
+                        f"the gateway at {gw} speaks protocol {spoken}, this SDK "
+                        f"{GATEWAY_PROTOCOL}; use protocol 'http' or a matching SDK")
+                gw = None
             if self._rediscover and gw is not None:
                 self.gateway = gw
             self._rediscover = False
@@ -317,12 +371,17 @@ class AsyncClient:
         except DsecError:
             pass
 
-    async def _call(self, name: str, *args: Any, idempotent: bool = True) -> Any:
+    async def call(self, op: Op[Req, Rep], body: Req, *, idempotent: bool | None = None,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """Call one operation of the catalogue (:mod:`dsec.wire.ops`) with its request
+        object, through this client's transport: its reply, typed by the row. Retried
+        on connection errors when repeating it is safe (``op.idempotent``, or
+        ``idempotent``); ``timeout``: the request deadline (the client's by default).
+        The typed escape hatch under every method of the SDK."""
         t = await self._transport()
-        fn = getattr(t, name)
-        if idempotent:
-            return await self._retry(lambda: fn(*args))
-        return await fn(*args)
+        if op.idempotent if idempotent is None else idempotent:
+            return await self._retry(lambda: t.call(op, body, timeout=timeout))
+        return await t.call(op, body, timeout=timeout)
 
     async def _ensure_session(self) -> str | None:
         if self.session_lease_s is None:
@@ -333,7 +392,9 @@ class AsyncClient:
             self._session_lock = asyncio.Lock()
         async with self._session_lock:
             if self._session is None:
-                view = await self._call("session_open", self.session_lease_s)
+                view = await self.call(ops.SESSION_OPEN,
+                                       SessionOpen(lease_s=self.session_lease_s),
+                                       idempotent=True)
                 self._session = view.id
                 self._renewer = asyncio.create_task(self._renew_loop(view.id, view.lease_s))
         return self._session
@@ -342,7 +403,7 @@ class AsyncClient:
         while True:
             await asyncio.sleep(lease_s / 3)
             try:
-                await self._call("session_renew", session_id)
+                await self.call(ops.SESSION_RENEW, SessionRef(id=session_id))
             except NotFound:
                 # The server forgot the session (it lapsed long ago): its sandboxes are
                 # gone; the next create opens a fresh session instead of reusing this id.
@@ -355,10 +416,10 @@ class AsyncClient:
 
     # ------------------------------------------------------------------- public
     async def info(self) -> Info:
-        return await self._call("info")  # type: ignore[no-any-return]
+        return await self.call(ops.INFO, Empty())
 
     async def nodes(self) -> list[NodeView]:
-        return (await self._call("nodes")).items  # type: ignore[no-any-return]
+        return (await self.call(ops.NODES, Empty())).items
 
     async def close(self) -> None:
         """Stop renewing the session and close it: session-bound sandboxes are swept."""
@@ -368,7 +429,7 @@ class AsyncClient:
             self._renewer = None
         if self._session is not None and self._t is not None:
             try:
-                await self._t.session_close(self._session)
+                await self._t.call(ops.SESSION_CLOSE, SessionRef(id=self._session))
             except DsecError:
                 pass
             self._session = None
@@ -395,9 +456,9 @@ class AsyncSandboxes:
 
     async def _request(
         self, *, image: str = "base", workspace: str | None = None,
-        toolkits: Sequence[str] = (), backend: str | None = None, cpu: float = 1,
+        toolkits: Sequence[str] = (), backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", ttl: float | None = None,
-        idle_timeout: float | None = None, idle_action: str = "destroy",
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, detached: bool = False, disk: int | str | None = None,
@@ -410,25 +471,43 @@ class AsyncSandboxes:
         snap = None if snapshot is None else _snap_id(snapshot)
         return CreateSandboxRequest(
             image=image, workspace=workspace, toolkits=list(toolkits), snapshot=snap,
-            backend=backend, cpu_milli=round(cpu * 1000),  # type: ignore[arg-type]
+            backend=backend, cpu_milli=round(cpu * 1000),
             memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
-            idle_action=idle_action, env=dict(env or {}), session=session,  # type: ignore[arg-type]
+            idle_action=idle_action, env=dict(env or {}), session=session,
             pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
-    async def create(self, *, idempotency_key: str | None = None, **kw: Any) -> AsyncSandbox:
-        """Create one sandbox (see :meth:`_request` for the keywords: image, workspace,
-        toolkits, backend, cpu (cores), memory ("1GiB"), disk, ttl (s), idle_timeout (s),
-        labels, env, project, snapshot, priority, detached, pids_max, network,
-        allow_nested, user_namespace).
+    async def create(
+        self, *, image: str = "base", workspace: str | None = None,
+        toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
+        backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
+        disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        user_namespace: bool = False, detached: bool = False,
+        idempotency_key: str | None = None,
+    ) -> AsyncSandbox:
+        """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
+        ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
+        bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
+        "destroy" or "pause"); ``project``: the key's default project when None;
+        ``detached``: not bound to this client's session (outlives the client).
 
         Every attempt carries one ``Idempotency-Key``: ``idempotency_key`` (to make a
         create idempotent across client processes too), else a fresh random one. Lost
         connections, request timeouts and 503s are retried with it for
         ``create_retry_s``; the server answers a retry with the sandbox the first attempt
         made, never a second one."""
+        kw: dict[str, Any] = {
+            "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
+            "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
+            "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
+            "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "allow_nested": allow_nested, "user_namespace": user_namespace, "detached": detached}
         c = self._c
         if idempotency_key is not None and (
                 not isinstance(idempotency_key, str)
@@ -441,19 +520,35 @@ class AsyncSandboxes:
 
         async def attempt() -> SandboxInfo:
             t = await c._transport()
-            return await t.create(req, key)  # type: ignore[no-any-return]
+            return await t.create(req, key)
         info = await c._retry_until(attempt, c.create_retry_s)
         return AsyncSandbox(c, info)
 
-    async def create_many(self, n: int | Sequence[Mapping[str, Any]],
-                          **kw: Any) -> list[AsyncSandbox]:
-        """Many sandboxes in batched calls: ``n`` identical ones (``**kw`` as for
+    async def create_many(
+        self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
+        workspace: str | None = None, toolkits: Sequence[str] = (),
+        snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
+        memory: int | str = "512MiB", disk: int | str | None = None,
+        pids_max: int | None = 1024, priority: int = 0,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        user_namespace: bool = False, detached: bool = False,
+    ) -> list[AsyncSandbox]:
+        """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list of keyword dicts, each laid over
-        ``**kw`` (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
+        the keywords (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
         All or nothing: if any fails, the ones that were created are destroyed and the
         first error is raised. Each item carries an Idempotency-Key of its own and the
         batch is retried like :meth:`create` (``create_retry_s``), so a batch whose
         reply was lost (an apiserver crash) makes each sandbox exactly once."""
+        kw: dict[str, Any] = {
+            "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
+            "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
+            "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
+            "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "allow_nested": allow_nested, "user_namespace": user_namespace, "detached": detached}
         c = self._c
 
         async def request(**one: Any) -> CreateSandboxRequest:
@@ -497,7 +592,7 @@ class AsyncSandboxes:
 
             async def attempt(todo: list[int] = todo) -> list[SandboxInfo | DsecError]:
                 t = await c._transport()
-                return await t.create_many(  # type: ignore[no-any-return]
+                return await t.create_many(
                     [reqs[i] for i in todo], [keys[i] for i in todo])
             got = await c._retry_until(attempt, left)
             again = []
@@ -513,10 +608,10 @@ class AsyncSandboxes:
             delay = min(delay * 2, 1.0)
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
-        return AsyncSandbox(self._c, await self._c._call("get", sandbox_id))
+        return AsyncSandbox(self._c, await self._c.call(ops.GET, SandboxRef(id=sandbox_id)))
 
     async def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
-                   state: str | None = None, limit: int | None = None) -> list[AsyncSandbox]:
+                   state: SandboxState | None = None, limit: int | None = None) -> list[AsyncSandbox]:
         """Every matching sandbox (pages through the server's cursor)."""
         out: list[AsyncSandbox] = []
         cursor: str | None = None
@@ -529,10 +624,10 @@ class AsyncSandboxes:
                 return out[:limit] if limit is not None else out
 
     async def _list_page(self, project: str | None, labels: Mapping[str, str],
-                         state: str | None, cursor: str | None) -> Any:
-        t = await self._c._transport()
-        return await t.list(project=project, labels=labels, state=state, limit=1000,
-                            cursor=cursor)
+                         state: SandboxState | None, cursor: str | None) -> SandboxList:
+        return await self._c.call(ops.LIST, ListSandboxes(
+            project=project, labels=dict(labels), state=state,
+            limit=1000, cursor=cursor))
 
     async def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
@@ -559,8 +654,10 @@ class AsyncSandboxes:
         for _, req in items:
             longest = None if longest is None or req.timeout_s is None \
                 else max(longest, req.timeout_s)
-        res: builtins.list[ExecResult | DsecError] = await self._c._call(
-            "exec_many", items, _deadline(self._c.timeout, longest), idempotent=False)
+        batch = await self._c.call(ops.EXEC_MANY, ExecMany(
+            calls=[WireExecCall(id=sid, req=req) for sid, req in items]),
+            timeout=_deadline(self._c.timeout, longest))
+        res = batch.results()
         if not return_exceptions:
             for r in res:
                 if isinstance(r, DsecError):
@@ -645,8 +742,8 @@ class AsyncFiles:
         """Up to 64 MiB (``MAX_FILE_READ_BYTES``) per call; fetched in 8 MiB pieces so any
         transport carries it."""
         async def piece(at: int, n: int) -> bytes:
-            return await self._sb._c._call(  # type: ignore[no-any-return]
-                "read_file", self._sb.id, path, at, n)
+            return await self._sb._c.call(ops.READ_FILE, ReadFile(
+                id=self._sb.id, path=path, offset=at, length=n))
         return await read_in_chunks(piece, offset, length)
 
     async def read_text(self, path: str) -> str:
@@ -658,15 +755,15 @@ class AsyncFiles:
         # in 8 MiB pieces (an Aether frame is 16 MiB); the first truncates unless appending
         for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
             more = append or at > 0
-            await self._sb._c._call("write_file", self._sb.id, path,
-                                    raw[at:at + FILE_CHUNK_BYTES], mode, more,
-                                    idempotent=not more)
+            await self._sb._c.call(ops.WRITE_FILE, WriteFile(
+                id=self._sb.id, path=path, data=raw[at:at + FILE_CHUNK_BYTES], mode=mode,
+                append=more), idempotent=not more)
 
     async def list(self, path: str = "/") -> list[FileInfo]:
-        return await self._sb._c._call("list_dir", self._sb.id, path)  # type: ignore[no-any-return]
+        return (await self._sb._c.call(ops.LIST_DIR, FileRef(id=self._sb.id, path=path))).items
 
     async def stat(self, path: str) -> FileInfo:
-        return await self._sb._c._call("stat", self._sb.id, path)  # type: ignore[no-any-return]
+        return await self._sb._c.call(ops.STAT, FileRef(id=self._sb.id, path=path))
 
     async def exists(self, path: str) -> bool:
         try:
@@ -675,11 +772,15 @@ class AsyncFiles:
         except NotFound:
             return False
 
-    async def mkdir(self, path: str) -> None:
-        await self._sb._c._call("mkdir", self._sb.id, path)
+    async def mkdir(self, path: str, *, parents: bool = True) -> None:
+        """Create directory ``path``; ``parents=False``: ``NotFound`` when its parent is
+        missing (else the missing parents are created too, like ``mkdir -p``)."""
+        await self._sb._c.call(ops.MKDIR, Mkdir(id=self._sb.id, path=path, parents=parents))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._sb._c._call("remove", self._sb.id, path, recursive)
+        # not retried on a lost connection: a repeat after it happened says NotFound
+        await self._sb._c.call(ops.REMOVE, Remove(id=self._sb.id, path=path,
+                                                  recursive=recursive))
 
 
 class AsyncSandbox:
@@ -699,7 +800,7 @@ class AsyncSandbox:
         return self.info.state
 
     async def refresh(self) -> SandboxInfo:
-        self.info = await self._c._call("get", self.id)
+        self.info = await self._c.call(ops.GET, SandboxRef(id=self.id))
         return self.info
 
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
@@ -710,8 +811,8 @@ class AsyncSandbox:
         *command* timeout: when it fires the result has ``timed_out=True``."""
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
                         background=background, output_cap=output_cap)
-        return await self._c._call("exec", self.id, req,  # type: ignore[no-any-return]
-                                   _deadline(self._c.timeout, timeout), idempotent=False)
+        return await self._c.call(ops.EXEC, WireExecCall(id=self.id, req=req),
+                                  timeout=_deadline(self._c.timeout, timeout))
 
     async def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                           env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -720,16 +821,17 @@ class AsyncSandbox:
         """Yield output chunks as they come, then the final :class:`ExecResult`."""
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
         t = await self._c._transport()
-        async for item in t.exec_stream(self.id, req, _deadline(self._c.timeout, timeout)):
+        async for item in t.stream(ops.EXEC_STREAM, WireExecCall(id=self.id, req=req),
+                                   timeout=_deadline(self._c.timeout, timeout)):
             yield item
 
     async def pause(self) -> PauseStats:
-        stats: PauseStats = await self._c._call("pause", self.id, idempotent=False)
+        stats = await self._c.call(ops.PAUSE, SandboxRef(id=self.id))
         self.info.state = "paused"
         return stats
 
     async def resume(self) -> None:
-        self.info = await self._c._call("resume", self.id, idempotent=False)
+        self.info = await self._c.call(ops.RESUME, SandboxRef(id=self.id))
 
     async def snapshot(self, *, strip: Sequence[str] = ()) -> Snapshot:
         """pack_diff what changed since the last snapshot (or since the image) into a new
@@ -738,16 +840,21 @@ class AsyncSandbox:
         if isinstance(strip, str):
             raise InvalidArgument("strip must be a list of patterns, not one string",
                                   field="strip")
-        return Snapshot(await self._c._call("snapshot", self.id, list(strip),
-                                            idempotent=False))
+        return Snapshot(await self._c.call(ops.SNAPSHOT, SnapshotCall(id=self.id,
+                                                                      strip=list(strip))))
 
     async def events(self) -> list[SandboxEvent]:
-        return await self._c._call("events", self.id)  # type: ignore[no-any-return]
+        return (await self._c.call(ops.EVENTS, SandboxRef(id=self.id))).items
+
+    async def stats(self) -> SandboxStats:
+        """Resource use now: memory (and how much of it tmpfs holds), cpu seconds,
+        processes, disk use against its cap (``disk_full`` when writes fail)."""
+        return await self._c.call(ops.STATS, SandboxRef(id=self.id))
 
     async def kill(self) -> None:
         """Destroy the sandbox; killing a gone sandbox is not an error."""
         try:
-            await self._c._call("destroy", self.id)
+            await self._c.call(ops.DESTROY, SandboxRef(id=self.id))
         except NotFound:
             pass
         self.info.state = "destroyed"

@@ -22,8 +22,8 @@ from urllib.parse import quote
 
 import msgspec
 
-from dsec.control.api.types import ImageList, ImageTagRequest, ImageView
 from dsec.errors import InvalidArgument
+from dsec.wire.api import ImageList, ImageTagRequest, ImageView
 
 if TYPE_CHECKING:
     from dsec.client.core import AsyncClient

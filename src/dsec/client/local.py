@@ -123,7 +123,7 @@ class LocalCluster:
         self.url, self.api_key, self.gateway = rt.url, rt.admin_key, rt.gateway_address
 
     def _start_process(self) -> None:
-        from dsec.control.api.cluster import read_local
+        from dsec.statedir import read_local
 
         cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up",
                "--state-dir", self.state_dir, "--listen", "127.0.0.1:0",

@@ -25,21 +25,35 @@ from dsec.client.core import (
     AsyncSnapshots,
     Snapshot,
 )
-from dsec.client.images import AsyncImages
-from dsec.control.api.types import ImageView, Info, NodeView
-from dsec.edge.spec import (
+from dsec.client.images import AsyncImages, LayerKind
+from dsec.client.transport import Transport
+from dsec.errors import DsecError
+from dsec.wire.api import ImageView, Info, NodeView
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.spec import (
+    BackendName,
     ExecChunk,
+    ExecRequest,
     ExecResult,
     FileInfo,
+    IdleAction,
+    NetworkPolicy,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxState,
+    SandboxStats,
 )
-from dsec.errors import DsecError
 
-__all__ = ["Client", "Files", "Images", "Sandbox", "Sandboxes", "Snapshots"]
+__all__ = ["Client", "ExecCall", "Files", "Images", "Sandbox", "Sandboxes", "Snapshots"]
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+# One exec_many item: (sandbox, command) or (sandbox, command, {keyword: override}).
+ExecCall = (tuple["Sandbox | str", "str | Sequence[str] | ExecRequest"]
+            | tuple["Sandbox | str", "str | Sequence[str] | ExecRequest", Mapping[str, Any]])
 
 
 class _Loop:
@@ -73,10 +87,19 @@ class Client:
     """``client = Client()`` (or ``Client(url=..., api_key=...)``); see
     :class:`~dsec.client.core.AsyncClient` for every option."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, **kw: Any) -> None:
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
+        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
+        session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
+        _http_transport: Any = None,
+    ) -> None:
         self._loop = _Loop()
         try:
-            self._a = AsyncClient(url, api_key, **kw)
+            self._a = AsyncClient(url, api_key, timeout=timeout, transport=transport,
+                                  gateway=gateway, retries=retries,
+                                  session_lease_s=session_lease_s,
+                                  create_retry_s=create_retry_s,
+                                  _http_transport=_http_transport)
         except BaseException:
             self._loop.stop()
             raise
@@ -87,6 +110,12 @@ class Client:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
+
+    def call(self, op: Op[Req, Rep], body: Req, *, idempotent: bool | None = None,
+             timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """See :meth:`~dsec.client.core.AsyncClient.call`: one operation of the
+        catalogue with its request object, typed by the row."""
+        return self._run(self._a.call(op, body, idempotent=idempotent, timeout=timeout))
 
     def info(self) -> Info:
         return self._run(self._a.info())
@@ -118,26 +147,70 @@ class Sandboxes:
         self._c = client
         self._a = a
 
-    def create(self, **kw: Any) -> Sandbox:
-        return Sandbox(self._c, self._c._run(self._a.create(**kw)))
+    def create(
+        self, *, image: str = "base", workspace: str | None = None,
+        toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
+        backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
+        disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        user_namespace: bool = False, detached: bool = False,
+        idempotency_key: str | None = None,
+    ) -> Sandbox:
+        """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
+        return Sandbox(self._c, self._c._run(self._a.create(
+            image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
+            backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
+            priority=priority, labels=labels, env=env, project=project, ttl=ttl,
+            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
+            idempotency_key=idempotency_key)))
 
-    def create_many(self, n: int | Sequence[Mapping[str, Any]], **kw: Any) -> list[Sandbox]:
-        return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(n, **kw))]
+    def create_many(
+        self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
+        workspace: str | None = None, toolkits: Sequence[str] = (),
+        snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
+        memory: int | str = "512MiB", disk: int | str | None = None,
+        pids_max: int | None = 1024, priority: int = 0,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        project: str | None = None, ttl: float | None = None,
+        idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        user_namespace: bool = False, detached: bool = False,
+    ) -> list[Sandbox]:
+        """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
+        return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(
+            n, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
+            backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
+            priority=priority, labels=labels, env=env, project=project, ttl=ttl,
+            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            allow_nested=allow_nested, user_namespace=user_namespace, detached=detached))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
 
-    def list(self, **kw: Any) -> list[Sandbox]:
-        return [Sandbox(self._c, s) for s in self._c._run(self._a.list(**kw))]
+    def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
+             state: SandboxState | None = None, limit: int | None = None) -> list[Sandbox]:
+        """Every matching sandbox (pages through the server's cursor)."""
+        return [Sandbox(self._c, s) for s in self._c._run(self._a.list(
+            project=project, labels=labels, state=state, limit=limit))]
 
-    def exec_many(self, calls: Sequence[tuple[Any, ...]],
-                  **kw: Any) -> builtins.list[ExecResult | DsecError]:
+    def exec_many(
+        self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
+        env: Mapping[str, str] | None = None, cwd: str | None = None,
+        stdin: bytes | str | None = None, user: str | None = None,
+        output_cap: int | None = None, return_exceptions: bool = False,
+    ) -> builtins.list[ExecResult | DsecError]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.exec_many`: ``(sandbox, command)``
         or ``(sandbox, command, overrides)``, command a string, argv or ``ExecRequest``."""
         items: list[Any] = [
             (c[0]._a, *c[1:]) if isinstance(c, tuple) and c and isinstance(c[0], Sandbox) else c
             for c in calls]
-        return self._c._run(self._a.exec_many(items, **kw))
+        return self._c._run(self._a.exec_many(
+            items, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
+            output_cap=output_cap, return_exceptions=return_exceptions))
 
 
 class Snapshots:
@@ -147,8 +220,9 @@ class Snapshots:
         self._c = client
         self._a = a
 
-    def list(self, **kw: Any) -> builtins.list[Snapshot]:
-        return self._c._run(self._a.list(**kw))
+    def list(self, *, project: str | None = None,
+             sandbox_id: str | None = None) -> builtins.list[Snapshot]:
+        return self._c._run(self._a.list(project=project, sandbox_id=sandbox_id))
 
     def get(self, snapshot: Snapshot | str) -> Snapshot:
         return self._c._run(self._a.get(snapshot))
@@ -176,11 +250,14 @@ class Images:
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
 
-    def build(self, source: str | os.PathLike[str], **kw: Any) -> ImageView:
-        return self._c._run(self._a.build(source, **kw))
+    def build(self, source: str | os.PathLike[str], *, name: str,
+              kind: LayerKind = "base", tag: str = "latest") -> ImageView:
+        """See :meth:`~dsec.client.images.AsyncImages.build`."""
+        return self._c._run(self._a.build(source, name=name, kind=kind, tag=tag))
 
-    def import_oci(self, source: str | os.PathLike[str], **kw: Any) -> ImageView:
-        return self._c._run(self._a.import_oci(source, **kw))
+    def import_oci(self, source: str | os.PathLike[str], *, name: str,
+                   tag: str = "latest") -> ImageView:
+        return self._c._run(self._a.import_oci(source, name=name, tag=tag))
 
 
 class Files:
@@ -188,14 +265,15 @@ class Files:
         self._c = client
         self._a = a
 
-    def read(self, path: str, **kw: Any) -> bytes:
-        return self._c._run(self._a.read(path, **kw))
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        return self._c._run(self._a.read(path, offset=offset, length=length))
 
     def read_text(self, path: str) -> str:
         return self._c._run(self._a.read_text(path))
 
-    def write(self, path: str, data: bytes | str, **kw: Any) -> None:
-        self._c._run(self._a.write(path, data, **kw))
+    def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
+              append: bool = False) -> None:
+        self._c._run(self._a.write(path, data, mode=mode, append=append))
 
     def list(self, path: str = "/") -> list[FileInfo]:
         return self._c._run(self._a.list(path))
@@ -206,8 +284,8 @@ class Files:
     def exists(self, path: str) -> bool:
         return self._c._run(self._a.exists(path))
 
-    def mkdir(self, path: str) -> None:
-        self._c._run(self._a.mkdir(path))
+    def mkdir(self, path: str, *, parents: bool = True) -> None:
+        self._c._run(self._a.mkdir(path, parents=parents))
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._c._run(self._a.remove(path, recursive=recursive))
@@ -236,11 +314,20 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         return self._c._run(self._a.refresh())
 
-    def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
-        return self._c._run(self._a.exec(cmd, **kw))
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: bool = False, output_cap: int | None = None) -> ExecResult:
+        """See :meth:`~dsec.client.core.AsyncSandbox.exec`."""
+        return self._c._run(self._a.exec(cmd, timeout=timeout, env=env, cwd=cwd,
+                                         stdin=stdin, user=user, background=background,
+                                         output_cap=output_cap))
 
-    def exec_stream(self, cmd: str | Sequence[str], **kw: Any) -> Iterator[ExecChunk | ExecResult]:
-        agen = self._a.exec_stream(cmd, **kw)
+    def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                    env: Mapping[str, str] | None = None, cwd: str | None = None,
+                    stdin: bytes | str | None = None
+                    ) -> Iterator[ExecChunk | ExecResult]:
+        agen = self._a.exec_stream(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
         try:
             while True:
                 try:
@@ -256,11 +343,14 @@ class Sandbox:
     def resume(self) -> None:
         self._c._run(self._a.resume())
 
-    def snapshot(self, **kw: Any) -> Snapshot:
-        return self._c._run(self._a.snapshot(**kw))
+    def snapshot(self, *, strip: Sequence[str] = ()) -> Snapshot:
+        return self._c._run(self._a.snapshot(strip=strip))
 
     def events(self) -> list[SandboxEvent]:
         return self._c._run(self._a.events())
+
+    def stats(self) -> SandboxStats:
+        return self._c._run(self._a.stats())
 
     def kill(self) -> None:
         self._c._run(self._a.kill())

@@ -16,118 +16,69 @@ message says to check before running the command again).
 
 from __future__ import annotations
 
-import base64
 import builtins
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import EllipsisType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast, get_args
 
 import httpx
 import msgspec
 
-from dsec.control.api.types import (
-    CreateSandboxRequest,
-    ExecOutput,
-    ExecStreamLine,
-    Info,
-    NodeList,
-    SandboxList,
-    SessionView,
-    SnapshotList,
-    SnapshotView,
-)
-from dsec.edge.spec import (
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxEvent,
-    SandboxInfo,
-)
 from dsec.errors import (
     ConnectFailed,
     ConnectionLost,
     DsecError,
+    InvalidArgument,
     RemoteProtocolError,
     RequestTimeout,
     error_from_wire,
+)
+from dsec.wire import ops
+from dsec.wire.api import (
+    CreateSandboxRequest,
+    ExecStreamLine,
+    Info,
+)
+from dsec.wire.calls import (
+    CreateMany,
+    CreateSandbox,
+    Empty,
+)
+from dsec.wire.jsonform import stream_item
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UseClientDefault
+from dsec.wire.rest import decode_reply, encode_request
+from dsec.wire.spec import (
+    BackendName,
+    SandboxInfo,
+    SandboxSpec,
 )
 
 __all__ = ["AetherTransport", "HttpTransport", "Transport"]
 
 _json = msgspec.json.Encoder()
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+Item = TypeVar("Item")
 
 
 class Transport(Protocol):
-    """What the SDK core needs from a connection to an apiserver."""
+    """How the SDK reaches an apiserver: one typed call per operation of the catalogue
+    (:mod:`dsec.wire.ops`), a stream for streaming rows, and (until a create's spec can
+    leave backend and project to the server) the two create calls. Two implementations
+    (REST and the Aether gateway) and, for tests, :class:`dsec.client.testing.MockTransport`."""
 
     name: str
 
-    async def info(self) -> Info: ...
-    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo: ...
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep: ...
+    def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+               timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]: ...
+    async def create(self, req: CreateSandboxRequest,
+                     idempotency_key: str | None) -> SandboxInfo: ...
     async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]: ...
-    async def get(self, sid: str) -> SandboxInfo: ...
-    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
-                   limit: int, cursor: str | None) -> SandboxList: ...
-    async def destroy(self, sid: str) -> None: ...
-    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult: ...
-    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> builtins.list[ExecResult | DsecError]: ...
-    def exec_stream(self, sid: str, req: ExecRequest,
-                    timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]: ...
-    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes: ...
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None: ...
-    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]: ...
-    async def stat(self, sid: str, path: str) -> FileInfo: ...
-    async def mkdir(self, sid: str, path: str) -> None: ...
-    async def remove(self, sid: str, path: str, recursive: bool) -> None: ...
-    async def pause(self, sid: str) -> PauseStats: ...
-    async def resume(self, sid: str) -> SandboxInfo: ...
-    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView: ...
-    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList: ...
-    async def snapshot_get(self, ref: str) -> SnapshotView: ...
-    async def snapshot_delete(self, ref: str) -> None: ...
-    async def events(self, sid: str) -> builtins.list[SandboxEvent]: ...
-    async def nodes(self) -> NodeList: ...
-    async def session_open(self, lease_s: float) -> SessionView: ...
-    async def session_renew(self, session_id: str) -> SessionView: ...
-    async def session_close(self, session_id: str) -> None: ...
+                          keys: Sequence[str] | None = None,
+                          ) -> builtins.list[SandboxInfo | DsecError]: ...
     async def close(self) -> None: ...
-
-
-def _exec_body(req: ExecRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"timeout_s": req.timeout_s, "output_cap_bytes": req.output_cap_bytes}
-    if req.shell is not None:
-        body["shell"] = req.shell
-    else:
-        body["argv"] = list(req.argv)
-    if req.env:
-        body["env"] = dict(req.env)
-    if req.cwd is not None:
-        body["cwd"] = req.cwd
-    if req.user is not None:
-        body["user"] = req.user
-    if req.background:
-        body["background"] = True
-    if req.stdin:
-        try:
-            body["stdin"] = req.stdin.decode()
-        except UnicodeDecodeError:
-            body["stdin"] = base64.b64encode(req.stdin).decode()
-            body["stdin_encoding"] = "base64"
-    return body
-
-
-def _from_output(o: ExecOutput) -> ExecResult:
-    if o.encoding == "base64":
-        out, err = base64.b64decode(o.stdout), base64.b64decode(o.stderr)
-    else:
-        out, err = o.stdout.encode(), o.stderr.encode()
-    return ExecResult(exit_code=o.exit_code, stdout=out, stderr=err,
-                      stdout_truncated=o.stdout_truncated, stderr_truncated=o.stderr_truncated,
-                      timed_out=o.timed_out, duration_s=o.duration_s, pid=o.pid)
 
 
 class HttpTransport:
@@ -139,10 +90,23 @@ class HttpTransport:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._info: Info | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url, headers={"authorization": f"Bearer {api_key}"},
             timeout=timeout, transport=transport,
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """``op`` over REST (:func:`dsec.wire.rest.encode_request`): its reply, typed by
+        the row (a row answering 204 on REST gives None)."""
+        r = encode_request(op, body)
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        effect = _COMMAND if op.name in _COMMANDS else "the operation"
+        resp = await self._req(r.method, r.path, timeout=t, effect=effect,
+                               params=r.params, headers=r.headers, content=r.content)
+        reply: Rep = decode_reply(op, resp.content)
+        return reply
 
     async def _req(self, method: str, path: str, *, timeout: float | None | EllipsisType = ...,
                    effect: str = "the operation", **kw: Any) -> httpx.Response:
@@ -162,161 +126,50 @@ class HttpTransport:
         except msgspec.DecodeError as exc:
             raise RemoteProtocolError(f"{method} {path}: undecodable {tp} reply: {exc}") from exc
 
-    async def info(self) -> Info:
-        return await self._json(Info, "GET", "/v1/info")  # type: ignore[no-any-return]
-
-    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
-        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
-        return await self._json(SandboxInfo, "POST", "/v1/sandboxes",  # type: ignore[no-any-return]
-                                content=_json.encode(req), headers={
-                                    **headers, "content-type": "application/json"})
-
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
-        import asyncio
-
-        async def one(i: int, r: CreateSandboxRequest) -> SandboxInfo | DsecError:
-            try:
-                return await self.create(r, None if keys is None else keys[i])
-            except DsecError as exc:
-                return exc
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
-
-    async def get(self, sid: str) -> SandboxInfo:
-        return await self._json(SandboxInfo, "GET", f"/v1/sandboxes/{sid}")  # type: ignore[no-any-return]
-
-    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
-                   limit: int, cursor: str | None) -> SandboxList:
-        params: list[tuple[str, str]] = [("limit", str(limit))]
-        if project:
-            params.append(("project", project))
-        if state:
-            params.append(("state", state))
-        if cursor:
-            params.append(("cursor", cursor))
-        params += [("label", f"{k}={v}") for k, v in labels.items()]
-        return await self._json(SandboxList, "GET", "/v1/sandboxes", params=params)  # type: ignore[no-any-return]
-
-    async def destroy(self, sid: str) -> None:
-        await self._req("DELETE", f"/v1/sandboxes/{sid}")
-
-    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
-        out = await self._json(ExecOutput, "POST", f"/v1/sandboxes/{sid}/exec",
-                               content=_json.encode(_exec_body(req)), timeout=timeout,
-                               effect=_COMMAND, headers={"content-type": "application/json"})
-        return _from_output(out)
-
-    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> builtins.list[ExecResult | DsecError]:
-        import asyncio
-
-        async def one(sid: str, r: ExecRequest) -> ExecResult | DsecError:
-            try:
-                return await self.exec(sid, r, timeout)
-            except DsecError as exc:
-                return exc
-        return list(await asyncio.gather(*(one(s, r) for s, r in calls)))
-
-    async def exec_stream(self, sid: str, req: ExecRequest,
-                          timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
-        path = f"/v1/sandboxes/{sid}/exec/stream"
+    async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+                     timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
+        """A streaming row over REST: NDJSON lines (:mod:`dsec.wire.jsonform`), the
+        items, then the final reply."""
+        r = encode_request(op, body)
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
         dec = msgspec.json.Decoder(ExecStreamLine)
         try:
-            async with self._http.stream("POST", path, content=_json.encode(_exec_body(req)),
-                                         timeout=timeout,
-                                         headers={"content-type": "application/json"}) as resp:
+            async with self._http.stream(r.method, r.path, params=tuple(r.params),
+                                         content=r.content,
+                                         timeout=t, headers=r.headers) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     raise _http_error(resp)
                 async for line in resp.aiter_lines():
                     if not line:
                         continue
-                    item = dec.decode(line)
-                    if item.error is not None:
-                        raise error_from_wire(item.error.code, item.error.message,
-                                              dict(item.error.detail))
-                    if item.exit_code is not None:
-                        yield ExecResult(exit_code=item.exit_code, timed_out=item.timed_out,
-                                         duration_s=item.duration_s or 0.0)
+                    item: Any = stream_item(dec.decode(line))
+                    yield item
+                    if isinstance(item, op.reply):
                         return
-                    data = item.data or ""
-                    raw = base64.b64decode(data) if item.encoding == "base64" else data.encode()
-                    yield ExecChunk(stream=item.stream or "stdout", data=raw)
         except httpx.HTTPError as exc:
-            raise _http_failure(exc, f"exec stream on {sid}", timeout, _COMMAND) from exc
+            raise _http_failure(exc, f"{op.name} {r.path}", t, _COMMAND) from exc
 
-    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
-        params: dict[str, Any] = {"path": path}
-        if offset:
-            params["offset"] = offset
-        if length is not None:
-            params["length"] = length
-        return (await self._req("GET", f"/v1/sandboxes/{sid}/files", params=params)).content
+    async def info(self) -> Info:
+        self._info = await self.call(ops.INFO, Empty())
+        return self._info
 
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
-        params: dict[str, Any] = {"path": path, "mode": mode}
-        if append:
-            params["append"] = "true"
-        await self._req("PUT", f"/v1/sandboxes/{sid}/files", params=params, content=data,
-                        headers={"content-type": "application/octet-stream"})
+    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
+        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
+        info: SandboxInfo = await self._json(
+            SandboxInfo, "POST", "/v1/sandboxes", content=_json.encode(req),
+            headers={**headers, "content-type": "application/json"})
+        return info
 
-    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        class _L(msgspec.Struct):
-            items: list[FileInfo]
-        r: _L = await self._json(_L, "GET", f"/v1/sandboxes/{sid}/files/list",
-                                 params={"path": path})
-        return r.items
-
-    async def stat(self, sid: str, path: str) -> FileInfo:
-        return await self._json(FileInfo, "GET", f"/v1/sandboxes/{sid}/files/stat",  # type: ignore[no-any-return]
-                                params={"path": path})
-
-    async def mkdir(self, sid: str, path: str) -> None:
-        await self._req("POST", f"/v1/sandboxes/{sid}/files/mkdir", params={"path": path})
-
-    async def remove(self, sid: str, path: str, recursive: bool) -> None:
-        params = {"path": path, "recursive": "true" if recursive else "false"}
-        await self._req("DELETE", f"/v1/sandboxes/{sid}/files", params=params)
-
-    async def pause(self, sid: str) -> PauseStats:
-        return await self._json(PauseStats, "POST", f"/v1/sandboxes/{sid}/pause")  # type: ignore[no-any-return]
-
-    async def resume(self, sid: str) -> SandboxInfo:
-        return await self._json(SandboxInfo, "POST", f"/v1/sandboxes/{sid}/resume")  # type: ignore[no-any-return]
-
-    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
-        return await self._json(SnapshotView, "POST", f"/v1/sandboxes/{sid}/snapshot",  # type: ignore[no-any-return]
-                                params=[("strip", p) for p in strip])
-
-    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
-        params = {k: v for k, v in (("project", project), ("sandbox_id", sandbox_id))
-                  if v is not None}
-        return await self._json(SnapshotList, "GET", "/v1/snapshots", params=params)  # type: ignore[no-any-return]
-
-    async def snapshot_get(self, ref: str) -> SnapshotView:
-        return await self._json(SnapshotView, "GET", f"/v1/snapshots/{ref}")  # type: ignore[no-any-return]
-
-    async def snapshot_delete(self, ref: str) -> None:
-        await self._req("DELETE", f"/v1/snapshots/{ref}")
-
-    async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        class _E(msgspec.Struct):
-            items: list[SandboxEvent]
-        r: _E = await self._json(_E, "GET", f"/v1/sandboxes/{sid}/events")
-        return r.items
-
-    async def nodes(self) -> NodeList:
-        return await self._json(NodeList, "GET", "/v1/nodes")  # type: ignore[no-any-return]
-
-    async def session_open(self, lease_s: float) -> SessionView:
-        return await self._json(SessionView, "POST", "/v1/sessions",  # type: ignore[no-any-return]
-                                params={"lease_s": lease_s})
-
-    async def session_renew(self, session_id: str) -> SessionView:
-        return await self._json(SessionView, "POST", f"/v1/sessions/{session_id}/renew")  # type: ignore[no-any-return]
-
-    async def session_close(self, session_id: str) -> None:
-        await self._req("DELETE", f"/v1/sessions/{session_id}")
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
+        """One ``POST /v1/batch/create`` (each item succeeds or fails alone)."""
+        if self._info is None:
+            self._info = await self.info()
+        body = CreateMany(items=[spec_of(r, self._info) for r in reqs],
+                          session=reqs[0].session if reqs else None,
+                          idempotency_keys=None if keys is None else list(keys))
+        return (await self.call(ops.CREATE_MANY, body)).results()
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -363,7 +216,9 @@ def _http_error(resp: httpx.Response) -> DsecError:
 
 
 class AetherTransport:
-    """The gateway fast path: msgpack over one multiplexed Aether connection."""
+    """The gateway fast path: msgpack over one multiplexed Aether connection, which
+    presents the API key once (``aether.auth``); every call is one row of the catalogue,
+    :meth:`call` (``api.<op>`` with the row's request and reply types)."""
 
     name = "aether"
 
@@ -373,6 +228,7 @@ class AetherTransport:
         self.timeout = timeout
         self._conn: Any = None
         self._lock: Any = None
+        self._info: Info | None = None
 
     async def _c(self) -> Any:
         import asyncio
@@ -389,150 +245,101 @@ class AetherTransport:
                                            token=self.key)
         return self._conn
 
-    async def _call(self, method: str, body: Any, rtype: Any,
-                    timeout: float | None | EllipsisType = ...,
-                    effect: str = "the operation") -> Any:
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        """``op`` through the gateway: its reply, typed by the row. A connection lost
+        with the request on it says whether it may have happened (``op.effect``)."""
         conn = await self._c()
-        t = self.timeout if timeout is ... else timeout
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        effect = _COMMAND if op.name in _COMMANDS else "the operation"
         try:
-            return await conn.call(method, body, timeout=t, response_type=rtype)
+            reply: Rep = await conn.call(op.api_method, body, timeout=t,
+                                         response_type=op.reply)
         except ConnectionLost as exc:
             if exc.detail.get("retryable"):
                 raise  # the peer never processed it (GOAWAY): nothing happened
-            raise _aether_lost(exc, method, self.address, effect) from exc
+            raise _aether_lost(exc, op.api_method, self.address, effect) from exc
         except RequestTimeout as exc:
             if effect != _COMMAND:
                 raise
             raise RequestTimeout(f"{exc.message}; the command may still have run: check "
                                  "its effects before running it again",
                                  **{**exc.detail, "may_have_run": True}) from exc
+        return reply
 
-    def _k(self, **kw: Any) -> dict[str, Any]:
-        return {"key": self.key, **kw}
-
-    async def info(self) -> Info:
-        return await self._call("api.info", self._k(), Info)  # type: ignore[no-any-return]
-
-    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
-        body = self._k(req=req)
-        if idempotency_key:
-            body["idempotency_key"] = idempotency_key
-        return await self._call("api.create", body, SandboxInfo)  # type: ignore[no-any-return]
-
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
-        from dsec.control.gateway import Outcome
-        body = self._k(reqs=list(reqs))
-        if keys is not None:
-            body["idempotency_keys"] = list(keys)
-        out = await self._call("api.create_many", body, list[Outcome])
-        return [o.info if o.error is None else error_from_wire(o.error.code, o.error.message,
-                                                               o.error.detail) for o in out]
-
-    async def get(self, sid: str) -> SandboxInfo:
-        return await self._call("api.get", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
-
-    async def list(self, *, project: str | None, labels: Mapping[str, str], state: str | None,
-                   limit: int, cursor: str | None) -> SandboxList:
-        body = self._k(labels=dict(labels), limit=limit)
-        for k, v in (("project", project), ("state", state), ("cursor", cursor)):
-            if v is not None:
-                body[k] = v
-        return await self._call("api.list", body, SandboxList)  # type: ignore[no-any-return]
-
-    async def destroy(self, sid: str) -> None:
-        await self._call("api.destroy", self._k(id=sid), None)
-
-    async def exec(self, sid: str, req: ExecRequest, timeout: float | None) -> ExecResult:
-        return await self._call("api.exec", self._k(id=sid, req=req), ExecResult, timeout,  # type: ignore[no-any-return]
-                                effect=_COMMAND)
-
-    async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]],
-                        timeout: float | None) -> builtins.list[ExecResult | DsecError]:
-        from dsec.control.gateway import Outcome
-        body = self._k(calls=[{"id": s, "req": r} for s, r in calls])
-        out = await self._call("api.exec_many", body, list[Outcome], timeout,
-                               effect=_COMMAND)
-        return [o.result if o.error is None else error_from_wire(o.error.code, o.error.message,
-                                                                 o.error.detail) for o in out]
-
-    async def exec_stream(self, sid: str, req: ExecRequest,
-                          timeout: float | None) -> AsyncIterator[ExecChunk | ExecResult]:
+    async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+                     timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
+        """A streaming row through the gateway: STREAM frames, then the final reply."""
         conn = await self._c()
-        stream = conn.stream("api.exec_stream", self._k(id=sid, req=req), timeout=timeout,
-                             item_type=ExecChunk, response_type=ExecResult)
+        t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
+        s = conn.stream(op.api_method, body, timeout=t, item_type=op.item,
+                        response_type=op.reply)
         try:
-            async with stream:
-                async for chunk in stream:
-                    yield chunk
-                yield stream.result
+            async with s:
+                async for item in s:
+                    yield item
+                yield s.result
         except ConnectionLost as exc:
             if exc.detail.get("retryable"):
                 raise
-            raise _aether_lost(exc, "api.exec_stream", self.address, _COMMAND) from exc
+            raise _aether_lost(exc, op.api_method, self.address, _COMMAND) from exc
 
-    async def read_file(self, sid: str, path: str, offset: int, length: int | None) -> bytes:
-        return await self._call("api.read_file",  # type: ignore[no-any-return]
-                                self._k(id=sid, path=path, offset=offset, length=length), bytes)
+    async def info(self) -> Info:
+        self._info = await self.call(ops.INFO, Empty())
+        return self._info
 
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int, append: bool) -> None:
-        await self._call("api.write_file",
-                         self._k(id=sid, path=path, data=data, mode=mode, append=append), None)
+    async def _spec(self, req: CreateSandboxRequest) -> SandboxSpec:
+        """The spec a create asks for (:func:`spec_of`; ``api.info`` asked once)."""
+        return spec_of(req, self._info if self._info is not None else await self.info())
 
-    async def list_dir(self, sid: str, path: str) -> builtins.list[FileInfo]:
-        return await self._call("api.list_dir", self._k(id=sid, path=path), list[FileInfo])  # type: ignore[no-any-return]
+    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
+        return await self.call(ops.CREATE, CreateSandbox(
+            spec=await self._spec(req), session=req.session, idempotency_key=idempotency_key))
 
-    async def stat(self, sid: str, path: str) -> FileInfo:
-        return await self._call("api.stat", self._k(id=sid, path=path), FileInfo)  # type: ignore[no-any-return]
-
-    async def mkdir(self, sid: str, path: str) -> None:
-        await self._call("api.mkdir", self._k(id=sid, path=path), None)
-
-    async def remove(self, sid: str, path: str, recursive: bool) -> None:
-        await self._call("api.remove", self._k(id=sid, path=path, recursive=recursive), None)
-
-    async def pause(self, sid: str) -> PauseStats:
-        return await self._call("api.pause", self._k(id=sid), PauseStats)  # type: ignore[no-any-return]
-
-    async def resume(self, sid: str) -> SandboxInfo:
-        return await self._call("api.resume", self._k(id=sid), SandboxInfo)  # type: ignore[no-any-return]
-
-    async def snapshot(self, sid: str, strip: Sequence[str]) -> SnapshotView:
-        return await self._call("api.snapshot", self._k(id=sid, strip=list(strip)),  # type: ignore[no-any-return]
-                                SnapshotView)
-
-    async def snapshots(self, project: str | None, sandbox_id: str | None) -> SnapshotList:
-        body = self._k(**{k: v for k, v in (("project", project), ("sandbox_id", sandbox_id))
-                          if v is not None})
-        return await self._call("api.snapshots", body, SnapshotList)  # type: ignore[no-any-return]
-
-    async def snapshot_get(self, ref: str) -> SnapshotView:
-        return await self._call("api.snapshot_get", self._k(id=ref), SnapshotView)  # type: ignore[no-any-return]
-
-    async def snapshot_delete(self, ref: str) -> None:
-        await self._call("api.snapshot_delete", self._k(id=ref), SnapshotView)
-
-    async def events(self, sid: str) -> builtins.list[SandboxEvent]:
-        return await self._call("api.events", self._k(id=sid), list[SandboxEvent])  # type: ignore[no-any-return]
-
-    async def nodes(self) -> NodeList:
-        from dsec.control.api.types import NodeView
-        items = await self._call("api.nodes", self._k(), list[NodeView])
-        return NodeList(items=items)
-
-    async def session_open(self, lease_s: float) -> SessionView:
-        return await self._call("api.session_open", self._k(lease_s=lease_s), SessionView)  # type: ignore[no-any-return]
-
-    async def session_renew(self, session_id: str) -> SessionView:
-        return await self._call("api.session_renew", self._k(id=session_id), SessionView)  # type: ignore[no-any-return]
-
-    async def session_close(self, session_id: str) -> None:
-        await self._call("api.session_close", self._k(id=session_id), None)
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
+        specs = [await self._spec(r) for r in reqs]
+        session = reqs[0].session if reqs else None
+        batch = await self.call(ops.CREATE_MANY, CreateMany(
+            items=specs, session=session, idempotency_keys=None if keys is None else list(keys)))
+        return batch.results()
 
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+def _backend(name: str | None) -> BackendName:
+    """The server's default backend as a :data:`BackendName` (one this SDK knows)."""
+    if name is None:
+        return "simulated"
+    for known in get_args(BackendName):
+        if name == known:
+            return cast(BackendName, known)
+    raise InvalidArgument(f"the server's default backend {name!r} is not one this SDK "
+                          f"knows ({', '.join(get_args(BackendName))}); name a backend")
+
+
+def spec_of(req: CreateSandboxRequest, info: Info) -> SandboxSpec:
+    """The spec a create asks for, with what the request leaves to the server filled in
+    from its ``info`` (the default backend, the key's default project): until a spec can
+    leave them unset (issue 13's spec passthrough) the catalogue's create rows take both
+    as given."""
+    return SandboxSpec(
+        image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
+        snapshot=req.snapshot,
+        backend=req.backend or _backend(info.default_backend),
+        cpu_milli=req.cpu_milli, memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes,
+        pids_max=req.pids_max, priority=req.priority, labels=dict(req.labels),
+        project=req.project or info.project or "default", ttl_s=req.ttl_s,
+        idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
+        network=req.network, allow_nested=req.allow_nested,
+        user_namespace=req.user_namespace)
+
+
+# Operations whose lost answer means "the command may have run" (the wording says so).
+_COMMANDS = frozenset({"exec", "exec_many", "exec_stream"})
 
 
 def _aether_lost(exc: ConnectionLost, method: str, address: str, effect: str) -> ConnectionLost:

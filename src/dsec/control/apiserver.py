@@ -1,5 +1,11 @@
 """The REST apiserver: Starlette routes over :class:`~dsec.control.api.service.ApiService`.
 
+Each route is one row of the operation catalogue (:mod:`dsec.wire.ops`): it decodes the
+row's request object from the path, query, headers and body as the row's ``Rest``
+binding places them, calls the row's policy (``ApiService.handler(op)``, the same the
+Aether gateway calls) and takes its operation id, status, summary and tag from the row;
+a route without a row, or one that disagrees with it, fails when the app is built.
+
 Pure ASGI (served by uvicorn with httptools + uvloop). Bodies are decoded strictly with
 msgspec (an unknown or mistyped field is a 400 naming it), the body size is capped while
 it is read (413 before the whole body is buffered), and every error is JSON
@@ -18,13 +24,14 @@ route (I/O bound on edge work that takes far longer) stays on Starlette.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -41,8 +48,17 @@ from dsec.control.api.openapi import (
     Param,
     build_openapi,
 )
-from dsec.control.api.service import ApiService, Caller, exec_output, exec_request
-from dsec.control.api.types import (
+from dsec.control.api.service import AdminOps, ApiService, Caller
+from dsec.errors import (
+    DsecError,
+    InternalError,
+    InvalidArgument,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RateLimited,
+)
+from dsec.wire import ops
+from dsec.wire.api import (
     ApiError,
     CreateKeyRequest,
     CreateKeyResponse,
@@ -65,14 +81,35 @@ from dsec.control.api.types import (
     SnapshotList,
     SnapshotView,
 )
-from dsec.edge.spec import ExecResult, FileInfo, PauseStats, SandboxInfo, check_path
-from dsec.errors import (
-    DsecError,
-    InternalError,
-    InvalidArgument,
-    MethodNotAllowed,
-    PayloadTooLarge,
-    RateLimited,
+from dsec.wire.calls import (
+    Empty,
+    ExecCall,
+    FileRef,
+    ImageRef,
+    ImageUpload,
+    KeyRef,
+    ListSandboxes,
+    Mkdir,
+    ProjectRef,
+    QuotaSet,
+    ReadFile,
+    Remove,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.jsonform import exec_output, exec_request, stream_line
+from dsec.wire.ops import Op as CatalogueOp
+from dsec.wire.spec import (
+    FileInfo,
+    PauseStats,
+    SandboxInfo,
+    SandboxStats,
+    check_path,
 )
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
@@ -101,40 +138,11 @@ class RestConfig:
     max_exec_body: int = 16 << 20
     max_file_body: int = 256 << 20      # raw bytes of PUT .../files
     max_image_body: int = 4 << 30       # image uploads, streamed to a temp file
-    version: str = "0.1.0"
-    gateway_address: str | None = None  # advertised in /v1/info for the SDK fast path
     # /metrics: with a token, it needs 'Authorization: Bearer <metrics_token>' from
     # anywhere; without one it answers loopback (and Unix socket) clients only, unless
     # metrics_loopback_only is turned off (an explicit choice to publish it).
     metrics_token: str | None = None
     metrics_loopback_only: bool = True
-
-
-class AdminOps(Protocol):
-    """Admin routes (projects, quotas, keys, sessions) — implemented by the control plane
-    wiring (:mod:`dsec.control.api.plane`); the REST layer only decodes and encodes.
-
-    A Protocol, so ControlPlane satisfies it structurally without inheriting from it."""
-
-    def list_projects(self, caller: Caller) -> ProjectList: raise NotImplementedError
-    def get_project(self, caller: Caller, path: str) -> ProjectView: raise NotImplementedError
-    def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
-        raise NotImplementedError
-    def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
-        raise NotImplementedError
-    def revoke_key(self, caller: Caller, key_id: str) -> None: raise NotImplementedError
-    def open_session(self, caller: Caller, lease_s: float) -> SessionView:
-        raise NotImplementedError
-    def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
-    def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
-    def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
-    def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
-    def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
-    def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
-        raise NotImplementedError
-    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
-                          tag: str, oci: bool) -> ImageList:
-        raise NotImplementedError
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -199,9 +207,14 @@ def _decode(tp: type, raw: bytes) -> Any:
     try:
         return _decoder(tp).decode(raw)
     except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, DsecError):
+            # refused by the type's own check (__post_init__): the same class, words
+            # and detail as at every other door
+            raise exc.__cause__ from None
         # msgspec names the field: "Object contains unknown field `foo`", "Expected `int`,
         # got `str` - at `$.cpu_milli`".
-        raise InvalidArgument(f"invalid {tp.__name__}: {exc}") from None
+        name = getattr(tp, "__name__", str(tp))
+        raise InvalidArgument(f"invalid {name}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed JSON body: {exc}") from None
 
@@ -227,8 +240,11 @@ def _q_int(request: Request, name: str, default: int | None, lo: int = 0,
     return n
 
 
-def _q_bool(request: Request, name: str) -> bool:
-    v = request.query_params.get(name, "false").lower()
+def _q_bool(request: Request, name: str, default: bool = False) -> bool:
+    v = request.query_params.get(name)
+    if v is None:
+        return default
+    v = v.lower()
     if v in ("1", "true", "yes"):
         return True
     if v in ("0", "false", "no", ""):
@@ -254,13 +270,14 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     """The ASGI app. ``admin`` adds the project/quota/key/session routes."""
     cfg = config or RestConfig()
     metrics = service.metrics
-    ops: list[Op] = []
+    documented: list[Op] = []
     routes: list[Route] = []
     latency = metrics.latency
     requests = metrics.requests
 
     def route(op: Op, handler: Handler) -> None:
-        ops.append(op)
+        op = _from_row(op)
+        documented.append(op)
         template = op.path
         lat = latency.labels(template, op.method)
         counters: dict[int, Any] = {}
@@ -291,11 +308,29 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         routes.append(Route(op.path, endpoint, methods=[op.method]))
 
     sid_of = _sid
+    # Every operation's policy, resolved now: a row without one fails here, at start.
+    h = service.handler
+    list_policy, get_policy, destroy_policy = h(ops.LIST), h(ops.GET), h(ops.DESTROY)
+    exec_policy, stream_policy = h(ops.EXEC), service.stream_handler(ops.EXEC_STREAM)
+    read_policy, write_policy = h(ops.READ_FILE), h(ops.WRITE_FILE)
+    remove_policy, list_dir_policy = h(ops.REMOVE), h(ops.LIST_DIR)
+    stat_policy, mkdir_policy = h(ops.STAT), h(ops.MKDIR)
+    pause_policy, resume_policy, stats_policy = h(ops.PAUSE), h(ops.RESUME), h(ops.STATS)
+    events_policy, snapshot_policy = h(ops.EVENTS), h(ops.SNAPSHOT)
+    snapshots_policy, snapshot_get_policy = h(ops.SNAPSHOTS), h(ops.SNAPSHOT_GET)
+    snapshot_delete_policy = h(ops.SNAPSHOT_DELETE)
+    nodes_policy, info_policy = h(ops.NODES), h(ops.INFO)
+    create_many_policy, exec_many_policy = h(ops.CREATE_MANY), h(ops.EXEC_MANY)
 
     # ------------------------------------------------------------- sandboxes
     async def create(request: Request, caller: Caller, rid: str) -> Response:
         raw = await _read_body(request, cfg.max_json_body)
         body = _decode(CreateSandboxRequest, raw)
+        session = request.query_params.get("session")
+        if session is not None and body.session is None:
+            # the catalogue's form (the row: the spec as the body, the session a query
+            # parameter); the body's own `session` stays for older clients
+            body = msgspec.structs.replace(body, session=session)
         key = request.headers.get("idempotency-key")
         info = await service.create(caller, body, idempotency_key=key, raw=raw)
         return _json_response(info, rid, 201)
@@ -319,10 +354,10 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                   field="state")
         limit = _q_int(request, "limit", 100, 1, service.config.list_page_max)
         assert limit is not None
-        items, nxt = await service.list(
-            caller, project=request.query_params.get("project"), labels=labels,
-            state=state, limit=limit, cursor=request.query_params.get("cursor"))  # type: ignore[arg-type]
-        return _json_response(SandboxList(items=items, next_cursor=nxt), rid)
+        page = await list_policy(caller, ListSandboxes(
+            project=request.query_params.get("project"), labels=labels,
+            state=state, limit=limit, cursor=request.query_params.get("cursor")))  # type: ignore[arg-type]
+        return _json_response(page, rid)
 
     route(Op("GET", "/v1/sandboxes", "listSandboxes", "List sandboxes", None, SandboxList,
              params=(Param("project", PROJECT_PATH),
@@ -333,13 +368,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                      Param("cursor", {"type": "string"}))), list_)
 
     async def get(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.get(caller, sid_of(request)), rid)
+        return _json_response(await get_policy(caller, SandboxRef(id=sid_of(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}", "getSandbox", "Get a sandbox", None, SandboxInfo),
           get)
 
     async def delete(request: Request, caller: Caller, rid: str) -> Response:
-        await service.destroy(caller, sid_of(request))
+        await destroy_policy(caller, SandboxRef(id=sid_of(request)))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/sandboxes/{id}", "deleteSandbox",
@@ -347,7 +382,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def exec_(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
-        res = await service.exec(caller, sid_of(request), exec_request(body))
+        res = await exec_policy(caller, ExecCall(id=sid_of(request), req=exec_request(body)))
         return _json_response(exec_output(res), rid)
 
     route(Op("POST", "/v1/sandboxes/{id}/exec", "execSandbox", "Run a command",
@@ -355,17 +390,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
-        stream = await service.exec_stream(caller, sid_of(request), exec_request(body))
+        stream = await stream_policy(caller, ExecCall(id=sid_of(request),
+                                                      req=exec_request(body)))
 
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for item in stream:
-                    if isinstance(item, ExecResult):
-                        yield _json.encode(ExecStreamLine(
-                            exit_code=item.exit_code, timed_out=item.timed_out,
-                            duration_s=item.duration_s)) + b"\n"
-                    else:
-                        yield _json.encode(_chunk_line(item.stream, item.data)) + b"\n"
+                    yield _json.encode(stream_line(item)) + b"\n"
             except DsecError as exc:
                 # as every other answer: redacted, and with its detail (may_have_run)
                 exc = service.redact(exc)
@@ -381,11 +412,27 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              "Run a command, streaming NDJSON lines", ExecBody, ExecStreamLine,
              response_media="application/x-ndjson"), exec_stream)
 
+    # ------------------------------------------------------------------ batches
+    def batch(op: CatalogueOp[Any, Any], policy: Callable[[Caller, Any], Awaitable[Any]],
+              limit: int) -> None:
+        """A batched row: its request as one JSON object, its ``Batch`` reply."""
+        assert op.rest is not None
+        request_type = op.request
+
+        async def handler(request: Request, caller: Caller, rid: str) -> Response:
+            body = _decode(request_type, await _read_body(request, limit))
+            return _json_response(await policy(caller, body), rid)
+        route(Op(op.rest.method, op.rest.path, op.rest.operation_id, op.summary,
+                 op.request, op.reply, op.rest.status, tag=op.rest.tag), handler)
+
+    batch(ops.CREATE_MANY, create_many_policy, cfg.max_json_body)
+    batch(ops.EXEC_MANY, exec_many_policy, cfg.max_exec_body)
+
     # ------------------------------------------------------------------ files
     async def read(request: Request, caller: Caller, rid: str) -> Response:
-        data = await service.read_file(caller, sid_of(request), _q_path(request),
-                                       _q_int(request, "offset", 0) or 0,
-                                       _q_int(request, "length", None))
+        data = await read_policy(caller, ReadFile(
+            id=sid_of(request), path=_q_path(request),
+            offset=_q_int(request, "offset", 0) or 0, length=_q_int(request, "length", None)))
         return Response(data, media_type="application/octet-stream",
                         headers={"x-request-id": rid})
 
@@ -399,8 +446,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         path = _q_path(request)
         mode = _q_int(request, "mode", 0o644, 0, 0o7777)
         data = await _read_body(request, cfg.max_file_body)
-        await service.write_file(caller, sid_of(request), path, data, mode or 0,
-                                 _q_bool(request, "append"))
+        await write_policy(caller, WriteFile(id=sid_of(request), path=path, data=data,
+                                             mode=mode or 0, append=_q_bool(request, "append")))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes "
@@ -410,8 +457,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                      Param("append", {"type": "boolean"}))), write)
 
     async def remove(request: Request, caller: Caller, rid: str) -> Response:
-        await service.remove(caller, sid_of(request), _q_path(request),
-                             _q_bool(request, "recursive"))
+        await remove_policy(caller, Remove(id=sid_of(request), path=_q_path(request),
+                                           recursive=_q_bool(request, "recursive")))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/sandboxes/{id}/files", "removeFile", "Remove a file or directory",
@@ -419,47 +466,50 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                       Param("recursive", {"type": "boolean"}))), remove)
 
     async def listdir(request: Request, caller: Caller, rid: str) -> Response:
-        items = await service.list_dir(caller, sid_of(request), _q_path(request))
-        return _json_response(FileList(items=items), rid)
+        return _json_response(await list_dir_policy(
+            caller, FileRef(id=sid_of(request), path=_q_path(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/list", "listFiles", "List a directory",
              None, FileList, params=(Param("path", FILE_PATH, True),)),
           listdir)
 
     async def stat(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.stat(caller, sid_of(request), _q_path(request)),
-                              rid)
+        return _json_response(await stat_policy(
+            caller, FileRef(id=sid_of(request), path=_q_path(request))), rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/files/stat", "statFile", "Stat a path", None,
              FileInfo, params=(Param("path", FILE_PATH, True),)),
           stat)
 
     async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
-        await service.mkdir(caller, sid_of(request), _q_path(request), True)
+        await mkdir_policy(caller, Mkdir(id=sid_of(request), path=_q_path(request),
+                                         parents=_q_bool(request, "parents", True)))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
-             None, None, 204, params=(Param("path", FILE_PATH, True),)),
+             None, None, 204, params=(Param("path", FILE_PATH, True),
+                                      Param("parents", {"type": "boolean", "default": True},
+                                            description="create missing parents too "
+                                            "(false: 404 when the parent is missing)"))),
           mkdir)
 
     # -------------------------------------------------------------- lifecycle
     async def pause(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.pause(caller, sid_of(request)), rid)
+        return _json_response(await pause_policy(caller, SandboxRef(id=sid_of(request))), rid)
 
     route(Op("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox", "Pause (freeze, give "
              "memory back)", None, PauseStats), pause)
 
     async def resume(request: Request, caller: Caller, rid: str) -> Response:
-        sid = sid_of(request)
-        await service.resume(caller, sid)
-        return _json_response(await service.get(caller, sid), rid)
+        return _json_response(await resume_policy(caller, SandboxRef(id=sid_of(request))),
+                              rid)
 
     route(Op("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox", "Resume", None,
              SandboxInfo), resume)
 
     async def snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        strip = request.query_params.getlist("strip")
-        snap = await service.snapshot(caller, sid_of(request), strip)
+        snap = await snapshot_policy(caller, SnapshotCall(
+            id=sid_of(request), strip=request.query_params.getlist("strip")))
         return _json_response(snap, rid, 201)
 
     route(Op("POST", "/v1/sandboxes/{id}/snapshot", "snapshotSandbox",
@@ -472,9 +522,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def snapshots(request: Request, caller: Caller, rid: str) -> Response:
         q = request.query_params
-        items = await service.list_snapshots(caller, project=q.get("project"),
-                                             sandbox_id=q.get("sandbox_id"))
-        return _json_response(SnapshotList(items=items), rid)
+        return _json_response(await snapshots_policy(caller, SnapshotQuery(
+            project=q.get("project"), sandbox_id=q.get("sandbox_id"))), rid)
 
     route(Op("GET", "/v1/snapshots", "listSnapshots", "Snapshots visible to this key",
              None, SnapshotList, tag="snapshots",
@@ -482,13 +531,14 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                      Param("sandbox_id", SANDBOX_ID))), snapshots)
 
     async def get_snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await service.get_snapshot(caller, sid_of(request)), rid)
+        return _json_response(await snapshot_get_policy(
+            caller, SnapshotRef(id=sid_of(request))), rid)
 
     route(Op("GET", "/v1/snapshots/{id}", "getSnapshot", "One snapshot and the nodes "
              "holding it", None, SnapshotView, tag="snapshots"), get_snapshot)
 
     async def delete_snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        await service.delete_snapshot(caller, sid_of(request))
+        await snapshot_delete_policy(caller, SnapshotRef(id=sid_of(request)))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/snapshots/{id}", "deleteSnapshot", "Delete a snapshot (409 "
@@ -496,32 +546,36 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              204, tag="snapshots"), delete_snapshot)
 
     async def events(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(EventList(items=await service.events(caller, sid_of(request))),
+        return _json_response(await events_policy(caller, SandboxRef(id=sid_of(request))),
                               rid)
 
     route(Op("GET", "/v1/sandboxes/{id}/events", "sandboxEvents", "Lifecycle events",
              None, EventList), events)
 
+    async def stats(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await stats_policy(caller, SandboxRef(id=sid_of(request))), rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/stats", "sandboxStats", "Resource use now "
+             "(memory, cpu, pids, disk)", None, SandboxStats), stats)
+
     # ------------------------------------------------------------------ nodes
     async def nodes(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(NodeList(items=service.nodes(caller)), rid)
+        return _json_response(await nodes_policy(caller, Empty()), rid)
 
     route(Op("GET", "/v1/nodes", "listNodes", "Edge nodes with usage", None, NodeList,
              tag="nodes"), nodes)
 
     async def info(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(Info(
-            version=cfg.version, gateway=cfg.gateway_address, principal=caller.id,
-            project=caller.default_project, role=caller.role_on(caller.default_project),
-            default_ttl_s=service.config.default_ttl_s,
-            default_backend=service.config.default_backend), rid)
+        return _json_response(await info_policy(caller, Empty()), rid)
 
     route(Op("GET", "/v1/info", "info", "Who am I, server version, gateway address",
              None, Info, tag="meta"), info)
 
     # ------------------------------------------------------------------ admin
     if admin is not None:
-        _admin_routes(route, admin, cfg)
+        if service.admin is None:
+            service.admin = admin
+        _admin_routes(route, service, cfg)
 
     # ------------------------------------------------------------------- meta
     async def healthz(request: Request) -> Response:
@@ -543,11 +597,11 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
             return _error_response(exc, _request_id(request))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    ops.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
+    documented.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
                   auth=False))
-    ops.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
+    documented.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
                   auth=False))
-    doc = _json.encode(build_openapi(ops, version=cfg.version))
+    doc = _json.encode(build_openapi(documented, version=service.config.version))
 
     async def openapi(request: Request) -> Response:
         return Response(doc, media_type="application/json")
@@ -645,16 +699,26 @@ class FastPaths:
         self._lat.observe(time.perf_counter() - t0)
 
 
-def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
+def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
                   cfg: RestConfig) -> None:
+    h = service.handler
+    projects_p, project_p, quota_p = h(ops.PROJECTS), h(ops.PROJECT_GET), h(ops.QUOTA_SET)
+    key_p, revoke_p = h(ops.CREATE_KEY), h(ops.REVOKE_KEY)
+    open_p, renew_p, close_p = h(ops.SESSION_OPEN), h(ops.SESSION_RENEW), h(ops.SESSION_CLOSE)
+    images_p, tag_p, image_p = h(ops.IMAGES), h(ops.IMAGE_TAG), h(ops.IMAGE_GET)
+    delete_image_p = h(ops.IMAGE_DELETE)
+    build_p = service.upload_handler(ops.IMAGE_BUILD)
+    import_p = service.upload_handler(ops.IMAGE_IMPORT)
+
     async def projects(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.list_projects(caller), rid)
+        return _json_response(await projects_p(caller, Empty()), rid)
 
     route(Op("GET", "/v1/projects", "listProjects", "Projects with quotas and usage",
              None, ProjectList, tag="admin"), projects)
 
     async def project(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.get_project(caller, request.path_params["path"]), rid)
+        return _json_response(await project_p(caller, ProjectRef(
+            path=request.path_params["path"])), rid)
 
     route(Op("GET", "/v1/projects/{path:path}", "getProject", "A project's quota and usage",
              None, ProjectView, tag="admin"), project)
@@ -662,14 +726,14 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
     async def quota(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(QuotaBody, await _read_body(request, cfg.max_json_body))
         path = request.path_params["path"]
-        return _json_response(admin.set_quota(caller, path, body), rid)
+        return _json_response(await quota_p(caller, QuotaSet(path=path, quota=body)), rid)
 
     route(Op("PUT", "/v1/quotas/{path:path}", "setQuota", "Set a project's quota (admin)",
              QuotaBody, ProjectView, tag="admin"), quota)
 
     async def key(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body))
-        return _json_response(admin.create_key(caller, body), rid, 201)
+        return _json_response(await key_p(caller, body), rid, 201)
 
     route(Op("POST", "/v1/keys", "createKey", "Create an API key: for a new principal with "
              "a role on a project (admin of that project), or an extra key of the caller's "
@@ -677,7 +741,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              CreateKeyRequest, CreateKeyResponse, 201, tag="admin"), key)
 
     async def revoke_key(request: Request, caller: Caller, rid: str) -> Response:
-        admin.revoke_key(caller, request.path_params["id"])
+        await revoke_p(caller, KeyRef(id=request.path_params["id"]))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/keys/{id}", "revokeKey", "Revoke an API key by its id (your own "
@@ -691,7 +755,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
         except ValueError:
             raise InvalidArgument(f"lease_s={lease[:20]!r} must be a number of seconds",
                                   field="lease_s") from None
-        return _json_response(admin.open_session(caller, lease_s), rid, 201)
+        return _json_response(await open_p(caller, SessionOpen(lease_s=lease_s)), rid, 201)
 
     route(Op("POST", "/v1/sessions", "openSession",
              "Open a client session lease (crash-safe sandboxes)", None, SessionView, 201,
@@ -699,17 +763,18 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              tag="sessions"), open_session)
 
     async def renew(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.renew_session(caller, request.path_params["id"]), rid)
+        return _json_response(await renew_p(caller, SessionRef(
+            id=request.path_params["id"])), rid)
 
     route(Op("POST", "/v1/sessions/{id}/renew", "renewSession", "Renew a session lease",
              None, SessionView, tag="sessions"), renew)
 
     async def close(request: Request, caller: Caller, rid: str) -> Response:
-        admin.close_session(caller, request.path_params["id"])
+        await close_p(caller, SessionRef(id=request.path_params["id"]))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     async def images(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.list_images(caller), rid)
+        return _json_response(await images_p(caller, Empty()), rid)
 
     route(Op("GET", "/v1/images", "listImages", "Image layers of the cluster's layer store "
              "visible to this key (cluster-wide ones and those of its projects)",
@@ -717,7 +782,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
 
     async def tag_image(request: Request, caller: Caller, rid: str) -> Response:
         body = _decode(ImageTagRequest, await _read_body(request, cfg.max_json_body))
-        return _json_response(admin.tag_image(caller, body), rid)
+        return _json_response(await tag_p(caller, body), rid)
 
     route(Op("POST", "/v1/images/tag", "tagImage", "Point a name ([project/]name[:tag]) at "
              "a layer (write right on the name's namespace; the layer must belong to it, an "
@@ -725,14 +790,15 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              tag="images"), tag_image)
 
     async def get_image(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(admin.get_image(caller, request.path_params["ref"]), rid)
+        return _json_response(await image_p(caller, ImageRef(ref=request.path_params["ref"])),
+                              rid)
 
     route(Op("GET", "/v1/images/{ref:path}", "getImage", "One image by [project/]name[:tag] "
              "or digest (a bare name: the key's project first, then cluster-wide)", None,
              ImageView, tag="images"), get_image)
 
     async def delete_image(request: Request, caller: Caller, rid: str) -> Response:
-        admin.delete_image(caller, request.path_params["ref"])
+        await delete_image_p(caller, ImageRef(ref=request.path_params["ref"]))
         return Response(status_code=204, headers={"x-request-id": rid})
 
     route(Op("DELETE", "/v1/images/{ref:path}", "deleteImage", "Delete a name (and its layer "
@@ -740,7 +806,8 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
              "(write right on the namespaces; 409 in_use while a sandbox or snapshot uses "
              "it)", None, None, 204, tag="images"), delete_image)
 
-    def upload(oci: bool) -> Handler:
+    def upload(policy: Callable[[Caller, ImageUpload, str], Awaitable[ImageList]]
+               ) -> Handler:
         async def handler(request: Request, caller: Caller, rid: str) -> Response:
             import tempfile
             name = request.query_params.get("name")
@@ -760,8 +827,8 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
                 f.flush()
                 if size == 0:
                     raise InvalidArgument("empty upload: send a tar archive as the body")
-                out = await admin.build_image(caller, f.name, name=name, kind=kind, tag=tag,
-                                              oci=oci)
+                out = await policy(caller, ImageUpload(name=name, kind=kind, tag=tag),  # type: ignore[arg-type]
+                                   f.name)
             return _json_response(out, rid, 201)
         return handler
 
@@ -771,10 +838,10 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
               Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
               Param("tag", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"}))
     route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "
-             "body)", "binary", ImageList, 201, params=params, tag="images"), upload(False))
+             "body)", "binary", ImageList, 201, params=params, tag="images"), upload(build_p))
     route(Op("POST", "/v1/images/import", "importImage", "Import an OCI image (docker save "
              "tarball or OCI layout tar, raw body)", "binary", ImageList, 201, params=params,
-             tag="images"), upload(True))
+             tag="images"), upload(import_p))
 
     route(Op("DELETE", "/v1/sessions/{id}", "closeSession",
              "End a session now: its sandboxes are destroyed", None, None, 204,
@@ -784,6 +851,25 @@ def _admin_routes(route: Callable[[Op, Handler], None], admin: AdminOps,
 _STATES = frozenset({"creating", "running", "pausing", "paused", "resuming", "destroying",
                      "destroyed", "failed"})
 _ANON = Caller(id="anonymous", name="anonymous", roles={})
+
+
+_ROWS: dict[tuple[str, str], CatalogueOp[Any, Any]] = {
+    (op.rest.method, op.rest.path): op for op in ops.REST_OPS if op.rest is not None}
+
+
+def _from_row(route: Op) -> Op:
+    """A route as its catalogue row says (operation id, status, summary, tag): a route
+    without a row, or one that disagrees with it, is a wiring bug raised at start."""
+    row = _ROWS.get((route.method, route.path))
+    if row is None or row.rest is None:
+        raise InternalError(f"REST route {route.method} {route.path} has no row in "
+                            "dsec.wire.ops")
+    rest = row.rest
+    if (route.operation_id, route.status) != (rest.operation_id, rest.status):
+        raise InternalError(f"REST route {route.method} {route.path} says "
+                            f"{route.operation_id}/{route.status}, its row "
+                            f"{rest.operation_id}/{rest.status}")
+    return dataclasses.replace(route, summary=row.summary, tag=rest.tag)
 
 
 def _client_host(scope: Any) -> str | None:
@@ -835,15 +921,6 @@ def _allowed_methods(routes: list[Route], scope: Any) -> list[str]:
 
 def _sid(request: Request) -> str:
     return str(request.path_params["id"])
-
-
-def _chunk_line(stream: str, data: bytes) -> ExecStreamLine:
-    try:
-        return ExecStreamLine(stream=stream, data=data.decode())  # type: ignore[arg-type]
-    except UnicodeDecodeError:
-        import base64
-        return ExecStreamLine(stream=stream, data=base64.b64encode(data).decode(),  # type: ignore[arg-type]
-                              encoding="base64")
 
 
 def env_flag(name: str) -> bool:

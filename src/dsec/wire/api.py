@@ -13,7 +13,7 @@ output in the JSON exec result is text when it is valid UTF-8 and base64 otherwi
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -41,6 +41,7 @@ from dsec.wire.spec import (
 )
 
 __all__ = [
+    "GATEWAY_PROTOCOL",
     "MAX_ARGV_BYTES",
     "MAX_STDIN_BYTES",
     "PRINCIPAL_PATTERN",
@@ -353,9 +354,17 @@ class SessionView(msgspec.Struct, kw_only=True):
     expires_at: float
 
 
+#: The version of the apiserver's Aether gateway methods and bodies (the ``api.<op>``
+#: rows of :mod:`dsec.wire.ops`), advertised as ``Info.gateway_protocol``: an SDK that
+#: speaks another one uses REST instead. 1: before issue 13 (the API key in every body,
+#: per-op structs); 2: the catalogue (key once per connection, the rows' request types).
+GATEWAY_PROTOCOL: Final = 2
+
+
 class Info(msgspec.Struct, kw_only=True, omit_defaults=True):
     version: str
     gateway: str | None = None           # Aether gateway address for the SDK fast path
+    gateway_protocol: int | None = None  # GATEWAY_PROTOCOL of that gateway
     principal: str | None = None
     project: str | None = None
     role: Role | None = None

@@ -253,7 +253,8 @@ class ClusterRuntime:
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(given)),
                 clock=loop.time,
-                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane)
+                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane,
+                admin=plane)
             plane.service = service
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
@@ -264,7 +265,7 @@ class ClusterRuntime:
                 from dsec.control.gateway import serve_gateway
                 self._gateway = await serve_gateway(service, plane, cfg.gateway,
                                                     limits=self.config.listener_limits)
-                self.gateway_address = str(self._gateway.address)
+                self.gateway_address = service.gateway_address = str(self._gateway.address)
             await self._start_http(service, plane)
             if cfg.write_local:
                 self._write_local()
@@ -643,8 +644,7 @@ class ClusterRuntime:
         sock.setblocking(False)
         port = sock.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        app = build_app(service, plane, RestConfig(gateway_address=self.gateway_address,
-                                                   metrics_token=cfg.metrics_token))
+        app = build_app(service, plane, RestConfig(metrics_token=cfg.metrics_token))
         from dsec.control.api.http_limits import guarded_protocol
         protocol, self.http_admission = guarded_protocol(cfg.http_limits,
                                                          name=f"REST listener {cfg.listen}")

@@ -1,9 +1,10 @@
 """The transport-agnostic core of the apiserver: who may do what, and where to forward it.
 
 Both front doors — REST (:mod:`dsec.control.apiserver`) and the Aether gateway
-(:mod:`dsec.control.gateway`) — decode their wire format and call :class:`ApiService`;
-it authenticates, authorizes, rate-limits, and forwards every sandbox operation over
-Aether to the edge encoded in the sandbox id. It keeps no per-sandbox state: the only
+(:mod:`dsec.control.gateway`) — decode their wire format into the request object of an
+operation of the catalogue (:mod:`dsec.wire.ops`) and call that operation's policy,
+:meth:`ApiService.handler`; it authenticates, authorizes, rate-limits, and forwards every
+sandbox operation over Aether to the edge encoded in the sandbox id. It keeps no per-sandbox state: the only
 per-sandbox memory is :class:`_ProjectCache`, a bounded cache of the immutable fact
 "sandbox X belongs to project P" that any replica rebuilds with one edge ``get``.
 
@@ -26,17 +27,10 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
-from dsec.control.api.types import (
-    CreateSandboxRequest,
-    ExecBody,
-    ExecOutput,
-    NodeView,
-    SnapshotView,
-)
 from dsec.control.idempotency import (
     Claim,
     ClaimLost,
@@ -46,29 +40,14 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
-from dsec.edge.service import EdgeClient
-from dsec.edge.spec import (
-    FILE_CHUNK_BYTES,
-    MAX_STDIN_BYTES,
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SandboxState,
-    SnapshotInfo,
-    check_path,
-    read_in_chunks,
-)
+from dsec.edge.client import EdgeClient
 from dsec.errors import (
     CapacityExceeded,
     ConnectFailed,
     DsecError,
     EdgeUnreachable,
     ImageNotFound,
+    InternalError,
     InUse,
     InvalidArgument,
     InvalidTransition,
@@ -87,9 +66,68 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
 from dsec.image.catalog import image_not_found
+from dsec.wire import ops
+from dsec.wire.api import (
+    GATEWAY_PROTOCOL,
+    CreateKeyRequest,
+    CreateKeyResponse,
+    CreateSandboxRequest,
+    EventList,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
+    Info,
+    NodeList,
+    NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SandboxList,
+    SessionView,
+    SnapshotList,
+    SnapshotView,
+)
+from dsec.wire.calls import (
+    CreateMany,
+    CreateSandbox,
+    Empty,
+    ExecCall,
+    ExecMany,
+    ImageRef,
+    ImageUpload,
+    KeyRef,
+    ListSandboxes,
+    ProjectRef,
+    QuotaSet,
+    ReadFile,
+    SandboxRef,
+    SessionOpen,
+    SessionRef,
+    SnapshotCall,
+    SnapshotQuery,
+    SnapshotRef,
+    WriteFile,
+)
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
+from dsec.wire.outcome import Batch
+from dsec.wire.spec import (
+    FILE_CHUNK_BYTES,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    SnapshotInfo,
+    check_path,
+    read_in_chunks,
+)
 
 __all__ = [
     "ROLE_RANK",
+    "AdminOps",
     "ApiConfig",
     "ApiService",
     "Authority",
@@ -99,15 +137,17 @@ __all__ = [
     "NamesOnly",
     "NodeDirectory",
     "Placer",
+    "Policy",
     "Role",
-    "exec_output",
-    "exec_request",
     "snapshot_view",
 ]
 
 log = logging.getLogger("dsec.apiserver")
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+Item = TypeVar("Item")
 
 Role = Literal["reader", "member", "admin"]
 ROLE_RANK: dict[str, int] = {"reader": 1, "member": 2, "admin": 3}
@@ -223,6 +263,36 @@ class QuotaGate(Protocol):
     def release_snapshot(self, snapshot_id: str) -> None: ...
 
 
+class AdminOps(Protocol):
+    """Projects, quotas, keys, sessions and images: the control plane's administration
+    (:class:`~dsec.control.api.plane.ControlPlane`), which :meth:`ApiService.handler`
+    hands those operations to. A Protocol, so the plane satisfies it structurally."""
+
+    def list_projects(self, caller: Caller) -> ProjectList: raise NotImplementedError
+    def get_project(self, caller: Caller, path: str) -> ProjectView: raise NotImplementedError
+    def set_quota(self, caller: Caller, path: str, q: QuotaBody) -> ProjectView:
+        raise NotImplementedError
+    def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
+        raise NotImplementedError
+    def revoke_key(self, caller: Caller, key_id: str) -> None: raise NotImplementedError
+    def open_session(self, caller: Caller, lease_s: float) -> SessionView:
+        raise NotImplementedError
+    def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
+    def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
+    def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
+    def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
+    def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
+    def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
+        raise NotImplementedError
+    async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
+                          tag: str, oci: bool) -> ImageList:
+        raise NotImplementedError
+
+
+#: What a door calls for one operation: the policy of :meth:`ApiService.handler`.
+Policy = Callable[[Caller, Any], Awaitable[Any]]
+
+
 # ---------------------------------------------------------------------- the core
 @dataclass(slots=True, frozen=True, kw_only=True)
 class ApiConfig:
@@ -247,6 +317,8 @@ class ApiConfig:
     # A create that took over a dead apiserver's idempotency claim waits this long for
     # the sandbox that one was creating to leave `creating` before giving up on it.
     recover_wait_s: float = 30.0
+    # The server version every door reports (/v1/info, api.info, the OpenAPI document).
+    version: str = "0.1.0"
 
 
 class _ProjectCache:
@@ -293,6 +365,13 @@ class ApiService:
     project_defaults: Callable[[str], float | None] = lambda project: None
     anon_limiter: RateLimiter | None = None     # per client address, failed auth only
     images: ImageResolver = field(default_factory=NamesOnly)
+    # The Aether gateway's address, advertised by ``info`` at every door (set once the
+    # gateway listens; None: no gateway, the SDK uses REST).
+    gateway_address: str | None = None
+    # Projects, quotas, keys, sessions, images (the control plane); None: those
+    # operations answer Unavailable (an apiserver wired without them, as in some tests).
+    admin: AdminOps | None = None
+    _policies: dict[str, Policy] = field(init=False)
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
@@ -303,6 +382,7 @@ class ApiService:
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
+        self._policies = self._policy_table()
 
     async def close(self) -> None:
         """Stop keyed creates still at work (their claims are released, with the sandbox
@@ -937,12 +1017,6 @@ class ApiService:
         if self.quotas is not None:
             self.quotas.forget(sid, "requested")
 
-    async def exec(self, principal: Caller, sid: str, req: ExecRequest) -> ExecResult:
-        edge, _ = await self._edge_for(principal, sid, "member")
-        return await self._via(edge, sid, "exec",
-                               lambda: edge.exec(sid, req, timeout=_exec_deadline(req)),
-                               effect=True)
-
     async def exec_stream(
         self, principal: Caller, sid: str, req: ExecRequest,
     ) -> AsyncIterator[ExecChunk | ExecResult]:
@@ -954,7 +1028,7 @@ class ApiService:
         """``edge.exec_stream`` with its errors mapped as :meth:`_via` maps them."""
         sent = not getattr(getattr(edge, "conn", None), "closed", False)
         try:
-            async for item in edge.exec_stream(sid, req, timeout=_exec_deadline(req)):
+            async for item in edge.exec_stream(sid, req, timeout=ops.exec_deadline(req)):
                 yield item
         except SandboxNotFound:
             lost = self._vanished(sid)
@@ -980,7 +1054,7 @@ class ApiService:
             groups.setdefault(id(edge), (edge, []))[1].append(i)
 
         async def run(edge: EdgeOps, idx: list[int]) -> None:
-            deadlines = [_exec_deadline(items[i][1]) for i in idx]
+            deadlines = [ops.exec_deadline(items[i][1]) for i in idx]
             deadline = None if None in deadlines else max(d for d in deadlines if d)
             sent = not getattr(getattr(edge, "conn", None), "closed", False)
             res: list[ExecResult | DsecError]
@@ -1022,29 +1096,6 @@ class ApiService:
             more = append or at > 0
             await self._via(edge, sid, "write_file", functools.partial(
                 edge.write_file, sid, path, chunk, mode=mode, append=more), effect=True)
-
-    async def list_dir(self, principal: Caller, sid: str, path: str) -> builtins.list[FileInfo]:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader")
-        return await self._via(edge, sid, "list_dir", lambda: edge.list_dir(sid, path))
-
-    async def stat(self, principal: Caller, sid: str, path: str) -> FileInfo:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader")
-        return await self._via(edge, sid, "stat", lambda: edge.stat(sid, path))
-
-    async def mkdir(self, principal: Caller, sid: str, path: str, parents: bool) -> None:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "member")
-        await self._via(edge, sid, "mkdir", lambda: edge.mkdir(sid, path, parents=parents),
-                        effect=True)
-
-    async def remove(self, principal: Caller, sid: str, path: str, recursive: bool) -> None:
-        check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "member")
-        await self._via(edge, sid, "remove", lambda: edge.remove(sid, path,
-                                                                 recursive=recursive),
-                        effect=True)
 
     async def pause(self, principal: Caller, sid: str) -> PauseStats:
         edge, _ = await self._edge_for(principal, sid, "member")
@@ -1240,18 +1291,208 @@ class ApiService:
                 raise
             return list(lost.events)
 
+    def info(self, principal: Caller) -> Info:
+        """Who is calling and what this apiserver offers: one answer at every door."""
+        gw = self.gateway_address
+        return Info(version=self.config.version, gateway=gw,
+                    gateway_protocol=None if gw is None else GATEWAY_PROTOCOL,
+                    principal=principal.id, project=principal.default_project,
+                    role=principal.role_on(principal.default_project),
+                    default_ttl_s=self.config.default_ttl_s,
+                    default_backend=self.config.default_backend)
+
     def nodes(self, principal: Caller) -> builtins.list[NodeView]:
         if principal.role_on("default") is None and not principal.roles and not principal.superuser:
             raise PermissionDenied(f"principal {principal.name!r} holds no role on any project")
         return self.directory.nodes()
 
+    # ------------------------------------------------------------- the catalogue
+    def handler(self, op: Op[Req, Rep]) -> Callable[[Caller, Req], Awaitable[Rep]]:
+        """The policy of ``op`` (a row of :mod:`dsec.wire.ops`): what every door (REST,
+        the Aether gateway) calls with the caller and the request object it decoded.
+        Sandbox operations that only check the row's role and forward to the sandbox's
+        edge share one policy (:meth:`_forward`); the others have their own (tombstones,
+        quota bookkeeping, fan-out over edges, chunking, administration). A row without
+        one is a wiring bug, raised when a door is built, not at the first call."""
+        policy = self._policies.get(op.name)
+        if policy is None:
+            raise InternalError(f"operation {op.name!r} has no apiserver policy (doors: "
+                                f"{sorted(op.doors)}); add one to ApiService._policy_table")
+        return policy
+
+    def stream_handler(self, op: StreamOp[Req, Item, Rep],
+                       ) -> Callable[[Caller, Req], Awaitable[AsyncIterator[Item | Rep]]]:
+        """The policy of a streaming row: its items, then the final reply, in order."""
+        policy = self._policies.get(op.name)
+        if policy is None:
+            raise InternalError(f"streaming operation {op.name!r} has no apiserver policy")
+        return policy
+
+    def upload_handler(self, op: UploadOp[Req, Rep],
+                       ) -> Callable[[Caller, Req, str], Awaitable[Rep]]:
+        """The policy of an upload row: the request and the path of the uploaded file."""
+        oci = op is ops.IMAGE_IMPORT
+
+        async def upload(caller: Caller, b: ImageUpload, tar_path: str) -> ImageList:
+            return await self._admin().build_image(caller, tar_path, name=b.name,
+                                                   kind=b.kind, tag=b.tag, oci=oci)
+        return cast(Callable[[Caller, Req, str], Awaitable[Rep]], upload)
+
+    def _admin(self) -> AdminOps:
+        if self.admin is None:
+            raise Unavailable("this apiserver serves no administration (projects, keys, "
+                              "sessions, images): it was started without a control plane")
+        return self.admin
+
+    def _policy_table(self) -> dict[str, Policy]:
+        """One entry per operation of the gateway and REST rows; see :meth:`handler`."""
+        fwd = self._forward
+        return {
+            "create": self._create_op, "create_many": self._create_many_op,
+            "get": self._get_op, "list": self._list_op, "destroy": self._destroy_op,
+            "exec": functools.partial(fwd, ops.EXEC), "exec_many": self._exec_many_op,
+            "exec_stream": self._exec_stream_op,
+            "read_file": self._read_file_op, "write_file": self._write_file_op,
+            "list_dir": functools.partial(fwd, ops.LIST_DIR),
+            "stat": functools.partial(fwd, ops.STAT),
+            "mkdir": functools.partial(fwd, ops.MKDIR),
+            "remove": functools.partial(fwd, ops.REMOVE),
+            "pause": self._pause_op, "resume": self._resume_op,
+            "stats": functools.partial(fwd, ops.STATS), "events": self._events_op,
+            "snapshot": self._snapshot_op, "snapshots": self._snapshots_op,
+            "snapshot_get": self._snapshot_get_op,
+            "snapshot_delete": self._snapshot_delete_op,
+            "info": self._info_op, "nodes": self._nodes_op,
+            "session_open": self._session_open_op, "session_renew": self._session_renew_op,
+            "session_close": self._session_close_op, "create_key": self._create_key_op,
+            "revoke_key": self._revoke_key_op, "projects": self._projects_op,
+            "project_get": self._project_get_op, "quota_set": self._quota_set_op,
+            "images": self._images_op, "image_get": self._image_get_op,
+            "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
+            "image_build": self._upload_refused, "image_import": self._upload_refused,
+        }
+
+    async def _forward(self, op: Op[Any, Any], caller: Caller, body: Any) -> Any:
+        """A sandbox operation whose only rule is the row's role on the sandbox's
+        project: route by id, check, call its edge, map link errors (``op.effect``: the
+        error says whether it may have happened)."""
+        sid: str = body.id
+        assert op.role is not None
+        edge, _ = await self._edge_for(caller, sid, op.role)
+        deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
+        return await self._via(edge, sid, op.name,
+                               lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+
+    async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
+        return await self.create(caller, _create_request(b.spec, b.session),
+                                 idempotency_key=b.idempotency_key)
+
+    async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
+        reqs = [_create_request(spec, b.session) for spec in b.items]
+        return Batch.of(self._redacted(await self.create_many(caller, reqs,
+                                                              b.idempotency_keys)))
+
+    async def _get_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
+        return await self.get(caller, b.id)
+
+    async def _list_op(self, caller: Caller, b: ListSandboxes) -> SandboxList:
+        items, nxt = await self.list(caller, project=b.project, labels=b.labels,
+                                     state=b.state, limit=b.limit, cursor=b.cursor)
+        return SandboxList(items=items, next_cursor=nxt)
+
+    async def _destroy_op(self, caller: Caller, b: SandboxRef) -> None:
+        await self.destroy(caller, b.id)
+
+    async def _exec_many_op(self, caller: Caller, b: ExecMany) -> Batch[ExecResult]:
+        return Batch.of(self._redacted(await self.exec_many(
+            caller, [(c.id, c.req) for c in b.calls])))
+
+    def _redacted(self, items: Sequence[T | DsecError]) -> builtins.list[T | DsecError]:
+        """A batch's failed items as the caller may see them (:meth:`redact`)."""
+        return [self.redact(x) if isinstance(x, DsecError) else x for x in items]
+
+    async def _exec_stream_op(self, caller: Caller,
+                              b: ExecCall) -> AsyncIterator[ExecChunk | ExecResult]:
+        return await self.exec_stream(caller, b.id, b.req)
+
+    async def _read_file_op(self, caller: Caller, b: ReadFile) -> bytes:
+        return await self.read_file(caller, b.id, b.path, b.offset, b.length)
+
+    async def _write_file_op(self, caller: Caller, b: WriteFile) -> None:
+        await self.write_file(caller, b.id, b.path, b.data, b.mode, b.append)
+
+    async def _pause_op(self, caller: Caller, b: SandboxRef) -> PauseStats:
+        return await self.pause(caller, b.id)
+
+    async def _resume_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
+        await self.resume(caller, b.id)
+        return await self.get(caller, b.id)
+
+    async def _events_op(self, caller: Caller, b: SandboxRef) -> EventList:
+        return EventList(items=await self.events(caller, b.id))
+
+    async def _snapshot_op(self, caller: Caller, b: SnapshotCall) -> SnapshotView:
+        return await self.snapshot(caller, b.id, b.strip)
+
+    async def _snapshots_op(self, caller: Caller, b: SnapshotQuery) -> SnapshotList:
+        return SnapshotList(items=await self.list_snapshots(
+            caller, project=b.project, sandbox_id=b.sandbox_id))
+
+    async def _snapshot_get_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
+        return await self.get_snapshot(caller, b.id)
+
+    async def _snapshot_delete_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
+        return await self.delete_snapshot(caller, b.id)
+
+    async def _info_op(self, caller: Caller, b: Empty) -> Info:
+        return self.info(caller)
+
+    async def _nodes_op(self, caller: Caller, b: Empty) -> NodeList:
+        return NodeList(items=self.nodes(caller))
+
+    async def _session_open_op(self, caller: Caller, b: SessionOpen) -> SessionView:
+        return self._admin().open_session(caller, b.lease_s)
+
+    async def _session_renew_op(self, caller: Caller, b: SessionRef) -> SessionView:
+        return self._admin().renew_session(caller, b.id)
+
+    async def _session_close_op(self, caller: Caller, b: SessionRef) -> None:
+        self._admin().close_session(caller, b.id)
+
+    async def _create_key_op(self, caller: Caller, b: CreateKeyRequest) -> CreateKeyResponse:
+        return self._admin().create_key(caller, b)
+
+    async def _revoke_key_op(self, caller: Caller, b: KeyRef) -> None:
+        self._admin().revoke_key(caller, b.id)
+
+    async def _projects_op(self, caller: Caller, b: Empty) -> ProjectList:
+        return self._admin().list_projects(caller)
+
+    async def _project_get_op(self, caller: Caller, b: ProjectRef) -> ProjectView:
+        return self._admin().get_project(caller, b.path)
+
+    async def _quota_set_op(self, caller: Caller, b: QuotaSet) -> ProjectView:
+        return self._admin().set_quota(caller, b.path, b.quota)
+
+    async def _images_op(self, caller: Caller, b: Empty) -> ImageList:
+        return self._admin().list_images(caller)
+
+    async def _image_get_op(self, caller: Caller, b: ImageRef) -> ImageView:
+        return self._admin().get_image(caller, b.ref)
+
+    async def _image_tag_op(self, caller: Caller, b: ImageTagRequest) -> ImageView:
+        return self._admin().tag_image(caller, b)
+
+    async def _image_delete_op(self, caller: Caller, b: ImageRef) -> None:
+        self._admin().delete_image(caller, b.ref)
+
+    async def _upload_refused(self, caller: Caller, b: Any) -> Any:
+        raise InvalidArgument("an image upload streams its tar as the request body: use "
+                              "REST (POST /v1/images or /v1/images/import)")
+
 
 # Failures of the apiserver's own link to an edge (never the caller's connection).
 _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
-
-# How much longer than a command's own timeout the apiserver waits for the edge's answer
-# (the edge kills the process group at the timeout and reaps it before answering).
-EXEC_DEADLINE_MARGIN_S = 30.0
 
 
 class _IdInUse(InvalidTransition):
@@ -1261,13 +1502,19 @@ class _IdInUse(InvalidTransition):
         super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
 
 
-def _exec_deadline(req: ExecRequest) -> float | None:
-    """How long the apiserver waits for an exec's answer from the edge: the command
-    timeout plus a margin (None: no command timeout, so no deadline either). The edge
-    link's default deadline would otherwise cut off any command running longer."""
-    if req.background:
-        return EXEC_DEADLINE_MARGIN_S
-    return None if req.timeout_s is None else req.timeout_s + EXEC_DEADLINE_MARGIN_S
+def _create_request(spec: SandboxSpec, session: str | None) -> CreateSandboxRequest:
+    """The create of a caller's spec as :meth:`ApiService.create` takes it. Until
+    ``SandboxSpec.backend``/``project`` can be left unset (issue 13, step 12), a spec
+    names both: the SDK fills them from ``api.info`` (the server's default backend, the
+    key's default project)."""
+    return CreateSandboxRequest(
+        image=spec.image, workspace=spec.workspace, toolkits=list(spec.toolkits),
+        snapshot=spec.snapshot, backend=spec.backend, cpu_milli=spec.cpu_milli,
+        memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes, pids_max=spec.pids_max,
+        priority=spec.priority, labels=dict(spec.labels), project=spec.project,
+        ttl_s=spec.ttl_s, idle_timeout_s=spec.idle_timeout_s, idle_action=spec.idle_action,
+        env=dict(spec.env), network=spec.network, allow_nested=spec.allow_nested,
+        user_namespace=spec.user_namespace, session=session)
 
 
 def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],
@@ -1364,44 +1611,3 @@ def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
                         toolkits=list(info.toolkits), backend=info.backend,
                         size_bytes=info.size_bytes, created_at=info.created,
                         unchanged=info.unchanged)
-
-
-def exec_request(body: ExecBody) -> ExecRequest:
-    """REST exec body -> edge ExecRequest, checked by :meth:`ExecRequest.validate` (the
-    same limits and messages as the gateway and the edge). Only decoding base64 stdin is
-    REST's own step."""
-    if body.stdin_encoding == "base64":
-        if len(body.stdin) > MAX_STDIN_BYTES * 4 // 3 + 4:
-            raise InvalidArgument(f"exec stdin is over the {MAX_STDIN_BYTES}-byte limit; "
-                                  "write large inputs to a file first", field="stdin",
-                                  limit=MAX_STDIN_BYTES)
-        try:
-            stdin = base64.b64decode(body.stdin, validate=True)
-        except ValueError:
-            raise InvalidArgument("stdin is not valid base64 (stdin_encoding='base64')",
-                                  field="stdin") from None
-    else:
-        try:
-            stdin = body.stdin.encode()
-        except UnicodeEncodeError:
-            raise InvalidArgument("exec stdin is not valid Unicode text (send bytes with "
-                                  "stdin_encoding='base64')", field="stdin") from None
-    req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
-                      cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
-                      output_cap_bytes=body.output_cap_bytes, background=body.background)
-    return req.validate()
-
-
-def exec_output(res: ExecResult) -> ExecOutput:
-    """Edge ExecResult -> JSON form: UTF-8 text when both streams decode, else base64."""
-    try:
-        out, err, enc = res.stdout.decode(), res.stderr.decode(), "utf-8"
-    except UnicodeDecodeError:
-        out = base64.b64encode(res.stdout).decode()
-        err = base64.b64encode(res.stderr).decode()
-        enc = "base64"
-    return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err, encoding=enc,  # type: ignore[arg-type]
-                      stdout_truncated=res.stdout_truncated, stderr_truncated=res.stderr_truncated,
-                      timed_out=res.timed_out, duration_s=res.duration_s, pid=res.pid)
-
-

@@ -1,0 +1,81 @@
+"""Test helpers for code that uses the SDK: an in-memory transport, httpx's
+``MockTransport`` shape.
+
+``AsyncClient(transport=MockTransport(handler))`` sends every operation to
+``handler(op, body)`` instead of a server: ``op`` is the catalogue row
+(:mod:`dsec.wire.ops`), ``body`` the request object the SDK built, and what the handler
+returns (or awaits) is the reply; raising a :class:`~dsec.errors.DsecError` answers with
+it, as a server would. A streaming row's handler returns the items and then the final
+reply, as a list. No sockets, no threads: the SDK's own logic (request building, retries,
+sessions, typed replies) runs unchanged against it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from dsec.client.transport import spec_of
+from dsec.errors import DsecError
+from dsec.wire import ops
+from dsec.wire.api import CreateSandboxRequest, Info
+from dsec.wire.calls import CreateMany, CreateSandbox
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp
+from dsec.wire.spec import SandboxInfo
+
+__all__ = ["Handler", "MockTransport"]
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+Item = TypeVar("Item")
+
+#: ``handler(op, body) -> reply`` (or an awaitable of it).
+Handler = Callable[[Op[Any, Any], Any], Any]
+
+
+class MockTransport:
+    """See the module docstring. ``calls`` records every ``(op.name, body)`` sent."""
+
+    name = "mock"
+
+    def __init__(self, handler: Handler, *, info: Info | None = None) -> None:
+        self.handler = handler
+        self.info = info or Info(version="mock", project="default",
+                                 default_backend="simulated")
+        self.calls: builtins.list[tuple[str, Any]] = []
+        self.closed = False
+
+    async def call(self, op: Op[Req, Rep], body: Req, *,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:
+        self.calls.append((op.name, body))
+        reply = self.handler(op, body)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        out: Rep = reply
+        return out
+
+    async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
+                     timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
+        items: Any = await self.call(op, body, timeout=timeout)
+        for item in items:
+            yield item
+
+    async def create(self, req: CreateSandboxRequest,
+                     idempotency_key: str | None) -> SandboxInfo:
+        return await self.call(ops.CREATE, CreateSandbox(
+            spec=spec_of(req, self.info), session=req.session,
+            idempotency_key=idempotency_key))
+
+    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
+                          keys: Sequence[str] | None = None,
+                          ) -> builtins.list[SandboxInfo | DsecError]:
+        batch = await self.call(ops.CREATE_MANY, CreateMany(
+            items=[spec_of(r, self.info) for r in reqs],
+            session=reqs[0].session if reqs else None,
+            idempotency_keys=None if keys is None else list(keys)))
+        return batch.results()
+
+    async def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,123 @@
+"""The JSON forms of records that carry bytes: one codec for the server and the SDK.
+
+msgpack (the Aether doors) carries bytes as bytes. JSON (REST) cannot, so an exec's stdin
+and output travel as text: UTF-8 when the bytes decode, else base64 with
+``encoding: "base64"``. These functions are that conversion, both ways; the apiserver
+and :class:`~dsec.client.transport.HttpTransport` use the same ones, so the two ends
+cannot disagree (``tests/wire/test_jsonform.py`` round-trips arbitrary bytes through
+them). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+
+from dsec.errors import InvalidArgument, error_from_wire
+from dsec.wire.api import Encoding, ExecBody, ExecOutput, ExecStreamLine
+from dsec.wire.spec import MAX_STDIN_BYTES, ExecChunk, ExecRequest, ExecResult
+
+__all__ = [
+    "exec_body",
+    "exec_output",
+    "exec_request",
+    "exec_result",
+    "from_text",
+    "stream_item",
+    "stream_line",
+    "text_or_base64",
+]
+
+
+def text_or_base64(data: bytes) -> tuple[str, Encoding]:
+    """``data`` as JSON text: itself when it is UTF-8, else its base64."""
+    try:
+        return data.decode(), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode(), "base64"
+
+
+def from_text(text: str, encoding: Encoding, *, field: str) -> bytes:
+    """The bytes a JSON text stands for (the inverse of :func:`text_or_base64`)."""
+    if encoding == "base64":
+        try:
+            return base64.b64decode(text, validate=True)
+        except ValueError:
+            raise InvalidArgument(f"{field} is not valid base64 ({field}_encoding="
+                                  "'base64')", field=field) from None
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"exec {field} is not valid Unicode text (send bytes with "
+                              f"{field}_encoding='base64')", field=field) from None
+
+
+# ----------------------------------------------------------------------- exec
+def exec_body(req: ExecRequest) -> ExecBody:
+    """An :class:`ExecRequest` as the JSON body of ``POST .../exec`` (the SDK's side)."""
+    stdin, enc = text_or_base64(req.stdin) if req.stdin else ("", "utf-8")
+    return ExecBody(argv=None if req.shell is not None else list(req.argv), shell=req.shell,
+                    env=dict(req.env), cwd=req.cwd, user=req.user, stdin=stdin,
+                    stdin_encoding=enc, timeout_s=req.timeout_s,
+                    output_cap_bytes=req.output_cap_bytes, background=req.background)
+
+
+def exec_request(body: ExecBody) -> ExecRequest:
+    """The :class:`ExecRequest` a REST exec body stands for (the server's side), checked
+    by :meth:`ExecRequest.validate` (the same limits and words as every other door).
+    Base64 stdin is bounded before it is decoded."""
+    if body.stdin_encoding == "base64" and len(body.stdin) > MAX_STDIN_BYTES * 4 // 3 + 4:
+        raise InvalidArgument(f"exec stdin is over the {MAX_STDIN_BYTES}-byte limit; "
+                              "write large inputs to a file first", field="stdin",
+                              limit=MAX_STDIN_BYTES)
+    stdin = from_text(body.stdin, body.stdin_encoding, field="stdin")
+    req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
+                      cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
+                      output_cap_bytes=body.output_cap_bytes, background=body.background)
+    return req.validate()
+
+
+def exec_output(res: ExecResult) -> ExecOutput:
+    """An :class:`ExecResult` as JSON: text when both streams are UTF-8, else base64."""
+    enc: Encoding
+    try:
+        out, err, enc = res.stdout.decode(), res.stderr.decode(), "utf-8"
+    except UnicodeDecodeError:
+        out = base64.b64encode(res.stdout).decode()
+        err = base64.b64encode(res.stderr).decode()
+        enc = "base64"
+    return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err, encoding=enc,
+                      stdout_truncated=res.stdout_truncated,
+                      stderr_truncated=res.stderr_truncated, timed_out=res.timed_out,
+                      duration_s=res.duration_s, pid=res.pid)
+
+
+def exec_result(o: ExecOutput) -> ExecResult:
+    """The :class:`ExecResult` a JSON exec answer stands for (the inverse of
+    :func:`exec_output`)."""
+    return ExecResult(exit_code=o.exit_code, stdout=from_text(o.stdout, o.encoding,
+                                                              field="stdout"),
+                      stderr=from_text(o.stderr, o.encoding, field="stderr"),
+                      stdout_truncated=o.stdout_truncated,
+                      stderr_truncated=o.stderr_truncated, timed_out=o.timed_out,
+                      duration_s=o.duration_s, pid=o.pid)
+
+
+def stream_line(item: ExecChunk | ExecResult) -> ExecStreamLine:
+    """One NDJSON line of a streamed exec: an output chunk, or the final result."""
+    if isinstance(item, ExecResult):
+        return ExecStreamLine(exit_code=item.exit_code, timed_out=item.timed_out,
+                              duration_s=item.duration_s)
+    data, enc = text_or_base64(item.data)
+    return ExecStreamLine(stream=item.stream, data=data, encoding=enc)
+
+
+def stream_item(line: ExecStreamLine) -> ExecChunk | ExecResult:
+    """What one NDJSON line stands for (the inverse of :func:`stream_line`); a line with
+    ``error`` raises that error (the class the server raised, with its detail)."""
+    if line.error is not None:
+        raise error_from_wire(line.error.code, line.error.message, dict(line.error.detail))
+    if line.exit_code is not None:
+        return ExecResult(exit_code=line.exit_code, timed_out=line.timed_out,
+                          duration_s=line.duration_s or 0.0)
+    return ExecChunk(stream=line.stream or "stdout",
+                     data=from_text(line.data or "", line.encoding, field="data"))

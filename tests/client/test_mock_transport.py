@@ -1,0 +1,80 @@
+"""The SDK against an in-memory transport (``dsec.client.testing.MockTransport``): every
+public call becomes one catalogue row with the request object the SDK built, retried
+only when the row says repeating it is safe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dsec.client.core import AsyncClient
+from dsec.client.testing import MockTransport
+from dsec.errors import ConnectionLost, SandboxNotFound
+from dsec.wire import ops
+from dsec.wire.api import EventList, FileList
+from dsec.wire.calls import CreateSandbox, ExecCall, Mkdir, SandboxRef, WriteFile
+from dsec.wire.ops import Op
+from dsec.wire.spec import ExecResult, SandboxInfo, SandboxSpec
+
+SID = "sb-0123456789ab-edge-0"
+
+
+def _info(spec: SandboxSpec) -> SandboxInfo:
+    return SandboxInfo(id=SID, node="edge-0", state="running", spec=spec, created_at=1.0,
+                       last_active_at=1.0)
+
+
+async def test_every_call_is_one_row_with_its_request_object() -> None:
+    flaky = {"get": 1, "exec": 1}
+
+    def handler(op: Op[Any, Any], body: Any) -> Any:
+        if flaky.get(op.name):
+            flaky[op.name] -= 1
+            raise ConnectionLost("dropped")
+        if op is ops.CREATE:
+            assert isinstance(body, CreateSandbox) and body.idempotency_key
+            return _info(body.spec)
+        if op is ops.GET:
+            return _info(SandboxSpec())
+        if op is ops.EXEC:
+            assert isinstance(body, ExecCall) and body.id == SID
+            return ExecResult(exit_code=0, stdout=b"hi\n")
+        if op is ops.LIST_DIR:
+            return FileList(items=[])
+        if op is ops.EVENTS:
+            return EventList(items=[])
+        if op in (ops.MKDIR, ops.WRITE_FILE, ops.DESTROY):
+            return None
+        raise SandboxNotFound(f"no {op.name}")
+
+    mock = MockTransport(handler)
+    async with AsyncClient(transport=mock, session_lease_s=None) as c:
+        sb = await c.sandboxes.create(memory="1GiB", labels={"a": "b"}, user_namespace=True)
+        assert sb.info.spec.memory_bytes == 1 << 30 and sb.info.spec.user_namespace
+        assert (await c.sandboxes.get(SID)).id == SID         # retried once: idempotent
+        with pytest.raises(ConnectionLost):
+            await sb.exec("echo hi")                           # not retried: may have run
+        assert (await sb.exec("echo hi")).stdout == b"hi\n"
+        await sb.files.mkdir("/a/b", parents=False)
+        await sb.files.write("/f", b"x")
+        assert await sb.files.list("/") == [] and await sb.events() == []
+        with pytest.raises(SandboxNotFound, match="no pause"):
+            await sb.pause()
+        await sb.kill()
+    names = [name for name, _ in mock.calls]
+    assert names == ["create", "get", "get", "exec", "exec", "mkdir", "write_file",
+                     "list_dir", "events", "pause", "destroy"]
+    bodies = dict(mock.calls)
+    assert bodies["mkdir"] == Mkdir(id=SID, path="/a/b", parents=False)
+    assert bodies["write_file"] == WriteFile(id=SID, path="/f", data=b"x")
+    assert bodies["destroy"] == SandboxRef(id=SID)
+    assert mock.closed
+
+
+def test_the_sync_client_takes_the_same_transport() -> None:
+    from dsec.client.sync import Client
+    mock = MockTransport(lambda op, body: _info(SandboxSpec()) if op is ops.GET else None)
+    with Client(transport=mock, session_lease_s=None) as c:
+        assert c.sandboxes.get(SID).id == SID
+        assert c.call(ops.GET, SandboxRef(id=SID)).id == SID   # the typed escape hatch
