@@ -88,7 +88,7 @@ def test_fncall_reclaim_leaves_another_users_planted_root_alone(tmp_path) -> Non
         os.chown(p, 65534, 65534)
     os.chmod(tmp_path, 0o755)
     worker = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                               "sh", "-c", "exec -a fncall_worker sleep 1000"], cwd=planted,
+                               "bash", "-c", "exec -a fncall_worker sleep 1000"], cwd=planted,
                               start_new_session=True)
     try:
         _reclaim_dead_roots(str(tmp_path))

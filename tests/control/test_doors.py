@@ -440,3 +440,51 @@ def test_batches_are_one_request_at_both_doors(cluster: LocalCluster, sid: str) 
         assert len(two) == 2 and all(s.info.spec.labels["many"] == "http" for s in two)
         for s in two:
             s.kill()
+
+
+def test_a_spec_env_or_labels_past_their_limits_are_refused_at_every_door(
+        cluster: LocalCluster) -> None:
+    """A sandbox's env rides along with every exec: a 600 kB one was accepted by every
+    door, and then every exec in that sandbox failed with E2BIG. Labels had no count limit
+    and were checked only by REST's create. Both are rules of SandboxSpec now."""
+    from dsec.wire.spec import MAX_LABELS, MAX_SPEC_ENV_BYTES, SandboxInfo
+
+    big_env = {f"K{i}": "v" * 100_000 for i in range(6)}
+    many_labels = {f"k{i}": "" for i in range(MAX_LABELS + 1)}
+
+    def doors(fields: Raw) -> list[tuple[str, int, str]]:
+        r = _rest(cluster, "POST", "/v1/sandboxes", json=fields)
+        out = [("rest", r.status_code, r.json().get("message", "") if r.status_code >= 400
+                else "ok")]
+
+        async def gateway() -> tuple[str, int, str]:
+            assert cluster.gateway is not None
+            conn = await connect(cluster.gateway, token=cluster.api_key)
+            try:
+                await conn.call("api.create", {"spec": {"backend": "simulated", **fields}},
+                                response_type=SandboxInfo, timeout=60)
+                return "gateway", 200, "ok"
+            except DsecError as exc:
+                return "gateway", exc.http_status, exc.message
+            finally:
+                await conn.close()
+
+        async def edge() -> tuple[str, int, str]:
+            client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
+            try:
+                await client.conn.call("edge.create", {"spec": {
+                    "backend": "simulated", "project": "default", **fields}},
+                    response_type=SandboxInfo, timeout=60)
+                return "edge", 200, "ok"
+            except DsecError as exc:
+                return "edge", exc.http_status, exc.message
+            finally:
+                await client.close()
+        out.append(_on_loop(cluster, gateway()))
+        out.append(_on_loop(cluster, edge()))
+        return out
+
+    _same_refusal(doors({"env": big_env}),
+                  f"over the {MAX_SPEC_ENV_BYTES}-byte limit")
+    _same_refusal(doors({"labels": many_labels}),
+                  f"has {MAX_LABELS + 1} entries, over the limit of {MAX_LABELS}")

@@ -166,7 +166,10 @@ def test_chunked_estimate_counts_every_chunk_that_holds_data(tmp_path: Path) -> 
     finally:
         os.close(fd)
     stats = tree_stats(str(src))
-    assert stats.allocated_bytes == 256 * 4096 and stats.chunked_bytes == 256 * CHUNK_BYTES
+    # st_blocks: the 256 data blocks, plus ext4's extent-tree index block(s) once writeback
+    # has placed 256 separate extents (seen under load: one more 4 KiB block)
+    assert 256 * 4096 <= stats.allocated_bytes <= 256 * 4096 + 2 * 4096, stats
+    assert stats.chunked_bytes == 256 * CHUNK_BYTES
     assert layout_for(files=1, apparent_bytes=stats.apparent_bytes,
                       allocated_bytes=stats.chunked_bytes, entries=1) is None
     store = LayerStore(str(tmp_path / "store"))

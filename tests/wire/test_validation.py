@@ -209,6 +209,14 @@ PAST_EACH_LIMIT: dict[str, Any] = {
     "MAX_BATCH_ITEMS": lambda: DestroyMany(ids=["s"] * (MAX_BATCH_ITEMS + 1)),
     "MAX_IDEMPOTENCY_KEY_CHARS": lambda: CreateSandbox(
         idempotency_key="k" * (spec.MAX_IDEMPOTENCY_KEY_CHARS + 1)),
+    "MAX_SPEC_ENV_BYTES": lambda: SandboxSpec(env={
+        f"K{i}": "v" * 100_000 for i in range(6)}).validate(),
+    "MAX_LABELS": lambda: SandboxSpec(labels={
+        f"k{i}": "" for i in range(spec.MAX_LABELS + 1)}).validate(),
+    "MAX_LABEL_KEY_CHARS": lambda: SandboxSpec(labels={
+        "k" * (spec.MAX_LABEL_KEY_CHARS + 1): ""}).validate(),
+    "MAX_LABEL_VALUE_CHARS": lambda: SandboxSpec(labels={
+        "k": "v" * (spec.MAX_LABEL_VALUE_CHARS + 1)}).validate(),
 }
 
 

@@ -28,10 +28,14 @@ __all__ = [
     "MAX_FILE_MODE",
     "MAX_FILE_READ_BYTES",
     "MAX_IDEMPOTENCY_KEY_CHARS",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY_CHARS",
+    "MAX_LABEL_VALUE_CHARS",
     "MAX_MEMORY_BYTES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_PIDS",
+    "MAX_SPEC_ENV_BYTES",
     "MAX_STDIN_BYTES",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
@@ -99,6 +103,13 @@ MAX_FILE_MODE = 0o7777                # permission bits a write may set
 # bound; the apiserver's own caps (ApiConfig.max_create_batch, ...) are policy, lower.
 MAX_BATCH_ITEMS = 100_000
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# A sandbox's own environment rides along with every exec's argv+env: capped at half an
+# exec's budget so the two together stay under the kernel's ARG_MAX (2 MiB). Before, a
+# 2 MiB spec env was accepted by every door and then every exec failed with E2BIG.
+MAX_SPEC_ENV_BYTES = MAX_ARGV_BYTES // 2
+MAX_LABELS = 64                       # labels per sandbox (listings filter on them)
+MAX_LABEL_KEY_CHARS = 253
+MAX_LABEL_VALUE_CHARS = 1024
 
 
 def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
@@ -249,9 +260,36 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             raise bad("image", self.image, "name an image")
         if not isinstance(self.user_namespace, bool):
             raise bad("user_namespace", self.user_namespace, "use true or false")
-        for k in self.env:
+        if len(self.env) > MAX_ENV_ITEMS:
+            raise InvalidArgument(f"sandbox spec field env has {len(self.env)} entries, over "
+                                  f"the limit of {MAX_ENV_ITEMS}", field="env",
+                                  size=len(self.env), limit=MAX_ENV_ITEMS)
+        total = 0
+        for k, v in self.env.items():
             if not k or "=" in k or "\0" in k:
-                raise bad("env", k, "environment names must be non-empty without '=' or NUL")
+                raise bad("env", k[:60], "environment names must be non-empty without '=' "
+                          "or NUL")
+            if "\0" in v:
+                raise bad("env", k[:60], "environment values cannot hold NUL")
+            total += len(k.encode("utf-8", "surrogatepass")) + len(
+                v.encode("utf-8", "surrogatepass")) + 2
+        if total > MAX_SPEC_ENV_BYTES:
+            raise InvalidArgument(
+                f"sandbox spec field env is {total} bytes, over the {MAX_SPEC_ENV_BYTES}-byte "
+                "limit (it is passed to every exec beside the exec's own argv and env, under "
+                "the kernel's 2 MiB ARG_MAX); put large settings in a file",
+                field="env", size=total, limit=MAX_SPEC_ENV_BYTES)
+        if len(self.labels) > MAX_LABELS:
+            raise InvalidArgument(f"sandbox spec field labels has {len(self.labels)} entries, "
+                                  f"over the limit of {MAX_LABELS}", field="labels",
+                                  size=len(self.labels), limit=MAX_LABELS)
+        for k, v in self.labels.items():
+            if not k or len(k) > MAX_LABEL_KEY_CHARS:
+                raise bad("labels", k[:40], f"keys are 1..{MAX_LABEL_KEY_CHARS} chars",
+                          limit=MAX_LABEL_KEY_CHARS)
+            if len(v) > MAX_LABEL_VALUE_CHARS:
+                raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
+                          limit=MAX_LABEL_VALUE_CHARS)
         return self
 
 

@@ -600,10 +600,7 @@ class ApiService:
         labels = dict(req.labels)
         if req.session is not None:
             labels["dsec.io/session"] = req.session
-        for k, v in labels.items():
-            if not k or len(k) > 253 or len(v) > 1024:
-                raise InvalidArgument(f"label {k[:40]!r} is invalid: keys 1..253 chars, values "
-                                      "up to 1024 chars", field="labels")
+        # label and env limits: SandboxSpec.validate (below), the same at every door
         cap = self.config.pids_max_ceiling
         if cap is not None and (req.pids_max is None or req.pids_max > cap):
             raise InvalidArgument(
