@@ -33,6 +33,7 @@ overrides call the parent first and only add bookkeeping around its parser callb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -42,7 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
 from dsec.errors import InvalidArgument, Overloaded
 
-__all__ = ["GuardedHttpProtocol", "HttpLimits", "guarded_protocol"]
+__all__ = ["GuardedHttpProtocol", "HttpLimits", "guarded_protocol", "uvicorn_server"]
 
 # Seconds a refused connection may stay open to flush its 503 before it is aborted, and
 # how many may linger at once (beyond that a refusal is closed at once).
@@ -201,8 +202,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().data_received(data)
             return
         self._hdr_bytes += len(data)
-        super().data_received(data)
         limit = self.http_limits.max_header_bytes
+        # A whole head in one read would complete before the check below could see it
+        # (found by the `api` bench's header_limit probe: a 64 KiB head sent at once was
+        # served): measure the head up to its end in this read before parsing it.
+        end = data.find(b"\r\n\r\n")
+        if end >= 0 and self._hdr_bytes - len(data) + end + 4 > limit:
+            self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
+                              "payload_too_large",
+                              f"request line and headers exceed {limit} bytes")
+            return
+        super().data_received(data)
         if self._in_headers and self._hdr_bytes > limit and not self.transport.is_closing():
             self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
                               "payload_too_large",
@@ -286,3 +296,33 @@ def guarded_protocol(limits: HttpLimits | None = None, *,
     attrs: dict[str, Any] = {"admission": adm, "http_limits": lim, "lingering": [0],
                              "pending": pending, "pool": pool}
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs), adm
+
+
+def uvicorn_server(app: Any, limits: HttpLimits | None = None, *, name: str = "REST listener",
+                   access_log: bool = False, log_level: str = "warning",
+                   budget: ProcessBudget | None = None) -> tuple[Any, Admission]:
+    """The REST listener as it ships: a ``uvicorn.Server`` on the caller's loop
+    (``serve(sockets=[...])``) with :class:`GuardedHttpProtocol`, and its
+    :class:`Admission`. It installs no signal handlers: the caller owns SIGINT/SIGTERM
+    and stops it with ``server.should_exit = True`` (in-flight requests finish; idle
+    kept-alive connections are closed). ``dsec up`` and the ``api`` bench build it here,
+    so the benchmark measures what ships.
+
+    Why uvicorn and not granian (measured in the ``api`` bench, docs/benchmarks.md):
+    granian's Rust accept loop gives Python no hook per connection, so the per-address
+    cap on connections without a request (the idle-flood fix of issue 12) cannot be
+    held there; uvicorn's protocol class is the seam that holds it."""
+    import uvicorn
+
+    lim = limits or HttpLimits()
+    protocol, admission = guarded_protocol(lim, budget=budget, name=name)
+    cap = lim.connections.max_connections
+    # uvicorn answers 503 once len(connections) >= limit_concurrency, counting the one
+    # asking: one more than the admitted maximum lets every admitted connection be served.
+    config = uvicorn.Config(app, loop="none", http=protocol, lifespan="off",
+                            proxy_headers=False, server_header=False, access_log=access_log,
+                            log_level=log_level,
+                            limit_concurrency=None if cap is None else cap + 1)
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+    return server, admission
