@@ -446,13 +446,19 @@ def _probe_requests(out: dict[str, tuple[bool, str]], port: int, key: str, sid: 
         got = _recv_response(s, 5)
         out["body_limit"] = (got.startswith(b"HTTP/1.1 413 "),
                              f"an 8 MiB body (cap 4 MiB) answered {got[:12]!r}")
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        big = limits.max_header_bytes * 2
-        s.sendall(_get(key, "/healthz", f"X-Big: {'a' * big}\r\n"))
-        got = _recv_response(s, 5)
-        out["header_limit"] = (got.startswith(b"HTTP/1.1 431 "),
-                               (f"a {big >> 10} KiB header answered "
-                               f"{got[:12]!r} (cap {limits.max_header_bytes >> 10} KiB)"))
+    big = limits.max_header_bytes * 2
+    heads = []
+    for first in (False, True):     # a new connection, then a kept-alive one
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            if first:
+                s.sendall(_get(key, "/healthz"))
+                _recv_response(s, 5)
+            s.sendall(_get(key, "/healthz", f"X-Big: {'a' * big}\r\n"))
+            heads.append(_recv_response(s, 5)[:12])
+    out["header_limit"] = (all(h.startswith(b"HTTP/1.1 431") for h in heads),
+                           (f"a {big >> 10} KiB head sent at once (cap "
+                           f"{limits.max_header_bytes >> 10} KiB) answered {heads[0]!r} on a "
+                           f"new connection, {heads[1]!r} after a request"))
 
 
 def _probe_flood(out: dict[str, tuple[bool, str]], port: int) -> None:

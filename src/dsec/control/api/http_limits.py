@@ -198,25 +198,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._draining:
             return  # answered: its request is read and dropped until it hangs up
         self._last_rx = self.loop.time()
-        if not self._in_headers:
+        if self._in_headers:
+            start = self._hdr_bytes
+        elif not self._in_body and (self.cycle is None or self.cycle.response_complete):
+            start = 0       # between requests, nothing being answered: a head starts here
+        else:
             super().data_received(data)
             return
-        self._hdr_bytes += len(data)
+        self._hdr_bytes = start + len(data)
         limit = self.http_limits.max_header_bytes
-        # A whole head in one read would complete before the check below could see it
-        # (found by the `api` bench's header_limit probe: a 64 KiB head sent at once was
-        # served): measure the head up to its end in this read before parsing it.
+        # A whole head in one read completes inside the parser, before the check after it
+        # could see it (found by the `api` bench's header_limit probe: a 64 KiB head sent
+        # at once was served, on a new connection and on a kept-alive one): measure the
+        # head up to its end in this read before parsing it.
         end = data.find(b"\r\n\r\n")
-        if end >= 0 and self._hdr_bytes - len(data) + end + 4 > limit:
-            self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
-                              "payload_too_large",
-                              f"request line and headers exceed {limit} bytes")
+        if (start + end + 4 if end >= 0 else self._hdr_bytes) > limit:
+            self._too_large(limit)
             return
         super().data_received(data)
         if self._in_headers and self._hdr_bytes > limit and not self.transport.is_closing():
-            self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
-                              "payload_too_large",
-                              f"request line and headers exceed {limit} bytes")
+            self._too_large(limit)
+
+    def _too_large(self, limit: int) -> None:
+        self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
+                          "payload_too_large", f"request line and headers exceed {limit} bytes")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
