@@ -204,20 +204,24 @@ def _load(port: int, path: str, key: str, conns: int, seconds: float, out: Any,
 #     required by design (the edge owns the sandbox record; the apiserver keeps none), so
 #     the remaining bound is uvicorn's per-request cost and the CPU the workers share.
 APISERVER_RPS_NOTE = (
-    "apiserver_rps: 2 uvicorn workers + 1 edge process + the load generator share 2 cores. "
-    "loadgen=python is a 1-process raw-socket generator (it saturates before the server "
-    "does); loadgen=wrk is the C generator (1 thread). GET /v1/sandboxes/{id} is served by "
-    "the raw-ASGI fast path (apiserver.FastPaths): cached auth, role check, one Aether get "
-    "to the edge (required by design: the edge owns the sandbox record), msgspec JSON. "
-    "py-spy on a worker: ~40% uvloop/httptools C, ~25% uvicorn's two writes per response, "
-    "~17% the Aether write, <20% dsec Python; Starlette's bare /healthz measured about the "
-    "same rate, so 60k needs a leaner HTTP server or more cores, not a leaner handler.")
+    "apiserver_rps: 2 worker processes per server (uvicorn = what ships, with "
+    "GuardedHttpProtocol; uvicorn-bare = without it; granian = granian's embedded server) "
+    "+ 1 edge process + the load generator share 2 cores; rounds alternate the servers, "
+    "each figure the median of 3. loadgen=python is a 1-process raw-socket generator (it "
+    "saturates before the server does); loadgen=wrk is the C generator (1 thread). GET "
+    "/v1/sandboxes/{id} is served by the raw-ASGI fast path (apiserver.FastPaths): cached "
+    "auth, role check, one Aether get to the edge (required by design: the edge owns the "
+    "sandbox record), msgspec JSON. apiserver_cpu_us is the workers' CPU per request (what "
+    "a loaded machine moves least). /healthz (Starlette, no auth, no edge call) does about "
+    "the GET rate on every server, so 60k needs more cores, not a leaner handler. uvicorn "
+    "stays the default: granian cannot hold the per-address cap on connections without a "
+    "request (apiserver_robustness; docs/api.md 'The HTTP server').")
 
 
 def _wrk(port: int, path: str, key: str, conns: int,
-         seconds: float) -> tuple[float, int, float, float]:
+         seconds: float) -> tuple[float, int, float, float, int]:
     """Run ``wrk --latency`` (C, Debian package) against the route: (req/s, non-2xx count,
-    p50 ms, p99 ms).
+    p50 ms, p99 ms, requests).
 
     One wrk thread: the machine has 2 cores shared by the workers and the edge, and a
     second load thread only takes CPU from them (measured: -t2 gave a lower figure)."""
@@ -236,8 +240,20 @@ def _wrk(port: int, path: str, key: str, conns: int,
     if m is None:
         raise ValueError(f"unexpected wrk output: {out[-500:]}")
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    n = re.search(r"(\d+) requests in", out)
     return (float(m.group(1)), int(bad.group(1)) if bad else 0,
-            _wrk_percentile(out, "50"), _wrk_percentile(out, "99"))
+            _wrk_percentile(out, "50"), _wrk_percentile(out, "99"),
+            int(n.group(1)) if n else 0)
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (/proc)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 _WRK_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}
@@ -295,14 +311,16 @@ class _Cluster:
         return port, mine
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        """Workers first (SIGTERM: they drain and exit), then the edge they poll."""
+        for group in (self.procs[1:], self.procs[:1]):
+            for p in group:
+                if p.is_alive():
+                    p.terminate()
+            for p in group:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
 
 
 def apiserver_rps(ctx: BenchContext) -> None:
@@ -317,12 +335,14 @@ def apiserver_rps(ctx: BenchContext) -> None:
         try:
             path = f"/v1/sandboxes/{cl.sid}"
             ports: dict[str, int] = {}
+            pids: dict[str, list[int]] = {}
             for server in SERVERS:
                 why = server_missing(server)
                 if why is not None:
                     ctx.note(f"apiserver_rps server={server} not measured: {why}")
                     continue
-                ports[server] = cl.start(server, workers)[0]
+                ports[server], procs = cl.start(server, workers)
+                pids[server] = [p.pid for p in procs]
             # the Python load generator against what ships (the figure kept from before)
             q = cl.mp.Queue()
             gen = cl.mp.Process(target=_load, args=(ports["uvicorn"], path, cl.key, conns,
@@ -333,13 +353,17 @@ def apiserver_rps(ctx: BenchContext) -> None:
             ctx.record("apiserver_rps", ok / dt, "req/s", server="uvicorn", workers=workers,
                        connections=conns, route="GET /v1/sandboxes/{id}", loadgen="python",
                        errors=bad, target=60_000)
-            runs: dict[tuple[str, str], list[tuple[float, int, float, float]]] = {}
+            runs: dict[tuple[str, str], list[tuple[float, int, float, float, int]]] = {}
+            cpu: dict[tuple[str, str], list[float]] = {}
             try:
                 for _ in range(rounds):
                     for server, port in ports.items():
                         for route in (path, "/healthz"):
-                            runs.setdefault((server, route), []).append(
-                                _wrk(port, route, cl.key, conns, seconds))
+                            c0 = _cpu_s(pids[server])
+                            r = _wrk(port, route, cl.key, conns, seconds)
+                            runs.setdefault((server, route), []).append(r)
+                            cpu.setdefault((server, route), []).append(
+                                (_cpu_s(pids[server]) - c0) / max(r[4], 1) * 1e6)
             except (OSError, ValueError) as exc:
                 ctx.note(f"apiserver_rps with wrk skipped: {exc}")
                 return
@@ -357,6 +381,10 @@ def apiserver_rps(ctx: BenchContext) -> None:
                 ctx.record(lat, statistics.median(r[3] for r in rs), "ms", **common)
                 ctx.record(lat.replace("p99", "p50"), statistics.median(r[2] for r in rs),
                            "ms", **common)
+                # CPU the server's workers spent per request: the figure a loaded machine
+                # moves least (req/s swings ~2x with what else runs; this ~10%).
+                ctx.record(name.replace("_rps", "_cpu_us"), statistics.median(cpu[server, route]),
+                           "us/req", **common)
             ctx.note(APISERVER_RPS_NOTE)
         finally:
             cl.close()
