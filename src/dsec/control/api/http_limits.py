@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
@@ -305,7 +306,7 @@ def guarded_protocol(limits: HttpLimits | None = None, *,
 
 def uvicorn_server(app: Any, limits: HttpLimits | None = None, *, name: str = "REST listener",
                    access_log: bool = False, log_level: str = "warning",
-                   budget: ProcessBudget | None = None) -> tuple[Any, Admission]:
+                   budget: ProcessBudget | None = None) -> tuple[uvicorn.Server, Admission]:
     """The REST listener as it ships: a ``uvicorn.Server`` on the caller's loop
     (``serve(sockets=[...])``) with :class:`GuardedHttpProtocol`, and its
     :class:`Admission`. It installs no signal handlers: the caller owns SIGINT/SIGTERM
@@ -317,8 +318,6 @@ def uvicorn_server(app: Any, limits: HttpLimits | None = None, *, name: str = "R
     granian's Rust accept loop gives Python no hook per connection, so the per-address
     cap on connections without a request (the idle-flood fix of issue 12) cannot be
     held there; uvicorn's protocol class is the seam that holds it."""
-    import uvicorn
-
     lim = limits or HttpLimits()
     protocol, admission = guarded_protocol(lim, budget=budget, name=name)
     cap = lim.connections.max_connections
