@@ -1438,8 +1438,10 @@ class ApiService:
     async def _snapshot_get_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
         return await self.get_snapshot(caller, b.id)
 
-    async def _snapshot_delete_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
-        return await self.delete_snapshot(caller, b.id)
+    async def _snapshot_delete_op(self, caller: Caller, b: SnapshotRef) -> None:
+        # The row answers nothing: REST's 204 had no body while the gateway answered the
+        # view, so Client.call(SNAPSHOT_DELETE) was None over http, a view over aether.
+        await self.delete_snapshot(caller, b.id)
 
     async def _info_op(self, caller: Caller, b: Empty) -> Info:
         return self.info(caller)
