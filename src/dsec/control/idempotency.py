@@ -66,13 +66,14 @@ import msgspec
 
 from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument, Unavailable
+from dsec.wire.spec import MAX_IDEMPOTENCY_KEY_CHARS, check_idempotency_key
 
 __all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
            "fingerprint", "request_fingerprint", "validate_key"]
 
 log = logging.getLogger("dsec.idempotency")
 
-MAX_KEY_LEN = 255
+MAX_KEY_LEN = MAX_IDEMPOTENCY_KEY_CHARS
 
 
 class IdempotencyStore(Protocol):
@@ -209,10 +210,9 @@ def request_fingerprint(request: object) -> str:
 
 
 def validate_key(key: str) -> str:
-    if not (0 < len(key) <= MAX_KEY_LEN) or not (key.isascii() and key.isprintable()):
-        raise InvalidArgument(
-            f"Idempotency-Key must be 1..{MAX_KEY_LEN} printable ASCII characters, got "
-            f"{len(key)} characters", field="Idempotency-Key")
+    """The request type's check (:func:`dsec.wire.spec.check_idempotency_key`): REST's
+    header and the gateway's field are refused in the same words."""
+    check_idempotency_key(key)
     return key
 
 
