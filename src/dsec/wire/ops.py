@@ -564,7 +564,9 @@ PROJECTS: Op[Empty, ProjectList] = Op(
 
 PROJECT_GET: Op[ProjectRef, ProjectView] = Op(
     "project_get", ProjectRef, ProjectView, summary="A project's quota and usage",
-    role="admin", target="project", idempotent=True, doors=API_DOORS,
+    # any role on the project sees its quota and usage (Admin.get_project, since the
+    # first IAM); setting one is quota_set's admin
+    role="reader", target="project", idempotent=True, doors=API_DOORS,
     rest=Rest(method="GET", path="/v1/projects/{path:path}", operation_id="getProject",
               tag="admin"))
 
