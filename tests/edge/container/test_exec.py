@@ -23,8 +23,16 @@ async def test_create_exec_destroy(backend: ContainerBackend) -> None:
     assert not r.timed_out and not r.stdout_truncated
     r = await backend.exec(sid, ExecRequest(argv=("hostname",)))
     assert r.stdout.decode().strip() == sid
-    r = await backend.exec(sid, ExecRequest(shell="echo $$; cat /proc/1/cmdline | tr '\\0' ' '"))
-    pid_inside, init_cmd = r.stdout.decode().split("\n")[:2]
+    # create answers once init is set up in its namespaces; its execve of the init binary
+    # may still be under way on a loaded host, and a process mid-execve has an empty
+    # cmdline (its new mm has no arguments yet): read it again for a moment
+    for _ in range(100):
+        r = await backend.exec(sid, ExecRequest(
+            shell="echo $$; cat /proc/1/cmdline | tr '\\0' ' '"))
+        pid_inside, init_cmd = r.stdout.decode().split("\n")[:2]
+        if init_cmd:
+            break
+        await asyncio.sleep(0.02)
     assert int(pid_inside) > 1 and init_cmd.startswith("/dev/.init -P")
     d = backend.upper_dir(sid)
     assert os.path.isdir(d)

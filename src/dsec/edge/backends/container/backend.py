@@ -709,8 +709,9 @@ class ContainerBackend:
             except OSError as exc:
                 errors.append(f"umount {disk}: {exc}")
         if os.path.isdir(d) and not os.path.ismount(disk) and not disk_kept:
-            try:
-                shutil.rmtree(d)
+            try:  # off the loop: ~7 rmdirs, measured 2.6 ms a sandbox on the loaded VM's
+                # ext4, which stalled every other sandbox's execs for each destroy
+                await asyncio.to_thread(shutil.rmtree, d)
             except OSError as exc:
                 errors.append(f"rmtree {d}: {exc}")
         if errors:
