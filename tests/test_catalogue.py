@@ -797,3 +797,83 @@ def _batch_as(w: World, op: Op[Any, Any], door: str, req: Any,
         assert isinstance(item, DsecError), item
         out.append((item.code, item.message))
     return out
+
+
+# ====================================================== a sandbox no one has
+GHOST = "sb-000000000000-edge-0"
+SANDBOX_ROWS = [pytest.param(op, id=op.name) for op in _order()
+                if op.target == "sandbox" and op.batch_of is None]
+
+
+@pytest.mark.parametrize("op", SANDBOX_ROWS)
+def test_an_unknown_sandbox_is_one_answer_at_both_api_doors(world: World,
+                                                            op: Op[Any, Any]) -> None:
+    """An id no sandbox has: the same 404 and words through REST and the gateway, for
+    every sandbox row (and the same as for another project's sandbox: ids never leak)."""
+    req = msgspec.structs.replace(EXAMPLES[op.name](world), id=GHOST)
+    got = {door: _as(world, op, door, req, world.cluster.api_key)
+           for door in ("rest", "gateway")}
+    assert {(s, c) for s, c, _ in got.values()} == {(404, "sandbox_not_found")}, got
+    assert len({m for _, _, m in got.values()}) == 1, got
+
+
+@pytest.fixture(scope="module")
+def stranger_key(world: World) -> str:
+    """An admin of another project: a tenant the world's sandbox is hidden from."""
+    return str(world.cluster.create_key("cat-stranger", "cat-other", "admin"))
+
+
+@pytest.mark.parametrize("op", SANDBOX_ROWS)
+def test_another_projects_sandbox_reads_as_no_sandbox_at_both_api_doors(
+        world: World, stranger_key: str, op: Op[Any, Any]) -> None:
+    """Another tenant's sandbox answers exactly as a missing one does, at both doors."""
+    req = EXAMPLES[op.name](world)
+    ghost = msgspec.structs.replace(req, id=GHOST)
+    for door in ("rest", "gateway"):
+        hidden = _as(world, op, door, req, stranger_key)
+        missing = _as(world, op, door, ghost, stranger_key)
+        assert hidden[:2] == missing[:2] == (404, "sandbox_not_found"), (door, hidden)
+        assert hidden[2].replace(req.id, GHOST) == missing[2], (door, hidden, missing)
+
+
+# ====================================================== a field nobody knows
+UNKNOWN_ROWS = [pytest.param(op, id=op.name) for op in _order()
+                if "gateway" in op.doors]
+
+
+@pytest.mark.parametrize("op", UNKNOWN_ROWS)
+def test_an_unknown_field_is_refused_by_name_at_the_aether_doors(
+        world: World, op: Op[Any, Any]) -> None:
+    """A field this release does not know is refused by name, never dropped (a dropped
+    ``parents: false`` would make the parents anyway): at the gateway and, where it
+    takes the same request, the edge, in the same words but for the method's name."""
+    req = EXAMPLES[op.name](world)
+    body = {**_raw(req), "parnets": False}
+    cl = world.cluster
+
+    async def run(address: str, token: str | None, method: str) -> DsecError:
+        conn = await connect(address, token=token)
+        try:
+            with pytest.raises(DsecError) as ei:
+                await conn.call(method, body, timeout=TIMEOUT)
+            return ei.value
+        finally:
+            await conn.close()
+    assert cl.gateway is not None
+    gw = cl._on_loop(run(cl.gateway, cl.api_key, op.api_method), timeout=TIMEOUT)
+    assert (gw.http_status, gw.code) == (400, "invalid_argument"), gw
+    assert "parnets" in gw.message, gw.message
+    if "edge" in op.doors and op.edge_plain:
+        edge = cl._on_loop(run(_edge_address(cl), None, op.edge_method), timeout=TIMEOUT)
+        assert edge.code == gw.code
+        assert edge.message.replace(op.edge_method, op.api_method) == gw.message
+
+
+@pytest.mark.xfail(strict=True, reason="REST ignores query parameters it does not know "
+                   "(mkdir?path=..&parnets=false makes the parents; the Aether doors "
+                   "refuse the field by name): refusing them needs every route's known "
+                   "parameter set from its row, not a small fix")
+def test_an_unknown_query_parameter_is_refused_by_name_at_rest(world: World) -> None:
+    r = world.rest("POST", f"/v1/sandboxes/{world.sid}/files/mkdir",
+                   params={"path": f"/tmp/q{world.n()}/a/b", "parnets": "false"})
+    assert r.status_code == 400 and "parnets" in r.json()["message"], r.text
