@@ -877,3 +877,36 @@ def test_an_unknown_query_parameter_is_refused_by_name_at_rest(world: World) -> 
     r = world.rest("POST", f"/v1/sandboxes/{world.sid}/files/mkdir",
                    params={"path": f"/tmp/q{world.n()}/a/b", "parnets": "false"})
     assert r.status_code == 400 and "parnets" in r.json()["message"], r.text
+
+
+# ============================================== no door the row does not list
+def test_a_door_serves_exactly_its_rows(world: World) -> None:
+    """Each door serves the rows that list it and nothing else: the edge's advertised
+    methods are its rows, and a row is unknown at an Aether door it does not list (the
+    gateway's uploads; the edge's management rows; the gateway's node rows)."""
+    from dsec.errors import UnknownMethod
+    from dsec.wire.node import NodeInfo
+    cl = world.cluster
+
+    async def probe(address: str, token: str | None, method: str) -> str:
+        conn = await connect(address, token=token)
+        try:
+            # an unknown field: a known method refuses the body, so nothing happens
+            await conn.call(method, {"parnets": 1}, timeout=TIMEOUT)
+            return "served"
+        except UnknownMethod:
+            return "unknown"
+        except DsecError:
+            return "served"      # known, refused for its body
+        finally:
+            await conn.close()
+
+    info = _call(world, ops.NODE_INFO, "edge", Empty())
+    assert isinstance(info, NodeInfo)
+    assert set(info.methods) == {op.edge_method for op in ops.EDGE_OPS}
+    assert cl.gateway is not None
+    for op in ALL_OPS:
+        gw = cl._on_loop(probe(cl.gateway, cl.api_key, op.api_method), timeout=TIMEOUT)
+        edge = cl._on_loop(probe(_edge_address(cl), None, op.edge_method), timeout=TIMEOUT)
+        assert (gw == "served") == ("gateway" in op.doors), (op.name, gw)
+        assert (edge == "served") == ("edge" in op.doors), (op.name, edge)
