@@ -202,11 +202,28 @@ def fingerprint(body: bytes) -> str:
 _canonical = msgspec.msgpack.Encoder(order="sorted")
 
 
+def _every_field(value: object) -> object:
+    """``value`` as plain data with every struct field written out. msgspec's
+    ``omit_defaults`` decides "is the default" by identity for strings and large ints:
+    a decoded ``"image": "base"`` was written while the default object itself was left
+    out, so one request fingerprinted two ways (REST's JSON decode against the
+    gateway's, and REST's ``{}`` against ``{"image": "base"}``) and a retry under the
+    same key was refused as a different request."""
+    if isinstance(value, msgspec.Struct):
+        return {f: _every_field(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, (list, tuple)):
+        return [_every_field(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _every_field(v) for k, v in value.items()}
+    return value
+
+
 def request_fingerprint(request: object) -> str:
     """The fingerprint of a decoded request in one canonical form (msgpack, keys
-    sorted), not of its bytes on the wire: REST's JSON and the gateway's msgpack of one
-    request, or JSON with its keys in another order, are one request under one key."""
-    return fingerprint(_canonical.encode(request))
+    sorted, every field written), not of its bytes on the wire: REST's JSON and the
+    gateway's msgpack of one request, or JSON with its keys in another order or a
+    default written out, are one request under one key."""
+    return fingerprint(_canonical.encode(_every_field(request)))
 
 
 def validate_key(key: str) -> str:
