@@ -910,3 +910,18 @@ def test_a_door_serves_exactly_its_rows(world: World) -> None:
         edge = cl._on_loop(probe(_edge_address(cl), None, op.edge_method), timeout=TIMEOUT)
         assert (gw == "served") == ("gateway" in op.doors), (op.name, gw)
         assert (edge == "served") == ("edge" in op.doors), (op.name, edge)
+
+
+def test_one_idempotency_key_is_one_sandbox_whichever_door_retries(world: World) -> None:
+    """A create retried through the other door with the same key and spec is the same
+    request (fingerprints are of the decoded request, not of its bytes)."""
+    key = f"cat-retry-{world.n()}"
+    req = CreateSandbox(spec=SandboxSpec(labels={"retry": "1"}, cpu_milli=250),
+                        idempotency_key=key)
+    first = _call(world, ops.CREATE, "rest", req)
+    again = _call(world, ops.CREATE, "gateway", req)
+    sdk = _call(world, ops.CREATE, "sdk-aether", req)
+    assert first.id == again.id == sdk.id
+    other = msgspec.structs.replace(req, spec=SandboxSpec(labels={"retry": "2"}))
+    got = _as(world, ops.CREATE, "gateway", other, world.cluster.api_key)
+    assert got[:2] == (409, "conflict") and "different request" in got[2], got
