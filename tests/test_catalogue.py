@@ -925,3 +925,21 @@ def test_one_idempotency_key_is_one_sandbox_whichever_door_retries(world: World)
     other = msgspec.structs.replace(req, spec=SandboxSpec(labels={"retry": "2"}))
     got = _as(world, ops.CREATE, "gateway", other, world.cluster.api_key)
     assert got[:2] == (409, "conflict") and "different request" in got[2], got
+
+
+@pytest.mark.parametrize("name", ["exec", "exec_many"])
+def test_a_command_answers_the_same_at_every_door(world: World, name: str) -> None:
+    """Bytes that are not UTF-8 (base64 on REST, raw in msgpack) and both streams come
+    back the same through every door (duration aside)."""
+    op = ops.BY_NAME[name]
+    req = ExecRequest(shell="cat; cat /nope; exit 3", stdin=b"\xff\x00ok")
+    body: Any = (ExecMany(calls=[ExecCall(id=world.sid, req=req)]) if name == "exec_many"
+                 else ExecCall(id=world.sid, req=req))
+    seen = {}
+    for door in _doors(op):
+        reply = _call(world, op, door, body)
+        result = reply.items[0].value if name == "exec_many" else reply
+        seen[door] = (result.exit_code, result.stdout, result.stderr, result.timed_out)
+    assert set(seen.values()) == {
+        (3, b"\xff\x00ok", b"cat: /nope: No such file or directory\n", False)}, seen
+    assert len(seen) == 5, seen
