@@ -79,7 +79,7 @@ from dsec.wire.jsonform import stream_item
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.rest import decode_reply, encode_request
-from dsec.wire.spec import ExecChunk, ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 
 from .conftest import requires_root
 
@@ -943,3 +943,50 @@ def test_a_command_answers_the_same_at_every_door(world: World, name: str) -> No
     assert set(seen.values()) == {
         (3, b"\xff\x00ok", b"cat: /nope: No such file or directory\n", False)}, seen
     assert len(seen) == 5, seen
+
+
+def _streamed(w: World, door: str, body: ExecCall) -> tuple[int, bytes, bytes]:
+    """(exit code, stdout, stderr) of an exec_stream, chunks and final reply together."""
+    op, cl = ops.EXEC_STREAM, w.cluster
+    items: list[Any]
+    if door == "rest":
+        r = encode_request(op, body)
+        resp = w.rest(r.method, r.path, params=r.params, headers=r.headers,
+                      content=r.content)
+        assert resp.status_code == 200, resp.text
+        items = [stream_item(msgspec.json.decode(ln, type=ExecStreamLine))
+                 for ln in resp.content.splitlines() if ln]
+    elif door.startswith("sdk-"):
+        with cl.client(transport=door.removeprefix("sdk-"), session_lease_s=None) as c:
+            assert body.req.shell is not None
+            items = list(c.sandboxes.get(body.id).exec_stream(body.req.shell,
+                                                              stdin=body.req.stdin))
+    else:
+        async def run() -> list[Any]:
+            gw = door == "gateway"
+            assert cl.gateway is not None
+            conn = await connect(cl.gateway if gw else _edge_address(cl),
+                                 token=cl.api_key if gw else None)
+            try:
+                s = conn.stream(op.api_method if gw else op.edge_method, _raw(body),
+                                item_type=ExecChunk, response_type=ExecResult,
+                                timeout=TIMEOUT)
+                async with s:
+                    got = [i async for i in s]
+                return [*got, s.result]
+            finally:
+                await conn.close()
+        items = cl._on_loop(run(), timeout=TIMEOUT)
+    *chunks, final = items
+    assert isinstance(final, ExecResult), final
+    out = b"".join(c.data for c in chunks if c.stream == "stdout") + final.stdout
+    err = b"".join(c.data for c in chunks if c.stream == "stderr") + final.stderr
+    return final.exit_code, out, err
+
+
+def test_a_streamed_command_answers_the_same_at_every_door(world: World) -> None:
+    body = ExecCall(id=world.sid, req=ExecRequest(shell="cat; cat /nope; exit 3",
+                                                  stdin=b"\xff\x00ok"))
+    seen = {door: _streamed(world, door, body) for door in _doors(ops.EXEC_STREAM)}
+    assert len(seen) == 5 and set(seen.values()) == {
+        (3, b"\xff\x00ok", b"cat: /nope: No such file or directory\n")}, seen
