@@ -17,8 +17,16 @@ example answers with the row's reply type:
 And for each row with limited fields, raw bodies past each limit (``INVALID``: dicts, as
 an attacker sends them; a request type past a limit cannot even be built) are refused
 at every door that takes the field as ``400 invalid_argument`` with the same message
-word for word, never echoing the big value. Destructive rows run last; each example of
-a destructive row makes its own victim.
+word for word, never echoing the big value; the SDK cannot even build them (the same
+words, in-process). Destructive rows run last; each example of a destructive row makes
+its own victim.
+
+Beside: a still answer (get, list, stat, ...) is the same value at every door; a
+command's bytes come back the same through all five; a reader is refused a member or
+admin row alike at REST and the gateway; an unknown sandbox and another tenant's are one
+404; an unknown field is refused by name; each Aether door serves exactly its rows; one
+idempotency key is one sandbox whichever door retries. Known gaps are strict xfails that
+name them.
 """
 
 from __future__ import annotations
