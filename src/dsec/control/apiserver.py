@@ -224,8 +224,10 @@ def _json_response(obj: Any, rid: str, status: int = 200) -> Response:
                     headers={"x-request-id": rid})
 
 
-def _q_int(request: Request, name: str, default: int | None, lo: int = 0,
+def _q_int(request: Request, name: str, default: int | None, lo: int = -(1 << 62),
            hi: int = 1 << 62) -> int | None:
+    """An integer query parameter. Its range is the request type's or the policy's to
+    check (the same words at every door); the bounds here only keep it a 64-bit int."""
     v = request.query_params.get(name)
     if v is None:
         return default
@@ -352,7 +354,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         if state is not None and state not in _STATES:
             raise InvalidArgument(f"state={state[:20]!r} is not one of {sorted(_STATES)}",
                                   field="state")
-        limit = _q_int(request, "limit", 100, 1, service.config.list_page_max)
+        limit = _q_int(request, "limit", 100)      # 1..list_page_max: the policy's words
         assert limit is not None
         page = await list_policy(caller, ListSandboxes(
             project=request.query_params.get("project"), labels=labels,
@@ -444,7 +446,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     async def write(request: Request, caller: Caller, rid: str) -> Response:
         path = _q_path(request)
-        mode = _q_int(request, "mode", 0o644, 0, 0o7777)
+        mode = _q_int(request, "mode", 0o644)      # 0..0o7777: WriteFile's words
         data = await _read_body(request, cfg.max_file_body)
         await write_policy(caller, WriteFile(id=sid_of(request), path=path, data=data,
                                              mode=mode or 0, append=_q_bool(request, "append")))

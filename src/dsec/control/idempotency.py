@@ -66,13 +66,14 @@ import msgspec
 
 from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument, Unavailable
+from dsec.wire.spec import MAX_IDEMPOTENCY_KEY_CHARS, check_idempotency_key
 
 __all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
            "fingerprint", "request_fingerprint", "validate_key"]
 
 log = logging.getLogger("dsec.idempotency")
 
-MAX_KEY_LEN = 255
+MAX_KEY_LEN = MAX_IDEMPOTENCY_KEY_CHARS
 
 
 class IdempotencyStore(Protocol):
@@ -201,18 +202,34 @@ def fingerprint(body: bytes) -> str:
 _canonical = msgspec.msgpack.Encoder(order="sorted")
 
 
+def _every_field(value: object) -> object:
+    """``value`` as plain data with every struct field written out. msgspec's
+    ``omit_defaults`` decides "is the default" by identity for strings and large ints:
+    a decoded ``"image": "base"`` was written while the default object itself was left
+    out, so one request fingerprinted two ways (REST's JSON decode against the
+    gateway's, and REST's ``{}`` against ``{"image": "base"}``) and a retry under the
+    same key was refused as a different request."""
+    if isinstance(value, msgspec.Struct):
+        return {f: _every_field(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, (list, tuple)):
+        return [_every_field(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _every_field(v) for k, v in value.items()}
+    return value
+
+
 def request_fingerprint(request: object) -> str:
     """The fingerprint of a decoded request in one canonical form (msgpack, keys
-    sorted), not of its bytes on the wire: REST's JSON and the gateway's msgpack of one
-    request, or JSON with its keys in another order, are one request under one key."""
-    return fingerprint(_canonical.encode(request))
+    sorted, every field written), not of its bytes on the wire: REST's JSON and the
+    gateway's msgpack of one request, or JSON with its keys in another order or a
+    default written out, are one request under one key."""
+    return fingerprint(_canonical.encode(_every_field(request)))
 
 
 def validate_key(key: str) -> str:
-    if not (0 < len(key) <= MAX_KEY_LEN) or not (key.isascii() and key.isprintable()):
-        raise InvalidArgument(
-            f"Idempotency-Key must be 1..{MAX_KEY_LEN} printable ASCII characters, got "
-            f"{len(key)} characters", field="Idempotency-Key")
+    """The request type's check (:func:`dsec.wire.spec.check_idempotency_key`): REST's
+    header and the gateway's field are refused in the same words."""
+    check_idempotency_key(key)
     return key
 
 

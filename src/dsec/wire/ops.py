@@ -474,10 +474,12 @@ SNAPSHOT_GET: Op[SnapshotRef, SnapshotView] = Op(
     rest=Rest(method="GET", path="/v1/snapshots/{id}", operation_id="getSnapshot",
               tag="snapshots"))
 
-SNAPSHOT_DELETE: Op[SnapshotRef, SnapshotView] = Op(
-    "snapshot_delete", SnapshotRef, SnapshotView,
+SNAPSHOT_DELETE: Op[SnapshotRef, None] = Op(
+    "snapshot_delete", SnapshotRef, None,
     summary="Delete a snapshot (409 in_use while a sandbox runs from it or a snapshot "
             "builds on it)",
+    # answers nothing at every API door (REST's 204; the gateway and the SDK over either
+    # transport alike); the edge answers what it deleted (the apiserver's bookkeeping)
     role="member", target="snapshot", idempotent=False, doors=ALL_DOORS,
     edge_reply=SnapshotInfo,
     rest=Rest(method="DELETE", path="/v1/snapshots/{id}", operation_id="deleteSnapshot",
@@ -562,7 +564,9 @@ PROJECTS: Op[Empty, ProjectList] = Op(
 
 PROJECT_GET: Op[ProjectRef, ProjectView] = Op(
     "project_get", ProjectRef, ProjectView, summary="A project's quota and usage",
-    role="admin", target="project", idempotent=True, doors=API_DOORS,
+    # any role on the project sees its quota and usage (Admin.get_project, since the
+    # first IAM); setting one is quota_set's admin
+    role="reader", target="project", idempotent=True, doors=API_DOORS,
     rest=Rest(method="GET", path="/v1/projects/{path:path}", operation_id="getProject",
               tag="admin"))
 

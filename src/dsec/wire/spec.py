@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from dsec.errors import InvalidArgument
+from dsec.errors import InvalidArgument, PayloadTooLarge
 
 __all__ = [
     "FILE_CHUNK_BYTES",
@@ -170,10 +170,16 @@ def check_path(path: object, *, field: str = "path") -> str:
 
 
 def check_read_range(offset: int, length: int | None) -> None:
-    """A file read's ``offset`` and ``length`` (None: to the end) are not negative."""
+    """A file read's ``offset`` and ``length`` (None: to the end) are not negative, and
+    ``length`` asks for at most ``MAX_FILE_READ_BYTES`` (the edge used to take a larger
+    one that the API doors refused)."""
     if offset < 0 or (length is not None and length < 0):
         raise InvalidArgument(f"read_file offset={offset} length={length} must be >= 0",
                               field="offset" if offset < 0 else "length")
+    if length is not None and length > MAX_FILE_READ_BYTES:
+        raise PayloadTooLarge(f"read of {length} bytes asked, the limit is "
+                              f"{MAX_FILE_READ_BYTES}; pass offset/length to read in parts",
+                              field="length", size=length, limit=MAX_FILE_READ_BYTES)
 
 
 def check_mode(mode: int) -> None:

@@ -600,13 +600,6 @@ class ApiService:
         labels = dict(req.labels)
         if req.session is not None:
             labels["dsec.io/session"] = req.session
-        # label and env limits: SandboxSpec.validate (below), the same at every door
-        cap = self.config.pids_max_ceiling
-        if cap is not None and (req.pids_max is None or req.pids_max > cap):
-            raise InvalidArgument(
-                f"pids_max={req.pids_max if req.pids_max is not None else 'null'} is refused: "
-                f"this apiserver caps processes per sandbox at {cap} (a fork-bomb guard "
-                f"for the node); ask for 1..{cap}", field="pids_max", limit=cap)
         spec = SandboxSpec(
             image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
             snapshot=req.snapshot,
@@ -618,7 +611,16 @@ class ApiService:
             network=req.network, allow_nested=req.allow_nested,
             user_namespace=req.user_namespace,
         )
-        return spec.validate()
+        # the spec's own limits first (the type's words, as the gateway's decode gives
+        # them), then this apiserver's tighter pids cap
+        spec = spec.validate()
+        cap = self.config.pids_max_ceiling
+        if cap is not None and (req.pids_max is None or req.pids_max > cap):
+            raise InvalidArgument(
+                f"pids_max={req.pids_max if req.pids_max is not None else 'null'} is refused: "
+                f"this apiserver caps processes per sandbox at {cap} (a fork-bomb guard "
+                f"for the node); ask for 1..{cap}", field="pids_max", limit=cap)
+        return spec
 
     async def create(
         self, principal: Caller, req: CreateSandboxRequest, *,
@@ -1438,8 +1440,10 @@ class ApiService:
     async def _snapshot_get_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
         return await self.get_snapshot(caller, b.id)
 
-    async def _snapshot_delete_op(self, caller: Caller, b: SnapshotRef) -> SnapshotView:
-        return await self.delete_snapshot(caller, b.id)
+    async def _snapshot_delete_op(self, caller: Caller, b: SnapshotRef) -> None:
+        # The row answers nothing: REST's 204 had no body while the gateway answered the
+        # view, so Client.call(SNAPSHOT_DELETE) was None over http, a view over aether.
+        await self.delete_snapshot(caller, b.id)
 
     async def _info_op(self, caller: Caller, b: Empty) -> Info:
         return self.info(caller)
