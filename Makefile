@@ -30,7 +30,7 @@ $(APT_STAMP):
 $(STAMP): pyproject.toml $(APT_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,rl]'
+	$(PY) -m pip install -q -e '.[dev,rl,bench]'
 	@touch $@
 
 setup: $(STAMP)

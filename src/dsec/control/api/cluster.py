@@ -137,12 +137,6 @@ class ClusterConfig:
     simulated_profile: str = "zero"
 
 
-def _plus_one(n: int | None) -> int | None:
-    # uvicorn answers 503 once len(connections) >= limit_concurrency, counting the one
-    # asking: one more than the admitted maximum lets every admitted connection be served.
-    return None if n is None else n + 1
-
-
 def _host_paths(state_dir: str) -> tuple[str, ...]:
     """The spellings of ``state_dir`` an error message may carry, longest first."""
     paths = {os.path.abspath(state_dir), os.path.realpath(state_dir)}
@@ -625,8 +619,6 @@ class ClusterRuntime:
         return plane.bootstrap_admin()
 
     async def _start_http(self, service: ApiService, plane: ControlPlane) -> None:
-        import uvicorn
-
         cfg = self.config
         host, _, port_s = cfg.listen.rpartition(":")
         if not host or not port_s.isdigit():
@@ -645,18 +637,13 @@ class ClusterRuntime:
         port = sock.getsockname()[1]
         self.url = f"http://{host}:{port}"
         app = build_app(service, plane, RestConfig(metrics_token=cfg.metrics_token))
-        from dsec.control.api.http_limits import guarded_protocol
-        protocol, self.http_admission = guarded_protocol(cfg.http_limits,
-                                                         name=f"REST listener {cfg.listen}")
-        ucfg = uvicorn.Config(app, loop="none", http=protocol, lifespan="off",
-                              proxy_headers=False, server_header=False,
-                              access_log=cfg.access_log, log_level="warning",
-                              limit_concurrency=_plus_one(
-                                  cfg.http_limits.connections.max_connections))
-        server = self._uvicorn = uvicorn.Server(ucfg)
+        from dsec.control.api.http_limits import uvicorn_server
         # The runtime owns SIGINT/SIGTERM (`dsec up` stops the whole cluster on them):
-        # uvicorn must not swap in its own handlers while it serves on the main thread.
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+        # the server installs no handlers of its own.
+        server, self.http_admission = uvicorn_server(
+            app, cfg.http_limits, name=f"REST listener {cfg.listen}",
+            access_log=cfg.access_log)
+        self._uvicorn = server
         self._serve_task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self._serve_task.done():

@@ -33,16 +33,18 @@ overrides call the parent first and only add bookkeeping around its parser callb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
 from dsec.errors import InvalidArgument, Overloaded
 
-__all__ = ["GuardedHttpProtocol", "HttpLimits", "guarded_protocol"]
+__all__ = ["GuardedHttpProtocol", "HttpLimits", "guarded_protocol", "uvicorn_server"]
 
 # Seconds a refused connection may stay open to flush its 503 before it is aborted, and
 # how many may linger at once (beyond that a refusal is closed at once).
@@ -197,16 +199,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._draining:
             return  # answered: its request is read and dropped until it hangs up
         self._last_rx = self.loop.time()
-        if not self._in_headers:
+        if self._in_headers:
+            start = self._hdr_bytes
+        elif not self._in_body and (self.cycle is None or self.cycle.response_complete):
+            start = 0       # between requests, nothing being answered: a head starts here
+        else:
             super().data_received(data)
             return
-        self._hdr_bytes += len(data)
-        super().data_received(data)
+        self._hdr_bytes = start + len(data)
         limit = self.http_limits.max_header_bytes
+        # A whole head in one read completes inside the parser, before the check after it
+        # could see it (found by the `api` bench's header_limit probe: a 64 KiB head sent
+        # at once was served, on a new connection and on a kept-alive one): measure the
+        # head up to its end in this read before parsing it.
+        end = data.find(b"\r\n\r\n")
+        if (start + end + 4 if end >= 0 else self._hdr_bytes) > limit:
+            self._too_large(limit)
+            return
+        super().data_received(data)
         if self._in_headers and self._hdr_bytes > limit and not self.transport.is_closing():
-            self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
-                              "payload_too_large",
-                              f"request line and headers exceed {limit} bytes")
+            self._too_large(limit)
+
+    def _too_large(self, limit: int) -> None:
+        self._timeout_out("header_too_large", 431, "Request Header Fields Too Large",
+                          "payload_too_large", f"request line and headers exceed {limit} bytes")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -286,3 +302,31 @@ def guarded_protocol(limits: HttpLimits | None = None, *,
     attrs: dict[str, Any] = {"admission": adm, "http_limits": lim, "lingering": [0],
                              "pending": pending, "pool": pool}
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs), adm
+
+
+def uvicorn_server(app: Any, limits: HttpLimits | None = None, *, name: str = "REST listener",
+                   access_log: bool = False, log_level: str = "warning",
+                   budget: ProcessBudget | None = None) -> tuple[uvicorn.Server, Admission]:
+    """The REST listener as it ships: a ``uvicorn.Server`` on the caller's loop
+    (``serve(sockets=[...])``) with :class:`GuardedHttpProtocol`, and its
+    :class:`Admission`. It installs no signal handlers: the caller owns SIGINT/SIGTERM
+    and stops it with ``server.should_exit = True`` (in-flight requests finish; idle
+    kept-alive connections are closed). ``dsec up`` and the ``api`` bench build it here,
+    so the benchmark measures what ships.
+
+    Why uvicorn and not granian (measured in the ``api`` bench, docs/benchmarks.md):
+    granian's Rust accept loop gives Python no hook per connection, so the per-address
+    cap on connections without a request (the idle-flood fix of issue 12) cannot be
+    held there; uvicorn's protocol class is the seam that holds it."""
+    lim = limits or HttpLimits()
+    protocol, admission = guarded_protocol(lim, budget=budget, name=name)
+    cap = lim.connections.max_connections
+    # uvicorn answers 503 once len(connections) >= limit_concurrency, counting the one
+    # asking: one more than the admitted maximum lets every admitted connection be served.
+    config = uvicorn.Config(app, loop="none", http=protocol, lifespan="off",
+                            proxy_headers=False, server_header=False, access_log=access_log,
+                            log_level=log_level,
+                            limit_concurrency=None if cap is None else cap + 1)
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+    return server, admission
