@@ -74,6 +74,33 @@ def _rest_body(req: Raw) -> dict[str, Any]:
     return body
 
 
+def _rest_answer(r: httpx.Response) -> tuple[str, int, str]:
+    return ("rest", r.status_code, r.json().get("message", "") if r.status_code >= 400
+            else "ok")
+
+
+def _aether_doors(cluster: LocalCluster, op: str, gateway_body: Raw, edge_body: Raw,
+                  reply: Any) -> list[tuple[str, int, str]]:
+    """(door, status, message) of ``api.<op>`` at the gateway and ``edge.<op>`` at the
+    edge itself, each sent as a raw body on a connection of its own."""
+    async def one(door: str) -> tuple[str, int, str]:
+        if door == "gateway":
+            assert cluster.gateway is not None
+            conn = await connect(cluster.gateway, token=cluster.api_key)
+            method, body = f"api.{op}", gateway_body
+        else:
+            client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
+            conn, method, body = client.conn, f"edge.{op}", edge_body
+        try:
+            await conn.call(method, body, response_type=reply, timeout=60)
+            return door, 200, "ok"
+        except DsecError as exc:
+            return door, exc.http_status, exc.message
+        finally:
+            await conn.close()
+    return [_on_loop(cluster, one("gateway")), _on_loop(cluster, one("edge"))]
+
+
 def _doors_exec(cluster: LocalCluster, sid: str,
                 req: Raw | ExecRequest) -> list[tuple[str, int, str]]:
     """(door, status-or-0, message) of an exec through REST, the gateway and the edge."""
@@ -81,37 +108,10 @@ def _doors_exec(cluster: LocalCluster, sid: str,
         req = msgspec.to_builtins(req)
         if "stdin" in req:
             req["stdin"] = base64.b64decode(req["stdin"])
-    out: list[tuple[str, int, str]] = []
     r = httpx.post(f"{cluster.url}/v1/sandboxes/{sid}/exec", json=_rest_body(req),
                    headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)
-    out.append(("rest", r.status_code, r.json().get("message", "") if r.status_code >= 400
-                else "ok"))
-
-    async def gateway() -> tuple[str, int, str]:
-        assert cluster.gateway is not None
-        conn = await connect(cluster.gateway, token=cluster.api_key)
-        try:
-            await conn.call("api.exec", {"id": sid, "req": req},
-                            response_type=ExecResult, timeout=60)
-            return "gateway", 200, "ok"
-        except DsecError as exc:
-            return "gateway", exc.http_status, exc.message
-        finally:
-            await conn.close()
-
-    async def edge() -> tuple[str, int, str]:
-        client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
-        try:
-            await client.conn.call("edge.exec", {"id": sid, "req": req},
-                                   response_type=ExecResult, timeout=60)
-            return "edge", 200, "ok"
-        except DsecError as exc:
-            return "edge", exc.http_status, exc.message
-        finally:
-            await client.close()
-    out.append(_on_loop(cluster, gateway()))
-    out.append(_on_loop(cluster, edge()))
-    return out
+    body = {"id": sid, "req": req}
+    return [_rest_answer(r), *_aether_doors(cluster, "exec", body, body, ExecResult)]
 
 
 def _same_refusal(results: list[tuple[str, int, str]], needle: str) -> None:
@@ -172,36 +172,11 @@ def _doors_read(cluster: LocalCluster, sid: str, path: str,
                 rest: bool = True) -> list[tuple[str, int, str]]:
     out: list[tuple[str, int, str]] = []
     if rest:
-        r = httpx.get(f"{cluster.url}/v1/sandboxes/{sid}/files/stat", params={"path": path},
-                      headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)
-        out.append(("rest", r.status_code, r.json().get("message", "")
-                    if r.status_code >= 400 else "ok"))
-
-    async def gateway() -> tuple[str, int, str]:
-        assert cluster.gateway is not None
-        conn = await connect(cluster.gateway, token=cluster.api_key)
-        try:
-            await conn.call("api.stat", {"id": sid, "path": path},
-                            response_type=FileInfo, timeout=60)
-            return "gateway", 200, "ok"
-        except DsecError as exc:
-            return "gateway", exc.http_status, exc.message
-        finally:
-            await conn.close()
-
-    async def edge() -> tuple[str, int, str]:
-        client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
-        try:
-            await client.conn.call("edge.stat", {"id": sid, "path": path},
-                                   response_type=FileInfo, timeout=60)
-            return "edge", 200, "ok"
-        except DsecError as exc:
-            return "edge", exc.http_status, exc.message
-        finally:
-            await client.close()
-    out.append(_on_loop(cluster, gateway()))
-    out.append(_on_loop(cluster, edge()))
-    return out
+        out.append(_rest_answer(httpx.get(
+            f"{cluster.url}/v1/sandboxes/{sid}/files/stat", params={"path": path},
+            headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)))
+    body = {"id": sid, "path": path}
+    return [*out, *_aether_doors(cluster, "stat", body, body, FileInfo)]
 
 
 def test_a_70000_character_path_is_a_short_4xx_at_every_door(cluster: LocalCluster,
@@ -453,36 +428,10 @@ def test_a_spec_env_or_labels_past_their_limits_are_refused_at_every_door(
     many_labels = {f"k{i}": "" for i in range(MAX_LABELS + 1)}
 
     def doors(fields: Raw) -> list[tuple[str, int, str]]:
-        r = _rest(cluster, "POST", "/v1/sandboxes", json=fields)
-        out = [("rest", r.status_code, r.json().get("message", "") if r.status_code >= 400
-                else "ok")]
-
-        async def gateway() -> tuple[str, int, str]:
-            assert cluster.gateway is not None
-            conn = await connect(cluster.gateway, token=cluster.api_key)
-            try:
-                await conn.call("api.create", {"spec": {"backend": "simulated", **fields}},
-                                response_type=SandboxInfo, timeout=60)
-                return "gateway", 200, "ok"
-            except DsecError as exc:
-                return "gateway", exc.http_status, exc.message
-            finally:
-                await conn.close()
-
-        async def edge() -> tuple[str, int, str]:
-            client = await EdgeClient.connect(f"unix:{cluster.state_dir}/edges/edge-0.sock")
-            try:
-                await client.conn.call("edge.create", {"spec": {
-                    "backend": "simulated", "project": "default", **fields}},
-                    response_type=SandboxInfo, timeout=60)
-                return "edge", 200, "ok"
-            except DsecError as exc:
-                return "edge", exc.http_status, exc.message
-            finally:
-                await client.close()
-        out.append(_on_loop(cluster, gateway()))
-        out.append(_on_loop(cluster, edge()))
-        return out
+        spec = {"backend": "simulated", **fields}
+        return [_rest_answer(_rest(cluster, "POST", "/v1/sandboxes", json=fields)),
+                *_aether_doors(cluster, "create", {"spec": spec},
+                               {"spec": {**spec, "project": "default"}}, SandboxInfo)]
 
     _same_refusal(doors({"env": big_env}),
                   f"over the {MAX_SPEC_ENV_BYTES}-byte limit")
