@@ -41,9 +41,10 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     │   └── RemoteProtocolError    the peer sent something invalid (its bug/corruption)
     ├── TransportError             the caller's own connection failed
     │   ├── ConnectFailed          could not connect: nothing was sent
-    │   └── ConnectionLost         pending calls on a connection that died: the
-    │       │                      request may have been carried out
-    │       └── Overloaded         a server refused the connection: at its limits  503
+    │   ├── ConnectionLost         pending calls on a connection that died: the
+    │   │   │                      request may have been carried out
+    │   │   └── Overloaded         a server refused the connection: at its limits  503
+    │   └── StreamReset            one duplex stream was reset (the connection lives)
     ├── SandboxError               the sandbox or its backend failed             500
     │   └── BackendError
     ├── ImageError                 layer store / build / import problems         400
@@ -98,6 +99,7 @@ __all__ = [
     "SandboxError",
     "SandboxLost",
     "SandboxNotFound",
+    "StreamReset",
     "Timeout",
     "TransportError",
     "Unauthenticated",
@@ -334,6 +336,14 @@ class Overloaded(ConnectionLost):
 
     code = "overloaded"
     http_status = 503
+
+
+class StreamReset(TransportError):
+    """One duplex Aether stream ended abruptly: the peer cancelled it, its call ended
+    while data was still flowing, or this side reset it. The connection and its other
+    streams carry on; bytes not yet delivered on this stream are lost."""
+
+    code = "stream_reset"
 
 
 class SandboxError(DsecError):

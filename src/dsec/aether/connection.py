@@ -65,7 +65,15 @@ from dsec.aether.frame import (
 )
 from dsec.aether.limits import ListenerStats, ProcessBudget, ServerLimits
 from dsec.aether.messages import ErrorBody, error_body, method_prefix
-from dsec.aether.state import AUTH_METHOD, ConnectionState, Side, Verdict
+from dsec.aether.state import (
+    AUTH_METHOD,
+    ConnectionState,
+    DuplexFlow,
+    Side,
+    Verdict,
+    decode_window,
+    encode_window,
+)
 from dsec.errors import (
     ConnectionLost,
     DsecError,
@@ -77,13 +85,14 @@ from dsec.errors import (
     RemoteProtocolError,
     RequestTimeout,
     ResourceExhausted,
+    StreamReset,
     Unauthenticated,
     UnknownMethod,
     error_from_wire,
 )
 
-__all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Guard", "Router",
-           "StreamSender", "current_peer"]
+__all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "DuplexStream", "Guard",
+           "Router", "StreamSender", "current_peer"]
 
 # AUTH_METHOD (from dsec.aether.state): the method a peer calls first on an endpoint whose
 # Router has a token (body: the token as msgpack bin). Edges listening on TCP require it;
@@ -129,7 +138,11 @@ _CANCEL = int(FrameType.CANCEL)
 _PING = int(FrameType.PING)
 _PONG = int(FrameType.PONG)
 _GOAWAY = int(FrameType.GOAWAY)
+_WINDOW = int(FrameType.WINDOW)
 _STREAMING = int(FrameFlags.STREAMING)
+_DUPLEX = int(FrameFlags.DUPLEX)
+_FIN = int(FrameFlags.FIN)
+_CALL_KIND = _STREAMING | _DUPLEX   # the REQUEST flags that must match the route's kind
 
 # Why reading is paused (bit mask): too much undigested input, or too much unsent output
 # while this side waits for nothing from the peer (see _on_write_paused).
@@ -192,6 +205,8 @@ class _Route:
     is_async: bool
     streaming: bool
     with_context: bool
+    duplex: bool
+    kind: int           # the REQUEST flags (& _CALL_KIND) this route is called with
 
 
 #: Checks the credential a peer sent with AUTH_METHOD; ``peer`` is its address key
@@ -246,7 +261,11 @@ class Router:
         request_type: Any = None,
         streaming: bool = False,
         with_context: bool = False,
+        duplex: bool = False,
     ) -> None:
+        """Serve ``method``. ``streaming``: the handler also takes a :class:`StreamSender`;
+        ``duplex``: it takes a :class:`DuplexStream` (raw bytes both ways under per-stream
+        credit, see docs/aether.md) and its return value ends the call."""
         if method in self._routes:
             raise InvalidArgument(f"Aether method {method!r} is already registered")
         try:
@@ -254,21 +273,25 @@ class Router:
         except LocalProtocolError as exc:
             raise InvalidArgument(str(exc)) from exc
         is_async = inspect.iscoroutinefunction(handler)
-        if streaming and not is_async:
-            raise InvalidArgument(f"streaming handler for {method!r} must be an async def")
+        if streaming and duplex:
+            raise InvalidArgument(f"handler for {method!r} is streaming or duplex, not both")
+        if (streaming or duplex) and not is_async:
+            kind = "streaming" if streaming else "duplex"
+            raise InvalidArgument(f"{kind} handler for {method!r} must be an async def")
         decoder = msgspec.msgpack.Decoder(request_type) if request_type is not None else _ANY
         route = _Route(method, handler, request_type, decoder, is_async, streaming,
-                       with_context)
+                       with_context, duplex,
+                       _STREAMING if streaming else _DUPLEX if duplex else 0)
         self._routes[method] = route
         self._by_prefix[prefix] = route
 
     def route(
         self, method: str, *, request_type: Any = None, streaming: bool = False,
-        with_context: bool = False,
+        with_context: bool = False, duplex: bool = False,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             self.add(method, fn, request_type=request_type, streaming=streaming,
-                     with_context=with_context)
+                     with_context=with_context, duplex=duplex)
             return fn
         return deco
 
@@ -470,6 +493,237 @@ class CallStream:
         self.cancel()
 
 
+class DuplexStream(_Slot):
+    """One duplex stream, at either end: raw bytes both ways on one stream id.
+
+    The caller gets it from :meth:`Connection.duplex`, the server's handler (registered
+    ``duplex=True``) as its last argument. Each direction has its own credit
+    (:class:`~dsec.aether.state.DuplexFlow`): :meth:`send` waits while the peer has granted
+    nothing, and the reader's :meth:`recv` grants credit back as it takes bytes. The
+    connection keeps reading for every other stream meanwhile, so a slow reader only ever
+    stops its own stream's sender, and at most one window per stream is buffered.
+
+    - :meth:`close_write` half-closes this side (FIN): the peer's :meth:`recv` then
+      answers ``b""`` once it has read everything; the other direction carries on.
+    - The server's handler returning ends the call (RESPONSE, read by the caller's
+      :meth:`result`); it implies its FIN, and whatever the caller still sends is dropped.
+    - :meth:`reset` (either side) aborts: the caller sends CANCEL (the server's handler is
+      cancelled), the server's handler raising answers ERROR; a pending :meth:`recv` or
+      :meth:`send` on the other end raises :class:`~dsec.errors.StreamReset` (or the
+      handler's error). The connection and its other streams are unaffected.
+    """
+
+    __slots__ = ("_caller", "_chunks", "_conn", "_done", "_error", "_final", "_final_waiter",
+                 "_flow", "_response_type", "_rwaiter", "_swaiter", "_timer", "method", "sid")
+
+    def __init__(self, conn: Connection, sid: int, method: str, *, caller: bool,
+                 response_type: Any = None) -> None:
+        self._conn = conn
+        self.sid = sid
+        self.method = method
+        self._caller = caller
+        self._flow = DuplexFlow(sid)
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._rwaiter: asyncio.Future[None] | None = None
+        self._swaiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None      # reset: both directions raise it
+        self._done = False                            # the call is over (reply or reset)
+        self._final: bytes | None = None              # the caller's RESPONSE payload
+        self._final_waiter: asyncio.Future[None] | None = None
+        self._response_type = response_type
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -------------------------------------------------------------- writing
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` in order, waiting for the peer's credit as needed (pieces of at
+        most 64 KiB). Raises StreamReset after a reset, LocalProtocolError after
+        :meth:`close_write`, ConnectionLost when the connection is gone."""
+        conn = self._conn
+        flow = self._flow
+        view = memoryview(data)
+        total = len(view)
+        off = 0
+        while off < total:
+            if self._error is not None:
+                raise self._error
+            if conn._closed:
+                raise conn._lost_error()
+            if self._done:
+                raise StreamReset(
+                    f"duplex stream {self.sid} ({self.method!r}) on connection {conn.name} "
+                    "is over (the call was answered): nothing more can be sent")
+            n = flow.sendable(total - off)
+            if not n:
+                w = self._swaiter = conn._loop.create_future()
+                try:
+                    await w
+                finally:
+                    self._swaiter = None
+                continue
+            flow.sent(n)
+            conn._send(_STREAM, self.sid, bytes(view[off : off + n]))
+            off += n
+            if conn._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                await conn._drain()
+
+    def close_write(self) -> None:
+        """Half-close: tell the peer this side sends nothing more (STREAM with FIN).
+        Idempotent; a no-op once the call is over."""
+        if self._done or self._error is not None or not self._flow.can_send:
+            return
+        self._flow.send_fin()
+        if not self._conn._closed:
+            self._conn._send(_STREAM, self.sid, b"", _FIN)
+
+    # -------------------------------------------------------------- reading
+    async def recv(self, max_bytes: int | None = None) -> bytes:
+        """The next bytes from the peer (at most ``max_bytes``), ``b""`` once it has
+        half-closed (or the call ended) and everything was read. Raises StreamReset (or
+        the call's error) after a reset."""
+        conn = self._conn
+        chunks = self._chunks
+        while True:
+            if chunks:
+                chunk = chunks.popleft()
+                if max_bytes is not None and len(chunk) > max_bytes > 0:
+                    chunks.appendleft(chunk[max_bytes:])
+                    chunk = chunk[:max_bytes]
+                self._consumed(len(chunk))
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if not self._flow.can_receive:
+                return b""
+            if conn._closed:
+                raise conn._lost_error()
+            w = self._rwaiter = conn._loop.create_future()
+            try:
+                await w
+            finally:
+                self._rwaiter = None
+
+    def __aiter__(self) -> DuplexStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self.recv()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+    def _consumed(self, n: int) -> None:
+        grant = self._flow.consumed(n)
+        conn = self._conn
+        if grant and not self._done and not conn._closed:
+            conn._send(_WINDOW, self.sid, encode_window(grant))
+
+    # ------------------------------------------------------------ the call
+    @property
+    def unread(self) -> int:
+        """Bytes received and not yet read (at most the window)."""
+        return self._flow.unread
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    async def result(self) -> Any:
+        """The caller's end: wait for the server's reply (decoded as ``response_type``);
+        raises the call's error. Reading what the server sent before it is still possible."""
+        if not self._caller:
+            raise InvalidArgument("result() is the caller's; a duplex handler returns its reply")
+        while not self._done:
+            w = self._final_waiter = self._conn._loop.create_future()
+            try:
+                await w
+            except asyncio.CancelledError:
+                self.reset()
+                raise
+            finally:
+                self._final_waiter = None
+        if self._final is None:
+            assert self._error is not None
+            raise self._error
+        return _decode_reply(self._final, self._response_type, self.method)
+
+    def reset(self, reason: str = "reset by this side") -> None:
+        """Abort the stream: the caller sends CANCEL (the server's handler is cancelled);
+        on the server's side, the handler should raise (its ERROR ends the call)."""
+        if self._done:
+            return
+        if self._caller:
+            self._finish_timer()
+            self._conn._abandon(self.sid)
+        self._on_reset(StreamReset(
+            f"duplex stream {self.sid} ({self.method!r}) was {reason}"))
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._caller:
+            self.reset("left unfinished by its caller")
+
+    # --------------------------------------------- frames (from the Connection)
+    def _on_data(self, payload: bytes, flags: int) -> None:
+        self._flow.on_data(len(payload), bool(flags & _FIN))   # RemoteProtocolError: cut
+        if payload:
+            self._chunks.append(payload)
+        self._wake_reader()
+
+    def _on_window(self, increment: int) -> None:
+        self._flow.on_window(increment)
+        w = self._swaiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _wake_reader(self) -> None:
+        w = self._rwaiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _wake_all(self) -> None:
+        self._wake_reader()
+        for w in (self._swaiter, self._final_waiter):
+            if w is not None and not w.done():
+                w.set_result(None)
+
+    def _finish_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_end(self) -> None:
+        """The call is over without error: what was received can still be read."""
+        if self._done:
+            return
+        self._done = True
+        self._flow.end()
+        self._conn._duplex.pop(self.sid, None)
+        self._finish_timer()
+        self._wake_all()
+
+    def _on_reset(self, exc: BaseException) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._error = exc
+        self._flow.end()
+        self._chunks.clear()
+        self._conn._duplex.pop(self.sid, None)
+        self._finish_timer()
+        self._wake_all()
+
+    # _Slot: the caller's pending entry (RESPONSE / ERROR / timeout / connection gone)
+    def ok(self, sid: int, payload: bytes) -> None:
+        if not self._done:
+            self._final = payload
+            self._on_end()
+
+    def fail(self, sid: int, exc: BaseException) -> None:
+        self._on_reset(exc)
+
+
 def _decode_reply(data: bytes, response_type: Any, method: str) -> Any:
     try:
         return _decoder(response_type).decode(data)
@@ -572,6 +826,8 @@ class Connection:
         self._lingering = False             # closed by us, draining the peer (see _shutdown)
         self._max_frame = max_frame
         self._tasks: dict[int, asyncio.Task[Any]] = {}
+        # Duplex streams open in either direction (ours and the peer's), by stream id.
+        self._duplex: dict[int, DuplexStream] = {}
         self._dying: list[asyncio.Task[Any]] = []
         self._wbuf: list[bytes] = []
         self._wbytes = 0
@@ -790,6 +1046,29 @@ class Connection:
         if timeout is not None:
             timer = self._loop.call_later(timeout, self._expire, sid, timeout, method)
         return CallStream(self, sid, slot, item_type, response_type, timer, method)
+
+    def duplex(
+        self, method: str, body: Any = None, *, timeout: float | None = None,
+        response_type: Any = None,
+    ) -> DuplexStream:
+        """Start a duplex call: raw bytes both ways under per-stream credit (a REQUEST
+        with the DUPLEX flag; the server's handler takes a :class:`DuplexStream`).
+        ``timeout`` bounds the whole call; ``await stream.result()`` is the reply."""
+        st = self._state
+        if not st.can_open:
+            raise self._unusable()
+        _check_timeout(timeout)
+        payload = _prefix(method) + _encode_body(body)
+        if len(payload) > self._max_frame:
+            raise self._too_large(method, len(payload))
+        stream = DuplexStream(self, st.next_sid, method, caller=True,
+                              response_type=response_type)
+        sid = st.open(stream)
+        self._duplex[sid] = stream
+        self._send(_REQUEST, sid, payload, _DUPLEX)
+        if timeout is not None:
+            stream._timer = self._loop.call_later(timeout, self._expire, sid, timeout, method)
+        return stream
 
     async def ping(self, payload: bytes = b"", *, timeout: float | None = 10.0) -> bytes:
         """Round trip a PING; returns the payload the peer echoed."""
@@ -1063,6 +1342,11 @@ class Connection:
                     self._stream_overflow(sid, slot)
                 elif self._stream_backlog > STREAMS_BACKLOG_MAX:
                     self._streams_overflow()
+            else:
+                d = self._duplex.get(sid)
+                if d is not None:
+                    d._on_data(payload, flags)
+                # else: a stream that ended (its late bytes are dropped) or none at all
         elif ftype == _ERROR:
             slot = self._state.take(sid)
             if slot is not None:
@@ -1071,12 +1355,22 @@ class Connection:
             task = self._tasks.pop(sid, None)
             if task is not None:
                 task.cancel()
+            if self._duplex:
+                d = self._duplex.get(sid)
+                if d is not None and not d._caller:
+                    d._on_reset(StreamReset(
+                        f"duplex stream {sid} ({d.method!r}) was cancelled by the caller"))
         elif ftype == _PING:
             self._send(_PONG, sid, payload)
         elif ftype == _PONG:
             slot = self._state.take(sid)
             if slot is not None:
                 _resolve(slot, sid, payload)
+        elif ftype == _WINDOW:
+            increment = decode_window(payload, sid)
+            d = self._duplex.get(sid)
+            if d is not None:
+                d._on_window(increment)
         else:  # _GOAWAY; the decoder lets no other type through
             self._on_goaway(payload)
 
@@ -1166,8 +1460,9 @@ class Connection:
                 f"body of the {route.method!r} request does not decode as {want}: {exc}",
                 method=route.method))
             return
-        if route.streaming != bool(flags & _STREAMING):
-            how = "Connection.stream()" if route.streaming else "Connection.call()"
+        if flags & _CALL_KIND != route.kind:
+            how = ("Connection.stream()" if route.streaming else
+                   "Connection.duplex()" if route.duplex else "Connection.call()")
             self._reply_error(sid, InvalidArgument(
                 f"Aether method {route.method!r} must be called with {how}",
                 method=route.method))
@@ -1186,14 +1481,23 @@ class Connection:
                 self._reply(sid, route.method, result)
                 return
             try:
-                if route.with_context:
-                    ctx = self._auth_context
-                    coro = (route.handler(ctx, body, StreamSender(self, sid)) if route.streaming
-                            else route.handler(ctx, body))
+                if route.kind:
+                    extra: StreamSender | DuplexStream
+                    if route.streaming:
+                        extra = StreamSender(self, sid)
+                    else:
+                        extra = self._duplex[sid] = DuplexStream(self, sid, route.method,
+                                                                 caller=False)
+                    coro = (route.handler(self._auth_context, body, extra) if route.with_context
+                            else route.handler(body, extra))
+                elif route.with_context:
+                    coro = route.handler(self._auth_context, body)
                 else:
-                    coro = (route.handler(body, StreamSender(self, sid)) if route.streaming
-                            else route.handler(body))
+                    coro = route.handler(body)
             except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
+                d = self._duplex.pop(sid, None)
+                if d is not None:
+                    d._on_reset(StreamReset(f"handler for {route.method!r} failed to start"))
                 self._reply_handler_error(sid, route.method, exc)
                 return
             task = self._loop.create_task(coro)
@@ -1210,6 +1514,11 @@ class Connection:
             self._calls_full = True
 
     def _handler_done(self, sid: int, method: str, task: asyncio.Task[Any]) -> None:
+        if self._duplex:
+            d = self._duplex.get(sid)
+            if d is not None and not d._caller:
+                # The handler's answer ends the stream: no more bytes either way.
+                d._on_end()
         if self._calls_full:
             self._calls_ended(len(self._tasks) - (self._tasks.get(sid) is task))
         if self._tasks.get(sid) is not task:
@@ -1590,6 +1899,9 @@ class Connection:
         self._pending = self._state.pending
         for sid, slot in pending.items():
             _reject(slot, sid, err)
+        duplex, self._duplex = self._duplex, {}
+        for d in duplex.values():
+            d._on_reset(err)
         tasks, self._tasks = self._tasks, {}
         for t in tasks.values():
             t.cancel()

@@ -62,11 +62,14 @@ class FrameType(enum.IntEnum):
     PING = 6       # opaque payload echoed in PONG
     PONG = 7
     GOAWAY = 8     # stream 0, payload: msgpack Goaway; no new calls on this connection
+    WINDOW = 9     # payload: u32 credit increment for one duplex stream (see state.DuplexFlow)
 
 
 class FrameFlags(enum.IntFlag):
     NONE = 0
     STREAMING = 0x1   # on REQUEST: the caller accepts STREAM frames before the final reply
+    DUPLEX = 0x2      # on REQUEST: a duplex stream, raw bytes both ways under per-stream credit
+    FIN = 0x4         # on STREAM of a duplex stream: the sender's last bytes (half-close)
 
 
 _TYPES = frozenset(int(t) for t in FrameType)
