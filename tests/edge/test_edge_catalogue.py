@@ -17,7 +17,8 @@ from dsec.edge.service import serve_edge
 from dsec.errors import DsecError, InvalidArgument
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, FileRef, ReadFile, WriteFile
-from dsec.wire.ops import EDGE_OPS, Op, StreamOp
+from dsec.wire.ops import EDGE_OPS, Op, StreamOp, TunnelOp
+from dsec.wire.ports import PortExpose, PortRef
 from dsec.wire.spec import MAX_PATH_BYTES, ExecChunk, ExecRequest, SandboxSpec
 
 from .conftest import make_node
@@ -29,6 +30,8 @@ class World:
     spare: str          # a sandbox the destroy row takes
     snap: str           # a snapshot of `sid`
     spare_snap: str     # a snapshot of `spare` (nothing builds on it: deletable)
+    keep: str = ""      # a sandbox no row destroys (the port rows come after destroy_many)
+    port_gen: int = 0   # the generation of port 8000 of `keep`, once exposed
 
 
 Example = Callable[[World], dict[str, Any]]
@@ -61,6 +64,10 @@ EXAMPLES: dict[str, Example] = {
     "snapshot_delete": lambda w: {"id": w.spare_snap},
     "destroy": lambda w: {"id": w.spare, "reason": "requested"},
     "destroy_many": lambda w: {"ids": [w.sid]},
+    "port_expose": lambda w: {"id": w.keep, "port": 8000},
+    "port_list": lambda w: {"id": w.keep},
+    "port_connect": lambda w: {"id": w.keep, "port": 8000, "generation": w.port_gen},
+    "port_close": lambda w: {"id": w.keep, "port": 8000},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -79,6 +86,11 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
                     lambda w: WriteFile(id=w.sid, path="/f", data=b"", mode=0o10000))],
     "stat": [(lambda w: {"id": w.sid, "path": "a\0b"}, lambda w: FileRef(id=w.sid,
                                                                       path="a\0b"))],
+    "port_expose": [(lambda w: {"id": w.sid, "port": 0},
+                     lambda w: PortExpose(id=w.sid, port=0)),
+                    (lambda w: {"id": w.sid, "port": 65536},
+                     lambda w: PortExpose(id=w.sid, port=65536))],
+    "port_close": [(lambda w: {"id": w.sid, "port": -1}, lambda w: PortRef(id=w.sid, port=-1))],
 }
 
 
@@ -98,7 +110,8 @@ async def world(tmp_path: Any) -> AsyncIterator[tuple[Connection, World]]:
         spare = (await node.create(SandboxSpec(labels={"spare": "1"}))).id
         await node.write_file(spare, "/tmp/mine", b"spare")
         w = World(sid=sid, spare=spare, snap=(await node.snapshot(sid)).id,
-                  spare_snap=(await node.snapshot(spare)).id)
+                  spare_snap=(await node.snapshot(spare)).id,
+                  keep=(await node.create(SandboxSpec())).id)
         yield conn, w
     finally:
         await conn.close()
@@ -116,6 +129,14 @@ def _is(value: Any, tp: Any) -> bool:
 
 
 async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any:
+    if isinstance(op, TunnelOp):
+        # A duplex row; the simulated backend has no network namespace, so the edge
+        # answers that (after the port and generation checks passed); a container
+        # sandbox's tunnel is tests/net/test_expose.py's.
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        with pytest.raises(InvalidArgument, match="no network namespace of its own"):
+            await s.result()
+        return None
     if isinstance(op, StreamOp):
         s = conn.stream(op.edge_method, body, item_type=op.item, response_type=op.reply,
                         timeout=30)
@@ -132,6 +153,8 @@ async def test_every_edge_row_answers_its_reply_type(
     for op in EDGE_OPS:      # in table order, so destroy and destroy_many come last
         reply = await _call(conn, op, EXAMPLES[op.name](w))
         assert _is(reply, op.edge_reply_type), (op.name, reply)
+        if op is ops.PORT_EXPOSE:
+            w.port_gen = reply.generation
 
 
 async def test_every_limit_is_refused_at_the_edge_in_the_types_words(

@@ -4,6 +4,7 @@ from dsec.aether.connection import (
     AetherProtocol,
     CallStream,
     Connection,
+    DuplexStream,
     Router,
     StreamSender,
     current_peer,
@@ -12,7 +13,7 @@ from dsec.aether.frame import Frame, FrameDecoder, FrameFlags, FrameType, decode
 from dsec.aether.transport import Address, Server, connect, parse_address, serve
 
 __all__ = [
-    "Address", "AetherProtocol", "CallStream", "Connection", "Frame", "FrameDecoder", "FrameFlags", "FrameType",
+    "Address", "AetherProtocol", "CallStream", "Connection", "DuplexStream", "Frame", "FrameDecoder", "FrameFlags", "FrameType",
     "Router", "Server", "StreamSender", "connect", "current_peer", "decode_parts", "encode",
     "parse_address", "serve",
 ]

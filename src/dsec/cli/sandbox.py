@@ -220,6 +220,47 @@ def snapshot(sandbox_id: str, strip: tuple[str, ...], strip_residue: bool, url: 
                    f"{snap.parent or '-'} {snap.size} bytes on {','.join(snap.nodes)}")
 
 
+@sandbox.command("expose")
+@click.argument("sandbox_id")
+@click.argument("port", type=click.IntRange(1, 65535))
+@click.option("--token-ttl", "token_ttl", type=float, default=None,
+              help="Seconds the URL's token lives (default: until the port closes, at "
+                   "most 30 days).")
+@conn_options
+def expose(sandbox_id: str, port: int, token_ttl: float | None, url: str | None,
+           api_key: str | None, as_json: bool) -> None:
+    """Reach PORT inside a sandbox through the apiserver: prints the URL (with its token;
+    whoever holds it reaches the port until it expires or the port is closed)."""
+    with client(url, api_key) as c:
+        p = c.sandboxes.get(sandbox_id).ports.expose_info(port, token_ttl_s=token_ttl)
+    emit_json(p) if as_json else click.echo(p.url)
+
+
+@sandbox.command("ports")
+@click.argument("sandbox_id")
+@conn_options
+def ports(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Exposed ports of a sandbox and their URLs."""
+    with client(url, api_key) as c:
+        items = c.sandboxes.get(sandbox_id).ports.list()
+    if as_json:
+        emit_json(items)
+        return
+    _table(sandbox_id, ["port", "url"], [[str(p.port), p.url] for p in items])
+
+
+@sandbox.command("unexpose")
+@click.argument("sandbox_id")
+@click.argument("port", type=click.IntRange(1, 65535))
+@conn_options
+def unexpose(sandbox_id: str, port: int, url: str | None, api_key: str | None,
+             as_json: bool) -> None:
+    """Close an exposed port: its URLs stop working, open connections end."""
+    with client(url, api_key) as c:
+        c.sandboxes.get(sandbox_id).ports.close(port)
+    emit_json({"closed": port}) if as_json else click.echo(f"{sandbox_id}: port {port} closed")
+
+
 @sandbox.command("rm")
 @click.argument("sandbox_ids", nargs=-1, required=True)
 @conn_options

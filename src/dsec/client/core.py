@@ -77,6 +77,7 @@ from dsec.wire.calls import (
 )
 from dsec.wire.calls import ExecCall as WireExecCall
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.ports import ExposedPort, PortExpose, PortRef
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     BackendName,
@@ -94,7 +95,7 @@ from dsec.wire.spec import (
     read_in_chunks,
 )
 
-__all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
+__all__ = ["AsyncClient", "AsyncFiles", "AsyncPorts", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
            "ExecCall", "Snapshot",
            "parse_memory", "resolve_target"]
 
@@ -783,6 +784,39 @@ class AsyncFiles:
                                                   recursive=recursive))
 
 
+class AsyncPorts:
+    """``sandbox.ports``: reach a server inside the sandbox through the apiserver (HTTP
+    and WebSocket; docs/networking.md). A URL carries a token: whoever holds it reaches
+    that port until it expires or the port is closed (members may also send their API
+    key instead)."""
+
+    def __init__(self, sb: AsyncSandbox) -> None:
+        self._sb = sb
+
+    def _absolute(self, p: ExposedPort) -> ExposedPort:
+        if p.url.startswith("/") and self._sb._c.url:
+            return msgspec.structs.replace(p, url=self._sb._c.url.rstrip("/") + p.url)
+        return p
+
+    async def expose(self, port: int, *, token_ttl_s: float | None = None) -> str:
+        """Expose ``port`` (idempotent) and return its URL (token included)."""
+        return (await self.expose_info(port, token_ttl_s=token_ttl_s)).url
+
+    async def expose_info(self, port: int, *, token_ttl_s: float | None = None
+                          ) -> ExposedPort:
+        """As :meth:`expose`, with the token and its expiry apart."""
+        return self._absolute(await self._sb._c.call(ops.PORT_EXPOSE, PortExpose(
+            id=self._sb.id, port=port, token_ttl_s=token_ttl_s)))
+
+    async def list(self) -> list[ExposedPort]:
+        got = await self._sb._c.call(ops.PORT_LIST, SandboxRef(id=self._sb.id))
+        return [self._absolute(p) for p in got.items]
+
+    async def close(self, port: int) -> None:
+        """Close ``port``: its URLs stop working and open connections through it end."""
+        await self._sb._c.call(ops.PORT_CLOSE, PortRef(id=self._sb.id, port=port))
+
+
 class AsyncSandbox:
     """One sandbox. ``async with`` kills it on exit."""
 
@@ -791,6 +825,7 @@ class AsyncSandbox:
         self.info = info
         self.id: str = info.id
         self.files = AsyncFiles(self)
+        self.ports = AsyncPorts(self)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, state={self.info.state!r})"

@@ -20,6 +20,7 @@ from typing import Any, Self, TypeVar
 from dsec.client.core import (
     AsyncClient,
     AsyncFiles,
+    AsyncPorts,
     AsyncSandbox,
     AsyncSandboxes,
     AsyncSnapshots,
@@ -30,6 +31,7 @@ from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.ports import ExposedPort
 from dsec.wire.spec import (
     BackendName,
     ExecChunk,
@@ -291,6 +293,26 @@ class Files:
         self._c._run(self._a.remove(path, recursive=recursive))
 
 
+class Ports:
+    """See :class:`~dsec.client.core.AsyncPorts`."""
+
+    def __init__(self, client: Client, a: AsyncPorts) -> None:
+        self._c = client
+        self._a = a
+
+    def expose(self, port: int, *, token_ttl_s: float | None = None) -> str:
+        return self._c._run(self._a.expose(port, token_ttl_s=token_ttl_s))
+
+    def expose_info(self, port: int, *, token_ttl_s: float | None = None) -> ExposedPort:
+        return self._c._run(self._a.expose_info(port, token_ttl_s=token_ttl_s))
+
+    def list(self) -> list[ExposedPort]:
+        return self._c._run(self._a.list())
+
+    def close(self, port: int) -> None:
+        self._c._run(self._a.close(port))
+
+
 class Sandbox:
     """One sandbox; ``with`` kills it on exit."""
 
@@ -299,6 +321,7 @@ class Sandbox:
         self._a = a
         self.id = a.id
         self.files = Files(client, a.files)
+        self.ports = Ports(client, a.ports)
 
     def __repr__(self) -> str:
         return repr(self._a)

@@ -49,6 +49,7 @@ from dsec.control.api.openapi import (
     build_openapi,
 )
 from dsec.control.api.service import AdminOps, ApiService, Caller
+from dsec.control.proxy import PortProxy
 from dsec.errors import (
     DsecError,
     InternalError,
@@ -57,6 +58,7 @@ from dsec.errors import (
     PayloadTooLarge,
     RateLimited,
 )
+from dsec.net.expose import PROXY_PREFIX
 from dsec.wire import ops
 from dsec.wire.api import (
     ApiError,
@@ -104,6 +106,7 @@ from dsec.wire.calls import (
 )
 from dsec.wire.jsonform import exec_output, exec_request, stream_line
 from dsec.wire.ops import Op as CatalogueOp
+from dsec.wire.ports import ExposedPort, ExposedPortList, PortExpose, PortExposeBody, PortRef
 from dsec.wire.spec import (
     FileInfo,
     PauseStats,
@@ -143,6 +146,8 @@ class RestConfig:
     # metrics_loopback_only is turned off (an explicit choice to publish it).
     metrics_token: str | None = None
     metrics_loopback_only: bool = True
+    # Exposed ports: proxy tunnels open through this apiserver at once (beyond: 503).
+    max_proxy_tunnels: int = 4096
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -561,6 +566,35 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              "(memory, cpu, pids, disk)", None, SandboxStats), stats)
 
     # ------------------------------------------------------------------ nodes
+    # ----------------------------------------------------------------- ports
+    expose_policy, ports_policy = h(ops.PORT_EXPOSE), h(ops.PORT_LIST)
+    close_port_policy = h(ops.PORT_CLOSE)
+
+    async def expose(request: Request, caller: Caller, rid: str) -> Response:
+        b = _decode(PortExposeBody, await _read_body(request, cfg.max_json_body))
+        req = PortExpose(id=sid_of(request), port=b.port, token_ttl_s=b.token_ttl_s)
+        return _json_response(await expose_policy(caller, req), rid, 201)
+
+    route(Op("POST", "/v1/sandboxes/{id}/ports", "exposePort", "", PortExposeBody,
+             ExposedPort, 201), expose)
+
+    async def ports(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await ports_policy(caller, SandboxRef(id=sid_of(request))), rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/ports", "listPorts", "", None, ExposedPortList),
+          ports)
+
+    async def close_port(request: Request, caller: Caller, rid: str) -> Response:
+        raw = request.path_params["port"]
+        if not raw.isdigit() or len(raw) > 5:
+            raise InvalidArgument(f"port={raw[:20]!r} must be within 1..65535",
+                                  field="port", limit=65535)
+        await close_port_policy(caller, PortRef(id=sid_of(request), port=int(raw)))
+        return Response(status_code=204, headers={"x-request-id": rid})
+
+    route(Op("DELETE", "/v1/sandboxes/{id}/ports/{port}", "closePort", "", None, None, 204),
+          close_port)
+
     async def nodes(request: Request, caller: Caller, rid: str) -> Response:
         return _json_response(await nodes_policy(caller, Empty()), rid)
 
@@ -629,7 +663,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
-    return FastPaths(app, service)
+    return FastPaths(app, service, PortProxy(service, max_tunnels=cfg.max_proxy_tunnels))
 
 
 _JSON_CT = (b"content-type", b"application/json")
@@ -641,10 +675,12 @@ class FastPaths:
     error JSON, ``x-request-id``, per-route metrics), minus the middleware stack and the
     Request/Response objects (see the module docstring for the measurement)."""
 
-    __slots__ = ("_counters", "_lat", "_service", "app")
+    __slots__ = ("_counters", "_lat", "_service", "app", "proxy")
 
-    def __init__(self, app: Starlette, service: ApiService) -> None:
+    def __init__(self, app: Starlette, service: ApiService,
+                 proxy: PortProxy | None = None) -> None:
         self.app = app
+        self.proxy = proxy
         self._service = service
         self._lat = service.metrics.latency.labels("/v1/sandboxes/{id}", "GET")
         self._counters: dict[int, Any] = {}
@@ -660,6 +696,11 @@ class FastPaths:
                     and path.find("/", 14) < 0):
                 await self._get(scope, send, path[14:])
                 return
+        if self.proxy is not None and scope["type"] in ("http", "websocket") and \
+                scope["path"].startswith(PROXY_PREFIX):
+            # Exposed ports (every method, and WebSocket): dsec.control.proxy.
+            await self.proxy(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     async def _get(self, scope: Any, send: Any, sid: str) -> None:

@@ -26,7 +26,8 @@ from dsec.edge.spec import (
 )
 from dsec.ids import SandboxId
 
-__all__ = ["Backend", "DeathSink", "Leftover", "ReconcilingBackend", "SnapshotBackend"]
+__all__ = ["Backend", "DeathSink", "Leftover", "PortBackend", "ReconcilingBackend",
+           "SnapshotBackend"]
 
 # sink(sandbox_id, reason, detail). A reason in lifecycle.FINAL_REASONS ("oom",
 # "backend_crash", "exited", ...) means the sandbox is dead; a reason in
@@ -81,6 +82,17 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Node shutdown: release backend-wide resources (pools, helper processes)."""
+
+
+@runtime_checkable
+class PortBackend(Protocol):
+    """A backend whose sandboxes have a network namespace of their own, so a port inside
+    one can be reached (``port_connect``, dsec.net.tunnel)."""
+
+    def netns_fd(self, sid: SandboxId) -> int:
+        """A new fd (the caller closes it) that ``setns(fd, CLONE_NEWNET)`` accepts for
+        the sandbox's network namespace; SandboxNotFound when it is gone."""
+        ...
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from typing import Any, Self, TypeVar
 
 import msgspec
 
-from dsec.aether import Connection, connect
+from dsec.aether import Connection, DuplexStream, connect
 from dsec.errors import DsecError, InvalidArgument, RemoteProtocolError, UnknownMethod
 from dsec.wire import ops
 from dsec.wire.calls import (
@@ -45,8 +45,16 @@ from dsec.wire.calls import (
     exec_request,
 )
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UseClientDefault
+from dsec.wire.ops import (
+    USE_CLIENT_DEFAULT,
+    Deadline,
+    Op,
+    StreamOp,
+    TunnelOp,
+    UseClientDefault,
+)
 from dsec.wire.outcome import Batch
+from dsec.wire.ports import PortExpose, PortRecord, PortRecordList
 from dsec.wire.spec import (
     ExecChunk,
     ExecResult,
@@ -154,6 +162,22 @@ class EdgeClient:
             async for item in s:
                 yield item
             yield s.result
+
+    async def port_expose(self, body: PortExpose, *,
+                          timeout: Deadline = USE_CLIENT_DEFAULT) -> PortRecord:
+        rec: PortRecord = await self._edge(ops.PORT_EXPOSE, body, timeout)
+        return rec
+
+    async def port_list(self, sandbox_id: str, *,
+                        timeout: Deadline = USE_CLIENT_DEFAULT) -> PortRecordList:
+        recs: PortRecordList = await self._edge(ops.PORT_LIST, SandboxRef(id=sandbox_id),
+                                                timeout)
+        return recs
+
+    def tunnel(self, op: TunnelOp[Req, Rep], body: Req) -> DuplexStream:
+        """Open ``op``'s duplex stream (raw bytes both ways under per-stream credit; no
+        deadline: a tunnel lives as long as its bytes move, the edge cuts idle ones)."""
+        return self.conn.duplex(op.edge_method, body, response_type=op.reply)
 
     async def _edge(self, op: Op[Any, Any], body: Any, timeout: Deadline) -> Any:
         """A row the edge serves with its own request/reply types."""

@@ -54,6 +54,7 @@ import msgspec
 
 from dsec.edge.spec import SandboxSpec, SandboxState
 from dsec.errors import BackendError, InUse, InvalidArgument
+from dsec.wire.ports import PortRecord
 
 __all__ = ["JournalContents", "JournalEnd", "JournalRecord", "JournalSync", "Journaled",
            "SandboxJournal"]
@@ -68,13 +69,19 @@ JOURNAL_SYNC_MODES: tuple[JournalSync, ...] = ("fsync", "write", "tick")
 
 
 class JournalRecord(msgspec.Struct, array_like=True, tag="put"):
-    """One live sandbox as the journal stores it."""
+    """One live sandbox as the journal stores it (``ports``: its exposed ports, last so a
+    line of an earlier release still reads)."""
 
     id: str
     state: SandboxState
     spec: SandboxSpec
     created_at: float
     last_active_at: float
+    ports: tuple[PortRecord, ...] = ()
+
+    @property
+    def port_records(self) -> tuple[PortRecord, ...]:
+        return self.ports
 
 
 class JournalEnd(msgspec.Struct, array_like=True, tag="end", frozen=True):
@@ -102,6 +109,9 @@ class Journaled(Protocol):
     spec: SandboxSpec
     created_at: float
     last_active_at: float
+
+    @property
+    def port_records(self) -> tuple[PortRecord, ...]: ...
 
 
 class Ending(Protocol):
@@ -531,4 +541,5 @@ def _record(r: Journaled, state: SandboxState | None) -> JournalRecord:
     if isinstance(r, JournalRecord) and state is None:
         return r
     return JournalRecord(id=r.id, state=state or r.state, spec=r.spec,
-                         created_at=r.created_at, last_active_at=r.last_active_at)
+                         created_at=r.created_at, last_active_at=r.last_active_at,
+                         ports=r.port_records)

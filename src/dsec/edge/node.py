@@ -39,9 +39,16 @@ from typing import Any, Literal, Self, TypeVar
 
 import msgspec
 
+from dsec.aether.connection import DuplexStream
 from dsec.aether.limits import soft_nofile
 from dsec.edge.admission import Capacity, ResourcePool
-from dsec.edge.backend import Backend, Leftover, ReconcilingBackend, SnapshotBackend
+from dsec.edge.backend import (
+    Backend,
+    Leftover,
+    PortBackend,
+    ReconcilingBackend,
+    SnapshotBackend,
+)
 from dsec.edge.clock import Clock, SystemClock
 from dsec.edge.eager import gather_eager
 from dsec.edge.journal import (
@@ -86,11 +93,20 @@ from dsec.errors import (
     InUse,
     InvalidArgument,
     InvalidTransition,
+    NotFound,
     RateLimited,
     SandboxNotFound,
+    StreamReset,
     WrongNode,
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
+from dsec.net.tunnel import connect_in_netns, relay
+from dsec.wire.ports import (
+    MAX_EXPOSED_PORTS,
+    MAX_TUNNELS_PER_SANDBOX,
+    TUNNEL_IDLE_S,
+    PortRecord,
+)
 
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
@@ -131,6 +147,10 @@ class NodeConfig:
     # asks (up to 1 GiB is valid, for exec_stream). One `head -c 600M /dev/zero` with a
     # 1 GiB cap grew dsec up by 1 GB, only to fail: no reply is over 16 MiB (max_frame).
     max_reply_output_bytes: int = 4 << 20
+    # Exposed ports (dsec.wire.ports): TCP connections into one sandbox at once through
+    # port_connect (each holds a socket of this process), and how long one may idle.
+    max_tunnels_per_sandbox: int = MAX_TUNNELS_PER_SANDBOX
+    tunnel_idle_s: float = TUNNEL_IDLE_S
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -159,8 +179,25 @@ class ReapAction:
 class _Sandbox:
     """The node's live record of one sandbox (mutable, never leaves the node)."""
 
-    __slots__ = ("active", "backend", "busy", "created_at", "deadline", "doomed", "events",
-                 "execs", "id", "last_active_at", "reason", "snap_lock", "spec", "state")
+    __slots__ = (
+        "active",
+        "backend",
+        "busy",
+        "created_at",
+        "cut",
+        "deadline",
+        "doomed",
+        "events",
+        "execs",
+        "id",
+        "last_active_at",
+        "ports",
+        "reason",
+        "snap_lock",
+        "spec",
+        "state",
+        "tunnels",
+    )
 
     def __init__(self, sid: str, spec: SandboxSpec, backend: Backend, now: float) -> None:
         self.id = sid
@@ -180,6 +217,23 @@ class _Sandbox:
         # a destroy waits for the one in flight (its final write renames files inside the
         # sandbox's directory, which the destroy removes).
         self.snap_lock: asyncio.Lock | None = None
+        self.ports: dict[int, PortRecord] = {}     # exposed ports (journaled)
+        self.tunnels: dict[asyncio.Task[Any], int] = {}   # open port_connect -> port
+        self.cut: dict[asyncio.Task[Any], str] = {}       # ... cancelled by us: why
+
+    @property
+    def port_records(self) -> tuple[PortRecord, ...]:
+        return tuple(self.ports.values())
+
+    def cut_tunnels(self, why: str, port: int | None = None) -> int:
+        """End the open tunnels (of ``port``, or all): each caller gets StreamReset(why)."""
+        n = 0
+        for task, p in list(self.tunnels.items()):
+            if port is None or p == port:
+                self.cut[task] = why
+                task.cancel()
+                n += 1
+        return n
 
     def ended(self) -> JournalEnd:
         """The journal's tombstone of this (ended) sandbox, from its final event."""
@@ -294,6 +348,7 @@ class EdgeNode:
             # the line's last_active_at may be far older than the last use (a sandbox in
             # use a moment before a crash was idle-reaped by the first pass after it).
             rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
+            rec.ports = {p.port: p for p in r.ports}
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
             backend = rec.backend
             if backend is None:
@@ -510,6 +565,9 @@ class EdgeNode:
                            reason=rec.reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
+        # an ended sandbox's URLs and tunnels end with it
+        rec.cut_tunnels(f"sandbox {rec.id} ended ({rec.state})")
+        rec.ports = {}
         dead = self._dead
         dead[rec.id] = rec
         if len(dead) > self.config.tombstones:
@@ -869,6 +927,98 @@ class EdgeNode:
             raise InvalidTransition(
                 f"sandbox {rec.id} cannot {op} while it is {state}; it must be running "
                 "or paused", sandbox_id=rec.id, event=op, state=state)
+
+    # ================================================================ ports
+    def _port_backend(self, rec: _Sandbox) -> PortBackend:
+        backend = rec.backend
+        if not isinstance(backend, PortBackend):
+            raise InvalidArgument(
+                f"sandbox {rec.id} runs on the {rec.spec.backend!r} backend, which has no "
+                "network namespace of its own: its exposed ports cannot be connected to "
+                "(use a container sandbox)", field="port", backend=rec.spec.backend)
+        return backend
+
+    async def _journal_ports(self, rec: _Sandbox) -> None:
+        if self.journal is not None:   # acknowledged = still exposed after a restart
+            self.journal.put(rec)
+            if self._durable is not None:
+                await self._durable.commit()
+
+    async def port_expose(self, sandbox_id: str, port: int) -> PortRecord:
+        """Expose ``port`` (idempotent: an exposed port answers its current record).
+        Bookkeeping on every backend; connecting needs one with a network namespace."""
+        rec = self._find(sandbox_id)
+        if rec.state not in ("running", "paused", "pausing", "resuming"):
+            raise InvalidTransition(
+                f"sandbox {rec.id} is {rec.state}: ports can be exposed once it runs",
+                sandbox_id=rec.id, state=rec.state)
+        have = rec.ports.get(port)
+        if have is not None:
+            return have
+        if len(rec.ports) >= MAX_EXPOSED_PORTS:
+            raise InvalidArgument(
+                f"sandbox {rec.id} already has {len(rec.ports)} exposed ports (the limit is "
+                f"{MAX_EXPOSED_PORTS}); close one first", field="port", sandbox_id=rec.id,
+                limit=MAX_EXPOSED_PORTS)
+        # A new generation at each opening: URLs and tunnels of an earlier one never work
+        # again. Random (not a counter) so it needs no state of its own across restarts.
+        pr = PortRecord(port=port, generation=self._rng.getrandbits(62) | 1,
+                        exposed_at=self.clock.time())
+        rec.ports[port] = pr
+        await self._journal_ports(rec)
+        return pr
+
+    def port_list(self, sandbox_id: str) -> builtins.list[PortRecord]:
+        rec = self._find(sandbox_id)
+        return sorted(rec.ports.values(), key=lambda p: p.port)
+
+    async def port_close(self, sandbox_id: str, port: int) -> None:
+        """Close ``port``: its record goes and every tunnel to it is cut (idempotent)."""
+        rec = self._find(sandbox_id)
+        if rec.ports.pop(port, None) is None:
+            return
+        rec.cut_tunnels(f"port {port} of sandbox {rec.id} was closed", port)
+        await self._journal_ports(rec)
+
+    async def port_connect(self, sandbox_id: str, port: int, generation: int,
+                           stream: DuplexStream) -> None:
+        """Relay ``stream`` to ``127.0.0.1:port`` inside the sandbox until either side ends,
+        the port closes, the sandbox ends, or the tunnel idles out."""
+        rec = self._find(sandbox_id)
+        pr = rec.ports.get(port)
+        if pr is None or pr.generation != generation:
+            raise NotFound(
+                f"port {port} of sandbox {rec.id} is not exposed"
+                + ("" if pr is None else " under this URL (closed and exposed again since)")
+                + "; expose it and use the new URL", sandbox_id=rec.id, port=port)
+        cap = self.config.max_tunnels_per_sandbox
+        if len(rec.tunnels) >= cap:
+            raise RateLimited(
+                f"sandbox {rec.id} has {len(rec.tunnels)} open connections to its exposed "
+                f"ports (the limit is {cap}); close some or retry later",
+                sandbox_id=rec.id, limit=cap, retry_after=1.0)
+        backend = self._port_backend(rec)
+        task = asyncio.current_task()
+        assert task is not None
+        rec.tunnels[task] = port
+        try:
+            await self._ready(rec, "connect")
+            sock = await connect_in_netns(backend.netns_fd(SandboxId(rec.id)), port,
+                                          what=f"sandbox {rec.id}")
+            try:
+                rec.last_active_at = self.clock.time()
+                await relay(stream, sock, idle_s=self.config.tunnel_idle_s)
+                rec.last_active_at = self.clock.time()
+            finally:
+                sock.close()
+        except asyncio.CancelledError:
+            why = rec.cut.pop(task, None)
+            if why is None:
+                raise            # the caller's CANCEL, or the connection going away
+            raise StreamReset(why, sandbox_id=rec.id, port=port) from None
+        finally:
+            rec.tunnels.pop(task, None)
+            rec.cut.pop(task, None)
 
     # ================================================================ exec
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:

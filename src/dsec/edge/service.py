@@ -20,6 +20,7 @@ import builtins
 import dataclasses
 
 from dsec.aether import Router, Server, StreamSender, serve
+from dsec.aether.connection import DuplexStream
 from dsec.aether.limits import DEFAULT_LIMITS, ServerLimits
 from dsec.edge.client import EdgeClient
 from dsec.edge.node import EdgeNode
@@ -47,8 +48,9 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
-from dsec.wire.ops import EDGE_OPS, StreamOp
+from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
+from dsec.wire.ports import PortConnect, PortExpose, PortRecord, PortRecordList, PortRef
 from dsec.wire.spec import (
     ExecResult,
     FileInfo,
@@ -152,6 +154,19 @@ class EdgeHandlers:
     async def remove(self, b: Remove) -> None:
         await self.node.remove(b.id, b.path, recursive=b.recursive)
 
+    # ---------------------------------------------------------------- ports
+    async def port_expose(self, b: PortExpose) -> PortRecord:
+        return await self.node.port_expose(b.id, b.port)
+
+    def port_list(self, b: SandboxRef) -> PortRecordList:
+        return PortRecordList(items=self.node.port_list(b.id))
+
+    async def port_close(self, b: PortRef) -> None:
+        await self.node.port_close(b.id, b.port)
+
+    async def port_connect(self, b: PortConnect, stream: DuplexStream) -> None:
+        await self.node.port_connect(b.id, b.port, b.generation, stream)
+
     # ---------------------------------------------------------------- snapshots
     async def snapshot(self, b: SnapshotOnNode) -> SnapshotInfo:
         return await self.node.snapshot(b.id, strip=b.strip, max_bytes=b.max_bytes)
@@ -177,7 +192,7 @@ class EdgeService:
         self.router = r = Router(token=token)
         for op in EDGE_OPS:
             r.add(op.edge_method, getattr(h, op.name), request_type=op.edge_type,
-                  streaming=isinstance(op, StreamOp))
+                  streaming=isinstance(op, StreamOp), duplex=isinstance(op, TunnelOp))
 
 
 async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None = None,

@@ -80,6 +80,15 @@ from dsec.wire.calls import (
 )
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
+from dsec.wire.ports import (
+    ExposedPort,
+    ExposedPortList,
+    PortConnect,
+    PortExpose,
+    PortRecord,
+    PortRecordList,
+    PortRef,
+)
 from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
@@ -124,6 +133,10 @@ __all__ = [
     "NODES",
     "NODE_INFO",
     "PAUSE",
+    "PORT_CLOSE",
+    "PORT_CONNECT",
+    "PORT_EXPOSE",
+    "PORT_LIST",
     "PROJECTS",
     "PROJECT_GET",
     "QUOTA_SET",
@@ -149,6 +162,7 @@ __all__ = [
     "Rest",
     "StreamOp",
     "Target",
+    "TunnelOp",
     "UploadOp",
     "UseClientDefault",
     "exec_deadline",
@@ -315,6 +329,12 @@ class StreamOp(Op[Req, Rep], Generic[Req, Item, Rep]):
     before its final ``reply``."""
 
     item: type[Item]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TunnelOp(Op[Req, Rep]):
+    """A duplex operation: after the request, raw bytes flow both ways on the stream
+    (Aether DUPLEX, per-stream credit; docs/aether.md) until the reply ends it."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -626,6 +646,43 @@ IMAGE_IMPORT: UploadOp[ImageUpload, ImageList] = UploadOp(
               status=201, query=_q("name", "kind", "tag"), body_limit="image", tag="images"))
 
 
+# Exposed ports (issue 14, docs/networking.md): the edge keeps the port records; the
+# apiserver mints URLs and tokens from them and proxies HTTP/WebSocket over port_connect.
+PORT_EXPOSE: Op[PortExpose, ExposedPort] = Op(
+    "port_expose", PortExpose, ExposedPort,
+    summary="Reach a port inside the sandbox through the apiserver (HTTP and WebSocket): "
+            "its URL and URL token",
+    # member on the sandbox's project; the apiserver mints the URL token from the edge's
+    # PortRecord (its generation: closing the port kills every URL)
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_reply=PortRecord,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/ports", operation_id="exposePort",
+              status=201, body="*", tag="ports"))
+
+PORT_LIST: Op[SandboxRef, ExposedPortList] = Op(
+    "port_list", SandboxRef, ExposedPortList,
+    summary="Exposed ports of a sandbox, with their URLs",
+    # member, not reader: the answer holds URL tokens, which are credentials
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_reply=PortRecordList,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/ports", operation_id="listPorts",
+              tag="ports"))
+
+PORT_CLOSE: Op[PortRef, None] = Op(
+    "port_close", PortRef, None,
+    summary="Close an exposed port (its URLs and open tunnels end)",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="DELETE", path="/v1/sandboxes/{id}/ports/{port}",
+              operation_id="closePort", status=204, reply="empty", tag="ports"))
+
+# The edge's duplex row: its REST form is the apiserver's proxy route
+# /v1/proxy/{id}/{port}/{path} (control/proxy.py), which calls only this.
+PORT_CONNECT: TunnelOp[PortConnect, None] = TunnelOp(
+    "port_connect", PortConnect, None,
+    summary="A duplex byte stream to an exposed port (the apiserver's proxy)",
+    role="member", target="sandbox", idempotent=False, doors=_EDGE)
+
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -634,6 +691,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     INFO, NODES, SESSION_OPEN, SESSION_RENEW, SESSION_CLOSE, CREATE_KEY, REVOKE_KEY,
     PROJECTS, PROJECT_GET, QUOTA_SET, IMAGES, IMAGE_GET, IMAGE_TAG, IMAGE_DELETE,
     IMAGE_BUILD, IMAGE_IMPORT,
+    PORT_EXPOSE, PORT_LIST, PORT_CONNECT, PORT_CLOSE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

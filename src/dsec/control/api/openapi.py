@@ -47,6 +47,8 @@ def path_param_schema(path: str, name: str) -> dict[str, Any]:
     """The schema of path parameter ``name`` of route ``path`` (by what it names)."""
     if name == "path":
         return PROJECT_PATH
+    if name == "port":
+        return {"type": "integer", "minimum": 1, "maximum": 65535}
     for prefix, schema in (("/v1/sandboxes/", SANDBOX_ID), ("/v1/snapshots/", SNAPSHOT_ID),
                            ("/v1/keys/", KEY_ID), ("/v1/sessions/", SESSION_ID)):
         if path.startswith(prefix):

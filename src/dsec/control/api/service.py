@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
+from dsec.aether.connection import DuplexStream
 from dsec.control.idempotency import (
     Claim,
     ClaimLost,
@@ -52,6 +53,7 @@ from dsec.errors import (
     InvalidArgument,
     InvalidTransition,
     NoCapacity,
+    NotFound,
     PermissionDenied,
     ProtocolError,
     QuotaExceeded,
@@ -66,6 +68,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of, parse_project_path, parse_sandbox_id
 from dsec.image.catalog import image_not_found
+from dsec.net.expose import TOKEN_PARAM, TokenKey, proxy_path
 from dsec.wire import ops
 from dsec.wire.api import (
     GATEWAY_PROTOCOL,
@@ -110,6 +113,14 @@ from dsec.wire.calls import (
 )
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
+from dsec.wire.ports import (
+    MAX_TOKEN_TTL_S,
+    ExposedPort,
+    ExposedPortList,
+    PortConnect,
+    PortExpose,
+    PortRecord,
+)
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     ExecChunk,
@@ -319,6 +330,12 @@ class ApiConfig:
     recover_wait_s: float = 30.0
     # The server version every door reports (/v1/info, api.info, the OpenAPI document).
     version: str = "0.1.0"
+    # Exposed ports: the key of URL tokens (None: random per process, so tokens work on
+    # this apiserver only; replicas behind one address need the same key) and the
+    # apiserver's public base URL put in front of /v1/proxy/... ("": relative URLs,
+    # which the SDK completes with its own base URL).
+    port_token_key: bytes | None = None
+    public_url: str = ""
 
 
 class _ProjectCache:
@@ -365,6 +382,7 @@ class ApiService:
     project_defaults: Callable[[str], float | None] = lambda project: None
     anon_limiter: RateLimiter | None = None     # per client address, failed auth only
     images: ImageResolver = field(default_factory=NamesOnly)
+    wall: Callable[[], float] = time.time      # wall clock: URL token expiry
     # The Aether gateway's address, advertised by ``info`` at every door (set once the
     # gateway listens; None: no gateway, the SDK uses REST).
     gateway_address: str | None = None
@@ -376,12 +394,14 @@ class ApiService:
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
     _keyed: set[asyncio.Future[SandboxInfo | None]] = field(init=False)  # claims at work
+    port_tokens: TokenKey = field(init=False)
 
     def __post_init__(self) -> None:
         self._keyed = set()
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
+        self.port_tokens = TokenKey(self.config.port_token_key or secrets.token_bytes(32))
         self._policies = self._policy_table()
 
     async def close(self) -> None:
@@ -1369,7 +1389,63 @@ class ApiService:
             "images": self._images_op, "image_get": self._image_get_op,
             "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
             "image_build": self._upload_refused, "image_import": self._upload_refused,
+            "port_expose": self._port_expose_op, "port_list": self._port_list_op,
+            "port_close": functools.partial(fwd, ops.PORT_CLOSE),
         }
+
+    # ------------------------------------------------------------------ ports
+    def _exposed(self, sid: str, rec: PortRecord, ttl: float | None) -> ExposedPort:
+        """The API's view of an exposed port: its URL with a fresh token."""
+        expiry = int(self.wall() + min(ttl or MAX_TOKEN_TTL_S, MAX_TOKEN_TTL_S))
+        token = self.port_tokens.mint(sid, rec.port, rec.generation, expiry)
+        url = f"{self.config.public_url}{proxy_path(sid, rec.port)}?{TOKEN_PARAM}={token}"
+        return ExposedPort(port=rec.port, url=url, token=token, expires_at=float(expiry))
+
+    async def _port_expose_op(self, caller: Caller, b: PortExpose) -> ExposedPort:
+        edge, _ = await self._edge_for(caller, b.id, "member")
+        rec = await self._via(edge, b.id, "port_expose", lambda: edge.port_expose(b))
+        return self._exposed(b.id, rec, b.token_ttl_s)
+
+    async def _port_list_op(self, caller: Caller, b: SandboxRef) -> ExposedPortList:
+        edge, _ = await self._edge_for(caller, b.id, "member")
+        recs = await self._via(edge, b.id, "port_list", lambda: edge.port_list(b.id))
+        return ExposedPortList(items=[self._exposed(b.id, r, None) for r in recs.items])
+
+    async def port_tunnel(self, sid: str, port: int, *, caller: Caller | None = None,
+                          token: str | None = None, client: str | None = None,
+                          ) -> DuplexStream:
+        """A duplex stream to ``port`` of sandbox ``sid`` for the proxy route: with a URL
+        ``token`` (checked here, in constant time; its generation checked by the edge)
+        or a ``caller`` with member on the sandbox's project. A bad token is charged to
+        ``client``'s budget for failed authentication, like a bad API key."""
+        if not 1 <= port <= 65535:
+            raise InvalidArgument(f"port={port} must be within 1..65535", field="port")
+        if token is not None:
+            try:
+                gen = self.port_tokens.verify(token, sid, port, self.wall())
+            except Unauthenticated:
+                if client is not None:
+                    self.check_anonymous(client, charge=True)
+                raise
+            try:
+                edge = self.directory.edge(NodeId(node_of(sid)))
+            except InvalidArgument:
+                edge = None
+            if edge is None:
+                raise _not_found(sid)
+        elif caller is not None:
+            edge, _ = await self._edge_for(caller, sid, "member")
+            recs = await self._via(edge, sid, "port_list", lambda: edge.port_list(sid))
+            found = [r.generation for r in recs.items if r.port == port]
+            if not found:
+                raise NotFound(f"port {port} of sandbox {sid} is not exposed; expose it "
+                               "first (sb.ports.expose)", sandbox_id=sid, port=port)
+            gen = found[0]
+        else:
+            raise Unauthenticated(
+                f"reaching an exposed port needs its URL token (?{TOKEN_PARAM}= or "
+                "X-Dsec-Token) or an API key of a member of the sandbox's project")
+        return edge.tunnel(ops.PORT_CONNECT, PortConnect(id=sid, port=port, generation=gen))
 
     async def _forward(self, op: Op[Any, Any], caller: Caller, body: Any) -> Any:
         """A sandbox operation whose only rule is the row's role on the sandbox's

@@ -339,6 +339,15 @@ class ContainerBackend:
     def sandbox_ids(self) -> list[str]:
         return sorted(self._boxes)
 
+    def netns_fd(self, sid: SandboxId) -> int:
+        """A pidfd of the sandbox's init (a dup: the caller closes it); ``setns`` on it
+        with CLONE_NEWNET enters the sandbox's network namespace, and unlike
+        /proc/PID/ns/net it cannot name a recycled pid (dsec.net.tunnel)."""
+        box = self.box(sid)
+        if box.pidfd < 0:
+            raise SandboxNotFound(f"sandbox {sid} has no init process yet", sandbox_id=sid)
+        return os.dup(box.pidfd)
+
     def init_pid(self, sid: str) -> int:
         """Host pid of the sandbox's init (tests, diagnostics)."""
         return self.box(sid).init_pid
