@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 
-from dsec.bench import BenchContext, _SUITES, suite
+from dsec.bench import _SUITES, BenchContext, suite
 
 __all__ = ["expose"]
 
