@@ -202,7 +202,8 @@ def test_the_sandbox_never_sees_the_callers_credentials(cluster: LocalCluster) -
             for _ in range(50):
                 resp = httpx.get(p.url, headers={
                     "authorization": f"Bearer {cluster.api_key}", "x-dsec-token": p.token,
-                    "cookie": f"dsec_token={p.token}; theme=dark", "x-app": "kept"},
+                    "cookie": f"dsec_token={p.token}; theme=dark", "x-app": "kept",
+                    "referer": f"{p.url}&page=2"},
                     timeout=T)
                 if resp.status_code == 200:
                     break
@@ -219,6 +220,7 @@ def test_the_sandbox_never_sees_the_callers_credentials(cluster: LocalCluster) -
             assert cluster.api_key not in text and p.token not in text
             assert "dsec_token" not in text and "authorization" not in text.lower()
             assert "x-app: kept" in text and "cookie: theme=dark" in text
+            assert f"referer: {p.url.split('?')[0]}?page=2" in text
             assert "x-forwarded-for: 127.0.0.1" in text
             assert f"x-forwarded-prefix: /v1/proxy/{sb.id}/8100" in text
         finally:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -69,6 +70,7 @@ _HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-aut
                   b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
                   b"upgrade", b"host", _TOKEN_HEADER})
 _json = msgspec.json.Encoder()
+_TOKEN_IN_URL = re.compile(rb"(?<=[?&])dsec_token=[^&#]*&?")
 
 
 class _Target:
@@ -132,6 +134,9 @@ class PortProxy:
                 if not auth.lower().startswith("bearer dsk_"):
                     fwd.append((k, v))     # the sandbox's own auth scheme: pass it on
                     auth = None
+            elif k == b"referer":
+                # a page opened from the URL with ?dsec_token= sends it on as its Referer
+                fwd.append((k, _TOKEN_IN_URL.sub(b"", v)))
             elif k == b"cookie":
                 rest, cookie_token = _strip_cookie(v)
                 if cookie_token and token is None:
