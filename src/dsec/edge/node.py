@@ -965,7 +965,11 @@ class EdgeNode:
         pr = PortRecord(port=port, generation=self._rng.getrandbits(62) | 1,
                         exposed_at=self.clock.time())
         rec.ports[port] = pr
-        await self._journal_ports(rec)
+        try:
+            await self._journal_ports(rec)
+        except BaseException:
+            rec.ports.pop(port, None)      # not durable: not exposed
+            raise
         return pr
 
     def port_list(self, sandbox_id: str) -> builtins.list[PortRecord]:
@@ -977,6 +981,9 @@ class EdgeNode:
         rec = self._find(sandbox_id)
         if rec.ports.pop(port, None) is None:
             return
+        # Cut first: a URL stops working the moment it is closed, whatever the journal
+        # does (its generation is gone from memory; a failed write leaves the port
+        # exposed after a restart, which the error tells the caller).
         rec.cut_tunnels(f"port {port} of sandbox {rec.id} was closed", port)
         await self._journal_ports(rec)
 
