@@ -60,3 +60,24 @@ def test_malformed_and_expired_tokens_are_named() -> None:
     with pytest.raises(ValueError):
         TokenKey(b"short")
     assert proxy_path(SID, 80) == f"/v1/proxy/{SID}/80/"
+
+
+def test_the_cluster_keeps_one_token_key_in_its_state_dir(tmp_path: object) -> None:
+    """A restarted apiserver honours the URLs it handed out: the key is made once (0600,
+    whole or not at all) and read back; a damaged one is refused, not silently replaced."""
+    import os
+    import stat
+
+    from dsec.control.api.cluster import _port_token_key
+    from dsec.errors import InvalidArgument
+
+    d = str(tmp_path)
+    key = _port_token_key(d)
+    assert len(key) == 32 and _port_token_key(d) == key
+    path = os.path.join(d, "port-token.key")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert sorted(os.listdir(d)) == ["port-token.key"]     # no temporary file left
+    with open(path, "wb") as f:
+        f.write(b"short")
+    with pytest.raises(InvalidArgument, match="holds 5 bytes, not a 32-byte key"):
+        _port_token_key(d)

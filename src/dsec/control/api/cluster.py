@@ -43,6 +43,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -135,6 +136,35 @@ class ClusterConfig:
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
+
+
+def _port_token_key(state_dir: str) -> bytes:
+    """The key of exposed ports' URL tokens (docs/ports.md), made once and kept in the
+    (0700) state dir, 0600: a restarted apiserver still honours the URLs it handed out.
+    Written whole to a temporary file and linked into place, so a crash never leaves a
+    short key, and two processes starting at once agree on one."""
+    path = os.path.join(state_dir, "port-token.key")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, secrets.token_bytes(32))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)           # fails if another process linked its key first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    with open(path, "rb") as f:
+        key = f.read()
+    if len(key) != 32:
+        raise InvalidArgument(f"{path} holds {len(key)} bytes, not a 32-byte key; remove it "
+                              "(the URLs of exposed ports change)")
+    return key
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -245,7 +275,8 @@ class ClusterRuntime:
                 idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
-                                 redact_paths=_host_paths(given)),
+                                 redact_paths=_host_paths(given),
+                                 port_token_key=_port_token_key(cfg.state_dir)),
                 clock=loop.time,
                 anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane,
                 admin=plane)
