@@ -384,3 +384,82 @@ def test_a_slow_reader_and_many_connections_do_not_starve_another_sandbox(
         finally:
             hog.kill()
             calm.kill()
+
+
+def test_tunnels_through_one_apiserver_are_capped(cluster: LocalCluster) -> None:
+    """RestConfig.max_proxy_tunnels: with one tunnel held open (nc accepts and never
+    answers), the next request through a proxy capped at 1 is refused 503 unavailable,
+    and served again once the first ends. (The proxy driven as the ASGI app it is, on
+    the cluster's loop, with the cluster's own ApiService.)"""
+    from dsec.control.proxy import PortProxy
+
+    with cluster.client(transport="http") as c:
+        sb = c.sandboxes.create()
+        try:
+            httpd(sb, 8000, "capped")
+            assert sb.exec("(sleep 1000 | nc -l -p 8300 >/dev/null) >/dev/null 2>&1 &",
+                           timeout=10).exit_code == 0
+            held_url = sb.ports.expose_info(8300)
+            ok_url = sb.ports.expose_info(8000)
+            svc = cluster.runtime.service
+
+            def scope(url: str) -> dict[str, object]:
+                path, _, query = url.removeprefix(cluster.url).partition("?")
+                return {"type": "http", "method": "GET", "path": path,
+                        "raw_path": path.encode(), "query_string": query.encode(),
+                        "headers": [(b"host", b"x")], "client": ("127.0.0.1", 1),
+                        "scheme": "http"}
+
+            async def run() -> list[tuple[int, bytes]]:
+                proxy = PortProxy(svc, max_tunnels=1)
+                stop = asyncio.Event()
+                out: list[tuple[int, bytes]] = []
+
+                async def receive_held() -> dict[str, object]:
+                    if not stop.is_set() and not getattr(receive_held, "sent", False):
+                        receive_held.sent = True  # type: ignore[attr-defined]
+                        return {"type": "http.request", "body": b"", "more_body": False}
+                    await stop.wait()
+                    return {"type": "http.disconnect"}
+
+                async def receive() -> dict[str, object]:
+                    return {"type": "http.request", "body": b"", "more_body": False}
+
+                def sender(into: list[tuple[int, bytes]]):  # type: ignore[no-untyped-def]
+                    async def send(msg: dict[str, object]) -> None:
+                        if msg["type"] == "http.response.start":
+                            into.append((int(msg["status"]), b""))  # type: ignore[call-overload]
+                        elif into:
+                            into[-1] = (into[-1][0], into[-1][1] + msg.get("body", b""))  # type: ignore[operator]
+                    return send
+
+                held: list[tuple[int, bytes]] = []
+                for _ in range(50):           # until nc listens (then it holds the tunnel)
+                    held.clear()
+                    first = asyncio.create_task(proxy(scope(held_url.url), receive_held,
+                                                      sender(held)))
+                    for _ in range(100):
+                        if proxy.open == 1 or first.done():
+                            break
+                        await asyncio.sleep(0.01)
+                    if proxy.open == 1:
+                        await asyncio.sleep(0.2)
+                        if proxy.open == 1 and not held:
+                            break
+                    await asyncio.gather(first, return_exceptions=True)
+                    receive_held.sent = False  # type: ignore[attr-defined]
+                    await asyncio.sleep(0.1)
+                assert proxy.open == 1 and not held, held
+                await proxy(scope(ok_url.url), receive, sender(out))
+                stop.set()
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+                await proxy(scope(ok_url.url), receive, sender(out))
+                return out
+
+            out = cluster._on_loop(run(), timeout=60)
+            assert out[0][0] == 503 and b'"code":"unavailable"' in out[0][1], out
+            assert b"1 proxy tunnels open (the limit is 1)" in out[0][1]
+            assert out[1] == (200, b"capped\n"), out
+        finally:
+            sb.kill()

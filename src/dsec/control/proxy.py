@@ -22,7 +22,7 @@ the only path, so this works for sandboxes on any edge.
 - **WebSocket**: after auth the client's session is bridged to a tunnel; the upstream
   handshake and frames go through ``websockets``' sans-IO client protocol.
 - **Limits**: tunnels open through this apiserver at once (``max_tunnels``, beyond:
-  503 overloaded); per sandbox and idle ones are the edge's (dsec.wire.ports).
+  503 unavailable); per sandbox and idle ones are the edge's (dsec.wire.ports).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from dsec.errors import (
     DsecError,
     InternalError,
     InvalidArgument,
-    Overloaded,
     RateLimited,
     RemoteProtocolError,
     Unavailable,
@@ -149,8 +148,11 @@ class PortProxy:
             if k == TOKEN_PARAM:
                 token = from_query = v
         if self.open >= self.max_tunnels:
-            raise Overloaded(f"this apiserver has {self.open} proxy tunnels open (the limit "
-                             f"is {self.max_tunnels}); retry later", limit=self.max_tunnels)
+            # Unavailable, not Overloaded: that one is a TransportError, which the
+            # apiserver's redaction takes for its own broken link to an edge.
+            raise Unavailable(f"this apiserver has {self.open} proxy tunnels open (the "
+                              f"limit is {self.max_tunnels}); retry later",
+                              limit=self.max_tunnels)
         client = scope.get("client")
         peer = client[0] if client and isinstance(client[0], str) and client[0] else None
         svc = self.service
