@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from dsec.client.core import AsyncClient as AsyncClient
     from dsec.client.core import AsyncSandbox as AsyncSandbox
     from dsec.client.core import Snapshot as Snapshot
-    from dsec.client.local import LocalCluster as LocalCluster
+    from dsec.cluster.local import LocalCluster as LocalCluster
     from dsec.client.sync import Client as Client
     from dsec.client.sync import Sandbox as Sandbox
     from dsec.edge.spec import ExecResult as ExecResult
@@ -41,7 +41,7 @@ _LAZY = {
     "AsyncClient": "dsec.client.core",
     "AsyncSandbox": "dsec.client.core",
     "Snapshot": "dsec.client.core",
-    "LocalCluster": "dsec.client.local",
+    "LocalCluster": "dsec.cluster.local",
     "ExecResult": "dsec.edge.spec",
     "FileInfo": "dsec.edge.spec",
     "SandboxEvent": "dsec.edge.spec",

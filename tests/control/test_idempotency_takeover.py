@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
@@ -33,7 +34,6 @@ from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.edge.spec import SandboxSpec
-from tests.control.conftest import api_service
 
 LEASE_S = 0.4     # short leases keep the test fast; the default is 3 s
 RENEW_S = 0.1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
@@ -24,7 +25,6 @@ from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Conflict
-from tests.control.conftest import api_service
 
 
 @dataclass

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from dsec import Client, LocalCluster
+from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest, QuotaBody
@@ -24,7 +25,6 @@ from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import QuotaExceeded
-from tests.control.conftest import api_service
 
 
 def test_snapshot_room_is_the_least_over_the_ancestor_chain() -> None:

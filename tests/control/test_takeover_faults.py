@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
@@ -38,7 +39,6 @@ from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Conflict, DsecError, TransportError, Unavailable
 from tests.conftest import requires_root
-from tests.control.conftest import api_service
 
 LEASE_S = 0.4
 RENEW_S = 0.1

@@ -57,7 +57,7 @@ class _Up:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> None:
-        from dsec.control.api.cluster import read_local
+        from dsec.statedir import read_local
 
         cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up",
                "--state-dir", self.state_dir, "--listen", f"127.0.0.1:{self.port}",

@@ -104,7 +104,7 @@ class LocalCluster:
     def _start_thread(self) -> None:
         import uvloop
 
-        from dsec.control.api.cluster import ClusterConfig, ClusterRuntime
+        from dsec.cluster.runtime import ClusterConfig, ClusterRuntime
         from dsec.control.ratelimit import RateLimitConfig
 
         cfg = ClusterConfig(state_dir=self.state_dir, listen="127.0.0.1:0",
