@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from dsec.client.core import AsyncClient as AsyncClient
     from dsec.client.core import AsyncSandbox as AsyncSandbox
     from dsec.client.core import Snapshot as Snapshot
-    from dsec.cluster.local import LocalCluster as LocalCluster
     from dsec.client.sync import Client as Client
     from dsec.client.sync import Sandbox as Sandbox
+    from dsec.cluster.local import LocalCluster as LocalCluster
     from dsec.edge.spec import ExecResult as ExecResult
     from dsec.edge.spec import FileInfo as FileInfo
     from dsec.edge.spec import SandboxEvent as SandboxEvent
