@@ -297,9 +297,9 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
 
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None) -> None:
-    from dsec.edge.admission import format_bytes, format_cpu
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
+    from dsec.wire.node import format_bytes, format_cpu
 
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()

@@ -86,7 +86,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
 
 
 def _sizes(rt: Any) -> str:
-    from dsec.edge.admission import format_bytes, format_cpu
+    from dsec.wire.node import format_bytes, format_cpu
 
     cap, host = rt.capacity, rt.host
     if cap is None or host is None:

@@ -268,7 +268,7 @@ class ClusterRuntime:
         """Register an edge with the control plane. One that cannot be dialled yet (a
         remote edge still starting) is registered anyway: the plane redials it on every
         poll, and it becomes healthy with its first heartbeat."""
-        from dsec.edge.service import EdgeClient
+        from dsec.edge.client import EdgeClient
 
         try:
             client = await EdgeClient.connect(addr, token=token)
@@ -731,7 +731,7 @@ class ClusterRuntime:
     async def _stop_process(self, proc: EdgeProcess, keep: bool) -> None:
         """Destroy the edge's sandboxes through it (unless ``keep``; an edge that is down
         is started once more for that, so nothing is leaked), then stop it gracefully."""
-        from dsec.edge.service import EdgeClient
+        from dsec.edge.client import EdgeClient
 
         if not keep and proc.ever_ready:
             try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["SandboxRecord"]
 
