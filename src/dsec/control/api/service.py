@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -69,6 +69,7 @@ from dsec.image.catalog import image_not_found
 from dsec.wire import ops
 from dsec.wire.api import (
     GATEWAY_PROTOCOL,
+    ROLE_RANK,
     CreateKeyRequest,
     CreateKeyResponse,
     CreateSandboxRequest,
@@ -82,10 +83,12 @@ from dsec.wire.api import (
     ProjectList,
     ProjectView,
     QuotaBody,
+    Role,
     SandboxList,
     SessionView,
     SnapshotList,
     SnapshotView,
+    role_on,
 )
 from dsec.wire.calls import (
     CreateMany,
@@ -126,7 +129,6 @@ from dsec.wire.spec import (
 )
 
 __all__ = [
-    "ROLE_RANK",
     "AdminOps",
     "ApiConfig",
     "ApiService",
@@ -138,7 +140,6 @@ __all__ = [
     "NodeDirectory",
     "Placer",
     "Policy",
-    "Role",
     "snapshot_view",
 ]
 
@@ -148,10 +149,6 @@ T = TypeVar("T")
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 Item = TypeVar("Item")
-
-Role = Literal["reader", "member", "admin"]
-ROLE_RANK: dict[str, int] = {"reader": 1, "member": 2, "admin": 3}
-
 
 # --------------------------------------------------------------------------- seams
 @dataclass(slots=True, frozen=True)
@@ -166,15 +163,7 @@ class Caller:
 
     def role_on(self, project: str) -> Role | None:
         """The strongest role on ``project`` or any ancestor (roles inherit downward)."""
-        if self.superuser:
-            return "admin"
-        best: Role | None = None
-        parts = project.split("/")
-        for i in range(len(parts)):
-            r = self.roles.get("/".join(parts[: i + 1]))
-            if r is not None and (best is None or ROLE_RANK[r] > ROLE_RANK[best]):
-                best = r
-        return best
+        return role_on(self.roles, project, superuser=self.superuser)
 
 
 class Authority(Protocol):
