@@ -19,6 +19,9 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from dsec.wire.spec import (
+    DEFAULT_CPU_MILLI,
+    DEFAULT_MEMORY_BYTES,
+    DEFAULT_PIDS_MAX,
     MAX_ARG_BYTES,
     MAX_ARGV_BYTES,
     MAX_ARGV_ITEMS,
@@ -165,10 +168,10 @@ class CreateSandboxRequest(_Strict):
     toolkits: list[str] = []
     snapshot: Annotated[str, _doc(pattern=SNAPSHOT_PATTERN)] | None = None
     backend: BackendName | None = None   # default: the server's default backend
-    cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = 1000
-    memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = 512 * 2**20
+    cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = DEFAULT_CPU_MILLI
+    memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = DEFAULT_MEMORY_BYTES
     disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None
-    pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = 1024
+    pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = DEFAULT_PIDS_MAX
     priority: I32 = 0
     labels: Annotated[dict[str, Annotated[str, _doc(maxLength=1024)]], _doc(
         propertyNames={"minLength": 1, "maxLength": 253})] = {}

@@ -15,6 +15,9 @@ import msgspec
 from dsec.errors import InvalidArgument, PayloadTooLarge
 
 __all__ = [
+    "DEFAULT_CPU_MILLI",
+    "DEFAULT_MEMORY_BYTES",
+    "DEFAULT_PIDS_MAX",
     "FILE_CHUNK_BYTES",
     "MAX_ARGV_BYTES",
     "MAX_ARGV_ITEMS",
@@ -67,6 +70,13 @@ SandboxState = Literal[
 ]
 BackendName = Literal["simulated", "fncall", "container", "runc", "vm"]
 IdleAction = Literal["destroy", "pause"]
+
+# What a sandbox gets when its create names no size: one core, 512 MiB, 1024 tasks (a
+# fork-bomb guard). The spec's defaults, the API's create body, the registry's record,
+# the SDK's and the CLI's keywords all say these, never their own numbers.
+DEFAULT_CPU_MILLI = 1000
+DEFAULT_MEMORY_BYTES = 512 * 2**20
+DEFAULT_PIDS_MAX = 1024
 
 # Sanity ceilings: a spec above these is a typo (e.g. bytes given as KiB), not a request.
 MAX_CPU_MILLI = 1024 * 1000          # 1024 cores
@@ -226,10 +236,10 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     toolkits: tuple[str, ...] = ()          # toolkit layer refs, later ones win
     snapshot: str | None = None             # start from a pack_diff snapshot instead
     backend: BackendName = "simulated"
-    cpu_milli: int = 1000                   # millicores (1000 = one core)
-    memory_bytes: int = 512 * 2**20
+    cpu_milli: int = DEFAULT_CPU_MILLI      # millicores (1000 = one core)
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
     disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
-    pids_max: int | None = 1024             # fork-bomb guard; None = no cap
+    pids_max: int | None = DEFAULT_PIDS_MAX  # fork-bomb guard; None = no cap
     priority: int = 0                       # higher wins preemption
     labels: dict[str, str] = {}
     project: str = "default"
