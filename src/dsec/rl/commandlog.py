@@ -13,20 +13,32 @@ The log is an append-only file of length-prefixed msgpack records, written *befo
 result is not was in flight when the trainer died: it may or may not have run, so
 replaying it raises :class:`CommandInDoubt` unless the caller says re-running is safe.
 A torn last record (crash mid-write) is ignored on load.
+
+A command is recognised by its digest (:func:`request_digest`), versioned so a log
+outlives changes to how commands are digested: each record's digest says its version
+(``v2:<hex>``; no prefix is version 1) and a replay checks it with that version, so a
+log written by an older release keeps verifying while new records use the current one.
+Version 2 digests the command's *meaning*: fields equal to their default are left out
+(by value: msgspec's ``omit_defaults``, which version 1 hashed, tells a default by
+identity, so ``timeout_s=60.0`` spelled out digested differently from the default 60.0),
+int/float spellings of a float field are one value, mappings are hashed in key order.
+So a request type may gain a defaulted field without changing any old command's digest.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
-from dsec.errors import Conflict
+from dsec.errors import Conflict, InvalidArgument
 from dsec.rl.access import (
     DelegatingAccess,
     ExecOutcome,
@@ -37,7 +49,8 @@ from dsec.rl.access import (
     resume_sandboxes,
 )
 
-__all__ = ["CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged", "request_digest"]
+__all__ = ["DIGEST_VERSION", "CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged",
+           "digest_version", "request_digest"]
 
 _LEN = struct.Struct("<I")
 
@@ -67,9 +80,88 @@ class _Entry:
     result: ExecResult | None
 
 
-def request_digest(req: ExecRequest) -> str:
-    """A stable fingerprint of a command (everything that affects what it does)."""
+#: The digest version new records are written with (see the module docstring).
+DIGEST_VERSION = 2
+
+
+def request_digest(req: ExecRequest, version: int = DIGEST_VERSION) -> str:
+    """A stable fingerprint of a command (everything that affects what it does), as
+    ``version`` computes it: the current one for new records, a record's own to check
+    it (:func:`digest_version`)."""
+    digest = _DIGESTS.get(version)
+    if digest is None:
+        raise InvalidArgument(f"command digest version {version} is not one this release "
+                              f"knows ({', '.join(map(str, sorted(_DIGESTS)))})",
+                              field="version")
+    return digest(req)
+
+
+def digest_version(digest: str) -> int | None:
+    """The version a logged digest was computed with; None if it names none this
+    release could parse (a log from a newer release, or damage)."""
+    head, sep, rest = digest.partition(":")
+    if not sep:
+        return 1
+    if head[:1] == "v" and head[1:].isdigit() and rest:
+        return int(head[1:])
+    return None
+
+
+def _digest_v1(req: ExecRequest) -> str:
+    # Kept only to verify logs written before version 2: hashes msgspec's own encoding,
+    # whose omit_defaults compares with the default by identity (a spelled-out 60.0 or
+    # 1 << 20 is written, the default is not) and whose dicts keep insertion order.
     return hashlib.sha256(msgspec.msgpack.encode(req)).hexdigest()[:32]
+
+
+_SORTED = msgspec.msgpack.Encoder(order="sorted")
+
+
+def _digest_v2(req: ExecRequest) -> str:
+    return "v2:" + hashlib.sha256(_SORTED.encode(_canonical(req))).hexdigest()[:32]
+
+
+_DIGESTS: dict[int, Callable[[ExecRequest], str]] = {1: _digest_v1, 2: _digest_v2}
+
+
+def _canonical(req: msgspec.Struct) -> dict[str, Any]:
+    """The fields of ``req`` that differ from their defaults, by value, under their wire
+    names; a whole number in a float field as a float (``timeout_s=30`` is 30.0)."""
+    out: dict[str, Any] = {}
+    for name, wire, default, is_float in _fields(type(req)):
+        value = getattr(req, name)
+        if isinstance(value, list) and isinstance(default, tuple):
+            value = tuple(value)
+        if value is default or (default is not _REQUIRED and value == default):
+            continue
+        if is_float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out[wire] = value
+    return out
+
+
+_REQUIRED = object()
+
+
+@functools.cache
+def _fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str, Any, bool], ...]:
+    """Per field of ``cls``: name, wire name, default (``_REQUIRED`` if none), whether a
+    float is what it holds (so an int there is the same number)."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    out = []
+    for f in info.fields:
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            default = _REQUIRED
+        types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
+        is_float = (any(isinstance(t, msgspec.inspect.FloatType) for t in types)
+                    and not any(isinstance(t, msgspec.inspect.IntType) for t in types))
+        out.append((f.name, f.encode_name, default, is_float))
+    return tuple(out)
 
 
 class CommandLog:
@@ -181,7 +273,15 @@ class LoggedAccess(DelegatingAccess):
             if entry is None:
                 live.append(i)
                 continue
-            if entry.digest != dig:
+            version = digest_version(entry.digest)
+            if version not in _DIGESTS:
+                raise ReplayDiverged(
+                    f"command #{seq} for sandbox {sid} was logged with a digest this "
+                    f"release cannot check ({entry.digest[:40]!r}; known versions "
+                    f"{', '.join(map(str, sorted(_DIGESTS)))}): replay it with the release "
+                    "that wrote the log", sandbox_id=sid, seq=seq)
+            logged_as = dig if version == DIGEST_VERSION else request_digest(req, version)
+            if entry.digest != logged_as:
                 raise ReplayDiverged(
                     f"command #{seq} for sandbox {sid} differs from the logged one; the "
                     "replaying policy is not deterministic or the handle is from another "
