@@ -62,6 +62,7 @@ __all__ = [
     "check_mode",
     "check_path",
     "check_read_range",
+    "check_snapshot_ref",
     "read_in_chunks",
 ]
 
@@ -190,6 +191,18 @@ def check_read_range(offset: int, length: int | None) -> None:
         raise PayloadTooLarge(f"read of {length} bytes asked, the limit is "
                               f"{MAX_FILE_READ_BYTES}; pass offset/length to read in parts",
                               field="length", size=length, limit=MAX_FILE_READ_BYTES)
+
+
+def check_snapshot_ref(ref: object, *, field: str = "id") -> str:
+    """A snapshot ref: ``sha256:`` and 12..64 lowercase hex digits (a full id or a unique
+    prefix; ``dsec.wire.api.SNAPSHOT_PATTERN`` in the OpenAPI schema). The edge and the
+    apiserver refuse a bad one in these words; the error never echoes more than 80
+    characters of it. Returns ``ref``."""
+    if (not isinstance(ref, str) or not ref.startswith("sha256:") or not 19 <= len(ref) <= 71
+            or not all(c in "0123456789abcdef" for c in ref[7:])):
+        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected 'sha256:' "
+                              "and 12-64 lowercase hex digits", field=field)
+    return ref
 
 
 def check_mode(mode: int) -> None:

@@ -125,6 +125,7 @@ from dsec.wire.spec import (
     SandboxState,
     SnapshotInfo,
     check_path,
+    check_snapshot_ref,
     read_in_chunks,
 )
 
@@ -1164,7 +1165,7 @@ class ApiService:
         else ``ImageNotFound`` worded exactly as for a snapshot that does not exist.
         Snapshot -> project is an immutable fact, cached so repeated creates from one
         snapshot do not ask every edge each time (full ids only)."""
-        _check_snapshot_ref(ref)
+        check_snapshot_ref(ref, field="snapshot")
         hit = self._snapshots.get(ref)
         if hit is None:
             view = await self._resolve_snapshot(principal, ref)
@@ -1189,7 +1190,7 @@ class ApiService:
         to an edge, whose store would expand it across projects): another project's
         snapshot sharing the prefix neither makes it ambiguous nor shows up in the
         error."""
-        _check_snapshot_ref(ref)
+        check_snapshot_ref(ref, field="snapshot")
         if len(ref) == 71:
             view = await self._find_snapshot(ref)
             if principal.role_on(view.project) is None:
@@ -1554,14 +1555,6 @@ def _lost_error(lost: Lost) -> SandboxLost:
         f"sandbox {sid} was lost with its node ({lost.info.reason}: {detail}); it will not "
         "come back: create a new one", sandbox_id=sid, state="destroyed",
         reason=lost.info.reason)
-
-
-def _check_snapshot_ref(ref: str) -> None:
-    """A snapshot id is ``sha256:`` and 12..64 lowercase hex digits (a prefix)."""
-    if (not isinstance(ref, str) or not ref.startswith("sha256:") or not 19 <= len(ref) <= 71
-            or not all(c in "0123456789abcdef" for c in ref[7:])):
-        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected 'sha256:' "
-                              "and 12-64 lowercase hex digits", field="snapshot")
 
 
 def _snapshot_not_found(ref: str) -> ImageNotFound:
