@@ -26,6 +26,8 @@ from typing import Literal
 from dsec.errors import BackendError
 
 __all__ = [
+    "DEFAULT_MAX_SANDBOX_PIDS",
+    "DEFAULT_PIDS_HEADROOM",
     "CgroupLayout",
     "ExecCgroup",
     "Governor",
@@ -48,6 +50,13 @@ V1_CONTROLLERS: tuple[str, ...] = ("memory", "cpu", "cpuacct", "pids", "freezer"
 V1_REQUIRED: tuple[str, ...] = ("memory", "cpu", "pids", "freezer")
 V2_REQUIRED: tuple[str, ...] = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
+# The task caps every backend that governs real processes (container, runc, fncall)
+# applies: the most tasks one sandbox may have (a spec asking for more is refused;
+# pids_max=None, "no cap", gets this), and the pids kept free for the edge and the host
+# below kernel.pid_max (Governor.limit_total_pids: on the dev VM's 32,768, all sandboxes
+# together get 28,672).
+DEFAULT_MAX_SANDBOX_PIDS = 8192
+DEFAULT_PIDS_HEADROOM = 4096
 
 
 @dataclass(frozen=True, slots=True)

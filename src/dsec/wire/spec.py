@@ -42,6 +42,7 @@ __all__ = [
     "MAX_STDIN_BYTES",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
+    "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
     "ExecRequest",
@@ -444,6 +445,12 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                 f"exec output_cap_bytes={self.output_cap_bytes} must be within "
                 f"0..{MAX_OUTPUT_CAP_BYTES} (1 GiB)", field="output_cap_bytes",
                 limit=MAX_OUTPUT_CAP_BYTES)
+
+
+# The exit code of a command killed by its timeout (``timed_out``): 128 + SIGKILL, as a
+# shell reports it and as a real process killed so reports it; backends that stand in
+# for one (simulated, fncall) answer the same.
+TIMEOUT_EXIT_CODE = 128 + 9
 
 
 class ExecResult(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -84,7 +84,13 @@ from dsec.edge.backends.fncall_jail import (
     split_profile,
 )
 from dsec.edge.backends.fncall_uids import UID_REGISTRY, UidRegistry
-from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.edge.governor import (
+    DEFAULT_MAX_SANDBOX_PIDS,
+    DEFAULT_PIDS_HEADROOM,
+    Governor,
+    Limits,
+    SandboxCgroup,
+)
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
@@ -98,12 +104,12 @@ from dsec.edge.spec import (
 )
 from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
+from dsec.wire.spec import TIMEOUT_EXIT_CODE
 
 __all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
            "make_backend"]
 
 _LEN = struct.Struct("!I")
-TIMEOUT_EXIT = 137
 # A reply carries at most two capped outputs, two strings the worker cuts at 64 KiB (the
 # error, a value's repr) and, for a call that wants one, a value of at most
 # MAX_VALUE_BYTES; anything larger is a hostile or broken worker, refused before the
@@ -133,8 +139,6 @@ FNCALL_UIDS: tuple[int, int] = (2_000_000_000, 65536)
 FILE_THREADS = 4
 _T = TypeVar("_T")
 WORKDIR = "/workspace"
-DEFAULT_MAX_SANDBOX_PIDS = 8192
-DEFAULT_PIDS_HEADROOM = 4096
 # The worker is started as `python -I -c BOOT MODE FD`: -I keeps PYTHONPATH, the user
 # site and the current directory out; BOOT puts only the edge's own dsec source on the
 # path, read from stdin so the host path is not in the argv a jailed call can read.
@@ -621,7 +625,7 @@ class WorkerPool:
                     holder.discard(w)  # after the reap: a destroy waits for this
         dur = time.perf_counter() - t0
         if timed_out:
-            return FncallResult(TIMEOUT_EXIT, None, None, f"timed out after {timeout_s}s", b"",
+            return FncallResult(TIMEOUT_EXIT_CODE, None, None, f"timed out after {timeout_s}s", b"",
                                 b"", True, cold, handout, dur)
         if reply is None:
             code = await w.reap()
@@ -1256,7 +1260,7 @@ class FncallBackend:
                          f"sandbox {sid}, which hit its memory limit of {spec.memory_bytes} "
                          "bytes; the sandbox itself is still there - raise memory_bytes")
             if res.died:
-                res = FncallResult(TIMEOUT_EXIT, None, None,
+                res = FncallResult(TIMEOUT_EXIT_CODE, None, None,
                                    f"the call was killed by the OOM killer: sandbox {sid} "
                                    f"has memory_bytes={spec.memory_bytes}", res.stdout,
                                    res.stderr, False, res.cold, res.handout_s, res.duration_s,

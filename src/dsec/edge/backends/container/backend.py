@@ -77,6 +77,8 @@ from dsec.edge.backends.container.state import (
     save_record,
 )
 from dsec.edge.governor import (
+    DEFAULT_MAX_SANDBOX_PIDS,
+    DEFAULT_PIDS_HEADROOM,
     ExecCgroup,
     Governor,
     Limits,
@@ -118,14 +120,9 @@ log = logging.getLogger("dsec.edge.container")
 Runtime = Literal["native", "runc"]
 
 
-# Per-sandbox task cap when a spec asks for none (pids_max=None), and the most a spec may
-# ask for; and the pids kept free for the edge/host below kernel.pid_max (32,768 on the
-# dev VM: all sandboxes together get 28,672).
 _T = TypeVar("_T")
 
 FILE_THREADS = 4   # threads for file operations (one tenant's walk leaves others three)
-DEFAULT_MAX_SANDBOX_PIDS = 8192
-DEFAULT_PIDS_HEADROOM = 4096
 # Host ids of user-namespace sandboxes (spec.user_namespace): root inside is host uid/gid
 # USERNS_BASE, ids 0..65535 inside map to USERNS_BASE.. +65535. One range shared by all
 # such sandboxes of a node for now (above the 1000.. range of host accounts and Debian's
