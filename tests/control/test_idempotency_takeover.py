@@ -267,10 +267,11 @@ def _dead_process_holder() -> str:
     import subprocess
     import sys
 
-    from dsec.control.idempotency import _boot_id, _start_ticks
+    from dsec.control.idempotency import _boot_id
+    from dsec.ownership import start_time
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        ticks = _start_ticks(p.pid)
+        ticks = start_time(p.pid)
     finally:
         p.kill()
         p.wait()

@@ -66,6 +66,7 @@ import msgspec
 
 from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument, Unavailable
+from dsec.ownership import start_time
 from dsec.wire.spec import MAX_IDEMPOTENCY_KEY_CHARS, check_idempotency_key
 
 __all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
@@ -107,22 +108,11 @@ def _boot_id() -> str:
     return f"{boot}.{pidns}"
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot), None if there is none:
-    with the pid it names one process for the whole boot (pids are reused, this is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[19]
-
-
 def local_holder(token: str) -> str:
     """A holder id that says which process holds a claim: ``boot.pidns:host:pid:start:
     token``."""
     pid = os.getpid()
-    return f"{_boot_id()}:{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}:{token}"
+    return f"{_boot_id()}:{socket.gethostname()}:{pid}:{start_time(pid) or 0}:{token}"
 
 
 def holder_gone(holder: str) -> bool:
@@ -137,7 +127,8 @@ def holder_gone(holder: str) -> bool:
         pid = int(parts[2])
     except ValueError:
         return False
-    return _start_ticks(pid) != parts[3]
+    start = start_time(pid)
+    return start is None or str(start) != parts[3]
 
 
 class ClaimLost(Unavailable):

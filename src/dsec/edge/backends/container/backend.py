@@ -70,12 +70,7 @@ from dsec.edge.backends.container.protocol import (
 )
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
-from dsec.edge.backends.container.state import (
-    BoxRecord,
-    load_record,
-    process_start_time,
-    save_record,
-)
+from dsec.edge.backends.container.state import BoxRecord, load_record, save_record
 from dsec.edge.governor import (
     DEFAULT_MAX_SANDBOX_PIDS,
     DEFAULT_PIDS_HEADROOM,
@@ -109,6 +104,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.ownership import start_time
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.runc import RuncDriver
@@ -404,7 +400,7 @@ class ContainerBackend:
     def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
                          init_pid=box.init_pid,
-                         init_start=process_start_time(box.init_pid) or 0,
+                         init_start=start_time(box.init_pid) or 0,
                          cgroup_version=box.cg.version, cgroup_dirs=box.cg.dirs,
                          lowerdirs=list(box.layers.lowerdirs), created_at=self.clock())
 
@@ -617,7 +613,7 @@ class ContainerBackend:
         if os.path.isdir(self.disk.sandbox_path(sid)):
             box.disk_q = self.disk.qgroup_dir(sid)
             box.disk_cap = DiskPool.usage_at(box.disk_q).cap_bytes
-        start = process_start_time(rec.init_pid)
+        start = start_time(rec.init_pid)
         members = self.governor.pids(cg)
         alive = start == rec.init_start and rec.init_pid in members
         why = ("" if alive else f"its init (pid {rec.init_pid}, start {rec.init_start}) is "
