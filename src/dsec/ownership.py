@@ -31,7 +31,7 @@ def start_time(pid: int, *, running: bool = False) -> int | None:
     one process for the whole boot (pids are reused, this is not). None if no such
     process; with ``running``, also if it is dead and waiting to be reaped (a zombie).
     The one reader of it (ownership files, the idempotency store's holders, container
-    sandboxes' init processes, supervised edge processes)."""
+    sandboxes' init processes and cgroup-name claims, supervised edge processes)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
