@@ -1,16 +1,30 @@
-"""Fixtures for the control-plane tests: a real SQLite store in a temp dir.
-
-Tests that wire an apiserver's ``ApiService`` by hand (replicas over one store) use
-:func:`dsec.cluster.compose.api_service`, the factory every apiserver is built with."""
+"""Fixtures for the control-plane tests: a real SQLite store in a temp dir; apiserver
+replicas over one store (:func:`replica`, wired by :func:`dsec.cluster.compose.api_service`
+as every apiserver is) reaching a real edge served over Aether (:func:`served_edge`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dsec.aether import Server
+from dsec.cluster.compose import api_service
+from dsec.control.api.plane import ControlPlane, PlaneConfig
+from dsec.control.api.service import ApiService
+from dsec.control.idempotency import IdempotencyCache
+from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
+from dsec.edge.admission import Capacity
+from dsec.edge.backend import Backend
+from dsec.edge.backends import make_backend
+from dsec.edge.client import EdgeClient
+from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.service import serve_edge
 
 
 class FakeClock:
@@ -40,3 +54,64 @@ def store(store_path: Path) -> Iterator[SqliteStore]:
         yield s
     finally:
         s.close()
+
+
+# ------------------------------------------------------- apiserver replicas over Aether
+@dataclass
+class Replica:
+    """One apiserver replica (its own store connection, control plane, service and edge
+    link) over a store file shared with the others."""
+
+    store: SqliteStore
+    plane: ControlPlane
+    service: ApiService
+    link: EdgeClient
+
+    @property
+    def cache(self) -> IdempotencyCache:
+        return self.service.idempotency
+
+    async def close(self) -> None:
+        await self.cache.close()
+        await self.plane.close()
+        await self.link.close()
+        self.store.close()
+
+
+async def replica(db: Path, addr: str, *, node: str = "e0", plane: PlaneConfig | None = None,
+                  **service: Any) -> Replica:
+    """A replica over the store at ``db`` reaching edge ``node`` at ``addr``, wired as
+    every apiserver is (:func:`dsec.cluster.compose.api_service`; ``service``: its
+    options), with the edge polled once. The caller closes it."""
+    store = SqliteStore(db)
+    p = ControlPlane.open(store, metrics=ApiMetrics(), config=plane)
+    link = await EdgeClient.connect(addr)
+    p.add_edge(node, addr, link)
+    svc = api_service(store, p, **service)
+    await p.poll_edges()
+    return Replica(store, p, svc, link)
+
+
+@dataclass
+class ServedEdge:
+    node: EdgeNode
+    addr: str
+    server: Server     # close() it to take the edge off the network mid-test
+
+
+@contextlib.asynccontextmanager
+async def served_edge(tmp: Path, backend: Backend | None = None, *, node: str = "e0",
+                      max_sandboxes: int = 1000) -> AsyncIterator[ServedEdge]:
+    """A real edge (simulated backend unless given) served over Aether on a Unix socket
+    in ``tmp``; closed after the block."""
+    edge = EdgeNode(NodeConfig(node_id=node, capacity=Capacity(
+        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=max_sandboxes)),
+        {"simulated": backend or make_backend("simulated")})
+    await edge.start()
+    addr = f"unix:{tmp / f'{node}.sock'}"
+    server = await serve_edge(edge, addr)
+    try:
+        yield ServedEdge(edge, addr, server)
+    finally:
+        await server.close()
+        await edge.close()
