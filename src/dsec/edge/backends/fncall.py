@@ -90,6 +90,9 @@ from dsec.edge.governor import (
     Governor,
     Limits,
     SandboxCgroup,
+    kernel_pid_max,
+    pids_budget,
+    sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
@@ -840,18 +843,14 @@ class FncallBackend:
                           seccomp=bpf, seccomp_admit=bpf_admit)
 
     def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
-        with open("/proc/sys/kernel/pid_max") as f:
-            pid_max = int(f.read())
-        if not 0 <= pids_headroom < pid_max:
-            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
-                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
-        self.max_sandbox_pids = min(self.max_sandbox_pids, pid_max - pids_headroom)
+        total, self.max_sandbox_pids = pids_budget(
+            kernel_pid_max(), headroom=pids_headroom, max_sandbox=self.max_sandbox_pids)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
         # one root per cgroup name: reconcile takes every cgroup under it for its own
         claim_cgroup_name(name, self.root)
         gov = Governor(name=name, favor_dynmods=linux.remount)
         try:
-            gov.limit_total_pids(pid_max - pids_headroom)
+            gov.limit_total_pids(total)
         except OSError as exc:
             raise BackendError(f"cannot cap the pids of all fncall sandboxes: {exc}") from exc
         return gov
@@ -895,11 +894,7 @@ class FncallBackend:
                                   field="allow_nested")
         pids = spec.pids_max
         if self.isolate:
-            if pids is None:
-                pids = self.max_sandbox_pids
-            elif pids > self.max_sandbox_pids:
-                raise InvalidArgument(f"pids_max={pids} is above this node's per-sandbox "
-                                      f"maximum of {self.max_sandbox_pids}", field="pids_max")
+            pids = sandbox_pids(pids, self.max_sandbox_pids)
         if spec.disk_bytes is not None:
             return spec.disk_bytes, pids
         if self.disk is not None:

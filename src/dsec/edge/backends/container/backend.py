@@ -80,6 +80,9 @@ from dsec.edge.governor import (
     Limits,
     SandboxCgroup,
     ensure_compressed_swap,
+    kernel_pid_max,
+    pids_budget,
+    sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.spec import (
@@ -182,16 +185,11 @@ class ContainerBackend:
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
-        pid_max = _kernel_pid_max()
-        if not 0 <= pids_headroom < pid_max:
-            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
-                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
+        pids_total, per_sandbox = pids_budget(kernel_pid_max(), headroom=pids_headroom,
+                                              max_sandbox=max_sandbox_pids)
         if not 1 << 20 <= default_disk_bytes:
             raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be at least "
                                   "1 MiB", field="default_disk_bytes")
-        if max_sandbox_pids < 1:
-            raise InvalidArgument(f"max_sandbox_pids={max_sandbox_pids} must be >= 1",
-                                  field="max_sandbox_pids")
         base, size = userns_range
         if not (1 <= base and 1 <= size and base + size <= 2**32 - 1):
             raise InvalidArgument(f"userns_range={userns_range!r} must be (first host id >= 1, "
@@ -199,8 +197,8 @@ class ContainerBackend:
         #: host (uid/gid of root, id count) of user-namespace sandboxes
         self.userns_range = (base, size)
         #: pids.max of the parent cgroup of all this backend's sandboxes
-        self.pids_total = pid_max - pids_headroom
-        self.max_sandbox_pids = min(max_sandbox_pids, self.pids_total)
+        self.pids_total = pids_total
+        self.max_sandbox_pids = per_sandbox
         self.runtime: Runtime = runtime
         self.name = "container" if runtime == "native" else "runc"
         self.root_dir = os.path.abspath(root_dir)
@@ -315,14 +313,7 @@ class ContainerBackend:
     def _pids_for(self, spec: SandboxSpec) -> int:
         """The task limit a sandbox gets: ``spec.pids_max``, or the node's per-sandbox
         maximum when the spec asks for no cap (None); more than that is refused."""
-        if spec.pids_max is None:
-            return self.max_sandbox_pids
-        if spec.pids_max > self.max_sandbox_pids:
-            raise InvalidArgument(
-                f"pids_max={spec.pids_max} is above this node's per-sandbox maximum of "
-                f"{self.max_sandbox_pids} tasks; ask for at most that (or null for the "
-                "maximum)", field="pids_max")
-        return spec.pids_max
+        return sandbox_pids(spec.pids_max, self.max_sandbox_pids)
 
     def _dir(self, sid: str) -> str:
         if not sid or "/" in sid or sid.startswith("."):
@@ -1352,11 +1343,6 @@ def _lock_root(root_dir: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def _kernel_pid_max() -> int:
-    with open("/proc/sys/kernel/pid_max") as f:
-        return int(f.read())
 
 
 def _legacy_rw_dirs(d: str) -> tuple[str, str]:
