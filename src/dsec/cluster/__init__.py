@@ -12,3 +12,13 @@
 Nothing below this floor imports it (``pyproject.toml``'s import contracts): the control
 plane, the edges and the SDK do not know how they are put together.
 """
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["DSEC_ARGV"]
+
+#: How this installation runs ``dsec`` in a child process (edges, ``dsec up``): this
+#: interpreter with the same ``sys.path`` setup, whatever the ``dsec`` script on $PATH is.
+DSEC_ARGV: tuple[str, ...] = (sys.executable, "-c", "from dsec.cli.main import main; main()")

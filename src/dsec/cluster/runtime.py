@@ -45,7 +45,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -53,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from dsec.aether.limits import ServerLimits
+from dsec.cluster import DSEC_ARGV
 from dsec.cluster.compose import api_service
 from dsec.cluster.edge_process import EdgePaths, EdgeProcess, reclaim_orphan
 from dsec.control.api.http_limits import HttpLimits
@@ -83,7 +83,6 @@ LOCK_FILE = "up.lock"
 # How long a restarted edge process takes to serve again: measured 0.3-0.8 s (Python
 # start-up, imports, journal re-adoption) on the 2-core dev VM under load; doubled.
 EDGE_RESTART_BUDGET_S = 2.0
-DSEC_ARGV = (sys.executable, "-c", "from dsec.cli.main import main; main()")
 
 
 @dataclass(slots=True, kw_only=True)
