@@ -62,11 +62,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
-
 from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument, Unavailable
 from dsec.ownership import start_time
+from dsec.wire.canonical import canonical_bytes
 from dsec.wire.spec import MAX_IDEMPOTENCY_KEY_CHARS, check_idempotency_key
 
 __all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
@@ -190,31 +189,15 @@ def fingerprint(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
-_canonical = msgspec.msgpack.Encoder(order="sorted")
-
-
-def _every_field(value: object) -> object:
-    """``value`` as plain data with every struct field written out. msgspec's
-    ``omit_defaults`` decides "is the default" by identity for strings and large ints:
-    a decoded ``"image": "base"`` was written while the default object itself was left
-    out, so one request fingerprinted two ways (REST's JSON decode against the
-    gateway's, and REST's ``{}`` against ``{"image": "base"}``) and a retry under the
-    same key was refused as a different request."""
-    if isinstance(value, msgspec.Struct):
-        return {f: _every_field(getattr(value, f)) for f in value.__struct_fields__}
-    if isinstance(value, (list, tuple)):
-        return [_every_field(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _every_field(v) for k, v in value.items()}
-    return value
-
-
 def request_fingerprint(request: object) -> str:
-    """The fingerprint of a decoded request in one canonical form (msgpack, keys
-    sorted, every field written), not of its bytes on the wire: REST's JSON and the
-    gateway's msgpack of one request, or JSON with its keys in another order or a
-    default written out, are one request under one key."""
-    return fingerprint(_canonical.encode(_every_field(request)))
+    """The fingerprint of a decoded request in its canonical form
+    (:func:`dsec.wire.canonical.canonical_bytes`: the fields that differ from their
+    defaults, by value, keys sorted), not of its bytes on the wire: REST's JSON and the
+    gateway's msgpack of one request, JSON with its keys in another order or a default
+    written out, and a request of a release whose type has one more defaulted field, are
+    one request under one key. (msgspec's ``omit_defaults`` tells a default by identity,
+    so its own encoding wrote a decoded ``"image": "base"`` and left the default out.)"""
+    return fingerprint(canonical_bytes(request))
 
 
 def validate_key(key: str) -> str:

@@ -18,22 +18,21 @@ A command is recognised by its digest (:func:`request_digest`), versioned so a l
 outlives changes to how commands are digested: each record's digest says its version
 (``v2:<hex>``; no prefix is version 1) and a replay checks it with that version, so a
 log written by an older release keeps verifying while new records use the current one.
-Version 2 digests the command's *meaning*: fields equal to their default are left out
-(by value: msgspec's ``omit_defaults``, which version 1 hashed, tells a default by
-identity, so ``timeout_s=60.0`` spelled out digested differently from the default 60.0),
-int/float spellings of a float field are one value, mappings are hashed in key order.
-So a request type may gain a defaulted field without changing any old command's digest.
+Version 2 digests the command's *meaning* (:mod:`dsec.wire.canonical`): fields equal to
+their default are left out by value (msgspec's ``omit_defaults``, which version 1 hashed,
+tells a default by identity, so ``timeout_s=60.0`` spelled out digested differently from
+the default 60.0), int/float spellings of a float field are one value, mappings are
+hashed in key order. So a request type may gain a defaulted field without changing any
+old command's digest.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -48,6 +47,7 @@ from dsec.rl.access import (
     pause_sandboxes,
     resume_sandboxes,
 )
+from dsec.wire.canonical import canonical_bytes
 
 __all__ = ["DIGEST_VERSION", "CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged",
            "digest_version", "request_digest"]
@@ -114,54 +114,11 @@ def _digest_v1(req: ExecRequest) -> str:
     return hashlib.sha256(msgspec.msgpack.encode(req)).hexdigest()[:32]
 
 
-_SORTED = msgspec.msgpack.Encoder(order="sorted")
-
-
 def _digest_v2(req: ExecRequest) -> str:
-    return "v2:" + hashlib.sha256(_SORTED.encode(_canonical(req))).hexdigest()[:32]
+    return "v2:" + hashlib.sha256(canonical_bytes(req)).hexdigest()[:32]
 
 
 _DIGESTS: dict[int, Callable[[ExecRequest], str]] = {1: _digest_v1, 2: _digest_v2}
-
-
-def _canonical(req: msgspec.Struct) -> dict[str, Any]:
-    """The fields of ``req`` that differ from their defaults, by value, under their wire
-    names; a whole number in a float field as a float (``timeout_s=30`` is 30.0)."""
-    out: dict[str, Any] = {}
-    for name, wire, default, is_float in _fields(type(req)):
-        value = getattr(req, name)
-        if isinstance(value, list) and isinstance(default, tuple):
-            value = tuple(value)
-        if value is default or (default is not _REQUIRED and value == default):
-            continue
-        if is_float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        out[wire] = value
-    return out
-
-
-_REQUIRED = object()
-
-
-@functools.cache
-def _fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str, Any, bool], ...]:
-    """Per field of ``cls``: name, wire name, default (``_REQUIRED`` if none), whether a
-    float is what it holds (so an int there is the same number)."""
-    info = msgspec.inspect.type_info(cls)
-    assert isinstance(info, msgspec.inspect.StructType)
-    out = []
-    for f in info.fields:
-        if f.default is not msgspec.NODEFAULT:
-            default = f.default
-        elif f.default_factory is not msgspec.NODEFAULT:
-            default = f.default_factory()
-        else:
-            default = _REQUIRED
-        types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
-        is_float = (any(isinstance(t, msgspec.inspect.FloatType) for t in types)
-                    and not any(isinstance(t, msgspec.inspect.IntType) for t in types))
-        out.append((f.name, f.encode_name, default, is_float))
-    return tuple(out)
 
 
 class CommandLog:
