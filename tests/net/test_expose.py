@@ -22,8 +22,8 @@ import pytest
 
 from dsec.aether import connect
 from dsec.client import AsyncClient
-from dsec.client.local import LocalCluster
 from dsec.client.sync import Sandbox
+from dsec.cluster.local import LocalCluster
 from dsec.errors import InvalidArgument
 from dsec.wire.ports import MAX_EXPOSED_PORTS, ExposedPort, ExposedPortList
 from dsec.wire.spec import NetworkPolicy

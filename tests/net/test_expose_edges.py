@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.image import LayerStore, ensure_busybox_base
 

@@ -68,7 +68,7 @@ def test_the_cluster_keeps_one_token_key_in_its_state_dir(tmp_path: object) -> N
     import os
     import stat
 
-    from dsec.control.api.cluster import _port_token_key
+    from dsec.cluster.runtime import _port_token_key
     from dsec.errors import InvalidArgument
 
     d = str(tmp_path)

@@ -85,7 +85,7 @@ def expose(ctx: BenchContext) -> None:
         return
     import uvloop
 
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
 
     conns = 16
     seconds = 2.0 if ctx.quick else 8.0
