@@ -146,8 +146,16 @@ class RestConfig:
     # metrics_loopback_only is turned off (an explicit choice to publish it).
     metrics_token: str | None = None
     metrics_loopback_only: bool = True
-    # Exposed ports: proxy tunnels open through this apiserver at once (beyond: 503).
+    # Exposed ports: proxy tunnels open through this apiserver at once (beyond: 503),
+    # and the share one sandbox / project / client address may hold of them (beyond:
+    # 429 naming the share; None: an eighth per sandbox, at most the edge's 256, a
+    # quarter per project and per address), so one tenant cannot starve the others.
     max_proxy_tunnels: int = 4096
+    proxy_tunnels_per_sandbox: int | None = None
+    proxy_tunnels_per_project: int | None = None
+    proxy_tunnels_per_client: int | None = None
+    # An HTTP tunnel with no byte either way this long is reclaimed (504).
+    proxy_idle_s: float = 30.0
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -663,7 +671,10 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
-    return FastPaths(app, service, PortProxy(service, max_tunnels=cfg.max_proxy_tunnels))
+    return FastPaths(app, service, PortProxy(
+        service, max_tunnels=cfg.max_proxy_tunnels, per_sandbox=cfg.proxy_tunnels_per_sandbox,
+        per_project=cfg.proxy_tunnels_per_project, per_client=cfg.proxy_tunnels_per_client,
+        idle_s=cfg.proxy_idle_s))
 
 
 _JSON_CT = (b"content-type", b"application/json")

@@ -105,6 +105,7 @@ from dsec.wire.ports import (
     MAX_EXPOSED_PORTS,
     MAX_TUNNELS_PER_SANDBOX,
     TUNNEL_IDLE_S,
+    TUNNEL_OPEN_IDLE_S,
     PortRecord,
 )
 from dsec.wire.spec import check_snapshot_ref
@@ -152,6 +153,7 @@ class NodeConfig:
     # port_connect (each holds a socket of this process), and how long one may idle.
     max_tunnels_per_sandbox: int = MAX_TUNNELS_PER_SANDBOX
     tunnel_idle_s: float = TUNNEL_IDLE_S
+    tunnel_open_idle_s: float = TUNNEL_OPEN_IDLE_S     # before the first byte
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -1015,7 +1017,8 @@ class EdgeNode:
                                           what=f"sandbox {rec.id}")
             try:
                 rec.last_active_at = self.clock.time()
-                await relay(stream, sock, idle_s=self.config.tunnel_idle_s)
+                await relay(stream, sock, idle_s=self.config.tunnel_idle_s,
+                            open_idle_s=self.config.tunnel_open_idle_s)
                 rec.last_active_at = self.clock.time()
             finally:
                 sock.close()

@@ -126,9 +126,12 @@ async def connect_in_netns(ns_fd: int, port: int, *, what: str,
 
 
 async def relay(stream: DuplexStream, sock: socket.socket, *, idle_s: float,
+                open_idle_s: float | None = None,
                 clock: Callable[[], float] = time.monotonic) -> tuple[int, int]:
     """Move bytes between ``stream`` and ``sock`` until both directions have ended
-    (EOF / FIN each way), either side fails, or nothing moved for ``idle_s``. Returns
+    (EOF / FIN each way), either side fails, or nothing moved for ``idle_s``
+    (``open_idle_s``, when given, until the first byte either way: a tunnel opened and
+    never used is reclaimed sooner than one that paused). Returns
     (bytes to the sandbox, bytes from it). Closes nothing: the caller owns both."""
     loop = asyncio.get_running_loop()
     last = [clock()]
@@ -159,9 +162,11 @@ async def relay(stream: DuplexStream, sock: socket.socket, *, idle_s: float,
 
     async def idle() -> None:
         while True:
-            left = last[0] + idle_s - clock()
+            limit = (min(open_idle_s, idle_s) if open_idle_s is not None
+                     and moved == [0, 0] else idle_s)
+            left = last[0] + limit - clock()
             if left <= 0:
-                raise TimeoutError(f"tunnel idle for {idle_s:g}s")
+                raise TimeoutError(f"tunnel idle for {limit:g}s")
             await asyncio.sleep(left)
 
     tasks = [asyncio.create_task(inbound()), asyncio.create_task(outbound())]

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_TOKEN_TTL_S",
     "MAX_TUNNELS_PER_SANDBOX",
     "TUNNEL_IDLE_S",
+    "TUNNEL_OPEN_IDLE_S",
     "ExposedPort",
     "ExposedPortList",
     "PortConnect",
@@ -40,6 +41,9 @@ MAX_EXPOSED_PORTS: Final = 16
 MAX_TUNNELS_PER_SANDBOX: Final = 256
 #: A tunnel with no byte either way for this long is closed.
 TUNNEL_IDLE_S: Final = 300.0
+#: ... and one that has moved no byte at all yet, this long: a client that opens
+#: connections and sends nothing holds a place of the sandbox's 256 for 30 s, not 300.
+TUNNEL_OPEN_IDLE_S: Final = 30.0
 #: The longest a URL token may live (the port's own lifetime bounds it too).
 MAX_TOKEN_TTL_S: Final = 30 * 86400.0
 

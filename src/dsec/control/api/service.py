@@ -152,6 +152,7 @@ __all__ = [
     "NodeDirectory",
     "Placer",
     "Policy",
+    "api_key_of",
     "snapshot_view",
 ]
 
@@ -417,17 +418,7 @@ class ApiService:
         key = ""
         hit: tuple[float, Caller] | None = None
         try:
-            if not authorization:
-                raise Unauthenticated(
-                    "no API key: send 'Authorization: Bearer <key>' (dsec up prints the "
-                    "admin key and writes it to its state dir's local.json)")
-            scheme, _, key = authorization.partition(" ")
-            if not key:
-                key = scheme
-            elif scheme.lower() != "bearer":
-                raise Unauthenticated(
-                    f"unsupported authorization scheme {scheme[:20]!r}: use 'Bearer <key>'")
-            key = key.strip()
+            key = api_key_of(authorization)
             hit = self._principals.get(key)
             if hit is not None and hit[0] > now:
                 principal = hit[1]
@@ -1403,11 +1394,14 @@ class ApiService:
 
     async def port_tunnel(self, sid: str, port: int, *, caller: Caller | None = None,
                           token: str | None = None, client: str | None = None,
+                          admit: Callable[[str], None] | None = None,
                           ) -> DuplexStream:
         """A duplex stream to ``port`` of sandbox ``sid`` for the proxy route: with a URL
         ``token`` (checked here, in constant time; its generation checked by the edge)
         or a ``caller`` with member on the sandbox's project. A bad token is charged to
-        ``client``'s budget for failed authentication, like a bad API key."""
+        ``client``'s budget for failed authentication, like a bad API key. ``admit`` is
+        called with the sandbox's project once the caller is known good and before the
+        tunnel opens (the proxy's per-project share; it raises to refuse)."""
         if not 1 <= port <= 65535:
             raise InvalidArgument(f"port={port} must be within 1..65535", field="port")
         if token is not None:
@@ -1423,8 +1417,14 @@ class ApiService:
                 edge = None
             if edge is None:
                 raise _not_found(sid)
+            project = self._projects.get(sid)
+            if project is None:
+                found_edge = edge
+                info = await self._via(edge, sid, "get", lambda: found_edge.get(sid))
+                project = info.spec.project
+                self._projects.put(sid, project)
         elif caller is not None:
-            edge, _ = await self._edge_for(caller, sid, "member")
+            edge, project = await self._edge_for(caller, sid, "member")
             recs = await self._via(edge, sid, "port_list", lambda: edge.port_list(sid))
             found = [r.generation for r in recs.items if r.port == port]
             if not found:
@@ -1435,6 +1435,8 @@ class ApiService:
             raise Unauthenticated(
                 f"reaching an exposed port needs its URL token (?{TOKEN_PARAM}= or "
                 "X-Dsec-Token) or an API key of a member of the sandbox's project")
+        if admit is not None:
+            admit(project)
         return edge.tunnel(ops.PORT_CONNECT, PortConnect(id=sid, port=port, generation=gen))
 
     async def _forward(self, op: Op[Any, Any], caller: Caller, body: Any) -> Any:
@@ -1567,6 +1569,24 @@ class _IdInUse(InvalidTransition):
 
     def __init__(self, sid: str) -> None:
         super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
+
+
+def api_key_of(authorization: str | None) -> str:
+    """The API key an ``Authorization`` header value carries, in every spelling the
+    apiserver accepts (``Bearer <key>`` with any case and any run of spaces, or a bare
+    key); raises Unauthenticated for none or another scheme. The one parser: the port
+    proxy strips what this accepts before a request reaches a sandbox."""
+    if not authorization:
+        raise Unauthenticated(
+            "no API key: send 'Authorization: Bearer <key>' (dsec up prints the "
+            "admin key and writes it to its state dir's local.json)")
+    scheme, _, key = authorization.partition(" ")
+    if not key:
+        key = scheme
+    elif scheme.lower() != "bearer":
+        raise Unauthenticated(
+            f"unsupported authorization scheme {scheme[:20]!r}: use 'Bearer <key>'")
+    return key.strip()
 
 
 def _create_request(spec: SandboxSpec, session: str | None) -> CreateSandboxRequest:
