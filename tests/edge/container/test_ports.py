@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -46,12 +46,15 @@ def _cfg(tmp_path: object) -> NodeConfig:
 
 
 @pytest.fixture
-async def edge(tmp_path: object, images_dir: str) -> AsyncIterator[Edge]:
+async def edge(tmp_path: object, images_dir: str,
+               request: pytest.FixtureRequest) -> AsyncIterator[Edge]:
     if os.geteuid() != 0:
         pytest.skip("needs root (CI runs as root)")
     backend = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
                                images=DirectoryImages(images_dir))
-    node = EdgeNode(_cfg(tmp_path), backend)
+    cfg = _cfg(tmp_path)
+    cfg = replace(cfg, **getattr(request, "param", {}))   # indirect: NodeConfig fields
+    node = EdgeNode(cfg, backend)
     await node.start()
     server = await serve_edge(node, f"unix:{tmp_path}/edge.sock")
     client = await EdgeClient.connect(f"unix:{tmp_path}/edge.sock")
@@ -119,6 +122,28 @@ async def test_connections_per_sandbox_are_capped_and_idle_ones_closed(edge: Edg
             await s.result()
     assert not edge.node._live[sid].tunnels
     assert (await _get(edge, sid, gen)).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("edge", [{"tunnel_idle_s": 300.0, "tunnel_open_idle_s": 0.5}],
+                         indirect=True)
+async def test_a_tunnel_that_moved_no_byte_is_reclaimed_sooner(edge: Edge) -> None:
+    """Red team 14 item 5: a client opening tunnels and sending nothing holds a place of
+    the sandbox's cap for ``tunnel_open_idle_s`` (30 s by default), not the 300 s a
+    tunnel that moved bytes may pause for."""
+    sid = (await edge.node.create(SPEC)).id
+    await _httpd(edge.node, sid)
+    gen = (await edge.client.port_expose(PortExpose(id=sid, port=8000))).generation
+    used = edge.client.tunnel(ops.PORT_CONNECT, PortConnect(id=sid, port=8000,
+                                                            generation=gen))
+    await used.send(b"GET / HT")                # bytes moved: the 300 s limit applies
+    unused = edge.client.tunnel(ops.PORT_CONNECT, PortConnect(id=sid, port=8000,
+                                                              generation=gen))
+    async with asyncio.timeout(10):
+        assert await unused.recv() == b""
+        await unused.result()
+    await asyncio.sleep(0.5)
+    assert len(edge.node._live[sid].tunnels) == 1, edge.node._live[sid].tunnels
+    used.reset("done")
 
 
 async def test_closing_the_port_or_destroying_the_sandbox_cuts_its_tunnels(
