@@ -251,6 +251,7 @@ def test_one_sandboxs_idle_tunnels_do_not_starve_another_sandboxs_port(
             assert len(refused) == cap - sb_share and len(kept) == sb_share, refused
             assert all(" 429 " in x and f"sandbox '{hog.id}'" in x and
                        "proxy_tunnels_per_sandbox" in x for x in refused), refused
+            assert all("content-security-policy: sandbox" in x.lower() for x in refused)
             # idle reclaim: the kept ones end with 504 once idle for idle_s, and their
             # places are given back
             for s in kept:

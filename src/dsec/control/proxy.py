@@ -401,8 +401,12 @@ class PortProxy:
         exc = svc.redact(exc)
         body = _json.encode(ApiError(code=exc.code, message=exc.message, request_id="",
                                      detail={}))
+        # the proxy's own answers carry the same CSP (their message may quote what a
+        # sandbox sent) and are never sniffed into a page
         headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]
+                   (b"content-length", str(len(body)).encode()),
+                   (b"content-security-policy", CSP_SANDBOX),
+                   (b"x-content-type-options", b"nosniff")]
         if isinstance(exc, RateLimited):
             headers.append((b"retry-after", b"1"))
         await send({"type": "http.response.start", "status": exc.http_status,
