@@ -41,6 +41,7 @@ from dsec.wire.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxSpec,
     SandboxState,
     SandboxStats,
 )
@@ -148,7 +149,8 @@ class Sandboxes:
         self._a = a
 
     def create(
-        self, *, image: str = "base", workspace: str | None = None,
+        self, *, spec: SandboxSpec | None = None, image: str = "base",
+        workspace: str | None = None,
         toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
         backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
         disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
@@ -161,7 +163,7 @@ class Sandboxes:
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
-            image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
+            spec=spec, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
@@ -169,7 +171,7 @@ class Sandboxes:
             idempotency_key=idempotency_key)))
 
     def create_many(
-        self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
+        self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
         workspace: str | None = None, toolkits: Sequence[str] = (),
         snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", disk: int | str | None = None,

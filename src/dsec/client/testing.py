@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import builtins
 import inspect
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from dsec.client.transport import spec_of
-from dsec.errors import DsecError
-from dsec.wire import ops
-from dsec.wire.api import CreateSandboxRequest, Info
-from dsec.wire.calls import CreateMany, CreateSandbox
+from dsec.wire.api import Info
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp
-from dsec.wire.spec import SandboxInfo
 
 __all__ = ["Handler", "MockTransport"]
 
@@ -61,21 +56,6 @@ class MockTransport:
         items: Any = await self.call(op, body, timeout=timeout)
         for item in items:
             yield item
-
-    async def create(self, req: CreateSandboxRequest,
-                     idempotency_key: str | None) -> SandboxInfo:
-        return await self.call(ops.CREATE, CreateSandbox(
-            spec=spec_of(req, self.info), session=req.session,
-            idempotency_key=idempotency_key))
-
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None,
-                          ) -> builtins.list[SandboxInfo | DsecError]:
-        batch = await self.call(ops.CREATE_MANY, CreateMany(
-            items=[spec_of(r, self.info) for r in reqs],
-            session=reqs[0].session if reqs else None,
-            idempotency_keys=None if keys is None else list(keys)))
-        return batch.results()
 
     async def close(self) -> None:
         self.closed = True

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast, get_args
 
 import msgspec
 
@@ -107,11 +107,14 @@ from dsec.wire.calls import (
     SnapshotQuery,
     SnapshotRef,
     WriteFile,
+    create_of,
+    rest_form,
 )
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -122,7 +125,9 @@ from dsec.wire.spec import (
     SandboxState,
     SnapshotInfo,
     check_path,
+    project_of,
     read_in_chunks,
+    resolve,
 )
 
 __all__ = [
@@ -555,7 +560,7 @@ class ApiService:
         lost = self.directory.lost(sid)
         if lost is not None:
             self._check_lost(principal, lost, need)
-            return edge, lost, lost.info.spec.project
+            return edge, lost, project_of(lost.info.spec)
         project = self._projects.get(sid)
         if project is None:
             try:
@@ -565,8 +570,8 @@ class ApiService:
                 if lost is None:
                     raise
                 self._check_lost(principal, lost, need)
-                return edge, lost, lost.info.spec.project
-            project = info.spec.project
+                return edge, lost, project_of(lost.info.spec)
+            project = project_of(info.spec)
             self._projects.put(sid, project)
         if not principal.superuser:
             if principal.role_on(project) is None:
@@ -576,7 +581,7 @@ class ApiService:
 
     def _check_lost(self, principal: Caller, lost: Lost, need: Role) -> None:
         """The access rule for a tombstone: same answers as for a live sandbox."""
-        project = lost.info.spec.project
+        project = project_of(lost.info.spec)
         if principal.role_on(project) is None:
             raise _not_found(lost.info.id)
         self.require(principal, project, need)
@@ -588,44 +593,47 @@ class ApiService:
         return lost
 
     # ---------------------------------------------------------------- create
-    def build_spec(self, principal: Caller, req: CreateSandboxRequest) -> SandboxSpec:
-        project = principal.default_project if req.project is None else req.project
+    def build_spec(self, principal: Caller,
+                   req: CreateSandbox | CreateSandboxRequest) -> SandboxSpec:
+        """The caller's spec resolved by this apiserver's policy (:func:`resolve`): what
+        it leaves unset is the server's (the key's default project, the default backend,
+        the project's or the server's default TTL); every other field is the caller's,
+        unchanged. The session lease rides along as a label."""
+        req = create_of(req)
+        asked = req.spec
+        project = principal.default_project if asked.project is None else asked.project
         parse_project_path(project)
         self.require(principal, project, "member")
-        ttl = req.ttl_s
+        ttl = asked.ttl_s
         if ttl is None:
             ttl = self.project_defaults(project)
             if ttl is None:
                 ttl = self.config.default_ttl_s
-        labels = dict(req.labels)
+        spec = resolve(asked, backend=_backend_name(self.config.default_backend),
+                       project=project, ttl_s=ttl)
         if req.session is not None:
-            labels["dsec.io/session"] = req.session
-        spec = SandboxSpec(
-            image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
-            snapshot=req.snapshot,
-            backend=req.backend or self.config.default_backend,  # type: ignore[arg-type]
- cpu_milli=req.cpu_milli,
-            memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes, pids_max=req.pids_max,
-            priority=req.priority, labels=labels, project=project, ttl_s=ttl,
-            idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
-            network=req.network, allow_nested=req.allow_nested,
-            user_namespace=req.user_namespace,
-        )
+            spec = msgspec.structs.replace(
+                spec, labels={**spec.labels, "dsec.io/session": req.session})
         # the spec's own limits first (the type's words, as the gateway's decode gives
         # them), then this apiserver's tighter pids cap
         spec = spec.validate()
         cap = self.config.pids_max_ceiling
-        if cap is not None and (req.pids_max is None or req.pids_max > cap):
+        if cap is not None and (spec.pids_max is None or spec.pids_max > cap):
             raise InvalidArgument(
-                f"pids_max={req.pids_max if req.pids_max is not None else 'null'} is refused: "
-                f"this apiserver caps processes per sandbox at {cap} (a fork-bomb guard "
-                f"for the node); ask for 1..{cap}", field="pids_max", limit=cap)
+                f"pids_max={spec.pids_max if spec.pids_max is not None else 'null'} is "
+                f"refused: this apiserver caps processes per sandbox at {cap} (a fork-bomb "
+                f"guard for the node); ask for 1..{cap}", field="pids_max", limit=cap)
         return spec
 
     async def create(
-        self, principal: Caller, req: CreateSandboxRequest, *,
+        self, principal: Caller, req: CreateSandbox | CreateSandboxRequest, *,
         idempotency_key: str | None = None, raw: bytes = b"",
     ) -> SandboxInfo:
+        """Create the sandbox ``req`` asks for. ``req``: the catalogue's request (the
+        gateway, the SDK) or REST's flat body, one request whichever (:func:`create_of`);
+        ``idempotency_key``: REST's header (the catalogue's request carries its own)."""
+        req = create_of(req, idempotency_key=idempotency_key)
+        idempotency_key = req.idempotency_key
         spec = self.build_spec(principal, req)
         if spec.snapshot is not None:
             # Only a caller that may read the snapshot's project may boot it (its files
@@ -640,7 +648,7 @@ class ApiService:
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
         # Of the decoded request, not of its bytes (``raw`` is unused): one request is
         # one key whichever door and encoding it came through.
-        fp = request_fingerprint(req)
+        fp = request_fingerprint(rest_form(req))
         for _ in range(_RETAKES):
             info = await self._create_keyed(spec, scoped, fp)
             if info is not None:
@@ -797,17 +805,17 @@ class ApiService:
         """Record a sandbox an earlier create made (found through its intent)."""
         if self.quotas is not None:
             try:
-                token = self.quotas.admit(info.spec.project, info.spec)
+                token = self.quotas.admit(project_of(info.spec), info.spec)
             except DsecError:
                 pass  # over quota now: the next heartbeat reconcile records it anyway
             else:
                 self.quotas.commit(token, info)
-        self._projects.put(info.id, info.spec.project)
+        self._projects.put(info.id, project_of(info.spec))
 
     async def _create_on(self, spec: SandboxSpec, edge: EdgeOps, sid: str) -> SandboxInfo:
         """Create ``sid`` on ``edge`` with quota admission, outside placement (the edge
         has the final say on capacity). ``_IdInUse`` when the edge already has ``sid``."""
-        token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
+        token = self.quotas.admit(project_of(spec), spec) if self.quotas is not None else None
         try:
             info = await self._edge_create(edge, spec, sid)
         except BaseException:
@@ -816,7 +824,7 @@ class ApiService:
             raise
         if self.quotas is not None:
             self.quotas.commit(token, info)
-        self._projects.put(info.id, spec.project)
+        self._projects.put(info.id, project_of(spec))
         self.metrics.creations.labels(spec.backend).inc()
         return info
 
@@ -833,7 +841,7 @@ class ApiService:
 
     async def _create_placed(self, spec: SandboxSpec,
                              claim: Claim | None = None) -> SandboxInfo:
-        token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
+        token = self.quotas.admit(project_of(spec), spec) if self.quotas is not None else None
         try:
             info = await self._place_and_create(spec, claim)
         except BaseException as exc:
@@ -844,7 +852,7 @@ class ApiService:
             raise
         if self.quotas is not None:
             self.quotas.commit(token, info)
-        self._projects.put(info.id, spec.project)
+        self._projects.put(info.id, project_of(spec))
         self.metrics.creations.labels(spec.backend).inc()
         return info
 
@@ -940,7 +948,7 @@ class ApiService:
         return exc
 
     async def create_many(
-        self, principal: Caller, reqs: Sequence[CreateSandboxRequest],
+        self, principal: Caller, reqs: Sequence[CreateSandbox | CreateSandboxRequest],
         keys: Sequence[str] | None = None,
     ) -> list[SandboxInfo | DsecError]:
         """Batched create: each item succeeds or fails on its own (errors are returned).
@@ -956,7 +964,7 @@ class ApiService:
         out: list[SandboxInfo | DsecError] = [
             InvalidArgument("not attempted")] * len(reqs)
 
-        async def one(i: int, r: CreateSandboxRequest) -> None:
+        async def one(i: int, r: CreateSandbox | CreateSandboxRequest) -> None:
             try:
                 out[i] = await self.create(principal, r, idempotency_key=None if keys is None
                                            else keys[i])
@@ -1383,11 +1391,10 @@ class ApiService:
                                lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
 
     async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
-        return await self.create(caller, _create_request(b.spec, b.session),
-                                 idempotency_key=b.idempotency_key)
+        return await self.create(caller, b)
 
     async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
-        reqs = [_create_request(spec, b.session) for spec in b.items]
+        reqs = [CreateSandbox(spec=spec, session=b.session) for spec in b.items]
         return Batch.of(self._redacted(await self.create_many(caller, reqs,
                                                               b.idempotency_keys)))
 
@@ -1503,19 +1510,14 @@ class _IdInUse(InvalidTransition):
         super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
 
 
-def _create_request(spec: SandboxSpec, session: str | None) -> CreateSandboxRequest:
-    """The create of a caller's spec as :meth:`ApiService.create` takes it. Until
-    ``SandboxSpec.backend``/``project`` can be left unset (issue 13, step 12), a spec
-    names both: the SDK fills them from ``api.info`` (the server's default backend, the
-    key's default project)."""
-    return CreateSandboxRequest(
-        image=spec.image, workspace=spec.workspace, toolkits=list(spec.toolkits),
-        snapshot=spec.snapshot, backend=spec.backend, cpu_milli=spec.cpu_milli,
-        memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes, pids_max=spec.pids_max,
-        priority=spec.priority, labels=dict(spec.labels), project=spec.project,
-        ttl_s=spec.ttl_s, idle_timeout_s=spec.idle_timeout_s, idle_action=spec.idle_action,
-        env=dict(spec.env), network=spec.network, allow_nested=spec.allow_nested,
-        user_namespace=spec.user_namespace, session=session)
+def _backend_name(name: str) -> BackendName:
+    """The configured default backend as a :data:`BackendName`."""
+    for known in get_args(BackendName):
+        if name == known:
+            return cast(BackendName, known)
+    raise InvalidArgument(f"the apiserver's default backend {name!r} is not a backend "
+                          f"({', '.join(get_args(BackendName))}); name one in the "
+                          "create", field="backend")
 
 
 def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],
