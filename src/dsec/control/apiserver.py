@@ -104,6 +104,7 @@ from dsec.wire.calls import (
 )
 from dsec.wire.jsonform import exec_output, exec_request, stream_line
 from dsec.wire.ops import Op as CatalogueOp
+from dsec.wire.outcome import undecodable
 from dsec.wire.spec import (
     FileInfo,
     PauseStats,
@@ -201,20 +202,21 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _decode(tp: type, raw: bytes) -> Any:
+def _decode(tp: type, raw: bytes, op: CatalogueOp[Any, Any]) -> Any:
+    """The JSON body of ``op``'s route as ``tp``. A refusal is worded as at every other
+    door: the type's own check (``__post_init__``) answers unchanged; msgspec's (a
+    wrong type, a bound on the type, an unknown field) through
+    :func:`dsec.wire.outcome.undecodable`, its path as the whole request's (the row's
+    body field first: ``$.spec.cpu_milli``)."""
     if not raw:
         raise InvalidArgument(f"empty request body: send a JSON {tp.__name__} object")
     try:
         return _decoder(tp).decode(raw)
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
-            # refused by the type's own check (__post_init__): the same class, words
-            # and detail as at every other door
             raise exc.__cause__ from None
-        # msgspec names the field: "Object contains unknown field `foo`", "Expected `int`,
-        # got `str` - at `$.cpu_milli`".
-        name = getattr(tp, "__name__", str(tp))
-        raise InvalidArgument(f"invalid {name}: {exc}") from None
+        body = op.rest.body if op.rest is not None else None
+        raise undecodable(op.name, exc, at="" if body in (None, "*") else str(body)) from None
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed JSON body: {exc}") from None
 
@@ -283,6 +285,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         template = op.path
         lat = latency.labels(template, op.method)
         counters: dict[int, Any] = {}
+        row = _ROWS[(op.method, op.path)]
+        assert row.rest is not None
+        known = frozenset(row.rest.query.values())
 
         async def endpoint(request: Request) -> Response:
             t0 = time.perf_counter()
@@ -291,6 +296,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                 caller = (service.authenticate(request.headers.get("authorization"),
                                                _client_host(request.scope))
                           if op.auth else _ANON)
+                if request.scope.get("query_string"):
+                    _known_query(request, known, row)
                 resp = await handler(request, caller, rid)
             except DsecError as exc:
                 resp = _error_response(service.redact(exc), rid)
@@ -327,7 +334,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     # ------------------------------------------------------------- sandboxes
     async def create(request: Request, caller: Caller, rid: str) -> Response:
         raw = await _read_body(request, cfg.max_json_body)
-        body = _decode(CreateSandboxRequest, raw)
+        body = _decode(CreateSandboxRequest, raw, ops.CREATE)
         session = request.query_params.get("session")
         if session is not None and body.session is None:
             # the catalogue's form (the row: the spec as the body, the session a query
@@ -383,7 +390,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              "Destroy a sandbox (idempotent)", status=204), delete)
 
     async def exec_(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body), ops.EXEC)
         res = await exec_policy(caller, ExecCall(id=sid_of(request), req=exec_request(body)))
         return _json_response(exec_output(res), rid)
 
@@ -391,7 +398,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
              ExecBody, ExecOutput), exec_)
 
     async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body),
+                       ops.EXEC_STREAM)
         stream = await stream_policy(caller, ExecCall(id=sid_of(request),
                                                       req=exec_request(body)))
 
@@ -422,7 +430,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         request_type = op.request
 
         async def handler(request: Request, caller: Caller, rid: str) -> Response:
-            body = _decode(request_type, await _read_body(request, limit))
+            body = _decode(request_type, await _read_body(request, limit), op)
             return _json_response(await policy(caller, body), rid)
         route(Op(op.rest.method, op.rest.path, op.rest.operation_id, op.summary,
                  op.request, op.reply, op.rest.status, tag=op.rest.tag), handler)
@@ -656,8 +664,10 @@ class FastPaths:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
             path: str = scope["path"]
+            # a query string goes the general way: GET one sandbox takes no parameter,
+            # and the route refuses one it does not know by name
             if (path.startswith("/v1/sandboxes/") and len(path) > 14
-                    and path.find("/", 14) < 0):
+                    and path.find("/", 14) < 0 and not scope.get("query_string")):
                 await self._get(scope, send, path[14:])
                 return
         await self.app(scope, receive, send)
@@ -726,7 +736,7 @@ def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
              None, ProjectView, tag="admin"), project)
 
     async def quota(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(QuotaBody, await _read_body(request, cfg.max_json_body))
+        body = _decode(QuotaBody, await _read_body(request, cfg.max_json_body), ops.QUOTA_SET)
         path = request.path_params["path"]
         return _json_response(await quota_p(caller, QuotaSet(path=path, quota=body)), rid)
 
@@ -734,7 +744,8 @@ def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
              QuotaBody, ProjectView, tag="admin"), quota)
 
     async def key(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body))
+        body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body),
+                       ops.CREATE_KEY)
         return _json_response(await key_p(caller, body), rid, 201)
 
     route(Op("POST", "/v1/keys", "createKey", "Create an API key: for a new principal with "
@@ -783,7 +794,8 @@ def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
              None, ImageList, tag="images"), images)
 
     async def tag_image(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ImageTagRequest, await _read_body(request, cfg.max_json_body))
+        body = _decode(ImageTagRequest, await _read_body(request, cfg.max_json_body),
+                       ops.IMAGE_TAG)
         return _json_response(await tag_p(caller, body), rid)
 
     route(Op("POST", "/v1/images/tag", "tagImage", "Point a name ([project/]name[:tag]) at "
@@ -872,6 +884,17 @@ def _from_row(route: Op) -> Op:
                             f"{route.operation_id}/{route.status}, its row "
                             f"{rest.operation_id}/{rest.status}")
     return dataclasses.replace(route, summary=row.summary, tag=rest.tag)
+
+
+def _known_query(request: Request, known: frozenset[str],
+                 row: CatalogueOp[Any, Any]) -> None:
+    """Refuse a query parameter the row does not name, by name (as the Aether doors
+    refuse an unknown field): ``mkdir?parnets=false`` silently made the parents."""
+    for name in request.query_params:
+        if name not in known:
+            takes = ", ".join(sorted(known)) or "none"
+            raise InvalidArgument(f"unknown query parameter {name[:60]!r} for the {row.name} "
+                                  f"request (it takes: {takes})", field=name[:60])
 
 
 def _client_host(scope: Any) -> str | None:
