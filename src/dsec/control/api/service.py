@@ -948,10 +948,13 @@ class ApiService:
         return exc
 
     async def create_many(
-        self, principal: Caller, reqs: Sequence[CreateSandbox | CreateSandboxRequest],
-        keys: Sequence[str] | None = None,
+        self, principal: Caller,
+        reqs: Sequence[CreateSandbox | CreateSandboxRequest | SandboxSpec],
+        keys: Sequence[str] | None = None, *, session: str | None = None,
     ) -> list[SandboxInfo | DsecError]:
-        """Batched create: each item succeeds or fails on its own (errors are returned).
+        """Batched create: each item succeeds or fails on its own (errors are returned),
+        a bare spec (the catalogue's batch) too: its checks run with the item's create
+        (under ``session``), not for the whole batch at once.
         ``keys``: one Idempotency-Key per item, so a retried batch (its reply lost to a
         crash) answers each item with the sandbox its first attempt made."""
         if len(reqs) > self.config.max_create_batch:
@@ -964,8 +967,10 @@ class ApiService:
         out: list[SandboxInfo | DsecError] = [
             InvalidArgument("not attempted")] * len(reqs)
 
-        async def one(i: int, r: CreateSandbox | CreateSandboxRequest) -> None:
+        async def one(i: int, r: CreateSandbox | CreateSandboxRequest | SandboxSpec) -> None:
             try:
+                if isinstance(r, SandboxSpec):
+                    r = CreateSandbox(spec=r, session=session)
                 out[i] = await self.create(principal, r, idempotency_key=None if keys is None
                                            else keys[i])
             except DsecError as exc:
@@ -1394,9 +1399,8 @@ class ApiService:
         return await self.create(caller, b)
 
     async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
-        reqs = [CreateSandbox(spec=spec, session=b.session) for spec in b.items]
-        return Batch.of(self._redacted(await self.create_many(caller, reqs,
-                                                              b.idempotency_keys)))
+        return Batch.of(self._redacted(await self.create_many(
+            caller, b.items, b.idempotency_keys, session=b.session)))
 
     async def _get_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
         return await self.get(caller, b.id)
