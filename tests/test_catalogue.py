@@ -329,7 +329,7 @@ def _rest_call(w: World, op: Op[Any, Any], req: Any) -> Any:
 
 
 def _sdk_call(w: World, op: Op[Any, Any], req: Any, transport: str) -> Any:
-    with w.cluster.client(transport=transport, session_lease_s=None) as c:
+    with w.cluster.client(protocol=transport, session_lease_s=None) as c:
         if op is ops.EXEC_STREAM:
             items = list(c.sandboxes.get(req.id).exec_stream(req.req.shell))
             assert len(items) > 1 and all(isinstance(i, ExecChunk) for i in items[:-1])
@@ -975,7 +975,7 @@ def _streamed(w: World, door: str, body: ExecCall) -> tuple[int, bytes, bytes]:
         items = [stream_item(msgspec.json.decode(ln, type=ExecStreamLine))
                  for ln in resp.content.splitlines() if ln]
     elif door.startswith("sdk-"):
-        with cl.client(transport=door.removeprefix("sdk-"), session_lease_s=None) as c:
+        with cl.client(protocol=door.removeprefix("sdk-"), session_lease_s=None) as c:
             assert body.req.shell is not None
             items = list(c.sandboxes.get(body.id).exec_stream(body.req.shell,
                                                               stdin=body.req.stdin))

@@ -74,7 +74,7 @@ def _through_every_door(cluster: LocalCluster, spec: SandboxSpec) -> dict[str, S
     r = httpx.post(f"{cluster.url}/v1/sandboxes", json=msgspec.to_builtins(spec),
                    headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)
     assert r.status_code == 201, r.text
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         got["rest"] = c.sandboxes.get(r.json()["id"]).info.spec
 
     async def gateway() -> SandboxInfo:
@@ -88,7 +88,7 @@ def _through_every_door(cluster: LocalCluster, spec: SandboxSpec) -> dict[str, S
             await conn.close()
     got["gateway"] = cluster._on_loop(gateway(), timeout=60).spec
     for transport in ("http", "aether"):
-        with cluster.client(transport=transport) as c:
+        with cluster.client(protocol=transport) as c:
             sb = c.sandboxes.create(**_sdk_kwargs(spec), detached=True)
             got[f"sdk-keywords-{transport}"] = c.sandboxes.get(sb.id).info.spec
             sb = c.sandboxes.create(spec=spec, detached=True)
@@ -101,7 +101,7 @@ def _through_every_door(cluster: LocalCluster, spec: SandboxSpec) -> dict[str, S
 
         async def sdk_async(transport: str = transport) -> SandboxSpec:
             async with AsyncClient(cluster.url, cluster.api_key, gateway=cluster.gateway,
-                                   transport=transport, session_lease_s=None) as ac:
+                                   protocol=transport, session_lease_s=None) as ac:
                 sb = await ac.sandboxes.create(spec=spec)
                 return (await ac.sandboxes.get(sb.id)).info.spec
         got[f"sdk-async-{transport}"] = cluster._on_loop(sdk_async(), timeout=60)
@@ -135,7 +135,7 @@ def test_every_spec_field_arrives_through_every_door(cluster: LocalCluster) -> N
 
 
 def test_a_spec_from_a_snapshot_arrives_through_every_door(cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         snap = c.sandboxes.create(detached=True).snapshot()
     from_snapshot = msgspec.structs.replace(SAMPLE, image="base", workspace=None, toolkits=(),
                                             snapshot=snap.id)
@@ -163,6 +163,6 @@ def test_what_a_spec_leaves_unset_is_the_servers_and_nothing_else_changes(
 
 def test_spec_and_create_keywords_at_once_are_refused(cluster: LocalCluster) -> None:
     from dsec.errors import InvalidArgument
-    with cluster.client(transport="http") as c, pytest.raises(
+    with cluster.client(protocol="http") as c, pytest.raises(
             InvalidArgument, match="spec= and keywords that set memory_bytes"):
         c.sandboxes.create(spec=SAMPLE, memory="1GiB")

@@ -66,7 +66,7 @@ def _state(client: Client, sid: str | None) -> str:
 # --------------------------------------------------------------------- SDK exec_many
 @pytest.mark.parametrize("transport", ["aether", "http"])
 def test_sdk_exec_many_carries_each_calls_request(cluster: LocalCluster, transport: str) -> None:
-    with cluster.client(transport=transport) as c:
+    with cluster.client(protocol=transport) as c:
         sbs = c.sandboxes.create_many([{"labels": {"i": "0"}}, {"labels": {"i": "1"},
                                                                  "memory": "256MiB"}])
         try:

@@ -15,9 +15,12 @@ import socket
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.bench import BenchContext, suite
+
+if TYPE_CHECKING:
+    from dsec.client.core import WireProtocol
 
 # ----------------------------------------------------------------- apiserver_rps
 # Candidate HTTP servers for the REST door, each serving the same app (``build_app``) on
@@ -646,12 +649,13 @@ def create_e2e(ctx: BenchContext) -> None:
              "(the load keeps thousands of default 1-core/512 MiB sandboxes alive).")
 
 
-async def _creates(cl: Any, transport: str, n: int, backend: str | None = None) -> float:
+async def _creates(cl: Any, transport: WireProtocol, n: int,
+                   backend: str | None = None) -> float:
     from dsec.client.core import AsyncClient
     from dsec.wire import ops
     from dsec.wire.calls import CreateMany, CreateSandbox, SandboxRef
     from dsec.wire.spec import SandboxSpec
-    c = AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, transport=transport,
+    c = AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, protocol=transport,
                     session_lease_s=None)
     try:
         t = await c._transport()
@@ -687,7 +691,7 @@ def exec_e2e(ctx: BenchContext) -> None:
     n = ctx.scale(2000, 300)
     with LocalCluster(subprocess=True, edges=1, backend="container") as cl:
         for transport in ("aether", "http"):
-            with Client(cl.url, cl.api_key, gateway=cl.gateway, transport=transport,
+            with Client(cl.url, cl.api_key, gateway=cl.gateway, protocol=transport,
                         session_lease_s=None) as c, c.sandboxes.create(image="base") as sb:
                 for _ in range(20):
                     sb.exec(["true"])

@@ -34,11 +34,19 @@ import os
 import random
 import re
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 import msgspec
 
+from dsec.client.images import AsyncImages
 from dsec.errors import (
     DsecError,
     EdgeUnreachable,
@@ -77,7 +85,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     BackendName,
@@ -98,13 +106,15 @@ from dsec.wire.spec import (
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
-           "ExecCall", "Snapshot",
+           "ExecCall", "Snapshot", "WireProtocol",
            "parse_memory", "resolve_target"]
 
 if TYPE_CHECKING:
     from dsec.client.transport import Transport
 
 T = TypeVar("T")
+#: How a client reaches the server (AsyncClient(protocol=...)).
+WireProtocol = Literal["auto", "http", "aether"]
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
@@ -225,9 +235,10 @@ _EDGE_RELINK_S = 0.5  # half the apiserver's default reconnect_interval_s
 class AsyncClient:
     """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
 
-    ``transport``: ``"auto"`` (the Aether gateway when the server advertises one, else
-    REST), ``"http"`` or ``"aether"``; or a :class:`~dsec.client.transport.Transport`
-    object to go through (``url``/``api_key`` are then not needed), e.g. an in-memory
+    ``protocol``: how to reach the server: ``"auto"`` (the Aether gateway when the server
+    advertises one it speaks, else REST), ``"http"`` or ``"aether"``. ``transport``: a
+    :class:`~dsec.client.transport.Transport` object to go through instead
+    (``url``/``api_key`` are then not needed, ``protocol`` is unused), e.g. an in-memory
     :class:`dsec.client.testing.MockTransport` in tests. ``session_lease_s``: sandboxes this client creates
     are bound to a session that the client renews in the background; if the client dies,
     the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
@@ -239,18 +250,22 @@ class AsyncClient:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
+        protocol: WireProtocol = "auto", transport: Transport | None = None,
+        gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
-        injected: Transport | None = None
         if isinstance(transport, str):
-            if transport not in ("auto", "http", "aether"):
-                raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http', "
-                                      "'aether' or a Transport object")
+            raise InvalidArgument(f"transport={transport!r}: transport= takes a Transport "
+                                  "object; the protocol is chosen with protocol='http', "
+                                  "'aether' or 'auto'", field="transport")
+        if protocol not in ("auto", "http", "aether"):
+            raise InvalidArgument(f"protocol={protocol!r}: use 'auto', 'http' or 'aether'",
+                                  field="protocol")
+        injected = transport
+        if injected is None:
             self.url, self._key, found_gw = resolve_target(url, api_key)
         else:
-            injected = transport
             self.url, self._key, found_gw = url or "", api_key or "", None
         self.gateway = gateway or found_gw
         if timeout is not None and timeout <= 0:
@@ -263,7 +278,8 @@ class AsyncClient:
         self.create_retry_s = create_retry_s
         self._rediscover = False
         self.session_lease_s = session_lease_s
-        self._mode = transport if isinstance(transport, str) else "injected"
+        self.protocol: WireProtocol = protocol
+        self._mode = protocol if injected is None else "injected"
         self._http_transport = _http_transport
         self._t: Transport | None = injected
         self._info: Info | None = None
@@ -272,7 +288,6 @@ class AsyncClient:
         self._session_lock: asyncio.Lock | None = None
         self.sandboxes = AsyncSandboxes(self)
         self.snapshots = AsyncSnapshots(self)
-        from dsec.client.images import AsyncImages
         self.images = AsyncImages(self)
 
     # ------------------------------------------------------------------ plumbing
@@ -308,7 +323,7 @@ class AsyncClient:
         if gw is None:
             if self._mode == "aether":
                 await http.close()
-                raise TransportError(f"{self.url} offers no Aether gateway; use transport='http'")
+                raise TransportError(f"{self.url} offers no Aether gateway; use protocol='http'")
             self._t = http
             return http
         await http.close()
@@ -385,6 +400,26 @@ class AsyncClient:
         if op.idempotent if idempotent is None else idempotent:
             return await self._retry(lambda: t.call(op, body, timeout=timeout))
         return await t.call(op, body, timeout=timeout)
+
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep:
+        """An upload row (its body a stream of bytes: an image tar) over REST, whatever
+        this client's protocol (the gateway carries no such streams yet). Not retried:
+        the stream is consumed by the first attempt."""
+        t = await self._transport()
+        # a transport that serves uploads (REST, a test's MockTransport) takes it; the
+        # gateway's does not (no upload row lists it), so REST is asked directly
+        upload = getattr(t, "upload", None)
+        if upload is not None:
+            reply: Rep = await upload(op, body, chunks)
+            return reply
+        from dsec.client.transport import HttpTransport
+        http = HttpTransport(self.url, self._key, timeout=self.timeout,
+                             transport=self._http_transport)
+        try:
+            return await http.upload(op, body, chunks)
+        finally:
+            await http.close()
 
     async def _ensure_session(self) -> str | None:
         if self.session_lease_s is None:

@@ -13,7 +13,7 @@ import asyncio
 import builtins
 import os
 import threading
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self, TypeVar
 
@@ -24,12 +24,13 @@ from dsec.client.core import (
     AsyncSandboxes,
     AsyncSnapshots,
     Snapshot,
+    WireProtocol,
 )
 from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.spec import (
     BackendName,
     ExecChunk,
@@ -90,13 +91,15 @@ class Client:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
+        protocol: WireProtocol = "auto", transport: Transport | None = None,
+        gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
         self._loop = _Loop()
         try:
-            self._a = AsyncClient(url, api_key, timeout=timeout, transport=transport,
+            self._a = AsyncClient(url, api_key, timeout=timeout, protocol=protocol,
+                                  transport=transport,
                                   gateway=gateway, retries=retries,
                                   session_lease_s=session_lease_s,
                                   create_retry_s=create_retry_s,
@@ -117,6 +120,15 @@ class Client:
         """See :meth:`~dsec.client.core.AsyncClient.call`: one operation of the
         catalogue with its request object, typed by the row."""
         return self._run(self._a.call(op, body, idempotent=idempotent, timeout=timeout))
+
+    def upload(self, op: UploadOp[Req, Rep], body: Req, chunks: Iterator[bytes]) -> Rep:
+        """See :meth:`~dsec.client.core.AsyncClient.upload`: an upload row, its body the
+        byte pieces ``chunks`` gives (read in a worker thread, off the client's loop)."""
+        async def pieces() -> AsyncIterator[bytes]:
+            it = iter(chunks)
+            while (piece := await asyncio.to_thread(next, it, None)) is not None:
+                yield piece
+        return self._run(self._a.upload(op, body, pieces()))
 
     def info(self) -> Info:
         return self._run(self._a.info())

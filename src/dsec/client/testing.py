@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from dsec.wire.api import Info
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 
 __all__ = ["Handler", "MockTransport"]
 
@@ -40,6 +40,7 @@ class MockTransport:
         self.info = info or Info(version="mock", project="default",
                                  default_backend="simulated")
         self.calls: builtins.list[tuple[str, Any]] = []
+        self.uploaded: builtins.list[bytes] = []
         self.closed = False
 
     async def call(self, op: Op[Req, Rep], body: Req, *,
@@ -56,6 +57,13 @@ class MockTransport:
         items: Any = await self.call(op, body, timeout=timeout)
         for item in items:
             yield item
+
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep:
+        """An upload row: the handler gets ``(op, body)``; the chunks are read first and
+        recorded in :attr:`uploaded`."""
+        self.uploaded.append(b"".join([c async for c in chunks]))
+        return await self.call(op, body)
 
     async def close(self) -> None:
         self.closed = True

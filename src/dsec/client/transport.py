@@ -40,10 +40,10 @@ from dsec.wire.calls import (
     Empty,
 )
 from dsec.wire.jsonform import stream_item
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UseClientDefault
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp, UseClientDefault
 from dsec.wire.rest import decode_reply, encode_request
 
-__all__ = ["AetherTransport", "HttpTransport", "Transport"]
+__all__ = ["AetherTransport", "HttpTransport", "OpCaller", "Transport"]
 
 _json = msgspec.json.Encoder()
 Req = TypeVar("Req")
@@ -63,6 +63,17 @@ class Transport(Protocol):
     def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
                timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]: ...
     async def close(self) -> None: ...
+
+
+class OpCaller(Protocol):
+    """What a part of the SDK needs of its client (``client.images`` takes one): a typed
+    call of a catalogue row, and an upload row with its body as a stream of bytes. The
+    client (:class:`~dsec.client.core.AsyncClient`) is one; so can a test double be."""
+
+    async def call(self, op: Op[Req, Rep], body: Req, *, idempotent: bool | None = None,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep: ...
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep: ...
 
 
 class HttpTransport:
@@ -103,12 +114,15 @@ class HttpTransport:
             raise _http_error(resp)
         return resp
 
-    async def _json(self, tp: Any, method: str, path: str, **kw: Any) -> Any:
-        resp = await self._req(method, path, **kw)
-        try:
-            return msgspec.json.decode(resp.content, type=tp)
-        except msgspec.DecodeError as exc:
-            raise RemoteProtocolError(f"{method} {path}: undecodable {tp} reply: {exc}") from exc
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep:
+        """An upload row over REST: the request laid out by the row, ``chunks`` as the
+        raw body (streamed, no request timeout: it may be gigabytes)."""
+        r = encode_request(op, body)
+        resp = await self._req(r.method, r.path, timeout=None, params=r.params,
+                               headers=r.headers, content=chunks)
+        reply: Rep = decode_reply(op, resp.content)
+        return reply
 
     async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
                      timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
