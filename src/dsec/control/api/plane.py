@@ -272,7 +272,10 @@ class ControlPlane:
         metrics.on_scrape(plane._refresh_gauges)
         for lost in store.list_lost(cfg.lost_tombstones):
             try:
-                plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+                tomb = plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+                # written by an older release: an omitted backend/project meant the old
+                # defaults (wire.spec.stored); readers take a tombstone's spec as resolved
+                tomb.info.spec = stored(tomb.info.spec)
             except msgspec.ValidationError:
                 log.warning("unreadable lost-node tombstone %s ignored", lost.id)
         return plane

@@ -128,6 +128,7 @@ from dsec.wire.spec import (
     project_of,
     read_in_chunks,
     resolve,
+    stored,
 )
 
 __all__ = [
@@ -670,14 +671,14 @@ class ApiService:
             begin = self.idempotency.begin(scoped, fp)
             if begin.replay is not None:
                 self.metrics.idempotent_replays.inc()
-                return _info_dec.decode(begin.replay)
+                return _replayed(begin.replay)
             if begin.wait is not None:
                 try:
                     data = await asyncio.shield(begin.wait)
                 except Retry:
                     continue  # the holder went away (died, or gave up): claim it ourselves
                 self.metrics.idempotent_replays.inc()
-                return _info_dec.decode(data)
+                return _replayed(data)
             break
         claim = begin.claim
         assert claim is not None
@@ -1512,6 +1513,14 @@ class _IdInUse(InvalidTransition):
 
     def __init__(self, sid: str) -> None:
         super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
+
+
+def _replayed(data: bytes) -> SandboxInfo:
+    """A keyed create's stored answer (its spec resolved: an answer an older release
+    stored omitted backend/project at their old defaults)."""
+    info = _info_dec.decode(data)
+    info.spec = stored(info.spec)
+    return info
 
 
 def _backend_name(name: str) -> BackendName:
