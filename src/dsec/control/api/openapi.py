@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from dsec.control.api.types import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
-from dsec.edge.spec import MAX_PATH_BYTES
 from dsec.errors import InternalError
+from dsec.wire.api import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
 from dsec.wire.ops import Op as CatalogueOp
+from dsec.wire.spec import MAX_PATH_BYTES
 
 __all__ = [
     "FILE_PATH",

@@ -107,7 +107,6 @@ from dsec.control.watcher import (
     WatcherConfig,
     link_failure_cause,
 )
-from dsec.edge.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from dsec.errors import (
     ConnectionLost,
     DsecError,
@@ -120,7 +119,16 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import NodeId, node_of
-from dsec.wire.spec import backend_of, project_of, resolve, stored
+from dsec.wire.spec import (
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    backend_of,
+    project_of,
+    resolve,
+    stored,
+)
 
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
@@ -188,7 +196,7 @@ class EdgeEntry:
     node: str
     address: str
     link: EdgeOps
-    heartbeat: Any = None           # dsec.edge.protocol.Heartbeat
+    heartbeat: Any = None           # dsec.wire.node.Heartbeat
     last_seen: float = 0.0
     feed_after: int = 0
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
@@ -675,7 +683,7 @@ class ControlPlane:
         if now < e.retry_at:
             return None
         e.retry_at = now + self.config.reconnect_interval_s
-        from dsec.edge.service import EdgeClient
+        from dsec.edge.client import EdgeClient
         try:
             async with asyncio.timeout(self.config.poll_timeout_s):
                 fresh = await EdgeClient.connect(e.address, token=e.token)
