@@ -140,9 +140,9 @@ def create_of(req: CreateSandboxRequest | CreateSandbox, *,
 def rest_form(req: CreateSandbox) -> CreateSandboxRequest:
     """The inverse of :func:`create_of` (the idempotency key aside): REST's flat body of
     the same request, field by field from the spec's own field list. The apiserver
-    fingerprints a keyed create in this form, so a request is one request whichever door
-    it came through, and a fingerprint a store kept from an older release still
-    matches."""
+    fingerprints a keyed create in this form (``idempotency.request_fingerprint``), so a
+    request is one request whichever door it came through, and the fingerprint of a
+    REST body is what it was before the catalogue's form existed."""
     given: dict[str, Any] = {name: getattr(req.spec, name)
                              for name in SandboxSpec.__struct_fields__}
     given["toolkits"] = list(given["toolkits"])
