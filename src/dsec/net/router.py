@@ -18,8 +18,12 @@ thread, and back.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
 import os
+import socket
+import struct
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -339,11 +343,48 @@ class Router:
                 f"pins of slot {slot.index}",
             )
 
-    def release(self, slot: Slot) -> None:
-        """The slot's sandbox is gone (its processes, hence its sockets, are dead):
-        drain and recycle it, or drop it if draining fails."""
+    def release(self, slot: Slot, *, reusable: bool = True) -> None:
+        """The slot's sandbox is gone. With ``reusable`` (its processes, hence its
+        sockets, are known dead) and the netns still as built, drain and recycle it;
+        otherwise drop it (a hostile tenant's leftovers never reach the next one)."""
         with self._lock:
+            why = "" if reusable else "its sandbox's processes may still be alive"
+            if not why:
+                why = self.check(slot)
+            if why:
+                log.warning("net: slot %d is not reused: %s", slot.index, why)
+                self._execute(self.table.handle(SlotEvent("lost", slot.index)))
+                return
             self._execute(self.table.handle(SlotEvent("released", slot.index)))
+
+    def check(self, slot: Slot) -> str:
+        """"" if the slot's netns looks exactly as built (links, address, routes), else
+        what differs. ~0.1 ms: ioctls and one /proc read inside the netns."""
+        a = slot.addr
+        try:
+            with netns.entered(slot.fd):
+                links = socket.if_nameindex()
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                      struct.pack("256s", SANDBOX_IFNAME.encode()))
+                    raw_mask = fcntl.ioctl(s.fileno(), _SIOCGIFNETMASK,
+                                           struct.pack("256s", SANDBOX_IFNAME.encode()))
+                with open("/proc/thread-self/net/route") as f:
+                    routes = f.read().splitlines()[1:]
+        except OSError as exc:
+            return f"cannot inspect its netns: {exc}"
+        if sorted(links) != [(1, "lo"), (SANDBOX_IFINDEX, SANDBOX_IFNAME)]:
+            return f"its links changed: {sorted(links)}"
+        addr = socket.inet_ntoa(raw[20:24])
+        mask = socket.inet_ntoa(raw_mask[20:24])
+        if addr != str(a.sandbox_ip) or mask != "255.255.255.254":
+            return f"eth0 has {addr}/{mask}, not {a.sandbox_ip}/31"
+        # default via the router's end, and the /31 itself (its network is that end)
+        want = {("00000000", _hexle(a.router_ip)), (_hexle(a.router_ip), "00000000")}
+        got = {(r.split()[1], r.split()[2]) for r in routes if r.split()}
+        if got != want:
+            return f"its routes changed: {sorted(got)}"
+        return ""
 
     def lose(self, slot: Slot) -> None:
         """The slot can no longer be trusted or reused: drop it."""
@@ -359,6 +400,15 @@ class Router:
             if name.startswith("s") and name.endswith("c") and name[1:-1].isdigit():
                 out[int(name[1:-1])] = packets
         return out
+
+
+_SIOCGIFADDR = 0x8915
+_SIOCGIFNETMASK = 0x891B
+
+
+def _hexle(ip: ipaddress.IPv4Address) -> str:
+    """An address as /proc/net/route prints it (host-order hex of the network bytes)."""
+    return f"{int.from_bytes(ip.packed, 'little'):08X}"
 
 
 def _close(fd: int) -> None:

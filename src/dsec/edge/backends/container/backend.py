@@ -107,6 +107,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.net.attach import SandboxNetwork
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.runc import RuncDriver
@@ -160,6 +161,7 @@ class ContainerBackend:
                  snapshot_workers: int = 4,
                  limits_poll_s: float | None = 5.0,
                  exec_start_timeout_s: float = 30.0,
+                 network: SandboxNetwork | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -184,7 +186,9 @@ class ContainerBackend:
         never); ~8 us per sandbox.
         ``exec_start_timeout_s``: how long a background exec may take to start its command
         (milliseconds normally; a process in the sandbox can stop it before it runs, and
-        the call must not wait for ever) - then it is killed and the call fails."""
+        the call must not wait for ever) - then it is killed and the call fails.
+        ``network``: the node's router slots (dsec.net); a sandbox whose policy needs
+        more than loopback joins a slot's netns. None: only loopback-only sandboxes."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -208,6 +212,7 @@ class ContainerBackend:
         self.pids_total = pid_max - pids_headroom
         self.max_sandbox_pids = min(max_sandbox_pids, self.pids_total)
         self.runtime: Runtime = runtime
+        self.network = network
         self.name = "container" if runtime == "native" else "runc"
         self.root_dir = os.path.abspath(root_dir)
         self.images = images
@@ -346,7 +351,7 @@ class ContainerBackend:
     # -- create / adopt / destroy ----------------------------------------------------------
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         spec.validate()
-        if spec.network.mode == "allowlist":
+        if spec.network.mode == "allowlist" and self.network is None:
             raise InvalidArgument(
                 "network mode 'allowlist' is not implemented by the container backend yet; "
                 "use 'loopback' (default) or 'none'", field="network")
@@ -385,6 +390,16 @@ class ContainerBackend:
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
+            if self.network is not None:
+                slot = self.network.attach(sid, spec)
+                if slot is not None:
+                    if self._runc is not None:
+                        raise InvalidArgument(
+                            "network policies are enforced for runtime='native' sandboxes "
+                            "only so far; use runtime='native' or network mode 'loopback'",
+                            field="network")
+                    box.netns_fd = slot.fd
+                    self._write_resolv_conf(box)
             if self._runc is not None:
                 box.init_pid = await self._runc.create(box)
                 box.pidfd = os.pidfd_open(box.init_pid)
@@ -404,6 +419,38 @@ class ContainerBackend:
                 raise InvalidArgument(f"cannot create sandbox {sid}: {exc}") from exc
             raise BackendError(f"cannot create sandbox {sid}: {exc}") from exc
 
+    async def network_update(self, sid: SandboxId, spec: SandboxSpec) -> int | None:
+        """Replace the sandbox's egress policy on its slot (see NetworkBackend)."""
+        box = self.box(sid)
+        if self.network is None:
+            if spec.network.mode == "allowlist":
+                raise InvalidArgument(
+                    "this container backend has no network router: egress policies "
+                    "cannot be enforced on it", field="network", sandbox_id=sid)
+            return None
+        gen = self.network.update(sid, spec)
+        box.spec = spec
+        return gen
+
+    def _write_resolv_conf(self, box: Box) -> None:
+        """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
+        layer, before it starts; DNS to any other server is redirected there anyway)."""
+        assert self.network is not None
+        etc = os.path.join(box.upper, "etc")
+        owner = self.userns_range[0] if box.spec.user_namespace else 0
+        if not os.path.isdir(etc):
+            os.mkdir(etc, 0o755)
+            os.chown(etc, owner, owner)
+        path = os.path.join(etc, "resolv.conf")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, self.network.resolv_conf())
+            os.fchown(fd, owner, owner)
+        finally:
+            os.close(fd)
+
     def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
                          init_pid=box.init_pid,
@@ -421,7 +468,8 @@ class ContainerBackend:
                      cgroup_procs=box.cg.procs_files,
                      loopback=box.spec.network.mode == "loopback",
                      nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes,
-                     userns=self.userns_range if box.spec.user_namespace else None)
+                     userns=self.userns_range if box.spec.user_namespace else None,
+                     netns=box.netns_fd >= 0)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             self._zygote.done(rid)
@@ -431,7 +479,7 @@ class ContainerBackend:
             else:
                 fut.set_result((reply, fds))
 
-        self._zygote.send(req, [], on_reply)
+        self._zygote.send(req, [box.netns_fd] if box.netns_fd >= 0 else [], on_reply)
         reply, fds = await fut
         if isinstance(reply, Created) and len(fds) == 1:
             return reply.pid, fds[0]
@@ -684,11 +732,18 @@ class ContainerBackend:
             await self._wait_exit(box)
         if self._runc is not None:  # the container is stopped now: runc signals nothing
             await self._runc.destroy(sid, d)
+        cgroup_gone = True
         try:
             await self._remove_cgroup(cg)
         except BackendError as exc:
             errors.append(str(exc))
+            cgroup_gone = False
+        if self.network is not None:
+            # Reused only when no process of the sandbox can be left to hold a socket in
+            # its netns: the cgroup every one of them was in is gone (else dropped).
+            self.network.detach(sid, reusable=cgroup_gone)
         if box is not None:
+            box.netns_fd = -1
             for fd in (box.pidfd, box.oom_fd):
                 if fd is not None and fd >= 0:
                     os.close(fd)
