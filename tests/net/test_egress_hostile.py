@@ -13,11 +13,12 @@ addresses and ports.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import pytest
@@ -27,7 +28,8 @@ from dsec.edge.backends.container.testimage import build_busybox_root
 from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
 from dsec.errors import BackendError, InvalidArgument
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
-from dsec.net.attach import SandboxNetwork
+from dsec.net.attach import NetPlan, SandboxNetwork
+from dsec.net.dnspolicy import DnsPolicy, NameRule
 from dsec.net.nftwire import Dest4, SlotPolicy
 from dsec.net.router import Router
 
@@ -50,16 +52,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=256)
 
 
-def compile_for_tests(spec: SandboxSpec) -> SlotPolicy | None:
-    """``allowlist`` entries ``[!]CIDR:PORT[-PORT]/PROTO`` (``!``: deny) or ``open``."""
+def compile_for_tests(spec: SandboxSpec) -> NetPlan | None:
+    """``allowlist`` entries ``[!]CIDR:PORT[-PORT]/PROTO`` (``!``: deny), ``open``, or
+    ``name=[*.]NAME[:PORT[-PORT]/PROTO]`` / ``!name=NAME`` for the resolver."""
     if spec.network.mode != "allowlist":
         return None
     allow: list[Dest4] = []
     deny: list[Dest4] = []
+    names: list[NameRule] = []
+    deny_names: list[NameRule] = []
     is_open = False
     for entry in spec.network.allow:
         if entry == "open":
             is_open = True
+            continue
+        if entry.lstrip("!").startswith("name="):
+            text = entry.lstrip("!").removeprefix("name=")
+            name, _, rest = text.partition(":")
+            wild = name.startswith("*.")
+            rule = NameRule(name.removeprefix("*."), wild)
+            if rest:
+                ports, proto = rest.split("/")
+                lo, _, hi = ports.partition("-")
+                rule = NameRule(rule.name, wild, (proto,), (int(lo), int(hi or lo)))  # type: ignore[arg-type]
+            (deny_names if entry.startswith("!") else names).append(rule)
             continue
         target = deny if entry.startswith("!") else allow
         host, rest = entry.lstrip("!").split(":")
@@ -67,7 +83,11 @@ def compile_for_tests(spec: SandboxSpec) -> SlotPolicy | None:
         lo, _, hi = ports.partition("-")
         net = host if "/" in host else f"{host}/32"
         target.append(Dest4.of(net, proto, (int(lo), int(hi or lo))))  # type: ignore[arg-type]
-    return SlotPolicy(allow4=tuple(allow), deny4=tuple(deny), open=is_open)
+    private_ok = tuple(n for d in allow
+                       for n in ipaddress.summarize_address_range(d.first, d.last))
+    return NetPlan(SlotPolicy(allow4=tuple(allow), deny4=tuple(deny), open=is_open),
+                   DnsPolicy(allow=tuple(names), deny=tuple(deny_names), open=is_open,
+                             private_ok=private_ok))
 
 
 def policy(*entries: str, **kw: object) -> SandboxSpec:
@@ -95,6 +115,7 @@ class Env:
     router: Router
     net: SandboxNetwork
     internet: Internet
+    notices: list[tuple[str, str, str]] = field(default_factory=list)
 
     async def create(self, spec: SandboxSpec) -> SandboxId:
         sid = new_sandbox_id(NodeId("t1"))
@@ -114,9 +135,11 @@ async def env(tmp_path: object, images_dir: str, router: Router,
               internet: Internet) -> AsyncIterator[Env]:
     net = SandboxNetwork(router, compile_for_tests)
     b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
-                         images=DirectoryImages(images_dir), network=net)
+                         images=DirectoryImages(images_dir), network=net, limits_poll_s=0.2)
+    e = Env(b, router, net, internet)
+    b.watch(lambda sid, reason, detail: e.notices.append((sid, reason, detail)))
     try:
-        yield Env(b, router, net, internet)
+        yield e
     finally:
         await _cleanup(b)
 
@@ -286,3 +309,30 @@ async def test_user_namespace_sandbox_on_a_slot(env: Env) -> None:
     assert out.startswith("ERR SIOCSIFADDR: Operation not permitted"), out
     slot = env.net.slot(sid)
     assert slot is not None and env.router.check(slot) == ""
+
+
+async def test_denied_packets_become_a_notice_per_sandbox(env: Env) -> None:
+    quiet = await env.create(policy(f"{ALLOWED}:80/tcp"))
+    sid = await env.create(policy(f"{ALLOWED}:80/tcp"))
+    for port in ("80", "81"):
+        await env.tool(sid, "tcp", SIBLING, port, "x")
+    for _ in range(100):
+        if any(r == "network_denied" for _s, r, _d in env.notices):
+            break
+        await asyncio.sleep(0.05)
+    # one notice per interval (60 s): the second refusal is folded into the next one
+    [(who, _r, detail)] = [n for n in env.notices if n[1] == "network_denied"]
+    assert who == sid
+    assert f"{SIBLING}:80/tcp" in detail and "dropped" in detail, detail
+    # the next tenant of this slot starts from zero
+    slot = env.net.slot(sid)
+    assert slot is not None
+    index = slot.index
+    await env.backend.destroy(sid)
+    while env.router.table._free and env.router.table._free[0] != index:
+        env.router.take()
+    sid2 = await env.create(policy(f"{ALLOWED}:80/tcp"))
+    assert env.net.slot(sid2).index == index  # type: ignore[union-attr]
+    assert env.net.denied.total(index, env.router.counters()) == 0
+    await asyncio.sleep(0.5)
+    assert [n for n in env.notices if n[0] in (sid2, quiet)] == []

@@ -15,17 +15,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsec.errors import Conflict, DsecError
+from dsec.net.denied import Denial, DenyReporter
+from dsec.net.dnspolicy import DnsPolicy, PinBook
 from dsec.net.nftwire import SlotPolicy
 from dsec.net.router import Router, Slot
 from dsec.wire.spec import SandboxSpec
 
-__all__ = ["PolicyCompiler", "SandboxNetwork"]
+__all__ = ["NetPlan", "PolicyCompiler", "SandboxNetwork"]
 
 log = logging.getLogger(__name__)
 
-#: spec -> the slot's set elements, or None for "no network beyond loopback". Raises
-#: InvalidArgument for a policy this node cannot enforce.
-PolicyCompiler = Callable[[SandboxSpec], SlotPolicy | None]
+
+@dataclass(frozen=True, slots=True)
+class NetPlan:
+    """A sandbox's compiled policy: the slot's set elements and the resolver's rules."""
+
+    slot: SlotPolicy
+    dns: DnsPolicy = field(default_factory=DnsPolicy)
+
+
+#: spec -> its plan, or None for "no network beyond loopback". Raises InvalidArgument
+#: for a policy this node cannot enforce.
+PolicyCompiler = Callable[[SandboxSpec], NetPlan | None]
 
 
 @dataclass
@@ -33,7 +44,11 @@ class SandboxNetwork:
     router: Router
     compile: PolicyCompiler
     by_sandbox: dict[str, Slot] = field(default_factory=dict)
-    policies: dict[str, SlotPolicy] = field(default_factory=dict)
+    by_slot: dict[int, str] = field(default_factory=dict)
+    policies: dict[str, NetPlan] = field(default_factory=dict)
+    pins: PinBook = field(default_factory=PinBook)
+    denied: DenyReporter = field(default_factory=DenyReporter)
+    _baseline: dict[int, int] = field(default_factory=dict)
 
     def resolv_conf(self) -> bytes:
         """/etc/resolv.conf of a sandbox on a slot: the router's resolver (every DNS
@@ -45,18 +60,53 @@ class SandboxNetwork:
         if sid in self.by_sandbox:
             raise Conflict(f"sandbox {sid} already holds network slot "
                            f"{self.by_sandbox[sid].index}", sandbox_id=sid)
-        policy = self.compile(spec)
-        if policy is None:
+        plan = self.compile(spec)
+        if plan is None:
             return None
         slot = self.router.take()
         try:
-            self.router.load(slot, policy)
+            self.router.load(slot, plan.slot, flush_pins=True)
         except BaseException:
             self.router.release(slot)  # nothing ran in it: safe to reuse
             raise
+        self.pins.forget(slot.index)
         self.by_sandbox[sid] = slot
-        self.policies[sid] = policy
+        self.by_slot[slot.index] = sid
+        self.policies[sid] = plan
+        # the slot's drop counter as the previous tenant left it: this one's baseline
+        self.denied.assign(slot.index, sid, self._baseline.pop(slot.index, 0))
         return slot
+
+    def poll_denied(self) -> list[Denial]:
+        """Packets each sandbox had dropped since the last poll (one counter dump)."""
+        if not self.denied.owners:
+            return []
+        return self.denied.feed(self.router.counters())
+
+    def recent_denied(self, sid: str) -> list[str]:
+        """Destinations the sandbox was recently refused (at most 16, the last 60 s):
+        "203.0.113.2:443/tcp". A libnftables listing: called only for a notice."""
+        slot = self.by_sandbox.get(sid)
+        if slot is None:
+            return []
+        text = self.router.nft(f"list set inet {self.router.config.table} s{slot.index}x")
+        if "elements = {" not in text:
+            return []
+        body = text.split("elements = {", 1)[1].split("}", 1)[0]
+        out = []
+        for item in body.split(","):
+            # nft prints "203.0.113.2 . tcp . 443 expires 58s"
+            fields = [f.strip() for f in item.split(" expires")[0].split(" . ")]
+            if len(fields) == 3:
+                out.append(f"{fields[0]}:{fields[2]}/{fields[1]}")
+        return out
+
+    def plan_of_slot(self, index: int) -> tuple[str, Slot, NetPlan] | None:
+        """The sandbox on slot ``index`` (the resolver names askers this way)."""
+        sid = self.by_slot.get(index)
+        if sid is None:
+            return None
+        return sid, self.by_sandbox[sid], self.policies[sid]
 
     def slot(self, sid: str) -> Slot | None:
         return self.by_sandbox.get(sid)
@@ -68,20 +118,25 @@ class SandboxNetwork:
         a sandbox without a slot. A change between "no slot" and "a slot" needs a new
         sandbox: the netns of a running sandbox cannot be swapped."""
         slot = self.by_sandbox.get(sid)
-        policy = self.compile(spec)
+        plan = self.compile(spec)
         if slot is None:
-            if policy is None:
+            if plan is None:
                 return None
             raise Conflict(
                 f"sandbox {sid} was created without a network slot (policy 'none'); a "
                 "running sandbox cannot gain one - create a new sandbox with the policy",
                 sandbox_id=sid)
-        if policy is None:
-            policy = SlotPolicy()  # everything closed, the slot kept
-        if self.policies.get(sid) == policy:
+        if plan is None:
+            plan = NetPlan(SlotPolicy())  # everything closed, the slot kept
+        old = self.policies.get(sid)
+        if old == plan:
             return slot.generation
-        gen = self.router.load(slot, policy)
-        self.policies[sid] = policy
+        # Names changed: their pins go too (re-resolving pins again what is still allowed)
+        names_changed = old is None or old.dns != plan.dns
+        gen = self.router.load(slot, plan.slot, flush_pins=names_changed)
+        if names_changed:
+            self.pins.forget(slot.index)
+        self.policies[sid] = plan
         return gen
 
     def detach(self, sid: str, *, reusable: bool) -> None:
@@ -91,6 +146,13 @@ class SandboxNetwork:
         self.policies.pop(sid, None)
         if slot is None:
             return
+        self.by_slot.pop(slot.index, None)
+        self.pins.forget(slot.index)
+        self.denied.retire(slot.index)
+        try:  # what the counter says now is the next tenant's starting point
+            self._baseline[slot.index] = self.router.counters().get(slot.index, 0)
+        except DsecError as exc:
+            log.warning("net: reading slot %d's counter failed: %s", slot.index, exc.message)
         try:
             self.router.release(slot, reusable=reusable)
         except DsecError as exc:

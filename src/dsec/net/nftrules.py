@@ -182,15 +182,17 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE) -> str:
 
 
 def load_batch(
-    batch: NftBatch, slot: SlotAddr, policy: SlotPolicy, generation: int
+    batch: NftBatch, slot: SlotAddr, policy: SlotPolicy, generation: int, *,
+    flush_pins: bool = False,
 ) -> NftBatch:
-    """Replace the slot's policy and move it to ``generation`` (one transaction). Pins are
-    kept: the resolver answered them under a policy that still allows the name or not -
-    the resolver drops a slot's pins itself when a name leaves the policy."""
+    """Replace the slot's policy and move it to ``generation`` (one transaction).
+    ``flush_pins``: also drop every DNS pin (the allowed names changed: an address
+    answered for a name the new policy drops must not stay reachable until its pin
+    expires); otherwise pins are kept."""
     if generation <= 0:
         raise ValueError(f"generation must be positive (0 is an unmarked flow), got {generation}")
     names = slot_sets(slot)
-    for k in POLICY_SETS:
+    for k in (*POLICY_SETS, "q4", "r4") if flush_pins else POLICY_SETS:
         batch.flush(names[k])
     batch.add(names["g"], [elem(key_ifname(slot.ifname), data=key_mark(generation))])
     batch.add(names["l"], [elem(key_mark(generation))])

@@ -321,13 +321,14 @@ class Router:
             self._generation += 1
             return self._generation
 
-    def load(self, slot: Slot, policy: SlotPolicy) -> int:
+    def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False) -> int:
         """Replace the slot's policy (one atomic batch); returns the new generation.
         Flows the new policy forbids are cut at their next packet."""
         with self._lock:
             gen = self.next_generation()
             self.netlink.commit(
-                nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen),
+                nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
+                                    flush_pins=flush_pins),
                 f"policy of slot {slot.index}",
             )
             slot.generation = gen

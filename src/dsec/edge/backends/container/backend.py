@@ -507,6 +507,8 @@ class ContainerBackend:
         boxes = list(self._boxes.values())
         if not boxes or self.limits_poll_s is None:
             return
+        if self.network is not None:
+            self._poll_denied()
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
@@ -517,6 +519,29 @@ class ContainerBackend:
                     self._check_oom(box, report=True)
         delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
         self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
+
+    def _poll_denied(self) -> None:
+        """One counter dump for every slot; a ``network_denied`` notice per sandbox that
+        had packets dropped (rate-limited like every notice), with examples."""
+        assert self.network is not None
+        try:
+            denials = self.network.poll_denied()
+        except DsecError as exc:
+            log.warning("reading the network counters failed: %s", exc.message)
+            return
+        for d in denials:
+            box = self._boxes.get(d.sandbox_id)
+            if box is None or box.dying:
+                continue
+            try:
+                examples = self.network.recent_denied(d.sandbox_id)
+            except DsecError:
+                examples = []
+            self._notice(box, "network_denied", (
+                f"sandbox {box.sid}'s egress policy dropped {d.packets} packet(s) "
+                f"({d.total} since it started)"
+                + (f", e.g. to {', '.join(examples[:4])}" if examples else "")
+                + "; allow the destination in its network policy if it is needed"))
 
     def _unwatch_box(self, box: Box) -> None:
         loop = asyncio.get_running_loop()
