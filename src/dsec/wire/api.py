@@ -153,7 +153,7 @@ class CreateSandboxRequest(_Strict):
     idle_timeout_s: PositiveSeconds | None = None
     idle_action: IdleAction = "destroy"
     env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}
-    network: NetworkPolicy = NetworkPolicy()
+    network: NetworkPolicy | None = None   # default: the server's --net-default ("none")
     allow_nested: bool = False
     user_namespace: bool = False        # root inside = unprivileged uid on the host
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
