@@ -424,3 +424,63 @@ async def test_fncall_restart_in_another_cgroup_kills_what_calls_left(
                         break
                     except OSError:
                         await asyncio.sleep(0.01)
+
+
+def test_orphan_names_need_a_gone_root_and_a_dead_owner() -> None:
+    """Pure: a binding is reaped only when nothing can use it any more."""
+    from dsec.edge.backends.container.census import orphan_names
+
+    bindings = {"gone-dead": ("/r/a", "11 5"), "gone-alive": ("/r/b", "12 6"),
+                "here-dead": ("/r/c", "13 7"), "legacy-gone": ("/r/d", ""),
+                "damaged": ("relative", "14 8")}
+    got = orphan_names(bindings, exists=lambda r: r == "/r/c",
+                       alive=lambda o: o == "12 6")
+    assert got == {"gone-dead": "/r/a", "legacy-gone": "/r/d", "damaged": "relative"}
+
+
+async def test_a_crashed_backend_whose_root_dir_is_gone_leaves_no_cgroups(
+        tmp_path: object, images_dir: str) -> None:
+    """An edge killed -9 whose root dir was then deleted (a test's tmp dir, an operator's
+    ``rm -rf``) left its base cgroups ``dsec-<name>`` in every hierarchy and its binding in
+    /run/dsec/cgroup-names forever: nothing could adopt them, nothing looked. The next
+    container backend to start anywhere on the host now removes them (killing what ran
+    in them) and drops the binding."""
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+    from dsec.edge.backends.container.census import NAMES_DIR, cgroup_name_of
+    from dsec.edge.backends.container.linux import MNT_DETACH, umount2
+    from dsec.image.mount import mounts_below
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root)")
+    e = EdgeProcess(os.path.join(str(tmp_path), "edge"), images_dir, node_id="rtd")
+    name = cgroup_name_of(e.root)
+    b = None
+    await e.start()
+    try:
+        async with await e.client() as c:
+            sid = (await c.create(SPEC)).id
+        init = next(iter(e.census().tasks[sid]))
+        bases = [os.path.dirname(d) for d in e.census().cgroups[sid]]
+        assert bases and all(os.path.basename(d) == f"dsec-{name}" for d in bases)
+        e.kill9()
+        for mp in sorted(mounts_below(Path("/proc/self/mountinfo").read_text(), e.root),
+                         key=len, reverse=True):
+            umount2(mp, MNT_DETACH)
+        import shutil
+
+        shutil.rmtree(e.root)
+        assert os.path.exists(os.path.join(NAMES_DIR, name))
+        b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "other"),
+                             images=DirectoryImages(images_dir))
+        left = [d for d in bases if os.path.isdir(d)]
+        assert left == [], f"the dead backend's cgroups survived: {left}"
+        for _ in range(500):
+            if not _alive(init):
+                break
+            await asyncio.sleep(0.01)
+        assert not _alive(init), "a process of the dead backend's sandbox survived"
+        assert not os.path.exists(os.path.join(NAMES_DIR, name)), "binding kept"
+    finally:
+        if b is not None:
+            await b.close()
+        await e.wipe()

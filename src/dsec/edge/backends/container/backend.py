@@ -46,6 +46,7 @@ from dsec.edge.backends.container.census import (
     cgroup_name_of,
     cgroup_parents,
     claim_cgroup_name,
+    reap_orphan_names,
     record_parents,
     recorded_parents,
     release_cgroup_name,
@@ -217,6 +218,12 @@ class ContainerBackend:
             os.chmod(d, 0o700)  # also when it existed: upper layers may hold setuid files
         # Stable per root_dir, so a restarted edge finds its parent cgroup again.
         self.cgroup_name = cgroup_name or cgroup_name_of(self.root_dir)
+        try:  # names of crashed backends whose root dir is gone: their cgroups go too
+            for name, dirs in reap_orphan_names().items():
+                log.info("removed %d cgroup(s) of cgroup name %r: its root dir is gone and "
+                         "the backend that claimed it is dead", len(dirs), name)
+        except OSError as exc:  # never fatal: the next start tries again
+            log.warning("could not reap orphaned cgroup names: %s", exc)
         try:  # one root dir per cgroup name: the census owns everything under it
             claim_cgroup_name(self.cgroup_name, self.root_dir)
         except OSError as exc:

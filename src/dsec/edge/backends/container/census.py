@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import os
 import time
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from dsec.edge.governor import all_leaf_dirs, kill_verified
+from dsec.edge.governor import all_leaf_dirs, kill_verified, parse_mountinfo
 from dsec.image.mount import mounts_below
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "kill_tasks",
     "mounts_below",
     "parse_parents",
+    "reap_orphan_names",
     "record_parents",
     "recorded_parents",
     "release_cgroup_name",
@@ -148,28 +152,134 @@ def claim_cgroup_name(cgroup_name: str, root_dir: str, *, names_dir: str = NAMES
         raise InvalidArgument(f"cgroup_name {cgroup_name[:80]!r} must be 1-64 letters, "
                               "digits, '-', '_' or '.', not starting with '.'",
                               field="cgroup_name")
-    os.makedirs(names_dir, mode=0o700, exist_ok=True)
     path = os.path.join(names_dir, cgroup_name)
+    with _names_locked(names_dir):
+        bound = _binding(names_dir, cgroup_name)
+        me = process_identity(os.getpid())
+        owner = bound[0] if bound else None
+        if bound == (root_dir, me):
+            return
+        if owner and owner != root_dir and os.path.isdir(owner):
+            raise InUse(f"cgroup name {cgroup_name!r} belongs to the container backend "
+                        f"rooted at {owner} (see {path}); two root dirs sharing it would "
+                        "reconcile each other's sandboxes away - give this one another "
+                        "cgroup_name", cgroup_name=cgroup_name, root_dir=owner)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{root_dir}\n{me}\n")
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _names_locked(names_dir: str) -> Iterator[None]:
+    """Serialise claims and reaping of cgroup names across processes (flock on
+    ``<names_dir>/.lock``): a reaper must never remove the cgroups of a name another
+    backend has just taken over."""
+    os.makedirs(names_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(names_dir, ".lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        owner = None
-    else:
-        try:
-            owner = os.read(fd, 4096).decode(errors="replace").strip()
-        finally:
-            os.close(fd)
-    if owner == root_dir:
-        return
-    if owner and os.path.isdir(owner):
-        raise InUse(f"cgroup name {cgroup_name!r} belongs to the container backend rooted "
-                    f"at {owner} (see {path}); two root dirs sharing it would reconcile "
-                    "each other's sandboxes away - give this one another cgroup_name",
-                    cgroup_name=cgroup_name, root_dir=owner)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(root_dir + "\n")
-    os.replace(tmp, path)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _binding(names_dir: str, cgroup_name: str) -> tuple[str, str] | None:
+    """(root dir, owner) of a binding; owner is ``"<pid> <start ticks>"`` of the process
+    that last claimed it ("" in bindings written before owners were recorded)."""
+    try:
+        fd = os.open(os.path.join(names_dir, cgroup_name),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    try:
+        lines = os.read(fd, 4096).decode(errors="replace").splitlines()
+    finally:
+        os.close(fd)
+    return (lines[0].strip() if lines else "", lines[1].strip() if len(lines) > 1 else "")
+
+
+def process_identity(pid: int) -> str:
+    """``"<pid> <start time in clock ticks>"``: names one process for its whole life
+    (a recycled pid number has another start time); "" if ``pid`` is not running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return f"{pid} {fields[19]}"  # field 22 of proc_pid_stat(5), counted after comm
+
+
+def _owner_alive(owner: str) -> bool:
+    pid, _, _ = owner.partition(" ")
+    return pid.isdigit() and process_identity(int(pid)) == owner
+
+
+def orphan_names(bindings: dict[str, tuple[str, str]], *, exists: Callable[[str], bool],
+                 alive: Callable[[str], bool]) -> dict[str, str]:
+    """The bound names nothing can use any more (pure: ``exists``/``alive`` injected):
+    the root dir is gone *and* the process that claimed the name is dead. A backend that
+    died without :meth:`close` and whose root dir was then deleted left its base cgroups
+    ``dsec-<name>`` behind. A live owner whose root dir we cannot see (another mount
+    namespace, e.g. systemd's PrivateTmp) is never touched."""
+    return {name: root for name, (root, owner) in bindings.items()
+            if (not root.startswith("/") or not exists(root))
+            and not (owner and alive(owner))}
+
+
+def find_named_cgroups(mountinfo: str, names: AbstractSet[str]) -> list[str]:
+    """Every ``dsec-<name>`` dir (``name`` in ``names``) in every mounted cgroup
+    hierarchy, wherever in the tree (the process that made it may have lived in another
+    cgroup than the caller). The walk never descends into a ``dsec-*`` dir: sandboxes'
+    cgroups live there, so the cost is the host's own cgroups (measured 0.8 ms for
+    the 23 of the dev VM's 14 hierarchies)."""
+    want = {f"dsec-{n}" for n in names}
+    out: list[str] = []
+    for m in parse_mountinfo(mountinfo):
+        if m.fstype not in ("cgroup", "cgroup2"):
+            continue
+        for dirpath, dirnames, _ in os.walk(m.mountpoint):
+            out.extend(os.path.join(dirpath, d) for d in dirnames if d in want)
+            dirnames[:] = [d for d in dirnames if not d.startswith("dsec-")]
+    return sorted(set(out))
+
+
+def reap_orphan_names(*, names_dir: str = NAMES_DIR,
+                      exists: Callable[[str], bool] = os.path.isdir,
+                      alive: Callable[[str], bool] = _owner_alive) -> dict[str, list[str]]:
+    """Remove the cgroups (killing any task left in them, pidfd-verified) and the
+    binding of every cgroup name whose root dir is gone; returns name -> the cgroup dirs
+    removed. Called at each container backend's start, so a crashed backend whose root
+    dir was deleted leaves nothing on the host for longer than the next start."""
+    if not os.path.isdir(names_dir):
+        return {}
+    with _names_locked(names_dir):
+        bindings = {}
+        for entry in os.listdir(names_dir):
+            if entry.startswith(".") or entry.endswith(".tmp"):
+                continue
+            bound = _binding(names_dir, entry)
+            if bound is not None:
+                bindings[entry] = bound
+        orphans = orphan_names(bindings, exists=exists, alive=alive)
+        if not orphans:
+            return {}
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+        found = find_named_cgroups(mountinfo, orphans.keys())
+        out: dict[str, list[str]] = {}
+        for name in sorted(orphans):
+            dirs = [d for d in found if os.path.basename(d) == f"dsec-{name}"]
+            try:
+                remove_cgroup_dirs_now(dirs, timeout_s=2.0)
+            except OSError:
+                continue  # a task that will not leave: keep the binding, retry next start
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(names_dir, name))
+            out[name] = dirs
+        return out
 
 
 def release_cgroup_name(cgroup_name: str, root_dir: str, *,
@@ -177,13 +287,10 @@ def release_cgroup_name(cgroup_name: str, root_dir: str, *,
     """Drop the binding of :func:`claim_cgroup_name` if it is ``root_dir``'s (a backend
     that closes with nothing left under the name)."""
     path = os.path.join(names_dir, cgroup_name)
-    try:
-        with open(path) as f:
-            if f.read().strip() != root_dir:
-                return
-        os.unlink(path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), _names_locked(names_dir):
+        bound = _binding(names_dir, cgroup_name)
+        if bound is not None and bound[0] == root_dir:
+            os.unlink(path)
 
 
 def parse_parents(text: str, cgroup_name: str) -> list[str]:
