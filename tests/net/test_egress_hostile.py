@@ -5,15 +5,13 @@ netns with nftables, and the fake internet of tests/net/internet.py. The agent i
 its sandbox with the container's default capabilities (CAP_NET_RAW among them); "refused"
 means the internet's log shows nothing arrived, not only that the sandbox timed out.
 
-The policy reaches the backend through an injected compiler (tests/net's own tiny entry
-syntax below) until the wire's policy type and compiler are merged: this layer only sees
-addresses and ports.
+Policies are the wire's (``NetworkPolicy``), compiled by net/compile.py and loaded
+through net/attach.py, as on a node.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import shutil
 import subprocess
@@ -25,13 +23,12 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.testimage import build_busybox_root
-from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
 from dsec.errors import BackendError, InvalidArgument
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
-from dsec.net.attach import NetPlan, SandboxNetwork
-from dsec.net.dnspolicy import DnsPolicy, NameRule
-from dsec.net.nftwire import Dest4, SlotPolicy
+from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
+from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from ..edge.container.conftest import _cleanup
 from .internet import (
@@ -52,47 +49,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=256)
 
 
-def compile_for_tests(spec: SandboxSpec) -> NetPlan | None:
-    """``allowlist`` entries ``[!]CIDR:PORT[-PORT]/PROTO`` (``!``: deny), ``open``, or
-    ``name=[*.]NAME[:PORT[-PORT]/PROTO]`` / ``!name=NAME`` for the resolver."""
-    if spec.network.mode != "allowlist":
-        return None
-    allow: list[Dest4] = []
-    deny: list[Dest4] = []
-    names: list[NameRule] = []
-    deny_names: list[NameRule] = []
-    is_open = False
-    for entry in spec.network.allow:
-        if entry == "open":
-            is_open = True
-            continue
-        if entry.lstrip("!").startswith("name="):
-            text = entry.lstrip("!").removeprefix("name=")
-            name, _, rest = text.partition(":")
-            wild = name.startswith("*.")
-            rule = NameRule(name.removeprefix("*."), wild)
-            if rest:
-                ports, proto = rest.split("/")
-                lo, _, hi = ports.partition("-")
-                rule = NameRule(rule.name, wild, (proto,), (int(lo), int(hi or lo)))  # type: ignore[arg-type]
-            (deny_names if entry.startswith("!") else names).append(rule)
-            continue
-        target = deny if entry.startswith("!") else allow
-        host, rest = entry.lstrip("!").split(":")
-        ports, proto = rest.split("/")
-        lo, _, hi = ports.partition("-")
-        net = host if "/" in host else f"{host}/32"
-        target.append(Dest4.of(net, proto, (int(lo), int(hi or lo))))  # type: ignore[arg-type]
-    private_ok = tuple(n for d in allow
-                       for n in ipaddress.summarize_address_range(d.first, d.last))
-    return NetPlan(SlotPolicy(allow4=tuple(allow), deny4=tuple(deny), open=is_open),
-                   DnsPolicy(allow=tuple(names), deny=tuple(deny_names), open=is_open,
-                             private_ok=private_ok))
-
-
-def policy(*entries: str, **kw: object) -> SandboxSpec:
-    return msgspec.structs.replace(
-        SPEC, network=NetworkPolicy(mode="allowlist", allow=entries), **kw)
+def policy(*allow: str, deny: tuple[str, ...] = (), mode: str = "policy",
+           **kw: object) -> SandboxSpec:
+    net = NetworkPolicy(mode=mode, allow=allow, deny=deny).validate()  # type: ignore[arg-type]
+    return msgspec.structs.replace(SPEC, network=net, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +93,7 @@ class Env:
 @pytest.fixture
 async def env(tmp_path: object, images_dir: str, router: Router,
               internet: Internet) -> AsyncIterator[Env]:
-    net = SandboxNetwork(router, compile_for_tests)
+    net = SandboxNetwork(router)
     b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
                          images=DirectoryImages(images_dir), network=net, limits_poll_s=0.2)
     e = Env(b, router, net, internet)
@@ -203,7 +163,7 @@ async def test_spoofed_source_raw_socket_and_icmp_never_arrive(env: Env) -> None
 
 async def test_never_reachable_node_router_metadata_other_sandboxes(env: Env) -> None:
     other = await env.create(policy(f"{SIBLING}:80/tcp"))
-    sid = await env.create(policy("open"))
+    sid = await env.create(policy(mode="open"))
     them = env.net.slot(other)
     assert them is not None
     assert ok(await env.tool(sid, "tcp", OTHER, "80", "hi"), OTHER, 80)  # open: public
@@ -215,7 +175,7 @@ async def test_never_reachable_node_router_metadata_other_sandboxes(env: Env) ->
 
 
 async def test_ipv6_is_off(env: Env) -> None:
-    sid = await env.create(policy("open"))
+    sid = await env.create(policy(mode="open"))
     out = await env.tool(sid, "tcp6", "2001:db8::1", "80")
     assert out.startswith("ERR"), out
     assert "1" == (await env.sh(sid, "cat /proc/sys/net/ipv6/conf/all/disable_ipv6")).strip()
@@ -276,16 +236,27 @@ async def test_loopback_sandboxes_take_no_slot(env: Env) -> None:
     assert out.split() == ["lo"]
 
 
-async def test_failed_policy_load_takes_no_slot_and_leaves_nothing(env: Env) -> None:
+async def test_failed_policy_load_takes_no_slot_and_leaves_nothing(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     free, assigned = env.router.table.count("free"), env.router.table.count("assigned")
-    # overlapping intervals: the kernel refuses the batch
-    bad = policy("198.51.100.0/24:80/tcp", "198.51.100.7:80/tcp")
+
+    def refused(*_a: object, **_k: object) -> int:  # the kernel's answer, e.g. ENOMEM
+        raise BackendError("policy of slot 0: the kernel refused it: ENOMEM")
+    monkeypatch.setattr(env.router, "load", refused)
     with pytest.raises(BackendError, match="kernel refused"):
-        await env.create(bad)
+        await env.create(policy(f"{ALLOWED}:80/tcp"))
     assert env.backend.sandbox_ids() == []
     assert env.router.table.count("assigned") == assigned
     assert env.router.table.count("free") >= free
     assert env.net.by_sandbox == {}
+
+
+async def test_overlapping_entries_are_split_not_refused(env: Env) -> None:
+    sid = await env.create(policy("203.0.113.0/24:80-90/tcp", f"{ALLOWED}:85-100/tcp",
+                                  f"{CIDR_IN}:80/tcp"))
+    assert ok(await env.tool(sid, "tcp", ALLOWED, "80", "hi"), ALLOWED, 80)
+    assert ok(await env.tool(sid, "tcp", SIBLING, "80", "hi"), SIBLING, 80)
+    assert (await env.tool(sid, "tcp", SIBLING, "443", "x")).startswith("ERR")
 
 
 async def test_without_a_router_policies_are_refused_as_before(
@@ -293,7 +264,7 @@ async def test_without_a_router_policies_are_refused_as_before(
     b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "plain"),
                          images=DirectoryImages(images_dir))
     try:
-        with pytest.raises(InvalidArgument, match="allowlist"):
+        with pytest.raises(InvalidArgument, match="needs this node's network router"):
             await b.create(new_sandbox_id(NodeId("t1")), policy(f"{ALLOWED}:80/tcp"))
     finally:
         await _cleanup(b)

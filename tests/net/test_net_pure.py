@@ -210,3 +210,34 @@ def test_base_ruleset_collapses_never_set() -> None:
     assert "10.213.0.0/16" in never
     assert f"dnat ip to {Pool().resolver}" in text
     assert ipaddress.IPv4Network("198.18.0.0/15") and "198.18.0.0/15" in text
+
+
+# -------------------------------------------------------------------- disjoint elements
+
+_dest = st.builds(
+    lambda a, n, p, lo, span: Dest4(ipaddress.IPv4Address(a), ipaddress.IPv4Address(a + n), p,
+                                    lo, min(65535, lo + span)),
+    st.integers(0, 40), st.integers(0, 12), st.sampled_from(["tcp", "udp"]),
+    st.integers(0, 30), st.integers(0, 12))
+
+
+def _admits(ds: tuple[Dest4, ...] | list[Dest4], ip: int, proto: str, port: int) -> bool:
+    return any(int(d.first) <= ip <= int(d.last) and d.proto == proto
+               and d.port_lo <= port <= d.port_hi for d in ds)
+
+
+@given(st.lists(_dest, max_size=8))
+def test_disjoint_admits_the_same_flows_without_overlap(ds: list[Dest4]) -> None:
+    from dsec.net.nftwire import disjoint
+
+    out = disjoint(ds)
+    for ip in range(55):
+        for proto in ("tcp", "udp"):
+            for port in range(45):
+                assert _admits(out, ip, proto, port) == _admits(ds, ip, proto, port)
+    for i, a in enumerate(out):
+        for b in out[i + 1:]:
+            overlap = (a.proto == b.proto and int(a.first) <= int(b.last)
+                       and int(b.first) <= int(a.last) and a.port_lo <= b.port_hi
+                       and b.port_lo <= a.port_hi)
+            assert not overlap, (a, b)

@@ -18,14 +18,15 @@ from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.simulated import SimulatedBackend
 from dsec.edge.journal import JOURNAL
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import NetworkPolicy, SandboxSpec
 from dsec.errors import BackendError, Conflict
 from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
+from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import SandboxSpec
 
 from ..edge.container.conftest import _cleanup
 from .internet import ALLOWED, CIDR_IN, SIBLING, Internet
-from .test_egress_hostile import compile_for_tests, images_dir, policy
+from .test_egress_hostile import images_dir, policy
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
@@ -61,7 +62,7 @@ class Recording(SandboxNetwork):
 async def node(tmp_path: object, images_dir: str, router: Router,
                internet: Internet) -> AsyncIterator[tuple[EdgeNode, Recording, str]]:
     state = os.path.join(str(tmp_path), "state")
-    net = Recording(router, compile_for_tests)
+    net = Recording(router)
     net.state_dir, net.seen = state, []
     b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
                          images=DirectoryImages(images_dir), network=net)
@@ -84,7 +85,7 @@ async def test_update_is_journaled_before_the_kernel_and_retry_is_a_noop(
         node: tuple[EdgeNode, Recording, str]) -> None:
     n, net, state = node
     info = await n.create(policy(f"{ALLOWED}:80/tcp"))
-    new = NetworkPolicy(mode="allowlist", allow=(f"{CIDR_IN}:80/tcp",))
+    new = NetworkPolicy(mode="policy", allow=(f"{CIDR_IN}:80/tcp",))
     gen = await n.network_update(info.id, new)
     assert gen is not None
     assert net.seen == [(f"{CIDR_IN}:80/tcp",)]  # on disk before the batch ran
@@ -95,19 +96,25 @@ async def test_update_is_journaled_before_the_kernel_and_retry_is_a_noop(
 
 
 async def test_a_refused_batch_puts_the_journal_back(
-        node: tuple[EdgeNode, Recording, str]) -> None:
+        node: tuple[EdgeNode, Recording, str], monkeypatch: pytest.MonkeyPatch) -> None:
     n, net, state = node
     info = await n.create(policy(f"{ALLOWED}:80/tcp"))
     slot = net.slot(info.id)
     assert slot is not None
     gen = slot.generation
-    bad = NetworkPolicy(mode="allowlist", allow=("198.51.100.0/24:80/tcp", "198.51.100.7:80/tcp"))
+    plan = net.policies[info.id]
+
+    def refused(*_a: object, **_k: object) -> int:  # the kernel refuses the batch
+        raise BackendError(f"policy of slot {slot.index}: the kernel refused it: ENOMEM")
+    monkeypatch.setattr(net.router, "load", refused)
+    new = NetworkPolicy(mode="policy", allow=(f"{SIBLING}:80/tcp",))
     with pytest.raises(BackendError, match="kernel refused"):
-        await n.network_update(info.id, bad)
-    assert journal_network(state, info.id) == (f"{ALLOWED}:80/tcp",)
-    assert n.get(info.id).spec.network.allow == (f"{ALLOWED}:80/tcp",)
-    assert slot.generation == gen and net.policies[info.id] == compile_for_tests(
-        policy(f"{ALLOWED}:80/tcp"))
+        await n.network_update(info.id, new)
+    assert net.seen[-1] == (f"{SIBLING}:80/tcp",)  # it was journaled first...
+    assert journal_network(state, info.id) == (f"{ALLOWED}:80/tcp",)  # ...and put back
+    assert n.get(info.id).spec.net.allow == (f"{ALLOWED}:80/tcp",)
+    assert slot.generation == gen and net.policies[info.id] == plan
+    monkeypatch.undo()
     text = net.router.nft(f"list set inet dsec s{slot.index}a4")
     assert f"{ALLOWED} . tcp . 80" in text and SIBLING not in text
 

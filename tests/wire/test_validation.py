@@ -236,7 +236,7 @@ def test_each_limit_refuses_and_says_which(name: str) -> None:
 
 @pytest.mark.parametrize("tp,raw", [
     (SandboxSpec, {"image": "py", "network_rules": ["deny *"]}),
-    (spec.NetworkPolicy, {"mode": "allowlist", "deny": ["10.0.0.0/8"]}),
+    (spec.NetworkPolicy, {"mode": "policy", "allow_out": ["10.0.0.0/8"]}),
     (ExecRequest, {"shell": "true", "seccomp": "off"}),
     (CreateSandbox, {"spec": {"imagee": "py"}}),
 ], ids=["spec", "network", "exec", "nested"])

@@ -111,6 +111,43 @@ class _Size(click.ParamType[int]):
 SIZE = _Size()
 
 
+class _NetPolicy(click.ParamType[Any]):
+    """'none', 'open' or '@policy.json' (a NetworkPolicy as JSON) -> NetworkPolicy."""
+
+    name = "policy"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import msgspec
+
+        from dsec.errors import DsecError
+        from dsec.wire.netpolicy import NetworkPolicy
+
+        if isinstance(value, NetworkPolicy):
+            return value
+        text = str(value)
+        try:
+            if text.startswith("@"):
+                with open(text[1:], "rb") as f:
+                    return msgspec.json.decode(f.read(), type=NetworkPolicy).validate()
+            if text in ("none", "open"):
+                return NetworkPolicy(mode=text)  # type: ignore[arg-type]
+        except (OSError, msgspec.DecodeError, DsecError) as exc:
+            self.fail(f"{text!r}: {exc}", param, ctx)
+        self.fail(f"{text!r} is not a policy: use none, open or @FILE.json", param, ctx)
+
+
+NET_POLICY = _NetPolicy()
+
+
+def net_default_option(fn: F) -> F:
+    """``--net-default``: the egress policy of a create that names none."""
+    return click.option(
+        "--net-default", type=NET_POLICY, default="none", show_default=True,
+        metavar="none|open|@FILE.json",
+        help="Egress policy of a sandbox created without one (a project's network "
+             "ceiling still binds; see docs/networking.md).")(fn)
+
+
 def capacity_options(what: str) -> Callable[[F], F]:
     """The capacity flags ``dsec edge`` and ``dsec up`` share. ``what`` names what the
     figures describe ("this node", "this machine")."""
@@ -228,6 +265,7 @@ def _die_with_supervisor(pid: int) -> None:
               help="Stop (keeping sandboxes) when this parent process dies.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@net_default_option
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -235,7 +273,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
-         supervisor_pid: int | None, log_level: str) -> None:
+         supervisor_pid: int | None, log_level: str, net_default: Any) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
@@ -269,7 +307,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                  for name in dict.fromkeys(backends)}
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
-                         journal_sync=journal_sync)  # type: ignore[arg-type]
+                         journal_sync=journal_sync,  # type: ignore[arg-type]
+                         net_default=net_default)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

@@ -76,6 +76,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
+from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
@@ -462,7 +463,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, detached: bool = False, disk: int | str | None = None,
-        pids_max: int | None = 1024, network: NetworkPolicy | None = None,
+        pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
     ) -> CreateSandboxRequest:
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
@@ -476,7 +477,7 @@ class AsyncSandboxes:
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
             idle_action=idle_action, env=dict(env or {}), session=session,
-            pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
+            pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
     async def create(
@@ -487,7 +488,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None,
     ) -> AsyncSandbox:
@@ -533,7 +534,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for

@@ -29,6 +29,7 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
+from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
 from dsec.wire.spec import (
     BackendName,
@@ -155,7 +156,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None,
     ) -> Sandbox:
@@ -177,7 +178,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""

@@ -97,7 +97,7 @@ from dsec.errors import (
     WrongNode,
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
-from dsec.wire.spec import NetworkPolicy
+from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
@@ -138,9 +138,13 @@ class NodeConfig:
     # asks (up to 1 GiB is valid, for exec_stream). One `head -c 600M /dev/zero` with a
     # 1 GiB cap grew dsec up by 1 GB, only to fail: no reply is over 16 MiB (max_frame).
     max_reply_output_bytes: int = 4 << 20
+    # The egress policy of a create whose spec names none (``dsec edge --net-default``):
+    # what an edge reached directly gives; the apiserver resolves its own before.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
+        self.net_default.validate("net_default")
         if self.journal_sync not in JOURNAL_SYNC_MODES:
             raise InvalidArgument(f"node config journal_sync={self.journal_sync!r} must be "
                                   f"one of {', '.join(JOURNAL_SYNC_MODES)}")
@@ -602,7 +606,9 @@ class EdgeNode:
     def _admit(self, spec: SandboxSpec, sandbox_id: str | None) -> _Sandbox:
         """Validate, reserve, record (no await): the sandbox exists as ``creating`` and
         its intent is noted in the journal."""
-        spec.validate()
+        if spec.network is None:   # stored resolved: a later default change moves nothing
+            spec = msgspec.structs.replace(spec, network=self.config.net_default)
+        spec = spec.validate()
         backend = self.backends.get(spec.backend)
         if backend is None:
             raise InvalidArgument(
@@ -870,7 +876,7 @@ class EdgeNode:
         lock = self._net_locks.setdefault(rec.id, asyncio.Lock())
         async with lock:  # one update of a sandbox at a time: journal order = kernel order
             old = rec.spec
-            new = msgspec.structs.replace(old, network=network)
+            new = msgspec.structs.replace(old, network=network.validate("network"))
             new.validate()
             if new != old and self.journal is not None:
                 rec.spec = new

@@ -22,6 +22,7 @@ NUL padded. Interval sets (flags interval) take ``KEY`` = first and ``KEY_END`` 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import socket
 import struct
 from collections.abc import Iterable, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "Pin4",
     "SlotPolicy",
     "counter_dump_request",
+    "disjoint",
     "elem",
     "interval4",
     "key_ifname",
@@ -115,6 +117,46 @@ class Dest4:
             else f":{self.port_lo}-{self.port_hi}"
         )
         return f"{host}{ports}/{self.proto}"
+
+
+def _merge(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def disjoint(dests: Iterable[Dest4]) -> tuple[Dest4, ...]:
+    """The same flows as ``dests``, as elements that do not overlap (an interval set
+    refuses overlapping elements, and with them the whole batch): the address axis is cut
+    at every element's edges, each piece gets the union of the port ranges covering it,
+    and neighbouring pieces with equal ports are joined again. O(pieces x elements);
+    a policy holds at most a few hundred entries."""
+    out: list[Dest4] = []
+    by_proto: dict[str, list[Dest4]] = {}
+    for d in dests:
+        by_proto.setdefault(d.proto, []).append(d)
+    for proto, ds in sorted(by_proto.items()):
+        cuts = sorted({int(d.first) for d in ds} | {int(d.last) + 1 for d in ds})
+        rows: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
+        for a, b in itertools.pairwise(cuts):
+            cover = [(d.port_lo, d.port_hi) for d in ds
+                     if int(d.first) <= a and b - 1 <= int(d.last)]
+            if not cover:
+                continue
+            ports = _merge(cover)
+            if rows and rows[-1][1] + 1 == a and rows[-1][2] == ports:
+                rows[-1] = (rows[-1][0], b - 1, ports)
+            else:
+                rows.append((a, b - 1, ports))
+        for a, last, ports in rows:
+            for lo, hi in ports:
+                out.append(Dest4(ipaddress.IPv4Address(a), ipaddress.IPv4Address(last),
+                                 proto, lo, hi))  # type: ignore[arg-type]
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True, slots=True)

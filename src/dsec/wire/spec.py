@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 
 from dsec.errors import InvalidArgument, PayloadTooLarge
+from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = [
     "FILE_CHUNK_BYTES",
@@ -47,6 +48,7 @@ __all__ = [
     "FileType",
     "IdleAction",
     "NetworkPolicy",
+    "NetworkView",
     "PauseStats",
     "SandboxEvent",
     "SandboxInfo",
@@ -206,14 +208,6 @@ def check_idempotency_key(key: str | None) -> None:
                               field="idempotency_key", limit=MAX_IDEMPOTENCY_KEY_CHARS)
 
 
-class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
-                    forbid_unknown_fields=True):
-    """Egress policy. Default: loopback only. ``allow`` lists ``host:port`` entries."""
-
-    mode: Literal["none", "loopback", "allowlist"] = "loopback"
-    allow: tuple[str, ...] = ()
-
-
 class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                   forbid_unknown_fields=True):
     """What a caller asks for. Validated by :meth:`validate` at every trust boundary (not
@@ -237,12 +231,16 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     idle_timeout_s: float | None = None     # no operation for this long -> idle_action
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
-    network: NetworkPolicy = NetworkPolicy()
+    # egress (dsec.wire.netpolicy); None: the serving side's default (the apiserver's
+    # --net-default, an edge reached directly: NodeConfig.net_default), which the edge
+    # stores resolved
+    network: NetworkPolicy | None = None
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
     user_namespace: bool = False            # root inside = unprivileged uid on the host
 
     def validate(self) -> SandboxSpec:
-        """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
+        """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
+        with its network policy in canonical form (self when it already was)."""
         def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
                                    field=field, **limit)
@@ -296,7 +294,20 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
                           limit=MAX_LABEL_VALUE_CHARS)
+        if self.network is not None:
+            net = self.network.validate()
+            if net is not self.network:
+                return msgspec.structs.replace(self, network=net)
         return self
+
+    @property
+    def net(self) -> NetworkPolicy:
+        """The network policy, ``"none"`` where unresolved (an edge stores resolved
+        specs, so backends see the policy the sandbox was created with)."""
+        return _NO_NETWORK if self.network is None else self.network
+
+
+_NO_NETWORK = NetworkPolicy()
 
 
 class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
@@ -457,6 +468,25 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float
     last_active_at: float
     reason: str = ""                        # reason of the last transition
+
+
+class NetworkView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A sandbox's egress policy as its edge enforces it (``network_get``,
+    ``network_update``): ``policy`` in canonical form (without the ceilings' denies, which
+    are ``ceiling_deny``); ``generation`` moves on every change that took effect (pass it
+    as ``expect_generation`` to update only what you read); ``address``: the sandbox's
+    IPv4 address (None: mode none, or a node without routed sandbox networking yet);
+    ``ipv6``: whether v6 entries are enforced (else v6 is dropped whole);
+    ``denied_packets``/``recent_denied``/``pins``: what the node counted."""
+
+    policy: NetworkPolicy
+    generation: int = 0
+    ceiling_deny: tuple[str, ...] = ()
+    address: str | None = None
+    ipv6: bool = False
+    denied_packets: int = 0
+    recent_denied: tuple[str, ...] = ()
+    pins: int = 0
 
 
 class ExecChunk(msgspec.Struct, frozen=True, kw_only=True):

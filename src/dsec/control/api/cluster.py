@@ -74,6 +74,7 @@ from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, poo
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.statedir import LOCAL_FILE, default_state_dir, ensure_private_dir, read_local
+from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
 
@@ -135,6 +136,9 @@ class ClusterConfig:
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
+    # The egress policy of a create that names none (`dsec up --net-default`); the
+    # apiserver resolves it, so edges always get a policy.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -245,7 +249,8 @@ class ClusterRuntime:
                 idempotency=IdempotencyCache(clock=time.time, store=self._store),
                 metrics=self.metrics,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
-                                 redact_paths=_host_paths(given)),
+                                 redact_paths=_host_paths(given),
+                                 net_default=cfg.net_default),
                 clock=loop.time,
                 anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane,
                 admin=plane)

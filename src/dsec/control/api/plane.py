@@ -120,6 +120,7 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import NodeId, node_of
+from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
@@ -260,7 +261,7 @@ class ControlPlane:
         iam = Iam(store, clock=clock)
         quota = QuotaIndex()
         for row in store.list_quotas():
-            quota.set_quota(row.project, Quota(**row.quota))
+            quota.set_quota(row.project, msgspec.convert(row.quota, Quota))
         for charge in store.list_snapshot_charges():
             quota.add_snapshot(charge.id, charge.project, charge.size_bytes)
         registry = Registry(store, clock=clock, quota=quota)
@@ -409,6 +410,10 @@ class ControlPlane:
         self.placement.forget(decision)
 
     # --------------------------------------------------------------- quotas
+    def network_ceilings(self, project: str) -> list[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project`` (its own and its ancestors')."""
+        return self.quota.network_ceilings(project)
+
     def admit(self, project: str, spec: SandboxSpec) -> object:
         """Check the quota chain and hold a provisional charge until commit/abort."""
         self.quota.check(project, backend=spec.backend, cpu_milli=spec.cpu_milli,

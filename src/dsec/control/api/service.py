@@ -108,6 +108,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.netpolicy import NetworkPolicy, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
@@ -251,6 +252,9 @@ class QuotaGate(Protocol):
     the edge created the sandbox, ``abort`` drops it. ``forget`` records a destroy,
     ``paused`` a pause (True) or resume (False)."""
 
+    def network_ceilings(self, project: str) -> Sequence[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project``: its own and every ancestor's."""
+        ...
     def admit(self, project: str, spec: SandboxSpec) -> object: ...
     def commit(self, token: object, info: SandboxInfo) -> None: ...
     def abort(self, token: object) -> None: ...
@@ -319,6 +323,9 @@ class ApiConfig:
     recover_wait_s: float = 30.0
     # The server version every door reports (/v1/info, api.info, the OpenAPI document).
     version: str = "0.1.0"
+    # The egress policy of a create that names none (``dsec up|apiserver --net-default``):
+    # "none", loopback only, unless the operator opens it. A project's ceiling still binds.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
 
 class _ProjectCache:
@@ -608,11 +615,11 @@ class ApiService:
             memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes, pids_max=req.pids_max,
             priority=req.priority, labels=labels, project=project, ttl_s=ttl,
             idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
-            network=req.network, allow_nested=req.allow_nested,
-            user_namespace=req.user_namespace,
+            network=req.network if req.network is not None else self.config.net_default,
+            allow_nested=req.allow_nested, user_namespace=req.user_namespace,
         )
         # the spec's own limits first (the type's words, as the gateway's decode gives
-        # them), then this apiserver's tighter pids cap
+        # them), then this apiserver's tighter pids cap, then the project's network ceiling
         spec = spec.validate()
         cap = self.config.pids_max_ceiling
         if cap is not None and (req.pids_max is None or req.pids_max > cap):
@@ -620,7 +627,13 @@ class ApiService:
                 f"pids_max={req.pids_max if req.pids_max is not None else 'null'} is refused: "
                 f"this apiserver caps processes per sandbox at {cap} (a fork-bomb guard "
                 f"for the node); ask for 1..{cap}", field="pids_max", limit=cap)
+        assert spec.network is not None
+        check_within(spec.network, self.network_ceilings(project))
         return spec
+
+    def network_ceilings(self, project: str) -> Sequence[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project`` (none without a control plane)."""
+        return () if self.quotas is None else self.quotas.network_ceilings(project)
 
     async def create(
         self, principal: Caller, req: CreateSandboxRequest, *,

@@ -358,10 +358,11 @@ class ContainerBackend:
     # -- create / adopt / destroy ----------------------------------------------------------
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         spec.validate()
-        if spec.network.mode == "allowlist" and self.network is None:
+        if spec.net.net_mode != "none" and self.network is None:
             raise InvalidArgument(
-                "network mode 'allowlist' is not implemented by the container backend yet; "
-                "use 'loopback' (default) or 'none'", field="network")
+                f"network mode {spec.net.net_mode!r} needs this node's network router, "
+                "which this container backend was started without; use 'none' (loopback "
+                "only)", field="network")
         if spec.user_namespace and self.runtime != "native":
             raise InvalidArgument("user_namespace is implemented by the native container "
                                   "driver only; use runtime='native' or drop it",
@@ -430,7 +431,7 @@ class ContainerBackend:
         """Replace the sandbox's egress policy on its slot (see NetworkBackend)."""
         box = self.box(sid)
         if self.network is None:
-            if spec.network.mode == "allowlist":
+            if spec.net.net_mode != "none":
                 raise InvalidArgument(
                     "this container backend has no network router: egress policies "
                     "cannot be enforced on it", field="network", sandbox_id=sid)
@@ -473,7 +474,7 @@ class ContainerBackend:
                      upper=box.upper, work=box.work,
                      root=os.path.join(box.dir, "root"), hostname=box.sid[:63],
                      cgroup_procs=box.cg.procs_files,
-                     loopback=box.spec.network.mode == "loopback",
+                     loopback=True,   # mode "none": lo up (the old "none", lo down, is gone)
                      nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes,
                      userns=self.userns_range if box.spec.user_namespace else None,
                      netns=box.netns_fd >= 0)
