@@ -266,6 +266,9 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @net_default_option
+@click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
+              help="The most open egress policy this node serves, whoever asks (default: "
+                   "no node ceiling; projects' ceilings still bind through the apiserver).")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -273,7 +276,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
-         supervisor_pid: int | None, log_level: str, net_default: Any) -> None:
+         supervisor_pid: int | None, log_level: str, net_default: Any,
+         net_max: Any) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
@@ -308,7 +312,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]
-                         net_default=net_default)
+                         net_default=net_default, net_max=net_max)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import msgspec
 
+from dsec.client.network import AsyncNetwork
 from dsec.errors import (
     DsecError,
     EdgeUnreachable,
@@ -792,6 +793,7 @@ class AsyncSandbox:
         self.info = info
         self.id: str = info.id
         self.files = AsyncFiles(self)
+        self.network = AsyncNetwork(self)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, state={self.info.state!r})"

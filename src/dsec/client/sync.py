@@ -26,6 +26,7 @@ from dsec.client.core import (
     Snapshot,
 )
 from dsec.client.images import AsyncImages, LayerKind
+from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
@@ -300,6 +301,7 @@ class Sandbox:
         self._a = a
         self.id = a.id
         self.files = Files(client, a.files)
+        self.network = Network(client, a.network)
 
     def __repr__(self) -> str:
         return repr(self._a)

@@ -90,6 +90,7 @@ from dsec.wire.calls import (
     KeyRef,
     ListSandboxes,
     Mkdir,
+    NetworkUpdate,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -103,9 +104,11 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.jsonform import exec_output, exec_request, stream_line
+from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.spec import (
     FileInfo,
+    NetworkView,
     PauseStats,
     SandboxInfo,
     SandboxStats,
@@ -559,6 +562,29 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     route(Op("GET", "/v1/sandboxes/{id}/stats", "sandboxStats", "Resource use now "
              "(memory, cpu, pids, disk)", None, SandboxStats), stats)
+
+    # ---------------------------------------------------------------- network
+    network_get_policy = h(ops.NETWORK_GET)
+    network_update_policy = h(ops.NETWORK_UPDATE)
+
+    async def network_get(request: Request, caller: Caller, rid: str) -> Response:
+        return _json_response(await network_get_policy(caller, SandboxRef(
+            id=sid_of(request))), rid)
+
+    route(Op("GET", "/v1/sandboxes/{id}/network", "getSandboxNetwork",
+             ops.NETWORK_GET.summary, None, NetworkView, tag="network"), network_get)
+
+    async def network_update(request: Request, caller: Caller, rid: str) -> Response:
+        policy = _decode(NetworkPolicy, await _read_body(request, cfg.max_json_body))
+        body = NetworkUpdate(id=sid_of(request), policy=policy,
+                             expect_generation=_q_int(request, "expect_generation", None))
+        return _json_response(await network_update_policy(caller, body), rid)
+
+    route(Op("PUT", "/v1/sandboxes/{id}/network", "updateSandboxNetwork",
+             ops.NETWORK_UPDATE.summary, NetworkPolicy, NetworkView, tag="network",
+             params=(Param("expect_generation", {"type": "integer", "minimum": 0},
+                           description="update only if the policy is at this generation "
+                                       "(409 otherwise)"),)), network_update)
 
     # ------------------------------------------------------------------ nodes
     async def nodes(request: Request, caller: Caller, rid: str) -> Response:

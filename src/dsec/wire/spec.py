@@ -13,7 +13,16 @@ from typing import Literal
 import msgspec
 
 from dsec.errors import InvalidArgument, PayloadTooLarge
-from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.netpolicy import (
+    MAX_NET_CONNECTIONS,
+    MAX_NET_DOMAIN_BYTES,
+    MAX_NET_DOMAIN_PORTS,
+    MAX_NET_ENTRY_CHARS,
+    MAX_NET_LABEL_BYTES,
+    MAX_NET_RATE_MBIT,
+    MAX_NET_RULES,
+    NetworkPolicy,
+)
 
 __all__ = [
     "FILE_CHUNK_BYTES",
@@ -33,6 +42,13 @@ __all__ = [
     "MAX_LABEL_KEY_CHARS",
     "MAX_LABEL_VALUE_CHARS",
     "MAX_MEMORY_BYTES",
+    "MAX_NET_CONNECTIONS",
+    "MAX_NET_DOMAIN_BYTES",
+    "MAX_NET_DOMAIN_PORTS",
+    "MAX_NET_ENTRY_CHARS",
+    "MAX_NET_LABEL_BYTES",
+    "MAX_NET_RATE_MBIT",
+    "MAX_NET_RULES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_PIDS",

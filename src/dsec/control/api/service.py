@@ -97,6 +97,8 @@ from dsec.wire.calls import (
     ImageUpload,
     KeyRef,
     ListSandboxes,
+    NetworkUpdate,
+    NetworkUpdateOnNode,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -108,7 +110,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
-from dsec.wire.netpolicy import NetworkPolicy, check_within
+from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
@@ -116,6 +118,7 @@ from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
+    NetworkView,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
@@ -835,10 +838,12 @@ class ApiService:
 
     async def _edge_create(self, edge: EdgeOps, spec: SandboxSpec,
                            sid: str | None) -> SandboxInfo:
+        # the project's network ceilings' deny entries, enforced with the sandbox's own
+        deny = ceiling_deny(self.network_ceilings(spec.project))
         if sid is None:
-            return await edge.create(spec)
+            return await edge.create(spec, ceiling_deny=deny)
         try:
-            return await edge.create(spec, sandbox_id=sid)
+            return await edge.create(spec, sandbox_id=sid, ceiling_deny=deny)
         except InvalidArgument as exc:
             if exc.detail.get("sandbox_id") == sid and "already in use" in exc.message:
                 raise _IdInUse(sid) from exc
@@ -1382,6 +1387,8 @@ class ApiService:
             "images": self._images_op, "image_get": self._image_get_op,
             "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
             "image_build": self._upload_refused, "image_import": self._upload_refused,
+            "network_get": functools.partial(fwd, ops.NETWORK_GET),
+            "network_update": self._network_update_op,
         }
 
     async def _forward(self, op: Op[Any, Any], caller: Caller, body: Any) -> Any:
@@ -1394,6 +1401,19 @@ class ApiService:
         deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
         return await self._via(edge, sid, op.name,
                                lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+
+    async def _network_update_op(self, caller: Caller, b: NetworkUpdate) -> NetworkView:
+        """Member on the sandbox's project, and the new policy within every network
+        ceiling of the project (its own and its ancestors'), checked before the edge is
+        asked; the ceilings' deny entries go with it (``NetworkUpdateOnNode``)."""
+        edge, project = await self._edge_for(caller, b.id, "member")
+        ceilings = self.network_ceilings(project)
+        check_within(b.policy, ceilings, where="policy")
+        body = NetworkUpdateOnNode(id=b.id, policy=b.policy,
+                                   expect_generation=b.expect_generation,
+                                   ceiling_deny=ceiling_deny(ceilings))
+        return await self._via(edge, b.id, "network_update",
+                               lambda: edge.network_update(body))
 
     async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
         return await self.create(caller, _create_request(b.spec, b.session),
