@@ -15,10 +15,9 @@ import pytest
 
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.backends.simulated import SimulatedBackend
 from dsec.edge.journal import JOURNAL
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.errors import BackendError, Conflict
+from dsec.errors import BackendError
 from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
 from dsec.wire.netpolicy import NetworkPolicy
@@ -53,9 +52,10 @@ class Recording(SandboxNetwork):
     state_dir: str = ""
     seen: list[tuple[str, ...] | None]
 
-    def update(self, sid: str, spec: SandboxSpec) -> int | None:
+    def update(self, sid: str, spec: SandboxSpec,
+               ceiling_deny: tuple[str, ...] = ()) -> int | None:
         self.seen.append(journal_network(self.state_dir, sid))
-        return super().update(sid, spec)
+        return super().update(sid, spec, ceiling_deny)
 
 
 @pytest.fixture
@@ -85,14 +85,19 @@ async def test_update_is_journaled_before_the_kernel_and_retry_is_a_noop(
         node: tuple[EdgeNode, Recording, str]) -> None:
     n, net, state = node
     info = await n.create(policy(f"{ALLOWED}:80/tcp"))
+    slot = net.slot(info.id)
+    assert slot is not None
     new = NetworkPolicy(mode="policy", allow=(f"{CIDR_IN}:80/tcp",))
-    gen = await n.network_update(info.id, new)
-    assert gen is not None
+    view = await n.network_update(info.id, new)
+    assert view.generation == 2
     assert net.seen == [(f"{CIDR_IN}:80/tcp",)]  # on disk before the batch ran
     assert journal_network(state, info.id) == (f"{CIDR_IN}:80/tcp",)
     assert n.get(info.id).spec.network == new
+    kernel_gen = slot.generation
+    assert f"{CIDR_IN} . tcp . 80" in net.router.nft(f"list set inet dsec s{slot.index}a4")
     # a retry (the client lost the answer) changes nothing and cuts nothing
-    assert await n.network_update(info.id, new) == gen
+    assert (await n.network_update(info.id, new)).generation == 2
+    assert slot.generation == kernel_gen and len(net.seen) == 1
 
 
 async def test_a_refused_batch_puts_the_journal_back(
@@ -119,14 +124,15 @@ async def test_a_refused_batch_puts_the_journal_back(
     assert f"{ALLOWED} . tcp . 80" in text and SIBLING not in text
 
 
-async def test_backends_without_networks_say_so(tmp_path: object) -> None:
-    n = EdgeNode(NodeConfig(node_id="t1", capacity=Capacity(
-        cpu_milli=64_000, memory_bytes=64 << 30, max_sandboxes=64)), SimulatedBackend(),
-        rng=random.Random(3))
-    await n.start()
-    try:
-        info = await n.create(SandboxSpec())
-        with pytest.raises(Conflict, match="cannot change a live sandbox's network"):
-            await n.network_update(info.id, NetworkPolicy(mode="none"))
-    finally:
-        await n.close()
+async def test_ceiling_denies_are_in_the_kernel_from_create_on(
+        node: tuple[EdgeNode, Recording, str]) -> None:
+    n, net, _state = node
+    info = await n.create(policy("203.0.113.0/24:80/tcp"), ceiling_deny=(f"{ALLOWED}:80/tcp",))
+    slot = net.slot(info.id)
+    assert slot is not None
+    assert f"{ALLOWED} . tcp . 80" in net.router.nft(f"list set inet dsec s{slot.index}d4")
+    # the control plane sends the ceilings' denies with every update: they stay
+    await n.network_update(info.id, NetworkPolicy(mode="policy", allow=("203.0.113.0/24:80/tcp",
+                                                                       f"{CIDR_IN}:80/tcp")),
+                           ceiling_deny=(f"{ALLOWED}:80/tcp",))
+    assert f"{ALLOWED} . tcp . 80" in net.router.nft(f"list set inet dsec s{slot.index}d4")

@@ -26,8 +26,7 @@ from dsec.edge.spec import (
 )
 from dsec.ids import SandboxId
 
-__all__ = ["Backend", "DeathSink", "Leftover", "NetworkBackend", "ReconcilingBackend",
-           "SnapshotBackend"]
+__all__ = ["Backend", "DeathSink", "Leftover", "ReconcilingBackend", "SnapshotBackend"]
 
 # sink(sandbox_id, reason, detail). A reason in lifecycle.FINAL_REASONS ("oom",
 # "backend_crash", "exited", ...) means the sandbox is dead; a reason in
@@ -118,20 +117,6 @@ class Leftover:
     backend: BackendName               # the backend's name
     what: str                          # e.g. "directory, 5 cgroup(s), 1 process(es)"
     spec: SandboxSpec | None = None    # as recorded on the host, if it was
-
-
-@runtime_checkable
-class NetworkBackend(Protocol):
-    """Optional capability: a live sandbox's egress policy can be replaced (the container
-    backend on router slots, dsec.net). The node checks ``isinstance`` and answers
-    ``Conflict`` for backends without it."""
-
-    async def network_update(self, sid: SandboxId, spec: SandboxSpec) -> int | None:
-        """Enforce ``spec.network`` on the running sandbox ``sid`` (one atomic kernel
-        batch: flows the new policy forbids are cut). Returns the policy generation now
-        live (unchanged when the compiled policy is the same), None for a sandbox with
-        no slot and a policy that needs none. On failure nothing changed."""
-        ...
 
 
 @runtime_checkable

@@ -41,13 +41,7 @@ import msgspec
 
 from dsec.aether.limits import soft_nofile
 from dsec.edge.admission import Capacity, ResourcePool
-from dsec.edge.backend import (
-    Backend,
-    Leftover,
-    NetworkBackend,
-    ReconcilingBackend,
-    SnapshotBackend,
-)
+from dsec.edge.backend import Backend, Leftover, ReconcilingBackend, SnapshotBackend
 from dsec.edge.clock import Clock, SystemClock
 from dsec.edge.eager import gather_eager
 from dsec.edge.journal import (
@@ -240,7 +234,6 @@ class EdgeNode:
         self._rng = rng or random.Random()
         self.pool = ResourcePool(config.capacity, node=f"node {config.node_id}")
         self._live: dict[str, _Sandbox] = {}
-        self._net_locks: dict[str, asyncio.Lock] = {}  # network_update, per sandbox
         self._dead: collections.OrderedDict[str, _Sandbox] = collections.OrderedDict()
         self._feed: collections.deque[tuple[int, str, EventTuple]] = collections.deque(
             maxlen=config.feed_size)
@@ -538,7 +531,6 @@ class EdgeNode:
                            reason=rec.reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
-        self._net_locks.pop(rec.id, None)
         dead = self._dead
         dead[rec.id] = rec
         if len(dead) > self.config.tombstones:
@@ -679,6 +671,11 @@ class EdgeNode:
         everything is rolled back and the error raised."""
         try:
             await rec.backend.create(SandboxId(rec.id), rec.spec)
+            setter = getattr(rec.backend, "set_network", None)
+            if rec.ceiling_deny and setter is not None:
+                # the project ceilings' denies, enforced before the create is answered
+                # (nothing but the sandbox's init runs yet)
+                await setter(SandboxId(rec.id), rec.spec, rec.ceiling_deny, rec.net_generation)
         except BaseException as exc:
             await self._abort_create(rec, exc)
             if isinstance(exc, Exception):
@@ -957,53 +954,6 @@ class EdgeNode:
             self.journal.put(rec)
             if self._durable is not None:
                 await self._durable.commit()
-
-    # ================================================================ network
-    async def network_update(self, sandbox_id: str, network: NetworkPolicy) -> int | None:
-        """Replace a live sandbox's egress policy; returns the policy generation now
-        enforced (None: the sandbox has no network slot and needs none).
-
-        Durable before acknowledged: the journal holds the new spec (fsynced) before the
-        kernel batch runs, and the answer comes after the batch is acknowledged. A crash
-        in between leaves journal-new / kernel-old, which the restart reloads from the
-        journal; the caller, who got no answer, retries, and a retry of the same policy
-        is a no-op (no new generation, nothing cut). A batch the kernel refuses changes
-        nothing there, and the journal is put back to the old spec."""
-        rec = self._find(sandbox_id)
-        if rec.state not in ("running", "paused"):
-            raise InvalidTransition(
-                f"sandbox {rec.id} is {rec.state}: its network can be changed while it is "
-                "running or paused", sandbox_id=rec.id, state=rec.state,
-                event="network_update")
-        if not isinstance(rec.backend, NetworkBackend):
-            raise Conflict(f"backend {rec.backend.name} of sandbox {rec.id} cannot change a "
-                           "live sandbox's network; use the container backend",
-                           sandbox_id=rec.id)
-        lock = self._net_locks.setdefault(rec.id, asyncio.Lock())
-        async with lock:  # one update of a sandbox at a time: journal order = kernel order
-            old = rec.spec
-            new = msgspec.structs.replace(old, network=network.validate("network"))
-            new.validate()
-            if new != old and self.journal is not None:
-                rec.spec = new
-                self.journal.put(rec)
-                if self._durable is not None:
-                    await self._durable.commit()
-            try:
-                gen = await rec.backend.network_update(SandboxId(rec.id), new)
-            except BaseException as exc:
-                if rec.spec is new:
-                    rec.spec = old
-                    if self.journal is not None and rec.id in self._live:
-                        self.journal.put(rec)
-                        if self._durable is not None:
-                            with contextlib.suppress(DsecError):
-                                await self._durable.commit()
-                if isinstance(exc, Exception):
-                    raise self._backend_error(rec, "change the network of", exc) from exc
-                raise
-            rec.spec = new
-            return gen
 
     @staticmethod
     def _release_busy(rec: _Sandbox) -> None:

@@ -38,9 +38,9 @@ class NetPlan:
     dns: DnsPolicy = field(default_factory=DnsPolicy)
 
 
-#: spec -> its plan, or None for "no network beyond loopback". Raises InvalidArgument
-#: for a policy this node cannot enforce.
-PolicyCompiler = Callable[[SandboxSpec], NetPlan | None]
+#: (spec, the project ceilings' deny entries) -> its plan, or None for "no network
+#: beyond loopback". Raises InvalidArgument for a policy this node cannot enforce.
+PolicyCompiler = Callable[[SandboxSpec, tuple[str, ...]], NetPlan | None]
 
 #: The most elements one slot set may get after overlaps are split (disjoint()): a
 #: pipapo set's commit grows with its size (E12: 1.2 ms at 256 entries).
@@ -83,12 +83,12 @@ def plan_of(compiled: Compiled) -> NetPlan | None:
     return NetPlan(slot, dns)
 
 
-def compile_spec(spec: SandboxSpec) -> NetPlan | None:
+def compile_spec(spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> NetPlan | None:
     """The default compiler: the wire's policy through net/compile.py."""
     policy = spec.net
     if policy.net_mode == "none":
         return None
-    return plan_of(compile_policy(policy))
+    return plan_of(compile_policy(policy, ceiling_deny=ceiling_deny))
 
 
 @dataclass
@@ -107,12 +107,13 @@ class SandboxNetwork:
         packet is redirected there anyway; this only spares clients a timeout)."""
         return f"nameserver {self.router.pool.resolver}\noptions timeout:2 attempts:2\n".encode()
 
-    def attach(self, sid: str, spec: SandboxSpec) -> Slot | None:
+    def attach(self, sid: str, spec: SandboxSpec,
+               ceiling_deny: tuple[str, ...] = ()) -> Slot | None:
         """Compile, take a slot, load it; None when the spec needs no slot."""
         if sid in self.by_sandbox:
             raise Conflict(f"sandbox {sid} already holds network slot "
                            f"{self.by_sandbox[sid].index}", sandbox_id=sid)
-        plan = self.compile(spec)
+        plan = self.compile(spec, ceiling_deny)
         if plan is None:
             return None
         slot = self.router.take()
@@ -163,14 +164,15 @@ class SandboxNetwork:
     def slot(self, sid: str) -> Slot | None:
         return self.by_sandbox.get(sid)
 
-    def update(self, sid: str, spec: SandboxSpec) -> int | None:
+    def update(self, sid: str, spec: SandboxSpec,
+               ceiling_deny: tuple[str, ...] = ()) -> int | None:
         """Load the spec's policy on the sandbox's slot (one atomic batch; flows the new
         policy forbids are cut). Returns the new generation, the current one when the
         compiled policy did not change (an idempotent retry cuts nothing), or None for
         a sandbox without a slot. A change between "no slot" and "a slot" needs a new
         sandbox: the netns of a running sandbox cannot be swapped."""
         slot = self.by_sandbox.get(sid)
-        plan = self.compile(spec)
+        plan = self.compile(spec, ceiling_deny)
         if slot is None:
             if plan is None:
                 return None

@@ -427,18 +427,23 @@ class ContainerBackend:
                 raise InvalidArgument(f"cannot create sandbox {sid}: {exc}") from exc
             raise BackendError(f"cannot create sandbox {sid}: {exc}") from exc
 
-    async def network_update(self, sid: SandboxId, spec: SandboxSpec) -> int | None:
-        """Replace the sandbox's egress policy on its slot (see NetworkBackend)."""
+    async def set_network(self, sid: SandboxId, spec: SandboxSpec,
+                          ceiling_deny: tuple[str, ...], generation: int) -> None:
+        """A new egress policy for a running sandbox (``network_update``; the node has
+        journaled it): loaded on its slot in one atomic batch, cutting the flows it no
+        longer allows. On failure nothing changed in the kernel."""
         box = self.box(sid)
         if self.network is None:
             if spec.net.net_mode != "none":
                 raise InvalidArgument(
-                    "this container backend has no network router: egress policies "
-                    "cannot be enforced on it", field="network", sandbox_id=sid)
-            return None
-        gen = self.network.update(sid, spec)
+                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
+                    "which this container backend was started without", field="network",
+                    sandbox_id=sid)
+            box.spec = spec
+            return
+        self.network.update(sid, spec, ceiling_deny)
         box.spec = spec
-        return gen
+        log.debug("sandbox %s: network policy generation %d loaded", sid, generation)
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
