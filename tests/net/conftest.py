@@ -16,9 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from dsec.net.router import Router, RouterConfig
+from dsec.net.testinternet import Internet, start
 from dsec.net.uplink import NetnsUplink
-
-from .internet import Internet, start
 
 _uplinks = itertools.count()
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from dsec.net.resolver import Resolver
+from dsec.net.testinternet import ALLOWED, DNS_UPSTREAM, SIBLING, TCP_ECHO_PORT
 
-from .internet import ALLOWED, DNS_UPSTREAM, SIBLING, TCP_ECHO_PORT
 from .test_egress_hostile import Env, env, images_dir, policy
 
 pytestmark = [pytest.mark.root,

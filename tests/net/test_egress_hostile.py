@@ -27,11 +27,7 @@ from dsec.errors import BackendError, InvalidArgument
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
 from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
-from dsec.wire.netpolicy import NetworkPolicy
-from dsec.wire.spec import ExecRequest, SandboxSpec
-
-from ..edge.container.conftest import _cleanup
-from .internet import (
+from dsec.net.testinternet import (
     ALLOWED,
     CIDR_IN,
     CIDR_OUT,
@@ -41,6 +37,10 @@ from .internet import (
     UDP_ECHO_PORT,
     Internet,
 )
+from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import ExecRequest, SandboxSpec
+
+from ..edge.container.conftest import _cleanup
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]

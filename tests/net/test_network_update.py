@@ -20,11 +20,11 @@ from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.errors import BackendError
 from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
+from dsec.net.testinternet import ALLOWED, CIDR_IN, SIBLING, Internet
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
 
 from ..edge.container.conftest import _cleanup
-from .internet import ALLOWED, CIDR_IN, SIBLING, Internet
 from .test_egress_hostile import images_dir, policy
 
 pytestmark = [pytest.mark.root,

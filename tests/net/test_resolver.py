@@ -21,10 +21,9 @@ from dsec.net import netns
 from dsec.net.attach import SandboxNetwork
 from dsec.net.resolver import Resolver
 from dsec.net.router import Router, Slot
+from dsec.net.testinternet import ALLOWED, CIDR_IN, DNS_UPSTREAM, SIBLING, Internet
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
-
-from .internet import ALLOWED, CIDR_IN, DNS_UPSTREAM, SIBLING, Internet
 
 pytestmark = pytest.mark.root
 

@@ -18,9 +18,7 @@ from dsec.errors import BackendError, ResourceExhausted
 from dsec.net import netns
 from dsec.net.nftwire import Dest4, SlotPolicy
 from dsec.net.router import Router, RouterConfig, Slot
-from dsec.net.uplink import NetnsUplink
-
-from .internet import (
+from dsec.net.testinternet import (
     ALLOWED,
     CIDR_IN,
     CIDR_OUT,
@@ -31,6 +29,7 @@ from .internet import (
     Internet,
     links_in,
 )
+from dsec.net.uplink import NetnsUplink
 
 pytestmark = pytest.mark.root
 

@@ -180,6 +180,24 @@ class Router:
         with self._lock:
             return self._execute(self.table.refill())
 
+    def ensure_free(self, n: int) -> int:
+        """Build slots (``build_batch`` at a time) until ``n`` are free, or the pool is
+        full; returns how many were built. For a known burst of creates."""
+        built = 0
+        with self._lock:
+            while self.table.count("free") < n:
+                b = self.table.reserve(min(self.config.build_batch,
+                                           n - self.table.count("free")))
+                if b is None:
+                    break
+                events = self._build(b)
+                self.table.handle(*events)
+                got = sum(1 for e in events if e.kind == "built")
+                if not got:
+                    break
+                built += got
+        return built
+
     def _execute(self, instructions: Iterable[Instruction]) -> int:
         built = 0
         todo = list(instructions)

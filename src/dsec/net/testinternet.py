@@ -1,4 +1,5 @@
-"""A fake internet in a network namespace the test makes (plan-14 §4.9).
+"""A fake internet in a network namespace (plan-14 §4.9), for tests, the demo and the
+``net`` bench.
 
 Everything here lives in one anonymous netns held by an fd: test hosts on documentation
 addresses (203.0.113.0/24, 198.51.100.0/24) on its ``lo``, TCP/UDP servers, and an
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
-from dnslib.server import BaseResolver, DNSServer
+from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from dsec.net import netns, rtwire
 from dsec.net.kernel import Netlink
@@ -159,7 +160,7 @@ def _serve(inet: Internet, sel: selectors.DefaultSelector) -> None:
         c.close()
 
 
-class _Upstream(BaseResolver):  # type: ignore[misc]
+class _Upstream(BaseResolver):  # type: ignore[misc]  # dnslib has no type hints
     def __init__(self, inet: Internet) -> None:
         self.inet = inet
 
@@ -211,7 +212,8 @@ def start() -> Internet:
                 inet._socks.append(us)
                 sel.register(us, selectors.EVENT_READ, "udp")
             for tcp in (False, True):
-                d = DNSServer(_Upstream(inet), address=DNS_UPSTREAM, port=53, tcp=tcp)
+                d = DNSServer(_Upstream(inet), address=DNS_UPSTREAM, port=53, tcp=tcp,
+                              logger=DNSLogger(logf=lambda _line: None))
                 d.start_thread()
                 inet._dns.append(d)
         t = threading.Thread(target=_serve, args=(inet, sel), name="internet", daemon=True)
