@@ -101,6 +101,8 @@ class SandboxNetwork:
     pins: PinBook = field(default_factory=PinBook)
     denied: DenyReporter = field(default_factory=DenyReporter)
     _baseline: dict[int, int] = field(default_factory=dict)
+    #: sandboxes adopted after an edge restart whose slot died with the old router
+    lost: set[str] = field(default_factory=set)
 
     def resolv_conf(self) -> bytes:
         """/etc/resolv.conf of a sandbox on a slot: the router's resolver (every DNS
@@ -173,6 +175,11 @@ class SandboxNetwork:
         sandbox: the netns of a running sandbox cannot be swapped."""
         slot = self.by_sandbox.get(sid)
         plan = self.compile(spec, ceiling_deny)
+        if sid in self.lost:
+            raise Conflict(
+                f"sandbox {sid} lost its network when the edge restarted (its router slot "
+                "went with the previous edge process); re-create it to get a network "
+                "policy", sandbox_id=sid)
         if slot is None:
             if plan is None:
                 return None
@@ -198,6 +205,7 @@ class SandboxNetwork:
         known dead) or drop it. Never raises: a failure only costs the slot."""
         slot = self.by_sandbox.pop(sid, None)
         self.policies.pop(sid, None)
+        self.lost.discard(sid)
         if slot is None:
             return
         self.by_slot.pop(slot.index, None)

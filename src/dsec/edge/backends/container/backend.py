@@ -727,6 +727,16 @@ class ContainerBackend:
         box.pids_seen = self.governor.pids_limit_hits(cg)
         self._boxes[sid] = box
         self._watch_box(box)
+        if self.network is not None and spec.net.net_mode != "none":
+            # Its slot's veth died with the previous edge's router (the router netns is
+            # held by the edge's fds): the sandbox runs on, cut off from every network
+            # (fail closed) until it is re-created. Said, not hidden.
+            self.network.lost.add(sid)
+            detail = (f"sandbox {sid} was adopted after an edge restart without its network: "
+                      "its router slot went with the previous edge process, so it now "
+                      "reaches nothing; re-create it to get its network policy back")
+            log.warning("%s", detail)
+            self._notice(box, "network_lost", detail)
         return True
 
     async def destroy(self, sid: SandboxId) -> None:
