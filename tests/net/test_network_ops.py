@@ -423,3 +423,52 @@ def test_the_rows_hold_their_policies(cluster: LocalCluster) -> None:
     with pytest.raises(InvalidArgument, match=r"^policy\.allow\[0\]"):
         NetworkUpdate(id="sb-0123456789ab-n1", policy=NetworkPolicy(mode="policy",
                                                                     allow=("x..y",)))
+
+
+# ================================================================ defaults
+def test_the_cluster_default_is_a_setting_and_a_ceiling_still_binds_it(
+        tmp_path: Any) -> None:
+    """`dsec up --net-default open`: a create naming no network gets it (resolved and
+    stored); one naming "none" keeps none; under a project whose ceiling is narrower the
+    default is refused like any ask, naming the mode."""
+    with LocalCluster(edges=1, net_default=NetworkPolicy(mode="open")) as cl:
+        d = Doors(cl, cl.api_key)
+        sid = _create(d)
+        assert d.gateway("api.network_get", {"id": sid})["policy"] == {"mode": "open"}
+        assert d.rest("GET", f"/v1/sandboxes/{sid}").json()["spec"]["network"] == {
+            "mode": "open"}
+        assert d.gateway("api.network_get", {"id": _create(d, {"mode": "none"})})["policy"] == {}
+        assert d.rest("PUT", "/v1/quotas/closed", json={"network": {"mode": "none"}}
+                      ).status_code == 200
+        status, code, msg = d.refusal("rest", "POST", "/v1/sandboxes", {"project": "closed"},
+                                      ("", None))
+        assert (status, code) == (403, "permission_denied")
+        assert msg.startswith("network.mode 'open' is outside the network ceiling of "
+                              "project 'closed'"), msg
+        assert d.gateway("api.network_get", {"id": _create(d, {"mode": "none"}, "closed")})[
+            "policy"] == {}
+
+
+async def test_an_edge_reached_directly_resolves_its_own_default() -> None:
+    async with make_node(net_default=NetworkPolicy(mode="open")) as node:
+        info = await node.create(SandboxSpec())
+        assert info.spec.network == NetworkPolicy(mode="open")
+        info = await node.create(SandboxSpec(network=NetworkPolicy()))
+        assert info.spec.network == NetworkPolicy()
+
+
+def test_the_net_flags_parse_a_mode_or_a_policy_file(tmp_path: Any) -> None:
+    import click
+
+    from dsec.cli.edge import NET_POLICY
+    assert NET_POLICY.convert("none", None, None) == NetworkPolicy()
+    assert NET_POLICY.convert("open", None, None) == NetworkPolicy(mode="open")
+    f = tmp_path / "p.json"
+    f.write_text('{"mode": "policy", "allow": ["PyPI.org:443"]}')
+    assert NET_POLICY.convert(f"@{f}", None, None) == NetworkPolicy(
+        mode="policy", allow=("pypi.org:443",))
+    f.write_text('{"mode": "policy", "allow": ["pypi..org"]}')
+    with pytest.raises(click.BadParameter, match="empty label"):
+        NET_POLICY.convert(f"@{f}", None, None)
+    with pytest.raises(click.BadParameter, match="not a policy"):
+        NET_POLICY.convert("everything", None, None)

@@ -82,6 +82,18 @@ def test_ceiling_none_admits_only_none_and_open_admits_every_public_thing() -> N
     assert within(NetworkPolicy(mode="open", allow=("10.1.0.0/16",)).validate(), wide) is None
 
 
+def test_a_ceilings_caps_bind() -> None:
+    capped = NetworkPolicy(mode="open", max_connections=64, rate_mbit=10).validate()
+    assert within(NetworkPolicy(mode="policy", allow=("pypi.org",), max_connections=8,
+                                rate_mbit=10).validate(), capped) is None
+    v = within(P("pypi.org"), capped)
+    assert v is not None and (v.field, v.entry, v.why) == (
+        "network.max_connections", "unset", "caps it at 64")
+    v = within(NetworkPolicy(mode="open", max_connections=64, rate_mbit=11), capped)
+    assert v is not None and (v.field, v.entry) == ("network.rate_mbit", "11")
+    assert within(NONE, capped) is None
+
+
 def test_the_refusal_names_entry_project_and_what_to_do() -> None:
     ceilings = [("lab", OPEN), ("lab/team-a", P("pypi.org:443/tcp", "*.pythonhosted.org:443/tcp"))]
     check_within(P("pypi.org:443/tcp"), ceilings)

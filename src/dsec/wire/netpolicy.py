@@ -503,7 +503,9 @@ def within(policy: NetworkPolicy, ceiling: NetworkPolicy | None) -> Violation | 
     resolving into a private range is refused by the resolver unless a CIDR names it)
     but a private CIDR or a sandbox only where its own ``allow`` covers it; ``policy``
     admits ``none`` or a ``policy`` each of whose ``allow`` entries lies inside one of
-    its ``allow`` entries. ``deny`` entries only narrow, so they are never beyond."""
+    its ``allow`` entries. A ceiling's ``max_connections``/``rate_mbit`` bind too: the
+    policy must name a cap no higher (unset is the node's default, not a cap under it).
+    ``deny`` entries only narrow, so they are never beyond."""
     if ceiling is None:
         return None
     mode, cmode = policy.net_mode, ceiling.net_mode
@@ -513,6 +515,11 @@ def within(policy: NetworkPolicy, ceiling: NetworkPolicy | None) -> Violation | 
         return Violation("network.mode", mode, "admits no network (mode 'none')")
     if mode == "open" and cmode == "policy":
         return Violation("network.mode", mode, "admits only what its allow list names")
+    for cap in ("max_connections", "rate_mbit"):
+        limit, asked = getattr(ceiling, cap), getattr(policy, cap)
+        if limit is not None and (asked is None or asked > limit):
+            return Violation(f"network.{cap}", "unset" if asked is None else str(asked),
+                             f"caps it at {limit}")
     callow, _ = ceiling.rules()
     allow, _ = policy.rules()
     for i, r in enumerate(allow):
