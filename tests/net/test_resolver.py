@@ -198,3 +198,23 @@ async def test_unknown_askers_and_a_policy_change_drop_pins(env: Env) -> None:
     # a free slot (no sandbox) is answered REFUSED
     free = env.router.take()
     assert (await ask(free, "allowed.test")).header.rcode == RCODE.REFUSED
+
+
+async def test_spoofed_dns_from_another_slot_never_reaches_the_resolver(env: Env) -> None:
+    victim = env.attach("sb-v", "allowed.test:80/tcp")
+    attacker = env.attach("sb-x", "allowed.test:80/tcp")
+    before = env.resolver.stats.queries
+    q = DNSRecord.question("allowed.test").pack()
+    for src in (str(victim.addr.sandbox_ip), "10.213.255.254", str(attacker.addr.router_ip)):
+        udp = struct.pack("!HHHH", 5353, 53, 8 + len(q), 0) + q
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                         socket.inet_aton(src), socket.inet_aton("10.213.255.254"))
+        with netns.entered(attacker.fd):
+            raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        with raw:
+            raw.sendto(ip + udp, ("10.213.255.254", 0))
+    # control: the attacker's own address is answered
+    assert (await ask(attacker, "allowed.test")).header.rcode == RCODE.NOERROR
+    await asyncio.sleep(0.2)
+    assert env.resolver.stats.queries == before + 1
+    assert "elements" not in pins(env.router, victim)  # nothing pinned for the victim

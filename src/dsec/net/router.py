@@ -112,6 +112,13 @@ class Router:
     def _start(self) -> None:
         self.fd = netns.new_netns()
         netns.write_sysctl(self.fd, "net/ipv4/ip_forward", "1")  # this netns only
+        # Strict reverse-path filter: a packet whose source is not routed back through
+        # the device it came in on is dropped before any hook. The slots' anti-spoof
+        # rules guard the forward path; this also guards what a slot sends to the
+        # router itself (DNS to the resolver: with another slot's source, a sandbox
+        # holding CAP_NET_RAW would spend that tenant's DNS budget and pins).
+        for k in ("all", "default"):
+            netns.write_sysctl(self.fd, f"net/ipv4/conf/{k}/rp_filter", "1")
         for k in ("all", "default"):
             netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "1")
         self._rt = Netlink.route(self.fd)
