@@ -218,3 +218,33 @@ async def test_spoofed_dns_from_another_slot_never_reaches_the_resolver(env: Env
     await asyncio.sleep(0.2)
     assert env.resolver.stats.queries == before + 1
     assert "elements" not in pins(env.router, victim)  # nothing pinned for the victim
+
+
+async def test_a_sandbox_cannot_hold_many_tcp_connections_to_the_resolver(env: Env) -> None:
+    slot = env.attach("sb-t", "allowed.test:80/tcp")
+    loop = asyncio.get_running_loop()
+    held = []
+    try:
+        for _ in range(env.resolver.tcp_per_sandbox + 4):
+            with netns.entered(slot.fd):
+                s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, ("10.213.255.254", 53))
+            held.append(s)
+        await asyncio.sleep(0.2)
+        assert sum(env.resolver._tcp_held.values()) == env.resolver.tcp_per_sandbox
+        # the ones beyond the cap were closed by the resolver
+        closed = 0
+        for s in held:
+            try:
+                if await asyncio.wait_for(loop.sock_recv(s, 10), 0.2) == b"":
+                    closed += 1
+            except (TimeoutError, OSError):
+                pass
+        assert closed == 4
+    finally:
+        for s in held:
+            s.close()
+    await asyncio.sleep(0.2)
+    # all released: queries over TCP work again
+    assert (await ask(slot, "allowed.test", tcp=True)).header.rcode == RCODE.NOERROR

@@ -80,6 +80,7 @@ class Resolver:
         upstream_netns_fd: int | None = None, clock: Callable[[], float] = time.monotonic,
         timeout_s: float = 2.0, query_rate: float = 500.0, query_burst: float = 1000.0,
         forward_rate: float = 20.0, forward_burst: float = 100.0,
+        tcp_per_sandbox: int = 8, tcp_total: int = 1024,
     ) -> None:
         if not upstreams:
             raise BackendError("the resolver needs at least one upstream DNS server")
@@ -103,6 +104,9 @@ class Resolver:
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.tcp_per_sandbox = tcp_per_sandbox
+        self.tcp_total = tcp_total
+        self._tcp_held: dict[str, int] = {}
 
     # ------------------------------------------------------------------ sockets
 
@@ -144,6 +148,15 @@ class Resolver:
 
     async def _tcp_client(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         peer = w.get_extra_info("peername")
+        src = peer[0] if peer else ""
+        # Every TCP connection is an fd of the edge: a sandbox holding thousands open
+        # would starve the node. A few per sandbox and a node-wide cap; beyond, closed.
+        held = self._tcp_held.get(src, 0)
+        if held >= self.tcp_per_sandbox or sum(self._tcp_held.values()) >= self.tcp_total:
+            self.stats.rate_limited += 1
+            w.close()
+            return
+        self._tcp_held[src] = held + 1
         try:
             while True:
                 head = await asyncio.wait_for(r.readexactly(2), 10)
@@ -157,9 +170,14 @@ class Resolver:
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             return
         except Exception:  # a bug must cost one connection, never the resolver
-            log.exception("dns: answering a TCP query from %s failed", peer[0])
+            log.exception("dns: answering a TCP query from %s failed", src)
         finally:
             w.close()
+            left = self._tcp_held.get(src, 1) - 1
+            if left:
+                self._tcp_held[src] = left
+            else:
+                self._tcp_held.pop(src, None)
 
     # ------------------------------------------------------------------ the decision
 
