@@ -248,3 +248,30 @@ async def test_a_sandbox_cannot_hold_many_tcp_connections_to_the_resolver(env: E
     await asyncio.sleep(0.2)
     # all released: queries over TCP work again
     assert (await ask(slot, "allowed.test", tcp=True)).header.rcode == RCODE.NOERROR
+
+
+async def test_a_query_flood_is_cut_in_the_kernel_and_the_bucket(env: Env) -> None:
+    slot = env.attach("sb-f", "allowed.test:80/tcp")
+    pkt = DNSRecord.question("allowed.test").pack()
+    with netns.entered(slot.fd):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with u:
+        u.connect(("10.213.255.254", 53))
+        for _ in range(20_000):
+            try:
+                u.send(pkt)
+            except OSError:  # the socket's buffer: keep flooding
+                pass
+    await asyncio.sleep(1.0)
+    # at most the meter's burst + its rate for the seconds it took reached the resolver
+    reached = env.resolver.stats.queries
+    assert reached <= 2000 + 1000 * 3, reached
+    chain = env.router.nft("list chain inet dsec input")
+    [meter] = [ln for ln in chain.splitlines() if "@dnsrate" in ln]
+    dropped = int(meter.split("counter packets ")[1].split()[0])
+    assert dropped >= 20_000 - 2000 - 1000 * 3 - 2000, meter  # the kernel cut the flood
+    # ...and of those, at most the bucket's burst + rate got an answer
+    assert env.resolver.stats.answered <= 1000 + 500 * 3
+    # the sandbox is served again once it stops
+    await asyncio.sleep(2.5)
+    assert (await ask(slot, "allowed.test")).header.rcode == RCODE.NOERROR

@@ -205,22 +205,23 @@ class Resolver:
     async def answer(self, src: str, data: bytes) -> bytes | None:
         """The reply to one query from ``src`` (None: not a DNS query; dropped)."""
         self.stats.queries += 1
+        index = self.router.pool.slot_of(src)
+        now = self.clock()
+        qr, qb, fr, fb = self._rates
+        # the bucket before the parse: a flood costs a dict lookup per packet, no answer
+        if index is not None and not self._bucket(self._qb, index, qr, qb).take(now):
+            self.stats.rate_limited += 1
+            return None
         try:
             q = DNSRecord.parse(data)
         except Exception:  # noqa: BLE001 - dnslib raises several kinds on garbage
             return None
         if q.header.qr or not q.questions:
             return None
-        index = self.router.pool.slot_of(src)
         found = self.net.plan_of_slot(index) if index is not None else None
         if index is None or found is None:
             return self._reply(q, RCODE.REFUSED)
         _sid, slot, plan = found
-        now = self.clock()
-        qr, qb, fr, fb = self._rates
-        if not self._bucket(self._qb, index, qr, qb).take(now):
-            self.stats.rate_limited += 1
-            return self._reply(q, RCODE.REFUSED, index)
         qname = str(q.q.qname)
         qtype = int(q.q.qtype)
         d = decide(plan.dns, qname, qtype)
