@@ -307,3 +307,15 @@ async def test_denied_packets_become_a_notice_per_sandbox(env: Env) -> None:
     assert env.net.denied.total(index, env.router.counters()) == 0
     await asyncio.sleep(0.5)
     assert [n for n in env.notices if n[0] in (sid2, quiet)] == []
+
+
+async def test_the_pool_is_topped_up_off_the_create_path(env: Env) -> None:
+    built = env.router.stats.built
+    for _ in range(3):  # the router fixture keeps 2 free
+        await env.create(policy(f"{ALLOWED}:80/tcp"))
+    for _ in range(200):
+        if env.router.table.count("free") >= env.router.table.pool_min:
+            break
+        await asyncio.sleep(0.05)
+    assert env.router.table.count("free") >= env.router.table.pool_min
+    assert env.router.stats.built > built

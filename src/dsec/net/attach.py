@@ -10,6 +10,7 @@ A spec that compiles to None (mode ``none``) gets no slot: no veth, no cost.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import Callable, Iterable
@@ -103,6 +104,7 @@ class SandboxNetwork:
     _baseline: dict[int, int] = field(default_factory=dict)
     #: sandboxes adopted after an edge restart whose slot died with the old router
     lost: set[str] = field(default_factory=set)
+    _refilling: bool = False
 
     def resolv_conf(self) -> bytes:
         """/etc/resolv.conf of a sandbox on a slot: the router's resolver (every DNS
@@ -125,6 +127,7 @@ class SandboxNetwork:
             self.router.release(slot)  # nothing ran in it: safe to reuse
             raise
         self.pins.forget(slot.index)
+        self._refill_soon()
         self.by_sandbox[sid] = slot
         self.by_slot[slot.index] = sid
         self.policies[sid] = plan
@@ -155,6 +158,26 @@ class SandboxNetwork:
             if len(fields) == 3:
                 out.append(f"{fields[0]}:{fields[2]}/{fields[1]}")
         return out
+
+    def _refill_soon(self) -> None:
+        """Top the pool up on a worker thread (slot builds cost ~1-5 ms each: never on
+        the create path unless the pool ran dry)."""
+        if self._refilling or not self.router.needs_refill():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._refilling = True
+
+        def run() -> None:
+            try:
+                self.router.refill()
+            except (DsecError, OSError) as exc:
+                log.warning("net: refilling the slot pool failed: %s", exc)
+            finally:
+                self._refilling = False
+        loop.run_in_executor(None, run)
 
     def plan_of_slot(self, index: int) -> tuple[str, Slot, NetPlan] | None:
         """The sandbox on slot ``index`` (the resolver names askers this way)."""

@@ -183,9 +183,33 @@ class Router:
     # ------------------------------------------------------------------ pool
 
     def refill(self) -> int:
-        """Build slots until the pool holds ``pool_min`` free ones; returns how many."""
+        """Build slots until the pool holds ``pool_min`` free ones; returns how many.
+
+        Safe on a worker thread while the loop takes, loads and releases slots: the
+        router's lock is held only to reserve indices and to record what was built, not
+        while building (each kernel socket and the libnftables context have their own
+        lock), so a create never waits for a batch of 64 slots."""
         with self._lock:
-            return self._execute(self.table.refill())
+            todo = self.table.refill()
+        built = 0
+        for ins in todo:
+            assert isinstance(ins, BuildSlots)
+            events = self._build(ins)
+            with self._lock:
+                if self.fd < 0:  # closed meanwhile: what was built is not kept
+                    for i in ins.slots:
+                        slot = self.slots.pop(i, None)
+                        if slot is not None:
+                            _close(slot.fd)
+                    return built
+                self.table.handle(*events)
+            built += sum(1 for e in events if e.kind == "built")
+        return built
+
+    def needs_refill(self) -> bool:
+        with self._lock:
+            return (self.table.count("free") + self.table.count("building")
+                    < self.table.pool_min)
 
     def ensure_free(self, n: int) -> int:
         """Build slots (``build_batch`` at a time) until ``n`` are free, or the pool is
