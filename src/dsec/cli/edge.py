@@ -373,6 +373,7 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
     ``owned`` (the kernel then removes its namespace, links and nft objects)."""
     import hashlib
 
+    from dsec.net import netns
     from dsec.net.attach import SandboxNetwork
     from dsec.net.router import Router, RouterConfig
     from dsec.net.uplink import NetnsUplink
@@ -380,10 +381,18 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
     if not uplink.startswith("netns:"):
         raise click.BadParameter(f"{uplink!r}: only netns:PATH is built so far (the host "
                                  "uplink is not)", param_hint="--net-uplink")
-    fd = _Fd(os.open(uplink.removeprefix("netns:"), os.O_RDONLY | os.O_CLOEXEC))
-    owned.append(fd)
-    peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
-    router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
+    path = uplink.removeprefix("netns:")
+    try:
+        fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        owned.append(fd)
+        with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
+            pass
+        peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
+        router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
+                                 "namespace, e.g. /run/netns/NAME)",
+                                 param_hint="--net-uplink") from exc
     owned.insert(0, router)   # closed before the uplink fd
     router.refill()
     ups = []

@@ -404,7 +404,7 @@ class ContainerBackend:
                     if self._runc is not None:
                         raise InvalidArgument(
                             "network policies are enforced for runtime='native' sandboxes "
-                            "only so far; use runtime='native' or network mode 'loopback'",
+                            "only so far; use runtime='native' or network mode 'none'",
                             field="network")
                     box.netns_fd = slot.fd
                     self._write_resolv_conf(box)
