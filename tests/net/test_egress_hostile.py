@@ -319,3 +319,12 @@ async def test_the_pool_is_topped_up_off_the_create_path(env: Env) -> None:
         await asyncio.sleep(0.05)
     assert env.router.table.count("free") >= env.router.table.pool_min
     assert env.router.stats.built > built
+
+
+async def test_caps_this_node_cannot_enforce_are_refused_not_ignored(env: Env) -> None:
+    for cap in ({"max_connections": 8}, {"rate_mbit": 10}):
+        spec = msgspec.structs.replace(SPEC, network=NetworkPolicy(
+            mode="policy", allow=(f"{ALLOWED}:80/tcp",), **cap).validate())  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="not enforced by this node's router"):
+            await env.create(spec)
+    assert env.backend.sandbox_ids() == [] and env.net.by_sandbox == {}

@@ -59,6 +59,13 @@ def plan_of(compiled: Compiled) -> NetPlan | None:
     IPv6 elements are left out: slots have no IPv6 and drop every v6 packet."""
     if compiled.mode == "none":
         return None
+    for name in ("max_connections", "rate_mbit"):
+        if getattr(compiled, name) is not None:
+            # Refused rather than run without: a cap the caller (or a project ceiling)
+            # asked for and this node does not enforce would be a hole, not a default.
+            raise InvalidArgument(
+                f"network.{name}={getattr(compiled, name)} is not enforced by this node's "
+                f"router yet; leave {name} unset (null)", field=f"network.{name}")
     slot = SlotPolicy(
         allow4=_dests(compiled.sets.get("a4", ())), deny4=_dests(compiled.sets.get("d4", ())),
         east4=_dests(compiled.sets.get("e4", ())), from4=tuple(sorted(compiled.inbound)),
