@@ -195,13 +195,13 @@ def _scan_within(r: Rule, c: Rule) -> bool:
     if not (clo <= lo and hi <= chi) or (c.proto is not None and r.proto != c.proto):
         return False
     if r.kind == "domain":
-        return ((c.kind == "domain" and c.host == r.host)
-                or (c.kind == "wildcard" and r.host.endswith("." + c.host)))
+        return bool((c.kind == "domain" and c.host == r.host)
+                    or (c.kind == "wildcard" and r.host.endswith("." + c.host)))
     if r.kind == "wildcard":
         return c.kind == "wildcard" and (r.host == c.host or r.host.endswith("." + c.host))
     if r.kind == "cidr":
-        return (c.kind == "cidr" and r.net is not None and c.net is not None
-                and r.net.version == c.net.version and r.net.subnet_of(c.net))  # type: ignore[arg-type]
+        return bool(c.kind == "cidr" and r.net is not None and c.net is not None
+                    and r.net.version == c.net.version and r.net.subnet_of(c.net))
     return c.kind == "sandbox" and c.host in ("*", r.host)
 
 
