@@ -20,6 +20,7 @@ from dsec.wire.netpolicy import (
     NEVER_REACHABLE,
     PRIVATE_RANGES,
     NetworkPolicy,
+    Rule,
     ceiling_deny,
     check_within,
     within,
@@ -185,3 +186,46 @@ def test_dropping_entries_stays_within(allow: list[str], data: st.DataObject) ->
     full = P(*allow)
     keep = data.draw(st.lists(st.sampled_from(full.allow), unique=True))
     assert within(P(*keep), full) is None
+
+
+def _scan_within(r: Rule, c: Rule) -> bool:
+    """The rule of ``within`` written as the plain pairwise check (the index must agree)."""
+    lo, hi = r.ports or (1, 65535)
+    clo, chi = c.ports or (1, 65535)
+    if not (clo <= lo and hi <= chi) or (c.proto is not None and r.proto != c.proto):
+        return False
+    if r.kind == "domain":
+        return bool((c.kind == "domain" and c.host == r.host)
+                    or (c.kind == "wildcard" and r.host.endswith("." + c.host)))
+    if r.kind == "wildcard":
+        return c.kind == "wildcard" and (r.host == c.host or r.host.endswith("." + c.host))
+    if r.kind == "cidr":
+        return bool(c.kind == "cidr" and r.net is not None and c.net is not None
+                    and r.net.version == c.net.version and r.net.subnet_of(c.net))
+    return c.kind == "sandbox" and c.host in ("*", r.host)
+
+
+_any_cidr = st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 32)).map(
+    lambda t: str(ipaddress.IPv4Network((ipaddress.IPv4Address(t[0] | 1 << 24), max(t[1], 1)),
+                                        strict=False)))
+_entry_any = st.one_of(entries(), st.tuples(_any_cidr, _ports, _proto).map("".join),
+                       st.sampled_from(["sandbox:*", "sandbox:sb-0123456789ab-n1:80/tcp",
+                                        "sandbox:sb-0123456789ab-n1", "[2001:db8::/32]",
+                                        "[2001:db8:1::/48]:443/udp"]))
+
+
+@given(st.lists(_entry_any, max_size=6), st.lists(_entry_any, max_size=6))
+def test_the_indexed_check_agrees_with_the_pairwise_rule(asked: list[str],
+                                                          ceiling: list[str]) -> None:
+    def pol(xs: list[str]) -> NetworkPolicy | None:
+        try:
+            return P(*xs)
+        except InvalidArgument:
+            return None
+    a, c = pol(asked), pol(ceiling)
+    if a is None or c is None:
+        return
+    want = next((f"network.allow[{i}]" for i, r in enumerate(a.rules()[0])
+                 if not any(_scan_within(r, x) for x in c.rules()[0])), None)
+    got = within(a, c)
+    assert (got.field if got else None) == want

