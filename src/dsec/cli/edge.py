@@ -1,7 +1,7 @@
 """``dsec edge``: run one edge node and serve it over Aether until SIGINT/SIGTERM.
 
 Run by hand (one per machine) or by ``dsec up``, which starts one ``dsec edge`` process
-per node and supervises it (:mod:`dsec.control.api.edge_process`): ``--ready-fd`` tells the
+per node and supervises it (:mod:`dsec.cluster.edge_process`): ``--ready-fd`` tells the
 supervisor when the node serves, ``--supervisor-pid`` makes the edge stop (gracefully,
 keeping its sandboxes for the next start) when its supervisor dies, even by kill -9.
 """
@@ -340,9 +340,9 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
 
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None) -> None:
-    from dsec.edge.admission import format_bytes, format_cpu
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
+    from dsec.wire.node import format_bytes, format_cpu
 
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
