@@ -46,7 +46,7 @@ import msgspec
 import pytest
 
 from dsec.aether import connect
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.errors import DsecError
 from dsec.wire import ops
 from dsec.wire import spec as wspec

@@ -97,3 +97,21 @@ def test_fncall_reclaim_leaves_another_users_planted_root_alone(tmp_path) -> Non
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_start_time_of_a_zombie_is_none_when_running_is_asked() -> None:
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        # exited but not reaped: a zombie still has a start time, but is not running
+        while ownership.start_time(p.pid, running=True) is not None:
+            assert time.monotonic() < deadline, "child did not exit"
+            time.sleep(0.01)
+        assert ownership.start_time(p.pid) is not None
+    finally:
+        p.wait()
+    assert ownership.start_time(p.pid) is None

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from dsec.client.core import AsyncClient as AsyncClient
     from dsec.client.core import AsyncSandbox as AsyncSandbox
     from dsec.client.core import Snapshot as Snapshot
-    from dsec.client.local import LocalCluster as LocalCluster
     from dsec.client.sync import Client as Client
     from dsec.client.sync import Sandbox as Sandbox
+    from dsec.cluster.local import LocalCluster as LocalCluster
     from dsec.edge.spec import ExecResult as ExecResult
     from dsec.edge.spec import FileInfo as FileInfo
     from dsec.edge.spec import SandboxEvent as SandboxEvent
@@ -41,7 +41,7 @@ _LAZY = {
     "AsyncClient": "dsec.client.core",
     "AsyncSandbox": "dsec.client.core",
     "Snapshot": "dsec.client.core",
-    "LocalCluster": "dsec.client.local",
+    "LocalCluster": "dsec.cluster.local",
     "ExecResult": "dsec.edge.spec",
     "FileInfo": "dsec.edge.spec",
     "SandboxEvent": "dsec.edge.spec",

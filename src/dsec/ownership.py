@@ -26,13 +26,20 @@ __all__ = ["claim", "disown", "owner_alive", "start_time", "token", "token_alive
 SUFFIX = ".owner"
 
 
-def start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot); None if no such process."""
+def start_time(pid: int, *, running: bool = False) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot): with the pid it names
+    one process for the whole boot (pids are reused, this is not). None if no such
+    process; with ``running``, also if it is dead and waiting to be reaped (a zombie).
+    The one reader of it (ownership files, the idempotency store's holders, container
+    sandboxes' init processes and cgroup-name claims, supervised edge processes)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
         # comm (field 2) may contain spaces and ')': split after the last ')'
-        return int(raw[raw.rfind(b")") + 2:].split()[19])
+        fields = raw[raw.rfind(b")") + 2:].split()
+        if running and fields[0] in (b"Z", b"X"):
+            return None
+        return int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from dsec.cli.main import cli
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 
 
 @pytest.fixture(scope="module")

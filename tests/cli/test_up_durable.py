@@ -43,7 +43,7 @@ def test_fncall_sandboxes_survive_an_in_process_edge_restart(tmp_path) -> None: 
     restarted edge built a fresh fncall temp dir, so every sandbox ended ``node_lost``
     and the old work dirs were deleted."""
     from dsec import Client
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
 
     with LocalCluster(backend="fncall", gateway=False, state_dir=str(tmp_path / "st")) as cl, \
             Client(cl.url, cl.api_key, session_lease_s=None) as c:

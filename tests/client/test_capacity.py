@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.edge.admission import Overcommit
 from dsec.errors import NoCapacity, Unsatisfiable
 

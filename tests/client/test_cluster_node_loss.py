@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.control.api.plane import PlaneConfig
 
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from dsec import AsyncClient, Client
-from dsec.control.api.cluster import read_local
+from dsec.statedir import read_local
 
 AFTER_RESTART = 2     # creates each client makes once the restarted apiserver answered
 

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 
 
 @pytest.mark.parametrize("transport", ["aether", "http"])

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.control.api.plane import PlaneConfig
 from dsec.errors import EdgeUnreachable, Unavailable
 

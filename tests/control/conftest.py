@@ -1,19 +1,30 @@
-"""Fixtures for the control-plane tests: a real SQLite store in a temp dir."""
+"""Fixtures for the control-plane tests: a real SQLite store in a temp dir; apiserver
+replicas over one store (:func:`replica`, wired by :func:`dsec.cluster.compose.api_service`
+as every apiserver is) reaching a real edge served over Aether (:func:`served_edge`)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsec.control.api.plane import ControlPlane, IamAuthority
+from dsec.aether import Server
+from dsec.cluster.compose import api_service
+from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiService
 from dsec.control.idempotency import IdempotencyCache
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
+from dsec.edge.admission import Capacity
+from dsec.edge.backend import Backend
+from dsec.edge.backends import make_backend
+from dsec.edge.client import EdgeClient
+from dsec.edge.node import EdgeNode, NodeConfig
+from dsec.edge.service import serve_edge
 
 
 class FakeClock:
@@ -45,18 +56,62 @@ def store(store_path: Path) -> Iterator[SqliteStore]:
         s.close()
 
 
-def api_service(store: SqliteStore, plane: ControlPlane, *,
-                idempotency: dict[str, Any] | None = None, **kw: Any) -> ApiService:
-    """An apiserver's service over ``plane`` as the tests wire it (one place instead of
-    one per test module): IAM from the plane's store, the plane as directory, placer and
-    quota gate, no rate limit, idempotency keys in ``store`` (``idempotency``: extra
-    IdempotencyCache options), ``kw`` passed on (``config=ApiConfig(...)``, ...). Sets
-    ``plane.service``."""
-    svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane, placer=plane,
-                     quotas=plane,
-                     limiter=RateLimiter(RateLimitConfig(rate_per_s=None), clock=time.monotonic),
-                     idempotency=IdempotencyCache(clock=time.time, store=store,
-                                                  **(idempotency or {})),
-                     metrics=plane.metrics, **kw)
-    plane.service = svc
-    return svc
+# ------------------------------------------------------- apiserver replicas over Aether
+@dataclass
+class Replica:
+    """One apiserver replica (its own store connection, control plane, service and edge
+    link) over a store file shared with the others."""
+
+    store: SqliteStore
+    plane: ControlPlane
+    service: ApiService
+    link: EdgeClient
+
+    @property
+    def cache(self) -> IdempotencyCache:
+        return self.service.idempotency
+
+    async def close(self) -> None:
+        await self.cache.close()
+        await self.plane.close()
+        await self.link.close()
+        self.store.close()
+
+
+async def replica(db: Path, addr: str, *, node: str = "e0", plane: PlaneConfig | None = None,
+                  **service: Any) -> Replica:
+    """A replica over the store at ``db`` reaching edge ``node`` at ``addr``, wired as
+    every apiserver is (:func:`dsec.cluster.compose.api_service`; ``service``: its
+    options), with the edge polled once. The caller closes it."""
+    store = SqliteStore(db)
+    p = ControlPlane.open(store, metrics=ApiMetrics(), config=plane)
+    link = await EdgeClient.connect(addr)
+    p.add_edge(node, addr, link)
+    svc = api_service(store, p, **service)
+    await p.poll_edges()
+    return Replica(store, p, svc, link)
+
+
+@dataclass
+class ServedEdge:
+    node: EdgeNode
+    addr: str
+    server: Server     # close() it to take the edge off the network mid-test
+
+
+@contextlib.asynccontextmanager
+async def served_edge(tmp: Path, backend: Backend | None = None, *, node: str = "e0",
+                      max_sandboxes: int = 1000) -> AsyncIterator[ServedEdge]:
+    """A real edge (simulated backend unless given) served over Aether on a Unix socket
+    in ``tmp``; closed after the block."""
+    edge = EdgeNode(NodeConfig(node_id=node, capacity=Capacity(
+        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=max_sandboxes)),
+        {"simulated": backend or make_backend("simulated")})
+    await edge.start()
+    addr = f"unix:{tmp / f'{node}.sock'}"
+    server = await serve_edge(edge, addr)
+    try:
+        yield ServedEdge(edge, addr, server)
+    finally:
+        await server.close()
+        await edge.close()

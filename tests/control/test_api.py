@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 
 
 @pytest.fixture(scope="module")

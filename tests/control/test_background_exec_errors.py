@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.edge.service import EdgeClient
 from dsec.edge.spec import ExecRequest
 from dsec.errors import CannotRun

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from dsec.aether import connect
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.edge.service import EdgeClient
 from dsec.edge.spec import (
     MAX_ARG_BYTES,

@@ -21,34 +21,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dsec.control.api.plane import ControlPlane
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import ClaimLost, IdempotencyCache, request_fingerprint
-from dsec.control.metrics import ApiMetrics
 from dsec.control.store import IdempotencyRow
 from dsec.control.store.sqlite import SqliteStore
-from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
-from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.service import EdgeClient, serve_edge
+from dsec.edge.node import EdgeNode
 from dsec.edge.spec import SandboxSpec
-from tests.control.conftest import api_service
+from tests.control.conftest import Replica, replica, served_edge
 
 LEASE_S = 0.4     # short leases keep the test fast; the default is 3 s
 RENEW_S = 0.1
-
-
-@dataclass
-class Api:
-    store: SqliteStore
-    plane: ControlPlane
-    service: ApiService
-    link: EdgeClient
-
-    @property
-    def cache(self) -> IdempotencyCache:
-        return self.service.idempotency
 
 
 @dataclass
@@ -56,17 +40,11 @@ class World:
     node: EdgeNode
     addr: str
     tmp: Path
-    apis: list[Api]
+    apis: list[Replica]
 
-    async def api(self) -> Api:
-        store = SqliteStore(self.tmp / "control.sqlite")
-        plane = ControlPlane.open(store, metrics=ApiMetrics())
-        link = await EdgeClient.connect(self.addr)
-        plane.add_edge("e0", self.addr, link)
-        svc = api_service(store, plane, idempotency={
+    async def api(self) -> Replica:
+        api = await replica(self.tmp / "control.sqlite", self.addr, idempotency={
             "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
-        await plane.poll_edges()
-        api = Api(store, plane, svc, link)
         self.apis.append(api)
         return api
 
@@ -75,25 +53,16 @@ class World:
 async def world(tmp_path: Path) -> AsyncIterator[World]:
     # create takes 0.3 s, so a claim can be caught with its sandbox still `creating`
     backend = SimulatedBackend(profile=NodeLatencyProfile(create_s=0.3))
-    node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
-        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=1000)), {"simulated": backend})
-    await node.start()
-    addr = f"unix:{tmp_path / 'e0.sock'}"
-    server = await serve_edge(node, addr)
-    w = World(node, addr, tmp_path, [])
-    try:
-        yield w
-    finally:
-        for a in w.apis:
-            await a.cache.close()
-            await a.plane.close()
-            await a.link.close()
-            a.store.close()
-        await server.close()
-        await node.close()
+    async with served_edge(tmp_path, backend) as edge:
+        w = World(edge.node, edge.addr, tmp_path, [])
+        try:
+            yield w
+        finally:
+            for a in w.apis:
+                await a.close()
 
 
-async def _die(api: Api) -> None:
+async def _die(api: Replica) -> None:
     """kill -9, as far as the store can tell: the lease stops being renewed, nothing is
     released or dropped."""
     renewer = api.cache._renewer
@@ -111,7 +80,7 @@ def _spec(svc: ApiService, caller: Caller) -> SandboxSpec:
     return svc.build_spec(caller, REQ)
 
 
-async def _claim(api: Api, caller: Caller, key: str) -> object:
+async def _claim(api: Replica, caller: Caller, key: str) -> object:
     begin = api.cache.begin(IdempotencyCache.scoped(caller.id, key), request_fingerprint(REQ))
     assert begin.claim is not None
     return begin.claim
@@ -267,10 +236,11 @@ def _dead_process_holder() -> str:
     import subprocess
     import sys
 
-    from dsec.control.idempotency import _boot_id, _start_ticks
+    from dsec.control.idempotency import _boot_id
+    from dsec.ownership import start_time
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        ticks = _start_ticks(p.pid)
+        ticks = start_time(p.pid)
     finally:
         p.kill()
         p.wait()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.metrics import ApiMetrics
@@ -20,7 +21,7 @@ from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
-from tests.control.conftest import FakeClock, api_service
+from tests.control.conftest import FakeClock
 
 
 class Apiserver:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiService
 from dsec.control.api.types import CreateSandboxRequest
@@ -36,7 +37,7 @@ from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Unavailable
-from tests.control.conftest import FakeClock, api_service
+from tests.control.conftest import FakeClock
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 

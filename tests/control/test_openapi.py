@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 
 METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH")
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.control.api.plane import PlaneConfig
 from dsec.errors import ConnectionLost, EdgeUnreachable, SandboxLost, Unavailable
 from dsec.wire import ops

@@ -248,7 +248,7 @@ def test_full_waiting_slots_make_room_for_clients_that_speak_at_once() -> None:
     or authenticated (gateway) are full, a newcomer pushes out the oldest: an idle
     flood cannot lock out clients that make their request right away."""
     from dsec.aether.limits import ServerLimits
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
     from dsec.control.api.http_limits import HttpLimits
 
     five = ServerLimits(max_pending=5)

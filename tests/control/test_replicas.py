@@ -8,61 +8,32 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dsec.control.api.plane import ControlPlane
-from dsec.control.api.service import ApiService, Caller
+from dsec.control.api.service import Caller
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, Retry, fingerprint
-from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
-from dsec.edge.admission import Capacity
-from dsec.edge.backends import make_backend
-from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.service import EdgeClient, serve_edge
+from dsec.edge.node import EdgeNode
 from dsec.errors import Conflict
-from tests.control.conftest import api_service
-
-
-@dataclass
-class Replica:
-    store: SqliteStore
-    plane: ControlPlane
-    service: ApiService
-    link: EdgeClient
+from tests.control.conftest import Replica, replica, served_edge
 
 
 @pytest.fixture
 async def replicas(tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica, EdgeNode, str]]:
-    node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
-        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=1000)),
-        {"simulated": make_backend("simulated")})
-    await node.start()
-    addr = f"unix:{tmp_path / 'e0.sock'}"
-    server = await serve_edge(node, addr)
-    reps: list[Replica] = []
-    try:
-        for _ in range(2):
-            store = SqliteStore(tmp_path / "control.sqlite")   # one file, two connections
-            plane = ControlPlane.open(store, metrics=ApiMetrics())
-            link = await EdgeClient.connect(addr)
-            plane.add_edge("e0", addr, link)
-            svc = api_service(store, plane)
-            await plane.poll_edges()
-            reps.append(Replica(store, plane, svc, link))
-        key = reps[0].plane.bootstrap_admin()
-        yield reps[0], reps[1], node, key
-    finally:
-        for r in reps:
-            await r.service.idempotency.close()
-            await r.plane.close()
-            await r.link.close()
-            r.store.close()
-        await server.close()
-        await node.close()
+    async with served_edge(tmp_path) as edge:
+        node, addr = edge.node, edge.addr
+        reps: list[Replica] = []
+        try:
+            for _ in range(2):   # one store file, two connections
+                reps.append(await replica(tmp_path / "control.sqlite", addr))
+            key = reps[0].plane.bootstrap_admin()
+            yield reps[0], reps[1], node, key
+        finally:
+            for r in reps:
+                await r.close()
 
 
 async def test_create_retried_on_the_other_replica_returns_the_same_sandbox(

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsec.client.local import LocalCluster
+from dsec.cluster.local import LocalCluster
 from dsec.control.api.plane import PlaneConfig
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry

@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from dsec import Client, LocalCluster
-from dsec.control.api.plane import ControlPlane
-from dsec.control.api.service import ApiService, Caller
+from dsec.control.api.service import Caller
 from dsec.control.api.types import CreateSandboxRequest, QuotaBody
-from dsec.control.metrics import ApiMetrics
 from dsec.control.quota import Quota, QuotaIndex
-from dsec.control.store.sqlite import SqliteStore
-from dsec.edge.admission import Capacity
-from dsec.edge.backends import make_backend
-from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.service import EdgeClient, serve_edge
+from dsec.edge.node import EdgeNode
 from dsec.errors import QuotaExceeded
-from tests.control.conftest import api_service
+from tests.control.conftest import Replica, replica, served_edge
 
 
 def test_snapshot_room_is_the_least_over_the_ancestor_chain() -> None:
@@ -99,58 +92,37 @@ def test_snapshot_over_the_project_quota_is_refused_at_every_door(
 
 # ------------------------------------------------------------- two apiserver replicas
 @pytest.fixture
-async def replicas(tmp_path: Path) -> AsyncIterator[tuple[list[_Replica], EdgeNode, str]]:
+async def replicas(tmp_path: Path) -> AsyncIterator[tuple[list[Replica], EdgeNode, str]]:
     """Two apiserver replicas (ControlPlane + ApiService each) over one SQLite store and
     one simulated edge over Aether; project ``default`` has snapshot_bytes=1000, set
     before the second replica opens (so both know the quota itself)."""
-    node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
-        cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=100)),
-        {"simulated": make_backend("simulated")})
-    await node.start()
-    addr = f"unix:{tmp_path / 'e0.sock'}"
-    server = await serve_edge(node, addr)
-    reps: list[_Replica] = []
-    key = ""
-    try:
-        for i in range(2):
-            store = SqliteStore(tmp_path / "control.sqlite")   # one file, two connections
-            plane = ControlPlane.open(store, metrics=ApiMetrics())
-            link = await EdgeClient.connect(addr)
-            plane.add_edge("e0", addr, link)
-            svc = api_service(store, plane)
-            await plane.poll_edges()
-            reps.append(_Replica(store, plane, svc, link))
-            if i == 0:
-                key = plane.bootstrap_admin()
-                admin = svc.authenticate(f"Bearer {key}")
-                plane.set_quota(admin, admin.default_project, QuotaBody(snapshot_bytes=1000))
-        yield reps, node, key
-    finally:
-        for r in reps:
-            await r.service.idempotency.close()
-            await r.plane.close()
-            await r.link.close()
-            r.store.close()
-        await server.close()
-        await node.close()
+    async with served_edge(tmp_path, max_sandboxes=100) as edge:
+        node, addr = edge.node, edge.addr
+        reps: list[Replica] = []
+        key = ""
+        try:
+            for i in range(2):   # one store file, two connections
+                r = await replica(tmp_path / "control.sqlite", addr)
+                reps.append(r)
+                if i == 0:
+                    key = r.plane.bootstrap_admin()
+                    admin = r.service.authenticate(f"Bearer {key}")
+                    r.plane.set_quota(admin, admin.default_project,
+                                      QuotaBody(snapshot_bytes=1000))
+            yield reps, node, key
+        finally:
+            for r in reps:
+                await r.close()
 
 
-@dataclass
-class _Replica:
-    store: SqliteStore
-    plane: ControlPlane
-    service: ApiService
-    link: EdgeClient
-
-
-async def _sandbox_with(r: _Replica, caller: Caller, size: int) -> str:
+async def _sandbox_with(r: Replica, caller: Caller, size: int) -> str:
     info = await r.service.create(caller, CreateSandboxRequest())
     await r.service.write_file(caller, info.id, "/workspace/data", b"x" * size, 0o644, False)
     return info.id
 
 
 async def test_replicas_share_one_snapshot_quota(
-        replicas: tuple[list[_Replica], EdgeNode, str]) -> None:
+        replicas: tuple[list[Replica], EdgeNode, str]) -> None:
     """Each replica's quota index knew only the charges it made itself (and those in the
     store when it opened): two replicas each let a project store a full snapshot_bytes
     quota, and a snapshot deleted through one replica stayed charged on the other."""
@@ -171,7 +143,7 @@ async def test_replicas_share_one_snapshot_quota(
 
 
 async def test_concurrent_snapshots_on_two_replicas_stay_within_the_quota(
-        replicas: tuple[list[_Replica], EdgeNode, str]) -> None:
+        replicas: tuple[list[Replica], EdgeNode, str]) -> None:
     (a, b), _, key = replicas
     ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
     x, y = await _sandbox_with(a, ca, 600), await _sandbox_with(b, cb, 600)

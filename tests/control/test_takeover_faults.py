@@ -24,21 +24,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from dsec.control.api.plane import ControlPlane, PlaneConfig
-from dsec.control.api.service import ApiConfig, ApiService, Caller
+from dsec.control.api.plane import PlaneConfig
+from dsec.control.api.service import ApiConfig, Caller
 from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, request_fingerprint
-from dsec.control.metrics import ApiMetrics
 from dsec.control.retention import RetentionConfig, retain
 from dsec.control.store import IdempotencyRow
 from dsec.control.store.sqlite import SqliteStore
-from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
-from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.service import EdgeClient, serve_edge
+from dsec.edge.node import EdgeNode
 from dsec.errors import Conflict, DsecError, TransportError, Unavailable
 from tests.conftest import requires_root
-from tests.control.conftest import api_service
+from tests.control.conftest import Replica, ServedEdge, replica, served_edge
 
 LEASE_S = 0.4
 RENEW_S = 0.1
@@ -78,35 +75,24 @@ class GateAfter(Gate):
 
 
 @dataclass
-class Api:
-    store: SqliteStore
-    plane: ControlPlane
-    service: ApiService
-    link: EdgeClient
+class World:
+    edge: ServedEdge
+    tmp: Path
+    apis: list[Replica] = field(default_factory=list)
 
     @property
-    def cache(self) -> IdempotencyCache:
-        return self.service.idempotency
+    def node(self) -> EdgeNode:
+        return self.edge.node
 
-
-@dataclass
-class World:
-    node: EdgeNode
-    addr: str
-    tmp: Path
-    server: Any
-    apis: list[Api] = field(default_factory=list)
+    @property
+    def addr(self) -> str:
+        return self.edge.addr
 
     async def api(self, *, plane: PlaneConfig | None = None,
-                  config: ApiConfig | None = None) -> Api:
-        store = SqliteStore(self.tmp / "control.sqlite")
-        p = ControlPlane.open(store, metrics=ApiMetrics(), config=plane)
-        link = await EdgeClient.connect(self.addr)
-        p.add_edge("e0", self.addr, link)
-        svc = api_service(store, p, config=config or ApiConfig(), idempotency={
-            "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
-        await p.poll_edges()
-        api = Api(store, p, svc, link)
+                  config: ApiConfig | None = None) -> Replica:
+        api = await replica(self.tmp / "control.sqlite", self.addr, plane=plane,
+                            config=config or ApiConfig(), idempotency={
+                                "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
         self.apis.append(api)
         return api
 
@@ -114,24 +100,14 @@ class World:
 def _world(create_s: float) -> Callable[[Path], AsyncIterator[World]]:
     async def make(tmp_path: Path) -> AsyncIterator[World]:
         backend = SimulatedBackend(profile=NodeLatencyProfile(create_s=create_s))
-        node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
-            cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=1000)),
-            {"simulated": backend})
-        await node.start()
-        addr = f"unix:{tmp_path / 'e0.sock'}"
-        server = await serve_edge(node, addr)
-        w = World(node, addr, tmp_path, server)
-        try:
-            yield w
-        finally:
-            for a in w.apis:
-                a.cache._closed = False
-                await a.cache.close()
-                await a.plane.close()
-                await a.link.close()
-                a.store.close()
-            await w.server.close()
-            await node.close()
+        async with served_edge(tmp_path, backend) as edge:
+            w = World(edge, tmp_path)
+            try:
+                yield w
+            finally:
+                for a in w.apis:
+                    a.cache._closed = False   # a stalled one (_stall) closes for real
+                    await a.close()
     return make
 
 
@@ -139,7 +115,7 @@ world = pytest.fixture(_world(0.05), name="world")
 slow_world = pytest.fixture(_world(2.0), name="slow_world")
 
 
-def _stall(api: Api) -> None:
+def _stall(api: Replica) -> None:
     """SIGSTOP as the store sees it: the lease is no longer renewed."""
     renewer = api.cache._renewer
     if renewer is not None:
@@ -147,13 +123,13 @@ def _stall(api: Api) -> None:
     api.cache._closed = True
 
 
-def _resume(api: Api) -> None:
+def _resume(api: Replica) -> None:
     """SIGCONT: the process renews its lease again from its next claim on."""
     api.cache._closed = False
     api.cache._renewed_at = float("-inf")
 
 
-def _admin(api: Api) -> Caller:
+def _admin(api: Replica) -> Caller:
     return api.service.authenticate(f"Bearer {api.plane.bootstrap_admin()}")
 
 
@@ -251,7 +227,7 @@ async def test_a_retry_whose_noted_sandbox_is_on_a_lost_node_gets_a_503_not_a_li
     assert claim is not None
     claim.note("sb-000000001057-e0")
     _stall(dead)
-    await world.server.close()                     # the node goes away
+    await world.edge.server.close()                # the node goes away
     await live.link.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

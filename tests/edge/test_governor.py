@@ -50,3 +50,30 @@ def test_limit_plans() -> None:
     assert v2["memory.swap.max"] == "0" and v2["cpu.max"] == "150000 100000"
     assert 1 <= int(v2["cpu.weight"]) <= 10000
     assert parse_proc_cgroup("3:cpu,cpuacct:/x\n")["cpuacct"] == "/x"
+
+
+# ------------------------------------------------------------------ pid budgets
+def test_pids_budget_keeps_the_headroom_and_caps_one_sandbox() -> None:
+    from dsec.edge.governor import pids_budget
+
+    assert pids_budget(32768, headroom=4096, max_sandbox=8192) == (28672, 8192)
+    # a per-sandbox cap above what all sandboxes together may have is lowered to it
+    assert pids_budget(10_000, headroom=4096, max_sandbox=8192) == (5904, 5904)
+    with pytest.raises(ValueError, match="pids_headroom=32768 must be >= 0 and below "
+                                         "kernel.pid_max=32768"):
+        pids_budget(32768, headroom=32768, max_sandbox=1)
+    with pytest.raises(ValueError, match="max_sandbox_pids=0 must be >= 1"):
+        pids_budget(32768, headroom=0, max_sandbox=0)
+
+
+def test_sandbox_pids_is_the_spec_or_the_node_maximum() -> None:
+    from dsec.edge.governor import sandbox_pids
+    from dsec.errors import InvalidArgument
+
+    assert sandbox_pids(None, 8192) == 8192          # "no cap" gets the node's maximum
+    assert sandbox_pids(100, 8192) == 100
+    assert sandbox_pids(8192, 8192) == 8192
+    with pytest.raises(InvalidArgument, match="pids_max=8193 is above this node's "
+                                               "per-sandbox maximum of 8192 tasks") as e:
+        sandbox_pids(8193, 8192)
+    assert e.value.detail["field"] == "pids_max"

@@ -124,7 +124,7 @@ async def test_host_files_and_other_sandboxes_are_not_there(fncall: FncallBacken
 async def test_the_cluster_state_dir_and_admin_key_are_unreachable() -> None:
     """`dsec up --backend fncall`: a sandbox made through the SDK (REST) looks for the
     cluster's state dir, its admin key in local.json and the SQLite state."""
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
 
     with LocalCluster(backend="fncall", subprocess=True, gateway=False) as cl:
         state = cl.state_dir

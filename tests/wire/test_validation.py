@@ -257,3 +257,19 @@ def test_a_field_this_release_does_not_know_is_refused_by_name(tp: Any, raw: Any
     for codec in (msgspec.msgpack, msgspec.json):
         with pytest.raises(msgspec.ValidationError, match="unknown field"):
             codec.decode(codec.encode(raw), type=tp)
+
+
+# ------------------------------------------------------------------ snapshot refs
+def test_snapshot_ref_is_sha256_and_12_to_64_lowercase_hex() -> None:
+    from dsec.wire.spec import check_snapshot_ref
+
+    for good in ("sha256:" + "a" * 12, "sha256:" + "0123456789abcdef" * 4):
+        assert check_snapshot_ref(good) == good
+    for bad in ("sha256:" + "a" * 11, "sha256:" + "a" * 65, "sha256:" + "A" * 12,
+                "md5:" + "a" * 12, "sha256:" + "g" * 12, "", 42, None):
+        with pytest.raises(InvalidArgument, match="expected 'sha256:' and 12-64") as e:
+            check_snapshot_ref(bad, field="snapshot")
+        assert e.value.detail["field"] == "snapshot"
+    with pytest.raises(InvalidArgument) as e:
+        check_snapshot_ref("x" * 10_000)
+    assert len(e.value.message) < 200 and e.value.detail["field"] == "id"

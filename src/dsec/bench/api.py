@@ -92,12 +92,10 @@ def _worker(state_dir: str, edge_addr: str, port: int, server_name: str, limits:
     import uvloop
 
     async def main() -> None:
-        from dsec.control.api.plane import ControlPlane, IamAuthority
-        from dsec.control.api.service import ApiService
+        from dsec.cluster.compose import api_service
+        from dsec.control.api.plane import ControlPlane
         from dsec.control.apiserver import build_app
-        from dsec.control.idempotency import IdempotencyCache
         from dsec.control.metrics import ApiMetrics
-        from dsec.control.ratelimit import RateLimitConfig, RateLimiter
         from dsec.control.store.sqlite import SqliteStore
         from dsec.edge.service import EdgeClient
 
@@ -106,11 +104,7 @@ def _worker(state_dir: str, edge_addr: str, port: int, server_name: str, limits:
         plane = ControlPlane.open(store, metrics=metrics)
         plane.add_edge("bench", edge_addr, await EdgeClient.connect(edge_addr))
         loop = asyncio.get_running_loop()
-        svc = ApiService(authority=IamAuthority(plane.iam, store), directory=plane,
-                         placer=plane, quotas=plane,
-                         limiter=RateLimiter(RateLimitConfig(rate_per_s=None), clock=loop.time),
-                         idempotency=IdempotencyCache(clock=time.time), metrics=metrics,
-                         clock=loop.time)
+        svc = api_service(store, plane, clock=loop.time)
         await plane.start()
         task, stop, started = await serve_app(server_name, build_app(svc, plane), port, limits)
         loop.add_signal_handler(signal.SIGTERM, stop)
@@ -617,7 +611,7 @@ _LOAD_MACHINE: dict[str, Any] = {"cpu_milli": 10**7, "memory_bytes": 1 << 42}
 
 
 def create_e2e(ctx: BenchContext) -> None:
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
 
     n = ctx.scale(4000, 600)
     with LocalCluster(subprocess=True, edges=1, **_LOAD_MACHINE) as cl:
@@ -679,8 +673,8 @@ async def _creates(cl: Any, transport: str, n: int, backend: str | None = None) 
 
 
 def exec_e2e(ctx: BenchContext) -> None:
-    from dsec.client.local import LocalCluster
     from dsec.client.sync import Client
+    from dsec.cluster.local import LocalCluster
 
     n = ctx.scale(2000, 300)
     with LocalCluster(subprocess=True, edges=1, backend="container") as cl:

@@ -293,7 +293,7 @@ def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
     in a child process: trainer -> apiserver/gateway -> edge, as a user runs it."""
     import os
 
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
     from dsec.edge.spec import SandboxSpec
     from dsec.rl.access import ClientAccess
     from dsec.rl.sandbox import Task

@@ -9,8 +9,6 @@ store. An edge that is not reachable yet is dialled again on every poll.
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from typing import Any
 
 import click
@@ -60,7 +58,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
-    from dsec.control.api.cluster import ClusterConfig
+    from dsec.cluster.runtime import ClusterConfig
     from dsec.statedir import default_state_dir
 
     remote = _edges(edges)
@@ -78,26 +76,20 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
 async def _run(cfg: Any, quiet: bool) -> None:
     import logging
 
-    from dsec.control.api.cluster import ClusterRuntime
+    from dsec.cluster.run import run_until_signalled
 
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    rt = ClusterRuntime(cfg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await rt.start()
-    except Exception as exc:
+
+    def failed(exc: Exception) -> None:
         click.echo(f"dsec apiserver failed: {exc}", err=True)
-        raise SystemExit(1) from exc
-    if not quiet:
+
+    def started(rt: Any) -> None:
+        if quiet:
+            return
         click.echo(f"dsec apiserver  REST {rt.url}  gateway {rt.gateway_address}  state "
                    f"{cfg.state_dir}  edges {', '.join(cfg.remote_edges)}", err=True)
         click.echo(f"admin key: {rt.admin_key}  (also in {cfg.state_dir}/local.json)",
                    err=True)
-    try:
-        await stop.wait()
-    finally:
-        await rt.stop()
+
+    await run_until_signalled(cfg, failed=failed, started=started)

@@ -190,7 +190,7 @@ def demo(sandboxes: int, backend: str) -> None:
     """Run dsec's main job end to end on an embedded single-node cluster."""
     import uvloop
 
-    from dsec.client.local import LocalCluster
+    from dsec.cluster.local import LocalCluster
 
     console = Console(width=None if Console().is_terminal else 120)
     if backend == "auto":

@@ -1,7 +1,7 @@
 """``dsec edge``: run one edge node and serve it over Aether until SIGINT/SIGTERM.
 
 Run by hand (one per machine) or by ``dsec up``, which starts one ``dsec edge`` process
-per node and supervises it (:mod:`dsec.control.api.edge_process`): ``--ready-fd`` tells the
+per node and supervises it (:mod:`dsec.cluster.edge_process`): ``--ready-fd`` tells the
 supervisor when the node serves, ``--supervisor-pid`` makes the edge stop (gracefully,
 keeping its sandboxes for the next start) when its supervisor dies, even by kill -9.
 """
@@ -405,9 +405,9 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None,
                  resolver_args: dict[str, Any] | None = None) -> None:
-    from dsec.edge.admission import format_bytes, format_cpu
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
+    from dsec.wire.node import format_bytes, format_cpu
 
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()

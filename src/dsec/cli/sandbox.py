@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
+from dsec.wire.spec import DEFAULT_CPU_MILLI, DEFAULT_MEMORY_BYTES
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["client", "conn_options", "emit_json", "sandbox"]
@@ -82,8 +84,9 @@ def sandbox() -> None:
 @click.option("--toolkit", "toolkits", multiple=True)
 @click.option("--snapshot", default=None, help="Start from this snapshot (sha256:...).")
 @click.option("--backend", default=None, help="Default: the server's.")
-@click.option("--cpu", type=float, default=1.0, show_default=True, help="Cores.")
-@click.option("--memory", default="512MiB", show_default=True)
+@click.option("--cpu", type=float, default=DEFAULT_CPU_MILLI / 1000, show_default=True,
+              help="Cores.")
+@click.option("--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True)
 @click.option("--ttl", type=float, default=None, help="Lifetime in seconds.")
 @click.option("--label", "labels", multiple=True, help="key=value, repeatable.")
 @click.option("--project", default=None)

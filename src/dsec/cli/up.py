@@ -12,7 +12,6 @@ set.
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 import click
@@ -63,7 +62,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
     import uvloop
 
     from dsec.client.core import parse_memory
-    from dsec.control.api.cluster import ClusterConfig
+    from dsec.cluster.runtime import ClusterConfig
     from dsec.control.api.plane import PlaneConfig
     from dsec.edge.admission import Overcommit
     from dsec.errors import DsecError
@@ -88,7 +87,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
 
 
 def _sizes(rt: Any) -> str:
-    from dsec.edge.admission import format_bytes, format_cpu
+    from dsec.wire.node import format_bytes, format_cpu
 
     cap, host = rt.capacity, rt.host
     if cap is None or host is None:
@@ -117,46 +116,46 @@ async def _run(cfg: Any, quiet: bool) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from dsec.control.api.cluster import ClusterRuntime
+    from dsec.cluster.run import run_until_signalled
 
     console = Console(stderr=True)
     _log_to(console)
-    rt = ClusterRuntime(cfg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await rt.start()
-    except Exception as exc:
+
+    def failed(exc: Exception) -> None:
         console.print(f"[red]dsec up failed:[/red] {escape(str(exc))}")
-        raise SystemExit(1) from exc
-    if not quiet:
+
+    def started(rt: Any) -> None:
+        if quiet:
+            return
         console.print(f"[bold]dsec up[/bold]  REST {rt.url}  gateway {rt.gateway_address}  "
                       f"state {rt.config.state_dir}")
         console.print(f"admin key: {rt.admin_key}  (also in "
                       f"{rt.config.state_dir}/local.json)")
         console.print(_sizes(rt))
-    try:
+
+    async def serve(rt: Any, stop: asyncio.Event) -> None:
         if quiet:
             await stop.wait()
-        else:
-            with console.status("") as status:
-                while not stop.is_set():
-                    counts = rt.status()
-                    line = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "idle"
-                    states = rt.edge_states()
-                    odd = ", ".join(f"{n} {s}" for n, s in states.items() if s != "running")
-                    status.update(f"{len(rt.node_ids)} edge(s){f' ({odd})' if odd else ''}, "
-                                  f"backend {rt.config.backend}: {line}  (Ctrl-C to stop)")
-                    try:
-                        await asyncio.wait_for(stop.wait(), 1.0)
-                    except TimeoutError:
-                        pass
-    finally:
+            return
+        with console.status("") as status:
+            while not stop.is_set():
+                counts = rt.status()
+                line = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "idle"
+                states = rt.edge_states()
+                odd = ", ".join(f"{n} {s}" for n, s in states.items() if s != "running")
+                status.update(f"{len(rt.node_ids)} edge(s){f' ({odd})' if odd else ''}, "
+                              f"backend {rt.config.backend}: {line}  (Ctrl-C to stop)")
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except TimeoutError:
+                    pass
+
+    async def stopping(rt: Any) -> None:
         await rt.refresh()
         n = sum(rt.status().values())
         if not quiet:
             what = "keeping" if rt.config.keep else "destroying"
             console.print(f"stopping: {what} {n} sandbox(es)")
-        await rt.stop()
+
+    await run_until_signalled(cfg, failed=failed, started=started, serve=serve,
+                              stopping=stopping)

@@ -1,8 +1,8 @@
-"""SDK internals: the async core, the sync shell, transports and LocalCluster.
-Import the public names from :mod:`dsec` (``from dsec import Client``)."""
+"""SDK internals: the async core, the sync shell and the transports.
+Import the public names from :mod:`dsec` (``from dsec import Client``); ``LocalCluster``
+(which runs servers, so it is no part of the SDK) lives in :mod:`dsec.cluster.local`."""
 
 from dsec.client.core import AsyncClient, AsyncSandbox, Snapshot
-from dsec.client.local import LocalCluster
 from dsec.client.sync import Client, Sandbox
 
-__all__ = ["AsyncClient", "AsyncSandbox", "Client", "LocalCluster", "Sandbox", "Snapshot"]
+__all__ = ["AsyncClient", "AsyncSandbox", "Client", "Sandbox", "Snapshot"]

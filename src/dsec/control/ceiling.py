@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsec.edge.admission import Resources, describe_request, format_amount, too_big
 from dsec.errors import Unsatisfiable
+from dsec.wire.node import Resources, describe_request, format_amount, too_big
 
 __all__ = ["Ceiling", "NodeSize"]
 

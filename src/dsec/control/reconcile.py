@@ -33,8 +33,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
-from dsec.edge.spec import SandboxInfo
 from dsec.errors import DsecError, SandboxNotFound
+from dsec.wire.spec import SandboxInfo
 
 __all__ = [
     "GONE",

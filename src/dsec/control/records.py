@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.spec import DEFAULT_CPU_MILLI, DEFAULT_MEMORY_BYTES, SandboxSpec
 
 __all__ = ["SandboxRecord"]
 
@@ -33,8 +33,8 @@ class SandboxRecord(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     project: str
     backend: str = "simulated"
-    cpu_milli: int = 1000
-    memory_bytes: int = 512 * 2**20
+    cpu_milli: int = DEFAULT_CPU_MILLI
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
     priority: int = 0
     created_at: float = 0.0
     paused: bool = False

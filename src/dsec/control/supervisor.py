@@ -1,5 +1,5 @@
 """When to restart a crashed child process and when to give up: the pure half of
-``dsec up``'s edge supervision (the process half is :mod:`dsec.control.api.edge_process`).
+``dsec up``'s edge supervision (the process half is :mod:`dsec.cluster.edge_process`).
 
 One :class:`Supervision` per child. Feed it events (``Start``, ``Ready``, ``Exited``,
 ``Stop``, ``Tick``) stamped with the time; it returns instructions (``Spawn``,

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import msgspec
 
 from dsec.errors import CapacityExceeded, Conflict, InvalidArgument, Unsatisfiable
-from dsec.wire.node import Resources
+from dsec.wire.node import (
+    Resources,
+    describe_request,
+    format_amount,
+    format_bytes,
+    format_cpu,
+    too_big,
+)
 
 __all__ = ["Capacity", "HostResources", "Overcommit", "ResourcePool", "Resources",
            "bound_disk", "describe_request", "format_amount", "format_bytes", "format_cpu",
@@ -264,62 +271,6 @@ def _cgroup_memory(root: str, paths: Mapping[str, str]) -> tuple[int, str] | Non
             if text is not None and text.strip().isdigit():
                 take(int(text), f"{d}/memory.max")
     return best
-
-
-# ------------------------------------------------------------------ "never fits"
-def format_bytes(n: int) -> str:
-    """1073741824 -> '1 GiB'; 1610612736 -> '1.5 GiB'."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def format_cpu(milli: int) -> str:
-    """2000 -> '2 cores'; 500 -> '0.5 cores'."""
-    return f"{milli / 1000:g} cores"
-
-
-def _factor(total: int, physical: int | None) -> str:
-    if not physical or physical == total:
-        return ""
-    return f" x overcommit {total / physical:g}"
-
-
-def too_big(capacity: Resources, physical: Resources | None, *, cpu_milli: int,
-            memory_bytes: int, disk_bytes: int | None) -> list[tuple[str, str, int, int]]:
-    """What of a request is more than a node with ``capacity`` could ever hold:
-    ``(field, "what it has", requested, most)`` per resource; empty if it fits."""
-    out = []
-    if cpu_milli > capacity.cpu_milli:
-        pc = physical.cpu_milli if physical else None
-        has = (f"{format_cpu(pc)}{_factor(capacity.cpu_milli, pc)} = "
-               if pc and pc != capacity.cpu_milli else "")
-        out.append(("cpu_milli", f"{has}{format_cpu(capacity.cpu_milli)}", cpu_milli,
-                    capacity.cpu_milli))
-    if memory_bytes > capacity.memory_bytes:
-        pm = physical.memory_bytes if physical else None
-        has = (f"{format_bytes(pm)}{_factor(capacity.memory_bytes, pm)} = "
-               if pm and pm != capacity.memory_bytes else "")
-        out.append(("memory_bytes", f"{has}{format_bytes(capacity.memory_bytes)}",
-                    memory_bytes, capacity.memory_bytes))
-    if (disk_bytes is not None and capacity.disk_bytes is not None
-            and disk_bytes > capacity.disk_bytes):
-        out.append(("disk_bytes", f"a {format_bytes(capacity.disk_bytes)} filesystem",
-                    disk_bytes, capacity.disk_bytes))
-    return out
-
-
-def format_amount(field: str, amount: int) -> str:
-    """An amount of ``cpu_milli`` or a ``*_bytes`` field, for people."""
-    return format_cpu(amount) if field == "cpu_milli" else format_bytes(amount)
-
-
-def describe_request(field: str, amount: int) -> str:
-    """``memory_bytes``, 2**40 -> 'memory=1 TiB' (the SDK's spelling of the field)."""
-    name = "cpu" if field == "cpu_milli" else field.removesuffix("_bytes")
-    return f"{name}={format_amount(field, amount)}"
 
 
 class ResourcePool:

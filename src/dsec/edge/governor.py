@@ -23,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dsec.errors import BackendError
+from dsec.errors import BackendError, InvalidArgument
 
 __all__ = [
+    "DEFAULT_MAX_SANDBOX_PIDS",
+    "DEFAULT_PIDS_HEADROOM",
     "CgroupLayout",
     "ExecCgroup",
     "Governor",
@@ -36,11 +38,14 @@ __all__ = [
     "detect_layout",
     "enable_favordynmods",
     "ensure_compressed_swap",
+    "kernel_pid_max",
     "kill_verified",
     "limit_writes",
     "parse_keyed",
     "parse_mountinfo",
     "parse_proc_cgroup",
+    "pids_budget",
+    "sandbox_pids",
 ]
 
 CgroupVersion = Literal[1, 2]
@@ -48,6 +53,45 @@ V1_CONTROLLERS: tuple[str, ...] = ("memory", "cpu", "cpuacct", "pids", "freezer"
 V1_REQUIRED: tuple[str, ...] = ("memory", "cpu", "pids", "freezer")
 V2_REQUIRED: tuple[str, ...] = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
+# The task caps every backend that governs real processes (container, runc, fncall)
+# applies: the most tasks one sandbox may have (a spec asking for more is refused;
+# pids_max=None, "no cap", gets this), and the pids kept free for the edge and the host
+# below kernel.pid_max (Governor.limit_total_pids: on the dev VM's 32,768, all sandboxes
+# together get 28,672).
+DEFAULT_MAX_SANDBOX_PIDS = 8192
+DEFAULT_PIDS_HEADROOM = 4096
+
+
+def kernel_pid_max() -> int:
+    """``kernel.pid_max``: the most pids the host has."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read())
+
+
+def pids_budget(pid_max: int, *, headroom: int, max_sandbox: int) -> tuple[int, int]:
+    """``(total, per_sandbox)`` for a backend's sandboxes on a host of ``pid_max`` pids:
+    together they may hold ``pid_max - headroom`` (the rest is the edge's and the host's),
+    one of them at most ``max_sandbox`` of those. Refuses settings that leave nothing."""
+    if not 0 <= headroom < pid_max:
+        raise InvalidArgument(f"pids_headroom={headroom} must be >= 0 and below "
+                              f"kernel.pid_max={pid_max}", field="pids_headroom")
+    if max_sandbox < 1:
+        raise InvalidArgument(f"max_sandbox_pids={max_sandbox} must be >= 1",
+                              field="max_sandbox_pids")
+    total = pid_max - headroom
+    return total, min(max_sandbox, total)
+
+
+def sandbox_pids(asked: int | None, per_sandbox: int) -> int:
+    """The task limit a sandbox gets: what its spec asked (``pids_max``), or the node's
+    per-sandbox maximum when it asked for no cap (None); more than that is refused."""
+    if asked is None:
+        return per_sandbox
+    if asked > per_sandbox:
+        raise InvalidArgument(
+            f"pids_max={asked} is above this node's per-sandbox maximum of {per_sandbox} "
+            "tasks; ask for at most that (or null for the maximum)", field="pids_max")
+    return asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.wire.netpolicy import NetworkPolicy, within
-from dsec.wire.spec import NetworkView
+from dsec.wire.spec import NetworkView, check_snapshot_ref
 
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
@@ -1218,7 +1218,7 @@ class EdgeNode:
         return (await self._holder(ref))[1]
 
     async def _holder(self, ref: str) -> tuple[SnapshotBackend, SnapshotInfo]:
-        _check_snapshot_ref(ref)
+        check_snapshot_ref(ref)
         for b in self._snapshotters():
             try:
                 info = await b.snapshot_info(ref)
@@ -1402,13 +1402,6 @@ def _check_strip(strip: Sequence[str]) -> tuple[str, ...]:
                                   "non-empty glob of at most 1024 chars without NUL",
                                   field="strip")
     return out
-
-
-def _check_snapshot_ref(ref: str) -> None:
-    if (not isinstance(ref, str) or not ref.startswith("sha256:") or len(ref) > 71
-            or len(ref) < 19 or not all(c in "0123456789abcdef" for c in ref[7:])):
-        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected "
-                              "'sha256:' and 12-64 lowercase hex digits", field="id")
 
 
 def _same_ref(ref: str, full_id: str) -> bool:

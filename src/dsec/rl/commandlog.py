@@ -13,6 +13,17 @@ The log is an append-only file of length-prefixed msgpack records, written *befo
 result is not was in flight when the trainer died: it may or may not have run, so
 replaying it raises :class:`CommandInDoubt` unless the caller says re-running is safe.
 A torn last record (crash mid-write) is ignored on load.
+
+A command is recognised by its digest (:func:`request_digest`), versioned so a log
+outlives changes to how commands are digested: each record's digest says its version
+(``v2:<hex>``; no prefix is version 1) and a replay checks it with that version, so a
+log written by an older release keeps verifying while new records use the current one.
+Version 2 digests the command's *meaning* (:mod:`dsec.wire.canonical`): fields equal to
+their default are left out by value (msgspec's ``omit_defaults``, which version 1 hashed,
+tells a default by identity, so ``timeout_s=60.0`` spelled out digested differently from
+the default 60.0), int/float spellings of a float field are one value, mappings are
+hashed in key order. So a request type may gain a defaulted field without changing any
+old command's digest.
 """
 
 from __future__ import annotations
@@ -20,13 +31,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
-from dsec.errors import Conflict
+from dsec.errors import Conflict, InvalidArgument
 from dsec.rl.access import (
     DelegatingAccess,
     ExecOutcome,
@@ -36,8 +47,10 @@ from dsec.rl.access import (
     pause_sandboxes,
     resume_sandboxes,
 )
+from dsec.wire.canonical import canonical_bytes
 
-__all__ = ["CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged", "request_digest"]
+__all__ = ["DIGEST_VERSION", "CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged",
+           "digest_version", "request_digest"]
 
 _LEN = struct.Struct("<I")
 
@@ -67,9 +80,47 @@ class _Entry:
     result: ExecResult | None
 
 
-def request_digest(req: ExecRequest) -> str:
-    """A stable fingerprint of a command (everything that affects what it does)."""
+#: The digest version new records are written with (see the module docstring).
+DIGEST_VERSION = 2
+
+
+def request_digest(req: ExecRequest, version: int = DIGEST_VERSION) -> str:
+    """A stable fingerprint of a command (everything that affects what it does), as
+    ``version`` computes it: the current one for new records, a record's own to check
+    it (:func:`digest_version`)."""
+    digest = _DIGESTS.get(version)
+    if digest is None:
+        raise InvalidArgument(f"command digest version {version} is not one this release "
+                              f"knows ({', '.join(map(str, sorted(_DIGESTS)))})",
+                              field="version")
+    return digest(req)
+
+
+def digest_version(digest: str) -> int | None:
+    """The version a logged digest was computed with; None if it names none this
+    release could parse (a log from a newer release, or damage)."""
+    head, sep, rest = digest.partition(":")
+    if not sep:
+        return 1
+    if head[:1] == "v" and head[1:].isdigit() and rest:
+        return int(head[1:])
+    return None
+
+
+def _digest_v1(req: ExecRequest) -> str:
+    # Kept only to verify logs written before version 2: hashes msgspec's own encoding,
+    # whose omit_defaults compares with the default by identity (a spelled-out 60.0 or
+    # 1 << 20 is written, the default is not) and whose dicts keep insertion order.
     return hashlib.sha256(msgspec.msgpack.encode(req)).hexdigest()[:32]
+
+
+def _digest_v2(req: ExecRequest) -> str:
+    # Measured (loaded 2-core VM): 8.1 us a command against 1.8 us for version 1 (the
+    # field walk is Python); an exec costs a millisecond or more, so under 1 % of it.
+    return "v2:" + hashlib.sha256(canonical_bytes(req)).hexdigest()[:32]
+
+
+_DIGESTS: dict[int, Callable[[ExecRequest], str]] = {1: _digest_v1, 2: _digest_v2}
 
 
 class CommandLog:
@@ -181,7 +232,15 @@ class LoggedAccess(DelegatingAccess):
             if entry is None:
                 live.append(i)
                 continue
-            if entry.digest != dig:
+            version = digest_version(entry.digest)
+            if version not in _DIGESTS:
+                raise ReplayDiverged(
+                    f"command #{seq} for sandbox {sid} was logged with a digest this "
+                    f"release cannot check ({entry.digest[:40]!r}; known versions "
+                    f"{', '.join(map(str, sorted(_DIGESTS)))}): replay it with the release "
+                    "that wrote the log", sandbox_id=sid, seq=seq)
+            logged_as = dig if version == DIGEST_VERSION else request_digest(req, version)
+            if entry.digest != logged_as:
                 raise ReplayDiverged(
                     f"command #{seq} for sandbox {sid} differs from the logged one; the "
                     "replaying policy is not deterministic or the handle is from another "

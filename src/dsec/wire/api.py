@@ -13,11 +13,15 @@ output in the JSON exec result is text when it is valid UTF-8 and base64 otherwi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Final, Literal
 
 import msgspec
 
 from dsec.wire.spec import (
+    DEFAULT_CPU_MILLI,
+    DEFAULT_MEMORY_BYTES,
+    DEFAULT_PIDS_MAX,
     MAX_ARG_BYTES,
     MAX_ARGV_BYTES,
     MAX_ARGV_ITEMS,
@@ -46,6 +50,7 @@ __all__ = [
     "MAX_STDIN_BYTES",
     "PRINCIPAL_PATTERN",
     "PROJECT_PATTERN",
+    "ROLE_RANK",
     "SNAPSHOT_PATTERN",
     "ApiError",
     "CreateKeyRequest",
@@ -66,14 +71,37 @@ __all__ = [
     "ProjectList",
     "ProjectView",
     "QuotaBody",
+    "Role",
     "SandboxList",
     "SessionView",
     "SnapshotList",
     "SnapshotView",
+    "role_on",
 ]
 
 Encoding = Literal["utf-8", "base64"]
+#: An IAM role a principal holds on a project (and so on every project under it).
 Role = Literal["admin", "member", "reader"]
+#: How strong each role is: a role allows everything a weaker one does.
+ROLE_RANK: Final[Mapping[Role, int]] = {"reader": 1, "member": 2, "admin": 3}
+
+
+def role_on(roles: Mapping[str, Role], project: str, *, superuser: bool = False) -> Role | None:
+    """The strongest role held on ``project`` or any of its ancestors (roles inherit
+    downward): ``roles`` maps a project path to the role bound there; a superuser is an
+    admin everywhere. None: no role there, the project is not the caller's to see. The
+    one implementation the apiserver's callers and IAM both use."""
+    if superuser:
+        return "admin"
+    best: Role | None = None
+    end = -1
+    while True:
+        end = project.find("/", end + 1)
+        r = roles.get(project if end < 0 else project[:end])
+        if r is not None and (best is None or ROLE_RANK[r] > ROLE_RANK[best]):
+            best = r
+        if end < 0:
+            return best
 
 # The exec limits live with ExecRequest (dsec.wire.spec), which every door validates
 # with; re-exported here for callers of the API types. In the schema below they appear
@@ -140,10 +168,10 @@ class CreateSandboxRequest(_Strict):
     toolkits: list[str] = []
     snapshot: Annotated[str, _doc(pattern=SNAPSHOT_PATTERN)] | None = None
     backend: BackendName | None = None   # default: the server's default backend
-    cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = 1000
-    memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = 512 * 2**20
+    cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = DEFAULT_CPU_MILLI
+    memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = DEFAULT_MEMORY_BYTES
     disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None
-    pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = 1024
+    pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = DEFAULT_PIDS_MAX
     priority: I32 = 0
     labels: Annotated[dict[str, Annotated[str, _doc(maxLength=1024)]], _doc(
         propertyNames={"minLength": 1, "maxLength": 253})] = {}

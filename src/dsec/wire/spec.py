@@ -25,6 +25,9 @@ from dsec.wire.netpolicy import (
 )
 
 __all__ = [
+    "DEFAULT_CPU_MILLI",
+    "DEFAULT_MEMORY_BYTES",
+    "DEFAULT_PIDS_MAX",
     "FILE_CHUNK_BYTES",
     "MAX_ARGV_BYTES",
     "MAX_ARGV_ITEMS",
@@ -56,6 +59,7 @@ __all__ = [
     "MAX_STDIN_BYTES",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
+    "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
     "ExecRequest",
@@ -77,6 +81,7 @@ __all__ = [
     "check_mode",
     "check_path",
     "check_read_range",
+    "check_snapshot_ref",
     "read_in_chunks",
 ]
 
@@ -85,6 +90,13 @@ SandboxState = Literal[
 ]
 BackendName = Literal["simulated", "fncall", "container", "runc", "vm"]
 IdleAction = Literal["destroy", "pause"]
+
+# What a sandbox gets when its create names no size: one core, 512 MiB, 1024 tasks (a
+# fork-bomb guard). The spec's defaults, the API's create body, the registry's record,
+# the SDK's and the CLI's keywords all say these, never their own numbers.
+DEFAULT_CPU_MILLI = 1000
+DEFAULT_MEMORY_BYTES = 512 * 2**20
+DEFAULT_PIDS_MAX = 1024
 
 # Sanity ceilings: a spec above these is a typo (e.g. bytes given as KiB), not a request.
 MAX_CPU_MILLI = 1024 * 1000          # 1024 cores
@@ -200,6 +212,18 @@ def check_read_range(offset: int, length: int | None) -> None:
                               field="length", size=length, limit=MAX_FILE_READ_BYTES)
 
 
+def check_snapshot_ref(ref: object, *, field: str = "id") -> str:
+    """A snapshot ref: ``sha256:`` and 12..64 lowercase hex digits (a full id or a unique
+    prefix; ``dsec.wire.api.SNAPSHOT_PATTERN`` in the OpenAPI schema). The edge and the
+    apiserver refuse a bad one in these words; the error never echoes more than 80
+    characters of it. Returns ``ref``."""
+    if (not isinstance(ref, str) or not ref.startswith("sha256:") or not 19 <= len(ref) <= 71
+            or not all(c in "0123456789abcdef" for c in ref[7:])):
+        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected 'sha256:' "
+                              "and 12-64 lowercase hex digits", field=field)
+    return ref
+
+
 def check_mode(mode: int) -> None:
     """A file mode is permission bits only (0..0o7777)."""
     if not 0 <= mode <= MAX_FILE_MODE:
@@ -236,10 +260,10 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     toolkits: tuple[str, ...] = ()          # toolkit layer refs, later ones win
     snapshot: str | None = None             # start from a pack_diff snapshot instead
     backend: BackendName = "simulated"
-    cpu_milli: int = 1000                   # millicores (1000 = one core)
-    memory_bytes: int = 512 * 2**20
+    cpu_milli: int = DEFAULT_CPU_MILLI      # millicores (1000 = one core)
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
     disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
-    pids_max: int | None = 1024             # fork-bomb guard; None = no cap
+    pids_max: int | None = DEFAULT_PIDS_MAX  # fork-bomb guard; None = no cap
     priority: int = 0                       # higher wins preemption
     labels: dict[str, str] = {}
     project: str = "default"
@@ -448,6 +472,12 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                 f"exec output_cap_bytes={self.output_cap_bytes} must be within "
                 f"0..{MAX_OUTPUT_CAP_BYTES} (1 GiB)", field="output_cap_bytes",
                 limit=MAX_OUTPUT_CAP_BYTES)
+
+
+# The exit code of a command killed by its timeout (``timed_out``): 128 + SIGKILL, as a
+# shell reports it and as a real process killed so reports it; backends that stand in
+# for one (simulated, fncall) answer the same.
+TIMEOUT_EXIT_CODE = 128 + 9
 
 
 class ExecResult(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -9,17 +9,16 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from dsec.cluster import DSEC_ARGV
 from dsec.edge.backends.container.census import Census, cgroup_name_of, take_census
 from dsec.edge.service import EdgeClient
 from dsec.errors import DsecError
 
 __all__ = ["EdgeProcess"]
 
-DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 
 
 class EdgeProcess:
@@ -46,7 +45,7 @@ class EdgeProcess:
         return self.proc.pid
 
     def argv(self) -> list[str]:
-        return [*DSEC, "edge", "--listen", f"unix:{self.sock}", "--state-dir", self.state,
+        return [*DSEC_ARGV, "edge", "--listen", f"unix:{self.sock}", "--state-dir", self.state,
                 "--node-id", self.node_id, "--backend", "container",
                 "--backend-opt", f"container.images_dir={self.images_dir}",
                 "--backend-opt", f"container.root_dir={self.root}",

@@ -26,7 +26,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +33,7 @@ from typing import Any
 
 from dsec.bench import BenchContext
 from dsec.bench.faults import part
+from dsec.cluster import DSEC_ARGV
 
 __all__ = ["restart_round"]
 
@@ -57,9 +57,9 @@ class _Up:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> None:
-        from dsec.control.api.cluster import read_local
+        from dsec.statedir import read_local
 
-        cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up",
+        cmd = [*DSEC_ARGV, "up",
                "--state-dir", self.state_dir, "--listen", f"127.0.0.1:{self.port}",
                "--gateway", self.gateway, "--backend", "simulated",
                "--profile", "paper-microvm", "--quiet"]

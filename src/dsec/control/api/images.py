@@ -23,7 +23,6 @@ import msgspec
 
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.api.types import ImageList, ImageTagRequest, ImageView
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import (
     Conflict,
     DsecError,
@@ -43,6 +42,7 @@ from dsec.image.catalog import (
 )
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
 from dsec.image.store import LayerStore
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
 

@@ -107,7 +107,6 @@ from dsec.control.watcher import (
     WatcherConfig,
     link_failure_cause,
 )
-from dsec.edge.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 from dsec.errors import (
     ConnectionLost,
     DsecError,
@@ -121,6 +120,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of
 from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
 
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
@@ -193,7 +193,7 @@ class EdgeEntry:
     node: str
     address: str
     link: EdgeOps
-    heartbeat: Any = None           # dsec.edge.protocol.Heartbeat
+    heartbeat: Any = None           # dsec.wire.node.Heartbeat
     last_seen: float = 0.0
     feed_after: int = 0
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
@@ -700,7 +700,7 @@ class ControlPlane:
         if now < e.retry_at:
             return None
         e.retry_at = now + self.config.reconnect_interval_s
-        from dsec.edge.service import EdgeClient
+        from dsec.edge.client import EdgeClient
         try:
             async with asyncio.timeout(self.config.poll_timeout_s):
                 fresh = await EdgeClient.connect(e.address, token=e.token)

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -69,6 +69,7 @@ from dsec.image.catalog import image_not_found
 from dsec.wire import ops
 from dsec.wire.api import (
     GATEWAY_PROTOCOL,
+    ROLE_RANK,
     CreateKeyRequest,
     CreateKeyResponse,
     CreateSandboxRequest,
@@ -82,10 +83,12 @@ from dsec.wire.api import (
     ProjectList,
     ProjectView,
     QuotaBody,
+    Role,
     SandboxList,
     SessionView,
     SnapshotList,
     SnapshotView,
+    role_on,
 )
 from dsec.wire.calls import (
     CreateMany,
@@ -126,11 +129,11 @@ from dsec.wire.spec import (
     SandboxState,
     SnapshotInfo,
     check_path,
+    check_snapshot_ref,
     read_in_chunks,
 )
 
 __all__ = [
-    "ROLE_RANK",
     "AdminOps",
     "ApiConfig",
     "ApiService",
@@ -142,7 +145,6 @@ __all__ = [
     "NodeDirectory",
     "Placer",
     "Policy",
-    "Role",
     "snapshot_view",
 ]
 
@@ -152,10 +154,6 @@ T = TypeVar("T")
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 Item = TypeVar("Item")
-
-Role = Literal["reader", "member", "admin"]
-ROLE_RANK: dict[str, int] = {"reader": 1, "member": 2, "admin": 3}
-
 
 # --------------------------------------------------------------------------- seams
 @dataclass(slots=True, frozen=True)
@@ -170,15 +168,7 @@ class Caller:
 
     def role_on(self, project: str) -> Role | None:
         """The strongest role on ``project`` or any ancestor (roles inherit downward)."""
-        if self.superuser:
-            return "admin"
-        best: Role | None = None
-        parts = project.split("/")
-        for i in range(len(parts)):
-            r = self.roles.get("/".join(parts[: i + 1]))
-            if r is not None and (best is None or ROLE_RANK[r] > ROLE_RANK[best]):
-                best = r
-        return best
+        return role_on(self.roles, project, superuser=self.superuser)
 
 
 class Authority(Protocol):
@@ -1194,7 +1184,7 @@ class ApiService:
         else ``ImageNotFound`` worded exactly as for a snapshot that does not exist.
         Snapshot -> project is an immutable fact, cached so repeated creates from one
         snapshot do not ask every edge each time (full ids only)."""
-        _check_snapshot_ref(ref)
+        check_snapshot_ref(ref, field="snapshot")
         hit = self._snapshots.get(ref)
         if hit is None:
             view = await self._resolve_snapshot(principal, ref)
@@ -1219,7 +1209,7 @@ class ApiService:
         to an edge, whose store would expand it across projects): another project's
         snapshot sharing the prefix neither makes it ambiguous nor shows up in the
         error."""
-        _check_snapshot_ref(ref)
+        check_snapshot_ref(ref, field="snapshot")
         if len(ref) == 71:
             view = await self._find_snapshot(ref)
             if principal.role_on(view.project) is None:
@@ -1599,14 +1589,6 @@ def _lost_error(lost: Lost) -> SandboxLost:
         f"sandbox {sid} was lost with its node ({lost.info.reason}: {detail}); it will not "
         "come back: create a new one", sandbox_id=sid, state="destroyed",
         reason=lost.info.reason)
-
-
-def _check_snapshot_ref(ref: str) -> None:
-    """A snapshot id is ``sha256:`` and 12..64 lowercase hex digits (a prefix)."""
-    if (not isinstance(ref, str) or not ref.startswith("sha256:") or not 19 <= len(ref) <= 71
-            or not all(c in "0123456789abcdef" for c in ref[7:])):
-        raise InvalidArgument(f"invalid snapshot id {str(ref)[:80]!r}: expected 'sha256:' "
-                              "and 12-64 lowercase hex digits", field="snapshot")
 
 
 def _snapshot_not_found(ref: str) -> ImageNotFound:

@@ -14,9 +14,11 @@ change in one transaction, so the event log and the table never disagree.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
+
+from dsec.wire.api import Role
 
 __all__ = [
     "ApiKeyRow",
@@ -25,7 +27,6 @@ __all__ = [
     "LostSandboxRow",
     "PrincipalRow",
     "QuotaRow",
-    "Role",
     "RoleBindingRow",
     "SandboxRow",
     "SessionRow",
@@ -33,7 +34,6 @@ __all__ = [
     "StateStore",
 ]
 
-Role = Literal["reader", "member", "admin"]
 
 
 class PrincipalRow(msgspec.Struct, frozen=True, kw_only=True):

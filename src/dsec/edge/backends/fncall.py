@@ -84,7 +84,16 @@ from dsec.edge.backends.fncall_jail import (
     split_profile,
 )
 from dsec.edge.backends.fncall_uids import UID_REGISTRY, UidRegistry
-from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.edge.governor import (
+    DEFAULT_MAX_SANDBOX_PIDS,
+    DEFAULT_PIDS_HEADROOM,
+    Governor,
+    Limits,
+    SandboxCgroup,
+    kernel_pid_max,
+    pids_budget,
+    sandbox_pids,
+)
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.protocol import PoolStats
 from dsec.edge.spec import (
@@ -98,12 +107,12 @@ from dsec.edge.spec import (
 )
 from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
+from dsec.wire.spec import TIMEOUT_EXIT_CODE
 
 __all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
            "make_backend"]
 
 _LEN = struct.Struct("!I")
-TIMEOUT_EXIT = 137
 # A reply carries at most two capped outputs, two strings the worker cuts at 64 KiB (the
 # error, a value's repr) and, for a call that wants one, a value of at most
 # MAX_VALUE_BYTES; anything larger is a hostile or broken worker, refused before the
@@ -133,8 +142,6 @@ FNCALL_UIDS: tuple[int, int] = (2_000_000_000, 65536)
 FILE_THREADS = 4
 _T = TypeVar("_T")
 WORKDIR = "/workspace"
-DEFAULT_MAX_SANDBOX_PIDS = 8192
-DEFAULT_PIDS_HEADROOM = 4096
 # The worker is started as `python -I -c BOOT MODE FD`: -I keeps PYTHONPATH, the user
 # site and the current directory out; BOOT puts only the edge's own dsec source on the
 # path, read from stdin so the host path is not in the argv a jailed call can read.
@@ -621,7 +628,7 @@ class WorkerPool:
                     holder.discard(w)  # after the reap: a destroy waits for this
         dur = time.perf_counter() - t0
         if timed_out:
-            return FncallResult(TIMEOUT_EXIT, None, None, f"timed out after {timeout_s}s", b"",
+            return FncallResult(TIMEOUT_EXIT_CODE, None, None, f"timed out after {timeout_s}s", b"",
                                 b"", True, cold, handout, dur)
         if reply is None:
             code = await w.reap()
@@ -836,18 +843,14 @@ class FncallBackend:
                           seccomp=bpf, seccomp_admit=bpf_admit)
 
     def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
-        with open("/proc/sys/kernel/pid_max") as f:
-            pid_max = int(f.read())
-        if not 0 <= pids_headroom < pid_max:
-            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
-                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
-        self.max_sandbox_pids = min(self.max_sandbox_pids, pid_max - pids_headroom)
+        total, self.max_sandbox_pids = pids_budget(
+            kernel_pid_max(), headroom=pids_headroom, max_sandbox=self.max_sandbox_pids)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
         # one root per cgroup name: reconcile takes every cgroup under it for its own
         claim_cgroup_name(name, self.root)
         gov = Governor(name=name, favor_dynmods=linux.remount)
         try:
-            gov.limit_total_pids(pid_max - pids_headroom)
+            gov.limit_total_pids(total)
         except OSError as exc:
             raise BackendError(f"cannot cap the pids of all fncall sandboxes: {exc}") from exc
         return gov
@@ -891,11 +894,7 @@ class FncallBackend:
                                   field="allow_nested")
         pids = spec.pids_max
         if self.isolate:
-            if pids is None:
-                pids = self.max_sandbox_pids
-            elif pids > self.max_sandbox_pids:
-                raise InvalidArgument(f"pids_max={pids} is above this node's per-sandbox "
-                                      f"maximum of {self.max_sandbox_pids}", field="pids_max")
+            pids = sandbox_pids(pids, self.max_sandbox_pids)
         if spec.disk_bytes is not None:
             return spec.disk_bytes, pids
         if self.disk is not None:
@@ -1256,7 +1255,7 @@ class FncallBackend:
                          f"sandbox {sid}, which hit its memory limit of {spec.memory_bytes} "
                          "bytes; the sandbox itself is still there - raise memory_bytes")
             if res.died:
-                res = FncallResult(TIMEOUT_EXIT, None, None,
+                res = FncallResult(TIMEOUT_EXIT_CODE, None, None,
                                    f"the call was killed by the OOM killer: sandbox {sid} "
                                    f"has memory_bytes={spec.memory_bytes}", res.stdout,
                                    res.stderr, False, res.cold, res.handout_s, res.duration_s,

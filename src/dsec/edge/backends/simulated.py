@@ -46,11 +46,10 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.wire.spec import TIMEOUT_EXIT_CODE
 
 __all__ = ["NodeLatencyProfile", "SimulatedBackend", "make_backend"]
 
-# Exit code of a command killed by its timeout: 128 + SIGKILL, as a shell reports it.
-TIMEOUT_EXIT = 137
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -324,7 +323,7 @@ class SimulatedBackend:
             try:
                 code = await self._run(box, req, env, cwd, out, err, t0)
             except TimeoutError:
-                code, timed_out = TIMEOUT_EXIT, True
+                code, timed_out = TIMEOUT_EXIT_CODE, True
         cap = req.output_cap_bytes
         return ExecResult(
             exit_code=code, stdout=bytes(out[:cap]), stderr=bytes(err[:cap]),

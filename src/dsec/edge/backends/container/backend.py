@@ -71,18 +71,18 @@ from dsec.edge.backends.container.protocol import (
 )
 from dsec.edge.backends.container.rootfs import build_env, overlay_options
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
-from dsec.edge.backends.container.state import (
-    BoxRecord,
-    load_record,
-    process_start_time,
-    save_record,
-)
+from dsec.edge.backends.container.state import BoxRecord, load_record, save_record
 from dsec.edge.governor import (
+    DEFAULT_MAX_SANDBOX_PIDS,
+    DEFAULT_PIDS_HEADROOM,
     ExecCgroup,
     Governor,
     Limits,
     SandboxCgroup,
     ensure_compressed_swap,
+    kernel_pid_max,
+    pids_budget,
+    sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.spec import (
@@ -109,6 +109,7 @@ from dsec.errors import (
 )
 from dsec.ids import SandboxId
 from dsec.net.attach import SandboxNetwork
+from dsec.ownership import start_time
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.runc import RuncDriver
@@ -120,14 +121,9 @@ log = logging.getLogger("dsec.edge.container")
 Runtime = Literal["native", "runc"]
 
 
-# Per-sandbox task cap when a spec asks for none (pids_max=None), and the most a spec may
-# ask for; and the pids kept free for the edge/host below kernel.pid_max (32,768 on the
-# dev VM: all sandboxes together get 28,672).
 _T = TypeVar("_T")
 
 FILE_THREADS = 4   # threads for file operations (one tenant's walk leaves others three)
-DEFAULT_MAX_SANDBOX_PIDS = 8192
-DEFAULT_PIDS_HEADROOM = 4096
 # Host ids of user-namespace sandboxes (spec.user_namespace): root inside is host uid/gid
 # USERNS_BASE, ids 0..65535 inside map to USERNS_BASE.. +65535. One range shared by all
 # such sandboxes of a node for now (above the 1000.. range of host accounts and Debian's
@@ -193,16 +189,11 @@ class ContainerBackend:
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
-        pid_max = _kernel_pid_max()
-        if not 0 <= pids_headroom < pid_max:
-            raise InvalidArgument(f"pids_headroom={pids_headroom} must be >= 0 and below "
-                                  f"kernel.pid_max={pid_max}", field="pids_headroom")
+        pids_total, per_sandbox = pids_budget(kernel_pid_max(), headroom=pids_headroom,
+                                              max_sandbox=max_sandbox_pids)
         if not 1 << 20 <= default_disk_bytes:
             raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be at least "
                                   "1 MiB", field="default_disk_bytes")
-        if max_sandbox_pids < 1:
-            raise InvalidArgument(f"max_sandbox_pids={max_sandbox_pids} must be >= 1",
-                                  field="max_sandbox_pids")
         base, size = userns_range
         if not (1 <= base and 1 <= size and base + size <= 2**32 - 1):
             raise InvalidArgument(f"userns_range={userns_range!r} must be (first host id >= 1, "
@@ -210,8 +201,8 @@ class ContainerBackend:
         #: host (uid/gid of root, id count) of user-namespace sandboxes
         self.userns_range = (base, size)
         #: pids.max of the parent cgroup of all this backend's sandboxes
-        self.pids_total = pid_max - pids_headroom
-        self.max_sandbox_pids = min(max_sandbox_pids, self.pids_total)
+        self.pids_total = pids_total
+        self.max_sandbox_pids = per_sandbox
         self.runtime: Runtime = runtime
         self.network = network
         self.name = "container" if runtime == "native" else "runc"
@@ -327,14 +318,7 @@ class ContainerBackend:
     def _pids_for(self, spec: SandboxSpec) -> int:
         """The task limit a sandbox gets: ``spec.pids_max``, or the node's per-sandbox
         maximum when the spec asks for no cap (None); more than that is refused."""
-        if spec.pids_max is None:
-            return self.max_sandbox_pids
-        if spec.pids_max > self.max_sandbox_pids:
-            raise InvalidArgument(
-                f"pids_max={spec.pids_max} is above this node's per-sandbox maximum of "
-                f"{self.max_sandbox_pids} tasks; ask for at most that (or null for the "
-                "maximum)", field="pids_max")
-        return spec.pids_max
+        return sandbox_pids(spec.pids_max, self.max_sandbox_pids)
 
     def _dir(self, sid: str) -> str:
         if not sid or "/" in sid or sid.startswith("."):
@@ -467,7 +451,7 @@ class ContainerBackend:
     def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
                          init_pid=box.init_pid,
-                         init_start=process_start_time(box.init_pid) or 0,
+                         init_start=start_time(box.init_pid) or 0,
                          cgroup_version=box.cg.version, cgroup_dirs=box.cg.dirs,
                          lowerdirs=list(box.layers.lowerdirs), created_at=self.clock())
 
@@ -722,7 +706,7 @@ class ContainerBackend:
         if os.path.isdir(self.disk.sandbox_path(sid)):
             box.disk_q = self.disk.qgroup_dir(sid)
             box.disk_cap = DiskPool.usage_at(box.disk_q).cap_bytes
-        start = process_start_time(rec.init_pid)
+        start = start_time(rec.init_pid)
         members = self.governor.pids(cg)
         alive = start == rec.init_start and rec.init_pid in members
         why = ("" if alive else f"its init (pid {rec.init_pid}, start {rec.init_start}) is "
@@ -1471,11 +1455,6 @@ def _lock_root(root_dir: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def _kernel_pid_max() -> int:
-    with open("/proc/sys/kernel/pid_max") as f:
-        return int(f.read())
 
 
 def _legacy_rw_dirs(d: str) -> tuple[str, str]:

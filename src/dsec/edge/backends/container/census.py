@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from dsec.edge.governor import all_leaf_dirs, kill_verified, parse_mountinfo
 from dsec.image.mount import mounts_below
+from dsec.ownership import start_time
 
 __all__ = [
     "Census",
@@ -203,13 +204,8 @@ def _binding(names_dir: str, cgroup_name: str) -> tuple[str, str] | None:
 def process_identity(pid: int) -> str:
     """``"<pid> <start time in clock ticks>"``: names one process for its whole life
     (a recycled pid number has another start time); "" if ``pid`` is not running."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    fields = stat[stat.rindex(")") + 2:].split()
-    return f"{pid} {fields[19]}"  # field 22 of proc_pid_stat(5), counted after comm
+    start = start_time(pid)
+    return "" if start is None else f"{pid} {start}"
 
 
 def _owner_alive(owner: str) -> bool:

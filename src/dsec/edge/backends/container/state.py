@@ -14,7 +14,7 @@ import msgspec
 
 from dsec.edge.spec import SandboxSpec
 
-__all__ = ["BoxRecord", "load_record", "process_start_time", "save_record"]
+__all__ = ["BoxRecord", "load_record", "save_record"]
 
 
 class BoxRecord(msgspec.Struct, kw_only=True):
@@ -49,16 +49,3 @@ def load_record(path: str) -> BoxRecord | None:
         return None
 
 
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and ')': split after the last ')'
-    rest = raw[raw.rfind(b")") + 2:].split()
-    try:
-        return int(rest[19])
-    except (IndexError, ValueError):
-        return None

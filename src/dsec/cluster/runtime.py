@@ -8,7 +8,7 @@ as it would across machines. Where the edges run is the topology:
 
 - ``edge_processes=True`` (``dsec up``): each of ``edges`` local nodes is a ``dsec edge``
   process of its own on ``state_dir/edges/<node>.sock``, supervised
-  (:mod:`dsec.control.api.edge_process`): restarted on a crash with backoff (it re-adopts
+  (:mod:`dsec.cluster.edge_process`): restarted on a crash with backoff (it re-adopts
   its sandboxes from its journal, well within the node-loss TTL, so the control plane
   never declares the node lost), given up on after a crash loop, with a report. An edge
   crash is then one node's problem, never the apiserver's;
@@ -45,7 +45,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -53,14 +52,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from dsec.aether.limits import ServerLimits
-from dsec.control.api.edge_process import EdgePaths, EdgeProcess, reclaim_orphan
+from dsec.cluster import DSEC_ARGV
+from dsec.cluster.compose import api_service
+from dsec.cluster.edge_process import EdgePaths, EdgeProcess, reclaim_orphan
 from dsec.control.api.http_limits import HttpLimits
-from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
+from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService
 from dsec.control.apiserver import RestConfig, build_app
-from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
-from dsec.control.ratelimit import RateLimitConfig, RateLimiter
+from dsec.control.ratelimit import RateLimitConfig
 from dsec.control.supervisor import RestartPolicy
 from dsec.edge.admission import (
     Capacity,
@@ -73,10 +73,10 @@ from dsec.edge.admission import (
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
-from dsec.statedir import LOCAL_FILE, default_state_dir, ensure_private_dir, read_local
+from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
 from dsec.wire.netpolicy import NetworkPolicy
 
-__all__ = ["LOCAL_FILE", "ClusterConfig", "ClusterRuntime", "default_state_dir", "read_local"]
+__all__ = ["ClusterConfig", "ClusterRuntime"]
 
 log = logging.getLogger("dsec.cluster")
 
@@ -84,7 +84,6 @@ LOCK_FILE = "up.lock"
 # How long a restarted edge process takes to serve again: measured 0.3-0.8 s (Python
 # start-up, imports, journal re-adoption) on the 2-core dev VM under load; doubled.
 EDGE_RESTART_BUDGET_S = 2.0
-DSEC_ARGV = (sys.executable, "-c", "from dsec.cli.main import main; main()")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -243,18 +242,11 @@ class ClusterRuntime:
             for node, addr in cfg.remote_edges.items():
                 await self._add_edge(plane, node, addr, cfg.edge_token)
             loop = asyncio.get_running_loop()
-            service = self.service = ApiService(
-                authority=IamAuthority(plane.iam, self._store), directory=plane, placer=plane,
-                quotas=plane, limiter=RateLimiter(cfg.rate, clock=loop.time),
-                idempotency=IdempotencyCache(clock=time.time, store=self._store),
-                metrics=self.metrics,
+            service = self.service = api_service(
+                self._store, plane, rate=cfg.rate, anon_rate=cfg.anon_rate, clock=loop.time,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
                                  redact_paths=_host_paths(given),
-                                 net_default=cfg.net_default),
-                clock=loop.time,
-                anon_limiter=RateLimiter(cfg.anon_rate, clock=loop.time), images=plane,
-                admin=plane)
-            plane.service = service
+                                 net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
             if self.processes:
@@ -280,7 +272,7 @@ class ClusterRuntime:
         """Register an edge with the control plane. One that cannot be dialled yet (a
         remote edge still starting) is registered anyway: the plane redials it on every
         poll, and it becomes healthy with its first heartbeat."""
-        from dsec.edge.service import EdgeClient
+        from dsec.edge.client import EdgeClient
 
         try:
             client = await EdgeClient.connect(addr, token=token)
@@ -743,7 +735,7 @@ class ClusterRuntime:
     async def _stop_process(self, proc: EdgeProcess, keep: bool) -> None:
         """Destroy the edge's sandboxes through it (unless ``keep``; an edge that is down
         is started once more for that, so nothing is leaked), then stop it gracefully."""
-        from dsec.edge.service import EdgeClient
+        from dsec.edge.client import EdgeClient
 
         if not keep and proc.ever_ready:
             try:

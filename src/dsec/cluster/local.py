@@ -29,12 +29,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Any, Self
 
+from dsec.cluster import DSEC_ARGV
 from dsec.errors import InvalidArgument, TransportError
 
 __all__ = ["LocalCluster"]
@@ -104,7 +104,7 @@ class LocalCluster:
     def _start_thread(self) -> None:
         import uvloop
 
-        from dsec.control.api.cluster import ClusterConfig, ClusterRuntime
+        from dsec.cluster.runtime import ClusterConfig, ClusterRuntime
         from dsec.control.ratelimit import RateLimitConfig
 
         cfg = ClusterConfig(state_dir=self.state_dir, listen="127.0.0.1:0",
@@ -125,7 +125,7 @@ class LocalCluster:
     def _start_process(self) -> None:
         from dsec.statedir import read_local
 
-        cmd = [sys.executable, "-c", "from dsec.cli.main import main; main()", "up",
+        cmd = [*DSEC_ARGV, "up",
                "--state-dir", self.state_dir, "--listen", "127.0.0.1:0",
                "--backend", self.backend, "--edges", str(self.edges), "--quiet",
                *_up_flags(self._config)]

@@ -48,8 +48,9 @@ from dsec.control.supervisor import (
     WakeAt,
 )
 from dsec.errors import TransportError
+from dsec.ownership import start_time
 
-__all__ = ["EdgePaths", "EdgeProcess", "process_start_time", "reclaim_orphan"]
+__all__ = ["EdgePaths", "EdgeProcess", "reclaim_orphan"]
 
 log = logging.getLogger("dsec.supervisor")
 
@@ -71,21 +72,6 @@ class EdgePaths:
         return cls(socket=os.path.join(d, f"{node}.sock"), state_dir=os.path.join(d, node),
                    pid_file=os.path.join(d, f"{node}.pid"),
                    log_file=os.path.join(d, f"{node}.log"))
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot); None if it is gone
-    or dead (a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
-        return None   # dead, waiting to be reaped
-    return int(fields[19])   # field 22 overall
 
 
 def _read_text(path: str) -> str:
@@ -265,7 +251,7 @@ class EdgeProcess:
         log.debug("edge %s started as pid %d", self.node, pid)
 
     def _write_pid(self, pid: int) -> None:
-        start = process_start_time(pid)
+        start = start_time(pid, running=True)
         tmp = self.paths.pid_file + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -316,7 +302,7 @@ async def reclaim_orphan(paths: EdgePaths, *, grace_s: float = 10.0) -> str | No
         pid, start = int(pid_s), int(start_s) if start_s.isdigit() else None
     except (OSError, ValueError):
         return None
-    if start is None or process_start_time(pid) != start:
+    if start is None or start_time(pid, running=True) != start:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(paths.pid_file)
         return None   # gone, or the pid now belongs to someone else
@@ -329,7 +315,7 @@ async def reclaim_orphan(paths: EdgePaths, *, grace_s: float = 10.0) -> str | No
             signal.pidfd_send_signal(pidfd, sig)
         deadline = time.monotonic() + grace_s
         how = "stopped"
-        while process_start_time(pid) == start:
+        while start_time(pid, running=True) == start:
             if time.monotonic() > deadline:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 how = "killed (it ignored SIGTERM)"
