@@ -211,6 +211,13 @@ class SimulatedBackend:
             await self.clock.sleep(self.profile.resume_s)
         box.paused = False
 
+    async def set_network(self, sid: SandboxId, spec: SandboxSpec,
+                          ceiling_deny: tuple[str, ...], generation: int) -> None:
+        """A new egress policy (``network_update``). Simulated sandboxes have no network
+        to filter: the policy is recorded, as the spec the sandbox runs with."""
+        box = self._box(sid)
+        box.spec = spec
+
     async def stats(self, sid: SandboxId) -> SandboxStats:
         box = self._box(sid)
         size = sum(len(v) for v in box.fs.files.values())
