@@ -18,6 +18,7 @@ import msgspec
 from dsec.errors import InternalError
 from dsec.wire.api import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
 from dsec.wire.ops import Op as CatalogueOp
+from dsec.wire.calls import MAX_GENERATION
 from dsec.wire.spec import MAX_PATH_BYTES
 
 __all__ = [
@@ -210,6 +211,9 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
                       "(cluster-wide) name a superuser"),
     Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
     Param("tag", {"type": "string", "pattern": _NAME}),
+    Param("expect_generation", {"type": "integer", "minimum": 0, "maximum": MAX_GENERATION},
+          description="compare-and-set: update only if the live policy still has the "
+                      "generation network_get gave (409 otherwise)"),
 )}
 
 
