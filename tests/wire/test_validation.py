@@ -217,7 +217,19 @@ PAST_EACH_LIMIT: dict[str, Any] = {
         "k" * (spec.MAX_LABEL_KEY_CHARS + 1): ""}).validate(),
     "MAX_LABEL_VALUE_CHARS": lambda: SandboxSpec(labels={
         "k": "v" * (spec.MAX_LABEL_VALUE_CHARS + 1)}).validate(),
+    "MAX_NET_RULES": lambda: _net(allow=tuple(
+        f"h{i}.example.com" for i in range(spec.MAX_NET_RULES + 1))),
+    "MAX_NET_ENTRY_CHARS": lambda: _net(allow=("x" * (spec.MAX_NET_ENTRY_CHARS + 1),)),
+    "MAX_NET_DOMAIN_BYTES": lambda: _net(allow=(".".join(["abcdefgh"] * 29) + ".org",)),
+    "MAX_NET_LABEL_BYTES": lambda: _net(allow=("a" * (spec.MAX_NET_LABEL_BYTES + 1) + ".org",)),
+    "MAX_NET_DOMAIN_PORTS": lambda: _net(allow=("example.com:1-17",)),
+    "MAX_NET_CONNECTIONS": lambda: _net(max_connections=spec.MAX_NET_CONNECTIONS + 1),
+    "MAX_NET_RATE_MBIT": lambda: _net(rate_mbit=spec.MAX_NET_RATE_MBIT + 1),
 }
+
+
+def _net(**kw: Any) -> Any:
+    return SandboxSpec(network=spec.NetworkPolicy(mode="policy", **kw)).validate()
 
 
 def test_every_limit_has_a_case() -> None:
@@ -236,7 +248,7 @@ def test_each_limit_refuses_and_says_which(name: str) -> None:
 
 @pytest.mark.parametrize("tp,raw", [
     (SandboxSpec, {"image": "py", "network_rules": ["deny *"]}),
-    (spec.NetworkPolicy, {"mode": "allowlist", "deny": ["10.0.0.0/8"]}),
+    (spec.NetworkPolicy, {"mode": "policy", "allow_out": ["10.0.0.0/8"]}),
     (ExecRequest, {"shell": "true", "seccomp": "off"}),
     (CreateSandbox, {"spec": {"imagee": "py"}}),
 ], ids=["spec", "network", "exec", "nested"])

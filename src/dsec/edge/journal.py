@@ -77,6 +77,12 @@ class JournalRecord(msgspec.Struct, array_like=True, tag="put"):
     spec: SandboxSpec
     created_at: float
     last_active_at: float
+    # Trailing and defaulted (array_like: a journal written before them still reads):
+    # the generation of the sandbox's network policy (network_update compares and bumps
+    # it) and the deny entries of its project's network ceilings, enforced with its own.
+    net_generation: int = 0
+    ceiling_deny: tuple[str, ...] = ()
+    # nc's exposed ports, after nb's fields (array_like: appended, defaulted)
     ports: tuple[PortRecord, ...] = ()
 
     @property
@@ -109,6 +115,8 @@ class Journaled(Protocol):
     spec: SandboxSpec
     created_at: float
     last_active_at: float
+    net_generation: int
+    ceiling_deny: tuple[str, ...]
 
     @property
     def port_records(self) -> tuple[PortRecord, ...]: ...
@@ -542,4 +550,5 @@ def _record(r: Journaled, state: SandboxState | None) -> JournalRecord:
         return r
     return JournalRecord(id=r.id, state=state or r.state, spec=r.spec,
                          created_at=r.created_at, last_active_at=r.last_active_at,
+                         net_generation=r.net_generation, ceiling_deny=r.ceiling_deny,
                          ports=r.port_records)

@@ -82,6 +82,8 @@ NOTICE_REASONS: frozenset[str] = frozenset({
     "tmpfs_full",       # tmpfs files (/tmp, /dev/shm) hold most of the memory limit, so
                         # new processes get OOM-killed; free them with the file API
     "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
+    "network_denied",   # its egress policy dropped packets (counts and examples)
+    "network_lost",     # adopted after an edge restart without its router slot: cut off
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

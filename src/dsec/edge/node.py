@@ -68,22 +68,6 @@ from dsec.edge.lifecycle import (
     next_state,
 )
 from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
-from dsec.edge.spec import (
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SandboxState,
-    SandboxStats,
-    SnapshotInfo,
-    check_mode,
-    check_path,
-    check_read_range,
-)
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -94,6 +78,7 @@ from dsec.errors import (
     InvalidArgument,
     InvalidTransition,
     NotFound,
+    PermissionDenied,
     RateLimited,
     SandboxNotFound,
     StreamReset,
@@ -101,6 +86,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.net.tunnel import connect_in_netns, relay
+from dsec.wire.netpolicy import NetworkPolicy, within
 from dsec.wire.ports import (
     MAX_EXPOSED_PORTS,
     MAX_TUNNELS_PER_SANDBOX,
@@ -108,7 +94,30 @@ from dsec.wire.ports import (
     TUNNEL_OPEN_IDLE_S,
     PortRecord,
 )
-from dsec.wire.spec import check_snapshot_ref
+from dsec.wire.spec import (
+    LEGACY_PROJECT,
+    BackendName,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    NetworkView,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    SandboxStats,
+    SnapshotInfo,
+    backend_of,
+    check_mode,
+    check_path,
+    check_read_range,
+    check_snapshot_ref,
+    project_of,
+    resolve,
+    stored,
+)
 
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
@@ -154,9 +163,22 @@ class NodeConfig:
     max_tunnels_per_sandbox: int = MAX_TUNNELS_PER_SANDBOX
     tunnel_idle_s: float = TUNNEL_IDLE_S
     tunnel_open_idle_s: float = TUNNEL_OPEN_IDLE_S     # before the first byte
+    # The backend of a create whose spec leaves it unset (a caller reaching the edge
+    # directly; the apiserver resolves specs before they get here).
+    default_backend: BackendName = "simulated"
+    # The most open egress policy this node serves (``dsec edge --net-max``): a create
+    # or network_update beyond it is refused, whoever asks. None: no node ceiling (the
+    # control plane's project ceilings still bind what comes through the apiserver).
+    net_max: NetworkPolicy | None = None
+    # The egress policy of a create whose spec names none (``dsec edge --net-default``):
+    # what an edge reached directly gives; the apiserver resolves its own before.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
+        self.net_default.validate("net_default")
+        if self.net_max is not None:
+            self.net_max.validate("net_max")
         if self.journal_sync not in JOURNAL_SYNC_MODES:
             raise InvalidArgument(f"node config journal_sync={self.journal_sync!r} must be "
                                   f"one of {', '.join(JOURNAL_SYNC_MODES)}")
@@ -186,6 +208,7 @@ class _Sandbox:
         "active",
         "backend",
         "busy",
+        "ceiling_deny",
         "created_at",
         "cut",
         "deadline",
@@ -194,6 +217,8 @@ class _Sandbox:
         "execs",
         "id",
         "last_active_at",
+        "net_generation",
+        "net_lock",
         "ports",
         "reason",
         "snap_lock",
@@ -220,6 +245,12 @@ class _Sandbox:
         # a destroy waits for the one in flight (its final write renames files inside the
         # sandbox's directory, which the destroy removes).
         self.snap_lock: asyncio.Lock | None = None
+        # The network policy's generation (1 at create; network_update bumps it when the
+        # policy changes), the project ceilings' denies, and the lock that serialises
+        # updates of one sandbox's policy.
+        self.net_generation = 1
+        self.ceiling_deny: tuple[str, ...] = ()
+        self.net_lock: asyncio.Lock | None = None
         self.ports: dict[int, PortRecord] = {}     # exposed ports (journaled)
         self.tunnels: dict[asyncio.Task[Any], int] = {}   # open port_connect -> port
         self.cut: dict[asyncio.Task[Any], str] = {}       # ... cancelled by us: why
@@ -346,16 +377,18 @@ class EdgeNode:
             if r.id.endswith(self._suffix) is False:
                 log.warning("journal holds %s, which is not this node's; dropped", r.id)
                 continue
-            rec = _Sandbox(r.id, r.spec, self.backends.get(r.spec.backend), now)  # type: ignore[arg-type]
+            spec = stored(r.spec)
+            rec = _Sandbox(r.id, spec, self.backends.get(backend_of(spec)), now)  # type: ignore[arg-type]
             # The idle clock restarts with the edge: exec activity is never journaled, so
             # the line's last_active_at may be far older than the last use (a sandbox in
             # use a moment before a crash was idle-reaped by the first pass after it).
             rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
             rec.ports = {p.port: p for p in r.ports}
+            rec.net_generation, rec.ceiling_deny = r.net_generation, r.ceiling_deny
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
             backend = rec.backend
             if backend is None:
-                self._bury(rec, "node_lost", f"backend {r.spec.backend!r} is not on this node")
+                self._bury(rec, "node_lost", f"backend {spec.backend!r} is not on this node")
                 continue
             try:
                 alive = await backend.adopt(SandboxId(r.id), r.spec)
@@ -421,7 +454,8 @@ class EdgeNode:
         for e in ended:
             if not e.id.endswith(self._suffix):
                 continue
-            rec = _Sandbox(e.id, e.spec, self.backends.get(e.spec.backend, any_backend),
+            spec = stored(e.spec)
+            rec = _Sandbox(e.id, spec, self.backends.get(backend_of(spec), any_backend),
                            e.created_at)
             rec.state = e.state
             rec.reason = e.reason
@@ -473,8 +507,8 @@ class EdgeNode:
             log.warning("removed host leftovers named %r (not a sandbox id of node %s): %s",
                         sid, self.node_id, left.what)
             return None
-        spec = left.spec or SandboxSpec(backend=left.backend)
-        rec = _Sandbox(sid, spec, self.backends.get(spec.backend)
+        spec = stored(left.spec or SandboxSpec(backend=left.backend))
+        rec = _Sandbox(sid, spec, self.backends.get(backend_of(spec))
                        or next(iter(self.backends.values())), self.clock.time())
         rec.events[0] = (rec.created_at, None, "creating", "reconciled", left.what)
         self._seq += 1
@@ -607,12 +641,15 @@ class EdgeNode:
         return self._backend_error(rec, op + " in", exc)
 
     # ================================================================ create
-    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None,
+                     ceiling_deny: tuple[str, ...] = ()) -> SandboxInfo:
         """Admit, create and return a running sandbox; on any failure nothing remains.
+        ``ceiling_deny``: the project's network ceilings' deny entries (the control
+        plane's), enforced with the sandbox's own.
 
         Durable before acknowledged: the intent (``creating``) is in the journal before
         the backend starts, the ``running`` record before the answer."""
-        rec = self._admit(spec, sandbox_id)
+        rec = self._admit(spec, sandbox_id, ceiling_deny)
         await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
         await self._build(rec)
         await self._commit_or_abort(rec)
@@ -651,11 +688,15 @@ class EdgeNode:
             raise
         return out  # type: ignore[return-value]
 
-    def _admit(self, spec: SandboxSpec, sandbox_id: str | None) -> _Sandbox:
+    def _admit(self, spec: SandboxSpec, sandbox_id: str | None,
+               ceiling_deny: tuple[str, ...] = ()) -> _Sandbox:
         """Validate, reserve, record (no await): the sandbox exists as ``creating`` and
         its intent is noted in the journal."""
-        spec.validate()
-        backend = self.backends.get(spec.backend)
+        spec = resolve(spec.validate(), backend=self.config.default_backend,
+                       project=LEGACY_PROJECT, network=self.config.net_default)
+        assert spec.network is not None  # stored resolved: a later default moves nothing
+        self._check_node_ceiling(spec.network, "network")
+        backend = self.backends.get(backend_of(spec))
         if backend is None:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not available on node {self.node_id}; "
@@ -663,6 +704,7 @@ class EdgeNode:
         sid = self._new_id() if sandbox_id is None else self._claim_id(sandbox_id)
         self.pool.reserve(sid, spec.cpu_milli, spec.memory_bytes, disk_bytes=spec.disk_bytes)
         rec = _Sandbox(sid, spec, backend, self.clock.time())
+        rec.ceiling_deny = ceiling_deny
         self._live[sid] = rec
         self._seq += 1
         self._feed.append((self._seq, sid, rec.events[0]))
@@ -702,6 +744,11 @@ class EdgeNode:
         everything is rolled back and the error raised."""
         try:
             await rec.backend.create(SandboxId(rec.id), rec.spec)
+            setter = getattr(rec.backend, "set_network", None)
+            if rec.ceiling_deny and setter is not None:
+                # the project ceilings' denies, enforced before the create is answered
+                # (nothing but the sandbox's init runs yet)
+                await setter(SandboxId(rec.id), rec.spec, rec.ceiling_deny, rec.net_generation)
         except BaseException as exc:
             await self._abort_create(rec, exc)
             if isinstance(exc, Exception):
@@ -848,6 +895,89 @@ class EdgeNode:
             await self.destroy(rec.id, reason=reason, detail=detail)
         except DsecError as exc:
             log.warning("cleanup after %s of %s failed: %s", reason, rec.id, exc)
+
+    # ================================================================ network
+    def _check_node_ceiling(self, policy: NetworkPolicy, where: str) -> None:
+        """This node's ceiling (``dsec edge --net-max``): an edge reached directly is
+        never asked for more than its operator allows."""
+        v = within(policy, self.config.net_max)
+        if v is not None:
+            fld = v.field.replace("network", where, 1)
+            raise PermissionDenied(
+                f"{fld} {v.entry!r} is outside the network ceiling of node {self.node_id} "
+                f"({self.config.net_max}): that ceiling {v.why}", field=fld, entry=v.entry,
+                node=self.node_id)
+
+    def _net_view(self, rec: _Sandbox) -> NetworkView:
+        return NetworkView(policy=rec.spec.net, generation=rec.net_generation,
+                           ceiling_deny=rec.ceiling_deny)
+
+    def network_get(self, sandbox_id: str) -> NetworkView:
+        """The sandbox's egress policy as this node holds it, and its generation."""
+        return self._net_view(self._find(sandbox_id))
+
+    async def network_update(self, sandbox_id: str, policy: NetworkPolicy, *,
+                             expect_generation: int | None = None,
+                             ceiling_deny: tuple[str, ...] = ()) -> NetworkView:
+        """Replace the sandbox's egress policy. A policy equal to the live one (and the
+        same ceiling denies) changes nothing: no new generation, so a retry after a lost
+        answer is a no-op. Otherwise durable before acknowledged: the journal holds the
+        new policy before the backend applies it (a crash between the two is reconciled
+        from the journal at restart), and a refusal by the backend puts the old one back
+        in the journal before the error is answered.
+
+        The backend applies it through its ``set_network(id, spec, ceiling_deny,
+        generation)``; a backend without one enforces no policy but ``none``, and is
+        asked for nothing else."""
+        rec = self._find(sandbox_id)
+        policy = policy.validate("policy")
+        self._check_node_ceiling(policy, "policy")
+        if rec.net_lock is None:
+            rec.net_lock = asyncio.Lock()
+        async with rec.net_lock:
+            if rec.state not in ("running", "paused"):
+                raise InvalidTransition(
+                    f"sandbox {rec.id} is {rec.state}: its network policy changes only "
+                    "while it is running or paused", sandbox_id=rec.id, state=rec.state)
+            if expect_generation is not None and expect_generation != rec.net_generation:
+                raise Conflict(
+                    f"sandbox {rec.id}'s network policy is at generation "
+                    f"{rec.net_generation}, not {expect_generation}: it changed since you "
+                    "read it; read it again (network_get) and retry",
+                    field="expect_generation", sandbox_id=rec.id,
+                    generation=rec.net_generation)
+            if policy == rec.spec.net and ceiling_deny == rec.ceiling_deny:
+                return self._net_view(rec)
+            setter = getattr(rec.backend, "set_network", None)
+            if setter is None and policy.net_mode != "none":
+                raise InvalidArgument(
+                    f"the {rec.spec.backend} backend on node {self.node_id} enforces no "
+                    f"network policy but 'none'; {policy.net_mode!r} is refused",
+                    field="policy.mode")
+            old = (rec.spec, rec.ceiling_deny, rec.net_generation)
+            rec.spec = msgspec.structs.replace(rec.spec, network=policy)
+            rec.ceiling_deny = ceiling_deny
+            rec.net_generation += 1
+            await self._journal_now(rec)
+            try:
+                if setter is not None:
+                    await setter(SandboxId(rec.id), rec.spec, ceiling_deny, rec.net_generation)
+            except BaseException as exc:
+                rec.spec, rec.ceiling_deny, rec.net_generation = old
+                await self._journal_now(rec)
+                if isinstance(exc, Exception):
+                    raise self._backend_error(rec, "network_update", exc) from exc
+                raise
+            self._event(rec, rec.state, rec.state, "network_updated",
+                        f"generation {rec.net_generation}: {policy}"[:500])
+            return self._net_view(rec)
+
+    async def _journal_now(self, rec: _Sandbox) -> None:
+        """Put ``rec`` in the journal and wait until it is durable."""
+        if self.journal is not None:
+            self.journal.put(rec)
+            if self._durable is not None:
+                await self._durable.commit()
 
     # ================================================================ pause / resume
     async def pause(self, sandbox_id: str) -> PauseStats:
@@ -1071,7 +1201,7 @@ class EdgeNode:
                 f"sandbox {rec.id} already runs {rec.execs} commands, the per-sandbox "
                 f"limit; wait for some to finish (or run them as one script)",
                 sandbox_id=rec.id, limit=per, retry_after=1.0)
-        tenant = rec.spec.project.partition("/")[0]
+        tenant = project_of(rec.spec).partition("/")[0]
         mine = self._execs_by_tenant.get(tenant, 0)
         if cap is not None and mine >= max(1, cap // 2):
             raise RateLimited(
@@ -1090,7 +1220,7 @@ class EdgeNode:
     def _exec_ended(self, rec: _Sandbox) -> None:
         rec.execs -= 1
         self._execs -= 1
-        tenant = rec.spec.project.partition("/")[0]
+        tenant = project_of(rec.spec).partition("/")[0]
         n = self._execs_by_tenant.get(tenant, 0) - 1
         if n > 0:
             self._execs_by_tenant[tenant] = n
@@ -1357,7 +1487,7 @@ class EdgeNode:
         """What the watcher/placement needs to (re)build their view of this node."""
         briefs = None
         if include_sandboxes:
-            briefs = [SandboxBrief(r.id, r.state, r.spec.project, r.spec.priority,
+            briefs = [SandboxBrief(r.id, r.state, project_of(r.spec), r.spec.priority,
                                    r.spec.cpu_milli, r.spec.memory_bytes)
                       for r in self._live.values()]
         # Warm-pool stats from backends that have a pool (optional ``pool_stats()``

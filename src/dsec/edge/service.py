@@ -39,6 +39,7 @@ from dsec.wire.calls import (
     HeartbeatRequest,
     ListRequest,
     Mkdir,
+    NetworkUpdateOnNode,
     ReadFile,
     Remove,
     SandboxRef,
@@ -54,6 +55,7 @@ from dsec.wire.ports import PortConnect, PortExpose, PortRecord, PortRecordList,
 from dsec.wire.spec import (
     ExecResult,
     FileInfo,
+    NetworkView,
     PauseStats,
     SandboxInfo,
     SandboxStats,
@@ -88,7 +90,8 @@ class EdgeHandlers:
 
     # ---------------------------------------------------------------- lifecycle
     async def create(self, b: CreateOnNode) -> SandboxInfo:
-        return await self.node.create(b.spec, sandbox_id=b.sandbox_id)
+        return await self.node.create(b.spec, sandbox_id=b.sandbox_id,
+                                      ceiling_deny=b.ceiling_deny)
 
     async def create_many(self, b: CreateManyOnNode) -> Batch[SandboxInfo]:
         return Batch.of(await self.node.create_many(b.specs))
@@ -179,6 +182,15 @@ class EdgeHandlers:
 
     async def snapshot_delete(self, b: SnapshotRef) -> SnapshotInfo:
         return await self.node.delete_snapshot(b.id)
+
+    # ---------------------------------------------------------------- network
+    def network_get(self, b: SandboxRef) -> NetworkView:
+        return self.node.network_get(b.id)
+
+    async def network_update(self, b: NetworkUpdateOnNode) -> NetworkView:
+        return await self.node.network_update(b.id, b.policy,
+                                              expect_generation=b.expect_generation,
+                                              ceiling_deny=b.ceiling_deny)
 
 
 class EdgeService:

@@ -181,7 +181,7 @@ class CreateSandboxRequest(_Strict):
     idle_timeout_s: PositiveSeconds | None = None
     idle_action: IdleAction = "destroy"
     env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}
-    network: NetworkPolicy = NetworkPolicy()
+    network: NetworkPolicy | None = None   # default: the server's --net-default ("none")
     allow_nested: bool = False
     user_namespace: bool = False        # root inside = unprivileged uid on the host
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
@@ -331,12 +331,20 @@ NonNegative = Annotated[int, _doc(minimum=0)]
 
 
 class QuotaBody(_Strict):
-    """A quota on a project (and, through the tree, on its descendants). ``null`` = none."""
+    """A quota on a project (and, through the tree, on its descendants). ``null`` = none.
+    ``network``: the project's network ceiling, the most open egress policy its sandboxes
+    (and its subprojects') may ask for; its ``deny`` entries are added to every policy
+    under it. Set, like the rest, by an admin of the parent project."""
 
     max_sandboxes: NonNegative | None = None
     cpu_milli: NonNegative | None = None
     memory_bytes: NonNegative | None = None
     snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
+    network: NetworkPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.network is not None:   # validated at every door, stored canonical
+            self.network = self.network.validate("quota.network")
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

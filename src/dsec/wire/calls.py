@@ -14,7 +14,8 @@ from typing import Any, Literal
 import msgspec
 
 from dsec.errors import InvalidArgument
-from dsec.wire.api import QuotaBody
+from dsec.wire.api import CreateSandboxRequest, QuotaBody
+from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     ExecRequest,
     SandboxSpec,
@@ -48,6 +49,8 @@ __all__ = [
     "ListRequest",
     "ListSandboxes",
     "Mkdir",
+    "NetworkUpdate",
+    "NetworkUpdateOnNode",
     "ProjectRef",
     "QuotaSet",
     "ReadFile",
@@ -63,10 +66,13 @@ __all__ = [
     "SnapshotRequest",
     "WriteFile",
     "WriteFileRequest",
+    "create_of",
     "exec_request",
+    "rest_form",
 ]
 
 Command = ExecRequest | str | Sequence[str]
+MAX_GENERATION = 2**62          # a policy generation (a uint32 ct mark per slot, and more)
 
 
 def exec_request(cmd: Command, **kw: Any) -> ExecRequest:
@@ -115,14 +121,56 @@ class CreateSandbox(_Call, kw_only=True):
 
     def __post_init__(self) -> None:
         check_idempotency_key(self.idempotency_key)
-        self.spec.validate()
+        spec = self.spec.validate()
+        if spec is not self.spec:   # the network policy in canonical form
+            msgspec.structs.force_setattr(self, "spec", spec)
+
+
+def create_of(req: CreateSandboxRequest | CreateSandbox, *,
+              idempotency_key: str | None = None) -> CreateSandbox:
+    """REST's flat create body (:class:`~dsec.wire.api.CreateSandboxRequest`: the spec's
+    fields and ``session`` side by side) as the catalogue's :class:`CreateSandbox`. Every
+    field of :class:`SandboxSpec` is taken by name from the spec's own field list, never
+    from a hand-kept one: a field added to the spec and not to the REST body fails here
+    (and in ``tests/test_catalogue.py``), it is never silently dropped."""
+    if isinstance(req, CreateSandbox):
+        if idempotency_key is None or idempotency_key == req.idempotency_key:
+            return req
+        return msgspec.structs.replace(req, idempotency_key=idempotency_key)
+    given = {name: getattr(req, name) for name in SandboxSpec.__struct_fields__}
+    given["toolkits"] = tuple(given["toolkits"])
+    return CreateSandbox(spec=SandboxSpec(**given), session=req.session,
+                         idempotency_key=idempotency_key)
+
+
+def rest_form(req: CreateSandbox) -> CreateSandboxRequest:
+    """The inverse of :func:`create_of` (the idempotency key aside): REST's flat body of
+    the same request, field by field from the spec's own field list. The apiserver
+    fingerprints a keyed create in this form (``idempotency.request_fingerprint``), so a
+    request is one request whichever door it came through, and the fingerprint of a
+    REST body is what it was before the catalogue's form existed."""
+    given: dict[str, Any] = {name: getattr(req.spec, name)
+                             for name in SandboxSpec.__struct_fields__}
+    given["toolkits"] = list(given["toolkits"])
+    return CreateSandboxRequest(**given, session=req.session)
 
 
 class CreateOnNode(_Call, kw_only=True):
-    """``edge.create``: a spec the control plane resolved, and the id it chose."""
+    """``edge.create``: a spec the control plane resolved, and the id it chose;
+    ``ceiling_deny``: the deny entries of the project's network ceilings (every
+    ancestor's), enforced with the sandbox's own (the control plane sets them)."""
 
     spec: SandboxSpec
     sandbox_id: str | None = None       # pre-chosen id (must name this node); None = new
+    ceiling_deny: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_ceiling_deny(self.ceiling_deny)
+
+
+def _check_ceiling_deny(entries: tuple[str, ...]) -> None:
+    if entries:
+        NetworkPolicy(mode="policy", deny=entries).validate("ceiling")
 
 
 class CreateMany(_Call, kw_only=True):
@@ -300,6 +348,39 @@ class FeedRequest(_Call, kw_only=True):
 
 class HeartbeatRequest(_Call, kw_only=True):
     include_sandboxes: bool = True
+
+
+# ------------------------------------------------------------------ network
+class NetworkUpdate(_Call, kw_only=True):
+    """``network_update``: replace sandbox ``id``'s egress policy, live and atomically
+    (flows the new policy forbids are cut). ``expect_generation``: compare-and-set, a
+    ``Conflict`` when the sandbox's policy generation is another (None: unconditional).
+    The policy validates itself here, at every door, and travels in canonical form."""
+
+    id: str
+    policy: NetworkPolicy
+    expect_generation: int | None = None
+
+    def __post_init__(self) -> None:
+        policy = self.policy.validate("policy")
+        if policy is not self.policy:
+            msgspec.structs.force_setattr(self, "policy", policy)
+        g = self.expect_generation
+        if g is not None and not 0 <= g <= MAX_GENERATION:
+            raise InvalidArgument(f"expect_generation={g} must be within 0..{MAX_GENERATION} "
+                                  "(a generation network_get gave)", field="expect_generation",
+                                  limit=MAX_GENERATION)
+
+
+class NetworkUpdateOnNode(NetworkUpdate, kw_only=True):
+    """``edge.network_update``: the control plane adds ``ceiling_deny``, the deny
+    entries of the project's network ceilings (callers never set it)."""
+
+    ceiling_deny: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        NetworkUpdate.__post_init__(self)
+        _check_ceiling_deny(self.ceiling_deny)
 
 
 # ------------------------------------------------------- management plane only

@@ -13,6 +13,16 @@ from typing import Literal
 import msgspec
 
 from dsec.errors import InvalidArgument, PayloadTooLarge
+from dsec.wire.netpolicy import (
+    MAX_NET_CONNECTIONS,
+    MAX_NET_DOMAIN_BYTES,
+    MAX_NET_DOMAIN_PORTS,
+    MAX_NET_ENTRY_CHARS,
+    MAX_NET_LABEL_BYTES,
+    MAX_NET_RATE_MBIT,
+    MAX_NET_RULES,
+    NetworkPolicy,
+)
 
 __all__ = [
     "DEFAULT_CPU_MILLI",
@@ -35,6 +45,13 @@ __all__ = [
     "MAX_LABEL_KEY_CHARS",
     "MAX_LABEL_VALUE_CHARS",
     "MAX_MEMORY_BYTES",
+    "MAX_NET_CONNECTIONS",
+    "MAX_NET_DOMAIN_BYTES",
+    "MAX_NET_DOMAIN_PORTS",
+    "MAX_NET_ENTRY_CHARS",
+    "MAX_NET_LABEL_BYTES",
+    "MAX_NET_RATE_MBIT",
+    "MAX_NET_RULES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_PIDS",
@@ -51,6 +68,7 @@ __all__ = [
     "FileType",
     "IdleAction",
     "NetworkPolicy",
+    "NetworkView",
     "PauseStats",
     "SandboxEvent",
     "SandboxInfo",
@@ -58,13 +76,17 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotInfo",
+    "backend_of",
     "check_batch",
     "check_idempotency_key",
     "check_mode",
     "check_path",
     "check_read_range",
     "check_snapshot_ref",
+    "project_of",
     "read_in_chunks",
+    "resolve",
+    "stored",
 ]
 
 SandboxState = Literal[
@@ -230,14 +252,6 @@ def check_idempotency_key(key: str | None) -> None:
                               field="idempotency_key", limit=MAX_IDEMPOTENCY_KEY_CHARS)
 
 
-class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
-                    forbid_unknown_fields=True):
-    """Egress policy. Default: loopback only. ``allow`` lists ``host:port`` entries."""
-
-    mode: Literal["none", "loopback", "allowlist"] = "loopback"
-    allow: tuple[str, ...] = ()
-
-
 class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                   forbid_unknown_fields=True):
     """What a caller asks for. Validated by :meth:`validate` at every trust boundary (not
@@ -249,24 +263,34 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     workspace: str | None = None            # optional workspace layer ref
     toolkits: tuple[str, ...] = ()          # toolkit layer refs, later ones win
     snapshot: str | None = None             # start from a pack_diff snapshot instead
-    backend: BackendName = "simulated"
+    # None: whoever serves the create decides (the apiserver: its default backend; an
+    # edge reached directly: its own default). Stored specs are always resolved
+    # (:func:`resolve`), so ``info.spec.backend`` is set.
+    backend: BackendName | None = None
     cpu_milli: int = DEFAULT_CPU_MILLI      # millicores (1000 = one core)
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
     pids_max: int | None = DEFAULT_PIDS_MAX  # fork-bomb guard; None = no cap
     priority: int = 0                       # higher wins preemption
     labels: dict[str, str] = {}
-    project: str = "default"
-    ttl_s: float | None = None              # lifetime from creation; None = forever
+    # None: the API key's default project; at an edge reached directly, "default"
+    project: str | None = None
+    # lifetime from creation. None: no lifetime asked; the apiserver's policy gives such a
+    # sandbox its default TTL (6 h, per-project override), an edge keeps it forever
+    ttl_s: float | None = None
     idle_timeout_s: float | None = None     # no operation for this long -> idle_action
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
-    network: NetworkPolicy = NetworkPolicy()
+    # egress (dsec.wire.netpolicy); None: the serving side's default (the apiserver's
+    # --net-default, an edge reached directly: NodeConfig.net_default), which the edge
+    # stores resolved
+    network: NetworkPolicy | None = None
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
     user_namespace: bool = False            # root inside = unprivileged uid on the host
 
     def validate(self) -> SandboxSpec:
-        """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
+        """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
+        with its network policy in canonical form (self when it already was)."""
         def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
                                    field=field, **limit)
@@ -320,7 +344,72 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
                           limit=MAX_LABEL_VALUE_CHARS)
+        if self.network is not None:
+            net = self.network.validate()
+            if net is not self.network:
+                return msgspec.structs.replace(self, network=net)
         return self
+
+    @property
+    def net(self) -> NetworkPolicy:
+        """The network policy, ``"none"`` where unresolved (an edge stores resolved
+        specs, so backends see the policy the sandbox was created with)."""
+        return _NO_NETWORK if self.network is None else self.network
+
+
+_NO_NETWORK = NetworkPolicy()
+
+
+
+# What a stored spec written before ``backend``/``project`` could be left unset meant by
+# leaving them out (omit_defaults wrote neither at its old default).
+LEGACY_BACKEND: BackendName = "simulated"
+LEGACY_PROJECT = "default"
+
+
+def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
+            ttl_s: float | None = None,
+            network: NetworkPolicy | None = None) -> SandboxSpec:
+    """``spec`` with what it leaves to the server filled in: ``backend`` and ``project``
+    when None, ``ttl_s`` when None and a default lifetime is given, ``network`` when None
+    and a default policy is given. Every other field is the caller's, unchanged. Both
+    doors that create (the apiserver, an edge reached directly) resolve through this one
+    function, so a stored spec names its backend, project and policy (a later change
+    of a default moves nothing already made)."""
+    if spec.backend is not None and spec.project is not None and (
+            spec.ttl_s is not None or ttl_s is None) and (
+            spec.network is not None or network is None):
+        return spec
+    return msgspec.structs.replace(
+        spec, backend=backend if spec.backend is None else spec.backend,
+        project=project if spec.project is None else spec.project,
+        ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s,
+        network=network if spec.network is None else spec.network)
+
+
+def stored(spec: SandboxSpec) -> SandboxSpec:
+    """A spec read back from storage written by any release: resolved, an omitted
+    ``backend``/``project`` meaning what it meant when written (:data:`LEGACY_BACKEND`,
+    :data:`LEGACY_PROJECT`)."""
+    return resolve(spec, backend=LEGACY_BACKEND, project=LEGACY_PROJECT)
+
+
+def project_of(spec: SandboxSpec) -> str:
+    """The project of a resolved spec (the edge stores only resolved ones)."""
+    if spec.project is None:
+        from dsec.errors import InternalError
+        raise InternalError("a sandbox spec reached storage without a project (it was "
+                            "not resolved)")
+    return spec.project
+
+
+def backend_of(spec: SandboxSpec) -> BackendName:
+    """The backend of a resolved spec."""
+    if spec.backend is None:
+        from dsec.errors import InternalError
+        raise InternalError("a sandbox spec reached storage without a backend (it was "
+                            "not resolved)")
+    return spec.backend
 
 
 class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
@@ -487,6 +576,25 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float
     last_active_at: float
     reason: str = ""                        # reason of the last transition
+
+
+class NetworkView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A sandbox's egress policy as its edge enforces it (``network_get``,
+    ``network_update``): ``policy`` in canonical form (without the ceilings' denies, which
+    are ``ceiling_deny``); ``generation`` moves on every change that took effect (pass it
+    as ``expect_generation`` to update only what you read); ``address``: the sandbox's
+    IPv4 address (None: mode none, or a node without routed sandbox networking yet);
+    ``ipv6``: whether v6 entries are enforced (else v6 is dropped whole);
+    ``denied_packets``/``recent_denied``/``pins``: what the node counted."""
+
+    policy: NetworkPolicy
+    generation: int = 0
+    ceiling_deny: tuple[str, ...] = ()
+    address: str | None = None
+    ipv6: bool = False
+    denied_packets: int = 0
+    recent_denied: tuple[str, ...] = ()
+    pins: int = 0
 
 
 class ExecChunk(msgspec.Struct, frozen=True, kw_only=True):

@@ -101,7 +101,8 @@ class Admin:
             quota=None if q is None else QuotaBody(max_sandboxes=q.max_sandboxes,
                                                     cpu_milli=q.cpu_milli,
                                                     memory_bytes=q.memory_bytes,
-                                                    snapshot_bytes=q.snapshot_bytes),
+                                                    snapshot_bytes=q.snapshot_bytes,
+                                                    network=q.network),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
                    "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
 
@@ -130,7 +131,8 @@ class Admin:
                 f"{path!r}: only a superuser may (a project's own admins cannot raise its "
                 "quota); admins set the quotas of their subprojects")
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
-                      memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
+                      memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes,
+                      network=q.network)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
         self._sync_snapshots()

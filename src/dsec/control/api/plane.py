@@ -119,7 +119,17 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import NodeId, node_of
-from dsec.wire.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
+from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import (
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    backend_of,
+    project_of,
+    resolve,
+    stored,
+)
 
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
@@ -162,6 +172,11 @@ class PlaneConfig:
     # that timed out while the loop was stalled for half its deadline is this side's
     # blindness, not the edge's silence.
     stall_tick_s: float = 0.1
+    # How stale this replica's copy of the quotas (network ceilings included) may get:
+    # another apiserver replica over the same store may have set one. Re-read from the
+    # store at most this often, when a create is admitted or a ceiling checked (a
+    # ceiling narrowed on one replica used to bind the others only after their restart).
+    quota_refresh_s: float = 2.0
 
 
 class IamAuthority:
@@ -234,6 +249,7 @@ class ControlPlane:
     _last_sweep: float = 0.0
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _stalls: StallMeter | None = None
+    _quotas_read: float = float("-inf")   # when the quota index was last read from the store
     # Administration (projects, quotas, keys, sessions) and the image routes, over this
     # plane's parts: see dsec.control.api.admin and dsec.control.api.images.
     admin: Admin = field(init=False)
@@ -260,7 +276,7 @@ class ControlPlane:
         iam = Iam(store, clock=clock)
         quota = QuotaIndex()
         for row in store.list_quotas():
-            quota.set_quota(row.project, Quota(**row.quota))
+            quota.set_quota(row.project, msgspec.convert(row.quota, Quota))
         for charge in store.list_snapshot_charges():
             quota.add_snapshot(charge.id, charge.project, charge.size_bytes)
         registry = Registry(store, clock=clock, quota=quota)
@@ -268,10 +284,14 @@ class ControlPlane:
         plane = cls(store=store, iam=iam, quota=quota, registry=registry, metrics=metrics,
                     config=cfg, clock=clock,
                     watcher=Watcher(WatcherConfig(ttl_s=cfg.node_ttl_s)))
+        plane._quotas_read = clock()
         metrics.on_scrape(plane._refresh_gauges)
         for lost in store.list_lost(cfg.lost_tombstones):
             try:
-                plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+                tomb = plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+                # written by an older release: an omitted backend/project meant the old
+                # defaults (wire.spec.stored); readers take a tombstone's spec as resolved
+                tomb.info.spec = stored(tomb.info.spec)
             except msgspec.ValidationError:
                 log.warning("unreadable lost-node tombstone %s ignored", lost.id)
         return plane
@@ -349,14 +369,14 @@ class ControlPlane:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not offered by any node of this cluster; "
                 f"available: {', '.join(sorted(offered))}", field="backend")
-        self.ceiling.check(backend=spec.backend, cpu_milli=spec.cpu_milli,
+        self.ceiling.check(backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                            memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
-                               group=spec.project, layers=refs)
+                               group=project_of(spec), layers=refs)
         if spec.snapshot is not None:
             return self._place_on_holder(spec.snapshot, req, exclude)
         return self.placement.place(req, exclude=exclude)
@@ -409,14 +429,36 @@ class ControlPlane:
         self.placement.forget(decision)
 
     # --------------------------------------------------------------- quotas
+    def network_ceilings(self, project: str) -> list[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project`` (its own and its ancestors')."""
+        self._fresh_quotas()
+        return self.quota.network_ceilings(project)
+
+    def _fresh_quotas(self) -> None:
+        """Re-read the quotas from the store when this copy is older than
+        ``quota_refresh_s`` (one query of the quota rows; see PlaneConfig)."""
+        now = self.clock()
+        if now - self._quotas_read < self.config.quota_refresh_s:
+            return
+        self._quotas_read = now
+        for row in self.store.list_quotas():
+            try:
+                q = msgspec.convert(row.quota, Quota)
+                if self.quota.quota(row.project) != q:
+                    self.quota.set_quota(row.project, q)
+            except (msgspec.ValidationError, DsecError) as exc:
+                log.warning("quota of %s in the store is unreadable, kept the one held: %s",
+                            row.project, exc)
+
     def admit(self, project: str, spec: SandboxSpec) -> object:
         """Check the quota chain and hold a provisional charge until commit/abort."""
-        self.quota.check(project, backend=spec.backend, cpu_milli=spec.cpu_milli,
+        self._fresh_quotas()
+        self.quota.check(project, backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                          memory_bytes=spec.memory_bytes)
         self._pending += 1
         token = f"pending:{self._pending}"
         self.quota.insert(SandboxRecord(id=token, node="", project=project,
-                                        backend=spec.backend, cpu_milli=spec.cpu_milli,
+                                        backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                                         memory_bytes=spec.memory_bytes,
                                         priority=spec.priority))
         return token
@@ -471,10 +513,11 @@ class ControlPlane:
         self._record(info)
 
     def _record(self, info: SandboxInfo, reason: str = "created") -> None:
-        spec = info.spec
+        spec = stored(info.spec)
         try:
             self.registry.add_sandbox(SandboxRecord(
-                id=info.id, node=info.node, project=spec.project, backend=spec.backend,
+                id=info.id, node=info.node, project=project_of(spec),
+                backend=backend_of(spec),
                 cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                 priority=spec.priority, created_at=info.created_at,
                 paused=info.state == "paused", spec=spec), reason=reason)
@@ -1028,9 +1071,11 @@ _PROBES_AT_ONCE = 256
 def _info_of(rec: SandboxRecord) -> SandboxInfo:
     """Registry record -> the API's SandboxInfo (``last_active_at`` is not tracked by
     the control plane: it reads as the creation time; GET one sandbox for the live one)."""
-    spec = rec.spec or SandboxSpec(project=rec.project, backend=rec.backend,  # type: ignore[arg-type]
-                                   cpu_milli=rec.cpu_milli, memory_bytes=rec.memory_bytes,
+    spec = rec.spec or SandboxSpec(cpu_milli=rec.cpu_milli, memory_bytes=rec.memory_bytes,
                                    priority=rec.priority)
+    # a record stored before a spec could leave backend/project unset omitted them at
+    # their old defaults: the record's own columns say what they were
+    spec = resolve(spec, backend=rec.backend, project=rec.project)  # type: ignore[arg-type]
     return SandboxInfo(id=rec.id, node=rec.node, state="paused" if rec.paused else "running",
                        spec=spec, created_at=rec.created_at, last_active_at=rec.created_at)
 

@@ -884,10 +884,10 @@ class FncallBackend:
     def _check_spec(self, spec: SandboxSpec) -> tuple[int, int | None]:
         """(disk bytes, pids.max) for ``spec``, or InvalidArgument for what fncall cannot
         give: it has loopback only and never nests namespaces."""
-        if spec.network.mode == "allowlist":
+        if spec.net.net_mode != "none":
             raise InvalidArgument("the fncall backend has no network beyond loopback; use "
-                                  "network mode 'loopback' or 'none' (or the container "
-                                  "backend)", field="network")
+                                  "network mode 'none' (or the container backend)",
+                                  field="network")
         if spec.allow_nested:
             raise InvalidArgument("the fncall backend does not allow nested namespaces; drop "
                                   "allow_nested or use the container backend",
