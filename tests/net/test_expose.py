@@ -56,7 +56,7 @@ def _tamper(token: str) -> str:
 
 def test_a_server_inside_is_reached_through_its_url_and_only_with_a_token(
         cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         other = c.sandboxes.create()
         try:
@@ -126,7 +126,7 @@ def test_a_websocket_session_through_the_url(cluster: LocalCluster) -> None:
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect as ws_connect
 
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             sb.files.write("/tmp/ws.sh", WS_SERVER, mode=0o755)
@@ -161,7 +161,7 @@ def test_keys_of_each_role_and_another_tenant(cluster: LocalCluster) -> None:
     reader = cluster.create_key(f"exp-reader-{os.getpid()}", "default", "reader")
     member = cluster.create_key(f"exp-member-{os.getpid()}", "default", "member")
     stranger = cluster.create_key(f"exp-stranger-{os.getpid()}", "exp-other", "admin")
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             httpd(sb, 8000, "keyed")
@@ -190,7 +190,7 @@ def test_keys_of_each_role_and_another_tenant(cluster: LocalCluster) -> None:
 
 
 def test_the_sandbox_never_sees_the_callers_credentials(cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             # nc answers a fixed response and keeps what arrived
@@ -230,7 +230,7 @@ def test_the_sandbox_never_sees_the_callers_credentials(cluster: LocalCluster) -
 
 
 def test_closing_the_port_or_the_sandbox_ends_every_url(cluster: LocalCluster) -> None:
-    with cluster.client(transport="aether") as c:
+    with cluster.client(protocol="aether") as c:
         sb = c.sandboxes.create()
         try:
             httpd(sb, 8000, "v1")
@@ -255,7 +255,7 @@ def test_closing_the_port_or_the_sandbox_ends_every_url(cluster: LocalCluster) -
 
 
 def test_a_sandbox_without_network_still_serves_its_ports(cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create(network=NetworkPolicy(mode="none"))
         try:
             # loopback is down in mode none: exposing brings it up (the sandbox reaches
@@ -269,7 +269,7 @@ def test_a_sandbox_without_network_still_serves_its_ports(cluster: LocalCluster)
 
 
 def test_at_most_max_exposed_ports_per_sandbox(cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             for port in range(9000, 9000 + MAX_EXPOSED_PORTS):
@@ -297,7 +297,7 @@ def test_at_most_max_exposed_ports_per_sandbox(cluster: LocalCluster) -> None:
 
 
 def test_every_api_door_and_the_cli(cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             httpd(sb, 8000, "doors")
@@ -329,7 +329,7 @@ def test_every_api_door_and_the_cli(cluster: LocalCluster) -> None:
 
             # the async SDK over both transports
             async def sdk(transport: str) -> str:
-                async with AsyncClient(cluster.url, cluster.api_key, transport=transport,
+                async with AsyncClient(cluster.url, cluster.api_key, protocol=transport,
                                        session_lease_s=None) as ac:
                     asb = await ac.sandboxes.get(sb.id)
                     url = await asb.ports.expose(8000)
@@ -354,7 +354,7 @@ def test_every_api_door_and_the_cli(cluster: LocalCluster) -> None:
 
 def test_a_slow_reader_and_many_connections_do_not_starve_another_sandbox(
         cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         hog = c.sandboxes.create()
         calm = c.sandboxes.create()
         try:
@@ -395,7 +395,7 @@ def test_tunnels_through_one_apiserver_are_capped(cluster: LocalCluster) -> None
     the cluster's loop, with the cluster's own ApiService.)"""
     from dsec.control.proxy import PortProxy
 
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             httpd(sb, 8000, "capped")

@@ -70,7 +70,7 @@ def two_edges(tmp_path: object) -> Iterator[LocalCluster]:
 def test_ports_of_sandboxes_on_two_tcp_edges_through_one_apiserver(
         two_edges: LocalCluster) -> None:
     cl = two_edges
-    with cl.client(transport="http") as c:
+    with cl.client(protocol="http") as c:
         deadline = time.monotonic() + 60
         while not all(n.healthy for n in c.nodes()) or len(c.nodes()) < 2:
             assert time.monotonic() < deadline, c.nodes()

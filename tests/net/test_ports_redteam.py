@@ -91,7 +91,7 @@ def test_a_sandbox_page_sets_no_cookie_or_origin_wide_header_and_runs_sandboxed(
     """rt14 test_ports_origin (1): the sandbox's Set-Cookie (and every other header that
     acts on the apiserver's whole origin) is dropped; the page carries CSP sandbox
     without allow-same-origin; the token cookie is scoped to the exact port path."""
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         victim = c.sandboxes.create()
         evil = c.sandboxes.create()
         try:
@@ -132,7 +132,7 @@ def test_a_sandbox_page_runs_in_an_opaque_origin(cluster: LocalCluster) -> None:
     after sandbox V's: E's page is served with CSP sandbox (no allow-same-origin), so
     in a browser its script's origin is opaque: its fetch of V's port is cross-origin,
     goes without V's SameSite=Lax cookie and its answer is unreadable."""
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         victim = c.sandboxes.create()
         evil = c.sandboxes.create()
         try:
@@ -155,7 +155,7 @@ def test_a_sandbox_page_runs_in_an_opaque_origin(cluster: LocalCluster) -> None:
 def test_a_service_worker_script_is_refused(cluster: LocalCluster) -> None:
     """A browser fetching a service-worker script (``Service-Worker: script``) through a
     port is refused: a worker on the apiserver's origin would see every port."""
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             _httpd(sb, "sw")
@@ -181,7 +181,7 @@ def test_no_spelling_of_the_api_key_reaches_the_sandbox(
         r = httpx.get(f"{cluster.url}/v1/sandboxes", headers={"authorization": header},
                       timeout=T)
         assert r.status_code == 200, r.text
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         sb = c.sandboxes.create()
         try:
             _serve_raw(sb, 8002, REPLY, "/tmp/req")
@@ -216,7 +216,7 @@ def test_one_sandboxs_idle_tunnels_do_not_starve_another_sandboxs_port(
     proxy = _proxy(cluster)
     saved = (proxy.max_tunnels, proxy.idle_s)
     proxy.max_tunnels, proxy.idle_s = cap, 3.0
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         hog = c.sandboxes.create()
         calm = c.sandboxes.create()
         held: list[socket.socket] = []

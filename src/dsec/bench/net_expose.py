@@ -91,7 +91,7 @@ def expose(ctx: BenchContext) -> None:
     seconds = 2.0 if ctx.quick else 8.0
     with tempfile.TemporaryDirectory(prefix="dsec-bench-expose-") as tmp, \
             LocalCluster(edges=1, backend="container", subprocess=True) as cl, \
-            cl.client(transport="http", session_lease_s=None) as c:
+            cl.client(protocol="http", session_lease_s=None) as c:
         sb = c.sandboxes.create()
         try:
             www = "/tmp/www"

@@ -187,7 +187,10 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
     msgspec refuses is worded as at every door (:func:`undecodable`)."""
     rest = op.rest
     assert rest is not None
-    given: dict[str, Any] = {name: path[name] for name in path_params(rest.path)}
+    # path parameters as their fields' types (``{port}`` is an int: port_close)
+    names = path_params(rest.path)
+    fields = _fields_of(op.request) if names else {}
+    given: dict[str, Any] = {name: _parse(name, fields[name], path[name]) for name in names}
     if query:
         by_param = {param: name for name, param in rest.query.items()}
         types = _fields_of(op.request)
