@@ -1417,8 +1417,23 @@ class ApiService:
         url = f"{self.config.public_url}{proxy_path(sid, rec.port)}?{TOKEN_PARAM}={token}"
         return ExposedPort(port=rec.port, url=url, token=token, expires_at=float(expiry))
 
+    def _ports_within_ceilings(self, project: str, sid: str) -> None:
+        """Exposing a port opens a path from outside into the sandbox: refused (and
+        every URL of it stops working) under a project whose network ceiling, or an
+        ancestor's, is ``none``. The apiserver's check for every door (REST, gateway and
+        the proxy route); the edge, reached directly, knows no project ceilings."""
+        for owner, ceiling in self.network_ceilings(project):
+            if ceiling.net_mode == "none":
+                raise PermissionDenied(
+                    f"sandbox {sid} is in project {project!r}, under the network ceiling "
+                    f"'none' of project {owner!r}: no network reaches its sandboxes, so "
+                    f"none of their ports may be exposed; ask an admin of the parent of "
+                    f"{owner!r} to widen that ceiling", project=owner, ceiling="none",
+                    sandbox_id=sid)
+
     async def _port_expose_op(self, caller: Caller, b: PortExpose) -> ExposedPort:
-        edge, _ = await self._edge_for(caller, b.id, "member")
+        edge, project = await self._edge_for(caller, b.id, "member")
+        self._ports_within_ceilings(project, b.id)
         rec = await self._via(edge, b.id, "port_expose", lambda: edge.port_expose(b))
         return self._exposed(b.id, rec, b.token_ttl_s)
 
@@ -1470,6 +1485,7 @@ class ApiService:
             raise Unauthenticated(
                 f"reaching an exposed port needs its URL token (?{TOKEN_PARAM}= or "
                 "X-Dsec-Token) or an API key of a member of the sandbox's project")
+        self._ports_within_ceilings(project, sid)
         if admit is not None:
             admit(project)
         return edge.tunnel(ops.PORT_CONNECT, PortConnect(id=sid, port=port, generation=gen))
