@@ -70,7 +70,7 @@ def test_no_door_exposes_a_port_under_a_none_ceiling(cluster: LocalCluster,
         _gateway(cluster, key, "api.port_expose", {"id": sid, "port": 8000})
     assert gw.value.code == "permission_denied" and gw.value.message == msg
     for transport in ("http", "aether"):
-        with (Client(cluster.url, key, gateway=cluster.gateway, transport=transport) as c,
+        with (Client(cluster.url, key, gateway=cluster.gateway, protocol=transport) as c,
               pytest.raises(PermissionDenied, match="network ceiling 'none'")):
             c.sandboxes.get(sid).ports.expose(8000)
     listed = _rest(cluster, key, "GET", f"/v1/sandboxes/{sid}/ports")
