@@ -67,7 +67,6 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -87,6 +86,7 @@ from dsec.errors import (
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.net.tunnel import connect_in_netns, relay
 from dsec.wire.netpolicy import NetworkPolicy, within
+from dsec.wire.node import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.wire.ports import (
     MAX_EXPOSED_PORTS,
     MAX_TUNNELS_PER_SANDBOX,

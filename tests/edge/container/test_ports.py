@@ -18,10 +18,10 @@ from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.client import EdgeClient
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import serve_edge
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import NotFound, RateLimited, StreamReset
 from dsec.wire import ops
 from dsec.wire.ports import PortConnect, PortExpose, PortRef
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import _cleanup
 
