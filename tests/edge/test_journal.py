@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dsec.edge.journal import JournalEnd, JournalRecord, SandboxJournal
@@ -164,3 +165,25 @@ async def test_full_disk_fails_the_commit_and_loses_nothing(tiny_fs: str) -> Non
     assert len(got) == 99 and got[rec(3).id].state == "paused"
     assert got[rec(1).id].state == got[rec(99).id].state == "running"
     j2.close()
+
+
+def test_a_line_of_each_earlier_layout_still_reads() -> None:
+    """array_like records: fields are appended, defaulted. A line main wrote before the
+    ports field (nb's net_generation, ceiling_deny last) reads with no ports; one with
+    ports keeps nb's fields where they were (merge of nc after nb)."""
+    from dsec.edge.journal import _decoder, _encoder
+    from dsec.wire.ports import PortRecord
+
+    rec = JournalRecord(id="sb-0123456789ab-n1", state="running", spec=SandboxSpec(),
+                        created_at=1.0, last_active_at=2.0, net_generation=3,
+                        ceiling_deny=("198.51.100.0/24",),
+                        ports=(PortRecord(port=8000, generation=7, exposed_at=1.5),))
+    line = msgspec.json.decode(_encoder.encode(rec))
+    assert line[-3:-1] == [3, ["198.51.100.0/24"]], line
+    assert _decoder.decode(_encoder.encode(line)) == rec
+    before_ports = _decoder.decode(msgspec.json.encode(line[:-1]))
+    assert isinstance(before_ports, JournalRecord)
+    assert before_ports.ports == () and before_ports.net_generation == 3
+    before_net = _decoder.decode(msgspec.json.encode(line[:-3]))
+    assert isinstance(before_net, JournalRecord)
+    assert before_net.net_generation == 0 and before_net.ports == ()
