@@ -277,6 +277,9 @@ def net_suite(ctx: BenchContext) -> None:
         asyncio.run(_run(ctx, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    # exposed ports through the apiserver (nc's figures, net_expose_*)
+    from dsec.bench.net_expose import expose
+    expose(ctx)
     ctx.note("Namespaces only: a fake internet, a router netns with nftables and NAT, "
              "container sandboxes on its slots; no packet leaves the machine. "
              "net_policy_update includes the journal's fsync (durable before acknowledged); "
