@@ -506,6 +506,21 @@ INVALID: dict[str, list[Bad]] = {
                   "label", "MAX_LABEL_KEY_CHARS"),
         _spec_bad("label value", {"labels": {"k": "v" * (wspec.MAX_LABEL_VALUE_CHARS + 1)}},
                   "label", "MAX_LABEL_VALUE_CHARS"),
+        _spec_bad("priority", {"priority": wspec.MAX_PRIORITY + 1}, "priority",
+                  "MAX_PRIORITY"),
+        _spec_bad("toolkit count", {"toolkits": ["tk"] * (wspec.MAX_TOOLKITS + 1)},
+                  f"toolkits has {wspec.MAX_TOOLKITS + 1} entries", "MAX_TOOLKITS"),
+        _spec_bad("image ref", {"image": "i" * (wspec.MAX_REF_CHARS + 1)}, "image",
+                  "MAX_REF_CHARS"),
+        _spec_bad("network allow count", {"network": {"mode": "allowlist", "allow": [
+            "x:1"] * (wspec.MAX_NETWORK_ALLOW + 1)}}, "network.allow", "MAX_NETWORK_ALLOW"),
+        _spec_bad("network allow entry", {"network": {"mode": "allowlist", "allow": [
+            "x" * wspec.MAX_NETWORK_ENTRY_CHARS + ":1"]}}, "network.allow",
+            "MAX_NETWORK_ENTRY_CHARS"),
+        # (the edge's case: tests/security/catalogue/test_edge_spec_rules.py; this
+        # harness gives the edge a resolved project)
+        Bad("project path", lambda w: {"spec": {"project": "Default/../x"}},
+            "invalid project path", doors=_API),
         Bad("idempotency key", lambda w: {"idempotency_key": "k" * (
             wspec.MAX_IDEMPOTENCY_KEY_CHARS + 1)}, "idempotency", "MAX_IDEMPOTENCY_KEY_CHARS",
             doors=_API),
@@ -555,7 +570,9 @@ INVALID: dict[str, list[Bad]] = {
     "create_key": [Bad("name", lambda w: {"name": "no such name!", "project": "default"},
                        "name", policy=True)],
     "quota_set": [Bad("negative", lambda w: {"path": "default", "quota": {
-        "max_sandboxes": -1}}, "max_sandboxes", policy=True)],
+        "max_sandboxes": -1}}, "max_sandboxes"),
+                  Bad("beyond 64 bits", lambda w: {"path": "default", "quota": {
+                      "cpu_milli": 2**63}}, "cpu_milli")],
     "image_tag": [Bad("source length", lambda w: {"source": "s" * 5000, "target": "t:1"},
                       "source", decode=True)],
 }

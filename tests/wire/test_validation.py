@@ -217,6 +217,13 @@ PAST_EACH_LIMIT: dict[str, Any] = {
         "k" * (spec.MAX_LABEL_KEY_CHARS + 1): ""}).validate(),
     "MAX_LABEL_VALUE_CHARS": lambda: SandboxSpec(labels={
         "k": "v" * (spec.MAX_LABEL_VALUE_CHARS + 1)}).validate(),
+    "MAX_PRIORITY": lambda: SandboxSpec(priority=spec.MAX_PRIORITY + 1).validate(),
+    "MAX_TOOLKITS": lambda: SandboxSpec(toolkits=("tk",) * (spec.MAX_TOOLKITS + 1)).validate(),
+    "MAX_REF_CHARS": lambda: SandboxSpec(workspace="w" * (spec.MAX_REF_CHARS + 1)).validate(),
+    "MAX_NETWORK_ALLOW": lambda: SandboxSpec(network=spec.NetworkPolicy(
+        mode="allowlist", allow=("x:1",) * (spec.MAX_NETWORK_ALLOW + 1))).validate(),
+    "MAX_NETWORK_ENTRY_CHARS": lambda: SandboxSpec(network=spec.NetworkPolicy(
+        mode="allowlist", allow=("x" * spec.MAX_NETWORK_ENTRY_CHARS + ":1",))).validate(),
 }
 
 

@@ -71,21 +71,13 @@ from dsec.wire.calls import (
 from dsec.wire.jsonform import exec_output, exec_request, stream_line
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.outcome import undecodable
-from dsec.wire.rest import decode_request
+from dsec.wire.rest import decode_json, decode_request
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
 
 log = logging.getLogger("dsec.apiserver")
 
 _json = msgspec.json.Encoder()
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
-
-
-def _decoder(tp: type) -> msgspec.json.Decoder[Any]:
-    d = _decoders.get(tp)
-    if d is None:
-        d = _decoders[tp] = msgspec.json.Decoder(tp)
-    return d
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -171,14 +163,12 @@ def _decode(tp: type, raw: bytes, op: CatalogueOp[Any, Any]) -> Any:
     if not raw:
         raise InvalidArgument(f"empty request body: send a JSON {tp.__name__} object")
     try:
-        return _decoder(tp).decode(raw)
+        return decode_json(raw, tp, what="body")
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
             raise exc.__cause__ from None
         body = op.rest.body if op.rest is not None else None
         raise undecodable(op.name, exc, at="" if body in (None, "*") else str(body)) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"malformed JSON body: {exc}") from None
 
 
 def _json_response(obj: Any, rid: str, status: int = 200) -> Response:

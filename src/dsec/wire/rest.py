@@ -13,6 +13,7 @@ field at its default is not mistaken for one left to the server), or none.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,6 +237,61 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
 
 
 _body_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+_any_json = msgspec.json.Decoder()
+# Integers every door carries: msgpack (Aether, the edge's journal) holds at most 64 bits.
+# msgspec's JSON decoder takes any integer, so one beyond 64 bits used to pass REST's
+# decode and fail when re-encoded for the edge (edge_unreachable, a retryable 503).
+INT_MIN = -(2**63)
+INT_MAX = 2**64 - 1
+# A JSON integer outside int64 has at least 19 digits; a body without such a run (the
+# usual case: one C-speed scan, ~1 us per KiB) is decoded straight into its type.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def check_ints(value: Any, at: str = "") -> None:
+    """Refuse (:class:`InvalidArgument`, naming the field) an integer anywhere in
+    decoded JSON data ``value`` that msgpack cannot carry (below -2**63 or above
+    2**64 - 1); a tighter bound of a field is its type's to check, in its own words, the
+    same at every door."""
+    stack: list[tuple[Any, str]] = [(value, at)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int):
+            if not INT_MIN <= v <= INT_MAX:
+                name = where or "body"
+                raise InvalidArgument(f"{name}={str(v)[:40]} is out of range: integers are "
+                                      f"within {INT_MIN}..{INT_MAX} (64 bits, what every "
+                                      "door carries)", field=name, limit=INT_MAX)
+        elif isinstance(v, dict):
+            stack.extend((x, f"{where}.{k}" if where else str(k)) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+
+
+def decode_json(raw: bytes, tp: Any = Any, *, what: str = "request body") -> Any:
+    """JSON ``raw`` as ``tp``: the one JSON decode of a request at the apiserver (the
+    generic route and the by-hand ones). Malformed or too deeply nested JSON
+    (``RecursionError`` inside msgspec) and integers beyond 64 bits are refused as
+    :class:`InvalidArgument`; msgspec's ``ValidationError`` is left to the caller (it
+    words it per operation)."""
+    try:
+        if _LONG_DIGITS.search(raw) is not None:
+            data = _any_json.decode(raw)
+            check_ints(data)
+            return data if tp is Any else msgspec.convert(data, tp)
+        dec = _body_decoders.get(tp)
+        if dec is None:
+            dec = _body_decoders[tp] = msgspec.json.Decoder(tp)
+        return dec.decode(raw)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"malformed JSON {what}: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(f"the JSON {what} is nested too deeply; nest at most a few "
+                              "levels (a request is a flat object of fields)") from None
 
 
 def _json_body(op: Op[Any, Any], raw: bytes, tp: Any, at: str) -> Any:
@@ -243,14 +299,9 @@ def _json_body(op: Op[Any, Any], raw: bytes, tp: Any, at: str) -> Any:
     if not raw:
         raise InvalidArgument(f"empty request body: send the {op.name} request's JSON "
                               f"{at or 'object'}")
-    dec = _body_decoders.get(tp)
-    if dec is None:
-        dec = _body_decoders[tp] = msgspec.json.Decoder(tp)
     try:
-        return dec.decode(raw)
+        return decode_json(raw, tp, what="body")
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
             raise exc.__cause__ from None
         raise undecodable(op.name, exc, at=at) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"malformed JSON body: {exc}") from None

@@ -35,13 +35,19 @@ __all__ = [
     "MAX_LABEL_KEY_CHARS",
     "MAX_LABEL_VALUE_CHARS",
     "MAX_MEMORY_BYTES",
+    "MAX_NETWORK_ALLOW",
+    "MAX_NETWORK_ENTRY_CHARS",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_PIDS",
+    "MAX_PRIORITY",
+    "MAX_REF_CHARS",
     "MAX_SPEC_ENV_BYTES",
     "MAX_STDIN_BYTES",
+    "MAX_TOOLKITS",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
+    "MIN_PRIORITY",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
@@ -63,6 +69,7 @@ __all__ = [
     "check_idempotency_key",
     "check_mode",
     "check_path",
+    "check_project_path",
     "check_read_range",
     "check_snapshot_ref",
     "project_of",
@@ -126,6 +133,19 @@ MAX_SPEC_ENV_BYTES = MAX_ARGV_BYTES // 2
 MAX_LABELS = 64                       # labels per sandbox (listings filter on them)
 MAX_LABEL_KEY_CHARS = 253
 MAX_LABEL_VALUE_CHARS = 1024
+# Preemption priority: a 32-bit int at every door (REST's single create said so first;
+# the batch, gateway and edge doors took any 64-bit value).
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 2**31 - 1
+# Layer refs (image, workspace, each toolkit, snapshot): ``[project/]name[:tag]`` or a
+# digest, the length ``ImageTagRequest`` allows. Toolkits per sandbox: each is a layer of
+# the sandbox's overlay stack (the kernel's overlayfs takes ~500 lower dirs); 400,000
+# refs held the apiserver's loop ~3 s resolving them (red team, issue 13).
+MAX_REF_CHARS = 1200
+MAX_TOOLKITS = 64
+# Egress allowlist entries (``host:port``) and the length of one.
+MAX_NETWORK_ALLOW = 1024
+MAX_NETWORK_ENTRY_CHARS = 512
 
 
 def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
@@ -183,6 +203,21 @@ def check_path(path: object, *, field: str = "path") -> str:
         raise InvalidArgument(f"{field} {path[:60]!r} contains a NUL character",
                               field=field)
     return path
+
+
+def check_project_path(project: object, *, field: str = "project") -> str:
+    """A project path (``org/team/exp1``: 1..16 lowercase names, ``/``-separated), in the
+    words every door uses (:func:`dsec.ids.parse_project_path`, the one rule): the API
+    doors, the edge and the spec's :meth:`SandboxSpec.validate`. Returns ``project``."""
+    from dsec.ids import parse_project_path
+
+    if not isinstance(project, str):
+        raise InvalidArgument(f"invalid project path {project!r}: use '/'-separated "
+                              "lowercase names like 'org/team/exp1'", field=field)
+    try:
+        return parse_project_path(project)
+    except InvalidArgument as exc:
+        raise InvalidArgument(exc.message, field=field) from None
 
 
 def check_read_range(offset: int, length: int | None) -> None:
@@ -296,8 +331,39 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if v is not None and not (0 < v <= MAX_TTL_S):
                 raise bad(name, v, "use a positive number of seconds up to 30 days, or null",
                           limit=MAX_TTL_S)
+        if not (MIN_PRIORITY <= self.priority <= MAX_PRIORITY):
+            raise bad("priority", self.priority,
+                      f"use {MIN_PRIORITY}..{MAX_PRIORITY} (a 32-bit integer)",
+                      limit=MAX_PRIORITY)
         if not self.image:
             raise bad("image", self.image, "name an image")
+        for name, ref in (("image", self.image), ("workspace", self.workspace),
+                          ("snapshot", self.snapshot)):
+            if ref is not None and len(ref) > MAX_REF_CHARS:
+                raise bad(name, ref[:60] + "...", f"a ref is at most {MAX_REF_CHARS} "
+                          "characters", size=len(ref), limit=MAX_REF_CHARS)
+        if len(self.toolkits) > MAX_TOOLKITS:
+            raise InvalidArgument(f"sandbox spec field toolkits has {len(self.toolkits)} "
+                                  f"entries, over the limit of {MAX_TOOLKITS}",
+                                  field="toolkits", size=len(self.toolkits),
+                                  limit=MAX_TOOLKITS)
+        for ref in self.toolkits:
+            if not ref or len(ref) > MAX_REF_CHARS:
+                raise bad("toolkits", ref[:60], f"a toolkit ref is 1..{MAX_REF_CHARS} "
+                          "characters", size=len(ref), limit=MAX_REF_CHARS)
+        allow = self.network.allow
+        if len(allow) > MAX_NETWORK_ALLOW:
+            raise InvalidArgument(f"sandbox spec field network.allow has {len(allow)} "
+                                  f"entries, over the limit of {MAX_NETWORK_ALLOW}",
+                                  field="network.allow", size=len(allow),
+                                  limit=MAX_NETWORK_ALLOW)
+        for entry in allow:
+            if len(entry) > MAX_NETWORK_ENTRY_CHARS:
+                raise bad("network.allow", entry[:60] + "...", "an entry (host:port) is at "
+                          f"most {MAX_NETWORK_ENTRY_CHARS} characters", size=len(entry),
+                          limit=MAX_NETWORK_ENTRY_CHARS)
+        if self.project is not None:
+            check_project_path(self.project)
         if not isinstance(self.user_namespace, bool):
             raise bad("user_namespace", self.user_namespace, "use true or false")
         if len(self.env) > MAX_ENV_ITEMS:

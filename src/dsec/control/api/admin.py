@@ -98,10 +98,10 @@ class Admin:
         u = self.quota.usage(path)
         return ProjectView(
             path=path,
-            quota=None if q is None else QuotaBody(max_sandboxes=q.max_sandboxes,
-                                                    cpu_milli=q.cpu_milli,
-                                                    memory_bytes=q.memory_bytes,
-                                                    snapshot_bytes=q.snapshot_bytes),
+            quota=None if q is None else QuotaBody.clamped(max_sandboxes=q.max_sandboxes,
+                                                            cpu_milli=q.cpu_milli,
+                                                            memory_bytes=q.memory_bytes,
+                                                            snapshot_bytes=q.snapshot_bytes),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
                    "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
 
