@@ -68,7 +68,7 @@ from dsec.wire.calls import (
     ExecCall,
     ImageUpload,
 )
-from dsec.wire.jsonform import exec_output, exec_request, stream_line
+from dsec.wire.jsonform import carries_exec, exec_output, exec_request, json_form, stream_line
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.outcome import undecodable
 from dsec.wire.rest import decode_json, decode_request
@@ -244,6 +244,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         policy = h(row)
         limit = limits[rest.body_limit]
         has_body, status, reply = rest.body is not None, rest.status, rest.reply
+        # exec results inside the reply (a batch's) are written as /exec writes one
+        exec_form = json_form if reply == "json" and carries_exec(row.reply) else None
 
         async def handler(request: Request, caller: Caller, rid: str) -> Response:
             body = await _read_body(request, limit) if has_body else None
@@ -251,7 +253,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                  request.headers, body)
             rep = await policy(caller, req)
             if reply == "json":
-                return _json_response(rep, rid, status)
+                return _json_response(rep if exec_form is None else exec_form(rep), rid,
+                                      status)
             if reply == "raw":
                 return Response(rep, status_code=status, media_type="application/octet-stream",
                                 headers={"x-request-id": rid})

@@ -63,6 +63,8 @@ __all__ = [
     "Encoding",
     "EventList",
     "ExecBody",
+    "ExecCallBody",
+    "ExecManyBody",
     "ExecOutput",
     "ExecStreamLine",
     "FileList",
@@ -227,6 +229,22 @@ class ExecOutput(msgspec.Struct, kw_only=True):
     timed_out: bool = False
     duration_s: float = 0.0
     pid: int | None = None
+
+
+class ExecCallBody(_Strict):
+    """One item of ``POST /v1/batch/exec``: sandbox ``id`` and its command in the exec
+    JSON form (:class:`ExecBody`, as ``POST .../exec`` takes it). Documents the
+    catalogue's ``ExecCall`` (dsec.wire.calls) as REST carries it."""
+
+    id: str
+    req: ExecBody
+
+
+class ExecManyBody(_Strict):
+    """Body of ``POST /v1/batch/exec``; each item answers as ``POST .../exec`` does
+    (:class:`ExecOutput`)."""
+
+    calls: list[ExecCallBody]
 
 
 class ExecStreamLine(msgspec.Struct, kw_only=True, omit_defaults=True):

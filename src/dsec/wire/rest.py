@@ -23,7 +23,14 @@ import msgspec
 
 from dsec.errors import DsecError, InvalidArgument, RemoteProtocolError
 from dsec.wire.api import ExecBody, ExecOutput
-from dsec.wire.jsonform import exec_body, exec_request, exec_result
+from dsec.wire.jsonform import (
+    carries_exec,
+    exec_body,
+    exec_request,
+    exec_result,
+    from_json,
+    json_form,
+)
 from dsec.wire.ops import Op, path_params
 from dsec.wire.outcome import undecodable
 from dsec.wire.spec import ExecRequest, ExecResult
@@ -82,7 +89,7 @@ def encode_request(op: Op[Any, Any], body: Any) -> RestRequest:
             headers[header] = _scalar(given)
     content: bytes | None = None
     if rest.body == "*":
-        content = _json.encode(fields)
+        content = _json.encode(json_form(fields))
         headers["content-type"] = "application/json"
     elif rest.body is not None:
         value: Any = fields.pop(rest.body)
@@ -111,8 +118,10 @@ def decode_reply(op: Op[Any, Any], content: bytes) -> Any:
     try:
         if op.reply is ExecResult:
             return exec_result(msgspec.json.decode(content, type=ExecOutput))
+        if carries_exec(op.reply):      # a batch of exec results: each in the exec form
+            return from_json(msgspec.json.decode(content), op.reply)
         return msgspec.json.decode(content, type=op.reply)
-    except msgspec.DecodeError as exc:     # ValidationError included
+    except (msgspec.DecodeError, InvalidArgument) as exc:     # ValidationError included
         raise RemoteProtocolError(f"{rest.method} {rest.path}: the answer does not decode "
                                   f"as {getattr(op.reply, '__name__', op.reply)}: "
                                   f"{exc}") from exc
@@ -216,8 +225,12 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
             given[name] = value
     if rest.body is not None:
         if rest.body == "*":
-            if not given:      # the whole request is the body: decoded once, as itself
+            exec_inside = carries_exec(op.request)
+            if not given and not exec_inside:
+                # the whole request is the body: decoded once, as itself
                 return _json_body(op, body or b"", op.request, "")
+            # an exec request inside (a batch's items) is read in the exec JSON form, as
+            # /exec reads it (from_json below)
             given.update(_json_body(op, body or b"", dict[str, Any], ""))
         else:
             t = _fields_of(op.request)[rest.body]
@@ -229,7 +242,7 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
             else:
                 given[rest.body] = _json_body(op, body or b"", Any, rest.body)
     try:
-        return msgspec.convert(given, op.request)
+        return from_json(given, op.request)
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
             raise exc.__cause__ from None
