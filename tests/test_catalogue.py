@@ -530,6 +530,8 @@ INVALID: dict[str, list[Bad]] = {
             f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS", doors=_API),
     ],
     "list": [
+        Bad("label filters", lambda w: {"labels": {f"k{i}": "v" for i in range(
+            wspec.MAX_LABELS + 1)}}, "labels filter has", "MAX_LABELS"),
         Bad("page size", lambda w: {"limit": 100_000}, "limit", doors=_API, policy=True),
         Bad("page size zero", lambda w: {"limit": 0}, "limit", doors=_API, policy=True),
     ],
@@ -562,7 +564,11 @@ INVALID: dict[str, list[Bad]] = {
     "remove": [Bad("path", lambda w: {"id": w.sid, "path": LONG_PATH},
                    "path is", "MAX_PATH_BYTES")],
     "destroy_many": [Bad("batch size", lambda w: {"ids": ["s"] * (wspec.MAX_BATCH_ITEMS + 1)},
-                         f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS")],
+                         f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS"),
+                     Bad("reason", lambda w: {"ids": ["s"], "reason": "r" * (
+                         wspec.MAX_REASON_CHARS + 1)}, "reason", "MAX_REASON_CHARS")],
+    "snapshot": [Bad("strip count", lambda w: {"id": w.sid, "strip": ["/tmp/x"] * (
+        wspec.MAX_STRIP_PATTERNS + 1)}, "strip has", "MAX_STRIP_PATTERNS")],
     "session_open": [Bad("lease too short", lambda w: {"lease_s": 0.5}, "lease_s",
                          policy=True),
                      Bad("lease too long", lambda w: {"lease_s": 1e9}, "lease_s",

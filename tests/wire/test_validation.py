@@ -26,6 +26,7 @@ from dsec.wire.calls import (
     Mkdir,
     ReadFile,
     Remove,
+    SnapshotCall,
     WriteFile,
 )
 from dsec.wire.spec import (
@@ -224,6 +225,10 @@ PAST_EACH_LIMIT: dict[str, Any] = {
         mode="allowlist", allow=("x:1",) * (spec.MAX_NETWORK_ALLOW + 1))).validate(),
     "MAX_NETWORK_ENTRY_CHARS": lambda: SandboxSpec(network=spec.NetworkPolicy(
         mode="allowlist", allow=("x" * spec.MAX_NETWORK_ENTRY_CHARS + ":1",))).validate(),
+    "MAX_STRIP_PATTERNS": lambda: SnapshotCall(id="s", strip=["/x"] * (
+        spec.MAX_STRIP_PATTERNS + 1)),
+    "MAX_REASON_CHARS": lambda: DestroyMany(ids=["s"], reason="r" * (
+        spec.MAX_REASON_CHARS + 1)),
 }
 
 

@@ -21,9 +21,12 @@ from dsec.wire.spec import (
     SandboxState,
     check_batch,
     check_idempotency_key,
+    check_label_filter,
     check_mode,
     check_path,
     check_read_range,
+    check_reason,
+    check_strip,
 )
 
 __all__ = [
@@ -195,6 +198,9 @@ class ListSandboxes(_Call, kw_only=True):
     limit: int = 100
     cursor: str | None = None
 
+    def __post_init__(self) -> None:
+        check_label_filter(self.labels)
+
 
 class SnapshotCall(_Call, kw_only=True):
     """``snapshot`` at the API doors: pack_diff sandbox ``id``, leaving out the path
@@ -202,6 +208,9 @@ class SnapshotCall(_Call, kw_only=True):
 
     id: str
     strip: list[str] = []
+
+    def __post_init__(self) -> None:
+        check_strip(self.strip)
 
 
 class SnapshotOnNode(_Call, kw_only=True):
@@ -212,6 +221,9 @@ class SnapshotOnNode(_Call, kw_only=True):
     id: str
     strip: list[str] = []
     max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_strip(self.strip)
 
 
 class SnapshotRef(_Call, kw_only=True):
@@ -235,6 +247,10 @@ class DestroyOnNode(_Call, kw_only=True):
     reason: str = "requested"
     detail: str = ""
 
+    def __post_init__(self) -> None:
+        check_reason(self.reason)
+        check_reason(self.detail, "detail")
+
 
 class DestroyMany(_Call, kw_only=True):
     ids: list[str]
@@ -242,6 +258,7 @@ class DestroyMany(_Call, kw_only=True):
 
     def __post_init__(self) -> None:
         check_batch(len(self.ids), "ids")
+        check_reason(self.reason)
 
 
 class ExecCall(_Call, kw_only=True):
@@ -322,6 +339,9 @@ class ListRequest(_Call, kw_only=True):
     state: SandboxState | None = None
     project: str | None = None
     labels: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        check_label_filter(self.labels)
 
 
 class FeedRequest(_Call, kw_only=True):

@@ -41,9 +41,11 @@ __all__ = [
     "MAX_PATH_BYTES",
     "MAX_PIDS",
     "MAX_PRIORITY",
+    "MAX_REASON_CHARS",
     "MAX_REF_CHARS",
     "MAX_SPEC_ENV_BYTES",
     "MAX_STDIN_BYTES",
+    "MAX_STRIP_PATTERNS",
     "MAX_TOOLKITS",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
@@ -67,11 +69,14 @@ __all__ = [
     "backend_of",
     "check_batch",
     "check_idempotency_key",
+    "check_label_filter",
     "check_mode",
     "check_path",
     "check_project_path",
     "check_read_range",
+    "check_reason",
     "check_snapshot_ref",
+    "check_strip",
     "project_of",
     "read_in_chunks",
     "resolve",
@@ -146,6 +151,9 @@ MAX_TOOLKITS = 64
 # Egress allowlist entries (``host:port``) and the length of one.
 MAX_NETWORK_ALLOW = 1024
 MAX_NETWORK_ENTRY_CHARS = 512
+# Path patterns a snapshot leaves out; a destroy's reason (it goes into the last event).
+MAX_STRIP_PATTERNS = 256
+MAX_REASON_CHARS = 1024
 
 
 def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
@@ -258,6 +266,41 @@ def check_batch(n: int, field: str) -> None:
         raise InvalidArgument(f"a batch of {n} {field} is over the limit of "
                               f"{MAX_BATCH_ITEMS} items per request; split it", field=field,
                               size=n, limit=MAX_BATCH_ITEMS)
+
+
+def check_label_filter(labels: dict[str, str], *, field: str = "labels") -> None:
+    """A listing's label filter: at most :data:`MAX_LABELS` pairs (no sandbox has more),
+    each within a label's own limits. The gateway took 100,000 (REST: what the header
+    cap let through)."""
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(f"{field} filter has {len(labels)} pairs, over the limit of "
+                              f"{MAX_LABELS} (a sandbox has at most that many labels)",
+                              field=field, size=len(labels), limit=MAX_LABELS)
+    for k, v in labels.items():
+        if len(k) > MAX_LABEL_KEY_CHARS or len(v) > MAX_LABEL_VALUE_CHARS:
+            raise InvalidArgument(f"{field} filter {k[:40]!r}: keys are up to "
+                                  f"{MAX_LABEL_KEY_CHARS} chars, values up to "
+                                  f"{MAX_LABEL_VALUE_CHARS}", field=field,
+                                  limit=MAX_LABEL_KEY_CHARS if len(k) > MAX_LABEL_KEY_CHARS
+                                  else MAX_LABEL_VALUE_CHARS)
+
+
+def check_strip(strip: list[str]) -> None:
+    """A snapshot's ``strip`` patterns: at most :data:`MAX_STRIP_PATTERNS`, each a path."""
+    if len(strip) > MAX_STRIP_PATTERNS:
+        raise InvalidArgument(f"strip has {len(strip)} patterns, over the limit of "
+                              f"{MAX_STRIP_PATTERNS}", field="strip", size=len(strip),
+                              limit=MAX_STRIP_PATTERNS)
+    for pattern in strip:
+        check_path(pattern, field="strip")
+
+
+def check_reason(reason: str, field: str = "reason") -> None:
+    """A destroy's reason or detail: at most :data:`MAX_REASON_CHARS` characters."""
+    if len(reason) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"{field} is {len(reason)} characters, over the limit of "
+                              f"{MAX_REASON_CHARS}", field=field, size=len(reason),
+                              limit=MAX_REASON_CHARS)
 
 
 def check_idempotency_key(key: str | None) -> None:
