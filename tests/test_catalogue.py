@@ -484,6 +484,8 @@ _API = frozenset({"rest", "gateway"})
 # at `$.spec.cpu_milli`", REST's body being the spec).
 
 INVALID: dict[str, list[Bad]] = {
+    "get": [Bad("id length", lambda w: {"id": "s" * (wspec.MAX_ID_CHARS + 1)}, "an id is",
+                "MAX_ID_CHARS")],
     "create": [
         _spec_bad("cpu", {"cpu_milli": wspec.MAX_CPU_MILLI + 1}, "cpu_milli",
                   "MAX_CPU_MILLI"),
@@ -568,7 +570,10 @@ INVALID: dict[str, list[Bad]] = {
                      Bad("reason", lambda w: {"ids": ["s"], "reason": "r" * (
                          wspec.MAX_REASON_CHARS + 1)}, "reason", "MAX_REASON_CHARS")],
     "snapshot": [Bad("strip count", lambda w: {"id": w.sid, "strip": ["/tmp/x"] * (
-        wspec.MAX_STRIP_PATTERNS + 1)}, "strip has", "MAX_STRIP_PATTERNS")],
+        wspec.MAX_STRIP_PATTERNS + 1)}, "strip has", "MAX_STRIP_PATTERNS"),
+                 Bad("strip pattern", lambda w: {"id": w.sid, "strip": ["x" * (
+                     wspec.MAX_STRIP_PATTERN_CHARS + 1)]}, "strip pattern",
+                     "MAX_STRIP_PATTERN_CHARS")],
     "session_open": [Bad("lease too short", lambda w: {"lease_s": 0.5}, "lease_s",
                          policy=True),
                      Bad("lease too long", lambda w: {"lease_s": 1e9}, "lease_s",

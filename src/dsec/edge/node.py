@@ -94,6 +94,7 @@ from dsec.wire.spec import (
     check_path,
     check_read_range,
     check_snapshot_ref,
+    check_strip,
     project_of,
     resolve,
     stored,
@@ -1279,23 +1280,14 @@ class EdgeNode:
         return actions
 
 
-_MAX_STRIP = 256
-
-
 def _check_strip(strip: Sequence[str]) -> tuple[str, ...]:
-    """Snapshot strip patterns: a few short, printable glob patterns."""
+    """Snapshot strip patterns: a few short, printable glob patterns (the wire's rule,
+    :func:`dsec.wire.spec.check_strip`, for in-process callers too)."""
     if isinstance(strip, str):
         raise InvalidArgument("snapshot strip must be a list of patterns, not one string",
                               field="strip")
     out = tuple(strip)
-    if len(out) > _MAX_STRIP:
-        raise InvalidArgument(f"snapshot strip has {len(out)} patterns; at most "
-                              f"{_MAX_STRIP}", field="strip")
-    for p in out:
-        if not isinstance(p, str) or not p or len(p) > 1024 or "\0" in p:
-            raise InvalidArgument(f"snapshot strip pattern {str(p)[:60]!r} must be a "
-                                  "non-empty glob of at most 1024 chars without NUL",
-                                  field="strip")
+    check_strip(out)
     return out
 
 

@@ -20,6 +20,7 @@ from dsec.wire.spec import (
     SandboxSpec,
     SandboxState,
     check_batch,
+    check_id,
     check_idempotency_key,
     check_label_filter,
     check_mode,
@@ -103,6 +104,9 @@ class SandboxRef(_Call, kw_only=True):
     """Operations on one sandbox that take nothing else (get, pause, stats, ...)."""
 
     id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class Empty(_Call, kw_only=True):
@@ -210,6 +214,7 @@ class SnapshotCall(_Call, kw_only=True):
     strip: list[str] = []
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_strip(self.strip)
 
 
@@ -223,6 +228,7 @@ class SnapshotOnNode(_Call, kw_only=True):
     max_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_strip(self.strip)
 
 
@@ -230,6 +236,9 @@ class SnapshotRef(_Call, kw_only=True):
     """``snapshot_get`` / ``snapshot_delete``: a snapshot ref (sha256:...)."""
 
     id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class SnapshotQuery(_Call, kw_only=True):
@@ -248,6 +257,7 @@ class DestroyOnNode(_Call, kw_only=True):
     detail: str = ""
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_reason(self.reason)
         check_reason(self.detail, "detail")
 
@@ -264,6 +274,9 @@ class DestroyMany(_Call, kw_only=True):
 class ExecCall(_Call, kw_only=True):
     id: str
     req: ExecRequest
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class ExecMany(_Call, kw_only=True):
@@ -283,6 +296,7 @@ class ReadFile(_Call, kw_only=True):
     length: int | None = None
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
         check_read_range(self.offset, self.length)
 
@@ -297,6 +311,7 @@ class WriteFile(_Call, kw_only=True):
     append: bool = False
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
         check_mode(self.mode)
 
@@ -308,6 +323,7 @@ class FileRef(_Call, kw_only=True):
     path: str
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
 
 
@@ -319,6 +335,7 @@ class Mkdir(_Call, kw_only=True):
     parents: bool = True
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
 
 
@@ -330,6 +347,7 @@ class Remove(_Call, kw_only=True):
     recursive: bool = False
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
 
 
@@ -365,11 +383,17 @@ class SessionRef(_Call, kw_only=True):
 
     id: str
 
+    def __post_init__(self) -> None:
+        check_id(self.id)
+
 
 class KeyRef(_Call, kw_only=True):
     """``revoke_key``: the ``key_id`` :class:`~dsec.wire.api.CreateKeyResponse` gave."""
 
     id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class ProjectRef(_Call, kw_only=True):

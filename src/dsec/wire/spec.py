@@ -31,6 +31,7 @@ __all__ = [
     "MAX_FILE_MODE",
     "MAX_FILE_READ_BYTES",
     "MAX_IDEMPOTENCY_KEY_CHARS",
+    "MAX_ID_CHARS",
     "MAX_LABELS",
     "MAX_LABEL_KEY_CHARS",
     "MAX_LABEL_VALUE_CHARS",
@@ -46,6 +47,7 @@ __all__ = [
     "MAX_SPEC_ENV_BYTES",
     "MAX_STDIN_BYTES",
     "MAX_STRIP_PATTERNS",
+    "MAX_STRIP_PATTERN_CHARS",
     "MAX_TOOLKITS",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
@@ -68,6 +70,7 @@ __all__ = [
     "SnapshotInfo",
     "backend_of",
     "check_batch",
+    "check_id",
     "check_idempotency_key",
     "check_label_filter",
     "check_mode",
@@ -131,6 +134,9 @@ MAX_FILE_MODE = 0o7777                # permission bits a write may set
 # bound; the apiserver's own caps (ApiConfig.max_create_batch, ...) are policy, lower.
 MAX_BATCH_ITEMS = 100_000
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# An id in a request (sandbox, snapshot, session, key): it is a REST path segment, so it
+# never holds '/' (a %2F in it used to route the request to another operation).
+MAX_ID_CHARS = 255
 # A sandbox's own environment rides along with every exec's argv+env: capped at half an
 # exec's budget so the two together stay under the kernel's ARG_MAX (2 MiB). Before, a
 # 2 MiB spec env was accepted by every door and then every exec failed with E2BIG.
@@ -153,6 +159,7 @@ MAX_NETWORK_ALLOW = 1024
 MAX_NETWORK_ENTRY_CHARS = 512
 # Path patterns a snapshot leaves out; a destroy's reason (it goes into the last event).
 MAX_STRIP_PATTERNS = 256
+MAX_STRIP_PATTERN_CHARS = 1024
 MAX_REASON_CHARS = 1024
 
 
@@ -285,14 +292,20 @@ def check_label_filter(labels: dict[str, str], *, field: str = "labels") -> None
                                   else MAX_LABEL_VALUE_CHARS)
 
 
-def check_strip(strip: list[str]) -> None:
-    """A snapshot's ``strip`` patterns: at most :data:`MAX_STRIP_PATTERNS`, each a path."""
+def check_strip(strip: list[str] | tuple[str, ...]) -> None:
+    """A snapshot's ``strip`` patterns: at most :data:`MAX_STRIP_PATTERNS` non-empty glob
+    patterns of at most :data:`MAX_STRIP_PATTERN_CHARS` without NUL (the edge's rule,
+    now the request type's at every door)."""
     if len(strip) > MAX_STRIP_PATTERNS:
-        raise InvalidArgument(f"strip has {len(strip)} patterns, over the limit of "
+        raise InvalidArgument(f"snapshot strip has {len(strip)} patterns; at most "
                               f"{MAX_STRIP_PATTERNS}", field="strip", size=len(strip),
                               limit=MAX_STRIP_PATTERNS)
-    for pattern in strip:
-        check_path(pattern, field="strip")
+    for p in strip:
+        if not isinstance(p, str) or not p or len(p) > MAX_STRIP_PATTERN_CHARS or "\0" in p:
+            raise InvalidArgument(f"snapshot strip pattern {str(p)[:60]!r} must be a "
+                                  f"non-empty glob of at most {MAX_STRIP_PATTERN_CHARS} "
+                                  "chars without NUL", field="strip",
+                                  limit=MAX_STRIP_PATTERN_CHARS)
 
 
 def check_reason(reason: str, field: str = "reason") -> None:
@@ -301,6 +314,17 @@ def check_reason(reason: str, field: str = "reason") -> None:
         raise InvalidArgument(f"{field} is {len(reason)} characters, over the limit of "
                               f"{MAX_REASON_CHARS}", field=field, size=len(reason),
                               limit=MAX_REASON_CHARS)
+
+
+def check_id(value: str, field: str = "id") -> None:
+    """An id a request names (it travels as one REST path segment): 1..MAX_ID_CHARS
+    printable characters, no '/'. Ids the platform makes (``sb-<hex>-<node>``,
+    ``sha256:<hex>``, ``ses-<hex>``) always are; anything else is no id of ours."""
+    if (not value or len(value) > MAX_ID_CHARS or "/" in value
+            or not value.isprintable()):
+        raise InvalidArgument(f"invalid {field} {value[:60]!r}: an id is 1..{MAX_ID_CHARS} "
+                              "printable characters without '/'", field=field,
+                              limit=MAX_ID_CHARS)
 
 
 def check_idempotency_key(key: str | None) -> None:

@@ -40,6 +40,7 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
+from dsec.control.sweeper import SESSION_LABEL
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
     CapacityExceeded,
@@ -275,6 +276,7 @@ class AdminOps(Protocol):
         raise NotImplementedError
     def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
     def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
+    def check_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
     def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
     def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
     def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
@@ -625,9 +627,16 @@ class ApiService:
                 ttl = self.config.default_ttl_s
         spec = resolve(asked, backend=_backend_name(self.config.default_backend),
                        project=project, ttl_s=ttl)
+        # A sandbox is bound to a session (swept with it) by its session label: the
+        # request's session, or the label given by hand; either must be a live session
+        # of the caller's principal (another's would decide when this sandbox dies).
+        labelled = asked.labels.get(SESSION_LABEL)
+        if self.admin is not None:   # without a control plane no session exists
+            for sid in {s for s in (req.session, labelled) if s is not None}:
+                self.admin.check_session(principal, sid)
         if req.session is not None:
             spec = msgspec.structs.replace(
-                spec, labels={**spec.labels, "dsec.io/session": req.session})
+                spec, labels={**spec.labels, SESSION_LABEL: req.session})
         # the spec's own limits first (the type's words, as the gateway's decode gives
         # them), then this apiserver's tighter pids cap
         spec = spec.validate()
