@@ -56,6 +56,30 @@ def test_sandbox_commands(cluster: LocalCluster) -> None:
     assert "edge-0" in _run(cluster, "node", "ls")[1]
 
 
+def test_sandbox_network_commands(cluster: LocalCluster) -> None:
+    """create --allow/--deny, then `dsec sandbox network` shows and replaces the policy;
+    a bad entry is refused before anything is sent."""
+    code, out = _run(cluster, "sandbox", "create", "--allow", "PyPI.org:443",
+                     "--allow", "*.pythonhosted.org:443", "--deny", "203.0.113.0/24", "--json")
+    assert code == 0, out
+    sid = json.loads(out)[0]["id"]
+    code, out = _run(cluster, "sandbox", "network", sid, "--json")
+    view = json.loads(out)
+    assert view["policy"] == {"mode": "policy", "allow": ["pypi.org:443",
+                                                          "*.pythonhosted.org:443"],
+                              "deny": ["203.0.113.0/24"]}
+    assert view["generation"] == 1
+    code, out = _run(cluster, "sandbox", "network", sid, "--mode", "none", "--json")
+    assert code == 0 and json.loads(out)["policy"] == {} and json.loads(out)["generation"] == 2
+    code, out = _run(cluster, "sandbox", "network", sid)
+    assert code == 0 and "generation" in out and "none" in out
+    code, out = _run(cluster, "sandbox", "network", sid, "--allow", "203.0.113.5/24")
+    assert code == 2 and "did you mean 203.0.113.0/24?" in out
+    code, out = _run(cluster, "sandbox", "create", "--network", "none", "--allow", "a.org")
+    assert code == 2 and "under mode 'none'" in out
+    assert _run(cluster, "sandbox", "rm", sid)[0] == 0
+
+
 def test_dsec_up_stops_cleanly_on_sigterm(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """SIGTERM destroys every sandbox and removes local.json; --keep leaves them for the
     next start to re-adopt."""

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from dsec.control.api.service import Caller
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, Retry, fingerprint
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.node import EdgeNode
 from dsec.errors import Conflict
+from dsec.wire.api import CreateSandboxRequest
 from tests.control.conftest import Replica, replica, served_edge
 
 
@@ -134,3 +134,33 @@ async def test_session_opened_on_one_replica_is_renewable_and_closable_on_the_ot
     # replica A sweeps what B closed
     assert await a.plane.sweep() == [(sb.id, "session_closed")]
     assert node.get(sb.id).state == "destroyed"
+
+
+async def test_a_quota_or_ceiling_set_on_one_replica_binds_the_other(
+        replicas: tuple[Replica, Replica, EdgeNode, str]) -> None:
+    """Each replica holds a copy of the quotas; the other's changes reach it within
+    PlaneConfig.quota_refresh_s (here 0: every check re-reads the store). Before, a
+    network ceiling (or quota) set through one apiserver bound the others only after
+    their restart."""
+    import dataclasses
+
+    from dsec.errors import PermissionDenied, QuotaExceeded
+    from dsec.wire.api import QuotaBody
+    from dsec.wire.netpolicy import NetworkPolicy
+
+    a, b, node, key = replicas
+    b.plane.config = dataclasses.replace(b.plane.config, quota_refresh_s=0.0)
+    ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
+    assert b.service.network_ceilings("lab/x") == []
+    ceiling = NetworkPolicy(mode="policy", allow=("pypi.org:443/tcp",))
+    a.plane.admin.set_quota(ca, "lab", QuotaBody(network=ceiling))
+    with pytest.raises(PermissionDenied, match="outside the network ceiling of project 'lab'"):
+        await b.service.create(cb, CreateSandboxRequest(project="lab/x",
+                                                        network=NetworkPolicy(mode="open")))
+    assert node.live_count == 0
+    ok = await b.service.create(cb, CreateSandboxRequest(project="lab/x", network=ceiling))
+    assert ok.spec.network == ceiling
+    a.plane.admin.set_quota(ca, "lab", QuotaBody(max_sandboxes=1, network=ceiling))
+    with pytest.raises(QuotaExceeded):
+        await b.service.create(cb, CreateSandboxRequest(project="lab/x"))
+    assert node.live_count == 1

@@ -16,7 +16,8 @@ from dsec.edge.node import EdgeNode
 from dsec.edge.service import serve_edge
 from dsec.errors import DsecError, InvalidArgument
 from dsec.wire import ops
-from dsec.wire.calls import ExecCall, FileRef, ReadFile, WriteFile
+from dsec.wire.calls import ExecCall, FileRef, NetworkUpdateOnNode, ReadFile, WriteFile
+from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
 from dsec.wire.ops import EDGE_OPS, Op, StreamOp
 from dsec.wire.spec import MAX_PATH_BYTES, ExecChunk, ExecRequest, SandboxSpec
 
@@ -61,6 +62,10 @@ EXAMPLES: dict[str, Example] = {
     "snapshot_delete": lambda w: {"id": w.spare_snap},
     "destroy": lambda w: {"id": w.spare, "reason": "requested"},
     "destroy_many": lambda w: {"ids": [w.sid]},
+    "network_get": lambda w: {"id": w.sid},
+    "network_update": lambda w: {"id": w.sid, "policy": {"mode": "policy",
+                                                          "allow": ["pypi.org:443"]},
+                                 "expect_generation": 1, "ceiling_deny": ["203.0.113.0/24"]},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -79,6 +84,22 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
                     lambda w: WriteFile(id=w.sid, path="/f", data=b"", mode=0o10000))],
     "stat": [(lambda w: {"id": w.sid, "path": "a\0b"}, lambda w: FileRef(id=w.sid,
                                                                       path="a\0b"))],
+    "network_update": [
+        (lambda w: {"id": w.sid, "policy": {"mode": "policy", "allow": ["10.0.0.5/8"]}},
+         lambda w: NetworkUpdateOnNode(id=w.sid, policy=NetworkPolicy(
+             mode="policy", allow=("10.0.0.5/8",)))),
+        (lambda w: {"id": w.sid, "policy": {"mode": "policy", "allow": [
+            f"h{i}.example.com" for i in range(MAX_NET_RULES + 1)]}},
+         lambda w: NetworkUpdateOnNode(id=w.sid, policy=NetworkPolicy(
+             mode="policy", allow=tuple(f"h{i}.example.com" for i in range(
+                 MAX_NET_RULES + 1))))),
+        (lambda w: {"id": w.sid, "policy": {"mode": "none"}, "ceiling_deny": ["a..b"]},
+         lambda w: NetworkUpdateOnNode(id=w.sid, policy=NetworkPolicy(),
+                                       ceiling_deny=("a..b",))),
+    ],
+    "create": [(lambda w: {"spec": {"network": {"mode": "policy", "allow": ["x:0"]}}},
+                lambda w: SandboxSpec(network=NetworkPolicy(mode="policy", allow=("x:0",)))
+                .validate())],
 }
 
 
@@ -129,7 +150,8 @@ async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any
 async def test_every_edge_row_answers_its_reply_type(
         world: tuple[Connection, World]) -> None:
     conn, w = world
-    for op in EDGE_OPS:      # in table order, so destroy and destroy_many come last
+    # in table order, but destroy and destroy_many last (they take the sandboxes)
+    for op in sorted(EDGE_OPS, key=lambda op: op.name in ("destroy", "destroy_many")):
         reply = await _call(conn, op, EXAMPLES[op.name](w))
         assert _is(reply, op.edge_reply_type), (op.name, reply)
 

@@ -74,6 +74,20 @@ def of(tp: Any) -> st.SearchStrategy[Any]:
     return _of(tp, [])
 
 
+_ENTRIES = ("pypi.org:443/tcp", "*.pythonhosted.org:443", "203.0.113.0/24:8000-8100",
+            "[2001:db8::/32]:53/udp", "10.1.2.3", "sandbox:sb-0123456789ab-n1:80")
+
+
+def valid_policy() -> st.SearchStrategy[spec.NetworkPolicy]:
+    """A network policy :meth:`NetworkPolicy.validate` accepts (canonical entries)."""
+    entries = st.lists(st.sampled_from(_ENTRIES), max_size=3, unique=True).map(tuple)
+    return st.one_of(
+        st.just(spec.NetworkPolicy()), st.just(spec.NetworkPolicy(mode="open")),
+        st.builds(spec.NetworkPolicy, mode=st.just("policy"), allow=entries, deny=entries,
+                  max_connections=st.none() | st.integers(1, spec.MAX_NET_CONNECTIONS),
+                  rate_mbit=st.none() | st.integers(1, spec.MAX_NET_RATE_MBIT)))
+
+
 def valid_spec() -> st.SearchStrategy[SandboxSpec]:
     """A spec :meth:`SandboxSpec.validate` accepts (every field drawn within bounds)."""
     seconds = st.none() | st.floats(min_value=0.001, max_value=spec.MAX_TTL_S)
@@ -92,7 +106,7 @@ def valid_spec() -> st.SearchStrategy[SandboxSpec]:
         project=st.text(max_size=12), ttl_s=seconds, idle_timeout_s=seconds,
         idle_action=st.sampled_from(typing.get_args(spec.IdleAction)),
         env=st.dictionaries(env_name, st.text(max_size=8), max_size=2),
-        network=of(spec.NetworkPolicy), allow_nested=st.booleans(),
+        network=st.none() | valid_policy(), allow_nested=st.booleans(),
         user_namespace=st.booleans())
 
 
@@ -134,6 +148,8 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
         return st.dictionaries(_of(args[0], []), _of(args[1], []), max_size=3)
     if tp is SandboxSpec:   # half within bounds, so requests that validate it get drawn
         return st.one_of(valid_spec(), _struct(tp, {}))
+    if tp is spec.NetworkPolicy:   # likewise: NetworkUpdate validates its policy
+        return st.one_of(valid_policy(), _struct(tp, {}))
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return _struct(tp, {})
     if origin is not None and isinstance(origin, type) and issubclass(origin, msgspec.Struct):

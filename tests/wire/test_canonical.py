@@ -16,8 +16,12 @@ from dsec.wire.spec import NetworkPolicy, SandboxSpec
 
 def test_defaults_are_left_out_by_value_at_every_depth() -> None:
     spelled = CreateSandbox(spec=SandboxSpec(image=str("ba" + "se"), memory_bytes=int("536870912"),
-                                             network=NetworkPolicy(), toolkits=()))
+                                             network=None, toolkits=()))
     assert meaning(spelled) == {} == meaning(CreateSandbox())
+    # an explicit policy is not the default: network=None leaves it to the server's
+    # --net-default, which may be "open"
+    assert meaning(CreateSandbox(spec=SandboxSpec(network=NetworkPolicy()))) == {
+        "spec": {"network": {}}}
     # msgspec's own encoding tells these apart (identity): the reason this module exists
     assert msgspec.msgpack.encode(spelled) != msgspec.msgpack.encode(CreateSandbox())
     assert canonical_bytes(spelled) == canonical_bytes(CreateSandbox())

@@ -222,10 +222,6 @@ PAST_EACH_LIMIT: dict[str, Any] = {
     "MAX_PRIORITY": lambda: SandboxSpec(priority=spec.MAX_PRIORITY + 1).validate(),
     "MAX_TOOLKITS": lambda: SandboxSpec(toolkits=("tk",) * (spec.MAX_TOOLKITS + 1)).validate(),
     "MAX_REF_CHARS": lambda: SandboxSpec(workspace="w" * (spec.MAX_REF_CHARS + 1)).validate(),
-    "MAX_NETWORK_ALLOW": lambda: SandboxSpec(network=spec.NetworkPolicy(
-        mode="allowlist", allow=("x:1",) * (spec.MAX_NETWORK_ALLOW + 1))).validate(),
-    "MAX_NETWORK_ENTRY_CHARS": lambda: SandboxSpec(network=spec.NetworkPolicy(
-        mode="allowlist", allow=("x" * spec.MAX_NETWORK_ENTRY_CHARS + ":1",))).validate(),
     "MAX_STRIP_PATTERNS": lambda: SnapshotCall(id="s", strip=["/x"] * (
         spec.MAX_STRIP_PATTERNS + 1)),
     "MAX_STRIP_PATTERN_CHARS": lambda: SnapshotCall(id="s", strip=["x" * (
@@ -233,7 +229,19 @@ PAST_EACH_LIMIT: dict[str, Any] = {
     "MAX_REASON_CHARS": lambda: DestroyMany(ids=["s"], reason="r" * (
         spec.MAX_REASON_CHARS + 1)),
     "MAX_ID_CHARS": lambda: SandboxRef(id="s" * (spec.MAX_ID_CHARS + 1)),
+    "MAX_NET_RULES": lambda: _net(allow=tuple(
+        f"h{i}.example.com" for i in range(spec.MAX_NET_RULES + 1))),
+    "MAX_NET_ENTRY_CHARS": lambda: _net(allow=("x" * (spec.MAX_NET_ENTRY_CHARS + 1),)),
+    "MAX_NET_DOMAIN_BYTES": lambda: _net(allow=(".".join(["abcdefgh"] * 29) + ".org",)),
+    "MAX_NET_LABEL_BYTES": lambda: _net(allow=("a" * (spec.MAX_NET_LABEL_BYTES + 1) + ".org",)),
+    "MAX_NET_DOMAIN_PORTS": lambda: _net(allow=("example.com:1-17",)),
+    "MAX_NET_CONNECTIONS": lambda: _net(max_connections=spec.MAX_NET_CONNECTIONS + 1),
+    "MAX_NET_RATE_MBIT": lambda: _net(rate_mbit=spec.MAX_NET_RATE_MBIT + 1),
 }
+
+
+def _net(**kw: Any) -> Any:
+    return SandboxSpec(network=spec.NetworkPolicy(mode="policy", **kw)).validate()
 
 
 def test_every_limit_has_a_case() -> None:
@@ -252,7 +260,7 @@ def test_each_limit_refuses_and_says_which(name: str) -> None:
 
 @pytest.mark.parametrize("tp,raw", [
     (SandboxSpec, {"image": "py", "network_rules": ["deny *"]}),
-    (spec.NetworkPolicy, {"mode": "allowlist", "deny": ["10.0.0.0/8"]}),
+    (spec.NetworkPolicy, {"mode": "policy", "allow_out": ["10.0.0.0/8"]}),
     (ExecRequest, {"shell": "true", "seccomp": "off"}),
     (CreateSandbox, {"spec": {"imagee": "py"}}),
 ], ids=["spec", "network", "exec", "nested"])

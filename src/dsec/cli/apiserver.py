@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from dsec.cli.edge import net_default_option
+
 
 def _edges(values: tuple[str, ...]) -> dict[str, str]:
     from dsec.errors import InvalidArgument
@@ -50,8 +52,9 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="File with the secret tcp: edges require (their --token-file).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+@net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
-              backend: str, edge_token_file: str | None, quiet: bool) -> None:
+              backend: str, edge_token_file: str | None, quiet: bool, net_default: Any) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -65,7 +68,8 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
             token = f.read().strip()
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
-                        edges=0, remote_edges=remote, edge_token=token)
+                        edges=0, remote_edges=remote, edge_token=token,
+                        net_default=net_default)
     uvloop.run(_run(cfg, quiet))
 
 

@@ -91,22 +91,76 @@ def sandbox() -> None:
 @click.option("--label", "labels", multiple=True, help="key=value, repeatable.")
 @click.option("--project", default=None)
 @click.option("-n", "count", type=click.IntRange(1, 100_000), default=1, show_default=True)
+@click.option("--network", "net_mode", type=click.Choice(["none", "open", "policy"]),
+              default=None, help="Egress mode (default: the server's; 'policy' when "
+                                 "--allow/--deny are given).")
+@click.option("--allow", "allow", multiple=True, metavar="ENTRY",
+              help="Egress allowed: pypi.org:443, *.example.com, 203.0.113.0/24:8000-8100, "
+                   "[2001:db8::/32]:443/udp (repeatable).")
+@click.option("--deny", "deny", multiple=True, metavar="ENTRY",
+              help="Egress denied, wins over --allow (repeatable).")
 @conn_options
 def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapshot: str | None,
            backend: str | None, cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
-           project: str | None, count: int, url: str | None, api_key: str | None,
+           project: str | None, count: int, net_mode: str | None, allow: tuple[str, ...],
+           deny: tuple[str, ...], url: str | None, api_key: str | None,
            as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
     kw = {"image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
           "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
-          "project": project, "detached": True}
+          "project": project, "detached": True,
+          "network": _policy(net_mode, allow, deny) if (net_mode or allow or deny) else None}
     with client(url, api_key) as c:
         sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]
         if as_json:
             emit_json([s.info for s in sbs])
         else:
             _table("created", _COLS, [_row(s.info) for s in sbs])
+
+
+def _policy(mode: str | None, allow: tuple[str, ...], deny: tuple[str, ...]) -> Any:
+    """The NetworkPolicy of --network/--allow/--deny, refused here as the server would."""
+    from dsec.client.network import policy_of
+    from dsec.errors import DsecError
+
+    try:
+        return policy_of(None, mode=mode, allow=allow, deny=deny,  # type: ignore[arg-type]
+                         max_connections=None, rate_mbit=None).validate()
+    except DsecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--allow/--deny/--network") from exc
+
+
+@sandbox.command("network")
+@click.argument("sandbox_id")
+@click.option("--mode", type=click.Choice(["none", "open", "policy"]), default=None,
+              help="Set the egress mode ('policy' when --allow/--deny are given).")
+@click.option("--allow", "allow", multiple=True, metavar="ENTRY",
+              help="Replace the allow list (repeatable).")
+@click.option("--deny", "deny", multiple=True, metavar="ENTRY",
+              help="Replace the deny list (repeatable).")
+@conn_options
+def network(sandbox_id: str, mode: str | None, allow: tuple[str, ...], deny: tuple[str, ...],
+            url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Show a sandbox's egress policy; with --mode/--allow/--deny, replace it (live,
+    atomically: flows the new policy forbids are cut)."""
+    with client(url, api_key) as c:
+        sb = c.sandboxes.get(sandbox_id)
+        if mode or allow or deny:
+            view = sb.network.update(_policy(mode, allow, deny))
+        else:
+            view = sb.network.get()
+    if as_json:
+        emit_json(view)
+        return
+    p = view.policy
+    rows = [["mode", p.net_mode], ["generation", str(view.generation)]]
+    rows += [["allow", e] for e in p.allow] + [["deny", e] for e in p.deny]
+    rows += [["ceiling deny", e] for e in view.ceiling_deny]
+    if view.address:
+        rows.append(["address", view.address])
+    rows.append(["denied packets", str(view.denied_packets)])
+    _table(f"network of {sandbox_id}", ["", ""], rows)
 
 
 def _kv(text: str) -> tuple[str, str]:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 import msgspec
 
 from dsec.client.images import AsyncImages
+from dsec.client.network import AsyncNetwork
 from dsec.errors import (
     DsecError,
     EdgeUnreachable,
@@ -85,6 +86,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
+from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
@@ -501,7 +503,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, disk: int | str | None = None,
-        pids_max: int | None = 1024, network: NetworkPolicy | None = None,
+        pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
@@ -515,7 +517,7 @@ class AsyncSandboxes:
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl,
             idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
-            pids_max=pids_max, network=network or NetworkPolicy(), allow_nested=allow_nested,
+            pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
     def _given_spec(self, spec: SandboxSpec | None, kw: Mapping[str, Any]) -> SandboxSpec:
@@ -544,7 +546,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None,
     ) -> AsyncSandbox:
@@ -592,7 +594,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
@@ -701,7 +703,7 @@ class AsyncSandboxes:
         """Many commands in one batched call (the server groups them per edge: one edge
         round trip per node). Each call is ``(sandbox, command)`` or ``(sandbox, command,
         overrides)``; ``command`` is a shell string, an argv list, or a complete
-        :class:`~dsec.edge.spec.ExecRequest`. The keywords (as for :meth:`AsyncSandbox.exec`)
+        :class:`~dsec.wire.spec.ExecRequest`. The keywords (as for :meth:`AsyncSandbox.exec`)
         are defaults for string/argv commands; an ``ExecRequest`` is sent as it is;
         ``overrides`` (a dict of the same keywords) change one call:
         ``(sb, "make", {"cwd": "/src", "timeout": 600})``.
@@ -858,6 +860,7 @@ class AsyncSandbox:
         self.info = info
         self.id: str = info.id
         self.files = AsyncFiles(self)
+        self.network = AsyncNetwork(self)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, state={self.info.state!r})"

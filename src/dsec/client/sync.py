@@ -27,9 +27,11 @@ from dsec.client.core import (
     WireProtocol,
 )
 from dsec.client.images import AsyncImages, LayerKind
+from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
+from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.spec import (
     BackendName,
@@ -169,7 +171,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None,
     ) -> Sandbox:
@@ -191,7 +193,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
-        network: NetworkPolicy | None = None, allow_nested: bool = False,
+        network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
@@ -313,6 +315,7 @@ class Sandbox:
         self._a = a
         self.id = a.id
         self.files = Files(client, a.files)
+        self.network = Network(client, a.network)
 
     def __repr__(self) -> str:
         return repr(self._a)

@@ -74,6 +74,7 @@ from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, poo
 from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
+from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = ["ClusterConfig", "ClusterRuntime"]
 
@@ -134,6 +135,9 @@ class ClusterConfig:
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
+    # The egress policy of a create that names none (`dsec up --net-default`); the
+    # apiserver resolves it, so edges always get a policy.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
 
 def _host_paths(state_dir: str) -> tuple[str, ...]:
@@ -241,7 +245,8 @@ class ClusterRuntime:
             service = self.service = api_service(
                 self._store, plane, rate=cfg.rate, anon_rate=cfg.anon_rate, clock=loop.time,
                 config=ApiConfig(default_ttl_s=cfg.default_ttl_s, default_backend=cfg.backend,
-                                 redact_paths=_host_paths(given)))
+                                 redact_paths=_host_paths(given),
+                                 net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             await plane.start()
             if self.processes:

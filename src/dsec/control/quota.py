@@ -28,6 +28,7 @@ import msgspec
 from dsec.control.records import SandboxRecord
 from dsec.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
 from dsec.ids import ProjectPath, parse_project_path, project_ancestors
+from dsec.wire.netpolicy import NetworkPolicy
 
 __all__ = ["Limits", "Quota", "QuotaIndex", "QuotaPolicy", "Usage"]
 
@@ -49,14 +50,19 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
-    """A project's quota: overall :class:`Limits` plus optional per-backend limits."""
+    """A project's quota: overall :class:`Limits` plus optional per-backend limits, and
+    its network ceiling: the most open egress policy a sandbox of the project (or of a
+    subproject) may ask for (None: no ceiling of its own; every ancestor's binds too)."""
 
     backends: dict[str, Limits] = {}
+    network: NetworkPolicy | None = None
 
     def validate(self, where: str = "quota") -> None:
         Limits.validate(self, where)
         for b, lim in self.backends.items():
             lim.validate(f"{where}.backends[{b}]")
+        if self.network is not None:
+            self.network.validate("quota.network")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +136,12 @@ class QuotaIndex:
 
     def quotas(self) -> dict[str, Quota]:
         return {p: n.quota for p, n in self._nodes.items() if n.quota is not None}
+
+    def network_ceilings(self, project: str) -> list[tuple[str, NetworkPolicy]]:
+        """The network ceilings that bind ``project``: its own and every ancestor's,
+        root first, as ``(project, ceiling)`` (O(depth), the cached chain)."""
+        return [(n.path, n.quota.network) for n in self._chain(project)
+                if n.quota is not None and n.quota.network is not None]
 
     # --- usage updates ------------------------------------------------------------------
     def _charge(self, rec: SandboxRecord, paused: bool) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from dsec.wire.calls import (
     HeartbeatRequest,
     ListRequest,
     Mkdir,
+    NetworkUpdateOnNode,
     ReadFile,
     Remove,
     SandboxRef,
@@ -51,6 +52,7 @@ from dsec.wire.spec import (
     ExecChunk,
     ExecResult,
     FileInfo,
+    NetworkView,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
@@ -177,11 +179,14 @@ class EdgeClient:
 
     # ---------------------------------------------------------------- lifecycle
     async def create(self, spec: SandboxSpec | None = None, *, sandbox_id: str | None = None,
+                     ceiling_deny: tuple[str, ...] = (),
                      timeout: Deadline = USE_CLIENT_DEFAULT,
                      **spec_fields: Any) -> SandboxInfo:
         """Create one sandbox: pass a spec, or spec fields as keywords
-        (``create(image="python", cpu_milli=500)``)."""
-        body = CreateOnNode(spec=_spec(spec, spec_fields), sandbox_id=sandbox_id)
+        (``create(image="python", cpu_milli=500)``); ``ceiling_deny``: the deny entries
+        of the project's network ceilings (the control plane's)."""
+        body = CreateOnNode(spec=_spec(spec, spec_fields), sandbox_id=sandbox_id,
+                            ceiling_deny=ceiling_deny)
         info: SandboxInfo = await self._edge(ops.CREATE, body, timeout)
         return info
 
@@ -234,6 +239,12 @@ class EdgeClient:
         return await self.call(ops.STATS, SandboxRef(id=sandbox_id), timeout=timeout)
 
     # ---------------------------------------------------------------- snapshots
+    async def network_update(self, body: NetworkUpdateOnNode, *,
+                             timeout: Deadline = USE_CLIENT_DEFAULT) -> NetworkView:
+        """Replace a sandbox's egress policy (with the project ceilings' denies)."""
+        view: NetworkView = await self._edge(ops.NETWORK_UPDATE, body, timeout)
+        return view
+
     async def snapshot(self, sandbox_id: str, *, strip: Sequence[str] = (),
                        max_bytes: int | None = None,
                        timeout: Deadline = USE_CLIENT_DEFAULT) -> SnapshotInfo:

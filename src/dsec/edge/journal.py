@@ -52,8 +52,8 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from dsec.edge.spec import SandboxSpec, SandboxState
 from dsec.errors import BackendError, InUse, InvalidArgument
+from dsec.wire.spec import SandboxSpec, SandboxState
 
 __all__ = ["JournalContents", "JournalEnd", "JournalRecord", "JournalSync", "Journaled",
            "SandboxJournal"]
@@ -75,6 +75,11 @@ class JournalRecord(msgspec.Struct, array_like=True, tag="put"):
     spec: SandboxSpec
     created_at: float
     last_active_at: float
+    # Trailing and defaulted (array_like: a journal written before them still reads):
+    # the generation of the sandbox's network policy (network_update compares and bumps
+    # it) and the deny entries of its project's network ceilings, enforced with its own.
+    net_generation: int = 0
+    ceiling_deny: tuple[str, ...] = ()
 
 
 class JournalEnd(msgspec.Struct, array_like=True, tag="end", frozen=True):
@@ -102,6 +107,8 @@ class Journaled(Protocol):
     spec: SandboxSpec
     created_at: float
     last_active_at: float
+    net_generation: int
+    ceiling_deny: tuple[str, ...]
 
 
 class Ending(Protocol):
@@ -531,4 +538,5 @@ def _record(r: Journaled, state: SandboxState | None) -> JournalRecord:
     if isinstance(r, JournalRecord) and state is None:
         return r
     return JournalRecord(id=r.id, state=state or r.state, spec=r.spec,
-                         created_at=r.created_at, last_active_at=r.last_active_at)
+                         created_at=r.created_at, last_active_at=r.last_active_at,
+                         net_generation=r.net_generation, ceiling_deny=r.ceiling_deny)

@@ -60,7 +60,6 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -70,11 +69,14 @@ from dsec.errors import (
     InUse,
     InvalidArgument,
     InvalidTransition,
+    PermissionDenied,
     RateLimited,
     SandboxNotFound,
     WrongNode,
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
+from dsec.wire.netpolicy import NetworkPolicy, within
+from dsec.wire.node import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.wire.spec import (
     LEGACY_PROJECT,
     BackendName,
@@ -82,6 +84,7 @@ from dsec.wire.spec import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    NetworkView,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
@@ -142,9 +145,19 @@ class NodeConfig:
     # The backend of a create whose spec leaves it unset (a caller reaching the edge
     # directly; the apiserver resolves specs before they get here).
     default_backend: BackendName = "simulated"
+    # The most open egress policy this node serves (``dsec edge --net-max``): a create
+    # or network_update beyond it is refused, whoever asks. None: no node ceiling (the
+    # control plane's project ceilings still bind what comes through the apiserver).
+    net_max: NetworkPolicy | None = None
+    # The egress policy of a create whose spec names none (``dsec edge --net-default``):
+    # what an edge reached directly gives; the apiserver resolves its own before.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
+        self.net_default.validate("net_default")
+        if self.net_max is not None:
+            self.net_max.validate("net_max")
         if self.journal_sync not in JOURNAL_SYNC_MODES:
             raise InvalidArgument(f"node config journal_sync={self.journal_sync!r} must be "
                                   f"one of {', '.join(JOURNAL_SYNC_MODES)}")
@@ -170,8 +183,9 @@ class ReapAction:
 class _Sandbox:
     """The node's live record of one sandbox (mutable, never leaves the node)."""
 
-    __slots__ = ("active", "backend", "busy", "created_at", "deadline", "doomed", "events",
-                 "execs", "id", "last_active_at", "reason", "snap_lock", "spec", "state")
+    __slots__ = ("active", "backend", "busy", "ceiling_deny", "created_at", "deadline",
+                 "doomed", "events", "execs", "id", "last_active_at", "net_generation",
+                 "net_lock", "reason", "snap_lock", "spec", "state")
 
     def __init__(self, sid: str, spec: SandboxSpec, backend: Backend, now: float) -> None:
         self.id = sid
@@ -191,6 +205,12 @@ class _Sandbox:
         # a destroy waits for the one in flight (its final write renames files inside the
         # sandbox's directory, which the destroy removes).
         self.snap_lock: asyncio.Lock | None = None
+        # The network policy's generation (1 at create; network_update bumps it when the
+        # policy changes), the project ceilings' denies, and the lock that serialises
+        # updates of one sandbox's policy.
+        self.net_generation = 1
+        self.ceiling_deny: tuple[str, ...] = ()
+        self.net_lock: asyncio.Lock | None = None
 
     def ended(self) -> JournalEnd:
         """The journal's tombstone of this (ended) sandbox, from its final event."""
@@ -306,6 +326,7 @@ class EdgeNode:
             # the line's last_active_at may be far older than the last use (a sandbox in
             # use a moment before a crash was idle-reaped by the first pass after it).
             rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
+            rec.net_generation, rec.ceiling_deny = r.net_generation, r.ceiling_deny
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
             backend = rec.backend
             if backend is None:
@@ -559,12 +580,15 @@ class EdgeNode:
         return self._backend_error(rec, op + " in", exc)
 
     # ================================================================ create
-    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None,
+                     ceiling_deny: tuple[str, ...] = ()) -> SandboxInfo:
         """Admit, create and return a running sandbox; on any failure nothing remains.
+        ``ceiling_deny``: the project's network ceilings' deny entries (the control
+        plane's), enforced with the sandbox's own.
 
         Durable before acknowledged: the intent (``creating``) is in the journal before
         the backend starts, the ``running`` record before the answer."""
-        rec = self._admit(spec, sandbox_id)
+        rec = self._admit(spec, sandbox_id, ceiling_deny)
         await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
         await self._build(rec)
         await self._commit_or_abort(rec)
@@ -603,11 +627,14 @@ class EdgeNode:
             raise
         return out  # type: ignore[return-value]
 
-    def _admit(self, spec: SandboxSpec, sandbox_id: str | None) -> _Sandbox:
+    def _admit(self, spec: SandboxSpec, sandbox_id: str | None,
+               ceiling_deny: tuple[str, ...] = ()) -> _Sandbox:
         """Validate, reserve, record (no await): the sandbox exists as ``creating`` and
         its intent is noted in the journal."""
         spec = resolve(spec.validate(), backend=self.config.default_backend,
-                       project=LEGACY_PROJECT)
+                       project=LEGACY_PROJECT, network=self.config.net_default)
+        assert spec.network is not None  # stored resolved: a later default moves nothing
+        self._check_node_ceiling(spec.network, "network")
         backend = self.backends.get(backend_of(spec))
         if backend is None:
             raise InvalidArgument(
@@ -616,6 +643,7 @@ class EdgeNode:
         sid = self._new_id() if sandbox_id is None else self._claim_id(sandbox_id)
         self.pool.reserve(sid, spec.cpu_milli, spec.memory_bytes, disk_bytes=spec.disk_bytes)
         rec = _Sandbox(sid, spec, backend, self.clock.time())
+        rec.ceiling_deny = ceiling_deny
         self._live[sid] = rec
         self._seq += 1
         self._feed.append((self._seq, sid, rec.events[0]))
@@ -655,6 +683,11 @@ class EdgeNode:
         everything is rolled back and the error raised."""
         try:
             await rec.backend.create(SandboxId(rec.id), rec.spec)
+            setter = getattr(rec.backend, "set_network", None)
+            if rec.ceiling_deny and setter is not None:
+                # the project ceilings' denies, enforced before the create is answered
+                # (nothing but the sandbox's init runs yet)
+                await setter(SandboxId(rec.id), rec.spec, rec.ceiling_deny, rec.net_generation)
         except BaseException as exc:
             await self._abort_create(rec, exc)
             if isinstance(exc, Exception):
@@ -801,6 +834,89 @@ class EdgeNode:
             await self.destroy(rec.id, reason=reason, detail=detail)
         except DsecError as exc:
             log.warning("cleanup after %s of %s failed: %s", reason, rec.id, exc)
+
+    # ================================================================ network
+    def _check_node_ceiling(self, policy: NetworkPolicy, where: str) -> None:
+        """This node's ceiling (``dsec edge --net-max``): an edge reached directly is
+        never asked for more than its operator allows."""
+        v = within(policy, self.config.net_max)
+        if v is not None:
+            fld = v.field.replace("network", where, 1)
+            raise PermissionDenied(
+                f"{fld} {v.entry!r} is outside the network ceiling of node {self.node_id} "
+                f"({self.config.net_max}): that ceiling {v.why}", field=fld, entry=v.entry,
+                node=self.node_id)
+
+    def _net_view(self, rec: _Sandbox) -> NetworkView:
+        return NetworkView(policy=rec.spec.net, generation=rec.net_generation,
+                           ceiling_deny=rec.ceiling_deny)
+
+    def network_get(self, sandbox_id: str) -> NetworkView:
+        """The sandbox's egress policy as this node holds it, and its generation."""
+        return self._net_view(self._find(sandbox_id))
+
+    async def network_update(self, sandbox_id: str, policy: NetworkPolicy, *,
+                             expect_generation: int | None = None,
+                             ceiling_deny: tuple[str, ...] = ()) -> NetworkView:
+        """Replace the sandbox's egress policy. A policy equal to the live one (and the
+        same ceiling denies) changes nothing: no new generation, so a retry after a lost
+        answer is a no-op. Otherwise durable before acknowledged: the journal holds the
+        new policy before the backend applies it (a crash between the two is reconciled
+        from the journal at restart), and a refusal by the backend puts the old one back
+        in the journal before the error is answered.
+
+        The backend applies it through its ``set_network(id, spec, ceiling_deny,
+        generation)``; a backend without one enforces no policy but ``none``, and is
+        asked for nothing else."""
+        rec = self._find(sandbox_id)
+        policy = policy.validate("policy")
+        self._check_node_ceiling(policy, "policy")
+        if rec.net_lock is None:
+            rec.net_lock = asyncio.Lock()
+        async with rec.net_lock:
+            if rec.state not in ("running", "paused"):
+                raise InvalidTransition(
+                    f"sandbox {rec.id} is {rec.state}: its network policy changes only "
+                    "while it is running or paused", sandbox_id=rec.id, state=rec.state)
+            if expect_generation is not None and expect_generation != rec.net_generation:
+                raise Conflict(
+                    f"sandbox {rec.id}'s network policy is at generation "
+                    f"{rec.net_generation}, not {expect_generation}: it changed since you "
+                    "read it; read it again (network_get) and retry",
+                    field="expect_generation", sandbox_id=rec.id,
+                    generation=rec.net_generation)
+            if policy == rec.spec.net and ceiling_deny == rec.ceiling_deny:
+                return self._net_view(rec)
+            setter = getattr(rec.backend, "set_network", None)
+            if setter is None and policy.net_mode != "none":
+                raise InvalidArgument(
+                    f"the {rec.spec.backend} backend on node {self.node_id} enforces no "
+                    f"network policy but 'none'; {policy.net_mode!r} is refused",
+                    field="policy.mode")
+            old = (rec.spec, rec.ceiling_deny, rec.net_generation)
+            rec.spec = msgspec.structs.replace(rec.spec, network=policy)
+            rec.ceiling_deny = ceiling_deny
+            rec.net_generation += 1
+            await self._journal_now(rec)
+            try:
+                if setter is not None:
+                    await setter(SandboxId(rec.id), rec.spec, ceiling_deny, rec.net_generation)
+            except BaseException as exc:
+                rec.spec, rec.ceiling_deny, rec.net_generation = old
+                await self._journal_now(rec)
+                if isinstance(exc, Exception):
+                    raise self._backend_error(rec, "network_update", exc) from exc
+                raise
+            self._event(rec, rec.state, rec.state, "network_updated",
+                        f"generation {rec.net_generation}: {policy}"[:500])
+            return self._net_view(rec)
+
+    async def _journal_now(self, rec: _Sandbox) -> None:
+        """Put ``rec`` in the journal and wait until it is durable."""
+        if self.journal is not None:
+            self.journal.put(rec)
+            if self._durable is not None:
+                await self._durable.commit()
 
     # ================================================================ pause / resume
     async def pause(self, sandbox_id: str) -> PauseStats:

@@ -38,6 +38,7 @@ from dsec.wire.calls import (
     HeartbeatRequest,
     ListRequest,
     Mkdir,
+    NetworkUpdateOnNode,
     ReadFile,
     Remove,
     SandboxRef,
@@ -52,6 +53,7 @@ from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
     ExecResult,
     FileInfo,
+    NetworkView,
     PauseStats,
     SandboxInfo,
     SandboxStats,
@@ -86,7 +88,8 @@ class EdgeHandlers:
 
     # ---------------------------------------------------------------- lifecycle
     async def create(self, b: CreateOnNode) -> SandboxInfo:
-        return await self.node.create(b.spec, sandbox_id=b.sandbox_id)
+        return await self.node.create(b.spec, sandbox_id=b.sandbox_id,
+                                      ceiling_deny=b.ceiling_deny)
 
     async def create_many(self, b: CreateManyOnNode) -> Batch[SandboxInfo]:
         return Batch.of(await self.node.create_many(b.specs))
@@ -164,6 +167,15 @@ class EdgeHandlers:
 
     async def snapshot_delete(self, b: SnapshotRef) -> SnapshotInfo:
         return await self.node.delete_snapshot(b.id)
+
+    # ---------------------------------------------------------------- network
+    def network_get(self, b: SandboxRef) -> NetworkView:
+        return self.node.network_get(b.id)
+
+    async def network_update(self, b: NetworkUpdateOnNode) -> NetworkView:
+        return await self.node.network_update(b.id, b.policy,
+                                              expect_generation=b.expect_generation,
+                                              ceiling_deny=b.ceiling_deny)
 
 
 class EdgeService:

@@ -187,7 +187,7 @@ class CreateSandboxRequest(_Strict):
     idle_timeout_s: PositiveSeconds | None = None
     idle_action: IdleAction = "destroy"
     env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}
-    network: NetworkPolicy = NetworkPolicy()
+    network: NetworkPolicy | None = None   # default: the server's --net-default ("none")
     allow_nested: bool = False
     user_namespace: bool = False        # root inside = unprivileged uid on the host
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
@@ -356,28 +356,38 @@ NonNegative = Annotated[int, _doc(minimum=0, maximum=MAX_QUOTA)]
 
 
 class QuotaBody(_Strict):
-    """A quota on a project (and, through the tree, on its descendants). ``null`` = none."""
+    """A quota on a project (and, through the tree, on its descendants). ``null`` = none.
+    ``network``: the project's network ceiling, the most open egress policy its sandboxes
+    (and its subprojects') may ask for; its ``deny`` entries are added to every policy
+    under it. Set, like the rest, by an admin of the parent project."""
 
     max_sandboxes: NonNegative | None = None
     cpu_milli: NonNegative | None = None
     memory_bytes: NonNegative | None = None
     snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
+    network: NetworkPolicy | None = None
 
     def __post_init__(self) -> None:
-        for name in self.__struct_fields__:
+        for name in _QUOTA_COUNTS:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_QUOTA:
                 raise InvalidArgument(f"quota {name}={str(v)[:40]} is out of range: use "
                                       f"0..{MAX_QUOTA} or null (no limit)", field=name,
                                       limit=MAX_QUOTA)
+        if self.network is not None:   # validated at every door, stored canonical
+            self.network = self.network.validate("quota.network")
 
     @classmethod
-    def clamped(cls, **fields: int | None) -> QuotaBody:
-        """A quota read back from storage, each field clamped into 0..MAX_QUOTA: an
+    def clamped(cls, *, network: NetworkPolicy | None = None,
+                **counts: int | None) -> QuotaBody:
+        """A quota read back from storage, each count clamped into 0..MAX_QUOTA: an
         out-of-range value an older release stored (it checked no bound) reads as the
         nearest value every door can carry, instead of failing the project's readers."""
-        return cls(**{k: None if v is None else min(max(v, 0), MAX_QUOTA)
-                      for k, v in fields.items()})
+        return cls(network=network, **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
+                                        for k, v in counts.items()})
+
+
+_QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes")
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -15,6 +15,7 @@ import msgspec
 
 from dsec.errors import InvalidArgument
 from dsec.wire.api import CreateSandboxRequest, QuotaBody
+from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     ExecRequest,
     SandboxSpec,
@@ -52,6 +53,8 @@ __all__ = [
     "ListRequest",
     "ListSandboxes",
     "Mkdir",
+    "NetworkUpdate",
+    "NetworkUpdateOnNode",
     "ProjectRef",
     "QuotaSet",
     "ReadFile",
@@ -73,6 +76,7 @@ __all__ = [
 ]
 
 Command = ExecRequest | str | Sequence[str]
+MAX_GENERATION = 2**62          # a policy generation (a uint32 ct mark per slot, and more)
 
 
 def exec_request(cmd: Command, **kw: Any) -> ExecRequest:
@@ -124,7 +128,9 @@ class CreateSandbox(_Call, kw_only=True):
 
     def __post_init__(self) -> None:
         check_idempotency_key(self.idempotency_key)
-        self.spec.validate()
+        spec = self.spec.validate()
+        if spec is not self.spec:   # the network policy in canonical form
+            msgspec.structs.force_setattr(self, "spec", spec)
 
 
 def create_of(req: CreateSandboxRequest | CreateSandbox, *,
@@ -157,10 +163,24 @@ def rest_form(req: CreateSandbox) -> CreateSandboxRequest:
 
 
 class CreateOnNode(_Call, kw_only=True):
-    """``edge.create``: a spec the control plane resolved, and the id it chose."""
+    """``edge.create``: a spec the control plane resolved, and the id it chose;
+    ``ceiling_deny``: the deny entries of the project's network ceilings (every
+    ancestor's), enforced with the sandbox's own (the control plane sets them)."""
 
     spec: SandboxSpec
     sandbox_id: str | None = None       # pre-chosen id (must name this node); None = new
+
+    ceiling_deny: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sandbox_id is not None:
+            check_id(self.sandbox_id, "sandbox_id")
+        _check_ceiling_deny(self.ceiling_deny)
+
+
+def _check_ceiling_deny(entries: tuple[str, ...]) -> None:
+    if entries:
+        NetworkPolicy(mode="policy", deny=entries).validate("ceiling")
 
 
 class CreateMany(_Call, kw_only=True):
@@ -246,6 +266,10 @@ class SnapshotQuery(_Call, kw_only=True):
 
     project: str | None = None
     sandbox_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sandbox_id is not None:
+            check_id(self.sandbox_id, "sandbox_id")
 
 
 class DestroyOnNode(_Call, kw_only=True):
@@ -369,6 +393,40 @@ class FeedRequest(_Call, kw_only=True):
 
 class HeartbeatRequest(_Call, kw_only=True):
     include_sandboxes: bool = True
+
+
+# ------------------------------------------------------------------ network
+class NetworkUpdate(_Call, kw_only=True):
+    """``network_update``: replace sandbox ``id``'s egress policy, live and atomically
+    (flows the new policy forbids are cut). ``expect_generation``: compare-and-set, a
+    ``Conflict`` when the sandbox's policy generation is another (None: unconditional).
+    The policy validates itself here, at every door, and travels in canonical form."""
+
+    id: str
+    policy: NetworkPolicy
+    expect_generation: int | None = None
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
+        policy = self.policy.validate("policy")
+        if policy is not self.policy:
+            msgspec.structs.force_setattr(self, "policy", policy)
+        g = self.expect_generation
+        if g is not None and not 0 <= g <= MAX_GENERATION:
+            raise InvalidArgument(f"expect_generation={g} must be within 0..{MAX_GENERATION} "
+                                  "(a generation network_get gave)", field="expect_generation",
+                                  limit=MAX_GENERATION)
+
+
+class NetworkUpdateOnNode(NetworkUpdate, kw_only=True):
+    """``edge.network_update``: the control plane adds ``ceiling_deny``, the deny
+    entries of the project's network ceilings (callers never set it)."""
+
+    ceiling_deny: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        NetworkUpdate.__post_init__(self)
+        _check_ceiling_deny(self.ceiling_deny)
 
 
 # ------------------------------------------------------- management plane only

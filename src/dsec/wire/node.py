@@ -17,8 +17,10 @@ from dsec.wire.spec import SandboxEvent, SandboxState
 #: The version of the edge's Aether methods and bodies (:mod:`dsec.wire.ops` rows with
 #: the edge door). Raise it with any change an edge of the previous release would
 #: misread. 1: before issue 13 (``edge.info``, per-type batch items); 2: the catalogue
-#: (``edge.node_info``, ``Batch[T]``, request bodies refuse unknown fields).
-EDGE_PROTOCOL: Final = 2
+#: (``edge.node_info``, ``Batch[T]``, request bodies refuse unknown fields); 3: issue 14
+#: (Aether duplex streams and their ``WINDOW`` frame, which an edge of release 2 would
+#: take for corruption; the network policy and port rows).
+EDGE_PROTOCOL: Final = 3
 
 __all__ = [
     "EDGE_PROTOCOL",

@@ -65,6 +65,8 @@ from dsec.wire.calls import (
     ListRequest,
     ListSandboxes,
     Mkdir,
+    NetworkUpdate,
+    NetworkUpdateOnNode,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -85,6 +87,7 @@ from dsec.wire.spec import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    NetworkView,
     PauseStats,
     SandboxInfo,
     SandboxStats,
@@ -121,6 +124,8 @@ __all__ = [
     "LIST",
     "LIST_DIR",
     "MKDIR",
+    "NETWORK_GET",
+    "NETWORK_UPDATE",
     "NODES",
     "NODE_INFO",
     "PAUSE",
@@ -625,6 +630,28 @@ IMAGE_IMPORT: UploadOp[ImageUpload, ImageList] = UploadOp(
     rest=Rest(method="POST", path="/v1/images/import", operation_id="importImage",
               status=201, query=_q("name", "kind", "tag"), body_limit="image", tag="images"))
 
+# Network (issue 14): a sandbox's egress policy, served by its edge, every door.
+
+NETWORK_GET: Op[SandboxRef, NetworkView] = Op(
+    "network_get", SandboxRef, NetworkView,
+    summary="A sandbox's egress policy as enforced, its generation and denied counts",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/network",
+              operation_id="getSandboxNetwork", tag="network"))
+
+NETWORK_UPDATE: Op[NetworkUpdate, NetworkView] = Op(
+    "network_update", NetworkUpdate, NetworkView,
+    summary="Replace a live sandbox's egress policy atomically (cuts flows it no longer "
+            "allows)",
+    # role None: member on the sandbox's project AND within the project's network
+    # ceilings (every ancestor's), whose deny entries the apiserver adds for the edge.
+    # Idempotent: the edge changes nothing for a policy equal to the live one.
+    role=None, target="sandbox", idempotent=True, doors=ALL_DOORS,
+    edge_request=NetworkUpdateOnNode,
+    rest=Rest(method="PUT", path="/v1/sandboxes/{id}/network",
+              operation_id="updateSandboxNetwork", body="policy",
+              query=_q("expect_generation"), tag="network"))
+
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -634,6 +661,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     INFO, NODES, SESSION_OPEN, SESSION_RENEW, SESSION_CLOSE, CREATE_KEY, REVOKE_KEY,
     PROJECTS, PROJECT_GET, QUOTA_SET, IMAGES, IMAGE_GET, IMAGE_TAG, IMAGE_DELETE,
     IMAGE_BUILD, IMAGE_IMPORT,
+    NETWORK_GET, NETWORK_UPDATE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

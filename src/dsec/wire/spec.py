@@ -13,6 +13,16 @@ from typing import Literal
 import msgspec
 
 from dsec.errors import InvalidArgument, PayloadTooLarge
+from dsec.wire.netpolicy import (
+    MAX_NET_CONNECTIONS,
+    MAX_NET_DOMAIN_BYTES,
+    MAX_NET_DOMAIN_PORTS,
+    MAX_NET_ENTRY_CHARS,
+    MAX_NET_LABEL_BYTES,
+    MAX_NET_RATE_MBIT,
+    MAX_NET_RULES,
+    NetworkPolicy,
+)
 
 __all__ = [
     "DEFAULT_CPU_MILLI",
@@ -36,8 +46,13 @@ __all__ = [
     "MAX_LABEL_KEY_CHARS",
     "MAX_LABEL_VALUE_CHARS",
     "MAX_MEMORY_BYTES",
-    "MAX_NETWORK_ALLOW",
-    "MAX_NETWORK_ENTRY_CHARS",
+    "MAX_NET_CONNECTIONS",
+    "MAX_NET_DOMAIN_BYTES",
+    "MAX_NET_DOMAIN_PORTS",
+    "MAX_NET_ENTRY_CHARS",
+    "MAX_NET_LABEL_BYTES",
+    "MAX_NET_RATE_MBIT",
+    "MAX_NET_RULES",
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_PIDS",
@@ -61,6 +76,7 @@ __all__ = [
     "FileType",
     "IdleAction",
     "NetworkPolicy",
+    "NetworkView",
     "PauseStats",
     "SandboxEvent",
     "SandboxInfo",
@@ -154,9 +170,6 @@ MAX_PRIORITY = 2**31 - 1
 # refs held the apiserver's loop ~3 s resolving them (red team, issue 13).
 MAX_REF_CHARS = 1200
 MAX_TOOLKITS = 64
-# Egress allowlist entries (``host:port``) and the length of one.
-MAX_NETWORK_ALLOW = 1024
-MAX_NETWORK_ENTRY_CHARS = 512
 # Path patterns a snapshot leaves out; a destroy's reason (it goes into the last event).
 MAX_STRIP_PATTERNS = 256
 MAX_STRIP_PATTERN_CHARS = 1024
@@ -336,14 +349,6 @@ def check_idempotency_key(key: str | None) -> None:
                               field="idempotency_key", limit=MAX_IDEMPOTENCY_KEY_CHARS)
 
 
-class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
-                    forbid_unknown_fields=True):
-    """Egress policy. Default: loopback only. ``allow`` lists ``host:port`` entries."""
-
-    mode: Literal["none", "loopback", "allowlist"] = "loopback"
-    allow: tuple[str, ...] = ()
-
-
 class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                   forbid_unknown_fields=True):
     """What a caller asks for. Validated by :meth:`validate` at every trust boundary (not
@@ -373,12 +378,16 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     idle_timeout_s: float | None = None     # no operation for this long -> idle_action
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
-    network: NetworkPolicy = NetworkPolicy()
+    # egress (dsec.wire.netpolicy); None: the serving side's default (the apiserver's
+    # --net-default, an edge reached directly: NodeConfig.net_default), which the edge
+    # stores resolved
+    network: NetworkPolicy | None = None
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
     user_namespace: bool = False            # root inside = unprivileged uid on the host
 
     def validate(self) -> SandboxSpec:
-        """Raise :class:`InvalidArgument` naming the field and the fix; return self."""
+        """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
+        with its network policy in canonical form (self when it already was)."""
         def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
                                    field=field, **limit)
@@ -418,17 +427,6 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if not ref or len(ref) > MAX_REF_CHARS:
                 raise bad("toolkits", ref[:60], f"a toolkit ref is 1..{MAX_REF_CHARS} "
                           "characters", size=len(ref), limit=MAX_REF_CHARS)
-        allow = self.network.allow
-        if len(allow) > MAX_NETWORK_ALLOW:
-            raise InvalidArgument(f"sandbox spec field network.allow has {len(allow)} "
-                                  f"entries, over the limit of {MAX_NETWORK_ALLOW}",
-                                  field="network.allow", size=len(allow),
-                                  limit=MAX_NETWORK_ALLOW)
-        for entry in allow:
-            if len(entry) > MAX_NETWORK_ENTRY_CHARS:
-                raise bad("network.allow", entry[:60] + "...", "an entry (host:port) is at "
-                          f"most {MAX_NETWORK_ENTRY_CHARS} characters", size=len(entry),
-                          limit=MAX_NETWORK_ENTRY_CHARS)
         if self.project is not None:
             check_project_path(self.project)
         if not isinstance(self.user_namespace, bool):
@@ -463,7 +461,20 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
                           limit=MAX_LABEL_VALUE_CHARS)
+        if self.network is not None:
+            net = self.network.validate()
+            if net is not self.network:
+                return msgspec.structs.replace(self, network=net)
         return self
+
+    @property
+    def net(self) -> NetworkPolicy:
+        """The network policy, ``"none"`` where unresolved (an edge stores resolved
+        specs, so backends see the policy the sandbox was created with)."""
+        return _NO_NETWORK if self.network is None else self.network
+
+
+_NO_NETWORK = NetworkPolicy()
 
 
 
@@ -474,19 +485,23 @@ LEGACY_PROJECT = "default"
 
 
 def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
-            ttl_s: float | None = None) -> SandboxSpec:
+            ttl_s: float | None = None,
+            network: NetworkPolicy | None = None) -> SandboxSpec:
     """``spec`` with what it leaves to the server filled in: ``backend`` and ``project``
-    when None, and ``ttl_s`` when None and a default lifetime is given. Every other
-    field is the caller's, unchanged. Both doors that create (the apiserver, an edge
-    reached directly) resolve through this one function, so a stored spec names its
-    backend and project."""
+    when None, ``ttl_s`` when None and a default lifetime is given, ``network`` when None
+    and a default policy is given. Every other field is the caller's, unchanged. Both
+    doors that create (the apiserver, an edge reached directly) resolve through this one
+    function, so a stored spec names its backend, project and policy (a later change
+    of a default moves nothing already made)."""
     if spec.backend is not None and spec.project is not None and (
-            spec.ttl_s is not None or ttl_s is None):
+            spec.ttl_s is not None or ttl_s is None) and (
+            spec.network is not None or network is None):
         return spec
     return msgspec.structs.replace(
         spec, backend=backend if spec.backend is None else spec.backend,
         project=project if spec.project is None else spec.project,
-        ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s)
+        ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s,
+        network=network if spec.network is None else spec.network)
 
 
 def stored(spec: SandboxSpec) -> SandboxSpec:
@@ -678,6 +693,25 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float
     last_active_at: float
     reason: str = ""                        # reason of the last transition
+
+
+class NetworkView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A sandbox's egress policy as its edge enforces it (``network_get``,
+    ``network_update``): ``policy`` in canonical form (without the ceilings' denies, which
+    are ``ceiling_deny``); ``generation`` moves on every change that took effect (pass it
+    as ``expect_generation`` to update only what you read); ``address``: the sandbox's
+    IPv4 address (None: mode none, or a node without routed sandbox networking yet);
+    ``ipv6``: whether v6 entries are enforced (else v6 is dropped whole);
+    ``denied_packets``/``recent_denied``/``pins``: what the node counted."""
+
+    policy: NetworkPolicy
+    generation: int = 0
+    ceiling_deny: tuple[str, ...] = ()
+    address: str | None = None
+    ipv6: bool = False
+    denied_packets: int = 0
+    recent_denied: tuple[str, ...] = ()
+    pins: int = 0
 
 
 class ExecChunk(msgspec.Struct, frozen=True, kw_only=True):

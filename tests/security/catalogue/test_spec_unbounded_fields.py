@@ -22,7 +22,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("toolkits", {"toolkits": ["tk"] * 100_000}),
     ("image", {"image": "i" * 100_000}),
     ("workspace", {"workspace": "w" * 100_000}),
-    ("network.allow", {"network": {"mode": "allowlist", "allow": ["x:1"] * 100_000}}),
+    # [i13f: main's network policy (wire/netpolicy.py) bounds it: MAX_NET_RULES]
+    ("network.allow", {"network": {"mode": "policy", "allow": ["h.example.com"] * 100_000}}),
 ]
 
 

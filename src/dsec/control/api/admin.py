@@ -17,14 +17,6 @@ from typing import Protocol
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
-from dsec.control.api.types import (
-    CreateKeyRequest,
-    CreateKeyResponse,
-    ProjectList,
-    ProjectView,
-    QuotaBody,
-    SessionView,
-)
 from dsec.control.iam import Iam
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.registry import Registry
@@ -32,6 +24,14 @@ from dsec.control.store import QuotaRow, SessionRow, StateStore
 from dsec.control.sweeper import Session
 from dsec.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, QuotaExceeded
 from dsec.ids import parse_project_path
+from dsec.wire.api import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SessionView,
+)
 
 __all__ = ["Admin", "AdminLimits", "AuthCaches"]
 
@@ -101,7 +101,8 @@ class Admin:
             quota=None if q is None else QuotaBody.clamped(max_sandboxes=q.max_sandboxes,
                                                             cpu_milli=q.cpu_milli,
                                                             memory_bytes=q.memory_bytes,
-                                                            snapshot_bytes=q.snapshot_bytes),
+                                                            snapshot_bytes=q.snapshot_bytes,
+                                                            network=q.network),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
                    "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
 
@@ -130,7 +131,8 @@ class Admin:
                 f"{path!r}: only a superuser may (a project's own admins cannot raise its "
                 "quota); admins set the quotas of their subprojects")
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
-                      memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes)
+                      memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes,
+                      network=q.network)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
         self._sync_snapshots()

@@ -23,7 +23,7 @@ from dsec.wire.api import (
     ExecManyBody,
     ExecOutput,
 )
-from dsec.wire.calls import ExecMany
+from dsec.wire.calls import MAX_GENERATION, ExecMany
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import MAX_PATH_BYTES, ExecResult
@@ -48,7 +48,7 @@ Body = type | Literal["binary"] | None
 
 # Patterns and limits the server enforces on identifiers and paths, as JSON schema. The
 # server's own checks are dsec.ids (parse_sandbox_id, parse_project_path), the shared
-# exec/path validators in dsec.edge.spec and the IAM rules; tests/control/test_openapi.py
+# exec/path validators in dsec.wire.spec and the IAM rules; tests/control/test_openapi.py
 # sends values on both sides of each bound and checks the server agrees.
 _NODE = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 SANDBOX_ID: dict[str, Any] = {"type": "string", "pattern": rf"^sb-[0-9a-f]{{12}}-{_NODE}$"}
@@ -218,6 +218,9 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
                       "(cluster-wide) name a superuser"),
     Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
     Param("tag", {"type": "string", "pattern": _NAME}),
+    Param("expect_generation", {"type": "integer", "minimum": 0, "maximum": MAX_GENERATION},
+          description="compare-and-set: update only if the live policy still has the "
+                      "generation network_get gave (409 otherwise)"),
 )}
 
 

@@ -55,18 +55,6 @@ import msgspec
 from dsec.control.api.admin import Admin
 from dsec.control.api.images import ImageAdmin
 from dsec.control.api.service import ApiService, Caller, EdgeOps
-from dsec.control.api.types import (
-    CreateKeyRequest,
-    CreateKeyResponse,
-    ImageList,
-    ImageTagRequest,
-    ImageView,
-    NodeView,
-    ProjectList,
-    ProjectView,
-    QuotaBody,
-    SessionView,
-)
 from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
@@ -119,6 +107,19 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import NodeId, node_of
+from dsec.wire.api import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
+    NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SessionView,
+)
+from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     SandboxEvent,
     SandboxInfo,
@@ -171,6 +172,11 @@ class PlaneConfig:
     # that timed out while the loop was stalled for half its deadline is this side's
     # blindness, not the edge's silence.
     stall_tick_s: float = 0.1
+    # How stale this replica's copy of the quotas (network ceilings included) may get:
+    # another apiserver replica over the same store may have set one. Re-read from the
+    # store at most this often, when a create is admitted or a ceiling checked (a
+    # ceiling narrowed on one replica used to bind the others only after their restart).
+    quota_refresh_s: float = 2.0
 
 
 class IamAuthority:
@@ -243,6 +249,7 @@ class ControlPlane:
     _last_sweep: float = 0.0
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _stalls: StallMeter | None = None
+    _quotas_read: float = float("-inf")   # when the quota index was last read from the store
     # Administration (projects, quotas, keys, sessions) and the image routes, over this
     # plane's parts: see dsec.control.api.admin and dsec.control.api.images.
     admin: Admin = field(init=False)
@@ -269,7 +276,7 @@ class ControlPlane:
         iam = Iam(store, clock=clock)
         quota = QuotaIndex()
         for row in store.list_quotas():
-            quota.set_quota(row.project, Quota(**row.quota))
+            quota.set_quota(row.project, msgspec.convert(row.quota, Quota))
         for charge in store.list_snapshot_charges():
             quota.add_snapshot(charge.id, charge.project, charge.size_bytes)
         registry = Registry(store, clock=clock, quota=quota)
@@ -277,6 +284,7 @@ class ControlPlane:
         plane = cls(store=store, iam=iam, quota=quota, registry=registry, metrics=metrics,
                     config=cfg, clock=clock,
                     watcher=Watcher(WatcherConfig(ttl_s=cfg.node_ttl_s)))
+        plane._quotas_read = clock()
         metrics.on_scrape(plane._refresh_gauges)
         for lost in store.list_lost(cfg.lost_tombstones):
             try:
@@ -421,8 +429,30 @@ class ControlPlane:
         self.placement.forget(decision)
 
     # --------------------------------------------------------------- quotas
+    def network_ceilings(self, project: str) -> list[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project`` (its own and its ancestors')."""
+        self._fresh_quotas()
+        return self.quota.network_ceilings(project)
+
+    def _fresh_quotas(self) -> None:
+        """Re-read the quotas from the store when this copy is older than
+        ``quota_refresh_s`` (one query of the quota rows; see PlaneConfig)."""
+        now = self.clock()
+        if now - self._quotas_read < self.config.quota_refresh_s:
+            return
+        self._quotas_read = now
+        for row in self.store.list_quotas():
+            try:
+                q = msgspec.convert(row.quota, Quota)
+                if self.quota.quota(row.project) != q:
+                    self.quota.set_quota(row.project, q)
+            except (msgspec.ValidationError, DsecError) as exc:
+                log.warning("quota of %s in the store is unreadable, kept the one held: %s",
+                            row.project, exc)
+
     def admit(self, project: str, spec: SandboxSpec) -> object:
         """Check the quota chain and hold a provisional charge until commit/abort."""
+        self._fresh_quotas()
         self.quota.check(project, backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                          memory_bytes=spec.memory_bytes)
         self._pending += 1

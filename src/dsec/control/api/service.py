@@ -101,6 +101,8 @@ from dsec.wire.calls import (
     ImageUpload,
     KeyRef,
     ListSandboxes,
+    NetworkUpdate,
+    NetworkUpdateOnNode,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -114,6 +116,7 @@ from dsec.wire.calls import (
     create_of,
     rest_form,
 )
+from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
@@ -122,6 +125,7 @@ from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
+    NetworkView,
     PauseStats,
     SandboxEvent,
     SandboxInfo,
@@ -248,6 +252,9 @@ class QuotaGate(Protocol):
     the edge created the sandbox, ``abort`` drops it. ``forget`` records a destroy,
     ``paused`` a pause (True) or resume (False)."""
 
+    def network_ceilings(self, project: str) -> Sequence[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project``: its own and every ancestor's."""
+        ...
     def admit(self, project: str, spec: SandboxSpec) -> object: ...
     def commit(self, token: object, info: SandboxInfo) -> None: ...
     def abort(self, token: object) -> None: ...
@@ -318,6 +325,9 @@ class ApiConfig:
     recover_wait_s: float = 30.0
     # The server version every door reports (/v1/info, api.info, the OpenAPI document).
     version: str = "0.1.0"
+    # The egress policy of a create that names none (``dsec up|apiserver --net-default``):
+    # "none", loopback only, unless the operator opens it. A project's ceiling still binds.
+    net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
 
 
 class _ProjectCache:
@@ -626,7 +636,7 @@ class ApiService:
             if ttl is None:
                 ttl = self.config.default_ttl_s
         spec = resolve(asked, backend=_backend_name(self.config.default_backend),
-                       project=project, ttl_s=ttl)
+                       project=project, ttl_s=ttl, network=self.config.net_default)
         # A sandbox is bound to a session (swept with it) by its session label: the
         # request's session, or the label given by hand; either must be a live session
         # of the caller's principal (another's would decide when this sandbox dies).
@@ -638,7 +648,7 @@ class ApiService:
             spec = msgspec.structs.replace(
                 spec, labels={**spec.labels, SESSION_LABEL: req.session})
         # the spec's own limits first (the type's words, as the gateway's decode gives
-        # them), then this apiserver's tighter pids cap
+        # them), then this apiserver's tighter pids cap, then the project's network ceiling
         spec = spec.validate()
         cap = self.config.pids_max_ceiling
         if cap is not None and (spec.pids_max is None or spec.pids_max > cap):
@@ -646,7 +656,13 @@ class ApiService:
                 f"pids_max={spec.pids_max if spec.pids_max is not None else 'null'} is "
                 f"refused: this apiserver caps processes per sandbox at {cap} (a fork-bomb "
                 f"guard for the node); ask for 1..{cap}", field="pids_max", limit=cap)
+        assert spec.network is not None
+        check_within(spec.network, self.network_ceilings(project))
         return spec
+
+    def network_ceilings(self, project: str) -> Sequence[tuple[str, NetworkPolicy]]:
+        """The network ceilings binding ``project`` (none without a control plane)."""
+        return () if self.quotas is None else self.quotas.network_ceilings(project)
 
     async def create(
         self, principal: Caller, req: CreateSandbox | CreateSandboxRequest, *,
@@ -853,10 +869,13 @@ class ApiService:
 
     async def _edge_create(self, edge: EdgeOps, spec: SandboxSpec,
                            sid: str | None) -> SandboxInfo:
+        # the project's network ceilings' deny entries, enforced with the sandbox's own
+        deny = ceiling_deny(self.network_ceilings(project_of(spec)))
+        kw: dict[str, Any] = {"ceiling_deny": deny} if deny else {}
         if sid is None:
-            return await edge.create(spec)
+            return await edge.create(spec, **kw)
         try:
-            return await edge.create(spec, sandbox_id=sid)
+            return await edge.create(spec, sandbox_id=sid, **kw)
         except InvalidArgument as exc:
             if exc.detail.get("sandbox_id") == sid and "already in use" in exc.message:
                 raise _IdInUse(sid) from exc
@@ -1116,7 +1135,7 @@ class ApiService:
         async def piece(at: int, n: int) -> bytes:
             return await self._via(edge, sid, "read_file", lambda: edge.read_file(
                 sid, path, offset=at, length=n))
-        # in pieces that fit an Aether frame, up to the one-read limit (dsec.edge.spec)
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
         return await read_in_chunks(piece, offset, length)
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
@@ -1404,6 +1423,8 @@ class ApiService:
             "images": self._images_op, "image_get": self._image_get_op,
             "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
             "image_build": self._upload_refused, "image_import": self._upload_refused,
+            "network_get": functools.partial(fwd, ops.NETWORK_GET),
+            "network_update": self._network_update_op,
         }
 
     async def _forward(self, op: Op[Any, Any], caller: Caller, body: Any) -> Any:
@@ -1416,6 +1437,19 @@ class ApiService:
         deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
         return await self._via(edge, sid, op.name,
                                lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+
+    async def _network_update_op(self, caller: Caller, b: NetworkUpdate) -> NetworkView:
+        """Member on the sandbox's project, and the new policy within every network
+        ceiling of the project (its own and its ancestors'), checked before the edge is
+        asked; the ceilings' deny entries go with it (``NetworkUpdateOnNode``)."""
+        edge, project = await self._edge_for(caller, b.id, "member")
+        ceilings = self.network_ceilings(project)
+        check_within(b.policy, ceilings, where="policy")
+        body = NetworkUpdateOnNode(id=b.id, policy=b.policy,
+                                   expect_generation=b.expect_generation,
+                                   ceiling_deny=ceiling_deny(ceilings))
+        return await self._via(edge, b.id, "network_update",
+                               lambda: edge.network_update(body))
 
     async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
         return await self.create(caller, b)

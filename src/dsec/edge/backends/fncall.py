@@ -95,8 +95,11 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
-from dsec.edge.protocol import PoolStats
-from dsec.edge.spec import (
+from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
+from dsec.ids import SandboxId
+from dsec.wire.node import PoolStats
+from dsec.wire.spec import (
+    TIMEOUT_EXIT_CODE,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -105,9 +108,6 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
-from dsec.ids import SandboxId
-from dsec.wire.spec import TIMEOUT_EXIT_CODE
 
 __all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
            "make_backend"]
@@ -884,10 +884,10 @@ class FncallBackend:
     def _check_spec(self, spec: SandboxSpec) -> tuple[int, int | None]:
         """(disk bytes, pids.max) for ``spec``, or InvalidArgument for what fncall cannot
         give: it has loopback only and never nests namespaces."""
-        if spec.network.mode == "allowlist":
+        if spec.net.net_mode != "none":
             raise InvalidArgument("the fncall backend has no network beyond loopback; use "
-                                  "network mode 'loopback' or 'none' (or the container "
-                                  "backend)", field="network")
+                                  "network mode 'none' (or the container backend)",
+                                  field="network")
         if spec.allow_nested:
             raise InvalidArgument("the fncall backend does not allow nested namespaces; drop "
                                   "allow_nested or use the container backend",

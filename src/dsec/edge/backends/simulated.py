@@ -26,16 +26,6 @@ import msgspec
 
 from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.clock import Clock, SystemClock
-from dsec.edge.spec import (
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxSpec,
-    SandboxStats,
-    SnapshotInfo,
-)
 from dsec.errors import (
     BackendError,
     ImageNotFound,
@@ -46,7 +36,18 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
-from dsec.wire.spec import TIMEOUT_EXIT_CODE, project_of
+from dsec.wire.spec import (
+    TIMEOUT_EXIT_CODE,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxSpec,
+    SandboxStats,
+    SnapshotInfo,
+    project_of,
+)
 
 __all__ = ["NodeLatencyProfile", "SimulatedBackend", "make_backend"]
 
@@ -210,6 +211,13 @@ class SimulatedBackend:
         if self.profile.resume_s:
             await self.clock.sleep(self.profile.resume_s)
         box.paused = False
+
+    async def set_network(self, sid: SandboxId, spec: SandboxSpec,
+                          ceiling_deny: tuple[str, ...], generation: int) -> None:
+        """A new egress policy (``network_update``). Simulated sandboxes have no network
+        to filter: the policy is recorded, as the spec the sandbox runs with."""
+        box = self._box(sid)
+        box.spec = spec
 
     async def stats(self, sid: SandboxId) -> SandboxStats:
         box = self._box(sid)
