@@ -18,6 +18,7 @@ thread, and back.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import logging
@@ -29,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
-from dsec.errors import BackendError, ResourceExhausted
+from dsec.errors import BackendError, Conflict, ResourceExhausted
 from dsec.net import netns, nftrules, rtwire
 from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
@@ -385,13 +386,34 @@ class Router:
             self.stats.policy_loads += 1
             return gen
 
-    def pin(self, slot: Slot, pins: Iterable[Pin4]) -> None:
-        """Add DNS pins to the slot's pin sets (before the answer is sent)."""
+    def pin(self, slot: Slot, pins: Iterable[Pin4], *, generation: int) -> None:
+        """Add DNS pins to the slot's pin sets (before the answer is sent), only while the
+        slot still holds the policy ``generation`` the answer was decided under: the
+        check and the batch are one step under the router's lock, and every policy load
+        and recycle moves the generation (under the same lock), so an answer decided
+        for a policy an update replaced, or for a tenant that left, never pins.
+
+        Raises Conflict for a stale generation and ResourceExhausted when the slot's
+        pin set is full (the kernel's ENFILE: nothing of the batch was added)."""
+        items = list(pins)
         with self._lock:
-            self.netlink.commit(
-                nftrules.pins_batch(NftBatch(self.config.table), slot.addr, pins),
-                f"pins of slot {slot.index}",
-            )
+            if slot.generation != generation or self.slots.get(slot.index) is not slot:
+                raise Conflict(
+                    f"slot {slot.index} moved from policy generation {generation} to "
+                    f"{slot.generation} while the answer was resolved: not pinned",
+                    generation=slot.generation)
+            try:
+                self.netlink.commit(
+                    nftrules.pins_batch(NftBatch(self.config.table), slot.addr, items),
+                    f"pins of slot {slot.index}",
+                )
+            except BackendError as exc:
+                if exc.detail.get("errno") != errno.ENFILE:
+                    raise
+                raise ResourceExhausted(
+                    f"slot {slot.index}'s DNS pin sets hold at most "
+                    f"{nftrules.PIN_SET_SIZE} elements each; {len(items)} more do not fit "
+                    "(live pins are never evicted)", limit=nftrules.PIN_SET_SIZE) from exc
 
     def release(self, slot: Slot, *, reusable: bool = True) -> None:
         """The slot's sandbox is gone. With ``reusable`` (its processes, hence its
