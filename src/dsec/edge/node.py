@@ -892,6 +892,15 @@ class EdgeNode:
                     f"the {rec.spec.backend} backend on node {self.node_id} enforces no "
                     f"network policy but 'none'; {policy.net_mode!r} is refused",
                     field="policy.mode")
+            checker = getattr(rec.backend, "check_network", None)
+            if checker is not None:
+                # a policy the backend will refuse is refused before it is journaled
+                try:
+                    await checker(SandboxId(rec.id),
+                                  msgspec.structs.replace(rec.spec, network=policy),
+                                  ceiling_deny)
+                except Exception as exc:
+                    raise self._backend_error(rec, "network_update", exc) from exc
             old = (rec.spec, rec.ceiling_deny, rec.net_generation)
             rec.spec = msgspec.structs.replace(rec.spec, network=policy)
             rec.ceiling_deny = ceiling_deny

@@ -353,6 +353,10 @@ class ContainerBackend:
                                   field="user_namespace")
         if sid in self._boxes:
             raise Conflict(f"sandbox {sid} already exists on this backend", sandbox_id=sid)
+        if self.network is not None and spec.net.net_mode != "none":
+            # compiled off the loop (a big policy's split costs ms) and refused before
+            # anything is built; attach() below finds the plan prepared
+            await asyncio.to_thread(self.network.prepare, spec)
         d = self._dir(sid)
         pids = self._pids_for(spec)
         cap = self.disk_cap(spec)
@@ -425,9 +429,25 @@ class ContainerBackend:
                     sandbox_id=sid)
             box.spec = spec
             return
+        await asyncio.to_thread(self.network.prepare, spec, ceiling_deny)
         self.network.update(sid, spec, ceiling_deny)
         box.spec = spec
         log.debug("sandbox %s: network policy generation %d loaded", sid, generation)
+
+    async def check_network(self, sid: SandboxId, spec: SandboxSpec,
+                            ceiling_deny: tuple[str, ...]) -> None:
+        """Refuse a policy this node cannot load *before* the node journals it (no fsync
+        and rollback for an update that will be refused): compiled on a worker thread,
+        the plan kept for the set_network that follows."""
+        self.box(sid)
+        if self.network is None:
+            if spec.net.net_mode != "none":
+                raise InvalidArgument(
+                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
+                    "which this container backend was started without", field="network",
+                    sandbox_id=sid)
+            return
+        await asyncio.to_thread(self.network.prepare, spec, ceiling_deny)
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
