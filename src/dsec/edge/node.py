@@ -847,8 +847,13 @@ class EdgeNode:
                 node=self.node_id)
 
     def _net_view(self, rec: _Sandbox) -> NetworkView:
+        address, denied, pins = None, 0, 0
+        status = getattr(rec.backend, "network_status", None)
+        if status is not None and rec.state not in ("destroyed", "failed"):
+            address, denied, pins = status(SandboxId(rec.id))
         return NetworkView(policy=rec.spec.net, generation=rec.net_generation,
-                           ceiling_deny=rec.ceiling_deny)
+                           ceiling_deny=rec.ceiling_deny, address=address,
+                           denied_packets=denied, pins=pins)
 
     def network_get(self, sandbox_id: str) -> NetworkView:
         """The sandbox's egress policy as this node holds it, and its generation."""

@@ -51,6 +51,8 @@ class RouterConfig:
     # Added to the never-reachable set (the host's own addresses).
     node_addresses: tuple[str, ...] = ()
     table: str = nftrules.TABLE
+    #: concurrent flows of a sandbox whose policy names no max_connections
+    max_connections: int = nftrules.DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass(slots=True)
@@ -60,6 +62,8 @@ class Slot:
     addr: SlotAddr
     fd: int
     generation: int = 0
+    #: the flow cap its ``sNk`` chain holds now
+    conn_cap: int = nftrules.DEFAULT_MAX_CONNECTIONS
 
     @property
     def index(self) -> int:
@@ -250,7 +254,8 @@ class Router:
         if ins.objects:
             try:
                 self.nft(nftrules.slot_objects((self.pool.slot(i) for i in ins.objects),
-                                               table=self.config.table))
+                                               table=self.config.table,
+                                               max_connections=self.config.max_connections))
             except BackendError as exc:
                 log.warning("net: nft objects of slots %s failed: %s", ins.objects, exc.message)
                 return [SlotEvent("build_failed", i) for i in ins.slots]
@@ -267,12 +272,19 @@ class Router:
             else:
                 events.append(SlotEvent("built", i))
                 self.stats.built += 1
-        # Sets of rebuilt indices may hold a previous tenant's elements: empty them.
+        # Sets of rebuilt indices may hold a previous tenant's elements: empty them; and
+        # their flow cap may be a previous tenant's: back to the node's default.
         batch = NftBatch(self.config.table)
+        caps: list[str] = []
         for e in events:
             if e.kind == "built" and e.slot not in ins.objects:
                 nftrules.drain_batch(batch, self.pool.slot(e.slot))
+                caps.append(nftrules.conn_cap(self.pool.slot(e.slot),
+                                              self.config.max_connections,
+                                              table=self.config.table))
         self.netlink.commit(batch, "flush rebuilt slots")
+        if caps:
+            self.nft("".join(caps))
         return events
 
     def _build_one(self, a: SlotAddr) -> Slot:
@@ -308,7 +320,7 @@ class Router:
         except BaseException:
             _close(fd)
             raise
-        return Slot(addr=a, fd=fd)
+        return Slot(addr=a, fd=fd, conn_cap=self.config.max_connections)
 
     def _del_link(self, a: SlotAddr) -> None:
         seq = self.rtnl.next_seq()
@@ -371,10 +383,17 @@ class Router:
             self._generation += 1
             return self._generation
 
-    def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False) -> int:
+    def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False,
+             max_connections: int | None = None) -> int:
         """Replace the slot's policy (one atomic batch); returns the new generation.
-        Flows the new policy forbids are cut at their next packet."""
+        Flows the new policy forbids are cut at their next packet. ``max_connections``:
+        the slot's flow cap (None: the node's default); rewritten first, in a
+        transaction of its own, only when it differs from what the slot holds."""
+        cap = max_connections or self.config.max_connections
         with self._lock:
+            if slot.conn_cap != cap:
+                self.nft(nftrules.conn_cap(slot.addr, cap, table=self.config.table))
+                slot.conn_cap = cap
             gen = self.next_generation()
             self.netlink.commit(
                 nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,

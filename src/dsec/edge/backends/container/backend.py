@@ -434,6 +434,12 @@ class ContainerBackend:
         box.spec = spec
         log.debug("sandbox %s: network policy generation %d loaded", sid, generation)
 
+    def network_status(self, sid: SandboxId) -> tuple[str | None, int, int]:
+        """(address, denied packets, live DNS pins) for ``network_get``."""
+        if self.network is None:
+            return None, 0, 0
+        return self.network.status(sid, time.monotonic())
+
     async def check_network(self, sid: SandboxId, spec: SandboxSpec,
                             ceiling_deny: tuple[str, ...]) -> None:
         """Refuse a policy this node cannot load *before* the node journals it (no fsync
