@@ -568,9 +568,16 @@ class ContainerBackend:
 
     async def _denied_notice(self, box: Box, packets: int, total: int, folded: int) -> None:
         assert self.network is not None
+        slot = self.network.slot(box.sid)
+        held = (slot, slot.generation) if slot is not None else None
         try:
             examples = await asyncio.to_thread(self.network.recent_denied, box.sid)
         except (DsecError, OSError):
+            examples = []
+        now = self.network.slot(box.sid)
+        if held is None or now is not held[0] or now.generation != held[1]:
+            # the slot changed hands (or policy) while it was listed: the examples may
+            # be the next tenant's destinations, never shown to this one
             examples = []
         detail = (f"sandbox {box.sid}'s egress policy dropped {packets} packet(s) "
                   f"({total} since it started)"
