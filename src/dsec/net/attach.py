@@ -126,6 +126,20 @@ class SandboxNetwork:
         = field(default_factory=dict)
     _compiled_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def prepared(self, spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> bool:
+        """Whether ``prepare`` has the plan already (then it costs a dict lookup)."""
+        with self._compiled_lock:
+            return (spec.net, ceiling_deny) in self._compiled
+
+    async def prepare_off_loop(self, spec: SandboxSpec,
+                               ceiling_deny: tuple[str, ...] = ()) -> None:
+        """``prepare`` on a worker thread unless its plan is cached (a big policy's split
+        costs milliseconds; a cached one is a lookup, not worth a thread hop)."""
+        if self.prepared(spec, ceiling_deny):
+            self.prepare(spec, ceiling_deny)  # re-raises a cached refusal
+        else:
+            await asyncio.to_thread(self.prepare, spec, ceiling_deny)
+
     def prepare(self, spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> NetPlan | None:
         """The spec's compiled plan (None: mode none), or InvalidArgument for a policy
         this node refuses. Pure CPU (a few ms for a big policy, bounded by

@@ -356,7 +356,7 @@ class ContainerBackend:
         if self.network is not None and spec.net.net_mode != "none":
             # compiled off the loop (a big policy's split costs ms) and refused before
             # anything is built; attach() below finds the plan prepared
-            await asyncio.to_thread(self.network.prepare, spec)
+            await self.network.prepare_off_loop(spec)
         d = self._dir(sid)
         pids = self._pids_for(spec)
         cap = self.disk_cap(spec)
@@ -429,7 +429,7 @@ class ContainerBackend:
                     sandbox_id=sid)
             box.spec = spec
             return
-        await asyncio.to_thread(self.network.prepare, spec, ceiling_deny)
+        await self.network.prepare_off_loop(spec, ceiling_deny)
         self.network.update(sid, spec, ceiling_deny)
         box.spec = spec
         log.debug("sandbox %s: network policy generation %d loaded", sid, generation)
@@ -453,7 +453,7 @@ class ContainerBackend:
                     "which this container backend was started without", field="network",
                     sandbox_id=sid)
             return
-        await asyncio.to_thread(self.network.prepare, spec, ceiling_deny)
+        await self.network.prepare_off_loop(spec, ceiling_deny)
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
