@@ -53,6 +53,8 @@ MAX_TCP_QUERY = 65535
 #: pin set, so one name an agent answers for with hundreds of A records cannot fill it,
 #: and the batch stays small on the loop (~0.1 ms for 256 elements).
 MAX_PINS_PER_ANSWER = 256
+#: A-record addresses kept of one upstream answer.
+MAX_ANSWER_ADDRESSES = 64
 #: How long a name whose pins the kernel refused is answered SERVFAIL from memory.
 PIN_REFUSED_S = 30.0
 PIN_WARN_S = 60.0
@@ -433,8 +435,10 @@ class Resolver:
         r = await self._ask(q.pack(), q.header.id)
         if r.header.tc:
             r = await self._ask(q.pack(), q.header.id, tcp=True)
+        # At most MAX_ANSWER_ADDRESSES kept (a real answer holds a handful; an agent's
+        # own server may send hundreds, and each is filtered on every cached query)
         addrs = tuple(ipaddress.IPv4Address(str(rr.rdata)) for rr in r.rr
-                      if rr.rtype == QTYPE.A)
+                      if rr.rtype == QTYPE.A)[:MAX_ANSWER_ADDRESSES]
         ttl = min((rr.ttl for rr in r.rr if rr.rtype == QTYPE.A), default=30)
         ttl = max(1, min(ttl, 3600))
         rcode = int(r.header.rcode)
