@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dsec.edge.spec import SandboxEvent, SandboxState
 from dsec.errors import InvalidTransition
+from dsec.wire.spec import SandboxEvent, SandboxState
 
 __all__ = [
     "FINAL_REASONS",

@@ -60,7 +60,6 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -77,6 +76,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.wire.netpolicy import NetworkPolicy, within
+from dsec.wire.node import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.wire.spec import (
     LEGACY_PROJECT,
     BackendName,

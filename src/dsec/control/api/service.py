@@ -1104,7 +1104,7 @@ class ApiService:
         async def piece(at: int, n: int) -> bytes:
             return await self._via(edge, sid, "read_file", lambda: edge.read_file(
                 sid, path, offset=at, length=n))
-        # in pieces that fit an Aether frame, up to the one-read limit (dsec.edge.spec)
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
         return await read_in_chunks(piece, offset, length)
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,

@@ -85,17 +85,6 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
-from dsec.edge.spec import (
-    BackendName,
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxSpec,
-    SandboxStats,
-    SnapshotInfo,
-)
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -110,6 +99,17 @@ from dsec.errors import (
 from dsec.ids import SandboxId
 from dsec.net.attach import SandboxNetwork
 from dsec.ownership import start_time
+from dsec.wire.spec import (
+    BackendName,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxSpec,
+    SandboxStats,
+    SnapshotInfo,
+)
 
 if TYPE_CHECKING:
     from dsec.edge.backends.container.runc import RuncDriver

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from dsec.edge.backends.container.images import RootLayers
 from dsec.edge.governor import ExecCgroup, SandboxCgroup
-from dsec.edge.spec import SandboxSpec
 from dsec.ids import SandboxId
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["Box"]
 
