@@ -2,9 +2,8 @@
 ceiling's) ``max_connections`` / ``rate_mbit`` were accepted, stored and checked against
 the project ceiling, but nothing in the kernel enforced them. ``max_connections`` is now
 the slot's flow cap (``ct count`` in its ``sNk`` chain, every accepted new flow passes
-it; the node's default 4,096 when unset). ``rate_mbit`` is still refused at create
-(fail closed) until tc shaping lands; its test passes on the refusal and fails again if
-a rate is ever accepted and not enforced."""
+it; the node's default 4,096 when unset), and ``rate_mbit`` a tbf on both ends of the
+slot's veth."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import time
 
 import pytest
 
-from dsec.errors import DsecError
 from dsec.net.nftrules import DEFAULT_MAX_CONNECTIONS
 from dsec.net.testinternet import ALLOWED, TCP_ECHO_PORT, TCP_SINK_PORT
 
@@ -45,14 +43,10 @@ async def test_max_connections_is_enforced(env: Env) -> None:
                            "reached the internet")
 
 
-async def test_rate_mbit_is_not_enforced(env: Env) -> None:
-    """HOLE (nb, net/nftrules.py / attach.py): rate_mbit=1 accepted, 4 MiB leave in
-    well under the 33 s a 1 Mbit/s cap needs."""
-    try:
-        sid = await env.create(_capped(rate_mbit=1))
-    except DsecError as exc:  # refused rather than run without the cap: holds
-        assert "rate_mbit" in exc.message, exc.message
-        return
+async def test_rate_mbit_is_enforced(env: Env) -> None:
+    """Was a hole (rate_mbit=1 accepted, 4 MiB left at veth speed), then refused at
+    create; now a tbf on both ends of the slot's veth holds it."""
+    sid = await env.create(_capped(rate_mbit=1))
     t0 = time.monotonic()
     out = await env.sh(sid, f"dd if=/dev/zero bs=64k count=64 2>/dev/null | "
                        f"nc {ALLOWED} {TCP_SINK_PORT}; echo rc=$?", timeout_s=60)

@@ -41,6 +41,8 @@ class NetPlan:
     dns: DnsPolicy = field(default_factory=DnsPolicy)
     #: the slot's flow cap (None: the node's default, RouterConfig.max_connections)
     max_connections: int | None = None
+    #: both directions shaped to this (None: not shaped)
+    rate_mbit: int | None = None
 
 
 #: (spec, the project ceilings' deny entries) -> its plan, or None for "no network
@@ -74,12 +76,6 @@ def plan_of(compiled: Compiled) -> NetPlan | None:
     IPv6 elements are left out: slots have no IPv6 and drop every v6 packet."""
     if compiled.mode == "none":
         return None
-    if compiled.rate_mbit is not None:
-        # Refused rather than run without: a cap the caller (or a project ceiling) asked
-        # for and this node does not enforce would be a hole, not a default.
-        raise InvalidArgument(
-            f"network.rate_mbit={compiled.rate_mbit} is not enforced by this node's "
-            "router yet; leave rate_mbit unset (null)", field="network.rate_mbit")
     slot = SlotPolicy(
         allow4=_dests(compiled.sets.get("a4", ()), "allow"),
         deny4=_dests(compiled.sets.get("d4", ()), "deny"),
@@ -96,7 +92,7 @@ def plan_of(compiled: Compiled) -> NetPlan | None:
     dns = DnsPolicy(allow=tuple(rule(d) for d in compiled.domains),
                     deny=tuple(rule(d) for d in compiled.deny_domains),
                     open=compiled.open, private_ok=private_ok)
-    return NetPlan(slot, dns, compiled.max_connections)
+    return NetPlan(slot, dns, compiled.max_connections, compiled.rate_mbit)
 
 
 def compile_spec(spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> NetPlan | None:
@@ -180,7 +176,7 @@ class SandboxNetwork:
         slot = self.router.take()
         try:
             self.router.load(slot, plan.slot, flush_pins=True,
-                             max_connections=plan.max_connections)
+                             max_connections=plan.max_connections, rate_mbit=plan.rate_mbit)
         except BaseException:
             self.router.release(slot)  # nothing ran in it: safe to reuse
             raise
@@ -286,7 +282,7 @@ class SandboxNetwork:
         # Names changed: their pins go too (re-resolving pins again what is still allowed)
         names_changed = old is None or old.dns != plan.dns
         gen = self.router.load(slot, plan.slot, flush_pins=names_changed,
-                               max_connections=plan.max_connections)
+                               max_connections=plan.max_connections, rate_mbit=plan.rate_mbit)
         if names_changed:
             self.pins.forget(slot.index)
         self.policies[sid] = plan
