@@ -67,6 +67,7 @@ async def test_a_refused_overlapping_policy_stalls_the_edge_loop(env: Env) -> No
     stop = True
     await t
     assert refused == 3
-    assert worst < 0.1, (f"one refused network_update blocked the edge's event loop for "
+    # 0.3 s: far under the 617-1344 ms the hole measured, far over a loaded CI tick
+    assert worst < 0.3, (f"one refused network_update blocked the edge's event loop for "
                          f"{worst * 1000:.0f} ms (the resolver, execs and every other "
                          "sandbox's requests wait that long)")
