@@ -25,8 +25,8 @@ Beside: a still answer (get, list, stat, ...) is the same value at every door; a
 command's bytes come back the same through all five; a reader is refused a member or
 admin row alike at REST and the gateway; an unknown sandbox and another tenant's are one
 404; an unknown field is refused by name; each Aether door serves exactly its rows; one
-idempotency key is one sandbox whichever door retries. Known gaps are strict xfails that
-name them.
+idempotency key is one sandbox whichever door retries; a body msgspec refuses is worded
+alike at every door, and REST refuses a query parameter its row does not name.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ from dsec.wire.calls import (
 from dsec.wire.jsonform import stream_item
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, UploadOp
-from dsec.wire.outcome import Batch
+from dsec.wire.outcome import Batch, undecodable
 from dsec.wire.rest import decode_reply, encode_request
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 
@@ -338,7 +338,7 @@ def _rest_call(w: World, op: Op[Any, Any], req: Any) -> Any:
 
 
 def _sdk_call(w: World, op: Op[Any, Any], req: Any, transport: str) -> Any:
-    with w.cluster.client(transport=transport, session_lease_s=None) as c:
+    with w.cluster.client(protocol=transport, session_lease_s=None) as c:
         if op is ops.EXEC_STREAM:
             items = list(c.sandboxes.get(req.id).exec_stream(req.req.shell))
             assert len(items) > 1 and all(isinstance(i, ExecChunk) for i in items[:-1])
@@ -449,6 +449,7 @@ class Bad:
     want: tuple[int, str] = (400, "invalid_argument")
     xfail: str | None = None        # a known gap between the doors, named precisely
     policy: bool = False            # refused by the apiserver's policy, not the type
+    decode: bool = False            # refused by msgspec's decoding, not the type's check
 
 
 def _spec_bad(label: str, spec: Raw, needle: str, limit: str | None) -> Bad:
@@ -521,16 +522,10 @@ _NET_BAD: list[tuple[str, Raw, str, str | None]] = [
 ]
 
 # A body msgspec itself refuses (a wrong JSON type, an ``Annotated`` Meta bound such as
-# ImageTagRequest's 1200-char source) never reaches the type's own check, and each door's
-# decoder words that failure its own way: REST's apiserver._decode says "invalid
-# CreateSandboxRequest: Expected `int`, got `str` - at `$.cpu_milli`", the Aether router
-# (aether/connection.py) "body of the 'api.create' request does not decode as
-# CreateSandbox: ... at `$.spec.cpu_milli`" (REST's body is the spec, so even the path
-# differs). One wording needs a shared decode-failure helper used by both decoders and
-# the aether tests' expectations changed: not a small fix.
-_DECODE_WORDS = ("msgspec decode failures are worded per door: REST 'invalid T: ... at $.f' "
-                 "vs Aether \"body of the 'api.x' request does not decode as T: ... at "
-                 "$.spec.f\"")
+# ImageTagRequest's 1200-char source) never reaches the type's own check: every door
+# words it through dsec.wire.outcome.undecodable, the operation's name and the path in
+# the whole request ("the create request does not decode: Expected `int`, got `str` -
+# at `$.spec.cpu_milli`", REST's body being the spec).
 
 INVALID: dict[str, list[Bad]] = {
     "create": [
@@ -542,7 +537,7 @@ INVALID: dict[str, list[Bad]] = {
                   "MAX_DISK_BYTES"),
         _spec_bad("pids", {"pids_max": wspec.MAX_PIDS + 1}, "pids_max", "MAX_PIDS"),
         Bad("a field of the wrong type", lambda w: {"spec": {"cpu_milli": "many"}},
-            "cpu_milli", xfail=_DECODE_WORDS),
+            "cpu_milli", decode=True),
         # the apiserver's tighter cap (policy: the edge takes what its node allows)
         Bad("pids over the apiserver's cap", lambda w: {"spec": {"pids_max": 20_000}},
             "fork-bomb guard", doors=_API, policy=True),
@@ -606,7 +601,7 @@ INVALID: dict[str, list[Bad]] = {
     "quota_set": [Bad("negative", lambda w: {"path": "default", "quota": {
         "max_sandboxes": -1}}, "max_sandboxes", policy=True)],
     "image_tag": [Bad("source length", lambda w: {"source": "s" * 5000, "target": "t:1"},
-                      "source", xfail=_DECODE_WORDS)],
+                      "source", decode=True)],
     "network_update": [_net_bad(f"policy{suffix}", raw, needle, limit)
                        for suffix, raw, needle, limit in _NET_BAD],
 }
@@ -738,6 +733,9 @@ def test_past_each_limit_every_door_refuses_alike(world: World, name: str, i: in
         return
     with pytest.raises(msgspec.ValidationError) as built:
         msgspec.convert(raw, type=op.request)
+    if bad.decode:
+        assert undecodable(op.name, built.value).message == msg, (built.value, msg)
+        return
     cause = built.value.__cause__
     assert isinstance(cause, DsecError), built.value
     assert cause.message == msg, (cause.message, msg)
@@ -926,14 +924,26 @@ def test_an_unknown_field_is_refused_by_name_at_the_aether_doors(
         assert edge.message.replace(op.edge_method, op.api_method) == gw.message
 
 
-@pytest.mark.xfail(strict=True, reason="REST ignores query parameters it does not know "
-                   "(mkdir?path=..&parnets=false makes the parents; the Aether doors "
-                   "refuse the field by name): refusing them needs every route's known "
-                   "parameter set from its row, not a small fix")
 def test_an_unknown_query_parameter_is_refused_by_name_at_rest(world: World) -> None:
+    """Every REST route takes the query parameters its row names and refuses any other
+    by name, as the Aether doors refuse an unknown field (``parnets=false`` made the
+    parents), GET one sandbox (the fast path) included; nothing is done."""
+    where = f"/tmp/q{world.n()}/a"
     r = world.rest("POST", f"/v1/sandboxes/{world.sid}/files/mkdir",
-                   params={"path": f"/tmp/q{world.n()}/a/b", "parnets": "false"})
-    assert r.status_code == 400 and "parnets" in r.json()["message"], r.text
+                   params={"path": f"{where}/b", "parnets": "false"})
+    assert r.status_code == 400 and "'parnets'" in r.json()["message"], r.text
+    assert r.json()["detail"]["field"] == "parnets"
+    r = world.rest("GET", f"/v1/sandboxes/{world.sid}/files/stat", params={"path": where})
+    assert r.status_code == 404, r.text                       # the mkdir did nothing
+    for op in ops.REST_OPS:
+        assert op.rest is not None
+        if op.rest.method != "GET" or ops.path_params(op.rest.path) not in ((), ("id",)):
+            continue
+        path = op.rest.path.replace("{id}", world.sid if op.target == "sandbox"
+                                    else "sha256:" + "0" * 64)
+        r = world.rest("GET", path, params={"bogus": "1"})
+        assert r.status_code == 400, (op.name, r.text)
+        assert r.json()["detail"]["field"] == "bogus", (op.name, r.text)
 
 
 # ============================================== no door the row does not list
@@ -1014,7 +1024,7 @@ def _streamed(w: World, door: str, body: ExecCall) -> tuple[int, bytes, bytes]:
         items = [stream_item(msgspec.json.decode(ln, type=ExecStreamLine))
                  for ln in resp.content.splitlines() if ln]
     elif door.startswith("sdk-"):
-        with cl.client(transport=door.removeprefix("sdk-"), session_lease_s=None) as c:
+        with cl.client(protocol=door.removeprefix("sdk-"), session_lease_s=None) as c:
             assert body.req.shell is not None
             items = list(c.sandboxes.get(body.id).exec_stream(body.req.shell,
                                                               stdin=body.req.stdin))

@@ -1,10 +1,13 @@
 """Every field of a sandbox spec arrives, whichever door creates the sandbox.
 
-One spec with every field set away from its default goes in through raw REST, both SDK
-transports, the RL toolkit's ClientAccess and EdgeAccess, and EdgeClient straight to the
-edge; the sandbox each makes reports that very spec. (ClientAccess rebuilt create
-keywords from a hand-kept field list and dropped ``user_namespace``: a sandbox asked to
-map root inside to an unprivileged host uid got real root instead.)
+One spec with every field set away from its default goes in through raw REST, the raw
+Aether gateway (``api.create``), both SDK transports (``create(spec=...)``, sync and async,
+and the create keywords), the RL toolkit's ClientAccess and EdgeAccess, and EdgeClient
+straight to the edge; the sandbox each makes reports that very spec. (ClientAccess rebuilt
+create keywords from a hand-kept field list and dropped ``user_namespace``: a sandbox asked
+to map root inside to an unprivileged host uid got real root instead. It now passes the
+spec whole.) A spec that leaves ``backend``/``project``/``ttl_s`` to the server gets the
+server's, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import msgspec
 import pytest
 
 from dsec import LocalCluster
+from dsec.aether import connect
+from dsec.client.core import AsyncClient
 from dsec.edge.client import EdgeClient
 from dsec.rl.access import ClientAccess, EdgeAccess, LoopThread
-from dsec.wire.spec import NetworkPolicy, SandboxSpec
+from dsec.wire import ops
+from dsec.wire.calls import CreateSandbox
+from dsec.wire.spec import NetworkPolicy, SandboxInfo, SandboxSpec
 
 SAMPLE = SandboxSpec(
     image="python", workspace="ws:1", toolkits=("tk:1", "tk:2"), backend="simulated",
@@ -33,12 +40,12 @@ SAMPLE = SandboxSpec(
 def test_the_sample_sets_every_field() -> None:
     """A field added to SandboxSpec must be added here (or this fails): that is what keeps
     the round trips below covering every field."""
-    default = SandboxSpec()
-    same = [f for f in SandboxSpec.__struct_fields__
-            if getattr(SAMPLE, f) == getattr(default, f)]
-    # snapshot: a sandbox from a snapshot takes the snapshot's image (test below);
-    # backend: the test cluster runs only the simulated backend, which is the default
-    assert same == ["snapshot", "backend"]
+    def default(f: msgspec.structs.FieldInfo) -> Any:
+        return f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+    same = [f.name for f in msgspec.structs.fields(SandboxSpec)
+            if getattr(SAMPLE, f.name) == default(f)]
+    # snapshot: a sandbox from a snapshot takes the snapshot's image (test below)
+    assert same == ["snapshot"]
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +74,37 @@ def _through_every_door(cluster: LocalCluster, spec: SandboxSpec) -> dict[str, S
     r = httpx.post(f"{cluster.url}/v1/sandboxes", json=msgspec.to_builtins(spec),
                    headers={"authorization": f"Bearer {cluster.api_key}"}, timeout=60)
     assert r.status_code == 201, r.text
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         got["rest"] = c.sandboxes.get(r.json()["id"]).info.spec
+
+    async def gateway() -> SandboxInfo:
+        assert cluster.gateway is not None
+        conn = await connect(cluster.gateway, token=cluster.api_key)
+        try:
+            info: SandboxInfo = await conn.call(ops.CREATE.api_method, CreateSandbox(spec=spec),
+                                                response_type=SandboxInfo, timeout=60)
+            return info
+        finally:
+            await conn.close()
+    got["gateway"] = cluster._on_loop(gateway(), timeout=60).spec
     for transport in ("http", "aether"):
-        with cluster.client(transport=transport) as c:
+        with cluster.client(protocol=transport) as c:
             sb = c.sandboxes.create(**_sdk_kwargs(spec), detached=True)
-            got[f"sdk-{transport}"] = c.sandboxes.get(sb.id).info.spec
-            access = ClientAccess(c, create={"detached": True})
+            got[f"sdk-keywords-{transport}"] = c.sandboxes.get(sb.id).info.spec
+            sb = c.sandboxes.create(spec=spec, detached=True)
+            got[f"sdk-spec-{transport}"] = c.sandboxes.get(sb.id).info.spec
+            [sb] = c.sandboxes.create_many([spec], detached=True)
+            got[f"sdk-many-{transport}"] = c.sandboxes.get(sb.id).info.spec
+            access = ClientAccess(c, detached=True)
             sid = access.create(spec)
             got[f"client-access-{transport}"] = c.sandboxes.get(sid).info.spec
+
+        async def sdk_async(transport: str = transport) -> SandboxSpec:
+            async with AsyncClient(cluster.url, cluster.api_key, gateway=cluster.gateway,
+                                   protocol=transport, session_lease_s=None) as ac:
+                sb = await ac.sandboxes.create(spec=spec)
+                return (await ac.sandboxes.get(sb.id)).info.spec
+        got[f"sdk-async-{transport}"] = cluster._on_loop(sdk_async(), timeout=60)
 
     async def edge_client() -> SandboxSpec:
         async with await EdgeClient.connect(_edge_address(cluster)) as edge:
@@ -96,8 +125,9 @@ def _through_every_door(cluster: LocalCluster, spec: SandboxSpec) -> dict[str, S
 
 def test_every_spec_field_arrives_through_every_door(cluster: LocalCluster) -> None:
     got = _through_every_door(cluster, SAMPLE)
-    assert set(got) == {"rest", "sdk-http", "sdk-aether", "client-access-http",
-                        "client-access-aether", "edge-client", "edge-access"}
+    assert set(got) == {"rest", "gateway", "edge-client", "edge-access"} | {
+        f"{how}-{t}" for t in ("http", "aether")
+        for how in ("sdk-keywords", "sdk-spec", "sdk-many", "sdk-async", "client-access")}
     for door, spec in got.items():
         lost = {f: (getattr(spec, f), getattr(SAMPLE, f)) for f in SandboxSpec.__struct_fields__
                 if getattr(spec, f) != getattr(SAMPLE, f)}
@@ -105,10 +135,34 @@ def test_every_spec_field_arrives_through_every_door(cluster: LocalCluster) -> N
 
 
 def test_a_spec_from_a_snapshot_arrives_through_every_door(cluster: LocalCluster) -> None:
-    with cluster.client(transport="http") as c:
+    with cluster.client(protocol="http") as c:
         snap = c.sandboxes.create(detached=True).snapshot()
     from_snapshot = msgspec.structs.replace(SAMPLE, image="base", workspace=None, toolkits=(),
                                             snapshot=snap.id)
     for door, spec in _through_every_door(cluster, from_snapshot).items():
         assert spec.snapshot == snap.id, door
         assert spec == from_snapshot, door
+
+
+def test_what_a_spec_leaves_unset_is_the_servers_and_nothing_else_changes(
+        cluster: LocalCluster) -> None:
+    """backend, project and ttl_s left None: the apiserver's default backend, the key's
+    project and the server TTL at the API doors, the node's default backend and the
+    "default" project at an edge reached directly; every other field as sent."""
+    unset = msgspec.structs.replace(SAMPLE, backend=None, project=None, ttl_s=None)
+    got = _through_every_door(cluster, unset)
+    for door, spec in got.items():
+        if door.startswith("edge"):
+            want = msgspec.structs.replace(unset, backend="simulated", project="default")
+        else:
+            assert spec.ttl_s is not None and spec.ttl_s > 0, door
+            want = msgspec.structs.replace(unset, backend="simulated", project="default",
+                                           ttl_s=spec.ttl_s)
+        assert spec == want, (door, spec)
+
+
+def test_spec_and_create_keywords_at_once_are_refused(cluster: LocalCluster) -> None:
+    from dsec.errors import InvalidArgument
+    with cluster.client(protocol="http") as c, pytest.raises(
+            InvalidArgument, match="spec= and keywords that set memory_bytes"):
+        c.sandboxes.create(spec=SAMPLE, memory="1GiB")

@@ -143,7 +143,7 @@ async def test_post_init_refusal_is_the_error_itself() -> None:
         assert str(ei.value) == "argv has 4 items; at most 3 are allowed"
         assert ei.value.detail == {"field": "argv", "size": 4, "limit": 3}
         # a body of the wrong shape is still the decode error, naming the type
-        with pytest.raises(InvalidArgument, match="does not decode as Bounded"):
+        with pytest.raises(InvalidArgument, match="the run request does not decode"):
             await c.call("run", {"argv": "not a list"})
         assert await c.call("run", {"argv": []}) == 0   # the connection is still fine
         await c.close()

@@ -68,7 +68,7 @@ def test_rest_refuses_the_impossible_with_400_and_the_full_with_503(
 
 
 def test_the_gateway_refuses_the_same_way(cluster: LocalCluster) -> None:
-    with cluster.client(transport="aether", session_lease_s=None) as c:
+    with cluster.client(protocol="aether", session_lease_s=None) as c:
         with pytest.raises(Unsatisfiable, match=r"memory=1 TiB .* ask for at most 12 GiB"):
             c.sandboxes.create(memory="1TiB")
         with pytest.raises(Unsatisfiable, match="memory=13 GiB"):   # one batch, per item

@@ -107,7 +107,7 @@ class Worker:
         self.stop_after: float | None = None   # stop once a create started after this
 
     def _opts(self) -> dict[str, Any]:
-        return {"transport": self.transport, "gateway": f"tcp:127.0.0.1:{self.up.gw_port}",
+        return {"protocol": self.transport, "gateway": f"tcp:127.0.0.1:{self.up.gw_port}",
                 "session_lease_s": None, "timeout": 10, "create_retry_s": 90}
 
     def _labels(self) -> dict[str, str]:

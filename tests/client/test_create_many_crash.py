@@ -40,7 +40,7 @@ def test_create_many_across_a_kill_9_of_the_apiserver_makes_each_sandbox_once(
 
         def batch() -> None:
             try:
-                with Client(up.url, up.key, transport=transport,
+                with Client(up.url, up.key, protocol=transport,
                             gateway=f"tcp:127.0.0.1:{up.gw_port}", timeout=10,
                             create_retry_s=120) as c:
                     out["made"] = [s.id for s in c.sandboxes.create_many(

@@ -19,7 +19,7 @@ from dsec.cluster.local import LocalCluster
 @pytest.mark.parametrize("transport", ["aether", "http"])
 def test_a_create_slower_than_the_request_timeout_is_made_once(transport: str) -> None:
     async def run(cluster: LocalCluster) -> None:
-        async with cluster.async_client(transport=transport, timeout=0.3,
+        async with cluster.async_client(protocol=transport, timeout=0.3,
                                         create_retry_s=60, session_lease_s=None) as c:
             made = await asyncio.gather(*(c.sandboxes.create(
                 memory="16MiB", cpu=0.01, labels={"t": transport}) for _ in range(4)))

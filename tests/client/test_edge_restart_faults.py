@@ -34,7 +34,7 @@ def test_a_streamed_exec_cut_by_an_edge_crash_says_the_command_may_have_run(
     (not its own ConnectionLost) with ``may_have_run`` True, through REST's NDJSON stream
     as through the gateway (REST's error line used to drop the detail)."""
     async def run() -> None:
-        async with cluster.async_client(transport=transport, session_lease_s=None) as c:
+        async with cluster.async_client(protocol=transport, session_lease_s=None) as c:
             sb = await c.sandboxes.create(memory="16MiB", cpu=0.01)
             loop = asyncio.get_running_loop()
             loop.call_later(1.0, cluster.kill_edge, "edge-0")

@@ -78,3 +78,28 @@ def test_the_sync_client_takes_the_same_transport() -> None:
     with Client(transport=mock, session_lease_s=None) as c:
         assert c.sandboxes.get(SID).id == SID
         assert c.call(ops.GET, SandboxRef(id=SID)).id == SID   # the typed escape hatch
+
+
+def test_protocol_and_transport_are_two_options() -> None:
+    """``protocol=`` says how to reach a server, ``transport=`` injects an object; the
+    old spelling (a protocol name given as transport=) is refused, saying what to write,
+    and a create sent through either carries the spec whole (backend, project and ttl_s
+    left to the server as None)."""
+    from dsec.client.sync import Client
+    from dsec.errors import InvalidArgument
+    for client in (AsyncClient, Client):
+        with pytest.raises(InvalidArgument, match="protocol='http'"):
+            client("http://127.0.0.1:1", "dsk_x", transport="http")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="protocol='gopher'"):
+            client("http://127.0.0.1:1", "dsk_x", protocol="gopher")  # type: ignore[arg-type]
+    c = AsyncClient("http://127.0.0.1:1", "dsk_x", protocol="http")
+    assert c.protocol == "http" and c.transport_name is None
+    sent: list[Any] = []
+
+    def handler(op: Any, body: Any) -> Any:
+        sent.append(body)
+        return _info(body.spec)
+    with Client(transport=MockTransport(handler), session_lease_s=None) as sc:
+        spec = SandboxSpec(memory_bytes=300 << 20, user_namespace=True, env={"A": "1"})
+        sc.sandboxes.create(spec=spec)
+    assert sent[0].spec == spec and sent[0].spec.backend is None

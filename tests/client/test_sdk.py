@@ -33,7 +33,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(params=["http", "aether"])
 def client(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[Client]:
-    with cluster.client(transport=request.param) as c:
+    with cluster.client(protocol=request.param) as c:
         c.info()
         # the transport asked for, not a silent fallback to the other one
         assert c.transport_name == request.param
@@ -113,7 +113,7 @@ def test_parse_memory() -> None:
 
 
 async def test_async_client_mirrors_sync(cluster: LocalCluster) -> None:
-    async with cluster.async_client(transport="aether") as c:
+    async with cluster.async_client(protocol="aether") as c:
         async with await c.sandboxes.create(labels={"a": "1"}) as sb:
             assert (await sb.exec(["echo", "async"])).stdout == b"async\n"
             await sb.files.write("/tmp/a", b"1")
@@ -156,7 +156,7 @@ def test_create_retries_reuse_one_idempotency_key(cluster: LocalCluster) -> None
                     raise httpx.ReadError("connection reset", request=request)
             return resp
 
-    with cluster.client(transport="http", session_lease_s=None,
+    with cluster.client(protocol="http", session_lease_s=None,
                         _http_transport=Flaky()) as c:
         before = len(c.sandboxes.list(labels={"flaky": "1"}))
         sb = c.sandboxes.create(labels={"flaky": "1"})
@@ -170,14 +170,14 @@ def test_request_timeout_and_connection_errors_are_named() -> None:
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         port = silent.getsockname()[1]
-        with (Client(f"http://127.0.0.1:{port}", "dsk_x", transport="http", timeout=0.3,
+        with (Client(f"http://127.0.0.1:{port}", "dsk_x", protocol="http", timeout=0.3,
                      retries=0, session_lease_s=None) as c,
               pytest.raises(RequestTimeout, match="request timeout of 0.3s")):
             c.sandboxes.get("sb-000000000000-edge-0")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    with Client(f"http://127.0.0.1:{dead}", "dsk_x", transport="http", retries=1,
+    with Client(f"http://127.0.0.1:{dead}", "dsk_x", protocol="http", retries=1,
                 session_lease_s=None) as c:
         with pytest.raises(TransportError) as ei:
             c.sandboxes.get("sb-000000000000-edge-0")

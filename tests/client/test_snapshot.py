@@ -23,7 +23,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(params=["http", "aether"])
 def client(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[Client]:
-    with cluster.client(transport=request.param) as c:
+    with cluster.client(protocol=request.param) as c:
         yield c
 
 

@@ -123,7 +123,7 @@ def test_idempotency_key_returns_the_same_sandbox(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize("body,needle", [
     (b"{not json", "malformed JSON"),
-    (b'{"cpu_milli": "lots"}', "$.cpu_milli"),
+    (b'{"cpu_milli": "lots"}', "$.spec.cpu_milli"),
     (b'{"imagee": "base"}', "unknown field `imagee`"),
     (b'{"memory_bytes": -5}', "memory_bytes"),
     (b'{"backend": "quantum"}', "backend"),

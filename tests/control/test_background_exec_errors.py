@@ -61,7 +61,7 @@ def test_background_exec_mistakes_are_4xx_at_every_door(
     # background, Aether gateway (the SDK's default door)
     req = ExecRequest(**{**fields, "argv": tuple(fields["argv"]),  # type: ignore[arg-type]
                          "background": True})
-    with cluster.client(transport="aether", session_lease_s=None) as c:
+    with cluster.client(protocol="aether", session_lease_s=None) as c:
         sb = c.sandboxes.get(sid)
         with pytest.raises(CannotRun, match=names):
             sb.exec(list(req.argv), background=True, user=req.user, cwd=req.cwd)

@@ -239,7 +239,7 @@ def test_file_sizes_a_door_accepts_arrive_whole(cluster: LocalCluster, sid: str)
                              "length": 10}, headers=h).content
     assert part == big[FILE_CHUNK_BYTES - 3:FILE_CHUNK_BYTES + 7]
     for transport in ("aether", "http"):
-        with cluster.client(transport=transport, session_lease_s=None) as c:
+        with cluster.client(protocol=transport, session_lease_s=None) as c:
             sb = c.sandboxes.get(sid)
             sb.files.write(f"/tmp/{transport}", big)
             assert sb.files.read(f"/tmp/{transport}") == big
@@ -297,7 +297,7 @@ def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
     for st in (rest, gw):
         assert st.memory_bytes > 0 and st.pids >= 1, st
     for transport in ("aether", "http"):
-        with cluster.client(transport=transport, session_lease_s=None) as c:
+        with cluster.client(protocol=transport, session_lease_s=None) as c:
             st = c.sandboxes.get(sid).stats()
             assert isinstance(st, SandboxStats) and st.memory_bytes > 0
     # an id no sandbox has: the same 404 as for another project's (ids never leak)
@@ -317,7 +317,7 @@ def test_mkdir_parents_is_honoured_at_every_door(cluster: LocalCluster, sid: str
     assert _rest(cluster, "POST", f"/v1/sandboxes/{sid}/files/mkdir",
                  params={"path": "/tmp/np-rest/a/b"}).status_code == 204   # default: parents
     for transport in ("aether", "http"):
-        with cluster.client(transport=transport, session_lease_s=None) as c:
+        with cluster.client(protocol=transport, session_lease_s=None) as c:
             sb = c.sandboxes.get(sid)
             with pytest.raises(DsecError, match="does not exist"):
                 sb.files.mkdir(f"/tmp/np-{transport}/x/y", parents=False)
@@ -406,7 +406,7 @@ def test_batches_are_one_request_at_both_doors(cluster: LocalCluster, sid: str) 
     assert isinstance(made, SandboxInfo) and made.spec.labels["b"] == "1"
     assert isinstance(bad, DsecError) and bad.code == "invalid_argument"
     assert _rest(cluster, "DELETE", f"/v1/sandboxes/{made.id}").status_code == 204
-    with cluster.client(transport="http", session_lease_s=None) as c:
+    with cluster.client(protocol="http", session_lease_s=None) as c:
         res = c.sandboxes.exec_many([(sid, "echo a"), (ghost, "true")],
                                     return_exceptions=True)
         assert isinstance(res[0], ExecResult) and res[0].stdout == b"a\n"

@@ -127,3 +127,28 @@ def test_every_rest_row_of_the_catalogue_is_served_as_its_row_says(
         assert entry["operationId"] == op.rest.operation_id, key
         assert entry["summary"] == op.summary, key
         assert str(op.rest.status) in entry["responses"], key
+
+
+def test_each_operation_is_documented_from_its_row(doc: dict[str, Any]) -> None:
+    """Parameters, body and reply of every REST operation come from its catalogue row:
+    the query parameters are exactly the row's, required exactly when the request field
+    has no default; the path parameters are the row's; a body is documented exactly
+    when the row takes one, a reply exactly when the row answers one."""
+    import msgspec
+
+    from dsec.wire.ops import REST_OPS, path_params
+    for op in REST_OPS:
+        assert op.rest is not None
+        path = re.sub(r"\{(\w+):path\}", r"{\1}", op.rest.path)
+        entry = doc["paths"][path][op.rest.method.lower()]
+        query = {p["name"]: p["required"] for p in entry["parameters"] if p["in"] == "query"}
+        fields = {f.name: f for f in msgspec.structs.fields(op.request)}
+        want = {param: fields[name].required for name, param in op.rest.query.items()}
+        assert query == want, op.name
+        assert {p["name"] for p in entry["parameters"] if p["in"] == "path"} == set(
+            path_params(op.rest.path)), op.name
+        assert ("requestBody" in entry) == (op.rest.body is not None
+                                             or op.name in ("image_build", "image_import")
+                                             ), op.name
+        ok = entry["responses"][str(op.rest.status)]
+        assert ("content" in ok) == (op.rest.reply != "empty"), op.name

@@ -58,7 +58,7 @@ def test_an_unreachable_edge_is_reported_as_such(cluster: LocalCluster) -> None:
     assert r.json()["detail"]["may_have_run"] is False
     assert "was not carried out" in r.json()["message"]
     # the same through the gateway: EdgeUnreachable, not the client's ConnectionLost
-    with cluster.client(transport="aether", session_lease_s=None, create_retry_s=0) as c:
+    with cluster.client(protocol="aether", session_lease_s=None, create_retry_s=0) as c:
         with pytest.raises(EdgeUnreachable, match="edge-0") as ei:
             c.sandboxes.create()
         assert not isinstance(ei.value, ConnectionLost)
@@ -88,7 +88,7 @@ def test_no_healthy_node_is_unavailable_not_no_capacity() -> None:
             time.sleep(0.2)
         assert r.status_code == 503 and r.json()["code"] == "unavailable", r.text
         assert "no healthy node" in r.json()["message"]
-        with (cl.client(transport="aether", session_lease_s=None, create_retry_s=0) as c,
+        with (cl.client(protocol="aether", session_lease_s=None, create_retry_s=0) as c,
               pytest.raises(Unavailable, match="no healthy node")):
             c.sandboxes.create()
 
@@ -105,7 +105,7 @@ def test_an_exec_cut_off_by_the_edge_link_may_have_run(cluster: LocalCluster,
                            json={"shell": "sleep 20"}, headers=_h(cluster), timeout=60)
             out["status"], out["body"] = r.status_code, r.json()
             return
-        with cluster.client(transport="aether", session_lease_s=None) as c:
+        with cluster.client(protocol="aether", session_lease_s=None) as c:
             try:
                 c.sandboxes.get(sid).exec("sleep 20")
             except BaseException as exc:  # noqa: BLE001 - inspected below
@@ -156,7 +156,7 @@ def test_a_sandbox_its_node_restarted_without_is_lost_not_unknown(
     assert r.status_code == 409 and r.json()["code"] == "sandbox_lost", r.text
     assert "lost with its node" in r.json()["message"]
     assert "never existed" not in r.text
-    with cluster.client(transport="aether", session_lease_s=None) as c:
+    with cluster.client(protocol="aether", session_lease_s=None) as c:
         with pytest.raises(SandboxLost, match="lost with its node"):
             c.sandboxes.get(sid).exec("true")
         assert c.sandboxes.get(sid).state == "destroyed"

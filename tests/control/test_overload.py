@@ -159,7 +159,7 @@ def test_an_idle_flood_on_the_gateway_and_the_edge_socket_leaves_the_node_alone(
             assert execs and set(execs) == {(200, "ok\n")}, execs[-5:]
             # the SDK's gateway connection authenticates at once and gets in meanwhile
             with Client(up["url"], up["api_key"], gateway=up["gateway"],
-                        transport="aether") as c:
+                        protocol="aether") as c:
                 assert c.sandboxes.get(ids[0]).info.state == "running"
             flood.listen()
             told = flood.goaways()
@@ -265,7 +265,7 @@ def test_full_waiting_slots_make_room_for_clients_that_speak_at_once() -> None:
             with httpx.Client(base_url=cl.url,
                               headers={"authorization": f"Bearer {cl.api_key}"}) as http:
                 assert http.get("/v1/info").status_code == 200
-            with cl.client(transport="aether") as c:
+            with cl.client(protocol="aether") as c:
                 assert c.info().principal == "admin"
             first = _http_read(rest[0], 5)
             assert first.startswith(b"HTTP/1.1 503 ") and b"dropped to make room" in first

@@ -53,7 +53,7 @@ def test_snapshot_over_the_project_quota_is_refused_at_every_door(
     try:
         r = admin.put(f"/v1/quotas/{project}", json={"snapshot_bytes": 1000})
         assert r.status_code == 200, r.text
-        with cluster.client(transport=door) as c:
+        with cluster.client(protocol=door) as c:
             assert isinstance(c, Client)
             sb = c.sandboxes.create(image="base", project=project)
             try:

@@ -118,3 +118,33 @@ async def test_tick_mode_answers_before_writing(tmp_path) -> None:  # type: igno
         assert a.id not in on_disk(state)
     async with make_node(clock=clock, state_dir=state, journal_sync="tick") as node2:
         assert node2.get(a.id).state == "running"  # close flushed it
+
+
+async def test_a_journal_of_an_older_release_reads_its_omitted_defaults(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A spec's backend and project may now be left unset (None: the server decides),
+    and specs are written with omitted defaults: a line an older release wrote without
+    them meant "simulated" and "default". A restarted edge reads them so (and writes
+    them out from then on), live sandboxes and tombstones alike."""
+    state = str(tmp_path / "state")
+    clock = FakeClock()
+    async with make_node(clock=clock, state_dir=state) as node:
+        live = await node.create(SandboxSpec())
+        gone = await node.create(SandboxSpec())
+        await node.destroy(gone.id)
+    assert (live.spec.backend, live.spec.project) == ("simulated", "default")
+    path = os.path.join(state, JOURNAL)
+    lines = Path(path).read_bytes().splitlines()
+    old = []
+    for line in lines:                      # as the older release wrote them
+        rec = msgspec.json.decode(line)
+        spec = rec[3]
+        if isinstance(spec, dict):
+            assert spec.pop("backend") == "simulated" and spec.pop("project") == "default"
+        old.append(msgspec.json.encode(rec))
+    Path(path).write_bytes(b"\n".join(old) + b"\n")
+    async with make_node(clock=clock, state_dir=state) as node2:
+        for sid in (live.id, gone.id):
+            spec = node2.get(sid).spec
+            assert (spec.backend, spec.project) == ("simulated", "default"), sid
+        assert [i.id for i in node2.list(project="default")] == [live.id]
+        await node2.exec(live.id, ExecRequest(shell="true"))   # the tenant's exec share

@@ -153,9 +153,9 @@ def test_create_with_each_mode_through_every_door(cluster: LocalCluster, admin: 
         made[f"rest-{mode}"] = _create(admin, raw[mode])
         info = admin.gateway("api.create", {"spec": {"network": raw[mode]}})
         made[f"gateway-{mode}"] = info["id"]
-        with cluster.client(transport="http") as c:
+        with cluster.client(protocol="http") as c:
             made[f"sdk-http-{mode}"] = c.sandboxes.create(network=policy).id
-        with cluster.client(transport="aether") as c:
+        with cluster.client(protocol="aether") as c:
             made[f"sdk-aether-{mode}"] = c.sandboxes.create(
                 network="none" if mode == "none" else policy).id
         einfo = _edge_call(cluster, ops.CREATE, {"spec": {
@@ -171,7 +171,7 @@ def test_create_with_each_mode_through_every_door(cluster: LocalCluster, admin: 
 
 async def test_the_sdk_reads_and_updates_over_both_transports(cluster: LocalCluster) -> None:
     for transport in ("http", "aether"):
-        async with cluster.async_client(transport=transport) as c:
+        async with cluster.async_client(protocol=transport) as c:
             sb = await c.sandboxes.create()
             v0 = await sb.network.get()
             assert v0.policy.net_mode == "none"
@@ -187,7 +187,7 @@ async def test_the_sdk_reads_and_updates_over_both_transports(cluster: LocalClus
             v3 = await sb.network.update("open", expect_generation=v2.generation)
             assert v3.policy.net_mode == "open"
             await sb.kill()
-    with cluster.client(transport="aether") as c:
+    with cluster.client(protocol="aether") as c:
         sb = c.sandboxes.create()
         assert sb.network.update(allow=["pypi.org"]).policy.allow == ("pypi.org",)
         assert sb.network.get().policy.allow == ("pypi.org",)
@@ -261,7 +261,7 @@ def test_a_member_cannot_exceed_the_project_ceiling(member: Doors) -> None:
                           "ceiling of project 'lab/team'"), msg
     with (pytest.raises(PermissionDenied, match=r"network\.allow\[1\] 'github.com:443/tcp'"),
           Client(member.cl.url, member.key, gateway=member.cl.gateway,
-                 transport="aether") as c):
+                 protocol="aether") as c):
         c.sandboxes.create(project="lab/team", network=NetworkPolicy(**beyond))
     after = len(member.rest("GET", "/v1/sandboxes", params={"project": "lab/team"}
                             ).json()["items"])

@@ -29,7 +29,6 @@ from dsec.rl.access import (
     destroy_sandboxes,
     pause_sandboxes,
     resume_sandboxes,
-    spec_to_create_kwargs,
 )
 from dsec.rl.buffer import ReplayBuffer
 from dsec.rl.driver import Driver, LstmState, PolicyOutput, RolloutHandle, resume
@@ -67,7 +66,7 @@ def _state(client: Client, sid: str | None) -> str:
 # --------------------------------------------------------------------- SDK exec_many
 @pytest.mark.parametrize("transport", ["aether", "http"])
 def test_sdk_exec_many_carries_each_calls_request(cluster: LocalCluster, transport: str) -> None:
-    with cluster.client(transport=transport) as c:
+    with cluster.client(protocol=transport) as c:
         sbs = c.sandboxes.create_many([{"labels": {"i": "0"}}, {"labels": {"i": "1"},
                                                                  "memory": "256MiB"}])
         try:
@@ -107,20 +106,13 @@ def test_sdk_exec_many_carries_each_calls_request(cluster: LocalCluster, transpo
 
 
 # --------------------------------------------------------------------- ClientAccess
-def test_spec_maps_to_create_keywords_leaving_cluster_defaults_to_the_server() -> None:
-    assert "backend" not in spec_to_create_kwargs(SandboxSpec())
-    assert "project" not in spec_to_create_kwargs(SandboxSpec())
-    assert "ttl" not in spec_to_create_kwargs(SandboxSpec())
-    kw = spec_to_create_kwargs(SandboxSpec(backend="container", project="team/a", ttl_s=60,
-                                           cpu_milli=500, memory_bytes=1 << 30,
-                                           toolkits=("t1",), pids_max=64))
-    assert (kw["backend"], kw["project"], kw["ttl"], kw["cpu"], kw["memory"],
-            kw["toolkits"], kw["pids_max"]) == ("container", "team/a", 60, 0.5, 1 << 30,
-                                                ["t1"], 64)
+def test_overrides_are_spec_fields_or_refused(client: Client) -> None:
+    with pytest.raises(InvalidArgument, match=r"\['memory'\] are not fields of SandboxSpec"):
+        ClientAccess(client, spec_overrides={"memory": "1GiB"})
 
 
 def test_create_sends_the_spec_and_access_overrides(client: Client) -> None:
-    acc = ClientAccess(client, create={"labels": {"run": "7"}, "ttl": 600})
+    acc = ClientAccess(client, spec_overrides={"labels": {"run": "7"}, "ttl_s": 600})
     assert isinstance(acc, SandboxAccess)
     sid = acc.create(SandboxSpec(memory_bytes=300 << 20, pids_max=99, labels={"a": "b"},
                                  env={"E": "1"}, network=NetworkPolicy(mode="none")))
@@ -230,7 +222,7 @@ def test_batched_creates_are_all_or_nothing(sim_access: EdgeAccess,
     assert _live(sim_nodes) == []
     tag = {"labels": {"batch": "all-or-nothing"}}
     with pytest.raises(InvalidArgument, match="memory_bytes"):
-        create_sandboxes(ClientAccess(client, create=tag), [ok, bad, ok])
+        create_sandboxes(ClientAccess(client, spec_overrides=tag), [ok, bad, ok])
     assert [s.state for s in client.sandboxes.list(labels=tag["labels"])
             if s.state != "destroyed"] == []
     ids = create_sandboxes(plain := PlainAccess(sim_access), [ok, ok])
@@ -324,7 +316,7 @@ def test_another_trainer_resumes_a_preempted_rollout(cluster: LocalCluster) -> N
     created) restores the pool from the handle and continues."""
     with cluster.client() as a, cluster.client() as b:
         _preempt_resume_equals_uninterrupted(
-            ClientAccess(a, create={"detached": True}), a, TASKS, N,
+            ClientAccess(a, detached=True), a, TASKS, N,
             resumed_access=ClientAccess(b))
 
 

@@ -53,7 +53,7 @@ class World:
         return {"authorization": f"Bearer {key}"}
 
     def client(self, key: str, door: str) -> Client:
-        return Client(self.cluster.url, key, gateway=self.cluster.gateway, transport=door,
+        return Client(self.cluster.url, key, gateway=self.cluster.gateway, protocol=door,
                       session_lease_s=None)
 
     def build(self, key: str, name: str, text: str, kind: str = "toolkit") -> httpx.Response:

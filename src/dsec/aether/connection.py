@@ -81,6 +81,7 @@ from dsec.errors import (
     UnknownMethod,
     error_from_wire,
 )
+from dsec.wire.outcome import undecodable
 
 __all__ = ["AUTH_METHOD", "AetherProtocol", "CallStream", "Connection", "Guard", "Router",
            "StreamSender", "current_peer"]
@@ -1161,10 +1162,11 @@ class Connection:
                 # raised in a ValidationError): answer with that error unchanged.
                 self._reply_error(sid, exc.__cause__)
                 return
-            want = getattr(route.request_type, "__name__", "msgpack")
-            self._reply_error(sid, InvalidArgument(
-                f"body of the {route.method!r} request does not decode as {want}: {exc}",
-                method=route.method))
+            # worded as every door words it (REST too): the operation, not the door's
+            # method or type name; the method in the detail
+            err = undecodable(route.method.partition(".")[2] or route.method, exc)
+            err.detail["method"] = route.method
+            self._reply_error(sid, err)
             return
         if route.streaming != bool(flags & _STREAMING):
             how = "Connection.stream()" if route.streaming else "Connection.call()"

@@ -15,9 +15,12 @@ import socket
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.bench import BenchContext, suite
+
+if TYPE_CHECKING:
+    from dsec.client.core import WireProtocol
 
 # ----------------------------------------------------------------- apiserver_rps
 # Candidate HTTP servers for the REST door, each serving the same app (``build_app``) on
@@ -640,28 +643,31 @@ def create_e2e(ctx: BenchContext) -> None:
              "(the load keeps thousands of default 1-core/512 MiB sandboxes alive).")
 
 
-async def _creates(cl: Any, transport: str, n: int, backend: str | None = None) -> float:
+async def _creates(cl: Any, transport: WireProtocol, n: int,
+                   backend: str | None = None) -> float:
     from dsec.client.core import AsyncClient
-    from dsec.control.api.types import CreateSandboxRequest
     from dsec.wire import ops
-    from dsec.wire.calls import SandboxRef
-    c = AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, transport=transport,
+    from dsec.wire.calls import CreateMany, CreateSandbox, SandboxRef
+    from dsec.wire.spec import SandboxSpec
+    c = AsyncClient(cl.url, cl.api_key, gateway=cl.gateway, protocol=transport,
                     session_lease_s=None)
     try:
         t = await c._transport()
-        req = CreateSandboxRequest(backend=backend)  # type: ignore[arg-type]
+        spec = SandboxSpec(backend=backend)  # type: ignore[arg-type]
         ids: list[str] = []
         t0 = time.perf_counter()
         if transport == "aether":
             for start in range(0, n, 256):
-                batch = await t.create_many([req] * min(256, n - start))
-                ids += [b.id for b in batch if hasattr(b, "id")]
+                batch = await t.call(ops.CREATE_MANY,
+                                     CreateMany(items=[spec] * min(256, n - start)))
+                ids += [b.id for b in batch.results() if hasattr(b, "id")]
         else:
             sem = asyncio.Semaphore(64)
+            one_req = CreateSandbox(spec=spec)
 
             async def one() -> None:
                 async with sem:
-                    ids.append((await t.create(req, None)).id)
+                    ids.append((await t.call(ops.CREATE, one_req)).id)
             await asyncio.gather(*(one() for _ in range(n)))
         dt = time.perf_counter() - t0
         for start in range(0, len(ids), 256):
@@ -679,7 +685,7 @@ def exec_e2e(ctx: BenchContext) -> None:
     n = ctx.scale(2000, 300)
     with LocalCluster(subprocess=True, edges=1, backend="container") as cl:
         for transport in ("aether", "http"):
-            with Client(cl.url, cl.api_key, gateway=cl.gateway, transport=transport,
+            with Client(cl.url, cl.api_key, gateway=cl.gateway, protocol=transport,
                         session_lease_s=None) as c, c.sandboxes.create(image="base") as sb:
                 for _ in range(20):
                     sb.exec(["true"])

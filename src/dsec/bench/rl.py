@@ -312,7 +312,7 @@ def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
         with LocalCluster(edges=1, backend=backend, subprocess=True,
                           start_timeout_s=60.0) as cluster:
             for transport in transports:
-                with cluster.client(transport=transport) as client:
+                with cluster.client(protocol=transport) as client:
                     _sandbox_rates(ctx, ClientAccess(client), backend,
                                    f"SDK ClientAccess, {transport}, dsec up in a subprocess",
                                    n_envs, budget, tasks=tasks)

@@ -35,7 +35,7 @@ def client(url: str | None, api_key: str | None) -> Iterator[Any]:
     from dsec.errors import DsecError
 
     try:
-        c = Client(url, api_key, transport="http", session_lease_s=None)
+        c = Client(url, api_key, protocol="http", session_lease_s=None)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     try:

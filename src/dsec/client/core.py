@@ -34,11 +34,19 @@ import os
 import random
 import re
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 import msgspec
 
+from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
 from dsec.errors import (
     DsecError,
@@ -54,13 +62,14 @@ from dsec.errors import (
 from dsec.wire import ops
 from dsec.wire.api import (
     GATEWAY_PROTOCOL,
-    CreateSandboxRequest,
     Info,
     NodeView,
     SandboxList,
     SnapshotView,
 )
 from dsec.wire.calls import (
+    CreateMany,
+    CreateSandbox,
     Empty,
     ExecMany,
     FileRef,
@@ -78,7 +87,7 @@ from dsec.wire.calls import (
 )
 from dsec.wire.calls import ExecCall as WireExecCall
 from dsec.wire.netpolicy import NetMode
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     BackendName,
@@ -91,19 +100,23 @@ from dsec.wire.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxSpec,
     SandboxState,
     SandboxStats,
+    check_idempotency_key,
     read_in_chunks,
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots",
-           "ExecCall", "Snapshot",
+           "ExecCall", "Snapshot", "WireProtocol",
            "parse_memory", "resolve_target"]
 
 if TYPE_CHECKING:
     from dsec.client.transport import Transport
 
 T = TypeVar("T")
+#: How a client reaches the server (AsyncClient(protocol=...)).
+WireProtocol = Literal["auto", "http", "aether"]
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
@@ -224,9 +237,10 @@ _EDGE_RELINK_S = 0.5  # half the apiserver's default reconnect_interval_s
 class AsyncClient:
     """Entry point: ``async with AsyncClient() as client: sb = await client.sandboxes.create()``.
 
-    ``transport``: ``"auto"`` (the Aether gateway when the server advertises one, else
-    REST), ``"http"`` or ``"aether"``; or a :class:`~dsec.client.transport.Transport`
-    object to go through (``url``/``api_key`` are then not needed), e.g. an in-memory
+    ``protocol``: how to reach the server: ``"auto"`` (the Aether gateway when the server
+    advertises one it speaks, else REST), ``"http"`` or ``"aether"``. ``transport``: a
+    :class:`~dsec.client.transport.Transport` object to go through instead
+    (``url``/``api_key`` are then not needed, ``protocol`` is unused), e.g. an in-memory
     :class:`dsec.client.testing.MockTransport` in tests. ``session_lease_s``: sandboxes this client creates
     are bound to a session that the client renews in the background; if the client dies,
     the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
@@ -238,18 +252,22 @@ class AsyncClient:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
+        protocol: WireProtocol = "auto", transport: Transport | None = None,
+        gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
-        injected: Transport | None = None
         if isinstance(transport, str):
-            if transport not in ("auto", "http", "aether"):
-                raise InvalidArgument(f"transport={transport!r}: use 'auto', 'http', "
-                                      "'aether' or a Transport object")
+            raise InvalidArgument(f"transport={transport!r}: transport= takes a Transport "
+                                  "object; the protocol is chosen with protocol='http', "
+                                  "'aether' or 'auto'", field="transport")
+        if protocol not in ("auto", "http", "aether"):
+            raise InvalidArgument(f"protocol={protocol!r}: use 'auto', 'http' or 'aether'",
+                                  field="protocol")
+        injected = transport
+        if injected is None:
             self.url, self._key, found_gw = resolve_target(url, api_key)
         else:
-            injected = transport
             self.url, self._key, found_gw = url or "", api_key or "", None
         self.gateway = gateway or found_gw
         if timeout is not None and timeout <= 0:
@@ -262,7 +280,8 @@ class AsyncClient:
         self.create_retry_s = create_retry_s
         self._rediscover = False
         self.session_lease_s = session_lease_s
-        self._mode = transport if isinstance(transport, str) else "injected"
+        self.protocol: WireProtocol = protocol
+        self._mode = protocol if injected is None else "injected"
         self._http_transport = _http_transport
         self._t: Transport | None = injected
         self._info: Info | None = None
@@ -271,7 +290,6 @@ class AsyncClient:
         self._session_lock: asyncio.Lock | None = None
         self.sandboxes = AsyncSandboxes(self)
         self.snapshots = AsyncSnapshots(self)
-        from dsec.client.images import AsyncImages
         self.images = AsyncImages(self)
 
     # ------------------------------------------------------------------ plumbing
@@ -307,7 +325,7 @@ class AsyncClient:
         if gw is None:
             if self._mode == "aether":
                 await http.close()
-                raise TransportError(f"{self.url} offers no Aether gateway; use transport='http'")
+                raise TransportError(f"{self.url} offers no Aether gateway; use protocol='http'")
             self._t = http
             return http
         await http.close()
@@ -385,6 +403,26 @@ class AsyncClient:
             return await self._retry(lambda: t.call(op, body, timeout=timeout))
         return await t.call(op, body, timeout=timeout)
 
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep:
+        """An upload row (its body a stream of bytes: an image tar) over REST, whatever
+        this client's protocol (the gateway carries no such streams yet). Not retried:
+        the stream is consumed by the first attempt."""
+        t = await self._transport()
+        # a transport that serves uploads (REST, a test's MockTransport) takes it; the
+        # gateway's does not (no upload row lists it), so REST is asked directly
+        upload = getattr(t, "upload", None)
+        if upload is not None:
+            reply: Rep = await upload(op, body, chunks)
+            return reply
+        from dsec.client.transport import HttpTransport
+        http = HttpTransport(self.url, self._key, timeout=self.timeout,
+                             transport=self._http_transport)
+        try:
+            return await http.upload(op, body, chunks)
+        finally:
+            await http.close()
+
     async def _ensure_session(self) -> str | None:
         if self.session_lease_s is None:
             return None
@@ -456,33 +494,52 @@ class AsyncSandboxes:
     def __init__(self, client: AsyncClient) -> None:
         self._c = client
 
-    async def _request(
-        self, *, image: str = "base", workspace: str | None = None,
+    @staticmethod
+    def _spec(
+        *, image: str = "base", workspace: str | None = None,
         toolkits: Sequence[str] = (), backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
-        priority: int = 0, detached: bool = False, disk: int | str | None = None,
+        priority: int = 0, disk: int | str | None = None,
         pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
-    ) -> CreateSandboxRequest:
+    ) -> SandboxSpec:
+        """The spec the create keywords ask for (what they leave out, None, is the
+        server's to decide: backend, project, lifetime)."""
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu <= 0:
             raise InvalidArgument(f"cpu={cpu!r} must be a positive number of cores", field="cpu")
-        session = None if detached else await self._c._ensure_session()
-        snap = None if snapshot is None else _snap_id(snapshot)
-        return CreateSandboxRequest(
-            image=image, workspace=workspace, toolkits=list(toolkits), snapshot=snap,
-            backend=backend, cpu_milli=round(cpu * 1000),
-            memory_bytes=parse_memory(memory),
+        return SandboxSpec(
+            image=image, workspace=workspace, toolkits=tuple(toolkits),
+            snapshot=None if snapshot is None else _snap_id(snapshot),
+            backend=backend, cpu_milli=round(cpu * 1000), memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
-            labels=dict(labels or {}), project=project, ttl_s=ttl, idle_timeout_s=idle_timeout,
-            idle_action=idle_action, env=dict(env or {}), session=session,
+            labels=dict(labels or {}), project=project, ttl_s=ttl,
+            idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
             user_namespace=user_namespace)
 
+    def _given_spec(self, spec: SandboxSpec | None, kw: Mapping[str, Any]) -> SandboxSpec:
+        """``spec`` as it is, or the one the keywords build; both at once only when the
+        keywords say nothing (a keyword beside ``spec=`` would be silently ignored)."""
+        built = self._spec(**kw)
+        if spec is None:
+            return built
+        if not isinstance(spec, SandboxSpec):
+            raise InvalidArgument(f"spec= takes a SandboxSpec, not {type(spec).__name__}",
+                                  field="spec")
+        if built != _NO_KEYWORDS:
+            said = sorted(f for f in SandboxSpec.__struct_fields__
+                          if getattr(built, f) != getattr(_NO_KEYWORDS, f))
+            raise InvalidArgument(f"create got spec= and keywords that set {', '.join(said)}: "
+                                  "put every field in the spec (msgspec.structs.replace)",
+                                  field="spec")
+        return spec.validate()
+
     async def create(
-        self, *, image: str = "base", workspace: str | None = None,
+        self, *, spec: SandboxSpec | None = None, image: str = "base",
+        workspace: str | None = None,
         toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
         backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
         disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
@@ -499,35 +556,37 @@ class AsyncSandboxes:
         "destroy" or "pause"); ``project``: the key's default project when None;
         ``detached``: not bound to this client's session (outlives the client).
 
+        ``spec``: a whole :class:`~dsec.wire.spec.SandboxSpec`, sent unchanged (every
+        field; ``backend``/``project``/``ttl_s`` left None are the server's), instead of
+        the keywords.
+
         Every attempt carries one ``Idempotency-Key``: ``idempotency_key`` (to make a
         create idempotent across client processes too), else a fresh random one. Lost
         connections, request timeouts and 503s are retried with it for
         ``create_retry_s``; the server answers a retry with the sandbox the first attempt
         made, never a second one."""
-        kw: dict[str, Any] = {
+        asked = self._given_spec(spec, {
             "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
-            "allow_nested": allow_nested, "user_namespace": user_namespace, "detached": detached}
+            "allow_nested": allow_nested, "user_namespace": user_namespace})
         c = self._c
-        if idempotency_key is not None and (
-                not isinstance(idempotency_key, str)
-                or not 0 < len(idempotency_key) <= 255 or not idempotency_key.isascii()
-                or not idempotency_key.isprintable()):
+        if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
                                   field="idempotency_key")
+        check_idempotency_key(idempotency_key)
         key = idempotency_key or "sdk-" + uuid.uuid4().hex  # one key for every retry
-        req = await c._retry_until(lambda: self._request(**kw), c.create_retry_s)
-
-        async def attempt() -> SandboxInfo:
-            t = await c._transport()
-            return await t.create(req, key)
-        info = await c._retry_until(attempt, c.create_retry_s)
+        # the session it is bound to is opened first: retried as a create
+        session = None if detached else await c._retry_until(c._ensure_session,
+                                                             c.create_retry_s)
+        body = CreateSandbox(spec=asked, session=session, idempotency_key=key)
+        info = await c._retry_until(lambda: c.call(ops.CREATE, body, idempotent=False),
+                                    c.create_retry_s)
         return AsyncSandbox(c, info)
 
     async def create_many(
-        self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
+        self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
         workspace: str | None = None, toolkits: Sequence[str] = (),
         snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", disk: int | str | None = None,
@@ -539,8 +598,9 @@ class AsyncSandboxes:
         user_namespace: bool = False, detached: bool = False,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
-        :meth:`create`), or one per item of a list of keyword dicts, each laid over
-        the keywords (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``).
+        :meth:`create`), or one per item of a list: a keyword dict laid over the keywords
+        (``create_many([{"image": "a"}, {"image": "b"}], memory="1GiB")``) or a whole
+        :class:`~dsec.wire.spec.SandboxSpec`, sent unchanged.
         All or nothing: if any fails, the ones that were created are destroyed and the
         first error is raised. Each item carries an Idempotency-Key of its own and the
         batch is retried like :meth:`create` (``create_retry_s``), so a batch whose
@@ -550,27 +610,29 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
-            "allow_nested": allow_nested, "user_namespace": user_namespace, "detached": detached}
+            "allow_nested": allow_nested, "user_namespace": user_namespace}
         c = self._c
-
-        async def request(**one: Any) -> CreateSandboxRequest:
-            # the session it is bound to is opened on the first one: retried as a create
-            return await c._retry_until(lambda: self._request(**one), c.create_retry_s)
+        specs: list[SandboxSpec]
         if isinstance(n, int) and not isinstance(n, bool):
             if not 0 < n <= 100_000:
                 raise InvalidArgument(f"create_many n={n} must be within 1..100000")
-            reqs = [await request(**kw)] * n
+            specs = [self._spec(**kw)] * n
         elif isinstance(n, Sequence) and not isinstance(n, (str, bytes)) and \
-                all(isinstance(item, Mapping) for item in n) and 0 < len(n) <= 100_000:
-            reqs = [await request(**{**kw, **item}) for item in n]
+                all(isinstance(item, (Mapping, SandboxSpec)) for item in n) and \
+                0 < len(n) <= 100_000:
+            specs = [item.validate() if isinstance(item, SandboxSpec)
+                     else self._spec(**{**kw, **item}) for item in n]
         else:
             raise InvalidArgument(f"create_many takes a count (1..100000) or a list of up to "
-                                  f"100000 keyword dicts, not {type(n).__name__}")
-        keys = ["sdk-" + uuid.uuid4().hex for _ in reqs]   # one per item, for every retry
+                                  f"100000 keyword dicts or SandboxSpecs, not "
+                                  f"{type(n).__name__}")
+        session = None if detached else await c._retry_until(c._ensure_session,
+                                                             c.create_retry_s)
+        keys = ["sdk-" + uuid.uuid4().hex for _ in specs]   # one per item, for every retry
         results: list[SandboxInfo | DsecError] = []
-        for start in range(0, len(reqs), 1024):
-            results += await self._create_batch(reqs[start:start + 1024],
-                                                keys[start:start + 1024])
+        for start in range(0, len(specs), 1024):
+            results += await self._create_batch(specs[start:start + 1024],
+                                                keys[start:start + 1024], session)
         ok = [AsyncSandbox(self._c, r) for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if not isinstance(r, SandboxInfo)]
         if errors:
@@ -578,24 +640,25 @@ class AsyncSandboxes:
             raise errors[0]
         return ok
 
-    async def _create_batch(self, reqs: Sequence[CreateSandboxRequest],
-                            keys: Sequence[str]) -> list[SandboxInfo | DsecError]:
+    async def _create_batch(self, specs: Sequence[SandboxSpec], keys: Sequence[str],
+                            session: str | None) -> list[SandboxInfo | DsecError]:
         """One batched call, retried as :meth:`create` retries (same keys, so nothing is
         made twice): the whole call on a lost connection, a timeout or a 503, then the
         items that failed retryably, until ``create_retry_s`` has passed."""
         c = self._c
         loop = asyncio.get_running_loop()
         deadline = None if c.create_retry_s is None else loop.time() + c.create_retry_s
-        out: list[SandboxInfo | DsecError] = [InvalidArgument("not attempted")] * len(reqs)
-        todo = list(range(len(reqs)))
+        out: list[SandboxInfo | DsecError] = [InvalidArgument("not attempted")] * len(specs)
+        todo = list(range(len(specs)))
         delay = 0.05
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
 
             async def attempt(todo: list[int] = todo) -> list[SandboxInfo | DsecError]:
-                t = await c._transport()
-                return await t.create_many(
-                    [reqs[i] for i in todo], [keys[i] for i in todo])
+                batch = await c.call(ops.CREATE_MANY, CreateMany(
+                    items=[specs[i] for i in todo], session=session,
+                    idempotency_keys=[keys[i] for i in todo]), idempotent=False)
+                return batch.results()
             got = await c._retry_until(attempt, left)
             again = []
             for i, r in zip(todo, got):
@@ -665,6 +728,10 @@ class AsyncSandboxes:
                 if isinstance(r, DsecError):
                     raise r
         return res
+
+
+# What the create keywords build when none is given: beside spec=, any other is refused.
+_NO_KEYWORDS = AsyncSandboxes._spec()
 
 
 def _deadline(request_timeout: float | None, command_timeout: float | None) -> float | None:

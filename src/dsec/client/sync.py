@@ -13,7 +13,7 @@ import asyncio
 import builtins
 import os
 import threading
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self, TypeVar
 
@@ -24,6 +24,7 @@ from dsec.client.core import (
     AsyncSandboxes,
     AsyncSnapshots,
     Snapshot,
+    WireProtocol,
 )
 from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
@@ -31,7 +32,7 @@ from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImageView, Info, NodeView
 from dsec.wire.netpolicy import NetMode
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.spec import (
     BackendName,
     ExecChunk,
@@ -43,6 +44,7 @@ from dsec.wire.spec import (
     PauseStats,
     SandboxEvent,
     SandboxInfo,
+    SandboxSpec,
     SandboxState,
     SandboxStats,
 )
@@ -91,13 +93,15 @@ class Client:
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float | None = 30.0,
-        transport: str | Transport = "auto", gateway: str | None = None, retries: int = 3,
+        protocol: WireProtocol = "auto", transport: Transport | None = None,
+        gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
         _http_transport: Any = None,
     ) -> None:
         self._loop = _Loop()
         try:
-            self._a = AsyncClient(url, api_key, timeout=timeout, transport=transport,
+            self._a = AsyncClient(url, api_key, timeout=timeout, protocol=protocol,
+                                  transport=transport,
                                   gateway=gateway, retries=retries,
                                   session_lease_s=session_lease_s,
                                   create_retry_s=create_retry_s,
@@ -118,6 +122,15 @@ class Client:
         """See :meth:`~dsec.client.core.AsyncClient.call`: one operation of the
         catalogue with its request object, typed by the row."""
         return self._run(self._a.call(op, body, idempotent=idempotent, timeout=timeout))
+
+    def upload(self, op: UploadOp[Req, Rep], body: Req, chunks: Iterator[bytes]) -> Rep:
+        """See :meth:`~dsec.client.core.AsyncClient.upload`: an upload row, its body the
+        byte pieces ``chunks`` gives (read in a worker thread, off the client's loop)."""
+        async def pieces() -> AsyncIterator[bytes]:
+            it = iter(chunks)
+            while (piece := await asyncio.to_thread(next, it, None)) is not None:
+                yield piece
+        return self._run(self._a.upload(op, body, pieces()))
 
     def info(self) -> Info:
         return self._run(self._a.info())
@@ -150,7 +163,8 @@ class Sandboxes:
         self._a = a
 
     def create(
-        self, *, image: str = "base", workspace: str | None = None,
+        self, *, spec: SandboxSpec | None = None, image: str = "base",
+        workspace: str | None = None,
         toolkits: Sequence[str] = (), snapshot: Snapshot | str | None = None,
         backend: BackendName | None = None, cpu: float = 1, memory: int | str = "512MiB",
         disk: int | str | None = None, pids_max: int | None = 1024, priority: int = 0,
@@ -163,7 +177,7 @@ class Sandboxes:
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
-            image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
+            spec=spec, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
@@ -171,7 +185,7 @@ class Sandboxes:
             idempotency_key=idempotency_key)))
 
     def create_many(
-        self, n: int | Sequence[Mapping[str, Any]], *, image: str = "base",
+        self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
         workspace: str | None = None, toolkits: Sequence[str] = (),
         snapshot: Snapshot | str | None = None, backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", disk: int | str | None = None,

@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import builtins
 import inspect
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from dsec.client.transport import spec_of
-from dsec.errors import DsecError
-from dsec.wire import ops
-from dsec.wire.api import CreateSandboxRequest, Info
-from dsec.wire.calls import CreateMany, CreateSandbox
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp
-from dsec.wire.spec import SandboxInfo
+from dsec.wire.api import Info
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 
 __all__ = ["Handler", "MockTransport"]
 
@@ -45,6 +40,7 @@ class MockTransport:
         self.info = info or Info(version="mock", project="default",
                                  default_backend="simulated")
         self.calls: builtins.list[tuple[str, Any]] = []
+        self.uploaded: builtins.list[bytes] = []
         self.closed = False
 
     async def call(self, op: Op[Req, Rep], body: Req, *,
@@ -62,20 +58,12 @@ class MockTransport:
         for item in items:
             yield item
 
-    async def create(self, req: CreateSandboxRequest,
-                     idempotency_key: str | None) -> SandboxInfo:
-        return await self.call(ops.CREATE, CreateSandbox(
-            spec=spec_of(req, self.info), session=req.session,
-            idempotency_key=idempotency_key))
-
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None,
-                          ) -> builtins.list[SandboxInfo | DsecError]:
-        batch = await self.call(ops.CREATE_MANY, CreateMany(
-            items=[spec_of(r, self.info) for r in reqs],
-            session=reqs[0].session if reqs else None,
-            idempotency_keys=None if keys is None else list(keys)))
-        return batch.results()
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep:
+        """An upload row: the handler gets ``(op, body)``; the chunks are read first and
+        recorded in :attr:`uploaded`."""
+        self.uploaded.append(b"".join([c async for c in chunks]))
+        return await self.call(op, body)
 
     async def close(self) -> None:
         self.closed = True

@@ -16,10 +16,9 @@ message says to check before running the command again).
 
 from __future__ import annotations
 
-import builtins
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from types import EllipsisType
-from typing import Any, Protocol, TypeVar, cast, get_args
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -28,32 +27,23 @@ from dsec.errors import (
     ConnectFailed,
     ConnectionLost,
     DsecError,
-    InvalidArgument,
     RemoteProtocolError,
     RequestTimeout,
     error_from_wire,
 )
 from dsec.wire import ops
 from dsec.wire.api import (
-    CreateSandboxRequest,
     ExecStreamLine,
     Info,
 )
 from dsec.wire.calls import (
-    CreateMany,
-    CreateSandbox,
     Empty,
 )
 from dsec.wire.jsonform import stream_item
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UseClientDefault
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp, UseClientDefault
 from dsec.wire.rest import decode_reply, encode_request
-from dsec.wire.spec import (
-    BackendName,
-    SandboxInfo,
-    SandboxSpec,
-)
 
-__all__ = ["AetherTransport", "HttpTransport", "Transport"]
+__all__ = ["AetherTransport", "HttpTransport", "OpCaller", "Transport"]
 
 _json = msgspec.json.Encoder()
 Req = TypeVar("Req")
@@ -63,8 +53,7 @@ Item = TypeVar("Item")
 
 class Transport(Protocol):
     """How the SDK reaches an apiserver: one typed call per operation of the catalogue
-    (:mod:`dsec.wire.ops`), a stream for streaming rows, and (until a create's spec can
-    leave backend and project to the server) the two create calls. Two implementations
+    (:mod:`dsec.wire.ops`), and a stream for streaming rows. Two implementations
     (REST and the Aether gateway) and, for tests, :class:`dsec.client.testing.MockTransport`."""
 
     name: str
@@ -73,12 +62,18 @@ class Transport(Protocol):
                    timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep: ...
     def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
                timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]: ...
-    async def create(self, req: CreateSandboxRequest,
-                     idempotency_key: str | None) -> SandboxInfo: ...
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None,
-                          ) -> builtins.list[SandboxInfo | DsecError]: ...
     async def close(self) -> None: ...
+
+
+class OpCaller(Protocol):
+    """What a part of the SDK needs of its client (``client.images`` takes one): a typed
+    call of a catalogue row, and an upload row with its body as a stream of bytes. The
+    client (:class:`~dsec.client.core.AsyncClient`) is one; so can a test double be."""
+
+    async def call(self, op: Op[Req, Rep], body: Req, *, idempotent: bool | None = None,
+                   timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep: ...
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep: ...
 
 
 class HttpTransport:
@@ -119,12 +114,15 @@ class HttpTransport:
             raise _http_error(resp)
         return resp
 
-    async def _json(self, tp: Any, method: str, path: str, **kw: Any) -> Any:
-        resp = await self._req(method, path, **kw)
-        try:
-            return msgspec.json.decode(resp.content, type=tp)
-        except msgspec.DecodeError as exc:
-            raise RemoteProtocolError(f"{method} {path}: undecodable {tp} reply: {exc}") from exc
+    async def upload(self, op: UploadOp[Req, Rep], body: Req,
+                     chunks: AsyncIterator[bytes]) -> Rep:
+        """An upload row over REST: the request laid out by the row, ``chunks`` as the
+        raw body (streamed, no request timeout: it may be gigabytes)."""
+        r = encode_request(op, body)
+        resp = await self._req(r.method, r.path, timeout=None, params=r.params,
+                               headers=r.headers, content=chunks)
+        reply: Rep = decode_reply(op, resp.content)
+        return reply
 
     async def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
                      timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]:
@@ -153,23 +151,6 @@ class HttpTransport:
     async def info(self) -> Info:
         self._info = await self.call(ops.INFO, Empty())
         return self._info
-
-    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
-        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
-        info: SandboxInfo = await self._json(
-            SandboxInfo, "POST", "/v1/sandboxes", content=_json.encode(req),
-            headers={**headers, "content-type": "application/json"})
-        return info
-
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
-        """One ``POST /v1/batch/create`` (each item succeeds or fails alone)."""
-        if self._info is None:
-            self._info = await self.info()
-        body = CreateMany(items=[spec_of(r, self._info) for r in reqs],
-                          session=reqs[0].session if reqs else None,
-                          idempotency_keys=None if keys is None else list(keys))
-        return (await self.call(ops.CREATE_MANY, body)).results()
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -288,54 +269,10 @@ class AetherTransport:
         self._info = await self.call(ops.INFO, Empty())
         return self._info
 
-    async def _spec(self, req: CreateSandboxRequest) -> SandboxSpec:
-        """The spec a create asks for (:func:`spec_of`; ``api.info`` asked once)."""
-        return spec_of(req, self._info if self._info is not None else await self.info())
-
-    async def create(self, req: CreateSandboxRequest, idempotency_key: str | None) -> SandboxInfo:
-        return await self.call(ops.CREATE, CreateSandbox(
-            spec=await self._spec(req), session=req.session, idempotency_key=idempotency_key))
-
-    async def create_many(self, reqs: Sequence[CreateSandboxRequest],
-                          keys: Sequence[str] | None = None) -> list[SandboxInfo | DsecError]:
-        specs = [await self._spec(r) for r in reqs]
-        session = reqs[0].session if reqs else None
-        batch = await self.call(ops.CREATE_MANY, CreateMany(
-            items=specs, session=session, idempotency_keys=None if keys is None else list(keys)))
-        return batch.results()
-
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
-
-
-def _backend(name: str | None) -> BackendName:
-    """The server's default backend as a :data:`BackendName` (one this SDK knows)."""
-    if name is None:
-        return "simulated"
-    for known in get_args(BackendName):
-        if name == known:
-            return cast(BackendName, known)
-    raise InvalidArgument(f"the server's default backend {name!r} is not one this SDK "
-                          f"knows ({', '.join(get_args(BackendName))}); name a backend")
-
-
-def spec_of(req: CreateSandboxRequest, info: Info) -> SandboxSpec:
-    """The spec a create asks for, with what the request leaves to the server filled in
-    from its ``info`` (the default backend, the key's default project): until a spec can
-    leave them unset (issue 13's spec passthrough) the catalogue's create rows take both
-    as given."""
-    return SandboxSpec(
-        image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
-        snapshot=req.snapshot,
-        backend=req.backend or _backend(info.default_backend),
-        cpu_milli=req.cpu_milli, memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes,
-        pids_max=req.pids_max, priority=req.priority, labels=dict(req.labels),
-        project=req.project or info.project or "default", ttl_s=req.ttl_s,
-        idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
-        network=req.network, allow_nested=req.allow_nested,
-        user_namespace=req.user_namespace)
 
 
 # Operations whose lost answer means "the command may have run" (the wording says so).

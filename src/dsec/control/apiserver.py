@@ -40,13 +40,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from dsec.control.api.openapi import (
-    FILE_PATH,
     IDEMPOTENCY_KEY,
-    PROJECT_PATH,
-    SANDBOX_ID,
     Op,
     Param,
     build_openapi,
+    doc_of,
 )
 from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.errors import (
@@ -60,60 +58,20 @@ from dsec.errors import (
 from dsec.wire import ops
 from dsec.wire.api import (
     ApiError,
-    CreateKeyRequest,
-    CreateKeyResponse,
     CreateSandboxRequest,
-    EventList,
     ExecBody,
     ExecOutput,
     ExecStreamLine,
-    FileList,
     ImageList,
-    ImageTagRequest,
-    ImageView,
-    Info,
-    NodeList,
-    ProjectList,
-    ProjectView,
-    QuotaBody,
-    SandboxList,
-    SessionView,
-    SnapshotList,
-    SnapshotView,
 )
 from dsec.wire.calls import (
-    Empty,
     ExecCall,
-    FileRef,
-    ImageRef,
     ImageUpload,
-    KeyRef,
-    ListSandboxes,
-    Mkdir,
-    NetworkUpdate,
-    ProjectRef,
-    QuotaSet,
-    ReadFile,
-    Remove,
-    SandboxRef,
-    SessionOpen,
-    SessionRef,
-    SnapshotCall,
-    SnapshotQuery,
-    SnapshotRef,
-    WriteFile,
 )
 from dsec.wire.jsonform import exec_output, exec_request, stream_line
-from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import Op as CatalogueOp
-from dsec.wire.spec import (
-    FileInfo,
-    NetworkView,
-    PauseStats,
-    SandboxInfo,
-    SandboxStats,
-    check_path,
-)
+from dsec.wire.outcome import undecodable
+from dsec.wire.rest import decode_request
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
 
@@ -204,20 +162,21 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _decode(tp: type, raw: bytes) -> Any:
+def _decode(tp: type, raw: bytes, op: CatalogueOp[Any, Any]) -> Any:
+    """The JSON body of ``op``'s route as ``tp``. A refusal is worded as at every other
+    door: the type's own check (``__post_init__``) answers unchanged; msgspec's (a
+    wrong type, a bound on the type, an unknown field) through
+    :func:`dsec.wire.outcome.undecodable`, its path as the whole request's (the row's
+    body field first: ``$.spec.cpu_milli``)."""
     if not raw:
         raise InvalidArgument(f"empty request body: send a JSON {tp.__name__} object")
     try:
         return _decoder(tp).decode(raw)
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
-            # refused by the type's own check (__post_init__): the same class, words
-            # and detail as at every other door
             raise exc.__cause__ from None
-        # msgspec names the field: "Object contains unknown field `foo`", "Expected `int`,
-        # got `str` - at `$.cpu_milli`".
-        name = getattr(tp, "__name__", str(tp))
-        raise InvalidArgument(f"invalid {name}: {exc}") from None
+        body = op.rest.body if op.rest is not None else None
+        raise undecodable(op.name, exc, at="" if body in (None, "*") else str(body)) from None
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed JSON body: {exc}") from None
 
@@ -225,45 +184,6 @@ def _decode(tp: type, raw: bytes) -> Any:
 def _json_response(obj: Any, rid: str, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json",
                     headers={"x-request-id": rid})
-
-
-def _q_int(request: Request, name: str, default: int | None, lo: int = -(1 << 62),
-           hi: int = 1 << 62) -> int | None:
-    """An integer query parameter. Its range is the request type's or the policy's to
-    check (the same words at every door); the bounds here only keep it a 64-bit int."""
-    v = request.query_params.get(name)
-    if v is None:
-        return default
-    try:
-        n = int(v)
-    except ValueError:
-        raise InvalidArgument(f"query parameter {name}={v[:40]!r} must be an integer",
-                              field=name) from None
-    if not lo <= n <= hi:
-        raise InvalidArgument(f"query parameter {name}={n} must be within {lo}..{hi}",
-                              field=name)
-    return n
-
-
-def _q_bool(request: Request, name: str, default: bool = False) -> bool:
-    v = request.query_params.get(name)
-    if v is None:
-        return default
-    v = v.lower()
-    if v in ("1", "true", "yes"):
-        return True
-    if v in ("0", "false", "no", ""):
-        return False
-    raise InvalidArgument(f"query parameter {name}={v[:20]!r} must be true or false",
-                          field=name)
-
-
-def _q_path(request: Request) -> str:
-    p = request.query_params.get("path")
-    if not p:
-        raise InvalidArgument("query parameter 'path' (a path inside the sandbox) is required",
-                              field="path")
-    return check_path(p)
 
 
 # ------------------------------------------------------------------------- app
@@ -286,6 +206,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         template = op.path
         lat = latency.labels(template, op.method)
         counters: dict[int, Any] = {}
+        row = _ROWS[(op.method, op.path)]
+        assert row.rest is not None
+        known = frozenset(row.rest.query.values())
 
         async def endpoint(request: Request) -> Response:
             t0 = time.perf_counter()
@@ -294,6 +217,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                 caller = (service.authenticate(request.headers.get("authorization"),
                                                _client_host(request.scope))
                           if op.auth else _ANON)
+                if request.scope.get("query_string"):
+                    _known_query(request, known, row)
                 resp = await handler(request, caller, rid)
             except DsecError as exc:
                 resp = _error_response(service.redact(exc), rid)
@@ -315,22 +240,39 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     sid_of = _sid
     # Every operation's policy, resolved now: a row without one fails here, at start.
     h = service.handler
-    list_policy, get_policy, destroy_policy = h(ops.LIST), h(ops.GET), h(ops.DESTROY)
     exec_policy, stream_policy = h(ops.EXEC), service.stream_handler(ops.EXEC_STREAM)
-    read_policy, write_policy = h(ops.READ_FILE), h(ops.WRITE_FILE)
-    remove_policy, list_dir_policy = h(ops.REMOVE), h(ops.LIST_DIR)
-    stat_policy, mkdir_policy = h(ops.STAT), h(ops.MKDIR)
-    pause_policy, resume_policy, stats_policy = h(ops.PAUSE), h(ops.RESUME), h(ops.STATS)
-    events_policy, snapshot_policy = h(ops.EVENTS), h(ops.SNAPSHOT)
-    snapshots_policy, snapshot_get_policy = h(ops.SNAPSHOTS), h(ops.SNAPSHOT_GET)
-    snapshot_delete_policy = h(ops.SNAPSHOT_DELETE)
-    nodes_policy, info_policy = h(ops.NODES), h(ops.INFO)
-    create_many_policy, exec_many_policy = h(ops.CREATE_MANY), h(ops.EXEC_MANY)
+    limits = {"json": cfg.max_json_body, "exec": cfg.max_exec_body,
+              "file": cfg.max_file_body, "image": cfg.max_image_body}
+
+    def serve(row: CatalogueOp[Any, Any]) -> None:
+        """The route of ``row``, from the row alone: its request decoded as its
+        :class:`~dsec.wire.ops.Rest` binding says (:func:`dsec.wire.rest.decode_request`:
+        path, query, headers, body, with the type's own checks), its policy, and its
+        reply written as the binding says (JSON, raw bytes or nothing)."""
+        rest = row.rest
+        assert rest is not None
+        policy = h(row)
+        limit = limits[rest.body_limit]
+        has_body, status, reply = rest.body is not None, rest.status, rest.reply
+
+        async def handler(request: Request, caller: Caller, rid: str) -> Response:
+            body = await _read_body(request, limit) if has_body else None
+            req = decode_request(row, request.path_params, request.query_params.multi_items(),
+                                 request.headers, body)
+            rep = await policy(caller, req)
+            if reply == "json":
+                return _json_response(rep, rid, status)
+            if reply == "raw":
+                return Response(rep, status_code=status, media_type="application/octet-stream",
+                                headers={"x-request-id": rid})
+            return Response(status_code=status, headers={"x-request-id": rid})
+        route(doc_of(row), handler)
+
 
     # ------------------------------------------------------------- sandboxes
     async def create(request: Request, caller: Caller, rid: str) -> Response:
         raw = await _read_body(request, cfg.max_json_body)
-        body = _decode(CreateSandboxRequest, raw)
+        body = _decode(CreateSandboxRequest, raw, ops.CREATE)
         session = request.query_params.get("session")
         if session is not None and body.session is None:
             # the catalogue's form (the row: the spec as the body, the session a query
@@ -340,61 +282,24 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         info = await service.create(caller, body, idempotency_key=key, raw=raw)
         return _json_response(info, rid, 201)
 
-    route(Op("POST", "/v1/sandboxes", "createSandbox", "Create a sandbox",
-             CreateSandboxRequest, SandboxInfo, 201,
-             headers=(Param("Idempotency-Key", IDEMPOTENCY_KEY,
-                            description="same key within 5 min -> same sandbox"),)), create)
-
-    async def list_(request: Request, caller: Caller, rid: str) -> Response:
-        labels: dict[str, str] = {}
-        for item in request.query_params.getlist("label"):
-            k, sep, v = item.partition("=")
-            if not sep or not k:
-                raise InvalidArgument(f"label filter {item[:60]!r} must be key=value",
-                                      field="label")
-            labels[k] = v
-        state = request.query_params.get("state")
-        if state is not None and state not in _STATES:
-            raise InvalidArgument(f"state={state[:20]!r} is not one of {sorted(_STATES)}",
-                                  field="state")
-        limit = _q_int(request, "limit", 100)      # 1..list_page_max: the policy's words
-        assert limit is not None
-        page = await list_policy(caller, ListSandboxes(
-            project=request.query_params.get("project"), labels=labels,
-            state=state, limit=limit, cursor=request.query_params.get("cursor")))  # type: ignore[arg-type]
-        return _json_response(page, rid)
-
-    route(Op("GET", "/v1/sandboxes", "listSandboxes", "List sandboxes", None, SandboxList,
-             params=(Param("project", PROJECT_PATH),
-                     Param("label", {"type": "string", "pattern": "^[^=]+=.*$"},
-                           description="key=value, repeatable"),
-                     Param("state", {"enum": sorted(_STATES)}),
-                     Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-                     Param("cursor", {"type": "string"}))), list_)
-
-    async def get(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await get_policy(caller, SandboxRef(id=sid_of(request))), rid)
-
-    route(Op("GET", "/v1/sandboxes/{id}", "getSandbox", "Get a sandbox", None, SandboxInfo),
-          get)
-
-    async def delete(request: Request, caller: Caller, rid: str) -> Response:
-        await destroy_policy(caller, SandboxRef(id=sid_of(request)))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("DELETE", "/v1/sandboxes/{id}", "deleteSandbox",
-             "Destroy a sandbox (idempotent)", status=204), delete)
+    # By hand: REST's create body is the flat CreateSandboxRequest (the spec's fields
+    # and, for older clients, `session`), not the row's bare spec.
+    route(doc_of(ops.CREATE, request=CreateSandboxRequest,
+                 headers=(Param("Idempotency-Key", IDEMPOTENCY_KEY,
+                                description="same key within 5 min -> same sandbox"),)),
+          create)
 
     async def exec_(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body), ops.EXEC)
         res = await exec_policy(caller, ExecCall(id=sid_of(request), req=exec_request(body)))
         return _json_response(exec_output(res), rid)
 
-    route(Op("POST", "/v1/sandboxes/{id}/exec", "execSandbox", "Run a command",
-             ExecBody, ExecOutput), exec_)
+    # By hand: exec's JSON forms (base64 or text stdin and output, wire.jsonform).
+    route(doc_of(ops.EXEC, request=ExecBody, response=ExecOutput), exec_)
 
     async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body))
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body),
+                       ops.EXEC_STREAM)
         stream = await stream_policy(caller, ExecCall(id=sid_of(request),
                                                       req=exec_request(body)))
 
@@ -413,191 +318,14 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         return StreamingResponse(lines(), media_type="application/x-ndjson",
                                  headers={"x-request-id": rid})
 
-    route(Op("POST", "/v1/sandboxes/{id}/exec/stream", "execSandboxStream",
-             "Run a command, streaming NDJSON lines", ExecBody, ExecStreamLine,
-             response_media="application/x-ndjson"), exec_stream)
+    route(doc_of(ops.EXEC_STREAM, request=ExecBody, response=ExecStreamLine,
+                 media="application/x-ndjson"), exec_stream)
 
-    # ------------------------------------------------------------------ batches
-    def batch(op: CatalogueOp[Any, Any], policy: Callable[[Caller, Any], Awaitable[Any]],
-              limit: int) -> None:
-        """A batched row: its request as one JSON object, its ``Batch`` reply."""
-        assert op.rest is not None
-        request_type = op.request
-
-        async def handler(request: Request, caller: Caller, rid: str) -> Response:
-            body = _decode(request_type, await _read_body(request, limit))
-            return _json_response(await policy(caller, body), rid)
-        route(Op(op.rest.method, op.rest.path, op.rest.operation_id, op.summary,
-                 op.request, op.reply, op.rest.status, tag=op.rest.tag), handler)
-
-    batch(ops.CREATE_MANY, create_many_policy, cfg.max_json_body)
-    batch(ops.EXEC_MANY, exec_many_policy, cfg.max_exec_body)
-
-    # ------------------------------------------------------------------ files
-    async def read(request: Request, caller: Caller, rid: str) -> Response:
-        data = await read_policy(caller, ReadFile(
-            id=sid_of(request), path=_q_path(request),
-            offset=_q_int(request, "offset", 0) or 0, length=_q_int(request, "length", None)))
-        return Response(data, media_type="application/octet-stream",
-                        headers={"x-request-id": rid})
-
-    route(Op("GET", "/v1/sandboxes/{id}/files", "readFile", "Read a file (raw bytes)",
-             None, "binary", params=(Param("path", FILE_PATH, True),
-                                     Param("offset", {"type": "integer", "minimum": 0}),
-                                     Param("length", {"type": "integer", "minimum": 0}))),
-          read)
-
-    async def write(request: Request, caller: Caller, rid: str) -> Response:
-        path = _q_path(request)
-        mode = _q_int(request, "mode", 0o644)      # 0..0o7777: WriteFile's words
-        data = await _read_body(request, cfg.max_file_body)
-        await write_policy(caller, WriteFile(id=sid_of(request), path=path, data=data,
-                                             mode=mode or 0, append=_q_bool(request, "append")))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("PUT", "/v1/sandboxes/{id}/files", "writeFile", "Write a file (raw bytes "
-             "body; empty: an empty file)", "binary", None, 204, body_required=False,
-             params=(Param("path", FILE_PATH, True),
-                     Param("mode", {"type": "integer", "minimum": 0, "maximum": 4095}),
-                     Param("append", {"type": "boolean"}))), write)
-
-    async def remove(request: Request, caller: Caller, rid: str) -> Response:
-        await remove_policy(caller, Remove(id=sid_of(request), path=_q_path(request),
-                                           recursive=_q_bool(request, "recursive")))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("DELETE", "/v1/sandboxes/{id}/files", "removeFile", "Remove a file or directory",
-             None, None, 204, params=(Param("path", FILE_PATH, True),
-                                      Param("recursive", {"type": "boolean"}))), remove)
-
-    async def listdir(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await list_dir_policy(
-            caller, FileRef(id=sid_of(request), path=_q_path(request))), rid)
-
-    route(Op("GET", "/v1/sandboxes/{id}/files/list", "listFiles", "List a directory",
-             None, FileList, params=(Param("path", FILE_PATH, True),)),
-          listdir)
-
-    async def stat(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await stat_policy(
-            caller, FileRef(id=sid_of(request), path=_q_path(request))), rid)
-
-    route(Op("GET", "/v1/sandboxes/{id}/files/stat", "statFile", "Stat a path", None,
-             FileInfo, params=(Param("path", FILE_PATH, True),)),
-          stat)
-
-    async def mkdir(request: Request, caller: Caller, rid: str) -> Response:
-        await mkdir_policy(caller, Mkdir(id=sid_of(request), path=_q_path(request),
-                                         parents=_q_bool(request, "parents", True)))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("POST", "/v1/sandboxes/{id}/files/mkdir", "mkdir", "Create a directory",
-             None, None, 204, params=(Param("path", FILE_PATH, True),
-                                      Param("parents", {"type": "boolean", "default": True},
-                                            description="create missing parents too "
-                                            "(false: 404 when the parent is missing)"))),
-          mkdir)
-
-    # -------------------------------------------------------------- lifecycle
-    async def pause(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await pause_policy(caller, SandboxRef(id=sid_of(request))), rid)
-
-    route(Op("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox", "Pause (freeze, give "
-             "memory back)", None, PauseStats), pause)
-
-    async def resume(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await resume_policy(caller, SandboxRef(id=sid_of(request))),
-                              rid)
-
-    route(Op("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox", "Resume", None,
-             SandboxInfo), resume)
-
-    async def snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        snap = await snapshot_policy(caller, SnapshotCall(
-            id=sid_of(request), strip=request.query_params.getlist("strip")))
-        return _json_response(snap, rid, 201)
-
-    route(Op("POST", "/v1/sandboxes/{id}/snapshot", "snapshotSandbox",
-             "Snapshot the sandbox's changes since its last snapshot (pack_diff); "
-             "unchanged -> that snapshot", None, SnapshotView, 201,
-             params=(Param("strip", {"type": "array", "items": {"type": "string",
-                                                                 "minLength": 1}},
-                           description="path patterns left out (reuse safety), repeatable"),
-                     )), snapshot)
-
-    async def snapshots(request: Request, caller: Caller, rid: str) -> Response:
-        q = request.query_params
-        return _json_response(await snapshots_policy(caller, SnapshotQuery(
-            project=q.get("project"), sandbox_id=q.get("sandbox_id"))), rid)
-
-    route(Op("GET", "/v1/snapshots", "listSnapshots", "Snapshots visible to this key",
-             None, SnapshotList, tag="snapshots",
-             params=(Param("project", PROJECT_PATH),
-                     Param("sandbox_id", SANDBOX_ID))), snapshots)
-
-    async def get_snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await snapshot_get_policy(
-            caller, SnapshotRef(id=sid_of(request))), rid)
-
-    route(Op("GET", "/v1/snapshots/{id}", "getSnapshot", "One snapshot and the nodes "
-             "holding it", None, SnapshotView, tag="snapshots"), get_snapshot)
-
-    async def delete_snapshot(request: Request, caller: Caller, rid: str) -> Response:
-        await snapshot_delete_policy(caller, SnapshotRef(id=sid_of(request)))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("DELETE", "/v1/snapshots/{id}", "deleteSnapshot", "Delete a snapshot (409 "
-             "in_use while a sandbox runs from it or a snapshot builds on it)", None, None,
-             204, tag="snapshots"), delete_snapshot)
-
-    async def events(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await events_policy(caller, SandboxRef(id=sid_of(request))),
-                              rid)
-
-    route(Op("GET", "/v1/sandboxes/{id}/events", "sandboxEvents", "Lifecycle events",
-             None, EventList), events)
-
-    async def stats(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await stats_policy(caller, SandboxRef(id=sid_of(request))), rid)
-
-    route(Op("GET", "/v1/sandboxes/{id}/stats", "sandboxStats", "Resource use now "
-             "(memory, cpu, pids, disk)", None, SandboxStats), stats)
-
-    # ---------------------------------------------------------------- network
-    network_get_policy = h(ops.NETWORK_GET)
-    network_update_policy = h(ops.NETWORK_UPDATE)
-
-    async def network_get(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await network_get_policy(caller, SandboxRef(
-            id=sid_of(request))), rid)
-
-    route(Op("GET", "/v1/sandboxes/{id}/network", "getSandboxNetwork",
-             ops.NETWORK_GET.summary, None, NetworkView, tag="network"), network_get)
-
-    async def network_update(request: Request, caller: Caller, rid: str) -> Response:
-        policy = _decode(NetworkPolicy, await _read_body(request, cfg.max_json_body))
-        body = NetworkUpdate(id=sid_of(request), policy=policy,
-                             expect_generation=_q_int(request, "expect_generation", None))
-        return _json_response(await network_update_policy(caller, body), rid)
-
-    route(Op("PUT", "/v1/sandboxes/{id}/network", "updateSandboxNetwork",
-             ops.NETWORK_UPDATE.summary, NetworkPolicy, NetworkView, tag="network",
-             params=(Param("expect_generation", {"type": "integer", "minimum": 0},
-                           description="update only if the policy is at this generation "
-                                       "(409 otherwise)"),)), network_update)
-
-    # ------------------------------------------------------------------ nodes
-    async def nodes(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await nodes_policy(caller, Empty()), rid)
-
-    route(Op("GET", "/v1/nodes", "listNodes", "Edge nodes with usage", None, NodeList,
-             tag="nodes"), nodes)
-
-    async def info(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await info_policy(caller, Empty()), rid)
-
-    route(Op("GET", "/v1/info", "info", "Who am I, server version, gateway address",
-             None, Info, tag="meta"), info)
+    # Every other row is served from the row alone (admin rows when admin is given).
+    by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT}
+    for row in ops.REST_OPS:
+        if row not in by_hand and (admin is not None or row not in _ADMIN_ROWS):
+            serve(row)
 
     # ------------------------------------------------------------------ admin
     if admin is not None:
@@ -662,17 +390,30 @@ _JSON_CT = (b"content-type", b"application/json")
 
 
 class FastPaths:
-    """ASGI front: ``GET /v1/sandboxes/{id}`` straight to :meth:`ApiService.get`, all
-    else to the Starlette app. Same behaviour as the Starlette route (auth, role check,
-    error JSON, ``x-request-id``, per-route metrics), minus the middleware stack and the
-    Request/Response objects (see the module docstring for the measurement)."""
+    """ASGI front: the hot row (``GET /v1/sandboxes/{id}``, :data:`dsec.wire.ops.GET`)
+    straight to its policy, all else to the Starlette app. Built from the row (its
+    method, its path: a prefix and one ``{id}`` segment, its request type); same
+    behaviour as the Starlette route (auth, role check, error JSON, ``x-request-id``,
+    per-route metrics), minus the middleware stack and the Request/Response objects (see
+    the module docstring for the measurement)."""
 
-    __slots__ = ("_counters", "_lat", "_service", "app")
+    __slots__ = ("_counters", "_lat", "_method", "_n", "_policy", "_prefix", "_request",
+                 "_service", "_template", "app")
 
-    def __init__(self, app: Starlette, service: ApiService) -> None:
+    def __init__(self, app: Starlette, service: ApiService,
+                 fast: CatalogueOp[Any, Any] = ops.GET) -> None:
+        rest = fast.rest
+        if rest is None or not rest.path.endswith("/{id}") or rest.path.count("{") != 1:
+            raise InternalError(f"FastPaths serves a row whose path is a prefix and one "
+                                f"{{id}} segment, not {fast.name}")
         self.app = app
         self._service = service
-        self._lat = service.metrics.latency.labels("/v1/sandboxes/{id}", "GET")
+        self._method, self._template = rest.method, rest.path
+        self._prefix = rest.path[:-len("{id}")]
+        self._n = len(self._prefix)
+        self._policy = service.handler(fast)
+        self._request = fast.request
+        self._lat = service.metrics.latency.labels(rest.path, rest.method)
         self._counters: dict[int, Any] = {}
 
     @property
@@ -680,11 +421,14 @@ class FastPaths:
         return self.app.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET":
+        if scope["type"] == "http" and scope["method"] == self._method:
             path: str = scope["path"]
-            if (path.startswith("/v1/sandboxes/") and len(path) > 14
-                    and path.find("/", 14) < 0):
-                await self._get(scope, send, path[14:])
+            n = self._n
+            # a query string goes the general way: GET one sandbox takes no parameter,
+            # and the route refuses one it does not know by name
+            if (path.startswith(self._prefix) and len(path) > n
+                    and path.find("/", n) < 0 and not scope.get("query_string")):
+                await self._get(scope, send, path[n:])
                 return
         await self.app(scope, receive, send)
 
@@ -705,13 +449,15 @@ class FastPaths:
             rid = f"req-{_rid_prefix}-{_rid_counter:x}"
         svc = self._service
         try:
-            info = await svc.get(svc.authenticate(auth, _client_host(scope)), sid)
+            info = await self._policy(svc.authenticate(auth, _client_host(scope)),
+                                      self._request(id=sid))
             status, body = 200, _json.encode(info)
             headers = [_JSON_CT, (b"content-length", str(len(body)).encode()),
                        (b"x-request-id", rid.encode())]
         except Exception as exc:  # mapped exactly as the Starlette routes do
             if not isinstance(exc, DsecError):
-                log.exception("request GET /v1/sandboxes/{id} failed (request id %s)", rid)
+                log.exception("request %s %s failed (request id %s)", self._method,
+                              self._template, rid)
                 exc = InternalError(f"internal error ({type(exc).__name__}); quote request "
                                     f"id {rid} when reporting it")
             resp = _error_response(svc.redact(exc), rid)
@@ -722,117 +468,16 @@ class FastPaths:
         c = self._counters.get(status)
         if c is None:
             c = self._counters[status] = self._service.metrics.requests.labels(
-                "/v1/sandboxes/{id}", "GET", str(status))
+                self._template, self._method, str(status))
         c.inc()
         self._lat.observe(time.perf_counter() - t0)
 
 
 def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
                   cfg: RestConfig) -> None:
-    h = service.handler
-    projects_p, project_p, quota_p = h(ops.PROJECTS), h(ops.PROJECT_GET), h(ops.QUOTA_SET)
-    key_p, revoke_p = h(ops.CREATE_KEY), h(ops.REVOKE_KEY)
-    open_p, renew_p, close_p = h(ops.SESSION_OPEN), h(ops.SESSION_RENEW), h(ops.SESSION_CLOSE)
-    images_p, tag_p, image_p = h(ops.IMAGES), h(ops.IMAGE_TAG), h(ops.IMAGE_GET)
-    delete_image_p = h(ops.IMAGE_DELETE)
+    """The image uploads: a raw body streamed to a file, not a request to decode."""
     build_p = service.upload_handler(ops.IMAGE_BUILD)
     import_p = service.upload_handler(ops.IMAGE_IMPORT)
-
-    async def projects(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await projects_p(caller, Empty()), rid)
-
-    route(Op("GET", "/v1/projects", "listProjects", "Projects with quotas and usage",
-             None, ProjectList, tag="admin"), projects)
-
-    async def project(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await project_p(caller, ProjectRef(
-            path=request.path_params["path"])), rid)
-
-    route(Op("GET", "/v1/projects/{path:path}", "getProject", "A project's quota and usage",
-             None, ProjectView, tag="admin"), project)
-
-    async def quota(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(QuotaBody, await _read_body(request, cfg.max_json_body))
-        path = request.path_params["path"]
-        return _json_response(await quota_p(caller, QuotaSet(path=path, quota=body)), rid)
-
-    route(Op("PUT", "/v1/quotas/{path:path}", "setQuota", "Set a project's quota (admin)",
-             QuotaBody, ProjectView, tag="admin"), quota)
-
-    async def key(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(CreateKeyRequest, await _read_body(request, cfg.max_json_body))
-        return _json_response(await key_p(caller, body), rid, 201)
-
-    route(Op("POST", "/v1/keys", "createKey", "Create an API key: for a new principal with "
-             "a role on a project (admin of that project), or an extra key of the caller's "
-             "own; keys of other existing principals only by a superuser",
-             CreateKeyRequest, CreateKeyResponse, 201, tag="admin"), key)
-
-    async def revoke_key(request: Request, caller: Caller, rid: str) -> Response:
-        await revoke_p(caller, KeyRef(id=request.path_params["id"]))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("DELETE", "/v1/keys/{id}", "revokeKey", "Revoke an API key by its id (your own "
-             "keys; a superuser: any non-superuser's)", None, None, 204, tag="admin"),
-          revoke_key)
-
-    async def open_session(request: Request, caller: Caller, rid: str) -> Response:
-        lease = request.query_params.get("lease_s", "60")
-        try:
-            lease_s = float(lease)
-        except ValueError:
-            raise InvalidArgument(f"lease_s={lease[:20]!r} must be a number of seconds",
-                                  field="lease_s") from None
-        return _json_response(await open_p(caller, SessionOpen(lease_s=lease_s)), rid, 201)
-
-    route(Op("POST", "/v1/sessions", "openSession",
-             "Open a client session lease (crash-safe sandboxes)", None, SessionView, 201,
-             params=(Param("lease_s", {"type": "number", "minimum": 5, "maximum": 86400}),),
-             tag="sessions"), open_session)
-
-    async def renew(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await renew_p(caller, SessionRef(
-            id=request.path_params["id"])), rid)
-
-    route(Op("POST", "/v1/sessions/{id}/renew", "renewSession", "Renew a session lease",
-             None, SessionView, tag="sessions"), renew)
-
-    async def close(request: Request, caller: Caller, rid: str) -> Response:
-        await close_p(caller, SessionRef(id=request.path_params["id"]))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    async def images(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await images_p(caller, Empty()), rid)
-
-    route(Op("GET", "/v1/images", "listImages", "Image layers of the cluster's layer store "
-             "visible to this key (cluster-wide ones and those of its projects)",
-             None, ImageList, tag="images"), images)
-
-    async def tag_image(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ImageTagRequest, await _read_body(request, cfg.max_json_body))
-        return _json_response(await tag_p(caller, body), rid)
-
-    route(Op("POST", "/v1/images/tag", "tagImage", "Point a name ([project/]name[:tag]) at "
-             "a layer (write right on the name's namespace; the layer must belong to it, an "
-             "ancestor project or be cluster-wide)", ImageTagRequest, ImageView,
-             tag="images"), tag_image)
-
-    async def get_image(request: Request, caller: Caller, rid: str) -> Response:
-        return _json_response(await image_p(caller, ImageRef(ref=request.path_params["ref"])),
-                              rid)
-
-    route(Op("GET", "/v1/images/{ref:path}", "getImage", "One image by [project/]name[:tag] "
-             "or digest (a bare name: the key's project first, then cluster-wide)", None,
-             ImageView, tag="images"), get_image)
-
-    async def delete_image(request: Request, caller: Caller, rid: str) -> Response:
-        await delete_image_p(caller, ImageRef(ref=request.path_params["ref"]))
-        return Response(status_code=204, headers={"x-request-id": rid})
-
-    route(Op("DELETE", "/v1/images/{ref:path}", "deleteImage", "Delete a name (and its layer "
-             "when nothing else names or uses it), or by digest a layer and all its names "
-             "(write right on the namespaces; 409 in_use while a sandbox or snapshot uses "
-             "it)", None, None, 204, tag="images"), delete_image)
 
     def upload(policy: Callable[[Caller, ImageUpload, str], Awaitable[ImageList]]
                ) -> Handler:
@@ -860,26 +505,18 @@ def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,
             return _json_response(out, rid, 201)
         return handler
 
-    params = (Param("name", {"type": "string", "minLength": 1}, True,
-                    "[project/]name: a project's name needs member there, a bare "
-                    "(cluster-wide) name a superuser"),
-              Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
-              Param("tag", {"type": "string", "pattern": r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"}))
-    route(Op("POST", "/v1/images", "buildImage", "Build a layer from an uploaded tar (raw "
-             "body)", "binary", ImageList, 201, params=params, tag="images"), upload(build_p))
-    route(Op("POST", "/v1/images/import", "importImage", "Import an OCI image (docker save "
-             "tarball or OCI layout tar, raw body)", "binary", ImageList, 201, params=params,
-             tag="images"), upload(import_p))
-
-    route(Op("DELETE", "/v1/sessions/{id}", "closeSession",
-             "End a session now: its sandboxes are destroyed", None, None, 204,
-             tag="sessions"), close)
+    route(doc_of(ops.IMAGE_BUILD, request="binary"), upload(build_p))
+    route(doc_of(ops.IMAGE_IMPORT, request="binary"), upload(import_p))
 
 
-_STATES = frozenset({"creating", "running", "pausing", "paused", "resuming", "destroying",
-                     "destroyed", "failed"})
+
 _ANON = Caller(id="anonymous", name="anonymous", roles={})
 
+# Rows served only when build_app is given the admin operations.
+_ADMIN_ROWS = frozenset({
+    ops.PROJECTS, ops.PROJECT_GET, ops.QUOTA_SET, ops.CREATE_KEY, ops.REVOKE_KEY,
+    ops.SESSION_OPEN, ops.SESSION_RENEW, ops.SESSION_CLOSE, ops.IMAGES, ops.IMAGE_GET,
+    ops.IMAGE_TAG, ops.IMAGE_DELETE, ops.IMAGE_BUILD, ops.IMAGE_IMPORT})
 
 _ROWS: dict[tuple[str, str], CatalogueOp[Any, Any]] = {
     (op.rest.method, op.rest.path): op for op in ops.REST_OPS if op.rest is not None}
@@ -898,6 +535,17 @@ def _from_row(route: Op) -> Op:
                             f"{route.operation_id}/{route.status}, its row "
                             f"{rest.operation_id}/{rest.status}")
     return dataclasses.replace(route, summary=row.summary, tag=rest.tag)
+
+
+def _known_query(request: Request, known: frozenset[str],
+                 row: CatalogueOp[Any, Any]) -> None:
+    """Refuse a query parameter the row does not name, by name (as the Aether doors
+    refuse an unknown field): ``mkdir?parnets=false`` silently made the parents."""
+    for name in request.query_params:
+        if name not in known:
+            takes = ", ".join(sorted(known)) or "none"
+            raise InvalidArgument(f"unknown query parameter {name[:60]!r} for the {row.name} "
+                                  f"request (it takes: {takes})", field=name[:60])
 
 
 def _client_host(scope: Any) -> str | None:

@@ -61,22 +61,6 @@ from dsec.edge.lifecycle import (
     next_state,
 )
 from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
-from dsec.edge.spec import (
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SandboxState,
-    SandboxStats,
-    SnapshotInfo,
-    check_mode,
-    check_path,
-    check_read_range,
-)
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -93,7 +77,30 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.wire.netpolicy import NetworkPolicy, within
-from dsec.wire.spec import NetworkView, check_snapshot_ref
+from dsec.wire.spec import (
+    LEGACY_PROJECT,
+    BackendName,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    NetworkView,
+    PauseStats,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    SandboxStats,
+    SnapshotInfo,
+    backend_of,
+    check_mode,
+    check_path,
+    check_read_range,
+    check_snapshot_ref,
+    project_of,
+    resolve,
+    stored,
+)
 
 __all__ = ["EdgeNode", "NodeConfig", "ReapAction"]
 
@@ -134,6 +141,9 @@ class NodeConfig:
     # asks (up to 1 GiB is valid, for exec_stream). One `head -c 600M /dev/zero` with a
     # 1 GiB cap grew dsec up by 1 GB, only to fail: no reply is over 16 MiB (max_frame).
     max_reply_output_bytes: int = 4 << 20
+    # The backend of a create whose spec leaves it unset (a caller reaching the edge
+    # directly; the apiserver resolves specs before they get here).
+    default_backend: BackendName = "simulated"
     # The most open egress policy this node serves (``dsec edge --net-max``): a create
     # or network_update beyond it is refused, whoever asks. None: no node ceiling (the
     # control plane's project ceilings still bind what comes through the apiserver).
@@ -309,7 +319,8 @@ class EdgeNode:
             if r.id.endswith(self._suffix) is False:
                 log.warning("journal holds %s, which is not this node's; dropped", r.id)
                 continue
-            rec = _Sandbox(r.id, r.spec, self.backends.get(r.spec.backend), now)  # type: ignore[arg-type]
+            spec = stored(r.spec)
+            rec = _Sandbox(r.id, spec, self.backends.get(backend_of(spec)), now)  # type: ignore[arg-type]
             # The idle clock restarts with the edge: exec activity is never journaled, so
             # the line's last_active_at may be far older than the last use (a sandbox in
             # use a moment before a crash was idle-reaped by the first pass after it).
@@ -318,7 +329,7 @@ class EdgeNode:
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
             backend = rec.backend
             if backend is None:
-                self._bury(rec, "node_lost", f"backend {r.spec.backend!r} is not on this node")
+                self._bury(rec, "node_lost", f"backend {spec.backend!r} is not on this node")
                 continue
             try:
                 alive = await backend.adopt(SandboxId(r.id), r.spec)
@@ -384,7 +395,8 @@ class EdgeNode:
         for e in ended:
             if not e.id.endswith(self._suffix):
                 continue
-            rec = _Sandbox(e.id, e.spec, self.backends.get(e.spec.backend, any_backend),
+            spec = stored(e.spec)
+            rec = _Sandbox(e.id, spec, self.backends.get(backend_of(spec), any_backend),
                            e.created_at)
             rec.state = e.state
             rec.reason = e.reason
@@ -436,8 +448,8 @@ class EdgeNode:
             log.warning("removed host leftovers named %r (not a sandbox id of node %s): %s",
                         sid, self.node_id, left.what)
             return None
-        spec = left.spec or SandboxSpec(backend=left.backend)
-        rec = _Sandbox(sid, spec, self.backends.get(spec.backend)
+        spec = stored(left.spec or SandboxSpec(backend=left.backend))
+        rec = _Sandbox(sid, spec, self.backends.get(backend_of(spec))
                        or next(iter(self.backends.values())), self.clock.time())
         rec.events[0] = (rec.created_at, None, "creating", "reconciled", left.what)
         self._seq += 1
@@ -618,12 +630,13 @@ class EdgeNode:
                ceiling_deny: tuple[str, ...] = ()) -> _Sandbox:
         """Validate, reserve, record (no await): the sandbox exists as ``creating`` and
         its intent is noted in the journal."""
+        spec = resolve(spec.validate(), backend=self.config.default_backend,
+                       project=LEGACY_PROJECT)
         if spec.network is None:   # stored resolved: a later default change moves nothing
-            spec = msgspec.structs.replace(spec, network=self.config.net_default)
-        spec = spec.validate()
+            spec = msgspec.structs.replace(spec, network=self.config.net_default).validate()
         assert spec.network is not None
         self._check_node_ceiling(spec.network, "network")
-        backend = self.backends.get(spec.backend)
+        backend = self.backends.get(backend_of(spec))
         if backend is None:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not available on node {self.node_id}; "
@@ -1023,7 +1036,7 @@ class EdgeNode:
                 f"sandbox {rec.id} already runs {rec.execs} commands, the per-sandbox "
                 f"limit; wait for some to finish (or run them as one script)",
                 sandbox_id=rec.id, limit=per, retry_after=1.0)
-        tenant = rec.spec.project.partition("/")[0]
+        tenant = project_of(rec.spec).partition("/")[0]
         mine = self._execs_by_tenant.get(tenant, 0)
         if cap is not None and mine >= max(1, cap // 2):
             raise RateLimited(
@@ -1042,7 +1055,7 @@ class EdgeNode:
     def _exec_ended(self, rec: _Sandbox) -> None:
         rec.execs -= 1
         self._execs -= 1
-        tenant = rec.spec.project.partition("/")[0]
+        tenant = project_of(rec.spec).partition("/")[0]
         n = self._execs_by_tenant.get(tenant, 0) - 1
         if n > 0:
             self._execs_by_tenant[tenant] = n
@@ -1309,7 +1322,7 @@ class EdgeNode:
         """What the watcher/placement needs to (re)build their view of this node."""
         briefs = None
         if include_sandboxes:
-            briefs = [SandboxBrief(r.id, r.state, r.spec.project, r.spec.priority,
+            briefs = [SandboxBrief(r.id, r.state, project_of(r.spec), r.spec.priority,
                                    r.spec.cpu_milli, r.spec.memory_bytes)
                       for r in self._live.values()]
         # Warm-pool stats from backends that have a pool (optional ``pool_stats()``

@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+import msgspec
+
 from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import DsecError, InternalError, InvalidArgument, NotFound, WrongNode
 from dsec.ids import node_of
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchSandboxAccess", "ClientAccess", "DelegatingAccess", "EdgeAccess",
            "ExecOutcome", "LoopThread", "SandboxAccess", "create_sandboxes",
-           "destroy_sandboxes", "pause_sandboxes", "resume_sandboxes", "spec_to_create_kwargs"]
+           "destroy_sandboxes", "pause_sandboxes", "resume_sandboxes"]
 
 T = TypeVar("T")
 # A batch item either ran (ExecResult, whatever its exit code) or failed as an operation
@@ -305,48 +307,6 @@ class EdgeAccess:
         self._run(self._target(sandbox_id).resume(sandbox_id))
 
 
-# SandboxSpec fields whose SandboxSpec default stands for "the cluster decides" when they go
-# through the API: the spec's "simulated" backend, "default" project and "no TTL" would
-# otherwise override `dsec up --backend`, the API key's project and the server's TTL.
-_SPEC_DEFAULTS = SandboxSpec()
-_CLUSTER_DECIDES = ("backend", "project", "ttl_s")
-# The SDK keyword of each spec field whose name differs (with the unit conversion); every
-# other field goes under its own name. Built from the spec's field list, not kept by
-# hand: a field added to SandboxSpec reaches the SDK (or fails loudly there as an
-# unknown keyword) instead of being dropped, as user_namespace once was.
-_SDK_KEYWORD: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "cpu_milli": ("cpu", lambda v: v / 1000),
-    "memory_bytes": ("memory", lambda v: v),
-    "disk_bytes": ("disk", lambda v: v),
-    "ttl_s": ("ttl", lambda v: v),
-    "idle_timeout_s": ("idle_timeout", lambda v: v),
-    "toolkits": ("toolkits", list),
-    "labels": ("labels", dict),
-    "env": ("env", dict),
-}
-
-
-def spec_to_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
-    """The SDK ``create`` keywords for ``spec``: every field of it.
-
-    ``backend``, ``project`` and ``ttl_s`` left at their :class:`SandboxSpec` defaults are
-    not sent, so the server's defaults apply (``dsec up --backend``, the API key's default
-    project, the server TTL); every other field is sent as it is.
-    """
-    kw: dict[str, Any] = {}
-    for name in spec.__struct_fields__:
-        value = getattr(spec, name)
-        if name in _CLUSTER_DECIDES and value == getattr(_SPEC_DEFAULTS, name):
-            continue
-        keyword, convert = _SDK_KEYWORD.get(name, (name, _same))
-        kw[keyword] = convert(value)
-    return kw
-
-
-def _same(v: Any) -> Any:
-    return v
-
-
 class ClientAccess:
     """:class:`SandboxAccess` over the public SDK: ``dsec up``, a remote cluster, anything
     a :class:`~dsec.client.sync.Client` reaches.
@@ -355,11 +315,16 @@ class ClientAccess:
       ``AsyncClient`` together with the :class:`LoopThread` it is used on (``loop=None``
       starts one, owned and closed by :meth:`close`; the client must then not be used on
       another loop).
-    - ``create``: SDK ``create`` keywords laid over every spec's (:func:`spec_to_create_kwargs`),
-      e.g. ``{"backend": "container", "ttl": 3600, "labels": {"run": "7"}}``; labels are
-      merged. Pass ``{"detached": True}`` when a preempted rollout is to be resumed by
-      another trainer process: otherwise the sandboxes are bound to this client's session
-      lease and swept after the client closes.
+    - every spec goes to the SDK whole (``sandboxes.create(spec=...)``): no field is
+      rebuilt by hand, so none can be dropped (a hand-kept field list once dropped
+      ``user_namespace``); ``backend``, ``project`` and ``ttl_s`` left None are the
+      cluster's (``dsec up --backend``, the key's project, the server's TTL).
+    - ``spec_overrides``: spec fields laid over every spec (``msgspec.structs.replace``),
+      e.g. ``{"backend": "container", "ttl_s": 3600, "labels": {"run": "7"}}``; labels
+      are merged. A name that is not a field of :class:`SandboxSpec` is refused here.
+    - ``detached=True`` when a preempted rollout is to be resumed by another trainer
+      process: otherwise the sandboxes are bound to this client's session lease and
+      swept after the client closes.
 
     ``exec_batch`` is one ``client.sandboxes.exec_many`` per call (per tick of a
     :class:`~dsec.rl.sandbox.SandboxEnvPool`); the apiserver sends one batched call to each
@@ -367,7 +332,8 @@ class ClientAccess:
     """
 
     def __init__(self, client: Client | AsyncClient, loop: LoopThread | None = None, *,
-                 create: Mapping[str, Any] | None = None) -> None:
+                 spec_overrides: Mapping[str, Any] | None = None,
+                 detached: bool = False) -> None:
         from dsec.client.core import AsyncClient
         from dsec.client.sync import Client
 
@@ -387,7 +353,13 @@ class ClientAccess:
         else:
             raise InvalidArgument(f"ClientAccess needs a dsec Client or AsyncClient, not "
                                   f"{type(client).__name__}")
-        self.create_kwargs = dict(create or {})
+        self.spec_overrides = dict(spec_overrides or {})
+        unknown = sorted(set(self.spec_overrides) - set(SandboxSpec.__struct_fields__))
+        if unknown:
+            raise InvalidArgument(f"spec_overrides {unknown} are not fields of SandboxSpec "
+                                  f"({', '.join(SandboxSpec.__struct_fields__)})",
+                                  field="spec_overrides")
+        self.detached = detached
         self.calls: Counter[str] = Counter()
         # Sandbox handles by id; ids this access did not create (a pool restored in a new
         # trainer process) are looked up once with `get`.
@@ -408,15 +380,19 @@ class ClientAccess:
             sb = self._handles[sandbox_id] = await self.client.sandboxes.get(sandbox_id)
         return sb
 
-    def _create_kwargs(self, spec: SandboxSpec) -> dict[str, Any]:
-        kw = {**spec_to_create_kwargs(spec), **self.create_kwargs}
-        if "labels" in self.create_kwargs:
-            kw["labels"] = {**spec.labels, **self.create_kwargs["labels"]}
-        return kw
+    def _spec(self, spec: SandboxSpec) -> SandboxSpec:
+        """``spec`` with :attr:`spec_overrides` laid over it (labels merged)."""
+        over = self.spec_overrides
+        if not over:
+            return spec
+        if "labels" in over:
+            over = {**over, "labels": {**spec.labels, **over["labels"]}}
+        return msgspec.structs.replace(spec, **over)
 
     def create(self, spec: SandboxSpec) -> str:
         self.calls["create"] += 1
-        sb = self._run(self.client.sandboxes.create(**self._create_kwargs(spec)))
+        sb = self._run(self.client.sandboxes.create(spec=self._spec(spec),
+                                                    detached=self.detached))
         self._handles[sb.id] = sb
         return sb.id
 
@@ -443,9 +419,9 @@ class ClientAccess:
         """One batched SDK ``create_many`` (per-item keywords); all or nothing."""
         if not specs:
             return []
-        items = [self._create_kwargs(spec) for spec in specs]
+        items = [self._spec(spec) for spec in specs]
         self.calls["create_many"] += 1
-        made = self._run(self.client.sandboxes.create_many(items))
+        made = self._run(self.client.sandboxes.create_many(items, detached=self.detached))
         self._handles.update((sb.id, sb) for sb in made)
         return [sb.id for sb in made]
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from dsec.errors import InvalidArgument
-from dsec.wire.api import QuotaBody
+from dsec.wire.api import CreateSandboxRequest, QuotaBody
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     ExecRequest,
@@ -66,7 +66,9 @@ __all__ = [
     "SnapshotRequest",
     "WriteFile",
     "WriteFileRequest",
+    "create_of",
     "exec_request",
+    "rest_form",
 ]
 
 Command = ExecRequest | str | Sequence[str]
@@ -122,6 +124,35 @@ class CreateSandbox(_Call, kw_only=True):
         spec = self.spec.validate()
         if spec is not self.spec:   # the network policy in canonical form
             msgspec.structs.force_setattr(self, "spec", spec)
+
+
+def create_of(req: CreateSandboxRequest | CreateSandbox, *,
+              idempotency_key: str | None = None) -> CreateSandbox:
+    """REST's flat create body (:class:`~dsec.wire.api.CreateSandboxRequest`: the spec's
+    fields and ``session`` side by side) as the catalogue's :class:`CreateSandbox`. Every
+    field of :class:`SandboxSpec` is taken by name from the spec's own field list, never
+    from a hand-kept one: a field added to the spec and not to the REST body fails here
+    (and in ``tests/test_catalogue.py``), it is never silently dropped."""
+    if isinstance(req, CreateSandbox):
+        if idempotency_key is None or idempotency_key == req.idempotency_key:
+            return req
+        return msgspec.structs.replace(req, idempotency_key=idempotency_key)
+    given = {name: getattr(req, name) for name in SandboxSpec.__struct_fields__}
+    given["toolkits"] = tuple(given["toolkits"])
+    return CreateSandbox(spec=SandboxSpec(**given), session=req.session,
+                         idempotency_key=idempotency_key)
+
+
+def rest_form(req: CreateSandbox) -> CreateSandboxRequest:
+    """The inverse of :func:`create_of` (the idempotency key aside): REST's flat body of
+    the same request, field by field from the spec's own field list. The apiserver
+    fingerprints a keyed create in this form (``idempotency.request_fingerprint``), so a
+    request is one request whichever door it came through, and the fingerprint of a
+    REST body is what it was before the catalogue's form existed."""
+    given: dict[str, Any] = {name: getattr(req.spec, name)
+                             for name in SandboxSpec.__struct_fields__}
+    given["toolkits"] = list(given["toolkits"])
+    return CreateSandboxRequest(**given, session=req.session)
 
 
 class CreateOnNode(_Call, kw_only=True):

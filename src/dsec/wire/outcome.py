@@ -9,19 +9,43 @@ the others.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 
-from dsec.errors import DsecError, error_from_wire
+from dsec.errors import DsecError, InvalidArgument, error_from_wire
 
 __all__ = [
     "Batch",
     "ErrorBody",
     "Outcome",
     "error_body",
+    "undecodable",
 ]
+
+
+_AT = " - at `$"
+_FIELD = re.compile(r"[.`]([A-Za-z_][A-Za-z0-9_]*)(?:\[\d+\])*`$")
+
+
+def undecodable(name: str, exc: msgspec.DecodeError, *, at: str = "") -> InvalidArgument:
+    """The one refusal of a request body that does not decode (msgspec's own check: a
+    wrong JSON/msgpack type, a bound written on the type, an unknown field), worded
+    alike at every door: ``the create request does not decode: Expected `int`, got
+    `str` - at `$.spec.cpu_milli```. ``name`` is the operation (no door prefix, no type
+    name: the doors decode different types of one request); ``at`` the request field a
+    door's body stands for (REST's body of ``create`` is the ``spec``), so the path
+    reads the same as where the whole request is one body (Aether). A value a type's
+    own ``__post_init__`` refused is not this: the doors answer that error unchanged."""
+    said = str(exc)
+    if at:
+        said = (said.replace(_AT, f"{_AT}.{at}", 1) if _AT in said
+                else f"{said}{_AT}.{at}`")
+    m = _FIELD.search(said)
+    return InvalidArgument(f"the {name} request does not decode: {said}",
+                           **({"field": m.group(1)} if m else {}))
 
 
 class ErrorBody(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -20,13 +20,14 @@ from urllib.parse import quote
 
 import msgspec
 
-from dsec.errors import RemoteProtocolError
-from dsec.wire.api import ExecOutput
-from dsec.wire.jsonform import exec_body, exec_result
+from dsec.errors import DsecError, InvalidArgument, RemoteProtocolError
+from dsec.wire.api import ExecBody, ExecOutput
+from dsec.wire.jsonform import exec_body, exec_request, exec_result
 from dsec.wire.ops import Op, path_params
+from dsec.wire.outcome import undecodable
 from dsec.wire.spec import ExecRequest, ExecResult
 
-__all__ = ["RestRequest", "decode_reply", "encode_request"]
+__all__ = ["RestRequest", "decode_reply", "decode_request", "encode_request", "query_fields"]
 
 _json = msgspec.json.Encoder()
 
@@ -114,3 +115,142 @@ def decode_reply(op: Op[Any, Any], content: bytes) -> Any:
         raise RemoteProtocolError(f"{rest.method} {rest.path}: the answer does not decode "
                                   f"as {getattr(op.reply, '__name__', op.reply)}: "
                                   f"{exc}") from exc
+
+
+# ------------------------------------------------------------------ the server's side
+_TRUE = frozenset({"1", "true", "yes"})
+_FALSE = frozenset({"0", "false", "no", ""})
+_field_types: dict[type, dict[str, msgspec.inspect.Type]] = {}
+
+
+def _fields_of(tp: type) -> dict[str, msgspec.inspect.Type]:
+    """The request type's fields and their types (computed once per type)."""
+    got = _field_types.get(tp)
+    if got is None:
+        info = msgspec.inspect.type_info(tp)
+        assert isinstance(info, msgspec.inspect.StructType)
+        got = _field_types[tp] = {f.name: f.type for f in info.fields}
+    return got
+
+
+def query_fields(op: Op[Any, Any]) -> dict[str, msgspec.inspect.Type]:
+    """The request fields ``op`` carries as query parameters, by parameter name."""
+    assert op.rest is not None
+    types = _fields_of(op.request)
+    return {param: types[name] for name, param in op.rest.query.items()}
+
+
+def _scalar_type(t: msgspec.inspect.Type) -> msgspec.inspect.Type:
+    """``X | None`` -> ``X`` (a query parameter left out is the field's default)."""
+    if isinstance(t, msgspec.inspect.UnionType):
+        rest = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+        if len(rest) == 1:
+            return rest[0]
+    return t
+
+
+def _parse(param: str, t: msgspec.inspect.Type, text: str) -> Any:
+    """One query parameter's text as its field's type; a refusal names the parameter."""
+    t = _scalar_type(t)
+    if isinstance(t, msgspec.inspect.BoolType):
+        v = text.lower()
+        if v in _TRUE or v in _FALSE:
+            return v in _TRUE
+        raise InvalidArgument(f"query parameter {param}={text[:20]!r} must be true or false",
+                              field=param)
+    if isinstance(t, msgspec.inspect.IntType):
+        try:
+            n = int(text)
+        except ValueError:
+            raise InvalidArgument(f"query parameter {param}={text[:40]!r} must be an integer",
+                                  field=param) from None
+        if not -(1 << 62) <= n <= 1 << 62:     # a 64-bit int; the range is the type's
+            raise InvalidArgument(f"query parameter {param}={n} is out of range",
+                                  field=param)
+        return n
+    if isinstance(t, msgspec.inspect.FloatType):
+        try:
+            return float(text)
+        except ValueError:
+            raise InvalidArgument(f"query parameter {param}={text[:20]!r} must be a number",
+                                  field=param) from None
+    return text                                 # str, a Literal: the type checks it
+
+
+def decode_request(op: Op[Any, Any], path: Mapping[str, str],
+                   query: list[tuple[str, str]], headers: Mapping[str, str],
+                   body: bytes | None) -> Any:
+    """``op``'s request from an HTTP request, as its row's :class:`Rest` binding lays it
+    out (the inverse of :func:`encode_request`): path parameters, query parameters
+    (refused by name when the row does not name them), headers and the body. The
+    request type's own checks run (``__post_init__``) and answer unchanged; what
+    msgspec refuses is worded as at every door (:func:`undecodable`)."""
+    rest = op.rest
+    assert rest is not None
+    given: dict[str, Any] = {name: path[name] for name in path_params(rest.path)}
+    if query:
+        by_param = {param: name for name, param in rest.query.items()}
+        types = _fields_of(op.request)
+        for param, text in query:
+            name = by_param.get(param)
+            if name is None:
+                takes = ", ".join(sorted(by_param)) or "none"
+                raise InvalidArgument(f"unknown query parameter {param[:60]!r} for the "
+                                      f"{op.name} request (it takes: {takes})",
+                                      field=param[:60])
+            t = _scalar_type(types[name])
+            if isinstance(t, msgspec.inspect.DictType):
+                k, sep, v = text.partition("=")
+                if not sep or not k:
+                    raise InvalidArgument(f"query parameter {param} {text[:60]!r} must be "
+                                          "key=value", field=param)
+                given.setdefault(name, {})[k] = v
+            elif isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
+                given.setdefault(name, []).append(_parse(param, t.item_type, text))
+            else:
+                given[name] = _parse(param, t, text)
+    for name, header in rest.headers.items():
+        value = headers.get(header)
+        if value is not None:
+            given[name] = value
+    if rest.body is not None:
+        if rest.body == "*":
+            if not given:      # the whole request is the body: decoded once, as itself
+                return _json_body(op, body or b"", op.request, "")
+            given.update(_json_body(op, body or b"", dict[str, Any], ""))
+        else:
+            t = _fields_of(op.request)[rest.body]
+            if isinstance(t, msgspec.inspect.BytesType):
+                given[rest.body] = body or b""
+            elif getattr(t, "cls", None) is ExecRequest:
+                given[rest.body] = exec_request(_json_body(op, body or b"", ExecBody,
+                                                           rest.body))
+            else:
+                given[rest.body] = _json_body(op, body or b"", Any, rest.body)
+    try:
+        return msgspec.convert(given, op.request)
+    except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, DsecError):
+            raise exc.__cause__ from None
+        raise undecodable(op.name, exc) from None
+
+
+_body_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def _json_body(op: Op[Any, Any], raw: bytes, tp: Any, at: str) -> Any:
+    """A JSON body as ``tp`` (Any: plain data, decoded with the request below)."""
+    if not raw:
+        raise InvalidArgument(f"empty request body: send the {op.name} request's JSON "
+                              f"{at or 'object'}")
+    dec = _body_decoders.get(tp)
+    if dec is None:
+        dec = _body_decoders[tp] = msgspec.json.Decoder(tp)
+    try:
+        return dec.decode(raw)
+    except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, DsecError):
+            raise exc.__cause__ from None
+        raise undecodable(op.name, exc, at=at) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"malformed JSON body: {exc}") from None

@@ -76,13 +76,17 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotInfo",
+    "backend_of",
     "check_batch",
     "check_idempotency_key",
     "check_mode",
     "check_path",
     "check_read_range",
     "check_snapshot_ref",
+    "project_of",
     "read_in_chunks",
+    "resolve",
+    "stored",
 ]
 
 SandboxState = Literal[
@@ -259,15 +263,21 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     workspace: str | None = None            # optional workspace layer ref
     toolkits: tuple[str, ...] = ()          # toolkit layer refs, later ones win
     snapshot: str | None = None             # start from a pack_diff snapshot instead
-    backend: BackendName = "simulated"
+    # None: whoever serves the create decides (the apiserver: its default backend; an
+    # edge reached directly: its own default). Stored specs are always resolved
+    # (:func:`resolve`), so ``info.spec.backend`` is set.
+    backend: BackendName | None = None
     cpu_milli: int = DEFAULT_CPU_MILLI      # millicores (1000 = one core)
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
     pids_max: int | None = DEFAULT_PIDS_MAX  # fork-bomb guard; None = no cap
     priority: int = 0                       # higher wins preemption
     labels: dict[str, str] = {}
-    project: str = "default"
-    ttl_s: float | None = None              # lifetime from creation; None = forever
+    # None: the API key's default project; at an edge reached directly, "default"
+    project: str | None = None
+    # lifetime from creation. None: no lifetime asked; the apiserver's policy gives such a
+    # sandbox its default TTL (6 h, per-project override), an edge keeps it forever
+    ttl_s: float | None = None
     idle_timeout_s: float | None = None     # no operation for this long -> idle_action
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
@@ -348,6 +358,54 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
 
 
 _NO_NETWORK = NetworkPolicy()
+
+
+
+# What a stored spec written before ``backend``/``project`` could be left unset meant by
+# leaving them out (omit_defaults wrote neither at its old default).
+LEGACY_BACKEND: BackendName = "simulated"
+LEGACY_PROJECT = "default"
+
+
+def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
+            ttl_s: float | None = None) -> SandboxSpec:
+    """``spec`` with what it leaves to the server filled in: ``backend`` and ``project``
+    when None, and ``ttl_s`` when None and a default lifetime is given. Every other
+    field is the caller's, unchanged. Both doors that create (the apiserver, an edge
+    reached directly) resolve through this one function, so a stored spec names its
+    backend and project."""
+    if spec.backend is not None and spec.project is not None and (
+            spec.ttl_s is not None or ttl_s is None):
+        return spec
+    return msgspec.structs.replace(
+        spec, backend=backend if spec.backend is None else spec.backend,
+        project=project if spec.project is None else spec.project,
+        ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s)
+
+
+def stored(spec: SandboxSpec) -> SandboxSpec:
+    """A spec read back from storage written by any release: resolved, an omitted
+    ``backend``/``project`` meaning what it meant when written (:data:`LEGACY_BACKEND`,
+    :data:`LEGACY_PROJECT`)."""
+    return resolve(spec, backend=LEGACY_BACKEND, project=LEGACY_PROJECT)
+
+
+def project_of(spec: SandboxSpec) -> str:
+    """The project of a resolved spec (the edge stores only resolved ones)."""
+    if spec.project is None:
+        from dsec.errors import InternalError
+        raise InternalError("a sandbox spec reached storage without a project (it was "
+                            "not resolved)")
+    return spec.project
+
+
+def backend_of(spec: SandboxSpec) -> BackendName:
+    """The backend of a resolved spec."""
+    if spec.backend is None:
+        from dsec.errors import InternalError
+        raise InternalError("a sandbox spec reached storage without a backend (it was "
+                            "not resolved)")
+    return spec.backend
 
 
 class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,

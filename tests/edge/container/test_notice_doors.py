@@ -23,7 +23,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def test_pids_limit_notice_through_sdk_and_rest(cluster: LocalCluster) -> None:
-    with cluster.client(transport="aether") as gw, cluster.client(transport="http") as http:
+    with cluster.client(protocol="aether") as gw, cluster.client(protocol="http") as http:
         sb = gw.sandboxes.create(pids_max=24, memory="256MiB")
         try:
             r = sb.exec("i=0; while [ $i -lt 60 ]; do sleep 30 & i=$((i+1)); done",

@@ -29,11 +29,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.bench import BenchContext
 from dsec.bench.faults import part
 from dsec.cluster import DSEC_ARGV
+
+if TYPE_CHECKING:
+    from dsec.client.core import WireProtocol
 
 __all__ = ["restart_round"]
 
@@ -91,7 +94,7 @@ class _Up:
                 self.proc.wait()
 
 
-def restart_round(transport: str) -> dict[str, Any]:
+def restart_round(transport: WireProtocol) -> dict[str, Any]:
     """One round (see the module docstring); returns its timings and counts."""
     import httpx
 
@@ -107,7 +110,7 @@ def restart_round(transport: str) -> dict[str, Any]:
 
         def create() -> None:
             try:
-                with Client(up.url, up.key, transport=transport, gateway=up.gateway,
+                with Client(up.url, up.key, protocol=transport, gateway=up.gateway,
                             session_lease_s=None, timeout=30, create_retry_s=120) as c:
                     done["id"] = c.sandboxes.create(labels={"bench": label}).id
             except Exception as exc:  # noqa: BLE001 - counted as a failed create

@@ -1,9 +1,11 @@
-"""OpenAPI 3.1 document generated from the route table and the msgspec wire types.
+"""OpenAPI 3.1 document generated from the operation catalogue and the msgspec types.
 
-Nothing here is hand-written JSON schema: every body schema comes from
-``msgspec.json.schema_components`` over the same structs the server decodes with, so the
-document cannot drift from what the server accepts. The route table (:data:`Op`) carries
-what msgspec cannot know: method, path, query parameters and status codes.
+Every REST operation is documented from its catalogue row (:func:`doc_of`: method, path,
+operation id, summary, status, query parameters, body and reply types), and every body
+schema comes from ``msgspec.json.schema_components`` over the same structs the server
+decodes with, so the document cannot drift from what the server accepts. What a row
+cannot say (the bounds a query parameter is checked against, for clients and the
+schemathesis test) is :data:`QUERY_DOCS`, by parameter name.
 """
 
 from __future__ import annotations
@@ -13,11 +15,26 @@ from typing import Any, Literal
 
 import msgspec
 
-from dsec.control.api.types import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
-from dsec.edge.spec import MAX_PATH_BYTES
+from dsec.errors import InternalError
+from dsec.wire.api import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
+from dsec.wire.ops import Op as CatalogueOp
+from dsec.wire.spec import MAX_PATH_BYTES
 
-__all__ = ["FILE_PATH", "IDEMPOTENCY_KEY", "KEY_ID", "PROJECT_PATH", "SANDBOX_ID",
-           "SESSION_ID", "SNAPSHOT_ID", "Op", "Param", "build_openapi", "path_param_schema"]
+__all__ = [
+    "FILE_PATH",
+    "IDEMPOTENCY_KEY",
+    "KEY_ID",
+    "PROJECT_PATH",
+    "QUERY_DOCS",
+    "SANDBOX_ID",
+    "SESSION_ID",
+    "SNAPSHOT_ID",
+    "Op",
+    "Param",
+    "build_openapi",
+    "doc_of",
+    "path_param_schema",
+]
 
 Body = type | Literal["binary"] | None
 
@@ -157,3 +174,88 @@ def _path_params(path: str) -> list[Param]:
         if seg.startswith("{") and seg.endswith("}"):
             out.append(Param(seg[1:-1].removesuffix(":path"), {"type": "string"}, True))
     return out
+
+
+# The documentation of each query parameter a row names, by name: the bounds the
+# server checks (the request type's __post_init__ or the policy), for clients and for
+# the schemathesis test. Required or not comes from the request type (a field without a
+# default); a row naming a parameter missing here fails at start (doc_of).
+_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
+QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
+    Param("path", FILE_PATH),
+    Param("offset", {"type": "integer", "minimum": 0}),
+    Param("length", {"type": "integer", "minimum": 0}),
+    Param("mode", {"type": "integer", "minimum": 0, "maximum": 4095}),
+    Param("append", {"type": "boolean"}),
+    Param("recursive", {"type": "boolean"}),
+    Param("parents", {"type": "boolean", "default": True},
+          description="create missing parents too (false: 404 when the parent is missing)"),
+    Param("project", PROJECT_PATH),
+    Param("label", {"type": "string", "pattern": "^[^=]+=.*$"},
+          description="key=value, repeatable"),
+    Param("state", {"enum": ["creating", "destroyed", "destroying", "failed", "paused",
+                             "pausing", "resuming", "running"]}),
+    Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+    Param("cursor", {"type": "string"}),
+    Param("strip", {"type": "array", "items": {"type": "string", "minLength": 1}},
+          description="path patterns left out (reuse safety), repeatable"),
+    Param("sandbox_id", SANDBOX_ID),
+    Param("lease_s", {"type": "number", "minimum": 5, "maximum": 86400}),
+    # not SESSION_ID: the apiserver takes any string here today (it becomes the
+    # dsec.io/session label), and the document says what the server checks
+    Param("session", {"type": "string"}, description="the client session lease the "
+          "sandbox lives under (the SDK sets it)"),
+    Param("name", {"type": "string", "minLength": 1},
+          description="[project/]name: a project's name needs member there, a bare "
+                      "(cluster-wide) name a superuser"),
+    Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
+    Param("tag", {"type": "string", "pattern": _NAME}),
+    Param("expect_generation", {"type": "integer", "minimum": 0},
+          description="update only if the policy is still at this generation (409 "
+                      "otherwise)"),
+)}
+
+
+def doc_of(row: CatalogueOp[Any, Any], *, request: Body | None = None,
+           response: Body | None = None, media: str = "application/json",
+           headers: tuple[Param, ...] = ()) -> Op:
+    """A REST row's documented operation, from the row: method, path, operation id,
+    summary, status, tag; its query parameters (each row's, documented by
+    :data:`QUERY_DOCS`, required when the request field has no default); the body's
+    schema (the request type, the named field's type, or raw bytes) and the reply's (the
+    reply type, raw bytes, or none). ``request``/``response`` override the body and reply
+    schema where REST carries a JSON form of its own (exec's ``ExecBody``)."""
+    from dsec.wire.rest import query_fields
+
+    rest = row.rest
+    if rest is None:
+        raise InternalError(f"operation {row.name!r} has no REST binding to document")
+    fields = {f.name: f for f in msgspec.structs.fields(row.request)}
+    params = []
+    for name, param in rest.query.items():
+        doc = QUERY_DOCS.get(param)
+        if doc is None:
+            raise InternalError(f"query parameter {param!r} of {row.name} is not documented "
+                                "(dsec.control.api.openapi.QUERY_DOCS)")
+        f = fields[name]
+        required = f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT
+        params.append(Param(param, doc.schema, required, doc.description))
+    assert set(query_fields(row)) == {p.name for p in params}
+    body: Body = None
+    if rest.body == "*":
+        body = row.request
+    elif rest.body is not None:
+        t = msgspec.inspect.type_info(row.request)
+        assert isinstance(t, msgspec.inspect.StructType)
+        ft = next(f.type for f in t.fields if f.name == rest.body)
+        if isinstance(ft, msgspec.inspect.BytesType):
+            body = "binary"
+        else:
+            assert isinstance(ft, msgspec.inspect.StructType), (row.name, ft)
+            body = ft.cls
+    reply: Body = {"json": row.reply, "raw": "binary", "ndjson": row.reply,
+                   "empty": None}[rest.reply]
+    return Op(rest.method, rest.path, rest.operation_id, row.summary,
+              body if request is None else request, reply if response is None else response,
+              rest.status, params=tuple(params), tag=rest.tag, response_media=media,
+              headers=headers, body_required=rest.body is not None and body != "binary")

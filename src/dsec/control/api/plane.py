@@ -120,7 +120,16 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of
 from dsec.wire.netpolicy import NetworkPolicy
-from dsec.wire.spec import SandboxEvent, SandboxInfo, SandboxSpec, SandboxState
+from dsec.wire.spec import (
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    backend_of,
+    project_of,
+    resolve,
+    stored,
+)
 
 __all__ = ["ControlPlane", "EdgeEntry", "IamAuthority", "LostSandbox", "PlaneConfig"]
 
@@ -279,7 +288,10 @@ class ControlPlane:
         metrics.on_scrape(plane._refresh_gauges)
         for lost in store.list_lost(cfg.lost_tombstones):
             try:
-                plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+                tomb = plane._lost[lost.id] = msgspec.convert(lost.record, LostSandbox)
+                # written by an older release: an omitted backend/project meant the old
+                # defaults (wire.spec.stored); readers take a tombstone's spec as resolved
+                tomb.info.spec = stored(tomb.info.spec)
             except msgspec.ValidationError:
                 log.warning("unreadable lost-node tombstone %s ignored", lost.id)
         return plane
@@ -357,14 +369,14 @@ class ControlPlane:
             raise InvalidArgument(
                 f"backend {spec.backend!r} is not offered by any node of this cluster; "
                 f"available: {', '.join(sorted(offered))}", field="backend")
-        self.ceiling.check(backend=spec.backend, cpu_milli=spec.cpu_milli,
+        self.ceiling.check(backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                            memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
-                               group=spec.project, layers=refs)
+                               group=project_of(spec), layers=refs)
         if spec.snapshot is not None:
             return self._place_on_holder(spec.snapshot, req, exclude)
         return self.placement.place(req, exclude=exclude)
@@ -441,12 +453,12 @@ class ControlPlane:
     def admit(self, project: str, spec: SandboxSpec) -> object:
         """Check the quota chain and hold a provisional charge until commit/abort."""
         self._fresh_quotas()
-        self.quota.check(project, backend=spec.backend, cpu_milli=spec.cpu_milli,
+        self.quota.check(project, backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                          memory_bytes=spec.memory_bytes)
         self._pending += 1
         token = f"pending:{self._pending}"
         self.quota.insert(SandboxRecord(id=token, node="", project=project,
-                                        backend=spec.backend, cpu_milli=spec.cpu_milli,
+                                        backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                                         memory_bytes=spec.memory_bytes,
                                         priority=spec.priority))
         return token
@@ -501,10 +513,11 @@ class ControlPlane:
         self._record(info)
 
     def _record(self, info: SandboxInfo, reason: str = "created") -> None:
-        spec = info.spec
+        spec = stored(info.spec)
         try:
             self.registry.add_sandbox(SandboxRecord(
-                id=info.id, node=info.node, project=spec.project, backend=spec.backend,
+                id=info.id, node=info.node, project=project_of(spec),
+                backend=backend_of(spec),
                 cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                 priority=spec.priority, created_at=info.created_at,
                 paused=info.state == "paused", spec=spec), reason=reason)
@@ -1058,9 +1071,11 @@ _PROBES_AT_ONCE = 256
 def _info_of(rec: SandboxRecord) -> SandboxInfo:
     """Registry record -> the API's SandboxInfo (``last_active_at`` is not tracked by
     the control plane: it reads as the creation time; GET one sandbox for the live one)."""
-    spec = rec.spec or SandboxSpec(project=rec.project, backend=rec.backend,  # type: ignore[arg-type]
-                                   cpu_milli=rec.cpu_milli, memory_bytes=rec.memory_bytes,
+    spec = rec.spec or SandboxSpec(cpu_milli=rec.cpu_milli, memory_bytes=rec.memory_bytes,
                                    priority=rec.priority)
+    # a record stored before a spec could leave backend/project unset omitted them at
+    # their old defaults: the record's own columns say what they were
+    spec = resolve(spec, backend=rec.backend, project=rec.project)  # type: ignore[arg-type]
     return SandboxInfo(id=rec.id, node=rec.node, state="paused" if rec.paused else "running",
                        spec=spec, created_at=rec.created_at, last_active_at=rec.created_at)
 

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast, get_args
 
 import msgspec
 
@@ -112,12 +112,15 @@ from dsec.wire.calls import (
     SnapshotQuery,
     SnapshotRef,
     WriteFile,
+    create_of,
+    rest_form,
 )
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
+    BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -130,7 +133,10 @@ from dsec.wire.spec import (
     SnapshotInfo,
     check_path,
     check_snapshot_ref,
+    project_of,
     read_in_chunks,
+    resolve,
+    stored,
 )
 
 __all__ = [
@@ -555,7 +561,7 @@ class ApiService:
         lost = self.directory.lost(sid)
         if lost is not None:
             self._check_lost(principal, lost, need)
-            return edge, lost, lost.info.spec.project
+            return edge, lost, project_of(lost.info.spec)
         project = self._projects.get(sid)
         if project is None:
             try:
@@ -565,8 +571,8 @@ class ApiService:
                 if lost is None:
                     raise
                 self._check_lost(principal, lost, need)
-                return edge, lost, lost.info.spec.project
-            project = info.spec.project
+                return edge, lost, project_of(lost.info.spec)
+            project = project_of(info.spec)
             self._projects.put(sid, project)
         if not principal.superuser:
             if principal.role_on(project) is None:
@@ -576,7 +582,7 @@ class ApiService:
 
     def _check_lost(self, principal: Caller, lost: Lost, need: Role) -> None:
         """The access rule for a tombstone: same answers as for a live sandbox."""
-        project = lost.info.spec.project
+        project = project_of(lost.info.spec)
         if principal.role_on(project) is None:
             raise _not_found(lost.info.id)
         self.require(principal, project, need)
@@ -588,38 +594,38 @@ class ApiService:
         return lost
 
     # ---------------------------------------------------------------- create
-    def build_spec(self, principal: Caller, req: CreateSandboxRequest) -> SandboxSpec:
-        project = principal.default_project if req.project is None else req.project
+    def build_spec(self, principal: Caller,
+                   req: CreateSandbox | CreateSandboxRequest) -> SandboxSpec:
+        """The caller's spec resolved by this apiserver's policy (:func:`resolve`): what
+        it leaves unset is the server's (the key's default project, the default backend,
+        the project's or the server's default TTL); every other field is the caller's,
+        unchanged. The session lease rides along as a label."""
+        req = create_of(req)
+        asked = req.spec
+        project = principal.default_project if asked.project is None else asked.project
         parse_project_path(project)
         self.require(principal, project, "member")
-        ttl = req.ttl_s
+        ttl = asked.ttl_s
         if ttl is None:
             ttl = self.project_defaults(project)
             if ttl is None:
                 ttl = self.config.default_ttl_s
-        labels = dict(req.labels)
+        spec = resolve(asked, backend=_backend_name(self.config.default_backend),
+                       project=project, ttl_s=ttl)
         if req.session is not None:
-            labels["dsec.io/session"] = req.session
-        spec = SandboxSpec(
-            image=req.image, workspace=req.workspace, toolkits=tuple(req.toolkits),
-            snapshot=req.snapshot,
-            backend=req.backend or self.config.default_backend,  # type: ignore[arg-type]
- cpu_milli=req.cpu_milli,
-            memory_bytes=req.memory_bytes, disk_bytes=req.disk_bytes, pids_max=req.pids_max,
-            priority=req.priority, labels=labels, project=project, ttl_s=ttl,
-            idle_timeout_s=req.idle_timeout_s, idle_action=req.idle_action, env=dict(req.env),
-            network=req.network if req.network is not None else self.config.net_default,
-            allow_nested=req.allow_nested, user_namespace=req.user_namespace,
-        )
+            spec = msgspec.structs.replace(
+                spec, labels={**spec.labels, "dsec.io/session": req.session})
+        if spec.network is None:   # the server's default, stored resolved
+            spec = msgspec.structs.replace(spec, network=self.config.net_default)
         # the spec's own limits first (the type's words, as the gateway's decode gives
         # them), then this apiserver's tighter pids cap, then the project's network ceiling
         spec = spec.validate()
         cap = self.config.pids_max_ceiling
-        if cap is not None and (req.pids_max is None or req.pids_max > cap):
+        if cap is not None and (spec.pids_max is None or spec.pids_max > cap):
             raise InvalidArgument(
-                f"pids_max={req.pids_max if req.pids_max is not None else 'null'} is refused: "
-                f"this apiserver caps processes per sandbox at {cap} (a fork-bomb guard "
-                f"for the node); ask for 1..{cap}", field="pids_max", limit=cap)
+                f"pids_max={spec.pids_max if spec.pids_max is not None else 'null'} is "
+                f"refused: this apiserver caps processes per sandbox at {cap} (a fork-bomb "
+                f"guard for the node); ask for 1..{cap}", field="pids_max", limit=cap)
         assert spec.network is not None
         check_within(spec.network, self.network_ceilings(project))
         return spec
@@ -629,9 +635,14 @@ class ApiService:
         return () if self.quotas is None else self.quotas.network_ceilings(project)
 
     async def create(
-        self, principal: Caller, req: CreateSandboxRequest, *,
+        self, principal: Caller, req: CreateSandbox | CreateSandboxRequest, *,
         idempotency_key: str | None = None, raw: bytes = b"",
     ) -> SandboxInfo:
+        """Create the sandbox ``req`` asks for. ``req``: the catalogue's request (the
+        gateway, the SDK) or REST's flat body, one request whichever (:func:`create_of`);
+        ``idempotency_key``: REST's header (the catalogue's request carries its own)."""
+        req = create_of(req, idempotency_key=idempotency_key)
+        idempotency_key = req.idempotency_key
         spec = self.build_spec(principal, req)
         if spec.snapshot is not None:
             # Only a caller that may read the snapshot's project may boot it (its files
@@ -646,7 +657,7 @@ class ApiService:
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
         # Of the decoded request, not of its bytes (``raw`` is unused): one request is
         # one key whichever door and encoding it came through.
-        fp = request_fingerprint(req)
+        fp = request_fingerprint(rest_form(req))
         for _ in range(_RETAKES):
             info = await self._create_keyed(spec, scoped, fp)
             if info is not None:
@@ -668,14 +679,14 @@ class ApiService:
             begin = self.idempotency.begin(scoped, fp)
             if begin.replay is not None:
                 self.metrics.idempotent_replays.inc()
-                return _info_dec.decode(begin.replay)
+                return _replayed(begin.replay)
             if begin.wait is not None:
                 try:
                     data = await asyncio.shield(begin.wait)
                 except Retry:
                     continue  # the holder went away (died, or gave up): claim it ourselves
                 self.metrics.idempotent_replays.inc()
-                return _info_dec.decode(data)
+                return _replayed(data)
             break
         claim = begin.claim
         assert claim is not None
@@ -803,17 +814,17 @@ class ApiService:
         """Record a sandbox an earlier create made (found through its intent)."""
         if self.quotas is not None:
             try:
-                token = self.quotas.admit(info.spec.project, info.spec)
+                token = self.quotas.admit(project_of(info.spec), info.spec)
             except DsecError:
                 pass  # over quota now: the next heartbeat reconcile records it anyway
             else:
                 self.quotas.commit(token, info)
-        self._projects.put(info.id, info.spec.project)
+        self._projects.put(info.id, project_of(info.spec))
 
     async def _create_on(self, spec: SandboxSpec, edge: EdgeOps, sid: str) -> SandboxInfo:
         """Create ``sid`` on ``edge`` with quota admission, outside placement (the edge
         has the final say on capacity). ``_IdInUse`` when the edge already has ``sid``."""
-        token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
+        token = self.quotas.admit(project_of(spec), spec) if self.quotas is not None else None
         try:
             info = await self._edge_create(edge, spec, sid)
         except BaseException:
@@ -822,14 +833,14 @@ class ApiService:
             raise
         if self.quotas is not None:
             self.quotas.commit(token, info)
-        self._projects.put(info.id, spec.project)
+        self._projects.put(info.id, project_of(spec))
         self.metrics.creations.labels(spec.backend).inc()
         return info
 
     async def _edge_create(self, edge: EdgeOps, spec: SandboxSpec,
                            sid: str | None) -> SandboxInfo:
         # the project's network ceilings' deny entries, enforced with the sandbox's own
-        deny = ceiling_deny(self.network_ceilings(spec.project))
+        deny = ceiling_deny(self.network_ceilings(project_of(spec)))
         kw: dict[str, Any] = {"ceiling_deny": deny} if deny else {}
         if sid is None:
             return await edge.create(spec, **kw)
@@ -842,7 +853,7 @@ class ApiService:
 
     async def _create_placed(self, spec: SandboxSpec,
                              claim: Claim | None = None) -> SandboxInfo:
-        token = self.quotas.admit(spec.project, spec) if self.quotas is not None else None
+        token = self.quotas.admit(project_of(spec), spec) if self.quotas is not None else None
         try:
             info = await self._place_and_create(spec, claim)
         except BaseException as exc:
@@ -853,7 +864,7 @@ class ApiService:
             raise
         if self.quotas is not None:
             self.quotas.commit(token, info)
-        self._projects.put(info.id, spec.project)
+        self._projects.put(info.id, project_of(spec))
         self.metrics.creations.labels(spec.backend).inc()
         return info
 
@@ -949,10 +960,13 @@ class ApiService:
         return exc
 
     async def create_many(
-        self, principal: Caller, reqs: Sequence[CreateSandboxRequest],
-        keys: Sequence[str] | None = None,
+        self, principal: Caller,
+        reqs: Sequence[CreateSandbox | CreateSandboxRequest | SandboxSpec],
+        keys: Sequence[str] | None = None, *, session: str | None = None,
     ) -> list[SandboxInfo | DsecError]:
-        """Batched create: each item succeeds or fails on its own (errors are returned).
+        """Batched create: each item succeeds or fails on its own (errors are returned),
+        a bare spec (the catalogue's batch) too: its checks run with the item's create
+        (under ``session``), not for the whole batch at once.
         ``keys``: one Idempotency-Key per item, so a retried batch (its reply lost to a
         crash) answers each item with the sandbox its first attempt made."""
         if len(reqs) > self.config.max_create_batch:
@@ -965,8 +979,10 @@ class ApiService:
         out: list[SandboxInfo | DsecError] = [
             InvalidArgument("not attempted")] * len(reqs)
 
-        async def one(i: int, r: CreateSandboxRequest) -> None:
+        async def one(i: int, r: CreateSandbox | CreateSandboxRequest | SandboxSpec) -> None:
             try:
+                if isinstance(r, SandboxSpec):
+                    r = CreateSandbox(spec=r, session=session)
                 out[i] = await self.create(principal, r, idempotency_key=None if keys is None
                                            else keys[i])
             except DsecError as exc:
@@ -1407,13 +1423,11 @@ class ApiService:
                                lambda: edge.network_update(body))
 
     async def _create_op(self, caller: Caller, b: CreateSandbox) -> SandboxInfo:
-        return await self.create(caller, _create_request(b.spec, b.session),
-                                 idempotency_key=b.idempotency_key)
+        return await self.create(caller, b)
 
     async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
-        reqs = [_create_request(spec, b.session) for spec in b.items]
-        return Batch.of(self._redacted(await self.create_many(caller, reqs,
-                                                              b.idempotency_keys)))
+        return Batch.of(self._redacted(await self.create_many(
+            caller, b.items, b.idempotency_keys, session=b.session)))
 
     async def _get_op(self, caller: Caller, b: SandboxRef) -> SandboxInfo:
         return await self.get(caller, b.id)
@@ -1527,19 +1541,22 @@ class _IdInUse(InvalidTransition):
         super().__init__(f"sandbox id {sid} is already in use on its node", sandbox_id=sid)
 
 
-def _create_request(spec: SandboxSpec, session: str | None) -> CreateSandboxRequest:
-    """The create of a caller's spec as :meth:`ApiService.create` takes it. Until
-    ``SandboxSpec.backend``/``project`` can be left unset (issue 13, step 12), a spec
-    names both: the SDK fills them from ``api.info`` (the server's default backend, the
-    key's default project)."""
-    return CreateSandboxRequest(
-        image=spec.image, workspace=spec.workspace, toolkits=list(spec.toolkits),
-        snapshot=spec.snapshot, backend=spec.backend, cpu_milli=spec.cpu_milli,
-        memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes, pids_max=spec.pids_max,
-        priority=spec.priority, labels=dict(spec.labels), project=spec.project,
-        ttl_s=spec.ttl_s, idle_timeout_s=spec.idle_timeout_s, idle_action=spec.idle_action,
-        env=dict(spec.env), network=spec.network, allow_nested=spec.allow_nested,
-        user_namespace=spec.user_namespace, session=session)
+def _replayed(data: bytes) -> SandboxInfo:
+    """A keyed create's stored answer (its spec resolved: an answer an older release
+    stored omitted backend/project at their old defaults)."""
+    info = _info_dec.decode(data)
+    info.spec = stored(info.spec)
+    return info
+
+
+def _backend_name(name: str) -> BackendName:
+    """The configured default backend as a :data:`BackendName`."""
+    for known in get_args(BackendName):
+        if name == known:
+            return cast(BackendName, known)
+    raise InvalidArgument(f"the apiserver's default backend {name!r} is not a backend "
+                          f"({', '.join(get_args(BackendName))}); name one in the "
+                          "create", field="backend")
 
 
 def _settle_keyed(keyed: set[asyncio.Future[SandboxInfo | None]],

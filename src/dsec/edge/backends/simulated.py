@@ -46,7 +46,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
-from dsec.wire.spec import TIMEOUT_EXIT_CODE
+from dsec.wire.spec import TIMEOUT_EXIT_CODE, project_of
 
 __all__ = ["NodeLatencyProfile", "SimulatedBackend", "make_backend"]
 
@@ -265,7 +265,7 @@ class SimulatedBackend:
         src = self._snaps[box.origin].info if box.origin in self._snaps else None
         spec = box.spec
         info = SnapshotInfo(
-            id="sha256:" + sid_hash, parent=parent, sandbox_id=sid, project=spec.project,
+            id="sha256:" + sid_hash, parent=parent, sandbox_id=sid, project=project_of(spec),
             image=src.image if src else spec.image,
             workspace=src.workspace if src else spec.workspace,
             toolkits=src.toolkits if src else spec.toolkits, backend=self.name,

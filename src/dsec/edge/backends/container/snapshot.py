@@ -76,6 +76,7 @@ from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace
 from dsec.image.packdiff import snapshot as pack_diff
+from dsec.wire.spec import project_of
 
 __all__ = ["ContainerSnapshots", "SnapshotHost", "snapshot_info"]
 
@@ -221,7 +222,7 @@ class ContainerSnapshots:
         lock, users = self._locks.get(sid) or (asyncio.Lock(), 0)
         self._locks[sid] = (lock, users + 1)
         try:
-            async with lock, self._turn(box.spec.project):
+            async with lock, self._turn(project_of(box.spec)):
                 return await self._take(images, sid, stack, strip, max_bytes)
         finally:
             lock, users = self._locks[sid]
@@ -374,7 +375,7 @@ class ContainerSnapshots:
         from dsec.edge.spec import SandboxSpec
 
         assert isinstance(spec, SandboxSpec)
-        lab = {_L + "sandbox": sid, _L + "project": spec.project,
+        lab = {_L + "sandbox": sid, _L + "project": project_of(spec),
                _L + "backend": self.backend.name}
         if origin is not None:  # the image refs come down the chain
             src = origin.labels
