@@ -28,10 +28,10 @@ if TYPE_CHECKING:
     from dsec.client.sync import Client as Client
     from dsec.client.sync import Sandbox as Sandbox
     from dsec.cluster.local import LocalCluster as LocalCluster
-    from dsec.edge.spec import ExecResult as ExecResult
-    from dsec.edge.spec import FileInfo as FileInfo
-    from dsec.edge.spec import SandboxEvent as SandboxEvent
-    from dsec.edge.spec import SandboxInfo as SandboxInfo
+    from dsec.wire.spec import ExecResult as ExecResult
+    from dsec.wire.spec import FileInfo as FileInfo
+    from dsec.wire.spec import SandboxEvent as SandboxEvent
+    from dsec.wire.spec import SandboxInfo as SandboxInfo
 
 __version__ = "0.1.0"
 
@@ -42,10 +42,10 @@ _LAZY = {
     "AsyncSandbox": "dsec.client.core",
     "Snapshot": "dsec.client.core",
     "LocalCluster": "dsec.cluster.local",
-    "ExecResult": "dsec.edge.spec",
-    "FileInfo": "dsec.edge.spec",
-    "SandboxEvent": "dsec.edge.spec",
-    "SandboxInfo": "dsec.edge.spec",
+    "ExecResult": "dsec.wire.spec",
+    "FileInfo": "dsec.wire.spec",
+    "SandboxEvent": "dsec.wire.spec",
+    "SandboxInfo": "dsec.wire.spec",
 }
 
 # Computed so that _LAZY and dsec.errors.__all__ stay the single source of the names.

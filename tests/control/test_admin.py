@@ -12,14 +12,14 @@ from dsec.control.api.admin import Admin
 from dsec.control.api.images import ImageAdmin
 from dsec.control.api.plane import ControlPlane, IamAuthority, PlaneConfig
 from dsec.control.api.service import Caller
-from dsec.control.api.types import CreateKeyRequest
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.quota import QuotaIndex
 from dsec.control.registry import Registry
 from dsec.control.store.sqlite import SqliteStore
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import Conflict, ImageNotFound, NotFound, QuotaExceeded
+from dsec.wire.api import CreateKeyRequest
+from dsec.wire.spec import SandboxSpec
 from tests.control.conftest import FakeClock
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from dsec.cluster.local import LocalCluster
 from dsec.edge.service import EdgeClient
-from dsec.edge.spec import ExecRequest
 from dsec.errors import CannotRun
+from dsec.wire.spec import ExecRequest
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]

@@ -19,7 +19,8 @@ import pytest
 from dsec.aether import connect
 from dsec.cluster.local import LocalCluster
 from dsec.edge.service import EdgeClient
-from dsec.edge.spec import (
+from dsec.errors import DsecError
+from dsec.wire.spec import (
     MAX_ARG_BYTES,
     MAX_ARGV_BYTES,
     MAX_ARGV_ITEMS,
@@ -34,7 +35,6 @@ from dsec.edge.spec import (
     ExecResult,
     FileInfo,
 )
-from dsec.errors import DsecError
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def test_file_sizes_a_door_accepts_arrive_whole(cluster: LocalCluster, sid: str)
     """REST takes 256 MiB uploads, but the apiserver's link to the edge (and the
     gateway) carry 16 MiB frames: a 20 MiB file used to fail half way with an internal
     'edge.write_file ... max_frame' 413. Contents now travel in 8 MiB pieces."""
-    from dsec.edge.spec import FILE_CHUNK_BYTES, MAX_FILE_READ_BYTES
+    from dsec.wire.spec import FILE_CHUNK_BYTES, MAX_FILE_READ_BYTES
     big = bytes(range(256)) * ((20 << 20) // 256) + b"tail"
     h = {"authorization": f"Bearer {cluster.api_key}"}
     r = httpx.put(f"{cluster.url}/v1/sandboxes/{sid}/files", params={"path": "/tmp/big"},
@@ -279,7 +279,7 @@ def _gw(cluster: LocalCluster, method: str, body: dict[str, Any], rtype: Any) ->
 def test_info_is_one_answer_at_every_door(cluster: LocalCluster) -> None:
     """``/v1/info`` and ``api.info`` used to be built apart: the gateway's said a
     hard-coded version and no gateway address, so an SDK asking it could not tell."""
-    from dsec.control.api.types import Info
+    from dsec.wire.api import Info
     rest = msgspec.json.decode(_rest(cluster, "GET", "/v1/info").content, type=Info)
     gw = _gw(cluster, "api.info", {}, Info)
     assert rest.gateway == cluster.gateway and rest.gateway is not None
@@ -289,7 +289,7 @@ def test_info_is_one_answer_at_every_door(cluster: LocalCluster) -> None:
 def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
     """A sandbox's resource use was served by the edge only: no REST route, no gateway
     method, no SDK call."""
-    from dsec.edge.spec import SandboxStats
+    from dsec.wire.spec import SandboxStats
     r = _rest(cluster, "GET", f"/v1/sandboxes/{sid}/stats")
     assert r.status_code == 200, r.text
     rest = msgspec.json.decode(r.content, type=SandboxStats)
@@ -328,7 +328,7 @@ def test_mkdir_parents_is_honoured_at_every_door(cluster: LocalCluster, sid: str
 def test_replies_have_one_shape_at_every_door(cluster: LocalCluster, sid: str) -> None:
     """``events``, ``list_dir`` and ``nodes`` answered a bare list through the gateway and
     an ``{"items": [...]}`` record through REST: one record type per reply now."""
-    from dsec.control.api.types import EventList, FileList, NodeList
+    from dsec.wire.api import EventList, FileList, NodeList
     for method, path, body, rtype in (
             ("api.events", f"/v1/sandboxes/{sid}/events", {"id": sid}, EventList),
             ("api.list_dir", f"/v1/sandboxes/{sid}/files/list?path=/",

@@ -22,13 +22,13 @@ import msgspec
 import pytest
 
 from dsec.control.api.service import ApiService, Caller
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import ClaimLost, IdempotencyCache, request_fingerprint
 from dsec.control.store import IdempotencyRow
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.api import CreateSandboxRequest
+from dsec.wire.spec import SandboxSpec
 from tests.control.conftest import Replica, replica, served_edge
 
 LEASE_S = 0.4     # short leases keep the test fast; the default is 3 s

@@ -8,10 +8,10 @@ import pytest
 
 from dsec.control.api.plane import ControlPlane, IamAuthority
 from dsec.control.api.service import Caller
-from dsec.control.api.types import CreateKeyRequest
 from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
 from dsec.errors import Conflict, NotFound, PermissionDenied, Unauthenticated
+from dsec.wire.api import CreateKeyRequest
 
 
 @pytest.fixture

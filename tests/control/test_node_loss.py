@@ -14,13 +14,13 @@ from pathlib import Path
 
 from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
+from dsec.wire.api import CreateSandboxRequest
 from tests.control.conftest import FakeClock
 
 

@@ -29,7 +29,6 @@ import pytest
 from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiService
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.admission import Capacity
@@ -37,6 +36,7 @@ from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import Unavailable
+from dsec.wire.api import CreateSandboxRequest
 from tests.control.conftest import FakeClock
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
@@ -155,7 +155,7 @@ _BLIND = textwrap.dedent("""
     sys.path.insert(0, sys.argv[3])
     from tests.control.conftest import FakeClock
     from tests.control.test_node_reachability import _apiserver, _close
-    from dsec.control.api.types import CreateSandboxRequest
+    from dsec.wire.api import CreateSandboxRequest
     from dsec.edge.service import EdgeClient
 
     async def main():

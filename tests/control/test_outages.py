@@ -72,7 +72,7 @@ def test_an_unreachable_edge_is_reported_as_such(cluster: LocalCluster) -> None:
 
 
 def _req() -> Any:
-    from dsec.edge.spec import ExecRequest
+    from dsec.wire.spec import ExecRequest
     return ExecRequest(argv=("true",))
 
 

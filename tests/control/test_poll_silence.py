@@ -16,13 +16,13 @@ from typing import Any
 
 import uvloop
 
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.watcher import StallMeter, link_failure_cause
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import EdgeClient, serve_edge
 from dsec.errors import ConnectionLost, Overloaded, RequestTimeout
+from dsec.wire.api import CreateSandboxRequest
 from tests.control.conftest import FakeClock
 from tests.control.test_node_reachability import _apiserver, _close
 

@@ -33,8 +33,8 @@ from dsec.control.reconcile import (
 )
 from dsec.control.records import SandboxRecord
 from dsec.control.store.sqlite import SqliteStore
-from dsec.edge.spec import SandboxInfo, SandboxSpec
 from dsec.errors import ConnectionLost, DsecError, SandboxNotFound
+from dsec.wire.spec import SandboxInfo, SandboxSpec
 
 HB = 100.0
 IDS = [f"sb-{i:012d}" for i in range(8)]

@@ -118,7 +118,7 @@ def test_pages_walk_projects_in_id_order_with_filters(store: SqliteStore,
                                                      clock: FakeClock) -> None:
     """List pages come from per-project sorted indexes, merged in id order; the spec
     (labels) survives a restart of the registry from its store."""
-    from dsec.edge.spec import SandboxSpec
+    from dsec.wire.spec import SandboxSpec
 
     reg = Registry(store, clock=clock)
     projects = ["org/a", "org/a/x", "org/b", "other"]

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from dsec.control.api.service import Caller
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, Retry, fingerprint
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.node import EdgeNode
 from dsec.errors import Conflict
+from dsec.wire.api import CreateSandboxRequest
 from tests.control.conftest import Replica, replica, served_edge
 
 

@@ -13,10 +13,10 @@ import pytest
 
 from dsec import Client, LocalCluster
 from dsec.control.api.service import Caller
-from dsec.control.api.types import CreateSandboxRequest, QuotaBody
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.edge.node import EdgeNode
 from dsec.errors import QuotaExceeded
+from dsec.wire.api import CreateSandboxRequest, QuotaBody
 from tests.control.conftest import Replica, replica, served_edge
 
 

@@ -26,7 +26,6 @@ import pytest
 
 from dsec.control.api.plane import PlaneConfig
 from dsec.control.api.service import ApiConfig, Caller
-from dsec.control.api.types import CreateSandboxRequest
 from dsec.control.idempotency import IdempotencyCache, request_fingerprint
 from dsec.control.retention import RetentionConfig, retain
 from dsec.control.store import IdempotencyRow
@@ -34,6 +33,7 @@ from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode
 from dsec.errors import Conflict, DsecError, TransportError, Unavailable
+from dsec.wire.api import CreateSandboxRequest
 from tests.conftest import requires_root
 from tests.control.conftest import Replica, ServedEdge, replica, served_edge
 

@@ -17,8 +17,8 @@ import pytest
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import CapacityExceeded, Unsatisfiable
+from dsec.wire.spec import SandboxSpec
 
 GIB = 1 << 30
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from dsec.edge.service import EdgeClient
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import ConnectFailed
+from dsec.wire.spec import SandboxSpec
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 

@@ -21,8 +21,8 @@ from dsec.edge.backends.simulated import SimulatedBackend
 from dsec.edge.clock import FakeClock
 from dsec.edge.journal import JOURNAL, SandboxJournal
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import DsecError
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import BIG, make_node
 from .test_durable import on_disk

@@ -15,8 +15,8 @@ import msgspec
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.clock import FakeClock
 from dsec.edge.journal import JOURNAL
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.ids import SandboxId
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import make_node
 

@@ -25,8 +25,8 @@ import pytest
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import CapacityExceeded, InvalidArgument, RateLimited
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 
 async def test_execs_beyond_the_per_sandbox_and_node_caps_are_refused_clearly() -> None:

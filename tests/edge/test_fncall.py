@@ -23,9 +23,9 @@ from dsec.edge.backends.fncall_jail import (
     split_profile,
     worker_mounts,
 )
-from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
 from dsec.errors import InvalidArgument
 from dsec.net.seccomp import profile_rules
+from dsec.wire.spec import ExecRequest, NetworkPolicy, SandboxSpec
 
 from .conftest import make_node
 
@@ -307,7 +307,7 @@ async def test_a_restarted_edge_adopts_work_dirs_and_limits(tmp_path) -> None:  
 KILLED_EDGE = """
 import asyncio, sys
 from dsec.edge.backends.fncall import FncallBackend
-from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
+from dsec.wire.spec import ExecRequest, NetworkPolicy, SandboxSpec
 async def main():
     b = FncallBackend(pool_size=2, root=sys.argv[1])
     await b.create("sb-00000000000c-n1", SandboxSpec(backend="fncall"))

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 from dsec.edge.service import EdgeClient
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.spec import SandboxSpec
 
 from .test_cli import DSEC
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsec.edge.journal import JournalEnd, JournalRecord, SandboxJournal
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import BackendError, InUse
+from dsec.wire.spec import SandboxSpec
 
 
 def rec(i: int, state: str = "running") -> JournalRecord:

@@ -13,7 +13,6 @@ from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.clock import FakeClock
 from dsec.edge.journal import SandboxJournal
 from dsec.edge.node import EdgeNode
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -23,6 +22,7 @@ from dsec.errors import (
     SandboxNotFound,
     WrongNode,
 )
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import make_node
 

@@ -10,9 +10,7 @@ import pytest
 from dsec.aether import Router, connect, serve
 from dsec.edge.admission import Capacity
 from dsec.edge.node import EdgeNode
-from dsec.edge.protocol import METHODS
 from dsec.edge.service import EdgeClient, EdgeHandlers, EdgeService, serve_edge
-from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import (
     CapacityExceeded,
     InvalidArgument,
@@ -28,6 +26,7 @@ from dsec.wire.calls import Empty, ExecCall, ExecMany, SandboxRef
 from dsec.wire.node import EDGE_PROTOCOL, NodeInfo, Resources
 from dsec.wire.ops import EDGE_OPS, StreamOp
 from dsec.wire.outcome import Batch
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 
 from .conftest import make_node
 
@@ -50,7 +49,7 @@ async def edge(tmp_path) -> AsyncIterator[tuple[EdgeNode, EdgeClient]]:  # type:
 async def test_every_operation_over_the_wire(edge: tuple[EdgeNode, EdgeClient]) -> None:
     _, c = edge
     info = await c.info()
-    assert info.node == "n1" and sorted(info.methods) == sorted(METHODS)
+    assert info.node == "n1" and sorted(info.methods) == sorted(op.edge_method for op in EDGE_OPS)
     sb = await c.create(image="py", labels={"k": "v"}, env={"A": "1"})
     assert sb.state == "running" and sb.spec.image == "py"
     r = await c.exec(sb.id, "env; echo $A", timeout_s=5)

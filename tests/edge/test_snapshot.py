@@ -9,7 +9,6 @@ import pytest
 from dsec.edge.backends.fncall import FncallBackend
 from dsec.edge.node import EdgeNode
 from dsec.edge.service import EdgeClient, serve_edge
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import (
     Conflict,
     ImageNotFound,
@@ -17,6 +16,7 @@ from dsec.errors import (
     InvalidArgument,
     InvalidTransition,
 )
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import make_node
 

@@ -16,7 +16,6 @@ from gymnasium.utils.env_checker import check_env
 
 from dsec import AsyncClient, Client, ExecResult, InvalidArgument, LocalCluster, SandboxNotFound
 from dsec.edge.node import EdgeNode
-from dsec.edge.spec import ExecRequest, NetworkPolicy, SandboxSpec
 from dsec.ids import node_of
 from dsec.rl.access import (
     BatchSandboxAccess,
@@ -34,6 +33,7 @@ from dsec.rl.buffer import ReplayBuffer
 from dsec.rl.driver import Driver, LstmState, PolicyOutput, RolloutHandle, resume
 from dsec.rl.judges import ExecutableJudge, RegexJudge
 from dsec.rl.sandbox import SandboxEnv, SandboxEnvConfig, SandboxEnvPool, Task
+from dsec.wire.spec import ExecRequest, NetworkPolicy, SandboxSpec
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from dsec.edge.node import EdgeNode
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.ids import node_of
 from dsec.rl.access import EdgeAccess
 from dsec.rl.judges import ExecutableJudge, JudgeContext
 from dsec.rl.sandbox import SandboxEnv, SandboxEnvConfig, SandboxEnvPool, Task
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 from tests.rl.conftest import container_edge
 
 pytestmark = [

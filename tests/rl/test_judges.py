@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import pytest
 
 from dsec.edge.node import EdgeNode
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import InvalidArgument
 from dsec.ids import node_of
 from dsec.rl.access import DelegatingAccess, EdgeAccess, ExecOutcome
@@ -22,6 +21,7 @@ from dsec.rl.judges import (
     RubricJudge,
 )
 from dsec.rl.sandbox import SandboxEnv, Task
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 
 def test_regex_and_reference() -> None:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from dsec.edge.node import EdgeNode
-from dsec.edge.spec import ExecRequest
 from dsec.ids import node_of
 from dsec.rl.access import EdgeAccess
 from dsec.rl.buffer import ReplayBuffer
@@ -25,6 +24,7 @@ from dsec.rl.commandlog import (
 from dsec.rl.driver import Driver, LstmState, PolicyOutput, RolloutHandle, resume
 from dsec.rl.judges import RegexJudge
 from dsec.rl.sandbox import SandboxEnvPool, Task
+from dsec.wire.spec import ExecRequest
 
 N = 3
 TASKS = [Task(prompt="append numbers to /workspace/log", max_turns=5,

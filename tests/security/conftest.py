@@ -19,7 +19,7 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.testimage import build_busybox_root
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import _cleanup, backend, new_sid  # noqa: F401
 
 __all__ = ["PROBE_SPEC", "new_sid", "probe", "sh"]

@@ -14,8 +14,8 @@ import pytest
 from dsec.aether import connect
 from dsec.edge.node import EdgeNode
 from dsec.edge.service import EdgeClient, serve_edge
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import InvalidArgument, Unauthenticated
+from dsec.wire.spec import SandboxSpec
 from tests.edge.conftest import make_node
 
 

@@ -34,8 +34,8 @@ import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.protocol import Exec, Exited, Failed, Reply
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import BackendError
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import _cleanup
 from tests.security.conftest import PROBE_SPEC, new_sid
 

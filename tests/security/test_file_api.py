@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
 from dsec.errors import DsecError, InvalidArgument, PayloadTooLarge, SandboxError
+from dsec.wire.spec import ExecRequest
 from tests.security.conftest import PROBE_SPEC, new_sid, sh
 
 pytestmark = [pytest.mark.root,

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
+from dsec.wire.spec import ExecRequest
 from tests.security.conftest import PROBE_SPEC, new_sid, sh
 
 pytestmark = [pytest.mark.root,

@@ -28,8 +28,8 @@ from dsec import ownership
 from dsec.edge.backends import fncall as fncall_mod
 from dsec.edge.backends.container import files as files_mod
 from dsec.edge.backends.fncall import FncallBackend, _reclaim_dead_roots
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import BackendError, PayloadTooLarge
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]

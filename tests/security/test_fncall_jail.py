@@ -32,7 +32,7 @@ import pytest
 
 import dsec
 from dsec.edge.backends.fncall import FncallBackend
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.conftest import make_node
 
 pytestmark = [pytest.mark.root,

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import InvalidArgument
 from dsec.rl.access import EdgeAccess
 from dsec.rl.judges import ExecutableJudge, JudgeContext
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 from tests.rl.conftest import container_edge
 
 pytestmark = [pytest.mark.root,

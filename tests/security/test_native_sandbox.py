@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import _cleanup
 from tests.security.conftest import PROBE_SPEC, new_sid, probe, sh
 

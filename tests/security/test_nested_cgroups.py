@@ -18,7 +18,7 @@ import os
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.spec import SandboxSpec
 from tests.security.conftest import new_sid, probe
 
 pytestmark = [pytest.mark.root,

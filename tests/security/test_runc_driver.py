@@ -11,8 +11,8 @@ import tempfile
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
 from dsec.errors import DsecError
+from dsec.wire.spec import ExecRequest
 from tests.security.conftest import PROBE_SPEC, new_sid, probe, sh
 
 pytestmark = [pytest.mark.root,

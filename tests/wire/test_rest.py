@@ -74,7 +74,7 @@ def test_a_spec_with_every_field_set_crosses_rest_unchanged() -> None:
         backend="container", cpu_milli=1500, memory_bytes=256 << 20, disk_bytes=1 << 30,
         pids_max=None, priority=7, labels={"a": "b"}, project="team/x", ttl_s=60.0,
         idle_timeout_s=5.0, idle_action="pause", env={"E": "1"},
-        network=NetworkPolicy(mode="allowlist", allow=("h.example:1",)), allow_nested=True,
+        network=NetworkPolicy(mode="policy", allow=("pypi.org:443",)), allow_nested=True,
         user_namespace=True)
     body = CreateSandbox(spec=spec, session="ses-1", idempotency_key="k1")
     assert _round_trip(ops.CREATE, body) == body

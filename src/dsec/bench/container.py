@@ -21,8 +21,8 @@ import tempfile
 import time
 
 from dsec.bench import BenchContext, suite
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 __all__ = ["container_suite"]
 

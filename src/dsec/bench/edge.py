@@ -85,7 +85,7 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 async def _create_rate(create: Any, n: int, conc: int) -> tuple[float, int]:
-    from dsec.edge.spec import SandboxSpec
+    from dsec.wire.spec import SandboxSpec
 
     spec = SandboxSpec()
     errors = 0
@@ -195,7 +195,7 @@ def creation(ctx: BenchContext) -> None:
 
 
 async def _burst_batched(node: Any, n: int) -> tuple[float, int]:
-    from dsec.edge.spec import SandboxSpec
+    from dsec.wire.spec import SandboxSpec
 
     spec = SandboxSpec()
     errors = 0
@@ -210,7 +210,7 @@ async def _burst_batched(node: Any, n: int) -> tuple[float, int]:
 
 
 async def _burst_single(node: Any, n: int) -> tuple[float, int]:
-    from dsec.edge.spec import SandboxSpec
+    from dsec.wire.spec import SandboxSpec
 
     spec = SandboxSpec()
     errors = 0
@@ -245,7 +245,7 @@ async def _burst(ctx: BenchContext, n: int) -> None:
 
 
 async def _pause_resume(ctx: BenchContext, n: int) -> None:
-    from dsec.edge.spec import SandboxSpec
+    from dsec.wire.spec import SandboxSpec
 
     prof = _profile("paper")
     async with _node("paper") as node:
@@ -273,7 +273,7 @@ async def _fncall(ctx: BenchContext, calls: int) -> None:
     import operator
 
     from dsec.edge.backends.fncall import FncallBackend
-    from dsec.edge.spec import SandboxSpec
+    from dsec.wire.spec import SandboxSpec
 
     sid = "sb-000000000be0-bench"
     modes = [False, True] if os.geteuid() == 0 else [False]

@@ -247,9 +247,9 @@ def container_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
     from dsec.edge.backends.container import ContainerBackend, DirectoryImages
     from dsec.edge.backends.container.testimage import build_busybox_root
     from dsec.edge.node import EdgeNode, NodeConfig
-    from dsec.edge.spec import SandboxSpec
     from dsec.rl.access import EdgeAccess, LoopThread
     from dsec.rl.sandbox import Task
+    from dsec.wire.spec import SandboxSpec
 
     spec = SandboxSpec(backend="container", image="base", memory_bytes=128 << 20,
                        pids_max=128)
@@ -294,9 +294,9 @@ def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
     import os
 
     from dsec.cluster.local import LocalCluster
-    from dsec.edge.spec import SandboxSpec
     from dsec.rl.access import ClientAccess
     from dsec.rl.sandbox import Task
+    from dsec.wire.spec import SandboxSpec
 
     runs: list[tuple[str, str]] = [("simulated", "aether"), ("simulated", "http")]
     if os.geteuid() == 0:

@@ -44,9 +44,9 @@ async def _run(ctx: BenchContext) -> None:
     from dsec.edge.backends.container import ContainerBackend
     from dsec.edge.backends.container.images import StoreImages
     from dsec.edge.node import EdgeNode, NodeConfig
-    from dsec.edge.spec import ExecRequest, SandboxSpec
     from dsec.image import LayerStore, MountCache, ensure_busybox_base
     from dsec.image.packdiff import RACY_WINDOW_NS
+    from dsec.wire.spec import ExecRequest, SandboxSpec
 
     root = tempfile.mkdtemp(prefix="dsec-bench-snap-")
     cache = MountCache()

@@ -269,6 +269,15 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
               help="The most open egress policy this node serves, whoever asks (default: "
                    "no node ceiling; projects' ceilings still bind through the apiserver).")
+@click.option("--net-uplink", default=None, metavar="netns:PATH",
+              help="Give the container backend a network router whose uplink leads into "
+                   "the network namespace at PATH (a test or demo network; the host uplink "
+                   "is not built yet). Without it, only policy 'none' is served.")
+@click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
+              help="Addresses of the router's slots (private to its namespace).")
+@click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
+              help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
+                   "uplink's namespace.")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -277,7 +286,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
-         net_max: Any) -> None:
+         net_max: Any, net_uplink: str | None, net_pool: str,
+         net_dns_upstream: tuple[str, ...]) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
@@ -305,6 +315,13 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
         for name in backends:
             if name == "container":
                 extra[name] = {**disk_opts, **extra.get(name, {})}
+        resolver_args: dict[str, Any] | None = None
+        if net_uplink is not None:
+            if "container" not in backends:
+                raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
+            network, resolver_args = _network(node_id, net_uplink, net_pool,
+                                              net_dns_upstream, owned)
+            extra["container"] = {**extra.get("container", {}), "network": network}
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
                                                               state_dir, layer_store, owned),
                                              **extra.get(name, {})})
@@ -330,7 +347,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if len(token) < 16:
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
-        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd))
+        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
@@ -338,8 +355,56 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             o.close()   # the layer mounts; sandboxes kept for adoption hold their own
 
 
+class _Fd:
+    """An fd closed at exit (the uplink namespace)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
+             owned: list[Any]) -> tuple[Any, dict[str, Any]]:
+    """The router (with its slots) the container backend puts sandboxes on; closed with
+    ``owned`` (the kernel then removes its namespace, links and nft objects)."""
+    import hashlib
+
+    from dsec.net import netns
+    from dsec.net.attach import SandboxNetwork
+    from dsec.net.router import Router, RouterConfig
+    from dsec.net.uplink import NetnsUplink
+
+    if not uplink.startswith("netns:"):
+        raise click.BadParameter(f"{uplink!r}: only netns:PATH is built so far (the host "
+                                 "uplink is not)", param_hint="--net-uplink")
+    path = uplink.removeprefix("netns:")
+    try:
+        fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        owned.append(fd)
+        with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
+            pass
+        peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
+        router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
+                                 "namespace, e.g. /run/netns/NAME)",
+                                 param_hint="--net-uplink") from exc
+    owned.insert(0, router)   # closed before the uplink fd
+    router.refill()
+    ups = []
+    for u in upstreams or ("127.0.0.53",):
+        host, _, port = u.partition(":")
+        ups.append((host, int(port or 53)))
+    return SandboxNetwork(router), {"upstreams": ups, "upstream_netns_fd": fd.fd}
+
+
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
-                 insecure: bool, ready_fd: int | None) -> None:
+                 insecure: bool, ready_fd: int | None,
+                 resolver_args: dict[str, Any] | None = None) -> None:
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
     from dsec.wire.node import format_bytes, format_cpu
@@ -349,6 +414,12 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    resolver = None
+    if resolver_args is not None:
+        from dsec.net.resolver import Resolver
+
+        resolver = Resolver(backends["container"].network, **resolver_args)
+        await resolver.start()
     async with EdgeNode(cfg, backends) as node:
         server = await serve_edge(node, listen, token=token, insecure=insecure)
         cap = cfg.capacity
@@ -369,4 +440,6 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
             await stop.wait()
         finally:
             await server.close()
+            if resolver is not None:
+                await resolver.close()
     log.info("edge %s stopped", cfg.node_id)

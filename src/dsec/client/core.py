@@ -703,7 +703,7 @@ class AsyncSandboxes:
         """Many commands in one batched call (the server groups them per edge: one edge
         round trip per node). Each call is ``(sandbox, command)`` or ``(sandbox, command,
         overrides)``; ``command`` is a shell string, an argv list, or a complete
-        :class:`~dsec.edge.spec.ExecRequest`. The keywords (as for :meth:`AsyncSandbox.exec`)
+        :class:`~dsec.wire.spec.ExecRequest`. The keywords (as for :meth:`AsyncSandbox.exec`)
         are defaults for string/argv commands; an ``ExecRequest`` is sent as it is;
         ``overrides`` (a dict of the same keywords) change one call:
         ``(sb, "make", {"cwd": "/src", "timeout": 600})``.

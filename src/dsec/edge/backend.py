@@ -13,7 +13,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from dsec.edge.spec import (
+from dsec.ids import SandboxId
+from dsec.wire.spec import (
     BackendName,
     ExecChunk,
     ExecRequest,
@@ -24,7 +25,6 @@ from dsec.edge.spec import (
     SandboxStats,
     SnapshotInfo,
 )
-from dsec.ids import SandboxId
 
 __all__ = ["Backend", "DeathSink", "Leftover", "ReconcilingBackend", "SnapshotBackend"]
 

@@ -52,8 +52,8 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from dsec.edge.spec import SandboxSpec, SandboxState
 from dsec.errors import BackendError, InUse, InvalidArgument
+from dsec.wire.spec import SandboxSpec, SandboxState
 
 __all__ = ["JournalContents", "JournalEnd", "JournalRecord", "JournalSync", "Journaled",
            "SandboxJournal"]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dsec.edge.spec import SandboxEvent, SandboxState
 from dsec.errors import InvalidTransition
+from dsec.wire.spec import SandboxEvent, SandboxState
 
 __all__ = [
     "FINAL_REASONS",
@@ -82,6 +82,8 @@ NOTICE_REASONS: frozenset[str] = frozenset({
     "tmpfs_full",       # tmpfs files (/tmp, /dev/shm) hold most of the memory limit, so
                         # new processes get OOM-killed; free them with the file API
     "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
+    "network_denied",   # its egress policy dropped packets (counts and examples)
+    "network_lost",     # adopted after an edge restart without its router slot: cut off
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -60,7 +60,6 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.protocol import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -77,6 +76,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.wire.netpolicy import NetworkPolicy, within
+from dsec.wire.node import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
 from dsec.wire.spec import (
     LEGACY_PROJECT,
     BackendName,
@@ -631,10 +631,8 @@ class EdgeNode:
         """Validate, reserve, record (no await): the sandbox exists as ``creating`` and
         its intent is noted in the journal."""
         spec = resolve(spec.validate(), backend=self.config.default_backend,
-                       project=LEGACY_PROJECT)
-        if spec.network is None:   # stored resolved: a later default change moves nothing
-            spec = msgspec.structs.replace(spec, network=self.config.net_default).validate()
-        assert spec.network is not None
+                       project=LEGACY_PROJECT, network=self.config.net_default)
+        assert spec.network is not None  # stored resolved: a later default moves nothing
         self._check_node_ceiling(spec.network, "network")
         backend = self.backends.get(backend_of(spec))
         if backend is None:
@@ -684,6 +682,11 @@ class EdgeNode:
         everything is rolled back and the error raised."""
         try:
             await rec.backend.create(SandboxId(rec.id), rec.spec)
+            setter = getattr(rec.backend, "set_network", None)
+            if rec.ceiling_deny and setter is not None:
+                # the project ceilings' denies, enforced before the create is answered
+                # (nothing but the sandbox's init runs yet)
+                await setter(SandboxId(rec.id), rec.spec, rec.ceiling_deny, rec.net_generation)
         except BaseException as exc:
             await self._abort_create(rec, exc)
             if isinstance(exc, Exception):

@@ -9,11 +9,24 @@ abstract UNIX sockets, which live per network namespace. One ioctl instead of sp
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
+import os
 import socket
 import struct
+from collections.abc import Iterator
 
-__all__ = ["bring_loopback_up", "loopback_is_up"]
+__all__ = [
+    "bring_loopback_up",
+    "current_netns",
+    "entered",
+    "loopback_is_up",
+    "netns_inode",
+    "new_netns",
+    "setns_net",
+    "write_sysctl",
+]
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -35,3 +48,74 @@ def bring_loopback_up() -> None:
 def loopback_is_up() -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         return bool(_flags(s) & _IFF_UP)
+
+
+# ---------------------------------------------------------------------------------------
+# Network namespaces held by file descriptors (the router and the slots of net/router.py).
+#
+# setns(2) and unshare(2) act on the *calling thread* only, so every helper here switches
+# the calling thread and switches it back before returning: a socket keeps the netns it was
+# created in for its whole life, whatever thread later uses it. Python 3.11 has no
+# os.setns/os.unshare; libc through ctypes (as edge/backends/container/linux.py does; the
+# net floor may not import the edge's).
+
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def setns_net(fd: int) -> None:
+    """Move the calling thread into the network namespace held by ``fd``."""
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(CLONE_NEWNET)), f"setns({fd}, NEWNET)")
+
+
+def current_netns() -> int:
+    """An fd holding the calling thread's network namespace (the caller closes it)."""
+    return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def new_netns() -> int:
+    """Create a network namespace and return an fd holding it; the calling thread stays
+    where it was. The namespace lives while any fd or process holds it."""
+    back = current_netns()
+    try:
+        _check(_libc.unshare(ctypes.c_int(CLONE_NEWNET)), "unshare(NEWNET)")
+        try:
+            return current_netns()
+        finally:
+            setns_net(back)
+    finally:
+        os.close(back)
+
+
+@contextlib.contextmanager
+def entered(fd: int) -> Iterator[None]:
+    """Run the block with the calling thread in netns ``fd`` (no await inside: the thread
+    is the loop's when called from it)."""
+    back = current_netns()
+    try:
+        setns_net(fd)
+        try:
+            yield
+        finally:
+            setns_net(back)
+    finally:
+        os.close(back)
+
+
+def netns_inode(fd: int) -> int:
+    """The namespace's identity (st_ino of its nsfs file): equal inodes, same netns."""
+    return os.fstat(fd).st_ino
+
+
+def write_sysctl(fd: int, path: str, value: str) -> None:
+    """Write ``/proc/sys/<path>`` of netns ``fd``: /proc/sys/net resolves to the netns of
+    the thread that opens it, so the open happens inside."""
+    with entered(fd), open(f"/proc/sys/{path}", "w") as f:
+        f.write(value)

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import DsecError, InternalError, InvalidArgument, NotFound, WrongNode
 from dsec.ids import node_of
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 if TYPE_CHECKING:
     from dsec.client.core import AsyncClient, AsyncSandbox

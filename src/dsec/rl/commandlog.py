@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import Conflict, InvalidArgument
 from dsec.rl.access import (
     DelegatingAccess,
@@ -48,6 +47,7 @@ from dsec.rl.access import (
     resume_sandboxes,
 )
 from dsec.wire.canonical import canonical_bytes
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 __all__ = ["DIGEST_VERSION", "CommandInDoubt", "CommandLog", "LoggedAccess", "ReplayDiverged",
            "digest_version", "request_digest"]

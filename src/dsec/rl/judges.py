@@ -45,9 +45,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import DsecError, InvalidArgument
 from dsec.rl.access import SandboxAccess
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 __all__ = [
     "Check", "ExecutableJudge", "Judge", "JudgeContext", "ReferenceJudge", "RegexJudge",

@@ -38,7 +38,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from dsec.edge.spec import ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import Conflict, DsecError, InvalidArgument
 from dsec.rl.access import (
     SandboxAccess,
@@ -50,6 +49,7 @@ from dsec.rl.access import (
 from dsec.rl.commandlog import LoggedAccess
 from dsec.rl.envpool import EnvPool
 from dsec.rl.judges import Judge, JudgeContext, Verdict
+from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 __all__ = [
     "CHARSET", "ReadFile", "SandboxBatchEnv", "SandboxEnv", "SandboxEnvConfig",

@@ -368,19 +368,23 @@ LEGACY_PROJECT = "default"
 
 
 def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
-            ttl_s: float | None = None) -> SandboxSpec:
+            ttl_s: float | None = None,
+            network: NetworkPolicy | None = None) -> SandboxSpec:
     """``spec`` with what it leaves to the server filled in: ``backend`` and ``project``
-    when None, and ``ttl_s`` when None and a default lifetime is given. Every other
-    field is the caller's, unchanged. Both doors that create (the apiserver, an edge
-    reached directly) resolve through this one function, so a stored spec names its
-    backend and project."""
+    when None, ``ttl_s`` when None and a default lifetime is given, ``network`` when None
+    and a default policy is given. Every other field is the caller's, unchanged. Both
+    doors that create (the apiserver, an edge reached directly) resolve through this one
+    function, so a stored spec names its backend, project and policy (a later change
+    of a default moves nothing already made)."""
     if spec.backend is not None and spec.project is not None and (
-            spec.ttl_s is not None or ttl_s is None):
+            spec.ttl_s is not None or ttl_s is None) and (
+            spec.network is not None or network is None):
         return spec
     return msgspec.structs.replace(
         spec, backend=backend if spec.backend is None else spec.backend,
         project=project if spec.project is None else spec.project,
-        ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s)
+        ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s,
+        network=network if spec.network is None else spec.network)
 
 
 def stored(spec: SandboxSpec) -> SandboxSpec:

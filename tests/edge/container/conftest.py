@@ -12,8 +12,8 @@ import pytest
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.backends.container.testimage import build_busybox_root
-from dsec.edge.spec import SandboxSpec
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
+from dsec.wire.spec import SandboxSpec
 
 pytestmark = pytest.mark.root
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from dsec.bench.faults._edge import EdgeProcess
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import DsecError
+from dsec.wire.spec import SandboxSpec
 
 pytestmark = pytest.mark.root
 
@@ -335,7 +335,7 @@ async def test_kill_9_at_random_points_of_every_operation(edge: EdgeProcess) -> 
 _FNCALL_EDGE = """
 import asyncio, sys
 from dsec.edge.backends.fncall import FncallBackend
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 async def main():
     b = FncallBackend(pool_size=1, root=sys.argv[1])
     await b.create(sys.argv[2], SandboxSpec(backend="fncall"))

@@ -16,9 +16,9 @@ import pytest
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.disk import BTRFS_SUPER_MAGIC, DiskPool, near_cap
 from dsec.edge.backends.container.linux import fstatfs_type
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import CapacityExceeded, DsecError, QuotaExceeded
 from dsec.ids import SandboxId
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, _cleanup, new_sid
 
 pytestmark = [pytest.mark.root,
@@ -141,7 +141,7 @@ async def test_disk_capped_sandbox_survives_an_edge_restart(tmp_path: object,
     script = f"""
 import asyncio
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 async def main():
     b = ContainerBackend(root_dir={root!r}, images=DirectoryImages({images_dir!r}),
                          default_disk_bytes=4 << 20, disk_pool_bytes=512 << 20)

@@ -29,10 +29,10 @@ from dsec.edge.backends.container.images import StoreImages
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.backends.container.snapshot import host_room
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import BackendError, CapacityExceeded, DsecError, ImageError, QuotaExceeded
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
 from dsec.image.packdiff import RACY_WINDOW_NS
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import _cleanup
 

@@ -15,8 +15,8 @@ import pytest
 
 from dsec.bench.faults._edge import EdgeProcess
 from dsec.edge.service import EdgeClient
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import DsecError, InvalidTransition, SandboxNotFound
+from dsec.wire.spec import SandboxSpec
 
 pytestmark = pytest.mark.root
 
@@ -198,7 +198,7 @@ async def test_leftovers_the_journal_does_not_know_are_destroyed_with_a_reason(
 _LAYERED_EDGE = """
 import asyncio, sys
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.spec import SandboxSpec
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
 from dsec.edge.backends.container.images import StoreImages
 async def main():
@@ -226,9 +226,9 @@ async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed
 
     from dsec.edge.backends.container import ContainerBackend
     from dsec.edge.backends.container.images import StoreImages
-    from dsec.edge.spec import ExecRequest
     from dsec.ids import SandboxId
     from dsec.image import LayerStore, MountCache
+    from dsec.wire.spec import ExecRequest
 
     if os.geteuid() != 0 or (runtime == "runc" and shutil.which("runc") is None):
         pytest.skip("needs root (and runc)")
@@ -320,7 +320,7 @@ async def test_destroy_removes_what_the_host_holds_for_an_id_the_node_forgot(
 _BARE_EDGE = """
 import asyncio, sys
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 async def main():
     b = ContainerBackend(root_dir=sys.argv[1], images=DirectoryImages(sys.argv[2]),
                          runtime=sys.argv[3])
@@ -344,8 +344,8 @@ async def test_reconcile_removes_every_trace_of_what_is_not_kept(
     import sys
 
     from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-    from dsec.edge.spec import ExecRequest
     from dsec.ids import SandboxId
+    from dsec.wire.spec import ExecRequest
 
     if os.geteuid() != 0 or (runtime == "runc" and shutil.which("runc") is None):
         pytest.skip("needs root (and runc)")

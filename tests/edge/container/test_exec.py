@@ -9,8 +9,8 @@ import pytest
 
 from dsec.edge.backend import Backend
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 from dsec.errors import ImageNotFound, InvalidArgument, SandboxNotFound
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
 
 

@@ -13,8 +13,8 @@ import os
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
 from dsec.ids import SandboxId
+from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import SPEC, new_sid
 
 pytestmark = [pytest.mark.root,

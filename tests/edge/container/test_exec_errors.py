@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
 from dsec.errors import CannotRun
+from dsec.wire.spec import ExecRequest
 
 from .conftest import SPEC, new_sid
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
 from dsec.errors import InvalidArgument, NotFound, SandboxError
+from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import SPEC, new_sid
 
 

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
 
 

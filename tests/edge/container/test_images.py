@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import ImageNotFound, InvalidArgument
 from dsec.image import LayerStore, MountCache, ensure_busybox_base, mount_overlay, snapshot
 from dsec.image.mount import sys_umount
+from dsec.wire.spec import SandboxSpec
 from tests.conftest import requires_root
 from tests.image.conftest import cache, store, write_tree
 

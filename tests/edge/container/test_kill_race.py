@@ -17,8 +17,8 @@ import subprocess
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.ids import SandboxId
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import new_sid
 
 pytestmark = [pytest.mark.root,

@@ -10,9 +10,9 @@ import textwrap
 from pathlib import Path
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import DsecError
 from dsec.ids import SandboxId
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
 
 
@@ -47,7 +47,7 @@ async def test_pause_reclaims_and_resume_thaws(backend: ContainerBackend) -> Non
 _EDGE = textwrap.dedent("""
     import asyncio, sys
     from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-    from dsec.edge.spec import ExecRequest, SandboxSpec
+    from dsec.wire.spec import ExecRequest, SandboxSpec
     async def main():
         b = ContainerBackend(root_dir=sys.argv[1], images=DirectoryImages(sys.argv[2]))
         for sid in sys.argv[3:]:

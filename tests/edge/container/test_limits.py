@@ -9,9 +9,9 @@ import os
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import InvalidArgument
 from dsec.ids import SandboxId
+from dsec.wire.spec import SandboxSpec
 from tests.edge.container.conftest import SPEC, _cleanup, new_sid
 
 pytestmark = [pytest.mark.root,

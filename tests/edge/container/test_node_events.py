@@ -11,7 +11,7 @@ import pytest
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import ExecRequest, SandboxEvent, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxEvent, SandboxSpec
 
 from .conftest import _cleanup
 

@@ -24,8 +24,8 @@ from dsec.edge.backends.container.protocol import (
     request_argv,
 )
 from dsec.edge.backends.container.rootfs import MASKED_DIRS, MASKED_FILES, READONLY_PATHS
-from dsec.edge.spec import ExecRequest
 from dsec.errors import BackendError, InvalidArgument
+from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import SPEC, new_sid
 
 EXEC = Exec(id=7, argv=["sh", "-c", "echo hi"], env=["A=1"], cwd=None, user="agent",

@@ -7,7 +7,7 @@ import os
 
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.backends.container.oci import oci_config
-from dsec.edge.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
 
 

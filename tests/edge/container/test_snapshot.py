@@ -17,10 +17,10 @@ from dsec.edge.admission import Capacity
 from dsec.edge.backends.container import ContainerBackend
 from dsec.edge.backends.container.images import StoreImages
 from dsec.edge.node import EdgeNode, NodeConfig
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import Conflict, ImageNotFound, InUse
 from dsec.image import LayerStore, MountCache, ensure_busybox_base
 from dsec.image.packdiff import RACY_WINDOW_NS
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .conftest import _cleanup
 

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import InvalidTransition
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from .test_snapshot import SPEC, Env, env  # noqa: F401 - env is the fixture used below
 

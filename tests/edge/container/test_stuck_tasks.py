@@ -27,7 +27,7 @@ from typing import Self
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest
+from dsec.wire.spec import ExecRequest
 from tests.edge.container.conftest import SPEC, new_sid
 
 pytestmark = [pytest.mark.root,

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
-from dsec.edge.spec import ExecRequest, SandboxSpec
 from dsec.errors import InvalidArgument
+from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import SPEC, new_sid
 
 USERNS = msgspec.structs.replace(SPEC, user_namespace=True)

@@ -35,8 +35,8 @@ import time
 
 from dsec.bench import BenchContext
 from dsec.bench.faults import part
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import DsecError, SandboxNotFound
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["durability"]
 

@@ -17,14 +17,6 @@ from typing import Protocol
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
-from dsec.control.api.types import (
-    CreateKeyRequest,
-    CreateKeyResponse,
-    ProjectList,
-    ProjectView,
-    QuotaBody,
-    SessionView,
-)
 from dsec.control.iam import Iam
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.registry import Registry
@@ -32,6 +24,14 @@ from dsec.control.store import QuotaRow, SessionRow, StateStore
 from dsec.control.sweeper import Session
 from dsec.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, QuotaExceeded
 from dsec.ids import parse_project_path
+from dsec.wire.api import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SessionView,
+)
 
 __all__ = ["Admin", "AdminLimits", "AuthCaches"]
 

@@ -22,7 +22,6 @@ from typing import Protocol
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
-from dsec.control.api.types import ImageList, ImageTagRequest, ImageView
 from dsec.errors import (
     Conflict,
     DsecError,
@@ -42,6 +41,7 @@ from dsec.image.catalog import (
 )
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
 from dsec.image.store import LayerStore
+from dsec.wire.api import ImageList, ImageTagRequest, ImageView
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]

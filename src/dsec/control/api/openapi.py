@@ -17,6 +17,7 @@ import msgspec
 
 from dsec.errors import InternalError
 from dsec.wire.api import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
+from dsec.wire.calls import MAX_GENERATION
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.spec import MAX_PATH_BYTES
 
@@ -40,7 +41,7 @@ Body = type | Literal["binary"] | None
 
 # Patterns and limits the server enforces on identifiers and paths, as JSON schema. The
 # server's own checks are dsec.ids (parse_sandbox_id, parse_project_path), the shared
-# exec/path validators in dsec.edge.spec and the IAM rules; tests/control/test_openapi.py
+# exec/path validators in dsec.wire.spec and the IAM rules; tests/control/test_openapi.py
 # sends values on both sides of each bound and checks the server agrees.
 _NODE = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 SANDBOX_ID: dict[str, Any] = {"type": "string", "pattern": rf"^sb-[0-9a-f]{{12}}-{_NODE}$"}
@@ -210,9 +211,9 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
                       "(cluster-wide) name a superuser"),
     Param("kind", {"enum": ["base", "workspace", "toolkit"]}),
     Param("tag", {"type": "string", "pattern": _NAME}),
-    Param("expect_generation", {"type": "integer", "minimum": 0},
-          description="update only if the policy is still at this generation (409 "
-                      "otherwise)"),
+    Param("expect_generation", {"type": "integer", "minimum": 0, "maximum": MAX_GENERATION},
+          description="compare-and-set: update only if the live policy still has the "
+                      "generation network_get gave (409 otherwise)"),
 )}
 
 

@@ -55,18 +55,6 @@ import msgspec
 from dsec.control.api.admin import Admin
 from dsec.control.api.images import ImageAdmin
 from dsec.control.api.service import ApiService, Caller, EdgeOps
-from dsec.control.api.types import (
-    CreateKeyRequest,
-    CreateKeyResponse,
-    ImageList,
-    ImageTagRequest,
-    ImageView,
-    NodeView,
-    ProjectList,
-    ProjectView,
-    QuotaBody,
-    SessionView,
-)
 from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
@@ -119,6 +107,18 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import NodeId, node_of
+from dsec.wire.api import (
+    CreateKeyRequest,
+    CreateKeyResponse,
+    ImageList,
+    ImageTagRequest,
+    ImageView,
+    NodeView,
+    ProjectList,
+    ProjectView,
+    QuotaBody,
+    SessionView,
+)
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     SandboxEvent,

@@ -611,12 +611,10 @@ class ApiService:
             if ttl is None:
                 ttl = self.config.default_ttl_s
         spec = resolve(asked, backend=_backend_name(self.config.default_backend),
-                       project=project, ttl_s=ttl)
+                       project=project, ttl_s=ttl, network=self.config.net_default)
         if req.session is not None:
             spec = msgspec.structs.replace(
                 spec, labels={**spec.labels, "dsec.io/session": req.session})
-        if spec.network is None:   # the server's default, stored resolved
-            spec = msgspec.structs.replace(spec, network=self.config.net_default)
         # the spec's own limits first (the type's words, as the gateway's decode gives
         # them), then this apiserver's tighter pids cap, then the project's network ceiling
         spec = spec.validate()
@@ -1106,7 +1104,7 @@ class ApiService:
         async def piece(at: int, n: int) -> bytes:
             return await self._via(edge, sid, "read_file", lambda: edge.read_file(
                 sid, path, offset=at, length=n))
-        # in pieces that fit an Aether frame, up to the one-read limit (dsec.edge.spec)
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
         return await read_in_chunks(piece, offset, length)
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,

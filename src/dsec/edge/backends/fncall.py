@@ -95,8 +95,11 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
-from dsec.edge.protocol import PoolStats
-from dsec.edge.spec import (
+from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
+from dsec.ids import SandboxId
+from dsec.wire.node import PoolStats
+from dsec.wire.spec import (
+    TIMEOUT_EXIT_CODE,
     ExecChunk,
     ExecRequest,
     ExecResult,
@@ -105,9 +108,6 @@ from dsec.edge.spec import (
     SandboxSpec,
     SandboxStats,
 )
-from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
-from dsec.ids import SandboxId
-from dsec.wire.spec import TIMEOUT_EXIT_CODE
 
 __all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
            "make_backend"]

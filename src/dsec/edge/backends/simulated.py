@@ -26,16 +26,6 @@ import msgspec
 
 from dsec.edge.backend import DeathSink, replay_as_stream
 from dsec.edge.clock import Clock, SystemClock
-from dsec.edge.spec import (
-    ExecChunk,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    PauseStats,
-    SandboxSpec,
-    SandboxStats,
-    SnapshotInfo,
-)
 from dsec.errors import (
     BackendError,
     ImageNotFound,
@@ -46,7 +36,18 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
-from dsec.wire.spec import TIMEOUT_EXIT_CODE, project_of
+from dsec.wire.spec import (
+    TIMEOUT_EXIT_CODE,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxSpec,
+    SandboxStats,
+    SnapshotInfo,
+    project_of,
+)
 
 __all__ = ["NodeLatencyProfile", "SimulatedBackend", "make_backend"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from dsec.edge.backends.container.images import RootLayers
 from dsec.edge.governor import ExecCgroup, SandboxCgroup
-from dsec.edge.spec import SandboxSpec
 from dsec.ids import SandboxId
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["Box"]
 
@@ -35,6 +35,7 @@ class Box:
     disk_q: str = ""              # sysfs dir of its qgroup (usage counters), "" if none
     init_pid: int = 0
     pidfd: int = -1
+    netns_fd: int = -1            # the router slot's netns it joined (the router's fd)
     oom_fd: int | None = None
     oom_seen: int = 0
     pids_seen: int = 0            # pids.events "max" already reported

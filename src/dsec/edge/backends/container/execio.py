@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Literal
 
-from dsec.edge.spec import ExecChunk
+from dsec.wire.spec import ExecChunk
 
 __all__ = ["OutputPump", "StdinFeeder"]
 

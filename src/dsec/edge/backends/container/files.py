@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Self
 
 from dsec.edge.backends.container import linux
-from dsec.edge.spec import FileInfo, FileType
 from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
+from dsec.wire.spec import FileInfo, FileType
 
 __all__ = ["MAX_LIST_ENTRIES", "MAX_READ_BYTES", "SANDBOX_FS_TYPES", "SandboxFiles",
            "split_path"]

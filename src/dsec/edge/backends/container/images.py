@@ -18,12 +18,12 @@ import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from dsec.edge.spec import SandboxSpec
 from dsec.errors import ImageNotFound, InvalidArgument
 from dsec.image.compose import RootStack, acquire_stack, compose
 from dsec.image.mount import MountCache
 from dsec.image.packdiff import restore_stack
 from dsec.image.store import LayerStore
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["DirectoryImages", "ImageResolver", "RootLayers", "StoreImages"]
 

@@ -16,8 +16,8 @@ from typing import Any
 from dsec.edge.backends.container.linux import DEFAULT_CAPS
 from dsec.edge.backends.container.rootfs import MASKED_DIRS, MASKED_FILES, READONLY_PATHS
 from dsec.edge.governor import CFS_PERIOD_US
-from dsec.edge.spec import SandboxSpec
 from dsec.net.seccomp import profile_rules
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["CAP_NAMES", "oci_config", "oci_seccomp"]
 

@@ -39,7 +39,8 @@ __all__ = [
 
 
 class Create(msgspec.Struct, tag="create", frozen=True):
-    """Start a sandbox: new namespaces, overlay root, init as PID 1. No fds."""
+    """Start a sandbox: new namespaces, overlay root, init as PID 1. fds: none, or with
+    ``netns`` the slot's network namespace (joined instead of a new one)."""
 
     id: int
     lowerdirs: list[str]
@@ -53,6 +54,8 @@ class Create(msgspec.Struct, tag="create", frozen=True):
     tmp_bytes: int
     #: (host uid/gid of the sandbox's root, how many ids) for a user namespace; None: none
     userns: tuple[int, int] | None = None
+    #: join the network namespace passed as the request's one fd (a router slot)
+    netns: bool = False
 
 
 class Exec(msgspec.Struct, tag="exec", frozen=True):
@@ -126,7 +129,7 @@ _REQ = struct.Struct("=IIQ")
 _REP = struct.Struct("=iiQiiiI")
 REQ_CREATE, REQ_EXEC, REQ_KILL = 1, 2, 3
 REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED = 1, 2, 3, 4
-F_BACKGROUND, F_NESTED, F_USERNS = 1, 2, 4
+F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS = 1, 2, 4, 8
 
 
 def _strings(items: list[str]) -> bytes:
@@ -160,7 +163,8 @@ def request_argv(req: Request) -> list[str]:
 def encode(req: Request) -> bytes:
     if isinstance(req, Create):
         kind = REQ_CREATE
-        flags = (F_NESTED if req.nested else 0) | (F_USERNS if req.userns else 0)
+        flags = (F_NESTED if req.nested else 0) | (F_USERNS if req.userns else 0) \
+            | (F_NETNS if req.netns else 0)
     elif isinstance(req, Exec):
         kind = REQ_EXEC
         flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \

@@ -28,8 +28,8 @@ from dsec.edge.backends.container.files import SandboxFiles
 from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.rootfs import overlay_options
 from dsec.edge.governor import ExecCgroup
-from dsec.edge.spec import ExecChunk, ExecRequest, ExecResult
 from dsec.errors import BackendError, CannotRun, DsecError
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
 __all__ = ["RuncDriver"]
 

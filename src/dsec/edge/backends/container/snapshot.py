@@ -61,7 +61,6 @@ from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.disk import DiskPool
 from dsec.edge.backends.container.images import ImageResolver, StoreImages
 from dsec.edge.governor import Governor
-from dsec.edge.spec import SnapshotInfo
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -76,7 +75,7 @@ from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace
 from dsec.image.packdiff import snapshot as pack_diff
-from dsec.wire.spec import project_of
+from dsec.wire.spec import SnapshotInfo, project_of
 
 __all__ = ["ContainerSnapshots", "SnapshotHost", "snapshot_info"]
 
@@ -372,7 +371,7 @@ class ContainerSnapshots:
         return m if m.kind == "snapshot" else None
 
     def _labels(self, sid: str, spec: object, origin: LayerManifest | None) -> dict[str, str]:
-        from dsec.edge.spec import SandboxSpec
+        from dsec.wire.spec import SandboxSpec
 
         assert isinstance(spec, SandboxSpec)
         lab = {_L + "sandbox": sid, _L + "project": project_of(spec),

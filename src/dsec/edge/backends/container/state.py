@@ -12,7 +12,7 @@ import os
 
 import msgspec
 
-from dsec.edge.spec import SandboxSpec
+from dsec.wire.spec import SandboxSpec
 
 __all__ = ["BoxRecord", "load_record", "save_record"]
 

@@ -1,0 +1,125 @@
+"""Slot addressing: slot index <-> veth name, /31 pair, resolver address (pure).
+
+A node's router netns owns a private IPv4 pool (``10.213.0.0/16`` by default). Slot ``i``
+is the point-to-point /31 ``pool + 2i``: the even address is the router's end (``dsv<i>``),
+the odd one the sandbox's ``eth0``. The last /31 of the pool is not a slot: its upper
+address is the DNS resolver's (on the router's ``lo``). A /31 per sandbox (RFC 3021) gives
+each one its own L2 segment: no ARP between tenants, nothing to spoof but the one address,
+and the anti-spoof rule of its chain pins even that.
+
+The pool is private to each router netns, so two edges on one host may use the same pool;
+the inverse (address -> slot) is what the resolver uses to name the asking sandbox and what
+reconcile uses to find a live sandbox's slot from its ``eth0``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Final
+
+from dsec.errors import InvalidArgument
+
+__all__ = [
+    "DEFAULT_POOL",
+    "ROUTER_IFINDEX_BASE",
+    "SLOT_PREFIX",
+    "Pool",
+    "SlotAddr",
+]
+
+DEFAULT_POOL: Final = "10.213.0.0/16"
+# Router-side veth names: "dsv<slot>" (IFNAMSIZ 16: "dsv" + up to 5 digits fits easily).
+SLOT_PREFIX: Final = "dsv"
+# The router's end of slot i gets ifindex BASE + i (ifindexes are per netns; an explicit
+# index lets one rtnetlink batch create the veth and address it without a lookup: E8).
+ROUTER_IFINDEX_BASE: Final = 1000
+# The sandbox's end is always "eth0" with ifindex 2 in its own netns (lo is 1).
+SANDBOX_IFNAME: Final = "eth0"
+SANDBOX_IFINDEX: Final = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAddr:
+    """Where slot ``index`` lives: names and addresses of its veth pair."""
+
+    index: int
+    router_ip: ipaddress.IPv4Address
+    sandbox_ip: ipaddress.IPv4Address
+
+    @property
+    def ifname(self) -> str:
+        """The router-side veth (also the key of the ``out``/``in`` verdict maps)."""
+        return f"{SLOT_PREFIX}{self.index}"
+
+    @property
+    def router_ifindex(self) -> int:
+        return ROUTER_IFINDEX_BASE + self.index
+
+    @property
+    def chain_prefix(self) -> str:
+        """Prefix of this slot's nft objects: ``s17o``, ``s17a4``..."""
+        return f"s{self.index}"
+
+
+class Pool:
+    """Arithmetic over the node's slot pool (an IPv4 network of at least 4 addresses)."""
+
+    def __init__(self, cidr: str = DEFAULT_POOL) -> None:
+        try:
+            net = ipaddress.IPv4Network(cidr, strict=True)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"net pool {cidr!r} is not an IPv4 network ({exc}); e.g. {DEFAULT_POOL}",
+                field="net_pool",
+            ) from exc
+        if net.prefixlen > 30:
+            raise InvalidArgument(
+                f"net pool {cidr} holds {net.num_addresses} addresses; a pool needs at "
+                "least a /30 (one slot and the resolver)",
+                field="net_pool",
+            )
+        self.network = net
+        self._base = int(net.network_address)
+        # Every /31 but the last, which holds the resolver.
+        self.capacity = net.num_addresses // 2 - 1
+
+    @property
+    def resolver(self) -> ipaddress.IPv4Address:
+        """The resolver's address: the pool's last-but-one address, on the router's lo."""
+        return ipaddress.IPv4Address(self._base + self.network.num_addresses - 2)
+
+    def slot(self, index: int) -> SlotAddr:
+        if not 0 <= index < self.capacity:
+            raise InvalidArgument(
+                f"slot {index} is outside pool {self.network} (slots 0..{self.capacity - 1})",
+                field="slot",
+            )
+        return SlotAddr(
+            index=index,
+            router_ip=ipaddress.IPv4Address(self._base + 2 * index),
+            sandbox_ip=ipaddress.IPv4Address(self._base + 2 * index + 1),
+        )
+
+    def slot_of(self, address: str | ipaddress.IPv4Address) -> int | None:
+        """The slot whose *sandbox* end is ``address``; None for anything else (the
+        router's ends, the resolver, addresses outside the pool)."""
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            return None
+        off = int(ip) - self._base
+        if off < 0 or off % 2 == 0:
+            return None
+        index = off // 2
+        return index if index < self.capacity else None
+
+    @staticmethod
+    def slot_of_ifname(ifname: str) -> int | None:
+        """``dsv17`` -> 17; None for any other name."""
+        if not ifname.startswith(SLOT_PREFIX):
+            return None
+        digits = ifname[len(SLOT_PREFIX):]
+        if not digits.isdigit() or (len(digits) > 1 and digits[0] == "0"):
+            return None
+        return int(digits)

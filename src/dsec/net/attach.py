@@ -1,0 +1,253 @@
+"""Sandboxes on router slots: what a backend calls at create, update and destroy (shell).
+
+A backend holds one :class:`SandboxNetwork` (or none: every sandbox then gets today's
+private loopback-only netns). At create it asks :meth:`attach`: the spec's policy is
+compiled to set elements (``compile``, injected: the policy language is the wire's,
+this layer only sees addresses and ports), a free slot is taken and loaded in one batch,
+and the slot's netns fd goes to the zygote, whose child joins it instead of making one.
+A spec that compiles to None (mode ``none``) gets no slot: no veth, no cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from dsec.errors import Conflict, DsecError, InvalidArgument
+from dsec.net.compile import Compiled, DomainRule, Elem
+from dsec.net.compile import compile as compile_policy
+from dsec.net.denied import Denial, DenyReporter
+from dsec.net.dnspolicy import DnsPolicy, NameRule, PinBook
+from dsec.net.nftrules import PRIVATE4
+from dsec.net.nftwire import Dest4, SlotPolicy, disjoint
+from dsec.net.router import Router, Slot
+from dsec.wire.spec import SandboxSpec
+
+__all__ = ["NetPlan", "PolicyCompiler", "SandboxNetwork", "compile_spec", "plan_of"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NetPlan:
+    """A sandbox's compiled policy: the slot's set elements and the resolver's rules."""
+
+    slot: SlotPolicy
+    dns: DnsPolicy = field(default_factory=DnsPolicy)
+
+
+#: (spec, the project ceilings' deny entries) -> its plan, or None for "no network
+#: beyond loopback". Raises InvalidArgument for a policy this node cannot enforce.
+PolicyCompiler = Callable[[SandboxSpec, tuple[str, ...]], NetPlan | None]
+
+#: The most elements one slot set may get after overlaps are split (disjoint()): a
+#: pipapo set's commit grows with its size (E12: 1.2 ms at 256 entries).
+MAX_SLOT_ELEMENTS = 4096
+
+
+def _dests(elems: Iterable[Elem]) -> tuple[Dest4, ...]:
+    out = [Dest4(e.net.network_address, e.net.broadcast_address, e.proto, *e.ports)
+           for e in elems if isinstance(e.net, ipaddress.IPv4Network)]
+    return disjoint(out)
+
+
+def plan_of(compiled: Compiled) -> NetPlan | None:
+    """The kernel's and the resolver's share of a compiled policy (None: mode none).
+    IPv6 elements are left out: slots have no IPv6 and drop every v6 packet."""
+    if compiled.mode == "none":
+        return None
+    for name in ("max_connections", "rate_mbit"):
+        if getattr(compiled, name) is not None:
+            # Refused rather than run without: a cap the caller (or a project ceiling)
+            # asked for and this node does not enforce would be a hole, not a default.
+            raise InvalidArgument(
+                f"network.{name}={getattr(compiled, name)} is not enforced by this node's "
+                f"router yet; leave {name} unset (null)", field=f"network.{name}")
+    slot = SlotPolicy(
+        allow4=_dests(compiled.sets.get("a4", ())), deny4=_dests(compiled.sets.get("d4", ())),
+        east4=_dests(compiled.sets.get("e4", ())), from4=tuple(sorted(compiled.inbound)),
+        open=compiled.open)
+    for name, elems in (("allow", slot.allow4), ("deny", slot.deny4)):
+        if len(elems) > MAX_SLOT_ELEMENTS:
+            raise InvalidArgument(
+                f"network.{name} becomes {len(elems)} kernel set elements once its "
+                f"overlapping entries are split, over this node's limit of "
+                f"{MAX_SLOT_ELEMENTS}; merge overlapping CIDR/port entries",
+                field=f"network.{name}", limit=MAX_SLOT_ELEMENTS)
+    private = [ipaddress.IPv4Network(p) for p in PRIVATE4]
+    private_ok = tuple(e.net for e in compiled.sets.get("a4", ())
+                       if isinstance(e.net, ipaddress.IPv4Network)
+                       and any(e.net.overlaps(p) for p in private))
+
+    def rule(d: DomainRule) -> NameRule:
+        return NameRule(d.name, d.wildcard, tuple(d.protos), d.ports)
+
+    dns = DnsPolicy(allow=tuple(rule(d) for d in compiled.domains),
+                    deny=tuple(rule(d) for d in compiled.deny_domains),
+                    open=compiled.open, private_ok=private_ok)
+    return NetPlan(slot, dns)
+
+
+def compile_spec(spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> NetPlan | None:
+    """The default compiler: the wire's policy through net/compile.py."""
+    policy = spec.net
+    if policy.net_mode == "none":
+        return None
+    return plan_of(compile_policy(policy, ceiling_deny=ceiling_deny))
+
+
+@dataclass
+class SandboxNetwork:
+    router: Router
+    compile: PolicyCompiler = compile_spec
+    by_sandbox: dict[str, Slot] = field(default_factory=dict)
+    by_slot: dict[int, str] = field(default_factory=dict)
+    policies: dict[str, NetPlan] = field(default_factory=dict)
+    pins: PinBook = field(default_factory=PinBook)
+    denied: DenyReporter = field(default_factory=DenyReporter)
+    _baseline: dict[int, int] = field(default_factory=dict)
+    #: sandboxes adopted after an edge restart whose slot died with the old router
+    lost: set[str] = field(default_factory=set)
+    _refilling: bool = False
+
+    def resolv_conf(self) -> bytes:
+        """/etc/resolv.conf of a sandbox on a slot: the router's resolver (every DNS
+        packet is redirected there anyway; this only spares clients a timeout)."""
+        return f"nameserver {self.router.pool.resolver}\noptions timeout:2 attempts:2\n".encode()
+
+    def attach(self, sid: str, spec: SandboxSpec,
+               ceiling_deny: tuple[str, ...] = ()) -> Slot | None:
+        """Compile, take a slot, load it; None when the spec needs no slot."""
+        if sid in self.by_sandbox:
+            raise Conflict(f"sandbox {sid} already holds network slot "
+                           f"{self.by_sandbox[sid].index}", sandbox_id=sid)
+        plan = self.compile(spec, ceiling_deny)
+        if plan is None:
+            return None
+        slot = self.router.take()
+        try:
+            self.router.load(slot, plan.slot, flush_pins=True)
+        except BaseException:
+            self.router.release(slot)  # nothing ran in it: safe to reuse
+            raise
+        self.pins.forget(slot.index)
+        self._refill_soon()
+        self.by_sandbox[sid] = slot
+        self.by_slot[slot.index] = sid
+        self.policies[sid] = plan
+        # the slot's drop counter as the previous tenant left it: this one's baseline
+        self.denied.assign(slot.index, sid, self._baseline.pop(slot.index, 0))
+        return slot
+
+    def poll_denied(self) -> list[Denial]:
+        """Packets each sandbox had dropped since the last poll (one counter dump)."""
+        if not self.denied.owners:
+            return []
+        return self.denied.feed(self.router.counters())
+
+    def recent_denied(self, sid: str) -> list[str]:
+        """Destinations the sandbox was recently refused (at most 16, the last 60 s):
+        "203.0.113.2:443/tcp". A libnftables listing: called only for a notice."""
+        slot = self.by_sandbox.get(sid)
+        if slot is None:
+            return []
+        text = self.router.nft(f"list set inet {self.router.config.table} s{slot.index}x")
+        if "elements = {" not in text:
+            return []
+        body = text.split("elements = {", 1)[1].split("}", 1)[0]
+        out = []
+        for item in body.split(","):
+            # nft prints "203.0.113.2 . tcp . 443 expires 58s"
+            fields = [f.strip() for f in item.split(" expires")[0].split(" . ")]
+            if len(fields) == 3:
+                out.append(f"{fields[0]}:{fields[2]}/{fields[1]}")
+        return out
+
+    def _refill_soon(self) -> None:
+        """Top the pool up on a worker thread (slot builds cost ~1-5 ms each: never on
+        the create path unless the pool ran dry)."""
+        if self._refilling or not self.router.needs_refill():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._refilling = True
+
+        def run() -> None:
+            try:
+                self.router.refill()
+            except (DsecError, OSError) as exc:
+                log.warning("net: refilling the slot pool failed: %s", exc)
+            finally:
+                self._refilling = False
+        loop.run_in_executor(None, run)
+
+    def plan_of_slot(self, index: int) -> tuple[str, Slot, NetPlan] | None:
+        """The sandbox on slot ``index`` (the resolver names askers this way)."""
+        sid = self.by_slot.get(index)
+        if sid is None:
+            return None
+        return sid, self.by_sandbox[sid], self.policies[sid]
+
+    def slot(self, sid: str) -> Slot | None:
+        return self.by_sandbox.get(sid)
+
+    def update(self, sid: str, spec: SandboxSpec,
+               ceiling_deny: tuple[str, ...] = ()) -> int | None:
+        """Load the spec's policy on the sandbox's slot (one atomic batch; flows the new
+        policy forbids are cut). Returns the new generation, the current one when the
+        compiled policy did not change (an idempotent retry cuts nothing), or None for
+        a sandbox without a slot. A change between "no slot" and "a slot" needs a new
+        sandbox: the netns of a running sandbox cannot be swapped."""
+        slot = self.by_sandbox.get(sid)
+        plan = self.compile(spec, ceiling_deny)
+        if sid in self.lost:
+            raise Conflict(
+                f"sandbox {sid} lost its network when the edge restarted (its router slot "
+                "went with the previous edge process); re-create it to get a network "
+                "policy", sandbox_id=sid)
+        if slot is None:
+            if plan is None:
+                return None
+            raise Conflict(
+                f"sandbox {sid} was created without a network slot (policy 'none'); a "
+                "running sandbox cannot gain one - create a new sandbox with the policy",
+                sandbox_id=sid)
+        if plan is None:
+            plan = NetPlan(SlotPolicy())  # everything closed, the slot kept
+        old = self.policies.get(sid)
+        if old == plan:
+            return slot.generation
+        # Names changed: their pins go too (re-resolving pins again what is still allowed)
+        names_changed = old is None or old.dns != plan.dns
+        gen = self.router.load(slot, plan.slot, flush_pins=names_changed)
+        if names_changed:
+            self.pins.forget(slot.index)
+        self.policies[sid] = plan
+        return gen
+
+    def detach(self, sid: str, *, reusable: bool) -> None:
+        """The sandbox is gone: recycle its slot (``reusable``: every process of it is
+        known dead) or drop it. Never raises: a failure only costs the slot."""
+        slot = self.by_sandbox.pop(sid, None)
+        self.policies.pop(sid, None)
+        self.lost.discard(sid)
+        if slot is None:
+            return
+        self.by_slot.pop(slot.index, None)
+        self.pins.forget(slot.index)
+        self.denied.retire(slot.index)
+        try:  # what the counter says now is the next tenant's starting point
+            self._baseline[slot.index] = self.router.counters().get(slot.index, 0)
+        except DsecError as exc:
+            log.warning("net: reading slot %d's counter failed: %s", slot.index, exc.message)
+        try:
+            self.router.release(slot, reusable=reusable)
+        except DsecError as exc:
+            log.warning("net: releasing slot %d of %s failed: %s", slot.index, sid, exc.message)
+        except OSError as exc:
+            log.warning("net: releasing slot %d of %s failed: %s", slot.index, sid, exc)

@@ -1,0 +1,468 @@
+"""The node's router netns and its slot pool (shell over addressing/slots/nftrules/nftwire).
+
+One router network namespace per edge holds every filtering rule, the NAT and (later) the
+DNS resolver's socket; each sandbox gets a routed /31 veth into it (plan-14 §4.1). All of
+the enforcement sits outside anything the sandbox can reach, even a sandbox root holding
+``CAP_NET_RAW``.
+
+Slots are held by this process's file descriptors (no bind mounts): an unassigned slot
+lives exactly as long as the router object's fd, so a crash frees them by itself. The
+router netns is held the same way in this version; the bind mount that lets it outlive an
+edge restart comes with reconcile (plan-14 §9).
+
+Threads: every public method takes one lock; the calls are synchronous and short (a slot
+build ~1 ms, a policy batch < 1 ms), so the edge may call them from its loop or from a
+worker thread (a background refill). ``setns``/``unshare`` only ever move the calling
+thread, and back.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Self
+
+from dsec.errors import BackendError, ResourceExhausted
+from dsec.net import netns, nftrules, rtwire
+from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
+from dsec.net.kernel import Netlink, Nft
+from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy
+from dsec.net.slots import BuildSlots, Drain, Instruction, SlotEvent, SlotTable
+from dsec.net.uplink import UPLINK_IFNAME, NetnsUplink
+
+__all__ = ["Router", "RouterConfig", "Slot"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    pool: str = "10.213.0.0/16"
+    pool_min: int = 32
+    build_batch: int = 64
+    # Added to the never-reachable set (the host's own addresses).
+    node_addresses: tuple[str, ...] = ()
+    table: str = nftrules.TABLE
+
+
+@dataclass(slots=True)
+class Slot:
+    """A built slot: its addresses and the fd holding its netns."""
+
+    addr: SlotAddr
+    fd: int
+    generation: int = 0
+
+    @property
+    def index(self) -> int:
+        return self.addr.index
+
+
+@dataclass
+class _Counters:
+    built: int = 0
+    drained: int = 0
+    dropped: int = 0
+    policy_loads: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Router:
+    """The router netns of one node: base table, uplink, slot pool.
+
+    ``Router.create(config, uplink)`` builds everything fresh; ``close()`` releases every
+    fd, which makes the kernel remove the router netns, every slot netns not held by a
+    sandbox, and every veth and nft object with them.
+    """
+
+    def __init__(self, config: RouterConfig, uplink: NetnsUplink) -> None:
+        self.config = config
+        self.pool = Pool(config.pool)
+        self.uplink = uplink
+        self.table = SlotTable(capacity=self.pool.capacity, pool_min=config.pool_min,
+                               build_batch=config.build_batch)
+        self.slots: dict[int, Slot] = {}
+        self.stats = _Counters()
+        self._lock = threading.RLock()
+        self._generation = 0
+        self.fd = -1
+        self._rt: Netlink | None = None
+        self._nl: Netlink | None = None
+        self._nft: Nft | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, config: RouterConfig, uplink: NetnsUplink) -> Router:
+        r = cls(config, uplink)
+        try:
+            r._start()
+        except BaseException:
+            r.close()
+            raise
+        return r
+
+    def _start(self) -> None:
+        self.fd = netns.new_netns()
+        netns.write_sysctl(self.fd, "net/ipv4/ip_forward", "1")  # this netns only
+        # Strict reverse-path filter: a packet whose source is not routed back through
+        # the device it came in on is dropped before any hook. The slots' anti-spoof
+        # rules guard the forward path; this also guards what a slot sends to the
+        # router itself (DNS to the resolver: with another slot's source, a sandbox
+        # holding CAP_NET_RAW would spend that tenant's DNS budget and pins).
+        for k in ("all", "default"):
+            netns.write_sysctl(self.fd, f"net/ipv4/conf/{k}/rp_filter", "1")
+        for k in ("all", "default"):
+            netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "1")
+        self._rt = Netlink.route(self.fd)
+        self._nl = Netlink.netfilter(self.fd)
+        self._nft = Nft(self.fd)
+        seq = self._rt.next_seq(2)
+        self._rt.request(rtwire.messages(
+            rtwire.link_up(seq, 1),
+            rtwire.addr_add(seq + 1, 1, self.pool.resolver, 32),
+        ), [seq, seq + 1], "router lo")
+        self.uplink.attach(self._rt)
+        self._nft(nftrules.base_ruleset(
+            pool=self.pool, uplink=UPLINK_IFNAME,
+            node_addresses=(*self.config.node_addresses, f"{self.uplink.router_ip}/32",
+                            f"{self.uplink.peer_ip}/32"),
+            table=self.config.table,
+        ))
+
+    def close(self) -> None:
+        """Release every fd (slots held by live sandboxes stay alive in them)."""
+        with self._lock:
+            for s in self.slots.values():
+                _close(s.fd)
+            self.slots.clear()
+            for x in (self._rt, self._nl):
+                if x is not None:
+                    x.close()
+            if self._nft is not None:
+                self._nft.close()
+            self._rt = self._nl = None
+            self._nft = None
+            if self.fd >= 0:
+                _close(self.fd)
+                self.fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def nft(self) -> Nft:
+        if self._nft is None:
+            raise BackendError("the router is closed")
+        return self._nft
+
+    @property
+    def netlink(self) -> Netlink:
+        if self._nl is None:
+            raise BackendError("the router is closed")
+        return self._nl
+
+    @property
+    def rtnl(self) -> Netlink:
+        if self._rt is None:
+            raise BackendError("the router is closed")
+        return self._rt
+
+    # ------------------------------------------------------------------ pool
+
+    def refill(self) -> int:
+        """Build slots until the pool holds ``pool_min`` free ones; returns how many.
+
+        Safe on a worker thread while the loop takes, loads and releases slots: the
+        router's lock is held only to reserve indices and to record what was built, not
+        while building (each kernel socket and the libnftables context have their own
+        lock), so a create never waits for a batch of 64 slots."""
+        with self._lock:
+            todo = self.table.refill()
+        built = 0
+        for ins in todo:
+            assert isinstance(ins, BuildSlots)
+            events = self._build(ins)
+            with self._lock:
+                if self.fd < 0:  # closed meanwhile: what was built is not kept
+                    for i in ins.slots:
+                        slot = self.slots.pop(i, None)
+                        if slot is not None:
+                            _close(slot.fd)
+                    return built
+                self.table.handle(*events)
+            built += sum(1 for e in events if e.kind == "built")
+        return built
+
+    def needs_refill(self) -> bool:
+        with self._lock:
+            return (self.table.count("free") + self.table.count("building")
+                    < self.table.pool_min)
+
+    def ensure_free(self, n: int) -> int:
+        """Build slots (``build_batch`` at a time) until ``n`` are free, or the pool is
+        full; returns how many were built. For a known burst of creates."""
+        built = 0
+        with self._lock:
+            while self.table.count("free") < n:
+                b = self.table.reserve(min(self.config.build_batch,
+                                           n - self.table.count("free")))
+                if b is None:
+                    break
+                events = self._build(b)
+                self.table.handle(*events)
+                got = sum(1 for e in events if e.kind == "built")
+                if not got:
+                    break
+                built += got
+        return built
+
+    def _execute(self, instructions: Iterable[Instruction]) -> int:
+        built = 0
+        todo = list(instructions)
+        while todo:
+            ins = todo.pop(0)
+            if isinstance(ins, BuildSlots):
+                events = self._build(ins)
+                built += sum(1 for e in events if e.kind == "built")
+            elif isinstance(ins, Drain):
+                events = [self._drain(ins.slot)]
+            else:
+                self._drop(ins.slot)
+                events = []
+            todo += self.table.handle(*events)
+        return built
+
+    def _build(self, ins: BuildSlots) -> list[SlotEvent]:
+        if ins.objects:
+            try:
+                self.nft(nftrules.slot_objects((self.pool.slot(i) for i in ins.objects),
+                                               table=self.config.table))
+            except BackendError as exc:
+                log.warning("net: nft objects of slots %s failed: %s", ins.objects, exc.message)
+                return [SlotEvent("build_failed", i) for i in ins.slots]
+        events: list[SlotEvent] = []
+        for i in ins.slots:
+            try:
+                self.slots[i] = self._build_one(self.pool.slot(i))
+            except OSError as exc:
+                log.warning("net: building slot %d failed: %s", i, exc)
+                events.append(SlotEvent("build_failed", i))
+            except BackendError as exc:
+                log.warning("net: building slot %d failed: %s", i, exc.message)
+                events.append(SlotEvent("build_failed", i))
+            else:
+                events.append(SlotEvent("built", i))
+                self.stats.built += 1
+        # Sets of rebuilt indices may hold a previous tenant's elements: empty them.
+        batch = NftBatch(self.config.table)
+        for e in events:
+            if e.kind == "built" and e.slot not in ins.objects:
+                nftrules.drain_batch(batch, self.pool.slot(e.slot))
+        self.netlink.commit(batch, "flush rebuilt slots")
+        return events
+
+    def _build_one(self, a: SlotAddr) -> Slot:
+        fd = netns.new_netns()
+        try:
+            with netns.entered(fd):
+                for k in ("all", "default"):
+                    with open(f"/proc/sys/net/ipv6/conf/{k}/disable_ipv6", "w") as f:
+                        f.write("1")
+            seq = self.rtnl.next_seq(3)
+            self.rtnl.request(rtwire.messages(
+                rtwire.veth_pair(seq, name=a.ifname, index=a.router_ifindex,
+                                 peer=SANDBOX_IFNAME, peer_index=SANDBOX_IFINDEX,
+                                 peer_netns_fd=fd),
+                rtwire.addr_add(seq + 1, a.router_ifindex, a.router_ip, 31),
+                rtwire.link_up(seq + 2, a.router_ifindex),
+            ), [seq, seq + 1, seq + 2], f"slot {a.index} router side")
+            try:
+                rt = Netlink.route(fd)
+                try:
+                    s = rt.next_seq(4)
+                    rt.request(rtwire.messages(
+                        rtwire.addr_add(s, SANDBOX_IFINDEX, a.sandbox_ip, 31),
+                        rtwire.link_up(s + 1, SANDBOX_IFINDEX),
+                        rtwire.link_up(s + 2, 1),
+                        rtwire.default_route(s + 3, a.router_ip, SANDBOX_IFINDEX),
+                    ), [s, s + 1, s + 2, s + 3], f"slot {a.index} sandbox side")
+                finally:
+                    rt.close()
+            except BaseException:
+                self._del_link(a)
+                raise
+        except BaseException:
+            _close(fd)
+            raise
+        return Slot(addr=a, fd=fd)
+
+    def _del_link(self, a: SlotAddr) -> None:
+        seq = self.rtnl.next_seq()
+        try:
+            self.rtnl.request(rtwire.link_del(seq, a.router_ifindex), [seq],
+                              f"delete {a.ifname}")
+        except BackendError as exc:
+            if exc.detail.get("errno") != 19:  # ENODEV: already gone with its netns
+                raise
+
+    def _drain(self, index: int) -> SlotEvent:
+        a = self.pool.slot(index)
+        try:
+            self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table), a),
+                                f"drain slot {index}")
+        except BackendError as exc:
+            log.warning("net: draining slot %d failed: %s", index, exc.message)
+            return SlotEvent("drain_failed", index)
+        self.stats.drained += 1
+        slot = self.slots.get(index)
+        if slot is not None:
+            slot.generation = 0
+        return SlotEvent("drained", index)
+
+    def _drop(self, index: int) -> None:
+        slot = self.slots.pop(index, None)
+        a = self.pool.slot(index)
+        try:
+            self._del_link(a)
+            self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table), a),
+                                f"flush dropped slot {index}")
+        finally:
+            if slot is not None:
+                _close(slot.fd)
+            self.stats.dropped += 1
+
+    # ------------------------------------------------------------------ per sandbox
+
+    def take(self) -> Slot:
+        """A free slot for a new sandbox; builds one inline when the pool is empty."""
+        with self._lock:
+            index = self.table.take()
+            if index is None:
+                b = self.table.reserve(1)
+                if b is None:
+                    raise ResourceExhausted(
+                        f"network pool {self.pool.network} is full: all "
+                        f"{self.pool.capacity} slots are in use; destroy sandboxes or give "
+                        "the edge a larger --net-pool",
+                        limit=self.pool.capacity,
+                    )
+                self.table.handle(*self._build(b))
+                index = self.table.take()
+                if index is None:
+                    raise BackendError(f"net: building slot {b.slots[0]} failed (see the log)")
+            return self.slots[index]
+
+    def next_generation(self) -> int:
+        with self._lock:
+            self._generation += 1
+            return self._generation
+
+    def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False) -> int:
+        """Replace the slot's policy (one atomic batch); returns the new generation.
+        Flows the new policy forbids are cut at their next packet."""
+        with self._lock:
+            gen = self.next_generation()
+            self.netlink.commit(
+                nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
+                                    flush_pins=flush_pins),
+                f"policy of slot {slot.index}",
+            )
+            slot.generation = gen
+            self.table.handle(SlotEvent("policy_loaded", slot.index))
+            self.stats.policy_loads += 1
+            return gen
+
+    def pin(self, slot: Slot, pins: Iterable[Pin4]) -> None:
+        """Add DNS pins to the slot's pin sets (before the answer is sent)."""
+        with self._lock:
+            self.netlink.commit(
+                nftrules.pins_batch(NftBatch(self.config.table), slot.addr, pins),
+                f"pins of slot {slot.index}",
+            )
+
+    def release(self, slot: Slot, *, reusable: bool = True) -> None:
+        """The slot's sandbox is gone. With ``reusable`` (its processes, hence its
+        sockets, are known dead) and the netns still as built, drain and recycle it;
+        otherwise drop it (a hostile tenant's leftovers never reach the next one)."""
+        with self._lock:
+            why = "" if reusable else "its sandbox's processes may still be alive"
+            if not why:
+                why = self.check(slot)
+            if why:
+                log.warning("net: slot %d is not reused: %s", slot.index, why)
+                self._execute(self.table.handle(SlotEvent("lost", slot.index)))
+                return
+            self._execute(self.table.handle(SlotEvent("released", slot.index)))
+
+    def check(self, slot: Slot) -> str:
+        """"" if the slot's netns looks exactly as built (links, address, routes), else
+        what differs. ~0.1 ms: ioctls and one /proc read inside the netns."""
+        a = slot.addr
+        try:
+            with netns.entered(slot.fd):
+                links = socket.if_nameindex()
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                      struct.pack("256s", SANDBOX_IFNAME.encode()))
+                    raw_mask = fcntl.ioctl(s.fileno(), _SIOCGIFNETMASK,
+                                           struct.pack("256s", SANDBOX_IFNAME.encode()))
+                with open("/proc/thread-self/net/route") as f:
+                    routes = f.read().splitlines()[1:]
+        except OSError as exc:
+            return f"cannot inspect its netns: {exc}"
+        if sorted(links) != [(1, "lo"), (SANDBOX_IFINDEX, SANDBOX_IFNAME)]:
+            return f"its links changed: {sorted(links)}"
+        addr = socket.inet_ntoa(raw[20:24])
+        mask = socket.inet_ntoa(raw_mask[20:24])
+        if addr != str(a.sandbox_ip) or mask != "255.255.255.254":
+            return f"eth0 has {addr}/{mask}, not {a.sandbox_ip}/31"
+        # default via the router's end, and the /31 itself (its network is that end)
+        want = {("00000000", _hexle(a.router_ip)), (_hexle(a.router_ip), "00000000")}
+        got = {(r.split()[1], r.split()[2]) for r in routes if r.split()}
+        if got != want:
+            return f"its routes changed: {sorted(got)}"
+        return ""
+
+    def lose(self, slot: Slot) -> None:
+        """The slot can no longer be trusted or reused: drop it."""
+        with self._lock:
+            self._execute(self.table.handle(SlotEvent("lost", slot.index)))
+
+    def counters(self) -> dict[int, int]:
+        """Denied packets per slot index (one netlink dump)."""
+        with self._lock:
+            raw = self.netlink.counters(self.config.table)
+        out: dict[int, int] = {}
+        for name, (packets, _bytes) in raw.items():
+            if name.startswith("s") and name.endswith("c") and name[1:-1].isdigit():
+                out[int(name[1:-1])] = packets
+        return out
+
+
+_SIOCGIFADDR = 0x8915
+_SIOCGIFNETMASK = 0x891B
+
+
+def _hexle(ip: ipaddress.IPv4Address) -> str:
+    """An address as /proc/net/route prints it (host-order hex of the network bytes)."""
+    return f"{int.from_bytes(ip.packed, 'little'):08X}"
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
