@@ -848,8 +848,13 @@ class EdgeNode:
                 node=self.node_id)
 
     def _net_view(self, rec: _Sandbox) -> NetworkView:
+        address, denied, pins = None, 0, 0
+        status = getattr(rec.backend, "network_status", None)
+        if status is not None and rec.state not in ("destroyed", "failed"):
+            address, denied, pins = status(SandboxId(rec.id))
         return NetworkView(policy=rec.spec.net, generation=rec.net_generation,
-                           ceiling_deny=rec.ceiling_deny)
+                           ceiling_deny=rec.ceiling_deny, address=address,
+                           denied_packets=denied, pins=pins)
 
     def network_get(self, sandbox_id: str) -> NetworkView:
         """The sandbox's egress policy as this node holds it, and its generation."""
@@ -893,6 +898,15 @@ class EdgeNode:
                     f"the {rec.spec.backend} backend on node {self.node_id} enforces no "
                     f"network policy but 'none'; {policy.net_mode!r} is refused",
                     field="policy.mode")
+            checker = getattr(rec.backend, "check_network", None)
+            if checker is not None:
+                # a policy the backend will refuse is refused before it is journaled
+                try:
+                    await checker(SandboxId(rec.id),
+                                  msgspec.structs.replace(rec.spec, network=policy),
+                                  ceiling_deny)
+                except Exception as exc:
+                    raise self._backend_error(rec, "network_update", exc) from exc
             old = (rec.spec, rec.ceiling_deny, rec.net_generation)
             rec.spec = msgspec.structs.replace(rec.spec, network=policy)
             rec.ceiling_deny = ceiling_deny
