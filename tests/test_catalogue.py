@@ -547,6 +547,8 @@ _NET_BAD: list[tuple[str, Raw, str, str | None]] = [
 # at `$.spec.cpu_milli`", REST's body being the spec).
 
 INVALID: dict[str, list[Bad]] = {
+    "get": [Bad("id length", lambda w: {"id": "s" * (wspec.MAX_ID_CHARS + 1)}, "an id is",
+                "MAX_ID_CHARS")],
     "create": [
         _spec_bad("cpu", {"cpu_milli": wspec.MAX_CPU_MILLI + 1}, "cpu_milli",
                   "MAX_CPU_MILLI"),
@@ -569,6 +571,16 @@ INVALID: dict[str, list[Bad]] = {
                   "label", "MAX_LABEL_KEY_CHARS"),
         _spec_bad("label value", {"labels": {"k": "v" * (wspec.MAX_LABEL_VALUE_CHARS + 1)}},
                   "label", "MAX_LABEL_VALUE_CHARS"),
+        _spec_bad("priority", {"priority": wspec.MAX_PRIORITY + 1}, "priority",
+                  "MAX_PRIORITY"),
+        _spec_bad("toolkit count", {"toolkits": ["tk"] * (wspec.MAX_TOOLKITS + 1)},
+                  f"toolkits has {wspec.MAX_TOOLKITS + 1} entries", "MAX_TOOLKITS"),
+        _spec_bad("image ref", {"image": "i" * (wspec.MAX_REF_CHARS + 1)}, "image",
+                  "MAX_REF_CHARS"),
+        # (the edge's case: tests/security/catalogue/test_edge_spec_rules.py; this
+        # harness gives the edge a resolved project)
+        Bad("project path", lambda w: {"spec": {"project": "Default/../x"}},
+            "invalid project path", doors=_API),
         Bad("idempotency key", lambda w: {"idempotency_key": "k" * (
             wspec.MAX_IDEMPOTENCY_KEY_CHARS + 1)}, "idempotency", "MAX_IDEMPOTENCY_KEY_CHARS",
             doors=_API),
@@ -578,6 +590,8 @@ INVALID: dict[str, list[Bad]] = {
             f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS", doors=_API),
     ],
     "list": [
+        Bad("label filters", lambda w: {"labels": {f"k{i}": "v" for i in range(
+            wspec.MAX_LABELS + 1)}}, "labels filter has", "MAX_LABELS"),
         Bad("page size", lambda w: {"limit": 100_000}, "limit", doors=_API, policy=True),
         Bad("page size zero", lambda w: {"limit": 0}, "limit", doors=_API, policy=True),
     ],
@@ -619,7 +633,14 @@ INVALID: dict[str, list[Bad]] = {
     "port_close": [Bad("port", lambda w: {"id": w.sid, "port": 70000},
                        "port=70000 must be within 1..65535")],
     "destroy_many": [Bad("batch size", lambda w: {"ids": ["s"] * (wspec.MAX_BATCH_ITEMS + 1)},
-                         f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS")],
+                         f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS"),
+                     Bad("reason", lambda w: {"ids": ["s"], "reason": "r" * (
+                         wspec.MAX_REASON_CHARS + 1)}, "reason", "MAX_REASON_CHARS")],
+    "snapshot": [Bad("strip count", lambda w: {"id": w.sid, "strip": ["/tmp/x"] * (
+        wspec.MAX_STRIP_PATTERNS + 1)}, "strip has", "MAX_STRIP_PATTERNS"),
+                 Bad("strip pattern", lambda w: {"id": w.sid, "strip": ["x" * (
+                     wspec.MAX_STRIP_PATTERN_CHARS + 1)]}, "strip pattern",
+                     "MAX_STRIP_PATTERN_CHARS")],
     "session_open": [Bad("lease too short", lambda w: {"lease_s": 0.5}, "lease_s",
                          policy=True),
                      Bad("lease too long", lambda w: {"lease_s": 1e9}, "lease_s",
@@ -627,7 +648,9 @@ INVALID: dict[str, list[Bad]] = {
     "create_key": [Bad("name", lambda w: {"name": "no such name!", "project": "default"},
                        "name", policy=True)],
     "quota_set": [Bad("negative", lambda w: {"path": "default", "quota": {
-        "max_sandboxes": -1}}, "max_sandboxes", policy=True)],
+        "max_sandboxes": -1}}, "max_sandboxes"),
+                  Bad("beyond 64 bits", lambda w: {"path": "default", "quota": {
+                      "cpu_milli": 2**63}}, "cpu_milli")],
     "image_tag": [Bad("source length", lambda w: {"source": "s" * 5000, "target": "t:1"},
                       "source", decode=True)],
     "network_update": [_net_bad(f"policy{suffix}", raw, needle, limit)

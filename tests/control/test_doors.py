@@ -393,7 +393,10 @@ def test_batches_are_one_request_at_both_doors(cluster: LocalCluster, sid: str) 
                                                             "req": {"argv": ["true"]}}]
     r = _rest(cluster, "POST", "/v1/batch/exec", json={"calls": calls})
     assert r.status_code == 200, r.text
-    rest = msgspec.json.decode(r.content, type=Batch[ExecResult]).results()
+    # each item in /exec's JSON form (wire.jsonform), as the SDK reads it
+    from dsec.wire.jsonform import from_json
+    assert msgspec.json.decode(r.content)["items"][0]["value"]["stdout"] == "hi\n"
+    rest = from_json(msgspec.json.decode(r.content), Batch[ExecResult]).results()
     gw = _gw(cluster, "api.exec_many", {"calls": calls}, Batch[ExecResult]).results()
     for got in (rest, gw):
         assert isinstance(got[0], ExecResult) and got[0].stdout == b"hi\n", got

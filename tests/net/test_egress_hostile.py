@@ -15,6 +15,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.testimage import build_busybox_root
 from dsec.errors import BackendError, InvalidArgument
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
+from dsec.net import netns
 from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
 from dsec.net.testinternet import (
@@ -321,10 +323,39 @@ async def test_the_pool_is_topped_up_off_the_create_path(env: Env) -> None:
     assert env.router.stats.built > built
 
 
-async def test_caps_this_node_cannot_enforce_are_refused_not_ignored(env: Env) -> None:
-    for cap in ({"max_connections": 8}, {"rate_mbit": 10}):
-        spec = msgspec.structs.replace(SPEC, network=NetworkPolicy(
-            mode="policy", allow=(f"{ALLOWED}:80/tcp",), **cap).validate())  # type: ignore[arg-type]
-        with pytest.raises(InvalidArgument, match="not enforced by this node's router"):
-            await env.create(spec)
-    assert env.backend.sandbox_ids() == [] and env.net.by_sandbox == {}
+async def test_caps_are_in_the_kernel_and_leave_with_the_tenant(env: Env) -> None:
+    """max_connections is the slot's ct count cap, rate_mbit a tbf on both veth ends
+    (tests/net/test_caps.py shows them hold); a recycled slot's next tenant gets
+    neither (the node's default flow cap, no shaping)."""
+    spec = msgspec.structs.replace(SPEC, network=NetworkPolicy(
+        mode="policy", allow=(f"{ALLOWED}:80/tcp",), max_connections=8,
+        rate_mbit=10).validate())
+    sid = await env.create(spec)
+    slot = env.net.slot(sid)
+    assert slot is not None
+    index = slot.index
+    assert "ct count over 8 " in env.router.nft(f"list chain inet dsec s{index}k")
+    assert "tbf" in _qdiscs(env.router.fd, slot.addr.ifname)
+    assert "tbf" in _qdiscs(slot.fd, "eth0")
+    await env.backend.destroy(sid)
+    while env.router.table._free and env.router.table._free[0] != index:
+        env.router.take()
+    b = await env.create(policy(f"{ALLOWED}:80/tcp"))
+    got = env.net.slot(b)
+    assert got is not None and got.index == index
+    assert "ct count over 4096 " in env.router.nft(f"list chain inet dsec s{index}k")
+    assert "tbf" not in _qdiscs(env.router.fd, got.addr.ifname)
+    assert "tbf" not in _qdiscs(got.fd, "eth0")
+
+
+def _qdiscs(fd: int, dev: str) -> str:
+    out: list[str] = []
+
+    def run() -> None:  # setns moves the calling thread: a thread of its own
+        with netns.entered(fd):
+            out.append(subprocess.run(["tc", "qdisc", "show", "dev", dev],
+                                      capture_output=True, text=True, check=True).stdout)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]

@@ -241,3 +241,34 @@ def test_disjoint_admits_the_same_flows_without_overlap(ds: list[Dest4]) -> None
                        and int(b.first) <= int(a.last) and a.port_lo <= b.port_hi
                        and b.port_lo <= a.port_hi)
             assert not overlap, (a, b)
+
+
+def test_platform_endpoints_are_never_reachable() -> None:
+    """The router's never set and the wire's NEVER_REACHABLE agree, and hold the cloud
+    platform endpoints outside link-local (REDTEAM-14 "noticed": Azure's wireserver)."""
+    from dsec.net.nftrules import NEVER4
+    from dsec.wire.netpolicy import NEVER_REACHABLE, NetworkPolicy
+    wire4 = {str(n) for n, _ in NEVER_REACHABLE if n.version == 4}
+    assert set(NEVER4) <= wire4
+    for addr in ("168.63.129.16", "100.100.100.200", "169.254.169.254"):
+        assert any(ipaddress.IPv4Address(addr) in ipaddress.IPv4Network(n) for n in NEVER4)
+        with pytest.raises(InvalidArgument, match="never reachable"):
+            NetworkPolicy(mode="policy", allow=(f"{addr}:80/tcp",)).validate()
+    with pytest.raises(InvalidArgument, match="never reachable"):
+        NetworkPolicy(mode="policy", allow=("[fd00:ec2::254]:80/tcp",)).validate()
+
+
+def test_disjoint_stops_at_its_limit() -> None:
+    """A split that passes the limit stops there (the work a refused policy costs is
+    bounded), and the same split without a limit is unchanged."""
+    from dsec.net.nftwire import Dest4, TooManyElements, disjoint
+    a = ipaddress.IPv4Address
+    wide = [Dest4(a("1.0.0.0"), a("1.255.255.255"), "tcp", 2 * i + 1, 2 * i + 1)
+            for i in range(128)]
+    hosts = [Dest4(a(f"1.{i}.{i}.{i}"), a(f"1.{i}.{i}.{i}"), "tcp", 2 * i + 2, 2 * i + 2)
+             for i in range(1, 129)]
+    with pytest.raises(TooManyElements) as got:
+        disjoint(wide + hosts, limit=4096)
+    assert 4096 < got.value.count <= 4096 + 129
+    small = wide[:3] + hosts[:2]
+    assert disjoint(small, limit=4096) == disjoint(small)

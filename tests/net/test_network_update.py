@@ -22,7 +22,7 @@ from dsec.net.attach import SandboxNetwork
 from dsec.net.router import Router
 from dsec.net.testinternet import ALLOWED, CIDR_IN, SIBLING, Internet
 from dsec.wire.netpolicy import NetworkPolicy
-from dsec.wire.spec import SandboxSpec
+from dsec.wire.spec import ExecRequest, SandboxSpec
 
 from ..edge.container.conftest import _cleanup
 from .test_egress_hostile import images_dir, policy
@@ -136,3 +136,22 @@ async def test_ceiling_denies_are_in_the_kernel_from_create_on(
                                                                        f"{CIDR_IN}:80/tcp")),
                            ceiling_deny=(f"{ALLOWED}:80/tcp",))
     assert f"{ALLOWED} . tcp . 80" in net.router.nft(f"list set inet dsec s{slot.index}d4")
+
+
+async def test_network_get_shows_what_the_node_enforces(
+        node: tuple[EdgeNode, Recording, str]) -> None:
+    """network_get says "as enforced": the sandbox's address on its slot, the packets its
+    slot dropped (as of the last counter poll), its live pins; none of them for a
+    sandbox without a slot (REDTEAM-14 "noticed": they were never filled)."""
+    n, net, _state = node
+    info = await n.create(policy(f"{ALLOWED}:80/tcp"))
+    slot = net.slot(info.id)
+    assert slot is not None
+    view = n.network_get(info.id)
+    assert view.address == str(slot.addr.sandbox_ip) and view.denied_packets == 0
+    r = await n.exec(info.id, ExecRequest(shell=f"nettool tcp {SIBLING} 80 x", timeout_s=20))
+    assert b"ERR" in r.stdout + r.stderr
+    net.poll_denied()
+    assert n.network_get(info.id).denied_packets >= 1
+    closed = await n.create(policy(mode="none"))
+    assert n.network_get(closed.id).address is None

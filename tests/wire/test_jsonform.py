@@ -92,3 +92,40 @@ def test_bad_stdin_is_refused_with_the_field_named() -> None:
                               stdin_encoding="base64"))
     with pytest.raises(InvalidArgument, match="not valid Unicode"):
         exec_request(ExecBody(argv=["cat"], stdin="\udc80"))
+
+
+def test_every_rest_body_holding_an_exec_record_is_read_and_documented_in_its_json_form() -> None:
+    """An ExecRequest/ExecResult nested in a REST body or reply (a batch's) travels in the
+    exec JSON form; the OpenAPI document names that form for each such row."""
+    from dsec.control.api.openapi import _JSON_FORMS
+    from dsec.wire import ops
+    from dsec.wire.jsonform import carries_exec
+    from dsec.wire.spec import ExecRequest, ExecResult
+
+    for op in ops.BY_NAME.values():
+        if op.rest is None:
+            continue
+        if op.rest.body == "*" and carries_exec(op.request):
+            assert op.request in _JSON_FORMS, op.name
+        if op.rest.reply == "json" and op.reply is not ExecResult and carries_exec(op.reply):
+            assert op.reply in _JSON_FORMS, op.name
+    assert carries_exec(ExecRequest) and not carries_exec(ops.GET.reply)
+
+
+def test_a_batch_of_exec_records_round_trips_through_its_json_form() -> None:
+    from dsec.wire.calls import ExecCall, ExecMany
+    from dsec.wire.jsonform import from_json, json_form
+    from dsec.wire.outcome import Batch, Outcome
+    from dsec.wire.spec import ExecRequest, ExecResult
+
+    req = ExecMany(calls=[ExecCall(id="s", req=ExecRequest(argv=("cat",), stdin=b"test")),
+                          ExecCall(id="t", req=ExecRequest(shell="x", stdin=b"\xff\x00"))])
+    data = msgspec.json.decode(msgspec.json.encode(json_form(req)))
+    assert data["calls"][0]["req"]["stdin"] == "test"
+    assert data["calls"][1]["req"]["stdin_encoding"] == "base64"
+    assert from_json(data, ExecMany) == req
+    rep = Batch(items=[Outcome(value=ExecResult(exit_code=0, stdout=b"hi\n")),
+                       Outcome(value=ExecResult(exit_code=1, stderr=b"\xfe"))])
+    data = msgspec.json.decode(msgspec.json.encode(json_form(rep)))
+    assert data["items"][0]["value"]["stdout"] == "hi\n"
+    assert from_json(data, Batch[ExecResult]) == rep

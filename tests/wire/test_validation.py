@@ -26,6 +26,8 @@ from dsec.wire.calls import (
     Mkdir,
     ReadFile,
     Remove,
+    SandboxRef,
+    SnapshotCall,
     WriteFile,
 )
 from dsec.wire.spec import (
@@ -217,6 +219,16 @@ PAST_EACH_LIMIT: dict[str, Any] = {
         "k" * (spec.MAX_LABEL_KEY_CHARS + 1): ""}).validate(),
     "MAX_LABEL_VALUE_CHARS": lambda: SandboxSpec(labels={
         "k": "v" * (spec.MAX_LABEL_VALUE_CHARS + 1)}).validate(),
+    "MAX_PRIORITY": lambda: SandboxSpec(priority=spec.MAX_PRIORITY + 1).validate(),
+    "MAX_TOOLKITS": lambda: SandboxSpec(toolkits=("tk",) * (spec.MAX_TOOLKITS + 1)).validate(),
+    "MAX_REF_CHARS": lambda: SandboxSpec(workspace="w" * (spec.MAX_REF_CHARS + 1)).validate(),
+    "MAX_STRIP_PATTERNS": lambda: SnapshotCall(id="s", strip=["/x"] * (
+        spec.MAX_STRIP_PATTERNS + 1)),
+    "MAX_STRIP_PATTERN_CHARS": lambda: SnapshotCall(id="s", strip=["x" * (
+        spec.MAX_STRIP_PATTERN_CHARS + 1)]),
+    "MAX_REASON_CHARS": lambda: DestroyMany(ids=["s"], reason="r" * (
+        spec.MAX_REASON_CHARS + 1)),
+    "MAX_ID_CHARS": lambda: SandboxRef(id="s" * (spec.MAX_ID_CHARS + 1)),
     "MAX_NET_RULES": lambda: _net(allow=tuple(
         f"h{i}.example.com" for i in range(spec.MAX_NET_RULES + 1))),
     "MAX_NET_ENTRY_CHARS": lambda: _net(allow=("x" * (spec.MAX_NET_ENTRY_CHARS + 1),)),
@@ -273,3 +285,21 @@ def test_snapshot_ref_is_sha256_and_12_to_64_lowercase_hex() -> None:
     with pytest.raises(InvalidArgument) as e:
         check_snapshot_ref("x" * 10_000)
     assert len(e.value.message) < 200 and e.value.detail["field"] == "id"
+
+
+def test_a_quota_is_a_64_bit_count_and_a_stored_one_beyond_reads_back_clamped() -> None:
+    """[i13f] A quota beyond 2**63 - 1 made every Aether read of its project fail (msgpack
+    cannot carry it): refused when set, and one an older release stored reads back as the
+    largest value every door carries instead of failing every reader."""
+    from dsec.wire.api import MAX_QUOTA, QuotaBody
+
+    with pytest.raises(InvalidArgument, match="cpu_milli") as ei:
+        QuotaBody(cpu_milli=10**30)
+    assert ei.value.detail["field"] == "cpu_milli"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"memory_bytes": -1}', type=QuotaBody)
+    q = QuotaBody.clamped(max_sandboxes=None, cpu_milli=10**30, memory_bytes=5,
+                          snapshot_bytes=-3)
+    assert (q.max_sandboxes, q.cpu_milli, q.memory_bytes, q.snapshot_bytes) == (
+        None, MAX_QUOTA, 5, 0)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(q), type=QuotaBody) == q

@@ -1462,6 +1462,13 @@ class Connection:
             err.detail["method"] = route.method
             self._reply_error(sid, err)
             return
+        except RecursionError:
+            # msgpack nested deeper than msgspec recurses: the caller's bad input, not a
+            # fault of this peer (it used to escape the read loop)
+            self._reply_error(sid, InvalidArgument(
+                f"the {route.method} request body is nested too deeply; a request is a "
+                "flat record of fields", method=route.method))
+            return
         if flags & _CALL_KIND != route.kind:
             how = ("Connection.stream()" if route.streaming else
                    "Connection.duplex()" if route.duplex else "Connection.call()")

@@ -70,24 +70,16 @@ from dsec.wire.calls import (
     ExecCall,
     ImageUpload,
 )
-from dsec.wire.jsonform import exec_output, exec_request, stream_line
+from dsec.wire.jsonform import carries_exec, exec_output, exec_request, json_form, stream_line
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.outcome import undecodable
-from dsec.wire.rest import decode_request
+from dsec.wire.rest import decode_json, decode_request
 
 __all__ = ["AdminOps", "FastPaths", "RestConfig", "build_app"]
 
 log = logging.getLogger("dsec.apiserver")
 
 _json = msgspec.json.Encoder()
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
-
-
-def _decoder(tp: type) -> msgspec.json.Decoder[Any]:
-    d = _decoders.get(tp)
-    if d is None:
-        d = _decoders[tp] = msgspec.json.Decoder(tp)
-    return d
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -183,14 +175,12 @@ def _decode(tp: type, raw: bytes, op: CatalogueOp[Any, Any]) -> Any:
     if not raw:
         raise InvalidArgument(f"empty request body: send a JSON {tp.__name__} object")
     try:
-        return _decoder(tp).decode(raw)
+        return decode_json(raw, tp, what="body")
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
             raise exc.__cause__ from None
         body = op.rest.body if op.rest is not None else None
         raise undecodable(op.name, exc, at="" if body in (None, "*") else str(body)) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"malformed JSON body: {exc}") from None
 
 
 def _json_response(obj: Any, rid: str, status: int = 200) -> Response:
@@ -266,6 +256,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         policy = h(row)
         limit = limits[rest.body_limit]
         has_body, status, reply = rest.body is not None, rest.status, rest.reply
+        # exec results inside the reply (a batch's) are written as /exec writes one
+        exec_form = json_form if reply == "json" and carries_exec(row.reply) else None
 
         async def handler(request: Request, caller: Caller, rid: str) -> Response:
             body = await _read_body(request, limit) if has_body else None
@@ -273,7 +265,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                                  request.headers, body)
             rep = await policy(caller, req)
             if reply == "json":
-                return _json_response(rep, rid, status)
+                return _json_response(rep if exec_form is None else exec_form(rep), rid,
+                                      status)
             if reply == "raw":
                 return Response(rep, status_code=status, media_type="application/octet-stream",
                                 headers={"x-request-id": rid})
@@ -286,7 +279,13 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         raw = await _read_body(request, cfg.max_json_body)
         body = _decode(CreateSandboxRequest, raw, ops.CREATE)
         session = request.query_params.get("session")
-        if session is not None and body.session is None:
+        if session is not None:
+            if body.session is not None:
+                # one request field in two places: refused, never settled silently
+                raise InvalidArgument(
+                    "session is given twice, as the query parameter ?session= and in the "
+                    "JSON body: give it once (the query parameter is the catalogue's form)",
+                    field="session")
             # the catalogue's form (the row: the spec as the body, the session a query
             # parameter); the body's own `session` stays for older clients
             body = msgspec.structs.replace(body, session=session)
@@ -404,6 +403,20 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 _JSON_CT = (b"content-type", b"application/json")
 
 
+def _new_rid(scope: Any) -> str:
+    """The request's own ``x-request-id`` (when ``scope`` is given and it sent a sane
+    one), else a new one."""
+    global _rid_counter
+    if scope is not None:
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                r: str = v.decode("latin-1")
+                if len(r) <= 128 and r.isprintable():
+                    return r
+    _rid_counter += 1
+    return f"req-{_rid_prefix}-{_rid_counter:x}"
+
+
 class FastPaths:
     """ASGI front: the hot row (``GET /v1/sandboxes/{id}``, :data:`dsec.wire.ops.GET`)
     straight to its policy, all else to the Starlette app. Built from the row (its
@@ -413,7 +426,7 @@ class FastPaths:
     the module docstring for the measurement)."""
 
     __slots__ = ("_counters", "_lat", "_method", "_n", "_policy", "_prefix", "_request",
-                 "_service", "_template", "app", "proxy")
+                 "_service", "_slash_ok", "_template", "app", "proxy")
 
     def __init__(self, app: Starlette, service: ApiService,
                  proxy: PortProxy | None = None,
@@ -432,12 +445,27 @@ class FastPaths:
         self._request = fast.request
         self._lat = service.metrics.latency.labels(rest.path, rest.method)
         self._counters: dict[int, Any] = {}
+        # Starlette routes on the percent-decoded path: an {id} sent as "sid%2Fevents"
+        # landed on another row (the events of sid; a DELETE of it, a 405 naming that
+        # route). Only a ``{name:path}`` parameter may hold '/' (ids never do:
+        # wire.spec.check_id), so a %2F anywhere else is refused before routing.
+        self._slash_ok = tuple(sorted({
+            op.rest.path.partition("{")[0] for op in ops.ALL_OPS
+            if op.rest is not None and ":path}" in op.rest.path}))
 
     @property
     def state(self) -> Any:
         return self.app.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and b"%2" in scope.get("raw_path", b"")
+                and b"%2f" in scope["raw_path"].lower()
+                and not scope["path"].startswith(self._slash_ok)):
+            err = InvalidArgument(f"a path parameter of {scope['method']} "
+                                  f"{scope['path'][:120]} holds '/' (sent as %2F): ids "
+                                  "never contain '/'", field="id")
+            await _error_response(err, _new_rid(scope))(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == self._method:
             path: str = scope["path"]
             n = self._n
@@ -466,9 +494,7 @@ class FastPaths:
                 if len(r) <= 128 and r.isprintable():
                     rid = r
         if rid is None:
-            global _rid_counter
-            _rid_counter += 1
-            rid = f"req-{_rid_prefix}-{_rid_counter:x}"
+            rid = _new_rid(None)
         svc = self._service
         try:
             info = await self._policy(svc.authenticate(auth, _client_host(scope)),

@@ -114,6 +114,7 @@ from dsec.wire.spec import (
     check_path,
     check_read_range,
     check_snapshot_ref,
+    check_strip,
     project_of,
     resolve,
     stored,
@@ -909,8 +910,13 @@ class EdgeNode:
                 node=self.node_id)
 
     def _net_view(self, rec: _Sandbox) -> NetworkView:
+        address, denied, pins = None, 0, 0
+        status = getattr(rec.backend, "network_status", None)
+        if status is not None and rec.state not in ("destroyed", "failed"):
+            address, denied, pins = status(SandboxId(rec.id))
         return NetworkView(policy=rec.spec.net, generation=rec.net_generation,
-                           ceiling_deny=rec.ceiling_deny)
+                           ceiling_deny=rec.ceiling_deny, address=address,
+                           denied_packets=denied, pins=pins)
 
     def network_get(self, sandbox_id: str) -> NetworkView:
         """The sandbox's egress policy as this node holds it, and its generation."""
@@ -954,6 +960,15 @@ class EdgeNode:
                     f"the {rec.spec.backend} backend on node {self.node_id} enforces no "
                     f"network policy but 'none'; {policy.net_mode!r} is refused",
                     field="policy.mode")
+            checker = getattr(rec.backend, "check_network", None)
+            if checker is not None:
+                # a policy the backend will refuse is refused before it is journaled
+                try:
+                    await checker(SandboxId(rec.id),
+                                  msgspec.structs.replace(rec.spec, network=policy),
+                                  ceiling_deny)
+                except Exception as exc:
+                    raise self._backend_error(rec, "network_update", exc) from exc
             old = (rec.spec, rec.ceiling_deny, rec.net_generation)
             rec.spec = msgspec.structs.replace(rec.spec, network=policy)
             rec.ceiling_deny = ceiling_deny
@@ -1557,23 +1572,14 @@ class EdgeNode:
         return actions
 
 
-_MAX_STRIP = 256
-
-
 def _check_strip(strip: Sequence[str]) -> tuple[str, ...]:
-    """Snapshot strip patterns: a few short, printable glob patterns."""
+    """Snapshot strip patterns: a few short, printable glob patterns (the wire's rule,
+    :func:`dsec.wire.spec.check_strip`, for in-process callers too)."""
     if isinstance(strip, str):
         raise InvalidArgument("snapshot strip must be a list of patterns, not one string",
                               field="strip")
     out = tuple(strip)
-    if len(out) > _MAX_STRIP:
-        raise InvalidArgument(f"snapshot strip has {len(out)} patterns; at most "
-                              f"{_MAX_STRIP}", field="strip")
-    for p in out:
-        if not isinstance(p, str) or not p or len(p) > 1024 or "\0" in p:
-            raise InvalidArgument(f"snapshot strip pattern {str(p)[:60]!r} must be a "
-                                  "non-empty glob of at most 1024 chars without NUL",
-                                  field="strip")
+    check_strip(out)
     return out
 
 

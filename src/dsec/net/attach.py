@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -22,8 +23,9 @@ from dsec.net.compile import compile as compile_policy
 from dsec.net.denied import Denial, DenyReporter
 from dsec.net.dnspolicy import DnsPolicy, NameRule, PinBook
 from dsec.net.nftrules import PRIVATE4
-from dsec.net.nftwire import Dest4, SlotPolicy, disjoint
+from dsec.net.nftwire import Dest4, SlotPolicy, TooManyElements, disjoint
 from dsec.net.router import Router, Slot
+from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["NetPlan", "PolicyCompiler", "SandboxNetwork", "compile_spec", "plan_of"]
@@ -37,6 +39,10 @@ class NetPlan:
 
     slot: SlotPolicy
     dns: DnsPolicy = field(default_factory=DnsPolicy)
+    #: the slot's flow cap (None: the node's default, RouterConfig.max_connections)
+    max_connections: int | None = None
+    #: both directions shaped to this (None: not shaped)
+    rate_mbit: int | None = None
 
 
 #: (spec, the project ceilings' deny entries) -> its plan, or None for "no network
@@ -46,12 +52,23 @@ PolicyCompiler = Callable[[SandboxSpec, tuple[str, ...]], NetPlan | None]
 #: The most elements one slot set may get after overlaps are split (disjoint()): a
 #: pipapo set's commit grows with its size (E12: 1.2 ms at 256 entries).
 MAX_SLOT_ELEMENTS = 4096
+#: Compiled plans kept by SandboxNetwork.prepare (most sandboxes of a run share a few).
+_COMPILED_KEPT = 256
+_MISSING: object = object()
 
 
-def _dests(elems: Iterable[Elem]) -> tuple[Dest4, ...]:
+def _dests(elems: Iterable[Elem], name: str) -> tuple[Dest4, ...]:
     out = [Dest4(e.net.network_address, e.net.broadcast_address, e.proto, *e.ports)
            for e in elems if isinstance(e.net, ipaddress.IPv4Network)]
-    return disjoint(out)
+    try:
+        # bounded: a policy that will be refused costs the split up to the limit only
+        return disjoint(out, limit=MAX_SLOT_ELEMENTS)
+    except TooManyElements as exc:
+        raise InvalidArgument(
+            f"network.{name} becomes more than {MAX_SLOT_ELEMENTS} kernel set elements "
+            f"once its overlapping entries are split (counting stopped at {exc.count}), "
+            f"over this node's limit of {MAX_SLOT_ELEMENTS}; merge overlapping CIDR/port "
+            "entries", field=f"network.{name}", limit=MAX_SLOT_ELEMENTS) from None
 
 
 def plan_of(compiled: Compiled) -> NetPlan | None:
@@ -59,24 +76,11 @@ def plan_of(compiled: Compiled) -> NetPlan | None:
     IPv6 elements are left out: slots have no IPv6 and drop every v6 packet."""
     if compiled.mode == "none":
         return None
-    for name in ("max_connections", "rate_mbit"):
-        if getattr(compiled, name) is not None:
-            # Refused rather than run without: a cap the caller (or a project ceiling)
-            # asked for and this node does not enforce would be a hole, not a default.
-            raise InvalidArgument(
-                f"network.{name}={getattr(compiled, name)} is not enforced by this node's "
-                f"router yet; leave {name} unset (null)", field=f"network.{name}")
     slot = SlotPolicy(
-        allow4=_dests(compiled.sets.get("a4", ())), deny4=_dests(compiled.sets.get("d4", ())),
-        east4=_dests(compiled.sets.get("e4", ())), from4=tuple(sorted(compiled.inbound)),
-        open=compiled.open)
-    for name, elems in (("allow", slot.allow4), ("deny", slot.deny4)):
-        if len(elems) > MAX_SLOT_ELEMENTS:
-            raise InvalidArgument(
-                f"network.{name} becomes {len(elems)} kernel set elements once its "
-                f"overlapping entries are split, over this node's limit of "
-                f"{MAX_SLOT_ELEMENTS}; merge overlapping CIDR/port entries",
-                field=f"network.{name}", limit=MAX_SLOT_ELEMENTS)
+        allow4=_dests(compiled.sets.get("a4", ()), "allow"),
+        deny4=_dests(compiled.sets.get("d4", ()), "deny"),
+        east4=_dests(compiled.sets.get("e4", ()), "allow"),
+        from4=tuple(sorted(compiled.inbound)), open=compiled.open)
     private = [ipaddress.IPv4Network(p) for p in PRIVATE4]
     private_ok = tuple(e.net for e in compiled.sets.get("a4", ())
                        if isinstance(e.net, ipaddress.IPv4Network)
@@ -88,7 +92,7 @@ def plan_of(compiled: Compiled) -> NetPlan | None:
     dns = DnsPolicy(allow=tuple(rule(d) for d in compiled.domains),
                     deny=tuple(rule(d) for d in compiled.deny_domains),
                     open=compiled.open, private_ok=private_ok)
-    return NetPlan(slot, dns)
+    return NetPlan(slot, dns, compiled.max_connections, compiled.rate_mbit)
 
 
 def compile_spec(spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> NetPlan | None:
@@ -112,6 +116,48 @@ class SandboxNetwork:
     #: sandboxes adopted after an edge restart whose slot died with the old router
     lost: set[str] = field(default_factory=set)
     _refilling: bool = False
+    #: compiled plans (or the refusal) by (policy, ceiling denies): ``prepare`` fills it
+    #: on a worker thread, so attach/update on the loop only look it up
+    _compiled: dict[tuple[NetworkPolicy, tuple[str, ...]], NetPlan | InvalidArgument | None] \
+        = field(default_factory=dict)
+    _compiled_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def prepared(self, spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> bool:
+        """Whether ``prepare`` has the plan already (then it costs a dict lookup)."""
+        with self._compiled_lock:
+            return (spec.net, ceiling_deny) in self._compiled
+
+    async def prepare_off_loop(self, spec: SandboxSpec,
+                               ceiling_deny: tuple[str, ...] = ()) -> None:
+        """``prepare`` on a worker thread unless its plan is cached (a big policy's split
+        costs milliseconds; a cached one is a lookup, not worth a thread hop)."""
+        if self.prepared(spec, ceiling_deny):
+            self.prepare(spec, ceiling_deny)  # re-raises a cached refusal
+        else:
+            await asyncio.to_thread(self.prepare, spec, ceiling_deny)
+
+    def prepare(self, spec: SandboxSpec, ceiling_deny: tuple[str, ...] = ()) -> NetPlan | None:
+        """The spec's compiled plan (None: mode none), or InvalidArgument for a policy
+        this node refuses. Pure CPU (a few ms for a big policy, bounded by
+        MAX_SLOT_ELEMENTS): a backend calls it on a worker thread before anything is
+        journaled or built, and attach/update then find it here. The plan depends on
+        the policy and the ceiling denies only (``spec.net``), the cache key."""
+        key = (spec.net, ceiling_deny)
+        with self._compiled_lock:
+            got = self._compiled.get(key, _MISSING)
+        if got is _MISSING:
+            try:
+                got = self.compile(spec, ceiling_deny)
+            except InvalidArgument as exc:
+                got = exc
+            with self._compiled_lock:
+                if len(self._compiled) >= _COMPILED_KEPT:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[key] = got
+        if isinstance(got, InvalidArgument):
+            raise InvalidArgument(got.message, **got.detail)
+        assert got is None or isinstance(got, NetPlan)
+        return got
 
     def resolv_conf(self) -> bytes:
         """/etc/resolv.conf of a sandbox on a slot: the router's resolver (every DNS
@@ -124,12 +170,13 @@ class SandboxNetwork:
         if sid in self.by_sandbox:
             raise Conflict(f"sandbox {sid} already holds network slot "
                            f"{self.by_sandbox[sid].index}", sandbox_id=sid)
-        plan = self.compile(spec, ceiling_deny)
+        plan = self.prepare(spec, ceiling_deny)
         if plan is None:
             return None
         slot = self.router.take()
         try:
-            self.router.load(slot, plan.slot, flush_pins=True)
+            self.router.load(slot, plan.slot, flush_pins=True,
+                             max_connections=plan.max_connections, rate_mbit=plan.rate_mbit)
         except BaseException:
             self.router.release(slot)  # nothing ran in it: safe to reuse
             raise
@@ -196,6 +243,16 @@ class SandboxNetwork:
     def slot(self, sid: str) -> Slot | None:
         return self.by_sandbox.get(sid)
 
+    def status(self, sid: str, now: float) -> tuple[str | None, int, int]:
+        """(its address, packets denied since it got the slot as of the last counter
+        poll, live DNS pins) of a sandbox; cheap (no kernel call): ``network_get``."""
+        slot = self.by_sandbox.get(sid)
+        if slot is None or sid in self.lost:
+            return None, 0, 0
+        owner = self.denied.owners.get(slot.index)
+        denied = max(0, owner[2] - owner[1]) if owner is not None and owner[0] == sid else 0
+        return str(slot.addr.sandbox_ip), denied, self.pins.count(slot.index, now)
+
     def update(self, sid: str, spec: SandboxSpec,
                ceiling_deny: tuple[str, ...] = ()) -> int | None:
         """Load the spec's policy on the sandbox's slot (one atomic batch; flows the new
@@ -204,7 +261,7 @@ class SandboxNetwork:
         a sandbox without a slot. A change between "no slot" and "a slot" needs a new
         sandbox: the netns of a running sandbox cannot be swapped."""
         slot = self.by_sandbox.get(sid)
-        plan = self.compile(spec, ceiling_deny)
+        plan = self.prepare(spec, ceiling_deny)
         if sid in self.lost:
             raise Conflict(
                 f"sandbox {sid} lost its network when the edge restarted (its router slot "
@@ -224,7 +281,8 @@ class SandboxNetwork:
             return slot.generation
         # Names changed: their pins go too (re-resolving pins again what is still allowed)
         names_changed = old is None or old.dns != plan.dns
-        gen = self.router.load(slot, plan.slot, flush_pins=names_changed)
+        gen = self.router.load(slot, plan.slot, flush_pins=names_changed,
+                               max_connections=plan.max_connections, rate_mbit=plan.rate_mbit)
         if names_changed:
             self.pins.forget(slot.index)
         self.policies[sid] = plan

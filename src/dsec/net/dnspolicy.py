@@ -136,15 +136,22 @@ def filter_answer(
     addresses: Iterable[ipaddress.IPv4Address], *, never: Sequence[ipaddress.IPv4Network],
     private: Sequence[ipaddress.IPv4Network], private_ok: Sequence[ipaddress.IPv4Network],
 ) -> tuple[ipaddress.IPv4Address, ...]:
-    """The answer's addresses a sandbox may be given (rebinding filter)."""
+    """The answer's addresses a sandbox may be given (rebinding filter). Integer range
+    checks (``address in network`` objects cost ~6 ms for a 300-address answer, on the
+    loop, per cached query)."""
+    def ranges(nets: Sequence[ipaddress.IPv4Network]) -> list[tuple[int, int]]:
+        return [(int(n.network_address), int(n.broadcast_address)) for n in nets]
+    nv, pv, ok = ranges(never), ranges(private), ranges(private_ok)
     out: list[ipaddress.IPv4Address] = []
+    seen: set[int] = set()
     for a in addresses:
-        if any(a in n for n in never):
+        x = int(a)
+        if x in seen or any(lo <= x <= hi for lo, hi in nv):
             continue
-        if any(a in n for n in private) and not any(a in n for n in private_ok):
+        if any(lo <= x <= hi for lo, hi in pv) and not any(lo <= x <= hi for lo, hi in ok):
             continue
-        if a not in out:
-            out.append(a)
+        seen.add(x)
+        out.append(a)
     return tuple(out)
 
 

@@ -40,10 +40,13 @@ from dsec.net.nftwire import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
     "NEVER4",
     "PRIVATE4",
     "TABLE",
     "base_ruleset",
+    "conn_cap",
+    "conn_cap_rules",
     "drain_batch",
     "load_batch",
     "pins_batch",
@@ -53,15 +56,23 @@ __all__ = [
 
 TABLE: Final = "dsec"
 # Never reachable from a sandbox, whatever its policy: "this network", loopback,
-# link-local (cloud metadata 169.254.169.254), multicast + reserved + broadcast. The pool
+# link-local (cloud metadata 169.254.169.254: AWS, GCP, Azure IMDS, OCI, OpenStack),
+# multicast + reserved + broadcast, and the platform endpoints outside link-local (Azure's
+# wireserver 168.63.129.16, Alibaba's metadata 100.100.100.200). The wire's
+# NEVER_REACHABLE (which refuses an allow entry inside these) lists the same. The pool
 # and the node's own addresses are added per router.
-NEVER4: Final = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3")
+NEVER4: Final = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3",
+                 "168.63.129.16/32", "100.100.100.200/32")
 # Private ranges: reachable only when a policy names them by CIDR (never through "open",
 # never through a DNS answer: rebinding).
 PRIVATE4: Final = (
     "10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15",
 )
 PIN_SET_SIZE: Final = 4096
+# A sandbox's concurrent flows when its policy names no max_connections (plan-14 §4.7):
+# the router netns's conntrack table is shared by every slot, so one sandbox must not
+# fill it for the others.
+DEFAULT_MAX_CONNECTIONS: Final = 4096
 # Packets per second (and burst) one sandbox may send to the resolver; the resolver's
 # own buckets (500 queries/s, 20 forwarded names/s) are finer and apply after.
 DNS_RATE: Final = 1000
@@ -134,7 +145,8 @@ def slot_sets(slot: SlotAddr) -> dict[str, str]:
     return {k: f"{slot.chain_prefix}{k}" for k in ALL_SETS}
 
 
-def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE) -> str:
+def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> str:
     """Chains, sets, counter, rules and verdict-map entries of each slot (libnftables
     input; many slots per command: one command per slot costs 1.2-19.7 ms, 50 per command
     0.26-3.47 ms/slot at 100-1,000 slots, E4)."""
@@ -147,6 +159,9 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE) -> str:
         lines += [
             f"add chain {t} {c}o",
             f"add chain {t} {c}i",
+            # every accepted new flow goes through the slot's flow cap (ct count: the
+            # flows this rule counted that conntrack still holds); conn_cap() rewrites it
+            f"add chain {t} {c}k",
             f"add set {t} {c}a4 {{ {iv} }}",  # allow
             f"add set {t} {c}d4 {{ {iv} }}",  # deny (wins over allow)
             f"add set {t} {c}e4 {{ {iv} }}",  # east-west peers this slot may reach
@@ -164,22 +179,23 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE) -> str:
             (f"add set {t} {c}x {{ type ipv4_addr . inet_proto . inet_service; "
             "flags dynamic,timeout; timeout 60s; size 16; }"),
             f"add counter {t} {c}c",
+            *conn_cap_rules(s, max_connections, table=table),
             # egress of the slot
             f"add rule {t} {c}o ip saddr != {me} drop",  # anti-spoof (dispatch was by device)
             f"add rule {t} {c}o meta nfproto ipv6 drop",
             (f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}e4 "
-            f"ct mark set iifname map @{c}g accept"),
+            f"ct mark set iifname map @{c}g goto {c}k"),
             f"add rule {t} {c}o ip daddr @never4 drop",
             f"add rule {t} {c}o ct state established,related ct mark @{c}l accept",
             f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}d4 drop",
             (f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}a4 "
-            f"ct mark set iifname map @{c}g accept"),
+            f"ct mark set iifname map @{c}g goto {c}k"),
             (f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}q4 "
-            f"ct mark set iifname map @{c}g accept"),
+            f"ct mark set iifname map @{c}g goto {c}k"),
             (f"add rule {t} {c}o ip daddr . meta l4proto @{c}r4 "
-            f"ct mark set iifname map @{c}g accept"),
+            f"ct mark set iifname map @{c}g goto {c}k"),
             (f"add rule {t} {c}o iifname @{c}open ip daddr != @private4 "
-            f"ct mark set iifname map @{c}g accept"),
+            f"ct mark set iifname map @{c}g goto {c}k"),
             # No verdict on the recording rule: a full dynamic set makes `update` fail, the
             # rule does not match and a verdict on it would be skipped (E6b).
             f"add rule {t} {c}o update @{c}x {{ ip daddr . meta l4proto . th dport }}",
@@ -193,6 +209,24 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE) -> str:
             f'add element {t} in {{ "{s.ifname}" : jump {c}i }}',
         ]
     return "\n".join(lines) + "\n"
+
+
+def conn_cap_rules(slot: SlotAddr, cap: int, *, table: str = TABLE) -> list[str]:
+    """The rules of the slot's flow-cap chain ``sNk`` (libnftables input): a new flow
+    beyond ``cap`` concurrent ones is dropped and counted with the slot's denials."""
+    if cap <= 0:
+        raise ValueError(f"a flow cap must be positive, got {cap}")
+    t = f"inet {table}"
+    c = slot.chain_prefix
+    return [f"add rule {t} {c}k ct state new ct count over {cap} counter name {c}c drop",
+            f"add rule {t} {c}k accept"]
+
+
+def conn_cap(slot: SlotAddr, cap: int, *, table: str = TABLE) -> str:
+    """Replace the slot's flow cap (one libnftables transaction; only when a policy's
+    max_connections differs from what the slot holds: ~1 ms, not on the default path)."""
+    return "\n".join([f"flush chain inet {table} {slot.chain_prefix}k",
+                      *conn_cap_rules(slot, cap, table=table)]) + "\n"
 
 
 def load_batch(

@@ -34,6 +34,7 @@ __all__ = [
     "NftBatch",
     "Pin4",
     "SlotPolicy",
+    "TooManyElements",
     "counter_dump_request",
     "disjoint",
     "elem",
@@ -129,13 +130,28 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def disjoint(dests: Iterable[Dest4]) -> tuple[Dest4, ...]:
+class TooManyElements(ValueError):
+    """:func:`disjoint` stopped: the split passed its ``limit`` (``count`` so far)."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"over {limit} elements once split (stopped at {count})")
+        self.count = count
+        self.limit = limit
+
+
+def disjoint(dests: Iterable[Dest4], *, limit: int | None = None) -> tuple[Dest4, ...]:
     """The same flows as ``dests``, as elements that do not overlap (an interval set
     refuses overlapping elements, and with them the whole batch): the address axis is cut
     at every element's edges, each piece gets the union of the port ranges covering it,
     and neighbouring pieces with equal ports are joined again. O(pieces x elements);
-    a policy holds at most a few hundred entries."""
+    a policy holds at most a few hundred entries.
+
+    ``limit``: raise :class:`TooManyElements` as soon as the output passes it, so a
+    policy that will be refused costs only the work up to the limit (256 overlapping
+    entries split into ~65k elements took 617 ms before being refused; stopped at
+    4,096 they cost a few ms)."""
     out: list[Dest4] = []
+    count = 0
     by_proto: dict[str, list[Dest4]] = {}
     for d in dests:
         by_proto.setdefault(d.proto, []).append(d)
@@ -152,6 +168,9 @@ def disjoint(dests: Iterable[Dest4]) -> tuple[Dest4, ...]:
                 rows[-1] = (rows[-1][0], b - 1, ports)
             else:
                 rows.append((a, b - 1, ports))
+                count += len(ports)
+                if limit is not None and count > limit:
+                    raise TooManyElements(count, limit)
         for a, last, ports in rows:
             for lo, hi in ports:
                 out.append(Dest4(ipaddress.IPv4Address(a), ipaddress.IPv4Address(last),

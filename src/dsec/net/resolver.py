@@ -28,9 +28,9 @@ from typing import Any
 from dnslib import QTYPE, RCODE, RR, DNSRecord
 from dnslib import A as ARecord
 
-from dsec.errors import BackendError
+from dsec.errors import BackendError, Conflict, ResourceExhausted
 from dsec.net import netns
-from dsec.net.attach import SandboxNetwork
+from dsec.net.attach import NetPlan, SandboxNetwork
 from dsec.net.dnspolicy import (
     A,
     Forward,
@@ -41,6 +41,7 @@ from dsec.net.dnspolicy import (
     pins_for,
 )
 from dsec.net.nftrules import NEVER4, PRIVATE4
+from dsec.net.router import Slot
 
 __all__ = ["Resolver", "ResolverStats"]
 
@@ -48,6 +49,15 @@ log = logging.getLogger(__name__)
 
 _RCODES = {"REFUSED": RCODE.REFUSED, "SERVFAIL": RCODE.SERVFAIL, "NOERROR": RCODE.NOERROR}
 MAX_TCP_QUERY = 65535
+#: Pins one answer may add (addresses x rule ports): a fraction of a slot's 4,096-element
+#: pin set, so one name an agent answers for with hundreds of A records cannot fill it,
+#: and the batch stays small on the loop (~0.1 ms for 256 elements).
+MAX_PINS_PER_ANSWER = 256
+#: A-record addresses kept of one upstream answer.
+MAX_ANSWER_ADDRESSES = 64
+#: How long a name whose pins the kernel refused is answered SERVFAIL from memory.
+PIN_REFUSED_S = 30.0
+PIN_WARN_S = 60.0
 
 
 @dataclass
@@ -60,6 +70,10 @@ class ResolverStats:
     cache_hits: int = 0
     pins: int = 0
     rate_limited: int = 0
+    #: answers whose slot changed policy or tenant while the upstream answered
+    stale: int = 0
+    #: answers not pinned (pin set full, or over the per-answer cap) and refused
+    pin_refused: int = 0
     refused_by_slot: dict[int, int] = field(default_factory=dict)
 
 
@@ -81,6 +95,7 @@ class Resolver:
         timeout_s: float = 2.0, query_rate: float = 500.0, query_burst: float = 1000.0,
         forward_rate: float = 20.0, forward_burst: float = 100.0,
         tcp_per_sandbox: int = 8, tcp_total: int = 1024,
+        upstream_per_sandbox: int = 16, upstream_total: int = 512,
     ) -> None:
         if not upstreams:
             raise BackendError("the resolver needs at least one upstream DNS server")
@@ -107,6 +122,14 @@ class Resolver:
         self.tcp_per_sandbox = tcp_per_sandbox
         self.tcp_total = tcp_total
         self._tcp_held: dict[str, int] = {}
+        # upstream queries in flight (each an fd and a task), per slot and in all
+        self.upstream_per_sandbox = upstream_per_sandbox
+        self.upstream_total = upstream_total
+        self._inflight: dict[int, int] = {}
+        self._inflight_total = 0
+        self._pending: dict[tuple[str, int], asyncio.Future[_Cached]] = {}
+        self._pin_refused: dict[tuple[int, int, str], float] = {}
+        self._pin_warned: dict[int, float] = {}
 
     # ------------------------------------------------------------------ sockets
 
@@ -203,7 +226,14 @@ class Resolver:
             return _bare(q.header.id, rcode, q.header.rd)
 
     async def answer(self, src: str, data: bytes) -> bytes | None:
-        """The reply to one query from ``src`` (None: not a DNS query; dropped)."""
+        """The reply to one query from ``src`` (None: not a DNS query; dropped).
+
+        Every await here (the upstream) can outlive the policy the query was decided
+        under: a ``network_update`` may replace it, or the sandbox may be destroyed and
+        its slot handed to another tenant. So the decision is taken again *after* the
+        await, from the slot's state then, and the pin carries the generation it was
+        decided under (``Router.pin`` refuses a stale one): an answer for a name the
+        current policy does not allow, or for a tenant that left, pins nothing."""
         self.stats.queries += 1
         index = self.router.pool.slot_of(src)
         now = self.clock()
@@ -221,27 +251,68 @@ class Resolver:
         found = self.net.plan_of_slot(index) if index is not None else None
         if index is None or found is None:
             return self._reply(q, RCODE.REFUSED)
-        _sid, slot, plan = found
+        sid, slot, plan = found
+        asked_gen = slot.generation
         qname = str(q.q.qname)
         qtype = int(q.q.qtype)
         d = decide(plan.dns, qname, qtype)
         if isinstance(d, Refuse):
             return self._reply(q, _RCODES[d.rcode], index)
-        if plan.dns.open and qtype != A:
-            return await self._forward_raw(q, index)
+        raw: bytes | None = None
         cached = self._cache.get((d.name, qtype))
+        if plan.dns.open and qtype != A:
+            cached = None  # forwarded raw, never cached: every one is an upstream query
         if cached is None or cached.expires <= now:
+            # every upstream query, of any type, spends the forward bucket and a place
+            # in the in-flight caps (each is an fd and a task of the edge)
             if not self._bucket(self._fb, index, fr, fb).take(now):
                 self.stats.rate_limited += 1
                 return self._reply(q, RCODE.REFUSED, index)
+            held = self._inflight.get(index, 0)
+            if held >= self.upstream_per_sandbox or self._inflight_total >= self.upstream_total:
+                self.stats.rate_limited += 1
+                return self._reply(q, RCODE.REFUSED, index)
+            self._inflight[index] = held + 1
+            self._inflight_total += 1
             try:
-                cached = await self._resolve(d)
+                if plan.dns.open and qtype != A:
+                    raw = await self._forward_raw(q, index)
+                else:
+                    cached = await self._resolve_shared(d)
             except (OSError, TimeoutError, BackendError) as exc:
                 log.info("dns: upstream failed for %s: %s", d.name, exc)
                 return self._reply(q, RCODE.SERVFAIL, index)
-            self._cache[(d.name, qtype)] = cached
+            finally:
+                left = self._inflight.get(index, 1) - 1
+                if left > 0:
+                    self._inflight[index] = left
+                else:
+                    self._inflight.pop(index, None)
+                self._inflight_total -= 1
+            now = self.clock()
+            # The state may have moved during the await: decide again from what is live.
+            again = self.net.plan_of_slot(index)
+            if again is None or again[0] != sid:
+                self.stats.stale += 1
+                return self._reply(q, RCODE.REFUSED)  # the asker is gone
+            _sid, slot, plan = again
+            if slot.generation != asked_gen:
+                self.stats.stale += 1
+                d2 = decide(plan.dns, qname, qtype)
+                if isinstance(d2, Refuse):
+                    return self._reply(q, _RCODES[d2.rcode], index)
+                if (plan.dns.open and qtype != A) != (cached is None):
+                    return self._reply(q, RCODE.SERVFAIL, index)  # the kind changed: ask again
+                d = d2
+            if cached is None:
+                return raw
         else:
             self.stats.cache_hits += 1
+        return self._pin_and_answer(q, index, slot, plan, d, cached, now)
+
+    def _pin_and_answer(self, q: DNSRecord, index: int, slot: Slot, plan: NetPlan,
+                        d: Forward, cached: _Cached, now: float) -> bytes:
+        """Synchronous from here to the reply: nothing can change the slot in between."""
         if cached.rcode != RCODE.NOERROR:
             return self._reply(q, cached.rcode, index)
         keep = filter_answer(cached.addresses, never=self._never, private=self._private,
@@ -250,15 +321,31 @@ class Resolver:
             return self._reply(q, RCODE.REFUSED, index)
         ttl = max(1, int(cached.expires - now))
         if not plan.dns.open:
+            refused_key = (index, slot.generation, d.name)
+            if self._pin_refused.get(refused_key, 0.0) > now:
+                self.stats.pin_refused += 1
+                return self._reply(q, RCODE.SERVFAIL, index)
+            per = len(pins_for(keep[:1], d.rules, ttl))
+            if per > MAX_PINS_PER_ANSWER:
+                return self._pin_failed(q, index, refused_key, now, (
+                    f"{d.name} needs {per} pins per address (its rules' ports), over "
+                    f"{MAX_PINS_PER_ANSWER} per answer"))
+            # An answer pins at most MAX_PINS_PER_ANSWER elements: the addresses beyond
+            # are left out of the answer too (a sandbox is never told an address it
+            # cannot reach); an agent-run server answering 300 A records gets 16.
+            keep = keep[:max(1, MAX_PINS_PER_ANSWER // max(1, per))]
             want = pins_for(keep, d.rules, ttl)
             need = self.net.pins.needed(index, want, now, ttl)
             if need:
                 try:
-                    self.router.pin(slot, need)
-                except BackendError as exc:  # a full pin set: never evict live pins
-                    log.warning("dns: pinning %d address(es) for slot %d failed: %s",
-                                len(need), index, exc.message)
+                    self.router.pin(slot, need, generation=slot.generation)
+                except Conflict:  # cannot happen on the loop; a thread could
+                    self.stats.stale += 1
                     return self._reply(q, RCODE.SERVFAIL, index)
+                except ResourceExhausted as exc:  # a full pin set: never evict live pins
+                    return self._pin_failed(q, index, refused_key, now, exc.message)
+                except BackendError as exc:
+                    return self._pin_failed(q, index, refused_key, now, exc.message)
                 self.net.pins.pinned(index, need, now)
                 self.stats.pins += len(need)
         rep = q.reply()
@@ -266,6 +353,42 @@ class Resolver:
             rep.add_answer(RR(q.q.qname, QTYPE.A, rdata=ARecord(str(a)), ttl=ttl))
         self.stats.answered += 1
         return bytes(rep.pack())
+
+    def _pin_failed(self, q: DNSRecord, index: int, key: tuple[int, int, str],
+                    now: float, why: str) -> bytes:
+        """SERVFAIL, remembered for PIN_REFUSED_S (cache hits do not send the refused
+        batch again), and one warning per slot per PIN_WARN_S."""
+        self.stats.pin_refused += 1
+        self._pin_refused[key] = now + PIN_REFUSED_S
+        if len(self._pin_refused) > 4096:
+            self._pin_refused = {k: t for k, t in self._pin_refused.items() if t > now}
+        if self._pin_warned.get(index, -PIN_WARN_S) + PIN_WARN_S <= now:
+            self._pin_warned[index] = now
+            log.warning("dns: slot %d: %s is answered SERVFAIL for %.0f s: %s",
+                        index, key[2], PIN_REFUSED_S, why)
+        return self._reply(q, RCODE.SERVFAIL, index)
+
+    async def _resolve_shared(self, d: Forward) -> _Cached:
+        """One upstream query per (name, type) at a time: concurrent askers share it."""
+        key = (d.name, d.qtype)
+        fut = self._pending.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        try:
+            got = await self._resolve(d)
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, Exception) else OSError("cancelled"))
+                fut.exception()  # retrieved: no "never retrieved" warning without sharers
+            raise
+        else:
+            fut.set_result(got)
+            self._cache[key] = got
+            return got
+        finally:
+            self._pending.pop(key, None)
 
     # ------------------------------------------------------------------ upstream
 
@@ -312,8 +435,10 @@ class Resolver:
         r = await self._ask(q.pack(), q.header.id)
         if r.header.tc:
             r = await self._ask(q.pack(), q.header.id, tcp=True)
+        # At most MAX_ANSWER_ADDRESSES kept (a real answer holds a handful; an agent's
+        # own server may send hundreds, and each is filtered on every cached query)
         addrs = tuple(ipaddress.IPv4Address(str(rr.rdata)) for rr in r.rr
-                      if rr.rtype == QTYPE.A)
+                      if rr.rtype == QTYPE.A)[:MAX_ANSWER_ADDRESSES]
         ttl = min((rr.ttl for rr in r.rr if rr.rtype == QTYPE.A), default=30)
         ttl = max(1, min(ttl, 3600))
         rcode = int(r.header.rcode)

@@ -18,18 +18,20 @@ thread, and back.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import struct
+import subprocess
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
-from dsec.errors import BackendError, ResourceExhausted
+from dsec.errors import BackendError, Conflict, ResourceExhausted
 from dsec.net import netns, nftrules, rtwire
 from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
@@ -50,6 +52,8 @@ class RouterConfig:
     # Added to the never-reachable set (the host's own addresses).
     node_addresses: tuple[str, ...] = ()
     table: str = nftrules.TABLE
+    #: concurrent flows of a sandbox whose policy names no max_connections
+    max_connections: int = nftrules.DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass(slots=True)
@@ -59,6 +63,10 @@ class Slot:
     addr: SlotAddr
     fd: int
     generation: int = 0
+    #: the flow cap its ``sNk`` chain holds now
+    conn_cap: int = nftrules.DEFAULT_MAX_CONNECTIONS
+    #: the tbf rate its veth ends are shaped to (None: not shaped)
+    rate_mbit: int | None = None
 
     @property
     def index(self) -> int:
@@ -249,7 +257,8 @@ class Router:
         if ins.objects:
             try:
                 self.nft(nftrules.slot_objects((self.pool.slot(i) for i in ins.objects),
-                                               table=self.config.table))
+                                               table=self.config.table,
+                                               max_connections=self.config.max_connections))
             except BackendError as exc:
                 log.warning("net: nft objects of slots %s failed: %s", ins.objects, exc.message)
                 return [SlotEvent("build_failed", i) for i in ins.slots]
@@ -266,12 +275,19 @@ class Router:
             else:
                 events.append(SlotEvent("built", i))
                 self.stats.built += 1
-        # Sets of rebuilt indices may hold a previous tenant's elements: empty them.
+        # Sets of rebuilt indices may hold a previous tenant's elements: empty them; and
+        # their flow cap may be a previous tenant's: back to the node's default.
         batch = NftBatch(self.config.table)
+        caps: list[str] = []
         for e in events:
             if e.kind == "built" and e.slot not in ins.objects:
                 nftrules.drain_batch(batch, self.pool.slot(e.slot))
+                caps.append(nftrules.conn_cap(self.pool.slot(e.slot),
+                                              self.config.max_connections,
+                                              table=self.config.table))
         self.netlink.commit(batch, "flush rebuilt slots")
+        if caps:
+            self.nft("".join(caps))
         return events
 
     def _build_one(self, a: SlotAddr) -> Slot:
@@ -307,7 +323,7 @@ class Router:
         except BaseException:
             _close(fd)
             raise
-        return Slot(addr=a, fd=fd)
+        return Slot(addr=a, fd=fd, conn_cap=self.config.max_connections)
 
     def _del_link(self, a: SlotAddr) -> None:
         seq = self.rtnl.next_seq()
@@ -330,6 +346,8 @@ class Router:
         slot = self.slots.get(index)
         if slot is not None:
             slot.generation = 0
+            if slot.rate_mbit is not None:  # the next tenant starts unshaped
+                self._shape(slot, None)
         return SlotEvent("drained", index)
 
     def _drop(self, index: int) -> None:
@@ -370,10 +388,19 @@ class Router:
             self._generation += 1
             return self._generation
 
-    def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False) -> int:
+    def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False,
+             max_connections: int | None = None, rate_mbit: int | None = None) -> int:
         """Replace the slot's policy (one atomic batch); returns the new generation.
-        Flows the new policy forbids are cut at their next packet."""
+        Flows the new policy forbids are cut at their next packet. ``max_connections``:
+        the slot's flow cap (None: the node's default); rewritten first, in a
+        transaction of its own, only when it differs from what the slot holds."""
+        cap = max_connections or self.config.max_connections
         with self._lock:
+            if slot.conn_cap != cap:
+                self.nft(nftrules.conn_cap(slot.addr, cap, table=self.config.table))
+                slot.conn_cap = cap
+            if slot.rate_mbit != rate_mbit:
+                self._shape(slot, rate_mbit)
             gen = self.next_generation()
             self.netlink.commit(
                 nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
@@ -385,13 +412,56 @@ class Router:
             self.stats.policy_loads += 1
             return gen
 
-    def pin(self, slot: Slot, pins: Iterable[Pin4]) -> None:
-        """Add DNS pins to the slot's pin sets (before the answer is sent)."""
+    def _shape(self, slot: Slot, rate_mbit: int | None) -> None:
+        """Shape both ends of the slot's veth to ``rate_mbit`` (tbf: the router's end
+        ``dsvN`` for downloads, the sandbox's ``eth0`` for uploads; the sandbox has no
+        CAP_NET_ADMIN over its slot netns, so it cannot remove it), or unshape them.
+        Runs ``tc`` (~2-5 ms for both): only for a policy that names a rate, and at the
+        recycle of a slot that was shaped, never on the default path."""
+        for fd, dev in ((self.fd, slot.addr.ifname), (slot.fd, SANDBOX_IFNAME)):
+            if rate_mbit is None:
+                cmd = ["tc", "qdisc", "del", "dev", dev, "root"]
+            else:
+                # burst: 10 ms at the rate, at least 32 KiB (a tbf burst under one
+                # timer tick's worth caps the rate below what was asked)
+                burst = max(32 * 1024, rate_mbit * 1_000_000 // 8 // 100)
+                cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                       f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms"]
+            with netns.entered(fd):  # the child is forked from this thread: in the netns
+                r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if r.returncode != 0 and rate_mbit is not None:
+                raise BackendError(f"shaping slot {slot.index}'s {dev} to {rate_mbit} "
+                                   f"Mbit/s failed: {r.stderr.strip()}")
+        slot.rate_mbit = rate_mbit
+
+    def pin(self, slot: Slot, pins: Iterable[Pin4], *, generation: int) -> None:
+        """Add DNS pins to the slot's pin sets (before the answer is sent), only while the
+        slot still holds the policy ``generation`` the answer was decided under: the
+        check and the batch are one step under the router's lock, and every policy load
+        and recycle moves the generation (under the same lock), so an answer decided
+        for a policy an update replaced, or for a tenant that left, never pins.
+
+        Raises Conflict for a stale generation and ResourceExhausted when the slot's
+        pin set is full (the kernel's ENFILE: nothing of the batch was added)."""
+        items = list(pins)
         with self._lock:
-            self.netlink.commit(
-                nftrules.pins_batch(NftBatch(self.config.table), slot.addr, pins),
-                f"pins of slot {slot.index}",
-            )
+            if slot.generation != generation or self.slots.get(slot.index) is not slot:
+                raise Conflict(
+                    f"slot {slot.index} moved from policy generation {generation} to "
+                    f"{slot.generation} while the answer was resolved: not pinned",
+                    generation=slot.generation)
+            try:
+                self.netlink.commit(
+                    nftrules.pins_batch(NftBatch(self.config.table), slot.addr, items),
+                    f"pins of slot {slot.index}",
+                )
+            except BackendError as exc:
+                if exc.detail.get("errno") != errno.ENFILE:
+                    raise
+                raise ResourceExhausted(
+                    f"slot {slot.index}'s DNS pin sets hold at most "
+                    f"{nftrules.PIN_SET_SIZE} elements each; {len(items)} more do not fit "
+                    "(live pins are never evicted)", limit=nftrules.PIN_SET_SIZE) from exc
 
     def release(self, slot: Slot, *, reusable: bool = True) -> None:
         """The slot's sandbox is gone. With ``reusable`` (its processes, hence its

@@ -18,6 +18,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from dsec.errors import InvalidArgument
 from dsec.wire.spec import (
     DEFAULT_CPU_MILLI,
     DEFAULT_MEMORY_BYTES,
@@ -32,9 +33,11 @@ from dsec.wire.spec import (
     MAX_EXEC_TIMEOUT_S,
     MAX_MEMORY_BYTES,
     MAX_OUTPUT_CAP_BYTES,
+    MAX_PRIORITY,
     MAX_STDIN_BYTES,
     MAX_TTL_S,
     MAX_USER_BYTES,
+    MIN_PRIORITY,
     BackendName,
     FileInfo,
     IdleAction,
@@ -47,6 +50,7 @@ from dsec.wire.spec import (
 __all__ = [
     "GATEWAY_PROTOCOL",
     "MAX_ARGV_BYTES",
+    "MAX_QUOTA",
     "MAX_STDIN_BYTES",
     "PRINCIPAL_PATTERN",
     "PROJECT_PATTERN",
@@ -59,6 +63,8 @@ __all__ = [
     "Encoding",
     "EventList",
     "ExecBody",
+    "ExecCallBody",
+    "ExecManyBody",
     "ExecOutput",
     "ExecStreamLine",
     "FileList",
@@ -172,7 +178,7 @@ class CreateSandboxRequest(_Strict):
     memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = DEFAULT_MEMORY_BYTES
     disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None
     pids_max: Annotated[int, _int(1, PIDS_MAX_CEILING)] | None = DEFAULT_PIDS_MAX
-    priority: I32 = 0
+    priority: Annotated[int, _int(MIN_PRIORITY, MAX_PRIORITY)] = 0
     labels: Annotated[dict[str, Annotated[str, _doc(maxLength=1024)]], _doc(
         propertyNames={"minLength": 1, "maxLength": 253})] = {}
     project: Project | None = None      # default: the key's default project
@@ -223,6 +229,22 @@ class ExecOutput(msgspec.Struct, kw_only=True):
     timed_out: bool = False
     duration_s: float = 0.0
     pid: int | None = None
+
+
+class ExecCallBody(_Strict):
+    """One item of ``POST /v1/batch/exec``: sandbox ``id`` and its command in the exec
+    JSON form (:class:`ExecBody`, as ``POST .../exec`` takes it). Documents the
+    catalogue's ``ExecCall`` (dsec.wire.calls) as REST carries it."""
+
+    id: str
+    req: ExecBody
+
+
+class ExecManyBody(_Strict):
+    """Body of ``POST /v1/batch/exec``; each item answers as ``POST .../exec`` does
+    (:class:`ExecOutput`)."""
+
+    calls: list[ExecCallBody]
 
 
 class ExecStreamLine(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -327,7 +349,10 @@ class NodeList(msgspec.Struct, kw_only=True):
     items: list[NodeView]
 
 
-NonNegative = Annotated[int, _doc(minimum=0)]
+# A quota is a non-negative 64-bit int: every door (msgpack over Aether) carries it. One
+# beyond 2**63 - 1, once stored, made every Aether read of the project fail.
+MAX_QUOTA = 2**63 - 1
+NonNegative = Annotated[int, _doc(minimum=0, maximum=MAX_QUOTA)]
 
 
 class QuotaBody(_Strict):
@@ -343,8 +368,26 @@ class QuotaBody(_Strict):
     network: NetworkPolicy | None = None
 
     def __post_init__(self) -> None:
+        for name in _QUOTA_COUNTS:
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_QUOTA:
+                raise InvalidArgument(f"quota {name}={str(v)[:40]} is out of range: use "
+                                      f"0..{MAX_QUOTA} or null (no limit)", field=name,
+                                      limit=MAX_QUOTA)
         if self.network is not None:   # validated at every door, stored canonical
             self.network = self.network.validate("quota.network")
+
+    @classmethod
+    def clamped(cls, *, network: NetworkPolicy | None = None,
+                **counts: int | None) -> QuotaBody:
+        """A quota read back from storage, each count clamped into 0..MAX_QUOTA: an
+        out-of-range value an older release stored (it checked no bound) reads as the
+        nearest value every door can carry, instead of failing the project's readers."""
+        return cls(network=network, **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
+                                        for k, v in counts.items()})
+
+
+_QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes")
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

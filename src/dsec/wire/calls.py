@@ -21,10 +21,14 @@ from dsec.wire.spec import (
     SandboxSpec,
     SandboxState,
     check_batch,
+    check_id,
     check_idempotency_key,
+    check_label_filter,
     check_mode,
     check_path,
     check_read_range,
+    check_reason,
+    check_strip,
 )
 
 __all__ = [
@@ -105,6 +109,9 @@ class SandboxRef(_Call, kw_only=True):
 
     id: str
 
+    def __post_init__(self) -> None:
+        check_id(self.id)
+
 
 class Empty(_Call, kw_only=True):
     """The body of an operation that takes no arguments (info, nodes, projects, ...)."""
@@ -162,9 +169,12 @@ class CreateOnNode(_Call, kw_only=True):
 
     spec: SandboxSpec
     sandbox_id: str | None = None       # pre-chosen id (must name this node); None = new
+
     ceiling_deny: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.sandbox_id is not None:
+            check_id(self.sandbox_id, "sandbox_id")
         _check_ceiling_deny(self.ceiling_deny)
 
 
@@ -212,6 +222,9 @@ class ListSandboxes(_Call, kw_only=True):
     limit: int = 100
     cursor: str | None = None
 
+    def __post_init__(self) -> None:
+        check_label_filter(self.labels)
+
 
 class SnapshotCall(_Call, kw_only=True):
     """``snapshot`` at the API doors: pack_diff sandbox ``id``, leaving out the path
@@ -219,6 +232,10 @@ class SnapshotCall(_Call, kw_only=True):
 
     id: str
     strip: list[str] = []
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
+        check_strip(self.strip)
 
 
 class SnapshotOnNode(_Call, kw_only=True):
@@ -230,11 +247,18 @@ class SnapshotOnNode(_Call, kw_only=True):
     strip: list[str] = []
     max_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        check_id(self.id)
+        check_strip(self.strip)
+
 
 class SnapshotRef(_Call, kw_only=True):
     """``snapshot_get`` / ``snapshot_delete``: a snapshot ref (sha256:...)."""
 
     id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class SnapshotQuery(_Call, kw_only=True):
@@ -242,6 +266,10 @@ class SnapshotQuery(_Call, kw_only=True):
 
     project: str | None = None
     sandbox_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sandbox_id is not None:
+            check_id(self.sandbox_id, "sandbox_id")
 
 
 class DestroyOnNode(_Call, kw_only=True):
@@ -252,6 +280,11 @@ class DestroyOnNode(_Call, kw_only=True):
     reason: str = "requested"
     detail: str = ""
 
+    def __post_init__(self) -> None:
+        check_id(self.id)
+        check_reason(self.reason)
+        check_reason(self.detail, "detail")
+
 
 class DestroyMany(_Call, kw_only=True):
     ids: list[str]
@@ -259,11 +292,15 @@ class DestroyMany(_Call, kw_only=True):
 
     def __post_init__(self) -> None:
         check_batch(len(self.ids), "ids")
+        check_reason(self.reason)
 
 
 class ExecCall(_Call, kw_only=True):
     id: str
     req: ExecRequest
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class ExecMany(_Call, kw_only=True):
@@ -283,6 +320,7 @@ class ReadFile(_Call, kw_only=True):
     length: int | None = None
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
         check_read_range(self.offset, self.length)
 
@@ -297,6 +335,7 @@ class WriteFile(_Call, kw_only=True):
     append: bool = False
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
         check_mode(self.mode)
 
@@ -308,6 +347,7 @@ class FileRef(_Call, kw_only=True):
     path: str
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
 
 
@@ -319,6 +359,7 @@ class Mkdir(_Call, kw_only=True):
     parents: bool = True
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
 
 
@@ -330,6 +371,7 @@ class Remove(_Call, kw_only=True):
     recursive: bool = False
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         check_path(self.path)
 
 
@@ -339,6 +381,9 @@ class ListRequest(_Call, kw_only=True):
     state: SandboxState | None = None
     project: str | None = None
     labels: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        check_label_filter(self.labels)
 
 
 class FeedRequest(_Call, kw_only=True):
@@ -362,6 +407,7 @@ class NetworkUpdate(_Call, kw_only=True):
     expect_generation: int | None = None
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         policy = self.policy.validate("policy")
         if policy is not self.policy:
             msgspec.structs.force_setattr(self, "policy", policy)
@@ -395,11 +441,17 @@ class SessionRef(_Call, kw_only=True):
 
     id: str
 
+    def __post_init__(self) -> None:
+        check_id(self.id)
+
 
 class KeyRef(_Call, kw_only=True):
     """``revoke_key``: the ``key_id`` :class:`~dsec.wire.api.CreateKeyResponse` gave."""
 
     id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class ProjectRef(_Call, kw_only=True):

@@ -11,17 +11,23 @@ them). Pure: no I/O.
 from __future__ import annotations
 
 import base64
+from typing import Any
+
+import msgspec
 
 from dsec.errors import InvalidArgument, error_from_wire
 from dsec.wire.api import Encoding, ExecBody, ExecOutput, ExecStreamLine
 from dsec.wire.spec import MAX_STDIN_BYTES, ExecChunk, ExecRequest, ExecResult
 
 __all__ = [
+    "carries_exec",
     "exec_body",
     "exec_output",
     "exec_request",
     "exec_result",
+    "from_json",
     "from_text",
+    "json_form",
     "stream_item",
     "stream_line",
     "text_or_base64",
@@ -121,3 +127,98 @@ def stream_item(line: ExecStreamLine) -> ExecChunk | ExecResult:
                           duration_s=line.duration_s or 0.0)
     return ExecChunk(stream=line.stream or "stdout",
                      data=from_text(line.data or "", line.encoding, field="data"))
+
+
+# ------------------------------------------------- exec records inside other records
+# An ExecRequest or ExecResult is written in its JSON form (above) wherever it appears in
+# a REST body or answer, not only when it is the whole body: ``POST /v1/batch/exec``'s
+# items read and answer as ``POST .../exec`` does (before, a batch item's stdin was
+# base64-decoded msgspec bytes: "test" reached the command as b"\xb5\xeb\x2d").
+_EXEC_TYPES = (ExecRequest, ExecResult)
+_carries: dict[Any, bool] = {}
+
+
+def _carries_type(t: msgspec.inspect.Type, seen: set[Any]) -> bool:
+    if isinstance(t, msgspec.inspect.StructType):
+        if t.cls in _EXEC_TYPES:
+            return True
+        if t.cls in seen:
+            return False
+        seen.add(t.cls)
+        return any(_carries_type(f.type, seen) for f in t.fields)
+    if isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType,
+                      msgspec.inspect.SetType, msgspec.inspect.FrozenSetType)):
+        return _carries_type(t.item_type, seen)
+    if isinstance(t, msgspec.inspect.DictType):
+        return _carries_type(t.value_type, seen)
+    if isinstance(t, msgspec.inspect.TupleType):
+        return any(_carries_type(x, seen) for x in t.item_types)
+    if isinstance(t, msgspec.inspect.UnionType):
+        return any(_carries_type(x, seen) for x in t.types)
+    return False
+
+
+def carries_exec(tp: Any) -> bool:
+    """Whether values of type ``tp`` can hold an ExecRequest or ExecResult (computed
+    once per type, so records without one are encoded and decoded as they are)."""
+    got = _carries.get(tp)
+    if got is None:
+        got = _carries[tp] = _carries_type(msgspec.inspect.type_info(tp), set())
+    return got
+
+
+def json_form(value: Any) -> Any:
+    """``value`` with every ExecRequest inside it as its :func:`exec_body` and every
+    ExecResult as its :func:`exec_output` (records are copied only where one sits)."""
+    if isinstance(value, ExecRequest):
+        return exec_body(value)
+    if isinstance(value, ExecResult):
+        return exec_output(value)
+    if isinstance(value, msgspec.Struct):
+        changed = {}
+        for name in value.__struct_fields__:
+            v = getattr(value, name)
+            n = json_form(v)
+            if n is not v:
+                changed[name] = n
+        # replace() does not check field types: the copy is for the JSON encoder only
+        return msgspec.structs.replace(value, **changed) if changed else value
+    if isinstance(value, (list, tuple)):
+        out = [json_form(x) for x in value]
+        return out if any(a is not b for a, b in zip(out, value, strict=True)) else value
+    if isinstance(value, dict):
+        d = {k: json_form(v) for k, v in value.items()}
+        return d if any(d[k] is not v for k, v in value.items()) else value
+    return value
+
+
+def _from(data: Any, t: msgspec.inspect.Type) -> Any:
+    if isinstance(t, msgspec.inspect.StructType):
+        if t.cls is ExecRequest and isinstance(data, dict):
+            return exec_request(msgspec.convert(data, ExecBody))
+        if t.cls is ExecResult and isinstance(data, dict):
+            return exec_result(msgspec.convert(data, ExecOutput))
+        if isinstance(data, dict):
+            types = {f.encode_name: f.type for f in t.fields}
+            return {k: _from(v, types[k]) if k in types else v for k, v in data.items()}
+        return data
+    if isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
+        return [_from(x, t.item_type) for x in data] if isinstance(data, list) else data
+    if isinstance(t, msgspec.inspect.DictType):
+        return ({k: _from(v, t.value_type) for k, v in data.items()}
+                if isinstance(data, dict) else data)
+    if isinstance(t, msgspec.inspect.UnionType):
+        if data is None:
+            return data
+        inner = [x for x in t.types if _carries_type(x, set())]
+        return _from(data, inner[0]) if len(inner) == 1 else data
+    return data
+
+
+def from_json(data: Any, tp: Any) -> Any:
+    """Plain decoded JSON ``data`` as a value of ``tp``, every ExecRequest/ExecResult
+    inside read from its JSON form (the inverse of :func:`json_form`). Raises what
+    :func:`msgspec.convert` raises, or the exec form's own :class:`InvalidArgument`."""
+    if carries_exec(tp):
+        data = _from(data, msgspec.inspect.type_info(tp))
+    return msgspec.convert(data, tp)

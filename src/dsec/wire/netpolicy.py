@@ -96,10 +96,14 @@ NEVER_REACHABLE: Final[tuple[tuple[IPNet, str], ...]] = (
     (_V4("127.0.0.0/8"), "loopback"),
     (_V4("169.254.0.0/16"), "metadata/link-local"),
     (_V4("224.0.0.0/3"), "multicast/reserved"),
+    # cloud platform endpoints outside link-local (the node's credentials and identity)
+    (_V4("168.63.129.16/32"), "Azure platform endpoint (wireserver)"),
+    (_V4("100.100.100.200/32"), "Alibaba Cloud metadata"),
     (DEFAULT_NET_POOL, "the sandboxes' own pool; name a sandbox as 'sandbox:<id>'"),
     (_V6("::/128"), "unspecified"),
     (_V6("::1/128"), "loopback"),
     (_V6("fe80::/10"), "link-local"),
+    (_V6("fd00:ec2::254/128"), "AWS metadata (IPv6)"),
     (_V6("ff00::/8"), "multicast"),
 )
 #: Private ranges: reachable only where an ``allow`` CIDR names them (mode open included),

@@ -13,6 +13,7 @@ field at its default is not mistaken for one left to the server), or none.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,14 @@ import msgspec
 
 from dsec.errors import DsecError, InvalidArgument, RemoteProtocolError
 from dsec.wire.api import ExecBody, ExecOutput
-from dsec.wire.jsonform import exec_body, exec_request, exec_result
+from dsec.wire.jsonform import (
+    carries_exec,
+    exec_body,
+    exec_request,
+    exec_result,
+    from_json,
+    json_form,
+)
 from dsec.wire.ops import Op, path_params
 from dsec.wire.outcome import undecodable
 from dsec.wire.spec import ExecRequest, ExecResult
@@ -81,7 +89,7 @@ def encode_request(op: Op[Any, Any], body: Any) -> RestRequest:
             headers[header] = _scalar(given)
     content: bytes | None = None
     if rest.body == "*":
-        content = _json.encode(fields)
+        content = _json.encode(json_form(fields))
         headers["content-type"] = "application/json"
     elif rest.body is not None:
         value: Any = fields.pop(rest.body)
@@ -110,8 +118,10 @@ def decode_reply(op: Op[Any, Any], content: bytes) -> Any:
     try:
         if op.reply is ExecResult:
             return exec_result(msgspec.json.decode(content, type=ExecOutput))
+        if carries_exec(op.reply):      # a batch of exec results: each in the exec form
+            return from_json(msgspec.json.decode(content), op.reply)
         return msgspec.json.decode(content, type=op.reply)
-    except msgspec.DecodeError as exc:     # ValidationError included
+    except (msgspec.DecodeError, InvalidArgument) as exc:     # ValidationError included
         raise RemoteProtocolError(f"{rest.method} {rest.path}: the answer does not decode "
                                   f"as {getattr(op.reply, '__name__', op.reply)}: "
                                   f"{exc}") from exc
@@ -218,8 +228,12 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
             given[name] = value
     if rest.body is not None:
         if rest.body == "*":
-            if not given:      # the whole request is the body: decoded once, as itself
+            exec_inside = carries_exec(op.request)
+            if not given and not exec_inside:
+                # the whole request is the body: decoded once, as itself
                 return _json_body(op, body or b"", op.request, "")
+            # an exec request inside (a batch's items) is read in the exec JSON form, as
+            # /exec reads it (from_json below)
             given.update(_json_body(op, body or b"", dict[str, Any], ""))
         else:
             t = _fields_of(op.request)[rest.body]
@@ -231,7 +245,7 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
             else:
                 given[rest.body] = _json_body(op, body or b"", Any, rest.body)
     try:
-        return msgspec.convert(given, op.request)
+        return from_json(given, op.request)
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
             raise exc.__cause__ from None
@@ -239,6 +253,61 @@ def decode_request(op: Op[Any, Any], path: Mapping[str, str],
 
 
 _body_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+_any_json = msgspec.json.Decoder()
+# Integers every door carries: msgpack (Aether, the edge's journal) holds at most 64 bits.
+# msgspec's JSON decoder takes any integer, so one beyond 64 bits used to pass REST's
+# decode and fail when re-encoded for the edge (edge_unreachable, a retryable 503).
+INT_MIN = -(2**63)
+INT_MAX = 2**64 - 1
+# A JSON integer outside int64 has at least 19 digits; a body without such a run (the
+# usual case: one C-speed scan, ~1 us per KiB) is decoded straight into its type.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def check_ints(value: Any, at: str = "") -> None:
+    """Refuse (:class:`InvalidArgument`, naming the field) an integer anywhere in
+    decoded JSON data ``value`` that msgpack cannot carry (below -2**63 or above
+    2**64 - 1); a tighter bound of a field is its type's to check, in its own words, the
+    same at every door."""
+    stack: list[tuple[Any, str]] = [(value, at)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int):
+            if not INT_MIN <= v <= INT_MAX:
+                name = where or "body"
+                raise InvalidArgument(f"{name}={str(v)[:40]} is out of range: integers are "
+                                      f"within {INT_MIN}..{INT_MAX} (64 bits, what every "
+                                      "door carries)", field=name, limit=INT_MAX)
+        elif isinstance(v, dict):
+            stack.extend((x, f"{where}.{k}" if where else str(k)) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+
+
+def decode_json(raw: bytes, tp: Any = Any, *, what: str = "request body") -> Any:
+    """JSON ``raw`` as ``tp``: the one JSON decode of a request at the apiserver (the
+    generic route and the by-hand ones). Malformed or too deeply nested JSON
+    (``RecursionError`` inside msgspec) and integers beyond 64 bits are refused as
+    :class:`InvalidArgument`; msgspec's ``ValidationError`` is left to the caller (it
+    words it per operation)."""
+    try:
+        if _LONG_DIGITS.search(raw) is not None:
+            data = _any_json.decode(raw)
+            check_ints(data)
+            return data if tp is Any else msgspec.convert(data, tp)
+        dec = _body_decoders.get(tp)
+        if dec is None:
+            dec = _body_decoders[tp] = msgspec.json.Decoder(tp)
+        return dec.decode(raw)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"malformed JSON {what}: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(f"the JSON {what} is nested too deeply; nest at most a few "
+                              "levels (a request is a flat object of fields)") from None
 
 
 def _json_body(op: Op[Any, Any], raw: bytes, tp: Any, at: str) -> Any:
@@ -246,14 +315,9 @@ def _json_body(op: Op[Any, Any], raw: bytes, tp: Any, at: str) -> Any:
     if not raw:
         raise InvalidArgument(f"empty request body: send the {op.name} request's JSON "
                               f"{at or 'object'}")
-    dec = _body_decoders.get(tp)
-    if dec is None:
-        dec = _body_decoders[tp] = msgspec.json.Decoder(tp)
     try:
-        return dec.decode(raw)
+        return decode_json(raw, tp, what="body")
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, DsecError):
             raise exc.__cause__ from None
         raise undecodable(op.name, exc, at=at) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"malformed JSON body: {exc}") from None

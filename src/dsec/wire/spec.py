@@ -41,6 +41,7 @@ __all__ = [
     "MAX_FILE_MODE",
     "MAX_FILE_READ_BYTES",
     "MAX_IDEMPOTENCY_KEY_CHARS",
+    "MAX_ID_CHARS",
     "MAX_LABELS",
     "MAX_LABEL_KEY_CHARS",
     "MAX_LABEL_VALUE_CHARS",
@@ -55,10 +56,17 @@ __all__ = [
     "MAX_OUTPUT_CAP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_PIDS",
+    "MAX_PRIORITY",
+    "MAX_REASON_CHARS",
+    "MAX_REF_CHARS",
     "MAX_SPEC_ENV_BYTES",
     "MAX_STDIN_BYTES",
+    "MAX_STRIP_PATTERNS",
+    "MAX_STRIP_PATTERN_CHARS",
+    "MAX_TOOLKITS",
     "MAX_TTL_S",
     "MAX_USER_BYTES",
+    "MIN_PRIORITY",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
@@ -78,11 +86,16 @@ __all__ = [
     "SnapshotInfo",
     "backend_of",
     "check_batch",
+    "check_id",
     "check_idempotency_key",
+    "check_label_filter",
     "check_mode",
     "check_path",
+    "check_project_path",
     "check_read_range",
+    "check_reason",
     "check_snapshot_ref",
+    "check_strip",
     "project_of",
     "read_in_chunks",
     "resolve",
@@ -137,6 +150,9 @@ MAX_FILE_MODE = 0o7777                # permission bits a write may set
 # bound; the apiserver's own caps (ApiConfig.max_create_batch, ...) are policy, lower.
 MAX_BATCH_ITEMS = 100_000
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# An id in a request (sandbox, snapshot, session, key): it is a REST path segment, so it
+# never holds '/' (a %2F in it used to route the request to another operation).
+MAX_ID_CHARS = 255
 # A sandbox's own environment rides along with every exec's argv+env: capped at half an
 # exec's budget so the two together stay under the kernel's ARG_MAX (2 MiB). Before, a
 # 2 MiB spec env was accepted by every door and then every exec failed with E2BIG.
@@ -144,6 +160,20 @@ MAX_SPEC_ENV_BYTES = MAX_ARGV_BYTES // 2
 MAX_LABELS = 64                       # labels per sandbox (listings filter on them)
 MAX_LABEL_KEY_CHARS = 253
 MAX_LABEL_VALUE_CHARS = 1024
+# Preemption priority: a 32-bit int at every door (REST's single create said so first;
+# the batch, gateway and edge doors took any 64-bit value).
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 2**31 - 1
+# Layer refs (image, workspace, each toolkit, snapshot): ``[project/]name[:tag]`` or a
+# digest, the length ``ImageTagRequest`` allows. Toolkits per sandbox: each is a layer of
+# the sandbox's overlay stack (the kernel's overlayfs takes ~500 lower dirs); 400,000
+# refs held the apiserver's loop ~3 s resolving them (red team, issue 13).
+MAX_REF_CHARS = 1200
+MAX_TOOLKITS = 64
+# Path patterns a snapshot leaves out; a destroy's reason (it goes into the last event).
+MAX_STRIP_PATTERNS = 256
+MAX_STRIP_PATTERN_CHARS = 1024
+MAX_REASON_CHARS = 1024
 
 
 def _bad_exec(field: str, why: str, **detail: object) -> InvalidArgument:
@@ -203,6 +233,21 @@ def check_path(path: object, *, field: str = "path") -> str:
     return path
 
 
+def check_project_path(project: object, *, field: str = "project") -> str:
+    """A project path (``org/team/exp1``: 1..16 lowercase names, ``/``-separated), in the
+    words every door uses (:func:`dsec.ids.parse_project_path`, the one rule): the API
+    doors, the edge and the spec's :meth:`SandboxSpec.validate`. Returns ``project``."""
+    from dsec.ids import parse_project_path
+
+    if not isinstance(project, str):
+        raise InvalidArgument(f"invalid project path {project!r}: use '/'-separated "
+                              "lowercase names like 'org/team/exp1'", field=field)
+    try:
+        return parse_project_path(project)
+    except InvalidArgument as exc:
+        raise InvalidArgument(exc.message, field=field) from None
+
+
 def check_read_range(offset: int, length: int | None) -> None:
     """A file read's ``offset`` and ``length`` (None: to the end) are not negative, and
     ``length`` asks for at most ``MAX_FILE_READ_BYTES`` (the edge used to take a larger
@@ -241,6 +286,58 @@ def check_batch(n: int, field: str) -> None:
         raise InvalidArgument(f"a batch of {n} {field} is over the limit of "
                               f"{MAX_BATCH_ITEMS} items per request; split it", field=field,
                               size=n, limit=MAX_BATCH_ITEMS)
+
+
+def check_label_filter(labels: dict[str, str], *, field: str = "labels") -> None:
+    """A listing's label filter: at most :data:`MAX_LABELS` pairs (no sandbox has more),
+    each within a label's own limits. The gateway took 100,000 (REST: what the header
+    cap let through)."""
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(f"{field} filter has {len(labels)} pairs, over the limit of "
+                              f"{MAX_LABELS} (a sandbox has at most that many labels)",
+                              field=field, size=len(labels), limit=MAX_LABELS)
+    for k, v in labels.items():
+        if len(k) > MAX_LABEL_KEY_CHARS or len(v) > MAX_LABEL_VALUE_CHARS:
+            raise InvalidArgument(f"{field} filter {k[:40]!r}: keys are up to "
+                                  f"{MAX_LABEL_KEY_CHARS} chars, values up to "
+                                  f"{MAX_LABEL_VALUE_CHARS}", field=field,
+                                  limit=MAX_LABEL_KEY_CHARS if len(k) > MAX_LABEL_KEY_CHARS
+                                  else MAX_LABEL_VALUE_CHARS)
+
+
+def check_strip(strip: list[str] | tuple[str, ...]) -> None:
+    """A snapshot's ``strip`` patterns: at most :data:`MAX_STRIP_PATTERNS` non-empty glob
+    patterns of at most :data:`MAX_STRIP_PATTERN_CHARS` without NUL (the edge's rule,
+    now the request type's at every door)."""
+    if len(strip) > MAX_STRIP_PATTERNS:
+        raise InvalidArgument(f"snapshot strip has {len(strip)} patterns; at most "
+                              f"{MAX_STRIP_PATTERNS}", field="strip", size=len(strip),
+                              limit=MAX_STRIP_PATTERNS)
+    for p in strip:
+        if not isinstance(p, str) or not p or len(p) > MAX_STRIP_PATTERN_CHARS or "\0" in p:
+            raise InvalidArgument(f"snapshot strip pattern {str(p)[:60]!r} must be a "
+                                  f"non-empty glob of at most {MAX_STRIP_PATTERN_CHARS} "
+                                  "chars without NUL", field="strip",
+                                  limit=MAX_STRIP_PATTERN_CHARS)
+
+
+def check_reason(reason: str, field: str = "reason") -> None:
+    """A destroy's reason or detail: at most :data:`MAX_REASON_CHARS` characters."""
+    if len(reason) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"{field} is {len(reason)} characters, over the limit of "
+                              f"{MAX_REASON_CHARS}", field=field, size=len(reason),
+                              limit=MAX_REASON_CHARS)
+
+
+def check_id(value: str, field: str = "id") -> None:
+    """An id a request names (it travels as one REST path segment): 1..MAX_ID_CHARS
+    printable characters, no '/'. Ids the platform makes (``sb-<hex>-<node>``,
+    ``sha256:<hex>``, ``ses-<hex>``) always are; anything else is no id of ours."""
+    if (not value or len(value) > MAX_ID_CHARS or "/" in value
+            or not value.isprintable()):
+        raise InvalidArgument(f"invalid {field} {value[:60]!r}: an id is 1..{MAX_ID_CHARS} "
+                              "printable characters without '/'", field=field,
+                              limit=MAX_ID_CHARS)
 
 
 def check_idempotency_key(key: str | None) -> None:
@@ -310,8 +407,28 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if v is not None and not (0 < v <= MAX_TTL_S):
                 raise bad(name, v, "use a positive number of seconds up to 30 days, or null",
                           limit=MAX_TTL_S)
+        if not (MIN_PRIORITY <= self.priority <= MAX_PRIORITY):
+            raise bad("priority", self.priority,
+                      f"use {MIN_PRIORITY}..{MAX_PRIORITY} (a 32-bit integer)",
+                      limit=MAX_PRIORITY)
         if not self.image:
             raise bad("image", self.image, "name an image")
+        for name, ref in (("image", self.image), ("workspace", self.workspace),
+                          ("snapshot", self.snapshot)):
+            if ref is not None and len(ref) > MAX_REF_CHARS:
+                raise bad(name, ref[:60] + "...", f"a ref is at most {MAX_REF_CHARS} "
+                          "characters", size=len(ref), limit=MAX_REF_CHARS)
+        if len(self.toolkits) > MAX_TOOLKITS:
+            raise InvalidArgument(f"sandbox spec field toolkits has {len(self.toolkits)} "
+                                  f"entries, over the limit of {MAX_TOOLKITS}",
+                                  field="toolkits", size=len(self.toolkits),
+                                  limit=MAX_TOOLKITS)
+        for ref in self.toolkits:
+            if not ref or len(ref) > MAX_REF_CHARS:
+                raise bad("toolkits", ref[:60], f"a toolkit ref is 1..{MAX_REF_CHARS} "
+                          "characters", size=len(ref), limit=MAX_REF_CHARS)
+        if self.project is not None:
+            check_project_path(self.project)
         if not isinstance(self.user_namespace, bool):
             raise bad("user_namespace", self.user_namespace, "use true or false")
         if len(self.env) > MAX_ENV_ITEMS:

@@ -98,11 +98,11 @@ class Admin:
         u = self.quota.usage(path)
         return ProjectView(
             path=path,
-            quota=None if q is None else QuotaBody(max_sandboxes=q.max_sandboxes,
-                                                    cpu_milli=q.cpu_milli,
-                                                    memory_bytes=q.memory_bytes,
-                                                    snapshot_bytes=q.snapshot_bytes,
-                                                    network=q.network),
+            quota=None if q is None else QuotaBody.clamped(max_sandboxes=q.max_sandboxes,
+                                                            cpu_milli=q.cpu_milli,
+                                                            memory_bytes=q.memory_bytes,
+                                                            snapshot_bytes=q.snapshot_bytes,
+                                                            network=q.network),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
                    "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
 
@@ -268,6 +268,19 @@ class Admin:
             raise NotFound(f"no session {sid!r} of this API key's principal; open one with "
                            "POST /v1/sessions")
         return SessionView(id=row.id, lease_s=row.lease_s, expires_at=row.expires_at)
+
+    def check_session(self, caller: Caller, sid: str) -> None:
+        """A create may bind its sandbox only to a session of the caller's own principal
+        that is not closed: another principal's session decides when *its* sandboxes are
+        swept, and a sandbox bound to a session id that does not exist was swept (or
+        kept) by chance. Refused as the renew of it would be (404, no hint whether the
+        id exists for someone else)."""
+        s = self.store.get_session(sid) if len(sid) <= 64 else None
+        if s is None or s.principal_id != caller.id:
+            raise NotFound(f"no session {sid[:64]!r} of this API key's principal: open one "
+                           "with POST /v1/sessions and create under it", field="session")
+        if s.closed:
+            raise NotFound(f"session {sid} was closed; open a new one", field="session")
 
     def close_session(self, caller: Caller, sid: str) -> None:
         s = self.store.get_session(sid) if len(sid) <= 64 else None

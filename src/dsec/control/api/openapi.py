@@ -16,10 +16,17 @@ from typing import Any, Literal
 import msgspec
 
 from dsec.errors import InternalError
-from dsec.wire.api import PROJECT_PATTERN, SNAPSHOT_PATTERN, ApiError
-from dsec.wire.calls import MAX_GENERATION
+from dsec.wire.api import (
+    PROJECT_PATTERN,
+    SNAPSHOT_PATTERN,
+    ApiError,
+    ExecManyBody,
+    ExecOutput,
+)
+from dsec.wire.calls import MAX_GENERATION, ExecMany
 from dsec.wire.ops import Op as CatalogueOp
-from dsec.wire.spec import MAX_PATH_BYTES
+from dsec.wire.outcome import Batch
+from dsec.wire.spec import MAX_PATH_BYTES, ExecResult
 
 __all__ = [
     "FILE_PATH",
@@ -219,6 +226,11 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
 )}
 
 
+# The REST (JSON) form of a request or reply that holds exec records (dsec.wire.jsonform
+# converts between them); tests/test_catalogue.py checks every such type is listed.
+_JSON_FORMS: dict[Any, Any] = {ExecMany: ExecManyBody, Batch[ExecResult]: Batch[ExecOutput]}
+
+
 def doc_of(row: CatalogueOp[Any, Any], *, request: Body | None = None,
            response: Body | None = None, media: str = "application/json",
            headers: tuple[Param, ...] = ()) -> Op:
@@ -258,6 +270,11 @@ def doc_of(row: CatalogueOp[Any, Any], *, request: Body | None = None,
             body = ft.cls
     reply: Body = {"json": row.reply, "raw": "binary", "ndjson": row.reply,
                    "empty": None}[rest.reply]
+    # exec records inside a body or reply travel in their JSON form (wire.jsonform)
+    if body is row.request and row.request in _JSON_FORMS:
+        body = _JSON_FORMS[row.request]
+    if rest.reply == "json" and row.reply in _JSON_FORMS:
+        reply = _JSON_FORMS[row.reply]
     return Op(rest.method, rest.path, rest.operation_id, row.summary,
               body if request is None else request, reply if response is None else response,
               rest.status, params=tuple(params), tag=rest.tag, response_media=media,

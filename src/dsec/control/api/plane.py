@@ -654,6 +654,9 @@ class ControlPlane:
     def close_session(self, caller: Caller, sid: str) -> None:
         self.admin.close_session(caller, sid)
 
+    def check_session(self, caller: Caller, sid: str) -> None:
+        self.admin.check_session(caller, sid)
+
     def sessions(self) -> dict[str, Session]:
         return self.admin.sessions()
 

@@ -41,6 +41,7 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
+from dsec.control.sweeper import SESSION_LABEL
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
     CapacityExceeded,
@@ -294,6 +295,7 @@ class AdminOps(Protocol):
         raise NotImplementedError
     def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
     def close_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
+    def check_session(self, caller: Caller, sid: str) -> None: raise NotImplementedError
     def list_images(self, caller: Caller) -> ImageList: raise NotImplementedError
     def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
     def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
@@ -316,6 +318,7 @@ class ApiConfig:
     default_ttl_s: float | None = 6 * 3600.0   # a sandbox created without ttl dies after 6 h
     default_backend: str = "simulated"         # used when a create names no backend
     max_create_batch: int = 1024               # create_many / gateway batch cap
+    max_exec_batch: int = 1024                 # exec_many: the same cap (was none)
     placement_retries: int = 3                 # re-picks after an edge refuses (CapacityExceeded)
     project_cache_entries: int = 200_000       # sandbox -> project cache (~100 B each)
     principal_cache_s: float = 5.0             # how long an authenticated key is trusted
@@ -460,6 +463,28 @@ class ApiService:
                 f"{principal.name!r} exceeded; retry after {wait:.2f}s",
                 retry_after=wait)
         return principal
+
+    def charge_batch(self, principal: Caller, n: int, field: str) -> None:
+        """A batch of ``n`` items costs ``n`` tokens of the principal's rate limit, like
+        ``n`` requests (:meth:`authenticate` took the first): one request of 5,000 execs
+        used to cost one token. A batch costing more than the bucket holds could never
+        run: it is refused naming the largest that can (split it)."""
+        extra = n - 1
+        if extra <= 0 or self.limiter.config.rate_per_s is None:
+            return
+        burst = self.limiter.config.burst
+        if n > burst:
+            raise InvalidArgument(
+                f"a batch of {n} {field} costs {n} requests of the rate limit of principal "
+                f"{principal.name!r}, whose burst is {burst:g}: split it into batches of at "
+                f"most {int(burst)}", field=field, size=n, limit=int(burst))
+        wait = self.limiter.acquire(principal.id, float(extra))
+        if wait is not None:
+            self.metrics.rate_limited.inc()
+            raise RateLimited(
+                f"rate limit of {self.limiter.config.rate_per_s:g} requests/s for principal "
+                f"{principal.name!r} exceeded by a batch of {n} {field} (each item counts "
+                f"as a request); retry after {wait:.2f}s", retry_after=wait)
 
     def check_anonymous(self, client: str, *, charge: bool) -> None:
         """Charge (or, without ``charge``, only test) ``client``'s budget for requests
@@ -623,9 +648,16 @@ class ApiService:
                 ttl = self.config.default_ttl_s
         spec = resolve(asked, backend=_backend_name(self.config.default_backend),
                        project=project, ttl_s=ttl, network=self.config.net_default)
+        # A sandbox is bound to a session (swept with it) by its session label: the
+        # request's session, or the label given by hand; either must be a live session
+        # of the caller's principal (another's would decide when this sandbox dies).
+        labelled = asked.labels.get(SESSION_LABEL)
+        if self.admin is not None:   # without a control plane no session exists
+            for sid in {s for s in (req.session, labelled) if s is not None}:
+                self.admin.check_session(principal, sid)
         if req.session is not None:
             spec = msgspec.structs.replace(
-                spec, labels={**spec.labels, "dsec.io/session": req.session})
+                spec, labels={**spec.labels, SESSION_LABEL: req.session})
         # the spec's own limits first (the type's words, as the gateway's decode gives
         # them), then this apiserver's tighter pids cap, then the project's network ceiling
         spec = spec.validate()
@@ -978,9 +1010,7 @@ class ApiService:
         (under ``session``), not for the whole batch at once.
         ``keys``: one Idempotency-Key per item, so a retried batch (its reply lost to a
         crash) answers each item with the sandbox its first attempt made."""
-        if len(reqs) > self.config.max_create_batch:
-            raise InvalidArgument(f"create batch of {len(reqs)} exceeds the limit of "
-                                  f"{self.config.max_create_batch}; split it", field="items")
+        self._check_batch_cap(len(reqs), self.config.max_create_batch, "items")
         if keys is not None and len(keys) != len(reqs):
             raise InvalidArgument(f"{len(keys)} idempotency keys for {len(reqs)} requests: "
                                   "give one key per request, or none",
@@ -1076,6 +1106,7 @@ class ApiService:
         self, principal: Caller, items: Sequence[tuple[str, ExecRequest]],
     ) -> builtins.list[ExecResult | DsecError]:
         """Batched exec: grouped per edge into one batched Aether call each."""
+        self._check_batch_cap(len(items), self.config.max_exec_batch, "calls")
         groups: dict[int, tuple[EdgeOps, list[int]]] = {}
         out: list[ExecResult | DsecError] = [InvalidArgument("not attempted")] * len(items)
         for i, (sid, _) in enumerate(items):
@@ -1518,6 +1549,8 @@ class ApiService:
         return await self.create(caller, b)
 
     async def _create_many_op(self, caller: Caller, b: CreateMany) -> Batch[SandboxInfo]:
+        self._check_batch_cap(len(b.items), self.config.max_create_batch, "items")
+        self.charge_batch(caller, len(b.items), "items")
         return Batch.of(self._redacted(await self.create_many(
             caller, b.items, b.idempotency_keys, session=b.session)))
 
@@ -1533,8 +1566,19 @@ class ApiService:
         await self.destroy(caller, b.id)
 
     async def _exec_many_op(self, caller: Caller, b: ExecMany) -> Batch[ExecResult]:
+        self._check_batch_cap(len(b.calls), self.config.max_exec_batch, "calls")
+        self.charge_batch(caller, len(b.calls), "calls")
         return Batch.of(self._redacted(await self.exec_many(
             caller, [(c.id, c.req) for c in b.calls])))
+
+    @staticmethod
+    def _check_batch_cap(n: int, cap: int, field: str) -> None:
+        """This apiserver's cap on the items of one batch (policy, below the wire's
+        MAX_BATCH_ITEMS), checked before the batch is charged or run."""
+        if n > cap:
+            raise InvalidArgument(f"a batch of {n} {field} exceeds this apiserver's limit "
+                                  f"of {cap} per request; split it", field=field, size=n,
+                                  limit=cap)
 
     def _redacted(self, items: Sequence[T | DsecError]) -> builtins.list[T | DsecError]:
         """A batch's failed items as the caller may see them (:meth:`redact`)."""

@@ -362,6 +362,10 @@ class ContainerBackend:
                                   field="user_namespace")
         if sid in self._boxes:
             raise Conflict(f"sandbox {sid} already exists on this backend", sandbox_id=sid)
+        if self.network is not None and spec.net.net_mode != "none":
+            # compiled off the loop (a big policy's split costs ms) and refused before
+            # anything is built; attach() below finds the plan prepared
+            await self.network.prepare_off_loop(spec)
         d = self._dir(sid)
         pids = self._pids_for(spec)
         cap = self.disk_cap(spec)
@@ -434,9 +438,31 @@ class ContainerBackend:
                     sandbox_id=sid)
             box.spec = spec
             return
+        await self.network.prepare_off_loop(spec, ceiling_deny)
         self.network.update(sid, spec, ceiling_deny)
         box.spec = spec
         log.debug("sandbox %s: network policy generation %d loaded", sid, generation)
+
+    def network_status(self, sid: SandboxId) -> tuple[str | None, int, int]:
+        """(address, denied packets, live DNS pins) for ``network_get``."""
+        if self.network is None:
+            return None, 0, 0
+        return self.network.status(sid, time.monotonic())
+
+    async def check_network(self, sid: SandboxId, spec: SandboxSpec,
+                            ceiling_deny: tuple[str, ...]) -> None:
+        """Refuse a policy this node cannot load *before* the node journals it (no fsync
+        and rollback for an update that will be refused): compiled on a worker thread,
+        the plan kept for the set_network that follows."""
+        self.box(sid)
+        if self.network is None:
+            if spec.net.net_mode != "none":
+                raise InvalidArgument(
+                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
+                    "which this container backend was started without", field="network",
+                    sandbox_id=sid)
+            return
+        await self.network.prepare_off_loop(spec, ceiling_deny)
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
@@ -551,9 +577,16 @@ class ContainerBackend:
 
     async def _denied_notice(self, box: Box, packets: int, total: int, folded: int) -> None:
         assert self.network is not None
+        slot = self.network.slot(box.sid)
+        held = (slot, slot.generation) if slot is not None else None
         try:
             examples = await asyncio.to_thread(self.network.recent_denied, box.sid)
         except (DsecError, OSError):
+            examples = []
+        now = self.network.slot(box.sid)
+        if held is None or now is not held[0] or now.generation != held[1]:
+            # the slot changed hands (or policy) while it was listed: the examples may
+            # be the next tenant's destinations, never shown to this one
             examples = []
         detail = (f"sandbox {box.sid}'s egress policy dropped {packets} packet(s) "
                   f"({total} since it started)"
