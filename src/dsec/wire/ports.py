@@ -17,6 +17,7 @@ import msgspec
 
 from dsec.errors import InvalidArgument
 from dsec.wire.calls import _Call
+from dsec.wire.spec import check_id
 
 __all__ = [
     "MAX_EXPOSED_PORTS",
@@ -61,6 +62,7 @@ class PortRef(_Call, kw_only=True):
     port: int
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         _check_port(self.port)
 
 
@@ -72,6 +74,7 @@ class PortExpose(PortRef, kw_only=True):
     token_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
+        check_id(self.id)
         _check_port(self.port)
         ttl = self.token_ttl_s
         if ttl is not None and not 0 < ttl <= MAX_TOKEN_TTL_S:
