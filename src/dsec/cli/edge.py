@@ -269,10 +269,21 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
               help="The most open egress policy this node serves, whoever asks (default: "
                    "no node ceiling; projects' ceilings still bind through the apiserver).")
-@click.option("--net-uplink", default=None, metavar="netns:PATH",
-              help="Give the container backend a network router whose uplink leads into "
-                   "the network namespace at PATH (a test or demo network; the host uplink "
-                   "is not built yet). Without it, only policy 'none' is served.")
+@click.option("--net-uplink", default=None, metavar="host|netns:PATH",
+              help="Give the container backend a network router (sandboxes get policies "
+                   "other than 'none'). 'host': its traffic leaves through this host, which "
+                   "CHANGES THE HOST: a veth dsu<hash> (169.254.213.1/30), an nft table "
+                   "inet dsec_<node> (drops every packet from the sandboxes to an address "
+                   "of this host, forwards them out of the egress device only, masqueraded) "
+                   "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone at a "
+                   "clean exit. Refused while another forward chain has policy drop "
+                   "(Docker, ufw): the error names the rules to add. 'netns:PATH': the "
+                   "uplink leads into the network namespace at PATH (a test or demo "
+                   "network; nothing on the host changes). Without it, only policy 'none' "
+                   "is served.")
+@click.option("--net-egress", default=None, metavar="DEV",
+              help="With --net-uplink host: the device the sandboxes' traffic leaves by "
+                   "[default: the device of the IPv4 default route].")
 @click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
               help="Addresses of the router's slots (private to its namespace).")
 @click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
@@ -286,7 +297,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
-         net_max: Any, net_uplink: str | None, net_pool: str,
+         net_max: Any, net_uplink: str | None, net_egress: str | None, net_pool: str,
          net_dns_upstream: tuple[str, ...]) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
@@ -316,11 +327,13 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if name == "container":
                 extra[name] = {**disk_opts, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
+        if net_egress is not None and net_uplink != "host":
+            raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
         if net_uplink is not None:
             if "container" not in backends:
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
-                                              net_dns_upstream, owned)
+                                              net_dns_upstream, owned, egress=net_egress)
             extra["container"] = {**extra.get("container", {}), "network": network}
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
                                                               state_dir, layer_store, owned),
@@ -368,31 +381,43 @@ class _Fd:
 
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
-             owned: list[Any]) -> tuple[Any, dict[str, Any]]:
+             owned: list[Any], *, egress: str | None = None) -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
     ``owned`` (the kernel then removes its namespace, links and nft objects)."""
-    import hashlib
-
     from dsec.net import netns
     from dsec.net.attach import SandboxNetwork
     from dsec.net.router import Router, RouterConfig
-    from dsec.net.uplink import NetnsUplink
+    from dsec.net.uplink import HostUplink, NetnsUplink, Uplink, uplink_ifname
 
-    if not uplink.startswith("netns:"):
-        raise click.BadParameter(f"{uplink!r}: only netns:PATH is built so far (the host "
-                                 "uplink is not)", param_hint="--net-uplink")
-    path = uplink.removeprefix("netns:")
-    try:
-        fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    up: Uplink
+    if uplink == "host":
+        # The edge's own netns is the host's; the resolver's upstream socket lives there.
+        fd = _Fd(netns.current_netns())
         owned.append(fd)
-        with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
-            pass
-        peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
-        router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
-    except OSError as exc:
-        raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
-                                 "namespace, e.g. /run/netns/NAME)",
-                                 param_hint="--net-uplink") from exc
+        up = HostUplink(fd.fd, node_id, egress=egress)
+        try:
+            router = Router.create(RouterConfig(pool=pool), up)
+        except OSError as exc:
+            raise click.ClickException(f"--net-uplink host: {exc}") from exc
+        click.echo(up.changes(), err=True)  # what this edge changed on the host
+    elif uplink.startswith("netns:"):
+        if egress is not None:
+            raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
+        path = uplink.removeprefix("netns:")
+        try:
+            fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            owned.append(fd)
+            with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
+                pass
+            router = Router.create(RouterConfig(pool=pool),
+                                   NetnsUplink(fd.fd, uplink_ifname(node_id)))
+        except OSError as exc:
+            raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a "
+                                     "network namespace, e.g. /run/netns/NAME)",
+                                     param_hint="--net-uplink") from exc
+    else:
+        raise click.BadParameter(f"{uplink!r}: use host or netns:PATH",
+                                 param_hint="--net-uplink")
     owned.insert(0, router)   # closed before the uplink fd
     router.refill()
     ups = []

@@ -37,7 +37,7 @@ from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
 from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy
 from dsec.net.slots import BuildSlots, Drain, Instruction, SlotEvent, SlotTable
-from dsec.net.uplink import UPLINK_IFNAME, NetnsUplink
+from dsec.net.uplink import UPLINK_IFNAME, Uplink
 
 __all__ = ["Router", "RouterConfig", "Slot"]
 
@@ -90,7 +90,7 @@ class Router:
     sandbox, and every veth and nft object with them.
     """
 
-    def __init__(self, config: RouterConfig, uplink: NetnsUplink) -> None:
+    def __init__(self, config: RouterConfig, uplink: Uplink) -> None:
         self.config = config
         self.pool = Pool(config.pool)
         self.uplink = uplink
@@ -108,7 +108,7 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(cls, config: RouterConfig, uplink: NetnsUplink) -> Router:
+    def create(cls, config: RouterConfig, uplink: Uplink) -> Router:
         r = cls(config, uplink)
         try:
             r._start()
@@ -148,6 +148,8 @@ class Router:
     def close(self) -> None:
         """Release every fd (slots held by live sandboxes stay alive in them)."""
         with self._lock:
+            if self.fd >= 0:
+                self.uplink.detach()  # the host uplink's table, veth and sysctls
             for s in self.slots.values():
                 _close(s.fd)
             self.slots.clear()

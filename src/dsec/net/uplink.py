@@ -1,28 +1,136 @@
-"""The router's way out (shell): a veth from the router netns to an uplink netns.
+"""The router's way out: a veth from the router netns to the host or to a test netns.
 
-``netns`` uplink (tests, the demo): the uplink's peer goes into a namespace the caller
-holds (one that plays the host or "the internet"), and no object is made in the host's own
-netns - tests never touch the host's interfaces, routes, sysctls or tables.
+Two kinds (plan-14 §4.5), both a /30 veth whose router end is ``dsu0``:
 
-The ``host`` uplink of plan-14 §4.5 (a dsec-owned host table, per-device forwarding) is
-the same veth with its peer in the edge's netns plus those host objects; it is not built
-yet (docs/networking.md says so).
+``NetnsUplink`` (tests, the demo): the peer goes into a namespace the caller holds (one
+that plays "the internet"), and no object is made anywhere else - tests never touch the
+host's interfaces, routes, sysctls or tables.
+
+``HostUplink`` (production, ``dsec edge --net-uplink host``): the peer goes into the
+host's netns (the edge's own; a test hands it a netns that *plays* the host, so the very
+same code is exercised without touching the real one), plus what it takes to route the
+router's traffic out of the host and nothing else:
+
+- a dsec-owned table ``inet dsec_<node>``: ``prerouting`` drops whatever comes in on the
+  uplink for an address of the host itself (``fib daddr type local``: the apiserver, the
+  edge's port, sshd, anything bound to 0.0.0.0 - the router's own never-reachable set
+  cannot know every host address, the kernel's fib does); ``forward`` lets the uplink out
+  of the egress device and only the replies back; ``postrouting`` masquerades the router's
+  address out of the egress device;
+- per-device ``forwarding=1`` on the uplink and the egress device (both are needed when
+  ``all.forwarding`` is 0, E6); when the egress device did not forward before, the table
+  also drops what else would now be forwarded from it, so the host forwards nothing it did
+  not forward before but the sandboxes' replies;
+- a check first that no other forward-hook base chain has policy drop (Docker's and ufw's
+  ``FORWARD``): a packet must be accepted by *every* base chain on a hook, so such a chain
+  would silently drop the sandboxes' traffic. The check fails naming the chain and the two
+  rules to add to it (it passes once that chain accepts the uplink both ways).
+
+``detach()`` (the router calls it on close) removes the table and the veth and puts the
+egress device's ``forwarding`` back - unless another dsec table still needs it (two edges
+on one host): each table records in its comment what the egress device had before the
+first of them, so the last one out restores it. A crash leaves the table and the sysctl;
+the next start of the same node replaces the table and reads the original value from it.
+Legacy (non-nft) iptables chains are not seen by the check: docs/networking.md says so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
+import logging
+import re
 import socket
-from dataclasses import dataclass
-from typing import Final
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
 
+from dsec.errors import BackendError
 from dsec.net import netns, rtwire
-from dsec.net.kernel import Netlink
+from dsec.net.kernel import Netlink, Nft
 
-__all__ = ["UPLINK_IFINDEX", "UPLINK_IFNAME", "NetnsUplink"]
+__all__ = [
+    "UPLINK_IFINDEX",
+    "UPLINK_IFNAME",
+    "HostUplink",
+    "NetnsUplink",
+    "Uplink",
+    "blocking_forward_chains",
+    "default_route_device",
+    "dsec_tables",
+    "forward_fix",
+    "forwarding_was",
+    "host_ruleset",
+    "host_table_name",
+    "uplink_ifname",
+]
+
+log = logging.getLogger(__name__)
 
 UPLINK_IFNAME: Final = "dsu0"
 UPLINK_IFINDEX: Final = 2
+DEFAULT_LINK: Final = "169.254.213.0/30"
+#: host tables of dsec's uplinks are named ``dsec_<node>``; the prefix finds the others
+HOST_TABLE_PREFIX: Final = "dsec_"
+_NAME_OK = re.compile(r"[A-Za-z0-9_]{1,40}")
+_WAS = re.compile(r"egress=(\S+) forwarding_was=([01])")
+
+
+class Uplink(Protocol):
+    """What the router needs of an uplink."""
+
+    @property
+    def peer_ip(self) -> ipaddress.IPv4Address: ...
+
+    @property
+    def router_ip(self) -> ipaddress.IPv4Address: ...
+
+    def attach(self, router_rt: Netlink) -> None: ...
+
+    def detach(self) -> None: ...
+
+
+def uplink_ifname(node: str) -> str:
+    """The peer's device name for node ``node`` (15 bytes at most, unique per node)."""
+    return "dsu" + hashlib.sha256(node.encode()).hexdigest()[:10]
+
+
+def host_table_name(node: str) -> str:
+    """``dsec_<node>`` when the node id is a valid nft name, else ``dsec_<hash>``."""
+    if _NAME_OK.fullmatch(node):
+        return HOST_TABLE_PREFIX + node
+    return HOST_TABLE_PREFIX + hashlib.sha256(node.encode()).hexdigest()[:12]
+
+
+def _link(link: str) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Network(link)
+
+
+def _veth(router_rt: Netlink, *, peer_netns_fd: int, peer_ifname: str, link: str) -> None:
+    """Create the veth (router end ``dsu0``, peer ``peer_ifname`` inside ``peer_netns_fd``),
+    address and raise both ends, and route the router's default via the peer."""
+    net = _link(link)
+    peer_ip, router_ip = net.network_address + 1, net.network_address + 2
+    seq = router_rt.next_seq(4)
+    router_rt.request(rtwire.messages(
+        rtwire.veth_pair(seq, name=UPLINK_IFNAME, index=UPLINK_IFINDEX,
+                         peer=peer_ifname, peer_index=0,  # the kernel picks it
+                         peer_netns_fd=peer_netns_fd),
+        rtwire.addr_add(seq + 1, UPLINK_IFINDEX, router_ip, net.prefixlen),
+        rtwire.link_up(seq + 2, UPLINK_IFINDEX),
+        rtwire.default_route(seq + 3, peer_ip, UPLINK_IFINDEX),
+    ), [seq, seq + 1, seq + 2, seq + 3], "router uplink")
+    peer_rt = Netlink.route(peer_netns_fd)
+    try:
+        index = _ifindex_in(peer_netns_fd, peer_ifname)
+        s = peer_rt.next_seq(2)
+        peer_rt.request(rtwire.messages(
+            rtwire.addr_add(s, index, peer_ip, net.prefixlen),
+            rtwire.link_up(s + 1, index),
+        ), [s, s + 1], f"uplink peer {peer_ifname}")
+    finally:
+        peer_rt.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,43 +144,320 @@ class NetnsUplink:
 
     peer_netns_fd: int
     peer_ifname: str
-    link: str = "169.254.213.0/30"
+    link: str = DEFAULT_LINK
 
     @property
     def peer_ip(self) -> ipaddress.IPv4Address:
-        return ipaddress.IPv4Network(self.link).network_address + 1
+        return _link(self.link).network_address + 1
 
     @property
     def router_ip(self) -> ipaddress.IPv4Address:
-        return ipaddress.IPv4Network(self.link).network_address + 2
+        return _link(self.link).network_address + 2
 
     @property
     def prefixlen(self) -> int:
-        return ipaddress.IPv4Network(self.link).prefixlen
+        return _link(self.link).prefixlen
 
     def attach(self, router_rt: Netlink) -> None:
-        """Create the veth (router end ``dsu0``), address and raise both ends, and route
-        the router's default via the peer."""
-        seq = router_rt.next_seq(4)
-        peer_index = 0  # the kernel picks the peer's ifindex in the uplink netns
-        router_rt.request(rtwire.messages(
-            rtwire.veth_pair(seq, name=UPLINK_IFNAME, index=UPLINK_IFINDEX,
-                             peer=self.peer_ifname, peer_index=peer_index,
-                             peer_netns_fd=self.peer_netns_fd),
-            rtwire.addr_add(seq + 1, UPLINK_IFINDEX, self.router_ip, self.prefixlen),
-            rtwire.link_up(seq + 2, UPLINK_IFINDEX),
-            rtwire.default_route(seq + 3, self.peer_ip, UPLINK_IFINDEX),
-        ), [seq, seq + 1, seq + 2, seq + 3], "router uplink")
-        peer_rt = Netlink.route(self.peer_netns_fd)
+        _veth(router_rt, peer_netns_fd=self.peer_netns_fd, peer_ifname=self.peer_ifname,
+              link=self.link)
+
+    def detach(self) -> None:
+        """Nothing: the peer goes with the router's netns."""
+
+
+# ---------------------------------------------------------------------------------------
+# host mode: pure parts
+
+
+def host_ruleset(*, table: str, uplink: str, egress: str, router_ip: str,
+                 egress_forwarding_was: int) -> str:
+    """The host table of a ``host`` uplink, from scratch (libnftables input, one
+    transaction). The comment keeps what the egress device's ``forwarding`` was before the
+    first dsec uplink on this host changed it (``detach`` of the last one restores it)."""
+    t = f"inet {table}"
+    lines = [
+        f"add table {t}",
+        f"delete table {t}",
+        (f'add table {t} {{ comment "dsec uplink {uplink}: egress={egress} '
+         f'forwarding_was={egress_forwarding_was}"; }}'),
+        # Before DNAT (priority -150 < dstnat): an address of the host is dropped even
+        # when a port-forwarding rule (Docker's) would have rewritten it.
+        f"add chain {t} pre {{ type filter hook prerouting priority -150; policy accept; }}",
+        (f'add rule {t} pre iifname "{uplink}" '
+         "fib daddr type { local, broadcast, multicast, anycast } counter drop"),
+        f"add chain {t} forward {{ type filter hook forward priority 0; policy accept; }}",
+        f'add rule {t} forward iifname "{uplink}" oifname "{egress}" accept',
+        f'add rule {t} forward iifname "{egress}" oifname "{uplink}" ct state established,related accept',
+        f'add rule {t} forward iifname "{uplink}" counter drop',
+        f'add rule {t} forward oifname "{uplink}" counter drop',
+    ]
+    if egress_forwarding_was == 0:
+        # The egress device forwards only because of dsec: nothing but dsec's replies.
+        lines.append(f'add rule {t} forward iifname "{egress}" oifname != "dsu*" counter drop')
+    lines += [
+        f"add chain {t} post {{ type nat hook postrouting priority srcnat; }}",
+        f'add rule {t} post ip saddr {router_ip} oifname "{egress}" masquerade',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _objects(ruleset: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [o[kind] for o in ruleset.get("nftables", ()) if isinstance(o, dict) and kind in o]
+
+
+def _names_device(rule: Mapping[str, Any], key: str, ifname: str) -> bool:
+    """Does ``rule`` match ``meta <key> == ifname`` and accept?"""
+    exprs = rule.get("expr") or []
+    matched = any(
+        isinstance(e, dict) and "match" in e
+        and e["match"].get("left") == {"meta": {"key": key}}
+        and e["match"].get("right") == ifname and e["match"].get("op") in ("==", "in")
+        for e in exprs)
+    return matched and any(isinstance(e, dict) and "accept" in e for e in exprs)
+
+
+def blocking_forward_chains(ruleset: Mapping[str, Any], *, uplink: str,
+                            own_table: str) -> list[tuple[str, str, str]]:
+    """Forward-hook base chains with policy drop that would drop the uplink's traffic:
+    ``(family, table, chain)`` each, those of dsec's own tables and those that already
+    accept the uplink both ways (``iifname`` and ``oifname`` accept rules) excluded."""
+    rules = _objects(ruleset, "rule")
+    out = []
+    for c in _objects(ruleset, "chain"):
+        if c.get("hook") != "forward" or c.get("policy") != "drop":
+            continue
+        if c.get("table") == own_table:
+            continue
+        mine = [r for r in rules if (r.get("family"), r.get("table"), r.get("chain"))
+                == (c.get("family"), c.get("table"), c.get("name"))]
+        if (any(_names_device(r, "iifname", uplink) for r in mine)
+                and any(_names_device(r, "oifname", uplink) for r in mine)):
+            continue
+        out.append((str(c.get("family")), str(c.get("table")), str(c.get("name"))))
+    return out
+
+
+def forward_fix(chains: Iterable[tuple[str, str, str]], uplink: str) -> str:
+    """The message of a failed forward check: the chains and the rules to add."""
+    lines = []
+    for fam, table, chain in chains:
+        lines.append(f"  nft insert rule {fam} {table} {chain} iifname \"{uplink}\" accept")
+        lines.append(f"  nft insert rule {fam} {table} {chain} oifname \"{uplink}\" "
+                     "ct state established,related accept")
+    names = ", ".join(f"{f} {t} {c}" for f, t, c in chains)
+    return (f"the host has a forward chain with policy drop ({names}): it would drop every "
+            f"packet of the sandboxes' uplink {uplink}. Let the uplink through it first "
+            "(with iptables: iptables -I FORWARD -i " + uplink + " -j ACCEPT; iptables -I "
+            "FORWARD -o " + uplink + " -m conntrack --ctstate ESTABLISHED,RELATED -j "
+            "ACCEPT; Docker: chain DOCKER-USER), e.g.:\n" + "\n".join(lines))
+
+
+def dsec_tables(ruleset: Mapping[str, Any]) -> list[str]:
+    """Names of the ``inet dsec_*`` tables in a JSON listing."""
+    return [str(t.get("name")) for t in _objects(ruleset, "table")
+            if t.get("family") == "inet" and str(t.get("name", "")).startswith(HOST_TABLE_PREFIX)]
+
+
+def forwarding_was(listings: Mapping[str, str], *, egress: str,
+                   own_table: str) -> int | None:
+    """What the egress device forwarded before the first dsec uplink changed it, as the
+    comments of the dsec tables (``{name: its plain listing}``) record it: this node's own
+    (stale, after a crash) first, then any other's. None: no table records ``egress``."""
+    order = sorted(listings, key=lambda n: n != own_table)
+    for name in order:
+        m = _WAS.search(listings[name])
+        if m and m.group(1) == egress:
+            return int(m.group(2))
+    return None
+
+
+def default_route_device(proc_net_route: str) -> str | None:
+    """The device of the IPv4 default route in a ``/proc/net/route`` text (lowest
+    metric), or None."""
+    best: tuple[int, str] | None = None
+    for line in proc_net_route.splitlines()[1:]:
+        f = line.split()
+        if len(f) >= 8 and f[1] == "00000000" and f[7] == "00000000":
+            metric = int(f[6])
+            if best is None or metric < best[0]:
+                best = (metric, f[0])
+    return None if best is None else best[1]
+
+
+# ---------------------------------------------------------------------------------------
+# host mode: the shell
+
+
+@dataclass(slots=True)
+class HostUplink:
+    """The router's uplink into the host netns held by ``host_netns_fd`` (production: the
+    edge's own, ``netns.current_netns()``; tests: a netns that plays the host).
+
+    ``egress`` is the device traffic leaves the host by (default: the one of the host's
+    IPv4 default route, read at attach).
+    """
+
+    host_netns_fd: int
+    node: str
+    egress: str | None = None
+    link: str = DEFAULT_LINK
+    #: what attach changed (detach undoes exactly that)
+    _made_link: bool = field(default=False, init=False)
+    _made_table: bool = field(default=False, init=False)
+    _egress_dev: str | None = field(default=None, init=False)
+    _restore_to: int | None = field(default=None, init=False)
+
+    @property
+    def peer_ifname(self) -> str:
+        return uplink_ifname(self.node)
+
+    @property
+    def table(self) -> str:
+        return host_table_name(self.node)
+
+    @property
+    def peer_ip(self) -> ipaddress.IPv4Address:
+        return _link(self.link).network_address + 1
+
+    @property
+    def router_ip(self) -> ipaddress.IPv4Address:
+        return _link(self.link).network_address + 2
+
+    @property
+    def egress_device(self) -> str | None:
+        """The egress device in use (after attach)."""
+        return self._egress_dev
+
+    def changes(self) -> str:
+        """What attach changes on the host, for the edge's log."""
+        return (f"host uplink: veth {self.peer_ifname} ({self.peer_ip}/"
+                f"{_link(self.link).prefixlen}), nft table inet {self.table} (drops the "
+                "uplink's packets to any host address; forwards it out of "
+                f"{self._egress_dev or '?'} only, masqueraded), sysctl "
+                f"net.ipv4.conf.{{{self.peer_ifname},{self._egress_dev or '?'}}}.forwarding=1"
+                "; all undone at a clean exit")
+
+    def _read_sysctl(self, path: str) -> str:
+        with netns.entered(self.host_netns_fd), open(f"/proc/sys/{path}") as f:
+            return f.read().strip()
+
+    def attach(self, router_rt: Netlink) -> None:
+        nft = Nft(self.host_netns_fd, json=True)
         try:
-            index = _ifindex_in(self.peer_netns_fd, self.peer_ifname)
-            s = peer_rt.next_seq(2)
-            peer_rt.request(rtwire.messages(
-                rtwire.addr_add(s, index, self.peer_ip, self.prefixlen),
-                rtwire.link_up(s + 1, index),
-            ), [s, s + 1], f"uplink peer {self.peer_ifname}")
+            self._attach(router_rt, nft)
+        except BaseException:
+            nft.close()
+            self.detach()
+            raise
+        nft.close()
+
+    def _attach(self, router_rt: Netlink, nft: Nft) -> None:
+        uplink = self.peer_ifname
+        ruleset = json.loads(nft("list ruleset") or "{}")
+        blocking = blocking_forward_chains(ruleset, uplink=uplink, own_table=self.table)
+        if blocking:
+            raise BackendError(forward_fix(blocking, uplink))
+        egress = self.egress
+        if egress is None:
+            with netns.entered(self.host_netns_fd), open("/proc/thread-self/net/route") as f:
+                egress = default_route_device(f.read())
+            if egress is None:
+                raise BackendError(
+                    "the host has no IPv4 default route to send the sandboxes' traffic out "
+                    "of: name the egress device (dsec edge --net-egress DEV)")
+        try:
+            with netns.entered(self.host_netns_fd):
+                socket.if_nametoindex(egress)
+        except OSError as exc:
+            raise BackendError(f"egress device {egress!r} does not exist on the host "
+                                     "(dsec edge --net-egress DEV)") from exc
+        self._egress_dev = egress
+        now = int(self._read_sysctl(f"net/ipv4/conf/{egress}/forwarding"))
+        was = forwarding_was(self._listings(ruleset), egress=egress, own_table=self.table)
+        if was is None:
+            was = now
+        self._restore_to = was
+        self._remove_stale_link(uplink)
+        self._made_link = True
+        _veth(router_rt, peer_netns_fd=self.host_netns_fd, peer_ifname=uplink, link=self.link)
+        netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{uplink}/forwarding", "1")
+        netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{egress}/forwarding", "1")
+        self._made_table = True
+        nft(host_ruleset(table=self.table, uplink=uplink, egress=egress,
+                         router_ip=str(self.router_ip), egress_forwarding_was=was))
+        log.info("%s", self.changes())
+
+    def _listings(self, ruleset: Mapping[str, Any]) -> dict[str, str]:
+        """The plain listing of every dsec table (JSON output leaves out table comments
+        in nftables 1.0.6)."""
+        names = dsec_tables(ruleset)
+        if not names:
+            return {}
+        text = Nft(self.host_netns_fd)
+        try:
+            return {n: text(f"list table inet {n}") for n in names}
         finally:
-            peer_rt.close()
+            text.close()
+
+    def _remove_stale_link(self, uplink: str) -> None:
+        """A link of our name left by a crashed run of this node (the name is ours)."""
+        try:
+            with netns.entered(self.host_netns_fd):
+                index = socket.if_nametoindex(uplink)
+        except OSError:
+            return
+        self._del_link(index)
+
+    def _del_link(self, index: int) -> None:
+        rt = Netlink.route(self.host_netns_fd)
+        try:
+            seq = rt.next_seq()
+            rt.request(rtwire.link_del(seq, index), [seq], f"delete uplink {self.peer_ifname}")
+        finally:
+            rt.close()
+
+    def detach(self) -> None:
+        """Undo what attach did (each step on its own: one failing does not keep the rest
+        in place)."""
+        errors: list[str] = []
+        nft: Nft | None = None
+        try:
+            nft = Nft(self.host_netns_fd, json=True)
+            if self._made_table:
+                try:
+                    nft(f"delete table inet {self.table}")
+                except BackendError as exc:
+                    if "No such file" not in str(exc):
+                        errors.append(str(exc))
+                self._made_table = False
+            if self._made_link:
+                try:
+                    with netns.entered(self.host_netns_fd):
+                        index = socket.if_nametoindex(self.peer_ifname)
+                    self._del_link(index)
+                except OSError:
+                    pass  # gone with the router's netns
+                except BackendError as exc:
+                    errors.append(str(exc))
+                self._made_link = False
+            egress, was = self._egress_dev, self._restore_to
+            if egress is not None and was is not None:
+                listings = self._listings(json.loads(nft("list tables") or "{}"))
+                listings.pop(self.table, None)
+                if forwarding_was(listings, egress=egress, own_table=self.table) is None:
+                    # the last dsec uplink on this device
+                    try:
+                        netns.write_sysctl(self.host_netns_fd,
+                                           f"net/ipv4/conf/{egress}/forwarding", str(was))
+                    except OSError as exc:
+                        errors.append(f"restore {egress} forwarding={was}: {exc}")
+                self._restore_to = None
+        finally:
+            if nft is not None:
+                nft.close()
+        if errors:
+            log.warning("host uplink teardown incomplete: %s", "; ".join(errors))
 
 
 def _ifindex_in(netns_fd: int, ifname: str) -> int:
