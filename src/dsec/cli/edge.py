@@ -148,6 +148,40 @@ def net_default_option(fn: F) -> F:
              "ceiling still binds; see docs/networking.md).")(fn)
 
 
+def net_node_options(fn: F) -> F:
+    """The network flags of a node (``dsec edge``; ``dsec up`` passes them to its edges):
+    ``--net-max``, ``--net-uplink``, ``--net-egress``, ``--net-pool``,
+    ``--net-dns-upstream``."""
+    opts = [
+        click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
+                     help="The most open egress policy this node serves, whoever asks (default: "
+                          "no node ceiling; projects' ceilings still bind through the apiserver)."),
+        click.option("--net-uplink", default=None, metavar="host|netns:PATH",
+                     help="Give the container backend a network router (sandboxes get policies "
+                          "other than 'none'). 'host': its traffic leaves through this host, which "
+                          "CHANGES THE HOST: a veth dsu<hash> (169.254.213.1/30), an nft table "
+                          "inet dsec_<node> (drops every packet from the sandboxes to an address "
+                          "of this host, forwards them out of the egress device only, masqueraded) "
+                          "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone at a "
+                          "clean exit. Refused while another forward chain has policy drop "
+                          "(Docker, ufw): the error names the rules to add. 'netns:PATH': the "
+                          "uplink leads into the network namespace at PATH (a test or demo "
+                          "network; nothing on the host changes). Without it, only policy 'none' "
+                          "is served."),
+        click.option("--net-egress", default=None, metavar="DEV",
+                     help="With --net-uplink host: the device the sandboxes' traffic leaves by "
+                          "[default: the device of the IPv4 default route]."),
+        click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
+                     help="Addresses of the router's slots (private to its namespace)."),
+        click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
+                     help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
+                          "uplink's namespace."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
 def capacity_options(what: str) -> Callable[[F], F]:
     """The capacity flags ``dsec edge`` and ``dsec up`` share. ``what`` names what the
     figures describe ("this node", "this machine")."""
@@ -266,29 +300,7 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @net_default_option
-@click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
-              help="The most open egress policy this node serves, whoever asks (default: "
-                   "no node ceiling; projects' ceilings still bind through the apiserver).")
-@click.option("--net-uplink", default=None, metavar="host|netns:PATH",
-              help="Give the container backend a network router (sandboxes get policies "
-                   "other than 'none'). 'host': its traffic leaves through this host, which "
-                   "CHANGES THE HOST: a veth dsu<hash> (169.254.213.1/30), an nft table "
-                   "inet dsec_<node> (drops every packet from the sandboxes to an address "
-                   "of this host, forwards them out of the egress device only, masqueraded) "
-                   "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone at a "
-                   "clean exit. Refused while another forward chain has policy drop "
-                   "(Docker, ufw): the error names the rules to add. 'netns:PATH': the "
-                   "uplink leads into the network namespace at PATH (a test or demo "
-                   "network; nothing on the host changes). Without it, only policy 'none' "
-                   "is served.")
-@click.option("--net-egress", default=None, metavar="DEV",
-              help="With --net-uplink host: the device the sandboxes' traffic leaves by "
-                   "[default: the device of the IPv4 default route].")
-@click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
-              help="Addresses of the router's slots (private to its namespace).")
-@click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
-              help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
-                   "uplink's namespace.")
+@net_node_options
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
