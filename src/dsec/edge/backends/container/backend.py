@@ -140,6 +140,26 @@ def _exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
+
+def network_refusal(mode: str, *, runtime: str, router: bool) -> str | None:
+    """Why a sandbox with egress mode ``mode`` cannot run here, or None (pure).
+
+    Policies are enforced by the node's router on a slot the native driver's zygote
+    joins; a runc sandbox makes its own network namespace, off every slot, so no rule
+    would apply to it - refused rather than run unfiltered or cut off."""
+    if mode == "none":
+        return None
+    if runtime != "native":
+        return (f"network mode {mode!r} is enforced for runtime='native' container sandboxes "
+                f"only; this backend runs runtime={runtime!r}, whose sandboxes are not put on "
+                "the node's router: use the 'container' backend (runtime native) or "
+                "network mode 'none'")
+    if not router:
+        return (f"network mode {mode!r} needs this node's network router, which this "
+                "container backend was started without (dsec edge --net-uplink); use "
+                "'none' (loopback only)")
+    return None
+
 class ContainerBackend:
     """Sandboxes as Linux containers. See the module docstring and docs/container.md."""
 
@@ -351,11 +371,7 @@ class ContainerBackend:
     # -- create / adopt / destroy ----------------------------------------------------------
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         spec.validate()
-        if spec.net.net_mode != "none" and self.network is None:
-            raise InvalidArgument(
-                f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                "which this container backend was started without; use 'none' (loopback "
-                "only)", field="network")
+        self._refuse_network(spec)
         if spec.user_namespace and self.runtime != "native":
             raise InvalidArgument("user_namespace is implemented by the native container "
                                   "driver only; use runtime='native' or drop it",
@@ -398,11 +414,7 @@ class ContainerBackend:
             if self.network is not None:
                 slot = self.network.attach(sid, spec)
                 if slot is not None:
-                    if self._runc is not None:
-                        raise InvalidArgument(
-                            "network policies are enforced for runtime='native' sandboxes "
-                            "only so far; use runtime='native' or network mode 'none'",
-                            field="network")
+                    assert self._runc is None  # _refuse_network: native only
                     box.netns_fd = slot.fd
                     self._write_resolv_conf(box)
             if self._runc is not None:
@@ -430,12 +442,8 @@ class ContainerBackend:
         journaled it): loaded on its slot in one atomic batch, cutting the flows it no
         longer allows. On failure nothing changed in the kernel."""
         box = self.box(sid)
+        self._refuse_network(spec, sid)
         if self.network is None:
-            if spec.net.net_mode != "none":
-                raise InvalidArgument(
-                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                    "which this container backend was started without", field="network",
-                    sandbox_id=sid)
             box.spec = spec
             return
         await self.network.prepare_off_loop(spec, ceiling_deny)
@@ -455,14 +463,19 @@ class ContainerBackend:
         and rollback for an update that will be refused): compiled on a worker thread,
         the plan kept for the set_network that follows."""
         self.box(sid)
+        self._refuse_network(spec, sid)
         if self.network is None:
-            if spec.net.net_mode != "none":
-                raise InvalidArgument(
-                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                    "which this container backend was started without", field="network",
-                    sandbox_id=sid)
             return
         await self.network.prepare_off_loop(spec, ceiling_deny)
+
+    def _refuse_network(self, spec: SandboxSpec, sid: str | None = None) -> None:
+        """A policy this backend cannot enforce is refused before anything is made
+        (create) or journaled (update): see :func:`network_refusal`."""
+        why = network_refusal(spec.net.net_mode, runtime=self.runtime,
+                              router=self.network is not None)
+        if why is not None:
+            raise InvalidArgument(why, field="network",
+                                  **({"sandbox_id": sid} if sid is not None else {}))
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
