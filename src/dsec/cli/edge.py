@@ -301,6 +301,11 @@ def _die_with_supervisor(pid: int) -> None:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @net_default_option
 @net_node_options
+@click.option("--metrics-listen", default=None, metavar="HOST:PORT",
+              help="Serve this edge's Prometheus metrics (denied packets per sandbox, "
+                   "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
+                   "[default: off]. Sandbox ids are labels: bind it to loopback or a "
+                   "monitoring network.")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -310,7 +315,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
          net_max: Any, net_uplink: str | None, net_egress: str | None, net_pool: str,
-         net_dns_upstream: tuple[str, ...]) -> None:
+         net_dns_upstream: tuple[str, ...], metrics_listen: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
@@ -372,7 +377,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if len(token) < 16:
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
-        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args))
+        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
+                          metrics_listen))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
@@ -441,7 +447,8 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
 
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None,
-                 resolver_args: dict[str, Any] | None = None) -> None:
+                 resolver_args: dict[str, Any] | None = None,
+                 metrics_listen: str | None = None) -> None:
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
     from dsec.wire.node import format_bytes, format_cpu
@@ -467,6 +474,16 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
                  format_cpu(phys.cpu_milli) if phys else "?",
                  format_bytes(phys.memory_bytes) if phys else "?")
         click.echo(f"edge {cfg.node_id} listening on {server.address}", err=True)
+        metrics = None
+        if metrics_listen is not None:
+            from dsec.edge.metrics import EdgeMetrics, serve_metrics
+
+            em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
+                             resolver=resolver, live=lambda: node.live_count)
+            metrics = await serve_metrics(metrics_listen, em.render)
+            addr = metrics.sockets[0].getsockname()
+            click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",
+                       err=True)
         if ready_fd is not None:
             try:
                 os.write(ready_fd, b"ready\n")
@@ -476,6 +493,8 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
         try:
             await stop.wait()
         finally:
+            if metrics is not None:
+                metrics.close()
             await server.close()
             if resolver is not None:
                 await resolver.close()
