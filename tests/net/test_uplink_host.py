@@ -286,3 +286,34 @@ async def test_dsec_edge_net_uplink_host(tmp_path: object, host: FakeHost,
     assert proc.returncode == 0, err
     assert host.decoy_hits() == []
     assert state(host) == before  # a clean exit undid every host change
+
+
+def test_restart_after_a_crash_reconciles_and_restores(host: FakeHost) -> None:
+    """A crashed edge leaves its host table and the egress sysctl; the next start of the
+    same node replaces the table, learns the original value from it, and its clean exit
+    puts the host back as it was before the first run."""
+    before = state(host)
+    r = host_router(host)
+    up = r.uplink
+    assert isinstance(up, HostUplink)
+    up._made_table = up._made_link = False  # a crash: nothing undone
+    up._restore_to = None
+    r.close()
+    ruleset, _links, sysctls = state(host)
+    assert "table inet dsec_t1" in ruleset and sysctls[f"{EGRESS}.forwarding"] == "1"
+    r2 = host_router(host)  # forwarding is 1 now, but the stale table says it was 0
+    try:
+        assert state(host)[0].count("table inet dsec_t1") == 1
+        assert connect_from(r2.fd, ALLOWED, 80, b"again").startswith("ok ")
+    finally:
+        r2.close()
+    assert state(host) == before
+
+
+def test_bad_egress_refused_and_nothing_made(host: FakeHost) -> None:
+    before = state(host)
+    for bad in ('eth0" accept', "nosuchdev0"):
+        with pytest.raises(BackendError, match="egress device"):
+            Router.create(RouterConfig(pool_min=2, build_batch=2),
+                          HostUplink(host.fd, "t1", egress=bad))
+        assert state(host) == before

@@ -75,6 +75,8 @@ DEFAULT_LINK: Final = "169.254.213.0/30"
 HOST_TABLE_PREFIX: Final = "dsec_"
 _NAME_OK = re.compile(r"[A-Za-z0-9_]{1,40}")
 _WAS = re.compile(r"egress=(\S+) forwarding_was=([01])")
+#: what an egress device name may hold to be spliced into an nft rule and a sysctl path
+_IFNAME_OK = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 
 
 class Uplink(Protocol):
@@ -366,6 +368,9 @@ class HostUplink:
                 raise BackendError(
                     "the host has no IPv4 default route to send the sandboxes' traffic out "
                     "of: name the egress device (dsec edge --net-egress DEV)")
+        if not _IFNAME_OK.fullmatch(egress) or egress in (".", ".."):
+            raise BackendError(f"egress device name {egress!r} is not one dsec can use in "
+                               "an nft rule (letters, digits, _ . : @ -; at most 15)")
         try:
             with netns.entered(self.host_netns_fd):
                 socket.if_nametoindex(egress)
