@@ -294,14 +294,23 @@ def test_restart_after_a_crash_reconciles_and_restores(host: FakeHost) -> None:
     puts the host back as it was before the first run."""
     before = state(host)
     r = host_router(host)
-    up = r.uplink
-    assert isinstance(up, HostUplink)
-    up._made_table = up._made_link = False  # a crash: nothing undone
-    up._restore_to = None
+
+    class Crashed:  # the process died: nothing of the host's undone
+        def detach(self) -> None:
+            pass
+
+    r.uplink = Crashed()  # type: ignore[assignment]
     r.close()
     ruleset, _links, sysctls = state(host)
     assert "table inet dsec_t1" in ruleset and sysctls[f"{EGRESS}.forwarding"] == "1"
-    r2 = host_router(host)  # forwarding is 1 now, but the stale table says it was 0
+    # a later process of the node that never attached can still undo it (the host holds
+    # the record) ...
+    HostUplink(host.fd, "t1").detach()
+    assert state(host)[0] == before[0] and state(host)[2] == before[2]
+    r = host_router(host)
+    r.uplink = Crashed()  # type: ignore[assignment]
+    r.close()
+    r2 = host_router(host)  # ... and a new start replaces the crashed run's table  # forwarding is 1 now, but the stale table says it was 0
     try:
         assert state(host)[0].count("table inet dsec_t1") == 1
         assert connect_from(r2.fd, ALLOWED, 80, b"again").startswith("ok ")

@@ -36,6 +36,7 @@ Legacy (non-nft) iptables chains are not seen by the check: docs/networking.md s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import json
@@ -297,17 +298,18 @@ class HostUplink:
     edge's own, ``netns.current_netns()``; tests: a netns that plays the host).
 
     ``egress`` is the device traffic leaves the host by (default: the one of the host's
-    IPv4 default route, read at attach).
+    IPv4 default route, read at attach). What is on the host is the state: ``detach``
+    reads the table's record (what the egress device forwarded before), so it undoes a
+    previous process's uplink as well as this one's.
     """
 
     host_netns_fd: int
     node: str
     egress: str | None = None
     link: str = DEFAULT_LINK
-    #: what attach changed (detach undoes exactly that)
-    _made_link: bool = field(default=False, init=False)
-    _made_table: bool = field(default=False, init=False)
+    #: the egress device in use (after attach/adopt)
     _egress_dev: str | None = field(default=None, init=False)
+    #: what the egress device forwarded before dsec, known before the table records it
     _restore_to: int | None = field(default=None, init=False)
 
     @property
@@ -345,22 +347,46 @@ class HostUplink:
             return f.read().strip()
 
     def attach(self, router_rt: Netlink) -> None:
-        nft = Nft(self.host_netns_fd, json=True)
+        """Make the veth and the host's objects (after a crash: replacing what the
+        crashed run left)."""
         try:
-            self._attach(router_rt, nft)
+            self._prepare_host(router_rt)
         except BaseException:
-            nft.close()
             self.detach()
             raise
-        nft.close()
 
-    def _attach(self, router_rt: Netlink, nft: Nft) -> None:
-        uplink = self.peer_ifname
-        ruleset = json.loads(nft("list ruleset") or "{}")
-        blocking = blocking_forward_chains(ruleset, uplink=uplink, own_table=self.table)
-        if blocking:
-            raise BackendError(forward_fix(blocking, uplink))
-        egress = self.egress
+    def adopt(self) -> None:
+        """A router kept from a previous edge of this node still has its uplink veth:
+        check the host again and put the table and sysctls in place (idempotent)."""
+        self._prepare_host(None)
+
+    def _prepare_host(self, router_rt: Netlink | None) -> None:
+        nft = Nft(self.host_netns_fd, json=True)
+        try:
+            uplink = self.peer_ifname
+            ruleset = json.loads(nft("list ruleset") or "{}")
+            blocking = blocking_forward_chains(ruleset, uplink=uplink, own_table=self.table)
+            if blocking:
+                raise BackendError(forward_fix(blocking, uplink))
+            egress = self._egress(self.egress)
+            now = int(self._read_sysctl(f"net/ipv4/conf/{egress}/forwarding"))
+            was = forwarding_was(self._listings(ruleset), egress=egress, own_table=self.table)
+            self._restore_to = now if was is None else was
+            self._egress_dev = egress
+            if router_rt is not None:
+                self._remove_stale_link(uplink)
+                _veth(router_rt, peer_netns_fd=self.host_netns_fd, peer_ifname=uplink,
+                      link=self.link)
+            netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{uplink}/forwarding", "1")
+            netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{egress}/forwarding", "1")
+            nft(host_ruleset(table=self.table, uplink=uplink, egress=egress,
+                             router_ip=str(self.router_ip),
+                             egress_forwarding_was=self._restore_to))
+        finally:
+            nft.close()
+        log.info("%s", self.changes())
+
+    def _egress(self, egress: str | None) -> str:
         if egress is None:
             with netns.entered(self.host_netns_fd), open("/proc/thread-self/net/route") as f:
                 egress = default_route_device(f.read())
@@ -376,22 +402,8 @@ class HostUplink:
                 socket.if_nametoindex(egress)
         except OSError as exc:
             raise BackendError(f"egress device {egress!r} does not exist on the host "
-                                     "(dsec edge --net-egress DEV)") from exc
-        self._egress_dev = egress
-        now = int(self._read_sysctl(f"net/ipv4/conf/{egress}/forwarding"))
-        was = forwarding_was(self._listings(ruleset), egress=egress, own_table=self.table)
-        if was is None:
-            was = now
-        self._restore_to = was
-        self._remove_stale_link(uplink)
-        self._made_link = True
-        _veth(router_rt, peer_netns_fd=self.host_netns_fd, peer_ifname=uplink, link=self.link)
-        netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{uplink}/forwarding", "1")
-        netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{egress}/forwarding", "1")
-        self._made_table = True
-        nft(host_ruleset(table=self.table, uplink=uplink, egress=egress,
-                         router_ip=str(self.router_ip), egress_forwarding_was=was))
-        log.info("%s", self.changes())
+                               "(dsec edge --net-egress DEV)") from exc
+        return egress
 
     def _listings(self, ruleset: Mapping[str, Any]) -> dict[str, str]:
         """The plain listing of every dsec table (JSON output leaves out table comments
@@ -401,7 +413,11 @@ class HostUplink:
             return {}
         text = Nft(self.host_netns_fd)
         try:
-            return {n: text(f"list table inet {n}") for n in names}
+            out = {}
+            for n in names:
+                with contextlib.suppress(BackendError):  # gone meanwhile
+                    out[n] = text(f"list table inet {n}")
+            return out
         finally:
             text.close()
 
@@ -423,44 +439,38 @@ class HostUplink:
             rt.close()
 
     def detach(self) -> None:
-        """Undo what attach did (each step on its own: one failing does not keep the rest
-        in place)."""
+        """Remove this node's table and veth from the host and put the egress device's
+        ``forwarding`` back to what the table recorded (unless another dsec table on the
+        same device still needs it). Each step on its own: one failing does not keep the
+        rest in place."""
         errors: list[str] = []
-        nft: Nft | None = None
+        nft = Nft(self.host_netns_fd, json=True)
         try:
-            nft = Nft(self.host_netns_fd, json=True)
-            if self._made_table:
+            listings = self._listings(json.loads(nft("list tables") or "{}"))
+            mine = listings.pop(self.table, None)
+            m = _WAS.search(mine or "")
+            egress, was = ((m.group(1), int(m.group(2))) if m
+                           else (self._egress_dev, self._restore_to))
+            if mine is not None:
                 try:
                     nft(f"delete table inet {self.table}")
                 except BackendError as exc:
-                    if "No such file" not in str(exc):
-                        errors.append(str(exc))
-                self._made_table = False
-            if self._made_link:
-                try:
-                    with netns.entered(self.host_netns_fd):
-                        index = socket.if_nametoindex(self.peer_ifname)
-                    self._del_link(index)
-                except OSError:
-                    pass  # gone with the router's netns
-                except BackendError as exc:
                     errors.append(str(exc))
-                self._made_link = False
-            egress, was = self._egress_dev, self._restore_to
-            if egress is not None and was is not None:
-                listings = self._listings(json.loads(nft("list tables") or "{}"))
-                listings.pop(self.table, None)
-                if forwarding_was(listings, egress=egress, own_table=self.table) is None:
-                    # the last dsec uplink on this device
-                    try:
-                        netns.write_sysctl(self.host_netns_fd,
-                                           f"net/ipv4/conf/{egress}/forwarding", str(was))
-                    except OSError as exc:
-                        errors.append(f"restore {egress} forwarding={was}: {exc}")
-                self._restore_to = None
+            try:
+                self._remove_stale_link(self.peer_ifname)
+            except BackendError as exc:
+                errors.append(str(exc))
+            if egress is not None and was is not None and forwarding_was(
+                    listings, egress=egress, own_table=self.table) is None:
+                # the last dsec uplink on this device
+                try:
+                    netns.write_sysctl(self.host_netns_fd,
+                                       f"net/ipv4/conf/{egress}/forwarding", str(was))
+                except OSError as exc:
+                    errors.append(f"restore {egress} forwarding={was}: {exc}")
+            self._restore_to = None
         finally:
-            if nft is not None:
-                nft.close()
+            nft.close()
         if errors:
             log.warning("host uplink teardown incomplete: %s", "; ".join(errors))
 
