@@ -320,7 +320,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if "container" not in backends:
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
-                                              net_dns_upstream, owned)
+                                              net_dns_upstream, owned, state_dir)
             extra["container"] = {**extra.get("container", {}), "network": network}
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
                                                               state_dir, layer_store, owned),
@@ -368,9 +368,13 @@ class _Fd:
 
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
-             owned: list[Any]) -> tuple[Any, dict[str, Any]]:
+             owned: list[Any], state_dir: str | None = None) -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
-    ``owned`` (the kernel then removes its namespace, links and nft objects)."""
+    ``owned`` (the kernel then removes its namespace, links and nft objects).
+
+    With a state dir the router netns is pinned at ``STATE/net/router``: it outlives
+    this process (a crash, or a stop with live sandboxes), and the next edge re-opens it
+    and reconciles it with its journal before it serves (docs/networking.md)."""
     import hashlib
 
     from dsec.net import netns
@@ -388,13 +392,19 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
             pass
         peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
-        router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
+        if state_dir is not None:
+            from dsec.statedir import ensure_private_dir
+            pin = os.path.join(ensure_private_dir(os.path.join(state_dir, "net")), "router")
+            router = Router.open(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer), pin)
+        else:
+            router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
     except OSError as exc:
         raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
                                  "namespace, e.g. /run/netns/NAME)",
                                  param_hint="--net-uplink") from exc
     owned.insert(0, router)   # closed before the uplink fd
-    router.refill()
+    if router.pin_path is None:
+        router.refill()       # else after reconcile (the backend's, before serving)
     ups = []
     for u in upstreams or ("127.0.0.53",):
         host, _, port = u.partition(":")

@@ -236,6 +236,8 @@ class ContainerBackend:
         #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
         self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
         self._notices = NoticeLimiter(notice_interval_s)
+        #: ceiling denies of sandboxes being adopted (the node's, see adopting())
+        self._adopt_ceiling: dict[str, tuple[str, ...]] = {}
         self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
         self.snapshot_max_entries = snapshot_max_entries
         self.snapshot_max_path_bytes = snapshot_max_path_bytes
@@ -770,16 +772,30 @@ class ContainerBackend:
         self._boxes[sid] = box
         self._watch_box(box)
         if self.network is not None and spec.net.net_mode != "none":
-            # Its slot's veth died with the previous edge's router (the router netns is
-            # held by the edge's fds): the sandbox runs on, cut off from every network
-            # (fail closed) until it is re-created. Said, not hidden.
-            self.network.lost.add(sid)
-            detail = (f"sandbox {sid} was adopted after an edge restart without its network: "
-                      "its router slot went with the previous edge process, so it now "
-                      "reaches nothing; re-create it to get its network policy back")
-            log.warning("%s", detail)
-            self._notice(box, "network_lost", detail)
+            # Its slot (netns held by its processes, veth end by the pinned router) is
+            # checked against the router, with every other adopted one, by reconcile()
+            # before the edge serves (dsec.net.reconcile).
+            try:
+                fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                self._network_lost(box, f"its netns cannot be opened: {exc}")
+            else:
+                self.network.adopt(sid, spec, fd, self._adopt_ceiling.pop(sid, ()))
         return True
+
+    def adopting(self, sid: str, ceiling_deny: tuple[str, ...]) -> None:
+        """The node's word, before :meth:`adopt`, on the project ceilings' deny entries
+        the sandbox's policy was loaded with (journaled beside it)."""
+        self._adopt_ceiling[sid] = ceiling_deny
+
+    def _network_lost(self, box: Box, why: str) -> None:
+        assert self.network is not None
+        self.network.lost.add(box.sid)
+        detail = (f"sandbox {box.sid} was adopted after an edge restart without its "
+                  f"network ({why}): it now reaches nothing; re-create it to get its "
+                  "network policy back")
+        log.warning("%s", detail)
+        self._notice(box, "network_lost", detail)
 
     async def destroy(self, sid: SandboxId) -> None:
         box = self._boxes.pop(sid, None)
@@ -986,6 +1002,21 @@ class ContainerBackend:
             if sid in self._boxes or sid in keep:
                 continue
             out.append(await self._remove_leftover(sid, census))
+        if self.network is not None:
+            # after the census: the leftovers' processes (holding their slots' netns)
+            # are dead, so their router links go (plan-14 §9.2)
+            t0 = time.monotonic()
+            lost = await asyncio.to_thread(self.network.reconcile)
+            log.info("net: router reconciled in %.1f ms (%d sandboxes on slots, %d lost)",
+                     (time.monotonic() - t0) * 1000, len(self.network.by_sandbox), len(lost))
+            for sid, why in lost.items():
+                box = self._boxes.get(sid)
+                if box is not None:
+                    self._network_lost(box, why)
+            for sid, slot in self.network.by_sandbox.items():
+                box = self._boxes.get(sid)
+                if box is not None:
+                    box.netns_fd = slot.fd
         if self._runc is not None:
             self._runc.sweep_logs()
         # Parents an earlier process (in another cgroup) made: gone once empty.
