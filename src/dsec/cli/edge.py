@@ -9,6 +9,7 @@ keeping its sandboxes for the next start) when its supervisor dies, even by kill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -289,15 +290,71 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          net_max: Any, net_uplink: str | None, net_pool: str,
          net_dns_upstream: tuple[str, ...]) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
+    # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
+    # after: every finally below runs, so nothing the start made stays mounted,
+    # attached or pinned (the default action would end the process mid-start).
+    _stop_by_exception()
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    owned: list[Any] = []
+    built: dict[str, Any] = {}
+    served: list[bool] = []  # [True] once the node has closed the backends itself
+    try:
+        _edge_main(owned, built, served, listen, state_dir, journal_sync, backends, node_id,
+                   cpus, memory, disk, cpu_overcommit, memory_overcommit, cpu_milli,
+                   memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
+                   layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
+                   ready_fd, net_default, net_max, net_uplink, net_pool, net_dns_upstream)
+    finally:
+        # a second signal must not cut the release short (kill -9 still ends it)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if not served:
+            for b in {id(b): b for b in built.values()}.values():
+                _release_backend(b)
+        for o in owned:
+            o.close()   # the layer mounts, the router; sandboxes kept for adoption hold their own
+
+
+def _stop_by_exception() -> None:
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def _release_backend(b: Any) -> None:
+    """Close a backend the node never got to close (a stop or a failure during start):
+    its disk pool unmounted and its loop device detached when it holds no sandbox."""
+    log = logging.getLogger("dsec.edge")
+    try:
+        asyncio.run(b.close())
+    except Exception:  # what can be released still is, below
+        log.exception("backend %s failed to close", getattr(b, "name", b))
+        disk = getattr(b, "disk", None)
+        if disk is not None:
+            with contextlib.suppress(Exception):
+                disk.close()
+
+
+def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], listen: str,
+               state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
+               node_id: str, cpus: float | None, memory: int | None, disk: int | None,
+               cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
+               memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
+               labels: tuple[str, ...], profile: str, fncall_pool_size: int,
+               layer_store: str | None, backend_opts: tuple[str, ...],
+               token_file: str | None, insecure: bool, disk_default: str,
+               disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
+               net_uplink: str | None, net_pool: str,
+               net_dns_upstream: tuple[str, ...]) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
 
-    owned: list[Any] = []
     try:
         if state_dir is not None:
             from dsec.statedir import ensure_private_dir
@@ -322,10 +379,10 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             network, resolver_args = _network(node_id, net_uplink, net_pool,
                                               net_dns_upstream, owned, state_dir)
             extra["container"] = {**extra.get("container", {}), "network": network}
-        built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
-                                                              state_dir, layer_store, owned),
-                                             **extra.get(name, {})})
-                 for name in dict.fromkeys(backends)}
+        for name in dict.fromkeys(backends):
+            built[name] = make_backend(name, **{**_backend_opts(
+                name, profile, fncall_pool_size, state_dir, layer_store, owned),
+                **extra.get(name, {})})
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]
@@ -347,12 +404,10 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if len(token) < 16:
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
-        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args))
+        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
+                          served))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
-    finally:
-        for o in owned:
-            o.close()   # the layer mounts; sandboxes kept for adoption hold their own
 
 
 class _Fd:
@@ -414,11 +469,8 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
 
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None,
-                 resolver_args: dict[str, Any] | None = None) -> None:
-    from dsec.edge.node import EdgeNode
-    from dsec.edge.service import serve_edge
-    from dsec.wire.node import format_bytes, format_cpu
-
+                 resolver_args: dict[str, Any] | None = None,
+                 served: list[bool] | None = None) -> None:
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -430,7 +482,26 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
 
         resolver = Resolver(backends["container"].network, **resolver_args)
         await resolver.start()
-    async with EdgeNode(cfg, backends) as node:
+    try:
+        await _serve_node(cfg, backends, listen, token, insecure, ready_fd, stop,
+                          served if served is not None else [])
+    finally:
+        if resolver is not None:
+            await resolver.close()
+    log.info("edge %s stopped", cfg.node_id)
+
+
+async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
+                      insecure: bool, ready_fd: int | None, stop: asyncio.Event,
+                      served: list[bool]) -> None:
+    from dsec.edge.node import EdgeNode
+    from dsec.edge.service import serve_edge
+    from dsec.wire.node import format_bytes, format_cpu
+
+    log = logging.getLogger("dsec.edge")
+    node = EdgeNode(cfg, backends)
+    await node.start()   # a failure here: edge() releases the backends
+    try:
         server = await serve_edge(node, listen, token=token, insecure=insecure)
         cap = cfg.capacity
         phys = cap.physical
@@ -450,6 +521,6 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
             await stop.wait()
         finally:
             await server.close()
-            if resolver is not None:
-                await resolver.close()
-    log.info("edge %s stopped", cfg.node_id)
+    finally:
+        served.append(True)
+        await node.close()
