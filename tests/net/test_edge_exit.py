@@ -80,7 +80,7 @@ async def test_a_stop_while_starting_leaves_nothing(tmp_path: object, internet: 
                                                     at: str) -> None:
     """SIGTERM the moment the start has made ``at``: the start unwinds, releasing all."""
     root = str(tmp_path)
-    proc, sock = await start_edge(root, internet, wait=False)
+    proc, _sock = await start_edge(root, internet, wait=False)
     try:
         for _ in range(2000):
             if os.path.exists(os.path.join(root, at)) or proc.poll() is not None:
@@ -115,7 +115,7 @@ async def test_kill_9_then_restart_then_stop_leaves_nothing(
         # the dead edge's pool, unmounted here: its live sandboxes' mount namespaces
         # still hold the filesystem, so its loop device stays attached
         assert os.path.ismount(pool) and loops_of(image)
-        subprocess.run(["umount", pool], check=True)
+        subprocess.run(["umount", pool], check=True)  # noqa: ASYNC221 - ~ms, test only
         assert not os.path.ismount(pool) and loops_of(image)
         proc, sock = await start_edge(root, internet)
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
