@@ -357,7 +357,9 @@ class SandboxNetwork:
         """Bring the router in line with the adopted sandboxes (net/reconcile.py's plan;
         plan-14 §9.2), then refill the pool. Returns the sandboxes that could not keep
         their network, with why (they stay cut off: fail closed)."""
+        t0 = time.monotonic()
         view = self.router.reconcile_view()
+        t_view = time.monotonic()
         from dsec.net.reconcile import KernelView
         kernel = KernelView(table=view.table, base_digest=view.base_digest,
                             uplink=self.router.has_uplink(), slots=view.slots,
@@ -412,7 +414,11 @@ class SandboxNetwork:
                 self.pins.expiry[(pin.slot, pin.address, proto, pin.port)] = \
                     now + pin.expires_s
         self.lost.update(lost)
-        self.router.refill()
+        t_plan = time.monotonic()
+        built = self.router.refill()
+        log.info("net: reconcile: kernel view %.1f ms, %d instruction(s) %.1f ms, pool refill "
+                 "(%d slots) %.1f ms", (t_view - t0) * 1000, len(steps),
+                 (t_plan - t_view) * 1000, built, (time.monotonic() - t_plan) * 1000)
         return lost
 
 
