@@ -70,6 +70,12 @@ async def destroy_all(sock: str) -> None:
         pass
 
 
+async def shut(proc: subprocess.Popen[bytes], sock: str) -> None:
+    """Destroy what the edge still holds, then stop it (a test's cleanup)."""
+    await destroy_all(sock)
+    stop_edge(proc)
+
+
 def stop_edge(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -23,7 +23,7 @@ from dsec.net.testinternet import ALLOWED, Internet
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
 
-from .test_edge_door import destroy_all, no_uplink_peers, start_edge, stop_edge
+from .test_edge_door import no_uplink_peers, shut, start_edge, stop_edge
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
@@ -47,6 +47,14 @@ def cleanup(root: str) -> None:
         subprocess.run(["losetup", "-d", dev], check=False)
 
 
+async def stop_leaves_nothing(proc: subprocess.Popen[bytes], sig: int, root: str,
+                              internet: Internet) -> None:
+    proc.send_signal(sig)
+    assert proc.wait(30) == 0
+    assert left_on_host(root) == []
+    assert await no_uplink_peers(internet) == []
+
+
 async def use(sock: str) -> None:
     async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
         a = await c.create(SandboxSpec(backend="container", memory_bytes=128 << 20,
@@ -65,13 +73,9 @@ async def test_a_stop_leaves_nothing(tmp_path: object, internet: Internet, sig: 
     try:
         await use(sock)
         assert left_on_host(root)  # the pool, the router pin, the layer mounts
-        proc.send_signal(sig)
-        assert proc.wait(30) == 0
-        assert left_on_host(root) == []
-        assert await no_uplink_peers(internet) == []
+        await stop_leaves_nothing(proc, sig, root, internet)
     finally:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
         cleanup(root)
 
 
@@ -125,11 +129,7 @@ async def test_kill_9_then_restart_then_stop_leaves_nothing(
             for sid in ids:
                 assert (await c.exec(sid, "cat /root/file")).stdout == b"x\n"
                 await c.destroy(sid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        assert left_on_host(root) == []
-        assert await no_uplink_peers(internet) == []
+        await stop_leaves_nothing(proc, signal.SIGTERM, root, internet)
     finally:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
         cleanup(root)

@@ -25,7 +25,7 @@ from dsec.net.kernel import Nft
 from dsec.net.router import Router
 from dsec.net.testinternet import ALLOWED, Internet, links_in
 
-from .test_edge_door import destroy_all, no_uplink_peers, start_edge, stop_edge
+from .test_edge_door import no_uplink_peers, shut, start_edge
 from .test_edge_exit import left_on_host
 from .test_egress_hostile import Env, env, images_dir, policy
 from .test_net_faults import kill9, probe, spec
@@ -185,5 +185,4 @@ async def test_kill_9_with_live_sandboxes_restart_and_destroy_leave_nothing(
         assert not loops_of(os.path.join(root, "state", "container", "pool.img"))
         assert await no_uplink_peers(internet) == []
     finally:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)

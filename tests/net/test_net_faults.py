@@ -25,7 +25,7 @@ from dsec.wire.calls import NetworkUpdateOnNode, SandboxRef
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import NetworkView, SandboxSpec
 
-from .test_edge_door import destroy_all, no_uplink_peers, start_edge, stop_edge
+from .test_edge_door import no_uplink_peers, shut, start_edge
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
@@ -100,8 +100,7 @@ async def test_kill_9_of_the_edge_keeps_its_sandboxes_networks(
         assert any(n.startswith("dsu") for n in links_in(internet.fd))
         n = await wait_more(internet, src, echo_lines(internet, src)[-1])  # edge down
     except BaseException:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
         raise
     proc, sock = await start_edge(root, internet)
     try:
@@ -133,8 +132,7 @@ async def test_kill_9_of_the_edge_keeps_its_sandboxes_networks(
             assert await probe(c, new.id, ALLOWED)
             assert (await netget(c, new.id)).address not in (src, None)
     finally:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
     # everything destroyed and a clean stop: the router goes with the edge
     assert not os.path.exists(pin)
     assert await no_uplink_peers(internet) == []
@@ -174,8 +172,7 @@ async def test_kill_9_at_every_reconcile_step_converges(
         assert crashed >= 3  # StartGenerations, BuildObjects, one per sandbox at least
         assert await _statuses(sock, ids) == {sid: (True, False) for sid in ids}
     finally:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
     assert await no_uplink_peers(internet) == []
 
 
@@ -195,8 +192,7 @@ async def test_kill_9_between_journal_and_batch_of_an_update(
         assert proc.returncode == 137
         os.unlink(sock)
     except BaseException:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
         raise
     proc, sock = await start_edge(root, internet)
     try:
@@ -210,6 +206,5 @@ async def test_kill_9_between_journal_and_batch_of_an_update(
             assert again.generation == got.generation
             assert await probe(c, a.id, SIBLING)
     finally:
-        await destroy_all(sock)
-        stop_edge(proc)
+        await shut(proc, sock)
     assert await no_uplink_peers(internet) == []
