@@ -11,14 +11,17 @@ reuses it; destroying everything and stopping then leaves nothing.
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
 import subprocess
 
 import pytest
 
+from dsec.edge.backends.container.census import cgroup_name_of
 from dsec.edge.backends.container.disk import loops_of
 from dsec.edge.client import EdgeClient
+from dsec.image.mount import RUN_ROOT
 from dsec.net.testinternet import ALLOWED, Internet
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
@@ -29,13 +32,37 @@ pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
 
 
-def left_on_host(root: str) -> list[str]:
-    """Mounts under ``root`` and loop devices backed by files under it."""
+def left_on_host(root: str, *elsewhere: str) -> list[str]:
+    """Mounts under ``root`` (and under ``elsewhere``: an edge's layer mount roots) and
+    loop devices backed by files under it."""
     with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if line.split()[4].startswith(root)]
+        mounts = [line.split()[4] for line in f
+                  if line.split()[4].startswith((root, *elsewhere))]
     loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True,
                            check=True).stdout.splitlines()
     return mounts + [x for x in loops if root in x]
+
+
+def layer_roots(pid: int) -> list[str]:
+    """The layer mount roots (/run/dsec/m*) a running edge claimed (their owner files)."""
+    out = []
+    for name in os.listdir(RUN_ROOT):
+        if name.endswith(".owner"):
+            try:
+                with open(os.path.join(RUN_ROOT, name)) as f:
+                    owner = f.read().split()
+            except OSError:
+                continue
+            if owner and owner[0] == str(pid):
+                out.append(os.path.join(RUN_ROOT, name.removesuffix(".owner")) + "/")
+    return out
+
+
+def cgroups_of(root: str) -> list[str]:
+    """The container backend's cgroup dirs (every hierarchy) of the edge at ``root``."""
+    name = cgroup_name_of(os.path.join(root, "state", "container"))
+    return [d for d in glob.glob(f"/sys/fs/cgroup/*/dsec*{name}*")
+            + glob.glob(f"/sys/fs/cgroup/*/*/dsec*{name}*") if os.path.isdir(d)]
 
 
 def cleanup(root: str) -> None:
@@ -48,10 +75,13 @@ def cleanup(root: str) -> None:
 
 
 async def stop_leaves_nothing(proc: subprocess.Popen[bytes], sig: int, root: str,
-                              internet: Internet) -> None:
+                              internet: Internet, *more_roots: str) -> None:
+    layers = [*layer_roots(proc.pid), *more_roots]
+    assert layers and cgroups_of(root)
     proc.send_signal(sig)
     assert proc.wait(30) == 0
-    assert left_on_host(root) == []
+    assert left_on_host(root, *layers) == []
+    assert cgroups_of(root) == []
     assert await no_uplink_peers(internet) == []
 
 
@@ -91,9 +121,15 @@ async def test_a_stop_while_starting_leaves_nothing(tmp_path: object, internet: 
                 break
             await asyncio.sleep(0.002)
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(30)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("the edge did not stop: "
+                                 + proc.stderr.read().decode()[-4000:]) from None  # type: ignore[union-attr]
         assert rc in (0, 128 + signal.SIGTERM), proc.stderr.read().decode()  # type: ignore[union-attr]
-        assert left_on_host(root) == []
+        assert left_on_host(root) == [] and cgroups_of(root) == []
         assert await no_uplink_peers(internet) == []
     finally:
         stop_edge(proc)
@@ -113,6 +149,7 @@ async def test_kill_9_then_restart_then_stop_leaves_nothing(
                     backend="container", memory_bytes=128 << 20, network=NetworkPolicy(
                         mode="policy", allow=(f"{ALLOWED}:80/tcp",))))).id
                 await c.exec(sid, "echo x > /root/file")
+        dead_layers = layer_roots(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         os.unlink(sock)
@@ -129,7 +166,7 @@ async def test_kill_9_then_restart_then_stop_leaves_nothing(
             for sid in ids:
                 assert (await c.exec(sid, "cat /root/file")).stdout == b"x\n"
                 await c.destroy(sid)
-        await stop_leaves_nothing(proc, signal.SIGTERM, root, internet)
+        await stop_leaves_nothing(proc, signal.SIGTERM, root, internet, *dead_layers)
     finally:
         await shut(proc, sock)
         cleanup(root)
