@@ -12,6 +12,7 @@ forward chain (Docker-style) is refused with the rules to add, and those rules w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -326,3 +327,67 @@ def test_bad_egress_refused_and_nothing_made(host: FakeHost) -> None:
             Router.create(RouterConfig(pool_min=2, build_batch=2),
                           HostUplink(host.fd, "t1", egress=bad))
         assert state(host) == before
+
+
+async def test_edge_restart_keeps_the_host_uplink_for_live_sandboxes(
+        tmp_path: object, host: FakeHost, internet: Internet) -> None:
+    """A stop with a live sandbox keeps the pinned router and the host's objects; the
+    next edge's reconcile checks the host again and puts them back (here: a sysctl reset
+    meanwhile); the last stop with no sandbox removes everything."""
+    import asyncio
+    import sys
+
+    from dsec.edge.client import EdgeClient
+    from dsec.image import LayerStore, ensure_busybox_base
+    from dsec.net.testinternet import DNS_UPSTREAM
+
+    from .test_edge_door import destroy_all, stop_edge
+
+    before = state(host)
+    root = str(tmp_path)
+    store = LayerStore(os.path.join(root, "layers"))
+    store.tag(ensure_busybox_base(store).digest, "base")
+    sock = os.path.join(root, "edge.sock")
+    hostfd = host.fd
+
+    async def start() -> subprocess.Popen[bytes]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock)
+        proc = subprocess.Popen(  # noqa: ASYNC220
+            [sys.executable, "-c", "from dsec.cli.main import main; main()", "edge",
+             "--listen", f"unix:{sock}", "--state-dir", os.path.join(root, "state"),
+             "--layer-store", os.path.join(root, "layers"), "--backend", "container",
+             "--node-id", "hostup", "--log-level", "warning", "--disk-pool", "1GiB",
+             "--net-uplink", "host", "--net-dns-upstream", DNS_UPSTREAM],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(hostfd,),
+            preexec_fn=lambda: netns.setns_net(hostfd))  # noqa: PLW1509
+        for _ in range(600):
+            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+            if os.path.exists(sock):
+                return proc
+            await asyncio.sleep(0.05)
+        raise AssertionError("dsec edge did not start")
+
+    spec = SandboxSpec(backend="container", memory_bytes=128 << 20, network=NetworkPolicy(
+        mode="policy", allow=("allowed.test:80/tcp",)))
+    proc = await start()
+    try:
+        async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
+            sid = (await c.create(spec)).id
+        stop_edge(proc)
+        assert proc.returncode == 0
+        ruleset, links, sysctls = state(host)  # kept for the live sandbox
+        assert "table inet dsec_hostup" in ruleset and uplink_ifname("hostup") in links
+        assert sysctls[f"{EGRESS}.forwarding"] == "1"
+        netns.write_sysctl(host.fd, f"net/ipv4/conf/{EGRESS}/forwarding", "0")  # drift
+        proc = await start()
+        assert state(host)[2][f"{EGRESS}.forwarding"] == "1"  # put back by reconcile
+        async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
+            r = await c.exec(sid, "echo after | nc -w 2 allowed.test 80; echo end")
+            assert f"ok {ALLOWED}:80" in r.stdout.decode(), r.stdout
+            await c.destroy(sid)
+    finally:
+        await destroy_all(sock)
+        stop_edge(proc)
+    assert proc.returncode == 0
+    assert state(host) == before

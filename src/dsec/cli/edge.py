@@ -9,6 +9,7 @@ keeping its sandboxes for the next start) when its supervisor dies, even by kill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -162,8 +163,9 @@ def net_node_options(fn: F) -> F:
                           "CHANGES THE HOST: a veth dsu<hash> (169.254.213.1/30), an nft table "
                           "inet dsec_<node> (drops every packet from the sandboxes to an address "
                           "of this host, forwards them out of the egress device only, masqueraded) "
-                          "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone at a "
-                          "clean exit. Refused while another forward chain has policy drop "
+                          "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone when "
+                          "the router goes (a clean exit with no live sandbox; with live ones "
+                          "they stay for the next edge, see docs/networking.md). Refused while another forward chain has policy drop "
                           "(Docker, ufw): the error names the rules to add. 'netns:PATH': the "
                           "uplink leads into the network namespace at PATH (a test or demo "
                           "network; nothing on the host changes). Without it, only policy 'none' "
@@ -317,15 +319,72 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          net_max: Any, net_uplink: str | None, net_egress: str | None, net_pool: str,
          net_dns_upstream: tuple[str, ...], metrics_listen: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
+    # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
+    # after: every finally below runs, so nothing the start made stays mounted,
+    # attached or pinned (the default action would end the process mid-start).
+    _stop_by_exception()
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    owned: list[Any] = []
+    built: dict[str, Any] = {}
+    served: list[bool] = []  # [True] once the node has closed the backends itself
+    try:
+        _edge_main(owned, built, served, listen, state_dir, journal_sync, backends, node_id,
+                   cpus, memory, disk, cpu_overcommit, memory_overcommit, cpu_milli,
+                   memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
+                   layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
+                   ready_fd, net_default, net_max, net_uplink, net_egress, net_pool,
+                   net_dns_upstream, metrics_listen)
+    finally:
+        # a second signal must not cut the release short (kill -9 still ends it)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if not served:
+            for b in {id(b): b for b in built.values()}.values():
+                _release_backend(b)
+        for o in owned:
+            o.close()   # the layer mounts, the router; sandboxes kept for adoption hold their own
+
+
+def _stop_by_exception() -> None:
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def _release_backend(b: Any) -> None:
+    """Close a backend the node never got to close (a stop or a failure during start):
+    its disk pool unmounted and its loop device detached when it holds no sandbox."""
+    log = logging.getLogger("dsec.edge")
+    try:
+        asyncio.run(b.close())
+    except Exception:  # what can be released still is, below
+        log.exception("backend %s failed to close", getattr(b, "name", b))
+        disk = getattr(b, "disk", None)
+        if disk is not None:
+            with contextlib.suppress(Exception):
+                disk.close()
+
+
+def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], listen: str,
+               state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
+               node_id: str, cpus: float | None, memory: int | None, disk: int | None,
+               cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
+               memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
+               labels: tuple[str, ...], profile: str, fncall_pool_size: int,
+               layer_store: str | None, backend_opts: tuple[str, ...],
+               token_file: str | None, insecure: bool, disk_default: str,
+               disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
+               net_uplink: str | None, net_egress: str | None, net_pool: str,
+               net_dns_upstream: tuple[str, ...], metrics_listen: str | None) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
 
-    owned: list[Any] = []
     try:
         if state_dir is not None:
             from dsec.statedir import ensure_private_dir
@@ -350,12 +409,13 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if "container" not in backends:
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
-                                              net_dns_upstream, owned, egress=net_egress)
+                                              net_dns_upstream, owned, state_dir,
+                                              egress=net_egress)
             extra["container"] = {**extra.get("container", {}), "network": network}
-        built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
-                                                              state_dir, layer_store, owned),
-                                             **extra.get(name, {})})
-                 for name in dict.fromkeys(backends)}
+        for name in dict.fromkeys(backends):
+            built[name] = make_backend(name, **{**_backend_opts(
+                name, profile, fncall_pool_size, state_dir, layer_store, owned),
+                **extra.get(name, {})})
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]
@@ -378,12 +438,9 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
         uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
-                          metrics_listen))
+                          served, metrics_listen))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
-    finally:
-        for o in owned:
-            o.close()   # the layer mounts; sandboxes kept for adoption hold their own
 
 
 class _Fd:
@@ -399,9 +456,15 @@ class _Fd:
 
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
-             owned: list[Any], *, egress: str | None = None) -> tuple[Any, dict[str, Any]]:
+             owned: list[Any], state_dir: str | None = None, *,
+             egress: str | None = None) -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
-    ``owned`` (the kernel then removes its namespace, links and nft objects)."""
+    ``owned`` (the kernel then removes its namespace, links and nft objects).
+
+    With a state dir the router netns is pinned at ``STATE/net/router``: it outlives
+    this process (a crash, or a stop with live sandboxes), and the next edge re-opens it
+    and reconciles it with its journal before it serves (docs/networking.md). A host
+    uplink's table and sysctls stay with it (reconcile puts them back in place)."""
     from dsec.net import netns
     from dsec.net.attach import SandboxNetwork
     from dsec.net.router import Router, RouterConfig
@@ -414,7 +477,7 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         owned.append(fd)
         up = HostUplink(fd.fd, node_id, egress=egress)
         try:
-            router = Router.create(RouterConfig(pool=pool), up)
+            router = _router(Router, RouterConfig(pool=pool), up, state_dir)
         except OSError as exc:
             raise click.ClickException(f"--net-uplink host: {exc}") from exc
         click.echo(up.changes(), err=True)  # what this edge changed on the host
@@ -427,8 +490,8 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
             owned.append(fd)
             with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
                 pass
-            router = Router.create(RouterConfig(pool=pool),
-                                   NetnsUplink(fd.fd, uplink_ifname(node_id)))
+            router = _router(Router, RouterConfig(pool=pool),
+                             NetnsUplink(fd.fd, uplink_ifname(node_id)), state_dir)
         except OSError as exc:
             raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a "
                                      "network namespace, e.g. /run/netns/NAME)",
@@ -437,7 +500,8 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         raise click.BadParameter(f"{uplink!r}: use host or netns:PATH",
                                  param_hint="--net-uplink")
     owned.insert(0, router)   # closed before the uplink fd
-    router.refill()
+    if router.pin_path is None:
+        router.refill()       # else after reconcile (the backend's, before serving)
     ups = []
     for u in upstreams or ("127.0.0.53",):
         host, _, port = u.partition(":")
@@ -445,14 +509,21 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
     return SandboxNetwork(router), {"upstreams": ups, "upstream_netns_fd": fd.fd}
 
 
+def _router(router_cls: Any, config: Any, uplink: Any, state_dir: str | None) -> Any:
+    """The router, pinned at ``STATE/net/router`` with a state dir (re-opened if an
+    earlier edge of this node left it), else held by this process only."""
+    if state_dir is None:
+        return router_cls.create(config, uplink)
+    from dsec.statedir import ensure_private_dir
+    pin = os.path.join(ensure_private_dir(os.path.join(state_dir, "net")), "router")
+    return router_cls.open(config, uplink, pin)
+
+
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None,
                  resolver_args: dict[str, Any] | None = None,
+                 served: list[bool] | None = None,
                  metrics_listen: str | None = None) -> None:
-    from dsec.edge.node import EdgeNode
-    from dsec.edge.service import serve_edge
-    from dsec.wire.node import format_bytes, format_cpu
-
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -464,7 +535,27 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
 
         resolver = Resolver(backends["container"].network, **resolver_args)
         await resolver.start()
-    async with EdgeNode(cfg, backends) as node:
+    try:
+        await _serve_node(cfg, backends, listen, token, insecure, ready_fd, stop,
+                          served if served is not None else [], resolver, metrics_listen)
+    finally:
+        if resolver is not None:
+            await resolver.close()
+    log.info("edge %s stopped", cfg.node_id)
+
+
+async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
+                      insecure: bool, ready_fd: int | None, stop: asyncio.Event,
+                      served: list[bool], resolver: Any = None,
+                      metrics_listen: str | None = None) -> None:
+    from dsec.edge.node import EdgeNode
+    from dsec.edge.service import serve_edge
+    from dsec.wire.node import format_bytes, format_cpu
+
+    log = logging.getLogger("dsec.edge")
+    node = EdgeNode(cfg, backends)
+    await node.start()   # a failure here: edge() releases the backends
+    try:
         server = await serve_edge(node, listen, token=token, insecure=insecure)
         cap = cfg.capacity
         phys = cap.physical
@@ -496,6 +587,6 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
             if metrics is not None:
                 metrics.close()
             await server.close()
-            if resolver is not None:
-                await resolver.close()
-    log.info("edge %s stopped", cfg.node_id)
+    finally:
+        served.append(True)
+        await node.close()

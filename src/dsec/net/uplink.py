@@ -91,6 +91,8 @@ class Uplink(Protocol):
 
     def attach(self, router_rt: Netlink) -> None: ...
 
+    def adopt(self) -> None: ...
+
     def detach(self) -> None: ...
 
 
@@ -164,6 +166,9 @@ class NetnsUplink:
     def attach(self, router_rt: Netlink) -> None:
         _veth(router_rt, peer_netns_fd=self.peer_netns_fd, peer_ifname=self.peer_ifname,
               link=self.link)
+
+    def adopt(self) -> None:
+        """Nothing: the veth kept with a reopened router is all there is."""
 
     def detach(self) -> None:
         """Nothing: the peer goes with the router's netns."""
@@ -335,12 +340,18 @@ class HostUplink:
 
     def changes(self) -> str:
         """What attach changes on the host, for the edge's log."""
+        egress = self._egress_dev
+        if egress is None:
+            try:
+                egress = self._egress(self.egress)
+            except BackendError:
+                egress = "?"
         return (f"host uplink: veth {self.peer_ifname} ({self.peer_ip}/"
                 f"{_link(self.link).prefixlen}), nft table inet {self.table} (drops the "
                 "uplink's packets to any host address; forwards it out of "
-                f"{self._egress_dev or '?'} only, masqueraded), sysctl "
-                f"net.ipv4.conf.{{{self.peer_ifname},{self._egress_dev or '?'}}}.forwarding=1"
-                "; all undone at a clean exit")
+                f"{egress} only, masqueraded), sysctl "
+                f"net.ipv4.conf.{{{self.peer_ifname},{egress}}}.forwarding=1"
+                "; undone when the router goes")
 
     def _read_sysctl(self, path: str) -> str:
         with netns.entered(self.host_netns_fd), open(f"/proc/sys/{path}") as f:

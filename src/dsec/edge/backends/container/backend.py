@@ -246,78 +246,109 @@ class ContainerBackend:
             claim_cgroup_name(self.cgroup_name, self.root_dir)
         except OSError as exc:
             raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
-        self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
-        try:
-            self.governor.limit_total_pids(self.pids_total)
-        except OSError as exc:
-            raise BackendError(f"cannot set pids.max={self.pids_total} on the sandboxes' "
-                               f"parent cgroup: {exc}") from exc
-        self.swap_note = ensure_compressed_swap(zram_swap_bytes) if zram_swap_bytes else ""
-        #: the cap of sandboxes created without disk_bytes
-        self.default_disk_bytes = default_disk_bytes
-        #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
-        self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
-        self._notices = NoticeLimiter(notice_interval_s)
-        # Denied packets (plan-14 §4.7): the slots' counters are read every
-        # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
-        # ``network_denied`` notice goes out at most every ``denied_notice_s`` per sandbox
-        # and counts every packet denied since the previous one (``_denied_pending``).
-        self.denied_poll_s = denied_poll_s
-        self._denied_notices = NoticeLimiter(denied_notice_s)
-        self._denied_pending: dict[str, int] = {}
-        self._dpoll: asyncio.TimerHandle | None = None
-        self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
-        self.snapshot_max_entries = snapshot_max_entries
-        self.snapshot_max_path_bytes = snapshot_max_path_bytes
-        sb_dir = os.path.join(self.root_dir, "sb")
-        for name in self.disk.sandboxes():
-            # A subvolume without its sandbox dir is garbage by construction: teardown
-            # removes the subvolume before the dir, create makes the dir first.
-            if not os.path.isdir(os.path.join(sb_dir, name)):
-                self.disk.remove(name)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self._boxes: dict[str, Box] = {}
-        self._sink: DeathSink | None = None
-        self.limits_poll_s = limits_poll_s
-        if not exec_start_timeout_s > 0:
-            raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
-                                  field="exec_start_timeout_s")
-        self.exec_start_timeout_s = exec_start_timeout_s
-        #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
-        #: it returns anyway (a command the kernel holds in D state cannot die sooner)
-        self.kill_wait_s = 10.0
-        self._poll: asyncio.TimerHandle | None = None
-        self._poll_next = 0
-        # exec cgroup names: unique across edge restarts (a lingering one may survive)
-        self._exec_seq = itertools.count(time.time_ns() // 1000)
-        self._cleanups: set[asyncio.Task[None]] = set()
-        # file operations run beside the loop (see _file_op); made on first use
-        self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._file_ops: set[asyncio.Future[Any]] = set()
-        self._settling: asyncio.Task[None] | None = None
-        self._settle_again = False
-        self._zygote = ZygoteClient()
-        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        self._runc: RuncDriver | None = None
-        if runtime == "runc":
-            from dsec.edge.backends.container.runc import RuncDriver
+        try:  # whatever __init__ made is released if it fails or a stop interrupts it
+            self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
+            try:
+                self.governor.limit_total_pids(self.pids_total)
+            except OSError as exc:
+                raise BackendError(f"cannot set pids.max={self.pids_total} on the sandboxes' "
+                                   f"parent cgroup: {exc}") from exc
+            self.swap_note = ensure_compressed_swap(zram_swap_bytes) if zram_swap_bytes else ""
+            #: the cap of sandboxes created without disk_bytes
+            self.default_disk_bytes = default_disk_bytes
+            #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
+            self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
+            self._notices = NoticeLimiter(notice_interval_s)
+            # Denied packets (plan-14 §4.7): the slots' counters are read every
+            # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
+            # ``network_denied`` notice goes out at most every ``denied_notice_s`` per
+            # sandbox and counts every packet denied since the previous one.
+            self.denied_poll_s = denied_poll_s
+            self._denied_notices = NoticeLimiter(denied_notice_s)
+            self._denied_pending: dict[str, int] = {}
+            self._dpoll: asyncio.TimerHandle | None = None
+            #: ceiling denies of sandboxes being adopted (the node's, see adopting())
+            self._adopt_ceiling: dict[str, tuple[str, ...]] = {}
+            self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
+            self.snapshot_max_entries = snapshot_max_entries
+            self.snapshot_max_path_bytes = snapshot_max_path_bytes
+            sb_dir = os.path.join(self.root_dir, "sb")
+            for name in self.disk.sandboxes():
+                # A subvolume without its sandbox dir is garbage by construction: teardown
+                # removes the subvolume before the dir, create makes the dir first.
+                if not os.path.isdir(os.path.join(sb_dir, name)):
+                    self.disk.remove(name)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            self._boxes: dict[str, Box] = {}
+            self._sink: DeathSink | None = None
+            self.limits_poll_s = limits_poll_s
+            if not exec_start_timeout_s > 0:
+                raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
+                                      field="exec_start_timeout_s")
+            self.exec_start_timeout_s = exec_start_timeout_s
+            #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
+            #: it returns anyway (a command the kernel holds in D state cannot die sooner)
+            self.kill_wait_s = 10.0
+            self._poll: asyncio.TimerHandle | None = None
+            self._poll_next = 0
+            # exec cgroup names: unique across edge restarts (a lingering one may survive)
+            self._exec_seq = itertools.count(time.time_ns() // 1000)
+            self._cleanups: set[asyncio.Task[None]] = set()
+            # file operations run beside the loop (see _file_op); made on first use
+            self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+            self._file_ops: set[asyncio.Future[Any]] = set()
+            self._settling: asyncio.Task[None] | None = None
+            self._settle_again = False
+            self._zygote = ZygoteClient()
+            self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+            self._runc: RuncDriver | None = None
+            if runtime == "runc":
+                from dsec.edge.backends.container.runc import RuncDriver
 
-            self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
-                                    cgroup_parent=f"dsec-{self.cgroup_name}")
-        self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
-        # One live backend per root_dir (last, so a failed __init__ holds nothing):
-        # reconcile() removes whatever this backend does not hold.
-        self._lock_fd = _lock_root(self.root_dir)
-        try:  # where this process nests sandbox cgroups, beside where earlier ones did
-            self._own_parents = cgroup_parents(self.cgroup_name)
-            record_parents(self.root_dir, self.cgroup_name, self._own_parents)
-        except OSError as exc:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
-                               f"{exc}") from exc
+                self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
+                                        cgroup_parent=f"dsec-{self.cgroup_name}")
+            self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
+            # One live backend per root_dir (last, so a failed __init__ holds nothing):
+            # reconcile() removes whatever this backend does not hold.
+            self._lock_fd = _lock_root(self.root_dir)
+            try:  # where this process nests sandbox cgroups, beside where earlier ones did
+                self._own_parents = cgroup_parents(self.cgroup_name)
+                record_parents(self.root_dir, self.cgroup_name, self._own_parents)
+            except OSError as exc:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+                raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
+                                   f"{exc}") from exc
+        except BaseException:
+            self._release_partial()
+            raise
+
+    def _release_partial(self) -> None:
+        """Release what an __init__ that did not finish made (a failure, or a stop
+        signal during an edge's start): the disk pool (unmounted and detached when it
+        holds no sandbox), the helper, fds, and the parent cgroups and the cgroup-name
+        claim when no sandbox of this root is left to adopt."""
+        for attr in ("_snapshots", "_zygote", "disk"):
+            part = getattr(self, attr, None)
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close()
+        for attr in ("_devnull", "_lock_fd"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, attr, -1)
+        governor = getattr(self, "governor", None)
+        sb = os.path.join(self.root_dir, "sb")
+        with contextlib.suppress(Exception):
+            if not (os.path.isdir(sb) and os.listdir(sb)) and (
+                    governor is None or not governor.list_sandboxes()):
+                if governor is not None:
+                    governor.remove_base()
+                release_cgroup_name(self.cgroup_name, self.root_dir)
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -803,16 +834,30 @@ class ContainerBackend:
         self._boxes[sid] = box
         self._watch_box(box)
         if self.network is not None and spec.net.net_mode != "none":
-            # Its slot's veth died with the previous edge's router (the router netns is
-            # held by the edge's fds): the sandbox runs on, cut off from every network
-            # (fail closed) until it is re-created. Said, not hidden.
-            self.network.lost.add(sid)
-            detail = (f"sandbox {sid} was adopted after an edge restart without its network: "
-                      "its router slot went with the previous edge process, so it now "
-                      "reaches nothing; re-create it to get its network policy back")
-            log.warning("%s", detail)
-            self._notice(box, "network_lost", detail)
+            # Its slot (netns held by its processes, veth end by the pinned router) is
+            # checked against the router, with every other adopted one, by reconcile()
+            # before the edge serves (dsec.net.reconcile).
+            try:
+                fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                self._network_lost(box, f"its netns cannot be opened: {exc}")
+            else:
+                self.network.adopt(sid, spec, fd, self._adopt_ceiling.pop(sid, ()))
         return True
+
+    def adopting(self, sid: str, ceiling_deny: tuple[str, ...]) -> None:
+        """The node's word, before :meth:`adopt`, on the project ceilings' deny entries
+        the sandbox's policy was loaded with (journaled beside it)."""
+        self._adopt_ceiling[sid] = ceiling_deny
+
+    def _network_lost(self, box: Box, why: str) -> None:
+        assert self.network is not None
+        self.network.lost.add(box.sid)
+        detail = (f"sandbox {box.sid} was adopted after an edge restart without its "
+                  f"network ({why}): it now reaches nothing; re-create it to get its "
+                  "network policy back")
+        log.warning("%s", detail)
+        self._notice(box, "network_lost", detail)
 
     async def destroy(self, sid: SandboxId) -> None:
         box = self._boxes.pop(sid, None)
@@ -1024,6 +1069,21 @@ class ContainerBackend:
             if sid in self._boxes or sid in keep:
                 continue
             out.append(await self._remove_leftover(sid, census))
+        if self.network is not None:
+            # after the census: the leftovers' processes (holding their slots' netns)
+            # are dead, so their router links go (plan-14 §9.2)
+            t0 = time.monotonic()
+            lost = await asyncio.to_thread(self.network.reconcile)
+            log.info("net: router reconciled in %.1f ms (%d sandboxes on slots, %d lost)",
+                     (time.monotonic() - t0) * 1000, len(self.network.by_sandbox), len(lost))
+            for sid, why in lost.items():
+                box = self._boxes.get(sid)
+                if box is not None:
+                    self._network_lost(box, why)
+            for sid, slot in self.network.by_sandbox.items():
+                box = self._boxes.get(sid)
+                if box is not None:
+                    box.netns_fd = slot.fd
         if self._runc is not None:
             self._runc.sweep_logs()
         # Parents an earlier process (in another cgroup) made: gone once empty.
