@@ -90,3 +90,18 @@ def test_names() -> None:
     assert host_table_name("node_1") == "dsec_node_1"
     assert host_table_name("a-b.c").startswith("dsec_") and "-" not in host_table_name("a-b.c")
     assert len(uplink_ifname("x" * 200)) <= 15
+
+
+def test_host_uplink_offers_no_ipv6() -> None:
+    """Fail closed: --net-ipv6 auto asks has_ipv6() and gets no IPv6 over a host uplink
+    (routing it would make the egress device ignore router advertisements)."""
+    import pytest
+
+    from dsec.errors import BackendError
+    from dsec.net.uplink import HostUplink
+
+    up = HostUplink(-1, "n1")
+    assert up.has_ipv6() is False
+    assert str(up.router_ip6).startswith("fd00:d5ec:")
+    with pytest.raises(BackendError, match="--net-ipv6 off"):
+        up.attach(None, ipv6=True)  # type: ignore[arg-type]

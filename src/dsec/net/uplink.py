@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 UPLINK_IFNAME: Final = "dsu0"
 UPLINK_IFINDEX: Final = 2
 DEFAULT_LINK: Final = "169.254.213.0/30"
+#: the uplink's IPv6 /126 (nf's addressing.UPLINK_LINK6): a host uplink carries no IPv6
+#: (see HostUplink.has_ipv6), the addresses only name what the router never reaches
+HOST_LINK6: Final = "fd00:d5ec:0:ffff::/126"
 #: host tables of dsec's uplinks are named ``dsec_<node>``; the prefix finds the others
 HOST_TABLE_PREFIX: Final = "dsec_"
 _NAME_OK = re.compile(r"[A-Za-z0-9_]{1,40}")
@@ -338,6 +341,23 @@ class HostUplink:
         """The egress device in use (after attach)."""
         return self._egress_dev
 
+    @property
+    def peer_ip6(self) -> ipaddress.IPv6Address:
+        return ipaddress.IPv6Network(HOST_LINK6).network_address + 1
+
+    @property
+    def router_ip6(self) -> ipaddress.IPv6Address:
+        return ipaddress.IPv6Network(HOST_LINK6).network_address + 2
+
+    def has_ipv6(self) -> bool:
+        """False: sandboxes get no IPv6 through the host uplink (``--net-ipv6 auto``
+        leaves it off). Routing it would take per-device IPv6 ``forwarding=1`` on the
+        egress device, which makes the kernel ignore router advertisements there
+        (``accept_ra=1``): a host configured by SLAAC would lose its default route.
+        Doing it safely (``accept_ra=2`` first, NAT66 in the host table) is left for later;
+        fail closed meanwhile."""
+        return False
+
     def changes(self) -> str:
         """What attach changes on the host, for the edge's log."""
         egress = self._egress_dev
@@ -357,9 +377,12 @@ class HostUplink:
         with netns.entered(self.host_netns_fd), open(f"/proc/sys/{path}") as f:
             return f.read().strip()
 
-    def attach(self, router_rt: Netlink) -> None:
+    def attach(self, router_rt: Netlink, *, ipv6: bool = False) -> None:
         """Make the veth and the host's objects (after a crash: replacing what the
         crashed run left)."""
+        if ipv6:
+            raise BackendError("IPv6 is not routed through the host uplink (see "
+                               "HostUplink.has_ipv6); run the edge with --net-ipv6 off")
         try:
             self._prepare_host(router_rt)
         except BaseException:
