@@ -12,6 +12,7 @@ redirect_always_follow=Y).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +27,18 @@ PARAMS = Path("/sys/module/overlay/parameters")
 
 @contextlib.contextmanager
 def module_defaults_on() -> Iterator[None]:
-    saved = {n: (PARAMS / n).read_text().strip() for n in ("redirect_dir", "metacopy")}
-    try:
-        for n in saved:
-            (PARAMS / n).write_text("Y")
-        yield
-    finally:
-        for n, v in saved.items():
-            (PARAMS / n).write_text(v)
+    # The parameters are host-wide: a second test session doing the same at once would
+    # save our "Y" and restore it after us, so the save/flip/restore is one flock section.
+    with open("/run/dsec-test-overlay-params.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = {n: (PARAMS / n).read_text().strip() for n in ("redirect_dir", "metacopy")}
+        try:
+            for n in saved:
+                (PARAMS / n).write_text("Y")
+            yield
+        finally:
+            for n, v in saved.items():
+                (PARAMS / n).write_text(v)
 
 
 def root_overlay_options(pid: int) -> set[str]:
