@@ -407,15 +407,17 @@ class HostUplink:
             was = forwarding_was(self._listings(ruleset), egress=egress, own_table=self.table)
             self._restore_to = now if was is None else was
             self._egress_dev = egress
+            # The table first (it matches the uplink by name, before the link exists):
+            # no packet from the uplink ever meets the host without it.
+            nft(host_ruleset(table=self.table, uplink=uplink, egress=egress,
+                             router_ip=str(self.router_ip),
+                             egress_forwarding_was=self._restore_to))
+            netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{egress}/forwarding", "1")
             if router_rt is not None:
                 self._remove_stale_link(uplink)
                 _veth(router_rt, peer_netns_fd=self.host_netns_fd, peer_ifname=uplink,
                       link=self.link)
             netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{uplink}/forwarding", "1")
-            netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{egress}/forwarding", "1")
-            nft(host_ruleset(table=self.table, uplink=uplink, egress=egress,
-                             router_ip=str(self.router_ip),
-                             egress_forwarding_was=self._restore_to))
         finally:
             nft.close()
         log.info("%s", self.changes())
