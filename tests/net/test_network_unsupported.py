@@ -142,3 +142,36 @@ def test_fncall_refuses_policies_at_every_door(fncall_cluster: LocalCluster) -> 
         assert g.json()["policy"].get("mode", "none") == "none", g.text
     finally:
         httpx.delete(f"{cl.url}/v1/sandboxes/{sid}", headers=auth, timeout=30)
+
+
+async def test_runc_refuses_policies_at_the_edge_door(runc_on_router: ContainerBackend,
+                                                      router: Router, tmp_path: Any) -> None:
+    """The same refusal through a node's Aether door (what the apiserver's REST and
+    gateway doors reach for a runc node), create and update, word for word."""
+    from dsec.edge.node import EdgeNode, NodeConfig
+    from dsec.edge.service import serve_edge
+
+    from ..edge.conftest import BIG
+
+    node = EdgeNode(NodeConfig(node_id="n1", capacity=BIG), {"runc": runc_on_router})
+    await node.start()
+    server = await serve_edge(node, f"unix:{tmp_path}/e.sock")
+    conn = await connect(f"unix:{tmp_path}/e.sock")
+    try:
+        with pytest.raises(InvalidArgument, match=r"runtime='runc'"):
+            await conn.call("edge.create", {"spec": {
+                "backend": "runc", "memory_bytes": 128 << 20, "network": {"mode": "open"}}},
+                timeout=30)
+        assert node.list() == [] and runc_on_router.sandbox_ids() == []
+        info = await conn.call("edge.create", {"spec": {
+            "backend": "runc", "memory_bytes": 128 << 20}}, timeout=30)
+        with pytest.raises(InvalidArgument, match=r"runtime='runc'"):
+            await conn.call("edge.network_update", {"id": info["id"], "policy": {
+                "mode": "policy", "allow": ["allowed.test:80/tcp"]}}, timeout=30)
+        assert node.network_get(info["id"]).generation == 1
+        assert router.table.count("assigned") == 0
+        await conn.call("edge.destroy", {"id": info["id"]}, timeout=30)
+    finally:
+        await conn.close()
+        await server.close()
+        await node.close()
