@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
 
 from dsec.net.testinternet import ALLOWED, CIDR_IN, DNS_UPSTREAM, internet, links_in
+from dsec.net.uplink import uplink_ifname
 from tests.conftest import requires_root
 
 from .test_up_topology import Up
@@ -39,10 +41,21 @@ def test_up_passes_network_flags_to_its_edges(tmp_path: Any) -> None:
         "allowed.test:80/tcp", "203.0.113.16/30:80/tcp"]}))
     with internet() as inet:
         up = Up(str(tmp_path / "state"), "--backend", "container", "--disk-pool", "1GiB",
+                "--edges", "2",
                 "--net-uplink", f"netns:/proc/{os.getpid()}/fd/{inet.fd}",
                 "--net-dns-upstream", DNS_UPSTREAM, "--net-default", f"@{default}",
                 "--net-max", f"@{ceiling}").start()
         try:
+            # each edge its own router, its uplink on its own /30 in the same namespace
+            assert sorted(n for n in links_in(inet.fd) if n.startswith("dsu")) == sorted(
+                uplink_ifname(f"edge-{i}") for i in range(2))
+            made = js(cli(up, "sandbox", "create", "--json", "-n", "4"))
+            assert {m["node"] for m in made} == {"edge-0", "edge-1"}, made
+            for m in made:  # every one, on either edge, gets out (replies not astray)
+                r = cli(up, "sandbox", "exec", m["id"], "--", "sh", "-c",
+                        "echo hi | nc -w 2 allowed.test 80")
+                assert f"ok {ALLOWED}:80" in r.stdout, (m, r)
+            assert cli(up, "sandbox", "rm", *(m["id"] for m in made)).returncode == 0
             [info] = js(cli(up, "sandbox", "create", "--json"))
             sid = info["id"]
             view = js(cli(up, "sandbox", "network", sid, "--json"))
@@ -58,8 +71,8 @@ def test_up_passes_network_flags_to_its_edges(tmp_path: Any) -> None:
             bad = cli(up, "sandbox", "create", "--json", "--allow", "allowed.test:80/tcp",
                       "--allow", "sibling.test:443/tcp")
             assert bad.returncode != 0
-            assert ("network.allow[1] 'sibling.test:443/tcp' is outside the network ceiling "
-                    "of node edge-0") in bad.stderr, bad.stderr
+            assert re.search(r"network.allow\[1\] 'sibling.test:443/tcp' is outside the "
+                             r"network ceiling of node edge-[01]", bad.stderr), bad.stderr
             listed = js(cli(up, "sandbox", "ls", "--json"))
             assert len(listed) == 2, listed  # the refused create made nothing
         finally:

@@ -67,9 +67,9 @@ def host(internet: Internet) -> Iterator[FakeHost]:
         yield h
 
 
-def host_router(h: FakeHost, node: str = "t1") -> Router:
+def host_router(h: FakeHost, node: str = "t1", link: str = "169.254.213.0/30") -> Router:
     return Router.create(RouterConfig(pool_min=2, build_batch=2),
-                         HostUplink(h.fd, node, egress=None))
+                         HostUplink(h.fd, node, egress=None, link=link))
 
 
 def connect_from(fd: int, ip: str, port: int, data: bytes = b"", timeout: float = 0.4) -> str:
@@ -117,7 +117,10 @@ def test_two_uplinks_on_one_host_last_one_out_restores(host: FakeHost) -> None:
     before = state(host)
     r1 = host_router(host, "t1")
     try:
-        r2 = host_router(host, "t2")
+        with pytest.raises(BackendError, match=r"169.254.213.0/30 is in use .* --net-link"):
+            host_router(host, "t2")  # the same /30 as t1's: replies would go astray
+        assert "dsec_t2" not in state(host)[0]
+        r2 = host_router(host, "t2", "169.254.213.4/30")
         try:
             assert state(host)[2][f"{EGRESS}.forwarding"] == "1"
         finally:

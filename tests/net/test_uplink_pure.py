@@ -12,6 +12,8 @@ from dsec.net.uplink import (
     forwarding_was,
     host_ruleset,
     host_table_name,
+    link_in_use,
+    local_addresses,
     uplink_ifname,
 )
 
@@ -105,3 +107,12 @@ def test_host_uplink_offers_no_ipv6() -> None:
     assert str(up.router_ip6).startswith("fd00:d5ec:")
     with pytest.raises(BackendError, match="--net-ipv6 off"):
         up.attach(None, ipv6=True)  # type: ignore[arg-type]
+
+
+def test_local_addresses_and_link_in_use() -> None:
+    trie = ("Main:\n  +-- 0.0.0.0/0 3 0 5\n     |-- 169.254.213.1\n        /32 host LOCAL\n"
+            "     |-- 169.254.213.3\n        /32 link BROADCAST\n"
+            "     |-- 192.0.2.1\n        /32 host LOCAL\n")
+    assert local_addresses(trie) == {"169.254.213.1", "192.0.2.1"}
+    assert link_in_use("169.254.213.0/30", {"169.254.213.1", "192.0.2.1"}) == "169.254.213.1"
+    assert link_in_use("169.254.213.4/30", {"169.254.213.1", "192.0.2.1"}) is None

@@ -151,7 +151,7 @@ def net_default_option(fn: F) -> F:
 
 def net_node_options(fn: F) -> F:
     """The network flags of a node (``dsec edge``; ``dsec up`` passes them to its edges):
-    ``--net-max``, ``--net-uplink``, ``--net-egress``, ``--net-pool``,
+    ``--net-max``, ``--net-uplink``, ``--net-link``, ``--net-egress``, ``--net-pool``,
     ``--net-dns-upstream``."""
     opts = [
         click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
@@ -170,6 +170,11 @@ def net_node_options(fn: F) -> F:
                           "uplink leads into the network namespace at PATH (a test or demo "
                           "network; nothing on the host changes). Without it, only policy 'none' "
                           "is served."),
+        click.option("--net-link", default="169.254.213.0/30", show_default=True,
+                     metavar="CIDR",
+                     help="The /30 of the router's uplink veth (peer .1, router .2): each "
+                          "edge on one host (or into one namespace) needs its own; `dsec up` "
+                          "gives its edges 169.254.213.0/30, .4/30, ..."),
         click.option("--net-egress", default=None, metavar="DEV",
                      help="With --net-uplink host: the device the sandboxes' traffic leaves by "
                           "[default: the device of the IPv4 default route]."),
@@ -316,8 +321,9 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
-         net_max: Any, net_uplink: str | None, net_egress: str | None, net_pool: str,
-         net_dns_upstream: tuple[str, ...], metrics_listen: str | None) -> None:
+         net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
+         net_pool: str, net_dns_upstream: tuple[str, ...],
+         metrics_listen: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -335,8 +341,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    cpus, memory, disk, cpu_overcommit, memory_overcommit, cpu_milli,
                    memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
-                   ready_fd, net_default, net_max, net_uplink, net_egress, net_pool,
-                   net_dns_upstream, metrics_listen)
+                   ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
+                   net_pool, net_dns_upstream, metrics_listen)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -378,8 +384,9 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                layer_store: str | None, backend_opts: tuple[str, ...],
                token_file: str | None, insecure: bool, disk_default: str,
                disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
-               net_uplink: str | None, net_egress: str | None, net_pool: str,
-               net_dns_upstream: tuple[str, ...], metrics_listen: str | None) -> None:
+               net_uplink: str | None, net_link: str, net_egress: str | None,
+               net_pool: str, net_dns_upstream: tuple[str, ...],
+               metrics_listen: str | None) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
@@ -410,7 +417,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
                                               net_dns_upstream, owned, state_dir,
-                                              egress=net_egress)
+                                              egress=net_egress, link=net_link)
             extra["container"] = {**extra.get("container", {}), "network": network}
         for name in dict.fromkeys(backends):
             built[name] = make_backend(name, **{**_backend_opts(
@@ -457,7 +464,8 @@ class _Fd:
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
              owned: list[Any], state_dir: str | None = None, *,
-             egress: str | None = None) -> tuple[Any, dict[str, Any]]:
+             egress: str | None = None,
+             link: str = "169.254.213.0/30") -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
     ``owned`` (the kernel then removes its namespace, links and nft objects).
 
@@ -465,17 +473,26 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
     this process (a crash, or a stop with live sandboxes), and the next edge re-opens it
     and reconciles it with its journal before it serves (docs/networking.md). A host
     uplink's table and sysctls stay with it (reconcile puts them back in place)."""
+    import ipaddress
+
     from dsec.net import netns
     from dsec.net.attach import SandboxNetwork
     from dsec.net.router import Router, RouterConfig
     from dsec.net.uplink import HostUplink, NetnsUplink, Uplink, uplink_ifname
 
+    try:
+        net = ipaddress.IPv4Network(link)
+    except ValueError as exc:
+        raise click.BadParameter(f"{link!r}: {exc}", param_hint="--net-link") from exc
+    if net.prefixlen != 30:
+        raise click.BadParameter(f"{link!r} must be a /30 (peer .1, router .2)",
+                                 param_hint="--net-link")
     up: Uplink
     if uplink == "host":
         # The edge's own netns is the host's; the resolver's upstream socket lives there.
         fd = _Fd(netns.current_netns())
         owned.append(fd)
-        up = HostUplink(fd.fd, node_id, egress=egress)
+        up = HostUplink(fd.fd, node_id, egress=egress, link=str(net))
         try:
             router = _router(Router, RouterConfig(pool=pool), up, state_dir)
         except OSError as exc:
@@ -491,7 +508,8 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
             with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
                 pass
             router = _router(Router, RouterConfig(pool=pool),
-                             NetnsUplink(fd.fd, uplink_ifname(node_id)), state_dir)
+                             NetnsUplink(fd.fd, uplink_ifname(node_id), link=str(net)),
+                             state_dir)
         except OSError as exc:
             raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a "
                                      "network namespace, e.g. /run/netns/NAME)",

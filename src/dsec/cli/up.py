@@ -58,7 +58,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool, net_default: Any, net_max: Any, net_uplink: str | None,
+       quiet: bool, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...]) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
@@ -90,7 +90,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
         disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl),
         simulated_profile=profile, net_default=net_default, net_max=net_max,
-        net_uplink=net_uplink, net_egress=net_egress, net_pool=net_pool,
+        net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
         net_dns_upstream=net_dns_upstream)
     uvloop.run(_run(cfg, quiet))
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import json
 import logging
 import os
@@ -144,6 +145,8 @@ class ClusterConfig:
     # host uplink's egress device, the slot pool and the resolver's upstreams.
     net_max: NetworkPolicy | None = None
     net_uplink: str | None = None
+    #: the first edge's uplink /30; edge i gets the i-th /30 after it (each its own)
+    net_link: str = "169.254.213.0/30"
     net_egress: str | None = None
     net_pool: str = "10.213.0.0/16"
     net_dns_upstream: tuple[str, ...] = ()
@@ -403,9 +406,9 @@ class ClusterRuntime:
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
-        return argv + self._net_argv()
+        return argv + self._net_argv(self.node_ids.index(node))
 
-    def _net_argv(self) -> list[str]:
+    def _net_argv(self, index: int = 0) -> list[str]:
         """The edges' network flags. Policies travel as JSON files in the (0700) state
         dir, written whole before the edges start: the same spelling `dsec edge` reads."""
         cfg = self.config
@@ -413,7 +416,10 @@ class ClusterRuntime:
         if cfg.net_max is not None:
             argv += ["--net-max", self._policy_arg("net-max", cfg.net_max)]
         if cfg.net_uplink is not None:
-            argv += ["--net-uplink", cfg.net_uplink, "--net-pool", cfg.net_pool]
+            first = ipaddress.IPv4Network(cfg.net_link)
+            link = ipaddress.IPv4Network((int(first.network_address) + 4 * index, 30))
+            argv += ["--net-uplink", cfg.net_uplink, "--net-pool", cfg.net_pool,
+                     "--net-link", str(link)]
             if cfg.net_egress is not None:
                 argv += ["--net-egress", cfg.net_egress]
             for u in cfg.net_dns_upstream:

@@ -24,6 +24,7 @@ from typing import Final
 from dsec.net import netns, rtwire
 from dsec.net.kernel import Netlink
 from dsec.net.testinternet import Internet
+from dsec.net.uplink import local_addresses
 
 EGRESS: Final = "eth0"
 EGRESS_IP: Final = "192.0.2.1"
@@ -44,15 +45,7 @@ class FakeHost:
     def addresses(self) -> list[str]:
         """Every IPv4 address of the fake host (read from the kernel, not assumed)."""
         with netns.entered(self.fd), open("/proc/thread-self/net/fib_trie") as f:
-            text = f.read()
-        out: list[str] = []
-        lines = text.splitlines()
-        for i, line in enumerate(lines):
-            if "/32 host LOCAL" in line and i > 0:
-                ip = lines[i - 1].split()[-1]
-                if ip not in out:
-                    out.append(ip)
-        return out
+            return sorted(local_addresses(f.read()))
 
     def decoy_hits(self) -> list[tuple[str, str, int]]:
         with self._lock:

@@ -43,6 +43,7 @@ import json
 import logging
 import re
 import socket
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -64,6 +65,8 @@ __all__ = [
     "forwarding_was",
     "host_ruleset",
     "host_table_name",
+    "link_in_use",
+    "local_addresses",
     "uplink_ifname",
 ]
 
@@ -72,6 +75,8 @@ log = logging.getLogger(__name__)
 UPLINK_IFNAME: Final = "dsu0"
 UPLINK_IFINDEX: Final = 2
 DEFAULT_LINK: Final = "169.254.213.0/30"
+#: how long an uplink waits for its /30 to be freed by a router closed just before
+LINK_FREE_WAIT_S: Final = 3.0
 #: the uplink's IPv6 /126 (nf's addressing.UPLINK_LINK6): a host uplink carries no IPv6
 #: (see HostUplink.has_ipv6), the addresses only name what the router never reaches
 HOST_LINK6: Final = "fd00:d5ec:0:ffff::/126"
@@ -115,11 +120,47 @@ def _link(link: str) -> ipaddress.IPv4Network:
     return ipaddress.IPv4Network(link)
 
 
+def local_addresses(fib_trie: str) -> set[str]:
+    """The addresses a ``/proc/net/fib_trie`` text holds as local (``/32 host LOCAL``);
+    pure."""
+    lines = fib_trie.splitlines()
+    return {lines[i - 1].split()[-1] for i, line in enumerate(lines)
+            if "/32 host LOCAL" in line and i > 0}
+
+
+def link_in_use(link: str, local: set[str]) -> str | None:
+    """An address of ``link`` (the uplink's /30) already local in the peer's netns, or
+    None; pure. Two uplinks on one /30 in one namespace route each other's replies to the
+    wrong router."""
+    for a in local:
+        try:
+            if ipaddress.IPv4Address(a) in _link(link):
+                return a
+        except ValueError:
+            continue
+    return None
+
+
 def _veth(router_rt: Netlink, *, peer_netns_fd: int, peer_ifname: str, link: str) -> None:
     """Create the veth (router end ``dsu0``, peer ``peer_ifname`` inside ``peer_netns_fd``),
-    address and raise both ends, and route the router's default via the peer."""
+    address and raise both ends, and route the router's default via the peer. Refused when
+    the link's /30 is in use in the peer's netns already (another edge's uplink)."""
     net = _link(link)
     peer_ip, router_ip = net.network_address + 1, net.network_address + 2
+    deadline = time.monotonic() + LINK_FREE_WAIT_S
+    while True:
+        with netns.entered(peer_netns_fd), open("/proc/thread-self/net/fib_trie") as f:
+            used = link_in_use(link, local_addresses(f.read()))
+        if used is None or time.monotonic() > deadline:
+            break
+        # a router closed just before (a restart) loses its veth in the kernel's
+        # asynchronous netns cleanup: its peer's address goes a moment later
+        time.sleep(0.05)
+    if used is not None:
+        raise BackendError(
+            f"the uplink link {link} is in use where its peer {peer_ifname} would go "
+            f"({used} is an address there already: another edge's uplink?); give each "
+            "edge of a host its own (dsec edge --net-link CIDR; dsec up does)")
     seq = router_rt.next_seq(4)
     router_rt.request(rtwire.messages(
         rtwire.veth_pair(seq, name=UPLINK_IFNAME, index=UPLINK_IFINDEX,
