@@ -242,3 +242,74 @@ def rm(root: str | None, refs: tuple[str, ...]) -> None:
         except DsecError as exc:
             _fail(exc)
         click.echo(f"removed {m.digest}")
+
+
+@image.group("bootstrap")
+def bootstrap() -> None:
+    """Build a real Linux base layer from a distribution's packages."""
+
+
+@bootstrap.command("debian")
+@click.option("--suite", default="bookworm", show_default=True)
+@click.option("--include", default="", metavar="PKG,PKG",
+              help="Extra packages, comma-separated (e.g. python3,python3-pip,git).")
+@click.option("--variant", default="apt", show_default=True,
+              help="mmdebstrap variant: essential, apt, minbase, required, standard, ...")
+@click.option("--mirror", default=None,
+              help="Debian mirror URL (default http://deb.debian.org/debian).")
+@click.option("--trusted", is_flag=True,
+              help="The mirror is unsigned (a local repo made by `dsec image debian-repo`).")
+@click.option("--name", default=None, help="[project/]name (default debian-<suite>).")
+@click.option("--tag", default="latest", show_default=True)
+@click.option("--lz4", "compression", flag_value="lz4", default=None)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.pass_obj
+def bootstrap_debian_(root: str | None, suite: str, include: str, variant: str,
+                      mirror: str | None, trusted: bool, name: str | None, tag: str,
+                      compression: str | None, quiet: bool) -> None:
+    """Bootstrap Debian SUITE with mmdebstrap into one base layer."""
+    from dsec.image.bootstrap import DEFAULT_MIRROR, BootstrapPlan, bootstrap_debian
+
+    console = Console(stderr=True)
+    namespace, bare, tag = _split_name(name or f"debian-{suite}", tag)
+    try:
+        plan = BootstrapPlan.parse(suite=suite, include=include, variant=variant,
+                                   mirror=mirror or DEFAULT_MIRROR, trusted=trusted)
+        with _progress(console, quiet) as progress:
+            if not quiet:
+                console.print(f"mmdebstrap {suite} ({variant}"
+                              + (f" + {', '.join(plan.include)}" if plan.include else "")
+                              + f") from {plan.mirror} ...")
+            res = bootstrap_debian(_store(root), plan, name=bare, tag=tag,
+                                   namespace=namespace, owner=_host_owner(),
+                                   compression=compression, progress=progress)
+    except DsecError as exc:
+        _fail(exc)
+    m = res.layer
+    if not quiet:
+        console.print(f"bootstrap {res.seconds_bootstrap:.1f} s, layer "
+                      f"{res.seconds_layer:.1f} s; {len(res.special_files_dropped)} device "
+                      "nodes under /dev left out (each sandbox gets its own /dev)")
+    click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+
+
+@image.command("debian-repo")
+@click.option("--suite", default="bookworm", show_default=True)
+@click.option("--include", default="", metavar="PKG,PKG")
+@click.option("--variant", default="apt", show_default=True)
+@click.option("--mirror", default=None, help="Where to download from (default Debian's).")
+@click.option("--cache", "cache_root", default=None,
+              help="Cache directory (default /var/cache/dsec/debian).")
+def debian_repo(suite: str, include: str, variant: str, mirror: str | None,
+                cache_root: str | None) -> None:
+    """Download (once) every package a bootstrap of SUITE + --include needs into a local,
+    unsigned apt repository and print its directory (serve it and pass its URL to
+    `dsec image bootstrap debian --mirror URL --trusted`: how the tests stay offline)."""
+    from dsec.image.bootstrap import DEFAULT_MIRROR, DEFAULT_REPO_CACHE, BootstrapPlan, fetch_repo
+
+    try:
+        plan = BootstrapPlan.parse(suite=suite, include=include, variant=variant,
+                                   mirror=mirror or DEFAULT_MIRROR)
+        click.echo(fetch_repo(plan, cache_root or DEFAULT_REPO_CACHE))
+    except DsecError as exc:
+        _fail(exc)
