@@ -113,18 +113,41 @@ def image(ctx: click.Context, root: str | None) -> None:
 @image.command()
 @click.argument("path")
 @click.option("--kind", type=click.Choice([k for k in LAYER_KINDS if k != "snapshot"]),
-              required=True, help="Role of the layer in a sandbox root.")
-@click.option("--name", required=True,
-              help="[project/]name: 'python' is cluster-wide, 'teama/repo' project teama's.")
+              default=None, help="Role of the layer in a sandbox root (required without -f).")
+@click.option("--name", default=None,
+              help="[project/]name: 'python' is cluster-wide, 'teama/repo' project teama's "
+                   "(required without -f).")
 @click.option("--tag", default="latest", show_default=True)
 @click.option("--lz4", "compression", flag_value="lz4", default=None,
               help="Compress with lz4 (smaller file, a little CPU per read).")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("-f", "--file", "dockerfile", default=None, metavar="DOCKERFILE",
+              help="Build from a Dockerfile, PATH being its context: each RUN/COPY runs in "
+                   "a build sandbox of the running cluster (--url/--api-key) and becomes "
+                   "one layer; unchanged steps come from the step cache.")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE")
+@click.option("--network", default="none", show_default=True,
+              help="Network of the build sandboxes (none, or a mode the cluster allows).")
+@click.option("--project", default=None, help="Project the build sandboxes run in.")
+@click.option("--url", envvar="DSEC_URL", default=None, help="apiserver URL (with -f).")
+@click.option("--api-key", envvar="DSEC_API_KEY", default=None, help="API key (with -f).")
 @click.pass_obj
-def build(root: str | None, path: str, kind: str, name: str, tag: str,
-          compression: str | None, labels: tuple[str, ...], quiet: bool) -> None:
-    """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin)."""
+def build(root: str | None, path: str, kind: str | None, name: str | None, tag: str,
+          compression: str | None, labels: tuple[str, ...], quiet: bool,
+          dockerfile: str | None, build_args: tuple[str, ...], network: str,
+          project: str | None, url: str | None, api_key: str | None) -> None:
+    """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin);
+    with -f, build an image from a Dockerfile with PATH as its context."""
+    if dockerfile is not None:
+        if kind is not None or name is not None:
+            raise click.UsageError("-f builds from a Dockerfile: drop --kind/--name (the "
+                                   "result is started with `--snapshot <top>`)")
+        _build_dockerfile(dockerfile, path, build_args, network, project, url, api_key,
+                          quiet)
+        return
+    if kind is None or name is None:
+        raise click.UsageError("--kind and --name are required (or -f DOCKERFILE)")
     console = Console(stderr=True)
     lab = dict(item.split("=", 1) for item in labels if "=" in item)
     namespace, bare, tag = _split_name(name, tag)
@@ -313,3 +336,37 @@ def debian_repo(suite: str, include: str, variant: str, mirror: str | None,
         click.echo(fetch_repo(plan, cache_root or DEFAULT_REPO_CACHE))
     except DsecError as exc:
         _fail(exc)
+
+
+def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...],
+                      network: str, project: str | None, url: str | None,
+                      api_key: str | None, quiet: bool) -> None:
+    """`dsec image build -f`: compile the Dockerfile into builder steps (the SDK's
+    :class:`dsec.Image`, one implementation) and build through the API."""
+    import json
+
+    import msgspec
+
+    from dsec.cli.sandbox import client
+    from dsec.client.build import Image
+
+    args: dict[str, str] = {}
+    for item in build_args:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--build-arg")
+        args[k] = v
+    if not os.path.isdir(context):
+        raise click.BadParameter(f"{context!r} is not a directory", param_hint="PATH")
+    try:
+        img = Image.from_dockerfile(dockerfile, context=context, build_args=args)
+    except (DsecError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    with client(url, api_key) as c:
+        built = img.build(c, network=network, project=project)  # type: ignore[arg-type]
+    if not quiet:
+        Console(stderr=True).print(
+            f"{len(img.steps)} steps: {built.ran} ran, {built.cached} cached, "
+            f"{built.seconds:.2f} s")
+    click.echo(json.dumps({"snapshot": built.top, "image": built.base,
+                           "config": msgspec.to_builtins(built.config)}))

@@ -42,7 +42,7 @@ from dsec.image.manifest import LayerManifest
 from dsec.image.store import LayerStore
 
 __all__ = ["DEFAULT_MIRROR", "DEFAULT_REPO_CACHE", "BootstrapPlan", "BootstrapResult",
-           "bootstrap_debian", "fetch_repo", "repo_dir"]
+           "bootstrap_debian", "bootstrap_tree", "fetch_repo", "repo_dir"]
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_REPO_CACHE = "/var/cache/dsec/debian"
@@ -160,6 +160,13 @@ def _drop_special_files(root: str) -> list[str]:
     return sorted(dropped)
 
 
+def bootstrap_tree(plan: BootstrapPlan, target: str) -> list[str]:
+    """mmdebstrap ``plan`` into the directory ``target`` (created), device nodes under
+    /dev left out; returns the paths left out."""
+    _run(plan.argv(target), f"mmdebstrap {plan.suite} from {plan.mirror}")
+    return _drop_special_files(target)
+
+
 def bootstrap_debian(store: LayerStore, plan: BootstrapPlan, *, name: str | None,
                      tag: str = "latest", namespace: str | None = None,
                      owner: str | None = None, compression: str | None = None,
@@ -170,9 +177,8 @@ def bootstrap_debian(store: LayerStore, plan: BootstrapPlan, *, name: str | None
     with store.staging("bootstrap-") as stage:
         target = os.path.join(stage, "root")
         t0 = time.monotonic()
-        _run(plan.argv(target), f"mmdebstrap {plan.suite} from {plan.mirror}")
+        dropped = bootstrap_tree(plan, target)
         t1 = time.monotonic()
-        dropped = _drop_special_files(target)
         m = store.add_tree(target, kind="base", name=name, tag=tag, labels=plan.labels(),
                            namespace=namespace, owner=owner,
                            compression=compression,  # type: ignore[arg-type]
