@@ -27,7 +27,9 @@ collect_ignore_glob = ["project/*"]
 # Keep in step with the Makefile's TEST_DEBIAN (make debian-repo fetches exactly this).
 PLAN = BootstrapPlan.parse(suite="bookworm", include="python3,python3-pytest")
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
-IMAGE = "debian-test"
+# The name dsec.Image.debian("bookworm", include=[...]) looks for, so the builder's
+# Image.debian path finds this bootstrap.
+IMAGE = f"debian-{PLAN.suite}-{PLAN.variant}-{PLAN.key()}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="session")
 def debian(debian_mirror: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Debian]:
-    """A one-edge container cluster whose store holds ``debian-test``: bookworm + python3
+    """A one-edge container cluster whose store holds IMAGE: bookworm + python3
     + python3-pytest, bootstrapped by the real CLI (`dsec image bootstrap debian`)."""
     if os.geteuid() != 0:
         pytest.fail("the image builder tests need root (CI runs as root)")

@@ -73,6 +73,17 @@ def test_builder_layers_cache_and_config(debian: Debian, tmp_path: Path) -> None
         assert _build_sandboxes(c) == []
 
 
+def test_image_debian_finds_the_bootstrapped_base(debian: Debian) -> None:
+    assert Image.debian_name("bookworm", include=["python3-pytest", "python3"]) == debian.image
+    image = Image.debian("bookworm", include=["python3", "python3-pytest"]).run(
+        "python3 -c 'import pytest; print(pytest.__version__)' > /pytest-version")
+    with debian.cluster.client() as c:
+        built = image.build(c)
+        assert built.base == c.images.get(debian.image).digest and built.ran == 1
+        with c.sandboxes.create(**built.create_args()) as sb:
+            assert sb.files.read("/pytest-version").startswith(b"7.")
+
+
 def test_a_failing_step_names_itself_and_leaves_nothing(debian: Debian) -> None:
     image = Image.from_image(debian.image).run("touch /ok").run(
         "echo compiling; echo 'oops: no such thing' >&2; exit 7")

@@ -76,7 +76,7 @@ from dsec.image.build import (
     step_key,
 )
 from dsec.wire.netpolicy import NetMode
-from dsec.wire.spec import NetworkPolicy
+from dsec.wire.spec import ExecResult, NetworkPolicy
 
 if TYPE_CHECKING:
     from dsec.client.core import AsyncClient, AsyncSandbox
@@ -110,7 +110,8 @@ class BuiltImage:
     ran: int = 0
     cached: int = 0
     seconds: float = 0.0
-    step_seconds: tuple[float, ...] = field(default=())
+    step_seconds: tuple[float, ...] = field(default=())     # wall time of each step run
+    command_seconds: tuple[float, ...] = field(default=())  # its command's own run time
 
     def create_args(self) -> dict[str, Any]:
         """Keywords for ``sandboxes.create``: where to start from, and the image's env."""
@@ -267,6 +268,7 @@ class Image:
         parent: tuple[str, ...] = base.digests
         ran = cached = 0
         step_seconds: list[float] = []
+        command_seconds: list[float] = []
         for i, step in enumerate(self.steps, 1):
             if not isinstance(step, Run | Copy):
                 cfg = apply_config(cfg, step)
@@ -279,21 +281,25 @@ class Image:
                 top, parent, cached = hit, (hit,), cached + 1
                 continue
             ts = time.monotonic()
-            snap = await self._run_step(client, base, top, step, i, cfg, key, network,
-                                        project, timeout, memory, cpu)
+            snap, cmd_s = await self._run_step(client, base, top, step, i, cfg, key,
+                                               network, project, timeout, memory, cpu)
             step_seconds.append(time.monotonic() - ts)
+            command_seconds.append(cmd_s)
             ran += 1
             if snap != top:
                 cache[key] = snap
             top, parent = snap, (snap,)
         return BuiltImage(base=base.image, workspace=base.workspace, toolkits=base.toolkits,
                           top=top, config=cfg, ran=ran, cached=cached,
-                          seconds=time.monotonic() - t0, step_seconds=tuple(step_seconds))
+                          seconds=time.monotonic() - t0, step_seconds=tuple(step_seconds),
+                          command_seconds=tuple(command_seconds))
 
     async def _run_step(self, client: AsyncClient, base: _Resolved, top: str | None,
                         step: Run | Copy, index: int, cfg: BuildConfig, key: str,
                         network: NetworkPolicy | NetMode, project: str | None,
-                        timeout: float, memory: int | str, cpu: float) -> str:
+                        timeout: float, memory: int | str, cpu: float
+                        ) -> tuple[str, float]:
+        """Run one layer step; its layer's id and its command's own run time."""
         where: dict[str, Any] = ({"snapshot": top} if top is not None else
                                  {"image": base.image, "workspace": base.workspace,
                                   "toolkits": list(base.toolkits)})
@@ -311,14 +317,14 @@ class Image:
                                     cwd=cfg.workdir, user=cfg.user)
                 await _check(res, what)
             else:
-                await self._copy_into(sb, step, cfg, what)
+                res = await self._copy_into(sb, step, cfg, what)
             snap = await sb.snapshot()
-            return snap.id
+            return snap.id, res.duration_s
         finally:
             await asyncio.shield(sb.kill())
 
     async def _copy_into(self, sb: AsyncSandbox, step: Copy, cfg: BuildConfig,
-                         what: str) -> None:
+                         what: str) -> ExecResult:
         dest = step.dest if step.dest.startswith("/") else \
             cfg.workdir.rstrip("/") + "/" + step.dest
         data = await asyncio.to_thread(_pack_for_copy, step.src, dest)
@@ -328,6 +334,7 @@ class Image:
         res = await sb.exec(["sh", "-c", 'mkdir -p "$1" && tar -xf "$2" -C / && rm -f "$2"',
                              "copy", parent, COPY_TAR], timeout=600)
         await _check(res, what)
+        return res
 
     async def _resolve_base(self, client: AsyncClient, project: str | None) -> _Resolved:
         b = self._base
