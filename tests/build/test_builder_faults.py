@@ -56,3 +56,23 @@ def test_the_step_cache_survives_kill_9_of_the_cluster(tmp_path: Path) -> None:
         c.snapshots.delete(again.top)
         third = image.build(c)
         assert (third.ran, third.cached) == (1, 1)
+
+
+async def test_a_build_interrupted_inside_create_leaves_no_sandbox(
+        debian: Debian, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancellation lands after the server made the build sandbox but before its id
+    came back (injected: the real create runs, then the caller is cancelled)."""
+    image = Image.from_image(debian.image).run("touch /never")
+    async with debian.cluster.async_client() as c:
+        real = c.sandboxes.create
+
+        async def create_then_cancelled(**kw: object) -> object:
+            await real(**kw)  # type: ignore[arg-type]
+            raise asyncio.CancelledError
+
+        monkeypatch.setattr(c.sandboxes, "create", create_then_cancelled)
+        with pytest.raises(asyncio.CancelledError):
+            await image.build_async(c)
+        left = [s.id for s in await c.sandboxes.list()
+                if s.info.spec.labels.get("dsec.io/build")]
+        assert left == []

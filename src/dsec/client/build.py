@@ -45,9 +45,11 @@ with its env, and ``exec(..., **built.exec_args())`` runs as its user in its wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import os
+import secrets
 import stat
 import tarfile
 import time
@@ -57,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dsec.errors import BuildStepFailed, InvalidArgument
+from dsec.errors import BuildStepFailed, DsecError, InvalidArgument
 from dsec.image.bootstrap import DEFAULT_MIRROR, BootstrapPlan
 from dsec.image.build import (
     BUILD_STEP_LABEL,
@@ -86,6 +88,7 @@ __all__ = ["BuildStepFailed", "BuiltImage", "Image", "tree_digest"]
 
 _TAIL = 2000
 COPY_TAR = "/.dsec-copy.tar"
+BUILD_RUN_LABEL = "build.dsec.io/run"
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,9 +306,18 @@ class Image:
         where: dict[str, Any] = ({"snapshot": top} if top is not None else
                                  {"image": base.image, "workspace": base.workspace,
                                   "toolkits": list(base.toolkits)})
-        sb = await client.sandboxes.create(
-            **where, labels={BUILD_STEP_LABEL: key, "dsec.io/build": "step"},
-            network=network, project=project, memory=memory, cpu=cpu, ttl=timeout + 300)
+        # A label unique to this step run: if the create is interrupted after the server
+        # made the sandbox but before we learn its id, we find it by this label and
+        # destroy it (else it would live until its TTL).
+        run_id = secrets.token_hex(8)
+        labels = {BUILD_STEP_LABEL: key, "dsec.io/build": "step", BUILD_RUN_LABEL: run_id}
+        try:
+            sb = await client.sandboxes.create(
+                **where, labels=labels, network=network, project=project, memory=memory,
+                cpu=cpu, ttl=timeout + 300)
+        except BaseException:
+            await asyncio.shield(_kill_labelled(client, project, run_id))
+            raise
         try:
             what = f"step {index}/{len(self.steps)} ({step.describe()[:200]})"
             if cfg.workdir != "/":
@@ -355,6 +367,13 @@ class _Resolved:
     workspace: str | None
     toolkits: tuple[str, ...]
     digests: tuple[str, ...]
+
+
+async def _kill_labelled(client: AsyncClient, project: str | None, run_id: str) -> None:
+    with contextlib.suppress(DsecError):
+        for sb in await client.sandboxes.list(project=project,
+                                              labels={BUILD_RUN_LABEL: run_id}):
+            await sb.kill()
 
 
 async def _check(res_or_coro: Any, what: str) -> None:
