@@ -137,3 +137,25 @@ def test_done_when_a_real_project_passes_the_same_in_the_built_image(
                         timeout=300, **built.exec_args())
             assert r.exit_code == 0, r
             assert _passed(r.stdout.decode()) == host_passed
+
+
+def test_the_step_cache_is_per_project(debian: Debian) -> None:
+    """Project members build into their project; another project's identical recipe never
+    reuses (or even sees) those layers: it runs the step itself."""
+    from dsec import Client
+
+    cl = debian.cluster
+    image = Image.from_image(debian.image).run("echo secret-ish > /layer.txt")
+    alice = Client(cl.url, cl.create_key("alice-b", "teama", "member"), protocol="http")
+    bob = Client(cl.url, cl.create_key("bob-b", "teamb", "member"), protocol="http")
+    try:
+        a = image.build(alice, project="teama")
+        assert (a.ran, a.cached) == (1, 0)
+        assert alice.snapshots.get(a.top).project == "teama"
+        assert (image.build(alice, project="teama").cached) == 1
+        b = image.build(bob, project="teamb")
+        assert (b.ran, b.cached) == (1, 0) and b.top != a.top
+        assert a.top not in {s.id for s in bob.snapshots.list()}
+    finally:
+        alice.close()
+        bob.close()

@@ -263,9 +263,11 @@ class Image:
         t0 = time.monotonic()
         base = await self._resolve_base(client, project)
         net = _net_key(network)
+        # The project's own layers only when it is named (a key holding roles on several
+        # projects sees theirs too); None: every snapshot this key may see.
         cache = {s.view.build_step: s.id
                  for s in await client.snapshots.list(project=project)
-                 if s.view.build_step}
+                 if s.view.build_step and (project is None or s.project == project)}
         cfg = BuildConfig()
         top: str | None = None
         parent: tuple[str, ...] = base.digests
