@@ -29,7 +29,7 @@ PLAN = BootstrapPlan.parse(suite="bookworm", include="python3,python3-pytest")
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 # The name dsec.Image.debian("bookworm", include=[...]) looks for, so the builder's
 # Image.debian path finds this bootstrap.
-IMAGE = f"debian-{PLAN.suite}-{PLAN.variant}-{PLAN.key()}"
+IMAGE = PLAN.image_name()
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ def debian(debian_mirror: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     layers = os.path.join(state, "layers")
     out = subprocess.run(
         [*DSEC, "image", "--root", layers, "bootstrap", "debian", "--suite", PLAN.suite,
-         "--include", ",".join(PLAN.include), "--mirror", debian_mirror, "--trusted",
-         "--name", IMAGE], check=False, capture_output=True, text=True, timeout=300)
+         "--include", ",".join(PLAN.include), "--mirror", debian_mirror, "--trusted"],
+        check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     with LocalCluster(edges=1, backend="container", state_dir=state) as cl:
         yield Debian(cluster=cl, store_root=layers, image=IMAGE, mirror=debian_mirror,

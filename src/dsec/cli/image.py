@@ -282,7 +282,9 @@ def bootstrap() -> None:
               help="Debian mirror URL (default http://deb.debian.org/debian).")
 @click.option("--trusted", is_flag=True,
               help="The mirror is unsigned (a local repo made by `dsec image debian-repo`).")
-@click.option("--name", default=None, help="[project/]name (default debian-<suite>).")
+@click.option("--name", default=None,
+              help="[project/]name (default debian-<suite>-<variant>-<key of the package "
+                   "set>: the name dsec.Image.debian(...) looks for).")
 @click.option("--tag", default="latest", show_default=True)
 @click.option("--lz4", "compression", flag_value="lz4", default=None)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -294,10 +296,13 @@ def bootstrap_debian_(root: str | None, suite: str, include: str, variant: str,
     from dsec.image.bootstrap import DEFAULT_MIRROR, BootstrapPlan, bootstrap_debian
 
     console = Console(stderr=True)
-    namespace, bare, tag = _split_name(name or f"debian-{suite}", tag)
     try:
         plan = BootstrapPlan.parse(suite=suite, include=include, variant=variant,
                                    mirror=mirror or DEFAULT_MIRROR, trusted=trusted)
+    except DsecError as exc:
+        _fail(exc)
+    namespace, bare, tag = _split_name(name or plan.image_name(), tag)
+    try:
         with _progress(console, quiet) as progress:
             if not quiet:
                 console.print(f"mmdebstrap {suite} ({variant}"

@@ -166,8 +166,7 @@ class Image:
                     variant: str = "apt") -> str:
         """The store name :meth:`debian` looks for: ``debian-<suite>-<variant>-<key>``,
         keyed by the package set."""
-        plan = BootstrapPlan.parse(suite=suite, include=include, variant=variant)
-        return f"debian-{plan.suite}-{plan.variant}-{plan.key()}"
+        return BootstrapPlan.parse(suite=suite, include=include, variant=variant).image_name()
 
     @classmethod
     def from_dockerfile(cls, path: str | os.PathLike[str], *, context: str | None = None,

@@ -114,6 +114,11 @@ class BootstrapPlan:
         text = "\n".join([self.suite, self.variant, *self.include])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def image_name(self) -> str:
+        """The store name a bootstrap of this package set gets by default, and the one
+        ``dsec.Image.debian`` looks for: ``debian-<suite>-<variant>-<key>``."""
+        return f"debian-{self.suite}-{self.variant}-{self.key()}"
+
     def labels(self) -> dict[str, str]:
         return {"dsec.io/bootstrap": f"debian:{self.suite}:{self.variant}",
                 "dsec.io/include": ",".join(self.include)}
