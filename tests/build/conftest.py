@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -77,6 +78,9 @@ def debian(debian_mirror: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
          "--include", ",".join(PLAN.include), "--mirror", debian_mirror, "--trusted"],
         check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    with LocalCluster(edges=1, backend="container", state_dir=state) as cl:
-        yield Debian(cluster=cl, store_root=layers, image=IMAGE, mirror=debian_mirror,
-                     bootstrap_output=out.stdout + out.stderr)
+    try:
+        with LocalCluster(edges=1, backend="container", state_dir=state) as cl:
+            yield Debian(cluster=cl, store_root=layers, image=IMAGE, mirror=debian_mirror,
+                         bootstrap_output=out.stdout + out.stderr)
+    finally:  # ~250 MB of layers: not left for pytest's last-three-runs retention
+        shutil.rmtree(state, ignore_errors=True)
