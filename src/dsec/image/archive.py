@@ -63,6 +63,10 @@ class ExtractStats:
     whiteouts: int = 0
     opaque_dirs: int = 0
     _dir_meta: list[tuple[str, tarfile.TarInfo]] = field(default_factory=list)
+    _implied: list[str] = field(default_factory=list)
+    """Directories made without a member of their own (the root without ``./``, parents
+    of members listed before them or never): they get :attr:`_newest_ns` as mtime."""
+    _newest_ns: int = 0
 
 
 def _clean_name(raw: str, what: str) -> str:
@@ -78,8 +82,10 @@ def _clean_name(raw: str, what: str) -> str:
     return "/".join(parts)
 
 
-def _ensure_parent(root: str, rel: str, member: str) -> str:
-    """Create the parent directories of ``rel`` under ``root`` without following links."""
+def _ensure_parent(root: str, rel: str, member: str,
+                   implied: list[str] | None = None) -> str:
+    """Create the parent directories of ``rel`` under ``root`` without following links
+    (each one made is appended to ``implied``)."""
     parent = root
     for comp in rel.split("/")[:-1]:
         parent = os.path.join(parent, comp)
@@ -87,6 +93,8 @@ def _ensure_parent(root: str, rel: str, member: str) -> str:
             st = os.lstat(parent)
         except FileNotFoundError:
             os.mkdir(parent, 0o755)
+            if implied is not None:
+                implied.append(parent)
             continue
         if stat.S_ISLNK(st.st_mode):
             raise UnsafeArchive(
@@ -117,7 +125,8 @@ def _set_meta(path: str, ti: tarfile.TarInfo, *, link: bool, is_root: bool) -> N
         os.lchown(path, ti.uid, ti.gid)
     if not link:
         os.chmod(path, ti.mode & 0o7777)
-        for key, value in ti.pax_headers.items():
+        # Sorted: mkfs.erofs keeps the staged inode's xattr order (reproducible layers).
+        for key, value in sorted(ti.pax_headers.items()):
             if key.startswith(_XATTR_PAX):
                 name = key[len(_XATTR_PAX):]
                 # overlay's private xattrs in an archive could forge whiteouts/redirects.
@@ -150,9 +159,16 @@ def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = DEFAUL
         raise UnsafeArchive(f"corrupt tar stream after {stats.members} members: {exc}") from exc
     except EOFError as exc:
         raise UnsafeArchive(f"truncated tar stream after {stats.members} members") from exc
+    explicit = {path for path, _ in stats._dir_meta}
     for path, ti in reversed(stats._dir_meta):
         _set_meta(path, ti, link=False, is_root=is_root)
+    # What the archive does not date gets a time from its content, not "now": the same
+    # archive must stage the same tree (reproducible layers, dsec.image.erofs).
+    for path in [*stats._implied, dest]:
+        if path not in explicit:
+            os.utime(path, ns=(stats._newest_ns,) * 2, follow_symlinks=False)
     stats._dir_meta.clear()
+    stats._implied.clear()
     return stats
 
 
@@ -166,6 +182,7 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
         raise UnsafeArchive(f"tar member name of {len(ti.name)} chars exceeds "
                             f"{limits.max_path_bytes} bytes", member=ti.name[:200])
     rel = _clean_name(ti.name, "member")
+    stats._newest_ns = max(stats._newest_ns, int(ti.mtime * 1e9))
     if ti.ischr() or ti.isblk():
         raise UnsafeArchive(f"tar member {ti.name!r} is a device node; images may not carry "
                             "devices (the sandbox gets its own /dev)", member=ti.name)
@@ -180,10 +197,11 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
     if oci and base.startswith(_WH):
         parent_rel = posixpath.dirname(rel)
         if parent_rel:
-            d = _ensure_parent(dest, parent_rel + "/x", ti.name)
+            d = _ensure_parent(dest, parent_rel + "/x", ti.name, stats._implied)
             d = os.path.dirname(d)
             if not os.path.lexists(d):
                 os.mkdir(d, 0o755)
+                stats._implied.append(d)
         else:
             d = dest
         if base == _OPQ:
@@ -198,7 +216,7 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
             make_whiteout(target)
             stats.whiteouts += 1
         return
-    path = _ensure_parent(dest, rel, ti.name)
+    path = _ensure_parent(dest, rel, ti.name, stats._implied)
     if ti.isdir():
         try:
             st = os.lstat(path)

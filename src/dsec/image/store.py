@@ -26,9 +26,13 @@ nothing behind but a ``tmp/`` entry that is removed on the way out - or, when th
 was killed (-9) mid-build, by the next ``LayerStore`` opened on the same root: scratch
 entries are named by their process (``tmp/<owner token>-...``, :mod:`dsec.ownership`).
 
-Builds are not bit-reproducible (mkfs.erofs 1.5 stamps a random UUID and the build
-time into the superblock), so the same tree built twice gives two digests. Digests name
-bytes, which is what verification needs; dedup of identical trees is not attempted.
+Builds are reproducible (:mod:`dsec.image.erofs`): the same tree built as the same
+thing - kind, namespace, parent, stack, labels, compression, layout; not its name, tag,
+owner or time - gives the same bytes, so the same digest, and the store keeps one layer
+and one manifest for it (the first build's; a later build only moves its name). The
+filesystem UUID is derived from that identity (:func:`dsec.image.erofs.layer_uuid`), so
+two projects building the same tree still get two layers, each with its own namespace
+in its manifest, and a snapshot never shares a digest with an image.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from dsec.image.erofs import (
     OutputTooLarge,
     ProgressFn,
     hash_file,
+    layer_uuid,
     layout_for,
     mkfs_erofs,
 )
@@ -287,6 +292,12 @@ class LayerStore:
         except msgspec.DecodeError as exc:
             raise ImageError(f"manifest of {DIGEST_PREFIX}{hx} is unreadable: {exc}") from exc
 
+    def _load_opt(self, hx: str) -> LayerManifest | None:
+        try:
+            return self._load(hx, hx)
+        except ImageNotFound:
+            return None
+
     def manifests(self) -> list[LayerManifest]:
         out = []
         for n in sorted(os.listdir(os.path.join(self.root, "manifests"))):
@@ -353,7 +364,9 @@ class LayerStore:
             try:
                 mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,
                            expected_bytes=max(stats.content_bytes, 1), progress=progress,
-                           max_output_bytes=max_bytes)
+                           max_output_bytes=max_bytes,
+                           uuid=_identity_uuid(kind, namespace, parent, stack, labels,
+                                               compression, chunk))
             except OutputTooLarge as exc:
                 raise self._too_big(what, exc.limit, exc.limit, "more than") from exc
             size = os.stat(tmp).st_blocks * 512
@@ -362,10 +375,10 @@ class LayerStore:
             hx = hash_file(tmp, progress=progress)
             size = os.stat(tmp).st_size
             os.chmod(tmp, _LAYER_MODE)
-            # Digests never collide across builds (mkfs.erofs stamps a random UUID), so a
-            # manifest, and with it the layer's namespace, is written once per layer. If
-            # builds ever become reproducible, two projects' identical trees would share a
-            # digest: the manifest must then become per (namespace, digest).
+            # Reproducible: a digest already stored is the same tree built as the same
+            # thing (the UUID carries kind, namespace, parent, stack, labels, layout), so
+            # the store keeps that layer and its manifest and only moves the name. Two
+            # projects' identical trees differ in UUID, so each has its own manifest.
             manifest = LayerManifest(
                 digest=DIGEST_PREFIX + hx, kind=kind, size_bytes=size, created=time.time(),
                 name=name, tag=tag if name else None, namespace=namespace, owner=owner,
@@ -373,8 +386,13 @@ class LayerStore:
                 entries=stats.entries, compression=compression, labels=dict(labels or {}),
                 parent=parent, stack=tuple(stack))
             with self._locked():
-                os.replace(tmp, self.layer_path(manifest.digest))
-                _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+                existing = self._load_opt(hx)
+                if existing is None or not os.path.exists(self.layer_path(hx)):
+                    os.replace(tmp, self.layer_path(manifest.digest))
+                if existing is None:
+                    _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+                else:
+                    manifest = existing
                 if key is not None:
                     refs = self._read_refs()
                     refs[key] = manifest.digest
@@ -428,11 +446,28 @@ class LayerStore:
                             digest=m.digest)
             refs = {k: v for k, v in self._read_refs().items() if v != m.digest}
             self._write_refs(refs)
-            for path in (self._manifest_path(m.hex), self.layer_path(m.digest),
-                         self.index_path(m.digest)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            self._unlink_layer(m.digest)
         return m
+
+    def discard(self, digest: str) -> bool:
+        """Remove the layer ``digest`` only if nothing names or uses it (a build rolled
+        back: with reproducible builds its digest may be a layer that was already there,
+        named by someone else, which must stay). True when it was removed."""
+        with self._locked():
+            m = self._load_opt(digest.removeprefix(DIGEST_PREFIX))
+            if m is None or m.digest in self._read_refs().values() or self.users(m.digest):
+                return False
+            self._unlink_layer(m.digest)
+        return True
+
+    def _unlink_layer(self, digest: str) -> None:
+        """The files of one layer, manifest first (held under the lock): a kill -9
+        between them leaves a layer file without a manifest, which no ref or lookup can
+        reach and the next prune sweeps."""
+        for path in (self._manifest_path(digest.removeprefix(DIGEST_PREFIX)),
+                     self.layer_path(digest), self.index_path(digest)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def write_index(self, digest: str, data: bytes) -> None:
         _write_private(self.index_path(digest), data)
@@ -443,6 +478,15 @@ class LayerStore:
                 return f.read()
         except FileNotFoundError:
             return None
+
+
+def _identity_uuid(kind: str, namespace: str | None, parent: str | None,
+                   stack: Sequence[str], labels: dict[str, str] | None,
+                   compression: str | None, chunk: int | None) -> str:
+    """The filesystem UUID of a layer: what it is besides its tree (pure)."""
+    return layer_uuid("dsec-layer-v1", kind, namespace or "", parent or "", ",".join(stack),
+                      _json_enc.encode(dict(sorted((labels or {}).items()))).decode(),
+                      compression or "", str(chunk or 0))
 
 
 def _name_key(namespace: str | None, name: str | None, tag: str) -> str:

@@ -47,7 +47,11 @@ def is_whiteout(st: os.stat_result) -> bool:
 
 
 def make_whiteout(path: str) -> None:
+    """A whiteout at ``path``, with mtime 0: overlay never shows it, and a time of "now"
+    would make the same deletion give a different layer every build (reproducible
+    layers, :mod:`dsec.image.erofs`)."""
     os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    os.utime(path, ns=(0, 0), follow_symlinks=False)
 
 
 def is_opaque(path: str) -> bool:
@@ -76,9 +80,11 @@ def remove_path(path: str) -> None:
 
 
 def _user_xattrs(path: str) -> Iterator[tuple[str, bytes]]:
-    """xattrs worth carrying into a layer: everything but overlay's private markers."""
+    """xattrs worth carrying into a layer: everything but overlay's private markers, by
+    name: mkfs.erofs stores them in the order the staged inode lists them (insertion
+    order on ext4), so a sorted copy is the same layer whatever order the source has."""
     try:
-        names = os.listxattr(path, follow_symlinks=False)
+        names = sorted(os.listxattr(path, follow_symlinks=False))
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EPERM):
             return
@@ -273,7 +279,11 @@ def apply_tree(src: str, dst: str, *, keep_whiteouts: bool) -> None:
     still hide layers below the merged result; pass False when ``dst`` is the bottom of
     the stack (nothing below to hide).
     """
-    dirs_done: list[tuple[str, str, os.stat_result]] = []
+    # The root too, as overlay shows the highest layer's root: a staging root left at
+    # mode 0700 and "now" made every merge of the same layers a different layer.
+    root_st = os.lstat(src)
+    copy_meta(src, dst, root_st, times=False)
+    dirs_done: list[tuple[str, str, os.stat_result]] = [(src, dst, root_st)]
     _apply_dir(src, dst, keep_whiteouts, dirs_done)
     # Directory times last: creating children above changed them.
     for s, d, st in reversed(dirs_done):

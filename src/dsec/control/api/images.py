@@ -276,11 +276,12 @@ class ImageAdmin:
                     charged.append(m.digest)
             store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns)
         except BaseException:
+            # Only what nothing else names: a reproducible build of a tree already stored
+            # returns that layer (and its charge), which stays.
             for m in made:
                 with contextlib.suppress(DsecError, OSError):
-                    store.remove(m.digest)
-            for digest in charged:
-                self.charges.release_snapshot(digest)
+                    if store.discard(m.digest) and m.digest in charged:
+                        self.charges.release_snapshot(m.digest)
             raise
         index = self._index()
         assert index is not None
