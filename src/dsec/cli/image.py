@@ -242,3 +242,31 @@ def rm(root: str | None, refs: tuple[str, ...]) -> None:
         except DsecError as exc:
             _fail(exc)
         click.echo(f"removed {m.digest}")
+
+
+@image.command("prune")
+@click.option("--dry-run", is_flag=True, help="Say what would go; remove nothing.")
+@click.option("--budget", type=int, default=None, metavar="BYTES",
+              help="Remove only the least recently used unreferenced layers until the "
+                   "store holds at most BYTES.")
+@click.option("--json", "as_json", is_flag=True, help="The result as one JSON object.")
+@click.pass_obj
+def prune(root: str | None, dry_run: bool, budget: int | None, as_json: bool) -> None:
+    """Remove the layers nothing references: no name, not a snapshot or under one, not
+    mounted on this node, not held by a running build. Never a layer in use."""
+    import msgspec
+
+    store = _store(root)
+    try:
+        res = store.prune(dry_run=dry_run, budget_bytes=budget)
+    except DsecError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(msgspec.json.encode(res).decode())
+        return
+    verb = "would remove" if dry_run else "removed"
+    for m in res.removed:
+        click.echo(f"{verb} {m.digest} {m.kind} {m.size_bytes} bytes")
+    click.echo(f"{verb} {len(res.removed)} layers, {res.freed_bytes} bytes; kept "
+               f"{res.kept_layers} layers, {res.kept_bytes} bytes"
+               + (f"; swept {res.orphans} orphaned files" if res.orphans else ""))

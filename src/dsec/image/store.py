@@ -10,7 +10,9 @@ read them, even when the store lives outside a private state dir)::
     refs.json               {"[project/]name:tag": "sha256:<hex>"}
     tmp/<owner>-*           staging trees and half-written layers, named by their process
                             (never read as layers; a dead process's go on the next open)
-    lock                    flock(2) taken by every mutation (CLI and edge may race)
+    pins/<owner>-*.json     digests a live process made and has not named yet (gc.py)
+    lock                    flock(2) taken by every mutation (CLI and edge may race);
+                            shared while a stack is resolved and mounted (prune waits)
 
 Names are namespaced (:mod:`dsec.image.manifest`): ``teama/tools:v1`` is project
 ``teama``'s, ``tools:v1`` is cluster-wide. The store answers exact names and digests for
@@ -80,14 +82,56 @@ from dsec.image.manifest import (
 )
 from dsec.image.tree import tree_stats
 
-__all__ = ["LayerStore", "may_point_at", "mounted_sources"]
+__all__ = ["LayerStore", "Pin", "PruneResult", "may_point_at", "mounted_sources"]
 
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _LAYER_MODE = 0o400
-_SUBDIRS = ("layers", "manifests", "index", "tmp")
+_SUBDIRS = ("layers", "manifests", "index", "tmp", "pins")
 
 _json_enc = msgspec.json.Encoder()
+_pins_dec = msgspec.json.Decoder(list[str])
+
+
+class PruneResult(msgspec.Struct, frozen=True):
+    """What a prune removed (or would, ``dry_run``)."""
+
+    removed: tuple[LayerManifest, ...]
+    freed_bytes: int
+    kept_layers: int
+    kept_bytes: int
+    orphans: int = 0
+    """Files of half-removed layers swept (a prune killed between a manifest and its
+    layer file)."""
+    dry_run: bool = False
+
+
+class Pin:
+    """Layers a live process holds without a name yet (a build or import between making a
+    layer and tagging it): :meth:`LayerStore.prune` keeps them. A file under ``pins/``
+    named by the process (:mod:`dsec.ownership`), so a killed holder pins nothing."""
+
+    def __init__(self, store: LayerStore) -> None:
+        self._store = store
+        self.path = os.path.join(store.root, "pins",
+                                 f"{ownership.token()}-{secrets.token_hex(6)}.json")
+        self.digests: set[str] = set()
+
+    def _write_locked(self) -> None:
+        _write_private(self.path, _json_enc.encode(sorted(self.digests)))
+
+    def add(self, digest: str) -> None:
+        """Pin a layer that exists (``ImageNotFound`` if a prune removed it first)."""
+        with self._store._locked():
+            if self._store._load_opt(digest.removeprefix(DIGEST_PREFIX)) is None:
+                raise ImageNotFound(f"no layer {digest} in {self._store.root}", ref=digest)
+            self.digests.add(digest)
+            self._write_locked()
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.digests.clear()
 _manifest_dec = msgspec.json.Decoder(LayerManifest)
 _refs_dec = msgspec.json.Decoder(dict[str, str])
 
@@ -141,8 +185,13 @@ def _write_private(path: str, data: bytes) -> None:
 class LayerStore:
     """Layers by digest, names by ``name:tag``; safe for concurrent processes."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, budget_bytes: int | None = None) -> None:
+        """``budget_bytes``: after a build stores a new layer and the store holds more
+        than this, the least recently used unreferenced layers go (:meth:`prune`)."""
+        if budget_bytes is not None and budget_bytes < 0:
+            raise InvalidArgument(f"image store budget {budget_bytes} must be >= 0 bytes")
         self.root = os.path.abspath(root)
+        self.budget_bytes = budget_bytes
         try:
             for d in (self.root, *(os.path.join(self.root, s) for s in _SUBDIRS)):
                 os.makedirs(d, mode=_DIR_MODE, exist_ok=True)
@@ -168,13 +217,37 @@ class LayerStore:
         return os.path.join(self.root, "index", digest.removeprefix(DIGEST_PREFIX) + ".idx")
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, mode: int = fcntl.LOCK_EX) -> Iterator[None]:
         fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT, _FILE_MODE)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
             yield
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[None]:
+        """Hold off prunes (a shared lock) while layers are resolved and mounted: a
+        create about to mount a layer either mounts it before a prune looks (which then
+        sees the mount and keeps it) or finds it already gone (``ImageNotFound``)."""
+        with self._locked(fcntl.LOCK_SH):
+            yield
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[Pin]:
+        """A :class:`Pin` for the layers made inside (pass it as ``pin=``), dropped on
+        exit: name them before that."""
+        pin = Pin(self)
+        try:
+            yield pin
+        finally:
+            pin.close()
+
+    def touch(self, digest: str) -> None:
+        """Record a use of the layer (its manifest's mtime: the LRU order of budget
+        prunes)."""
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.utime(self._manifest_path(digest.removeprefix(DIGEST_PREFIX)))
 
     def _scratch(self, name: str) -> str:
         """A path for scratch entry ``name`` in ``tmp/``, prefixed with this process's
@@ -244,6 +317,12 @@ class LayerStore:
                    + " may only point at layers built there, in an ancestor project or "
                    "cluster-wide; build it under that name instead"))
         with self._locked():
+            # Again under the lock: a prune may have removed an unnamed layer since the
+            # get() above, and a name must never point at nothing.
+            if self._load_opt(m.hex) is None:
+                raise ImageNotFound(f"layer {m.digest} was removed (pruned: it had no "
+                                    "name) before it could be tagged; build it again",
+                                    ref=ref)
             refs = self._read_refs()
             refs[key] = m.digest
             self._write_refs(refs)
@@ -298,11 +377,18 @@ class LayerStore:
         except ImageNotFound:
             return None
 
+    def has(self, digest: str) -> bool:
+        """Whether the layer ``digest`` (full) is stored."""
+        return os.path.exists(self._manifest_path(digest.removeprefix(DIGEST_PREFIX)))
+
     def manifests(self) -> list[LayerManifest]:
         out = []
         for n in sorted(os.listdir(os.path.join(self.root, "manifests"))):
             if n.endswith(".json"):
-                out.append(self._load(n[:-5], n))
+                # removed since the listdir (a prune or rm in another process): gone
+                m = self._load_opt(n[:-5])
+                if m is not None:
+                    out.append(m)
         return sorted(out, key=lambda m: m.created)
 
     def lowers(self, top: LayerManifest) -> list[LayerManifest]:
@@ -326,7 +412,7 @@ class LayerStore:
                  stack: Sequence[str] = (), progress: ProgressFn | None = None,
                  max_bytes: int | None = None, max_apparent_bytes: int | None = None,
                  what: str = "layer", namespace: str | None = None,
-                 owner: str | None = None) -> LayerManifest:
+                 owner: str | None = None, pin: Pin | None = None) -> LayerManifest:
         """Pack the directory ``src_dir`` into a new layer of project ``namespace`` (None:
         cluster-wide; a snapshot's comes from its project label), named
         ``[namespace/]name:tag`` when ``name`` (bare, no '/') is given.
@@ -334,7 +420,10 @@ class LayerStore:
         Bounds (``QuotaExceeded`` naming them, nothing stored): ``max_bytes`` for the
         layer file (checked on the estimate before mkfs and on the result before it
         enters the store), ``max_apparent_bytes`` for the file sizes mkfs must read
-        (sparse files are read whole by mkfs.erofs 1.5: that is its time)."""
+        (sparse files are read whole by mkfs.erofs 1.5: that is its time).
+
+        ``pin``: the new layer is pinned (kept by prunes) from the moment it appears until
+        the pin closes; pass one when the layer gets its name only later."""
         if kind not in LAYER_KINDS:
             raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(LAYER_KINDS)}")
         if namespace is not None:
@@ -393,10 +482,17 @@ class LayerStore:
                     _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
                 else:
                     manifest = existing
+                    self.touch(hx)
                 if key is not None:
                     refs = self._read_refs()
                     refs[key] = manifest.digest
                     self._write_refs(refs)
+                if pin is not None:
+                    pin.digests.add(manifest.digest)
+                    pin._write_locked()
+                if self.budget_bytes is not None:
+                    self._prune_locked(budget_bytes=self.budget_bytes,
+                                       keep=(manifest.digest,))
             return manifest
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -415,7 +511,8 @@ class LayerStore:
                 compression: Compression | None = None,
                 limits: ExtractLimits = DEFAULT_LIMITS, oci_whiteouts: bool = False,
                 progress: ProgressFn | None = None, namespace: str | None = None,
-                owner: str | None = None, max_bytes: int | None = None) -> LayerManifest:
+                owner: str | None = None, max_bytes: int | None = None,
+                pin: Pin | None = None) -> LayerManifest:
         """Build a layer from a tar stream, unpacked safely into a staging directory."""
         if name is not None:
             _name_key(namespace, name, tag)  # a bad name fails before the upload is unpacked
@@ -423,7 +520,8 @@ class LayerStore:
             extract_tar(fileobj, stage, limits=limits, oci_whiteouts=oci_whiteouts)
             return self.add_tree(stage, kind=kind, name=name, tag=tag, labels=labels,
                                  compression=compression, progress=progress,
-                                 namespace=namespace, owner=owner, max_bytes=max_bytes)
+                                 namespace=namespace, owner=owner, max_bytes=max_bytes,
+                                 pin=pin)
 
     def users(self, digest: str) -> list[str]:
         """Why ``digest`` cannot be removed: mounts of it and layers that build on it."""
@@ -468,6 +566,72 @@ class LayerStore:
                      self.layer_path(digest), self.index_path(digest)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+    # ------------------------------------------------------------------------ prune
+    def _live_pins(self) -> set[str]:
+        """Digests pinned by live processes; dead holders' pin files are removed."""
+        out: set[str] = set()
+        pins = os.path.join(self.root, "pins")
+        for n in os.listdir(pins):
+            if ownership.token_alive(n.split("-", 1)[0]) is False:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(pins, n))
+                continue
+            try:
+                with open(os.path.join(pins, n), "rb") as f:
+                    out.update(_pins_dec.decode(f.read()))
+            except (FileNotFoundError, msgspec.DecodeError):
+                continue
+        return out
+
+    def prune(self, *, dry_run: bool = False, budget_bytes: int | None = None) -> PruneResult:
+        """Remove every layer nothing references (:mod:`dsec.image.gc`: names, snapshots
+        and what they stand on, mounts on this node, pins of live builds), or with
+        ``budget_bytes`` the least recently used of them until the store fits. All under
+        the store's lock, so a tag, a build or a mount cannot slip in between the check
+        and the removal; a kill -9 midway leaves whole layers or manifest-less files the
+        next prune sweeps (``orphans``)."""
+        with self._locked():
+            return self._prune_locked(dry_run=dry_run, budget_bytes=budget_bytes)
+
+    def _prune_locked(self, *, dry_run: bool = False, budget_bytes: int | None = None,
+                      keep: Sequence[str] = ()) -> PruneResult:
+        from dsec.image.gc import LayerNode, plan_prune
+
+        manifests = {m.digest: m for m in self.manifests()}
+        nodes = {}
+        for d, m in manifests.items():
+            try:
+                used = os.stat(self._manifest_path(m.hex)).st_mtime
+            except FileNotFoundError:
+                used = m.created
+            below = ((m.parent,) if m.parent else ()) + tuple(m.stack)
+            nodes[d] = LayerNode(d, m.kind, m.size_bytes, max(used, m.created), below)
+        mounted = mounted_sources()
+        roots = {*self._read_refs().values(), *self._live_pins(),
+                 *(d for d in manifests if self.layer_path(d) in mounted)}
+        plan = plan_prune(nodes, roots, budget_bytes=budget_bytes, keep=keep)
+        orphans = 0
+        if not dry_run:
+            for d in plan.remove:
+                self._unlink_layer(d)
+            orphans = self._sweep_orphans(set(manifests) - set(plan.remove))
+        return PruneResult(removed=tuple(manifests[d] for d in plan.remove),
+                           freed_bytes=plan.freed_bytes, kept_layers=len(manifests)
+                           - len(plan.remove), kept_bytes=plan.kept_bytes, orphans=orphans,
+                           dry_run=dry_run)
+
+    def _sweep_orphans(self, live: set[str]) -> int:
+        """Layer and index files without a manifest (a removal killed midway)."""
+        n = 0
+        for sub, ext in (("layers", ".erofs"), ("index", ".idx")):
+            d = os.path.join(self.root, sub)
+            for name in os.listdir(d):
+                if name.endswith(ext) and DIGEST_PREFIX + name[:-len(ext)] not in live:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(d, name))
+                        n += 1
+        return n
 
     def write_index(self, digest: str, data: bytes) -> None:
         _write_private(self.index_path(digest), data)
