@@ -119,7 +119,12 @@ def test_budget_prunes_lru_unreferenced_on_build(tmp_path: object) -> None:
     probe = LayerStore(os.path.join(src, "probe")).add_tree(_tree(src, 0, 50_000),
                                                             kind="base")
     size = probe.size_bytes
-    store = LayerStore(os.path.join(src, "store"), budget_bytes=3 * size + size // 2)
+    # recorded in the store (dsec up/edge --image-store-budget): another process's
+    # LayerStore on the same root keeps to it
+    store = LayerStore(os.path.join(src, "store"))
+    assert store.budget_bytes is None
+    LayerStore(store.root).set_budget(3 * size + size // 2)
+    assert store.budget_bytes == 3 * size + size // 2
     named = store.add_tree(_tree(src, 1, 50_000), kind="base", name="keep")
     a = store.add_tree(_tree(src, 2, 50_000), kind="base")
     b = store.add_tree(_tree(src, 3, 50_000), kind="base")
@@ -129,6 +134,9 @@ def test_budget_prunes_lru_unreferenced_on_build(tmp_path: object) -> None:
     assert not store.has(b.digest)
     d = store.add_tree(_tree(src, 5, 50_000), kind="base")   # the new one is never it
     assert store.has(d.digest) and not store.has(a.digest) and store.has(named.digest)
+    store.set_budget(None)
+    store.add_tree(_tree(src, 6, 50_000), kind="base")
+    assert len(store.manifests()) == 4
 
 
 @pytest.fixture
@@ -244,3 +252,20 @@ def test_kill9_mid_prune_leaves_a_consistent_store(store: LayerStore,
     assert sorted(os.listdir(os.path.join(store.root, "layers"))) == sorted(
         m.hex + ".erofs" for m in named)
     assert res.kept_layers == 3
+
+
+def test_image_store_budget_flag_is_recorded_for_every_process() -> None:
+    """`dsec up --image-store-budget` (ClusterConfig.image_store_budget) and `dsec edge
+    --image-store-budget` record the budget in the store; 'off' clears it."""
+    from click.testing import CliRunner
+
+    from dsec import LocalCluster
+    from dsec.cli.edge import BUDGET
+    from dsec.cli.main import cli
+
+    with LocalCluster(image_store_budget=64 << 20) as cl:
+        assert LayerStore(os.path.join(cl.state_dir, "layers")).budget_bytes == 64 << 20
+    assert BUDGET.convert("1GiB", None, None) == 1 << 30
+    assert BUDGET.convert("off", None, None) == "off"
+    r = CliRunner().invoke(cli, ["up", "--image-store-budget", "lots", "--quiet"])
+    assert r.exit_code != 0 and "not a size" in r.output

@@ -150,7 +150,9 @@ def test_bare_names_resolve_in_the_sandboxs_project_then_cluster_wide(world: Wor
     assert mine["victim:latest"].namespace is None and mine["victim:latest"].owner == "admin"
     assert mine["base:latest"].namespace is None
     with world.client(world.alice, "http") as c:
-        hers = {i.ref: i for i in c.images.list()}
+        # by every name: builds are reproducible, so teama/mine (the same tree, built by
+        # alice in the first test) is the same layer as teama/victim
+        hers = {r: i for i in c.images.list() for r in i.refs}
         assert hers["teama/victim:latest"].owner == "alice"
         assert c.images.get("victim").namespace == "teama"       # her project first
         assert c.images.get("victim:latest").digest == made["digest"]
@@ -263,8 +265,9 @@ def test_a_tag_never_moves_to_a_tree_built_outside_its_namespace(world: World) -
     base = world.http.get("/v1/images/base", headers=world.h(world.alice)).json()["digest"]
     d = world.http.delete(f"/v1/images/{base}", headers=world.h(world.alice))
     assert d.status_code == 403, d.text
-    # the last name of a project's own layer takes the layer with it
-    r = world.build(world.alice, "teama/short-lived", "alice\n")
+    # the last name of a project's own layer takes the layer with it (a tree of its own:
+    # builds are reproducible, and "alice\n" is teama/victim's layer, named twice)
+    r = world.build(world.alice, "teama/short-lived", "alice, short-lived\n")
     assert r.status_code == 201, r.text
     digest = r.json()["items"][0]["digest"]
     assert world.http.delete("/v1/images/teama/short-lived",
@@ -364,3 +367,47 @@ def test_project_builds_share_the_projects_layer_storage_quota(world: World) -> 
     assert world.build(quinn, "teamq/img", "two\n").status_code == 201
     # cluster-wide layers (a superuser's) are nobody's quota
     assert world.build(world.root_key, "shared-tools", "x\n").status_code == 201
+
+
+def test_prune_is_a_superusers_at_every_door(world: World) -> None:
+    """``image_prune`` (issue 15): a rebuild leaves the old layer unnamed; only a
+    superuser may prune (the store is every project's), through the SDK over the gateway
+    and over REST and raw REST alike; dry_run removes nothing; a real prune removes the
+    garbage, gives its bytes back to the project's quota and keeps every named layer."""
+    admin = world.h(world.root_key)
+    pat = world.cluster.create_key("pat", "teamp", "admin")
+    old = world.build(pat, "teamp/img", "one\n").json()["items"][0]
+    new = world.build(pat, "teamp/img", "two\n").json()["items"][0]
+    assert old["digest"] != new["digest"]
+    usage = world.http.get("/v1/projects/teamp", headers=admin).json()["usage"]
+    assert usage["snapshot_bytes"] == old["size_bytes"] + new["size_bytes"]
+    layers = os.path.join(world.cluster.state_dir, "layers", "layers")
+    before = set(os.listdir(layers))
+    for key in (pat, world.alice, world.bob):
+        r = world.http.post("/v1/images/prune", json={}, headers=world.h(key))
+        assert r.status_code == 403 and r.json()["code"] == "permission_denied", r.text
+        for door in DOORS:
+            with world.client(key, door) as c, pytest.raises(DsecError) as err:
+                c.images.prune()
+            assert err.value.code == "permission_denied", door
+    assert set(os.listdir(layers)) == before
+    r = world.http.post("/v1/images/prune", json={"dry_run": True}, headers=admin)
+    assert r.status_code == 200, r.text
+    assert old["digest"] in [m["digest"] for m in r.json()["removed"]]
+    with world.client(world.root_key, "aether") as c:
+        dry = c.images.prune(dry_run=True)
+        assert old["digest"] in [m.digest for m in dry.removed] and dry.dry_run
+        assert set(os.listdir(layers)) == before
+        done = c.images.prune()
+    gone = {m.digest for m in done.removed}
+    assert old["digest"] in gone and new["digest"] not in gone
+    assert done.freed_bytes == sum(m.size_bytes for m in done.removed)
+    assert old["digest"].removeprefix("sha256:") + ".erofs" not in os.listdir(layers)
+    assert world.http.get("/v1/projects/teamp", headers=admin).json()["usage"][
+        "snapshot_bytes"] == new["size_bytes"]
+    for ref, key in (("teamp/img", pat), ("victim", admin), ("teama/victim", world.alice),
+                     ("base", admin)):
+        assert world.http.get(f"/v1/images/{ref}", headers=world.h(key) if key != admin
+                              else admin).status_code == 200, ref
+    with world.client(world.bob, "http") as c:
+        assert _whoami(c, toolkits=["victim"], project="teamb")[0] == "superuser\n"

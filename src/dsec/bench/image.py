@@ -152,6 +152,26 @@ def image_suite(ctx: BenchContext) -> None:
         assert base is not None
         stack = compose(base)
 
+        # -- image_prune: N unreferenced layers among named ones ---------------------------
+        n_garbage = ctx.scale(200, 50)
+        gstore = LayerStore(os.path.join(work, "gc-store"))
+        tiny = os.path.join(work, "tiny")
+        os.mkdir(tiny)
+        for i in range(n_garbage + 10):
+            with open(os.path.join(tiny, "f"), "w") as f:
+                f.write(str(i))
+            gstore.add_tree(tiny, kind="base", name="keep" if i >= n_garbage else None,
+                            tag=str(i))
+        t0 = time.perf_counter()
+        plan = gstore.prune(dry_run=True)
+        t_dry = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        done = gstore.prune()
+        t_prune = time.perf_counter() - t0
+        assert len(plan.removed) == len(done.removed) == n_garbage
+        ctx.record("image_prune", t_prune * 1e3, "ms", layers=n_garbage + 10,
+                   removed=n_garbage, dry_run_ms=round(t_dry * 1e3, 2))
+
         # -- sandbox_rootfs_erofs_vs_tar ---------------------------------------------------
         tar_path = os.path.join(work, "image.tar")
         subprocess.run(["tar", "-C", src, "-cf", tar_path, "."], check=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from dsec.cli.edge import capacity_options, net_default_option
+from dsec.cli.edge import capacity_options, image_budget_option, net_default_option
 
 
 @click.command()
@@ -51,13 +51,14 @@ from dsec.cli.edge import capacity_options, net_default_option
               help="An edge silent this long is lost: its sandboxes are evicted (node_lost). "
                    "Restart (upgrade) an edge within it to keep them.")
 @click.option("--quiet", is_flag=True, help="No status line.")
+@image_budget_option
 @net_default_option
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool, net_default: Any) -> None:
+       quiet: bool, image_store_budget: Any, net_default: Any) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
@@ -82,7 +83,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
         edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
         disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl),
-        simulated_profile=profile, net_default=net_default)
+        simulated_profile=profile, net_default=net_default,
+        image_store_budget=image_store_budget)
     uvloop.run(_run(cfg, quiet))
 
 

@@ -24,8 +24,8 @@ from typing import IO, Literal
 from dsec.client.transport import OpCaller
 from dsec.errors import InvalidArgument
 from dsec.wire import ops
-from dsec.wire.api import ImageList, ImageTagRequest, ImageView
-from dsec.wire.calls import Empty, ImageRef, ImageUpload
+from dsec.wire.api import ImageList, ImagePruned, ImageTagRequest, ImageView
+from dsec.wire.calls import Empty, ImagePrune, ImageRef, ImageUpload
 from dsec.wire.ops import UploadOp
 
 __all__ = ["AsyncImages", "LayerKind"]
@@ -61,6 +61,13 @@ class AsyncImages:
         """Delete a layer and its names (``InUse`` while a sandbox or snapshot uses it)."""
         key = ref.digest if isinstance(ref, ImageView) else ref
         await self._c.call(ops.IMAGE_DELETE, ImageRef(ref=_ref(key)))
+
+    async def prune(self, *, dry_run: bool = False) -> ImagePruned:
+        """Remove the layers nothing references - no name, no snapshot or image standing
+        on them, not mounted, not held by a build in progress - and say what that freed
+        (``dry_run``: only say). A superuser's (``PermissionDenied`` otherwise): the store
+        holds every project's layers."""
+        return await self._c.call(ops.IMAGE_PRUNE, ImagePrune(dry_run=dry_run))
 
     async def build(self, source: str | os.PathLike[str], *, name: str,
                     kind: LayerKind = "base", tag: str = "latest") -> ImageView:

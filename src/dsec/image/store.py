@@ -11,6 +11,7 @@ read them, even when the store lives outside a private state dir)::
     tmp/<owner>-*           staging trees and half-written layers, named by their process
                             (never read as layers; a dead process's go on the next open)
     pins/<owner>-*.json     digests a live process made and has not named yet (gc.py)
+    budget                  the store budget in bytes, when one is set (set_budget)
     lock                    flock(2) taken by every mutation (CLI and edge may race);
                             shared while a stack is resolved and mounted (prune waits)
 
@@ -88,6 +89,9 @@ _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _LAYER_MODE = 0o400
 _SUBDIRS = ("layers", "manifests", "index", "tmp", "pins")
+
+PRUNE_BATCH = 64
+"""Layers a prune removes per hold of the store's lock (see :meth:`LayerStore.prune`)."""
 
 _json_enc = msgspec.json.Encoder()
 _pins_dec = msgspec.json.Decoder(list[str])
@@ -187,11 +191,13 @@ class LayerStore:
 
     def __init__(self, root: str, *, budget_bytes: int | None = None) -> None:
         """``budget_bytes``: after a build stores a new layer and the store holds more
-        than this, the least recently used unreferenced layers go (:meth:`prune`)."""
+        than this, the least recently used unreferenced layers go (:meth:`prune`). None:
+        the budget recorded in the store (:meth:`set_budget`), read at every build, so
+        every process sharing the store (edges, apiserver, CLI) keeps the same one."""
         if budget_bytes is not None and budget_bytes < 0:
             raise InvalidArgument(f"image store budget {budget_bytes} must be >= 0 bytes")
         self.root = os.path.abspath(root)
-        self.budget_bytes = budget_bytes
+        self._budget = budget_bytes
         try:
             for d in (self.root, *(os.path.join(self.root, s) for s in _SUBDIRS)):
                 os.makedirs(d, mode=_DIR_MODE, exist_ok=True)
@@ -568,6 +574,29 @@ class LayerStore:
                 os.unlink(path)
 
     # ------------------------------------------------------------------------ prune
+    @property
+    def budget_bytes(self) -> int | None:
+        if self._budget is not None:
+            return self._budget
+        try:
+            with open(os.path.join(self.root, "budget"), "rb") as f:
+                value = int(f.read().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        return value if value >= 0 else None
+
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """Record the store budget for every process opening this store (None: off)."""
+        path = os.path.join(self.root, "budget")
+        if budget_bytes is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        if budget_bytes < 0:
+            raise InvalidArgument(f"image store budget {budget_bytes} must be >= 0 bytes")
+        with self._locked():
+            _write_private(path, str(budget_bytes).encode())
+
     def _live_pins(self) -> set[str]:
         """Digests pinned by live processes; dead holders' pin files are removed."""
         out: set[str] = set()
@@ -590,12 +619,29 @@ class LayerStore:
         ``budget_bytes`` the least recently used of them until the store fits. All under
         the store's lock, so a tag, a build or a mount cannot slip in between the check
         and the removal; a kill -9 midway leaves whole layers or manifest-less files the
-        next prune sweeps (``orphans``)."""
-        with self._locked():
-            return self._prune_locked(dry_run=dry_run, budget_bytes=budget_bytes)
+        next prune sweeps (``orphans``).
+
+        The lock is taken for at most :data:`PRUNE_BATCH` removals at a time, each round
+        planned afresh: unlinks cost ~0.3-3 ms each on a busy disk (1,000 layers took
+        2.8 s), and builds and mounts wait for the lock."""
+        if dry_run:
+            with self._locked():
+                return self._prune_locked(dry_run=True, budget_bytes=budget_bytes)
+        removed: list[LayerManifest] = []
+        freed = orphans = 0
+        while True:
+            with self._locked():
+                res = self._prune_locked(budget_bytes=budget_bytes, limit=PRUNE_BATCH)
+            removed += res.removed
+            freed += res.freed_bytes
+            orphans += res.orphans
+            if len(res.removed) < PRUNE_BATCH:
+                return PruneResult(removed=tuple(removed), freed_bytes=freed,
+                                   kept_layers=res.kept_layers, kept_bytes=res.kept_bytes,
+                                   orphans=orphans)
 
     def _prune_locked(self, *, dry_run: bool = False, budget_bytes: int | None = None,
-                      keep: Sequence[str] = ()) -> PruneResult:
+                      keep: Sequence[str] = (), limit: int | None = None) -> PruneResult:
         from dsec.image.gc import LayerNode, plan_prune
 
         manifests = {m.digest: m for m in self.manifests()}
@@ -611,15 +657,17 @@ class LayerStore:
         roots = {*self._read_refs().values(), *self._live_pins(),
                  *(d for d in manifests if self.layer_path(d) in mounted)}
         plan = plan_prune(nodes, roots, budget_bytes=budget_bytes, keep=keep)
+        gone = plan.remove[:limit] if limit is not None else plan.remove
+        freed = sum(manifests[d].size_bytes for d in gone)
         orphans = 0
         if not dry_run:
-            for d in plan.remove:
+            for d in gone:
                 self._unlink_layer(d)
-            orphans = self._sweep_orphans(set(manifests) - set(plan.remove))
-        return PruneResult(removed=tuple(manifests[d] for d in plan.remove),
-                           freed_bytes=plan.freed_bytes, kept_layers=len(manifests)
-                           - len(plan.remove), kept_bytes=plan.kept_bytes, orphans=orphans,
-                           dry_run=dry_run)
+            orphans = self._sweep_orphans(set(manifests) - set(gone))
+        return PruneResult(removed=tuple(manifests[d] for d in gone), freed_bytes=freed,
+                           kept_layers=len(manifests) - len(gone),
+                           kept_bytes=plan.kept_bytes + plan.freed_bytes - freed,
+                           orphans=orphans, dry_run=dry_run)
 
     def _sweep_orphans(self, live: set[str]) -> int:
         """Layer and index files without a manifest (a removal killed midway)."""

@@ -69,6 +69,7 @@ __all__ = [
     "ExecStreamLine",
     "FileList",
     "ImageList",
+    "ImagePruned",
     "ImageTagRequest",
     "ImageView",
     "Info",
@@ -322,6 +323,17 @@ class ImageTagRequest(_Strict):
 
 class ImageList(msgspec.Struct, kw_only=True):
     items: list[ImageView]
+
+
+class ImagePruned(msgspec.Struct, kw_only=True):
+    """What ``image_prune`` removed (or, ``dry_run``, would): the layers' digests, kinds,
+    namespaces and sizes, and what the store keeps."""
+
+    removed: list[ImageView]
+    freed_bytes: int
+    kept_layers: int
+    kept_bytes: int
+    dry_run: bool = False
 
 
 class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -39,9 +40,9 @@ from dsec.image.catalog import (
     resolve,
     visible_names,
 )
-from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
-from dsec.image.store import LayerStore
-from dsec.wire.api import ImageList, ImageTagRequest, ImageView
+from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
+from dsec.image.store import LayerStore, Pin
+from dsec.wire.api import ImageList, ImagePruned, ImageTagRequest, ImageView
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
@@ -251,15 +252,55 @@ class ImageAdmin:
         if room == 0 and ns:
             self.charges.check_snapshot(ns, 1)   # raises, naming the full quota
 
+        # Pinned from the moment they appear until named: a prune (CLI, another
+        # replica, the store budget) never takes a layer between the build and its tag.
+        pin = Pin(store)
+
         def work() -> list[LayerManifest]:
             # Built without a name, named only once charged: a refused build moves no tag.
             if oci:
                 from dsec.image import import_oci
-                return list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
-                                       namespace=ns, owner=caller.id, max_bytes=room))
+                out = list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
+                                      namespace=ns, owner=caller.id, max_bytes=room))
+                for m in out:
+                    pin.add(m.digest)
+                return out
             with open(tar_path, "rb") as f:
                 return [store.add_tar(f, kind=kind,  # type: ignore[arg-type]
-                                      namespace=ns, owner=caller.id, max_bytes=room)]
+                                      namespace=ns, owner=caller.id, max_bytes=room,
+                                      pin=pin)]
+        try:
+            return await self._build_pinned(caller, parsed, ns, store, pin, work)
+        finally:
+            pin.close()
+
+    async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
+        """Remove every layer nothing references (:meth:`LayerStore.prune`). A
+        superuser's: the store is every project's, and whether a layer is garbage is
+        decided across all of them. Removed project layers give their bytes back to
+        the project's layer-storage quota (``snapshot_bytes``), as a delete does."""
+        if not caller.superuser:
+            raise PermissionDenied(
+                f"cannot prune the layer store: it holds every project's layers, so only "
+                f"a superuser may (principal {caller.name!r} is not one); delete your "
+                "project's images by name instead")
+        store = self._layers()
+        res = await asyncio.to_thread(store.prune, dry_run=dry_run)
+        if not dry_run:
+            for m in res.removed:
+                self.charges.release_snapshot(m.digest)
+        views = [ImageView(ref=m.digest, digest=m.digest, kind=m.kind,
+                           size_bytes=m.size_bytes, created_at=m.created,
+                           labels=dict(m.labels), namespace=layer_namespace(m),
+                           owner=m.owner) for m in res.removed]
+        return ImagePruned(removed=views, freed_bytes=res.freed_bytes,
+                           kept_layers=res.kept_layers, kept_bytes=res.kept_bytes,
+                           dry_run=dry_run)
+
+    async def _build_pinned(self, caller: Caller, parsed: ParsedRef, ns: str | None,
+                            store: LayerStore, pin: Pin,
+                            work: Callable[[], list[LayerManifest]]) -> ImageList:
+        assert parsed.name is not None
         try:
             made = await asyncio.to_thread(work)
         except DsecError:

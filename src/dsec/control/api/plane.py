@@ -111,6 +111,7 @@ from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePruned,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -679,6 +680,9 @@ class ControlPlane:
                           tag: str, oci: bool) -> ImageList:
         return await self.images.build_image(caller, tar_path, name=name, kind=kind, tag=tag,
                                              oci=oci)
+
+    async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
+        return await self.images.prune_images(caller, dry_run=dry_run)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
