@@ -75,6 +75,13 @@ def _progress(console: Console, quiet: bool) -> Iterator[ProgressFn | None]:
         yield report
 
 
+def _say_skipped(m: LayerManifest) -> None:
+    """The special files the one rule left out (tree.special_skip), as every door says."""
+    if m.skipped:
+        click.echo("skipped " + ", ".join(f"{n} {kind}" for kind, n in m.skipped.items())
+                   + " (device nodes other than whiteouts and sockets never enter a layer)")
+
+
 def _fail(exc: DsecError) -> None:
     raise click.ClickException(str(exc)) from exc
 
@@ -154,6 +161,7 @@ def build(root: str | None, path: str, kind: str, name: str, tag: str,
     except DsecError as exc:
         _fail(exc)
     click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+    _say_skipped(m)
 
 
 @image.command("import")
@@ -177,6 +185,7 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
         _fail(exc)
     m = layers[0]
     click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+    _say_skipped(m)
 
 
 @image.command("tag")

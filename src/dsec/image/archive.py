@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from dsec.errors import UnsafeArchive
-from dsec.image.tree import data_extents, make_whiteout, remove_path, set_opaque, write_sparse
+from dsec.image.tree import (
+    data_extents,
+    make_whiteout,
+    remove_path,
+    set_opaque,
+    special_skip,
+    write_sparse,
+)
 
 __all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "extract_tar", "pack_tree"]
 
@@ -67,6 +74,9 @@ class ExtractStats:
     """Directories made without a member of their own (the root without ``./``, parents
     of members listed before them or never): they get :attr:`_newest_ns` as mtime."""
     _newest_ns: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Members :func:`dsec.image.tree.special_skip` leaves out (device nodes other than
+    whiteouts), per kind."""
 
 
 def _clean_name(raw: str, what: str) -> str:
@@ -184,8 +194,13 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
     rel = _clean_name(ti.name, "member")
     stats._newest_ns = max(stats._newest_ns, int(ti.mtime * 1e9))
     if ti.ischr() or ti.isblk():
-        raise UnsafeArchive(f"tar member {ti.name!r} is a device node; images may not carry "
-                            "devices (the sandbox gets its own /dev)", member=ti.name)
+        # The one rule (tree.special_skip): a 0/0 character device is a whiteout and
+        # kept, every other device node is left out and counted.
+        skip = special_skip(stat.S_IFCHR if ti.ischr() else stat.S_IFBLK,
+                            os.makedev(ti.devmajor, ti.devminor))
+        if skip is not None:
+            stats.skipped[skip] = stats.skipped.get(skip, 0) + 1
+            return
     if ti.isreg() and ti.size > limits.max_member_bytes:
         raise UnsafeArchive(f"tar member {ti.name!r} is {ti.size} bytes, over the limit of "
                             f"{limits.max_member_bytes}", member=ti.name)
@@ -269,6 +284,9 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
     elif ti.isfifo():
         os.mkfifo(path, 0o600)
         _set_meta(path, ti, link=False, is_root=is_root)
+    elif ti.ischr():                            # a whiteout (special_skip kept it)
+        make_whiteout(path)
+        _set_meta(path, ti, link=False, is_root=is_root)
     else:
         raise UnsafeArchive(f"tar member {ti.name!r} has unsupported type {ti.type!r}",
                             member=ti.name)
@@ -281,20 +299,34 @@ _SPARSE_MIN_SAVING = 1 << 20
 _USTAR_MAX_SIZE = 8 << 30
 
 
-def pack_tree(root: str, out: IO[bytes]) -> None:
+def pack_tree(root: str, out: IO[bytes]) -> dict[str, int]:
     """Tar ``root``'s contents (names relative to it, owners and modes kept, PAX format),
-    writing files with holes as GNU PAX 1.0 sparse members: only their data travels."""
+    writing files with holes as GNU PAX 1.0 sparse members: only their data travels.
+    Special files go by the one rule (:func:`dsec.image.tree.special_skip`): what it
+    skips is left out here and counted (the result), so the upload holds what the layer
+    will."""
+    skipped: dict[str, int] = {}
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        # The root's own mode, owner and time travel too ("./", as `tar -C root -c .`):
+        # without it the server's staging dir stood in for them, and the same tree gave
+        # another layer through the SDK than through `dsec image build`.
+        tar.addfile(tar.gettarinfo(root, arcname="."))
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
             for name in sorted(dirnames) + sorted(filenames):
                 path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                skip = special_skip(st.st_mode, st.st_rdev)
+                if skip is not None:
+                    skipped[skip] = skipped.get(skip, 0) + 1
+                    continue
                 arc = os.path.relpath(path, root)
                 ti = tar.gettarinfo(path, arcname=arc)
                 if ti.isreg():
                     _add_file(tar, ti, path)
                 else:
                     tar.addfile(ti)
+    return skipped
 
 
 def _add_file(tar: tarfile.TarFile, ti: tarfile.TarInfo, path: str) -> None:

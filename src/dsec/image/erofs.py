@@ -51,7 +51,7 @@ import signal
 import subprocess
 import time
 import uuid as _uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from dsec.errors import ImageError, InvalidArgument
@@ -72,6 +72,7 @@ _BLOCK = 4096
 REPRO_EPOCH = (1 << 63) - 1
 """``SOURCE_DATE_EPOCH`` of reproducible builds: mkfs.erofs 1.5 clamps mtimes newer than
 it, so the largest value it accepts (2**64-1 is refused as invalid) clamps none."""
+_MAX_EXCLUDE_ARGV = 1 << 20   # of ARG_MAX's 2 MiB (a debootstrap /dev: ~40 entries)
 _UUID_NS = _uuid.UUID("5d1e6a58-8f0c-4c1e-9a53-64736563e0f5")
 
 
@@ -109,7 +110,7 @@ def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None =
                chunk_bytes: int | None = None, expected_bytes: int = 0,
                progress: ProgressFn | None = None, poll_s: float = 0.05,
                max_output_bytes: int | None = None, uuid: str | None = None,
-               reproducible: bool = True) -> None:
+               reproducible: bool = True, exclude: Sequence[str] = ()) -> None:
     """Pack ``src_dir`` into the EROFS file ``out_path`` (which must not exist).
     ``chunk_bytes``: build chunk-based files (see :func:`layout_for`); it overrides
     ``compression`` (mkfs.erofs 1.5 does not compress chunked files).
@@ -122,7 +123,11 @@ def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None =
 
     ``reproducible`` (the default): a fixed build time and the UUID ``uuid`` (a fixed
     one when None), see the module doc; False is mkfs.erofs' own random UUID and the
-    current time (kept for the ``layer_build`` benchmark's side-by-side figure)."""
+    current time (kept for the ``layer_build`` benchmark's side-by-side figure).
+
+    ``exclude``: paths relative to ``src_dir`` left out (``--exclude-path``, literal: the
+    special files :func:`dsec.image.tree.special_skip` skips, so a tree is built in place
+    without a copy)."""
     exe = shutil.which(MKFS)
     if exe is None:
         raise ImageError(f"{MKFS} not found on PATH: install the Debian package erofs-utils")
@@ -136,6 +141,12 @@ def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None =
             raise ImageError("prlimit not found on PATH: install the Debian package "
                              "util-linux (it bounds the layer mkfs.erofs writes)")
         argv = [prlimit, f"--fsize={max(max_output_bytes, 1 << 20)}", "--", *argv]
+    excl = [f"--exclude-path={p}" for p in exclude]
+    if sum(len(a) + 1 for a in excl) > _MAX_EXCLUDE_ARGV:
+        raise ImageError(f"{src_dir} holds {len(excl)} device nodes and sockets to leave "
+                         "out, more than mkfs.erofs can be told on one command line; "
+                         "remove them from the tree first")
+    argv += excl
     if chunk_bytes is not None:
         argv.append(f"--chunksize={chunk_bytes}")
     elif compression:

@@ -26,7 +26,7 @@ from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
 from dsec.image.erofs import Compression, ProgressFn
 from dsec.image.manifest import LayerKind, LayerManifest
 from dsec.image.store import LayerStore
-from dsec.image.tree import apply_tree
+from dsec.image.tree import apply_tree, skip_counts
 
 __all__ = ["OciImage", "import_oci", "read_oci"]
 
@@ -208,11 +208,13 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
         labels = _labels(img.config, ref)
         with contextlib.ExitStack() as stack:
             stages: list[str] = []
+            skips: list[dict[str, int]] = []    # device members left out (special_skip)
             for blob_path, hx in img.layers:
                 stage = stack.enter_context(store.staging("oci-"))
                 with src.open(blob_path) as raw:
                     f = _Hashing(raw)
-                    extract_tar(f, stage, limits=limits, oci_whiteouts=True)  # type: ignore[arg-type]
+                    skips.append(extract_tar(f, stage, limits=limits,  # type: ignore[arg-type]
+                                             oci_whiteouts=True).skipped)
                     f.drain()
                 if hx is not None and f.h.hexdigest() != hx:
                     raise CorruptLayer(f"OCI blob {blob_path} hashes to sha256:"
@@ -226,14 +228,15 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
                 return [store.add_tree(final, kind=kind, name=name, tag=tag, labels=labels,
                                        compression=compression, progress=progress,
                                        namespace=namespace, owner=owner,
-                                       max_bytes=max_bytes)]
+                                       max_bytes=max_bytes, skipped=skip_counts(*skips))]
             out: list[LayerManifest] = []
             for i, stage in enumerate(stages):
                 top = i == len(stages) - 1
                 out.append(store.add_tree(stage, kind=kind, name=name if top else None,
                                           tag=tag, labels=labels if top else {},
                                           compression=compression, namespace=namespace,
-                                          owner=owner, max_bytes=max_bytes))
+                                          owner=owner, max_bytes=max_bytes,
+                                          skipped=skips[i]))
             return out[::-1]
     finally:
         src.close()

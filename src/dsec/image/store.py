@@ -81,7 +81,7 @@ from dsec.image.manifest import (
     parse_ref,
     ref_key,
 )
-from dsec.image.tree import tree_stats
+from dsec.image.tree import skip_counts, tree_stats
 
 __all__ = ["LayerStore", "Pin", "PruneResult", "may_point_at", "mounted_sources"]
 
@@ -418,7 +418,8 @@ class LayerStore:
                  stack: Sequence[str] = (), progress: ProgressFn | None = None,
                  max_bytes: int | None = None, max_apparent_bytes: int | None = None,
                  what: str = "layer", namespace: str | None = None,
-                 owner: str | None = None, pin: Pin | None = None) -> LayerManifest:
+                 owner: str | None = None, pin: Pin | None = None,
+                 skipped: dict[str, int] | None = None) -> LayerManifest:
         """Pack the directory ``src_dir`` into a new layer of project ``namespace`` (None:
         cluster-wide; a snapshot's comes from its project label), named
         ``[namespace/]name:tag`` when ``name`` (bare, no '/') is given.
@@ -427,6 +428,10 @@ class LayerStore:
         layer file (checked on the estimate before mkfs and on the result before it
         enters the store), ``max_apparent_bytes`` for the file sizes mkfs must read
         (sparse files are read whole by mkfs.erofs 1.5: that is its time).
+
+        Special files are left out by :func:`dsec.image.tree.special_skip` (device nodes
+        but whiteouts, sockets) and counted in the manifest's ``skipped``, with
+        ``skipped``: what the caller already left out upstream (a tar's device members).
 
         ``pin``: the new layer is pinned (kept by prunes) from the moment it appears until
         the pin closes; pass one when the layer gets its name only later."""
@@ -459,7 +464,7 @@ class LayerStore:
             try:
                 mkfs_erofs(src_dir, tmp, compression=compression, chunk_bytes=chunk,
                            expected_bytes=max(stats.content_bytes, 1), progress=progress,
-                           max_output_bytes=max_bytes,
+                           max_output_bytes=max_bytes, exclude=stats.skip_paths,
                            uuid=_identity_uuid(kind, namespace, parent, stack, labels,
                                                compression, chunk))
             except OutputTooLarge as exc:
@@ -479,7 +484,8 @@ class LayerStore:
                 name=name, tag=tag if name else None, namespace=namespace, owner=owner,
                 content_bytes=stats.content_bytes,
                 entries=stats.entries, compression=compression, labels=dict(labels or {}),
-                parent=parent, stack=tuple(stack))
+                parent=parent, stack=tuple(stack),
+                skipped=skip_counts(stats.skipped, skipped or {}))
             with self._locked():
                 existing = self._load_opt(hx)
                 if existing is None or not os.path.exists(self.layer_path(hx)):
@@ -493,6 +499,13 @@ class LayerStore:
                     refs = self._read_refs()
                     refs[key] = manifest.digest
                     self._write_refs(refs)
+                if existing is not None and existing.skipped != skip_counts(
+                        stats.skipped, skipped or {}):
+                    # the same tree from another source (a tar cannot carry sockets): the
+                    # stored manifest keeps the first build's counts, the answer says
+                    # what this build left out
+                    manifest = msgspec.structs.replace(
+                        existing, skipped=skip_counts(stats.skipped, skipped or {}))
                 if pin is not None:
                     pin.digests.add(manifest.digest)
                     pin._write_locked()
@@ -523,11 +536,11 @@ class LayerStore:
         if name is not None:
             _name_key(namespace, name, tag)  # a bad name fails before the upload is unpacked
         with self.staging() as stage:
-            extract_tar(fileobj, stage, limits=limits, oci_whiteouts=oci_whiteouts)
+            ex = extract_tar(fileobj, stage, limits=limits, oci_whiteouts=oci_whiteouts)
             return self.add_tree(stage, kind=kind, name=name, tag=tag, labels=labels,
                                  compression=compression, progress=progress,
                                  namespace=namespace, owner=owner, max_bytes=max_bytes,
-                                 pin=pin)
+                                 pin=pin, skipped=ex.skipped)
 
     def users(self, digest: str) -> list[str]:
         """Why ``digest`` cannot be removed: mounts of it and layers that build on it."""

@@ -311,6 +311,9 @@ class ImageView(msgspec.Struct, kw_only=True, omit_defaults=True):
     size_bytes: int = 0
     created_at: float = 0.0
     labels: dict[str, str] = {}
+    # Special files left out of the tree by the one rule (docs/images.md, "Special
+    # files"): {"devices": n, "sockets": m}, absent when none.
+    skipped: dict[str, int] = {}
 
 
 class ImageTagRequest(_Strict):

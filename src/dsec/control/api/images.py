@@ -364,4 +364,5 @@ def _image_view(index: StoreIndex, m: LayerManifest, can_see: CanSee) -> ImageVi
     names = visible_names(index, m, can_see)
     return ImageView(ref=names[0] if names else m.digest, refs=names, digest=m.digest,
                      kind=m.kind, size_bytes=m.size_bytes, created_at=m.created,
-                     labels=dict(m.labels), namespace=layer_namespace(m), owner=m.owner)
+                     labels=dict(m.labels), namespace=layer_namespace(m), owner=m.owner,
+                     skipped=dict(m.skipped))
