@@ -80,3 +80,42 @@ def test_plan_never_removes_a_referenced_layer(case: tuple[dict[str, LayerNode],
         assert used == sorted(used)
         left = [layers[d].last_used for d in kept - plan.referenced]
         assert not used or not left or max(used) <= min(left)
+
+
+def test_project_image_bytes_shared_layers_count_fully() -> None:
+    from dsec.image.gc import project_image_bytes
+
+    layers = {d: n for d, n in [
+        ("base", _n("base", size=100)), ("top", _n("top", size=10, below=("base",))),
+        ("mine", _n("mine", size=5)), ("snap", _n("snap", "snapshot", 7, below=("top",))),
+    ]}
+    refs = {"teama/py:latest": "top", "teamb/py:latest": "top", "teama/x:1": "mine",
+            "teama/x:2": "mine", "base:latest": "base", "teama/sub/y:1": "base",
+            "teamab/z:1": "mine"}
+    assert project_image_bytes(layers, refs, "teama") == 115      # each layer once
+    assert project_image_bytes(layers, refs, "teamb") == 110      # the shared base fully
+    assert project_image_bytes(layers, refs, "teama/sub") == 100
+    assert project_image_bytes(layers, refs, "teamc") == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(_stores(), st.lists(st.tuples(st.sampled_from(["p", "p/q", "r", ""]), _digests),
+                           max_size=8))
+def test_project_image_bytes_depends_on_own_names_only(
+        case: tuple[dict[str, LayerNode], list[str], int | None],
+        names: list[tuple[str, str]]) -> None:
+    from dsec.image.gc import project_image_bytes
+
+    layers = case[0]
+    refs = {(f"{ns}/" if ns else "") + f"n{i}:t": d for i, (ns, d) in enumerate(names)}
+    mine = {k: v for k, v in refs.items() if k.startswith("p/")}
+    got = project_image_bytes(layers, refs, "p")
+    assert got == project_image_bytes(layers, mine, "p")          # others' names: no effect
+    assert got <= sum(n.size_bytes for n in layers.values())
+    sub = project_image_bytes(layers, refs, "p/q")
+    assert sub <= got                                              # a subtree is inside
+    # what the names reach, as the prune's closure sees it (snapshots as plain layers:
+    # they are roots for the prune, not for a project's image storage)
+    reach = referenced({d: LayerNode(d, "base", n.size_bytes, n.last_used, n.below)
+                        for d, n in layers.items()}, list(mine.values()))
+    assert got == sum(layers[d].size_bytes for d in reach)

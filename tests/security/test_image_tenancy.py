@@ -411,3 +411,53 @@ def test_prune_is_a_superusers_at_every_door(world: World) -> None:
                               else admin).status_code == 200, ref
     with world.client(world.bob, "http") as c:
         assert _whoami(c, toolkits=["victim"], project="teamb")[0] == "superuser\n"
+
+
+def test_project_image_storage_shows_and_binds_at_every_door(world: World) -> None:
+    """``usage.image_bytes`` (issue 15): the layers a project's names reach, shared ones
+    counted in full, at REST and the gateway; an ``image_bytes`` quota binds every way a
+    name lands in the project (build, tag) under the store's lock, and a refused one
+    names nothing and leaves no layer."""
+    from dsec.wire import ops
+    from dsec.wire.api import QuotaBody
+    from dsec.wire.calls import ProjectRef, QuotaSet
+
+    admin = world.h(world.root_key)
+    uma = world.cluster.create_key("uma", "teamu", "member")
+    made = world.build(uma, "teamu/one", "uma one\n").json()["items"][0]
+    base = world.http.get("/v1/images/base", headers=admin).json()
+
+    def usage(door: str) -> int:
+        if door == "rest":
+            view = world.http.get("/v1/projects/teamu", headers=admin).json()
+            return int(view["usage"]["image_bytes"])
+        with world.client(world.root_key, "aether") as c:
+            got: int = c.call(ops.PROJECT_GET, ProjectRef(path="teamu")).usage["image_bytes"]
+            return got
+
+    assert usage("rest") == usage("aether") == made["size_bytes"]
+    # a cluster-wide layer the project names is charged to it in full
+    assert world.tag(uma, "base", "teamu/mybase").status_code == 200
+    assert usage("rest") == usage("aether") == made["size_bytes"] + base["size_bytes"]
+    limit = made["size_bytes"] + base["size_bytes"] + made["size_bytes"] // 2
+    with world.client(world.root_key, "aether") as c:
+        view = c.call(ops.QUOTA_SET, QuotaSet(path="teamu",
+                                               quota=QuotaBody(image_bytes=limit)))
+        assert view.quota is not None and view.quota.image_bytes == limit
+    layers = os.path.join(world.cluster.state_dir, "layers", "layers")
+    before = set(os.listdir(layers))
+    r = world.build(uma, "teamu/two", "uma two, a different tree\n")
+    assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+    assert "image_bytes" in r.json()["message"]
+    assert set(os.listdir(layers)) == before
+    assert world.http.get("/v1/images/teamu/two", headers=world.h(uma)).status_code == 404
+    # a name moving within the same layers costs nothing; one more layer does
+    assert world.tag(uma, "teamu/one", "teamu/again").status_code == 200
+    r = world.tag(uma, "victim", "teamu/victim")
+    assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+    # a subproject's names count for its ancestors
+    world.cluster.create_key("uma2", "teamu/sub", "member")
+    r = world.http.put("/v1/quotas/teamu", json={"image_bytes": None}, headers=admin)
+    assert r.status_code == 200, r.text
+    assert world.build(uma, "teamu/sub/x", "uma sub\n").status_code == 201
+    assert usage("rest") > made["size_bytes"] + base["size_bytes"]

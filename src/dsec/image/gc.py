@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["LayerNode", "PrunePlan", "plan_prune", "referenced"]
+__all__ = ["LayerNode", "PrunePlan", "plan_prune", "project_image_bytes", "referenced"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,37 @@ def referenced(layers: Mapping[str, LayerNode], roots: Iterable[str]) -> frozens
         seen.add(d)
         todo.extend(b for b in layers[d].below if b in layers and b not in seen)
     return frozenset(seen)
+
+
+def _in_subtree(key: str, project: str) -> bool:
+    """Whether the refs.json key ``[project/]name:tag`` is a name of ``project`` or of a
+    project under it (a bare name is cluster-wide: nobody's)."""
+    ns = key.rpartition("/")[0]
+    return ns == project or ns.startswith(project + "/")
+
+
+def project_image_bytes(layers: Mapping[str, LayerNode], refs: Mapping[str, str],
+                        project: str) -> int:
+    """Bytes of the layers the names of ``project`` (and of its subprojects) reach,
+    through what each stands on, each layer once (pure).
+
+    Shared layers are charged **fully to every project that names them** (a cluster-wide
+    base tagged ``teama/mybase``, a pulled image's base shared with another project's):
+    a project's usage then depends on its own names only, so another tenant naming,
+    untagging or deleting something never moves it over (or under) its limit, and what
+    it pays is what its images need on a node by themselves. Splitting a shared layer
+    between its users would sum to the disk used, but would let one project's action
+    change another's usage, and a limit could start failing for a project that did
+    nothing. Snapshots are not images: their storage is ``snapshot_bytes``."""
+    todo = [d for k, d in refs.items() if _in_subtree(k, project) and d in layers]
+    seen: set[str] = set()
+    while todo:
+        d = todo.pop()
+        if d in seen:
+            continue
+        seen.add(d)
+        todo.extend(b for b in layers[d].below if b in layers and b not in seen)
+    return sum(layers[d].size_bytes for d in seen)
 
 
 def plan_prune(layers: Mapping[str, LayerNode], roots: Iterable[str], *,

@@ -46,7 +46,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO
 
 import msgspec
@@ -71,6 +71,7 @@ from dsec.image.erofs import (
     layout_for,
     mkfs_erofs,
 )
+from dsec.image.gc import LayerNode, plan_prune, project_image_bytes
 from dsec.image.manifest import (
     DIGEST_PREFIX,
     LAYER_KINDS,
@@ -306,10 +307,17 @@ class LayerStore:
         return self._read_refs()
 
     def tag(self, ref: str, name: str, tag: str = "latest", *,
-            namespace: str | None = None) -> LayerManifest:
+            namespace: str | None = None,
+            admit: Callable[[Mapping[str, LayerNode], dict[str, str]], None] | None = None,
+            ) -> LayerManifest:
         """Point ``[namespace/]name:tag`` at the layer ``ref`` names (moves an existing
         tag). ``PermissionDenied`` unless that layer may carry a name of ``namespace``
-        (:func:`may_point_at`): a tag never moves to a tree built outside its namespace."""
+        (:func:`may_point_at`): a tag never moves to a tree built outside its namespace.
+
+        ``admit(layers, refs)``: called under the store's lock with every layer and the
+        names as they would be; it may raise (a project's ``image_bytes`` quota,
+        :func:`dsec.image.gc.project_image_bytes`) and nothing changes. Under the lock,
+        two builds (two apiserver replicas, the CLI) cannot both fit the last room."""
         key = _name_key(namespace, name, tag)
         m = self.get(ref)
         if not may_point_at(namespace, m):
@@ -331,8 +339,29 @@ class LayerStore:
                                     ref=ref)
             refs = self._read_refs()
             refs[key] = m.digest
+            if admit is not None:
+                admit(self._nodes(), refs)
             self._write_refs(refs)
         return m
+
+    def _nodes(self) -> dict[str, LayerNode]:
+        """Every layer as the pure gc functions take them (read the lock held)."""
+        nodes = {}
+        for m in self.manifests():
+            try:
+                used = os.stat(self._manifest_path(m.hex)).st_mtime
+            except FileNotFoundError:
+                continue
+            below = ((m.parent,) if m.parent else ()) + tuple(m.stack)
+            nodes[m.digest] = LayerNode(m.digest, m.kind, m.size_bytes,
+                                        max(used, m.created), below)
+        return nodes
+
+    def project_image_bytes(self, project: str) -> int:
+        """Bytes of the layers ``project``'s names reach (:func:`dsec.image.gc.
+        project_image_bytes`: shared layers fully, snapshots not at all)."""
+        with self.using():
+            return project_image_bytes(self._nodes(), self._read_refs(), project)
 
     def untag(self, key: str) -> str | None:
         """Remove the name ``key`` (``[project/]name:tag``); returns the digest it named
@@ -655,17 +684,8 @@ class LayerStore:
 
     def _prune_locked(self, *, dry_run: bool = False, budget_bytes: int | None = None,
                       keep: Sequence[str] = (), limit: int | None = None) -> PruneResult:
-        from dsec.image.gc import LayerNode, plan_prune
-
         manifests = {m.digest: m for m in self.manifests()}
-        nodes = {}
-        for d, m in manifests.items():
-            try:
-                used = os.stat(self._manifest_path(m.hex)).st_mtime
-            except FileNotFoundError:
-                used = m.created
-            below = ((m.parent,) if m.parent else ()) + tuple(m.stack)
-            nodes[d] = LayerNode(d, m.kind, m.size_bytes, max(used, m.created), below)
+        nodes = self._nodes()
         mounted = mounted_sources()
         roots = {*self._read_refs().values(), *self._live_pins(),
                  *(d for d in manifests if self.layer_path(d) in mounted)}

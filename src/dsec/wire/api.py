@@ -380,6 +380,9 @@ class QuotaBody(_Strict):
     cpu_milli: NonNegative | None = None
     memory_bytes: NonNegative | None = None
     snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
+    # bytes of the layers the subtree's image names reach, shared layers counted fully
+    # (docs/images.md, "Per-project storage"); checked whenever a name is set
+    image_bytes: NonNegative | None = None
     network: NetworkPolicy | None = None
 
     def __post_init__(self) -> None:
@@ -402,7 +405,8 @@ class QuotaBody(_Strict):
                                         for k, v in counts.items()})
 
 
-_QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes")
+_QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes",
+                 "image_bytes")
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import msgspec
@@ -30,6 +30,7 @@ from dsec.errors import (
     InUse,
     InvalidArgument,
     PermissionDenied,
+    QuotaExceeded,
 )
 from dsec.ids import parse_project_path
 from dsec.image.catalog import (
@@ -40,6 +41,7 @@ from dsec.image.catalog import (
     resolve,
     visible_names,
 )
+from dsec.image.gc import LayerNode, project_image_bytes
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
 from dsec.image.store import LayerStore, Pin
 from dsec.wire.api import ImageList, ImagePruned, ImageTagRequest, ImageView
@@ -59,6 +61,7 @@ class SnapshotCharges(Protocol):
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
                         size_bytes: int) -> None: ...
     def release_snapshot(self, snapshot_id: str) -> None: ...
+    def image_limits(self, project: str) -> list[tuple[str, int]]: ...
 
 
 class ImageAdmin:
@@ -218,7 +221,8 @@ class ImageAdmin:
                                   "([project/]name[:tag]), not a digest", field="target")
         _require_write(caller, target.namespace, what=f"tag {target.key}")
         index, m = self._find_image(caller, req.source)
-        self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace)
+        self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace,
+                           admit=self.admit_names(target.namespace))
         return _image_view(index.sync(), m, _can_see(caller))
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
@@ -274,6 +278,40 @@ class ImageAdmin:
         finally:
             pin.close()
 
+    def image_bytes(self, project: str) -> int | None:
+        """The project's image storage (usage ``image_bytes``): the layers its names (and
+        its subprojects') reach, shared ones fully (:func:`dsec.image.gc.
+        project_image_bytes`); None without a layer store."""
+        if self.layer_dir is None:
+            return None
+        return self._layers().project_image_bytes(project)
+
+    def admit_names(self, project: str | None
+                    ) -> Callable[[Mapping[str, LayerNode], dict[str, str]], None] | None:
+        """The check a new name in ``project`` must pass, run by :meth:`LayerStore.tag`
+        under the store's lock (so racing builds, replicas and pulls see each other):
+        the ``image_bytes`` quota of the project and of every ancestor limiting it. Every
+        path that names a layer in a project through the API goes through it (build,
+        import, tag; pulls naming through the store's tag too)."""
+        if project is None:
+            return None
+        limits = self.charges.image_limits(project)
+        if not limits:
+            return None
+
+        def admit(layers: Mapping[str, LayerNode], refs: dict[str, str]) -> None:
+            for where, limit in limits:
+                used = project_image_bytes(layers, refs, where)
+                if used > limit:
+                    raise QuotaExceeded(
+                        f"project {where!r} would hold {used} bytes of image layers "
+                        f"(every layer its names reach, shared ones counted in full), over "
+                        f"its image_bytes quota of {limit}; nothing was named - delete "
+                        "images, prune, or ask an admin of the parent project for more",
+                        resource="image_bytes", project=where, used=used, limit=limit,
+                        requested=used)
+        return admit
+
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         """Remove every layer nothing references (:meth:`LayerStore.prune`). A
         superuser's: the store is every project's, and whether a layer is garbage is
@@ -315,7 +353,8 @@ class ImageAdmin:
                 for m in made:
                     self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
                     charged.append(m.digest)
-            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns)
+            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns,
+                      admit=self.admit_names(ns))
         except BaseException:
             # Only what nothing else names: a reproducible build of a tree already stored
             # returns that layer (and its charge), which stays.

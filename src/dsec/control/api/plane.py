@@ -259,7 +259,8 @@ class ControlPlane:
     def __post_init__(self) -> None:
         self.admin = Admin(store=self.store, iam=self.iam, quota=self.quota,
                            registry=self.registry, limits=self.config, clock=self.clock,
-                           sync_snapshots=self._sync_snapshots, caches=lambda: self.service)
+                           sync_snapshots=self._sync_snapshots, caches=lambda: self.service,
+                           image_bytes=lambda project: self.images.image_bytes(project))
         self.images = ImageAdmin(self)
 
     @property
@@ -479,6 +480,10 @@ class ControlPlane:
             return None
         self._sync_snapshots()
         return self.quota.snapshot_room(project)
+
+    def image_limits(self, project: str) -> list[tuple[str, int]]:
+        """``(ancestor, image_bytes)`` limits on ``project``'s chain."""
+        return self.quota.image_limits(project)
 
     def check_snapshot(self, project: str, size_bytes: int) -> None:
         self._sync_snapshots()
