@@ -80,6 +80,10 @@ def test_plan_never_removes_a_referenced_layer(case: tuple[dict[str, LayerNode],
         assert used == sorted(used)
         left = [layers[d].last_used for d in kept - plan.referenced]
         assert not used or not left or max(used) <= min(left)
+    # the automatic budget's grace: nothing used since idle_before goes, the rest as before
+    idle = plan_prune(layers, roots, budget_bytes=budget, idle_before=50.0)
+    assert all(layers[d].last_used < 50.0 for d in idle.remove)
+    assert not set(idle.remove) & plan.referenced
 
 
 def test_project_image_bytes_shared_layers_count_fully() -> None:

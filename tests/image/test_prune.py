@@ -19,6 +19,8 @@ import pytest
 from dsec.errors import ImageNotFound
 from dsec.image import LayerStore, MountCache
 from dsec.image.compose import acquire_stack, compose
+from dsec.image.manifest import LayerManifest
+from dsec.image.store import BUDGET_GRACE_S
 
 _PRUNER = """
 import os, sys, json
@@ -128,14 +130,27 @@ def test_budget_prunes_lru_unreferenced_on_build(tmp_path: object) -> None:
     named = store.add_tree(_tree(src, 1, 50_000), kind="base", name="keep")
     a = store.add_tree(_tree(src, 2, 50_000), kind="base")
     b = store.add_tree(_tree(src, 3, 50_000), kind="base")
-    store.touch(a.digest)                # a used after b: b is the least recently used
-    c = store.add_tree(_tree(src, 4, 50_000), kind="base")   # 4 layers > 3.5: one goes
-    assert store.has(named.digest) and store.has(a.digest) and store.has(c.digest)
-    assert not store.has(b.digest)
-    d = store.add_tree(_tree(src, 5, 50_000), kind="base")   # the new one is never it
-    assert store.has(d.digest) and not store.has(a.digest) and store.has(named.digest)
+    # Fresh garbage is left alone (a multi-step build may name its layers only at the
+    # end): a layer over the budget that nothing has used for BUDGET_GRACE_S goes.
+    c = store.add_tree(_tree(src, 4, 50_000), kind="base")   # 4 layers > 3.5
+    assert all(store.has(m.digest) for m in (named, a, b, c))
+
+    def age(m: LayerManifest, seconds: float) -> None:
+        t = time.time() - seconds
+        os.utime(os.path.join(store.root, "manifests", m.hex + ".json"), (t, t))
+
+    age(named, 9000)
+    age(b, BUDGET_GRACE_S + 200)             # b: the least recently used garbage
+    age(a, BUDGET_GRACE_S + 100)
+    age(c, BUDGET_GRACE_S + 300)
+    store.touch(c.digest)                    # ... but c was just mounted
+    d = store.add_tree(_tree(src, 5, 50_000), kind="base")   # 5 > 3.5: two go
+    assert {m.digest for m in store.manifests()} == {named.digest, c.digest, d.digest}
+    age(c, BUDGET_GRACE_S + 1)
+    e = store.add_tree(_tree(src, 6, 50_000), kind="base")   # the new one is never it
+    assert {m.digest for m in store.manifests()} == {named.digest, d.digest, e.digest}
     store.set_budget(None)
-    store.add_tree(_tree(src, 6, 50_000), kind="base")
+    store.add_tree(_tree(src, 7, 50_000), kind="base")
     assert len(store.manifests()) == 4
 
 

@@ -94,13 +94,17 @@ def project_image_bytes(layers: Mapping[str, LayerNode], refs: Mapping[str, str]
 
 
 def plan_prune(layers: Mapping[str, LayerNode], roots: Iterable[str], *,
-               budget_bytes: int | None = None, keep: Iterable[str] = ()) -> PrunePlan:
+               budget_bytes: int | None = None, keep: Iterable[str] = (),
+               idle_before: float | None = None) -> PrunePlan:
     """The layers to remove: every unreferenced one (``budget_bytes`` None), or the least
     recently used unreferenced ones until the store holds at most ``budget_bytes``
     (fewer when the referenced layers alone exceed it). ``keep``: never remove these
-    either (the layer whose arrival triggered a budget prune)."""
+    either (the layer whose arrival triggered a budget prune). ``idle_before``: only
+    layers last used before this time (the automatic budget's grace: a multi-step
+    build that names its layers only at the end, without a pin, is not cut short)."""
     refd = referenced(layers, [*roots, *keep])
-    garbage = sorted((n for d, n in layers.items() if d not in refd),
+    garbage = sorted((n for d, n in layers.items() if d not in refd
+                      and (idle_before is None or n.last_used < idle_before)),
                      key=lambda n: (n.last_used, n.digest))
     total = sum(n.size_bytes for n in layers.values())
     out: list[str] = []

@@ -91,6 +91,10 @@ _FILE_MODE = 0o600
 _LAYER_MODE = 0o400
 _SUBDIRS = ("layers", "manifests", "index", "tmp", "pins")
 
+BUDGET_GRACE_S = 600.0
+"""The automatic budget prune leaves layers used (built, mounted) in the last 10 minutes:
+a build or pull that makes several layers and names them at the end, without a
+:class:`Pin`, is not cut short by its own next layer (an explicit prune does not wait)."""
 PRUNE_BATCH = 64
 """Layers a prune removes per hold of the store's lock (see :meth:`LayerStore.prune`)."""
 
@@ -353,8 +357,8 @@ class LayerStore:
             except FileNotFoundError:
                 continue
             below = ((m.parent,) if m.parent else ()) + tuple(m.stack)
-            nodes[m.digest] = LayerNode(m.digest, m.kind, m.size_bytes,
-                                        max(used, m.created), below)
+            # the manifest's mtime: its creation, then every use (touch)
+            nodes[m.digest] = LayerNode(m.digest, m.kind, m.size_bytes, used, below)
         return nodes
 
     def project_image_bytes(self, project: str) -> int:
@@ -540,7 +544,8 @@ class LayerStore:
                     pin._write_locked()
                 if self.budget_bytes is not None:
                     self._prune_locked(budget_bytes=self.budget_bytes,
-                                       keep=(manifest.digest,))
+                                       keep=(manifest.digest,),
+                                       idle_before=time.time() - BUDGET_GRACE_S)
             return manifest
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -683,13 +688,15 @@ class LayerStore:
                                    orphans=orphans)
 
     def _prune_locked(self, *, dry_run: bool = False, budget_bytes: int | None = None,
-                      keep: Sequence[str] = (), limit: int | None = None) -> PruneResult:
+                      keep: Sequence[str] = (), limit: int | None = None,
+                      idle_before: float | None = None) -> PruneResult:
         manifests = {m.digest: m for m in self.manifests()}
         nodes = self._nodes()
         mounted = mounted_sources()
         roots = {*self._read_refs().values(), *self._live_pins(),
                  *(d for d in manifests if self.layer_path(d) in mounted)}
-        plan = plan_prune(nodes, roots, budget_bytes=budget_bytes, keep=keep)
+        plan = plan_prune(nodes, roots, budget_bytes=budget_bytes, keep=keep,
+                          idle_before=idle_before)
         gone = plan.remove[:limit] if limit is not None else plan.remove
         freed = sum(manifests[d].size_bytes for d in gone)
         orphans = 0
