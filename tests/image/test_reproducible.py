@@ -157,3 +157,14 @@ def test_mtimes_kept_and_bench_mode_differs(store: LayerStore, cache: MountCache
     for out in outs:
         mkfs_erofs(a, out, reproducible=False)
     assert hash_file(outs[0]) != hash_file(outs[1])
+
+
+def test_busybox_base_is_the_same_layer_everywhere(tmp_path: object) -> None:
+    """Every node builds `base` itself: the same busybox binary now gives the same digest
+    in every store (its tree was dated by when it was staged)."""
+    from dsec.image import ensure_busybox_base
+
+    a = ensure_busybox_base(LayerStore(os.path.join(str(tmp_path), "a")))
+    time.sleep(1.1)
+    b = ensure_busybox_base(LayerStore(os.path.join(str(tmp_path), "b")))
+    assert a.digest == b.digest
