@@ -284,3 +284,31 @@ def test_image_store_budget_flag_is_recorded_for_every_process() -> None:
     assert BUDGET.convert("off", None, None) == "off"
     r = CliRunner().invoke(cli, ["up", "--image-store-budget", "lots", "--quiet"])
     assert r.exit_code != 0 and "not a size" in r.output
+
+
+def test_discard_keeps_what_another_build_holds(store: LayerStore, tmp_path: object) -> None:
+    """Two requests build the same tree (reproducible: one layer); the first rolls back
+    (its charge or tag failed): the layer stays while the second holds it."""
+    src = _tree(str(tmp_path), 1)
+    with store.pinned() as mine, store.pinned() as theirs:
+        m = store.add_tree(src, kind="base", pin=mine)
+        assert store.add_tree(src, kind="base", pin=theirs).digest == m.digest
+        assert not store.discard(m.digest, pin=mine)
+        assert store.has(m.digest)
+    with store.pinned() as mine:
+        assert store.add_tree(src, kind="base", pin=mine).digest == m.digest
+        assert store.discard(m.digest, pin=mine)
+    assert not store.has(m.digest)
+
+
+def test_unsquashed_import_keeps_its_lower_layers(store: LayerStore, cache: MountCache,
+                                                  tmp_path: object) -> None:
+    from dsec.image import import_oci
+    from tests.image.test_oci import L1, L2, check, write_layout
+
+    layout = os.path.join(str(tmp_path), "oci")
+    write_layout(layout, [L1, L2])
+    layers = import_oci(store, layout, name="layered", squash=False)
+    assert layers[0].stack == (layers[1].digest,)
+    assert store.prune().removed == ()
+    check(store, cache, layers, str(tmp_path))

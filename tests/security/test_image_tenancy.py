@@ -461,3 +461,22 @@ def test_project_image_storage_shows_and_binds_at_every_door(world: World) -> No
     assert r.status_code == 200, r.text
     assert world.build(uma, "teamu/sub/x", "uma sub\n").status_code == 201
     assert usage("rest") > made["size_bytes"] + base["size_bytes"]
+
+
+def test_a_prune_behind_the_control_planes_back_gives_the_bytes_back(world: World) -> None:
+    """`dsec image prune` on the host (or the store budget) removes a project's rebuilt-
+    over layer without the apiserver: its charge goes at the next look, not forever."""
+    from dsec.image import LayerStore
+
+    admin = world.h(world.root_key)
+    rita = world.cluster.create_key("rita", "teamr", "member")
+    old = world.build(rita, "teamr/img", "rita one\n").json()["items"][0]
+    new = world.build(rita, "teamr/img", "rita two\n").json()["items"][0]
+    usage = world.http.get("/v1/projects/teamr", headers=admin).json()["usage"]
+    assert usage["snapshot_bytes"] == old["size_bytes"] + new["size_bytes"]
+    res = LayerStore(os.path.join(world.cluster.state_dir, "layers")).prune()
+    assert old["digest"] in {m.digest for m in res.removed}
+    for _ in range(2):     # and stays so (the charge row is gone, not skipped)
+        usage = world.http.get("/v1/projects/teamr", headers=admin).json()["usage"]
+        assert usage["snapshot_bytes"] == new["size_bytes"]
+        assert usage["image_bytes"] == new["size_bytes"]

@@ -600,13 +600,16 @@ class LayerStore:
             self._unlink_layer(m.digest)
         return m
 
-    def discard(self, digest: str) -> bool:
-        """Remove the layer ``digest`` only if nothing names or uses it (a build rolled
-        back: with reproducible builds its digest may be a layer that was already there,
-        named by someone else, which must stay). True when it was removed."""
+    def discard(self, digest: str, *, pin: Pin | None = None) -> bool:
+        """Remove the layer ``digest`` only if nothing names, uses or pins it (a build
+        rolled back: with reproducible builds its digest may be a layer that was already
+        there, named by someone else or being built by another request at once, which
+        must stay); ``pin``, the caller's own, does not count. True when removed."""
         with self._locked():
             m = self._load_opt(digest.removeprefix(DIGEST_PREFIX))
             if m is None or m.digest in self._read_refs().values() or self.users(m.digest):
+                return False
+            if m.digest in self._live_pins(but=pin.path if pin is not None else None):
                 return False
             self._unlink_layer(m.digest)
         return True
@@ -644,11 +647,14 @@ class LayerStore:
         with self._locked():
             _write_private(path, str(budget_bytes).encode())
 
-    def _live_pins(self) -> set[str]:
-        """Digests pinned by live processes; dead holders' pin files are removed."""
+    def _live_pins(self, *, but: str | None = None) -> set[str]:
+        """Digests pinned by live processes (but the pin file ``but``); dead holders' pin
+        files are removed."""
         out: set[str] = set()
         pins = os.path.join(self.root, "pins")
         for n in os.listdir(pins):
+            if but is not None and os.path.join(pins, n) == but:
+                continue
             if ownership.token_alive(n.split("-", 1)[0]) is False:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(pins, n))

@@ -17,12 +17,13 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
+from dsec.control.store import SnapshotChargeRow
 from dsec.errors import (
     Conflict,
     DsecError,
@@ -264,11 +265,9 @@ class ImageAdmin:
             # Built without a name, named only once charged: a refused build moves no tag.
             if oci:
                 from dsec.image import import_oci
-                out = list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
-                                      namespace=ns, owner=caller.id, max_bytes=room))
-                for m in out:
-                    pin.add(m.digest)
-                return out
+                return list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
+                                       namespace=ns, owner=caller.id, max_bytes=room,
+                                       pin=pin))
             with open(tar_path, "rb") as f:
                 return [store.add_tar(f, kind=kind,  # type: ignore[arg-type]
                                       namespace=ns, owner=caller.id, max_bytes=room,
@@ -277,6 +276,16 @@ class ImageAdmin:
             return await self._build_pinned(caller, parsed, ns, store, pin, work)
         finally:
             pin.close()
+
+    def gone_build_charges(self, charges: Iterable[SnapshotChargeRow]) -> set[str]:
+        """The charges of built, imported or pulled layers (node ``""``) whose layer is no
+        longer in the store: a prune (``dsec image prune`` on the host, the store budget)
+        removed it without the control plane; their bytes leave the usage."""
+        if self.layer_dir is None:
+            return set()
+        store = self._layers()
+        return {c.id for c in charges
+                if c.node == "" and c.id.startswith(DIGEST_PREFIX) and not store.has(c.id)}
 
     def image_bytes(self, project: str) -> int | None:
         """The project's image storage (usage ``image_bytes``): the layers its names (and
@@ -360,7 +369,7 @@ class ImageAdmin:
             # returns that layer (and its charge), which stays.
             for m in made:
                 with contextlib.suppress(DsecError, OSError):
-                    if store.discard(m.digest) and m.digest in charged:
+                    if store.discard(m.digest, pin=pin) and m.digest in charged:
                         self.charges.release_snapshot(m.digest)
             raise
         index = self._index()

@@ -471,8 +471,14 @@ class ControlPlane:
     # only its own charges: two replicas each let a project fill its whole quota, and a
     # snapshot deleted through one stayed charged on the other.
     def _sync_snapshots(self) -> None:
+        rows = self.store.list_snapshot_charges()
+        # built layers a prune removed behind the control plane's back (the host CLI, the
+        # store budget): their charges go, or usage would keep counting them
+        gone = self.images.gone_build_charges(rows)
+        for cid in gone:
+            self.store.delete_snapshot_charge(cid)
         self.quota.replace_snapshots((c.id, c.project, c.size_bytes)
-                                     for c in self.store.list_snapshot_charges())
+                                     for c in rows if c.id not in gone)
 
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot of ``project`` may store (None: no snapshot quota)."""
