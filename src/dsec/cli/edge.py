@@ -112,6 +112,32 @@ class _Size(click.ParamType[int]):
 SIZE = _Size()
 
 
+class _Budget(click.ParamType[Any]):
+    """A size, or 'off'."""
+
+    name = "budget"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "off" or isinstance(value, int):
+            return value
+        return SIZE.convert(value, param, ctx)
+
+
+BUDGET = _Budget()
+
+
+def image_budget_option(f: Any) -> Any:
+    """``--image-store-budget``: recorded in the layer store, so every process using it
+    (edges, apiserver, ``dsec image``) prunes to the same budget."""
+    return click.option(
+        "--image-store-budget", "image_store_budget", type=BUDGET, default=None,
+        metavar="SIZE|off",
+        help="Keep the layer store under SIZE: when a new layer takes it over, the least "
+             "recently used layers nothing references (no name, snapshot, mount or running "
+             "build) are removed. Recorded in the store for every process sharing it; "
+             "'off' clears it [default: leave as recorded; none on a new store].")(f)
+
+
 class _NetPolicy(click.ParamType[Any]):
     """'none', 'open' or '@policy.json' (a NetworkPolicy as JSON) -> NetworkPolicy."""
 
@@ -286,6 +312,7 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--layer-store", type=click.Path(file_okay=False), default=None,
               help="Layer store the container backend starts sandboxes from (images and "
                    "snapshots; `dsec up` passes <state-dir>/layers).")
+@image_budget_option
 @click.option("--backend-opt", "backend_opts", multiple=True, metavar="BACKEND.KEY=VALUE",
               help="Option for one backend's make_backend (repeatable), e.g. "
                    "container.images_dir=/var/lib/dsec/images. Values are strings.")
@@ -318,7 +345,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
          memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
-         layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
+         layer_store: str | None, image_store_budget: Any, backend_opts: tuple[str, ...],
+         token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
          net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
@@ -329,6 +357,13 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
     # after: every finally below runs, so nothing the start made stays mounted,
     # attached or pinned (the default action would end the process mid-start).
     _stop_by_exception()
+    if image_store_budget is not None:
+        if layer_store is None:
+            raise click.BadParameter("needs --layer-store", param_hint="--image-store-budget")
+        from dsec.image import LayerStore
+
+        LayerStore(layer_store).set_budget(
+            None if image_store_budget == "off" else image_store_budget)
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -51,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from dsec.aether.limits import ServerLimits
 from dsec.cluster import DSEC_ARGV
@@ -134,6 +134,9 @@ class ClusterConfig:
     # filesystem's free space; sparse, so it takes host space only as it fills).
     disk_default_bytes: int = 10 << 30
     disk_pool_bytes: int | None = None
+    # The layer store's budget (`--image-store-budget`): bytes, "off" to clear it, None to
+    # leave what the store records (LayerStore.set_budget).
+    image_store_budget: int | Literal["off"] | None = None
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
@@ -293,6 +296,11 @@ class ClusterRuntime:
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
+            if cfg.image_store_budget is not None:
+                from dsec.image import LayerStore
+
+                LayerStore(plane.layer_dir).set_budget(
+                    None if cfg.image_store_budget == "off" else cfg.image_store_budget)
             await plane.start()
             if self.processes:
                 self._background(self._mind_edges(), "dsec-edge-minder")
