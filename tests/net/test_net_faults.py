@@ -112,6 +112,8 @@ async def test_kill_9_of_the_edge_keeps_its_sandboxes_networks(
                         if h.data == b""]) == 1
             # the policy holds: allowed still allowed, denied still denied
             assert await probe(c, a.id, ALLOWED) and not await probe(c, a.id, SIBLING)
+            # its DNS pins were re-read from the kernel (no query since the restart)
+            assert (await netget(c, b.id)).pins >= 1
             # its DNS: the name still resolves and the pinned address is reachable
             r = await c.exec(b.id, "nslookup allowed.test; echo hi | nc -w 2 "
                              f"{ALLOWED} 80; echo hi | nc -w 2 {SIBLING} 80; true")
