@@ -10,13 +10,18 @@ APT_STAMP := .apt-installed
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
-                wrk
+                wrk \
+                mmdebstrap apt-utils
+# The Debian packages the tests bootstrap an image from (tests/build), fetched once into
+# a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
+# the tests serve on loopback: tests never download.
+TEST_DEBIAN := --suite bookworm --include python3,python3-pytest
 
-.PHONY: all setup demo test bench clean lint
+.PHONY: all setup demo test bench clean lint debian-repo
 
 all: setup
 
-$(APT_STAMP):
+$(APT_STAMP): Makefile
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then \
@@ -38,7 +43,10 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/dsec demo
 
-test: setup
+debian-repo: setup
+	$(VENV)/bin/dsec image debian-repo $(TEST_DEBIAN)
+
+test: setup debian-repo
 	$(PY) -m pytest -q
 
 bench: setup
