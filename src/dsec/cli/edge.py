@@ -149,6 +149,46 @@ def net_default_option(fn: F) -> F:
              "ceiling still binds; see docs/networking.md).")(fn)
 
 
+def net_node_options(fn: F) -> F:
+    """The network flags of a node (``dsec edge``; ``dsec up`` passes them to its edges):
+    ``--net-max``, ``--net-uplink``, ``--net-link``, ``--net-egress``, ``--net-pool``,
+    ``--net-dns-upstream``."""
+    opts = [
+        click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
+                     help="The most open egress policy this node serves, whoever asks (default: "
+                          "no node ceiling; projects' ceilings still bind through the apiserver)."),
+        click.option("--net-uplink", default=None, metavar="host|netns:PATH",
+                     help="Give the container backend a network router (sandboxes get policies "
+                          "other than 'none'). 'host': its traffic leaves through this host, which "
+                          "CHANGES THE HOST: a veth dsu<hash> (169.254.213.1/30), an nft table "
+                          "inet dsec_<node> (drops every packet from the sandboxes to an address "
+                          "of this host, forwards them out of the egress device only, masqueraded) "
+                          "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone when "
+                          "the router goes (a clean exit with no live sandbox; with live ones "
+                          "they stay for the next edge, see docs/networking.md). Refused while another forward chain has policy drop "
+                          "(Docker, ufw): the error names the rules to add. 'netns:PATH': the "
+                          "uplink leads into the network namespace at PATH (a test or demo "
+                          "network; nothing on the host changes). Without it, only policy 'none' "
+                          "is served."),
+        click.option("--net-link", default="169.254.213.0/30", show_default=True,
+                     metavar="CIDR",
+                     help="The /30 of the router's uplink veth (peer .1, router .2): each "
+                          "edge on one host (or into one namespace) needs its own; `dsec up` "
+                          "gives its edges 169.254.213.0/30, .4/30, ..."),
+        click.option("--net-egress", default=None, metavar="DEV",
+                     help="With --net-uplink host: the device the sandboxes' traffic leaves by "
+                          "[default: the device of the IPv4 default route]."),
+        click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
+                     help="Addresses of the router's slots (private to its namespace)."),
+        click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
+                     help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
+                          "uplink's namespace."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
 def capacity_options(what: str) -> Callable[[F], F]:
     """The capacity flags ``dsec edge`` and ``dsec up`` share. ``what`` names what the
     figures describe ("this node", "this machine")."""
@@ -267,18 +307,12 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @net_default_option
-@click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
-              help="The most open egress policy this node serves, whoever asks (default: "
-                   "no node ceiling; projects' ceilings still bind through the apiserver).")
-@click.option("--net-uplink", default=None, metavar="netns:PATH",
-              help="Give the container backend a network router whose uplink leads into "
-                   "the network namespace at PATH (a test or demo network; the host uplink "
-                   "is not built yet). Without it, only policy 'none' is served.")
-@click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
-              help="Addresses of the router's slots (private to its namespace).")
-@click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
-              help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
-                   "uplink's namespace.")
+@net_node_options
+@click.option("--metrics-listen", default=None, metavar="HOST:PORT",
+              help="Serve this edge's Prometheus metrics (denied packets per sandbox, "
+                   "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
+                   "[default: off]. Sandbox ids are labels: bind it to loopback or a "
+                   "monitoring network.")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -287,8 +321,9 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
-         net_max: Any, net_uplink: str | None, net_pool: str,
-         net_dns_upstream: tuple[str, ...]) -> None:
+         net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
+         net_pool: str, net_dns_upstream: tuple[str, ...],
+         metrics_listen: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -306,7 +341,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    cpus, memory, disk, cpu_overcommit, memory_overcommit, cpu_milli,
                    memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
-                   ready_fd, net_default, net_max, net_uplink, net_pool, net_dns_upstream)
+                   ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
+                   net_pool, net_dns_upstream, metrics_listen)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -348,8 +384,9 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                layer_store: str | None, backend_opts: tuple[str, ...],
                token_file: str | None, insecure: bool, disk_default: str,
                disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
-               net_uplink: str | None, net_pool: str,
-               net_dns_upstream: tuple[str, ...]) -> None:
+               net_uplink: str | None, net_link: str, net_egress: str | None,
+               net_pool: str, net_dns_upstream: tuple[str, ...],
+               metrics_listen: str | None) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
@@ -373,11 +410,14 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
             if name == "container":
                 extra[name] = {**disk_opts, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
+        if net_egress is not None and net_uplink != "host":
+            raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
         if net_uplink is not None:
             if "container" not in backends:
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
-                                              net_dns_upstream, owned, state_dir)
+                                              net_dns_upstream, owned, state_dir,
+                                              egress=net_egress, link=net_link)
             extra["container"] = {**extra.get("container", {}), "network": network}
         for name in dict.fromkeys(backends):
             built[name] = make_backend(name, **{**_backend_opts(
@@ -405,7 +445,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
         uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
-                          served))
+                          served, metrics_listen))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -423,40 +463,60 @@ class _Fd:
 
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
-             owned: list[Any], state_dir: str | None = None) -> tuple[Any, dict[str, Any]]:
+             owned: list[Any], state_dir: str | None = None, *,
+             egress: str | None = None,
+             link: str = "169.254.213.0/30") -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
     ``owned`` (the kernel then removes its namespace, links and nft objects).
 
     With a state dir the router netns is pinned at ``STATE/net/router``: it outlives
     this process (a crash, or a stop with live sandboxes), and the next edge re-opens it
-    and reconciles it with its journal before it serves (docs/networking.md)."""
-    import hashlib
+    and reconciles it with its journal before it serves (docs/networking.md). A host
+    uplink's table and sysctls stay with it (reconcile puts them back in place)."""
+    import ipaddress
 
     from dsec.net import netns
     from dsec.net.attach import SandboxNetwork
     from dsec.net.router import Router, RouterConfig
-    from dsec.net.uplink import NetnsUplink
+    from dsec.net.uplink import HostUplink, NetnsUplink, Uplink, uplink_ifname
 
-    if not uplink.startswith("netns:"):
-        raise click.BadParameter(f"{uplink!r}: only netns:PATH is built so far (the host "
-                                 "uplink is not)", param_hint="--net-uplink")
-    path = uplink.removeprefix("netns:")
     try:
-        fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        net = ipaddress.IPv4Network(link)
+    except ValueError as exc:
+        raise click.BadParameter(f"{link!r}: {exc}", param_hint="--net-link") from exc
+    if net.prefixlen != 30:
+        raise click.BadParameter(f"{link!r} must be a /30 (peer .1, router .2)",
+                                 param_hint="--net-link")
+    up: Uplink
+    if uplink == "host":
+        # The edge's own netns is the host's; the resolver's upstream socket lives there.
+        fd = _Fd(netns.current_netns())
         owned.append(fd)
-        with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
-            pass
-        peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
-        if state_dir is not None:
-            from dsec.statedir import ensure_private_dir
-            pin = os.path.join(ensure_private_dir(os.path.join(state_dir, "net")), "router")
-            router = Router.open(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer), pin)
-        else:
-            router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
-    except OSError as exc:
-        raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
-                                 "namespace, e.g. /run/netns/NAME)",
-                                 param_hint="--net-uplink") from exc
+        up = HostUplink(fd.fd, node_id, egress=egress, link=str(net))
+        try:
+            router = _router(Router, RouterConfig(pool=pool), up, state_dir)
+        except OSError as exc:
+            raise click.ClickException(f"--net-uplink host: {exc}") from exc
+        click.echo(up.changes(), err=True)  # what this edge changed on the host
+    elif uplink.startswith("netns:"):
+        if egress is not None:
+            raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
+        path = uplink.removeprefix("netns:")
+        try:
+            fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            owned.append(fd)
+            with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
+                pass
+            router = _router(Router, RouterConfig(pool=pool),
+                             NetnsUplink(fd.fd, uplink_ifname(node_id), link=str(net)),
+                             state_dir)
+        except OSError as exc:
+            raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a "
+                                     "network namespace, e.g. /run/netns/NAME)",
+                                     param_hint="--net-uplink") from exc
+    else:
+        raise click.BadParameter(f"{uplink!r}: use host or netns:PATH",
+                                 param_hint="--net-uplink")
     owned.insert(0, router)   # closed before the uplink fd
     if router.pin_path is None:
         router.refill()       # else after reconcile (the backend's, before serving)
@@ -467,10 +527,21 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
     return SandboxNetwork(router), {"upstreams": ups, "upstream_netns_fd": fd.fd}
 
 
+def _router(router_cls: Any, config: Any, uplink: Any, state_dir: str | None) -> Any:
+    """The router, pinned at ``STATE/net/router`` with a state dir (re-opened if an
+    earlier edge of this node left it), else held by this process only."""
+    if state_dir is None:
+        return router_cls.create(config, uplink)
+    from dsec.statedir import ensure_private_dir
+    pin = os.path.join(ensure_private_dir(os.path.join(state_dir, "net")), "router")
+    return router_cls.open(config, uplink, pin)
+
+
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None,
                  resolver_args: dict[str, Any] | None = None,
-                 served: list[bool] | None = None) -> None:
+                 served: list[bool] | None = None,
+                 metrics_listen: str | None = None) -> None:
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -484,7 +555,7 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
         await resolver.start()
     try:
         await _serve_node(cfg, backends, listen, token, insecure, ready_fd, stop,
-                          served if served is not None else [])
+                          served if served is not None else [], resolver, metrics_listen)
     finally:
         if resolver is not None:
             await resolver.close()
@@ -493,7 +564,8 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
 
 async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                       insecure: bool, ready_fd: int | None, stop: asyncio.Event,
-                      served: list[bool]) -> None:
+                      served: list[bool], resolver: Any = None,
+                      metrics_listen: str | None = None) -> None:
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
     from dsec.wire.node import format_bytes, format_cpu
@@ -511,6 +583,16 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
                  format_cpu(phys.cpu_milli) if phys else "?",
                  format_bytes(phys.memory_bytes) if phys else "?")
         click.echo(f"edge {cfg.node_id} listening on {server.address}", err=True)
+        metrics = None
+        if metrics_listen is not None:
+            from dsec.edge.metrics import EdgeMetrics, serve_metrics
+
+            em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
+                             resolver=resolver, live=lambda: node.live_count)
+            metrics = await serve_metrics(metrics_listen, em.render)
+            addr = metrics.sockets[0].getsockname()
+            click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",
+                       err=True)
         if ready_fd is not None:
             try:
                 os.write(ready_fd, b"ready\n")
@@ -520,6 +602,8 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
         try:
             await stop.wait()
         finally:
+            if metrics is not None:
+                metrics.close()
             await server.close()
     finally:
         served.append(True)

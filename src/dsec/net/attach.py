@@ -405,6 +405,8 @@ class SandboxNetwork:
                 lost[ins.sid] = ins.why
             else:
                 self.router.apply(ins)
+        if kernel.uplink:  # kept with the router: a host uplink's table and sysctls too
+            self.router.adopt_uplink()
         for fd, _, _, _ in adopting.values():  # not in the plan: cannot happen
             _close(fd)
         for pin in view.pins:  # DNS pins live on in the kernel: the book re-reads them

@@ -169,7 +169,7 @@ class Nft:
 
     _lib: ctypes.CDLL | None = None
 
-    def __init__(self, netns_fd: int) -> None:
+    def __init__(self, netns_fd: int, *, json: bool = False) -> None:
         lib = self._load()
         self._lib_ = lib
         self.netns_fd = netns_fd
@@ -182,6 +182,8 @@ class Nft:
             raise BackendError("libnftables: nft_ctx_new failed")
         lib.nft_ctx_buffer_output(self.ctx)
         lib.nft_ctx_buffer_error(self.ctx)
+        if json:  # listings come back as libnftables JSON (the host uplink's checks)
+            lib.nft_ctx_output_set_flags(self.ctx, _NFT_CTX_OUTPUT_JSON)
         self._lock = threading.Lock()
 
     @classmethod
@@ -197,6 +199,7 @@ class Nft:
             lib.nft_ctx_new.restype = ctypes.c_void_p
             lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
             lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
             lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
             lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
             lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]

@@ -52,7 +52,7 @@ from dsec.net.reconcile import (
     parse_listing,
 )
 from dsec.net.slots import BuildSlots, Drain, Instruction, SlotEvent, SlotTable
-from dsec.net.uplink import UPLINK_IFNAME, NetnsUplink
+from dsec.net.uplink import UPLINK_IFNAME, Uplink
 
 __all__ = ["Router", "RouterConfig", "RouterInstruction", "Slot"]
 
@@ -109,7 +109,7 @@ class Router:
     sandbox, and every veth and nft object with them.
     """
 
-    def __init__(self, config: RouterConfig, uplink: NetnsUplink) -> None:
+    def __init__(self, config: RouterConfig, uplink: Uplink) -> None:
         self.config = config
         self.pool = Pool(config.pool)
         self.uplink = uplink
@@ -132,7 +132,7 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(cls, config: RouterConfig, uplink: NetnsUplink) -> Router:
+    def create(cls, config: RouterConfig, uplink: Uplink) -> Router:
         r = cls(config, uplink)
         try:
             r._start()
@@ -142,7 +142,7 @@ class Router:
         return r
 
     @classmethod
-    def open(cls, config: RouterConfig, uplink: NetnsUplink, pin_path: str) -> Router:
+    def open(cls, config: RouterConfig, uplink: Uplink, pin_path: str) -> Router:
         """The router netns pinned at ``pin_path`` by an earlier edge of this node, or a
         new one pinned there. Its base table, uplink and slots are brought in line by
         reconcile (:meth:`reconcile_view`, :meth:`apply`) before the edge serves; nothing
@@ -215,6 +215,10 @@ class Router:
         with self._lock:
             if unpin is None:
                 unpin = self.table.count("assigned") == 0
+            if self.fd >= 0 and (self.pin_path is None or unpin):
+                # the router goes away: so do the host uplink's table, veth and sysctls
+                # (kept with a pinned router, for the next edge's live sandboxes)
+                self.uplink.detach()
             if self.pin_path is not None and unpin:
                 try:
                     netns.unpin(self.pin_path)
@@ -455,6 +459,12 @@ class Router:
 
     def has_uplink(self) -> bool:
         return UPLINK_IFNAME in self._links
+
+    def adopt_uplink(self) -> None:
+        """The uplink veth was kept with this reopened router: its other objects (a host
+        uplink's table and sysctls) are checked and put back in place."""
+        with self._lock:
+            self.uplink.adopt()
 
     def apply(self, ins: RouterInstruction) -> None:
         """Carry out one router-wide instruction of reconcile's plan."""

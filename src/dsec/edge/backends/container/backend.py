@@ -140,6 +140,26 @@ def _exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
+
+def network_refusal(mode: str, *, runtime: str, router: bool) -> str | None:
+    """Why a sandbox with egress mode ``mode`` cannot run here, or None (pure).
+
+    Policies are enforced by the node's router on a slot the native driver's zygote
+    joins; a runc sandbox makes its own network namespace, off every slot, so no rule
+    would apply to it - refused rather than run unfiltered or cut off."""
+    if mode == "none":
+        return None
+    if runtime != "native":
+        return (f"network mode {mode!r} is enforced for runtime='native' container sandboxes "
+                f"only; this backend runs runtime={runtime!r}, whose sandboxes are not put on "
+                "the node's router: use the 'container' backend (runtime native) or "
+                "network mode 'none'")
+    if not router:
+        return (f"network mode {mode!r} needs this node's network router, which this "
+                "container backend was started without (dsec edge --net-uplink); use "
+                "'none' (loopback only)")
+    return None
+
 class ContainerBackend:
     """Sandboxes as Linux containers. See the module docstring and docs/container.md."""
 
@@ -157,6 +177,8 @@ class ContainerBackend:
                  snapshot_max_path_bytes: int = 128 << 20,
                  snapshot_workers: int = 4,
                  limits_poll_s: float | None = 5.0,
+                 denied_poll_s: float | None = 1.0,
+                 denied_notice_s: float = 10.0,
                  exec_start_timeout_s: float = 30.0,
                  network: SandboxNetwork | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -237,6 +259,14 @@ class ContainerBackend:
             #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
             self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
             self._notices = NoticeLimiter(notice_interval_s)
+            # Denied packets (plan-14 §4.7): the slots' counters are read every
+            # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
+            # ``network_denied`` notice goes out at most every ``denied_notice_s`` per
+            # sandbox and counts every packet denied since the previous one.
+            self.denied_poll_s = denied_poll_s
+            self._denied_notices = NoticeLimiter(denied_notice_s)
+            self._denied_pending: dict[str, int] = {}
+            self._dpoll: asyncio.TimerHandle | None = None
             #: ceiling denies of sandboxes being adopted (the node's, see adopting())
             self._adopt_ceiling: dict[str, tuple[str, ...]] = {}
             self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
@@ -382,11 +412,7 @@ class ContainerBackend:
     # -- create / adopt / destroy ----------------------------------------------------------
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         spec.validate()
-        if spec.net.net_mode != "none" and self.network is None:
-            raise InvalidArgument(
-                f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                "which this container backend was started without; use 'none' (loopback "
-                "only)", field="network")
+        self._refuse_network(spec)
         if spec.user_namespace and self.runtime != "native":
             raise InvalidArgument("user_namespace is implemented by the native container "
                                   "driver only; use runtime='native' or drop it",
@@ -429,11 +455,7 @@ class ContainerBackend:
             if self.network is not None:
                 slot = self.network.attach(sid, spec)
                 if slot is not None:
-                    if self._runc is not None:
-                        raise InvalidArgument(
-                            "network policies are enforced for runtime='native' sandboxes "
-                            "only so far; use runtime='native' or network mode 'none'",
-                            field="network")
+                    assert self._runc is None  # _refuse_network: native only
                     box.netns_fd = slot.fd
                     self._write_resolv_conf(box)
             if self._runc is not None:
@@ -461,12 +483,8 @@ class ContainerBackend:
         journaled it): loaded on its slot in one atomic batch, cutting the flows it no
         longer allows. On failure nothing changed in the kernel."""
         box = self.box(sid)
+        self._refuse_network(spec, sid)
         if self.network is None:
-            if spec.net.net_mode != "none":
-                raise InvalidArgument(
-                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                    "which this container backend was started without", field="network",
-                    sandbox_id=sid)
             box.spec = spec
             return
         await self.network.prepare_off_loop(spec, ceiling_deny)
@@ -486,14 +504,19 @@ class ContainerBackend:
         and rollback for an update that will be refused): compiled on a worker thread,
         the plan kept for the set_network that follows."""
         self.box(sid)
+        self._refuse_network(spec, sid)
         if self.network is None:
-            if spec.net.net_mode != "none":
-                raise InvalidArgument(
-                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                    "which this container backend was started without", field="network",
-                    sandbox_id=sid)
             return
         await self.network.prepare_off_loop(spec, ceiling_deny)
+
+    def _refuse_network(self, spec: SandboxSpec, sid: str | None = None) -> None:
+        """A policy this backend cannot enforce is refused before anything is made
+        (create) or journaled (update): see :func:`network_refusal`."""
+        why = network_refusal(spec.net.net_mode, runtime=self.runtime,
+                              router=self.network is not None)
+        if why is not None:
+            raise InvalidArgument(why, field="network",
+                                  **({"sandbox_id": sid} if sid is not None else {}))
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
@@ -558,6 +581,8 @@ class ContainerBackend:
             loop.add_reader(box.oom_fd, self._on_oom_event, box)
         if self._poll is None and self.limits_poll_s is not None:
             self._poll = loop.call_later(self.limits_poll_s, self._poll_limits)
+        if self._dpoll is None and self.network is not None and self.denied_poll_s:
+            self._dpoll = loop.call_later(self.denied_poll_s, self._poll_denied_tick)
 
     _POLL_SLICE = 256  # sandboxes checked per timer tick (~8 us each): no long loop stall
 
@@ -570,8 +595,6 @@ class ContainerBackend:
         boxes = list(self._boxes.values())
         if not boxes or self.limits_poll_s is None:
             return
-        if self.network is not None:
-            self._poll_denied()
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
@@ -583,11 +606,20 @@ class ContainerBackend:
         delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
         self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
 
+    def _poll_denied_tick(self) -> None:
+        self._dpoll = None
+        if not self._boxes or self.network is None or not self.denied_poll_s:
+            return  # the next sandbox watched starts it again
+        self._poll_denied()
+        self._dpoll = asyncio.get_running_loop().call_later(self.denied_poll_s,
+                                                            self._poll_denied_tick)
+
     def _poll_denied(self) -> None:
         """One counter dump for every slot (0.28 ms for 1,000); a ``network_denied``
-        notice per sandbox that had packets dropped, rate-limited like every notice. The
-        examples come from a libnftables listing (milliseconds on a big table), so they
-        are fetched off the loop, and only for a notice that will go out."""
+        notice per sandbox that had packets dropped, at most one per ``denied_notice_s``
+        with every packet since the last. The examples come from a libnftables listing
+        (milliseconds on a big table), so they are fetched off the loop, and only for a
+        notice that will go out."""
         assert self.network is not None
         try:
             denials = self.network.poll_denied()
@@ -598,15 +630,18 @@ class ContainerBackend:
             box = self._boxes.get(d.sandbox_id)
             if box is None or box.dying:
                 continue
-            folded = self._notices.admit(box.sid, "network_denied", self.clock())
+            pending = self._denied_pending[box.sid] = (
+                self._denied_pending.get(box.sid, 0) + d.packets)
+            folded = self._denied_notices.admit(box.sid, "network_denied", self.clock())
             if folded is None:
                 continue
+            self._denied_pending[box.sid] = 0
             task = asyncio.get_running_loop().create_task(
-                self._denied_notice(box, d.packets, d.total, folded))
+                self._denied_notice(box, pending, d.total))
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
 
-    async def _denied_notice(self, box: Box, packets: int, total: int, folded: int) -> None:
+    async def _denied_notice(self, box: Box, packets: int, total: int) -> None:
         assert self.network is not None
         slot = self.network.slot(box.sid)
         held = (slot, slot.generation) if slot is not None else None
@@ -620,12 +655,10 @@ class ContainerBackend:
             # be the next tenant's destinations, never shown to this one
             examples = []
         detail = (f"sandbox {box.sid}'s egress policy dropped {packets} packet(s) "
-                  f"({total} since it started)"
+                  f"since its last such notice ({total} since it started)"
                   + (f", e.g. to {', '.join(examples[:4])}" if examples else "")
-                  + "; allow the destination in its network policy if it is needed")
-        if folded:
-            detail += (f" ({folded} more notice(s) of this kind in the last "
-                       f"{self._notices.interval_s:g} s were folded into this one)")
+                  + "; allow the destination in its network policy if it is needed"
+                  + f" (at most one such notice per {self._denied_notices.interval_s:g} s)")
         if not box.dying:
             self._report(box, "network_denied", detail)
 
@@ -887,6 +920,8 @@ class ContainerBackend:
         if layers is not None:
             self.images.release(layers)
         self._notices.forget(sid)
+        self._denied_notices.forget(sid)
+        self._denied_pending.pop(sid, None)
         disk_kept = False
         try:  # before the directory: a subvolume without one is known garbage at start
             self._remove_disk(sid)
@@ -986,6 +1021,9 @@ class ContainerBackend:
         if self._poll is not None:
             self._poll.cancel()
             self._poll = None
+        if self._dpoll is not None:
+            self._dpoll.cancel()
+            self._dpoll = None
         if self._cleanups:  # timed-out/cancelled execs still being cleared
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._file_pool is not None:  # file operations in flight finish first
@@ -1098,6 +1136,8 @@ class ContainerBackend:
                 if exc.errno not in (errno.EINVAL, errno.ENOENT):
                     errors.append(f"umount {mp}: {exc}")
         self._notices.forget(sid)
+        self._denied_notices.forget(sid)
+        self._denied_pending.pop(sid, None)
         try:  # before the directory: a subvolume without one is known garbage at start
             self._remove_disk(sid)
         except OSError as exc:
