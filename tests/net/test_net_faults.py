@@ -85,6 +85,10 @@ async def test_kill_9_of_the_edge_keeps_its_sandboxes_networks(
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
             a = await c.create(spec(f"{ALLOWED}:80/tcp", f"{ALLOWED}:7/tcp"))
             b = await c.create(spec("allowed.test:80/tcp"))
+            # the project ceiling's deny entries are journaled beside the policy
+            ceiled = await c.create(spec("203.0.113.0/28:80/tcp"),
+                                    ceiling_deny=(f"{SIBLING}/32:80/tcp",))
+            assert await probe(c, ceiled.id, ALLOWED) and not await probe(c, ceiled.id, SIBLING)
             assert await probe(c, a.id, ALLOWED) and not await probe(c, a.id, SIBLING)
             r = await c.exec(b.id, "nslookup allowed.test >/dev/null; echo hi | nc -w 2 "
                              f"{ALLOWED} 80")
@@ -105,13 +109,18 @@ async def test_kill_9_of_the_edge_keeps_its_sandboxes_networks(
     proc, sock = await start_edge(root, internet)
     try:
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
-            assert sorted(i.id for i in await c.list()) == sorted([a.id, b.id])  # lost: 0
+            assert sorted(i.id for i in await c.list()) == sorted(
+                [a.id, b.id, ceiled.id])  # lost: 0
+            # adopted with its ceiling's denies, not just its own policy
+            assert await probe(c, ceiled.id, ALLOWED) and not await probe(c, ceiled.id, SIBLING)
             # the same connection still flows (one accept from src on port 7, ever)
             await wait_more(internet, src, n)
             assert len([h for h in internet.arrived(dst=ALLOWED, port=7, proto="tcp")
                         if h.data == b""]) == 1
             # the policy holds: allowed still allowed, denied still denied
             assert await probe(c, a.id, ALLOWED) and not await probe(c, a.id, SIBLING)
+            # its DNS pins were re-read from the kernel (no query since the restart)
+            assert (await netget(c, b.id)).pins >= 1
             # its DNS: the name still resolves and the pinned address is reachable
             r = await c.exec(b.id, "nslookup allowed.test; echo hi | nc -w 2 "
                              f"{ALLOWED} 80; echo hi | nc -w 2 {SIBLING} 80; true")

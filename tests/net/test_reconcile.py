@@ -237,6 +237,18 @@ def test_a_pinned_router_is_reopened_as_left(tmp_path: object, internet: Interne
                 time.sleep(0.05)
             assert linked == [s.index]
             assert f"dsv{s.index}" in links_in(r2.fd)
+            # no journal sandbox holds it (the census killed its processes): the plan
+            # deletes its link and flushes its sets; generations move on past it
+            steps = plan([], KernelView(table=True, base_digest=view.base_digest,
+                                        uplink=True, slots=view.slots,
+                                        max_mark=view.max_mark), r2.base_digest())
+            assert DeleteLink(s.index) in steps and FlushSlot(s.index) in steps
+            for ins in steps:
+                r2.apply(ins)  # type: ignore[arg-type]
+            after = r2.reconcile_view()
+            assert f"dsv{s.index}" not in links_in(r2.fd)
+            assert after.slots[s.index].elements == 0 and after.slots[s.index].objects
+            assert r2.next_generation() == gen + 1
         finally:
             r2.close(unpin=True)
     finally:

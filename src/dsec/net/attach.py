@@ -11,9 +11,12 @@ A spec that compiles to None (mode ``none``) gets no slot: no veth, no cost.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ipaddress
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +30,7 @@ from dsec.net.denied import Denial, DenyReporter
 from dsec.net.dnspolicy import DnsPolicy, NameRule, PinBook
 from dsec.net.nftrules import PRIVATE4
 from dsec.net.nftwire import Dest4, SlotPolicy, TooManyElements, disjoint
-from dsec.net.reconcile import Adopted, Keep, LoadPolicy, Lost, digest_of, plan
+from dsec.net.reconcile import Adopted, Keep, KernelView, LoadPolicy, Lost, digest_of, plan
 from dsec.net.router import Router, Slot
 from dsec.wire.netpolicy import NetworkPolicy, Proto
 from dsec.wire.spec import SandboxSpec
@@ -351,7 +354,7 @@ class SandboxNetwork:
         if old is not None:
             _close(old[0])
         self._adopting[sid] = (netns_fd, spec, ceiling_deny, Adopted(
-            sid, index, digest_of(plan_) if plan_ is not None else "none", why))
+            sid, index, digest_of(plan_ or NetPlan(SlotPolicy())), why))
 
     def reconcile(self) -> dict[str, str]:
         """Bring the router in line with the adopted sandboxes (net/reconcile.py's plan;
@@ -360,7 +363,6 @@ class SandboxNetwork:
         t0 = time.monotonic()
         view = self.router.reconcile_view()
         t_view = time.monotonic()
-        from dsec.net.reconcile import KernelView
         kernel = KernelView(table=view.table, base_digest=view.base_digest,
                             uplink=self.router.has_uplink(), slots=view.slots,
                             max_mark=view.max_mark, reopened=self.router.reopened)
@@ -377,17 +379,14 @@ class SandboxNetwork:
             crash_point(f"reconcile:{step}")
             if isinstance(ins, Keep | LoadPolicy):
                 fd, spec, deny, _ = adopting.pop(ins.sid)
-                p = self.prepare(spec, deny)
-                generation = ins.generation if isinstance(ins, Keep) else 0
-                known = isinstance(ins, Keep) and p is not None
-                slot = self.router.adopt(
-                    ins.slot, fd, generation=generation,
-                    conn_cap=(p.max_connections or self.router.config.max_connections)
-                    if known and p is not None else -1,
-                    rate_mbit=p.rate_mbit if known and p is not None else 0)
-                if p is None:
-                    p = NetPlan(SlotPolicy())
-                if isinstance(ins, LoadPolicy):
+                p = self.prepare(spec, deny) or NetPlan(SlotPolicy())
+                if isinstance(ins, Keep):  # the kernel holds exactly p (its digest)
+                    slot = self.router.adopt(
+                        ins.slot, fd, generation=ins.generation, rate_mbit=p.rate_mbit,
+                        conn_cap=p.max_connections or self.router.config.max_connections)
+                else:  # cap and shaping unknown: the load below rewrites both
+                    slot = self.router.adopt(ins.slot, fd, generation=0, conn_cap=-1,
+                                             rate_mbit=0)
                     try:
                         self.router.load(slot, p.slot, flush_pins=True,
                                          max_connections=p.max_connections,
@@ -434,10 +433,6 @@ def crash_point(name: str) -> None:
 
 def _eth0_address() -> str | None:
     """The IPv4 address of the calling thread's netns's ``eth0`` (None: it has none)."""
-    import fcntl
-    import socket
-    import struct
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", b"eth0"))

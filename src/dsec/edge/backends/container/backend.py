@@ -793,6 +793,7 @@ class ContainerBackend:
         It is alive if the recorded init pid still has the recorded start time and sits
         in the recorded cgroup; then it is watched again and exec-able. Otherwise what is
         left of it (cgroups, directory) is removed and False returned."""
+        ceiling = self._adopt_ceiling.pop(sid, ())
         if sid in self._boxes:
             return True
         d = self._dir(sid)
@@ -842,7 +843,7 @@ class ContainerBackend:
             except OSError as exc:
                 self._network_lost(box, f"its netns cannot be opened: {exc}")
             else:
-                self.network.adopt(sid, spec, fd, self._adopt_ceiling.pop(sid, ()))
+                self.network.adopt(sid, spec, fd, ceiling)
         return True
 
     def adopting(self, sid: str, ceiling_deny: tuple[str, ...]) -> None:

@@ -285,10 +285,15 @@ class DiskPool:
                 f"{self.root_dir}: {exc.strerror}; free space there or set a smaller pool "
                 "(dsec edge/up --disk-pool)") from exc
         os.close(fd)
-        # -K: no discard of the (file) device, which would punch the preallocation out.
-        proc = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single",
-                               "-L", "dsec-pool", tmp], check=False, capture_output=True,
-                              text=True)
+        try:
+            # -K: no discard of the (file) device, which would punch the preallocation out.
+            proc = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single",
+                                   "-L", "dsec-pool", tmp], check=False, capture_output=True,
+                                  text=True)
+        except BaseException:  # a stop during an edge's start: the preallocation goes
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if proc.returncode != 0:
             os.unlink(tmp)
             raise BackendError(f"mkfs.btrfs of the sandbox disk pool {tmp} failed: "
