@@ -203,7 +203,16 @@ class SandboxNetwork:
         return slot
 
     def poll_denied(self) -> list[Denial]:
-        """Packets each sandbox had dropped since the last poll (one counter dump)."""
+        """Packets each sandbox had dropped since the last poll (one counter dump). Also
+        the uplink's watch (:meth:`Router.watch_uplink`: the host's addresses and the
+        host-side guard another program may have flushed), on the same beat."""
+        try:
+            fixed = self.router.watch_uplink()
+        except (DsecError, OSError) as exc:
+            log.error("checking the host uplink's guard failed: %s", exc)
+        else:
+            if fixed:
+                log.warning("network: %s", fixed)
         if not self.denied.owners:
             return []
         return self.denied.feed(self.router.counters())

@@ -125,6 +125,8 @@ class Router:
         #: the pinned router was a previous edge's (False: made by this process)
         self.reopened = False
         self._links: list[str] = []
+        #: the uplink's host addresses in the never-reachable set (None: not read yet)
+        self._guarded: tuple[str, ...] | None = None
         self._rt: Netlink | None = None
         self._nl: Netlink | None = None
         self._nft: Nft | None = None
@@ -178,8 +180,27 @@ class Router:
                                     node_addresses=self._never(), table=self.config.table)
 
     def _never(self) -> tuple[str, ...]:
-        return (*self.config.node_addresses, f"{self.uplink.router_ip}/32",
-                f"{self.uplink.peer_ip}/32")
+        if self._guarded is None:
+            self._guarded = self.uplink.guarded_addresses()
+        return (*self.config.node_addresses, *self._guarded,
+                f"{self.uplink.router_ip}/32", f"{self.uplink.peer_ip}/32")
+
+    def watch_uplink(self) -> str | None:
+        """Re-check what guards the host (called on every denied-counter poll): the
+        host's addresses in the never-reachable set (re-read; a change rewrites the base
+        objects in one transaction, slots kept) and the uplink's host-side objects
+        (:meth:`Uplink.check`). Returns what was wrong and done, or None."""
+        with self._lock:
+            now = self.uplink.guarded_addresses()
+            said = []
+            if now != self._guarded:
+                self._guarded = now
+                self.nft(self._base_text(replace=True))
+                said.append(f"host addresses now never reachable: {', '.join(now)}")
+            fixed = self.uplink.check()
+            if fixed:
+                said.append(fixed)
+            return "; ".join(said) or None
 
     def _setup_netns(self) -> None:
         """Sysctls, sockets and the resolver's address on lo (idempotent: also for a

@@ -111,6 +111,11 @@ def link_up(seq: int, index: int) -> bytes:
     return _msg(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK, seq, _ifinfo(index, IFF_UP, IFF_UP))
 
 
+def link_down(seq: int, index: int) -> bytes:
+    """RTM_NEWLINK on an existing link: clear IFF_UP."""
+    return _msg(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK, seq, _ifinfo(index, 0, IFF_UP))
+
+
 def addr_add(seq: int, index: int, address: ipaddress.IPv4Address, prefixlen: int) -> bytes:
     """RTM_NEWADDR: ``address/prefixlen`` on link ``index`` (for a /31 both ends are hosts)."""
     raw = address.packed

@@ -103,6 +103,10 @@ class Uplink(Protocol):
 
     def detach(self) -> None: ...
 
+    def guarded_addresses(self) -> tuple[str, ...]: ...
+
+    def check(self) -> str | None: ...
+
 
 def uplink_ifname(node: str) -> str:
     """The peer's device name for node ``node`` (15 bytes at most, unique per node)."""
@@ -216,6 +220,14 @@ class NetnsUplink:
 
     def detach(self) -> None:
         """Nothing: the peer goes with the router's netns."""
+
+    def guarded_addresses(self) -> tuple[str, ...]:
+        """Nothing: the peer netns is the caller's (a test's internet), not a host."""
+        return ()
+
+    def check(self) -> str | None:
+        """Nothing to watch: no object lives outside the router's netns."""
+        return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,6 +372,8 @@ class HostUplink:
     _egress_dev: str | None = field(default=None, init=False)
     #: what the egress device forwarded before dsec, known before the table records it
     _restore_to: int | None = field(default=None, init=False)
+    #: the peer was taken down by :meth:`check` (a guard it could not restore)
+    _down: bool = field(default=False, init=False)
 
     @property
     def peer_ifname(self) -> str:
@@ -462,6 +476,86 @@ class HostUplink:
         finally:
             nft.close()
         log.info("%s", self.changes())
+
+    def guarded_addresses(self) -> tuple[str, ...]:
+        """The host's own IPv4 addresses (every local address of its netns but loopback,
+        which NEVER4 holds), for the router's never-reachable set: the second layer
+        beside the host table's ``fib daddr type local`` drop, which a host firewall
+        reload (``flush ruleset``) removes (REDTEAM-14b #3). Read from the kernel's local
+        fib (what ``fib daddr type local`` itself consults); the router re-reads it on
+        every watch (:meth:`Router.watch_uplink`), so an address added later joins."""
+        with netns.entered(self.host_netns_fd), open("/proc/thread-self/net/fib_trie") as f:
+            local = local_addresses(f.read())
+        out = []
+        for a in local:
+            try:
+                ip = ipaddress.IPv4Address(a)
+            except ValueError:
+                continue
+            if not ip.is_loopback and ip not in _link(self.link):
+                out.append(str(ip))
+        return tuple(sorted(out, key=lambda a: ipaddress.IPv4Address(a)))
+
+    def check(self) -> str | None:
+        """The host-side objects another program may have removed since attach: this
+        node's table (a firewall reload's ``flush ruleset``), the forwarding sysctls
+        (``sysctl --system``), and a forward chain with policy drop added later (Docker
+        started after the edge). What was missing is put back (the table, the sysctls)
+        and said (returned, logged); when it cannot be (a blocking chain), the uplink
+        peer is taken down - the sandboxes lose egress, never the host's guard - until a
+        later check finds it right again. None: all in place."""
+        nft = Nft(self.host_netns_fd, json=True)
+        try:
+            ruleset = json.loads(nft("list ruleset") or "{}")
+        finally:
+            nft.close()
+        wrong = []
+        if self.table not in dsec_tables(ruleset):
+            wrong.append(f"host table inet {self.table} gone")
+        egress = self._egress_dev
+        for dev in (self.peer_ifname, egress):
+            if dev is None:
+                continue
+            try:
+                if self._read_sysctl(f"net/ipv4/conf/{dev}/forwarding") != "1":
+                    wrong.append(f"{dev} forwarding reset")
+            except OSError:
+                continue
+        blocking = blocking_forward_chains(ruleset, uplink=self.peer_ifname,
+                                           own_table=self.table)
+        if not wrong and not blocking and not self._down:
+            return None
+        try:
+            self._prepare_host(None)
+        except (BackendError, OSError) as exc:
+            was_down = self._down
+            self._set_peer_up(False)
+            what = (f"host uplink {self.peer_ifname} taken down ({'; '.join(wrong) or 'check'}"
+                    f", cannot restore: {exc})")
+            if not was_down:  # said once, not every poll
+                log.error("%s", what)
+                return what
+            return None
+        if self._down:
+            self._set_peer_up(True)
+            wrong.append("uplink brought back up")
+        what = f"host uplink {self.peer_ifname} restored: {'; '.join(wrong)}"
+        log.warning("%s", what)
+        return what
+
+    def _set_peer_up(self, up: bool) -> None:
+        try:
+            index = _ifindex_in(self.host_netns_fd, self.peer_ifname)
+        except OSError:
+            return
+        rt = Netlink.route(self.host_netns_fd)
+        try:
+            seq = rt.next_seq()
+            msg = rtwire.link_up(seq, index) if up else rtwire.link_down(seq, index)
+            rt.request(msg, [seq], f"set uplink {self.peer_ifname} {'up' if up else 'down'}")
+        finally:
+            rt.close()
+        self._down = not up
 
     def _egress(self, egress: str | None) -> str:
         if egress is None:
