@@ -30,7 +30,7 @@ from dsec.net.kernel import Nft
 from dsec.net.router import Router, RouterConfig
 from dsec.net.testhost import DECOY_PORTS, EGRESS, EGRESS_IP, EXTRA_IP, FakeHost, fakehost
 from dsec.net.testinternet import ALLOWED, Internet
-from dsec.net.uplink import HostUplink, uplink_ifname
+from dsec.net.uplink import HostUplink, host_table_name, uplink_ifname
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import ExecRequest, SandboxSpec
 
@@ -70,6 +70,13 @@ def host(internet: Internet) -> Iterator[FakeHost]:
 def host_router(h: FakeHost, node: str = "t1", link: str = "169.254.213.0/30") -> Router:
     return Router.create(RouterConfig(pool_min=2, build_batch=2),
                          HostUplink(h.fd, node, egress=None, link=link))
+
+
+def edge_names(root: str, node: str = "hostup") -> tuple[str, str]:
+    """The host table and uplink device of a `dsec edge --state-dir ROOT/state`: named
+    for the node and the pinned router's path (two clusters never share them)."""
+    own = os.path.realpath(os.path.join(root, "state", "net", "router"))
+    return host_table_name(node, own), uplink_ifname(node, own)
 
 
 def connect_from(fd: int, ip: str, port: int, data: bytes = b"", timeout: float = 0.4) -> str:
@@ -270,7 +277,8 @@ async def test_dsec_edge_net_uplink_host(tmp_path: object, host: FakeHost,
                 break
             await asyncio.sleep(0.05)
         ruleset, links, _ = state(host)
-        assert "table inet dsec_hostup" in ruleset and uplink_ifname("hostup") in links
+        table, dev = edge_names(root)
+        assert f"table inet {table}" in ruleset and dev in links
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
             info = await c.create(SandboxSpec(
                 backend="container", memory_bytes=128 << 20, network=NetworkPolicy(
@@ -286,7 +294,7 @@ async def test_dsec_edge_net_uplink_host(tmp_path: object, host: FakeHost,
         await destroy_all(sock)
         stop_edge(proc)
     err = proc.stderr.read().decode()  # type: ignore[union-attr]
-    assert "nft table inet dsec_hostup" in err and f"{EGRESS}}}.forwarding=1" in err, err
+    assert f"nft table inet {edge_names(root)[0]}" in err and f"{EGRESS}}}.forwarding=1" in err, err
     assert proc.returncode == 0, err
     assert host.decoy_hits() == []
     assert state(host) == before  # a clean exit undid every host change
@@ -380,7 +388,8 @@ async def test_edge_restart_keeps_the_host_uplink_for_live_sandboxes(
         stop_edge(proc)
         assert proc.returncode == 0
         ruleset, links, sysctls = state(host)  # kept for the live sandbox
-        assert "table inet dsec_hostup" in ruleset and uplink_ifname("hostup") in links
+        table, dev = edge_names(root)
+        assert f"table inet {table}" in ruleset and dev in links
         assert sysctls[f"{EGRESS}.forwarding"] == "1"
         netns.write_sysctl(host.fd, f"net/ipv4/conf/{EGRESS}/forwarding", "0")  # drift
         proc = await start()

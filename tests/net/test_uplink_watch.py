@@ -1,4 +1,4 @@
-"""The host uplink's watch (REDTEAM-14b #3): what guards the host survives another
+"""The host uplink's names per owner (REDTEAM-14b #4) and its watch (#3): what guards the host survives another
 program flushing the host's ruleset or resetting its sysctls, and a host address added
 after attach joins the router's never-reachable set. All in the fake host's netns."""
 
@@ -12,8 +12,10 @@ import pytest
 
 from dsec.net import netns
 from dsec.net.nftwire import SlotPolicy
+from dsec.net.router import Router, RouterConfig
 from dsec.net.testhost import DECOY_PORTS, EGRESS, FakeHost, fakehost
 from dsec.net.testinternet import ALLOWED, Internet
+from dsec.net.uplink import HostUplink, host_table_name, owner_tag
 from tests.net.test_uplink_host import connect_from, host_router
 
 pytestmark = [pytest.mark.root,
@@ -76,3 +78,28 @@ def test_host_address_added_later_is_never_reachable(host: FakeHost) -> None:
         assert host.decoy_hits() == []
     finally:
         r.close()
+
+
+def test_two_clusters_with_node_edge_0_get_their_own_names(host: FakeHost) -> None:
+    """REDTEAM-14b #4: names come from the node and the router's owner (its pinned path);
+    the table's comment records the owner; one cluster's stop leaves the other's alone."""
+    def make(owner: str, link: str) -> Router:
+        return Router.create(RouterConfig(pool_min=2, build_batch=2),
+                             HostUplink(host.fd, "edge-0", link=link, owner=owner))
+    a = make("/c1/state/net/router", "169.254.213.0/30")
+    try:
+        b = make("/c2/state/net/router", "169.254.213.4/30")
+        try:
+            ta, tb = (host_table_name("edge-0", o) for o in ("/c1/state/net/router",
+                                                               "/c2/state/net/router"))
+            assert ta != tb
+            listing = _in_host(host, "nft", "list", "table", "inet", ta)
+            assert f"owner={owner_tag('/c1/state/net/router')}" in listing
+            assert connect_from(a.fd, ALLOWED, 80, b"a").startswith("ok ")
+            assert connect_from(b.fd, ALLOWED, 80, b"b").startswith("ok ")
+        finally:
+            b.close()
+        assert connect_from(a.fd, ALLOWED, 80, b"a2").startswith("ok ")
+        assert f"table inet {ta}" in _in_host(host, "nft", "list", "tables")
+    finally:
+        a.close()

@@ -527,7 +527,11 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         # The edge's own netns is the host's; the resolver's upstream socket lives there.
         fd = _Fd(netns.current_netns())
         owned.append(fd)
-        up = HostUplink(fd.fd, node_id, egress=egress, link=str(net))
+        # The pinned router's path makes the host's names unique per cluster: two
+        # `dsec up` on one host both have a node edge-0 (REDTEAM-14b #4).
+        owner = (os.path.realpath(os.path.join(state_dir, "net", "router"))
+                 if state_dir is not None else "")
+        up = HostUplink(fd.fd, node_id, egress=egress, link=str(net), owner=owner)
         try:
             router = _router(Router, RouterConfig(pool=pool), up, state_dir)
         except OSError as exc:

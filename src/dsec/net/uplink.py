@@ -67,6 +67,7 @@ __all__ = [
     "host_table_name",
     "link_in_use",
     "local_addresses",
+    "owner_tag",
     "uplink_ifname",
 ]
 
@@ -108,16 +109,33 @@ class Uplink(Protocol):
     def check(self) -> str | None: ...
 
 
-def uplink_ifname(node: str) -> str:
-    """The peer's device name for node ``node`` (15 bytes at most, unique per node)."""
-    return "dsu" + hashlib.sha256(node.encode()).hexdigest()[:10]
+def _owned(node: str, owner: str) -> str:
+    return hashlib.sha256(f"{owner}\0{node}".encode()).hexdigest()
 
 
-def host_table_name(node: str) -> str:
-    """``dsec_<node>`` when the node id is a valid nft name, else ``dsec_<hash>``."""
-    if _NAME_OK.fullmatch(node):
-        return HOST_TABLE_PREFIX + node
-    return HOST_TABLE_PREFIX + hashlib.sha256(node.encode()).hexdigest()[:12]
+def uplink_ifname(node: str, owner: str = "") -> str:
+    """The peer's device name for node ``node`` of router ``owner`` (15 bytes at most).
+    ``owner`` (the pinned router's path, i.e. the state dir) keeps two clusters on one
+    host apart when both have a node ``edge-0`` (REDTEAM-14b #4); "" for a router held by
+    its process only (the node id alone, as before)."""
+    if not owner:
+        return "dsu" + hashlib.sha256(node.encode()).hexdigest()[:10]
+    return "dsu" + _owned(node, owner)[:10]
+
+
+def host_table_name(node: str, owner: str = "") -> str:
+    """``dsec_<node>`` when the node id is a valid nft name and there is no ``owner``,
+    else ``dsec_<hash of owner and node>`` (the node and owner are in the comment)."""
+    if not owner:
+        if _NAME_OK.fullmatch(node):
+            return HOST_TABLE_PREFIX + node
+        return HOST_TABLE_PREFIX + hashlib.sha256(node.encode()).hexdigest()[:12]
+    return HOST_TABLE_PREFIX + _owned(node, owner)[:16]
+
+
+def owner_tag(owner: str) -> str:
+    """What a host table's comment records of its owner (nft-comment-safe); pure."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:12] if owner else "-"
 
 
 def _link(link: str) -> ipaddress.IPv4Network:
@@ -235,7 +253,7 @@ class NetnsUplink:
 
 
 def host_ruleset(*, table: str, uplink: str, egress: str, router_ip: str,
-                 egress_forwarding_was: int) -> str:
+                 egress_forwarding_was: int, owner: str = "-") -> str:
     """The host table of a ``host`` uplink, from scratch (libnftables input, one
     transaction). The comment keeps what the egress device's ``forwarding`` was before the
     first dsec uplink on this host changed it (``detach`` of the last one restores it)."""
@@ -244,7 +262,7 @@ def host_ruleset(*, table: str, uplink: str, egress: str, router_ip: str,
         f"add table {t}",
         f"delete table {t}",
         (f'add table {t} {{ comment "dsec uplink {uplink}: egress={egress} '
-         f'forwarding_was={egress_forwarding_was}"; }}'),
+         f'forwarding_was={egress_forwarding_was} owner={owner}"; }}'),
         # Before DNAT (priority -150 < dstnat): an address of the host is dropped even
         # when a port-forwarding rule (Docker's) would have rewritten it.
         f"add chain {t} pre {{ type filter hook prerouting priority -150; policy accept; }}",
@@ -368,20 +386,26 @@ class HostUplink:
     node: str
     egress: str | None = None
     link: str = DEFAULT_LINK
+    #: what makes this router unique on the host (the pinned router's path; "" for a
+    #: router held by its process only): part of the device and table names
+    owner: str = ""
     #: the egress device in use (after attach/adopt)
     _egress_dev: str | None = field(default=None, init=False)
     #: what the egress device forwarded before dsec, known before the table records it
     _restore_to: int | None = field(default=None, init=False)
     #: the peer was taken down by :meth:`check` (a guard it could not restore)
     _down: bool = field(default=False, init=False)
+    #: attach found another live router's link of our name: nothing here is ours, so
+    #: ``detach`` (the router's close after the failed attach) leaves the host alone
+    _refused: bool = field(default=False, init=False)
 
     @property
     def peer_ifname(self) -> str:
-        return uplink_ifname(self.node)
+        return uplink_ifname(self.node, self.owner)
 
     @property
     def table(self) -> str:
-        return host_table_name(self.node)
+        return host_table_name(self.node, self.owner)
 
     @property
     def peer_ip(self) -> ipaddress.IPv4Address:
@@ -438,6 +462,7 @@ class HostUplink:
         if ipv6:
             raise BackendError("IPv6 is not routed through the host uplink (see "
                                "HostUplink.has_ipv6); run the edge with --net-ipv6 off")
+        self._refuse_live_link()  # before anything of the host is touched
         try:
             self._prepare_host(router_rt)
         except BaseException:
@@ -466,10 +491,10 @@ class HostUplink:
             # no packet from the uplink ever meets the host without it.
             nft(host_ruleset(table=self.table, uplink=uplink, egress=egress,
                              router_ip=str(self.router_ip),
-                             egress_forwarding_was=self._restore_to))
+                             egress_forwarding_was=self._restore_to,
+                             owner=owner_tag(self.owner)))
             netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{egress}/forwarding", "1")
             if router_rt is not None:
-                self._remove_stale_link(uplink)
                 _veth(router_rt, peer_netns_fd=self.host_netns_fd, peer_ifname=uplink,
                       link=self.link)
             netns.write_sysctl(self.host_netns_fd, f"net/ipv4/conf/{uplink}/forwarding", "1")
@@ -592,6 +617,29 @@ class HostUplink:
         finally:
             text.close()
 
+    def _refuse_live_link(self) -> None:
+        """A link of our name on the host at attach is never deleted: a veth goes with
+        its peer's netns, so one that stays has a live router behind it - another edge
+        with this node id and owner (two clusters with node ``edge-0`` and no state dir,
+        or the same state dir twice). A router that just closed (a restart) loses its
+        link in the kernel's asynchronous netns cleanup: wait for that a moment first."""
+        deadline = time.monotonic() + LINK_FREE_WAIT_S
+        while True:
+            try:
+                with netns.entered(self.host_netns_fd):
+                    socket.if_nametoindex(self.peer_ifname)
+            except OSError:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self._refused = True
+        raise BackendError(
+            f"the host already has the uplink link {self.peer_ifname} of node {self.node!r}"
+            f" (owner {self.owner or 'none: no state dir'}), held by a live router: another"
+            " edge with the same node id runs on this host. dsec does not remove it; stop "
+            "that edge, or give this one its own --node-id or --state-dir")
+
     def _remove_stale_link(self, uplink: str) -> None:
         """A link of our name left by a crashed run of this node (the name is ours)."""
         try:
@@ -613,7 +661,10 @@ class HostUplink:
         """Remove this node's table and veth from the host and put the egress device's
         ``forwarding`` back to what the table recorded (unless another dsec table on the
         same device still needs it). Each step on its own: one failing does not keep the
-        rest in place."""
+        rest in place. Nothing after a refused attach: those objects are another
+        router's."""
+        if self._refused:
+            return
         errors: list[str] = []
         nft = Nft(self.host_netns_fd, json=True)
         try:
