@@ -88,6 +88,19 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
     return {}
 
 
+def _check_pool(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """--net-pool refused at parse time (dsec up and dsec edge alike), before anything
+    starts: the range's rules are addressing.Pool's."""
+    from dsec.errors import InvalidArgument
+    from dsec.net.addressing import Pool
+
+    try:
+        Pool(value)
+    except InvalidArgument as exc:
+        raise click.BadParameter(exc.message) from exc
+    return value
+
+
 # ------------------------------------------------------------------ capacity flags
 class _Size(click.ParamType[int]):
     """'24GiB', '512MiB' or bytes."""
@@ -205,7 +218,10 @@ def net_node_options(fn: F) -> F:
                      help="With --net-uplink host: the device the sandboxes' traffic leaves by "
                           "[default: the device of the IPv4 default route]."),
         click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
-                     help="Addresses of the router's slots (private to its namespace)."),
+                     callback=_check_pool,
+                     help="Addresses of the router's slots (private to its namespace): inside "
+                          "10/8, 172.16/12, 192.168/16, 100.64/10 or 198.18/15, apart from "
+                          "--net-link."),
         click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
                      help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
                           "uplink's namespace."),

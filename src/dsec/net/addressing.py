@@ -22,6 +22,7 @@ from dsec.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_POOL",
+    "POOL_RANGES",
     "ROUTER_IFINDEX_BASE",
     "SLOT_PREFIX",
     "Pool",
@@ -29,6 +30,14 @@ __all__ = [
 ]
 
 DEFAULT_POOL: Final = "10.213.0.0/16"
+#: Where a pool may lie: the private ranges (RFC 1918, shared address space RFC 6598,
+#: benchmarking RFC 2544). Anything else is refused (REDTEAM-14b #9): "this network",
+#: loopback, link-local (the metadata address, the uplink links 169.254.213.0/24),
+#: multicast/reserved, the whole space (never4 would then hold every destination) and
+#: public ranges (sandboxes would squat real addresses, and never4 - which holds the
+#: pool - would make those real destinations unreachable for every sandbox).
+POOL_RANGES: Final = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                      "198.18.0.0/15")
 # Router-side veth names: "dsv<slot>" (IFNAMSIZ 16: "dsv" + up to 5 digits fits easily).
 SLOT_PREFIX: Final = "dsv"
 # The router's end of slot i gets ifindex BASE + i (ifindexes are per netns; an explicit
@@ -77,6 +86,14 @@ class Pool:
             raise InvalidArgument(
                 f"net pool {cidr} holds {net.num_addresses} addresses; a pool needs at "
                 "least a /30 (one slot and the resolver)",
+                field="net_pool",
+            )
+        if not any(net.subnet_of(ipaddress.IPv4Network(r)) for r in POOL_RANGES):
+            raise InvalidArgument(
+                f"net pool {cidr} is not inside a private range ({', '.join(POOL_RANGES)}):"
+                " sandboxes would take addresses that are real elsewhere (or loopback, "
+                "link-local, multicast), and the router never lets a sandbox reach its "
+                f"pool; use a private range no host network uses, e.g. {DEFAULT_POOL}",
                 field="net_pool",
             )
         self.network = net

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
-from dsec.errors import BackendError, Conflict, ResourceExhausted
+from dsec.errors import BackendError, Conflict, InvalidArgument, ResourceExhausted
 from dsec.net import netns, nftrules, rtwire
 from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
@@ -113,6 +113,11 @@ class Router:
         self.config = config
         self.pool = Pool(config.pool)
         self.uplink = uplink
+        if uplink.peer_ip in self.pool.network or uplink.router_ip in self.pool.network:
+            raise InvalidArgument(
+                f"net pool {self.pool.network} overlaps the uplink link (peer "
+                f"{uplink.peer_ip}, router {uplink.router_ip}): slots would sit on the "
+                "uplink's addresses; pick a pool and a --net-link apart", field="net_pool")
         self.table = SlotTable(capacity=self.pool.capacity, pool_min=config.pool_min,
                                build_batch=config.build_batch)
         self.slots: dict[int, Slot] = {}
