@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
 from dsec.errors import InvalidArgument
 
 __all__ = ["EdgeMetrics", "denied_samples", "serve_metrics"]
@@ -35,7 +36,21 @@ __all__ = ["EdgeMetrics", "denied_samples", "serve_metrics"]
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 8192
+#: a scraper sends its request head at once: 1 s to deliver it, 5 s to take the answer
+HEAD_TIMEOUT_S: Final = 1.0
 REQUEST_TIMEOUT_S: Final = 5.0
+#: What the listener lets its peers hold (REDTEAM-14b #7: it held every idle peer, 375-573
+#: of 1,500, in an edge whose fd limit is raised to the hard limit). Every connection is
+#: "pending" until it is answered (there is no authentication); a scraper needs one at a
+#: time, so 64 at once (16 per address) is ample; beyond them a peer gets a 503 and is
+#: closed at once. Accepted connections count in the process's shared fd budget beside
+#: the Aether listeners' (aether/limits.py), so this door cannot take their share either.
+METRICS_LIMITS: Final = ServerLimits(max_connections=64, max_connections_per_peer=16,
+                                     max_pending=64, max_pending_per_peer=16,
+                                     auth_timeout_s=HEAD_TIMEOUT_S)
+#: a rendering is reused this long (a scrape flood would otherwise run generate_latest
+#: over every sandbox of the edge, on its loop, for each request)
+RENDER_CACHE_S: Final = 1.0
 
 
 def denied_samples(owners: Mapping[int, tuple[str, int, int]]) -> list[tuple[str, int]]:
@@ -78,21 +93,51 @@ class EdgeMetrics:
         return generate_latest(self.registry)
 
 
-async def serve_metrics(listen: str, render: Callable[[], bytes]) -> asyncio.Server:
+async def serve_metrics(listen: str, render: Callable[[], bytes], *,
+                        limits: ServerLimits = METRICS_LIMITS,
+                        budget: ProcessBudget | None = None,
+                        clock: Callable[[], float] | None = None) -> asyncio.Server:
     """A minimal HTTP/1.0 server for ``GET /metrics`` on ``HOST:PORT`` (no framework:
     one route, one short answer per connection; the request is bounded in size and
-    time so an idle or endless peer holds nothing)."""
+    time, and the connections in number (``limits``, admitted like every other listener
+    of the process: :class:`dsec.aether.limits.Admission`), so an idle or endless peer
+    holds nothing)."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise InvalidArgument(f"--metrics-listen {listen!r}: use HOST:PORT, e.g. "
                               "127.0.0.1:9470", field="metrics_listen")
+    adm = Admission(limits, budget if budget is not None else process_budget(),
+                    name=f"metrics listener {listen}")
+    now = clock if clock is not None else asyncio.get_running_loop().time
+    cache: list[tuple[float, bytes]] = []
+    head_timeout = limits.auth_timeout_s or HEAD_TIMEOUT_S
+
+    def rendered() -> bytes:
+        t = now()
+        if cache and t - cache[0][0] < RENDER_CACHE_S:
+            return cache[0][1]
+        body = render()
+        cache[:] = [(t, body)]
+        return body
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
+        refused = adm.admit(peer)
+        if refused is not None:
+            adm.stats.refuse(refused[0])
+            body = refused[1].encode() + b"\n"
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                writer.write(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain"
+                             b"\r\nContent-Length: " + str(len(body)).encode()
+                             + b"\r\nConnection: close\r\n\r\n" + body)
+            writer.transport.abort()  # closed now: a refused peer holds no fd
+            return
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), head_timeout)
             line = head.split(b"\r\n", 1)[0].split()
             if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-                body, status, ctype = render(), b"200 OK", CONTENT_TYPE_LATEST.encode()
+                body, status, ctype = rendered(), b"200 OK", CONTENT_TYPE_LATEST.encode()
             else:
                 body, status, ctype = b"only GET /metrics here\n", b"404 Not Found", b"text/plain"
             writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype
@@ -103,6 +148,7 @@ async def serve_metrics(listen: str, render: Callable[[], bytes]) -> asyncio.Ser
                 ConnectionError):
             pass
         finally:
+            adm.release(peer, established=False)
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
