@@ -35,8 +35,12 @@ def test_pool_overlapping_the_uplink_link_refused_before_anything_is_made() -> N
 
 
 @pytest.mark.parametrize("cmd", ["edge", "up"])
-def test_cli_refuses_a_public_pool(cmd: str) -> None:
+def test_cli_refuses_a_public_pool(cmd: str, tmp_path: object) -> None:
+    # a state dir of the test's own: were the flag not refused, `dsec up` would start a
+    # cluster in ~/.dsec (on the old code it did, until the timeout)
+    state = os.path.join(str(tmp_path), "state")
     r = subprocess.run([sys.executable, "-c", "from dsec.cli.main import main; main()",
-                        cmd, "--net-pool", "8.8.8.0/24"],
-                       capture_output=True, text=True, timeout=60, env=os.environ, check=False)
+                        cmd, "--state-dir", state, "--net-pool", "8.8.8.0/24"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "DSEC_STATE_DIR": state}, check=False)
     assert r.returncode == 2 and "8.8.8.0/24" in r.stderr and "private range" in r.stderr, r.stderr
