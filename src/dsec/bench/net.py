@@ -19,7 +19,6 @@ import asyncio
 import ipaddress
 import os
 import random
-import shutil
 import socket
 import statistics
 import tempfile
@@ -28,6 +27,7 @@ import time
 
 from dsec.bench import BenchContext, suite
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
+from dsec.rmtree import remove_tree
 
 __all__ = ["net_suite"]
 
@@ -276,7 +276,7 @@ def net_suite(ctx: BenchContext) -> None:
     try:
         asyncio.run(_run(ctx, work))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
     # exposed ports through the apiserver (nc's figures, net_expose_*)
     from dsec.bench.net_expose import expose
     expose(ctx)

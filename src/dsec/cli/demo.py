@@ -16,7 +16,6 @@ import contextlib
 import functools
 import glob
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -27,6 +26,8 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.table import Table
+
+from dsec.rmtree import remove_tree
 
 T = TypeVar("T")
 
@@ -215,7 +216,7 @@ def demo(sandboxes: int, backend: str) -> None:
             cluster.stop()
     leftovers = _host_leftovers(state_dir, ids) if backend == "container" else {}
     if not any(leftovers.values()):
-        shutil.rmtree(state_dir, ignore_errors=True)   # nothing mounted from it: it can go
+        remove_tree(state_dir)   # nothing mounted from it: it can go
     table = Table(title="what happened")
     for col, just in (("step", "left"), ("n", "right"), ("wall ms", "right"),
                       ("p50 ms", "right"), ("p99 ms", "right"), ("result", "left")):

@@ -37,7 +37,6 @@ import contextlib
 import fcntl
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from typing import IO
@@ -74,6 +73,7 @@ from dsec.image.manifest import (
     ref_key,
 )
 from dsec.image.tree import tree_stats
+from dsec.rmtree import remove_tree
 
 __all__ = ["LayerStore", "may_point_at", "mounted_sources"]
 
@@ -181,7 +181,11 @@ class LayerStore:
         """Remove the scratch entries of processes that died mid-build (a kill -9 skips
         the cleanup on the way out: staging trees and half-written layers stayed, ~the
         size of each snapshot, for good). A live owner's, another pid namespace's and
-        names without an owner token (made by older versions) are left alone."""
+        names without an owner token (made by older versions) are left alone. Never
+        across a mount point: what a killed helper left mounted below a dead entry (a
+        killed root-mode mmdebstrap's binds of the host's /dev/shm, /proc, /sys) is
+        detached first, and the walk itself stays on the store's mount
+        (:func:`dsec.rmtree.remove_tree`)."""
         try:
             entries = list(os.scandir(os.path.join(self.root, "tmp")))
         except OSError:
@@ -189,21 +193,18 @@ class LayerStore:
         for e in entries:
             if ownership.token_alive(e.name.split("-", 1)[0]) is not False:
                 continue
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)
+            remove_tree(e.path, detach=True)
 
     @contextlib.contextmanager
     def staging(self, prefix: str = "stage-") -> Iterator[str]:
-        """A scratch directory inside the store (same filesystem), removed on exit."""
+        """A scratch directory inside the store (same filesystem), removed on exit
+        (mounts a helper left below it detached first, never walked into)."""
         path = self._scratch(prefix + secrets.token_hex(6))
         os.mkdir(path, _DIR_MODE)
         try:
             yield path
         finally:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path, detach=True)
 
     # ------------------------------------------------------------------------- refs
     def _read_refs(self) -> dict[str, str]:
