@@ -506,6 +506,7 @@ class AsyncSandboxes:
         priority: int = 0, disk: int | str | None = None,
         pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
+        build_step: str | None = None,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
         server's to decide: backend, project, lifetime)."""
@@ -519,7 +520,7 @@ class AsyncSandboxes:
             labels=dict(labels or {}), project=project, ttl_s=ttl,
             idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
-            user_namespace=user_namespace)
+            user_namespace=user_namespace, build_step=build_step)
 
     def _given_spec(self, spec: SandboxSpec | None, kw: Mapping[str, Any]) -> SandboxSpec:
         """``spec`` as it is, or the one the keywords build; both at once only when the
@@ -549,13 +550,15 @@ class AsyncSandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, build_step: str | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
         bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
         "destroy" or "pause"); ``project``: the key's default project when None;
-        ``detached``: not bound to this client's session (outlives the client).
+        ``detached``: not bound to this client's session (outlives the client);
+        ``build_step``: an image build step's cache key (the builder sets it: the edge
+        records it in this sandbox's snapshots with the stack it ran on).
 
         ``spec``: a whole :class:`~dsec.wire.spec.SandboxSpec`, sent unchanged (every
         field; ``backend``/``project``/``ttl_s`` left None are the server's), instead of
@@ -571,7 +574,8 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
-            "allow_nested": allow_nested, "user_namespace": user_namespace})
+            "allow_nested": allow_nested, "user_namespace": user_namespace,
+            "build_step": build_step})
         c = self._c
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",

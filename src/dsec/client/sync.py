@@ -175,7 +175,7 @@ class Sandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, build_step: str | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
@@ -184,7 +184,7 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            idempotency_key=idempotency_key)))
+            idempotency_key=idempotency_key, build_step=build_step)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",

@@ -190,6 +190,8 @@ class CreateSandboxRequest(_Strict):
     network: NetworkPolicy | None = None   # default: the server's --net-default ("none")
     allow_nested: bool = False
     user_namespace: bool = False        # root inside = unprivileged uid on the host
+    # an image build step's cache key (dsec.image.build.step_key); see docs/images.md
+    build_step: Annotated[str, _doc(pattern="^[0-9a-f]{64}$")] | None = None
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
 
 
@@ -288,6 +290,9 @@ class SnapshotView(msgspec.Struct, kw_only=True, omit_defaults=True):
     unchanged: bool = False
     # the image build step this layer records (dsec.image.build's cache key), if any
     build_step: str = ""
+    # the image layers the chain applies to, highest first (with ``parent``: what the
+    # sandbox ran on; a build checks both on a cached step)
+    stack: list[str] = []
 
 
 class SnapshotList(msgspec.Struct, kw_only=True):

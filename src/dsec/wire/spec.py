@@ -7,6 +7,7 @@ Units are in the field names; ``None`` means "none/unlimited", never 0 or -1.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -25,6 +26,7 @@ from dsec.wire.netpolicy import (
 )
 
 __all__ = [
+    "CALLER_DSEC_LABELS",
     "DEFAULT_CPU_MILLI",
     "DEFAULT_MEMORY_BYTES",
     "DEFAULT_PIDS_MAX",
@@ -67,6 +69,7 @@ __all__ = [
     "MAX_TTL_S",
     "MAX_USER_BYTES",
     "MIN_PRIORITY",
+    "RESERVED_LABEL_DOMAIN",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
@@ -98,6 +101,7 @@ __all__ = [
     "check_strip",
     "project_of",
     "read_in_chunks",
+    "reserved_label",
     "resolve",
     "stored",
 ]
@@ -160,6 +164,27 @@ MAX_SPEC_ENV_BYTES = MAX_ARGV_BYTES // 2
 MAX_LABELS = 64                       # labels per sandbox (listings filter on them)
 MAX_LABEL_KEY_CHARS = 253
 MAX_LABEL_VALUE_CHARS = 1024
+# Label keys in dsec's own domains (``dsec.io/...``, ``<anything>.dsec.io/...``) are the
+# platform's: a caller may not set them on a create, at any door (this type's
+# ``validate`` is what every door decodes through), because the platform trusts what
+# they say. Before, any member's ``build.dsec.io/step`` label forged an image build's
+# step-cache entry (red team 15, F7); the step key now rides in the dedicated field
+# ``SandboxSpec.build_step``. The exceptions are labels the platform never trusts on
+# their word: ``dsec.io/session`` (the apiserver checks it names a live session of the
+# caller's), ``dsec.io/build`` (display only) and ``dsec.io/build-run`` (a builder's own
+# random token to find its build sandbox after an interrupted create).
+RESERVED_LABEL_DOMAIN = "dsec.io"
+CALLER_DSEC_LABELS = frozenset({"dsec.io/session", "dsec.io/build", "dsec.io/build-run"})
+_BUILD_STEP = re.compile(r"^[0-9a-f]{64}$")
+
+
+def reserved_label(key: str) -> bool:
+    """Whether a caller may not set label ``key`` (see :data:`RESERVED_LABEL_DOMAIN`). Pure;
+    case-insensitive in the domain, as DNS names are."""
+    if key in CALLER_DSEC_LABELS or "/" not in key:
+        return False
+    domain = key.split("/", 1)[0].lower().rstrip(".")
+    return domain == RESERVED_LABEL_DOMAIN or domain.endswith("." + RESERVED_LABEL_DOMAIN)
 # Preemption priority: a 32-bit int at every door (REST's single create said so first;
 # the batch, gateway and edge doors took any 64-bit value).
 MIN_PRIORITY = -(2**31)
@@ -384,6 +409,10 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     network: NetworkPolicy | None = None
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
     user_namespace: bool = False            # root inside = unprivileged uid on the host
+    # An image build step's cache key (dsec.image.build.step_key, 64 hex): the edge
+    # writes it into the snapshot layer's manifest beside the stack the sandbox really
+    # ran on, which a builder checks on a cache hit (never a label: see reserved_label).
+    build_step: str | None = None
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
@@ -461,6 +490,15 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
                           limit=MAX_LABEL_VALUE_CHARS)
+            if reserved_label(k):
+                raise bad("labels", k[:80], f"label keys in the {RESERVED_LABEL_DOMAIN} "
+                          "domains are set by the platform only (an image build step's "
+                          "key goes in the build_step field); use a key of your own "
+                          f"domain (caller-settable: {sorted(CALLER_DSEC_LABELS)})")
+        if self.build_step is not None and (not isinstance(self.build_step, str)
+                                            or not _BUILD_STEP.match(self.build_step)):
+            raise bad("build_step", str(self.build_step)[:80],
+                      "an image build step key is 64 lowercase hex (dsec.image.build.step_key)")
         if self.network is not None:
             net = self.network.validate()
             if net is not self.network:
@@ -782,6 +820,9 @@ class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     size_bytes: int = 0
     unchanged: bool = False
     build_step: str = ""                    # an image build's step cache key, if any
+    # the image layers the snapshot chain applies to (highest first): with ``parent``,
+    # what the sandbox really ran on, which a build checks on a cache hit
+    stack: tuple[str, ...] = ()
 
 
 async def read_in_chunks(read: Callable[[int, int], Awaitable[bytes]], offset: int,
