@@ -34,6 +34,7 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePruned,
     ImageTagRequest,
     ImageView,
     Info,
@@ -59,6 +60,7 @@ from dsec.wire.calls import (
     FeedRequest,
     FileRef,
     HeartbeatRequest,
+    ImagePrune,
     ImageRef,
     ImageUpload,
     KeyRef,
@@ -710,6 +712,19 @@ PORT_CONNECT: TunnelOp[PortConnect, None] = TunnelOp(
     role="member", target="sandbox", idempotent=False, doors=_EDGE)
 
 
+# Issue 15: the layer store's garbage collection. A superuser's: the store is one for
+# every project, and what is garbage is decided across all of them (a layer one project
+# built may stand under another's image); per project there is nothing to collect that
+# `image_delete` does not already remove.
+IMAGE_PRUNE: Op[ImagePrune, ImagePruned] = Op(
+    "image_prune", ImagePrune, ImagePruned,
+    summary="Remove the layers nothing references (no name, no snapshot or image on "
+            "them, not mounted, not held by a build); superuser only; dry_run only says",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/prune", operation_id="pruneImages",
+              body="*", tag="images"))
+
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -720,6 +735,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_BUILD, IMAGE_IMPORT,
     NETWORK_GET, NETWORK_UPDATE,
     PORT_EXPOSE, PORT_LIST, PORT_CONNECT, PORT_CLOSE,
+    IMAGE_PRUNE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -79,6 +79,7 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePruned,
     ImageTagRequest,
     ImageView,
     Info,
@@ -100,6 +101,7 @@ from dsec.wire.calls import (
     Empty,
     ExecCall,
     ExecMany,
+    ImagePrune,
     ImageRef,
     ImageUpload,
     KeyRef,
@@ -303,6 +305,8 @@ class AdminOps(Protocol):
         raise NotImplementedError
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
+        raise NotImplementedError
+    async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         raise NotImplementedError
 
 
@@ -1438,6 +1442,7 @@ class ApiService:
             "port_close": functools.partial(fwd, ops.PORT_CLOSE),
             "network_get": functools.partial(fwd, ops.NETWORK_GET),
             "network_update": self._network_update_op,
+            "image_prune": self._image_prune_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1660,6 +1665,9 @@ class ApiService:
 
     async def _image_delete_op(self, caller: Caller, b: ImageRef) -> None:
         self._admin().delete_image(caller, b.ref)
+
+    async def _image_prune_op(self, caller: Caller, b: ImagePrune) -> ImagePruned:
+        return await self._admin().prune_images(caller, dry_run=b.dry_run)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "
