@@ -126,3 +126,23 @@ def test_config_to_defaults_and_back() -> None:
     assert defaults_from_labels({"oci.env": "not json"}) == ImageDefaults()
     # the importer's labels read the same way
     assert defaults_from_labels({"oci.workingdir": '"/srv"'}).cwd == "/srv"
+
+
+def test_image_defaults_under_the_create() -> None:
+    from dsec.control.api.images import with_image_defaults
+    from dsec.image.manifest import LayerManifest
+    from dsec.wire.spec import SandboxSpec
+
+    labels = defaults_labels(ImageDefaults(env={"PATH": "/img", "FOO": "img"}, cwd="/w",
+                                           user="app"))
+    m = LayerManifest(digest="sha256:" + "a" * 64, kind="base", size_bytes=1, created=0.0,
+                      labels=labels)
+    out = with_image_defaults(SandboxSpec(env={"FOO": "create"}), m)
+    assert (out.env, out.cwd, out.user) == ({"PATH": "/img", "FOO": "create"}, "/w", "app")
+    out = with_image_defaults(SandboxSpec(cwd="/tmp", user="root"), m)
+    assert (out.cwd, out.user) == ("/tmp", "root")
+    plain = SandboxSpec()
+    bare = LayerManifest(digest="sha256:" + "b" * 64, kind="base", size_bytes=1, created=0.0)
+    assert with_image_defaults(plain, bare) is plain
+    with pytest.raises(InvalidArgument, match="cwd"):
+        SandboxSpec(cwd="relative").validate()

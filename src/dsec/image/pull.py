@@ -99,6 +99,7 @@ class PullOptions:
     creds: str | None = None
     authfile: str | None = None
     timeout_s: float = 1800.0
+    secret: str | None = None       # creds moved to a private authfile: still redacted
 
     def auth_args(self, *, src: bool) -> list[str]:
         out: list[str] = []
@@ -126,9 +127,10 @@ class PullResult:
 
 # ------------------------------------------------------------------- skopeo
 def _redact(text: str, opts: PullOptions) -> str:
-    if opts.creds:
-        text = text.replace(opts.creds, "<creds>")
-        text = text.replace(opts.creds.partition(":")[2] or "\0", "<password>")
+    for secret in (opts.creds, opts.secret):
+        if secret:
+            text = text.replace(secret, "<creds>")
+            text = text.replace(secret.partition(":")[2] or "\0", "<password>")
     return text
 
 
@@ -377,11 +379,12 @@ def pull_image(store: LayerStore, ref: str, *, namespace: str | None = None,
                options: PullOptions = PullOptions(),
                progress: PullProgress | None = None, compression: Compression | None = None,
                limits: ExtractLimits = DEFAULT_LIMITS, max_bytes: int | None = None,
-               ) -> PullResult:
+               name_it: bool = True) -> PullResult:
     """Pull ``ref`` (``host[:port]/repo[:tag|@digest]``) into ``store`` as image
     ``[namespace/]name:tag`` (default :func:`dsec.image.registry.local_name`). Layers
-    built belong to ``namespace``; ``max_bytes`` bounds each new layer file. See the
-    module docstring for the steps and guarantees."""
+    built belong to ``namespace``; ``max_bytes`` bounds each new layer file.
+    ``name_it=False`` leaves the naming to the caller (the API charges the layers to a
+    quota first). See the module docstring for the steps and guarantees."""
     r = parse_registry_ref(ref)
     dname, dtag = local_name(r)
     name, tag = name or dname, tag or dtag
@@ -389,6 +392,37 @@ def pull_image(store: LayerStore, ref: str, *, namespace: str | None = None,
         raise InvalidArgument(f"image name {name!r} must be bare: the project goes in "
                               "namespace=", field="name")
     deadline = time.monotonic() + options.timeout_s
+    with _private_creds(store, r, options) as opts:
+        return _pull(store, r, name, tag, opts, deadline, namespace=namespace, owner=owner,
+                     progress=progress, compression=compression, limits=limits,
+                     max_bytes=max_bytes, name_it=name_it)
+
+
+@contextlib.contextmanager
+def _private_creds(store: LayerStore, r: RegistryRef, opts: PullOptions,
+                   ) -> Iterator[PullOptions]:
+    """``creds`` moved into a private auth file for skopeo (``--creds`` on its command
+    line would show the password to every host user in /proc/<pid>/cmdline)."""
+    if opts.creds is None:
+        yield opts
+        return
+    import base64
+    import dataclasses
+    if ":" not in opts.creds:
+        raise InvalidArgument("registry credentials must be user:password", field="creds")
+    with store.staging("auth-") as d:
+        path = os.path.join(d, "auth.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"auths": {r.host: {"auth": base64.b64encode(
+                opts.creds.encode()).decode()}}}, f)
+        yield dataclasses.replace(opts, creds=None, authfile=path, secret=opts.creds)
+
+
+def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullOptions,
+          deadline: float, *, namespace: str | None, owner: str | None,
+          progress: PullProgress | None, compression: Compression | None,
+          limits: ExtractLimits, max_bytes: int | None, name_it: bool) -> PullResult:
     digest, manifest, want = resolve_manifest(r, options, deadline=deadline)
     cache = BlobCache(store)
     made: list[LayerManifest] = []
@@ -449,7 +483,8 @@ def pull_image(store: LayerStore, ref: str, *, namespace: str | None = None,
                     progress(f"layer {i + 1}/{len(layers)}", layer.size, layer.size)
                 below.append(found)
         top = below[-1]
-        store.tag(top.digest, name, tag, namespace=namespace)
+        if name_it:
+            store.tag(top.digest, name, tag, namespace=namespace)
     except BaseException:
         for m in reversed(made):
             with contextlib.suppress(DsecError, OSError):

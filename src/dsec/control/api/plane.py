@@ -111,6 +111,7 @@ from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePullRequest,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -663,6 +664,12 @@ class ControlPlane:
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
         return self.images.resolve_layers(caller, spec)
 
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        return await self.images.pull_on_create(caller, spec)
+
+    def registry_pull(self, project: str) -> tuple[bool, str | None]:
+        return self.quota.registry_pull(project)
+
     def list_images(self, caller: Caller) -> ImageList:
         return self.images.list_images(caller)
 
@@ -679,6 +686,9 @@ class ControlPlane:
                           tag: str, oci: bool) -> ImageList:
         return await self.images.build_image(caller, tar_path, name=name, kind=kind, tag=tag,
                                              oci=oci)
+
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        return await self.images.pull_image(caller, req)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
