@@ -255,3 +255,28 @@ def test_pulled_layer_in_use_is_not_removed(seeded: Seeded, store: LayerStore) -
     res = pull_image(store, seeded.ref("dsec/a:1"), options=INSECURE)
     with pytest.raises(InUse, match="image .* builds on it"):
         store.remove(res.layers[-1].digest)
+
+
+def test_cli_pull_and_inspect(seeded: Seeded, store: LayerStore) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from dsec.cli.image import image
+    ref = seeded.ref("dsec/a:1")
+    r = CliRunner().invoke(image, ["--root", store.root, "pull", ref, "--insecure", "-q",
+                                   "--name", "teama/app:v1"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("teama/app:v1 sha256:") and "3 layers (3 new, 0 shared)" \
+        in r.output
+    r = CliRunner().invoke(image, ["--root", store.root, "inspect", "teama/app:v1"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["defaults"]["cwd"] == "/opt/data" and doc["defaults"]["user"] == "1000:1000"
+    assert doc["defaults"]["env"]["FOO"] == "from-image" and len(doc["layers"]) == 3
+    assert doc["namespace"] == "teama"
+    # a refusal is one line naming the fix, and nothing is stored
+    r = CliRunner().invoke(image, ["--root", store.root, "pull", seeded.ref("dsec/a:1"),
+                                   "-q", "--name", "teama/app:v2"])
+    assert r.exit_code != 0 and "--insecure" in r.output
+    assert "teama/app:v2" not in store.refs()

@@ -222,7 +222,7 @@ def pull(root: str | None, ref: str, name: str | None, insecure: bool, platform:
         _fail(exc)
     m = res.image
     reused = len(res.layers) - len(res.made)
-    click.echo(f"{m.ref} {m.digest} {len(res.layers)} layers ({len(res.made)} new, "
+    click.echo(f"{res.key} {m.digest} {len(res.layers)} layers ({len(res.made)} new, "
                f"{reused} shared), {res.fetched_bytes} bytes fetched")
 
 

@@ -57,7 +57,7 @@ from dsec.errors import (
 )
 from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
 from dsec.image.erofs import Compression
-from dsec.image.manifest import LayerManifest
+from dsec.image.manifest import LayerManifest, ref_key
 from dsec.image.registry import (
     LayerBlob,
     Platform,
@@ -123,6 +123,7 @@ class PullResult:
     fetched_bytes: int = 0
     ref: str = ""
     manifest_digest: str = ""
+    key: str = ""                   # the store name it got ([project/]name:tag)
 
 
 # ------------------------------------------------------------------- skopeo
@@ -491,7 +492,8 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
                 store.remove(m.digest)
         raise
     return PullResult(image=store.get(top.digest), layers=below[::-1], made=made,
-                      fetched_bytes=fetched, ref=str(r), manifest_digest=digest)
+                      fetched_bytes=fetched, ref=str(r), manifest_digest=digest,
+                      key=ref_key(namespace, name, tag))
 
 
 def _read_layout(layout: str, digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
