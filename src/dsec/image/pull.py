@@ -287,27 +287,28 @@ def _dir_bytes(path: str) -> int:
 
 
 @contextlib.contextmanager
-def _watch(layout: str, total: int, progress: PullProgress | None,
+def _watch(layout: str, total: int, progress: PullProgress | None, cache: BlobCache,
            interval_s: float = 0.2) -> Iterator[None]:
-    """Report fetch progress by watching the blob bytes skopeo writes into ``layout``
-    (skopeo prints no progress when not on a terminal)."""
-    if progress is None:
-        yield
-        return
+    """While skopeo copies: hard-link each completed blob into the cache as it appears
+    (so even a kill -9 of this process keeps what was fetched for the retry) and report
+    fetch progress from the blob bytes written (skopeo prints none off a terminal)."""
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.wait(interval_s):
-            done = _dir_bytes(os.path.join(layout, "blobs", "sha256")) + _dir_bytes(layout)
-            progress("fetch", min(done, total), total)
-    t = threading.Thread(target=loop, name="dsec-pull-progress", daemon=True)
+            cache.keep(layout)
+            if progress is not None:
+                done = _dir_bytes(os.path.join(layout, "blobs", "sha256")) + _dir_bytes(layout)
+                progress("fetch", min(done, total), total)
+    t = threading.Thread(target=loop, name="dsec-pull-watch", daemon=True)
     t.start()
     try:
         yield
     finally:
         stop.set()
         t.join()
-        progress("fetch", total, total)
+        if progress is not None:
+            progress("fetch", total, total)
 
 
 # ------------------------------------------------------------------ layers
@@ -440,7 +441,7 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
             blob_dir = os.path.join(scratch, "blobs", "sha256")
             had = set(os.listdir(blob_dir))
             try:
-                with _watch(scratch, total, progress):
+                with _watch(scratch, total, progress, cache):
                     _run_skopeo(["copy", "--quiet", *options.auth_args(src=True),
                                  r.docker(digest), f"oci:{scratch}:img"], r, options,
                                 deadline=deadline)
