@@ -38,6 +38,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -141,11 +142,14 @@ def _skopeo_error(stderr: str, ref: RegistryRef, opts: PullOptions) -> DsecError
     tail = msg.rsplit("msg=", 1)[-1].strip().strip('"')[:600]
     low = msg.lower()
     where = str(ref)
+    if "digest" in low and ("mismatch" in low or "did not match" in low):
+        return CorruptLayer(f"a blob of {where} did not match its digest: {tail}")
     if "manifest unknown" in low or "name_unknown" in low or "repository name not known" \
             in low or "not found" in low and "manifest" in low:
         return ImageNotFound(f"registry has no image {where}: {tail}", ref=where)
+    # status codes as words of their own: a digest in the message holds digit runs too
     if "unauthorized" in low or "authentication required" in low or "denied" in low \
-            or "401" in low or "403" in low:
+            or re.search(r"\b40[13]\b", low):
         return PermissionDenied(
             f"registry {ref.host} refused {where}: {tail}; give credentials with "
             "--creds user:password or --authfile (docker's auth.json)")
@@ -159,8 +163,6 @@ def _skopeo_error(stderr: str, ref: RegistryRef, opts: PullOptions) -> DsecError
             or "pinging container registry" in low or "i/o timeout" in low:
         return Unavailable(f"cannot reach registry {ref.host}: {tail}; check the host and "
                            "port of the ref")
-    if "digest" in low and ("mismatch" in low or "did not match" in low):
-        return CorruptLayer(f"a blob of {where} did not match its digest: {tail}")
     return ImageError(f"pulling {where} failed: {tail}")
 
 
