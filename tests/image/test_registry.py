@@ -149,10 +149,10 @@ def test_image_defaults_under_the_create() -> None:
 
 
 @pytest.mark.parametrize(("stderr", "code"), [
-    ('level=fatal msg="Error parsing image name \\"docker://127.0.0.1:5/a/b:t\\": reading '
-     'manifest t in 127.0.0.1:5/a/b: manifest unknown: manifest unknown"', "image_not_found"),
-    ('msg="pinging container registry 127.0.0.1:5: Get \\"http://127.0.0.1:5/v2/\\": dial '
-     'tcp 127.0.0.1:5: connect: connection refused"', "unavailable"),
+    (('level=fatal msg="Error parsing image name \\"docker://127.0.0.1:5/a/b:t\\": reading '
+     'manifest t in 127.0.0.1:5/a/b: manifest unknown: manifest unknown"'), "image_not_found"),
+    (('msg="pinging container registry 127.0.0.1:5: Get \\"http://127.0.0.1:5/v2/\\": dial '
+     'tcp 127.0.0.1:5: connect: connection refused"'), "unavailable"),
     ('msg="reading manifest 1 in 127.0.0.1:5/a: unauthorized: authentication required"',
      "permission_denied"),
     ("writing blob: Digest did not match, expected sha256:4013a4010403aa, got sha256:401b",
