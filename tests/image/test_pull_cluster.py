@@ -64,7 +64,7 @@ def world() -> Iterator[World]:
                     CONFIG)
         with LocalRegistry(os.path.join(work, "reg")) as reg, \
                 LocalCluster(edges=1, backend="container") as cl:
-            for repo in ("team/app:1", "team/app:2", "team/other:1", "team/denied:1"):
+            for repo in ("team/app:1", "team/app:2", "team/app:3", "team/denied:1"):
                 push(lay, "app", f"{reg.host}/{repo}")
             cgroup = os.path.abspath(os.path.join(cl.state_dir, "container", "edge-0"))
             http = httpx.Client(base_url=cl.url, timeout=120)
@@ -151,3 +151,18 @@ def test_registry_pull_setting_refuses_and_names_itself(world: World) -> None:
                 assert sb.exec("echo $FOO").stdout == b"from-image\n"
     finally:
         world.http.put("/v1/quotas/teamb", json={}, headers=root)
+
+
+def test_a_batch_of_creates_pulls_once(world: World) -> None:
+    ref = world.ref("team/app:3")
+    with world.client(world.alice, "http") as c:
+        boxes = c.sandboxes.create_many(3, image=ref, project="teama")
+        try:
+            for sb in boxes:
+                assert sb.exec("echo $FOO").stdout == b"from-image\n"
+        finally:
+            for sb in boxes:
+                sb.kill()
+    tops = [m for m in world.store().manifests()
+            if m.labels.get("oci.ref") == ref and m.namespace == "teama"]
+    assert len(tops) == 1

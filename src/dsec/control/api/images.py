@@ -40,6 +40,7 @@ from dsec.image.catalog import (
     visible_names,
 )
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
+from dsec.image.registry import RegistryRef
 from dsec.image.store import LayerStore
 from dsec.wire.api import ImageList, ImagePullRequest, ImageTagRequest, ImageView
 from dsec.wire.spec import SandboxSpec
@@ -70,6 +71,7 @@ class ImageAdmin:
         self.layer_dir = layer_dir
         self._store_cache: LayerStore | None = None
         self._index_cache: StoreIndex | None = None
+        self._pulls: dict[tuple[str, str], asyncio.Lock] = {}
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
     # rules live in dsec.image.catalog (who sees what, what a ref names) and
@@ -160,15 +162,35 @@ class ImageAdmin:
         r = parse_registry_ref(spec.image)
         name, tag = local_name(r)
         project = spec.project
-        index = self._index()
-        assert index is not None
         local = f"{name}:{tag}"
-        for key, spelled in (((f"{project}/{local}", f"{project}/{local}") if project
-                              else (local, local)), (local, local)):
-            if index.digest_of(key) is not None:
-                return msgspec.structs.replace(spec, image=spelled)
+
+        def pulled() -> SandboxSpec | None:
+            index = self._index()
+            assert index is not None
+            for key in ((f"{project}/{local}",) if project else ()) + (local,):
+                if index.digest_of(key) is not None:
+                    return msgspec.structs.replace(spec, image=key)
+            return None
+        found = pulled()
+        if found is not None:
+            return found
         if project is None:
             raise image_not_found(spec.image)
+        # one pull per (project, ref) at a time: a batch of creates naming one image
+        # waits for the first one's pull instead of pulling it N times
+        lock = self._pulls.setdefault((project, local), asyncio.Lock())
+        try:
+            async with lock:
+                found = pulled()
+                if found is not None:
+                    return found
+                return await self._pull_for_create(caller, spec, r, project, local)
+        finally:
+            if not lock.locked():
+                self._pulls.pop((project, local), None)   # bounded by pulls in flight
+
+    async def _pull_for_create(self, caller: Caller, spec: SandboxSpec, r: RegistryRef,
+                               project: str, local: str) -> SandboxSpec:
         allowed, said_by = self.charges.registry_pull(project)
         if not allowed:
             raise PermissionDenied(
