@@ -166,3 +166,28 @@ def test_a_batch_of_creates_pulls_once(world: World) -> None:
     tops = [m for m in world.store().manifests()
             if m.labels.get("oci.ref") == ref and m.namespace == "teama"]
     assert len(tops) == 1
+
+
+def test_the_apiserver_pulls_only_from_allowed_registries(world: World) -> None:
+    from dsec.control.api.images import check_registry
+
+    images = world.cluster.runtime.plane.images
+    host = world.registry.host
+    check_registry(host, ("127.0.0.1",))                      # any port
+    check_registry(host, (host,))
+    check_registry("reg.example.com:443", ("*.example.com:*",))
+    with pytest.raises(PermissionDenied):
+        check_registry(host, ("127.0.0.1:1",))
+    before = set(world.store().refs())
+    images.registries = ("registry.example.com",)
+    try:
+        for door in DOORS:
+            with world.client(world.alice, door) as c:
+                with pytest.raises(PermissionDenied, match="does not pull from registry"):
+                    c.images.pull(world.ref("team/app:1"), project="teama", name="teama/x",
+                                  insecure=True)
+                with pytest.raises(PermissionDenied, match="does not pull from registry"):
+                    c.sandboxes.create(image=world.ref("team/denied:1"), project="teama")
+    finally:
+        images.registries = None
+    assert set(world.store().refs()) == before

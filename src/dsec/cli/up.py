@@ -51,13 +51,16 @@ from dsec.cli.edge import capacity_options, net_default_option
               help="An edge silent this long is lost: its sandboxes are evicted (node_lost). "
                    "Restart (upgrade) an edge within it to keep them.")
 @click.option("--quiet", is_flag=True, help="No status line.")
+@click.option("--registry", "registries", multiple=True, metavar="HOST[:PORT]",
+              help="Only pull images from these registries (fnmatch patterns, repeatable; "
+                   "default: any).")
 @net_default_option
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool, net_default: Any) -> None:
+       quiet: bool, registries: tuple[str, ...], net_default: Any) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
@@ -82,7 +85,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
         edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
         disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl),
-        simulated_profile=profile, net_default=net_default)
+        simulated_profile=profile, net_default=net_default,
+        registries=tuple(registries) or None)
     uvloop.run(_run(cfg, quiet))
 
 

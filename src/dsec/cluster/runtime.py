@@ -139,6 +139,11 @@ class ClusterConfig:
     # The egress policy of a create that names none (`dsec up --net-default`); the
     # apiserver resolves it, so edges always get a policy.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # Registries the apiserver pulls images from for its callers (images.pull, first-use
+    # pulls): host[:port] patterns (fnmatch), None = any. A pull connects from the
+    # apiserver's host to the host a caller names: restrict it where that reaches
+    # internal services (docs/images.md "Pulling from registries").
+    registries: tuple[str, ...] | None = None
 
 
 def _port_token_key(state_dir: str) -> bytes:
@@ -279,6 +284,7 @@ class ClusterRuntime:
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
+            plane.images.registries = cfg.registries
             await plane.start()
             if self.processes:
                 self._background(self._mind_edges(), "dsec-edge-minder")

@@ -72,6 +72,8 @@ class ImageAdmin:
         self._store_cache: LayerStore | None = None
         self._index_cache: StoreIndex | None = None
         self._pulls: dict[tuple[str, str], asyncio.Lock] = {}
+        # host[:port] patterns (fnmatch) callers may pull from; None: any registry
+        self.registries: tuple[str, ...] | None = None
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
     # rules live in dsec.image.catalog (who sees what, what a ref names) and
@@ -191,6 +193,7 @@ class ImageAdmin:
 
     async def _pull_for_create(self, caller: Caller, spec: SandboxSpec, r: RegistryRef,
                                project: str, local: str) -> SandboxSpec:
+        check_registry(r.host, self.registries)
         allowed, said_by = self.charges.registry_pull(project)
         if not allowed:
             raise PermissionDenied(
@@ -367,6 +370,7 @@ class ImageAdmin:
         from dsec.image.registry import local_name, parse_registry_ref
 
         r = parse_registry_ref(req.ref)
+        check_registry(r.host, self.registries)
         if req.name is not None:
             try:
                 p = parse_ref(req.name if ":" in req.name.rsplit("/", 1)[-1]
@@ -422,6 +426,26 @@ class ImageAdmin:
         assert index is not None
         can_see = _can_see(caller)
         return ImageList(items=[_image_view(index, m, can_see) for m in res.layers])
+
+
+def check_registry(host: str, allowed: tuple[str, ...] | None) -> None:
+    """``PermissionDenied`` unless ``host`` (``name[:port]``) matches one of the
+    apiserver's allowed registry patterns (None: any). A pattern without a port matches
+    the host on any port."""
+    import fnmatch
+
+    if allowed is None:
+        return
+    bare = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if any(fnmatch.fnmatchcase(host, p) or (":" not in p.lstrip("[").split("]")[-1]
+                                            and fnmatch.fnmatchcase(bare, p))
+           for p in allowed):
+        return
+    raise PermissionDenied(
+        f"this apiserver does not pull from registry {host[:200]!r}: it pulls only from "
+        f"{', '.join(allowed) or 'no registry'} (ClusterConfig.registries, `dsec up "
+        "--registry`); ask its operator, or pull elsewhere and push to an allowed one",
+        field="ref")
 
 
 def _named(index: StoreIndex, exact: str) -> LayerManifest | None:
