@@ -7,15 +7,20 @@ maintained client does well. What is dsec's own is here:
 1. ``skopeo inspect --raw`` the ref: an image index is resolved to one platform's
    manifest by :func:`dsec.image.registry.select_manifest` (the host's unless
    ``platform=``), so the copy is pinned to a manifest digest and auth, unknown
-   registries and unknown manifests fail before anything is written.
-2. ``skopeo copy docker://repo@<digest> oci:<scratch>:img`` into a per-pull scratch OCI
-   layout under the store's ``tmp/`` (named by this process: a kill -9 leaves nothing the
-   next store open does not reclaim). skopeo verifies every blob's digest and fetches
-   layers concurrently. Blobs already in the store's blob cache (``oci-cache/``, an OCI
-   layout of completed blobs) are hard-linked into the scratch layout first, and skopeo
-   then does not fetch them: a pull interrupted by an error or a signal is resumed by
-   the retry at blob granularity. (skopeo 1.9 keeps no partial blobs: an interrupted
-   blob is fetched again from its first byte.)
+   registries and unknown manifests fail before anything is written; then the config
+   (``inspect --config``, checked against its digest) says which layers (diff_ids) the
+   image is made of. When the store holds them all, nothing more is fetched.
+2. Otherwise ``skopeo copy docker://repo@<digest> oci:<scratch>:img`` into a per-pull
+   scratch OCI layout under the store's ``tmp/`` (named by this process: a kill -9
+   leaves nothing the next store open does not reclaim). skopeo verifies every blob's
+   digest and fetches layers concurrently. The store's blob cache (``oci-cache/``, an
+   OCI layout) holds what interrupted pulls fetched: its blobs are hard-linked into the
+   scratch layout first (skopeo then does not fetch them), completed blobs are linked
+   into it while skopeo runs (every 0.2 s, so a kill -9 keeps them), and a pull that
+   succeeds takes its blobs out again (its layers are stored; the cache is no second
+   copy of every image), as does a day without use. A retry resumes at blob
+   granularity: skopeo 1.9 keeps no partial blobs, so a blob cut mid-transfer is
+   fetched again from its first byte.
 3. Each layer, bottom first: its blob is streamed through gunzip into the safe tar
    extractor (OCI whiteouts and opaque dirs translated as by the importer), the
    uncompressed stream hashed and checked against the config's ``rootfs.diff_ids``
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from dsec.errors import (
+    Conflict,
     CorruptLayer,
     DsecError,
     ImageError,
@@ -83,6 +89,8 @@ REF_LABEL = "oci.ref"
 CONFIG_LABEL = "oci.config"
 PLATFORM_LABEL = "oci.platform"
 _CACHE = "oci-cache"
+#: A cached blob no pull used for this long goes (a failed pull nobody retried).
+CACHE_MAX_AGE_S = 24 * 3600.0
 _MAX_JSON = 16 << 20
 _DIR_MODE = 0o700
 
@@ -266,6 +274,22 @@ class BlobCache:
                     with contextlib.suppress(FileExistsError, OSError):
                         os.link(os.path.join(src, n), os.path.join(self.blobs, n))
 
+    def forget(self, layout: str) -> None:
+        """Drop from the cache every blob ``layout`` holds (a pull that succeeded)."""
+        with contextlib.suppress(FileNotFoundError):
+            for n in os.listdir(os.path.join(layout, "blobs", "sha256")):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.blobs, n))
+
+    def expire(self, max_age_s: float, now: float) -> None:
+        """Remove blobs cached longer than ``max_age_s`` ago (a failed pull never
+        retried); ctime is when the blob was linked in."""
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.blobs):
+                with contextlib.suppress(OSError):
+                    if now - e.stat(follow_symlinks=False).st_ctime > max_age_s:
+                        os.unlink(e.path)
+
     @contextlib.contextmanager
     def lock(self, diff_id: str) -> Iterator[None]:
         """One builder per diff_id on this store (two pulls sharing a base build it once)."""
@@ -423,48 +447,75 @@ def _private_creds(store: LayerStore, r: RegistryRef, opts: PullOptions,
         yield dataclasses.replace(opts, creds=None, authfile=path, secret=opts.creds)
 
 
+def _fetch_config(r: RegistryRef, digest: str, cfg_digest: str, opts: PullOptions, *,
+                  deadline: float) -> dict[str, Any]:
+    """The image config blob (``skopeo inspect --config --raw``), checked against the
+    digest the manifest names: it says which layers (diff_ids) the image is made of, so
+    a pull whose layers are all here fetches no layer blob at all."""
+    raw = _run_skopeo(["inspect", "--config", "--raw", *opts.auth_args(src=False),
+                       r.docker(digest)], r, opts, deadline=deadline)
+    if "sha256:" + hashlib.sha256(raw).hexdigest() != cfg_digest:
+        raise CorruptLayer(f"the config of {r} does not hash to {cfg_digest}, the digest "
+                           "its manifest names; the image is corrupt")
+    return _json(raw, f"the config of {r}")
+
+
+def _have(store: LayerStore, layers: Sequence[LayerBlob], namespace: str | None,
+          top_labels: dict[str, str]) -> bool:
+    """Whether every layer of the image is already in the store (usable by
+    ``namespace``), the top one with the same stack and config."""
+    below: list[str] = []
+    for i, layer in enumerate(layers):
+        is_top = i == len(layers) - 1
+        labels = {DIFFID_LABEL: layer.diff_id, BLOB_LABEL: layer.digest,
+                  **(top_labels if is_top else {})}
+        m = _find(store, layer.diff_id, namespace,
+                  _same(tuple(reversed(below)), labels) if is_top else _bare)
+        if m is None:
+            return False
+        below.append(m.digest)
+    return True
+
+
 def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullOptions,
           deadline: float, *, namespace: str | None, owner: str | None,
           progress: PullProgress | None, compression: Compression | None,
           limits: ExtractLimits, max_bytes: int | None, name_it: bool) -> PullResult:
     digest, manifest, want = resolve_manifest(r, options, deadline=deadline)
+    cfg_desc = manifest.get("config")
+    cfg_digest = str(cfg_desc.get("digest")) if isinstance(cfg_desc, dict) else ""
+    config = _fetch_config(r, digest, cfg_digest, options, deadline=deadline)
+    check_platform(config, want)
+    layers = image_layers(manifest, config)
+    if not layers:
+        raise ImageError(f"{r} has no layers")
+    top_labels = {**defaults_labels(image_defaults(config)), REF_LABEL: str(r),
+                  PLATFORM_LABEL: str(want), CONFIG_LABEL: cfg_digest}
     cache = BlobCache(store)
+    cache.expire(CACHE_MAX_AGE_S, time.time())
+    blob_digests = [x.digest for x in layers]
     made: list[LayerManifest] = []
     fetched = 0
     try:
         with store.staging("pull-") as scratch:
-            blob_digests = [str(d.get("digest")) for d in manifest.get("layers") or []
-                            if isinstance(d, dict)]
-            cfg_desc = manifest.get("config") or {}
-            cached = cache.link_into(scratch, [*blob_digests, str(cfg_desc.get("digest"))])
-            del cached
-            total = sum(int(d.get("size") or 0) for d in manifest.get("layers") or []
-                        if isinstance(d, dict))
             blob_dir = os.path.join(scratch, "blobs", "sha256")
-            had = set(os.listdir(blob_dir))
-            try:
-                with _watch(scratch, total, progress, cache):
-                    _run_skopeo(["copy", "--quiet", *options.auth_args(src=True),
-                                 r.docker(digest), f"oci:{scratch}:img"], r, options,
-                                deadline=deadline)
-            finally:
-                cache.keep(scratch)
-            fetched = sum(os.stat(os.path.join(blob_dir, d[7:])).st_size
-                          for d in set(blob_digests) if d[7:] not in had)
-            layout = _read_layout(scratch, digest)
-            config = layout[1]
-            check_platform(config, want)
-            layers = image_layers(layout[0], config)
-            if not layers:
-                raise ImageError(f"{r} has no layers")
-            defaults = defaults_labels(image_defaults(config))
-            top_labels = {**defaults, REF_LABEL: str(r), PLATFORM_LABEL: str(want),
-                          CONFIG_LABEL: str(cfg_desc.get("digest"))}
+            if not _have(store, layers, namespace, top_labels):
+                cache.link_into(scratch, [*blob_digests, cfg_digest])
+                had = set(os.listdir(blob_dir))
+                total = sum(x.size for x in layers)
+                try:
+                    with _watch(scratch, total, progress, cache):
+                        _run_skopeo(["copy", "--quiet", *options.auth_args(src=True),
+                                     r.docker(digest), f"oci:{scratch}:img"], r, options,
+                                    deadline=deadline)
+                finally:
+                    cache.keep(scratch)
+                fetched = sum(os.stat(os.path.join(blob_dir, d[7:])).st_size
+                              for d in set(blob_digests) if d[7:] not in had)
             below: list[LayerManifest] = []          # bottom first
             for i, layer in enumerate(layers):
                 is_top = i == len(layers) - 1
-                blob = os.path.join(scratch, "blobs", "sha256",
-                                    layer.digest.removeprefix("sha256:"))
+                blob = os.path.join(blob_dir, layer.digest.removeprefix("sha256:"))
                 stack = tuple(m.digest for m in reversed(below))
                 labels = {DIFFID_LABEL: layer.diff_id, BLOB_LABEL: layer.digest}
                 if is_top:
@@ -475,6 +526,9 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
                     found = _find(store, layer.diff_id, namespace,
                                   _same(stack, labels) if is_top else _bare)
                     if found is None:
+                        if not os.path.exists(blob):
+                            raise Conflict(f"layer {layer.diff_id} of {r} was removed from "
+                                           "the store while it was being pulled; pull again")
                         with store.staging("pull-layer-") as stage:
                             _unpack(blob, layer, stage, limits)
                             found = store.add_tree(
@@ -486,9 +540,13 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
                 if progress is not None:
                     progress(f"layer {i + 1}/{len(layers)}", layer.size, layer.size)
                 below.append(found)
-        top = below[-1]
-        if name_it:
-            store.tag(top.digest, name, tag, namespace=namespace)
+            top = below[-1]
+            if name_it:
+                store.tag(top.digest, name, tag, namespace=namespace)
+            # The layers are in the store now: this pull's blobs leave the cache (it
+            # holds what interrupted pulls fetched, for their retries, not a second copy
+            # of every image pulled).
+            cache.forget(scratch)
     except BaseException:
         for m in reversed(made):
             with contextlib.suppress(DsecError, OSError):
@@ -497,33 +555,3 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
     return PullResult(image=store.get(top.digest), layers=below[::-1], made=made,
                       fetched_bytes=fetched, ref=str(r), manifest_digest=digest,
                       key=ref_key(namespace, name, tag))
-
-
-def _read_layout(layout: str, digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(manifest, config) of the one image skopeo wrote, both checked against their
-    digests (the manifest against the one we pinned the copy to)."""
-    def blob(d: str, what: str) -> bytes:
-        if not isinstance(d, str) or not d.startswith("sha256:") or len(d) != 71:
-            raise ImageError(f"{what} has no sha256 digest")
-        try:
-            with open(os.path.join(layout, "blobs", "sha256", d[7:]), "rb") as f:
-                data = f.read(_MAX_JSON + 1)
-        except FileNotFoundError:
-            raise ImageError(f"skopeo wrote no {what} ({d})") from None
-        if "sha256:" + hashlib.sha256(data).hexdigest() != d:
-            raise CorruptLayer(f"{what} {d} does not hash to its digest")
-        return data
-    with open(os.path.join(layout, "index.json"), "rb") as f:
-        index = _json(f.read(_MAX_JSON + 1), "the pulled layout's index.json")
-    descs = index.get("manifests") or []
-    if not descs or not isinstance(descs[0], dict):
-        raise ImageError("skopeo wrote no manifest")
-    mdigest = str(descs[0].get("digest"))
-    manifest = _json(blob(mdigest, "the manifest"), "the manifest")
-    # skopeo may convert a docker v2 manifest to OCI on the way into an OCI layout: then
-    # the pinned digest names the registry's bytes, not these; the blobs are what count.
-    del digest
-    cfg = manifest.get("config")
-    config = _json(blob(str(cfg.get("digest")) if isinstance(cfg, dict) else "", "the config"),
-                   "the image config")
-    return manifest, config
