@@ -90,7 +90,7 @@ def _first_exec(ctx: BenchContext, ref: str, p: dict[str, object]) -> None:
     from dsec.cluster.local import LocalCluster
 
     with LocalCluster(edges=1, backend="container") as cl:
-        from dsec import Client
+        from dsec.client.sync import Client
         with Client(cl.url, cl.api_key, gateway=cl.gateway, session_lease_s=None) as c:
             t0 = time.perf_counter()
             sb = c.sandboxes.create(image=ref, project="default")
