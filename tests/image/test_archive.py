@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -69,8 +70,6 @@ def test_extracts_files_dirs_links_and_metadata(tmp_path: object) -> None:
 @pytest.mark.parametrize("members, needle", [
     ([(ti("/etc/passwd"), b"x")], "absolute"),
     ([(ti("a/../../x"), b"x")], "'..'"),
-    ([(ti("dev", tarfile.CHRTYPE), None)], "device"),
-    ([(ti("blk", tarfile.BLKTYPE), None)], "device"),
     ([(ti("esc", tarfile.SYMTYPE, link="../../etc"), None)], "outside"),
     ([(ti("d/esc", tarfile.SYMTYPE, link="../../x"), None)], "outside"),
     ([(ti("lnk", tarfile.SYMTYPE, link="/etc"), None), (ti("lnk/passwd"), b"pwned")],
@@ -82,6 +81,22 @@ def test_rejects_hostile_members(tmp_path: object, members: list, needle: str) -
     with pytest.raises(UnsafeArchive, match=needle):
         extract_tar(io.BytesIO(make_tar(members)), str(tmp_path))
     assert not os.path.exists("/etc/passwd.pwned")
+
+
+def test_device_members_go_by_the_one_rule(tmp_path: object) -> None:
+    """Device nodes are left out and counted (they used to refuse the whole archive),
+    a 0/0 character device is a whiteout and kept (tree.special_skip)."""
+    null = ti("dev/null", tarfile.CHRTYPE)
+    null.devmajor, null.devminor = 1, 3
+    blk = ti("dev/sda", tarfile.BLKTYPE)
+    blk.devmajor = 8
+    stats = extract_tar(io.BytesIO(make_tar([(null, None), (blk, None),
+                                             (ti("gone", tarfile.CHRTYPE), None)])),
+                        str(tmp_path))
+    assert stats.skipped == {"devices": 2}
+    assert not os.path.exists(os.path.join(str(tmp_path), "dev", "null"))
+    st = os.lstat(os.path.join(str(tmp_path), "gone"))
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
 def test_rejects_huge_members_and_totals(tmp_path: object) -> None:

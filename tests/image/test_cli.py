@@ -46,3 +46,30 @@ def test_build_ls_rm(tmp_path: object) -> None:
     r = run(cli, ["image", "--root", root, "build", os.path.join(tmp, "nope"), "--kind",
                   "base", "--name", "n"])
     assert r.exit_code != 0
+
+
+def test_prune(tmp_path: object) -> None:
+    """A rebuild under the same name leaves the old layer unnamed: prune removes it
+    (--dry-run only says so); the same tree rebuilt adds nothing (reproducible)."""
+    tmp = str(tmp_path)
+    root = os.path.join(tmp, "store")
+    src = os.path.join(tmp, "src")
+    write_tree(src, {"f": "one"})
+    run = CliRunner().invoke
+    args = ["image", "--root", root, "build", src, "--kind", "base", "--name", "b", "-q"]
+    first = run(cli, args).output.split()[1]
+    assert run(cli, args).output.split()[1] == first          # same tree, same layer
+    write_tree(src, {"f": "two"})
+    second = run(cli, args).output.split()[1]
+    assert second != first
+    r = run(cli, ["image", "--root", root, "prune", "--dry-run"])
+    assert r.exit_code == 0 and f"would remove {first}" in r.output, r.output
+    assert len(os.listdir(os.path.join(root, "layers"))) == 2
+    r = run(cli, ["image", "--root", root, "prune", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert [m["digest"] for m in res["removed"]] == [first] and res["kept_layers"] == 1
+    assert os.listdir(os.path.join(root, "layers")) == [second.removeprefix("sha256:")
+                                                       + ".erofs"]
+    r = run(cli, ["image", "--root", root, "prune"])
+    assert r.exit_code == 0 and "removed 0 layers" in r.output

@@ -30,9 +30,12 @@ pytestmark = [pytest.mark.root,
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 
 
-async def start_edge(root: str, internet: Internet) -> tuple[subprocess.Popen[bytes], str]:
+async def start_edge(root: str, internet: Internet, *, env: dict[str, str] | None = None,
+                     wait: bool = True) -> tuple[subprocess.Popen[bytes], str]:
     """``dsec edge`` with the container backend and a router into ``internet``; returns
-    the process and its socket (the layer store is made once under ``root``)."""
+    the process and its socket (the layer store is made once under ``root``). ``env``:
+    added to the edge's environment; ``wait=False``: return at once (an edge meant to
+    die before it serves)."""
     store = LayerStore(os.path.join(root, "layers"))
     store.tag(ensure_busybox_base(store).digest, "base")
     sock = os.path.join(root, "edge.sock")
@@ -42,7 +45,10 @@ async def start_edge(root: str, internet: Internet) -> tuple[subprocess.Popen[by
          "--node-id", "netdoor", "--log-level", "warning", "--disk-pool", "1GiB",
          "--net-uplink", f"netns:/proc/{os.getpid()}/fd/{internet.fd}",
          "--net-dns-upstream", DNS_UPSTREAM, "--net-max", "open"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})})
+    if not wait:
+        return proc, sock
     for _ in range(600):
         assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
         if os.path.exists(sock):
@@ -62,6 +68,12 @@ async def destroy_all(sock: str) -> None:
                     await c.destroy(info.id)
     except DsecError:
         pass
+
+
+async def shut(proc: subprocess.Popen[bytes], sock: str) -> None:
+    """Destroy what the edge still holds, then stop it (a test's cleanup)."""
+    await destroy_all(sock)
+    stop_edge(proc)
 
 
 def stop_edge(proc: subprocess.Popen[bytes]) -> None:

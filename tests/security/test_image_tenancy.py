@@ -150,7 +150,9 @@ def test_bare_names_resolve_in_the_sandboxs_project_then_cluster_wide(world: Wor
     assert mine["victim:latest"].namespace is None and mine["victim:latest"].owner == "admin"
     assert mine["base:latest"].namespace is None
     with world.client(world.alice, "http") as c:
-        hers = {i.ref: i for i in c.images.list()}
+        # by every name: builds are reproducible, so teama/mine (the same tree, built by
+        # alice in the first test) is the same layer as teama/victim
+        hers = {r: i for i in c.images.list() for r in i.refs}
         assert hers["teama/victim:latest"].owner == "alice"
         assert c.images.get("victim").namespace == "teama"       # her project first
         assert c.images.get("victim:latest").digest == made["digest"]
@@ -263,8 +265,9 @@ def test_a_tag_never_moves_to_a_tree_built_outside_its_namespace(world: World) -
     base = world.http.get("/v1/images/base", headers=world.h(world.alice)).json()["digest"]
     d = world.http.delete(f"/v1/images/{base}", headers=world.h(world.alice))
     assert d.status_code == 403, d.text
-    # the last name of a project's own layer takes the layer with it
-    r = world.build(world.alice, "teama/short-lived", "alice\n")
+    # the last name of a project's own layer takes the layer with it (a tree of its own:
+    # builds are reproducible, and "alice\n" is teama/victim's layer, named twice)
+    r = world.build(world.alice, "teama/short-lived", "alice, short-lived\n")
     assert r.status_code == 201, r.text
     digest = r.json()["items"][0]["digest"]
     assert world.http.delete("/v1/images/teama/short-lived",
@@ -364,3 +367,116 @@ def test_project_builds_share_the_projects_layer_storage_quota(world: World) -> 
     assert world.build(quinn, "teamq/img", "two\n").status_code == 201
     # cluster-wide layers (a superuser's) are nobody's quota
     assert world.build(world.root_key, "shared-tools", "x\n").status_code == 201
+
+
+def test_prune_is_a_superusers_at_every_door(world: World) -> None:
+    """``image_prune`` (issue 15): a rebuild leaves the old layer unnamed; only a
+    superuser may prune (the store is every project's), through the SDK over the gateway
+    and over REST and raw REST alike; dry_run removes nothing; a real prune removes the
+    garbage, gives its bytes back to the project's quota and keeps every named layer."""
+    admin = world.h(world.root_key)
+    pat = world.cluster.create_key("pat", "teamp", "admin")
+    old = world.build(pat, "teamp/img", "one\n").json()["items"][0]
+    new = world.build(pat, "teamp/img", "two\n").json()["items"][0]
+    assert old["digest"] != new["digest"]
+    usage = world.http.get("/v1/projects/teamp", headers=admin).json()["usage"]
+    assert usage["snapshot_bytes"] == old["size_bytes"] + new["size_bytes"]
+    layers = os.path.join(world.cluster.state_dir, "layers", "layers")
+    before = set(os.listdir(layers))
+    for key in (pat, world.alice, world.bob):
+        r = world.http.post("/v1/images/prune", json={}, headers=world.h(key))
+        assert r.status_code == 403 and r.json()["code"] == "permission_denied", r.text
+        for door in DOORS:
+            with world.client(key, door) as c, pytest.raises(DsecError) as err:
+                c.images.prune()
+            assert err.value.code == "permission_denied", door
+    assert set(os.listdir(layers)) == before
+    r = world.http.post("/v1/images/prune", json={"dry_run": True}, headers=admin)
+    assert r.status_code == 200, r.text
+    assert old["digest"] in [m["digest"] for m in r.json()["removed"]]
+    with world.client(world.root_key, "aether") as c:
+        dry = c.images.prune(dry_run=True)
+        assert old["digest"] in [m.digest for m in dry.removed] and dry.dry_run
+        assert set(os.listdir(layers)) == before
+        done = c.images.prune()
+    gone = {m.digest for m in done.removed}
+    assert old["digest"] in gone and new["digest"] not in gone
+    assert done.freed_bytes == sum(m.size_bytes for m in done.removed)
+    assert old["digest"].removeprefix("sha256:") + ".erofs" not in os.listdir(layers)
+    assert world.http.get("/v1/projects/teamp", headers=admin).json()["usage"][
+        "snapshot_bytes"] == new["size_bytes"]
+    for ref, key in (("teamp/img", pat), ("victim", admin), ("teama/victim", world.alice),
+                     ("base", admin)):
+        assert world.http.get(f"/v1/images/{ref}", headers=world.h(key) if key != admin
+                              else admin).status_code == 200, ref
+    with world.client(world.bob, "http") as c:
+        assert _whoami(c, toolkits=["victim"], project="teamb")[0] == "superuser\n"
+
+
+def test_project_image_storage_shows_and_binds_at_every_door(world: World) -> None:
+    """``usage.image_bytes`` (issue 15): the layers a project's names reach, shared ones
+    counted in full, at REST and the gateway; an ``image_bytes`` quota binds every way a
+    name lands in the project (build, tag) under the store's lock, and a refused one
+    names nothing and leaves no layer."""
+    from dsec.wire import ops
+    from dsec.wire.api import QuotaBody
+    from dsec.wire.calls import ProjectRef, QuotaSet
+
+    admin = world.h(world.root_key)
+    uma = world.cluster.create_key("uma", "teamu", "member")
+    made = world.build(uma, "teamu/one", "uma one\n").json()["items"][0]
+    base = world.http.get("/v1/images/base", headers=admin).json()
+
+    def usage(door: str) -> int:
+        if door == "rest":
+            view = world.http.get("/v1/projects/teamu", headers=admin).json()
+            return int(view["usage"]["image_bytes"])
+        with world.client(world.root_key, "aether") as c:
+            got: int = c.call(ops.PROJECT_GET, ProjectRef(path="teamu")).usage["image_bytes"]
+            return got
+
+    assert usage("rest") == usage("aether") == made["size_bytes"]
+    # a cluster-wide layer the project names is charged to it in full
+    assert world.tag(uma, "base", "teamu/mybase").status_code == 200
+    assert usage("rest") == usage("aether") == made["size_bytes"] + base["size_bytes"]
+    limit = made["size_bytes"] + base["size_bytes"] + made["size_bytes"] // 2
+    with world.client(world.root_key, "aether") as c:
+        view = c.call(ops.QUOTA_SET, QuotaSet(path="teamu",
+                                               quota=QuotaBody(image_bytes=limit)))
+        assert view.quota is not None and view.quota.image_bytes == limit
+    layers = os.path.join(world.cluster.state_dir, "layers", "layers")
+    before = set(os.listdir(layers))
+    r = world.build(uma, "teamu/two", "uma two, a different tree\n")
+    assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+    assert "image_bytes" in r.json()["message"]
+    assert set(os.listdir(layers)) == before
+    assert world.http.get("/v1/images/teamu/two", headers=world.h(uma)).status_code == 404
+    # a name moving within the same layers costs nothing; one more layer does
+    assert world.tag(uma, "teamu/one", "teamu/again").status_code == 200
+    r = world.tag(uma, "victim", "teamu/victim")
+    assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+    # a subproject's names count for its ancestors
+    world.cluster.create_key("uma2", "teamu/sub", "member")
+    r = world.http.put("/v1/quotas/teamu", json={"image_bytes": None}, headers=admin)
+    assert r.status_code == 200, r.text
+    assert world.build(uma, "teamu/sub/x", "uma sub\n").status_code == 201
+    assert usage("rest") > made["size_bytes"] + base["size_bytes"]
+
+
+def test_a_prune_behind_the_control_planes_back_gives_the_bytes_back(world: World) -> None:
+    """`dsec image prune` on the host (or the store budget) removes a project's rebuilt-
+    over layer without the apiserver: its charge goes at the next look, not forever."""
+    from dsec.image import LayerStore
+
+    admin = world.h(world.root_key)
+    rita = world.cluster.create_key("rita", "teamr", "member")
+    old = world.build(rita, "teamr/img", "rita one\n").json()["items"][0]
+    new = world.build(rita, "teamr/img", "rita two\n").json()["items"][0]
+    usage = world.http.get("/v1/projects/teamr", headers=admin).json()["usage"]
+    assert usage["snapshot_bytes"] == old["size_bytes"] + new["size_bytes"]
+    res = LayerStore(os.path.join(world.cluster.state_dir, "layers")).prune()
+    assert old["digest"] in {m.digest for m in res.removed}
+    for _ in range(2):     # and stays so (the charge row is gone, not skipped)
+        usage = world.http.get("/v1/projects/teamr", headers=admin).json()["usage"]
+        assert usage["snapshot_bytes"] == new["size_bytes"]
+        assert usage["image_bytes"] == new["size_bytes"]

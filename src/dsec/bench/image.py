@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from dsec.bench import BenchContext, suite
 from dsec.image.compose import RootStack, compose, mount_root
+from dsec.image.erofs import hash_file, mkfs_erofs
 from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache
 from dsec.image.packdiff import restore_stack, snapshot
@@ -124,17 +125,52 @@ def image_suite(ctx: BenchContext) -> None:
         content = sum(os.path.getsize(p) for p in files)
 
         # -- layer_build -----------------------------------------------------------------
+        # Side by side on the same tree (issue 15: reproducible within 10% of before):
+        # mkfs.erofs + sha256 as LayerStore.add_tree runs them, with the fixed UUID and
+        # build time (``reproducible: true``, what the store does) and with mkfs.erofs'
+        # own random ones (the old behaviour), alternating, best of three each.
         base: LayerManifest | None = None
         for comp in (None, "lz4"):
-            t0 = time.perf_counter()
+            best: dict[bool, float] = {True: float("inf"), False: float("inf")}
+            size = 0
+            for i in range(6):
+                repro = i % 2 == 0
+                out = os.path.join(work, f"build-{i}.erofs")
+                t0 = time.perf_counter()
+                mkfs_erofs(src, out, compression=comp, reproducible=repro)
+                hash_file(out)
+                best[repro] = min(best[repro], time.perf_counter() - t0)
+                size = os.path.getsize(out)
+                os.unlink(out)
+            for repro in (True, False):
+                ctx.record("layer_build", content / best[repro] / 1e6, "MB/s",
+                           compression=comp or "none", reproducible=repro,
+                           tree_mb=round(content / 1e6), image_mb=round(size / 1e6, 1))
             m = store.add_tree(src, kind="base", compression=comp)
-            dt = time.perf_counter() - t0
-            ctx.record("layer_build", content / dt / 1e6, "MB/s", compression=comp or "none",
-                       tree_mb=round(content / 1e6), image_mb=round(m.size_bytes / 1e6, 1))
             if comp is None:
                 base = m
         assert base is not None
         stack = compose(base)
+
+        # -- image_prune: N unreferenced layers among named ones ---------------------------
+        n_garbage = ctx.scale(200, 50)
+        gstore = LayerStore(os.path.join(work, "gc-store"))
+        tiny = os.path.join(work, "tiny")
+        os.mkdir(tiny)
+        for i in range(n_garbage + 10):
+            with open(os.path.join(tiny, "f"), "w") as f:
+                f.write(str(i))
+            gstore.add_tree(tiny, kind="base", name="keep" if i >= n_garbage else None,
+                            tag=str(i))
+        t0 = time.perf_counter()
+        plan = gstore.prune(dry_run=True)
+        t_dry = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        done = gstore.prune()
+        t_prune = time.perf_counter() - t0
+        assert len(plan.removed) == len(done.removed) == n_garbage
+        ctx.record("image_prune", t_prune * 1e3, "ms", layers=n_garbage + 10,
+                   removed=n_garbage, dry_run_ms=round(t_dry * 1e3, 2))
 
         # -- sandbox_rootfs_erofs_vs_tar ---------------------------------------------------
         tar_path = os.path.join(work, "image.tar")

@@ -7,6 +7,16 @@ each (write an input file, run the toolkit's script on it, read the answer back)
 half and resumes them, snapshots one and starts 5 new sandboxes from the snapshot, prints
 a table of what happened with timings, and tears everything down, checking that no mount,
 cgroup or process is left behind.
+
+With real containers it also shows egress policy (docs/networking.md): the demo builds a
+small test internet in network namespaces of its own (:mod:`dsec.net.testinternet`, plus
+a package mirror ``mirror.test``, :mod:`dsec.net.testmirror`; documentation addresses
+only, nothing leaves the machine) and gives the edge a router into it. Sandbox A, whose
+policy allows ``mirror.test:80``, downloads a package from the mirror with busybox wget,
+unpacks it and runs it; sandbox B, whose policy allows another name only, is refused -
+its DNS lookup by dsec's resolver, its direct connection by the router (counted, and
+reported as a ``network_denied`` event) - and the mirror's log shows B's requests never
+arrived.
 """
 
 from __future__ import annotations
@@ -91,8 +101,81 @@ def _host_leftovers(state_dir: str, sandbox_ids: set[str]) -> dict[str, int]:
     return {"mounts": mounts, "loop devices": loops, "cgroups": cgroups}
 
 
+# (busybox 1.35's ``wget -T`` segfaults, on the host too: ``timeout`` bounds the probes)
+INSTALL = ("set -e; wget -q -O /tmp/{pkg} http://{name}:{port}{path}; mkdir -p /opt; "
+           "tar -xzf /tmp/{pkg} -C /opt; /opt/hello/bin/hello")
+PROBE = ("timeout 1 wget -q -O /tmp/p http://{name}:{port}{path} 2>&1; "
+         "echo \"by name: rc=$?\"; "
+         "timeout 1 wget -q -O /tmp/p http://{ip}:{port}{path} 2>&1; "
+         "echo \"by address: rc=$?\"")
+
+
+async def _mirror_case(console: Console, client: Any, image: str, ids: set[str],
+                       mirror: Any) -> list[Step]:
+    """Sandbox A (allowed mirror.test:80) installs a package from the mirror; sandbox B
+    (allowed another name only) is refused, by name and by address."""
+    from dsec.net.testmirror import (
+        HELLO_OUTPUT,
+        MIRROR_IP,
+        MIRROR_NAME,
+        MIRROR_PORT,
+        PACKAGE,
+        PACKAGE_PATH,
+    )
+    from dsec.wire.netpolicy import NetworkPolicy
+
+    base = {"image": image, "backend": "container", "memory": "64MiB", "ttl": 600}
+    t0 = time.perf_counter()
+    a, b = await asyncio.gather(
+        client.sandboxes.create(**base, network=NetworkPolicy(
+            mode="policy", allow=(f"{MIRROR_NAME}:{MIRROR_PORT}/tcp",))),
+        client.sandboxes.create(**base, network=NetworkPolicy(
+            mode="policy", allow=("allowed.test:80/tcp",))))
+    ids.update((a.id, b.id))
+    t_made = time.perf_counter() - t0
+    (ra, dt_a), (rb, dt_b) = await asyncio.gather(
+        _timed(lambda: a.exec(INSTALL.format(pkg=PACKAGE, name=MIRROR_NAME, port=MIRROR_PORT,
+                                             path=PACKAGE_PATH), timeout=30)),
+        _timed(lambda: b.exec(PROBE.format(name=MIRROR_NAME, ip=MIRROR_IP, port=MIRROR_PORT,
+                                           path=PACKAGE_PATH), timeout=30)))
+    out_a = ra.stdout.decode(errors="replace").strip()
+    installed = ra.exit_code == 0 and out_a.startswith(HELLO_OUTPUT)
+    steps = [Step(f"sandbox A (allow {MIRROR_NAME}:{MIRROR_PORT}) installs {PACKAGE} from "
+                  "the mirror", 1, t_made + dt_a,
+                  result=f"{int(installed)}/1 installed and ran: {out_a!r}")]
+    t0 = time.perf_counter()
+    out_b = rb.stdout.decode(errors="replace")
+    events: list[Any] = []
+    for _ in range(40):  # the edge reads the denied counters every second
+        events = [e for e in await b.events() if e.reason == "network_denied"]
+        if events:
+            break
+        await asyncio.sleep(0.05)
+    view = await b.network.get()
+    # the mirror sees every sandbox as the router's uplink address (NAT): A's one request
+    # is all it may have seen
+    seen = mirror.seen()
+    refused = ("by name: rc=0" not in out_b and "by address: rc=0" not in out_b
+               and len(seen) == 1 and view.denied_packets > 0 and bool(events))
+    steps.append(Step("sandbox B (allow allowed.test:80 only) tries the mirror", 1,
+                      dt_b + time.perf_counter() - t0,
+                      result=f"{int(refused)}/1 refused: the name by dsec's resolver, the "
+                             f"address by the router ({view.denied_packets} packet(s) "
+                             f"denied, {len(events)} network_denied event); the mirror "
+                             f"served {len(seen)} request(s), A's"))
+    console.print(f"[bold]sandbox A[/] {a.id} (allow {MIRROR_NAME}:{MIRROR_PORT}): {out_a}")
+    console.print(f"[bold]sandbox B[/] {b.id} (allow allowed.test:80): "
+                  + "; ".join(line.strip() for line in out_b.splitlines() if line.strip()))
+    for e in events[:1]:
+        console.print(f"  event {e.reason}: {e.detail}")
+    console.print(f"  mirror.test's log: {len(seen)} request(s): "
+                  + ", ".join(f"{c} GET {p}" for c, p in seen))
+    await asyncio.gather(a.kill(), b.kill())
+    return steps
+
+
 async def _run(console: Console, n: int, cluster: Any, backend: str,
-               ids: set[str]) -> list[Step]:
+               ids: set[str], mirror: Any = None) -> list[Step]:
     from dsec.client.core import AsyncClient
 
     steps: list[Step] = []
@@ -169,6 +252,9 @@ async def _run(console: Console, n: int, cluster: Any, backend: str,
         steps.append(Step("start 5 sandboxes from the snapshot", 5, wall,
                           result=f"{same}/5 see the snapshot's files"))
 
+        if mirror is not None:
+            steps += await _mirror_case(console, client, "demo-base", ids, mirror)
+
         everyone = sbs + clones
         ids.update(sb.id for sb in everyone)
         _, lat, wall = await _each(everyone, lambda sb: sb.kill())
@@ -200,20 +286,37 @@ def demo(sandboxes: int, backend: str) -> None:
                           "backend (run `sudo make demo` for the real thing)[/]")
     state_dir = tempfile.mkdtemp(prefix="dsec-demo-state-")
     console.rule(f"dsec demo: {sandboxes} sandboxes, {backend} backend")
-    t0 = time.perf_counter()
-    with console.status("starting `dsec up` (apiserver, placement, watcher, edge, SQLite)..."):
-        cluster = LocalCluster(backend=backend, subprocess=True, state_dir=state_dir,
-                               start_timeout_s=60).start()
-    started = time.perf_counter() - t0
-    console.print(f"cluster up in {started:.2f}s at {cluster.url} "
-                  f"(Aether gateway {cluster.gateway})")
-    try:
-        ids: set[str] = set()
-        steps = uvloop.run(_run(console, sandboxes, cluster, backend, ids))
-    finally:
-        with console.status("stopping the cluster..."):
-            cluster.stop()
-    leftovers = _host_leftovers(state_dir, ids) if backend == "container" else {}
+    with contextlib.ExitStack() as stack:
+        net: dict[str, Any] = {}
+        inet = mirror = None
+        if backend == "container":
+            from dsec.net import testinternet, testmirror
+
+            # the test internet: namespaces of this process, gone when it closes them
+            inet = stack.enter_context(testinternet.internet())
+            mirror = stack.enter_context(testmirror.mirror(inet))
+            net = {"net_uplink": f"netns:/proc/{os.getpid()}/fd/{inet.fd}",
+                   "net_dns_upstream": (testmirror.MIRROR_DNS,)}
+        t0 = time.perf_counter()
+        with console.status("starting `dsec up` (apiserver, placement, watcher, edge, "
+                            "SQLite)..."):
+            cluster = LocalCluster(backend=backend, subprocess=True, state_dir=state_dir,
+                                   start_timeout_s=60, **net).start()
+        started = time.perf_counter() - t0
+        console.print(f"cluster up in {started:.2f}s at {cluster.url} "
+                      f"(Aether gateway {cluster.gateway})")
+        try:
+            ids: set[str] = set()
+            steps = uvloop.run(_run(console, sandboxes, cluster, backend, ids, mirror))
+        finally:
+            with console.status("stopping the cluster..."):
+                cluster.stop()
+        leftovers = _host_leftovers(state_dir, ids) if backend == "container" else {}
+        if inet is not None:
+            from dsec.net.testinternet import links_in
+
+            # the edge's router (its netns, its uplink veth) went with the edge
+            leftovers["router uplinks"] = sum(n.startswith("dsu") for n in links_in(inet.fd))
     if not any(leftovers.values()):
         shutil.rmtree(state_dir, ignore_errors=True)   # nothing mounted from it: it can go
     table = Table(title="what happened")
@@ -227,7 +330,8 @@ def demo(sandboxes: int, backend: str) -> None:
     if leftovers:
         console.print(f"after teardown: {leftovers['mounts']} mounts under the state dir, "
                       f"{leftovers['loop devices']} loop devices backed by it, "
-                      f"{leftovers['cgroups']} sandbox cgroups (so no sandbox process) left")
+                      f"{leftovers['cgroups']} sandbox cgroups (so no sandbox process), "
+                      f"{leftovers.get('router uplinks', 0)} router uplinks left")
     failed = [s for s in steps if s.result.split("/")[0].isdigit()
               and s.result.split("/")[0] != s.result.split("/")[1].split()[0]]
     if failed or any(leftovers.values()):

@@ -9,6 +9,7 @@ keeping its sandboxes for the next start) when its supervisor dies, even by kill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -111,6 +112,32 @@ class _Size(click.ParamType[int]):
 SIZE = _Size()
 
 
+class _Budget(click.ParamType[Any]):
+    """A size, or 'off'."""
+
+    name = "budget"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "off" or isinstance(value, int):
+            return value
+        return SIZE.convert(value, param, ctx)
+
+
+BUDGET = _Budget()
+
+
+def image_budget_option(f: Any) -> Any:
+    """``--image-store-budget``: recorded in the layer store, so every process using it
+    (edges, apiserver, ``dsec image``) prunes to the same budget."""
+    return click.option(
+        "--image-store-budget", "image_store_budget", type=BUDGET, default=None,
+        metavar="SIZE|off",
+        help="Keep the layer store under SIZE: when a new layer takes it over, the least "
+             "recently used layers nothing references (no name, snapshot, mount or running "
+             "build) are removed. Recorded in the store for every process sharing it; "
+             "'off' clears it [default: leave as recorded; none on a new store].")(f)
+
+
 class _NetPolicy(click.ParamType[Any]):
     """'none', 'open' or '@policy.json' (a NetworkPolicy as JSON) -> NetworkPolicy."""
 
@@ -146,6 +173,46 @@ def net_default_option(fn: F) -> F:
         metavar="none|open|@FILE.json",
         help="Egress policy of a sandbox created without one (a project's network "
              "ceiling still binds; see docs/networking.md).")(fn)
+
+
+def net_node_options(fn: F) -> F:
+    """The network flags of a node (``dsec edge``; ``dsec up`` passes them to its edges):
+    ``--net-max``, ``--net-uplink``, ``--net-link``, ``--net-egress``, ``--net-pool``,
+    ``--net-dns-upstream``."""
+    opts = [
+        click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
+                     help="The most open egress policy this node serves, whoever asks (default: "
+                          "no node ceiling; projects' ceilings still bind through the apiserver)."),
+        click.option("--net-uplink", default=None, metavar="host|netns:PATH",
+                     help="Give the container backend a network router (sandboxes get policies "
+                          "other than 'none'). 'host': its traffic leaves through this host, which "
+                          "CHANGES THE HOST: a veth dsu<hash> (169.254.213.1/30), an nft table "
+                          "inet dsec_<node> (drops every packet from the sandboxes to an address "
+                          "of this host, forwards them out of the egress device only, masqueraded) "
+                          "and net.ipv4.conf.{dsu<hash>,<egress>}.forwarding=1; all undone when "
+                          "the router goes (a clean exit with no live sandbox; with live ones "
+                          "they stay for the next edge, see docs/networking.md). Refused while another forward chain has policy drop "
+                          "(Docker, ufw): the error names the rules to add. 'netns:PATH': the "
+                          "uplink leads into the network namespace at PATH (a test or demo "
+                          "network; nothing on the host changes). Without it, only policy 'none' "
+                          "is served."),
+        click.option("--net-link", default="169.254.213.0/30", show_default=True,
+                     metavar="CIDR",
+                     help="The /30 of the router's uplink veth (peer .1, router .2): each "
+                          "edge on one host (or into one namespace) needs its own; `dsec up` "
+                          "gives its edges 169.254.213.0/30, .4/30, ..."),
+        click.option("--net-egress", default=None, metavar="DEV",
+                     help="With --net-uplink host: the device the sandboxes' traffic leaves by "
+                          "[default: the device of the IPv4 default route]."),
+        click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
+                     help="Addresses of the router's slots (private to its namespace)."),
+        click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
+                     help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
+                          "uplink's namespace."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
 
 
 def capacity_options(what: str) -> Callable[[F], F]:
@@ -245,6 +312,7 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--layer-store", type=click.Path(file_okay=False), default=None,
               help="Layer store the container backend starts sandboxes from (images and "
                    "snapshots; `dsec up` passes <state-dir>/layers).")
+@image_budget_option
 @click.option("--backend-opt", "backend_opts", multiple=True, metavar="BACKEND.KEY=VALUE",
               help="Option for one backend's make_backend (repeatable), e.g. "
                    "container.images_dir=/var/lib/dsec/images. Values are strings.")
@@ -266,38 +334,99 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @net_default_option
-@click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
-              help="The most open egress policy this node serves, whoever asks (default: "
-                   "no node ceiling; projects' ceilings still bind through the apiserver).")
-@click.option("--net-uplink", default=None, metavar="netns:PATH",
-              help="Give the container backend a network router whose uplink leads into "
-                   "the network namespace at PATH (a test or demo network; the host uplink "
-                   "is not built yet). Without it, only policy 'none' is served.")
-@click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
-              help="Addresses of the router's slots (private to its namespace).")
-@click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
-              help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
-                   "uplink's namespace.")
+@net_node_options
+@click.option("--metrics-listen", default=None, metavar="HOST:PORT",
+              help="Serve this edge's Prometheus metrics (denied packets per sandbox, "
+                   "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
+                   "[default: off]. Sandbox ids are labels: bind it to loopback or a "
+                   "monitoring network.")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
          memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
          labels: tuple[str, ...], profile: str, fncall_pool_size: int,
-         layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
+         layer_store: str | None, image_store_budget: Any, backend_opts: tuple[str, ...],
+         token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
-         net_max: Any, net_uplink: str | None, net_pool: str,
-         net_dns_upstream: tuple[str, ...]) -> None:
+         net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
+         net_pool: str, net_dns_upstream: tuple[str, ...],
+         metrics_listen: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
+    # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
+    # after: every finally below runs, so nothing the start made stays mounted,
+    # attached or pinned (the default action would end the process mid-start).
+    _stop_by_exception()
+    if image_store_budget is not None:
+        if layer_store is None:
+            raise click.BadParameter("needs --layer-store", param_hint="--image-store-budget")
+        from dsec.image import LayerStore
+
+        LayerStore(layer_store).set_budget(
+            None if image_store_budget == "off" else image_store_budget)
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    owned: list[Any] = []
+    built: dict[str, Any] = {}
+    served: list[bool] = []  # [True] once the node has closed the backends itself
+    try:
+        _edge_main(owned, built, served, listen, state_dir, journal_sync, backends, node_id,
+                   cpus, memory, disk, cpu_overcommit, memory_overcommit, cpu_milli,
+                   memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
+                   layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
+                   ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
+                   net_pool, net_dns_upstream, metrics_listen)
+    finally:
+        # a second signal must not cut the release short (kill -9 still ends it)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if not served:
+            for b in {id(b): b for b in built.values()}.values():
+                _release_backend(b)
+        for o in owned:
+            o.close()   # the layer mounts, the router; sandboxes kept for adoption hold their own
+
+
+def _stop_by_exception() -> None:
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def _release_backend(b: Any) -> None:
+    """Close a backend the node never got to close (a stop or a failure during start):
+    its disk pool unmounted and its loop device detached when it holds no sandbox."""
+    log = logging.getLogger("dsec.edge")
+    try:
+        asyncio.run(b.close())
+    except Exception:  # what can be released still is, below
+        log.exception("backend %s failed to close", getattr(b, "name", b))
+        disk = getattr(b, "disk", None)
+        if disk is not None:
+            with contextlib.suppress(Exception):
+                disk.close()
+
+
+def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], listen: str,
+               state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
+               node_id: str, cpus: float | None, memory: int | None, disk: int | None,
+               cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
+               memory_bytes: int | None, disk_bytes: int | None, max_sandboxes: int,
+               labels: tuple[str, ...], profile: str, fncall_pool_size: int,
+               layer_store: str | None, backend_opts: tuple[str, ...],
+               token_file: str | None, insecure: bool, disk_default: str,
+               disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
+               net_uplink: str | None, net_link: str, net_egress: str | None,
+               net_pool: str, net_dns_upstream: tuple[str, ...],
+               metrics_listen: str | None) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
     from dsec.errors import DsecError
 
-    owned: list[Any] = []
     try:
         if state_dir is not None:
             from dsec.statedir import ensure_private_dir
@@ -316,16 +445,19 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if name == "container":
                 extra[name] = {**disk_opts, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
+        if net_egress is not None and net_uplink != "host":
+            raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
         if net_uplink is not None:
             if "container" not in backends:
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
-                                              net_dns_upstream, owned)
+                                              net_dns_upstream, owned, state_dir,
+                                              egress=net_egress, link=net_link)
             extra["container"] = {**extra.get("container", {}), "network": network}
-        built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
-                                                              state_dir, layer_store, owned),
-                                             **extra.get(name, {})})
-                 for name in dict.fromkeys(backends)}
+        for name in dict.fromkeys(backends):
+            built[name] = make_backend(name, **{**_backend_opts(
+                name, profile, fncall_pool_size, state_dir, layer_store, owned),
+                **extra.get(name, {})})
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]
@@ -347,12 +479,10 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if len(token) < 16:
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
-        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args))
+        uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
+                          served, metrics_listen))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
-    finally:
-        for o in owned:
-            o.close()   # the layer mounts; sandboxes kept for adoption hold their own
 
 
 class _Fd:
@@ -368,33 +498,63 @@ class _Fd:
 
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
-             owned: list[Any]) -> tuple[Any, dict[str, Any]]:
+             owned: list[Any], state_dir: str | None = None, *,
+             egress: str | None = None,
+             link: str = "169.254.213.0/30") -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
-    ``owned`` (the kernel then removes its namespace, links and nft objects)."""
-    import hashlib
+    ``owned`` (the kernel then removes its namespace, links and nft objects).
+
+    With a state dir the router netns is pinned at ``STATE/net/router``: it outlives
+    this process (a crash, or a stop with live sandboxes), and the next edge re-opens it
+    and reconciles it with its journal before it serves (docs/networking.md). A host
+    uplink's table and sysctls stay with it (reconcile puts them back in place)."""
+    import ipaddress
 
     from dsec.net import netns
     from dsec.net.attach import SandboxNetwork
     from dsec.net.router import Router, RouterConfig
-    from dsec.net.uplink import NetnsUplink
+    from dsec.net.uplink import HostUplink, NetnsUplink, Uplink, uplink_ifname
 
-    if not uplink.startswith("netns:"):
-        raise click.BadParameter(f"{uplink!r}: only netns:PATH is built so far (the host "
-                                 "uplink is not)", param_hint="--net-uplink")
-    path = uplink.removeprefix("netns:")
     try:
-        fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        net = ipaddress.IPv4Network(link)
+    except ValueError as exc:
+        raise click.BadParameter(f"{link!r}: {exc}", param_hint="--net-link") from exc
+    if net.prefixlen != 30:
+        raise click.BadParameter(f"{link!r} must be a /30 (peer .1, router .2)",
+                                 param_hint="--net-link")
+    up: Uplink
+    if uplink == "host":
+        # The edge's own netns is the host's; the resolver's upstream socket lives there.
+        fd = _Fd(netns.current_netns())
         owned.append(fd)
-        with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
-            pass
-        peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
-        router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
-    except OSError as exc:
-        raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
-                                 "namespace, e.g. /run/netns/NAME)",
-                                 param_hint="--net-uplink") from exc
+        up = HostUplink(fd.fd, node_id, egress=egress, link=str(net))
+        try:
+            router = _router(Router, RouterConfig(pool=pool), up, state_dir)
+        except OSError as exc:
+            raise click.ClickException(f"--net-uplink host: {exc}") from exc
+        click.echo(up.changes(), err=True)  # what this edge changed on the host
+    elif uplink.startswith("netns:"):
+        if egress is not None:
+            raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
+        path = uplink.removeprefix("netns:")
+        try:
+            fd = _Fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            owned.append(fd)
+            with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
+                pass
+            router = _router(Router, RouterConfig(pool=pool),
+                             NetnsUplink(fd.fd, uplink_ifname(node_id), link=str(net)),
+                             state_dir)
+        except OSError as exc:
+            raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a "
+                                     "network namespace, e.g. /run/netns/NAME)",
+                                     param_hint="--net-uplink") from exc
+    else:
+        raise click.BadParameter(f"{uplink!r}: use host or netns:PATH",
+                                 param_hint="--net-uplink")
     owned.insert(0, router)   # closed before the uplink fd
-    router.refill()
+    if router.pin_path is None:
+        router.refill()       # else after reconcile (the backend's, before serving)
     ups = []
     for u in upstreams or ("127.0.0.53",):
         host, _, port = u.partition(":")
@@ -402,13 +562,21 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
     return SandboxNetwork(router), {"upstreams": ups, "upstream_netns_fd": fd.fd}
 
 
+def _router(router_cls: Any, config: Any, uplink: Any, state_dir: str | None) -> Any:
+    """The router, pinned at ``STATE/net/router`` with a state dir (re-opened if an
+    earlier edge of this node left it), else held by this process only."""
+    if state_dir is None:
+        return router_cls.create(config, uplink)
+    from dsec.statedir import ensure_private_dir
+    pin = os.path.join(ensure_private_dir(os.path.join(state_dir, "net")), "router")
+    return router_cls.open(config, uplink, pin)
+
+
 async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                  insecure: bool, ready_fd: int | None,
-                 resolver_args: dict[str, Any] | None = None) -> None:
-    from dsec.edge.node import EdgeNode
-    from dsec.edge.service import serve_edge
-    from dsec.wire.node import format_bytes, format_cpu
-
+                 resolver_args: dict[str, Any] | None = None,
+                 served: list[bool] | None = None,
+                 metrics_listen: str | None = None) -> None:
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -420,7 +588,27 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
 
         resolver = Resolver(backends["container"].network, **resolver_args)
         await resolver.start()
-    async with EdgeNode(cfg, backends) as node:
+    try:
+        await _serve_node(cfg, backends, listen, token, insecure, ready_fd, stop,
+                          served if served is not None else [], resolver, metrics_listen)
+    finally:
+        if resolver is not None:
+            await resolver.close()
+    log.info("edge %s stopped", cfg.node_id)
+
+
+async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
+                      insecure: bool, ready_fd: int | None, stop: asyncio.Event,
+                      served: list[bool], resolver: Any = None,
+                      metrics_listen: str | None = None) -> None:
+    from dsec.edge.node import EdgeNode
+    from dsec.edge.service import serve_edge
+    from dsec.wire.node import format_bytes, format_cpu
+
+    log = logging.getLogger("dsec.edge")
+    node = EdgeNode(cfg, backends)
+    await node.start()   # a failure here: edge() releases the backends
+    try:
         server = await serve_edge(node, listen, token=token, insecure=insecure)
         cap = cfg.capacity
         phys = cap.physical
@@ -430,6 +618,16 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
                  format_cpu(phys.cpu_milli) if phys else "?",
                  format_bytes(phys.memory_bytes) if phys else "?")
         click.echo(f"edge {cfg.node_id} listening on {server.address}", err=True)
+        metrics = None
+        if metrics_listen is not None:
+            from dsec.edge.metrics import EdgeMetrics, serve_metrics
+
+            em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
+                             resolver=resolver, live=lambda: node.live_count)
+            metrics = await serve_metrics(metrics_listen, em.render)
+            addr = metrics.sockets[0].getsockname()
+            click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",
+                       err=True)
         if ready_fd is not None:
             try:
                 os.write(ready_fd, b"ready\n")
@@ -439,7 +637,9 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
         try:
             await stop.wait()
         finally:
+            if metrics is not None:
+                metrics.close()
             await server.close()
-            if resolver is not None:
-                await resolver.close()
-    log.info("edge %s stopped", cfg.node_id)
+    finally:
+        served.append(True)
+        await node.close()

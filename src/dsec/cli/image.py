@@ -75,6 +75,13 @@ def _progress(console: Console, quiet: bool) -> Iterator[ProgressFn | None]:
         yield report
 
 
+def _say_skipped(m: LayerManifest) -> None:
+    """The special files the one rule left out (tree.special_skip), as every door says."""
+    if m.skipped:
+        click.echo("skipped " + ", ".join(f"{n} {kind}" for kind, n in m.skipped.items())
+                   + " (device nodes other than whiteouts and sockets never enter a layer)")
+
+
 def _fail(exc: DsecError) -> None:
     raise click.ClickException(str(exc)) from exc
 
@@ -177,6 +184,7 @@ def build(root: str | None, path: str, kind: str | None, name: str | None, tag: 
     except DsecError as exc:
         _fail(exc)
     click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+    _say_skipped(m)
 
 
 @image.command("import")
@@ -200,6 +208,7 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
         _fail(exc)
     m = layers[0]
     click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+    _say_skipped(m)
 
 
 @image.command("pull")
@@ -338,6 +347,34 @@ def rm(root: str | None, refs: tuple[str, ...]) -> None:
         except DsecError as exc:
             _fail(exc)
         click.echo(f"removed {m.digest}")
+
+
+@image.command("prune")
+@click.option("--dry-run", is_flag=True, help="Say what would go; remove nothing.")
+@click.option("--budget", type=int, default=None, metavar="BYTES",
+              help="Remove only the least recently used unreferenced layers until the "
+                   "store holds at most BYTES.")
+@click.option("--json", "as_json", is_flag=True, help="The result as one JSON object.")
+@click.pass_obj
+def prune(root: str | None, dry_run: bool, budget: int | None, as_json: bool) -> None:
+    """Remove the layers nothing references: no name, not a snapshot or under one, not
+    mounted on this node, not held by a running build. Never a layer in use."""
+    import msgspec
+
+    store = _store(root)
+    try:
+        res = store.prune(dry_run=dry_run, budget_bytes=budget)
+    except DsecError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(msgspec.json.encode(res).decode())
+        return
+    verb = "would remove" if dry_run else "removed"
+    for m in res.removed:
+        click.echo(f"{verb} {m.digest} {m.kind} {m.size_bytes} bytes")
+    click.echo(f"{verb} {len(res.removed)} layers, {res.freed_bytes} bytes; kept "
+               f"{res.kept_layers} layers, {res.kept_bytes} bytes"
+               + (f"; swept {res.orphans} orphaned files" if res.orphans else ""))
 
 
 @image.group("bootstrap")

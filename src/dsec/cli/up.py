@@ -16,7 +16,12 @@ from typing import Any
 
 import click
 
-from dsec.cli.edge import capacity_options, net_default_option
+from dsec.cli.edge import (
+    capacity_options,
+    image_budget_option,
+    net_default_option,
+    net_node_options,
+)
 
 
 @click.command()
@@ -54,13 +59,16 @@ from dsec.cli.edge import capacity_options, net_default_option
 @click.option("--registry", "registries", multiple=True, metavar="HOST[:PORT]",
               help="Only pull images from these registries (fnmatch patterns, repeatable; "
                    "default: any).")
+@image_budget_option
 @net_default_option
+@net_node_options
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool, registries: tuple[str, ...], net_default: Any) -> None:
+       quiet: bool, registries: tuple[str, ...], image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
+       net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...]) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
@@ -76,6 +84,11 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         pool = None if disk_pool is None else parse_memory(disk_pool)
     except DsecError as exc:
         raise click.BadParameter(str(exc), param_hint="--disk-default/--disk-pool") from exc
+    if net_uplink is not None and backend != "container":
+        raise click.BadParameter("needs --backend container (the network router serves "
+                                 "container sandboxes)", param_hint="--net-uplink")
+    if net_egress is not None and net_uplink != "host":
+        raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
     cfg = ClusterConfig(
         state_dir=state_dir or default_state_dir(), listen=listen,
         gateway=None if gateway == "off" else gateway, backend=backend, edges=edges,
@@ -85,8 +98,10 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
         edge_max_sandboxes=max_sandboxes, disk_default_bytes=default_disk,
         disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl),
-        simulated_profile=profile, net_default=net_default,
-        registries=tuple(registries) or None)
+        simulated_profile=profile, net_default=net_default, net_max=net_max,
+        net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
+        net_dns_upstream=net_dns_upstream,
+        image_store_budget=image_store_budget, registries=tuple(registries) or None)
     uvloop.run(_run(cfg, quiet))
 
 

@@ -21,11 +21,13 @@ import tempfile
 from collections.abc import AsyncIterator
 from typing import IO, Literal
 
+import msgspec
+
 from dsec.client.transport import OpCaller
 from dsec.errors import InvalidArgument
 from dsec.wire import ops
-from dsec.wire.api import ImageList, ImagePullRequest, ImageTagRequest, ImageView
-from dsec.wire.calls import Empty, ImageRef, ImageUpload
+from dsec.wire.api import ImageList, ImagePruned, ImagePullRequest, ImageTagRequest, ImageView
+from dsec.wire.calls import Empty, ImagePrune, ImageRef, ImageUpload
 from dsec.wire.ops import UploadOp
 
 __all__ = ["AsyncImages", "LayerKind"]
@@ -62,10 +64,19 @@ class AsyncImages:
         key = ref.digest if isinstance(ref, ImageView) else ref
         await self._c.call(ops.IMAGE_DELETE, ImageRef(ref=_ref(key)))
 
+    async def prune(self, *, dry_run: bool = False) -> ImagePruned:
+        """Remove the layers nothing references - no name, no snapshot or image standing
+        on them, not mounted, not held by a build in progress - and say what that freed
+        (``dry_run``: only say). A superuser's (``PermissionDenied`` otherwise): the store
+        holds every project's layers."""
+        return await self._c.call(ops.IMAGE_PRUNE, ImagePrune(dry_run=dry_run))
+
     async def build(self, source: str | os.PathLike[str], *, name: str,
                     kind: LayerKind = "base", tag: str = "latest") -> ImageView:
         """Build a layer named ``[project/]name:tag`` from a directory (packed as a tar
-        here) or from a tar file; returns what the store recorded."""
+        here) or from a tar file; returns what the store recorded. Special files go by
+        the one rule of every door (device nodes but whiteouts and sockets are left out,
+        FIFOs kept): ``skipped`` counts them, here and on the server alike."""
         path = os.fspath(source)
         if kind not in ("base", "workspace", "toolkit"):
             raise InvalidArgument(f"kind={kind!r}: use 'base', 'workspace' or 'toolkit'",
@@ -73,9 +84,10 @@ class AsyncImages:
         body = ImageUpload(name=name, kind=kind, tag=tag)
         if os.path.isdir(path):
             with tempfile.TemporaryFile(prefix="dsec-layer-") as f:
-                _pack_dir(path, f)
+                here = await asyncio.to_thread(_pack_dir, path, f)
                 f.seek(0)
-                return await self._upload(ops.IMAGE_BUILD, body, f)
+                view = await self._upload(ops.IMAGE_BUILD, body, f)
+            return msgspec.structs.replace(view, skipped=_add_counts(view.skipped, here))
         if os.path.isfile(path):
             # Opening a local file is quick; the reads run in a thread in _upload.
             with open(path, "rb") as f:  # noqa: ASYNC230
@@ -135,8 +147,16 @@ def _ref(ref: str) -> str:
     return ref
 
 
-def _pack_dir(root: str, out: IO[bytes]) -> None:
+def _pack_dir(root: str, out: IO[bytes]) -> dict[str, int]:
     """Tar ``root``'s contents (paths relative to it, ownership kept as is); files with
-    holes go as sparse members, so only their data is uploaded."""
+    holes go as sparse members, so only their data is uploaded. Returns the special files
+    left out (:func:`dsec.image.tree.special_skip`)."""
     from dsec.image.archive import pack_tree
-    pack_tree(root, out)
+    return pack_tree(root, out)
+
+
+def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return {k: v for k, v in sorted(out.items()) if v}

@@ -31,7 +31,7 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImageView, Info, NodeView
+from dsec.wire.api import ImagePruned, ImageView, Info, NodeView
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort
@@ -270,6 +270,10 @@ class Images:
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
+
+    def prune(self, *, dry_run: bool = False) -> ImagePruned:
+        """See :meth:`~dsec.client.images.AsyncImages.prune`."""
+        return self._c._run(self._a.prune(dry_run=dry_run))
 
     def build(self, source: str | os.PathLike[str], *, name: str,
               kind: LayerKind = "base", tag: str = "latest") -> ImageView:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from dsec.aether.limits import ServerLimits
 from dsec.cluster import DSEC_ARGV
@@ -133,6 +134,9 @@ class ClusterConfig:
     # filesystem's free space; sparse, so it takes host space only as it fills).
     disk_default_bytes: int = 10 << 30
     disk_pool_bytes: int | None = None
+    # The layer store's budget (`--image-store-budget`): bytes, "off" to clear it, None to
+    # leave what the store records (LayerStore.set_budget).
+    image_store_budget: int | Literal["off"] | None = None
     # Latency profile of the simulated backend: "zero", or "paper[-container|-fncall|
     # -microvm]" (slow creates widen the crash windows the fault tests aim at).
     simulated_profile: str = "zero"
@@ -144,6 +148,16 @@ class ClusterConfig:
     # apiserver's host to the host a caller names: restrict it where that reaches
     # internal services (docs/images.md "Pulling from registries").
     registries: tuple[str, ...] | None = None
+    # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
+    # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
+    # host uplink's egress device, the slot pool and the resolver's upstreams.
+    net_max: NetworkPolicy | None = None
+    net_uplink: str | None = None
+    #: the first edge's uplink /30; edge i gets the i-th /30 after it (each its own)
+    net_link: str = "169.254.213.0/30"
+    net_egress: str | None = None
+    net_pool: str = "10.213.0.0/16"
+    net_dns_upstream: tuple[str, ...] = ()
 
 
 def _port_token_key(state_dir: str) -> bytes:
@@ -257,6 +271,9 @@ class ClusterRuntime:
                         "may write its sandboxes off first; raise node_ttl_s or lower "
                         "restart.first_delay_s", cfg.restart.first_delay_s,
                         EDGE_RESTART_BUDGET_S, cfg.plane.node_ttl_s)
+            if cfg.net_uplink is not None and cfg.edges and not cfg.edge_processes:
+                raise InvalidArgument("net_uplink needs edge processes (the router and its "
+                                      "resolver live in `dsec edge`), not in-process edges")
             if cfg.edges:
                 self._lock_state_dir()
                 self._size_edges()
@@ -285,6 +302,11 @@ class ClusterRuntime:
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             plane.images.registries = cfg.registries
+            if cfg.image_store_budget is not None:
+                from dsec.image import LayerStore
+
+                LayerStore(plane.layer_dir).set_budget(
+                    None if cfg.image_store_budget == "off" else cfg.image_store_budget)
             await plane.start()
             if self.processes:
                 self._background(self._mind_edges(), "dsec-edge-minder")
@@ -398,7 +420,38 @@ class ClusterRuntime:
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
+        return argv + self._net_argv(self.node_ids.index(node))
+
+    def _net_argv(self, index: int = 0) -> list[str]:
+        """The edges' network flags. Policies travel as JSON files in the (0700) state
+        dir, written whole before the edges start: the same spelling `dsec edge` reads."""
+        cfg = self.config
+        argv = ["--net-default", self._policy_arg("net-default", cfg.net_default)]
+        if cfg.net_max is not None:
+            argv += ["--net-max", self._policy_arg("net-max", cfg.net_max)]
+        if cfg.net_uplink is not None:
+            first = ipaddress.IPv4Network(cfg.net_link)
+            link = ipaddress.IPv4Network((int(first.network_address) + 4 * index, 30))
+            argv += ["--net-uplink", cfg.net_uplink, "--net-pool", cfg.net_pool,
+                     "--net-link", str(link)]
+            if cfg.net_egress is not None:
+                argv += ["--net-egress", cfg.net_egress]
+            for u in cfg.net_dns_upstream:
+                argv += ["--net-dns-upstream", u]
         return argv
+
+    def _policy_arg(self, name: str, policy: NetworkPolicy) -> str:
+        if policy.mode in ("none", "open") and not policy.allow and not policy.deny:
+            return policy.mode
+        import msgspec
+
+        path = os.path.join(self.config.state_dir, f"{name}.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
+                  "wb") as f:
+            f.write(msgspec.json.encode(policy))
+        os.replace(tmp, path)
+        return f"@{path}"
 
     def _pool_share(self) -> int | None:
         """Each local edge's disk pool size: ``disk_pool_bytes`` if given, else the

@@ -40,9 +40,13 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     cpu_milli: int | None = None
     memory_bytes: int | None = None
     snapshot_bytes: int | None = None       # stored bytes of the subtree's snapshots
+    # bytes of the layers the subtree's image names reach (dsec.image.gc.
+    # project_image_bytes: computed from the layer store, checked when a name is set)
+    image_bytes: int | None = None
 
     def validate(self, where: str) -> None:
-        for name in ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes"):
+        for name in ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes",
+                     "image_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise InvalidArgument(f"quota {where}.{name}={v!r} must be a non-negative "
@@ -255,6 +259,12 @@ class QuotaIndex:
         snapshot storage (pure; what :meth:`StateStore.charge_snapshot` checks)."""
         return [(node.path, node.quota.snapshot_bytes) for node in self._chain(project)
                 if node.quota is not None and node.quota.snapshot_bytes is not None]
+
+    def image_limits(self, project: str) -> list[tuple[str, int]]:
+        """``(ancestor, image_bytes)`` for every node of ``project``'s chain that limits
+        the bytes its image names reach (pure)."""
+        return [(node.path, node.quota.image_bytes) for node in self._chain(project)
+                if node.quota is not None and node.quota.image_bytes is not None]
 
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot in ``project`` may take: the least room left under a

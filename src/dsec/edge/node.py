@@ -391,6 +391,9 @@ class EdgeNode:
             if backend is None:
                 self._bury(rec, "node_lost", f"backend {spec.backend!r} is not on this node")
                 continue
+            adopting = getattr(backend, "adopting", None)
+            if adopting is not None and r.ceiling_deny:
+                adopting(r.id, r.ceiling_deny)  # the policy's deny entries, for its slot
             try:
                 alive = await backend.adopt(SandboxId(r.id), r.spec)
             except Exception as exc:  # noqa: BLE001 - a broken one must not stop the others

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from dsec.errors import UnsafeArchive
-from dsec.image.tree import data_extents, make_whiteout, remove_path, set_opaque, write_sparse
+from dsec.image.tree import (
+    data_extents,
+    make_whiteout,
+    remove_path,
+    set_opaque,
+    special_skip,
+    write_sparse,
+)
 
 __all__ = ["DEFAULT_LIMITS", "ExtractLimits", "ExtractStats", "extract_tar", "pack_tree"]
 
@@ -63,6 +70,13 @@ class ExtractStats:
     whiteouts: int = 0
     opaque_dirs: int = 0
     _dir_meta: list[tuple[str, tarfile.TarInfo]] = field(default_factory=list)
+    _implied: list[str] = field(default_factory=list)
+    """Directories made without a member of their own (the root without ``./``, parents
+    of members listed before them or never): they get :attr:`_newest_ns` as mtime."""
+    _newest_ns: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Members :func:`dsec.image.tree.special_skip` leaves out (device nodes other than
+    whiteouts), per kind."""
 
 
 def _clean_name(raw: str, what: str) -> str:
@@ -78,8 +92,10 @@ def _clean_name(raw: str, what: str) -> str:
     return "/".join(parts)
 
 
-def _ensure_parent(root: str, rel: str, member: str) -> str:
-    """Create the parent directories of ``rel`` under ``root`` without following links."""
+def _ensure_parent(root: str, rel: str, member: str,
+                   implied: list[str] | None = None) -> str:
+    """Create the parent directories of ``rel`` under ``root`` without following links
+    (each one made is appended to ``implied``)."""
     parent = root
     for comp in rel.split("/")[:-1]:
         parent = os.path.join(parent, comp)
@@ -87,6 +103,8 @@ def _ensure_parent(root: str, rel: str, member: str) -> str:
             st = os.lstat(parent)
         except FileNotFoundError:
             os.mkdir(parent, 0o755)
+            if implied is not None:
+                implied.append(parent)
             continue
         if stat.S_ISLNK(st.st_mode):
             raise UnsafeArchive(
@@ -117,7 +135,8 @@ def _set_meta(path: str, ti: tarfile.TarInfo, *, link: bool, is_root: bool) -> N
         os.lchown(path, ti.uid, ti.gid)
     if not link:
         os.chmod(path, ti.mode & 0o7777)
-        for key, value in ti.pax_headers.items():
+        # Sorted: mkfs.erofs keeps the staged inode's xattr order (reproducible layers).
+        for key, value in sorted(ti.pax_headers.items()):
             if key.startswith(_XATTR_PAX):
                 name = key[len(_XATTR_PAX):]
                 # overlay's private xattrs in an archive could forge whiteouts/redirects.
@@ -150,9 +169,16 @@ def extract_tar(fileobj: IO[bytes], dest: str, *, limits: ExtractLimits = DEFAUL
         raise UnsafeArchive(f"corrupt tar stream after {stats.members} members: {exc}") from exc
     except EOFError as exc:
         raise UnsafeArchive(f"truncated tar stream after {stats.members} members") from exc
+    explicit = {path for path, _ in stats._dir_meta}
     for path, ti in reversed(stats._dir_meta):
         _set_meta(path, ti, link=False, is_root=is_root)
+    # What the archive does not date gets a time from its content, not "now": the same
+    # archive must stage the same tree (reproducible layers, dsec.image.erofs).
+    for path in [*stats._implied, dest]:
+        if path not in explicit:
+            os.utime(path, ns=(stats._newest_ns,) * 2, follow_symlinks=False)
     stats._dir_meta.clear()
+    stats._implied.clear()
     return stats
 
 
@@ -166,9 +192,15 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
         raise UnsafeArchive(f"tar member name of {len(ti.name)} chars exceeds "
                             f"{limits.max_path_bytes} bytes", member=ti.name[:200])
     rel = _clean_name(ti.name, "member")
+    stats._newest_ns = max(stats._newest_ns, int(ti.mtime * 1e9))
     if ti.ischr() or ti.isblk():
-        raise UnsafeArchive(f"tar member {ti.name!r} is a device node; images may not carry "
-                            "devices (the sandbox gets its own /dev)", member=ti.name)
+        # The one rule (tree.special_skip): a 0/0 character device is a whiteout and
+        # kept, every other device node is left out and counted.
+        skip = special_skip(stat.S_IFCHR if ti.ischr() else stat.S_IFBLK,
+                            os.makedev(ti.devmajor, ti.devminor))
+        if skip is not None:
+            stats.skipped[skip] = stats.skipped.get(skip, 0) + 1
+            return
     if ti.isreg() and ti.size > limits.max_member_bytes:
         raise UnsafeArchive(f"tar member {ti.name!r} is {ti.size} bytes, over the limit of "
                             f"{limits.max_member_bytes}", member=ti.name)
@@ -180,10 +212,11 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
     if oci and base.startswith(_WH):
         parent_rel = posixpath.dirname(rel)
         if parent_rel:
-            d = _ensure_parent(dest, parent_rel + "/x", ti.name)
+            d = _ensure_parent(dest, parent_rel + "/x", ti.name, stats._implied)
             d = os.path.dirname(d)
             if not os.path.lexists(d):
                 os.mkdir(d, 0o755)
+                stats._implied.append(d)
         else:
             d = dest
         if base == _OPQ:
@@ -198,7 +231,7 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
             make_whiteout(target)
             stats.whiteouts += 1
         return
-    path = _ensure_parent(dest, rel, ti.name)
+    path = _ensure_parent(dest, rel, ti.name, stats._implied)
     if ti.isdir():
         try:
             st = os.lstat(path)
@@ -251,6 +284,9 @@ def _extract_member(tf: tarfile.TarFile, ti: tarfile.TarInfo, dest: str,
     elif ti.isfifo():
         os.mkfifo(path, 0o600)
         _set_meta(path, ti, link=False, is_root=is_root)
+    elif ti.ischr():                            # a whiteout (special_skip kept it)
+        make_whiteout(path)
+        _set_meta(path, ti, link=False, is_root=is_root)
     else:
         raise UnsafeArchive(f"tar member {ti.name!r} has unsupported type {ti.type!r}",
                             member=ti.name)
@@ -263,20 +299,34 @@ _SPARSE_MIN_SAVING = 1 << 20
 _USTAR_MAX_SIZE = 8 << 30
 
 
-def pack_tree(root: str, out: IO[bytes]) -> None:
+def pack_tree(root: str, out: IO[bytes]) -> dict[str, int]:
     """Tar ``root``'s contents (names relative to it, owners and modes kept, PAX format),
-    writing files with holes as GNU PAX 1.0 sparse members: only their data travels."""
+    writing files with holes as GNU PAX 1.0 sparse members: only their data travels.
+    Special files go by the one rule (:func:`dsec.image.tree.special_skip`): what it
+    skips is left out here and counted (the result), so the upload holds what the layer
+    will."""
+    skipped: dict[str, int] = {}
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        # The root's own mode, owner and time travel too ("./", as `tar -C root -c .`):
+        # without it the server's staging dir stood in for them, and the same tree gave
+        # another layer through the SDK than through `dsec image build`.
+        tar.addfile(tar.gettarinfo(root, arcname="."))
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
             for name in sorted(dirnames) + sorted(filenames):
                 path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                skip = special_skip(st.st_mode, st.st_rdev)
+                if skip is not None:
+                    skipped[skip] = skipped.get(skip, 0) + 1
+                    continue
                 arc = os.path.relpath(path, root)
                 ti = tar.gettarinfo(path, arcname=arc)
                 if ti.isreg():
                     _add_file(tar, ti, path)
                 else:
                     tar.addfile(ti)
+    return skipped
 
 
 def _add_file(tar: tarfile.TarFile, ti: tarfile.TarInfo, path: str) -> None:

@@ -30,7 +30,6 @@ import hashlib
 import os
 import re
 import shutil
-import stat
 import subprocess
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from dsec.errors import ImageError, InvalidArgument
 from dsec.image.erofs import ProgressFn
 from dsec.image.manifest import LayerManifest
 from dsec.image.store import LayerStore
+from dsec.image.tree import special_skip
 
 __all__ = ["DEFAULT_MIRROR", "DEFAULT_REPO_CACHE", "BootstrapPlan", "BootstrapResult",
            "bootstrap_debian", "bootstrap_tree", "fetch_repo", "repo_dir"]
@@ -150,16 +150,17 @@ def _run(argv: Sequence[str], what: str, *, cwd: str | None = None) -> str:
 
 
 def _drop_special_files(root: str) -> list[str]:
-    """Remove device nodes, fifos and sockets under ``root/dev`` (the sandbox runtime
-    gives each sandbox its own /dev); return their paths relative to ``root``."""
+    """Remove what the one special-files rule of every door leaves out of a layer
+    (:func:`dsec.image.tree.special_skip`: device nodes but whiteouts, sockets) under
+    ``root/dev`` (the sandbox runtime gives each sandbox its own /dev); return their
+    paths relative to ``root``."""
     dropped: list[str] = []
     dev = os.path.join(root, "dev")
     for dirpath, _dirs, files in os.walk(dev):
         for name in files:
             p = os.path.join(dirpath, name)
-            mode = os.lstat(p).st_mode
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) \
-                    or stat.S_ISSOCK(mode):
+            st = os.lstat(p)
+            if special_skip(st.st_mode, st.st_rdev) is not None:
                 os.unlink(p)
                 dropped.append(os.path.relpath(p, root))
     return sorted(dropped)

@@ -60,6 +60,14 @@ def stage_busybox_root(dest: str) -> None:
         with open(os.path.join(dest, rel), "w") as f:
             f.write(text)
         os.chmod(os.path.join(dest, rel), 0o644)
+    # Every entry dated by the busybox binary, not by when this ran: the same binary gives
+    # the same base layer digest on every node and in every store (reproducible layers).
+    when = os.stat(bb).st_mtime_ns
+    os.chmod(dest, 0o755)
+    for dirpath, dirnames, filenames in os.walk(dest, topdown=False):
+        for n in dirnames + filenames:
+            os.utime(os.path.join(dirpath, n), ns=(when, when), follow_symlinks=False)
+    os.utime(dest, ns=(when, when))
 
 
 def ensure_busybox_base(store: LayerStore) -> LayerManifest:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Self
 
-from dsec.errors import ImageError, InvalidArgument
+from dsec.errors import ImageError, ImageNotFound, InvalidArgument
 from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache, _libc, sys_mount, sys_umount
 from dsec.image.store import LayerStore
@@ -200,11 +200,20 @@ class SandboxRoot:
 
 
 def acquire_stack(store: LayerStore, cache: MountCache, stack: RootStack) -> list[str]:
-    """Mount (or share) every layer of ``stack``; all or nothing. Returns lowerdirs."""
+    """Mount (or share) every layer of ``stack``; all or nothing. Returns lowerdirs.
+
+    Under the store's shared lock (:meth:`LayerStore.using`), each layer checked to be
+    still there: a prune either sees these mounts or has removed the layer before we
+    look (``ImageNotFound``), never a layer in use."""
     got: list[str] = []
     try:
-        for m in stack.layers:
-            got.append(cache.acquire(m, store.layer_path(m)))
+        with store.using():
+            for m in stack.layers:
+                if not store.has(m.digest):
+                    raise ImageNotFound(f"layer {m.digest} is no longer in {store.root} "
+                                        "(pruned: nothing named it)", ref=m.digest)
+                got.append(cache.acquire(m, store.layer_path(m)))
+                store.touch(m.digest)
     except BaseException:
         for m in stack.layers[: len(got)]:
             cache.release(m.digest)

@@ -72,6 +72,9 @@ class LayerManifest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     labels: dict[str, str] = {}
     parent: str | None = None                # snapshots: previous snapshot's digest
     stack: tuple[str, ...] = ()              # snapshots: image digests, highest first
+    # Special files left out of the tree, per kind ("devices", "sockets"): the one rule
+    # of dsec.image.tree.special_skip, whichever door the tree came through.
+    skipped: dict[str, int] = {}
 
     @property
     def hex(self) -> str:

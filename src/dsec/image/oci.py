@@ -25,8 +25,8 @@ from dsec.errors import CorruptLayer, ImageError, InvalidArgument
 from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
 from dsec.image.erofs import Compression, ProgressFn
 from dsec.image.manifest import LayerKind, LayerManifest
-from dsec.image.store import LayerStore
-from dsec.image.tree import apply_tree
+from dsec.image.store import LayerStore, Pin
+from dsec.image.tree import apply_tree, skip_counts
 
 __all__ = ["OciImage", "import_oci", "read_oci"]
 
@@ -195,14 +195,17 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
                compression: Compression | None = None,
                limits: ExtractLimits = DEFAULT_LIMITS,
                progress: ProgressFn | None = None, namespace: str | None = None,
-               owner: str | None = None, max_bytes: int | None = None
-               ) -> list[LayerManifest]:
+               owner: str | None = None, max_bytes: int | None = None,
+               pin: Pin | None = None) -> list[LayerManifest]:
     """Import an OCI image into the store; returns its layers, highest first.
 
     With ``squash`` (default) that is one layer of ``kind`` (named ``name:tag``);
     otherwise one layer per OCI layer, the top one named. Every layer, named or not,
     belongs to project ``namespace`` (None: cluster-wide). ``max_bytes`` bounds each
-    layer file (``QuotaExceeded``, as ``LayerStore.add_tree``).
+    layer file (``QuotaExceeded``, as ``LayerStore.add_tree``). Unsquashed, the top
+    layer's ``stack`` names the ones below (highest first), so they are referenced as
+    long as it is (a prune keeps them; a pulled image is recorded the same way).
+    ``pin``: every layer made is pinned from the moment it appears (name them later).
     """
     src = _Source(path)
     try:
@@ -210,11 +213,13 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
         labels = _labels(img.config, ref)
         with contextlib.ExitStack() as stack:
             stages: list[str] = []
+            skips: list[dict[str, int]] = []    # device members left out (special_skip)
             for blob_path, hx in img.layers:
                 stage = stack.enter_context(store.staging("oci-"))
                 with src.open(blob_path) as raw:
                     f = _Hashing(raw)
-                    extract_tar(f, stage, limits=limits, oci_whiteouts=True)  # type: ignore[arg-type]
+                    skips.append(extract_tar(f, stage, limits=limits,  # type: ignore[arg-type]
+                                             oci_whiteouts=True).skipped)
                     f.drain()
                 if hx is not None and f.h.hexdigest() != hx:
                     raise CorruptLayer(f"OCI blob {blob_path} hashes to sha256:"
@@ -228,14 +233,18 @@ def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: st
                 return [store.add_tree(final, kind=kind, name=name, tag=tag, labels=labels,
                                        compression=compression, progress=progress,
                                        namespace=namespace, owner=owner,
-                                       max_bytes=max_bytes)]
+                                       max_bytes=max_bytes, skipped=skip_counts(*skips),
+                                       pin=pin)]
             out: list[LayerManifest] = []
             for i, stage in enumerate(stages):
                 top = i == len(stages) - 1
                 out.append(store.add_tree(stage, kind=kind, name=name if top else None,
                                           tag=tag, labels=labels if top else {},
+                                          stack=tuple(m.digest for m in reversed(out))
+                                          if top else (),
                                           compression=compression, namespace=namespace,
-                                          owner=owner, max_bytes=max_bytes))
+                                          owner=owner, max_bytes=max_bytes,
+                                          skipped=skips[i], pin=pin))
             return out[::-1]
     finally:
         src.close()

@@ -313,7 +313,7 @@ def _data_bytes(path: str) -> int:
 
 
 def _materialize(upper: str, stage: str, plan: SnapshotPlan, cur: dict[str, Entry],
-                 max_data_bytes: int | None = None) -> None:
+                 max_data_bytes: int | None = None) -> dict[str, int]:
     """Copy the planned entries into ``stage``. Holes stay holes (tree.copy_entry) and
     hardlinks stay hardlinks (mkfs.erofs keeps them as one inode), so the stage - and
     the layer - hold about what the upper really uses: a file linked 10,000 times is
@@ -323,7 +323,11 @@ def _materialize(upper: str, stage: str, plan: SnapshotPlan, cur: dict[str, Entr
     file is copied: a sandbox's disk cap counts a reflinked (or btrfs-compressed) extent
     once, but every copy of it is data here. Measured before this bound: 200 reflinks of
     an 8 MiB file in a 16 MiB-capped sandbox staged 1.6 GiB on the layer store's
-    filesystem before the layer was refused for its size."""
+    filesystem before the layer was refused for its size.
+
+    Returns what :func:`dsec.image.tree.special_skip` left out (sockets a process in the
+    sandbox bound, device nodes), per kind: the layer's ``skipped``."""
+    skipped: dict[str, int] = {}
     dirs: list[tuple[str, str, os.stat_result]] = []
     linked: dict[tuple[int, int], str] = {}
     data = 0
@@ -360,7 +364,9 @@ def _materialize(upper: str, stage: str, plan: SnapshotPlan, cur: dict[str, Entr
                                 "it with fewer or smaller files, or raise the quota",
                                 resource="snapshot_bytes", used=data, limit=max_data_bytes,
                                 requested=data)
-                    copy_entry(src, dst, st)
+                    skip = copy_entry(src, dst, st)
+                    if skip is not None:
+                        skipped[skip] = skipped.get(skip, 0) + 1
                 except FileNotFoundError:
                     cur.pop(rel, None)
                     continue
@@ -374,6 +380,7 @@ def _materialize(upper: str, stage: str, plan: SnapshotPlan, cur: dict[str, Entr
         os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
     root_st = os.lstat(upper)
     copy_meta(upper, stage, root_st)
+    return skipped
 
 
 def snapshot(store: LayerStore, upperdir: str, previous: LayerManifest | None = None, *,
@@ -444,14 +451,14 @@ def snapshot(store: LayerStore, upperdir: str, previous: LayerManifest | None = 
     _check_apparent(plan, cur, max_apparent_bytes)
     with store.staging("snap-") as stage:
         try:
-            _materialize(upperdir, stage, plan, cur, max_bytes)
+            skipped = _materialize(upperdir, stage, plan, cur, max_bytes)
         finally:
             if on_copied is not None:
                 on_copied()
         m = store.add_tree(stage, kind="snapshot", name=name, tag=tag, labels=labels,
                            compression=compression, parent=parent, stack=stack,
                            max_bytes=max_bytes, max_apparent_bytes=max_apparent_bytes,
-                           what="snapshot")
+                           what="snapshot", skipped=skipped)
     store.write_index(m.digest, _idx_enc.encode(
         _Index(ust.st_dev, ust.st_ino, cur, [r for r in racy if r in cur])))
     return m

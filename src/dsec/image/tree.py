@@ -14,12 +14,14 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from dsec.errors import ImageError
 
 __all__ = [
     "OPAQUE_XATTR",
+    "SkipKind",
     "TreeStats",
     "apply_tree",
     "copy_entry",
@@ -30,6 +32,8 @@ __all__ = [
     "make_whiteout",
     "remove_path",
     "set_opaque",
+    "skip_counts",
+    "special_skip",
     "tree_stats",
     "write_sparse",
 ]
@@ -41,13 +45,53 @@ _BLOCK = 4096
 _ZERO_BLOCK = bytes(_BLOCK)
 
 
+SkipKind = Literal["devices", "sockets"]
+
+
+def special_skip(mode: int, rdev: int) -> SkipKind | None:
+    """THE rule for special files, at every door (SDK upload, ``dsec image build``, tar
+    and OCI import, pack_diff, the builder; pure): what of an entry of type ``mode`` (and
+    device number ``rdev``) is left out of a layer, counted under the returned kind.
+
+    * a whiteout (character device 0/0) is kept: it is overlay's deletion marker, which
+      snapshots, merges and OCI layers are made of;
+    * every other character or block device is skipped: a sandbox gets its own /dev, and
+      a node in a layer would name a host device (a debootstrap tree has dozens);
+    * sockets are skipped: they are a live process's endpoint, meaningless in an image
+      (and tar cannot carry them);
+    * FIFOs are kept: a name and a mode, harmless, and programs may expect them.
+
+    None: keep. Before, each door had its own rule: the SDK upload refused a debootstrap
+    tree (the server refused device members) while ``dsec image build`` packed its /dev."""
+    if stat.S_ISCHR(mode):
+        return None if rdev == 0 else "devices"
+    if stat.S_ISBLK(mode):
+        return "devices"
+    if stat.S_ISSOCK(mode):
+        return "sockets"
+    return None
+
+
+def skip_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """Sum per-kind skip counts, leaving out zeros (pure)."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
 def is_whiteout(st: os.stat_result) -> bool:
     """A whiteout is a character device with device number 0/0."""
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
 def make_whiteout(path: str) -> None:
+    """A whiteout at ``path``, with mtime 0: overlay never shows it, and a time of "now"
+    would make the same deletion give a different layer every build (reproducible
+    layers, :mod:`dsec.image.erofs`)."""
     os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    os.utime(path, ns=(0, 0), follow_symlinks=False)
 
 
 def is_opaque(path: str) -> bool:
@@ -76,9 +120,11 @@ def remove_path(path: str) -> None:
 
 
 def _user_xattrs(path: str) -> Iterator[tuple[str, bytes]]:
-    """xattrs worth carrying into a layer: everything but overlay's private markers."""
+    """xattrs worth carrying into a layer: everything but overlay's private markers, by
+    name: mkfs.erofs stores them in the order the staged inode lists them (insertion
+    order on ext4), so a sorted copy is the same layer whatever order the source has."""
     try:
-        names = os.listxattr(path, follow_symlinks=False)
+        names = sorted(os.listxattr(path, follow_symlinks=False))
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EPERM):
             return
@@ -189,9 +235,14 @@ def _copy_range(fd_in: int, fd_out: int, start: int, length: int) -> None:
         done += len(chunk)
 
 
-def copy_entry(src: str, dst: str, st: os.stat_result, *, times: bool = True) -> None:
-    """Copy one non-directory entry (file, symlink, whiteout, fifo) with its metadata."""
+def copy_entry(src: str, dst: str, st: os.stat_result, *,
+               times: bool = True) -> SkipKind | None:
+    """Copy one non-directory entry (file, symlink, whiteout, fifo) with its metadata;
+    what :func:`special_skip` leaves out is not copied, and its kind returned."""
     mode = st.st_mode
+    skip = special_skip(mode, st.st_rdev)
+    if skip is not None:
+        return skip
     if stat.S_ISREG(mode):
         _copy_data(src, dst, mode)
     elif stat.S_ISLNK(mode):
@@ -202,10 +253,10 @@ def copy_entry(src: str, dst: str, st: os.stat_result, *, times: bool = True) ->
         os.mkfifo(dst, 0o600)
     elif stat.S_ISDIR(mode):
         raise IsADirectoryError(src)
-    else:
-        # Device nodes other than whiteouts never enter a layer (hostile input).
-        return
+    else:   # pragma: no cover - special_skip covers every other type
+        raise ImageError(f"cannot copy {src!r}: unknown file type {stat.S_IFMT(mode):o}")
     copy_meta(src, dst, st, times=times)
+    return None
 
 
 @dataclass(slots=True)
@@ -224,6 +275,10 @@ class TreeStats:
     apparent_bytes: int = 0
     allocated_bytes: int = 0
     chunked_bytes: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Entries :func:`special_skip` leaves out, per kind (not in ``entries``)."""
+    skip_paths: list[str] = field(default_factory=list)
+    """Their paths relative to the root (for mkfs.erofs ``--exclude-path``)."""
 
 
 def _chunked_bytes(path: str, st: os.stat_result, chunk_bytes: int) -> int:
@@ -250,6 +305,12 @@ def tree_stats(root: str, *, chunk_bytes: int = 64 << 10) -> TreeStats:
         out.entries += len(dirnames) + len(filenames)
         for name in filenames:
             st = os.lstat(os.path.join(dirpath, name))
+            skip = special_skip(st.st_mode, st.st_rdev)
+            if skip is not None:
+                out.entries -= 1
+                out.skipped[skip] = out.skipped.get(skip, 0) + 1
+                out.skip_paths.append(os.path.relpath(os.path.join(dirpath, name), root))
+                continue
             if stat.S_ISREG(st.st_mode):
                 out.content_bytes += st.st_size
                 if st.st_nlink > 1:
@@ -273,7 +334,11 @@ def apply_tree(src: str, dst: str, *, keep_whiteouts: bool) -> None:
     still hide layers below the merged result; pass False when ``dst`` is the bottom of
     the stack (nothing below to hide).
     """
-    dirs_done: list[tuple[str, str, os.stat_result]] = []
+    # The root too, as overlay shows the highest layer's root: a staging root left at
+    # mode 0700 and "now" made every merge of the same layers a different layer.
+    root_st = os.lstat(src)
+    copy_meta(src, dst, root_st, times=False)
+    dirs_done: list[tuple[str, str, os.stat_result]] = [(src, dst, root_st)]
     _apply_dir(src, dst, keep_whiteouts, dirs_done)
     # Directory times last: creating children above changed them.
     for s, d, st in reversed(dirs_done):

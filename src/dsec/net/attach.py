@@ -11,24 +11,32 @@ A spec that compiles to None (mode ``none``) gets no slot: no veth, no cost.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ipaddress
 import logging
+import os
+import socket
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from dsec.errors import Conflict, DsecError, InvalidArgument
+from dsec.net import netns
 from dsec.net.compile import Compiled, DomainRule, Elem
 from dsec.net.compile import compile as compile_policy
 from dsec.net.denied import Denial, DenyReporter
 from dsec.net.dnspolicy import DnsPolicy, NameRule, PinBook
 from dsec.net.nftrules import PRIVATE4
 from dsec.net.nftwire import Dest4, SlotPolicy, TooManyElements, disjoint
+from dsec.net.reconcile import Adopted, Keep, KernelView, LoadPolicy, Lost, digest_of, plan
 from dsec.net.router import Router, Slot
-from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.netpolicy import NetworkPolicy, Proto
 from dsec.wire.spec import SandboxSpec
 
-__all__ = ["NetPlan", "PolicyCompiler", "SandboxNetwork", "compile_spec", "plan_of"]
+__all__ = ["NetPlan", "PolicyCompiler", "SandboxNetwork", "compile_spec", "crash_point",
+           "plan_of"]
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +121,12 @@ class SandboxNetwork:
     pins: PinBook = field(default_factory=PinBook)
     denied: DenyReporter = field(default_factory=DenyReporter)
     _baseline: dict[int, int] = field(default_factory=dict)
-    #: sandboxes adopted after an edge restart whose slot died with the old router
+    #: sandboxes adopted after an edge restart whose slot did not survive (fail closed)
     lost: set[str] = field(default_factory=set)
+    #: sandboxes adopted at edge start, waiting for :meth:`reconcile`: (netns fd, spec,
+    #: ceiling denies, what reconcile's plan is told)
+    _adopting: dict[str, tuple[int, SandboxSpec, tuple[str, ...], Adopted]] = field(
+        default_factory=dict)
     _refilling: bool = False
     #: compiled plans (or the refusal) by (policy, ceiling denies): ``prepare`` fills it
     #: on a worker thread, so attach/update on the loop only look it up
@@ -176,7 +188,8 @@ class SandboxNetwork:
         slot = self.router.take()
         try:
             self.router.load(slot, plan.slot, flush_pins=True,
-                             max_connections=plan.max_connections, rate_mbit=plan.rate_mbit)
+                             max_connections=plan.max_connections, rate_mbit=plan.rate_mbit,
+                             digest=digest_of(plan))
         except BaseException:
             self.router.release(slot)  # nothing ran in it: safe to reuse
             raise
@@ -281,8 +294,10 @@ class SandboxNetwork:
             return slot.generation
         # Names changed: their pins go too (re-resolving pins again what is still allowed)
         names_changed = old is None or old.dns != plan.dns
+        crash_point("network_update:batch")  # the node journaled it; the kernel not yet
         gen = self.router.load(slot, plan.slot, flush_pins=names_changed,
-                               max_connections=plan.max_connections, rate_mbit=plan.rate_mbit)
+                               max_connections=plan.max_connections, rate_mbit=plan.rate_mbit,
+                               digest=digest_of(plan))
         if names_changed:
             self.pins.forget(slot.index)
         self.policies[sid] = plan
@@ -294,6 +309,9 @@ class SandboxNetwork:
         slot = self.by_sandbox.pop(sid, None)
         self.policies.pop(sid, None)
         self.lost.discard(sid)
+        pending = self._adopting.pop(sid, None)  # destroyed before reconcile ran
+        if pending is not None:
+            _close(pending[0])
         if slot is None:
             return
         self.by_slot.pop(slot.index, None)
@@ -309,3 +327,122 @@ class SandboxNetwork:
             log.warning("net: releasing slot %d of %s failed: %s", slot.index, sid, exc.message)
         except OSError as exc:
             log.warning("net: releasing slot %d of %s failed: %s", slot.index, sid, exc)
+
+    # ------------------------------------------------------------------ edge start
+
+    def adopt(self, sid: str, spec: SandboxSpec, netns_fd: int,
+              ceiling_deny: tuple[str, ...] = ()) -> None:
+        """A sandbox of the journal found alive at edge start, in the netns held by
+        ``netns_fd`` (owned from now on): its slot is found from its ``eth0`` address
+        and checked against the router by :meth:`reconcile`, which runs once every
+        sandbox is adopted and before the edge serves."""
+        plan_ = self.prepare(spec, ceiling_deny)
+        index: int | None = None
+        why = ""
+        try:
+            with netns.entered(netns_fd):
+                addr = _eth0_address()
+        except OSError as exc:
+            addr, why = None, f"its netns cannot be read: {exc}"
+        if addr is not None:
+            index = self.router.pool.slot_of(addr)
+            if index is None:
+                why = f"its eth0 address {addr} is no slot of pool {self.router.pool.network}"
+        elif not why:
+            why = "its netns has no eth0 address"
+        old = self._adopting.pop(sid, None)
+        if old is not None:
+            _close(old[0])
+        self._adopting[sid] = (netns_fd, spec, ceiling_deny, Adopted(
+            sid, index, digest_of(plan_ or NetPlan(SlotPolicy())), why))
+
+    def reconcile(self) -> dict[str, str]:
+        """Bring the router in line with the adopted sandboxes (net/reconcile.py's plan;
+        plan-14 §9.2), then refill the pool. Returns the sandboxes that could not keep
+        their network, with why (they stay cut off: fail closed)."""
+        t0 = time.monotonic()
+        view = self.router.reconcile_view()
+        t_view = time.monotonic()
+        kernel = KernelView(table=view.table, base_digest=view.base_digest,
+                            uplink=self.router.has_uplink(), slots=view.slots,
+                            max_mark=view.max_mark, reopened=self.router.reopened)
+        adopting, self._adopting = self._adopting, {}
+        steps = plan([a for _, _, _, a in adopting.values()], kernel,
+                     self.router.base_digest())
+        lost: dict[str, str] = {}
+        now = time.monotonic()
+        try:
+            counters = self.router.counters()
+        except DsecError:
+            counters = {}
+        for step, ins in enumerate(steps):
+            crash_point(f"reconcile:{step}")
+            if isinstance(ins, Keep | LoadPolicy):
+                fd, spec, deny, _ = adopting.pop(ins.sid)
+                p = self.prepare(spec, deny) or NetPlan(SlotPolicy())
+                if isinstance(ins, Keep):  # the kernel holds exactly p (its digest)
+                    slot = self.router.adopt(
+                        ins.slot, fd, generation=ins.generation, rate_mbit=p.rate_mbit,
+                        conn_cap=p.max_connections or self.router.config.max_connections)
+                else:  # cap and shaping unknown: the load below rewrites both
+                    slot = self.router.adopt(ins.slot, fd, generation=0, conn_cap=-1,
+                                             rate_mbit=0)
+                    try:
+                        self.router.load(slot, p.slot, flush_pins=True,
+                                         max_connections=p.max_connections,
+                                         rate_mbit=p.rate_mbit, digest=digest_of(p))
+                    except DsecError as exc:
+                        lost[ins.sid] = f"loading its policy failed: {exc.message}"
+                        self.router.lose(slot)
+                        continue
+                self.by_sandbox[ins.sid] = slot
+                self.by_slot[slot.index] = ins.sid
+                self.policies[ins.sid] = p
+                self.denied.assign(slot.index, ins.sid, counters.get(slot.index, 0))
+            elif isinstance(ins, Lost):
+                fd, _, _, _ = adopting.pop(ins.sid)
+                _close(fd)
+                lost[ins.sid] = ins.why
+            else:
+                self.router.apply(ins)
+        if kernel.uplink:  # kept with the router: a host uplink's table and sysctls too
+            self.router.adopt_uplink()
+        for fd, _, _, _ in adopting.values():  # not in the plan: cannot happen
+            _close(fd)
+        for pin in view.pins:  # DNS pins live on in the kernel: the book re-reads them
+            if pin.slot in self.by_slot and pin.proto in ("tcp", "udp"):
+                proto: Proto = "tcp" if pin.proto == "tcp" else "udp"
+                self.pins.expiry[(pin.slot, pin.address, proto, pin.port)] = \
+                    now + pin.expires_s
+        self.lost.update(lost)
+        t_plan = time.monotonic()
+        built = self.router.refill()
+        log.info("net: reconcile: kernel view %.1f ms, %d instruction(s) %.1f ms, pool refill "
+                 "(%d slots) %.1f ms", (t_view - t0) * 1000, len(steps),
+                 (t_plan - t_view) * 1000, built, (time.monotonic() - t_plan) * 1000)
+        return lost
+
+
+def crash_point(name: str) -> None:
+    """Fault tests (tests/net/test_net_faults.py) kill the edge here: with
+    ``DSEC_TEST_CRASH_AT=name`` in its environment the process dies as by kill -9."""
+    if os.environ.get("DSEC_TEST_CRASH_AT") == name:
+        log.warning("DSEC_TEST_CRASH_AT=%s: dying here", name)
+        os._exit(137)
+
+
+def _eth0_address() -> str | None:
+    """The IPv4 address of the calling thread's netns's ``eth0`` (None: it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", b"eth0"))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -169,7 +169,7 @@ class Nft:
 
     _lib: ctypes.CDLL | None = None
 
-    def __init__(self, netns_fd: int) -> None:
+    def __init__(self, netns_fd: int, *, json: bool = False) -> None:
         lib = self._load()
         self._lib_ = lib
         self.netns_fd = netns_fd
@@ -182,6 +182,8 @@ class Nft:
             raise BackendError("libnftables: nft_ctx_new failed")
         lib.nft_ctx_buffer_output(self.ctx)
         lib.nft_ctx_buffer_error(self.ctx)
+        if json:  # listings come back as libnftables JSON (the host uplink's checks)
+            lib.nft_ctx_output_set_flags(self.ctx, _NFT_CTX_OUTPUT_JSON)
         self._lock = threading.Lock()
 
     @classmethod
@@ -197,8 +199,12 @@ class Nft:
             lib.nft_ctx_new.restype = ctypes.c_void_p
             lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
             lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
             lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
             lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
+            lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+            lib.nft_ctx_output_get_flags.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_output_get_flags.restype = ctypes.c_uint
             for fn in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
                 getattr(lib, fn).argtypes = [ctypes.c_void_p]
             for fn in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
@@ -207,11 +213,22 @@ class Nft:
             cls._lib = lib
         return cls._lib
 
-    def __call__(self, cmd: str) -> str:
+    def json(self, cmd: str) -> str:
+        """``cmd``'s output as libnftables JSON (a listing, for reconcile)."""
+        return self(cmd, json=True)
+
+    def __call__(self, cmd: str, *, json: bool = False) -> str:
         lib = self._lib_
         with self._lock:
-            with netns.entered(self.netns_fd):
-                rc = lib.nft_run_cmd_from_buffer(self.ctx, cmd.encode())
+            flags = lib.nft_ctx_output_get_flags(self.ctx)
+            if json:
+                lib.nft_ctx_output_set_flags(self.ctx, flags | _NFT_CTX_OUTPUT_JSON)
+            try:
+                with netns.entered(self.netns_fd):
+                    rc = lib.nft_run_cmd_from_buffer(self.ctx, cmd.encode())
+            finally:
+                if json:
+                    lib.nft_ctx_output_set_flags(self.ctx, flags)
             out = (lib.nft_ctx_get_output_buffer(self.ctx) or b"").decode()
             err = (lib.nft_ctx_get_error_buffer(self.ctx) or b"").decode()
         if rc != 0:

@@ -24,7 +24,10 @@ __all__ = [
     "loopback_is_up",
     "netns_inode",
     "new_netns",
+    "open_pinned",
+    "pin",
     "setns_net",
+    "unpin",
     "write_sysctl",
 ]
 
@@ -119,3 +122,71 @@ def write_sysctl(fd: int, path: str, value: str) -> None:
     the thread that opens it, so the open happens inside."""
     with entered(fd), open(f"/proc/sys/{path}", "w") as f:
         f.write(value)
+
+
+# ---------------------------------------------------------------------------------------
+# Pinning: a netns bind-mounted on a file outlives every fd and process (``ip netns add``
+# does the same under /run/netns). The router's is pinned so live sandboxes keep their
+# network while the edge restarts (plan-14 §9).
+
+_MS_BIND = 4096
+_MNT_DETACH = 2
+_NSFS_MAGIC = 0x6E736673
+
+
+def pin(fd: int, path: str) -> None:
+    """Bind-mount the netns held by ``fd`` on ``path`` (an empty file is made)."""
+    with open(path, "a"):
+        pass
+    os.chmod(path, 0o600)
+    src = f"/proc/self/fd/{fd}".encode()
+    _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                            ctypes.c_ulong, ctypes.c_void_p]
+    _check(_libc.mount(src, path.encode(), None, _MS_BIND, None), f"bind-mount netns on {path}")
+
+
+def unpin(path: str) -> bool:
+    """Undo :func:`pin` (every mount stacked on ``path``) and remove the file; False when
+    nothing was pinned there."""
+    found = False
+    for _ in range(16):  # stacked pins (bounded: never spin on a mount that stays)
+        if open_pinned(path, check_only=True) is None:
+            break
+        found = True
+        _check(_libc.umount2(path.encode(), ctypes.c_int(_MNT_DETACH)), f"umount {path}")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return found
+
+
+def open_pinned(path: str, *, check_only: bool = False) -> int | None:
+    """An fd on the netns pinned at ``path`` (the caller closes it), or None when no
+    netns is mounted there (a plain file left by a crash between create and mount, or
+    nothing). ``check_only``: return -1 instead of an fd."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        if _fs_magic(fd) != _NSFS_MAGIC:
+            os.close(fd)
+            return None
+    except OSError:
+        os.close(fd)
+        raise
+    if check_only:
+        os.close(fd)
+        return -1
+    return fd
+
+
+class _Statfs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 112)]
+
+
+def _fs_magic(fd: int) -> int:
+    buf = _Statfs()
+    _check(_libc.fstatfs(ctypes.c_int(fd), ctypes.byref(buf)), "fstatfs")
+    return int(buf.f_type) & 0xFFFFFFFF

@@ -22,6 +22,7 @@ generation on too: a previous tenant's conntrack entries can never match again.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from collections.abc import Iterable
 from typing import Final
@@ -44,12 +45,14 @@ __all__ = [
     "NEVER4",
     "PRIVATE4",
     "TABLE",
+    "base_digest",
     "base_ruleset",
     "conn_cap",
     "conn_cap_rules",
     "drain_batch",
     "load_batch",
     "pins_batch",
+    "replace_base",
     "slot_objects",
     "slot_sets",
 ]
@@ -80,6 +83,9 @@ DNS_BURST: Final = 2000
 # The sets a policy load replaces (flush + refill) and those a recycle flushes as well.
 POLICY_SETS: Final = ("a4", "d4", "e4", "f4", "l", "g", "open")
 ALL_SETS: Final = (*POLICY_SETS, "q4", "r4", "x")
+# The base table's chains, and the set whose one element carries its digest.
+BASE_CHAINS: Final = ("forward", "input", "pre", "post")
+BASE_MARKER: Final = "basev"
 
 
 def _interval_elements(cidrs: Iterable[str]) -> str:
@@ -87,24 +93,15 @@ def _interval_elements(cidrs: Iterable[str]) -> str:
     return ", ".join(str(n) for n in nets)
 
 
-def base_ruleset(
-    *, pool: Pool, uplink: str, node_addresses: Iterable[str] = (), table: str = TABLE
-) -> str:
-    """The router's base table, from scratch (libnftables input; one transaction).
-
-    ``uplink`` is the router's uplink device (masquerade out of it; nothing enters the
-    router itself from it but replies). ``node_addresses`` join the never-reachable set
-    (the host's addresses: the apiserver, the edge's port, sshd...).
-    """
+def _base_objects(*, pool: Pool, uplink: str, node_addresses: Iterable[str],
+                  table: str) -> list[str]:
+    """The base table's objects (sets, maps, chains, rules), for a table that exists."""
     never = _interval_elements([*NEVER4, str(pool.network), *(
         f"{a}/32" if "/" not in a else a for a in node_addresses)])
     private = _interval_elements(PRIVATE4)
     r = pool.resolver
     t = f"inet {table}"
-    return "\n".join([
-        f"add table {t}",
-        f"delete table {t}",
-        f"add table {t}",
+    return [
         f"add set {t} never4 {{ type ipv4_addr; flags interval; elements = {{ {never} }}; }}",
         f"add set {t} private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}",
         f"add map {t} out {{ type ifname : verdict; }}",
@@ -137,7 +134,60 @@ def base_ruleset(
         f"dnat ip to {r}"),
         f"add chain {t} post {{ type nat hook postrouting priority srcnat; }}",
         f'add rule {t} post oifname "{uplink}" masquerade',
-    ]) + "\n"
+    ]
+
+
+def base_digest(*, pool: Pool, uplink: str, node_addresses: Iterable[str] = (),
+                table: str = TABLE) -> str:
+    """A fingerprint of the base table this code builds; the table carries it (the
+    comment of set ``basev``'s one element), so reconcile sees a base table an older
+    dsec (or another pool or uplink) built and replaces it (plan-14 §9.2)."""
+    text = "\n".join(_base_objects(pool=pool, uplink=uplink,
+                                    node_addresses=node_addresses, table=table))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _marker(t: str, digest: str) -> list[str]:
+    return [f"add set {t} {BASE_MARKER} {{ type mark; }}",
+            f'add element {t} {BASE_MARKER} {{ 1 comment "{digest}" }}']
+
+
+def base_ruleset(
+    *, pool: Pool, uplink: str, node_addresses: Iterable[str] = (), table: str = TABLE
+) -> str:
+    """The router's base table, from scratch (libnftables input; one transaction).
+
+    ``uplink`` is the router's uplink device (masquerade out of it; nothing enters the
+    router itself from it but replies). ``node_addresses`` join the never-reachable set
+    (the host's addresses: the apiserver, the edge's port, sshd...).
+    """
+    t = f"inet {table}"
+    objs = _base_objects(pool=pool, uplink=uplink, node_addresses=node_addresses,
+                         table=table)
+    digest = base_digest(pool=pool, uplink=uplink, node_addresses=node_addresses,
+                         table=table)
+    return "\n".join([f"add table {t}", f"delete table {t}", f"add table {t}", *objs,
+                      *_marker(t, digest)]) + "\n"
+
+
+def replace_base(
+    *, pool: Pool, uplink: str, node_addresses: Iterable[str] = (), table: str = TABLE
+) -> str:
+    """Rewrite the base objects of an existing table in one transaction, keeping every
+    slot's chains, sets and verdict-map entries (a restarted edge whose live sandboxes
+    must keep their rules, under a base table that differs from this code's)."""
+    t = f"inet {table}"
+    objs = _base_objects(pool=pool, uplink=uplink, node_addresses=node_addresses,
+                         table=table)
+    digest = base_digest(pool=pool, uplink=uplink, node_addresses=node_addresses,
+                         table=table)
+    # declarations first (no-ops for objects that exist), so the flushes find them
+    decl = [x.split(" elements =")[0].rstrip("; ") + ("; }" if " elements =" in x else "")
+            for x in objs if x.startswith(("add chain", "add set", "add map"))]
+    flush = [f"flush chain {t} {c}" for c in BASE_CHAINS]
+    flush += [f"flush set {t} {x}" for x in ("never4", "private4")]
+    return "\n".join([f"add table {t}", *decl, *_marker(t, digest)[:1], *flush,
+                      f"flush set {t} {BASE_MARKER}", *objs, *_marker(t, digest)]) + "\n"
 
 
 def slot_sets(slot: SlotAddr) -> dict[str, str]:
@@ -231,19 +281,22 @@ def conn_cap(slot: SlotAddr, cap: int, *, table: str = TABLE) -> str:
 
 def load_batch(
     batch: NftBatch, slot: SlotAddr, policy: SlotPolicy, generation: int, *,
-    flush_pins: bool = False,
+    flush_pins: bool = False, digest: str | None = None,
 ) -> NftBatch:
     """Replace the slot's policy and move it to ``generation`` (one transaction).
     ``flush_pins``: also drop every DNS pin (the allowed names changed: an address
     answered for a name the new policy drops must not stay reachable until its pin
-    expires); otherwise pins are kept."""
+    expires); otherwise pins are kept. ``digest``: the fingerprint of what is loaded
+    (net/reconcile.py's ``policy_digest``), kept as the comment of the generation's
+    ``sN_l`` element - written in the same transaction as the elements it describes, so
+    a restarted edge knows what the slot holds without parsing interval sets back."""
     if generation <= 0:
         raise ValueError(f"generation must be positive (0 is an unmarked flow), got {generation}")
     names = slot_sets(slot)
     for k in (*POLICY_SETS, "q4", "r4") if flush_pins else POLICY_SETS:
         batch.flush(names[k])
     batch.add(names["g"], [elem(key_ifname(slot.ifname), data=key_mark(generation))])
-    batch.add(names["l"], [elem(key_mark(generation))])
+    batch.add(names["l"], [elem(key_mark(generation), comment=digest)])
     if policy.allow4:
         batch.add(names["a4"], (interval4(d) for d in policy.allow4))
     if policy.deny4:

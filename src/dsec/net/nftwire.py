@@ -67,6 +67,11 @@ NFTA_SET_ELEM_KEY: Final = 1
 NFTA_SET_ELEM_DATA: Final = 2
 NFTA_SET_ELEM_TIMEOUT: Final = 4
 NFTA_SET_ELEM_KEY_END: Final = 10
+NFTA_SET_ELEM_USERDATA: Final = 6
+# libnftnl's element userdata TLV holding what nft prints as `comment "..."`
+# (NFTNL_UDATA_SET_ELEM_COMMENT; at most 128 bytes with its NUL).
+UDATA_ELEM_COMMENT: Final = 0
+COMMENT_MAX: Final = 127
 NFTA_DATA_VALUE: Final = 1
 
 NFTA_OBJ_TABLE: Final = 1
@@ -254,10 +259,18 @@ def key_ifname(name: str) -> bytes:
 
 def elem(
     key: bytes, *, key_end: bytes | None = None, timeout_ms: int | None = None,
-    data: bytes | None = None,
+    data: bytes | None = None, comment: str | None = None,
 ) -> bytes:
-    """One NFTA_LIST_ELEM."""
+    """One NFTA_LIST_ELEM. ``comment``: stored with the element as nft's own comment
+    (``nft list`` shows it; reconcile reads it back: the policy digest on ``sN_l``)."""
     parts = [_value(NFTA_SET_ELEM_KEY, key)]
+    if comment is not None:
+        raw = comment.encode()
+        if len(raw) > COMMENT_MAX:
+            raise ValueError(f"an element comment holds at most {COMMENT_MAX} bytes, "
+                             f"got {len(raw)}")
+        parts.append(_attr(NFTA_SET_ELEM_USERDATA,
+                           struct.pack("BB", UDATA_ELEM_COMMENT, len(raw) + 1) + raw + b"\0"))
     if timeout_ms is not None:
         parts.append(_attr(NFTA_SET_ELEM_TIMEOUT, struct.pack("!Q", timeout_ms)))
     if data is not None:

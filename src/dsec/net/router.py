@@ -7,8 +7,12 @@ the enforcement sits outside anything the sandbox can reach, even a sandbox root
 
 Slots are held by this process's file descriptors (no bind mounts): an unassigned slot
 lives exactly as long as the router object's fd, so a crash frees them by itself. The
-router netns is held the same way in this version; the bind mount that lets it outlive an
-edge restart comes with reconcile (plan-14 §9).
+router netns itself is bind-mounted on a file under the node's state dir when the edge
+opens it with :meth:`Router.open` (``dsec edge --state-dir``): it outlives a crash or a
+restart of the edge, and so do the slots of live sandboxes (their netns is held by their
+processes, their ``dsvN`` end by the pinned router); the restarted edge re-opens it and
+reconciles it against its journal (net/reconcile.py). :meth:`Router.create` (tests,
+benches) holds it by an fd only.
 
 Threads: every public method takes one lock; the calls are synchronous and short (a slot
 build ~1 ms, a policy batch < 1 ms), so the edge may call them from its loop or from a
@@ -36,10 +40,25 @@ from dsec.net import netns, nftrules, rtwire
 from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
 from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy
+from dsec.net.reconcile import (
+    AttachUplink,
+    BuildBase,
+    BuildObjects,
+    DeleteLink,
+    FlushSlot,
+    Listing,
+    ReplaceBase,
+    StartGenerations,
+    parse_listing,
+)
 from dsec.net.slots import BuildSlots, Drain, Instruction, SlotEvent, SlotTable
-from dsec.net.uplink import UPLINK_IFNAME, NetnsUplink
+from dsec.net.uplink import UPLINK_IFNAME, Uplink
 
-__all__ = ["Router", "RouterConfig", "Slot"]
+__all__ = ["Router", "RouterConfig", "RouterInstruction", "Slot"]
+
+#: reconcile's instructions the router carries out itself (the rest are per sandbox)
+RouterInstruction = (BuildBase | ReplaceBase | AttachUplink | StartGenerations | BuildObjects
+                     | DeleteLink | FlushSlot)
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +109,7 @@ class Router:
     sandbox, and every veth and nft object with them.
     """
 
-    def __init__(self, config: RouterConfig, uplink: NetnsUplink) -> None:
+    def __init__(self, config: RouterConfig, uplink: Uplink) -> None:
         self.config = config
         self.pool = Pool(config.pool)
         self.uplink = uplink
@@ -101,6 +120,11 @@ class Router:
         self._lock = threading.RLock()
         self._generation = 0
         self.fd = -1
+        #: where the router netns is bind-mounted (None: held by self.fd only)
+        self.pin_path: str | None = None
+        #: the pinned router was a previous edge's (False: made by this process)
+        self.reopened = False
+        self._links: list[str] = []
         self._rt: Netlink | None = None
         self._nl: Netlink | None = None
         self._nft: Nft | None = None
@@ -108,7 +132,7 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(cls, config: RouterConfig, uplink: NetnsUplink) -> Router:
+    def create(cls, config: RouterConfig, uplink: Uplink) -> Router:
         r = cls(config, uplink)
         try:
             r._start()
@@ -117,8 +141,49 @@ class Router:
             raise
         return r
 
+    @classmethod
+    def open(cls, config: RouterConfig, uplink: Uplink, pin_path: str) -> Router:
+        """The router netns pinned at ``pin_path`` by an earlier edge of this node, or a
+        new one pinned there. Its base table, uplink and slots are brought in line by
+        reconcile (:meth:`reconcile_view`, :meth:`apply`) before the edge serves; nothing
+        is refilled here."""
+        r = cls(config, uplink)
+        r.pin_path = pin_path
+        try:
+            fd = netns.open_pinned(pin_path)
+            if fd is None:
+                r.fd = netns.new_netns()
+                netns.pin(r.fd, pin_path)
+            else:
+                r.fd, r.reopened = fd, True
+            r._setup_netns()
+        except BaseException:
+            r.close(unpin=not r.reopened)
+            raise
+        return r
+
     def _start(self) -> None:
         self.fd = netns.new_netns()
+        self._setup_netns()
+        self.uplink.attach(self.rtnl)
+        self.nft(self._base_text())
+
+    def _base_text(self, *, replace: bool = False) -> str:
+        fn = nftrules.replace_base if replace else nftrules.base_ruleset
+        return fn(pool=self.pool, uplink=UPLINK_IFNAME, node_addresses=self._never(),
+                  table=self.config.table)
+
+    def base_digest(self) -> str:
+        return nftrules.base_digest(pool=self.pool, uplink=UPLINK_IFNAME,
+                                    node_addresses=self._never(), table=self.config.table)
+
+    def _never(self) -> tuple[str, ...]:
+        return (*self.config.node_addresses, f"{self.uplink.router_ip}/32",
+                f"{self.uplink.peer_ip}/32")
+
+    def _setup_netns(self) -> None:
+        """Sysctls, sockets and the resolver's address on lo (idempotent: also for a
+        reopened router)."""
         netns.write_sysctl(self.fd, "net/ipv4/ip_forward", "1")  # this netns only
         # Strict reverse-path filter: a packet whose source is not routed back through
         # the device it came in on is dropped before any hook. The slots' anti-spoof
@@ -133,21 +198,33 @@ class Router:
         self._nl = Netlink.netfilter(self.fd)
         self._nft = Nft(self.fd)
         seq = self._rt.next_seq(2)
-        self._rt.request(rtwire.messages(
-            rtwire.link_up(seq, 1),
-            rtwire.addr_add(seq + 1, 1, self.pool.resolver, 32),
-        ), [seq, seq + 1], "router lo")
-        self.uplink.attach(self._rt)
-        self._nft(nftrules.base_ruleset(
-            pool=self.pool, uplink=UPLINK_IFNAME,
-            node_addresses=(*self.config.node_addresses, f"{self.uplink.router_ip}/32",
-                            f"{self.uplink.peer_ip}/32"),
-            table=self.config.table,
-        ))
+        try:
+            self._rt.request(rtwire.messages(
+                rtwire.link_up(seq, 1),
+                rtwire.addr_add(seq + 1, 1, self.pool.resolver, 32),
+            ), [seq, seq + 1], "router lo")
+        except BackendError as exc:
+            if exc.detail.get("errno") != errno.EEXIST:  # a reopened router has it
+                raise
 
-    def close(self) -> None:
-        """Release every fd (slots held by live sandboxes stay alive in them)."""
+    def close(self, *, unpin: bool | None = None) -> None:
+        """Release every fd (slots held by live sandboxes stay alive in them). A pinned
+        router is unpinned (the kernel then removes it with its uplink and every nft
+        object) when ``unpin``, or (None) when no sandbox holds a slot: a clean exit
+        with live sandboxes keeps it for the next edge, which adopts them."""
         with self._lock:
+            if unpin is None:
+                unpin = self.table.count("assigned") == 0
+            if self.fd >= 0 and (self.pin_path is None or unpin):
+                # the router goes away: so do the host uplink's table, veth and sysctls
+                # (kept with a pinned router, for the next edge's live sandboxes)
+                self.uplink.detach()
+            if self.pin_path is not None and unpin:
+                try:
+                    netns.unpin(self.pin_path)
+                except OSError as exc:
+                    log.warning("net: unpinning the router at %s failed: %s",
+                                self.pin_path, exc)
             for s in self.slots.values():
                 _close(s.fd)
             self.slots.clear()
@@ -362,6 +439,70 @@ class Router:
                 _close(slot.fd)
             self.stats.dropped += 1
 
+    # ------------------------------------------------------------------ reconcile
+
+    def reconcile_view(self) -> Listing:
+        """What the router holds (links, base table digest, slot objects, live
+        generations and their policy digests, DNS pins): one link listing and one
+        libnftables JSON listing of the table."""
+        with self._lock:
+            with netns.entered(self.fd):
+                names = [n for _, n in socket.if_nameindex()]
+            try:
+                text = self.nft.json(f"list table inet {self.config.table}")
+            except BackendError as exc:
+                if "No such file or directory" not in exc.message:
+                    raise
+                text = ""
+            self._links = names
+            return parse_listing(text, names, self.pool)
+
+    def has_uplink(self) -> bool:
+        return UPLINK_IFNAME in self._links
+
+    def adopt_uplink(self) -> None:
+        """The uplink veth was kept with this reopened router: its other objects (a host
+        uplink's table and sysctls) are checked and put back in place."""
+        with self._lock:
+            self.uplink.adopt()
+
+    def apply(self, ins: RouterInstruction) -> None:
+        """Carry out one router-wide instruction of reconcile's plan."""
+        with self._lock:
+            if isinstance(ins, BuildBase):
+                self.nft(self._base_text())
+            elif isinstance(ins, ReplaceBase):
+                self.nft(self._base_text(replace=True))
+            elif isinstance(ins, AttachUplink):
+                self.uplink.attach(self.rtnl)
+            elif isinstance(ins, StartGenerations):
+                self._generation = max(self._generation, ins.after)
+            elif isinstance(ins, BuildObjects):
+                self.table.has_objects.update(ins.known)
+                if ins.build:
+                    self.nft(nftrules.slot_objects(
+                        (self.pool.slot(i) for i in ins.build), table=self.config.table,
+                        max_connections=self.config.max_connections))
+                    self.table.has_objects.update(ins.build)
+            elif isinstance(ins, DeleteLink):
+                self._del_link(self.pool.slot(ins.slot))
+            else:
+                self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table),
+                                                         self.pool.slot(ins.slot)),
+                                    f"flush leftover slot {ins.slot}")
+
+    def adopt(self, index: int, fd: int, *, generation: int, conn_cap: int,
+              rate_mbit: int | None) -> Slot:
+        """Take back slot ``index`` of a live adopted sandbox (``fd``: its netns, now
+        owned by the router). ``generation`` 0: unknown (the caller loads a policy);
+        ``conn_cap`` -1 / ``rate_mbit`` 0: unknown, rewritten by the next load."""
+        with self._lock:
+            slot = Slot(addr=self.pool.slot(index), fd=fd, generation=generation,
+                        conn_cap=conn_cap, rate_mbit=rate_mbit)
+            self.table.handle(SlotEvent("adopted", index))
+            self.slots[index] = slot
+            return slot
+
     # ------------------------------------------------------------------ per sandbox
 
     def take(self) -> Slot:
@@ -389,11 +530,14 @@ class Router:
             return self._generation
 
     def load(self, slot: Slot, policy: SlotPolicy, *, flush_pins: bool = False,
-             max_connections: int | None = None, rate_mbit: int | None = None) -> int:
+             max_connections: int | None = None, rate_mbit: int | None = None,
+             digest: str | None = None) -> int:
         """Replace the slot's policy (one atomic batch); returns the new generation.
         Flows the new policy forbids are cut at their next packet. ``max_connections``:
         the slot's flow cap (None: the node's default); rewritten first, in a
-        transaction of its own, only when it differs from what the slot holds."""
+        transaction of its own, only when it differs from what the slot holds.
+        ``digest``: the loaded plan's fingerprint, kept with the generation in the kernel
+        (reconcile compares it with the journal's after a restart)."""
         cap = max_connections or self.config.max_connections
         with self._lock:
             if slot.conn_cap != cap:
@@ -404,7 +548,7 @@ class Router:
             gen = self.next_generation()
             self.netlink.commit(
                 nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
-                                    flush_pins=flush_pins),
+                                    flush_pins=flush_pins, digest=digest),
                 f"policy of slot {slot.index}",
             )
             slot.generation = gen

@@ -35,7 +35,7 @@ __all__ = [
 SlotState = Literal["building", "free", "assigned", "draining", "gone"]
 SlotEventKind = Literal[
     "built", "build_failed", "take", "policy_loaded", "released", "drained", "drain_failed",
-    "lost", "shrink",
+    "lost", "shrink", "adopted",
 ]
 
 SLOT_TRANSITIONS: Final[Mapping[SlotState, Mapping[SlotEventKind, SlotState]]] = {
@@ -43,7 +43,8 @@ SLOT_TRANSITIONS: Final[Mapping[SlotState, Mapping[SlotEventKind, SlotState]]] =
     "free": {"take": "assigned", "shrink": "gone", "lost": "gone"},
     "assigned": {"policy_loaded": "assigned", "released": "draining", "lost": "gone"},
     "draining": {"drained": "free", "drain_failed": "gone", "lost": "gone"},
-    "gone": {},
+    # "adopted": a live sandbox's slot found at edge start (net/reconcile.py)
+    "gone": {"adopted": "assigned"},
 }
 # "lost": the netns vanished (its veth left the router's link list), e.g. an assigned
 # slot whose sandbox died while the edge was down.
@@ -136,7 +137,7 @@ class SlotTable:
         for ev in events:
             cur = self.state.get(ev.slot, "gone")
             nxt = self._move(ev.slot, ev.kind)
-            if ev.kind == "built":
+            if ev.kind in ("built", "adopted"):
                 self.has_objects.add(ev.slot)
             elif ev.kind == "released":
                 out.append(Drain(ev.slot))

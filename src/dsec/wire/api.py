@@ -69,6 +69,7 @@ __all__ = [
     "ExecStreamLine",
     "FileList",
     "ImageList",
+    "ImagePruned",
     "ImagePullRequest",
     "ImageTagRequest",
     "ImageView",
@@ -315,6 +316,9 @@ class ImageView(msgspec.Struct, kw_only=True, omit_defaults=True):
     size_bytes: int = 0
     created_at: float = 0.0
     labels: dict[str, str] = {}
+    # Special files left out of the tree by the one rule (docs/images.md, "Special
+    # files"): {"devices": n, "sockets": m}, absent when none.
+    skipped: dict[str, int] = {}
 
 
 class ImageTagRequest(_Strict):
@@ -344,6 +348,17 @@ class ImagePullRequest(_Strict):
 
 class ImageList(msgspec.Struct, kw_only=True):
     items: list[ImageView]
+
+
+class ImagePruned(msgspec.Struct, kw_only=True):
+    """What ``image_prune`` removed (or, ``dry_run``, would): the layers' digests, kinds,
+    namespaces and sizes, and what the store keeps."""
+
+    removed: list[ImageView]
+    freed_bytes: int
+    kept_layers: int
+    kept_bytes: int
+    dry_run: bool = False
 
 
 class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -387,6 +402,9 @@ class QuotaBody(_Strict):
     cpu_milli: NonNegative | None = None
     memory_bytes: NonNegative | None = None
     snapshot_bytes: NonNegative | None = None   # stored bytes of the subtree's snapshots
+    # bytes of the layers the subtree's image names reach, shared layers counted fully
+    # (docs/images.md, "Per-project storage"); checked whenever a name is set
+    image_bytes: NonNegative | None = None
     network: NetworkPolicy | None = None
     # May a create naming a registry image (``image="reg.example.com/app:1"``) pull it
     # on first use? ``null``: as the nearest ancestor says; nowhere said: yes (the
@@ -414,7 +432,8 @@ class QuotaBody(_Strict):
                       for k, v in counts.items()})
 
 
-_QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes")
+_QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes",
+                 "image_bytes")
 
 
 class ProjectView(msgspec.Struct, kw_only=True, omit_defaults=True):

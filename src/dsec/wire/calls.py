@@ -47,6 +47,7 @@ __all__ = [
     "FeedRequest",
     "FileRef",
     "HeartbeatRequest",
+    "ImagePrune",
     "ImageRef",
     "ImageUpload",
     "KeyRef",
@@ -471,6 +472,13 @@ class ImageRef(_Call, kw_only=True):
     """``image_get`` / ``image_delete``: ``[project/]name[:tag]`` or a digest."""
 
     ref: str
+
+
+class ImagePrune(_Call, kw_only=True):
+    """``image_prune``: remove the layers nothing references (``dry_run``: only say
+    which)."""
+
+    dry_run: bool = False
 
 
 class ImageUpload(_Call, kw_only=True):

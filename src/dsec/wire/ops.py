@@ -34,6 +34,7 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePruned,
     ImagePullRequest,
     ImageTagRequest,
     ImageView,
@@ -60,6 +61,7 @@ from dsec.wire.calls import (
     FeedRequest,
     FileRef,
     HeartbeatRequest,
+    ImagePrune,
     ImageRef,
     ImageUpload,
     KeyRef,
@@ -723,6 +725,19 @@ IMAGE_PULL: Op[ImagePullRequest, ImageList] = Op(
               body="*", tag="images"))
 
 
+# Issue 15: the layer store's garbage collection. A superuser's: the store is one for
+# every project, and what is garbage is decided across all of them (a layer one project
+# built may stand under another's image); per project there is nothing to collect that
+# `image_delete` does not already remove.
+IMAGE_PRUNE: Op[ImagePrune, ImagePruned] = Op(
+    "image_prune", ImagePrune, ImagePruned,
+    summary="Remove the layers nothing references (no name, no snapshot or image on "
+            "them, not mounted, not held by a build); superuser only; dry_run only says",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/prune", operation_id="pruneImages",
+              body="*", tag="images"))
+
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -733,6 +748,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_BUILD, IMAGE_IMPORT,
     NETWORK_GET, NETWORK_UPDATE,
     PORT_EXPOSE, PORT_LIST, PORT_CONNECT, PORT_CLOSE,
+    IMAGE_PRUNE,
     IMAGE_PULL,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}

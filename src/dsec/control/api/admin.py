@@ -72,7 +72,8 @@ class Admin:
     def __init__(self, *, store: StateStore, iam: Iam, quota: QuotaIndex, registry: Registry,
                  limits: AdminLimits, clock: Callable[[], float],
                  sync_snapshots: Callable[[], None],
-                 caches: Callable[[], AuthCaches | None]) -> None:
+                 caches: Callable[[], AuthCaches | None],
+                 image_bytes: Callable[[str], int | None] = lambda project: None) -> None:
         self.store = store
         self.iam = iam
         self.quota = quota
@@ -81,6 +82,7 @@ class Admin:
         self.clock = clock
         self._sync_snapshots = sync_snapshots
         self._caches = caches
+        self._image_bytes = image_bytes
 
     def _admin(self, caller: Caller, project: str) -> None:
         ApiService.require(caller, project, "admin")
@@ -102,10 +104,13 @@ class Admin:
                                                             cpu_milli=q.cpu_milli,
                                                             memory_bytes=q.memory_bytes,
                                                             snapshot_bytes=q.snapshot_bytes,
+                                                            image_bytes=q.image_bytes,
                                                             network=q.network,
                                                             registry_pull=q.registry_pull),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
-                   "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes})
+                   "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes,
+                   **({} if (img := self._image_bytes(path)) is None
+                      else {"image_bytes": img})})
 
     def get_project(self, caller: Caller, path: str) -> ProjectView:
         parse_project_path(path)
@@ -133,7 +138,8 @@ class Admin:
                 "quota); admins set the quotas of their subprojects")
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes,
-                      network=q.network, registry_pull=q.registry_pull)
+                      image_bytes=q.image_bytes, network=q.network,
+                      registry_pull=q.registry_pull)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
         self._sync_snapshots()

@@ -17,11 +17,13 @@ import contextlib
 import functools
 import logging
 import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
+from dsec.control.store import SnapshotChargeRow
 from dsec.errors import (
     Conflict,
     DsecError,
@@ -29,6 +31,7 @@ from dsec.errors import (
     InUse,
     InvalidArgument,
     PermissionDenied,
+    QuotaExceeded,
 )
 from dsec.ids import parse_project_path
 from dsec.image.catalog import (
@@ -39,10 +42,11 @@ from dsec.image.catalog import (
     resolve,
     visible_names,
 )
-from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
+from dsec.image.gc import LayerNode, project_image_bytes
+from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
 from dsec.image.registry import RegistryRef
-from dsec.image.store import LayerStore
-from dsec.wire.api import ImageList, ImagePullRequest, ImageTagRequest, ImageView
+from dsec.image.store import LayerStore, Pin
+from dsec.wire.api import ImageList, ImagePruned, ImagePullRequest, ImageTagRequest, ImageView
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
@@ -60,6 +64,7 @@ class SnapshotCharges(Protocol):
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
                         size_bytes: int) -> None: ...
     def release_snapshot(self, snapshot_id: str) -> None: ...
+    def image_limits(self, project: str) -> list[tuple[str, int]]: ...
 
 
 class ImageAdmin:
@@ -291,7 +296,8 @@ class ImageAdmin:
                                   "([project/]name[:tag]), not a digest", field="target")
         _require_write(caller, target.namespace, what=f"tag {target.key}")
         index, m = self._find_image(caller, req.source)
-        self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace)
+        self._layers().tag(m.digest, target.name, target.tag, namespace=target.namespace,
+                           admit=self.admit_names(target.namespace))
         return _image_view(index.sync(), m, _can_see(caller))
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
@@ -325,15 +331,97 @@ class ImageAdmin:
         if room == 0 and ns:
             self.charges.check_snapshot(ns, 1)   # raises, naming the full quota
 
+        # Pinned from the moment they appear until named: a prune (CLI, another
+        # replica, the store budget) never takes a layer between the build and its tag.
+        pin = Pin(store)
+
         def work() -> list[LayerManifest]:
             # Built without a name, named only once charged: a refused build moves no tag.
             if oci:
                 from dsec.image import import_oci
                 return list(import_oci(store, tar_path, kind=kind,  # type: ignore[arg-type]
-                                       namespace=ns, owner=caller.id, max_bytes=room))
+                                       namespace=ns, owner=caller.id, max_bytes=room,
+                                       pin=pin))
             with open(tar_path, "rb") as f:
                 return [store.add_tar(f, kind=kind,  # type: ignore[arg-type]
-                                      namespace=ns, owner=caller.id, max_bytes=room)]
+                                      namespace=ns, owner=caller.id, max_bytes=room,
+                                      pin=pin)]
+        try:
+            return await self._build_pinned(caller, parsed, ns, store, pin, work)
+        finally:
+            pin.close()
+
+    def gone_build_charges(self, charges: Iterable[SnapshotChargeRow]) -> set[str]:
+        """The charges of built, imported or pulled layers (node ``""``) whose layer is no
+        longer in the store: a prune (``dsec image prune`` on the host, the store budget)
+        removed it without the control plane; their bytes leave the usage."""
+        if self.layer_dir is None:
+            return set()
+        store = self._layers()
+        return {c.id for c in charges
+                if c.node == "" and c.id.startswith(DIGEST_PREFIX) and not store.has(c.id)}
+
+    def image_bytes(self, project: str) -> int | None:
+        """The project's image storage (usage ``image_bytes``): the layers its names (and
+        its subprojects') reach, shared ones fully (:func:`dsec.image.gc.
+        project_image_bytes`); None without a layer store."""
+        if self.layer_dir is None:
+            return None
+        return self._layers().project_image_bytes(project)
+
+    def admit_names(self, project: str | None
+                    ) -> Callable[[Mapping[str, LayerNode], dict[str, str]], None] | None:
+        """The check a new name in ``project`` must pass, run by :meth:`LayerStore.tag`
+        under the store's lock (so racing builds, replicas and pulls see each other):
+        the ``image_bytes`` quota of the project and of every ancestor limiting it. Every
+        path that names a layer in a project through the API goes through it (build,
+        import, tag; pulls naming through the store's tag too)."""
+        if project is None:
+            return None
+        limits = self.charges.image_limits(project)
+        if not limits:
+            return None
+
+        def admit(layers: Mapping[str, LayerNode], refs: dict[str, str]) -> None:
+            for where, limit in limits:
+                used = project_image_bytes(layers, refs, where)
+                if used > limit:
+                    raise QuotaExceeded(
+                        f"project {where!r} would hold {used} bytes of image layers "
+                        f"(every layer its names reach, shared ones counted in full), over "
+                        f"its image_bytes quota of {limit}; nothing was named - delete "
+                        "images, prune, or ask an admin of the parent project for more",
+                        resource="image_bytes", project=where, used=used, limit=limit,
+                        requested=used)
+        return admit
+
+    async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
+        """Remove every layer nothing references (:meth:`LayerStore.prune`). A
+        superuser's: the store is every project's, and whether a layer is garbage is
+        decided across all of them. Removed project layers give their bytes back to
+        the project's layer-storage quota (``snapshot_bytes``), as a delete does."""
+        if not caller.superuser:
+            raise PermissionDenied(
+                f"cannot prune the layer store: it holds every project's layers, so only "
+                f"a superuser may (principal {caller.name!r} is not one); delete your "
+                "project's images by name instead")
+        store = self._layers()
+        res = await asyncio.to_thread(store.prune, dry_run=dry_run)
+        if not dry_run:
+            for m in res.removed:
+                self.charges.release_snapshot(m.digest)
+        views = [ImageView(ref=m.digest, digest=m.digest, kind=m.kind,
+                           size_bytes=m.size_bytes, created_at=m.created,
+                           labels=dict(m.labels), namespace=layer_namespace(m),
+                           owner=m.owner) for m in res.removed]
+        return ImagePruned(removed=views, freed_bytes=res.freed_bytes,
+                           kept_layers=res.kept_layers, kept_bytes=res.kept_bytes,
+                           dry_run=dry_run)
+
+    async def _build_pinned(self, caller: Caller, parsed: ParsedRef, ns: str | None,
+                            store: LayerStore, pin: Pin,
+                            work: Callable[[], list[LayerManifest]]) -> ImageList:
+        assert parsed.name is not None
         try:
             made = await asyncio.to_thread(work)
         except DsecError:
@@ -348,13 +436,15 @@ class ImageAdmin:
                 for m in made:
                     self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
                     charged.append(m.digest)
-            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns)
+            store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns,
+                      admit=self.admit_names(ns))
         except BaseException:
+            # Only what nothing else names: a reproducible build of a tree already stored
+            # returns that layer (and its charge), which stays.
             for m in made:
                 with contextlib.suppress(DsecError, OSError):
-                    store.remove(m.digest)
-            for digest in charged:
-                self.charges.release_snapshot(digest)
+                    if store.discard(m.digest, pin=pin) and m.digest in charged:
+                        self.charges.release_snapshot(m.digest)
             raise
         index = self._index()
         assert index is not None
@@ -511,4 +601,5 @@ def _image_view(index: StoreIndex, m: LayerManifest, can_see: CanSee) -> ImageVi
     names = visible_names(index, m, can_see)
     return ImageView(ref=names[0] if names else m.digest, refs=names, digest=m.digest,
                      kind=m.kind, size_bytes=m.size_bytes, created_at=m.created,
-                     labels=dict(m.labels), namespace=layer_namespace(m), owner=m.owner)
+                     labels=dict(m.labels), namespace=layer_namespace(m), owner=m.owner,
+                     skipped=dict(m.skipped))

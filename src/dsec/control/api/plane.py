@@ -111,6 +111,7 @@ from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePruned,
     ImagePullRequest,
     ImageTagRequest,
     ImageView,
@@ -259,7 +260,8 @@ class ControlPlane:
     def __post_init__(self) -> None:
         self.admin = Admin(store=self.store, iam=self.iam, quota=self.quota,
                            registry=self.registry, limits=self.config, clock=self.clock,
-                           sync_snapshots=self._sync_snapshots, caches=lambda: self.service)
+                           sync_snapshots=self._sync_snapshots, caches=lambda: self.service,
+                           image_bytes=lambda project: self.images.image_bytes(project))
         self.images = ImageAdmin(self)
 
     @property
@@ -470,8 +472,14 @@ class ControlPlane:
     # only its own charges: two replicas each let a project fill its whole quota, and a
     # snapshot deleted through one stayed charged on the other.
     def _sync_snapshots(self) -> None:
+        rows = self.store.list_snapshot_charges()
+        # built layers a prune removed behind the control plane's back (the host CLI, the
+        # store budget): their charges go, or usage would keep counting them
+        gone = self.images.gone_build_charges(rows)
+        for cid in gone:
+            self.store.delete_snapshot_charge(cid)
         self.quota.replace_snapshots((c.id, c.project, c.size_bytes)
-                                     for c in self.store.list_snapshot_charges())
+                                     for c in rows if c.id not in gone)
 
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot of ``project`` may store (None: no snapshot quota)."""
@@ -479,6 +487,10 @@ class ControlPlane:
             return None
         self._sync_snapshots()
         return self.quota.snapshot_room(project)
+
+    def image_limits(self, project: str) -> list[tuple[str, int]]:
+        """``(ancestor, image_bytes)`` limits on ``project``'s chain."""
+        return self.quota.image_limits(project)
 
     def check_snapshot(self, project: str, size_bytes: int) -> None:
         self._sync_snapshots()
@@ -686,6 +698,9 @@ class ControlPlane:
                           tag: str, oci: bool) -> ImageList:
         return await self.images.build_image(caller, tar_path, name=name, kind=kind, tag=tag,
                                              oci=oci)
+
+    async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
+        return await self.images.prune_images(caller, dry_run=dry_run)
 
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         return await self.images.pull_image(caller, req)

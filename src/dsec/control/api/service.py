@@ -79,6 +79,7 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePruned,
     ImagePullRequest,
     ImageTagRequest,
     ImageView,
@@ -101,6 +102,7 @@ from dsec.wire.calls import (
     Empty,
     ExecCall,
     ExecMany,
+    ImagePrune,
     ImageRef,
     ImageUpload,
     KeyRef,
@@ -312,6 +314,8 @@ class AdminOps(Protocol):
         raise NotImplementedError
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
+        raise NotImplementedError
+    async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         raise NotImplementedError
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
@@ -1451,6 +1455,7 @@ class ApiService:
             "port_close": functools.partial(fwd, ops.PORT_CLOSE),
             "network_get": functools.partial(fwd, ops.NETWORK_GET),
             "network_update": self._network_update_op,
+            "image_prune": self._image_prune_op,
             "image_pull": self._image_pull_op,
         }
 
@@ -1674,6 +1679,9 @@ class ApiService:
 
     async def _image_delete_op(self, caller: Caller, b: ImageRef) -> None:
         self._admin().delete_image(caller, b.ref)
+
+    async def _image_prune_op(self, caller: Caller, b: ImagePrune) -> ImagePruned:
+        return await self._admin().prune_images(caller, dry_run=b.dry_run)
 
     async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
         return await self._admin().pull_image(caller, b)

@@ -142,6 +142,26 @@ def _exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
+
+def network_refusal(mode: str, *, runtime: str, router: bool) -> str | None:
+    """Why a sandbox with egress mode ``mode`` cannot run here, or None (pure).
+
+    Policies are enforced by the node's router on a slot the native driver's zygote
+    joins; a runc sandbox makes its own network namespace, off every slot, so no rule
+    would apply to it - refused rather than run unfiltered or cut off."""
+    if mode == "none":
+        return None
+    if runtime != "native":
+        return (f"network mode {mode!r} is enforced for runtime='native' container sandboxes "
+                f"only; this backend runs runtime={runtime!r}, whose sandboxes are not put on "
+                "the node's router: use the 'container' backend (runtime native) or "
+                "network mode 'none'")
+    if not router:
+        return (f"network mode {mode!r} needs this node's network router, which this "
+                "container backend was started without (dsec edge --net-uplink); use "
+                "'none' (loopback only)")
+    return None
+
 class ContainerBackend:
     """Sandboxes as Linux containers. See the module docstring and docs/container.md."""
 
@@ -159,6 +179,8 @@ class ContainerBackend:
                  snapshot_max_path_bytes: int = 128 << 20,
                  snapshot_workers: int = 4,
                  limits_poll_s: float | None = 5.0,
+                 denied_poll_s: float | None = 1.0,
+                 denied_notice_s: float = 10.0,
                  exec_start_timeout_s: float = 30.0,
                  network: SandboxNetwork | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -226,70 +248,109 @@ class ContainerBackend:
             claim_cgroup_name(self.cgroup_name, self.root_dir)
         except OSError as exc:
             raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
-        self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
-        try:
-            self.governor.limit_total_pids(self.pids_total)
-        except OSError as exc:
-            raise BackendError(f"cannot set pids.max={self.pids_total} on the sandboxes' "
-                               f"parent cgroup: {exc}") from exc
-        self.swap_note = ensure_compressed_swap(zram_swap_bytes) if zram_swap_bytes else ""
-        #: the cap of sandboxes created without disk_bytes
-        self.default_disk_bytes = default_disk_bytes
-        #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
-        self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
-        self._notices = NoticeLimiter(notice_interval_s)
-        self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
-        self.snapshot_max_entries = snapshot_max_entries
-        self.snapshot_max_path_bytes = snapshot_max_path_bytes
-        sb_dir = os.path.join(self.root_dir, "sb")
-        for name in self.disk.sandboxes():
-            # A subvolume without its sandbox dir is garbage by construction: teardown
-            # removes the subvolume before the dir, create makes the dir first.
-            if not os.path.isdir(os.path.join(sb_dir, name)):
-                self.disk.remove(name)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self._boxes: dict[str, Box] = {}
-        self._sink: DeathSink | None = None
-        self.limits_poll_s = limits_poll_s
-        if not exec_start_timeout_s > 0:
-            raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
-                                  field="exec_start_timeout_s")
-        self.exec_start_timeout_s = exec_start_timeout_s
-        #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
-        #: it returns anyway (a command the kernel holds in D state cannot die sooner)
-        self.kill_wait_s = 10.0
-        self._poll: asyncio.TimerHandle | None = None
-        self._poll_next = 0
-        # exec cgroup names: unique across edge restarts (a lingering one may survive)
-        self._exec_seq = itertools.count(time.time_ns() // 1000)
-        self._cleanups: set[asyncio.Task[None]] = set()
-        # file operations run beside the loop (see _file_op); made on first use
-        self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._file_ops: set[asyncio.Future[Any]] = set()
-        self._settling: asyncio.Task[None] | None = None
-        self._settle_again = False
-        self._zygote = ZygoteClient()
-        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        self._runc: RuncDriver | None = None
-        if runtime == "runc":
-            from dsec.edge.backends.container.runc import RuncDriver
+        try:  # whatever __init__ made is released if it fails or a stop interrupts it
+            self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
+            try:
+                self.governor.limit_total_pids(self.pids_total)
+            except OSError as exc:
+                raise BackendError(f"cannot set pids.max={self.pids_total} on the sandboxes' "
+                                   f"parent cgroup: {exc}") from exc
+            self.swap_note = ensure_compressed_swap(zram_swap_bytes) if zram_swap_bytes else ""
+            #: the cap of sandboxes created without disk_bytes
+            self.default_disk_bytes = default_disk_bytes
+            #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
+            self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
+            self._notices = NoticeLimiter(notice_interval_s)
+            # Denied packets (plan-14 §4.7): the slots' counters are read every
+            # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
+            # ``network_denied`` notice goes out at most every ``denied_notice_s`` per
+            # sandbox and counts every packet denied since the previous one.
+            self.denied_poll_s = denied_poll_s
+            self._denied_notices = NoticeLimiter(denied_notice_s)
+            self._denied_pending: dict[str, int] = {}
+            self._dpoll: asyncio.TimerHandle | None = None
+            #: ceiling denies of sandboxes being adopted (the node's, see adopting())
+            self._adopt_ceiling: dict[str, tuple[str, ...]] = {}
+            self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
+            self.snapshot_max_entries = snapshot_max_entries
+            self.snapshot_max_path_bytes = snapshot_max_path_bytes
+            sb_dir = os.path.join(self.root_dir, "sb")
+            for name in self.disk.sandboxes():
+                # A subvolume without its sandbox dir is garbage by construction: teardown
+                # removes the subvolume before the dir, create makes the dir first.
+                if not os.path.isdir(os.path.join(sb_dir, name)):
+                    self.disk.remove(name)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            self._boxes: dict[str, Box] = {}
+            self._sink: DeathSink | None = None
+            self.limits_poll_s = limits_poll_s
+            if not exec_start_timeout_s > 0:
+                raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
+                                      field="exec_start_timeout_s")
+            self.exec_start_timeout_s = exec_start_timeout_s
+            #: how long a timed-out exec waits for its SIGKILLed command to be reaped before
+            #: it returns anyway (a command the kernel holds in D state cannot die sooner)
+            self.kill_wait_s = 10.0
+            self._poll: asyncio.TimerHandle | None = None
+            self._poll_next = 0
+            # exec cgroup names: unique across edge restarts (a lingering one may survive)
+            self._exec_seq = itertools.count(time.time_ns() // 1000)
+            self._cleanups: set[asyncio.Task[None]] = set()
+            # file operations run beside the loop (see _file_op); made on first use
+            self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+            self._file_ops: set[asyncio.Future[Any]] = set()
+            self._settling: asyncio.Task[None] | None = None
+            self._settle_again = False
+            self._zygote = ZygoteClient()
+            self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+            self._runc: RuncDriver | None = None
+            if runtime == "runc":
+                from dsec.edge.backends.container.runc import RuncDriver
 
-            self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
-                                    cgroup_parent=f"dsec-{self.cgroup_name}")
-        self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
-        # One live backend per root_dir (last, so a failed __init__ holds nothing):
-        # reconcile() removes whatever this backend does not hold.
-        self._lock_fd = _lock_root(self.root_dir)
-        try:  # where this process nests sandbox cgroups, beside where earlier ones did
-            self._own_parents = cgroup_parents(self.cgroup_name)
-            record_parents(self.root_dir, self.cgroup_name, self._own_parents)
-        except OSError as exc:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
-                               f"{exc}") from exc
+                self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
+                                        cgroup_parent=f"dsec-{self.cgroup_name}")
+            self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
+            # One live backend per root_dir (last, so a failed __init__ holds nothing):
+            # reconcile() removes whatever this backend does not hold.
+            self._lock_fd = _lock_root(self.root_dir)
+            try:  # where this process nests sandbox cgroups, beside where earlier ones did
+                self._own_parents = cgroup_parents(self.cgroup_name)
+                record_parents(self.root_dir, self.cgroup_name, self._own_parents)
+            except OSError as exc:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+                raise BackendError(f"cannot record the cgroup parents of {self.root_dir}: "
+                                   f"{exc}") from exc
+        except BaseException:
+            self._release_partial()
+            raise
+
+    def _release_partial(self) -> None:
+        """Release what an __init__ that did not finish made (a failure, or a stop
+        signal during an edge's start): the disk pool (unmounted and detached when it
+        holds no sandbox), the helper, fds, and the parent cgroups and the cgroup-name
+        claim when no sandbox of this root is left to adopt."""
+        for attr in ("_snapshots", "_zygote", "disk"):
+            part = getattr(self, attr, None)
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close()
+        for attr in ("_devnull", "_lock_fd"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, attr, -1)
+        governor = getattr(self, "governor", None)
+        sb = os.path.join(self.root_dir, "sb")
+        with contextlib.suppress(Exception):
+            if not (os.path.isdir(sb) and os.listdir(sb)) and (
+                    governor is None or not governor.list_sandboxes()):
+                if governor is not None:
+                    governor.remove_base()
+                release_cgroup_name(self.cgroup_name, self.root_dir)
 
     # -- plumbing ----------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -353,11 +414,7 @@ class ContainerBackend:
     # -- create / adopt / destroy ----------------------------------------------------------
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
         spec.validate()
-        if spec.net.net_mode != "none" and self.network is None:
-            raise InvalidArgument(
-                f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                "which this container backend was started without; use 'none' (loopback "
-                "only)", field="network")
+        self._refuse_network(spec)
         if spec.user_namespace and self.runtime != "native":
             raise InvalidArgument("user_namespace is implemented by the native container "
                                   "driver only; use runtime='native' or drop it",
@@ -400,11 +457,7 @@ class ContainerBackend:
             if self.network is not None:
                 slot = self.network.attach(sid, spec)
                 if slot is not None:
-                    if self._runc is not None:
-                        raise InvalidArgument(
-                            "network policies are enforced for runtime='native' sandboxes "
-                            "only so far; use runtime='native' or network mode 'none'",
-                            field="network")
+                    assert self._runc is None  # _refuse_network: native only
                     box.netns_fd = slot.fd
                     self._write_resolv_conf(box)
             if self._runc is not None:
@@ -432,12 +485,8 @@ class ContainerBackend:
         journaled it): loaded on its slot in one atomic batch, cutting the flows it no
         longer allows. On failure nothing changed in the kernel."""
         box = self.box(sid)
+        self._refuse_network(spec, sid)
         if self.network is None:
-            if spec.net.net_mode != "none":
-                raise InvalidArgument(
-                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                    "which this container backend was started without", field="network",
-                    sandbox_id=sid)
             box.spec = spec
             return
         await self.network.prepare_off_loop(spec, ceiling_deny)
@@ -457,14 +506,19 @@ class ContainerBackend:
         and rollback for an update that will be refused): compiled on a worker thread,
         the plan kept for the set_network that follows."""
         self.box(sid)
+        self._refuse_network(spec, sid)
         if self.network is None:
-            if spec.net.net_mode != "none":
-                raise InvalidArgument(
-                    f"network mode {spec.net.net_mode!r} needs this node's network router, "
-                    "which this container backend was started without", field="network",
-                    sandbox_id=sid)
             return
         await self.network.prepare_off_loop(spec, ceiling_deny)
+
+    def _refuse_network(self, spec: SandboxSpec, sid: str | None = None) -> None:
+        """A policy this backend cannot enforce is refused before anything is made
+        (create) or journaled (update): see :func:`network_refusal`."""
+        why = network_refusal(spec.net.net_mode, runtime=self.runtime,
+                              router=self.network is not None)
+        if why is not None:
+            raise InvalidArgument(why, field="network",
+                                  **({"sandbox_id": sid} if sid is not None else {}))
 
     def _write_resolv_conf(self, box: Box) -> None:
         """Point the sandbox's /etc/resolv.conf at the router's resolver (in its upper
@@ -529,6 +583,8 @@ class ContainerBackend:
             loop.add_reader(box.oom_fd, self._on_oom_event, box)
         if self._poll is None and self.limits_poll_s is not None:
             self._poll = loop.call_later(self.limits_poll_s, self._poll_limits)
+        if self._dpoll is None and self.network is not None and self.denied_poll_s:
+            self._dpoll = loop.call_later(self.denied_poll_s, self._poll_denied_tick)
 
     _POLL_SLICE = 256  # sandboxes checked per timer tick (~8 us each): no long loop stall
 
@@ -541,8 +597,6 @@ class ContainerBackend:
         boxes = list(self._boxes.values())
         if not boxes or self.limits_poll_s is None:
             return
-        if self.network is not None:
-            self._poll_denied()
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
@@ -554,11 +608,20 @@ class ContainerBackend:
         delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
         self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
 
+    def _poll_denied_tick(self) -> None:
+        self._dpoll = None
+        if not self._boxes or self.network is None or not self.denied_poll_s:
+            return  # the next sandbox watched starts it again
+        self._poll_denied()
+        self._dpoll = asyncio.get_running_loop().call_later(self.denied_poll_s,
+                                                            self._poll_denied_tick)
+
     def _poll_denied(self) -> None:
         """One counter dump for every slot (0.28 ms for 1,000); a ``network_denied``
-        notice per sandbox that had packets dropped, rate-limited like every notice. The
-        examples come from a libnftables listing (milliseconds on a big table), so they
-        are fetched off the loop, and only for a notice that will go out."""
+        notice per sandbox that had packets dropped, at most one per ``denied_notice_s``
+        with every packet since the last. The examples come from a libnftables listing
+        (milliseconds on a big table), so they are fetched off the loop, and only for a
+        notice that will go out."""
         assert self.network is not None
         try:
             denials = self.network.poll_denied()
@@ -569,15 +632,18 @@ class ContainerBackend:
             box = self._boxes.get(d.sandbox_id)
             if box is None or box.dying:
                 continue
-            folded = self._notices.admit(box.sid, "network_denied", self.clock())
+            pending = self._denied_pending[box.sid] = (
+                self._denied_pending.get(box.sid, 0) + d.packets)
+            folded = self._denied_notices.admit(box.sid, "network_denied", self.clock())
             if folded is None:
                 continue
+            self._denied_pending[box.sid] = 0
             task = asyncio.get_running_loop().create_task(
-                self._denied_notice(box, d.packets, d.total, folded))
+                self._denied_notice(box, pending, d.total))
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
 
-    async def _denied_notice(self, box: Box, packets: int, total: int, folded: int) -> None:
+    async def _denied_notice(self, box: Box, packets: int, total: int) -> None:
         assert self.network is not None
         slot = self.network.slot(box.sid)
         held = (slot, slot.generation) if slot is not None else None
@@ -591,12 +657,10 @@ class ContainerBackend:
             # be the next tenant's destinations, never shown to this one
             examples = []
         detail = (f"sandbox {box.sid}'s egress policy dropped {packets} packet(s) "
-                  f"({total} since it started)"
+                  f"since its last such notice ({total} since it started)"
                   + (f", e.g. to {', '.join(examples[:4])}" if examples else "")
-                  + "; allow the destination in its network policy if it is needed")
-        if folded:
-            detail += (f" ({folded} more notice(s) of this kind in the last "
-                       f"{self._notices.interval_s:g} s were folded into this one)")
+                  + "; allow the destination in its network policy if it is needed"
+                  + f" (at most one such notice per {self._denied_notices.interval_s:g} s)")
         if not box.dying:
             self._report(box, "network_denied", detail)
 
@@ -731,6 +795,7 @@ class ContainerBackend:
         It is alive if the recorded init pid still has the recorded start time and sits
         in the recorded cgroup; then it is watched again and exec-able. Otherwise what is
         left of it (cgroups, directory) is removed and False returned."""
+        ceiling = self._adopt_ceiling.pop(sid, ())
         if sid in self._boxes:
             return True
         d = self._dir(sid)
@@ -772,16 +837,30 @@ class ContainerBackend:
         self._boxes[sid] = box
         self._watch_box(box)
         if self.network is not None and spec.net.net_mode != "none":
-            # Its slot's veth died with the previous edge's router (the router netns is
-            # held by the edge's fds): the sandbox runs on, cut off from every network
-            # (fail closed) until it is re-created. Said, not hidden.
-            self.network.lost.add(sid)
-            detail = (f"sandbox {sid} was adopted after an edge restart without its network: "
-                      "its router slot went with the previous edge process, so it now "
-                      "reaches nothing; re-create it to get its network policy back")
-            log.warning("%s", detail)
-            self._notice(box, "network_lost", detail)
+            # Its slot (netns held by its processes, veth end by the pinned router) is
+            # checked against the router, with every other adopted one, by reconcile()
+            # before the edge serves (dsec.net.reconcile).
+            try:
+                fd = os.open(f"/proc/{rec.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                self._network_lost(box, f"its netns cannot be opened: {exc}")
+            else:
+                self.network.adopt(sid, spec, fd, ceiling)
         return True
+
+    def adopting(self, sid: str, ceiling_deny: tuple[str, ...]) -> None:
+        """The node's word, before :meth:`adopt`, on the project ceilings' deny entries
+        the sandbox's policy was loaded with (journaled beside it)."""
+        self._adopt_ceiling[sid] = ceiling_deny
+
+    def _network_lost(self, box: Box, why: str) -> None:
+        assert self.network is not None
+        self.network.lost.add(box.sid)
+        detail = (f"sandbox {box.sid} was adopted after an edge restart without its "
+                  f"network ({why}): it now reaches nothing; re-create it to get its "
+                  "network policy back")
+        log.warning("%s", detail)
+        self._notice(box, "network_lost", detail)
 
     async def destroy(self, sid: SandboxId) -> None:
         box = self._boxes.pop(sid, None)
@@ -843,6 +922,8 @@ class ContainerBackend:
         if layers is not None:
             self.images.release(layers)
         self._notices.forget(sid)
+        self._denied_notices.forget(sid)
+        self._denied_pending.pop(sid, None)
         disk_kept = False
         try:  # before the directory: a subvolume without one is known garbage at start
             self._remove_disk(sid)
@@ -942,6 +1023,9 @@ class ContainerBackend:
         if self._poll is not None:
             self._poll.cancel()
             self._poll = None
+        if self._dpoll is not None:
+            self._dpoll.cancel()
+            self._dpoll = None
         if self._cleanups:  # timed-out/cancelled execs still being cleared
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._file_pool is not None:  # file operations in flight finish first
@@ -988,6 +1072,21 @@ class ContainerBackend:
             if sid in self._boxes or sid in keep:
                 continue
             out.append(await self._remove_leftover(sid, census))
+        if self.network is not None:
+            # after the census: the leftovers' processes (holding their slots' netns)
+            # are dead, so their router links go (plan-14 §9.2)
+            t0 = time.monotonic()
+            lost = await asyncio.to_thread(self.network.reconcile)
+            log.info("net: router reconciled in %.1f ms (%d sandboxes on slots, %d lost)",
+                     (time.monotonic() - t0) * 1000, len(self.network.by_sandbox), len(lost))
+            for sid, why in lost.items():
+                box = self._boxes.get(sid)
+                if box is not None:
+                    self._network_lost(box, why)
+            for sid, slot in self.network.by_sandbox.items():
+                box = self._boxes.get(sid)
+                if box is not None:
+                    box.netns_fd = slot.fd
         if self._runc is not None:
             self._runc.sweep_logs()
         # Parents an earlier process (in another cgroup) made: gone once empty.
@@ -1039,6 +1138,8 @@ class ContainerBackend:
                 if exc.errno not in (errno.EINVAL, errno.ENOENT):
                     errors.append(f"umount {mp}: {exc}")
         self._notices.forget(sid)
+        self._denied_notices.forget(sid)
+        self._denied_pending.pop(sid, None)
         try:  # before the directory: a subvolume without one is known garbage at start
             self._remove_disk(sid)
         except OSError as exc:

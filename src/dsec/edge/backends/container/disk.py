@@ -74,6 +74,8 @@ __all__ = [
     "DEFAULT_DISK_BYTES",
     "DiskPool",
     "DiskUsage",
+    "detach_loop",
+    "loops_of",
     "near_cap",
     "pool_size_for",
 ]
@@ -224,9 +226,20 @@ class DiskPool:
         if not os.path.ismount(self.path):
             if not os.path.exists(self.image):
                 self._make_image(size_bytes)
+                self._mount()
+            elif loops := loops_of(self.image):
+                # A dead edge of this root left its image on a loop device but not
+                # mounted here (unmounted by hand, or the mount survives only in another
+                # mount namespace): reuse that device - a second loop device over the
+                # same image would be a second btrfs device with the same fsid.
+                log.warning("the sandbox disk pool %s is still attached to %s: mounting "
+                            "that device again", self.image, ", ".join(loops))
+                self._mount(loops[0])
             else:
                 self._preallocate_existing()
-            self._mount()
+                self._mount()
+        # (mounted already: a dead edge's pool, reused as it is - its subvolumes are the
+        # sandboxes the journal adopts; the census removes the others)
         if _fs_type(self.path) != BTRFS_SUPER_MAGIC:
             raise BackendError(f"{self.path} is a mount point but not a btrfs filesystem; "
                                "unmount it (it is where the sandbox disk pool goes)")
@@ -272,10 +285,15 @@ class DiskPool:
                 f"{self.root_dir}: {exc.strerror}; free space there or set a smaller pool "
                 "(dsec edge/up --disk-pool)") from exc
         os.close(fd)
-        # -K: no discard of the (file) device, which would punch the preallocation out.
-        proc = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single",
-                               "-L", "dsec-pool", tmp], check=False, capture_output=True,
-                              text=True)
+        try:
+            # -K: no discard of the (file) device, which would punch the preallocation out.
+            proc = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single",
+                                   "-L", "dsec-pool", tmp], check=False, capture_output=True,
+                                  text=True)
+        except BaseException:  # a stop during an edge's start: the preallocation goes
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if proc.returncode != 0:
             os.unlink(tmp)
             raise BackendError(f"mkfs.btrfs of the sandbox disk pool {tmp} failed: "
@@ -298,12 +316,15 @@ class DiskPool:
         finally:
             os.close(fd)
 
-    def _mount(self) -> None:
+    def _mount(self, device: str | None = None) -> None:
         # util-linux sets up the loop device (with autoclear: the umount releases it);
-        # once per backend start, so its ~4 ms do not matter.
-        proc = subprocess.run(["mount", "-t", "btrfs", "-o", "loop,noatime,nosuid,nodev,nodiscard",
-                               self.image, self.path], check=False, capture_output=True,
-                              text=True)
+        # once per backend start, so its ~4 ms do not matter. ``device``: a loop device
+        # already backed by the image (no autoclear: close() detaches it).
+        opts = "noatime,nosuid,nodev,nodiscard"
+        proc = subprocess.run(["mount", "-t", "btrfs", "-o",
+                               opts if device else f"loop,{opts}",
+                               device or self.image, self.path], check=False,
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise BackendError(f"cannot mount the sandbox disk pool {self.image} at "
                                f"{self.path}: {proc.stderr.strip()}")
@@ -455,8 +476,50 @@ class DiskPool:
             linux.umount2(self.path)
         except OSError:
             return  # still busy (a sandbox's namespace holds it): keep the image
+        # The loop device goes with the last mount when util-linux attached it
+        # (autoclear); one attached otherwise (a dead edge's, reused) is detached here -
+        # or, while another mount namespace still holds the filesystem, marked to detach
+        # when that goes (the kernel's LOOP_CLR_FD on a busy device).
+        for dev in loops_of(self.image):
+            detach_loop(dev)
         with contextlib.suppress(OSError):
             os.unlink(self.image)
+
+
+_LOOP_CLR_FD = 0x4C01
+
+
+def loops_of(image: str) -> list[str]:
+    """The loop devices backed by ``image`` (/sys/block/loopN/loop/backing_file)."""
+    want = os.path.realpath(image)
+    out = []
+    try:
+        names = os.listdir("/sys/block")
+    except OSError:
+        return []
+    for name in sorted(names):
+        if not name.startswith("loop"):
+            continue
+        try:
+            with open(f"/sys/block/{name}/loop/backing_file") as f:
+                backing = f.read().strip()
+        except OSError:
+            continue  # not attached
+        if backing == want:
+            out.append(f"/dev/{name}")
+    return out
+
+
+def detach_loop(device: str) -> bool:
+    """``losetup -d DEVICE`` (an ioctl); False if the kernel refused it."""
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return bool(_libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(_LOOP_CLR_FD), 0) == 0)
+    finally:
+        os.close(fd)
 
 
 def _fs_type(path: str) -> int:
