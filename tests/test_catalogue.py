@@ -53,6 +53,7 @@ from dsec.wire import spec as wspec
 from dsec.wire.api import (
     CreateKeyRequest,
     ExecStreamLine,
+    ImagePromoteRequest,
     ImagePullRequest,
     ImageTagRequest,
     QuotaBody,
@@ -118,6 +119,9 @@ class World:
     tmp: str = ""
     oci: str = ""                   # an OCI image tarball
     registry: str = ""              # host:port of a local registry holding cat/pulled:1
+    # a build's step layer on the base (a snapshot layer in the store: the world's
+    # backend is simulated, whose snapshots are not layers)
+    built: str = ""
     _n: list[int] = field(default_factory=lambda: [0])
 
     def n(self) -> int:
@@ -249,6 +253,9 @@ EXAMPLES: dict[str, Example] = {
     "image_pull": lambda w: ImagePullRequest(ref=f"{w.registry}/cat/pulled:1",
                                              insecure=True),
     "image_prune": lambda w: ImagePrune(dry_run=True),
+    "image_promote": lambda w: ImagePromoteRequest(
+        top=w.built, base="cat-base", target=f"cat-promoted-{w.n()}:1", env={"A": "1"},
+        workdir="/srv"),
     "port_expose": lambda w: PortExpose(id=w.sid, port=8000),
     "port_list": lambda w: SandboxRef(id=w.sid),
     "port_connect": lambda w: PortConnect(id=w.sid, port=8000, generation=w.port_gen()),
@@ -423,7 +430,23 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         r = w.ok("POST", "/v1/images", params={"name": "cat-tool", "kind": "toolkit"},
                  content=_layer_tar())
         w.image = str(r.json()["items"][0]["digest"])
+        w.built = _step_layer(cl, w.tmp)
         yield w
+
+
+def _step_layer(cl: LocalCluster, tmp: str) -> str:
+    from dsec.image import LayerStore
+    from dsec.image.manifest import PROJECT_LABEL
+
+    store = LayerStore(os.path.join(cl.state_dir, "layers"))
+    os.makedirs(os.path.join(tmp, "cat-base", "etc"))
+    base = store.add_tree(os.path.join(tmp, "cat-base"), kind="base", name="cat-base")
+    tree = os.path.join(tmp, "step")
+    os.makedirs(os.path.join(tree, "srv"))
+    with open(os.path.join(tree, "srv", "made"), "w") as f:
+        f.write("by a step\n")
+    return store.add_tree(tree, kind="snapshot", labels={PROJECT_LABEL: "default"},
+                          stack=(base.digest, *base.stack)).digest
 
 
 def _order() -> list[Op[Any, Any]]:
@@ -432,7 +455,8 @@ def _order() -> list[Op[Any, Any]]:
 
 
 CASES = [pytest.param(op, door, id=f"{op.name}-{door}",
-                      marks=[requires_root] if op in (ops.IMAGE_IMPORT, ops.IMAGE_PULL)
+                      marks=[requires_root] if op in (ops.IMAGE_IMPORT, ops.IMAGE_PULL,
+                                                      ops.IMAGE_PROMOTE)
                       else [])
          for op in _order() for door in _doors(op)]
 

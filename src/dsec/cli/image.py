@@ -133,6 +133,9 @@ def image(ctx: click.Context, root: str | None) -> None:
               help="Build from a Dockerfile, PATH being its context: each RUN/COPY runs in "
                    "a build sandbox of the running cluster (--url/--api-key) and becomes "
                    "one layer; unchanged steps come from the step cache.")
+@click.option("-t", "image_name", default=None, metavar="NAME[:TAG]",
+              help="With -f: name the built image ([project/]name[:tag]; bare: in the "
+                   "build's project), so `create(image=NAME)` runs it with its config.")
 @click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE")
 @click.option("--network", default="none", show_default=True,
               help="Network of the build sandboxes (none, or a mode the cluster allows).")
@@ -142,8 +145,9 @@ def image(ctx: click.Context, root: str | None) -> None:
 @click.pass_obj
 def build(root: str | None, path: str, kind: str | None, name: str | None, tag: str,
           compression: str | None, labels: tuple[str, ...], quiet: bool,
-          dockerfile: str | None, build_args: tuple[str, ...], network: str,
-          project: str | None, url: str | None, api_key: str | None) -> None:
+          dockerfile: str | None, image_name: str | None, build_args: tuple[str, ...],
+          network: str, project: str | None, url: str | None,
+          api_key: str | None) -> None:
     """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin);
     with -f, build an image from a Dockerfile with PATH as its context."""
     if dockerfile is not None:
@@ -151,8 +155,10 @@ def build(root: str | None, path: str, kind: str | None, name: str | None, tag: 
             raise click.UsageError("-f builds from a Dockerfile: drop --kind/--name (the "
                                    "result is started with `--snapshot <top>`)")
         _build_dockerfile(dockerfile, path, build_args, network, project, url, api_key,
-                          quiet)
+                          quiet, image_name)
         return
+    if image_name is not None:
+        raise click.UsageError("-t names a Dockerfile build (-f); a layer is named --name")
     if kind is None or name is None:
         raise click.UsageError("--kind and --name are required (or -f DOCKERFILE)")
     console = Console(stderr=True)
@@ -455,7 +461,8 @@ def debian_repo(suite: str, include: str, variant: str, mirror: str | None,
 
 def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...],
                       network: str, project: str | None, url: str | None,
-                      api_key: str | None, quiet: bool) -> None:
+                      api_key: str | None, quiet: bool,
+                      image_name: str | None = None) -> None:
     """`dsec image build -f`: compile the Dockerfile into builder steps (the SDK's
     :class:`dsec.Image`, one implementation) and build through the API."""
     import json
@@ -477,11 +484,16 @@ def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...]
         img = Image.from_dockerfile(dockerfile, context=context, build_args=args)
     except (DsecError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-    with client(url, api_key) as c:
-        built = img.build(c, network=network, project=project)  # type: ignore[arg-type]
+    try:
+        with client(url, api_key) as c:
+            built = img.build(c, network=network, project=project,  # type: ignore[arg-type]
+                              name=image_name)
+    except DsecError as exc:
+        raise click.ClickException(str(exc)) from exc
     if not quiet:
         Console(stderr=True).print(
             f"{len(img.steps)} steps: {built.ran} ran, {built.cached} cached, "
             f"{built.seconds:.2f} s")
     click.echo(json.dumps({"snapshot": built.top, "image": built.base,
-                           "config": msgspec.to_builtins(built.config)}))
+                           "config": msgspec.to_builtins(built.config),
+                           **({"name": built.name} if built.name else {})}))

@@ -83,7 +83,7 @@ from dsec.image.build import (
     compile_dockerfile,
     step_key,
 )
-from dsec.wire.api import SnapshotView
+from dsec.wire.api import ImagePromoteRequest, SnapshotView
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.spec import ExecResult, NetworkPolicy
 
@@ -124,9 +124,15 @@ class BuiltImage:
     seconds: float = 0.0
     step_seconds: tuple[float, ...] = field(default=())     # wall time of each step run
     command_seconds: tuple[float, ...] = field(default=())  # its command's own run time
+    # the name it was given (``build(name=...)``): ``create(image=name)`` starts it with
+    # its config, as a pulled image
+    name: str | None = None
 
     def create_args(self) -> dict[str, Any]:
-        """Keywords for ``sandboxes.create``: where to start from, and the image's env."""
+        """Keywords for ``sandboxes.create``: where to start from, and the image's env
+        (a named image carries its config itself)."""
+        if self.name is not None:
+            return {"image": self.name}
         where: dict[str, Any] = ({"snapshot": self.top} if self.top is not None else
                                  {"image": self.base, "workspace": self.workspace,
                                   "toolkits": list(self.toolkits)})
@@ -254,20 +260,25 @@ class Image:
     # ------------------------------------------------------------------ build
     def build(self, client: Client, *, network: NetworkPolicy | NetMode = "none",
               project: str | None = None, timeout: float = 600.0,
-              memory: int | str = "1GiB", cpu: float = 1) -> BuiltImage:
+              memory: int | str = "1GiB", cpu: float = 1,
+              name: str | None = None) -> BuiltImage:
         """Build (sync client); see :meth:`build_async`."""
         return client._run(self.build_async(client._a, network=network, project=project,
-                                            timeout=timeout, memory=memory, cpu=cpu))
+                                            timeout=timeout, memory=memory, cpu=cpu,
+                                            name=name))
 
     async def build_async(self, client: AsyncClient, *,
                           network: NetworkPolicy | NetMode = "none",
                           project: str | None = None, timeout: float = 600.0,
-                          memory: int | str = "1GiB", cpu: float = 1) -> BuiltImage:
+                          memory: int | str = "1GiB", cpu: float = 1,
+                          name: str | None = None) -> BuiltImage:
         """Run the steps not in the cache, each in a build sandbox with ``network``
         (default none: no egress; e.g. a policy allowing only a package mirror for
         ``apt_install``), ``timeout`` seconds per command. A failing step raises
         :class:`BuildStepFailed` naming it; its build sandbox is destroyed whatever
-        happens."""
+        happens. ``name`` (``[project/]name[:tag]``, bare: in the build's project): name
+        the result (``images.promote``), so ``create(image=name)`` runs it with its
+        env, workdir, user, entrypoint, cmd and labels, as a pulled image."""
         t0 = time.monotonic()
         base = await self._resolve_base(client, project)
         net = _net_key(network)
@@ -308,10 +319,13 @@ class Image:
             if view.id != top:
                 cache[key] = view
             top, parent = view.id, (view.id,)
+        named: str | None = None
+        if name is not None:
+            named = await _promote(client, base, top, cfg, name, target)
         return BuiltImage(base=base.image, workspace=base.workspace, toolkits=base.toolkits,
                           top=top, config=cfg, ran=ran, cached=cached,
                           seconds=time.monotonic() - t0, step_seconds=tuple(step_seconds),
-                          command_seconds=tuple(command_seconds))
+                          command_seconds=tuple(command_seconds), name=named)
 
     async def _run_step(self, client: AsyncClient, base: _Resolved, top: str | None,
                         step: Run | Copy, index: int, cfg: BuildConfig, key: str,
@@ -385,6 +399,23 @@ class _Resolved:
     digests: tuple[str, ...]
 
 
+async def _promote(client: AsyncClient, base: _Resolved, top: str | None, cfg: BuildConfig,
+                   name: str, project: str) -> str:
+    """Name the build ``name`` (a bare name goes in ``project``); the ref to create from."""
+    if base.workspace is not None or base.toolkits:
+        raise InvalidArgument("a build on a workspace or toolkits cannot be named: name "
+                              "builds on a plain image", field="name")
+    target = name if "/" in name else f"{project}/{name}"
+    if top is None:       # no layer step: the base itself, under the new name and config
+        raise InvalidArgument("a build without a layer step (RUN/COPY) has nothing to "
+                              "name: tag its base instead (images.tag)", field="name")
+    await client.images.promote(ImagePromoteRequest(
+        top=top, base=base.image, target=target, env=cfg.env_dict,
+        workdir=cfg.workdir if cfg.workdir != "/" else None, user=cfg.user,
+        entrypoint=list(cfg.entrypoint), cmd=list(cfg.cmd), labels=dict(cfg.labels)))
+    return target
+
+
 async def _kill_labelled(client: AsyncClient, project: str | None, run_id: str) -> None:
     with contextlib.suppress(DsecError):
         for sb in await client.sandboxes.list(project=project,
@@ -417,11 +448,15 @@ async def _ensure_debian(client: AsyncClient, plan: BootstrapPlan,
     import tempfile
 
     from dsec.image.bootstrap import bootstrap_tree
+    from dsec.rmtree import remove_tree
 
-    with tempfile.TemporaryDirectory(prefix="dsec-debian-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="dsec-debian-")
+    try:
         root = os.path.join(tmp, "root")
         await asyncio.to_thread(bootstrap_tree, plan, root)
         view = await client.images.build(root, name=refs[0], kind="base")
+    finally:   # never through a mount point (what a killed mmdebstrap might leave)
+        await asyncio.to_thread(remove_tree, tmp, detach=True)
     return view.refs[0] if view.refs else view.digest
 
 

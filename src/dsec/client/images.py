@@ -26,7 +26,14 @@ import msgspec
 from dsec.client.transport import OpCaller
 from dsec.errors import InvalidArgument
 from dsec.wire import ops
-from dsec.wire.api import ImageList, ImagePruned, ImagePullRequest, ImageTagRequest, ImageView
+from dsec.wire.api import (
+    ImageList,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePullRequest,
+    ImageTagRequest,
+    ImageView,
+)
 from dsec.wire.calls import Empty, ImagePrune, ImageRef, ImageUpload
 from dsec.wire.ops import UploadOp
 
@@ -58,6 +65,12 @@ class AsyncImages:
         """Point the name ``target`` at the layer ``source`` names (moving it)."""
         return await self._c.call(ops.IMAGE_TAG, ImageTagRequest(source=source,
                                                                  target=target))
+
+    async def promote(self, req: ImagePromoteRequest) -> ImageView:
+        """Name a built image (``dsec.Image.build(client, name=...)`` does it): its step
+        layers (the snapshot chain of ``req.top``) on ``req.base`` become the image
+        ``req.target`` with the build's config."""
+        return await self._c.call(ops.IMAGE_PROMOTE, req)
 
     async def delete(self, ref: str | ImageView) -> None:
         """Delete a layer and its names (``InUse`` while a sandbox or snapshot uses it)."""

@@ -31,7 +31,7 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImagePruned, ImageView, Info, NodeView
+from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort
@@ -268,6 +268,9 @@ class Images:
 
     def tag(self, source: str, target: str) -> ImageView:
         return self._c._run(self._a.tag(source, target))
+
+    def promote(self, req: ImagePromoteRequest) -> ImageView:
+        return self._c._run(self._a.promote(req))
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))

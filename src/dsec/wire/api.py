@@ -69,6 +69,7 @@ __all__ = [
     "ExecStreamLine",
     "FileList",
     "ImageList",
+    "ImagePromoteRequest",
     "ImagePruned",
     "ImagePullRequest",
     "ImageTagRequest",
@@ -349,6 +350,22 @@ class ImagePullRequest(_Strict):
     platform: Annotated[str, msgspec.Meta(min_length=3, max_length=100)] | None = None
     insecure: bool = False
     creds: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+class ImagePromoteRequest(_Strict):
+    """Body of ``POST /v1/images/promote``: name a built image. ``top``: the build's top
+    snapshot (its step layers, one chain), ``base``: the image the build started from
+    (its digest or a name), ``target``: ``[project/]name[:tag]`` in the project the build
+    ran in; the image config (as an OCI config's Env, WorkingDir, User, Entrypoint, Cmd,
+    Labels) becomes the image's, honoured by every create as a pulled image's."""
+
+    top: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    base: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    target: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    env: Annotated[dict[str, str], msgspec.Meta(max_length=4096)] = {}
+    workdir: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    entrypoint: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
+    cmd: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
+    labels: Annotated[dict[str, str], msgspec.Meta(max_length=256)] = {}
 
 
 class ImageList(msgspec.Struct, kw_only=True):

@@ -34,6 +34,7 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
     ImageTagRequest,
@@ -131,6 +132,7 @@ __all__ = [
     "IMAGE_DELETE",
     "IMAGE_GET",
     "IMAGE_IMPORT",
+    "IMAGE_PROMOTE",
     "IMAGE_TAG",
     "INFO",
     "LIST",
@@ -738,6 +740,16 @@ IMAGE_PRUNE: Op[ImagePrune, ImagePruned] = Op(
               body="*", tag="images"))
 
 
+IMAGE_PROMOTE: Op[ImagePromoteRequest, ImageView] = Op(
+    "image_promote", ImagePromoteRequest, ImageView,
+    summary="Name a built image: its step layers (a snapshot chain) on its base become a "
+            "named image of the project with the build's config",
+    # write right on the target's namespace (member), and the snapshot must be its own
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/promote", operation_id="promoteImage",
+              body="*", tag="images"))
+
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -750,6 +762,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     PORT_EXPOSE, PORT_LIST, PORT_CONNECT, PORT_CLOSE,
     IMAGE_PRUNE,
     IMAGE_PULL,
+    IMAGE_PROMOTE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -46,7 +46,14 @@ from dsec.image.gc import LayerNode, project_image_bytes
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
 from dsec.image.registry import RegistryRef
 from dsec.image.store import LayerStore, Pin
-from dsec.wire.api import ImageList, ImagePruned, ImagePullRequest, ImageTagRequest, ImageView
+from dsec.wire.api import (
+    ImageList,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePullRequest,
+    ImageTagRequest,
+    ImageView,
+)
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
@@ -450,6 +457,44 @@ class ImageAdmin:
         assert index is not None
         can_see = _can_see(caller)
         return ImageList(items=[_image_view(index, m, can_see) for m in made])
+
+    async def promote_image(self, caller: Caller, req: ImagePromoteRequest) -> ImageView:
+        """Name a built image (:mod:`dsec.image.promote`): the chain of ``req.top`` laid
+        into one base layer on ``req.base``'s stack, in the target's project (the write
+        right there; the chain must be that project's own snapshots, and the base one
+        the caller sees), carrying the config as a pulled image's ``oci.*`` labels;
+        charged to the project's layer storage like a build."""
+        from dsec.image.promote import build_chain, promote_chain
+        from dsec.image.registry import ImageDefaults, defaults_labels
+
+        target = parse_ref(req.target)
+        if target.name is None:
+            raise InvalidArgument(f"target {req.target[:200]!r} must be a name "
+                                  "([project/]name[:tag]), not a digest", field="target")
+        ns = target.namespace if target.namespace is not None else caller.default_project
+        _require_write(caller, ns, what=f"name the built image {ns}/{target.name}")
+        _, top = self._find_image(caller, req.top)
+        _, base = self._find_image(caller, req.base)
+        if top.kind != "snapshot" or layer_namespace(top) != ns:
+            raise image_not_found(req.top)     # a snapshot of another project: not seen
+        store = self._layers()
+        room = self.charges.snapshot_room(ns)
+        if room == 0:
+            self.charges.check_snapshot(ns, 1)
+        labels = defaults_labels(ImageDefaults(
+            env=dict(req.env), cwd=req.workdir, user=req.user,
+            entrypoint=tuple(req.entrypoint), cmd=tuple(req.cmd), labels=dict(req.labels)))
+        pin = Pin(store)     # a prune never takes the layer between its build and its tag
+
+        def work() -> list[LayerManifest]:
+            chain, image = build_chain(store, top.digest, base.digest)
+            return [promote_chain(store, chain, image, labels=labels, namespace=ns,
+                                  owner=caller.id, max_bytes=room, pin=pin)]
+        try:
+            made = await self._build_pinned(caller, target, ns, store, pin, work)
+        finally:
+            pin.close()
+        return made.items[0]
 
     def pull_target(self, caller: Caller, req: ImagePullRequest) -> tuple[str | None, str,
                                                                           str]:

@@ -111,6 +111,7 @@ from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
     ImageTagRequest,
@@ -693,6 +694,9 @@ class ControlPlane:
 
     def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
         return self.images.tag_image(caller, req)
+
+    async def promote_image(self, caller: Caller, req: ImagePromoteRequest) -> ImageView:
+        return await self.images.promote_image(caller, req)
 
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:

@@ -79,6 +79,7 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
     ImageTagRequest,
@@ -311,6 +312,8 @@ class AdminOps(Protocol):
     def get_image(self, caller: Caller, ref: str) -> ImageView: raise NotImplementedError
     def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
     def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
+        raise NotImplementedError
+    async def promote_image(self, caller: Caller, req: ImagePromoteRequest) -> ImageView:
         raise NotImplementedError
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
@@ -1450,6 +1453,7 @@ class ApiService:
             "project_get": self._project_get_op, "quota_set": self._quota_set_op,
             "images": self._images_op, "image_get": self._image_get_op,
             "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
+            "image_promote": self._image_promote_op,
             "image_build": self._upload_refused, "image_import": self._upload_refused,
             "port_expose": self._port_expose_op, "port_list": self._port_list_op,
             "port_close": functools.partial(fwd, ops.PORT_CLOSE),
@@ -1676,6 +1680,9 @@ class ApiService:
 
     async def _image_tag_op(self, caller: Caller, b: ImageTagRequest) -> ImageView:
         return self._admin().tag_image(caller, b)
+
+    async def _image_promote_op(self, caller: Caller, b: ImagePromoteRequest) -> ImageView:
+        return await self._admin().promote_image(caller, b)
 
     async def _image_delete_op(self, caller: Caller, b: ImageRef) -> None:
         self._admin().delete_image(caller, b.ref)
