@@ -7,7 +7,7 @@
  *   nettool udp HOST PORT DATA        send one datagram
  *   nettool spoof SRC DST PORT DATA   raw IPv4/UDP packet with a forged source
  *   nettool icmp HOST                 ICMP echo over a raw socket, wait 1 s for a reply
- *   nettool tcp6 HOST PORT            IPv6 connect
+ *   nettool tcp6 HOST PORT [DATA]     IPv6 connect (with DATA: send it, print the reply)
  *   nettool setaddr IP                SIOCSIFADDR on eth0 (needs CAP_NET_ADMIN)
  *   nettool sysctl PATH VALUE         write /proc/sys/PATH
  * Prints "OK ..." or "ERR <errno name>: ..." and exits 0 / 1. */
@@ -145,7 +145,7 @@ static int icmp(const char *host) {
     return 0;
 }
 
-static int tcp6(const char *host, int port) {
+static int tcp6(const char *host, int port, const char *data) {
     struct sockaddr_in6 a;
     memset(&a, 0, sizeof a);
     a.sin6_family = AF_INET6;
@@ -155,7 +155,13 @@ static int tcp6(const char *host, int port) {
     if (s < 0) return fail("socket(inet6)");
     timeouts(s, 1500);
     if (connect(s, (struct sockaddr *)&a, sizeof a) < 0) return fail("connect");
-    printf("OK connected\n");
+    if (!data) { printf("OK connected\n"); return 0; }
+    if (send(s, data, strlen(data), MSG_NOSIGNAL) < 0) return fail("send");
+    char buf[512];
+    ssize_t n = recv(s, buf, sizeof buf - 1, 0);
+    if (n < 0) return fail("recv");
+    buf[n] = 0;
+    printf("OK %s", buf);
     return 0;
 }
 
@@ -189,7 +195,8 @@ int main(int argc, char **argv) {
     if (argc >= 5 && !strcmp(argv[1], "udp")) return udp(argv[2], atoi(argv[3]), argv[4]);
     if (argc >= 6 && !strcmp(argv[1], "spoof")) return spoof(argv[2], argv[3], atoi(argv[4]), argv[5]);
     if (argc >= 3 && !strcmp(argv[1], "icmp")) return icmp(argv[2]);
-    if (argc >= 4 && !strcmp(argv[1], "tcp6")) return tcp6(argv[2], atoi(argv[3]));
+    if (argc >= 4 && !strcmp(argv[1], "tcp6"))
+        return tcp6(argv[2], atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
     if (argc >= 3 && !strcmp(argv[1], "setaddr")) return setaddr(argv[2]);
     if (argc >= 4 && !strcmp(argv[1], "sysctl")) return sysctl(argv[2], argv[3]);
     fprintf(stderr, "usage: see nettool.c\n");

@@ -275,6 +275,12 @@ def _die_with_supervisor(pid: int) -> None:
                    "is not built yet). Without it, only policy 'none' is served.")
 @click.option("--net-pool", default="10.213.0.0/16", show_default=True, metavar="CIDR",
               help="Addresses of the router's slots (private to its namespace).")
+@click.option("--net-ipv6", type=click.Choice(["auto", "off"]), default="auto",
+              show_default=True,
+              help="IPv6 for sandboxes: 'auto' gives each one a /127 of fd00:d5ec::/48 "
+                   "(NAT66 out of the uplink, its policy's IPv6 entries enforced like the "
+                   "IPv4 ones) when the uplink has a global IPv6 address; 'off' drops every "
+                   "IPv6 packet (v6 entries are then accepted but inert, and said so).")
 @click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
               help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
                    "uplink's namespace.")
@@ -286,7 +292,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          layer_store: str | None, backend_opts: tuple[str, ...], token_file: str | None,
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
-         net_max: Any, net_uplink: str | None, net_pool: str,
+         net_max: Any, net_uplink: str | None, net_pool: str, net_ipv6: str,
          net_dns_upstream: tuple[str, ...]) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     if supervisor_pid is not None:
@@ -320,7 +326,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             if "container" not in backends:
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
-                                              net_dns_upstream, owned)
+                                              net_dns_upstream, owned, ipv6=net_ipv6)
             extra["container"] = {**extra.get("container", {}), "network": network}
         built = {name: make_backend(name, **{**_backend_opts(name, profile, fncall_pool_size,
                                                               state_dir, layer_store, owned),
@@ -368,7 +374,7 @@ class _Fd:
 
 
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
-             owned: list[Any]) -> tuple[Any, dict[str, Any]]:
+             owned: list[Any], ipv6: str = "auto") -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
     ``owned`` (the kernel then removes its namespace, links and nft objects)."""
     import hashlib
@@ -388,7 +394,11 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
             pass
         peer = "dsu" + hashlib.sha256(node_id.encode()).hexdigest()[:10]
-        router = Router.create(RouterConfig(pool=pool), NetnsUplink(fd.fd, peer))
+        up = NetnsUplink(fd.fd, peer)
+        v6 = ipv6 == "auto" and up.has_ipv6()
+        logging.getLogger("dsec.edge").info(
+            "net: IPv6 for sandboxes %s (--net-ipv6 %s)", "on" if v6 else "off", ipv6)
+        router = Router.create(RouterConfig(pool=pool, ipv6=v6), up)
     except OSError as exc:
         raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a network "
                                  "namespace, e.g. /run/netns/NAME)",

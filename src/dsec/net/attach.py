@@ -22,8 +22,8 @@ from dsec.net.compile import Compiled, DomainRule, Elem
 from dsec.net.compile import compile as compile_policy
 from dsec.net.denied import Denial, DenyReporter
 from dsec.net.dnspolicy import DnsPolicy, NameRule, PinBook
-from dsec.net.nftrules import PRIVATE4
-from dsec.net.nftwire import Dest4, SlotPolicy, TooManyElements, disjoint
+from dsec.net.nftrules import PRIVATE4, PRIVATE6
+from dsec.net.nftwire import Dest, SlotPolicy, TooManyElements, disjoint
 from dsec.net.router import Router, Slot
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
@@ -57,9 +57,9 @@ _COMPILED_KEPT = 256
 _MISSING: object = object()
 
 
-def _dests(elems: Iterable[Elem], name: str) -> tuple[Dest4, ...]:
-    out = [Dest4(e.net.network_address, e.net.broadcast_address, e.proto, *e.ports)
-           for e in elems if isinstance(e.net, ipaddress.IPv4Network)]
+def _dests(elems: Iterable[Elem], name: str) -> tuple[Dest, ...]:
+    out = [Dest(e.net.network_address, e.net.broadcast_address, e.proto, *e.ports)
+           for e in elems]
     try:
         # bounded: a policy that will be refused costs the split up to the limit only
         return disjoint(out, limit=MAX_SLOT_ELEMENTS)
@@ -73,18 +73,22 @@ def _dests(elems: Iterable[Elem], name: str) -> tuple[Dest4, ...]:
 
 def plan_of(compiled: Compiled) -> NetPlan | None:
     """The kernel's and the resolver's share of a compiled policy (None: mode none).
-    IPv6 elements are left out: slots have no IPv6 and drop every v6 packet."""
+    IPv6 elements are loaded on every node: where the router has no IPv6 its slots drop
+    every v6 packet before any set is consulted, so they are inert there (and
+    ``network_get`` says ``ipv6: false``)."""
     if compiled.mode == "none":
         return None
     slot = SlotPolicy(
         allow4=_dests(compiled.sets.get("a4", ()), "allow"),
         deny4=_dests(compiled.sets.get("d4", ()), "deny"),
         east4=_dests(compiled.sets.get("e4", ()), "allow"),
-        from4=tuple(sorted(compiled.inbound)), open=compiled.open)
-    private = [ipaddress.IPv4Network(p) for p in PRIVATE4]
-    private_ok = tuple(e.net for e in compiled.sets.get("a4", ())
-                       if isinstance(e.net, ipaddress.IPv4Network)
-                       and any(e.net.overlaps(p) for p in private))
+        from4=tuple(sorted(compiled.inbound)), open=compiled.open,
+        allow6=_dests(compiled.sets.get("a6", ()), "allow"),
+        deny6=_dests(compiled.sets.get("d6", ()), "deny"))
+    private = [ipaddress.ip_network(p) for p in (*PRIVATE4, *PRIVATE6)]
+    private_ok = tuple(e.net for n in ("a4", "a6") for e in compiled.sets.get(n, ())
+                       if any(e.net.version == p.version and e.net.overlaps(p)
+                              for p in private))
 
     def rule(d: DomainRule) -> NameRule:
         return NameRule(d.name, d.wildcard, tuple(d.protos), d.ports)

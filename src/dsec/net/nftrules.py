@@ -42,7 +42,9 @@ from dsec.net.nftwire import (
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "NEVER4",
+    "NEVER6",
     "PRIVATE4",
+    "PRIVATE6",
     "TABLE",
     "base_ruleset",
     "conn_cap",
@@ -68,6 +70,16 @@ NEVER4: Final = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3",
 PRIVATE4: Final = (
     "10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15",
 )
+# IPv6 (enforced on a router with IPv6): never reachable -- unspecified, loopback,
+# v4-mapped (a v6 socket's way to a v4 address the v4 rules never judged), link-local,
+# multicast, AWS's v6 metadata address (the wire's NEVER_REACHABLE lists the same); the
+# v6 pool and the node's addresses are added per router.
+NEVER6: Final = ("::/128", "::1/128", "::ffff:0:0/96", "fe80::/10", "ff00::/8",
+                 "fd00:ec2::254/128")
+# Private IPv6: ULA, and the NAT64 / 6to4 prefixes (an uplink that translates them
+# reaches IPv4 addresses the v4 rules never judged): reachable only when a policy names
+# them by CIDR, never through "open" or a DNS answer.
+PRIVATE6: Final = ("fc00::/7", "64:ff9b::/96", "64:ff9b:1::/48", "2002::/16")
 PIN_SET_SIZE: Final = 4096
 # A sandbox's concurrent flows when its policy names no max_connections (plan-14 §4.7):
 # the router netns's conntrack table is shared by every slot, so one sandbox must not
@@ -78,8 +90,11 @@ DEFAULT_MAX_CONNECTIONS: Final = 4096
 DNS_RATE: Final = 1000
 DNS_BURST: Final = 2000
 # The sets a policy load replaces (flush + refill) and those a recycle flushes as well.
-POLICY_SETS: Final = ("a4", "d4", "e4", "f4", "l", "g", "open")
-ALL_SETS: Final = (*POLICY_SETS, "q4", "r4", "x")
+# The v6 sets exist on every slot (a node without IPv6 loads them too, inert behind the
+# rule that drops every v6 packet): one slot layout for both kinds of node.
+POLICY_SETS: Final = ("a4", "d4", "e4", "f4", "l", "g", "open", "a6", "d6")
+PIN_SETS: Final = ("q4", "r4", "q6", "r6")
+ALL_SETS: Final = (*POLICY_SETS, *PIN_SETS, "x")
 
 
 def _interval_elements(cidrs: Iterable[str]) -> str:
@@ -87,18 +102,29 @@ def _interval_elements(cidrs: Iterable[str]) -> str:
     return ", ".join(str(n) for n in nets)
 
 
+def _interval_elements6(cidrs: Iterable[str]) -> str:
+    nets = ipaddress.collapse_addresses(ipaddress.IPv6Network(c) for c in cidrs)
+    return ", ".join(str(n) for n in nets)
+
+
 def base_ruleset(
-    *, pool: Pool, uplink: str, node_addresses: Iterable[str] = (), table: str = TABLE
+    *, pool: Pool, uplink: str, node_addresses: Iterable[str] = (), table: str = TABLE,
+    ipv6: bool = False,
 ) -> str:
     """The router's base table, from scratch (libnftables input; one transaction).
 
-    ``uplink`` is the router's uplink device (masquerade out of it; nothing enters the
-    router itself from it but replies). ``node_addresses`` join the never-reachable set
-    (the host's addresses: the apiserver, the edge's port, sshd...).
+    ``uplink`` is the router's uplink device (masquerade out of it, IPv4 and, with
+    ``ipv6``, NAT66; nothing enters the router itself from it but replies and neighbour
+    discovery). ``node_addresses`` (either family) join the never-reachable sets (the
+    host's addresses: the apiserver, the edge's port, sshd...).
     """
-    never = _interval_elements([*NEVER4, str(pool.network), *(
-        f"{a}/32" if "/" not in a else a for a in node_addresses)])
+    nodes = [a if "/" in a else f"{a}/{128 if ':' in a else 32}" for a in node_addresses]
+    never = _interval_elements([*NEVER4, str(pool.network),
+                                *(a for a in nodes if ":" not in a)])
+    never6 = _interval_elements6([*NEVER6, str(pool.network6),
+                                  *(a for a in nodes if ":" in a)])
     private = _interval_elements(PRIVATE4)
+    private6 = _interval_elements6(PRIVATE6)
     r = pool.resolver
     t = f"inet {table}"
     return "\n".join([
@@ -107,6 +133,9 @@ def base_ruleset(
         f"add table {t}",
         f"add set {t} never4 {{ type ipv4_addr; flags interval; elements = {{ {never} }}; }}",
         f"add set {t} private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}",
+        f"add set {t} never6 {{ type ipv6_addr; flags interval; elements = {{ {never6} }}; }}",
+        (f"add set {t} private6 {{ type ipv6_addr; flags interval; "
+         f"elements = {{ {private6} }}; }}"),
         f"add map {t} out {{ type ifname : verdict; }}",
         f"add map {t} in {{ type ifname : verdict; }}",
         f"add chain {t} forward {{ type filter hook forward priority 0; policy drop; }}",
@@ -115,6 +144,11 @@ def base_ruleset(
         # The router itself: a sandbox reaches the resolver on 53 and nothing else; from
         # the uplink only replies come in.
         f"add chain {t} input {{ type filter hook input priority 0; policy accept; }}",
+        # IPv6 neighbour discovery, on the link only (hop limit 255: no router forwarded
+        # it): a slot and the uplink resolve the router's end and back. Nothing else of
+        # a slot's IPv6 reaches the router (DNS goes to the resolver's IPv4 address).
+        *([(f"add rule {t} input icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} "
+            "ip6 hoplimit 255 accept")] if ipv6 else []),
         # A flood at the resolver is dropped here, per source, before it costs the edge's
         # loop a parse (~45 us each): DNS_RATE packets/s, bursts of DNS_BURST. A full
         # meter makes `update` fail, the rule not match and the packet go on to the
@@ -145,17 +179,46 @@ def slot_sets(slot: SlotAddr) -> dict[str, str]:
     return {k: f"{slot.chain_prefix}{k}" for k in ALL_SETS}
 
 
+def _v6_rules(t: str, c: str, me6: ipaddress.IPv6Address, ipv6: bool) -> dict[str, list[str]]:
+    """The slot's IPv6 rules, by where they go among the IPv4 ones (every ``ip6``
+    match carries its own ``nfproto ipv6`` dependency, so the two families' rules never
+    see each other's packets). Without ``ipv6`` every v6 packet is dropped up front."""
+    if not ipv6:
+        return {"spoof": [f"add rule {t} {c}o meta nfproto ipv6 drop"]}
+    to = f"ct mark set iifname map @{c}g goto {c}k"
+    return {
+        "spoof": [
+            f"add rule {t} {c}o ip6 saddr != {me6} drop",  # anti-spoof
+            f"add rule {t} {c}o ip6 daddr @never6 drop",
+            # DNS is the resolver's, over IPv4 (its address is in resolv.conf; v4 port
+            # 53 is redirected there): v6 DNS to anywhere is dropped, whatever the sets
+            (f"add rule {t} {c}o meta nfproto ipv6 meta l4proto {{ udp, tcp }} "
+             "th dport 53 drop"),
+        ],
+        "deny": [f"add rule {t} {c}o ip6 daddr . meta l4proto . th dport @{c}d6 drop"],
+        "allow": [
+            f"add rule {t} {c}o ip6 daddr . meta l4proto . th dport @{c}a6 {to}",
+            f"add rule {t} {c}o ip6 daddr . meta l4proto . th dport @{c}q6 {to}",
+            f"add rule {t} {c}o ip6 daddr . meta l4proto @{c}r6 {to}",
+            f"add rule {t} {c}o iifname @{c}open ip6 daddr != @private6 {to}",
+        ],
+    }
+
+
 def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> str:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, ipv6: bool = False) -> str:
     """Chains, sets, counter, rules and verdict-map entries of each slot (libnftables
     input; many slots per command: one command per slot costs 1.2-19.7 ms, 50 per command
-    0.26-3.47 ms/slot at 100-1,000 slots, E4)."""
+    0.26-3.47 ms/slot at 100-1,000 slots, E4). ``ipv6``: the router forwards IPv6, and
+    the slot's v6 sets are enforced like the v4 ones (else every v6 packet is dropped)."""
     t = f"inet {table}"
     lines: list[str] = []
     for s in slots:
         c = s.chain_prefix
         me = s.sandbox_ip
+        v6 = _v6_rules(t, c, s.sandbox_ip6, ipv6)
         iv = "type ipv4_addr . inet_proto . inet_service; flags interval;"
+        iv6 = "type ipv6_addr . inet_proto . inet_service; flags interval;"
         lines += [
             f"add chain {t} {c}o",
             f"add chain {t} {c}i",
@@ -166,11 +229,17 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE,
             f"add set {t} {c}d4 {{ {iv} }}",  # deny (wins over allow)
             f"add set {t} {c}e4 {{ {iv} }}",  # east-west peers this slot may reach
             f"add set {t} {c}f4 {{ type ipv4_addr; }}",  # east-west peers that may reach it
+            f"add set {t} {c}a6 {{ {iv6} }}",  # allow (IPv6)
+            f"add set {t} {c}d6 {{ {iv6} }}",  # deny (IPv6)
             # DNS pins: hash sets, exact keys (0.006 ms per insert flat up to 4,000 pins;
             # an interval set grows 0.027 -> 0.293 ms, E11).
             (f"add set {t} {c}q4 {{ type ipv4_addr . inet_proto . inet_service; "
             f"flags timeout; size {PIN_SET_SIZE}; }}"),
             (f"add set {t} {c}r4 {{ type ipv4_addr . inet_proto; flags timeout; "
+            f"size {PIN_SET_SIZE}; }}"),
+            (f"add set {t} {c}q6 {{ type ipv6_addr . inet_proto . inet_service; "
+            f"flags timeout; size {PIN_SET_SIZE}; }}"),
+            (f"add set {t} {c}r6 {{ type ipv6_addr . inet_proto; flags timeout; "
             f"size {PIN_SET_SIZE}; }}"),
             f"add set {t} {c}l {{ type mark; }}",  # live generation
             f"add map {t} {c}g {{ type ifname : mark; }}",  # generation for new flows
@@ -182,12 +251,13 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE,
             *conn_cap_rules(s, max_connections, table=table),
             # egress of the slot
             f"add rule {t} {c}o ip saddr != {me} drop",  # anti-spoof (dispatch was by device)
-            f"add rule {t} {c}o meta nfproto ipv6 drop",
+            *v6["spoof"],
             (f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}e4 "
             f"ct mark set iifname map @{c}g goto {c}k"),
             f"add rule {t} {c}o ip daddr @never4 drop",
             f"add rule {t} {c}o ct state established,related ct mark @{c}l accept",
             f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}d4 drop",
+            *v6.get("deny", ()),
             (f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}a4 "
             f"ct mark set iifname map @{c}g goto {c}k"),
             (f"add rule {t} {c}o ip daddr . meta l4proto . th dport @{c}q4 "
@@ -196,6 +266,7 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE,
             f"ct mark set iifname map @{c}g goto {c}k"),
             (f"add rule {t} {c}o iifname @{c}open ip daddr != @private4 "
             f"ct mark set iifname map @{c}g goto {c}k"),
+            *v6.get("allow", ()),
             # No verdict on the recording rule: a full dynamic set makes `update` fail, the
             # rule does not match and a verdict on it would be skipped (E6b).
             f"add rule {t} {c}o update @{c}x {{ ip daddr . meta l4proto . th dport }}",
@@ -240,14 +311,14 @@ def load_batch(
     if generation <= 0:
         raise ValueError(f"generation must be positive (0 is an unmarked flow), got {generation}")
     names = slot_sets(slot)
-    for k in (*POLICY_SETS, "q4", "r4") if flush_pins else POLICY_SETS:
+    for k in (*POLICY_SETS, *PIN_SETS) if flush_pins else POLICY_SETS:
         batch.flush(names[k])
     batch.add(names["g"], [elem(key_ifname(slot.ifname), data=key_mark(generation))])
     batch.add(names["l"], [elem(key_mark(generation))])
-    if policy.allow4:
-        batch.add(names["a4"], (interval4(d) for d in policy.allow4))
-    if policy.deny4:
-        batch.add(names["d4"], (interval4(d) for d in policy.deny4))
+    for key, dests in (("a4", policy.allow4), ("d4", policy.deny4),
+                       ("a6", policy.allow6), ("d6", policy.deny6)):
+        if dests:
+            batch.add(names[key], (interval4(d) for d in dests))
     if policy.east4:
         batch.add(names["e4"], (interval4(d) for d in policy.east4))
     if policy.from4:
@@ -268,10 +339,11 @@ def drain_batch(batch: NftBatch, slot: SlotAddr) -> NftBatch:
 def pins_batch(batch: NftBatch, slot: SlotAddr, pins: Iterable[Pin4]) -> NftBatch:
     names = slot_sets(slot)
     items = list(pins)
-    one_port = [pin4(p) for p in items if p.port is not None]
-    all_ports = [pin4(p) for p in items if p.port is None]
-    if one_port:
-        batch.add(names["q4"], one_port)
-    if all_ports:
-        batch.add(names["r4"], all_ports)
+    for v in (4, 6):
+        one_port = [pin4(p) for p in items if p.port is not None and p.address.version == v]
+        all_ports = [pin4(p) for p in items if p.port is None and p.address.version == v]
+        if one_port:
+            batch.add(names[f"q{v}"], one_port)
+        if all_ports:
+            batch.add(names[f"r{v}"], all_ports)
     return batch

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     pool: str = "10.213.0.0/16"
+    #: slots also get IPv6 (a /127 each from ``pool6``, NAT66 out of the uplink, the
+    #: policies' v6 entries enforced); off: every v6 packet of a slot is dropped
+    ipv6: bool = False
+    pool6: str = "fd00:d5ec::/48"
     pool_min: int = 32
     build_batch: int = 64
     # Added to the never-reachable set (the host's own addresses).
@@ -92,7 +96,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, uplink: NetnsUplink) -> None:
         self.config = config
-        self.pool = Pool(config.pool)
+        self.pool = Pool(config.pool, config.pool6)
         self.uplink = uplink
         self.table = SlotTable(capacity=self.pool.capacity, pool_min=config.pool_min,
                                build_batch=config.build_batch)
@@ -127,8 +131,12 @@ class Router:
         # holding CAP_NET_RAW would spend that tenant's DNS budget and pins).
         for k in ("all", "default"):
             netns.write_sysctl(self.fd, f"net/ipv4/conf/{k}/rp_filter", "1")
+        v6 = self.config.ipv6
         for k in ("all", "default"):
-            netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "1")
+            netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "0" if v6 else "1")
+        if v6:
+            # forwarding also makes the router ignore router advertisements
+            netns.write_sysctl(self.fd, "net/ipv6/conf/all/forwarding", "1")
         self._rt = Netlink.route(self.fd)
         self._nl = Netlink.netfilter(self.fd)
         self._nft = Nft(self.fd)
@@ -137,12 +145,13 @@ class Router:
             rtwire.link_up(seq, 1),
             rtwire.addr_add(seq + 1, 1, self.pool.resolver, 32),
         ), [seq, seq + 1], "router lo")
-        self.uplink.attach(self._rt)
+        self.uplink.attach(self._rt, ipv6=v6)
         self._nft(nftrules.base_ruleset(
             pool=self.pool, uplink=UPLINK_IFNAME,
             node_addresses=(*self.config.node_addresses, f"{self.uplink.router_ip}/32",
-                            f"{self.uplink.peer_ip}/32"),
-            table=self.config.table,
+                            f"{self.uplink.peer_ip}/32", f"{self.uplink.router_ip6}/128",
+                            f"{self.uplink.peer_ip6}/128"),
+            table=self.config.table, ipv6=v6,
         ))
 
     def close(self) -> None:
@@ -258,7 +267,8 @@ class Router:
             try:
                 self.nft(nftrules.slot_objects((self.pool.slot(i) for i in ins.objects),
                                                table=self.config.table,
-                                               max_connections=self.config.max_connections))
+                                               max_connections=self.config.max_connections,
+                                               ipv6=self.config.ipv6))
             except BackendError as exc:
                 log.warning("net: nft objects of slots %s failed: %s", ins.objects, exc.message)
                 return [SlotEvent("build_failed", i) for i in ins.slots]
@@ -292,29 +302,42 @@ class Router:
 
     def _build_one(self, a: SlotAddr) -> Slot:
         fd = netns.new_netns()
+        v6 = self.config.ipv6
         try:
             with netns.entered(fd):
+                # IPv6 on: no router advertisements or autoconfiguration (the slot's one
+                # address and route are dsec's); off: no IPv6 at all in the slot
+                conf = ({"disable_ipv6": "0", "accept_ra": "0", "autoconf": "0"} if v6
+                        else {"disable_ipv6": "1"})
                 for k in ("all", "default"):
-                    with open(f"/proc/sys/net/ipv6/conf/{k}/disable_ipv6", "w") as f:
-                        f.write("1")
-            seq = self.rtnl.next_seq(3)
+                    for key, value in conf.items():
+                        with open(f"/proc/sys/net/ipv6/conf/{k}/{key}", "w") as f:
+                            f.write(value)
+            n = 4 if v6 else 3
+            seq = self.rtnl.next_seq(n)
             self.rtnl.request(rtwire.messages(
                 rtwire.veth_pair(seq, name=a.ifname, index=a.router_ifindex,
                                  peer=SANDBOX_IFNAME, peer_index=SANDBOX_IFINDEX,
                                  peer_netns_fd=fd),
                 rtwire.addr_add(seq + 1, a.router_ifindex, a.router_ip, 31),
                 rtwire.link_up(seq + 2, a.router_ifindex),
-            ), [seq, seq + 1, seq + 2], f"slot {a.index} router side")
+                *([rtwire.addr_add(seq + 3, a.router_ifindex, a.router_ip6, 127)] if v6
+                  else []),
+            ), list(range(seq, seq + n)), f"slot {a.index} router side")
             try:
                 rt = Netlink.route(fd)
                 try:
-                    s = rt.next_seq(4)
+                    m = 6 if v6 else 4
+                    s = rt.next_seq(m)
                     rt.request(rtwire.messages(
                         rtwire.addr_add(s, SANDBOX_IFINDEX, a.sandbox_ip, 31),
                         rtwire.link_up(s + 1, SANDBOX_IFINDEX),
                         rtwire.link_up(s + 2, 1),
                         rtwire.default_route(s + 3, a.router_ip, SANDBOX_IFINDEX),
-                    ), [s, s + 1, s + 2, s + 3], f"slot {a.index} sandbox side")
+                        *([rtwire.addr_add(s + 4, SANDBOX_IFINDEX, a.sandbox_ip6, 127),
+                           rtwire.default_route(s + 5, a.router_ip6, SANDBOX_IFINDEX)]
+                          if v6 else []),
+                    ), list(range(s, s + m)), f"slot {a.index} sandbox side")
                 finally:
                     rt.close()
             except BaseException:

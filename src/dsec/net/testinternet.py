@@ -2,7 +2,7 @@
 ``net`` bench.
 
 Everything here lives in one anonymous netns held by an fd: test hosts on documentation
-addresses (203.0.113.0/24, 198.51.100.0/24) on its ``lo``, TCP/UDP servers, and an
+addresses (203.0.113.0/24, 198.51.100.0/24, and 2001:db8::/32 for IPv6) on its ``lo``, TCP/UDP servers, and an
 upstream DNS server. No packet ever goes to a real address: the router's uplink is a veth
 into this namespace, and closing the fixture's fd makes the kernel remove the namespace
 and every link in it.
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from dsec.net import netns, rtwire
@@ -37,6 +37,13 @@ CIDR_OUT = "203.0.113.20"  # just outside it
 DNS_UPSTREAM = "203.0.113.53"
 OTHER = "198.51.100.7"
 HOSTS = (ALLOWED, SIBLING, CIDR_IN, CIDR_OUT, DNS_UPSTREAM, OTHER)
+# IPv6 test hosts (a router with IPv6 reaches them through NAT66; one without, never)
+ALLOWED6 = "2001:db8::1"
+SIBLING6 = "2001:db8::2"
+CIDR6_IN = "2001:db8::11"  # inside 2001:db8::10/127
+CIDR6_OUT = "2001:db8::12"  # the next address, just outside it
+V6ONLY = "2001:db8::66"  # v6only.test: an AAAA record and no A
+HOSTS6 = (ALLOWED6, SIBLING6, CIDR6_IN, CIDR6_OUT, V6ONLY)
 
 TCP_REPLY_PORTS = (80, 443, 8080)  # answer "ok <dst>:<port>" and close
 TCP_ECHO_PORT = 7
@@ -50,6 +57,12 @@ ZONE: dict[str, str] = {
     "meta.test.": "169.254.169.254",
     "private.test.": "10.1.2.3",
     "cidr.test.": CIDR_IN,
+}
+ZONE6: dict[str, str] = {
+    "allowed.test.": ALLOWED6,
+    "v6only.test.": V6ONLY,
+    "rebind6.test.": "::1",
+    "pool6.test.": "fd00:d5ec::3",
 }
 
 
@@ -124,13 +137,13 @@ def _serve(inet: Internet, sel: selectors.DefaultSelector) -> None:
                     data, peer = s.recvfrom(65536)
                     # the destination address: which lo address got it (UDP sockets are
                     # per address, see start())
-                    dst, port = s.getsockname()
+                    dst, port = s.getsockname()[:2]
                     inet._hit(Hit("udp", peer[0], dst, port, data))
                     s.sendto(data, peer)
                 elif kind.startswith("listen"):
                     c, peer = s.accept()
                     c.setblocking(False)
-                    dst, port = c.getsockname()
+                    dst, port = c.getsockname()[:2]
                     conns[c] = (peer[0], dst, port)
                     inet._hit(Hit("tcp", peer[0], dst, port, b""))
                     sel.register(c, selectors.EVENT_READ, kind.replace("listen", "conn"))
@@ -172,9 +185,12 @@ class _Upstream(BaseResolver):  # type: ignore[misc]  # dnslib has no type hints
         ip = ZONE.get(name)
         if ip is None and name.endswith(".wild.test."):
             ip = OTHER
+        ip6 = ZONE6.get(name)
         if ip is not None and request.q.qtype == QTYPE.A:
             reply.add_answer(RR(name, QTYPE.A, rdata=A(ip), ttl=60))
-        elif ip is None:
+        elif ip6 is not None and request.q.qtype == QTYPE.AAAA:
+            reply.add_answer(RR(name, QTYPE.AAAA, rdata=AAAA(ip6), ttl=60))
+        elif ip is None and ip6 is None:
             reply.header.rcode = RCODE.NXDOMAIN
         return reply
 
@@ -186,27 +202,34 @@ def start() -> Internet:
     try:
         rt = Netlink.route(fd)
         try:
-            seq = rt.next_seq(1 + len(HOSTS))
+            hosts = [(ipaddress.ip_address(h), 32) for h in HOSTS] + [
+                (ipaddress.ip_address(h), 128) for h in HOSTS6]
+            seq = rt.next_seq(1 + len(hosts))
             rt.request(rtwire.messages(
                 rtwire.link_up(seq, 1),
-                *(rtwire.addr_add(seq + 1 + i, 1, ipaddress.IPv4Address(h), 32)
-                  for i, h in enumerate(HOSTS)),
-            ), list(range(seq, seq + 1 + len(HOSTS))), "internet addresses")
+                *(rtwire.addr_add(seq + 1 + i, 1, h, plen)
+                  for i, (h, plen) in enumerate(hosts)),
+            ), list(range(seq, seq + 1 + len(hosts))), "internet addresses")
         finally:
             rt.close()
         sel = selectors.DefaultSelector()
         with netns.entered(fd):
             for port, kind in ([(p, "listen-reply") for p in TCP_REPLY_PORTS]
                                + [(TCP_ECHO_PORT, "listen-echo"), (TCP_SINK_PORT, "listen-sink")]):
-                ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                ls.bind(("0.0.0.0", port))
-                ls.listen(256)
-                ls.setblocking(False)
-                inet._socks.append(ls)
-                sel.register(ls, selectors.EVENT_READ, kind)
-            for h in HOSTS:  # one UDP socket per address: the reply leaves from it
-                us = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                for family, any_addr in ((socket.AF_INET, "0.0.0.0"),
+                                         (socket.AF_INET6, "::")):
+                    ls = socket.socket(family, socket.SOCK_STREAM)
+                    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:  # v6 only: v4 peers stay unmapped
+                        ls.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    ls.bind((any_addr, port))
+                    ls.listen(256)
+                    ls.setblocking(False)
+                    inet._socks.append(ls)
+                    sel.register(ls, selectors.EVENT_READ, kind)
+            for h in (*HOSTS, *HOSTS6):  # one UDP socket per address: the reply leaves from it
+                us = socket.socket(socket.AF_INET6 if ":" in h else socket.AF_INET,
+                                   socket.SOCK_DGRAM)
                 us.bind((h, UDP_ECHO_PORT))
                 us.setblocking(False)
                 inet._socks.append(us)

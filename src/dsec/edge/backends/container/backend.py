@@ -443,6 +443,12 @@ class ContainerBackend:
         box.spec = spec
         log.debug("sandbox %s: network policy generation %d loaded", sid, generation)
 
+    @property
+    def network_ipv6(self) -> bool:
+        """Whether this node's sandboxes have IPv6 (their policies' v6 entries enforced):
+        the router was started with it (``dsec edge --net-ipv6``)."""
+        return self.network is not None and self.network.router.config.ipv6
+
     def network_status(self, sid: SandboxId) -> tuple[str | None, int, int]:
         """(address, denied packets, live DNS pins) for ``network_get``."""
         if self.network is None:
