@@ -6,17 +6,18 @@ STAMP := $(VENV)/.installed
 APT_STAMP := .apt-installed
 # Debian packages dsec needs: erofs-utils (image layers), busybox-static (tiny base
 # images for tests and the demo), tini/catatonit (PID 1 in sandboxes), runc (the
-# reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2.
+# reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2, openssl
+# (the network tests' HTTPS/DoT servers: a self-signed certificate made once per run).
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
-                wrk
+                wrk openssl
 
 .PHONY: all setup demo test bench clean lint
 
 all: setup
 
-$(APT_STAMP):
+$(APT_STAMP): Makefile
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then \

@@ -9,15 +9,26 @@ and every link in it.
 
 Every server logs what it received (``hits``), so a test can assert that a packet *never
 arrived* rather than only that the sandbox timed out.
+
+TLS: ports 443 (HTTPS, and so DoH) and 853 (DoT) on every host are TLS servers with a
+self-signed certificate made once per process by ``openssl req`` (:func:`certificate`:
+CN ``allowed.test``, also valid for ``*.wild.test``, ``203.0.113.1`` and ``2001:db8::1``).
+They log the TCP accept (``tcp``, no data), the ClientHello's SNI (``sni``, data = the
+name) and the decrypted request (``https``), and answer ``ok https <dst>:<port>``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ipaddress
 import os
 import selectors
+import shutil
 import socket
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +56,10 @@ CIDR6_OUT = "2001:db8::12"  # the next address, just outside it
 V6ONLY = "2001:db8::66"  # v6only.test: an AAAA record and no A
 HOSTS6 = (ALLOWED6, SIBLING6, CIDR6_IN, CIDR6_OUT, V6ONLY)
 
-TCP_REPLY_PORTS = (80, 443, 8080)  # answer "ok <dst>:<port>" and close
+TCP_REPLY_PORTS = (80, 8080)  # answer "ok <dst>:<port>" and close
+HTTPS_PORT = 443
+DOT_PORT = 853
+TLS_PORTS = (HTTPS_PORT, DOT_PORT)  # TLS: log SNI and request, answer "ok https ..."
 TCP_ECHO_PORT = 7
 TCP_SINK_PORT = 5001  # read and drop (throughput)
 UDP_ECHO_PORT = 9999
@@ -70,7 +84,7 @@ ZONE6: dict[str, str] = {
 class Hit:
     """Something that arrived at a server of the internet."""
 
-    proto: str  # "tcp" | "udp" | "dns"
+    proto: str  # "tcp" | "udp" | "dns" | "sni" | "https"
     src: str
     dst: str
     port: int
@@ -87,6 +101,13 @@ class Internet:
     _socks: list[socket.socket] = field(default_factory=list)
     _dns: list[DNSServer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _tls_conns: set[socket.socket] = field(default_factory=set)
+    _tls: ssl.SSLContext | None = None
+
+    @property
+    def ca_file(self) -> str:
+        """The TLS servers' certificate (self-signed: it is its own CA)."""
+        return certificate()[0]
 
     # -- assertions helpers
 
@@ -115,6 +136,11 @@ class Internet:
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            live = list(self._tls_conns)
+        for c in live:  # a TLS conversation in a thread: its socket closed ends it
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
         for d in self._dns:
             d.stop()
         for t in self._threads:
@@ -140,6 +166,14 @@ def _serve(inet: Internet, sel: selectors.DefaultSelector) -> None:
                     dst, port = s.getsockname()[:2]
                     inet._hit(Hit("udp", peer[0], dst, port, data))
                     s.sendto(data, peer)
+                elif kind == "listen-tls":
+                    c, peer = s.accept()
+                    dst, port = c.getsockname()[:2]
+                    inet._hit(Hit("tcp", peer[0], dst, port, b""))
+                    with inet._lock:
+                        inet._tls_conns.add(c)
+                    threading.Thread(target=_tls_conversation, args=(inet, c, dst, port),
+                                     name="internet-tls", daemon=True).start()
                 elif kind.startswith("listen"):
                     c, peer = s.accept()
                     c.setblocking(False)
@@ -171,6 +205,69 @@ def _serve(inet: Internet, sel: selectors.DefaultSelector) -> None:
                 continue
     for c in conns:
         c.close()
+
+
+_cert_lock = threading.Lock()
+_cert: tuple[str, str] | None = None
+
+
+def certificate() -> tuple[str, str]:
+    """(certificate, key) files of the TLS servers: made once per process with
+    ``openssl req`` (~50 ms, EC P-256), removed at exit."""
+    global _cert
+    with _cert_lock:
+        if _cert is None:
+            d = tempfile.mkdtemp(prefix="dsec-testinternet-tls-")
+            atexit.register(shutil.rmtree, d, True)
+            cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+            r = subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "ec",
+                 "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+                 "-subj", "/CN=allowed.test", "-keyout", key, "-out", cert,
+                 "-addext", (f"subjectAltName=DNS:allowed.test,DNS:*.wild.test,"
+                             f"IP:{ALLOWED},IP:{ALLOWED6}")],
+                capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"openssl req failed: {r.stderr.strip()[-500:]}")
+            _cert = (cert, key)
+        return _cert
+
+
+def _tls_context(inet: Internet) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(*certificate())
+
+    def sni(sock: ssl.SSLObject | ssl.SSLSocket, name: str | None,
+            _ctx: ssl.SSLContext) -> None:
+        try:
+            src = sock.getpeername()[0]  # type: ignore[union-attr]
+            dst, port = sock.getsockname()[:2]  # type: ignore[union-attr]
+        except OSError:
+            return
+        inet._hit(Hit("sni", src, dst, port, (name or "").encode()))
+    ctx.sni_callback = sni
+    return ctx
+
+
+def _tls_conversation(inet: Internet, c: socket.socket, dst: str, port: int) -> None:
+    """One TLS connection: handshake (the SNI logged by the callback), read the request,
+    answer. Bounded by a 5 s timeout per step; never raises."""
+    assert inet._tls is not None
+    try:
+        c.settimeout(5)
+        src = c.getpeername()[0]
+        with inet._tls.wrap_socket(c, server_side=True) as t:
+            data = t.recv(65536)
+            inet._hit(Hit("https", src, dst, port, data))
+            body = f"ok https {dst}:{port}\n".encode()
+            t.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    except (OSError, ssl.SSLError, ValueError):
+        pass
+    finally:
+        c.close()
+        with inet._lock:
+            inet._tls_conns.discard(c)
 
 
 class _Upstream(BaseResolver):  # type: ignore[misc]  # dnslib has no type hints
@@ -213,8 +310,10 @@ def start() -> Internet:
         finally:
             rt.close()
         sel = selectors.DefaultSelector()
+        inet._tls = _tls_context(inet)
         with netns.entered(fd):
             for port, kind in ([(p, "listen-reply") for p in TCP_REPLY_PORTS]
+                               + [(p, "listen-tls") for p in TLS_PORTS]
                                + [(TCP_ECHO_PORT, "listen-echo"), (TCP_SINK_PORT, "listen-sink")]):
                 for family, any_addr in ((socket.AF_INET, "0.0.0.0"),
                                          (socket.AF_INET6, "::")):
