@@ -267,6 +267,8 @@ def test_release_recycles_a_clean_slot(router: Router, internet: Internet) -> No
         again = next(x for x in seen if x.index == index)
         assert again.fd == fd
         router.load(again, allow((f"{SIBLING}/32", "tcp", (80, 80))))
+        # loaded without a flush (the drain emptied it): tenant 2's elements only
+        assert items(router, again, "a4") == {f"{SIBLING} . tcp . 80"}
         # tenant 1's connection is dead for tenant 2's generation; tenant 2's policy only
         old.sendall(b"leftover")
         old.settimeout(0.7)

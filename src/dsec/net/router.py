@@ -66,6 +66,8 @@ class Slot:
 
     addr: SlotAddr
     fd: int
+    #: the policy generation its sets hold; 0: its sets are empty (built, or drained by
+    #: a recycle), so the next load adds without flushing
     generation: int = 0
     #: the flow cap its ``sNk`` chain holds now
     conn_cap: int = nftrules.DEFAULT_MAX_CONNECTIONS
@@ -291,7 +293,7 @@ class Router:
         caps: list[str] = []
         for e in events:
             if e.kind == "built" and e.slot not in ins.objects:
-                nftrules.drain_batch(batch, self.pool.slot(e.slot))
+                nftrules.drain_batch(batch, self.pool.slot(e.slot), self.config.ipv6)
                 caps.append(nftrules.conn_cap(self.pool.slot(e.slot),
                                               self.config.max_connections,
                                               table=self.config.table))
@@ -360,8 +362,9 @@ class Router:
     def _drain(self, index: int) -> SlotEvent:
         a = self.pool.slot(index)
         try:
-            self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table), a),
-                                f"drain slot {index}")
+            self.netlink.commit(
+                nftrules.drain_batch(NftBatch(self.config.table), a, self.config.ipv6),
+                f"drain slot {index}")
         except BackendError as exc:
             log.warning("net: draining slot %d failed: %s", index, exc.message)
             return SlotEvent("drain_failed", index)
@@ -378,8 +381,9 @@ class Router:
         a = self.pool.slot(index)
         try:
             self._del_link(a)
-            self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table), a),
-                                f"flush dropped slot {index}")
+            self.netlink.commit(
+                nftrules.drain_batch(NftBatch(self.config.table), a, self.config.ipv6),
+                f"flush dropped slot {index}")
         finally:
             if slot is not None:
                 _close(slot.fd)
@@ -427,7 +431,8 @@ class Router:
             gen = self.next_generation()
             self.netlink.commit(
                 nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
-                                    flush_pins=flush_pins),
+                                    flush_pins=flush_pins, empty=slot.generation == 0,
+                                    ipv6=self.config.ipv6),
                 f"policy of slot {slot.index}",
             )
             slot.generation = gen
@@ -475,7 +480,8 @@ class Router:
                     generation=slot.generation)
             try:
                 self.netlink.commit(
-                    nftrules.pins_batch(NftBatch(self.config.table), slot.addr, items),
+                    nftrules.pins_batch(NftBatch(self.config.table), slot.addr, items,
+                                       self.config.ipv6),
                     f"pins of slot {slot.index}",
                 )
             except BackendError as exc:
