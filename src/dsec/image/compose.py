@@ -4,8 +4,10 @@ Priority (highest first): toolkits, later ones winning, then the workspace, then
 base; a pack_diff snapshot chain sits above all of them. Each sandbox gets its own
 upper and work directory; nothing of the image is copied or unpacked per sandbox.
 
-The overlay is mounted with ``redirect_dir=off`` (also this kernel's default): renaming a
-directory that lives in a lower layer then fails with EXDEV and tools fall back to
+The overlay is mounted with ``redirect_dir=nofollow,metacopy=off`` (``OVERLAY_FLAGS``,
+whatever the module's defaults; plain ``off`` still *follows* redirects when
+``redirect_always_follow=Y``): renaming a directory that lives in a lower layer then
+fails with EXDEV and tools fall back to
 copy+delete, so the upperdir only ever holds plain files, whiteouts and opaque dirs,
 which is exactly what :mod:`dsec.image.packdiff` knows how to capture.
 
@@ -34,7 +36,7 @@ __all__ = ["MAX_MOUNT_DATA", "RootStack", "SandboxRoot", "compose", "mount_overl
 
 MAX_MOUNT_DATA = 4095                  # one page including the terminating NUL
 MAX_LOWERS = 500                       # overlayfs' OVL_MAX_STACK
-OVERLAY_FLAGS = ("redirect_dir=off", "metacopy=off")
+OVERLAY_FLAGS = ("redirect_dir=nofollow", "metacopy=off")  # neither written nor followed
 
 
 @dataclass(frozen=True, slots=True)

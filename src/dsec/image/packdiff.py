@@ -175,7 +175,7 @@ def scan_upper(upper: str, strip: Sequence[str] = (), *,
                     if _REDIRECT_XATTR in names:
                         raise ImageError(
                             f"upperdir entry {rel!r} is an overlay redirect; mount sandbox "
-                            "roots with redirect_dir=off (dsec.image.compose does)")
+                            "roots with redirect_dir=nofollow (dsec.image.compose does)")
                     opaque = OPAQUE_XATTR in names and os.getxattr(
                         de.path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
                     stack.append(rel)

@@ -579,7 +579,11 @@ static void mount_overlay(int nlower, char **lowers, const char *upper, const ch
     fds[nfd] = open_dir_path(work);
     int wfd = fds[nfd++];
     n += (size_t)snprintf(opts + n, n < sizeof opts ? sizeof opts - n : 0,
-                          ",upperdir=/proc/self/fd/%d,workdir=/proc/self/fd/%d", ufd, wfd);
+                          ",upperdir=/proc/self/fd/%d,workdir=/proc/self/fd/%d"
+                          /* dsec.image.compose.OVERLAY_FLAGS: never write or follow redirect
+                           * or metacopy xattrs, whatever the host's overlay module defaults
+                           * are (an upper dir becomes a lower layer through pack_diff) */
+                          ",redirect_dir=nofollow,metacopy=off", ufd, wfd);
     if (n >= sizeof opts) { errno = E2BIG; die(1, "overlay options for %d layers", nlower); }
     xmount("overlay", root_path, "overlay", MS_NODEV, opts);
     for (int k = 0; k < nfd; k++) close(fds[k]);

@@ -6,6 +6,8 @@ these lists, so a hostile-agent test passing on one says something about the oth
 
 from __future__ import annotations
 
+from dsec.image.compose import OVERLAY_FLAGS
+
 __all__ = [
     "DEFAULT_ENV",
     "DEVICES",
@@ -63,7 +65,8 @@ def overlay_options(lowerdirs: tuple[str, ...] | list[str], upper: str, work: st
     for p in (*lowerdirs, upper, work):
         if ":" in p or "," in p or "\n" in p:
             raise ValueError(f"overlay path {p!r} contains ':' or ',': use plain paths")
-    data = f"lowerdir={':'.join(lowerdirs)},upperdir={upper},workdir={work}"
+    data = (f"lowerdir={':'.join(lowerdirs)},upperdir={upper},workdir={work},"
+            + ",".join(OVERLAY_FLAGS))
     if len(data) >= 4096:
         raise ValueError(f"overlay options are {len(data)} bytes (limit 4095): use shorter "
                          f"layer paths or fewer layers ({len(lowerdirs)} given)")
