@@ -295,3 +295,10 @@ def test_load_batch_on_an_empty_slot_flushes_nothing() -> None:
     on = nftrules.load_batch(NftBatch("dsec"), p.slot(3), pol6, 9, ipv6=True)
     assert not any("s3a6" in off.describe(off.seq + 1 + i) for i in range(len(off)))
     assert "add to set dsec/s3a6" in {on.describe(on.seq + 1 + i) for i in range(len(on))}
+
+
+def test_a_slot_is_assumed_empty_only_when_known() -> None:
+    """Slot.empty defaults to False: a slot made any other way than a fresh build or a
+    drain (e.g. adopted after an edge restart) gets its sets flushed by the next load."""
+    from dsec.net.router import Slot
+    assert Slot(addr=Pool().slot(0), fd=-1).empty is False

@@ -327,6 +327,7 @@ def load_batch(
     nothing is flushed. The flushes are most of a create's batch: 13 of its ~18
     messages, and p50 0.73 ms vs 0.31 ms for the commit of a 10-entry policy on a router
     holding 300 slots (this 2-core VM, loaded; /tmp/nf-prof/load.py of the N-F session).
+    The router passes ``Slot.empty``, set only where it is certain.
     ``ipv6``: the router has IPv6 (the slot has v6 sets); without it the policy's v6
     elements are not loaded (the slot drops every v6 packet first)."""
     if generation <= 0:

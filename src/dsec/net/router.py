@@ -66,9 +66,12 @@ class Slot:
 
     addr: SlotAddr
     fd: int
-    #: the policy generation its sets hold; 0: its sets are empty (built, or drained by
-    #: a recycle), so the next load adds without flushing
     generation: int = 0
+    #: its sets are known to hold nothing: set only where that is certain (built
+    #: fresh, or drained by a recycle), cleared by a load; the next load then adds
+    #: without flushing. Default False: a slot adopted or rebuilt any other way is
+    #: flushed first (a stale element left behind would be a hole)
+    empty: bool = False
     #: the flow cap its ``sNk`` chain holds now
     conn_cap: int = nftrules.DEFAULT_MAX_CONNECTIONS
     #: the tbf rate its veth ends are shaped to (None: not shaped)
@@ -300,6 +303,9 @@ class Router:
         self.netlink.commit(batch, "flush rebuilt slots")
         if caps:
             self.nft("".join(caps))
+        for e in events:  # fresh objects, or flushed just now
+            if e.kind == "built":
+                self.slots[e.slot].empty = True
         return events
 
     def _build_one(self, a: SlotAddr) -> Slot:
@@ -372,6 +378,7 @@ class Router:
         slot = self.slots.get(index)
         if slot is not None:
             slot.generation = 0
+            slot.empty = True
             if slot.rate_mbit is not None:  # the next tenant starts unshaped
                 self._shape(slot, None)
         return SlotEvent("drained", index)
@@ -431,10 +438,11 @@ class Router:
             gen = self.next_generation()
             self.netlink.commit(
                 nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
-                                    flush_pins=flush_pins, empty=slot.generation == 0,
+                                    flush_pins=flush_pins, empty=slot.empty,
                                     ipv6=self.config.ipv6),
                 f"policy of slot {slot.index}",
             )
+            slot.empty = False
             slot.generation = gen
             self.table.handle(SlotEvent("policy_loaded", slot.index))
             self.stats.policy_loads += 1
