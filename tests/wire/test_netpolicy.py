@@ -265,3 +265,6 @@ def test_validate_remembers_successes_only_and_refusals_name_their_field() -> No
             bad.validate(where)
         assert e.value.detail["field"] == f"{where}.allow[0]"
     assert bad not in netpolicy._VALIDATED
+    # built by hand with lists (not hashable): validated, canonical tuples, not kept
+    listed = NetworkPolicy(mode="policy", allow=["Example.COM:443/tcp"])  # type: ignore[arg-type]
+    assert listed.validate().allow == ("example.com:443/tcp",)

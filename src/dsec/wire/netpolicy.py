@@ -395,7 +395,10 @@ class NetworkPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
         validate the same spec again, and a burst of creates with one policy paid
         ~0.2 ms of CPU per create re-parsing a 10-entry policy (pyinstrument,
         ``net_creates_per_s``, the N-F session)."""
-        known = _VALIDATED.get(self)
+        try:
+            known = _VALIDATED.get(self)
+        except TypeError:  # built by hand with lists (decoding gives tuples): not kept
+            return self._validate(where)
         if known is not None:
             return self if known == self else known  # "self when already canonical"
         canonical = self._validate(where)
