@@ -11,9 +11,14 @@ APT_STAMP := .apt-installed
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
-                wrk openssl
+                wrk openssl \
+                mmdebstrap apt-utils
+# The Debian packages the tests bootstrap an image from (tests/build), fetched once into
+# a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
+# the tests serve on loopback: tests never download.
+TEST_DEBIAN := --suite bookworm --include python3,python3-pytest
 
-.PHONY: all setup demo test bench clean lint
+.PHONY: all setup demo test bench clean lint debian-repo
 
 all: setup
 
@@ -39,7 +44,10 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/dsec demo
 
-test: setup
+debian-repo: setup
+	$(VENV)/bin/dsec image debian-repo $(TEST_DEBIAN)
+
+test: setup debian-repo
 	$(PY) -m pytest -q
 
 bench: setup

@@ -22,6 +22,8 @@ from dsec.errors import __all__ as _errors_all
 if TYPE_CHECKING:
     # Redundant aliases mark these as re-exports for type checkers; at runtime
     # they are loaded lazily by __getattr__ below.
+    from dsec.client.build import BuiltImage as BuiltImage
+    from dsec.client.build import Image as Image
     from dsec.client.core import AsyncClient as AsyncClient
     from dsec.client.core import AsyncSandbox as AsyncSandbox
     from dsec.client.core import Snapshot as Snapshot
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Image": "dsec.client.build",
+    "BuiltImage": "dsec.client.build",
     "Client": "dsec.client.sync",
     "Sandbox": "dsec.client.sync",
     "AsyncClient": "dsec.client.core",

@@ -67,6 +67,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendError",
+    "BuildStepFailed",
     "CannotRun",
     "CapacityExceeded",
     "Compacted",
@@ -358,6 +359,13 @@ class BackendError(SandboxError):
 class ImageError(DsecError):
     code = "image_error"
     http_status = 400
+
+
+class BuildStepFailed(ImageError):
+    """An image build step's command failed (``dsec.client.build``): the message names
+    the step, its exit code and the tail of its output; nothing was tagged."""
+
+    code = "build_step_failed"
 
 
 class CorruptLayer(ImageError):

@@ -268,3 +268,37 @@ def image_suite(ctx: BenchContext) -> None:
         ctx.note("packdiff: unchanged = lstat of every upperdir entry compared to the "
                  "previous snapshot's index (no reads); changed = copy + mkfs.erofs + sha256;"
                  " apply = resolve the chain + one overlay mount + unmount.")
+    _build_figures(ctx)
+
+
+def _build_figures(ctx: BenchContext) -> None:
+    """``image_build_cached_ms``: a rebuild of a recipe whose every step is in the step
+    cache (one snapshot listing + one image lookup, nothing runs); ``image_build_step``:
+    what a layer step costs above its command's own run time (build sandbox create, exec
+    round trip, pack_diff snapshot, destroy), on a one-edge container cluster."""
+    import statistics
+
+    from dsec.client.build import Image
+    from dsec.cluster.local import LocalCluster
+
+    n_steps = ctx.scale(8, 4)
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-build-") as tmp, \
+            LocalCluster(edges=1, backend="container") as cl, cl.client() as c:
+        with open(os.path.join(tmp, "data.txt"), "w") as f:
+            f.write("x" * 4096)
+        image = Image.from_image("base").copy(tmp, "/data")
+        for i in range(n_steps - 1):
+            image = image.run(f"echo {i} > /step{i}")
+        built = image.build(c)
+        over = [s - cmd for s, cmd in zip(built.step_seconds, built.command_seconds,
+                                           strict=True)]
+        ctx.record("image_build_step", statistics.mean(over) * 1e3, "ms/step",
+                   steps=n_steps, note="overhead above the command's own run time")
+        times = []
+        for _ in range(ctx.scale(20, 5)):
+            again = image.build(c)
+            assert again.ran == 0 and again.cached == n_steps
+            times.append(again.seconds * 1e3)
+        ctx.record("image_build_cached_ms", statistics.median(times), "ms",
+                   steps=n_steps, note="every step cached: nothing runs")
+

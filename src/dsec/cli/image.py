@@ -113,18 +113,41 @@ def image(ctx: click.Context, root: str | None) -> None:
 @image.command()
 @click.argument("path")
 @click.option("--kind", type=click.Choice([k for k in LAYER_KINDS if k != "snapshot"]),
-              required=True, help="Role of the layer in a sandbox root.")
-@click.option("--name", required=True,
-              help="[project/]name: 'python' is cluster-wide, 'teama/repo' project teama's.")
+              default=None, help="Role of the layer in a sandbox root (required without -f).")
+@click.option("--name", default=None,
+              help="[project/]name: 'python' is cluster-wide, 'teama/repo' project teama's "
+                   "(required without -f).")
 @click.option("--tag", default="latest", show_default=True)
 @click.option("--lz4", "compression", flag_value="lz4", default=None,
               help="Compress with lz4 (smaller file, a little CPU per read).")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("-f", "--file", "dockerfile", default=None, metavar="DOCKERFILE",
+              help="Build from a Dockerfile, PATH being its context: each RUN/COPY runs in "
+                   "a build sandbox of the running cluster (--url/--api-key) and becomes "
+                   "one layer; unchanged steps come from the step cache.")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE")
+@click.option("--network", default="none", show_default=True,
+              help="Network of the build sandboxes (none, or a mode the cluster allows).")
+@click.option("--project", default=None, help="Project the build sandboxes run in.")
+@click.option("--url", envvar="DSEC_URL", default=None, help="apiserver URL (with -f).")
+@click.option("--api-key", envvar="DSEC_API_KEY", default=None, help="API key (with -f).")
 @click.pass_obj
-def build(root: str | None, path: str, kind: str, name: str, tag: str,
-          compression: str | None, labels: tuple[str, ...], quiet: bool) -> None:
-    """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin)."""
+def build(root: str | None, path: str, kind: str | None, name: str | None, tag: str,
+          compression: str | None, labels: tuple[str, ...], quiet: bool,
+          dockerfile: str | None, build_args: tuple[str, ...], network: str,
+          project: str | None, url: str | None, api_key: str | None) -> None:
+    """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin);
+    with -f, build an image from a Dockerfile with PATH as its context."""
+    if dockerfile is not None:
+        if kind is not None or name is not None:
+            raise click.UsageError("-f builds from a Dockerfile: drop --kind/--name (the "
+                                   "result is started with `--snapshot <top>`)")
+        _build_dockerfile(dockerfile, path, build_args, network, project, url, api_key,
+                          quiet)
+        return
+    if kind is None or name is None:
+        raise click.UsageError("--kind and --name are required (or -f DOCKERFILE)")
     console = Console(stderr=True)
     lab = dict(item.split("=", 1) for item in labels if "=" in item)
     namespace, bare, tag = _split_name(name, tag)
@@ -242,3 +265,113 @@ def rm(root: str | None, refs: tuple[str, ...]) -> None:
         except DsecError as exc:
             _fail(exc)
         click.echo(f"removed {m.digest}")
+
+
+@image.group("bootstrap")
+def bootstrap() -> None:
+    """Build a real Linux base layer from a distribution's packages."""
+
+
+@bootstrap.command("debian")
+@click.option("--suite", default="bookworm", show_default=True)
+@click.option("--include", default="", metavar="PKG,PKG",
+              help="Extra packages, comma-separated (e.g. python3,python3-pip,git).")
+@click.option("--variant", default="apt", show_default=True,
+              help="mmdebstrap variant: essential, apt, minbase, required, standard, ...")
+@click.option("--mirror", default=None,
+              help="Debian mirror URL (default http://deb.debian.org/debian).")
+@click.option("--trusted", is_flag=True,
+              help="The mirror is unsigned (a local repo made by `dsec image debian-repo`).")
+@click.option("--name", default=None,
+              help="[project/]name (default debian-<suite>-<variant>-<key of the package "
+                   "set>: the name dsec.Image.debian(...) looks for).")
+@click.option("--tag", default="latest", show_default=True)
+@click.option("--lz4", "compression", flag_value="lz4", default=None)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.pass_obj
+def bootstrap_debian_(root: str | None, suite: str, include: str, variant: str,
+                      mirror: str | None, trusted: bool, name: str | None, tag: str,
+                      compression: str | None, quiet: bool) -> None:
+    """Bootstrap Debian SUITE with mmdebstrap into one base layer."""
+    from dsec.image.bootstrap import DEFAULT_MIRROR, BootstrapPlan, bootstrap_debian
+
+    console = Console(stderr=True)
+    try:
+        plan = BootstrapPlan.parse(suite=suite, include=include, variant=variant,
+                                   mirror=mirror or DEFAULT_MIRROR, trusted=trusted)
+    except DsecError as exc:
+        _fail(exc)
+    namespace, bare, tag = _split_name(name or plan.image_name(), tag)
+    try:
+        with _progress(console, quiet) as progress:
+            if not quiet:
+                console.print(f"mmdebstrap {suite} ({variant}"
+                              + (f" + {', '.join(plan.include)}" if plan.include else "")
+                              + f") from {plan.mirror} ...")
+            res = bootstrap_debian(_store(root), plan, name=bare, tag=tag,
+                                   namespace=namespace, owner=_host_owner(),
+                                   compression=compression, progress=progress)
+    except DsecError as exc:
+        _fail(exc)
+    m = res.layer
+    if not quiet:
+        console.print(f"bootstrap {res.seconds_bootstrap:.1f} s, layer "
+                      f"{res.seconds_layer:.1f} s; {len(res.special_files_dropped)} device "
+                      "nodes under /dev left out (each sandbox gets its own /dev)")
+    click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
+
+
+@image.command("debian-repo")
+@click.option("--suite", default="bookworm", show_default=True)
+@click.option("--include", default="", metavar="PKG,PKG")
+@click.option("--variant", default="apt", show_default=True)
+@click.option("--mirror", default=None, help="Where to download from (default Debian's).")
+@click.option("--cache", "cache_root", default=None,
+              help="Cache directory (default /var/cache/dsec/debian).")
+def debian_repo(suite: str, include: str, variant: str, mirror: str | None,
+                cache_root: str | None) -> None:
+    """Download (once) every package a bootstrap of SUITE + --include needs into a local,
+    unsigned apt repository and print its directory (serve it and pass its URL to
+    `dsec image bootstrap debian --mirror URL --trusted`: how the tests stay offline)."""
+    from dsec.image.bootstrap import DEFAULT_MIRROR, DEFAULT_REPO_CACHE, BootstrapPlan, fetch_repo
+
+    try:
+        plan = BootstrapPlan.parse(suite=suite, include=include, variant=variant,
+                                   mirror=mirror or DEFAULT_MIRROR)
+        click.echo(fetch_repo(plan, cache_root or DEFAULT_REPO_CACHE))
+    except DsecError as exc:
+        _fail(exc)
+
+
+def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...],
+                      network: str, project: str | None, url: str | None,
+                      api_key: str | None, quiet: bool) -> None:
+    """`dsec image build -f`: compile the Dockerfile into builder steps (the SDK's
+    :class:`dsec.Image`, one implementation) and build through the API."""
+    import json
+
+    import msgspec
+
+    from dsec.cli.sandbox import client
+    from dsec.client.build import Image
+
+    args: dict[str, str] = {}
+    for item in build_args:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--build-arg")
+        args[k] = v
+    if not os.path.isdir(context):
+        raise click.BadParameter(f"{context!r} is not a directory", param_hint="PATH")
+    try:
+        img = Image.from_dockerfile(dockerfile, context=context, build_args=args)
+    except (DsecError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    with client(url, api_key) as c:
+        built = img.build(c, network=network, project=project)  # type: ignore[arg-type]
+    if not quiet:
+        Console(stderr=True).print(
+            f"{len(img.steps)} steps: {built.ran} ran, {built.cached} cached, "
+            f"{built.seconds:.2f} s")
+    click.echo(json.dumps({"snapshot": built.top, "image": built.base,
+                           "config": msgspec.to_builtins(built.config)}))

@@ -286,6 +286,8 @@ class SnapshotView(msgspec.Struct, kw_only=True, omit_defaults=True):
     size_bytes: int = 0
     created_at: float = 0.0
     unchanged: bool = False
+    # the image build step this layer records (dsec.image.build's cache key), if any
+    build_step: str = ""
 
 
 class SnapshotList(msgspec.Struct, kw_only=True):

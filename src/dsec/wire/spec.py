@@ -781,6 +781,7 @@ class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created: float = 0.0                    # unix seconds
     size_bytes: int = 0
     unchanged: bool = False
+    build_step: str = ""                    # an image build's step cache key, if any
 
 
 async def read_in_chunks(read: Callable[[int, int], Awaitable[bytes]], offset: int,

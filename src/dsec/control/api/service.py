@@ -1798,4 +1798,4 @@ def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
                         image=info.image, workspace=info.workspace,
                         toolkits=list(info.toolkits), backend=info.backend,
                         size_bytes=info.size_bytes, created_at=info.created,
-                        unchanged=info.unchanged)
+                        unchanged=info.unchanged, build_step=info.build_step)

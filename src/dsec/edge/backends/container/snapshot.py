@@ -71,6 +71,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.image.build import BUILD_STEP_LABEL
 from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace
@@ -112,7 +113,7 @@ def snapshot_info(m: LayerManifest, index_bytes: int = 0) -> SnapshotInfo:
         workspace=lab.get(_L + "workspace") or None,
         toolkits=tuple(t for t in lab.get(_L + "toolkits", "").split(",") if t),
         backend=lab.get(_L + "backend", ""), created=m.created,
-        size_bytes=m.size_bytes + index_bytes)
+        size_bytes=m.size_bytes + index_bytes, build_step=lab.get(BUILD_STEP_LABEL, ""))
 
 
 class SnapshotHost(Protocol):
@@ -376,6 +377,10 @@ class ContainerSnapshots:
         assert isinstance(spec, SandboxSpec)
         lab = {_L + "sandbox": sid, _L + "project": project_of(spec),
                _L + "backend": self.backend.name}
+        # An image build's step cache key (dsec.image.build): kept in the layer's
+        # manifest, so the store is the build cache's index.
+        if BUILD_STEP_LABEL in spec.labels:
+            lab[BUILD_STEP_LABEL] = spec.labels[BUILD_STEP_LABEL]
         if origin is not None:  # the image refs come down the chain
             src = origin.labels
             for k in ("image", "workspace", "toolkits"):

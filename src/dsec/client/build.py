@@ -1,0 +1,496 @@
+"""``dsec.Image``: build images declaratively, in the shape Modal users know.
+
+```python
+from dsec import Client, Image
+
+image = (Image.from_image("debian-bookworm")          # or Image.debian("bookworm")
+         .apt_install("git")                          # apt-get update && apt-get install -y
+         .pip_install("requests==2.32.3")
+         .copy("./myproject", "/src")
+         .env({"PYTHONUNBUFFERED": "1"})
+         .workdir("/src")
+         .run("python3 -m compileall -q ."))
+with Client(url, key) as c:
+    built = image.build(c, network="none")            # or await image.build_async(ac)
+    with c.sandboxes.create(**built.create_args()) as sb:
+        sb.exec("python3 -m pytest -q", **built.exec_args())
+```
+
+**Where the build runs: in the SDK, through the catalogue.** Each ``run``-like step is a
+real build sandbox created from the stack so far (``create(image=...)`` for the first
+layer step, ``create(snapshot=<previous step's layer>)`` after), the command ``exec``'d
+in it, its upper dir captured with ``snapshot`` (pack_diff: one new layer on top) and the
+sandbox destroyed (always: also when the step fails or the build is interrupted). A
+``copy`` step writes the local files into a build sandbox the same way. So a build is
+ordinary operations, each checked by the control plane as any other (quotas, the
+snapshot storage quota, network policy and ceilings, placement on the node holding the
+parent layer), through whichever door the client uses (REST or the Aether gateway), and
+needed no new edge logic. A server-side build operation would save a round trip per
+step (~ms) but duplicate create/exec/snapshot's checks on the server and stream local
+files to it anyway.
+
+**Step cache** (:func:`dsec.image.build.step_key`): the key of a layer step goes into
+its build sandbox's labels; the edge records it in the snapshot layer's manifest, and
+``snapshots.list()`` shows it (``build_step``). A rebuild lists the project's snapshots
+once and skips every step whose key is there: nothing runs. The cache is the layer
+store: durable once the snapshot answers, shared by every client of the project, and a
+pruned layer is simply a miss. A step that changed nothing (``true``) makes no layer,
+so it is not cached and runs again next time (cheap by definition).
+
+A built image is the top layer of its chain (a snapshot id) plus its config (env,
+workdir, user, labels, cmd): ``create(**built.create_args())`` starts sandboxes from it
+with its env, and ``exec(..., **built.exec_args())`` runs as its user in its workdir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import os
+import secrets
+import stat
+import tarfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from dsec.errors import BuildStepFailed, DsecError, InvalidArgument
+from dsec.image.bootstrap import DEFAULT_MIRROR, BootstrapPlan
+from dsec.image.build import (
+    BUILD_STEP_LABEL,
+    BuildConfig,
+    Cmd,
+    Copy,
+    Entrypoint,
+    Env,
+    Label,
+    Run,
+    Step,
+    User,
+    Workdir,
+    apply_config,
+    compile_dockerfile,
+    step_key,
+)
+from dsec.wire.netpolicy import NetMode
+from dsec.wire.spec import ExecResult, NetworkPolicy
+
+if TYPE_CHECKING:
+    from dsec.client.core import AsyncClient, AsyncSandbox
+    from dsec.client.sync import Client
+
+__all__ = ["BuildStepFailed", "BuiltImage", "Image", "tree_digest"]
+
+_TAIL = 2000
+COPY_TAR = "/.dsec-copy.tar"
+BUILD_RUN_LABEL = "build.dsec.io/run"
+
+
+@dataclass(frozen=True, slots=True)
+class _Base:
+    image: str | None = None
+    workspace: str | None = None
+    toolkits: tuple[str, ...] = ()
+    debian: BootstrapPlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltImage:
+    """The result of a build: the stack (``base`` digest + ``workspace``/``toolkits`` as
+    resolved, and ``top``: the snapshot holding the steps' layers, None without layer
+    steps) and the config. ``ran``/``cached``: how many layer steps ran / were reused."""
+
+    base: str
+    workspace: str | None
+    toolkits: tuple[str, ...]
+    top: str | None
+    config: BuildConfig
+    ran: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    step_seconds: tuple[float, ...] = field(default=())     # wall time of each step run
+    command_seconds: tuple[float, ...] = field(default=())  # its command's own run time
+
+    def create_args(self) -> dict[str, Any]:
+        """Keywords for ``sandboxes.create``: where to start from, and the image's env."""
+        where: dict[str, Any] = ({"snapshot": self.top} if self.top is not None else
+                                 {"image": self.base, "workspace": self.workspace,
+                                  "toolkits": list(self.toolkits)})
+        return {**where, "env": self.config.env_dict}
+
+    def exec_args(self) -> dict[str, Any]:
+        """Keywords for ``exec``: the image's workdir and user."""
+        return {"cwd": self.config.workdir, "user": self.config.user}
+
+
+class Image:
+    """An image recipe: a base and steps. Immutable: every method returns a new Image,
+    so recipes can share a prefix (and its cached layers)."""
+
+    def __init__(self, base: _Base, steps: tuple[Step, ...] = ()) -> None:
+        self._base = base
+        self.steps = steps
+
+    # ------------------------------------------------------------------ bases
+    @classmethod
+    def from_image(cls, ref: str) -> Image:
+        """Start from a base layer in the cluster's store (``[project/]name[:tag]`` or a
+        digest): e.g. one made by ``dsec image bootstrap debian`` or imported."""
+        return cls(_Base(image=ref))
+
+    @classmethod
+    def from_layers(cls, image: str, *, workspace: str | None = None,
+                    toolkits: Sequence[str] = ()) -> Image:
+        """Start from a composed stack (a base, a workspace and toolkits)."""
+        return cls(_Base(image=image, workspace=workspace, toolkits=tuple(toolkits)))
+
+    @classmethod
+    def debian(cls, suite: str = "bookworm", *, include: Sequence[str] = (),
+               mirror: str = DEFAULT_MIRROR, variant: str = "apt") -> Image:
+        """A Debian base bootstrapped with mmdebstrap (``dsec image bootstrap debian``).
+        The build uses the store's image :meth:`debian_name` names (make it once with
+        ``dsec image bootstrap debian --suite S --include ... --name <that>``); if there
+        is none, the build bootstraps it here (needs mmdebstrap and root on this
+        machine) and uploads it under that name."""
+        plan = BootstrapPlan.parse(suite=suite, include=include, mirror=mirror,
+                                   variant=variant)
+        return cls(_Base(debian=plan))
+
+    @staticmethod
+    def debian_name(suite: str = "bookworm", *, include: Sequence[str] = (),
+                    variant: str = "apt") -> str:
+        """The store name :meth:`debian` looks for: ``debian-<suite>-<variant>-<key>``,
+        keyed by the package set."""
+        return BootstrapPlan.parse(suite=suite, include=include, variant=variant).image_name()
+
+    @classmethod
+    def from_dockerfile(cls, path: str | os.PathLike[str], *, context: str | None = None,
+                        build_args: Mapping[str, str] | None = None) -> Image:
+        """Compile a Dockerfile into builder steps (``dsec.image.build.compile_dockerfile``);
+        COPY sources are resolved against ``context`` (default: the Dockerfile's dir)."""
+        p = os.fspath(path)
+        with open(p) as f:
+            df = compile_dockerfile(f.read(), build_args)
+        ctx = os.path.abspath(context if context is not None else os.path.dirname(p) or ".")
+        steps: list[Step] = []
+        for s, line in zip(df.steps, df.lines, strict=True):
+            if isinstance(s, Copy):
+                src = _in_context(ctx, s.src, line)
+                s = Copy(src, s.dest)
+            steps.append(s)
+        return cls(_Base(image=df.base), tuple(steps))
+
+    # ------------------------------------------------------------------ steps
+    def _with(self, *steps: Step) -> Image:
+        return Image(self._base, self.steps + steps)
+
+    def run(self, *commands: str | Sequence[str]) -> Image:
+        """Each command (a shell string, or an argv list) is one step and one layer."""
+        return self._with(*(Run(c if isinstance(c, str) else tuple(c)) for c in commands))
+
+    def apt_install(self, *packages: str) -> Image:
+        """``apt-get update && apt-get install -y --no-install-recommends`` as one step
+        (needs a network policy that reaches the image's mirror)."""
+        pk = _names(packages, "apt_install")
+        return self.run("export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && "
+                        f"apt-get install -y -qq --no-install-recommends {' '.join(pk)} && "
+                        "rm -rf /var/lib/apt/lists/*")
+
+    def pip_install(self, *packages: str, index_url: str | None = None) -> Image:
+        """``python3 -m pip install`` as one step."""
+        pk = _names(packages, "pip_install")
+        idx = f" --index-url {index_url}" if index_url else ""
+        return self.run(f"python3 -m pip install -q --no-cache-dir --break-system-packages"
+                        f"{idx} {' '.join(_quote(p) for p in pk)}")
+
+    def copy(self, local_path: str | os.PathLike[str], dest: str) -> Image:
+        """Copy a local file or directory (its contents) to ``dest`` in the image."""
+        src = os.path.abspath(os.fspath(local_path))
+        if not os.path.lexists(src):
+            raise InvalidArgument(f"copy: {src!r} does not exist", field="local_path")
+        if not dest.startswith("/"):
+            raise InvalidArgument(f"copy: destination {dest!r} must be absolute",
+                                  field="dest")
+        return self._with(Copy(src, dest))
+
+    def env(self, values: Mapping[str, str]) -> Image:
+        return self._with(Env(tuple(sorted((str(k), str(v)) for k, v in values.items()))))
+
+    def workdir(self, path: str) -> Image:
+        return self._with(Workdir(path))
+
+    def user(self, name: str) -> Image:
+        return self._with(User(name))
+
+    def label(self, values: Mapping[str, str]) -> Image:
+        return self._with(Label(tuple(sorted(values.items()))))
+
+    def cmd(self, argv: Sequence[str]) -> Image:
+        return self._with(Cmd(tuple(argv)))
+
+    def entrypoint(self, argv: Sequence[str]) -> Image:
+        return self._with(Entrypoint(tuple(argv)))
+
+    def __repr__(self) -> str:
+        b = self._base
+        head = (f"Image.debian({b.debian.suite!r})" if b.debian is not None
+                else f"Image.from_image({b.image!r})")
+        return head + "".join(f"\n  {s.describe()}" for s in self.steps)
+
+    # ------------------------------------------------------------------ build
+    def build(self, client: Client, *, network: NetworkPolicy | NetMode = "none",
+              project: str | None = None, timeout: float = 600.0,
+              memory: int | str = "1GiB", cpu: float = 1) -> BuiltImage:
+        """Build (sync client); see :meth:`build_async`."""
+        return client._run(self.build_async(client._a, network=network, project=project,
+                                            timeout=timeout, memory=memory, cpu=cpu))
+
+    async def build_async(self, client: AsyncClient, *,
+                          network: NetworkPolicy | NetMode = "none",
+                          project: str | None = None, timeout: float = 600.0,
+                          memory: int | str = "1GiB", cpu: float = 1) -> BuiltImage:
+        """Run the steps not in the cache, each in a build sandbox with ``network``
+        (default none: no egress; e.g. a policy allowing only a package mirror for
+        ``apt_install``), ``timeout`` seconds per command. A failing step raises
+        :class:`BuildStepFailed` naming it; its build sandbox is destroyed whatever
+        happens."""
+        t0 = time.monotonic()
+        base = await self._resolve_base(client, project)
+        net = _net_key(network)
+        # The project's own layers only when it is named (a key holding roles on several
+        # projects sees theirs too); None: every snapshot this key may see.
+        cache = {s.view.build_step: s.id
+                 for s in await client.snapshots.list(project=project)
+                 if s.view.build_step and (project is None or s.project == project)}
+        cfg = BuildConfig()
+        top: str | None = None
+        parent: tuple[str, ...] = base.digests
+        ran = cached = 0
+        step_seconds: list[float] = []
+        command_seconds: list[float] = []
+        for i, step in enumerate(self.steps, 1):
+            if not isinstance(step, Run | Copy):
+                cfg = apply_config(cfg, step)
+                continue
+            digest = (await asyncio.to_thread(tree_digest, step.src)
+                      if isinstance(step, Copy) else None)
+            key = step_key(parent, step, cfg, network=net, content_digest=digest)
+            hit = cache.get(key)
+            if hit is not None:
+                top, parent, cached = hit, (hit,), cached + 1
+                continue
+            ts = time.monotonic()
+            snap, cmd_s = await self._run_step(client, base, top, step, i, cfg, key,
+                                               network, project, timeout, memory, cpu)
+            step_seconds.append(time.monotonic() - ts)
+            command_seconds.append(cmd_s)
+            ran += 1
+            if snap != top:
+                cache[key] = snap
+            top, parent = snap, (snap,)
+        return BuiltImage(base=base.image, workspace=base.workspace, toolkits=base.toolkits,
+                          top=top, config=cfg, ran=ran, cached=cached,
+                          seconds=time.monotonic() - t0, step_seconds=tuple(step_seconds),
+                          command_seconds=tuple(command_seconds))
+
+    async def _run_step(self, client: AsyncClient, base: _Resolved, top: str | None,
+                        step: Run | Copy, index: int, cfg: BuildConfig, key: str,
+                        network: NetworkPolicy | NetMode, project: str | None,
+                        timeout: float, memory: int | str, cpu: float
+                        ) -> tuple[str, float]:
+        """Run one layer step; its layer's id and its command's own run time."""
+        where: dict[str, Any] = ({"snapshot": top} if top is not None else
+                                 {"image": base.image, "workspace": base.workspace,
+                                  "toolkits": list(base.toolkits)})
+        # A label unique to this step run: if the create is interrupted after the server
+        # made the sandbox but before we learn its id, we find it by this label and
+        # destroy it (else it would live until its TTL).
+        run_id = secrets.token_hex(8)
+        labels = {BUILD_STEP_LABEL: key, "dsec.io/build": "step", BUILD_RUN_LABEL: run_id}
+        try:
+            sb = await client.sandboxes.create(
+                **where, labels=labels, network=network, project=project, memory=memory,
+                cpu=cpu, ttl=timeout + 300)
+        except BaseException:
+            await asyncio.shield(_kill_labelled(client, project, run_id))
+            raise
+        try:
+            what = f"step {index}/{len(self.steps)} ({step.describe()[:200]})"
+            if cfg.workdir != "/":
+                await _check(sb.exec(["mkdir", "-p", cfg.workdir], timeout=60),
+                             what + ": mkdir -p " + cfg.workdir)
+            if isinstance(step, Run):
+                res = await sb.exec(list(step.command) if isinstance(step.command, tuple)
+                                    else step.command, timeout=timeout, env=cfg.env_dict,
+                                    cwd=cfg.workdir, user=cfg.user)
+                await _check(res, what)
+            else:
+                res = await self._copy_into(sb, step, cfg, what)
+            snap = await sb.snapshot()
+            return snap.id, res.duration_s
+        finally:
+            await asyncio.shield(sb.kill())
+
+    async def _copy_into(self, sb: AsyncSandbox, step: Copy, cfg: BuildConfig,
+                         what: str) -> ExecResult:
+        dest = step.dest if step.dest.startswith("/") else \
+            cfg.workdir.rstrip("/") + "/" + step.dest
+        data = await asyncio.to_thread(_pack_for_copy, step.src, dest)
+        await sb.files.write(COPY_TAR, data, mode=0o600)
+        parent = dest if os.path.isdir(step.src) or dest.endswith("/") else \
+            os.path.dirname(dest.rstrip("/")) or "/"
+        res = await sb.exec(["sh", "-c", 'mkdir -p "$1" && tar -xf "$2" -C / && rm -f "$2"',
+                             "copy", parent, COPY_TAR], timeout=600)
+        await _check(res, what)
+        return res
+
+    async def _resolve_base(self, client: AsyncClient, project: str | None) -> _Resolved:
+        b = self._base
+        image = b.image
+        if b.debian is not None:
+            image = await _ensure_debian(client, b.debian, project)
+        assert image is not None
+        main = await client.images.get(image)
+        ws = (await client.images.get(b.workspace)).digest if b.workspace else None
+        tks = tuple([(await client.images.get(t)).digest for t in b.toolkits])
+        digests = (*reversed(tks), *([ws] if ws else []), main.digest)
+        return _Resolved(image=main.digest, workspace=ws, toolkits=tks, digests=digests)
+
+
+@dataclass(frozen=True, slots=True)
+class _Resolved:
+    image: str
+    workspace: str | None
+    toolkits: tuple[str, ...]
+    digests: tuple[str, ...]
+
+
+async def _kill_labelled(client: AsyncClient, project: str | None, run_id: str) -> None:
+    with contextlib.suppress(DsecError):
+        for sb in await client.sandboxes.list(project=project,
+                                              labels={BUILD_RUN_LABEL: run_id}):
+            await sb.kill()
+
+
+async def _check(res_or_coro: Any, what: str) -> None:
+    res = await res_or_coro if asyncio.iscoroutine(res_or_coro) else res_or_coro
+    if res.exit_code != 0 or res.timed_out:
+        out = (res.stdout + res.stderr)[-_TAIL:].decode(errors="replace")
+        why = "timed out" if res.timed_out else f"exited with code {res.exit_code}"
+        raise BuildStepFailed(f"image build {what} {why}; output tail:\n{out}")
+
+
+async def _ensure_debian(client: AsyncClient, plan: BootstrapPlan,
+                         project: str | None) -> str:
+    from dsec.errors import ImageNotFound
+
+    name = Image.debian_name(plan.suite, include=plan.include, variant=plan.variant)
+    refs = [f"{project}/{name}", name] if project else [name]
+    for ref in refs:
+        try:
+            await client.images.get(ref)
+            return ref
+        except ImageNotFound:
+            continue
+    # Not there: bootstrap here and upload (the one special-files rule: bootstrap_tree
+    # leaves /dev's device nodes out, so the upload is accepted).
+    import tempfile
+
+    from dsec.image.bootstrap import bootstrap_tree
+
+    with tempfile.TemporaryDirectory(prefix="dsec-debian-") as tmp:
+        root = os.path.join(tmp, "root")
+        await asyncio.to_thread(bootstrap_tree, plan, root)
+        view = await client.images.build(root, name=refs[0], kind="base")
+    return view.refs[0] if view.refs else view.digest
+
+
+def _names(packages: Sequence[str], what: str) -> list[str]:
+    out = []
+    for p in packages:
+        if not p or p.startswith("-") or any(c.isspace() or c in "'\";&|`$<>" for c in p):
+            raise InvalidArgument(f"{what}: {p!r} is not a package spec", field="packages")
+        out.append(p)
+    if not out:
+        raise InvalidArgument(f"{what} needs at least one package", field="packages")
+    return out
+
+
+def _quote(s: str) -> str:
+    import shlex
+    return shlex.quote(s)
+
+
+def _net_key(network: NetworkPolicy | NetMode) -> str:
+    if isinstance(network, str):
+        return network
+    return msgspec.json.encode(network).decode()
+
+
+def _in_context(ctx: str, src: str, line: int) -> str:
+    p = os.path.realpath(os.path.join(ctx, src))
+    if p != ctx and not p.startswith(ctx.rstrip("/") + "/"):
+        raise InvalidArgument(f"Dockerfile line {line}: COPY {src!r} is outside the build "
+                              f"context {ctx}")
+    if not os.path.lexists(p):
+        raise InvalidArgument(f"Dockerfile line {line}: COPY {src!r}: no such file in the "
+                              f"build context {ctx}")
+    return p
+
+
+def tree_digest(path: str) -> str:
+    """sha256 over a local file or tree's content: relative paths (sorted), types, modes,
+    file bytes and symlink targets; not mtimes or owners (a COPY makes root-owned files,
+    and a fresh checkout must hit the cache)."""
+    h = hashlib.sha256()
+
+    def one(p: str, rel: str) -> None:
+        st = os.lstat(p)
+        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
+        if stat.S_ISLNK(st.st_mode):
+            h.update(os.readlink(p).encode())
+        elif stat.S_ISREG(st.st_mode):
+            with open(p, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+        h.update(b"\0")
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        for dirpath, dirs, files in os.walk(path):
+            dirs.sort()
+            for n in sorted(dirs + files):
+                p = os.path.join(dirpath, n)
+                one(p, os.path.relpath(p, path))
+    else:
+        one(path, os.path.basename(path))
+    return h.hexdigest()
+
+
+def _pack_for_copy(src: str, dest: str) -> bytes:
+    """A tar of ``src`` placed at ``dest`` (a directory's contents into ``dest``; a file
+    to ``dest``, or into it when ``dest`` ends in '/'), every entry owned by root, device
+    nodes/fifos/sockets left out (they are not content)."""
+    buf = io.BytesIO()
+    d = dest.rstrip("/") or "/"
+
+    def owner(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if not (ti.isreg() or ti.isdir() or ti.issym() or ti.islnk()):
+            return None
+        ti.uid = ti.gid = 0
+        ti.uname = ti.gname = "root"
+        return ti
+
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        if os.path.isdir(src) and not os.path.islink(src):
+            for n in sorted(os.listdir(src)):
+                tar.add(os.path.join(src, n), arcname=(d + "/" + n).lstrip("/"),
+                        filter=owner)
+        else:
+            target = (d + "/" + os.path.basename(src)) if dest.endswith("/") else d
+            tar.add(src, arcname=target.lstrip("/"), filter=owner)
+    return buf.getvalue()
