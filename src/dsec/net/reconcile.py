@@ -71,8 +71,9 @@ __all__ = [
     "plan",
 ]
 
-#: A slot's nft objects: ``s17o`` (chain), ``s17a4`` (set)...
-_SLOT_OBJECT: Final = re.compile(r"^s(0|[1-9][0-9]*)(o|i|k|a4|d4|e4|f4|q4|r4|l|g|open|x|c)$")
+#: A slot's nft objects: ``s17o`` (chain), ``s17a4`` (set)... and, on a router with IPv6,
+#: the v6 twins ``a6 d6 q6 r6`` (their elements count, their pins are re-read)
+_SLOT_OBJECT: Final = re.compile(r"^s(0|[1-9][0-9]*)(o|i|k|a4|d4|e4|f4|q4|r4|a6|d6|q6|r6|l|g|open|x|c)$")
 
 
 def digest_of(obj: object) -> str:
@@ -100,10 +101,11 @@ class SlotSeen:
 
 @dataclass(frozen=True, slots=True)
 class PinSeen:
-    """A DNS pin found in a slot's ``q4`` (one port) or ``r4`` (all ports) set."""
+    """A DNS pin found in a slot's ``q4``/``q6`` (one port) or ``r4``/``r6`` (all ports)
+    set."""
 
     slot: int
-    address: ipaddress.IPv4Address
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address
     proto: str
     port: int | None
     expires_s: float
@@ -303,7 +305,7 @@ def parse_listing(text: str, links: Iterable[str], pool: Pool) -> Listing:
                 max_mark = max(max_mark, mark)
                 if mark >= gens.get(index, (0, None))[0]:
                     gens[index] = (mark, comment)
-        elif key in ("q4", "r4"):
+        elif key in ("q4", "r4", "q6", "r6"):
             pins += _pins(index, key, elems)
     slots: dict[int, SlotSeen] = {}
     for i in sorted(link_slots | objects):
@@ -342,10 +344,10 @@ def _pins(index: int, key: str, elems: Sequence[Any]) -> list[PinSeen]:
         if not isinstance(parts, list) or len(parts) < 2:
             continue
         try:
-            address = ipaddress.IPv4Address(parts[0])
+            address = ipaddress.ip_address(parts[0])
         except ValueError:
             continue
-        port = _int(parts[2]) if key == "q4" and len(parts) > 2 else None
+        port = _int(parts[2]) if key[0] == "q" and len(parts) > 2 else None
         expires = e["elem"].get("expires", e["elem"].get("timeout", 0))
         out.append(PinSeen(index, address, str(parts[1]), port,
                            float(expires) if isinstance(expires, int | float) else 0.0))
