@@ -43,6 +43,7 @@ from dsec.net.nftwire import (
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
+    "HWM_SET",
     "NEVER4",
     "NEVER6",
     "PRIVATE4",
@@ -101,6 +102,13 @@ ALL_SETS: Final = (*POLICY_SETS, *PIN_SETS, "x")
 # The base table's chains, and the set whose one element carries its digest.
 BASE_CHAINS: Final = ("forward", "input", "pre", "post")
 BASE_MARKER: Final = "basev"
+# The router-wide high-water mark of generations: the one element of set ``hwm`` is the
+# last generation handed out, replaced by every load in the same transaction as the
+# slot's ``l`` (all or nothing). A released slot's ``l`` is drained, but its flows may
+# live on in the pinned router's conntrack with that mark: a restarted edge starts above
+# ``hwm`` (not only above the live ``l`` sets), so no generation is ever handed out twice
+# by any process of the router (REDTEAM-14b #2).
+HWM_SET: Final = "hwm"
 # The v6 twins exist only on a router with IPv6: four more sets per slot cost its build
 # ~1.8x the CPU through libnftables (8.0-8.5 vs 4.2-4.9 ms/slot with ~400 slots built,
 # /tmp/nf-prof/build.py of the N-F session), for elements that would be inert where every
@@ -152,6 +160,7 @@ def _base_objects(*, pool: Pool, uplink: str, node_addresses: Iterable[str],
          f"elements = {{ {private6} }}; }}"),
         f"add map {t} out {{ type ifname : verdict; }}",
         f"add map {t} in {{ type ifname : verdict; }}",
+        f"add set {t} {HWM_SET} {{ type mark; }}",
         f"add chain {t} forward {{ type filter hook forward priority 0; policy drop; }}",
         f"add rule {t} forward iifname vmap @out",
         f"add rule {t} forward oifname vmap @in",
@@ -397,6 +406,8 @@ def load_batch(
         batch.flush(names[k])
     batch.add(names["g"], [elem(key_ifname(slot.ifname), data=key_mark(generation))])
     batch.add(names["l"], [elem(key_mark(generation), comment=digest)])
+    batch.flush(HWM_SET)
+    batch.add(HWM_SET, [elem(key_mark(generation))])
     for key, elems in policy_elements(policy):
         if key in names:
             batch.add(names[key], elems)

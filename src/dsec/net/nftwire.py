@@ -39,6 +39,7 @@ __all__ = [
     "SlotPolicy",
     "TooManyElements",
     "counter_dump_request",
+    "ct_flush_from",
     "disjoint",
     "elem",
     "interval4",
@@ -456,3 +457,36 @@ def parse_counters(data: bytes) -> tuple[dict[str, tuple[int, int]], bool]:
             out[name] = (packets, nbytes)
         off += (length + 3) & ~3
     return out, done
+
+
+# ---------------------------------------------------------------------------------------
+# ctnetlink: forget a slot's flows
+
+NFNL_SUBSYS_CTNETLINK: Final = 1
+IPCTNL_MSG_CT_DELETE: Final = 2
+CTA_TUPLE_ORIG: Final = 1
+CTA_TUPLE_IP: Final = 1
+CTA_IP_V4_SRC: Final = 1
+CTA_IP_V6_SRC: Final = 3
+CTA_FILTER: Final = 25
+CTA_FILTER_ORIG_FLAGS: Final = 1
+CTA_FILTER_REPLY_FLAGS: Final = 2
+#: CTA_FILTER_FLAG(CTA_IP_SRC): the filter compares the original source address only
+CTA_FILTER_F_IP_SRC: Final = 1 << 0
+
+
+def ct_flush_from(seq: int, source: Addr) -> bytes:
+    """A ctnetlink request deleting every conntrack entry whose original source is
+    ``source`` (one slot's sandbox address: all of its flows, open or closing, NATed or
+    not). A flush with ``CTA_FILTER`` (Linux >= 6.3) walks the netns's table once in the
+    kernel; an older kernel takes the tuple as an exact one and answers ENOENT/EINVAL."""
+    v6 = isinstance(source, ipaddress.IPv6Address)
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    body = (struct.pack("=BBH", family, 0, 0)
+            + _nest(CTA_TUPLE_ORIG, _nest(CTA_TUPLE_IP, _attr(
+                CTA_IP_V6_SRC if v6 else CTA_IP_V4_SRC, source.packed)))
+            + _nest(CTA_FILTER,
+                    _attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", CTA_FILTER_F_IP_SRC)),
+                    _attr(CTA_FILTER_REPLY_FLAGS, struct.pack("=I", 0))))
+    return _HDR.pack(_HDR.size + len(body), (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE,
+                     NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body

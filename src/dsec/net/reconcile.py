@@ -13,9 +13,11 @@ no table ``inet dsec`` in the router     BuildBase (a fresh router: nothing to k
 base table's digest differs from this    ReplaceBase (one transaction; slot objects and
 code's (older dsec, other pool/uplink)   the ``out``/``in`` dispatch entries kept)
 no uplink link ``dsu0``                  AttachUplink
-the largest ``ct mark`` in any ``sN_l``  StartGenerations (a generation is never reused
-                                         on a slot: a stale conntrack mark of a dead
-                                         flow can never become live again)
+the largest ``ct mark`` in any ``sN_l``  StartGenerations (above it and above ``hwm``, the
+                                         last generation any load handed out: a
+                                         generation is never reused on the router, so
+                                         a stale conntrack mark of a dead flow can never
+                                         become live again)
 slot of an adopted sandbox, kernel's     Keep (generation kept: live flows survive the
 policy digest == journal policy's        restart untouched)
 slot of an adopted sandbox, otherwise    LoadPolicy (the journal's policy, new
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dsec.net.addressing import Pool
-from dsec.net.nftrules import BASE_MARKER
+from dsec.net.nftrules import BASE_MARKER, HWM_SET
 
 __all__ = [
     "Adopted",
@@ -117,7 +119,8 @@ class KernelView:
     base_digest: str | None          # its digest (None: an older dsec's, or no table)
     uplink: bool                     # dsu0 is in the router netns
     slots: Mapping[int, SlotSeen] = field(default_factory=dict)
-    #: the largest mark in any slot's ``l`` set (the next generation starts above it)
+    #: the largest mark in any slot's ``l`` set or the router's ``hwm`` (the last
+    #: generation any load handed out): the next generation starts above it
     max_mark: int = 0
     #: True: the router netns was found pinned (a previous edge's); False: made now
     reopened: bool = True
@@ -282,6 +285,10 @@ def parse_listing(text: str, links: Iterable[str], pool: Pool) -> Listing:
         obj = x[kind]
         name = str(obj.get("name", ""))
         elems = obj.get("elem", []) if kind != "chain" else []
+        if name == HWM_SET:  # the last generation any load handed out
+            for e in elems:
+                max_mark = max(max_mark, _mark(e)[0])
+            continue
         if name == BASE_MARKER:
             for e in elems:
                 if isinstance(e, dict) and "elem" in e:

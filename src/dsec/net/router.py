@@ -33,13 +33,13 @@ import subprocess
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Final, Self
 
 from dsec.errors import BackendError, Conflict, ResourceExhausted
 from dsec.net import netns, nftrules, rtwire
 from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
-from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy
+from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy, ct_flush_from
 from dsec.net.reconcile import (
     AttachUplink,
     BuildBase,
@@ -77,6 +77,10 @@ class RouterConfig:
     table: str = nftrules.TABLE
     #: concurrent flows of a sandbox whose policy names no max_connections
     max_connections: int = nftrules.DEFAULT_MAX_CONNECTIONS
+
+
+#: the router netns's conntrack timeouts (seconds) of states ``ct count`` does not count
+CONNTRACK_TIMEOUTS: Final = {"tcp_timeout_time_wait": "0", "tcp_timeout_close": "0"}
 
 
 @dataclass(slots=True)
@@ -203,6 +207,14 @@ class Router:
         # holding CAP_NET_RAW would spend that tenant's DNS budget and pins).
         for k in ("all", "default"):
             netns.write_sysctl(self.fd, f"net/ipv4/conf/{k}/rp_filter", "1")
+        # Closed flows leave the router's conntrack at once: ``ct count`` (the flow cap)
+        # forgets a TCP flow in TIME_WAIT or CLOSE, but conntrack would keep it 120 s /
+        # 10 s, so a sandbox looping connect-close held 120 s x its connection rate of
+        # the table every tenant of the router shares, uncapped (REDTEAM-14b #8). These
+        # timeouts are the router netns's own (per netns); the endpoints' TCP stacks keep
+        # their TIME_WAIT semantics. docs/networking.md: the node-wide nf_conntrack_max.
+        for key, value in CONNTRACK_TIMEOUTS.items():
+            netns.write_sysctl(self.fd, f"net/netfilter/nf_conntrack_{key}", value)
         v6 = self.config.ipv6
         for k in ("all", "default"):
             netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "0" if v6 else "1")
@@ -379,6 +391,9 @@ class Router:
                                               self.config.max_connections,
                                               table=self.config.table))
         self.netlink.commit(batch, "flush rebuilt slots")
+        for e in events:  # a previous router's tenant of the index left flows behind
+            if e.kind == "built" and e.slot not in ins.objects:
+                self._forget_flows(self.pool.slot(e.slot))
         if caps:
             self.nft("".join(caps))
         for e in events:  # fresh objects, or flushed just now
@@ -443,6 +458,21 @@ class Router:
             if exc.detail.get("errno") != 19:  # ENODEV: already gone with its netns
                 raise
 
+    def _forget_flows(self, a: SlotAddr) -> None:
+        """Delete every conntrack entry of the slot's addresses (ctnetlink, in the router
+        netns): its tenant's flows - open, closing (TIME_WAIT, 120 s) or DNAT'ed DNS -
+        never outlive it. The generations already keep such a flow from matching the
+        next tenant's ``l`` set (``hwm``); this also frees the table they would hold
+        (the flow cap counts only the live slot's entries). A failure is logged, never
+        fatal: the generation is the guarantee, this the hygiene."""
+        for ip in (a.sandbox_ip, *((a.sandbox_ip6,) if self.config.ipv6 else ())):
+            seq = self.netlink.next_seq()
+            try:
+                self.netlink.request(ct_flush_from(seq, ip), [seq],
+                                     f"forget the flows of {ip} (slot {a.index})")
+            except BackendError as exc:
+                log.warning("net: %s", exc.message)
+
     def _drain(self, index: int) -> SlotEvent:
         a = self.pool.slot(index)
         try:
@@ -452,6 +482,7 @@ class Router:
         except BackendError as exc:
             log.warning("net: draining slot %d failed: %s", index, exc.message)
             return SlotEvent("drain_failed", index)
+        self._forget_flows(a)
         self.stats.drained += 1
         slot = self.slots.get(index)
         if slot is not None:
@@ -469,6 +500,7 @@ class Router:
             self.netlink.commit(
                 nftrules.drain_batch(NftBatch(self.config.table), a, self.config.ipv6),
                 f"flush dropped slot {index}")
+            self._forget_flows(a)
         finally:
             if slot is not None:
                 _close(slot.fd)
@@ -522,11 +554,13 @@ class Router:
                     self.table.has_objects.update(ins.build)
             elif isinstance(ins, DeleteLink):
                 self._del_link(self.pool.slot(ins.slot))
+                self._forget_flows(self.pool.slot(ins.slot))
             elif isinstance(ins, FlushSlot):  # the v6 sets too, on a router with IPv6
                 self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table),
                                                          self.pool.slot(ins.slot),
                                                          self.config.ipv6),
                                     f"flush leftover slot {ins.slot}")
+                self._forget_flows(self.pool.slot(ins.slot))
             else:
                 raise TypeError(f"not a router-wide instruction: {ins!r}")
 
