@@ -340,3 +340,47 @@ def test_reopened_router_keeps_a_slots_v6_policy_and_pins(tmp_path: object,
         if slot_fd >= 0:
             os.close(slot_fd)
     assert not os.path.exists(pin)
+
+
+def test_slot_v6_sources_other_than_its_own_are_dropped_before_routing(
+        router6: Router) -> None:
+    """Link-local forged sources too (fe80::/64 is 2^64 neighbour entries): NS with them
+    make no neighbour entry on the slot's router device, and a slot's own NS flood is
+    rate-limited per slot (REDTEAM-14b #10; the 2001:db8 case is the red team's repro)."""
+    import ipaddress
+
+    from tests.security.redteam14b.test_v6_nd_neigh_flood import neigh_count, ns_frame
+
+    s = router6.take()
+    router6.load(s, SlotPolicy())
+    with netns.entered(s.fd):
+        p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        with open("/sys/class/net/eth0/address") as f:
+            mac = bytes.fromhex(f.read().strip().replace(":", ""))
+    with p:
+        p.bind(("eth0", 0))
+        for i in range(30):
+            p.send(ns_frame(mac, ipaddress.IPv6Address(f"fe80::dead:{i + 1:x}"),
+                            s.addr.router_ip6))
+    time.sleep(0.3)
+    entries = neigh_count(router6.fd, s.addr.ifname)
+    assert [e for e in entries if e.startswith("fe80::dead")] == [], entries
+    raw6 = router6.nft("list chain inet dsec raw6")
+    assert "packets 0 " not in raw6, raw6  # dropped by the anti-spoof, before routing
+    # its own source: answered, but at most ND_BURST + ND_RATE/s of them (the router
+    # joins the solicited-node group of a fresh slot's address a moment after the build:
+    # until then multicast NS are not for it; send until the meter has something to say)
+    nd: list[str] = []
+    with netns.entered(s.fd):
+        p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    with p:
+        p.bind(("eth0", 0))
+        for _ in range(40):
+            for _ in range(100):
+                p.send(ns_frame(mac, s.addr.sandbox_ip6, s.addr.router_ip6))
+            nd = [line for line in router6.nft("list chain inet dsec input").splitlines()
+                  if "ndrate" in line]
+            if nd and "packets 0 " not in nd[0]:
+                break
+            time.sleep(0.05)
+    assert nd and "packets 0 " not in nd[0], nd  # the per-slot ND meter dropped the rest

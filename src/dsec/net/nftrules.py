@@ -95,12 +95,15 @@ DEFAULT_MAX_CONNECTIONS: Final = 4096
 # own buckets (500 queries/s, 20 forwarded names/s) are finer and apply after.
 DNS_RATE: Final = 1000
 DNS_BURST: Final = 2000
+# Neighbour discovery a slot may send the router (per slot).
+ND_RATE: Final = 10
+ND_BURST: Final = 20
 # The sets a policy load replaces (flush + refill) and those a recycle flushes as well.
 POLICY_SETS: Final = ("a4", "d4", "e4", "f4", "l", "g", "open")
 PIN_SETS: Final = ("q4", "r4")
 ALL_SETS: Final = (*POLICY_SETS, *PIN_SETS, "x")
 # The base table's chains, and the set whose one element carries its digest.
-BASE_CHAINS: Final = ("forward", "input", "pre", "post")
+BASE_CHAINS: Final = ("forward", "input", "pre", "post", "raw6")
 BASE_MARKER: Final = "basev"
 # The router-wide high-water mark of generations: the one element of set ``hwm`` is the
 # last generation handed out, replaced by every load in the same transaction as the
@@ -158,6 +161,10 @@ def _base_objects(*, pool: Pool, uplink: str, node_addresses: Iterable[str],
         f"add set {t} never6 {{ type ipv6_addr; flags interval; elements = {{ {never6} }}; }}",
         (f"add set {t} private6 {{ type ipv6_addr; flags interval; "
          f"elements = {{ {private6} }}; }}"),
+        # ``me6``, ``ndrate``: IPv6 anti-spoof and the ND rate per slot (raw6, input)
+        *([f"add set {t} me6 {{ type ifname . ipv6_addr; }}",
+           (f"add set {t} ndrate {{ type ifname; flags dynamic,timeout; timeout 10s; "
+            "size 65535; }")] if ipv6 else []),
         f"add map {t} out {{ type ifname : verdict; }}",
         f"add map {t} in {{ type ifname : verdict; }}",
         f"add set {t} {HWM_SET} {{ type mark; }}",
@@ -170,7 +177,14 @@ def _base_objects(*, pool: Pool, uplink: str, node_addresses: Iterable[str],
         # IPv6 neighbour discovery, on the link only (hop limit 255: no router forwarded
         # it): a slot and the uplink resolve the router's end and back. Nothing else of
         # a slot's IPv6 reaches the router (DNS goes to the resolver's IPv4 address).
-        *([(f"add rule {t} input icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} "
+        # ND from a slot is rate-limited per slot (ND_RATE/s, bursts of ND_BURST: a
+        # slot's neighbour cache needs a few per minute); its source is the slot's own
+        # address already (raw6 below). REDTEAM-14b #10.
+        *([(f'add rule {t} input iifname "{SLOT_PREFIX}*" icmpv6 type '
+            "{ nd-neighbor-solicit, nd-neighbor-advert } "
+            f"update @ndrate {{ iifname limit rate over {ND_RATE}/second "
+            f"burst {ND_BURST} packets }} counter drop"),
+           (f"add rule {t} input icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} "
             "ip6 hoplimit 255 accept")] if ipv6 else []),
         # A flood at the resolver is dropped here, per source, before it costs the edge's
         # loop a parse (~45 us each): DNS_RATE packets/s, bursts of DNS_BURST. A full
@@ -194,6 +208,19 @@ def _base_objects(*, pool: Pool, uplink: str, node_addresses: Iterable[str],
         f"dnat ip to {r}"),
         f"add chain {t} post {{ type nat hook postrouting priority srcnat; }}",
         f'add rule {t} post oifname "{uplink}" masquerade',
+        # IPv6 anti-spoof before anything else sees the packet (IPv4 has the router's
+        # strict rp_filter): a slot's IPv6 source is its own address, or the packet goes
+        # here - before routing (whose ICMP errors, "time exceeded" for hop limit 1,
+        # would resolve the forged source as a neighbour), before conntrack, before ND
+        # processing. The neighbour table is one for every netns of the host (gc_thresh3
+        # 1,024 in the init netns only): one neighbour entry per forged source of a
+        # solicitation would fill it host-wide (REDTEAM-14b #10). ``me6`` holds
+        # "dsvN" . <slot N's v6 address>, added with the slot's objects; link-local
+        # sources are dropped too (the slot's ND with the router uses its global /127:
+        # the router is its next hop by that address).
+        *([f"add chain {t} raw6 {{ type filter hook prerouting priority raw; }}",
+           (f'add rule {t} raw6 iifname "{SLOT_PREFIX}*" iifname . ip6 saddr != @me6 '
+            "counter drop")] if ipv6 else []),
     ]
 
 
@@ -244,7 +271,8 @@ def replace_base(
     # declarations first (no-ops for objects that exist), so the flushes find them
     decl = [x.split(" elements =")[0].rstrip("; ") + ("; }" if " elements =" in x else "")
             for x in objs if x.startswith(("add chain", "add set", "add map"))]
-    flush = [f"flush chain {t} {c}" for c in BASE_CHAINS]
+    flush = [f"flush chain {t} {c}" for c in BASE_CHAINS
+             if f"add chain {t} {c} " in "\n".join(decl)]
     flush += [f"flush set {t} {x}" for x in ("never4", "private4", "never6", "private6")]
     return "\n".join([f"add table {t}", *decl, *_marker(t, digest)[:1], *flush,
                       f"flush set {t} {BASE_MARKER}", *objs, *_marker(t, digest)]) + "\n"
@@ -354,6 +382,7 @@ def slot_objects(slots: Iterable[SlotAddr], *, table: str = TABLE,
             (f"add rule {t} {c}i ip saddr @{c}f4 ct state new "
             f"ct mark set oifname map @{c}g accept"),
             f"add rule {t} {c}i drop",
+            *([f'add element {t} me6 {{ "{s.ifname}" . {s.sandbox_ip6} }}'] if ipv6 else []),
             f'add element {t} out {{ "{s.ifname}" : jump {c}o }}',
             f'add element {t} in {{ "{s.ifname}" : jump {c}i }}',
         ]
