@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import msgspec
+
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
@@ -888,14 +890,18 @@ class ContainerBackend:
         if box is not None:
             box.dying = True
             self._unwatch_box(box)
-            if box.paused:
-                try:
-                    self.governor.thaw(cg)
-                except OSError:
-                    pass
+            # SIGKILL before the thaw: a frozen init keeps it pending and dies as the thaw
+            # lets it run. The other order left a window (kill -9 of the edge between the
+            # thaw and the signal) where a sandbox the journal says is paused ran on,
+            # thawed, after the restart (found by test_kill_9_at_random_points_...).
             if box.pidfd >= 0:
                 try:
                     linux.pidfd_send_signal(box.pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+            if box.paused:
+                try:
+                    self.governor.thaw(cg)
                 except OSError:
                     pass
         # Nothing here signals a pid number: the init through its pidfd (its pid namespace
@@ -1194,6 +1200,11 @@ class ContainerBackend:
             await self.resume(SandboxId(sid))
         argv = list(req.argv) if req.argv else ["/bin/sh", "-c", req.shell or ""]
         env = build_env(box.sid[:63], box.spec.env, req.env)
+        if (req.cwd is None and box.spec.cwd is not None) or (
+                req.user is None and box.spec.user is not None):
+            # the sandbox's defaults (the image config's, or the create's) under the exec's
+            req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
+                                          user=req.user or box.spec.user)
         try:
             if self._runc is not None:
                 return await self._runc_exec(box, req, argv, env, on_chunk)
