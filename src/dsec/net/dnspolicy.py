@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from dsec.net.nftwire import Addr, Pin4, Proto
+from dsec.wire.netpolicy import embedded_ipv4
 
 __all__ = [
     "AAAA",
@@ -147,7 +148,8 @@ def filter_answer(
     private_ok: Sequence[Net],
 ) -> tuple[Addr, ...]:
     """The answer's addresses a sandbox may be given (rebinding filter), either family
-    (an address is only ever compared with networks of its own). Integer range checks
+    (an address is only ever compared with networks of its own; an IPv6 address that
+    spells an IPv4 one, NAT64/6to4/Teredo/IPv4-compatible, with ``never`` IPv4 too). Integer range checks
     (``address in network`` objects cost ~6 ms for a 300-address answer, on the loop,
     per cached query)."""
     def ranges(nets: Sequence[Net]) -> list[tuple[int, int, int]]:
@@ -158,6 +160,10 @@ def filter_answer(
     for a in addresses:
         v, x = a.version, int(a)
         if (v, x) in seen or any(w == v and lo <= x <= hi for w, lo, hi in nv):
+            continue
+        if v == 6 and any(  # an IPv4 it spells (NAT64, 6to4, Teredo) judged as IPv4
+                w == 4 and int(e.network_address) <= hi and lo <= int(e.broadcast_address)
+                for e in embedded_ipv4(ipaddress.IPv6Network(a)) for w, lo, hi in nv):
             continue
         if any(w == v and lo <= x <= hi for w, lo, hi in pv) and not any(
                 w == v and lo <= x <= hi for w, lo, hi in ok):

@@ -80,8 +80,22 @@ PRIVATE4: Final = (
 # v4-mapped (a v6 socket's way to a v4 address the v4 rules never judged), link-local,
 # multicast, AWS's v6 metadata address (the wire's NEVER_REACHABLE lists the same); the
 # v6 pool and the node's addresses are added per router.
+def _v4_embeddings(v4: str) -> list[str]:
+    """The IPv6 spellings of an IPv4 network a translator or tunnel on the node's path
+    would reach: NAT64 (64:ff9b::/96), 6to4 (2002::/16), IPv4-compatible (::/96) and a
+    Teredo server (2001::/32); wire.netpolicy.embedded_ipv4 maps them back."""
+    n = ipaddress.IPv4Network(v4)
+    x, p = int(n.network_address), n.prefixlen
+    return [str(ipaddress.IPv6Network(((0x64FF9B << 96) | x, 96 + p))),
+            str(ipaddress.IPv6Network(((0x2002 << 112) | (x << 80), 16 + p))),
+            str(ipaddress.IPv6Network((x, 96 + p))),
+            str(ipaddress.IPv6Network(((0x20010000 << 96) | (x << 64), 32 + p)))]
+
+
 NEVER6: Final = ("::/128", "::1/128", "::ffff:0:0/96", "fe80::/10", "ff00::/8",
-                 "fd00:ec2::254/128")
+                 "fd00:ec2::254/128", "fd20:ce::254/128", "64:ff9b:1::/48",
+                 # never-reachable IPv4 in its IPv6 spellings (REDTEAM-14b #6)
+                 *(e for v4 in NEVER4 for e in _v4_embeddings(v4)))
 # Private IPv6: ULA, and the NAT64 / 6to4 prefixes (an uplink that translates them
 # reaches IPv4 addresses the v4 rules never judged): reachable only when a policy names
 # them by CIDR, never through "open" or a DNS answer.
