@@ -50,7 +50,13 @@ from dsec.cluster.local import LocalCluster
 from dsec.errors import DsecError, InvalidArgument
 from dsec.wire import ops
 from dsec.wire import spec as wspec
-from dsec.wire.api import CreateKeyRequest, ExecStreamLine, ImageTagRequest, QuotaBody
+from dsec.wire.api import (
+    CreateKeyRequest,
+    ExecStreamLine,
+    ImagePullRequest,
+    ImageTagRequest,
+    QuotaBody,
+)
 from dsec.wire.calls import (
     CreateMany,
     CreateManyOnNode,
@@ -111,6 +117,7 @@ class World:
     image: str = ""                 # a layer's digest (built at start)
     tmp: str = ""
     oci: str = ""                   # an OCI image tarball
+    registry: str = ""              # host:port of a local registry holding cat/pulled:1
     _n: list[int] = field(default_factory=lambda: [0])
 
     def n(self) -> int:
@@ -240,6 +247,8 @@ EXAMPLES: dict[str, Example] = {
     "image_build": lambda w: ImageUpload(name=f"cat-built-{w.n()}", kind="toolkit"),
     "image_import": lambda w: ImageUpload(name=f"cat-oci-{w.n()}"),
     "image_prune": lambda w: ImagePrune(dry_run=True),
+    "image_pull": lambda w: ImagePullRequest(ref=f"{w.registry}/cat/pulled:1",
+                                             insecure=True),
     "port_expose": lambda w: PortExpose(id=w.sid, port=8000),
     "port_list": lambda w: SandboxRef(id=w.sid),
     "port_connect": lambda w: PortConnect(id=w.sid, port=8000, generation=w.port_gen()),
@@ -397,8 +406,14 @@ def _call(w: World, op: Op[Any, Any], door: str, req: Any) -> Any:
 # ================================================================= the tests
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    with LocalCluster(edges=1) as cl:
-        w = World(cluster=cl, tmp=str(tmp_path_factory.mktemp("catalogue")))
+    from dsec.image.localregistry import Entry, push, registry, tar_entries, write_image
+    tmp = str(tmp_path_factory.mktemp("catalogue"))
+    with LocalCluster(edges=1) as cl, registry(os.path.join(tmp, "registry")) as reg:
+        w = World(cluster=cl, tmp=tmp, registry=reg.host)
+        layout = os.path.join(tmp, "pull-layout")
+        write_image(layout, "p", [tar_entries([Entry("etc", "dir"),
+                                                Entry("etc/pulled", data=b"yes")])])
+        push(layout, "p", f"{reg.host}/cat/pulled:1")
         w.oci = _oci_tar(w.tmp)
         w.sid = str(w.ok("POST", "/v1/sandboxes", json={"labels": {"cat": "world"}}
                          ).json()["id"])
@@ -417,7 +432,8 @@ def _order() -> list[Op[Any, Any]]:
 
 
 CASES = [pytest.param(op, door, id=f"{op.name}-{door}",
-                      marks=[requires_root] if op is ops.IMAGE_IMPORT else [])
+                      marks=[requires_root] if op in (ops.IMAGE_IMPORT, ops.IMAGE_PULL)
+                      else [])
          for op in _order() for door in _doors(op)]
 
 

@@ -304,6 +304,10 @@ def image_suite(ctx: BenchContext) -> None:
         ctx.note("packdiff: unchanged = lstat of every upperdir entry compared to the "
                  "previous snapshot's index (no reads); changed = copy + mkfs.erofs + sha256;"
                  " apply = resolve the chain + one overlay mount + unmount.")
+
+        # -- image_pull, image_first_exec_s (registry pulls, issue 15) ---------------------
+        from dsec.bench._image_pull import pull_bench
+        pull_bench(ctx, work)
     _build_figures(ctx)
 
 

@@ -211,6 +211,79 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
     _say_skipped(m)
 
 
+@image.command("pull")
+@click.argument("ref")
+@click.option("--name", default=None,
+              help="[project/]name[:tag] to store it under (default: the registry ref's "
+                   "own name, e.g. 127.0.0.1-5000_team_python:3.12, cluster-wide).")
+@click.option("--insecure", is_flag=True, help="Plain HTTP / unverified TLS (local "
+              "registries).")
+@click.option("--platform", default=None, metavar="OS/ARCH[/VARIANT]",
+              help="Which image of a multi-platform index (default: this host's).")
+@click.option("--creds", envvar="DSEC_REGISTRY_CREDS", default=None, metavar="USER:PASS",
+              help="Registry credentials (or $DSEC_REGISTRY_CREDS; default: the docker-style "
+                   "auth files skopeo reads, or --authfile).")
+@click.option("--authfile", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A docker-style auth.json / ~/.docker/config.json.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.pass_obj
+def pull(root: str | None, ref: str, name: str | None, insecure: bool, platform: str | None,
+         creds: str | None, authfile: str | None, quiet: bool) -> None:
+    """Pull REF (host[:port]/repo[:tag|@sha256:...]) from an OCI registry: one layer per
+    OCI layer (layers already here are shared), the image's config kept as its
+    defaults (`dsec image inspect`)."""
+    from dsec.image.pull import PullOptions, pull_image
+    from dsec.image.registry import parse_platform
+
+    console = Console(stderr=True)
+    try:
+        namespace, bare, tag = (None, None, None)
+        if name is not None:
+            from dsec.image.manifest import parse_ref
+            p = parse_ref(name)
+            if p.name is None:
+                raise click.BadParameter("--name must be a name, not a digest")
+            namespace, bare = p.namespace, p.name
+            tag = p.tag if ":" in name.rsplit("/", 1)[-1] else None
+        opts = PullOptions(platform=parse_platform(platform) if platform else None,
+                           insecure=insecure, creds=creds, authfile=authfile)
+        with _progress(console, quiet) as progress:
+            res = pull_image(_store(root), ref, namespace=namespace, owner=_host_owner(),
+                             name=bare, tag=tag, options=opts, progress=progress)
+    except DsecError as exc:
+        _fail(exc)
+    m = res.image
+    reused = len(res.layers) - len(res.made)
+    click.echo(f"{res.key} {m.digest} {len(res.layers)} layers ({len(res.made)} new, "
+               f"{reused} shared), {res.fetched_bytes} bytes fetched")
+
+
+@image.command("inspect")
+@click.argument("ref")
+@click.pass_obj
+def inspect(root: str | None, ref: str) -> None:
+    """Show a layer's manifest and, for an image, the sandbox defaults its config sets
+    (env, working dir, user, entrypoint/cmd, labels) and the layers it stands on."""
+    import json
+
+    import msgspec
+
+    from dsec.image.registry import defaults_from_labels
+
+    try:
+        store = _store(root)
+        m = store.get(ref)
+        d = defaults_from_labels(m.labels)
+        out = msgspec.to_builtins(m)
+        out["defaults"] = {"env": d.env, "cwd": d.cwd, "user": d.user,
+                           "entrypoint": list(d.entrypoint), "cmd": list(d.cmd),
+                           "labels": d.labels}
+        out["layers"] = [m.digest, *m.stack] if m.kind != "snapshot" else [m.digest]
+    except DsecError as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2, sort_keys=True))
+
+
 @image.command("tag")
 @click.argument("source")
 @click.argument("target")

@@ -153,6 +153,11 @@ class ClusterConfig:
     net_egress: str | None = None
     net_pool: str = "10.213.0.0/16"
     net_dns_upstream: tuple[str, ...] = ()
+    # Registries the apiserver pulls images from for its callers (images.pull, first-use
+    # pulls): host[:port] patterns (fnmatch), None = any. A pull connects from the
+    # apiserver's host to the host a caller names: restrict it where that reaches
+    # internal services (docs/images.md "Pulling from registries").
+    registries: tuple[str, ...] | None = None
 
 
 def _port_token_key(state_dir: str) -> bytes:
@@ -301,6 +306,7 @@ class ClusterRuntime:
 
                 LayerStore(plane.layer_dir).set_budget(
                     None if cfg.image_store_budget == "off" else cfg.image_store_budget)
+            plane.images.registries = cfg.registries
             await plane.start()
             if self.processes:
                 self._background(self._mind_edges(), "dsec-edge-minder")

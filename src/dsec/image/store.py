@@ -583,7 +583,8 @@ class LayerStore:
             why.append("mounted on this node")
         for m in self.manifests():
             if m.parent == digest or digest in m.stack:
-                why.append(f"snapshot {m.digest} builds on it")
+                why.append(f"{'snapshot' if m.kind == 'snapshot' else 'image'} {m.digest} "
+                           "builds on it")
         return why
 
     def remove(self, ref: str) -> LayerManifest:

@@ -384,6 +384,10 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     network: NetworkPolicy | None = None
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
     user_namespace: bool = False            # root inside = unprivileged uid on the host
+    # Defaults of every exec (an exec's own cwd/user win). None: the image config's
+    # WorkingDir/User (filled in by the control plane at create), else "/" and root.
+    cwd: str | None = None
+    user: str | None = None
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
@@ -450,6 +454,15 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                 "limit (it is passed to every exec beside the exec's own argv and env, under "
                 "the kernel's 2 MiB ARG_MAX); put large settings in a file",
                 field="env", size=total, limit=MAX_SPEC_ENV_BYTES)
+        if self.cwd is not None and (not self.cwd.startswith("/") or "\0" in self.cwd
+                                     or not 0 < len(self.cwd.encode("utf-8", "surrogatepass"))
+                                     <= MAX_CWD_BYTES):
+            raise bad("cwd", self.cwd[:60], f"use an absolute directory of 1..{MAX_CWD_BYTES} "
+                      "bytes without NUL", limit=MAX_CWD_BYTES)
+        if self.user is not None and ("\0" in self.user or not 0 < len(
+                self.user.encode("utf-8", "surrogatepass")) <= MAX_USER_BYTES):
+            raise bad("user", self.user[:60], f"use a user name or uid[:gid] of "
+                      f"1..{MAX_USER_BYTES} bytes", limit=MAX_USER_BYTES)
         if len(self.labels) > MAX_LABELS:
             raise InvalidArgument(f"sandbox spec field labels has {len(self.labels)} entries, "
                                   f"over the limit of {MAX_LABELS}", field="labels",

@@ -44,8 +44,9 @@ from dsec.image.catalog import (
 )
 from dsec.image.gc import LayerNode, project_image_bytes
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
+from dsec.image.registry import RegistryRef
 from dsec.image.store import LayerStore, Pin
-from dsec.wire.api import ImageList, ImagePruned, ImageTagRequest, ImageView
+from dsec.wire.api import ImageList, ImagePruned, ImagePullRequest, ImageTagRequest, ImageView
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
@@ -58,6 +59,7 @@ class SnapshotCharges(Protocol):
     its snapshots (the control plane's quota gate implements it)."""
 
     def snapshot_room(self, project: str) -> int | None: ...
+    def registry_pull(self, project: str) -> tuple[bool, str | None]: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
                         size_bytes: int) -> None: ...
@@ -74,6 +76,9 @@ class ImageAdmin:
         self.layer_dir = layer_dir
         self._store_cache: LayerStore | None = None
         self._index_cache: StoreIndex | None = None
+        self._pulls: dict[tuple[str, str], asyncio.Lock] = {}
+        # host[:port] patterns (fnmatch) callers may pull from; None: any registry
+        self.registries: tuple[str, ...] | None = None
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
     # rules live in dsec.image.catalog (who sees what, what a ref names) and
@@ -134,10 +139,79 @@ class ImageAdmin:
         image = one(spec.image, "image")
         workspace = one(spec.workspace, "workspace") if spec.workspace else spec.workspace
         toolkits = tuple(one(t, "toolkit") for t in spec.toolkits)
-        if (image, workspace, toolkits) == (spec.image, spec.workspace, spec.toolkits):
+        out = spec
+        if (image, workspace, toolkits) != (spec.image, spec.workspace, spec.toolkits):
+            out = msgspec.structs.replace(spec, image=image, workspace=workspace,
+                                          toolkits=toolkits)
+        if index is not None:
+            base = _named(index, image)
+            if base is not None:
+                out = with_image_defaults(out, base)
+        return out
+
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        """A create naming a registry image (``image="127.0.0.1:5000/team/app:1"``,
+        :func:`dsec.image.registry.is_registry_ref`): the image already pulled as
+        ``<project>/<its local name>`` (or cluster-wide under that name) is used as is;
+        otherwise it is pulled into the sandbox's project, when the project's
+        ``registry_pull`` setting (nearest ancestor's; default yes) allows it, as the
+        caller (a member of the project: the create needs that) and charged like
+        ``images.pull``. Loopback registries are reached over plain HTTP (docker's rule
+        for 127.0.0.0/8), others over verified TLS; credentials are the apiserver host's
+        (skopeo's auth files), never the create's. The spec then names the store name,
+        which :meth:`resolve_layers` resolves like any other."""
+        from dsec.image.registry import is_registry_ref, local_name, parse_registry_ref
+
+        if spec.snapshot is not None or not is_registry_ref(spec.image):
             return spec
-        return msgspec.structs.replace(spec, image=image, workspace=workspace,
-                                       toolkits=toolkits)
+        if self.layer_dir is None:
+            raise image_not_found(spec.image)
+        r = parse_registry_ref(spec.image)
+        name, tag = local_name(r)
+        project = spec.project
+        local = f"{name}:{tag}"
+
+        def pulled() -> SandboxSpec | None:
+            index = self._index()
+            assert index is not None
+            for key in ((f"{project}/{local}",) if project else ()) + (local,):
+                if index.digest_of(key) is not None:
+                    return msgspec.structs.replace(spec, image=key)
+            return None
+        found = pulled()
+        if found is not None:
+            return found
+        if project is None:
+            raise image_not_found(spec.image)
+        # one pull per (project, ref) at a time: a batch of creates naming one image
+        # waits for the first one's pull instead of pulling it N times
+        lock = self._pulls.setdefault((project, local), asyncio.Lock())
+        try:
+            async with lock:
+                found = pulled()
+                if found is not None:
+                    return found
+                return await self._pull_for_create(caller, spec, r, project, local)
+        finally:
+            if not lock.locked():
+                self._pulls.pop((project, local), None)   # bounded by pulls in flight
+
+    async def _pull_for_create(self, caller: Caller, spec: SandboxSpec, r: RegistryRef,
+                               project: str, local: str) -> SandboxSpec:
+        check_registry(r.host, self.registries)
+        allowed, said_by = self.charges.registry_pull(project)
+        if not allowed:
+            raise PermissionDenied(
+                f"image {spec.image[:200]!r} is not in the layer store and project "
+                f"{project!r} does not pull registry images on create (setting "
+                f"registry_pull=false on project {said_by!r}): pull it first with "
+                "images.pull / `dsec image pull`, or ask an admin to set registry_pull "
+                "to true", field="image")
+        host = r.host.rsplit(":", 1)[0] if not r.host.endswith("]") else r.host
+        insecure = host in ("localhost", "[::1]") or host.startswith("127.")
+        await self.pull_image(caller, ImagePullRequest(ref=spec.image, project=project,
+                                                       insecure=insecure))
+        return msgspec.structs.replace(spec, image=f"{project}/{local}")
 
     def list_images(self, caller: Caller) -> ImageList:
         """Layers in the shared layer store that the caller may see: cluster-wide ones,
@@ -376,6 +450,127 @@ class ImageAdmin:
         assert index is not None
         can_see = _can_see(caller)
         return ImageList(items=[_image_view(index, m, can_see) for m in made])
+
+    def pull_target(self, caller: Caller, req: ImagePullRequest) -> tuple[str | None, str,
+                                                                          str]:
+        """(namespace, bare name, tag) a pull writes, with the caller's write right on
+        that namespace checked (the same rule as a build: member of the project, a
+        superuser for a cluster-wide name). Without ``name``: the registry ref's own
+        name (:func:`dsec.image.registry.local_name`) in ``project``."""
+        from dsec.image.registry import local_name, parse_registry_ref
+
+        r = parse_registry_ref(req.ref)
+        check_registry(r.host, self.registries)
+        if req.name is not None:
+            try:
+                p = parse_ref(req.name if ":" in req.name.rsplit("/", 1)[-1]
+                              else f"{req.name}:{local_name(r)[1]}")
+            except InvalidArgument as exc:
+                raise InvalidArgument(exc.message, field="name") from None
+            if p.name is None:
+                raise InvalidArgument(f"name {req.name[:200]!r} must be [project/]name[:tag], "
+                                      "not a digest", field="name")
+            ns, name, tag = p.namespace, p.name, p.tag
+        else:
+            ns = parse_project_path(req.project) if req.project is not None else None
+            name, tag = local_name(r)
+        _require_write(caller, ns, what=f"pull {req.ref[:200]} into "
+                       + (f"project {ns!r}" if ns else "a cluster-wide name"))
+        return ns, name, tag
+
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        """Pull a registry image into the layer store (``dsec.image.pull``) as the
+        caller: layers built belong to the target namespace and are charged to its
+        layer-storage quota (``snapshot_bytes``) like a build; layers it reuses (shared
+        base layers already here) are not charged again. Returns the layers, the image
+        (its top layer, named) first."""
+        from dsec.image.pull import PullOptions, pull_image
+        from dsec.image.registry import parse_platform
+
+        ns, name, tag = self.pull_target(caller, req)
+        opts = PullOptions(platform=parse_platform(req.platform) if req.platform else None,
+                           insecure=req.insecure, creds=req.creds)
+        store = self._layers()
+        room = self.charges.snapshot_room(ns) if ns else None
+        if room == 0 and ns:
+            self.charges.check_snapshot(ns, 1)   # raises, naming the full quota
+        # Every layer of the image pinned from the moment the pull has it until it is
+        # named: a prune (CLI, another replica, the store budget) never takes one between.
+        with store.pinned() as pin:
+            res = await asyncio.to_thread(pull_image, store, req.ref, namespace=ns,
+                                          owner=caller.id, name=name, tag=tag, options=opts,
+                                          max_bytes=room, name_it=False, pin=pin)
+            charged: list[str] = []
+            try:
+                if ns:
+                    for m in res.made:
+                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                        charged.append(m.digest)
+                # named only once charged, through the image_bytes check under the
+                # store's lock: a refused pull moves no tag
+                store.tag(res.image.digest, name, tag, namespace=ns,
+                          admit=self.admit_names(ns))
+            except BaseException:
+                # discard, never remove: a reproducible layer somebody else names or
+                # builds at once stays (and keeps its charge)
+                for m in reversed(res.made):
+                    with contextlib.suppress(DsecError, OSError):
+                        if store.discard(m.digest, pin=pin) and m.digest in charged:
+                            self.charges.release_snapshot(m.digest)
+                raise
+        index = self._index()
+        assert index is not None
+        can_see = _can_see(caller)
+        return ImageList(items=[_image_view(index, m, can_see) for m in res.layers])
+
+
+def check_registry(host: str, allowed: tuple[str, ...] | None) -> None:
+    """``PermissionDenied`` unless ``host`` (``name[:port]``) matches one of the
+    apiserver's allowed registry patterns (None: any). A pattern without a port matches
+    the host on any port."""
+    import fnmatch
+
+    if allowed is None:
+        return
+    bare = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if any(fnmatch.fnmatchcase(host, p) or (":" not in p.lstrip("[").split("]")[-1]
+                                            and fnmatch.fnmatchcase(bare, p))
+           for p in allowed):
+        return
+    raise PermissionDenied(
+        f"this apiserver does not pull from registry {host[:200]!r}: it pulls only from "
+        f"{', '.join(allowed) or 'no registry'} (ClusterConfig.registries, `dsec up "
+        "--registry`); ask its operator, or pull elsewhere and push to an allowed one",
+        field="ref")
+
+
+def _named(index: StoreIndex, exact: str) -> LayerManifest | None:
+    """The layer an exact store spelling (as :func:`resolve` gives it: a full digest or a
+    qualified name) names; None for a name the store does not hold."""
+    try:
+        p = parse_ref(exact)
+    except InvalidArgument:
+        return None
+    if p.digest_hex is not None:
+        return index.manifest(p.digest_hex)
+    digest = index.digest_of(p.key)
+    return None if digest is None else index.manifest(digest.removeprefix(DIGEST_PREFIX))
+
+
+def with_image_defaults(spec: SandboxSpec, image: LayerManifest) -> SandboxSpec:
+    """``spec`` over its image's config (issue 15 §2): the image's ``Env`` under the
+    create's env, its ``WorkingDir``/``User`` where the create gave none. Stored in the
+    spec, so the sandbox shows what its execs get and every backend applies the same
+    (an exec's own env/cwd/user still win)."""
+    from dsec.image.registry import defaults_from_labels
+
+    d = defaults_from_labels(image.labels)
+    env = {**d.env, **spec.env} if d.env else spec.env
+    cwd = spec.cwd if spec.cwd is not None else d.cwd
+    user = spec.user if spec.user is not None else d.user
+    if (env, cwd, user) == (spec.env, spec.cwd, spec.user):
+        return spec
+    return msgspec.structs.replace(spec, env=env, cwd=cwd, user=user).validate()
 
 
 def _can_see(caller: Caller) -> CanSee:

@@ -112,6 +112,7 @@ from dsec.wire.api import (
     CreateKeyResponse,
     ImageList,
     ImagePruned,
+    ImagePullRequest,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -675,6 +676,12 @@ class ControlPlane:
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
         return self.images.resolve_layers(caller, spec)
 
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        return await self.images.pull_on_create(caller, spec)
+
+    def registry_pull(self, project: str) -> tuple[bool, str | None]:
+        return self.quota.registry_pull(project)
+
     def list_images(self, caller: Caller) -> ImageList:
         return self.images.list_images(caller)
 
@@ -694,6 +701,9 @@ class ControlPlane:
 
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         return await self.images.prune_images(caller, dry_run=dry_run)
+
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        return await self.images.pull_image(caller, req)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:

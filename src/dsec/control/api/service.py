@@ -80,6 +80,7 @@ from dsec.wire.api import (
     EventList,
     ImageList,
     ImagePruned,
+    ImagePullRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -245,6 +246,11 @@ class ImageResolver(Protocol):
 
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec: ...
 
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        """``spec`` with a registry ``image`` ref pulled on first use (when the project
+        allows it) and replaced by the store name it was pulled as."""
+        ...
+
 
 class NamesOnly:
     """The :class:`ImageResolver` of an apiserver without a layer store: bare names go
@@ -256,6 +262,9 @@ class NamesOnly:
             if ref and (ref.startswith("sha256:") or "/" in ref) and spec.snapshot is None:
                 raise image_not_found(ref)
         return spec
+
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        return spec   # without a layer store there is nowhere to pull into
 
 
 class QuotaGate(Protocol):
@@ -307,6 +316,8 @@ class AdminOps(Protocol):
                           tag: str, oci: bool) -> ImageList:
         raise NotImplementedError
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
+        raise NotImplementedError
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
 
 
@@ -695,7 +706,9 @@ class ApiService:
             snap_id = await self._visible_snapshot(principal, spec.snapshot)
             if snap_id != spec.snapshot:
                 spec = msgspec.structs.replace(spec, snapshot=snap_id)
-        # Image refs resolve among the layers this caller may see; the edge gets digests.
+        # A registry image is pulled on first use (when the project allows it), then
+        # image refs resolve among the layers this caller may see; the edge gets digests.
+        spec = await self.images.pull_on_create(principal, spec)
         spec = self.images.resolve_layers(principal, spec)
         if idempotency_key is None:
             return await self._create_placed(spec)
@@ -1443,6 +1456,7 @@ class ApiService:
             "network_get": functools.partial(fwd, ops.NETWORK_GET),
             "network_update": self._network_update_op,
             "image_prune": self._image_prune_op,
+            "image_pull": self._image_pull_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1668,6 +1682,9 @@ class ApiService:
 
     async def _image_prune_op(self, caller: Caller, b: ImagePrune) -> ImagePruned:
         return await self._admin().prune_images(caller, dry_run=b.dry_run)
+
+    async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
+        return await self._admin().pull_image(caller, b)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "

@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import msgspec
+
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
@@ -1186,6 +1188,11 @@ class ContainerBackend:
             await self.resume(SandboxId(sid))
         argv = list(req.argv) if req.argv else ["/bin/sh", "-c", req.shell or ""]
         env = build_env(box.sid[:63], box.spec.env, req.env)
+        if (req.cwd is None and box.spec.cwd is not None) or (
+                req.user is None and box.spec.user is not None):
+            # the sandbox's defaults (the image config's, or the create's) under the exec's
+            req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
+                                          user=req.user or box.spec.user)
         try:
             if self._runc is not None:
                 return await self._runc_exec(box, req, argv, env, on_chunk)
