@@ -143,6 +143,11 @@ class ClusterConfig:
     # The egress policy of a create that names none (`dsec up --net-default`); the
     # apiserver resolves it, so edges always get a policy.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # Registries the apiserver pulls images from for its callers (images.pull, first-use
+    # pulls): host[:port] patterns (fnmatch), None = any. A pull connects from the
+    # apiserver's host to the host a caller names: restrict it where that reaches
+    # internal services (docs/images.md "Pulling from registries").
+    registries: tuple[str, ...] | None = None
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -153,11 +158,6 @@ class ClusterConfig:
     net_egress: str | None = None
     net_pool: str = "10.213.0.0/16"
     net_dns_upstream: tuple[str, ...] = ()
-    # Registries the apiserver pulls images from for its callers (images.pull, first-use
-    # pulls): host[:port] patterns (fnmatch), None = any. A pull connects from the
-    # apiserver's host to the host a caller names: restrict it where that reaches
-    # internal services (docs/images.md "Pulling from registries").
-    registries: tuple[str, ...] | None = None
 
 
 def _port_token_key(state_dir: str) -> bytes:
@@ -301,12 +301,12 @@ class ClusterRuntime:
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
+            plane.images.registries = cfg.registries
             if cfg.image_store_budget is not None:
                 from dsec.image import LayerStore
 
                 LayerStore(plane.layer_dir).set_budget(
                     None if cfg.image_store_budget == "off" else cfg.image_store_budget)
-            plane.images.registries = cfg.registries
             await plane.start()
             if self.processes:
                 self._background(self._mind_edges(), "dsec-edge-minder")

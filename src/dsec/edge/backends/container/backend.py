@@ -882,14 +882,18 @@ class ContainerBackend:
         if box is not None:
             box.dying = True
             self._unwatch_box(box)
-            if box.paused:
-                try:
-                    self.governor.thaw(cg)
-                except OSError:
-                    pass
+            # SIGKILL before the thaw: a frozen init keeps it pending and dies as the thaw
+            # lets it run. The other order left a window (kill -9 of the edge between the
+            # thaw and the signal) where a sandbox the journal says is paused ran on,
+            # thawed, after the restart (found by test_kill_9_at_random_points_...).
             if box.pidfd >= 0:
                 try:
                     linux.pidfd_send_signal(box.pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+            if box.paused:
+                try:
+                    self.governor.thaw(cg)
                 except OSError:
                     pass
         # Nothing here signals a pid number: the init through its pidfd (its pid namespace
