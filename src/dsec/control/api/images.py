@@ -91,7 +91,8 @@ class ImageAdmin:
         self._pull_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pull_slots: dict[str, asyncio.Semaphore] = {}
         self._pull_waiting: dict[str, int] = {}
-        # host[:port] patterns (fnmatch) callers may pull from; None: any registry
+        # host[:port] patterns (fnmatch) callers may pull from; None: any registry but
+        # loopback / link-local / private IP literals and localhost (check_registry)
         self.registries: tuple[str, ...] | None = None
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
