@@ -53,6 +53,11 @@ INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
+#: Layers a pulled image may have, checked before anything is fetched (red team F11: a
+#: 501-layer image was pulled, charged and named, then never ran, after minutes of mkfs).
+#: Docker's own ceiling is 127 layers; the rest of overlayfs' 500 lowers stays for the
+#: sandbox's workspace, toolkits (64) and snapshot chain.
+MAX_IMAGE_LAYERS = 128
 #: Layer media types whose blobs are tar streams we can read (gzip or none).
 LAYER_TYPES = ("application/vnd.oci.image.layer.v1.tar",
                "application/vnd.oci.image.layer.v1.tar+gzip",
@@ -288,6 +293,12 @@ def image_layers(manifest: Mapping[str, Any], config: Mapping[str, Any]) -> list
         raise ImageError(
             f"the image config lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
             f"rootfs.diff_ids for {len(layers)} layers; the image is malformed")
+    if len(layers) > MAX_IMAGE_LAYERS:
+        raise ImageError(
+            f"the image has {len(layers)} layers, over the {MAX_IMAGE_LAYERS} a pulled image "
+            "may have (a sandbox stacks them with its workspace, toolkits and snapshots "
+            "under overlayfs' 500 lowers); nothing was fetched - squash the image "
+            "(fewer RUN steps, or `docker build --squash`) and push it again")
     out = []
     for i, (d, diff) in enumerate(zip(layers, diff_ids, strict=True)):
         if not isinstance(d, dict) or not isinstance(d.get("digest"), str) \
