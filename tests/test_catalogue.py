@@ -415,7 +415,8 @@ def _call(w: World, op: Op[Any, Any], door: str, req: Any) -> Any:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from dsec.image.localregistry import Entry, push, registry, tar_entries, write_image
     tmp = str(tmp_path_factory.mktemp("catalogue"))
-    with LocalCluster(edges=1) as cl, registry(os.path.join(tmp, "registry")) as reg:
+    with LocalCluster(edges=1, registries=("127.0.0.1",)) as cl, \
+            registry(os.path.join(tmp, "registry")) as reg:
         w = World(cluster=cl, tmp=tmp, registry=reg.host)
         layout = os.path.join(tmp, "pull-layout")
         write_image(layout, "p", [tar_entries([Entry("etc", "dir"),

@@ -140,6 +140,13 @@ def test_pull_three_layers_whiteouts_and_opaque_dirs(seeded: Seeded, store: Laye
     assert sorted(os.listdir(os.path.join(store.root, "tmp"))) == []
 
 
+def _cached(store: LayerStore) -> set[str]:
+    """The blobs in the store's blob cache, every scope (pull.cache_scope)."""
+    import glob
+    return {os.path.basename(p) for p in glob.glob(
+        os.path.join(store.root, "oci-cache", "scopes", "*", "blobs", "sha256", "*"))}
+
+
 def test_images_sharing_a_base_share_its_layers(seeded: Seeded, store: LayerStore,
                                                 cache: MountCache, tmp_path: object) -> None:
     a = pull_image(store, seeded.ref("dsec/a:1"), options=INSECURE)
@@ -148,7 +155,7 @@ def test_images_sharing_a_base_share_its_layers(seeded: Seeded, store: LayerStor
     assert b.layers[1:] == a.layers[1:]                # the shared base: the same layers
     assert len(os.listdir(os.path.join(store.root, "layers"))) == 4
     # the blob cache keeps no second copy of pulled images: their layers are stored
-    assert os.listdir(os.path.join(store.root, "oci-cache", "blobs", "sha256")) == []
+    assert _cached(store) == set()
     ra = mount_root(store, cache, compose(a.image, base_lowers=a.layers[1:]),
                     os.path.join(str(tmp_path), "a"))
     rb = mount_root(store, cache, compose(b.image, base_lowers=b.layers[1:]),
@@ -228,8 +235,7 @@ def test_clear_errors_and_nothing_half_created(seeded: Seeded, store: LayerStore
         pull_image(store, seeded.ref("dsec/bad:1"), options=INSECURE)
     assert _state(store) == before
     # what a failed pull fetched stays cached for its retry
-    cached = os.listdir(os.path.join(store.root, "oci-cache", "blobs", "sha256"))
-    assert seeded.bad.layers[0][7:] in cached
+    assert seeded.bad.layers[0][7:] in _cached(store)
 
 
 def test_corrupt_blob_in_registry(seeded: Seeded, store: LayerStore) -> None:
@@ -250,8 +256,7 @@ def test_corrupt_blob_in_registry(seeded: Seeded, store: LayerStore) -> None:
     with pytest.raises(CorruptLayer):
         pull_image(store, seeded.ref("dsec/corrupt:1"), options=INSECURE)
     assert _state(store) == before
-    assert not os.path.exists(os.path.join(store.root, "oci-cache", "blobs", "sha256",
-                                           digest[7:]))
+    assert digest[7:] not in _cached(store)
 
 
 def test_pulled_layer_in_use_is_not_removed(seeded: Seeded, store: LayerStore) -> None:

@@ -63,7 +63,7 @@ def world() -> Iterator[World]:
                                                     Entry("srv/app/hello", data=b"hi\n")])],
                     CONFIG)
         with LocalRegistry(os.path.join(work, "reg")) as reg, \
-                LocalCluster(edges=1, backend="container") as cl:
+                LocalCluster(edges=1, backend="container", registries=("127.0.0.1",)) as cl:
             for repo in ("team/app:1", "team/app:2", "team/app:3", "team/denied:1"):
                 push(lay, "app", f"{reg.host}/{repo}")
             cgroup = os.path.abspath(os.path.join(cl.state_dir, "container", "edge-0"))
@@ -178,7 +178,15 @@ def test_the_apiserver_pulls_only_from_allowed_registries(world: World) -> None:
     check_registry("reg.example.com:443", ("*.example.com:*",))
     with pytest.raises(PermissionDenied):
         check_registry(host, ("127.0.0.1:1",))
+    # the default opens no loopback, link-local or private address (red team F6)
+    for internal in ("127.0.0.1:5000", "localhost:5000", "169.254.169.254", "10.1.2.3:80",
+                     "[::1]:5000", "192.168.1.1", "0.0.0.0:5000"):
+        with pytest.raises(PermissionDenied, match="by default"):
+            check_registry(internal, None)
+    check_registry("registry.example.com", None)
+    check_registry("8.8.8.8:5000", None)
     before = set(world.store().refs())
+    was = images.registries
     images.registries = ("registry.example.com",)
     try:
         for door in DOORS:
@@ -189,5 +197,5 @@ def test_the_apiserver_pulls_only_from_allowed_registries(world: World) -> None:
                 with pytest.raises(PermissionDenied, match="does not pull from registry"):
                     c.sandboxes.create(image=world.ref("team/denied:1"), project="teama")
     finally:
-        images.registries = None
+        images.registries = was
     assert set(world.store().refs()) == before

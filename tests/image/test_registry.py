@@ -166,3 +166,28 @@ def test_skopeo_errors_are_classified(stderr: str, code: str) -> None:
                         PullOptions(creds="user:hunter2"))
     assert err.code == code, err
     assert "hunter2" not in str(err)
+
+
+def test_loopback_is_decided_on_ip_literals_only() -> None:
+    from dsec.image.registry import is_loopback_host
+    for h in ("localhost", "localhost:5000", "127.0.0.1", "127.9.9.9:443", "[::1]",
+              "[::1]:5000"):
+        assert is_loopback_host(h), h
+    # names are never judged by their spelling (red team F3)
+    for h in ("127.attacker.example", "127.0.0.1.nip.io:5000", "localhost.example",
+              "10.0.0.1:5000", "[::2]:5000", "registry.example.com"):
+        assert not is_loopback_host(h), h
+
+
+def test_an_image_over_the_layer_ceiling_is_refused_before_any_fetch() -> None:
+    from dsec.errors import ImageError
+    from dsec.image.registry import MAX_IMAGE_LAYERS, image_layers
+
+    def image(n: int) -> tuple[dict[str, object], dict[str, object]]:
+        digests = [f"sha256:{i:064x}" for i in range(n)]
+        return ({"layers": [{"digest": d, "size": 1} for d in digests]},
+                {"rootfs": {"type": "layers", "diff_ids": digests}})
+    assert len(image_layers(*image(MAX_IMAGE_LAYERS))) == MAX_IMAGE_LAYERS
+    # red team F11: 501 layers were pulled, charged and named, then never ran
+    with pytest.raises(ImageError, match="501 layers"):
+        image_layers(*image(501))

@@ -89,7 +89,7 @@ def _first_exec(ctx: BenchContext, ref: str, p: dict[str, object]) -> None:
     """A fresh cluster (its store lacks the image): create(image=ref) -> first exec."""
     from dsec.cluster.local import LocalCluster
 
-    with LocalCluster(edges=1, backend="container") as cl:
+    with LocalCluster(edges=1, backend="container", registries=("127.0.0.1",)) as cl:
         from dsec.client.sync import Client
         with Client(cl.url, cl.api_key, gateway=cl.gateway, session_lease_s=None) as c:
             t0 = time.perf_counter()

@@ -252,7 +252,9 @@ def pull(root: str | None, ref: str, name: str | None, insecure: bool, platform:
             namespace, bare = p.namespace, p.name
             tag = p.tag if ":" in name.rsplit("/", 1)[-1] else None
         opts = PullOptions(platform=parse_platform(platform) if platform else None,
-                           insecure=insecure, creds=creds, authfile=authfile)
+                           insecure=insecure, creds=creds, authfile=authfile,
+                           # the CLI is the host user: its own registry logins apply
+                           ambient_auth=True)
         with _progress(console, quiet) as progress:
             res = pull_image(_store(root), ref, namespace=namespace, owner=_host_owner(),
                              name=bare, tag=tag, options=opts, progress=progress)

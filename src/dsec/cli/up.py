@@ -58,7 +58,8 @@ from dsec.cli.edge import (
 @click.option("--quiet", is_flag=True, help="No status line.")
 @click.option("--registry", "registries", multiple=True, metavar="HOST[:PORT]",
               help="Only pull images from these registries (fnmatch patterns, repeatable; "
-                   "default: any).")
+                   "default: any but loopback, link-local and private addresses, which "
+                   "must be listed, e.g. --registry 127.0.0.1 for a local registry).")
 @image_budget_option
 @net_default_option
 @net_node_options

@@ -144,7 +144,8 @@ class ClusterConfig:
     # apiserver resolves it, so edges always get a policy.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
     # Registries the apiserver pulls images from for its callers (images.pull, first-use
-    # pulls): host[:port] patterns (fnmatch), None = any. A pull connects from the
+    # pulls): host[:port] patterns (fnmatch), None = any but loopback, link-local and
+    # private IP literals (check_registry). A pull connects from the
     # apiserver's host to the host a caller names: restrict it where that reaches
     # internal services (docs/images.md "Pulling from registries").
     registries: tuple[str, ...] | None = None

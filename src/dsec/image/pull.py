@@ -38,20 +38,23 @@ maintained client does well. What is dsec's own is here:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import gzip
 import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from dsec.errors import (
+    CapacityExceeded,
     Conflict,
     CorruptLayer,
     DsecError,
@@ -59,13 +62,16 @@ from dsec.errors import (
     ImageNotFound,
     InvalidArgument,
     PermissionDenied,
+    QuotaExceeded,
     Timeout,
     Unavailable,
 )
-from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, extract_tar
+from dsec.image.archive import DEFAULT_LIMITS, ExtractLimits, ExtractStats, extract_tar
 from dsec.image.erofs import Compression
-from dsec.image.manifest import LayerManifest, ref_key
+from dsec.image.gc import LayerNode
+from dsec.image.manifest import LayerManifest, layer_namespace, ref_key
 from dsec.image.registry import (
+    ImageDefaults,
     LayerBlob,
     Platform,
     RegistryRef,
@@ -79,7 +85,10 @@ from dsec.image.registry import (
     parse_registry_ref,
     select_manifest,
 )
-from dsec.image.store import LayerStore, may_point_at
+from dsec.image.store import LayerStore, Pin, may_point_at
+
+#: ``LayerStore.tag``'s ``admit``: a quota check run under the store's lock.
+Admit = Callable[[Mapping[str, LayerNode], dict[str, str]], None]
 
 __all__ = ["PullOptions", "PullProgress", "PullResult", "pull_image"]
 
@@ -108,7 +117,17 @@ class PullOptions:
     creds: str | None = None
     authfile: str | None = None
     timeout_s: float = 1800.0
+    #: a skopeo run that makes no progress this long (no blob byte, or an inspect
+    #: without an answer) is killed: a registry that accepts and never answers holds
+    #: a pull thread for this long, not for ``timeout_s`` (red team F12)
+    stall_s: float = 60.0
+    #: use the auth files of the user running the pull (skopeo's defaults:
+    #: $REGISTRY_AUTH_FILE, ~/.docker/config.json, ...). Only for the CLI, which is
+    #: that user; a pull for an API caller never rides the apiserver host's login
+    #: (red team F2): without creds it runs with an empty private auth file.
+    ambient_auth: bool = False
     secret: str | None = None       # creds moved to a private authfile: still redacted
+    home: str | None = None         # skopeo's $HOME when not ambient (an empty private dir)
 
     def auth_args(self, *, src: bool) -> list[str]:
         out: list[str] = []
@@ -174,22 +193,74 @@ def _skopeo_error(stderr: str, ref: RegistryRef, opts: PullOptions) -> DsecError
     return ImageError(f"pulling {where} failed: {tail}")
 
 
+#: Environment variables through which skopeo finds the auth files of the user it
+#: runs as: dropped unless the pull is ``ambient_auth`` (red team F2).
+_AMBIENT_AUTH_ENV = ("REGISTRY_AUTH_FILE", "DOCKER_CONFIG", "XDG_RUNTIME_DIR", "HOME",
+                     "XDG_CONFIG_HOME")
+
+
+def _skopeo_env(opts: PullOptions) -> dict[str, str] | None:
+    if opts.ambient_auth:
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in _AMBIENT_AUTH_ENV}
+    if opts.home is not None:
+        env["HOME"] = opts.home
+    return env
+
+
+#: skopeo gets SIGKILL when the thread that started it dies (a kill -9 of the puller;
+#: red team F17: skopeo ran on, holding the registry connection and writing into the
+#: store's tmp/ that the next open reclaims). util-linux's setpriv sets it and execs
+#: skopeo (the death signal survives the exec): no preexec_fn, which is unsafe in a
+#: threaded process. Pull threads live as long as the process (pool threads).
+_DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--")
+
+
 def _run_skopeo(args: Sequence[str], ref: RegistryRef, opts: PullOptions,
-                *, deadline: float) -> bytes:
+                *, deadline: float, progress: Callable[[], int] | None = None) -> bytes:
+    """Run skopeo to completion: killed (``Timeout``) at ``deadline`` or after
+    ``opts.stall_s`` without progress (``progress()``, bytes so far, not growing; an
+    inspect, which has none, within ``stall_s`` of its start)."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise Timeout(f"pulling {ref} took longer than {opts.timeout_s:.0f} s")
     try:
-        p = subprocess.run(["skopeo", *args], capture_output=True, timeout=left,
-                           check=False, stdin=subprocess.DEVNULL)
+        if shutil.which("skopeo") is None:
+            raise FileNotFoundError("skopeo")
+        p = subprocess.Popen([*_DIE_WITH_PARENT, "skopeo", *args], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=_skopeo_env(opts))
     except FileNotFoundError:
         raise Unavailable("skopeo is not installed (apt-get install skopeo): it is what "
                           "dsec pulls images from registries with") from None
-    except subprocess.TimeoutExpired:
-        raise Timeout(f"pulling {ref} took longer than {opts.timeout_s:.0f} s") from None
+    seen = progress() if progress is not None else 0
+    moved = time.monotonic()
+    try:
+        while True:
+            now = time.monotonic()
+            try:
+                out, err = p.communicate(timeout=max(0.01, min(1.0, deadline - now)))
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise Timeout(f"pulling {ref} took longer than {opts.timeout_s:.0f} s"
+                                  ) from None
+                cur = progress() if progress is not None else seen
+                if cur != seen:
+                    seen, moved = cur, now
+                elif now - moved > opts.stall_s:
+                    raise Timeout(
+                        f"registry {ref.host} sent nothing for {opts.stall_s:.0f} s while "
+                        f"pulling {ref}; it accepts connections but does not answer - "
+                        "check the registry, or retry later") from None
+    finally:
+        if p.returncode is None:
+            p.kill()
+            p.communicate()
     if p.returncode != 0:
-        raise _skopeo_error(p.stderr.decode(errors="replace"), ref, opts)
-    return p.stdout
+        raise _skopeo_error(err.decode(errors="replace"), ref, opts)
+    return out
 
 
 def _json(data: bytes, what: str) -> dict[str, Any]:
@@ -233,22 +304,42 @@ def resolve_manifest(ref: RegistryRef, opts: PullOptions, *, deadline: float,
 
 
 # ------------------------------------------------------------- blob cache
-class BlobCache:
-    """An OCI layout of completed blobs per store (``<store>/oci-cache``): hard-linked
-    into each pull's scratch layout before skopeo runs and back after, so blobs fetched
-    once are never fetched again by this node (and an interrupted pull's completed
-    blobs are reused by its retry)."""
+def cache_scope(namespace: str | None, r: RegistryRef, opts: PullOptions) -> str:
+    """The blob cache partition of one pull: the target namespace, the registry and
+    repository, and who the credentials say the caller is (a hash of them, or of the
+    auth file's content). A cached blob is handed only to a pull of the same scope,
+    which proved access to it the same way (red team F1: a store-wide cache keyed by
+    digest alone gave another project's private blob to anyone naming its digest,
+    without their registry ever serving it)."""
+    cred = ""
+    secret = opts.secret or opts.creds
+    if secret:
+        cred = "creds:" + hashlib.sha256(secret.encode()).hexdigest()
+    elif opts.authfile is not None:
+        try:
+            with open(opts.authfile, "rb") as f:
+                cred = "authfile:" + hashlib.sha256(f.read(_MAX_JSON)).hexdigest()
+        except OSError:
+            cred = "authfile:?"
+    key = json.dumps([namespace, r.host.lower(), r.repo, cred])
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
-    def __init__(self, store: LayerStore) -> None:
+
+class BlobCache:
+    """Completed blobs of interrupted pulls, per store (``<store>/oci-cache``), in one
+    partition per :func:`cache_scope` (``scopes/<scope>/``): hard-linked into a pull's
+    scratch layout before skopeo runs and back while it runs, so a retry of the same
+    pull (same namespace, repository and credentials) fetches nothing twice. Never
+    across scopes: possessing a digest is no right to the content."""
+
+    def __init__(self, store: LayerStore, scope: str) -> None:
         self.root = os.path.join(store.root, _CACHE)
-        self.blobs = os.path.join(self.root, "blobs", "sha256")
+        self.scopes = os.path.join(self.root, "scopes")
+        self.blobs = os.path.join(self.scopes, scope, "blobs", "sha256")
         os.makedirs(self.blobs, mode=_DIR_MODE, exist_ok=True)
-        for d in (self.root, os.path.dirname(self.blobs), self.blobs):
+        for d in (self.root, self.scopes, os.path.join(self.scopes, scope),
+                  os.path.dirname(self.blobs), self.blobs):
             os.chmod(d, _DIR_MODE)
-        layout = os.path.join(self.root, "oci-layout")
-        if not os.path.exists(layout):
-            with open(layout, "w") as f:
-                f.write('{"imageLayoutVersion":"1.0.0"}')
         self.locks = os.path.join(self.root, "locks")
         os.makedirs(self.locks, mode=_DIR_MODE, exist_ok=True)
 
@@ -283,12 +374,22 @@ class BlobCache:
 
     def expire(self, max_age_s: float, now: float) -> None:
         """Remove blobs cached longer than ``max_age_s`` ago (a failed pull never
-        retried); ctime is when the blob was linked in."""
+        retried) in every scope; ctime is when the blob was linked in. The store-wide
+        ``blobs/`` of older versions goes whole (no pull may use it: unscoped)."""
+        shutil.rmtree(os.path.join(self.root, "blobs"), ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
-            for e in os.scandir(self.blobs):
-                with contextlib.suppress(OSError):
-                    if now - e.stat(follow_symlinks=False).st_ctime > max_age_s:
-                        os.unlink(e.path)
+            for sc in os.scandir(self.scopes):
+                blobs = os.path.join(sc.path, "blobs", "sha256")
+                with contextlib.suppress(FileNotFoundError):
+                    for e in os.scandir(blobs):
+                        with contextlib.suppress(OSError):
+                            if now - e.stat(follow_symlinks=False).st_ctime > max_age_s:
+                                os.unlink(e.path)
+                if blobs != self.blobs:
+                    with contextlib.suppress(OSError):   # empty scopes go
+                        os.rmdir(blobs)
+                        os.rmdir(os.path.dirname(blobs))
+                        os.rmdir(sc.path)
 
     @contextlib.contextmanager
     def lock(self, diff_id: str) -> Iterator[None]:
@@ -338,16 +439,66 @@ def _watch(layout: str, total: int, progress: PullProgress | None, cache: BlobCa
 
 
 # ------------------------------------------------------------------ layers
+#: How many uncompressed layer bytes a pull may unpack per byte of quota room it has
+#: (``max_bytes``): the EROFS layer is what is charged, and mkfs.erofs's compression
+#: rarely gets a real layer below a quarter; a layer over that is refused as over the
+#: quota while it is being unpacked, not after its tree filled the disk (red team F10:
+#: a 200 KiB gzip blob wrote 64 MiB of a 64 MiB filesystem with 1 MiB of room).
+UNPACK_PER_QUOTA_BYTE = 4
+#: Free space a pull leaves on the store's filesystem: the rest of the machine (state
+#: dir, other tenants' sandboxes) writes there too.
+DISK_RESERVE_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Room:
+    """What one pull may still unpack: ``quota`` (None: no quota) across all its layers,
+    ``disk`` for the layer at hand (its tree and its layer file coexist: half of the
+    free space, less a reserve)."""
+
+    quota: int | None
+    disk: int
+
+    @classmethod
+    def of(cls, store: LayerStore, quota: int | None) -> _Room:
+        try:
+            st = os.statvfs(store.root)
+            free = st.f_bavail * st.f_frsize
+            reserve = min(DISK_RESERVE_BYTES, st.f_blocks * st.f_frsize // 10)
+        except OSError:
+            free, reserve = 1 << 62, 0
+        return cls(quota=quota, disk=max(0, free // 2 - reserve))
+
+    def error(self, n: int, layer: LayerBlob) -> DsecError:
+        if self.quota is not None and self.quota <= self.disk:
+            return QuotaExceeded(
+                f"layer {layer.digest} unpacks to more than {self.quota} bytes, what this "
+                f"pull's quota room allows ({UNPACK_PER_QUOTA_BYTE} bytes unpacked per "
+                "byte of room); nothing was stored - raise the project's snapshot_bytes "
+                "quota or pull a smaller image", resource="snapshot_bytes", used=n,
+                limit=self.quota, requested=n)
+        return CapacityExceeded(
+            f"layer {layer.digest} unpacks to more than {self.disk} bytes, what the layer "
+            "store's filesystem has free for it; nothing was stored - free space in the "
+            "store (dsec image prune) or pull a smaller image", used=n, limit=self.disk)
+
+
 class _Hashing:
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: IO[bytes], *, limit: int | None = None,
+                 over: Callable[[int], DsecError] | None = None) -> None:
         self._f = f
         self.h = hashlib.sha256()
         self.n = 0
+        self._limit = limit
+        self._over = over
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
         self.h.update(data)
         self.n += len(data)
+        if self._limit is not None and self.n > self._limit:
+            assert self._over is not None
+            raise self._over(self.n)
         return data
 
     def drain(self) -> None:
@@ -359,18 +510,32 @@ class _Hashing:
         return "sha256:" + self.h.hexdigest()
 
 
-def _unpack(blob_path: str, layer: LayerBlob, dest: str, limits: ExtractLimits) -> None:
-    """Unpack one layer blob into ``dest``, checking blob digest and diff_id."""
+def _unpack(blob_path: str, layer: LayerBlob, dest: str, limits: ExtractLimits,
+            room: _Room) -> tuple[ExtractStats, int]:
+    """Unpack one layer blob into ``dest``, checking blob digest and diff_id; returns
+    the extractor's stats (what it left out, counted in the layer's ``skipped``) and
+    the uncompressed bytes read. The uncompressed stream is cut at ``room`` (quota and
+    free disk) as it is read: a decompression bomb stops there."""
     with open(blob_path, "rb") as raw_f:
         raw = _Hashing(raw_f)
         gz = layer.media_type.endswith("gzip")
         inner: Any = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw  # type: ignore[call-overload]
-        tar = _Hashing(inner)
+        bound = min(room.disk, room.quota if room.quota is not None else room.disk)
+        tar = _Hashing(inner, limit=bound, over=lambda n: room.error(n, layer))
         try:
-            extract_tar(tar, dest, limits=limits, oci_whiteouts=True)  # type: ignore[arg-type]
+            stats = extract_tar(tar, dest, limits=limits,  # type: ignore[arg-type]
+                                oci_whiteouts=True)
             tar.drain()
             raw.drain()
-        except (OSError, EOFError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CapacityExceeded(
+                    f"the layer store's filesystem filled up unpacking layer "
+                    f"{layer.digest}: {exc}; nothing was stored - free space in the "
+                    "store (dsec image prune)") from exc
+            raise CorruptLayer(f"layer blob {layer.digest} is not a readable "
+                               f"{'gzip ' if gz else ''}tar: {exc}") from exc
+        except EOFError as exc:
             raise CorruptLayer(f"layer blob {layer.digest} is not a readable "
                                f"{'gzip ' if gz else ''}tar: {exc}") from exc
     if raw.digest != layer.digest:
@@ -380,10 +545,20 @@ def _unpack(blob_path: str, layer: LayerBlob, dest: str, limits: ExtractLimits) 
         raise CorruptLayer(f"layer {layer.digest} unpacks to a tar with digest {tar.digest}, "
                            f"not the diff_id {layer.diff_id} the image config names; the "
                            "image is corrupt")
+    return stats, tar.n
 
 
 def _usable(m: LayerManifest, namespace: str | None) -> bool:
-    return m.kind == "base" and may_point_at(namespace, m)
+    """A stored layer this pull may stand on without fetching its blob: one of the
+    target namespace itself (whose members read all of it anyway) or cluster-wide
+    (every project reads those). Not an ancestor project's: ``may_point_at`` is the
+    naming right of the ancestor's writers, not a read right of a descendant's members,
+    and a reuse by a diff_id the caller's own config claims is no proof of the content
+    (red team F14: a child project's member stacked the parent's private layer)."""
+    if m.kind != "base" or not may_point_at(namespace, m):
+        return False
+    owner = layer_namespace(m)
+    return owner is None or owner == namespace
 
 
 def _bare(m: LayerManifest) -> bool:
@@ -394,10 +569,15 @@ def _same(stack: tuple[str, ...], labels: dict[str, str]) -> Callable[[LayerMani
     return lambda m: m.stack == stack and m.labels == labels
 
 
-def _find(store: LayerStore, diff_id: str, namespace: str | None,
+def _find(store: LayerStore, layer: LayerBlob, namespace: str | None,
           want: Callable[[LayerManifest], bool]) -> LayerManifest | None:
+    """A stored layer for ``layer``'s position: the same diff_id AND the same source
+    blob digest (the manifest's, which skopeo verifies against the registry), in a
+    namespace :func:`_usable` allows."""
     for m in store.manifests():
-        if m.labels.get(DIFFID_LABEL) == diff_id and _usable(m, namespace) and want(m):
+        if m.labels.get(DIFFID_LABEL) == layer.diff_id \
+                and m.labels.get(BLOB_LABEL) == layer.digest \
+                and _usable(m, namespace) and want(m):
             return m
     return None
 
@@ -407,12 +587,19 @@ def pull_image(store: LayerStore, ref: str, *, namespace: str | None = None,
                options: PullOptions = PullOptions(),
                progress: PullProgress | None = None, compression: Compression | None = None,
                limits: ExtractLimits = DEFAULT_LIMITS, max_bytes: int | None = None,
-               name_it: bool = True) -> PullResult:
+               name_it: bool = True, pin: Pin | None = None,
+               admit: Admit | None = None) -> PullResult:
     """Pull ``ref`` (``host[:port]/repo[:tag|@digest]``) into ``store`` as image
     ``[namespace/]name:tag`` (default :func:`dsec.image.registry.local_name`). Layers
     built belong to ``namespace``; ``max_bytes`` bounds each new layer file.
     ``name_it=False`` leaves the naming to the caller (the API charges the layers to a
-    quota first). See the module docstring for the steps and guarantees."""
+    quota first). See the module docstring for the steps and guarantees.
+
+    ``pin``: every layer of the image (built or reused) is pinned on it from the moment
+    this pull has it, so a prune (``dsec image prune``, the store budget, another
+    replica) never takes one before the name is set; pass one when naming later
+    (``name_it=False``), else the pull holds its own until it has named the image.
+    ``admit``: :meth:`LayerStore.tag`'s quota check for the name (``image_bytes``)."""
     r = parse_registry_ref(ref)
     dname, dtag = local_name(r)
     name, tag = name or dname, tag or dtag
@@ -420,31 +607,54 @@ def pull_image(store: LayerStore, ref: str, *, namespace: str | None = None,
         raise InvalidArgument(f"image name {name!r} must be bare: the project goes in "
                               "namespace=", field="name")
     deadline = time.monotonic() + options.timeout_s
-    with _private_creds(store, r, options) as opts:
+    with contextlib.ExitStack() as held:
+        if pin is None:
+            pin = held.enter_context(store.pinned())
+        opts = held.enter_context(_private_creds(store, r, options))
         return _pull(store, r, name, tag, opts, deadline, namespace=namespace, owner=owner,
                      progress=progress, compression=compression, limits=limits,
-                     max_bytes=max_bytes, name_it=name_it)
+                     max_bytes=max_bytes, name_it=name_it, pin=pin, admit=admit)
 
 
 @contextlib.contextmanager
 def _private_creds(store: LayerStore, r: RegistryRef, opts: PullOptions,
                    ) -> Iterator[PullOptions]:
     """``creds`` moved into a private auth file for skopeo (``--creds`` on its command
-    line would show the password to every host user in /proc/<pid>/cmdline)."""
-    if opts.creds is None:
-        yield opts
-        return
+    line would show the password to every host user in /proc/<pid>/cmdline); without
+    creds or an auth file, and not ``ambient_auth``, an empty one, and skopeo's $HOME
+    an empty private dir: it finds no login of the host user running it."""
     import base64
     import dataclasses
-    if ":" not in opts.creds:
+    if opts.creds is None and (opts.authfile is not None or opts.ambient_auth):
+        yield opts
+        return
+    if opts.creds is not None and ":" not in opts.creds:
         raise InvalidArgument("registry credentials must be user:password", field="creds")
     with store.staging("auth-") as d:
         path = os.path.join(d, "auth.json")
+        auths = {} if opts.creds is None else {r.host: {"auth": base64.b64encode(
+            opts.creds.encode()).decode()}}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"auths": {r.host: {"auth": base64.b64encode(
-                opts.creds.encode()).decode()}}}, f)
-        yield dataclasses.replace(opts, creds=None, authfile=path, secret=opts.creds)
+            json.dump({"auths": auths}, f)
+        yield dataclasses.replace(opts, creds=None, authfile=path, secret=opts.creds,
+                                  home=d)
+
+
+def check_defaults(d: ImageDefaults, what: str) -> None:
+    """Refuse (``ImageError``, naming the config field) an image config whose Env,
+    WorkingDir or User the sandbox spec rules refuse: stored, every create from it would
+    fail blaming a field the caller never set (red team F13)."""
+    from dsec.wire.spec import SandboxSpec
+
+    try:
+        SandboxSpec(image="config-check", env=dict(d.env), cwd=d.cwd, user=d.user).validate()
+    except InvalidArgument as exc:
+        field = {"env": "Env", "cwd": "WorkingDir", "user": "User"}.get(
+            str(exc.detail.get("field", "")), "config")
+        raise ImageError(f"the image config of {what[:200]} sets a {field} no sandbox may "
+                         f"have ({exc.message[:300]}); nothing was stored - fix the image "
+                         "(its Dockerfile's ENV/WORKDIR/USER) and push it again") from None
 
 
 def _fetch_config(r: RegistryRef, digest: str, cfg_digest: str, opts: PullOptions, *,
@@ -469,7 +679,7 @@ def _have(store: LayerStore, layers: Sequence[LayerBlob], namespace: str | None,
         is_top = i == len(layers) - 1
         labels = {DIFFID_LABEL: layer.diff_id, BLOB_LABEL: layer.digest,
                   **(top_labels if is_top else {})}
-        m = _find(store, layer.diff_id, namespace,
+        m = _find(store, layer, namespace,
                   _same(tuple(reversed(below)), labels) if is_top else _bare)
         if m is None:
             return False
@@ -480,7 +690,8 @@ def _have(store: LayerStore, layers: Sequence[LayerBlob], namespace: str | None,
 def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullOptions,
           deadline: float, *, namespace: str | None, owner: str | None,
           progress: PullProgress | None, compression: Compression | None,
-          limits: ExtractLimits, max_bytes: int | None, name_it: bool) -> PullResult:
+          limits: ExtractLimits, max_bytes: int | None, name_it: bool, pin: Pin,
+          admit: Admit | None) -> PullResult:
     digest, manifest, want = resolve_manifest(r, options, deadline=deadline)
     cfg_desc = manifest.get("config")
     cfg_digest = str(cfg_desc.get("digest")) if isinstance(cfg_desc, dict) else ""
@@ -489,13 +700,16 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
     layers = image_layers(manifest, config)
     if not layers:
         raise ImageError(f"{r} has no layers")
-    top_labels = {**defaults_labels(image_defaults(config)), REF_LABEL: str(r),
+    defaults = image_defaults(config)
+    check_defaults(defaults, str(r))
+    top_labels = {**defaults_labels(defaults), REF_LABEL: str(r),
                   PLATFORM_LABEL: str(want), CONFIG_LABEL: cfg_digest}
-    cache = BlobCache(store)
+    cache = BlobCache(store, cache_scope(namespace, r, options))
     cache.expire(CACHE_MAX_AGE_S, time.time())
     blob_digests = [x.digest for x in layers]
     made: list[LayerManifest] = []
     fetched = 0
+    quota_left = None if max_bytes is None else max_bytes * UNPACK_PER_QUOTA_BYTE
     try:
         with store.staging("pull-") as scratch:
             blob_dir = os.path.join(scratch, "blobs", "sha256")
@@ -507,7 +721,11 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
                     with _watch(scratch, total, progress, cache):
                         _run_skopeo(["copy", "--quiet", *options.auth_args(src=True),
                                      r.docker(digest), f"oci:{scratch}:img"], r, options,
-                                    deadline=deadline)
+                                    deadline=deadline,
+                                    # skopeo writes each blob as a temp file in the
+                                    # layout's root, then renames it into blobs/
+                                    progress=lambda: _dir_bytes(blob_dir) + _dir_bytes(
+                                        scratch))
                 finally:
                     cache.keep(scratch)
                 fetched = sum(os.stat(os.path.join(blob_dir, d[7:])).st_size
@@ -523,34 +741,44 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
                 if progress is not None:
                     progress(f"layer {i + 1}/{len(layers)}", 0, layer.size)
                 with cache.lock(layer.diff_id):
-                    found = _find(store, layer.diff_id, namespace,
+                    found = _find(store, layer, namespace,
                                   _same(stack, labels) if is_top else _bare)
+                    if found is not None:
+                        try:
+                            pin.add(found.digest)   # under the store lock: still there
+                        except ImageNotFound:
+                            found = None            # pruned since: build it again
                     if found is None:
                         if not os.path.exists(blob):
                             raise Conflict(f"layer {layer.diff_id} of {r} was removed from "
                                            "the store while it was being pulled; pull again")
                         with store.staging("pull-layer-") as stage:
-                            _unpack(blob, layer, stage, limits)
+                            ex, unpacked = _unpack(blob, layer, stage, limits,
+                                                   _Room.of(store, quota_left))
+                            if quota_left is not None:
+                                quota_left -= unpacked   # a running total: every layer
                             found = store.add_tree(
                                 stage, kind="base", labels=labels, compression=compression,
                                 stack=stack if is_top else (), namespace=namespace,
-                                owner=owner, max_bytes=max_bytes,
-                                what=f"layer {i + 1} of {r}")
+                                owner=owner, max_bytes=max_bytes, pin=pin,
+                                skipped=ex.skipped, what=f"layer {i + 1} of {r}")
                         made.append(found)
                 if progress is not None:
                     progress(f"layer {i + 1}/{len(layers)}", layer.size, layer.size)
                 below.append(found)
             top = below[-1]
             if name_it:
-                store.tag(top.digest, name, tag, namespace=namespace)
+                store.tag(top.digest, name, tag, namespace=namespace, admit=admit)
             # The layers are in the store now: this pull's blobs leave the cache (it
             # holds what interrupted pulls fetched, for their retries, not a second copy
             # of every image pulled).
             cache.forget(scratch)
     except BaseException:
+        # discard, not remove: a reproducible layer may be one somebody else names or
+        # is building right now (their pin), which stays
         for m in reversed(made):
             with contextlib.suppress(DsecError, OSError):
-                store.remove(m.digest)
+                store.discard(m.digest, pin=pin)
         raise
     return PullResult(image=store.get(top.digest), layers=below[::-1], made=made,
                       fetched_bytes=fetched, ref=str(r), manifest_digest=digest,

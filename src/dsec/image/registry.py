@@ -22,6 +22,7 @@ skopeo's, :mod:`dsec.image.pull`):
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import platform as _platform
 import re
@@ -52,6 +53,11 @@ INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
+#: Layers a pulled image may have, checked before anything is fetched (red team F11: a
+#: 501-layer image was pulled, charged and named, then never ran, after minutes of mkfs).
+#: Docker's own ceiling is 127 layers; the rest of overlayfs' 500 lowers stays for the
+#: sandbox's workspace, toolkits (64) and snapshot chain.
+MAX_IMAGE_LAYERS = 128
 #: Layer media types whose blobs are tar streams we can read (gzip or none).
 LAYER_TYPES = ("application/vnd.oci.image.layer.v1.tar",
                "application/vnd.oci.image.layer.v1.tar+gzip",
@@ -93,6 +99,27 @@ class RegistryRef:
         if digest is not None:
             return f"docker://{self.repository}@{digest}"
         return f"docker://{self}"
+
+
+def host_only(host: str) -> str:
+    """``host[:port]`` without the port and IPv6 brackets (``[::1]:5000`` -> ``::1``)."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a registry ``host[:port]`` is this machine: ``localhost`` or an IP
+    *literal* in 127.0.0.0/8 or ``::1`` (docker's insecure-by-default rule). A name is
+    never parsed by its spelling: ``127.attacker.example`` is a public DNS name (red
+    team F3: a ``startswith("127.")`` test turned TLS off for it)."""
+    h = host_only(host).lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def is_registry_ref(ref: str) -> bool:
@@ -153,11 +180,20 @@ def local_name(ref: RegistryRef) -> tuple[str, str]:
     """The store's bare name and tag for a pulled image: ``host-port_repo_path`` (a name
     holds no '/', ':' becomes '-') and the tag, or ``sha256-<hex>`` for a digest ref.
     A name longer than a store name may be keeps its tail and a hash of the whole."""
-    name = (ref.host.lower().replace(":", "-").replace("[", "").replace("]", "")
+    host = ref.host.lower()
+    name = (host.replace(":", "-").replace("[", "").replace("]", "")
             + "_" + ref.repo.replace("/", "_"))
+    # Injective (red team F5: quay.io/org/python and quay.io/org_python, host:5000 and a
+    # host named host-5000, [::1]:5000 and [::1:5000] shared a name, and a create of one
+    # ran the other): the plain spelling reads back uniquely when the host has no '-'
+    # (so '-' was ':'), no brackets and the repo no '_' (so '_' was '/'; a host never
+    # has one); any other ref gets '__' (which no plain spelling holds) and a hash of
+    # the canonical host/repo.
+    canon = hashlib.sha256(f"{host}/{ref.repo}".encode()).hexdigest()
+    if "-" in host or "[" in host or "_" in ref.repo:
+        name = name.lstrip("._-")[:_NAME_MAX - 18] + "__" + canon[:16]
     if len(name) > _NAME_MAX:
-        h = hashlib.sha256(name.encode()).hexdigest()[:12]
-        name = h + "-" + name[-(_NAME_MAX - 13):].lstrip("._-")
+        name = canon[:16] + "-" + name[-(_NAME_MAX - 17):].lstrip("._-")
     tag = ("sha256-" + ref.digest.removeprefix("sha256:")) if ref.digest else (ref.tag or "latest")
     return name, tag
 
@@ -257,6 +293,12 @@ def image_layers(manifest: Mapping[str, Any], config: Mapping[str, Any]) -> list
         raise ImageError(
             f"the image config lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
             f"rootfs.diff_ids for {len(layers)} layers; the image is malformed")
+    if len(layers) > MAX_IMAGE_LAYERS:
+        raise ImageError(
+            f"the image has {len(layers)} layers, over the {MAX_IMAGE_LAYERS} a pulled image "
+            "may have (a sandbox stacks them with its workspace, toolkits and snapshots "
+            "under overlayfs' 500 lowers); nothing was fetched - squash the image "
+            "(fewer RUN steps, or `docker build --squash`) and push it again")
     out = []
     for i, (d, diff) in enumerate(zip(layers, diff_ids, strict=True)):
         if not isinstance(d, dict) or not isinstance(d.get("digest"), str) \
@@ -269,6 +311,13 @@ def image_layers(manifest: Mapping[str, Any], config: Mapping[str, Any]) -> list
             raise ImageError(
                 f"layer {i} ({d['digest']}) has media type {mt!r}: only tar and tar+gzip "
                 "layers are read (zstd is not); re-push the image with gzip layers")
+        if "nondistributable" in mt or "foreign" in mt:
+            # skopeo does not copy them (their blob is at the layer's own urls, any host,
+            # outside the registry and its allow-list): refused, not half-pulled (F15)
+            raise ImageError(
+                f"layer {i} ({d['digest']}) is a foreign (non-distributable) layer, fetched "
+                "from URLs outside the registry: dsec does not pull those; re-push the "
+                "image with its layers in the registry")
         out.append(LayerBlob(d["digest"], diff, mt, int(d.get("size") or 0)))
     return out
 

@@ -13,11 +13,12 @@ the plane's quota gate, reached through :class:`SnapshotCharges`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Protocol
 
 import msgspec
@@ -58,6 +59,12 @@ from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
 
+#: Threads running registry pulls (skopeo + unpack + mkfs) for one apiserver.
+PULL_WORKERS = 8
+#: Pulls of one project at once; the rest wait their turn (a project cannot take
+#: every pull thread).
+PULLS_PER_PROJECT = 2
+
 log = logging.getLogger("dsec.control")
 
 
@@ -84,7 +91,15 @@ class ImageAdmin:
         self._store_cache: LayerStore | None = None
         self._index_cache: StoreIndex | None = None
         self._pulls: dict[tuple[str, str], asyncio.Lock] = {}
-        # host[:port] patterns (fnmatch) callers may pull from; None: any registry
+        # Registry pulls run in a pool of their own, at most PULLS_PER_PROJECT of one
+        # project at once: pulls stalled on a silent registry hold these threads, never
+        # the event loop's default executor every other route (builds, prune, the
+        # plane's jobs) shares, nor another project's turn (red team F12).
+        self._pull_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pull_slots: dict[str, asyncio.Semaphore] = {}
+        self._pull_waiting: dict[str, int] = {}
+        # host[:port] patterns (fnmatch) callers may pull from; None: any registry but
+        # loopback / link-local / private IP literals and localhost (check_registry)
         self.registries: tuple[str, ...] | None = None
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
@@ -167,6 +182,7 @@ class ImageAdmin:
         for 127.0.0.0/8), others over verified TLS; credentials are the apiserver host's
         (skopeo's auth files), never the create's. The spec then names the store name,
         which :meth:`resolve_layers` resolves like any other."""
+        from dsec.image.pull import REF_LABEL
         from dsec.image.registry import is_registry_ref, local_name, parse_registry_ref
 
         if spec.snapshot is not None or not is_registry_ref(spec.image):
@@ -179,11 +195,20 @@ class ImageAdmin:
         local = f"{name}:{tag}"
 
         def pulled() -> SandboxSpec | None:
+            # A stored name counts only when its image was pulled from exactly this ref
+            # (its oci.ref label, which a digest ref's digest is part of): a member may
+            # point any name at any project layer (images.tag, build, pull --name), and
+            # a digest-pinned create must run the image with that manifest digest
+            # (red team F4), a tag ref that repository's image (F5).
             index = self._index()
             assert index is not None
             for key in ((f"{project}/{local}",) if project else ()) + (local,):
-                if index.digest_of(key) is not None:
-                    return msgspec.structs.replace(spec, image=key)
+                digest = index.digest_of(key)
+                if digest is None:
+                    continue
+                with contextlib.suppress(DsecError):
+                    if self._layers().get(digest).labels.get(REF_LABEL) == str(r):
+                        return msgspec.structs.replace(spec, image=key)
             return None
         found = pulled()
         if found is not None:
@@ -198,13 +223,16 @@ class ImageAdmin:
                 found = pulled()
                 if found is not None:
                     return found
-                return await self._pull_for_create(caller, spec, r, project, local)
+                return await self._pull_for_create(caller, spec, r, project, local, pulled)
         finally:
             if not lock.locked():
                 self._pulls.pop((project, local), None)   # bounded by pulls in flight
 
     async def _pull_for_create(self, caller: Caller, spec: SandboxSpec, r: RegistryRef,
-                               project: str, local: str) -> SandboxSpec:
+                               project: str, local: str,
+                               pulled: Callable[[], SandboxSpec | None]) -> SandboxSpec:
+        from dsec.image.registry import is_loopback_host
+
         check_registry(r.host, self.registries)
         allowed, said_by = self.charges.registry_pull(project)
         if not allowed:
@@ -214,11 +242,14 @@ class ImageAdmin:
                 f"registry_pull=false on project {said_by!r}): pull it first with "
                 "images.pull / `dsec image pull`, or ask an admin to set registry_pull "
                 "to true", field="image")
-        host = r.host.rsplit(":", 1)[0] if not r.host.endswith("]") else r.host
-        insecure = host in ("localhost", "[::1]") or host.startswith("127.")
-        await self.pull_image(caller, ImagePullRequest(ref=spec.image, project=project,
-                                                       insecure=insecure))
-        return msgspec.structs.replace(spec, image=f"{project}/{local}")
+        insecure = is_loopback_host(r.host)     # IP literals only, never a name's spelling
+        res = await self.pull_image(caller, ImagePullRequest(
+            ref=spec.image, project=project, insecure=insecure))
+        found = pulled()
+        if found is None and res.items:
+            # the name moved since the pull set it: the image this pull stored, by digest
+            found = msgspec.structs.replace(spec, image=res.items[0].digest)
+        return found or msgspec.structs.replace(spec, image=f"{project}/{local}")
 
     def list_images(self, caller: Caller) -> ImageList:
         """Layers in the shared layer store that the caller may see: cluster-wide ones,
@@ -496,6 +527,20 @@ class ImageAdmin:
             pin.close()
         return made.items[0]
 
+    @contextlib.asynccontextmanager
+    async def _pull_slot(self, project: str) -> AsyncIterator[None]:
+        """One of the project's PULLS_PER_PROJECT pull slots (the table holds only
+        projects with pulls running or waiting)."""
+        sem = self._pull_slots.setdefault(project, asyncio.Semaphore(PULLS_PER_PROJECT))
+        self._pull_waiting[project] = self._pull_waiting.get(project, 0) + 1
+        try:
+            async with sem:
+                yield
+        finally:
+            self._pull_waiting[project] -= 1
+            if not self._pull_waiting[project]:
+                del self._pull_waiting[project], self._pull_slots[project]
+
     def pull_target(self, caller: Caller, req: ImagePullRequest) -> tuple[str | None, str,
                                                                           str]:
         """(namespace, bare name, tag) a pull writes, with the caller's write right on
@@ -539,24 +584,36 @@ class ImageAdmin:
         room = self.charges.snapshot_room(ns) if ns else None
         if room == 0 and ns:
             self.charges.check_snapshot(ns, 1)   # raises, naming the full quota
-        res = await asyncio.to_thread(pull_image, store, req.ref, namespace=ns,
-                                      owner=caller.id, name=name, tag=tag, options=opts,
-                                      max_bytes=room, name_it=False)
-        charged: list[str] = []
-        try:
-            if ns:
-                for m in res.made:
-                    self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
-                    charged.append(m.digest)
-            # named only once charged: a refused pull moves no tag
-            store.tag(res.image.digest, name, tag, namespace=ns)
-        except BaseException:
-            for m in reversed(res.made):
-                with contextlib.suppress(DsecError, OSError):
-                    store.remove(m.digest)
-            for digest in charged:
-                self.charges.release_snapshot(digest)
-            raise
+        # Every layer of the image pinned from the moment the pull has it until it is
+        # named: a prune (CLI, another replica, the store budget) never takes one between.
+        with store.pinned() as pin:
+            async with self._pull_slot(ns or ""):
+                if self._pull_pool is None:
+                    self._pull_pool = concurrent.futures.ThreadPoolExecutor(
+                        PULL_WORKERS, thread_name_prefix="dsec-pull")
+                res = await asyncio.get_running_loop().run_in_executor(
+                    self._pull_pool, functools.partial(
+                        pull_image, store, req.ref, namespace=ns, owner=caller.id,
+                        name=name, tag=tag, options=opts, max_bytes=room, name_it=False,
+                        pin=pin))
+            charged: list[str] = []
+            try:
+                if ns:
+                    for m in res.made:
+                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                        charged.append(m.digest)
+                # named only once charged, through the image_bytes check under the
+                # store's lock: a refused pull moves no tag
+                store.tag(res.image.digest, name, tag, namespace=ns,
+                          admit=self.admit_names(ns))
+            except BaseException:
+                # discard, never remove: a reproducible layer somebody else names or
+                # builds at once stays (and keeps its charge)
+                for m in reversed(res.made):
+                    with contextlib.suppress(DsecError, OSError):
+                        if store.discard(m.digest, pin=pin) and m.digest in charged:
+                            self.charges.release_snapshot(m.digest)
+                raise
         index = self._index()
         assert index is not None
         can_see = _can_see(caller)
@@ -565,11 +622,31 @@ class ImageAdmin:
 
 def check_registry(host: str, allowed: tuple[str, ...] | None) -> None:
     """``PermissionDenied`` unless ``host`` (``name[:port]``) matches one of the
-    apiserver's allowed registry patterns (None: any). A pattern without a port matches
-    the host on any port."""
+    apiserver's allowed registry patterns. A pattern without a port matches the host on
+    any port. None (the default): any registry but the apiserver's own neighbourhood -
+    ``localhost`` and IP literals that are loopback, link-local (cloud metadata),
+    private, unspecified, multicast or reserved, which only an operator's list opens
+    (red team F6: a pull connects from the apiserver's host wherever a caller says).
+    A *name* that resolves to such an address is not caught here (skopeo resolves it),
+    nor a redirect or token realm a listed registry sends skopeo to: list only
+    registries you trust (docs/images.md "Which registries")."""
     import fnmatch
+    import ipaddress
+
+    from dsec.image.registry import host_only
 
     if allowed is None:
+        h = host_only(host).lower()
+        internal = h == "localhost" or h.endswith(".localhost")
+        with contextlib.suppress(ValueError):
+            ip = ipaddress.ip_address(h)
+            internal = not ip.is_global or ip.is_multicast
+        if internal:
+            raise PermissionDenied(
+                f"this apiserver does not pull from registry {host[:200]!r} by default: "
+                "loopback, link-local and private addresses are the apiserver's own "
+                "network; an operator opens them with `dsec up --registry PATTERN` "
+                "(ClusterConfig.registries)", field="ref")
         return
     bare = host.rsplit(":", 1)[0] if not host.endswith("]") else host
     if any(fnmatch.fnmatchcase(host, p) or (":" not in p.lstrip("[").split("]")[-1]

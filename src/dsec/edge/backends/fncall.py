@@ -155,6 +155,14 @@ _LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
                "LANG": "C.UTF-8"}
 
 
+def _pollin(fd: int) -> bool:
+    """Readable now (a pidfd: its process exited)? poll(), not select(): on a busy node
+    the fd's number can pass select()'s FD_SETSIZE (1024)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
+
+
 class _Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     exit_code: int = 0
     value: bytes | None = None          # msgpack of the return value, if it had one
@@ -252,7 +260,7 @@ class _Worker:
             return False
         if self.pidfd is not None and (
                 (self.zygote is not None and self.zygote.returncode is not None)
-                or select.select([self.pidfd], [], [], 0)[0]):
+                or _pollin(self.pidfd)):
             return False  # its init exited, or is being killed with its zygote
         try:
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
