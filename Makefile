@@ -6,11 +6,15 @@ STAMP := $(VENV)/.installed
 APT_STAMP := .apt-installed
 # Debian packages dsec needs: erofs-utils (image layers), busybox-static (tiny base
 # images for tests and the demo), tini/catatonit (PID 1 in sandboxes), runc (the
-# reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2.
+# reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2, openssl
+# (the network tests' HTTPS/DoT servers: a self-signed certificate made once per run).
+# skopeo pulls images from OCI registries (dsec.image.pull); docker-registry (the CNCF
+# distribution registry) is the tests' local registry; umoci the bench's baseline.
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
-                wrk \
+                wrk openssl \
+                skopeo docker-registry umoci \
                 mmdebstrap apt-utils
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which

@@ -50,7 +50,14 @@ from dsec.cluster.local import LocalCluster
 from dsec.errors import DsecError, InvalidArgument
 from dsec.wire import ops
 from dsec.wire import spec as wspec
-from dsec.wire.api import CreateKeyRequest, ExecStreamLine, ImageTagRequest, QuotaBody
+from dsec.wire.api import (
+    CreateKeyRequest,
+    ExecStreamLine,
+    ImagePromoteRequest,
+    ImagePullRequest,
+    ImageTagRequest,
+    QuotaBody,
+)
 from dsec.wire.calls import (
     CreateMany,
     CreateManyOnNode,
@@ -111,6 +118,10 @@ class World:
     image: str = ""                 # a layer's digest (built at start)
     tmp: str = ""
     oci: str = ""                   # an OCI image tarball
+    registry: str = ""              # host:port of a local registry holding cat/pulled:1
+    # a build's step layer on the base (a snapshot layer in the store: the world's
+    # backend is simulated, whose snapshots are not layers)
+    built: str = ""
     _n: list[int] = field(default_factory=lambda: [0])
 
     def n(self) -> int:
@@ -239,7 +250,12 @@ EXAMPLES: dict[str, Example] = {
                                            target=f"cat-tag-{w.n()}:v1"),
     "image_build": lambda w: ImageUpload(name=f"cat-built-{w.n()}", kind="toolkit"),
     "image_import": lambda w: ImageUpload(name=f"cat-oci-{w.n()}"),
+    "image_pull": lambda w: ImagePullRequest(ref=f"{w.registry}/cat/pulled:1",
+                                             insecure=True),
     "image_prune": lambda w: ImagePrune(dry_run=True),
+    "image_promote": lambda w: ImagePromoteRequest(
+        top=w.built, base="cat-base", target=f"cat-promoted-{w.n()}:1", env={"A": "1"},
+        workdir="/srv"),
     "port_expose": lambda w: PortExpose(id=w.sid, port=8000),
     "port_list": lambda w: SandboxRef(id=w.sid),
     "port_connect": lambda w: PortConnect(id=w.sid, port=8000, generation=w.port_gen()),
@@ -397,8 +413,15 @@ def _call(w: World, op: Op[Any, Any], door: str, req: Any) -> Any:
 # ================================================================= the tests
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    with LocalCluster(edges=1) as cl:
-        w = World(cluster=cl, tmp=str(tmp_path_factory.mktemp("catalogue")))
+    from dsec.image.localregistry import Entry, push, registry, tar_entries, write_image
+    tmp = str(tmp_path_factory.mktemp("catalogue"))
+    with LocalCluster(edges=1, registries=("127.0.0.1",)) as cl, \
+            registry(os.path.join(tmp, "registry")) as reg:
+        w = World(cluster=cl, tmp=tmp, registry=reg.host)
+        layout = os.path.join(tmp, "pull-layout")
+        write_image(layout, "p", [tar_entries([Entry("etc", "dir"),
+                                                Entry("etc/pulled", data=b"yes")])])
+        push(layout, "p", f"{reg.host}/cat/pulled:1")
         w.oci = _oci_tar(w.tmp)
         w.sid = str(w.ok("POST", "/v1/sandboxes", json={"labels": {"cat": "world"}}
                          ).json()["id"])
@@ -408,7 +431,23 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         r = w.ok("POST", "/v1/images", params={"name": "cat-tool", "kind": "toolkit"},
                  content=_layer_tar())
         w.image = str(r.json()["items"][0]["digest"])
+        w.built = _step_layer(cl, w.tmp)
         yield w
+
+
+def _step_layer(cl: LocalCluster, tmp: str) -> str:
+    from dsec.image import LayerStore
+    from dsec.image.manifest import PROJECT_LABEL
+
+    store = LayerStore(os.path.join(cl.state_dir, "layers"))
+    os.makedirs(os.path.join(tmp, "cat-base", "etc"))
+    base = store.add_tree(os.path.join(tmp, "cat-base"), kind="base", name="cat-base")
+    tree = os.path.join(tmp, "step")
+    os.makedirs(os.path.join(tree, "srv"))
+    with open(os.path.join(tree, "srv", "made"), "w") as f:
+        f.write("by a step\n")
+    return store.add_tree(tree, kind="snapshot", labels={PROJECT_LABEL: "default"},
+                          stack=(base.digest, *base.stack)).digest
 
 
 def _order() -> list[Op[Any, Any]]:
@@ -417,7 +456,9 @@ def _order() -> list[Op[Any, Any]]:
 
 
 CASES = [pytest.param(op, door, id=f"{op.name}-{door}",
-                      marks=[requires_root] if op is ops.IMAGE_IMPORT else [])
+                      marks=[requires_root] if op in (ops.IMAGE_IMPORT, ops.IMAGE_PULL,
+                                                      ops.IMAGE_PROMOTE)
+                      else [])
          for op in _order() for door in _doors(op)]
 
 

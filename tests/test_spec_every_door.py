@@ -34,7 +34,7 @@ SAMPLE = SandboxSpec(
     labels={"team": "rl"}, project="default/sub", ttl_s=3600.0, idle_timeout_s=600.0,
     idle_action="pause", env={"E": "1"},
     network=NetworkPolicy(mode="allowlist", allow=("example.com:443",)), allow_nested=True,
-    user_namespace=True)
+    user_namespace=True, cwd="/srv", user="1000:1000", build_step="b" * 64)
 
 
 def test_the_sample_sets_every_field() -> None:
@@ -62,7 +62,8 @@ def _sdk_kwargs(spec: SandboxSpec) -> dict[str, Any]:
             "priority": spec.priority, "labels": spec.labels, "project": spec.project,
             "ttl": spec.ttl_s, "idle_timeout": spec.idle_timeout_s,
             "idle_action": spec.idle_action, "env": spec.env, "network": spec.network,
-            "allow_nested": spec.allow_nested, "user_namespace": spec.user_namespace}
+            "allow_nested": spec.allow_nested, "user_namespace": spec.user_namespace,
+            "cwd": spec.cwd, "user": spec.user, "build_step": spec.build_step}
 
 
 def _edge_address(cluster: LocalCluster) -> str:

@@ -7,7 +7,10 @@
  *   nettool udp HOST PORT DATA        send one datagram
  *   nettool spoof SRC DST PORT DATA   raw IPv4/UDP packet with a forged source
  *   nettool icmp HOST                 ICMP echo over a raw socket, wait 1 s for a reply
- *   nettool tcp6 HOST PORT            IPv6 connect
+ *   nettool tcp6 HOST PORT [DATA]     IPv6 connect (with DATA: send it, print the reply)
+ *   nettool tls HOST PORT SNI         a TLS 1.2 ClientHello naming SNI, sent to HOST (IPv4
+ *                                     or IPv6); prints "OK serverhello" when a TLS server
+ *                                     answered it with a handshake record
  *   nettool setaddr IP                SIOCSIFADDR on eth0 (needs CAP_NET_ADMIN)
  *   nettool sysctl PATH VALUE         write /proc/sys/PATH
  * Prints "OK ..." or "ERR <errno name>: ..." and exits 0 / 1. */
@@ -145,7 +148,7 @@ static int icmp(const char *host) {
     return 0;
 }
 
-static int tcp6(const char *host, int port) {
+static int tcp6(const char *host, int port, const char *data) {
     struct sockaddr_in6 a;
     memset(&a, 0, sizeof a);
     a.sin6_family = AF_INET6;
@@ -155,7 +158,83 @@ static int tcp6(const char *host, int port) {
     if (s < 0) return fail("socket(inet6)");
     timeouts(s, 1500);
     if (connect(s, (struct sockaddr *)&a, sizeof a) < 0) return fail("connect");
-    printf("OK connected\n");
+    if (!data) { printf("OK connected\n"); return 0; }
+    if (send(s, data, strlen(data), MSG_NOSIGNAL) < 0) return fail("send");
+    char buf[512];
+    ssize_t n = recv(s, buf, sizeof buf - 1, 0);
+    if (n < 0) return fail("recv");
+    buf[n] = 0;
+    printf("OK %s", buf);
+    return 0;
+}
+
+/* A ClientHello as a browser's would start: TLS 1.2, ECDHE suites, SNI, groups,
+ * point formats, signature algorithms. Enough for an OpenSSL server to answer. */
+static size_t client_hello(unsigned char *m, const char *sni) {
+    size_t n = strlen(sni), o = 0, ext_len, hs_len;
+    unsigned char ext[512];
+    size_t e = 0;
+    /* server_name */
+    ext[e++] = 0; ext[e++] = 0;
+    ext[e++] = (unsigned char)((n + 5) >> 8); ext[e++] = (unsigned char)(n + 5);
+    ext[e++] = (unsigned char)((n + 3) >> 8); ext[e++] = (unsigned char)(n + 3);
+    ext[e++] = 0;
+    ext[e++] = (unsigned char)(n >> 8); ext[e++] = (unsigned char)n;
+    memcpy(ext + e, sni, n); e += n;
+    /* supported_groups: x25519, secp256r1 */
+    static const unsigned char groups[] = {0, 10, 0, 6, 0, 4, 0, 29, 0, 23};
+    memcpy(ext + e, groups, sizeof groups); e += sizeof groups;
+    /* ec_point_formats: uncompressed */
+    static const unsigned char points[] = {0, 11, 0, 2, 1, 0};
+    memcpy(ext + e, points, sizeof points); e += sizeof points;
+    /* signature_algorithms: rsa_pss_rsae_sha256, rsa_pkcs1_sha256, ecdsa_secp256r1_sha256 */
+    static const unsigned char sigs[] = {0, 13, 0, 8, 0, 6, 8, 4, 4, 1, 4, 3};
+    memcpy(ext + e, sigs, sizeof sigs); e += sizeof sigs;
+    ext_len = e;
+    static const unsigned char suites[] = {0xc0, 0x2f, 0xc0, 0x2b, 0xc0, 0x30, 0xc0, 0x2c};
+    hs_len = 2 + 32 + 1 + 2 + sizeof suites + 2 + 2 + ext_len;
+    m[o++] = 0x16; m[o++] = 3; m[o++] = 1;
+    m[o++] = (unsigned char)((hs_len + 4) >> 8); m[o++] = (unsigned char)(hs_len + 4);
+    m[o++] = 1; m[o++] = 0;
+    m[o++] = (unsigned char)(hs_len >> 8); m[o++] = (unsigned char)hs_len;
+    m[o++] = 3; m[o++] = 3;
+    for (int i = 0; i < 32; i++) m[o++] = (unsigned char)(i * 7 + 1);
+    m[o++] = 0;  /* no session id */
+    m[o++] = 0; m[o++] = sizeof suites;
+    memcpy(m + o, suites, sizeof suites); o += sizeof suites;
+    m[o++] = 1; m[o++] = 0;  /* compression: null */
+    m[o++] = (unsigned char)(ext_len >> 8); m[o++] = (unsigned char)ext_len;
+    memcpy(m + o, ext, ext_len); o += ext_len;
+    return o;
+}
+
+static int tls(const char *host, int port, const char *sni) {
+    struct sockaddr_storage ss;
+    socklen_t len;
+    memset(&ss, 0, sizeof ss);
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&ss;
+    if (strchr(host, ':')) {
+        a6->sin6_family = AF_INET6;
+        a6->sin6_port = htons((unsigned short)port);
+        if (inet_pton(AF_INET6, host, &a6->sin6_addr) != 1) { errno = EINVAL; return fail("address"); }
+        len = sizeof *a6;
+    } else {
+        if (v4(host, port, (struct sockaddr_in *)&ss) < 0) { errno = EINVAL; return fail("address"); }
+        len = sizeof(struct sockaddr_in);
+    }
+    if (strlen(sni) > 200) { errno = EINVAL; return fail("sni"); }
+    int s = socket(ss.ss_family, SOCK_STREAM, 0);
+    if (s < 0) return fail("socket");
+    timeouts(s, 1500);
+    if (connect(s, (struct sockaddr *)&ss, len) < 0) return fail("connect");
+    unsigned char m[1024];
+    size_t n = client_hello(m, sni);
+    if (send(s, m, n, MSG_NOSIGNAL) < 0) return fail("send");
+    unsigned char buf[16];
+    ssize_t got = recv(s, buf, sizeof buf, 0);
+    if (got < 0) return fail("recv");
+    if (got == 0) { printf("OK closed\n"); return 0; }
+    printf(buf[0] == 0x16 ? "OK serverhello\n" : "OK other %02x\n", buf[0]);
     return 0;
 }
 
@@ -189,7 +268,9 @@ int main(int argc, char **argv) {
     if (argc >= 5 && !strcmp(argv[1], "udp")) return udp(argv[2], atoi(argv[3]), argv[4]);
     if (argc >= 6 && !strcmp(argv[1], "spoof")) return spoof(argv[2], argv[3], atoi(argv[4]), argv[5]);
     if (argc >= 3 && !strcmp(argv[1], "icmp")) return icmp(argv[2]);
-    if (argc >= 4 && !strcmp(argv[1], "tcp6")) return tcp6(argv[2], atoi(argv[3]));
+    if (argc >= 4 && !strcmp(argv[1], "tcp6"))
+        return tcp6(argv[2], atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
+    if (argc >= 5 && !strcmp(argv[1], "tls")) return tls(argv[2], atoi(argv[3]), argv[4]);
     if (argc >= 3 && !strcmp(argv[1], "setaddr")) return setaddr(argv[2]);
     if (argc >= 4 && !strcmp(argv[1], "sysctl")) return sysctl(argv[2], argv[3]);
     fprintf(stderr, "usage: see nettool.c\n");

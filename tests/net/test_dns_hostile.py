@@ -7,13 +7,25 @@ refused and never reach the upstream (the internet's DNS server logs every name)
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+import ssl
 from collections.abc import AsyncIterator
 
 import pytest
+from dnslib import QTYPE, DNSRecord
 
+from dsec.net import netns
 from dsec.net.resolver import Resolver
-from dsec.net.testinternet import ALLOWED, DNS_UPSTREAM, SIBLING, TCP_ECHO_PORT
+from dsec.net.testinternet import (
+    ALLOWED,
+    DNS_UPSTREAM,
+    DOT_PORT,
+    HTTPS_PORT,
+    SIBLING,
+    TCP_ECHO_PORT,
+)
 
 from .test_egress_hostile import Env, env, images_dir, policy
 
@@ -83,14 +95,82 @@ async def test_dns_tunnelling_is_refused_or_capped(env: Env, dns: Resolver) -> N
 
 
 async def test_dot_doh_and_spoofed_sni_go_nowhere(env: Env, dns: Resolver) -> None:
-    sid = await env.create(policy("allowed.test:443/tcp"))
+    """Real TLS servers (443: HTTPS and DoH, 853: DoT) on every test host log each
+    accept, each ClientHello's SNI and each request: what a policy refuses never
+    arrives there, whatever the ClientHello names."""
+    sid = await env.create(policy("allowed.test:443/tcp", f"{ALLOWED}:{DOT_PORT}/tcp"))
     await lookup(env, sid, "allowed.test")
-    for port in ("853", "443"):
-        out = await env.tool(sid, "tcp", DNS_UPSTREAM, port, "dot-or-doh")
+    # control: the same probe to an allowed address is answered, and its SNI logged
+    out = await env.tool(sid, "tls", ALLOWED, str(HTTPS_PORT), "allowed.test")
+    assert out == "OK serverhello", out
+    assert env.internet.wait_for(proto="sni", dst=ALLOWED, data=b"allowed.test")
+    assert (await env.tool(sid, "tls", ALLOWED, str(DOT_PORT), "dot.test")) == "OK serverhello"
+    assert env.internet.wait_for(proto="sni", dst=ALLOWED, port=DOT_PORT)
+    # DoT and DoH to a resolver address the policy does not name
+    for port in (DOT_PORT, HTTPS_PORT):
+        out = await env.tool(sid, "tls", DNS_UPSTREAM, str(port), "dns.google")
         assert out.startswith("ERR connect"), out
     # a ClientHello naming the allowed host, sent to another address: dropped at L3
-    out = await env.tool(sid, "tcp", SIBLING, "443", "sni=allowed.test")
+    out = await env.tool(sid, "tls", SIBLING, str(HTTPS_PORT), "allowed.test")
     assert out.startswith("ERR connect"), out
-    assert env.internet.arrived(data=b"dot-or-doh") == []
+    await asyncio.sleep(0.2)
+    assert env.internet.arrived(dst=DNS_UPSTREAM, port=DOT_PORT) == []
+    assert env.internet.arrived(dst=DNS_UPSTREAM, port=HTTPS_PORT) == []
     assert env.internet.arrived(dst=SIBLING) == []
-    assert (await env.tool(sid, "tcp", ALLOWED, "443", "hi")) == f"OK ok {ALLOWED}:443"
+    assert [h.dst for h in env.internet.arrived(proto="sni")] == [ALLOWED, ALLOWED]
+
+
+def https_get(slot_fd: int, resolver: str, name: str, port: int, ca: str) -> str:
+    """From inside the sandbox's netns (its slot, its policy): ask dsec's resolver for
+    ``name``, then GET ``https://name:port/hello`` verifying the certificate against
+    ``ca`` (busybox's static wget cannot resolve names without glibc's NSS modules, which
+    the busybox image lacks, so the client is Python; every packet still leaves from the
+    sandbox's netns). Returns the body, or "ERR <what>"."""
+    with netns.entered(slot_fd):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        u.settimeout(3)
+        u.sendto(DNSRecord.question(name).pack(), (resolver, 53))
+        reply = DNSRecord.parse(u.recv(4096))
+        addrs = [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A]
+        if not addrs:
+            return f"ERR dns {reply.header.rcode}"
+        c.settimeout(3)
+        c.connect((addrs[0], port))
+        ctx = ssl.create_default_context(cafile=ca)
+        with ctx.wrap_socket(c, server_hostname=name) as t:
+            t.sendall(f"GET /hello HTTP/1.1\r\nHost: {name}\r\n\r\n".encode())
+            data = b""
+            while chunk := t.recv(4096):
+                data += chunk
+        return data.decode(errors="replace").split("\r\n\r\n", 1)[-1]
+    except OSError as exc:
+        return f"ERR {exc}"
+    finally:
+        u.close()
+        c.close()
+
+
+async def test_https_to_the_allowed_name_works(env: Env, dns: Resolver) -> None:
+    """HTTPS from the sandbox's netns to the allowed name: resolved by dsec's resolver
+    (which pins the address), certificate verified, the server saw the name as SNI; the
+    same name on a port the rule does not name, and the sibling name, get nothing."""
+    sid = await env.create(policy("allowed.test:443/tcp"))
+    slot = env.net.slot(sid)
+    assert slot is not None
+    resolver = str(env.router.pool.resolver)
+    body = await asyncio.to_thread(https_get, slot.fd, resolver, "allowed.test", 443,
+                                   env.internet.ca_file)
+    assert body == f"ok https {ALLOWED}:443\n", body
+    assert env.internet.arrived(proto="sni", dst=ALLOWED, data=b"allowed.test")
+    [req] = env.internet.arrived(proto="https", dst=ALLOWED)
+    assert req.data.startswith(b"GET /hello HTTP/1.1") and b"Host: allowed.test" in req.data
+    out = await asyncio.to_thread(https_get, slot.fd, resolver, "allowed.test", 8080,
+                                  env.internet.ca_file)
+    assert out.startswith("ERR"), out
+    assert env.internet.arrived(dst=ALLOWED, port=8080) == []  # a listener is there
+    out = await asyncio.to_thread(https_get, slot.fd, resolver, "sibling.test", 443,
+                                  env.internet.ca_file)
+    assert out.startswith("ERR dns"), out
+    assert len(env.internet.arrived(proto="https")) == 1

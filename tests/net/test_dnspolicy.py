@@ -90,3 +90,19 @@ def test_token_bucket() -> None:
     b = TokenBucket(rate=2, burst=3)
     assert [b.take(0.0) for _ in range(4)] == [True, True, True, False]
     assert b.take(0.4) is False and b.take(0.6) is True
+
+
+def test_aaaa_spelling_a_never_reachable_ipv4_is_refused() -> None:
+    """An AAAA answer that spells a never-reachable IPv4 (NAT64, 6to4, Teredo,
+    IPv4-compatible) is judged as that IPv4, even where a policy names the NAT64 range
+    (REDTEAM-14b #6)."""
+    import ipaddress as ip
+
+    from dsec.net.dnspolicy import filter_answer
+    never = [ip.ip_network("169.254.0.0/16"), ip.ip_network("127.0.0.0/8")]
+    nat64 = [ip.ip_network("64:ff9b::/96")]
+    answer = [ip.ip_address(a) for a in (
+        "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "::7f00:1", "2001:0:a9fe:a9fe::1",
+        "64:ff9b::cb00:7101", "2001:db8::1")]
+    got = filter_answer(answer, never=never, private=nat64, private_ok=nat64)
+    assert [str(a) for a in got] == ["64:ff9b::cb00:7101", "2001:db8::1"]

@@ -19,8 +19,9 @@ import pytest
 from dsec.edge.client import EdgeClient
 from dsec.errors import DsecError
 from dsec.image import LayerStore, ensure_busybox_base
-from dsec.net.testinternet import ALLOWED, DNS_UPSTREAM, SIBLING, Internet, links_in
-from dsec.wire.calls import NetworkUpdateOnNode
+from dsec.net.testinternet import ALLOWED, ALLOWED6, DNS_UPSTREAM, SIBLING, Internet, links_in
+from dsec.wire import ops
+from dsec.wire.calls import NetworkUpdateOnNode, SandboxRef
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
 
@@ -118,6 +119,10 @@ async def _door(sock: str, internet: Internet) -> None:
         out = r.stdout.decode()
         assert f"Address: {ALLOWED}" in out and f"ok {ALLOWED}:80" in out, out
         assert f"ok {SIBLING}" not in out
+        # --net-ipv6 auto, and the fake internet has IPv6: the sandbox has it too (the
+        # name's AAAA answered, its address pinned)
+        assert (await c.call(ops.NETWORK_GET, SandboxRef(id=info.id))).ipv6 is True
+        assert f"Address: {ALLOWED6}" in out, out
         # live update through the door: the sibling by CIDR, the name gone
         view = await c.network_update(NetworkUpdateOnNode(
             id=info.id, policy=NetworkPolicy(mode="policy", allow=(f"{SIBLING}:80/tcp",))))
@@ -133,4 +138,5 @@ async def _door(sock: str, internet: Internet) -> None:
         assert r.stdout.decode().split() == ["lo"]
         await c.destroy(info.id)
         await c.destroy(plain.id)
-    assert internet.dns_queries == ["allowed.test."]
+    # A and AAAA of the one allowed name, nothing else
+    assert set(internet.dns_queries) == {"allowed.test."}

@@ -155,3 +155,23 @@ async def test_network_get_shows_what_the_node_enforces(
     assert n.network_get(info.id).denied_packets >= 1
     closed = await n.create(policy(mode="none"))
     assert n.network_get(closed.id).address is None
+
+
+async def test_v6_entries_on_a_node_without_ipv6_are_said_inert(
+        node: tuple[EdgeNode, Recording, str]) -> None:
+    """A policy naming IPv6 entries on a node whose sandboxes have no IPv6: accepted,
+    ``network_get`` says ``ipv6: false``, and the create and the update each leave a
+    ``network_ipv6_inert`` notice naming the entries (never a silent no-op)."""
+    n, _net, _state = node
+    info = await n.create(policy(f"{ALLOWED}:80/tcp", "[2001:db8::/32]:443/tcp"))
+    assert n.network_get(info.id).ipv6 is False
+    notes = [e for e in n.events(info.id) if e.reason == "network_ipv6_inert"]
+    assert len(notes) == 1 and "[2001:db8::/32]:443/tcp" in notes[0].detail, notes
+    assert "accepted but inert" in notes[0].detail
+    await n.network_update(info.id, NetworkPolicy(
+        mode="policy", allow=(f"{ALLOWED}:80/tcp",), deny=("[2001:db8::1]",)))
+    notes = [e for e in n.events(info.id) if e.reason == "network_ipv6_inert"]
+    assert len(notes) == 2 and "[2001:db8::1]" in notes[1].detail, notes
+    # v4 only: nothing to say
+    plain = await n.create(policy(f"{ALLOWED}:80/tcp"))
+    assert [e for e in n.events(plain.id) if e.reason == "network_ipv6_inert"] == []

@@ -70,6 +70,18 @@ def _serve_raw(sb: object, port: int, reply: str, log: str = "/dev/null") -> Non
     assert r.exit_code == 0, r
 
 
+def _read_until(sb: object, path: str, needle: str, timeout_s: float = 10.0) -> str:
+    """The file at ``path`` inside ``sb`` once it holds ``needle`` (or as it is at the
+    deadline: the caller asserts)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen: str = sb.exec(f"cat {path}", timeout=10).stdout.decode(  # type: ignore[attr-defined]
+            errors="replace")
+        if needle in seen or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.1)
+
+
 def _httpd(sb: object, body: str, port: int = 8000) -> None:
     r = sb.exec(f"mkdir -p /tmp/w{port} && echo {body} > /tmp/w{port}/index.html && "  # type: ignore[attr-defined]
                 f"httpd -p 127.0.0.1:{port} -h /tmp/w{port}", timeout=10)
@@ -190,7 +202,9 @@ def test_no_spelling_of_the_api_key_reaches_the_sandbox(
                        "cookie": f"other={cluster.api_key}"}
             resp = _get_until_up(httpx.Client(timeout=T), url, headers=headers)
             assert resp.status_code == 200, resp.text
-            seen = sb.exec("cat /tmp/req", timeout=10).stdout.decode(errors="replace")
+            # nc answers on connect, before it has read (and logged) the request: the
+            # 200 can arrive first, so wait for the log (a fixed read was flaky under load)
+            seen = _read_until(sb, "/tmp/req", "GET /")
             assert "GET /" in seen, seen
             secret = cluster.api_key.rsplit("_", 1)[1]
             assert secret not in seen, (

@@ -194,6 +194,10 @@ def test_parse_listing() -> None:
     assert pins == {(3, "9.9.9.9", "tcp", 443, 90.0), (3, "8.8.8.8", "udp", None, 30.0)}
     empty = parse_listing("", [], Pool())
     assert not empty.table and empty.slots == {} and empty.base_digest is None
+    # the router-wide high-water mark (a released slot's l is drained, its flows' marks
+    # live on in conntrack): generations restart above it too (REDTEAM-14b #2)
+    listing["nftables"].append({"set": {"name": "hwm", "type": "mark", "elem": [40]}})
+    assert parse_listing(json.dumps(listing), ["dsv3"], Pool()).max_mark == 40
 
 
 # ---------------------------------------------------------------------------- the kernel

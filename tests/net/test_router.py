@@ -267,6 +267,8 @@ def test_release_recycles_a_clean_slot(router: Router, internet: Internet) -> No
         again = next(x for x in seen if x.index == index)
         assert again.fd == fd
         router.load(again, allow((f"{SIBLING}/32", "tcp", (80, 80))))
+        # loaded without a flush (the drain emptied it): tenant 2's elements only
+        assert items(router, again, "a4") == {f"{SIBLING} . tcp . 80"}
         # tenant 1's connection is dead for tenant 2's generation; tenant 2's policy only
         old.sendall(b"leftover")
         old.settimeout(0.7)
@@ -327,3 +329,34 @@ def test_close_removes_every_link_and_namespace(internet: Internet) -> None:
     assert r.fd == -1 and r.slots == {}
     # the router netns is gone (its uplink's peer went with it); a slot netns held only
     # by our fd went the same way: dsv/eth0 pairs die with either end's namespace
+
+
+def test_netlink_works_with_fd_numbers_past_fd_setsize() -> None:
+    """A router holds an fd per slot: with ~1,000 slots its netlink sockets get numbers
+    past select()'s FD_SETSIZE (1024), which select() refused ("filedescriptor out of
+    range in select()", found by the 1,000-sandbox bench). The waits use poll()."""
+    import resource
+
+    from dsec.net import rtwire
+    from dsec.net.kernel import Netlink
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    held = []
+    fd = netns.new_netns()
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        rt = Netlink.route(fd)
+        try:
+            assert rt.sock.fileno() > 1024
+            seq = rt.next_seq()
+            rt.request(rtwire.link_up(seq, 1), [seq], "lo up")  # acked: no exception
+        finally:
+            rt.close()
+    finally:
+        for h in held:
+            os.close(h)
+        os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

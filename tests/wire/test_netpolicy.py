@@ -241,10 +241,33 @@ def test_validate_is_canonical_and_idempotent(rs: list[Rule]) -> None:
     """Entries that may stand in an allow list: validate keeps each once, in order."""
     ok = [r for r in rs if not (r.net is not None and any(
         r.net.version == n.version and r.net.subnet_of(n)
-        for n, _ in np_.NEVER_REACHABLE))]
+        for n, _ in np_.NEVER_REACHABLE))
+        # an IPv6 spelling of a never-reachable IPv4 (NAT64, 6to4, Teredo): refused too
+        and not (isinstance(r.net, ipaddress.IPv6Network)
+                 and np_.never_reachable_embedded(r.net) is not None)]
     p = NetworkPolicy(mode="policy", allow=tuple(str(r) for r in ok) * 2)
     c = p.validate()
     assert c.allow == tuple(dict.fromkeys(str(r) for r in ok))
     assert c.validate() is c
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=NetworkPolicy)
     assert again == c
+
+
+def test_validate_remembers_successes_only_and_refusals_name_their_field() -> None:
+    """validate() keeps what passed (a burst of creates with one policy parses it once);
+    a refusal is never remembered and names the field it was asked under each time."""
+    from dsec.wire import netpolicy
+
+    p = NetworkPolicy(mode="policy", allow=("Example.COM:443/tcp", "203.0.113.0/24"))
+    c = p.validate()
+    assert netpolicy._VALIDATED[p] is c and p.validate() is c
+    assert c.allow == ("example.com:443/tcp", "203.0.113.0/24")
+    bad = NetworkPolicy(mode="policy", allow=("203.0.113.1/24",))
+    for where in ("network", "policy"):
+        with pytest.raises(InvalidArgument) as e:
+            bad.validate(where)
+        assert e.value.detail["field"] == f"{where}.allow[0]"
+    assert bad not in netpolicy._VALIDATED
+    # built by hand with lists (not hashable): validated, canonical tuples, not kept
+    listed = NetworkPolicy(mode="policy", allow=["Example.COM:443/tcp"])  # type: ignore[arg-type]
+    assert listed.validate().allow == ("example.com:443/tcp",)

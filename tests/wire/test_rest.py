@@ -28,6 +28,7 @@ class _Names:
     image = "sha256:" + "cd" * 32
     tmp = "/tmp"
     oci = "/tmp/oci.tar"
+    built = "sha256:" + "ef" * 32
 
     def n(self) -> int:
         return 7

@@ -13,7 +13,6 @@ import dataclasses
 import errno
 import logging
 import os
-import shutil
 import socket
 import struct
 import tempfile
@@ -34,6 +33,7 @@ from dsec.aether.limits import (
 )
 from dsec.aether.messages import Goaway
 from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, Overloaded, TransportError
+from dsec.rmtree import remove_tree
 
 __all__ = ["Address", "Server", "connect", "parse_address", "refusal_frame", "serve"]
 
@@ -440,7 +440,7 @@ def _bind_private_unix(path: str, backlog: int) -> socket.socket:
         sock.close()
         raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
     return sock
 
 

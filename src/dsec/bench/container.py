@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import tempfile
 import time
 
 from dsec.bench import BenchContext, suite
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
+from dsec.rmtree import remove_tree
 from dsec.wire.spec import ExecRequest, SandboxSpec
 
 __all__ = ["container_suite"]
@@ -227,7 +227,7 @@ def container_suite(ctx: BenchContext) -> None:
     try:
         asyncio.run(_run(ctx, work))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
     ctx.note("Native create/exec: the edge sends one SEQPACKET message to dsec-nsexec serve "
              "(a static C zygote), which switches its pid namespace for children, fork()s, and "
              "the child joins cgroups, enters/creates namespaces, builds the root, drops caps, "

@@ -9,7 +9,6 @@ import mmap
 import os
 import random
 import resource
-import shutil
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache
 from dsec.image.packdiff import restore_stack, snapshot
 from dsec.image.store import LayerStore
+from dsec.rmtree import remove_tree
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -110,7 +110,7 @@ def _workdir() -> Iterator[str]:
             targets = [ln.split(" ")[4] for ln in f if f" {d}/" in ln]
         for t in sorted(targets, key=len, reverse=True):
             subprocess.run(["umount", "-l", t], check=False)
-        shutil.rmtree(d, ignore_errors=True)
+        remove_tree(d)
 
 
 @suite("image")
@@ -201,7 +201,7 @@ def image_suite(ctx: BenchContext) -> None:
         w_tar = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock - ru0) * 512
         blk_tar = (_block_sectors()[1] - blk0) * 512
         for i in range(n_roots):
-            shutil.rmtree(os.path.join(work, f"tar{i}"), ignore_errors=True)
+            remove_tree(os.path.join(work, f"tar{i}"))
         p = {"n": n_roots, "image_mb": round(content / 1e6)}
         ctx.record("rootfs_erofs_prep", t_erofs / n_roots * 1e3, "ms/root", **p)
         ctx.record("rootfs_tar_prep", t_tar / n_roots * 1e3, "ms/root", **p)
@@ -304,6 +304,10 @@ def image_suite(ctx: BenchContext) -> None:
         ctx.note("packdiff: unchanged = lstat of every upperdir entry compared to the "
                  "previous snapshot's index (no reads); changed = copy + mkfs.erofs + sha256;"
                  " apply = resolve the chain + one overlay mount + unmount.")
+
+        # -- image_pull, image_first_exec_s (registry pulls, issue 15) ---------------------
+        from dsec.bench._image_pull import pull_bench
+        pull_bench(ctx, work)
     _build_figures(ctx)
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import statistics
 import tempfile
 import time
 
 from dsec.bench import BenchContext, suite
+from dsec.rmtree import remove_tree
 
 
 @suite("snapshot")
@@ -127,7 +127,7 @@ async def _run(ctx: BenchContext) -> None:
         await node.close()
         cache.close()
         backend.governor.remove_base()
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)
 
 
 def _store_bytes(root: str) -> int:

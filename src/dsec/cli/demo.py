@@ -26,7 +26,6 @@ import contextlib
 import functools
 import glob
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -37,6 +36,8 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.table import Table
+
+from dsec.rmtree import remove_tree
 
 T = TypeVar("T")
 
@@ -318,7 +319,7 @@ def demo(sandboxes: int, backend: str) -> None:
             # the edge's router (its netns, its uplink veth) went with the edge
             leftovers["router uplinks"] = sum(n.startswith("dsu") for n in links_in(inet.fd))
     if not any(leftovers.values()):
-        shutil.rmtree(state_dir, ignore_errors=True)   # nothing mounted from it: it can go
+        remove_tree(state_dir)   # nothing mounted from it: it can go
     table = Table(title="what happened")
     for col, just in (("step", "left"), ("n", "right"), ("wall ms", "right"),
                       ("p50 ms", "right"), ("p99 ms", "right"), ("result", "left")):

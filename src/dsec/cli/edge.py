@@ -356,6 +356,13 @@ def _die_with_supervisor(pid: int) -> None:
                    "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
                    "[default: off]. Sandbox ids are labels: bind it to loopback or a "
                    "monitoring network.")
+@click.option("--net-ipv6", type=click.Choice(["auto", "off"]), default="auto",
+              show_default=True,
+              help="IPv6 for sandboxes: 'auto' gives each one a /127 of fd00:d5ec::/48 "
+                   "(NAT66 out of the uplink, its policy's IPv6 entries enforced like the "
+                   "IPv4 ones) when the uplink has a global IPv6 address (a netns uplink; "
+                   "the host uplink carries no IPv6); 'off' drops every IPv6 packet (v6 "
+                   "entries are then accepted but inert, and said so).")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -366,7 +373,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          insecure: bool, disk_default: str, disk_pool: str | None, ready_fd: int | None,
          supervisor_pid: int | None, log_level: str, net_default: Any,
          net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
-         net_pool: str, net_dns_upstream: tuple[str, ...],
+         net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
          metrics_listen: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
@@ -393,7 +400,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
                    ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
-                   net_pool, net_dns_upstream, metrics_listen)
+                   net_pool, net_ipv6, net_dns_upstream, metrics_listen)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -436,7 +443,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                token_file: str | None, insecure: bool, disk_default: str,
                disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
                net_uplink: str | None, net_link: str, net_egress: str | None,
-               net_pool: str, net_dns_upstream: tuple[str, ...],
+               net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
                metrics_listen: str | None) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
@@ -468,7 +475,8 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                 raise click.BadParameter("needs --backend container", param_hint="--net-uplink")
             network, resolver_args = _network(node_id, net_uplink, net_pool,
                                               net_dns_upstream, owned, state_dir,
-                                              egress=net_egress, link=net_link)
+                                              egress=net_egress, link=net_link,
+                                              ipv6=net_ipv6)
             extra["container"] = {**extra.get("container", {}), "network": network}
         for name in dict.fromkeys(backends):
             built[name] = make_backend(name, **{**_backend_opts(
@@ -516,7 +524,7 @@ class _Fd:
 def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
              owned: list[Any], state_dir: str | None = None, *,
              egress: str | None = None,
-             link: str = "169.254.213.0/30") -> tuple[Any, dict[str, Any]]:
+             link: str = "169.254.213.0/30", ipv6: str = "auto") -> tuple[Any, dict[str, Any]]:
     """The router (with its slots) the container backend puts sandboxes on; closed with
     ``owned`` (the kernel then removes its namespace, links and nft objects).
 
@@ -548,6 +556,7 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         owner = (os.path.realpath(os.path.join(state_dir, "net", "router"))
                  if state_dir is not None else "")
         up = HostUplink(fd.fd, node_id, egress=egress, link=str(net), owner=owner)
+        _log_ipv6(ipv6, False)  # HostUplink.has_ipv6: the host uplink carries none
         try:
             router = _router(Router, RouterConfig(pool=pool), up, state_dir)
         except OSError as exc:
@@ -562,9 +571,10 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
             owned.append(fd)
             with netns.entered(fd.fd):  # EINVAL unless PATH is a network namespace
                 pass
-            router = _router(Router, RouterConfig(pool=pool),
-                             NetnsUplink(fd.fd, uplink_ifname(node_id), link=str(net)),
-                             state_dir)
+            nup = NetnsUplink(fd.fd, uplink_ifname(node_id), link=str(net))
+            v6 = ipv6 == "auto" and nup.has_ipv6()
+            _log_ipv6(ipv6, v6)
+            router = _router(Router, RouterConfig(pool=pool, ipv6=v6), nup, state_dir)
         except OSError as exc:
             raise click.BadParameter(f"{path}: {exc.strerror or exc} (PATH must name a "
                                      "network namespace, e.g. /run/netns/NAME)",
@@ -580,6 +590,11 @@ def _network(node_id: str, uplink: str, pool: str, upstreams: tuple[str, ...],
         host, _, port = u.partition(":")
         ups.append((host, int(port or 53)))
     return SandboxNetwork(router), {"upstreams": ups, "upstream_netns_fd": fd.fd}
+
+
+def _log_ipv6(flag: str, on: bool) -> None:
+    logging.getLogger("dsec.edge").info(
+        "net: IPv6 for sandboxes %s (--net-ipv6 %s)", "on" if on else "off", flag)
 
 
 def _router(router_cls: Any, config: Any, uplink: Any, state_dir: str | None) -> Any:

@@ -133,6 +133,9 @@ def image(ctx: click.Context, root: str | None) -> None:
               help="Build from a Dockerfile, PATH being its context: each RUN/COPY runs in "
                    "a build sandbox of the running cluster (--url/--api-key) and becomes "
                    "one layer; unchanged steps come from the step cache.")
+@click.option("-t", "image_name", default=None, metavar="NAME[:TAG]",
+              help="With -f: name the built image ([project/]name[:tag]; bare: in the "
+                   "build's project), so `create(image=NAME)` runs it with its config.")
 @click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE")
 @click.option("--network", default="none", show_default=True,
               help="Network of the build sandboxes (none, or a mode the cluster allows).")
@@ -142,8 +145,9 @@ def image(ctx: click.Context, root: str | None) -> None:
 @click.pass_obj
 def build(root: str | None, path: str, kind: str | None, name: str | None, tag: str,
           compression: str | None, labels: tuple[str, ...], quiet: bool,
-          dockerfile: str | None, build_args: tuple[str, ...], network: str,
-          project: str | None, url: str | None, api_key: str | None) -> None:
+          dockerfile: str | None, image_name: str | None, build_args: tuple[str, ...],
+          network: str, project: str | None, url: str | None,
+          api_key: str | None) -> None:
     """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin);
     with -f, build an image from a Dockerfile with PATH as its context."""
     if dockerfile is not None:
@@ -151,8 +155,10 @@ def build(root: str | None, path: str, kind: str | None, name: str | None, tag: 
             raise click.UsageError("-f builds from a Dockerfile: drop --kind/--name (the "
                                    "result is started with `--snapshot <top>`)")
         _build_dockerfile(dockerfile, path, build_args, network, project, url, api_key,
-                          quiet)
+                          quiet, image_name)
         return
+    if image_name is not None:
+        raise click.UsageError("-t names a Dockerfile build (-f); a layer is named --name")
     if kind is None or name is None:
         raise click.UsageError("--kind and --name are required (or -f DOCKERFILE)")
     console = Console(stderr=True)
@@ -209,6 +215,81 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
     m = layers[0]
     click.echo(f"{m.ref} {m.digest} {m.size_bytes} bytes")
     _say_skipped(m)
+
+
+@image.command("pull")
+@click.argument("ref")
+@click.option("--name", default=None,
+              help="[project/]name[:tag] to store it under (default: the registry ref's "
+                   "own name, e.g. 127.0.0.1-5000_team_python:3.12, cluster-wide).")
+@click.option("--insecure", is_flag=True, help="Plain HTTP / unverified TLS (local "
+              "registries).")
+@click.option("--platform", default=None, metavar="OS/ARCH[/VARIANT]",
+              help="Which image of a multi-platform index (default: this host's).")
+@click.option("--creds", envvar="DSEC_REGISTRY_CREDS", default=None, metavar="USER:PASS",
+              help="Registry credentials (or $DSEC_REGISTRY_CREDS; default: the docker-style "
+                   "auth files skopeo reads, or --authfile).")
+@click.option("--authfile", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A docker-style auth.json / ~/.docker/config.json.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.pass_obj
+def pull(root: str | None, ref: str, name: str | None, insecure: bool, platform: str | None,
+         creds: str | None, authfile: str | None, quiet: bool) -> None:
+    """Pull REF (host[:port]/repo[:tag|@sha256:...]) from an OCI registry: one layer per
+    OCI layer (layers already here are shared), the image's config kept as its
+    defaults (`dsec image inspect`)."""
+    from dsec.image.pull import PullOptions, pull_image
+    from dsec.image.registry import parse_platform
+
+    console = Console(stderr=True)
+    try:
+        namespace, bare, tag = (None, None, None)
+        if name is not None:
+            from dsec.image.manifest import parse_ref
+            p = parse_ref(name)
+            if p.name is None:
+                raise click.BadParameter("--name must be a name, not a digest")
+            namespace, bare = p.namespace, p.name
+            tag = p.tag if ":" in name.rsplit("/", 1)[-1] else None
+        opts = PullOptions(platform=parse_platform(platform) if platform else None,
+                           insecure=insecure, creds=creds, authfile=authfile,
+                           # the CLI is the host user: its own registry logins apply
+                           ambient_auth=True)
+        with _progress(console, quiet) as progress:
+            res = pull_image(_store(root), ref, namespace=namespace, owner=_host_owner(),
+                             name=bare, tag=tag, options=opts, progress=progress)
+    except DsecError as exc:
+        _fail(exc)
+    m = res.image
+    reused = len(res.layers) - len(res.made)
+    click.echo(f"{res.key} {m.digest} {len(res.layers)} layers ({len(res.made)} new, "
+               f"{reused} shared), {res.fetched_bytes} bytes fetched")
+
+
+@image.command("inspect")
+@click.argument("ref")
+@click.pass_obj
+def inspect(root: str | None, ref: str) -> None:
+    """Show a layer's manifest and, for an image, the sandbox defaults its config sets
+    (env, working dir, user, entrypoint/cmd, labels) and the layers it stands on."""
+    import json
+
+    import msgspec
+
+    from dsec.image.registry import defaults_from_labels
+
+    try:
+        store = _store(root)
+        m = store.get(ref)
+        d = defaults_from_labels(m.labels)
+        out = msgspec.to_builtins(m)
+        out["defaults"] = {"env": d.env, "cwd": d.cwd, "user": d.user,
+                           "entrypoint": list(d.entrypoint), "cmd": list(d.cmd),
+                           "labels": d.labels}
+        out["layers"] = [m.digest, *m.stack] if m.kind != "snapshot" else [m.digest]
+    except DsecError as exc:
+        _fail(exc)
+    click.echo(json.dumps(out, indent=2, sort_keys=True))
 
 
 @image.command("tag")
@@ -382,7 +463,8 @@ def debian_repo(suite: str, include: str, variant: str, mirror: str | None,
 
 def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...],
                       network: str, project: str | None, url: str | None,
-                      api_key: str | None, quiet: bool) -> None:
+                      api_key: str | None, quiet: bool,
+                      image_name: str | None = None) -> None:
     """`dsec image build -f`: compile the Dockerfile into builder steps (the SDK's
     :class:`dsec.Image`, one implementation) and build through the API."""
     import json
@@ -404,11 +486,16 @@ def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...]
         img = Image.from_dockerfile(dockerfile, context=context, build_args=args)
     except (DsecError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-    with client(url, api_key) as c:
-        built = img.build(c, network=network, project=project)  # type: ignore[arg-type]
+    try:
+        with client(url, api_key) as c:
+            built = img.build(c, network=network, project=project,  # type: ignore[arg-type]
+                              name=image_name)
+    except DsecError as exc:
+        raise click.ClickException(str(exc)) from exc
     if not quiet:
         Console(stderr=True).print(
             f"{len(img.steps)} steps: {built.ran} ran, {built.cached} cached, "
             f"{built.seconds:.2f} s")
     click.echo(json.dumps({"snapshot": built.top, "image": built.base,
-                           "config": msgspec.to_builtins(built.config)}))
+                           "config": msgspec.to_builtins(built.config),
+                           **({"name": built.name} if built.name else {})}))

@@ -30,9 +30,15 @@ step (~ms) but duplicate create/exec/snapshot's checks on the server and stream 
 files to it anyway.
 
 **Step cache** (:func:`dsec.image.build.step_key`): the key of a layer step goes into
-its build sandbox's labels; the edge records it in the snapshot layer's manifest, and
-``snapshots.list()`` shows it (``build_step``). A rebuild lists the project's snapshots
-once and skips every step whose key is there: nothing runs. The cache is the layer
+its build sandbox's spec (the dedicated ``build_step`` field: labels in dsec.io domains
+are refused at every door); the edge records it in the snapshot layer's manifest beside
+the stack the sandbox really ran on, and ``snapshots.list()`` shows both (``build_step``,
+``stack``). A rebuild lists the target project's snapshots once (``project=None``: the
+key's default project; never another project's) and skips every step whose key is there
+AND whose entry the edge recorded on exactly the step's parent (the snapshot its build
+sandbox started from, ``parent``, on the build's image ``stack``): nothing runs. A member of
+the target project can still make an entry by hand (create with ``build_step=`` and run
+something else): the cache trusts the project's members as its images do. The cache is the layer
 store: durable once the snapshot answers, shared by every client of the project, and a
 pruned layer is simply a miss. A step that changed nothing (``true``) makes no layer,
 so it is not cached and runs again next time (cheap by definition).
@@ -77,6 +83,7 @@ from dsec.image.build import (
     compile_dockerfile,
     step_key,
 )
+from dsec.wire.api import ImagePromoteRequest, SnapshotView
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.spec import ExecResult, NetworkPolicy
 
@@ -84,11 +91,13 @@ if TYPE_CHECKING:
     from dsec.client.core import AsyncClient, AsyncSandbox
     from dsec.client.sync import Client
 
-__all__ = ["BuildStepFailed", "BuiltImage", "Image", "tree_digest"]
+__all__ = ["BUILD_STEP_LABEL", "BuildStepFailed", "BuiltImage", "Image", "tree_digest"]
 
 _TAIL = 2000
 COPY_TAR = "/.dsec-copy.tar"
-BUILD_RUN_LABEL = "build.dsec.io/run"
+# The builder's own random token to find its build sandbox after an interrupted create:
+# a caller label (dsec.wire.spec.CALLER_DSEC_LABELS), trusted by nobody but this build.
+BUILD_RUN_LABEL = "dsec.io/build-run"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +124,15 @@ class BuiltImage:
     seconds: float = 0.0
     step_seconds: tuple[float, ...] = field(default=())     # wall time of each step run
     command_seconds: tuple[float, ...] = field(default=())  # its command's own run time
+    # the name it was given (``build(name=...)``): ``create(image=name)`` starts it with
+    # its config, as a pulled image
+    name: str | None = None
 
     def create_args(self) -> dict[str, Any]:
-        """Keywords for ``sandboxes.create``: where to start from, and the image's env."""
+        """Keywords for ``sandboxes.create``: where to start from, and the image's env
+        (a named image carries its config itself)."""
+        if self.name is not None:
+            return {"image": self.name}
         where: dict[str, Any] = ({"snapshot": self.top} if self.top is not None else
                                  {"image": self.base, "workspace": self.workspace,
                                   "toolkits": list(self.toolkits)})
@@ -245,28 +260,36 @@ class Image:
     # ------------------------------------------------------------------ build
     def build(self, client: Client, *, network: NetworkPolicy | NetMode = "none",
               project: str | None = None, timeout: float = 600.0,
-              memory: int | str = "1GiB", cpu: float = 1) -> BuiltImage:
+              memory: int | str = "1GiB", cpu: float = 1,
+              name: str | None = None) -> BuiltImage:
         """Build (sync client); see :meth:`build_async`."""
         return client._run(self.build_async(client._a, network=network, project=project,
-                                            timeout=timeout, memory=memory, cpu=cpu))
+                                            timeout=timeout, memory=memory, cpu=cpu,
+                                            name=name))
 
     async def build_async(self, client: AsyncClient, *,
                           network: NetworkPolicy | NetMode = "none",
                           project: str | None = None, timeout: float = 600.0,
-                          memory: int | str = "1GiB", cpu: float = 1) -> BuiltImage:
+                          memory: int | str = "1GiB", cpu: float = 1,
+                          name: str | None = None) -> BuiltImage:
         """Run the steps not in the cache, each in a build sandbox with ``network``
         (default none: no egress; e.g. a policy allowing only a package mirror for
         ``apt_install``), ``timeout`` seconds per command. A failing step raises
         :class:`BuildStepFailed` naming it; its build sandbox is destroyed whatever
-        happens."""
+        happens. ``name`` (``[project/]name[:tag]``, bare: in the build's project): name
+        the result (``images.promote``), so ``create(image=name)`` runs it with its
+        env, workdir, user, entrypoint, cmd and labels, as a pulled image."""
         t0 = time.monotonic()
         base = await self._resolve_base(client, project)
         net = _net_key(network)
-        # The project's own layers only when it is named (a key holding roles on several
-        # projects sees theirs too); None: every snapshot this key may see.
-        cache = {s.view.build_step: s.id
-                 for s in await client.snapshots.list(project=project)
-                 if s.view.build_step and (project is None or s.project == project)}
+        # The target project's own layers only (project=None: the key's default project,
+        # where the build sandboxes go): a key holding roles on several projects sees
+        # theirs too, and another project's admin must not plant entries for us.
+        target = project if project is not None else \
+            ((await client.info()).project or "default")
+        cache = {s.view.build_step: s.view
+                 for s in await client.snapshots.list(project=target)
+                 if s.view.build_step and s.project == target}
         cfg = BuildConfig()
         top: str | None = None
         parent: tuple[str, ...] = base.digests
@@ -281,29 +304,35 @@ class Image:
                       if isinstance(step, Copy) else None)
             key = step_key(parent, step, cfg, network=net, content_digest=digest)
             hit = cache.get(key)
-            if hit is not None:
-                top, parent, cached = hit, (hit,), cached + 1
+            # an entry is used only if the edge recorded it on exactly this step's
+            # parent: the snapshot the build sandbox started from (the previous step's
+            # layer, None for the first) on the image stack the build started from
+            if hit is not None and (hit.parent, tuple(hit.stack)) == (top, base.digests):
+                top, parent, cached = hit.id, (hit.id,), cached + 1
                 continue
             ts = time.monotonic()
-            snap, cmd_s = await self._run_step(client, base, top, step, i, cfg, key,
+            view, cmd_s = await self._run_step(client, base, top, step, i, cfg, key,
                                                network, project, timeout, memory, cpu)
             step_seconds.append(time.monotonic() - ts)
             command_seconds.append(cmd_s)
             ran += 1
-            if snap != top:
-                cache[key] = snap
-            top, parent = snap, (snap,)
+            if view.id != top:
+                cache[key] = view
+            top, parent = view.id, (view.id,)
+        named: str | None = None
+        if name is not None:
+            named = await _promote(client, base, top, cfg, name, target)
         return BuiltImage(base=base.image, workspace=base.workspace, toolkits=base.toolkits,
                           top=top, config=cfg, ran=ran, cached=cached,
                           seconds=time.monotonic() - t0, step_seconds=tuple(step_seconds),
-                          command_seconds=tuple(command_seconds))
+                          command_seconds=tuple(command_seconds), name=named)
 
     async def _run_step(self, client: AsyncClient, base: _Resolved, top: str | None,
                         step: Run | Copy, index: int, cfg: BuildConfig, key: str,
                         network: NetworkPolicy | NetMode, project: str | None,
                         timeout: float, memory: int | str, cpu: float
-                        ) -> tuple[str, float]:
-        """Run one layer step; its layer's id and its command's own run time."""
+                        ) -> tuple[SnapshotView, float]:
+        """Run one layer step; its layer and its command's own run time."""
         where: dict[str, Any] = ({"snapshot": top} if top is not None else
                                  {"image": base.image, "workspace": base.workspace,
                                   "toolkits": list(base.toolkits)})
@@ -311,11 +340,11 @@ class Image:
         # made the sandbox but before we learn its id, we find it by this label and
         # destroy it (else it would live until its TTL).
         run_id = secrets.token_hex(8)
-        labels = {BUILD_STEP_LABEL: key, "dsec.io/build": "step", BUILD_RUN_LABEL: run_id}
+        labels = {"dsec.io/build": "step", BUILD_RUN_LABEL: run_id}
         try:
             sb = await client.sandboxes.create(
                 **where, labels=labels, network=network, project=project, memory=memory,
-                cpu=cpu, ttl=timeout + 300)
+                cpu=cpu, ttl=timeout + 300, build_step=key)
         except BaseException:
             await asyncio.shield(_kill_labelled(client, project, run_id))
             raise
@@ -332,7 +361,7 @@ class Image:
             else:
                 res = await self._copy_into(sb, step, cfg, what)
             snap = await sb.snapshot()
-            return snap.id, res.duration_s
+            return snap.view, res.duration_s
         finally:
             await asyncio.shield(sb.kill())
 
@@ -370,6 +399,23 @@ class _Resolved:
     digests: tuple[str, ...]
 
 
+async def _promote(client: AsyncClient, base: _Resolved, top: str | None, cfg: BuildConfig,
+                   name: str, project: str) -> str:
+    """Name the build ``name`` (a bare name goes in ``project``); the ref to create from."""
+    if base.workspace is not None or base.toolkits:
+        raise InvalidArgument("a build on a workspace or toolkits cannot be named: name "
+                              "builds on a plain image", field="name")
+    target = name if "/" in name else f"{project}/{name}"
+    if top is None:       # no layer step: the base itself, under the new name and config
+        raise InvalidArgument("a build without a layer step (RUN/COPY) has nothing to "
+                              "name: tag its base instead (images.tag)", field="name")
+    await client.images.promote(ImagePromoteRequest(
+        top=top, base=base.image, target=target, env=cfg.env_dict,
+        workdir=cfg.workdir if cfg.workdir != "/" else None, user=cfg.user,
+        entrypoint=list(cfg.entrypoint), cmd=list(cfg.cmd), labels=dict(cfg.labels)))
+    return target
+
+
 async def _kill_labelled(client: AsyncClient, project: str | None, run_id: str) -> None:
     with contextlib.suppress(DsecError):
         for sb in await client.sandboxes.list(project=project,
@@ -402,11 +448,15 @@ async def _ensure_debian(client: AsyncClient, plan: BootstrapPlan,
     import tempfile
 
     from dsec.image.bootstrap import bootstrap_tree
+    from dsec.rmtree import remove_tree
 
-    with tempfile.TemporaryDirectory(prefix="dsec-debian-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="dsec-debian-")
+    try:
         root = os.path.join(tmp, "root")
         await asyncio.to_thread(bootstrap_tree, plan, root)
         view = await client.images.build(root, name=refs[0], kind="base")
+    finally:   # never through a mount point (what a killed mmdebstrap might leave)
+        await asyncio.to_thread(remove_tree, tmp, detach=True)
     return view.refs[0] if view.refs else view.digest
 
 
@@ -446,19 +496,29 @@ def _in_context(ctx: str, src: str, line: int) -> str:
 def tree_digest(path: str) -> str:
     """sha256 over a local file or tree's content: relative paths (sorted), types, modes,
     file bytes and symlink targets; not mtimes or owners (a COPY makes root-owned files,
-    and a fresh checkout must hit the cache)."""
-    h = hashlib.sha256()
+    and a fresh checkout must hit the cache).
+
+    Every entry is one length-framed record (:func:`_framed`: path, type, mode, then the
+    sha256 of the file's bytes or the link target), so no file's bytes can spell the
+    framing of further entries: before, ``rel\0type\0mode\0<bytes>\0`` let a file named
+    ``a`` holding ``X\0b\0<type>\0<mode>\0Y`` hash like the two files a=X, b=Y, and a
+    COPY of one tree reused the layer of the other (red team 15, F8)."""
+    h = hashlib.sha256(b"dsec.tree_digest.v2\0")
 
     def one(p: str, rel: str) -> None:
         st = os.lstat(p)
-        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
         if stat.S_ISLNK(st.st_mode):
-            h.update(os.readlink(p).encode())
+            body = os.fsencode(os.readlink(p))
         elif stat.S_ISREG(st.st_mode):
+            fh = hashlib.sha256()
             with open(p, "rb") as f:
                 while block := f.read(1 << 20):
-                    h.update(block)
-        h.update(b"\0")
+                    fh.update(block)
+            body = fh.digest()
+        else:
+            body = b""
+        h.update(_framed(os.fsencode(rel), str(stat.S_IFMT(st.st_mode)).encode(),
+                         str(stat.S_IMODE(st.st_mode)).encode(), body))
 
     if os.path.isdir(path) and not os.path.islink(path):
         for dirpath, dirs, files in os.walk(path):
@@ -469,6 +529,15 @@ def tree_digest(path: str) -> str:
     else:
         one(path, os.path.basename(path))
     return h.hexdigest()
+
+
+def _framed(*fields: bytes) -> bytes:
+    """``fields`` as one unambiguous record: a count, then each field's length (8 bytes,
+    big-endian) before its bytes. Pure."""
+    out = [len(fields).to_bytes(8, "big")]
+    for f in fields:
+        out += [len(f).to_bytes(8, "big"), f]
+    return b"".join(out)
 
 
 def _pack_for_copy(src: str, dest: str) -> bytes:

@@ -506,6 +506,8 @@ class AsyncSandboxes:
         priority: int = 0, disk: int | str | None = None,
         pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
+        cwd: str | None = None, user: str | None = None,
+        build_step: str | None = None,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
         server's to decide: backend, project, lifetime)."""
@@ -519,7 +521,7 @@ class AsyncSandboxes:
             labels=dict(labels or {}), project=project, ttl_s=ttl,
             idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
-            user_namespace=user_namespace)
+            user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step)
 
     def _given_spec(self, spec: SandboxSpec | None, kw: Mapping[str, Any]) -> SandboxSpec:
         """``spec`` as it is, or the one the keywords build; both at once only when the
@@ -549,13 +551,18 @@ class AsyncSandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
+        build_step: str | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
         bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
         "destroy" or "pause"); ``project``: the key's default project when None;
-        ``detached``: not bound to this client's session (outlives the client).
+        ``detached``: not bound to this client's session (outlives the client);
+        ``env``/``cwd``/``user``: every exec's defaults, over the image config's (its
+        ``Env``, ``WorkingDir``, ``User``; an exec's own win over both).
+        ``build_step``: an image build step's cache key (the builder sets it: the edge
+        records it in this sandbox's snapshots with the stack it ran on).
 
         ``spec``: a whole :class:`~dsec.wire.spec.SandboxSpec`, sent unchanged (every
         field; ``backend``/``project``/``ttl_s`` left None are the server's), instead of
@@ -571,7 +578,8 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
-            "allow_nested": allow_nested, "user_namespace": user_namespace})
+            "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
+            "user": user, "build_step": build_step})
         c = self._c
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
@@ -597,6 +605,7 @@ class AsyncSandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
+        cwd: str | None = None, user: str | None = None,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list: a keyword dict laid over the keywords
@@ -611,7 +620,8 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
-            "allow_nested": allow_nested, "user_namespace": user_namespace}
+            "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
+            "user": user}
         c = self._c
         specs: list[SandboxSpec]
         if isinstance(n, int) and not isinstance(n, bool):

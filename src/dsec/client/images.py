@@ -1,5 +1,5 @@
 """``client.images``: the cluster's layer store (list, get, build from a directory or tar,
-import, tag, delete).
+import, pull from a registry, tag, delete).
 
 Each call is a row of the catalogue (``dsec.wire.ops``): list, get, tag and delete go
 through the client's transport; the uploads are raw tar bodies over REST
@@ -26,7 +26,14 @@ import msgspec
 from dsec.client.transport import OpCaller
 from dsec.errors import InvalidArgument
 from dsec.wire import ops
-from dsec.wire.api import ImageList, ImagePruned, ImageTagRequest, ImageView
+from dsec.wire.api import (
+    ImageList,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePullRequest,
+    ImageTagRequest,
+    ImageView,
+)
 from dsec.wire.calls import Empty, ImagePrune, ImageRef, ImageUpload
 from dsec.wire.ops import UploadOp
 
@@ -58,6 +65,12 @@ class AsyncImages:
         """Point the name ``target`` at the layer ``source`` names (moving it)."""
         return await self._c.call(ops.IMAGE_TAG, ImageTagRequest(source=source,
                                                                  target=target))
+
+    async def promote(self, req: ImagePromoteRequest) -> ImageView:
+        """Name a built image (``dsec.Image.build(client, name=...)`` does it): its step
+        layers (the snapshot chain of ``req.top``) on ``req.base`` become the image
+        ``req.target`` with the build's config."""
+        return await self._c.call(ops.IMAGE_PROMOTE, req)
 
     async def delete(self, ref: str | ImageView) -> None:
         """Delete a layer and its names (``InUse`` while a sandbox or snapshot uses it)."""
@@ -106,6 +119,23 @@ class AsyncImages:
         with open(path, "rb") as f:  # noqa: ASYNC230
             return await self._upload(ops.IMAGE_IMPORT,
                                       ImageUpload(name=name, kind="base", tag=tag), f)
+
+    async def pull(self, ref: str, *, name: str | None = None, project: str | None = None,
+                   platform: str | None = None, insecure: bool = False,
+                   creds: str | None = None) -> ImageView:
+        """Pull ``ref`` (``host[:port]/repo[:tag|@sha256:...]``) from an OCI registry into
+        the cluster's layer store; returns the image (its top layer; ``labels`` hold its
+        config as ``oci.*``). Named ``name`` (``[project/]name[:tag]``) or by its
+        registry ref in ``project`` (``project=None`` and no name: cluster-wide, which
+        needs a superuser). ``platform``: ``os/arch[/variant]`` from an image index
+        (default: the node's); ``insecure``: a plain-HTTP registry; ``creds``:
+        ``user:password`` for it. Layers shared with images already pulled are reused."""
+        page = await self._c.call(ops.IMAGE_PULL, ImagePullRequest(
+            ref=ref, name=name, project=project, platform=platform, insecure=insecure,
+            creds=creds))
+        if not page.items:
+            raise InvalidArgument(f"the server pulled no layer for {ref[:200]!r}")
+        return page.items[0]
 
     async def _upload(self, op: UploadOp[ImageUpload, ImageList], body: ImageUpload,
                       f: IO[bytes]) -> ImageView:

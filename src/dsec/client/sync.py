@@ -31,7 +31,7 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImagePruned, ImageView, Info, NodeView
+from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort
@@ -175,7 +175,8 @@ class Sandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
+        build_step: str | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
@@ -184,7 +185,7 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            idempotency_key=idempotency_key)))
+            idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
@@ -197,6 +198,7 @@ class Sandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
+        cwd: str | None = None, user: str | None = None,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(
@@ -204,7 +206,8 @@ class Sandboxes:
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
-            allow_nested=allow_nested, user_namespace=user_namespace, detached=detached))]
+            allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
+            cwd=cwd, user=user))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
@@ -250,7 +253,8 @@ class Snapshots:
 
 
 class Images:
-    """``client.images``: list, get, build (directory or tar), import_oci, tag, delete."""
+    """``client.images``: list, get, build (directory or tar), import_oci, pull, tag,
+    delete."""
 
     def __init__(self, client: Client, a: AsyncImages) -> None:
         self._c = client
@@ -264,6 +268,9 @@ class Images:
 
     def tag(self, source: str, target: str) -> ImageView:
         return self._c._run(self._a.tag(source, target))
+
+    def promote(self, req: ImagePromoteRequest) -> ImageView:
+        return self._c._run(self._a.promote(req))
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
@@ -280,6 +287,13 @@ class Images:
     def import_oci(self, source: str | os.PathLike[str], *, name: str,
                    tag: str = "latest") -> ImageView:
         return self._c._run(self._a.import_oci(source, name=name, tag=tag))
+
+    def pull(self, ref: str, *, name: str | None = None, project: str | None = None,
+             platform: str | None = None, insecure: bool = False,
+             creds: str | None = None) -> ImageView:
+        """See :meth:`~dsec.client.images.AsyncImages.pull`."""
+        return self._c._run(self._a.pull(ref, name=name, project=project, platform=platform,
+                                         insecure=insecure, creds=creds))
 
 
 class Files:

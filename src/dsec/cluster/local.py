@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any, Self
 
 from dsec.cluster import DSEC_ARGV
 from dsec.errors import InvalidArgument, TransportError
+from dsec.rmtree import remove_tree
 
 __all__ = ["LocalCluster"]
 
@@ -229,7 +229,7 @@ class LocalCluster:
                 self._proc.stderr.close()
             self._proc = None
         if self._tmp and os.path.isdir(self.state_dir):
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+            remove_tree(self.state_dir)   # a mount left below is reported, not walked
 
     def __enter__(self) -> Self:
         return self.start()

@@ -143,6 +143,12 @@ class ClusterConfig:
     # The egress policy of a create that names none (`dsec up --net-default`); the
     # apiserver resolves it, so edges always get a policy.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # Registries the apiserver pulls images from for its callers (images.pull, first-use
+    # pulls): host[:port] patterns (fnmatch), None = any but loopback, link-local and
+    # private IP literals (check_registry). A pull connects from the
+    # apiserver's host to the host a caller names: restrict it where that reaches
+    # internal services (docs/images.md "Pulling from registries").
+    registries: tuple[str, ...] | None = None
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -296,6 +302,7 @@ class ClusterRuntime:
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
+            plane.images.registries = cfg.registries
             if cfg.image_store_budget is not None:
                 from dsec.image import LayerStore
 

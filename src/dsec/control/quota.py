@@ -60,6 +60,9 @@ class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
 
     backends: dict[str, Limits] = {}
     network: NetworkPolicy | None = None
+    # create(image=<registry ref>) pulls on first use (None: as the parent says; see
+    # QuotaIndex.registry_pull)
+    registry_pull: bool | None = None
 
     def validate(self, where: str = "quota") -> None:
         Limits.validate(self, where)
@@ -140,6 +143,14 @@ class QuotaIndex:
 
     def quotas(self) -> dict[str, Quota]:
         return {p: n.quota for p, n in self._nodes.items() if n.quota is not None}
+
+    def registry_pull(self, project: str) -> tuple[bool, str | None]:
+        """Whether a create in ``project`` may pull a registry image on first use, and
+        the project whose quota said so (nearest first; None: nobody did, default yes)."""
+        for n in reversed(self._chain(project)):
+            if n.quota is not None and n.quota.registry_pull is not None:
+                return n.quota.registry_pull, n.path
+        return True, None
 
     def network_ceilings(self, project: str) -> list[tuple[str, NetworkPolicy]]:
         """The network ceilings that bind ``project``: its own and every ancestor's,

@@ -84,6 +84,8 @@ NOTICE_REASONS: frozenset[str] = frozenset({
     "disk_full",        # a write hit the sandbox's disk cap (or its node's disk pool)
     "network_denied",   # its egress policy dropped packets (counts and examples)
     "network_lost",     # adopted after an edge restart without its router slot: cut off
+    "network_ipv6_inert",  # its policy names IPv6 entries this node cannot carry (no
+                        # IPv6 for sandboxes): accepted, inert, and said so
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -84,6 +84,7 @@ from dsec.errors import (
     WrongNode,
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
+from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
 from dsec.wire.netpolicy import NetworkPolicy, within
 from dsec.wire.node import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
@@ -765,6 +766,9 @@ class EdgeNode:
 
     def _created(self, rec: _Sandbox) -> SandboxInfo:
         self._move(rec, "created", "requested")
+        note = self._ipv6_note(rec)
+        if note:
+            self._event(rec, rec.state, rec.state, "network_ipv6_inert", note[:500])
         if rec.doomed is not None:  # the backend reported its death while we created it
             self._spawn(self._die(rec, *rec.doomed))
         elif rec.spec.ttl_s is not None or rec.spec.idle_timeout_s is not None:
@@ -912,6 +916,18 @@ class EdgeNode:
                 f"({self.config.net_max}): that ceiling {v.why}", field=fld, entry=v.entry,
                 node=self.node_id)
 
+    @staticmethod
+    def _net_ipv6(rec: _Sandbox) -> bool:
+        """Whether the sandbox's backend enforces IPv6 entries (its slots have IPv6)."""
+        return rec.spec.net.net_mode != "none" and bool(
+            getattr(rec.backend, "network_ipv6", False))
+
+    def _ipv6_note(self, rec: _Sandbox) -> str:
+        """What the caller is told when the policy's v6 entries are inert here."""
+        if self._net_ipv6(rec):
+            return ""
+        return ipv6_inert_note(rec.spec.net, self.node_id)
+
     def _net_view(self, rec: _Sandbox) -> NetworkView:
         address, denied, pins = None, 0, 0
         status = getattr(rec.backend, "network_status", None)
@@ -919,7 +935,7 @@ class EdgeNode:
             address, denied, pins = status(SandboxId(rec.id))
         return NetworkView(policy=rec.spec.net, generation=rec.net_generation,
                            ceiling_deny=rec.ceiling_deny, address=address,
-                           denied_packets=denied, pins=pins)
+                           ipv6=self._net_ipv6(rec), denied_packets=denied, pins=pins)
 
     def network_get(self, sandbox_id: str) -> NetworkView:
         """The sandbox's egress policy as this node holds it, and its generation."""
@@ -988,6 +1004,9 @@ class EdgeNode:
                 raise
             self._event(rec, rec.state, rec.state, "network_updated",
                         f"generation {rec.net_generation}: {policy}"[:500])
+            note = self._ipv6_note(rec)
+            if note:
+                self._event(rec, rec.state, rec.state, "network_ipv6_inert", note[:500])
             return self._net_view(rec)
 
     async def _journal_now(self, rec: _Sandbox) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from dsec.image.erofs import ProgressFn
 from dsec.image.manifest import LayerManifest
 from dsec.image.store import LayerStore
 from dsec.image.tree import special_skip
+from dsec.rmtree import remove_tree
 
 __all__ = ["DEFAULT_MIRROR", "DEFAULT_REPO_CACHE", "BootstrapPlan", "BootstrapResult",
            "bootstrap_debian", "bootstrap_tree", "fetch_repo", "repo_dir"]
@@ -137,6 +137,22 @@ def repo_dir(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str:
     return os.path.join(cache_root, f"{plan.suite}-{plan.variant}-{plan.key()}")
 
 
+def contained(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that its mounts and processes die with it and with us: in a
+    private mount namespace and its own pid namespace (util-linux ``unshare --mount
+    --pid --fork --propagation private``), tied to this process by ``setpriv
+    --pdeathsig KILL`` (unshare dies with us) and ``--kill-child=KILL`` (its child, the
+    namespace's init, dies with unshare; the kernel then kills every process of the
+    pid namespace, and the mount namespace, with the binds of the host's /dev/shm,
+    /proc, /sys and the devpts that root-mode mmdebstrap makes in its target, goes with
+    its last process). Before this, a kill -9 of dsec + mmdebstrap left those binds in
+    the store's tmp/ for good, visible to every process of the host (red team 15, F18).
+    The tree mmdebstrap writes is on the shared filesystem, so the result is seen."""
+    return ["setpriv", "--pdeathsig", "KILL", "--",
+            "unshare", "--mount", "--pid", "--fork", "--kill-child=KILL",
+            "--propagation", "private", "--", *argv]
+
+
 def _run(argv: Sequence[str], what: str, *, cwd: str | None = None) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, check=False)
@@ -169,7 +185,7 @@ def _drop_special_files(root: str) -> list[str]:
 def bootstrap_tree(plan: BootstrapPlan, target: str) -> list[str]:
     """mmdebstrap ``plan`` into the directory ``target`` (created), device nodes under
     /dev left out; returns the paths left out."""
-    _run(plan.argv(target), f"mmdebstrap {plan.suite} from {plan.mirror}")
+    _run(contained(plan.argv(target)), f"mmdebstrap {plan.suite} from {plan.mirror}")
     return _drop_special_files(target)
 
 
@@ -194,6 +210,12 @@ def bootstrap_debian(store: LayerStore, plan: BootstrapPlan, *, name: str | None
                            special_files_dropped=dropped)
 
 
+def _remove_or_raise(path: str) -> None:
+    res = remove_tree(path, detach=True)
+    if not res.clean:
+        raise ImageError(f"cannot remove {path}: {res.describe()}")
+
+
 def fetch_repo(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str:
     """Make (once) a local apt repository holding every package ``plan`` installs, as
     ``<repo>/pool/*.deb`` + ``dists/<suite>/main/binary-<arch>/Packages`` + ``Release``
@@ -206,20 +228,20 @@ def fetch_repo(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str
         return out
     os.makedirs(cache_root, exist_ok=True)
     work = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
+    remove_tree(work, detach=True)      # a killed earlier run's (dsec's own scratch)
     pool = os.path.join(work, "pool")
     os.makedirs(pool)
     try:
         root = os.path.join(work, "root")
-        _run(plan.argv(root, keep_debs_in=pool), f"mmdebstrap {plan.suite} from {plan.mirror}")
-        shutil.rmtree(root)
+        _run(contained(plan.argv(root, keep_debs_in=pool)), f"mmdebstrap {plan.suite} from {plan.mirror}")
+        _remove_or_raise(root)
         debs = [n for n in os.listdir(pool) if n.endswith(".deb")]
         if not debs:
             raise ImageError(f"mmdebstrap kept no .deb files in {pool}")
         for n in os.listdir(pool):      # apt's lock file and partial/ dir
             if not n.endswith(".deb"):
                 p = os.path.join(pool, n)
-                shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+                _remove_or_raise(p)
         arch = _run(["dpkg", "--print-architecture"], "dpkg").strip()
         dist = os.path.join(work, "dists", plan.suite)
         bdir = os.path.join(dist, "main", f"binary-{arch}")
@@ -237,8 +259,8 @@ def fetch_repo(plan: BootstrapPlan, cache_root: str = DEFAULT_REPO_CACHE) -> str
             f.write(release)
         with open(os.path.join(work, _COMPLETE), "w") as f:
             f.write(f"{len(debs)} packages\n")
-        shutil.rmtree(out, ignore_errors=True)
+        remove_tree(out)
         os.rename(work, out)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work, detach=True)
     return out

@@ -55,8 +55,13 @@ class RootStack:
 
 
 def compose(base: LayerManifest, workspace: LayerManifest | None = None,
-            toolkits: Sequence[LayerManifest] = ()) -> RootStack:
-    """Order base, workspace and toolkits into a :class:`RootStack` (pure)."""
+            toolkits: Sequence[LayerManifest] = (),
+            base_lowers: Sequence[LayerManifest] = ()) -> RootStack:
+    """Order base, workspace and toolkits into a :class:`RootStack` (pure).
+
+    ``base_lowers``: the layers below ``base`` when the base is the top of a multi-layer
+    image (a pulled image's top layer names them in its ``stack``, highest first; see
+    :func:`base_stack`); they sit below it in that order."""
     def need(m: LayerManifest, role: str, kinds: tuple[str, ...]) -> None:
         if m.kind not in kinds:
             raise InvalidArgument(f"layer {m.ref} is a {m.kind} layer and cannot be used as "
@@ -70,6 +75,12 @@ def compose(base: LayerManifest, workspace: LayerManifest | None = None,
         need(workspace, "workspace", ("workspace",))
         layers.append(workspace)
     layers.append(base)
+    if [m.digest for m in base_lowers] != list(base.stack):
+        raise InvalidArgument(f"base {base.ref} stands on {list(base.stack)}, not on the "
+                              f"{len(base_lowers)} layers given")
+    for m in base_lowers:
+        need(m, "base", ("base",))
+        layers.append(m)
     digests = [m.digest for m in layers]
     if len(set(digests)) != len(digests):
         raise InvalidArgument(f"a layer appears twice in the stack {digests}")

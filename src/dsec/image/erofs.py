@@ -45,6 +45,7 @@ archive without ``./``, whiteouts) gets a time derived from the content instead 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -81,8 +82,9 @@ def layer_uuid(*identity: str) -> str:
     layer *is* besides its tree (kind, namespace, parent, stack, labels, layout), so the
     same tree built as the same thing gives the same bytes and digest, and the same tree
     built for two projects (or as a snapshot and a base) gives two layers, each with its
-    own manifest (pure)."""
-    return str(_uuid.uuid5(_UUID_NS, "\0".join(identity)))
+    own manifest (pure). The fields are framed as a JSON list, never joined: a joined
+    text lets one field spell another's boundary (red team 15, F8's class)."""
+    return str(_uuid.uuid5(_UUID_NS, json.dumps(list(identity))))
 
 
 def layout_for(*, files: int, apparent_bytes: int, allocated_bytes: int,

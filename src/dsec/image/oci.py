@@ -180,12 +180,14 @@ class _Hashing:
 
 
 def _labels(config: dict[str, Any], ref: str | None) -> dict[str, str]:
-    c = config.get("config") or {}
-    out = {"oci.ref": ref or ""}
-    for key in ("Env", "Cmd", "Entrypoint", "WorkingDir", "User"):
-        if c.get(key):
-            out[f"oci.{key.lower()}"] = json.dumps(c[key])
-    return {k: v for k, v in out.items() if v}
+    """The image config as the ``oci.*`` labels every image carries (pulled ones too:
+    :func:`dsec.image.registry.defaults_labels`), which become its sandboxes' defaults."""
+    from dsec.image.registry import defaults_labels, image_defaults
+
+    out = defaults_labels(image_defaults(config))
+    if ref:
+        out["oci.ref"] = ref
+    return out
 
 
 def import_oci(store: LayerStore, path: str, *, name: str | None = None, tag: str = "latest",

@@ -44,7 +44,6 @@ import contextlib
 import fcntl
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO
@@ -83,6 +82,7 @@ from dsec.image.manifest import (
     ref_key,
 )
 from dsec.image.tree import skip_counts, tree_stats
+from dsec.rmtree import remove_tree
 
 __all__ = ["LayerStore", "Pin", "PruneResult", "may_point_at", "mounted_sources"]
 
@@ -270,7 +270,11 @@ class LayerStore:
         """Remove the scratch entries of processes that died mid-build (a kill -9 skips
         the cleanup on the way out: staging trees and half-written layers stayed, ~the
         size of each snapshot, for good). A live owner's, another pid namespace's and
-        names without an owner token (made by older versions) are left alone."""
+        names without an owner token (made by older versions) are left alone. Never
+        across a mount point: what a killed helper left mounted below a dead entry (a
+        killed root-mode mmdebstrap's binds of the host's /dev/shm, /proc, /sys) is
+        detached first, and the walk itself stays on the store's mount
+        (:func:`dsec.rmtree.remove_tree`)."""
         try:
             entries = list(os.scandir(os.path.join(self.root, "tmp")))
         except OSError:
@@ -278,21 +282,18 @@ class LayerStore:
         for e in entries:
             if ownership.token_alive(e.name.split("-", 1)[0]) is not False:
                 continue
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)
+            remove_tree(e.path, detach=True)
 
     @contextlib.contextmanager
     def staging(self, prefix: str = "stage-") -> Iterator[str]:
-        """A scratch directory inside the store (same filesystem), removed on exit."""
+        """A scratch directory inside the store (same filesystem), removed on exit
+        (mounts a helper left below it detached first, never walked into)."""
         path = self._scratch(prefix + secrets.token_hex(6))
         os.mkdir(path, _DIR_MODE)
         try:
             yield path
         finally:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path, detach=True)
 
     # ------------------------------------------------------------------------- refs
     def _read_refs(self) -> dict[str, str]:
@@ -583,7 +584,8 @@ class LayerStore:
             why.append("mounted on this node")
         for m in self.manifests():
             if m.parent == digest or digest in m.stack:
-                why.append(f"snapshot {m.digest} builds on it")
+                why.append(f"{'snapshot' if m.kind == 'snapshot' else 'image'} {m.digest} "
+                           "builds on it")
         return why
 
     def remove(self, ref: str) -> LayerManifest:
@@ -742,7 +744,9 @@ def _identity_uuid(kind: str, namespace: str | None, parent: str | None,
                    stack: Sequence[str], labels: dict[str, str] | None,
                    compression: str | None, chunk: int | None) -> str:
     """The filesystem UUID of a layer: what it is besides its tree (pure)."""
-    return layer_uuid("dsec-layer-v1", kind, namespace or "", parent or "", ",".join(stack),
+    # None (cluster-wide) and "" (a snapshot naming no project) are two identities
+    return layer_uuid("dsec-layer-v2", kind, "\0none" if namespace is None else namespace,
+                      parent or "", ",".join(stack),
                       _json_enc.encode(dict(sorted((labels or {}).items()))).decode(),
                       compression or "", str(chunk or 0))
 

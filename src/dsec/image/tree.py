@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dsec.errors import ImageError
+from dsec.rmtree import remove_tree
 
 __all__ = [
     "OPAQUE_XATTR",
@@ -114,7 +114,9 @@ def remove_path(path: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
+        res = remove_tree(path)          # never across a mount point
+        if not res.clean:
+            raise OSError(f"cannot remove {path}: {res.describe()}")
     else:
         os.unlink(path)
 

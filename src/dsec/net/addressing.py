@@ -7,6 +7,17 @@ address is the DNS resolver's (on the router's ``lo``). A /31 per sandbox (RFC 3
 each one its own L2 segment: no ARP between tenants, nothing to spoof but the one address,
 and the anti-spoof rule of its chain pins even that.
 
+IPv6 (a node started with ``--net-ipv6 auto`` whose uplink has IPv6): slot ``i`` is also
+the /127 ``pool6 + 2i`` of the ULA ``fd00:d5ec::/48`` (router end even, sandbox end odd,
+RFC 6164), the IPv4 layout's twin. A /127 rather than a /64 per slot: the link holds
+exactly the two addresses dsec gave it, so there is nothing to autoconfigure (no router
+advertisements, no SLAAC or privacy addresses a sandbox could pick), the anti-spoof rule
+is one exact address as on IPv4, the router's neighbour cache holds one entry per slot,
+and address <-> slot stays arithmetic. The addresses skip duplicate address detection
+(both ends are dsec's), so a slot is usable the moment it is built. The router's uplink link
+(``UPLINK_LINK6``) sits in a /64 of the default pool far above any slot; the pool and the
+uplink's addresses are never reachable from a slot.
+
 The pool is private to each router netns, so two edges on one host may use the same pool;
 the inverse (address -> slot) is what the resolver uses to name the asking sandbox and what
 reconcile uses to find a live sandbox's slot from its ``eth0``.
@@ -22,9 +33,11 @@ from dsec.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_POOL",
+    "DEFAULT_POOL6",
     "POOL_RANGES",
     "ROUTER_IFINDEX_BASE",
     "SLOT_PREFIX",
+    "UPLINK_LINK6",
     "Pool",
     "SlotAddr",
 ]
@@ -38,6 +51,11 @@ DEFAULT_POOL: Final = "10.213.0.0/16"
 #: pool - would make those real destinations unreachable for every sandbox).
 POOL_RANGES: Final = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
                       "198.18.0.0/15")
+
+DEFAULT_POOL6: Final = "fd00:d5ec::/48"
+#: The router's uplink link when it carries IPv6 (peer ::1, router ::2): inside the pool
+#: (so never reachable from a slot) and far above any slot index.
+UPLINK_LINK6: Final = "fd00:d5ec:0:ffff::/126"
 # Router-side veth names: "dsv<slot>" (IFNAMSIZ 16: "dsv" + up to 5 digits fits easily).
 SLOT_PREFIX: Final = "dsv"
 # The router's end of slot i gets ifindex BASE + i (ifindexes are per netns; an explicit
@@ -55,6 +73,9 @@ class SlotAddr:
     index: int
     router_ip: ipaddress.IPv4Address
     sandbox_ip: ipaddress.IPv4Address
+    #: the /127 of the slot in the IPv6 pool (used only on a node with IPv6)
+    router_ip6: ipaddress.IPv6Address
+    sandbox_ip6: ipaddress.IPv6Address
 
     @property
     def ifname(self) -> str:
@@ -74,7 +95,7 @@ class SlotAddr:
 class Pool:
     """Arithmetic over the node's slot pool (an IPv4 network of at least 4 addresses)."""
 
-    def __init__(self, cidr: str = DEFAULT_POOL) -> None:
+    def __init__(self, cidr: str = DEFAULT_POOL, cidr6: str = DEFAULT_POOL6) -> None:
         try:
             net = ipaddress.IPv4Network(cidr, strict=True)
         except ValueError as exc:
@@ -96,8 +117,21 @@ class Pool:
                 f"pool; use a private range no host network uses, e.g. {DEFAULT_POOL}",
                 field="net_pool",
             )
+        try:
+            net6 = ipaddress.IPv6Network(cidr6, strict=True)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"net pool {cidr6!r} is not an IPv6 network ({exc}); e.g. {DEFAULT_POOL6}",
+                field="net_pool6",
+            ) from exc
+        if net6.prefixlen > 64:
+            raise InvalidArgument(
+                f"IPv6 net pool {cidr6} is longer than a /64; give a /64 or shorter "
+                f"(e.g. {DEFAULT_POOL6})", field="net_pool6")
         self.network = net
+        self.network6 = net6
         self._base = int(net.network_address)
+        self._base6 = int(net6.network_address)
         # Every /31 but the last, which holds the resolver.
         self.capacity = net.num_addresses // 2 - 1
 
@@ -116,15 +150,26 @@ class Pool:
             index=index,
             router_ip=ipaddress.IPv4Address(self._base + 2 * index),
             sandbox_ip=ipaddress.IPv4Address(self._base + 2 * index + 1),
+            router_ip6=ipaddress.IPv6Address(self._base6 + 2 * index),
+            sandbox_ip6=ipaddress.IPv6Address(self._base6 + 2 * index + 1),
         )
 
-    def slot_of(self, address: str | ipaddress.IPv4Address) -> int | None:
-        """The slot whose *sandbox* end is ``address``; None for anything else (the
-        router's ends, the resolver, addresses outside the pool)."""
+    def slot_of(self, address: str | ipaddress.IPv4Address | ipaddress.IPv6Address
+                ) -> int | None:
+        """The slot whose *sandbox* end is ``address`` (either family); None for
+        anything else (the router's ends, the resolver, addresses outside the pool)."""
         try:
-            ip = ipaddress.IPv4Address(address)
+            ip = ipaddress.ip_address(address)
         except ValueError:
             return None
+        if ip.version == 6:
+            v4 = ip.ipv4_mapped
+            if v4 is None:
+                off6 = int(ip) - self._base6
+                if off6 < 0 or off6 % 2 == 0 or off6 >= 2 * self.capacity:
+                    return None
+                return off6 // 2
+            ip = v4
         off = int(ip) - self._base
         if off < 0 or off % 2 == 0:
             return None

@@ -31,7 +31,17 @@ from dsec.wire.netpolicy import (
     parse_rule,
 )
 
-__all__ = ["ALL_PORTS", "Compiled", "DomainRule", "Elem", "NetDiff", "compile", "diff"]
+__all__ = [
+    "ALL_PORTS",
+    "Compiled",
+    "DomainRule",
+    "Elem",
+    "NetDiff",
+    "compile",
+    "diff",
+    "ipv6_entries",
+    "ipv6_inert_note",
+]
 
 #: The port range of an element that names no port. 0 included: a UDP datagram to port
 #: 0 is a flow like any other, and "all ports" means all.
@@ -219,3 +229,25 @@ def diff(old: Compiled | None, new: Compiled) -> NetDiff:
         or set(new.deny_domains) - set(old.deny_domains) != set()
         or (new.max_connections or 1 << 30) < (old.max_connections or 1 << 30))
     return NetDiff(add=add, delete=delete, same=same, cuts=cuts)
+
+
+def ipv6_entries(policy: NetworkPolicy) -> tuple[str, ...]:
+    """The policy's IPv6 CIDR entries (allow and deny), as written canonically."""
+    allow, deny = policy.rules()
+    return tuple(str(r) for r in (*allow, *deny)
+                 if r.kind == "cidr" and r.net is not None and r.net.version == 6)
+
+
+def ipv6_inert_note(policy: NetworkPolicy, node: str) -> str:
+    """"" or what a node without IPv6 tells the caller about the policy's v6 entries:
+    accepted (a policy does not depend on the node it lands on) but inert there, since
+    every v6 packet of its sandboxes is dropped. Never a silent no-op."""
+    if policy.net_mode == "none":
+        return ""
+    v6 = ipv6_entries(policy)
+    if not v6:
+        return ""
+    shown = ", ".join(v6[:5]) + (f" and {len(v6) - 5} more" if len(v6) > 5 else "")
+    return (f"node {node} has no IPv6 for sandboxes (dsec edge --net-ipv6 off, or an "
+            f"uplink without IPv6): the IPv6 entries {shown} are accepted but inert here "
+            "(every IPv6 packet is dropped); IPv4 entries and names answer over IPv4")

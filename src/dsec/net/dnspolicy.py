@@ -6,7 +6,9 @@ packet to port 53 is DNAT'ed to it (plan-14 §4.3). For each query it asks :func
 - only ``A``/``AAAA`` for names the sandbox's policy allows (and no deny entry matches);
   anything else is ``REFUSED`` and **never forwarded**, so unlisted names cannot carry
   data out (DNS tunnelling) and the upstream never learns them;
-- ``AAAA`` answers NOERROR with no data (slots have no IPv6; clients fall back at once);
+- ``AAAA`` is answered like ``A`` on a node whose slots have IPv6 (``ipv6``), and the
+  v6 addresses pinned the same way; elsewhere NOERROR with no data (clients fall back at
+  once), in every mode;
 - answers are filtered: addresses that are never reachable (loopback, link-local with the
   cloud metadata address, multicast, the pool, the node's own) are dropped always,
   private ones unless a CIDR entry of the policy names them (DNS rebinding); nothing left
@@ -27,7 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from dsec.net.nftwire import Pin4, Proto
+from dsec.net.nftwire import Addr, Pin4, Proto
+from dsec.wire.netpolicy import embedded_ipv4
 
 __all__ = [
     "AAAA",
@@ -77,7 +80,7 @@ class DnsPolicy:
     deny: tuple[NameRule, ...] = ()
     open: bool = False
     #: private networks the policy names by CIDR (answers inside them are kept)
-    private_ok: tuple[ipaddress.IPv4Network, ...] = ()
+    private_ok: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ class Forward:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    addresses: tuple[ipaddress.IPv4Address, ...]
+    addresses: tuple[Addr, ...]
     ttl: int
     pins: tuple[Pin4, ...]
 
@@ -113,44 +116,59 @@ def _name_ok(qname: str) -> str:
     return ""
 
 
-def decide(policy: DnsPolicy, qname: str, qtype: int) -> Refuse | Forward:
-    """First step for a query: refuse it, or forward it (cache or upstream)."""
+def decide(policy: DnsPolicy, qname: str, qtype: int, *, ipv6: bool = False
+           ) -> Refuse | Forward:
+    """First step for a query: refuse it, or forward it (cache or upstream). ``ipv6``:
+    the asking sandbox's slot has IPv6 (else AAAA is answered empty, in every mode: an
+    address it cannot reach would only cost it a connect timeout)."""
     bad = _name_ok(qname)
     if bad:
         return Refuse("REFUSED", bad)
     if any(r.matches(qname) for r in policy.deny):
         return Refuse("REFUSED", "the name matches a deny entry")
     if policy.open:
+        if qtype == AAAA and not ipv6:
+            return Refuse("NOERROR", "no IPv6 on this node")
         return Forward(qname.lower(), qtype, ())
     rules = tuple(r for r in policy.allow if r.matches(qname))
     if not rules:
         return Refuse("REFUSED", "the name is not in the policy")
-    if qtype == AAAA:
+    if qtype == AAAA and not ipv6:
         return Refuse("NOERROR", "no IPv6 on this node")
-    if qtype != A:
+    if qtype not in (A, AAAA):
         return Refuse("REFUSED", f"query type {qtype} is not answered (only A and AAAA)")
     return Forward(qname.lower(), qtype, rules)
 
 
+Net = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
 def filter_answer(
-    addresses: Iterable[ipaddress.IPv4Address], *, never: Sequence[ipaddress.IPv4Network],
-    private: Sequence[ipaddress.IPv4Network], private_ok: Sequence[ipaddress.IPv4Network],
-) -> tuple[ipaddress.IPv4Address, ...]:
-    """The answer's addresses a sandbox may be given (rebinding filter). Integer range
-    checks (``address in network`` objects cost ~6 ms for a 300-address answer, on the
-    loop, per cached query)."""
-    def ranges(nets: Sequence[ipaddress.IPv4Network]) -> list[tuple[int, int]]:
-        return [(int(n.network_address), int(n.broadcast_address)) for n in nets]
+    addresses: Iterable[Addr], *, never: Sequence[Net], private: Sequence[Net],
+    private_ok: Sequence[Net],
+) -> tuple[Addr, ...]:
+    """The answer's addresses a sandbox may be given (rebinding filter), either family
+    (an address is only ever compared with networks of its own; an IPv6 address that
+    spells an IPv4 one, NAT64/6to4/Teredo/IPv4-compatible, with ``never`` IPv4 too). Integer range checks
+    (``address in network`` objects cost ~6 ms for a 300-address answer, on the loop,
+    per cached query)."""
+    def ranges(nets: Sequence[Net]) -> list[tuple[int, int, int]]:
+        return [(n.version, int(n.network_address), int(n.broadcast_address)) for n in nets]
     nv, pv, ok = ranges(never), ranges(private), ranges(private_ok)
-    out: list[ipaddress.IPv4Address] = []
-    seen: set[int] = set()
+    out: list[Addr] = []
+    seen: set[tuple[int, int]] = set()
     for a in addresses:
-        x = int(a)
-        if x in seen or any(lo <= x <= hi for lo, hi in nv):
+        v, x = a.version, int(a)
+        if (v, x) in seen or any(w == v and lo <= x <= hi for w, lo, hi in nv):
             continue
-        if any(lo <= x <= hi for lo, hi in pv) and not any(lo <= x <= hi for lo, hi in ok):
+        if v == 6 and any(  # an IPv4 it spells (NAT64, 6to4, Teredo) judged as IPv4
+                w == 4 and int(e.network_address) <= hi and lo <= int(e.broadcast_address)
+                for e in embedded_ipv4(ipaddress.IPv6Network(a)) for w, lo, hi in nv):
             continue
-        seen.add(x)
+        if any(w == v and lo <= x <= hi for w, lo, hi in pv) and not any(
+                w == v and lo <= x <= hi for w, lo, hi in ok):
+            continue
+        seen.add((v, x))
         out.append(a)
     return tuple(out)
 
@@ -159,7 +177,7 @@ def pin_seconds(ttl: float) -> float:
     return min(max(ttl, PIN_FLOOR_S) + PIN_GRACE_S, PIN_CAP_S)
 
 
-def pins_for(addresses: Iterable[ipaddress.IPv4Address], rules: Iterable[NameRule],
+def pins_for(addresses: Iterable[Addr], rules: Iterable[NameRule],
              ttl: float) -> list[Pin4]:
     """The set elements that make ``addresses`` reachable as the rules say."""
     ms = int(pin_seconds(ttl) * 1000)
@@ -180,7 +198,7 @@ class PinBook:
     """When each pin of each slot expires in the kernel (as far as we set it), so a
     repeated answer re-pins only what would expire before the answer's TTL runs out."""
 
-    expiry: dict[tuple[int, ipaddress.IPv4Address, Proto, int | None], float] = field(
+    expiry: dict[tuple[int, Addr, Proto, int | None], float] = field(
         default_factory=dict)
 
     def needed(self, slot: int, pins: Iterable[Pin4], now: float, ttl: float) -> list[Pin4]:

@@ -36,6 +36,57 @@ BUFFER_BYTES: Final = 8 << 20
 ACK_TIMEOUT_S: Final = 5.0
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` has data within ``timeout_s``. poll(), not select(): a router
+    holds an fd per slot, so its sockets' numbers pass select()'s FD_SETSIZE (1024)
+    with ~1,000 slots ("filedescriptor out of range in select()", found building the
+    1,000-sandbox bench)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(timeout_s * 1000))
+
+
+FD_SETSIZE: Final = 1024
+#: low fd numbers kept free for C libraries that still select() (libnftables)
+LOW_FD_RESERVE: Final = 16
+
+
+def _fds() -> set[int]:
+    return {int(x) for x in os.listdir("/proc/self/fd")}
+
+
+class _LowFds:
+    """Placeholder fds (``/dev/null``) holding low numbers: one is closed right before a
+    libnftables context opens its socket, so the socket takes a number below
+    FD_SETSIZE, and the reserve is refilled (with the lowest free numbers) after."""
+
+    def __init__(self, n: int) -> None:
+        self.lock = threading.Lock()
+        self.n = n
+        self.fds: list[int] = []
+        self.refill()
+
+    def release(self, n: int = 3) -> set[int]:
+        """Close the ``n`` highest placeholders below FD_SETSIZE (nft_ctx_new holds a file
+        of its own open while it opens its socket: one free number is not enough); the
+        fds open now, without them."""
+        for fd in sorted((fd for fd in self.fds if fd < FD_SETSIZE), reverse=True)[:n]:
+            self.fds.remove(fd)
+            os.close(fd)
+        return _fds()
+
+    def refill(self) -> None:
+        while len(self.fds) < self.n:
+            fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            if fd >= FD_SETSIZE:  # nothing low is free: keep no high placeholder
+                os.close(fd)
+                return
+            self.fds.append(fd)
+
+
+_LOW_FDS = _LowFds(LOW_FD_RESERVE)
+
+
 class Netlink:
     """One netlink socket (route or netfilter) in the netns held by ``netns_fd``."""
 
@@ -77,8 +128,7 @@ class Netlink:
         return first
 
     def _recv(self) -> bytes:
-        r, _, _ = select.select([self.sock], [], [], ACK_TIMEOUT_S)
-        if not r:
+        if not _readable(self.sock.fileno(), ACK_TIMEOUT_S):
             raise BackendError(f"netlink: no answer from the kernel in {ACK_TIMEOUT_S} s")
         return self.sock.recv(1 << 20)
 
@@ -109,8 +159,7 @@ class Netlink:
 
     def _drain(self) -> None:
         while True:
-            r, _, _ = select.select([self.sock], [], [], 0.01)
-            if not r:
+            if not _readable(self.sock.fileno(), 0.01):
                 return
             self.sock.recv(1 << 20)
 
@@ -176,10 +225,31 @@ class Nft:
         # The context opens its netlink socket when it is made, in the netns of the
         # calling thread, and keeps it: made outside, every command would act on the
         # host's ruleset. So it is made inside, and commands run inside as well.
-        with netns.entered(netns_fd):
-            self.ctx = lib.nft_ctx_new(0)
-        if not self.ctx:
-            raise BackendError("libnftables: nft_ctx_new failed")
+        with _LOW_FDS.lock:
+            # libnftables waits for the kernel with select() (nftables' mnl.c): a socket
+            # numbered past FD_SETSIZE aborts the whole process (glibc's fortified
+            # FD_SET), and an edge holding ~1,000 slots, pidfds and pipes has no free
+            # number below 1,024. A reserve of low numbers, opened when this module was
+            # imported, gives one back for the context's socket (lowest free number).
+            before: set[int] = set()
+            after: set[int] = set()
+            try:
+                with netns.entered(netns_fd):  # (which holds an fd of its own meanwhile)
+                    before = _LOW_FDS.release()
+                    self.ctx = lib.nft_ctx_new(0)
+                    after = _fds()
+            finally:
+                _LOW_FDS.refill()
+            if not self.ctx:
+                raise BackendError("libnftables: nft_ctx_new failed")
+            high = sorted(fd for fd in after - before if fd >= FD_SETSIZE)
+            if high:
+                lib.nft_ctx_free(self.ctx)
+                self.ctx = None
+                raise BackendError(
+                    f"libnftables: its netlink socket got fd {high[0]}, past FD_SETSIZE "
+                    f"({FD_SETSIZE}), where its select() would abort the edge; no low fd "
+                    "number was free (close fds, or raise the reserve: kernel.LOW_FD_RESERVE)")
         lib.nft_ctx_buffer_output(self.ctx)
         lib.nft_ctx_buffer_error(self.ctx)
         if json:  # listings come back as libnftables JSON (the host uplink's checks)

@@ -14,7 +14,8 @@ of them or none (a bad element aborts the whole batch), which is what makes a po
 update atomic: flush + refill + generation swap are seen together or not at all.
 
 Key layout: a concatenated key is the fields one after another, each padded to 4 bytes
-(``ipv4_addr . inet_proto . inet_service`` = 4 + 4 + 4 bytes; the port is big-endian in
+(``ipv4_addr . inet_proto . inet_service`` = 4 + 4 + 4 bytes, the ``ipv6_addr`` twin
+16 + 4 + 4: an element's family is its address's; the port is big-endian in
 the first 2 bytes of its field); ``mark`` is 4 bytes in host order; ``ifname`` 16 bytes,
 NUL padded. Interval sets (flags interval) take ``KEY`` = first and ``KEY_END`` = last.
 """
@@ -30,12 +31,15 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 __all__ = [
+    "Addr",
+    "Dest",
     "Dest4",
     "NftBatch",
     "Pin4",
     "SlotPolicy",
     "TooManyElements",
     "counter_dump_request",
+    "ct_flush_from",
     "disjoint",
     "elem",
     "interval4",
@@ -92,37 +96,52 @@ Proto = Literal["tcp", "udp"]
 
 _HDR = struct.Struct("=IHHII")
 
+#: An address of either family: what a set element's family is decided by.
+Addr = ipaddress.IPv4Address | ipaddress.IPv6Address
+
 
 # ---------------------------------------------------------------------------------------
 # What goes into a slot's sets (the compiled policy, as plain addresses and ports)
 
 
 @dataclass(frozen=True, slots=True, order=True)
-class Dest4:
-    """One element of an interval set ``ipv4_addr . inet_proto . inet_service``: the
-    addresses ``first..last`` x ``proto`` x ports ``port_lo..port_hi``."""
+class Dest:
+    """One element of an interval set ``ipv4_addr . inet_proto . inet_service`` (or its
+    ``ipv6_addr`` twin, by the addresses' family): the addresses ``first..last`` x
+    ``proto`` x ports ``port_lo..port_hi``. ``first`` and ``last`` are of one family."""
 
-    first: ipaddress.IPv4Address
-    last: ipaddress.IPv4Address
+    first: Addr
+    last: Addr
     proto: Proto
     port_lo: int = 0
     port_hi: int = 65535
 
     @classmethod
     def of(
-        cls, net: str | ipaddress.IPv4Network, proto: Proto, ports: tuple[int, int] | None = None
-    ) -> Dest4:
-        n = ipaddress.IPv4Network(net)
+        cls, net: str | ipaddress.IPv4Network | ipaddress.IPv6Network, proto: Proto,
+        ports: tuple[int, int] | None = None,
+    ) -> Dest:
+        n = ipaddress.ip_network(net)
         lo, hi = ports if ports is not None else (0, 65535)
         return cls(n.network_address, n.broadcast_address, proto, lo, hi)
 
+    @property
+    def version(self) -> int:
+        return self.first.version
+
     def __str__(self) -> str:
         host = str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+        if self.version == 6:
+            host = f"[{host}]"
         ports = "" if (self.port_lo, self.port_hi) == (0, 65535) else (
             f":{self.port_lo}" if self.port_lo == self.port_hi
             else f":{self.port_lo}-{self.port_hi}"
         )
         return f"{host}{ports}/{self.proto}"
+
+
+#: The name the IPv4-only version used (the type carries both families now).
+Dest4 = Dest
 
 
 def _merge(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -144,7 +163,7 @@ class TooManyElements(ValueError):
         self.limit = limit
 
 
-def disjoint(dests: Iterable[Dest4], *, limit: int | None = None) -> tuple[Dest4, ...]:
+def disjoint(dests: Iterable[Dest], *, limit: int | None = None) -> tuple[Dest, ...]:
     """The same flows as ``dests``, as elements that do not overlap (an interval set
     refuses overlapping elements, and with them the whole batch): the address axis is cut
     at every element's edges, each piece gets the union of the port ranges covering it,
@@ -154,13 +173,15 @@ def disjoint(dests: Iterable[Dest4], *, limit: int | None = None) -> tuple[Dest4
     ``limit``: raise :class:`TooManyElements` as soon as the output passes it, so a
     policy that will be refused costs only the work up to the limit (256 overlapping
     entries split into ~65k elements took 617 ms before being refused; stopped at
-    4,096 they cost a few ms)."""
-    out: list[Dest4] = []
+    4,096 they cost a few ms). Each family is split on its own (an IPv4 and an IPv6
+    address never share a set)."""
+    out: list[Dest] = []
     count = 0
-    by_proto: dict[str, list[Dest4]] = {}
+    by_proto: dict[tuple[int, str], list[Dest]] = {}
     for d in dests:
-        by_proto.setdefault(d.proto, []).append(d)
-    for proto, ds in sorted(by_proto.items()):
+        by_proto.setdefault((d.version, d.proto), []).append(d)
+    for (version, proto), ds in sorted(by_proto.items()):
+        make = ipaddress.IPv4Address if version == 4 else ipaddress.IPv6Address
         cuts = sorted({int(d.first) for d in ds} | {int(d.last) + 1 for d in ds})
         rows: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
         for a, b in itertools.pairwise(cuts):
@@ -178,8 +199,7 @@ def disjoint(dests: Iterable[Dest4], *, limit: int | None = None) -> tuple[Dest4
                     raise TooManyElements(count, limit)
         for a, last, ports in rows:
             for lo, hi in ports:
-                out.append(Dest4(ipaddress.IPv4Address(a), ipaddress.IPv4Address(last),
-                                 proto, lo, hi))  # type: ignore[arg-type]
+                out.append(Dest(make(a), make(last), proto, lo, hi))  # type: ignore[arg-type]
     return tuple(sorted(out))
 
 
@@ -188,25 +208,30 @@ class SlotPolicy:
     """A slot's compiled policy in kernel terms (what ``net/compile.py`` produces; this
     layer never sees names or rules, only addresses and ports).
 
-    ``allow4``/``deny4``: destinations; ``east4``: other sandboxes this one may reach;
+    ``allow4``/``deny4``: destinations (``allow6``/``deny6``: the IPv6 ones, loaded on
+    every node and inert where the router drops IPv6); ``east4``: other sandboxes this
+    one may reach;
     ``from4``: sandboxes that may open connections to this one; ``open``: any address
     outside the never/private sets. Elements of one set must not overlap (the kernel
     refuses overlapping intervals, and the whole batch with them).
     """
 
-    allow4: tuple[Dest4, ...] = ()
-    deny4: tuple[Dest4, ...] = ()
-    east4: tuple[Dest4, ...] = ()
+    allow4: tuple[Dest, ...] = ()
+    deny4: tuple[Dest, ...] = ()
+    east4: tuple[Dest, ...] = ()
     from4: tuple[ipaddress.IPv4Address, ...] = ()
     open: bool = False
+    allow6: tuple[Dest, ...] = ()
+    deny6: tuple[Dest, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Pin4:
-    """An address the resolver answered: reachable on one port (``port``) or all ports
-    (``port`` None) of ``proto`` until ``timeout_ms`` runs out."""
+    """An address the resolver answered (either family: an ``A`` or an ``AAAA``
+    record's): reachable on one port (``port``) or all ports (``port`` None) of
+    ``proto`` until ``timeout_ms`` runs out."""
 
-    address: ipaddress.IPv4Address
+    address: Addr
     proto: Proto
     port: int | None
     timeout_ms: int
@@ -233,7 +258,7 @@ def _value(kind: int, raw: bytes) -> bytes:
     return _nest(kind, _attr(NFTA_DATA_VALUE, raw))
 
 
-def _k_ip(ip: ipaddress.IPv4Address) -> bytes:
+def _k_ip(ip: Addr) -> bytes:
     return ip.packed
 
 
@@ -280,8 +305,9 @@ def elem(
     return _nest(NFTA_LIST_ELEM, *parts)
 
 
-def interval4(d: Dest4) -> bytes:
-    """An element of an ``ipv4_addr . inet_proto . inet_service`` interval set."""
+def interval4(d: Dest) -> bytes:
+    """An element of an ``ipv4_addr . inet_proto . inet_service`` interval set (or of
+    its ``ipv6_addr`` twin, for an IPv6 ``d``)."""
     return elem(
         _k_ip(d.first) + _k_proto(d.proto) + _k_port(d.port_lo),
         key_end=_k_ip(d.last) + _k_proto(d.proto) + _k_port(d.port_hi),
@@ -431,3 +457,36 @@ def parse_counters(data: bytes) -> tuple[dict[str, tuple[int, int]], bool]:
             out[name] = (packets, nbytes)
         off += (length + 3) & ~3
     return out, done
+
+
+# ---------------------------------------------------------------------------------------
+# ctnetlink: forget a slot's flows
+
+NFNL_SUBSYS_CTNETLINK: Final = 1
+IPCTNL_MSG_CT_DELETE: Final = 2
+CTA_TUPLE_ORIG: Final = 1
+CTA_TUPLE_IP: Final = 1
+CTA_IP_V4_SRC: Final = 1
+CTA_IP_V6_SRC: Final = 3
+CTA_FILTER: Final = 25
+CTA_FILTER_ORIG_FLAGS: Final = 1
+CTA_FILTER_REPLY_FLAGS: Final = 2
+#: CTA_FILTER_FLAG(CTA_IP_SRC): the filter compares the original source address only
+CTA_FILTER_F_IP_SRC: Final = 1 << 0
+
+
+def ct_flush_from(seq: int, source: Addr) -> bytes:
+    """A ctnetlink request deleting every conntrack entry whose original source is
+    ``source`` (one slot's sandbox address: all of its flows, open or closing, NATed or
+    not). A flush with ``CTA_FILTER`` (Linux >= 6.3) walks the netns's table once in the
+    kernel; an older kernel takes the tuple as an exact one and answers ENOENT/EINVAL."""
+    v6 = isinstance(source, ipaddress.IPv6Address)
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    body = (struct.pack("=BBH", family, 0, 0)
+            + _nest(CTA_TUPLE_ORIG, _nest(CTA_TUPLE_IP, _attr(
+                CTA_IP_V6_SRC if v6 else CTA_IP_V4_SRC, source.packed)))
+            + _nest(CTA_FILTER,
+                    _attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", CTA_FILTER_F_IP_SRC)),
+                    _attr(CTA_FILTER_REPLY_FLAGS, struct.pack("=I", 0))))
+    return _HDR.pack(_HDR.size + len(body), (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE,
+                     NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body

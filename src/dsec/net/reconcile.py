@@ -13,9 +13,11 @@ no table ``inet dsec`` in the router     BuildBase (a fresh router: nothing to k
 base table's digest differs from this    ReplaceBase (one transaction; slot objects and
 code's (older dsec, other pool/uplink)   the ``out``/``in`` dispatch entries kept)
 no uplink link ``dsu0``                  AttachUplink
-the largest ``ct mark`` in any ``sN_l``  StartGenerations (a generation is never reused
-                                         on a slot: a stale conntrack mark of a dead
-                                         flow can never become live again)
+the largest ``ct mark`` in any ``sN_l``  StartGenerations (above it and above ``hwm``, the
+                                         last generation any load handed out: a
+                                         generation is never reused on the router, so
+                                         a stale conntrack mark of a dead flow can never
+                                         become live again)
 slot of an adopted sandbox, kernel's     Keep (generation kept: live flows survive the
 policy digest == journal policy's        restart untouched)
 slot of an adopted sandbox, otherwise    LoadPolicy (the journal's policy, new
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dsec.net.addressing import Pool
-from dsec.net.nftrules import BASE_MARKER
+from dsec.net.nftrules import BASE_MARKER, HWM_SET
 
 __all__ = [
     "Adopted",
@@ -71,8 +73,9 @@ __all__ = [
     "plan",
 ]
 
-#: A slot's nft objects: ``s17o`` (chain), ``s17a4`` (set)...
-_SLOT_OBJECT: Final = re.compile(r"^s(0|[1-9][0-9]*)(o|i|k|a4|d4|e4|f4|q4|r4|l|g|open|x|c)$")
+#: A slot's nft objects: ``s17o`` (chain), ``s17a4`` (set)... and, on a router with IPv6,
+#: the v6 twins ``a6 d6 q6 r6`` (their elements count, their pins are re-read)
+_SLOT_OBJECT: Final = re.compile(r"^s(0|[1-9][0-9]*)(o|i|k|a4|d4|e4|f4|q4|r4|a6|d6|q6|r6|l|g|open|x|c)$")
 
 
 def digest_of(obj: object) -> str:
@@ -100,10 +103,11 @@ class SlotSeen:
 
 @dataclass(frozen=True, slots=True)
 class PinSeen:
-    """A DNS pin found in a slot's ``q4`` (one port) or ``r4`` (all ports) set."""
+    """A DNS pin found in a slot's ``q4``/``q6`` (one port) or ``r4``/``r6`` (all ports)
+    set."""
 
     slot: int
-    address: ipaddress.IPv4Address
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address
     proto: str
     port: int | None
     expires_s: float
@@ -115,7 +119,8 @@ class KernelView:
     base_digest: str | None          # its digest (None: an older dsec's, or no table)
     uplink: bool                     # dsu0 is in the router netns
     slots: Mapping[int, SlotSeen] = field(default_factory=dict)
-    #: the largest mark in any slot's ``l`` set (the next generation starts above it)
+    #: the largest mark in any slot's ``l`` set or the router's ``hwm`` (the last
+    #: generation any load handed out): the next generation starts above it
     max_mark: int = 0
     #: True: the router netns was found pinned (a previous edge's); False: made now
     reopened: bool = True
@@ -280,6 +285,10 @@ def parse_listing(text: str, links: Iterable[str], pool: Pool) -> Listing:
         obj = x[kind]
         name = str(obj.get("name", ""))
         elems = obj.get("elem", []) if kind != "chain" else []
+        if name == HWM_SET:  # the last generation any load handed out
+            for e in elems:
+                max_mark = max(max_mark, _mark(e)[0])
+            continue
         if name == BASE_MARKER:
             for e in elems:
                 if isinstance(e, dict) and "elem" in e:
@@ -303,7 +312,7 @@ def parse_listing(text: str, links: Iterable[str], pool: Pool) -> Listing:
                 max_mark = max(max_mark, mark)
                 if mark >= gens.get(index, (0, None))[0]:
                     gens[index] = (mark, comment)
-        elif key in ("q4", "r4"):
+        elif key in ("q4", "r4", "q6", "r6"):
             pins += _pins(index, key, elems)
     slots: dict[int, SlotSeen] = {}
     for i in sorted(link_slots | objects):
@@ -342,10 +351,10 @@ def _pins(index: int, key: str, elems: Sequence[Any]) -> list[PinSeen]:
         if not isinstance(parts, list) or len(parts) < 2:
             continue
         try:
-            address = ipaddress.IPv4Address(parts[0])
+            address = ipaddress.ip_address(parts[0])
         except ValueError:
             continue
-        port = _int(parts[2]) if key == "q4" and len(parts) > 2 else None
+        port = _int(parts[2]) if key[0] == "q" and len(parts) > 2 else None
         expires = e["elem"].get("expires", e["elem"].get("timeout", 0))
         out.append(PinSeen(index, address, str(parts[1]), port,
                            float(expires) if isinstance(expires, int | float) else 0.0))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dnslib import AAAA as AAAARecord
 from dnslib import QTYPE, RCODE, RR, DNSRecord
 from dnslib import A as ARecord
 
@@ -40,7 +41,8 @@ from dsec.net.dnspolicy import (
     filter_answer,
     pins_for,
 )
-from dsec.net.nftrules import NEVER4, PRIVATE4
+from dsec.net.nftrules import NEVER4, NEVER6, PRIVATE4, PRIVATE6
+from dsec.net.nftwire import Addr
 from dsec.net.router import Slot
 
 __all__ = ["Resolver", "ResolverStats"]
@@ -79,7 +81,7 @@ class ResolverStats:
 
 @dataclass
 class _Cached:
-    addresses: tuple[ipaddress.IPv4Address, ...]
+    addresses: tuple[Addr, ...]
     rcode: int
     expires: float
     ttl: int
@@ -112,10 +114,14 @@ class Resolver:
         self._rates = (query_rate, query_burst, forward_rate, forward_burst)
         pool = self.router.pool
         up = self.router.uplink
-        self._never = tuple(ipaddress.IPv4Network(n) for n in (
+        self._never = tuple(ipaddress.ip_network(n) for n in (
             *NEVER4, str(pool.network), f"{up.router_ip}/32", f"{up.peer_ip}/32",
-            *(a if "/" in a else f"{a}/32" for a in self.router.config.node_addresses)))
-        self._private = tuple(ipaddress.IPv4Network(n) for n in PRIVATE4)
+            *NEVER6, str(pool.network6), f"{up.router_ip6}/128", f"{up.peer_ip6}/128",
+            *(a if "/" in a else f"{a}/{128 if ':' in a else 32}"
+              for a in self.router.config.node_addresses)))
+        self._private = tuple(ipaddress.ip_network(n) for n in (*PRIVATE4, *PRIVATE6))
+        #: AAAA answered (and v6 addresses pinned) only where slots have IPv6
+        self.ipv6 = self.router.config.ipv6
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -255,7 +261,7 @@ class Resolver:
         asked_gen = slot.generation
         qname = str(q.q.qname)
         qtype = int(q.q.qtype)
-        d = decide(plan.dns, qname, qtype)
+        d = decide(plan.dns, qname, qtype, ipv6=self.ipv6)
         if isinstance(d, Refuse):
             return self._reply(q, _RCODES[d.rcode], index)
         raw: bytes | None = None
@@ -298,7 +304,7 @@ class Resolver:
             _sid, slot, plan = again
             if slot.generation != asked_gen:
                 self.stats.stale += 1
-                d2 = decide(plan.dns, qname, qtype)
+                d2 = decide(plan.dns, qname, qtype, ipv6=self.ipv6)
                 if isinstance(d2, Refuse):
                     return self._reply(q, _RCODES[d2.rcode], index)
                 if (plan.dns.open and qtype != A) != (cached is None):
@@ -350,7 +356,10 @@ class Resolver:
                 self.stats.pins += len(need)
         rep = q.reply()
         for a in keep:
-            rep.add_answer(RR(q.q.qname, QTYPE.A, rdata=ARecord(str(a)), ttl=ttl))
+            if a.version == 6:
+                rep.add_answer(RR(q.q.qname, QTYPE.AAAA, rdata=AAAARecord(str(a)), ttl=ttl))
+            else:
+                rep.add_answer(RR(q.q.qname, QTYPE.A, rdata=ARecord(str(a)), ttl=ttl))
         self.stats.answered += 1
         return bytes(rep.pack())
 
@@ -437,9 +446,10 @@ class Resolver:
             r = await self._ask(q.pack(), q.header.id, tcp=True)
         # At most MAX_ANSWER_ADDRESSES kept (a real answer holds a handful; an agent's
         # own server may send hundreds, and each is filtered on every cached query)
-        addrs = tuple(ipaddress.IPv4Address(str(rr.rdata)) for rr in r.rr
-                      if rr.rtype == QTYPE.A)[:MAX_ANSWER_ADDRESSES]
-        ttl = min((rr.ttl for rr in r.rr if rr.rtype == QTYPE.A), default=30)
+        want = QTYPE.AAAA if d.qtype == QTYPE.AAAA else QTYPE.A
+        addrs = tuple(ipaddress.ip_address(str(rr.rdata)) for rr in r.rr
+                      if rr.rtype == want)[:MAX_ANSWER_ADDRESSES]
+        ttl = min((rr.ttl for rr in r.rr if rr.rtype == want), default=30)
         ttl = max(1, min(ttl, 3600))
         rcode = int(r.header.rcode)
         if rcode == RCODE.NOERROR and not addrs:
@@ -447,15 +457,16 @@ class Resolver:
         return _Cached(addrs, rcode, self.clock() + ttl, ttl)
 
     async def _forward_raw(self, q: DNSRecord, index: int) -> bytes:
-        """Mode open, a type other than A: the upstream's answer, A records filtered."""
+        """Mode open, a type other than A: the upstream's answer, A and AAAA records
+        filtered (an AAAA pointing at ::1 or the pool is rebinding as much as an A)."""
         self.stats.forwarded += 1
         try:
             r = await self._ask(q.pack(), q.header.id)
         except (OSError, TimeoutError) as exc:
             log.info("dns: upstream failed: %s", exc)
             return self._reply(q, RCODE.SERVFAIL, index)
-        r.rr = [rr for rr in r.rr if rr.rtype != QTYPE.A or filter_answer(
-            [ipaddress.IPv4Address(str(rr.rdata))], never=self._never, private=self._private,
+        r.rr = [rr for rr in r.rr if rr.rtype not in (QTYPE.A, QTYPE.AAAA) or filter_answer(
+            [ipaddress.ip_address(str(rr.rdata))], never=self._never, private=self._private,
             private_ok=())]
         return bytes(r.pack())
 

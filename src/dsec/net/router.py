@@ -33,13 +33,13 @@ import subprocess
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Final, Self
 
 from dsec.errors import BackendError, Conflict, InvalidArgument, ResourceExhausted
 from dsec.net import netns, nftrules, rtwire
 from dsec.net.addressing import SANDBOX_IFINDEX, SANDBOX_IFNAME, Pool, SlotAddr
 from dsec.net.kernel import Netlink, Nft
-from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy
+from dsec.net.nftwire import NftBatch, Pin4, SlotPolicy, ct_flush_from
 from dsec.net.reconcile import (
     AttachUplink,
     BuildBase,
@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     pool: str = "10.213.0.0/16"
+    #: slots also get IPv6 (a /127 each from ``pool6``, NAT66 out of the uplink, the
+    #: policies' v6 entries enforced); off: every v6 packet of a slot is dropped
+    ipv6: bool = False
+    pool6: str = "fd00:d5ec::/48"
     pool_min: int = 32
     build_batch: int = 64
     # Added to the never-reachable set (the host's own addresses).
@@ -75,6 +79,10 @@ class RouterConfig:
     max_connections: int = nftrules.DEFAULT_MAX_CONNECTIONS
 
 
+#: the router netns's conntrack timeouts (seconds) of states ``ct count`` does not count
+CONNTRACK_TIMEOUTS: Final = {"tcp_timeout_time_wait": "0", "tcp_timeout_close": "0"}
+
+
 @dataclass(slots=True)
 class Slot:
     """A built slot: its addresses and the fd holding its netns."""
@@ -82,6 +90,11 @@ class Slot:
     addr: SlotAddr
     fd: int
     generation: int = 0
+    #: its sets are known to hold nothing: set only where that is certain (built
+    #: fresh, or drained by a recycle), cleared by a load; the next load then adds
+    #: without flushing. Default False: a slot adopted or rebuilt any other way is
+    #: flushed first (a stale element left behind would be a hole)
+    empty: bool = False
     #: the flow cap its ``sNk`` chain holds now
     conn_cap: int = nftrules.DEFAULT_MAX_CONNECTIONS
     #: the tbf rate its veth ends are shaped to (None: not shaped)
@@ -111,7 +124,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, uplink: Uplink) -> None:
         self.config = config
-        self.pool = Pool(config.pool)
+        self.pool = Pool(config.pool, config.pool6)
         self.uplink = uplink
         if uplink.peer_ip in self.pool.network or uplink.router_ip in self.pool.network:
             raise InvalidArgument(
@@ -172,23 +185,25 @@ class Router:
     def _start(self) -> None:
         self.fd = netns.new_netns()
         self._setup_netns()
-        self.uplink.attach(self.rtnl)
+        self.uplink.attach(self.rtnl, ipv6=self.config.ipv6)
         self.nft(self._base_text())
 
     def _base_text(self, *, replace: bool = False) -> str:
         fn = nftrules.replace_base if replace else nftrules.base_ruleset
         return fn(pool=self.pool, uplink=UPLINK_IFNAME, node_addresses=self._never(),
-                  table=self.config.table)
+                  table=self.config.table, ipv6=self.config.ipv6)
 
     def base_digest(self) -> str:
         return nftrules.base_digest(pool=self.pool, uplink=UPLINK_IFNAME,
-                                    node_addresses=self._never(), table=self.config.table)
+                                    node_addresses=self._never(), table=self.config.table,
+                                    ipv6=self.config.ipv6)
 
     def _never(self) -> tuple[str, ...]:
         if self._guarded is None:
             self._guarded = self.uplink.guarded_addresses()
         return (*self.config.node_addresses, *self._guarded,
-                f"{self.uplink.router_ip}/32", f"{self.uplink.peer_ip}/32")
+                f"{self.uplink.router_ip}/32", f"{self.uplink.peer_ip}/32",
+                f"{self.uplink.router_ip6}/128", f"{self.uplink.peer_ip6}/128")
 
     def watch_uplink(self) -> str | None:
         """Re-check what guards the host (called on every denied-counter poll): the
@@ -218,8 +233,20 @@ class Router:
         # holding CAP_NET_RAW would spend that tenant's DNS budget and pins).
         for k in ("all", "default"):
             netns.write_sysctl(self.fd, f"net/ipv4/conf/{k}/rp_filter", "1")
+        # Closed flows leave the router's conntrack at once: ``ct count`` (the flow cap)
+        # forgets a TCP flow in TIME_WAIT or CLOSE, but conntrack would keep it 120 s /
+        # 10 s, so a sandbox looping connect-close held 120 s x its connection rate of
+        # the table every tenant of the router shares, uncapped (REDTEAM-14b #8). These
+        # timeouts are the router netns's own (per netns); the endpoints' TCP stacks keep
+        # their TIME_WAIT semantics. docs/networking.md: the node-wide nf_conntrack_max.
+        for key, value in CONNTRACK_TIMEOUTS.items():
+            netns.write_sysctl(self.fd, f"net/netfilter/nf_conntrack_{key}", value)
+        v6 = self.config.ipv6
         for k in ("all", "default"):
-            netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "1")
+            netns.write_sysctl(self.fd, f"net/ipv6/conf/{k}/disable_ipv6", "0" if v6 else "1")
+        if v6:
+            # forwarding also makes the router ignore router advertisements
+            netns.write_sysctl(self.fd, "net/ipv6/conf/all/forwarding", "1")
         self._rt = Netlink.route(self.fd)
         self._nl = Netlink.netfilter(self.fd)
         self._nft = Nft(self.fd)
@@ -361,7 +388,8 @@ class Router:
             try:
                 self.nft(nftrules.slot_objects((self.pool.slot(i) for i in ins.objects),
                                                table=self.config.table,
-                                               max_connections=self.config.max_connections))
+                                               max_connections=self.config.max_connections,
+                                               ipv6=self.config.ipv6))
             except BackendError as exc:
                 log.warning("net: nft objects of slots %s failed: %s", ins.objects, exc.message)
                 return [SlotEvent("build_failed", i) for i in ins.slots]
@@ -384,40 +412,59 @@ class Router:
         caps: list[str] = []
         for e in events:
             if e.kind == "built" and e.slot not in ins.objects:
-                nftrules.drain_batch(batch, self.pool.slot(e.slot))
+                nftrules.drain_batch(batch, self.pool.slot(e.slot), self.config.ipv6)
                 caps.append(nftrules.conn_cap(self.pool.slot(e.slot),
                                               self.config.max_connections,
                                               table=self.config.table))
         self.netlink.commit(batch, "flush rebuilt slots")
+        for e in events:  # a previous router's tenant of the index left flows behind
+            if e.kind == "built" and e.slot not in ins.objects:
+                self._forget_flows(self.pool.slot(e.slot))
         if caps:
             self.nft("".join(caps))
+        for e in events:  # fresh objects, or flushed just now
+            if e.kind == "built":
+                self.slots[e.slot].empty = True
         return events
 
     def _build_one(self, a: SlotAddr) -> Slot:
         fd = netns.new_netns()
+        v6 = self.config.ipv6
         try:
             with netns.entered(fd):
+                # IPv6 on: no router advertisements or autoconfiguration (the slot's one
+                # address and route are dsec's); off: no IPv6 at all in the slot
+                conf = ({"disable_ipv6": "0", "accept_ra": "0", "autoconf": "0"} if v6
+                        else {"disable_ipv6": "1"})
                 for k in ("all", "default"):
-                    with open(f"/proc/sys/net/ipv6/conf/{k}/disable_ipv6", "w") as f:
-                        f.write("1")
-            seq = self.rtnl.next_seq(3)
+                    for key, value in conf.items():
+                        with open(f"/proc/sys/net/ipv6/conf/{k}/{key}", "w") as f:
+                            f.write(value)
+            n = 4 if v6 else 3
+            seq = self.rtnl.next_seq(n)
             self.rtnl.request(rtwire.messages(
                 rtwire.veth_pair(seq, name=a.ifname, index=a.router_ifindex,
                                  peer=SANDBOX_IFNAME, peer_index=SANDBOX_IFINDEX,
                                  peer_netns_fd=fd),
                 rtwire.addr_add(seq + 1, a.router_ifindex, a.router_ip, 31),
                 rtwire.link_up(seq + 2, a.router_ifindex),
-            ), [seq, seq + 1, seq + 2], f"slot {a.index} router side")
+                *([rtwire.addr_add(seq + 3, a.router_ifindex, a.router_ip6, 127)] if v6
+                  else []),
+            ), list(range(seq, seq + n)), f"slot {a.index} router side")
             try:
                 rt = Netlink.route(fd)
                 try:
-                    s = rt.next_seq(4)
+                    m = 6 if v6 else 4
+                    s = rt.next_seq(m)
                     rt.request(rtwire.messages(
                         rtwire.addr_add(s, SANDBOX_IFINDEX, a.sandbox_ip, 31),
                         rtwire.link_up(s + 1, SANDBOX_IFINDEX),
                         rtwire.link_up(s + 2, 1),
                         rtwire.default_route(s + 3, a.router_ip, SANDBOX_IFINDEX),
-                    ), [s, s + 1, s + 2, s + 3], f"slot {a.index} sandbox side")
+                        *([rtwire.addr_add(s + 4, SANDBOX_IFINDEX, a.sandbox_ip6, 127),
+                           rtwire.default_route(s + 5, a.router_ip6, SANDBOX_IFINDEX)]
+                          if v6 else []),
+                    ), list(range(s, s + m)), f"slot {a.index} sandbox side")
                 finally:
                     rt.close()
             except BaseException:
@@ -437,18 +484,36 @@ class Router:
             if exc.detail.get("errno") != 19:  # ENODEV: already gone with its netns
                 raise
 
+    def _forget_flows(self, a: SlotAddr) -> None:
+        """Delete every conntrack entry of the slot's addresses (ctnetlink, in the router
+        netns): its tenant's flows - open, closing (TIME_WAIT, 120 s) or DNAT'ed DNS -
+        never outlive it. The generations already keep such a flow from matching the
+        next tenant's ``l`` set (``hwm``); this also frees the table they would hold
+        (the flow cap counts only the live slot's entries). A failure is logged, never
+        fatal: the generation is the guarantee, this the hygiene."""
+        for ip in (a.sandbox_ip, *((a.sandbox_ip6,) if self.config.ipv6 else ())):
+            seq = self.netlink.next_seq()
+            try:
+                self.netlink.request(ct_flush_from(seq, ip), [seq],
+                                     f"forget the flows of {ip} (slot {a.index})")
+            except BackendError as exc:
+                log.warning("net: %s", exc.message)
+
     def _drain(self, index: int) -> SlotEvent:
         a = self.pool.slot(index)
         try:
-            self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table), a),
-                                f"drain slot {index}")
+            self.netlink.commit(
+                nftrules.drain_batch(NftBatch(self.config.table), a, self.config.ipv6),
+                f"drain slot {index}")
         except BackendError as exc:
             log.warning("net: draining slot %d failed: %s", index, exc.message)
             return SlotEvent("drain_failed", index)
+        self._forget_flows(a)
         self.stats.drained += 1
         slot = self.slots.get(index)
         if slot is not None:
             slot.generation = 0
+            slot.empty = True
             if slot.rate_mbit is not None:  # the next tenant starts unshaped
                 self._shape(slot, None)
         return SlotEvent("drained", index)
@@ -458,8 +523,10 @@ class Router:
         a = self.pool.slot(index)
         try:
             self._del_link(a)
-            self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table), a),
-                                f"flush dropped slot {index}")
+            self.netlink.commit(
+                nftrules.drain_batch(NftBatch(self.config.table), a, self.config.ipv6),
+                f"flush dropped slot {index}")
+            self._forget_flows(a)
         finally:
             if slot is not None:
                 _close(slot.fd)
@@ -500,7 +567,7 @@ class Router:
             elif isinstance(ins, ReplaceBase):
                 self.nft(self._base_text(replace=True))
             elif isinstance(ins, AttachUplink):
-                self.uplink.attach(self.rtnl)
+                self.uplink.attach(self.rtnl, ipv6=self.config.ipv6)
             elif isinstance(ins, StartGenerations):
                 self._generation = max(self._generation, ins.after)
             elif isinstance(ins, BuildObjects):
@@ -508,14 +575,20 @@ class Router:
                 if ins.build:
                     self.nft(nftrules.slot_objects(
                         (self.pool.slot(i) for i in ins.build), table=self.config.table,
-                        max_connections=self.config.max_connections))
+                        max_connections=self.config.max_connections,
+                        ipv6=self.config.ipv6))
                     self.table.has_objects.update(ins.build)
             elif isinstance(ins, DeleteLink):
                 self._del_link(self.pool.slot(ins.slot))
-            else:
+                self._forget_flows(self.pool.slot(ins.slot))
+            elif isinstance(ins, FlushSlot):  # the v6 sets too, on a router with IPv6
                 self.netlink.commit(nftrules.drain_batch(NftBatch(self.config.table),
-                                                         self.pool.slot(ins.slot)),
+                                                         self.pool.slot(ins.slot),
+                                                         self.config.ipv6),
                                     f"flush leftover slot {ins.slot}")
+                self._forget_flows(self.pool.slot(ins.slot))
+            else:
+                raise TypeError(f"not a router-wide instruction: {ins!r}")
 
     def adopt(self, index: int, fd: int, *, generation: int, conn_cap: int,
               rate_mbit: int | None) -> Slot:
@@ -574,9 +647,11 @@ class Router:
             gen = self.next_generation()
             self.netlink.commit(
                 nftrules.load_batch(NftBatch(self.config.table), slot.addr, policy, gen,
-                                    flush_pins=flush_pins, digest=digest),
+                                    flush_pins=flush_pins, digest=digest,
+                                    empty=slot.empty, ipv6=self.config.ipv6),
                 f"policy of slot {slot.index}",
             )
+            slot.empty = False
             slot.generation = gen
             self.table.handle(SlotEvent("policy_loaded", slot.index))
             self.stats.policy_loads += 1
@@ -622,7 +697,8 @@ class Router:
                     generation=slot.generation)
             try:
                 self.netlink.commit(
-                    nftrules.pins_batch(NftBatch(self.config.table), slot.addr, items),
+                    nftrules.pins_batch(NftBatch(self.config.table), slot.addr, items,
+                                       self.config.ipv6),
                     f"pins of slot {slot.index}",
                 )
             except BackendError as exc:

@@ -54,6 +54,9 @@ IFF_UP: Final = 0x1
 
 IFA_ADDRESS: Final = 1
 IFA_LOCAL: Final = 2
+# An IPv6 address is usable at once, not "tentative" for ~1-2 s of duplicate address
+# detection: a /127 link has exactly two addresses, both dsec's.
+IFA_F_NODAD: Final = 0x02
 
 RTA_GATEWAY: Final = 5
 RTA_OIF: Final = 4
@@ -116,19 +119,29 @@ def link_down(seq: int, index: int) -> bytes:
     return _msg(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK, seq, _ifinfo(index, 0, IFF_UP))
 
 
-def addr_add(seq: int, index: int, address: ipaddress.IPv4Address, prefixlen: int) -> bytes:
-    """RTM_NEWADDR: ``address/prefixlen`` on link ``index`` (for a /31 both ends are hosts)."""
+def addr_add(seq: int, index: int, address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+             prefixlen: int) -> bytes:
+    """RTM_NEWADDR: ``address/prefixlen`` on link ``index`` (for a /31 or a /127 both ends
+    are hosts). An IPv6 address skips duplicate address detection (IFA_F_NODAD)."""
     raw = address.packed
-    body = struct.pack("=BBBBI", socket.AF_INET, prefixlen, 0, RT_SCOPE_UNIVERSE, index)
-    body += _attr(IFA_LOCAL, raw) + _attr(IFA_ADDRESS, raw)
+    if address.version == 6:
+        body = struct.pack("=BBBBI", socket.AF_INET6, prefixlen, IFA_F_NODAD,
+                           RT_SCOPE_UNIVERSE, index)
+        body += _attr(IFA_ADDRESS, raw)
+    else:
+        body = struct.pack("=BBBBI", socket.AF_INET, prefixlen, 0, RT_SCOPE_UNIVERSE, index)
+        body += _attr(IFA_LOCAL, raw) + _attr(IFA_ADDRESS, raw)
     return _msg(RTM_NEWADDR, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL, seq, body)
 
 
-def default_route(seq: int, gateway: ipaddress.IPv4Address, oif: int) -> bytes:
-    """RTM_NEWROUTE: ``default via gateway dev oif`` in the main table."""
+def default_route(seq: int, gateway: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                  oif: int) -> bytes:
+    """RTM_NEWROUTE: ``default via gateway dev oif`` in the main table (the gateway's
+    family is the route's)."""
+    family = socket.AF_INET6 if gateway.version == 6 else socket.AF_INET
     # struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags
     body = struct.pack(
-        "=BBBBBBBBI", socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT,
+        "=BBBBBBBBI", family, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT,
         RT_SCOPE_UNIVERSE, RTN_UNICAST, 0,
     )
     body += _attr(RTA_GATEWAY, gateway.packed) + _attr(RTA_OIF, struct.pack("=I", oif))

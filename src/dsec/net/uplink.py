@@ -50,6 +50,7 @@ from typing import Any, Final, Protocol
 
 from dsec.errors import BackendError
 from dsec.net import netns, rtwire
+from dsec.net.addressing import UPLINK_LINK6
 from dsec.net.kernel import Netlink, Nft
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "host_table_name",
     "link_in_use",
     "local_addresses",
+    "netns_has_ipv6",
     "owner_tag",
     "uplink_ifname",
 ]
@@ -80,7 +82,7 @@ DEFAULT_LINK: Final = "169.254.213.0/30"
 LINK_FREE_WAIT_S: Final = 3.0
 #: the uplink's IPv6 /126 (nf's addressing.UPLINK_LINK6): a host uplink carries no IPv6
 #: (see HostUplink.has_ipv6), the addresses only name what the router never reaches
-HOST_LINK6: Final = "fd00:d5ec:0:ffff::/126"
+HOST_LINK6: Final = UPLINK_LINK6
 #: host tables of dsec's uplinks are named ``dsec_<node>``; the prefix finds the others
 HOST_TABLE_PREFIX: Final = "dsec_"
 _NAME_OK = re.compile(r"[A-Za-z0-9_]{1,40}")
@@ -98,7 +100,15 @@ class Uplink(Protocol):
     @property
     def router_ip(self) -> ipaddress.IPv4Address: ...
 
-    def attach(self, router_rt: Netlink) -> None: ...
+    @property
+    def peer_ip6(self) -> ipaddress.IPv6Address: ...
+
+    @property
+    def router_ip6(self) -> ipaddress.IPv6Address: ...
+
+    def has_ipv6(self) -> bool: ...
+
+    def attach(self, router_rt: Netlink, *, ipv6: bool = False) -> None: ...
 
     def adopt(self) -> None: ...
 
@@ -163,10 +173,12 @@ def link_in_use(link: str, local: set[str]) -> str | None:
     return None
 
 
-def _veth(router_rt: Netlink, *, peer_netns_fd: int, peer_ifname: str, link: str) -> None:
+def _veth(router_rt: Netlink, *, peer_netns_fd: int, peer_ifname: str, link: str,
+          link6: str | None = None) -> None:
     """Create the veth (router end ``dsu0``, peer ``peer_ifname`` inside ``peer_netns_fd``),
-    address and raise both ends, and route the router's default via the peer. Refused when
-    the link's /30 is in use in the peer's netns already (another edge's uplink)."""
+    address and raise both ends, and route the router's default via the peer (``link6``:
+    for IPv6 too, over that /126). Refused when the link's /30 is in use in the peer's
+    netns already (another edge's uplink)."""
     net = _link(link)
     peer_ip, router_ip = net.network_address + 1, net.network_address + 2
     deadline = time.monotonic() + LINK_FREE_WAIT_S
@@ -192,14 +204,25 @@ def _veth(router_rt: Netlink, *, peer_netns_fd: int, peer_ifname: str, link: str
         rtwire.link_up(seq + 2, UPLINK_IFINDEX),
         rtwire.default_route(seq + 3, peer_ip, UPLINK_IFINDEX),
     ), [seq, seq + 1, seq + 2, seq + 3], "router uplink")
+    net6 = None if link6 is None else ipaddress.IPv6Network(link6)
+    if net6 is not None:
+        s6 = router_rt.next_seq(2)
+        router_rt.request(rtwire.messages(
+            rtwire.addr_add(s6, UPLINK_IFINDEX, net6.network_address + 2, net6.prefixlen),
+            rtwire.default_route(s6 + 1, net6.network_address + 1, UPLINK_IFINDEX),
+        ), [s6, s6 + 1], "router uplink (IPv6)")
     peer_rt = Netlink.route(peer_netns_fd)
     try:
         index = _ifindex_in(peer_netns_fd, peer_ifname)
-        s = peer_rt.next_seq(2)
-        peer_rt.request(rtwire.messages(
-            rtwire.addr_add(s, index, peer_ip, net.prefixlen),
-            rtwire.link_up(s + 1, index),
-        ), [s, s + 1], f"uplink peer {peer_ifname}")
+        n = 2 if net6 is None else 3
+        s = peer_rt.next_seq(n)
+        msgs = [rtwire.addr_add(s, index, peer_ip, net.prefixlen),
+                rtwire.link_up(s + 1, index)]
+        if net6 is not None:
+            msgs.append(rtwire.addr_add(s + 2, index, net6.network_address + 1,
+                                        net6.prefixlen))
+        peer_rt.request(rtwire.messages(*msgs), list(range(s, s + n)),
+                        f"uplink peer {peer_ifname}")
     finally:
         peer_rt.close()
 
@@ -210,12 +233,27 @@ class NetnsUplink:
 
     ``link`` is a /30: its first host is the peer's end (the router's default gateway),
     its second the router's (the address sandboxes are masqueraded to). ``peer_ifname``
-    names the peer's end inside the uplink netns (must be unique there).
+    names the peer's end inside the uplink netns (must be unique there). ``link6``: the
+    same link's IPv6 /126 (peer ::1, router ::2), configured only on a router with IPv6.
     """
 
     peer_netns_fd: int
     peer_ifname: str
     link: str = DEFAULT_LINK
+    link6: str = UPLINK_LINK6
+
+    @property
+    def peer_ip6(self) -> ipaddress.IPv6Address:
+        return ipaddress.IPv6Network(self.link6).network_address + 1
+
+    @property
+    def router_ip6(self) -> ipaddress.IPv6Address:
+        return ipaddress.IPv6Network(self.link6).network_address + 2
+
+    def has_ipv6(self) -> bool:
+        """Whether the uplink's namespace has a global IPv6 address (``--net-ipv6
+        auto``: only then do sandboxes get IPv6)."""
+        return netns_has_ipv6(self.peer_netns_fd)
 
     @property
     def peer_ip(self) -> ipaddress.IPv4Address:
@@ -229,9 +267,9 @@ class NetnsUplink:
     def prefixlen(self) -> int:
         return _link(self.link).prefixlen
 
-    def attach(self, router_rt: Netlink) -> None:
+    def attach(self, router_rt: Netlink, *, ipv6: bool = False) -> None:
         _veth(router_rt, peer_netns_fd=self.peer_netns_fd, peer_ifname=self.peer_ifname,
-              link=self.link)
+              link=self.link, link6=self.link6 if ipv6 else None)
 
     def adopt(self) -> None:
         """Nothing: the veth kept with a reopened router is all there is."""
@@ -695,6 +733,18 @@ class HostUplink:
             nft.close()
         if errors:
             log.warning("host uplink teardown incomplete: %s", "; ".join(errors))
+
+
+def netns_has_ipv6(netns_fd: int) -> bool:
+    """Whether the netns has an IPv6 address of global scope (``if_inet6``'s scope
+    column 00; link-local is 20, loopback 10)."""
+    with netns.entered(netns_fd):
+        try:
+            with open("/proc/thread-self/net/if_inet6") as f:
+                rows = f.read().split("\n")
+        except FileNotFoundError:  # IPv6 disabled in the kernel
+            return False
+    return any(len(r.split()) >= 4 and r.split()[3] == "00" for r in rows)
 
 
 def _ifindex_in(netns_fd: int, ifname: str) -> int:

@@ -69,7 +69,9 @@ __all__ = [
     "ExecStreamLine",
     "FileList",
     "ImageList",
+    "ImagePromoteRequest",
     "ImagePruned",
+    "ImagePullRequest",
     "ImageTagRequest",
     "ImageView",
     "Info",
@@ -191,6 +193,10 @@ class CreateSandboxRequest(_Strict):
     network: NetworkPolicy | None = None   # default: the server's --net-default ("none")
     allow_nested: bool = False
     user_namespace: bool = False        # root inside = unprivileged uid on the host
+    cwd: str | None = None              # every exec's default (default: the image's)
+    user: str | None = None             # every exec's default user (default: the image's)
+    # an image build step's cache key (dsec.image.build.step_key); see docs/images.md
+    build_step: Annotated[str, _doc(pattern="^[0-9a-f]{64}$")] | None = None
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
 
 
@@ -289,6 +295,9 @@ class SnapshotView(msgspec.Struct, kw_only=True, omit_defaults=True):
     unchanged: bool = False
     # the image build step this layer records (dsec.image.build's cache key), if any
     build_step: str = ""
+    # the image layers the chain applies to, highest first (with ``parent``: what the
+    # sandbox ran on; a build checks both on a cached step)
+    stack: list[str] = []
 
 
 class SnapshotList(msgspec.Struct, kw_only=True):
@@ -324,6 +333,39 @@ class ImageTagRequest(_Strict):
 
     source: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
     target: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+
+
+class ImagePullRequest(_Strict):
+    """Body of ``POST /v1/images/pull``: pull the registry image ``ref``
+    (``host[:port]/repo[:tag|@sha256:...]``) into the layer store, named ``name``
+    (``[project/]name[:tag]``) or, without one, by its registry ref
+    (``<project>/<host-port_repo>:<tag>``; ``project`` None: cluster-wide, superuser only).
+    ``platform`` (``os/arch[/variant]``) picks from an image index (default: the node's);
+    ``insecure`` allows plain HTTP; ``creds`` is ``user:password`` for the registry (never
+    stored or echoed)."""
+
+    ref: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)] | None = None
+    project: Annotated[str, msgspec.Meta(min_length=1, max_length=1100)] | None = None
+    platform: Annotated[str, msgspec.Meta(min_length=3, max_length=100)] | None = None
+    insecure: bool = False
+    creds: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+class ImagePromoteRequest(_Strict):
+    """Body of ``POST /v1/images/promote``: name a built image. ``top``: the build's top
+    snapshot (its step layers, one chain), ``base``: the image the build started from
+    (its digest or a name), ``target``: ``[project/]name[:tag]`` in the project the build
+    ran in; the image config (as an OCI config's Env, WorkingDir, User, Entrypoint, Cmd,
+    Labels) becomes the image's, honoured by every create as a pulled image's."""
+
+    top: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    base: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    target: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    env: Annotated[dict[str, str], msgspec.Meta(max_length=4096)] = {}
+    workdir: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    entrypoint: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
+    cmd: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
+    labels: Annotated[dict[str, str], msgspec.Meta(max_length=256)] = {}
 
 
 class ImageList(msgspec.Struct, kw_only=True):
@@ -386,6 +428,10 @@ class QuotaBody(_Strict):
     # (docs/images.md, "Per-project storage"); checked whenever a name is set
     image_bytes: NonNegative | None = None
     network: NetworkPolicy | None = None
+    # May a create naming a registry image (``image="reg.example.com/app:1"``) pull it
+    # on first use? ``null``: as the nearest ancestor says; nowhere said: yes (the
+    # creator is a member, who may pull with images.pull anyway; docs/images.md).
+    registry_pull: bool | None = None
 
     def __post_init__(self) -> None:
         for name in _QUOTA_COUNTS:
@@ -399,12 +445,13 @@ class QuotaBody(_Strict):
 
     @classmethod
     def clamped(cls, *, network: NetworkPolicy | None = None,
-                **counts: int | None) -> QuotaBody:
+                registry_pull: bool | None = None, **counts: int | None) -> QuotaBody:
         """A quota read back from storage, each count clamped into 0..MAX_QUOTA: an
         out-of-range value an older release stored (it checked no bound) reads as the
         nearest value every door can carry, instead of failing the project's readers."""
-        return cls(network=network, **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
-                                        for k, v in counts.items()})
+        return cls(network=network, registry_pull=registry_pull,
+                   **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
+                      for k, v in counts.items()})
 
 
 _QUOTA_COUNTS = ("max_sandboxes", "cpu_milli", "memory_bytes", "snapshot_bytes",

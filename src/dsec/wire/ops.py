@@ -34,7 +34,9 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePromoteRequest,
     ImagePruned,
+    ImagePullRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -130,6 +132,7 @@ __all__ = [
     "IMAGE_DELETE",
     "IMAGE_GET",
     "IMAGE_IMPORT",
+    "IMAGE_PROMOTE",
     "IMAGE_TAG",
     "INFO",
     "LIST",
@@ -711,7 +714,6 @@ PORT_CONNECT: TunnelOp[PortConnect, None] = TunnelOp(
     summary="A duplex byte stream to an exposed port (the apiserver's proxy)",
     role="member", target="sandbox", idempotent=False, doors=_EDGE)
 
-
 # Issue 15: the layer store's garbage collection. A superuser's: the store is one for
 # every project, and what is garbage is decided across all of them (a layer one project
 # built may stand under another's image); per project there is nothing to collect that
@@ -722,6 +724,29 @@ IMAGE_PRUNE: Op[ImagePrune, ImagePruned] = Op(
             "them, not mounted, not held by a build); superuser only; dry_run only says",
     role=None, target="cluster", idempotent=True, doors=API_DOORS,
     rest=Rest(method="POST", path="/v1/images/prune", operation_id="pruneImages",
+              body="*", tag="images"))
+
+
+# Issue 15: images pulled from OCI registries into the layer store the node's sandboxes
+# read (the apiserver's, shared with its edges; docs/images.md "Pulling from registries").
+IMAGE_PULL: Op[ImagePullRequest, ImageList] = Op(
+    "image_pull", ImagePullRequest, ImageList,
+    summary="Pull an image from an OCI registry into the layer store (one layer per OCI "
+            "layer, the image first; write right on the target namespace)",
+    # write right on the namespace, as image_build: member of the project, superuser
+    # for a cluster-wide name
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/pull", operation_id="pullImage", status=201,
+              body="*", tag="images"))
+
+
+IMAGE_PROMOTE: Op[ImagePromoteRequest, ImageView] = Op(
+    "image_promote", ImagePromoteRequest, ImageView,
+    summary="Name a built image: its step layers (a snapshot chain) on its base become a "
+            "named image of the project with the build's config",
+    # write right on the target's namespace (member), and the snapshot must be its own
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/promote", operation_id="promoteImage",
               body="*", tag="images"))
 
 
@@ -736,6 +761,8 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     NETWORK_GET, NETWORK_UPDATE,
     PORT_EXPOSE, PORT_LIST, PORT_CONNECT, PORT_CLOSE,
     IMAGE_PRUNE,
+    IMAGE_PULL,
+    IMAGE_PROMOTE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

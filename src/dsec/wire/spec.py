@@ -7,6 +7,7 @@ Units are in the field names; ``None`` means "none/unlimited", never 0 or -1.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -25,6 +26,7 @@ from dsec.wire.netpolicy import (
 )
 
 __all__ = [
+    "CALLER_DSEC_LABELS",
     "DEFAULT_CPU_MILLI",
     "DEFAULT_MEMORY_BYTES",
     "DEFAULT_PIDS_MAX",
@@ -67,6 +69,7 @@ __all__ = [
     "MAX_TTL_S",
     "MAX_USER_BYTES",
     "MIN_PRIORITY",
+    "RESERVED_LABEL_DOMAIN",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
@@ -98,6 +101,7 @@ __all__ = [
     "check_strip",
     "project_of",
     "read_in_chunks",
+    "reserved_label",
     "resolve",
     "stored",
 ]
@@ -160,6 +164,27 @@ MAX_SPEC_ENV_BYTES = MAX_ARGV_BYTES // 2
 MAX_LABELS = 64                       # labels per sandbox (listings filter on them)
 MAX_LABEL_KEY_CHARS = 253
 MAX_LABEL_VALUE_CHARS = 1024
+# Label keys in dsec's own domains (``dsec.io/...``, ``<anything>.dsec.io/...``) are the
+# platform's: a caller may not set them on a create, at any door (this type's
+# ``validate`` is what every door decodes through), because the platform trusts what
+# they say. Before, any member's ``build.dsec.io/step`` label forged an image build's
+# step-cache entry (red team 15, F7); the step key now rides in the dedicated field
+# ``SandboxSpec.build_step``. The exceptions are labels the platform never trusts on
+# their word: ``dsec.io/session`` (the apiserver checks it names a live session of the
+# caller's), ``dsec.io/build`` (display only) and ``dsec.io/build-run`` (a builder's own
+# random token to find its build sandbox after an interrupted create).
+RESERVED_LABEL_DOMAIN = "dsec.io"
+CALLER_DSEC_LABELS = frozenset({"dsec.io/session", "dsec.io/build", "dsec.io/build-run"})
+_BUILD_STEP = re.compile(r"^[0-9a-f]{64}$")
+
+
+def reserved_label(key: str) -> bool:
+    """Whether a caller may not set label ``key`` (see :data:`RESERVED_LABEL_DOMAIN`). Pure;
+    case-insensitive in the domain, as DNS names are."""
+    if key in CALLER_DSEC_LABELS or "/" not in key:
+        return False
+    domain = key.split("/", 1)[0].lower().rstrip(".")
+    return domain == RESERVED_LABEL_DOMAIN or domain.endswith("." + RESERVED_LABEL_DOMAIN)
 # Preemption priority: a 32-bit int at every door (REST's single create said so first;
 # the batch, gateway and edge doors took any 64-bit value).
 MIN_PRIORITY = -(2**31)
@@ -384,6 +409,14 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     network: NetworkPolicy | None = None
     allow_nested: bool = False              # permit unshare/clone namespace flags inside
     user_namespace: bool = False            # root inside = unprivileged uid on the host
+    # Defaults of every exec (an exec's own cwd/user win). None: the image config's
+    # WorkingDir/User (filled in by the control plane at create), else "/" and root.
+    cwd: str | None = None
+    user: str | None = None
+    # An image build step's cache key (dsec.image.build.step_key, 64 hex): the edge
+    # writes it into the snapshot layer's manifest beside the stack the sandbox really
+    # ran on, which a builder checks on a cache hit (never a label: see reserved_label).
+    build_step: str | None = None
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
@@ -450,6 +483,15 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                 "limit (it is passed to every exec beside the exec's own argv and env, under "
                 "the kernel's 2 MiB ARG_MAX); put large settings in a file",
                 field="env", size=total, limit=MAX_SPEC_ENV_BYTES)
+        if self.cwd is not None and (not self.cwd.startswith("/") or "\0" in self.cwd
+                                     or not 0 < len(self.cwd.encode("utf-8", "surrogatepass"))
+                                     <= MAX_CWD_BYTES):
+            raise bad("cwd", self.cwd[:60], f"use an absolute directory of 1..{MAX_CWD_BYTES} "
+                      "bytes without NUL", limit=MAX_CWD_BYTES)
+        if self.user is not None and ("\0" in self.user or not 0 < len(
+                self.user.encode("utf-8", "surrogatepass")) <= MAX_USER_BYTES):
+            raise bad("user", self.user[:60], f"use a user name or uid[:gid] of "
+                      f"1..{MAX_USER_BYTES} bytes", limit=MAX_USER_BYTES)
         if len(self.labels) > MAX_LABELS:
             raise InvalidArgument(f"sandbox spec field labels has {len(self.labels)} entries, "
                                   f"over the limit of {MAX_LABELS}", field="labels",
@@ -461,6 +503,15 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
                           limit=MAX_LABEL_VALUE_CHARS)
+            if reserved_label(k):
+                raise bad("labels", k[:80], f"label keys in the {RESERVED_LABEL_DOMAIN} "
+                          "domains are set by the platform only (an image build step's "
+                          "key goes in the build_step field); use a key of your own "
+                          f"domain (caller-settable: {sorted(CALLER_DSEC_LABELS)})")
+        if self.build_step is not None and (not isinstance(self.build_step, str)
+                                            or not _BUILD_STEP.match(self.build_step)):
+            raise bad("build_step", str(self.build_step)[:80],
+                      "an image build step key is 64 lowercase hex (dsec.image.build.step_key)")
         if self.network is not None:
             net = self.network.validate()
             if net is not self.network:
@@ -782,6 +833,9 @@ class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     size_bytes: int = 0
     unchanged: bool = False
     build_step: str = ""                    # an image build's step cache key, if any
+    # the image layers the snapshot chain applies to (highest first): with ``parent``,
+    # what the sandbox really ran on, which a build checks on a cache hit
+    stack: tuple[str, ...] = ()
 
 
 async def read_in_chunks(read: Callable[[int, int], Awaitable[bytes]], offset: int,

@@ -21,7 +21,6 @@ kill to its success. Recorded:
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.bench import BenchContext
 from dsec.bench.faults import part
 from dsec.cluster import DSEC_ARGV
+from dsec.rmtree import remove_tree
 
 if TYPE_CHECKING:
     from dsec.client.core import WireProtocol
@@ -138,7 +138,7 @@ def restart_round(transport: WireProtocol) -> dict[str, Any]:
         out["duplicates"] = max(0, len(listed) - 1)
     finally:
         up.stop()
-        shutil.rmtree(state, ignore_errors=True)
+        remove_tree(state)
     return out
 
 

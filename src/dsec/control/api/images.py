@@ -13,11 +13,12 @@ the plane's quota gate, reached through :class:`SnapshotCharges`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Protocol
 
 import msgspec
@@ -44,11 +45,25 @@ from dsec.image.catalog import (
 )
 from dsec.image.gc import LayerNode, project_image_bytes
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
+from dsec.image.registry import RegistryRef
 from dsec.image.store import LayerStore, Pin
-from dsec.wire.api import ImageList, ImagePruned, ImageTagRequest, ImageView
+from dsec.wire.api import (
+    ImageList,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePullRequest,
+    ImageTagRequest,
+    ImageView,
+)
 from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
+
+#: Threads running registry pulls (skopeo + unpack + mkfs) for one apiserver.
+PULL_WORKERS = 8
+#: Pulls of one project at once; the rest wait their turn (a project cannot take
+#: every pull thread).
+PULLS_PER_PROJECT = 2
 
 log = logging.getLogger("dsec.control")
 
@@ -58,6 +73,7 @@ class SnapshotCharges(Protocol):
     its snapshots (the control plane's quota gate implements it)."""
 
     def snapshot_room(self, project: str) -> int | None: ...
+    def registry_pull(self, project: str) -> tuple[bool, str | None]: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
                         size_bytes: int) -> None: ...
@@ -74,6 +90,17 @@ class ImageAdmin:
         self.layer_dir = layer_dir
         self._store_cache: LayerStore | None = None
         self._index_cache: StoreIndex | None = None
+        self._pulls: dict[tuple[str, str], asyncio.Lock] = {}
+        # Registry pulls run in a pool of their own, at most PULLS_PER_PROJECT of one
+        # project at once: pulls stalled on a silent registry hold these threads, never
+        # the event loop's default executor every other route (builds, prune, the
+        # plane's jobs) shares, nor another project's turn (red team F12).
+        self._pull_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pull_slots: dict[str, asyncio.Semaphore] = {}
+        self._pull_waiting: dict[str, int] = {}
+        # host[:port] patterns (fnmatch) callers may pull from; None: any registry but
+        # loopback / link-local / private IP literals and localhost (check_registry)
+        self.registries: tuple[str, ...] | None = None
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
     # rules live in dsec.image.catalog (who sees what, what a ref names) and
@@ -134,10 +161,95 @@ class ImageAdmin:
         image = one(spec.image, "image")
         workspace = one(spec.workspace, "workspace") if spec.workspace else spec.workspace
         toolkits = tuple(one(t, "toolkit") for t in spec.toolkits)
-        if (image, workspace, toolkits) == (spec.image, spec.workspace, spec.toolkits):
+        out = spec
+        if (image, workspace, toolkits) != (spec.image, spec.workspace, spec.toolkits):
+            out = msgspec.structs.replace(spec, image=image, workspace=workspace,
+                                          toolkits=toolkits)
+        if index is not None:
+            base = _named(index, image)
+            if base is not None:
+                out = with_image_defaults(out, base)
+        return out
+
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        """A create naming a registry image (``image="127.0.0.1:5000/team/app:1"``,
+        :func:`dsec.image.registry.is_registry_ref`): the image already pulled as
+        ``<project>/<its local name>`` (or cluster-wide under that name) is used as is;
+        otherwise it is pulled into the sandbox's project, when the project's
+        ``registry_pull`` setting (nearest ancestor's; default yes) allows it, as the
+        caller (a member of the project: the create needs that) and charged like
+        ``images.pull``. Loopback registries are reached over plain HTTP (docker's rule
+        for 127.0.0.0/8), others over verified TLS; credentials are the apiserver host's
+        (skopeo's auth files), never the create's. The spec then names the store name,
+        which :meth:`resolve_layers` resolves like any other."""
+        from dsec.image.pull import REF_LABEL
+        from dsec.image.registry import is_registry_ref, local_name, parse_registry_ref
+
+        if spec.snapshot is not None or not is_registry_ref(spec.image):
             return spec
-        return msgspec.structs.replace(spec, image=image, workspace=workspace,
-                                       toolkits=toolkits)
+        if self.layer_dir is None:
+            raise image_not_found(spec.image)
+        r = parse_registry_ref(spec.image)
+        name, tag = local_name(r)
+        project = spec.project
+        local = f"{name}:{tag}"
+
+        def pulled() -> SandboxSpec | None:
+            # A stored name counts only when its image was pulled from exactly this ref
+            # (its oci.ref label, which a digest ref's digest is part of): a member may
+            # point any name at any project layer (images.tag, build, pull --name), and
+            # a digest-pinned create must run the image with that manifest digest
+            # (red team F4), a tag ref that repository's image (F5).
+            index = self._index()
+            assert index is not None
+            for key in ((f"{project}/{local}",) if project else ()) + (local,):
+                digest = index.digest_of(key)
+                if digest is None:
+                    continue
+                with contextlib.suppress(DsecError):
+                    if self._layers().get(digest).labels.get(REF_LABEL) == str(r):
+                        return msgspec.structs.replace(spec, image=key)
+            return None
+        found = pulled()
+        if found is not None:
+            return found
+        if project is None:
+            raise image_not_found(spec.image)
+        # one pull per (project, ref) at a time: a batch of creates naming one image
+        # waits for the first one's pull instead of pulling it N times
+        lock = self._pulls.setdefault((project, local), asyncio.Lock())
+        try:
+            async with lock:
+                found = pulled()
+                if found is not None:
+                    return found
+                return await self._pull_for_create(caller, spec, r, project, local, pulled)
+        finally:
+            if not lock.locked():
+                self._pulls.pop((project, local), None)   # bounded by pulls in flight
+
+    async def _pull_for_create(self, caller: Caller, spec: SandboxSpec, r: RegistryRef,
+                               project: str, local: str,
+                               pulled: Callable[[], SandboxSpec | None]) -> SandboxSpec:
+        from dsec.image.registry import is_loopback_host
+
+        check_registry(r.host, self.registries)
+        allowed, said_by = self.charges.registry_pull(project)
+        if not allowed:
+            raise PermissionDenied(
+                f"image {spec.image[:200]!r} is not in the layer store and project "
+                f"{project!r} does not pull registry images on create (setting "
+                f"registry_pull=false on project {said_by!r}): pull it first with "
+                "images.pull / `dsec image pull`, or ask an admin to set registry_pull "
+                "to true", field="image")
+        insecure = is_loopback_host(r.host)     # IP literals only, never a name's spelling
+        res = await self.pull_image(caller, ImagePullRequest(
+            ref=spec.image, project=project, insecure=insecure))
+        found = pulled()
+        if found is None and res.items:
+            # the name moved since the pull set it: the image this pull stored, by digest
+            found = msgspec.structs.replace(spec, image=res.items[0].digest)
+        return found or msgspec.structs.replace(spec, image=f"{project}/{local}")
 
     def list_images(self, caller: Caller) -> ImageList:
         """Layers in the shared layer store that the caller may see: cluster-wide ones,
@@ -376,6 +488,205 @@ class ImageAdmin:
         assert index is not None
         can_see = _can_see(caller)
         return ImageList(items=[_image_view(index, m, can_see) for m in made])
+
+    async def promote_image(self, caller: Caller, req: ImagePromoteRequest) -> ImageView:
+        """Name a built image (:mod:`dsec.image.promote`): the chain of ``req.top`` laid
+        into one base layer on ``req.base``'s stack, in the target's project (the write
+        right there; the chain must be that project's own snapshots, and the base one
+        the caller sees), carrying the config as a pulled image's ``oci.*`` labels;
+        charged to the project's layer storage like a build."""
+        from dsec.image.promote import build_chain, promote_chain
+        from dsec.image.registry import ImageDefaults, defaults_labels
+
+        target = parse_ref(req.target)
+        if target.name is None:
+            raise InvalidArgument(f"target {req.target[:200]!r} must be a name "
+                                  "([project/]name[:tag]), not a digest", field="target")
+        ns = target.namespace if target.namespace is not None else caller.default_project
+        _require_write(caller, ns, what=f"name the built image {ns}/{target.name}")
+        _, top = self._find_image(caller, req.top)
+        _, base = self._find_image(caller, req.base)
+        if top.kind != "snapshot" or layer_namespace(top) != ns:
+            raise image_not_found(req.top)     # a snapshot of another project: not seen
+        store = self._layers()
+        room = self.charges.snapshot_room(ns)
+        if room == 0:
+            self.charges.check_snapshot(ns, 1)
+        labels = defaults_labels(ImageDefaults(
+            env=dict(req.env), cwd=req.workdir, user=req.user,
+            entrypoint=tuple(req.entrypoint), cmd=tuple(req.cmd), labels=dict(req.labels)))
+        pin = Pin(store)     # a prune never takes the layer between its build and its tag
+
+        def work() -> list[LayerManifest]:
+            chain, image = build_chain(store, top.digest, base.digest)
+            return [promote_chain(store, chain, image, labels=labels, namespace=ns,
+                                  owner=caller.id, max_bytes=room, pin=pin)]
+        try:
+            made = await self._build_pinned(caller, target, ns, store, pin, work)
+        finally:
+            pin.close()
+        return made.items[0]
+
+    @contextlib.asynccontextmanager
+    async def _pull_slot(self, project: str) -> AsyncIterator[None]:
+        """One of the project's PULLS_PER_PROJECT pull slots (the table holds only
+        projects with pulls running or waiting)."""
+        sem = self._pull_slots.setdefault(project, asyncio.Semaphore(PULLS_PER_PROJECT))
+        self._pull_waiting[project] = self._pull_waiting.get(project, 0) + 1
+        try:
+            async with sem:
+                yield
+        finally:
+            self._pull_waiting[project] -= 1
+            if not self._pull_waiting[project]:
+                del self._pull_waiting[project], self._pull_slots[project]
+
+    def pull_target(self, caller: Caller, req: ImagePullRequest) -> tuple[str | None, str,
+                                                                          str]:
+        """(namespace, bare name, tag) a pull writes, with the caller's write right on
+        that namespace checked (the same rule as a build: member of the project, a
+        superuser for a cluster-wide name). Without ``name``: the registry ref's own
+        name (:func:`dsec.image.registry.local_name`) in ``project``."""
+        from dsec.image.registry import local_name, parse_registry_ref
+
+        r = parse_registry_ref(req.ref)
+        check_registry(r.host, self.registries)
+        if req.name is not None:
+            try:
+                p = parse_ref(req.name if ":" in req.name.rsplit("/", 1)[-1]
+                              else f"{req.name}:{local_name(r)[1]}")
+            except InvalidArgument as exc:
+                raise InvalidArgument(exc.message, field="name") from None
+            if p.name is None:
+                raise InvalidArgument(f"name {req.name[:200]!r} must be [project/]name[:tag], "
+                                      "not a digest", field="name")
+            ns, name, tag = p.namespace, p.name, p.tag
+        else:
+            ns = parse_project_path(req.project) if req.project is not None else None
+            name, tag = local_name(r)
+        _require_write(caller, ns, what=f"pull {req.ref[:200]} into "
+                       + (f"project {ns!r}" if ns else "a cluster-wide name"))
+        return ns, name, tag
+
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        """Pull a registry image into the layer store (``dsec.image.pull``) as the
+        caller: layers built belong to the target namespace and are charged to its
+        layer-storage quota (``snapshot_bytes``) like a build; layers it reuses (shared
+        base layers already here) are not charged again. Returns the layers, the image
+        (its top layer, named) first."""
+        from dsec.image.pull import PullOptions, pull_image
+        from dsec.image.registry import parse_platform
+
+        ns, name, tag = self.pull_target(caller, req)
+        opts = PullOptions(platform=parse_platform(req.platform) if req.platform else None,
+                           insecure=req.insecure, creds=req.creds)
+        store = self._layers()
+        room = self.charges.snapshot_room(ns) if ns else None
+        if room == 0 and ns:
+            self.charges.check_snapshot(ns, 1)   # raises, naming the full quota
+        # Every layer of the image pinned from the moment the pull has it until it is
+        # named: a prune (CLI, another replica, the store budget) never takes one between.
+        with store.pinned() as pin:
+            async with self._pull_slot(ns or ""):
+                if self._pull_pool is None:
+                    self._pull_pool = concurrent.futures.ThreadPoolExecutor(
+                        PULL_WORKERS, thread_name_prefix="dsec-pull")
+                res = await asyncio.get_running_loop().run_in_executor(
+                    self._pull_pool, functools.partial(
+                        pull_image, store, req.ref, namespace=ns, owner=caller.id,
+                        name=name, tag=tag, options=opts, max_bytes=room, name_it=False,
+                        pin=pin))
+            charged: list[str] = []
+            try:
+                if ns:
+                    for m in res.made:
+                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                        charged.append(m.digest)
+                # named only once charged, through the image_bytes check under the
+                # store's lock: a refused pull moves no tag
+                store.tag(res.image.digest, name, tag, namespace=ns,
+                          admit=self.admit_names(ns))
+            except BaseException:
+                # discard, never remove: a reproducible layer somebody else names or
+                # builds at once stays (and keeps its charge)
+                for m in reversed(res.made):
+                    with contextlib.suppress(DsecError, OSError):
+                        if store.discard(m.digest, pin=pin) and m.digest in charged:
+                            self.charges.release_snapshot(m.digest)
+                raise
+        index = self._index()
+        assert index is not None
+        can_see = _can_see(caller)
+        return ImageList(items=[_image_view(index, m, can_see) for m in res.layers])
+
+
+def check_registry(host: str, allowed: tuple[str, ...] | None) -> None:
+    """``PermissionDenied`` unless ``host`` (``name[:port]``) matches one of the
+    apiserver's allowed registry patterns. A pattern without a port matches the host on
+    any port. None (the default): any registry but the apiserver's own neighbourhood -
+    ``localhost`` and IP literals that are loopback, link-local (cloud metadata),
+    private, unspecified, multicast or reserved, which only an operator's list opens
+    (red team F6: a pull connects from the apiserver's host wherever a caller says).
+    A *name* that resolves to such an address is not caught here (skopeo resolves it),
+    nor a redirect or token realm a listed registry sends skopeo to: list only
+    registries you trust (docs/images.md "Which registries")."""
+    import fnmatch
+    import ipaddress
+
+    from dsec.image.registry import host_only
+
+    if allowed is None:
+        h = host_only(host).lower()
+        internal = h == "localhost" or h.endswith(".localhost")
+        with contextlib.suppress(ValueError):
+            ip = ipaddress.ip_address(h)
+            internal = not ip.is_global or ip.is_multicast
+        if internal:
+            raise PermissionDenied(
+                f"this apiserver does not pull from registry {host[:200]!r} by default: "
+                "loopback, link-local and private addresses are the apiserver's own "
+                "network; an operator opens them with `dsec up --registry PATTERN` "
+                "(ClusterConfig.registries)", field="ref")
+        return
+    bare = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if any(fnmatch.fnmatchcase(host, p) or (":" not in p.lstrip("[").split("]")[-1]
+                                            and fnmatch.fnmatchcase(bare, p))
+           for p in allowed):
+        return
+    raise PermissionDenied(
+        f"this apiserver does not pull from registry {host[:200]!r}: it pulls only from "
+        f"{', '.join(allowed) or 'no registry'} (ClusterConfig.registries, `dsec up "
+        "--registry`); ask its operator, or pull elsewhere and push to an allowed one",
+        field="ref")
+
+
+def _named(index: StoreIndex, exact: str) -> LayerManifest | None:
+    """The layer an exact store spelling (as :func:`resolve` gives it: a full digest or a
+    qualified name) names; None for a name the store does not hold."""
+    try:
+        p = parse_ref(exact)
+    except InvalidArgument:
+        return None
+    if p.digest_hex is not None:
+        return index.manifest(p.digest_hex)
+    digest = index.digest_of(p.key)
+    return None if digest is None else index.manifest(digest.removeprefix(DIGEST_PREFIX))
+
+
+def with_image_defaults(spec: SandboxSpec, image: LayerManifest) -> SandboxSpec:
+    """``spec`` over its image's config (issue 15 §2): the image's ``Env`` under the
+    create's env, its ``WorkingDir``/``User`` where the create gave none. Stored in the
+    spec, so the sandbox shows what its execs get and every backend applies the same
+    (an exec's own env/cwd/user still win)."""
+    from dsec.image.registry import defaults_from_labels
+
+    d = defaults_from_labels(image.labels)
+    env = {**d.env, **spec.env} if d.env else spec.env
+    cwd = spec.cwd if spec.cwd is not None else d.cwd
+    user = spec.user if spec.user is not None else d.user
+    if (env, cwd, user) == (spec.env, spec.cwd, spec.user):
+        return spec
+    return msgspec.structs.replace(spec, env=env, cwd=cwd, user=user).validate()
 
 
 def _can_see(caller: Caller) -> CanSee:

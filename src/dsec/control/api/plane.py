@@ -111,7 +111,9 @@ from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePromoteRequest,
     ImagePruned,
+    ImagePullRequest,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -675,6 +677,12 @@ class ControlPlane:
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
         return self.images.resolve_layers(caller, spec)
 
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        return await self.images.pull_on_create(caller, spec)
+
+    def registry_pull(self, project: str) -> tuple[bool, str | None]:
+        return self.quota.registry_pull(project)
+
     def list_images(self, caller: Caller) -> ImageList:
         return self.images.list_images(caller)
 
@@ -687,6 +695,9 @@ class ControlPlane:
     def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
         return self.images.tag_image(caller, req)
 
+    async def promote_image(self, caller: Caller, req: ImagePromoteRequest) -> ImageView:
+        return await self.images.promote_image(caller, req)
+
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
         return await self.images.build_image(caller, tar_path, name=name, kind=kind, tag=tag,
@@ -694,6 +705,9 @@ class ControlPlane:
 
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         return await self.images.prune_images(caller, dry_run=dry_run)
+
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        return await self.images.pull_image(caller, req)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:

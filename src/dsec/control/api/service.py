@@ -79,7 +79,9 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePromoteRequest,
     ImagePruned,
+    ImagePullRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -245,6 +247,11 @@ class ImageResolver(Protocol):
 
     def resolve_layers(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec: ...
 
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        """``spec`` with a registry ``image`` ref pulled on first use (when the project
+        allows it) and replaced by the store name it was pulled as."""
+        ...
+
 
 class NamesOnly:
     """The :class:`ImageResolver` of an apiserver without a layer store: bare names go
@@ -256,6 +263,9 @@ class NamesOnly:
             if ref and (ref.startswith("sha256:") or "/" in ref) and spec.snapshot is None:
                 raise image_not_found(ref)
         return spec
+
+    async def pull_on_create(self, caller: Caller, spec: SandboxSpec) -> SandboxSpec:
+        return spec   # without a layer store there is nowhere to pull into
 
 
 class QuotaGate(Protocol):
@@ -303,10 +313,14 @@ class AdminOps(Protocol):
     def delete_image(self, caller: Caller, ref: str) -> None: raise NotImplementedError
     def tag_image(self, caller: Caller, req: ImageTagRequest) -> ImageView:
         raise NotImplementedError
+    async def promote_image(self, caller: Caller, req: ImagePromoteRequest) -> ImageView:
+        raise NotImplementedError
     async def build_image(self, caller: Caller, tar_path: str, *, name: str, kind: str,
                           tag: str, oci: bool) -> ImageList:
         raise NotImplementedError
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
+        raise NotImplementedError
+    async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
 
 
@@ -695,7 +709,9 @@ class ApiService:
             snap_id = await self._visible_snapshot(principal, spec.snapshot)
             if snap_id != spec.snapshot:
                 spec = msgspec.structs.replace(spec, snapshot=snap_id)
-        # Image refs resolve among the layers this caller may see; the edge gets digests.
+        # A registry image is pulled on first use (when the project allows it), then
+        # image refs resolve among the layers this caller may see; the edge gets digests.
+        spec = await self.images.pull_on_create(principal, spec)
         spec = self.images.resolve_layers(principal, spec)
         if idempotency_key is None:
             return await self._create_placed(spec)
@@ -1437,12 +1453,14 @@ class ApiService:
             "project_get": self._project_get_op, "quota_set": self._quota_set_op,
             "images": self._images_op, "image_get": self._image_get_op,
             "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
+            "image_promote": self._image_promote_op,
             "image_build": self._upload_refused, "image_import": self._upload_refused,
             "port_expose": self._port_expose_op, "port_list": self._port_list_op,
             "port_close": functools.partial(fwd, ops.PORT_CLOSE),
             "network_get": functools.partial(fwd, ops.NETWORK_GET),
             "network_update": self._network_update_op,
             "image_prune": self._image_prune_op,
+            "image_pull": self._image_pull_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1663,11 +1681,17 @@ class ApiService:
     async def _image_tag_op(self, caller: Caller, b: ImageTagRequest) -> ImageView:
         return self._admin().tag_image(caller, b)
 
+    async def _image_promote_op(self, caller: Caller, b: ImagePromoteRequest) -> ImageView:
+        return await self._admin().promote_image(caller, b)
+
     async def _image_delete_op(self, caller: Caller, b: ImageRef) -> None:
         self._admin().delete_image(caller, b.ref)
 
     async def _image_prune_op(self, caller: Caller, b: ImagePrune) -> ImagePruned:
         return await self._admin().prune_images(caller, dry_run=b.dry_run)
+
+    async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
+        return await self._admin().pull_image(caller, b)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "
@@ -1806,4 +1830,5 @@ def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
                         image=info.image, workspace=info.workspace,
                         toolkits=list(info.toolkits), backend=info.backend,
                         size_bytes=info.size_bytes, created_at=info.created,
-                        unchanged=info.unchanged, build_step=info.build_step)
+                        unchanged=info.unchanged, build_step=info.build_step,
+                        stack=list(info.stack))

@@ -46,7 +46,6 @@ import os
 import pickle
 import posixpath
 import select
-import shutil
 import signal
 import site
 import socket
@@ -97,6 +96,7 @@ from dsec.edge.governor import (
 from dsec.edge.notices import NoticeLimiter
 from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
+from dsec.rmtree import remove_tree
 from dsec.wire.node import PoolStats
 from dsec.wire.spec import (
     TIMEOUT_EXIT_CODE,
@@ -153,6 +153,14 @@ _SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3)
 # The zygote and workers inherit nothing of the edge's environment (API keys, tokens).
 _LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "LANG": "C.UTF-8"}
+
+
+def _pollin(fd: int) -> bool:
+    """Readable now (a pidfd: its process exited)? poll(), not select(): on a busy node
+    the fd's number can pass select()'s FD_SETSIZE (1024)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 class _Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -252,7 +260,7 @@ class _Worker:
             return False
         if self.pidfd is not None and (
                 (self.zygote is not None and self.zygote.returncode is not None)
-                or select.select([self.pidfd], [], [], 0)[0]):
+                or _pollin(self.pidfd)):
             return False  # its init exited, or is being killed with its zygote
         try:
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
@@ -817,8 +825,8 @@ class FncallBackend:
     def _cleanup_root(self) -> None:
         if self.disk is not None:
             self.disk.close()
-        if self._own_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+        if self._own_root:     # a directory of our own: what is mounted below goes too
+            remove_tree(self.root, detach=True)
         ownership.disown(self.root)
 
     def _jail_config(self, runtime: Iterable[str] | None) -> JailConfig:
@@ -1021,7 +1029,7 @@ class FncallBackend:
             except OSError as exc:
                 raise BackendError(f"cannot delete the work dir of {sid}: {exc}") from exc
         else:
-            shutil.rmtree(self.work_dir(sid), ignore_errors=True)
+            remove_tree(self.work_dir(sid))      # never across a mount point
         if self._uids is not None and uid is not None:
             self._uids.release(uid, self.root, sid)
 
@@ -1119,7 +1127,7 @@ class FncallBackend:
         if self.disk is not None:
             self.disk.close()
         if self._own_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+            remove_tree(self.root, detach=True)
         elif self.disk is None:
             left = any(e.is_dir() for e in os.scandir(self.root))
         if self.governor is not None and not left:
@@ -1151,7 +1159,7 @@ class FncallBackend:
             if name in keep or name in self._boxes or not os.path.isdir(d):
                 continue
             n = sum(1 for cwd in strays if cwd == d or cwd.startswith(d + os.sep))
-            shutil.rmtree(d, ignore_errors=True)
+            remove_tree(d)
             out.append(Leftover(name, "fncall", "work directory"
                                 + (f", {n} runaway worker(s)" if n else "")))
         return out
@@ -1195,7 +1203,7 @@ class FncallBackend:
         if not os.path.isdir(d):
             return None
         _kill_groups(pgid for cwd, pgid in _stray_workers(d).items())
-        shutil.rmtree(d, ignore_errors=True)
+        remove_tree(d)
         return Leftover(sid, "fncall", "work directory")
 
     def _discard_jailed(self, name: str) -> Leftover:
@@ -1467,7 +1475,7 @@ def _reclaim_dead_roots(tmp: str) -> None:
             if os.path.ismount(pool):
                 with contextlib.suppress(OSError):
                     linux.umount2(pool, linux.MNT_DETACH)
-        shutil.rmtree(e.path, ignore_errors=True)
+        remove_tree(e.path, detach=True)     # a dead edge's own root
         ownership.disown(e.path)
 
 

@@ -315,7 +315,7 @@ class SimulatedBackend:
             await self.clock.sleep(self.profile.exec_s)
         out, err = bytearray(), bytearray()
         env = {**box.spec.env, **req.env}
-        cwd = _norm("/", req.cwd or "/workspace")
+        cwd = _norm("/", req.cwd or box.spec.cwd or "/workspace")
         code, timed_out = 0, False
         if cwd not in box.fs.dirs:
             err += f"cd: {cwd}: No such file or directory\n".encode()

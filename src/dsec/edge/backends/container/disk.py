@@ -66,6 +66,7 @@ from dataclasses import dataclass
 
 from dsec.edge.backends.container import linux
 from dsec.errors import BackendError, CapacityExceeded, InvalidArgument
+from dsec.rmtree import remove_tree
 
 log = logging.getLogger("dsec.edge.disk")
 
@@ -420,7 +421,9 @@ class DiskPool:
         except FileNotFoundError:
             return
         if st.st_ino != _FIRST_FREE_OBJECTID:   # not a subvolume root: a stray directory
-            shutil.rmtree(path)
+            res = remove_tree(path)
+            if not res.clean:
+                raise OSError(f"cannot remove {path}: {res.describe()}")
             return
         try:
             _ioctl(self._fd, _SNAP_DESTROY_V2, _VolArgsV2(name=sid.encode()),

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import os
 import posixpath
-import shutil
 import stat as st
 from collections.abc import Callable
 from typing import Self
 
 from dsec.edge.backends.container import linux
 from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
+from dsec.rmtree import remove_tree_at
 from dsec.wire.spec import FileInfo, FileType
 
 __all__ = ["MAX_LIST_ENTRIES", "MAX_READ_BYTES", "SANDBOX_FS_TYPES", "SandboxFiles",
@@ -319,8 +319,12 @@ class SandboxFiles:
         try:
             s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             if st.S_ISDIR(s.st_mode):
-                if recursive:
-                    shutil.rmtree(name, dir_fd=pfd)
+                if recursive:   # never across a mount point (a volume, /proc, ...)
+                    res = remove_tree_at(pfd, name, path)
+                    if not res.clean:
+                        raise InvalidArgument(
+                            f"remove {path!r} in sandbox {self.sid}: {res.describe()}; "
+                            "a mount point is not removed with what is in it", path=path)
                 else:
                     os.rmdir(name, dir_fd=pfd)
             else:

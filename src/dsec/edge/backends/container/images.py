@@ -111,9 +111,11 @@ class StoreImages:
                     "a sandbox started from a snapshot takes the snapshot's own image; "
                     "leave workspace and toolkits empty", field="snapshot")
             return restore_stack(self.store, spec.snapshot)
-        return compose(self.store.get(spec.image),
+        base = self.store.get(spec.image)
+        return compose(base,
                        self.store.get(spec.workspace) if spec.workspace else None,
-                       [self.store.get(t) for t in spec.toolkits])
+                       [self.store.get(t) for t in spec.toolkits],
+                       [self.store.get(d) for d in base.stack] if base.kind == "base" else ())
 
     def acquire(self, spec: SandboxSpec) -> RootLayers:
         stack = self.stack_for(spec)

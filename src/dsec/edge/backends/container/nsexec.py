@@ -18,6 +18,7 @@ the native driver, the runc driver's config.json and the tests.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -105,7 +106,9 @@ def ensure_nsexec(cache_dir: str | None = None, *,
     """
     cache_dir = cache_dir or default_cache_dir()
     src, hdr = source_text(), tables_header()
-    digest = hashlib.sha256("\0".join((src, hdr, *CFLAGS)).encode()).hexdigest()[:16]
+    # JSON: each input framed (a NUL-joined text would let one input spell another's
+    # boundary; red team 15, F8's class)
+    digest = hashlib.sha256(json.dumps([src, hdr, *CFLAGS]).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir, f"dsec-nsexec-{digest}")
     if os.path.exists(target):
         _check_private(cache_dir)

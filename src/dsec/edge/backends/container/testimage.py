@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 
+from dsec.rmtree import remove_tree
+
 __all__ = ["BUSYBOX", "build_busybox_root"]
 
 BUSYBOX = "/bin/busybox"
@@ -24,7 +26,7 @@ def build_busybox_root(path: str, *, busybox: str = BUSYBOX) -> str:
     if not os.path.exists(busybox):
         raise FileNotFoundError(f"{busybox} not found: install busybox-static (make setup)")
     tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "home/agent", "tmp",
               "proc", "dev", "sys", "var/tmp", "workspace"):
         os.makedirs(os.path.join(tmp, d), exist_ok=True)
@@ -44,5 +46,5 @@ def build_busybox_root(path: str, *, busybox: str = BUSYBOX) -> str:
     try:
         os.rename(tmp, path)
     except OSError:  # built concurrently by someone else
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
     return path
