@@ -74,7 +74,7 @@ class Removal:
         return "; ".join(parts) or "removed"
 
 
-def _unescape(path: str) -> str:
+def unescape_mountinfo(path: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
     if "\\" not in path:
         return path
@@ -101,7 +101,7 @@ def mounts_at_or_below(mountinfo: str, path: str) -> list[str]:
         fields = line.split(" ", 5)
         if len(fields) < 5:
             continue
-        mp = _unescape(fields[4])
+        mp = unescape_mountinfo(fields[4])
         if mp == top or mp.startswith(base):
             out.append(mp)
     return sorted(out, key=lambda p: (-p.count("/"), p))

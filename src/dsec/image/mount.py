@@ -38,6 +38,7 @@ from dsec.errors import CorruptLayer, ImageError, InUse, InvalidArgument
 from dsec.image.erofs import hash_file
 from dsec.image.manifest import LayerManifest, short_digest
 from dsec.ownership import claim, disown, owner_alive
+from dsec.rmtree import unescape_mountinfo
 
 __all__ = ["MS_RDONLY", "MountCache", "is_mountpoint", "mounts_below", "reclaim_dead_roots",
            "sys_mount", "sys_umount"]
@@ -76,22 +77,6 @@ def is_mountpoint(path: str) -> bool:
         return False
 
 
-def _unescape(path: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
-    if "\\" not in path:
-        return path
-    out, i = [], 0
-    while i < len(path):
-        esc = path[i + 1:i + 4]
-        if path[i] == "\\" and len(esc) == 3 and all(c in "01234567" for c in esc):
-            out.append(chr(int(esc, 8)))
-            i += 4
-        else:
-            out.append(path[i])
-            i += 1
-    return "".join(out)
-
-
 def mounts_below(mountinfo: str, prefix: str) -> list[str]:
     """Mount points strictly below directory ``prefix`` in a ``/proc/self/mountinfo``
     text, deepest first (the order to unmount them in). Pure."""
@@ -101,7 +86,7 @@ def mounts_below(mountinfo: str, prefix: str) -> list[str]:
         fields = line.split(" ", 5)
         if len(fields) < 5:
             continue
-        mp = _unescape(fields[4])
+        mp = unescape_mountinfo(fields[4])
         if mp.startswith(base):
             out.append(mp)
     return sorted(set(out), key=lambda p: (-p.count("/"), p))

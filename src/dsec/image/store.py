@@ -82,7 +82,7 @@ from dsec.image.manifest import (
     ref_key,
 )
 from dsec.image.tree import skip_counts, tree_stats
-from dsec.rmtree import remove_tree
+from dsec.rmtree import remove_tree, unescape_mountinfo
 
 __all__ = ["LayerStore", "Pin", "PruneResult", "may_point_at", "mounted_sources"]
 
@@ -153,14 +153,8 @@ def mounted_sources() -> set[str]:
             _, _, rest = line.partition(" - ")
             parts = rest.split(" ")
             if len(parts) >= 2:
-                out.add(_unescape(parts[1]))
+                out.add(unescape_mountinfo(parts[1]))
     return out
-
-
-def _unescape(s: str) -> str:
-    if "\\" not in s:
-        return s
-    return s.encode().decode("unicode_escape")
 
 
 def may_point_at(namespace: str | None, layer: LayerManifest) -> bool:
