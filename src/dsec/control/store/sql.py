@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +59,10 @@ class Dialect:
     # the insert in one transaction). SQLite: "BEGIN IMMEDIATE"; PostgreSQL:
     # ("LOCK TABLE snapshot_charges IN SHARE ROW EXCLUSIVE MODE",).
     charge_lock: tuple[str, ...] = ()
+    # Statements run first in the schema transaction, so replicas opening one new
+    # database at once do not race CREATE TABLE IF NOT EXISTS (PostgreSQL: an advisory
+    # lock; SQLite's writer lock already serialises it).
+    schema_lock: tuple[str, ...] = ()
 
     def sql(self, text: str) -> str:
         """Rewrite the ``?`` placeholders of the portable statements for this driver."""
@@ -137,6 +141,8 @@ class SqlStore:
         for table, column, definition in _ADDED_COLUMNS:
             self._add_column(table, column, definition)
         with self._tx() as cur:
+            for stmt in dialect.schema_lock:
+                cur.execute(stmt)
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
 
@@ -352,7 +358,36 @@ class SqlStore:
             if deletes:
                 cur.executemany(self._s("DELETE FROM sandboxes WHERE id = ?"),
                                 [(d,) for d in deletes])
+            if events:
+                self._committing(cur, first + len(events) - 1 if assign_versions
+                                 else events[-1].version)
         return first
+
+    def _committing(self, cur: Any, newest: int) -> None:
+        """Called inside :meth:`commit_events`'s transaction with the newest version it
+        writes: PostgreSQL sends its NOTIFY here, so watchers hear of the commit exactly
+        when it becomes visible. Nothing by default (SQLite replicas poll)."""
+
+    def listen_versions(self, callback: Callable[[int], None]) -> bool:
+        """No push by default: the caller polls :meth:`event_bounds`."""
+        return False
+
+    def read_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
+        """The stored rows of ``ids`` that exist (another replica's records, read when
+        its events are applied by :meth:`dsec.control.registry.Registry.catch_up`)."""
+        if not ids:
+            return []
+        out: list[SandboxRow] = []
+        with self._tx() as cur:
+            for i in range(0, len(ids), 500):
+                chunk = list(ids[i : i + 500])
+                marks = ", ".join("?" * len(chunk))
+                cur.execute(self._d.sql(f"SELECT id, node, project, record FROM sandboxes "
+                                        f"WHERE id IN ({marks})"), tuple(chunk))
+                out.extend(SandboxRow(id=r[0], node=r[1], project=r[2],
+                                      record=_json_dec.decode(r[3]))
+                           for r in cur.fetchall())
+        return out
 
     def read_events(self, after_version: int, limit: int) -> list[EventRow]:
         rows = self._all(
