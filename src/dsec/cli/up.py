@@ -27,6 +27,10 @@ from dsec.cli.edge import (
 @click.command()
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where state lives (default $DSEC_STATE_DIR or ~/.dsec).")
+@click.option("--store", "store", default=None, metavar="URL", envvar="DSEC_STORE",
+              help="The state store: sqlite:///path (default: control.sqlite in the state "
+                   "dir) or postgresql://user[:password]@host[:port]/db (shared by "
+                   "apiserver replicas; env DSEC_STORE).")
 @click.option("--listen", default="127.0.0.1:8470", show_default=True,
               help="REST address HOST:PORT (port 0 picks a free one).")
 @click.option("--gateway", default="tcp:127.0.0.1:0", show_default=True,
@@ -63,7 +67,7 @@ from dsec.cli.edge import (
 @image_budget_option
 @net_default_option
 @net_node_options
-def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
+def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
@@ -91,7 +95,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
     if net_egress is not None and net_uplink != "host":
         raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
     cfg = ClusterConfig(
-        state_dir=state_dir or default_state_dir(), listen=listen,
+        state_dir=state_dir or default_state_dir(), store=store, listen=listen,
         gateway=None if gateway == "off" else gateway, backend=backend, edges=edges,
         edge_processes=not in_process_edges, keep=keep,
         cpu_milli=cpu_milli or (round(cpus * 1000) if cpus is not None else None),

@@ -94,6 +94,9 @@ class ClusterConfig:
 
     state_dir: str
     listen: str = "127.0.0.1:8470"
+    # The state store's URL (dsec.control.store.open_store): sqlite:///path or
+    # postgresql://... (what apiserver replicas share). None: <state_dir>/control.sqlite.
+    store: str | None = None
     gateway: str | None = "tcp:127.0.0.1:0"   # Aether gateway address; None = off
     backend: str = "simulated"                # default backend for creates
     edges: int = 1                            # local edges to run (0: remote_edges only)
@@ -249,6 +252,7 @@ class ClusterRuntime:
 
     # ------------------------------------------------------------------ start
     async def start(self) -> ClusterRuntime:
+        from dsec.control.store import open_store
         from dsec.control.store.sqlite import SqliteStore
 
         given = self.config.state_dir
@@ -286,7 +290,8 @@ class ClusterRuntime:
             # this process opens its store and loads the HTTP stack.
             import uvicorn  # noqa: F401 - imported now to overlap with the edges' start
 
-            self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
+            self._store = (SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
+                           if cfg.store is None else open_store(cfg.store))
             plane = self.plane = ControlPlane.open(self._store, metrics=self.metrics,
                                                    config=cfg.plane)
             await asyncio.gather(*(p.started() for p in self.processes.values()))

@@ -55,6 +55,7 @@ from dsec.errors import (
     MethodNotAllowed,
     PayloadTooLarge,
     RateLimited,
+    Unavailable,
 )
 from dsec.net.expose import PROXY_PREFIX
 from dsec.wire import ops
@@ -137,7 +138,10 @@ def _error_response(exc: DsecError, rid: str) -> Response:
     body = _json.encode(ApiError(code=exc.code, message=exc.message, request_id=rid,
                                  detail=detail))
     headers = {"x-request-id": rid}
-    if isinstance(exc, RateLimited):
+    if isinstance(exc, RateLimited) or (isinstance(exc, Unavailable)
+                                        and "retry_after" in exc.detail):
+        # rate limits, and an unreachable state store (dsec.control.store.postgres): the
+        # client is told when to come back
         from dsec.control.ratelimit import RateLimiter
         headers["retry-after"] = RateLimiter.retry_after_header(
             float(exc.detail.get("retry_after", 1.0)))

@@ -180,6 +180,17 @@ class PlaneConfig:
     # store at most this often, when a create is admitted or a ceiling checked (a
     # ceiling narrowed on one replica used to bind the others only after their restart).
     quota_refresh_s: float = 2.0
+    # Learning other replicas' writes (Registry.catch_up): a store that pushes
+    # (PostgreSQL LISTEN/NOTIFY) wakes the reader at once and is also read every
+    # store_push_poll_s in case a notification was lost; one that cannot (SQLite) is
+    # polled every store_poll_s.
+    store_poll_s: float = 1.0
+    store_push_poll_s: float = 5.0
+    # A mutation is committed this long after it was queued (more that come meanwhile
+    # ride in the same transaction), so other replicas see it within milliseconds rather
+    # than at the next heartbeat tick. None: only at ticks (and full batches). Each flush
+    # is one store round trip on the event loop: 10 ms bounds it to 100 a second.
+    flush_delay_s: float | None = 0.01
 
 
 class IamAuthority:
@@ -713,6 +724,10 @@ class ControlPlane:
     async def start(self) -> None:
         self._started_at = self._last_sweep = self.clock()
         self._tasks.append(asyncio.create_task(self._stall_loop(), name="dsec-stall-meter"))
+        self._tasks.append(asyncio.create_task(self._watch_store_loop(),
+                                               name="dsec-store-watch"))
+        if self.config.flush_delay_s is not None:
+            self._tasks.append(asyncio.create_task(self._flush_loop(), name="dsec-flush"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
@@ -727,6 +742,57 @@ class ControlPlane:
             self.registry.flush()
         except Exception:
             log.exception("final registry flush failed")
+
+    async def _watch_store_loop(self) -> None:
+        """Apply what other replicas commit to the shared store (Registry.catch_up): woken
+        by the store's push where it has one, else polled (see PlaneConfig)."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        heard = [0]
+        registry = self.registry
+
+        def pushed(version: int) -> None:     # on the store's listener thread
+            heard[0] = max(heard[0], version) if version >= 0 else -1
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(wake.set)
+
+        push = self.store.listen_versions(pushed)
+        every = self.config.store_push_poll_s if push else self.config.store_poll_s
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=every)
+            except TimeoutError:
+                pass
+            wake.clear()
+            newest, heard[0] = heard[0], 0
+            if 0 < newest <= registry.applied_version:
+                continue      # our own commit's notification: nothing new to read
+            try:
+                registry.catch_up()
+            except DsecError as exc:
+                log.warning("reading other replicas' changes from the store failed: %s",
+                            exc)
+
+    async def _flush_loop(self) -> None:
+        """Commit queued registry mutations ``flush_delay_s`` after the first of them."""
+        due = asyncio.Event()
+        self.registry.on_pending.append(due.set)
+        delay = self.config.flush_delay_s or 0.0
+        try:
+            while True:
+                await due.wait()
+                await asyncio.sleep(delay)
+                due.clear()
+                try:
+                    self.registry.flush()
+                except DsecError as exc:
+                    # The batch stays queued (Registry.flush): try again shortly.
+                    log.warning("committing registry changes failed (kept, retried): %s",
+                                exc)
+                    due.set()
+                    await asyncio.sleep(max(delay, 0.5))
+        finally:
+            self.registry.on_pending.remove(due.set)
 
     async def poll_edges(self) -> None:
         await asyncio.gather(*(self._poll(e) for e in list(self.edges.values())),
