@@ -211,27 +211,78 @@ class Registry:
         committed version. On a store error nothing is lost: the batch stays queued."""
         if not self._pending and not self._upserts and not self._deletes:
             return self._committed
-        events = self._pending
-        first = self._store.commit_events(events, list(self._upserts.values()),
-                                          sorted(self._deletes), assign_versions=True)
+        batch = self._take()
+        try:
+            first = self._store.commit_events(*batch, assign_versions=True)
+        except BaseException:
+            self._put_back(batch)
+            raise
+        return self._committed_batch(batch[0], first)
+
+    async def flush_async(self) -> int:
+        """:meth:`flush` with the store's transaction in a worker thread, so the event
+        loop keeps serving while it commits (a PostgreSQL commit waits for its WAL to
+        reach the disk: ~5 ms here, measured, against ~0.1 ms for SQLite's
+        ``synchronous=NORMAL``). Mutations made meanwhile queue for the next batch."""
+        if not self._pending and not self._upserts and not self._deletes:
+            return self._committed
+        import asyncio
+        batch = self._take()
+        commit = asyncio.ensure_future(asyncio.to_thread(
+            self._store.commit_events, *batch, assign_versions=True))
+        try:
+            first = await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The thread commits on regardless: wait for its outcome, so the batch is
+            # neither lost nor committed a second time by the final flush.
+            try:
+                first = await commit
+            except Exception:  # noqa: BLE001 - whatever it was, the batch was not stored
+                self._put_back(batch)
+                raise asyncio.CancelledError from None
+            self._committed_batch(batch[0], first)
+            raise
+        except BaseException:
+            self._put_back(batch)
+            raise
+        return self._committed_batch(batch[0], first)
+
+    def _take(self) -> tuple[list[Event], list[SandboxRow], list[str]]:
+        batch = (self._pending, list(self._upserts.values()), sorted(self._deletes))
         self._pending = []
-        self._upserts.clear()
-        self._deletes.clear()
+        self._upserts = {}
+        self._deletes = set()
+        return batch
+
+    def _put_back(self, batch: tuple[list[Event], list[SandboxRow], list[str]]) -> None:
+        """A batch the store refused goes back in front of what was queued since; a row
+        changed again meanwhile keeps its newer change."""
+        events, upserts, deletes = batch
+        self._pending = events + self._pending
+        for row in upserts:
+            if row.id not in self._upserts and row.id not in self._deletes:
+                self._upserts[row.id] = row
+        for sid in deletes:
+            if sid not in self._upserts:
+                self._deletes.add(sid)
+
+    def _committed_batch(self, events: list[Event], first: int) -> int:
         if events:
             if first != events[0].version:
                 # Another registry (an apiserver replica over the same store) wrote in
                 # between: the store gave this batch later versions.
                 events = [msgspec.structs.replace(e, version=first + i)
                           for i, e in enumerate(events)]
-                self._version = events[-1].version
+                self._version = max(self._version, events[-1].version)
             last = events[-1].version
+            self._own = [r for r in self._own if r[1] > self._applied]
             if first == self._applied + 1 and not self._own:
                 ring = self._ring
                 if ring and ring[-1].version + 1 != first:
                     ring.clear()   # the ring must stay dense; older reads go to the store
                 ring.extend(events)
                 self._applied = last
-            else:
+            elif last > self._applied:
                 # Other writers' events precede this batch: catch_up reads them (and
                 # this batch, in order, into the ring) without applying ours again.
                 self._own.append((first, last))

@@ -784,7 +784,7 @@ class ControlPlane:
                 await asyncio.sleep(delay)
                 due.clear()
                 try:
-                    self.registry.flush()
+                    await self.registry.flush_async()
                 except DsecError as exc:
                     # The batch stays queued (Registry.flush): try again shortly.
                     log.warning("committing registry changes failed (kept, retried): %s",
