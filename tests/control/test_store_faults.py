@@ -12,11 +12,13 @@ server per test, so killing it disturbs no other test):
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +28,10 @@ import pytest
 from dsec.client.sync import Client
 from dsec.cluster.local import LocalCluster
 from dsec.cluster.pgserver import PgServer
+from dsec.control.api.plane import PlaneConfig
 from dsec.errors import Unavailable
+from dsec.wire.api import CreateSandboxRequest
+from tests.control.conftest import replica, served_edge
 
 
 @pytest.fixture
@@ -145,3 +150,33 @@ def test_kill9_of_postgresql_mid_creates_loses_nothing_acknowledged(
             break
         time.sleep(0.1)
     assert ids <= stored
+
+
+async def test_replicas_keep_hearing_each_other_across_a_server_restart(
+        pg: PgServer, tmp_path: Path) -> None:
+    """The LISTEN connection dies with the server; it reconnects (and polls meanwhile),
+    and replica b lists what replica a creates after the restart, with no heartbeat."""
+    cfg = PlaneConfig(heartbeat_interval_s=60.0, store_push_poll_s=60.0, store_poll_s=0.05)
+    async with served_edge(tmp_path) as edge:
+        a = await replica(pg.dsn, edge.addr, plane=cfg)
+        b = await replica(pg.dsn, edge.addr, plane=cfg)
+        try:
+            await a.plane.start()
+            await b.plane.start()
+            caller = a.service.authenticate(f"Bearer {a.plane.bootstrap_admin()}")
+            await asyncio.to_thread(pg.kill9)
+            await asyncio.to_thread(pg.start)
+            t0 = time.monotonic()
+            while True:                      # a's first calls may meet the dead pool
+                try:
+                    made = await a.service.create(caller, CreateSandboxRequest())
+                    break
+                except Unavailable:
+                    assert time.monotonic() - t0 < 20.0
+                    await asyncio.sleep(0.1)
+            while made.id not in b.plane.registry:
+                assert time.monotonic() - t0 < 20.0, "b never heard of a's create"
+                await asyncio.sleep(0.01)
+        finally:
+            await a.close()
+            await b.close()

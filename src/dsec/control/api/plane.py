@@ -757,8 +757,12 @@ class ControlPlane:
                 loop.call_soon_threadsafe(wake.set)
 
         push = self.store.listen_versions(pushed)
-        every = self.config.store_push_poll_s if push else self.config.store_poll_s
         while True:
+            # While the store's LISTEN connection is down (a restart, or LISTEN refused,
+            # as behind a transaction-pooling proxy), poll as SQLite is polled.
+            listening = push and getattr(self.store, "listening", True)
+            every = (self.config.store_push_poll_s if listening
+                     else self.config.store_poll_s)
             try:
                 await asyncio.wait_for(wake.wait(), timeout=every)
             except TimeoutError:
