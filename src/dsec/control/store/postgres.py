@@ -76,9 +76,17 @@ class PostgresStore(SqlStore):
         self.where = redact_url(url)
         self._retry_after = retry_after_s
         self._secret = _password(url)
-        kwargs: dict[str, Any] = {"autocommit": False, "prepare_threshold": 2,
-                                  "connect_timeout": connect_timeout_s,
-                                  "application_name": "dsec-apiserver"}
+        kwargs: dict[str, Any] = {
+            "autocommit": False, "prepare_threshold": 2, "connect_timeout": connect_timeout_s,
+            "application_name": "dsec-apiserver",
+            # Store calls run on the event loop: a server that stops answering must not
+            # hold it for ever. Over TCP, a peer that acknowledges nothing for 5 s drops
+            # the connection (libpq ignores these on a Unix socket); a statement stuck
+            # behind a lock (another replica's stalled transaction) is cancelled at 30 s.
+            "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+            "keepalives_count": 3, "tcp_user_timeout": 5000,
+            "options": "-c statement_timeout=30000",
+        }
         self._connect_kw = kwargs
         try:
             psycopg.conninfo.conninfo_to_dict(url)
