@@ -91,3 +91,24 @@ def test_a_bad_store_url_stops_the_apiserver_with_what_to_change(tmp_path: Path)
         assert run.returncode != 0
         assert words in run.stderr, run.stderr
         assert "hunter2" not in run.stderr + run.stdout
+
+
+def test_dsec_up_keeps_its_state_in_the_store_it_is_given(tmp_path: Path,
+                                                          pg_dsn: str) -> None:
+    import psycopg
+
+    from dsec.cluster.local import LocalCluster
+
+    with LocalCluster(subprocess=True, state_dir=str(tmp_path / "up"),
+                      store=pg_dsn) as cluster:
+        made = httpx.post(f"{cluster.url}/v1/sandboxes", json={}, timeout=30,
+                          headers={"authorization": f"Bearer {cluster.api_key}"})
+        assert made.status_code == 201, made.text
+        sid = made.json()["id"]
+
+        def stored() -> bool:
+            with psycopg.connect(pg_dsn) as conn:
+                return conn.execute("SELECT 1 FROM sandboxes WHERE id = %s",
+                                    (sid,)).fetchone() is not None
+        _wait(stored, "the sandbox never reached the PostgreSQL store")
+    assert not (tmp_path / "up" / "control.sqlite").exists()
