@@ -690,11 +690,29 @@ class HostCluster:
             return f.read().strip()
 
     def edge_ids(self, node: str) -> list[str]:
-        """The sandboxes ``node``'s edge holds now (its own word, not the apiserver's)."""
+        """The live sandboxes ``node``'s edge holds now (its own word, not the
+        apiserver's)."""
         async def ids() -> list[str]:
             async with await self.edge_client(node) as edge:
-                return [str(i.id) for i in await edge.list()]
+                return [str(i.id) for i in await edge.list()
+                        if i.state not in ("destroyed", "failed")]
         return self.run(ids(), timeout=30)
+
+    def edge_states(self, node: str, ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """``id -> (state, reason)`` as ``node``'s edge knows them (absent: unknown)."""
+        from dsec.errors import NotFound
+
+        async def states() -> dict[str, tuple[str, str]]:
+            out = {}
+            async with await self.edge_client(node) as edge:
+                for sid in ids:
+                    try:
+                        i = await edge.get(sid)
+                    except NotFound:
+                        continue
+                    out[sid] = (str(i.state), i.reason)
+            return out
+        return self.run(states(), timeout=60)
 
     def host_of(self, sandbox_id: str) -> str:
         """The node a sandbox id names (``sb-<token>-<node>``)."""
@@ -720,14 +738,19 @@ class HostCluster:
             raise InvalidArgument(f"edge {node} is not running ({proc.state})")
         return pid
 
-    def wait_edge(self, node: str, timeout: float = 60.0) -> None:
-        """Wait until ``node``'s edge serves again (after :meth:`kill_edge`)."""
+    def wait_edge(self, node: str, old_pid: int, timeout: float = 60.0) -> int:
+        """Wait until ``node``'s edge serves again as a process other than ``old_pid``
+        (after :meth:`kill_edge`); returns its pid."""
         proc = self.edges[node]
 
-        async def back() -> None:
-            await proc.wait_state("backoff", "starting", "running", timeout=timeout)
-            await proc.wait_state("running", timeout=timeout)
-        self.run(back(), timeout=timeout + 5)
+        async def back() -> int:
+            while True:
+                await proc.wait_state("running", timeout=timeout)
+                pid = proc.pid
+                if pid is not None and pid != old_pid:
+                    return pid
+                await asyncio.sleep(0.02)
+        return self.run(asyncio.wait_for(back(), timeout), timeout=timeout + 5)
 
     def kill_replica(self, k: int) -> int:
         """kill -9 apiserver replica ``k`` (not restarted). Returns its pid."""
