@@ -70,7 +70,7 @@ from dsec.control.supervisor import RestartPolicy
 from dsec.errors import InvalidArgument, TransportError
 from dsec.net import netns
 
-__all__ = ["Attachment", "HostCluster", "HostsConfig", "attach_edge", "reap"]
+__all__ = ["Attachment", "HostCluster", "HostsConfig", "attach_edge", "reap", "serve"]
 
 log = logging.getLogger("dsec.hosts")
 
@@ -112,6 +112,9 @@ class HostsConfig:
     disk_default_bytes: int = 256 << 20
     restart: RestartPolicy = field(default_factory=lambda: RestartPolicy(first_delay_s=0.1))
     simulated_profile: str = "zero"
+    # The loopback port clients use (the REST relay; 0 picks a free one): the replicas
+    # listen on the same port inside their namespaces.
+    rest_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +437,7 @@ class HostCluster:
         self._doors: dict[str, Relay] = {}   # node -> relay to its edge (admin door)
         self._record = _record_path(self.id, records_dir)
         self._created: list[str] = []        # netns created, in order
+        self._lock_fd = -1
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -461,6 +465,7 @@ class HostCluster:
         from dsec.statedir import ensure_private_dir
 
         ensure_private_dir(self.state_dir)
+        self._lock_state_dir()
         os.makedirs(self.records_dir, mode=0o700, exist_ok=True)
         # Intent first: a run killed from here on is found by reap().
         _write_record(self._record, {
@@ -473,6 +478,26 @@ class HostCluster:
             f.write(secrets.token_hex(32))
         self._lt = _LoopThread()
         self._lt.run(self._start_async())
+
+    def _lock_state_dir(self) -> None:
+        """One cluster per state dir, ``dsec up``'s lock file (its replicas' store and
+        local.json, its hosts' journals are this process's)."""
+        import fcntl
+
+        from dsec.cluster.runtime import LOCK_FILE
+        from dsec.errors import InUse
+
+        fd = os.open(os.path.join(self.state_dir, LOCK_FILE),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise InUse(f"another dsec up runs on state dir {self.state_dir}; stop it or "
+                        "pass another --state-dir", state_dir=self.state_dir) from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     def _make_network(self) -> None:
         _ip("netns", "add", self.hub)
@@ -550,7 +575,7 @@ class HostCluster:
                            name="rest")
         self._gw = Relay([(m.fd, "127.0.0.1", 0) for m in self.replica_members],
                          name="gateway")
-        rest, gw = await self._rest.start(), await self._gw.start()
+        rest, gw = await self._rest.start(self.config.rest_port), await self._gw.start()
         self._rest.targets = [(m.fd, "127.0.0.1", rest) for m in self.replica_members]
         self._gw.targets = [(m.fd, "127.0.0.1", gw) for m in self.replica_members]
         for i, node in enumerate(self.node_ids):
@@ -639,6 +664,9 @@ class HostCluster:
         if what:
             log.debug("teardown of %s: %s", self.id, what)
         _remove_record(self._record)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     async def _stop_async(self) -> None:
         with contextlib.suppress(Exception):
@@ -774,6 +802,27 @@ class HostCluster:
         out: dict[str, int | None] = {n: p.pid for n, p in self.edges.items()}
         out.update({f"apiserver-{k}": r.pid for k, r in enumerate(self.replicas)})
         return out
+
+
+def serve(config: HostsConfig, *, started: Callable[[HostCluster], None],
+          stopping: Callable[[HostCluster], None] = lambda hc: None) -> None:
+    """``dsec up --hosts N``: run a host cluster in the foreground until SIGINT/SIGTERM
+    (handlers in before the start, so a Ctrl-C during it is not lost), then stop it:
+    every sandbox destroyed, every namespace and process gone."""
+    stop = threading.Event()
+    old = {sig: signal.signal(sig, lambda *_: stop.set())
+           for sig in (signal.SIGINT, signal.SIGTERM)}
+    hc = HostCluster(config)
+    try:
+        hc.start()
+        started(hc)
+        while not stop.wait(1.0):
+            pass
+        stopping(hc)
+    finally:
+        hc.stop()
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 @contextlib.contextmanager
