@@ -105,7 +105,8 @@ def run(quick: bool) -> list[Result]:
         p = partition(hc)
         out.append(Result(SUITE, "cluster_partition_resurrected", p.resurrected, "count", {
             "hosts": 3, "written_off": len(p.written_off), "duplicate_ids": p.duplicate_ids,
-            "ghosts_at_heal": p.ghosts_at_heal, "duplicate_keys": p.duplicate_keys, "ghosts_after_sweep": p.ghosts_after_sweep,
+            "ghosts_at_heal": p.ghosts_at_heal, "duplicate_keys": p.duplicate_keys,
+            "ghosts_open_sessions": p.ghosts_open_sessions, "ghosts_after_sweep": p.ghosts_after_sweep,
             "loss_s": round(p.loss_seconds, 1), "overdue_calls": len(p.overdue),
             "node_ttl_s": 3.0}))
     with tempfile.TemporaryDirectory(prefix="dsec-bench-hosts-") as d, \

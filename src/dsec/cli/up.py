@@ -68,7 +68,7 @@ from dsec.cli.edge import (
               help="Run N test hosts instead of local edges: network namespaces on a "
                    "private bridge, each with a dsec edge on TCP (own state, layers, "
                    "containers), the apiserver in a namespace of its own (needs root; "
-                   "docs/cli.md 'A multi-host cluster on one machine').")
+                   "docs/sdk.md 'A multi-host cluster on one machine').")
 @click.option("--replicas", type=click.IntRange(1, 8), default=1, show_default=True,
               help="With --hosts: apiserver replicas over one store, behind --listen.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,

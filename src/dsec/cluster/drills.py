@@ -84,6 +84,9 @@ class _Clients:
     # (when asked, when answered, Idempotency-Key, id)
     made: list[tuple[float, float, str, str]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    failed_keys: set[str] = field(default_factory=set)   # creates that raised
+    idle: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> None:
@@ -104,6 +107,8 @@ class _Clients:
                     c.sandboxes.create, backend="simulated", idempotency_key=key,
                     labels={"drill": "clients", "drill-key": key}, **SMALL))
                 if sb is None:
+                    with self.log.lock:
+                        self.failed_keys.add(key)
                     time.sleep(0.05)
                     continue
                 with self.log.lock:
@@ -112,9 +117,25 @@ class _Clients:
                                functools.partial(sb.exec, ["true"], timeout=5))
                 # churn: capacity stays free, and what is left live is what nobody has
                 self.log.timed("destroy", exec_bound, sb.kill)
+            # The client (and its session) stays open until released: a sandbox nobody
+            # holds must not be reclaimed merely because its client went away.
+            with self.log.lock:
+                self.idle += 1
+            self.release.wait(120)
 
-    def join(self) -> None:
+    def join(self, timeout: float = 60.0) -> None:
+        """Stop the loops; the clients stay open until :meth:`close`."""
         self.stop.set()
+        end = time.monotonic() + timeout
+        while any(t.is_alive() for t in self.threads) and time.monotonic() < end:
+            with self.log.lock:
+                if self.idle >= len(self.threads):
+                    return
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.release.set()
         for t in self.threads:
             t.join(60)
 
@@ -124,17 +145,22 @@ class _Clients:
 class PartitionReport:
     victim: str
     written_off: list[str]        # sandboxes on the victim reported lost (node_lost)
-    loss_seconds: float           # from the cut until all were reported lost
+    loss_seconds: float           # from the cut until the apiserver reported the node lost
     resurrected: int              # written-off sandboxes alive again after the heal
     duplicate_ids: int            # ids handed out twice
     created_elsewhere_after_loss: int
     created_on_victim_after_loss: int
-    # live after the heal though no client was answered with them: creates whose reply
-    # the cut swallowed (the retry was answered elsewhere); of them, those whose key a
-    # client holds another sandbox for; and how many the sweeper left
+    # Ghosts: live after the heal though no client was answered with them. A create
+    # whose request reached the cut host (or whose reply the cut swallowed) while the
+    # client gave up with a timeout is made there all the same; nothing tells the server
+    # that the caller gave up, so while the caller's session lives the sandbox lives (to
+    # its TTL); closing the session (the client going away) has the sweeper reclaim it.
     ghosts_at_heal: int
-    duplicate_keys: int
-    ghosts_after_sweep: int
+    duplicate_keys: int           # ghosts whose key a client got another sandbox for
+    unexplained_ghosts: int       # ghosts whose create no client saw fail
+    ghosts_open_sessions: int     # ghosts still live while their clients stay open
+    ghosts_after_sweep: int       # ... after the clients closed and the sweeper ran
+    ghost_story: list[str]        # each ghost at the heal: its events as the apiserver has them
     calls: dict[str, int]
     overdue: list[str]            # calls past their timeout (hangs)
 
@@ -148,7 +174,7 @@ def _spread(hc: HostCluster, c: Any, n: int) -> dict[str, list[str]]:
 
 
 def partition(hc: HostCluster, *, clients: int = 3, initial: int = 9,
-              timeout_s: float = 4.0, create_retry_s: float = 6.0,
+              timeout_s: float = 4.0, create_retry_s: float = 15.0,
               sweep_wait_s: float = 15.0) -> PartitionReport:
     """Cut the busiest host's link while ``clients`` create and exec; wait until its
     sandboxes are reported lost; heal; wait until the edge has destroyed them."""
@@ -157,82 +183,115 @@ def partition(hc: HostCluster, *, clients: int = 3, initial: int = 9,
         wait_for(lambda: all(n.healthy for n in c.nodes()), 30, "every host healthy")
         by = _spread(hc, c, initial)
         victim = max(by, key=lambda n: len(by[n]))
-        lost = list(by[victim])
         load = _Clients(hc, clients, timeout_s, create_retry_s)
         load.start()
-        time.sleep(0.5)
-        hc.cut(victim)
-        cut_at = time.monotonic()
-
-        get_bound = timeout_s + 3.0
-
-        def state_of(s: str) -> tuple[str, str] | None:
-            # A sandbox on a silent host may not answer within the request timeout
-            # (the apiserver asks its edge): that is an error in time, not a hang.
-            sb = load.log.timed("get", get_bound, lambda: c.sandboxes.get(s))
-            return None if sb is None else (sb.info.state, sb.info.reason)
-
-        def reported_lost() -> bool:
-            return all(state_of(s) == ("destroyed", "node_lost") for s in lost)
         try:
-            wait_for(reported_lost, 3 * ttl + 15, f"{victim}'s sandboxes reported lost")
-            lost_at = time.monotonic()
-            for s in lost:   # every one of them has an event with the reason
-                ev = c.sandboxes.get(s).events()[-1]
-                assert ev.reason == "node_lost" and victim in ev.detail, ev
-            time.sleep(max(2.0, ttl / 2))   # creates go on while the host is gone
+            return _partition(hc, c, load, victim, by, timeout_s, ttl, sweep_wait_s)
         finally:
-            hc.heal(victim)
-        healed_at = time.monotonic()
-        time.sleep(1.0)
-        load.join()
-        with load.log.lock:
-            made = list(load.made)
-        # What the clients made on the victim and could not destroy before the cut is
-        # written off too.
-        gone = [s for _, _, _, s in made if hc.host_of(s) == victim
-                and state_of(s) == ("destroyed", "node_lost")]
-        written_off = lost + gone
+            load.close()
 
-        def destroyed_on_edge() -> bool:
-            st = hc.edge_states(victim, written_off)
-            return all(v[0] == "destroyed" for v in st.values())
-        try:
-            wait_for(destroyed_on_edge, 3 * ttl + 20, f"{victim} to destroy what it lost")
-        except TimeoutError:
-            pass   # counted below as resurrected
-        first = {s for ids in by.values() for s in ids}
-        answered = {s for _, _, _, s in made}
-        key_of = {k: s for _, _, k, s in made}
 
-        def unknown() -> dict[str, str | None]:
-            live = _live(hc)
-            return {s: k for s, k in live.items() if s not in first and s not in answered}
-        ghosts_at_heal = unknown()
-        dup_keys = sum(1 for k in ghosts_at_heal.values() if k in key_of)
-        try:
-            wait_for(lambda: not unknown(), sweep_wait_s, "the sweeper to reclaim ghosts",
-                     interval=0.5)
-        except TimeoutError:
-            pass
-        ghosts_after = unknown()
-        live_edge = set(hc.edge_ids(victim))
-        listed = {i.id for i in c.sandboxes.list(labels={"drill": "initial"})} | {
-            i.id for i in c.sandboxes.list(labels={"drill": "clients"})}
-        resurrected = sum(1 for s in written_off if s in live_edge or s in listed)
-        ids = [s for _, _, _, s in made] + sorted(first)
-        # creates asked after the loss and answered before the heal: placement's choice
-        # while the victim was known lost
-        during = [s for asked, done, _, s in made if lost_at < asked and done < healed_at]
-        return PartitionReport(
-            victim=victim, written_off=written_off, loss_seconds=lost_at - cut_at,
-            resurrected=resurrected, duplicate_ids=len(ids) - len(set(ids)),
-            created_elsewhere_after_loss=sum(1 for s in during if hc.host_of(s) != victim),
-            created_on_victim_after_loss=sum(1 for s in during if hc.host_of(s) == victim),
-            ghosts_at_heal=len(ghosts_at_heal), duplicate_keys=dup_keys,
-            ghosts_after_sweep=len(ghosts_after), calls=load.log.counts(),
-            overdue=[f"{x.what} {x.seconds:.1f}s > {x.bound_s:.1f}s ({x.detail})"
-                     for x in load.log.overdue])
+def _partition(hc: HostCluster, c: Any, load: _Clients, victim: str,
+               by: dict[str, list[str]], timeout_s: float, ttl: float,
+               sweep_wait_s: float) -> PartitionReport:
+    lost = list(by[victim])
+    time.sleep(0.5)
+    hc.cut(victim)
+    cut_at, cut_wall = time.monotonic(), time.time()
+
+    get_bound = timeout_s + 3.0
+
+    def state_of(s: str) -> tuple[str, str] | None:
+        # A sandbox on a silent host may not answer within the request timeout
+        # (the apiserver asks its edge): that is an error in time, not a hang.
+        sb = load.log.timed("get", get_bound, lambda: c.sandboxes.get(s))
+        return None if sb is None else (sb.info.state, sb.info.reason)
+
+    def reported_lost() -> bool:
+        return all(state_of(s) == ("destroyed", "node_lost") for s in lost)
+    def node_status() -> str:
+        nodes = load.log.timed("nodes", get_bound, c.nodes)
+        return "" if nodes is None else {n.id: n.status for n in nodes}.get(victim, "")
+    try:
+        # the node's status (the apiserver's own view, no call to the silent edge)...
+        wait_for(lambda: node_status() == "lost", 3 * ttl + 15, f"{victim} lost")
+        lost_at = time.monotonic()
+        # ... and every one of its sandboxes, each with an event giving the reason
+        wait_for(reported_lost, 3 * ttl + 15, f"{victim}'s sandboxes reported lost")
+        for s in lost:   # every one of them has an event with the reason
+            ev = c.sandboxes.get(s).events()[-1]
+            assert ev.reason == "node_lost" and victim in ev.detail, ev
+        time.sleep(max(2.0, ttl / 2))   # creates go on while the host is gone
+    finally:
+        hc.heal(victim)
+    healed_at = time.monotonic()
+    time.sleep(1.0)
+    load.join()
+    with load.log.lock:
+        made = list(load.made)
+    # What the clients made on the victim and could not destroy before the cut is
+    # written off too.
+    gone = [s for _, _, _, s in made if hc.host_of(s) == victim
+            and state_of(s) == ("destroyed", "node_lost")]
+    written_off = lost + gone
+
+    def destroyed_on_edge() -> bool:
+        st = hc.edge_states(victim, written_off)
+        return all(v[0] == "destroyed" for v in st.values())
+    try:
+        wait_for(destroyed_on_edge, 3 * ttl + 20, f"{victim} to destroy what it lost")
+    except TimeoutError:
+        pass   # counted below as resurrected
+    first = {s for ids in by.values() for s in ids}
+    answered = {s for _, _, _, s in made}
+    key_of = {k: s for _, _, k, s in made}
+
+    def unknown() -> dict[str, str | None]:
+        live = _live(hc)
+        return {s: k for s, k in live.items() if s not in first and s not in answered}
+    ghosts_at_heal = unknown()
+    dup_keys = sum(1 for k in ghosts_at_heal.values() if k in key_of)
+    with load.log.lock:
+        failed = set(load.failed_keys)
+    unexplained = sum(1 for k in ghosts_at_heal.values() if k not in failed)
+    # Clients still open: their sessions keep what they own alive (see PartitionReport).
+    try:
+        wait_for(lambda: not unknown(), 2.0, "ghosts reclaimed", interval=0.5)
+    except TimeoutError:
+        pass
+    ghosts_open = unknown()
+    story = []
+    for g in ghosts_at_heal:
+        sb = load.log.timed("get", get_bound, lambda g=g: c.sandboxes.get(g))
+        evs = [] if sb is None else sb.events()
+        story.append(f"{g}: " + "; ".join(
+            f"{e.time - cut_wall:+.1f}s {e.to_state}/{e.reason}" for e in evs)
+            + f" (heal at {healed_at - cut_at:+.1f}s)")
+    load.close()   # sessions closed: the sweeper reclaims what they owned
+    try:
+        wait_for(lambda: not unknown(), sweep_wait_s, "the sweeper to reclaim ghosts",
+                 interval=0.5)
+    except TimeoutError:
+        pass
+    ghosts_after = unknown()
+    live_edge = set(hc.edge_ids(victim))
+    listed = {i.id for i in c.sandboxes.list(labels={"drill": "initial"})} | {
+        i.id for i in c.sandboxes.list(labels={"drill": "clients"})}
+    resurrected = sum(1 for s in written_off if s in live_edge or s in listed)
+    ids = [s for _, _, _, s in made] + sorted(first)
+    # creates asked after the loss and answered before the heal: placement's choice
+    # while the victim was known lost
+    during = [s for asked, done, _, s in made if lost_at < asked and done < healed_at]
+    return PartitionReport(
+        victim=victim, written_off=written_off, loss_seconds=lost_at - cut_at,
+        resurrected=resurrected, duplicate_ids=len(ids) - len(set(ids)),
+        created_elsewhere_after_loss=sum(1 for s in during if hc.host_of(s) != victim),
+        created_on_victim_after_loss=sum(1 for s in during if hc.host_of(s) == victim),
+        ghosts_at_heal=len(ghosts_at_heal), duplicate_keys=dup_keys,
+        unexplained_ghosts=unexplained, ghosts_open_sessions=len(ghosts_open),
+        ghosts_after_sweep=len(ghosts_after), ghost_story=story, calls=load.log.counts(),
+        overdue=[f"{x.what} {x.seconds:.1f}s > {x.bound_s:.1f}s ({x.detail})"
+                 for x in load.log.overdue])
 
 
 def _live(hc: HostCluster) -> dict[str, str | None]:
