@@ -262,7 +262,7 @@ def _partition(hc: HostCluster, c: Any, load: _Clients, victim: str,
     ghosts_open = unknown()
     story = []
     for g in ghosts_at_heal:
-        sb = load.log.timed("get", get_bound, lambda g=g: c.sandboxes.get(g))
+        sb = load.log.timed("get", get_bound, functools.partial(c.sandboxes.get, g))
         evs = [] if sb is None else sb.events()
         story.append(f"{g}: " + "; ".join(
             f"{e.time - cut_wall:+.1f}s {e.to_state}/{e.reason}" for e in evs)
