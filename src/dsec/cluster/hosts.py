@@ -125,12 +125,14 @@ class Attachment:
     apiserver_argv: tuple[str, ...]
 
 
-def attach_edge(node: str, address: str, *, token_file: str) -> Attachment:
+def attach_edge(node: str, address: str, *, token_file: str, apiserver_url: str) -> Attachment:
     """The one place that says how an edge is attached (plan-16 "Edge membership"):
     today every apiserver is started with ``--edge NODE=tcp:ADDR`` and the edge with the
-    shared Aether token. When ``dsec edge --join URL --token`` lands, this returns the
-    edge's ``--join`` flags and no apiserver flags (membership then comes from the
-    store's ``nodes`` table), and nothing else here changes."""
+    shared Aether token (``token_file``). When ``dsec edge --join URL --token`` lands,
+    this returns the edge's ``--join apiserver_url --token <join token>`` flags and no
+    apiserver flags (membership then comes from the store's ``nodes`` table);
+    ``apiserver_url`` is replica 0's REST address on the bridge, which the hosts reach
+    (the replicas are started, and serve, before any edge)."""
     return Attachment(edge_argv=("--listen", f"tcp:{address}", "--token-file", token_file),
                       apiserver_argv=("--edge", f"{node}=tcp:{address}"))
 
@@ -430,7 +432,10 @@ class HostCluster:
         self.edges: dict[str, EdgeProcess] = {}
         self.replicas: list[_Replica] = []
         self.token_file = os.path.join(self.state_dir, "edge-token")
-        self.api_dir = self.state_dir      # the replicas' state dir (store, local.json)
+        # the replicas' state dir (store, their local.json); the cluster's own local.json
+        # (the relay's address) is in state_dir, where Client() and the CLI look
+        self.api_dir = os.path.join(self.state_dir, "api")
+        self._bridge_url = ""
         self._lt: _LoopThread | None = None
         self._rest: Relay | None = None
         self._gw: Relay | None = None
@@ -522,7 +527,8 @@ class HostCluster:
     def _edge_argv(self, i: int) -> list[str]:
         cfg, m, node = self.config, self.host_members[i], self.node_ids[i]
         d = self._host_dir(node)
-        att = attach_edge(node, f"{m.address}:{EDGE_PORT}", token_file=self.token_file)
+        att = attach_edge(node, f"{m.address}:{EDGE_PORT}", token_file=self.token_file,
+                          apiserver_url=self._bridge_url)
         argv = ["nsenter", f"--net={_netns_path(m.name)}", "--", *DSEC_ARGV, "edge",
                 *att.edge_argv, "--state-dir", os.path.join(d, "edge"), "--node-id", node,
                 "--cpus", repr(cfg.cpus_per_host), "--memory", str(cfg.memory_per_host),
@@ -540,17 +546,21 @@ class HostCluster:
                      "--disk-default", str(cfg.disk_default_bytes)]
         return argv
 
-    def _replica_argv(self, rest_port: int, gw_port: int) -> list[str]:
+    def _replica_argv(self, m: _Member, rest_port: int, gw_port: int) -> list[str]:
+        """REST on the replica's bridge address (the hosts reach it there: ``--join``);
+        the gateway on its loopback, the address it advertises, which the relay of the
+        same port in the root namespace makes right for clients there too."""
         cfg = self.config
         argv = [*DSEC_ARGV, "apiserver", "--state-dir", self.api_dir,
-                "--listen", f"127.0.0.1:{rest_port}", "--gateway", f"tcp:127.0.0.1:{gw_port}",
+                "--listen", f"{m.address}:{rest_port}", "--gateway", f"tcp:127.0.0.1:{gw_port}",
                 "--backend", cfg.default_backend, "--node-ttl", repr(cfg.node_ttl_s),
                 "--edge-token-file", self.token_file, "--quiet"]
         if cfg.store is not None:
             argv += ["--store", cfg.store]
-        for i, m in enumerate(self.host_members):
-            argv += attach_edge(self.node_ids[i], f"{m.address}:{EDGE_PORT}",
-                                token_file=self.token_file).apiserver_argv
+        for i, h in enumerate(self.host_members):
+            argv += attach_edge(self.node_ids[i], f"{h.address}:{EDGE_PORT}",
+                                token_file=self.token_file,
+                                apiserver_url=self._bridge_url).apiserver_argv
         return argv
 
     def _layers(self) -> None:
@@ -565,19 +575,31 @@ class HostCluster:
                 store.tag(base.digest, "base")
 
     async def _start_async(self) -> None:
+        os.makedirs(self.api_dir, mode=0o700, exist_ok=True)
         for node in self.node_ids:
             os.makedirs(self._host_dir(node), mode=0o700, exist_ok=True)
         if "container" in self.config.backends:
             await asyncio.to_thread(self._layers)
         # The relays first: their ports are the ones the replicas listen on in their
         # namespaces, so the addresses a replica advertises work from here too.
-        self._rest = Relay([(m.fd, "127.0.0.1", 0) for m in self.replica_members],
-                           name="rest")
-        self._gw = Relay([(m.fd, "127.0.0.1", 0) for m in self.replica_members],
-                         name="gateway")
+        # The relays first: their ports are the ones the replicas listen on in their
+        # namespaces, so the gateway address a replica advertises works from here too.
+        self._rest = Relay([], name="rest")
+        self._gw = Relay([], name="gateway")
         rest, gw = await self._rest.start(self.config.rest_port), await self._gw.start()
-        self._rest.targets = [(m.fd, "127.0.0.1", rest) for m in self.replica_members]
+        self._rest.targets = [(m.fd, m.address, rest) for m in self.replica_members]
         self._gw.targets = [(m.fd, "127.0.0.1", gw) for m in self.replica_members]
+        self._bridge_url = f"http://{self.replica_members[0].address}:{rest}"
+        # The replicas before the edges (an edge that joins needs an apiserver to join;
+        # one named by --edge that does not serve yet is dialled again on every poll),
+        # one after the other: the first bootstraps the admin key, the rest reuse it.
+        for k, m in enumerate(self.replica_members):
+            self.replicas.append(_Replica(m, self._replica_argv(m, rest, gw),
+                                          os.path.join(self.state_dir, f"apiserver-{k}.log")))
+        for k in range(len(self.replicas)):
+            await self._start_replica(k)
+        self.url = f"http://127.0.0.1:{rest}"
+        self.gateway = f"tcp:127.0.0.1:{gw}"
         for i, node in enumerate(self.node_ids):
             m = self.host_members[i]
             door = self._doors[node] = Relay([(m.fd, m.address, EDGE_PORT)], name=node)
@@ -591,15 +613,42 @@ class HostCluster:
                                            policy=self.config.restart)
             self.edges[node].begin()
         await asyncio.gather(*(p.started() for p in self.edges.values()))
-        argv = self._replica_argv(rest, gw)
-        for k, m in enumerate(self.replica_members):
-            self.replicas.append(_Replica(m, argv, os.path.join(self.state_dir,
-                                                                f"apiserver-{k}.log")))
-        # One after the other: the first bootstraps the admin key, the rest reuse it.
-        for k in range(len(self.replicas)):
-            await self._start_replica(k)
-        self.url = f"http://127.0.0.1:{rest}"
-        self.gateway = f"tcp:127.0.0.1:{gw}"
+        await self._until_healthy()
+        self._write_local()
+
+    async def _until_healthy(self, timeout: float = 60.0) -> None:
+        """Until every replica reports every host healthy (its first heartbeat)."""
+        import httpx
+
+        end = time.monotonic() + timeout
+        want = set(self.node_ids)
+        async with httpx.AsyncClient(base_url=self.url, timeout=10, headers={
+                "authorization": f"Bearer {self.admin_key}"}) as http:
+            ok = 0
+            while ok < 2 * len(self.replicas):   # the relay takes the replicas in turn
+                try:
+                    r = await http.get("/v1/nodes")
+                    items = r.json()["items"] if r.status_code == 200 else []
+                    healthy = {n["id"] for n in items if n.get("healthy", True)}
+                except (httpx.HTTPError, ValueError, KeyError):
+                    healthy = set()
+                ok = ok + 1 if want <= healthy else 0
+                if ok == 0 and time.monotonic() > end:
+                    raise TransportError(f"the hosts {sorted(want - healthy)} did not become "
+                                         f"healthy within {timeout:g}s; see "
+                                         f"{self.state_dir}/hosts/*/edge.log")
+                if ok == 0:
+                    await asyncio.sleep(0.1)
+
+    def _write_local(self) -> None:
+        """``state_dir/local.json`` as ``dsec up`` writes it, with the relay's addresses
+        (Client() and the CLI find the cluster there)."""
+        from dsec.statedir import LOCAL_FILE
+
+        path = os.path.join(self.state_dir, LOCAL_FILE)
+        _write_record(path, {"url": self.url, "gateway": self.gateway,
+                             "api_key": self.admin_key, "pid": os.getpid(),
+                             "state_dir": self.state_dir})
 
     async def _start_replica(self, k: int, timeout: float = 60.0) -> None:
         from dsec.statedir import read_local
@@ -664,6 +713,12 @@ class HostCluster:
         if what:
             log.debug("teardown of %s: %s", self.id, what)
         _remove_record(self._record)
+        from dsec.statedir import LOCAL_FILE, read_local
+
+        local = read_local(self.state_dir)
+        if local is not None and local.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.state_dir, LOCAL_FILE))
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
