@@ -16,6 +16,8 @@ by suite ``cluster`` (:mod:`dsec.bench.cluster`), which imports this module by n
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import statistics
 import tempfile
 import threading
@@ -109,11 +111,27 @@ def run(quick: bool) -> list[Result]:
             "ghosts_open_sessions": p.ghosts_open_sessions, "ghosts_after_sweep": p.ghosts_after_sweep,
             "loss_s": round(p.loss_seconds, 1), "overdue_calls": len(p.overdue),
             "node_ttl_s": 3.0}))
-    with tempfile.TemporaryDirectory(prefix="dsec-bench-hosts-") as d, \
-            _cluster(d, hosts=2, replicas=2, backends=("simulated",),
-                     default_backend="simulated") as hc:
+    with contextlib.ExitStack() as stack:
+        url, kind = _store(stack)
+        d = stack.enter_context(tempfile.TemporaryDirectory(prefix="dsec-bench-hosts-"))
+        hc = stack.enter_context(_cluster(d, hosts=2, replicas=2, backends=("simulated",),
+                                          default_backend="simulated", store=url))
         r = replica_kill(hc, per_client=6 if quick else 25)
         out.append(Result(SUITE, "cluster_idempotent_duplicates", r.duplicates, "count", {
-            "replicas": 2, "store": "sqlite", "keys": r.keys, "answered": r.answered,
+            "replicas": 2, "store": kind, "keys": r.keys, "answered": r.answered,
             "orphans": r.orphans, "overdue_calls": len(r.overdue)}))
     return out
+
+
+def _store(stack: contextlib.ExitStack) -> tuple[str | None, str]:
+    """The replicas' store: a throwaway PostgreSQL server (the ``pg`` stream's
+    ``dsec.cluster.pgserver``) where that exists, else the SQLite file they share."""
+    try:
+        pgserver = importlib.import_module("dsec.cluster.pgserver")
+    except ModuleNotFoundError:
+        return None, "sqlite"
+    d = stack.enter_context(tempfile.TemporaryDirectory(prefix="dsec-pg-", dir="/tmp"))
+    server = pgserver.PgServer(d, fsync=False, remove=True)
+    server.start()
+    stack.callback(server.stop)
+    return str(server.dsn), "postgresql"
