@@ -31,8 +31,8 @@ from tests.control.conftest import FakeClock
 class Apiserver:
     """One apiserver generation: store connection, control plane, service, edge link."""
 
-    def __init__(self, db: str, clock: FakeClock) -> None:
-        self.store = open_store(db)
+    def __init__(self, db: str | Path, clock: FakeClock) -> None:
+        self.store = open_store(str(db))
         self.plane = ControlPlane.open(self.store, metrics=ApiMetrics(), clock=clock,
                                        config=PlaneConfig(node_ttl_s=10.0,
                                                           reconnect_interval_s=0.0))
