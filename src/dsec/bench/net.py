@@ -438,6 +438,7 @@ async def _run(ctx: BenchContext, work: str) -> None:
         await b.close()
         gov.remove_base()
         await resolver.close()
+        await net.close()  # the background refill ends before the router's fds close
         router.close()
         inet.close()
 
