@@ -11,11 +11,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+import struct
 import subprocess
 import sys
 
 import pytest
+from dnslib import DNSRecord
 
 from dsec.errors import BackendError
 from dsec.net import netns
@@ -36,8 +40,12 @@ from dsec.net.router import Router
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import SandboxSpec
 
+from .test_resolver import Env, env
+
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
+
+__all__ = ["env"]
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "closerace.py")
 
@@ -119,3 +127,30 @@ def test_plan_never_touches_own_slots() -> None:
     assert steps == [StartGenerations(3), BuildObjects((1, 2, 7), ()), DeleteLink(7),
                      FlushSlot(7), Lost("sb-x", "slot 2 was built anew by this edge (its "
                                                  "dsv2 is not the sandbox's veth)")]
+
+
+async def test_a_closed_resolver_runs_no_query_after_close(env: Env) -> None:
+    """A TCP connection held open across Resolver.close: once close() returns the
+    connection is gone and no query reaches the upstream from it (the owner closes the
+    upstream netns fd next; a query still running would setns into a reused number)."""
+    slot = env.attach("sb-c", "allowed.test:80/tcp")
+    loop = asyncio.get_running_loop()
+    with netns.entered(slot.fd):
+        s = socket.socket()
+    s.setblocking(False)
+    try:
+        await loop.sock_connect(s, ("10.213.255.254", 53))
+        await asyncio.sleep(0.1)  # the resolver accepted it: a handler task runs
+        asked = env.resolver.stats.forwarded
+        await env.resolver.close()
+        assert env.resolver._tasks == set()  # nothing of it runs
+        pkt = DNSRecord.question("allowed.test").pack()
+        try:
+            await loop.sock_sendall(s, struct.pack("!H", len(pkt)) + pkt)
+            got = await asyncio.wait_for(loop.sock_recv(s, 4096), 2)
+        except OSError:
+            got = b""
+        assert got == b""  # closed by the resolver, never answered
+        assert env.resolver.stats.forwarded == asked
+    finally:
+        s.close()
