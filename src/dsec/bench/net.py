@@ -439,6 +439,10 @@ async def _run(ctx: BenchContext, work: str) -> None:
             # before node.close(): that closes the backend too
             await _live(ctx, b, router, net, base, node_id)
         finally:
+            # a step above failed with sandboxes live: destroyed before the node closes
+            # the backend (it would keep them, and their disk pool mounted, for adoption)
+            for left in b.sandbox_ids():
+                await b.destroy(SandboxId(left))
             await node.close()
     finally:
         for left in b.sandbox_ids():
