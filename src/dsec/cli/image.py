@@ -228,7 +228,7 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
               help="Which image of a multi-platform index (default: this host's).")
 @click.option("--creds", envvar="DSEC_REGISTRY_CREDS", default=None, metavar="USER:PASS",
               help="Registry credentials (or $DSEC_REGISTRY_CREDS; default: the docker-style "
-                   "auth files skopeo reads, or --authfile).")
+                   "auth files of the user running it, or --authfile).")
 @click.option("--authfile", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A docker-style auth.json / ~/.docker/config.json.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")

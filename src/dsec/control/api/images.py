@@ -60,7 +60,7 @@ from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
 
-#: Threads running registry pulls (skopeo + unpack + mkfs) for one apiserver.
+#: Threads running registry pulls (fetch + unpack + mkfs) for one apiserver.
 PULL_WORKERS = 8
 #: Pulls of one project at once; the rest wait their turn (a project cannot take
 #: every pull thread).
@@ -183,8 +183,8 @@ class ImageAdmin:
         ``registry_pull`` setting (nearest ancestor's; default yes) allows it, as the
         caller (a member of the project: the create needs that) and charged like
         ``images.pull``. Loopback registries are reached over plain HTTP (docker's rule
-        for 127.0.0.0/8), others over verified TLS; credentials are the apiserver host's
-        (skopeo's auth files), never the create's. The spec then names the store name,
+        for 127.0.0.0/8), others over verified TLS, anonymously (never the apiserver host's
+        registry logins: red team F2), under the apiserver's egress policy. The spec then names the store name,
         which :meth:`resolve_layers` resolves like any other."""
         from dsec.image.pull import REF_LABEL
         from dsec.image.registry import is_registry_ref, local_name, parse_registry_ref
