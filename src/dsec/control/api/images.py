@@ -498,7 +498,8 @@ class ImageAdmin:
         into one base layer on ``req.base``'s stack, in the target's project (the write
         right there; the chain must be that project's own snapshots, and the base one
         the caller sees), carrying the config as a pulled image's ``oci.*`` labels;
-        charged to the project's layer storage like a build."""
+        charged to the project's layer storage like a build. ``req.squash``: the base's
+        layers laid in too, one standalone layer."""
         from dsec.image.promote import build_chain, promote_chain
         from dsec.image.registry import ImageDefaults, defaults_labels
 
@@ -524,7 +525,8 @@ class ImageAdmin:
         def work() -> list[LayerManifest]:
             chain, image = build_chain(store, top.digest, base.digest)
             return [promote_chain(store, chain, image, labels=labels, namespace=ns,
-                                  owner=caller.id, max_bytes=room, pin=pin)]
+                                  owner=caller.id, max_bytes=room, pin=pin,
+                                  squash=req.squash)]
         try:
             made = await self._build_pinned(caller, target, ns, store, pin, work)
         finally:
