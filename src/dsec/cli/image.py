@@ -228,7 +228,7 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
 @click.option("--name", default=None,
               help="[project/]name[:tag] to store it under (default: the registry ref's "
                    "own name, e.g. 127.0.0.1-5000_team_python:3.12, cluster-wide).")
-@click.option("--insecure", is_flag=True, help="Plain HTTP / unverified TLS (local "
+@click.option("--insecure", is_flag=True, help="Plain HTTP (local "
               "registries).")
 @click.option("--platform", default=None, metavar="OS/ARCH[/VARIANT]",
               help="Which image of a multi-platform index (default: this host's).")

@@ -132,12 +132,15 @@ class PinnedBackend(httpcore.NetworkBackend):
         time.sleep(seconds)
 
 
-def pinned_transport(backend: PinnedBackend, *, verify: bool) -> httpx.HTTPTransport:
+def pinned_transport(backend: PinnedBackend) -> httpx.HTTPTransport:
     """An httpx transport whose connections all go through ``backend``. (httpx builds
-    its httpcore pool without a way to pass a network backend: the pool is replaced.)"""
-    transport = httpx.HTTPTransport(verify=verify, trust_env=False)
+    its httpcore pool without a way to pass a network backend: the pool is replaced.)
+    TLS is always verified, against the system's trust store (an operator's internal CA
+    installed there is honoured, as skopeo did; httpx's default would be certifi's
+    bundle only): ``insecure`` means a plain-HTTP registry, never unverified TLS."""
+    transport = httpx.HTTPTransport(trust_env=False)
     transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
+        ssl_context=ssl.create_default_context(),
         max_connections=16, max_keepalive_connections=8, keepalive_expiry=5.0,
         network_backend=backend)
     return transport
@@ -167,7 +170,7 @@ class RegistryClient:
         self.origin = httpx.URL(f"{'http' if insecure else 'https'}://{ref.host}/")
         self.backend = PinnedBackend(policy, what=f"pulling {ref}", resolve=resolve)
         self._client = httpx.Client(
-            transport=pinned_transport(self.backend, verify=not insecure),
+            transport=pinned_transport(self.backend),
             timeout=httpx.Timeout(stall_s, connect=min(stall_s, 30.0)),
             follow_redirects=False, trust_env=False)
         self._auth: str | None = None
