@@ -175,6 +175,13 @@ def test_policy_rules() -> None:
     with pytest.raises(PermissionDenied):
         p.check_address("evil.example.org", 80, ipaddress.ip_address("169.254.169.254"),
                         what="hop")
+    v6 = EgressPolicy(registries=("[::1]:5000", "[fd00::1]"))
+    v6.check_registry("[::1]:5000")
+    v6.check_registry("[fd00::1]:443")
+    with pytest.raises(PermissionDenied):
+        v6.check_registry("[::1]:5001")
+    v6.check_host("::1", 5000, what="hop")
+    v6.check_address("::1", 5000, ipaddress.ip_address("::1"), what="hop")
     d = EgressPolicy()
     for host in ("localhost", "127.0.0.1", "10.1.2.3", "[::1]", "169.254.169.254"):
         with pytest.raises(PermissionDenied):
@@ -183,3 +190,22 @@ def test_policy_rules() -> None:
         d.check_address("x.example", 80, ipaddress.ip_address("::ffff:127.0.0.1"), what="h")
     d.check_host("registry.example.com", 443, what="hop")
     d.check_address("registry.example.com", 443, ipaddress.ip_address("8.8.8.8"), what="h")
+
+
+def test_docker_hub_refs_speak_to_its_api_host_under_their_own_name() -> None:
+    """docker.io/library/python is served by registry-1.docker.io (docker's mapping);
+    an operator's list naming docker.io covers that origin, nothing else."""
+    import time
+
+    from dsec.image.distribution import RegistryClient
+    from dsec.image.registry import parse_registry_ref
+
+    r = parse_registry_ref("docker.io/library/python:3.12")
+    with RegistryClient(r, insecure=False, creds=None,
+                        policy=EgressPolicy(registries=("docker.io",)), stall_s=5,
+                        deadline=time.monotonic() + 5, timeout_s=5) as c:
+        assert str(c.origin) == "https://registry-1.docker.io/"
+        c._check(c.origin, "registry docker.io")                 # listed by its ref name
+        import httpx
+        with pytest.raises(PermissionDenied, match="auth.docker.io"):
+            c._check(httpx.URL("https://auth.docker.io/token"), "the token realm")

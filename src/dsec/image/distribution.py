@@ -56,7 +56,13 @@ from dsec.errors import (
     Unavailable,
 )
 from dsec.image.egress import EgressPolicy, hostport
-from dsec.image.registry import INDEX_TYPES, MANIFEST_TYPES, RegistryRef, parse_challenge
+from dsec.image.registry import (
+    INDEX_TYPES,
+    MANIFEST_TYPES,
+    RegistryRef,
+    host_only,
+    parse_challenge,
+)
 
 __all__ = ["PinnedBackend", "RegistryClient", "Resolver", "system_resolve"]
 
@@ -67,6 +73,17 @@ _MAX_SMALL = 16 << 20        # manifests, configs, token answers
 _MAX_ERROR_BODY = 4096
 _CHUNK = 1 << 20
 _ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
+
+
+#: Docker Hub's registry API lives on another host than its refs name (docker's and
+#: skopeo's own mapping); its token realm (auth.docker.io) and blob storage (a CDN) are
+#: further hosts an operator lists in ``registry_blob_hosts``.
+_API_HOSTS = {"docker.io": "registry-1.docker.io", "index.docker.io": "registry-1.docker.io"}
+
+
+def api_host(host: str) -> str:
+    """The host[:port] a registry ref's host serves its API on."""
+    return _API_HOSTS.get(host, host)
 
 
 def system_resolve(host: str, port: int) -> list[str]:
@@ -167,7 +184,7 @@ class RegistryClient:
         self._deadline = deadline
         self._timeout_s = timeout_s
         self._clock = clock
-        self.origin = httpx.URL(f"{'http' if insecure else 'https'}://{ref.host}/")
+        self.origin = httpx.URL(f"{'http' if insecure else 'https'}://{api_host(ref.host)}/")
         self.backend = PinnedBackend(policy, what=f"pulling {ref}", resolve=resolve)
         self._client = httpx.Client(
             transport=pinned_transport(self.backend),
@@ -200,7 +217,10 @@ class RegistryClient:
                 f"{what} downgrades to plain HTTP ({hostport(u.host, u.port)[:200]}); "
                 "refused: the pull is over verified TLS", field="ref")
         if self._policy is not None:
-            self._policy.check_host(u.host, u.port, what=what)
+            host = u.host
+            if (u.host, u.port) == (self.origin.host, self.origin.port):
+                host = host_only(self.ref.host)   # Docker Hub's API host: its ref's name
+            self._policy.check_host(host, u.port, what=what)
 
     def _left(self) -> float:
         left = self._deadline - self._clock()

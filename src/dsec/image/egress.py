@@ -59,11 +59,16 @@ def hostport(host: str, port: int | None) -> str:
 
 
 def match_host(host: str, patterns: tuple[str, ...]) -> bool:
-    """Whether ``host`` (``name[:port]``) matches one of the fnmatch ``patterns``; a
-    pattern without a port matches the host on any port."""
+    """Whether ``host`` (``name[:port]``) matches one of the fnmatch ``patterns`` (``*``
+    and ``?``; brackets are IPv6 literals', ``[::1]:5000``); a pattern without a port
+    matches the host on any port."""
     bare = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    return any(fnmatch.fnmatchcase(host, p)
-               or (":" not in p.lstrip("[").split("]")[-1] and fnmatch.fnmatchcase(bare, p))
+
+    def glob(p: str) -> str:      # '[' of an IPv6 literal is itself, not a class
+        return p.replace("[", "[[]")
+    return any(fnmatch.fnmatchcase(host, glob(p))
+               or (":" not in p.lstrip("[").split("]")[-1]
+                   and fnmatch.fnmatchcase(bare, glob(p)))
                for p in patterns)
 
 
