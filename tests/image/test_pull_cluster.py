@@ -290,3 +290,40 @@ def test_promote_squash_flattens_the_base_in(world: World) -> None:
                 r = sb.exec("cat /etc/one /etc/two; ls /srv/app; echo $FOO; ls /bin/sh")
                 assert r.stdout.decode().split() == ["one", "two", "from-image", "/bin/sh"], (
                     name, r)
+
+
+def test_every_door_refuses_a_redirect_off_the_allowed_registries(world: World) -> None:
+    """Red team F16 through the API: the apiserver's pulls (images.pull, a create's
+    first-use pull) hold its registry list on the redirects a listed registry answers;
+    the refused host is never contacted, nothing is stored."""
+    from tests.image.registry_server import Listener, Registry
+
+    reg = Registry(world.layout, "team/app")
+    cdn = Registry(world.layout, "team/app")
+    trap = Listener()
+    images = world.cluster.runtime.plane.images
+    was = images.registries
+    images.registries = (reg.host,)
+    store = world.store()
+    before = set(store.refs())
+    try:
+        reg.redirect_blobs = f"http://{trap.host}"
+        for door in DOORS:
+            with world.client(world.alice, door) as c:
+                with pytest.raises(PermissionDenied, match=f"redirect.*{trap.host}"):
+                    c.images.pull(f"{reg.host}/team/app:app", project="teama", insecure=True)
+                with pytest.raises(PermissionDenied, match=f"redirect.*{trap.host}"):
+                    c.sandboxes.create(image=f"{reg.host}/team/app:app", project="teama")
+        assert trap.accepted == 0 and set(store.refs()) == before
+        # a blob host the operator lists: the same pull goes through it
+        images.registry_blob_hosts = (cdn.host,)
+        reg.redirect_blobs = cdn.url
+        with world.client(world.alice, "http") as c:
+            c.images.pull(f"{reg.host}/team/app:app", project="teama", insecure=True)
+        assert any(p.startswith("/blob/") for _, p, _ in cdn.log)
+    finally:
+        cdn.close()
+        images.registries = was
+        images.registry_blob_hosts = ()
+        trap.close()
+        reg.close()
