@@ -103,3 +103,23 @@ def test_a_part_that_is_not_the_blobs_prefix_is_dropped_and_fetched_whole(
         assert len(res.layers) == 1 and res.fetched_bytes == len(reg.blobs[blob])
     finally:
         reg.close()
+
+
+def test_blobs_over_the_quota_room_are_refused_before_any_fetch(tmp_path: Path) -> None:
+    """The manifest's blob sizes bound what the fetch may write: an image whose blobs
+    exceed the pull's quota room is refused before a single blob byte is asked for."""
+    from dsec.errors import QuotaExceeded
+
+    lay = str(tmp_path / "layout")
+    built = write_image(lay, "1", [tar_entries([Entry("f", data=os.urandom(100_000))])])
+    reg = Registry(lay, REPO)
+    store = LayerStore(str(tmp_path / "store"))
+    try:
+        with pytest.raises(QuotaExceeded, match="nothing was fetched"):
+            pull_image(store, f"{reg.host}/{REPO}:1", options=PullOptions(insecure=True),
+                       max_bytes=1000)
+        layer = built["amd64"].layers[0]
+        assert not [p for _, p, _ in reg.log if p.endswith(layer)] and reg.sent < 2000
+        assert _parts(store.root) == [] and store.refs() == {}
+    finally:
+        reg.close()

@@ -284,6 +284,27 @@ class BlobCache:
             os.close(fd)
 
 
+def _check_blob_room(store: LayerStore, layers: Sequence[LayerBlob], quota: int | None,
+                     r: RegistryRef) -> None:
+    """Refuse, before any blob is fetched, an image whose blobs (the sizes its manifest
+    declares, which the fetch never exceeds) could not fit the store's free space or
+    the pull's quota room: a registry declaring a 64 GiB blob fills no disk (the class
+    of red team F10, at the fetch)."""
+    need = sum(x.size for x in {x.digest: x for x in layers}.values())
+    room = _Room.of(store, quota)
+    if quota is not None and need > quota:
+        raise QuotaExceeded(
+            f"the blobs of {r} are {need} bytes, more than this pull's quota room allows "
+            f"({quota} bytes at {UNPACK_PER_QUOTA_BYTE} per byte of room); nothing was "
+            "fetched - raise the project's snapshot_bytes quota or pull a smaller image",
+            resource="snapshot_bytes", used=need, limit=quota, requested=need)
+    if need > room.disk:
+        raise CapacityExceeded(
+            f"the blobs of {r} are {need} bytes, more than the layer store's filesystem "
+            f"has free for them ({room.disk}); nothing was fetched - free space in the "
+            "store (dsec image prune)", used=need, limit=room.disk)
+
+
 def _fetch_blobs(client: RegistryClient, cache: BlobCache, scratch: str,
                  layers: Sequence[LayerBlob], opts: PullOptions,
                  progress: PullProgress | None) -> None:
@@ -593,6 +614,7 @@ def _pull(store: LayerStore, r: RegistryRef, name: str, tag: str, options: PullO
         with store.staging("pull-") as scratch:
             blob_dir = os.path.join(scratch, "blobs", "sha256")
             if not _have(store, layers, namespace, top_labels):
+                _check_blob_room(store, layers, quota_left, r)
                 _fetch_blobs(client, cache, scratch, layers, options, progress)
             below: list[LayerManifest] = []          # bottom first
             for i, layer in enumerate(layers):
