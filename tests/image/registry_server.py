@@ -63,7 +63,8 @@ class Registry:
       ``Bearer <token>``, which ``/token`` hands out (for ``creds``, checked as basic);
     - ``cut_at``: blob digest -> byte count after which the GET stops sending and
       waits until :meth:`release` (a transfer cut mid-blob).
-    ``log`` has (method, path, headers) of every request, ``sent`` the blob bytes sent."""
+    ``log`` has (method, path, headers) of every request, ``sent`` the blob bytes sent
+    (``sent_by``: per blob digest)."""
 
     def __init__(self, layout: str, repo: str) -> None:
         self.blobs: dict[str, bytes] = {}
@@ -83,6 +84,7 @@ class Registry:
         self.cut_at: dict[str, int] = {}
         self.log: list[tuple[str, str, dict[str, str]]] = []
         self.sent = 0
+        self.sent_by: dict[str, int] = {}         # blob digest -> bytes sent
         self._release = threading.Event()
         outer = self
 
@@ -175,11 +177,13 @@ class Registry:
                     self.wfile.write(first)
                     self.wfile.flush()
                     outer.sent += len(first)
+                    outer.sent_by[digest] = outer.sent_by.get(digest, 0) + len(first)
                     outer._release.wait(60)
                     self.close_connection = True
                     return
                 self.wfile.write(body)
                 outer.sent += len(body)
+                outer.sent_by[digest] = outer.sent_by.get(digest, 0) + len(body)
 
             def do_HEAD(self) -> None:
                 self.do_GET()
