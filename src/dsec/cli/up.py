@@ -64,6 +64,10 @@ from dsec.cli.edge import (
               help="Only pull images from these registries (fnmatch patterns, repeatable; "
                    "default: any but loopback, link-local and private addresses, which "
                    "must be listed, e.g. --registry 127.0.0.1 for a local registry).")
+@click.option("--registry-blob-host", "registry_blob_hosts", multiple=True,
+              metavar="HOST[:PORT]",
+              help="Hosts the listed registries' redirects and token realms may reach (their "
+                   "blob CDN, auth service; fnmatch, repeatable). Any other hop is refused.")
 @image_budget_option
 @net_default_option
 @net_node_options
@@ -81,7 +85,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool, registries: tuple[str, ...], image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
+       quiet: bool, registries: tuple[str, ...], registry_blob_hosts: tuple[str, ...],
+       image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
        net_ipv6: str, hosts: int | None, replicas: int) -> None:
     """Run a single-machine dsec cluster in the foreground."""
@@ -125,7 +130,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         simulated_profile=profile, net_default=net_default, net_max=net_max,
         net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
-        image_store_budget=image_store_budget, registries=tuple(registries) or None)
+        image_store_budget=image_store_budget, registries=tuple(registries) or None,
+        registry_blob_hosts=tuple(registry_blob_hosts))
     uvloop.run(_run(cfg, quiet))
 
 

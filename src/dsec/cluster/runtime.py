@@ -148,10 +148,14 @@ class ClusterConfig:
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
     # Registries the apiserver pulls images from for its callers (images.pull, first-use
     # pulls): host[:port] patterns (fnmatch), None = any but loopback, link-local and
-    # private IP literals (check_registry). A pull connects from the
+    # private addresses (dsec.image.egress). A pull connects from the
     # apiserver's host to the host a caller names: restrict it where that reaches
     # internal services (docs/images.md "Pulling from registries").
     registries: tuple[str, ...] | None = None
+    # Further host[:port] patterns a listed registry's redirects and token realms may
+    # reach (its blob CDN, its auth service); no ref may name them. Every other hop is
+    # refused without being contacted (red team F16).
+    registry_blob_hosts: tuple[str, ...] = ()
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -310,6 +314,7 @@ class ClusterRuntime:
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             plane.images.registries = cfg.registries
+            plane.images.registry_blob_hosts = cfg.registry_blob_hosts
             if cfg.image_store_budget is not None:
                 from dsec.image import LayerStore
 
