@@ -29,18 +29,34 @@ from dataclasses import dataclass
 
 from dsec.errors import PermissionDenied
 from dsec.image.registry import host_only
+from dsec.wire.netpolicy import embedded_ipv4
 
 __all__ = ["EgressPolicy", "is_internal", "match_host"]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+#: IPv6 ranges Python 3.11 calls global that are not: the local-use NAT64 prefix
+#: (RFC 8215: where its IPv4 sits depends on the operator's prefix length, so it cannot
+#: be judged) and deprecated site-local (still routed where configured)
+_NOT_GLOBAL6 = (ipaddress.IPv6Network("64:ff9b:1::/48"), ipaddress.IPv6Network("fec0::/10"))
+
+
 def is_internal(ip: IPAddress) -> bool:
     """An address of the apiserver's own neighbourhood: anything not globally routable
     (loopback, link-local - cloud metadata -, private, CGNAT, unspecified, reserved) and
-    multicast; an IPv4-mapped IPv6 address is judged as the IPv4 it carries."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    multicast. An IPv6 address that carries an IPv4 one - mapped, NAT64 (a NAT64 gateway
+    on the path delivers it to that IPv4), 6to4, IPv4-compatible, Teredo - is internal if
+    the IPv4 it carries is: the same embeddings the sandbox policy refuses
+    (:func:`dsec.wire.netpolicy.embedded_ipv4`; red team 16 F7 found them passing here)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_internal(ip.ipv4_mapped)
+        if any(ip in net for net in _NOT_GLOBAL6):
+            return True
+        if any(is_internal(v4.network_address)
+               for v4 in embedded_ipv4(ipaddress.IPv6Network(ip))):
+            return True
     return not ip.is_global or ip.is_multicast
 
 
