@@ -56,6 +56,7 @@ from dsec.control.api.admin import Admin
 from dsec.control.api.images import ImageAdmin
 from dsec.control.api.service import ApiService, Caller, EdgeOps
 from dsec.control.ceiling import Ceiling, NodeSize
+from dsec.control.drain import Drains
 from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementNode, PlacementRequest
@@ -102,6 +103,7 @@ from dsec.errors import (
     InvalidArgument,
     NoCapacity,
     NotFound,
+    PermissionDenied,
     QuotaExceeded,
     SandboxNotFound,
     Timeout,
@@ -257,8 +259,12 @@ class ControlPlane:
     # plane's parts: see dsec.control.api.admin and dsec.control.api.images.
     admin: Admin = field(init=False)
     images: ImageAdmin = field(init=False)
+    # Nodes drained by an administrator (dsec.control.drain): no new placements there.
+    drains: Drains = field(init=False)
 
     def __post_init__(self) -> None:
+        self.drains = Drains(self.store, clock=self.clock,
+                             refresh_s=self.config.quota_refresh_s)
         self.admin = Admin(store=self.store, iam=self.iam, quota=self.quota,
                            registry=self.registry, limits=self.config, clock=self.clock,
                            sync_snapshots=self._sync_snapshots, caches=lambda: self.service,
@@ -342,24 +348,45 @@ class ControlPlane:
         return "healthy", ""
 
     def nodes(self) -> list[NodeView]:
-        now = self.clock()
-        out = []
-        for e in self.edges.values():
-            hb = e.heartbeat
-            status, problem = self._status(e, now)
-            if hb is None:
-                out.append(NodeView(id=e.node, address=e.address, healthy=False,
-                                    status=status, problem=problem))
-                continue
-            out.append(NodeView(
-                id=e.node, address=e.address, healthy=self._healthy(e, now),
-                status=status, problem=problem,
-                backends=list(hb.backends), cpu_milli_total=hb.capacity.cpu_milli,
-                cpu_milli_used=hb.usage.cpu_milli, memory_bytes_total=hb.capacity.memory_bytes,
-                memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
-                sandboxes=hb.usage.sandboxes, by_state=dict(hb.counts), labels=dict(hb.labels),
-                last_heartbeat=hb.time))
-        return out
+        return [self._view(e, self.clock()) for e in self.edges.values()]
+
+    def _view(self, e: EdgeEntry, now: float) -> NodeView:
+        hb = e.heartbeat
+        status, problem = self._status(e, now)
+        drain = self.drains.get(e.node)
+        drained, drained_at = drain is not None, 0.0 if drain is None else drain.drained_at
+        if hb is None:
+            return NodeView(id=e.node, address=e.address, healthy=False, status=status,
+                            problem=problem, drained=drained, drained_at=drained_at)
+        return NodeView(
+            id=e.node, address=e.address, healthy=self._healthy(e, now),
+            status=status, problem=problem,
+            backends=list(hb.backends), cpu_milli_total=hb.capacity.cpu_milli,
+            cpu_milli_used=hb.usage.cpu_milli, memory_bytes_total=hb.capacity.memory_bytes,
+            memory_bytes_used=hb.usage.memory_bytes, max_sandboxes=hb.capacity.sandboxes,
+            sandboxes=hb.usage.sandboxes, by_state=dict(hb.counts), labels=dict(hb.labels),
+            last_heartbeat=hb.time, drained=drained, drained_at=drained_at)
+
+    def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
+        """Drain (``drained``) or undrain an edge node: a superuser's, since a node
+        serves every project. Durable before answered (the store row)."""
+        verb = "drain" if drained else "undrain"
+        if not caller.superuser:
+            raise PermissionDenied(
+                f"cannot {verb} node {node!r}: a node serves every project, so only a "
+                f"superuser may (principal {caller.name!r} is not one)")
+        e = self.edges.get(node)
+        if e is None:
+            raise NotFound(f"no edge node {node!r} in this cluster; known: "
+                           f"{', '.join(sorted(self.edges)) or 'none'} (dsec node ls)",
+                           node=node)
+        if drained:
+            self.drains.drain(node, by=caller.id)
+            log.warning("node %s drained by %s: no new placements", node, caller.name)
+        else:
+            self.drains.undrain(node)
+            log.warning("node %s undrained by %s", node, caller.name)
+        return self._view(e, self.clock())
 
     # ----------------------------------------------------------- placement
     # dsec.control.placement decides; the edge's backends travel as node labels
@@ -381,6 +408,9 @@ class ControlPlane:
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
                                group=project_of(spec), layers=refs)
+        drained = self.drains.nodes()
+        if drained:
+            exclude = exclude | drained
         if spec.snapshot is not None:
             return self._place_on_holder(spec.snapshot, req, exclude)
         return self.placement.place(req, exclude=exclude)
@@ -931,7 +961,12 @@ class ControlPlane:
         """Execute what the watcher decided."""
         for ins in instructions:
             if isinstance(ins, UpdateNode):
-                self.placement.update(ins.view)
+                view = ins.view
+                if view.healthy and view.node in self.drains.nodes():
+                    # drained: out of placement's candidate pools (place() also
+                    # excludes it, for drains made since this heartbeat)
+                    view = msgspec.structs.replace(view, healthy=False)
+                self.placement.update(view)
             elif isinstance(ins, EvictNode):
                 self.placement.remove(ins.node)
                 # evict_node, not evict(ins.sandbox_ids) alone: the heartbeat's list misses
