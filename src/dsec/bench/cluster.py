@@ -66,10 +66,13 @@ class ScaleConfig:
     store: str = STORE
     samples: int = 40                  # calls per latency figure
     profile_s: float = 0.0             # >0: py-spy record replica 0 this long while filling
+    # `dsec apiserver --sandbox-list-interval`: full edge lists at most this often
+    # (PlaneConfig.sandbox_list_interval_s; 0 = at every poll, the default)
+    list_interval_s: float = 10.0
 
 
 QUICK = ScaleConfig(edges=10, per_edge=300, edges_per_process=5, levels=(500, 1_500, 3_000),
-                    samples=20)
+                    samples=20, list_interval_s=2.0)
 
 
 # ------------------------------------------------------------------ edge processes
@@ -165,14 +168,14 @@ class Replica:
 
 
 def _start_replica(state_dir: str, edges: dict[str, str], store_url: str | None,
-                   log: str, timeout_s: float = 120.0) -> Replica:
+                   log: str, list_interval_s: float, timeout_s: float = 120.0) -> Replica:
     """``dsec apiserver`` over the edges, sharing ``state_dir`` (SQLite) or
     ``store_url`` (PostgreSQL) with the other replicas; its address and admin key from
     what it prints."""
     from dsec.cluster import DSEC_ARGV
 
     argv = [*DSEC_ARGV, "apiserver", "--state-dir", state_dir, "--listen", "127.0.0.1:0",
-            "--gateway", "tcp:127.0.0.1:0"]
+            "--gateway", "tcp:127.0.0.1:0", "--sandbox-list-interval", str(list_interval_s)]
     if store_url is not None:
         argv += ["--store", store_url]
     for node, addr in edges.items():
@@ -258,6 +261,7 @@ class ScaleRun:
     base_rss_mb: list[float] = field(default_factory=list)
     base_store_mb: float = 0.0
     live_sandboxes: int = 0
+    nodes_written_off: int = 0      # "node ... lost" lines in the replicas' logs
     profile: str = ""
 
 
@@ -344,7 +348,8 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
             addrs = {n: f"unix:{s}" for n, s in edges.items()}
             for i in range(cfg.replicas):
                 replicas.append(_start_replica(state, addrs, store_url,
-                                               os.path.join(d, f"apiserver-{i}.log")))
+                                               os.path.join(d, f"apiserver-{i}.log"),
+                                               cfg.list_interval_s))
             key = replicas[0].key
             http = httpx.Client(base_url=replicas[0].url, timeout=120,
                                 headers={"authorization": f"Bearer {key}"})
@@ -396,7 +401,8 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
                 if prof is not None:
                     prof.wait(timeout=cfg.profile_s + 60)
                     prof = None
-                time.sleep(2.5)      # let both replicas' registries take the heartbeats
+                # let both replicas take a full edge list (their registries, node views)
+                time.sleep(cfg.list_interval_s + 2.5)
                 lv = _measure(http, have, sample, cfg, replicas, state)
                 lv.live_reported = _live(http)
                 out.levels.append(lv)
@@ -404,6 +410,10 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
             for q in cmds:
                 q.put(None)
             http.close()
+            for rep in replicas:
+                with open(rep.log, errors="replace") as f:
+                    out.nodes_written_off += sum(
+                        1 for line in f if re.search(r"node \S+ lost \(no heartbeat", line))
     finally:
         for rep in replicas:
             _stop(rep.proc)
@@ -420,7 +430,8 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
 def scale_cluster(ctx: BenchContext) -> None:
     cfg = QUICK if ctx.quick else ScaleConfig()
     run = run_scale(cfg)
-    common = {"edges": cfg.edges, "replicas": cfg.replicas, "store": cfg.store}
+    common = {"edges": cfg.edges, "replicas": cfg.replicas, "store": cfg.store,
+              "list_interval_s": cfg.list_interval_s}
     rate = run.created / run.create_s if run.create_s else 0.0
     ctx.record("cluster_create_e2e", rate, "sandboxes/s", **common, n=run.created,
                failed=run.failed, batch=cfg.batch, inflight=cfg.inflight,
@@ -428,6 +439,8 @@ def scale_cluster(ctx: BenchContext) -> None:
     ctx.record("cluster_live_sandboxes", run.live_sandboxes, "sandboxes", **common,
                per_edge=cfg.per_edge, created=run.created, target=cfg.edges * cfg.per_edge,
                seen_by="replica 0's GET /v1/nodes (edge heartbeats)")
+    ctx.record("cluster_nodes_written_off", run.nodes_written_off, "count", **common,
+               note="node TTL expiries logged by the replicas (their sandboxes evicted)")
     for lv, lrate in zip(run.levels, run.per_level_rate, strict=True):
         at = {"live": lv.live, **common}
         ctx.record("cluster_create_e2e_level", lrate, "sandboxes/s", **at)
@@ -439,6 +452,7 @@ def scale_cluster(ctx: BenchContext) -> None:
         ctx.record("cluster_quota_check_ms", lv.quota_check_ms, "ms", depth=4,
                    via="rest create refused by quota", **at)
         ctx.record("cluster_apiserver_rss_mb", max(lv.rss_mb), "MB", **at)
+        ctx.record("cluster_live_seen", lv.live_reported, "sandboxes", **at)
         ctx.record("cluster_store_mb", lv.store_mb, "MB", **at)
     last = run.levels[-1]
     per = last.live / 10_000

@@ -52,13 +52,21 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="File with the secret tcp: edges require (their --token-file).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+@click.option("--sandbox-list-interval", type=click.FloatRange(min=0), default=0.0,
+              show_default=True, metavar="SECONDS",
+              help="Ask each edge for its whole sandbox list at most this often (0: at "
+                   "every 1 s poll); in between, polls cost O(changes), not O(sandboxes). "
+                   "Another replica's new sandboxes show in this one's lists and quota "
+                   "usage up to this much later (docs/deploy.md).")
 @net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
-              backend: str, edge_token_file: str | None, quiet: bool, net_default: Any) -> None:
+              backend: str, edge_token_file: str | None, quiet: bool,
+              sandbox_list_interval: float, net_default: Any) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
     from dsec.cluster.runtime import ClusterConfig
+    from dsec.control.api.plane import PlaneConfig
     from dsec.statedir import default_state_dir
 
     remote = _edges(edges)
@@ -69,7 +77,8 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
-                        net_default=net_default)
+                        net_default=net_default,
+                        plane=PlaneConfig(sandbox_list_interval_s=sandbox_list_interval))
     uvloop.run(_run(cfg, quiet))
 
 
