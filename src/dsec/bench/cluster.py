@@ -216,11 +216,43 @@ def _rss_mb(pid: int) -> float:
 
 
 def _store_mb(state_dir: str) -> float:
+    """The store's size on disk: the SQLite file and its WAL, or, with PostgreSQL, its
+    data directory (``<bench dir>/pg/data``, beside the state dir)."""
+    pg = os.path.join(os.path.dirname(state_dir), "pg", "data")
     total = 0
+    if os.path.isdir(pg):
+        for root, _, files in os.walk(pg):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(root, name))
+        return total / 2**20
     for suffix in ("", "-wal"):
         with contextlib.suppress(FileNotFoundError):
             total += os.path.getsize(os.path.join(state_dir, "control.sqlite" + suffix))
     return total / 2**20
+
+
+def _pg_rss_mb(state_dir: str) -> float:
+    """RSS of the PostgreSQL server (postmaster and its backends); 0 without one."""
+    try:
+        with open(os.path.join(os.path.dirname(state_dir), "pg", "data",
+                               "postmaster.pid")) as f:
+            root = int(f.readline())
+    except (OSError, ValueError):
+        return 0.0
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(entry) == root or ppid == root:
+            with contextlib.suppress(OSError):
+                total += _rss_mb(int(entry))
+    return total
 
 
 @contextlib.contextmanager
@@ -233,8 +265,9 @@ def _store(kind: str, d: str) -> Iterator[str | None]:
     if kind != "postgresql":
         raise ValueError(f"store must be sqlite or postgresql, not {kind!r}")
     from dsec.cluster.pgserver import PgServer  # type: ignore[import-not-found, unused-ignore]
-    with PgServer(os.path.join(d, "pg")) as pg:
-        yield pg.start() if not getattr(pg, "dsn", None) else pg.dsn
+    # fsync on (the server's default): the figure is the cluster's as deployed
+    with PgServer(os.path.join(d, "pg")) as dsn:
+        yield dsn
 
 
 # ------------------------------------------------------------------ the run
@@ -247,6 +280,7 @@ class Level:
     quota_check_ms: float
     rss_mb: list[float]
     store_mb: float
+    store_rss_mb: float = 0.0       # PostgreSQL's memory (0 with SQLite: in the replicas)
     live_reported: int = 0
 
 
@@ -311,7 +345,7 @@ def _measure(http: Any, live: int, sample: list[str], cfg: ScaleConfig,
                  list_next_ms=_p50_ms(walk, cfg.samples),
                  quota_check_ms=_p50_ms(quota, cfg.samples),
                  rss_mb=[_rss_mb(r.proc.pid) for r in replicas],
-                 store_mb=_store_mb(state_dir))
+                 store_mb=_store_mb(state_dir), store_rss_mb=_pg_rss_mb(state_dir))
 
 
 def _live(http: Any) -> int:
@@ -454,6 +488,8 @@ def scale_cluster(ctx: BenchContext) -> None:
         ctx.record("cluster_apiserver_rss_mb", max(lv.rss_mb), "MB", **at)
         ctx.record("cluster_live_seen", lv.live_reported, "sandboxes", **at)
         ctx.record("cluster_store_mb", lv.store_mb, "MB", **at)
+        if lv.store_rss_mb:
+            ctx.record("cluster_store_rss_mb", lv.store_rss_mb, "MB", **at)
     last = run.levels[-1]
     per = last.live / 10_000
     if per > 0:
