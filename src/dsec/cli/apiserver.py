@@ -52,6 +52,10 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="File with the secret tcp: edges require (their --token-file).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+@click.option("--node-ttl", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="An edge silent this long is lost: its sandboxes are evicted (node_lost) "
+                   "and destroyed when it returns (as `dsec up --node-ttl`).")
 @click.option("--sandbox-list-interval", type=click.FloatRange(min=0), default=0.0,
               show_default=True, metavar="SECONDS",
               help="Ask each edge for its whole sandbox list at most this often (0: at "
@@ -60,7 +64,7 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
                    "usage up to this much later (docs/deploy.md).")
 @net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
-              backend: str, edge_token_file: str | None, quiet: bool,
+              backend: str, edge_token_file: str | None, quiet: bool, node_ttl: float,
               sandbox_list_interval: float, net_default: Any) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
@@ -78,7 +82,8 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
                         net_default=net_default,
-                        plane=PlaneConfig(sandbox_list_interval_s=sandbox_list_interval))
+                        plane=PlaneConfig(node_ttl_s=node_ttl,
+                                          sandbox_list_interval_s=sandbox_list_interval))
     uvloop.run(_run(cfg, quiet))
 
 
