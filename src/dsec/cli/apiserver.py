@@ -62,11 +62,16 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
               show_default=True, metavar="SECONDS",
               help="An edge silent this long is lost: its sandboxes are evicted (node_lost) "
                    "and destroyed when it returns (as `dsec up --node-ttl`).")
+@click.option("--sandbox-list-interval", type=click.FloatRange(min=0), default=0.0,
+              show_default=True, metavar="SECONDS",
+              help="Ask each edge for its whole sandbox list at most this often (0: at "
+                   "every 1 s poll); in between, polls cost O(changes), not O(sandboxes). "
+                   "Another replica's new sandboxes show in this one's lists and quota "
+                   "usage up to this much later (docs/deploy.md).")
 @net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
-              node_ttl: float,
-              net_default: Any) -> None:
+              node_ttl: float, sandbox_list_interval: float, net_default: Any) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -82,7 +87,9 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), store=store, listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
-                        net_default=net_default, plane=PlaneConfig(node_ttl_s=node_ttl))
+                        net_default=net_default,
+                        plane=PlaneConfig(node_ttl_s=node_ttl,
+                                          sandbox_list_interval_s=sandbox_list_interval))
     uvloop.run(_run(cfg, quiet))
 
 

@@ -793,8 +793,10 @@ class ClusterRuntime:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
+                # in-flight requests, and idle kept-alive connections until their
+                # keep-alive timeout (GuardedHttpProtocol.shutdown): 5 s, plus a margin
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._serve_task, 5.0)
+                    await asyncio.wait_for(self._serve_task, 8.0)
             self._uvicorn = None
         if self._gateway is not None:
             await self._gateway.close()

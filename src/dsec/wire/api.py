@@ -408,6 +408,10 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     by_state: dict[str, int] = {}
     labels: dict[str, str] = {}
     last_heartbeat: float = 0.0
+    # drained by an administrator (``dsec node drain``): no new placements; the
+    # sandboxes it holds run until they end
+    drained: bool = False
+    drained_at: float = 0.0
 
 
 class NodeList(msgspec.Struct, kw_only=True):

@@ -26,6 +26,7 @@ __all__ = [
     "EventRow",
     "IdempotencyRow",
     "LostSandboxRow",
+    "NodeDrainRow",
     "PrincipalRow",
     "QuotaRow",
     "RoleBindingRow",
@@ -143,6 +144,16 @@ class LostSandboxRow(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     lost_at: float
     record: dict[str, Any]
+
+
+class NodeDrainRow(msgspec.Struct, frozen=True, kw_only=True):
+    """An edge node drained by an administrator (``dsec node drain``): placement puts
+    no new sandbox there; the ones it holds run until they end. Stored so that every
+    replica and a restarted apiserver keep honouring it (issue 16, Operations)."""
+
+    node: str
+    drained_at: float
+    by: str = ""                # the principal id that drained it
 
 
 @runtime_checkable
@@ -274,6 +285,13 @@ class StateStore(Protocol):
     def prune_lost(self, older_than: float) -> int:
         """Delete tombstones lost before ``older_than``; returns how many."""
         ...
+
+    # drained edge nodes (issue 16, scale stream)
+    def put_drain(self, row: NodeDrainRow) -> None:
+        """Record ``row`` (a node already drained keeps its first ``drained_at``)."""
+        ...
+    def delete_drain(self, node: str) -> bool: ...
+    def list_drains(self) -> list[NodeDrainRow]: ...
 
     def table_rows(self) -> dict[str, int]:
         """Row count of every table (what retention keeps bounded; for metrics/tests)."""

@@ -26,6 +26,7 @@ from dsec.control.store import (
     EventRow,
     IdempotencyRow,
     LostSandboxRow,
+    NodeDrainRow,
     PrincipalRow,
     QuotaRow,
     RoleBindingRow,
@@ -112,6 +113,9 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS snapshot_charges (
         id TEXT PRIMARY KEY, project TEXT NOT NULL, node TEXT NOT NULL,
         size_bytes BIGINT NOT NULL)""",
+    # Edge nodes drained by an administrator (issue 16): no new placements there.
+    """CREATE TABLE IF NOT EXISTS node_drains (
+        node TEXT PRIMARY KEY, drained_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL)""",
 ]
 
 # Columns added after a table first shipped: (table, column, definition). A store made by
@@ -123,7 +127,8 @@ _ADDED_COLUMNS = [
 
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
-           "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges")
+           "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges",
+           "node_drains")
 
 
 class SqlStore:
@@ -602,6 +607,18 @@ class SqlStore:
     def prune_lost(self, older_than: float) -> int:
         return max(0, self._exec("DELETE FROM lost_sandboxes WHERE lost_at < ?",
                                  (older_than,)))
+
+    # --- drained edge nodes (issue 16) ---------------------------------------------------
+    def put_drain(self, row: NodeDrainRow) -> None:
+        self._exec("INSERT INTO node_drains (node, drained_at, by_principal) VALUES (?, ?, ?) "
+                   "ON CONFLICT (node) DO NOTHING", (row.node, row.drained_at, row.by))
+
+    def delete_drain(self, node: str) -> bool:
+        return self._exec("DELETE FROM node_drains WHERE node = ?", (node,)) > 0
+
+    def list_drains(self) -> list[NodeDrainRow]:
+        rows = self._all("SELECT node, drained_at, by_principal FROM node_drains ORDER BY node")
+        return [NodeDrainRow(node=r[0], drained_at=float(r[1]), by=r[2]) for r in rows]
 
     def reclaim_space(self, pages: int) -> None:
         """Give up to ``pages`` pages freed by deletes back to the filesystem (after
