@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from dsec.cli.edge import net_default_option
+from dsec.cli.edge import net_default_option, secret_in_argv
 
 
 def _edges(values: tuple[str, ...]) -> dict[str, str]:
@@ -46,6 +46,7 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
               help="Where the control plane's state lives (default $DSEC_STATE_DIR or "
                    "~/.dsec).")
 @click.option("--store", "store", default=None, metavar="URL", envvar="DSEC_STORE",
+              callback=secret_in_argv,
               help="The state store: postgresql://user[:password]@host[:port]/db (shared "
                    "by apiserver replicas) or sqlite:///path (default: control.sqlite in "
                    "the state dir; env DSEC_STORE).")

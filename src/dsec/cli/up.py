@@ -21,6 +21,7 @@ from dsec.cli.edge import (
     image_budget_option,
     net_default_option,
     net_node_options,
+    secret_in_argv,
 )
 
 
@@ -28,6 +29,7 @@ from dsec.cli.edge import (
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where state lives (default $DSEC_STATE_DIR or ~/.dsec).")
 @click.option("--store", "store", default=None, metavar="URL", envvar="DSEC_STORE",
+              callback=secret_in_argv,
               help="The state store: sqlite:///path (default: control.sqlite in the state "
                    "dir) or postgresql://user[:password]@host[:port]/db (shared by "
                    "apiserver replicas; env DSEC_STORE).")
