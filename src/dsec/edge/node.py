@@ -58,6 +58,7 @@ from dsec.edge.journal import (
     JournalSync,
     SandboxJournal,
 )
+from dsec.edge.layers import EdgeLayers, find_store
 from dsec.edge.lifecycle import (
     FINAL_REASONS,
     NOTICE_REASONS,
@@ -323,6 +324,8 @@ class EdgeNode:
         self._suffix = f"-{self.node_id}"
         for b in self.backends.values():
             b.watch(self._on_death)
+        # Layer transfer (issue 16): this node's store, through its container backend
+        self.layers = EdgeLayers(lambda: find_store(self.backends))
 
     # =============================================================== start / close
     async def start(self) -> Self:
