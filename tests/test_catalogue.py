@@ -94,6 +94,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.jsonform import stream_item
+from dsec.wire.layers import LayerRef
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -268,6 +269,7 @@ EXAMPLES: dict[str, Example] = {
     "revoke_key": lambda w: KeyRef(id=w.key()),
     "image_delete": lambda w: ImageRef(ref=w.image_name()),
     "destroy_many": lambda w: DestroyMany(ids=[w.sandbox(), w.sandbox()]),
+    "layer_chain": lambda w: LayerRef(digest=w.image),
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),

@@ -129,6 +129,9 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
     if tp is float:
         return st.floats(allow_nan=False, allow_infinity=False, min_value=b.get("ge"),
                          max_value=b.get("le"))
+    if tp is str and any(getattr(m, "pattern", None) for m in meta):
+        pat = next(m.pattern for m in meta if getattr(m, "pattern", None))
+        return st.from_regex(pat, fullmatch=True)
     if tp is str:
         return st.text(min_size=b.get("min_length", 0), max_size=min(b.get("max_length", 20),
                                                                       20))

@@ -85,6 +85,7 @@ from dsec.errors import (
     WrongNode,
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
+from dsec.image.store import LayerStore
 from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
 from dsec.wire.netpolicy import NetworkPolicy, within
@@ -176,6 +177,10 @@ class NodeConfig:
     # The egress policy of a create whose spec names none (``dsec edge --net-default``):
     # what an edge reached directly gives; the apiserver resolves its own before.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # The layer store layers move in and out of (issue 16, dsec.edge.layers) when no
+    # backend mounts from one (a simulated node beside the cluster's store); None: the
+    # container backend's store, if any.
+    layer_store: str | None = None
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -325,7 +330,16 @@ class EdgeNode:
         for b in self.backends.values():
             b.watch(self._on_death)
         # Layer transfer (issue 16): this node's store, through its container backend
-        self.layers = EdgeLayers(lambda: find_store(self.backends))
+        self._own_store: LayerStore | None = None
+        self.layers = EdgeLayers(self._layer_store)
+
+    def _layer_store(self) -> LayerStore | None:
+        store = find_store(self.backends)
+        if store is None and self.config.layer_store is not None:
+            if self._own_store is None:
+                self._own_store = LayerStore(self.config.layer_store)
+            store = self._own_store
+        return store
 
     # =============================================================== start / close
     async def start(self) -> Self:

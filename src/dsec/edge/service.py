@@ -16,6 +16,7 @@ is :class:`~dsec.edge.client.EdgeClient` (re-exported here).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import dataclasses
 
@@ -48,6 +49,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.layers import LayerChain, LayerRef
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
@@ -191,6 +193,10 @@ class EdgeHandlers:
         return await self.node.network_update(b.id, b.policy,
                                               expect_generation=b.expect_generation,
                                               ceiling_deny=b.ceiling_deny)
+
+    # ---------------------------------------------------------------- layers (issue 16)
+    async def layer_chain(self, b: LayerRef) -> LayerChain:
+        return await asyncio.to_thread(self.node.layers.chain, b.digest)
 
 
 class EdgeService:

@@ -84,6 +84,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.layers import LayerChain, LayerRef
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -135,6 +136,7 @@ __all__ = [
     "IMAGE_PROMOTE",
     "IMAGE_TAG",
     "INFO",
+    "LAYER_CHAIN",
     "LIST",
     "LIST_DIR",
     "MKDIR",
@@ -750,6 +752,14 @@ IMAGE_PROMOTE: Op[ImagePromoteRequest, ImageView] = Op(
               body="*", tag="images"))
 
 
+# Issue 16: layers move between nodes (docs/layers.md). The edge's own rows, called by the
+# control plane only, which relays a holder's layer_get into a receiver's layer_put.
+LAYER_CHAIN: Op[LayerRef, LayerChain] = Op(
+    "layer_chain", LayerRef, LayerChain,
+    summary="A layer's manifest and those of every layer below it, lowest first",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -763,6 +773,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_PRUNE,
     IMAGE_PULL,
     IMAGE_PROMOTE,
+    LAYER_CHAIN,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
