@@ -198,6 +198,9 @@ class EdgeHandlers:
     async def layer_chain(self, b: LayerRef) -> LayerChain:
         return await asyncio.to_thread(self.node.layers.chain, b.digest)
 
+    async def layer_get(self, b: LayerRef, stream: DuplexStream) -> None:
+        await self.node.layers.send(b.digest, stream)
+
 
 class EdgeService:
     """Binds an :class:`EdgeNode` to an Aether :class:`Router` (``service.router``): one

@@ -35,6 +35,7 @@ __all__ = [
     "LayerFetched",
     "LayerPut",
     "LayerRef",
+    "LayerStored",
     "check_digest",
 ]
 
@@ -83,6 +84,15 @@ class LayerPut(_Call, kw_only=True):
             raise InvalidArgument(
                 f"layer manifest of {len(self.manifest)} bytes is over the limit of "
                 f"{MAX_MANIFEST_BYTES}", field="manifest", limit=MAX_MANIFEST_BYTES)
+
+
+class LayerStored(msgspec.Struct, kw_only=True):
+    """``layer_put``'s answer: the layer is in the receiver's store (``already``: it was
+    before this put, and no byte was read)."""
+
+    digest: str
+    size_bytes: int
+    already: bool = False
 
 
 class LayerFetch(_Call, kw_only=True):

@@ -137,6 +137,7 @@ __all__ = [
     "IMAGE_TAG",
     "INFO",
     "LAYER_CHAIN",
+    "LAYER_GET",
     "LIST",
     "LIST_DIR",
     "MKDIR",
@@ -759,6 +760,11 @@ LAYER_CHAIN: Op[LayerRef, LayerChain] = Op(
     summary="A layer's manifest and those of every layer below it, lowest first",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+LAYER_GET: TunnelOp[LayerRef, None] = TunnelOp(
+    "layer_get", LayerRef, None,
+    summary="A layer file's bytes (duplex: the holder writes them and half-closes)",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -774,6 +780,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_PULL,
     IMAGE_PROMOTE,
     LAYER_CHAIN,
+    LAYER_GET,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
