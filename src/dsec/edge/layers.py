@@ -32,7 +32,7 @@ import msgspec
 from dsec.errors import CapacityExceeded, CorruptLayer, ImageNotFound, StreamReset
 from dsec.image.manifest import LayerManifest
 from dsec.image.transfer import CHUNK_BYTES, LayerCheck, chain_order, decode_manifest
-from dsec.wire.layers import MAX_CHAIN, LayerChain
+from dsec.wire.layers import MAX_CHAIN, LayerChain, LayerStored
 
 if TYPE_CHECKING:
     from dsec.aether.connection import DuplexStream
@@ -118,16 +118,18 @@ class EdgeLayers:
         stream.close_write()
 
     # ---------------------------------------------------------------- receiver
-    async def receive(self, raw_manifest: bytes, stream: DuplexStream) -> LayerManifest:
-        """Take in one layer (see the module docstring); its manifest as stored."""
+    async def receive(self, raw_manifest: bytes, stream: DuplexStream) -> LayerStored:
+        """Take in one layer (see the module docstring)."""
         m = decode_manifest(raw_manifest)
         store = self.store()
         if store.has(m.digest) and os.path.exists(store.layer_path(m.digest)):
             store.touch(m.digest)
-            return store.get(m.digest)
+            return LayerStored(digest=m.digest, size_bytes=m.size_bytes, already=True)
         while (other := self._receiving.get(m.digest)) is not None:
             with contextlib.suppress(Exception):
-                return await asyncio.shield(other)
+                got = await asyncio.shield(other)
+                return LayerStored(digest=got.digest, size_bytes=got.size_bytes,
+                                   already=True)
             # the first receiver failed: this one tries with its own bytes
         fut: asyncio.Future[LayerManifest] = asyncio.get_running_loop().create_future()
         self._receiving[m.digest] = fut
@@ -140,7 +142,7 @@ class EdgeLayers:
             raise
         else:
             fut.set_result(got)
-            return got
+            return LayerStored(digest=got.digest, size_bytes=got.size_bytes)
         finally:
             del self._receiving[m.digest]
 

@@ -49,7 +49,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
-from dsec.wire.layers import LayerChain, LayerRef
+from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
@@ -200,6 +200,9 @@ class EdgeHandlers:
 
     async def layer_get(self, b: LayerRef, stream: DuplexStream) -> None:
         await self.node.layers.send(b.digest, stream)
+
+    async def layer_put(self, b: LayerPut, stream: DuplexStream) -> LayerStored:
+        return await self.node.layers.receive(b.manifest, stream)
 
 
 class EdgeService:

@@ -84,7 +84,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
-from dsec.wire.layers import LayerChain, LayerRef
+from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -138,6 +138,7 @@ __all__ = [
     "INFO",
     "LAYER_CHAIN",
     "LAYER_GET",
+    "LAYER_PUT",
     "LIST",
     "LIST_DIR",
     "MKDIR",
@@ -765,6 +766,12 @@ LAYER_GET: TunnelOp[LayerRef, None] = TunnelOp(
     summary="A layer file's bytes (duplex: the holder writes them and half-closes)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+LAYER_PUT: TunnelOp[LayerPut, LayerStored] = TunnelOp(
+    "layer_put", LayerPut, LayerStored,
+    summary="Take in a layer (duplex: its bytes follow the manifest); checked against "
+            "the manifest's size and the digest before it is published",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -781,6 +788,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_PROMOTE,
     LAYER_CHAIN,
     LAYER_GET,
+    LAYER_PUT,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
