@@ -94,7 +94,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.jsonform import stream_item
-from dsec.wire.layers import LayerPut, LayerRef
+from dsec.wire.layers import LayerFetch, LayerPut, LayerRef
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -278,6 +278,7 @@ EXAMPLES: dict[str, Example] = {
     "layer_chain": lambda w: LayerRef(digest=w.image),
     "layer_get": lambda w: LayerRef(digest=w.image),
     "layer_put": lambda w: LayerPut(manifest=w.manifest_json()),
+    "layer_fetch": lambda w: LayerFetch(node="edge-0", digest=w.image),
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),
@@ -921,6 +922,17 @@ def _as(w: World, op: Op[Any, Any], door: str, req: Any, key: str) -> tuple[int,
             await conn.close()
     out: tuple[int, str, str] = cl._on_loop(run(), timeout=TIMEOUT)
     return out
+
+
+def test_layer_fetch_is_a_superusers_at_both_api_doors(world: World) -> None:
+    """A tenant (even a project's admin) cannot make a node fetch: refused alike at REST
+    and the gateway, and nothing moves."""
+    admin = str(world.cluster.create_key("cat-proj-admin", "default", "admin"))
+    req = LayerFetch(node="edge-0", digest=world.image)
+    got = {door: _as(world, ops.LAYER_FETCH, door, req, admin) for door in ("rest", "gateway")}
+    assert {s for s, _, _ in got.values()} == {403}, got
+    assert len({(c, m) for _, c, m in got.values()}) == 1, got
+    assert "superuser" in got["rest"][2]
 
 
 def test_the_role_rows_are_every_member_and_admin_row() -> None:

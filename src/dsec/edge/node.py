@@ -58,7 +58,7 @@ from dsec.edge.journal import (
     JournalSync,
     SandboxJournal,
 )
-from dsec.edge.layers import EdgeLayers, find_store
+from dsec.edge.layers import EdgeLayers, find_store, held_layers
 from dsec.edge.lifecycle import (
     FINAL_REASONS,
     NOTICE_REASONS,
@@ -1533,6 +1533,10 @@ class EdgeNode:
             fn = getattr(b, "images_present", None)
             if callable(fn):
                 seen.update(fn())
+        if self.config.layer_store is not None and find_store(self.backends) is None:
+            store = self._layer_store()
+            if store is not None:
+                seen.update(held_layers(store))
         for rec in self._live.values():
             seen.add(rec.spec.image)
         return sorted(seen)

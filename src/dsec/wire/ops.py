@@ -84,7 +84,14 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
-from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored
+from dsec.wire.layers import (
+    LayerChain,
+    LayerFetch,
+    LayerFetched,
+    LayerPut,
+    LayerRef,
+    LayerStored,
+)
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -137,6 +144,7 @@ __all__ = [
     "IMAGE_TAG",
     "INFO",
     "LAYER_CHAIN",
+    "LAYER_FETCH",
     "LAYER_GET",
     "LAYER_PUT",
     "LIST",
@@ -772,6 +780,18 @@ LAYER_PUT: TunnelOp[LayerPut, LayerStored] = TunnelOp(
             "the manifest's size and the digest before it is published",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# The API's face of layer transfer: creates fetch what their node lacks by themselves;
+# this warms a node ahead (before a burst, before draining another). A superuser's: a
+# node's store is every project's and a fetch fills its disk (role None: the policy is
+# ControlPlane.fetch_layer's).
+LAYER_FETCH: Op[LayerFetch, LayerFetched] = Op(
+    "layer_fetch", LayerFetch, LayerFetched,
+    summary="Copy a layer and every layer below it onto a node from a node holding them "
+            "(superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{node}/layers", operation_id="fetchLayer",
+              body="*", tag="nodes"))
+
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -789,6 +809,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     LAYER_CHAIN,
     LAYER_GET,
     LAYER_PUT,
+    LAYER_FETCH,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
