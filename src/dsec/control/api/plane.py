@@ -387,6 +387,8 @@ class ControlPlane:
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
+        if spec.backend in LAYERED_BACKENDS:
+            refs = tuple(self._digest_of(r) for r in refs)
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
                                group=project_of(spec), layers=refs)
@@ -428,6 +430,20 @@ class ControlPlane:
         return self.placement.commit_to(best[1], req)
 
     # ------------------------------------------------------ layers between nodes
+    def _digest_of(self, ref: str) -> str:
+        """The digest this apiserver's store names ``ref`` by (names are per store,
+        digests the same on every node: placement's locality compares digests), or
+        ``ref`` itself (a digest, or a name of no store here)."""
+        if _is_digest(ref) or self.images.layer_dir is None:
+            return ref
+        index = self.images._index()
+        if index is None:
+            return ref
+        try:
+            return index.digest_of(parse_ref(ref).key) or ref
+        except InvalidArgument:
+            return ref
+
     def _holders(self, ref: str) -> list[str]:
         """Healthy nodes holding ``ref`` (as they reported, or were given since)."""
         now = self.clock()
