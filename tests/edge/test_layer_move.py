@@ -293,8 +293,10 @@ def test_tenants_cannot_fetch_nor_boot_another_projects_snapshot(move: Move) -> 
             c.call(ops.LAYER_FETCH, body)
     assert not move.b_store.has(tool.digest)
     with move.cl.client(protocol="http") as c:
-        src = c.sandboxes.create(project="other")
+        move.toolkit()                    # only on a, which the sandbox goes to
+        src = c.sandboxes.create(project="other", toolkits=[f"tool{move._n[0]}"])
         try:
+            assert src.info.node == "a"
             src.exec("echo secret > /srv/s")
             snap = src.snapshot()
             with Client(move.cl.url, key, gateway=move.cl.gateway, protocol="aether") as t, \

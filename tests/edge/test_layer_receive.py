@@ -258,3 +258,28 @@ def test_kill_9_mid_receive_leaves_nothing_after_restart(
     b2 = LayerStore(b.root)        # the edge's restart opens its store: reconciled
     assert leftovers(b2) == []
     assert not b2.has(m.digest)
+
+
+def test_a_heartbeat_lists_layers_only_when_they_changed(tmp_path: object) -> None:
+    """10,000 digests are 730 KB a heartbeat: an edge answers ``images_same`` (no list)
+    to a control plane holding its current fingerprint, and the list again once a layer
+    arrived (or a name moved)."""
+    from tests.edge.conftest import make_node
+
+    root = os.path.join(str(tmp_path), "store")
+    store = LayerStore(root)
+    node = make_node(layer_store=root)
+    first = node.heartbeat(images_gen=None)
+    assert not first.images_same and first.images_gen
+    same = node.heartbeat(images_gen=first.images_gen)
+    assert same.images_same and same.images == [] and same.images_gen == first.images_gen
+    m = built(store, str(tmp_path), {"f": "x"}, kind="toolkit", name="t")
+    again = node.heartbeat(images_gen=first.images_gen)
+    assert not again.images_same and again.images_gen != first.images_gen
+    assert m.digest in again.images and "t:latest" in again.images
+    assert node.heartbeat(images_gen=again.images_gen).images_same
+    store.untag("t:latest")
+    moved = node.heartbeat(images_gen=again.images_gen)
+    assert not moved.images_same and "t:latest" not in moved.images
+    # and over the wire: the encoded unchanged heartbeat is small
+    assert len(msgspec.msgpack.encode(node.heartbeat(images_gen=moved.images_gen))) < 400

@@ -24,7 +24,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dsec.edge.client import EdgeClient
-from dsec.errors import CorruptLayer, DsecError, ImageNotFound, StreamReset
+from dsec.errors import (
+    CorruptLayer,
+    DsecError,
+    ImageNotFound,
+    ProtocolError,
+    RequestTimeout,
+    StreamReset,
+    TransportError,
+)
 from dsec.image.transfer import CHUNK_BYTES, decode_manifest
 from dsec.wire import ops
 from dsec.wire.layers import LayerFetched, LayerPut, LayerRef, LayerStored
@@ -78,12 +86,14 @@ class MoveStats:
 class LayerMover:
     """Fetch a layer and its chain onto a node from a holder, coalescing per (node,
     digest). The cluster's view comes in as functions: ``link(node)`` the node's
-    client (None: unknown), ``holders(digest)`` healthy nodes holding it, ``holds(node,
+    client (None: unknown), ``holders(digest)`` healthy nodes holding it, ``nodes()``
+    every healthy node (asked when no heartbeat names a holder yet), ``holds(node,
     digest)`` what the node reported (heartbeat) or was given since, ``note(node,
     digest)`` to record a layer now held."""
 
     link: Callable[[str], EdgeClient | None]
     holders: Callable[[str], Sequence[str]]
+    nodes: Callable[[], Sequence[str]]
     holds: Callable[[str, str], bool]
     note: Callable[[str, str], None]
     idle_timeout_s: float = 30.0
@@ -111,23 +121,27 @@ class LayerMover:
             n for n in self.holders(digest) if n != node]
         dst = self._edge(node)
         if not sources:
-            # Heartbeats lag: the node may hold a layer made since its last one (a build
-            # into a store it shares). Asking it is one small call.
+            # Heartbeats lag (a second): a layer made since the last one (a build into a
+            # store a node shares, a snapshot) is not known to be anywhere yet. Ask: the
+            # node itself first (one small call), then every other healthy node.
             try:
                 await dst.call(ops.LAYER_CHAIN, LayerRef(digest=digest))
             except ImageNotFound:
-                raise ImageNotFound(f"layer {digest} is on no healthy node of this "
-                                    "cluster", ref=digest) from None
-            self.note(node, digest)
-            out.present.append(digest)
-            return out
+                sources = [n for n in self.nodes() if n != node]
+            else:
+                self.note(node, digest)
+                out.present.append(digest)
+                return out
+        if not sources:
+            raise ImageNotFound(f"layer {digest} is on no healthy node of this cluster",
+                                ref=digest)
         last: DsecError | None = None
         for src_node in sources:
             src = self._edge(src_node)
             try:
                 chain = await src.call(ops.LAYER_CHAIN, LayerRef(digest=digest))
-            except ImageNotFound as exc:
-                last = exc      # pruned since its heartbeat: the next holder
+            except (ImageNotFound, TransportError, ProtocolError, RequestTimeout) as exc:
+                last = exc      # pruned since its heartbeat, or unreachable: the next one
                 continue
             manifests = [decode_manifest(raw) for raw in chain.manifests]
             if not manifests or manifests[-1].digest != digest:
@@ -151,8 +165,8 @@ class LayerMover:
                     out.copied.append(m.digest)
                     out.bytes += stored.size_bytes
             return out
-        assert last is not None
-        raise last
+        raise ImageNotFound(f"layer {digest} is on no healthy node of this cluster (asked "
+                            f"{', '.join(sorted(sources))})", ref=digest) from last
 
     async def _one(self, node: str, dst: EdgeClient, src: EdgeClient, raw: bytes,
                    digest: str) -> LayerStored:

@@ -30,8 +30,10 @@ import asyncio
 import builtins
 import collections
 import contextlib
+import hashlib
 import heapq
 import logging
+import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -331,6 +333,7 @@ class EdgeNode:
             b.watch(self._on_death)
         # Layer transfer (issue 16): this node's store, through its container backend
         self._own_store: LayerStore | None = None
+        self._images_cache: tuple[tuple[object, ...], builtins.list[str], int] | None = None
         self.layers = EdgeLayers(self._layer_store)
 
     def _layer_store(self) -> LayerStore | None:
@@ -1541,7 +1544,26 @@ class EdgeNode:
             seen.add(rec.spec.image)
         return sorted(seen)
 
-    def heartbeat(self, *, include_sandboxes: bool = True) -> Heartbeat:
+    def _images_now(self) -> tuple[builtins.list[str], int]:
+        """The images this node reports and their fingerprint, recomputed only when the
+        layer store's manifests or names or the live sandboxes' images changed (a
+        listdir of 10,000 manifests per heartbeat otherwise)."""
+        store = self._layer_store()
+        key: tuple[object, ...] = (frozenset(rec.spec.image for rec in self._live.values()),)
+        if store is not None:
+            key += tuple(_mtime_ns(os.path.join(store.root, p))
+                         for p in ("manifests", "refs.json"))
+        cached = self._images_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        images = self.images()
+        gen = int.from_bytes(hashlib.blake2b("\n".join(images).encode(),
+                                             digest_size=8).digest()) >> 1
+        self._images_cache = (key, images, gen)
+        return images, gen
+
+    def heartbeat(self, *, include_sandboxes: bool = True,
+                  images_gen: int | None = None) -> Heartbeat:
         """What the watcher/placement needs to (re)build their view of this node."""
         briefs = None
         if include_sandboxes:
@@ -1555,11 +1577,14 @@ class EdgeNode:
             fn = getattr(b, "pool_stats", None)
             if callable(fn):
                 pools[name] = fn()
+        images, gen = self._images_now()
+        same = images_gen is not None and images_gen == gen
         return Heartbeat(
             node=self.node_id, time=self.clock.time(),
             capacity=self.pool.capacity.as_resources(), physical=self.pool.capacity.physical,
             usage=self.pool.usage(),
-            counts=self.counts(), labels=dict(self.config.labels), images=self.images(),
+            counts=self.counts(), labels=dict(self.config.labels),
+            images=[] if same else images, images_gen=gen, images_same=same,
             backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs,
             pools=pools)
 
@@ -1638,3 +1663,11 @@ def _as_error(exc: BaseException) -> DsecError:
         raise exc
     return DsecError(f"{type(exc).__name__}: {exc}")
 
+
+def _mtime_ns(path: str) -> int:
+    """A file's or directory's mtime in ns (0: absent); a directory's changes with every
+    entry added or removed."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0

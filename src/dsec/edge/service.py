@@ -85,7 +85,8 @@ class EdgeHandlers:
                         protocol=EDGE_PROTOCOL)
 
     def heartbeat(self, b: HeartbeatRequest) -> Heartbeat:
-        return self.node.heartbeat(include_sandboxes=b.include_sandboxes)
+        return self.node.heartbeat(include_sandboxes=b.include_sandboxes,
+                                   images_gen=b.images_gen)
 
     def feed(self, b: FeedRequest) -> EventFeed:
         return self.node.feed(b.after, b.limit)

@@ -214,6 +214,7 @@ class EdgeEntry:
     last_seen: float = 0.0
     feed_after: int = 0
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
+    images_gen: int = 0                     # their fingerprint (Heartbeat.images_gen)
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
@@ -272,6 +273,7 @@ class ControlPlane:
         self.images = ImageAdmin(self)
         self.mover = LayerMover(link=lambda n: self.edge(NodeId(n)),
                                 holders=self._holders, holds=self._node_holds,
+                                nodes=self._healthy_nodes,
                                 note=self._note_layer)
 
     @property
@@ -448,6 +450,10 @@ class ControlPlane:
         """Healthy nodes holding ``ref`` (as they reported, or were given since)."""
         now = self.clock()
         return [n for n, e in self.edges.items() if self._healthy(e, now) and _holds(e, ref)]
+
+    def _healthy_nodes(self) -> list[str]:
+        now = self.clock()
+        return [n for n, e in self.edges.items() if self._healthy(e, now)]
 
     def _node_holds(self, node: str, ref: str) -> bool:
         e = self.edges.get(node)
@@ -881,7 +887,8 @@ class ControlPlane:
             link = await self._link(e)
             if link is None:
                 return
-            hb = await link.heartbeat(include_sandboxes=True, timeout=t)
+            hb = await link.heartbeat(include_sandboxes=True, timeout=t,
+                                      images_gen=e.images_gen if e.heartbeat else None)
             if hb.feed_seq < e.feed_after:
                 # The edge restarted: its feed numbering started over.
                 e.feed_after = 0
@@ -903,7 +910,9 @@ class ControlPlane:
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
-        e.images = frozenset(hb.images)
+        if not hb.images_same:
+            e.images = frozenset(hb.images)
+            e.images_gen = hb.images_gen
         if e.noted:
             e.noted -= e.images
         e.feed_after = feed.next
