@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
     CorruptLayer,
@@ -173,7 +175,8 @@ class LayerMover:
         key = (node, digest)
         running = self._inflight.get(key)
         if running is not None:
-            return await asyncio.shield(running)
+            # the first one's copy: for this caller the layer was already on its way
+            return msgspec.structs.replace(await asyncio.shield(running), already=True)
         fut: asyncio.Future[LayerStored] = asyncio.get_running_loop().create_future()
         self._inflight[key] = fut
         t0 = time.monotonic()
