@@ -274,9 +274,10 @@ def test_a_corrupted_layer_is_refused_and_leaves_nothing(move: Move) -> None:
         with open(path, "r+b") as f:
             f.seek(tool.size_bytes // 2)
             f.write(byte)
-    r = move.rest("POST", "/v1/nodes/b/layers", json={"digest": tool.digest})
-    assert r.status_code == 200, r.text
-    assert r.json()["copied"] == [tool.digest]
+    with move.cl.client(protocol="aether") as c:       # the SDK over the gateway
+        got = c.fetch_layer("b", tool.digest)
+    assert got.copied == [tool.digest] and got.bytes == tool.size_bytes
+    assert move.b_store.has(tool.digest)
 
 
 def test_tenants_cannot_fetch_nor_boot_another_projects_snapshot(move: Move) -> None:
@@ -288,6 +289,9 @@ def test_tenants_cannot_fetch_nor_boot_another_projects_snapshot(move: Move) -> 
     r = move.rest("POST", "/v1/nodes/b/layers", key=key, json={"digest": tool.digest})
     assert r.status_code == 403 and "superuser" in r.json()["message"], r.text
     for protocol in ("aether", "http"):
+        with Client(move.cl.url, key, gateway=move.cl.gateway, protocol=protocol) as c, \
+                pytest.raises(PermissionDenied, match="superuser"):
+            c.fetch_layer("b", tool.digest)
         with Client(move.cl.url, key, gateway=move.cl.gateway, protocol=protocol) as c, \
                 pytest.raises(PermissionDenied, match="superuser"):
             c.call(ops.LAYER_FETCH, body)
