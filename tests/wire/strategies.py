@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dsec.errors import DsecError
 from dsec.wire import spec
+from dsec.wire.layers import LayerFetch, LayerRef
 from dsec.wire.spec import SandboxSpec
 
 _I64 = (-(2**63), 2**63 - 1)
@@ -129,9 +130,6 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
     if tp is float:
         return st.floats(allow_nan=False, allow_infinity=False, min_value=b.get("ge"),
                          max_value=b.get("le"))
-    if tp is str and any(getattr(m, "pattern", None) for m in meta):
-        pat = next(m.pattern for m in meta if getattr(m, "pattern", None))
-        return st.from_regex(pat, fullmatch=True)
     if tp is str:
         return st.text(min_size=b.get("min_length", 0), max_size=min(b.get("max_length", 20),
                                                                       20))
@@ -151,6 +149,11 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
         return st.dictionaries(_of(args[0], []), _of(args[1], []), max_size=3)
     if tp is SandboxSpec:   # half within bounds, so requests that validate it get drawn
         return st.one_of(valid_spec(), _struct(tp, {}))
+    if tp in (LayerRef, LayerFetch):   # a full digest (the type refuses anything else)
+        digest = st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True)
+        node = st.text("abcdefgh0123456789-", min_size=1, max_size=12)
+        return (st.builds(LayerRef, digest=digest) if tp is LayerRef else
+                st.builds(LayerFetch, node=node, digest=digest, source=st.none() | node))
     if tp is spec.NetworkPolicy:   # likewise: NetworkUpdate validates its policy
         return st.one_of(valid_policy(), _struct(tp, {}))
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
