@@ -491,9 +491,13 @@ class ControlPlane:
                     digest = index.digest_of(parse_ref(ref).key)
             if digest is None:
                 return ref
-            if not self._node_holds(node, digest):
-                await self.mover.fetch(node, digest, kind="image")
-            return digest
+            if self._node_holds(node, digest):
+                return digest   # the layer, not (known to be) the name: fetched there before
+            got = await self.mover.fetch(node, digest, kind="image")
+            # Copied: the node has the layer by digest only. Found there by asking (a
+            # layer made since its last heartbeat: a store it shares, which has the
+            # name too): the name stays, as the caller wrote it.
+            return digest if digest in got.copied else ref
 
         image = await one(spec.image)
         if image != spec.image:
