@@ -98,6 +98,8 @@ class LayerMover:
     nodes: Callable[[], Sequence[str]]
     holds: Callable[[str, str], bool]
     note: Callable[[str, str], None]
+    #: a layer was copied onto a node (it has it by digest only, without a name)
+    copied: Callable[[str, str], None] = lambda node, digest: None
     idle_timeout_s: float = 30.0
     stats: MoveStats = field(default_factory=MoveStats)
     _inflight: dict[tuple[str, str], asyncio.Future[LayerStored]] = field(
@@ -193,6 +195,7 @@ class LayerMover:
         fut.set_result(stored)
         self.note(node, digest)
         if not stored.already:
+            self.copied(node, digest)
             self.stats.layers += 1
             self.stats.bytes += stored.size_bytes
             self.stats.seconds += time.monotonic() - t0

@@ -215,6 +215,9 @@ class EdgeEntry:
     feed_after: int = 0
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
     images_gen: int = 0                     # their fingerprint (Heartbeat.images_gen)
+    # layers this apiserver copied onto the node: there by digest only (a name of this
+    # apiserver's store means nothing to the node's store); bounded by the node's layers
+    fetched: set[str] = field(default_factory=set)
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
@@ -273,7 +276,7 @@ class ControlPlane:
         self.images = ImageAdmin(self)
         self.mover = LayerMover(link=lambda n: self.edge(NodeId(n)),
                                 holders=self._holders, holds=self._node_holds,
-                                nodes=self._healthy_nodes,
+                                nodes=self._healthy_nodes, copied=self._copied_layer,
                                 note=self._note_layer)
 
     @property
@@ -464,6 +467,11 @@ class ControlPlane:
         if e is not None:
             e.noted.add(digest)
 
+    def _copied_layer(self, node: str, digest: str) -> None:
+        e = self.edges.get(node)
+        if e is not None:
+            e.fetched.add(digest)
+
     async def ensure_layers(self, node: str, spec: SandboxSpec) -> SandboxSpec:
         """Before ``spec`` is created on ``node``: copy onto it, from healthy holders,
         the layers it lacks (the snapshot's chain, or the image's, workspace's and
@@ -482,6 +490,9 @@ class ControlPlane:
         index = self.images._index()
         changed: dict[str, Any] = {}
 
+        e = self.edges.get(node)
+        fetched = e.fetched if e is not None else set()
+
         async def one(ref: str) -> str:
             if self._node_holds(node, ref):
                 return ref
@@ -491,8 +502,10 @@ class ControlPlane:
                     digest = index.digest_of(parse_ref(ref).key)
             if digest is None:
                 return ref
+            if digest in fetched:
+                return digest   # the node has it by digest only: copied there by us
             if self._node_holds(node, digest):
-                return digest   # the layer, not (known to be) the name: fetched there before
+                return ref      # its store has the layer, and the name with it
             got = await self.mover.fetch(node, digest, kind="image")
             # Copied: the node has the layer by digest only. Found there by asking (a
             # layer made since its last heartbeat: a store it shares, which has the
