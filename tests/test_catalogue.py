@@ -95,6 +95,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.jsonform import stream_item
+from dsec.wire.layers import LayerFetch, LayerPut, LayerRef
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -166,6 +167,12 @@ class World:
         snap = str(self.ok("POST", f"/v1/sandboxes/{sid}/snapshot").json()["id"])
         self.ok("DELETE", f"/v1/sandboxes/{sid}")
         return snap
+
+    def manifest_json(self) -> bytes:
+        """The world image's manifest as a holder sends it (the edge holds it already)."""
+        from dsec.image import LayerStore
+        store = LayerStore(os.path.join(self.cluster.state_dir, "layers"))
+        return msgspec.json.encode(store.get(self.image))
 
     def dir(self) -> str:
         path = f"/tmp/d{self.n()}"
@@ -273,6 +280,10 @@ EXAMPLES: dict[str, Example] = {
     # it, so no create of another example finds it drained
     "node_drain": lambda w: NodeRef(id="edge-0"),
     "node_undrain": lambda w: NodeRef(id="edge-0"),
+    "layer_chain": lambda w: LayerRef(digest=w.image),
+    "layer_get": lambda w: LayerRef(digest=w.image),
+    "layer_put": lambda w: LayerPut(manifest=w.manifest_json()),
+    "layer_fetch": lambda w: LayerFetch(node="edge-0", digest=w.image),
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),
@@ -339,6 +350,23 @@ async def _aether(address: str, token: str | None, method: str, body: Any, op: O
                   reply_type: Any) -> Any:
     conn = await connect(address, token=token)
     try:
+        if op is ops.LAYER_GET:
+            import hashlib
+            d = conn.duplex(method, body, response_type=reply_type)
+            d.close_write()
+            h, n = hashlib.sha256(), 0
+            while chunk := await d.recv(1 << 20):
+                h.update(chunk)
+                n += len(chunk)
+            assert n > 0 and "sha256:" + h.hexdigest() == body["digest"]
+            return await d.result()
+        if op is ops.LAYER_PUT:
+            # the edge holds the layer (one store with the apiserver): answered at once,
+            # nothing read (a real transfer: tests/edge/test_layer_move.py)
+            d = conn.duplex(method, body, response_type=reply_type)
+            stored = await d.result()
+            assert stored.already and stored.digest in body["manifest"].decode()
+            return stored
         if isinstance(op, TunnelOp):
             # The world's sandbox is simulated: no network namespace, which the edge says
             # once the port and its generation checked out (a real tunnel:
@@ -899,6 +927,17 @@ def _as(w: World, op: Op[Any, Any], door: str, req: Any, key: str) -> tuple[int,
             await conn.close()
     out: tuple[int, str, str] = cl._on_loop(run(), timeout=TIMEOUT)
     return out
+
+
+def test_layer_fetch_is_a_superusers_at_both_api_doors(world: World) -> None:
+    """A tenant (even a project's admin) cannot make a node fetch: refused alike at REST
+    and the gateway, and nothing moves."""
+    admin = str(world.cluster.create_key("cat-proj-admin", "default", "admin"))
+    req = LayerFetch(node="edge-0", digest=world.image)
+    got = {door: _as(world, ops.LAYER_FETCH, door, req, admin) for door in ("rest", "gateway")}
+    assert {s for s, _, _ in got.values()} == {403}, got
+    assert len({(c, m) for _, c, m in got.values()}) == 1, got
+    assert "superuser" in got["rest"][2]
 
 
 def test_the_role_rows_are_every_member_and_admin_row() -> None:

@@ -5,18 +5,23 @@ raw Aether calls (what any peer may send), not EdgeClient sugar."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 
 from dsec.aether import Connection, connect
 from dsec.edge.node import EdgeNode
 from dsec.edge.service import serve_edge
 from dsec.errors import DsecError, InvalidArgument
+from dsec.image import LayerStore
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, FileRef, NetworkUpdateOnNode, ReadFile, WriteFile
+from dsec.wire.layers import MAX_MANIFEST_BYTES, LayerPut, LayerRef
 from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
 from dsec.wire.ops import EDGE_OPS, Op, StreamOp, TunnelOp
 from dsec.wire.ports import PortExpose, PortRef
@@ -33,6 +38,8 @@ class World:
     spare_snap: str     # a snapshot of `spare` (nothing builds on it: deletable)
     keep: str = ""      # a sandbox no row destroys (the port rows come after destroy_many)
     port_gen: int = 0   # the generation of port 8000 of `keep`, once exposed
+    layer: str = ""     # a layer in the node's store (the layer rows)
+    manifest: bytes = b""   # its manifest, as a holder sends it
 
 
 Example = Callable[[World], dict[str, Any]]
@@ -73,6 +80,9 @@ EXAMPLES: dict[str, Example] = {
     "port_list": lambda w: {"id": w.keep},
     "port_connect": lambda w: {"id": w.keep, "port": 8000, "generation": w.port_gen},
     "port_close": lambda w: {"id": w.keep, "port": 8000},
+    "layer_chain": lambda w: {"digest": w.layer},
+    "layer_get": lambda w: {"digest": w.layer},
+    "layer_put": lambda w: {"manifest": w.manifest},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -112,6 +122,10 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
                     (lambda w: {"id": w.sid, "port": 65536},
                      lambda w: PortExpose(id=w.sid, port=65536))],
     "port_close": [(lambda w: {"id": w.sid, "port": -1}, lambda w: PortRef(id=w.sid, port=-1))],
+    "layer_chain": [(lambda w: {"digest": w.layer[:20]},
+                     lambda w: LayerRef(digest=w.layer[:20]))],
+    "layer_put": [(lambda w: {"manifest": b" " * (MAX_MANIFEST_BYTES + 1)},
+                   lambda w: LayerPut(manifest=b" " * (MAX_MANIFEST_BYTES + 1)))],
 }
 
 
@@ -121,7 +135,10 @@ def test_examples_cover_every_edge_row() -> None:
 
 @pytest.fixture
 async def world(tmp_path: Any) -> AsyncIterator[tuple[Connection, World]]:
-    node: EdgeNode = make_node()
+    store = LayerStore(f"{tmp_path}/layers")
+    os.makedirs(f"{tmp_path}/tree/etc")
+    layer = store.add_tree(f"{tmp_path}/tree", kind="base")
+    node: EdgeNode = make_node(layer_store=store.root)
     await node.start()
     server = await serve_edge(node, f"unix:{tmp_path}/edge.sock")
     conn = await connect(f"unix:{tmp_path}/edge.sock")
@@ -132,7 +149,8 @@ async def world(tmp_path: Any) -> AsyncIterator[tuple[Connection, World]]:
         await node.write_file(spare, "/tmp/mine", b"spare")
         w = World(sid=sid, spare=spare, snap=(await node.snapshot(sid)).id,
                   spare_snap=(await node.snapshot(spare)).id,
-                  keep=(await node.create(SandboxSpec())).id)
+                  keep=(await node.create(SandboxSpec())).id, layer=layer.digest,
+                  manifest=msgspec.json.encode(layer))
         yield conn, w
     finally:
         await conn.close()
@@ -150,6 +168,19 @@ def _is(value: Any, tp: Any) -> bool:
 
 
 async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any:
+    if op is ops.LAYER_GET:
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        s.close_write()
+        h = hashlib.sha256()
+        while chunk := await s.recv(1 << 20):
+            h.update(chunk)
+        assert "sha256:" + h.hexdigest() == body["digest"]
+        return await s.result()
+    if op is ops.LAYER_PUT:      # the node holds it: answered at once, nothing read
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        stored = await s.result()
+        assert stored.already
+        return stored
     if isinstance(op, TunnelOp):
         # A duplex row; the simulated backend has no network namespace, so the edge
         # answers that (after the port and generation checks passed); a container

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dsec.errors import DsecError
 from dsec.wire import spec
+from dsec.wire.layers import LayerFetch, LayerRef
 from dsec.wire.spec import SandboxSpec
 
 _I64 = (-(2**63), 2**63 - 1)
@@ -152,6 +153,11 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
         return st.dictionaries(_of(args[0], []), _of(args[1], []), max_size=3)
     if tp is SandboxSpec:   # half within bounds, so requests that validate it get drawn
         return st.one_of(valid_spec(), _struct(tp, {}))
+    if tp in (LayerRef, LayerFetch):   # a full digest (the type refuses anything else)
+        digest = st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True)
+        node = st.text("abcdefgh0123456789-", min_size=1, max_size=12)
+        return (st.builds(LayerRef, digest=digest) if tp is LayerRef else
+                st.builds(LayerFetch, node=node, digest=digest, source=st.none() | node))
     if tp is spec.NetworkPolicy:   # likewise: NetworkUpdate validates its policy
         return st.one_of(valid_policy(), _struct(tp, {}))
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):

@@ -360,7 +360,8 @@ def _die_with_supervisor(pid: int) -> None:
               help="Warm Python workers kept by the fncall backend.")
 @click.option("--layer-store", type=click.Path(file_okay=False), default=None,
               help="Layer store the container backend starts sandboxes from (images and "
-                   "snapshots; `dsec up` passes <state-dir>/layers).")
+                   "snapshots; `dsec up` passes <state-dir>/layers), and that layers move "
+                   "in and out of between nodes (docs/layers.md).")
 @image_budget_option
 @click.option("--backend-opt", "backend_opts", multiple=True, metavar="BACKEND.KEY=VALUE",
               help="Option for one backend's make_backend (repeatable), e.g. "
@@ -511,7 +512,9 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]
-                         net_default=net_default, net_max=net_max)
+                         net_default=net_default, net_max=net_max,
+                         # issue 16: layers move in and out of it whatever the backend
+                         layer_store=layer_store)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

@@ -87,6 +87,7 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
+from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort, PortExpose, PortRef
@@ -459,6 +460,14 @@ class AsyncClient:
     # ------------------------------------------------------------------- public
     async def info(self) -> Info:
         return await self.call(ops.INFO, Empty())
+
+    async def fetch_layer(self, node_id: str, digest: str, *,
+                          source: str | None = None) -> LayerFetched:
+        """Copy a layer and every layer below it onto edge ``node_id`` from a node holding
+        them (superuser; docs/layers.md): to warm a node ahead of creates, which fetch
+        what their node lacks by themselves."""
+        return await self.call(ops.LAYER_FETCH,
+                               LayerFetch(node=node_id, digest=digest, source=source))
 
     async def nodes(self) -> list[NodeView]:
         return (await self.call(ops.NODES, Empty())).items

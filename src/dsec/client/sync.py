@@ -32,6 +32,7 @@ from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
+from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort
@@ -136,6 +137,11 @@ class Client:
 
     def info(self) -> Info:
         return self._run(self._a.info())
+
+    def fetch_layer(self, node_id: str, digest: str, *,
+                    source: str | None = None) -> LayerFetched:
+        """See :meth:`AsyncClient.fetch_layer`."""
+        return self._run(self._a.fetch_layer(node_id, digest, source=source))
 
     def nodes(self) -> list[NodeView]:
         return self._run(self._a.nodes())

@@ -597,7 +597,8 @@ class ClusterRuntime:
                     for n in self._local_backends()}
         node = EdgeNode(NodeConfig(
             node_id=node_id, capacity=bound_disk(self.capacity, backends.values()),
-            state_dir=os.path.join(self.config.state_dir, "edges", node_id)), backends)
+            state_dir=os.path.join(self.config.state_dir, "edges", node_id),
+            layer_store=os.path.join(self.config.state_dir, "layers")), backends)
         await node.start()
         try:
             server = await serve_edge(node, f"unix:{self._sock(node_id)}",

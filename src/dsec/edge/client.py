@@ -191,9 +191,11 @@ class EdgeClient:
         return await self.call(ops.NODE_INFO, Empty(), timeout=timeout)
 
     async def heartbeat(self, *, include_sandboxes: bool = True,
+                        images_gen: int | None = None,
                         timeout: Deadline = USE_CLIENT_DEFAULT) -> Heartbeat:
         return await self.call(ops.HEARTBEAT,
-                               HeartbeatRequest(include_sandboxes=include_sandboxes),
+                               HeartbeatRequest(include_sandboxes=include_sandboxes,
+                                                images_gen=images_gen),
                                timeout=timeout)
 
     async def feed(self, after: int = 0, limit: int = 1000, *,

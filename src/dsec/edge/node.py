@@ -30,8 +30,10 @@ import asyncio
 import builtins
 import collections
 import contextlib
+import hashlib
 import heapq
 import logging
+import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +60,7 @@ from dsec.edge.journal import (
     JournalSync,
     SandboxJournal,
 )
+from dsec.edge.layers import EdgeLayers, find_store, held_layers
 from dsec.edge.lifecycle import (
     FINAL_REASONS,
     NOTICE_REASONS,
@@ -84,6 +87,7 @@ from dsec.errors import (
     WrongNode,
 )
 from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
+from dsec.image.store import LayerStore
 from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
 from dsec.wire.netpolicy import NetworkPolicy, within
@@ -175,6 +179,10 @@ class NodeConfig:
     # The egress policy of a create whose spec names none (``dsec edge --net-default``):
     # what an edge reached directly gives; the apiserver resolves its own before.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # The layer store layers move in and out of (issue 16, dsec.edge.layers) when no
+    # backend mounts from one (a simulated node beside the cluster's store); None: the
+    # container backend's store, if any.
+    layer_store: str | None = None
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -323,6 +331,18 @@ class EdgeNode:
         self._suffix = f"-{self.node_id}"
         for b in self.backends.values():
             b.watch(self._on_death)
+        # Layer transfer (issue 16): this node's store, through its container backend
+        self._own_store: LayerStore | None = None
+        self._images_cache: tuple[tuple[object, ...], builtins.list[str], int] | None = None
+        self.layers = EdgeLayers(self._layer_store)
+
+    def _layer_store(self) -> LayerStore | None:
+        store = find_store(self.backends)
+        if store is None and self.config.layer_store is not None:
+            if self._own_store is None:
+                self._own_store = LayerStore(self.config.layer_store)
+            store = self._own_store
+        return store
 
     # =============================================================== start / close
     async def start(self) -> Self:
@@ -1516,11 +1536,34 @@ class EdgeNode:
             fn = getattr(b, "images_present", None)
             if callable(fn):
                 seen.update(fn())
+        if self.config.layer_store is not None and find_store(self.backends) is None:
+            store = self._layer_store()
+            if store is not None:
+                seen.update(held_layers(store))
         for rec in self._live.values():
             seen.add(rec.spec.image)
         return sorted(seen)
 
-    def heartbeat(self, *, include_sandboxes: bool = True) -> Heartbeat:
+    def _images_now(self) -> tuple[builtins.list[str], int]:
+        """The images this node reports and their fingerprint, recomputed only when the
+        layer store's manifests or names or the live sandboxes' images changed (a
+        listdir of 10,000 manifests per heartbeat otherwise)."""
+        store = self._layer_store()
+        key: tuple[object, ...] = (frozenset(rec.spec.image for rec in self._live.values()),)
+        if store is not None:
+            key += tuple(_mtime_ns(os.path.join(store.root, p))
+                         for p in ("manifests", "refs.json"))
+        cached = self._images_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        images = self.images()
+        gen = int.from_bytes(hashlib.blake2b("\n".join(images).encode(),
+                                             digest_size=8).digest()) >> 1
+        self._images_cache = (key, images, gen)
+        return images, gen
+
+    def heartbeat(self, *, include_sandboxes: bool = True,
+                  images_gen: int | None = None) -> Heartbeat:
         """What the watcher/placement needs to (re)build their view of this node."""
         briefs = None
         if include_sandboxes:
@@ -1534,11 +1577,14 @@ class EdgeNode:
             fn = getattr(b, "pool_stats", None)
             if callable(fn):
                 pools[name] = fn()
+        images, gen = self._images_now()
+        same = images_gen is not None and images_gen == gen
         return Heartbeat(
             node=self.node_id, time=self.clock.time(),
             capacity=self.pool.capacity.as_resources(), physical=self.pool.capacity.physical,
             usage=self.pool.usage(),
-            counts=self.counts(), labels=dict(self.config.labels), images=self.images(),
+            counts=self.counts(), labels=dict(self.config.labels),
+            images=[] if same else images, images_gen=gen, images_same=same,
             backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs,
             pools=pools)
 
@@ -1617,3 +1663,11 @@ def _as_error(exc: BaseException) -> DsecError:
         raise exc
     return DsecError(f"{type(exc).__name__}: {exc}")
 
+
+def _mtime_ns(path: str) -> int:
+    """A file's or directory's mtime in ns (0: absent); a directory's changes with every
+    entry added or removed."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0

@@ -16,6 +16,7 @@ is :class:`~dsec.edge.client.EdgeClient` (re-exported here).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import dataclasses
 
@@ -48,6 +49,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
@@ -83,7 +85,8 @@ class EdgeHandlers:
                         protocol=EDGE_PROTOCOL)
 
     def heartbeat(self, b: HeartbeatRequest) -> Heartbeat:
-        return self.node.heartbeat(include_sandboxes=b.include_sandboxes)
+        return self.node.heartbeat(include_sandboxes=b.include_sandboxes,
+                                   images_gen=b.images_gen)
 
     def feed(self, b: FeedRequest) -> EventFeed:
         return self.node.feed(b.after, b.limit)
@@ -191,6 +194,16 @@ class EdgeHandlers:
         return await self.node.network_update(b.id, b.policy,
                                               expect_generation=b.expect_generation,
                                               ceiling_deny=b.ceiling_deny)
+
+    # ---------------------------------------------------------------- layers (issue 16)
+    async def layer_chain(self, b: LayerRef) -> LayerChain:
+        return await asyncio.to_thread(self.node.layers.chain, b.digest)
+
+    async def layer_get(self, b: LayerRef, stream: DuplexStream) -> None:
+        await self.node.layers.send(b.digest, stream)
+
+    async def layer_put(self, b: LayerPut, stream: DuplexStream) -> LayerStored:
+        return await self.node.layers.receive(b.manifest, stream)
 
 
 class EdgeService:

@@ -546,6 +546,42 @@ class LayerStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
+    def incoming(self) -> str:
+        """A scratch path for a layer file arriving from another node (issue 16): in
+        ``tmp/`` under this process's owner token, so one a kill -9 left half-written is
+        removed by the next store opened (:meth:`_reclaim_scratch`)."""
+        return self._scratch(f"incoming-{secrets.token_hex(6)}.erofs")
+
+    def adopt(self, path: str, manifest: LayerManifest) -> LayerManifest:
+        """Publish the layer file at ``path`` (a scratch path, :meth:`incoming`), whose
+        sha256 the caller checked to be ``manifest.digest``: renamed into ``layers/``,
+        then its manifest written, under the store's lock, then the budget enforced as
+        for a build (least recently used unreferenced layers go, never this one). A layer
+        already stored is kept and ``path`` removed (idempotent). Refuses a manifest whose
+        layers below (``parent``, ``stack``) are not here: publish lowest first."""
+        hx = manifest.digest.removeprefix(DIGEST_PREFIX)
+        try:
+            with self._locked():
+                for below in (*manifest.stack, *((manifest.parent,) if manifest.parent else ())):
+                    if self._load_opt(below.removeprefix(DIGEST_PREFIX)) is None:
+                        raise ImageError(f"cannot store layer {manifest.digest}: the layer "
+                                         f"{below} it stands on is not in {self.root}")
+                existing = self._load_opt(hx)
+                if existing is not None and os.path.exists(self.layer_path(hx)):
+                    self.touch(hx)
+                    return existing
+                os.chmod(path, _LAYER_MODE)
+                os.replace(path, self.layer_path(manifest.digest))
+                _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+                if self.budget_bytes is not None:
+                    self._prune_locked(budget_bytes=self.budget_bytes,
+                                       keep=(manifest.digest,),
+                                       idle_before=time.time() - BUDGET_GRACE_S)
+                return manifest
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
     @staticmethod
     def _too_big(what: str, size: int, limit: int, qualifier: str) -> QuotaExceeded:
         return QuotaExceeded(

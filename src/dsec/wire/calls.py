@@ -395,6 +395,9 @@ class FeedRequest(_Call, kw_only=True):
 
 class HeartbeatRequest(_Call, kw_only=True):
     include_sandboxes: bool = True
+    #: the ``Heartbeat.images_gen`` the caller holds: an edge whose images are still
+    #: that set answers ``images_same`` instead of the list (None: send the list)
+    images_gen: int | None = None
 
 
 # ------------------------------------------------------------------ network

@@ -147,6 +147,12 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     counts: dict[str, int]          # live sandboxes by state
     labels: dict[str, str] = {}
     images: list[str] = []          # image refs present on the node
+    # A fingerprint of ``images`` (issue 16): the control plane asks with the one it
+    # holds, and an edge whose set is unchanged answers ``images_same`` and no list.
+    # Measured: 10,000 layer digests are 730 KB of msgpack per heartbeat (386 KB
+    # zlib'd), every second per edge; unchanged, 20 bytes.
+    images_gen: int = 0
+    images_same: bool = False
     backends: list[str] = []
     feed_seq: int = 0               # last event sequence number (see EventFeed)
     sandboxes: list[SandboxBrief] | None = None

@@ -86,6 +86,14 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.layers import (
+    LayerChain,
+    LayerFetch,
+    LayerFetched,
+    LayerPut,
+    LayerRef,
+    LayerStored,
+)
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -137,6 +145,10 @@ __all__ = [
     "IMAGE_PROMOTE",
     "IMAGE_TAG",
     "INFO",
+    "LAYER_CHAIN",
+    "LAYER_FETCH",
+    "LAYER_GET",
+    "LAYER_PUT",
     "LIST",
     "LIST_DIR",
     "MKDIR",
@@ -771,6 +783,35 @@ NODE_UNDRAIN: Op[NodeRef, NodeView] = Op(
     role=None, target="cluster", idempotent=True, doors=API_DOORS,
     rest=Rest(method="DELETE", path="/v1/nodes/{id}/drain", operation_id="undrainNode",
               tag="nodes"))
+# Issue 16: layers move between nodes (docs/layers.md). The edge's own rows, called by the
+# control plane only, which relays a holder's layer_get into a receiver's layer_put.
+LAYER_CHAIN: Op[LayerRef, LayerChain] = Op(
+    "layer_chain", LayerRef, LayerChain,
+    summary="A layer's manifest and those of every layer below it, lowest first",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+LAYER_GET: TunnelOp[LayerRef, None] = TunnelOp(
+    "layer_get", LayerRef, None,
+    summary="A layer file's bytes (duplex: the holder writes them and half-closes)",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+LAYER_PUT: TunnelOp[LayerPut, LayerStored] = TunnelOp(
+    "layer_put", LayerPut, LayerStored,
+    summary="Take in a layer (duplex: its bytes follow the manifest); checked against "
+            "the manifest's size and the digest before it is published",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+# The API's face of layer transfer: creates fetch what their node lacks by themselves;
+# this warms a node ahead (before a burst, before draining another). A superuser's: a
+# node's store is every project's and a fetch fills its disk (role None: the policy is
+# ControlPlane.fetch_layer's).
+LAYER_FETCH: Op[LayerFetch, LayerFetched] = Op(
+    "layer_fetch", LayerFetch, LayerFetched,
+    summary="Copy a layer and every layer below it onto a node from a node holding them "
+            "(superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{node}/layers", operation_id="fetchLayer",
+              body="*", tag="nodes"))
 
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
@@ -788,6 +829,10 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_PROMOTE,
     NODE_DRAIN,
     NODE_UNDRAIN,
+    LAYER_CHAIN,
+    LAYER_GET,
+    LAYER_PUT,
+    LAYER_FETCH,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -42,6 +42,7 @@ Durable state is in the store only: sessions (``sessions`` table), idempotency k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -58,6 +59,7 @@ from dsec.control.api.service import ApiService, Caller, EdgeOps
 from dsec.control.ceiling import Ceiling, NodeSize
 from dsec.control.drain import Drains
 from dsec.control.iam import Iam
+from dsec.control.layers import LayerMover
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementNode, PlacementRequest
 from dsec.control.quota import Quota, QuotaIndex
@@ -109,6 +111,7 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import NodeId, node_of
+from dsec.image.manifest import parse_ref
 from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
@@ -124,6 +127,7 @@ from dsec.wire.api import (
     QuotaBody,
     SessionView,
 )
+from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     SandboxEvent,
@@ -234,6 +238,10 @@ class EdgeEntry:
     last_seen: float = 0.0
     feed_after: int = 0
     images: frozenset[str] = frozenset()    # image refs / snapshot ids the edge holds
+    images_gen: int = 0                     # their fingerprint (Heartbeat.images_gen)
+    # layers this apiserver copied onto the node: there by digest only (a name of this
+    # apiserver's store means nothing to the node's store); bounded by the node's layers
+    fetched: set[str] = field(default_factory=set)
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
@@ -290,6 +298,7 @@ class ControlPlane:
     images: ImageAdmin = field(init=False)
     # Nodes drained by an administrator (dsec.control.drain): no new placements there.
     drains: Drains = field(init=False)
+    mover: LayerMover = field(init=False)     # layers between nodes (dsec.control.layers)
 
     def __post_init__(self) -> None:
         self.drains = Drains(self.store, clock=self.clock,
@@ -299,6 +308,10 @@ class ControlPlane:
                            sync_snapshots=self._sync_snapshots, caches=lambda: self.service,
                            image_bytes=lambda project: self.images.image_bytes(project))
         self.images = ImageAdmin(self)
+        self.mover = LayerMover(link=lambda n: self.edge(NodeId(n)),
+                                holders=self._holders, holds=self._node_holds,
+                                nodes=self._healthy_nodes, copied=self._copied_layer,
+                                note=self._note_layer)
 
     @property
     def layer_dir(self) -> str | None:
@@ -444,6 +457,8 @@ class ControlPlane:
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
         # that already hold the image's layers higher (locality, no first-mount cost).
         refs = (spec.image, *((spec.workspace,) if spec.workspace else ()), *spec.toolkits)
+        if spec.backend in LAYERED_BACKENDS:
+            refs = tuple(self._digest_of(r) for r in refs)
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
                                group=project_of(spec), layers=refs)
@@ -451,22 +466,27 @@ class ControlPlane:
         if drained:
             exclude = exclude | drained
         if spec.snapshot is not None:
-            return self._place_on_holder(spec.snapshot, req, exclude)
+            return self._place_on_holder(spec.snapshot, req, exclude,
+                                         movable=spec.backend in LAYERED_BACKENDS)
         return self.placement.place(req, exclude=exclude)
 
-    # Snapshots live in the layer store of the node that took them, so a sandbox started
-    # from one must go to a node holding it: image affinity as a hard filter. The holders
-    # are few (one node, or the edges sharing one machine's store), so they are scored
-    # directly instead of going through k-choice sampling.
-    def _place_on_holder(self, ref: str, req: PlacementRequest,
-                         exclude: frozenset[str]) -> Decision:
-        now = self.clock()
-        holders = [n for n, e in self.edges.items()
-                   if self._healthy(e, now) and _holds(e, ref)]
+    # Snapshots live in the layer store of the node that took them. A sandbox started
+    # from one goes preferably to a node holding it (the snapshot's digest is the
+    # request's layer: k-choice's locality draw and score), and to any other node with
+    # room otherwise, which fetches the chain from a holder first (ensure_layers, issue
+    # 16). A snapshot on no healthy node cannot start anywhere.
+    # Backends whose snapshots are not layers (simulated, fncall) cannot move them: there
+    # the holders are a hard filter, scored directly (they are few).
+    def _place_on_holder(self, ref: str, req: PlacementRequest, exclude: frozenset[str],
+                         *, movable: bool) -> Decision:
+        holders = self._holders(ref)
         if not holders:
             raise ImageNotFound(
                 f"snapshot {ref[:80]!r} is on no healthy node of this cluster; snapshots live "
                 "on the node that took them (GET /v1/snapshots lists them)", ref=ref[:80])
+        if movable:
+            return self.placement.place(msgspec.structs.replace(req, layers=(ref,)),
+                                        exclude=exclude)
         best: tuple[float, str] | None = None
         for n in holders:
             if n in exclude:
@@ -481,6 +501,112 @@ class ControlPlane:
                 f"{sorted(exclude)}); free capacity there or snapshot elsewhere",
                 candidates=len(holders), refused=sorted(exclude))
         return self.placement.commit_to(best[1], req)
+
+    # ------------------------------------------------------ layers between nodes
+    def _digest_of(self, ref: str) -> str:
+        """The digest this apiserver's store names ``ref`` by (names are per store,
+        digests the same on every node: placement's locality compares digests), or
+        ``ref`` itself (a digest, or a name of no store here)."""
+        if _is_digest(ref) or self.images.layer_dir is None:
+            return ref
+        index = self.images._index()
+        if index is None:
+            return ref
+        try:
+            return index.digest_of(parse_ref(ref).key) or ref
+        except InvalidArgument:
+            return ref
+
+    def _holders(self, ref: str) -> list[str]:
+        """Healthy nodes holding ``ref`` (as they reported, or were given since)."""
+        now = self.clock()
+        return [n for n, e in self.edges.items() if self._healthy(e, now) and _holds(e, ref)]
+
+    def _healthy_nodes(self) -> list[str]:
+        now = self.clock()
+        return [n for n, e in self.edges.items() if self._healthy(e, now)]
+
+    def _node_holds(self, node: str, ref: str) -> bool:
+        e = self.edges.get(node)
+        return e is not None and _holds(e, ref)
+
+    def _note_layer(self, node: str, digest: str) -> None:
+        e = self.edges.get(node)
+        if e is not None:
+            e.noted.add(digest)
+
+    def _copied_layer(self, node: str, digest: str) -> None:
+        e = self.edges.get(node)
+        if e is not None:
+            e.fetched.add(digest)
+
+    async def ensure_layers(self, node: str, spec: SandboxSpec) -> SandboxSpec:
+        """Before ``spec`` is created on ``node``: copy onto it, from healthy holders,
+        the layers it lacks (the snapshot's chain, or the image's, workspace's and
+        toolkits' layers); the spec the edge should get. A name the node does not
+        hold (its store is not the cluster's, on another host) is sent as the digest
+        this apiserver's store names (a node's store resolves digests exactly; names
+        are per store). Refs that are neither digests nor names of this apiserver's
+        store are the backend's own (plain image directories, simulated) and left as
+        they are."""
+        if spec.backend not in LAYERED_BACKENDS:
+            return spec     # its images are the backend's own names, its snapshots no layers
+        if spec.snapshot is not None:
+            if _is_digest(spec.snapshot) and not self._node_holds(node, spec.snapshot):
+                await self.mover.fetch(node, spec.snapshot, kind="snapshot")
+            return spec
+        index = self.images._index()
+        changed: dict[str, Any] = {}
+
+        e = self.edges.get(node)
+        fetched = e.fetched if e is not None else set()
+
+        async def one(ref: str) -> str:
+            if self._node_holds(node, ref):
+                return ref
+            digest = ref if _is_digest(ref) else None
+            if digest is None and index is not None:
+                with contextlib.suppress(InvalidArgument):
+                    digest = index.digest_of(parse_ref(ref).key)
+            if digest is None:
+                return ref
+            if digest in fetched:
+                return digest   # the node has it by digest only: copied there by us
+            if self._node_holds(node, digest):
+                return ref      # its store has the layer, and the name with it
+            got = await self.mover.fetch(node, digest, kind="image")
+            # Copied: the node has the layer by digest only. Found there by asking (a
+            # layer made since its last heartbeat: a store it shares, which has the
+            # name too): the name stays, as the caller wrote it.
+            return digest if digest in got.copied else ref
+
+        image = await one(spec.image)
+        if image != spec.image:
+            changed["image"] = image
+        if spec.workspace:
+            ws = await one(spec.workspace)
+            if ws != spec.workspace:
+                changed["workspace"] = ws
+        toolkits = tuple([await one(t) for t in spec.toolkits])
+        if toolkits != spec.toolkits:
+            changed["toolkits"] = toolkits
+        return msgspec.structs.replace(spec, **changed) if changed else spec
+
+    async def fetch_layer(self, caller: Caller, req: LayerFetch) -> LayerFetched:
+        """``layer_fetch``: a superuser copies a layer (and its chain) onto a node, e.g.
+        to warm a node before a burst or before draining another. Tenants cannot: a
+        fetch fills a node's disk and its store is every project's."""
+        if not caller.superuser:
+            raise PermissionDenied(
+                "layer_fetch is a superuser's: a node's layer store holds every project's "
+                "layers and fetching fills its disk; ask an operator", field="node")
+        if req.node not in self.edges:
+            raise NotFound(f"no node {req.node!r} in this cluster; GET /v1/nodes lists them",
+                           node=req.node)
+        if req.source is not None and req.source not in self.edges:
+            raise NotFound(f"no node {req.source!r} in this cluster; GET /v1/nodes lists "
+                           "them", node=req.source)
+        return await self.mover.fetch(req.node, req.digest, source=req.source)
 
     def note_snapshot(self, node: str, snapshot_id: str) -> None:
         """A snapshot was just taken on ``node``: route creates from it there before the
@@ -942,7 +1068,8 @@ class ControlPlane:
             if link is None:
                 return
             full = self.clock() - e.listed_at >= self.config.sandbox_list_interval_s
-            hb = await link.heartbeat(include_sandboxes=full, timeout=t)
+            hb = await link.heartbeat(include_sandboxes=full, timeout=t,
+                                      images_gen=e.images_gen if e.heartbeat else None)
             if hb.feed_seq < e.feed_after:
                 # The edge restarted: its feed numbering started over, and what it holds
                 # now is only known from a full list.
@@ -968,7 +1095,9 @@ class ControlPlane:
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
-        e.images = frozenset(hb.images)
+        if not hb.images_same:
+            e.images = frozenset(hb.images)
+            e.images_gen = hb.images_gen
         if e.noted:
             e.noted -= e.images
         e.feed_after = feed.next
@@ -1318,6 +1447,15 @@ def _info_of(rec: SandboxRecord) -> SandboxInfo:
     spec = resolve(spec, backend=rec.backend, project=rec.project)  # type: ignore[arg-type]
     return SandboxInfo(id=rec.id, node=rec.node, state="paused" if rec.paused else "running",
                        spec=spec, created_at=rec.created_at, last_active_at=rec.created_at)
+
+
+LAYERED_BACKENDS = frozenset({"container", "runc", "vm"})
+"""Backends whose sandboxes mount layers of the node's store (and whose snapshots are
+layers): the ones a create may fetch layers for."""
+
+
+def _is_digest(ref: str) -> bool:
+    return len(ref) == 71 and ref.startswith("sha256:")
 
 
 def _holds(e: EdgeEntry, ref: str) -> bool:

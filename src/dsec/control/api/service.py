@@ -124,6 +124,7 @@ from dsec.wire.calls import (
     create_of,
     rest_form,
 )
+from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
@@ -329,6 +330,7 @@ class AdminOps(Protocol):
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
+    async def fetch_layer(self, caller: Caller, req: LayerFetch) -> LayerFetched:
         raise NotImplementedError
 
 
@@ -958,13 +960,31 @@ class ApiService:
                 self.placer.refused(dec)
                 exclude.add(node)
                 continue
+            # Layers the node lacks come first, from a node holding them (issue 16,
+            # dsec.control.layers): a node without room for them, or unreachable for the
+            # copy, is refused like one without room for the sandbox (nothing was created)
+            here = spec
+            ensure = getattr(self.directory, "ensure_layers", None)
+            if ensure is not None:
+                try:
+                    here = await ensure(node, spec)
+                except (CapacityExceeded, *_LINK_ERRORS) as exc:
+                    self.placer.refused(dec)
+                    exclude.add(node)
+                    last = exc
+                    if attempt < self.config.placement_retries:
+                        self.metrics.placement_retries.inc()
+                    continue
+                except BaseException:
+                    self.placer.refused(dec)
+                    raise
             sid: str | None = None
             sent = not getattr(getattr(edge, "conn", None), "closed", False)
             try:
                 if claim is not None:
                     sid = _new_sandbox_id(node)
                     claim.note(sid)
-                info = await self._edge_create(edge, spec, sid)
+                info = await self._edge_create(edge, here, sid)
             except CapacityExceeded as exc:
                 # The edge's own view said no: exclude it, pick again.
                 self.placer.refused(dec)
@@ -1470,6 +1490,7 @@ class ApiService:
             "image_prune": self._image_prune_op,
             "image_pull": self._image_pull_op,
             "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
+            "layer_fetch": self._layer_fetch_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1707,6 +1728,8 @@ class ApiService:
 
     async def _node_undrain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=False)
+    async def _layer_fetch_op(self, caller: Caller, b: LayerFetch) -> LayerFetched:
+        return await self._admin().fetch_layer(caller, b)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "

@@ -1,0 +1,119 @@
+"""Layer transfer between nodes (issue 16, docs/layers.md): request and reply bodies.
+
+Layers are named by the sha256 of their EROFS file, so any copy can be checked by the
+node that receives it. The control plane moves a layer from a node that holds it to one
+that lacks it by relaying two duplex streams (edges never dial each other, so this works
+through TLS and every door the control plane already has):
+
+- ``layer_chain`` (holder): the manifests of a layer and every layer below it (its
+  snapshot parents, its image stack), lowest first - the order they are published in;
+- ``layer_get`` (holder, duplex): the layer file's bytes;
+- ``layer_put`` (receiver, duplex): the receiver checks the manifest, writes the bytes to
+  a temp file in its store (bounded by the manifest's size), checks the sha256 of the
+  whole file against the digest and only then publishes it.
+
+A manifest travels as the JSON the holder's store wrote
+(:class:`dsec.image.manifest.LayerManifest`): the wire package does not import the image
+package; the receiving edge decodes and checks it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from dsec.errors import InvalidArgument
+from dsec.wire.calls import _Call
+
+__all__ = [
+    "MAX_CHAIN",
+    "MAX_MANIFEST_BYTES",
+    "LayerChain",
+    "LayerFetch",
+    "LayerFetched",
+    "LayerPut",
+    "LayerRef",
+    "LayerStored",
+    "check_digest",
+]
+
+MAX_MANIFEST_BYTES = 256 * 1024
+"""A manifest's JSON: labels and a stack of digests, a few KiB in practice."""
+MAX_CHAIN = 4096
+"""Layers below one layer (a snapshot chain of thousands of steps is already a defect)."""
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def check_digest(value: str, field: str = "digest") -> None:
+    """A full layer digest, ``sha256:`` and 64 lowercase hex digits (never a prefix: a
+    transfer names exactly one layer, and a prefix could be made to match another)."""
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise InvalidArgument(
+            f"invalid {field} {str(value)[:80]!r}: a layer transfer names a full digest, "
+            "sha256: and 64 lowercase hex digits", field=field)
+
+
+class LayerRef(_Call, kw_only=True):
+    """``layer_chain`` / ``layer_get``: one layer by its full digest."""
+
+    digest: str
+
+    def __post_init__(self) -> None:
+        check_digest(self.digest)
+
+
+class LayerChain(msgspec.Struct, kw_only=True):
+    """A layer and every layer it stands on (snapshot parents, image stack), lowest
+    first; each the holder's manifest JSON."""
+
+    manifests: list[bytes]
+
+
+class LayerPut(_Call, kw_only=True):
+    """``layer_put``: the manifest of the layer whose bytes follow on the stream."""
+
+    manifest: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.manifest) > MAX_MANIFEST_BYTES:
+            raise InvalidArgument(
+                f"layer manifest of {len(self.manifest)} bytes is over the limit of "
+                f"{MAX_MANIFEST_BYTES}", field="manifest", limit=MAX_MANIFEST_BYTES)
+
+
+class LayerStored(msgspec.Struct, kw_only=True):
+    """``layer_put``'s answer: the layer is in the receiver's store (``already``: it was
+    before this put, and no byte was read)."""
+
+    digest: str
+    size_bytes: int
+    already: bool = False
+
+
+class LayerFetch(_Call, kw_only=True):
+    """``layer_fetch`` (the API's, superuser only): copy the layer ``digest`` and every
+    layer below it onto ``node`` from a node holding them (``source``: that one)."""
+
+    node: str
+    digest: str
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        check_digest(self.digest)
+        for f, v in (("node", self.node), ("source", self.source)):
+            if v is not None and (not v or len(v) > 128 or not v.isprintable() or "/" in v):
+                raise InvalidArgument(f"invalid {f} {v[:60]!r}: a node id is 1..128 "
+                                      "printable characters without '/'", field=f)
+
+
+class LayerFetched(msgspec.Struct, kw_only=True):
+    """What a fetch moved: the layers copied onto ``node`` (lowest first), the ones it
+    already held, and the bytes relayed."""
+
+    node: str
+    digest: str
+    copied: list[str] = []
+    present: list[str] = []
+    bytes: int = 0
