@@ -330,6 +330,7 @@ class AdminOps(Protocol):
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
+        raise NotImplementedError
     async def fetch_layer(self, caller: Caller, req: LayerFetch) -> LayerFetched:
         raise NotImplementedError
 
@@ -1728,6 +1729,7 @@ class ApiService:
 
     async def _node_undrain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=False)
+
     async def _layer_fetch_op(self, caller: Caller, b: LayerFetch) -> LayerFetched:
         return await self._admin().fetch_layer(caller, b)
 
