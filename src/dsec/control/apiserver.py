@@ -108,6 +108,9 @@ class RestConfig:
     proxy_tunnels_per_client: int | None = None
     # An HTTP tunnel with no byte either way this long is reclaimed (504).
     proxy_idle_s: float = 30.0
+    # Routes of other floors served beside the catalogue's (the cluster join and
+    # membership routes, dsec.cluster.join.join_routes): Starlette Route objects.
+    extra_routes: tuple[Any, ...] = ()
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -375,6 +378,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     routes += [Route("/healthz", healthz), Route("/metrics", metrics_ep),
                Route("/openapi.json", openapi)]
+    routes += list(cfg.extra_routes)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         from dsec.errors import NotFound

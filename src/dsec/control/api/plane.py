@@ -212,6 +212,7 @@ class EdgeEntry:
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
+    tls: Any = None                         # a joined edge's EdgeTls (dsec.cluster.membership)
     # How the last poll failed ("" = it worked): "answered" / "blind" hold the node
     # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
     failure: str = ""
@@ -312,9 +313,30 @@ class ControlPlane:
 
     # -------------------------------------------------------------- edges
     def add_edge(self, node: str, address: str, link: EdgeOps, *,
-                 token: bytes | str | None = None) -> None:
-        """Register an edge; ``token`` is what :meth:`_link` reconnects with."""
-        self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token)
+                 token: bytes | str | None = None, tls: Any = None) -> None:
+        """Register an edge; ``token`` and ``tls`` are what :meth:`_link` reconnects with."""
+        self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token,
+                                     tls=tls)
+
+    async def remove_edge(self, node: str, *, reason: str, detail: str) -> int:
+        """Stop using edge ``node`` (a revoked joined node): out of placement, its link
+        closed, and every sandbox recorded on it written off with ``reason`` (an event
+        each, and a tombstone: GET and /events answer it as lost). Returns how many."""
+        e = self.edges.pop(node, None)
+        self.placement.remove(node)
+        now = self.clock()
+        rows = [self._tombstone(rec, reason, now, detail=detail)
+                for rec in self.registry.evict_node(node, reason=reason)]
+        if rows:
+            self.store.put_lost(rows, keep=self.config.lost_tombstones)
+        self.registry.flush()
+        if e is not None:
+            try:
+                await e.link.close()
+            except DsecError:
+                pass
+        log.warning("edge %s removed (%s): %d sandbox(es) written off", node, detail, len(rows))
+        return len(rows)
 
     def edge(self, node: NodeId) -> EdgeOps | None:
         e = self.edges.get(node)
@@ -748,7 +770,7 @@ class ControlPlane:
         from dsec.edge.client import EdgeClient
         try:
             async with asyncio.timeout(self.config.poll_timeout_s):
-                fresh = await EdgeClient.connect(e.address, token=e.token)
+                fresh = await EdgeClient.connect(e.address, token=e.token, tls=e.tls)
         except TimeoutError as exc:
             raise ConnectionLost(f"could not connect to edge {e.node} at {e.address} within "
                                  f"{self.config.poll_timeout_s:g}s") from exc
