@@ -37,9 +37,10 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command()
-@click.option("--edge", "edges", multiple=True, required=True, metavar="NODE=ADDR",
+@click.option("--edge", "edges", multiple=True, metavar="NODE=ADDR",
               help="An edge to use (repeatable): NODE=unix:PATH or NODE=tcp:HOST:PORT; "
-                   "NODE is the edge's --node-id.")
+                   "NODE is the edge's --node-id. Edges may also join by token "
+                   "(`dsec cluster token create`, `dsec edge --join`).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the control plane's state lives (default $DSEC_STATE_DIR or "
                    "~/.dsec).")
@@ -88,7 +89,7 @@ async def _run(cfg: Any, quiet: bool) -> None:
         if quiet:
             return
         click.echo(f"dsec apiserver  REST {rt.url}  gateway {rt.gateway_address}  state "
-                   f"{cfg.state_dir}  edges {', '.join(cfg.remote_edges)}", err=True)
+                   f"{cfg.state_dir}  edges {', '.join(cfg.remote_edges) or '(joined only)'}", err=True)
         click.echo(f"admin key: {rt.admin_key}  (also in {cfg.state_dir}/local.json)",
                    err=True)
 

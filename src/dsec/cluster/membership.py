@@ -81,14 +81,14 @@ class Membership:
                 continue
             e = self.plane.edges.get(row.node_id)
             if row.revoked:
-                if e is not None and e.tls is not None:
-                    await self.plane.remove_edge(
+                if e is not None and e.tls is not None and not e.revoked:
+                    await self.plane.revoke_edge(
                         row.node_id, reason="node_revoked",
                         detail=f"node {row.node_id} was revoked from the cluster "
                                "(`dsec cluster node revoke`); its sandboxes are written off")
                 continue
-            if e is None:
-                await self._add(row)
+            if e is None or (e.revoked and e.tls is not None):
+                await self._add(row)     # new, or the id joined again after a revocation
             elif e.tls is not None and e.address != row.address:
                 log.info("joined edge %s moved from %s to %s", row.node_id, e.address,
                          row.address)

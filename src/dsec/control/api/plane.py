@@ -213,6 +213,7 @@ class EdgeEntry:
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
     tls: Any = None                         # a joined edge's EdgeTls (dsec.cluster.membership)
+    revoked: str = ""                       # why it was revoked ("": it is not; revoke_edge)
     # How the last poll failed ("" = it worked): "answered" / "blind" hold the node
     # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
     failure: str = ""
@@ -318,11 +319,13 @@ class ControlPlane:
         self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token,
                                      tls=tls)
 
-    async def remove_edge(self, node: str, *, reason: str, detail: str) -> int:
-        """Stop using edge ``node`` (a revoked joined node): out of placement, its link
-        closed, and every sandbox recorded on it written off with ``reason`` (an event
-        each, and a tombstone: GET and /events answer it as lost). Returns how many."""
-        e = self.edges.pop(node, None)
+    async def revoke_edge(self, node: str, *, reason: str, detail: str) -> int:
+        """Stop using edge ``node`` for good (a revoked joined node): out of placement,
+        its link cut and never redialled, and every sandbox recorded on it written off
+        with ``reason`` (an event each, and a tombstone: GET and /events answer it as
+        lost). The entry stays, status ``revoked``, so its sandbox ids still route to
+        their tombstones. Returns how many sandboxes were written off."""
+        e = self.edges.get(node)
         self.placement.remove(node)
         now = self.clock()
         rows = [self._tombstone(rec, reason, now, detail=detail)
@@ -331,11 +334,13 @@ class ControlPlane:
             self.store.put_lost(rows, keep=self.config.lost_tombstones)
         self.registry.flush()
         if e is not None:
+            e.revoked, e.heartbeat = detail, None
             try:
                 await e.link.close()
             except DsecError:
                 pass
-        log.warning("edge %s removed (%s): %d sandbox(es) written off", node, detail, len(rows))
+        log.warning("edge %s revoked (%s): %d sandbox(es) written off", node, detail,
+                    len(rows))
         return len(rows)
 
     def edge(self, node: NodeId) -> EdgeOps | None:
@@ -351,6 +356,8 @@ class ControlPlane:
         ``unreachable`` (this apiserver failed to use its link, or it answered with an
         error: held, sandboxes kept); ``silent`` (no answer: lost after node_ttl_s);
         ``lost`` (expired: its sandboxes were evicted)."""
+        if e.revoked:
+            return "revoked", e.revoked
         if self.watcher.is_expired(e.node):
             return "lost", e.problem or f"no heartbeat for more than {self.config.node_ttl_s:g}s"
         if e.failure in ("answered", "blind"):
@@ -760,6 +767,8 @@ class ControlPlane:
         the network dropped): Aether connections do not reconnect on their own. None
         while waiting to retry; a failed reconnect raises (its cause matters)."""
         link: Any = e.link
+        if e.revoked:
+            return None          # never redialled (revoke_edge)
         conn = getattr(link, "conn", None)
         if conn is None or not conn.closed:
             return link

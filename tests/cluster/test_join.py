@@ -1,0 +1,256 @@
+"""Edges join a cluster over TCP+TLS with a token (issue 16 "Hosts"), for real: an
+apiserver runtime in this process, `dsec edge --join` processes on loopback (and in a
+network namespace test host), creates and execs through the REST door, a wrong-CA edge,
+a revoked edge, a restarted edge that rejoins without its token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dsec.cluster.runtime import ClusterConfig, ClusterRuntime
+from dsec.control.api.plane import PlaneConfig
+
+DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    s = socket.socket()
+    s.bind((host, 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        await asyncio.sleep(0.1)
+
+
+class EdgeProc:
+    """One `dsec edge --join` process (optionally inside a network namespace)."""
+
+    def __init__(self, state_dir: Path, listen: str, *, netns: str | None = None) -> None:
+        self.state_dir, self.listen, self.netns = state_dir, listen, netns
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = state_dir.parent / f"{state_dir.name}.log"
+
+    def start(self, *args: str, env: dict[str, str] | None = None) -> EdgeProc:
+        pre = ["ip", "netns", "exec", self.netns] if self.netns else []
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*pre, *DSEC, "edge", "--listen", self.listen, "--state-dir",
+                 str(self.state_dir), "--backend", "simulated", "--log-level", "info",
+                 *args], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                env={**os.environ, **(env or {})})
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    async def serving(self) -> None:
+        await eventually(lambda: "listening on" in self.output() or self.exited(), 60,
+                         "the edge to serve")
+        assert "listening on" in self.output(), self.output()
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    async def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop it without blocking the loop the apiserver under test runs on."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                await eventually(self.exited, 30, "the edge to stop")
+            except AssertionError:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@contextlib.asynccontextmanager
+async def apiserver(state: Path, listen: str = "127.0.0.1:0") -> AsyncIterator[ClusterRuntime]:
+    cfg = ClusterConfig(state_dir=str(state), listen=listen, gateway=None, edges=0,
+                        write_local=False,
+                        plane=PlaneConfig(heartbeat_interval_s=0.3, node_ttl_s=30.0,
+                                          poll_timeout_s=2.0, reconnect_interval_s=0.3))
+    rt = await ClusterRuntime(cfg).start()
+    try:
+        yield rt
+    finally:
+        await rt.stop(keep=True)
+
+
+def rest(rt: ClusterRuntime) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=rt.url, timeout=30.0,
+                             headers={"authorization": f"Bearer {rt.admin_key}"})
+
+
+def healthy(rt: ClusterRuntime, node: str) -> bool:
+    e = rt.plane.edges.get(node) if rt.plane else None
+    return e is not None and e.heartbeat is not None and not e.failure
+
+
+async def create_and_exec(http: httpx.AsyncClient) -> str:
+    r = await http.post("/v1/sandboxes", json={"image": "base"})
+    assert r.status_code == 201, r.text
+    sid = str(r.json()["id"])
+    r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["echo", "hi"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["exit_code"] == 0, r.text
+    return sid
+
+
+async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
+    async with apiserver(tmp_path / "cp") as rt, rest(rt) as http:
+        # a token through the superuser REST route; an edge's certificate is no API key
+        r = await http.post("/v1/cluster/tokens", json={"ttl_s": 600, "uses": 1})
+        assert r.status_code == 201, r.text
+        token = r.json()["token"]
+        port = free_port()
+        edge = EdgeProc(tmp_path / "far", f"tcp:127.0.0.1:{port}")
+        try:
+            edge.start("--join", rt.url, "--node-id", "far-1", env={"DSEC_JOIN_TOKEN": token})
+            await edge.serving()
+            await eventually(lambda: healthy(rt, "far-1"), 30, "far-1 healthy")
+            e = rt.plane.edges["far-1"]
+            assert e.tls is not None     # dialled over mutual TLS
+            sid = await create_and_exec(http)
+            assert sid.endswith("-far-1")
+            # key files never world-readable
+            for name in ("node.key", "node.crt", "ca.crt", "join.json"):
+                p = tmp_path / "far" / "cluster" / name
+                assert (p.stat().st_mode & 0o077) == 0, name
+            # single use: a second edge with the same token is refused and creates nothing
+            other = EdgeProc(tmp_path / "far2", f"tcp:127.0.0.1:{free_port()}")
+            other.start("--join", rt.url, "--node-id", "far-2",
+                        env={"DSEC_JOIN_TOKEN": token})
+            await eventually(other.exited, 60, "the second edge to give up")
+            assert "join token refused" in other.output(), other.output()
+            assert not (tmp_path / "far2" / "cluster" / "node.crt").exists()
+            assert [n.node_id for n in rt.join_authority.list_nodes()] == ["far-1"]
+
+            # restart without the token: it rejoins from its persisted certificate, and
+            # its sandbox is still there
+            await edge.stop()
+            edge.start()
+            await edge.serving()
+            await eventually(lambda: healthy(rt, "far-1") and not
+                             rt.plane.edges["far-1"].link.conn.closed, 30, "far-1 back")
+            r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
+            assert r.status_code == 200, r.text
+            assert "rejoined the cluster" in edge.output()
+
+            # revoke: every replica drops it, its sandboxes are reported lost
+            r = await http.post("/v1/cluster/nodes/far-1/revoke")
+            assert r.status_code == 204, r.text
+            await eventually(lambda: rt.plane.edges["far-1"].revoked, 10, "far-1 revoked")
+            r = await http.get(f"/v1/sandboxes/{sid}")
+            assert r.status_code == 200 and r.json()["state"] == "destroyed", r.text
+            assert r.json()["reason"] == "node_revoked"
+            r = await http.get(f"/v1/sandboxes/{sid}/events")
+            assert "node_revoked" in r.text
+            # the edge, still serving, is never dialled again: the row is revoked and its
+            # certificate is on the denylist
+            assert rt.membership.denied
+            # and it cannot come back with its old certificate
+            await edge.stop()
+            edge.start()
+            await eventually(edge.exited, 60, "the revoked edge to give up")
+            assert "revoked" in edge.output()
+            await asyncio.sleep(1.5)          # a membership re-read or two
+            assert rt.plane.edges["far-1"].revoked and not healthy(rt, "far-1")
+            r = await http.get("/v1/nodes")
+            (view,) = [n for n in r.json()["items"] if n["id"] == "far-1"]
+            assert view["status"] == "revoked", view
+            r = await http.post("/v1/sandboxes", json={"image": "base"})
+            assert r.status_code >= 400, r.text     # nothing placed on a revoked node
+        finally:
+            await edge.stop()
+            if "other" in locals():
+                await other.stop()
+
+
+async def test_wrong_ca_edge_is_refused(tmp_path: Path) -> None:
+    """An edge whose certificate comes from another cluster's CA, at an address the
+    cluster has recorded for a node: the handshake fails, nothing is placed on it."""
+    async with apiserver(tmp_path / "a") as rt_a, apiserver(tmp_path / "b") as rt_b, \
+            rest(rt_a) as http_a:
+        tok_b, _ = rt_b.join_authority.create_token(ttl_s=600, uses=1)
+        port = free_port()
+        edge = EdgeProc(tmp_path / "impostor", f"tcp:127.0.0.1:{port}")
+        try:
+            edge.start("--join", rt_b.url, "--node-id", "imp-1",
+                       env={"DSEC_JOIN_TOKEN": str(tok_b)})
+            await edge.serving()
+            # cluster A is told (by a row, as if joined) that imp-1 lives there
+            from dsec.control.store.membership import JoinTokenRow, NodeRow
+            store = rt_a.join_authority.store
+            store.put_join_token(JoinTokenRow(id="feedfeedfeed", secret_hash=b"x", uses=1,
+                                              expires_at=time.time() + 60))
+            assert store.join_node("feedfeedfeed", b"x", time.time(), NodeRow(
+                node_id="imp-1", address=f"tcp:127.0.0.1:{port}", cert_fingerprint="0",
+                token_id="feedfeedfeed", joined_at=time.time())) == ""
+            await eventually(lambda: "imp-1" in rt_a.plane.edges, 10, "imp-1 dialled")
+            await asyncio.sleep(1.0)
+            e = rt_a.plane.edges["imp-1"]
+            assert e.heartbeat is None and not healthy(rt_a, "imp-1")
+            r = await http_a.get("/v1/nodes")
+            (view,) = [n for n in r.json()["items"] if n["id"] == "imp-1"]
+            assert "TLS handshake" in view["problem"] or "unreachable" in view["problem"], view
+            r = await http_a.post("/v1/sandboxes", json={"image": "base"})
+            assert r.status_code >= 400, r.text     # nowhere to place it
+        finally:
+            await edge.stop()
+
+
+async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> None:
+    async with apiserver(tmp_path / "cp") as rt, rest(rt) as http:
+        anon = httpx.AsyncClient(base_url=rt.url, timeout=10)
+        async with anon:
+            assert (await anon.get("/v1/cluster/tokens")).status_code == 401
+            assert (await anon.post("/v1/cluster/tokens", json={})).status_code == 401
+            # a project admin (not a superuser) may not mint join tokens
+            r = await http.post("/v1/keys", json={"name": "alice", "project": "default",
+                                                   "role": "admin"})
+            assert r.status_code in (200, 201), r.text
+            alice = r.json()["api_key"]
+            r = await anon.post("/v1/cluster/tokens", json={},
+                                headers={"authorization": f"Bearer {alice}"})
+            assert r.status_code == 403, r.text
+            # garbage joins: clear errors, nothing created
+            for body in ({"token": "nope", "node_id": "x", "csr": "x",
+                          "address": "tcp:127.0.0.1:1"}, {"what": 1}):
+                r = await anon.post("/v1/cluster/join", json=body)
+                assert r.status_code in (400, 401), r.text
+                assert r.json()["message"]
+            r = await anon.post("/v1/cluster/join", content=b"x" * (64 << 10))
+            assert r.status_code == 413, r.text
+            assert rt.join_authority.list_nodes() == []
+            # a guesser is cut off by the unauthenticated-request budget (429)
+            # (sent 300 at once: the budget refills at 20/s while they are answered)
+            guess = {"token": f"{'a' * 12}.{'b' * 43}.{'c' * 64}", "node_id": "x",
+                     "csr": "x", "address": "tcp:127.0.0.1:1"}
+            answers = await asyncio.gather(*(anon.post("/v1/cluster/join", json=guess)
+                                             for _ in range(300)))
+            codes = {r.status_code for r in answers}
+            assert 429 in codes and 401 in codes, codes
+            assert rt.join_authority.list_nodes() == []
