@@ -261,3 +261,35 @@ def _der(path: str) -> bytes:
     with open(path, "rb") as f:
         return x509.load_pem_x509_certificate(f.read()).public_bytes(
             serialization.Encoding.DER)
+
+
+async def test_tls_listener_drops_a_peer_that_never_handshakes(tmp_path):
+    """Slowloris on the TLS edge listener: a connection that sends nothing (or half a
+    ClientHello) is closed after the auth deadline, as an unauthenticated one is."""
+    import asyncio
+    import socket
+
+    from dsec.aether.limits import ServerLimits
+    ca, _ = init_ca(str(tmp_path / "c"))
+    edge = _creds(ca, tmp_path, "edge-a")
+    r = Router()
+    port = _free_port()
+    server = await serve(r, f"tcp:127.0.0.1:{port}", ssl=edge.server_context(),
+                         limits=ServerLimits(auth_timeout_s=0.5))
+    try:
+        loop = asyncio.get_running_loop()
+        socks = []
+        for half in (b"", b"\x16\x03\x01\x02\x00\x01"):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setblocking(False)
+            if half:
+                s.send(half)
+            socks.append(s)
+        for s in socks:
+            got = await asyncio.wait_for(loop.sock_recv(s, 100), 10)
+            assert got == b""                 # closed by the server
+            s.close()
+        assert server.stats.refused.get("tls", 0) == 2
+        assert server.admission.open == 0
+    finally:
+        await server.close()

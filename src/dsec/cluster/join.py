@@ -256,7 +256,7 @@ def _token_refusal(row: JoinTokenRow | None, now: float) -> str:
 
 
 # ---------------------------------------------------------------------- REST
-def join_routes(authority: JoinAuthority, service: Any) -> list[Any]:
+def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]:
     """The Starlette routes of :class:`JoinAuthority` (see the module docstring)."""
     from starlette.requests import Request
     from starlette.responses import Response
@@ -318,13 +318,18 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[Any]:
         return [token_view(r) for r in authority.list_tokens()]
 
     async def token_create(request: Request) -> Any:
-        req = decode(TokenCreate, await body(request) or b"{}")
+        req = decode(TokenCreate, await body(request))
         tok, row = authority.create_token(ttl_s=req.ttl_s, uses=req.uses,
                                           description=req.description)
         return token_view(row, str(tok))
 
     async def token_revoke(request: Request) -> Any:
-        nodes = request.query_params.get("nodes", "false") in ("1", "true")
+        given = request.query_params.getlist("nodes")
+        unknown = set(request.query_params) - {"nodes"}
+        if unknown or len(given) > 1 or (given and given[0] not in ("true", "false")):
+            raise InvalidArgument("DELETE /v1/cluster/tokens/{id} takes one query parameter, "
+                                  "nodes=true|false", field="nodes")
+        nodes = given == ["true"]
         authority.revoke_token(request.path_params["id"], nodes=nodes)
 
     async def nodes(request: Request) -> Any:
@@ -333,13 +338,35 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[Any]:
     async def node_revoke(request: Request) -> Any:
         authority.revoke_node(request.path_params["id"])
 
+    from dsec.control.api.openapi import Op, Param
+
+    tag = "cluster"
     return [
-        Route("/v1/cluster/join", anonymous(authority.join, JoinRequest), methods=["POST"]),
-        Route("/v1/cluster/rejoin", anonymous(authority.rejoin, RejoinRequest),
-              methods=["POST"]),
-        Route("/v1/cluster/tokens", admin(tokens), methods=["GET"]),
-        Route("/v1/cluster/tokens", admin(token_create, 201), methods=["POST"]),
-        Route("/v1/cluster/tokens/{id}", admin(token_revoke), methods=["DELETE"]),
-        Route("/v1/cluster/nodes", admin(nodes), methods=["GET"]),
-        Route("/v1/cluster/nodes/{id}/revoke", admin(node_revoke), methods=["POST"]),
+        (Route("/v1/cluster/join", anonymous(authority.join, JoinRequest), methods=["POST"]),
+         Op("POST", "/v1/cluster/join", "clusterJoin", "Join an edge with a join token",
+            JoinRequest, JoinReply, tag=tag, auth=False, body_credential=True)),
+        (Route("/v1/cluster/rejoin", anonymous(authority.rejoin, RejoinRequest),
+               methods=["POST"]),
+         Op("POST", "/v1/cluster/rejoin", "clusterRejoin",
+            "A joined edge announces its address, signed by its key", RejoinRequest,
+            NodeView, tag=tag, auth=False, body_credential=True)),
+        (Route("/v1/cluster/tokens", admin(tokens), methods=["GET"]),
+         Op("GET", "/v1/cluster/tokens", "clusterTokens", "List join tokens (superuser)",
+            None, list[TokenView], tag=tag)),
+        (Route("/v1/cluster/tokens", admin(token_create, 201), methods=["POST"]),
+         Op("POST", "/v1/cluster/tokens", "clusterTokenCreate",
+            "Create a join token (superuser; shown once)", TokenCreate, TokenView,
+            status=201, tag=tag)),
+        (Route("/v1/cluster/tokens/{id}", admin(token_revoke), methods=["DELETE"]),
+         Op("DELETE", "/v1/cluster/tokens/{id}", "clusterTokenRevoke",
+            "Revoke a join token (superuser)", None, None, status=204, tag=tag,
+            params=(Param("nodes", {"type": "boolean"}, description="also revoke the "
+                          "nodes that joined with it"),))),
+        (Route("/v1/cluster/nodes", admin(nodes), methods=["GET"]),
+         Op("GET", "/v1/cluster/nodes", "clusterNodes", "List joined nodes (superuser)",
+            None, list[NodeView], tag=tag)),
+        (Route("/v1/cluster/nodes/{id}/revoke", admin(node_revoke), methods=["POST"]),
+         Op("POST", "/v1/cluster/nodes/{id}/revoke", "clusterNodeRevoke",
+            "Revoke a joined node (superuser): its sandboxes are written off", None, None,
+            status=204, tag=tag)),
     ]
