@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from dsec.cluster.runtime import ClusterConfig, ClusterRuntime
 from dsec.control.api.plane import PlaneConfig
+from tests.conftest import requires_root
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 
@@ -254,3 +256,76 @@ async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> 
             codes = {r.status_code for r in answers}
             assert 429 in codes and 401 in codes, codes
             assert rt.join_authority.list_nodes() == []
+
+
+# ---------------------------------------------------------------------- a test host
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def netns_host() -> Any:
+    """A test host: network namespace ``dsec-t-<r>-h`` with 10.251.N.2/24 on a veth into
+    a bridge inside namespace ``dsec-t-<r>-b``; this (root) namespace reaches the bridge
+    by a veth of its own with 10.251.N.1/24. All of it is removed on exit."""
+    import ipaddress
+    import secrets
+
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
+                          check=True).stdout
+    for _ in range(50):
+        n = 128 + secrets.randbelow(126)
+        if f" 10.251.{n}." not in used:
+            break
+    r = secrets.token_hex(3)
+    host, bridge, up = f"dsec-t-{r}-h", f"dsec-t-{r}-b", f"dsj{r}"
+    made: list[str] = []
+    try:
+        for ns in (bridge, host):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+        _ip("-n", bridge, "link", "set", "br0", "up")
+        # the host's link
+        _ip("-n", bridge, "link", "add", "name", "vh", "type", "veth", "peer", "name",
+            "eth0", "netns", host)
+        _ip("-n", bridge, "link", "set", "vh", "master", "br0", "up")
+        _ip("-n", host, "addr", "add", f"10.251.{n}.2/24", "dev", "eth0")
+        _ip("-n", host, "link", "set", "eth0", "up")
+        _ip("-n", host, "link", "set", "lo", "up")
+        # this namespace's link to the bridge
+        made.append(up)
+        _ip("link", "add", "name", up, "type", "veth", "peer", "name", "vu", "netns", bridge)
+        _ip("-n", bridge, "link", "set", "vu", "master", "br0", "up")
+        _ip("addr", "add", f"10.251.{n}.1/24", "dev", up)
+        _ip("link", "set", up, "up")
+        yield host, str(ipaddress.ip_address(f"10.251.{n}.1")), f"10.251.{n}.2"
+    finally:
+        if up in made:
+            subprocess.run(["ip", "link", "del", up], capture_output=True, timeout=30)
+        for ns in reversed([m for m in made if m.startswith("dsec-t-")]):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.mark.root
+@requires_root
+async def test_an_edge_on_a_netns_test_host_joins_and_serves(tmp_path: Path) -> None:
+    with netns_host() as (ns, here, there):
+        async with apiserver(tmp_path / "cp", listen=f"{here}:0") as rt, rest(rt) as http:
+            from dsec.cluster.join import edge_join_args
+            port = 7443
+            # listening on 0.0.0.0: the apiserver records the address the join came from
+            # (the test host's), and dials it over TLS
+            argv, env = edge_join_args(rt.join_authority, rt.url, node_id="remote-1",
+                                       listen=f"tcp:0.0.0.0:{port}")
+            edge = EdgeProc(tmp_path / "remote", f"tcp:0.0.0.0:{port}", netns=ns)
+            try:
+                edge.start(*argv, env=env)
+                await edge.serving()
+                await eventually(lambda: healthy(rt, "remote-1"), 30, "remote-1 healthy")
+                (row,) = rt.join_authority.list_nodes()
+                assert row.address == f"tcp:{there}:{port}"
+                sid = await create_and_exec(http)
+                assert sid.endswith("-remote-1")
+            finally:
+                await edge.stop()

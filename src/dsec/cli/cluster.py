@@ -1,4 +1,4 @@
-"""``dsec cluster``: the cluster CA, join tokens and joined nodes (docs/operations.md).
+"""``dsec cluster``: the cluster CA, join tokens and joined nodes (docs/cluster.md).
 
 These commands work on the state store and CA of ``--state-dir`` directly (the files
 ``dsec up`` / ``dsec apiserver`` use; the store may be in use by a running apiserver:

@@ -360,7 +360,7 @@ def _die_with_supervisor(pid: int) -> None:
               help="[join] Join the cluster whose apiserver REST is at URL (first start: "
                    "with --token; later starts rejoin from the key and certificate kept in "
                    "--state-dir/cluster) and serve Aether over mutual TLS on --listen "
-                   "tcp:HOST:PORT. See docs/operations.md.")
+                   "tcp:HOST:PORT. See docs/cluster.md.")
 @click.option("--token", "join_token", default=None, envvar="DSEC_JOIN_TOKEN",
               metavar="TOKEN",
               help="[join] Join token from `dsec cluster token create` (or $DSEC_JOIN_TOKEN, "

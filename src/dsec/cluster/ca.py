@@ -1,6 +1,6 @@
 """The cluster CA: who may be an edge, who may be the apiserver, over TCP+TLS.
 
-Edges on other hosts serve Aether over mutual TLS (docs/operations.md "Joining hosts"):
+Edges on other hosts serve Aether over mutual TLS (docs/cluster.md "Joining hosts"):
 
 - ``dsec cluster init`` (or the first ``dsec up``/``dsec apiserver``) makes the CA in
   ``<state-dir>/cluster/``: ``ca.key``/``ca.crt`` (EC P-256, ten years) and the

@@ -50,7 +50,8 @@ from dsec.errors import (
 )
 from dsec.ids import parse_node_id
 
-__all__ = ["JoinAuthority", "JoinReply", "JoinRequest", "RejoinRequest", "join_routes"]
+__all__ = ["JoinAuthority", "JoinReply", "JoinRequest", "RejoinRequest", "edge_join_args",
+           "join_routes"]
 
 log = logging.getLogger("dsec.cluster.join")
 
@@ -239,6 +240,19 @@ class JoinAuthority:
         row = self.store.get_node(node)
         assert row is not None
         return node_view(row)
+
+
+def edge_join_args(authority: JoinAuthority, url: str, *, node_id: str, listen: str,
+                   ttl_s: float = 600.0) -> tuple[list[str], dict[str, str]]:
+    """What to add to a ``dsec edge --state-dir DIR ...`` command line so that it joins the
+    cluster at ``url`` (REST) as ``node_id``, serving TLS on ``listen`` (``tcp:HOST:PORT``;
+    ``tcp:0.0.0.0:PORT`` lets the apiserver record the address the join came from):
+    argv and environment (the single-use token travels in $DSEC_JOIN_TOKEN, not argv).
+    Instead of a static ``--edge NODE=tcp:ADDR`` on the apiserver plus ``--token-file``
+    on the edge (docs/cluster.md)."""
+    tok, _ = authority.create_token(ttl_s=ttl_s, uses=1, description=f"join {node_id}")
+    return (["--join", url, "--node-id", node_id, "--listen", listen],
+            {"DSEC_JOIN_TOKEN": str(tok)})
 
 
 def _same(a: bytes, b: bytes) -> bool:

@@ -159,7 +159,7 @@ class ClusterConfig:
     net_egress: str | None = None
     net_pool: str = "10.213.0.0/16"
     net_dns_upstream: tuple[str, ...] = ()
-    # [join] Edges on other hosts join with a token (docs/operations.md "Joining hosts"):
+    # [join] Edges on other hosts join with a token (docs/cluster.md "Joining hosts"):
     # the cluster CA lives in cluster_dir (None: <state_dir>/cluster; made on first
     # start), the join routes are served and every joined edge is dialled. False: only
     # the edges given here.
