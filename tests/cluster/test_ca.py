@@ -134,6 +134,15 @@ def test_taken_node_id_gives_the_use_back(tmp_path):
     assert store.get_join_token(tok.id).used == 2
 
 
+def test_static_edge_ids_are_reserved(tmp_path):
+    auth, store, _ = _authority(tmp_path)
+    auth.reserved = frozenset({"edge-0"})
+    tok, _ = auth.create_token(ttl_s=60, uses=1)
+    with pytest.raises(Conflict, match="static edge"):
+        _join(auth, tok, node="edge-0")
+    assert store.list_nodes() == [] and store.get_join_token(tok.id).used == 0
+
+
 def test_bad_address_creates_nothing(tmp_path):
     auth, store, _ = _authority(tmp_path)
     tok, _ = auth.create_token(ttl_s=60, uses=1)

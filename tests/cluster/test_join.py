@@ -89,9 +89,10 @@ class EdgeProc:
 
 
 @contextlib.asynccontextmanager
-async def apiserver(state: Path, listen: str = "127.0.0.1:0") -> AsyncIterator[ClusterRuntime]:
+async def apiserver(state: Path, listen: str = "127.0.0.1:0",
+                    **kw: Any) -> AsyncIterator[ClusterRuntime]:
     cfg = ClusterConfig(state_dir=str(state), listen=listen, gateway=None, edges=0,
-                        write_local=False,
+                        write_local=False, **kw,
                         plane=PlaneConfig(heartbeat_interval_s=0.3, node_ttl_s=30.0,
                                           poll_timeout_s=2.0, reconnect_interval_s=0.3))
     rt = await ClusterRuntime(cfg).start()
@@ -150,11 +151,14 @@ async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
             assert not (tmp_path / "far2" / "cluster" / "node.crt").exists()
             assert [n.node_id for n in rt.join_authority.list_nodes()] == ["far-1"]
 
-            # restart without the token: it rejoins from its persisted certificate, and
-            # its sandbox is still there
+            # restart without the token, on another port: it rejoins from its persisted
+            # certificate, the replicas dial its new address, its sandbox is still there
             await edge.stop()
+            edge.listen = f"tcp:127.0.0.1:{free_port()}"
             edge.start()
             await edge.serving()
+            await eventually(lambda: rt.plane.edges["far-1"].address == edge.listen, 30,
+                             "the new address")
             await eventually(lambda: healthy(rt, "far-1") and not
                              rt.plane.edges["far-1"].link.conn.closed, 30, "far-1 back")
             r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["true"]})
@@ -331,3 +335,23 @@ async def test_an_edge_on_a_netns_test_host_joins_and_serves(tmp_path: Path) -> 
                 assert sid.endswith("-remote-1")
             finally:
                 await edge.stop()
+
+
+async def test_slow_join_requests_are_cut_by_the_http_limits(tmp_path: Path) -> None:
+    """Slowloris on the join endpoint: headers that never end, a body that never comes."""
+    from dsec.control.api.http_limits import HttpLimits
+    limits = HttpLimits(header_timeout_s=0.5, body_idle_timeout_s=0.5)
+    async with apiserver(tmp_path / "cp", http_limits=limits) as rt:
+        host, port = rt.url.removeprefix("http://").rsplit(":", 1)
+        for first in (b"POST /v1/cluster/join HTTP/1.1\r\nHost: x\r\n",
+                      b"POST /v1/cluster/join HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 1000\r\n\r\n{"):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(first)
+            await writer.drain()
+            t0 = time.monotonic()
+            got = await asyncio.wait_for(reader.read(), 15)   # until the server closes
+            assert time.monotonic() - t0 < 10
+            assert got == b"" or got.startswith(b"HTTP/1.1 4"), got[:200]
+            writer.close()
+        assert rt.join_authority.list_nodes() == []

@@ -137,10 +137,14 @@ class JoinAuthority:
     """Tokens, joins, rejoins and revocations over one store and the cluster CA."""
 
     def __init__(self, store: Any, ca: ClusterCA, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 reserved: frozenset[str] = frozenset()) -> None:
         self.store = store
         self.ca = ca
         self.clock = clock
+        # node ids this apiserver has as static edges (`dsec up`'s edge-N, --edge flags):
+        # a joined node may not take one
+        self.reserved = reserved
 
     # ------------------------------------------------------------------ tokens
     def create_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
@@ -194,6 +198,9 @@ class JoinAuthority:
                                   f"(sha256 {self.ca.fingerprint}); it was made by another "
                                   "cluster, or this one's CA was remade")
         node = parse_node_id(req.node_id)
+        if node in self.reserved:
+            raise Conflict(f"node id {node!r} is a static edge of this cluster (`dsec up`'s "
+                           "own, or an --edge flag): pick another --node-id")
         addr = _advertised(req.address, peer)
         if len(req.csr) > MAX_BODY:
             raise PayloadTooLarge("CSR too large", limit=MAX_BODY)

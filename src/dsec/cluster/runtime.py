@@ -349,9 +349,9 @@ class ClusterRuntime:
         ca, created = init_ca(cfg.cluster_dir or os.path.join(cfg.state_dir, "cluster"))
         if created:
             log.info("cluster CA created in %s (sha256 %s)", ca.dir, ca.fingerprint)
-        self.join_authority = JoinAuthority(self._store, ca)
-        self.membership = Membership(self._store, plane, ca,
-                                     static=frozenset(self.node_ids) | set(cfg.remote_edges))
+        static = frozenset(self.node_ids) | set(cfg.remote_edges)
+        self.join_authority = JoinAuthority(self._store, ca, reserved=static)
+        self.membership = Membership(self._store, plane, ca, static=static)
         await self.membership.sync()
         self._background(self.membership.run(), "dsec-membership")
 
