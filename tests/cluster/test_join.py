@@ -344,8 +344,8 @@ async def test_slow_join_requests_are_cut_by_the_http_limits(tmp_path: Path) -> 
     async with apiserver(tmp_path / "cp", http_limits=limits) as rt:
         host, port = rt.url.removeprefix("http://").rsplit(":", 1)
         for first in (b"POST /v1/cluster/join HTTP/1.1\r\nHost: x\r\n",
-                      b"POST /v1/cluster/join HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: 1000\r\n\r\n{"):
+                      (b"POST /v1/cluster/join HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: 1000\r\n\r\n{")):
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(first)
             await writer.drain()
