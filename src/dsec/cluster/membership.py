@@ -68,16 +68,20 @@ class Membership:
         self.dial_timeout_s = dial_timeout_s
         self.denied: set[str] = set()
         self.clients: list[Any] = []
+        self._warned: set[str] = set()
 
     async def sync(self) -> None:
         """One re-read of the table, carried out."""
         rows = self.store.list_nodes()
         self.denied.clear()
         self.denied.update(self.store.revoked_fingerprints())
+        new: list[Any] = []
         for row in rows:
             if row.node_id in self.static:
-                log.warning("joined node %s has the id of a static --edge: ignored",
-                            row.node_id)
+                if row.node_id not in self._warned:
+                    self._warned.add(row.node_id)
+                    log.warning("joined node %s has the id of a static edge of this "
+                                "apiserver: ignored here", row.node_id)
                 continue
             e = self.plane.edges.get(row.node_id)
             if row.revoked:
@@ -88,7 +92,7 @@ class Membership:
                                "(`dsec cluster node revoke`); its sandboxes are written off")
                 continue
             if e is None or (e.revoked and e.tls is not None):
-                await self._add(row)     # new, or the id joined again after a revocation
+                new.append(row)          # new, or the id joined again after a revocation
             elif e.tls is not None and e.address != row.address:
                 log.info("joined edge %s moved from %s to %s", row.node_id, e.address,
                          row.address)
@@ -98,6 +102,8 @@ class Membership:
                     await e.link.close()   # the plane's next poll dials the new address
                 except DsecError:
                     pass
+        # dialled at once: one unreachable edge must not hold up the others' joins
+        await asyncio.gather(*(self._add(row) for row in new))
 
     async def _add(self, row: Any) -> None:
         from dsec.cluster.runtime import _Unreachable
