@@ -55,6 +55,9 @@ def test_up_passes_network_flags_to_its_edges(tmp_path: Any) -> None:
                 r = cli(up, "sandbox", "exec", m["id"], "--", "sh", "-c",
                         "echo hi | nc -w 2 allowed.test 80")
                 assert f"ok {ALLOWED}:80" in r.stdout, (m, r)
+            # --net-ipv6 auto (the default) and an uplink with IPv6: each has its /127
+            r = cli(up, "sandbox", "exec", made[0]["id"], "--", "cat", "/proc/net/if_inet6")
+            assert "fd00d5ec" in r.stdout, r
             assert cli(up, "sandbox", "rm", *(m["id"] for m in made)).returncode == 0
             [info] = js(cli(up, "sandbox", "create", "--json"))
             sid = info["id"]
@@ -78,3 +81,21 @@ def test_up_passes_network_flags_to_its_edges(tmp_path: Any) -> None:
         finally:
             assert up.stop() == 0
         assert [n for n in links_in(inet.fd) if n.startswith("dsu")] == []
+
+
+def test_up_net_ipv6_off_reaches_its_edges(tmp_path: Any) -> None:
+    """``dsec up --net-ipv6 off`` (formerly a ``dsec edge``-only flag): its edges'
+    sandboxes get no IPv6 address at all, though the uplink has IPv6."""
+    with internet() as inet:
+        up = Up(str(tmp_path / "state"), "--backend", "container", "--disk-pool", "1GiB",
+                "--net-uplink", f"netns:/proc/{os.getpid()}/fd/{inet.fd}",
+                "--net-dns-upstream", DNS_UPSTREAM, "--net-default", "open",
+                "--net-ipv6", "off").start()
+        try:
+            [info] = js(cli(up, "sandbox", "create", "--json"))
+            r = cli(up, "sandbox", "exec", info["id"], "--", "sh", "-c",
+                    "cat /proc/net/if_inet6 2>/dev/null; echo hi | nc -w 2 allowed.test 80")
+            assert f"ok {ALLOWED}:80" in r.stdout, r  # IPv4 still carried
+            assert "fd00d5ec" not in r.stdout and "2001" not in r.stdout, r
+        finally:
+            assert up.stop() == 0

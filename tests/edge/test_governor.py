@@ -77,3 +77,14 @@ def test_sandbox_pids_is_the_spec_or_the_node_maximum() -> None:
                                                "per-sandbox maximum of 8192 tasks") as e:
         sandbox_pids(8193, 8192)
     assert e.value.detail["field"] == "pids_max"
+
+
+def test_mountinfo_mountpoints_are_unescaped_fully() -> None:
+    """mountinfo escapes space, tab, newline and backslash (octal): a cgroup hierarchy
+    mounted at such a path is found at its real path, not at the escaped text."""
+    from dsec.edge.governor import parse_mountinfo
+    line = ("35 24 0:30 / /sys/fs/cgroup/we\\011ird\\134dir\\040x rw,nosuid - cgroup "
+            "cgroup rw,memory\n")
+    (m,) = parse_mountinfo(line)
+    assert m.mountpoint == "/sys/fs/cgroup/we\tird\\dir x"
+    assert "memory" in m.super_options

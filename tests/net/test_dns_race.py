@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from dnslib import QTYPE, RR, A, DNSRecord
 
-from dsec.net import netns
 from dsec.net.resolver import Resolver
-from dsec.net.testinternet import ALLOWED, CIDR_IN, DNS_UPSTREAM, Internet
+from dsec.net.testinternet import ALLOWED, CIDR_IN, DNS_UPSTREAM, ScriptedDns, answer_a
 
 from .test_egress_hostile import Env, env, images_dir, policy
 
@@ -33,51 +28,9 @@ pytestmark = [pytest.mark.root,
 SLOW_PORT = 5353
 
 
-class SlowUpstream:
-    """A DNS server in the test internet's netns that answers every A query with
-    ALLOWED after ``delay`` seconds (an upstream under load, or one the agent runs)."""
-
-    def __init__(self, inet: Internet, delay: float) -> None:
-        with netns.entered(inet.fd):
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((DNS_UPSTREAM, SLOW_PORT))
-        self.sock.settimeout(0.1)
-        self.delay = delay
-        self.queries: list[str] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                data, addr = self.sock.recvfrom(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            q = DNSRecord.parse(data)
-            self.queries.append(str(q.q.qname))
-            threading.Thread(target=self.reply, args=(q, addr), daemon=True).start()
-
-    def reply(self, q: DNSRecord, addr: tuple[str, int]) -> None:
-        time.sleep(self.delay)
-        r = q.reply()
-        r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(ALLOWED), ttl=300))
-        try:
-            self.sock.sendto(r.pack(), addr)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=2)
-        self.sock.close()
-
-
 @pytest.fixture
-def slow(env: Env) -> Iterator[SlowUpstream]:
-    s = SlowUpstream(env.internet, delay=1.5)
+def slow(env: Env) -> Iterator[ScriptedDns]:
+    s = ScriptedDns(env.internet, DNS_UPSTREAM, SLOW_PORT, answer_a(ALLOWED), delay=1.5)
     try:
         yield s
     finally:
@@ -85,7 +38,7 @@ def slow(env: Env) -> Iterator[SlowUpstream]:
 
 
 @pytest.fixture
-async def dns(env: Env, slow: SlowUpstream) -> AsyncIterator[Resolver]:
+async def dns(env: Env, slow: ScriptedDns) -> AsyncIterator[Resolver]:
     r = Resolver(env.net, upstreams=[(DNS_UPSTREAM, SLOW_PORT)],
                  upstream_netns_fd=env.internet.fd, timeout_s=5.0)
     await r.start()
@@ -96,7 +49,7 @@ async def dns(env: Env, slow: SlowUpstream) -> AsyncIterator[Resolver]:
 
 
 async def test_answer_in_flight_across_an_update_pins_a_removed_name(
-        env: Env, dns: Resolver, slow: SlowUpstream) -> None:
+        env: Env, dns: Resolver, slow: ScriptedDns) -> None:
     """HOLE (nb, net/resolver.py): a lookup in flight when network_update removes its
     name pins the answer after the update; the removed name's address stays reachable."""
     sid = await env.create(policy("allowed.test:80/tcp", f"{CIDR_IN}:80/tcp"))
@@ -121,7 +74,7 @@ async def test_answer_in_flight_across_an_update_pins_a_removed_name(
 
 
 async def test_answer_in_flight_across_destroy_pins_into_the_next_tenant(
-        env: Env, dns: Resolver, slow: SlowUpstream) -> None:
+        env: Env, dns: Resolver, slow: ScriptedDns) -> None:
     """HOLE (nb, net/resolver.py): the same late pin lands in the slot's *next* tenant
     (another project's sandbox) when the asker was destroyed and its slot recycled while
     the upstream answered: the new tenant reaches an address its policy never named."""

@@ -191,7 +191,7 @@ def net_default_option(fn: F) -> F:
 def net_node_options(fn: F) -> F:
     """The network flags of a node (``dsec edge``; ``dsec up`` passes them to its edges):
     ``--net-max``, ``--net-uplink``, ``--net-link``, ``--net-egress``, ``--net-pool``,
-    ``--net-dns-upstream``."""
+    ``--net-dns-upstream``, ``--net-ipv6``."""
     opts = [
         click.option("--net-max", type=NET_POLICY, default=None, metavar="none|open|@FILE.json",
                      help="The most open egress policy this node serves, whoever asks (default: "
@@ -225,6 +225,13 @@ def net_node_options(fn: F) -> F:
         click.option("--net-dns-upstream", "net_dns_upstream", multiple=True, metavar="ADDR[:PORT]",
                      help="DNS server the sandboxes' resolver asks (repeatable), reached from the "
                           "uplink's namespace."),
+        click.option("--net-ipv6", type=click.Choice(["auto", "off"]), default="auto",
+                     show_default=True,
+                     help="IPv6 for sandboxes: 'auto' gives each one a /127 of fd00:d5ec::/48 "
+                          "(NAT66 out of the uplink, its policy's IPv6 entries enforced like the "
+                          "IPv4 ones) when the uplink has a global IPv6 address (a netns uplink; "
+                          "the host uplink carries no IPv6); 'off' drops every IPv6 packet (v6 "
+                          "entries are then accepted but inert, and said so)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -368,13 +375,6 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--advertise", default=None, metavar="HOST:PORT",
               help="[join] The address the apiserver replicas dial [default: --listen's; "
                    "a 0.0.0.0 host becomes the address the join came from].")
-@click.option("--net-ipv6", type=click.Choice(["auto", "off"]), default="auto",
-              show_default=True,
-              help="IPv6 for sandboxes: 'auto' gives each one a /127 of fd00:d5ec::/48 "
-                   "(NAT66 out of the uplink, its policy's IPv6 entries enforced like the "
-                   "IPv4 ones) when the uplink has a global IPv6 address (a netns uplink; "
-                   "the host uplink carries no IPv6); 'off' drops every IPv6 packet (v6 "
-                   "entries are then accepted but inert, and said so).")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,

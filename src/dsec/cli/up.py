@@ -69,7 +69,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
        quiet: bool, registries: tuple[str, ...], image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
-       net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...]) -> None:
+       net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
+       net_ipv6: str) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     import uvloop
 
@@ -101,7 +102,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         disk_pool_bytes=pool, plane=PlaneConfig(node_ttl_s=node_ttl),
         simulated_profile=profile, net_default=net_default, net_max=net_max,
         net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
-        net_dns_upstream=net_dns_upstream,
+        net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
         image_store_budget=image_store_budget, registries=tuple(registries) or None)
     uvloop.run(_run(cfg, quiet))
 

@@ -205,11 +205,29 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
+        """Stop the cluster and remove a state dir this made. Each step runs even when
+        one before it failed (a runtime stop that raised or timed out used to skip the
+        rest: the loop thread, the child process and the temp state dir were left)."""
+        try:
+            self._stop_runtime()
+        finally:
+            try:
+                self._stop_loop()
+            finally:
+                try:
+                    self._stop_process()
+                finally:
+                    if self._tmp and os.path.isdir(self.state_dir):
+                        remove_tree(self.state_dir)  # a mount left below is reported
+
+    def _stop_runtime(self) -> None:
         if self.runtime is not None and self._loop is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self.runtime.stop(), self._loop).result(30)
             finally:
                 self.runtime = None
+
+    def _stop_loop(self) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
@@ -217,6 +235,8 @@ class LocalCluster:
             if not self._loop.is_running():
                 self._loop.close()
             self._loop = None
+
+    def _stop_process(self) -> None:
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.send_signal(signal.SIGTERM)
@@ -228,8 +248,6 @@ class LocalCluster:
             if self._proc.stderr is not None:
                 self._proc.stderr.close()
             self._proc = None
-        if self._tmp and os.path.isdir(self.state_dir):
-            remove_tree(self.state_dir)   # a mount left below is reported, not walked
 
     def __enter__(self) -> Self:
         return self.start()

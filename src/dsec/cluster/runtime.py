@@ -165,6 +165,8 @@ class ClusterConfig:
     # the edges given here.
     join: bool = True
     cluster_dir: str | None = None
+    #: ``--net-ipv6`` of every edge: "auto" (IPv6 where the uplink has it) or "off"
+    net_ipv6: str = "auto"
 
 
 def _port_token_key(state_dir: str) -> bytes:
@@ -467,6 +469,7 @@ class ClusterRuntime:
                 argv += ["--net-egress", cfg.net_egress]
             for u in cfg.net_dns_upstream:
                 argv += ["--net-dns-upstream", u]
+            argv += ["--net-ipv6", cfg.net_ipv6]
         return argv
 
     def _policy_arg(self, name: str, policy: NetworkPolicy) -> str:

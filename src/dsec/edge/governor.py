@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dsec.errors import BackendError, InvalidArgument
+from dsec.rmtree import unescape_mountinfo
 
 __all__ = [
     "DEFAULT_MAX_SANDBOX_PIDS",
@@ -191,7 +192,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         fields, rfields = left.split(), right.split()
         if len(fields) < 5 or len(rfields) < 3 or rfields[0] not in ("cgroup", "cgroup2"):
             continue
-        out.append(Mount(root=fields[3], mountpoint=fields[4].replace("\\040", " "),
+        out.append(Mount(root=fields[3], mountpoint=unescape_mountinfo(fields[4]),
                          fstype=rfields[0], super_options=frozenset(rfields[2].split(","))))
     return out
 

@@ -31,8 +31,9 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Self
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
@@ -290,6 +291,64 @@ class _Upstream(BaseResolver):  # type: ignore[misc]  # dnslib has no type hints
         elif ip is None and ip6 is None:
             reply.header.rcode = RCODE.NXDOMAIN
         return reply
+
+
+class ScriptedDns:
+    """A DNS server of the test's own in the internet's netns at ``(addr, port)``: each
+    query is answered by ``answer(query)`` after ``delay`` seconds, on a thread of its
+    own (an upstream under load, or one the agent runs). ``queries`` lists the names
+    asked, in order. Close it (or use it as a context manager)."""
+
+    def __init__(self, inet: Internet, addr: str, port: int,
+                 answer: Callable[[DNSRecord], DNSRecord], *, delay: float = 0.0) -> None:
+        with netns.entered(inet.fd):
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((addr, port))
+        self.sock.settimeout(0.1)
+        self.answer, self.delay = answer, delay
+        self.queries: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            q = DNSRecord.parse(data)
+            self.queries.append(str(q.q.qname))
+            threading.Thread(target=self._reply, args=(q, peer), daemon=True).start()
+
+    def _reply(self, q: DNSRecord, peer: tuple[str, int]) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+        with contextlib.suppress(OSError):
+            self.sock.sendto(self.answer(q).pack(), peer)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+        self.sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def answer_a(*addrs: str, ttl: int = 300) -> Callable[[DNSRecord], DNSRecord]:
+    """A :class:`ScriptedDns` answer: these A records for whatever name is asked."""
+    def answer(q: DNSRecord) -> DNSRecord:
+        r = q.reply()
+        for a in addrs:
+            r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(a), ttl=ttl))
+        return r
+    return answer
 
 
 def start() -> Internet:

@@ -484,3 +484,64 @@ async def test_a_crashed_backend_whose_root_dir_is_gone_leaves_no_cgroups(
         if b is not None:
             await b.close()
         await e.wipe()
+
+
+def test_idle_names_need_an_existing_root_and_a_dead_claimer() -> None:
+    """Pure: a name whose root dir exists is idle only when its claimer is dead (a live
+    edge's cgroups are never looked at; a legacy binding without an owner neither)."""
+    from dsec.edge.backends.container.census import idle_names
+
+    bindings = {"here-dead": ("/r/c", "13 7"), "here-alive": ("/r/e", "15 9"),
+                "gone-dead": ("/r/a", "11 5"), "legacy-here": ("/r/f", ""),
+                "damaged": ("relative", "14 8")}
+    got = idle_names(bindings, exists=lambda r: r in ("/r/c", "/r/e", "/r/f"),
+                     alive=lambda o: o == "15 9")
+    assert got == ["here-dead"]
+
+
+def test_a_dead_backends_empty_cgroups_go_but_busy_ones_and_the_binding_stay(
+        tmp_path: Path) -> None:
+    """A backend killed -9 whose root dir is kept (an old test's basetemp, an edge never
+    restarted there) left empty ``dsec-<name>`` cgroups bound forever: only a gone root
+    was reaped. Now its empty cgroups go at the next start anywhere; a cgroup still
+    holding a task (a sandbox a later start re-adopts) is kept, the task untouched, and
+    so is the binding."""
+    import subprocess
+    import uuid
+
+    from dsec.edge.backends.container.census import reap_orphan_names
+
+    if os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/memory"):
+        pytest.skip("needs root and the v1 memory hierarchy (CI has both)")
+    names = tmp_path / "names"
+    names.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    (names / name).write_text(f"{root}\n999999 1\n")  # a claimer that never ran
+    base = Path("/sys/fs/cgroup/memory") / f"dsec-{name}"
+    empty, busy = base / "sb-empty", base / "sb-busy"
+    empty.mkdir(parents=True)
+    busy.mkdir()
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        (busy / "cgroup.procs").write_text(str(proc.pid))
+        got = reap_orphan_names(names_dir=str(names))
+        assert str(empty) in got.get(name, [])
+        assert not empty.exists() and busy.exists() and base.exists()
+        assert proc.poll() is None, "a task of an idle name's cgroup was killed"
+        assert (names / name).exists(), "the binding of an idle name was dropped"
+    finally:
+        proc.kill()
+        proc.wait()
+        for d in (busy, empty, base):
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    import time
+                    time.sleep(0.01)
+    assert not base.exists()

@@ -155,7 +155,9 @@ async def test_a_d_state_task_does_not_block_the_event_loop(
         assert "D" in _task_states(b, sid)  # and gave up: the writer is still held
         slow = [rec.getMessage() for rec in caplog.records
                 if rec.name == "asyncio" and "took" in rec.getMessage()]
-        assert len(slow) <= 10, f"{len(slow)} callbacks held the event loop " \
+        # the old blocking wait held the loop ~100 times (50 ms per retry for 5 s); a
+        # loaded 2-core machine shows a few slow callbacks of its own (10 was flaky)
+        assert len(slow) <= 25, f"{len(slow)} callbacks held the event loop " \
                                f">{SLOW_S * 1000:.0f} ms:\n" + "\n".join(slow[:5])
         assert served > 0
         _put(rule, f"{major}:{minor} 0")  # lift the throttle: the write completes

@@ -225,6 +225,31 @@ def orphan_names(bindings: dict[str, tuple[str, str]], *, exists: Callable[[str]
             and not (owner and alive(owner))}
 
 
+def idle_names(bindings: dict[str, tuple[str, str]], *, exists: Callable[[str], bool],
+               alive: Callable[[str], bool]) -> list[str]:
+    """The bound names whose root dir still exists but whose claimer is dead (pure): a
+    backend that died without :meth:`close` (a killed test run, an edge that will never
+    restart there). Their cgroups may still hold sandboxes a later start re-adopts, so
+    only the *empty* ones may go (:func:`remove_empty_cgroups`); the binding stays."""
+    return sorted(name for name, (root, owner) in bindings.items()
+                  if root.startswith("/") and exists(root) and owner and not alive(owner))
+
+
+def remove_empty_cgroups(top: str) -> list[str]:
+    """rmdir every cgroup dir under (and including) ``top``, deepest first, that holds no
+    task and no child: the kernel refuses (EBUSY) a cgroup with either, so a live or
+    paused sandbox's cgroup is never touched and nothing is killed. Returns the dirs
+    removed."""
+    removed: list[str] = []
+    for dirpath, _dirs, _files in os.walk(top, topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            continue  # EBUSY (tasks or children), or gone meanwhile
+        removed.append(dirpath)
+    return removed
+
+
 def find_named_cgroups(mountinfo: str, names: AbstractSet[str]) -> list[str]:
     """Every ``dsec-<name>`` dir (``name`` in ``names``) in every mounted cgroup
     hierarchy, wherever in the tree (the process that made it may have lived in another
@@ -246,8 +271,9 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
                       exists: Callable[[str], bool] = os.path.isdir,
                       alive: Callable[[str], bool] = _owner_alive) -> dict[str, list[str]]:
     """Remove the cgroups (killing any task left in them, pidfd-verified) and the
-    binding of every cgroup name whose root dir is gone; returns name -> the cgroup dirs
-    removed. Called at each container backend's start, so a crashed backend whose root
+    binding of every cgroup name whose root dir is gone, and the empty cgroups of names
+    whose root dir exists but whose claimer died (:func:`idle_names`); returns name ->
+    the cgroup dirs removed. Called at each container backend's start, so a crashed backend whose root
     dir was deleted leaves nothing on the host for longer than the next start."""
     if not os.path.isdir(names_dir):
         return {}
@@ -260,12 +286,19 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
             if bound is not None:
                 bindings[entry] = bound
         orphans = orphan_names(bindings, exists=exists, alive=alive)
-        if not orphans:
+        idle = [n for n in idle_names(bindings, exists=exists, alive=alive)
+                if n not in orphans]
+        if not orphans and not idle:
             return {}
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
-        found = find_named_cgroups(mountinfo, orphans.keys())
+        found = find_named_cgroups(mountinfo, {*orphans.keys(), *idle})
         out: dict[str, list[str]] = {}
+        for name in idle:  # owner dead, root kept: only what is empty goes
+            gone = [r for d in found if os.path.basename(d) == f"dsec-{name}"
+                    for r in remove_empty_cgroups(d)]
+            if gone:
+                out[name] = gone
         for name in sorted(orphans):
             dirs = [d for d in found if os.path.basename(d) == f"dsec-{name}"]
             try:
