@@ -302,3 +302,21 @@ async def test_tls_listener_drops_a_peer_that_never_handshakes(tmp_path):
         assert server.admission.open == 0
     finally:
         await server.close()
+
+
+def test_first_join_retries_an_unreachable_apiserver_then_gives_up(tmp_path):
+    from dsec.cluster.edge_join import prepare_joined_edge
+    now = [0.0]
+    slept = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+    tok = JoinToken("a" * 12, "b" * 43, "c" * 64)
+    with pytest.raises(ConnectFailed, match="could not reach the apiserver"):
+        prepare_joined_edge(str(tmp_path / "e"), join_url=f"http://127.0.0.1:{_free_port()}",
+                            token=str(tok), node_id="edge-a", node_id_given=True,
+                            listen="tcp:127.0.0.1:7443", advertise=None, wait_s=3.0,
+                            clock=lambda: now[0], sleep=sleep)
+    assert slept == [1.0, 1.0, 1.0]
+    assert not NodeCredentials(str(tmp_path / "e" / "cluster")).exists()

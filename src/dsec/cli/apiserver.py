@@ -52,10 +52,15 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
               help="Default sandbox backend of creates that name none.")
 @click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="File with the secret tcp: edges require (their --token-file).")
+@click.option("--cluster-dir", type=click.Path(file_okay=False), default=None,
+              help="[join] The cluster CA's directory (default <state-dir>/cluster; made "
+                   "if absent). Replicas on several hosts must share one CA: give each a "
+                   "copy of the same directory (docs/cluster.md).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 @net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
-              backend: str, edge_token_file: str | None, quiet: bool, net_default: Any) -> None:
+              backend: str, edge_token_file: str | None, quiet: bool, net_default: Any,
+              cluster_dir: str | None = None) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -70,7 +75,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
-                        net_default=net_default)
+                        net_default=net_default, cluster_dir=cluster_dir)
     uvloop.run(_run(cfg, quiet))
 
 

@@ -34,15 +34,25 @@ def _state_dir(value: str | None) -> str:
     return value or default_state_dir()
 
 
-def _authority(state_dir: str) -> Any:
+def _authority(state_dir: str, store_url: str | None = None,
+               cluster_dir: str | None = None) -> Any:
+    """The join authority over the state dir's store (or ``store_url``) and CA (or
+    ``cluster_dir``'s)."""
+    import dsec.control.store as stores
     from dsec.cluster.ca import init_ca
     from dsec.cluster.join import JoinAuthority
     from dsec.control.store.sqlite import SqliteStore
     from dsec.statedir import ensure_private_dir
 
     d = ensure_private_dir(state_dir)
-    ca, _ = init_ca(os.path.join(d, "cluster"))
-    return JoinAuthority(SqliteStore(os.path.join(d, "control.sqlite")), ca)
+    ca, _ = init_ca(cluster_dir or os.path.join(d, "cluster"))
+    if store_url is None:
+        return JoinAuthority(SqliteStore(os.path.join(d, "control.sqlite")), ca)
+    # open_store (the PostgreSQL stream's) where this dsec has it
+    opener = getattr(stores, "open_store", None)
+    if opener is None:
+        raise click.ClickException("--store needs a dsec with dsec.control.store.open_store")
+    return JoinAuthority(opener(store_url), ca)
 
 
 def _rest(url: str, method: str, path: str, body: Any = None) -> Any:
@@ -83,6 +93,10 @@ def _fail(fn: Any) -> Any:
 state_dir_option = click.option(
     "--state-dir", type=click.Path(file_okay=False), default=None,
     help="The cluster's state dir (default $DSEC_STATE_DIR or ~/.dsec).")
+store_option = click.option(
+    "--store", "store_url", default=None, metavar="URL",
+    help="The state store's URL (postgresql://... for replicas sharing PostgreSQL) "
+         "[default: the state dir's SQLite].")
 url_option = click.option(
     "--url", default=None, metavar="URL",
     help="Go through the apiserver's REST routes at URL instead of the state dir "
@@ -119,10 +133,11 @@ def token() -> None:
               help="How many edges may join with it.")
 @click.option("--description", default="", help="A note shown by `token list`.")
 @state_dir_option
+@store_option
 @url_option
 @_fail
 def token_create(ttl: str, uses: int, description: str, state_dir: str | None,
-                 url: str | None) -> None:
+                 store_url: str | None, url: str | None) -> None:
     """Create a join token and print it (it is shown once; only its hash is kept)."""
     seconds = parse_duration(ttl)
     if url is not None:
@@ -130,16 +145,17 @@ def token_create(ttl: str, uses: int, description: str, state_dir: str | None,
                     {"ttl_s": seconds, "uses": uses, "description": description})
         click.echo(out["token"])
         return
-    tok, _ = _authority(_state_dir(state_dir)).create_token(ttl_s=seconds, uses=uses,
+    tok, _ = _authority(_state_dir(state_dir), store_url).create_token(ttl_s=seconds, uses=uses,
                                                              description=description)
     click.echo(str(tok))
 
 
 @token.command("list")
 @state_dir_option
+@store_option
 @url_option
 @_fail
-def token_list(state_dir: str | None, url: str | None) -> None:
+def token_list(state_dir: str | None, store_url: str | None, url: str | None) -> None:
     """The join tokens (never their secrets)."""
     if url is not None:
         rows = _rest(url, "GET", "/v1/cluster/tokens")
@@ -148,7 +164,7 @@ def token_list(state_dir: str | None, url: str | None) -> None:
 
         from dsec.cluster.join import token_view
         rows = [msgspec.to_builtins(token_view(r))
-                for r in _authority(_state_dir(state_dir)).list_tokens()]
+                for r in _authority(_state_dir(state_dir), store_url).list_tokens()]
     now = time.time()
     for r in rows:
         state = ("revoked" if r["revoked"] else "expired" if r["expires_at"] <= now
@@ -162,15 +178,17 @@ def token_list(state_dir: str | None, url: str | None) -> None:
 @click.argument("token_id")
 @click.option("--nodes", is_flag=True, help="Also revoke every node that joined with it.")
 @state_dir_option
+@store_option
 @url_option
 @_fail
-def token_revoke(token_id: str, nodes: bool, state_dir: str | None, url: str | None) -> None:
+def token_revoke(token_id: str, nodes: bool, state_dir: str | None, store_url: str | None,
+                 url: str | None) -> None:
     """Revoke a join token (joins with it are refused from now on)."""
     if url is not None:
         _rest(url, "DELETE", f"/v1/cluster/tokens/{token_id}?nodes={str(nodes).lower()}")
         click.echo(f"revoked token {token_id}")
         return
-    revoked = _authority(_state_dir(state_dir)).revoke_token(token_id, nodes=nodes)
+    revoked = _authority(_state_dir(state_dir), store_url).revoke_token(token_id, nodes=nodes)
     click.echo(f"revoked token {token_id}" + (f" and nodes {', '.join(revoked)}"
                                               if revoked else ""))
 
@@ -182,9 +200,10 @@ def node() -> None:
 
 @node.command("list")
 @state_dir_option
+@store_option
 @url_option
 @_fail
-def node_list(state_dir: str | None, url: str | None) -> None:
+def node_list(state_dir: str | None, store_url: str | None, url: str | None) -> None:
     """The joined nodes."""
     if url is not None:
         rows = _rest(url, "GET", "/v1/cluster/nodes")
@@ -193,20 +212,22 @@ def node_list(state_dir: str | None, url: str | None) -> None:
 
         from dsec.cluster.join import node_view
         rows = [msgspec.to_builtins(node_view(r))
-                for r in _authority(_state_dir(state_dir)).list_nodes()]
+                for r in _authority(_state_dir(state_dir), store_url).list_nodes()]
     click.echo(json.dumps(rows, indent=2))
 
 
 @node.command("revoke")
 @click.argument("node_id")
 @state_dir_option
+@store_option
 @url_option
 @_fail
-def node_revoke(node_id: str, state_dir: str | None, url: str | None) -> None:
+def node_revoke(node_id: str, state_dir: str | None, store_url: str | None,
+                url: str | None) -> None:
     """Revoke a joined node: every replica refuses its certificate and writes off its
     sandboxes (reason node_revoked); it can only come back by joining with a new token."""
     if url is not None:
         _rest(url, "POST", f"/v1/cluster/nodes/{node_id}/revoke")
     else:
-        _authority(_state_dir(state_dir)).revoke_node(node_id)
+        _authority(_state_dir(state_dir), store_url).revoke_node(node_id)
     click.echo(f"revoked node {node_id}")

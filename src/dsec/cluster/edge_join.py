@@ -33,7 +33,7 @@ from dsec.cluster.ca import (
     new_node_key,
     rejoin_message,
 )
-from dsec.errors import DsecError, InvalidArgument, error_from_wire
+from dsec.errors import ConnectFailed, DsecError, InvalidArgument, error_from_wire
 
 __all__ = ["JoinedEdge", "prepare_joined_edge"]
 
@@ -55,7 +55,6 @@ def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str
     try:
         r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout)
     except httpx.HTTPError as exc:
-        from dsec.errors import ConnectFailed
         raise ConnectFailed(f"could not reach the apiserver at {url}: {exc}") from exc
     try:
         data = r.json()
@@ -71,8 +70,13 @@ def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str
 
 def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: str | None,
                         node_id: str, node_id_given: bool, listen: str,
-                        advertise: str | None, timeout: float = 30.0) -> JoinedEdge:
-    """Join (or rejoin) and return what to serve with (see the module docstring)."""
+                        advertise: str | None, timeout: float = 30.0,
+                        wait_s: float = 60.0,
+                        clock: Any = time.monotonic, sleep: Any = time.sleep) -> JoinedEdge:
+    """Join (or rejoin) and return what to serve with (see the module docstring).
+
+    A first join whose apiserver cannot be reached yet (started at the same time, by
+    systemd or a test harness) is retried every second for up to ``wait_s``."""
     if state_dir is None:
         raise InvalidArgument("--join needs --state-dir: the node's key and certificate are "
                               "kept there, so a restart rejoins without a token")
@@ -109,9 +113,18 @@ def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: s
                               "TOKEN (from `dsec cluster token create`)")
     tok = JoinToken.parse(token)
     key_pem, csr_pem = new_node_key(node_id)
-    reply = _post(join_url, "/v1/cluster/join", {
-        "token": str(tok), "node_id": node_id, "csr": csr_pem.decode(),
-        "address": str(adv)}, timeout)
+    body = {"token": str(tok), "node_id": node_id, "csr": csr_pem.decode(),
+            "address": str(adv)}
+    deadline = clock() + wait_s
+    while True:
+        try:
+            reply = _post(join_url, "/v1/cluster/join", body, timeout)
+            break
+        except ConnectFailed as exc:
+            if clock() >= deadline:
+                raise
+            log.warning("%s; retrying for up to %.0fs more", exc, deadline - clock())
+            sleep(1.0)
     cert_pem = str(reply.get("certificate", "")).encode()
     ca_pem = str(reply.get("ca", "")).encode()
     try:
@@ -144,7 +157,6 @@ def _rejoin(url: str, creds: NodeCredentials, node_id: str, address: str,
             "certificate": creds.cert_pem().decode(),
             "signature": base64.b64encode(sig).decode()}, timeout)
     except DsecError as exc:
-        from dsec.errors import ConnectFailed
         if isinstance(exc, ConnectFailed):
             log.warning("could not announce node %s at %s to %s (%s); serving anyway: the "
                         "replicas dial the address they recorded", node_id, address, url, exc)
