@@ -134,6 +134,32 @@ def test_taken_node_id_gives_the_use_back(tmp_path):
     assert store.get_join_token(tok.id).used == 2
 
 
+def test_a_join_whose_answer_was_lost_is_answered_again(tmp_path):
+    """kill -9 of the edge (or a cut link) after the apiserver recorded the join: the edge
+    kept its key before sending, and the same join (same token, same key) gets a fresh
+    certificate without spending another use; the lost one is denied. Another key with
+    the same token is still refused."""
+    auth, store, _ = _authority(tmp_path)
+    tok, _ = auth.create_token(ttl_s=60, uses=1)
+    key, csr = new_node_key("edge-a")
+    req = JoinRequest(token=str(tok), node_id="edge-a", csr=csr.decode(),
+                      address="tcp:127.0.0.1:7443")
+    first = auth.join(req)
+    _, csr_again = new_node_key("edge-a", key)
+    second = auth.join(JoinRequest(token=str(tok), node_id="edge-a", csr=csr_again.decode(),
+                                   address="tcp:127.0.0.1:7443"))
+    assert second.certificate != first.certificate
+    assert store.get_join_token(tok.id).used == 1
+    from cryptography import x509
+    lost = cert_fingerprint(x509.load_pem_x509_certificate(first.certificate.encode()))
+    kept = cert_fingerprint(x509.load_pem_x509_certificate(second.certificate.encode()))
+    assert lost in store.revoked_fingerprints()
+    assert store.get_node("edge-a").cert_fingerprint == kept
+    with pytest.raises(Unauthenticated):
+        _join(auth, tok)                      # a new key: the token is used up
+    assert [n.node_id for n in store.list_nodes()] == ["edge-a"]
+
+
 def test_static_edge_ids_are_reserved(tmp_path):
     auth, store, _ = _authority(tmp_path)
     auth.reserved = frozenset({"edge-0"})

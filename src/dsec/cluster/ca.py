@@ -71,6 +71,12 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def key_fingerprint(public_key: ec.EllipticCurvePublicKey) -> str:
+    """sha256 of the public key's SubjectPublicKeyInfo DER, hex."""
+    return hashlib.sha256(public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+
+
 def cert_fingerprint(cert: x509.Certificate | bytes) -> str:
     """sha256 of the certificate's DER, hex: what the denylist and token pins hold."""
     der = cert if isinstance(cert, bytes) else cert.public_bytes(serialization.Encoding.DER)
@@ -268,13 +274,29 @@ class NodeCredentials:
 
     def save(self, key_pem: bytes, cert_pem: bytes, ca_pem: bytes) -> None:
         """Persist what the join answered (0600 each; the cert last: it marks done)."""
+        self.save_key(key_pem)
+        self.save_issued(cert_pem, ca_pem)
+
+    def save_key(self, key_pem: bytes) -> None:
+        """Keep the key *before* the join is sent: a join the apiserver recorded but whose
+        answer was lost (a kill -9, a cut link) is retried with the same key, which the
+        apiserver recognises (JoinAuthority.join) instead of refusing the taken id."""
         ensure_private_dir(self.dir, what="edge credentials dir")
         for p in (self.key_path, self.ca_path, self.cert_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
         _write_private(self.key_path, key_pem)
+
+    def save_issued(self, cert_pem: bytes, ca_pem: bytes) -> None:
         _write_private(self.ca_path, ca_pem)
         _write_private(self.cert_path, cert_pem)
+
+    def pending_key(self) -> bytes | None:
+        """The key of a join that was sent but not answered (no certificate yet)."""
+        if os.path.exists(self.cert_path) or not os.path.exists(self.key_path):
+            return None
+        with open(self.key_path, "rb") as f:
+            return f.read()
 
     def server_context(self) -> ssl.SSLContext:
         return server_context(self.cert_path, self.key_path, self.ca_path)
@@ -290,9 +312,15 @@ class NodeCredentials:
             return f.read()
 
 
-def new_node_key(node_id: str) -> tuple[bytes, bytes]:
-    """A fresh EC P-256 key and its CSR for ``node_id``, both PEM."""
-    key = ec.generate_private_key(ec.SECP256R1())
+def new_node_key(node_id: str, key_pem: bytes | None = None) -> tuple[bytes, bytes]:
+    """A fresh EC P-256 key (or ``key_pem``'s) and its CSR for ``node_id``, both PEM."""
+    if key_pem is None:
+        key = ec.generate_private_key(ec.SECP256R1())
+    else:
+        loaded = serialization.load_pem_private_key(key_pem, None)
+        if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+            raise InvalidArgument("the kept node key is not an EC key")
+        key = loaded
     csr = (x509.CertificateSigningRequestBuilder()
            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
            .sign(key, hashes.SHA256()))

@@ -112,7 +112,12 @@ def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: s
         raise InvalidArgument("this edge has not joined yet: pass --join URL and --token "
                               "TOKEN (from `dsec cluster token create`)")
     tok = JoinToken.parse(token)
-    key_pem, csr_pem = new_node_key(node_id)
+    # A join sent before but never answered (killed, cut off) is sent again with the same
+    # key: the apiserver recognises it (same token, same key) instead of refusing the id.
+    pending = creds.pending_key()
+    key_pem, csr_pem = new_node_key(node_id, pending)
+    if pending is None:
+        creds.save_key(key_pem)
     body = {"token": str(tok), "node_id": node_id, "csr": csr_pem.decode(),
             "address": str(adv)}
     deadline = clock() + wait_s
@@ -131,7 +136,7 @@ def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: s
         check_issued(cert_pem, ca_pem, key_pem, node_id=node_id, ca_sha256=tok.ca_sha256)
     except ValueError as exc:
         raise InvalidArgument(f"the apiserver's join answer is unreadable: {exc}") from exc
-    creds.save(key_pem, cert_pem, ca_pem)
+    creds.save_issued(cert_pem, ca_pem)
     _write_meta(meta_path, join_url)
     log.info("joined the cluster at %s as node %s (advertised %s)", join_url, node_id,
              reply.get("address"))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from dsec.aether.transport import Address, parse_address
 from dsec.cluster.ca import (
@@ -36,6 +37,7 @@ from dsec.cluster.ca import (
     JoinToken,
     cert_fingerprint,
     issue_node_cert,
+    key_fingerprint,
     verify_rejoin,
 )
 from dsec.control.store.membership import JoinTokenRow, NodeRow
@@ -204,19 +206,22 @@ class JoinAuthority:
         addr = _advertised(req.address, peer)
         if len(req.csr) > MAX_BODY:
             raise PayloadTooLarge("CSR too large", limit=MAX_BODY)
-        # The cheap token check first (a guesser costs no signature) ...
+        # The cheap token check first (a guesser costs no signature; a used-up token may
+        # still be the retry of a join whose answer was lost: join_node decides) ...
         row = self.store.get_join_token(tok.id)
         now = self.clock()
-        if (row is None or row.revoked or row.expires_at <= now or row.used >= row.uses
+        if (row is None or row.revoked or row.expires_at <= now
                 or not _same(row.secret_hash, tok.secret_hash)):
             raise Unauthenticated(_token_refusal(row, now))
         cert = issue_node_cert(self.ca, req.csr.encode(), node)
         fp = cert_fingerprint(cert)
         # ... then the use and the row, together (two joins racing for the last use:
         # one wins, the other's certificate is thrown away unrecorded and never valid).
+        pub = cert.public_key()
+        assert isinstance(pub, ec.EllipticCurvePublicKey)
         why = self.store.join_node(tok.id, tok.secret_hash, now, NodeRow(
             node_id=node, address=str(addr), cert_fingerprint=fp, token_id=tok.id,
-            joined_at=now))
+            joined_at=now, key_fingerprint=key_fingerprint(pub)))
         if why == "taken":
             raise Conflict(f"node {node!r} is already joined; pick another --node-id, or "
                            f"revoke it first (`dsec cluster node revoke {node}`)")

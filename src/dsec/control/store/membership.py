@@ -46,6 +46,7 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     joined_at: float
     revoked: bool = False
     revoked_at: float | None = None
+    key_fingerprint: str = ""  # sha256 of its public key: a retried join is recognised
 
 
 MEMBERSHIP_SCHEMA = [
@@ -57,7 +58,8 @@ MEMBERSHIP_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS nodes (
         node_id TEXT PRIMARY KEY, address TEXT NOT NULL, cert_fingerprint TEXT NOT NULL,
         token_id TEXT NOT NULL, joined_at DOUBLE PRECISION NOT NULL,
-        revoked INTEGER NOT NULL, revoked_at DOUBLE PRECISION)""",
+        revoked INTEGER NOT NULL, revoked_at DOUBLE PRECISION,
+        key_fingerprint TEXT NOT NULL DEFAULT '')""",
     # Every fingerprint a node ever had: a revoked edge's old certificate stays refused
     # even after its node id joins again with a new one.
     """CREATE TABLE IF NOT EXISTS revoked_certs (
@@ -65,7 +67,8 @@ MEMBERSHIP_SCHEMA = [
         revoked_at DOUBLE PRECISION NOT NULL)""",
 ]
 
-_NODE_COLS = "node_id, address, cert_fingerprint, token_id, joined_at, revoked, revoked_at"
+_NODE_COLS = ("node_id, address, cert_fingerprint, token_id, joined_at, revoked, revoked_at, "
+              "key_fingerprint")
 _TOKEN_COLS = "id, secret_hash, uses, used, created_at, expires_at, revoked, description"
 
 
@@ -119,23 +122,41 @@ class MembershipTables:
 
     def _join_tx(self, cur: Any, token_id: str, secret_hash: bytes, now: float,
                  row: NodeRow) -> None:
-        cur.execute(self._s(
-            "UPDATE join_tokens SET used = used + 1 WHERE id = ? AND secret_hash = ? "
-            "AND revoked = 0 AND expires_at > ? AND used < uses"),
-            (token_id, secret_hash, now))
-        if cur.rowcount != 1:
-            raise _Refused("token")
-        cur.execute(self._s("SELECT revoked FROM nodes WHERE node_id = ?"), (row.node_id,))
+        cur.execute(self._s("SELECT revoked, token_id, key_fingerprint, cert_fingerprint "
+                            "FROM nodes WHERE node_id = ?"), (row.node_id,))
         old = cur.fetchone()
-        if old is not None and not old[0]:
-            # the token use is given back: the whole transaction is rolled back
-            raise _Refused("taken")
+        retry = (old is not None and not old[0] and old[1] == token_id
+                 and row.key_fingerprint != "" and old[2] == row.key_fingerprint)
+        if retry:
+            # The same join again (same token, same key): its answer was lost. The token
+            # must still be good, but no further use is spent; the certificate the edge
+            # never received is denied.
+            cur.execute(self._s("SELECT 1 FROM join_tokens WHERE id = ? AND secret_hash = ? "
+                                "AND revoked = 0 AND expires_at > ?"),
+                        (token_id, secret_hash, now))
+            if cur.fetchone() is None:
+                raise _Refused("token")
+            cur.execute(self._s("INSERT INTO revoked_certs (fingerprint, node_id, revoked_at) "
+                                "VALUES (?, ?, ?) ON CONFLICT (fingerprint) DO NOTHING"),
+                        (old[3], row.node_id, now))
+        else:
+            cur.execute(self._s(
+                "UPDATE join_tokens SET used = used + 1 WHERE id = ? AND secret_hash = ? "
+                "AND revoked = 0 AND expires_at > ? AND used < uses"),
+                (token_id, secret_hash, now))
+            if cur.rowcount != 1:
+                raise _Refused("token")
+            if old is not None and not old[0]:
+                # the token use is given back: the whole transaction is rolled back
+                raise _Refused("taken")
         cur.execute(self._s(
-            f"INSERT INTO nodes ({_NODE_COLS}) VALUES (?, ?, ?, ?, ?, 0, NULL) "
+            f"INSERT INTO nodes ({_NODE_COLS}) VALUES (?, ?, ?, ?, ?, 0, NULL, ?) "
             "ON CONFLICT (node_id) DO UPDATE SET address = excluded.address, "
             "cert_fingerprint = excluded.cert_fingerprint, token_id = excluded.token_id, "
-            "joined_at = excluded.joined_at, revoked = 0, revoked_at = NULL"),
-            (row.node_id, row.address, row.cert_fingerprint, row.token_id, row.joined_at))
+            "joined_at = excluded.joined_at, revoked = 0, revoked_at = NULL, "
+            "key_fingerprint = excluded.key_fingerprint"),
+            (row.node_id, row.address, row.cert_fingerprint, row.token_id, row.joined_at,
+             row.key_fingerprint))
 
     # --- nodes ------------------------------------------------------------------------
     def get_node(self, node_id: str) -> NodeRow | None:
@@ -183,4 +204,4 @@ def _token(r: tuple[Any, ...]) -> JoinTokenRow:
 def _node(r: tuple[Any, ...]) -> NodeRow:
     return NodeRow(node_id=r[0], address=r[1], cert_fingerprint=r[2], token_id=r[3],
                    joined_at=float(r[4]), revoked=bool(r[5]),
-                   revoked_at=None if r[6] is None else float(r[6]))
+                   revoked_at=None if r[6] is None else float(r[6]), key_fingerprint=r[7])
