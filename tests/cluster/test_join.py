@@ -355,3 +355,32 @@ async def test_slow_join_requests_are_cut_by_the_http_limits(tmp_path: Path) -> 
             assert got == b"" or got.startswith(b"HTTP/1.1 4"), got[:200]
             writer.close()
         assert rt.join_authority.list_nodes() == []
+
+
+async def test_an_edge_killed_before_the_answer_joins_again_with_the_same_token(
+        tmp_path: Path) -> None:
+    """The edge kept its key, sent the join, and died before it stored the answer (the
+    apiserver recorded the node): started again with the same single-use token, it is
+    answered again instead of refused, and serves."""
+    from dsec.cluster.ca import NodeCredentials, new_node_key
+    from dsec.cluster.join import JoinRequest
+    async with apiserver(tmp_path / "cp") as rt, rest(rt) as http:
+        tok, _ = rt.join_authority.create_token(ttl_s=600, uses=1)
+        port = free_port()
+        creds = NodeCredentials(str(tmp_path / "far" / "cluster"))
+        key, csr = new_node_key("far-1")
+        creds.save_key(key)                            # what the edge does first
+        rt.join_authority.join(JoinRequest(              # the join it sent; answer lost
+            token=str(tok), node_id="far-1", csr=csr.decode(),
+            address=f"tcp:127.0.0.1:{port}"))
+        assert rt.join_authority.store.get_join_token(tok.id).used == 1
+        edge = EdgeProc(tmp_path / "far", f"tcp:127.0.0.1:{port}")
+        try:
+            edge.start("--join", rt.url, "--node-id", "far-1",
+                       env={"DSEC_JOIN_TOKEN": str(tok)})
+            await edge.serving()
+            await eventually(lambda: healthy(rt, "far-1"), 30, "far-1 healthy")
+            await create_and_exec(http)
+            assert rt.join_authority.store.get_join_token(tok.id).used == 1
+        finally:
+            await edge.stop()
