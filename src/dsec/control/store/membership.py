@@ -88,6 +88,10 @@ class MembershipTables:
 
     def _create_membership_tables(self) -> None:
         with self._tx() as cur:
+            # the dialect's lock around schema changes, where it has one (PostgreSQL:
+            # replicas starting at once must not race their CREATE TABLEs)
+            for stmt in getattr(self._d, "schema_lock", ()):
+                cur.execute(stmt)
             for stmt in MEMBERSHIP_SCHEMA:
                 cur.execute(stmt.format(blob=self._d.blob))
 
