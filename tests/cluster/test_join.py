@@ -174,6 +174,18 @@ async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
             assert r.json()["reason"] == "node_revoked"
             r = await http.get(f"/v1/sandboxes/{sid}/events")
             assert "node_revoked" in r.text
+            # the edge was asked to destroy them before its link was cut (it answered):
+            # asked directly (as the apiserver, without the denylist), it holds none
+            from dsec.cluster.membership import EdgeTls
+            from dsec.edge.client import EdgeClient
+            direct = await EdgeClient.connect(edge.listen, tls=EdgeTls(
+                "far-1", rt.join_authority.ca.client_context()))
+            try:
+                live = [i for i in await direct.list() if i.state != "destroyed"]
+                assert live == [], live
+                assert (await direct.get(sid)).reason == "node_revoked"
+            finally:
+                await direct.close()
             # the edge, still serving, is never dialled again: the row is revoked and its
             # certificate is on the denylist
             assert rt.membership.denied

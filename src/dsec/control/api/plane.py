@@ -327,6 +327,19 @@ class ControlPlane:
         their tombstones. Returns how many sandboxes were written off."""
         e = self.edges.get(node)
         self.placement.remove(node)
+        ids = sorted(self.registry.ids_on(node))
+        if e is not None and ids and not e.revoked:
+            # Ask it to destroy them while the link is still up: a decommissioned edge
+            # cleans up; one that does not answer (or is hostile) is cut off anyway.
+            try:
+                got = await e.link.destroy_many(ids, reason=reason,
+                                                timeout=self.config.poll_timeout_s)
+                failed = [str(r) for r in got if isinstance(r, DsecError)]
+                if failed:
+                    log.warning("revoked edge %s did not destroy %d sandbox(es): %s", node,
+                                len(failed), "; ".join(failed[:3]))
+            except DsecError as exc:
+                log.warning("revoked edge %s did not destroy its sandboxes: %s", node, exc)
         now = self.clock()
         rows = [self._tombstone(rec, reason, now, detail=detail)
                 for rec in self.registry.evict_node(node, reason=reason)]
