@@ -201,6 +201,16 @@ async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
             assert view["status"] == "revoked", view
             r = await http.post("/v1/sandboxes", json={"image": "base"})
             assert r.status_code >= 400, r.text     # nothing placed on a revoked node
+            # the machine comes back only with a new token: then it joins afresh
+            tok2, _ = rt.join_authority.create_token(ttl_s=600, uses=1)
+            edge.start("--join", rt.url, env={"DSEC_JOIN_TOKEN": str(tok2)})
+            await edge.serving()
+            await eventually(lambda: healthy(rt, "far-1"), 30, "far-1 joined again")
+            assert not rt.plane.edges["far-1"].revoked
+            sid2 = await create_and_exec(http)
+            assert sid2.endswith("-far-1")
+            r = await http.get(f"/v1/sandboxes/{sid}")      # the old one stays lost
+            assert r.json()["reason"] == "node_revoked", r.text
         finally:
             await edge.stop()
             if "other" in locals():

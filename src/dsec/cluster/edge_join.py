@@ -18,6 +18,7 @@ trust another CA; run joins over HTTPS or a private network).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,14 @@ from dsec.cluster.ca import (
     new_node_key,
     rejoin_message,
 )
-from dsec.errors import ConnectFailed, DsecError, InvalidArgument, error_from_wire
+from dsec.errors import (
+    ConnectFailed,
+    DsecError,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    error_from_wire,
+)
 
 __all__ = ["JoinedEdge", "prepare_joined_edge"]
 
@@ -105,9 +113,21 @@ def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: s
                     url = json.load(f).get("url")
             except (OSError, ValueError):
                 url = None
-        if url is not None:
-            _rejoin(url, creds, known, str(adv), timeout)
-        return JoinedEdge(node_id=known, address=str(adv), credentials=creds)
+        try:
+            if url is not None:
+                _rejoin(url, creds, known, str(adv), timeout)
+            return JoinedEdge(node_id=known, address=str(adv), credentials=creds)
+        except (PermissionDenied, Unauthenticated) as exc:
+            if token is None or join_url is None:
+                raise
+            # Revoked (or replaced): a token given with it means "join again".
+            log.warning("the cluster refused this node's certificate (%s); joining again "
+                        "with the token given", exc)
+            for p in (creds.cert_path, creds.key_path, creds.ca_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            if not node_id_given:
+                node_id = known
     if join_url is None or token is None:
         raise InvalidArgument("this edge has not joined yet: pass --join URL and --token "
                               "TOKEN (from `dsec cluster token create`)")
