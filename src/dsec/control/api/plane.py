@@ -326,13 +326,25 @@ class ControlPlane:
         lost). The entry stays, status ``revoked``, so its sandbox ids still route to
         their tombstones. Returns how many sandboxes were written off."""
         e = self.edges.get(node)
+        again = e is not None and bool(e.revoked)
+        if e is not None:
+            # first: no new poll uses the link, and placement and health see it gone
+            e.revoked, e.heartbeat = detail, None
         self.placement.remove(node)
-        ids = sorted(self.registry.ids_on(node))
-        if e is not None and ids and not e.revoked:
+        # The records are written off (tombstones durable) before the edge is asked to
+        # destroy anything: a poll in flight that brings its destroy events back finds
+        # them already gone, and GET answers node_revoked either way.
+        now = self.clock()
+        rows = [self._tombstone(rec, reason, now, detail=detail)
+                for rec in self.registry.evict_node(node, reason=reason)]
+        if rows:
+            self.store.put_lost(rows, keep=self.config.lost_tombstones)
+        self.registry.flush()
+        if e is not None and rows and not again:
             # Ask it to destroy them while the link is still up: a decommissioned edge
             # cleans up; one that does not answer (or is hostile) is cut off anyway.
             try:
-                got = await e.link.destroy_many(ids, reason=reason,
+                got = await e.link.destroy_many([r.id for r in rows], reason=reason,
                                                 timeout=self.config.poll_timeout_s)
                 failed = [str(r) for r in got if isinstance(r, DsecError)]
                 if failed:
@@ -340,14 +352,7 @@ class ControlPlane:
                                 len(failed), "; ".join(failed[:3]))
             except DsecError as exc:
                 log.warning("revoked edge %s did not destroy its sandboxes: %s", node, exc)
-        now = self.clock()
-        rows = [self._tombstone(rec, reason, now, detail=detail)
-                for rec in self.registry.evict_node(node, reason=reason)]
-        if rows:
-            self.store.put_lost(rows, keep=self.config.lost_tombstones)
-        self.registry.flush()
         if e is not None:
-            e.revoked, e.heartbeat = detail, None
             try:
                 await e.link.close()
             except DsecError:
