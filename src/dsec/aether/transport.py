@@ -332,21 +332,22 @@ class Server:
                                   on_connection=self._accepted, guard=guard)
 
         try:
-            if self.ssl is not None:
+            if self.ssl is None:
+                await self._loop.connect_accepted_socket(factory, sock)
+                return
+            try:
                 # The handshake happens here, bounded by the auth deadline: a peer that
                 # opens a socket and never finishes it holds a pending slot no longer
                 # than one that never authenticates.
                 await self._loop.connect_accepted_socket(
                     factory, sock, ssl=self.ssl,
                     ssl_handshake_timeout=self.limits.auth_timeout_s or 60.0)
-            else:
-                await self._loop.connect_accepted_socket(factory, sock)
-        except (OSError, TimeoutError) as exc:   # ssl.SSLError is an OSError
-            sock.close()
-            self.admission.release(peer, established=False)
-            self.stats.refuse("tls")
-            log.info("listener %s: TLS handshake with %s failed: %s", self.address, peer,
-                     getattr(exc, "reason", None) or exc)
+            except (OSError, TimeoutError) as exc:   # ssl.SSLError is an OSError
+                sock.close()
+                self.admission.release(peer, established=False)
+                self.stats.refuse("tls")
+                log.info("listener %s: TLS handshake with %s failed: %s", self.address,
+                         peer, getattr(exc, "reason", None) or exc)
         except BaseException:
             sock.close()
             self.admission.release(peer, established=False)
