@@ -130,6 +130,7 @@ async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
         token = r.json()["token"]
         port = free_port()
         edge = EdgeProc(tmp_path / "far", f"tcp:127.0.0.1:{port}")
+        other = EdgeProc(tmp_path / "far2", f"tcp:127.0.0.1:{free_port()}")
         try:
             edge.start("--join", rt.url, "--node-id", "far-1", env={"DSEC_JOIN_TOKEN": token})
             await edge.serving()
@@ -143,7 +144,6 @@ async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
                 p = tmp_path / "far" / "cluster" / name
                 assert (p.stat().st_mode & 0o077) == 0, name
             # single use: a second edge with the same token is refused and creates nothing
-            other = EdgeProc(tmp_path / "far2", f"tcp:127.0.0.1:{free_port()}")
             other.start("--join", rt.url, "--node-id", "far-2",
                         env={"DSEC_JOIN_TOKEN": token})
             await eventually(other.exited, 60, "the second edge to give up")
@@ -213,8 +213,7 @@ async def test_join_create_exec_restart_rejoin_revoke(tmp_path: Path) -> None:
             assert r.json()["reason"] == "node_revoked", r.text
         finally:
             await edge.stop()
-            if "other" in locals():
-                await other.stop()
+            await other.stop()
 
 
 async def test_wrong_ca_edge_is_refused(tmp_path: Path) -> None:
