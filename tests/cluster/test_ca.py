@@ -160,6 +160,25 @@ def test_a_join_whose_answer_was_lost_is_answered_again(tmp_path):
     assert [n.node_id for n in store.list_nodes()] == ["edge-a"]
 
 
+def test_joins_racing_for_the_last_uses_get_exactly_that_many(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    auth, store, _ = _authority(tmp_path)
+    tok, _ = auth.create_token(ttl_s=60, uses=3)
+    csrs = [new_node_key(f"n-{i}")[1].decode() for i in range(12)]
+
+    def one(i: int) -> bool:
+        try:
+            auth.join(JoinRequest(token=str(tok), node_id=f"n-{i}", csr=csrs[i],
+                                  address="tcp:127.0.0.1:7443"))
+            return True
+        except Unauthenticated:
+            return False
+    with ThreadPoolExecutor(12) as pool:
+        won = list(pool.map(one, range(12)))
+    assert sum(won) == 3
+    assert len(store.list_nodes()) == 3 and store.get_join_token(tok.id).used == 3
+
+
 def test_static_edge_ids_are_reserved(tmp_path):
     auth, store, _ = _authority(tmp_path)
     auth.reserved = frozenset({"edge-0"})
