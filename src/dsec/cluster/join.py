@@ -44,6 +44,7 @@ from dsec.control.store.membership import JoinTokenRow, NodeRow
 from dsec.errors import (
     Conflict,
     DsecError,
+    InternalError,
     InvalidArgument,
     NotFound,
     PayloadTooLarge,
@@ -299,6 +300,13 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
     async def body(request: Request) -> bytes:
         return await _read_body(request, MAX_BODY)
 
+    def _internal(request: Request, rid: str, exc: Exception) -> Response:
+        log.error("request %s %s failed (request id %s)", request.method,
+                  request.url.path, rid, exc_info=exc)
+        return _error_response(InternalError(
+            f"internal error ({type(exc).__name__}); quote request id {rid} when "
+            "reporting it"), rid)
+
     def decode(t: type[Any], raw: bytes) -> Any:
         try:
             return msgspec.json.decode(raw, type=t)
@@ -320,6 +328,8 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
                     raise
             except DsecError as exc:
                 return _error_response(exc, rid)
+            except Exception as exc:  # a bug: say so, log it, never leak the trace
+                return _internal(request, rid, exc)
             return _json_response(reply, rid, 200)
         return endpoint
 
@@ -335,6 +345,8 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
                 reply = await fn(request)
             except DsecError as exc:
                 return _error_response(exc, rid)
+            except Exception as exc:  # a bug: say so, log it, never leak the trace
+                return _internal(request, rid, exc)
             if reply is None:
                 return Response(status_code=204, headers={"x-request-id": rid})
             return _json_response(reply, rid, status)
