@@ -300,9 +300,7 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
     async def body(request: Request) -> bytes:
         return await _read_body(request, MAX_BODY)
 
-    def _internal(request: Request, rid: str, exc: Exception) -> Response:
-        log.error("request %s %s failed (request id %s)", request.method,
-                  request.url.path, rid, exc_info=exc)
+    def _internal(rid: str, exc: Exception) -> Response:
         return _error_response(InternalError(
             f"internal error ({type(exc).__name__}); quote request id {rid} when "
             "reporting it"), rid)
@@ -329,7 +327,9 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
             except DsecError as exc:
                 return _error_response(exc, rid)
             except Exception as exc:  # a bug: say so, log it, never leak the trace
-                return _internal(request, rid, exc)
+                log.exception("request %s %s failed (request id %s)", request.method,
+                              request.url.path, rid)
+                return _internal(rid, exc)
             return _json_response(reply, rid, 200)
         return endpoint
 
@@ -346,7 +346,9 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
             except DsecError as exc:
                 return _error_response(exc, rid)
             except Exception as exc:  # a bug: say so, log it, never leak the trace
-                return _internal(request, rid, exc)
+                log.exception("request %s %s failed (request id %s)", request.method,
+                              request.url.path, rid)
+                return _internal(rid, exc)
             if reply is None:
                 return Response(status_code=204, headers={"x-request-id": rid})
             return _json_response(reply, rid, status)
