@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.cluster.ca import ClusterCA, cert_fingerprint
-from dsec.errors import DsecError, PermissionDenied
+from dsec.errors import ConnectionLost, DsecError, PermissionDenied
 
-__all__ = ["EdgeTls", "Membership"]
+__all__ = ["EdgeTls", "Membership", "Unreachable"]
 
 log = logging.getLogger("dsec.cluster.membership")
 
@@ -52,6 +52,25 @@ class EdgeTls:
         if fp in self.denied:
             raise PermissionDenied(f"edge {self.node_id} presented a revoked certificate "
                                    f"(sha256 {fp[:16]}...): refused")
+
+
+class Unreachable:
+    """The connection of an edge that could not be dialled: every call fails with a
+    clear error, and ``closed`` makes the control plane's poll keep redialling it."""
+
+    closed = True
+
+    def __init__(self, node: str, address: str, why: str) -> None:
+        self._why = f"edge {node} at {address} is unreachable: {why}"
+
+    async def call(self, *_: Any, **__: Any) -> Any:
+        raise ConnectionLost(self._why)
+
+    def stream(self, *_: Any, **__: Any) -> Any:
+        raise ConnectionLost(self._why)
+
+    async def close(self) -> None:
+        return None
 
 
 class Membership:
@@ -106,7 +125,6 @@ class Membership:
         await asyncio.gather(*(self._add(row) for row in new))
 
     async def _add(self, row: Any) -> None:
-        from dsec.cluster.runtime import _Unreachable
         from dsec.edge.client import EdgeClient
 
         tls = EdgeTls(row.node_id, self.context, self.denied)
@@ -116,7 +134,7 @@ class Membership:
         except (DsecError, TimeoutError) as exc:
             log.warning("joined edge %s at %s is not reachable yet (%s); will keep trying",
                         row.node_id, row.address, exc)
-            client = EdgeClient(_Unreachable(row.node_id, row.address, str(exc)))  # type: ignore[arg-type]
+            client = EdgeClient(Unreachable(row.node_id, row.address, str(exc)))  # type: ignore[arg-type]
         self.clients.append(client)
         self.plane.add_edge(row.node_id, row.address, client, tls=tls)
         log.info("joined edge %s at %s added", row.node_id, row.address)

@@ -57,6 +57,7 @@ from dsec.aether.limits import ServerLimits
 from dsec.cluster import DSEC_ARGV
 from dsec.cluster.compose import api_service
 from dsec.cluster.edge_process import EdgePaths, EdgeProcess, reclaim_orphan
+from dsec.cluster.membership import Unreachable as _Unreachable
 from dsec.control.api.http_limits import HttpLimits
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService
@@ -73,7 +74,7 @@ from dsec.edge.admission import (
     plan_capacity,
 )
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
-from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
+from dsec.errors import DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
 from dsec.wire.netpolicy import NetworkPolicy
@@ -202,25 +203,6 @@ def _host_paths(state_dir: str) -> tuple[str, ...]:
     """The spellings of ``state_dir`` an error message may carry, longest first."""
     paths = {os.path.abspath(state_dir), os.path.realpath(state_dir)}
     return tuple(sorted((p for p in paths if p not in ("", "/")), key=len, reverse=True))
-
-
-class _Unreachable:
-    """The connection of an edge that could not be dialled: every call fails with a
-    clear error, and ``closed`` makes the control plane's poll keep redialling it."""
-
-    closed = True
-
-    def __init__(self, node: str, address: str, why: str) -> None:
-        self._why = f"edge {node} at {address} is unreachable: {why}"
-
-    async def call(self, *_: Any, **__: Any) -> Any:
-        raise ConnectionLost(self._why)
-
-    def stream(self, *_: Any, **__: Any) -> Any:
-        raise ConnectionLost(self._why)
-
-    async def close(self) -> None:
-        return None
 
 
 class ClusterRuntime:
