@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from dsec.net.resolver import Resolver
-from dsec.net.testinternet import DNS_UPSTREAM
+from dsec.net.testinternet import ALLOWED, DNS_UPSTREAM, ScriptedDns, answer_a
 
-from .test_dns_race import SLOW_PORT, SlowUpstream
+from .test_dns_race import SLOW_PORT
 from .test_egress_hostile import Env, env, images_dir, policy
 
 __all__ = ["env", "images_dir"]  # fixtures shared with test_egress_hostile
@@ -29,8 +29,8 @@ FORWARD_BURST = 5
 
 
 @pytest.fixture
-def slow(env: Env) -> Iterator[SlowUpstream]:
-    s = SlowUpstream(env.internet, delay=1.0)
+def slow(env: Env) -> Iterator[ScriptedDns]:
+    s = ScriptedDns(env.internet, DNS_UPSTREAM, SLOW_PORT, answer_a(ALLOWED), delay=1.0)
     try:
         yield s
     finally:
@@ -38,7 +38,7 @@ def slow(env: Env) -> Iterator[SlowUpstream]:
 
 
 @pytest.fixture
-async def dns(env: Env, slow: SlowUpstream) -> AsyncIterator[Resolver]:
+async def dns(env: Env, slow: ScriptedDns) -> AsyncIterator[Resolver]:
     r = Resolver(env.net, upstreams=[(DNS_UPSTREAM, SLOW_PORT)],
                  upstream_netns_fd=env.internet.fd, timeout_s=3.0,
                  forward_rate=1, forward_burst=FORWARD_BURST)
@@ -50,7 +50,7 @@ async def dns(env: Env, slow: SlowUpstream) -> AsyncIterator[Resolver]:
 
 
 async def test_open_mode_non_a_queries_skip_the_forward_bucket(
-        env: Env, dns: Resolver, slow: SlowUpstream) -> None:
+        env: Env, dns: Resolver, slow: ScriptedDns) -> None:
     """HOLE (nb, net/resolver.py): 100 distinct TXT names from an open sandbox all reach
     the upstream at once, past a forward bucket of burst 5."""
     sid = await env.create(policy(mode="open"))
