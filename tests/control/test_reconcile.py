@@ -32,7 +32,7 @@ from dsec.control.reconcile import (
     settle_probe,
 )
 from dsec.control.records import SandboxRecord
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore
 from dsec.errors import ConnectionLost, DsecError, SandboxNotFound
 from dsec.wire.spec import SandboxInfo, SandboxSpec
 
@@ -171,7 +171,7 @@ class _Hb:
         self.sandboxes = [type("B", (), {"id": i, "state": s})() for i, s in sandboxes]
 
 
-async def test_the_runner_probes_at_once_and_settles(store: SqliteStore) -> None:
+async def test_the_runner_probes_at_once_and_settles(store: StateStore) -> None:
     plane = ControlPlane.open(store, metrics=ApiMetrics())
     for sid, created in (("sb-old", HB - 5), ("sb-young", HB + 5), ("sb-kept", HB - 5)):
         plane.registry.add_sandbox(SandboxRecord(id=sid, node="n1", project="default",

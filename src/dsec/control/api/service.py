@@ -110,6 +110,7 @@ from dsec.wire.calls import (
     ListSandboxes,
     NetworkUpdate,
     NetworkUpdateOnNode,
+    NodeRef,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -228,6 +229,11 @@ class NodeDirectory(Protocol):
         control plane had recorded it as live, the node lost it (restarted without it):
         write it off like a sandbox of a lost node and return its tombstone; else None."""
         ...
+    def abandon_intent(self, sandbox_id: str, spec: SandboxSpec) -> bool:
+        """A keyed create's noted sandbox whose node is lost: written off (destroyed
+        wherever it shows up) and True (place the create anew); False while the node is
+        not lost (see ``ControlPlane.abandon_intent``)."""
+        ...
 
 
 class Placer(Protocol):
@@ -321,6 +327,8 @@ class AdminOps(Protocol):
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         raise NotImplementedError
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        raise NotImplementedError
+    def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
 
 
@@ -844,8 +852,8 @@ class ApiService:
         except InvalidArgument:
             return None
         edge = self.directory.edge(node)
-        if edge is None:
-            return None
+        if edge is None or self.directory.abandon_intent(sid, spec):
+            return None   # its node is lost: written off there, place the create anew
         info = await self._settled(edge, sid)
         if info is None:
             # Not on its edge: create it there under the same id, so that a first attempt
@@ -1461,6 +1469,7 @@ class ApiService:
             "network_update": self._network_update_op,
             "image_prune": self._image_prune_op,
             "image_pull": self._image_pull_op,
+            "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1692,6 +1701,12 @@ class ApiService:
 
     async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
         return await self._admin().pull_image(caller, b)
+
+    async def _node_drain_op(self, caller: Caller, b: NodeRef) -> NodeView:
+        return self._admin().drain_node(caller, b.id, drained=True)
+
+    async def _node_undrain_op(self, caller: Caller, b: NodeRef) -> NodeView:
+        return self._admin().drain_node(caller, b.id, drained=False)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "
