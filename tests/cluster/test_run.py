@@ -64,7 +64,7 @@ async def test_a_start_that_fails_is_reported_and_exits_1(tmp_path: Path) -> Non
     failures: list[Exception] = []
     with pytest.raises(SystemExit) as exit_:
         await run_until_signalled(
-            _config(tmp_path, edges=0),     # no edge at all: refused by the runtime
+            _config(tmp_path, edges=0, join=False),  # no edge at all: refused
             failed=failures.append, started=lambda rt: pytest.fail("started"))
     assert exit_.value.code == 1
     assert len(failures) == 1 and isinstance(failures[0], InvalidArgument)

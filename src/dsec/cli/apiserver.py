@@ -39,9 +39,10 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command()
-@click.option("--edge", "edges", multiple=True, required=True, metavar="NODE=ADDR",
+@click.option("--edge", "edges", multiple=True, metavar="NODE=ADDR",
               help="An edge to use (repeatable): NODE=unix:PATH or NODE=tcp:HOST:PORT; "
-                   "NODE is the edge's --node-id.")
+                   "NODE is the edge's --node-id. Edges may also join by token "
+                   "(`dsec cluster token create`, `dsec edge --join`).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the control plane's state lives (default $DSEC_STATE_DIR or "
                    "~/.dsec).")
@@ -58,6 +59,10 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
               help="Default sandbox backend of creates that name none.")
 @click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="File with the secret tcp: edges require (their --token-file).")
+@click.option("--cluster-dir", type=click.Path(file_okay=False), default=None,
+              help="[join] The cluster CA's directory (default <state-dir>/cluster; made "
+                   "if absent). Replicas on several hosts must share one CA: give each a "
+                   "copy of the same directory (docs/cluster.md).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 @click.option("--node-ttl", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, metavar="SECONDS",
@@ -72,7 +77,8 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
-              node_ttl: float, sandbox_list_interval: float, net_default: Any) -> None:
+              node_ttl: float, sandbox_list_interval: float, net_default: Any,
+              cluster_dir: str | None = None) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -88,7 +94,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), store=store, listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
-                        net_default=net_default,
+                        net_default=net_default, cluster_dir=cluster_dir,
                         plane=PlaneConfig(node_ttl_s=node_ttl,
                                           sandbox_list_interval_s=sandbox_list_interval))
     uvloop.run(_run(cfg, quiet))
@@ -111,7 +117,7 @@ async def _run(cfg: Any, quiet: bool) -> None:
         from dsec.control.store import redact_url
         where = redact_url(cfg.store) if cfg.store else f"{cfg.state_dir}/control.sqlite"
         click.echo(f"dsec apiserver  REST {rt.url}  gateway {rt.gateway_address}  store "
-                   f"{where}  edges {', '.join(cfg.remote_edges)}", err=True)
+                   f"{where}  edges {', '.join(cfg.remote_edges) or '(joined only)'}", err=True)
         click.echo(f"admin key: {rt.admin_key}  (also in {cfg.state_dir}/local.json)",
                    err=True)
 

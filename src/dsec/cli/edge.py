@@ -390,6 +390,18 @@ def _die_with_supervisor(pid: int) -> None:
                    "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
                    "[default: off]. Sandbox ids are labels: bind it to loopback or a "
                    "monitoring network.")
+@click.option("--join", "join_url", default=None, metavar="URL",
+              help="[join] Join the cluster whose apiserver REST is at URL (first start: "
+                   "with --token; later starts rejoin from the key and certificate kept in "
+                   "--state-dir/cluster) and serve Aether over mutual TLS on --listen "
+                   "tcp:HOST:PORT. See docs/cluster.md.")
+@click.option("--token", "join_token", default=None, envvar="DSEC_JOIN_TOKEN",
+              metavar="TOKEN",
+              help="[join] Join token from `dsec cluster token create` (or $DSEC_JOIN_TOKEN, "
+                   "which other host users cannot read in the process list).")
+@click.option("--advertise", default=None, metavar="HOST:PORT",
+              help="[join] The address the apiserver replicas dial [default: --listen's; "
+                   "a 0.0.0.0 host becomes the address the join came from].")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -401,7 +413,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          supervisor_pid: int | None, log_level: str, net_default: Any,
          net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
          net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
-         metrics_listen: str | None) -> None:
+         metrics_listen: str | None, join_url: str | None, join_token: str | None,
+         advertise: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -417,6 +430,23 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ssl_ctx = None
+    if join_url is not None or (state_dir is not None and os.path.exists(
+            os.path.join(state_dir, "cluster", "node.crt"))):
+        # [join] a joined edge: its node id is its certificate's, it serves mutual TLS
+        from dsec.cluster.edge_join import prepare_joined_edge
+        from dsec.errors import DsecError
+
+        given = click.get_current_context().get_parameter_source("node_id")
+        try:
+            joined = prepare_joined_edge(
+                state_dir, join_url=join_url, token=join_token, node_id=node_id,
+                node_id_given=given is not click.core.ParameterSource.DEFAULT,
+                listen=listen, advertise=advertise)
+            node_id = joined.node_id
+            ssl_ctx = joined.credentials.server_context()
+        except DsecError as exc:
+            raise click.ClickException(str(exc)) from exc
 
     owned: list[Any] = []
     built: dict[str, Any] = {}
@@ -427,7 +457,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
                    ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
-                   net_pool, net_ipv6, net_dns_upstream, metrics_listen)
+                   net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -471,7 +501,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
                net_uplink: str | None, net_link: str, net_egress: str | None,
                net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
-               metrics_listen: str | None) -> None:
+               metrics_listen: str | None, ssl_ctx: Any = None) -> None:
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
@@ -533,7 +563,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                 raise click.BadParameter(f"{token_file} holds {len(token)} bytes; use a random "
                                          "secret of at least 16", param_hint="--token-file")
         uvloop.run(_serve(cfg, built, listen, token, insecure, ready_fd, resolver_args,
-                          served, metrics_listen))
+                          served, metrics_listen, ssl_ctx))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -640,7 +670,7 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
                  insecure: bool, ready_fd: int | None,
                  resolver_args: dict[str, Any] | None = None,
                  served: list[bool] | None = None,
-                 metrics_listen: str | None = None) -> None:
+                 metrics_listen: str | None = None, ssl_ctx: Any = None) -> None:
     log = logging.getLogger("dsec.edge")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -654,7 +684,8 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
         await resolver.start()
     try:
         await _serve_node(cfg, backends, listen, token, insecure, ready_fd, stop,
-                          served if served is not None else [], resolver, metrics_listen)
+                          served if served is not None else [], resolver, metrics_listen,
+                          ssl_ctx)
     finally:
         if resolver is not None:
             await resolver.close()
@@ -664,7 +695,7 @@ async def _serve(cfg: Any, backends: dict[str, Any], listen: str, token: bytes |
 async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: bytes | None,
                       insecure: bool, ready_fd: int | None, stop: asyncio.Event,
                       served: list[bool], resolver: Any = None,
-                      metrics_listen: str | None = None) -> None:
+                      metrics_listen: str | None = None, ssl_ctx: Any = None) -> None:
     from dsec.edge.node import EdgeNode
     from dsec.edge.service import serve_edge
     from dsec.wire.node import format_bytes, format_cpu
@@ -673,7 +704,7 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
     node = EdgeNode(cfg, backends)
     await node.start()   # a failure here: edge() releases the backends
     try:
-        server = await serve_edge(node, listen, token=token, insecure=insecure)
+        server = await serve_edge(node, listen, token=token, insecure=insecure, ssl=ssl_ctx)
         cap = cfg.capacity
         phys = cap.physical
         log.info("edge %s serving %s on %s (%d sandboxes adopted); admits %s and %s "

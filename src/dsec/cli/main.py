@@ -15,6 +15,7 @@ import click
 COMMANDS: dict[str, str] = {
     "apiserver": "dsec.cli.apiserver:apiserver",
     "bench": "dsec.cli.bench:bench",
+    "cluster": "dsec.cli.cluster:cluster",
     "demo": "dsec.cli.demo:demo",
     "edge": "dsec.cli.edge:edge",
     "image": "dsec.cli.image:image",

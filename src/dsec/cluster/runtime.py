@@ -57,6 +57,7 @@ from dsec.aether.limits import ServerLimits
 from dsec.cluster import DSEC_ARGV
 from dsec.cluster.compose import api_service
 from dsec.cluster.edge_process import EdgePaths, EdgeProcess, reclaim_orphan
+from dsec.cluster.membership import Unreachable as _Unreachable
 from dsec.control.api.http_limits import HttpLimits
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiConfig, ApiService
@@ -73,7 +74,7 @@ from dsec.edge.admission import (
     plan_capacity,
 )
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
-from dsec.errors import ConnectionLost, DsecError, InUse, InvalidArgument, TransportError
+from dsec.errors import DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
 from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
 from dsec.wire.netpolicy import NetworkPolicy
@@ -166,6 +167,12 @@ class ClusterConfig:
     net_egress: str | None = None
     net_pool: str = "10.213.0.0/16"
     net_dns_upstream: tuple[str, ...] = ()
+    # [join] Edges on other hosts join with a token (docs/cluster.md "Joining hosts"):
+    # the cluster CA lives in cluster_dir (None: <state_dir>/cluster; made on first
+    # start), the join routes are served and every joined edge is dialled. False: only
+    # the edges given here.
+    join: bool = True
+    cluster_dir: str | None = None
     #: ``--net-ipv6`` of every edge: "auto" (IPv6 where the uplink has it) or "off"
     net_ipv6: str = "auto"
 
@@ -205,25 +212,6 @@ def _host_paths(state_dir: str) -> tuple[str, ...]:
     return tuple(sorted((p for p in paths if p not in ("", "/")), key=len, reverse=True))
 
 
-class _Unreachable:
-    """The connection of an edge that could not be dialled: every call fails with a
-    clear error, and ``closed`` makes the control plane's poll keep redialling it."""
-
-    closed = True
-
-    def __init__(self, node: str, address: str, why: str) -> None:
-        self._why = f"edge {node} at {address} is unreachable: {why}"
-
-    async def call(self, *_: Any, **__: Any) -> Any:
-        raise ConnectionLost(self._why)
-
-    def stream(self, *_: Any, **__: Any) -> Any:
-        raise ConnectionLost(self._why)
-
-    async def close(self) -> None:
-        return None
-
-
 class ClusterRuntime:
     """Start with ``await rt.start()``; ``rt.url``, ``rt.gateway_address`` and
     ``rt.admin_key`` are then set. ``await rt.stop()`` tears it down."""
@@ -255,6 +243,8 @@ class ClusterRuntime:
         self._mounts: Any = None              # its MountCache (one per process)
         self._lock_fd = -1
         self._bg: set[asyncio.Task[None]] = set()
+        self.join_authority: Any = None       # [join] dsec.cluster.join.JoinAuthority
+        self.membership: Any = None           # [join] dsec.cluster.membership.Membership
 
     # ------------------------------------------------------------------ start
     async def start(self) -> ClusterRuntime:
@@ -266,9 +256,10 @@ class ClusterRuntime:
         # its real path from then on, so nobody can swap a symlink on the way to it.
         cfg = self.config = replace(self.config, state_dir=ensure_private_dir(given))
         try:
-            if not 0 <= cfg.edges <= 64 or (cfg.edges == 0 and not cfg.remote_edges):
+            if not 0 <= cfg.edges <= 64 or (cfg.edges == 0 and not cfg.remote_edges
+                                            and not cfg.join):
                 raise InvalidArgument(f"edges={cfg.edges} must be within 1..64 (or 0 with "
-                                      "remote edges given)")
+                                      "remote edges given, or edges that join)")
             for node in cfg.remote_edges:
                 parse_node_id(node)
                 if node in self.node_ids:
@@ -305,6 +296,8 @@ class ClusterRuntime:
                 await self._add_edge(plane, node, f"unix:{self._sock(node)}", None)
             for node, addr in cfg.remote_edges.items():
                 await self._add_edge(plane, node, addr, cfg.edge_token)
+            if cfg.join:
+                await self._start_membership(plane)
             loop = asyncio.get_running_loop()
             service = self.service = api_service(
                 self._store, plane, rate=cfg.rate, anon_rate=cfg.anon_rate, clock=loop.time,
@@ -338,6 +331,23 @@ class ClusterRuntime:
             await self.stop(keep=True)
             raise
         return self
+
+    async def _start_membership(self, plane: ControlPlane) -> None:
+        """[join] The cluster CA (made if absent), the join authority behind the join
+        routes, and the first read of the joined edges (then re-read in the background)."""
+        from dsec.cluster.ca import init_ca
+        from dsec.cluster.join import JoinAuthority
+        from dsec.cluster.membership import Membership
+
+        cfg = self.config
+        ca, created = init_ca(cfg.cluster_dir or os.path.join(cfg.state_dir, "cluster"))
+        if created:
+            log.info("cluster CA created in %s (sha256 %s)", ca.dir, ca.fingerprint)
+        static = frozenset(self.node_ids) | set(cfg.remote_edges)
+        self.join_authority = JoinAuthority(self._store, ca, reserved=static)
+        self.membership = Membership(self._store, plane, ca, static=static)
+        await self.membership.sync()
+        self._background(self.membership.run(), "dsec-membership")
 
     async def _add_edge(self, plane: ControlPlane, node: str, addr: str,
                         token: bytes | None) -> None:
@@ -738,7 +748,12 @@ class ClusterRuntime:
         sock.setblocking(False)
         port = sock.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        app = build_app(service, plane, RestConfig(metrics_token=cfg.metrics_token))
+        extra: tuple[Any, ...] = ()
+        if self.join_authority is not None:
+            from dsec.cluster.join import join_routes
+            extra = tuple(join_routes(self.join_authority, service))
+        app = build_app(service, plane, RestConfig(metrics_token=cfg.metrics_token,
+                                                   extra_routes=extra))
         from dsec.control.api.http_limits import uvicorn_server
         # The runtime owns SIGINT/SIGTERM (`dsec up` stops the whole cluster on them):
         # the server installs no handlers of its own.
@@ -813,7 +828,7 @@ class ClusterRuntime:
             for e in self.plane.edges.values():   # links the plane redialled itself
                 with contextlib.suppress(Exception):
                     await e.link.close()
-        for c in self._clients:
+        for c in self._clients + (self.membership.clients if self.membership else []):
             with contextlib.suppress(Exception):
                 await c.close()
         self._clients.clear()

@@ -109,6 +109,9 @@ class RestConfig:
     proxy_tunnels_per_client: int | None = None
     # An HTTP tunnel with no byte either way this long is reclaimed (504).
     proxy_idle_s: float = 30.0
+    # Routes of other floors served beside the catalogue's (the cluster join and
+    # membership routes, dsec.cluster.join.join_routes): (Starlette Route, its openapi Op).
+    extra_routes: tuple[tuple[Any, Op], ...] = ()
 
 
 # ----------------------------------------------------------------- request plumbing
@@ -372,6 +375,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                   auth=False))
     documented.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
                   auth=False))
+    for extra_route, extra_op in cfg.extra_routes:
+        routes.append(extra_route)
+        documented.append(extra_op)
     doc = _json.encode(build_openapi(documented, version=service.config.version))
 
     async def openapi(request: Request) -> Response:

@@ -19,7 +19,13 @@ from typing import Any, Self, TypeVar
 import msgspec
 
 from dsec.aether import Connection, DuplexStream, connect
-from dsec.errors import DsecError, InvalidArgument, RemoteProtocolError, UnknownMethod
+from dsec.errors import (
+    DsecError,
+    InvalidArgument,
+    PermissionDenied,
+    RemoteProtocolError,
+    UnknownMethod,
+)
 from dsec.wire import ops
 from dsec.wire.calls import (
     Command,
@@ -94,14 +100,25 @@ class EdgeClient:
 
     @classmethod
     async def connect(cls, address: str, *, timeout: float | None = 60.0,
-                      token: bytes | str | None = None) -> EdgeClient:
+                      token: bytes | str | None = None, tls: Any = None) -> EdgeClient:
         """Connect and check the edge speaks this release's edge protocol (one round
         trip): an edge of another release is refused here, with both versions named,
         instead of failing later on the first body it cannot decode."""
-        client = cls(await connect(address, token=token), timeout=timeout,
-                     owns_connection=True)
+        if tls is not None:
+            # tls: an EdgeTls (dsec.cluster.membership): context, expected node id, and the
+            # denylist check of the edge's certificate
+            conn = await connect(address, token=token, ssl=tls.context,
+                                 server_hostname=tls.node_id, peer_check=tls.check_peer)
+        else:
+            conn = await connect(address, token=token)
+        client = cls(conn, timeout=timeout, owns_connection=True)
         try:
-            await client.check_protocol(address)
+            info = await client.check_protocol(address)
+            if tls is not None and info.node != tls.node_id:
+                # its hello must name the node its certificate names
+                raise PermissionDenied(f"the edge at {address} says it is node "
+                                       f"{info.node!r}, its certificate says "
+                                       f"{tls.node_id!r}: refused")
         except BaseException:
             await client.close()
             raise

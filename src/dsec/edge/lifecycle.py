@@ -70,6 +70,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
     "create_failed",    # creation failed; everything was rolled back
     "failed",           # an operation failed and cleanup destroyed it
     "shutdown",         # the node was drained
+    "node_revoked",     # the node was revoked from the cluster (docs/cluster.md)
 })
 
 # Reasons a backend may report for a sandbox that lives on: recorded as an event whose

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
+from typing import Any
 
 from dsec.aether import Router, Server, StreamSender, serve
 from dsec.aether.connection import DuplexStream
@@ -221,12 +222,13 @@ class EdgeService:
 
 
 async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None = None,
-                     insecure: bool = False, limits: ServerLimits | None = None) -> Server:
+                     insecure: bool = False, limits: ServerLimits | None = None,
+                     ssl: Any = None) -> Server:
     """Serve ``node`` on ``address`` (``unix:PATH`` or ``tcp:HOST:PORT``).
 
     Whoever reaches an edge can run code as root in its sandboxes, so a TCP listener needs
     a ``token`` that every connection must present first (``insecure=True`` waives it, for
-    a private test network only). A Unix socket is created 0600 (root only); a token
+    a private test network only), or ``ssl`` (mutual TLS with the cluster CA). A Unix socket is created 0600 (root only); a token
     there is optional.
 
     ``limits`` bound what peers may hold (connections, unauthenticated ones per address,
@@ -234,7 +236,7 @@ async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None 
     accepted connections of every listener in the process share the process's fd
     budget, so a flood on the edge's socket cannot take the fds its sandboxes' exec
     pipes and its journal need."""
-    if address.startswith("tcp:") and token is None and not insecure:
+    if address.startswith("tcp:") and token is None and ssl is None and not insecure:
         raise InvalidArgument(
             f"refusing to serve edge {node.node_id} on {address} without a token: anyone who "
             "can connect could run commands in its sandboxes; pass a token (dsec edge "
@@ -243,4 +245,7 @@ async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None 
     # carries every tenant's calls and its own polls; pausing it at a cap would let long
     # execs hold up the heartbeat. Tenants are capped at the gateway, per connection.
     lim = dataclasses.replace(limits or DEFAULT_LIMITS, max_calls_in_flight=None)
-    return await serve(EdgeService(node, token=token).router, address, limits=lim)
+    # ``ssl``: mutual TLS (a joined edge, dsec.cluster.ca.server_context): only a client
+    # certificate of the cluster CA with clientAuth (the apiserver's) gets through the
+    # handshake, so no token is needed on top.
+    return await serve(EdgeService(node, token=token).router, address, limits=lim, ssl=ssl)

@@ -395,7 +395,8 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     healthy: bool = True
     # healthy | unreachable (the apiserver failed to use its link, or the node answers
     # with errors: held, sandboxes kept) | silent (no answer; lost after the node TTL) |
-    # lost (expired: its sandboxes were evicted); problem says what happened.
+    # lost (expired: its sandboxes were evicted) | revoked (a joined node revoked from the
+    # cluster: its sandboxes were written off); problem says what happened.
     status: str = "healthy"
     problem: str = ""
     backends: list[str] = []

@@ -106,6 +106,9 @@ class Op:
     response_media: str = "application/json"
     headers: tuple[Param, ...] = field(default=())
     body_required: bool = True      # False: an empty body is valid (an empty file)
+    # No API key, but a credential in the body (a join token, a signature): 401/403 are
+    # documented answers though ``auth`` is False.
+    body_credential: bool = False
 
 
 _ERROR_CODES = {400: "bad input", 401: "missing or invalid API key",
@@ -150,7 +153,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
             responses[str(op.status)] = {"description": "success",
                                          "content": content(op.response, op.response_media)}
         for code, what in _ERROR_CODES.items():
-            if code in (401, 403) and not op.auth:
+            if code in (401, 403) and not (op.auth or op.body_credential):
                 continue
             responses[str(code)] = {"description": what,
                                     "content": {"application/json": {"schema": ref[id(ApiError)]}}}

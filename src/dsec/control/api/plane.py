@@ -245,6 +245,8 @@ class EdgeEntry:
     noted: set[str] = field(default_factory=set)  # snapshots taken since its heartbeat
     retry_at: float = 0.0                   # next reconnect attempt (link closed)
     token: bytes | str | None = None        # Aether token for reconnecting (tcp edges)
+    tls: Any = None                         # a joined edge's EdgeTls (dsec.cluster.membership)
+    revoked: str = ""                       # why it was revoked ("": it is not; revoke_edge)
     # How the last poll failed ("" = it worked): "answered" / "blind" hold the node
     # (unreachable, not lost), "silent" counts toward node_ttl_s; and what happened.
     failure: str = ""
@@ -360,9 +362,52 @@ class ControlPlane:
 
     # -------------------------------------------------------------- edges
     def add_edge(self, node: str, address: str, link: EdgeOps, *,
-                 token: bytes | str | None = None) -> None:
-        """Register an edge; ``token`` is what :meth:`_link` reconnects with."""
-        self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token)
+                 token: bytes | str | None = None, tls: Any = None) -> None:
+        """Register an edge; ``token`` and ``tls`` are what :meth:`_link` reconnects with."""
+        self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token,
+                                     tls=tls)
+
+    async def revoke_edge(self, node: str, *, reason: str, detail: str) -> int:
+        """Stop using edge ``node`` for good (a revoked joined node): out of placement,
+        its link cut and never redialled, and every sandbox recorded on it written off
+        with ``reason`` (an event each, and a tombstone: GET and /events answer it as
+        lost). The entry stays, status ``revoked``, so its sandbox ids still route to
+        their tombstones. Returns how many sandboxes were written off."""
+        e = self.edges.get(node)
+        again = e is not None and bool(e.revoked)
+        if e is not None:
+            # first: no new poll uses the link, and placement and health see it gone
+            e.revoked, e.heartbeat = detail, None
+        self.placement.remove(node)
+        # The records are written off (tombstones durable) before the edge is asked to
+        # destroy anything: a poll in flight that brings its destroy events back finds
+        # them already gone, and GET answers node_revoked either way.
+        now = self.clock()
+        rows = [self._tombstone(rec, reason, now, detail=detail)
+                for rec in self.registry.evict_node(node, reason=reason)]
+        if rows:
+            self.store.put_lost(rows, keep=self.config.lost_tombstones)
+        self.registry.flush()
+        if e is not None and rows and not again:
+            # Ask it to destroy them while the link is still up: a decommissioned edge
+            # cleans up; one that does not answer (or is hostile) is cut off anyway.
+            try:
+                got = await e.link.destroy_many([r.id for r in rows], reason=reason,
+                                                timeout=self.config.poll_timeout_s)
+                failed = [str(r) for r in got if isinstance(r, DsecError)]
+                if failed:
+                    log.warning("revoked edge %s did not destroy %d sandbox(es): %s", node,
+                                len(failed), "; ".join(failed[:3]))
+            except DsecError as exc:
+                log.warning("revoked edge %s did not destroy its sandboxes: %s", node, exc)
+        if e is not None:
+            try:
+                await e.link.close()
+            except DsecError:
+                pass
+        log.warning("edge %s revoked (%s): %d sandbox(es) written off", node, detail,
+                    len(rows))
+        return len(rows)
 
     def edge(self, node: NodeId) -> EdgeOps | None:
         e = self.edges.get(node)
@@ -377,6 +422,8 @@ class ControlPlane:
         ``unreachable`` (this apiserver failed to use its link, or it answered with an
         error: held, sandboxes kept); ``silent`` (no answer: lost after node_ttl_s);
         ``lost`` (expired: its sandboxes were evicted)."""
+        if e.revoked:
+            return "revoked", e.revoked
         if self.watcher.is_expired(e.node):
             return "lost", e.problem or f"no heartbeat for more than {self.config.node_ttl_s:g}s"
         if e.failure in ("answered", "blind"):
@@ -1028,6 +1075,8 @@ class ControlPlane:
         the network dropped): Aether connections do not reconnect on their own. None
         while waiting to retry; a failed reconnect raises (its cause matters)."""
         link: Any = e.link
+        if e.revoked:
+            return None          # never redialled (revoke_edge)
         conn = getattr(link, "conn", None)
         if conn is None or not conn.closed:
             return link
@@ -1038,7 +1087,7 @@ class ControlPlane:
         from dsec.edge.client import EdgeClient
         try:
             async with asyncio.timeout(self.config.poll_timeout_s):
-                fresh = await EdgeClient.connect(e.address, token=e.token)
+                fresh = await EdgeClient.connect(e.address, token=e.token, tls=e.tls)
         except TimeoutError as exc:
             raise ConnectionLost(f"could not connect to edge {e.node} at {e.address} within "
                                  f"{self.config.poll_timeout_s:g}s") from exc

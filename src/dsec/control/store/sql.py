@@ -34,6 +34,7 @@ from dsec.control.store import (
     SessionRow,
     SnapshotChargeRow,
 )
+from dsec.control.store.membership import MembershipTables  # [join] nodes, join_tokens
 
 __all__ = ["Dialect", "SqlStore"]
 
@@ -131,7 +132,7 @@ _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandb
            "node_drains")
 
 
-class SqlStore:
+class SqlStore(MembershipTables):
     """A :class:`StateStore` over one DB-API connection, serialised by a lock.
 
     One connection with a lock is enough for the management plane: statements take
@@ -150,6 +151,7 @@ class SqlStore:
                 cur.execute(stmt)
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
+        self._create_membership_tables()  # [join] control/store/membership.py
 
     def _add_column(self, table: str, column: str, definition: str) -> None:
         """Add ``column`` to an existing ``table`` that lacks it (a store written by an

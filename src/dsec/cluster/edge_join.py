@@ -1,0 +1,190 @@
+"""The edge's side of joining: ``dsec edge --join URL --token TOKEN``.
+
+First start: make an EC P-256 key and a CSR, send them with the token to the apiserver's
+``POST /v1/cluster/join``, check the answer (the CA is the one the token pins, the
+certificate is the CA's, for this node and this key), and keep key, certificate and CA
+in ``<state-dir>/cluster/`` (0600 each, 0700 dir) with the join URL in ``join.json``.
+Later starts need no token: the edge announces its address with ``POST
+/v1/cluster/rejoin``, signed by its key. A revoked node is told so and does not start.
+An apiserver that cannot be reached at a restart is not fatal: the replicas still have
+the node's row and dial it.
+
+The join goes over HTTPS when the URL says so (the system's CAs or ``SSL_CERT_FILE``
+verify the apiserver), else over plain HTTP: then the token's CA hash is what makes the
+answer trustworthy (a man in the middle can steal a single-use token, not make the edge
+trust another CA; run joins over HTTPS or a private network).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dsec.aether.transport import parse_address
+from dsec.cluster.ca import (
+    JoinToken,
+    NodeCredentials,
+    check_issued,
+    new_node_key,
+    rejoin_message,
+)
+from dsec.errors import (
+    ConnectFailed,
+    DsecError,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    error_from_wire,
+)
+
+__all__ = ["JoinedEdge", "prepare_joined_edge"]
+
+log = logging.getLogger("dsec.edge.join")
+
+JOIN_FILE = "join.json"
+
+
+@dataclass(frozen=True, slots=True)
+class JoinedEdge:
+    node_id: str
+    address: str               # as the apiserver recorded it
+    credentials: NodeCredentials
+
+
+def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    import httpx
+
+    try:
+        r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ConnectFailed(f"could not reach the apiserver at {url}: {exc}") from exc
+    try:
+        data = r.json()
+    except ValueError:
+        data = {}
+    if r.status_code >= 400:
+        raise error_from_wire(str(data.get("code", "internal")),
+                              str(data.get("message", f"HTTP {r.status_code} from {url}")))
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"unexpected answer from {url}{path}")
+    return data
+
+
+def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: str | None,
+                        node_id: str, node_id_given: bool, listen: str,
+                        advertise: str | None, timeout: float = 30.0,
+                        wait_s: float = 60.0,
+                        clock: Any = time.monotonic, sleep: Any = time.sleep) -> JoinedEdge:
+    """Join (or rejoin) and return what to serve with (see the module docstring).
+
+    A first join whose apiserver cannot be reached yet (started at the same time, by
+    systemd or a test harness) is retried every second for up to ``wait_s``."""
+    if state_dir is None:
+        raise InvalidArgument("--join needs --state-dir: the node's key and certificate are "
+                              "kept there, so a restart rejoins without a token")
+    addr = parse_address(listen)
+    if addr.kind != "tcp":
+        raise InvalidArgument(f"a joined edge serves Aether over TCP+TLS: --listen must be "
+                              f"tcp:HOST:PORT, not {listen!r}")
+    advertised = f"tcp:{advertise}" if advertise and not advertise.startswith("tcp:") \
+        else (advertise or listen)
+    adv = parse_address(advertised)
+    if adv.kind != "tcp" or adv.port == 0:
+        raise InvalidArgument(f"--advertise {advertise or listen!r} must be HOST:PORT with a "
+                              "fixed port (the replicas dial it)")
+    creds = NodeCredentials(os.path.join(state_dir, "cluster"))
+    meta_path = os.path.join(creds.dir, JOIN_FILE)
+    if creds.exists():
+        known = creds.node_id()
+        if node_id_given and node_id != known:
+            raise InvalidArgument(f"this state dir holds the credentials of node {known!r}, "
+                                  f"not {node_id!r}: drop --node-id, or use another "
+                                  "--state-dir to join as a new node")
+        url = join_url
+        if url is None:
+            try:
+                with open(meta_path) as f:
+                    url = json.load(f).get("url")
+            except (OSError, ValueError):
+                url = None
+        try:
+            if url is not None:
+                _rejoin(url, creds, known, str(adv), timeout)
+            return JoinedEdge(node_id=known, address=str(adv), credentials=creds)
+        except (PermissionDenied, Unauthenticated) as exc:
+            if token is None or join_url is None:
+                raise
+            # Revoked (or replaced): a token given with it means "join again".
+            log.warning("the cluster refused this node's certificate (%s); joining again "
+                        "with the token given", exc)
+            for p in (creds.cert_path, creds.key_path, creds.ca_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            if not node_id_given:
+                node_id = known
+    if join_url is None or token is None:
+        raise InvalidArgument("this edge has not joined yet: pass --join URL and --token "
+                              "TOKEN (from `dsec cluster token create`)")
+    tok = JoinToken.parse(token)
+    # A join sent before but never answered (killed, cut off) is sent again with the same
+    # key: the apiserver recognises it (same token, same key) instead of refusing the id.
+    pending = creds.pending_key()
+    key_pem, csr_pem = new_node_key(node_id, pending)
+    if pending is None:
+        creds.save_key(key_pem)
+    body = {"token": str(tok), "node_id": node_id, "csr": csr_pem.decode(),
+            "address": str(adv)}
+    deadline = clock() + wait_s
+    while True:
+        try:
+            reply = _post(join_url, "/v1/cluster/join", body, timeout)
+            break
+        except ConnectFailed as exc:
+            if clock() >= deadline:
+                raise
+            log.warning("%s; retrying for up to %.0fs more", exc, deadline - clock())
+            sleep(1.0)
+    cert_pem = str(reply.get("certificate", "")).encode()
+    ca_pem = str(reply.get("ca", "")).encode()
+    try:
+        check_issued(cert_pem, ca_pem, key_pem, node_id=node_id, ca_sha256=tok.ca_sha256)
+    except ValueError as exc:
+        raise InvalidArgument(f"the apiserver's join answer is unreadable: {exc}") from exc
+    creds.save_issued(cert_pem, ca_pem)
+    _write_meta(meta_path, join_url)
+    log.info("joined the cluster at %s as node %s (advertised %s)", join_url, node_id,
+             reply.get("address"))
+    return JoinedEdge(node_id=node_id, address=str(reply.get("address", adv)),
+                      credentials=creds)
+
+
+def _write_meta(path: str, url: str) -> None:
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url}, f)
+    os.replace(tmp, path)
+
+
+def _rejoin(url: str, creds: NodeCredentials, node_id: str, address: str,
+            timeout: float) -> None:
+    t = int(time.time())
+    sig = creds.sign(rejoin_message(node_id, address, t))
+    try:
+        _post(url, "/v1/cluster/rejoin", {
+            "node_id": node_id, "address": address, "time": t,
+            "certificate": creds.cert_pem().decode(),
+            "signature": base64.b64encode(sig).decode()}, timeout)
+    except DsecError as exc:
+        if isinstance(exc, ConnectFailed):
+            log.warning("could not announce node %s at %s to %s (%s); serving anyway: the "
+                        "replicas dial the address they recorded", node_id, address, url, exc)
+            return
+        raise
+    log.info("rejoined the cluster at %s as node %s (%s)", url, node_id, address)

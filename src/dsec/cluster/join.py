@@ -1,0 +1,412 @@
+"""Joining edges to a cluster: join tokens, the join/rejoin endpoints, revocation.
+
+:class:`JoinAuthority` is the logic (the store, the CA, a clock); :func:`join_routes` its
+REST doors:
+
+- ``POST /v1/cluster/join`` (no API key: the join token is the credential): a CSR, the
+  node id and the advertised address in; the signed certificate and the CA out. The
+  token use and the ``nodes`` row are one transaction, written only after the CSR was
+  signed: an expired, revoked, used-up or garbage token creates nothing.
+- ``POST /v1/cluster/rejoin`` (no API key: a signature by the node's key over its id,
+  address and the time, with its certificate): a restarted edge announces its address
+  without a token. A revoked node's certificate is refused.
+- ``GET/POST /v1/cluster/tokens``, ``DELETE /v1/cluster/tokens/{id}[?nodes=true]``,
+  ``GET /v1/cluster/nodes``, ``POST /v1/cluster/nodes/{id}/revoke``: superusers only.
+
+Failed joins and rejoins are charged to the client address's budget for unauthenticated
+requests (the one the REST door keeps for bad API keys): a token guesser is answered 429
+after the burst, for the price of nothing. Request bodies are capped at
+:data:`MAX_BODY`, and the HTTP listener's own limits (header/body deadlines, connections
+per address) bound slow clients exactly as on every other route.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from dsec.aether.transport import Address, parse_address
+from dsec.cluster.ca import (
+    ClusterCA,
+    JoinToken,
+    cert_fingerprint,
+    issue_node_cert,
+    key_fingerprint,
+    verify_rejoin,
+)
+from dsec.control.store.membership import JoinTokenRow, NodeRow
+from dsec.errors import (
+    Conflict,
+    DsecError,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    Unauthenticated,
+)
+from dsec.ids import parse_node_id
+
+__all__ = ["JoinAuthority", "JoinReply", "JoinRequest", "RejoinRequest", "edge_join_args",
+           "join_routes"]
+
+log = logging.getLogger("dsec.cluster.join")
+
+MAX_BODY = 16 << 10          # a CSR is ~500 bytes; a certificate ~700
+MAX_TTL_S = 365 * 86400.0
+MAX_USES = 10_000
+
+
+class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    token: str
+    node_id: str
+    csr: str                 # PEM
+    address: str             # tcp:HOST:PORT the replicas dial (HOST 0.0.0.0: the peer's IP)
+
+
+class JoinReply(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    certificate: str         # PEM
+    ca: str                  # PEM
+    ca_sha256: str
+    address: str             # as recorded
+
+
+class RejoinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    node_id: str
+    address: str
+    time: int
+    certificate: str         # PEM
+    signature: str           # base64 ECDSA-SHA256 over ca.rejoin_message(...)
+
+
+class TokenCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    ttl_s: float = 86400.0
+    uses: int = 1
+    description: str = ""
+
+
+class TokenView(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    uses: int
+    used: int
+    created_at: float
+    expires_at: float
+    revoked: bool
+    description: str
+    token: str | None = None     # only in the answer to its creation
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    address: str
+    cert_fingerprint: str
+    token_id: str
+    joined_at: float
+    revoked: bool
+
+
+def token_view(row: JoinTokenRow, token: str | None = None) -> TokenView:
+    return TokenView(id=row.id, uses=row.uses, used=row.used, created_at=row.created_at,
+                     expires_at=row.expires_at, revoked=row.revoked,
+                     description=row.description, token=token)
+
+
+def node_view(row: NodeRow) -> NodeView:
+    return NodeView(node_id=row.node_id, address=row.address,
+                    cert_fingerprint=row.cert_fingerprint, token_id=row.token_id,
+                    joined_at=row.joined_at, revoked=row.revoked)
+
+
+def _advertised(text: str, peer: str | None) -> Address:
+    addr = parse_address(text)
+    if addr.kind != "tcp":
+        raise InvalidArgument(f"advertised address {text!r} must be tcp:HOST:PORT (a joined "
+                              "edge serves Aether over TCP+TLS)", field="address")
+    if addr.port == 0:
+        raise InvalidArgument(f"advertised address {text!r} has port 0", field="address")
+    if addr.host in ("0.0.0.0", "::", "") and peer:
+        addr = Address("tcp", host=peer, port=addr.port)
+    return addr
+
+
+class JoinAuthority:
+    """Tokens, joins, rejoins and revocations over one store and the cluster CA."""
+
+    def __init__(self, store: Any, ca: ClusterCA, *,
+                 clock: Callable[[], float] = time.time,
+                 reserved: frozenset[str] = frozenset()) -> None:
+        self.store = store
+        self.ca = ca
+        self.clock = clock
+        # node ids this apiserver has as static edges (`dsec up`'s edge-N, --edge flags):
+        # a joined node may not take one
+        self.reserved = reserved
+
+    # ------------------------------------------------------------------ tokens
+    def create_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
+                     description: str = "") -> tuple[JoinToken, JoinTokenRow]:
+        if not 0 < ttl_s <= MAX_TTL_S:
+            raise InvalidArgument(f"ttl {ttl_s:g}s must be within (0, {MAX_TTL_S:g}]s",
+                                  field="ttl_s")
+        if not 1 <= uses <= MAX_USES:
+            raise InvalidArgument(f"uses {uses} must be within 1..{MAX_USES}", field="uses")
+        if len(description) > 200:
+            raise InvalidArgument("description is longer than 200 characters",
+                                  field="description")
+        tok = JoinToken.new(self.ca.fingerprint)
+        now = self.clock()
+        row = JoinTokenRow(id=tok.id, secret_hash=tok.secret_hash, uses=uses, used=0,
+                           created_at=now, expires_at=now + ttl_s, description=description)
+        self.store.put_join_token(row)
+        return tok, row
+
+    def list_tokens(self) -> list[JoinTokenRow]:
+        return list(self.store.list_join_tokens())
+
+    def revoke_token(self, token_id: str, *, nodes: bool = False) -> list[str]:
+        """Revoke a token (no more joins with it); with ``nodes`` also every node that
+        joined with it. Returns the node ids revoked."""
+        if not self.store.revoke_join_token(token_id):
+            raise NotFound(f"no join token {token_id!r}; see `dsec cluster token list`")
+        out = []
+        if nodes:
+            for n in self.store.list_nodes():
+                if n.token_id == token_id and not n.revoked:
+                    self.store.revoke_node(n.node_id, self.clock())
+                    out.append(n.node_id)
+        return out
+
+    # ------------------------------------------------------------------ nodes
+    def list_nodes(self) -> list[NodeRow]:
+        return list(self.store.list_nodes())
+
+    def revoke_node(self, node_id: str) -> None:
+        if not self.store.revoke_node(node_id, self.clock()):
+            raise NotFound(f"no joined node {node_id!r}; see `dsec cluster node list`")
+        log.warning("node %s revoked: every replica refuses its certificate from now on",
+                    node_id)
+
+    # ------------------------------------------------------------------ join
+    def join(self, req: JoinRequest, peer: str | None = None) -> JoinReply:
+        tok = JoinToken.parse(req.token)
+        if tok.ca_sha256 != self.ca.fingerprint:
+            raise Unauthenticated("the join token pins another CA than this cluster's "
+                                  f"(sha256 {self.ca.fingerprint}); it was made by another "
+                                  "cluster, or this one's CA was remade")
+        node = parse_node_id(req.node_id)
+        if node in self.reserved:
+            raise Conflict(f"node id {node!r} is a static edge of this cluster (`dsec up`'s "
+                           "own, or an --edge flag): pick another --node-id")
+        addr = _advertised(req.address, peer)
+        if len(req.csr) > MAX_BODY:
+            raise PayloadTooLarge("CSR too large", limit=MAX_BODY)
+        # The cheap token check first (a guesser costs no signature; a used-up token may
+        # still be the retry of a join whose answer was lost: join_node decides) ...
+        row = self.store.get_join_token(tok.id)
+        now = self.clock()
+        if (row is None or row.revoked or row.expires_at <= now
+                or not _same(row.secret_hash, tok.secret_hash)):
+            raise Unauthenticated(_token_refusal(row, now))
+        cert = issue_node_cert(self.ca, req.csr.encode(), node)
+        fp = cert_fingerprint(cert)
+        # ... then the use and the row, together (two joins racing for the last use:
+        # one wins, the other's certificate is thrown away unrecorded and never valid).
+        pub = cert.public_key()
+        assert isinstance(pub, ec.EllipticCurvePublicKey)
+        why = self.store.join_node(tok.id, tok.secret_hash, now, NodeRow(
+            node_id=node, address=str(addr), cert_fingerprint=fp, token_id=tok.id,
+            joined_at=now, key_fingerprint=key_fingerprint(pub)))
+        if why == "taken":
+            raise Conflict(f"node {node!r} is already joined; pick another --node-id, or "
+                           f"revoke it first (`dsec cluster node revoke {node}`)")
+        if why:
+            raise Unauthenticated(_token_refusal(self.store.get_join_token(tok.id), now))
+        from cryptography.hazmat.primitives import serialization
+        log.info("node %s joined at %s with token %s", node, addr, tok.id)
+        return JoinReply(node_id=node, certificate=cert.public_bytes(
+            serialization.Encoding.PEM).decode(), ca=self.ca.pem.decode(),
+            ca_sha256=self.ca.fingerprint, address=str(addr))
+
+    def rejoin(self, req: RejoinRequest, peer: str | None = None) -> NodeView:
+        node = parse_node_id(req.node_id)
+        addr = _advertised(req.address, peer)
+        try:
+            sig = base64.b64decode(req.signature, validate=True)
+        except ValueError as exc:
+            raise Unauthenticated("rejoin signature is not base64") from exc
+        fp = verify_rejoin(self.ca, req.certificate.encode(), sig, node, req.address,
+                           req.time, now_s=self.clock())
+        if fp in self.store.revoked_fingerprints():
+            raise PermissionDenied(f"node {node}'s certificate was revoked: it cannot rejoin "
+                                   "with it; join again with a new token (as a new node id "
+                                   "or after `dsec cluster node revoke`)")
+        if not self.store.set_node_address(node, fp, str(addr)):
+            raise Unauthenticated(f"node {node} with this certificate is not a joined node "
+                                  "(revoked, replaced, or never joined): join with a token")
+        row = self.store.get_node(node)
+        assert row is not None
+        return node_view(row)
+
+
+def edge_join_args(authority: JoinAuthority, url: str, *, node_id: str, listen: str,
+                   ttl_s: float = 600.0) -> tuple[list[str], dict[str, str]]:
+    """What to add to a ``dsec edge --state-dir DIR ...`` command line so that it joins the
+    cluster at ``url`` (REST) as ``node_id``, serving TLS on ``listen`` (``tcp:HOST:PORT``;
+    ``tcp:0.0.0.0:PORT`` lets the apiserver record the address the join came from):
+    argv and environment (the single-use token travels in $DSEC_JOIN_TOKEN, not argv).
+    Instead of a static ``--edge NODE=tcp:ADDR`` on the apiserver plus ``--token-file``
+    on the edge (docs/cluster.md)."""
+    tok, _ = authority.create_token(ttl_s=ttl_s, uses=1, description=f"join {node_id}")
+    return (["--join", url, "--node-id", node_id, "--listen", listen],
+            {"DSEC_JOIN_TOKEN": str(tok)})
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    import hmac
+    return hmac.compare_digest(a, b)
+
+
+def _token_refusal(row: JoinTokenRow | None, now: float) -> str:
+    """One message for every bad token (which part was wrong is the guesser's to find
+    out); the token's owner reads the real state with `dsec cluster token list`."""
+    del row, now
+    return ("join token refused: unknown, wrong secret, expired, revoked or used up "
+            "(see `dsec cluster token list`; create a new one with `dsec cluster token "
+            "create`)")
+
+
+# ---------------------------------------------------------------------- REST
+def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]:
+    """The Starlette routes of :class:`JoinAuthority` (see the module docstring)."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from dsec.control.apiserver import (
+        _client_host,
+        _error_response,
+        _json_response,
+        _read_body,
+        _request_id,
+    )
+
+    async def body(request: Request) -> bytes:
+        return await _read_body(request, MAX_BODY)
+
+    def _internal(rid: str, exc: Exception) -> Response:
+        return _error_response(InternalError(
+            f"internal error ({type(exc).__name__}); quote request id {rid} when "
+            "reporting it"), rid)
+
+    def decode(t: type[Any], raw: bytes) -> Any:
+        try:
+            return msgspec.json.decode(raw, type=t)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"bad {t.__name__} body: {exc}") from exc
+
+    def anonymous(fn: Callable[[Any, str | None], Any], t: type[Any]) -> Any:
+        async def endpoint(request: Request) -> Response:
+            rid = _request_id(request)
+            client = _client_host(request.scope)
+            try:
+                if client is not None:
+                    service.check_anonymous(client, charge=False)
+                try:
+                    reply = fn(decode(t, await body(request)), client)
+                except (Unauthenticated, PermissionDenied, InvalidArgument):
+                    if client is not None:
+                        service.check_anonymous(client, charge=True)
+                    raise
+            except DsecError as exc:
+                return _error_response(exc, rid)
+            except Exception as exc:  # a bug: say so, log it, never leak the trace
+                log.exception("request %s %s failed (request id %s)", request.method,
+                              request.url.path, rid)
+                return _internal(rid, exc)
+            return _json_response(reply, rid, 200)
+        return endpoint
+
+    def admin(fn: Callable[[Request], Any], status: int = 200) -> Any:
+        async def endpoint(request: Request) -> Response:
+            rid = _request_id(request)
+            try:
+                caller = service.authenticate(request.headers.get("authorization"),
+                                              _client_host(request.scope))
+                if not caller.superuser:
+                    raise PermissionDenied("cluster membership (join tokens, nodes) is for "
+                                           "superusers only")
+                reply = await fn(request)
+            except DsecError as exc:
+                return _error_response(exc, rid)
+            except Exception as exc:  # a bug: say so, log it, never leak the trace
+                log.exception("request %s %s failed (request id %s)", request.method,
+                              request.url.path, rid)
+                return _internal(rid, exc)
+            if reply is None:
+                return Response(status_code=204, headers={"x-request-id": rid})
+            return _json_response(reply, rid, status)
+        return endpoint
+
+    async def tokens(request: Request) -> Any:
+        return [token_view(r) for r in authority.list_tokens()]
+
+    async def token_create(request: Request) -> Any:
+        req = decode(TokenCreate, await body(request))
+        tok, row = authority.create_token(ttl_s=req.ttl_s, uses=req.uses,
+                                          description=req.description)
+        return token_view(row, str(tok))
+
+    async def token_revoke(request: Request) -> Any:
+        given = request.query_params.getlist("nodes")
+        unknown = set(request.query_params) - {"nodes"}
+        if unknown or len(given) > 1 or (given and given[0] not in ("true", "false")):
+            raise InvalidArgument("DELETE /v1/cluster/tokens/{id} takes one query parameter, "
+                                  "nodes=true|false", field="nodes")
+        nodes = given == ["true"]
+        authority.revoke_token(request.path_params["id"], nodes=nodes)
+
+    async def nodes(request: Request) -> Any:
+        return [node_view(r) for r in authority.list_nodes()]
+
+    async def node_revoke(request: Request) -> Any:
+        authority.revoke_node(request.path_params["id"])
+
+    from dsec.control.api.openapi import Op, Param
+
+    tag = "cluster"
+    return [
+        (Route("/v1/cluster/join", anonymous(authority.join, JoinRequest), methods=["POST"]),
+         Op("POST", "/v1/cluster/join", "clusterJoin", "Join an edge with a join token",
+            JoinRequest, JoinReply, tag=tag, auth=False, body_credential=True)),
+        (Route("/v1/cluster/rejoin", anonymous(authority.rejoin, RejoinRequest),
+               methods=["POST"]),
+         Op("POST", "/v1/cluster/rejoin", "clusterRejoin",
+            "A joined edge announces its address, signed by its key", RejoinRequest,
+            NodeView, tag=tag, auth=False, body_credential=True)),
+        (Route("/v1/cluster/tokens", admin(tokens), methods=["GET"]),
+         Op("GET", "/v1/cluster/tokens", "clusterTokens", "List join tokens (superuser)",
+            None, list[TokenView], tag=tag)),
+        (Route("/v1/cluster/tokens", admin(token_create, 201), methods=["POST"]),
+         Op("POST", "/v1/cluster/tokens", "clusterTokenCreate",
+            "Create a join token (superuser; shown once)", TokenCreate, TokenView,
+            status=201, tag=tag)),
+        (Route("/v1/cluster/tokens/{id}", admin(token_revoke), methods=["DELETE"]),
+         Op("DELETE", "/v1/cluster/tokens/{id}", "clusterTokenRevoke",
+            "Revoke a join token (superuser)", None, None, status=204, tag=tag,
+            params=(Param("nodes", {"type": "boolean"}, description="also revoke the "
+                          "nodes that joined with it"),))),
+        (Route("/v1/cluster/nodes", admin(nodes), methods=["GET"]),
+         Op("GET", "/v1/cluster/nodes", "clusterNodes", "List joined nodes (superuser)",
+            None, list[NodeView], tag=tag)),
+        (Route("/v1/cluster/nodes/{id}/revoke", admin(node_revoke), methods=["POST"]),
+         Op("POST", "/v1/cluster/nodes/{id}/revoke", "clusterNodeRevoke",
+            "Revoke a joined node (superuser): its sandboxes are written off", None, None,
+            status=204, tag=tag)),
+    ]
