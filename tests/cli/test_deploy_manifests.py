@@ -27,8 +27,6 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # ---- EXPECTED-UPCOMING FLAGS (remove each when its stream is merged) -------------------
 # (command path, flag) -> the stream that adds it (plan-16.md "Interfaces agreed up front")
 EXPECTED_UPCOMING: dict[tuple[str, str], str] = {
-    ("edge", "--join"): "join",          # dsec edge --join URL --token JOIN_TOKEN
-    ("edge", "--token"): "join",
 }
 # -----------------------------------------------------------------------------------------
 
