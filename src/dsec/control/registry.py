@@ -72,6 +72,11 @@ class Registry:
         self._upserts: dict[str, SandboxRow] = {}
         self._deletes: set[str] = set()
         self.on_commit: list[Callable[[int], None]] = []
+        # Run before each batch is committed; one that raises keeps the batch queued.
+        # The control plane writes the tombstones of evicted sandboxes here, so that a
+        # removal never reaches the store before the tombstone that justifies it (an
+        # apiserver restarted in between would resurrect the sandbox: red team 16, F12).
+        self.before_flush: list[Callable[[], None]] = []
         _, self._committed = store.event_bounds()
         self._version = self._committed
         self._sandboxes: dict[str, SandboxRecord] = {}
@@ -186,6 +191,8 @@ class Registry:
         committed version. On a store error nothing is lost: the batch stays queued."""
         if not self._pending and not self._upserts and not self._deletes:
             return self._committed
+        for hook in self.before_flush:
+            hook()
         events = self._pending
         first = self._store.commit_events(events, list(self._upserts.values()),
                                           sorted(self._deletes), assign_versions=True)

@@ -203,6 +203,9 @@ class StateStore(Protocol):
         carries the global version across restarts). Returns how many."""
         ...
     def list_sandboxes(self) -> list[SandboxRow]: ...
+    def get_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
+        """The rows of those of ``ids`` the store holds (any order)."""
+        ...
 
     # idempotency keys (shared by every apiserver replica over this store)
     def idem_claim(self, row: IdempotencyRow, now: float) -> IdempotencyRow:

@@ -396,6 +396,16 @@ class SqlStore:
         return [SandboxRow(id=r[0], node=r[1], project=r[2], record=_json_dec.decode(r[3]))
                 for r in rows]
 
+    def get_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
+        out: list[SandboxRow] = []
+        for i in range(0, len(ids), 500):      # bound the statement's parameters
+            part = list(ids[i : i + 500])
+            rows = self._all("SELECT id, node, project, record FROM sandboxes WHERE id IN "
+                             f"({', '.join('?' * len(part))})", tuple(part))
+            out += [SandboxRow(id=r[0], node=r[1], project=r[2],
+                               record=_json_dec.decode(r[3])) for r in rows]
+        return out
+
     # --- idempotency keys -----------------------------------------------------------------
     _IDEM_COLS = "key, fingerprint, owner, holder, response, expires_at, intent"
     # A row is stale when it is in flight and its holder is gone (no live process lease)
