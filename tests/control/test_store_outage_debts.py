@@ -36,7 +36,7 @@ from dsec.control.metrics import ApiMetrics
 from dsec.control.store import sqlite as sqlite_mod
 from dsec.control.store.sqlite import SqliteStore
 from dsec.edge.client import EdgeClient
-from dsec.errors import Unavailable
+from dsec.errors import DsecError, SandboxNotFound, Unavailable
 from dsec.wire.spec import SandboxSpec
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
@@ -145,7 +145,7 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
     token = secrets.token_hex(16)
     (tmp_path / "token").write_text(token)
     addr = f"tcp:127.0.0.1:{_port()}"
-    edge = subprocess.Popen(
+    edge = subprocess.Popen(  # noqa: ASYNC220 - started once, before the loop matters
         [*DSEC, "edge", "--listen", addr, "--node-id", "e1", "--backend", "simulated",
          "--state-dir", str(tmp_path / "e1"), "--token-file", str(tmp_path / "token"),
          "--log-level", "warning"], stdin=subprocess.DEVNULL)
@@ -158,7 +158,7 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
             try:
                 link = await EdgeClient.connect(addr, token=token.encode())
                 break
-            except Exception:
+            except (DsecError, OSError):
                 assert time.monotonic() < deadline, "edge never served"
                 await asyncio.sleep(0.2)
         store = OutageStore(SqliteStore(path))
@@ -192,7 +192,7 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
             await plane2.tick()
             try:
                 state = (await link2.get(sid)).state
-            except Exception:
+            except SandboxNotFound:
                 state = "destroyed"
             if state in ("destroyed", "destroying"):
                 break

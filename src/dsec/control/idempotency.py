@@ -446,14 +446,18 @@ class IdempotencyCache:
                 try:
                     if attempt():
                         break
-                except Exception as exc:
-                    log.debug("idempotency store write still failing: %s", exc)
+                except Exception as err:  # noqa: BLE001 - still down: try again
+                    log.debug("idempotency store write still failing: %s", err)
                 delay = min(delay * 2, 1.0)
             else:
                 return
             if then is not None:
                 await then()
-        t = asyncio.get_running_loop().create_task(loop(), name="dsec-idempotency-retry")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:   # no loop (a synchronous caller): the claim's lease lapses
+            return
+        t = running.create_task(loop(), name="dsec-idempotency-retry")
         self._pollers.add(t)
         t.add_done_callback(self._pollers.discard)
 
@@ -488,11 +492,11 @@ class IdempotencyCache:
             owner, store = e.owner, self._store
             try:
                 store.idem_release(scoped_key, owner)
-            except Exception as exc:
+            except Exception as err:  # noqa: BLE001 - a store outage, a full disk
                 # Kept and retried: until it lands the claim looks held by this live
                 # process, and begin answers its key with a retryable error.
                 log.warning("releasing idempotency key %r failed (%s): retrying until it "
-                            "lands", scoped_key.split("\x00", 1)[-1][:40], exc)
+                            "lands", scoped_key.split("\x00", 1)[-1][:40], err)
 
                 def release() -> bool:
                     store.idem_release(scoped_key, owner)

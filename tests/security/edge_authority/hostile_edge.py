@@ -61,7 +61,7 @@ async def get_snapshot(self: Any, ref: str) -> SnapshotInfo:
 
 async def snapshots(self: Any, **kw: Any) -> list[SnapshotInfo]:
     try:
-        with open(os.environ.get("HOSTILE_SNAPSHOTS", "/nonexistent")) as f:
+        with open(os.environ.get("HOSTILE_SNAPSHOTS", "/nonexistent")) as f:  # noqa: ASYNC230
             ids = f.read().split()
     except FileNotFoundError:
         ids = []

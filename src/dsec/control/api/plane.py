@@ -625,6 +625,14 @@ class ControlPlane:
                               match=match if want_paused is not None or items else None)
         return [_info_of(r) for r in recs], more
 
+    def recorded_project(self, sandbox_id: str) -> str | None:
+        """The project the registry records for ``sandbox_id`` (None: no record): what
+        access checks go by before an edge's answer."""
+        try:
+            return self.registry.sandbox(sandbox_id).project
+        except SandboxNotFound:
+            return None
+
     def lost(self, sandbox_id: str) -> LostSandbox | None:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
@@ -659,7 +667,7 @@ class ControlPlane:
             self._unsaved_lost[row.id] = row
         try:
             self._save_lost()
-        except Exception as exc:   # the store's outage (Unavailable), a full disk
+        except Exception as exc:  # noqa: BLE001 - the store's outage (Unavailable), a full disk
             log.warning("%d tombstone(s) of written-off sandboxes could not be stored (%s): "
                         "kept, and written before their removal from the registry is",
                         len(self._unsaved_lost), exc)
@@ -937,10 +945,10 @@ class ControlPlane:
         of its own node. What it says of other ids is not its to say (another node's
         sandbox written off, destroyed or forgotten on its word: red team 16, F3): it is
         dropped, and logged at most once a minute per node."""
-        items = list(items)
-        own, foreign = split_listing(node, [key(i) for i in items])
+        report: list[Any] = list(items)
+        own, foreign = split_listing(node, [key(i) for i in report])
         if not foreign:
-            return items
+            return report
         now = self.clock()
         if now - self._foreign_logged.get(node, float("-inf")) >= _FOREIGN_LOG_S:
             self._foreign_logged[node] = now
@@ -949,7 +957,7 @@ class ControlPlane:
                         "it, and no edge speaks for another (is this edge compromised?)",
                         node, len(foreign), what, ", ".join(repr(f[:80]) for f in foreign[:3]))
         mine = set(own)
-        return [i for i in items if key(i) in mine]
+        return [i for i in report if key(i) in mine]
 
     async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any,
                          listing: list[Any] | None = None) -> None:
