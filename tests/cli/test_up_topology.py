@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from dsec import Client
+from dsec.ownership import start_time
 from tests.conftest import requires_root
 
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
@@ -71,12 +72,18 @@ def _read_json(path: str) -> Any:
         return json.load(f)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
+def _ident(pid: int) -> str:
+    """``"<pid> <start ticks>"`` (what the edges' pid files hold): one process for its
+    whole life. This machine's pid_max is 32,768 and a loaded suite wraps it within
+    minutes: a bare pid said "alive" for a recycled number (and a teardown could have
+    signalled a stranger)."""
+    return f"{pid} {start_time(pid)}"
+
+
+def _alive(who: str) -> bool:
+    """Whether the process ``who`` (an :func:`_ident`) still runs (not a zombie)."""
+    pid, _, start = who.partition(" ")
+    return start_time(int(pid), running=True) == int(start) if start.isdigit() else False
 
 
 def _until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
@@ -128,8 +135,9 @@ def state(tmp_path: Any) -> Iterator[str]:
     for name in os.listdir(edges) if os.path.isdir(edges) else ():
         if name.endswith(".pid"):
             with open(os.path.join(edges, name)) as f:
-                pid = int(f.read().split()[0])
-            if _alive(pid):
+                who = " ".join(f.read().split()[:2])  # the pid file holds "<pid> <start>"
+            pid = int(who.split()[0])
+            if _alive(who):
                 for sig in (signal.SIGCONT, signal.SIGKILL):
                     os.kill(pid, sig)
     if os.geteuid() == 0:
@@ -145,11 +153,12 @@ def test_an_edge_killed_9_is_restarted_and_its_sandboxes_readopted(state: str) -
             sb.files.write("/root/note", "before the crash")
             assert sb.exec("cat /root/note").stdout == b"before the crash"
             old = up.edge_pid()
+            old_who = _ident(old)
             os.kill(old, signal.SIGKILL)
             _until("the supervisor to start a new edge", lambda: up.edge_pid() != old)
             r = _until("the sandbox to answer again", lambda: sb.exec("cat /root/note"))
             assert r.stdout == b"before the crash"
-            assert not _alive(old) and _alive(up.edge_pid())
+            assert not _alive(old_who) and _alive(_ident(up.edge_pid()))
             info = c.sandboxes.get(sb.id)
             assert info.state == "running"
             # The restart took far less than the node-loss TTL: the control plane never
@@ -171,7 +180,7 @@ def test_kill_9_of_dsec_up_stops_its_edges_and_the_next_start_readopts(state: st
         sbs = c.sandboxes.create_many(4, image="base", memory="64MiB", detached=True)
         for i, sb in enumerate(sbs):
             sb.files.write("/root/n", f"sandbox {i}")
-    edges = [up.edge_pid("edge-0"), up.edge_pid("edge-1")]
+    edges = [_ident(up.edge_pid("edge-0")), _ident(up.edge_pid("edge-1"))]
     assert up.stop(signal.SIGKILL) == -signal.SIGKILL
     # The kernel tells each edge its supervisor died (PR_SET_PDEATHSIG); each stops
     # gracefully, keeping its sandboxes in its journal. None runs on forever.
@@ -197,14 +206,15 @@ def test_an_edge_left_running_is_reclaimed_by_the_next_dsec_up(state: str) -> No
     with up.client() as c:
         sid = c.sandboxes.create(detached=True).id
     stuck = up.edge_pid()
+    stuck_who = _ident(stuck)
     os.kill(stuck, signal.SIGSTOP)
     try:
         assert up.stop(signal.SIGKILL) == -signal.SIGKILL
         time.sleep(0.2)
-        assert _alive(stuck)
+        assert _alive(stuck_who)
         second = Up(state).start()
         try:
-            assert not _alive(stuck) and second.edge_pid() != stuck
+            assert not _alive(stuck_who) and second.edge_pid() != stuck
             with second.client() as c:
                 assert c.sandboxes.get(sid).state == "running"
             # One dsec up per state dir: another one is refused with a clear message.
@@ -216,7 +226,7 @@ def test_an_edge_left_running_is_reclaimed_by_the_next_dsec_up(state: str) -> No
         finally:
             assert second.stop() == 0
     finally:
-        if _alive(stuck):
+        if _alive(stuck_who):
             os.kill(stuck, signal.SIGCONT)
             os.kill(stuck, signal.SIGKILL)
 

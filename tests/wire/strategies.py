@@ -92,20 +92,24 @@ def valid_spec() -> st.SearchStrategy[SandboxSpec]:
     """A spec :meth:`SandboxSpec.validate` accepts (every field drawn within bounds)."""
     seconds = st.none() | st.floats(min_value=0.001, max_value=spec.MAX_TTL_S)
     env_name = st.text(min_size=1, max_size=8).filter(lambda k: "=" not in k and "\0" not in k)
+    no_nul = st.text(max_size=8).filter(lambda v: "\0" not in v)
+    project = st.lists(st.from_regex(r"[a-z][a-z0-9-]{0,6}", fullmatch=True), min_size=1,
+                       max_size=3).map("/".join)
     return st.builds(
         SandboxSpec,
         image=st.text(min_size=1, max_size=12), workspace=st.none() | st.text(max_size=12),
-        toolkits=st.lists(st.text(max_size=8), max_size=2).map(tuple),
+        toolkits=st.lists(st.text(min_size=1, max_size=8), max_size=2).map(tuple),
         snapshot=st.none() | st.text(max_size=12),
         backend=st.sampled_from(typing.get_args(spec.BackendName)),
         cpu_milli=st.integers(1, spec.MAX_CPU_MILLI),
         memory_bytes=st.integers(1 << 20, spec.MAX_MEMORY_BYTES),
         disk_bytes=st.none() | st.integers(1 << 20, spec.MAX_DISK_BYTES),
         pids_max=st.none() | st.integers(1, 4_194_304), priority=st.integers(-(2**31), 2**31 - 1),
-        labels=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2),
-        project=st.text(max_size=12), ttl_s=seconds, idle_timeout_s=seconds,
+        labels=st.dictionaries(st.from_regex(r"[a-z][a-z0-9._-]{0,7}", fullmatch=True),
+                               st.text(max_size=8), max_size=2),
+        project=project, ttl_s=seconds, idle_timeout_s=seconds,
         idle_action=st.sampled_from(typing.get_args(spec.IdleAction)),
-        env=st.dictionaries(env_name, st.text(max_size=8), max_size=2),
+        env=st.dictionaries(env_name, no_nul, max_size=2),
         network=st.none() | valid_policy(), allow_nested=st.booleans(),
         user_namespace=st.booleans())
 

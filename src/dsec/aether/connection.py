@@ -1091,6 +1091,34 @@ class Connection:
                 timer.cancel()
             self._state.take(sid)
 
+    def abort(self, reason: str) -> None:
+        """Close at once and throw away everything not yet delivered: pending calls fail
+        with ConnectionLost, and a TCP socket is closed with SO_LINGER 0, so the kernel
+        drops the bytes still queued for the peer and sends RST. For a peer written off
+        (a node the control plane declared lost): with a plain close the kernel keeps
+        retransmitting what the dead link holds, and when the network heals the peer
+        carries out requests whose callers were answered long ago (a create queued
+        before a partition made a sandbox nobody held, ~13 s after the link came back:
+        tests/cluster/test_hosts_partition.py)."""
+        if self._closed:
+            return
+        import socket
+        import struct
+
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:  # already gone: nothing left to send
+                pass
+        self._wbuf.clear()
+        self._wbytes = 0
+        self._shutdown(ConnectionLost(f"connection {self.name} aborted: {reason}"))
+        try:
+            self._transport.abort()
+        except Exception:  # noqa: BLE001, S110 - the socket is already gone
+            pass
+
     async def close(self, reason: str = "closed by local side", *,
                     grace: float | None = None) -> None:
         """Send GOAWAY, then close.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import pkgutil
 import platform
@@ -118,8 +119,10 @@ def run_suites(
         ctx = BenchContext(name, quick=quick, echo=echo)
         try:
             fn(ctx)
-        except Exception as exc:  # noqa: BLE001 - one broken suite must not lose the others' figures
+        except Exception as exc:  # one broken suite must not lose the others' figures
             errors[name] = f"{type(exc).__name__}: {exc}"
+            # where it broke (a bare "TimeoutError: " said nothing of which step)
+            logging.getLogger(__name__).error("suite %s failed", name, exc_info=exc)
         results.extend(ctx.results)
         notes[name] = ctx.notes
     return results, notes, errors

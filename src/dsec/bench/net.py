@@ -297,8 +297,14 @@ async def _run(ctx: BenchContext, work: str) -> None:
     router = Router.create(RouterConfig(pool_min=16, build_batch=64),
                            NetnsUplink(inet.fd, "dsbench0"))
     net = SandboxNetwork(router)
+    # The cache-hit figure asks 2,000 times back to back (~0.3 ms each: ~3,500/s), past
+    # the resolver's per-sandbox bucket (500/s, burst 1,000), which drops a flood's
+    # queries unanswered by design: the bench's client then waited its 5 s and the whole
+    # suite failed with a bare TimeoutError (some runs, on a less loaded moment). The
+    # bench measures answers, not the flood cut (tests/net/test_resolver.py does): a
+    # bigger burst here, and pauses between rounds for the kernel's meter (1,000/s).
     resolver = Resolver(net, upstreams=[(testinternet.DNS_UPSTREAM, 53)],
-                        upstream_netns_fd=inet.fd)
+                        upstream_netns_fd=inet.fd, query_burst=4000)
     await resolver.start()
     b = ContainerBackend(root_dir=os.path.join(work, "c"), images=DirectoryImages(images),
                          network=net)
@@ -389,7 +395,10 @@ async def _run(ctx: BenchContext, work: str) -> None:
                 await asyncio.wait_for(loop.sock_recv(u, 4096), 5)
                 return time.perf_counter() - t0
             await ask("allowed.test")
-            hit = [await ask("allowed.test") for _ in range(ctx.scale(2000, 300))]
+            hit: list[float] = []
+            for _ in range(ctx.scale(4, 1)):
+                hit += [await ask("allowed.test") for _ in range(ctx.scale(500, 300))]
+                await asyncio.sleep(0.5)  # the kernel's DNS meter: 1,000/s, burst 2,000
             ctx.record("net_dns_answer_p50", _pct(hit, 50) * 1e3, "ms", cache="hit", n=len(hit))
             miss = [await ask(f"m{i}-{random.getrandbits(32)}.wild.test")
                     for i in range(ctx.scale(90, 40))]  # within the forward burst
@@ -430,6 +439,10 @@ async def _run(ctx: BenchContext, work: str) -> None:
             # before node.close(): that closes the backend too
             await _live(ctx, b, router, net, base, node_id)
         finally:
+            # a step above failed with sandboxes live: destroyed before the node closes
+            # the backend (it would keep them, and their disk pool mounted, for adoption)
+            for left in b.sandbox_ids():
+                await b.destroy(SandboxId(left))
             await node.close()
     finally:
         for left in b.sandbox_ids():
@@ -438,6 +451,7 @@ async def _run(ctx: BenchContext, work: str) -> None:
         await b.close()
         gov.remove_base()
         await resolver.close()
+        await net.close()  # the background refill ends before the router's fds close
         router.close()
         inet.close()
 

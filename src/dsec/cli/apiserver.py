@@ -52,13 +52,19 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--edge-token-file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="File with the secret tcp: edges require (their --token-file).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+@click.option("--node-ttl", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="An edge silent this long is lost: its sandboxes are evicted (node_lost) "
+                   "and destroyed when it returns (as `dsec up --node-ttl`).")
 @net_default_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
-              backend: str, edge_token_file: str | None, quiet: bool, net_default: Any) -> None:
+              backend: str, edge_token_file: str | None, quiet: bool, node_ttl: float,
+              net_default: Any) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
     from dsec.cluster.runtime import ClusterConfig
+    from dsec.control.api.plane import PlaneConfig
     from dsec.statedir import default_state_dir
 
     remote = _edges(edges)
@@ -69,7 +75,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
     cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
-                        net_default=net_default)
+                        net_default=net_default, plane=PlaneConfig(node_ttl_s=node_ttl))
     uvloop.run(_run(cfg, quiet))
 
 

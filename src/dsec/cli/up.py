@@ -63,6 +63,14 @@ from dsec.cli.edge import (
 @image_budget_option
 @net_default_option
 @net_node_options
+# --- hosts stream (issue 16): a multi-host cluster of test hosts on this machine ---
+@click.option("--hosts", type=click.IntRange(1, 64), default=None, metavar="N",
+              help="Run N test hosts instead of local edges: network namespaces on a "
+                   "private bridge, each with a dsec edge on TCP (own state, layers, "
+                   "containers), the apiserver in a namespace of its own (needs root; "
+                   "docs/sdk.md 'A multi-host cluster on one machine').")
+@click.option("--replicas", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="With --hosts: apiserver replicas over one store, behind --listen.")
 def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
@@ -70,8 +78,16 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
        quiet: bool, registries: tuple[str, ...], image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
-       net_ipv6: str) -> None:
+       net_ipv6: str, hosts: int | None, replicas: int) -> None:
     """Run a single-machine dsec cluster in the foreground."""
+    if hosts is not None:
+        _up_hosts(hosts=hosts, replicas=replicas, state_dir=state_dir, listen=listen,
+                  backend=backend, edges=edges, node_ttl=node_ttl, quiet=quiet,
+                  profile=profile, max_sandboxes=max_sandboxes,
+                  net_uplink=net_uplink, in_process_edges=in_process_edges)
+        return
+    if replicas != 1:
+        raise click.BadParameter("only with --hosts", param_hint="--replicas")
     import uvloop
 
     from dsec.client.core import parse_memory
@@ -180,3 +196,53 @@ async def _run(cfg: Any, quiet: bool) -> None:
 
     await run_until_signalled(cfg, failed=failed, started=started, serve=serve,
                               stopping=stopping)
+
+
+def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, listen: str, backend: str,
+              edges: int, node_ttl: float, quiet: bool, profile: str, max_sandboxes: int,
+              net_uplink: str | None, in_process_edges: bool) -> None:
+    """``dsec up --hosts N`` (stream ``hosts``): :func:`dsec.cluster.hosts.serve`."""
+    import logging
+    import os
+
+    from dsec.cluster.hosts import HostsConfig, serve
+    from dsec.errors import DsecError
+    from dsec.statedir import default_state_dir
+
+    for flag, bad in (("--edges", edges != 1), ("--in-process-edges", in_process_edges),
+                      ("--net-uplink", net_uplink is not None)):
+        if bad:
+            raise click.BadParameter("not with --hosts (each host runs one edge)",
+                                     param_hint=flag)
+    host, _, port = listen.rpartition(":")
+    if host not in ("127.0.0.1", "localhost") or not port.isdigit():
+        raise click.BadParameter("with --hosts, --listen is 127.0.0.1:PORT (the relay "
+                                 "into the apiservers' namespaces serves loopback only)",
+                                 param_hint="--listen")
+    if os.geteuid() != 0:
+        raise click.ClickException("--hosts needs root (it creates network namespaces)")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    cfg = HostsConfig(state_dir=state_dir or default_state_dir(), hosts=hosts,
+                      replicas=replicas, backends=tuple(sorted({"simulated", backend})),
+                      default_backend=backend, node_ttl_s=node_ttl, rest_port=int(port),
+                      simulated_profile=profile, max_sandboxes_per_host=max_sandboxes)
+
+    def started(hc: object) -> None:
+        if quiet:
+            return
+        from dsec.cluster.hosts import HostCluster
+
+        assert isinstance(hc, HostCluster)
+        click.echo(f"dsec up --hosts {hosts}  REST {hc.url}  gateway {hc.gateway}  state "
+                   f"{hc.state_dir}", err=True)
+        for node, m in zip(hc.node_ids, hc.host_members, strict=True):
+            click.echo(f"  host {node}: netns {m.name}, edge tcp:{m.address}:7000", err=True)
+        for k, m in enumerate(hc.replica_members):
+            click.echo(f"  apiserver {k}: netns {m.name} ({m.address})", err=True)
+        click.echo(f"admin key: {hc.admin_key}  (also in {hc.state_dir}/local.json)",
+                   err=True)
+
+    try:
+        serve(cfg, started=started)
+    except DsecError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -525,14 +525,17 @@ class SandboxJournal:
             await asyncio.sleep(0.001)
 
     def close(self) -> None:
+        # The fsync thread first: it holds the journal's fd number, and closing that
+        # under it would have it fsync whatever file took the number next while its
+        # waiters are told their records are durable.
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for fd in (self._fd, self._lock_fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._fd = self._lock_fd = -1
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 def _resolve(waiters: list[asyncio.Future[None]], exc: BaseException | None) -> None:

@@ -30,7 +30,16 @@ from dsec.net.denied import Denial, DenyReporter
 from dsec.net.dnspolicy import DnsPolicy, NameRule, PinBook
 from dsec.net.nftrules import PRIVATE4, PRIVATE6
 from dsec.net.nftwire import Dest, SlotPolicy, TooManyElements, disjoint
-from dsec.net.reconcile import Adopted, Keep, KernelView, LoadPolicy, Lost, digest_of, plan
+from dsec.net.reconcile import (
+    Adopted,
+    Instruction,
+    Keep,
+    KernelView,
+    LoadPolicy,
+    Lost,
+    digest_of,
+    plan,
+)
 from dsec.net.router import Router, Slot
 from dsec.wire.netpolicy import NetworkPolicy, Proto
 from dsec.wire.spec import SandboxSpec
@@ -132,6 +141,11 @@ class SandboxNetwork:
     _adopting: dict[str, tuple[int, SandboxSpec, tuple[str, ...], Adopted]] = field(
         default_factory=dict)
     _refilling: bool = False
+    #: the background refill in flight (None: none yet); :meth:`close` awaits it
+    _refill_future: asyncio.Future[None] | None = None
+    #: set while no background refill runs (a close on another loop waits on it)
+    _refill_idle: threading.Event = field(default_factory=threading.Event)
+    _closed: bool = False
     #: compiled plans (or the refusal) by (policy, ceiling denies): ``prepare`` fills it
     #: on a worker thread, so attach/update on the loop only look it up
     _compiled: dict[tuple[NetworkPolicy, tuple[str, ...]], NetPlan | InvalidArgument | None] \
@@ -253,13 +267,14 @@ class SandboxNetwork:
     def _refill_soon(self) -> None:
         """Top the pool up on a worker thread (slot builds cost ~1-5 ms each: never on
         the create path unless the pool ran dry)."""
-        if self._refilling or not self.router.needs_refill():
+        if self._closed or self._refilling or not self.router.needs_refill():
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
         self._refilling = True
+        self._refill_idle.clear()
 
         def run() -> None:
             try:
@@ -268,7 +283,20 @@ class SandboxNetwork:
                 log.warning("net: refilling the slot pool failed: %s", exc)
             finally:
                 self._refilling = False
-        loop.run_in_executor(None, run)
+                self._refill_idle.set()
+        self._refill_future = loop.run_in_executor(None, run)
+
+    async def close(self) -> None:
+        """Start no more background refills and wait for the one in flight, so the
+        router can be closed next without a builder still using its fds (the router's
+        own close waits for it too, blocking its caller; this waits without blocking the
+        loop). The router is not closed here: its owner closes it."""
+        self._closed = True
+        fut = self._refill_future
+        if fut is not None and not fut.done() and fut.get_loop() is asyncio.get_running_loop():
+            await asyncio.gather(fut, return_exceptions=True)
+        elif self._refilling:  # started on another loop (an edge's earlier one)
+            await asyncio.to_thread(self._refill_idle.wait)
 
     def plan_of_slot(self, index: int) -> tuple[str, Slot, NetPlan] | None:
         """The sandbox on slot ``index`` (the resolver names askers this way)."""
@@ -385,11 +413,27 @@ class SandboxNetwork:
         plan-14 §9.2), then refill the pool. Returns the sandboxes that could not keep
         their network, with why (they stay cut off: fail closed)."""
         t0 = time.monotonic()
+        # The router is held from the view to the plan's last step: no builder reserves
+        # an index between the listing and a DeleteLink/FlushSlot of it; slots the
+        # router holds itself (its pool, built before the node started) are not leftovers.
+        with self.router.held():
+            lost, steps, t_view = self._reconcile_held()
+        t_plan = time.monotonic()
+        built = self.router.refill()
+        log.info("net: reconcile: kernel view %.1f ms, %d instruction(s) %.1f ms, pool refill "
+                 "(%d slots) %.1f ms", (t_view - t0) * 1000, len(steps),
+                 (t_plan - t_view) * 1000, built, (time.monotonic() - t_plan) * 1000)
+        return lost
+
+    def _reconcile_held(self) -> tuple[dict[str, str], list[Instruction], float]:
+        """The body of :meth:`reconcile`, run with the router held: (lost, the plan,
+        when the view was read)."""
         view = self.router.reconcile_view()
         t_view = time.monotonic()
         kernel = KernelView(table=view.table, base_digest=view.base_digest,
                             uplink=self.router.has_uplink(), slots=view.slots,
-                            max_mark=view.max_mark, reopened=self.router.reopened)
+                            max_mark=view.max_mark, reopened=self.router.reopened,
+                            own=self.router.owned_slots())
         adopting, self._adopting = self._adopting, {}
         steps = plan([a for _, _, _, a in adopting.values()], kernel,
                      self.router.base_digest())
@@ -439,12 +483,7 @@ class SandboxNetwork:
                 self.pins.expiry[(pin.slot, pin.address, proto, pin.port)] = \
                     now + pin.expires_s
         self.lost.update(lost)
-        t_plan = time.monotonic()
-        built = self.router.refill()
-        log.info("net: reconcile: kernel view %.1f ms, %d instruction(s) %.1f ms, pool refill "
-                 "(%d slots) %.1f ms", (t_view - t0) * 1000, len(steps),
-                 (t_plan - t_view) * 1000, built, (time.monotonic() - t_plan) * 1000)
-        return lost
+        return lost, steps, t_view
 
 
 def crash_point(name: str) -> None:

@@ -18,7 +18,7 @@ import os
 import select
 import socket
 import threading
-from typing import Final
+from typing import Final, Self
 
 from dsec.errors import BackendError
 from dsec.net import netns
@@ -108,7 +108,12 @@ class Netlink:
             self.sock.close()
             raise
         self._seq = 1
+        #: held by every use of the socket and by close(): a close never lands while
+        #: another thread is inside a request (its fd number could be reused by another
+        #: namespace's fd or socket while the request still polls or sends on it)
         self._lock = threading.Lock()
+        self._seq_lock = threading.Lock()
+        self.closed = False
 
     @classmethod
     def route(cls, netns_fd: int | None = None) -> Netlink:
@@ -119,13 +124,24 @@ class Netlink:
         return cls(NETLINK_NETFILTER, netns_fd)
 
     def close(self) -> None:
-        self.sock.close()
+        """Close the socket once no request is using it (waits for one in flight);
+        every later request raises BackendError."""
+        with self._lock:
+            self.closed = True
+            self.sock.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise BackendError(f"{what}: the netlink socket was closed (its router or "
+                               "uplink is shutting down)")
 
     def next_seq(self, n: int = 1) -> int:
-        """Reserve ``n`` sequence numbers; returns the first."""
-        first = self._seq
-        self._seq += n
-        return first
+        """Reserve ``n`` sequence numbers; returns the first. Two builders (a background
+        refill and an inline build) reserve concurrently: never the same numbers."""
+        with self._seq_lock:
+            first = self._seq
+            self._seq += n
+            return first
 
     def _recv(self) -> bytes:
         if not _readable(self.sock.fileno(), ACK_TIMEOUT_S):
@@ -136,6 +152,7 @@ class Netlink:
         """Send ``data`` and wait for an ack of every seq in ``seqs``; the first error
         raises (its errno in ``detail``)."""
         with self._lock:
+            self._check_open(what)
             try:
                 self.sock.send(data)
             except OSError as exc:
@@ -181,6 +198,7 @@ class Netlink:
     def counters(self, table: str) -> dict[str, tuple[int, int]]:
         """Every named counter of ``table``: ``{name: (packets, bytes)}`` (one dump)."""
         with self._lock:
+            self._check_open(f"counters of table {table}")
             seq = self.next_seq()
             self.sock.send(counter_dump_request(seq, table))
             out: dict[str, tuple[int, int]] = {}
@@ -222,6 +240,13 @@ class Nft:
         lib = self._load()
         self._lib_ = lib
         self.netns_fd = netns_fd
+        #: held by every command and by close(): nft_ctx_free under a running
+        #: nft_run_cmd_from_buffer frees memory the command still uses (heap corruption,
+        #: "corrupted double-linked list", found by ``dsec bench net``: Router.close on
+        #: the loop while a background refill built slots) and closes the context's
+        #: socket, whose number the next open fd takes ("Socket operation on non-socket")
+        self._lock = threading.Lock()
+        self.ctx: int | None = None
         # The context opens its netlink socket when it is made, in the netns of the
         # calling thread, and keeps it: made outside, every command would act on the
         # host's ruleset. So it is made inside, and commands run inside as well.
@@ -254,7 +279,6 @@ class Nft:
         lib.nft_ctx_buffer_error(self.ctx)
         if json:  # listings come back as libnftables JSON (the host uplink's checks)
             lib.nft_ctx_output_set_flags(self.ctx, _NFT_CTX_OUTPUT_JSON)
-        self._lock = threading.Lock()
 
     @classmethod
     def _load(cls) -> ctypes.CDLL:
@@ -290,6 +314,11 @@ class Nft:
     def __call__(self, cmd: str, *, json: bool = False) -> str:
         lib = self._lib_
         with self._lock:
+            if not self.ctx:
+                first = cmd.strip().splitlines()[0] if cmd.strip() else ""
+                raise BackendError(
+                    f"libnftables: the context for netns fd {self.netns_fd} is closed; "
+                    f"{first!r} was not run (its router or uplink is shutting down)")
             flags = lib.nft_ctx_output_get_flags(self.ctx)
             if json:
                 lib.nft_ctx_output_set_flags(self.ctx, flags | _NFT_CTX_OUTPUT_JSON)
@@ -307,6 +336,15 @@ class Nft:
         return out
 
     def close(self) -> None:
-        if self.ctx:
-            self._lib_.nft_ctx_free(self.ctx)
-            self.ctx = None
+        """Free the context once no command is running in it (waits for one in flight);
+        every later command raises BackendError. Idempotent."""
+        with self._lock:
+            if self.ctx:
+                self._lib_.nft_ctx_free(self.ctx)
+                self.ctx = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

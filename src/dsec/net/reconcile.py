@@ -27,7 +27,8 @@ slot of an adopted sandbox, no objects   BuildObjects + LoadPolicy
 adopted sandbox without a usable slot    Lost (fail closed, said as a notice)
 ``dsvN`` with no adopted sandbox         DeleteLink + FlushSlot (the census has killed
                                          what held its netns; a hostile leftover never
-                                         reaches the next tenant)
+                                         reaches the next tenant), unless this edge
+                                         process holds the slot itself (``own``)
 slot objects holding elements, no link   FlushSlot (objects kept for reuse)
 =======================================  ===============================================
 
@@ -124,6 +125,13 @@ class KernelView:
     max_mark: int = 0
     #: True: the router netns was found pinned (a previous edge's); False: made now
     reopened: bool = True
+    #: slots this edge process built or holds itself (its pool, its own sandboxes'):
+    #: never leftovers, whatever the kernel shows for them. A reconcile that ran after the
+    #: pool was filled (``dsec edge`` without a state dir refills before the node starts;
+    #: ``dsec bench net`` starts a node on a used router) deleted the ``dsvN`` of every
+    #: free slot, which left their netns without eth0: ~400 slots "not reused: cannot
+    #: inspect its netns: ENODEV", and sandboxes handed such a slot had no network.
+    own: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +230,9 @@ def plan(adopted: Sequence[Adopted], kernel: KernelView, base_digest: str) -> li
         seen = slots.get(a.slot) if a.slot is not None else None
         if a.slot is None:
             verdicts.append(Lost(a.sid, a.why or "its network namespace holds no slot"))
+        elif a.slot in kernel.own:
+            verdicts.append(Lost(a.sid, f"slot {a.slot} was built anew by this edge (its "
+                                        f"dsv{a.slot} is not the sandbox's veth)"))
         elif a.slot in claimed:
             verdicts.append(Lost(a.sid, f"slot {a.slot} is claimed by sandbox "
                                         f"{claimed[a.slot]} too"))
@@ -242,7 +253,7 @@ def plan(adopted: Sequence[Adopted], kernel: KernelView, base_digest: str) -> li
                             tuple(sorted(build))))
     for i in sorted(slots):
         s = slots[i]
-        if i in claimed:
+        if i in claimed or i in kernel.own:
             continue
         if s.link:
             out.append(DeleteLink(i))

@@ -125,6 +125,7 @@ class Resolver:
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
         self.tcp_per_sandbox = tcp_per_sandbox
         self.tcp_total = tcp_total
         self._tcp_held: dict[str, int] = {}
@@ -160,13 +161,21 @@ class Resolver:
         self._tcp = await asyncio.start_server(self._tcp_client, sock=ts)
 
     async def close(self) -> None:
+        """Stop answering, and return only once no query of this resolver runs: its
+        owner closes ``upstream_netns_fd`` next, and a query still running would
+        ``setns`` into that number once another namespace (a sandbox's) took it and ask
+        upstream from there. TCP connections are tasks here too (Python 3.11's
+        ``Server.wait_closed`` does not wait for them)."""
+        self._closed = True
         if self._udp is not None:
             self._udp.close()
         if self._tcp is not None:
             self._tcp.close()
             await self._tcp.wait_closed()
-        for t in list(self._tasks):
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._udp = None
         self._tcp = None
 
@@ -176,6 +185,12 @@ class Resolver:
         task.add_done_callback(self._tasks.discard)
 
     async def _tcp_client(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        if self._closed or me is None:
+            w.close()
+            return
+        self._tasks.add(me)  # close() cancels and awaits it
+        me.add_done_callback(self._tasks.discard)
         peer = w.get_extra_info("peername")
         src = peer[0] if peer else ""
         # Every TCP connection is an fd of the edge: a sandbox holding thousands open
@@ -405,6 +420,8 @@ class Resolver:
         loop = asyncio.get_running_loop()
         last: Exception = TimeoutError("no upstream answered")
         for host, port in self.upstreams:
+            if self._closed:  # its upstream netns fd may be closed (and reused) now
+                raise OSError("the resolver is closed")
             kind = socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM
             if self.upstream_netns_fd is None:
                 s = socket.socket(socket.AF_INET, kind)

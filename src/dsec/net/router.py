@@ -17,7 +17,13 @@ benches) holds it by an fd only.
 Threads: every public method takes one lock; the calls are synchronous and short (a slot
 build ~1 ms, a policy batch < 1 ms), so the edge may call them from its loop or from a
 worker thread (a background refill). ``setns``/``unshare`` only ever move the calling
-thread, and back.
+thread, and back. The one exception is :meth:`Router.refill`, which builds without the
+lock (a create must not wait for a batch of 64 slots): it counts itself in
+``_builders``, and :meth:`Router.close` marks the router closing and waits for that count
+to reach 0 before it closes any fd. An fd closed under a running builder would be a
+hole, not only a crash: its number is reused by the next fd opened - often another
+namespace's - and the builder would ``setns`` into that namespace (a sandbox's) and build
+there, or libnftables would run on a freed context (heap corruption, ``dsec bench net``).
 """
 
 from __future__ import annotations
@@ -136,6 +142,11 @@ class Router:
         self.slots: dict[int, Slot] = {}
         self.stats = _Counters()
         self._lock = threading.RLock()
+        #: refills building outside the lock right now; close() waits for 0 (on _idle)
+        self._builders = 0
+        self._idle = threading.Condition(self._lock)
+        #: close() has begun: no new build starts, a build that ends keeps nothing
+        self._closing = False
         self._generation = 0
         self.fd = -1
         #: where the router netns is bind-mounted (None: held by self.fd only)
@@ -211,6 +222,8 @@ class Router:
         objects in one transaction, slots kept) and the uplink's host-side objects
         (:meth:`Uplink.check`). Returns what was wrong and done, or None."""
         with self._lock:
+            if self._closing:  # the uplink is detached: checking it would put it back
+                raise BackendError("the router is closed: its uplink is not watched")
             now = self.uplink.guarded_addresses()
             said = []
             if now != self._guarded:
@@ -266,6 +279,9 @@ class Router:
         object) when ``unpin``, or (None) when no sandbox holds a slot: a clean exit
         with live sandboxes keeps it for the next edge, which adopts them."""
         with self._lock:
+            self._closing = True
+            while self._builders:  # a refill builds without the lock: its fds stay
+                self._idle.wait()   # valid (and the nft context alive) until it ends
             if unpin is None:
                 unpin = self.table.count("assigned") == 0
             if self.fd >= 0 and (self.pin_path is None or unpin):
@@ -328,21 +344,31 @@ class Router:
         while building (each kernel socket and the libnftables context have their own
         lock), so a create never waits for a batch of 64 slots."""
         with self._lock:
+            if self._closing or self.fd < 0:
+                return 0
             todo = self.table.refill()
+            if not todo:
+                return 0
+            self._builders += 1  # close() waits for us before closing any fd
         built = 0
-        for ins in todo:
-            assert isinstance(ins, BuildSlots)
-            events = self._build(ins)
+        try:
+            for ins in todo:
+                assert isinstance(ins, BuildSlots)
+                events = self._build(ins)
+                with self._lock:
+                    if self._closing:  # close() is waiting: what was built is not kept
+                        for i in ins.slots:
+                            slot = self.slots.pop(i, None)
+                            if slot is not None:
+                                _close(slot.fd)
+                        return built
+                    self.table.handle(*events)
+                built += sum(1 for e in events if e.kind == "built")
+            return built
+        finally:
             with self._lock:
-                if self.fd < 0:  # closed meanwhile: what was built is not kept
-                    for i in ins.slots:
-                        slot = self.slots.pop(i, None)
-                        if slot is not None:
-                            _close(slot.fd)
-                    return built
-                self.table.handle(*events)
-            built += sum(1 for e in events if e.kind == "built")
-        return built
+                self._builders -= 1
+                self._idle.notify_all()
 
     def needs_refill(self) -> bool:
         with self._lock:
@@ -354,7 +380,7 @@ class Router:
         full; returns how many were built. For a known burst of creates."""
         built = 0
         with self._lock:
-            while self.table.count("free") < n:
+            while not self._closing and self.table.count("free") < n:
                 b = self.table.reserve(min(self.config.build_batch,
                                            n - self.table.count("free")))
                 if b is None:
@@ -534,11 +560,24 @@ class Router:
 
     # ------------------------------------------------------------------ reconcile
 
+    def held(self) -> threading.RLock:
+        """The router's lock, for a caller that must keep several calls together (net
+        reconcile: the kernel view and the plan's steps, with no build in between)."""
+        return self._lock
+
+    def owned_slots(self) -> frozenset[int]:
+        """Slots this router object holds or is building (not leftovers of an earlier
+        edge process)."""
+        with self._lock:
+            return frozenset(self.table.state)
+
     def reconcile_view(self) -> Listing:
         """What the router holds (links, base table digest, slot objects, live
         generations and their policy digests, DNS pins): one link listing and one
         libnftables JSON listing of the table."""
         with self._lock:
+            if self._closing:
+                raise BackendError("the router is closed: nothing to reconcile")
             with netns.entered(self.fd):
                 names = [n for _, n in socket.if_nameindex()]
             try:
@@ -607,6 +646,8 @@ class Router:
     def take(self) -> Slot:
         """A free slot for a new sandbox; builds one inline when the pool is empty."""
         with self._lock:
+            if self._closing:
+                raise BackendError("the router is closed: no slot can be taken")
             index = self.table.take()
             if index is None:
                 b = self.table.reserve(1)
@@ -727,6 +768,12 @@ class Router:
         """"" if the slot's netns looks exactly as built (links, address, routes), else
         what differs. ~0.1 ms: ioctls and one /proc read inside the netns."""
         a = slot.addr
+        with self._lock:  # slot.fd stays this slot's netns while it is entered
+            if self.slots.get(slot.index) is not slot:
+                return "the router no longer holds it (dropped, or the router closed)"
+            return self._check(slot, a)
+
+    def _check(self, slot: Slot, a: SlotAddr) -> str:
         try:
             with netns.entered(slot.fd):
                 links = socket.if_nameindex()

@@ -652,6 +652,42 @@ class ControlPlane:
                              "without it (it was not in the node's journal)")
         return self._lost.get(sandbox_id)
 
+    def abandon_intent(self, sandbox_id: str, spec: SandboxSpec) -> bool:
+        """A keyed create noted ``sandbox_id`` on a node, and its attempt was cut off
+        (the retry finds the intent). If that node is lost (the watcher expired it), the
+        intent is given up: the id is written off like the node's other sandboxes (a
+        tombstone, so it is destroyed wherever the node shows it, also when it returns
+        with the create carried out after all) and True tells the retry to place the
+        create anew. Without this the retries stayed pinned to the lost node (every one
+        a 503) until the caller gave up, and the node's return let the last one make the
+        sandbox for nobody (tests/cluster/test_hosts_partition.py). False while the node
+        is not lost: the sandbox may still come into being there, and a second one
+        elsewhere would make two."""
+        try:
+            node = node_of(sandbox_id)
+        except InvalidArgument:
+            return False
+        if not self.watcher.is_expired(node):
+            return False
+        if sandbox_id in self._lost:
+            return True
+        now = self.clock()
+        detail = (f"the create that asked node {node} for it was cut off, and the node was "
+                  f"lost (no heartbeat for more than {self.config.node_ttl_s:g}s): written "
+                  "off, the create placed anew")
+        info = SandboxInfo(id=sandbox_id, node=node, state="destroyed", spec=spec,
+                           created_at=now, last_active_at=now, reason="node_lost")
+        lost = self._lost[sandbox_id] = LostSandbox(info=info, events=[SandboxEvent(
+            time=now, sandbox_id=sandbox_id, from_state=None, to_state="destroyed",
+            reason="node_lost", detail=detail)])
+        while len(self._lost) > self.config.lost_tombstones:
+            self._lost.popitem(last=False)
+        # kept until stored, like every tombstone (red team 16, F12)
+        self._keep_lost([LostSandboxRow(id=sandbox_id, node=node, lost_at=now,
+                                        record=msgspec.to_builtins(lost))])
+        log.warning("sandbox %s written off: %s", sandbox_id, detail)
+        return True
+
     def _write_off(self, rec: SandboxRecord, detail: str) -> None:
         now = self.clock()
         row = self._tombstone(rec, "node_lost", now, detail=detail)
@@ -911,6 +947,17 @@ class ControlPlane:
         await self._carry_out(self.watcher.handle(
             LinkFailed(node=node, time=now, cause="blind", detail=why)))
 
+    def _sever(self, node: str) -> None:
+        """Abort a lost node's link: calls still waiting on it fail now (a keyed create
+        then answers 503 and its retry places the create anew, see
+        :meth:`abandon_intent`), and nothing queued behind the dead link reaches the node
+        when the network heals (``Connection.abort``). The next poll redials."""
+        e = self.edges.get(node)
+        conn = getattr(getattr(e, "link", None), "conn", None)
+        abort = getattr(conn, "abort", None)
+        if abort is not None:
+            abort(f"node {node} was declared lost")
+
     async def _poll_failed(self, e: EdgeEntry, exc: DsecError, *, heard: bool = False,
                            stalled: bool = False) -> None:
         """A poll failed: only the edge's silence counts toward its TTL; this side's own
@@ -1091,6 +1138,7 @@ class ControlPlane:
                             ins.stimulus_id, len(rows), "" if saved else
                             " (their tombstones are not stored yet: retried before the "
                             "evictions are committed)")
+                self._sever(ins.node)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
                 link = self.edge(NodeId(ins.node))
                 if link is not None and ins.sandbox_ids:

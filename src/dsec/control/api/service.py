@@ -229,6 +229,11 @@ class NodeDirectory(Protocol):
         control plane had recorded it as live, the node lost it (restarted without it):
         write it off like a sandbox of a lost node and return its tombstone; else None."""
         ...
+    def abandon_intent(self, sandbox_id: str, spec: SandboxSpec) -> bool:
+        """A keyed create's noted sandbox whose node is lost: written off (destroyed
+        wherever it shows up) and True (place the create anew); False while the node is
+        not lost (see ``ControlPlane.abandon_intent``)."""
+        ...
 
 
 class Placer(Protocol):
@@ -866,8 +871,8 @@ class ApiService:
         except InvalidArgument:
             return None
         edge = self.directory.edge(node)
-        if edge is None:
-            return None
+        if edge is None or self.directory.abandon_intent(sid, spec):
+            return None   # its node is lost: written off there, place the create anew
         info = await self._settled(edge, sid)
         if info is None:
             # Not on its edge: create it there under the same id, so that a first attempt
