@@ -1175,7 +1175,10 @@ class ControlPlane:
                 infos = await e.link.list()
             except DsecError:
                 continue
-            for i in infos:
+            # its own node's sandboxes only: the sweep destroys by the id's node, and an
+            # edge listing another node's sandbox under a dead session must not get it
+            # destroyed there (red team 16, F3's class)
+            for i in self._own(e.node, infos, "sandbox list"):
                 s = i.spec.labels.get(SESSION_LABEL)
                 if s is not None:
                     cands.append(SweepCandidate(i.id, s, i.state))
