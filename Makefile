@@ -10,12 +10,15 @@ APT_STAMP := .apt-installed
 # (the network tests' HTTPS/DoT servers: a self-signed certificate made once per run).
 # skopeo pulls images from OCI registries (dsec.image.pull); docker-registry (the CNCF
 # distribution registry) is the tests' local registry; umoci the bench's baseline.
+# postgresql-15: the PostgreSQL state store's tests and the cluster bench start throwaway
+# servers from its initdb/pg_ctl (dsec.cluster.pgserver; never the system cluster).
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
                 wrk openssl \
                 skopeo docker-registry umoci \
-                mmdebstrap apt-utils
+                mmdebstrap apt-utils \
+                postgresql-15
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -20,3 +21,46 @@ settings.register_profile("dsec", deadline=None)
 settings.load_profile("dsec")
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")
+
+
+# --- PostgreSQL (stream pg): one throwaway server per test session, a fresh database
+# per test (CREATE DATABASE ... TEMPLATE: ~50 ms). The server runs in a short /tmp dir
+# (a Unix socket path must stay under 108 bytes; the server account must be able to
+# enter it), which is removed with everything in it at the end of the session.
+@pytest.fixture(scope="session")
+def pg_server():  # type: ignore[no-untyped-def]
+    import shutil
+    import tempfile
+
+    from dsec.cluster.pgserver import PgServer
+
+    d = tempfile.mkdtemp(prefix="dsec-pg-", dir="/tmp")
+    server = PgServer(d, fsync=False, remove=True)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def pg_dsn(pg_server):  # type: ignore[no-untyped-def]
+    """The URL of a new, empty database on the session's PostgreSQL server; dropped
+    after the test (with every connection to it)."""
+    import psycopg
+
+    name = f"t{os.getpid()}_{next(_pg_ids)}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")
+    try:
+        yield pg_server.dsn_for(name)
+    finally:
+        try:
+            with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        except psycopg.Error:
+            pass   # the server is down (a fault test stopped it): the dir goes anyway
+
+
+_pg_ids = itertools.count()

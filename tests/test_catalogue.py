@@ -80,6 +80,7 @@ from dsec.wire.calls import (
     Mkdir,
     NetworkUpdate,
     NetworkUpdateOnNode,
+    NodeRef,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -268,12 +269,16 @@ EXAMPLES: dict[str, Example] = {
     "revoke_key": lambda w: KeyRef(id=w.key()),
     "image_delete": lambda w: ImageRef(ref=w.image_name()),
     "destroy_many": lambda w: DestroyMany(ids=[w.sandbox(), w.sandbox()]),
+    # last of all (the catalogue's last rows): drain the world's one edge, then undrain
+    # it, so no create of another example finds it drained
+    "node_drain": lambda w: NodeRef(id="edge-0"),
+    "node_undrain": lambda w: NodeRef(id="edge-0"),
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
-               "image_delete", "destroy_many")
+               "image_delete", "destroy_many", "node_drain", "node_undrain")
 
 _RESOLVED = {"backend": "simulated", "project": "default"}
 

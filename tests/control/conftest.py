@@ -1,4 +1,6 @@
-"""Fixtures for the control-plane tests: a real SQLite store in a temp dir; apiserver
+"""Fixtures for the control-plane tests: a real state store, SQLite in a temp dir and
+PostgreSQL (a fresh database on the session's throwaway server: ``pg_dsn``) for every
+test that takes ``store``/``store_url`` (parametrized ``[sqlite]``/``[postgresql]``); apiserver
 replicas over one store (:func:`replica`, wired by :func:`dsec.cluster.compose.api_service`
 as every apiserver is) reaching a real edge served over Aether (:func:`served_edge`)."""
 
@@ -18,7 +20,7 @@ from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiService
 from dsec.control.idempotency import IdempotencyCache
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore, open_store
 from dsec.edge.admission import Capacity
 from dsec.edge.backend import Backend
 from dsec.edge.backends import make_backend
@@ -47,9 +49,18 @@ def store_path(tmp_path: Path) -> Path:
     return tmp_path / "state.db"
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of an empty state store, once per kind: every control-plane test that
+    takes it (or ``store``) runs against both (:func:`dsec.control.store.open_store`)."""
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("pg_dsn"))
+    return f"sqlite://{tmp_path / 'state.db'}"
+
+
 @pytest.fixture
-def store(store_path: Path) -> Iterator[SqliteStore]:
-    s = SqliteStore(store_path)
+def store(store_url: str) -> Iterator[StateStore]:
+    s = open_store(store_url)
     try:
         yield s
     finally:
@@ -62,7 +73,7 @@ class Replica:
     """One apiserver replica (its own store connection, control plane, service and edge
     link) over a store file shared with the others."""
 
-    store: SqliteStore
+    store: StateStore
     plane: ControlPlane
     service: ApiService
     link: EdgeClient
@@ -78,12 +89,13 @@ class Replica:
         self.store.close()
 
 
-async def replica(db: Path, addr: str, *, node: str = "e0", plane: PlaneConfig | None = None,
-                  **service: Any) -> Replica:
-    """A replica over the store at ``db`` reaching edge ``node`` at ``addr``, wired as
-    every apiserver is (:func:`dsec.cluster.compose.api_service`; ``service``: its
-    options), with the edge polled once. The caller closes it."""
-    store = SqliteStore(db)
+async def replica(db: Path | str, addr: str, *, node: str = "e0",
+                  plane: PlaneConfig | None = None, **service: Any) -> Replica:
+    """A replica over the store at ``db`` (a SQLite path or any store URL) reaching edge
+    ``node`` at ``addr``, wired as every apiserver is
+    (:func:`dsec.cluster.compose.api_service`; ``service``: its options), with the edge
+    polled once. The caller closes it."""
+    store = open_store(str(db))
     p = ControlPlane.open(store, metrics=ApiMetrics(), config=plane)
     link = await EdgeClient.connect(addr)
     p.add_edge(node, addr, link)

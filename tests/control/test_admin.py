@@ -16,7 +16,7 @@ from dsec.control.iam import Iam
 from dsec.control.metrics import ApiMetrics
 from dsec.control.quota import QuotaIndex
 from dsec.control.registry import Registry
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore
 from dsec.errors import Conflict, ImageNotFound, NotFound, QuotaExceeded
 from dsec.wire.api import CreateKeyRequest
 from dsec.wire.spec import SandboxSpec
@@ -35,7 +35,7 @@ class Caches:
         self.principals.append(principal_id)
 
 
-def _admin(store: SqliteStore, clock: FakeClock, caches: Caches | None,
+def _admin(store: StateStore, clock: FakeClock, caches: Caches | None,
            **limits: Any) -> tuple[Admin, Iam]:
     iam = Iam(store, clock=clock)
     quota = QuotaIndex()
@@ -47,13 +47,13 @@ def _admin(store: SqliteStore, clock: FakeClock, caches: Caches | None,
     return admin, iam
 
 
-def _root(store: SqliteStore, iam: Iam) -> Caller:
+def _root(store: StateStore, iam: Iam) -> Caller:
     iam.create_principal("admin", name="admin", superuser=True)
     iam.grant("admin", "default", "admin")
     return IamAuthority(iam, store).authenticate(iam.create_key("admin").token)
 
 
-def test_sessions_lease_cap_and_close_with_an_injected_clock(store: SqliteStore,
+def test_sessions_lease_cap_and_close_with_an_injected_clock(store: StateStore,
                                                              clock: FakeClock) -> None:
     admin, iam = _admin(store, clock, None, max_sessions_per_principal=2)
     root = _root(store, iam)
@@ -70,7 +70,7 @@ def test_sessions_lease_cap_and_close_with_an_injected_clock(store: SqliteStore,
     assert admin.sessions()[a.id].closed
 
 
-def test_key_changes_reach_the_apiservers_caches(store: SqliteStore, clock: FakeClock) -> None:
+def test_key_changes_reach_the_apiservers_caches(store: StateStore, clock: FakeClock) -> None:
     caches = Caches()
     admin, iam = _admin(store, clock, caches)
     root = _root(store, iam)
@@ -88,7 +88,7 @@ def test_key_changes_reach_the_apiservers_caches(store: SqliteStore, clock: Fake
     bare.revoke_key(root, again.key_id)
 
 
-def test_images_without_a_layer_store(store: SqliteStore) -> None:
+def test_images_without_a_layer_store(store: StateStore) -> None:
     plane = ControlPlane.open(store, metrics=ApiMetrics())
     images = ImageAdmin(plane)
     root = IamAuthority(plane.iam, store).authenticate(plane.bootstrap_admin("admin"))

@@ -11,7 +11,7 @@ from dsec.control.api.service import ApiConfig, ApiService, Caller
 from dsec.control.idempotency import IdempotencyCache, fingerprint
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimitConfig, RateLimiter
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import open_store
 from dsec.control.sweeper import Session, SweepCandidate, plan_sweep
 from dsec.errors import Conflict, ImageNotFound, InvalidArgument, RateLimited, Unauthenticated
 
@@ -50,9 +50,9 @@ def test_rate_limit_config_rejects_nonsense() -> None:
     assert RateLimiter(RateLimitConfig(rate_per_s=None), clock=Clock()).acquire("k") is None
 
 
-async def test_idempotency_replay_wait_conflict_and_expiry(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_idempotency_replay_wait_conflict_and_expiry(store_url: str) -> None:
     clock = Clock()
-    store = SqliteStore(tmp_path / "state.db")
+    store = open_store(store_url)
     cache = IdempotencyCache(clock=clock, ttl_s=300, store=store)
     key = IdempotencyCache.scoped("alice", "k1")
     fp = fingerprint(b'{"image":"base"}')

@@ -41,20 +41,21 @@ class World:
     addr: str
     tmp: Path
     apis: list[Replica]
+    url: str = ""
 
     async def api(self) -> Replica:
-        api = await replica(self.tmp / "control.sqlite", self.addr, idempotency={
+        api = await replica(self.url or self.tmp / "control.sqlite", self.addr, idempotency={
             "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
         self.apis.append(api)
         return api
 
 
 @pytest.fixture
-async def world(tmp_path: Path) -> AsyncIterator[World]:
+async def world(tmp_path: Path, store_url: str) -> AsyncIterator[World]:
     # create takes 0.3 s, so a claim can be caught with its sandbox still `creating`
     backend = SimulatedBackend(profile=NodeLatencyProfile(create_s=0.3))
     async with served_edge(tmp_path, backend) as edge:
-        w = World(edge.node, edge.addr, tmp_path, [])
+        w = World(edge.node, edge.addr, tmp_path, [], store_url)
         try:
             yield w
         finally:

@@ -9,13 +9,13 @@ import pytest
 from dsec.control.api.plane import ControlPlane, IamAuthority
 from dsec.control.api.service import Caller
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore
 from dsec.errors import Conflict, NotFound, PermissionDenied, Unauthenticated
 from dsec.wire.api import CreateKeyRequest
 
 
 @pytest.fixture
-def plane(store: SqliteStore) -> ControlPlane:
+def plane(store: StateStore) -> ControlPlane:
     return ControlPlane.open(store, metrics=ApiMetrics())
 
 

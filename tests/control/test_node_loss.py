@@ -17,7 +17,7 @@ import pytest
 from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import open_store
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
@@ -31,8 +31,8 @@ from tests.control.conftest import FakeClock
 class Apiserver:
     """One apiserver generation: store connection, control plane, service, edge link."""
 
-    def __init__(self, db: Path, clock: FakeClock) -> None:
-        self.store = SqliteStore(db)
+    def __init__(self, db: str | Path, clock: FakeClock) -> None:
+        self.store = open_store(str(db))
         self.plane = ControlPlane.open(self.store, metrics=ApiMetrics(), clock=clock,
                                        config=PlaneConfig(node_ttl_s=10.0,
                                                           reconnect_interval_s=0.0))
@@ -53,7 +53,7 @@ class Apiserver:
 
 
 async def test_a_returning_node_destroys_what_was_evicted_even_after_an_apiserver_restart(
-        tmp_path: Path) -> None:
+        tmp_path: Path, store_url: str) -> None:
     node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
         cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=100)),
         {"simulated": make_backend("simulated")})
@@ -61,7 +61,7 @@ async def test_a_returning_node_destroys_what_was_evicted_even_after_an_apiserve
     addr = f"unix:{tmp_path / 'e0.sock'}"
     server = await serve_edge(node, addr)
     clock = FakeClock(time.time())
-    db = tmp_path / "control.sqlite"
+    db = store_url
     first = Apiserver(db, clock)
     second: Apiserver | None = None
     try:

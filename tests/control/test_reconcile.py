@@ -38,7 +38,7 @@ from dsec.control.reconcile import (
 )
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore
 from dsec.errors import ConnectionLost, DsecError, SandboxNotFound
 from dsec.wire.spec import SandboxInfo, SandboxSpec
 
@@ -209,7 +209,7 @@ class _Hb:
         self.sandboxes = [type("B", (), {"id": i, "state": s})() for i, s in sandboxes]
 
 
-async def test_the_runner_probes_at_once_and_settles(store: SqliteStore) -> None:
+async def test_the_runner_probes_at_once_and_settles(store: StateStore) -> None:
     plane = ControlPlane.open(store, metrics=ApiMetrics())
     old, young, kept = (f"sb-{i:012x}-n1" for i in (1, 2, 3))
     for sid, created in ((old, HB - 5), (young, HB + 5), (kept, HB - 5)):

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dsec.control.quota import Quota, QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore, open_store
 from dsec.errors import Compacted, InvalidArgument, QuotaExceeded, SandboxNotFound
 
 from .conftest import FakeClock
@@ -18,7 +16,7 @@ def rec(i: int, node: str = "n1", project: str = "org/a") -> SandboxRecord:
                          cpu_milli=1000, memory_bytes=1 << 30, created_at=float(i))
 
 
-def test_every_mutation_is_a_versioned_event_in_order(store: SqliteStore,
+def test_every_mutation_is_a_versioned_event_in_order(store: StateStore,
                                                       clock: FakeClock) -> None:
     reg = Registry(store, clock=clock)
     w = reg.watch(0)
@@ -37,8 +35,8 @@ def test_every_mutation_is_a_versioned_event_in_order(store: SqliteStore,
     assert w.poll() == [] and w.position == 4
 
 
-def test_state_and_version_survive_a_restart(store_path: Path, clock: FakeClock) -> None:
-    s = SqliteStore(store_path)
+def test_state_and_version_survive_a_restart(store_url: str, clock: FakeClock) -> None:
+    s = open_store(store_url)
     try:
         reg = Registry(s, clock=clock)
         reg.add_sandbox(rec(1))
@@ -47,7 +45,7 @@ def test_state_and_version_survive_a_restart(store_path: Path, clock: FakeClock)
         reg.flush()
     finally:
         s.close()
-    s = SqliteStore(store_path)
+    s = open_store(store_url)
     try:
         q = QuotaIndex()
         reg = Registry(s, clock=clock, quota=q)
@@ -61,7 +59,7 @@ def test_state_and_version_survive_a_restart(store_path: Path, clock: FakeClock)
         s.close()
 
 
-def test_batch_size_flushes_automatically(store: SqliteStore, clock: FakeClock) -> None:
+def test_batch_size_flushes_automatically(store: StateStore, clock: FakeClock) -> None:
     reg = Registry(store, clock=clock, batch_size=10)
     for i in range(25):
         reg.emit("node_up", node_id=f"n{i}")
@@ -69,7 +67,7 @@ def test_batch_size_flushes_automatically(store: SqliteStore, clock: FakeClock) 
     assert store.event_bounds() == (1, 20)
 
 
-def test_compacted_history_raises_with_the_way_out(store: SqliteStore,
+def test_compacted_history_raises_with_the_way_out(store: StateStore,
                                                    clock: FakeClock) -> None:
     reg = Registry(store, clock=clock, memory_events=4)
     for i in range(20):
@@ -85,7 +83,7 @@ def test_compacted_history_raises_with_the_way_out(store: SqliteStore,
 
 
 def test_evict_node_emits_one_event_per_sandbox_and_updates_quota(
-        store: SqliteStore, clock: FakeClock) -> None:
+        store: StateStore, clock: FakeClock) -> None:
     q = QuotaIndex()
     q.set_quota("org", Quota(max_sandboxes=3))
     reg = Registry(store, clock=clock, quota=q)
@@ -103,7 +101,7 @@ def test_evict_node_emits_one_event_per_sandbox_and_updates_quota(
     assert [r.id for r in store.list_sandboxes()] == [rec(2, "n2").id]
 
 
-def test_bad_input(store: SqliteStore, clock: FakeClock) -> None:
+def test_bad_input(store: StateStore, clock: FakeClock) -> None:
     reg = Registry(store, clock=clock)
     with pytest.raises(SandboxNotFound):
         reg.remove_sandbox("sb-000000000000-n1")
@@ -114,7 +112,7 @@ def test_bad_input(store: SqliteStore, clock: FakeClock) -> None:
         reg.read(-1)
 
 
-def test_pages_walk_projects_in_id_order_with_filters(store: SqliteStore,
+def test_pages_walk_projects_in_id_order_with_filters(store: StateStore,
                                                      clock: FakeClock) -> None:
     """List pages come from per-project sorted indexes, merged in id order; the spec
     (labels) survives a restart of the registry from its store."""

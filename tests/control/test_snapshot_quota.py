@@ -92,7 +92,8 @@ def test_snapshot_over_the_project_quota_is_refused_at_every_door(
 
 # ------------------------------------------------------------- two apiserver replicas
 @pytest.fixture
-async def replicas(tmp_path: Path) -> AsyncIterator[tuple[list[Replica], EdgeNode, str]]:
+async def replicas(tmp_path: Path, store_url: str
+                   ) -> AsyncIterator[tuple[list[Replica], EdgeNode, str]]:
     """Two apiserver replicas (ControlPlane + ApiService each) over one SQLite store and
     one simulated edge over Aether; project ``default`` has snapshot_bytes=1000, set
     before the second replica opens (so both know the quota itself)."""
@@ -102,7 +103,7 @@ async def replicas(tmp_path: Path) -> AsyncIterator[tuple[list[Replica], EdgeNod
         key = ""
         try:
             for i in range(2):   # one store file, two connections
-                r = await replica(tmp_path / "control.sqlite", addr)
+                r = await replica(store_url, addr)
                 reps.append(r)
                 if i == 0:
                     key = r.plane.bootstrap_admin()

@@ -3,6 +3,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from dsec.control.store import (
@@ -14,14 +15,16 @@ from dsec.control.store import (
     RoleBindingRow,
     SandboxRow,
     StateStore,
+    open_store,
 )
 from dsec.control.store.sqlite import SqliteStore
 from dsec.errors import InvalidArgument
 
 
-def test_sqlite_store_satisfies_the_interface_and_uses_wal(store: SqliteStore,
-                                                           store_path: Path) -> None:
+def test_sqlite_store_satisfies_the_interface_and_uses_wal(store_path: Path) -> None:
+    store = SqliteStore(store_path)
     assert isinstance(store, StateStore)
+    store.close()
     conn = sqlite3.connect(store_path)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -29,8 +32,8 @@ def test_sqlite_store_satisfies_the_interface_and_uses_wal(store: SqliteStore,
         conn.close()
 
 
-def test_rows_round_trip_and_survive_reopen(store_path: Path) -> None:
-    s = SqliteStore(store_path)
+def test_rows_round_trip_and_survive_reopen(store_url: str) -> None:
+    s = open_store(store_url)
     try:
         s.put_principal(PrincipalRow(id="alice", name="Alice", superuser=False, created_at=1.0))
         s.put_api_key(ApiKeyRow(key_id="k1", principal_id="alice", secret_hash=b"\x01" * 32,
@@ -45,7 +48,7 @@ def test_rows_round_trip_and_survive_reopen(store_path: Path) -> None:
         )
     finally:
         s.close()
-    s = SqliteStore(store_path)
+    s = open_store(store_url)
     try:
         assert s.get_principal("alice") == PrincipalRow(id="alice", name="Alice",
                                                         created_at=1.0)
@@ -66,17 +69,17 @@ def test_rows_round_trip_and_survive_reopen(store_path: Path) -> None:
         s.close()
 
 
-def test_commit_events_is_atomic(store: SqliteStore) -> None:
+def test_commit_events_is_atomic(store: StateStore) -> None:
     store.commit_events([EventRow(version=1, time=0.0, kind="x")])
     # version 1 again violates the primary key: the sandbox upsert must roll back too.
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError)):
         store.commit_events([EventRow(version=1, time=0.0, kind="y")],
                             upserts=[SandboxRow(id="sb", node="n", project="p", record={})])
     assert store.list_sandboxes() == []
     assert [e.kind for e in store.read_events(0, 10)] == ["x"]
 
 
-def test_compaction_keeps_the_newest_event(store: SqliteStore) -> None:
+def test_compaction_keeps_the_newest_event(store: StateStore) -> None:
     store.commit_events([EventRow(version=v, time=0.0, kind="x") for v in range(1, 6)])
     assert store.compact_events(100) == 4
     assert store.event_bounds() == (5, 5)
@@ -87,7 +90,7 @@ def test_unopenable_path_is_a_clear_error(tmp_path: Path) -> None:
         SqliteStore(tmp_path / "missing-dir" / "state.db")
 
 
-def test_add_principal_never_overwrites(store: SqliteStore) -> None:
+def test_add_principal_never_overwrites(store: StateStore) -> None:
     root = PrincipalRow(id="root", name="root", superuser=True, created_at=1.0)
     assert store.add_principal(root) is True
     assert store.add_principal(PrincipalRow(id="root", name="evil", superuser=False,
@@ -95,8 +98,8 @@ def test_add_principal_never_overwrites(store: SqliteStore) -> None:
     assert store.get_principal("root") == root
 
 
-def test_lost_tombstones_round_trip_newest_kept(store_path: Path) -> None:
-    s = SqliteStore(store_path)
+def test_lost_tombstones_round_trip_newest_kept(store_url: str) -> None:
+    s = open_store(store_url)
     try:
         s.put_lost([LostSandboxRow(id=f"sb-{i}", node="n1", lost_at=float(i),
                                    record={"i": i}) for i in range(5)], keep=3)
@@ -104,7 +107,7 @@ def test_lost_tombstones_round_trip_newest_kept(store_path: Path) -> None:
                    keep=3)
     finally:
         s.close()
-    s = SqliteStore(store_path)
+    s = open_store(store_url)
     try:
         assert [(r.id, r.record) for r in s.list_lost(10)] == [
             ("sb-2", {"i": 2}), ("sb-3", {"i": 3}), ("sb-4", {"i": 44})]

@@ -8,11 +8,9 @@ ahead of the clients' next renewal (every lease/3: 20 s by default).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dsec.control.api.plane import ControlPlane
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import open_store
 from dsec.control.sweeper import Session, SweepCandidate, plan_sweep
 
 
@@ -34,11 +32,11 @@ class Clock:
         return self.t
 
 
-async def test_a_stalled_or_clock_jumped_sweeper_restarts_its_watch(tmp_path: Path) -> None:
+async def test_a_stalled_or_clock_jumped_sweeper_restarts_its_watch(store_url: str) -> None:
     """SIGSTOP of the apiserver past a lease, or its wall clock jumping ahead: the next
     round notices it woke far later than asked and gives every session a lease again."""
     clock = Clock()
-    store = SqliteStore(tmp_path / "control.sqlite")
+    store = open_store(store_url)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock)
     try:
         plane._started_at = plane._last_sweep = clock.t      # as start() sets them

@@ -28,8 +28,7 @@ from dsec.control.api.plane import PlaneConfig
 from dsec.control.api.service import ApiConfig, Caller
 from dsec.control.idempotency import IdempotencyCache, request_fingerprint
 from dsec.control.retention import RetentionConfig, retain
-from dsec.control.store import IdempotencyRow
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import IdempotencyRow, open_store
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode
 from dsec.errors import Conflict, DsecError, TransportError, Unavailable
@@ -78,6 +77,7 @@ class GateAfter(Gate):
 class World:
     edge: ServedEdge
     tmp: Path
+    url: str
     apis: list[Replica] = field(default_factory=list)
 
     @property
@@ -90,18 +90,18 @@ class World:
 
     async def api(self, *, plane: PlaneConfig | None = None,
                   config: ApiConfig | None = None) -> Replica:
-        api = await replica(self.tmp / "control.sqlite", self.addr, plane=plane,
+        api = await replica(self.url, self.addr, plane=plane,
                             config=config or ApiConfig(), idempotency={
                                 "lease_s": LEASE_S, "lease_renew_s": RENEW_S, "poll_s": 0.01})
         self.apis.append(api)
         return api
 
 
-def _world(create_s: float) -> Callable[[Path], AsyncIterator[World]]:
-    async def make(tmp_path: Path) -> AsyncIterator[World]:
+def _world(create_s: float) -> Callable[[Path, str], AsyncIterator[World]]:
+    async def make(tmp_path: Path, store_url: str) -> AsyncIterator[World]:
         backend = SimulatedBackend(profile=NodeLatencyProfile(create_s=create_s))
         async with served_edge(tmp_path, backend) as edge:
-            w = World(edge, tmp_path)
+            w = World(edge, tmp_path, store_url)
             try:
                 yield w
             finally:
@@ -263,12 +263,12 @@ async def test_every_door_and_encoding_of_one_request_is_one_key(world: World) -
                                  raw=msgspec.json.encode(other))
 
 
-def test_retention_bounds_claims_that_named_a_sandbox(tmp_path: Path) -> None:
+def test_retention_bounds_claims_that_named_a_sandbox(store_url: str) -> None:
     """A keyed create that failed after it noted its sandbox id (the edge refused it)
     leaves its claim holderless for a retry to look at; once its window is over the
     retention pass must remove it (every SDK create carries a key: a full cluster
     refusing creates grew the table without bound)."""
-    store = SqliteStore(tmp_path / "control.sqlite")
+    store = open_store(store_url)
     try:
         now = time.time()
         for i in range(50):

@@ -13,7 +13,7 @@ from dsec.control.placement import Placement, PlacementNode, PlacementRequest
 from dsec.control.quota import QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore
 from dsec.control.watcher import (
     DestroySandboxes,
     EvictNode,
@@ -80,7 +80,7 @@ def test_silent_node_expires_after_ttl_only() -> None:
 
 
 def test_node_loss_end_to_end_with_registry_quota_and_placement(
-        store: SqliteStore, clock: FakeClock) -> None:
+        store: StateStore, clock: FakeClock) -> None:
     """The runner's loop: watcher instructions applied to placement and the registry."""
     quota = QuotaIndex()
     reg = Registry(store, clock=clock, quota=quota)

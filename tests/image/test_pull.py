@@ -1,5 +1,5 @@
 """Pulls from a real registry (Debian's docker-registry on loopback, started here) with
-real skopeo, into a real layer store, mounted as real overlays (issue 15 §1)."""
+the pull (dsec.image.distribution), into a real layer store, mounted as real overlays (issue 15 §1)."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def test_clear_errors_and_nothing_half_created(seeded: Seeded, store: LayerStore
 
 
 def test_corrupt_blob_in_registry(seeded: Seeded, store: LayerStore) -> None:
-    # the registry serves bytes that do not match the digest: skopeo refuses them
+    # the registry serves bytes that do not match the digest: the pull refuses them
     import json
     import subprocess
     raw = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false",

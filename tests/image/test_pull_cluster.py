@@ -36,6 +36,7 @@ class World:
     alice: str              # admin of teama
     bob: str                # member of teamb
     http: httpx.Client
+    layout: str = ""        # the OCI layout the registry was seeded from (image "app")
 
     def ref(self, repo: str) -> str:
         return f"{self.registry.host}/{repo}"
@@ -70,7 +71,7 @@ def world() -> Iterator[World]:
             http = httpx.Client(base_url=cl.url, timeout=120)
             try:
                 yield World(cl, reg, cl.create_key("alice", "teama", "admin"),
-                            cl.create_key("bob", "teamb", "member"), http)
+                            cl.create_key("bob", "teamb", "member"), http, lay)
             finally:
                 http.close()
         _rmdir_everywhere("dsec-" + hashlib.sha1(cgroup.encode()).hexdigest()[:10])
@@ -199,3 +200,130 @@ def test_the_apiserver_pulls_only_from_allowed_registries(world: World) -> None:
     finally:
         images.registries = was
     assert set(world.store().refs()) == before
+
+
+def test_a_build_from_a_registry_image_runs_on_its_layers_under_its_config(
+        world: World, tmp_path: object) -> None:
+    """Image.from_registry and a Dockerfile's FROM <registry ref> (issue 15 §3): the base
+    is pulled into the build's project (images.pull rules), the steps run on its layers
+    as its User in its WorkingDir with its Env, the named result keeps that config; a
+    rebuild hits the step cache; a tag moved to another image is a miss."""
+    from dsec.client.build import Image
+
+    ref = world.ref("team/build:1")
+    push(world.layout, "app", ref)
+    img = (Image.from_registry(ref)
+           .run('pwd > /var/tmp/pwd && id -u > /var/tmp/uid && echo "$FOO" > /var/tmp/foo')
+           .env({"B": "2"}))
+    with world.client(world.alice, "aether") as c:
+        built = img.build(c, project="teama", name="teama/fromreg:1")
+        assert (built.ran, built.cached) == (1, 0)
+        assert (built.config.workdir, built.config.user) == ("/srv/app", "1000:1000")
+        assert built.config.env_dict["FOO"] == "from-image" and built.config.env_dict["B"] == "2"
+        with c.sandboxes.create(image="teama/fromreg:1", project="teama") as sb:
+            r = sb.exec("cat /var/tmp/pwd /var/tmp/uid /var/tmp/foo hello; echo $B; id -u")
+            assert r.stdout.decode().split() == ["/srv/app", "1000", "from-image", "hi", "2",
+                                                 "1000"], r
+        again = img.build(c, project="teama")
+        assert (again.ran, again.cached) == (0, 1) and again.top == built.top
+
+        # the same recipe as a Dockerfile
+        ctx = os.path.join(str(tmp_path), "ctx")
+        os.makedirs(ctx)
+        with open(os.path.join(ctx, "Dockerfile"), "w") as f:
+            f.write(f"FROM {ref}\nUSER root\nRUN echo df > /etc/df\n")
+        df = Image.from_dockerfile(os.path.join(ctx, "Dockerfile"))
+        assert repr(df).startswith(f"Image.from_registry({ref!r})")
+        d = df.build(c, project="teama")
+        assert d.ran == 1 and d.config.user == "root" and d.config.workdir == "/srv/app"
+        with c.sandboxes.create(**d.create_args(), project="teama") as sb:
+            assert sb.exec("cat /etc/df; echo $FOO").stdout == b"df\nfrom-image\n"
+
+        # the tag moves to another image: the pulled base differs, the cache misses
+        lay = os.path.join(str(tmp_path), "layout2")
+        root = tempfile.mkdtemp(prefix="dsec-bb-")
+        try:
+            stage_busybox_root(root)
+            write_image(lay, "moved", [tar_dir(root), tar_entries([Entry("moved", data=b"m")])],
+                        CONFIG)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        push(lay, "moved", ref)
+        moved = img.build(c, project="teama")
+        assert (moved.ran, moved.cached) == (1, 0) and moved.base != built.base
+    # the pull went through the apiserver's policy: a registry it does not allow fails
+    # the build before any step
+    images = world.cluster.runtime.plane.images
+    was = images.registries
+    images.registries = ("registry.example.com",)
+    try:
+        with world.client(world.alice, "http") as c, \
+                pytest.raises(PermissionDenied, match="does not pull from registry"):
+            img.build(c, project="teama")
+    finally:
+        images.registries = was
+
+
+def test_promote_squash_flattens_the_base_in(world: World) -> None:
+    """image_promote (issue 15 §3): by default the steps become one layer over the
+    base's own layers (shared); squash=True makes one standalone layer holding the base
+    too, whiteouts applied, and runs the same."""
+    from dsec.client.build import Image
+
+    ref = world.ref("team/squash:1")
+    push(world.layout, "app", ref)
+    img = (Image.from_registry(ref).user("root")
+           .run("echo one > /etc/one && rm /srv/app/hello")
+           .run("echo two > /etc/two"))
+    store = world.store()
+    with world.client(world.alice, "http") as c:
+        shared = img.build(c, project="teama", name="teama/shared:1")
+        flat = img.build(c, project="teama", name="teama/flat:1", squash=True)
+        assert (flat.ran, flat.cached) == (0, 2)          # the steps came from the cache
+        s_top = store.get(c.images.get("teama/shared:1").digest)
+        f_top = store.get(c.images.get("teama/flat:1").digest)
+        pulled = store.get(shared.base)
+        assert list(s_top.stack) == [pulled.digest, *pulled.stack]   # 2 shared layers
+        assert list(f_top.stack) == [] and f_top.size_bytes > s_top.size_bytes
+        for name in ("teama/shared:1", "teama/flat:1"):
+            with c.sandboxes.create(image=name, project="teama") as sb:
+                r = sb.exec("cat /etc/one /etc/two; ls /srv/app; echo $FOO; ls /bin/sh")
+                assert r.stdout.decode().split() == ["one", "two", "from-image", "/bin/sh"], (
+                    name, r)
+
+
+def test_every_door_refuses_a_redirect_off_the_allowed_registries(world: World) -> None:
+    """Red team F16 through the API: the apiserver's pulls (images.pull, a create's
+    first-use pull) hold its registry list on the redirects a listed registry answers;
+    the refused host is never contacted, nothing is stored."""
+    from tests.image.registry_server import Listener, Registry
+
+    reg = Registry(world.layout, "team/app")
+    cdn = Registry(world.layout, "team/app")
+    trap = Listener()
+    images = world.cluster.runtime.plane.images
+    was = images.registries
+    images.registries = (reg.host,)
+    store = world.store()
+    before = set(store.refs())
+    try:
+        reg.redirect_blobs = f"http://{trap.host}"
+        for door in DOORS:
+            with world.client(world.alice, door) as c:
+                with pytest.raises(PermissionDenied, match=f"redirect.*{trap.host}"):
+                    c.images.pull(f"{reg.host}/team/app:app", project="teama", insecure=True)
+                with pytest.raises(PermissionDenied, match=f"redirect.*{trap.host}"):
+                    c.sandboxes.create(image=f"{reg.host}/team/app:app", project="teama")
+        assert trap.accepted == 0 and set(store.refs()) == before
+        # a blob host the operator lists: the same pull goes through it
+        images.registry_blob_hosts = (cdn.host,)
+        reg.redirect_blobs = cdn.url
+        with world.client(world.alice, "http") as c:
+            c.images.pull(f"{reg.host}/team/app:app", project="teama", insecure=True)
+        assert any(p.startswith("/blob/") for _, p, _ in cdn.log)
+    finally:
+        cdn.close()
+        images.registries = was
+        images.registry_blob_hosts = ()
+        trap.close()
+        reg.close()

@@ -148,24 +148,16 @@ def test_image_defaults_under_the_create() -> None:
         SandboxSpec(cwd="relative").validate()
 
 
-@pytest.mark.parametrize(("stderr", "code"), [
-    (('level=fatal msg="Error parsing image name \\"docker://127.0.0.1:5/a/b:t\\": reading '
-     'manifest t in 127.0.0.1:5/a/b: manifest unknown: manifest unknown"'), "image_not_found"),
-    (('msg="pinging container registry 127.0.0.1:5: Get \\"http://127.0.0.1:5/v2/\\": dial '
-     'tcp 127.0.0.1:5: connect: connection refused"'), "unavailable"),
-    ('msg="reading manifest 1 in 127.0.0.1:5/a: unauthorized: authentication required"',
-     "permission_denied"),
-    ("writing blob: Digest did not match, expected sha256:4013a4010403aa, got sha256:401b",
-     "corrupt_layer"),
-    ('msg="http: server gave HTTP response to HTTPS client"', "unavailable"),
-    ("something else entirely", "image_error"),
-])
-def test_skopeo_errors_are_classified(stderr: str, code: str) -> None:
-    from dsec.image.pull import PullOptions, _skopeo_error
-    err = _skopeo_error(stderr + " user:hunter2", parse_registry_ref("127.0.0.1:5/a:1"),
-                        PullOptions(creds="user:hunter2"))
-    assert err.code == code, err
-    assert "hunter2" not in str(err)
+def test_auth_challenges_are_parsed() -> None:
+    from dsec.image.registry import parse_challenge
+    assert parse_challenge('Bearer realm="https://auth.example/token",service="reg.io",'
+                           'scope="repository:a/b:pull,push"') == (
+        "bearer", {"realm": "https://auth.example/token", "service": "reg.io",
+                   "scope": "repository:a/b:pull,push"})
+    assert parse_challenge('Basic realm="dsec-test"') == ("basic", {"realm": "dsec-test"})
+    assert parse_challenge('Bearer realm="a\\"b", error=insufficient_scope') == (
+        "bearer", {"realm": 'a"b', "error": "insufficient_scope"})
+    assert parse_challenge("") == ("", {})
 
 
 def test_loopback_is_decided_on_ip_literals_only() -> None:

@@ -56,7 +56,7 @@ def pull_bench(ctx: BenchContext, work: str) -> None:
         p = {"image_mb": round(tar_bytes / 1e6), "layers": len(layers),
              "registry": "docker-registry on loopback"}
 
-        # -- dsec: skopeo copy + one EROFS layer per OCI layer -----------------------------
+        # -- dsec: its registry client + one EROFS layer per OCI layer ----------------------
         store = LayerStore(os.path.join(work, "pull-store"))
         t0 = time.perf_counter()
         pull_image(store, ref, options=PullOptions(insecure=True))
@@ -78,8 +78,9 @@ def pull_bench(ctx: BenchContext, work: str) -> None:
         shutil.rmtree(bundle, ignore_errors=True)
         shutil.rmtree(oci, ignore_errors=True)
         ctx.note("image_pull: MB/s of uncompressed layer tar bytes, from a docker-registry "
-                 "on loopback into a cold store; dsec = skopeo copy into a scratch OCI "
-                 "layout + per layer gunzip, diff_id check, safe unpack and mkfs.erofs; "
+                 "on loopback into a cold store; dsec = dsec.image.distribution's fetch "
+                 "(4 blobs at once, every hop under the egress policy, resumable) + per "
+                 "layer gunzip, diff_id check, safe unpack and mkfs.erofs; "
                  "skopeo+umoci = skopeo copy + umoci unpack of the same image (a rootfs "
                  "directory, not a shareable layer stack).")
         _first_exec(ctx, ref, p)
@@ -104,4 +105,26 @@ def _first_exec(ctx: BenchContext, ref: str, p: dict[str, object]) -> None:
             with c.sandboxes.create(image=ref, project="default") as sb2:
                 sb2.exec("true")
             warm = time.perf_counter() - t0
+            cached = _cached_build_from_registry(c, ref, ctx.scale(10, 4))
     ctx.record("image_first_exec_s", dt, "s", warm_s=round(warm, 3), **p)
+    ctx.record("image_build_cached_ms", cached, "ms", base="registry ref", steps=2,
+               note="Image.from_registry(ref) + 2 steps, every step cached: the base's "
+                    "pull (manifest + config, no blob) + one snapshot listing")
+
+
+def _cached_build_from_registry(c: object, ref: str, n: int) -> float:
+    """Median ms of an all-cached rebuild of a 2-step recipe on a registry image."""
+    import statistics
+
+    from dsec.client.build import Image
+    from dsec.client.sync import Client
+
+    assert isinstance(c, Client)
+    image = Image.from_registry(ref).run("echo 1 > /opt/one").run("echo 2 > /opt/two")
+    image.build(c, project="default")
+    times = []
+    for _ in range(n):
+        again = image.build(c, project="default")
+        assert again.ran == 0 and again.cached == 2, again
+        times.append(again.seconds * 1e3)
+    return statistics.median(times)

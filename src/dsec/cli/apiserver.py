@@ -3,8 +3,10 @@ against edges that run elsewhere (``dsec edge`` on this or other machines).
 
 The apiserver keeps no sandbox state of its own: it rebuilds its view from the edges'
 heartbeats, and its durable state (keys, quotas, sessions, idempotency keys, lost-node
-tombstones) is in ``<state-dir>/control.sqlite``. Several apiservers may share one state
-store. An edge that is not reachable yet is dialled again on every poll.
+tombstones) is in the state store: ``<state-dir>/control.sqlite`` by default, or the one
+``--store URL`` names. Several apiserver replicas share one PostgreSQL store
+(``--store postgresql://...``) and learn each other's writes through LISTEN/NOTIFY
+(docs/operations.md). An edge that is not reachable yet is dialled again on every poll.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import click
 
-from dsec.cli.edge import net_default_option
+from dsec.cli.edge import net_default_option, secret_in_argv
 
 
 def _edges(values: tuple[str, ...]) -> dict[str, str]:
@@ -43,6 +45,11 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the control plane's state lives (default $DSEC_STATE_DIR or "
                    "~/.dsec).")
+@click.option("--store", "store", default=None, metavar="URL", envvar="DSEC_STORE",
+              callback=secret_in_argv,
+              help="The state store: postgresql://user[:password]@host[:port]/db (shared "
+                   "by apiserver replicas) or sqlite:///path (default: control.sqlite in "
+                   "the state dir; env DSEC_STORE).")
 @click.option("--listen", default="127.0.0.1:8470", show_default=True,
               help="REST address HOST:PORT (port 0 picks a free one).")
 @click.option("--gateway", default="tcp:127.0.0.1:0", show_default=True,
@@ -56,10 +63,16 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
               show_default=True, metavar="SECONDS",
               help="An edge silent this long is lost: its sandboxes are evicted (node_lost) "
                    "and destroyed when it returns (as `dsec up --node-ttl`).")
+@click.option("--sandbox-list-interval", type=click.FloatRange(min=0), default=0.0,
+              show_default=True, metavar="SECONDS",
+              help="Ask each edge for its whole sandbox list at most this often (0: at "
+                   "every 1 s poll); in between, polls cost O(changes), not O(sandboxes). "
+                   "Another replica's new sandboxes show in this one's lists and quota "
+                   "usage up to this much later (docs/deploy.md).")
 @net_default_option
-def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gateway: str,
-              backend: str, edge_token_file: str | None, quiet: bool, node_ttl: float,
-              net_default: Any) -> None:
+def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
+              gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
+              node_ttl: float, sandbox_list_interval: float, net_default: Any) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -72,10 +85,12 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, listen: str, gatewa
     if edge_token_file is not None:
         with open(edge_token_file, "rb") as f:
             token = f.read().strip()
-    cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), listen=listen,
+    cfg = ClusterConfig(state_dir=state_dir or default_state_dir(), store=store, listen=listen,
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
-                        net_default=net_default, plane=PlaneConfig(node_ttl_s=node_ttl))
+                        net_default=net_default,
+                        plane=PlaneConfig(node_ttl_s=node_ttl,
+                                          sandbox_list_interval_s=sandbox_list_interval))
     uvloop.run(_run(cfg, quiet))
 
 
@@ -93,8 +108,10 @@ async def _run(cfg: Any, quiet: bool) -> None:
     def started(rt: Any) -> None:
         if quiet:
             return
-        click.echo(f"dsec apiserver  REST {rt.url}  gateway {rt.gateway_address}  state "
-                   f"{cfg.state_dir}  edges {', '.join(cfg.remote_edges)}", err=True)
+        from dsec.control.store import redact_url
+        where = redact_url(cfg.store) if cfg.store else f"{cfg.state_dir}/control.sqlite"
+        click.echo(f"dsec apiserver  REST {rt.url}  gateway {rt.gateway_address}  store "
+                   f"{where}  edges {', '.join(cfg.remote_edges)}", err=True)
         click.echo(f"admin key: {rt.admin_key}  (also in {cfg.state_dir}/local.json)",
                    err=True)
 

@@ -179,6 +179,32 @@ class _NetPolicy(click.ParamType[Any]):
 NET_POLICY = _NetPolicy()
 
 
+def secret_in_argv(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Option callback: warn when a secret came on the command line, where every user of
+    the host reads it (``/proc/PID/cmdline``, ``ps``) for the life of the process. The
+    environment variable of the option (0600 ``/proc/PID/environ``), a libpq passfile or
+    a token file keep it out of sight. A store URL counts when it holds a password."""
+    import sys
+    from urllib.parse import urlsplit
+
+    if value is None or ctx.get_parameter_source(param.name or "") is not \
+            click.core.ParameterSource.COMMANDLINE:
+        return value
+    secret = True
+    if param.name == "store":
+        try:
+            secret = urlsplit(value).password is not None
+        except ValueError:
+            secret = False
+    if secret:
+        env = param.envvar if isinstance(param.envvar, str) else None
+        print(f"dsec: warning: {param.opts[0]} carries a secret on the command line, "
+              f"readable by every user of this host (ps); pass it in ${env or 'the environment'}"
+              + (" or a libpq passfile (PGPASSFILE)" if param.name == "store" else "")
+              + " instead", file=sys.stderr)
+    return value
+
+
 def net_default_option(fn: F) -> F:
     """``--net-default``: the egress policy of a create that names none."""
     return click.option(

@@ -136,6 +136,9 @@ def image(ctx: click.Context, root: str | None) -> None:
 @click.option("-t", "image_name", default=None, metavar="NAME[:TAG]",
               help="With -f: name the built image ([project/]name[:tag]; bare: in the "
                    "build's project), so `create(image=NAME)` runs it with its config.")
+@click.option("--squash", is_flag=True,
+              help="With -t: flatten the base into the named image too (one standalone "
+                   "layer; default: the steps as one layer over the base's shared layers).")
 @click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE")
 @click.option("--network", default="none", show_default=True,
               help="Network of the build sandboxes (none, or a mode the cluster allows).")
@@ -147,18 +150,21 @@ def build(root: str | None, path: str, kind: str | None, name: str | None, tag: 
           compression: str | None, labels: tuple[str, ...], quiet: bool,
           dockerfile: str | None, image_name: str | None, build_args: tuple[str, ...],
           network: str, project: str | None, url: str | None,
-          api_key: str | None) -> None:
+          api_key: str | None, squash: bool) -> None:
     """Build a layer from a directory PATH or a tar file ('-' reads a tar from stdin);
     with -f, build an image from a Dockerfile with PATH as its context."""
     if dockerfile is not None:
         if kind is not None or name is not None:
             raise click.UsageError("-f builds from a Dockerfile: drop --kind/--name (the "
                                    "result is started with `--snapshot <top>`)")
+        if squash and image_name is None:
+            raise click.UsageError("--squash flattens the image -t names: give -t NAME")
         _build_dockerfile(dockerfile, path, build_args, network, project, url, api_key,
-                          quiet, image_name)
+                          quiet, image_name, squash)
         return
-    if image_name is not None:
-        raise click.UsageError("-t names a Dockerfile build (-f); a layer is named --name")
+    if image_name is not None or squash:
+        raise click.UsageError("-t/--squash name a Dockerfile build (-f); a layer is named "
+                               "--name")
     if kind is None or name is None:
         raise click.UsageError("--kind and --name are required (or -f DOCKERFILE)")
     console = Console(stderr=True)
@@ -222,13 +228,13 @@ def import_(root: str | None, path: str, name: str, tag: str, ref: str | None,
 @click.option("--name", default=None,
               help="[project/]name[:tag] to store it under (default: the registry ref's "
                    "own name, e.g. 127.0.0.1-5000_team_python:3.12, cluster-wide).")
-@click.option("--insecure", is_flag=True, help="Plain HTTP / unverified TLS (local "
+@click.option("--insecure", is_flag=True, help="Plain HTTP (local "
               "registries).")
 @click.option("--platform", default=None, metavar="OS/ARCH[/VARIANT]",
               help="Which image of a multi-platform index (default: this host's).")
 @click.option("--creds", envvar="DSEC_REGISTRY_CREDS", default=None, metavar="USER:PASS",
               help="Registry credentials (or $DSEC_REGISTRY_CREDS; default: the docker-style "
-                   "auth files skopeo reads, or --authfile).")
+                   "auth files of the user running it, or --authfile).")
 @click.option("--authfile", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A docker-style auth.json / ~/.docker/config.json.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
@@ -464,7 +470,7 @@ def debian_repo(suite: str, include: str, variant: str, mirror: str | None,
 def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...],
                       network: str, project: str | None, url: str | None,
                       api_key: str | None, quiet: bool,
-                      image_name: str | None = None) -> None:
+                      image_name: str | None = None, squash: bool = False) -> None:
     """`dsec image build -f`: compile the Dockerfile into builder steps (the SDK's
     :class:`dsec.Image`, one implementation) and build through the API."""
     import json
@@ -489,7 +495,7 @@ def _build_dockerfile(dockerfile: str, context: str, build_args: tuple[str, ...]
     try:
         with client(url, api_key) as c:
             built = img.build(c, network=network, project=project,  # type: ignore[arg-type]
-                              name=image_name)
+                              name=image_name, squash=squash)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     if not quiet:

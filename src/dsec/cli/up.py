@@ -21,12 +21,18 @@ from dsec.cli.edge import (
     image_budget_option,
     net_default_option,
     net_node_options,
+    secret_in_argv,
 )
 
 
 @click.command()
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where state lives (default $DSEC_STATE_DIR or ~/.dsec).")
+@click.option("--store", "store", default=None, metavar="URL", envvar="DSEC_STORE",
+              callback=secret_in_argv,
+              help="The state store: sqlite:///path (default: control.sqlite in the state "
+                   "dir) or postgresql://user[:password]@host[:port]/db (shared by "
+                   "apiserver replicas; env DSEC_STORE).")
 @click.option("--listen", default="127.0.0.1:8470", show_default=True,
               help="REST address HOST:PORT (port 0 picks a free one).")
 @click.option("--gateway", default="tcp:127.0.0.1:0", show_default=True,
@@ -60,6 +66,10 @@ from dsec.cli.edge import (
               help="Only pull images from these registries (fnmatch patterns, repeatable; "
                    "default: any but loopback, link-local and private addresses, which "
                    "must be listed, e.g. --registry 127.0.0.1 for a local registry).")
+@click.option("--registry-blob-host", "registry_blob_hosts", multiple=True,
+              metavar="HOST[:PORT]",
+              help="Hosts the listed registries' redirects and token realms may reach (their "
+                   "blob CDN, auth service; fnmatch, repeatable). Any other hop is refused.")
 @image_budget_option
 @net_default_option
 @net_node_options
@@ -71,17 +81,20 @@ from dsec.cli.edge import (
                    "docs/sdk.md 'A multi-host cluster on one machine').")
 @click.option("--replicas", type=click.IntRange(1, 8), default=1, show_default=True,
               help="With --hosts: apiserver replicas over one store, behind --listen.")
-def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: int,
+def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str,
+       edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
        profile: str, disk_default: str, disk_pool: str | None, node_ttl: float,
-       quiet: bool, registries: tuple[str, ...], image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
+       quiet: bool, registries: tuple[str, ...], registry_blob_hosts: tuple[str, ...],
+       image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
        net_ipv6: str, hosts: int | None, replicas: int) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     if hosts is not None:
-        _up_hosts(hosts=hosts, replicas=replicas, state_dir=state_dir, listen=listen,
+        _up_hosts(hosts=hosts, replicas=replicas, state_dir=state_dir, store=store,
+                  listen=listen,
                   backend=backend, edges=edges, node_ttl=node_ttl, quiet=quiet,
                   profile=profile, max_sandboxes=max_sandboxes,
                   net_uplink=net_uplink, in_process_edges=in_process_edges)
@@ -108,7 +121,7 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
     if net_egress is not None and net_uplink != "host":
         raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
     cfg = ClusterConfig(
-        state_dir=state_dir or default_state_dir(), listen=listen,
+        state_dir=state_dir or default_state_dir(), store=store, listen=listen,
         gateway=None if gateway == "off" else gateway, backend=backend, edges=edges,
         edge_processes=not in_process_edges, keep=keep,
         cpu_milli=cpu_milli or (round(cpus * 1000) if cpus is not None else None),
@@ -119,7 +132,8 @@ def up(state_dir: str | None, listen: str, gateway: str, backend: str, edges: in
         simulated_profile=profile, net_default=net_default, net_max=net_max,
         net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
-        image_store_budget=image_store_budget, registries=tuple(registries) or None)
+        image_store_budget=image_store_budget, registries=tuple(registries) or None,
+        registry_blob_hosts=tuple(registry_blob_hosts))
     uvloop.run(_run(cfg, quiet))
 
 
@@ -198,7 +212,8 @@ async def _run(cfg: Any, quiet: bool) -> None:
                               stopping=stopping)
 
 
-def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, listen: str, backend: str,
+def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, store: str | None,
+              listen: str, backend: str,
               edges: int, node_ttl: float, quiet: bool, profile: str, max_sandboxes: int,
               net_uplink: str | None, in_process_edges: bool) -> None:
     """``dsec up --hosts N`` (stream ``hosts``): :func:`dsec.cluster.hosts.serve`."""
@@ -223,7 +238,7 @@ def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, listen: str, 
         raise click.ClickException("--hosts needs root (it creates network namespaces)")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     cfg = HostsConfig(state_dir=state_dir or default_state_dir(), hosts=hosts,
-                      replicas=replicas, backends=tuple(sorted({"simulated", backend})),
+                      store=store, replicas=replicas, backends=tuple(sorted({"simulated", backend})),
                       default_backend=backend, node_ttl_s=node_ttl, rest_port=int(port),
                       simulated_profile=profile, max_sandboxes_per_host=max_sandboxes)
 

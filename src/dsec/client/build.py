@@ -101,11 +101,20 @@ BUILD_RUN_LABEL = "dsec.io/build-run"
 
 
 @dataclass(frozen=True, slots=True)
+class _FromRegistry:
+    ref: str
+    insecure: bool
+    platform: str | None = None
+    creds: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class _Base:
     image: str | None = None
     workspace: str | None = None
     toolkits: tuple[str, ...] = ()
     debian: BootstrapPlan | None = None
+    registry: _FromRegistry | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +168,24 @@ class Image:
         return cls(_Base(image=ref))
 
     @classmethod
+    def from_registry(cls, ref: str, *, insecure: bool | None = None,
+                      platform: str | None = None, creds: str | None = None) -> Image:
+        """Start from an image in an OCI registry (``host[:port]/repo[:tag|@sha256:...]``,
+        Modal's ``Image.from_registry``). The build pulls it first, into the build's
+        project (``images.pull``: the caller's write right there and the apiserver's
+        allowed registries hold, on every hop), and runs the steps on its layers under
+        its config (Env, WorkingDir, User, Cmd/Entrypoint, Labels: later steps add to
+        it). Step cache keys stand on the pulled layers' digests, so a tag that moved to
+        another image makes a miss. ``insecure`` (plain HTTP) defaults to a loopback
+        registry's; ``platform`` picks from an index; ``creds`` is ``user:password``."""
+        from dsec.image.registry import is_loopback_host, parse_registry_ref
+
+        r = parse_registry_ref(ref)
+        return cls(_Base(registry=_FromRegistry(
+            ref=ref, insecure=is_loopback_host(r.host) if insecure is None else insecure,
+            platform=platform, creds=creds)))
+
+    @classmethod
     def from_layers(cls, image: str, *, workspace: str | None = None,
                     toolkits: Sequence[str] = ()) -> Image:
         """Start from a composed stack (a base, a workspace and toolkits)."""
@@ -198,6 +225,9 @@ class Image:
                 src = _in_context(ctx, s.src, line)
                 s = Copy(src, s.dest)
             steps.append(s)
+        from dsec.image.registry import is_registry_ref
+        if is_registry_ref(df.base):      # FROM host[:port]/repo[:tag]: pulled first
+            return cls(Image.from_registry(df.base)._base, tuple(steps))
         return cls(_Base(image=df.base), tuple(steps))
 
     # ------------------------------------------------------------------ steps
@@ -254,6 +284,7 @@ class Image:
     def __repr__(self) -> str:
         b = self._base
         head = (f"Image.debian({b.debian.suite!r})" if b.debian is not None
+                else f"Image.from_registry({b.registry.ref!r})" if b.registry is not None
                 else f"Image.from_image({b.image!r})")
         return head + "".join(f"\n  {s.describe()}" for s in self.steps)
 
@@ -261,36 +292,38 @@ class Image:
     def build(self, client: Client, *, network: NetworkPolicy | NetMode = "none",
               project: str | None = None, timeout: float = 600.0,
               memory: int | str = "1GiB", cpu: float = 1,
-              name: str | None = None) -> BuiltImage:
+              name: str | None = None, squash: bool = False) -> BuiltImage:
         """Build (sync client); see :meth:`build_async`."""
         return client._run(self.build_async(client._a, network=network, project=project,
                                             timeout=timeout, memory=memory, cpu=cpu,
-                                            name=name))
+                                            name=name, squash=squash))
 
     async def build_async(self, client: AsyncClient, *,
                           network: NetworkPolicy | NetMode = "none",
                           project: str | None = None, timeout: float = 600.0,
                           memory: int | str = "1GiB", cpu: float = 1,
-                          name: str | None = None) -> BuiltImage:
+                          name: str | None = None, squash: bool = False) -> BuiltImage:
         """Run the steps not in the cache, each in a build sandbox with ``network``
         (default none: no egress; e.g. a policy allowing only a package mirror for
         ``apt_install``), ``timeout`` seconds per command. A failing step raises
         :class:`BuildStepFailed` naming it; its build sandbox is destroyed whatever
         happens. ``name`` (``[project/]name[:tag]``, bare: in the build's project): name
         the result (``images.promote``), so ``create(image=name)`` runs it with its
-        env, workdir, user, entrypoint, cmd and labels, as a pulled image."""
+        env, workdir, user, entrypoint, cmd and labels, as a pulled image. The named
+        image is the steps as one layer over the base's layers (shared with every image
+        on that base); ``squash=True`` flattens the base in too: one standalone layer."""
         t0 = time.monotonic()
-        base = await self._resolve_base(client, project)
-        net = _net_key(network)
         # The target project's own layers only (project=None: the key's default project,
         # where the build sandboxes go): a key holding roles on several projects sees
         # theirs too, and another project's admin must not plant entries for us.
         target = project if project is not None else \
             ((await client.info()).project or "default")
+        base = await self._resolve_base(client, project, target)
+        net = _net_key(network)
         cache = {s.view.build_step: s.view
                  for s in await client.snapshots.list(project=target)
                  if s.view.build_step and s.project == target}
-        cfg = BuildConfig()
+        cfg = base.config
         top: str | None = None
         parent: tuple[str, ...] = base.digests
         ran = cached = 0
@@ -307,7 +340,11 @@ class Image:
             # an entry is used only if the edge recorded it on exactly this step's
             # parent: the snapshot the build sandbox started from (the previous step's
             # layer, None for the first) on the image stack the build started from
-            if hit is not None and (hit.parent, tuple(hit.stack)) == (top, base.digests):
+            # (the recorded stack goes on below the image's top layer with that layer's
+            # own stack - a pulled image's lower layers -, which its digest fixes: one
+            # manifest per digest in the store)
+            if hit is not None and hit.parent == top \
+                    and tuple(hit.stack[:len(base.digests)]) == base.digests:
                 top, parent, cached = hit.id, (hit.id,), cached + 1
                 continue
             ts = time.monotonic()
@@ -321,7 +358,7 @@ class Image:
             top, parent = view.id, (view.id,)
         named: str | None = None
         if name is not None:
-            named = await _promote(client, base, top, cfg, name, target)
+            named = await _promote(client, base, top, cfg, name, target, squash)
         return BuiltImage(base=base.image, workspace=base.workspace, toolkits=base.toolkits,
                           top=top, config=cfg, ran=ran, cached=cached,
                           seconds=time.monotonic() - t0, step_seconds=tuple(step_seconds),
@@ -351,7 +388,10 @@ class Image:
         try:
             what = f"step {index}/{len(self.steps)} ({step.describe()[:200]})"
             if cfg.workdir != "/":
-                await _check(sb.exec(["mkdir", "-p", cfg.workdir], timeout=60),
+                # as root from /, as Docker makes a WORKDIR: the image's own default
+                # cwd (a FROM image's WorkingDir) may not exist yet, nor be its user's
+                await _check(sb.exec(["mkdir", "-p", cfg.workdir], timeout=60, cwd="/",
+                                     user="root"),
                              what + ": mkdir -p " + cfg.workdir)
             if isinstance(step, Run):
                 res = await sb.exec(list(step.command) if isinstance(step.command, tuple)
@@ -378,17 +418,25 @@ class Image:
         await _check(res, what)
         return res
 
-    async def _resolve_base(self, client: AsyncClient, project: str | None) -> _Resolved:
+    async def _resolve_base(self, client: AsyncClient, project: str | None,
+                            target: str) -> _Resolved:
         b = self._base
         image = b.image
         if b.debian is not None:
             image = await _ensure_debian(client, b.debian, project)
+        if b.registry is not None:
+            # pulled into the build's project every build: a moved tag is seen (the
+            # pull fetches nothing when the image's layers are here already)
+            image = (await client.images.pull(
+                b.registry.ref, project=target, platform=b.registry.platform,
+                insecure=b.registry.insecure, creds=b.registry.creds)).digest
         assert image is not None
         main = await client.images.get(image)
         ws = (await client.images.get(b.workspace)).digest if b.workspace else None
         tks = tuple([(await client.images.get(t)).digest for t in b.toolkits])
         digests = (*reversed(tks), *([ws] if ws else []), main.digest)
-        return _Resolved(image=main.digest, workspace=ws, toolkits=tks, digests=digests)
+        return _Resolved(image=main.digest, workspace=ws, toolkits=tks, digests=digests,
+                         config=base_config(main.labels))
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,10 +445,22 @@ class _Resolved:
     workspace: str | None
     toolkits: tuple[str, ...]
     digests: tuple[str, ...]
+    config: BuildConfig = field(default_factory=BuildConfig)
+
+
+def base_config(labels: Mapping[str, str]) -> BuildConfig:
+    """The config a build starts from: its base image's (the ``oci.*`` labels a pull or
+    a named build stores), as Docker's FROM inherits ENV, WORKDIR, USER, CMD... Pure."""
+    from dsec.image.registry import defaults_from_labels
+
+    d = defaults_from_labels(labels)
+    return BuildConfig(env=tuple(sorted(d.env.items())), workdir=d.cwd or "/", user=d.user,
+                       labels=tuple(sorted(d.labels.items())), cmd=d.cmd,
+                       entrypoint=d.entrypoint)
 
 
 async def _promote(client: AsyncClient, base: _Resolved, top: str | None, cfg: BuildConfig,
-                   name: str, project: str) -> str:
+                   name: str, project: str, squash: bool = False) -> str:
     """Name the build ``name`` (a bare name goes in ``project``); the ref to create from."""
     if base.workspace is not None or base.toolkits:
         raise InvalidArgument("a build on a workspace or toolkits cannot be named: name "
@@ -412,7 +472,8 @@ async def _promote(client: AsyncClient, base: _Resolved, top: str | None, cfg: B
     await client.images.promote(ImagePromoteRequest(
         top=top, base=base.image, target=target, env=cfg.env_dict,
         workdir=cfg.workdir if cfg.workdir != "/" else None, user=cfg.user,
-        entrypoint=list(cfg.entrypoint), cmd=list(cfg.cmd), labels=dict(cfg.labels)))
+        entrypoint=list(cfg.entrypoint), cmd=list(cfg.cmd), labels=dict(cfg.labels),
+        squash=squash))
     return target
 
 

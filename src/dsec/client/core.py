@@ -75,6 +75,7 @@ from dsec.wire.calls import (
     FileRef,
     ListSandboxes,
     Mkdir,
+    NodeRef,
     ReadFile,
     Remove,
     SandboxRef,
@@ -461,6 +462,15 @@ class AsyncClient:
 
     async def nodes(self) -> list[NodeView]:
         return (await self.call(ops.NODES, Empty())).items
+
+    async def drain_node(self, node_id: str) -> NodeView:
+        """Drain an edge node (superuser): no new sandboxes go there; those it holds run
+        until they end. Stored: survives apiserver restarts, binds every replica."""
+        return await self.call(ops.NODE_DRAIN, NodeRef(id=node_id))
+
+    async def undrain_node(self, node_id: str) -> NodeView:
+        """Undrain an edge node (superuser): placement may use it again."""
+        return await self.call(ops.NODE_UNDRAIN, NodeRef(id=node_id))
 
     async def close(self) -> None:
         """Stop renewing the session and close it: session-bound sandboxes are swept."""

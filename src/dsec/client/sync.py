@@ -140,6 +140,14 @@ class Client:
     def nodes(self) -> list[NodeView]:
         return self._run(self._a.nodes())
 
+    def drain_node(self, node_id: str) -> NodeView:
+        """See :meth:`AsyncClient.drain_node`."""
+        return self._run(self._a.drain_node(node_id))
+
+    def undrain_node(self, node_id: str) -> NodeView:
+        """See :meth:`AsyncClient.undrain_node`."""
+        return self._run(self._a.undrain_node(node_id))
+
     @property
     def transport_name(self) -> str | None:
         return self._a.transport_name

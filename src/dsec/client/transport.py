@@ -46,6 +46,9 @@ from dsec.wire.rest import decode_reply, encode_request
 __all__ = ["AetherTransport", "HttpTransport", "OpCaller", "Transport"]
 
 _json = msgspec.json.Encoder()
+
+#: Seconds an idle pooled REST connection is kept (below uvicorn's 5 s keep-alive).
+KEEPALIVE_EXPIRY_S = 4.0
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 Item = TypeVar("Item")
@@ -89,7 +92,13 @@ class HttpTransport:
         self._http = httpx.AsyncClient(
             base_url=self.url, headers={"authorization": f"Bearer {api_key}"},
             timeout=timeout, transport=transport,
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+            # keepalive_expiry under the server's keep-alive timeout (uvicorn's 5 s):
+            # a pooled connection is dropped here before the server closes it, so a
+            # request is never sent on a connection being closed (its answer would be
+            # lost, and a non-idempotent call such as exec cannot be retried). Also what
+            # makes a stopping apiserver's drain safe (GuardedHttpProtocol.shutdown).
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
     async def call(self, op: Op[Req, Rep], body: Req, *,
                    timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep:

@@ -94,6 +94,9 @@ class ClusterConfig:
 
     state_dir: str
     listen: str = "127.0.0.1:8470"
+    # The state store's URL (dsec.control.store.open_store): sqlite:///path or
+    # postgresql://... (what apiserver replicas share). None: <state_dir>/control.sqlite.
+    store: str | None = None
     gateway: str | None = "tcp:127.0.0.1:0"   # Aether gateway address; None = off
     backend: str = "simulated"                # default backend for creates
     edges: int = 1                            # local edges to run (0: remote_edges only)
@@ -145,10 +148,14 @@ class ClusterConfig:
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
     # Registries the apiserver pulls images from for its callers (images.pull, first-use
     # pulls): host[:port] patterns (fnmatch), None = any but loopback, link-local and
-    # private IP literals (check_registry). A pull connects from the
+    # private addresses (dsec.image.egress). A pull connects from the
     # apiserver's host to the host a caller names: restrict it where that reaches
     # internal services (docs/images.md "Pulling from registries").
     registries: tuple[str, ...] | None = None
+    # Further host[:port] patterns a listed registry's redirects and token realms may
+    # reach (its blob CDN, its auth service); no ref may name them. Every other hop is
+    # refused without being contacted (red team F16).
+    registry_blob_hosts: tuple[str, ...] = ()
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -251,6 +258,7 @@ class ClusterRuntime:
 
     # ------------------------------------------------------------------ start
     async def start(self) -> ClusterRuntime:
+        from dsec.control.store import open_store
         from dsec.control.store.sqlite import SqliteStore
 
         given = self.config.state_dir
@@ -288,7 +296,8 @@ class ClusterRuntime:
             # this process opens its store and loads the HTTP stack.
             import uvicorn  # noqa: F401 - imported now to overlap with the edges' start
 
-            self._store = SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
+            self._store = (SqliteStore(os.path.join(cfg.state_dir, "control.sqlite"))
+                           if cfg.store is None else open_store(cfg.store))
             plane = self.plane = ControlPlane.open(self._store, metrics=self.metrics,
                                                    config=cfg.plane)
             await asyncio.gather(*(p.started() for p in self.processes.values()))
@@ -305,6 +314,7 @@ class ClusterRuntime:
                                  net_default=cfg.net_default))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             plane.images.registries = cfg.registries
+            plane.images.registry_blob_hosts = cfg.registry_blob_hosts
             if cfg.image_store_budget is not None:
                 from dsec.image import LayerStore
 
@@ -783,8 +793,10 @@ class ClusterRuntime:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
+                # in-flight requests, and idle kept-alive connections until their
+                # keep-alive timeout (GuardedHttpProtocol.shutdown): 5 s, plus a margin
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._serve_task, 5.0)
+                    await asyncio.wait_for(self._serve_task, 8.0)
             self._uvicorn = None
         if self._gateway is not None:
             await self._gateway.close()

@@ -55,6 +55,7 @@ from dsec.errors import (
     MethodNotAllowed,
     PayloadTooLarge,
     RateLimited,
+    Unavailable,
 )
 from dsec.net.expose import PROXY_PREFIX
 from dsec.wire import ops
@@ -137,7 +138,10 @@ def _error_response(exc: DsecError, rid: str) -> Response:
     body = _json.encode(ApiError(code=exc.code, message=exc.message, request_id=rid,
                                  detail=detail))
     headers = {"x-request-id": rid}
-    if isinstance(exc, RateLimited):
+    if isinstance(exc, RateLimited) or (isinstance(exc, Unavailable)
+                                        and "retry_after" in exc.detail):
+        # rate limits, and an unreachable state store (dsec.control.store.postgres): the
+        # client is told when to come back
         from dsec.control.ratelimit import RateLimiter
         headers["retry-after"] = RateLimiter.retry_after_header(
             float(exc.detail.get("retry_after", 1.0)))
@@ -565,7 +569,7 @@ _ADMIN_ROWS = frozenset({
     ops.PROJECTS, ops.PROJECT_GET, ops.QUOTA_SET, ops.CREATE_KEY, ops.REVOKE_KEY,
     ops.SESSION_OPEN, ops.SESSION_RENEW, ops.SESSION_CLOSE, ops.IMAGES, ops.IMAGE_GET,
     ops.IMAGE_TAG, ops.IMAGE_DELETE, ops.IMAGE_BUILD, ops.IMAGE_IMPORT, ops.IMAGE_PRUNE,
-    ops.IMAGE_PULL, ops.IMAGE_PROMOTE})
+    ops.IMAGE_PULL, ops.IMAGE_PROMOTE, ops.NODE_DRAIN, ops.NODE_UNDRAIN})
 
 _ROWS: dict[tuple[str, str], CatalogueOp[Any, Any]] = {
     (op.rest.method, op.rest.path): op for op in ops.REST_OPS if op.rest is not None}

@@ -15,7 +15,13 @@ touches the database.
 Versions are assigned here, densely, and confirmed by the store at flush: when several
 registries (apiserver replicas) write one store, the store allocates each batch's versions
 under its write lock and a registry whose batch was renumbered takes the store's numbers.
-Each replica's sandbox records are its own view, kept in step by edge heartbeats.
+
+Each replica's sandbox records are its own view, kept in step two ways: edge heartbeats
+(every second), and :meth:`Registry.catch_up`, which reads the events *other* registries
+committed to the shared store and applies them (a create on replica A is listed by
+replica B as soon as B reads A's commit: at once when the store pushes, as PostgreSQL's
+LISTEN/NOTIFY does, else on B's next poll of the store). ``applied_version`` is how far
+this registry has read the shared log: every event up to it is reflected here.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
@@ -35,6 +42,8 @@ from dsec.control.store import EventRow, SandboxRow, StateStore
 from dsec.errors import Compacted, InvalidArgument, SandboxNotFound
 
 __all__ = ["Event", "EventKind", "Registry", "Watch"]
+
+log = logging.getLogger("dsec.registry")
 
 Event = EventRow
 EventKind = Literal[
@@ -77,8 +86,16 @@ class Registry:
         # removal never reaches the store before the tombstone that justifies it (an
         # apiserver restarted in between would resurrect the sandbox: red team 16, F12).
         self.before_flush: list[Callable[[], None]] = []
+        # Called when a mutation is queued on an empty batch (an async runner uses it to
+        # flush soon, so other replicas hear of it in milliseconds, not at the next tick).
+        self.on_pending: list[Callable[[], None]] = []
         _, self._committed = store.event_bounds()
         self._version = self._committed
+        # Every stored event up to _applied is reflected in this registry; _own: batches
+        # this registry committed after a gap (another writer's events), not yet passed
+        # by catch_up (which must not apply them twice).
+        self._applied = self._committed
+        self._own: list[tuple[int, int]] = []
         self._sandboxes: dict[str, SandboxRecord] = {}
         self._by_node: dict[str, set[str]] = {}
         # Sorted ids per project, for list pages in id order without sorting per call
@@ -101,6 +118,11 @@ class Registry:
         """The newest version readers can see."""
         return self._committed
 
+    @property
+    def applied_version(self) -> int:
+        """Every event of the shared log up to this version is reflected here."""
+        return self._applied
+
     # --- mutations ----------------------------------------------------------------------
     def emit(self, kind: str, *, sandbox_id: str | None = None, node_id: str | None = None,
              payload: dict[str, Any] | None = None) -> int:
@@ -109,6 +131,9 @@ class Registry:
         self._pending.append(Event(version=self._version, time=self._clock(), kind=kind,
                                    sandbox_id=sandbox_id, node_id=node_id,
                                    payload=payload or {}))
+        if len(self._pending) == 1:
+            for cb in self.on_pending:
+                cb()
         if len(self._pending) >= self.batch_size:
             self.flush()
         return self._version
@@ -193,27 +218,161 @@ class Registry:
             return self._committed
         for hook in self.before_flush:
             hook()
-        events = self._pending
-        first = self._store.commit_events(events, list(self._upserts.values()),
-                                          sorted(self._deletes), assign_versions=True)
+        batch = self._take()
+        try:
+            first = self._store.commit_events(*batch, assign_versions=True)
+        except BaseException:
+            self._put_back(batch)
+            raise
+        return self._committed_batch(batch[0], first)
+
+    async def flush_async(self) -> int:
+        """:meth:`flush` with the store's transaction in a worker thread, so the event
+        loop keeps serving while it commits (a PostgreSQL commit waits for its WAL to
+        reach the disk: ~5 ms here, measured, against ~0.1 ms for SQLite's
+        ``synchronous=NORMAL``). Mutations made meanwhile queue for the next batch."""
+        if not self._pending and not self._upserts and not self._deletes:
+            return self._committed
+        import asyncio
+        for hook in self.before_flush:
+            hook()
+        batch = self._take()
+        commit = asyncio.ensure_future(asyncio.to_thread(
+            self._store.commit_events, *batch, assign_versions=True))
+        try:
+            first = await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The thread commits on regardless: wait for its outcome, so the batch is
+            # neither lost nor committed a second time by the final flush.
+            try:
+                first = await commit
+            except Exception:  # noqa: BLE001 - whatever it was, the batch was not stored
+                self._put_back(batch)
+                raise asyncio.CancelledError from None
+            self._committed_batch(batch[0], first)
+            raise
+        except BaseException:
+            self._put_back(batch)
+            raise
+        return self._committed_batch(batch[0], first)
+
+    def _take(self) -> tuple[list[Event], list[SandboxRow], list[str]]:
+        batch = (self._pending, list(self._upserts.values()), sorted(self._deletes))
         self._pending = []
-        self._upserts.clear()
-        self._deletes.clear()
+        self._upserts = {}
+        self._deletes = set()
+        return batch
+
+    def _put_back(self, batch: tuple[list[Event], list[SandboxRow], list[str]]) -> None:
+        """A batch the store refused goes back in front of what was queued since; a row
+        changed again meanwhile keeps its newer change."""
+        events, upserts, deletes = batch
+        self._pending = events + self._pending
+        for row in upserts:
+            if row.id not in self._upserts and row.id not in self._deletes:
+                self._upserts[row.id] = row
+        for sid in deletes:
+            if sid not in self._upserts:
+                self._deletes.add(sid)
+
+    def _committed_batch(self, events: list[Event], first: int) -> int:
         if events:
             if first != events[0].version:
                 # Another registry (an apiserver replica over the same store) wrote in
                 # between: the store gave this batch later versions.
                 events = [msgspec.structs.replace(e, version=first + i)
                           for i, e in enumerate(events)]
-                self._version = events[-1].version
-            ring = self._ring
-            if ring and ring[-1].version + 1 != first:
-                ring.clear()   # the ring must stay dense; older reads go to the store
-            ring.extend(events)
-            self._committed = events[-1].version
+                self._version = max(self._version, events[-1].version)
+            last = events[-1].version
+            self._own = [r for r in self._own if r[1] > self._applied]
+            if first == self._applied + 1 and not self._own:
+                ring = self._ring
+                if ring and ring[-1].version + 1 != first:
+                    ring.clear()   # the ring must stay dense; older reads go to the store
+                ring.extend(events)
+                self._applied = last
+            elif last > self._applied:
+                # Other writers' events precede this batch: catch_up reads them (and
+                # this batch, in order, into the ring) without applying ours again.
+                self._own.append((first, last))
+            self._committed = max(self._committed, last)
         for cb in self.on_commit:
             cb(self._committed)
         return self._committed
+
+    # --- other writers ----------------------------------------------------------------
+    def catch_up(self, limit: int = 1000) -> int:
+        """Apply the events other registries (apiserver replicas over the same store)
+        committed since :attr:`applied_version`: their creates, removals, pauses and
+        resumes become this registry's records and quota usage, without new events (they
+        are already in the log). Events this registry wrote itself are skipped. Returns
+        how many events were applied. Store errors propagate (nothing is half-applied:
+        the position advances per event applied)."""
+        applied = 0
+        while True:
+            events = self._store.read_events(self._applied, limit)
+            if not events:
+                break
+            added = [e.sandbox_id for e in events
+                     if e.kind == "sandbox_added" and e.sandbox_id is not None
+                     and e.sandbox_id not in self._sandboxes and not self._is_own(e.version)]
+            rows = {r.id: r for r in self._store.read_sandboxes(added)} if added else {}
+            ring = self._ring
+            for e in events:
+                if e.version != self._applied + 1:
+                    log.warning("registry: events %d..%d were pruned before this replica "
+                                "read them; its view is repaired by edge heartbeats",
+                                self._applied + 1, e.version - 1)
+                if not self._is_own(e.version):
+                    self._apply(e, rows)
+                    applied += 1
+                if ring and ring[-1].version + 1 != e.version:
+                    ring.clear()
+                ring.append(e)
+                self._applied = e.version
+            self._own = [r for r in self._own if r[1] > self._applied]
+            if len(events) < limit:
+                break
+        self._committed = max(self._committed, self._applied)
+        if not self._pending:
+            self._version = max(self._version, self._committed)
+        if applied:
+            for cb in self.on_commit:
+                cb(self._committed)
+        return applied
+
+    def _is_own(self, version: int) -> bool:
+        return any(a <= version <= b for a, b in self._own)
+
+    def _apply(self, e: Event, rows: dict[str, SandboxRow]) -> None:
+        """Reflect another writer's event (no new event, no row write: it wrote them)."""
+        sid = e.sandbox_id
+        if sid is None:
+            return
+        if e.kind == "sandbox_added":
+            row = rows.get(sid)
+            if row is None or sid in self._sandboxes or sid in self._deletes:
+                return   # removed again since (its removal follows), or known already
+            rec = SandboxRecord.from_dict(row.record)
+            if self.quota is not None:
+                self.quota.insert(rec)
+            self._index(rec)
+        elif e.kind == "sandbox_removed":
+            gone = self._sandboxes.pop(sid, None)
+            if gone is None:
+                return
+            self._unindex(gone)
+            if self.quota is not None:
+                self.quota.remove(sid)
+            self._upserts.pop(sid, None)
+        elif e.kind in ("sandbox_paused", "sandbox_resumed"):
+            known = self._sandboxes.get(sid)
+            paused = e.kind == "sandbox_paused"
+            if known is None or known.paused == paused:
+                return
+            if self.quota is not None:
+                self.quota.set_paused(sid, paused)
+            self._sandboxes[sid] = msgspec.structs.replace(known, paused=paused)
 
     # --- reads --------------------------------------------------------------------------
     def sandbox(self, sandbox_id: str) -> SandboxRecord:
@@ -280,7 +439,7 @@ class Registry:
         if after_version >= self._committed:
             return []
         ring = self._ring
-        if ring and after_version >= ring[0].version - 1:
+        if ring and ring[0].version - 1 <= after_version < ring[-1].version:
             start = after_version + 1 - ring[0].version
             stop = min(start + limit, len(ring))
             return [ring[i] for i in range(start, stop)]

@@ -317,13 +317,30 @@ def _check(ok: bool, broken: str) -> None:
 
 
 class _Node:
-    __slots__ = ("doomed", "hb", "last_seen", "zombies")
+    __slots__ = ("doomed", "groups", "hb", "last_seen", "listed", "listed_of", "zombies")
 
     def __init__(self, hb: NodeHeartbeat) -> None:
         self.hb = hb
         self.last_seen = hb.time
         self.zombies: set[str] = set()      # evicted while the node was gone
         self.doomed: set[str] = set()       # chosen as preemption victims already
+        # The ids and per-project counts of the sandbox tuple ``listed_of``: a heartbeat
+        # carrying the very same tuple (the apiserver's light polls reuse the last full
+        # list, see PlaneConfig.sandbox_list_interval_s) costs O(1), not O(sandboxes).
+        self.listed_of: tuple[LiveSandbox, ...] | None = None
+        self.listed: set[str] = set()
+        self.groups: dict[str, int] = {}
+
+    def index(self, sandboxes: tuple[LiveSandbox, ...]) -> set[str]:
+        """The ids of ``sandboxes`` (cached while the same tuple comes back)."""
+        if sandboxes is not self.listed_of:
+            self.listed = {s.id for s in sandboxes}
+            groups: dict[str, int] = {}
+            for s in sandboxes:
+                groups[s.project] = groups.get(s.project, 0) + 1
+            self.groups = groups
+            self.listed_of = sandboxes
+        return self.listed
 
 
 def choose_victims(
@@ -447,7 +464,7 @@ class Watcher:
         node.hb = hb
         node.last_seen = hb.time
         self._put_live(hb.node, node)
-        listed = {s.id for s in hb.sandboxes}
+        listed = node.index(hb.sandboxes)
         if node.zombies:
             node.zombies &= listed
             if node.zombies:
@@ -455,15 +472,19 @@ class Watcher:
                                             stimulus_id=sid))
         if node.doomed:
             node.doomed &= listed
-        out.append(UpdateNode(self._view(hb, node.zombies), stimulus_id=sid))
+        out.append(UpdateNode(self._view(hb, node), stimulus_id=sid))
 
     @staticmethod
-    def _view(hb: NodeHeartbeat, zombies: set[str]) -> PlacementNode:
-        groups: dict[str, int] = {}
-        for s in hb.sandboxes:
-            if s.id not in zombies:
-                groups[s.project] = groups.get(s.project, 0) + 1
-        return msgspec.structs.replace(hb.view, sandboxes=len(hb.sandboxes), groups=groups)
+    def _view(hb: NodeHeartbeat, node: _Node) -> PlacementNode:
+        node.index(hb.sandboxes)
+        groups = node.groups
+        if node.zombies:
+            groups = {}
+            for s in hb.sandboxes:
+                if s.id not in node.zombies:
+                    groups[s.project] = groups.get(s.project, 0) + 1
+        return msgspec.structs.replace(hb.view, sandboxes=len(hb.sandboxes),
+                                       groups=dict(groups))
 
     def _link_failed(self, ev: LinkFailed, sid: str, out: list[Instruction]) -> None:
         node = self._live.get(ev.node)
@@ -474,7 +495,7 @@ class Watcher:
             del self._live[ev.node]
             node.last_seen = ev.time
             self._put_live(ev.node, node)
-        view = self._view(node.hb, node.zombies)
+        view = self._view(node.hb, node)
         out.append(UpdateNode(msgspec.structs.replace(view, healthy=False), stimulus_id=sid))
 
     def _put_live(self, name: str, node: _Node) -> None:
@@ -546,7 +567,7 @@ class Watcher:
     # --- introspection ------------------------------------------------------------------
     def views(self) -> list[PlacementNode]:
         """The current snapshot of live nodes (for a full placement resync)."""
-        return [self._view(n.hb, n.zombies) for n in self._live.values()]
+        return [self._view(n.hb, n) for n in self._live.values()]
 
     def live_nodes(self) -> list[str]:
         return list(self._live)

@@ -9,6 +9,12 @@ form as a pulled multi-layer image's top layer (:mod:`dsec.image.pull`), with th
 build's config as the same ``oci.*`` labels a pull writes, so ``create(image=NAME)``
 composes and configures it exactly like a pulled image. The base's layers are shared,
 not copied: promoting a 3-step build on a 250 MB Debian base writes only the steps.
+
+``squash=True`` flattens the base in as well: one standalone layer (no ``stack``), every
+whiteout applied, what a template is in Modal or E2B. It costs the base's bytes again
+(on disk, in the quota and in every node's mount cache) and shares nothing, so it is
+not the default; it helps an image of many layers (a pulled one near the layer limit)
+or one that must not change when its base's layers are pruned or replaced.
 """
 
 from __future__ import annotations
@@ -52,11 +58,13 @@ def build_chain(store: LayerStore, top: str, base: str) -> tuple[list[LayerManif
 def promote_chain(store: LayerStore, chain: list[LayerManifest], image: list[LayerManifest],
                   *, labels: Mapping[str, str], namespace: str | None, owner: str | None,
                   max_bytes: int | None = None, pin: Pin | None = None,
-                  cache_factory: Callable[[], MountCache] = MountCache) -> LayerManifest:
+                  cache_factory: Callable[[], MountCache] = MountCache,
+                  squash: bool = False) -> LayerManifest:
     """Lay ``chain`` (highest first) into one new ``base`` layer standing on ``image``
     (highest first) in project ``namespace``, labelled ``labels``; unnamed (the caller
     names it once charged; ``pin`` holds it from a prune until then). Every chain layer
-    must be the namespace's own."""
+    must be the namespace's own. ``squash``: ``image`` is laid in too, and the layer
+    stands on nothing."""
     for x in chain:
         if layer_namespace(x) != namespace:
             raise InvalidArgument(f"snapshot {x.digest} belongs to project "
@@ -64,17 +72,20 @@ def promote_chain(store: LayerStore, chain: list[LayerManifest], image: list[Lay
                                   "named in the project it ran in", field="target")
     cache = cache_factory()
     try:
-        mounts = acquire_stack(store, cache, RootStack(tuple(chain)))
+        laid = [*chain, *image] if squash else chain
+        mounts = acquire_stack(store, cache, RootStack(tuple(laid)))
         try:
             with store.staging("promote-") as stage:
                 for path in reversed(mounts):          # lowest first
-                    apply_tree(path, stage, keep_whiteouts=True)
+                    # flattened: nothing below the result for a whiteout to hide
+                    apply_tree(path, stage, keep_whiteouts=not squash)
                 return store.add_tree(
                     stage, kind="base", labels={**labels, BUILT_FROM_LABEL: chain[0].digest},
-                    namespace=namespace, owner=owner, stack=[x.digest for x in image],
+                    namespace=namespace, owner=owner,
+                    stack=[] if squash else [x.digest for x in image],
                     max_bytes=max_bytes, what="built image", pin=pin)
         finally:
-            for x in chain:
+            for x in laid:
                 cache.release(x.digest)
     finally:
         cache.close()

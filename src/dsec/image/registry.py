@@ -414,3 +414,26 @@ def merge_env(*layers: Mapping[str, str] | Sequence[tuple[str, str]]) -> dict[st
     for layer in layers:
         out.update(dict(layer))
     return out
+
+
+# ------------------------------------------------------------------ auth challenge
+_CHALLENGE_PARAM = re.compile(r'\s*([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]*))\s*,?')
+
+
+def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """A ``WWW-Authenticate`` value: (scheme in lower case, its parameters), e.g.
+    ``Bearer realm="https://auth.example/token",service="reg",scope="repository:a:pull"``
+    -> ``("bearer", {"realm": ..., "service": ..., "scope": ...})``. One challenge (the
+    registries' way); ``("", {})`` for an empty header."""
+    scheme, _, rest = header.strip().partition(" ")
+    params: dict[str, str] = {}
+    pos = 0
+    while pos < len(rest):
+        m = _CHALLENGE_PARAM.match(rest, pos)
+        if m is None or m.end() == pos:
+            break
+        quoted, bare = m.group(2), m.group(3)
+        params[m.group(1).lower()] = (re.sub(r"\\(.)", r"\1", quoted) if quoted is not None
+                                      else bare or "")
+        pos = m.end()
+    return scheme.lower(), params

@@ -355,7 +355,8 @@ class ImagePromoteRequest(_Strict):
     snapshot (its step layers, one chain), ``base``: the image the build started from
     (its digest or a name), ``target``: ``[project/]name[:tag]`` in the project the build
     ran in; the image config (as an OCI config's Env, WorkingDir, User, Entrypoint, Cmd,
-    Labels) becomes the image's, honoured by every create as a pulled image's."""
+    Labels) becomes the image's, honoured by every create as a pulled image's.
+    ``squash``: flatten the base in too (one standalone layer)."""
 
     top: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
     base: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
@@ -366,6 +367,11 @@ class ImagePromoteRequest(_Strict):
     entrypoint: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
     cmd: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
     labels: Annotated[dict[str, str], msgspec.Meta(max_length=256)] = {}
+    # True: the whole image (base layers and steps) flattened into one standalone layer
+    # (a template as Modal/E2B keep them: one layer, nothing shared); False (default):
+    # the steps as one layer over the base's own layers, which stay shared on disk and
+    # in every node's mount cache with every other image on that base
+    squash: bool = False
 
 
 class ImageList(msgspec.Struct, kw_only=True):
@@ -402,6 +408,10 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     by_state: dict[str, int] = {}
     labels: dict[str, str] = {}
     last_heartbeat: float = 0.0
+    # drained by an administrator (``dsec node drain``): no new placements; the
+    # sandboxes it holds run until they end
+    drained: bool = False
+    drained_at: float = 0.0
 
 
 class NodeList(msgspec.Struct, kw_only=True):

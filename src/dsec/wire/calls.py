@@ -56,6 +56,7 @@ __all__ = [
     "Mkdir",
     "NetworkUpdate",
     "NetworkUpdateOnNode",
+    "NodeRef",
     "ProjectRef",
     "QuotaSet",
     "ReadFile",
@@ -448,6 +449,15 @@ class SessionRef(_Call, kw_only=True):
 
 class KeyRef(_Call, kw_only=True):
     """``revoke_key``: the ``key_id`` :class:`~dsec.wire.api.CreateKeyResponse` gave."""
+
+    id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
+
+
+class NodeRef(_Call, kw_only=True):
+    """``node_drain`` / ``node_undrain``: an edge node by its id (``dsec node ls``)."""
 
     id: str
 

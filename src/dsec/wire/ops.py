@@ -41,6 +41,7 @@ from dsec.wire.api import (
     ImageView,
     Info,
     NodeList,
+    NodeView,
     ProjectList,
     ProjectView,
     Role,
@@ -71,6 +72,7 @@ from dsec.wire.calls import (
     Mkdir,
     NetworkUpdate,
     NetworkUpdateOnNode,
+    NodeRef,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -141,7 +143,9 @@ __all__ = [
     "NETWORK_GET",
     "NETWORK_UPDATE",
     "NODES",
+    "NODE_DRAIN",
     "NODE_INFO",
+    "NODE_UNDRAIN",
     "PAUSE",
     "PORT_CLOSE",
     "PORT_CONNECT",
@@ -750,6 +754,25 @@ IMAGE_PROMOTE: Op[ImagePromoteRequest, ImageView] = Op(
               body="*", tag="images"))
 
 
+# Issue 16 (Operations): draining an edge before maintenance. A superuser's: a node serves
+# every project, so taking it out of placement is decided across all of them. Stored
+# (node_drains), so every replica and a restarted apiserver keep honouring it.
+NODE_DRAIN: Op[NodeRef, NodeView] = Op(
+    "node_drain", NodeRef, NodeView,
+    summary="Drain an edge node: no new sandboxes are placed on it; those it holds run "
+            "until they end (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{id}/drain", operation_id="drainNode",
+              tag="nodes"))
+
+NODE_UNDRAIN: Op[NodeRef, NodeView] = Op(
+    "node_undrain", NodeRef, NodeView,
+    summary="Undrain an edge node: placement may use it again (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/nodes/{id}/drain", operation_id="undrainNode",
+              tag="nodes"))
+
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -763,6 +786,8 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_PRUNE,
     IMAGE_PULL,
     IMAGE_PROMOTE,
+    NODE_DRAIN,
+    NODE_UNDRAIN,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

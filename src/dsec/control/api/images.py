@@ -43,6 +43,7 @@ from dsec.image.catalog import (
     resolve,
     visible_names,
 )
+from dsec.image.egress import EgressPolicy
 from dsec.image.gc import LayerNode, project_image_bytes
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, ParsedRef, layer_namespace, parse_ref
 from dsec.image.registry import RegistryRef
@@ -59,7 +60,7 @@ from dsec.wire.spec import SandboxSpec
 
 __all__ = ["ImageAdmin", "SnapshotCharges"]
 
-#: Threads running registry pulls (skopeo + unpack + mkfs) for one apiserver.
+#: Threads running registry pulls (fetch + unpack + mkfs) for one apiserver.
 PULL_WORKERS = 8
 #: Pulls of one project at once; the rest wait their turn (a project cannot take
 #: every pull thread).
@@ -99,8 +100,11 @@ class ImageAdmin:
         self._pull_slots: dict[str, asyncio.Semaphore] = {}
         self._pull_waiting: dict[str, int] = {}
         # host[:port] patterns (fnmatch) callers may pull from; None: any registry but
-        # loopback / link-local / private IP literals and localhost (check_registry)
+        # loopback / link-local / private addresses (dsec.image.egress.EgressPolicy,
+        # held on every hop: redirects, token realms, resolved addresses)
         self.registries: tuple[str, ...] | None = None
+        # patterns only redirects and token realms of those registries may reach
+        self.registry_blob_hosts: tuple[str, ...] = ()
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
     # rules live in dsec.image.catalog (who sees what, what a ref names) and
@@ -179,8 +183,8 @@ class ImageAdmin:
         ``registry_pull`` setting (nearest ancestor's; default yes) allows it, as the
         caller (a member of the project: the create needs that) and charged like
         ``images.pull``. Loopback registries are reached over plain HTTP (docker's rule
-        for 127.0.0.0/8), others over verified TLS; credentials are the apiserver host's
-        (skopeo's auth files), never the create's. The spec then names the store name,
+        for 127.0.0.0/8), others over verified TLS, anonymously (never the apiserver host's
+        registry logins: red team F2), under the apiserver's egress policy. The spec then names the store name,
         which :meth:`resolve_layers` resolves like any other."""
         from dsec.image.pull import REF_LABEL
         from dsec.image.registry import is_registry_ref, local_name, parse_registry_ref
@@ -494,7 +498,8 @@ class ImageAdmin:
         into one base layer on ``req.base``'s stack, in the target's project (the write
         right there; the chain must be that project's own snapshots, and the base one
         the caller sees), carrying the config as a pulled image's ``oci.*`` labels;
-        charged to the project's layer storage like a build."""
+        charged to the project's layer storage like a build. ``req.squash``: the base's
+        layers laid in too, one standalone layer."""
         from dsec.image.promote import build_chain, promote_chain
         from dsec.image.registry import ImageDefaults, defaults_labels
 
@@ -520,7 +525,8 @@ class ImageAdmin:
         def work() -> list[LayerManifest]:
             chain, image = build_chain(store, top.digest, base.digest)
             return [promote_chain(store, chain, image, labels=labels, namespace=ns,
-                                  owner=caller.id, max_bytes=room, pin=pin)]
+                                  owner=caller.id, max_bytes=room, pin=pin,
+                                  squash=req.squash)]
         try:
             made = await self._build_pinned(caller, target, ns, store, pin, work)
         finally:
@@ -540,6 +546,11 @@ class ImageAdmin:
             self._pull_waiting[project] -= 1
             if not self._pull_waiting[project]:
                 del self._pull_waiting[project], self._pull_slots[project]
+
+    def egress(self) -> EgressPolicy:
+        """Where this apiserver's pulls may connect (every hop, every address)."""
+        return EgressPolicy(registries=self.registries,
+                            blob_hosts=self.registry_blob_hosts)
 
     def pull_target(self, caller: Caller, req: ImagePullRequest) -> tuple[str | None, str,
                                                                           str]:
@@ -579,7 +590,7 @@ class ImageAdmin:
 
         ns, name, tag = self.pull_target(caller, req)
         opts = PullOptions(platform=parse_platform(req.platform) if req.platform else None,
-                           insecure=req.insecure, creds=req.creds)
+                           insecure=req.insecure, creds=req.creds, egress=self.egress())
         store = self._layers()
         room = self.charges.snapshot_room(ns) if ns else None
         if room == 0 and ns:
@@ -626,38 +637,9 @@ def check_registry(host: str, allowed: tuple[str, ...] | None) -> None:
     any port. None (the default): any registry but the apiserver's own neighbourhood -
     ``localhost`` and IP literals that are loopback, link-local (cloud metadata),
     private, unspecified, multicast or reserved, which only an operator's list opens
-    (red team F6: a pull connects from the apiserver's host wherever a caller says).
-    A *name* that resolves to such an address is not caught here (skopeo resolves it),
-    nor a redirect or token realm a listed registry sends skopeo to: list only
-    registries you trust (docs/images.md "Which registries")."""
-    import fnmatch
-    import ipaddress
-
-    from dsec.image.registry import host_only
-
-    if allowed is None:
-        h = host_only(host).lower()
-        internal = h == "localhost" or h.endswith(".localhost")
-        with contextlib.suppress(ValueError):
-            ip = ipaddress.ip_address(h)
-            internal = not ip.is_global or ip.is_multicast
-        if internal:
-            raise PermissionDenied(
-                f"this apiserver does not pull from registry {host[:200]!r} by default: "
-                "loopback, link-local and private addresses are the apiserver's own "
-                "network; an operator opens them with `dsec up --registry PATTERN` "
-                "(ClusterConfig.registries)", field="ref")
-        return
-    bare = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    if any(fnmatch.fnmatchcase(host, p) or (":" not in p.lstrip("[").split("]")[-1]
-                                            and fnmatch.fnmatchcase(bare, p))
-           for p in allowed):
-        return
-    raise PermissionDenied(
-        f"this apiserver does not pull from registry {host[:200]!r}: it pulls only from "
-        f"{', '.join(allowed) or 'no registry'} (ClusterConfig.registries, `dsec up "
-        "--registry`); ask its operator, or pull elsewhere and push to an allowed one",
-        field="ref")
+    (red team F6). The pull itself holds the same policy on every hop: each redirect,
+    token realm and resolved address (:class:`dsec.image.egress.EgressPolicy`, F16)."""
+    EgressPolicy(registries=allowed).check_registry(host)
 
 
 def _named(index: StoreIndex, exact: str) -> LayerManifest | None:

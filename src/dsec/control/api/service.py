@@ -111,6 +111,7 @@ from dsec.wire.calls import (
     ListSandboxes,
     NetworkUpdate,
     NetworkUpdateOnNode,
+    NodeRef,
     ProjectRef,
     QuotaSet,
     ReadFile,
@@ -327,6 +328,8 @@ class AdminOps(Protocol):
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         raise NotImplementedError
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        raise NotImplementedError
+    def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
 
 
@@ -1539,6 +1542,7 @@ class ApiService:
             "network_update": self._network_update_op,
             "image_prune": self._image_prune_op,
             "image_pull": self._image_pull_op,
+            "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1770,6 +1774,12 @@ class ApiService:
 
     async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
         return await self._admin().pull_image(caller, b)
+
+    async def _node_drain_op(self, caller: Caller, b: NodeRef) -> NodeView:
+        return self._admin().drain_node(caller, b.id, drained=True)
+
+    async def _node_undrain_op(self, caller: Caller, b: NodeRef) -> NodeView:
+        return self._admin().drain_node(caller, b.id, drained=False)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "

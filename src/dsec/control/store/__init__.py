@@ -13,7 +13,8 @@ change in one transaction, so the event log and the table never disagree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -25,6 +26,7 @@ __all__ = [
     "EventRow",
     "IdempotencyRow",
     "LostSandboxRow",
+    "NodeDrainRow",
     "PrincipalRow",
     "QuotaRow",
     "RoleBindingRow",
@@ -32,6 +34,8 @@ __all__ = [
     "SessionRow",
     "SnapshotChargeRow",
     "StateStore",
+    "open_store",
+    "redact_url",
 ]
 
 
@@ -142,6 +146,16 @@ class LostSandboxRow(msgspec.Struct, frozen=True, kw_only=True):
     record: dict[str, Any]
 
 
+class NodeDrainRow(msgspec.Struct, frozen=True, kw_only=True):
+    """An edge node drained by an administrator (``dsec node drain``): placement puts
+    no new sandbox there; the ones it holds run until they end. Stored so that every
+    replica and a restarted apiserver keep honouring it (issue 16, Operations)."""
+
+    node: str
+    drained_at: float
+    by: str = ""                # the principal id that drained it
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Durable state of the management plane. See the module docstring for semantics."""
@@ -203,8 +217,14 @@ class StateStore(Protocol):
         carries the global version across restarts). Returns how many."""
         ...
     def list_sandboxes(self) -> list[SandboxRow]: ...
-    def get_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
-        """The rows of those of ``ids`` the store holds (any order)."""
+    def read_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
+        """The stored rows of those ``ids`` that exist."""
+        ...
+    def listen_versions(self, callback: Callable[[int], None]) -> bool:
+        """Call ``callback(newest_version)`` from a store thread whenever any writer
+        (another replica too) commits events, and with ``-1`` after the store was
+        unreachable (something may have been missed: read it). Returns False when the
+        store cannot push (SQLite): the caller polls :meth:`event_bounds` instead."""
         ...
 
     # idempotency keys (shared by every apiserver replica over this store)
@@ -266,6 +286,13 @@ class StateStore(Protocol):
         """Delete tombstones lost before ``older_than``; returns how many."""
         ...
 
+    # drained edge nodes (issue 16, scale stream)
+    def put_drain(self, row: NodeDrainRow) -> None:
+        """Record ``row`` (a node already drained keeps its first ``drained_at``)."""
+        ...
+    def delete_drain(self, node: str) -> bool: ...
+    def list_drains(self) -> list[NodeDrainRow]: ...
+
     def table_rows(self) -> dict[str, int]:
         """Row count of every table (what retention keeps bounded; for metrics/tests)."""
         ...
@@ -274,3 +301,59 @@ class StateStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs and error messages)."""
+    import urllib.parse
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparseable store URL>"
+    if parts.password is None:
+        out = url
+    else:
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0].split(":", 1)[0]
+        out = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    # a password may also ride in the query string (?password=...)
+    return re.sub(r"(password=)[^&]*", r"\1***", out, flags=re.IGNORECASE)
+
+
+def open_store(url: str) -> StateStore:
+    """Open the state store named by ``url``:
+
+    - ``sqlite:///abs/path.sqlite`` or a bare path: :class:`~dsec.control.store.sqlite.
+      SqliteStore` (one machine; the embedded default);
+    - ``postgresql://user[:password]@host[:port]/db[?...]`` (or ``postgres://``):
+      :class:`~dsec.control.store.postgres.PostgresStore`, which several apiserver
+      replicas share.
+
+    Anything else is an :class:`~dsec.errors.InvalidArgument` naming the accepted forms.
+    The password never appears in a message."""
+    from dsec.errors import InvalidArgument
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidArgument("empty state store URL: pass sqlite:///path/control.sqlite "
+                              "or postgresql://user@host/db")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", url) and not url.startswith(("./", "/")):
+            raise InvalidArgument(
+                f"state store URL {redact_url(url)!r} has no '//' after its scheme: use "
+                "sqlite:///abs/path.sqlite or postgresql://user@host/db")
+        from dsec.control.store.sqlite import SqliteStore
+        return SqliteStore(url)
+    scheme = scheme.lower()
+    if scheme == "sqlite":
+        if not rest or rest == "/":
+            raise InvalidArgument(f"state store URL {url!r} names no file: use "
+                                  "sqlite:///abs/path.sqlite (three slashes, then the path)")
+        from dsec.control.store.sqlite import SqliteStore
+        path = rest if rest == ":memory:" else (rest if rest.startswith("/") else "/" + rest)
+        return SqliteStore(path)
+    if scheme in ("postgresql", "postgres"):
+        from dsec.control.store.postgres import PostgresStore
+        return PostgresStore(url)
+    raise InvalidArgument(
+        f"unknown state store scheme {scheme!r} in {redact_url(url)!r}: use "
+        "sqlite:///abs/path.sqlite (one machine) or postgresql://user@host/db (replicas)")

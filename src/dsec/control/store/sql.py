@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,7 @@ from dsec.control.store import (
     EventRow,
     IdempotencyRow,
     LostSandboxRow,
+    NodeDrainRow,
     PrincipalRow,
     QuotaRow,
     RoleBindingRow,
@@ -59,6 +60,10 @@ class Dialect:
     # the insert in one transaction). SQLite: "BEGIN IMMEDIATE"; PostgreSQL:
     # ("LOCK TABLE snapshot_charges IN SHARE ROW EXCLUSIVE MODE",).
     charge_lock: tuple[str, ...] = ()
+    # Statements run first in the schema transaction, so replicas opening one new
+    # database at once do not race CREATE TABLE IF NOT EXISTS (PostgreSQL: an advisory
+    # lock; SQLite's writer lock already serialises it).
+    schema_lock: tuple[str, ...] = ()
 
     def sql(self, text: str) -> str:
         """Rewrite the ``?`` placeholders of the portable statements for this driver."""
@@ -108,6 +113,9 @@ _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS snapshot_charges (
         id TEXT PRIMARY KEY, project TEXT NOT NULL, node TEXT NOT NULL,
         size_bytes BIGINT NOT NULL)""",
+    # Edge nodes drained by an administrator (issue 16): no new placements there.
+    """CREATE TABLE IF NOT EXISTS node_drains (
+        node TEXT PRIMARY KEY, drained_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL)""",
 ]
 
 # Columns added after a table first shipped: (table, column, definition). A store made by
@@ -119,7 +127,8 @@ _ADDED_COLUMNS = [
 
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
-           "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges")
+           "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges",
+           "node_drains")
 
 
 class SqlStore:
@@ -137,6 +146,8 @@ class SqlStore:
         for table, column, definition in _ADDED_COLUMNS:
             self._add_column(table, column, definition)
         with self._tx() as cur:
+            for stmt in dialect.schema_lock:
+                cur.execute(stmt)
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
 
@@ -352,7 +363,36 @@ class SqlStore:
             if deletes:
                 cur.executemany(self._s("DELETE FROM sandboxes WHERE id = ?"),
                                 [(d,) for d in deletes])
+            if events:
+                self._committing(cur, first + len(events) - 1 if assign_versions
+                                 else events[-1].version)
         return first
+
+    def _committing(self, cur: Any, newest: int) -> None:
+        """Called inside :meth:`commit_events`'s transaction with the newest version it
+        writes: PostgreSQL sends its NOTIFY here, so watchers hear of the commit exactly
+        when it becomes visible. Nothing by default (SQLite replicas poll)."""
+
+    def listen_versions(self, callback: Callable[[int], None]) -> bool:
+        """No push by default: the caller polls :meth:`event_bounds`."""
+        return False
+
+    def read_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
+        """The stored rows of ``ids`` that exist (another replica's records, read when
+        its events are applied by :meth:`dsec.control.registry.Registry.catch_up`)."""
+        if not ids:
+            return []
+        out: list[SandboxRow] = []
+        with self._tx() as cur:
+            for i in range(0, len(ids), 500):
+                chunk = list(ids[i : i + 500])
+                marks = ", ".join("?" * len(chunk))
+                cur.execute(self._d.sql(f"SELECT id, node, project, record FROM sandboxes "
+                                        f"WHERE id IN ({marks})"), tuple(chunk))
+                out.extend(SandboxRow(id=r[0], node=r[1], project=r[2],
+                                      record=_json_dec.decode(r[3]))
+                           for r in cur.fetchall())
+        return out
 
     def read_events(self, after_version: int, limit: int) -> list[EventRow]:
         rows = self._all(
@@ -395,16 +435,6 @@ class SqlStore:
         rows = self._all("SELECT id, node, project, record FROM sandboxes ORDER BY id")
         return [SandboxRow(id=r[0], node=r[1], project=r[2], record=_json_dec.decode(r[3]))
                 for r in rows]
-
-    def get_sandboxes(self, ids: Sequence[str]) -> list[SandboxRow]:
-        out: list[SandboxRow] = []
-        for i in range(0, len(ids), 500):      # bound the statement's parameters
-            part = list(ids[i : i + 500])
-            rows = self._all("SELECT id, node, project, record FROM sandboxes WHERE id IN "
-                             f"({', '.join('?' * len(part))})", tuple(part))
-            out += [SandboxRow(id=r[0], node=r[1], project=r[2],
-                               record=_json_dec.decode(r[3])) for r in rows]
-        return out
 
     # --- idempotency keys -----------------------------------------------------------------
     _IDEM_COLS = "key, fingerprint, owner, holder, response, expires_at, intent"
@@ -577,6 +607,18 @@ class SqlStore:
     def prune_lost(self, older_than: float) -> int:
         return max(0, self._exec("DELETE FROM lost_sandboxes WHERE lost_at < ?",
                                  (older_than,)))
+
+    # --- drained edge nodes (issue 16) ---------------------------------------------------
+    def put_drain(self, row: NodeDrainRow) -> None:
+        self._exec("INSERT INTO node_drains (node, drained_at, by_principal) VALUES (?, ?, ?) "
+                   "ON CONFLICT (node) DO NOTHING", (row.node, row.drained_at, row.by))
+
+    def delete_drain(self, node: str) -> bool:
+        return self._exec("DELETE FROM node_drains WHERE node = ?", (node,)) > 0
+
+    def list_drains(self) -> list[NodeDrainRow]:
+        rows = self._all("SELECT node, drained_at, by_principal FROM node_drains ORDER BY node")
+        return [NodeDrainRow(node=r[0], drained_at=float(r[1]), by=r[2]) for r in rows]
 
     def reclaim_space(self, pages: int) -> None:
         """Give up to ``pages`` pages freed by deletes back to the filesystem (after
