@@ -796,6 +796,11 @@ class ControlPlane:
         self.quota.remove(str(token))
         self._record(info)
 
+    async def durable(self) -> None:
+        """What was recorded before this call is committed when it returns
+        (Registry.flush_async waits for a batch in flight, then commits the rest)."""
+        await self.registry.flush_async()
+
     def _record(self, info: SandboxInfo, reason: str = "created") -> None:
         spec = stored(info.spec)
         try:
