@@ -240,17 +240,23 @@ def test_kill9_mid_prune_leaves_a_consistent_store(store: LayerStore,
     garbage = {store.add_tree(_tree(src, i), kind="base").digest for i in range(150)}
     rng = random.Random(15)
     partial = kills = 0
-    for _ in range(40):
+    for round_ in range(40):
         left = {m.digest for m in store.manifests()} & garbage
         if not left:
-            break
+            if partial:
+                break
+            # every prune so far finished before its kill landed (a fast machine, or a
+            # slow one that started the kill late): more garbage, and kill sooner
+            garbage |= {store.add_tree(_tree(src, 10_000 * (round_ + 1) + i),
+                                       kind="base").digest for i in range(150)}
+            continue
         proc = subprocess.Popen([sys.executable, "-c", _ONE_PRUNE, store.root],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert proc.stdin is not None and proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        time.sleep(rng.uniform(0, 0.02))
+        time.sleep(rng.uniform(0, 0.02 if not kills or partial else 0.004))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdin.close()
