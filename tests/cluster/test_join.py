@@ -265,7 +265,9 @@ async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> 
             assert r.status_code == 403, r.text
             # garbage joins: clear errors, nothing created
             for body in ({"token": "nope", "node_id": "x", "csr": "x",
-                          "address": "tcp:127.0.0.1:1"}, {"what": 1}):
+                          "address": "tcp:127.0.0.1:1"}, {"what": 1},
+                         {"token_id": "nope", "ca_sha256": "c", "node_id": "x", "csr": "x",
+                          "address": "tcp:127.0.0.1:1", "nonce": "n", "proof": "p"}):
                 r = await anon.post("/v1/cluster/join", json=body)
                 assert r.status_code in (400, 401), r.text
                 assert r.json()["message"]
@@ -274,8 +276,10 @@ async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> 
             assert rt.join_authority.list_nodes() == []
             # a guesser is cut off by the unauthenticated-request budget (429)
             # (sent 300 at once: the budget refills at 20/s while they are answered)
-            guess = {"token": f"{'a' * 12}.{'b' * 43}.{'c' * 64}", "node_id": "x",
-                     "csr": "x", "address": "tcp:127.0.0.1:1"}
+            nonce = (await anon.post("/v1/cluster/challenge")).json()["nonce"]
+            guess = {"token_id": "a" * 12, "ca_sha256": rt.join_authority.ca.fingerprint,
+                     "node_id": "x", "csr": "x", "address": "tcp:127.0.0.1:1",
+                     "nonce": nonce, "proof": "b" * 64}
             answers = await asyncio.gather(*(anon.post("/v1/cluster/join", json=guess)
                                              for _ in range(300)))
             codes = {r.status_code for r in answers}
