@@ -77,6 +77,14 @@ def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str
     try:
         r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout, verify=verify)
     except httpx.HTTPError as exc:
+        if _untrusted(exc):
+            # not a blip to wait out: the endpoint is not the one we were told to trust
+            # (InvalidArgument, not PermissionDenied: a refused *node* is told apart,
+            # and makes an edge given a token discard its credentials)
+            raise InvalidArgument(
+                f"the https join URL {url} presented a certificate this edge does not "
+                f"trust ({exc}); give the CA that signed it in $DSEC_JOIN_CA (a PEM file) "
+                "or the system's store / $SSL_CERT_FILE") from exc
         raise ConnectFailed(f"could not reach the apiserver at {url}: {exc}") from exc
     try:
         data = r.json()
@@ -88,6 +96,18 @@ def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str
     if not isinstance(data, dict):
         raise InvalidArgument(f"unexpected answer from {url}{path}")
     return data
+
+
+def _untrusted(exc: BaseException) -> bool:
+    import ssl
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: str | None,
