@@ -388,16 +388,16 @@ async def test_an_edge_killed_before_the_answer_joins_again_with_the_same_token(
     apiserver recorded the node): started again with the same single-use token, it is
     answered again instead of refused, and serves."""
     from dsec.cluster.ca import NodeCredentials, new_node_key
-    from dsec.cluster.join import JoinRequest
+    from dsec.cluster.join import join_request
     async with apiserver(tmp_path / "cp") as rt, rest(rt) as http:
         tok, _ = rt.join_authority.create_token(ttl_s=600, uses=1)
         port = free_port()
         creds = NodeCredentials(str(tmp_path / "far" / "cluster"))
         key, csr = new_node_key("far-1")
         creds.save_key(key)                            # what the edge does first
-        rt.join_authority.join(JoinRequest(              # the join it sent; answer lost
-            token=str(tok), node_id="far-1", csr=csr.decode(),
-            address=f"tcp:127.0.0.1:{port}"))
+        rt.join_authority.join(join_request(             # the join it sent; answer lost
+            tok, node_id="far-1", csr=csr.decode(), address=f"tcp:127.0.0.1:{port}",
+            nonce=rt.join_authority.challenge().nonce))
         assert rt.join_authority.store.get_join_token(tok.id).used == 1
         edge = EdgeProc(tmp_path / "far", f"tcp:127.0.0.1:{port}")
         try:
