@@ -11,8 +11,8 @@ import pytest
 from dsec.aether import Router
 from dsec.aether.transport import connect, serve
 from dsec.cluster.ca import (
-    NONCE_TTL_S,
     APISERVER_NAME,
+    NONCE_TTL_S,
     JoinToken,
     NodeCredentials,
     cert_fingerprint,
