@@ -38,7 +38,8 @@ from dsec.aether.messages import Goaway
 from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, Overloaded, TransportError
 from dsec.rmtree import remove_tree
 
-__all__ = ["Address", "Server", "connect", "parse_address", "refusal_frame", "serve"]
+__all__ = ["Address", "Server", "connect", "parse_address", "peer_key", "refusal_frame",
+           "serve"]
 
 log = logging.getLogger("dsec.aether")
 
@@ -567,16 +568,16 @@ def _peer_key(sock: socket.socket, addr: Any) -> str:
         except OSError:
             return "unix"
     if isinstance(addr, tuple) and addr:
-        host = str(addr[0])
-        if sock.family == socket.AF_INET6:
-            return _v6_peer(host)
-        return host
+        return peer_key(str(addr[0]))
     return str(addr)
 
 
-def _v6_peer(host: str) -> str:
-    """An IPv6 peer is counted by its /64 (one host is handed a whole /64: 2^64
-    addresses would make per-address limits moot); an IPv4-mapped one by its IPv4."""
+def peer_key(host: str) -> str:
+    """What per-address limits count an IP peer by: an IPv4 address as is; an IPv6 one
+    by its /64 (one host is handed a whole /64: 2^64 addresses would make per-address
+    limits moot); an IPv4-mapped one by its IPv4."""
+    if ":" not in host:
+        return host
     try:
         ip = ipaddress.IPv6Address(host.split("%", 1)[0])
     except ValueError:
