@@ -204,7 +204,7 @@ class JoinAuthority:
         now = self.clock()
         for n, exp in list(self._spent.items()):
             if exp <= now:
-                del self._spent[n]
+                self._spent.pop(n, None)
         self._spent[nonce] = now + NONCE_TTL_S + 1.0
 
     # ------------------------------------------------------------------ tokens
