@@ -39,10 +39,11 @@ def test_init_tokens_and_nodes(tmp_path: Path) -> None:
     # a node joins with it (the authority the REST route uses), then is revoked
     from dsec.cli.cluster import _authority
     from dsec.cluster.ca import new_node_key
-    from dsec.cluster.join import JoinRequest
+    from dsec.cluster.join import join_request
     _, csr = new_node_key("n1")
-    _authority(sd).join(JoinRequest(token=token, node_id="n1", csr=csr.decode(),
-                                    address="tcp:10.251.0.9:7443"))
+    auth = _authority(sd)
+    auth.join(join_request(token, node_id="n1", csr=csr.decode(),
+                           address="tcp:10.251.0.9:7443", nonce=auth.challenge().nonce))
     nodes = json.loads(_run("cluster", "node", "list", "--state-dir", sd))
     assert [(n["node_id"], n["revoked"]) for n in nodes] == [("n1", False)]
     assert _run("cluster", "token", "revoke", tid, "--nodes", "--state-dir", sd) == (

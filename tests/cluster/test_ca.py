@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import stat
 
+import msgspec
 import pytest
 
 from dsec.aether import Router
 from dsec.aether.transport import connect, serve
 from dsec.cluster.ca import (
     APISERVER_NAME,
+    NONCE_TTL_S,
     JoinToken,
     NodeCredentials,
     cert_fingerprint,
@@ -19,7 +21,7 @@ from dsec.cluster.ca import (
     issue_node_cert,
     new_node_key,
 )
-from dsec.cluster.join import JoinAuthority, JoinRequest
+from dsec.cluster.join import JoinAuthority, join_request
 from dsec.cluster.membership import EdgeTls
 from dsec.control.store.sqlite import SqliteStore
 from dsec.errors import (
@@ -77,8 +79,13 @@ def _authority(tmp_path, now=1000.0):
 
 def _join(auth, token, node="edge-a", address="tcp:127.0.0.1:7443"):
     key, csr = new_node_key(node)
-    return key, auth.join(JoinRequest(token=str(token), node_id=node, csr=csr.decode(),
-                                      address=address))
+    return key, auth.join(_req(auth, token, node, csr.decode(), address))
+
+
+def _req(auth, token, node, csr, address):
+    """The request an edge sends: a fresh nonce, the token proven, never sent."""
+    return join_request(str(token), node_id=node, csr=csr, address=address,
+                        nonce=auth.challenge().nonce)
 
 
 def test_token_single_use_n_use_expiry_revoke_and_garbage(tmp_path):
@@ -113,8 +120,11 @@ def test_token_single_use_n_use_expiry_revoke_and_garbage(tmp_path):
         _join(auth, wrong, node="edge-h")
     for garbage in ("", "abc", "a.b.c", f"{tok.id}.{tok.secret}"):
         with pytest.raises(Unauthenticated, match="malformed"):
-            auth.join(JoinRequest(token=garbage, node_id="edge-i", csr="x",
-                                  address="tcp:127.0.0.1:1"))
+            auth.join(_req(auth, garbage, "edge-i", "x", "tcp:127.0.0.1:1"))
+    good = _req(auth, tok3, "edge-i", "x", "tcp:127.0.0.1:1")
+    for garbage_id in ("", "abc", "../" + "a" * 9, tok3.id.upper()):
+        with pytest.raises(Unauthenticated, match="malformed"):
+            auth.join(msgspec.structs.replace(good, token_id=garbage_id))
     other_ca = JoinToken(tok3.id, tok3.secret, "0" * 64)
     with pytest.raises(Unauthenticated, match="another CA"):
         _join(auth, other_ca, node="edge-j")
@@ -142,12 +152,13 @@ def test_a_join_whose_answer_was_lost_is_answered_again(tmp_path):
     auth, store, _ = _authority(tmp_path)
     tok, _ = auth.create_token(ttl_s=60, uses=1)
     key, csr = new_node_key("edge-a")
-    req = JoinRequest(token=str(tok), node_id="edge-a", csr=csr.decode(),
-                      address="tcp:127.0.0.1:7443")
+    req = _req(auth, tok, "edge-a", csr.decode(), "tcp:127.0.0.1:7443")
     first = auth.join(req)
+    # the very request again (a replay, or a resend of the same bytes): its nonce is spent
+    with pytest.raises(Unauthenticated, match="used already"):
+        auth.join(req)
     _, csr_again = new_node_key("edge-a", key)
-    second = auth.join(JoinRequest(token=str(tok), node_id="edge-a", csr=csr_again.decode(),
-                                   address="tcp:127.0.0.1:7443"))
+    second = auth.join(_req(auth, tok, "edge-a", csr_again.decode(), "tcp:127.0.0.1:7443"))
     assert second.certificate != first.certificate
     assert store.get_join_token(tok.id).used == 1
     from cryptography import x509
@@ -168,8 +179,7 @@ def test_joins_racing_for_the_last_uses_get_exactly_that_many(tmp_path):
 
     def one(i: int) -> bool:
         try:
-            auth.join(JoinRequest(token=str(tok), node_id=f"n-{i}", csr=csrs[i],
-                                  address="tcp:127.0.0.1:7443"))
+            auth.join(_req(auth, tok, f"n-{i}", csrs[i], "tcp:127.0.0.1:7443"))
             return True
         except Unauthenticated:
             return False
@@ -210,21 +220,46 @@ def test_rejoin_and_revocation(tmp_path):
     creds.save(key, reply.certificate.encode(), reply.ca.encode())
     assert all(_mode(p) == 0o600 for p in (creds.key_path, creds.cert_path, creds.ca_path))
 
+    def request(addr: str, peer: str | None = None) -> RejoinRequest:
+        nonce = auth.challenge(peer).nonce
+        sig = creds.sign(rejoin_message("edge-a", addr, nonce))
+        return RejoinRequest(node_id="edge-a", address=addr, nonce=nonce,
+                             certificate=creds.cert_pem().decode(),
+                             signature=base64.b64encode(sig).decode())
+
     def rejoin(addr: str) -> object:
-        t = int(clock[0])
-        sig = creds.sign(rejoin_message("edge-a", addr, t))
-        return auth.rejoin(RejoinRequest(node_id="edge-a", address=addr, time=t,
-                                         certificate=creds.cert_pem().decode(),
-                                         signature=base64.b64encode(sig).decode()))
+        return auth.rejoin(request(addr))
     rejoin("tcp:127.0.0.9:7443")
     assert store.get_node("edge-a").address == "tcp:127.0.0.9:7443"
     # a signature over another address does not move it
-    t = int(clock[0])
-    sig = creds.sign(rejoin_message("edge-a", "tcp:1.1.1.1:1", t))
+    nonce = auth.challenge().nonce
+    sig = creds.sign(rejoin_message("edge-a", "tcp:1.1.1.1:1", nonce))
     with pytest.raises(Unauthenticated, match="bad signature"):
-        auth.rejoin(RejoinRequest(node_id="edge-a", address="tcp:6.6.6.6:1", time=t,
+        auth.rejoin(RejoinRequest(node_id="edge-a", address="tcp:6.6.6.6:1", nonce=nonce,
                                   certificate=creds.cert_pem().decode(),
                                   signature=base64.b64encode(sig).decode()))
+    # a rejoin is good once (a replay is refused) ...
+    req = request("tcp:127.0.0.8:7443")
+    auth.rejoin(req)
+    assert store.get_node("edge-a").address == "tcp:127.0.0.8:7443"
+    with pytest.raises(Unauthenticated, match="used already"):
+        auth.rejoin(req)
+    # ... only from the address that asked for its nonce, which is also what an
+    # advertised 0.0.0.0 records (the signature covers it) ...
+    req = request("tcp:0.0.0.0:7443", peer="10.251.0.7")
+    with pytest.raises(Unauthenticated, match="issued to 10.251.0.7"):
+        auth.rejoin(req, "10.251.0.66")
+    auth.rejoin(req, "10.251.0.7")
+    assert store.get_node("edge-a").address == "tcp:10.251.0.7:7443"
+    # ... and within its lifetime; a forged nonce is refused
+    req = request("tcp:127.0.0.9:7443")
+    clock[0] += NONCE_TTL_S + 1
+    with pytest.raises(Unauthenticated, match="expired"):
+        auth.rejoin(req)
+    forged = msgspec.structs.replace(req, nonce=req.nonce[:-4] + "0000")
+    with pytest.raises(Unauthenticated, match="not this cluster's"):
+        auth.rejoin(forged)
+    rejoin("tcp:127.0.0.9:7443")
     auth.revoke_node("edge-a")
     assert cert_fingerprint(_der(creds.cert_path)) in store.revoked_fingerprints()
     with pytest.raises(PermissionDenied, match="revoked"):

@@ -265,7 +265,9 @@ async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> 
             assert r.status_code == 403, r.text
             # garbage joins: clear errors, nothing created
             for body in ({"token": "nope", "node_id": "x", "csr": "x",
-                          "address": "tcp:127.0.0.1:1"}, {"what": 1}):
+                          "address": "tcp:127.0.0.1:1"}, {"what": 1},
+                         {"token_id": "nope", "ca_sha256": "c", "node_id": "x", "csr": "x",
+                          "address": "tcp:127.0.0.1:1", "nonce": "n", "proof": "p"}):
                 r = await anon.post("/v1/cluster/join", json=body)
                 assert r.status_code in (400, 401), r.text
                 assert r.json()["message"]
@@ -274,8 +276,10 @@ async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> 
             assert rt.join_authority.list_nodes() == []
             # a guesser is cut off by the unauthenticated-request budget (429)
             # (sent 300 at once: the budget refills at 20/s while they are answered)
-            guess = {"token": f"{'a' * 12}.{'b' * 43}.{'c' * 64}", "node_id": "x",
-                     "csr": "x", "address": "tcp:127.0.0.1:1"}
+            nonce = (await anon.post("/v1/cluster/challenge")).json()["nonce"]
+            guess = {"token_id": "a" * 12, "ca_sha256": rt.join_authority.ca.fingerprint,
+                     "node_id": "x", "csr": "x", "address": "tcp:127.0.0.1:1",
+                     "nonce": nonce, "proof": "b" * 64}
             answers = await asyncio.gather(*(anon.post("/v1/cluster/join", json=guess)
                                              for _ in range(300)))
             codes = {r.status_code for r in answers}
@@ -384,16 +388,16 @@ async def test_an_edge_killed_before_the_answer_joins_again_with_the_same_token(
     apiserver recorded the node): started again with the same single-use token, it is
     answered again instead of refused, and serves."""
     from dsec.cluster.ca import NodeCredentials, new_node_key
-    from dsec.cluster.join import JoinRequest
+    from dsec.cluster.join import join_request
     async with apiserver(tmp_path / "cp") as rt, rest(rt) as http:
         tok, _ = rt.join_authority.create_token(ttl_s=600, uses=1)
         port = free_port()
         creds = NodeCredentials(str(tmp_path / "far" / "cluster"))
         key, csr = new_node_key("far-1")
         creds.save_key(key)                            # what the edge does first
-        rt.join_authority.join(JoinRequest(              # the join it sent; answer lost
-            token=str(tok), node_id="far-1", csr=csr.decode(),
-            address=f"tcp:127.0.0.1:{port}"))
+        rt.join_authority.join(join_request(             # the join it sent; answer lost
+            tok, node_id="far-1", csr=csr.decode(), address=f"tcp:127.0.0.1:{port}",
+            nonce=rt.join_authority.challenge().nonce))
         assert rt.join_authority.store.get_join_token(tok.id).used == 1
         edge = EdgeProc(tmp_path / "far", f"tcp:127.0.0.1:{port}")
         try:

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -37,7 +38,8 @@ from dsec.aether.messages import Goaway
 from dsec.errors import ConnectFailed, ConnectionLost, InvalidArgument, Overloaded, TransportError
 from dsec.rmtree import remove_tree
 
-__all__ = ["Address", "Server", "connect", "parse_address", "refusal_frame", "serve"]
+__all__ = ["Address", "Server", "connect", "parse_address", "peer_key", "refusal_frame",
+           "serve"]
 
 log = logging.getLogger("dsec.aether")
 
@@ -52,6 +54,17 @@ _PEER_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ECO
 _UCRED = struct.Struct("3i")    # struct ucred: pid, uid, gid
 # connect() errors that are this side's own shortage, not the peer's absence.
 _LOCAL_ERRNOS = _OUT_OF_FDS | {errno.EADDRNOTAVAIL, errno.EAGAIN}
+# A TLS 1.3 handshake is one round trip and a few ms of CPU; a peer that has not finished
+# it in this long is not a client worth a pending slot (its slot is evictable sooner).
+TLS_HANDSHAKE_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class _Handshake:
+    """A socket admitted to a TLS listener whose handshake has not finished: it holds
+    one pending slot of ``peer`` until ``released``."""
+    peer: str
+    released: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -193,6 +206,12 @@ class Server:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attaching: set[asyncio.Task[None]] = set()
+        # TLS listeners: sockets still in their handshake, oldest first. They hold a
+        # pending slot like a connection that has not authenticated, so they are evicted
+        # like one (first: a peer past the handshake has shown the CA's certificate) -
+        # else sockets that never send a ClientHello fill the listener and the
+        # apiserver's own dial is refused (red team 16 F8).
+        self._handshakes: dict[asyncio.Task[None], _Handshake] = {}
         self._closing = False
         self._paused: asyncio.TimerHandle | None = None
         self._backoff = ACCEPT_BACKOFF_MIN
@@ -299,7 +318,7 @@ class Server:
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         peer = _peer_key(sock, addr)
         verdict = self.admission.admit(peer)
-        if verdict is not None and verdict[0] == "pending_full" and self._pending:
+        if verdict is not None and verdict[0] == "pending_full" and self.pending_count():
             self.evict_oldest_pending()
             verdict = self.admission.admit(peer)
         elif verdict is not None and verdict[0] == "fds" and self.budget.make_room():
@@ -316,48 +335,83 @@ class Server:
             self.admission.release(peer, established=False)
             return
         assert self._loop is not None
-        task = self._loop.create_task(self._attach(sock, peer))
+        hs = _Handshake(peer)
+        task = self._loop.create_task(self._attach(sock, peer, hs))
         self._attaching.add(task)
         task.add_done_callback(self._attaching.discard)
+        if self.ssl is not None:
+            self._handshakes[task] = hs
+            task.add_done_callback(self._handshake_over)
 
-    async def _attach(self, sock: socket.socket, peer: str) -> None:
+    def _handshake_over(self, task: asyncio.Task[None]) -> None:
+        self._handshakes.pop(task, None)
+
+    def _release_handshake(self, hs: _Handshake) -> None:
+        if not hs.released:
+            hs.released = True
+            self.admission.release(hs.peer, established=False)
+
+    async def _attach(self, sock: socket.socket, peer: str, hs: _Handshake) -> None:
         assert self._loop is not None
         guard = Guard(limits=self.limits, budget=self.budget, stats=self.stats, peer=peer,
                       on_established=self._established)
+
+        def accepted(conn: Connection) -> None:
+            # the handshake is over: from here the Connection holds the slot (never
+            # evicted as a handshake, never released twice)
+            hs.released = True
+            self._accepted(conn)
 
         def factory() -> AetherProtocol:
             return AetherProtocol(router=self.router, dialer=False,
                                   max_frame=self.limits.max_frame,
                                   name=f"{self.address}<-{peer or 'peer'}",
-                                  on_connection=self._accepted, guard=guard)
+                                  on_connection=accepted, guard=guard)
 
         try:
             if self.ssl is None:
                 await self._loop.connect_accepted_socket(factory, sock)
                 return
             try:
-                # The handshake happens here, bounded by the auth deadline: a peer that
-                # opens a socket and never finishes it holds a pending slot no longer
-                # than one that never authenticates.
+                # The handshake happens here, bounded by a short deadline (at most the
+                # auth deadline): a peer that opens a socket and never finishes it holds
+                # a pending slot no longer than one that never authenticates, and is the
+                # first evicted when the listener's pending slots are full.
                 await self._loop.connect_accepted_socket(
                     factory, sock, ssl=self.ssl,
-                    ssl_handshake_timeout=self.limits.auth_timeout_s or 60.0)
+                    ssl_handshake_timeout=min(self.limits.auth_timeout_s or 60.0,
+                                              TLS_HANDSHAKE_TIMEOUT_S))
             except (OSError, TimeoutError) as exc:   # ssl.SSLError is an OSError
                 sock.close()
-                self.admission.release(peer, established=False)
+                self._release_handshake(hs)
                 self.stats.refuse("tls")
                 log.info("listener %s: TLS handshake with %s failed: %s", self.address,
                          peer, getattr(exc, "reason", None) or exc)
         except BaseException:
             sock.close()
-            self.admission.release(peer, established=False)
+            if self.ssl is None:
+                self.admission.release(peer, established=False)
+            else:
+                self._release_handshake(hs)
             raise
 
     def pending_count(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._handshakes)
 
     def evict_oldest_pending(self) -> bool:
-        """Close the oldest connection that has not authenticated yet, to make room."""
+        """Close the oldest connection that has not authenticated yet, to make room:
+        first a socket still in its TLS handshake (its slot is given back at once, the
+        handshake task is cancelled and closes the socket), else the oldest connection
+        that has not authenticated."""
+        while self._handshakes:
+            task, hs = next(iter(self._handshakes.items()))
+            del self._handshakes[task]
+            if hs.released or task.done():
+                continue
+            self._release_handshake(hs)
+            self.stats.refuse("evicted")
+            task.cancel()
+            return True
         if not self._pending:
             return False
         oldest = next(iter(self._pending))
@@ -385,8 +439,15 @@ class Server:
             self.admission.release(conn.peer, established=conn.established)
 
     def _refuse(self, sock: socket.socket, kind: str, reason: str) -> None:
-        """Tell the peer why (GOAWAY, code ``overloaded``) and close, without a transport."""
+        """Tell the peer why (GOAWAY, code ``overloaded``) and close, without a transport.
+        On a TLS listener the refusal is a plain close: a plaintext frame is no answer a
+        TLS client can read (it reports a garbled record, not the reason)."""
         self.stats.refuse(kind)
+        if self.ssl is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+            self._log_refusals()
+            return
         try:
             sock.setblocking(False)
             sock.send(refusal_frame(reason))
@@ -507,8 +568,23 @@ def _peer_key(sock: socket.socket, addr: Any) -> str:
         except OSError:
             return "unix"
     if isinstance(addr, tuple) and addr:
-        return str(addr[0])
+        return peer_key(str(addr[0]))
     return str(addr)
+
+
+def peer_key(host: str) -> str:
+    """What per-address limits count an IP peer by: an IPv4 address as is; an IPv6 one
+    by its /64 (one host is handed a whole /64: 2^64 addresses would make per-address
+    limits moot); an IPv4-mapped one by its IPv4."""
+    if ":" not in host:
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
 
 
 class _SpareFd:

@@ -26,10 +26,12 @@ writing the files of one directory (:func:`init_ca`, :func:`load_ca`).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -52,10 +54,13 @@ __all__ = [
     "JoinToken",
     "NodeCredentials",
     "cert_fingerprint",
+    "check_nonce",
     "client_context",
     "init_ca",
     "issue_node_cert",
+    "join_proof",
     "load_ca",
+    "make_nonce",
     "new_node_key",
     "server_context",
 ]
@@ -349,15 +354,73 @@ def check_issued(cert_pem: bytes, ca_pem: bytes, key_pem: bytes, *, node_id: str
         raise PermissionDenied(f"the certificate is for node {cn!r}, not {node_id!r}")
 
 
+# ------------------------------------------------------------------ challenges
+# A join or rejoin starts with a server nonce (POST /v1/cluster/challenge). It names the
+# address the challenge was asked from and expires soon; it is MAC'd with a key derived
+# from the CA's key, so every replica sharing the CA can check one another's nonces with
+# no shared state. The join's proof and the rejoin's signature cover it: a captured join
+# or rejoin is bound to one nonce (used once), one peer address and one CSR/key.
+NONCE_TTL_S = 60.0
+
+
+def _nonce_key(ca: ClusterCA) -> bytes:
+    der = ca.key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+    return hmac.new(der, b"dsec-join-nonce-v1", hashlib.sha256).digest()
+
+
+def make_nonce(ca: ClusterCA, peer: str, *, now_s: float) -> str:
+    """A fresh challenge for a client at ``peer`` (``""``: unknown, in-process)."""
+    body = base64.urlsafe_b64encode(json.dumps(
+        {"e": int(now_s + NONCE_TTL_S), "r": secrets.token_hex(16), "p": peer},
+        separators=(",", ":")).encode()).decode().rstrip("=")
+    mac = hmac.new(_nonce_key(ca), body.encode(), hashlib.sha256).hexdigest()
+    return f"{body}.{mac}"
+
+
+def check_nonce(ca: ClusterCA, nonce: str, peer: str, *, now_s: float) -> tuple[str, float]:
+    """The peer address a nonce of this CA was issued to, and when it expires; refused if
+    forged, expired or asked from another address than ``peer`` (the request's)."""
+    body, _, mac = nonce.partition(".")
+    want = hmac.new(_nonce_key(ca), body.encode(), hashlib.sha256).hexdigest()
+    if not mac or not hmac.compare_digest(mac, want):
+        raise Unauthenticated("the challenge nonce is not this cluster's: ask "
+                              "POST /v1/cluster/challenge for a fresh one")
+    try:
+        data = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        expires, issued_to = float(data["e"]), str(data["p"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Unauthenticated("unreadable challenge nonce") from exc
+    if expires <= now_s:
+        raise Unauthenticated(f"the challenge nonce expired {now_s - expires:.0f}s ago "
+                              f"(nonces live {NONCE_TTL_S:g}s): ask for a fresh one")
+    if issued_to != peer:
+        raise Unauthenticated(f"the challenge nonce was issued to {issued_to or 'another'} "
+                              f"client, not {peer or 'this one'}: a join or rejoin is "
+                              "answered only to the address that asked for its nonce")
+    return issued_to, expires
+
+
+def join_proof(secret_hash: bytes, nonce: str, node_id: str, address: str,
+               csr_pem: bytes) -> str:
+    """What proves a join token without sending it: an HMAC keyed by sha256(secret) (the
+    apiserver stores only that) over the nonce, node id, address and the CSR. Whoever
+    sees it on the wire can neither learn the secret nor use it for another key, node,
+    address or nonce."""
+    msg = "\n".join(("dsec-join-v2", nonce, node_id, address,
+                     hashlib.sha256(csr_pem).hexdigest())).encode()
+    return hmac.new(secret_hash, msg, hashlib.sha256).hexdigest()
+
+
 # ------------------------------------------------------------------ rejoin proof
-def rejoin_message(node_id: str, address: str, time_s: int) -> bytes:
-    """What a restarted edge signs with its key to announce its address without a token."""
-    return f"dsec-rejoin\n{node_id}\n{address}\n{time_s}".encode()
+def rejoin_message(node_id: str, address: str, nonce: str) -> bytes:
+    """What a restarted edge signs with its key to announce its address without a token:
+    the server's nonce (one use, bound to the address it was asked from) included."""
+    return f"dsec-rejoin-v2\n{node_id}\n{address}\n{nonce}".encode()
 
 
 def verify_rejoin(ca: ClusterCA, cert_pem: bytes, signature: bytes, node_id: str,
-                  address: str, time_s: int, *, now_s: float,
-                  skew_s: float = 300.0) -> str:
+                  address: str, nonce: str, *, now_s: float) -> str:
     """Check a rejoin: ``cert_pem`` is the CA's, for ``node_id``, unexpired, and signed
     the message; returns the certificate's fingerprint (the caller checks it is the
     node's recorded, unrevoked one)."""
@@ -373,13 +436,10 @@ def verify_rejoin(ca: ClusterCA, cert_pem: bytes, signature: bytes, node_id: str
     if not cert.not_valid_before_utc.timestamp() <= now_s <= cert.not_valid_after_utc.timestamp():
         raise Unauthenticated(f"rejoin of {node_id}: the certificate expired; join again "
                               "with a token")
-    if abs(now_s - time_s) > skew_s:
-        raise Unauthenticated(f"rejoin of {node_id}: its time {time_s} is {now_s - time_s:+.0f}s "
-                              f"off (more than {skew_s:g}s); check the clocks")
     pub = cert.public_key()
     assert isinstance(pub, ec.EllipticCurvePublicKey)
     try:
-        pub.verify(signature, rejoin_message(node_id, address, time_s),
+        pub.verify(signature, rejoin_message(node_id, address, nonce),
                    ec.ECDSA(hashes.SHA256()))
     except InvalidSignature as exc:
         raise Unauthenticated(f"rejoin of {node_id}: bad signature") from exc

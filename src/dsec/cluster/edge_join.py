@@ -1,18 +1,22 @@
 """The edge's side of joining: ``dsec edge --join URL --token TOKEN``.
 
-First start: make an EC P-256 key and a CSR, send them with the token to the apiserver's
-``POST /v1/cluster/join``, check the answer (the CA is the one the token pins, the
+First start: make an EC P-256 key and a CSR, ask the apiserver for a nonce (``POST
+/v1/cluster/challenge``), send the CSR with the token's id and a proof of the token
+(``HMAC(sha256(secret), nonce | node | address | sha256(CSR))``: the secret itself never
+leaves this host) to ``POST /v1/cluster/join``, check the answer (the CA is the one the token pins, the
 certificate is the CA's, for this node and this key), and keep key, certificate and CA
 in ``<state-dir>/cluster/`` (0600 each, 0700 dir) with the join URL in ``join.json``.
 Later starts need no token: the edge announces its address with ``POST
-/v1/cluster/rejoin``, signed by its key. A revoked node is told so and does not start.
+/v1/cluster/rejoin``, signed by its key over a fresh nonce (good once, and only from the
+address that asked for it). A revoked node is told so and does not start.
 An apiserver that cannot be reached at a restart is not fatal: the replicas still have
 the node's row and dial it.
 
-The join goes over HTTPS when the URL says so (the system's CAs or ``SSL_CERT_FILE``
-verify the apiserver), else over plain HTTP: then the token's CA hash is what makes the
-answer trustworthy (a man in the middle can steal a single-use token, not make the edge
-trust another CA; run joins over HTTPS or a private network).
+The join goes over HTTPS when the URL says so (verified by the system's CAs,
+``SSL_CERT_FILE``, or ``$DSEC_JOIN_CA`` when set: a PEM file of the CA that signed the
+apiserver's HTTPS certificate), else over plain HTTP: an observer of the path then learns
+no secret (the proof is good for one nonce and this CSR only), and the token's CA hash
+keeps the edge from trusting another CA.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from dsec.aether.transport import parse_address
 from dsec.cluster.ca import (
     JoinToken,
@@ -34,6 +40,7 @@ from dsec.cluster.ca import (
     new_node_key,
     rejoin_message,
 )
+from dsec.cluster.join import join_request
 from dsec.errors import (
     ConnectFailed,
     DsecError,
@@ -60,9 +67,24 @@ class JoinedEdge:
 def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     import httpx
 
+    if not url.startswith(("http://", "https://")):
+        raise InvalidArgument(f"--join {url!r}: use http://HOST:PORT or https://HOST:PORT")
+    verify: Any = True
+    ca_file = os.environ.get("DSEC_JOIN_CA")
+    if ca_file and url.startswith("https://"):
+        import ssl
+        verify = ssl.create_default_context(cafile=ca_file)
     try:
-        r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout)
+        r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout, verify=verify)
     except httpx.HTTPError as exc:
+        if _untrusted(exc):
+            # not a blip to wait out: the endpoint is not the one we were told to trust
+            # (InvalidArgument, not PermissionDenied: a refused *node* is told apart,
+            # and makes an edge given a token discard its credentials)
+            raise InvalidArgument(
+                f"the https join URL {url} presented a certificate this edge does not "
+                f"trust ({exc}); give the CA that signed it in $DSEC_JOIN_CA (a PEM file) "
+                "or the system's store / $SSL_CERT_FILE") from exc
         raise ConnectFailed(f"could not reach the apiserver at {url}: {exc}") from exc
     try:
         data = r.json()
@@ -74,6 +96,18 @@ def _post(url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str
     if not isinstance(data, dict):
         raise InvalidArgument(f"unexpected answer from {url}{path}")
     return data
+
+
+def _untrusted(exc: BaseException) -> bool:
+    import ssl
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: str | None,
@@ -138,11 +172,14 @@ def prepare_joined_edge(state_dir: str | None, *, join_url: str | None, token: s
     key_pem, csr_pem = new_node_key(node_id, pending)
     if pending is None:
         creds.save_key(key_pem)
-    body = {"token": str(tok), "node_id": node_id, "csr": csr_pem.decode(),
-            "address": str(adv)}
     deadline = clock() + wait_s
     while True:
         try:
+            # a fresh nonce per attempt (a lost answer's retry is a new request: the
+            # apiserver recognises the same token and key)
+            nonce = _challenge(join_url, timeout)
+            body = msgspec.to_builtins(join_request(
+                tok, node_id=node_id, csr=csr_pem.decode(), address=str(adv), nonce=nonce))
             reply = _post(join_url, "/v1/cluster/join", body, timeout)
             break
         except ConnectFailed as exc:
@@ -172,13 +209,20 @@ def _write_meta(path: str, url: str) -> None:
     os.replace(tmp, path)
 
 
+def _challenge(url: str, timeout: float) -> str:
+    nonce = _post(url, "/v1/cluster/challenge", {}, timeout).get("nonce")
+    if not isinstance(nonce, str) or not nonce:
+        raise InvalidArgument(f"the apiserver at {url} sent no challenge nonce")
+    return nonce
+
+
 def _rejoin(url: str, creds: NodeCredentials, node_id: str, address: str,
             timeout: float) -> None:
-    t = int(time.time())
-    sig = creds.sign(rejoin_message(node_id, address, t))
     try:
+        nonce = _challenge(url, timeout)
+        sig = creds.sign(rejoin_message(node_id, address, nonce))
         _post(url, "/v1/cluster/rejoin", {
-            "node_id": node_id, "address": address, "time": t,
+            "node_id": node_id, "address": address, "nonce": nonce,
             "certificate": creds.cert_pem().decode(),
             "signature": base64.b64encode(sig).decode()}, timeout)
     except DsecError as exc:

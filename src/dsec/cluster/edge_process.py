@@ -28,7 +28,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dsec.control.supervisor import (
@@ -96,9 +96,13 @@ class EdgeProcess:
                  policy: RestartPolicy | None = None,
                  on_report: Callable[[str, str, str], None] | None = None,
                  on_ready: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 env: Mapping[str, str] | None = None) -> None:
         self.node = node
         self.argv = list(argv)
+        # added to the inherited environment (secrets that must stay out of argv, e.g.
+        # a join token: $DSEC_JOIN_TOKEN)
+        self.env = dict(env or {})
         self.paths = paths
         self.sup = Supervision(f"edge {node}", policy)
         self.on_report = on_report
@@ -231,7 +235,7 @@ class EdgeProcess:
             self.proc = subprocess.Popen(
                 [*self.argv, "--ready-fd", str(ready_w), "--supervisor-pid", str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(ready_w,),
-                start_new_session=True)
+                start_new_session=True, env={**os.environ, **self.env} if self.env else None)
         except OSError as exc:
             os.close(ready_r)
             self._report(Report("error", f"edge {self.node} could not be started: {exc}"))

@@ -16,8 +16,8 @@ network namespace but loopback listeners):
 ```
 
 - Every member namespace has one veth into the hub's bridge and an address of its own;
-  the apiserver replicas dial the edges across the bridge over TCP (a token today, TLS
-  with ``join``), exactly as they would across machines. A link cut (:meth:`cut`) is the
+  the apiserver replicas dial the edges across the bridge over TCP with mutual TLS
+  (each edge joined with a token of its own), exactly as they would across machines. A link cut (:meth:`cut`) is the
   member's ``eth0`` going down: packets vanish, nothing is refused, as in a partition.
 - Why the apiservers sit in namespaces of their own, not in the root one: routing
   10.251.0.0/24 from the root namespace needs an interface and a route there, which
@@ -32,17 +32,20 @@ network namespace but loopback listeners):
   into its namespace by ``nsenter --net``: only the network namespace changes, so its
   mounts, cgroups and layer store are the machine's, as on a real host), with its own
   state dir, layer store and container root; a crashed edge is restarted and re-adopts
-  its sandboxes. The harness also keeps one relay per edge (the "admin door") so it can
-  list and destroy sandboxes on a host even while that host is cut off.
+  its sandboxes (a restart rejoins with the key it kept, no token). The harness also
+  keeps one relay per edge (the "admin door") so it can list and destroy sandboxes on a
+  host even while that host is cut off; it dials through it as the apiserver does (the
+  cluster CA's client certificate, the node id checked).
 - Ownership: before it creates anything, the cluster records the names it will use in
   ``/run/dsec/hosts/<id>.json`` with an owner file (:mod:`dsec.ownership`). Everything
   is removed in :meth:`HostCluster.stop`; :func:`reap` removes what a killed run left
   (its processes, namespaces and the mounts under its state dir), and every new cluster
   calls it first.
 
-How edges are attached to the apiservers is :func:`attach_edge` alone (static
-``--edge NODE=tcp:ADDR`` + a token file today; ``dsec edge --join URL --token`` when
-the join stream lands).
+How edges are attached to the apiservers is :func:`attach_edge` alone: ``dsec edge
+--join URL`` with a single-use join token per edge (``$DSEC_JOIN_TOKEN``, never argv),
+minted through replica 0's REST door; the replicas learn the edges from the store's
+``nodes`` table (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -123,18 +126,20 @@ class Attachment:
 
     edge_argv: tuple[str, ...]
     apiserver_argv: tuple[str, ...]
+    edge_env: tuple[tuple[str, str], ...] = ()
 
 
-def attach_edge(node: str, address: str, *, token_file: str, apiserver_url: str) -> Attachment:
-    """The one place that says how an edge is attached (plan-16 "Edge membership"):
-    today every apiserver is started with ``--edge NODE=tcp:ADDR`` and the edge with the
-    shared Aether token (``token_file``). When ``dsec edge --join URL --token`` lands,
-    this returns the edge's ``--join apiserver_url --token <join token>`` flags and no
-    apiserver flags (membership then comes from the store's ``nodes`` table);
-    ``apiserver_url`` is replica 0's REST address on the bridge, which the hosts reach
-    (the replicas are started, and serve, before any edge)."""
-    return Attachment(edge_argv=("--listen", f"tcp:{address}", "--token-file", token_file),
-                      apiserver_argv=("--edge", f"{node}=tcp:{address}"))
+def attach_edge(node: str, address: str, *, token: str, apiserver_url: str) -> Attachment:
+    """The one place that says how an edge is attached (plan-16 "Edge membership"): the
+    edge joins with ``--join apiserver_url`` and its own single-use join ``token`` (in
+    its environment), serving mutual TLS on ``address``; the apiservers get no flags
+    (membership comes from the store's ``nodes`` table). ``apiserver_url`` is replica
+    0's REST address on the bridge, which the hosts reach (the replicas are started, and
+    serve, before any edge). The same as :func:`dsec.cluster.join.edge_join_args`, with
+    the token minted over REST (the replicas are other processes owning the store)."""
+    del node
+    return Attachment(edge_argv=("--listen", f"tcp:{address}", "--join", apiserver_url),
+                      apiserver_argv=(), edge_env=(("DSEC_JOIN_TOKEN", token),))
 
 
 # --------------------------------------------------------------------------- netns
@@ -431,7 +436,6 @@ class HostCluster:
         self.admin_key = ""
         self.edges: dict[str, EdgeProcess] = {}
         self.replicas: list[_Replica] = []
-        self.token_file = os.path.join(self.state_dir, "edge-token")
         # the replicas' state dir (store, their local.json); the cluster's own local.json
         # (the relay's address) is in state_dir, where Client() and the CLI look
         self.api_dir = os.path.join(self.state_dir, "api")
@@ -440,6 +444,7 @@ class HostCluster:
         self._rest: Relay | None = None
         self._gw: Relay | None = None
         self._doors: dict[str, Relay] = {}   # node -> relay to its edge (admin door)
+        self._tls: Any = None                # the cluster CA's client context (doors)
         self._record = _record_path(self.id, records_dir)
         self._created: list[str] = []        # netns created, in order
         self._lock_fd = -1
@@ -478,9 +483,6 @@ class HostCluster:
             "state_dir": self.state_dir, "pid": os.getpid()})
         ownership.claim(self._record)
         self._make_network()
-        with open(os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-                  "w") as f:
-            f.write(secrets.token_hex(32))
         self._lt = _LoopThread()
         self._lt.run(self._start_async())
 
@@ -524,11 +526,9 @@ class HostCluster:
     def _host_dir(self, node: str) -> str:
         return os.path.join(self.state_dir, "hosts", node)
 
-    def _edge_argv(self, i: int) -> list[str]:
+    def _edge_argv(self, i: int, att: Attachment) -> list[str]:
         cfg, m, node = self.config, self.host_members[i], self.node_ids[i]
         d = self._host_dir(node)
-        att = attach_edge(node, f"{m.address}:{EDGE_PORT}", token_file=self.token_file,
-                          apiserver_url=self._bridge_url)
         argv = ["nsenter", f"--net={_netns_path(m.name)}", "--", *DSEC_ARGV, "edge",
                 *att.edge_argv, "--state-dir", os.path.join(d, "edge"), "--node-id", node,
                 "--cpus", repr(cfg.cpus_per_host), "--memory", str(cfg.memory_per_host),
@@ -554,14 +554,23 @@ class HostCluster:
         argv = [*DSEC_ARGV, "apiserver", "--state-dir", self.api_dir,
                 "--listen", f"{m.address}:{rest_port}", "--gateway", f"tcp:127.0.0.1:{gw_port}",
                 "--backend", cfg.default_backend, "--node-ttl", repr(cfg.node_ttl_s),
-                "--edge-token-file", self.token_file, "--quiet"]
+                "--quiet"]
         if cfg.store is not None:
             argv += ["--store", cfg.store]
-        for i, h in enumerate(self.host_members):
-            argv += attach_edge(self.node_ids[i], f"{h.address}:{EDGE_PORT}",
-                                token_file=self.token_file,
-                                apiserver_url=self._bridge_url).apiserver_argv
         return argv
+
+    async def _join_token(self, node: str) -> str:
+        """A single-use join token for ``node``, minted by a replica (superuser REST)."""
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.url, timeout=30, headers={
+                "authorization": f"Bearer {self.admin_key}"}) as http:
+            r = await http.post("/v1/cluster/tokens", json={
+                "ttl_s": 600, "uses": 1, "description": f"dsec up --hosts: {node}"})
+        if r.status_code != 201:
+            raise TransportError(f"could not mint a join token for host {node}: HTTP "
+                                 f"{r.status_code} {r.text[:300]}")
+        return str(r.json()["token"])
 
     def _layers(self) -> None:
         """The busybox base in every host's store and the apiservers' (it builds to the
@@ -609,8 +618,12 @@ class HostCluster:
                               state_dir=os.path.join(d, "edge"),
                               pid_file=os.path.join(d, "edge.pid"),
                               log_file=os.path.join(d, "edge.log"))
-            self.edges[node] = EdgeProcess(node, self._edge_argv(i), paths,
-                                           policy=self.config.restart)
+            att = attach_edge(node, f"{m.address}:{EDGE_PORT}",
+                              token=await self._join_token(node),
+                              apiserver_url=self._bridge_url)
+            self.edges[node] = EdgeProcess(node, self._edge_argv(i, att), paths,
+                                           policy=self.config.restart,
+                                           env=dict(att.edge_env))
             self.edges[node].begin()
         await asyncio.gather(*(p.started() for p in self.edges.values()))
         await self._until_healthy()
@@ -762,15 +775,14 @@ class HostCluster:
     async def edge_client(self, node: str) -> Any:
         """An Aether client of ``node``'s edge, through its admin door (the caller closes
         it)."""
+        from dsec.cluster.ca import load_ca
+        from dsec.cluster.membership import EdgeTls
         from dsec.edge.client import EdgeClient
 
-        token = self._token()
+        if self._tls is None:
+            self._tls = load_ca(os.path.join(self.api_dir, "cluster")).client_context()
         return await EdgeClient.connect(f"tcp:127.0.0.1:{self._doors[node].port}",
-                                        token=token, timeout=10)
-
-    def _token(self) -> bytes:
-        with open(self.token_file, "rb") as f:
-            return f.read().strip()
+                                        tls=EdgeTls(node, self._tls), timeout=10)
 
     def edge_ids(self, node: str) -> list[str]:
         """The live sandboxes ``node``'s edge holds now (its own word, not the

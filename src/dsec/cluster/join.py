@@ -3,13 +3,20 @@
 :class:`JoinAuthority` is the logic (the store, the CA, a clock); :func:`join_routes` its
 REST doors:
 
-- ``POST /v1/cluster/join`` (no API key: the join token is the credential): a CSR, the
-  node id and the advertised address in; the signed certificate and the CA out. The
-  token use and the ``nodes`` row are one transaction, written only after the CSR was
-  signed: an expired, revoked, used-up or garbage token creates nothing.
+- ``POST /v1/cluster/challenge`` (no API key): a nonce, bound to the address that asked
+  and valid :data:`~dsec.cluster.ca.NONCE_TTL_S`; every join and rejoin starts with one.
+- ``POST /v1/cluster/join`` (no API key: a proof of the join token is the credential): a
+  CSR, the node id, the advertised address, the token's id and
+  ``HMAC(sha256(secret), nonce | node | address | sha256(CSR))`` in (the secret never
+  crosses the network: a captured join is good for that one nonce, address and key
+  only); the signed certificate and the CA out. The token use and the ``nodes`` row are
+  one transaction, written only after the CSR was signed: an expired, revoked, used-up
+  or garbage token creates nothing.
 - ``POST /v1/cluster/rejoin`` (no API key: a signature by the node's key over its id,
-  address and the time, with its certificate): a restarted edge announces its address
-  without a token. A revoked node's certificate is refused.
+  address and a nonce, with its certificate): a restarted edge announces its address
+  without a token. A revoked node's certificate is refused; a nonce is good once, and
+  only from the address it was issued to (which is also the address recorded for an
+  advertised ``0.0.0.0``): a replayed rejoin moves nothing.
 - ``GET/POST /v1/cluster/tokens``, ``DELETE /v1/cluster/tokens/{id}[?nodes=true]``,
   ``GET /v1/cluster/nodes``, ``POST /v1/cluster/nodes/{id}/revoke``: superusers only.
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,11 +41,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from dsec.aether.transport import Address, parse_address
 from dsec.cluster.ca import (
+    NONCE_TTL_S,
     ClusterCA,
     JoinToken,
     cert_fingerprint,
+    check_nonce,
     issue_node_cert,
+    join_proof,
     key_fingerprint,
+    make_nonce,
     verify_rejoin,
 )
 from dsec.control.store.membership import JoinTokenRow, NodeRow
@@ -53,21 +65,41 @@ from dsec.errors import (
 )
 from dsec.ids import parse_node_id
 
-__all__ = ["JoinAuthority", "JoinReply", "JoinRequest", "RejoinRequest", "edge_join_args",
-           "join_routes"]
+__all__ = ["ChallengeReply", "JoinAuthority", "JoinReply", "JoinRequest", "RejoinRequest",
+           "edge_join_args", "join_request", "join_routes"]
 
 log = logging.getLogger("dsec.cluster.join")
 
 MAX_BODY = 16 << 10          # a CSR is ~500 bytes; a certificate ~700
 MAX_TTL_S = 365 * 86400.0
 MAX_USES = 10_000
+_TOKEN_ID = re.compile(r"[0-9a-f]{12}")
+
+
+class ChallengeReply(msgspec.Struct, frozen=True, kw_only=True):
+    nonce: str
+    peer: str                # the address the apiserver sees this client at
+    expires_in_s: float
 
 
 class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    token: str
+    token_id: str            # the token's <id> (never its secret)
+    ca_sha256: str           # the CA the token pins (a token of another cluster: a clear error)
     node_id: str
     csr: str                 # PEM
     address: str             # tcp:HOST:PORT the replicas dial (HOST 0.0.0.0: the peer's IP)
+    nonce: str               # from POST /v1/cluster/challenge
+    proof: str               # ca.join_proof(sha256(secret), nonce, node_id, address, csr)
+
+
+def join_request(token: str | JoinToken, *, node_id: str, csr: str, address: str,
+                 nonce: str) -> JoinRequest:
+    """The join request an edge sends for ``token`` (the secret stays here)."""
+    tok = token if isinstance(token, JoinToken) else JoinToken.parse(token)
+    return JoinRequest(token_id=tok.id, ca_sha256=tok.ca_sha256, node_id=node_id, csr=csr,
+                       address=address, nonce=nonce,
+                       proof=join_proof(tok.secret_hash, nonce, node_id, address,
+                                        csr.encode()))
 
 
 class JoinReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,7 +113,7 @@ class JoinReply(msgspec.Struct, frozen=True, kw_only=True):
 class RejoinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     node_id: str
     address: str
-    time: int
+    nonce: str               # from POST /v1/cluster/challenge (once, from that address)
     certificate: str         # PEM
     signature: str           # base64 ECDSA-SHA256 over ca.rejoin_message(...)
 
@@ -148,6 +180,32 @@ class JoinAuthority:
         # node ids this apiserver has as static edges (`dsec up`'s edge-N, --edge flags):
         # a joined node may not take one
         self.reserved = reserved
+        # nonces spent on this replica -> their expiry (pruned as they expire). A nonce
+        # is also bound to its peer address, so another replica could take a replay
+        # only from the very address that asked for it, within NONCE_TTL_S.
+        self._spent: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ nonces
+    def challenge(self, peer: str | None = None) -> ChallengeReply:
+        return ChallengeReply(nonce=make_nonce(self.ca, peer or "", now_s=self.clock()),
+                              peer=peer or "", expires_in_s=NONCE_TTL_S)
+
+    def _check_nonce(self, nonce: str, peer: str | None) -> str:
+        """Check the nonce (this CA's, unexpired, issued to ``peer``, unspent); returns
+        the peer address it was issued to. Spending it is :meth:`_spend`'s."""
+        now = self.clock()
+        issued_to, _ = check_nonce(self.ca, nonce, peer or "", now_s=now)
+        if nonce in self._spent:
+            raise Unauthenticated("this challenge nonce was used already: ask "
+                                  "POST /v1/cluster/challenge for a fresh one per request")
+        return issued_to
+
+    def _spend(self, nonce: str) -> None:
+        now = self.clock()
+        for n, exp in list(self._spent.items()):
+            if exp <= now:
+                self._spent.pop(n, None)
+        self._spent[nonce] = now + NONCE_TTL_S + 1.0
 
     # ------------------------------------------------------------------ tokens
     def create_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
@@ -195,8 +253,11 @@ class JoinAuthority:
 
     # ------------------------------------------------------------------ join
     def join(self, req: JoinRequest, peer: str | None = None) -> JoinReply:
-        tok = JoinToken.parse(req.token)
-        if tok.ca_sha256 != self.ca.fingerprint:
+        if not _TOKEN_ID.fullmatch(req.token_id):
+            raise Unauthenticated("malformed join token id: expected 12 hex digits (the "
+                                  "first part of the token `dsec cluster token create` "
+                                  "printed)")
+        if req.ca_sha256 != self.ca.fingerprint:
             raise Unauthenticated("the join token pins another CA than this cluster's "
                                   f"(sha256 {self.ca.fingerprint}); it was made by another "
                                   "cluster, or this one's CA was remade")
@@ -204,45 +265,51 @@ class JoinAuthority:
         if node in self.reserved:
             raise Conflict(f"node id {node!r} is a static edge of this cluster (`dsec up`'s "
                            "own, or an --edge flag): pick another --node-id")
-        addr = _advertised(req.address, peer)
         if len(req.csr) > MAX_BODY:
             raise PayloadTooLarge("CSR too large", limit=MAX_BODY)
+        # The nonce binds the request to the address that asked for it (and the address
+        # recorded for an advertised 0.0.0.0 is that one: the proof covers it).
+        addr = _advertised(req.address, self._check_nonce(req.nonce, peer))
         # The cheap token check first (a guesser costs no signature; a used-up token may
         # still be the retry of a join whose answer was lost: join_node decides) ...
-        row = self.store.get_join_token(tok.id)
+        row = self.store.get_join_token(req.token_id)
         now = self.clock()
         if (row is None or row.revoked or row.expires_at <= now
-                or not _same(row.secret_hash, tok.secret_hash)):
+                or not _same(join_proof(row.secret_hash, req.nonce, req.node_id, req.address,
+                                        req.csr.encode()).encode(), req.proof.encode())):
             raise Unauthenticated(_token_refusal(row, now))
+        self._spend(req.nonce)
+        tok_id, secret_hash = row.id, row.secret_hash
         cert = issue_node_cert(self.ca, req.csr.encode(), node)
         fp = cert_fingerprint(cert)
         # ... then the use and the row, together (two joins racing for the last use:
         # one wins, the other's certificate is thrown away unrecorded and never valid).
         pub = cert.public_key()
         assert isinstance(pub, ec.EllipticCurvePublicKey)
-        why = self.store.join_node(tok.id, tok.secret_hash, now, NodeRow(
-            node_id=node, address=str(addr), cert_fingerprint=fp, token_id=tok.id,
+        why = self.store.join_node(tok_id, secret_hash, now, NodeRow(
+            node_id=node, address=str(addr), cert_fingerprint=fp, token_id=tok_id,
             joined_at=now, key_fingerprint=key_fingerprint(pub)))
         if why == "taken":
             raise Conflict(f"node {node!r} is already joined; pick another --node-id, or "
                            f"revoke it first (`dsec cluster node revoke {node}`)")
         if why:
-            raise Unauthenticated(_token_refusal(self.store.get_join_token(tok.id), now))
+            raise Unauthenticated(_token_refusal(self.store.get_join_token(tok_id), now))
         from cryptography.hazmat.primitives import serialization
-        log.info("node %s joined at %s with token %s", node, addr, tok.id)
+        log.info("node %s joined at %s with token %s", node, addr, tok_id)
         return JoinReply(node_id=node, certificate=cert.public_bytes(
             serialization.Encoding.PEM).decode(), ca=self.ca.pem.decode(),
             ca_sha256=self.ca.fingerprint, address=str(addr))
 
     def rejoin(self, req: RejoinRequest, peer: str | None = None) -> NodeView:
         node = parse_node_id(req.node_id)
-        addr = _advertised(req.address, peer)
+        addr = _advertised(req.address, self._check_nonce(req.nonce, peer))
         try:
             sig = base64.b64decode(req.signature, validate=True)
         except ValueError as exc:
             raise Unauthenticated("rejoin signature is not base64") from exc
         fp = verify_rejoin(self.ca, req.certificate.encode(), sig, node, req.address,
-                           req.time, now_s=self.clock())
+                           req.nonce, now_s=self.clock())
+        self._spend(req.nonce)
         if fp in self.store.revoked_fingerprints():
             raise PermissionDenied(f"node {node}'s certificate was revoked: it cannot rejoin "
                                    "with it; join again with a new token (as a new node id "
@@ -266,6 +333,10 @@ def edge_join_args(authority: JoinAuthority, url: str, *, node_id: str, listen: 
     tok, _ = authority.create_token(ttl_s=ttl_s, uses=1, description=f"join {node_id}")
     return (["--join", url, "--node-id", node_id, "--listen", listen],
             {"DSEC_JOIN_TOKEN": str(tok)})
+
+
+class _Empty(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The (empty) body of a challenge request."""
 
 
 def _same(a: bytes, b: bytes) -> bool:
@@ -306,6 +377,8 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
             "reporting it"), rid)
 
     def decode(t: type[Any], raw: bytes) -> Any:
+        if t is _Empty:          # a challenge: whatever the body, nothing is read from it
+            return _Empty()
         try:
             return msgspec.json.decode(raw, type=t)
         except msgspec.DecodeError as exc:
@@ -380,8 +453,16 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
 
     from dsec.control.api.openapi import Op, Param
 
+    def challenge(raw: Any, client: str | None) -> ChallengeReply:
+        del raw
+        return authority.challenge(client)
+
     tag = "cluster"
     return [
+        (Route("/v1/cluster/challenge", anonymous(challenge, _Empty), methods=["POST"]),
+         Op("POST", "/v1/cluster/challenge", "clusterChallenge",
+            "A nonce for one join or rejoin (bound to the caller's address)", None,
+            ChallengeReply, tag=tag, auth=False)),
         (Route("/v1/cluster/join", anonymous(authority.join, JoinRequest), methods=["POST"]),
          Op("POST", "/v1/cluster/join", "clusterJoin", "Join an edge with a join token",
             JoinRequest, JoinReply, tag=tag, auth=False, body_credential=True)),

@@ -42,6 +42,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
+from dsec.aether.transport import peer_key
 from dsec.errors import InvalidArgument, Overloaded
 
 __all__ = ["GuardedHttpProtocol", "HttpLimits", "guarded_protocol", "uvicorn_server"]
@@ -99,7 +100,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
-        self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else "unix"
+        # an IPv6 peer counts by its /64, as on the Aether listeners
+        self._peer = peer_key(str(peer[0])) if isinstance(peer, tuple) and peer else "unix"
         self._established = False
         self._in_headers = True
         self._in_body = False
