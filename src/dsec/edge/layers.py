@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -85,6 +86,12 @@ class EdgeLayers:
         self.chunk_bytes = chunk_bytes
         self._free = free_bytes or _free_bytes
         self._receiving: dict[str, asyncio.Future[LayerManifest]] = {}
+        # Receives admitted and not yet published or refused: each one's bytes still to
+        # be written (its size less what it wrote). Room is checked against free space
+        # less the reserve less this sum, and the admission is recorded in the same step
+        # (no await between), so two fetches at once cannot both count the same free
+        # bytes (red team 16 F9: both passed one statvfs and wrote through the reserve).
+        self._admitted: dict[int, list[int]] = {}
 
     def store(self) -> LayerStore:
         s = self._store()
@@ -168,16 +175,22 @@ class EdgeLayers:
                 f"budget of {budget} bytes; raise --image-store-budget or place elsewhere",
                 resource="image_bytes", requested=m.size_bytes, limit=budget)
         free = await asyncio.to_thread(self._free, store.root)
-        if m.size_bytes > free - HOST_RESERVE_BYTES:
+        pending = sum(size - written for size, written in self._admitted.values())
+        room = free - HOST_RESERVE_BYTES - pending
+        if m.size_bytes > room:
             raise CapacityExceeded(
                 f"layer {m.digest} is {m.size_bytes} bytes; the layer store's filesystem has "
-                f"{free} bytes free and keeps {HOST_RESERVE_BYTES} in reserve; free space or "
-                "place elsewhere", resource="disk_bytes", requested=m.size_bytes,
-                available=max(0, free - HOST_RESERVE_BYTES))
+                f"{free} bytes free, keeps {HOST_RESERVE_BYTES} in reserve and "
+                f"{pending} for transfers already admitted; free space or place "
+                "elsewhere", resource="disk_bytes", requested=m.size_bytes,
+                available=max(0, room))
+        ticket = [m.size_bytes, 0]
+        key = id(ticket)
+        self._admitted[key] = ticket
         check = LayerCheck(m, max_chunk=self.chunk_bytes)
         path = store.incoming()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 while True:
                     try:
@@ -198,10 +211,22 @@ class EdgeLayers:
                         break
                     check.feed(data)
                     await asyncio.to_thread(f.write, data)
+                    ticket[1] += len(data)
                 check.finish()
                 await asyncio.to_thread(_sync, f)
             return await asyncio.to_thread(store.adopt, path, m)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # the filesystem filled anyway (another writer of it: a build, a snapshot):
+            # a capacity refusal, not an internal error; the scratch file goes below
+            raise CapacityExceeded(
+                f"layer {m.digest}: the layer store's filesystem filled after "
+                f"{check.received} of {m.size_bytes} bytes ({exc.strerror}); nothing kept; "
+                "free space or place elsewhere", resource="disk_bytes",
+                requested=m.size_bytes) from None
         finally:
+            del self._admitted[key]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
