@@ -77,7 +77,8 @@ class SnapshotCharges(Protocol):
     def registry_pull(self, project: str) -> tuple[bool, str | None]: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
-                        size_bytes: int) -> None: ...
+                        size_bytes: int, *, kind: str | None = None,
+                        parent: str | None = None, stack: tuple[str, ...] = ()) -> None: ...
     def release_snapshot(self, snapshot_id: str) -> None: ...
     def image_limits(self, project: str) -> list[tuple[str, int]]: ...
 
@@ -476,7 +477,9 @@ class ImageAdmin:
         try:
             if ns:
                 for m in made:
-                    self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                    self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes,
+                                                 kind=m.kind, parent=m.parent,
+                                                 stack=m.stack)
                     charged.append(m.digest)
             store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns,
                       admit=self.admit_names(ns))
@@ -611,7 +614,9 @@ class ImageAdmin:
             try:
                 if ns:
                     for m in res.made:
-                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes,
+                                                 kind=m.kind, parent=m.parent,
+                                                 stack=m.stack)
                         charged.append(m.digest)
                 # named only once charged, through the image_bytes check under the
                 # store's lock: a refused pull moves no tag

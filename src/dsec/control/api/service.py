@@ -294,7 +294,8 @@ class QuotaGate(Protocol):
     def snapshot_room(self, project: str) -> int | None: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
-                        size_bytes: int) -> None: ...
+                        size_bytes: int, *, kind: str | None = None,
+                        parent: str | None = None, stack: tuple[str, ...] = ()) -> None: ...
     def release_snapshot(self, snapshot_id: str) -> None: ...
 
 
@@ -1240,8 +1241,12 @@ class ApiService:
                                effect=True)
         if self.quotas is not None and not info.unchanged:
             try:
+                # what it stands on, recorded now: a fetch onto another node takes the
+                # layer's meaning from here, never from a holder (red team 16 F1)
                 self.quotas.charge_snapshot(info.id, info.project or project,
-                                            info.node or node_of(sid), info.size_bytes)
+                                            info.node or node_of(sid), info.size_bytes,
+                                            kind="snapshot", parent=info.parent,
+                                            stack=info.stack)
             except QuotaExceeded:
                 with contextlib.suppress(DsecError):
                     await edge.delete_snapshot(info.id)
