@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dsec.errors import CapacityExceeded, CorruptLayer, ImageNotFound, StreamReset
+from dsec.image import diskroom
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
 from dsec.image.transfer import CHUNK_BYTES, LayerCheck, chain_order, decode_manifest
 from dsec.wire.layers import MAX_CHAIN, LayerChain, LayerStored
@@ -86,12 +87,6 @@ class EdgeLayers:
         self.chunk_bytes = chunk_bytes
         self._free = free_bytes or _free_bytes
         self._receiving: dict[str, asyncio.Future[LayerManifest]] = {}
-        # Receives admitted and not yet published or refused: each one's bytes still to
-        # be written (its size less what it wrote). Room is checked against free space
-        # less the reserve less this sum, and the admission is recorded in the same step
-        # (no await between), so two fetches at once cannot both count the same free
-        # bytes (red team 16 F9: both passed one statvfs and wrote through the reserve).
-        self._admitted: dict[int, list[int]] = {}
 
     def store(self) -> LayerStore:
         s = self._store()
@@ -174,22 +169,28 @@ class EdgeLayers:
                 f"layer {m.digest} is {m.size_bytes} bytes, over this node's image store "
                 f"budget of {budget} bytes; raise --image-store-budget or place elsewhere",
                 resource="image_bytes", requested=m.size_bytes, limit=budget)
-        free = await asyncio.to_thread(self._free, store.root)
-        pending = sum(size - written for size, written in self._admitted.values())
-        room = free - HOST_RESERVE_BYTES - pending
-        if m.size_bytes > room:
+        # Room is checked against free space less the reserve less what writers of the
+        # same filesystem were granted and have not written yet, and this receive's
+        # grant is taken in the same step (dsec.image.diskroom): two fetches at once
+        # never both count the same free bytes (red team 16 F9: both passed one
+        # statvfs and wrote through the reserve to ENOSPC).
+        need = m.size_bytes
+        grant, room = await asyncio.to_thread(
+            diskroom.admit, store.root,
+            lambda r: need if need <= r.free - HOST_RESERVE_BYTES - r.pending else None,
+            free=None if self._free is _free_bytes else self._free)
+        if grant is None:
+            left = room.free - HOST_RESERVE_BYTES - room.pending
             raise CapacityExceeded(
                 f"layer {m.digest} is {m.size_bytes} bytes; the layer store's filesystem has "
-                f"{free} bytes free, keeps {HOST_RESERVE_BYTES} in reserve and "
-                f"{pending} for transfers already admitted; free space or place "
-                "elsewhere", resource="disk_bytes", requested=m.size_bytes,
-                available=max(0, room))
-        ticket = [m.size_bytes, 0]
-        key = id(ticket)
-        self._admitted[key] = ticket
+                f"{room.free} bytes free, keeps {HOST_RESERVE_BYTES} in reserve and "
+                f"{room.pending} for writes already admitted (fetches, snapshots); free "
+                "space or place elsewhere", resource="disk_bytes", requested=m.size_bytes,
+                available=max(0, left))
         check = LayerCheck(m, max_chunk=self.chunk_bytes)
-        path = store.incoming()
+        path: str | None = None
         try:
+            path = store.incoming()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 while True:
@@ -211,7 +212,7 @@ class EdgeLayers:
                         break
                     check.feed(data)
                     await asyncio.to_thread(f.write, data)
-                    ticket[1] += len(data)
+                    grant.wrote(len(data))
                 check.finish()
                 await asyncio.to_thread(_sync, f)
             return await asyncio.to_thread(store.adopt, path, m)
@@ -226,9 +227,10 @@ class EdgeLayers:
                 "free space or place elsewhere", resource="disk_bytes",
                 requested=m.size_bytes) from None
         finally:
-            del self._admitted[key]
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            grant.release()
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def _sync(f: Any) -> None:
