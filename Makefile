@@ -8,8 +8,9 @@ APT_STAMP := .apt-installed
 # images for tests and the demo), tini/catatonit (PID 1 in sandboxes), runc (the
 # reference OCI runtime), iproute2 + nftables (sandbox networking), libseccomp2, openssl
 # (the network tests' HTTPS/DoT servers: a self-signed certificate made once per run).
-# skopeo pulls images from OCI registries (dsec.image.pull); docker-registry (the CNCF
-# distribution registry) is the tests' local registry; umoci the bench's baseline.
+# skopeo seeds the tests' registry and, with umoci, is the pull bench's baseline (dsec
+# pulls with its own client, dsec.image.distribution); docker-registry (the CNCF
+# distribution registry) is the tests' local registry.
 # postgresql-15: the PostgreSQL state store's tests and the cluster bench start throwaway
 # servers from its initdb/pg_ctl (dsec.cluster.pgserver; never the system cluster).
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
