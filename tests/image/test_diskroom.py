@@ -57,3 +57,29 @@ def test_concurrent_admissions_never_grant_more_than_there_is(tmp_path: object) 
         for g in grants:
             g.release()
     assert diskroom.pending(path) == 0
+
+
+async def test_a_writer_cancelled_while_admitted_leaks_no_grant(tmp_path: object) -> None:
+    import asyncio
+    import time
+
+    path = str(tmp_path)
+    started = threading.Event()
+
+    def slow_free(p: str) -> int:
+        started.set()
+        time.sleep(0.3)           # statvfs on a slow filesystem
+        return 1 << 40
+
+    task = asyncio.ensure_future(diskroom.admit_async(path, lambda r: 1 << 20,
+                                                      free=slow_free))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    deadline = time.monotonic() + 5
+    while diskroom.pending(path) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert diskroom.pending(path) == 0

@@ -175,8 +175,8 @@ class EdgeLayers:
         # never both count the same free bytes (red team 16 F9: both passed one
         # statvfs and wrote through the reserve to ENOSPC).
         need = m.size_bytes
-        grant, room = await asyncio.to_thread(
-            diskroom.admit, store.root,
+        grant, room = await diskroom.admit_async(
+            store.root,
             lambda r: need if need <= r.free - HOST_RESERVE_BYTES - r.pending else None,
             free=None if self._free is _free_bytes else self._free)
         if grant is None:

@@ -18,13 +18,14 @@ happens anyway is a capacity refusal at every writer, never an internal error.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
-__all__ = ["Grant", "Room", "admit", "pending"]
+__all__ = ["Grant", "Room", "admit", "admit_async", "pending"]
 
 _lock = threading.Lock()
 _grants: dict[int, set[Grant]] = {}
@@ -94,3 +95,23 @@ def admit(path: str, size: Callable[[Room], int | None], *,
         g = Grant(dev, max(0, n))
         _grants.setdefault(dev, set()).add(g)
         return g, room
+
+
+async def admit_async(path: str, size: Callable[[Room], int | None], *,
+                      free: Callable[[str], int] | None = None) -> tuple[Grant | None, Room]:
+    """:func:`admit` in a worker thread (``statvfs`` may block on a slow filesystem). A
+    caller cancelled while the thread runs never leaks the grant: it is released as
+    soon as the thread is done."""
+    fut = asyncio.ensure_future(asyncio.to_thread(admit, path, size, free=free))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_release_result)
+        raise
+
+
+def _release_result(fut: asyncio.Future[tuple[Grant | None, Room]]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        grant = fut.result()[0]
+        if grant is not None:
+            grant.release()

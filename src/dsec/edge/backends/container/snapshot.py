@@ -258,7 +258,7 @@ class ContainerSnapshots:
                 return None
             return 2 * (host if bound is None or host < bound else bound)  # stage + layer
 
-        grant, room = await asyncio.to_thread(diskroom.admit, store.root, grant_size)
+        grant, room = await diskroom.admit_async(store.root, grant_size)
         if grant is None:
             raise self._host_full(sid, room.free, unbacked)
         host = seen["host"]
