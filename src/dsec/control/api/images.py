@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -26,6 +27,7 @@ import msgspec
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.store import SnapshotChargeRow
 from dsec.errors import (
+    CapacityExceeded,
     Conflict,
     DsecError,
     ImageError,
@@ -469,6 +471,17 @@ class ImageAdmin:
             made = await asyncio.to_thread(work)
         except DsecError:
             raise
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("image build %s failed", parsed.key, exc_info=exc)
+                raise ImageError(f"could not build image {parsed.key} from the upload: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            # the store's filesystem filled (red team 16 F9's class): a capacity
+            # refusal without the host path, not a bad upload; nothing is named
+            raise CapacityExceeded(
+                f"could not build image {parsed.key}: the layer store's filesystem is "
+                f"full ({exc.strerror}); nothing was named - free space in the store "
+                "(dsec image prune) or build a smaller image", resource="disk_bytes") from exc
         except Exception as exc:
             log.warning("image build %s failed", parsed.key, exc_info=exc)
             raise ImageError(f"could not build image {parsed.key} from the upload: "
