@@ -65,7 +65,9 @@ async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path) 
             await plane.poll_edges()
             assert link.full == 2
             assert {s.id for s in e.live} == {a[1].id, a[2].id, b.id}
-            assert b.id in plane.registry           # learnt from the list, as before
+            # learnt from the list, as before; made behind the control plane's back (no
+            # record of it in the store), it is quarantined, not charged (red team 16 F10)
+            assert b.id not in plane.registry and b.id in plane.quarantined("e0")
         finally:
             await plane.close()
             await link.close()

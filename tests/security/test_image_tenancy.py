@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from dsec import Client, LocalCluster
@@ -294,6 +295,12 @@ def test_snapshot_prefixes_never_expand_across_projects(world: World) -> None:
         json.dump(manifest, f)
     shutil.copy(os.path.join(store, "layers", mine[7:] + ".erofs"),
                 os.path.join(store, "layers", planted[7:] + ".erofs"))
+    # ... and recorded as mallory's (a snapshot is visible to tenants only with the
+    # control plane's record of it, never on an edge's word: red team 16, F2)
+    plane = world.cluster.runtime.plane
+    rec = plane.snapshot_record(mine)
+    assert rec is not None and rec.project == "teamc"
+    plane.store.charge_snapshot(msgspec.structs.replace(rec, id=planted), [])
     try:
         prefix = theirs[:19]
         for door in DOORS:
@@ -336,6 +343,7 @@ def test_snapshot_prefixes_never_expand_across_projects(world: World) -> None:
         assert world.http.get(f"/v1/snapshots/{theirs}",
                               headers=world.h(world.alice)).status_code == 200
     finally:
+        plane.store.delete_snapshot_charge(planted)
         os.unlink(planted_path)
         os.unlink(os.path.join(store, "layers", planted[7:] + ".erofs"))
 

@@ -42,6 +42,14 @@ a restarted one:
   (:class:`ClaimLost` internally; destroying its own sandbox if the key's answer is
   another one).
 
+A store write the claim owes after the edge acted (``finish``'s answer, ``abort``'s
+release) that fails (the store is down, or its disk full) is kept and retried in the
+background until it lands (:meth:`IdempotencyCache.finish_later`): meanwhile a request
+with the key is answered at once with a retryable :class:`~dsec.errors.Unavailable`
+(never left waiting on an answer nobody will give), and once the answer lands it is
+replayed. Should this process die first, its lease lapses and the next owner finds the
+sandbox through the claim's ``intent`` (red team 16, F11).
+
 A bounded in-memory front (``max_entries``, oldest completed first) answers repeats
 without a store read. The store is purged of expired rows (and trimmed to ``max_entries``
 finished rows, oldest first) every ``purge_every`` claims and by the control plane's
@@ -58,7 +66,7 @@ import os
 import secrets
 import socket
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -148,6 +156,7 @@ class _Entry:
     response: bytes | None = None                # set when done
     waiter: asyncio.Future[bytes] | None = None  # set while in flight
     owner: str | None = None                     # our store claim, if this process holds it
+    unstored: bool = False                       # the work is done, its answer not yet stored
 
 
 @dataclass(slots=True)
@@ -294,6 +303,8 @@ class IdempotencyCache:
                 raise self._conflict()
             if e.response is not None:
                 return Begin(replay=e.response)
+            if e.unstored:
+                raise self._unstored()
             assert e.waiter is not None
             return Begin(wait=e.waiter)
         loop = asyncio.get_running_loop()
@@ -326,6 +337,11 @@ class IdempotencyCache:
         if row.response is not None:
             self._insert(scoped_key, _Entry(fp, row.expires_at, response=row.response))
             return Begin(replay=row.response)
+        if row.holder == self.holder:
+            # A claim of this very process that no request here works on any more (its
+            # release could not be stored yet, see _retry_later): waiting on it would
+            # wait for nobody.
+            raise self._unstored()
         # Claimed by another live process and still in flight: wait for its answer.
         fut: asyncio.Future[bytes] = loop.create_future()
         self._insert(scoped_key, _Entry(fp, row.expires_at, waiter=fut))
@@ -377,6 +393,74 @@ class IdempotencyCache:
             "(its lease lapsed); retry the request to get that apiserver's answer",
             field="Idempotency-Key")
 
+    def _unstored(self) -> Unavailable:
+        return Unavailable(
+            "an earlier request with this Idempotency-Key finished, but its outcome could "
+            "not be stored yet (the state store is unavailable); it is being retried: "
+            "retry this request (same key) in a moment to get that outcome",
+            field="Idempotency-Key", retry_after=1)
+
+    def finish_later(self, scoped_key: str, response: bytes, exc: BaseException,
+                     on_lost: Callable[[], Awaitable[None]]) -> None:
+        """``finish`` failed with ``exc`` (not ClaimLost): the store could not take the
+        answer. Fail the requests waiting on it (retryable), answer later ones at once
+        with a retryable error, and retry the finish in the background until it lands
+        (then the key replays ``response``) or the claim turns out lost (``on_lost``:
+        the caller undoes its work as after a ClaimLost)."""
+        e = self._entries.get(scoped_key)
+        if e is None:
+            return
+        e.unstored = True
+        if e.waiter is not None and not e.waiter.done():
+            e.waiter.set_exception(self._unstored())
+            e.waiter.exception()
+        e.waiter = None
+        log.warning("the answer of idempotency key %r could not be stored (%s): retrying "
+                    "until it is", scoped_key.split("\x00", 1)[-1][:40], exc)
+
+        def attempt() -> bool:
+            cur = self._entries.get(scoped_key)
+            if cur is not e or not e.unstored:
+                return True
+            try:
+                self.finish(scoped_key, response)
+            except ClaimLost:
+                lost.append(True)
+            return True
+
+        lost: list[bool] = []
+
+        async def then() -> None:
+            if lost:
+                await on_lost()
+        self._retry_later(attempt, then)
+
+    def _retry_later(self, attempt: Callable[[], bool],
+                     then: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Call ``attempt`` (a store write) again and again, backing off from 50 ms to
+        1 s, until it returns True or the cache is closed; then await ``then``."""
+        async def loop() -> None:
+            delay = 0.05
+            while not self._closed:
+                await asyncio.sleep(delay)
+                try:
+                    if attempt():
+                        break
+                except Exception as err:  # noqa: BLE001 - still down: try again
+                    log.debug("idempotency store write still failing: %s", err)
+                delay = min(delay * 2, 1.0)
+            else:
+                return
+            if then is not None:
+                await then()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:   # no loop (a synchronous caller): the claim's lease lapses
+            return
+        t = running.create_task(loop(), name="dsec-idempotency-retry")
+        self._pollers.add(t)
+        t.add_done_callback(self._pollers.discard)
+
     def finish(self, scoped_key: str, response: bytes) -> None:
         """Store the answer. Raises :class:`ClaimLost` if the claim was taken over
         meanwhile (the caller must then undo its own work: the other owner answers)."""
@@ -393,6 +477,7 @@ class IdempotencyCache:
             e.waiter.set_result(response)
         e.waiter = None
         e.owner = None
+        e.unstored = False
 
     def abort(self, scoped_key: str, exc: BaseException) -> None:
         """The create failed: forget the key (a retry may try again) and fail waiters.
@@ -404,7 +489,19 @@ class IdempotencyCache:
             # Nobody may be waiting; mark retrieved so asyncio does not log it.
             e.waiter.exception()
         if e is not None and e.owner is not None and self._store is not None:
-            self._store.idem_release(scoped_key, e.owner)
+            owner, store = e.owner, self._store
+            try:
+                store.idem_release(scoped_key, owner)
+            except Exception as err:  # noqa: BLE001 - a store outage, a full disk
+                # Kept and retried: until it lands the claim looks held by this live
+                # process, and begin answers its key with a retryable error.
+                log.warning("releasing idempotency key %r failed (%s): retrying until it "
+                            "lands", scoped_key.split("\x00", 1)[-1][:40], err)
+
+                def release() -> bool:
+                    store.idem_release(scoped_key, owner)
+                    return True
+                self._retry_later(release)
 
     def holds(self, claim: Claim) -> bool:
         """Whether ``claim`` is still this request's (False once another apiserver took

@@ -18,12 +18,26 @@ those questions at once, then settles each answer with :func:`settle_probe`.
   their create and are left alone.
 - :class:`SetPaused`: listed and known, with the other pause state.
 - :class:`Probe` ``unknown``: listed but not in the registry: created through another
-  replica, or adopted by a restarted edge: recorded once the edge confirms it.
+  replica (or by this one, its record not yet in the store when it restarted). Settled
+  from the control plane's own records (:func:`settle_unknown`), never from the edge.
 
-:func:`settle_probe` turns the edge's answer into :class:`WriteOff` (the edge has not even
-a tombstone of it: it restarted without it), :class:`Forget` (it is gone), :class:`Record`
-(a live one to list) or nothing (alive as far as the registry goes, or the edge did not
-answer: ask again on the next poll).
+:func:`settle_probe` turns the edge's answer to a ``missing`` probe into :class:`WriteOff`
+(the edge has not even a tombstone of it: it restarted without it), :class:`Forget` (it
+is gone) or nothing (alive as far as the registry goes, or the edge did not answer: ask
+again on the next poll).
+
+An edge is a network peer, not the authority on who owns a sandbox (red team 16, F3/F10):
+
+- what it reports of a sandbox id that does not name it (``sb-<hex>-<node>``) is ignored
+  (:func:`split_listing`): another node's sandbox must not be written off, destroyed,
+  paused or forgotten on its word;
+- a sandbox it lists that the control plane has no record of (no row in the store's
+  ``sandboxes`` table, which every create through any replica writes) is *quarantined*
+  (:class:`Quarantine`): held aside by the runner, not charged to any project and not
+  listed, whatever project the edge claims; it is recorded the moment a record of it
+  appears in the store (a replica's batch committed late). It is not destroyed: a
+  create acknowledged by a replica that crashed before its batch reached the store
+  leaves such a sandbox, and destroying it would lose an answered create.
 """
 
 from __future__ import annotations
@@ -33,7 +47,11 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
-from dsec.errors import DsecError, SandboxNotFound
+import msgspec
+
+from dsec.control.records import SandboxRecord
+from dsec.errors import DsecError, InvalidArgument, SandboxNotFound
+from dsec.ids import node_of
 from dsec.wire.spec import SandboxInfo
 
 __all__ = [
@@ -42,6 +60,7 @@ __all__ = [
     "Forget",
     "Probe",
     "ProbeResult",
+    "Quarantine",
     "ReconcileStep",
     "Record",
     "RecordBrief",
@@ -50,6 +69,8 @@ __all__ = [
     "WriteOff",
     "plan_reconcile",
     "settle_probe",
+    "settle_unknown",
+    "split_listing",
 ]
 
 #: Sandbox states that mean "gone" (or going) to the registry.
@@ -98,13 +119,38 @@ class Forget:
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    info: SandboxInfo
+    """Record a sandbox the registry did not hold, as the control plane's own record
+    (the store's row) says it is."""
+
+    record: SandboxRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantine:
+    """A live sandbox the edge lists that the control plane has no record of: hold it
+    aside (not charged, not listed) until a record appears."""
+
+    sandbox_id: str
 
 
 ReconcileStep = DestroyWrittenOff | SetPaused | Probe
-Settled = WriteOff | Forget | Record
+Settled = WriteOff | Forget | Record | Quarantine
 #: What a probe got back: the edge's view of the sandbox, or the error it answered with.
 ProbeResult = SandboxInfo | DsecError
+
+
+def split_listing(node: str, ids: Iterable[str]) -> tuple[list[str], list[str]]:
+    """``ids`` an edge reported, split into (those naming ``node``, the others). The
+    others (another node's ids, or no sandbox id at all) are not the edge's to report."""
+    own: list[str] = []
+    foreign: list[str] = []
+    for sid in ids:
+        try:
+            mine = node_of(sid) == node
+        except InvalidArgument:
+            mine = False
+        (own if mine else foreign).append(sid)
+    return own, foreign
 
 
 def plan_reconcile(
@@ -148,18 +194,31 @@ def plan_reconcile(
 
 def settle_probe(probe: Probe, result: ProbeResult, *, node: str,
                  lost: AbstractSet[str]) -> Settled | None:
-    """What the edge's answer to ``probe`` means for the registry (None: nothing now)."""
+    """What the edge's answer to a ``missing`` probe means for the registry (None:
+    nothing now). ``unknown`` probes are not the edge's to settle: see
+    :func:`settle_unknown`."""
     sid = probe.sandbox_id
-    if probe.why == "missing":
-        if isinstance(result, SandboxNotFound):
-            # Not even a tombstone on the edge: it restarted without this one.
-            return WriteOff(sid, f"node {node} no longer has it: the node restarted "
-                                 "without it (it was not in the node's journal)")
-        if isinstance(result, DsecError):
-            return None     # ask again on the next poll
-        if result.state in GONE:
-            return Forget(sid, result.reason or "gone")
-        return None         # alive after all (the heartbeat raced it)
-    if isinstance(result, DsecError) or result.state in GONE or sid in lost:
+    if probe.why != "missing":
         return None
-    return Record(result)
+    if isinstance(result, SandboxNotFound):
+        # Not even a tombstone on the edge: it restarted without this one.
+        return WriteOff(sid, f"node {node} no longer has it: the node restarted "
+                             "without it (it was not in the node's journal)")
+    if isinstance(result, DsecError):
+        return None     # ask again on the next poll
+    if result.state in GONE:
+        return Forget(sid, result.reason or "gone")
+    return None         # alive after all (the heartbeat raced it)
+
+
+def settle_unknown(sandbox_id: str, stored_record: SandboxRecord | None, *, node: str,
+                   paused: bool, lost: AbstractSet[str]) -> Settled | None:
+    """A live sandbox ``node`` lists that the registry does not hold: recorded as the
+    control plane's own record (``stored_record``, the store's row) says, with the pause
+    state the heartbeat gives; quarantined without such a record (or with one that puts
+    it on another node); nothing if it was written off (the plan destroys those)."""
+    if sandbox_id in lost:
+        return None
+    if stored_record is None or stored_record.id != sandbox_id or stored_record.node != node:
+        return Quarantine(sandbox_id)
+    return Record(msgspec.structs.replace(stored_record, paused=paused))

@@ -81,6 +81,11 @@ class Registry:
         self._upserts: dict[str, SandboxRow] = {}
         self._deletes: set[str] = set()
         self.on_commit: list[Callable[[int], None]] = []
+        # Run before each batch is committed; one that raises keeps the batch queued.
+        # The control plane writes the tombstones of evicted sandboxes here, so that a
+        # removal never reaches the store before the tombstone that justifies it (an
+        # apiserver restarted in between would resurrect the sandbox: red team 16, F12).
+        self.before_flush: list[Callable[[], None]] = []
         # Called when a mutation is queued on an empty batch (an async runner uses it to
         # flush soon, so other replicas hear of it in milliseconds, not at the next tick).
         self.on_pending: list[Callable[[], None]] = []
@@ -211,6 +216,8 @@ class Registry:
         committed version. On a store error nothing is lost: the batch stays queued."""
         if not self._pending and not self._upserts and not self._deletes:
             return self._committed
+        for hook in self.before_flush:
+            hook()
         batch = self._take()
         try:
             first = self._store.commit_events(*batch, assign_versions=True)
@@ -227,6 +234,8 @@ class Registry:
         if not self._pending and not self._upserts and not self._deletes:
             return self._committed
         import asyncio
+        for hook in self.before_flush:
+            hook()
         batch = self._take()
         commit = asyncio.ensure_future(asyncio.to_thread(
             self._store.commit_events, *batch, assign_versions=True))

@@ -218,9 +218,6 @@ def test_a_holder_cannot_change_which_layers_a_snapshot_stands_on(rig: Rig) -> N
             "b stored the holder's word for what the snapshot stands on")
 
 
-@pytest.mark.xfail(reason="red team 16 F2: the snapshot's project from the store's "
-                   "records (control/api/service.py _find_snapshot) is the fixmain "
-                   "stream's; drop this mark when it lands", strict=False)
 def test_an_edge_cannot_hand_another_projects_snapshot_to_a_tenant(rig: Rig) -> None:
     """a's operator relabels the victim project's snapshot as project ``tenant16``'s in
     a's store. Safe: the control plane knows which project a snapshot belongs to from

@@ -67,6 +67,7 @@ from dsec.control.reconcile import (
     Forget,
     Probe,
     ProbeResult,
+    Quarantine,
     Record,
     RecordBrief,
     SetPaused,
@@ -74,6 +75,8 @@ from dsec.control.reconcile import (
     WriteOff,
     plan_reconcile,
     settle_probe,
+    settle_unknown,
+    split_listing,
 )
 from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
@@ -292,6 +295,17 @@ class ControlPlane:
     _lost: OrderedDict[str, LostSandbox] = field(default_factory=OrderedDict)
     _stalls: StallMeter | None = None
     _quotas_read: float = float("-inf")   # when the quota index was last read from the store
+    # Live sandboxes an edge lists that the control plane has no record of (node -> id ->
+    # when first seen): held aside, not charged nor listed (dsec.control.reconcile).
+    _quarantined: dict[str, dict[str, float]] = field(default_factory=dict)
+    # When each node was last logged for reporting ids that are not its own.
+    _foreign_logged: dict[str, float] = field(default_factory=dict)
+    # Tombstones not yet in the store (it was down when their sandboxes were written
+    # off): written before the registry's next batch (Registry.before_flush), which
+    # holds their removals, so a removal is never durable without its tombstone.
+    _unsaved_lost: dict[str, LostSandboxRow] = field(default_factory=dict)
+    # The store's snapshot charge rows by id, as last read (see snapshot_record).
+    _snapshot_rows: dict[str, SnapshotChargeRow] = field(default_factory=dict)
     # each node's last view from the watcher (drain/undrain re-place it at once)
     _views: dict[str, PlacementNode] = field(default_factory=dict)
     # Administration (projects, quotas, keys, sessions) and the image routes, over this
@@ -339,6 +353,7 @@ class ControlPlane:
                     config=cfg, clock=clock,
                     watcher=Watcher(WatcherConfig(ttl_s=cfg.node_ttl_s)))
         plane._quotas_read = clock()
+        registry.before_flush.append(plane._save_lost)
         metrics.on_scrape(plane._refresh_gauges)
         for lost in store.list_lost(cfg.lost_tombstones):
             try:
@@ -742,6 +757,7 @@ class ControlPlane:
     # snapshot deleted through one stayed charged on the other.
     def _sync_snapshots(self) -> None:
         rows = self.store.list_snapshot_charges()
+        self._snapshot_rows = {r.id: r for r in rows}
         # built layers a prune removed behind the control plane's back (the host CLI, the
         # store budget): their charges go, or usage would keep counting them
         gone = self.images.gone_build_charges(rows)
@@ -749,6 +765,17 @@ class ControlPlane:
             self.store.delete_snapshot_charge(cid)
         self.quota.replace_snapshots((c.id, c.project, c.size_bytes)
                                      for c in rows if c.id not in gone)
+
+    def snapshot_record(self, snapshot_id: str) -> SnapshotChargeRow | None:
+        """The control plane's own record of snapshot ``snapshot_id`` (its charge row:
+        project, node that took it), or None: the authority on whose a snapshot is, never
+        an edge's answer (red team 16, F2). Built/pulled layers (node ``""``) are not
+        snapshots. A miss re-reads the store once (another replica may have taken it)."""
+        row = self._snapshot_rows.get(snapshot_id)
+        if row is None:
+            self._sync_snapshots()
+            row = self._snapshot_rows.get(snapshot_id)
+        return row if row is not None and row.node else None
 
     def snapshot_room(self, project: str) -> int | None:
         """Bytes a new snapshot of ``project`` may store (None: no snapshot quota)."""
@@ -791,6 +818,7 @@ class ControlPlane:
         """A snapshot was deleted: its bytes leave the quota usage."""
         self.store.delete_snapshot_charge(snapshot_id)
         self.quota.remove_snapshot(snapshot_id)
+        self._snapshot_rows.pop(snapshot_id, None)
 
     def commit(self, token: object, info: SandboxInfo) -> None:
         self.quota.remove(str(token))
@@ -867,6 +895,14 @@ class ControlPlane:
                               match=match if want_paused is not None or items else None)
         return [_info_of(r) for r in recs], more
 
+    def recorded_project(self, sandbox_id: str) -> str | None:
+        """The project the registry records for ``sandbox_id`` (None: no record): what
+        access checks go by before an edge's answer."""
+        try:
+            return self.registry.sandbox(sandbox_id).project
+        except SandboxNotFound:
+            return None
+
     def lost(self, sandbox_id: str) -> LostSandbox | None:
         """The tombstone of a sandbox evicted with its lost node, if remembered."""
         return self._lost.get(sandbox_id)
@@ -916,18 +952,44 @@ class ControlPlane:
             reason="node_lost", detail=detail)])
         while len(self._lost) > self.config.lost_tombstones:
             self._lost.popitem(last=False)
-        self.store.put_lost([LostSandboxRow(id=sandbox_id, node=node, lost_at=now,
-                                            record=msgspec.to_builtins(lost))],
-                            keep=self.config.lost_tombstones)
+        # kept until stored, like every tombstone (red team 16, F12)
+        self._keep_lost([LostSandboxRow(id=sandbox_id, node=node, lost_at=now,
+                                        record=msgspec.to_builtins(lost))])
         log.warning("sandbox %s written off: %s", sandbox_id, detail)
         return True
 
     def _write_off(self, rec: SandboxRecord, detail: str) -> None:
         now = self.clock()
         row = self._tombstone(rec, "node_lost", now, detail=detail)
-        self.store.put_lost([row], keep=self.config.lost_tombstones)
+        self._keep_lost([row])
         self.registry.evict([rec.id], reason="node_lost")
         log.warning("sandbox %s written off: %s", rec.id, detail)
+
+    def _keep_lost(self, rows: list[LostSandboxRow]) -> bool:
+        """Make tombstones durable: written now if the store answers, else kept and
+        written before the registry's next batch (which carries their removals; see
+        :meth:`_save_lost`). True when they are in the store."""
+        for row in rows:
+            self._unsaved_lost[row.id] = row
+        try:
+            self._save_lost()
+        except Exception as exc:  # noqa: BLE001 - the store's outage (Unavailable), a full disk
+            log.warning("%d tombstone(s) of written-off sandboxes could not be stored (%s): "
+                        "kept, and written before their removal from the registry is",
+                        len(self._unsaved_lost), exc)
+            return False
+        return True
+
+    def _save_lost(self) -> None:
+        """Write the tombstones not yet stored (a registry batch waits for this: it
+        raises while the store is down, and the batch stays queued)."""
+        if not self._unsaved_lost:
+            return
+        rows = list(self._unsaved_lost.values())
+        self.store.put_lost(rows, keep=self.config.lost_tombstones)
+        for row in rows:
+            if self._unsaved_lost.get(row.id) is row:
+                del self._unsaved_lost[row.id]
 
     def _tombstone(self, rec: SandboxRecord, reason: str, now: float,
                    detail: str | None = None) -> LostSandboxRow:
@@ -1181,11 +1243,13 @@ class ControlPlane:
         labels = dict(hb.labels)
         labels.update({f"{BACKEND_LABEL}{b}": "1" for b in hb.backends})
         if hb.sandboxes is not None:
+            listed = self._own(e.node, hb.sandboxes, "heartbeat")
             e.live = tuple(LiveSandbox(id=b.id, project=b.project, cpu_milli=b.cpu_milli,
                                        memory_bytes=b.memory_bytes, priority=b.priority,
-                                       paused=b.state == "paused") for b in hb.sandboxes)
+                                       paused=b.state == "paused") for b in listed)
             e.listed_at = now
         else:
+            listed = []
             self._follow_feed(e, feed)
         await self._carry_out(self.watcher.handle(NodeHeartbeat(
             time=now, view=PlacementNode(
@@ -1194,7 +1258,9 @@ class ControlPlane:
                 cpu_milli_used=hb.usage.cpu_milli, memory_bytes_used=hb.usage.memory_bytes,
                 max_sandboxes=hb.capacity.sandboxes, labels=labels, layers=e.images),
             sandboxes=e.live)))
-        for ev in feed.events:
+        own_events = self._own(e.node, feed.events, "event feed",
+                               key=lambda ev: ev.sandbox_id)
+        for ev in own_events:
             if ev.to_state in ("destroyed", "failed"):
                 self.forget(ev.sandbox_id, ev.reason)
             elif ev.to_state == "paused" or (ev.to_state == "running" and
@@ -1205,7 +1271,7 @@ class ControlPlane:
                 except SandboxNotFound:
                     pass
         if hb.sandboxes is not None:
-            await self._reconcile(e, link, hb)
+            await self._reconcile(e, link, hb, listed)
 
     def _follow_feed(self, e: EdgeEntry, feed: Any) -> None:
         """Between full lists: the last list minus the sandboxes the feed says ended,
@@ -1285,15 +1351,41 @@ class ControlPlane:
             await self._carry_out(self.watcher.handle(
                 LinkFailed(node=e.node, time=self.clock(), cause=cause, detail=why)))
 
-    async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any) -> None:
+    def _own(self, node: str, items: Any, what: str,
+             key: Callable[[Any], str] = lambda b: str(b.id)) -> list[Any]:
+        """The items of an edge's report (heartbeat listing, feed events) about sandboxes
+        of its own node. What it says of other ids is not its to say (another node's
+        sandbox written off, destroyed or forgotten on its word: red team 16, F3): it is
+        dropped, and logged at most once a minute per node."""
+        report: list[Any] = list(items)
+        own, foreign = split_listing(node, [key(i) for i in report])
+        if not foreign:
+            return report
+        now = self.clock()
+        if now - self._foreign_logged.get(node, float("-inf")) >= _FOREIGN_LOG_S:
+            self._foreign_logged[node] = now
+            log.warning("edge %s reported %d sandbox id(s) that are not its node's in its "
+                        "%s (e.g. %s): ignored; a sandbox's id names the node that holds "
+                        "it, and no edge speaks for another (is this edge compromised?)",
+                        node, len(foreign), what, ", ".join(repr(f[:80]) for f in foreign[:3]))
+        mine = set(own)
+        return [i for i in report if key(i) in mine]
+
+    async def _reconcile(self, e: EdgeEntry, link: Any, hb: Any,
+                         listing: list[Any] | None = None) -> None:
         """Make the registry's records of node ``e`` match the heartbeat's list: the plan
         is :func:`dsec.control.reconcile.plan_reconcile` (pure); this carries it out, asks
-        the edge about every sandbox it probes at once, and settles each answer."""
+        the edge about every sandbox missing from it at once, settles each answer, and
+        settles the sandboxes it lists that the registry does not hold from the store's
+        records (never from the edge's word: they are quarantined without one).
+        ``listing``: the heartbeat's sandboxes of ``e``'s own node (filtered here if
+        not given)."""
         reg = self.registry
-        listed = [(b.id, b.state) for b in hb.sandboxes]
+        briefs = self._own(e.node, hb.sandboxes, "heartbeat") if listing is None else listing
+        listed = [(b.id, b.state) for b in briefs]
         on_node = reg.ids_on(e.node)
         records: dict[str, RecordBrief] = {}
-        for sid in on_node.union(b.id for b in hb.sandboxes):
+        for sid in on_node.union(b.id for b in briefs):
             if sid in reg:
                 rec = reg.sandbox(sid)
                 records[sid] = RecordBrief(created_at=rec.created_at, paused=rec.paused)
@@ -1301,9 +1393,13 @@ class ControlPlane:
                                records=records, zombies=self.watcher.zombies(e.node),
                                lost=self._lost.keys())
         probes: list[Probe] = []
+        unknown: list[str] = []
         for step in steps:
             if isinstance(step, Probe):
-                probes.append(step)
+                if step.why == "unknown":
+                    unknown.append(step.sandbox_id)
+                else:
+                    probes.append(step)
             elif isinstance(step, SetPaused):
                 self.paused(step.sandbox_id, step.paused)
             else:
@@ -1317,6 +1413,49 @@ class ControlPlane:
             answers = await asyncio.gather(*(self._probe(link, p.sandbox_id) for p in chunk))
             for probe, answer in zip(chunk, answers, strict=True):
                 self._settle(settle_probe(probe, answer, node=e.node, lost=self._lost.keys()))
+        self._settle_unknown(e.node, unknown, dict(listed))
+
+    def _settle_unknown(self, node: str, unknown: list[str], states: dict[str, str]) -> None:
+        """Live sandboxes ``node`` lists that the registry does not hold: recorded from the
+        store's rows (another replica created them, or this one before a restart), the
+        others quarantined (see dsec.control.reconcile); quarantined ones no longer
+        listed, or recorded meanwhile, leave the quarantine."""
+        held = self._quarantined.get(node, {})
+        for sid in [s for s in held if s not in states or s in self.registry]:
+            del held[sid]
+        rows: dict[str, SandboxRecord] = {}
+        if unknown:
+            for row in self.store.read_sandboxes(unknown):
+                try:
+                    rows[row.id] = SandboxRecord.from_dict(row.record)
+                except (msgspec.ValidationError, TypeError, ValueError):
+                    log.warning("unreadable sandbox row %s in the store ignored", row.id)
+        now = self.clock()
+        fresh: list[str] = []
+        for sid in unknown:
+            step = settle_unknown(sid, rows.get(sid), node=node,
+                                  paused=states.get(sid) == "paused", lost=self._lost.keys())
+            if isinstance(step, Quarantine):
+                q = self._quarantined.setdefault(node, {})
+                if sid not in q:
+                    q[sid] = now
+                    fresh.append(sid)
+            else:
+                self._settle(step)
+        if fresh:
+            log.warning("edge %s lists %d live sandbox(es) this control plane has no record "
+                        "of (e.g. %s): quarantined: not charged to any project nor listed "
+                        "(the project an edge claims is not evidence), recorded if a record "
+                        "appears in the store", node, len(fresh),
+                        ", ".join(fresh[:3]))
+        if not self._quarantined.get(node, True):
+            del self._quarantined[node]
+
+    def quarantined(self, node: str | None = None) -> list[str]:
+        """Ids of live sandboxes held aside because the control plane has no record of
+        them (see :meth:`_settle_unknown`), on ``node`` or on every node."""
+        nodes = [node] if node is not None else list(self._quarantined)
+        return sorted(s for n in nodes for s in self._quarantined.get(n, {}))
 
     @staticmethod
     async def _probe(link: Any, sandbox_id: str) -> ProbeResult:
@@ -1336,7 +1475,10 @@ class ControlPlane:
         elif isinstance(step, Forget):
             self.forget(step.sandbox_id, step.reason)
         elif isinstance(step, Record):
-            self._record(step.info, reason="discovered")
+            try:
+                self.registry.add_sandbox(step.record, reason="discovered")
+            except InvalidArgument:
+                pass  # recorded meanwhile
 
     async def _carry_out(self, instructions: list[Any]) -> None:
         """Execute what the watcher decided."""
@@ -1350,14 +1492,19 @@ class ControlPlane:
                 # evict_node, not evict(ins.sandbox_ids) alone: the heartbeat's list misses
                 # sandboxes created on the node after its last heartbeat.
                 now = self.clock()
+                ids, _ = split_listing(ins.node, ins.sandbox_ids)   # its own only (F3)
                 rows = [self._tombstone(rec, ins.reason, now)
-                        for rec in (self.registry.evict(ins.sandbox_ids, reason=ins.reason)
+                        for rec in (self.registry.evict(ids, reason=ins.reason)
                                     + self.registry.evict_node(ins.node, reason=ins.reason))]
                 # Durable before the registry's removal is flushed: an apiserver restarted
                 # in between still knows the node's returning sandboxes are written off.
-                self.store.put_lost(rows, keep=self.config.lost_tombstones)
+                # A store outage keeps them queued, written before the removals are.
+                saved = self._keep_lost(rows)
                 log.warning("node %s lost (no heartbeat for %.1fs; stimulus %s): evicted its "
-                            "sandboxes", ins.node, self.config.node_ttl_s, ins.stimulus_id)
+                            "%d sandbox(es)%s", ins.node, self.config.node_ttl_s,
+                            ins.stimulus_id, len(rows), "" if saved else
+                            " (their tombstones are not stored yet: retried before the "
+                            "evictions are committed)")
                 self._sever(ins.node)
             elif isinstance(ins, (DestroySandboxes, PreemptSandboxes)):
                 link = self.edge(NodeId(ins.node))
@@ -1395,7 +1542,10 @@ class ControlPlane:
                 infos = await e.link.list()
             except DsecError:
                 continue
-            for i in infos:
+            # its own node's sandboxes only: the sweep destroys by the id's node, and an
+            # edge listing another node's sandbox under a dead session must not get it
+            # destroyed there (red team 16, F3's class)
+            for i in self._own(e.node, infos, "sandbox list"):
                 s = i.spec.labels.get(SESSION_LABEL)
                 if s is not None:
                     cands.append(SweepCandidate(i.id, s, i.state))
@@ -1508,6 +1658,9 @@ class ControlPlane:
             sum(e.failure in ("answered", "blind") for e in self.edges.values()))
         m.registry_sandboxes.set(len(self.registry))
 
+
+# How often a node reporting ids that are not its own is logged (one line per node).
+_FOREIGN_LOG_S = 60.0
 
 # Edge lookups a reconcile sends at once (each is one pipelined Aether call; a restarted
 # apiserver may discover thousands of sandboxes in its first poll of an edge).

@@ -59,6 +59,7 @@ from dsec.errors import (
     ProtocolError,
     QuotaExceeded,
     RateLimited,
+    RemoteProtocolError,
     RequestTimeout,
     SandboxLost,
     SandboxNotFound,
@@ -630,6 +631,13 @@ class ApiService:
             return edge, lost, project_of(lost.info.spec)
         project = self._projects.get(sid)
         if project is None:
+            # the control plane's own record first: an edge's answer names a project
+            # only for a sandbox the control plane has no record of (red team 16, F10)
+            recorded = getattr(self.directory, "recorded_project", None)
+            project = None if recorded is None else recorded(sid)
+            if project is not None:
+                self._projects.put(sid, project)
+        if project is None:
             try:
                 info = await self._via(edge, sid, "get", lambda: edge.get(sid))
             except SandboxLost:
@@ -779,7 +787,10 @@ class ApiService:
         try:
             info = await self._create_claimed(spec, claim)
         except Exception as exc:
-            lost = isinstance(exc, ClaimLost) or not self.idempotency.holds(claim)
+            try:
+                lost = isinstance(exc, ClaimLost) or not self.idempotency.holds(claim)
+            except Exception:  # noqa: BLE001 - the store cannot say (down)
+                lost = False   # answer this request's own error
             self.idempotency.abort(scoped, exc)
             if lost:
                 return None   # e.g. the edge said our noted id is in use: the new owner made it
@@ -787,11 +798,22 @@ class ApiService:
         except BaseException as exc:
             self.idempotency.abort(scoped, exc)
             raise
+        answer = _msgpack.encode(info)
         try:
-            self.idempotency.finish(scoped, _msgpack.encode(info))
+            self.idempotency.finish(scoped, answer)
         except ClaimLost:
             await self._drop_duplicate(scoped, info)
             return None
+        except Exception as exc:
+            # The sandbox exists (its id is the claim's intent) but the answer could not
+            # be stored: kept and retried until it lands; the retries of the key are
+            # answered "retry" meanwhile, then with this sandbox (red team 16, F11).
+            self.idempotency.finish_later(scoped, answer, exc,
+                                          lambda: self._drop_duplicate(scoped, info))
+            raise Unavailable(
+                f"sandbox {info.id} was created but this create's answer could not be "
+                f"stored ({exc}); retry with the same Idempotency-Key to get it",
+                sandbox_id=info.id, retry_after=1) from exc
         return info
 
     async def _drop_duplicate(self, scoped: str, info: SandboxInfo) -> None:
@@ -880,11 +902,17 @@ class ApiService:
                 "(same Idempotency-Key) to get it", node=node, sandbox_id=sid)
         if info.state not in ("running", "paused", "pausing", "resuming"):
             return None  # the first attempt's sandbox failed or was destroyed
+        if info.id != sid:
+            raise _edge_lied(node, f"asked for sandbox {sid}, it answered {info.id!r}")
+        # Recorded as this key's request asks (the claim's fingerprint binds it), not as
+        # the edge describes it: an edge's word charges no project.
+        info = msgspec.structs.replace(info, node=node, spec=spec)
         self._adopted(info)
         return info
 
     def _adopted(self, info: SandboxInfo) -> None:
-        """Record a sandbox an earlier create made (found through its intent)."""
+        """Record a sandbox an earlier create made (found through its intent), as the
+        key's request describes it."""
         if self.quotas is not None:
             try:
                 token = self.quotas.admit(project_of(info.spec), info.spec)
@@ -899,7 +927,7 @@ class ApiService:
         has the final say on capacity). ``_IdInUse`` when the edge already has ``sid``."""
         token = self.quotas.admit(project_of(spec), spec) if self.quotas is not None else None
         try:
-            info = await self._edge_create(edge, spec, sid)
+            info = await self._edge_create(edge, spec, sid, node_of(sid))
         except BaseException:
             if self.quotas is not None:
                 self.quotas.abort(token)
@@ -911,14 +939,15 @@ class ApiService:
         return info
 
     async def _edge_create(self, edge: EdgeOps, spec: SandboxSpec,
-                           sid: str | None) -> SandboxInfo:
+                           sid: str | None, node: str) -> SandboxInfo:
         # the project's network ceilings' deny entries, enforced with the sandbox's own
         deny = ceiling_deny(self.network_ceilings(project_of(spec)))
         kw: dict[str, Any] = {"ceiling_deny": deny} if deny else {}
         if sid is None:
-            return await edge.create(spec, **kw)
+            return _answer_of(node, None, spec, await edge.create(spec, **kw))
         try:
-            return await edge.create(spec, sandbox_id=sid, **kw)
+            return _answer_of(node, sid, spec,
+                              await edge.create(spec, sandbox_id=sid, **kw))
         except InvalidArgument as exc:
             if exc.detail.get("sandbox_id") == sid and "already in use" in exc.message:
                 raise _IdInUse(sid) from exc
@@ -986,7 +1015,7 @@ class ApiService:
                 if claim is not None:
                     sid = _new_sandbox_id(node)
                     claim.note(sid)
-                info = await self._edge_create(edge, here, sid)
+                info = await self._edge_create(edge, here, sid, node)
             except CapacityExceeded as exc:
                 # The edge's own view said no: exclude it, pick again.
                 self.placer.refused(dec)
@@ -1241,20 +1270,22 @@ class ApiService:
                                effect=True)
         if self.quotas is not None and not info.unchanged:
             try:
+                # the sandbox's project and node as the control plane knows them, not as
+                # the edge's answer says (they become the snapshot's owner record: F2);
                 # what it stands on, recorded now: a fetch onto another node takes the
-                # layer's meaning from here, never from a holder (red team 16 F1)
-                self.quotas.charge_snapshot(info.id, info.project or project,
-                                            info.node or node_of(sid), info.size_bytes,
+                # layer's meaning from here, never from a later holder (F1)
+                self.quotas.charge_snapshot(info.id, project, node_of(sid), info.size_bytes,
                                             kind="snapshot", parent=info.parent,
                                             stack=info.stack)
             except QuotaExceeded:
                 with contextlib.suppress(DsecError):
                     await edge.delete_snapshot(info.id)
                 raise
+        info = msgspec.structs.replace(info, project=project, node=node_of(sid))
         note = getattr(self.directory, "note_snapshot", None)
         if note is not None:
-            note(info.node or node_of(sid), info.id)  # placement can route to it at once
-        return snapshot_view(info, [info.node or node_of(sid)])
+            note(info.node, info.id)  # placement can route to it at once
+        return snapshot_view(info, [info.node])
 
     def _edges(self) -> builtins.list[tuple[str, EdgeOps]]:
         return [(n.id, e) for n in self.directory.nodes()
@@ -1277,6 +1308,10 @@ class ApiService:
             if isinstance(res, BaseException):
                 continue  # an unreachable edge: its snapshots are missing from the answer
             for info in res:
+                owned = self._snapshot_owner(info, node, principal)
+                if owned is None:
+                    continue
+                info = owned
                 p = info.project
                 if project is not None and p != project and not p.startswith(project + "/"):
                     continue
@@ -1288,6 +1323,32 @@ class ApiService:
                 elif node not in have.nodes:
                     have.nodes.append(node)
         return sorted(merged.values(), key=lambda v: v.created_at)  # stable on ties
+
+    def _snapshot_record(self, snapshot_id: str) -> Any:
+        """The control plane's record of a snapshot (a charge row: id, project, node), or
+        None; ``...`` when there is no control plane (no records to go by)."""
+        fn = getattr(self.quotas, "snapshot_record", None)
+        return ... if fn is None else fn(snapshot_id)
+
+    def _snapshot_owner(self, info: SnapshotInfo, node: str,
+                        principal: Caller | None) -> SnapshotInfo | None:
+        """An edge's ``info`` of a snapshot as the control plane's record says it is: its
+        project is the record's, and only the recorded node's answer counts. A snapshot
+        without a record is shown to a superuser only (as the edge says: to clean up),
+        never to a tenant; an edge claiming another node's snapshot is not heard."""
+        rec = self._snapshot_record(info.id)
+        if rec is ...:
+            return info
+        if rec is None:
+            return info if principal is not None and principal.superuser else None
+        if rec.node != node:
+            return None
+        if info.project != rec.project:
+            log.warning("edge %s says snapshot %s is project %r's; the control plane's "
+                        "record says %r: the record holds", node, info.id[:19],
+                        info.project, rec.project)
+            info = msgspec.structs.replace(info, project=rec.project)
+        return info
 
     async def _visible_snapshot(self, principal: Caller, ref: str) -> str:
         """The full id of snapshot ``ref`` if ``principal`` holds a role on its project,
@@ -1307,6 +1368,8 @@ class ApiService:
         return hit[0]
 
     def _remember_snapshot(self, view: SnapshotView) -> None:
+        if self._snapshot_record(view.id) is None:
+            return   # unrecorded (seen by a superuser): its project is only an edge's word
         self._snapshots[view.id] = (view.id, view.project)
         while len(self._snapshots) > self.config.snapshot_cache_entries:
             self._snapshots.popitem(last=False)
@@ -1321,7 +1384,7 @@ class ApiService:
         error."""
         check_snapshot_ref(ref, field="snapshot")
         if len(ref) == 71:
-            view = await self._find_snapshot(ref)
+            view = await self._find_snapshot(ref, principal)
             if principal.role_on(view.project) is None:
                 raise _snapshot_not_found(ref)
             return view
@@ -1336,10 +1399,16 @@ class ApiService:
             raise _snapshot_not_found(ref)
         return hits[0]
 
-    async def _find_snapshot(self, full_id: str) -> SnapshotView:
-        """Snapshot ``full_id`` (``sha256:`` + 64 hex) on every edge holding it (no
-        access check: callers check the project)."""
+    async def _find_snapshot(self, full_id: str, principal: Caller) -> SnapshotView:
+        """Snapshot ``full_id`` (``sha256:`` + 64 hex) as the control plane's record says
+        (project, node), asked of the recorded node only (no access check: callers check
+        the project). Without a control plane, every edge is asked."""
+        rec = self._snapshot_record(full_id)
+        if rec is None and not principal.superuser:
+            raise _snapshot_not_found(full_id)
         edges = self._edges()
+        if rec is not None and rec is not ...:
+            edges = [(n, e) for n, e in edges if n == rec.node]
         results = await asyncio.gather(*(e.get_snapshot(full_id) for _, e in edges),
                                        return_exceptions=True)
         view: SnapshotView | None = None
@@ -1348,6 +1417,10 @@ class ApiService:
                 continue   # not there (or unreachable, or not a snapshot on that edge)
             if res.id != full_id:
                 continue   # an edge expanding the id differently: not this snapshot
+            owned = self._snapshot_owner(res, node, principal)
+            if owned is None:
+                continue
+            res = owned
             if view is None:
                 view = snapshot_view(res, [node])
             elif node not in view.nodes:
@@ -1745,6 +1818,32 @@ class ApiService:
 
 # Failures of the apiserver's own link to an edge (never the caller's connection).
 _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
+
+
+def _edge_lied(node: str, what: str) -> RemoteProtocolError:
+    log.warning("edge %s answered about a sandbox that is not what it was asked for "
+                "(%s): refused (is this edge compromised?)", node, what)
+    return RemoteProtocolError(
+        f"node {node} answered a create with another sandbox than it was asked for "
+        f"({what}); the create is refused there", node=node)
+
+
+def _answer_of(node: str, sid: str | None, spec: SandboxSpec,
+               info: SandboxInfo) -> SandboxInfo:
+    """An edge's answer to a create, as the control plane records it: the sandbox must
+    be ``sid`` (when one was asked for) or at least one of ``node``'s ids (an id names
+    its node: red team 16, F3), and it is the sandbox ``spec`` asked for (the edge's
+    echo of the spec, its project above all, is not taken as the record's)."""
+    try:
+        own = node_of(info.id) == node
+    except InvalidArgument:
+        own = False
+    if not own or (sid is not None and info.id != sid):
+        raise _edge_lied(node, f"it answered {info.id[:80]!r}")
+    if info.node != node or project_of(info.spec) != project_of(spec):
+        info = msgspec.structs.replace(info, node=node, spec=msgspec.structs.replace(
+            info.spec, project=project_of(spec)))
+    return info
 
 
 class _IdInUse(InvalidTransition):
