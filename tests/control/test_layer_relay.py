@@ -68,6 +68,12 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def _write(path: str, data: bytes) -> None:
+    """What a compromised holder's operator does to its own store's files."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def _layer(store: LayerStore, tmp: str, size: int) -> LayerManifest:
     src = os.path.join(tmp, "src-" + os.urandom(3).hex())
     os.makedirs(src)
@@ -164,3 +170,55 @@ async def test_a_hostile_holder_is_cut_off_and_the_receiver_keeps_nothing(
         await evil.close()
         await conn.close()
         await server.close()
+
+
+async def test_a_fetch_publishes_the_control_planes_meaning_not_the_holders(two: Two) -> None:
+    """Red team 16 F1 at the relay: the holder ``a`` rewrote its snapshot's manifest (a
+    layer of its own under it, another project, a label). The mover takes what the
+    layer is and stands on from the control plane's record (``meaning``) and only the
+    bytes from the holder: ``b`` stores the recorded stack, project and kind, never
+    the forged layer; a layer with no record does not move at all."""
+    from dsec.control.layers import LayerMeaning
+    from dsec.image.manifest import PROJECT_LABEL
+
+    img = _layer(two.a_store, two.tmp, 1 << 20)
+    evil = _layer(two.a_store, two.tmp, 1 << 20)
+    src = os.path.join(two.tmp, "snap-tree2")
+    os.makedirs(src)
+    snap = two.a_store.add_tree(src, kind="snapshot", stack=(img.digest,),
+                                labels={PROJECT_LABEL: "victim"}, namespace="victim")
+    forged = msgspec.structs.replace(snap, stack=(evil.digest, img.digest),
+                                     namespace="thief", labels={PROJECT_LABEL: "thief"},
+                                     name="stolen")
+    _write(os.path.join(two.a_store.root, "manifests", snap.hex + ".json"),
+           msgspec.json.encode(forged))
+    records = {
+        snap.digest: LayerMeaning(kind="snapshot", stack=(img.digest,), namespace="victim",
+                                  labels={PROJECT_LABEL: "victim"}),
+        img.digest: LayerMeaning(kind="toolkit"),
+    }
+    links = {"a": two.a, "b": two.b}
+    held: dict[str, set[str]] = {"a": {snap.digest, img.digest, evil.digest}, "b": set()}
+    mover = LayerMover(link=links.get, holders=lambda d: [n for n in held if d in held[n]],
+                       nodes=lambda: list(links), holds=lambda n, d: d in held[n],
+                       note=lambda n, d: held[n].add(d), meaning=records.get)
+    got = await mover.fetch("b", snap.digest, kind="snapshot")
+    assert got.copied == [img.digest, snap.digest]
+    stored = two.b_store.get(snap.digest)
+    assert stored.stack == (img.digest,) and stored.kind == "snapshot"
+    assert (stored.namespace, stored.labels, stored.name) == (
+        "victim", {PROJECT_LABEL: "victim"}, None)
+    assert not two.b_store.has(evil.digest)
+    # the kind is the record's too: a toolkit the holder calls a snapshot is no snapshot
+    tk = _layer(two.a_store, two.tmp, 1 << 20)
+    records[tk.digest] = LayerMeaning(kind="toolkit")
+    held["a"].add(tk.digest)
+    path = os.path.join(two.a_store.root, "manifests", tk.hex + ".json")
+    _write(path, msgspec.json.encode(msgspec.structs.replace(tk, kind="snapshot")))
+    with pytest.raises(ImageNotFound, match="not a snapshot"):
+        await mover.fetch("b", tk.digest, kind="snapshot")
+    assert not two.b_store.has(tk.digest)
+    # no record: the holder's word alone moves nothing
+    with pytest.raises(ImageNotFound, match="not one this cluster recorded"):
+        await mover.fetch("b", evil.digest)
+    assert not two.b_store.has(evil.digest)

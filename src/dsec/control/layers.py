@@ -35,11 +35,47 @@ from dsec.errors import (
     StreamReset,
     TransportError,
 )
+from dsec.image.manifest import LayerManifest
 from dsec.image.transfer import CHUNK_BYTES, decode_manifest
 from dsec.wire import ops
-from dsec.wire.layers import LayerFetched, LayerPut, LayerRef, LayerStored
+from dsec.wire.layers import MAX_CHAIN, LayerFetched, LayerPut, LayerRef, LayerStored
 
-__all__ = ["LayerMover", "MoveStats", "relay"]
+__all__ = ["LayerMeaning", "LayerMover", "MoveStats", "relay"]
+
+_enc = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMeaning:
+    """What a layer *is*, in the control plane's words (its records of the snapshot
+    taken, or its own store's manifest of the image built/pulled): its kind, what it
+    stands on, whose it is. A layer's digest pins its bytes only; everything else a
+    holder's manifest says is the holder's word, so a fetch publishes the layer on the
+    receiver with this meaning and the holder's bytes, never the holder's manifest (red
+    team 16 F1: a compromised holder slipped a layer of its own under a victim's
+    snapshot by editing the snapshot's ``stack``)."""
+
+    kind: str
+    parent: str | None = None
+    stack: tuple[str, ...] = ()
+    namespace: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def below(self) -> tuple[str, ...]:
+        return (*self.stack, *((self.parent,) if self.parent else ()))
+
+
+def meant_manifest(digest: str, meaning: LayerMeaning, held: LayerManifest) -> LayerManifest:
+    """The manifest the receiver stores: the authority's meaning; from the holder only
+    what describes the bytes (their size, which the sha256 over exactly that many bytes
+    checks, and descriptive counts). No name, tag or owner: a copied layer is held by
+    digest (docs/layers.md)."""
+    return LayerManifest(
+        digest=digest, kind=meaning.kind,  # type: ignore[arg-type]
+        size_bytes=held.size_bytes, created=held.created, namespace=meaning.namespace,
+        labels=dict(meaning.labels), parent=meaning.parent, stack=meaning.stack,
+        content_bytes=held.content_bytes, entries=held.entries,
+        compression=held.compression, skipped=dict(held.skipped))
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +136,9 @@ class LayerMover:
     note: Callable[[str, str], None]
     #: a layer was copied onto a node (it has it by digest only, without a name)
     copied: Callable[[str, str], None] = lambda node, digest: None
+    #: what a layer is, from the control plane's records (None: it has none, and the
+    #: layer does not move). Unset (None) only in relay unit tests: the holder's chain.
+    meaning: Callable[[str], LayerMeaning | None] | None = None
     idle_timeout_s: float = 30.0
     stats: MoveStats = field(default_factory=MoveStats)
     _inflight: dict[tuple[str, str], asyncio.Future[LayerStored]] = field(
@@ -139,6 +178,8 @@ class LayerMover:
         if not sources:
             raise ImageNotFound(f"layer {digest} is on no healthy node of this cluster",
                                 ref=digest)
+        if self.meaning is not None:
+            return await self._fetch_meant(node, digest, dst, sources, kind, out)
         last: DsecError | None = None
         for src_node in sources:
             src = self._edge(src_node)
@@ -169,6 +210,79 @@ class LayerMover:
                     out.copied.append(m.digest)
                     out.bytes += stored.size_bytes
             return out
+        raise ImageNotFound(f"layer {digest} is on no healthy node of this cluster (asked "
+                            f"{', '.join(sorted(sources))})", ref=digest) from last
+
+    def _chain(self, digest: str) -> list[tuple[str, LayerMeaning]]:
+        """``digest`` and every layer below it by the control plane's records, lowest
+        first (the order they are published in)."""
+        assert self.meaning is not None
+        out: list[tuple[str, LayerMeaning]] = []
+        done: set[str] = set()
+        visiting: set[str] = set()
+
+        def visit(d: str) -> None:
+            if d in done:
+                return
+            if d in visiting:
+                raise CorruptLayer(f"layer chain of {digest} loops at {d}", digest=digest)
+            if len(done) >= MAX_CHAIN:
+                raise CorruptLayer(f"layer {digest} stands on more than {MAX_CHAIN} layers",
+                                   digest=digest)
+            assert self.meaning is not None
+            m = self.meaning(d)
+            if m is None:
+                raise ImageNotFound(
+                    f"layer {d} is not one this cluster recorded making (no snapshot taken "
+                    "through it, no image in its store): a layer moves only with the "
+                    "control plane's record of what it is"
+                    + ("" if d == digest else f" (it is below {digest})"), ref=d)
+            visiting.add(d)
+            for b in m.below():
+                visit(b)
+            visiting.discard(d)
+            done.add(d)
+            out.append((d, m))
+
+        visit(digest)
+        return out
+
+    async def _fetch_meant(self, node: str, digest: str, dst: EdgeClient,
+                           sources: Sequence[str], kind: str | None,
+                           out: LayerFetched) -> LayerFetched:
+        chain = self._chain(digest)
+        top = chain[-1][1]
+        if kind == "snapshot" and top.kind != "snapshot":
+            raise ImageNotFound(f"{digest} is a {top.kind} layer, not a snapshot", ref=digest)
+        if kind == "image" and top.kind == "snapshot":
+            raise ImageNotFound(f"no image {digest}: it is a snapshot; start from it "
+                                "with snapshot=", ref=digest)
+        last: DsecError | None = None
+        for src_node in sources:
+            src = self._edge(src_node)
+            try:
+                for d, meaning in chain:
+                    if d in out.present or d in out.copied:
+                        continue
+                    if self.holds(node, d):
+                        out.present.append(d)
+                        continue
+                    got = await src.call(ops.LAYER_CHAIN, LayerRef(digest=d))
+                    if not got.manifests:
+                        raise CorruptLayer(f"node {src_node} answered no manifest for {d}",
+                                           digest=d, node=src_node)
+                    held = decode_manifest(got.manifests[-1], digest=d)
+                    raw = _enc.encode(meant_manifest(d, meaning, held))
+                    stored = await self._one(node, dst, src, raw, d)
+                    if stored.already:
+                        out.present.append(d)
+                    else:
+                        out.copied.append(d)
+                        out.bytes += stored.size_bytes
+                return out
+            except (ImageNotFound, TransportError, ProtocolError, RequestTimeout) as exc:
+                last = exc      # pruned since its heartbeat, or unreachable: the next one
+                continue
         raise ImageNotFound(f"layer {digest} is on no healthy node of this cluster (asked "
                             f"{', '.join(sorted(sources))})", ref=digest) from last
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dsec.errors import CapacityExceeded, CorruptLayer, ImageNotFound, StreamReset
+from dsec.image import diskroom
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
 from dsec.image.transfer import CHUNK_BYTES, LayerCheck, chain_order, decode_manifest
 from dsec.wire.layers import MAX_CHAIN, LayerChain, LayerStored
@@ -167,17 +169,29 @@ class EdgeLayers:
                 f"layer {m.digest} is {m.size_bytes} bytes, over this node's image store "
                 f"budget of {budget} bytes; raise --image-store-budget or place elsewhere",
                 resource="image_bytes", requested=m.size_bytes, limit=budget)
-        free = await asyncio.to_thread(self._free, store.root)
-        if m.size_bytes > free - HOST_RESERVE_BYTES:
+        # Room is checked against free space less the reserve less what writers of the
+        # same filesystem were granted and have not written yet, and this receive's
+        # grant is taken in the same step (dsec.image.diskroom): two fetches at once
+        # never both count the same free bytes (red team 16 F9: both passed one
+        # statvfs and wrote through the reserve to ENOSPC).
+        need = m.size_bytes
+        grant, room = await diskroom.admit_async(
+            store.root,
+            lambda r: need if need <= r.free - HOST_RESERVE_BYTES - r.pending else None,
+            free=None if self._free is _free_bytes else self._free)
+        if grant is None:
+            left = room.free - HOST_RESERVE_BYTES - room.pending
             raise CapacityExceeded(
                 f"layer {m.digest} is {m.size_bytes} bytes; the layer store's filesystem has "
-                f"{free} bytes free and keeps {HOST_RESERVE_BYTES} in reserve; free space or "
-                "place elsewhere", resource="disk_bytes", requested=m.size_bytes,
-                available=max(0, free - HOST_RESERVE_BYTES))
+                f"{room.free} bytes free, keeps {HOST_RESERVE_BYTES} in reserve and "
+                f"{room.pending} for writes already admitted (fetches, snapshots); free "
+                "space or place elsewhere", resource="disk_bytes", requested=m.size_bytes,
+                available=max(0, left))
         check = LayerCheck(m, max_chunk=self.chunk_bytes)
-        path = store.incoming()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        path: str | None = None
         try:
+            path = store.incoming()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 while True:
                     try:
@@ -198,12 +212,25 @@ class EdgeLayers:
                         break
                     check.feed(data)
                     await asyncio.to_thread(f.write, data)
+                    grant.wrote(len(data))
                 check.finish()
                 await asyncio.to_thread(_sync, f)
             return await asyncio.to_thread(store.adopt, path, m)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # the filesystem filled anyway (another writer of it: a build, a snapshot):
+            # a capacity refusal, not an internal error; the scratch file goes below
+            raise CapacityExceeded(
+                f"layer {m.digest}: the layer store's filesystem filled after "
+                f"{check.received} of {m.size_bytes} bytes ({exc.strerror}); nothing kept; "
+                "free space or place elsewhere", resource="disk_bytes",
+                requested=m.size_bytes) from None
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            grant.release()
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def _sync(f: Any) -> None:

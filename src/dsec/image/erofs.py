@@ -55,7 +55,7 @@ import uuid as _uuid
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from dsec.errors import ImageError, InvalidArgument
+from dsec.errors import CapacityExceeded, ImageError, InvalidArgument
 
 __all__ = ["CHUNK_BYTES", "MKFS", "REPRO_EPOCH", "Compression", "OutputTooLarge", "ProgressFn",
            "hash_file", "layer_uuid", "layout_for", "mkfs_erofs"]
@@ -184,6 +184,15 @@ def mkfs_erofs(src_dir: str, out_path: str, *, compression: Compression | None =
             rc == -signal.SIGXFSZ or "File too large" in err):
         raise OutputTooLarge(f"{MKFS} output for {src_dir} reached its limit of "
                              f"{max_output_bytes} bytes", limit=max_output_bytes)
+    if rc != 0 and ("No space left on device" in err or "Error 28]" in err
+                    or "Disk quota exceeded" in err):
+        # The output's filesystem filled (red team 16 F9's class: builds, snapshots and
+        # pulls write layers there): a capacity refusal, and without the host paths
+        # mkfs.erofs names. The caller removes the partial output.
+        raise CapacityExceeded(
+            f"{MKFS} could not write the layer: its filesystem is full (no space left "
+            "on device); free space in the layer store (dsec image prune) or make a "
+            "smaller layer", resource="disk_bytes")
     if rc != 0:
         raise ImageError(f"{MKFS} failed with exit code {rc} packing {src_dir}: {err.strip()}")
     if progress is not None:

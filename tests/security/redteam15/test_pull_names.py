@@ -30,7 +30,8 @@ class _Charges:
         pass
 
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
-                        size_bytes: int) -> None:
+                        size_bytes: int, *, kind: str | None = None,
+                        parent: str | None = None, stack: tuple[str, ...] = ()) -> None:
         pass
 
     def release_snapshot(self, snapshot_id: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -26,6 +27,7 @@ import msgspec
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.store import SnapshotChargeRow
 from dsec.errors import (
+    CapacityExceeded,
     Conflict,
     DsecError,
     ImageError,
@@ -77,7 +79,8 @@ class SnapshotCharges(Protocol):
     def registry_pull(self, project: str) -> tuple[bool, str | None]: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
-                        size_bytes: int) -> None: ...
+                        size_bytes: int, *, kind: str | None = None,
+                        parent: str | None = None, stack: tuple[str, ...] = ()) -> None: ...
     def release_snapshot(self, snapshot_id: str) -> None: ...
     def image_limits(self, project: str) -> list[tuple[str, int]]: ...
 
@@ -468,6 +471,17 @@ class ImageAdmin:
             made = await asyncio.to_thread(work)
         except DsecError:
             raise
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("image build %s failed", parsed.key, exc_info=exc)
+                raise ImageError(f"could not build image {parsed.key} from the upload: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            # the store's filesystem filled (red team 16 F9's class): a capacity
+            # refusal without the host path, not a bad upload; nothing is named
+            raise CapacityExceeded(
+                f"could not build image {parsed.key}: the layer store's filesystem is "
+                f"full ({exc.strerror}); nothing was named - free space in the store "
+                "(dsec image prune) or build a smaller image", resource="disk_bytes") from exc
         except Exception as exc:
             log.warning("image build %s failed", parsed.key, exc_info=exc)
             raise ImageError(f"could not build image {parsed.key} from the upload: "
@@ -476,7 +490,9 @@ class ImageAdmin:
         try:
             if ns:
                 for m in made:
-                    self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                    self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes,
+                                                 kind=m.kind, parent=m.parent,
+                                                 stack=m.stack)
                     charged.append(m.digest)
             store.tag(made[0].digest, parsed.name, parsed.tag, namespace=ns,
                       admit=self.admit_names(ns))
@@ -611,7 +627,9 @@ class ImageAdmin:
             try:
                 if ns:
                     for m in res.made:
-                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes)
+                        self.charges.charge_snapshot(m.digest, ns, "", m.size_bytes,
+                                                 kind=m.kind, parent=m.parent,
+                                                 stack=m.stack)
                         charged.append(m.digest)
                 # named only once charged, through the image_bytes check under the
                 # store's lock: a refused pull moves no tag

@@ -295,7 +295,8 @@ class QuotaGate(Protocol):
     def snapshot_room(self, project: str) -> int | None: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
-                        size_bytes: int) -> None: ...
+                        size_bytes: int, *, kind: str | None = None,
+                        parent: str | None = None, stack: tuple[str, ...] = ()) -> None: ...
     def release_snapshot(self, snapshot_id: str) -> None: ...
     async def durable(self) -> None:
         """Return once what was recorded before the call is in the store (an answered
@@ -1293,8 +1294,12 @@ class ApiService:
         if self.quotas is not None and not info.unchanged:
             try:
                 # the sandbox's project and node as the control plane knows them, not as
-                # the edge's answer says (they become the snapshot's owner record: F2)
-                self.quotas.charge_snapshot(info.id, project, node_of(sid), info.size_bytes)
+                # the edge's answer says (they become the snapshot's owner record: F2);
+                # what it stands on, recorded now: a fetch onto another node takes the
+                # layer's meaning from here, never from a later holder (F1)
+                self.quotas.charge_snapshot(info.id, project, node_of(sid), info.size_bytes,
+                                            kind="snapshot", parent=info.parent,
+                                            stack=info.stack)
             except QuotaExceeded:
                 with contextlib.suppress(DsecError):
                     await edge.delete_snapshot(info.id)

@@ -74,6 +74,13 @@ class SnapshotChargeRow(msgspec.Struct, frozen=True, kw_only=True):
     project: str
     node: str
     size_bytes: int
+    # What the layer is and stands on, as the control plane saw it made (the edge that
+    # took the snapshot, or this apiserver's build/pull): a fetch onto another node
+    # publishes the layer with this meaning, never the holder's manifest's (red team 16
+    # F1). None: a row written before it was recorded (such a layer does not move).
+    kind: str | None = None
+    parent: str | None = None
+    stack: tuple[str, ...] = ()
 
 
 class QuotaRow(msgspec.Struct, frozen=True, kw_only=True):

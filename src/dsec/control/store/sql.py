@@ -113,7 +113,7 @@ _SCHEMA = [
     # Stored bytes of each snapshot, charged to its project's snapshot_bytes quota.
     """CREATE TABLE IF NOT EXISTS snapshot_charges (
         id TEXT PRIMARY KEY, project TEXT NOT NULL, node TEXT NOT NULL,
-        size_bytes BIGINT NOT NULL)""",
+        size_bytes BIGINT NOT NULL, chain TEXT)""",
     # Edge nodes drained by an administrator (issue 16): no new placements there.
     """CREATE TABLE IF NOT EXISTS node_drains (
         node TEXT PRIMARY KEY, drained_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL)""",
@@ -124,6 +124,7 @@ _SCHEMA = [
 _ADDED_COLUMNS = [
     ("idempotency", "holder", "TEXT NOT NULL DEFAULT ''"),
     ("idempotency", "intent", "TEXT"),
+    ("snapshot_charges", "chain", "TEXT"),
 ]
 
 # Every table the store keeps (for table_rows).
@@ -292,8 +293,9 @@ class SqlStore(MembershipTables):
     # --- snapshot storage charges ---------------------------------------------------------
     def put_snapshot_charge(self, row: SnapshotChargeRow) -> None:
         self._exec(
-            "INSERT INTO snapshot_charges (id, project, node, size_bytes) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (id) DO NOTHING", (row.id, row.project, row.node, row.size_bytes))
+            "INSERT INTO snapshot_charges (id, project, node, size_bytes, chain) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            (row.id, row.project, row.node, row.size_bytes, _chain_json(row)))
 
     def charge_snapshot(self, row: SnapshotChargeRow,
                         limits: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
@@ -310,18 +312,17 @@ class SqlStore(MembershipTables):
                 used = int(cur.fetchone()[0])
                 if used + row.size_bytes > limit:
                     return project, used
-            cur.execute(self._s("INSERT INTO snapshot_charges (id, project, node, size_bytes) "
-                                "VALUES (?, ?, ?, ?)"),
-                        (row.id, row.project, row.node, row.size_bytes))
+            cur.execute(self._s("INSERT INTO snapshot_charges (id, project, node, size_bytes, "
+                                "chain) VALUES (?, ?, ?, ?, ?)"),
+                        (row.id, row.project, row.node, row.size_bytes, _chain_json(row)))
         return None
 
     def delete_snapshot_charge(self, snapshot_id: str) -> bool:
         return self._exec("DELETE FROM snapshot_charges WHERE id = ?", (snapshot_id,)) > 0
 
     def list_snapshot_charges(self) -> list[SnapshotChargeRow]:
-        rows = self._all("SELECT id, project, node, size_bytes FROM snapshot_charges")
-        return [SnapshotChargeRow(id=r[0], project=r[1], node=r[2], size_bytes=int(r[3]))
-                for r in rows]
+        rows = self._all("SELECT id, project, node, size_bytes, chain FROM snapshot_charges")
+        return [_charge_row(r) for r in rows]
 
     # --- registry -------------------------------------------------------------------------
     def commit_events(
@@ -657,3 +658,18 @@ def _session(r: tuple[Any, ...]) -> SessionRow:
 def _api_key(r: tuple[Any, ...]) -> ApiKeyRow:
     return ApiKeyRow(key_id=r[0], principal_id=r[1], secret_hash=bytes(r[2]),
                      created_at=float(r[3]), revoked=bool(r[4]))
+
+
+def _chain_json(row: SnapshotChargeRow) -> str | None:
+    """The ``chain`` column: what the layer is and stands on (None: not recorded)."""
+    if row.kind is None:
+        return None
+    return _json_enc.encode({"kind": row.kind, "parent": row.parent,
+                             "stack": list(row.stack)}).decode()
+
+
+def _charge_row(r: Sequence[Any]) -> SnapshotChargeRow:
+    chain = _json_dec.decode(r[4]) if r[4] else {}
+    return SnapshotChargeRow(id=r[0], project=r[1], node=r[2], size_bytes=int(r[3]),
+                             kind=chain.get("kind"), parent=chain.get("parent"),
+                             stack=tuple(chain.get("stack") or ()))

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import threading
@@ -71,6 +72,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.image import diskroom
 from dsec.image.build import BUILD_STEP_LABEL
 from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
@@ -160,7 +162,6 @@ class ContainerSnapshots:
         self._pool: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
         self._projects: dict[str, tuple[asyncio.Semaphore, int]] = {}
-        self._host_held = 0          # host bytes granted to builds in flight (2 x bound)
 
     def close(self) -> None:
         """Stop the build threads (a build in flight finishes in its thread)."""
@@ -245,22 +246,29 @@ class ContainerSnapshots:
             bound = min(bound, max_bytes)
         elif max_bytes is not None:
             bound = max_bytes
-        free, total, unbacked = await asyncio.to_thread(self._host_space, store.root)
-        # Builds in flight have room granted that they may not have written yet.
-        host = max(0, host_room(free, total, unbacked) - self._host_held // 2)
+        _, _, unbacked = await asyncio.to_thread(self._host_space, store.root)
+        seen = {"host": 0}
+
+        def grant_size(r: diskroom.Room) -> int | None:
+            # Writes in flight on the same filesystem (other snapshots' 2 x bound, layer
+            # fetches' bytes still to come: dsec.image.diskroom) have room granted that
+            # they may not have written yet; this check and this grant are one step.
+            host = seen["host"] = host_room(max(0, r.free - r.pending), r.total, unbacked)
+            if host == 0:
+                return None
+            return 2 * (host if bound is None or host < bound else bound)  # stage + layer
+
+        grant, room = await diskroom.admit_async(store.root, grant_size)
+        if grant is None:
+            raise self._host_full(sid, room.free, unbacked)
+        host = seen["host"]
         host_bound = bound is None or host < bound
         if host_bound:
             bound = host
-        if host == 0:
-            raise self._host_full(sid, free, unbacked)
         assert bound is not None
-        held = 2 * bound                      # the stage and the layer
-        self._host_held += held
-        try:
+        with grant:
             return await self._build(images, sid, stack, strip, bound, host_bound, labels,
-                                     previous, origin, free, unbacked)
-        finally:
-            self._host_held -= held
+                                     previous, origin, room.free, unbacked)
 
     async def _build(self, images: StoreImages, sid: SandboxId, stack: RootStack,
                      strip: tuple[str, ...], bound: int, host_bound: bool,
@@ -304,6 +312,10 @@ class ContainerSnapshots:
                 raise self._host_full(sid, free, unbacked, exc) from exc
             raise
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # the filesystem filled anyway (a writer of another process): a capacity
+                # refusal like the bound's, not a backend fault; pack_diff kept nothing
+                raise self._host_full(sid, free, unbacked) from exc
             # Without the file name: it is a host path (state dir, disk pool, stage).
             raise BackendError(f"snapshot of {sid} failed: {exc.strerror or exc}; nothing "
                                "was stored", sandbox_id=sid) from exc
