@@ -112,6 +112,7 @@ from dsec.errors import (
     QuotaExceeded,
     SandboxNotFound,
     Timeout,
+    Unavailable,
 )
 from dsec.ids import NodeId, node_of
 from dsec.image.manifest import PROJECT_LABEL, parse_ref
@@ -824,10 +825,20 @@ class ControlPlane:
         self.quota.remove(str(token))
         self._record(info)
 
-    async def durable(self) -> None:
+    async def durable(self, timeout_s: float = 5.0) -> None:
         """What was recorded before this call is committed when it returns
-        (Registry.flush_async waits for a batch in flight, then commits the rest)."""
-        await self.registry.flush_async()
+        (Registry.flush_async waits for a batch in flight, then commits the rest).
+        Bounded: a store that neither answers nor fails within ``timeout_s`` (a frozen
+        server on a Unix socket) raises Unavailable rather than hold the create; the
+        flush goes on in the background (never cancelled mid-commit) and the batch
+        stays queued until it lands."""
+        flush = asyncio.ensure_future(self.registry.flush_async())
+        done, _ = await asyncio.wait({flush}, timeout=timeout_s)
+        if not done:
+            flush.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise Unavailable(f"the state store did not commit within {timeout_s:g} s; "
+                              "the record is kept and retried")
+        flush.result()
 
     def _record(self, info: SandboxInfo, reason: str = "created") -> None:
         spec = stored(info.spec)
