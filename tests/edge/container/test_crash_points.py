@@ -545,3 +545,45 @@ def test_a_dead_backends_empty_cgroups_go_but_busy_ones_and_the_binding_stay(
                     import time
                     time.sleep(0.01)
     assert not base.exists()
+
+
+def test_unbound_empty_dsec_cgroups_go_once_old_enough(tmp_path: Path) -> None:
+    """A ``dsec-<name>`` cgroup no binding names (its binding lost, or an older release's)
+    was never looked at: 50 empty ones stayed on the CI machine. Empty ones older than a
+    start could take go; a fresh one (a backend between its claim and its mkdir) and a
+    busy one stay."""
+    import subprocess
+    import uuid
+
+    from dsec.edge.backends.container.census import reap_orphan_names
+
+    if os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/pids"):
+        pytest.skip("needs root and the v1 pids hierarchy (CI has both)")
+    names = tmp_path / "names"
+    names.mkdir()
+    old = Path("/sys/fs/cgroup/pids") / f"dsec-unbound-{uuid.uuid4().hex[:8]}"
+    busy = Path("/sys/fs/cgroup/pids") / f"dsec-unbound-{uuid.uuid4().hex[:8]}"
+    (old / "sb-x").mkdir(parents=True)
+    (busy / "sb-y").mkdir(parents=True)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        (busy / "sb-y" / "cgroup.procs").write_text(str(proc.pid))
+        reap_orphan_names(names_dir=str(names))     # default age: both too fresh
+        assert old.exists()
+        got = reap_orphan_names(names_dir=str(names), unbound_min_age_s=0)
+        assert str(old) in got.get(old.name[len("dsec-"):], [])
+        assert not old.exists() and (busy / "sb-y").exists()
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+        import time as _t
+        for d in (busy / "sb-y", busy, old / "sb-x", old):
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    _t.sleep(0.01)

@@ -250,26 +250,28 @@ def remove_empty_cgroups(top: str) -> list[str]:
     return removed
 
 
-def find_named_cgroups(mountinfo: str, names: AbstractSet[str]) -> list[str]:
-    """Every ``dsec-<name>`` dir (``name`` in ``names``) in every mounted cgroup
+def find_named_cgroups(mountinfo: str, names: AbstractSet[str] | None) -> list[str]:
+    """Every ``dsec-<name>`` dir (``name`` in ``names``; any name if None) in every mounted cgroup
     hierarchy, wherever in the tree (the process that made it may have lived in another
     cgroup than the caller). The walk never descends into a ``dsec-*`` dir: sandboxes'
     cgroups live there, so the cost is the host's own cgroups (measured 0.8 ms for
     the 23 of the dev VM's 14 hierarchies)."""
-    want = {f"dsec-{n}" for n in names}
+    want = None if names is None else {f"dsec-{n}" for n in names}
     out: list[str] = []
     for m in parse_mountinfo(mountinfo):
         if m.fstype not in ("cgroup", "cgroup2"):
             continue
         for dirpath, dirnames, _ in os.walk(m.mountpoint):
-            out.extend(os.path.join(dirpath, d) for d in dirnames if d in want)
+            out.extend(os.path.join(dirpath, d) for d in dirnames
+                       if (d.startswith("dsec-") if want is None else d in want))
             dirnames[:] = [d for d in dirnames if not d.startswith("dsec-")]
     return sorted(set(out))
 
 
 def reap_orphan_names(*, names_dir: str = NAMES_DIR,
                       exists: Callable[[str], bool] = os.path.isdir,
-                      alive: Callable[[str], bool] = _owner_alive) -> dict[str, list[str]]:
+                      alive: Callable[[str], bool] = _owner_alive,
+                      unbound_min_age_s: float = 600.0) -> dict[str, list[str]]:
     """Remove the cgroups (killing any task left in them, pidfd-verified) and the
     binding of every cgroup name whose root dir is gone, and the empty cgroups of names
     whose root dir exists but whose claimer died (:func:`idle_names`); returns name ->
@@ -288,12 +290,26 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
         orphans = orphan_names(bindings, exists=exists, alive=alive)
         idle = [n for n in idle_names(bindings, exists=exists, alive=alive)
                 if n not in orphans]
-        if not orphans and not idle:
-            return {}
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
-        found = find_named_cgroups(mountinfo, {*orphans.keys(), *idle})
+        found = find_named_cgroups(mountinfo, None)
         out: dict[str, list[str]] = {}
+        # Unbound: a dsec-<name> no binding names (its binding was lost, or written by
+        # an older release). Nothing can adopt from it; only what is empty goes, and only
+        # once it is older than a backend's start (claim, then mkdir) could take.
+        now = time.time()
+        for d in found:
+            name = os.path.basename(d)[len("dsec-"):]
+            if name in bindings:
+                continue
+            try:
+                if now - os.stat(d).st_mtime < unbound_min_age_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            gone = remove_empty_cgroups(d)
+            if gone:
+                out.setdefault(name, []).extend(gone)
         for name in idle:  # owner dead, root kept: only what is empty goes
             gone = [r for d in found if os.path.basename(d) == f"dsec-{name}"
                     for r in remove_empty_cgroups(d)]
