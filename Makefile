@@ -19,7 +19,8 @@ APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables
                 wrk openssl \
                 skopeo docker-registry umoci \
                 mmdebstrap apt-utils \
-                postgresql-15
+                postgresql-15 \
+                nginx-light
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.

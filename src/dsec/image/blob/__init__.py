@@ -99,9 +99,12 @@ def open_blobstore(url: str, **opts: Any) -> BlobStore:
     if scheme == "file":
         from dsec.image.blob.file import FileBlobStore
         return FileBlobStore.from_url(url, **opts)
-    if scheme in ("s3", "http", "https"):
+    if scheme == "s3":
+        from dsec.image.blob.s3 import S3BlobStore
+        return S3BlobStore.from_url(url, **opts)
+    if scheme in ("http", "https"):
         raise InvalidArgument(f"blob store scheme {scheme!r} is not built in this "
-                              "version yet; use file:///abs/dir")
+                              "version yet; use file:///abs/dir or s3://")
     raise InvalidArgument(
         f"blob store URL {redact_url(url)[:200]!r}: unknown scheme {scheme!r}; use "
         "file:///abs/dir, s3://bucket/prefix?endpoint_url=...&region=... or "
