@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -156,12 +156,17 @@ class Fault:
     ``status``: answer the first request with this HTTP status and close (5xx).
     ``cut_after``: forward this many response bytes (headers included), then close.
     ``flip_at``: flip one response byte at this offset (headers included), then pass.
-    ``stall``: accept, read the request, never answer (a hung server)."""
+    ``stall``: accept, read the request, never answer (a hung server).
+    ``pause_after``: forward this many response bytes, set ``paused``, then wait for
+    ``resume`` before forwarding the rest (to kill the server mid-response)."""
 
     status: int | None = None
     cut_after: int | None = None
     flip_at: int | None = None
     stall: bool = False
+    pause_after: int | None = None
+    paused: threading.Event = field(default_factory=threading.Event)
+    resume: threading.Event = field(default_factory=threading.Event)
 
 
 class FaultProxy:
@@ -245,6 +250,14 @@ class FaultProxy:
                 if fault.cut_after is not None and sent + len(data) >= fault.cut_after:
                     c.sendall(data[:fault.cut_after - sent])
                     break
+                if fault.pause_after is not None and not fault.paused.is_set() \
+                        and sent + len(data) >= fault.pause_after:
+                    k = fault.pause_after - sent
+                    c.sendall(data[:k])
+                    sent += k
+                    data = data[k:]
+                    fault.paused.set()
+                    fault.resume.wait(30)      # the upstream may be killed meanwhile
                 c.sendall(data)
                 sent += len(data)
         except OSError:
