@@ -101,12 +101,12 @@ class Balancer:
 
 
 class Replica:
-    def __init__(self, d: Path, i: int, edge_sock: Path) -> None:
+    def __init__(self, d: Path, i: int, edge_sock: Path, store: str | None) -> None:
         self.port = _free_port()
         self.log = d / f"apiserver-{i}.log"
         self.argv = [*DSEC_ARGV, "apiserver", "--edge", f"edge-0=unix:{edge_sock}",
                      "--state-dir", str(d / "state"), "--listen", f"127.0.0.1:{self.port}",
-                     "--gateway", "off"]
+                     "--gateway", "off", *(["--store", store] if store else [])]
         self.proc: subprocess.Popen[bytes] | None = None
         self.key = ""
 
@@ -140,7 +140,8 @@ class Replica:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[list[Replica], Balancer, Path]]:
+def cluster(tmp_path: Path, cluster_store: str | None
+            ) -> Iterator[tuple[list[Replica], Balancer, Path]]:
     sock = tmp_path / "edge.sock"
     edge = subprocess.Popen(
         [*DSEC_ARGV, "edge", "--listen", f"unix:{sock}", "--node-id", "edge-0",
@@ -156,7 +157,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[list[Replica], Balancer, Path]]:
             assert edge.poll() is None and time.monotonic() < deadline, (
                 (tmp_path / "edge.log").read_text())
             time.sleep(0.05)
-        reps = [Replica(tmp_path, i, sock) for i in range(2)]
+        reps = [Replica(tmp_path, i, sock, cluster_store) for i in range(2)]
         for r in reps:
             r.start()
         with Balancer([r.port for r in reps]) as lb:
