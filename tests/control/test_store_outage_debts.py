@@ -30,10 +30,10 @@ from typing import Any
 import httpx
 import pytest
 
+import dsec.control.store as store_mod
 from dsec.cluster.local import LocalCluster
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.metrics import ApiMetrics
-import dsec.control.store as store_mod
 from dsec.control.store import open_store
 from dsec.edge.client import EdgeClient
 from dsec.errors import DsecError, SandboxNotFound, Unavailable
