@@ -324,7 +324,7 @@ class ControlPlane:
                            registry=self.registry, limits=self.config, clock=self.clock,
                            sync_snapshots=self._sync_snapshots, caches=lambda: self.service,
                            image_bytes=lambda project: self.images.image_bytes(project))
-        self.images = ImageAdmin(self)
+        self.images = ImageAdmin(self, state=self.store)
         self.mover = LayerMover(link=lambda n: self.edge(NodeId(n)),
                                 holders=self._holders, holds=self._node_holds,
                                 nodes=self._healthy_nodes, copied=self._copied_layer,

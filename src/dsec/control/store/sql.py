@@ -35,6 +35,7 @@ from dsec.control.store import (
     SnapshotChargeRow,
 )
 from dsec.control.store.membership import MembershipTables  # [join] nodes, join_tokens
+from dsec.control.store.tags import ImageTagTables  # image tags shared by replicas
 
 __all__ = ["Dialect", "SqlStore"]
 
@@ -130,10 +131,10 @@ _ADDED_COLUMNS = [
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
            "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges",
-           "node_drains")
+           "node_drains", "image_tags")
 
 
-class SqlStore(MembershipTables):
+class SqlStore(MembershipTables, ImageTagTables):
     """A :class:`StateStore` over one DB-API connection, serialised by a lock.
 
     One connection with a lock is enough for the management plane: statements take
@@ -153,6 +154,7 @@ class SqlStore(MembershipTables):
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
         self._create_membership_tables()  # [join] control/store/membership.py
+        self._create_tag_tables()         # control/store/tags.py
 
     def _add_column(self, table: str, column: str, definition: str) -> None:
         """Add ``column`` to an existing ``table`` that lacks it (a store written by an
