@@ -180,10 +180,6 @@ class JoinAuthority:
         # node ids this apiserver has as static edges (`dsec up`'s edge-N, --edge flags):
         # a joined node may not take one
         self.reserved = reserved
-        # nonces spent on this replica -> their expiry (pruned as they expire). A nonce
-        # is also bound to its peer address, so another replica could take a replay
-        # only from the very address that asked for it, within NONCE_TTL_S.
-        self._spent: dict[str, float] = {}
 
     # ------------------------------------------------------------------ nonces
     def challenge(self, peer: str | None = None) -> ChallengeReply:
@@ -195,17 +191,16 @@ class JoinAuthority:
         the peer address it was issued to. Spending it is :meth:`_spend`'s."""
         now = self.clock()
         issued_to, _ = check_nonce(self.ca, nonce, peer or "", now_s=now)
-        if nonce in self._spent:
-            raise Unauthenticated("this challenge nonce was used already: ask "
-                                  "POST /v1/cluster/challenge for a fresh one per request")
+        if self.store.nonce_spent(nonce, now):
+            raise _nonce_used()
         return issued_to
 
     def _spend(self, nonce: str) -> None:
+        """Spend the nonce in the state store, once for every replica: two requests
+        carrying it (a replay to another replica, or two at once) get one spend."""
         now = self.clock()
-        for n, exp in list(self._spent.items()):
-            if exp <= now:
-                self._spent.pop(n, None)
-        self._spent[nonce] = now + NONCE_TTL_S + 1.0
+        if not self.store.spend_nonce(nonce, now + NONCE_TTL_S + 1.0, now):
+            raise _nonce_used()
 
     # ------------------------------------------------------------------ tokens
     def create_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
@@ -320,6 +315,11 @@ class JoinAuthority:
         row = self.store.get_node(node)
         assert row is not None
         return node_view(row)
+
+
+def _nonce_used() -> Unauthenticated:
+    return Unauthenticated("this challenge nonce was used already: ask "
+                           "POST /v1/cluster/challenge for a fresh one per request")
 
 
 def edge_join_args(authority: JoinAuthority, url: str, *, node_id: str, listen: str,
