@@ -114,3 +114,48 @@ def test_a_replicas_cached_names_follow_another_replicas_change(store_url: str) 
     finally:
         s1.close()
         s2.close()
+
+
+def test_a_hosts_refs_json_and_the_table_stay_in_step(tmp_path: Path, store_url: str) -> None:
+    """``refs.json`` is what a host's own processes read and write (``dsec image`` on the
+    host, the edges of ``dsec up``): a name written there reaches the table, a change in
+    the table reaches the file, and a host copy older than another replica's removal
+    does not bring the name back, even across a restart."""
+    import json
+
+    from dsec.control.store import open_store
+    from dsec.control.store.tags import HostNames
+    from dsec.image import LayerStore
+
+    def names(store: StateStore, ls: LayerStore) -> HostNames:
+        return HostNames(StoreTags(store), ls.root,
+                         lambda d: ls._load_opt(d.removeprefix("sha256:")))
+
+    def file_of(ls: LayerStore) -> dict[str, str]:
+        return dict(json.loads(Path(ls.root, "refs.json").read_text()))
+
+    s1, s2 = open_store(store_url), open_store(store_url)
+    try:
+        a, b = LayerStore(str(tmp_path / "a")), LayerStore(str(tmp_path / "b"))
+        m1 = a.add_tree(str(_tree(tmp_path / "t1", "one")), kind="toolkit", name="t1")
+        a.tag(m1.digest, "t2")                       # the host's own names (refs.json)
+        na = names(s1, a)
+        assert na.read() == {"t1:latest": m1.digest, "t2:latest": m1.digest}
+        a.tag(m1.digest, "t3")                       # a host build after the first sync
+        assert na.read()["t3:latest"] == m1.digest
+        # another replica (another host) removes t1 through its table-backed store
+        LayerStore(b.root, refs=names(s2, b)).untag("t1:latest")
+        assert "t1:latest" not in na.read() and "t1:latest" not in file_of(a)
+        # A's host file lags a removal made while A was down; A restarts: not brought back
+        LayerStore(b.root, refs=names(s2, b)).untag("t2:latest")
+        assert "t2:latest" in file_of(a)
+        restarted = names(s1, a)
+        assert set(restarted.read()) == {"t3:latest"}
+        assert set(file_of(a)) == {"t3:latest"}
+        # a name set through a table-backed store is in the host's file at once
+        table_a = LayerStore(a.root, refs=restarted)
+        table_a.tag(m1.digest, "t4")
+        assert file_of(a)["t4:latest"] == m1.digest
+    finally:
+        s1.close()
+        s2.close()

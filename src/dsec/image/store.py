@@ -214,9 +214,9 @@ class LayerStore:
     """Layers by digest, names by ``name:tag``; safe for concurrent processes.
 
     ``refs``: where the names live (None: ``refs.json`` in the store). With a table, the
-    table is the truth and ``refs.json`` a copy of it written at every change made
-    through this store, for the processes sharing the directory that read names from
-    the file (the edges of ``dsec up``)."""
+    table is the truth and keeps ``refs.json`` in step with it, for the processes
+    sharing the directory that read and write names in
+    the file (the edges of ``dsec up``): :class:`dsec.control.store.tags.HostNames`."""
 
     def __init__(self, root: str, *, budget_bytes: int | None = None,
                  refs: RefTable | None = None) -> None:
@@ -344,8 +344,7 @@ class LayerStore:
         if not changes:
             return
         if self.ref_table is not None:
-            self.ref_table.update(changes)
-            self._write_refs_file(self.ref_table.read())
+            self.ref_table.update(changes)   # the table keeps refs.json in step itself
             return
         refs = self._read_refs_file()
         for key, m in changes.items():

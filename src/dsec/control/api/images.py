@@ -26,7 +26,7 @@ import msgspec
 
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.store import SnapshotChargeRow
-from dsec.control.store.tags import StoreTags
+from dsec.control.store.tags import HostNames, StoreTags
 from dsec.errors import (
     CapacityExceeded,
     Conflict,
@@ -124,15 +124,15 @@ class ImageAdmin:
         if self._store_cache is None or self._store_cache.root != os.path.abspath(
                 self.layer_dir):
             tags = self._tag_table()
-            store = LayerStore(self.layer_dir, refs=tags)
-            if tags is not None and tags.signature() == 0:
-                # A table never written: the names of a layer store written before
-                # names moved to the state store come with it (once: later, a name
-                # another replica removed must not come back from this host's copy).
-                tags.seed(store._read_refs_file(), lambda d: store._load_opt(
+            names = None
+            if tags is not None:
+                root = os.path.abspath(self.layer_dir)
+                probe = LayerStore(root)
+                names = HostNames(tags, root, lambda d: probe._load_opt(
                     d.removeprefix(DIGEST_PREFIX)))
+            store = LayerStore(self.layer_dir, refs=names)
             self._store_cache = store
-            self._index_cache = StoreIndex(store.root, refs=tags)
+            self._index_cache = StoreIndex(store.root, refs=names)
         return self._store_cache
 
     def layers(self) -> LayerStore:

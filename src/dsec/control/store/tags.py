@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["TAGS_SCHEMA", "ImageTagTables", "StoreTags"]
+__all__ = ["TAGS_SCHEMA", "HostNames", "ImageTagTables", "StoreTags"]
 
 TAGS_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS image_tags (
@@ -197,3 +197,144 @@ class StoreTags:
             self._store.update_image_tags(rows, self._clock(), only_if_absent=True)
             self._heard = True
         return len(rows)
+
+
+class HostNames:
+    """The names of one host's layer store directory kept in step with the state store's
+    tag table (:class:`StoreTags`): the :class:`~dsec.image.store.RefTable` an apiserver's
+    :class:`~dsec.image.store.LayerStore` and :class:`~dsec.image.catalog.StoreIndex` use.
+
+    ``refs.json`` stays what processes sharing the directory read and write without the
+    state store (the edges of ``dsec up`` resolve names there; ``dsec image build/tag``
+    on the host writes there), so:
+
+    - the table is the truth; ``refs.json`` is rewritten from it whenever this replica
+      sees the table move (another replica's tag) or changes it;
+    - a change made to ``refs.json`` by such a process (a host build) is carried into
+      the table, as the difference between the file and ``refs.synced.json`` (what the
+      file held when it was last in step): a name another replica removed meanwhile is
+      not brought back by this host's older copy;
+    - a directory never in step before (no ``refs.synced.json``: a store written before
+      names moved to the state store) offers its names where the table has none.
+
+    Writes to the files take the layer store's lock; from the lookups of a create they
+    only try it (a write in progress: the next lookup does it), so a lookup never waits
+    and never deadlocks under a store operation that holds it."""
+
+    def __init__(self, tags: StoreTags, root: str,
+                 manifest: Callable[[str], Any]) -> None:
+        import os
+
+        self._tags = tags
+        self._root = root
+        self._manifest = manifest
+        self._refs = os.path.join(root, "refs.json")
+        self._synced = os.path.join(root, "refs.synced.json")
+        self._file_sig: tuple[int, int, int] | None = None
+        self._mirrored = -1
+
+    # ---------------------------------------------------------------- RefTable
+    def signature(self, *, exact: bool = False) -> int:
+        if self._stat() != self._file_sig:
+            with self._trylock() as got:
+                if got:
+                    self._in_step()
+        version = self._tags.signature(exact=exact)
+        if version != self._mirrored:
+            with self._trylock() as got:
+                if got:
+                    self._in_step()
+        return version
+
+    def read(self) -> dict[str, str]:
+        self.signature(exact=True)
+        return self._tags.read()
+
+    def update(self, changes: Mapping[str, Any]) -> None:
+        """Called by the layer store with its lock held."""
+        self._carry_file()
+        self._tags.update(changes)
+        self._mirror()
+
+    def manifest(self, digest: str) -> Any:
+        return self._tags.manifest(digest)
+
+    # ------------------------------------------------------------------- files
+    def _stat(self) -> tuple[int, int, int] | None:
+        import os
+        try:
+            st = os.stat(self._refs)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _trylock(self) -> Any:
+        import contextlib
+        import fcntl
+        import os
+
+        @contextlib.contextmanager
+        def held() -> Any:
+            fd = os.open(os.path.join(self._root, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    yield False
+                    return
+                yield True
+            finally:
+                os.close(fd)
+        return held()
+
+    def _in_step(self) -> None:
+        """The lock held: the file's changes into the table, then the table into the file."""
+        self._carry_file()
+        self._mirror()
+
+    def _load(self, path: str) -> dict[str, str] | None:
+        import msgspec
+        try:
+            with open(path, "rb") as f:
+                return msgspec.json.decode(f.read(), type=dict[str, str])
+        except FileNotFoundError:
+            return None
+        except msgspec.DecodeError:
+            return {}
+
+    def _carry_file(self) -> None:
+        if self._stat() == self._file_sig:
+            return
+        import msgspec
+
+        now = self._load(self._refs) or {}
+        before = self._load(self._synced)
+        if before is None:
+            self._tags.seed(now, self._manifest)
+            return
+        enc = msgspec.json.Encoder()
+        rows: dict[str, tuple[str, str] | None] = {}
+        for key, digest in now.items():
+            if before.get(key) != digest:
+                m = self._manifest(digest)
+                if m is not None:      # a name of a layer this host does not hold: not ours
+                    rows[key] = (digest, enc.encode(m).decode())
+        for key in before.keys() - now.keys():
+            rows[key] = None
+        if rows:
+            self._tags._store.update_image_tags(rows, self._tags._clock())
+            self._tags._heard = True
+
+    def _mirror(self) -> None:
+        import msgspec
+
+        from dsec.image.store import _write_private
+
+        version = self._tags.signature(exact=True)
+        names = msgspec.json.encode(dict(sorted(self._tags.read().items())))
+        # refs.json first: a crash between the two leaves a file whose difference from
+        # refs.synced.json is the table's own state, which carrying it again keeps
+        _write_private(self._refs, names)
+        _write_private(self._synced, names)
+        self._file_sig = self._stat()
+        self._mirrored = version
