@@ -94,6 +94,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.cluster import JoinTokenCreate, JoinTokenRevoke
 from dsec.wire.jsonform import stream_item
 from dsec.wire.layers import LayerFetch, LayerPut, LayerRef
 from dsec.wire.netpolicy import NetworkPolicy
@@ -139,6 +140,22 @@ class World:
         r = self.rest(method, path, **kw)
         assert r.status_code < 300, (method, path, r.status_code, r.text)
         return r
+
+    def join_token(self) -> str:
+        """A fresh join token's id (for a row that revokes one)."""
+        return str(self.cluster.runtime.join_authority.create_token(ttl_s=600)[1].id)
+
+    def joined_node(self) -> str:
+        """A freshly joined node's id (joined for real: CSR signed, token spent)."""
+        from dsec.cluster.ca import new_node_key
+        from dsec.cluster.join import join_request
+        auth = self.cluster.runtime.join_authority
+        tok, _ = auth.create_token(ttl_s=600)
+        node = f"cat-far-{self.n()}"
+        _, csr = new_node_key(node)
+        auth.join(join_request(str(tok), node_id=node, csr=csr.decode(),
+                               address="tcp:127.0.0.1:7443", nonce=auth.challenge().nonce))
+        return node
 
     def sandbox(self) -> str:
         """A fresh sandbox (with a file at /tmp/f)."""
@@ -287,9 +304,15 @@ EXAMPLES: dict[str, Example] = {
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),
+    "cluster_tokens": lambda w: Empty(),
+    "cluster_token_create": lambda w: JoinTokenCreate(ttl_s=600, description="catalogue"),
+    "cluster_token_revoke": lambda w: JoinTokenRevoke(id=w.join_token()),
+    "cluster_nodes": lambda w: Empty(),
+    "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
-               "image_delete", "destroy_many", "node_drain", "node_undrain")
+               "image_delete", "destroy_many", "node_drain", "node_undrain",
+               "cluster_token_revoke", "cluster_node_revoke")
 
 _RESOLVED = {"backend": "simulated", "project": "default"}
 

@@ -32,6 +32,7 @@ from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
+from dsec.wire.cluster import JoinedNode, JoinTokenView
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -145,6 +146,26 @@ class Client:
 
     def nodes(self) -> list[NodeView]:
         return self._run(self._a.nodes())
+
+    def create_join_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
+                          description: str = "") -> JoinTokenView:
+        """See :meth:`AsyncClient.create_join_token`."""
+        return self._run(self._a.create_join_token(ttl_s=ttl_s, uses=uses,
+                                                   description=description))
+
+    def join_tokens(self) -> list[JoinTokenView]:
+        return self._run(self._a.join_tokens())
+
+    def revoke_join_token(self, token_id: str, *, nodes: bool = False) -> None:
+        """See :meth:`AsyncClient.revoke_join_token`."""
+        self._run(self._a.revoke_join_token(token_id, nodes=nodes))
+
+    def joined_nodes(self) -> list[JoinedNode]:
+        return self._run(self._a.joined_nodes())
+
+    def revoke_joined_node(self, node_id: str) -> None:
+        """See :meth:`AsyncClient.revoke_joined_node`."""
+        self._run(self._a.revoke_joined_node(node_id))
 
     def drain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.drain_node`."""

@@ -305,6 +305,7 @@ class ClusterRuntime:
                                  redact_paths=_host_paths(given),
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
+            service.joins = self.join_authority     # the cluster_* rows (None: no CA)
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             if "container" in self._local_backends():
                 # the base's names in the state store's tag table too (every replica's)

@@ -86,6 +86,13 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.cluster import (
+    JoinedNodeList,
+    JoinTokenCreate,
+    JoinTokenList,
+    JoinTokenRevoke,
+    JoinTokenView,
+)
 from dsec.wire.layers import (
     LayerChain,
     LayerFetch,
@@ -122,6 +129,11 @@ __all__ = [
     "ALL_OPS",
     "API_DOORS",
     "BY_NAME",
+    "CLUSTER_NODES",
+    "CLUSTER_NODE_REVOKE",
+    "CLUSTER_TOKENS",
+    "CLUSTER_TOKEN_CREATE",
+    "CLUSTER_TOKEN_REVOKE",
     "CREATE",
     "CREATE_KEY",
     "CREATE_MANY",
@@ -813,6 +825,47 @@ LAYER_FETCH: Op[LayerFetch, LayerFetched] = Op(
     rest=Rest(method="POST", path="/v1/nodes/{node}/layers", operation_id="fetchLayer",
               body="*", tag="nodes"))
 
+# Issue 16: cluster administration (join tokens, joined nodes) at every door, not REST
+# only. A superuser's (role None: the policy is ApiService's): a token admits a machine
+# into every project's placement, and revoking a node writes off its sandboxes.
+CLUSTER_TOKENS: Op[Empty, JoinTokenList] = Op(
+    "cluster_tokens", Empty, JoinTokenList,
+    summary="List join tokens (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/cluster/tokens", operation_id="clusterTokens",
+              tag="cluster"))
+
+CLUSTER_TOKEN_CREATE: Op[JoinTokenCreate, JoinTokenView] = Op(
+    "cluster_token_create", JoinTokenCreate, JoinTokenView,
+    summary="Create a join token (superuser only; its secret is shown once)",
+    role=None, target="cluster", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/cluster/tokens", operation_id="clusterTokenCreate",
+              status=201, body="*", tag="cluster"))
+
+CLUSTER_TOKEN_REVOKE: Op[JoinTokenRevoke, None] = Op(
+    "cluster_token_revoke", JoinTokenRevoke, None,
+    summary="Revoke a join token, and with nodes=true every node that joined with it "
+            "(superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/cluster/tokens/{id}",
+              operation_id="clusterTokenRevoke", query=_q("nodes"), status=204,
+              reply="empty", tag="cluster"))
+
+CLUSTER_NODES: Op[Empty, JoinedNodeList] = Op(
+    "cluster_nodes", Empty, JoinedNodeList,
+    summary="List the edges that joined with a token (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/cluster/nodes", operation_id="clusterNodes",
+              tag="cluster"))
+
+CLUSTER_NODE_REVOKE: Op[NodeRef, None] = Op(
+    "cluster_node_revoke", NodeRef, None,
+    summary="Revoke a joined node: its certificate is refused at every replica and its "
+            "sandboxes are written off (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/cluster/nodes/{id}/revoke",
+              operation_id="clusterNodeRevoke", status=204, reply="empty", tag="cluster"))
+
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -833,6 +886,11 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     LAYER_GET,
     LAYER_PUT,
     LAYER_FETCH,
+    CLUSTER_TOKENS,
+    CLUSTER_TOKEN_CREATE,
+    CLUSTER_TOKEN_REVOKE,
+    CLUSTER_NODES,
+    CLUSTER_NODE_REVOKE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
