@@ -309,10 +309,11 @@ EXAMPLES: dict[str, Example] = {
     "cluster_token_revoke": lambda w: JoinTokenRevoke(id=w.join_token()),
     "cluster_nodes": lambda w: Empty(),
     "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
+    "node_migrate": lambda w: NodeRef(id="edge-0"),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
                "image_delete", "destroy_many", "node_drain", "node_undrain",
-               "cluster_token_revoke", "cluster_node_revoke")
+               "cluster_token_revoke", "cluster_node_revoke", "node_migrate")
 
 _RESOLVED = {"backend": "simulated", "project": "default"}
 
@@ -507,8 +508,11 @@ def _step_layer(cl: LocalCluster, tmp: str) -> str:
 
 
 def _order() -> list[Op[Any, Any]]:
-    return ([op for op in ALL_OPS if op.name not in DESTRUCTIVE]
-            + [op for op in ALL_OPS if op.name in DESTRUCTIVE])
+    last = [op for op in ALL_OPS if op.name in DESTRUCTIVE and op is not ops.NODE_MIGRATE]
+    # node_migrate runs while edge-0 is drained (between node_drain and node_undrain);
+    # with no other node, each sandbox stays, reported as not moved
+    last.insert(last.index(ops.NODE_DRAIN) + 1, ops.NODE_MIGRATE)
+    return [op for op in ALL_OPS if op.name not in DESTRUCTIVE] + last
 
 
 CASES = [pytest.param(op, door, id=f"{op.name}-{door}",

@@ -87,7 +87,13 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
-from dsec.wire.cluster import JoinedNode, JoinTokenCreate, JoinTokenRevoke, JoinTokenView
+from dsec.wire.cluster import (
+    JoinedNode,
+    JoinTokenCreate,
+    JoinTokenRevoke,
+    JoinTokenView,
+    NodeMigration,
+)
 from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -477,6 +483,12 @@ class AsyncClient:
         """Drain an edge node (superuser): no new sandboxes go there; those it holds run
         until they end. Stored: survives apiserver restarts, binds every replica."""
         return await self.call(ops.NODE_DRAIN, NodeRef(id=node_id))
+
+    async def migrate_node(self, node_id: str) -> NodeMigration:
+        """Move every sandbox off a drained node (superuser): each is snapshotted,
+        started from it on another node and ended with reason ``migrated`` naming its new
+        id. Safe to repeat: a run cut short is carried on, never doubled."""
+        return await self.call(ops.NODE_MIGRATE, NodeRef(id=node_id))
 
     async def undrain_node(self, node_id: str) -> NodeView:
         """Undrain an edge node (superuser): placement may use it again."""

@@ -32,7 +32,7 @@ from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
-from dsec.wire.cluster import JoinedNode, JoinTokenView
+from dsec.wire.cluster import JoinedNode, JoinTokenView, NodeMigration
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -170,6 +170,10 @@ class Client:
     def drain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.drain_node`."""
         return self._run(self._a.drain_node(node_id))
+
+    def migrate_node(self, node_id: str) -> NodeMigration:
+        """See :meth:`AsyncClient.migrate_node`."""
+        return self._run(self._a.migrate_node(node_id))
 
     def undrain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.undrain_node`."""

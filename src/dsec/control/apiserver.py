@@ -577,7 +577,7 @@ _ADMIN_ROWS = frozenset({
     ops.IMAGE_TAG, ops.IMAGE_DELETE, ops.IMAGE_BUILD, ops.IMAGE_IMPORT, ops.IMAGE_PRUNE,
     ops.IMAGE_PULL, ops.IMAGE_PROMOTE, ops.NODE_DRAIN, ops.NODE_UNDRAIN, ops.CLUSTER_TOKENS,
     ops.CLUSTER_TOKEN_CREATE, ops.CLUSTER_TOKEN_REVOKE, ops.CLUSTER_NODES,
-    ops.CLUSTER_NODE_REVOKE})
+    ops.CLUSTER_NODE_REVOKE, ops.NODE_MIGRATE})
 
 _ROWS: dict[tuple[str, str], CatalogueOp[Any, Any]] = {
     (op.rest.method, op.rest.path): op for op in ops.REST_OPS if op.rest is not None}

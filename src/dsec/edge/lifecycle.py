@@ -71,6 +71,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
     "failed",           # an operation failed and cleanup destroyed it
     "shutdown",         # the node was drained
     "node_revoked",     # the node was revoked from the cluster (docs/cluster.md)
+    "migrated",         # moved off a drained node: the detail names its new sandbox
 })
 
 # Reasons a backend may report for a sandbox that lives on: recorded as an event whose

@@ -11,7 +11,7 @@ from dsec.wire.calls import _Call
 from dsec.wire.spec import check_id
 
 __all__ = ["JoinTokenCreate", "JoinTokenList", "JoinTokenRevoke", "JoinTokenView",
-           "JoinedNode", "JoinedNodeList"]
+           "JoinedNode", "JoinedNodeList", "Migrated", "NodeMigration"]
 
 
 class JoinTokenCreate(_Call, kw_only=True):
@@ -64,3 +64,21 @@ class JoinedNode(msgspec.Struct, frozen=True, kw_only=True):
 
 class JoinedNodeList(msgspec.Struct, kw_only=True):
     items: list[JoinedNode]
+
+
+class Migrated(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sandbox of a drained node: moved (``new_id`` runs from ``snapshot_id`` on
+    another node; the original ended with reason ``migrated``) or not (``error`` says why:
+    it stays where it is, and another run tries again)."""
+
+    sandbox_id: str
+    new_id: str | None = None
+    snapshot_id: str | None = None
+    error: str = ""
+
+
+class NodeMigration(msgspec.Struct, kw_only=True):
+    """``node_migrate``: what moved off ``node``."""
+
+    node: str
+    items: list[Migrated]

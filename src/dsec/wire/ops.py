@@ -92,6 +92,7 @@ from dsec.wire.cluster import (
     JoinTokenList,
     JoinTokenRevoke,
     JoinTokenView,
+    NodeMigration,
 )
 from dsec.wire.layers import (
     LayerChain,
@@ -169,6 +170,7 @@ __all__ = [
     "NODES",
     "NODE_DRAIN",
     "NODE_INFO",
+    "NODE_MIGRATE",
     "NODE_UNDRAIN",
     "PAUSE",
     "PORT_CLOSE",
@@ -866,6 +868,18 @@ CLUSTER_NODE_REVOKE: Op[NodeRef, None] = Op(
     rest=Rest(method="POST", path="/v1/cluster/nodes/{id}/revoke",
               operation_id="clusterNodeRevoke", status=204, reply="empty", tag="cluster"))
 
+# Issue 16 (Operations): `dsec node drain ID --migrate`. A superuser's, like the drain: it
+# snapshots every project's sandboxes on the node and starts them elsewhere. Safe to
+# repeat (its progress is stored; the new sandboxes are created under keys).
+NODE_MIGRATE: Op[NodeRef, NodeMigration] = Op(
+    "node_migrate", NodeRef, NodeMigration,
+    summary="Move every sandbox off a drained node: snapshot it, start it from the "
+            "snapshot on another node, end the original (reason migrated, naming the new "
+            "id); superuser only",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{id}/migrate", operation_id="migrateNode",
+              tag="nodes"))
+
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -891,6 +905,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_TOKEN_REVOKE,
     CLUSTER_NODES,
     CLUSTER_NODE_REVOKE,
+    NODE_MIGRATE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

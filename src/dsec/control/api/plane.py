@@ -131,6 +131,7 @@ from dsec.wire.api import (
     QuotaBody,
     SessionView,
 )
+from dsec.wire.cluster import NodeMigration
 from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
@@ -502,6 +503,16 @@ class ControlPlane:
         if view is not None and not self.watcher.is_expired(node):
             self._place_view(view)     # now, not at its next heartbeat
         return self._view(e, self.clock())
+
+    async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
+        """``node_migrate``: move the sandboxes off a drained node (dsec.control.migrate)."""
+        from dsec.control.migrate import migrate_node
+        if node not in self.edges:
+            raise NotFound(f"no node {node!r} in this cluster; GET /v1/nodes lists them",
+                           node=node)
+        return await migrate_node(service, caller, node,
+                                  records=self.registry.sandboxes_on(node), store=self.store,
+                                  drained=node in self.drains.nodes(), clock=self.clock)
 
     # ----------------------------------------------------------- placement
     # dsec.control.placement decides; the edge's backends travel as node labels

@@ -133,6 +133,7 @@ from dsec.wire.cluster import (
     JoinTokenList,
     JoinTokenRevoke,
     JoinTokenView,
+    NodeMigration,
 )
 from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
@@ -347,6 +348,8 @@ class AdminOps(Protocol):
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
     async def fetch_layer(self, caller: Caller, req: LayerFetch) -> LayerFetched:
+        raise NotImplementedError
+    async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
         raise NotImplementedError
 
 
@@ -1622,6 +1625,7 @@ class ApiService:
             "cluster_token_revoke": self._cluster_token_revoke_op,
             "cluster_nodes": self._cluster_nodes_op,
             "cluster_node_revoke": self._cluster_node_revoke_op,
+            "node_migrate": self._node_migrate_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1859,6 +1863,9 @@ class ApiService:
 
     async def _node_undrain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=False)
+
+    async def _node_migrate_op(self, caller: Caller, b: NodeRef) -> NodeMigration:
+        return await self._admin().migrate_node(caller, b.id, self)
 
     async def _layer_fetch_op(self, caller: Caller, b: LayerFetch) -> LayerFetched:
         return await self._admin().fetch_layer(caller, b)

@@ -35,6 +35,7 @@ from dsec.control.store import (
     SnapshotChargeRow,
 )
 from dsec.control.store.membership import MembershipTables  # [join] nodes, join_tokens
+from dsec.control.store.migrations import MigrationTables  # drain --migrate
 from dsec.control.store.tags import ImageTagTables  # image tags shared by replicas
 
 __all__ = ["Dialect", "SqlStore"]
@@ -134,7 +135,7 @@ _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandb
            "node_drains", "image_tags")
 
 
-class SqlStore(MembershipTables, ImageTagTables):
+class SqlStore(MembershipTables, ImageTagTables, MigrationTables):
     """A :class:`StateStore` over one DB-API connection, serialised by a lock.
 
     One connection with a lock is enough for the management plane: statements take
@@ -155,6 +156,7 @@ class SqlStore(MembershipTables, ImageTagTables):
                 cur.execute(stmt.format(blob=dialect.blob))
         self._create_membership_tables()  # [join] control/store/membership.py
         self._create_tag_tables()         # control/store/tags.py
+        self._create_migration_tables()   # control/store/migrations.py
 
     def _add_column(self, table: str, column: str, definition: str) -> None:
         """Add ``column`` to an existing ``table`` that lacks it (a store written by an
