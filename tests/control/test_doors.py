@@ -292,6 +292,10 @@ def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
     """A sandbox's resource use was served by the edge only: no REST route, no gateway
     method, no SDK call."""
     from dsec.wire.spec import SandboxStats
+    # something to measure (the simulated backend's memory is its files' bytes), so the
+    # test does not lean on what the tests before it wrote
+    with cluster.client(session_lease_s=None) as c:
+        c.sandboxes.get(sid).files.write("/workspace/stats-probe", b"x" * 100)
     r = _rest(cluster, "GET", f"/v1/sandboxes/{sid}/stats")
     assert r.status_code == 200, r.text
     rest = msgspec.json.decode(r.content, type=SandboxStats)
