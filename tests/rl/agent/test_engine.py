@@ -5,11 +5,7 @@ container backend), real judges."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
 
 from dsec import AsyncClient, LocalCluster
 from dsec.rl.agent.policy import OpenAIPolicy, PolicyConfig
@@ -30,23 +26,6 @@ def task(tid: str = "answer-42", cmds: str = "echo 42 > /workspace/answer\ncat /
          **kw: object) -> AgentTask:
     return AgentTask(id=tid, prompt=f"Write 42 to /workspace/answer.\n```bash\n{cmds}\n```",
                      judge=JUDGE, spec=SPEC, **kw)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CI runs as root)")
-    with LocalCluster(edges=1, backend="container") as cl:
-        yield cl
-
-
-@pytest.fixture
-async def aclient(cluster: LocalCluster) -> AsyncIterator[AsyncClient]:
-    c = cluster.async_client()
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def _engine(ac: AsyncClient, ep: ScriptedEndpoint, model: str = "honest",
