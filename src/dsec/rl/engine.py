@@ -150,7 +150,7 @@ class RolloutEngine:
         try:
             async with asyncio.timeout(cfg.episode_timeout_s):
                 try:
-                    sid = await self._start(task, spec)
+                    sid = traj.sandbox_id = await self._start(task, spec)
                 except DsecError as exc:
                     raise _InfraError(f"sandbox start failed: {exc}") from exc
                 finally:

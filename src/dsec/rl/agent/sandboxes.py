@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from dsec.errors import DsecError, InternalError, InvalidArgument, NotFound
 from dsec.rl.access import ExecOutcome
@@ -202,6 +202,21 @@ class ClientSandboxes:
         """pack_diff the sandbox's changes into a snapshot; returns its id."""
         sb = await self._handle(sid)
         return (await self._on_client(sb.snapshot())).id
+
+    async def promote(self, snapshot_id: str, *, base: str, target: str) -> str:
+        """Register a snapshot of a sandbox started from image ``base`` as the image
+        ``target`` (``[project/]name[:tag]``); returns its ref."""
+        from dsec.wire.api import ImagePromoteRequest
+        view = await self._on_client(self.client.images.promote(
+            ImagePromoteRequest(top=snapshot_id, base=base, target=target)))
+        return view.ref
+
+    async def build_layer(self, source: str, *, name: str,
+                          kind: Literal["base", "workspace", "toolkit"] = "toolkit") -> str:
+        """Build a layer from a local directory (e.g. a toolkit of hidden tests); returns
+        its ref."""
+        view = await self._on_client(self.client.images.build(source, name=name, kind=kind))
+        return view.ref
 
     async def destroy(self, sid: str) -> None:
         """Destroy it; already gone is fine."""
