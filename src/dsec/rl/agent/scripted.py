@@ -163,7 +163,7 @@ class ScriptedEndpoint:
     # ------------------------------------------------------------------------ the app
     def _app(self) -> Any:
         from starlette.applications import Starlette
-        from starlette.requests import Request
+        from starlette.requests import ClientDisconnect, Request
         from starlette.responses import JSONResponse, Response
         from starlette.routing import Route
 
@@ -179,7 +179,11 @@ class ScriptedEndpoint:
                 return JSONResponse({"error": {"message": "scripted outage", "type": "server_error"}},
                                     status_code=503)
             try:
-                body = json.loads(await request.body())
+                raw = await request.body()
+            except ClientDisconnect:          # the client gave up (cancelled episode)
+                return Response(status_code=499)
+            try:
+                body = json.loads(raw)
                 model, messages = body["model"], body["messages"]
                 if not isinstance(messages, list):
                     raise TypeError("messages must be a list")
