@@ -88,3 +88,25 @@ def test_proposals_are_checked() -> None:
         parse_proposals(reply(json.dumps(bad)))
     with pytest.raises(InvalidArgument, match="not a tool call"):
         parse_proposals(Message(role="assistant", content="here are tasks"))
+
+
+async def test_llm_agent_example(cluster: LocalCluster, endpoint: ScriptedEndpoint,
+                                 tmp_path: pathlib.Path) -> None:
+    """examples/rl_llm_agent.py (the docs/rl.md example): judged GRPO group, export."""
+    spec = importlib.util.spec_from_file_location("rl_llm_agent",
+                                                  ROOT / "examples/rl_llm_agent.py")
+    assert spec is not None and spec.loader is not None
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    ac = cluster.async_client()
+    try:
+        out = tmp_path / "t.jsonl"
+        summary = await ex.run(ac, endpoint.base_url, group_size=3, out=str(out))
+        assert summary["rewards"] == [1.0, 1.0, 1.0] and summary["infra_errors"] == []
+        assert summary["pass_rate"] == {"max-number": 1.0} and summary["logprobs"]
+        trajs = list(read_jsonl(out))
+        assert len(trajs) == 3 and len({t.group_id for t in trajs}) == 1
+        assert trajs[0].messages[0].role == "system"
+        assert trajs[0].verdict is not None and trajs[0].verdict.passed
+    finally:
+        await ac.close()
