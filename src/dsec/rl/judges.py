@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from dsec.errors import DsecError, InvalidArgument
-from dsec.rl.access import SandboxAccess
+from dsec.rl.access import SandboxAccess, is_infra_error
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 __all__ = [
@@ -60,15 +60,17 @@ class Verdict:
     reward: float
     passed: bool
     detail: str = ""
+    infra_error: bool = False    # the judge could not judge (platform failure): mask it
 
 
 @dataclass(slots=True)
 class JudgeContext:
     answer: str                                  # what the agent submitted ("" if none)
     transcript: Sequence[str] = ()               # observations of the episode, in order
-    access: SandboxAccess | None = None
+    access: SandboxAccess | None = None          # (the prompt is not one of them)
     sandbox_id: str | None = None
     spec: SandboxSpec | None = None              # the episode sandbox's spec
+    prompt: str = ""                             # what the agent was told
 
 
 class Judge(Protocol):
@@ -267,7 +269,8 @@ class ExecutableJudge:
         req = ExecRequest(argv=argv, cwd=self.cwd, env=dict(self.env), timeout_s=self.timeout_s)
         res = access.exec_batch([(sid, req)])[0]
         if isinstance(res, DsecError):
-            return Verdict(0.0, False, f"verifier could not run: {res}")
+            return Verdict(0.0, False, f"verifier could not run: {res}",
+                           infra_error=is_infra_error(res))
         for rel, data in self.hidden_files.items():
             try:
                 now = access.read_file(sid, f"{tests}/{rel}")
