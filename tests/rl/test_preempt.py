@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dsec.edge.node import EdgeNode
+from dsec.errors import Conflict
 from dsec.ids import node_of
 from dsec.rl.access import EdgeAccess
 from dsec.rl.buffer import ReplayBuffer
@@ -170,3 +171,119 @@ def test_log_refuses_divergence_and_commands_in_doubt(sim_access: EdgeAccess,
         acc2.log.close()
     finally:
         sim_access.destroy(sid)
+
+
+def test_resume_is_idempotent_at_the_edge(sim_access: EdgeAccess,
+                                          sim_nodes: dict[str, EdgeNode],
+                                          pools: list[SandboxEnvPool]) -> None:
+    """One stray exec auto-resumed a paused sandbox: resuming the preempted rollout must
+    not raise InvalidTransition for it (nor for one resumed twice)."""
+    pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(pool)
+    d = Driver(pool, CounterPolicy(), _buf())
+    d.start(seed=3)
+    d.rollout(2)
+    handle = d.preempt()
+    sids = [s for s in pool.sandbox_ids() if s is not None]
+    sim_access.exec_batch([(sids[0], ExecRequest(shell="true"))])      # auto-resume
+    sim_access.resume(sids[1])
+    sim_access.resume(sids[1])
+    d2 = resume(handle, pool=pool, policy=CounterPolicy(), buffer=_buf())
+    assert [sim_nodes[node_of(s)].get(s).state for s in sids] == ["running"] * N
+    d2.rollout(1)
+
+
+class _PreemptAt(CounterPolicy):
+    """CounterPolicy that, in the middle of tick ``at``, runs ``notice`` (what a
+    preemption notice does: another thread, or a real signal)."""
+
+    def __init__(self, at: int, notice: Any) -> None:
+        super().__init__()
+        self.at, self.notice, self.calls = at, notice, 0
+
+    def __call__(self, obs: np.ndarray, actor: LstmState | None,
+                 critic: LstmState | None) -> PolicyOutput:
+        if self.calls == self.at:
+            self.notice()
+        self.calls += 1
+        return super().__call__(obs, actor, critic)
+
+
+def _preempted_mid_tick_equals_uninterrupted(
+        sim_access: EdgeAccess, sim_nodes: dict[str, EdgeNode],
+        pools: list[SandboxEnvPool], make_notice: Any) -> list[BaseException]:
+    ref_pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(ref_pool)
+    ref = Driver(ref_pool, CounterPolicy(), _buf())
+    ref.start(seed=4)
+    ref.rollout(7)
+
+    pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(pool)
+    buf = _buf()
+    refused: list[BaseException] = []
+    holder: dict[str, Driver] = {}
+    d = holder["d"] = Driver(pool, _PreemptAt(2, make_notice(holder, refused)), buf)
+    d.start(seed=4)
+    stats = d.rollout(100)
+    # the tick in flight finished; the rollout stopped at the next boundary, paused
+    assert stats.preempted and stats.handle is not None and stats.handle.paused
+    assert d.ticks == 3 and stats.steps == 3 * N
+    for sid in pool.sandbox_ids():
+        assert sid is not None and sim_nodes[node_of(sid)].get(sid).state == "paused"
+    with pytest.raises(Conflict, match="preempted"):
+        d.rollout(1)
+    d2 = resume(RolloutHandle.from_bytes(stats.handle.to_bytes()), pool=pool,
+                policy=CounterPolicy(), buffer=buf)
+    d2.rollout(4)
+    _assert_same(ref.buffer, buf)
+    assert _logs(sim_access, pool) == _logs(sim_access, ref_pool)
+    return refused
+
+
+def test_preempt_notice_from_a_thread_mid_tick(sim_access: EdgeAccess,
+                                               sim_nodes: dict[str, EdgeNode],
+                                               pools: list[SandboxEnvPool]) -> None:
+    import threading
+
+    def make_notice(holder: dict[str, Driver], refused: list[BaseException]) -> Any:
+        def notice() -> None:
+            def other_thread() -> None:
+                try:
+                    holder["d"].preempt()          # mid-tick: refused at once, no hang
+                except Conflict as exc:
+                    refused.append(exc)
+                holder["d"].request_preempt()
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join(10)
+            assert not t.is_alive()
+        return notice
+
+    refused = _preempted_mid_tick_equals_uninterrupted(sim_access, sim_nodes, pools,
+                                                       make_notice)
+    assert len(refused) == 1 and "request_preempt" in str(refused[0])
+
+
+def test_preempt_notice_from_a_real_signal_mid_tick(sim_access: EdgeAccess,
+                                                    sim_nodes: dict[str, EdgeNode],
+                                                    pools: list[SandboxEnvPool]) -> None:
+    import signal
+
+    def make_notice(holder: dict[str, Driver], refused: list[BaseException]) -> Any:
+        def on_signal(signum: int, frame: Any) -> None:
+            try:
+                holder["d"].preempt()
+            except Conflict as exc:
+                refused.append(exc)
+            holder["d"].request_preempt()
+        signal.signal(signal.SIGUSR1, on_signal)
+        return lambda: os.kill(os.getpid(), signal.SIGUSR1)   # delivered mid-tick
+
+    old = signal.getsignal(signal.SIGUSR1)
+    try:
+        refused = _preempted_mid_tick_equals_uninterrupted(sim_access, sim_nodes, pools,
+                                                           make_notice)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert len(refused) == 1 and "mid-tick" in str(refused[0])
