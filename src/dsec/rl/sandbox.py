@@ -38,6 +38,7 @@ batched I/O.
 
 from __future__ import annotations
 
+import secrets
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -209,6 +210,7 @@ class _PoolState(msgspec.Struct, kw_only=True):
     seed: int
     episodes: list[EpisodeState]
     cursors: dict[str, int] | None = None    # command-log positions (LoggedAccess)
+    run: str = ""                            # names this run's episodes in a command log
 
 
 @dataclass(slots=True)
@@ -243,6 +245,8 @@ class SandboxEpisodes:
         self.tasks = list(tasks)
         self.config = config
         self.seed = 0
+        # A fresh name per reset: a command log keys episode creates by run/slot/episode.
+        self.run = secrets.token_hex(8)
         self.states = [EpisodeState() for _ in range(num_envs)]
         self.action_space = _text_spaces(config)[1]
 
@@ -273,7 +277,13 @@ class SandboxEpisodes:
             st.transcript = []
             st.finished = False
             tasks.append(self.tasks[st.task_index])
-        sids = create_sandboxes(self.access, [t.spec for t in tasks])
+        if isinstance(self.access, LoggedAccess):
+            # Logged by episode: a replay reuses the sandbox the crashed trainer made.
+            sids = self.access.create_episodes(
+                [f"{self.run}/{i}/{self.states[i].episode}" for i in idx],
+                [t.spec for t in tasks])
+        else:
+            sids = create_sandboxes(self.access, [t.spec for t in tasks])
         for i, sid in zip(idx, sids):
             self.states[i].sandbox_id = sid
         try:
@@ -415,15 +425,29 @@ class SandboxEpisodes:
         task = self.tasks[st.task_index]
         if task.judge is None:
             return Verdict(0.0, False, "task has no judge")
+        access = self.access
+        logged = isinstance(access, LoggedAccess) and st.sandbox_id is not None
+        if logged:
+            assert isinstance(access, LoggedAccess) and st.sandbox_id is not None
+            data = access.logged_verdict(st.sandbox_id)
+            if data is not None:       # a replay: judged before the crash, never twice
+                return msgspec.msgpack.decode(data, type=Verdict)
+            # The judge's own commands (random test dirs) are not the agent's: they stay
+            # out of the command sequence, and the verdict is logged instead.
+            access = access.inner
         # The prompt is not part of the transcript: a pattern over what the agent did
         # must not match what it was told (a prompt naming the answer paid 1.0).
         ctx = JudgeContext(answer=answer, transcript=tuple(st.transcript[1:]),
-                           access=self.access, sandbox_id=st.sandbox_id, spec=task.spec,
+                           access=access, sandbox_id=st.sandbox_id, spec=task.spec,
                            prompt=st.transcript[0] if st.transcript else "")
         try:
-            return task.judge.judge(ctx)
+            verdict = task.judge.judge(ctx)
         except DsecError as exc:
             return Verdict(0.0, False, f"judge failed: {exc}", infra_error=True)
+        if logged and not verdict.infra_error:
+            assert isinstance(self.access, LoggedAccess) and st.sandbox_id is not None
+            self.access.record_verdict(st.sandbox_id, msgspec.msgpack.encode(verdict))
+        return verdict
 
     # -- preemption --------------------------------------------------------------------
 
@@ -442,7 +466,7 @@ class SandboxEpisodes:
             live = set(self.live_sandboxes())
             cursors = {k: v for k, v in self.access.cursors.items() if k in live}
         return msgspec.msgpack.encode(_PoolState(seed=self.seed, episodes=self.states,
-                                                 cursors=cursors))
+                                                 cursors=cursors, run=self.run))
 
     def import_state(self, data: bytes) -> None:
         try:
@@ -458,6 +482,7 @@ class SandboxEpisodes:
                                   f"{len(self.tasks)} tasks were given; pass the same tasks")
         self.seed = st.seed
         self.states = st.episodes
+        self.run = st.run
         if st.cursors is not None:
             if not isinstance(self.access, LoggedAccess):
                 raise InvalidArgument("pool state carries command-log positions; restore "
@@ -486,6 +511,7 @@ class SandboxEnv(gym.Env[str, str]):
         super().reset(seed=seed)
         if seed is not None or self.episodes.states[0].episode < 0:
             self.episodes.seed = int(self.np_random.integers(2**31))
+            self.episodes.run = secrets.token_hex(8)
             self.episodes.states[0].episode = -1
         obs = self.episodes.begin(0)
         st = self.episodes.states[0]
@@ -522,6 +548,7 @@ class SandboxBatchEnv:
     def reset_all(self, seed: int | None) -> None:
         obs = self._bound()[0]
         self.episodes.seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+        self.episodes.run = secrets.token_hex(8)
         for i in range(self.num_envs):
             self.episodes.states[i].episode = -1
         for i, o in enumerate(self.episodes.begin_many(range(self.num_envs))):
