@@ -191,11 +191,11 @@ class Driver:
             obs = self.obs                              # driver-owned snapshot
             actor, critic = self.actor, self.critic
             out = self.policy(obs, actor, critic)
-            next_obs, rew, term, trunc, infos = self.pool.step(out.action)
-            done = infos["_final_obs"]
+            next_obs, rew, term, trunc, _ = self.pool.step(out.action)
+            done = self.pool.done                       # = infos["_final_obs"] if any
             reward = rew
             if self.bootstrap_gamma is not None and trunc.any():
-                reward = self._bootstrap(rew, term, trunc, infos["final_obs"], out)
+                reward = self._bootstrap(rew, term, trunc, self.pool.final_obs, out)
             buf.add(obs, out.action, reward, done,
                     0.0 if out.logprob is None else out.logprob,
                     0.0 if out.value is None else out.value,

@@ -536,6 +536,7 @@ class SandboxBatchEnv:
         self.single_observation_space, self.single_action_space = _text_spaces(self.config)
         self._out: tuple[Array, Array, Array, Array] | None = None
         self.verdicts: list[Verdict | None] = [None] * num_envs   # of the last finished episode
+        self._infos: list[dict[str, Any]] = [{} for _ in range(num_envs)]
 
     def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
         self._out = (obs, rewards, terminated, truncated)
@@ -545,14 +546,34 @@ class SandboxBatchEnv:
             raise Conflict("SandboxBatchEnv is not bound to a pool; use SandboxEnvPool")
         return self._out
 
-    def reset_all(self, seed: int | None) -> None:
+    @staticmethod
+    def _no_options(options: dict[str, Any] | None) -> None:
+        if options:
+            raise InvalidArgument(f"sandbox envs take no reset options (got "
+                                  f"{sorted(options)}); tasks come from the task list")
+
+    def reset_all(self, seed: int | Sequence[int | None] | None,
+                  options: dict[str, Any] | None = None) -> None:
+        self._no_options(options)
         obs = self._bound()[0]
-        self.episodes.seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+        entropy: int | list[int] | None = None
+        if isinstance(seed, int | np.integer):
+            entropy = int(seed)
+        elif seed is not None:       # one per env (Gymnasium's list form): all, or none
+            seeds = list(seed)
+            entropy = None if any(x is None for x in seeds) else [int(x) for x in seeds
+                                                                  if x is not None]
+        self.episodes.seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
         self.episodes.run = secrets.token_hex(8)
         for i in range(self.num_envs):
             self.episodes.states[i].episode = -1
         for i, o in enumerate(self.episodes.begin_many(range(self.num_envs))):
             obs[i] = o
+        self._infos = [self._reset_info(i) for i in range(self.num_envs)]
+
+    def _reset_info(self, i: int) -> dict[str, Any]:
+        st = self.episodes.states[i]
+        return {"sandbox_id": st.sandbox_id, "task": self.episodes.tasks[st.task_index].name}
 
     def step(self, actions: Array) -> None:
         obs, rew, term, trunc = self._bound()
@@ -564,13 +585,31 @@ class SandboxBatchEnv:
             trunc[i] = o.truncated
             if o.verdict is not None:
                 self.verdicts[i] = o.verdict
+        self._infos = [o.info() for o in outs]
 
-    def reset_envs(self, mask: Array) -> None:
+    def reset_envs(self, mask: Array, options: dict[str, Any] | None = None) -> None:
+        self._no_options(options)
         obs = self._bound()[0]
         idx = np.flatnonzero(mask).tolist()
         if idx:
             for i, o in zip(idx, self.episodes.begin_many(idx)):
                 obs[i] = o
+                self._infos[i] = self._reset_info(i)
+
+    def last_infos(self) -> list[dict[str, Any]]:
+        """Per env: ``infra_error`` (and ``verdict`` when the episode ended) after a
+        step; ``sandbox_id`` and ``task`` after a reset."""
+        return self._infos
+
+    _ATTRS = ("sandbox_id", "task_index", "episode", "turn", "transcript")
+
+    def get_attr(self, name: str) -> list[Any]:
+        if name == "task":
+            return [self.episodes.tasks[st.task_index] for st in self.episodes.states]
+        if name not in self._ATTRS:
+            raise InvalidArgument(f"sandbox envs have no per-env attribute {name!r}; they "
+                                  f"have {', '.join(('task', *self._ATTRS))}")
+        return [getattr(st, name) for st in self.episodes.states]
 
     def close(self) -> None:
         self.episodes.end_many(range(self.num_envs))

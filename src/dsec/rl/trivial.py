@@ -9,6 +9,7 @@ vectorised path against the per-env path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -77,7 +78,7 @@ class TrivialBatchEnv:
     def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
         self._out = (obs, rewards, terminated, truncated)
 
-    def reset_all(self, seed: int | None) -> None:
+    def reset_all(self, seed: int | Sequence[int | None] | None) -> None:
         obs = self._bound()[0]
         self._t[:] = 0
         obs[:] = 0.0
