@@ -271,7 +271,7 @@ class RolloutEngine:
         ctx = JudgeContext(answer=traj.answer or "",
                            transcript=[s.observation for s in traj.steps],
                            access=self.sandboxes.sync_access(loop), sandbox_id=sid,
-                           spec=task.spec)
+                           spec=task.spec, prompt=task.prompt)
         judge = task.judge
         t0 = self.clock()
         try:
@@ -283,6 +283,9 @@ class RolloutEngine:
                               f"{type(exc).__name__}: {exc}") from exc
         finally:
             traj.timings.judge_s = self.clock() - t0
+        if verdict.infra_error:
+            raise _InfraError(f"judge {type(judge).__name__} could not judge: "
+                              f"{verdict.detail}")
         traj.verdict = VerdictRecord(reward=float(verdict.reward), passed=bool(verdict.passed),
                                      detail=verdict.detail, judge=type(judge).__name__)
         traj.reward = float(verdict.reward)

@@ -231,3 +231,17 @@ def test_sync_client_drives_the_engine(cluster: LocalCluster, endpoint: Scripted
                 await _close(eng)
         assert asyncio.run(go()) == [1.0, 1.0]
         assert client.sandboxes.list(state="running") == []
+
+
+async def test_judge_that_cannot_judge_is_an_infra_error(aclient: AsyncClient,
+                                                         endpoint: ScriptedEndpoint) -> None:
+    judge = ExecutableJudge(hidden_files={"test.sh": TEST_SH}, carry=["/workspace/answer"],
+                            command=["/bin/sh", "{tests}/test.sh"],
+                            judge_spec=SandboxSpec(backend="container", image="no-such-image"))
+    eng = _engine(aclient, endpoint)
+    traj = await eng.episode(AgentTask(id="bad-judge", prompt=task().prompt, judge=judge,
+                                       spec=SPEC))
+    assert traj.end == "infra_error" and traj.verdict is None and traj.reward == 0.0
+    assert traj.infra_error is not None and "judge ExecutableJudge" in traj.infra_error
+    assert await _running(aclient) == []
+    await _close(eng)

@@ -86,7 +86,8 @@ class JudgeReward:
         if judge is None:
             return None
         if type(judge).__name__ != "ExecutableJudge":
-            return float(judge.judge(JudgeContext(answer=answer, transcript=())).reward)
+            v = judge.judge(JudgeContext(answer=answer, transcript=(), prompt=task.prompt))
+            return None if v.infra_error else float(v.reward)
         if self.access is None:
             raise InvalidArgument(f"task {task.id} has an executable judge: JudgeReward needs "
                                   "access= (e.g. ClientAccess(client)) to run it")
@@ -106,8 +107,8 @@ class JudgeReward:
                 acc.write_file(sid, p, data)
             acc.write_file(sid, path, answer.encode())
             v = judge.judge(JudgeContext(answer=answer, transcript=(), access=acc,
-                                         sandbox_id=sid, spec=task.spec))
-            return float(v.reward)
+                                         sandbox_id=sid, spec=task.spec, prompt=task.prompt))
+            return None if v.infra_error else float(v.reward)
         except DsecError:
             return None
         finally:
