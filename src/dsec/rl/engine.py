@@ -62,7 +62,7 @@ from dsec.rl.judges import JudgeContext
 from dsec.rl.tasks import AgentTask, TaskRegistry, TaskSampler
 from dsec.wire.spec import ExecRequest, SandboxSpec
 
-__all__ = ["EngineConfig", "RolloutEngine"]
+__all__ = ["EngineConfig", "InfraFailure", "RolloutEngine"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,8 +89,9 @@ class EngineConfig:
                 raise InvalidArgument(f"{name}={v} must be > 0, or None for no deadline")
 
 
-class _InfraError(Exception):
-    """Internal: ends an episode as an infrastructure failure."""
+class InfraFailure(Exception):
+    """Raised inside an episode to end it as an infrastructure failure (recorded in the
+    trajectory's ``infra_error``; never escapes :meth:`RolloutEngine.episode`)."""
 
 
 class RolloutEngine:
@@ -150,14 +151,14 @@ class RolloutEngine:
         try:
             async with asyncio.timeout(cfg.episode_timeout_s):
                 try:
-                    sid = traj.sandbox_id = await self._start(task, spec)
+                    sid = traj.sandbox_id = await self.start_sandbox(task, spec)
                 except DsecError as exc:
-                    raise _InfraError(f"sandbox start failed: {exc}") from exc
+                    raise InfraFailure(f"sandbox start failed: {exc}") from exc
                 finally:
                     traj.timings.setup_s = self.clock() - t0
                 await self._turns(task, sid, tools, traj)
-                await self._judge(task, sid, traj)
-        except _InfraError as exc:
+                await self.judge_episode(task, sid, traj)
+        except InfraFailure as exc:
             traj.infra_error = str(exc)
             traj.end = "step_timeout" if traj.end == "step_timeout" else "infra_error"
             traj.reward, traj.verdict = 0.0, None
@@ -168,29 +169,29 @@ class RolloutEngine:
             raise
         finally:
             if sid is not None and not cfg.keep_sandboxes:
-                await asyncio.shield(self._destroy_quietly(sid))
+                await asyncio.shield(self.destroy_sandbox(sid))
             traj.timings.finished_at = self.wall()
         return traj
 
-    async def _destroy_quietly(self, sid: str) -> None:
+    async def destroy_sandbox(self, sid: str) -> None:
         try:
             await self.sandboxes.destroy(sid)
         except DsecError:
             pass          # the sandbox's TTL and the session lease sweep it
 
-    async def _start(self, task: AgentTask, spec: SandboxSpec) -> str:
+    async def start_sandbox(self, task: AgentTask, spec: SandboxSpec) -> str:
         sid = await self.sandboxes.create(spec)
         try:
             dirs = sorted({task.workdir} | {p.rsplit("/", 1)[0] or "/" for p in task.files})
             res = await self.sandboxes.exec(sid, ExecRequest(argv=("mkdir", "-p", *dirs),
                                                              timeout_s=30.0))
             if res.exit_code != 0:
-                raise _InfraError(f"could not make {dirs} in sandbox {sid}: "
+                raise InfraFailure(f"could not make {dirs} in sandbox {sid}: "
                                   f"{res.stderr.decode(errors='replace')[:200]}")
             await asyncio.gather(*(self.sandboxes.write_file(sid, p, data)
                                    for p, data in task.files.items()))
         except BaseException:
-            await asyncio.shield(self._destroy_quietly(sid))
+            await asyncio.shield(self.destroy_sandbox(sid))
             raise
         return sid
 
@@ -204,7 +205,7 @@ class RolloutEngine:
                         return
             except TimeoutError as exc:  # this turn's deadline; the episode's passes through
                 traj.end = "step_timeout"
-                raise _InfraError(f"step {len(traj.steps)} took longer than "
+                raise InfraFailure(f"step {len(traj.steps)} took longer than "
                                   f"step_timeout_s={cfg.step_timeout_s}s") from exc
         traj.end = "max_turns"
 
@@ -214,9 +215,15 @@ class RolloutEngine:
         try:
             reply = await self.policy.act(traj.messages)
         except DsecError as exc:
-            raise _InfraError(f"policy request failed: {exc}") from exc
+            raise InfraFailure(f"policy request failed: {exc}") from exc
+        return await self.apply_reply(sid, tools, traj, reply, model_s=self.clock() - t_ask)
+
+    async def apply_reply(self, sid: str, tools: ToolConfig, traj: Trajectory, reply: Message,
+                          *, model_s: float = 0.0) -> bool:
+        """Append the assistant ``reply`` to ``traj`` and carry out its tool calls in
+        sandbox ``sid`` (observation errors for what is not a valid call); True when the
+        agent submitted. Raises ``InfraFailure`` when a sandbox operation fails."""
         t_reply = self.clock()
-        model_s = t_reply - t_ask
         traj.timings.model_s += model_s
         traj.messages.append(reply)
         calls = parse_reply(reply.content, reply.tool_calls, strict=self.config.strict)
@@ -239,7 +246,7 @@ class RolloutEngine:
                 out = await run_action(self.sandboxes, sid, action, tools)
             except DsecError as exc:
                 step.infra_error = f"{type(exc).__name__}: {exc}"
-                raise _InfraError(f"tool {item.name} failed: {exc}") from exc
+                raise InfraFailure(f"tool {item.name} failed: {exc}") from exc
             done = self.clock()
             started = out.started_at if out.started_at is not None else t_tool
             timings.queue_s = max(0.0, started - t_reply)
@@ -264,7 +271,7 @@ class RolloutEngine:
         else:
             traj.messages.append(Message(role="user", content=text))
 
-    async def _judge(self, task: AgentTask, sid: str, traj: Trajectory) -> None:
+    async def judge_episode(self, task: AgentTask, sid: str, traj: Trajectory) -> None:
         if task.judge is None:
             return
         loop = asyncio.get_running_loop()
@@ -277,14 +284,14 @@ class RolloutEngine:
         try:
             verdict = await loop.run_in_executor(self._judges, judge.judge, ctx)
         except DsecError as exc:
-            raise _InfraError(f"judge {type(judge).__name__} failed: {exc}") from exc
+            raise InfraFailure(f"judge {type(judge).__name__} failed: {exc}") from exc
         except Exception as exc:  # a judge's bug must not end the run
-            raise _InfraError(f"judge {type(judge).__name__} raised "
+            raise InfraFailure(f"judge {type(judge).__name__} raised "
                               f"{type(exc).__name__}: {exc}") from exc
         finally:
             traj.timings.judge_s = self.clock() - t0
         if verdict.infra_error:
-            raise _InfraError(f"judge {type(judge).__name__} could not judge: "
+            raise InfraFailure(f"judge {type(judge).__name__} could not judge: "
                               f"{verdict.detail}")
         traj.verdict = VerdictRecord(reward=float(verdict.reward), passed=bool(verdict.passed),
                                      detail=verdict.detail, judge=type(judge).__name__)
@@ -305,11 +312,11 @@ class RolloutEngine:
         spec, run_task = task.spec, task
         snap_sid: str | None = None
         if snapshot_files and task.files and task.spec.snapshot is None:
-            snap_sid = await self._start(task, task.spec)
+            snap_sid = await self.start_sandbox(task, task.spec)
             try:
                 snap = await self.sandboxes.snapshot(snap_sid)
             finally:
-                await self._destroy_quietly(snap_sid)
+                await self.destroy_sandbox(snap_sid)
             spec = msgspec.structs.replace(task.spec, snapshot=snap, workspace=None,
                                            toolkits=())
             run_task = _without_files(task)
