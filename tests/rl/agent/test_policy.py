@@ -94,13 +94,17 @@ async def test_unknown_model_is_invalid_argument(endpoint: ScriptedEndpoint) -> 
         await pol.close()
 
 
-async def test_concurrency_limit_holds(endpoint: ScriptedEndpoint) -> None:
-    pol = OpenAIPolicy(_cfg(endpoint, model="slow", max_concurrency=3))
+@pytest.mark.parametrize("per_pool", [64, 1])
+async def test_concurrency_limit_holds(endpoint: ScriptedEndpoint, per_pool: int) -> None:
+    # one pool, or three pools of one connection each (requests spread over them)
+    pol = OpenAIPolicy(_cfg(endpoint, model="slow", max_concurrency=3,
+                            connections_per_client=per_pool))
     try:
         endpoint.stats.max_in_flight = 0
-        await asyncio.gather(*(pol.act([Message(role="user", content=PROMPT)])
-                               for _ in range(12)))
+        replies = await asyncio.gather(*(pol.act([Message(role="user", content=PROMPT)])
+                                         for _ in range(12)))
         assert endpoint.stats.max_in_flight == 3
+        assert all(r.tool_calls[0].name == "bash" for r in replies)
     finally:
         await pol.close()
 
