@@ -2,7 +2,7 @@
 tool-call overhead, and many concurrent agent episodes on real container sandboxes.
 
 Every figure runs the real stack: the scripted OpenAI-compatible endpoint on loopback
-(uvicorn in a thread of this process), the ``openai`` client inside
+(uvicorn, in a child process), the ``openai`` client inside
 :class:`~dsec.rl.agent.policy.OpenAIPolicy`, the rollout engine, and ``dsec up`` with the
 container backend in a child process, reached through the SDK.
 
@@ -38,7 +38,7 @@ from dsec.bench import BenchContext
 from dsec.rl.agent.executor import ToolConfig, format_exec
 from dsec.rl.agent.policy import OpenAIPolicy, PolicyConfig
 from dsec.rl.agent.sandboxes import ClientSandboxes
-from dsec.rl.agent.scripted import ScriptedEndpoint, ScriptedTurn, honest
+from dsec.rl.agent.scripted import EndpointProcess, ScriptedTurn
 from dsec.rl.agent.tools import Bash, Submit, ToolCallError, decode_action, parse_reply
 from dsec.rl.agent.types import Message
 from dsec.rl.engine import EngineConfig, RolloutEngine
@@ -329,9 +329,9 @@ def agent_figures(ctx: BenchContext) -> None:
 
     cg_before = set(glob.glob("/sys/fs/cgroup/cpuacct*/**/dsec-*/cpuacct.usage",
                               recursive=True))
-    policies = {"probe": _probe_policy,
-                "slow": lambda msgs: honest(msgs, think_s=THINK_S)}
-    with ScriptedEndpoint(policies=policies) as ep, \
+    # the model server in its own process, as an inference server would be
+    with EndpointProcess(think_s=THINK_S,
+                         policies={"probe": "dsec.bench.rl_agent:_probe_policy"}) as ep, \
             LocalCluster(edges=1, backend="container", subprocess=True,
                          start_timeout_s=60.0) as cl:
         async def go() -> None:
@@ -343,7 +343,7 @@ def agent_figures(ctx: BenchContext) -> None:
             finally:
                 await ac.close()
         uvloop.run(go())
-    ctx.note("rl_agent_*: scripted OpenAI-compatible endpoint in this process (uvicorn "
-             "thread), the openai client, the asyncio engine; `dsec up --backend container` "
-             "in a child process on the same cores. The speedup compares the engine with a "
+    ctx.note("rl_agent_*: scripted OpenAI-compatible endpoint in a child process "
+             "(uvicorn), the openai client and the asyncio engine in this one, `dsec up "
+             "--backend container` in another child process, all on the same cores. The speedup compares the engine with a "
              "lockstep loop over the same slots, agent and command-duration spread.")

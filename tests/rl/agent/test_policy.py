@@ -114,3 +114,16 @@ def test_config_is_checked() -> None:
         PolicyConfig(base_url="127.0.0.1:8000", model="m")
     with pytest.raises(InvalidArgument, match="max_concurrency"):
         PolicyConfig(base_url="http://x/v1", model="m", max_concurrency=0)
+
+
+async def test_endpoint_in_a_child_process() -> None:
+    from dsec.rl.agent.scripted import EndpointProcess
+    with EndpointProcess(think_s=0.0, policies={"h2": "dsec.rl.agent.scripted:honest"}) as ep:
+        pol = OpenAIPolicy(PolicyConfig(base_url=ep.base_url, model="h2"))
+        try:
+            reply = await pol.act([Message(role="user", content=PROMPT)])
+            assert reply.tool_calls[0].name == "bash"
+        finally:
+            await pol.close()
+        proc = ep._proc
+    assert proc.returncode is not None                    # stopped with the block

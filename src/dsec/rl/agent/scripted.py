@@ -290,3 +290,80 @@ class ScriptedEndpoint:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+class EndpointProcess:
+    """The scripted endpoint in a child process (``python -m dsec.rl.agent.scripted``), so
+    a benchmark's model server does not share the trainer's interpreter (and GIL), as a
+    real inference server would not. ``policies``: extra ``name -> "module:function"``."""
+
+    def __init__(self, *, think_s: float = 0.05,
+                 policies: Mapping[str, str] | None = None) -> None:
+        self.think_s = think_s
+        self.policies = dict(policies or {})
+        self.base_url = ""
+        self._proc: Any = None
+
+    def start(self) -> Self:
+        import subprocess
+        import sys
+        args = [sys.executable, "-m", "dsec.rl.agent.scripted", "--think-s", str(self.think_s)]
+        for name, ref in self.policies.items():
+            args += ["--policy", f"{name}={ref}"]
+        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        line = self._proc.stdout.readline().decode().strip()
+        if not line.startswith("http://"):
+            self.stop()
+            raise TransportError(f"scripted endpoint process did not start (said {line!r})")
+        self.base_url = line
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except Exception:  # noqa: BLE001 - then kill it
+                self._proc.kill()
+                self._proc.wait()
+            self._proc.stdout.close()
+            self._proc = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _load(ref: str) -> Policy:
+    import importlib
+    mod, _, fn = ref.partition(":")
+    obj = getattr(importlib.import_module(mod), fn)
+    if not callable(obj):
+        raise TypeError(f"{ref} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until SIGTERM; prints the base URL on the first line of stdout."""
+    import argparse
+    import signal
+    ap = argparse.ArgumentParser(description="scripted OpenAI-compatible endpoint")
+    ap.add_argument("--think-s", type=float, default=0.05)
+    ap.add_argument("--policy", action="append", default=[], help="name=module:function")
+    args = ap.parse_args(argv)
+    extra = {n: _load(r) for n, _, r in (p.partition("=") for p in args.policy)}
+    ep = ScriptedEndpoint(policies=extra, think_s=args.think_s).start()
+    print(ep.base_url, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ep.stop()
+
+
+if __name__ == "__main__":
+    main()
