@@ -245,3 +245,16 @@ async def test_judge_that_cannot_judge_is_an_infra_error(aclient: AsyncClient,
     assert traj.infra_error is not None and "judge ExecutableJudge" in traj.infra_error
     assert await _running(aclient) == []
     await _close(eng)
+
+
+async def test_episode_starts_are_coalesced_into_one_create(aclient: AsyncClient,
+                                                            endpoint: ScriptedEndpoint) -> None:
+    sbx = ClientSandboxes(aclient)
+    eng = RolloutEngine(sbx, OpenAIPolicy(PolicyConfig(base_url=endpoint.base_url,
+                                                       model="honest")))
+    unjudged = [AgentTask(id=f"u{i}", prompt=task().prompt, spec=SPEC) for i in range(5)]
+    trajs = await asyncio.gather(*(eng.episode(t) for t in unjudged))
+    assert [t.end for t in trajs] == ["submitted"] * 5
+    assert len({t.sandbox_id for t in trajs}) == 5
+    assert sbx.create_calls == 1                          # five sandboxes, one create_many
+    await _close(eng)

@@ -75,6 +75,7 @@ class ClientSandboxes:
         self._handles: dict[str, AsyncSandbox] = {}
         self._pending: list[tuple[SandboxSpec, asyncio.Future[str]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Task[None]] = set()   # held: the loop keeps weak refs
         self.create_calls = 0                       # SDK create/create_many calls issued
 
     # ------------------------------------------------------------------------ plumbing
@@ -116,7 +117,9 @@ class ClientSandboxes:
             self._flusher.cancel()
             self._flusher = None
         if batch:
-            asyncio.get_running_loop().create_task(self._create_batch(batch))
+            t = asyncio.get_running_loop().create_task(self._create_batch(batch))
+            self._batches.add(t)
+            t.add_done_callback(self._batches.discard)
 
     async def _create_batch(self, batch: list[tuple[SandboxSpec, asyncio.Future[str]]]) -> None:
         # Each item on its own: one bad spec must not fail the others' episodes, so the
