@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from dsec.errors import DsecError, InvalidArgument, NotFound, PayloadTooLarge, SandboxError
+from dsec.errors import DsecError, InvalidArgument, PayloadTooLarge
+from dsec.rl.access import is_infra_error
 from dsec.rl.agent.tools import Action, Bash, ReadFile, StrReplace, Submit, WriteFile
 from dsec.wire.spec import ExecRequest, ExecResult
 
@@ -123,8 +124,8 @@ async def run_action(sb: ToolSandbox, sid: str, action: Action, cfg: ToolConfig
             return data
         return ToolOutcome(cut(data.decode("utf-8", "replace"), lim))
     if isinstance(action, WriteFile):
-        await _write(sb, sid, path, action.content.encode())
-        return ToolOutcome(f"wrote {len(action.content.encode())} bytes to {path}")
+        failed = await _write(sb, sid, path, action.content.encode())
+        return failed or ToolOutcome(f"wrote {len(action.content.encode())} bytes to {path}")
     assert isinstance(action, StrReplace)
     if not action.old_str:
         return ToolOutcome("str_replace needs a non-empty old_str", error="bad_arguments")
@@ -137,36 +138,40 @@ async def run_action(sb: ToolSandbox, sid: str, action: Action, cfg: ToolConfig
         return ToolOutcome(f"old_str occurs {n} times in {path}; it must occur exactly once "
                            "(add surrounding lines to make it unique)", error="not_unique"
                            if n else "not_found")
-    await _write(sb, sid, path, text.replace(action.old_str, action.new_str, 1).encode())
-    return ToolOutcome(f"replaced 1 occurrence in {path}")
+    failed = await _write(sb, sid, path, text.replace(action.old_str, action.new_str,
+                                                      1).encode())
+    return failed or ToolOutcome(f"replaced 1 occurrence in {path}")
 
 
 async def _read(sb: ToolSandbox, sid: str, path: str, cfg: ToolConfig) -> bytes | ToolOutcome:
     try:
         data = await sb.read_file(sid, path, length=cfg.max_file_bytes + 1)
-    except (NotFound, InvalidArgument) as exc:
+    except DsecError as exc:
+        if is_infra_error(exc):
+            raise
         if isinstance(exc, PayloadTooLarge):
             return ToolOutcome(f"{path} is larger than {cfg.max_file_bytes} bytes",
                                error="file_too_large")
-        if _is_sandbox_gone(exc):
-            raise
-        return ToolOutcome(f"cannot read {path}: {exc.message}", error="file_not_found")
+        return ToolOutcome(f"cannot read {path}: {exc.message}", error="file_error")
     if len(data) > cfg.max_file_bytes:
         return ToolOutcome(f"{path} is larger than {cfg.max_file_bytes} bytes; read it in "
                            "parts with bash (head, sed -n)", error="file_too_large")
     return data
 
 
-async def _write(sb: ToolSandbox, sid: str, path: str, data: bytes) -> None:
+async def _write(sb: ToolSandbox, sid: str, path: str, data: bytes) -> ToolOutcome | None:
+    """Write ``data`` (making missing parents); an outcome saying what failed, or None."""
     try:
         await sb.write_file(sid, path, data)
-    except (NotFound, InvalidArgument, SandboxError) as exc:
-        if _is_sandbox_gone(exc):
+        return None
+    except DsecError as exc:
+        if is_infra_error(exc):
             raise
+    try:
         await sb.mkdir(sid, posixpath.dirname(path))
         await sb.write_file(sid, path, data)
-
-
-def _is_sandbox_gone(exc: DsecError) -> bool:
-    from dsec.errors import SandboxNotFound
-    return isinstance(exc, SandboxNotFound)
+    except DsecError as exc:
+        if is_infra_error(exc):
+            raise
+        return ToolOutcome(f"cannot write {path}: {exc.message}", error="file_error")
+    return None
