@@ -130,6 +130,8 @@ class OpenAIPolicy:
                 max_connections=per, max_keepalive_connections=per)))
             for _ in range(n_pools)]
         self._next = 0
+        from openai.types.chat import ChatCompletion
+        self._completion = ChatCompletion
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._tools = openai_tools(config.tools) if config.tool_format == "openai" else None
         sys = config.system_prompt
@@ -164,9 +166,16 @@ class OpenAIPolicy:
             try:
                 client = self._clients[self._next % len(self._clients)]
                 self._next += 1
-                rep = await client.chat.completions.create(
-                    model=cfg.model, messages=[m.to_openai() for m in messages],  # type: ignore[misc]
-                    extra_body=extra or None, **kw)
+                # client.post (the package's documented door for raw requests) with a
+                # plain JSON body: create() first walks the whole history through its
+                # TypedDict transform. Measured with an 18-message history, 20 in flight:
+                # 5.8-7.6 ms of trainer CPU per request via create() vs 2.0-2.4 ms here
+                # (py-spy had the transform at 10% of the trainer with 200 episodes);
+                # retries, timeouts, errors and the parsed ChatCompletion are the same.
+                body = {"model": cfg.model, "messages": [m.to_openai() for m in messages],
+                        **kw, **extra}
+                rep = await client.post("/chat/completions", body=body,
+                                        cast_to=self._completion)
             except oa.APITimeoutError as exc:
                 raise RequestTimeout(f"model endpoint {cfg.base_url} did not answer within "
                                      f"{cfg.timeout_s}s (after {cfg.max_retries} retries); "
