@@ -310,9 +310,13 @@ async def _concurrent(ctx: BenchContext, ac: Any, base_url: str, cg_before: set[
     steps = sum(1 for t in trajs for s in t.steps if s.action is not None
                 and s.action.name == "bash" and s.infra_error is None)
     infra = sum(1 for t in trajs if t.infra_error)
+    def mean(f: str) -> float:
+        return round(statistics.mean(getattr(t.timings, f) for t in trajs), 3)
+    # where an episode's time went (means): sandbox start, model calls, commands
     ctx.record("rl_agent_concurrent_steps_per_s", steps / wall, "steps/s", episodes=n,
                think_ms=THINK_S * 1e3, wall_s=round(wall, 2), infra_errors=infra,
-               backend="container", note="includes sandbox create/destroy")
+               backend="container", note="includes sandbox create/destroy",
+               setup_s=mean("setup_s"), model_s=mean("model_s"), tool_s=mean("tool_s"))
     if cg:
         ctx.record("rl_agent_concurrent_sandbox_cpu_cores", cpu / wall, "cores", episodes=n,
                    cpu_s=round(cpu, 3), source="cpuacct.usage of the sandboxes' parent cgroup")
