@@ -311,7 +311,7 @@ async def _concurrent(ctx: BenchContext, ac: Any, base_url: str, cg_before: set[
                 and s.action.name == "bash" and s.infra_error is None)
     infra = sum(1 for t in trajs if t.infra_error)
     def mean(f: str) -> float:
-        return round(statistics.mean(getattr(t.timings, f) for t in trajs), 3)
+        return round(statistics.mean(float(getattr(t.timings, f)) for t in trajs), 3)
     # where an episode's time went (means): sandbox start, model calls, commands
     ctx.record("rl_agent_concurrent_steps_per_s", steps / wall, "steps/s", episodes=n,
                think_ms=THINK_S * 1e3, wall_s=round(wall, 2), infra_errors=infra,
