@@ -1226,9 +1226,21 @@ class EdgeNode:
             rec.cut.pop(task, None)
 
     # ================================================================ exec
+    @staticmethod
+    def _check_hide(rec: _Sandbox) -> None:
+        """``ExecRequest.hide`` is a security promise: refuse it where no Landlock layer
+        keeps it, rather than run the command unconfined."""
+        if not getattr(rec.backend, "supports_hide", False):
+            raise InvalidArgument(
+                f"sandbox {rec.id} runs on the {rec.spec.backend!r} backend, which cannot "
+                "hide paths from a command (exec hide needs the container backend's native "
+                "runtime and a kernel with Landlock)", field="hide", sandbox_id=rec.id)
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
+        if req.hide:
+            self._check_hide(rec)
         room = self.config.max_reply_output_bytes
         if req.output_cap_bytes > room:
             # more would be collected only to fail as too large for one reply: keep what
@@ -1301,6 +1313,8 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
+        if req.hide:
+            self._check_hide(rec)
         if rec.state != "running":
             await self._ready(rec, "exec")
         self._admit_exec(rec)

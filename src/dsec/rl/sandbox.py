@@ -193,6 +193,11 @@ class SandboxEnvConfig:
     max_action_chars: int = 4096         # action Text space max_length
     command_timeout_s: float = 30.0      # per shell call unless the call asks for less
     output_cap_bytes: int = 64 * 1024    # per stream, per call
+    # Top-level entries of the sandbox root the agent never reaches, even as root
+    # (ExecRequest.hide: Landlock on every agent command, and the read_file/write_file
+    # tools run as such commands too). E.g. (".dsec-judge",) with an in-place
+    # ExecutableJudge(tests_root="/.dsec-judge"). Needs native container sandboxes.
+    hide: tuple[str, ...] = ()
 
 
 class EpisodeState(msgspec.Struct, kw_only=True):
@@ -354,12 +359,12 @@ class SandboxEpisodes:
                     else min(call.timeout_s, cfg.command_timeout_s)
                 call_of[k] = len(calls)
                 calls.append((sid, ExecRequest(shell=call.command, cwd=task.workdir,
-                                               timeout_s=t,
+                                               timeout_s=t, hide=cfg.hide,
                                                output_cap_bytes=cfg.output_cap_bytes)))
             elif isinstance(call, WriteFile):
-                text[k] = self._write(sid, call)
+                text[k] = self._write(sid, call, task.workdir)
             elif isinstance(call, ReadFile):
-                text[k] = self._read(sid, call)
+                text[k] = self._read(sid, call, task.workdir)
             else:
                 submitted[k] = call.answer
                 text[k] = "submitted"
@@ -406,19 +411,42 @@ class SandboxEpisodes:
         return (f"error: the action holds the control character {_escape(bad)}, which is "
                 "outside the action space; nothing was run")
 
-    def _write(self, sid: str, call: WriteFile) -> str:
+    def _confined(self, sid: str, req: ExecRequest) -> ExecResult | str:
+        """Run a file tool as a command under the agent's Landlock rules (the file API
+        is the edge's and would follow the agent's symlinks into a hidden directory)."""
+        r = self.access.exec_batch([(sid, req)])[0]
+        if isinstance(r, DsecError):
+            return f"error: {r.message}"
+        if r.exit_code != 0:
+            return f"error: {decode_output(r.stderr).strip() or f'exit {r.exit_code}'}"
+        return r
+
+    def _write(self, sid: str, call: WriteFile, workdir: str) -> str:
+        data = call.content.encode()
+        cfg = self.config
+        if cfg.hide:
+            r = self._confined(sid, ExecRequest(
+                argv=("sh", "-c", 'cat > "$1"', "sh", call.path), stdin=data, cwd=workdir,
+                hide=cfg.hide, timeout_s=cfg.command_timeout_s))
+            return r if isinstance(r, str) else f"wrote {call.path}"
         try:
-            self.access.write_file(sid, call.path, call.content.encode())
+            self.access.write_file(sid, call.path, data)
         except DsecError as exc:
             return f"error: {exc.message}"
         return f"wrote {call.path}"
 
-    def _read(self, sid: str, call: ReadFile) -> str:
+    def _read(self, sid: str, call: ReadFile, workdir: str) -> str:
+        cfg = self.config
+        if cfg.hide:
+            r = self._confined(sid, ExecRequest(
+                argv=("cat", "--", call.path), cwd=workdir, hide=cfg.hide,
+                timeout_s=cfg.command_timeout_s, output_cap_bytes=cfg.output_cap_bytes))
+            return r if isinstance(r, str) else decode_output(r.stdout)
         try:
             data = self.access.read_file(sid, call.path)
         except DsecError as exc:
             return f"error: {exc.message}"
-        return data.decode("utf-8", "replace")
+        return decode_output(data)
 
     def _judge(self, i: int, answer: str) -> Verdict:
         st = self.states[i]
