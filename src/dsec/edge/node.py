@@ -1038,8 +1038,14 @@ class EdgeNode:
 
     # ================================================================ pause / resume
     async def pause(self, sandbox_id: str) -> PauseStats:
-        """Freeze the sandbox and give back its memory (backend-dependent)."""
+        """Freeze the sandbox and give back its memory (backend-dependent). Idempotent
+        like :meth:`resume`: a sandbox already paused (an idle pause, another caller's)
+        is success with nothing more given back; one in flight is waited for first."""
         rec = self._find(sandbox_id)
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state == "paused":
+            return PauseStats()
         self._move(rec, "pause", "requested")
         rec.busy = asyncio.get_running_loop().create_future()
         try:
