@@ -257,11 +257,27 @@ class SandboxEpisodes:
 
     # -- episodes ----------------------------------------------------------------------
 
-    def begin(self, i: int) -> str:
+    def begin(self, i: int, *, task: int | str | None = None) -> str:
         """Start a new episode in slot ``i``: fresh sandbox, task files; returns the prompt."""
-        return self.begin_many([i])[0]
+        return self.begin_many([i], task=task)[0]
 
-    def begin_many(self, idx: Sequence[int]) -> list[str]:
+    def task_of(self, task: int | str) -> int:
+        """The index of ``task`` (an index, or a task's name) in the task list."""
+        if isinstance(task, bool) or not isinstance(task, int | str):
+            raise InvalidArgument(f"task {task!r} must be a task index or name", field="task")
+        if isinstance(task, int):
+            if not 0 <= task < len(self.tasks):
+                raise InvalidArgument(f"task {task} is out of range: there are "
+                                      f"{len(self.tasks)} tasks", field="task")
+            return task
+        names = [t.name for t in self.tasks]
+        if names.count(task) != 1:
+            raise InvalidArgument(f"task {task!r} names {names.count(task)} of the tasks "
+                                  f"({', '.join(sorted(set(names))[:20])}); name one, or pass "
+                                  "its index", field="task")
+        return names.index(task)
+
+    def begin_many(self, idx: Sequence[int], *, task: int | str | None = None) -> list[str]:
         """Start new episodes in slots ``idx``; returns their prompts.
 
         Batched: the old sandboxes go in one destroy batch, the new ones come from one
@@ -269,6 +285,7 @@ class SandboxEpisodes:
         batch. Through the API, 64 episode starts one by one took ~2.5 s on containers.
         """
         idx = list(idx)
+        forced = None if task is None else self.task_of(task)   # refuse before any change
         self.end_many(idx)
         tasks: list[Task] = []
         for i in idx:
@@ -276,8 +293,11 @@ class SandboxEpisodes:
             st.episode += 1
             # The task depends only on (seed, slot, episode): a resumed pool picks the
             # same tasks as an uninterrupted one without carrying RNG state.
-            rng = np.random.default_rng([self.seed, i, st.episode])
-            st.task_index = int(rng.integers(len(self.tasks)))
+            if forced is None:
+                rng = np.random.default_rng([self.seed, i, st.episode])
+                st.task_index = int(rng.integers(len(self.tasks)))
+            else:                            # reset(options={"task": ...})
+                st.task_index = forced
             st.turn = 0
             st.transcript = []
             st.finished = False
@@ -293,22 +313,22 @@ class SandboxEpisodes:
             self.states[i].sandbox_id = sid
         try:
             mkdirs = []
-            for sid, task in zip(sids, tasks):
-                dirs = sorted({p.rsplit("/", 1)[0] for p in task.files if p.rsplit("/", 1)[0]}
-                              | {task.workdir})
+            for sid, t in zip(sids, tasks):
+                dirs = sorted({p.rsplit("/", 1)[0] for p in t.files if p.rsplit("/", 1)[0]}
+                              | {t.workdir})
                 mkdirs.append((sid, ExecRequest(argv=("mkdir", "-p", *dirs), timeout_s=30.0)))
             for res in self.access.exec_batch(mkdirs):
                 if isinstance(res, DsecError):
                     raise res
-            for sid, task in zip(sids, tasks):
-                for path, data in task.files.items():
+            for sid, t in zip(sids, tasks):
+                for path, data in t.files.items():
                     self.access.write_file(sid, path, data)
         except BaseException:
             self.end_many(idx)
             raise
         out = []
-        for i, task in zip(idx, tasks):
-            obs = clean_text(task.prompt, self.config.max_obs_chars)
+        for i, t in zip(idx, tasks):
+            obs = clean_text(t.prompt, self.config.max_obs_chars)
             self.states[i].transcript.append(obs)
             out.append(obs)
         return out
@@ -518,6 +538,22 @@ class SandboxEpisodes:
             self.access.seek(st.cursors)
 
 
+def _task_option(options: dict[str, Any] | None) -> int | str | None:
+    """``reset(options={"task": index_or_name})`` picks the episode's task (else it is
+    drawn from (seed, slot, episode)); any other option is refused, not ignored."""
+    if not options:
+        return None
+    unknown = sorted(set(options) - {"task"})
+    if unknown:
+        raise InvalidArgument(f"sandbox envs take the reset option 'task' (an index or a "
+                              f"task name), not {unknown}", field="options")
+    task = options["task"]
+    if not isinstance(task, int | str):
+        raise InvalidArgument(f"reset option task={task!r} must be a task index or name",
+                              field="options")
+    return task
+
+
 def _text_spaces(cfg: SandboxEnvConfig) -> tuple[UnicodeText, UnicodeText]:
     return (UnicodeText(cfg.max_obs_chars, min_length=0, charset=CHARSET),
             UnicodeText(cfg.max_action_chars, min_length=0, charset=CHARSET))
@@ -541,7 +577,7 @@ class SandboxEnv(gym.Env[str, str]):
             self.episodes.seed = int(self.np_random.integers(2**31))
             self.episodes.run = secrets.token_hex(8)
             self.episodes.states[0].episode = -1
-        obs = self.episodes.begin(0)
+        obs = self.episodes.begin(0, task=_task_option(options))
         st = self.episodes.states[0]
         return obs, {"sandbox_id": st.sandbox_id, "task": self.episodes.tasks[st.task_index].name}
 
@@ -574,15 +610,10 @@ class SandboxBatchEnv:
             raise Conflict("SandboxBatchEnv is not bound to a pool; use SandboxEnvPool")
         return self._out
 
-    @staticmethod
-    def _no_options(options: dict[str, Any] | None) -> None:
-        if options:
-            raise InvalidArgument(f"sandbox envs take no reset options (got "
-                                  f"{sorted(options)}); tasks come from the task list")
 
     def reset_all(self, seed: int | Sequence[int | None] | None,
                   options: dict[str, Any] | None = None) -> None:
-        self._no_options(options)
+        task = _task_option(options)
         obs = self._bound()[0]
         entropy: int | list[int] | None = None
         if isinstance(seed, int | np.integer):
@@ -595,7 +626,7 @@ class SandboxBatchEnv:
         self.episodes.run = secrets.token_hex(8)
         for i in range(self.num_envs):
             self.episodes.states[i].episode = -1
-        for i, o in enumerate(self.episodes.begin_many(range(self.num_envs))):
+        for i, o in enumerate(self.episodes.begin_many(range(self.num_envs), task=task)):
             obs[i] = o
         self._infos = [self._reset_info(i) for i in range(self.num_envs)]
 
@@ -616,11 +647,11 @@ class SandboxBatchEnv:
         self._infos = [o.info() for o in outs]
 
     def reset_envs(self, mask: Array, options: dict[str, Any] | None = None) -> None:
-        self._no_options(options)
+        task = _task_option(options)
         obs = self._bound()[0]
         idx = np.flatnonzero(mask).tolist()
         if idx:
-            for i, o in zip(idx, self.episodes.begin_many(idx)):
+            for i, o in zip(idx, self.episodes.begin_many(idx, task=task)):
                 obs[i] = o
                 self._infos[i] = self._reset_info(i)
 
