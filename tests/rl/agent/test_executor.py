@@ -61,3 +61,35 @@ async def test_tools_in_a_container(aclient: AsyncClient) -> None:
         with pytest.raises(DsecError) as ei:
             await run_action(sbx, sid, action, cfg)
         assert is_infra_error(ei.value), ei.value
+
+
+async def test_hidden_dirs_are_out_of_the_agents_reach(aclient: AsyncClient) -> None:
+    """A harness's files in the agent's own sandbox (/.dsec-judge): with ToolConfig.hide
+    no tool reaches them, even as root; the platform's file API still does."""
+    sbx = ClientSandboxes(aclient)
+    cfg = ToolConfig(hide=(".dsec-judge",))
+    sid = await sbx.create(SPEC)
+    try:
+        await sbx.mkdir(sid, "/.dsec-judge")
+        await sbx.write_file(sid, "/.dsec-judge/expected", b"secret-42\n")
+        for action in (Bash(command="cat /.dsec-judge/expected"),
+                       Bash(command="cd / && cat .dsec-judge/* && rm -rf /.dsec-judge"),
+                       ReadFile(path="/.dsec-judge/expected"),
+                       WriteFile(path="/.dsec-judge/expected", content="forged"),
+                       StrReplace(path="/.dsec-judge/expected", old_str="secret",
+                                  new_str="x")):
+            out = await run_action(sbx, sid, action, cfg)
+            assert "secret-42" not in out.observation, (action, out)
+        assert await sbx.read_file(sid, "/.dsec-judge/expected") == b"secret-42\n"
+        # everything else works as without hide
+        out = await run_action(sbx, sid, WriteFile(path="deep/a.txt", content="hi"), cfg)
+        assert out.error is None, out
+        out = await run_action(sbx, sid, ReadFile(path="deep/a.txt"), cfg)
+        assert out.observation == "hi"
+        out = await run_action(sbx, sid, StrReplace(path="deep/a.txt", old_str="hi",
+                                                    new_str="ho"), cfg)
+        assert out.error is None
+        assert (await run_action(sbx, sid, Bash(command="cat deep/a.txt"), cfg)
+                ).observation == "ho\n[exit 0]"
+    finally:
+        await sbx.destroy(sid)
