@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from dsec import AsyncClient, LocalCluster
 from dsec.rl.agent.policy import OpenAIPolicy, PolicyConfig
 from dsec.rl.agent.sandboxes import ClientSandboxes
@@ -257,3 +259,27 @@ async def test_episode_starts_are_coalesced_into_one_create(aclient: AsyncClient
     assert len({t.sandbox_id for t in trajs}) == 5
     assert sbx.create_calls == 1                          # five sandboxes, one create_many
     await _close(eng)
+
+
+def test_registry_records_persist_and_filter() -> None:
+    from dsec.errors import Conflict, NotFound
+    from dsec.rl.agent.types import Trajectory, VerdictRecord
+
+    reg = TaskRegistry([AgentTask(id=t, prompt="p") for t in ("easy", "hard", "new")])
+    for tid, passed in [("easy", True), ("easy", True), ("hard", False), ("hard", True),
+                        ("hard", False), ("hard", False)]:
+        reg.record(Trajectory(episode_id="e", task_id=tid, reward=float(passed),
+                              verdict=VerdictRecord(reward=float(passed), passed=passed)))
+    reg.record(Trajectory(episode_id="e", task_id="hard", infra_error="node lost"))
+    assert (reg.stats("hard").attempts, reg.stats("hard").passes,
+            reg.stats("hard").infra_errors) == (4, 1, 1)
+    assert reg.stats("new").pass_rate is None
+    assert [t.id for t in reg.select(max_pass_rate=0.5)] == ["hard", "new"]
+    assert [t.id for t in reg.select(max_pass_rate=0.5, keep_unattempted=False)] == ["hard"]
+    again = TaskRegistry(reg.tasks())
+    again.load_stats(reg.to_json())
+    assert again.stats("easy").pass_rate == 1.0 and again.stats("hard").mean_reward == 0.25
+    with pytest.raises(Conflict):
+        reg.add(AgentTask(id="easy", prompt="other"))
+    with pytest.raises(NotFound):
+        reg.record(Trajectory(episode_id="e", task_id="unknown"))
