@@ -49,6 +49,9 @@ __all__ = ["agent_figures"]
 
 THINK_S = 0.05
 SPEC = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64, cpu_milli=100)
+# A whole core for the overhead probe: with cpu_milli=100 (a 10 ms CFS quota per 100 ms)
+# back-to-back commands were throttled: p50 4.8-5.9 ms, vs 1.9 ms with a core (load 10).
+PROBE_SPEC = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64)
 
 
 def _sleep_task(i: int, rng: random.Random, n_cmds: int) -> AgentTask:
@@ -234,8 +237,11 @@ def _cpu_of(text: str) -> int | None:
 def _probe_policy(messages: Sequence[Mapping[str, Any]]) -> ScriptedTurn:
     turns = sum(1 for m in messages if m.get("role") == "assistant")
     if turns < 20:
-        # one process reads its own scheduler stamp and the CPU it runs on
-        return ScriptedTurn(calls=(("bash", {"command": "cat /proc/self/sched /proc/self/stat"}),))
+        # The command's own process (sh exec's into cat: no fork) reads its scheduler
+        # stamp and CPU; the stamp comes after the shell's start-up, so it is an upper
+        # bound of "command start".
+        return ScriptedTurn(calls=(("bash", {
+            "command": "exec cat /proc/self/sched /proc/self/stat"}),))
     return ScriptedTurn(calls=(("submit", {"answer": ""}),))
 
 
@@ -248,8 +254,8 @@ async def _overhead(ctx: BenchContext, ac: Any, base_url: str) -> None:
     try:
         for i in range(n_eps):
             offs = _sched_offsets()
-            traj = await eng.episode(AgentTask(id=f"probe-{i}", prompt="probe", spec=SPEC,
-                                               max_turns=25))
+            traj = await eng.episode(AgentTask(id=f"probe-{i}", prompt="probe",
+                                               spec=PROBE_SPEC, max_turns=25))
             for st in traj.steps:
                 ex, cpu = _exec_start(st.observation), _cpu_of(st.observation)
                 if ex is None or cpu not in offs:
