@@ -793,6 +793,35 @@ class ContainerBackend:
                        f"{self._notices.interval_s:g} s were folded into this one)")
         self._report(box, reason, detail)
 
+    def lazy_event(self, ev: dict[str, Any]) -> None:
+        """An event of the node's lazy layer daemon (:mod:`dsec.edge.lazy.layers`; call
+        on the event loop): a failed fetch or a daemon restart becomes a
+        ``layer_unavailable`` notice for every sandbox whose image holds the layer."""
+        kind = ev.get("ev")
+        if kind == "fetch_failed" and not ev.get("prefetch"):
+            digest = "sha256:" + str(ev.get("layer"))
+            detail = (f"reads of image layer {digest} failed with EIO inside the sandbox: "
+                      f"{ev.get('cause')}; the node and other layers are unaffected, "
+                      "retry when the blob store is reachable")
+        elif kind == "daemon_restarted":
+            digest = None
+            detail = ("the node's lazy layer daemon died and was restarted: pages of lazily "
+                      "loaded layers this sandbox had not read yet fail with EIO in it "
+                      "(its mounts were bound to the old daemon); recreate the sandbox, "
+                      "new sandboxes read through the new daemon")
+        else:
+            return
+        for box in list(self._boxes.values()):
+            token = box.layers.token
+            digests = getattr(token, "digests", ())
+            lazy = getattr(self.images, "lazy", None)
+            if digest is None:
+                hit = lazy is not None and any(lazy.knows(d) for d in digests)
+            else:
+                hit = digest in digests
+            if hit:
+                self._notice(box, "layer_unavailable", detail)
+
     def _report(self, box: Box, reason: str, detail: str) -> None:
         if self._sink is not None:
             self._sink(box.sid, reason, detail)

@@ -16,14 +16,18 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dsec.errors import ImageNotFound, InvalidArgument
+from dsec.errors import CorruptLayer, ImageNotFound, InvalidArgument
 from dsec.image.compose import RootStack, acquire_stack, compose
+from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache
 from dsec.image.packdiff import restore_stack
 from dsec.image.store import LayerStore
 from dsec.wire.spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from dsec.edge.lazy.layers import LazyLayers
 
 __all__ = ["DirectoryImages", "ImageResolver", "RootLayers", "StoreImages"]
 
@@ -49,6 +53,8 @@ class ImageResolver(Protocol):
         """The sandbox that used ``layers`` is gone (a resolver may unmount at refcount 0)."""
 
 
+_FULL_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_REMOTE_DEPTH = 128
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
@@ -99,9 +105,35 @@ class StoreImages:
     which is also the ``base`` a sandbox's first :func:`~dsec.image.packdiff.snapshot` needs.
     """
 
-    def __init__(self, store: LayerStore, mount_cache: MountCache) -> None:
+    def __init__(self, store: LayerStore, mount_cache: MountCache,
+                 lazy: LazyLayers | None = None) -> None:
         self.store = store
         self.cache = mount_cache
+        self.lazy = lazy
+
+    def _get(self, ref: str) -> LayerManifest:
+        """The manifest of ``ref``; a digest this node lacks is looked up in the blob
+        store (``lazy``) with every layer it stands on, and recorded as remote: its
+        chunks are fetched when a sandbox reads them, never the whole layer here."""
+        try:
+            return self.store.get(ref)
+        except ImageNotFound:
+            if self.lazy is None or not _FULL_DIGEST.fullmatch(ref):
+                raise
+        return self._resolve_remote(ref, depth=0)
+
+    def _resolve_remote(self, digest: str, depth: int) -> LayerManifest:
+        if depth > MAX_REMOTE_DEPTH:
+            raise CorruptLayer(f"layer {digest} stands on more than {MAX_REMOTE_DEPTH} "
+                               "layers in the blob store", digest=digest)
+        if self.store.has(digest):
+            return self.store.get(digest)
+        assert self.lazy is not None
+        m = self.lazy.fetch_manifest(digest)
+        for below in (*m.stack, *((m.parent,) if m.parent else ())):
+            self._resolve_remote(below, depth + 1)
+        self.lazy.register(m)
+        return self.store.add_remote(m)
 
     def stack_for(self, spec: SandboxSpec) -> RootStack:
         """The layer stack ``spec`` asks for (no mounting)."""
@@ -111,11 +143,11 @@ class StoreImages:
                     "a sandbox started from a snapshot takes the snapshot's own image; "
                     "leave workspace and toolkits empty", field="snapshot")
             return restore_stack(self.store, spec.snapshot)
-        base = self.store.get(spec.image)
+        base = self._get(spec.image)
         return compose(base,
-                       self.store.get(spec.workspace) if spec.workspace else None,
-                       [self.store.get(t) for t in spec.toolkits],
-                       [self.store.get(d) for d in base.stack] if base.kind == "base" else ())
+                       self._get(spec.workspace) if spec.workspace else None,
+                       [self._get(t) for t in spec.toolkits],
+                       [self._get(d) for d in base.stack] if base.kind == "base" else ())
 
     def acquire(self, spec: SandboxSpec) -> RootLayers:
         stack = self.stack_for(spec)
