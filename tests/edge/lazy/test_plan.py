@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given
@@ -13,8 +14,8 @@ CS = 256 * 1024
 
 
 def test_chunk_span_clips_at_the_end() -> None:
-    assert chunk_span(0, 1, CS, 10 * CS) == range(0, 1)
-    assert chunk_span(CS - 1, 2, CS, 10 * CS) == range(0, 2)
+    assert chunk_span(0, 1, CS, 10 * CS) == range(1)
+    assert chunk_span(CS - 1, 2, CS, 10 * CS) == range(2)
     assert chunk_span(9 * CS, 4 * CS, CS, 9 * CS + 5) == range(9, 10)
     assert chunk_span(10 * CS, 10, CS, 10 * CS) == range(0)
     assert chunk_span(5, 0, CS, 10 * CS) == range(0)
@@ -27,7 +28,7 @@ def test_merge_runs_covers_each_index_once_in_adjacent_runs(idx: set[int], mx: i
     assert covered == sorted(idx)
     assert all(1 <= r.count <= mx for r in runs)
     # two runs only split where there is a gap or the run was full
-    for a, b in zip(runs, runs[1:], strict=False):
+    for a, b in itertools.pairwise(runs):
         assert b.first > a.first + a.count or a.count == mx
 
 
