@@ -22,6 +22,7 @@ APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables
                 skopeo docker-registry umoci \
                 mmdebstrap apt-utils \
                 postgresql-15 \
+                nginx-light \
                 fuse3 libfuse3-dev pkg-config
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which

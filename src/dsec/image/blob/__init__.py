@@ -6,7 +6,8 @@ by URL (:func:`open_blobstore`)::
 
     file:///abs/dir                                  a directory (tests, one machine, NFS)
     s3://bucket[/prefix]?endpoint_url=..&region=..   S3-compatible object storage (boto3)
-    http(s)://host[:port][/prefix]                   read-only: any server with Range GETs
+    http(s)://host[:port][/prefix]                   any server with Range GETs (WebDAV
+                                                     PUT/DELETE to push through it)
 
 Keys are ``/``-separated relative paths (:func:`check_key`); the layout the image side
 uses is in :mod:`dsec.image.blob.keys`. Every backend answers ``get_range`` with exactly
@@ -99,9 +100,12 @@ def open_blobstore(url: str, **opts: Any) -> BlobStore:
     if scheme == "file":
         from dsec.image.blob.file import FileBlobStore
         return FileBlobStore.from_url(url, **opts)
-    if scheme in ("s3", "http", "https"):
-        raise InvalidArgument(f"blob store scheme {scheme!r} is not built in this "
-                              "version yet; use file:///abs/dir")
+    if scheme == "s3":
+        from dsec.image.blob.s3 import S3BlobStore
+        return S3BlobStore.from_url(url, **opts)
+    if scheme in ("http", "https"):
+        from dsec.image.blob.http import HttpBlobStore
+        return HttpBlobStore.from_url(url, **opts)
     raise InvalidArgument(
         f"blob store URL {redact_url(url)[:200]!r}: unknown scheme {scheme!r}; use "
         "file:///abs/dir, s3://bucket/prefix?endpoint_url=...&region=... or "
