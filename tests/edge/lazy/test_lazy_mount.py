@@ -4,6 +4,8 @@ reading through the FUSE daemon only the chunks it touches (issue 17)."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 from dsec.image import mount_overlay
@@ -63,3 +65,45 @@ def test_close_leaves_no_fuse_mount_or_daemon(remote: Remote, tmp_path: object) 
     assert mount not in fuse_mounts()
     assert pid is not None and not os.path.exists(f"/proc/{pid}")   # exited and reaped
     assert not os.path.exists(lazy.root)
+
+
+def test_prometheus_metrics_of_the_chunk_path(node: Node, remote: Remote) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dsec.edge.metrics import EdgeMetrics
+
+    def samples() -> dict[str, float]:
+        node.lazy.stats(fresh=True)
+        text = EdgeMetrics(lazy=node.lazy).render().decode()
+        return {s.name + str(sorted(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    node.lazy.register(remote.workspace)
+    path = node.lazy.path(remote.workspace) or ""
+    with open(path, "rb", buffering=0) as f:
+        data = f.read()
+    m = samples()
+    assert m["dsec_lazy_bytes_fetched_total[]"] == len(data) == remote.workspace.size_bytes
+    assert m["dsec_lazy_chunk_misses_total[]"] > 0
+    assert m["dsec_lazy_fetch_seconds_count[]"] > 0
+    assert m["dsec_lazy_fetch_seconds_bucket[('le', '+Inf')]"] == \
+        m["dsec_lazy_fetch_seconds_count[]"]
+    ratio = m["dsec_lazy_chunk_hit_ratio[]"]
+    with open(path, "rb", buffering=0) as f:   # page cache: the daemon sees nothing
+        f.read()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    with open(path, "rb", buffering=0) as f:   # dropped: every chunk a cache hit
+        f.read()
+    m2 = samples()
+    assert m2["dsec_lazy_chunk_hit_ratio[]"] > ratio
+    assert m2["dsec_lazy_bytes_fetched_total[]"] == m["dsec_lazy_bytes_fetched_total[]"]
+    # a daemon restart does not reset the node's counters
+    os.kill(node.lazy.pid or 0, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not (node.lazy.restarts == 1 and node.lazy.alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m3 = samples()
+    assert m3["dsec_lazy_daemon_restarts_total[]"] == 1
+    assert m3["dsec_lazy_bytes_fetched_total[]"] == m2["dsec_lazy_bytes_fetched_total[]"]

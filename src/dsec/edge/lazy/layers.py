@@ -107,6 +107,8 @@ class LazyLayers:
         self._stats_seq = 0
         self._stats_cv = threading.Condition()
         self._stats_ack = 0
+        # counters of daemons that died, so the node's totals never go backwards
+        self._carried: dict[str, Any] = {}
         self._start()
 
     # ------------------------------------------------------------------ daemon
@@ -159,6 +161,9 @@ class LazyLayers:
             if self._closing or proc is not self._proc:
                 return
             log.warning("lazy layer daemon %d died (exit %s); restarting it", proc.pid, rc)
+            self._carried = _add_counters(self._carried, self._read_stats())
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.stats_path)
             self._abort(conn)
             self._drop_mount(mount)
             if not self.config.restart:
@@ -307,6 +312,9 @@ class LazyLayers:
             self._send({"cmd": "stats", "seq": seq})
             with self._stats_cv:
                 self._stats_cv.wait_for(lambda: self._stats_ack >= seq, timeout_s)
+        return _add_counters(self._carried, self._read_stats())
+
+    def _read_stats(self) -> dict[str, Any]:
         try:
             with open(self.stats_path, "rb") as f:
                 doc: dict[str, Any] = json.loads(f.read())
@@ -340,6 +348,28 @@ class LazyLayers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_COUNTERS = ("reads", "bytes_read", "chunk_hits", "chunk_misses", "waits", "requests",
+             "chunk_fetches", "bytes_fetched", "retries", "verify_failures", "failed_reads",
+             "evictions", "prefetched_chunks", "fetch_seconds_sum")
+
+
+def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``now`` (a live daemon's stats) plus the counters of daemons that died before it
+    (pure)."""
+    if not carried:
+        return dict(now)
+    out = dict(now)
+    for k in _COUNTERS:
+        out[k] = carried.get(k, 0) + now.get(k, 0)
+    cb, nb = carried.get("fetch_buckets"), now.get("fetch_buckets")
+    if cb and nb and len(cb) == len(nb):
+        out["fetch_buckets"] = [a + b for a, b in zip(cb, nb, strict=True)]
+    elif cb and not nb:
+        out["fetch_buckets"] = cb
+        out["fetch_bounds"] = carried.get("fetch_bounds")
+    return out
 
 
 def _readline_timeout(stream: IO[bytes], timeout_s: float) -> bytes:
