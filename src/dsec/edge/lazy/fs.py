@@ -375,7 +375,8 @@ class LazyFs(pyfuse3.Operations):
                 if not todo or not unreachable:
                     continue      # done, or only bad chunks left: refetch them at once
                 d = next(delays, None)
-                if d is None:
+                # bounded in wall time too: one blob call may itself retry for a while
+                if d is None or time.monotonic() - started + d > self.cfg.retry_budget_s:
                     raise _FetchFailed(cause)
                 self.stats.retries += 1
                 await trio.sleep(d)
