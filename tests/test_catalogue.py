@@ -55,6 +55,7 @@ from dsec.wire.api import (
     ExecStreamLine,
     ImagePromoteRequest,
     ImagePullRequest,
+    ImagePushRequest,
     ImageTagRequest,
     QuotaBody,
 )
@@ -261,6 +262,7 @@ EXAMPLES: dict[str, Example] = {
     "image_pull": lambda w: ImagePullRequest(ref=f"{w.registry}/cat/pulled:1",
                                              insecure=True),
     "image_prune": lambda w: ImagePrune(dry_run=True),
+    "image_push": lambda w: ImagePushRequest(ref="cat-tool:latest"),
     "image_promote": lambda w: ImagePromoteRequest(
         top=w.built, base="cat-base", target=f"cat-promoted-{w.n()}:1", env={"A": "1"},
         workdir="/srv"),
@@ -448,7 +450,8 @@ def _call(w: World, op: Op[Any, Any], door: str, req: Any) -> Any:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from dsec.image.localregistry import Entry, push, registry, tar_entries, write_image
     tmp = str(tmp_path_factory.mktemp("catalogue"))
-    with LocalCluster(edges=1, registries=("127.0.0.1",)) as cl, \
+    with LocalCluster(edges=1, registries=("127.0.0.1",),
+                      blob_store=f"file://{tmp}/blobs") as cl, \
             registry(os.path.join(tmp, "registry")) as reg:
         w = World(cluster=cl, tmp=tmp, registry=reg.host)
         layout = os.path.join(tmp, "pull-layout")

@@ -151,6 +151,37 @@ def image_budget_option(f: Any) -> Any:
              "'off' clears it [default: leave as recorded; none on a new store].")(f)
 
 
+def _check_blob_store(ctx: click.Context, param: click.Parameter,
+                      value: str | None) -> str | None:
+    """Parse the blob store URL at start (a bad one fails here, not at the first pull);
+    nothing is contacted."""
+    if value is None:
+        return None
+    from dsec.errors import DsecError
+    from dsec.image.blob import open_blobstore
+
+    try:
+        open_blobstore(value)
+    except DsecError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return value
+
+
+def blob_store_option(fn: F) -> F:
+    """``--blob-store URL`` (or ``$DSEC_BLOB_STORE``): where layers live off-node
+    (:mod:`dsec.image.blob`), one definition for ``dsec edge``, ``dsec up``,
+    ``dsec apiserver`` and ``dsec image push``. An operator's setting: its host is
+    trusted as given (loopback and private addresses included); tenants never name a
+    blob store URL, only images, which become digest keys under it."""
+    return click.option(
+        "--blob-store", "blob_store", default=None, envvar="DSEC_BLOB_STORE",
+        metavar="URL", callback=_check_blob_store,
+        help="Blob store for image layers: file:///dir, s3://bucket/prefix?endpoint_url="
+             "...&region=... (credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) or "
+             "http(s)://host/prefix (token in $DSEC_BLOB_TOKEN). Pushed images are read "
+             "from it by nodes that lack their layers.")(fn)
+
+
 class _NetPolicy(click.ParamType[Any]):
     """'none', 'open' or '@policy.json' (a NetworkPolicy as JSON) -> NetworkPolicy."""
 
@@ -402,6 +433,7 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--advertise", default=None, metavar="HOST:PORT",
               help="[join] The address the apiserver replicas dial [default: --listen's; "
                    "a 0.0.0.0 host becomes the address the join came from].")
+@blob_store_option
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -414,7 +446,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
          net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
          metrics_listen: str | None, join_url: str | None, join_token: str | None,
-         advertise: str | None) -> None:
+         advertise: str | None, blob_store: str | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -457,7 +489,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
                    ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
-                   net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx)
+                   net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
+                   blob_store=blob_store)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -501,7 +534,10 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
                net_uplink: str | None, net_link: str, net_egress: str | None,
                net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
-               metrics_listen: str | None, ssl_ctx: Any = None) -> None:
+               metrics_listen: str | None, ssl_ctx: Any = None,
+               blob_store: str | None = None) -> None:
+    # blob_store: validated by --blob-store's callback; the node's lazy layers
+    # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig

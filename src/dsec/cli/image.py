@@ -27,6 +27,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from dsec.cli.edge import blob_store_option
 from dsec.errors import DsecError
 from dsec.image.erofs import ProgressFn
 from dsec.image.manifest import LAYER_KINDS, LayerManifest
@@ -270,6 +271,52 @@ def pull(root: str | None, ref: str, name: str | None, insecure: bool, platform:
     reused = len(res.layers) - len(res.made)
     click.echo(f"{res.key} {m.digest} {len(res.layers)} layers ({len(res.made)} new, "
                f"{reused} shared), {res.fetched_bytes} bytes fetched")
+
+
+@image.command("push")
+@click.argument("ref")
+@blob_store_option
+@click.option("--chunk-size", type=click.IntRange(4096), default=262144, show_default=True,
+              metavar="BYTES", help="Chunk size of the layers' chunk tables (lazy reads "
+                                    "fetch and verify this much at a time).")
+@click.option("--verify", is_flag=True,
+              help="Read back layers the store already has and check every chunk, instead "
+                   "of trusting a complete manifest + chunk table + size.")
+@click.option("--json", "as_json", is_flag=True, help="The result as one JSON object.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.pass_obj
+def push(root: str | None, ref: str, blob_store: str | None, chunk_size: int, verify: bool,
+         as_json: bool, quiet: bool) -> None:
+    """Push REF (its layer and every layer below it) to a blob store: each layer file,
+    its chunk table and its manifest, lowest layer first. Layers the store already has
+    whole are skipped; a push killed midway leaves nothing a node would use."""
+    import json
+
+    from dsec.image.blob import open_blobstore
+    from dsec.image.blob.push import push_image
+
+    if blob_store is None:
+        raise click.UsageError("give --blob-store URL (or set $DSEC_BLOB_STORE)")
+    console = Console(stderr=True)
+    try:
+        blob = open_blobstore(blob_store)
+        with _progress(console, quiet or as_json) as progress:
+            res = push_image(blob, _store(root), ref, chunk_size=chunk_size, verify=verify,
+                             progress=progress)
+    except DsecError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps({
+            "ref": res.ref, "digest": res.digest, "store": res.store,
+            "bytes_uploaded": res.bytes_uploaded, "seconds": round(res.seconds, 3),
+            "layers": [{"digest": p.digest, "size_bytes": p.size_bytes,
+                        "chunk_size": p.chunk_size, "uploaded": p.uploaded}
+                       for p in res.layers]}, sort_keys=True))
+        return
+    new = sum(p.uploaded for p in res.layers)
+    click.echo(f"{ref} {res.digest} -> {res.store}: {len(res.layers)} layers ({new} "
+               f"uploaded, {len(res.layers) - new} already there), {res.bytes_uploaded} "
+               f"bytes in {res.seconds:.2f} s")
 
 
 @image.command("inspect")

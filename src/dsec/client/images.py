@@ -31,6 +31,8 @@ from dsec.wire.api import (
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
 )
@@ -136,6 +138,15 @@ class AsyncImages:
         if not page.items:
             raise InvalidArgument(f"the server pulled no layer for {ref[:200]!r}")
         return page.items[0]
+
+    async def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
+        """Push the image (its layer and every layer below it, with chunk tables and
+        manifests) to the cluster's blob store, where nodes that lack a layer read it
+        lazily; layers already there whole are skipped (``verify``: read them back and
+        check every chunk). Needs the write right on the image's namespace."""
+        key = ref.digest if isinstance(ref, ImageView) else ref
+        return await self._c.call(ops.IMAGE_PUSH, ImagePushRequest(ref=_ref(key),
+                                                                  verify=verify))
 
     async def _upload(self, op: UploadOp[ImageUpload, ImageList], body: ImageUpload,
                       f: IO[bytes]) -> ImageView:

@@ -31,7 +31,14 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
+from dsec.wire.api import (
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePushed,
+    ImageView,
+    Info,
+    NodeView,
+)
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -288,6 +295,10 @@ class Images:
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
+
+    def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
+        """See :meth:`~dsec.client.images.AsyncImages.push`."""
+        return self._c._run(self._a.push(ref, verify=verify))
 
     def prune(self, *, dry_run: bool = False) -> ImagePruned:
         """See :meth:`~dsec.client.images.AsyncImages.prune`."""

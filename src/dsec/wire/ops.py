@@ -37,6 +37,8 @@ from dsec.wire.api import (
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -143,6 +145,7 @@ __all__ = [
     "IMAGE_GET",
     "IMAGE_IMPORT",
     "IMAGE_PROMOTE",
+    "IMAGE_PUSH",
     "IMAGE_TAG",
     "INFO",
     "LAYER_CHAIN",
@@ -814,6 +817,18 @@ LAYER_FETCH: Op[LayerFetch, LayerFetched] = Op(
               body="*", tag="nodes"))
 
 
+# Issue 17: images pushed to the cluster's blob store, where nodes that lack a layer read
+# it (lazily, 256 KiB at a time, or whole). The store is the operator's (--blob-store):
+# a caller names an image, never a store URL. Write right on the image's namespace, as a
+# tag (member of its project; superuser for a cluster-wide layer).
+IMAGE_PUSH: Op[ImagePushRequest, ImagePushed] = Op(
+    "image_push", ImagePushRequest, ImagePushed,
+    summary="Push an image (its layer and every layer below it, with chunk tables and "
+            "manifests) to the cluster's blob store; layers already there are skipped",
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/push", operation_id="pushImage",
+              body="*", tag="images"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -833,6 +848,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     LAYER_GET,
     LAYER_PUT,
     LAYER_FETCH,
+    IMAGE_PUSH,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -123,6 +123,8 @@ from dsec.wire.api import (
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -1092,6 +1094,9 @@ class ControlPlane:
 
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         return await self.images.pull_image(caller, req)
+
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        return await self.images.push_image(caller, req)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:

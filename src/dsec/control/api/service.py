@@ -83,6 +83,8 @@ from dsec.wire.api import (
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -334,6 +336,8 @@ class AdminOps(Protocol):
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         raise NotImplementedError
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        raise NotImplementedError
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
         raise NotImplementedError
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
@@ -1593,6 +1597,7 @@ class ApiService:
             "image_pull": self._image_pull_op,
             "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
             "layer_fetch": self._layer_fetch_op,
+            "image_push": self._image_push_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1824,6 +1829,9 @@ class ApiService:
 
     async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
         return await self._admin().pull_image(caller, b)
+
+    async def _image_push_op(self, caller: Caller, b: ImagePushRequest) -> ImagePushed:
+        return await self._admin().push_image(caller, b)
 
     async def _node_drain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=True)
