@@ -20,6 +20,10 @@ an image of a busybox base plus a workspace of incompressible files (1 GiB; 48 M
   ``lazy_warm_read_ratio_pagecache`` the same with the FUSE file's pages kept.
 - ``lazy_cached_read_4k_p50_us``: random 4 KiB O_DIRECT reads of cached chunks of the
   FUSE file (a daemon round trip each).
+- ``lazy_warm_read_ratio_c_reference``: the ``lazy_warm_read_ratio`` read, on the raw FUSE
+  file, served by a minimal C libfuse3 daemon (``lazy_cfuse.c``: pread from a local copy,
+  no fetch path) over the pyfuse3 daemon: what a C front end would buy (the trade-off
+  behind choosing pyfuse3, dsec/edge/lazy/layers.py).
 - ``lazy_trace_second_cold_start_ratio``: a second cold start (empty chunk cache, new
   daemon) that prefetches the access trace the first one recorded, over the first's time.
 """
@@ -76,6 +80,8 @@ def _drop_cache(path: str) -> None:
 
 
 def _make_image(root: str, total: int, file_size: int) -> tuple[Any, Any, Any, list[str], str]:
+    import msgspec
+
     from dsec.image import LayerStore, ensure_busybox_base
     from dsec.image.blob import (
         layer_chunks_key,
@@ -84,8 +90,6 @@ def _make_image(root: str, total: int, file_size: int) -> tuple[Any, Any, Any, l
         open_blobstore,
     )
     from dsec.image.chunks import build_chunk_table
-
-    import msgspec
 
     src = LayerStore(os.path.join(root, "src"))
     base = ensure_busybox_base(src)
@@ -136,7 +140,7 @@ async def _run(ctx: BenchContext, root: str) -> None:
     from dsec.edge.backends.container import ContainerBackend
     from dsec.edge.backends.container.images import StoreImages
     from dsec.edge.lazy.layers import LazyConfig, LazyLayers
-    from dsec.ids import NodeId, new_sandbox_id
+    from dsec.ids import NodeId, SandboxId, new_sandbox_id
     from dsec.image import LayerStore, MountCache
     from dsec.wire.spec import ExecRequest, SandboxSpec
 
@@ -152,7 +156,9 @@ async def _run(ctx: BenchContext, root: str) -> None:
     task = "cat " + " ".join(task_files) + " | md5sum"
     spec = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=256,
                        image=base.digest, workspace=ws.digest)
-    sid = lambda: new_sandbox_id(NodeId("bench"))  # noqa: E731
+
+    def sid() -> SandboxId:
+        return new_sandbox_id(NodeId("bench"))
 
     async def first_exec(images: Any, tag: str) -> tuple[float, bytes]:
         b = ContainerBackend(root_dir=os.path.join(root, f"c-{tag}"), images=images)
@@ -196,16 +202,19 @@ async def _run(ctx: BenchContext, root: str) -> None:
         cache.close()
         lazy.close()
 
-    # -- lazy: first exec, and the trace it leaves
+    # -- lazy: first exec, and the access trace it leaves with the image
+    from dsec.image.blob.traces import load_trace
+
     _drop_cache(blob_dir)
-    store, lazy, cache = lazy_node("first", trace_window_s=3.0)
+    store, lazy, cache = lazy_node("first", trace_window_s=2.0)
     try:
         lazy_s, got = await first_exec(StoreImages(store, cache, lazy), "lazy")
         if got != want:
             raise RuntimeError("bench: lazy and eager tasks read different bytes")
         st = lazy.stats(fresh=True)
-        await asyncio.sleep(3.5)              # let the trace window close
-        traces = {m.digest: lazy.trace(m.digest) or [] for m in (base, ws)}
+        deadline = time.monotonic() + 30
+        while (trace := load_trace(blob, base.digest)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
     finally:
         close_node(lazy, cache)
     ctx.record("lazy_first_exec_s", lazy_s, "s", image_bytes=ws.size_bytes + base.size_bytes)
@@ -215,23 +224,18 @@ async def _run(ctx: BenchContext, root: str) -> None:
     ctx.record("lazy_fetch_amplification", st["bytes_fetched"] / task_bytes, "x",
                target="<= 2", note="includes busybox and EROFS metadata reads")
 
-    # -- second cold start with the first one's trace prefetched
+    # -- second cold start: the edge prefetches the stored trace in the background
     _drop_cache(blob_dir)
     store, lazy, cache = lazy_node("second")
     try:
-        images = StoreImages(store, cache, lazy)
-        t = time.monotonic()
-        for m in (base, ws):                   # what the edge does on a traced image
-            images._get(m.digest)
-            if traces[m.digest]:
-                lazy.prefetch(m.digest, traces[m.digest])
-        second_s, _ = await first_exec(images, "second")
-        second_s = time.monotonic() - t
+        second_s, _ = await first_exec(StoreImages(store, cache, lazy), "second")
+        st2 = lazy.stats(fresh=True)
     finally:
         close_node(lazy, cache)
     ctx.record("lazy_trace_second_cold_start_ratio", second_s / lazy_s, "x",
                first_s=round(lazy_s, 3), second_s=round(second_s, 3),
-               traced_chunks=sum(len(v) for v in traces.values()))
+               traced_chunks=sum(len(v) for v in trace.layers.values()) if trace else 0,
+               prefetched=st2.get("prefetched_chunks", 0))
 
     # -- 16 sandboxes of one cold image at once
     _drop_cache(blob_dir)
@@ -328,7 +332,58 @@ def _warm_reads(ctx: BenchContext, root: str, blob: Any, base: Any, ws: Any,
             buf.close()
         ctx.record("lazy_cached_read_4k_p50_us", statistics.median(lat) * 1e6, "us",
                    reads=len(lat))
+        _c_reference(ctx, root, fuse_file, lstore.layer_path(ws))
     finally:
         cache.close()
         lcache.close()
         lazy.close()
+
+
+def _c_reference(ctx: BenchContext, root: str, fuse_file: str, local_file: str) -> None:
+    """Sequential reads of the whole layer from the pyfuse3 daemon (every chunk cached)
+    and from a minimal C libfuse3 daemon serving a local copy, FUSE pages dropped each
+    time; the ratio C / pyfuse3."""
+    import subprocess
+    from importlib import resources
+
+    from dsec.image.mount import sys_umount
+
+    src = os.path.join(root, "cfuse.c")
+    with open(src, "w") as f:
+        f.write(resources.files("dsec.bench").joinpath("lazy_cfuse.c").read_text())
+    exe, mnt = os.path.join(root, "cfuse"), os.path.join(root, "cfuse-mnt")
+    os.mkdir(mnt)
+    try:
+        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+                               capture_output=True, text=True).stdout.split()
+        subprocess.run(["gcc", "-O2", "-o", exe, src, *flags], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        ctx.note(f"lazy: C reference daemon not built ({exc}); needs gcc and libfuse3-dev")
+        return
+    proc = subprocess.Popen([exe, mnt, local_file], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":
+            ctx.note("lazy: C reference daemon did not start")
+            return
+        cfile = os.path.join(mnt, "f")
+        t_py: list[float] = []
+        t_c: list[float] = []
+        for _ in range(ctx.scale(3, 2)):
+            for path, out in ((fuse_file, t_py), (cfile, t_c)):
+                _drop_cache(path)
+                t = time.perf_counter()
+                _read_all([path])
+                out.append(time.perf_counter() - t)
+        ctx.record("lazy_warm_read_ratio_c_reference", min(t_py) / min(t_c), "x",
+                   pyfuse3_s=round(min(t_py), 3), c_s=round(min(t_c), 3))
+    finally:
+        with contextlib.suppress(OSError):
+            sys_umount(mnt, detach=True)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

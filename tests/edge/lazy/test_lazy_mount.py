@@ -107,3 +107,46 @@ def test_prometheus_metrics_of_the_chunk_path(node: Node, remote: Remote) -> Non
     m3 = samples()
     assert m3["dsec_lazy_daemon_restarts_total[]"] == 1
     assert m3["dsec_lazy_bytes_fetched_total[]"] == m2["dsec_lazy_bytes_fetched_total[]"]
+
+
+def test_access_trace_is_stored_with_the_image_and_prefetched_on_a_cold_node(
+        node: Node, remote: Remote, tmp_path: object) -> None:
+    from dsec.edge.backends.container.images import StoreImages
+    from dsec.edge.lazy.layers import LazyConfig, LazyLayers
+    from dsec.image import LayerStore, MountCache
+    from dsec.image.blob import open_blobstore, trace_prefix
+    from dsec.image.blob.traces import load_trace
+
+    spec = SandboxSpec(image=remote.base.digest, workspace=remote.workspace.digest)
+    layers = node.images.acquire(spec)
+    try:
+        with open(os.path.join(layers.lowerdirs[0], "work/readme"), "rb") as f:
+            f.read()
+    finally:
+        node.images.release(layers)
+    blob = open_blobstore(remote.url)
+    deadline = time.monotonic() + 30
+    while load_trace(blob, remote.base.digest) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    trace = load_trace(blob, remote.base.digest)
+    assert trace is not None and blob.head(trace_prefix(remote.base.digest) + "latest")
+    assert trace.layers.get(remote.workspace.digest), trace   # it read the workspace
+    # a second, cold node: the trace's chunks arrive before anything reads them
+    tmp = str(tmp_path)
+    store2 = LayerStore(os.path.join(tmp, "store2"))
+    lazy2 = LazyLayers(LazyConfig(blob_url=remote.url, cache_dir=os.path.join(tmp, "c2")))
+    cache2 = MountCache(lazy=lazy2)
+    try:
+        images2 = StoreImages(store2, cache2, lazy2)
+        got = images2.acquire(spec)
+        want = sum(len(c) for c in trace.layers.values())
+        while time.monotonic() < deadline:
+            if lazy2.stats(fresh=True).get("prefetched_chunks", 0) >= 1:
+                break
+            time.sleep(0.1)
+        st = lazy2.stats(fresh=True)
+        assert st["prefetched_chunks"] >= 1 and want >= 1
+        images2.release(got)
+    finally:
+        cache2.close()
+        lazy2.close()

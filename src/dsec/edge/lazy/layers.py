@@ -23,13 +23,16 @@ readable, anything else fails with EIO until they are recreated; each gets a
 would need the edge to hold the /dev/fuse fd and the new daemon to resend the lost
 requests, FUSE_NOTIFY_RESEND: not done.)
 
-Measured here (2 shared vCPUs, loaded; ``dsec bench lazy``): pyfuse3 serving cached
-chunks is the daemon's cost. A sequential read through the EROFS mount with the EROFS and
-FUSE page caches dropped, every byte coming from the daemon's chunk cache, ran at the
-``lazy_warm_read_ratio`` of reading the local layer file the same way (see the bench
-figures in docs/images.md); once pages are in the page cache the daemon is not involved
-at all (keep_cache). A C daemon would cut the per-request cost but would have to carry
-its own S3/HTTP clients, retries and verification: not worth it at these figures.
+Measured here (2 shared vCPUs under heavy load; ``dsec bench lazy``, 1 GiB image): a
+sequential read through the EROFS mount with the EROFS and FUSE page caches dropped, so
+every byte comes from the pyfuse3 daemon's chunk cache, ran at 0.34x (486 vs 1,420 MB/s)
+of the same read from EROFS on the local layer file; with the FUSE file's pages kept
+(keep_cache: the steady state, the daemon is not asked again) 0.78x; a 4 KiB O_DIRECT read
+of a cached chunk (one daemon round trip) 49 us p50. First exec on a cold node was 23x
+faster than pull-then-mount, fetching 1.12x the bytes the task read. A C daemon would cut
+the per-request cost (~100-150 us per 128 KiB here) but would have to carry its own
+S3/HTTP clients, retries and chunk verification, which are dsec's Python: not worth it
+while cold starts are bound by the blob store and warm reads by the page cache.
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO, Any, Self
 
 import msgspec
 
 from dsec.errors import BlobNotFound, CorruptLayer, DsecError, ImageError, ImageNotFound
 from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
+from dsec.image.blob.traces import load_trace, new_trace, record_trace
 from dsec.image.chunks import ChunkTable
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
 from dsec.image.mount import RUN_ROOT, sys_umount
@@ -78,6 +82,8 @@ class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A layer's access trace: chunks first read within this long of its first read."""
     restart: bool = True
     """Restart the daemon when it dies."""
+    node: str = "node"
+    """This node's name, in the access traces it records."""
 
 
 class LazyLayers:
@@ -89,7 +95,7 @@ class LazyLayers:
         self.config = config
         self.blob = blob if blob is not None else open_blobstore(config.blob_url)
         self.on_event = on_event
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[], object]] = []
         os.makedirs(config.cache_dir, mode=0o700, exist_ok=True)
         os.makedirs(RUN_ROOT, mode=0o700, exist_ok=True)
         # "m" prefix + owner file: a root a killed edge left is reclaimed (detached) by
@@ -109,6 +115,8 @@ class LazyLayers:
         self._stats_ack = 0
         # counters of daemons that died, so the node's totals never go backwards
         self._carried: dict[str, Any] = {}
+        self._images: set[str] = set()          # images whose trace was used or recorded
+        self._timers: list[threading.Timer] = []
         self._start()
 
     # ------------------------------------------------------------------ daemon
@@ -202,7 +210,7 @@ class LazyLayers:
         with contextlib.suppress(OSError):
             os.rmdir(mount)
 
-    def on_restart(self, fn: Callable[[], None]) -> None:
+    def on_restart(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` (from the watcher thread) after the daemon was restarted."""
         self._listeners.append(fn)
 
@@ -284,6 +292,47 @@ class LazyLayers:
             f.write(raw)
         os.replace(tmp, path)
 
+    # ---------------------------------------------------------- access traces
+    def image_started(self, image: str, layers: Sequence[str]) -> int:
+        """A sandbox of ``image`` (its top layer's digest) starts on the lazily read
+        ``layers``. The first time on this node: prefetch, in the background, the chunks
+        the image's stored access trace names (recorded by whichever node started it
+        first); when there is none, record one: the chunks first read in each layer's
+        first ``trace_window_s``, stored with the image in the blob store. Returns the
+        chunks asked to prefetch. A trace is a hint: any problem with it is logged."""
+        lazy = [d for d in layers if self.knows(d)]
+        with self._lock:
+            if image in self._images or not lazy:
+                return 0
+            self._images.add(image)
+        trace = load_trace(self.blob, image)
+        if trace is not None:
+            n = 0
+            for d, chunks in trace.layers.items():
+                if d in lazy and chunks:
+                    self.prefetch(d, chunks)
+                    n += len(chunks)
+            return n
+        # each layer's trace closes trace_window_s after its first read, which comes
+        # after the mount: wait twice that before collecting
+        t = threading.Timer(2 * self.config.trace_window_s + 1.0, self._save_trace,
+                            (image, tuple(lazy)))
+        t.daemon = True
+        self._timers.append(t)
+        t.start()
+        return 0
+
+    def _save_trace(self, image: str, layers: tuple[str, ...]) -> None:
+        per = {d: chunks for d in layers if (chunks := self.trace(d))}
+        if not per or self._closing:
+            return
+        try:
+            record_trace(self.blob, new_trace(image, self.config.node, per,
+                                              window_s=self.config.trace_window_s))
+        except DsecError as exc:
+            log.warning("access trace of image %s not stored in %s: %s", image,
+                        self.blob.url, exc)
+
     # ------------------------------------------------------------ prefetch/pin
     def prefetch(self, digest: str, chunks: list[int]) -> None:
         self._send({"cmd": "prefetch", "layer": digest.removeprefix(DIGEST_PREFIX),
@@ -323,6 +372,8 @@ class LazyLayers:
             return {}
 
     def close(self) -> None:
+        for t in self._timers:
+            t.cancel()
         with self._lock:
             self._closing = True
             p = self._proc

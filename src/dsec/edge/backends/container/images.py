@@ -151,6 +151,12 @@ class StoreImages:
 
     def acquire(self, spec: SandboxSpec) -> RootLayers:
         stack = self.stack_for(spec)
+        if self.lazy is not None:
+            # prefetch the image's access trace (in the background, racing the mounts
+            # below), or record one; keyed by the image layer (a task's workspace and
+            # toolkits vary around it). A hint: never fails the create.
+            image = stack.layers[0] if spec.snapshot is not None else self._get(spec.image)
+            self.lazy.image_started(image.digest, stack.digests)
         lowers = acquire_stack(self.store, self.cache, stack)
         return RootLayers(tuple(lowers), token=stack)
 
