@@ -150,3 +150,31 @@ def test_access_trace_is_stored_with_the_image_and_prefetched_on_a_cold_node(
     finally:
         cache2.close()
         lazy2.close()
+
+
+def test_pin_an_image_fetches_every_layer_whole_and_survives_a_restart(
+        node: Node, remote: Remote) -> None:
+    pinned = node.images.pin(remote.workspace.digest)
+    assert pinned == [remote.workspace.digest]
+    n = -(-remote.workspace.size_bytes // (256 * 1024))
+
+    def present() -> int:
+        st = node.lazy.stats(fresh=True)
+        return int(st.get("layers", {}).get(remote.workspace.hex, {}).get("present", 0))
+
+    deadline = time.monotonic() + 30
+    while present() < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert present() == n
+    os.kill(node.lazy.pid or 0, signal.SIGKILL)            # the pin is re-sent
+    while not (node.lazy.restarts == 1 and node.lazy.alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node.lazy.stats(fresh=True)
+    with open(node.lazy.path(remote.workspace) or "", "rb") as f:   # adopt the cache
+        f.read(1)
+    while present() < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert present() == n and node.lazy.pinned == {remote.workspace.digest}
+    assert node.lazy.stats(fresh=True)["bytes_fetched"] == remote.workspace.size_bytes
+    assert node.images.unpin(remote.workspace.digest) == [remote.workspace.digest]
+    assert node.lazy.pinned == frozenset()

@@ -6,6 +6,7 @@ once the mount answers, and then takes one JSON command per line on stdin::
 
     {"cmd": "prefetch", "layer": HEX, "chunks": [i, ...]}   background fetch
     {"cmd": "pin", "layer": HEX}                              fetch all, never evict
+    {"cmd": "unpin", "layer": HEX}                            evictable again
     {"cmd": "stats"}                                          write the stats file now
 
 and reports on stdout (``fetch_failed``, ``prefetched``, ``trace``, ``stats``). EOF on
@@ -75,6 +76,8 @@ async def _commands(fs: LazyFs, nursery: trio.Nursery) -> None:
                 nursery.start_soon(fs.prefetch, str(cmd["layer"]), list(cmd.get("chunks", [])))
             elif c == "pin":
                 nursery.start_soon(_pin, fs, str(cmd["layer"]))
+            elif c == "unpin":
+                fs.lru.pinned.discard(str(cmd["layer"]))
             elif c == "stats":
                 fs.write_stats()
                 print(json.dumps({"ev": "stats", "seq": cmd.get("seq")}), flush=True)

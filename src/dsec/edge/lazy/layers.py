@@ -116,6 +116,7 @@ class LazyLayers:
         # counters of daemons that died, so the node's totals never go backwards
         self._carried: dict[str, Any] = {}
         self._images: set[str] = set()          # images whose trace was used or recorded
+        self._pinned: set[str] = set()
         self._timers: list[threading.Timer] = []
         self._start()
 
@@ -185,6 +186,8 @@ class LazyLayers:
                 self._proc = None
                 return
             listeners = list(self._listeners)
+            for d in self._pinned:
+                self._send({"cmd": "pin", "layer": d.removeprefix(DIGEST_PREFIX)})
         if self.on_event is not None:
             with contextlib.suppress(Exception):
                 self.on_event({"ev": "daemon_restarted", "exit": rc, "pid": proc.pid})
@@ -339,8 +342,21 @@ class LazyLayers:
                     "chunks": chunks})
 
     def pin(self, digest: str) -> None:
-        """Fetch the whole layer into the chunk cache and never evict it."""
+        """Fetch the whole layer into the chunk cache and never evict it (also after a
+        daemon restart: pins are re-sent to the new daemon)."""
+        with self._lock:
+            self._pinned.add(digest)
         self._send({"cmd": "pin", "layer": digest.removeprefix(DIGEST_PREFIX)})
+
+    def unpin(self, digest: str) -> None:
+        """The layer's chunks may be evicted again (least recently used first)."""
+        with self._lock:
+            self._pinned.discard(digest)
+        self._send({"cmd": "unpin", "layer": digest.removeprefix(DIGEST_PREFIX)})
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        return frozenset(self._pinned)
 
     def trace(self, digest: str) -> list[int] | None:
         """The chunks the layer's first reads touched on this node (None: not recorded)."""
