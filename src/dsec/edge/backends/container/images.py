@@ -43,31 +43,6 @@ class RootLayers:
 
 @runtime_checkable
 class ImageResolver(Protocol):
-    def pin(self, ref: str) -> list[str]:
-        """Keep the image ``ref`` fully cached on this node (``image_pin``, issue 17):
-        every layer of it this node reads lazily is fetched whole in the background and
-        never evicted. Resolves from the blob store what the node lacks. Returns the
-        digests pinned (layers stored whole here need nothing)."""
-        if self.lazy is None:
-            return []
-        m = self._get(ref)
-        out = []
-        for d in (m.digest, *m.stack):
-            if self.lazy.knows(d):
-                self.lazy.pin(d)
-                out.append(d)
-        return out
-
-    def unpin(self, ref: str) -> list[str]:
-        """Undo :meth:`pin`: the image's chunks may be evicted again."""
-        if self.lazy is None:
-            return []
-        m = self._get(ref)
-        out = [d for d in (m.digest, *m.stack) if d in self.lazy.pinned]
-        for d in out:
-            self.lazy.unpin(d)
-        return out
-
     def acquire(self, spec: SandboxSpec) -> RootLayers:
         """Resolve ``spec.image`` (+ workspace, toolkits) to mounted read-only dirs.
 
@@ -103,31 +78,6 @@ class DirectoryImages:
                                 f"there or use one of {sorted(os.listdir(self.images_dir))}",
                                 image=ref)
         return path
-
-    def pin(self, ref: str) -> list[str]:
-        """Keep the image ``ref`` fully cached on this node (``image_pin``, issue 17):
-        every layer of it this node reads lazily is fetched whole in the background and
-        never evicted. Resolves from the blob store what the node lacks. Returns the
-        digests pinned (layers stored whole here need nothing)."""
-        if self.lazy is None:
-            return []
-        m = self._get(ref)
-        out = []
-        for d in (m.digest, *m.stack):
-            if self.lazy.knows(d):
-                self.lazy.pin(d)
-                out.append(d)
-        return out
-
-    def unpin(self, ref: str) -> list[str]:
-        """Undo :meth:`pin`: the image's chunks may be evicted again."""
-        if self.lazy is None:
-            return []
-        m = self._get(ref)
-        out = [d for d in (m.digest, *m.stack) if d in self.lazy.pinned]
-        for d in out:
-            self.lazy.unpin(d)
-        return out
 
     def acquire(self, spec: SandboxSpec) -> RootLayers:
         if spec.snapshot is not None:
