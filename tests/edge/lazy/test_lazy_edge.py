@@ -55,11 +55,17 @@ async def test_edge_starts_a_sandbox_from_the_blob_store(remote: Remote, tmp_pat
             assert r.stdout.startswith(b"toolkit layer\nworkspace layer\nBusyBox")
             # nothing was pulled whole: the node's store holds manifests only
             assert os.listdir(os.path.join(tmp, "layers", "layers")) == []
+            fetched = 0.0
             async with httpx.AsyncClient() as http:
-                text = (await http.get(f"http://127.0.0.1:{port}/metrics", timeout=10)).text
-            fetched = [ln for ln in text.splitlines()
-                       if ln.startswith("dsec_lazy_bytes_fetched_total ")]
-            assert fetched and float(fetched[0].split()[1]) > 0
+                for _ in range(50):     # the daemon writes its stats every 0.5 s
+                    text = (await http.get(f"http://127.0.0.1:{port}/metrics",
+                                           timeout=10)).text
+                    fetched = float(next(ln for ln in text.splitlines() if ln.startswith(
+                        "dsec_lazy_bytes_fetched_total ")).split()[1])
+                    if fetched > 0:
+                        break
+                    await asyncio.sleep(0.2)
+            assert fetched > 0
             assert "dsec_lazy_fetch_seconds_bucket" in text
             await c.destroy(sb.id)
     finally:
