@@ -582,6 +582,19 @@ class LayerStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def stored_digests(self) -> list[str]:
+        """Digests of the layers whose file is in this store (two listdirs): what this
+        node can hand to another. A layer read lazily from a blob store (issue 17) has a
+        manifest here but no file, so it is not one of them."""
+        try:
+            files = {n[:-6] for n in os.listdir(os.path.join(self.root, "layers"))
+                     if n.endswith(".erofs")}
+            names = os.listdir(os.path.join(self.root, "manifests"))
+        except FileNotFoundError:
+            return []
+        return [DIGEST_PREFIX + n[:-5] for n in names
+                if n.endswith(".json") and n[:-5] in files]
+
     def add_remote(self, manifest: LayerManifest) -> LayerManifest:
         """Record a layer this node reads lazily from a blob store (issue 17): its
         manifest only, no layer file (:meth:`layer_path` does not exist). The layers

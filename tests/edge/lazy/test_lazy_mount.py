@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+from dsec.edge.layers import held_layers
 from dsec.image import mount_overlay
 from dsec.image.mount import sys_umount
 from dsec.wire.spec import SandboxSpec
@@ -24,9 +25,11 @@ def test_stack_from_blob_store_reads_only_touched_chunks(node: Node, remote: Rem
                        toolkits=(remote.toolkit.digest,))
     layers = node.images.acquire(spec)
     try:
-        # no layer file was downloaded: manifests only, the files are the daemon's
+        # no layer file was downloaded: manifests only, the files are the daemon's; the
+        # node does not offer them to other nodes (it could not hand them out)
         for m in (remote.base, remote.workspace, remote.toolkit):
             assert node.store.has(m.digest) and not os.path.exists(node.store.layer_path(m))
+            assert m.digest not in held_layers(node.store)
         sb = os.path.join(str(tmp_path), "sb")
         upper, work, root = (os.path.join(sb, d) for d in ("upper", "work", "root"))
         for d in (upper, work, root):
