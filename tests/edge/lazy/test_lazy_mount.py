@@ -181,3 +181,24 @@ def test_pin_an_image_fetches_every_layer_whole_and_survives_a_restart(
     assert node.lazy.stats(fresh=True)["bytes_fetched"] == remote.workspace.size_bytes
     assert node.images.unpin(remote.workspace.digest) == [remote.workspace.digest]
     assert node.lazy.pinned == frozenset()
+
+
+def test_two_nodes_sharing_one_store_each_serve_a_layer_the_other_recorded_remote(
+        node: Node, remote: Remote, tmp_path: object) -> None:
+    from dsec.edge.backends.container.images import StoreImages
+    from dsec.edge.lazy.layers import LazyConfig, LazyLayers
+    from dsec.image import MountCache
+
+    spec = SandboxSpec(image=remote.base.digest, toolkits=(remote.toolkit.digest,))
+    first = node.images.acquire(spec)          # records the manifests in the shared store
+    lazy2 = LazyLayers(LazyConfig(blob_url=remote.url,
+                                  cache_dir=os.path.join(str(tmp_path), "c2")))
+    cache2 = MountCache(lazy=lazy2)
+    try:
+        second = StoreImages(node.store, cache2, lazy2).acquire(spec)
+        assert Path(second.lowerdirs[0], "opt/tool").read_text() == "toolkit layer\n"
+        StoreImages(node.store, cache2, lazy2).release(second)
+    finally:
+        cache2.close()
+        lazy2.close()
+        node.images.release(first)

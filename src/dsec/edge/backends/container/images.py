@@ -116,18 +116,28 @@ class StoreImages:
         store (``lazy``) with every layer it stands on, and recorded as remote: its
         chunks are fetched when a sandbox reads them, never the whole layer here."""
         try:
-            return self.store.get(ref)
+            m = self.store.get(ref)
         except ImageNotFound:
             if self.lazy is None or not _FULL_DIGEST.fullmatch(ref):
                 raise
-        return self._resolve_remote(ref, depth=0)
+            return self._resolve_remote(ref, depth=0)
+        self._lazy_here(m)
+        return m
+
+    def _lazy_here(self, m: LayerManifest) -> None:
+        """A layer recorded remote by another process sharing the store (``dsec up``'s
+        edges share one): this node's daemon needs its chunk table too."""
+        if self.lazy is not None and not os.path.exists(self.store.layer_path(m)):
+            self.lazy.register(m)
 
     def _resolve_remote(self, digest: str, depth: int) -> LayerManifest:
         if depth > MAX_REMOTE_DEPTH:
             raise CorruptLayer(f"layer {digest} stands on more than {MAX_REMOTE_DEPTH} "
                                "layers in the blob store", digest=digest)
         if self.store.has(digest):
-            return self.store.get(digest)
+            m = self.store.get(digest)
+            self._lazy_here(m)
+            return m
         assert self.lazy is not None
         m = self.lazy.fetch_manifest(digest)
         for below in (*m.stack, *((m.parent,) if m.parent else ())):
