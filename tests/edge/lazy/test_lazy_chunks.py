@@ -144,3 +144,15 @@ def test_prefetch_and_pin_fill_the_cache(remote: Remote, tmp_path: object) -> No
             os.rename(remote.blob_dir + ".away", remote.blob_dir)
     finally:
         lazy.close()
+
+
+def test_one_daemon_per_chunk_cache(remote: Remote, tmp_path: object) -> None:
+    from dsec.errors import InUse
+
+    lazy = lazy_for(remote, str(tmp_path))
+    try:
+        with pytest.raises(InUse):
+            lazy_for(remote, str(tmp_path))
+    finally:
+        lazy.close()
+    lazy_for(remote, str(tmp_path)).close()        # free again once closed

@@ -38,6 +38,7 @@ while cold starts are bound by the blob store and warm reads by the page cache.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ from typing import IO, Any, Self
 
 import msgspec
 
-from dsec.errors import BlobNotFound, CorruptLayer, DsecError, ImageError, ImageNotFound
+from dsec.errors import BlobNotFound, CorruptLayer, DsecError, ImageError, ImageNotFound, InUse
 from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
 from dsec.image.chunks import ChunkTable
@@ -97,12 +98,24 @@ class LazyLayers:
         self.on_event = on_event
         self._listeners: list[Callable[[], object]] = []
         os.makedirs(config.cache_dir, mode=0o700, exist_ok=True)
+        # One daemon per chunk cache: two would punch out each other's chunks.
+        self._lock_fd = os.open(os.path.join(config.cache_dir, "lock"),
+                                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise InUse(f"the chunk cache {config.cache_dir} is in use by another edge; "
+                        "give each node its own (--state-dir)",
+                        cache_dir=config.cache_dir) from None
         os.makedirs(RUN_ROOT, mode=0o700, exist_ok=True)
         # "m" prefix + owner file: a root a killed edge left is reclaimed (detached) by
         # the next MountCache made on this host (dsec.image.mount.reclaim_dead_roots).
         self.root = tempfile.mkdtemp(prefix="m", dir=RUN_ROOT)
         claim(self.root)
-        self.stats_path = os.path.join(self.root, "stats.json")
+        # beside the chunk cache, not in the mount root: a root holds nothing but the
+        # mount point, so the reclaim of a killed edge's root can remove it
+        self.stats_path = os.path.join(config.cache_dir, "stats.json")
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: int | None = None
@@ -118,7 +131,14 @@ class LazyLayers:
         self._images: set[str] = set()          # images whose trace was used or recorded
         self._pinned: set[str] = set()
         self._timers: list[threading.Timer] = []
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.root)
+            disown(self.root)
+            os.close(self._lock_fd)
+            raise
 
     # ------------------------------------------------------------------ daemon
     def _start(self) -> None:
@@ -406,9 +426,16 @@ class LazyLayers:
         self._drop_mount(self.mount)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.stats_path)
-        disown(self.root)
-        with contextlib.suppress(OSError):
+        try:
             os.rmdir(self.root)
+        except OSError as exc:
+            # keep the owner record: once this process is gone the next mount cache on
+            # the host reclaims the root (dsec.image.mount.reclaim_dead_roots)
+            log.warning("lazy layer root %s not removed: %s", self.root, exc)
+        else:
+            disown(self.root)
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
 
     def __enter__(self) -> Self:
         return self
