@@ -202,3 +202,14 @@ def test_two_nodes_sharing_one_store_each_serve_a_layer_the_other_recorded_remot
         cache2.close()
         lazy2.close()
         node.images.release(first)
+
+
+def test_apply_pins_reconciles_the_nodes_pin_set(node: Node, remote: Remote) -> None:
+    ws, tk = remote.workspace.digest, remote.toolkit.digest
+    assert node.images.apply_pins([ws, tk]) == (sorted([ws, tk]), [])
+    assert node.images.apply_pins([ws, tk]) == ([], [])            # idempotent
+    assert node.images.apply_pins([tk]) == ([], [ws])
+    # an image the store cannot resolve right now unpins nothing
+    assert node.images.apply_pins(["sha256:" + "0" * 64]) == ([], [])
+    assert node.lazy.pinned == {tk}
+    assert node.images.apply_pins([]) == ([], [tk])

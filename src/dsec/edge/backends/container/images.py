@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dsec.errors import CorruptLayer, ImageNotFound, InvalidArgument
+from dsec.errors import CorruptLayer, DsecError, ImageNotFound, InvalidArgument
 from dsec.image.compose import RootStack, acquire_stack, compose
 from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache
@@ -173,6 +174,31 @@ class StoreImages:
                 self.lazy.pin(d)
                 out.append(d)
         return out
+
+    def apply_pins(self, images: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Make the node's pins exactly the layers of ``images`` (the control plane's
+        pins for this node, ``ControlPlane.pins_for``): pin what is new, unpin what is
+        no longer named. Idempotent, so it can ride every heartbeat. Returns (pinned,
+        unpinned) layer digests. An image the blob store cannot resolve now is skipped
+        (the next call tries again); its already pinned layers stay pinned."""
+        if self.lazy is None:
+            return [], []
+        want: set[str] = set()
+        keep: set[str] = set()
+        for ref in images:
+            try:
+                m = self._get(ref)
+            except DsecError:
+                keep |= set(self.lazy.pinned)    # unknown now: unpin nothing
+                continue
+            want |= {d for d in (m.digest, *m.stack) if self.lazy.knows(d)}
+        have = set(self.lazy.pinned)
+        new, gone = sorted(want - have), sorted(have - want - keep)
+        for d in new:
+            self.lazy.pin(d)
+        for d in gone:
+            self.lazy.unpin(d)
+        return new, gone
 
     def unpin(self, ref: str) -> list[str]:
         """Undo :meth:`pin`: the image's chunks may be evicted again."""
