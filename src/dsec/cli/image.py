@@ -28,6 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from dsec.cli.edge import blob_store_option
+from dsec.cli.sandbox import conn_options
 from dsec.errors import DsecError
 from dsec.image.erofs import ProgressFn
 from dsec.image.manifest import LAYER_KINDS, LayerManifest
@@ -317,6 +318,65 @@ def push(root: str | None, ref: str, blob_store: str | None, chunk_size: int, ve
     click.echo(f"{ref} {res.digest} -> {res.store}: {len(res.layers)} layers ({new} "
                f"uploaded, {len(res.layers) - new} already there), {res.bytes_uploaded} "
                f"bytes in {res.seconds:.2f} s")
+
+
+@image.command("pin")
+@click.argument("ref")
+@click.option("--node", required=True, help="The edge node to keep it cached on.")
+@conn_options
+def pin(ref: str, node: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Keep REF (every layer of it) fully cached on NODE: its lazily loaded layers are
+    fetched whole there and never evicted. Push it to the blob store first. An
+    operator's (superuser); stored in the cluster's state store."""
+    from dsec.cli.sandbox import client, emit_json
+
+    with client(url, api_key) as c:
+        view = c.images.pin(ref, node=node)
+    if as_json:
+        emit_json(view)
+        return
+    click.echo(f"{ref} ({view.image}) pinned on {view.node}: {len(view.layers)} layer(s) "
+               "kept fully cached")
+
+
+@image.command("unpin")
+@click.argument("image_ref")
+@click.option("--node", required=True, help="The edge node it is pinned on.")
+@conn_options
+def unpin(image_ref: str, node: str, url: str | None, api_key: str | None,
+          as_json: bool) -> None:
+    """Stop keeping IMAGE (its digest, or the ref it was pinned as) fully cached on NODE."""
+    from dsec.cli.sandbox import client, emit_json
+
+    with client(url, api_key) as c:
+        digest = image_ref
+        if not image_ref.startswith("sha256:") or len(image_ref) != 71:
+            hits = [p.image for p in c.images.pins(node) if p.ref == image_ref]
+            if not hits:
+                raise click.ClickException(f"{image_ref!r} is not pinned on {node} "
+                                           "(dsec image pins --node NODE)")
+            digest = hits[0]
+        c.images.unpin(digest, node=node)
+    if as_json:
+        emit_json({"node": node, "image": digest, "unpinned": True})
+        return
+    click.echo(f"{digest} unpinned on {node}")
+
+
+@image.command("pins")
+@click.option("--node", required=True, help="The edge node.")
+@conn_options
+def pins(node: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """List the images pinned on NODE."""
+    from dsec.cli.sandbox import client, emit_json
+
+    with client(url, api_key) as c:
+        items = c.images.pins(node)
+    if as_json:
+        emit_json(items)
+        return
+    for p in items:
+        click.echo(f"{p.image} {p.ref} {len(p.layers)} layer(s) by {p.by}")
 
 
 @image.command("inspect")

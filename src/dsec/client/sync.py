@@ -32,6 +32,7 @@ from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import (
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePushed,
@@ -295,6 +296,18 @@ class Images:
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
+
+    def pin(self, ref: str | ImageView, *, node: str) -> ImagePinView:
+        """See :meth:`~dsec.client.images.AsyncImages.pin`."""
+        return self._c._run(self._a.pin(ref, node=node))
+
+    def unpin(self, image: str, *, node: str) -> None:
+        """See :meth:`~dsec.client.images.AsyncImages.unpin`."""
+        self._c._run(self._a.unpin(image, node=node))
+
+    def pins(self, node: str) -> builtins.list[ImagePinView]:
+        """See :meth:`~dsec.client.images.AsyncImages.pins`."""
+        return self._c._run(self._a.pins(node))
 
     def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
         """See :meth:`~dsec.client.images.AsyncImages.push`."""

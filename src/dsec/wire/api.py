@@ -70,7 +70,6 @@ __all__ = [
     "FileList",
     "ImageList",
     "ImagePinList",
-    "ImagePinRequest",
     "ImagePinView",
     "ImagePromoteRequest",
     "ImagePruned",
@@ -408,17 +407,10 @@ class ImagePushed(msgspec.Struct, kw_only=True):
     seconds: float
 
 
-class ImagePinRequest(_Strict):
-    """Body of ``POST /v1/nodes/{node}/pins``: keep the image ``ref`` (every layer of it)
-    fully cached on ``node``: its lazy layers are fetched whole and never evicted."""
-
-    node: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    ref: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
-
-
 class ImagePinView(msgspec.Struct, kw_only=True):
     node: str
     image: str                         # the image's (top layer's) digest
+    ref: str                           # as the operator named it
     layers: list[str]                  # every layer of it, lowest first
     pinned_at: float
     by: str                            # the principal id that pinned it

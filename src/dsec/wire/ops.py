@@ -34,6 +34,8 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
@@ -89,12 +91,15 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.layers import (
+    ImagePin,
+    ImagePinRef,
     LayerChain,
     LayerFetch,
     LayerFetched,
     LayerPut,
     LayerRef,
     LayerStored,
+    NodePins,
 )
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
@@ -144,9 +149,12 @@ __all__ = [
     "IMAGE_DELETE",
     "IMAGE_GET",
     "IMAGE_IMPORT",
+    "IMAGE_PIN",
+    "IMAGE_PINS",
     "IMAGE_PROMOTE",
     "IMAGE_PUSH",
     "IMAGE_TAG",
+    "IMAGE_UNPIN",
     "INFO",
     "LAYER_CHAIN",
     "LAYER_FETCH",
@@ -829,6 +837,31 @@ IMAGE_PUSH: Op[ImagePushRequest, ImagePushed] = Op(
     rest=Rest(method="POST", path="/v1/images/push", operation_id="pushImage",
               body="*", tag="images"))
 
+# Issue 17: an image kept fully cached on chosen nodes (their lazy layers fetch it whole
+# and never evict it). An operator's (role None, the policy is ControlPlane.pin_image's:
+# a superuser only), stored in the state store so every replica answers the same pins.
+IMAGE_PIN: Op[ImagePin, ImagePinView] = Op(
+    "image_pin", ImagePin, ImagePinView,
+    summary="Keep an image (every layer of it, pushed to the blob store) fully cached on "
+            "a node (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{node}/pins", operation_id="pinImage",
+              body="*", tag="nodes"))
+
+IMAGE_UNPIN: Op[ImagePinRef, None] = Op(
+    "image_unpin", ImagePinRef, None,
+    summary="Stop keeping an image fully cached on a node (superuser only)",
+    role=None, target="cluster", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/nodes/{node}/pins/{image}",
+              operation_id="unpinImage", status=204, reply="empty", tag="nodes"))
+
+IMAGE_PINS: Op[NodePins, ImagePinList] = Op(
+    "image_pins", NodePins, ImagePinList,
+    summary="The images pinned on a node (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/nodes/{node}/pins", operation_id="listImagePins",
+              tag="nodes"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -849,6 +882,9 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     LAYER_PUT,
     LAYER_FETCH,
     IMAGE_PUSH,
+    IMAGE_PIN,
+    IMAGE_UNPIN,
+    IMAGE_PINS,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

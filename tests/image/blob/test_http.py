@@ -181,7 +181,7 @@ def _restart(prefix: str, port: int) -> Nginx:
     """nginx again on ``port`` with the same root (its config file is reused)."""
     import subprocess
 
-    from tests.image.blob.servers import NGINX, _wait_http
+    from tests.image.blob.servers import NGINX, wait_http
     n = Nginx.__new__(Nginx)
     n.prefix, n.root, n.port = prefix, os.path.join(prefix, "www"), port
     n.url = f"http://127.0.0.1:{port}"
@@ -189,7 +189,7 @@ def _restart(prefix: str, port: int) -> Nginx:
                                "-e", f"{prefix}/logs/error.log"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               start_new_session=True)
-    _wait_http(n.url + "/", n.proc, "nginx", timeout=15)
+    wait_http(n.url + "/", n.proc, "nginx", timeout=15)
     return n
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from dsec import Client, LocalCluster
-from dsec.errors import Conflict, ImageNotFound, PermissionDenied
+from dsec.errors import Conflict, ImageNotFound, InvalidArgument, NotFound, PermissionDenied
 from dsec.image.blob import open_blobstore
 from dsec.image.blob.push import read_remote_layer
 
@@ -129,3 +129,69 @@ def test_cli_push_on_the_host(tmp_path: os.PathLike[str]) -> None:
     bad = subprocess.run([*cmd[:-3], "--blob-store", "ftp://x/y"], check=False,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown scheme" in bad.stderr
+
+
+def test_pin_at_every_door_superuser_only_and_pushed_first(
+        world: World, tmp_path: os.PathLike[str]) -> None:
+    with world.client(world.alice, "http") as c:
+        v = c.images.build(_tree(os.path.join(str(tmp_path), "p"), {
+            "f": os.urandom(10_000)}), name="teama/pinme")
+    for door in DOORS:
+        with world.client(world.cluster.api_key, door) as root:
+            with pytest.raises(InvalidArgument, match="push the image first"):
+                root.images.pin("teama/pinme", node="edge-0")
+            root.images.push("teama/pinme")
+            p = root.images.pin("teama/pinme", node="edge-0")
+            assert (p.node, p.image, p.ref, p.layers) == ("edge-0", v.digest,
+                                                          "teama/pinme", [v.digest])
+            again = root.images.pin("teama/pinme", node="edge-0")       # idempotent
+            assert again.pinned_at == p.pinned_at
+            assert [x.image for x in root.images.pins("edge-0")] == [v.digest]
+            with pytest.raises(NotFound, match="no edge node"):
+                root.images.pin("teama/pinme", node="edge-9")
+            root.images.unpin(v.digest, node="edge-0")
+            assert root.images.pins("edge-0") == []
+            with pytest.raises(NotFound, match="not pinned"):
+                root.images.unpin(v.digest, node="edge-0")
+            # the next door starts from an image that is not in the store
+            open_blobstore(world.blob_url).delete(f"layers/sha256/{v.digest[7:]}.manifest")
+        with world.client(world.alice, door) as c:               # an admin of teama
+            with pytest.raises(PermissionDenied, match="superuser"):
+                c.images.pin("teama/pinme", node="edge-0")
+            with pytest.raises(PermissionDenied, match="superuser"):
+                c.images.pins("edge-0")
+    r = world.http.get("/v1/nodes/edge-0/pins",
+                       headers={"authorization": f"Bearer {world.alice}"})
+    assert r.status_code == 403 and r.json()["code"] == "permission_denied", r.text
+    # the pin is a row of the state store: every replica, and a restart, see it
+    with world.client(world.cluster.api_key, "http") as root:
+        root.images.push("teama/pinme")
+        root.images.pin("teama/pinme", node="edge-0")
+    rows = world.cluster.runtime.plane.pins_for("edge-0")
+    assert [(r.image, r.layers) for r in rows] == [(v.digest, (v.digest,))]
+    with world.client(world.cluster.api_key, "http") as root:
+        root.images.unpin(v.digest, node="edge-0")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_pin_rows_in_both_stores(kind: str, request: pytest.FixtureRequest,
+                                 tmp_path: os.PathLike[str]) -> None:
+    from dsec.control.store import ImagePinRow, open_store
+
+    url = (f"sqlite:///{tmp_path}/s.sqlite" if kind == "sqlite"
+           else request.getfixturevalue("pg_dsn"))
+    store = open_store(url)
+    try:
+        a = ImagePinRow(node="n1", image="sha256:" + "a" * 64, ref="x", pinned_at=1.0,
+                        layers=("sha256:" + "b" * 64, "sha256:" + "a" * 64), by="root")
+        store.put_pin(a)
+        store.put_pin(ImagePinRow(node="n1", image=a.image, ref="y", layers=(),
+                                  pinned_at=2.0))              # again: the first kept
+        store.put_pin(ImagePinRow(node="n2", image=a.image, ref="x", layers=a.layers,
+                                  pinned_at=3.0))
+        assert store.list_pins("n1") == [a]
+        assert [r.node for r in store.list_pins()] == ["n1", "n2"]
+        assert store.delete_pin("n1", a.image) and not store.delete_pin("n1", a.image)
+        assert store.list_pins("n1") == [] and store.table_rows()["image_pins"] == 1
+    finally:
+        store.close()

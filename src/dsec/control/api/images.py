@@ -632,11 +632,8 @@ class ImageAdmin:
         _require_write(caller, layer_namespace(m), what=f"push {req.ref[:200]}")
         blob = self.blob()
         store = self._layers()
-        if self._push_pool is None:
-            self._push_pool = concurrent.futures.ThreadPoolExecutor(
-                PUSH_WORKERS, thread_name_prefix="dsec-push")
         res = await asyncio.get_running_loop().run_in_executor(
-            self._push_pool, functools.partial(push_image, blob, store, m.digest,
+            self._pool(), functools.partial(push_image, blob, store, m.digest,
                                                verify=req.verify))
         return ImagePushed(ref=req.ref, digest=res.digest, store=res.store,
                            layers=[PushedLayerView(digest=p.digest, size_bytes=p.size_bytes,
@@ -644,6 +641,35 @@ class ImageAdmin:
                                                    uploaded=p.uploaded)
                                    for p in res.layers],
                            bytes_uploaded=res.bytes_uploaded, seconds=res.seconds)
+
+    async def pushed_chain(self, caller: Caller, ref: str) -> tuple[str, list[str]]:
+        """The image ``ref`` (as the caller sees it) and every layer of it, lowest first,
+        each checked to be in the blob store whole (``InvalidArgument`` naming the first
+        that is not: push the image first)."""
+        from dsec.errors import ImageNotFound
+        from dsec.image.blob.push import layer_chain, read_remote_layer
+
+        _, m = self._find_image(caller, ref)
+        blob = self.blob()
+        chain = [x.digest for x in layer_chain(self._layers(), m)]
+
+        def check() -> None:
+            for d in chain:
+                try:
+                    read_remote_layer(blob, d)
+                except ImageNotFound as exc:
+                    raise InvalidArgument(
+                        f"image {ref[:200]!r}: its layer {d} is not in the blob store "
+                        f"{blob.url}; push the image first (dsec image push / "
+                        "images.push)", field="ref", layer=d) from exc
+        await asyncio.get_running_loop().run_in_executor(self._pool(), check)
+        return m.digest, chain
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._push_pool is None:
+            self._push_pool = concurrent.futures.ThreadPoolExecutor(
+                PUSH_WORKERS, thread_name_prefix="dsec-push")
+        return self._push_pool
 
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         """Pull a registry image into the layer store (``dsec.image.pull``) as the

@@ -80,6 +80,8 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
@@ -127,7 +129,7 @@ from dsec.wire.calls import (
     create_of,
     rest_form,
 )
-from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
@@ -338,6 +340,12 @@ class AdminOps(Protocol):
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
     async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        raise NotImplementedError
+    async def pin_image(self, caller: Caller, req: ImagePin) -> ImagePinView:
+        raise NotImplementedError
+    async def unpin_image(self, caller: Caller, req: ImagePinRef) -> None:
+        raise NotImplementedError
+    def list_pins(self, caller: Caller, req: NodePins) -> ImagePinList:
         raise NotImplementedError
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
@@ -1598,6 +1606,8 @@ class ApiService:
             "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
             "layer_fetch": self._layer_fetch_op,
             "image_push": self._image_push_op,
+            "image_pin": self._image_pin_op, "image_unpin": self._image_unpin_op,
+            "image_pins": self._image_pins_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1832,6 +1842,15 @@ class ApiService:
 
     async def _image_push_op(self, caller: Caller, b: ImagePushRequest) -> ImagePushed:
         return await self._admin().push_image(caller, b)
+
+    async def _image_pin_op(self, caller: Caller, b: ImagePin) -> ImagePinView:
+        return await self._admin().pin_image(caller, b)
+
+    async def _image_unpin_op(self, caller: Caller, b: ImagePinRef) -> None:
+        await self._admin().unpin_image(caller, b)
+
+    async def _image_pins_op(self, caller: Caller, b: NodePins) -> ImagePinList:
+        return self._admin().list_pins(caller, b)
 
     async def _node_drain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=True)
