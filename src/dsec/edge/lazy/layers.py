@@ -83,6 +83,8 @@ class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A layer's access trace: chunks first read within this long of its first read."""
     restart: bool = True
     """Restart the daemon when it dies."""
+    traces: bool = True
+    """Record access traces and prefetch the stored ones (False: neither)."""
     node: str = "node"
     """This node's name, in the access traces it records."""
 
@@ -324,6 +326,8 @@ class LazyLayers:
         first ``trace_window_s``, stored with the image in the blob store. Returns the
         chunks asked to prefetch. A trace is a hint: any problem with it is logged."""
         lazy = [d for d in layers if self.knows(d)]
+        if not self.config.traces:
+            return 0
         with self._lock:
             if image in self._images or not lazy:
                 return 0
