@@ -29,10 +29,13 @@ every byte comes from the pyfuse3 daemon's chunk cache, ran at 0.34x (486 vs 1,4
 of the same read from EROFS on the local layer file; with the FUSE file's pages kept
 (keep_cache: the steady state, the daemon is not asked again) 0.78x; a 4 KiB O_DIRECT read
 of a cached chunk (one daemon round trip) 49 us p50. First exec on a cold node was 23x
-faster than pull-then-mount, fetching 1.12x the bytes the task read. A C daemon would cut
-the per-request cost (~100-150 us per 128 KiB here) but would have to carry its own
-S3/HTTP clients, retries and chunk verification, which are dsec's Python: not worth it
-while cold starts are bound by the blob store and warm reads by the page cache.
+faster than pull-then-mount, fetching 1.12x the bytes the task read. A minimal C libfuse3
+daemon (``bench/lazy_cfuse.c``: pread, no fetch path) served the same sequential reads
+1.9-2.8x faster (``lazy_warm_read_ratio_c_reference``, three runs): Python per request
+(~100-150 us per 128 KiB here) is the cost. A C daemon would have to carry its own
+S3/HTTP clients, retries and chunk verification, which are dsec's Python, so pyfuse3 it
+is while cold starts are bound by the blob store and warm reads by the page cache; the way
+to the warm target is a C front end for cached chunks handing misses to this fetcher.
 """
 
 from __future__ import annotations
