@@ -31,7 +31,15 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
+from dsec.wire.api import (
+    ImagePinView,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePushed,
+    ImageView,
+    Info,
+    NodeView,
+)
 from dsec.wire.cluster import JoinedNode, JoinTokenView, NodeMigration
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
@@ -313,6 +321,22 @@ class Images:
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
+
+    def pin(self, ref: str | ImageView, *, node: str) -> ImagePinView:
+        """See :meth:`~dsec.client.images.AsyncImages.pin`."""
+        return self._c._run(self._a.pin(ref, node=node))
+
+    def unpin(self, image: str, *, node: str) -> None:
+        """See :meth:`~dsec.client.images.AsyncImages.unpin`."""
+        self._c._run(self._a.unpin(image, node=node))
+
+    def pins(self, node: str) -> builtins.list[ImagePinView]:
+        """See :meth:`~dsec.client.images.AsyncImages.pins`."""
+        return self._c._run(self._a.pins(node))
+
+    def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
+        """See :meth:`~dsec.client.images.AsyncImages.push`."""
+        return self._c._run(self._a.push(ref, verify=verify))
 
     def prune(self, *, dry_run: bool = False) -> ImagePruned:
         """See :meth:`~dsec.client.images.AsyncImages.prune`."""
