@@ -621,6 +621,11 @@ _EXEC_BAD = [
     _exec_bad("output cap", {"shell": "true",
                              "output_cap_bytes": wspec.MAX_OUTPUT_CAP_BYTES + 1},
               "output_cap_bytes", "MAX_OUTPUT_CAP_BYTES"),
+    _exec_bad("hide count", {"shell": "true", "hide": [f"d{i}" for i in range(
+        wspec.MAX_HIDE_ENTRIES + 1)]}, f"over the limit of {wspec.MAX_HIDE_ENTRIES}",
+        "MAX_HIDE_ENTRIES"),
+    _exec_bad("hide entry", {"shell": "true", "hide": ["../etc"]},
+              "must be the name of a top-level entry"),
 ]
 _API = frozenset({"rest", "gateway"})
 
