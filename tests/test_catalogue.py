@@ -95,6 +95,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.cluster import JoinTokenCreate, JoinTokenRevoke
 from dsec.wire.jsonform import stream_item
 from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerPut, LayerRef, NodePins
 from dsec.wire.netpolicy import NetworkPolicy
@@ -140,6 +141,22 @@ class World:
         r = self.rest(method, path, **kw)
         assert r.status_code < 300, (method, path, r.status_code, r.text)
         return r
+
+    def join_token(self) -> str:
+        """A fresh join token's id (for a row that revokes one)."""
+        return str(self.cluster.runtime.join_authority.create_token(ttl_s=600)[1].id)
+
+    def joined_node(self) -> str:
+        """A freshly joined node's id (joined for real: CSR signed, token spent)."""
+        from dsec.cluster.ca import new_node_key
+        from dsec.cluster.join import join_request
+        auth = self.cluster.runtime.join_authority
+        tok, _ = auth.create_token(ttl_s=600)
+        node = f"cat-far-{self.n()}"
+        _, csr = new_node_key(node)
+        auth.join(join_request(str(tok), node_id=node, csr=csr.decode(),
+                               address="tcp:127.0.0.1:7443", nonce=auth.challenge().nonce))
+        return node
 
     def sandbox(self) -> str:
         """A fresh sandbox (with a file at /tmp/f)."""
@@ -302,10 +319,16 @@ EXAMPLES: dict[str, Example] = {
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),
+    "cluster_tokens": lambda w: Empty(),
+    "cluster_token_create": lambda w: JoinTokenCreate(ttl_s=600, description="catalogue"),
+    "cluster_token_revoke": lambda w: JoinTokenRevoke(id=w.join_token()),
+    "cluster_nodes": lambda w: Empty(),
+    "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
+    "node_migrate": lambda w: NodeRef(id="edge-0"),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
-               "image_delete", "destroy_many", "image_unpin", "node_drain",
-               "node_undrain")
+               "image_delete", "destroy_many", "image_unpin", "node_drain", "node_undrain",
+               "cluster_token_revoke", "cluster_node_revoke", "node_migrate")
 
 _RESOLVED = {"backend": "simulated", "project": "default"}
 
@@ -501,8 +524,11 @@ def _step_layer(cl: LocalCluster, tmp: str) -> str:
 
 
 def _order() -> list[Op[Any, Any]]:
-    return ([op for op in ALL_OPS if op.name not in DESTRUCTIVE]
-            + [op for op in ALL_OPS if op.name in DESTRUCTIVE])
+    last = [op for op in ALL_OPS if op.name in DESTRUCTIVE and op is not ops.NODE_MIGRATE]
+    # node_migrate runs while edge-0 is drained (between node_drain and node_undrain);
+    # with no other node, each sandbox stays, reported as not moved
+    last.insert(last.index(ops.NODE_DRAIN) + 1, ops.NODE_MIGRATE)
+    return [op for op in ALL_OPS if op.name not in DESTRUCTIVE] + last
 
 
 CASES = [pytest.param(op, door, id=f"{op.name}-{door}",
@@ -595,6 +621,11 @@ _EXEC_BAD = [
     _exec_bad("output cap", {"shell": "true",
                              "output_cap_bytes": wspec.MAX_OUTPUT_CAP_BYTES + 1},
               "output_cap_bytes", "MAX_OUTPUT_CAP_BYTES"),
+    _exec_bad("hide count", {"shell": "true", "hide": [f"d{i}" for i in range(
+        wspec.MAX_HIDE_ENTRIES + 1)]}, f"over the limit of {wspec.MAX_HIDE_ENTRIES}",
+        "MAX_HIDE_ENTRIES"),
+    _exec_bad("hide entry", {"shell": "true", "hide": ["../etc"]},
+              "must be the name of a top-level entry"),
 ]
 _API = frozenset({"rest", "gateway"})
 

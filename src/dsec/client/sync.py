@@ -40,6 +40,7 @@ from dsec.wire.api import (
     Info,
     NodeView,
 )
+from dsec.wire.cluster import JoinedNode, JoinTokenView, NodeMigration
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -154,9 +155,33 @@ class Client:
     def nodes(self) -> list[NodeView]:
         return self._run(self._a.nodes())
 
+    def create_join_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
+                          description: str = "") -> JoinTokenView:
+        """See :meth:`AsyncClient.create_join_token`."""
+        return self._run(self._a.create_join_token(ttl_s=ttl_s, uses=uses,
+                                                   description=description))
+
+    def join_tokens(self) -> list[JoinTokenView]:
+        return self._run(self._a.join_tokens())
+
+    def revoke_join_token(self, token_id: str, *, nodes: bool = False) -> None:
+        """See :meth:`AsyncClient.revoke_join_token`."""
+        self._run(self._a.revoke_join_token(token_id, nodes=nodes))
+
+    def joined_nodes(self) -> list[JoinedNode]:
+        return self._run(self._a.joined_nodes())
+
+    def revoke_joined_node(self, node_id: str) -> None:
+        """See :meth:`AsyncClient.revoke_joined_node`."""
+        self._run(self._a.revoke_joined_node(node_id))
+
     def drain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.drain_node`."""
         return self._run(self._a.drain_node(node_id))
+
+    def migrate_node(self, node_id: str) -> NodeMigration:
+        """See :meth:`AsyncClient.migrate_node`."""
+        return self._run(self._a.migrate_node(node_id))
 
     def undrain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.undrain_node`."""

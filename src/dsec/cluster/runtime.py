@@ -309,7 +309,11 @@ class ClusterRuntime:
                                  redact_paths=_host_paths(given),
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
+            service.joins = self.join_authority     # the cluster_* rows (None: no CA)
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
+            if "container" in self._local_backends():
+                # the base's names in the state store's tag table too (every replica's)
+                await asyncio.to_thread(self._ensure_base_layer, plane.images.layers())
             plane.images.registries = cfg.registries
             plane.images.registry_blob_hosts = cfg.registry_blob_hosts
             plane.images.blob_store = cfg.blob_store
@@ -411,13 +415,14 @@ class ClusterRuntime:
     def _local_backends(self) -> list[str]:
         return sorted({"simulated", self.config.backend})
 
-    def _ensure_base_layer(self) -> None:
+    def _ensure_base_layer(self, store: Any = None) -> None:
         """``base`` (busybox) in the cluster's layer store, built on first use (~0.1 s) so
         ``dsec up --backend container`` works on a fresh machine; done once here, so
         edges never race to build it."""
         from dsec.image import LayerStore, ensure_busybox_base
 
-        store = LayerStore(os.path.join(self.config.state_dir, "layers"))
+        if store is None:
+            store = LayerStore(os.path.join(self.config.state_dir, "layers"))
         base = ensure_busybox_base(store)
         if "base:latest" not in store.refs():
             store.tag(base.digest, "base")

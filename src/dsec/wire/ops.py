@@ -90,6 +90,14 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.cluster import (
+    JoinedNodeList,
+    JoinTokenCreate,
+    JoinTokenList,
+    JoinTokenRevoke,
+    JoinTokenView,
+    NodeMigration,
+)
 from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
@@ -129,6 +137,11 @@ __all__ = [
     "ALL_OPS",
     "API_DOORS",
     "BY_NAME",
+    "CLUSTER_NODES",
+    "CLUSTER_NODE_REVOKE",
+    "CLUSTER_TOKENS",
+    "CLUSTER_TOKEN_CREATE",
+    "CLUSTER_TOKEN_REVOKE",
     "CREATE",
     "CREATE_KEY",
     "CREATE_MANY",
@@ -168,6 +181,7 @@ __all__ = [
     "NODES",
     "NODE_DRAIN",
     "NODE_INFO",
+    "NODE_MIGRATE",
     "NODE_UNDRAIN",
     "PAUSE",
     "PORT_CLOSE",
@@ -824,6 +838,59 @@ LAYER_FETCH: Op[LayerFetch, LayerFetched] = Op(
     rest=Rest(method="POST", path="/v1/nodes/{node}/layers", operation_id="fetchLayer",
               body="*", tag="nodes"))
 
+# Issue 16: cluster administration (join tokens, joined nodes) at every door, not REST
+# only. A superuser's (role None: the policy is ApiService's): a token admits a machine
+# into every project's placement, and revoking a node writes off its sandboxes.
+CLUSTER_TOKENS: Op[Empty, JoinTokenList] = Op(
+    "cluster_tokens", Empty, JoinTokenList,
+    summary="List join tokens (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/cluster/tokens", operation_id="clusterTokens",
+              tag="cluster"))
+
+CLUSTER_TOKEN_CREATE: Op[JoinTokenCreate, JoinTokenView] = Op(
+    "cluster_token_create", JoinTokenCreate, JoinTokenView,
+    summary="Create a join token (superuser only; its secret is shown once)",
+    role=None, target="cluster", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/cluster/tokens", operation_id="clusterTokenCreate",
+              status=201, body="*", tag="cluster"))
+
+CLUSTER_TOKEN_REVOKE: Op[JoinTokenRevoke, None] = Op(
+    "cluster_token_revoke", JoinTokenRevoke, None,
+    summary="Revoke a join token, and with nodes=true every node that joined with it "
+            "(superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/cluster/tokens/{id}",
+              operation_id="clusterTokenRevoke", query=_q("nodes"), status=204,
+              reply="empty", tag="cluster"))
+
+CLUSTER_NODES: Op[Empty, JoinedNodeList] = Op(
+    "cluster_nodes", Empty, JoinedNodeList,
+    summary="List the edges that joined with a token (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/cluster/nodes", operation_id="clusterNodes",
+              tag="cluster"))
+
+CLUSTER_NODE_REVOKE: Op[NodeRef, None] = Op(
+    "cluster_node_revoke", NodeRef, None,
+    summary="Revoke a joined node: its certificate is refused at every replica and its "
+            "sandboxes are written off (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/cluster/nodes/{id}/revoke",
+              operation_id="clusterNodeRevoke", status=204, reply="empty", tag="cluster"))
+
+# Issue 16 (Operations): `dsec node drain ID --migrate`. A superuser's, like the drain: it
+# snapshots every project's sandboxes on the node and starts them elsewhere. Safe to
+# repeat (its progress is stored; the new sandboxes are created under keys).
+NODE_MIGRATE: Op[NodeRef, NodeMigration] = Op(
+    "node_migrate", NodeRef, NodeMigration,
+    summary="Move every sandbox off a drained node: snapshot it, start it from the "
+            "snapshot on another node, end the original (reason migrated, naming the new "
+            "id); superuser only",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{id}/migrate", operation_id="migrateNode",
+              tag="nodes"))
+
 
 # Issue 17: images pushed to the cluster's blob store, where nodes that lack a layer read
 # it (lazily, 256 KiB at a time, or whole). The store is the operator's (--blob-store):
@@ -885,6 +952,12 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     IMAGE_PIN,
     IMAGE_UNPIN,
     IMAGE_PINS,
+    CLUSTER_TOKENS,
+    CLUSTER_TOKEN_CREATE,
+    CLUSTER_TOKEN_REVOKE,
+    CLUSTER_NODES,
+    CLUSTER_NODE_REVOKE,
+    NODE_MIGRATE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

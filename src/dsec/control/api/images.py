@@ -20,12 +20,13 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.store import SnapshotChargeRow
+from dsec.control.store.tags import HostNames, StoreTags
 from dsec.errors import (
     CapacityExceeded,
     Conflict,
@@ -96,9 +97,14 @@ class ImageAdmin:
     """The image routes over the shared layer store at ``layer_dir`` (None: this apiserver
     has none; the image routes answer Conflict and creates pass bare names on)."""
 
-    def __init__(self, charges: SnapshotCharges, *, layer_dir: str | None = None) -> None:
+    def __init__(self, charges: SnapshotCharges, *, layer_dir: str | None = None,
+                 state: Any = None) -> None:
         self.charges = charges
         self.layer_dir = layer_dir
+        # The state store: image names live in its tag table (shared by every replica,
+        # dsec.control.store.tags), the layer files in the layer store at layer_dir.
+        self.state = state
+        self._tags: StoreTags | None = None
         self._store_cache: LayerStore | None = None
         self._index_cache: StoreIndex | None = None
         self._pulls: dict[tuple[str, str], asyncio.Lock] = {}
@@ -131,9 +137,29 @@ class ImageAdmin:
             raise Conflict("this apiserver has no layer store configured")
         if self._store_cache is None or self._store_cache.root != os.path.abspath(
                 self.layer_dir):
-            self._store_cache = LayerStore(self.layer_dir)
-            self._index_cache = StoreIndex(self._store_cache.root)
+            tags = self._tag_table()
+            names = None
+            if tags is not None:
+                root = os.path.abspath(self.layer_dir)
+                probe = LayerStore(root)
+                names = HostNames(tags, root, lambda d: probe._load_opt(
+                    d.removeprefix(DIGEST_PREFIX)))
+            store = LayerStore(self.layer_dir, refs=names)
+            self._store_cache = store
+            self._index_cache = StoreIndex(store.root, refs=names)
         return self._store_cache
+
+    def layers(self) -> LayerStore:
+        """The layer store, its names in the state store's tag table (Conflict when this
+        apiserver has no layer store)."""
+        return self._layers()
+
+    def _tag_table(self) -> StoreTags | None:
+        if self.state is None:
+            return None
+        if self._tags is None:
+            self._tags = StoreTags(self.state)
+        return self._tags
 
     def _index(self, *, listing: bool = False) -> StoreIndex | None:
         """The layer index, caught up with the store (``listing``: also with removals,
@@ -325,7 +351,9 @@ class ImageAdmin:
             _require_write(caller, parse_ref(key).namespace, what=f"delete {key}")
             store.untag(key)
             try:
-                if not index.sync().names_of(m.digest):
+                # a layer stored on another replica's host stays there, unnamed (its
+                # store's gc removes it: names are the table's everywhere)
+                if not index.sync().names_of(m.digest) and store.has(m.digest):
                     _require_write(caller, layer_namespace(m), what="")
                     store.remove(m.digest)
                     self.charges.release_snapshot(m.digest)

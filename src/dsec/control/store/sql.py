@@ -37,6 +37,8 @@ from dsec.control.store import (
     SnapshotChargeRow,
 )
 from dsec.control.store.membership import MembershipTables  # [join] nodes, join_tokens
+from dsec.control.store.migrations import MigrationTables  # drain --migrate
+from dsec.control.store.tags import ImageTagTables  # image tags shared by replicas
 
 __all__ = ["Dialect", "SqlStore"]
 
@@ -137,10 +139,10 @@ _ADDED_COLUMNS = [
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
            "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges",
-           "node_drains", "image_pins")
+           "node_drains", "image_pins", "image_tags")
 
 
-class SqlStore(MembershipTables):
+class SqlStore(MembershipTables, ImageTagTables, MigrationTables):
     """A :class:`StateStore` over one DB-API connection, serialised by a lock.
 
     One connection with a lock is enough for the management plane: statements take
@@ -160,6 +162,8 @@ class SqlStore(MembershipTables):
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
         self._create_membership_tables()  # [join] control/store/membership.py
+        self._create_tag_tables()         # control/store/tags.py
+        self._create_migration_tables()   # control/store/migrations.py
 
     def _add_column(self, table: str, column: str, definition: str) -> None:
         """Add ``column`` to an existing ``table`` that lacks it (a store written by an
