@@ -280,16 +280,26 @@ class ExecutableJudge:
     def judge(self, ctx: JudgeContext) -> Verdict:
         if ctx.access is None or ctx.sandbox_id is None:
             raise InvalidArgument("ExecutableJudge needs the episode's sandbox access and id")
-        access = ctx.access
+        try:
+            return self._judge(ctx.access, ctx.sandbox_id, ctx.spec)
+        except DsecError as exc:
+            # the judge's own operations failed (a lost sandbox, no capacity for the
+            # judging sandbox...): say so, flagged, rather than blame the agent
+            return Verdict(0.0, False, f"judging failed: {exc}",
+                           infra_error=is_infra_error(exc))
+
+    def _judge(self, access: SandboxAccess, sandbox_id: str,
+               episode_spec: SandboxSpec | None) -> Verdict:
         if not self.isolate:
-            return self._run(access, ctx.sandbox_id, in_place=True)
-        spec = self.judge_spec or ctx.spec or SandboxSpec()
+            return self._run(access, sandbox_id, in_place=True)
+        spec = self.judge_spec or episode_spec or SandboxSpec()
         carried: dict[str, bytes] = {}
         for path in self.carry:
             try:
-                carried[path] = access.read_file(ctx.sandbox_id, path)
+                carried[path] = access.read_file(sandbox_id, path)
             except DsecError as exc:
-                return Verdict(0.0, False, f"answer file {path} could not be read: {exc}")
+                return Verdict(0.0, False, f"answer file {path} could not be read: {exc}",
+                               infra_error=is_infra_error(exc))
         fresh = access.create(spec)
         try:
             for path, data in carried.items():
