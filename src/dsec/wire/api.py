@@ -31,6 +31,7 @@ from dsec.wire.spec import (
     MAX_DISK_BYTES,
     MAX_ENV_ITEMS,
     MAX_EXEC_TIMEOUT_S,
+    MAX_HIDE_ENTRIES,
     MAX_MEMORY_BYTES,
     MAX_OUTPUT_CAP_BYTES,
     MAX_PRIORITY,
@@ -221,6 +222,8 @@ class ExecBody(_Strict):
         None = 60.0
     output_cap_bytes: Annotated[int, _doc(minimum=0, maximum=MAX_OUTPUT_CAP_BYTES)] = 1 << 20
     background: bool = False
+    # top-level entries of the sandbox root the command never reaches (ExecRequest.hide)
+    hide: Annotated[list[str], _doc(maxItems=MAX_HIDE_ENTRIES)] = []
 
 
 class ExecOutput(msgspec.Struct, kw_only=True):
