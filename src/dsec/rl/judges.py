@@ -280,13 +280,11 @@ class ExecutableJudge:
     def judge(self, ctx: JudgeContext) -> Verdict:
         if ctx.access is None or ctx.sandbox_id is None:
             raise InvalidArgument("ExecutableJudge needs the episode's sandbox access and id")
-        try:
-            return self._judge(ctx.access, ctx.sandbox_id, ctx.spec)
-        except DsecError as exc:
-            # the judge's own operations failed (a lost sandbox, no capacity for the
-            # judging sandbox...): say so, flagged, rather than blame the agent
-            return Verdict(0.0, False, f"judging failed: {exc}",
-                           infra_error=is_infra_error(exc))
+        # The judge's own operations failing (no capacity for the judging sandbox, a
+        # lost node) raise: the caller flags the episode (SandboxEpisodes: an infra_error
+        # verdict; the agent engine: end="infra_error"). Only what the verifier's run
+        # itself says comes back as a verdict.
+        return self._judge(ctx.access, ctx.sandbox_id, ctx.spec)
 
     def _judge(self, access: SandboxAccess, sandbox_id: str,
                episode_spec: SandboxSpec | None) -> Verdict:
