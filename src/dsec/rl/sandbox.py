@@ -198,6 +198,10 @@ class SandboxEnvConfig:
     # tools run as such commands too). E.g. (".dsec-judge",) with an in-place
     # ExecutableJudge(tests_root="/.dsec-judge"). Needs native container sandboxes.
     hide: tuple[str, ...] = ()
+    # Every tool (shell, read_file, write_file) acts as this user (None: the sandbox's
+    # root). With a user, the file tools run as commands of that user, never through the
+    # file API, which acts as root (the agent tools' rule, red17 F3).
+    user: str | None = None
 
 
 class EpisodeState(msgspec.Struct, kw_only=True):
@@ -379,7 +383,7 @@ class SandboxEpisodes:
                     else min(call.timeout_s, cfg.command_timeout_s)
                 call_of[k] = len(calls)
                 calls.append((sid, ExecRequest(shell=call.command, cwd=task.workdir,
-                                               timeout_s=t, hide=cfg.hide,
+                                               timeout_s=t, hide=cfg.hide, user=cfg.user,
                                                output_cap_bytes=cfg.output_cap_bytes)))
             elif isinstance(call, WriteFile):
                 text[k] = self._write(sid, call, task.workdir)
@@ -432,8 +436,9 @@ class SandboxEpisodes:
                 "outside the action space; nothing was run")
 
     def _confined(self, sid: str, req: ExecRequest) -> ExecResult | str:
-        """Run a file tool as a command under the agent's Landlock rules (the file API
-        is the edge's and would follow the agent's symlinks into a hidden directory)."""
+        """Run a file tool as a command with the agent's identity (its user, its Landlock
+        rules): the file API is the edge's, acts as root and would follow the agent's
+        symlinks into a hidden directory."""
         r = self.access.exec_batch([(sid, req)])[0]
         if isinstance(r, DsecError):
             return f"error: {r.message}"
@@ -444,10 +449,10 @@ class SandboxEpisodes:
     def _write(self, sid: str, call: WriteFile, workdir: str) -> str:
         data = call.content.encode()
         cfg = self.config
-        if cfg.hide:
+        if cfg.hide or cfg.user is not None:
             r = self._confined(sid, ExecRequest(
                 argv=("sh", "-c", 'cat > "$1"', "sh", call.path), stdin=data, cwd=workdir,
-                hide=cfg.hide, timeout_s=cfg.command_timeout_s))
+                hide=cfg.hide, user=cfg.user, timeout_s=cfg.command_timeout_s))
             return r if isinstance(r, str) else f"wrote {call.path}"
         try:
             self.access.write_file(sid, call.path, data)
@@ -457,9 +462,9 @@ class SandboxEpisodes:
 
     def _read(self, sid: str, call: ReadFile, workdir: str) -> str:
         cfg = self.config
-        if cfg.hide:
+        if cfg.hide or cfg.user is not None:
             r = self._confined(sid, ExecRequest(
-                argv=("cat", "--", call.path), cwd=workdir, hide=cfg.hide,
+                argv=("cat", "--", call.path), cwd=workdir, hide=cfg.hide, user=cfg.user,
                 timeout_s=cfg.command_timeout_s, output_cap_bytes=cfg.output_cap_bytes))
             return r if isinstance(r, str) else decode_output(r.stdout)
         try:

@@ -93,3 +93,33 @@ async def test_hidden_dirs_are_out_of_the_agents_reach(aclient: AsyncClient) -> 
                 ).observation == "ho\n[exit 0]"
     finally:
         await sbx.destroy(sid)
+
+
+async def test_every_tool_acts_as_the_configured_user(aclient: AsyncClient) -> None:
+    """ToolConfig(user=...) confines every tool, not only bash (red17 F3): read_file,
+    write_file and str_replace of an agent running as nobody get the kernel's EACCES on a
+    root-only file, as its bash does; the file API (root) would have read and overwritten
+    it."""
+    sbx = ClientSandboxes(aclient)
+    cfg = ToolConfig(user="nobody", workdir="/tmp")
+    sid = await sbx.create(SPEC)
+    try:
+        await sbx.write_file(sid, "/root-only", b"secret-42\n", mode=0o600)
+        for action in (Bash(command="cat /root-only"), ReadFile(path="/root-only"),
+                       WriteFile(path="/root-only", content="forged"),
+                       StrReplace(path="/root-only", old_str="secret", new_str="x")):
+            out = await run_action(sbx, sid, action, cfg)
+            assert "secret-42" not in out.observation, (action, out)
+            assert out.error is not None or out.exit_code not in (0, None), (action, out)
+        assert await sbx.read_file(sid, "/root-only") == b"secret-42\n"
+        # where nobody may write, every tool works, and the file is nobody's
+        out = await run_action(sbx, sid, WriteFile(path="mine/a.txt", content="hi"), cfg)
+        assert out.error is None, out
+        out = await run_action(sbx, sid, StrReplace(path="mine/a.txt", old_str="hi",
+                                                    new_str="ho"), cfg)
+        assert out.error is None, out
+        out = await run_action(sbx, sid, Bash(command="stat -c %U mine/a.txt; cat mine/a.txt"),
+                               cfg)
+        assert out.observation == "nobody\nho\n[exit 0]", out
+    finally:
+        await sbx.destroy(sid)

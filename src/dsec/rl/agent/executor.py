@@ -2,8 +2,12 @@
 
 ``bash`` is one exec (shell string, the task's work dir, a timeout of at most
 ``ToolConfig.command_timeout_s``, output capped); ``read_file``/``write_file`` go through the
-file API (no shell the agent could have replaced); ``str_replace`` reads the file, checks
-that ``old_str`` occurs exactly once, and writes it back. Failures the agent caused (a
+file API (no shell the agent could have replaced) when the agent acts as the sandbox's
+root, and otherwise run as commands with exactly the rights of its bash
+(``ToolConfig.user``, ``ToolConfig.hide``): every tool is one door with one identity;
+the file API acts as root, so an agent confined to ``nobody`` would read root-only files
+and overwrite root-owned ones through it (red17 F3). ``str_replace`` reads the file,
+checks that ``old_str`` occurs exactly once, and writes it back. Failures the agent caused (a
 missing file, a non-unique ``old_str``) are observations; a failed *operation* (the
 sandbox is gone, the node unreachable) raises its :class:`~dsec.errors.DsecError`, which the
 engine records as an infrastructure error.
@@ -47,7 +51,10 @@ class ToolConfig:
     output_cap_bytes: int = 64 * 1024     # per stream, per command
     max_observation_chars: int = 8192     # what the model sees of one tool result
     max_file_bytes: int = 1 << 20         # read_file / str_replace limit
-    user: str | None = None               # run bash as this user (None: the sandbox's)
+    # Every tool (bash, read_file, write_file, str_replace) acts as this user (None: the
+    # sandbox's, i.e. root). With a user set, the file tools are confined commands run as
+    # that user, never the file API (which acts as root).
+    user: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     # Top-level entries of the sandbox root the agent never reaches, even as root
     # (ExecRequest.hide: Landlock on the command's whole tree). With it set, the file tools
@@ -55,6 +62,12 @@ class ToolConfig:
     # for a harness or an in-place judge living in the agent's sandbox. Needs native
     # container sandboxes.
     hide: tuple[str, ...] = ()
+
+    @property
+    def confined(self) -> bool:
+        """True when the file tools must run as commands with the agent's identity (a
+        user or hidden paths), not through the file API (root, sees everything)."""
+        return self.user is not None or bool(self.hide)
 
     def __post_init__(self) -> None:
         if not self.workdir.startswith("/"):
@@ -151,7 +164,8 @@ async def run_action(sb: ToolSandbox, sid: str, action: Action, cfg: ToolConfig
 
 async def _confined(sb: ToolSandbox, sid: str, cfg: ToolConfig, argv: tuple[str, ...],
                     stdin: bytes = b"", cap: int = 1 << 20) -> ExecResult | ToolOutcome:
-    """A file operation as a command under ``cfg.hide`` (what the agent may reach)."""
+    """A file operation as a command with the agent's identity: ``cfg.user``, under
+    ``cfg.hide`` (exactly what its bash may reach)."""
     res = await sb.exec(sid, ExecRequest(argv=argv, stdin=stdin, cwd=cfg.workdir,
                                          user=cfg.user, hide=cfg.hide, output_cap_bytes=cap,
                                          timeout_s=cfg.command_timeout_s))
@@ -162,7 +176,7 @@ async def _confined(sb: ToolSandbox, sid: str, cfg: ToolConfig, argv: tuple[str,
 
 
 async def _read(sb: ToolSandbox, sid: str, path: str, cfg: ToolConfig) -> bytes | ToolOutcome:
-    if cfg.hide:
+    if cfg.confined:
         r = await _confined(sb, sid, cfg, ("cat", "--", path), cap=cfg.max_file_bytes + 1)
         if isinstance(r, ToolOutcome):
             return r
@@ -188,7 +202,7 @@ async def _read(sb: ToolSandbox, sid: str, path: str, cfg: ToolConfig) -> bytes 
 async def _write(sb: ToolSandbox, sid: str, path: str, data: bytes,
                  cfg: ToolConfig) -> ToolOutcome | None:
     """Write ``data`` (making missing parents); an outcome saying what failed, or None."""
-    if cfg.hide:
+    if cfg.confined:
         script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
         r = await _confined(sb, sid, cfg, ("sh", "-c", script, "sh", path), stdin=data)
         return r if isinstance(r, ToolOutcome) else None
