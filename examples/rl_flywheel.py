@@ -45,7 +45,7 @@ PROPOSALS: list[dict[str, Any]] = [
      "ready": "test $(wc -l < /workspace/data.txt) -eq 100",
      "tests": {"test.sh": SUM_TEST},
      "verify": ["/bin/sh", "{hidden}/test.sh"],
-     "answer_files": ["/workspace/answer"]},
+     "answer_files": ["answer"]},
     {"id": "count-words",        # the scripted solver gets this one wrong (off by one)
      "prompt": "Write the number of words in /workspace/text.txt to /workspace/answer."
                "\n```bash\necho 4 > /workspace/answer\n```",
@@ -53,7 +53,7 @@ PROPOSALS: list[dict[str, Any]] = [
      "ready": "test -s /workspace/text.txt",
      "tests": {"check/test.sh": 'test "$(cat /workspace/answer)" = 5\n'},
      "verify": ["/bin/sh", "{hidden}/check/test.sh"],
-     "answer_files": ["/workspace/answer"]},
+     "answer_files": ["answer"]},
 ]
 
 

@@ -16,7 +16,7 @@ from gymnasium.utils.env_checker import check_env
 from dsec.edge.node import EdgeNode
 from dsec.errors import InvalidArgument
 from dsec.ids import node_of
-from dsec.rl.access import EdgeAccess
+from dsec.rl.access import DelegatingAccess, EdgeAccess
 from dsec.rl.judges import ExecutableJudge, JudgeContext
 from dsec.rl.sandbox import SandboxEnv, SandboxEnvConfig, SandboxEnvPool, Task
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
@@ -250,3 +250,48 @@ def test_check_env_and_batched_pool_on_containers(container: tuple[EdgeAccess, E
         pool.close()
     for sid in ids:
         assert node.get(sid).state == "destroyed"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("plant", [
+    "ln -s /opt/hidden/test.sh /workspace/answer",              # the file: a symlink
+    "rmdir /workspace && ln -s /opt/hidden /workspace",          # a parent: a symlink
+    "ln /opt/hidden/test.sh /workspace/answer",                  # a hard link
+])
+def test_a_carried_answer_cannot_overwrite_the_verifier_through_the_image(
+        container: tuple[EdgeAccess, EdgeNode], plant: str) -> None:
+    """The judge sandbox's image is the builder's (in the flywheel, a model's work): a
+    link it planted at the answer's path must not turn the carried answer into a write
+    over the verifier's tests (red17 F7). The image is stood in for by commands run in the
+    fresh judge sandbox before the judge sees it (nothing else runs there)."""
+    access, _ = container
+
+    class PlantedImage(DelegatingAccess):
+        def create(self, spec: SandboxSpec) -> str:
+            sid = access.create(spec)
+            r = access.exec_batch([(sid, ExecRequest(shell=(
+                "mkdir -p /opt/hidden /workspace && printf 'exit 1\\n' > /opt/hidden/test.sh"
+                f" && chmod 600 /opt/hidden/test.sh && {plant}")))])[0]
+            assert isinstance(r, ExecResult) and r.exit_code == 0, r
+            planted.append(sid)
+            return sid
+
+    planted: list[str] = []
+    judge = ExecutableJudge(hidden_files={}, command=["/bin/sh", "/opt/hidden/test.sh"],
+                            cwd="/", carry=["/workspace/answer"] if "rmdir" not in plant
+                            else ["/workspace/test.sh"], carry_root="/workspace",
+                            timeout_s=20.0)
+    sid = access.create(SPEC)
+    try:
+        access.exec_batch([(sid, ExecRequest(shell="mkdir -p /workspace && printf 'exit 0\\n'"
+                                             " > /workspace/answer && cp /workspace/answer "
+                                             "/workspace/test.sh"))])
+        v = judge.judge(JudgeContext(answer="", access=PlantedImage(access), sandbox_id=sid,
+                                     spec=SPEC))
+        assert v.reward == 0.0 and not v.passed, v
+        assert planted, "the judge did not judge in a fresh sandbox"
+        if plant.startswith("ln -s") or "rmdir" in plant:
+            assert "symbolic link" in v.detail, v
+        else:       # the hard link was broken: the verifier ran, unchanged
+            assert v.detail.startswith("verifier exit 1"), v
+    finally:
+        access.destroy(sid)

@@ -169,7 +169,7 @@ def test_isolated_judging_sees_only_carried_files(sim_access: EdgeAccess,
                             command=["cat", "{tests}/expected", "/workspace/answer",
                                      "/workspace/notes"],
                             score=_score, cwd="/workspace", isolate=True,
-                            carry=["/workspace/answer"])
+                            carry=["/workspace/answer"], check_carry=False)  # sim: no sh
     sid = sim_access.create(SandboxSpec())
     try:
         sim_access.write_file(sid, "/workspace/answer", b"42\n")
@@ -199,3 +199,17 @@ def test_a_judge_whose_sandbox_is_gone_says_infra_error(sim_access: EdgeAccess) 
     sim_access.destroy(sid)
     v = judge.judge(JudgeContext(answer="", access=sim_access, sandbox_id=sid))
     assert v.reward == 0.0 and v.infra_error, v
+
+
+@pytest.mark.parametrize("path", ["/workspace/../opt/dsec-hidden/test.sh", "workspace/answer",
+                                  "/workspace//answer", "/workspace/./answer", "/bin/sh",
+                                  "/opt/x", "/workspace"])
+def test_carry_paths_stay_inside_carry_root(path: str) -> None:
+    """A carry path (from a model's proposal, in the flywheel) never names the verifier,
+    the hidden tests or anything outside the answer directory (red17 F7)."""
+    with pytest.raises(InvalidArgument, match="carry"):
+        ExecutableJudge(hidden_files={}, command=["/bin/sh", "{tests}/t.sh"],
+                        carry=[path], carry_root="/workspace")
+    ok = ExecutableJudge(hidden_files={}, command=["/bin/sh", "{tests}/t.sh"],
+                         carry=["/workspace/sub/answer"], carry_root="/workspace")
+    assert ok.carry == ["/workspace/sub/answer"]

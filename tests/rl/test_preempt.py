@@ -299,7 +299,8 @@ def _score(res: Any) -> float:
 STAGGER_TASKS = [Task(prompt="answer, then submit", max_turns=20, judge=ExecutableJudge(
     hidden_files={"expected": b"expect 42\n"},
     command=["cat", "{tests}/expected", "/workspace/answer"], score=_score,
-    cwd="/workspace", isolate=True, carry=["/workspace/answer"]))]
+    cwd="/workspace", isolate=True, carry=["/workspace/answer"],
+    check_carry=False))]  # the simulated backend: no sh, no symlinks
 
 
 class StaggeredPolicy:

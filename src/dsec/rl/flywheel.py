@@ -39,10 +39,22 @@ from dsec.rl.judges import ExecutableJudge
 from dsec.rl.tasks import AgentTask, TaskRegistry
 from dsec.wire.spec import SandboxSpec
 
-__all__ = ["BuiltTask", "Flywheel", "TaskProposal", "parse_proposals"]
+__all__ = ["ANSWER_ROOT", "HIDDEN_ROOT", "BuiltTask", "Flywheel", "TaskProposal", "parse_proposals"]
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 HIDDEN_ROOT = "/opt/dsec-hidden"
+# The one directory answers live in: a proposal's answer_files are relative to it, and the
+# judge carries nothing anywhere else (never over the hidden tests or the verifier).
+ANSWER_ROOT = "/workspace"
+MAX_ANSWER_FILES = 64
+
+
+def _relative_inside(p: str) -> bool:
+    """``p`` is a plain relative path: no leading ``/``, no ``.``/``..``/empty component,
+    no NUL or backslash, so joined to a root it names something inside that root."""
+    parts = p.split("/")
+    return bool(p) and len(p) <= 1024 and "\0" not in p and "\\" not in p and \
+        all(c not in ("", ".", "..") for c in parts)
 
 
 class TaskProposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -50,7 +62,11 @@ class TaskProposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     that passes once the environment is built; ``tests``: hidden test files (path relative
     to the hidden-tests layer's root, ``/opt/dsec-hidden``) -> content; ``verify``: the
     verifier argv (``{hidden}`` is replaced by that root); ``answer_files``: what the judge
-    copies out of the solver's sandbox."""
+    copies out of the solver's sandbox, as paths relative to ``ANSWER_ROOT``
+    (``/workspace``). A proposal comes from a model (in self-play, the solver's own
+    policy), so a path that could leave that directory (absolute, ``..``) is refused: an
+    answer file carried over ``/opt/dsec-hidden/test.sh`` or the verifier's ``/bin/sh``
+    made any answer pass (red17 F7)."""
 
     id: str
     prompt: str
@@ -66,11 +82,18 @@ class TaskProposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if not self.verify or not self.answer_files:
             raise InvalidArgument(f"proposal {self.id}: needs a verify argv and answer_files")
         for p in self.tests:
-            if p.startswith("/") or ".." in p.split("/"):
-                raise InvalidArgument(f"proposal {self.id}: test path {p!r} must be relative")
+            if not _relative_inside(p):
+                raise InvalidArgument(f"proposal {self.id}: test path {p[:200]!r} must be "
+                                      "relative and stay inside the hidden-tests root")
+        if len(self.answer_files) > MAX_ANSWER_FILES:
+            raise InvalidArgument(f"proposal {self.id}: {len(self.answer_files)} answer files, "
+                                  f"over the limit of {MAX_ANSWER_FILES}")
         for p in self.answer_files:
-            if not p.startswith("/"):
-                raise InvalidArgument(f"proposal {self.id}: answer file {p!r} must be absolute")
+            if not _relative_inside(p):
+                raise InvalidArgument(
+                    f"proposal {self.id}: answer file {p[:200]!r} must be a path relative to "
+                    f"{ANSWER_ROOT} without '..' (e.g. 'answer' for {ANSWER_ROOT}/answer); "
+                    "the judge carries answers into that directory only")
 
 
 def parse_proposals(reply: Message) -> list[TaskProposal]:
@@ -155,8 +178,10 @@ class Flywheel:
         task = AgentTask(
             id=proposal.id, prompt=proposal.prompt,
             spec=msgspec.structs.replace(self.spec, snapshot=snap),
+            workdir=ANSWER_ROOT,
             judge=ExecutableJudge(
-                hidden_files={}, carry=list(proposal.answer_files), judge_spec=judge_spec,
+                hidden_files={}, carry=[f"{ANSWER_ROOT}/{p}" for p in proposal.answer_files],
+                carry_root=ANSWER_ROOT, judge_spec=judge_spec,
                 command=[a.replace("{hidden}", HIDDEN_ROOT) for a in proposal.verify]),
             metadata={"image": image, "snapshot": snap, "hidden_layer": hidden})
         self.registry.add(task, replace=True)

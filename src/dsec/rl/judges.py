@@ -39,7 +39,14 @@ Tamper resistance of :class:`ExecutableJudge` (the agent's code is hostile):
   and the tests run there. Binaries the agent replaced (a fake ``/bin/sh`` that always
   exits 0) and processes it left running cannot affect the verdict. In-place judging
   (``isolate=False``, explicit) trusts the sandbox's own binaries, so use it only when
-  the interpreter comes from a read-only toolkit layer. What in-place judging does not
+  the interpreter comes from a read-only toolkit layer. Carry paths are absolute and
+  normalised (no ``..``), inside ``carry_root`` (the flywheel's ``/workspace``), never the
+  verifier's own ``argv[0]``; in the judge sandbox each is placed
+  as a fresh file (an existing one is unlinked first, so a hard link planted in the image
+  is not written through) after a check that no component of its path is a symbolic link
+  (the image's, e.g. ``/workspace/answer -> /opt/dsec-hidden/test.sh``): a carried answer
+  can never overwrite the hidden tests or the verifier (red17 F7). The check is sound
+  because nothing but the judge runs in that fresh sandbox. What in-place judging does not
   protect: the sandbox's binaries and libraries (the agent may have replaced ``sh``,
   ``kill``, the test runner), its configuration (``/etc/passwd``: ``nobody`` may have
   been made uid 0), and anything the agent's root could do before the stop (e.g. load
@@ -57,6 +64,7 @@ Tamper resistance of :class:`ExecutableJudge` (the agent's code is hostile):
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -227,6 +235,24 @@ done
 """
 
 
+# Run as root in a fresh judge sandbox (nothing else runs there, so no race): refuse a path
+# any of whose components is a symlink, unlink the file itself, make its parents.
+_MAKE_ROOM = r"""
+p=""; rest="${1#/}"
+while [ -n "$rest" ]; do
+  p="$p/${rest%%/*}"
+  case "$rest" in */*) rest="${rest#*/}" ;; *) rest="" ;; esac
+  if [ -L "$p" ]; then echo "$p is a symbolic link" >&2; exit 3; fi
+done
+if [ -d "$1" ]; then echo "$1 is a directory" >&2; exit 3; fi
+rm -f -- "$1" && mkdir -p -- "$(dirname -- "$1")"
+"""
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root + "/")
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutableJudge:
     """Run hidden tests in the sandbox and map the verifier's result to a reward.
@@ -252,10 +278,31 @@ class ExecutableJudge:
     answer_command: Sequence[str] | None = None    # argv, run as answer_user first
     answer_user: str = "nobody"
     stop_agent: bool = True                        # in place: kill the agent's processes
+    carry_root: str = "/"                          # every carry path lies under it
+    # Check each carry path in the judge sandbox (as root, with sh) before writing it: no
+    # symlink on the way, a fresh inode. False only where the judge sandbox has neither
+    # symlinks nor sh (the simulated backend), as with stop_agent.
+    check_carry: bool = True
 
     def __post_init__(self) -> None:
         if not self.command:
             raise InvalidArgument("ExecutableJudge needs a verifier command (an argv list)")
+        root = self.carry_root.rstrip("/") or "/"
+        if not root.startswith("/") or posixpath.normpath(root) != root:
+            raise InvalidArgument(f"carry_root={self.carry_root!r} must be a normalised "
+                                  "absolute path")
+        for p in self.carry:
+            if not p.startswith("/") or posixpath.normpath(p) != p or "\0" in p \
+                    or p == "/":
+                raise InvalidArgument(f"carry path {p[:200]!r} must be an absolute, "
+                                      "normalised file path (no '..', '.', '//')")
+            if not _under(p, root) or p == root:
+                raise InvalidArgument(f"carry path {p[:200]!r} is outside carry_root={root!r}")
+            # (the hidden files go to a fresh, randomly named dir under tests_root made
+            # after the carry, without -p: a carried file cannot be or pre-empt it)
+            if p == self.command[0]:
+                raise InvalidArgument(f"carry path {p[:200]!r} would overwrite the verifier "
+                                      f"({self.command[0]!r})")
         for p in self.hidden_files:
             if p.startswith("/") or ".." in p.split("/") or not p:
                 raise InvalidArgument(
@@ -301,18 +348,26 @@ class ExecutableJudge:
         fresh = access.create(spec)
         try:
             for path, data in carried.items():
-                self._mkdirs(access, fresh, path.rsplit("/", 1)[0])
+                why = self._make_room(access, fresh, path) if self.check_carry else None
+                if why is not None:
+                    return Verdict(0.0, False, f"answer file {path} cannot be placed in the "
+                                               f"judge sandbox: {why}; nothing was judged")
                 access.write_file(fresh, path, data)
             return self._run(access, fresh, in_place=False)
         finally:
             access.destroy(fresh)
 
-    def _mkdirs(self, access: SandboxAccess, sid: str, path: str) -> None:
-        if path and path != "/":
-            r = access.exec_batch([(sid, ExecRequest(argv=("mkdir", "-p", path),
-                                                     env=dict(self.env), timeout_s=10.0))])[0]
-            if isinstance(r, DsecError):
-                raise r
+    def _make_room(self, access: SandboxAccess, sid: str, path: str) -> str | None:
+        """Make ``path`` a place a fresh file can be written without reaching anything
+        else: no component is a symlink, the old file (a planted hard link) is unlinked,
+        parents exist. None when done, else why not."""
+        res = self._exec(access, sid, ExecRequest(
+            argv=("sh", "-c", _MAKE_ROOM, "sh", path), user="0", env=dict(self.env),
+            timeout_s=10.0))
+        if res.exit_code == 0 and not res.timed_out:
+            return None
+        return (res.stdout + res.stderr).decode(errors="replace").strip()[-200:] or \
+            f"exit {res.exit_code}"
 
     def _exec(self, access: SandboxAccess, sid: str, req: ExecRequest) -> ExecResult:
         r = access.exec_batch([(sid, req)])[0]
