@@ -70,6 +70,7 @@ class _CountingPolicy:
         self.inner = inner
         self.turns: dict[int, int] = {}
         self.system_prompt = inner.system_prompt
+        self.tool_format = inner.tool_format
 
     def info(self) -> Any:
         return self.inner.info()
@@ -134,7 +135,8 @@ async def _lockstep_rate(sandboxes: ClientSandboxes, policy: OpenAIPolicy,
             ended: list[int] = []
             for i, (s, rep) in enumerate(zip(state, replies, strict=True)):
                 s["msgs"].append(rep)
-                (item,) = parse_reply(rep.content, rep.tool_calls)[:1]
+                (item,) = parse_reply(rep.content, rep.tool_calls,
+                                      tool_format=policy.tool_format)[:1]
                 if isinstance(item, ToolCallError):
                     ended.append(i)
                     continue

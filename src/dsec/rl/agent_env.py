@@ -25,6 +25,7 @@ from dsec.errors import Conflict, InvalidArgument
 from dsec.rl.access import LoopThread
 from dsec.rl.agent.executor import ToolConfig
 from dsec.rl.agent.sandboxes import ClientSandboxes
+from dsec.rl.agent.tools import ToolFormat
 from dsec.rl.agent.types import Message, ModelInfo, Trajectory
 from dsec.rl.engine import EngineConfig, InfraFailure, RolloutEngine
 from dsec.rl.sandbox import CHARSET, UnicodeText
@@ -37,6 +38,8 @@ class _NoPolicy:
     """The env's actions come from the caller, not from a policy client."""
 
     system_prompt: str | None = None
+    # step() takes text: Hermes <tool_call> blocks (a bare JSON call is wrapped into one)
+    tool_format: ToolFormat = "hermes"
 
     async def act(self, messages: Sequence[Message]) -> Message:
         raise Conflict("AgentEnv takes the model's reply as the step's action")
@@ -59,6 +62,7 @@ class AgentEnv(gym.Env[str, str]):
             raise InvalidArgument("AgentEnv needs at least one task")
         self._loop = LoopThread(name="dsec-agent-env")
         self._sandboxes = ClientSandboxes(client)
+        config = dataclasses.replace(config or EngineConfig(), tool_format=_NoPolicy.tool_format)
         self._engine = RolloutEngine(self._sandboxes, _NoPolicy(), config,
                                      registry=self._registry)
         self._sampler = TaskSampler(self._registry.tasks())

@@ -18,6 +18,11 @@ waits for the slowest env on every tick.
 - **Judging**: judges (synchronous, :mod:`dsec.rl.judges`) run concurrently in a pool of
   ``judge_concurrency`` threads; the sandboxes an isolating judge creates are coalesced
   into batched creates with everyone else's.
+- **Actions per turn**: one reply runs at most ``max_calls_per_turn`` tool calls; the
+  calls past it are answered "not run" (one step records them), so an episode takes at
+  most ``max_turns * max_calls_per_turn`` actions and its history grows by a bounded
+  amount per turn (a reply with 2,000 calls ran all of them: red17 F9). Replies are parsed
+  in the policy's ``tool_format`` only (red17 N4).
 - **Infrastructure errors** (a sandbox operation failed, the endpoint is down, a judge
   crashed) end the episode with ``infra_error`` set and reward 0; trainers mask them
   (they say nothing about the policy). An agent's own mistakes (a failing command, a
@@ -46,7 +51,7 @@ from dsec.errors import DsecError, InvalidArgument
 from dsec.rl.agent.executor import ToolConfig, run_action
 from dsec.rl.agent.policy import Policy
 from dsec.rl.agent.sandboxes import ClientSandboxes
-from dsec.rl.agent.tools import ToolCallError, decode_action, parse_reply
+from dsec.rl.agent.tools import ToolCallError, ToolFormat, decode_action, parse_reply
 from dsec.rl.agent.types import (
     Message,
     Step,
@@ -72,6 +77,12 @@ class EngineConfig:
     episode_timeout_s: float | None = 3600.0
     judge_concurrency: int = 16              # judge threads
     strict: bool = True                      # prose is an observation error, never a command
+    # The format replies are parsed in, and only it: the policy's (Policy.tool_format; a
+    # policy speaking another one is refused at construction).
+    tool_format: ToolFormat = "openai"
+    # Tool calls one model reply may run; the rest are answered "not run". OpenAI's
+    # parallel calls are a handful; every call also costs a step and a message.
+    max_calls_per_turn: int = 16
     tools: ToolConfig = field(default_factory=ToolConfig)
     keep_sandboxes: bool = False             # leave episode sandboxes running (debugging)
 
@@ -81,6 +92,8 @@ class EngineConfig:
                                   "must be >= 1")
         if self.judge_concurrency < 1:
             raise InvalidArgument(f"judge_concurrency={self.judge_concurrency} must be >= 1")
+        if self.max_calls_per_turn < 1:
+            raise InvalidArgument(f"max_calls_per_turn={self.max_calls_per_turn} must be >= 1")
         for name in ("step_timeout_s", "episode_timeout_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -105,6 +118,11 @@ class RolloutEngine:
         self.sandboxes = sandboxes
         self.policy = policy
         self.config = config or EngineConfig()
+        if policy is not None and policy.tool_format != self.config.tool_format:
+            raise InvalidArgument(
+                f"the policy calls tools as {policy.tool_format!r} but "
+                f"EngineConfig.tool_format={self.config.tool_format!r}; set "
+                f"EngineConfig(tool_format={policy.tool_format!r})")
         self.registry = registry
         self.clock = clock
         self.wall = wall
@@ -224,7 +242,10 @@ class RolloutEngine:
         t_reply = self.clock()
         traj.timings.model_s += model_s
         traj.messages.append(reply)
-        calls = parse_reply(reply.content, reply.tool_calls, strict=self.config.strict)
+        calls = parse_reply(reply.content, reply.tool_calls, strict=self.config.strict,
+                            tool_format=self.config.tool_format)
+        cap = self.config.max_calls_per_turn
+        calls, excess = calls[:cap], calls[cap:]
         for i, item in enumerate(calls):
             timings = StepTimings(model_s=model_s if i == 0 else 0.0, started_at=self.wall())
             step = Step(index=len(traj.steps), timings=timings)
@@ -257,7 +278,28 @@ class RolloutEngine:
                 self._feed_back(traj, item if reply.tool_calls else None, "submitted")
                 return True
             self._feed_back(traj, item if reply.tool_calls else None, out.observation)
+        if excess:
+            self._refuse_excess(traj, reply, excess, cap)
         return False
+
+    def _refuse_excess(self, traj: Trajectory, reply: Message,
+                       excess: Sequence[ToolCall | ToolCallError], cap: int) -> None:
+        """One step for the calls past the cap (none of them ran); a native call still
+        gets its ``tool`` answer (the chat API wants one per call id), Hermes text one
+        ``user`` message."""
+        text = (f"error: this reply made {cap + len(excess)} tool calls; only the first "
+                f"{cap} ran (max_calls_per_turn), the other {len(excess)} were not run")
+        traj.steps.append(Step(index=len(traj.steps), error="too_many_calls",
+                               observation=text,
+                               timings=StepTimings(started_at=self.wall())))
+        if not reply.tool_calls:
+            self._feed_back(traj, None, text)
+            return
+        for item in excess:
+            call = item if isinstance(item, ToolCall) else item.call
+            if call is not None:
+                self._feed_back(traj, call, "error: not run (too many tool calls in one "
+                                            f"reply; the limit is {cap})")
 
     @staticmethod
     def _feed_back(traj: Trajectory, call: ToolCall | None, text: str) -> None:

@@ -32,7 +32,7 @@ import msgspec
 from dsec.errors import InvalidArgument
 from dsec.rl.agent.policy import Policy
 from dsec.rl.agent.tools import Submit as SubmitAction
-from dsec.rl.agent.tools import ToolCallError, decode_action, parse_reply
+from dsec.rl.agent.tools import ToolCallError, ToolFormat, decode_action, parse_reply
 from dsec.rl.agent.types import Message, Trajectory
 from dsec.rl.engine import RolloutEngine
 from dsec.rl.judges import ExecutableJudge
@@ -96,10 +96,11 @@ class TaskProposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     "the judge carries answers into that directory only")
 
 
-def parse_proposals(reply: Message) -> list[TaskProposal]:
-    """The proposals in a proposer's reply: a ``submit`` call whose answer is a JSON list
-    of :class:`TaskProposal` objects (a malformed reply raises InvalidArgument)."""
-    for item in parse_reply(reply.content, reply.tool_calls):
+def parse_proposals(reply: Message, *, tool_format: ToolFormat) -> list[TaskProposal]:
+    """The proposals in a proposer's reply: a ``submit`` call (in the proposer's
+    ``tool_format``) whose answer is a JSON list of :class:`TaskProposal` objects (a
+    malformed reply raises InvalidArgument)."""
+    for item in parse_reply(reply.content, reply.tool_calls, tool_format=tool_format):
         if isinstance(item, ToolCallError):
             raise InvalidArgument(f"proposer reply is not a tool call: {item.message}")
         action = decode_action(item)
@@ -144,7 +145,7 @@ class Flywheel:
 
     async def propose(self, request: str) -> list[TaskProposal]:
         reply = await self.proposer.act([Message(role="user", content=request)])
-        return parse_proposals(reply)
+        return parse_proposals(reply, tool_format=self.proposer.tool_format)
 
     async def build(self, proposal: TaskProposal) -> BuiltTask:
         """Build the environment of ``proposal`` and register the task (see the module

@@ -11,7 +11,7 @@ import pytest
 from dsec import AsyncClient, LocalCluster
 from dsec.rl.agent.policy import OpenAIPolicy, PolicyConfig
 from dsec.rl.agent.sandboxes import ClientSandboxes
-from dsec.rl.agent.scripted import ScriptedEndpoint
+from dsec.rl.agent.scripted import ScriptedEndpoint, ScriptedTurn
 from dsec.rl.engine import EngineConfig, RolloutEngine
 from dsec.rl.judges import ExecutableJudge, Verdict
 from dsec.rl.tasks import AgentTask, TaskRegistry, TaskSampler
@@ -93,8 +93,10 @@ async def test_malformed_calls_are_observation_errors_never_commands(
     t = AgentTask(id="malformed", prompt="do it", judge=NotPwned(), spec=SPEC)  # type: ignore[arg-type]
     traj = await eng.episode(t)
     assert traj.infra_error is None and traj.end == "submitted"
+    # the unclosed Hermes block is prose to a native-tool-calling policy (red17 N4): it is
+    # not parsed at all, so "no tool call" rather than "malformed call"
     assert [s.error for s in traj.steps] == ["no_tool_call", "malformed_json", "unknown_tool",
-                                             "malformed_call", "bad_arguments", None]
+                                             "no_tool_call", "bad_arguments", None]
     assert traj.reward == 1.0                              # /workspace/pwned never appeared
     # prose and Hermes errors come back as user messages, bad native calls as tool messages
     roles = [m.role for m in traj.messages]
@@ -283,3 +285,34 @@ def test_registry_records_persist_and_filter() -> None:
         reg.add(AgentTask(id="easy", prompt="other"))
     with pytest.raises(NotFound):
         reg.record(Trajectory(episode_id="e", task_id="unknown"))
+
+
+def _flood(messages: object) -> ScriptedTurn:
+    """40 calls in the first reply, a submit in the next."""
+    if sum(1 for m in messages if m.get("role") == "assistant"):  # type: ignore[attr-defined]
+        return ScriptedTurn(calls=(("submit", {"answer": "done"}),))
+    return ScriptedTurn(calls=tuple(("bash", {"command": f"echo {i} >> /workspace/log"})
+                                    for i in range(40)))
+
+
+async def test_one_reply_runs_at_most_max_calls_per_turn(aclient: AsyncClient) -> None:
+    """red17 F9: a reply with 40 tool calls runs 5 (max_calls_per_turn=5); the other 35
+    are answered "not run" (every call id gets its tool message), in one step."""
+    with ScriptedEndpoint(policies={"flood": _flood}) as ep:
+        eng = _engine(aclient, ep, model="flood", max_calls_per_turn=5, keep_sandboxes=True)
+        try:
+            traj = await eng.episode(task(max_turns=3))
+            assert traj.infra_error is None and traj.end == "submitted", traj.infra_error
+            assert traj.sandbox_id is not None
+            log = await eng.sandboxes.read_file(traj.sandbox_id, "/workspace/log")
+            assert log == b"0\n1\n2\n3\n4\n"
+            assert [s.error for s in traj.steps] == [None] * 5 + ["too_many_calls", None]
+            assert "only the first 5 ran" in traj.steps[5].observation
+            reply = traj.messages[1]
+            answered = [m.tool_call_id for m in traj.messages[2:42]]
+            assert answered == [c.id for c in reply.tool_calls]
+            assert all("not run" in (m.content or "") for m in traj.messages[7:42])
+        finally:
+            if traj.sandbox_id is not None:
+                await eng.destroy_sandbox(traj.sandbox_id)
+            await _close(eng)

@@ -78,16 +78,17 @@ def test_proposals_are_checked() -> None:
     def reply(answer: str) -> Message:
         return Message(role="assistant", tool_calls=(ToolCall(
             id="c", name="submit", arguments=json.dumps({"answer": answer})),))
-    assert [p.id for p in parse_proposals(reply(json.dumps(ex.PROPOSALS)))] == [
-        "sum-numbers", "count-words"]
+    got = parse_proposals(reply(json.dumps(ex.PROPOSALS)), tool_format="openai")
+    assert [p.id for p in got] == ["sum-numbers", "count-words"]
     bad = [dict(ex.PROPOSALS[0], id="../etc")]
     with pytest.raises(InvalidArgument, match="id"):
-        parse_proposals(reply(json.dumps(bad)))
+        parse_proposals(reply(json.dumps(bad)), tool_format="openai")
     bad = [dict(ex.PROPOSALS[0], tests={"/abs": "x"})]
     with pytest.raises(InvalidArgument, match="relative"):
-        parse_proposals(reply(json.dumps(bad)))
+        parse_proposals(reply(json.dumps(bad)), tool_format="openai")
     with pytest.raises(InvalidArgument, match="not a tool call"):
-        parse_proposals(Message(role="assistant", content="here are tasks"))
+        parse_proposals(Message(role="assistant", content="here are tasks"),
+                        tool_format="openai")
 
 
 async def test_llm_agent_example(cluster: LocalCluster, endpoint: ScriptedEndpoint,

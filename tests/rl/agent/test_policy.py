@@ -60,7 +60,7 @@ async def test_hermes_format_without_tools_field(endpoint: ScriptedEndpoint) -> 
                                Message(role="user", content=PROMPT)])
         assert "tools" not in endpoint.requests[-1]
         assert reply.tool_calls == () and reply.token_ids is None and reply.logprobs is None
-        (call,) = parse_reply(reply.content, reply.tool_calls)
+        (call,) = parse_reply(reply.content, reply.tool_calls, tool_format=pol.tool_format)
         assert not isinstance(call, Exception)
         assert decode_action(call).command == "echo 42 > /workspace/out"  # type: ignore[union-attr]
     finally:

@@ -24,13 +24,13 @@ import asyncio
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 
 from dsec.errors import InvalidArgument, RemoteProtocolError, RequestTimeout, Unavailable
-from dsec.rl.agent.tools import TOOL_NAMES, hermes_system_prompt, openai_tools
+from dsec.rl.agent.tools import TOOL_NAMES, ToolFormat, hermes_system_prompt, openai_tools
 from dsec.rl.agent.types import LOGPROB_FLOOR, Message, ModelInfo, ToolCall
 
 __all__ = ["OpenAIPolicy", "Policy", "PolicyConfig", "SamplingParams"]
@@ -45,6 +45,11 @@ class Policy(Protocol):
 
     @property
     def system_prompt(self) -> str | None: ...
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How its replies call tools; the engine parses that format only."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +89,7 @@ class PolicyConfig:
     connections_per_client: int = 32       # HTTP connections per pool (see OpenAIPolicy)
     logprobs: bool = True                  # ask for per-token logprobs
     return_token_ids: bool = True          # vLLM extra: the exact completion/prompt ids
-    tool_format: Literal["openai", "hermes"] = "openai"
+    tool_format: ToolFormat = "openai"
     tools: tuple[str, ...] = TOOL_NAMES
     system_prompt: str | None = None       # prepended to every episode (hermes: + schemas)
 
@@ -183,6 +188,10 @@ class OpenAIPolicy:
     @property
     def system_prompt(self) -> str | None:
         return self._system
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return self.config.tool_format
 
     def info(self) -> ModelInfo:
         s = self.config.sampling

@@ -8,6 +8,10 @@ assistant message) or Hermes-style, as text::
 
     <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>
 
+Only the format the policy speaks is parsed (``tool_format``): with ``"openai"`` a
+``<tool_call>`` block in the reply's *text* is prose (a README the model quotes is not run:
+red17 N4), with ``"hermes"`` native ``tool_calls`` are refused, one error each.
+
 **Strict mode** (the default for LLM policies): text that is not a tool call is never run.
 A reply without a tool call, malformed JSON, an unknown tool or a missing argument each
 become a :class:`ToolCallError` whose message is fed back to the model as the observation
@@ -33,7 +37,7 @@ from dsec.rl.agent.types import ToolCall
 
 __all__ = [
     "TOOL_NAMES", "Action", "Bash", "ReadFile", "StrReplace", "Submit", "ToolCallError",
-    "WriteFile", "decode_action", "hermes_system_prompt", "openai_tools",
+    "ToolFormat", "WriteFile", "decode_action", "hermes_system_prompt", "openai_tools",
     "parse_hermes", "parse_reply",
 ]
 
@@ -64,6 +68,8 @@ class Submit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 Action = Bash | ReadFile | WriteFile | StrReplace | Submit
 ToolName = Literal["bash", "read_file", "write_file", "str_replace", "submit"]
+# How a policy calls tools: native ``tool_calls`` ("openai") or ``<tool_call>`` text.
+ToolFormat = Literal["openai", "hermes"]
 
 _TYPES: dict[str, type[Action]] = {
     "bash": Bash, "read_file": ReadFile, "write_file": WriteFile, "str_replace": StrReplace,
@@ -176,24 +182,36 @@ def parse_hermes(text: str) -> list[ToolCall | ToolCallError]:
 
 
 def parse_reply(content: str | None, tool_calls: Sequence[ToolCall], *,
-                strict: bool = True) -> list[ToolCall | ToolCallError]:
-    """The calls an assistant reply makes: its OpenAI ``tool_calls`` when it has any, else
-    its Hermes ``<tool_call>`` blocks. With none: in strict mode one
-    :class:`ToolCallError` (``no_tool_call``: the text is not run); otherwise the text is
-    a bash command (the old convention), and an empty reply is an error either way."""
-    if tool_calls:
-        return list(tool_calls)
+                tool_format: ToolFormat, strict: bool = True) -> list[ToolCall | ToolCallError]:
+    """The calls an assistant reply makes, in the policy's ``tool_format`` only: its
+    OpenAI ``tool_calls`` ("openai"; ``<tool_call>`` text is prose then), or its Hermes
+    ``<tool_call>`` blocks ("hermes"; a native call is a :class:`ToolCallError`, never
+    run). With none: in strict mode one :class:`ToolCallError` (``no_tool_call``: the text
+    is not run); otherwise the text is a bash command (the old convention), and an empty
+    reply is an error either way."""
+    if tool_format == "openai":
+        if tool_calls:
+            return list(tool_calls)
+    elif tool_format == "hermes":
+        wrong: list[ToolCall | ToolCallError] = [
+            ToolCallError("this policy calls tools as <tool_call> text (tool_format="
+                          "'hermes'); a native tool call is not run", kind="wrong_format",
+                          call=c) for c in tool_calls]
+        found = parse_hermes(content or "")
+        if found or wrong:
+            return wrong + found
+    else:
+        raise InvalidArgument(f"tool_format={tool_format!r}: 'openai' or 'hermes'")
     text = content or ""
-    found = parse_hermes(text)
-    if found:
-        return found
     if not text.strip():
         return [ToolCallError("empty reply: call one of the tools "
                               f"({', '.join(TOOL_NAMES)})", kind="empty_reply")]
     if strict:
+        hint = (" (tool calls go in the reply's tool_calls; <tool_call> text is not run)"
+                if tool_format == "openai" and "<tool_call>" in text else "")
         return [ToolCallError(
             "your reply contained no tool call, so nothing was run. Call one of the tools "
-            f"({', '.join(TOOL_NAMES)}); text outside a tool call is never executed.",
+            f"({', '.join(TOOL_NAMES)}); text outside a tool call is never executed{hint}.",
             kind="no_tool_call")]
     return [ToolCall(id=_call_id(), name="bash",
                      arguments=json.dumps({"command": text}, ensure_ascii=False))]
