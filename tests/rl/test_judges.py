@@ -24,6 +24,26 @@ from dsec.rl.sandbox import SandboxEnv, Task
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 
+def test_a_crafted_answer_is_a_verdict_not_a_hang() -> None:
+    """red17 F4: catastrophic backtracking on the agent's text ends in a 0 verdict that
+    says why (regex's timeout; re never returned); over-long text is not matched; re
+    flags keep their meaning."""
+    j = RegexJudge(r"^(\w+\s?)+$", timeout_s=0.2)
+    assert j.judge(JudgeContext(answer="hello world")).passed
+    v = RegexJudge(r"^(a|aa)+$", timeout_s=0.2).judge(JudgeContext(answer="a" * 80 + "!"))
+    assert v.reward == 0.0 and not v.infra_error and "ran out of time" in v.detail, v
+    v = RegexJudge(r"x", max_chars=10).judge(JudgeContext(answer="x" * 11))
+    assert v.reward == 0.0 and "max_chars=10" in v.detail
+    upper = RegexJudge(r"^HELLO$", flags=re.IGNORECASE | re.MULTILINE)
+    assert upper.judge(JudgeContext(answer="a\nhello")).passed
+    assert not RegexJudge(r"^\w$", flags=re.ASCII).judge(JudgeContext(answer="é")).passed
+    assert RegexJudge(r"^\w$").judge(JudgeContext(answer="é")).passed
+    with pytest.raises(InvalidArgument, match="flags"):
+        RegexJudge("x", flags=re.DEBUG)
+    with pytest.raises(InvalidArgument, match="timeout_s"):
+        RegexJudge("x", timeout_s=0)
+
+
 def test_regex_and_reference() -> None:
     ctx = JudgeContext(answer="The result is 42.", transcript=("a", "[exit 0]"))
     assert RegexJudge(r"\b42\b").judge(ctx).reward == 1.0

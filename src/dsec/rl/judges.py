@@ -71,6 +71,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import regex
+
 from dsec.errors import DsecError, InvalidArgument
 from dsec.rl.access import SandboxAccess, is_infra_error
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
@@ -114,26 +116,66 @@ def _text(ctx: JudgeContext, fld: Field) -> str:
     return "\n".join(ctx.transcript)
 
 
+# re flag -> regex flag (the values differ for ASCII; the others are the same bits)
+_FLAGS = ((re.IGNORECASE, regex.IGNORECASE), (re.MULTILINE, regex.MULTILINE),
+          (re.DOTALL, regex.DOTALL), (re.VERBOSE, regex.VERBOSE), (re.ASCII, regex.ASCII),
+          (re.UNICODE, regex.UNICODE))
+
+
+def _regex_flags(flags: int) -> int:
+    out, known = 0, 0
+    for f, g in _FLAGS:
+        known |= f
+        if flags & f:
+            out |= g
+    if flags & ~known:
+        raise InvalidArgument(f"RegexJudge flags {flags:#x}: only re.I, re.M, re.S, re.X, "
+                              "re.A and re.U are supported")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class RegexJudge:
-    """Reward ``reward`` when ``pattern`` matches (``fullmatch`` for the whole text)."""
+    """Reward ``reward`` when ``pattern`` matches (``fullmatch`` for the whole text).
+
+    The text is the agent's, so matching is bounded: at most ``max_chars`` characters
+    (longer: reward 0, said so) and ``timeout_s`` of matching, with the GIL released
+    meanwhile (the ``regex`` package). A match that runs out of time is a 0 verdict naming
+    the pattern, not an infrastructure error: the agent's answer caused it (with Python's
+    ``re``, ``^(\\w+\\s?)+$`` against 40 letters and a ``!`` never returned and held the GIL,
+    freezing every episode of the engine: red17 F4). ``pattern`` uses ``re`` syntax
+    (``regex``'s VERSION0, compatible with it)."""
 
     pattern: str
     field: Field = "answer"
     fullmatch: bool = False
-    flags: int = 0
+    flags: int = 0                      # re flags (re.I, re.M, re.S, re.X, re.A, re.U)
     reward: float = 1.0
+    timeout_s: float = 1.0              # of one match, seconds (under load it may overrun)
+    max_chars: int = 1 << 20            # longer text is not matched (reward 0)
 
     def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise InvalidArgument(f"RegexJudge timeout_s={self.timeout_s} must be > 0")
+        if self.max_chars < 1:
+            raise InvalidArgument(f"RegexJudge max_chars={self.max_chars} must be >= 1")
         try:
-            re.compile(self.pattern, self.flags)
-        except re.error as exc:
+            regex.compile(self.pattern, _regex_flags(self.flags))
+        except regex.error as exc:
             raise InvalidArgument(f"RegexJudge pattern {self.pattern!r} is invalid: {exc}") from exc
 
     def judge(self, ctx: JudgeContext) -> Verdict:
-        rx = re.compile(self.pattern, self.flags)
+        rx = regex.compile(self.pattern, _regex_flags(self.flags))   # regex caches it
         text = _text(ctx, self.field)
-        m = rx.fullmatch(text) if self.fullmatch else rx.search(text)
+        if len(text) > self.max_chars:
+            return Verdict(0.0, False, f"{self.field} is {len(text)} characters, over "
+                                       f"max_chars={self.max_chars}; not matched")
+        try:
+            m = rx.fullmatch(text, timeout=self.timeout_s, concurrent=True) if self.fullmatch \
+                else rx.search(text, timeout=self.timeout_s, concurrent=True)
+        except TimeoutError:
+            return Verdict(0.0, False, f"matching {self.pattern!r} against the {self.field} "
+                                       f"ran out of time ({self.timeout_s}s); reward 0")
         if m:
             return Verdict(self.reward, True, f"{self.field} matches {self.pattern!r}")
         return Verdict(0.0, False, f"{self.field} does not match {self.pattern!r}")
