@@ -175,6 +175,9 @@ def test_kill9_trainer_and_worker_lose_and_duplicate_nothing(
         assert all(r[3] == 1.0 for r in rows)            # every episode judged, passed
         # the worker kill cost the in-flight episodes one more attempt, no more
         retried = [r for r in rows if r[2] > 1]
+        print(f"kill -9: trainer x3, worker x1 ({in_flight} episodes in flight): "
+              f"{N_TASKS} tasks, {len(set(ids))} delivered, lost {len(lost)}, "
+              f"duplicated {dup}, retried after the worker kill {len(retried)}")
         assert 1 <= len(retried) <= in_flight + 6
         st = _status(h, key)
         assert (st["queued"], st["running"], st["done"], st["unacked"]) == (0, 0, N_TASKS, 0)
@@ -266,3 +269,19 @@ def test_only_the_workers_project_gets_in_on_every_route(
     with pytest.raises(TransportError), TrainerClient(h.address, key, timeout=2) as t:
         t.status()
     assert json.loads((state / "worker.json").read_text())["pid"] == h.pid
+    # the other door: a Unix socket (mode 0600) with the same checks
+    sock = tmp_path / "w2.sock"
+    h2 = start_worker(str(tmp_path / "w2"), url=cluster.url, api_key=key, project="default",
+                      listen=f"unix:{sock}")
+    try:
+        assert h2.address == f"unix:{sock}"
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        with h2.trainer(other) as t, pytest.raises(PermissionDenied):
+            t.submit([WorkerTask(task_id="evil", commands=["id"])])
+        with h2.trainer("dsec_bogus") as t, pytest.raises(Unauthenticated):
+            t.poll(0)
+        with h2.trainer(key) as t:
+            assert t.status()["queued"] == 0 and t.submit(
+                [WorkerTask(task_id="ok", commands=["true"])]) == (1, 0)
+    finally:
+        h2.stop()
