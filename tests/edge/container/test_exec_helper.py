@@ -1,0 +1,166 @@
+"""The per-sandbox exec helper (nsexec.c, do_helper): a command forked from it is in
+exactly the state one started by a per-exec intermediate is in (user, capabilities,
+no_new_privs, seccomp, cgroups, session, fds); the helper is invisible inside, holds
+nothing from earlier execs, goes with its sandbox, and when it dies the exec still runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from dsec.edge.backends.container import ContainerBackend
+from dsec.edge.backends.container.backend import HELPER_MAX_FAILS
+from dsec.wire.spec import ExecRequest
+from tests.edge.container.conftest import SPEC, new_sid
+
+pytestmark = pytest.mark.root
+
+# What a command can learn about its own confinement; pids and the exec cgroup's name
+# differ between two execs, so they are normalised.
+PROBE = ("id; grep -E '^(Cap|NoNewPrivs|Seccomp|Uid|Gid|Groups)' /proc/self/status; "
+         "cat /proc/self/cgroup; ls /proc/self/fd; "
+         "test \"$(cut -d' ' -f6 /proc/self/stat)\" = \"$$\" && echo session-leader; "
+         "cat /proc/self/attr/current 2>/dev/null; ulimit -n; pwd; echo \"$HOME\"")
+
+
+def _norm(out: bytes) -> str:
+    return re.sub(r"/x\d+", "/xN", out.decode())
+
+
+def _helper_pid(b: ContainerBackend, sid: str) -> int:
+    zpid = b._zygote.pid
+    assert zpid is not None
+    with open(f"/proc/{zpid}/task/{zpid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    init = b.box(sid).init_pid
+    found = []
+    for k in kids:
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if argv[:2] == [b"dsec-nsexec", b"helper"] and k != init:
+            # the helper of this sandbox: it is in the sandbox's pids cgroup
+            with open(f"/proc/{k}/cgroup") as f:
+                if b.box(sid).cg.procs_files and sid in f.read():
+                    found.append(k)
+    assert len(found) == 1, found
+    return found[0]
+
+
+async def test_helper_exec_is_confined_exactly_like_the_per_exec_path(
+        backend: ContainerBackend) -> None:
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    box = backend.box(sid)
+    for user in (None, "agent"):
+        req = ExecRequest(shell=PROBE, user=user, cwd="/tmp")
+        new = await backend.exec(sid, req)
+        assert box.helper != 0, "the helper path served it"
+        old = await backend._native_exec(box, req, ["/bin/sh", "-c", PROBE],
+                                         _env(backend, box), None, via_helper=False)
+        assert new.exit_code == old.exit_code == 0, (new.stderr, old.stderr)
+        assert _norm(new.stdout) == _norm(old.stdout)
+        out = new.stdout.decode()
+        assert "Seccomp:\t2" in out and "NoNewPrivs:\t1" in out and "session-leader" in out
+        assert re.search(r"freezer:/x\d+", out), out          # in its own exec cgroup
+        # only stdio and ls's own directory fd: nothing of the helper's
+        assert re.search(r"^0\n1\n2\n3\nsession-leader$", out, re.MULTILINE), out
+        if user == "agent":
+            assert "uid=1000(agent)" in out and "CapEff:\t0000000000000000" in out
+    assert (await backend.exec(sid, ExecRequest(shell="exit 7"))).exit_code == 7
+    r = await backend.exec(sid, ExecRequest(shell="cat", stdin=b"in\n"))
+    assert r.stdout == b"in\n"
+    r = await backend.exec(sid, ExecRequest(shell="no-such-program"))
+    assert r.exit_code == 127 and b"not found" in r.stderr
+
+
+def _env(b: ContainerBackend, box: object) -> list[str]:
+    from dsec.edge.backends.container.rootfs import build_env
+    return build_env(box.sid[:63], box.spec.env, {})  # type: ignore[attr-defined]
+
+
+async def test_helper_is_invisible_inside_holds_nothing_and_goes_with_the_sandbox(
+        backend: ContainerBackend) -> None:
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    for _ in range(5):   # fds of earlier execs must not pile up in the helper
+        assert (await backend.exec(sid, ExecRequest(shell="echo hi"))).stdout == b"hi\n"
+    hp = _helper_pid(backend, sid)
+    # inside: init and the command, nothing else (the helper is in the host pid ns)
+    r = await backend.exec(sid, ExecRequest(shell="ls /proc | grep -E '^[0-9]+$' | wc -l; "
+                                                  "cat /proc/*/comm"))
+    lines = r.stdout.decode().split()
+    assert "dsec-nsexec" not in lines and "helper" not in r.stdout.decode()
+    assert int(lines[0]) <= 4, r.stdout            # init, sh, ls/grep/wc/cat of this exec
+    # the helper's own fds: /dev/null stdio, its request and report sockets
+    fds = {int(f): os.readlink(f"/proc/{hp}/fd/{f}") for f in os.listdir(f"/proc/{hp}/fd")}
+    assert sorted(fds) == [0, 1, 2, 5, 6], fds
+    assert all(fds[k] == "/dev/null" for k in (0, 1, 2))
+    assert all(fds[k].startswith("socket:") for k in (5, 6))
+    st = _read(f"/proc/{hp}/status")
+    assert "Seccomp:\t2" in st and "NoNewPrivs:\t1" in st
+    assert re.search(r"CapBnd:\t00000000a00425fb", st), st   # the sandbox's set only
+    await backend.destroy(sid)
+    deadline = time.monotonic() + 10
+    while not _zombie(hp) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert _zombie(hp), "the helper outlived its sandbox"
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _zombie(pid: int) -> bool:
+    """Gone, or dead and waiting for its reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_a_killed_helper_costs_no_exec(backend: ContainerBackend) -> None:
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    box = backend.box(sid)
+    for k in range(HELPER_MAX_FAILS + 1):
+        r = await backend.exec(sid, ExecRequest(shell="echo ok"))
+        assert r.stdout == b"ok\n" and r.exit_code == 0
+        if k == HELPER_MAX_FAILS:
+            break
+        hp = _helper_pid(backend, sid)
+        os.kill(hp, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while box.helper and time.monotonic() < deadline:   # its Exited comes back
+            r = await backend.exec(sid, ExecRequest(shell="echo ok"))
+            assert r.stdout == b"ok\n"
+    # helpers that keep dying: the per-exec path serves this sandbox from now on
+    assert box.helper_fails >= HELPER_MAX_FAILS and box.helper == 0
+    r = await backend.exec(sid, ExecRequest(shell="echo still"))
+    assert r.stdout == b"still\n" and box.helper == 0
+
+
+async def test_exec_at_the_task_limit_still_gets_in(backend: ContainerBackend) -> None:
+    """The helper counts in the sandbox's pids cgroup and cannot fork at the limit; the
+    exec falls back to the per-exec path, which gets in (spawn_final)."""
+    import msgspec
+    sid = new_sid()
+    await backend.create(sid, msgspec.structs.replace(SPEC, pids_max=12))
+    box = backend.box(sid)
+    assert (await backend.exec(sid, ExecRequest(shell="true"))).exit_code == 0
+    assert box.helper
+    await backend.exec(sid, ExecRequest(
+        shell="for i in $(seq 40); do sleep 1000 & done; true", background=True))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if len(_read(box.cg.procs_files[box.cg.pids_index]).split()) >= 12:
+            break
+        await asyncio.sleep(0.05)
+    r = await backend.exec(sid, ExecRequest(shell="echo in"))
+    assert r.stdout == b"in\n", r
