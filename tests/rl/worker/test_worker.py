@@ -285,3 +285,36 @@ def test_only_the_workers_project_gets_in_on_every_route(
                 [WorkerTask(task_id="ok", commands=["true"])]) == (1, 0)
     finally:
         h2.stop()
+
+
+def test_llm_policy_episodes_run_through_the_agent_engine(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """Tasks without scripted commands are played by the worker's model endpoint (a real
+    OpenAI-compatible server on loopback, the real openai client) through the ``agent``
+    rollout engine, judged, and delivered like any other."""
+    from dsec.rl.agent.scripted import ScriptedEndpoint
+
+    from dsec.rl.worker.types import RegexJudgeSpec
+
+    key = cluster.api_key
+    with ScriptedEndpoint(think_s=0.01) as ep:
+        h = start_worker(str(tmp_path / "w"), url=cluster.url, api_key=key,
+                         project="default",
+                         policy={"base_url": ep.base_url, "model": "honest"})
+        try:
+            with h.trainer(key) as t:
+                t.submit([WorkerTask(task_id=f"llm-{i}", max_turns=4,
+                                     prompt=f"Print {i}:\n```bash\necho {i}\n```",
+                                     judge=RegexJudgeSpec(pattern=f"^{i}$"))
+                          for i in (41, 42)])
+                got = _until(lambda: len(t.poll(0, wait_s=1.0)) == 2 and t.poll(0), 60,
+                             "two trajectories")
+                for _, traj in got:
+                    assert traj.infra_error is None and traj.reward == 1.0, traj
+                    assert traj.model is not None and traj.model.model == "honest"
+                    calls = [c for m in traj.messages for c in m.tool_calls]
+                    assert [c.name for c in calls] == ["bash", "submit"]
+                    assert traj.metadata["attempt"] == 1
+                    assert traj.episode_id.endswith("/" + traj.task_id)
+        finally:
+            h.stop()

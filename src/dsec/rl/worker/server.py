@@ -103,6 +103,8 @@ class Worker:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._seq = 0
+        self._engine_obj: Any = None
+        self._policy: Any = None
 
     # -- trainer presence --------------------------------------------------------------
     def trainer_away(self) -> bool:
@@ -155,13 +157,78 @@ class Worker:
                 self._paused.discard(sb.id)
             return sb
         return await self.client.sandboxes.create(
-            image=task.image, backend=self.cfg.backend, memory=self.cfg.memory,  # type: ignore[arg-type]
+            image=task.image, backend=self.cfg.backend,  # type: ignore[arg-type]
+            memory=self.cfg.memory_bytes,
             project=self.cfg.project, pids_max=256,
             labels={WORKER_LABEL: self.cfg.worker_id, TASK_LABEL: row.task_id},
             idempotency_key=f"rlw-{self.cfg.worker_id}-{row.task_id}-{row.attempt}"[:255])
 
+    async def _engine(self) -> Any:
+        """The ``agent`` stream's rollout engine over this worker's client and policy
+        (made on first use, inside the loop: the policy's HTTP pool is bound to it)."""
+        if self._engine_obj is None:
+            from dsec.rl.agent.policy import OpenAIPolicy, PolicyConfig
+            from dsec.rl.agent.sandboxes import ClientSandboxes
+            from dsec.rl.engine import EngineConfig, RolloutEngine
+
+            p = self.cfg.policy
+            if p is None:
+                raise InvalidArgument("this worker has no model endpoint (policy) for tasks "
+                                      "without scripted commands")
+            policy = OpenAIPolicy(PolicyConfig(
+                base_url=p.base_url, model=p.model, api_key=p.api_key, timeout_s=p.timeout_s,
+                max_concurrency=p.max_concurrency,
+                tool_format=p.tool_format))  # type: ignore[arg-type]
+            over: dict[str, Any] = {"project": self.cfg.project,
+                                    "memory_bytes": self.cfg.memory_bytes,
+                                    "labels": {WORKER_LABEL: self.cfg.worker_id}}
+            if self.cfg.backend is not None:
+                over["backend"] = self.cfg.backend
+            self._engine_obj = RolloutEngine(
+                ClientSandboxes(self.client, spec_overrides=over), policy,
+                EngineConfig(max_concurrent_episodes=self.cfg.concurrency))
+            self._policy = policy
+        return self._engine_obj
+
+    async def _engine_episode(self, row: TaskRow, task: WorkerTask) -> Trajectory:
+        from dsec.rl.judges import ExecutableJudge, RegexJudge
+        from dsec.rl.tasks import AgentTask
+        from dsec.rl.worker.types import RegexJudgeSpec
+        from dsec.wire.spec import SandboxSpec
+
+        judge: Any = None
+        j = task.judge
+        if isinstance(j, RegexJudgeSpec):
+            judge = RegexJudge(j.pattern, field=j.field, fullmatch=j.fullmatch)  # type: ignore[arg-type]
+        elif j is not None:
+            judge = ExecutableJudge(
+                hidden_files={k: v.encode() for k, v in j.hidden_files.items()},
+                command=tuple(j.command), isolate=j.isolate, timeout_s=j.timeout_s)
+        engine = await self._engine()
+        traj: Trajectory = await engine.episode(AgentTask(
+            id=row.task_id, prompt=task.prompt, judge=judge, max_turns=task.max_turns,
+            spec=SandboxSpec(image=task.image, labels={TASK_LABEL: row.task_id}),
+            files={k: v.encode() for k, v in task.files.items()},
+            metadata=dict(task.metadata)), group_id=task.group_id, epoch=task.epoch)
+        traj.episode_id = f"{self.cfg.worker_id}/{row.task_id}"
+        traj.metadata = {**traj.metadata, **task.metadata, "attempt": row.attempt,
+                         "worker": self.cfg.worker_id, "policy": "engine"}
+        return traj
+
     async def _episode(self, row: TaskRow) -> None:
         task = msgspec.json.decode(row.body, type=WorkerTask)
+        if not task.commands:
+            try:
+                traj = await self._engine_episode(row, task)
+            except DsecError as exc:
+                traj = Trajectory(episode_id=f"{self.cfg.worker_id}/{row.task_id}",
+                                  task_id=row.task_id, infra_error=str(exc),
+                                  end="infra_error",
+                                  metadata={"attempt": row.attempt,
+                                            "worker": self.cfg.worker_id})
+            self.queue.finish(row.task_id, row.attempt, trajectory_to_json(traj))
+            self._finished.set()
+            return
         t0 = time.time()
         traj = Trajectory(episode_id=f"{self.cfg.worker_id}/{row.task_id}",
                           task_id=row.task_id, group_id=task.group_id, epoch=task.epoch,
@@ -253,7 +320,8 @@ class Worker:
                 while len(self._warm) < self.cfg.warm and not away:
                     self._warm.append(await self.client.sandboxes.create(
                         image="base", backend=self.cfg.backend,  # type: ignore[arg-type]
-                        memory=self.cfg.memory, project=self.cfg.project, pids_max=256,
+                        memory=self.cfg.memory_bytes, project=self.cfg.project,
+                        pids_max=256,
                         labels={WORKER_LABEL: self.cfg.worker_id, TASK_LABEL: "warm"}))
                 for sb in list(self._warm):
                     if away and sb.id not in self._paused:
@@ -434,6 +502,9 @@ class Worker:
                              return_exceptions=True)
         # A clean stop: running episodes go back to the queue for the next start.
         self.queue.recover()
+        if self._engine_obj is not None:
+            await self._engine_obj.close()
+            await self._policy.close()
         for sb in self._warm:
             await self._drop(sb)
         await self.client.close()

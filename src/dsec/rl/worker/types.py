@@ -7,20 +7,46 @@ from typing import Annotated, Any
 
 import msgspec
 
-__all__ = ["TASK_ID_PATTERN", "WorkerConfig", "WorkerTask"]
+__all__ = ["TASK_ID_PATTERN", "ExecutableJudgeSpec", "JudgeSpec", "PolicySpec",
+           "RegexJudgeSpec", "WorkerConfig", "WorkerTask"]
 
 TASK_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _TASK_ID = re.compile(TASK_ID_PATTERN)
+
+
+class RegexJudgeSpec(msgspec.Struct, tag="regex", kw_only=True, forbid_unknown_fields=True,
+                     frozen=True):
+    """:class:`dsec.rl.judges.RegexJudge` as data."""
+
+    pattern: Annotated[str, msgspec.Meta(max_length=4096)]
+    field: str = "answer"
+    fullmatch: bool = False
+
+
+class ExecutableJudgeSpec(msgspec.Struct, tag="executable", kw_only=True,
+                          forbid_unknown_fields=True, frozen=True):
+    """:class:`dsec.rl.judges.ExecutableJudge` as data: hidden test files (text, relative
+    paths) and the verifier argv (``{tests}`` names their directory)."""
+
+    hidden_files: dict[str, Annotated[str, msgspec.Meta(max_length=1 << 20)]]
+    command: Annotated[list[str], msgspec.Meta(min_length=1, max_length=256)]
+    isolate: bool = True
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+
+
+JudgeSpec = RegexJudgeSpec | ExecutableJudgeSpec
 
 
 class WorkerTask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """One episode to run. ``task_id`` is the trainer's name for it and makes a submit
     idempotent: the same id is never run twice.
 
-    Until the ``agent`` stream's engine drives an LLM here, the policy is scripted:
-    ``commands`` are the bash tool calls, one per turn, each preceded by ``think_s``
-    seconds of "model" time; the judge pays 1.0 when the last command's stdout contains
-    ``expect`` (``None``: no judge, reward 0)."""
+    Two policies: with ``commands`` the policy is scripted (the bash tool calls, one per
+    turn, each after ``think_s`` seconds of "model" time; the judge pays 1.0 when the last
+    command's stdout contains ``expect``). Without, the worker's model endpoint
+    (:class:`WorkerConfig` ``policy``) plays it through the ``agent`` rollout engine
+    (:class:`dsec.rl.engine.RolloutEngine`): ``prompt``, ``files`` written before the
+    first turn, at most ``max_turns`` turns, judged by ``judge``."""
 
     task_id: Annotated[str, msgspec.Meta(pattern=TASK_ID_PATTERN)]
     prompt: Annotated[str, msgspec.Meta(max_length=65536)] = ""
@@ -30,9 +56,23 @@ class WorkerTask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froze
     command_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     expect: str | None = None
     image: str = "base"
+    files: dict[str, Annotated[str, msgspec.Meta(max_length=1 << 20)]] = {}
+    max_turns: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    judge: JudgeSpec | None = None
     group_id: str | None = None
     epoch: int | None = None
     metadata: dict[str, Any] = {}
+
+
+class PolicySpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """An OpenAI-compatible endpoint (:class:`dsec.rl.agent.policy.PolicyConfig`)."""
+
+    base_url: str
+    model: str
+    api_key: str = "EMPTY"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 64
+    tool_format: str = "openai"
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -46,7 +86,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     - ``warm``: fresh sandboxes kept ready ahead of tasks (each serves one episode).
     - ``away_after_s``: seconds without a trainer request or open stream after which the
       trainer counts as away and idle (warm) sandboxes are paused; resumed when it is back.
-    - ``backend``/``memory``: of the episodes' sandboxes (``None``: the server's default).
+    - ``backend``/``memory_bytes``: of the episodes' sandboxes (backend ``None``: the
+      server's default).
+    - ``policy``: the model endpoint for tasks without scripted ``commands``.
     - ``max_attempts``: an episode that fails on infrastructure (sandbox lost, apiserver
       unreachable) is retried from scratch this many times in all, then reported as an
       ``infra_error`` trajectory (so it is never silently lost).
@@ -61,7 +103,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     warm: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     away_after_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     backend: str | None = None
-    memory: str = "128MiB"
+    memory_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 128 << 20
+    policy: PolicySpec | None = None
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     auth_cache_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
