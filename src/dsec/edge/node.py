@@ -1060,8 +1060,15 @@ class EdgeNode:
         return stats
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Make the sandbox running. Idempotent: a sandbox that is already running (an
+        exec resumed it transparently, another caller resumed it first) is success, so
+        a trainer resuming every sandbox of a preempted rollout never fails on the few a
+        stray exec woke (issue 18). A pause or resume in flight is waited for first."""
         rec = self._find(sandbox_id)
-        await self._resume(rec, "requested")
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state != "running":
+            await self._resume(rec, "requested")
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:

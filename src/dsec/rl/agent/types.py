@@ -171,6 +171,7 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     infra_error: str | None = None
     end: EpisodeEnd | None = None
     answer: str | None = None                   # what the agent submitted
+    sandbox_id: str | None = None               # the episode's sandbox (gone unless kept)
     timings: TrajectoryTimings = msgspec.field(default_factory=TrajectoryTimings)
     model: ModelInfo | None = None
     metadata: dict[str, Any] = {}
