@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +13,25 @@ import numpy as np
 
 from dsec.bench import BenchContext, suite
 from dsec.bench.rl_agent import agent_figures
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and every descendant: the live ones' own time plus what each
+    collected from children it reaped (no double count). Linux /proc only."""
+    tck = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in st[11:15]) / tck
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def _rate(fn: Callable[[], int], budget_s: float) -> float:
@@ -142,7 +163,8 @@ def _serve_sim_edge(path: str, node_id: str, ready: Any) -> None:
 
 def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
                    n_envs: int, budget: float, tasks: list[Any] | None = None,
-                   batch_only: bool = False, **extra: Any) -> float:
+                   batch_only: bool = False, cpu: Callable[[], float] | None = None,
+                   **extra: Any) -> float:
     from dsec.rl.sandbox import SandboxEnv, SandboxEnvPool, Task
 
     tasks = tasks or [Task(prompt="bench", max_turns=1_000_000)]
@@ -169,10 +191,21 @@ def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
                 pool.step(acts)
             return 5 * n_envs
 
-        rate = _rate(batched, budget)
+        batched()
+        c0, n = (cpu() if cpu else 0.0), 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < budget:
+            n += batched()
+        rate = n / (time.perf_counter() - t0)
         ctx.record("rl_sandbox_env", rate, "steps/s", envs=n_envs,
                    mode="pool: 1 exec batch per tick", backend=backend, transport=transport,
                    **extra)
+        if cpu is not None:
+            # CPU per step is what a loaded machine cannot blur: steps/s on 2 shared
+            # cores is the share of them we got as much as what a step costs
+            ctx.record("rl_sandbox_env_cpu_per_step", (cpu() - c0) / n * 1e3, "ms",
+                       envs=n_envs, mode="pool: 1 exec batch per tick", backend=backend,
+                       transport=transport, **extra)
     if batch_only:
         return rate
     envs = [SandboxEnv(access, tasks) for _ in range(n_envs)]
@@ -306,11 +339,13 @@ def _container_runs(ctx: BenchContext, lt: Any, start: Any, holder: dict[str, An
         try:
             node = lt.run(start(helper))
             try:
+                b = holder["b"]
                 rates[helper].append(_sandbox_rates(
                     ctx, EdgeAccess({"bench-ct": node}, lt), "container",
                     "in-process EdgeNode", n_envs, budget,
                     tasks=[Task(prompt="bench", spec=spec, max_turns=1_000_000)],
-                    batch_only=len(rates[helper]) > 0, exec_path=_EXEC_PATH[helper]))
+                    batch_only=len(rates[helper]) > 0, exec_path=_EXEC_PATH[helper],
+                    cpu=functools.partial(_cpu_with_zygote, b)))
             finally:
                 lt.run(node.close())
         finally:
@@ -323,6 +358,19 @@ def _container_runs(ctx: BenchContext, lt: Any, start: Any, holder: dict[str, An
                         pass
                 lt.run(b.close())
                 b.governor.remove_base()
+
+
+def _cpu_with_zygote(b: Any) -> float:
+    """CPU seconds of this process (trainer, in-process edge) and the backend's zygote
+    tree (execs' processes, exec helpers)."""
+    return _cpu_with(b._zygote.pid) if b._zygote.pid is not None else _cpu_with(None)
+
+
+def _cpu_with(pid: int | None) -> float:
+    """CPU seconds of this process (trainer side, in-process edge) and ``pid``'s tree."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime + (tree_cpu_s(pid) if pid is not None else 0.0)
 
 
 _EXEC_PATH = {False: "per-exec intermediate (old)",
@@ -363,12 +411,13 @@ def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
                               else None) as cluster:
                 for transport in transports:
                     with cluster.client(protocol=transport) as client:
+                        up = cluster._proc.pid
                         r = _sandbox_rates(
                             ctx, ClientAccess(client), backend,
                             f"SDK ClientAccess, {transport}, dsec up in a subprocess",
                             n_envs, budget, tasks=tasks,
                             batch_only=helper is not None and len(rates[helper]) > 0,
-                            **extra)
+                            cpu=functools.partial(_cpu_with, up), **extra)
                         if helper is not None:
                             rates[helper].append(r)
         finally:
