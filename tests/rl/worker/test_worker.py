@@ -293,7 +293,6 @@ def test_llm_policy_episodes_run_through_the_agent_engine(
     OpenAI-compatible server on loopback, the real openai client) through the ``agent``
     rollout engine, judged, and delivered like any other."""
     from dsec.rl.agent.scripted import ScriptedEndpoint
-
     from dsec.rl.worker.types import RegexJudgeSpec
 
     key = cluster.api_key

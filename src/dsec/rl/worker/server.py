@@ -81,6 +81,11 @@ class _Auth(msgspec.Struct, frozen=True):
     ok: bool
     role: str | None
     until: float
+    unknown: bool = False       # the apiserver did not know the key (401)
+
+#: how long a key the apiserver refused stays refused here without asking again (an
+#: unauthenticated flood must not become a flood of apiserver calls)
+_UNKNOWN_KEY_S = 5.0
 
 
 class Worker:
@@ -123,10 +128,16 @@ class Worker:
         now = time.monotonic()
         got = self._auth.get(h)
         if got is None or got.until < now:
-            got = await self._ask_apiserver(key, now)
+            try:
+                got = await self._ask_apiserver(key, now)
+            except Unauthenticated:
+                got = _Auth(ok=False, role=None, until=now + _UNKNOWN_KEY_S, unknown=True)
             if len(self._auth) > 10_000:
                 self._auth.clear()
             self._auth[h] = got
+        if got.unknown:
+            raise Unauthenticated("the apiserver does not know this API key (wrong or "
+                                  "revoked); use a key of this worker's project")
         if not got.ok:
             raise PermissionDenied(
                 f"this rollout worker serves project {self.cfg.project!r}; the key belongs "
@@ -216,6 +227,24 @@ class Worker:
         return traj
 
     async def _episode(self, row: TaskRow) -> None:
+        try:
+            await self._episode_once(row)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not strand the task in "running"
+            log.exception("episode of task %s attempt %d crashed", row.task_id, row.attempt)
+            if row.attempt < self.cfg.max_attempts:
+                self.queue.requeue(row.task_id)
+            else:
+                traj = Trajectory(episode_id=f"{self.cfg.worker_id}/{row.task_id}",
+                                  task_id=row.task_id, end="infra_error",
+                                  infra_error=f"the worker failed: {exc!r}",
+                                  metadata={"attempt": row.attempt,
+                                            "worker": self.cfg.worker_id})
+                self.queue.finish(row.task_id, row.attempt, trajectory_to_json(traj))
+                self._finished.set()
+
+    async def _episode_once(self, row: TaskRow) -> None:
         task = msgspec.json.decode(row.body, type=WorkerTask)
         if not task.commands:
             try:
