@@ -51,15 +51,43 @@ def _helper_pid(b: ContainerBackend, sid: str) -> int:
     return found[0]
 
 
+def _spy(b: ContainerBackend) -> list[object]:
+    """Every request the backend sends its zygote, in order."""
+    sent: list[object] = []
+    real = b._zygote.send
+
+    def send(req: object, fds: list[int], handler: object) -> None:
+        sent.append(req)
+        real(req, fds, handler)  # type: ignore[arg-type]
+    b._zygote.send = send  # type: ignore[method-assign]
+    return sent
+
+
+async def _helper_up(b: ContainerBackend, sid: str) -> None:
+    """A sandbox's first exec starts its helper (and takes the per-exec path itself)."""
+    assert (await b.exec(sid, ExecRequest(shell="true"))).exit_code == 0
+    deadline = time.monotonic() + 10
+    while not b.box(sid).helper and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert b.box(sid).helper
+
+
 async def test_helper_exec_is_confined_exactly_like_the_per_exec_path(
         backend: ContainerBackend) -> None:
+    from dsec.edge.backends.container.protocol import Exec, Helper
     sid = new_sid()
     await backend.create(sid, SPEC)
     box = backend.box(sid)
+    sent = _spy(backend)
+    assert (await backend.exec(sid, ExecRequest(shell="true"))).exit_code == 0
+    # the first exec went the per-exec way and started the helper beside it
+    assert [type(r) for r in sent] == [Helper, Exec] and sent[1].helper == 0  # type: ignore[attr-defined]
+    await _helper_up(backend, sid)
     for user in (None, "agent"):
         req = ExecRequest(shell=PROBE, user=user, cwd="/tmp")
+        del sent[:]
         new = await backend.exec(sid, req)
-        assert box.helper != 0, "the helper path served it"
+        assert [getattr(r, "helper", None) for r in sent] == [box.helper], sent
         old = await backend._native_exec(box, req, ["/bin/sh", "-c", PROBE],
                                          _env(backend, box), None, via_helper=False)
         assert new.exit_code == old.exit_code == 0, (new.stderr, old.stderr)
@@ -87,6 +115,7 @@ async def test_helper_is_invisible_inside_holds_nothing_and_goes_with_the_sandbo
         backend: ContainerBackend) -> None:
     sid = new_sid()
     await backend.create(sid, SPEC)
+    await _helper_up(backend, sid)
     for _ in range(5):   # fds of earlier execs must not pile up in the helper
         assert (await backend.exec(sid, ExecRequest(shell="echo hi"))).stdout == b"hi\n"
     hp = _helper_pid(backend, sid)
@@ -134,6 +163,7 @@ async def test_a_killed_helper_costs_no_exec(backend: ContainerBackend) -> None:
         assert r.stdout == b"ok\n" and r.exit_code == 0
         if k == HELPER_MAX_FAILS:
             break
+        await _helper_up(backend, sid)
         hp = _helper_pid(backend, sid)
         os.kill(hp, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -153,14 +183,21 @@ async def test_exec_at_the_task_limit_still_gets_in(backend: ContainerBackend) -
     sid = new_sid()
     await backend.create(sid, msgspec.structs.replace(SPEC, pids_max=12))
     box = backend.box(sid)
-    assert (await backend.exec(sid, ExecRequest(shell="true"))).exit_code == 0
+    await _helper_up(backend, sid)
     assert box.helper
     await backend.exec(sid, ExecRequest(
-        shell="for i in $(seq 40); do sleep 1000 & done; true", background=True))
+        # the shell keeps its own slot too: the cgroup stays full
+        shell="for i in $(seq 40); do sleep 1000 & done; exec sleep 1000", background=True))
+    pids = os.path.dirname(box.cg.procs_files[box.cg.pids_index])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if len(_read(box.cg.procs_files[box.cg.pids_index]).split()) >= 12:
+        # the loop's own exec helper counted while it forked: take the slot it left
+        if int(_read(f"{pids}/pids.current")) >= int(_read(f"{pids}/pids.max")):
             break
-        await asyncio.sleep(0.05)
+        await backend.exec(sid, ExecRequest(shell="sleep 1000", background=True))
+    assert int(_read(f"{pids}/pids.current")) >= 12
+    sent = _spy(backend)
     r = await backend.exec(sid, ExecRequest(shell="echo in"))
     assert r.stdout == b"in\n", r
+    # it was offered to the helper first, which could not fork: the per-exec path got in
+    assert [getattr(q, "helper", None) for q in sent] == [box.helper, 0], sent

@@ -1237,9 +1237,12 @@ class ContainerBackend:
             if not box.dying:
                 self._check_limits(box)
 
-    async def _helper(self, box: Box) -> int:
-        """The id of ``box``'s running exec helper, starting one if needed; 0 when the
-        per-exec path must serve (helpers keep failing here, or the zygote refused)."""
+    def _helper(self, box: Box) -> int:
+        """The id of ``box``'s running exec helper, or 0: then this exec takes the per-exec
+        path, and a helper is started for the next ones. Not waiting for it keeps a
+        sandbox's first exec as fast as before and costs one-exec sandboxes nothing
+        (waiting made the first exec pay the helper's start too); none is started once
+        helpers kept failing here."""
         if box.helper:
             return box.helper
         if box.helper_fails >= HELPER_MAX_FAILS or box.dying:
@@ -1274,8 +1277,7 @@ class ContainerBackend:
             except DsecError:
                 box.helper_start = None
                 box.helper_fails += 1
-                return 0
-        return await asyncio.shield(box.helper_start)
+        return 0
 
     async def _native_exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
                            on_chunk: Callable[[ExecChunk], None] | None,
@@ -1284,7 +1286,7 @@ class ContainerBackend:
         helper = 0
         if (via_helper and self.exec_helper and not req.background
                 and not box.spec.user_namespace and not box.spec.allow_nested):
-            helper = await self._helper(box)
+            helper = self._helper(box)
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
