@@ -359,10 +359,12 @@ class Worker:
                     elif not away and sb.id in self._paused:
                         await sb.resume()
                         self._paused.discard(sb.id)
+                pause_s = 0.1
             except DsecError as exc:
                 log.warning("warm pool: %s", exc)
+                pause_s = 2.0       # quota, no capacity, apiserver away: no busy loop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 0.1)
+                await asyncio.wait_for(self._stop.wait(), pause_s)
 
     async def recover(self) -> int:
         """Requeue what a killed predecessor had in flight and destroy every sandbox
