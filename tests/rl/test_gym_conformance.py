@@ -147,7 +147,25 @@ def test_sandbox_pool_verdicts_are_in_final_info(sim_access: EdgeAccess) -> None
         assert pool.unwrapped.get_attr("turn") == (0, 0, 0)
         with pytest.raises(InvalidArgument, match="no per-env attribute"):
             pool.unwrapped.get_attr("nope")
-        with pytest.raises(InvalidArgument, match="no reset options"):
+        with pytest.raises(InvalidArgument, match="not \\['seed_me'\\]"):
+            pool.reset(options={"seed_me": 1})
+        with pytest.raises(InvalidArgument, match="names 0 of the tasks"):
             pool.reset(options={"task": "x"})
+    finally:
+        pool.close()
+
+
+def test_reset_option_picks_the_task(sim_access: EdgeAccess) -> None:
+    tasks = [Task(prompt=f"task {k}", name=f"t{k}", max_turns=2) for k in range(4)]
+    pool = SandboxEnvPool(sim_access, tasks, 3)
+    try:
+        obs, infos = pool.reset(seed=0, options={"task": "t2"})
+        assert list(obs) == ["task 2"] * 3 and list(infos["task"]) == ["t2"] * 3
+        mask = np.array([False, True, False])
+        obs, infos = pool.reset(options={"reset_mask": mask, "task": 3})
+        assert list(obs) == ["task 2", "task 3", "task 2"]
+        assert infos["_task"].tolist() == [False, True, False]
+        with pytest.raises(InvalidArgument, match="out of range"):
+            pool.reset(options={"task": 9})
     finally:
         pool.close()

@@ -381,3 +381,23 @@ def test_replay_across_episode_ends_pays_the_same_rewards_and_leaks_nothing(
     pool_b.close()
     acc_b.log.close()
     assert _live(sim_nodes) == []
+
+
+def test_preempt_with_a_sandbox_already_paused(sim_access: EdgeAccess,
+                                               sim_nodes: dict[str, EdgeNode],
+                                               pools: list[SandboxEnvPool]) -> None:
+    """Pause is idempotent like resume: a sandbox paused already (an idle pause, another
+    caller's) does not fail the preemption of the whole rollout."""
+    pool = SandboxEnvPool(sim_access, TASKS, N)
+    pools.append(pool)
+    d = Driver(pool, CounterPolicy(), _buf())
+    d.start(seed=2)
+    d.rollout(1)
+    first = pool.sandbox_ids()[0]
+    assert first is not None
+    sim_access.pause(first)
+    sim_access.pause(first)
+    handle = d.preempt()
+    assert [sim_nodes[node_of(s)].get(s).state for s in pool.sandbox_ids()  # type: ignore[arg-type]
+            ] == ["paused"] * N
+    resume(handle, pool=pool, policy=CounterPolicy(), buffer=_buf()).rollout(1)

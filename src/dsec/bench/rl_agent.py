@@ -49,6 +49,9 @@ __all__ = ["agent_figures"]
 
 THINK_S = 0.05
 SPEC = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64, cpu_milli=100)
+# A whole core for the overhead probe: with cpu_milli=100 (a 10 ms CFS quota per 100 ms)
+# back-to-back commands were throttled: p50 4.8-5.9 ms, vs 1.9 ms with a core (load 10).
+PROBE_SPEC = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64)
 
 
 def _sleep_task(i: int, rng: random.Random, n_cmds: int) -> AgentTask:
@@ -234,8 +237,11 @@ def _cpu_of(text: str) -> int | None:
 def _probe_policy(messages: Sequence[Mapping[str, Any]]) -> ScriptedTurn:
     turns = sum(1 for m in messages if m.get("role") == "assistant")
     if turns < 20:
-        # one process reads its own scheduler stamp and the CPU it runs on
-        return ScriptedTurn(calls=(("bash", {"command": "cat /proc/self/sched /proc/self/stat"}),))
+        # The command's own process (sh exec's into cat: no fork) reads its scheduler
+        # stamp and CPU; the stamp comes after the shell's start-up, so it is an upper
+        # bound of "command start".
+        return ScriptedTurn(calls=(("bash", {
+            "command": "exec cat /proc/self/sched /proc/self/stat"}),))
     return ScriptedTurn(calls=(("submit", {"answer": ""}),))
 
 
@@ -248,8 +254,8 @@ async def _overhead(ctx: BenchContext, ac: Any, base_url: str) -> None:
     try:
         for i in range(n_eps):
             offs = _sched_offsets()
-            traj = await eng.episode(AgentTask(id=f"probe-{i}", prompt="probe", spec=SPEC,
-                                               max_turns=25))
+            traj = await eng.episode(AgentTask(id=f"probe-{i}", prompt="probe",
+                                               spec=PROBE_SPEC, max_turns=25))
             for st in traj.steps:
                 ex, cpu = _exec_start(st.observation), _cpu_of(st.observation)
                 if ex is None or cpu not in offs:
@@ -310,9 +316,13 @@ async def _concurrent(ctx: BenchContext, ac: Any, base_url: str, cg_before: set[
     steps = sum(1 for t in trajs for s in t.steps if s.action is not None
                 and s.action.name == "bash" and s.infra_error is None)
     infra = sum(1 for t in trajs if t.infra_error)
+    def mean(f: str) -> float:
+        return round(statistics.mean(float(getattr(t.timings, f)) for t in trajs), 3)
+    # where an episode's time went (means): sandbox start, model calls, commands
     ctx.record("rl_agent_concurrent_steps_per_s", steps / wall, "steps/s", episodes=n,
                think_ms=THINK_S * 1e3, wall_s=round(wall, 2), infra_errors=infra,
-               backend="container", note="includes sandbox create/destroy")
+               backend="container", note="includes sandbox create/destroy",
+               setup_s=mean("setup_s"), model_s=mean("model_s"), tool_s=mean("tool_s"))
     if cg:
         ctx.record("rl_agent_concurrent_sandbox_cpu_cores", cpu / wall, "cores", episodes=n,
                    cpu_s=round(cpu, 3), source="cpuacct.usage of the sandboxes' parent cgroup")

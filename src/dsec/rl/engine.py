@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,7 +48,6 @@ from dsec.rl.agent.policy import Policy
 from dsec.rl.agent.sandboxes import ClientSandboxes
 from dsec.rl.agent.tools import ToolCallError, decode_action, parse_reply
 from dsec.rl.agent.types import (
-    EpisodeEnd,
     Message,
     Step,
     StepTimings,
@@ -355,9 +353,3 @@ class RolloutEngine:
 def _without_files(task: AgentTask) -> AgentTask:
     return dataclasses.replace(task, files={})
 
-
-def describe(traj: Trajectory) -> str:
-    """One line about a trajectory (examples, logs)."""
-    end: EpisodeEnd | None = traj.end
-    return json.dumps({"task": traj.task_id, "end": end, "reward": traj.reward,
-                       "steps": len(traj.steps), "infra_error": traj.infra_error})

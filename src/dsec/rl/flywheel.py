@@ -21,7 +21,6 @@ DSec's RL side turns like this, and so does :class:`Flywheel`:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -184,7 +183,3 @@ def _write_tree(root: str, files: Mapping[str, str]) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(content)
 
-
-def proposals_json(proposals: list[Mapping[str, object]]) -> str:
-    """Proposals as the JSON a proposer submits (examples and scripted proposers)."""
-    return json.dumps(proposals)

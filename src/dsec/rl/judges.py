@@ -340,7 +340,17 @@ class ExecutableJudge:
         except DsecError as exc:
             return Verdict(0.0, False, f"judging could not start: {exc}",
                            infra_error=is_infra_error(exc))
-        tests = f"{self.tests_root.rstrip('/')}/.judge-{secrets.token_hex(8)}"
+        root = self.tests_root.rstrip("/") or "/"
+        if root != "/":
+            # e.g. "/.dsec-judge", hidden from the agent's commands (ExecRequest.hide):
+            # made by the judge (as root, 0700) if it is not there yet
+            made = access.exec_batch([(sid, ExecRequest(
+                argv=("mkdir", "-p", "-m700", root), user="0", env=dict(self.env),
+                timeout_s=10.0))])[0]
+            if isinstance(made, DsecError):
+                return Verdict(0.0, False, f"test root {root} could not be made: {made}",
+                               infra_error=is_infra_error(made))
+        tests = f"{root.rstrip('/')}/.judge-{secrets.token_hex(8)}"
         subdirs = {"/".join(p.split("/")[:k]) for p in self.hidden_files
                    for k in range(1, p.count("/") + 1)}
         dirs = [tests, *(f"{tests}/{d}" for d in sorted(subdirs))]

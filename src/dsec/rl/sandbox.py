@@ -193,6 +193,11 @@ class SandboxEnvConfig:
     max_action_chars: int = 4096         # action Text space max_length
     command_timeout_s: float = 30.0      # per shell call unless the call asks for less
     output_cap_bytes: int = 64 * 1024    # per stream, per call
+    # Top-level entries of the sandbox root the agent never reaches, even as root
+    # (ExecRequest.hide: Landlock on every agent command, and the read_file/write_file
+    # tools run as such commands too). E.g. (".dsec-judge",) with an in-place
+    # ExecutableJudge(tests_root="/.dsec-judge"). Needs native container sandboxes.
+    hide: tuple[str, ...] = ()
 
 
 class EpisodeState(msgspec.Struct, kw_only=True):
@@ -252,11 +257,27 @@ class SandboxEpisodes:
 
     # -- episodes ----------------------------------------------------------------------
 
-    def begin(self, i: int) -> str:
+    def begin(self, i: int, *, task: int | str | None = None) -> str:
         """Start a new episode in slot ``i``: fresh sandbox, task files; returns the prompt."""
-        return self.begin_many([i])[0]
+        return self.begin_many([i], task=task)[0]
 
-    def begin_many(self, idx: Sequence[int]) -> list[str]:
+    def task_of(self, task: int | str) -> int:
+        """The index of ``task`` (an index, or a task's name) in the task list."""
+        if isinstance(task, bool) or not isinstance(task, int | str):
+            raise InvalidArgument(f"task {task!r} must be a task index or name", field="task")
+        if isinstance(task, int):
+            if not 0 <= task < len(self.tasks):
+                raise InvalidArgument(f"task {task} is out of range: there are "
+                                      f"{len(self.tasks)} tasks", field="task")
+            return task
+        names = [t.name for t in self.tasks]
+        if names.count(task) != 1:
+            raise InvalidArgument(f"task {task!r} names {names.count(task)} of the tasks "
+                                  f"({', '.join(sorted(set(names))[:20])}); name one, or pass "
+                                  "its index", field="task")
+        return names.index(task)
+
+    def begin_many(self, idx: Sequence[int], *, task: int | str | None = None) -> list[str]:
         """Start new episodes in slots ``idx``; returns their prompts.
 
         Batched: the old sandboxes go in one destroy batch, the new ones come from one
@@ -264,6 +285,7 @@ class SandboxEpisodes:
         batch. Through the API, 64 episode starts one by one took ~2.5 s on containers.
         """
         idx = list(idx)
+        forced = None if task is None else self.task_of(task)   # refuse before any change
         self.end_many(idx)
         tasks: list[Task] = []
         for i in idx:
@@ -271,8 +293,11 @@ class SandboxEpisodes:
             st.episode += 1
             # The task depends only on (seed, slot, episode): a resumed pool picks the
             # same tasks as an uninterrupted one without carrying RNG state.
-            rng = np.random.default_rng([self.seed, i, st.episode])
-            st.task_index = int(rng.integers(len(self.tasks)))
+            if forced is None:
+                rng = np.random.default_rng([self.seed, i, st.episode])
+                st.task_index = int(rng.integers(len(self.tasks)))
+            else:                            # reset(options={"task": ...})
+                st.task_index = forced
             st.turn = 0
             st.transcript = []
             st.finished = False
@@ -288,22 +313,22 @@ class SandboxEpisodes:
             self.states[i].sandbox_id = sid
         try:
             mkdirs = []
-            for sid, task in zip(sids, tasks):
-                dirs = sorted({p.rsplit("/", 1)[0] for p in task.files if p.rsplit("/", 1)[0]}
-                              | {task.workdir})
+            for sid, t in zip(sids, tasks):
+                dirs = sorted({p.rsplit("/", 1)[0] for p in t.files if p.rsplit("/", 1)[0]}
+                              | {t.workdir})
                 mkdirs.append((sid, ExecRequest(argv=("mkdir", "-p", *dirs), timeout_s=30.0)))
             for res in self.access.exec_batch(mkdirs):
                 if isinstance(res, DsecError):
                     raise res
-            for sid, task in zip(sids, tasks):
-                for path, data in task.files.items():
+            for sid, t in zip(sids, tasks):
+                for path, data in t.files.items():
                     self.access.write_file(sid, path, data)
         except BaseException:
             self.end_many(idx)
             raise
         out = []
-        for i, task in zip(idx, tasks):
-            obs = clean_text(task.prompt, self.config.max_obs_chars)
+        for i, t in zip(idx, tasks):
+            obs = clean_text(t.prompt, self.config.max_obs_chars)
             self.states[i].transcript.append(obs)
             out.append(obs)
         return out
@@ -354,12 +379,12 @@ class SandboxEpisodes:
                     else min(call.timeout_s, cfg.command_timeout_s)
                 call_of[k] = len(calls)
                 calls.append((sid, ExecRequest(shell=call.command, cwd=task.workdir,
-                                               timeout_s=t,
+                                               timeout_s=t, hide=cfg.hide,
                                                output_cap_bytes=cfg.output_cap_bytes)))
             elif isinstance(call, WriteFile):
-                text[k] = self._write(sid, call)
+                text[k] = self._write(sid, call, task.workdir)
             elif isinstance(call, ReadFile):
-                text[k] = self._read(sid, call)
+                text[k] = self._read(sid, call, task.workdir)
             else:
                 submitted[k] = call.answer
                 text[k] = "submitted"
@@ -406,19 +431,42 @@ class SandboxEpisodes:
         return (f"error: the action holds the control character {_escape(bad)}, which is "
                 "outside the action space; nothing was run")
 
-    def _write(self, sid: str, call: WriteFile) -> str:
+    def _confined(self, sid: str, req: ExecRequest) -> ExecResult | str:
+        """Run a file tool as a command under the agent's Landlock rules (the file API
+        is the edge's and would follow the agent's symlinks into a hidden directory)."""
+        r = self.access.exec_batch([(sid, req)])[0]
+        if isinstance(r, DsecError):
+            return f"error: {r.message}"
+        if r.exit_code != 0:
+            return f"error: {decode_output(r.stderr).strip() or f'exit {r.exit_code}'}"
+        return r
+
+    def _write(self, sid: str, call: WriteFile, workdir: str) -> str:
+        data = call.content.encode()
+        cfg = self.config
+        if cfg.hide:
+            r = self._confined(sid, ExecRequest(
+                argv=("sh", "-c", 'cat > "$1"', "sh", call.path), stdin=data, cwd=workdir,
+                hide=cfg.hide, timeout_s=cfg.command_timeout_s))
+            return r if isinstance(r, str) else f"wrote {call.path}"
         try:
-            self.access.write_file(sid, call.path, call.content.encode())
+            self.access.write_file(sid, call.path, data)
         except DsecError as exc:
             return f"error: {exc.message}"
         return f"wrote {call.path}"
 
-    def _read(self, sid: str, call: ReadFile) -> str:
+    def _read(self, sid: str, call: ReadFile, workdir: str) -> str:
+        cfg = self.config
+        if cfg.hide:
+            r = self._confined(sid, ExecRequest(
+                argv=("cat", "--", call.path), cwd=workdir, hide=cfg.hide,
+                timeout_s=cfg.command_timeout_s, output_cap_bytes=cfg.output_cap_bytes))
+            return r if isinstance(r, str) else decode_output(r.stdout)
         try:
             data = self.access.read_file(sid, call.path)
         except DsecError as exc:
             return f"error: {exc.message}"
-        return data.decode("utf-8", "replace")
+        return decode_output(data)
 
     def _judge(self, i: int, answer: str) -> Verdict:
         st = self.states[i]
@@ -490,6 +538,22 @@ class SandboxEpisodes:
             self.access.seek(st.cursors)
 
 
+def _task_option(options: dict[str, Any] | None) -> int | str | None:
+    """``reset(options={"task": index_or_name})`` picks the episode's task (else it is
+    drawn from (seed, slot, episode)); any other option is refused, not ignored."""
+    if not options:
+        return None
+    unknown = sorted(set(options) - {"task"})
+    if unknown:
+        raise InvalidArgument(f"sandbox envs take the reset option 'task' (an index or a "
+                              f"task name), not {unknown}", field="options")
+    task = options["task"]
+    if not isinstance(task, int | str):
+        raise InvalidArgument(f"reset option task={task!r} must be a task index or name",
+                              field="options")
+    return task
+
+
 def _text_spaces(cfg: SandboxEnvConfig) -> tuple[UnicodeText, UnicodeText]:
     return (UnicodeText(cfg.max_obs_chars, min_length=0, charset=CHARSET),
             UnicodeText(cfg.max_action_chars, min_length=0, charset=CHARSET))
@@ -513,7 +577,7 @@ class SandboxEnv(gym.Env[str, str]):
             self.episodes.seed = int(self.np_random.integers(2**31))
             self.episodes.run = secrets.token_hex(8)
             self.episodes.states[0].episode = -1
-        obs = self.episodes.begin(0)
+        obs = self.episodes.begin(0, task=_task_option(options))
         st = self.episodes.states[0]
         return obs, {"sandbox_id": st.sandbox_id, "task": self.episodes.tasks[st.task_index].name}
 
@@ -546,15 +610,10 @@ class SandboxBatchEnv:
             raise Conflict("SandboxBatchEnv is not bound to a pool; use SandboxEnvPool")
         return self._out
 
-    @staticmethod
-    def _no_options(options: dict[str, Any] | None) -> None:
-        if options:
-            raise InvalidArgument(f"sandbox envs take no reset options (got "
-                                  f"{sorted(options)}); tasks come from the task list")
 
     def reset_all(self, seed: int | Sequence[int | None] | None,
                   options: dict[str, Any] | None = None) -> None:
-        self._no_options(options)
+        task = _task_option(options)
         obs = self._bound()[0]
         entropy: int | list[int] | None = None
         if isinstance(seed, int | np.integer):
@@ -567,7 +626,7 @@ class SandboxBatchEnv:
         self.episodes.run = secrets.token_hex(8)
         for i in range(self.num_envs):
             self.episodes.states[i].episode = -1
-        for i, o in enumerate(self.episodes.begin_many(range(self.num_envs))):
+        for i, o in enumerate(self.episodes.begin_many(range(self.num_envs), task=task)):
             obs[i] = o
         self._infos = [self._reset_info(i) for i in range(self.num_envs)]
 
@@ -588,11 +647,11 @@ class SandboxBatchEnv:
         self._infos = [o.info() for o in outs]
 
     def reset_envs(self, mask: Array, options: dict[str, Any] | None = None) -> None:
-        self._no_options(options)
+        task = _task_option(options)
         obs = self._bound()[0]
         idx = np.flatnonzero(mask).tolist()
         if idx:
-            for i, o in zip(idx, self.episodes.begin_many(idx)):
+            for i, o in zip(idx, self.episodes.begin_many(idx, task=task)):
                 obs[i] = o
                 self._infos[i] = self._reset_info(i)
 

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from dsec.errors import DsecError, InvalidArgument, NotFound, PayloadTooLarge, SandboxError
+from dsec.errors import DsecError, InvalidArgument, PayloadTooLarge
+from dsec.rl.access import is_infra_error
 from dsec.rl.agent.tools import Action, Bash, ReadFile, StrReplace, Submit, WriteFile
 from dsec.wire.spec import ExecRequest, ExecResult
 
@@ -48,6 +49,12 @@ class ToolConfig:
     max_file_bytes: int = 1 << 20         # read_file / str_replace limit
     user: str | None = None               # run bash as this user (None: the sandbox's)
     env: tuple[tuple[str, str], ...] = ()
+    # Top-level entries of the sandbox root the agent never reaches, even as root
+    # (ExecRequest.hide: Landlock on the command's whole tree). With it set, the file tools
+    # run as such confined commands too, not through the file API. E.g. (".dsec-judge",)
+    # for a harness or an in-place judge living in the agent's sandbox. Needs native
+    # container sandboxes.
+    hide: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.workdir.startswith("/"):
@@ -107,7 +114,7 @@ async def run_action(sb: ToolSandbox, sid: str, action: Action, cfg: ToolConfig
         try:
             req = ExecRequest(shell=action.command, cwd=cfg.workdir, timeout_s=t,
                               output_cap_bytes=cfg.output_cap_bytes, user=cfg.user,
-                              env=dict(cfg.env))
+                              env=dict(cfg.env), hide=cfg.hide)
         except InvalidArgument as exc:
             return ToolOutcome(f"command refused: {exc}", error="bad_command")
         started = time.monotonic()
@@ -123,8 +130,8 @@ async def run_action(sb: ToolSandbox, sid: str, action: Action, cfg: ToolConfig
             return data
         return ToolOutcome(cut(data.decode("utf-8", "replace"), lim))
     if isinstance(action, WriteFile):
-        await _write(sb, sid, path, action.content.encode())
-        return ToolOutcome(f"wrote {len(action.content.encode())} bytes to {path}")
+        failed = await _write(sb, sid, path, action.content.encode(), cfg)
+        return failed or ToolOutcome(f"wrote {len(action.content.encode())} bytes to {path}")
     assert isinstance(action, StrReplace)
     if not action.old_str:
         return ToolOutcome("str_replace needs a non-empty old_str", error="bad_arguments")
@@ -137,36 +144,65 @@ async def run_action(sb: ToolSandbox, sid: str, action: Action, cfg: ToolConfig
         return ToolOutcome(f"old_str occurs {n} times in {path}; it must occur exactly once "
                            "(add surrounding lines to make it unique)", error="not_unique"
                            if n else "not_found")
-    await _write(sb, sid, path, text.replace(action.old_str, action.new_str, 1).encode())
-    return ToolOutcome(f"replaced 1 occurrence in {path}")
+    failed = await _write(sb, sid, path, text.replace(action.old_str, action.new_str,
+                                                      1).encode(), cfg)
+    return failed or ToolOutcome(f"replaced 1 occurrence in {path}")
+
+
+async def _confined(sb: ToolSandbox, sid: str, cfg: ToolConfig, argv: tuple[str, ...],
+                    stdin: bytes = b"", cap: int = 1 << 20) -> ExecResult | ToolOutcome:
+    """A file operation as a command under ``cfg.hide`` (what the agent may reach)."""
+    res = await sb.exec(sid, ExecRequest(argv=argv, stdin=stdin, cwd=cfg.workdir,
+                                         user=cfg.user, hide=cfg.hide, output_cap_bytes=cap,
+                                         timeout_s=cfg.command_timeout_s))
+    if res.exit_code != 0 or res.timed_out:
+        why = res.stderr.decode("utf-8", "replace").strip() or f"exit {res.exit_code}"
+        return ToolOutcome(f"{argv[-1]}: {why[:300]}", error="file_error")
+    return res
 
 
 async def _read(sb: ToolSandbox, sid: str, path: str, cfg: ToolConfig) -> bytes | ToolOutcome:
+    if cfg.hide:
+        r = await _confined(sb, sid, cfg, ("cat", "--", path), cap=cfg.max_file_bytes + 1)
+        if isinstance(r, ToolOutcome):
+            return r
+        if r.stdout_truncated or len(r.stdout) > cfg.max_file_bytes:
+            return ToolOutcome(f"{path} is larger than {cfg.max_file_bytes} bytes",
+                               error="file_too_large")
+        return r.stdout
     try:
         data = await sb.read_file(sid, path, length=cfg.max_file_bytes + 1)
-    except (NotFound, InvalidArgument) as exc:
+    except DsecError as exc:
+        if is_infra_error(exc):
+            raise
         if isinstance(exc, PayloadTooLarge):
             return ToolOutcome(f"{path} is larger than {cfg.max_file_bytes} bytes",
                                error="file_too_large")
-        if _is_sandbox_gone(exc):
-            raise
-        return ToolOutcome(f"cannot read {path}: {exc.message}", error="file_not_found")
+        return ToolOutcome(f"cannot read {path}: {exc.message}", error="file_error")
     if len(data) > cfg.max_file_bytes:
         return ToolOutcome(f"{path} is larger than {cfg.max_file_bytes} bytes; read it in "
                            "parts with bash (head, sed -n)", error="file_too_large")
     return data
 
 
-async def _write(sb: ToolSandbox, sid: str, path: str, data: bytes) -> None:
+async def _write(sb: ToolSandbox, sid: str, path: str, data: bytes,
+                 cfg: ToolConfig) -> ToolOutcome | None:
+    """Write ``data`` (making missing parents); an outcome saying what failed, or None."""
+    if cfg.hide:
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        r = await _confined(sb, sid, cfg, ("sh", "-c", script, "sh", path), stdin=data)
+        return r if isinstance(r, ToolOutcome) else None
     try:
         await sb.write_file(sid, path, data)
-    except (NotFound, InvalidArgument, SandboxError) as exc:
-        if _is_sandbox_gone(exc):
+        return None
+    except DsecError as exc:
+        if is_infra_error(exc):
             raise
+    try:
         await sb.mkdir(sid, posixpath.dirname(path))
         await sb.write_file(sid, path, data)
-
-
-def _is_sandbox_gone(exc: DsecError) -> bool:
-    from dsec.errors import SandboxNotFound
-    return isinstance(exc, SandboxNotFound)
+    except DsecError as exc:
+        if is_infra_error(exc):
+            raise
+        return ToolOutcome(f"cannot write {path}: {exc.message}", error="file_error")
+    return None

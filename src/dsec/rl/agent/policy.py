@@ -26,6 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import httpx
+import msgspec
+
 from dsec.errors import InvalidArgument, RemoteProtocolError, RequestTimeout, Unavailable
 from dsec.rl.agent.tools import TOOL_NAMES, hermes_system_prompt, openai_tools
 from dsec.rl.agent.types import LOGPROB_FLOOR, Message, ModelInfo, ToolCall
@@ -103,6 +106,46 @@ class PolicyConfig:
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
+# The parts of a chat completion this client keeps (unknown fields are ignored).
+class _Function(msgspec.Struct):
+    name: str
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    id: str | None = None
+    function: _Function | None = None
+
+
+class _Reply(msgspec.Struct):
+    content: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _TokenLogprob(msgspec.Struct):
+    logprob: float
+    token: str = ""
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_TokenLogprob] | None = None
+
+
+class _Choice(msgspec.Struct):
+    message: _Reply
+    finish_reason: str | None = None
+    logprobs: _Logprobs | None = None
+    token_ids: list[int] | None = None          # vLLM's return_token_ids
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_Choice]
+    prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids
+
+
+_completion_decoder = msgspec.json.Decoder(_Completion)
+
+
 class OpenAIPolicy:
     """A :class:`Policy` over an OpenAI-compatible endpoint (see the module docstring).
     Create it inside the event loop that runs the episodes (the HTTP pool is bound to it);
@@ -110,7 +153,6 @@ class OpenAIPolicy:
 
     def __init__(self, config: PolicyConfig) -> None:
         try:
-            import httpx
             import openai
         except ImportError as exc:  # pragma: no cover - the rl extra installs it
             raise InvalidArgument("OpenAIPolicy needs the openai package: "
@@ -164,9 +206,24 @@ class OpenAIPolicy:
             try:
                 client = self._clients[self._next % len(self._clients)]
                 self._next += 1
-                rep = await client.chat.completions.create(
-                    model=cfg.model, messages=[m.to_openai() for m in messages],  # type: ignore[misc]
-                    extra_body=extra or None, **kw)
+                # client.post (the package's documented door for raw requests) with a
+                # plain JSON body: create() first walks the whole history through its
+                # TypedDict transform. Measured with an 18-message history, 20 in flight:
+                # 5.8-7.7 ms of trainer CPU per request via create() vs 1.75 ms here
+                # (py-spy had the transform at 10% of the trainer with 200 episodes);
+                # retries, timeouts and errors are the same. The reply is decoded with
+                # msgspec into the fields we keep, not into the package's pydantic models.
+                body = {"model": cfg.model, "messages": [m.to_openai() for m in messages],
+                        **kw, **extra}
+                rep = await client.post("/chat/completions", body=body,
+                                        cast_to=httpx.Response)
+                raw = await rep.aread()
+            except httpx.TimeoutException as exc:     # reading the body, after openai
+                raise RequestTimeout(f"model endpoint {cfg.base_url} stalled sending its "
+                                     f"reply (timeout {cfg.timeout_s}s)") from exc
+            except httpx.HTTPError as exc:
+                raise Unavailable(f"model endpoint {cfg.base_url} broke off its reply: "
+                                  f"{exc}") from exc
             except oa.APITimeoutError as exc:
                 raise RequestTimeout(f"model endpoint {cfg.base_url} did not answer within "
                                      f"{cfg.timeout_s}s (after {cfg.max_retries} retries); "
@@ -181,38 +238,34 @@ class OpenAIPolicy:
                                       f"{exc.message}") from exc
                 raise InvalidArgument(f"model endpoint {cfg.base_url} refused the request "
                                       f"({exc.status_code}): {exc.message}") from exc
-        return self._message(rep)
+        return self._message(raw)
 
-    def _message(self, rep: Any) -> Message:
-        if not getattr(rep, "choices", None):
+    def _message(self, raw: bytes) -> Message:
+        try:
+            rep = _completion_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise RemoteProtocolError(f"model endpoint {self.config.base_url} answered with "
+                                      f"an invalid chat completion: {exc}") from exc
+        if not rep.choices:
             raise RemoteProtocolError(f"model endpoint {self.config.base_url} answered "
                                       "without choices")
         ch = rep.choices[0]
         msg = ch.message
         calls = tuple(ToolCall(id=tc.id or f"call_{i}", name=tc.function.name,
                                arguments=tc.function.arguments or "")
-                      for i, tc in enumerate(msg.tool_calls or ())
-                      if getattr(tc, "function", None) is not None)
+                      for i, tc in enumerate(msg.tool_calls or ()) if tc.function is not None)
         logprobs: list[float] | None = None
         ids: list[int] | None = None
-        content_lp = getattr(getattr(ch, "logprobs", None), "content", None)
+        content_lp = ch.logprobs.content if ch.logprobs is not None else None
         if content_lp:
-            logprobs = [max(LOGPROB_FLOOR, float(t.logprob)) for t in content_lp]
-            spelled = [_TOKEN_ID.match(t.token or "") for t in content_lp]
+            logprobs = [max(LOGPROB_FLOOR, t.logprob) for t in content_lp]
+            spelled = [_TOKEN_ID.match(t.token) for t in content_lp]
             if all(spelled):
                 ids = [int(m.group(1)) for m in spelled if m]
-        extra_ids = getattr(ch, "token_ids", None)
-        if extra_ids is None and getattr(ch, "model_extra", None):
-            extra_ids = ch.model_extra.get("token_ids")
-        if isinstance(extra_ids, list):
-            ids = [int(t) for t in extra_ids]
-        prompt_ids = getattr(rep, "prompt_token_ids", None)
-        if prompt_ids is None and getattr(rep, "model_extra", None):
-            prompt_ids = rep.model_extra.get("prompt_token_ids")
+        if ch.token_ids is not None:
+            ids = ch.token_ids
         return Message(role="assistant", content=msg.content, tool_calls=calls,
-                       token_ids=ids, logprobs=logprobs,
-                       prompt_token_ids=[int(t) for t in prompt_ids]
-                       if isinstance(prompt_ids, list) else None,
+                       token_ids=ids, logprobs=logprobs, prompt_token_ids=rep.prompt_token_ids,
                        finish_reason=ch.finish_reason)
 
     async def close(self) -> None:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from dsec.errors import DsecError, InternalError, InvalidArgument, NotFound
 from dsec.rl.access import ExecOutcome
+from dsec.wire import ops
+from dsec.wire.calls import ExecCall as WireExecCall
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 if TYPE_CHECKING:
@@ -176,12 +178,15 @@ class ClientSandboxes:
         return sb
 
     async def exec(self, sid: str, req: ExecRequest) -> ExecResult:
-        """Run one command; a failed operation (sandbox gone) raises its DsecError."""
-        res = (await self._on_client(self.client.sandboxes.exec_many(
-            [(sid, req)], return_exceptions=True)))[0]
-        if isinstance(res, DsecError):
-            raise res
-        return res
+        """Run one command; a failed operation (sandbox gone) raises its DsecError.
+
+        One ``exec`` operation, not a one-item ``exec_many``: call to process start was
+        1.05 ms vs 1.22 ms p50 (container, dsec up in a child process, interleaved)."""
+        c = self.client
+        deadline = None if c.timeout is None or req.timeout_s is None \
+            else c.timeout + req.timeout_s
+        return await self._on_client(c.call(ops.EXEC, WireExecCall(id=sid, req=req),
+                                            timeout=deadline))
 
     async def exec_many(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
         if not calls:

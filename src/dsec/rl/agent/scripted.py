@@ -19,6 +19,10 @@ A request with ``tools`` gets OpenAI ``tool_calls``; without, Hermes ``<tool_cal
 ``return_tokens_as_token_ids``); ``return_token_ids: true`` (vLLM's extra) adds
 ``choices[].token_ids`` and ``prompt_token_ids``. Token ids come from a fixed hash of
 4-character pieces, so they are reproducible, not a real tokenizer's.
+
+:class:`EndpointProcess` runs the same server as a child process (``python -m
+dsec.rl.agent.scripted``, the base URL on its first stdout line), for benchmarks whose
+model server must not share the trainer's interpreter.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any, Self
 
 from dsec.errors import TransportError
 
-__all__ = ["CHEATS", "ScriptedEndpoint", "ScriptedTurn", "cheating", "honest", "malformed",
+__all__ = ["CHEATS", "EndpointProcess", "ScriptedEndpoint", "ScriptedTurn", "cheating", "honest", "malformed",
            "solution_commands"]
 
 

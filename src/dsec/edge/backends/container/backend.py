@@ -1211,6 +1211,12 @@ class ContainerBackend:
             if not task.done():
                 task.cancel()
 
+    @property
+    def supports_hide(self) -> bool:
+        """``ExecRequest.hide`` is kept: native runtime (nsexec applies Landlock before
+        execve) on a kernel with Landlock."""
+        return self._runc is None and linux.landlock_abi() > 0
+
     async def _exec(self, sid: str, req: ExecRequest,
                     on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         box = self.box(sid)
@@ -1223,6 +1229,9 @@ class ContainerBackend:
             # the sandbox's defaults (the image config's, or the create's) under the exec's
             req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
                                           user=req.user or box.spec.user)
+        if req.hide and self._runc is not None:
+            raise InvalidArgument("exec hide (Landlock) needs the native container runtime; "
+                                  "this edge runs containers with runc", field="hide")
         try:
             if self._runc is not None:
                 return await self._runc_exec(box, req, argv, env, on_chunk)
@@ -1285,7 +1294,8 @@ class ContainerBackend:
         loop = asyncio.get_running_loop()
         helper = 0
         if (via_helper and self.exec_helper and not req.background
-                and not box.spec.user_namespace and not box.spec.allow_nested):
+                and not box.spec.user_namespace and not box.spec.allow_nested
+                and not req.hide):  # red17 merge: the helper path cannot apply Landlock
             helper = self._helper(box)
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
@@ -1331,7 +1341,7 @@ class ContainerBackend:
                      cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
                      background=req.background, userns=box.spec.user_namespace,
                      pids_index=target.pids_index, home_procs=self.governor.home_procs(),
-                     helper=helper),
+                     hide=req.hide, helper=helper),
                 send_fds, on_reply)
         except BaseException:
             for fd in local:

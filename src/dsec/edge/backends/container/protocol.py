@@ -76,6 +76,8 @@ class Exec(msgspec.Struct, tag="exec", frozen=True):
     #: (nsexec.c, spawn_final); -1 / "": no fallback
     pids_index: int = -1
     home_procs: str = ""
+    #: top-level names of the sandbox root the command's tree never reaches (Landlock)
+    hide: tuple[str, ...] = ()
     #: the id of the request that started this sandbox's exec helper: the zygote hands the
     #: command to it (nsexec.c, forward_exec) instead of forking an intermediate. 0: none
     helper: int = 0
@@ -170,10 +172,14 @@ def request_argv(req: Request) -> list[str]:
     if isinstance(req, Helper):
         return ["helper", str(len(req.cgroup_procs)), *req.cgroup_procs]
     if isinstance(req, Exec):
-        return ["exec", *((str(req.helper),) if req.helper else ()),
-                req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
-                *req.cgroup_procs, str(req.pids_index), req.home_procs, str(len(req.env)),
-                *req.env, "--", *req.argv]
+        if req.helper:
+            return ["exec", str(req.helper),
+                    req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
+                    *req.cgroup_procs, str(req.pids_index), req.home_procs, str(len(req.env)),
+                    *req.env, "--", *req.argv]
+        return ["exec", req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
+                *req.cgroup_procs, str(req.pids_index), req.home_procs, ":".join(req.hide),
+                str(len(req.env)), *req.env, "--", *req.argv]
     return []
 
 
