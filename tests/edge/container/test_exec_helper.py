@@ -201,3 +201,22 @@ async def test_exec_at_the_task_limit_still_gets_in(backend: ContainerBackend) -
     assert r.stdout == b"in\n", r
     # it was offered to the helper first, which could not fork: the per-exec path got in
     assert [getattr(q, "helper", None) for q in sent] == [box.helper, 0], sent
+
+
+async def test_an_exec_with_hide_never_goes_through_the_helper(
+        backend: ContainerBackend) -> None:
+    """Landlock (``ExecRequest.hide``) is applied on the per-exec path only: an exec
+    asking for it is never handed to the helper, and what it hides stays hidden."""
+    if not backend.supports_hide:
+        pytest.skip("no Landlock on this kernel")
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    await _helper_up(backend, sid)
+    sent = _spy(backend)
+    r = await backend.exec(sid, ExecRequest(shell="cat /etc/passwd", hide=("etc",)))
+    assert r.exit_code != 0 and b"root:" not in r.stdout
+    assert [getattr(q, "helper", None) for q in sent] == [0], sent
+    del sent[:]
+    r = await backend.exec(sid, ExecRequest(shell="cat /etc/passwd"))
+    assert b"root:" in r.stdout
+    assert [getattr(q, "helper", None) for q in sent] == [backend.box(sid).helper]
