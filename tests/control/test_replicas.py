@@ -168,3 +168,30 @@ async def test_a_quota_or_ceiling_set_on_one_replica_binds_the_other(
     with pytest.raises(QuotaExceeded):
         await b.service.create(cb, CreateSandboxRequest(project="lab/x"))
     assert node.live_count == 1
+
+
+async def test_a_sandbox_is_recorded_once_by_the_replica_that_created_it(
+        replicas: tuple[Replica, Replica, EdgeNode, str]) -> None:
+    """Replica B meets A's sandbox in the edge's listing before reading A's commit: it
+    holds A's stored record (listed, charged) and writes nothing of its own, so the
+    store gets one row write and one ``sandbox_added`` per create, not one per replica."""
+    a, b, node, key = replicas
+    ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
+    made = await a.service.create(ca, CreateSandboxRequest(labels={"once": "1"}))
+    a.plane.registry.flush()
+    before = b.plane.registry.version
+    await b.plane.poll_edges()                     # a full list: B discovers it
+    assert made.id in b.plane.registry
+    page, _ = b.service.directory.list_sandboxes(cb, project=None, labels={"once": "1"},
+                                                 state=None, after="", limit=10)
+    assert [i.id for i in page] == [made.id]
+    assert b.plane.registry.version == before      # no event of B's own
+    b.plane.registry.flush()
+    b.plane.registry.catch_up()                    # A's event: skipped, known already
+    added = [e for e in a.store.read_events(0, 100)
+             if e.kind == "sandbox_added" and e.sandbox_id == made.id]
+    assert len(added) == 1
+    # a pause B hears of from the edge is a change of B's: written once
+    await node.pause(made.id)
+    await b.plane.poll_edges()
+    assert b.plane.registry.sandbox(made.id).paused

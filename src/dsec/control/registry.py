@@ -39,6 +39,7 @@ import msgspec
 from dsec.control.quota import QuotaIndex
 from dsec.control.records import SandboxRecord
 from dsec.control.store import EventRow, SandboxRow, StateStore
+from dsec.control.sweeper import SESSION_LABEL
 from dsec.errors import Compacted, InvalidArgument, SandboxNotFound
 
 __all__ = ["Event", "EventKind", "Registry", "Watch"]
@@ -102,6 +103,10 @@ class Registry:
         # Sorted ids per project, for list pages in id order without sorting per call
         # (insort/remove is a memmove: ~10 us at 100k ids in one project).
         self._by_project: dict[str, list[str]] = {}
+        # Ids per session label (dsec.io/session): the sweeper visits the sessions that
+        # lapsed or closed and finds their sandboxes here, O(sessions + swept), instead
+        # of listing every sandbox of every edge each pass (see ControlPlane.sweep).
+        self._by_session: dict[str, set[str]] = {}
         for row in store.list_sandboxes():
             rec = SandboxRecord.from_dict(row.record)
             self._index(rec)
@@ -143,8 +148,18 @@ class Registry:
         self._sandboxes[rec.id] = rec
         self._by_node.setdefault(rec.node, set()).add(rec.id)
         bisect.insort(self._by_project.setdefault(rec.project, []), rec.id)
+        session = _session_of(rec)
+        if session is not None:
+            self._by_session.setdefault(session, set()).add(rec.id)
 
     def _unindex(self, rec: SandboxRecord) -> None:
+        session = _session_of(rec)
+        if session is not None:
+            held = self._by_session.get(session)
+            if held is not None:
+                held.discard(rec.id)
+                if not held:
+                    del self._by_session[session]
         ids = self._by_node.get(rec.node)
         if ids is not None:
             ids.discard(rec.id)
@@ -175,6 +190,22 @@ class Registry:
         summary.pop("spec", None)   # the row keeps the spec; events stay small
         return self.emit("sandbox_added", sandbox_id=rec.id, node_id=rec.node,
                          payload={"reason": reason, "record": summary})
+
+    def adopt(self, rec: SandboxRecord) -> None:
+        """Hold a sandbox whose record another writer already stored (its row and its
+        ``sandbox_added`` event are in the shared store: an apiserver replica created
+        it, and this one met it in an edge's listing before reading that replica's
+        commit). Indexed and charged here, nothing written: one record per sandbox,
+        written once, by the replica that served the create. ``catch_up`` then skips
+        its ``sandbox_added`` (known already). Measured (bench suite cluster, 2
+        replicas, PostgreSQL): when the other replica wrote such records again, as
+        ``add_sandbox`` does, its store writes doubled: every create was two row
+        upserts and two events."""
+        if rec.id in self._sandboxes:
+            raise InvalidArgument(f"sandbox {rec.id} is already in the registry")
+        if self.quota is not None:
+            self.quota.insert(rec)
+        self._index(rec)
 
     def set_paused(self, sandbox_id: str, paused: bool, *, reason: str = "") -> int:
         rec = self.sandbox(sandbox_id)
@@ -409,6 +440,14 @@ class Registry:
     def __contains__(self, sandbox_id: object) -> bool:
         return sandbox_id in self._sandboxes
 
+    def sessions(self) -> list[str]:
+        """Session ids (``dsec.io/session`` labels) that live sandboxes carry."""
+        return list(self._by_session)
+
+    def ids_of_session(self, session: str) -> list[str]:
+        """Ids of the live sandboxes labelled with ``session``, in id order."""
+        return sorted(self._by_session.get(session, ()))
+
     def projects(self) -> list[str]:
         """Projects that have at least one sandbox."""
         return list(self._by_project)
@@ -486,6 +525,10 @@ class Registry:
         while self._ring and self._ring[0].version < below:
             self._ring.popleft()
         return n
+
+
+def _session_of(rec: SandboxRecord) -> str | None:
+    return rec.spec.labels.get(SESSION_LABEL) if rec.spec is not None else None
 
 
 class Watch:
