@@ -385,7 +385,13 @@ class Registry:
         return applied
 
     def _is_own(self, version: int) -> bool:
-        return any(a <= version <= b for a, b in self._own)
+        # _own is in commit order (ascending, disjoint ranges): a bisect, not a scan.
+        # Measured (bench suite cluster, 2 replicas interleaving their batches): the
+        # scan per event read was 5% of a replica's CPU in py-spy at 50k live, the
+        # ranges piling up while the other replica's events were being read.
+        own = self._own
+        i = bisect.bisect_right(own, (version, _NO_END)) - 1
+        return i >= 0 and own[i][1] >= version
 
     def _apply(self, e: Event, rows: dict[str, SandboxRow]) -> None:
         """Reflect another writer's event (no new event, no row write: it wrote them)."""
@@ -525,6 +531,9 @@ class Registry:
         while self._ring and self._ring[0].version < below:
             self._ring.popleft()
         return n
+
+
+_NO_END = 1 << 62     # sorts after every version (see Registry._is_own)
 
 
 def _session_of(rec: SandboxRecord) -> str | None:

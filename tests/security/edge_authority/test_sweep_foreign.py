@@ -32,7 +32,8 @@ class _Link:
         res = Resources(cpu_milli=1000, memory_bytes=1 << 30, sandboxes=100)
         return Heartbeat(node="x", time=2.0, capacity=res, usage=res, counts={},
                          backends=["simulated"], sandboxes=[
-                             SandboxBrief(i.id, i.state, "p", 0, 0, 0) for i in self.infos])
+                             SandboxBrief(i.id, i.state, "p", 0, 0, 0)
+                             for i in sorted(self.infos, key=lambda i: i.id)])
 
     async def feed(self, after: int = 0, limit: int = 1000, **kw: Any) -> EventFeed:
         return EventFeed(events=[], next=0)

@@ -110,6 +110,7 @@ from dsec.errors import (
     NotFound,
     PermissionDenied,
     QuotaExceeded,
+    RemoteProtocolError,
     SandboxNotFound,
     Timeout,
     Unavailable,
@@ -133,6 +134,7 @@ from dsec.wire.api import (
 )
 from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
     SandboxEvent,
     SandboxInfo,
@@ -162,17 +164,19 @@ class PlaneConfig:
     # polling of the others, nor delay its own expiry.
     poll_timeout_s: float = 5.0
     # How often a poll asks an edge for its whole sandbox list (what reconciles the
-    # registry with the edge, and how a replica learns sandboxes another replica made:
-    # they show in its list and count in its quota index only from then on). In
-    # between, a poll takes the light heartbeat (usage, counts) and the event feed, and
-    # keeps the last list minus what the feed says ended: O(changes), not O(sandboxes).
-    # 0: at every poll (the default, as before). Measured (bench suite cluster, 50
-    # edges, 2 replicas, SQLite): listing at every 1 s poll made polling 34% of a
-    # replica's CPU at 100k live sandboxes and the create rate fell from ~1,300/s
-    # (10k-50k live) to ~300/s (50k-100k); `dsec apiserver --sandbox-list-interval`.
-    # Raise the default once replicas learn each other's creates from the store
-    # (PostgreSQL LISTEN/NOTIFY, issue 16) rather than from edge lists.
-    sandbox_list_interval_s: float = 0.0
+    # registry with the edge: feed events it lost, deaths racing their create, sandboxes
+    # nobody recorded, which the sweeper then finds in quarantine). In between, a poll
+    # takes the light heartbeat (usage, counts) and the event feed, and keeps the last
+    # list minus what the feed says ended: O(changes), not O(sandboxes). Another
+    # replica's sandboxes do not wait for it: the store watch applies them
+    # (Registry.catch_up: at once with PostgreSQL's push, within store_poll_s on SQLite).
+    # 0: at every poll. Measured (bench suite cluster, 50 edges, 2 replicas): listing
+    # at every 1 s poll made polling 34% of a replica's CPU at 100k live sandboxes and
+    # the create rate fell from ~1,300/s (10k-50k live) to ~300/s (50k-100k); with 5 s
+    # a full list is one poll in five and its share a fifth (py-spy, 10k-50k live,
+    # 20 edges: _reconcile 10% -> see docs/benchmarks.md "cluster").
+    # `dsec apiserver --sandbox-list-interval`.
+    sandbox_list_interval_s: float = 5.0
     sweep_interval_s: float = 5.0
     unknown_session_grace_s: float = 180.0
     session_retention_s: float = 86_400.0  # a lapsed session's row is kept (renewable) this long
@@ -213,6 +217,12 @@ class PlaneConfig:
     # than at the next heartbeat tick. None: only at ticks (and full batches). Each flush
     # is one store round trip on the event loop: 10 ms bounds it to 100 a second.
     flush_delay_s: float | None = 0.01
+    # The most sandboxes one edge's list may hold (read a page of MAX_LIST_PAGE at a
+    # time): an edge is a network peer, and one that claims more is refused (held as
+    # answering wrongly, see ControlPlane._whole_list) instead of costing every
+    # replica unbounded work. None: no cap.
+    max_listed_per_node: int | None = 500_000
+    list_page: int = MAX_LIST_PAGE         # sandboxes per page of an edge's list (1..max)
 
 
 class IamAuthority:
@@ -290,6 +300,10 @@ class ControlPlane:
     ceiling: Ceiling = field(default_factory=Ceiling)   # refuses what no node could hold
     watcher: Watcher = field(default_factory=Watcher)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # each edge's poll in flight (the heartbeat loop), and when it started (loop time)
+    _polling: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _group_commit: asyncio.Future[None] | None = None    # the next shared flush (durable)
+    _poll_started: dict[str, float] = field(default_factory=dict)
     _pending: int = 0
     _started_at: float = 0.0     # since when the sweeper has watched without a break
     _last_sweep: float = 0.0
@@ -834,14 +848,30 @@ class ControlPlane:
         Bounded: a store that neither answers nor fails within ``timeout_s`` (a frozen
         server on a Unix socket) raises Unavailable rather than hold the create; the
         flush goes on in the background (never cancelled mid-commit) and the batch
-        stays queued until it lands."""
-        flush = asyncio.ensure_future(self.registry.flush_async())
-        done, _ = await asyncio.wait({flush}, timeout=timeout_s)
+        stays queued until it lands.
+
+        Group commit: every caller that arrives before the next flush has taken its
+        batch shares that one flush (one task, one transaction), so the work per
+        create does not grow with the creates in flight. Measured (bench suite
+        cluster, create_many of 256, 2 replicas, PostgreSQL): a flush task and a wait
+        per create were 19% of a replica's CPU in py-spy."""
+        group = self._group_commit
+        if group is None or group.done():
+            group = self._group_commit = asyncio.ensure_future(self._group_flush())
+            group.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done, _ = await asyncio.wait({group}, timeout=timeout_s)
         if not done:
-            flush.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise Unavailable(f"the state store did not commit within {timeout_s:g} s; "
                               "the record is kept and retried")
-        flush.result()
+        group.result()
+
+    async def _group_flush(self) -> None:
+        await asyncio.sleep(0)     # the callers of this loop pass join this flush
+        self._group_commit = None  # later callers wait for the next one
+        flush = asyncio.ensure_future(self.registry.flush_async())
+        # never cancelled mid-commit: an abandoned group still lands its batch
+        flush.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await asyncio.shield(flush)
 
     def _record(self, info: SandboxInfo, reason: str = "created") -> None:
         spec = stored(info.spec)
@@ -1106,14 +1136,17 @@ class ControlPlane:
             self._tasks.append(asyncio.create_task(self._flush_loop(), name="dsec-flush"))
         await self.poll_edges()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dsec-heartbeats"))
+        self._tasks.append(asyncio.create_task(self._expiry_loop(), name="dsec-expiry"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="dsec-sweeper"))
         self._tasks.append(asyncio.create_task(self._retention_loop(), name="dsec-retention"))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        polls = list(self._polling.values())
+        for t in [*self._tasks, *polls]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *polls, return_exceptions=True)
         self._tasks.clear()
+        self._polling.clear()
         try:
             self.registry.flush()
         except Exception:
@@ -1227,15 +1260,19 @@ class ControlPlane:
                 return
             full = self.clock() - e.listed_at >= self.config.sandbox_list_interval_s
             hb = await link.heartbeat(include_sandboxes=full, timeout=t,
-                                      images_gen=e.images_gen if e.heartbeat else None)
+                                      images_gen=e.images_gen if e.heartbeat else None,
+                                      **self._first_page)
             if hb.feed_seq < e.feed_after:
                 # The edge restarted: its feed numbering started over, and what it holds
                 # now is only known from a full list.
                 e.feed_after = 0
                 if not full:
                     full = True
-                    hb = await link.heartbeat(include_sandboxes=True, timeout=t)
-            feed = await link.feed(e.feed_after, 10_000, timeout=t)
+                    hb = await link.heartbeat(include_sandboxes=True, timeout=t,
+                                              **self._first_page)
+            if full:
+                hb = await self._whole_list(e.node, link, hb, t)
+            feed = await link.feed(e.feed_after, MAX_FEED_EVENTS, timeout=t)
         except DsecError as exc:
             now = loop.time()
             conn = getattr(link, "conn", None)
@@ -1291,6 +1328,45 @@ class ControlPlane:
                     pass
         if hb.sandboxes is not None:
             await self._reconcile(e, link, hb, listed)
+
+    async def _whole_list(self, node: str, link: Any, hb: Any, t: float) -> Any:
+        """``hb`` with the node's whole sandbox list: the first page is ``hb``'s, the
+        others are asked for (ids after the last one seen, MAX_LIST_PAGE at a time).
+        Bounded whatever the edge says: a page is at most MAX_LIST_PAGE (refused at
+        its array header otherwise: wire.node), strictly ascending after its cursor,
+        and a list longer than ``max_listed_per_node`` is refused; each refusal is a
+        RemoteProtocolError, which holds the node as one that answers wrongly
+        (unreachable, its sandboxes kept) rather than silent."""
+        page_size = max(1, min(self.config.list_page, MAX_LIST_PAGE))
+        briefs = list(hb.sandboxes or ())
+        _check_page(node, briefs, "", page_size)
+        more = hb.list_more
+        cap = self.config.max_listed_per_node
+        while more:
+            if cap is not None and len(briefs) >= cap:
+                raise RemoteProtocolError(
+                    f"edge {node} lists more than {cap} sandboxes (max_listed_per_node); "
+                    "refused: raise PlaneConfig.max_listed_per_node if a node really "
+                    "holds that many", node=node, limit=cap)
+            after = briefs[-1].id if briefs else ""
+            page = await link.heartbeat(include_sandboxes=True, list_after=after,
+                                        list_limit=page_size, images_gen=hb.images_gen,
+                                        timeout=t)
+            got = list(page.sandboxes or ())
+            if not got:
+                raise RemoteProtocolError(f"edge {node} said more sandboxes follow "
+                                          f"{after!r} and listed none", node=node)
+            _check_page(node, got, after, page_size)
+            briefs += got
+            more = page.list_more
+        return msgspec.structs.replace(hb, sandboxes=briefs, list_more=False)
+
+    @property
+    def _first_page(self) -> dict[str, int]:
+        # the edge's default page is MAX_LIST_PAGE: only a smaller one is asked for (so
+        # links that predate paging, and test doubles of them, are called as before)
+        size = self.config.list_page
+        return {} if size >= MAX_LIST_PAGE else {"list_limit": max(1, size)}
 
     def _follow_feed(self, e: EdgeEntry, feed: Any) -> None:
         """Between full lists: the last list minus the sandboxes the feed says ended,
@@ -1551,12 +1627,78 @@ class ControlPlane:
         self.registry.flush()
 
     async def _heartbeat_loop(self) -> None:
+        """Every ``heartbeat_interval_s``, poll each edge whose previous poll is over.
+        Each edge on its own: one that hangs (a partition: no reset, no answer) holds
+        up only its own next poll, not the others' (as one gather of every poll did,
+        for up to ``poll_timeout_s``), and expiry has its own timer
+        (:meth:`_expiry_loop`)."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             try:
-                await self.tick()
+                self._start_polls()
+                if self.config.flush_delay_s is None:
+                    self.registry.flush()
             except Exception:
                 log.exception("edge poll failed")
+
+    def _start_polls(self) -> None:
+        loop = asyncio.get_running_loop()
+        for e in list(self.edges.values()):
+            task = self._polling.get(e.node)
+            if task is None or task.done():
+                self._poll_started[e.node] = loop.time()
+                self._polling[e.node] = asyncio.create_task(
+                    self._poll_logged(e), name=f"dsec-poll-{e.node}")
+
+    async def _poll_logged(self, e: EdgeEntry) -> None:
+        try:
+            await self._poll(e)
+        except Exception:
+            log.exception("poll of edge %s failed", e.node)
+
+    async def _expiry_loop(self) -> None:
+        """Expire silent nodes when they are due (the watcher's next deadline), not at
+        the next poll round. Measured (a partitioned edge: its poll hangs until
+        ``poll_timeout_s``; node_ttl_s 3 s): node loss was declared 5.3 s after the cut
+        (bench cluster_partition_resurrected loss_s) when expiry waited for every poll
+        of the round; with this timer it is at most ``node_ttl_s`` after the edge's
+        last answer (tests/control/test_expiry_timer.py)."""
+        interval = self.config.heartbeat_interval_s
+        while True:
+            due = self.watcher.next_expiry()
+            delay = interval if due is None else min(max(due - self.clock(), 0.0), interval)
+            await asyncio.sleep(delay + 0.001)
+            try:
+                await self._expire()
+            except Exception:
+                log.exception("expiring silent nodes failed")
+
+    async def _expire(self) -> None:
+        """One expiry round: a node past its TTL whose poll is still in flight is held
+        instead when that poll is not silence (its link carried other replies, or this
+        loop was stalled, or whoever runs it holds it: see :meth:`_poll_failed`); the
+        others are expired."""
+        now = self.clock()
+        loop = asyncio.get_running_loop()
+        for node in self.watcher.expiring(now):
+            task = self._polling.get(node)
+            e = self.edges.get(node)
+            if e is None or task is None or task.done():
+                continue
+            started = self._poll_started.get(node, loop.time())
+            conn = getattr(e.link, "conn", None)
+            heard = conn is not None and getattr(conn, "last_received", 0.0) > started
+            t = loop.time()
+            stalls = self._stalls
+            stalled = (stalls is not None and stalls.stalled(started, t)
+                       >= min(self.config.poll_timeout_s, t - started) / 2)
+            cause: Any = ("answered" if heard else "blind" if stalled or now < e.held_until
+                          else None)
+            if cause is not None:
+                await self._carry_out(self.watcher.handle(LinkFailed(
+                    node=node, time=now, cause=cause,
+                    detail="its poll is still in flight (busy, held)")))
+        await self._carry_out(self.watcher.handle(Tick(now)))
 
     async def sweep(self) -> list[tuple[str, str]]:
         """One sweeper pass (also called by tests): returns what it destroyed.
@@ -1729,6 +1871,22 @@ _FOREIGN_LOG_S = 60.0
 # Edge lookups a reconcile sends at once (each is one pipelined Aether call; a restarted
 # apiserver may discover thousands of sandboxes in its first poll of an edge).
 _PROBES_AT_ONCE = 256
+
+
+def _check_page(node: str, briefs: list[Any], after: str, limit: int) -> None:
+    """A page of an edge's sandbox list holds at most ``limit`` sandboxes, in strictly ascending id order after its
+    cursor (else paging could loop, or a list repeat ids): RemoteProtocolError."""
+    if len(briefs) > limit:
+        raise RemoteProtocolError(f"edge {node} sent a page of {len(briefs)} sandboxes "
+                                  f"when asked for {limit}", node=node, limit=limit)
+    prev = after
+    for b in briefs:
+        if not b.id > prev:
+            raise RemoteProtocolError(
+                f"edge {node} listed sandbox {b.id[:80]!r} after {prev[:80]!r}: a page "
+                "of its sandbox list must be in ascending id order after its cursor",
+                node=node)
+        prev = b.id
 
 
 def _info_of(rec: SandboxRecord) -> SandboxInfo:
