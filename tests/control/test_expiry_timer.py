@@ -15,6 +15,7 @@ from typing import Any
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.metrics import ApiMetrics
 from dsec.control.store.sqlite import SqliteStore
+from dsec.errors import Timeout
 from dsec.wire.node import EventFeed, Heartbeat, Resources
 
 
@@ -35,9 +36,12 @@ class _Link:
         self.heartbeats = 0
         self.conn = _Conn() if chatty else None
 
-    async def heartbeat(self, **kw: Any) -> Heartbeat:
-        if self.hang.is_set():
-            await asyncio.Event().wait()
+    async def heartbeat(self, *, timeout: float | None = None, **kw: Any) -> Heartbeat:
+        if self.hang.is_set():      # no answer: the call's deadline passes, as on a link
+            try:
+                await asyncio.wait_for(asyncio.Event().wait(), timeout)
+            except TimeoutError:
+                raise Timeout(f"edge {self.node} did not answer within {timeout}s") from None
         self.heartbeats += 1
         res = Resources(cpu_milli=1000, memory_bytes=1 << 30, sandboxes=100)
         return Heartbeat(node=self.node, time=time.time(), capacity=res, usage=Resources(),

@@ -67,8 +67,8 @@ class ScaleConfig:
     samples: int = 40                  # calls per latency figure
     profile_s: float = 0.0             # >0: py-spy record replica 0 this long while filling
     # `dsec apiserver --sandbox-list-interval`: full edge lists at most this often
-    # (PlaneConfig.sandbox_list_interval_s; 0 = at every poll, the default)
-    list_interval_s: float = 10.0
+    # (PlaneConfig.sandbox_list_interval_s, whose default this is; 0 = at every poll)
+    list_interval_s: float = 5.0
 
 
 QUICK = ScaleConfig(edges=10, per_edge=300, edges_per_process=5, levels=(500, 1_500, 3_000),

@@ -42,7 +42,7 @@ from dsec.control.store import EventRow, SandboxRow, StateStore
 from dsec.control.sweeper import SESSION_LABEL
 from dsec.errors import Compacted, InvalidArgument, SandboxNotFound
 
-__all__ = ["Event", "EventKind", "Registry", "Watch"]
+__all__ = ["Event", "EventKind", "Registry", "Watch", "brief_hash"]
 
 log = logging.getLogger("dsec.registry")
 
@@ -107,6 +107,8 @@ class Registry:
         # lapsed or closed and finds their sandboxes here, O(sessions + swept), instead
         # of listing every sandbox of every edge each pass (see ControlPlane.sweep).
         self._by_session: dict[str, set[str]] = {}
+        # Per node: (records, XOR of brief_hash(id, paused)), kept with every change.
+        self._digests: dict[str, tuple[int, int]] = {}
         for row in store.list_sandboxes():
             rec = SandboxRecord.from_dict(row.record)
             self._index(rec)
@@ -146,13 +148,21 @@ class Registry:
 
     def _index(self, rec: SandboxRecord) -> None:
         self._sandboxes[rec.id] = rec
+        self._toggle(rec)
         self._by_node.setdefault(rec.node, set()).add(rec.id)
         bisect.insort(self._by_project.setdefault(rec.project, []), rec.id)
         session = _session_of(rec)
         if session is not None:
             self._by_session.setdefault(session, set()).add(rec.id)
 
+    def _toggle(self, rec: SandboxRecord) -> None:
+        """Add ``rec`` to its node's digest, or take it out (XOR is its own inverse)."""
+        count, x = self._digests.get(rec.node, (0, 0))
+        there = rec.id in self._by_node.get(rec.node, ())
+        self._digests[rec.node] = (count + (-1 if there else 1), x ^ brief_hash(rec.id, rec.paused))
+
     def _unindex(self, rec: SandboxRecord) -> None:
+        self._toggle(rec)
         session = _session_of(rec)
         if session is not None:
             held = self._by_session.get(session)
@@ -213,6 +223,7 @@ class Registry:
             return self._version
         if self.quota is not None:
             self.quota.set_paused(sandbox_id, paused)
+        self._repaused(rec, paused)
         rec = msgspec.structs.replace(rec, paused=paused)
         self._sandboxes[sandbox_id] = rec
         self._put(rec)
@@ -421,6 +432,7 @@ class Registry:
                 return
             if self.quota is not None:
                 self.quota.set_paused(sid, paused)
+            self._repaused(known, paused)
             self._sandboxes[sid] = msgspec.structs.replace(known, paused=paused)
 
     # --- reads --------------------------------------------------------------------------
@@ -445,6 +457,17 @@ class Registry:
 
     def __contains__(self, sandbox_id: object) -> bool:
         return sandbox_id in self._sandboxes
+
+    def _repaused(self, rec: SandboxRecord, paused: bool) -> None:
+        count, x = self._digests[rec.node]
+        self._digests[rec.node] = (count, x ^ brief_hash(rec.id, rec.paused)
+                                   ^ brief_hash(rec.id, paused))
+
+    def node_digest(self, node: str) -> tuple[int, int]:
+        """(how many, XOR of :func:`brief_hash`) of the records on ``node``: an edge's
+        list with the same digest holds exactly these sandboxes in these pause states,
+        and reconciling it can be skipped (see ControlPlane._poll)."""
+        return self._digests.get(node, (0, 0))
 
     def sessions(self) -> list[str]:
         """Session ids (``dsec.io/session`` labels) that live sandboxes carry."""
@@ -531,6 +554,12 @@ class Registry:
         while self._ring and self._ring[0].version < below:
             self._ring.popleft()
         return n
+
+
+def brief_hash(sandbox_id: str, paused: bool) -> int:
+    """One sandbox's share of a node digest (Registry.node_digest). Python's string hash
+    is salted per process, so an edge cannot choose ids whose shares cancel out."""
+    return hash((sandbox_id, paused))
 
 
 _NO_END = 1 << 62     # sorts after every version (see Registry._is_own)
