@@ -826,8 +826,9 @@ def _exec_req(cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                               f"not {type(cmd).__name__}")
     data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
     req = ExecRequest(argv=argv, shell=shell, env=dict(env or {}), cwd=cwd, user=user,
-                      stdin=data, timeout_s=timeout, background=background,
-                      **({"output_cap_bytes": output_cap} if output_cap is not None else {}))
+                      stdin=data, timeout_s=timeout, background=background)
+    if output_cap is not None:      # left out otherwise: the default stays the default
+        req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
     return req.validate()
 
 

@@ -1046,8 +1046,14 @@ class EdgeNode:
 
     # ================================================================ pause / resume
     async def pause(self, sandbox_id: str) -> PauseStats:
-        """Freeze the sandbox and give back its memory (backend-dependent)."""
+        """Freeze the sandbox and give back its memory (backend-dependent). Idempotent
+        like :meth:`resume`: a sandbox already paused (an idle pause, another caller's)
+        is success with nothing more given back; one in flight is waited for first."""
         rec = self._find(sandbox_id)
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state == "paused":
+            return PauseStats()
         self._move(rec, "pause", "requested")
         rec.busy = asyncio.get_running_loop().create_future()
         try:
@@ -1068,8 +1074,15 @@ class EdgeNode:
         return stats
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Make the sandbox running. Idempotent: a sandbox that is already running (an
+        exec resumed it transparently, another caller resumed it first) is success, so
+        a trainer resuming every sandbox of a preempted rollout never fails on the few a
+        stray exec woke (issue 18). A pause or resume in flight is waited for first."""
         rec = self._find(sandbox_id)
-        await self._resume(rec, "requested")
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state != "running":
+            await self._resume(rec, "requested")
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:
@@ -1227,9 +1240,21 @@ class EdgeNode:
             rec.cut.pop(task, None)
 
     # ================================================================ exec
+    @staticmethod
+    def _check_hide(rec: _Sandbox) -> None:
+        """``ExecRequest.hide`` is a security promise: refuse it where no Landlock layer
+        keeps it, rather than run the command unconfined."""
+        if not getattr(rec.backend, "supports_hide", False):
+            raise InvalidArgument(
+                f"sandbox {rec.id} runs on the {rec.spec.backend!r} backend, which cannot "
+                "hide paths from a command (exec hide needs the container backend's native "
+                "runtime and a kernel with Landlock)", field="hide", sandbox_id=rec.id)
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
+        if req.hide:
+            self._check_hide(rec)
         room = self.config.max_reply_output_bytes
         if req.output_cap_bytes > room:
             # more would be collected only to fail as too large for one reply: keep what
@@ -1302,6 +1327,8 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
+        if req.hide:
+            self._check_hide(rec)
         if rec.state != "running":
             await self._ready(rec, "exec")
         self._admit_exec(rec)

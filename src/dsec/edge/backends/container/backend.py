@@ -1193,6 +1193,12 @@ class ContainerBackend:
             if not task.done():
                 task.cancel()
 
+    @property
+    def supports_hide(self) -> bool:
+        """``ExecRequest.hide`` is kept: native runtime (nsexec applies Landlock before
+        execve) on a kernel with Landlock."""
+        return self._runc is None and linux.landlock_abi() > 0
+
     async def _exec(self, sid: str, req: ExecRequest,
                     on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         box = self.box(sid)
@@ -1205,6 +1211,9 @@ class ContainerBackend:
             # the sandbox's defaults (the image config's, or the create's) under the exec's
             req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
                                           user=req.user or box.spec.user)
+        if req.hide and self._runc is not None:
+            raise InvalidArgument("exec hide (Landlock) needs the native container runtime; "
+                                  "this edge runs containers with runc", field="hide")
         try:
             if self._runc is not None:
                 return await self._runc_exec(box, req, argv, env, on_chunk)
@@ -1265,7 +1274,8 @@ class ContainerBackend:
                 Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
                      cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
                      background=req.background, userns=box.spec.user_namespace,
-                     pids_index=target.pids_index, home_procs=self.governor.home_procs()),
+                     pids_index=target.pids_index, home_procs=self.governor.home_procs(),
+                     hide=req.hide),
                 send_fds, on_reply)
         except BaseException:
             for fd in local:
