@@ -863,21 +863,26 @@ class ControlPlane:
         4-8% (the next runs of the same bench, loaded machine)."""
         group = self._group_commit
         if group is None or group.done():
-            group = self._group_commit = asyncio.ensure_future(self._group_flush())
+            group = self._group_commit = asyncio.ensure_future(self._group_flush(timeout_s))
             group.add_done_callback(lambda f: f.cancelled() or f.exception())
-        done, _ = await asyncio.wait({group}, timeout=timeout_s)
-        if not done:
-            raise Unavailable(f"the state store did not commit within {timeout_s:g} s; "
-                              "the record is kept and retried")
-        group.result()
+        # Each caller awaits the shared future (shielded: a caller cancelled leaves the
+        # flush to the others); the timeout is the group's, once. asyncio.wait with a
+        # timeout per caller (a timer, a callback added to and scanned out of the shared
+        # future's list) was 24% of a replica's py-spy samples at 100k live; measured in
+        # one run with 4,096 callers: 11-12 us per caller that way, 5 us shielded.
+        await asyncio.shield(group)
 
-    async def _group_flush(self) -> None:
+    async def _group_flush(self, timeout_s: float) -> None:
         await asyncio.sleep(0)     # the callers of this loop pass join this flush
         self._group_commit = None  # later callers wait for the next one
         flush = asyncio.ensure_future(self.registry.flush_async())
         # never cancelled mid-commit: an abandoned group still lands its batch
         flush.add_done_callback(lambda f: f.cancelled() or f.exception())
-        await asyncio.shield(flush)
+        done, _ = await asyncio.wait({flush}, timeout=timeout_s)
+        if not done:
+            raise Unavailable(f"the state store did not commit within {timeout_s:g} s; "
+                              "the record is kept and retried")
+        flush.result()
 
     def _record(self, info: SandboxInfo, reason: str = "created") -> None:
         spec = stored(info.spec)
