@@ -10,7 +10,7 @@ from typing import Any
 
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import open_store
 from dsec.edge.client import EdgeClient
 from dsec.wire.spec import SandboxSpec
 from tests.control.conftest import FakeClock, served_edge
@@ -31,9 +31,10 @@ class CountingLink:
         return getattr(self._link, name)
 
 
-async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path) -> None:
+async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path,
+                                                                store_url: str) -> None:
     clock = FakeClock()
-    store = SqliteStore(tmp_path / "control.sqlite")
+    store = open_store(store_url)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock,
                               config=PlaneConfig(sandbox_list_interval_s=60.0))
     async with served_edge(tmp_path, node="e0") as edge:
@@ -74,12 +75,13 @@ async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path) 
             store.close()
 
 
-async def test_default_lists_every_5_s_and_0_at_every_poll(tmp_path: Path) -> None:
+async def test_default_lists_every_5_s_and_0_at_every_poll(tmp_path: Path,
+                                                           store_url: str) -> None:
     """The default: a full list at the first poll, then light polls until 5 s passed
     (another replica's sandboxes come from the store watch, not from these lists);
     0 lists at every poll."""
     clock = FakeClock()
-    store = SqliteStore(tmp_path / "control.sqlite")
+    store = open_store(store_url)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock)
     every = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock,
                               config=PlaneConfig(sandbox_list_interval_s=0.0))
