@@ -197,7 +197,8 @@ class Worker:
                 over["backend"] = self.cfg.backend
             self._engine_obj = RolloutEngine(
                 ClientSandboxes(self.client, spec_overrides=over), policy,
-                EngineConfig(max_concurrent_episodes=self.cfg.concurrency))
+                EngineConfig(max_concurrent_episodes=self.cfg.concurrency,
+                             tool_format=policy.tool_format))
             self._policy = policy
         return self._engine_obj
 
