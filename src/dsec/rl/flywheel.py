@@ -88,12 +88,17 @@ class TaskProposal(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if len(self.answer_files) > MAX_ANSWER_FILES:
             raise InvalidArgument(f"proposal {self.id}: {len(self.answer_files)} answer files, "
                                   f"over the limit of {MAX_ANSWER_FILES}")
+        verify = {a.replace("{hidden}", HIDDEN_ROOT) for a in self.verify}
         for p in self.answer_files:
             if not _relative_inside(p):
                 raise InvalidArgument(
                     f"proposal {self.id}: answer file {p[:200]!r} must be a path relative to "
                     f"{ANSWER_ROOT} without '..' (e.g. 'answer' for {ANSWER_ROOT}/answer); "
                     "the judge carries answers into that directory only")
+            if f"{ANSWER_ROOT}/{p}" in verify:
+                raise InvalidArgument(
+                    f"proposal {self.id}: answer file {p!r} is also an argument of the "
+                    "verifier: the solver would write the verifier's own script")
 
 
 def parse_proposals(reply: Message, *, tool_format: ToolFormat) -> list[TaskProposal]:

@@ -123,3 +123,30 @@ async def test_every_tool_acts_as_the_configured_user(aclient: AsyncClient) -> N
         assert out.observation == "nobody\nho\n[exit 0]", out
     finally:
         await sbx.destroy(sid)
+
+
+class _NoExec:
+    """Every operation fails the test: nothing may be sent."""
+
+    async def exec(self, sid: str, req: object) -> None:
+        raise AssertionError(f"sent {req!r}")
+
+    async def write_file(self, sid: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        raise AssertionError("file API")
+
+    async def mkdir(self, sid: str, path: str) -> None:
+        raise AssertionError("file API")
+
+    async def read_file(self, sid: str, path: str, *, length: int | None = None) -> bytes:
+        raise AssertionError("file API")
+
+
+async def test_an_oversized_file_tool_call_is_the_agents_error_not_infra() -> None:
+    """As a confined command, a write past ExecRequest's stdin limit (8 MiB) or a path past
+    an argument's limit is an observation error; it must not end the episode as an
+    infrastructure failure."""
+    cfg = ToolConfig(user="nobody")
+    out = await run_action(_NoExec(), "sb", WriteFile(path="a", content="x" * (9 << 20)), cfg)
+    assert out.error == "bad_arguments" and "stdin" in out.observation, out.observation[:300]
+    out = await run_action(_NoExec(), "sb", ReadFile(path="a" * (200 << 10)), cfg)
+    assert out.error == "bad_arguments", out.observation[:300]

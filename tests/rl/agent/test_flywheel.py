@@ -83,6 +83,14 @@ def test_proposals_are_checked() -> None:
     bad = [dict(ex.PROPOSALS[0], id="../etc")]
     with pytest.raises(InvalidArgument, match="id"):
         parse_proposals(reply(json.dumps(bad)), tool_format="openai")
+    for files in (["/workspace/answer"], ["../opt/dsec-hidden/test.sh"], ["a/./b"], [""]):
+        bad = [dict(ex.PROPOSALS[0], answer_files=files)]     # red17 F7
+        with pytest.raises(InvalidArgument, match="relative to /workspace"):
+            parse_proposals(reply(json.dumps(bad)), tool_format="openai")
+    bad = [dict(ex.PROPOSALS[0], verify=["/bin/sh", "/workspace/check.sh"],
+                answer_files=["check.sh"])]
+    with pytest.raises(InvalidArgument, match="verifier"):
+        parse_proposals(reply(json.dumps(bad)), tool_format="openai")
     bad = [dict(ex.PROPOSALS[0], tests={"/abs": "x"})]
     with pytest.raises(InvalidArgument, match="relative"):
         parse_proposals(reply(json.dumps(bad)), tool_format="openai")

@@ -166,9 +166,12 @@ async def _confined(sb: ToolSandbox, sid: str, cfg: ToolConfig, argv: tuple[str,
                     stdin: bytes = b"", cap: int = 1 << 20) -> ExecResult | ToolOutcome:
     """A file operation as a command with the agent's identity: ``cfg.user``, under
     ``cfg.hide`` (exactly what its bash may reach)."""
-    res = await sb.exec(sid, ExecRequest(argv=argv, stdin=stdin, cwd=cfg.workdir,
-                                         user=cfg.user, hide=cfg.hide, output_cap_bytes=cap,
-                                         timeout_s=cfg.command_timeout_s))
+    try:
+        req = ExecRequest(argv=argv, stdin=stdin, cwd=cfg.workdir, user=cfg.user,
+                          hide=cfg.hide, output_cap_bytes=cap, timeout_s=cfg.command_timeout_s)
+    except InvalidArgument as exc:     # the agent's path or content is over a limit
+        return ToolOutcome(f"{argv[-1][:200]}: refused: {exc.message}", error="bad_arguments")
+    res = await sb.exec(sid, req)
     if res.exit_code != 0 or res.timed_out:
         why = res.stderr.decode("utf-8", "replace").strip() or f"exit {res.exit_code}"
         return ToolOutcome(f"{argv[-1]}: {why[:300]}", error="file_error")
