@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from dsec.errors import InvalidArgument, Unavailable
+from dsec.errors import InvalidArgument, RemoteProtocolError, Unavailable
 from dsec.rl.agent.policy import OpenAIPolicy, PolicyConfig, SamplingParams
-from dsec.rl.agent.scripted import ScriptedEndpoint
+from dsec.rl.agent.scripted import ScriptedEndpoint, ScriptedTurn
 from dsec.rl.agent.tools import decode_action, parse_reply
 from dsec.rl.agent.types import Message
 
@@ -127,3 +127,23 @@ async def test_endpoint_in_a_child_process() -> None:
             await pol.close()
         proc = ep._proc
     assert proc.returncode is not None                    # stopped with the block
+
+
+async def test_a_runaway_reply_is_refused_while_read() -> None:
+    """A reply over max_reply_bytes is a RemoteProtocolError (the engine masks the
+    episode), not a history that grows without bound."""
+    big = {"big": lambda msgs: ScriptedTurn(text="x" * (3 << 20))}
+    with ScriptedEndpoint(policies=big) as ep:
+        pol = OpenAIPolicy(_cfg(ep, model="big", max_reply_bytes=1 << 20, logprobs=False,
+                                return_token_ids=False))
+        try:
+            with pytest.raises(RemoteProtocolError, match="max_reply_bytes"):
+                await pol.act([Message(role="user", content="go")])
+        finally:
+            await pol.close()
+        pol = OpenAIPolicy(_cfg(ep, model="big", logprobs=False, return_token_ids=False))
+        try:
+            assert len((await pol.act([Message(role="user", content="go")])).content or "") \
+                == 3 << 20
+        finally:
+            await pol.close()

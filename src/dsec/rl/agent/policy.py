@@ -92,6 +92,11 @@ class PolicyConfig:
     tool_format: ToolFormat = "openai"
     tools: tuple[str, ...] = TOOL_NAMES
     system_prompt: str | None = None       # prepended to every episode (hermes: + schemas)
+    # A reply body larger than this is refused (RemoteProtocolError) while it is read: a
+    # reply joins every later prompt of the episode, so one runaway reply must not grow
+    # the history (and the trainer's memory) without bound. 32k tokens with logprobs are
+    # ~4 MiB of JSON.
+    max_reply_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         if not re.match(r"^https?://", self.base_url):
@@ -106,6 +111,8 @@ class PolicyConfig:
             raise InvalidArgument(f"timeout_s={self.timeout_s} must be > 0")
         if self.max_retries < 0:
             raise InvalidArgument(f"max_retries={self.max_retries} must be >= 0")
+        if self.max_reply_bytes < 1024:
+            raise InvalidArgument(f"max_reply_bytes={self.max_reply_bytes} must be >= 1024")
 
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
@@ -226,7 +233,7 @@ class OpenAIPolicy:
                         **kw, **extra}
                 rep = await client.post("/chat/completions", body=body,
                                         cast_to=httpx.Response)
-                raw = await rep.aread()
+                raw = await self._read_capped(rep)
             except httpx.TimeoutException as exc:     # reading the body, after openai
                 raise RequestTimeout(f"model endpoint {cfg.base_url} stalled sending its "
                                      f"reply (timeout {cfg.timeout_s}s)") from exc
@@ -248,6 +255,22 @@ class OpenAIPolicy:
                 raise InvalidArgument(f"model endpoint {cfg.base_url} refused the request "
                                       f"({exc.status_code}): {exc.message}") from exc
         return self._message(raw)
+
+    async def _read_capped(self, rep: httpx.Response) -> bytes:
+        cap = self.config.max_reply_bytes
+        parts: list[bytes] = []
+        got = 0
+        try:
+            async for chunk in rep.aiter_bytes():
+                got += len(chunk)
+                if got > cap:
+                    raise RemoteProtocolError(
+                        f"model endpoint {self.config.base_url} sent a reply over "
+                        f"max_reply_bytes={cap}; lower max_tokens or raise max_reply_bytes")
+                parts.append(chunk)
+        finally:
+            await rep.aclose()
+        return b"".join(parts)
 
     def _message(self, raw: bytes) -> Message:
         try:
