@@ -291,7 +291,13 @@ def test_an_edge_that_cannot_start_fails_dsec_up_clearly_and_destroys_nothing(
     up = Up(state, *big, "--keep").start()
     with up.client() as c:
         # Both edges must hold sandboxes. Placement spreads over healthy nodes; under load
-        # an edge's first heartbeat can lag its start, so create until both are used.
+        # an edge's first heartbeat can lag its start (4 test workers beside other users:
+        # 40 creates all went to edge-0), so wait until both are listed healthy, then
+        # create until both are used.
+        deadline = time.monotonic() + 60
+        while sum(1 for n in c.nodes() if n.healthy and n.status == "healthy") < 2:
+            assert time.monotonic() < deadline, f"both edges never reported: {c.nodes()}"
+            time.sleep(0.1)
         ids: set[str] = set()
         for i in range(40):
             ids.add(c.sandboxes.create(project=f"p/{i}", detached=True).id)
