@@ -281,6 +281,7 @@ def test_dsec_apiserver_serves_edges_given_by_address(tmp_path: Any) -> None:
             p.wait(30)
 
 
+@pytest.mark.serial  # placement spreads by heartbeat-reported load: slow heartbeats put every sandbox on one edge
 def test_an_edge_that_cannot_start_fails_dsec_up_clearly_and_destroys_nothing(
         state: str) -> None:
     """A ``dsec up`` whose edge cannot start exits with the edge's own words, and does
