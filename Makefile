@@ -61,13 +61,18 @@ debian-repo: setup
 # (exit 5 = "no test selected" counts as a pass for the serial one). tests/README.md.
 # Measured on the 2-core dev VM (load ~12 from other users): 1 process ~29 min, 4 workers
 # ~14 min.
+# TEST_BASETEMP: a dir for the runs' temp dirs (each pass gets its own below it: a pass
+# starts by emptying its basetemp, which must not be the other's).
 TEST_WORKERS ?= 4
+TEST_BASETEMP ?=
 PYTEST_ARGS ?=
 
 test: setup debian-repo
 	rc=0; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
-	$(PY) -m pytest -q -n 0 -m serial $(PYTEST_ARGS) || { s=$$?; [ $$s -eq 5 ] || rc=$$s; }; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS) \
+	  $(if $(TEST_BASETEMP),--basetemp=$(TEST_BASETEMP)/parallel) || rc=$$?; \
+	$(PY) -m pytest -q -n 0 -m serial $(PYTEST_ARGS) \
+	  $(if $(TEST_BASETEMP),--basetemp=$(TEST_BASETEMP)/serial) || { s=$$?; [ $$s -eq 5 ] || rc=$$s; }; \
 	exit $$rc
 
 bench: setup

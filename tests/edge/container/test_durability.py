@@ -268,6 +268,13 @@ async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed
         if edge.poll() is None:
             edge.kill()
             edge.wait()
+        if b is None and cache is not None:
+            # failed before adopting: the killed edge's sandbox (its process, overlay and
+            # disk pool under root) is still there; a backend over root destroys it
+            b = ContainerBackend(root_dir=root, images=StoreImages(LayerStore(store_dir), cache),
+                                 runtime=runtime)  # type: ignore[arg-type]
+            for s in b.census().sandboxes():
+                await b.destroy(SandboxId(s))
         if b is not None:
             for s in b.sandbox_ids():
                 await b.destroy(SandboxId(s))
