@@ -68,7 +68,7 @@ TEST_BASETEMP ?=
 PYTEST_ARGS ?=
 
 test: setup debian-repo
-	rc=0; \
+	rc=0; $(if $(TEST_BASETEMP),mkdir -p $(TEST_BASETEMP);) \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS) \
 	  $(if $(TEST_BASETEMP),--basetemp=$(TEST_BASETEMP)/parallel) || rc=$$?; \
 	$(PY) -m pytest -q -n 0 -m serial $(PYTEST_ARGS) \
