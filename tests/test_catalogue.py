@@ -55,6 +55,7 @@ from dsec.wire.api import (
     ExecStreamLine,
     ImagePromoteRequest,
     ImagePullRequest,
+    ImagePushRequest,
     ImageTagRequest,
     QuotaBody,
 )
@@ -94,8 +95,9 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.cluster import JoinTokenCreate, JoinTokenRevoke
 from dsec.wire.jsonform import stream_item
-from dsec.wire.layers import LayerFetch, LayerPut, LayerRef
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerPut, LayerRef, NodePins
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -139,6 +141,22 @@ class World:
         r = self.rest(method, path, **kw)
         assert r.status_code < 300, (method, path, r.status_code, r.text)
         return r
+
+    def join_token(self) -> str:
+        """A fresh join token's id (for a row that revokes one)."""
+        return str(self.cluster.runtime.join_authority.create_token(ttl_s=600)[1].id)
+
+    def joined_node(self) -> str:
+        """A freshly joined node's id (joined for real: CSR signed, token spent)."""
+        from dsec.cluster.ca import new_node_key
+        from dsec.cluster.join import join_request
+        auth = self.cluster.runtime.join_authority
+        tok, _ = auth.create_token(ttl_s=600)
+        node = f"cat-far-{self.n()}"
+        _, csr = new_node_key(node)
+        auth.join(join_request(str(tok), node_id=node, csr=csr.decode(),
+                               address="tcp:127.0.0.1:7443", nonce=auth.challenge().nonce))
+        return node
 
     def sandbox(self) -> str:
         """A fresh sandbox (with a file at /tmp/f)."""
@@ -186,6 +204,16 @@ class World:
         r = self.ok("POST", "/v1/keys", json={"name": f"cat-{self.n()}", "project": "default",
                                                "role": "reader"})
         return str(r.json()["key_id"])
+
+    def pushed(self) -> str:
+        """The built layer, pushed to the cluster's blob store (what a pin needs)."""
+        self.ok("POST", "/v1/images/push", json={"ref": self.image})
+        return self.image
+
+    def pinned(self) -> str:
+        """The built layer, pinned on edge-0 (a victim for unpin)."""
+        self.ok("POST", "/v1/nodes/edge-0/pins", json={"ref": self.pushed()})
+        return self.image
 
     def image_name(self) -> str:
         """A fresh name on the built layer."""
@@ -261,6 +289,9 @@ EXAMPLES: dict[str, Example] = {
     "image_pull": lambda w: ImagePullRequest(ref=f"{w.registry}/cat/pulled:1",
                                              insecure=True),
     "image_prune": lambda w: ImagePrune(dry_run=True),
+    "image_push": lambda w: ImagePushRequest(ref="cat-tool:latest"),
+    "image_pin": lambda w: ImagePin(node="edge-0", ref=w.pushed()),
+    "image_pins": lambda w: NodePins(node="edge-0"),
     "image_promote": lambda w: ImagePromoteRequest(
         top=w.built, base="cat-base", target=f"cat-promoted-{w.n()}:1", env={"A": "1"},
         workdir="/srv"),
@@ -276,6 +307,7 @@ EXAMPLES: dict[str, Example] = {
     "revoke_key": lambda w: KeyRef(id=w.key()),
     "image_delete": lambda w: ImageRef(ref=w.image_name()),
     "destroy_many": lambda w: DestroyMany(ids=[w.sandbox(), w.sandbox()]),
+    "image_unpin": lambda w: ImagePinRef(node="edge-0", image=w.pinned()),
     # last of all (the catalogue's last rows): drain the world's one edge, then undrain
     # it, so no create of another example finds it drained
     "node_drain": lambda w: NodeRef(id="edge-0"),
@@ -287,9 +319,16 @@ EXAMPLES: dict[str, Example] = {
     "network_get": lambda w: SandboxRef(id=w.sid),
     "network_update": lambda w: NetworkUpdate(id=w.sid, policy=NetworkPolicy(
         mode="policy", allow=("pypi.org:443/tcp", "*.pythonhosted.org:443"))),
+    "cluster_tokens": lambda w: Empty(),
+    "cluster_token_create": lambda w: JoinTokenCreate(ttl_s=600, description="catalogue"),
+    "cluster_token_revoke": lambda w: JoinTokenRevoke(id=w.join_token()),
+    "cluster_nodes": lambda w: Empty(),
+    "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
+    "node_migrate": lambda w: NodeRef(id="edge-0"),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
-               "image_delete", "destroy_many", "node_drain", "node_undrain")
+               "image_delete", "destroy_many", "image_unpin", "node_drain", "node_undrain",
+               "cluster_token_revoke", "cluster_node_revoke", "node_migrate")
 
 _RESOLVED = {"backend": "simulated", "project": "default"}
 
@@ -448,7 +487,8 @@ def _call(w: World, op: Op[Any, Any], door: str, req: Any) -> Any:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from dsec.image.localregistry import Entry, push, registry, tar_entries, write_image
     tmp = str(tmp_path_factory.mktemp("catalogue"))
-    with LocalCluster(edges=1, registries=("127.0.0.1",)) as cl, \
+    with LocalCluster(edges=1, registries=("127.0.0.1",),
+                      blob_store=f"file://{tmp}/blobs") as cl, \
             registry(os.path.join(tmp, "registry")) as reg:
         w = World(cluster=cl, tmp=tmp, registry=reg.host)
         layout = os.path.join(tmp, "pull-layout")
@@ -484,8 +524,11 @@ def _step_layer(cl: LocalCluster, tmp: str) -> str:
 
 
 def _order() -> list[Op[Any, Any]]:
-    return ([op for op in ALL_OPS if op.name not in DESTRUCTIVE]
-            + [op for op in ALL_OPS if op.name in DESTRUCTIVE])
+    last = [op for op in ALL_OPS if op.name in DESTRUCTIVE and op is not ops.NODE_MIGRATE]
+    # node_migrate runs while edge-0 is drained (between node_drain and node_undrain);
+    # with no other node, each sandbox stays, reported as not moved
+    last.insert(last.index(ops.NODE_DRAIN) + 1, ops.NODE_MIGRATE)
+    return [op for op in ALL_OPS if op.name not in DESTRUCTIVE] + last
 
 
 CASES = [pytest.param(op, door, id=f"{op.name}-{door}",

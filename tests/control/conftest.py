@@ -7,6 +7,8 @@ as every apiserver is) reaching a real edge served over Aether (:func:`served_ed
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +51,102 @@ def store_path(tmp_path: Path) -> Path:
     return tmp_path / "state.db"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of an empty state store, once per kind: every control-plane test that
-    takes it (or ``store``) runs against both (:func:`dsec.control.store.open_store`)."""
-    if request.param == "postgresql":
-        return str(request.getfixturevalue("pg_dsn"))
-    return f"sqlite://{tmp_path / 'state.db'}"
+# --- both stores (issue 16: the whole control-plane suite runs against both). Every test
+# that touches a state store takes ``store_kind`` (through ``store_url``/``store`` or
+# ``cluster_store``/``module_cluster_store`` for a LocalCluster), so it runs once per kind
+# (``[sqlite]``/``[postgresql]``). PostgreSQL databases are cloned from a template that
+# already holds the schema: one PostgreSQL server per session (tests/conftest.py), a fresh
+# database per test or per module (CREATE DATABASE ... TEMPLATE: a file copy, no DDL).
+STORE_KINDS = ("sqlite", "postgresql")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "store_kinds(*kinds): run a test that takes a store on these kinds only: "
+        "for a test whose subject is not the store (the HTTP schema, a listener, a loop "
+        "stall) and that costs seconds per run")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that takes ``store_kind`` (directly or through a fixture) runs once per
+    kind, or on the kinds its ``store_kinds`` mark names."""
+    if "store_kind" in metafunc.fixturenames:
+        mark = metafunc.definition.get_closest_marker("store_kinds")
+        metafunc.parametrize("store_kind", mark.args if mark else STORE_KINDS, indirect=True,
+                             scope="module")
+
+
+@pytest.fixture(scope="module")
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Which state store the test runs against; module-scoped so a module's tests are
+    grouped by kind and module-scoped clusters start once per kind."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_server: Any) -> str:
+    """The name of a database on the session's server holding dsec's schema, the template
+    every test database is cloned from."""
+    import psycopg
+
+    name = f"dsec_tpl_{os.getpid()}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")
+    open_store(pg_server.dsn_for(name)).close()   # the schema, once
+    return name
+
+
+@contextlib.contextmanager
+def pg_database(server: Any, template: str) -> Iterator[str]:
+    """A new database cloned from ``template``: its URL; dropped after the block (with
+    every connection to it; a server a fault test stopped takes it with its dir)."""
+    import psycopg
+
+    name = f"t{os.getpid()}_{next(_pg_ids)}"
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template}")
+    try:
+        yield server.dsn_for(name)
+    finally:
+        try:
+            with psycopg.connect(server.dsn, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        except psycopg.Error:
+            pass
+
+
+_pg_ids = itertools.count()
+
+
+def _kind_store(request: pytest.FixtureRequest, kind: str) -> Iterator[str | None]:
+    if kind != "postgresql":
+        yield None
+        return
+    server = request.getfixturevalue("pg_server")
+    with pg_database(server, request.getfixturevalue("pg_template")) as url:
+        yield url
+
+
+@pytest.fixture
+def store_url(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The URL of an empty state store of ``store_kind``
+    (:func:`dsec.control.store.open_store`)."""
+    for url in _kind_store(request, store_kind):
+        yield url or f"sqlite://{tmp_path / 'state.db'}"
+
+
+@pytest.fixture
+def cluster_store(store_kind: str, request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """``LocalCluster(store=...)`` for ``store_kind``: None (SQLite in the cluster's state
+    dir, the default) or a fresh PostgreSQL database."""
+    yield from _kind_store(request, store_kind)
+
+
+@pytest.fixture(scope="module")
+def module_cluster_store(store_kind: str, request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """:func:`cluster_store` for a module-scoped cluster."""
+    yield from _kind_store(request, store_kind)
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from dsec.cluster.local import LocalCluster
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=2) as cl:
+def cluster(module_cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=2, store=module_cluster_store) as cl:
         yield cl
 
 
@@ -262,8 +262,8 @@ def test_nodes_metrics_openapi_healthz(cluster: LocalCluster, http: httpx.Client
 
 
 @pytest.mark.serial  # a token bucket refilled by wall time: beside other tests 8 requests took >0.5 s each and none was refused
-def test_rate_limit_answers_429_with_retry_after() -> None:
-    with LocalCluster(edges=1, rate_per_s=2.0, gateway=False) as cl:
+def test_rate_limit_answers_429_with_retry_after(cluster_store: str | None) -> None:
+    with LocalCluster(edges=1, rate_per_s=2.0, gateway=False, store=cluster_store) as cl:
         h = {"authorization": f"Bearer {cl.api_key}"}
         codes = [httpx.get(f"{cl.url}/v1/sandboxes", headers=h) for _ in range(8)]
         limited = [r for r in codes if r.status_code == 429]

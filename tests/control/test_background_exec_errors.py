@@ -27,8 +27,8 @@ MISTAKES = [  # (request fields, what the message names, foreground exit code)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=1, backend="container") as cl:
+def cluster(module_cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1, backend="container", store=module_cluster_store) as cl:
         yield cl
 
 

@@ -38,8 +38,8 @@ from dsec.wire.spec import (
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=1) as cl:
+def cluster(module_cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1, store=module_cluster_store) as cl:
         yield cl
 
 
@@ -159,6 +159,7 @@ EXEC_LIMITS: list[tuple[str, Raw, str, ExecRequest | None]] = [
 ]
 
 
+@pytest.mark.store_kinds("sqlite")   # limits of the doors, whatever the store
 @pytest.mark.parametrize("name,bad,needle,ok", EXEC_LIMITS, ids=[x[0] for x in EXEC_LIMITS])
 def test_every_exec_limit_is_the_same_at_every_door(
         cluster: LocalCluster, sid: str, name: str, bad: Raw, needle: str,
@@ -221,6 +222,7 @@ def test_every_file_operation_checks_the_path_at_the_gateway_and_the_edge(
         assert len(line) < 300, line
 
 
+@pytest.mark.store_kinds("sqlite")   # bodies through the doors, whatever the store (~10 s)
 def test_file_sizes_a_door_accepts_arrive_whole(cluster: LocalCluster, sid: str) -> None:
     """REST takes 256 MiB uploads, but the apiserver's link to the edge (and the
     gateway) carry 16 MiB frames: a 20 MiB file used to fail half way with an internal
@@ -290,6 +292,10 @@ def test_stats_at_every_door(cluster: LocalCluster, sid: str) -> None:
     """A sandbox's resource use was served by the edge only: no REST route, no gateway
     method, no SDK call."""
     from dsec.wire.spec import SandboxStats
+    # something to measure (the simulated backend's memory is its files' bytes), so the
+    # test does not lean on what the tests before it wrote
+    with cluster.client(session_lease_s=None) as c:
+        c.sandboxes.get(sid).files.write("/workspace/stats-probe", b"x" * 100)
     r = _rest(cluster, "GET", f"/v1/sandboxes/{sid}/stats")
     assert r.status_code == 200, r.text
     rest = msgspec.json.decode(r.content, type=SandboxStats)

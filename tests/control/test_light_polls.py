@@ -10,7 +10,7 @@ from typing import Any
 
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import open_store
 from dsec.edge.client import EdgeClient
 from dsec.wire.spec import SandboxSpec
 from tests.control.conftest import FakeClock, served_edge
@@ -31,9 +31,10 @@ class CountingLink:
         return getattr(self._link, name)
 
 
-async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path) -> None:
+async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path,
+                                                                store_url: str) -> None:
     clock = FakeClock()
-    store = SqliteStore(tmp_path / "control.sqlite")
+    store = open_store(store_url)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock,
                               config=PlaneConfig(sandbox_list_interval_s=60.0))
     async with served_edge(tmp_path, node="e0") as edge:
@@ -74,10 +75,10 @@ async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path) 
             store.close()
 
 
-async def test_default_lists_at_every_poll(tmp_path: Path) -> None:
+async def test_default_lists_at_every_poll(tmp_path: Path, store_url: str) -> None:
     """0 (the default): every poll takes the whole list, as before the setting."""
     clock = FakeClock()
-    store = SqliteStore(tmp_path / "control.sqlite")
+    store = open_store(store_url)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock)
     async with served_edge(tmp_path, node="e0") as edge:
         link = CountingLink(await EdgeClient.connect(edge.addr))

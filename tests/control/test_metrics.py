@@ -15,8 +15,8 @@ from dsec.control.api.plane import PlaneConfig
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=1, backend="fncall", gateway=False,
+def cluster(module_cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1, backend="fncall", gateway=False, store=module_cluster_store,
                       plane=PlaneConfig(heartbeat_interval_s=0.1)) as cl:
         yield cl
 

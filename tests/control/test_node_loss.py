@@ -117,7 +117,7 @@ async def test_a_returning_node_destroys_what_was_evicted_even_after_an_apiserve
 
 
 async def test_a_keyed_create_noted_on_a_lost_node_is_written_off_and_placed_anew(
-        tmp_path: Path) -> None:
+        tmp_path: Path, store_url: str) -> None:
     """A create under an Idempotency-Key noted its sandbox on e0 and was cut off (the
     link failed after the request left). While e0 is only silent the retry must wait for
     that sandbox (it may come into being); once e0 is lost the retry is answered from
@@ -136,7 +136,7 @@ async def test_a_keyed_create_noted_on_a_lost_node_is_written_off_and_placed_ane
         await n.start()
         servers[name] = await serve_edge(n, f"unix:{tmp_path / name}.sock")
     clock = FakeClock(time.time())
-    api = Apiserver(tmp_path / "control.sqlite", clock)
+    api = Apiserver(store_url, clock)
     try:
         for name in ("e0", "e1"):
             link = await EdgeClient.connect(f"unix:{tmp_path / name}.sock")

@@ -30,7 +30,7 @@ from dsec.cluster.compose import api_service
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.api.service import ApiService
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import StateStore, open_store
 from dsec.edge.admission import Capacity
 from dsec.edge.backends import make_backend
 from dsec.edge.node import EdgeNode, NodeConfig
@@ -42,15 +42,15 @@ from tests.control.conftest import FakeClock
 DSEC = [sys.executable, "-c", "from dsec.cli.main import main; main()"]
 
 
-def _apiserver(db: Path, clock: FakeClock, ttl: float = 10.0
-               ) -> tuple[SqliteStore, ControlPlane, ApiService]:
-    store = SqliteStore(db)
+def _apiserver(db: str, clock: FakeClock, ttl: float = 10.0
+               ) -> tuple[StateStore, ControlPlane, ApiService]:
+    store = open_store(db)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock, config=PlaneConfig(
         node_ttl_s=ttl, reconnect_interval_s=0.0, poll_timeout_s=5.0))
     return store, plane, api_service(store, plane)
 
 
-async def _close(store: SqliteStore, plane: ControlPlane, service: ApiService) -> None:
+async def _close(store: StateStore, plane: ControlPlane, service: ApiService) -> None:
     await service.idempotency.close()
     await plane.close()
     for e in plane.edges.values():
@@ -58,7 +58,8 @@ async def _close(store: SqliteStore, plane: ControlPlane, service: ApiService) -
     store.close()
 
 
-async def test_an_edge_that_answers_with_errors_is_held_not_lost(tmp_path: Path) -> None:
+async def test_an_edge_that_answers_with_errors_is_held_not_lost(tmp_path: Path,
+                                                                 store_url: str) -> None:
     """The incident's own mechanism: the edge's heartbeat handler hit EMFILE (listing its
     layer store) and answered ``internal_error``; the apiserver took that for silence."""
     node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
@@ -68,7 +69,7 @@ async def test_an_edge_that_answers_with_errors_is_held_not_lost(tmp_path: Path)
     addr = f"unix:{tmp_path / 'e0.sock'}"
     server = await serve_edge(node, addr)
     clock = FakeClock(time.time())
-    store, plane, service = _apiserver(tmp_path / "control.sqlite", clock)
+    store, plane, service = _apiserver(store_url, clock)
     try:
         plane.add_edge("e0", addr, await EdgeClient.connect(addr))
         admin = service.authenticate(f"Bearer {plane.bootstrap_admin()}")
@@ -205,11 +206,11 @@ _BLIND = textwrap.dedent("""
 
 
 def test_an_apiserver_out_of_fds_holds_its_edge_and_keeps_its_sandboxes(
-        tmp_path: Path, edge_proc: Any) -> None:
+        tmp_path: Path, edge_proc: Any, store_url: str) -> None:
     addr = edge_proc.start()
     root = str(Path(__file__).resolve().parents[2])
     run = subprocess.run(
-        [sys.executable, "-c", _BLIND, addr, str(tmp_path / "control.sqlite"), root],
+        [sys.executable, "-c", _BLIND, addr, store_url, root],
         check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -221,14 +222,14 @@ def test_an_apiserver_out_of_fds_holds_its_edge_and_keeps_its_sandboxes(
 
 
 async def test_an_edge_restarted_within_the_node_ttl_keeps_its_sandboxes(
-        tmp_path: Path, edge_proc: Any) -> None:
+        tmp_path: Path, edge_proc: Any, store_url: str) -> None:
     """The upgrade path (docs/control.md): stop the edge, start the new version on the
     same state dir and address within ``node_ttl_s`` (``dsec up --node-ttl``); it
     re-adopts its sandboxes from its journal and the apiserver reconnects. Here the
     edge is away for 25 s of the apiserver's clock, beyond the old fixed 10 s."""
     addr = edge_proc.start()
     clock = FakeClock(time.time())
-    store, plane, service = _apiserver(tmp_path / "control.sqlite", clock, ttl=30.0)
+    store, plane, service = _apiserver(store_url, clock, ttl=30.0)
     try:
         plane.add_edge("e0", addr, await EdgeClient.connect(addr))
         admin = service.authenticate(f"Bearer {plane.bootstrap_admin()}")

@@ -21,9 +21,13 @@ from dsec.cluster.local import LocalCluster
 METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH")
 
 
+# The document and the routes agree whatever the store: one kind (schemathesis: ~15 s a run).
+pytestmark = pytest.mark.store_kinds("sqlite")
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=1) as cl:
+def cluster(module_cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1, store=module_cluster_store) as cl:
         yield cl
 
 

@@ -26,9 +26,9 @@ from dsec.wire.calls import ExecCall
 
 
 @pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
+def cluster(cluster_store: str | None) -> Iterator[LocalCluster]:
     # a long node TTL: the edge stays "healthy but unreachable" for the whole test
-    with LocalCluster(edges=1, plane=PlaneConfig(node_ttl_s=600.0)) as cl:
+    with LocalCluster(edges=1, plane=PlaneConfig(node_ttl_s=600.0), store=cluster_store) as cl:
         yield cl
 
 
@@ -76,8 +76,8 @@ def _req() -> Any:
     return ExecRequest(argv=("true",))
 
 
-def test_no_healthy_node_is_unavailable_not_no_capacity() -> None:
-    with LocalCluster(edges=1, plane=PlaneConfig(node_ttl_s=1.0,
+def test_no_healthy_node_is_unavailable_not_no_capacity(cluster_store: str | None) -> None:
+    with LocalCluster(edges=1, store=cluster_store, plane=PlaneConfig(node_ttl_s=1.0,
                                                  heartbeat_interval_s=0.2)) as cl:
         cl.stop_edge("edge-0")
         deadline = time.monotonic() + 30
@@ -93,6 +93,7 @@ def test_no_healthy_node_is_unavailable_not_no_capacity() -> None:
             c.sandboxes.create()
 
 
+@pytest.mark.store_kinds("sqlite")   # the edge link, whatever the store
 @pytest.mark.parametrize("door", ["rest", "gateway"])
 def test_an_exec_cut_off_by_the_edge_link_may_have_run(cluster: LocalCluster,
                                                       door: str) -> None:

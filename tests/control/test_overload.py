@@ -243,7 +243,9 @@ def test_rest_refuses_floods_and_cuts_slow_loris(up_simulated: dict[str, Any]) -
             s.close()
 
 
-def test_full_waiting_slots_make_room_for_clients_that_speak_at_once() -> None:
+@pytest.mark.store_kinds("sqlite")   # listener slots, whatever the store
+def test_full_waiting_slots_make_room_for_clients_that_speak_at_once(
+        cluster_store: str | None) -> None:
     """When a listener's slots for connections that have not yet sent a request (REST)
     or authenticated (gateway) are full, a newcomer pushes out the oldest: an idle
     flood cannot lock out clients that make their request right away."""
@@ -252,7 +254,8 @@ def test_full_waiting_slots_make_room_for_clients_that_speak_at_once() -> None:
     from dsec.control.api.http_limits import HttpLimits
 
     five = ServerLimits(max_pending=5)
-    with LocalCluster(http_limits=HttpLimits(connections=five), listener_limits=five) as cl:
+    with LocalCluster(http_limits=HttpLimits(connections=five), listener_limits=five,
+                      store=cluster_store) as cl:
         host, _, port = cl.url.removeprefix("http://").rpartition(":")
         rest = [socket.create_connection((host, int(port)), source_address=(f"127.0.0.{i}", 0))
                 for i in range(2, 7)]

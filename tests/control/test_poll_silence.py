@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvloop
 
 from dsec.control.watcher import StallMeter, link_failure_cause
@@ -57,8 +58,9 @@ def test_the_stall_meter_counts_late_ticks_and_an_overdue_one_within_a_window() 
     assert abs(m.stalled(150.0, 200.0) - 50.0) < 1e-6
 
 
+@pytest.mark.store_kinds("sqlite")   # a loop stall (6 s), whatever the store
 def test_a_poll_that_times_out_while_this_process_stalls_holds_the_node(
-        tmp_path: Path) -> None:
+        tmp_path: Path, store_url: str) -> None:
     """The edge and the apiserver share one process and one loop (``dsec up``, on
     uvloop); the loop stalls for 6 s (here: the heartbeat handler blocks it, as any
     CPU-heavy request or a starved process would). uvloop runs due timers before I/O, so
@@ -66,10 +68,10 @@ def test_a_poll_that_times_out_while_this_process_stalls_holds_the_node(
     silence, and with the node TTL passed the node was lost and its sandboxes
     destroyed."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_stalled_poll(tmp_path))
+        runner.run(_stalled_poll(tmp_path, store_url))
 
 
-async def _stalled_poll(tmp_path: Path) -> None:
+async def _stalled_poll(tmp_path: Path, store_url: str) -> None:
     node = EdgeNode(NodeConfig(node_id="e0", capacity=Capacity(
         cpu_milli=10**6, memory_bytes=1 << 40, max_sandboxes=100)),
         {"simulated": make_backend("simulated")})
@@ -77,7 +79,7 @@ async def _stalled_poll(tmp_path: Path) -> None:
     addr = f"unix:{tmp_path / 'e0.sock'}"
     server = await serve_edge(node, addr)
     clock = FakeClock(time.time())
-    store, plane, service = _apiserver(tmp_path / "control.sqlite", clock, ttl=3.0)
+    store, plane, service = _apiserver(store_url, clock, ttl=3.0)
     try:
         plane.add_edge("e0", addr, await EdgeClient.connect(addr))
         admin = service.authenticate(f"Bearer {plane.bootstrap_admin()}")

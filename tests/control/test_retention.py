@@ -116,8 +116,8 @@ def test_bad_retention_settings_are_refused() -> None:
 
 
 @pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=1, plane=PlaneConfig(retention=RetentionConfig(
+def cluster(cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1, store=cluster_store, plane=PlaneConfig(retention=RetentionConfig(
             interval_s=0.2, events_keep=100))) as cl:
         yield cl
 

@@ -39,8 +39,8 @@ def test_snapshot_room_is_the_least_over_the_ancestor_chain() -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(edges=1) as cl:
+def cluster(module_cluster_store: str | None) -> Iterator[LocalCluster]:
+    with LocalCluster(edges=1, store=module_cluster_store) as cl:
         yield cl
 
 

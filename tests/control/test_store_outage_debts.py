@@ -1,7 +1,7 @@
 """Store writes owed after an edge acted, during a state-store outage (red team 16: F11,
 F12, found with PostgreSQL killed on the `pg` branch, in code already on main).
 
-On main the store is SQLite: the outage is injected at the store boundary (every call
+The outage is injected at the store boundary, on both stores (every call
 raises :class:`~dsec.errors.Unavailable`, what the PostgreSQL store raises while its
 server is down). Everything else is real: the apiserver, a ``dsec edge`` process over
 TCP (F12), the in-process simulated edge with the paper's microVM create latency (F11).
@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 import pytest
 
+import dsec.control.store as store_mod
 from dsec.cluster.local import LocalCluster
 from dsec.control.api.plane import ControlPlane, PlaneConfig
 from dsec.control.metrics import ApiMetrics
-from dsec.control.store import sqlite as sqlite_mod
-from dsec.control.store.sqlite import SqliteStore
+from dsec.control.store import open_store
 from dsec.edge.client import EdgeClient
 from dsec.errors import DsecError, SandboxNotFound, Unavailable
 from dsec.wire.spec import SandboxSpec
@@ -69,17 +69,19 @@ def _create(c: LocalCluster, key: str, timeout: float) -> httpx.Response:
 
 
 def test_a_keyed_create_whose_answer_could_not_be_stored_is_answered_on_retry(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> None:
     """F11. Safe: once the store is back, the retry of the key is answered within its
     timeout, with the sandbox the first attempt made; the project holds exactly one
     sandbox for the key. (The first attempt, not acknowledged, is a retryable 503.)"""
     stores: list[OutageStore] = []
 
-    def open_store(path: str, *a: Any, **kw: Any) -> OutageStore:
-        stores.append(OutageStore(SqliteStore(path, *a, **kw)))
+    real_open = store_mod.open_store
+
+    def open_store(url: str, *a: Any, **kw: Any) -> OutageStore:
+        stores.append(OutageStore(real_open(url, *a, **kw)))
         return stores[-1]
-    monkeypatch.setattr(sqlite_mod, "SqliteStore", open_store)
-    c = LocalCluster(edges=1, simulated_profile="paper-microvm",
+    monkeypatch.setattr(store_mod, "open_store", open_store)
+    c = LocalCluster(edges=1, simulated_profile="paper-microvm", store=store_url,
                      state_dir=str(tmp_path / "api")).start()
     try:
         store = stores[0]
@@ -137,7 +139,7 @@ async def _until(what: str, ok: Callable[[], bool], plane: ControlPlane,
 
 
 async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_restart(
-        tmp_path: Path) -> None:
+        tmp_path: Path, store_url: str) -> None:
     """F12. A real edge (SIGSTOPped: partitioned) is written off while the store is
     down; the store comes back; the apiserver restarts; the edge comes back. Safe: its
     sandbox is destroyed there (its tombstone was kept and stored before its removal),
@@ -149,7 +151,6 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
         [*DSEC, "edge", "--listen", addr, "--node-id", "e1", "--backend", "simulated",
          "--state-dir", str(tmp_path / "e1"), "--token-file", str(tmp_path / "token"),
          "--log-level", "warning"], stdin=subprocess.DEVNULL)
-    path = str(tmp_path / "control.sqlite")
     cfg = PlaneConfig(node_ttl_s=1.5, poll_timeout_s=0.4, reconnect_interval_s=0.2)
     plane2: ControlPlane | None = None
     try:
@@ -161,7 +162,7 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
             except (DsecError, OSError):
                 assert time.monotonic() < deadline, "edge never served"
                 await asyncio.sleep(0.2)
-        store = OutageStore(SqliteStore(path))
+        store = OutageStore(open_store(store_url))
         plane = ControlPlane.open(store, metrics=ApiMetrics(), config=cfg)  # type: ignore[arg-type]
         plane.add_edge("e1", addr, link, token=token.encode())
         await plane.tick()
@@ -181,8 +182,9 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
         await _ticks(plane, 2, 0.1)             # the kept batch commits
         await plane.close()
         await link.close()
+        store.close()
         # the restart (the watcher starts empty), then the edge returns
-        plane2 = ControlPlane.open(SqliteStore(path), metrics=ApiMetrics(), config=cfg)
+        plane2 = ControlPlane.open(open_store(store_url), metrics=ApiMetrics(), config=cfg)
         assert plane2.lost(sid) is not None, "the tombstone never reached the store"
         edge.send_signal(signal.SIGCONT)
         link2 = await EdgeClient.connect(addr, token=token.encode())
@@ -203,6 +205,7 @@ async def test_sandboxes_written_off_during_a_store_outage_stay_dead_after_a_res
     finally:
         if plane2 is not None:
             await plane2.close()
+            plane2.store.close()
         if edge.poll() is None:
             edge.send_signal(signal.SIGCONT)
             edge.terminate()

@@ -22,7 +22,7 @@ from dsec.errors import (
     SandboxNotFound,
     WrongNode,
 )
-from dsec.wire.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import ExecRequest, PauseStats, SandboxSpec
 
 from .conftest import make_node
 
@@ -184,10 +184,14 @@ async def test_concurrent_operations_exactly_one_wins(clock: FakeClock) -> None:
         await asyncio.sleep(0)
         with pytest.raises(InvalidTransition, match="cannot destroy while it is pausing"):
             await node.destroy(info.id)
-        with pytest.raises(InvalidTransition, match="cannot pause while it is pausing"):
-            await node.pause(info.id)
+        # a second pause is not a conflict: it waits for the first and succeeds (pause
+        # and resume are idempotent; issue 18)
+        again = asyncio.create_task(node.pause(info.id))
+        await asyncio.sleep(0)
+        assert not again.done()
         clock.advance(4.0)
         await pause
+        assert await again == PauseStats()
         assert node.get(info.id).state == "paused"
         d1 = asyncio.create_task(node.destroy(info.id))
         d2 = asyncio.create_task(node.destroy(info.id))

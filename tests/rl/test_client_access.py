@@ -321,6 +321,33 @@ def test_another_trainer_resumes_a_preempted_rollout(cluster: LocalCluster) -> N
             resumed_access=ClientAccess(b))
 
 
+@pytest.mark.parametrize("transport", ["aether", "http"])
+def test_resume_after_a_stray_exec_woke_a_sandbox(cluster: LocalCluster,
+                                                   transport: str) -> None:
+    """A preempted rollout whose sandboxes were partly auto-resumed (one stray exec) and
+    partly resumed twice resumes cleanly: "already running" is success at every door
+    (SDK over the Aether gateway and over REST; the edge door in test_preempt.py)."""
+    with cluster.client(protocol=transport) as c:
+        acc = ClientAccess(c)
+        pool = SandboxEnvPool(acc, TASKS, N)
+        try:
+            d = Driver(pool, CounterPolicy(), _buf(N))
+            d.start(seed=1)
+            d.rollout(1)
+            handle = d.preempt()
+            first, second = pool.sandbox_ids()[:2]
+            assert first is not None and second is not None
+            r = acc.exec_batch([(first, ExecRequest(shell="true"))])[0]   # auto-resumes
+            assert isinstance(r, ExecResult) and _state(c, first) == "running"
+            c.sandboxes.get(second).resume()
+            c.sandboxes.get(second).resume()                              # twice: fine
+            d2 = resume(handle, pool=pool, policy=CounterPolicy(), buffer=_buf(N))
+            assert [_state(c, s) for s in pool.sandbox_ids()] == ["running"] * N
+            d2.rollout(1)
+        finally:
+            pool.close()
+
+
 # ------------------------------------------------------------------ real containers
 SPEC = SandboxSpec(backend="container", memory_bytes=256 << 20, pids_max=256)
 TEST_SH = b'test "$(cat /workspace/answer)" = 42 || { echo "wrong answer"; exit 1; }\necho ok\n'

@@ -151,3 +151,30 @@ def test_a_log_from_a_newer_release_is_refused_clearly(
         acc.log.close()
     finally:
         sim_access.destroy(sid)
+
+
+def test_file_operations_replay_in_the_command_sequence(sim_access: EdgeAccess,
+                                                        tmp_path: Path) -> None:
+    """A replay must neither re-write a file a later command changed nor show the policy
+    a read different from the one the crashed trainer saw (issue 18)."""
+    sid = sim_access.create(SandboxSpec())
+    try:
+        path = str(tmp_path / "c.log")
+        a = LoggedAccess(sim_access, CommandLog(path))
+        a.write_file(sid, "/tmp/f", b"a\n")
+        first_read = a.read_file(sid, "/tmp/f")
+        a.exec_batch([(sid, ExecRequest(shell="echo b >> /tmp/f"))])
+        a.log.close()                                   # the trainer dies here
+        b = LoggedAccess(sim_access, CommandLog(path))
+        b.seek({sid: 0})
+        b.write_file(sid, "/tmp/f", b"a\n")             # replayed: not written again
+        assert b.read_file(sid, "/tmp/f") == first_read == b"a\n"   # what A saw
+        b.exec_batch([(sid, ExecRequest(shell="echo b >> /tmp/f"))])
+        assert b.replayed == 3
+        assert sim_access.read_file(sid, "/tmp/f") == b"a\nb\n"     # not clobbered
+        b.seek({sid: 0})
+        with pytest.raises(ReplayDiverged, match="#0"):
+            b.write_file(sid, "/tmp/f", b"other\n")
+        b.log.close()
+    finally:
+        sim_access.destroy(sid)

@@ -14,6 +14,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from dsec.edge.node import EdgeNode
+from dsec.errors import InvalidArgument
 from dsec.ids import node_of
 from dsec.rl.access import EdgeAccess
 from dsec.rl.judges import ExecutableJudge, JudgeContext
@@ -93,24 +94,109 @@ def test_isolated_judge_ignores_replaced_binaries_and_background_tamperers(
     assert _episode(access, _judge(True), cheats) == 0.0
 
 
-def test_in_place_judge_detects_tests_rewritten_during_the_run(
+def _procs(access: EdgeAccess, sid: str) -> list[str]:
+    r = access.exec_batch([(sid, ExecRequest(
+        shell="for d in /proc/[0-9]*; do p=${d#/proc/}; [ $p = $$ ] || echo $p; done"))])[0]
+    assert isinstance(r, ExecResult) and r.exit_code == 0, r
+    return r.stdout.decode().split()
+
+
+def test_in_place_judge_kills_the_agents_processes_first(
         container: tuple[EdgeAccess, EdgeNode]) -> None:
+    """A tamperer left running (it rewrites any hidden test that shows up) is killed
+    before the hidden files are written: the honest answer is judged on its merits and
+    nothing of the agent's is alive afterwards (issue 18)."""
     access, _ = container
     sid = access.create(SPEC)
     try:
         r = access.exec_batch([(sid, ExecRequest(
-            shell="mkdir -p /workspace && echo 42 > /workspace/answer"))])
+            shell="mkdir -p /workspace && echo 41 > /workspace/answer"))])
         assert isinstance(r[0], ExecResult) and r[0].exit_code == 0
-        # A verifier that runs long enough for the tamperer to strike for sure.
-        slow = ExecutableJudge(hidden_files={"test.sh": b"sleep 0.5\n" + TEST_SH},
-                               command=["/bin/sh", "{tests}/test.sh"], cwd="/workspace",
-                               isolate=False)
-        access.exec_batch([(sid, ExecRequest(shell=(
-            "/bin/busybox setsid /bin/busybox ash -c 'while :; do for f in /tmp/.judge-*/test.sh;"
-            " do [ -f \"$f\" ] && echo \"# mine\" >> \"$f\"; done; sleep 0.05; done' "
-            "</dev/null >/dev/null 2>&1 &")))])
-        v = slow.judge(JudgeContext(answer="", access=access, sandbox_id=sid, spec=SPEC))
-        assert v.reward == 0.0 and "modified during judging" in v.detail
+        for _ in range(2):          # two of them, in their own sessions
+            access.exec_batch([(sid, ExecRequest(shell=(
+                "/bin/busybox setsid /bin/busybox ash -c 'while :; do "
+                "for f in /tmp/.judge-*/test.sh;"
+                " do [ -f \"$f\" ] && echo \"exit 0\" > \"$f\"; done; done' "
+                "</dev/null >/dev/null 2>&1 &")))])
+        assert len(_procs(access, sid)) >= 3          # init + the two tamperers
+        v = _judge(False).judge(JudgeContext(answer="", access=access, sandbox_id=sid,
+                                             spec=SPEC))
+        assert _procs(access, sid) == ["1"]            # only the sandbox's init is left
+        assert v.reward == 0.0 and v.detail == "verifier exit 1", v   # tests ran as written
+        access.exec_batch([(sid, ExecRequest(shell="echo 42 > /workspace/answer"))])
+        v = _judge(False).judge(JudgeContext(answer="", access=access, sandbox_id=sid,
+                                             spec=SPEC))
+        assert v.reward == 1.0
+    finally:
+        access.destroy(sid)
+
+
+CHEAT_SH = (b"# the 'answer': reads the hidden expectation instead of computing it\n"
+            b"cat /tmp/.judge-*/expected 2>/dev/null || echo 'cannot read'\n")
+HARNESS_SH = (b'# the harness runs the answer as nobody\n'
+              b'out=$(su -s /bin/sh nobody -c "sh /workspace/answer.sh")\n'
+              b'test "$out" = "$(cat "$(dirname "$0")/expected")" && echo "DSEC-PASS $1"\n')
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_answer_run_as_nobody_cannot_read_the_hidden_tests(
+        container: tuple[EdgeAccess, EdgeNode], isolate: bool) -> None:
+    """The harness runs the answer as `nobody`; the answer cats the hidden expectation.
+    Before: 0644 files in a 0755 dir, so it printed the expected output and earned 1.0
+    (in place and isolated + marker). Now: 0600 in 0700, owned by root."""
+    access, _ = container
+    judge = ExecutableJudge(
+        hidden_files={"test.sh": HARNESS_SH, "expected": b"the secret 1234"},
+        command=["/bin/sh", "{tests}/test.sh", "{nonce}"],
+        cwd="/workspace", isolate=isolate, require_marker=True,
+        carry=["/workspace/answer.sh"] if isolate else (), timeout_s=20.0)
+    sid = access.create(SPEC)
+    try:
+        access.exec_batch([(sid, ExecRequest(shell="mkdir -p /workspace"))])
+        access.write_file(sid, "/workspace/answer.sh", CHEAT_SH)
+        v = judge.judge(JudgeContext(answer="", access=access, sandbox_id=sid, spec=SPEC))
+        assert v.reward == 0.0, v
+        # an honest answer passes through the same harness (the protocol works)
+        access.write_file(sid, "/workspace/answer.sh", b"echo 'the secret 1234'\n")
+        v = judge.judge(JudgeContext(answer="", access=access, sandbox_id=sid, spec=SPEC))
+        assert v.reward == 1.0, v
+        if not isolate:
+            ls = access.exec_batch([(sid, ExecRequest(
+                shell="stat -c '%a %U %n' /tmp/.judge-*/ /tmp/.judge-*/*"))])[0]
+            assert isinstance(ls, ExecResult)
+            modes = {line.split()[0] for line in ls.stdout.decode().splitlines()}
+            owners = {line.split()[1] for line in ls.stdout.decode().splitlines()}
+            assert modes == {"700", "600"} and owners == {"root"}, ls.stdout
+    finally:
+        access.destroy(sid)
+
+
+def test_answer_command_runs_unprivileged_before_the_tests_exist(
+        container: tuple[EdgeAccess, EdgeNode]) -> None:
+    """answer_command: the judge runs the answer itself, as answer_user, before any
+    hidden file exists, and hands its output to the verifier (0600 files)."""
+    access, _ = container
+    verify = (b'test "$(cat "$(dirname "$0")/answer.stdout")" = "$(cat "$(dirname "$0")/'
+              b'expected")" && test "$(cat "$(dirname "$0")/answer.exit")" = 0\n')
+    judge = ExecutableJudge(hidden_files={"v.sh": verify, "expected": b"65534 x"},
+                            command=["/bin/sh", "{tests}/v.sh"], cwd="/workspace",
+                            isolate=True, carry=["/workspace/answer.sh"],
+                            answer_command=["/bin/sh", "/workspace/answer.sh"],
+                            timeout_s=20.0)
+    sid = access.create(SPEC)
+    try:
+        access.exec_batch([(sid, ExecRequest(shell="mkdir -p /workspace"))])
+        # prints its uid (must be nobody's) and what it finds of the tests (nothing)
+        access.write_file(sid, "/workspace/answer.sh",
+                          b'echo "$(id -u) $(ls -d /tmp/.judge-* 2>/dev/null || echo x)"\n')
+        v = judge.judge(JudgeContext(answer="", access=access, sandbox_id=sid, spec=SPEC))
+        assert v.reward == 1.0, v
+        with pytest.raises(InvalidArgument, match="unprivileged"):
+            ExecutableJudge(hidden_files={}, command=["true"], isolate=False,
+                            answer_command=["true"], answer_user="root")
+        with pytest.raises(InvalidArgument, match="never sees them"):
+            ExecutableJudge(hidden_files={}, command=["true"], isolate=False,
+                            answer_command=["cat", "{tests}/x"])
     finally:
         access.destroy(sid)
 

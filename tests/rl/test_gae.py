@@ -132,3 +132,22 @@ def test_fallback_without_numba() -> None:
                          timeout=60, env={**os.environ})
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("wrong", ["values", "dones"])
+def test_transposed_input_is_refused_not_misread(wrong: str) -> None:
+    """(N, T) values or dones next to (T, N) rewards have the right size, but each env's
+    values would be read across another env's time steps: refused by shape (issue 18)."""
+    t, n = 6, 4
+    args = {"rewards": np.ones((t, n)), "values": np.zeros((t, n)),
+            "dones": np.zeros((t, n), bool), "last_value": np.zeros(n)}
+    args[wrong] = np.asarray(args[wrong]).T.copy()
+    with pytest.raises(InvalidArgument, match=f"{wrong} has shape \\(4, 6\\), rewards \\(6, 4\\)"):
+        gae(**args)
+
+
+def test_one_d_input_takes_a_scalar_last_value() -> None:
+    a = gae(np.ones(3), np.zeros(3), np.zeros(3, bool), 0.0, 0.5, 1.0)
+    assert a.shape == (3,) and a[0] == pytest.approx(1.75)
+    with pytest.raises(InvalidArgument, match="last_value"):
+        gae(np.ones(3), np.zeros(3), np.zeros(3, bool), np.zeros(3), 0.5, 1.0)

@@ -65,9 +65,11 @@ def _score(res: ExecResult) -> float:
     return 1.0 if len(lines) == 2 and lines[0] == f"expect {lines[1]}" else 0.0
 
 
+# stop_agent=False: the simulated backend has no processes to stop (and no `sh`); the
+# stop is tested on real containers (test_container.py).
 HIDDEN = ExecutableJudge(hidden_files={"expected": b"expect 42\n"},
                          command=["cat", "{tests}/expected", "/workspace/answer"],
-                         score=_score, cwd="/workspace", isolate=False)
+                         score=_score, cwd="/workspace", isolate=False, stop_agent=False)
 
 
 def _episode(access: EdgeAccess, judge: ExecutableJudge,

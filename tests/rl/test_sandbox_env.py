@@ -26,6 +26,7 @@ from dsec.rl.sandbox import (
     clean_text,
     parse_action,
 )
+from dsec.wire.spec import ExecRequest, ExecResult
 
 TASK = Task(prompt="Put the answer in /workspace/answer and submit it.",
             files={"/workspace/README": b"the answer is 42\n"},
@@ -41,7 +42,7 @@ def test_parse_action() -> None:
         parse_action('{"tool": "rm_rf"}')
     with pytest.raises(InvalidArgument, match="empty action"):
         parse_action("   ")
-    assert clean_text("a\x00b\u00e9", 100) == "a?b?"
+    assert clean_text("a\x00b\u00e9", 100) == "a\\x00b\u00e9"
     assert len(clean_text("x" * 1000, 50)) == 50
 
 
@@ -148,3 +149,100 @@ def test_pool_misuse(sim_access: EdgeAccess) -> None:
 def test_charset_covers_tool_calls() -> None:
     assert set('{"tool": "submit", "answer": "x"}\n\t') <= set(CHARSET)
     assert np.dtype(object) == np.asarray(["a"], dtype=object).dtype
+
+
+# -- issue 18, section 1: each test below failed on the code before the fix -------------
+
+def test_non_ascii_output_is_kept_and_bad_bytes_are_escaped(sim_access: EdgeAccess) -> None:
+    env = SandboxEnv(sim_access, [TASK])
+    try:
+        env.reset(seed=0)
+        obs, *_ = env.step("echo naïve 中文 ✓")
+        assert obs == "naïve 中文 ✓\n[exit 0]" and obs in env.observation_space
+        # not UTF-8, and a terminal escape: shown as \xNN, nothing dropped or turned to '?'
+        sid = env.episodes.states[0].sandbox_id
+        assert sid is not None
+        sim_access.write_file(sid, "/workspace/bin", b"ok \xff\xfe \x1b[31m\xc3\xa9\n")
+        obs, *_ = env.step("cat /workspace/bin")
+        assert obs == "ok \\xff\\xfe \\x1b[31mé\n[exit 0]" and obs in env.observation_space
+        # actions may hold any printable text too
+        assert "echo é" in env.action_space and "a\x00b" not in env.action_space
+    finally:
+        env.close()
+
+
+def test_actions_outside_the_action_space_run_nothing(sim_access: EdgeAccess) -> None:
+    cfg = SandboxEnvConfig(max_action_chars=40)
+    env = SandboxEnv(sim_access, [TASK], config=cfg)
+    try:
+        env.reset(seed=0)
+        sid = env.episodes.states[0].sandbox_id
+        long = "echo pwned > /workspace/long; " + "#" * 20          # 50 chars > 40
+        assert long not in env.action_space
+        obs, r, term, trunc, _ = env.step(long)
+        assert obs == ("error: the action is 50 characters long, over the limit of 40 "
+                       "(max_action_chars); nothing was run")
+        assert (r, term, trunc) == (0.0, False, False)
+        obs, *_ = env.step("echo a\x00b > /workspace/nul")        # NUL: not in the space
+        assert "control character \\x00" in obs and "nothing was run" in obs
+        assert sid is not None
+        ls = sim_access.exec_batch([(sid, ExecRequest(shell="ls /workspace"))])[0]
+        assert isinstance(ls, ExecResult) and ls.stdout.split() == [b"README"]
+    finally:
+        env.close()
+
+
+def test_step_after_the_episode_ended_raises_until_reset(sim_access: EdgeAccess) -> None:
+    env = SandboxEnv(sim_access, [TASK])
+    try:
+        env.reset(seed=0)
+        _, r, term, _, _ = env.step('{"tool": "submit", "answer": "42"}')
+        assert term and r == 1.0
+        for _ in range(2):     # judged once: no second payout, no second judge run
+            with pytest.raises(Conflict, match="episode has ended.*reset"):
+                env.step('{"tool": "submit", "answer": "42"}')
+        env.reset()
+        _, r, term, _, _ = env.step('{"tool": "submit", "answer": "42"}')
+        assert term and r == 1.0
+    finally:
+        env.close()
+
+
+def test_transcript_judge_does_not_match_the_prompt(sim_access: EdgeAccess) -> None:
+    task = Task(prompt="print 'SOLVED' when you are done", max_turns=3,
+                judge=RegexJudge("SOLVED", field="transcript"))
+    env = SandboxEnv(sim_access, [task])
+    try:
+        env.reset(seed=0)
+        *_, info = env.step('{"tool": "submit"}')       # did nothing: the prompt must not pay
+        assert info["verdict"].reward == 0.0
+        env.reset()
+        env.step("echo SOLVED")
+        _, r, *_ = env.step('{"tool": "submit"}')
+        assert r == 1.0
+    finally:
+        env.close()
+
+
+def test_infrastructure_failure_is_flagged_not_blamed_on_the_agent(
+        sim_access: EdgeAccess) -> None:
+    env = SandboxEnv(sim_access, [TASK])
+    try:
+        _, info = env.reset(seed=0)
+        _, _, _, _, info = env.step("true")
+        assert info == {"infra_error": False}
+        sim_access.destroy(info_sid := env.episodes.states[0].sandbox_id)  # type: ignore[arg-type]
+        obs, r, term, trunc, info = env.step("echo hi")
+        assert obs.startswith("error:") and info_sid in obs
+        # ended at once (truncated: the agent did not end it), no judge, flagged
+        assert (r, term, trunc) == (0.0, False, True)
+        assert info["infra_error"] is True and info["verdict"].infra_error
+        assert info["verdict"].detail.startswith("infrastructure error")
+        # the agent's own mistakes are not infrastructure errors
+        env.reset()
+        _, _, _, _, info = env.step('{"tool": "read_file", "path": "/nope"}')
+        assert info == {"infra_error": False}
+        _, _, _, _, info = env.step("nosuchprogram")
+        assert info == {"infra_error": False}
+    finally:
+        env.close()

@@ -200,6 +200,8 @@ PAST_EACH_LIMIT: dict[str, Any] = {
     "MAX_STDIN_BYTES": lambda: ExecRequest(shell="true", stdin=b"x" * (MAX_STDIN_BYTES + 1)),
     "MAX_CWD_BYTES": lambda: ExecRequest(shell="true", cwd="/" + "d" * spec.MAX_CWD_BYTES),
     "MAX_USER_BYTES": lambda: ExecRequest(shell="true", user="u" * (spec.MAX_USER_BYTES + 1)),
+    "MAX_HIDE_ENTRIES": lambda: ExecRequest(shell="true", hide=tuple(
+        f"h{i}" for i in range(spec.MAX_HIDE_ENTRIES + 1))),
     "MAX_EXEC_TIMEOUT_S": lambda: ExecRequest(shell="true",
                                               timeout_s=spec.MAX_EXEC_TIMEOUT_S + 1),
     "MAX_OUTPUT_CAP_BYTES": lambda: ExecRequest(

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from dsec.bench import BenchContext, suite
+from dsec.bench.rl_agent import agent_figures
 
 
 def _rate(fn: Callable[[], int], budget_s: float) -> float:
@@ -329,3 +330,4 @@ def run(ctx: BenchContext) -> None:
     gae_rate(ctx)
     buffer_enqueue(ctx)
     sandbox_env(ctx)
+    agent_figures(ctx)

@@ -158,7 +158,7 @@ def token_create(ttl: str, uses: int, description: str, state_dir: str | None,
 def token_list(state_dir: str | None, store_url: str | None, url: str | None) -> None:
     """The join tokens (never their secrets)."""
     if url is not None:
-        rows = _rest(url, "GET", "/v1/cluster/tokens")
+        rows = _rest(url, "GET", "/v1/cluster/tokens")["items"]
     else:
         import msgspec
 
@@ -206,7 +206,7 @@ def node() -> None:
 def node_list(state_dir: str | None, store_url: str | None, url: str | None) -> None:
     """The joined nodes."""
     if url is not None:
-        rows = _rest(url, "GET", "/v1/cluster/nodes")
+        rows = _rest(url, "GET", "/v1/cluster/nodes")["items"]
     else:
         import msgspec
 

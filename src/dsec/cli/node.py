@@ -41,22 +41,29 @@ def ls(url: str | None, api_key: str | None, as_json: bool) -> None:
 @node.command("drain")
 @click.argument("node_id")
 @click.option("--migrate", is_flag=True,
-              help="Also move the node's sandboxes elsewhere by snapshot (not available "
-                   "yet: needs cross-node snapshot fetch; see docs/deploy.md).")
+              help="Also move the node's sandboxes elsewhere: each is snapshotted, started "
+                   "from the snapshot on another node and ended (reason migrated, naming "
+                   "its new id). Safe to run again after an interruption.")
 @conn_options
 def drain(node_id: str, migrate: bool, url: str | None, api_key: str | None,
           as_json: bool) -> None:
     """Drain NODE_ID: no new sandboxes are placed on it; the ones it holds keep running
     until they end. Superuser only; stored, so it survives apiserver restarts."""
-    if migrate:
-        raise click.UsageError(
-            "--migrate is not available yet: a snapshot lives in the layer store of the "
-            "node that took it, so it cannot start elsewhere until layers move between "
-            "nodes (issue 16, move stream). Drain without it and let the sandboxes end.")
     with client(url, api_key) as c:
         view = c.drain_node(node_id)
+        moved = c.migrate_node(node_id) if migrate else None
     if as_json:
-        emit_json(view)
+        emit_json(moved if moved is not None else view)
+        return
+    if moved is not None:
+        for m in moved.items:
+            click.echo(f"{m.sandbox_id} -> {m.new_id}" if not m.error
+                       else f"{m.sandbox_id} stays: {m.error}")
+        failed = sum(1 for m in moved.items if m.error)
+        click.echo(f"node {view.id} drained; {len(moved.items) - failed} sandbox(es) moved"
+                   + (f", {failed} left (run it again)" if failed else ""))
+        if failed:
+            raise SystemExit(1)
         return
     click.echo(f"node {view.id} drained: no new placements; {view.sandboxes} sandbox(es) "
                "there keep running until they end")

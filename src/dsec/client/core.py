@@ -87,6 +87,13 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
+from dsec.wire.cluster import (
+    JoinedNode,
+    JoinTokenCreate,
+    JoinTokenRevoke,
+    JoinTokenView,
+    NodeMigration,
+)
 from dsec.wire.layers import LayerFetch, LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -477,9 +484,38 @@ class AsyncClient:
         until they end. Stored: survives apiserver restarts, binds every replica."""
         return await self.call(ops.NODE_DRAIN, NodeRef(id=node_id))
 
+    async def migrate_node(self, node_id: str) -> NodeMigration:
+        """Move every sandbox off a drained node (superuser): each is snapshotted,
+        started from it on another node and ended with reason ``migrated`` naming its new
+        id. Safe to repeat: a run cut short is carried on, never doubled."""
+        return await self.call(ops.NODE_MIGRATE, NodeRef(id=node_id))
+
     async def undrain_node(self, node_id: str) -> NodeView:
         """Undrain an edge node (superuser): placement may use it again."""
         return await self.call(ops.NODE_UNDRAIN, NodeRef(id=node_id))
+
+    # cluster membership (superuser; docs/cluster.md): join tokens and joined edges
+    async def create_join_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
+                                description: str = "") -> JoinTokenView:
+        """A join token for ``dsec edge --join`` (its ``token`` is shown this once)."""
+        return await self.call(ops.CLUSTER_TOKEN_CREATE, JoinTokenCreate(
+            ttl_s=ttl_s, uses=uses, description=description))
+
+    async def join_tokens(self) -> list[JoinTokenView]:
+        return (await self.call(ops.CLUSTER_TOKENS, Empty())).items
+
+    async def revoke_join_token(self, token_id: str, *, nodes: bool = False) -> None:
+        """No more joins with the token; ``nodes``: also revoke every node that joined
+        with it (their sandboxes are written off)."""
+        await self.call(ops.CLUSTER_TOKEN_REVOKE, JoinTokenRevoke(id=token_id, nodes=nodes))
+
+    async def joined_nodes(self) -> list[JoinedNode]:
+        return (await self.call(ops.CLUSTER_NODES, Empty())).items
+
+    async def revoke_joined_node(self, node_id: str) -> None:
+        """Revoke a joined node: its certificate is refused at every replica and its
+        sandboxes are written off (reason ``node_revoked``)."""
+        await self.call(ops.CLUSTER_NODE_REVOKE, NodeRef(id=node_id))
 
     async def close(self) -> None:
         """Stop renewing the session and close it: session-bound sandboxes are swept."""
@@ -826,8 +862,9 @@ def _exec_req(cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                               f"not {type(cmd).__name__}")
     data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
     req = ExecRequest(argv=argv, shell=shell, env=dict(env or {}), cwd=cwd, user=user,
-                      stdin=data, timeout_s=timeout, background=background,
-                      **({"output_cap_bytes": output_cap} if output_cap is not None else {}))
+                      stdin=data, timeout_s=timeout, background=background)
+    if output_cap is not None:      # left out otherwise: the default stays the default
+        req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
     return req.validate()
 
 

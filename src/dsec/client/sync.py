@@ -31,7 +31,16 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
+from dsec.wire.api import (
+    ImagePinView,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePushed,
+    ImageView,
+    Info,
+    NodeView,
+)
+from dsec.wire.cluster import JoinedNode, JoinTokenView, NodeMigration
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
@@ -146,9 +155,33 @@ class Client:
     def nodes(self) -> list[NodeView]:
         return self._run(self._a.nodes())
 
+    def create_join_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
+                          description: str = "") -> JoinTokenView:
+        """See :meth:`AsyncClient.create_join_token`."""
+        return self._run(self._a.create_join_token(ttl_s=ttl_s, uses=uses,
+                                                   description=description))
+
+    def join_tokens(self) -> list[JoinTokenView]:
+        return self._run(self._a.join_tokens())
+
+    def revoke_join_token(self, token_id: str, *, nodes: bool = False) -> None:
+        """See :meth:`AsyncClient.revoke_join_token`."""
+        self._run(self._a.revoke_join_token(token_id, nodes=nodes))
+
+    def joined_nodes(self) -> list[JoinedNode]:
+        return self._run(self._a.joined_nodes())
+
+    def revoke_joined_node(self, node_id: str) -> None:
+        """See :meth:`AsyncClient.revoke_joined_node`."""
+        self._run(self._a.revoke_joined_node(node_id))
+
     def drain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.drain_node`."""
         return self._run(self._a.drain_node(node_id))
+
+    def migrate_node(self, node_id: str) -> NodeMigration:
+        """See :meth:`AsyncClient.migrate_node`."""
+        return self._run(self._a.migrate_node(node_id))
 
     def undrain_node(self, node_id: str) -> NodeView:
         """See :meth:`AsyncClient.undrain_node`."""
@@ -288,6 +321,22 @@ class Images:
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
+
+    def pin(self, ref: str | ImageView, *, node: str) -> ImagePinView:
+        """See :meth:`~dsec.client.images.AsyncImages.pin`."""
+        return self._c._run(self._a.pin(ref, node=node))
+
+    def unpin(self, image: str, *, node: str) -> None:
+        """See :meth:`~dsec.client.images.AsyncImages.unpin`."""
+        self._c._run(self._a.unpin(image, node=node))
+
+    def pins(self, node: str) -> builtins.list[ImagePinView]:
+        """See :meth:`~dsec.client.images.AsyncImages.pins`."""
+        return self._c._run(self._a.pins(node))
+
+    def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
+        """See :meth:`~dsec.client.images.AsyncImages.push`."""
+        return self._c._run(self._a.push(ref, verify=verify))
 
     def prune(self, *, dry_run: bool = False) -> ImagePruned:
         """See :meth:`~dsec.client.images.AsyncImages.prune`."""

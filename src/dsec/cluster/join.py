@@ -17,8 +17,11 @@ REST doors:
   without a token. A revoked node's certificate is refused; a nonce is good once, and
   only from the address it was issued to (which is also the address recorded for an
   advertised ``0.0.0.0``): a replayed rejoin moves nothing.
-- ``GET/POST /v1/cluster/tokens``, ``DELETE /v1/cluster/tokens/{id}[?nodes=true]``,
-  ``GET /v1/cluster/nodes``, ``POST /v1/cluster/nodes/{id}/revoke``: superusers only.
+- Tokens and joined nodes (``GET/POST /v1/cluster/tokens``, ``DELETE
+  /v1/cluster/tokens/{id}[?nodes=true]``, ``GET /v1/cluster/nodes``, ``POST
+  /v1/cluster/nodes/{id}/revoke``) are the catalogue's ``cluster_*`` rows
+  (:mod:`dsec.wire.ops`), served at every door by :class:`~dsec.control.api.service.
+  ApiService` over this authority: superusers only.
 
 Failed joins and rejoins are charged to the client address's budget for unauthenticated
 requests (the one the REST door keeps for bad API keys): a token guesser is answered 429
@@ -64,6 +67,7 @@ from dsec.errors import (
     Unauthenticated,
 )
 from dsec.ids import parse_node_id
+from dsec.wire.cluster import JoinedNode, JoinTokenCreate, JoinTokenView
 
 __all__ = ["ChallengeReply", "JoinAuthority", "JoinReply", "JoinRequest", "RejoinRequest",
            "edge_join_args", "join_request", "join_routes"]
@@ -118,30 +122,11 @@ class RejoinRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     signature: str           # base64 ECDSA-SHA256 over ca.rejoin_message(...)
 
 
-class TokenCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    ttl_s: float = 86400.0
-    uses: int = 1
-    description: str = ""
-
-
-class TokenView(msgspec.Struct, frozen=True, kw_only=True):
-    id: str
-    uses: int
-    used: int
-    created_at: float
-    expires_at: float
-    revoked: bool
-    description: str
-    token: str | None = None     # only in the answer to its creation
-
-
-class NodeView(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
-    address: str
-    cert_fingerprint: str
-    token_id: str
-    joined_at: float
-    revoked: bool
+# The catalogue's types (dsec.wire.cluster): the cluster_* rows serve tokens and nodes
+# at every door; these names stay for the edges' side and older callers.
+TokenCreate = JoinTokenCreate
+TokenView = JoinTokenView
+NodeView = JoinedNode
 
 
 def token_view(row: JoinTokenRow, token: str | None = None) -> TokenView:
@@ -180,10 +165,6 @@ class JoinAuthority:
         # node ids this apiserver has as static edges (`dsec up`'s edge-N, --edge flags):
         # a joined node may not take one
         self.reserved = reserved
-        # nonces spent on this replica -> their expiry (pruned as they expire). A nonce
-        # is also bound to its peer address, so another replica could take a replay
-        # only from the very address that asked for it, within NONCE_TTL_S.
-        self._spent: dict[str, float] = {}
 
     # ------------------------------------------------------------------ nonces
     def challenge(self, peer: str | None = None) -> ChallengeReply:
@@ -195,17 +176,16 @@ class JoinAuthority:
         the peer address it was issued to. Spending it is :meth:`_spend`'s."""
         now = self.clock()
         issued_to, _ = check_nonce(self.ca, nonce, peer or "", now_s=now)
-        if nonce in self._spent:
-            raise Unauthenticated("this challenge nonce was used already: ask "
-                                  "POST /v1/cluster/challenge for a fresh one per request")
+        if self.store.nonce_spent(nonce, now):
+            raise _nonce_used()
         return issued_to
 
     def _spend(self, nonce: str) -> None:
+        """Spend the nonce in the state store, once for every replica: two requests
+        carrying it (a replay to another replica, or two at once) get one spend."""
         now = self.clock()
-        for n, exp in list(self._spent.items()):
-            if exp <= now:
-                self._spent.pop(n, None)
-        self._spent[nonce] = now + NONCE_TTL_S + 1.0
+        if not self.store.spend_nonce(nonce, now + NONCE_TTL_S + 1.0, now):
+            raise _nonce_used()
 
     # ------------------------------------------------------------------ tokens
     def create_token(self, *, ttl_s: float = 86400.0, uses: int = 1,
@@ -322,6 +302,11 @@ class JoinAuthority:
         return node_view(row)
 
 
+def _nonce_used() -> Unauthenticated:
+    return Unauthenticated("this challenge nonce was used already: ask "
+                           "POST /v1/cluster/challenge for a fresh one per request")
+
+
 def edge_join_args(authority: JoinAuthority, url: str, *, node_id: str, listen: str,
                    ttl_s: float = 600.0) -> tuple[list[str], dict[str, str]]:
     """What to add to a ``dsec edge --state-dir DIR ...`` command line so that it joins the
@@ -406,52 +391,7 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
             return _json_response(reply, rid, 200)
         return endpoint
 
-    def admin(fn: Callable[[Request], Any], status: int = 200) -> Any:
-        async def endpoint(request: Request) -> Response:
-            rid = _request_id(request)
-            try:
-                caller = service.authenticate(request.headers.get("authorization"),
-                                              _client_host(request.scope))
-                if not caller.superuser:
-                    raise PermissionDenied("cluster membership (join tokens, nodes) is for "
-                                           "superusers only")
-                reply = await fn(request)
-            except DsecError as exc:
-                return _error_response(exc, rid)
-            except Exception as exc:  # a bug: say so, log it, never leak the trace
-                log.exception("request %s %s failed (request id %s)", request.method,
-                              request.url.path, rid)
-                return _internal(rid, exc)
-            if reply is None:
-                return Response(status_code=204, headers={"x-request-id": rid})
-            return _json_response(reply, rid, status)
-        return endpoint
-
-    async def tokens(request: Request) -> Any:
-        return [token_view(r) for r in authority.list_tokens()]
-
-    async def token_create(request: Request) -> Any:
-        req = decode(TokenCreate, await body(request))
-        tok, row = authority.create_token(ttl_s=req.ttl_s, uses=req.uses,
-                                          description=req.description)
-        return token_view(row, str(tok))
-
-    async def token_revoke(request: Request) -> Any:
-        given = request.query_params.getlist("nodes")
-        unknown = set(request.query_params) - {"nodes"}
-        if unknown or len(given) > 1 or (given and given[0] not in ("true", "false")):
-            raise InvalidArgument("DELETE /v1/cluster/tokens/{id} takes one query parameter, "
-                                  "nodes=true|false", field="nodes")
-        nodes = given == ["true"]
-        authority.revoke_token(request.path_params["id"], nodes=nodes)
-
-    async def nodes(request: Request) -> Any:
-        return [node_view(r) for r in authority.list_nodes()]
-
-    async def node_revoke(request: Request) -> Any:
-        authority.revoke_node(request.path_params["id"])
-
-    from dsec.control.api.openapi import Op, Param
+    from dsec.control.api.openapi import Op
 
     def challenge(raw: Any, client: str | None) -> ChallengeReply:
         del raw
@@ -471,23 +411,4 @@ def join_routes(authority: JoinAuthority, service: Any) -> list[tuple[Any, Any]]
          Op("POST", "/v1/cluster/rejoin", "clusterRejoin",
             "A joined edge announces its address, signed by its key", RejoinRequest,
             NodeView, tag=tag, auth=False, body_credential=True)),
-        (Route("/v1/cluster/tokens", admin(tokens), methods=["GET"]),
-         Op("GET", "/v1/cluster/tokens", "clusterTokens", "List join tokens (superuser)",
-            None, list[TokenView], tag=tag)),
-        (Route("/v1/cluster/tokens", admin(token_create, 201), methods=["POST"]),
-         Op("POST", "/v1/cluster/tokens", "clusterTokenCreate",
-            "Create a join token (superuser; shown once)", TokenCreate, TokenView,
-            status=201, tag=tag)),
-        (Route("/v1/cluster/tokens/{id}", admin(token_revoke), methods=["DELETE"]),
-         Op("DELETE", "/v1/cluster/tokens/{id}", "clusterTokenRevoke",
-            "Revoke a join token (superuser)", None, None, status=204, tag=tag,
-            params=(Param("nodes", {"type": "boolean"}, description="also revoke the "
-                          "nodes that joined with it"),))),
-        (Route("/v1/cluster/nodes", admin(nodes), methods=["GET"]),
-         Op("GET", "/v1/cluster/nodes", "clusterNodes", "List joined nodes (superuser)",
-            None, list[NodeView], tag=tag)),
-        (Route("/v1/cluster/nodes/{id}/revoke", admin(node_revoke), methods=["POST"]),
-         Op("POST", "/v1/cluster/nodes/{id}/revoke", "clusterNodeRevoke",
-            "Revoke a joined node (superuser): its sandboxes are written off", None, None,
-            status=204, tag=tag)),
     ]

@@ -157,6 +157,10 @@ class ClusterConfig:
     # reach (its blob CDN, its auth service); no ref may name them. Every other hop is
     # refused without being contacted (red team F16).
     registry_blob_hosts: tuple[str, ...] = ()
+    # [blob] The blob store layers are pushed to (`images.push`) and read from by nodes
+    # that lack them (`--blob-store`, dsec.image.blob): an operator's URL, trusted as
+    # given; passed on to the local edges. None: no blob store.
+    blob_store: str | None = None
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -305,9 +309,14 @@ class ClusterRuntime:
                                  redact_paths=_host_paths(given),
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
+            service.joins = self.join_authority     # the cluster_* rows (None: no CA)
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
+            if "container" in self._local_backends():
+                # the base's names in the state store's tag table too (every replica's)
+                await asyncio.to_thread(self._ensure_base_layer, plane.images.layers())
             plane.images.registries = cfg.registries
             plane.images.registry_blob_hosts = cfg.registry_blob_hosts
+            plane.images.blob_store = cfg.blob_store
             if cfg.image_store_budget is not None:
                 from dsec.image import LayerStore
 
@@ -406,13 +415,14 @@ class ClusterRuntime:
     def _local_backends(self) -> list[str]:
         return sorted({"simulated", self.config.backend})
 
-    def _ensure_base_layer(self) -> None:
+    def _ensure_base_layer(self, store: Any = None) -> None:
         """``base`` (busybox) in the cluster's layer store, built on first use (~0.1 s) so
         ``dsec up --backend container`` works on a fresh machine; done once here, so
         edges never race to build it."""
         from dsec.image import LayerStore, ensure_busybox_base
 
-        store = LayerStore(os.path.join(self.config.state_dir, "layers"))
+        if store is None:
+            store = LayerStore(os.path.join(self.config.state_dir, "layers"))
         base = ensure_busybox_base(store)
         if "base:latest" not in store.refs():
             store.tag(base.digest, "base")
@@ -443,6 +453,8 @@ class ClusterRuntime:
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
+        if cfg.blob_store is not None:
+            argv += ["--blob-store", cfg.blob_store]      # never carries a secret (refused)
         return argv + self._net_argv(self.node_ids.index(node))
 
     def _net_argv(self, index: int = 0) -> list[str]:

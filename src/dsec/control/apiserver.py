@@ -575,7 +575,10 @@ _ADMIN_ROWS = frozenset({
     ops.PROJECTS, ops.PROJECT_GET, ops.QUOTA_SET, ops.CREATE_KEY, ops.REVOKE_KEY,
     ops.SESSION_OPEN, ops.SESSION_RENEW, ops.SESSION_CLOSE, ops.IMAGES, ops.IMAGE_GET,
     ops.IMAGE_TAG, ops.IMAGE_DELETE, ops.IMAGE_BUILD, ops.IMAGE_IMPORT, ops.IMAGE_PRUNE,
-    ops.IMAGE_PULL, ops.IMAGE_PROMOTE, ops.NODE_DRAIN, ops.NODE_UNDRAIN})
+    ops.IMAGE_PULL, ops.IMAGE_PROMOTE, ops.NODE_DRAIN, ops.NODE_UNDRAIN, ops.IMAGE_PUSH,
+    ops.IMAGE_PIN, ops.IMAGE_UNPIN, ops.IMAGE_PINS, ops.CLUSTER_TOKENS,
+    ops.CLUSTER_TOKEN_CREATE, ops.CLUSTER_TOKEN_REVOKE, ops.CLUSTER_NODES,
+    ops.CLUSTER_NODE_REVOKE, ops.NODE_MIGRATE})
 
 _ROWS: dict[tuple[str, str], CatalogueOp[Any, Any]] = {
     (op.rest.method, op.rest.path): op for op in ops.REST_OPS if op.rest is not None}

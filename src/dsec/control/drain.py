@@ -8,8 +8,7 @@ re-reads it at most every ``refresh_s`` (a drain made on one replica binds the o
 within that time, as quotas do), and at once on the replica that made it.
 
 Moving the sandboxes off (``--migrate``: snapshot, start from the snapshot elsewhere,
-destroy the original) needs the snapshot to be readable on the target node, which is
-the ``move`` stream's layer fetch (issue 16); see docs/deploy.md "Draining an edge".
+end the original) is :mod:`dsec.control.migrate`; see docs/deploy.md "Draining an edge".
 """
 
 from __future__ import annotations

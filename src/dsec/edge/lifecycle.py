@@ -71,6 +71,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
     "failed",           # an operation failed and cleanup destroyed it
     "shutdown",         # the node was drained
     "node_revoked",     # the node was revoked from the cluster (docs/cluster.md)
+    "migrated",         # moved off a drained node: the detail names its new sandbox
 })
 
 # Reasons a backend may report for a sandbox that lives on: recorded as an event whose
@@ -87,6 +88,8 @@ NOTICE_REASONS: frozenset[str] = frozenset({
     "network_lost",     # adopted after an edge restart without its router slot: cut off
     "network_ipv6_inert",  # its policy names IPv6 entries this node cannot carry (no
                         # IPv6 for sandboxes): accepted, inert, and said so
+    "layer_unavailable",  # a lazily loaded image layer could not be read (blob store
+                        # outage, corrupt chunks, its FUSE daemon died): reads got EIO
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -316,6 +316,9 @@ class EdgeNode:
         self._feed: collections.deque[tuple[int, str, EventTuple]] = collections.deque(
             maxlen=config.feed_size)
         self._seq = 0
+        # Notices a backend reports while it adopts a sandbox (before the node lists it
+        # live again: network_lost, layer_unavailable), handed out once it is.
+        self._adopt_notices: dict[str, list[tuple[str, str]]] = {}
         self._deadlines: builtins.list[tuple[float, str]] = []
         if journal is None and config.state_dir is not None:
             journal = SandboxJournal(config.state_dir, sync=config.journal_sync,
@@ -415,12 +418,14 @@ class EdgeNode:
             adopting = getattr(backend, "adopting", None)
             if adopting is not None and r.ceiling_deny:
                 adopting(r.id, r.ceiling_deny)  # the policy's deny entries, for its slot
+            self._adopt_notices[r.id] = []
             try:
                 alive = await backend.adopt(SandboxId(r.id), r.spec)
             except Exception as exc:  # noqa: BLE001 - a broken one must not stop the others
                 alive, why = False, f"adopt failed: {exc!r}"
             else:
                 why = "the backend no longer has it after an edge restart"
+            notices = self._adopt_notices.pop(r.id, [])
             if not alive or r.state in ("creating", "destroying", "failed"):
                 if alive:
                     why = f"was {r.state} when the edge stopped"
@@ -459,6 +464,8 @@ class EdgeNode:
             if r.state == "resuming":
                 state = "paused"  # a paused backend accepts resume; the next exec resumes it
             self._move(rec, "created", "adopted", f"journal state {r.state}")
+            for reason, detail in notices:
+                self._event(rec, rec.state, rec.state, reason, detail)
             if state == "paused":
                 rec.state = "paused"
             self._arm(rec)
@@ -900,6 +907,9 @@ class EdgeNode:
     def _on_death(self, sid: SandboxId, reason: str, detail: str) -> None:
         """Backend sink: a sandbox died on its own (OOM, exited, crash), or a notice."""
         rec = self._live.get(sid)
+        if rec is None and reason in NOTICE_REASONS and sid in self._adopt_notices:
+            self._adopt_notices[sid].append((reason, detail))   # being adopted right now
+            return
         if rec is None or rec.state in ("destroying", "destroyed"):
             return
         if reason in NOTICE_REASONS:
@@ -1038,8 +1048,14 @@ class EdgeNode:
 
     # ================================================================ pause / resume
     async def pause(self, sandbox_id: str) -> PauseStats:
-        """Freeze the sandbox and give back its memory (backend-dependent)."""
+        """Freeze the sandbox and give back its memory (backend-dependent). Idempotent
+        like :meth:`resume`: a sandbox already paused (an idle pause, another caller's)
+        is success with nothing more given back; one in flight is waited for first."""
         rec = self._find(sandbox_id)
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state == "paused":
+            return PauseStats()
         self._move(rec, "pause", "requested")
         rec.busy = asyncio.get_running_loop().create_future()
         try:
@@ -1060,8 +1076,15 @@ class EdgeNode:
         return stats
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Make the sandbox running. Idempotent: a sandbox that is already running (an
+        exec resumed it transparently, another caller resumed it first) is success, so
+        a trainer resuming every sandbox of a preempted rollout never fails on the few a
+        stray exec woke (issue 18). A pause or resume in flight is waited for first."""
         rec = self._find(sandbox_id)
-        await self._resume(rec, "requested")
+        while rec.state in ("pausing", "resuming") and rec.busy is not None:
+            await asyncio.shield(rec.busy)
+        if rec.state != "running":
+            await self._resume(rec, "requested")
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:
@@ -1219,9 +1242,21 @@ class EdgeNode:
             rec.cut.pop(task, None)
 
     # ================================================================ exec
+    @staticmethod
+    def _check_hide(rec: _Sandbox) -> None:
+        """``ExecRequest.hide`` is a security promise: refuse it where no Landlock layer
+        keeps it, rather than run the command unconfined."""
+        if not getattr(rec.backend, "supports_hide", False):
+            raise InvalidArgument(
+                f"sandbox {rec.id} runs on the {rec.spec.backend!r} backend, which cannot "
+                "hide paths from a command (exec hide needs the container backend's native "
+                "runtime and a kernel with Landlock)", field="hide", sandbox_id=rec.id)
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
+        if req.hide:
+            self._check_hide(rec)
         room = self.config.max_reply_output_bytes
         if req.output_cap_bytes > room:
             # more would be collected only to fail as too large for one reply: keep what
@@ -1294,6 +1329,8 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
+        if req.hide:
+            self._check_hide(rec)
         if rec.state != "running":
             await self._ready(rec, "exec")
         self._admit_exec(rec)

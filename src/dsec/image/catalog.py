@@ -25,12 +25,15 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
 from dsec.errors import ImageNotFound, InvalidArgument
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace, parse_ref
+
+if TYPE_CHECKING:
+    from dsec.image.store import RefTable
 
 __all__ = [
     "CanSee",
@@ -227,12 +230,18 @@ class StoreIndex:
     layer and the create fails with the same "no image" answer.
     Measured here (2 loaded cores): sync + resolve of a name or digest is 6-10 µs."""
 
-    def __init__(self, root: str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, root: str, *, clock: Callable[[], float] = time.time,
+                 refs: RefTable | None = None) -> None:
         self.root = root
         self._clock = clock
+        # the names' table when they are not refs.json (LayerStore's ``refs``): re-read
+        # when its signature (the state store's tag version) moves
+        self._table = refs
         self._refs: dict[str, str] = {}
         self._names: dict[str, tuple[str, ...]] = {}
-        self._refs_sig: tuple[int, int, int] | None = None
+        self._refs_sig: object = None
+        # manifests of layers named in the table but stored on another replica's host
+        self._shared: dict[str, LayerManifest] = {}
         self._layers: dict[str, LayerManifest] = {}
         # the same layers by their project (None: cluster-wide), so a listing for one
         # caller skips the projects it may not see wholesale
@@ -243,13 +252,22 @@ class StoreIndex:
 
     def sync(self, *, listing: bool = False) -> StoreIndex:
         """Catch up with the store (see the class docstring); returns ``self``."""
-        self._fresh_refs()
+        self._fresh_refs(exact=listing)
         if listing:
             self._fresh_listing()
         return self
 
     # refs.json ----------------------------------------------------------------
-    def _fresh_refs(self) -> None:
+    def _fresh_refs(self, *, exact: bool = False) -> None:
+        if self._table is not None:
+            # a create's lookup may lag another replica's change by its announcement
+            # (PostgreSQL NOTIFY, ~1 ms; it costs no round trip meanwhile); the image
+            # routes (listing) ask the store's version every time
+            tsig = self._table.signature(exact=exact)
+            if tsig != self._refs_sig:
+                refs = self._table.read()
+                self._refs, self._names, self._refs_sig = refs, _names(refs), tsig
+            return
         path = os.path.join(self.root, "refs.json")
         try:
             st = os.stat(path)
@@ -289,6 +307,12 @@ class StoreIndex:
             m = self._load(hx)
             if m is not None:
                 self._put(hx, m)
+            elif self._table is not None:
+                m = self._shared.get(hx)
+                if m is None and DIGEST_PREFIX + hx in self._names:
+                    m = self._table.manifest(DIGEST_PREFIX + hx)
+                    if m is not None:
+                        self._shared[hx] = m
         return m
 
     def _put(self, hx: str, m: LayerManifest) -> None:
@@ -355,6 +379,8 @@ class StoreIndex:
             hx = digest.removeprefix(DIGEST_PREFIX)
             if hx not in out and see(_key_namespace(key)):
                 m = self._layers.get(hx)
+                if m is None and self._table is not None:
+                    m = self.manifest(hx)     # named by another replica, stored there
                 if m is not None:
                     out[hx] = m
         return sorted(out.values(), key=lambda m: m.created)

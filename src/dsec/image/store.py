@@ -46,7 +46,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import IO
+from typing import IO, Protocol
 
 import msgspec
 
@@ -185,10 +185,41 @@ def _write_private(path: str, data: bytes) -> None:
         raise
 
 
-class LayerStore:
-    """Layers by digest, names by ``name:tag``; safe for concurrent processes."""
+class RefTable(Protocol):
+    """Where a layer store's names live when they are not its own ``refs.json``: the
+    state store's tag table (:class:`dsec.control.store.tags.StoreTags`), shared by every
+    apiserver replica, so every replica answers a name with the same layer."""
 
-    def __init__(self, root: str, *, budget_bytes: int | None = None) -> None:
+    def read(self) -> dict[str, str]:
+        """Every name -> digest, as of now."""
+        ...
+
+    def update(self, changes: Mapping[str, LayerManifest | None]) -> None:
+        """Set names to layers (None: remove the name), in one change."""
+        ...
+
+    def signature(self, *, exact: bool = False) -> object:
+        """A value that differs after every change (a cheap check before a re-read).
+        ``exact``: as of now, also for a change another replica made a moment ago
+        (otherwise it may lag by the time that change takes to be announced)."""
+        ...
+
+    def manifest(self, digest: str) -> LayerManifest | None:
+        """The manifest of a named layer as the table keeps it (a replica that never
+        stored the layer still knows what its name is)."""
+        ...
+
+
+class LayerStore:
+    """Layers by digest, names by ``name:tag``; safe for concurrent processes.
+
+    ``refs``: where the names live (None: ``refs.json`` in the store). With a table, the
+    table is the truth and keeps ``refs.json`` in step with it, for the processes
+    sharing the directory that read and write names in
+    the file (the edges of ``dsec up``): :class:`dsec.control.store.tags.HostNames`."""
+
+    def __init__(self, root: str, *, budget_bytes: int | None = None,
+                 refs: RefTable | None = None) -> None:
         """``budget_bytes``: after a build stores a new layer and the store holds more
         than this, the least recently used unreferenced layers go (:meth:`prune`). None:
         the budget recorded in the store (:meth:`set_budget`), read at every build, so
@@ -197,6 +228,7 @@ class LayerStore:
             raise InvalidArgument(f"image store budget {budget_bytes} must be >= 0 bytes")
         self.root = os.path.abspath(root)
         self._budget = budget_bytes
+        self.ref_table = refs
         try:
             for d in (self.root, *(os.path.join(self.root, s) for s in _SUBDIRS)):
                 os.makedirs(d, mode=_DIR_MODE, exist_ok=True)
@@ -291,15 +323,36 @@ class LayerStore:
 
     # ------------------------------------------------------------------------- refs
     def _read_refs(self) -> dict[str, str]:
+        if self.ref_table is not None:
+            return self.ref_table.read()
+        return self._read_refs_file()
+
+    def _read_refs_file(self) -> dict[str, str]:
         try:
             with open(os.path.join(self.root, "refs.json"), "rb") as f:
                 return _refs_dec.decode(f.read())
         except FileNotFoundError:
             return {}
 
-    def _write_refs(self, refs: dict[str, str]) -> None:
+    def _write_refs_file(self, refs: dict[str, str]) -> None:
         _write_private(os.path.join(self.root, "refs.json"),
                        _json_enc.encode(dict(sorted(refs.items()))))
+
+    def _change_refs(self, changes: Mapping[str, LayerManifest | None]) -> None:
+        """Set (a manifest) or remove (None) names; the lock held. Only these keys are
+        written: a table shared with other replicas keeps the names they set meanwhile."""
+        if not changes:
+            return
+        if self.ref_table is not None:
+            self.ref_table.update(changes)   # the table keeps refs.json in step itself
+            return
+        refs = self._read_refs_file()
+        for key, m in changes.items():
+            if m is None:
+                refs.pop(key, None)
+            else:
+                refs[key] = m.digest
+        self._write_refs_file(refs)
 
     def refs(self) -> dict[str, str]:
         """``[project/]name:tag`` -> digest."""
@@ -340,7 +393,7 @@ class LayerStore:
             refs[key] = m.digest
             if admit is not None:
                 admit(self._nodes(), refs)
-            self._write_refs(refs)
+            self._change_refs({key: m})
         return m
 
     def _nodes(self) -> dict[str, LayerNode]:
@@ -367,10 +420,9 @@ class LayerStore:
         (None when there was no such name). The layer stays."""
         parse_ref(key)
         with self._locked():
-            refs = self._read_refs()
-            digest = refs.pop(key, None)
+            digest = self._read_refs().get(key)
             if digest is not None:
-                self._write_refs(refs)
+                self._change_refs({key: None})
         return digest
 
     # ------------------------------------------------------------------------ reads
@@ -393,6 +445,11 @@ class LayerStore:
         if digest is None:
             raise ImageNotFound(f"no image named {p.key} in {self.root}; "
                                 "see `dsec image ls`", ref=ref)
+        if self.ref_table is not None and not self.has(digest):
+            # named by another replica, stored on its host: the table knows what it is
+            shared = self.ref_table.manifest(digest)
+            if shared is not None:
+                return shared
         return self._load(digest.removeprefix(DIGEST_PREFIX), ref)
 
     def _load(self, hx: str, ref: str) -> LayerManifest:
@@ -524,9 +581,7 @@ class LayerStore:
                     manifest = existing
                     self.touch(hx)
                 if key is not None:
-                    refs = self._read_refs()
-                    refs[key] = manifest.digest
-                    self._write_refs(refs)
+                    self._change_refs({key: manifest})
                 if existing is not None and existing.skipped != skip_counts(
                         stats.skipped, skipped or {}):
                     # the same tree from another source (a tar cannot carry sockets): the
@@ -582,6 +637,35 @@ class LayerStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def stored_digests(self) -> list[str]:
+        """Digests of the layers whose file is in this store (two listdirs): what this
+        node can hand to another. A layer read lazily from a blob store (issue 17) has a
+        manifest here but no file, so it is not one of them."""
+        try:
+            files = {n[:-6] for n in os.listdir(os.path.join(self.root, "layers"))
+                     if n.endswith(".erofs")}
+            names = os.listdir(os.path.join(self.root, "manifests"))
+        except FileNotFoundError:
+            return []
+        return [DIGEST_PREFIX + n[:-5] for n in names
+                if n.endswith(".json") and n[:-5] in files]
+
+    def add_remote(self, manifest: LayerManifest) -> LayerManifest:
+        """Record a layer this node reads lazily from a blob store (issue 17): its
+        manifest only, no layer file (:meth:`layer_path` does not exist). The layers
+        below it must be known here first (lowest first, as :meth:`adopt`). Idempotent."""
+        hx = manifest.digest.removeprefix(DIGEST_PREFIX)
+        with self._locked():
+            existing = self._load_opt(hx)
+            if existing is not None:
+                return existing
+            for below in (*manifest.stack, *((manifest.parent,) if manifest.parent else ())):
+                if self._load_opt(below.removeprefix(DIGEST_PREFIX)) is None:
+                    raise ImageError(f"cannot record layer {manifest.digest}: the layer "
+                                     f"{below} it stands on is not in {self.root}")
+            _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+            return manifest
+
     @staticmethod
     def _too_big(what: str, size: int, limit: int, qualifier: str) -> QuotaExceeded:
         return QuotaExceeded(
@@ -627,8 +711,8 @@ class LayerStore:
                 raise InUse(f"layer {m.ref} ({m.digest}) is in use: {'; '.join(why)}; "
                             "destroy the sandboxes / snapshots using it first",
                             digest=m.digest)
-            refs = {k: v for k, v in self._read_refs().items() if v != m.digest}
-            self._write_refs(refs)
+            self._change_refs({k: None for k, v in self._read_refs().items()
+                               if v == m.digest})
             self._unlink_layer(m.digest)
         return m
 

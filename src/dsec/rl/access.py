@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
-from dsec.errors import DsecError, InternalError, InvalidArgument, NotFound, WrongNode
+from dsec.errors import (
+    DsecError,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    SandboxNotFound,
+    WrongNode,
+)
 from dsec.ids import node_of
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
@@ -39,12 +47,21 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchSandboxAccess", "ClientAccess", "DelegatingAccess", "EdgeAccess",
            "ExecOutcome", "LoopThread", "SandboxAccess", "create_sandboxes",
-           "destroy_sandboxes", "pause_sandboxes", "resume_sandboxes"]
+           "destroy_sandboxes", "is_infra_error", "pause_sandboxes", "resume_sandboxes"]
 
 T = TypeVar("T")
 # A batch item either ran (ExecResult, whatever its exit code) or failed as an operation
 # (sandbox gone, node refused): one dead sandbox must not fail the other envs' step.
 ExecOutcome = ExecResult | DsecError
+
+
+def is_infra_error(exc: DsecError) -> bool:
+    """True when ``exc`` is the platform's failure, not the agent's doing: the sandbox
+    was lost or is in no state to run, the node or link failed, a deadline passed, the
+    cluster is out of capacity. False for what the agent caused (a program or path that
+    does not exist, a request it made invalid, a permission it lacks)."""
+    return not isinstance(exc, InvalidArgument | PermissionDenied) and (
+        isinstance(exc, SandboxNotFound) or not isinstance(exc, NotFound))
 
 
 @runtime_checkable

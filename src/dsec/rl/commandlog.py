@@ -24,6 +24,24 @@ tells a default by identity, so ``timeout_s=60.0`` spelled out digested differen
 the default 60.0), int/float spellings of a float field are one value, mappings are
 hashed in key order. So a request type may gain a defaulted field without changing any
 old command's digest.
+
+Episode boundaries are in the log too (issue 18: a replay across an episode end re-judged
+a sandbox the crashed trainer had destroyed, paid 0.0 for six passes and left six
+sandboxes running):
+
+- **file operations** (``write_file``/``read_file``) take their place in the sandbox's
+  command sequence like any command (digested as ``dsec:write_file path mode sha256`` /
+  ``dsec:read_file path``): a replay neither re-writes a file a later command changed nor
+  shows the policy a different read;
+- **episode creates**: :meth:`LoggedAccess.create_episodes` logs which sandbox an episode
+  (``run/slot/episode``) got, right after the create; a replay reuses that sandbox (its
+  commands are in the log under its id) instead of creating a second one;
+- **verdicts**: :meth:`LoggedAccess.record_verdict` logs an episode's verdict before its
+  sandbox is destroyed; a replay returns it instead of judging again.
+
+One window is left: a trainer killed between a create returning and its record being
+written leaves that sandbox unnamed in the log (the replay creates another; the first is
+reaped by its TTL or session lease).
 """
 
 from __future__ import annotations
@@ -53,6 +71,9 @@ __all__ = ["DIGEST_VERSION", "CommandInDoubt", "CommandLog", "LoggedAccess", "Re
            "digest_version", "request_digest"]
 
 _LEN = struct.Struct("<I")
+# Reserved sequence numbers for records that are not commands of a sandbox.
+_SEQ_VERDICT = -1      # key: sandbox id; result.stdout: the verdict (msgpack)
+_SEQ_EPISODE = -2      # key: "episode:<run>/<slot>/<n>"; result.stdout: its sandbox id
 
 
 class ReplayDiverged(Conflict):
@@ -82,6 +103,8 @@ class _Entry:
 
 #: The digest version new records are written with (see the module docstring).
 DIGEST_VERSION = 2
+# argv[0] of the pseudo-commands file operations are logged as.
+_FILE_OP = "dsec:"
 
 
 def request_digest(req: ExecRequest, version: int = DIGEST_VERSION) -> str:
@@ -192,6 +215,24 @@ class CommandLog:
     def record_results(self, items: Sequence[tuple[str, int, str, ExecResult]]) -> None:
         self._write([_Record(sid, seq, dig, res) for sid, seq, dig, res in items])
 
+    def record_episodes(self, items: Sequence[tuple[str, str]]) -> None:
+        """``(episode key, sandbox id)``: that episode runs in that sandbox."""
+        self._write([_Record(f"episode:{key}", _SEQ_EPISODE, "episode",
+                             ExecResult(exit_code=0, stdout=sid.encode()))
+                     for key, sid in items])
+
+    def episode_sandbox(self, key: str) -> str | None:
+        e = self._entries.get((f"episode:{key}", _SEQ_EPISODE))
+        return None if e is None or e.result is None else e.result.stdout.decode()
+
+    def record_verdict(self, sandbox_id: str, verdict: bytes) -> None:
+        self._write([_Record(sandbox_id, _SEQ_VERDICT, "verdict",
+                             ExecResult(exit_code=0, stdout=verdict))])
+
+    def verdict(self, sandbox_id: str) -> bytes | None:
+        e = self._entries.get((sandbox_id, _SEQ_VERDICT))
+        return None if e is None or e.result is None else e.result.stdout
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -218,6 +259,37 @@ class LoggedAccess(DelegatingAccess):
     def seek(self, positions: dict[str, int]) -> None:
         self.cursors.update(positions)
 
+    def _replayed(self, sid: str, seq: int, req: ExecRequest, dig: str, *,
+                  rerun_safe: bool = False) -> ExecResult | None:
+        """The logged result of command ``seq`` of ``sid`` if it is to be replayed, None
+        if it runs live; raises when the replay diverged or the command is in doubt."""
+        entry = self.log.get(sid, seq)
+        if entry is None:
+            return None
+        version = digest_version(entry.digest)
+        if version not in _DIGESTS:
+            raise ReplayDiverged(
+                f"command #{seq} for sandbox {sid} was logged with a digest this "
+                f"release cannot check ({entry.digest[:40]!r}; known versions "
+                f"{', '.join(map(str, sorted(_DIGESTS)))}): replay it with the release "
+                "that wrote the log", sandbox_id=sid, seq=seq)
+        logged_as = dig if version == DIGEST_VERSION else request_digest(req, version)
+        if entry.digest != logged_as:
+            raise ReplayDiverged(
+                f"command #{seq} for sandbox {sid} differs from the logged one; the "
+                "replaying policy is not deterministic or the handle is from another "
+                "rollout", sandbox_id=sid, seq=seq)
+        if entry.result is None:
+            if not (self.rerun_in_doubt or rerun_safe):
+                raise CommandInDoubt(
+                    f"command #{seq} for sandbox {sid} was sent but its result was never "
+                    "recorded (the trainer died mid-step); it may have run. Inspect the "
+                    "sandbox, or pass rerun_in_doubt=True if the commands are idempotent",
+                    sandbox_id=sid, seq=seq)
+            return None
+        self.replayed += 1
+        return entry.result
+
     def exec_batch(self, calls: Sequence[tuple[str, ExecRequest]]) -> list[ExecOutcome]:
         out: list[ExecOutcome | None] = [None] * len(calls)
         live: list[int] = []
@@ -232,30 +304,11 @@ class LoggedAccess(DelegatingAccess):
             if entry is None:
                 live.append(i)
                 continue
-            version = digest_version(entry.digest)
-            if version not in _DIGESTS:
-                raise ReplayDiverged(
-                    f"command #{seq} for sandbox {sid} was logged with a digest this "
-                    f"release cannot check ({entry.digest[:40]!r}; known versions "
-                    f"{', '.join(map(str, sorted(_DIGESTS)))}): replay it with the release "
-                    "that wrote the log", sandbox_id=sid, seq=seq)
-            logged_as = dig if version == DIGEST_VERSION else request_digest(req, version)
-            if entry.digest != logged_as:
-                raise ReplayDiverged(
-                    f"command #{seq} for sandbox {sid} differs from the logged one; the "
-                    "replaying policy is not deterministic or the handle is from another "
-                    "rollout", sandbox_id=sid, seq=seq)
-            if entry.result is None:
-                if not self.rerun_in_doubt:
-                    raise CommandInDoubt(
-                        f"command #{seq} for sandbox {sid} was sent but its result was never "
-                        "recorded (the trainer died mid-step); it may have run. Inspect the "
-                        "sandbox, or pass rerun_in_doubt=True if the commands are idempotent",
-                        sandbox_id=sid, seq=seq)
+            logged = self._replayed(sid, seq, req, dig)
+            if logged is None:
                 live.append(i)
-                continue
-            out[i] = entry.result
-            self.replayed += 1
+            else:
+                out[i] = logged
         self.cursors = cursors
         if live:
             self.log.record_intents([keys[i] for i in live])
@@ -267,6 +320,61 @@ class LoggedAccess(DelegatingAccess):
                     done.append((*keys[i], r))
             self.log.record_results(done)
         return out  # type: ignore[return-value]
+
+    # -- file operations: in the sandbox's command sequence ---------------------------
+
+    def _file_op(self, sid: str, req: ExecRequest, run: Callable[[], ExecResult],
+                 *, rerun_safe: bool) -> ExecResult:
+        seq = self.cursors.get(sid, 0)
+        self.cursors[sid] = seq + 1
+        dig = request_digest(req)
+        done = self._replayed(sid, seq, req, dig, rerun_safe=rerun_safe)
+        if done is not None:
+            return done
+        self.log.record_intents([(sid, seq, dig)])
+        res = run()
+        self.log.record_results([(sid, seq, dig, res)])
+        return res
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        # Re-running a write whose result was not logged is safe: nothing ran after it.
+        req = ExecRequest(argv=(f"{_FILE_OP}write_file", path, f"{mode:o}",
+                                hashlib.sha256(data).hexdigest()))
+
+        def run() -> ExecResult:
+            self.inner.write_file(sandbox_id, path, data, mode=mode)
+            return ExecResult(exit_code=0)
+        self._file_op(sandbox_id, req, run, rerun_safe=True)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        req = ExecRequest(argv=(f"{_FILE_OP}read_file", path))
+
+        def run() -> ExecResult:
+            return ExecResult(exit_code=0, stdout=self.inner.read_file(sandbox_id, path))
+        return self._file_op(sandbox_id, req, run, rerun_safe=True).stdout
+
+    # -- episode boundaries ------------------------------------------------------------
+
+    def create_episodes(self, keys: Sequence[str], specs: Sequence[SandboxSpec]) -> list[str]:
+        """One sandbox per episode ``keys[i]``: the one the log names (a replay: the
+        crashed trainer made it and its commands are logged under its id), else a new
+        one, named in the log before this returns."""
+        if len(keys) != len(specs):
+            raise InvalidArgument(f"create_episodes: {len(keys)} keys for {len(specs)} specs")
+        out: list[str | None] = [self.log.episode_sandbox(k) for k in keys]
+        fresh = [i for i, sid in enumerate(out) if sid is None]
+        made = create_sandboxes(self.inner, [specs[i] for i in fresh])
+        self.log.record_episodes([(keys[i], sid) for i, sid in zip(fresh, made)])
+        for i, sid in zip(fresh, made):
+            out[i] = sid
+        return out  # type: ignore[return-value]
+
+    def record_verdict(self, sandbox_id: str, verdict: bytes) -> None:
+        """Log an episode's verdict (before its sandbox is destroyed)."""
+        self.log.record_verdict(sandbox_id, verdict)
+
+    def logged_verdict(self, sandbox_id: str) -> bytes | None:
+        return self.log.verdict(sandbox_id)
 
     # Batched forms (BatchSandboxAccess): batched when the inner access is.
     def create_many(self, specs: Sequence[SandboxSpec]) -> list[str]:

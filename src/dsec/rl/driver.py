@@ -18,10 +18,18 @@ on - observations, LSTM states, episode counters and the pool's own state.
 with a pool rebuilt from the handle in a new trainer process
 (``dsec.rl.sandbox.SandboxEnvPool.restore``). The handle serialises with
 :meth:`RolloutHandle.to_bytes` (msgpack; arrays as raw bytes, text as strings).
+
+A preemption notice arrives while a rollout runs (another thread, a SIGTERM handler):
+call :meth:`Driver.request_preempt`, which only sets a flag (safe from a signal handler
+and from any thread); the rollout honours it at the next tick boundary, preempts, and
+returns early with ``stats.preempted`` and the handle in ``stats.handle``. ``preempt()``
+itself is refused while a rollout is running: pausing the pool under a tick in flight
+hung the tick or, from a signal handler, kept stepping a paused pool.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,6 +71,8 @@ class RolloutStats:
     episodes: int = 0
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
+    preempted: bool = False                         # stopped early by request_preempt()
+    handle: RolloutHandle | None = None             # ... with this handle (paused)
 
 
 class _ArrayBlob(msgspec.Struct, frozen=True):
@@ -142,6 +152,8 @@ class Driver:
         self.ticks = 0
         self.preempted = False
         self.started = False
+        self.preempt_requested = False      # set by request_preempt(); a plain attribute
+        self._rolling = threading.Lock()    # held by rollout(): preempt() is refused then
 
     def start(self, seed: int | None = None) -> None:
         """Reset every env and zero the recurrent state."""
@@ -161,17 +173,29 @@ class Driver:
             raise Conflict("driver was preempted; continue with dsec.rl.driver.resume(handle)")
         if not self.started:
             raise Conflict("driver not started: call start(seed) before rollout()")
+        if not self._rolling.acquire(blocking=False):
+            raise Conflict("a rollout is already running on this driver")
+        try:
+            return self._rollout(ticks)
+        finally:
+            self._rolling.release()
+
+    def _rollout(self, ticks: int) -> RolloutStats:
         stats = RolloutStats()
         buf = self.buffer
         for _ in range(ticks):
+            if self.preempt_requested:                  # the tick boundary
+                stats.handle = self._preempt()
+                stats.preempted = True
+                return stats
             obs = self.obs                              # driver-owned snapshot
             actor, critic = self.actor, self.critic
             out = self.policy(obs, actor, critic)
-            next_obs, rew, term, trunc, infos = self.pool.step(out.action)
-            done = infos["_final_obs"]
+            next_obs, rew, term, trunc, _ = self.pool.step(out.action)
+            done = self.pool.done                       # = infos["_final_obs"] if any
             reward = rew
             if self.bootstrap_gamma is not None and trunc.any():
-                reward = self._bootstrap(rew, term, trunc, infos["final_obs"], out)
+                reward = self._bootstrap(rew, term, trunc, self.pool.final_obs, out)
             buf.add(obs, out.action, reward, done,
                     0.0 if out.logprob is None else out.logprob,
                     0.0 if out.value is None else out.value,
@@ -191,6 +215,9 @@ class Driver:
             self.obs = next_obs.copy()
             self.ticks += 1
             stats.steps += len(done)
+        if self.preempt_requested:       # asked during the last tick: honour it now
+            stats.handle = self._preempt()
+            stats.preempted = True
         return stats
 
     def _advance_state(self, out: PolicyOutput, done: Array) -> None:
@@ -231,15 +258,35 @@ class Driver:
 
     # -- preemption ------------------------------------------------------------------
 
+    def request_preempt(self) -> None:
+        """Ask the running (or next) :meth:`rollout` to preempt at its next tick boundary.
+
+        Only sets an attribute, so it is safe from a signal handler and from any thread;
+        the rollout then returns early with ``stats.preempted`` and ``stats.handle``.
+        """
+        self.preempt_requested = True
+
     def preempt(self) -> RolloutHandle:
         """Pause every sandbox of the pool and capture the loop's state.
 
-        Call between :meth:`rollout` calls (the loop is synchronous, so there is never a
-        half-done tick). This driver refuses to step afterwards: continue with
-        :func:`resume`.
+        Call between :meth:`rollout` calls. While a rollout is running (from another
+        thread, or a signal handler that interrupted it mid-tick) it is refused with
+        :class:`Conflict`: use :meth:`request_preempt` there. This driver refuses to
+        step afterwards: continue with :func:`resume`.
         """
+        if not self._rolling.acquire(blocking=False):
+            raise Conflict("preempt() while a rollout is running (mid-tick) is refused: "
+                           "call request_preempt(); the rollout preempts at the next tick "
+                           "boundary and returns the handle in stats.handle")
+        try:
+            return self._preempt()
+        finally:
+            self._rolling.release()
+
+    def _preempt(self) -> RolloutHandle:
         if self.preempted:
             raise Conflict("driver already preempted; resume the handle it returned")
+        self.preempt_requested = False
         self.pool.pause()
         handle = self.checkpoint()
         handle.paused = True

@@ -21,11 +21,25 @@ cost more per tick than stepping 16 envs); one 64-env shard inline 4-10M steps/s
 Finished environments are reset in the same tick (Gymnasium's "same-step" autoreset):
 the observation returned for them is the first one of the new episode, and the last
 observation of the finished episode is in ``infos["final_obs"]`` (rows selected by
-``infos["_final_obs"]``) so the trainer can bootstrap truncated episodes.
+``infos["_final_obs"]``; both keys present only on steps where an env finished, as in
+Gymnasium; ``pool.done`` always holds the mask) so the trainer can bootstrap truncated
+episodes.
 
 The arrays returned by :meth:`EnvPool.step_wait` and :meth:`EnvPool.reset` belong to the
 pool and are overwritten by the next step (as in PufferLib): copy what you keep. The
 :class:`~dsec.rl.driver.Driver` copies into its replay buffer.
+
+An :class:`EnvPool` is a ``gymnasium.vector.VectorEnv`` (Gymnasium 1.x): batched
+``observation_space``/``action_space``, ``metadata["autoreset_mode"] ==
+AutoresetMode.SAME_STEP``, ``reset(seed=int | list, options=...)`` (``options=
+{"reset_mask": mask}`` resets only those envs), ``call``/``get_attr``/``set_attr``, and
+infos in the vector convention (each key with a ``_key`` mask): ``final_obs`` and
+``final_info`` (the finished step's own info) for the envs that finished, every other
+key from the envs' step or reset infos. So Gymnasium's vector wrappers
+(``RecordEpisodeStatistics``...) and CleanRL-style episode logging work unchanged;
+``tests/rl/test_gym_conformance.py`` checks it step for step against Gymnasium's own
+``SyncVectorEnv``. The infos dict is new every step (wrappers add keys to it); its
+arrays are the pool's, reused like the observations.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ import gymnasium as gym
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
 
 from dsec.errors import Conflict, InvalidArgument
 
@@ -81,16 +97,26 @@ class BatchEnv(Protocol):
     def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
         """Receive the slices of the pool's output arrays this shard writes into."""
 
-    def reset_all(self, seed: int | None) -> None:
-        """Reset every env (``seed`` seeds env ``i`` with ``seed + i``); write obs."""
+    def reset_all(self, seed: int | Sequence[int | None] | None) -> None:
+        """Reset every env (an int ``seed`` seeds env ``i`` with ``seed + i``, a list
+        gives each its own); write obs. Shards that take reset options accept them as
+        ``options=`` (the pool passes them only when given)."""
 
     def step(self, actions: Array) -> None:
         """Step every env; write obs, rewards, terminated and truncated."""
 
     def reset_envs(self, mask: Array) -> None:
-        """Reset the envs where ``mask`` is True; overwrite their obs."""
+        """Reset the envs where ``mask`` is True; overwrite their obs. (A partial
+        ``reset(seed=..., options={"reset_mask": ...})`` passes ``options=`` and
+        ``seeds=`` (one per env of the shard) too, when given.)"""
 
     def close(self) -> None: ...
+
+    # Optional (looked up with getattr, so a shard without infos costs nothing a tick):
+    #   last_infos() -> Sequence[dict[str, Any]] | None: the info of each env from the
+    #       last step_all/reset call (reset_envs: only the masked rows are read)
+    #   get_attr(name) -> Sequence[Any], call(name, *a, **kw) -> Sequence[Any],
+    #   set_attr(name, values) -> None: Gymnasium's per-env attribute access
 
 
 def space_array(space: gym.Space[Any], n: int) -> Array:
@@ -116,28 +142,51 @@ class GymShard:
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
         self._out: tuple[Array, Array, Array, Array] | None = None
+        self._infos: list[dict[str, Any]] = [{} for _ in self.envs]
 
     def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
         self._out = (obs, rewards, terminated, truncated)
 
-    def reset_all(self, seed: int | None) -> None:
+    def reset_all(self, seed: int | Sequence[int | None] | None,
+                  options: dict[str, Any] | None = None) -> None:
         obs = self._bound()[0]
+        seeds = _seeds(seed, self.num_envs)
         for i, env in enumerate(self.envs):
-            obs[i] = env.reset(seed=None if seed is None else seed + i)[0]
+            obs[i], self._infos[i] = env.reset(seed=seeds[i], options=options)
 
     def step(self, actions: Array) -> None:
         obs, rew, term, trunc = self._bound()
+        infos = self._infos
         for i, env in enumerate(self.envs):
-            o, r, te, tr, _ = env.step(actions[i])
+            o, r, te, tr, infos[i] = env.step(actions[i])
             obs[i] = o
             rew[i] = r
             term[i] = te
             trunc[i] = tr
 
-    def reset_envs(self, mask: Array) -> None:
+    def reset_envs(self, mask: Array, options: dict[str, Any] | None = None,
+                   seeds: Sequence[int | None] | None = None) -> None:
         obs = self._bound()[0]
         for i in np.flatnonzero(mask).tolist():
-            obs[i] = self.envs[i].reset()[0]
+            obs[i], self._infos[i] = self.envs[i].reset(
+                seed=None if seeds is None else seeds[i], options=options)
+
+    def last_infos(self) -> list[dict[str, Any]]:
+        return self._infos
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        out = []
+        for env in self.envs:
+            fn = env.get_wrapper_attr(name)
+            out.append(fn(*args, **kwargs) if callable(fn) else fn)
+        return out
+
+    def get_attr(self, name: str) -> list[Any]:
+        return [env.get_wrapper_attr(name) for env in self.envs]
+
+    def set_attr(self, name: str, values: Sequence[Any]) -> None:
+        for env, v in zip(self.envs, values, strict=True):
+            env.set_wrapper_attr(name, v)
 
     def close(self) -> None:
         for env in self.envs:
@@ -149,8 +198,17 @@ class GymShard:
         return self._out
 
 
-class EnvPool:
-    """Steps the environments of several :class:`BatchEnv` shards as one vector env."""
+def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, int | np.integer):
+        return [int(seed) + i for i in range(n)]
+    return list(seed)
+
+
+class EnvPool(VectorEnv[Any, Any, Any]):
+    """Steps the environments of several :class:`BatchEnv` shards as one vector env
+    (a ``gymnasium.vector.VectorEnv``: see the module docstring)."""
 
     def __init__(self, shards: Sequence[BatchEnv], *, workers: int | None = None) -> None:
         if not shards:
@@ -163,6 +221,9 @@ class EnvPool:
         self.single_action_space = self.shards[0].single_action_space
         self.num_envs = sum(s.num_envs for s in self.shards)
         n = self.num_envs
+        self.metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+        self.observation_space = batch_space(self.single_observation_space, n)
+        self.action_space = batch_space(self.single_action_space, n)
         self.obs = space_array(self.single_observation_space, n)
         self.final_obs = space_array(self.single_observation_space, n)
         self.rewards = np.zeros(n, dtype=np.float32)
@@ -178,12 +239,18 @@ class EnvPool:
             self._bounds.append((lo, hi))
             lo = hi
         self._tasks = list(zip(self.shards, self._bounds))
-        self.infos: dict[str, Any] = {"final_obs": self.final_obs, "_final_obs": self.done}
+        self.infos: dict[str, Any] = {}            # of the last step
+        # shards that report per-env infos (looked up once: a tick without them is free)
+        self._info_shards = [(getattr(s, "last_infos", None), lo)
+                             for s, (lo, _) in self._tasks]
+        self._with_infos = any(fn is not None for fn, _ in self._info_shards)
         self.state: PoolState = "new"
         self._actions: Array | None = None
         self._futures: list[Future[None]] = []
         self._executor = (ThreadPoolExecutor(workers, thread_name_prefix="dsec-envpool")
                           if workers is not None and len(self.shards) > 1 else None)
+        self._final_infos: list[dict[str, Any]] = [{} for _ in range(n)]
+        self._any_done = False
 
     @classmethod
     def from_envs(cls, env_fns: Sequence[Callable[[], gym.Env[Any, Any]]], *,
@@ -208,19 +275,56 @@ class EnvPool:
                            state=self.state, event=event)
         self.state = nxt
 
-    def reset(self, seed: int | None = None) -> tuple[Array, dict[str, Any]]:
-        """Reset every env (env ``i`` gets ``seed + i``); returns ``(obs, infos)``."""
+    def reset(self, seed: int | Sequence[int | None] | None = None,
+              options: dict[str, Any] | None = None) -> tuple[Array, dict[str, Any]]:
+        """Reset every env (an int: env ``i`` gets ``seed + i``; a list: one seed per
+        env); returns ``(obs, infos)``. ``options["reset_mask"]`` (bool array, one per
+        env) resets only those envs; other options go to every env's reset."""
+        options = dict(options) if options else None
+        mask = None if options is None else options.pop("reset_mask", None)
+        seeds = _seeds(seed, self.num_envs)
+        if len(seeds) != self.num_envs:
+            raise InvalidArgument(f"env pool: {len(seeds)} seeds for {self.num_envs} "
+                                  "environments; pass an int or one seed per environment")
+        if mask is not None:
+            mask = np.asarray(mask)
+            if mask.shape != (self.num_envs,) or mask.dtype != np.bool_ or not mask.any():
+                raise InvalidArgument(f"env pool: options['reset_mask'] must be a bool array "
+                                      f"of shape ({self.num_envs},) with a True in it, got "
+                                      f"{mask.dtype} {mask.shape}")
+            if self.state != "ready":
+                raise Conflict(f"env pool: a partial reset needs a ready pool (it is "
+                               f"{self.state!r}); reset() every env first", state=self.state)
         self._transition("reset")
+        if isinstance(seed, int | np.integer):
+            VectorEnv.reset(self, seed=int(seed))     # self.np_random, as Gymnasium does
+        infos: dict[str, Any] = {}
+        extra = {"options": options} if options else {}
         try:
-            lo = 0
-            for s in self.shards:
-                s.reset_all(None if seed is None else seed + lo)
-                lo += s.num_envs
+            for s, (lo, hi) in self._tasks:
+                if mask is not None:
+                    if mask[lo:hi].any():
+                        part = seeds[lo:hi]
+                        s.reset_envs(mask[lo:hi], **extra,
+                                     **({"seeds": part} if any(x is not None for x in part)
+                                        else {}))
+                    continue
+                shard_seed: int | list[int | None] | None = (
+                    None if seed is None else int(seed) + lo
+                    if isinstance(seed, int | np.integer) else seeds[lo:hi])
+                s.reset_all(shard_seed, **extra)
+        except TypeError as exc:
+            self.state = "failed"
+            raise InvalidArgument(f"env pool: a shard does not take these reset options "
+                                  f"({sorted(options or {})}): {exc}") from exc
         except BaseException:
             self.state = "failed"
             raise
-        self.done[:] = False
-        return self.obs, self.infos
+        if self._with_infos:
+            self._collect_infos(infos, mask)
+        if mask is None:
+            self.done[:] = False
+        return self.obs, infos
 
     def step_async(self, actions: npt.ArrayLike) -> None:
         """Start stepping every env with ``actions`` (one per env)."""
@@ -232,6 +336,7 @@ class EnvPool:
                     "pass exactly one action per environment")
             self._actions = a
         self._transition("step_async")
+        self._any_done = False            # set by any shard that has a finished env
         if self._executor is not None:
             self._futures = [self._executor.submit(self._step_shard, s, lo, hi)
                              for s, (lo, hi) in self._tasks]
@@ -256,7 +361,16 @@ class EnvPool:
         except BaseException:
             self.state = "failed"
             raise
-        return self.obs, self.rewards, self.terminated, self.truncated, self.infos
+        infos: dict[str, Any] = {}
+        final: dict[str, Any] = {}
+        if self._with_infos:
+            self._collect_infos(infos, None, final_into=final)
+        if self._any_done:  # as Gymnasium's SyncVectorEnv: present only when one finished
+            done = self.done
+            infos.update(final_obs=self.final_obs, _final_obs=done, final_info=final,
+                         _final_info=done)
+        self.infos = infos
+        return self.obs, self.rewards, self.terminated, self.truncated, infos
 
     def step(self, actions: npt.ArrayLike) -> StepResult:
         self.step_async(actions)
@@ -267,14 +381,73 @@ class EnvPool:
         done = self.done[lo:hi]
         np.logical_or(self.terminated[lo:hi], self.truncated[lo:hi], out=done)
         if done.any():
+            self._any_done = True
             fin = self.final_obs[lo:hi]
             fin[done] = self.obs[lo:hi][done]
+            if self._with_infos:
+                infos = getattr(shard, "last_infos", lambda: None)()
+                if infos is not None:       # the finished steps' infos, before the reset
+                    self._final_infos[lo:hi] = [dict(x) for x in infos]
             shard.reset_envs(done)
 
-    def close(self) -> None:
+    def _collect_infos(self, into: dict[str, Any], mask: Array | None, *,
+                       final_into: dict[str, Any] | None = None) -> None:
+        """Merge the shards' per-env infos into ``into`` (vector convention); with
+        ``final_into``, a finished env's step info goes there and its reset info here."""
+        for fn, lo in self._info_shards:
+            if fn is None:
+                continue
+            infos = fn()
+            if infos is None:
+                continue
+            for k, info in enumerate(infos):
+                i = lo + k
+                if mask is not None and not mask[i]:
+                    continue
+                if final_into is not None and self.done[i]:
+                    self._add_info(final_into, self._final_infos[i], i)
+                self._add_info(into, info, i)
+
+    # -- Gymnasium's per-env attribute access -----------------------------------------
+
+    def _per_shard(self, what: str, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for s in self.shards:
+            fn = getattr(s, what, None)
+            if fn is not None:
+                out.extend(fn(name, *args, **kwargs))
+            elif what == "get_attr" and hasattr(s, name):
+                out.extend([getattr(s, name)] * s.num_envs)   # one value for the shard
+            else:
+                raise InvalidArgument(f"env pool: shard {type(s).__name__} has no {what}(); "
+                                      f"it cannot {what} {name!r} per environment")
+        return tuple(out)
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call method ``name`` of every env (an attribute's value if not callable)."""
+        return self._per_shard("call", name, *args, **kwargs)
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """Attribute ``name`` of every env."""
+        return self._per_shard("get_attr", name)
+
+    def set_attr(self, name: str, values: Any) -> None:
+        """Set attribute ``name`` of every env (one value, or one per env)."""
+        vals = list(values) if isinstance(values, list | tuple) else [values] * self.num_envs
+        if len(vals) != self.num_envs:
+            raise InvalidArgument(f"env pool: {len(vals)} values for {self.num_envs} "
+                                  "environments; pass one value or one per environment")
+        for s, (lo, hi) in self._tasks:
+            fn = getattr(s, "set_attr", None)
+            if fn is None:
+                raise InvalidArgument(f"env pool: shard {type(s).__name__} has no set_attr()")
+            fn(name, vals[lo:hi])
+
+    def close(self, **kwargs: Any) -> None:
         """Close every shard and stop the worker threads; idempotent."""
         if self.state == "closed":
             return
+        self.closed = True
         self._transition("close")
         for f in self._futures:
             f.cancel()

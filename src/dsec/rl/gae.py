@@ -128,17 +128,21 @@ def gae(
     if r.ndim != 2:
         raise InvalidArgument(f"gae: rewards must be (T,) or (T, N), got shape {r.shape}")
     dtype = r.dtype if r.dtype in (np.float32, np.float64) else np.dtype(np.float64)
-    v = np.asarray(values, dtype=dtype).reshape(r.shape) if np.size(values) == r.size else None
-    if v is None:
-        raise InvalidArgument(f"gae: values has shape {np.shape(values)}, expected {r.shape}")
-    d_in = np.asarray(dones)
-    if d_in.size != r.size:
-        raise InvalidArgument(f"gae: dones has shape {d_in.shape}, expected {r.shape}")
-    d = d_in.reshape(r.shape).astype(np.bool_, copy=False)
+    # Shapes, not sizes: (N, T) values with (T, N) rewards have the right size and give
+    # silently wrong advantages (each env's values read across time of another).
+    want = r.shape[:1] if one_d else r.shape
+    for name, arr in (("values", values), ("dones", dones)):
+        if np.shape(arr) != want:
+            raise InvalidArgument(
+                f"gae: {name} has shape {np.shape(arr)}, rewards {want}; pass every array "
+                "step-major (T, N) (or (T,)), e.g. transpose episode-major (N, T) input")
+    v = np.asarray(values, dtype=dtype).reshape(r.shape)
+    d = np.asarray(dones).reshape(r.shape).astype(np.bool_, copy=False)
+    lv_shape = np.shape(last_value)
+    if lv_shape not in (((), (1,)) if one_d else ((r.shape[1],),)):
+        raise InvalidArgument(f"gae: last_value has shape {lv_shape}, expected "
+                              + ("a scalar for (T,) input" if one_d else f"({r.shape[1]},)"))
     lv = np.asarray(last_value, dtype=dtype).reshape(-1)
-    if lv.shape != (r.shape[1],):
-        raise InvalidArgument(
-            f"gae: last_value has shape {np.shape(last_value)}, expected ({r.shape[1]},)")
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise InvalidArgument(f"gae: gamma={gamma} and lam={lam} must both lie in [0, 1]")
     r = np.ascontiguousarray(r, dtype=dtype)

@@ -21,12 +21,30 @@ Tamper resistance of :class:`ExecutableJudge` (the agent's code is hostile):
   the sandbox, so a fake ``reward.txt`` or edited visible tests earn nothing.
 - The hidden files are read back after the run; if anything changed them during the run
   (a background process the agent left behind), the verdict is zero.
+- The hidden files are ``0600`` in a ``0700`` directory made fresh (``mkdir`` without
+  ``-p``: a planted directory fails it) and owned by root, the verifier's user. Answer
+  code must run as another, unprivileged user: ``answer_command`` is run by the judge as
+  ``answer_user`` (``ExecRequest.user``, default ``nobody``) *before* the hidden files
+  exist, and its output is handed to the verifier as ``{tests}/answer.stdout``,
+  ``answer.stderr`` and ``answer.exit`` (``0600``); a harness that runs the answer
+  itself gets the user as ``{answer_user}`` to drop privileges with (before this, the
+  files were ``0644`` in a ``0755`` directory, and an answer run as ``nobody`` read the
+  expected outputs and earned 1.0).
+- In place (``isolate=False``) every other process of the sandbox is killed first
+  (``stop_agent=True``: ``kill -9 -1`` as root until none is left, checked through
+  ``/proc``), and again after ``answer_command``: nothing the agent left running is alive
+  when the hidden files appear. If that fails, nothing is judged (reward 0).
 - ``isolate=True`` (the default) goes further: a *new* sandbox is created from the
   judge's spec, only the declared answer files (``carry``) are copied into it as data,
   and the tests run there. Binaries the agent replaced (a fake ``/bin/sh`` that always
   exits 0) and processes it left running cannot affect the verdict. In-place judging
   (``isolate=False``, explicit) trusts the sandbox's own binaries, so use it only when
-  the interpreter comes from a read-only toolkit layer.
+  the interpreter comes from a read-only toolkit layer. What in-place judging does not
+  protect: the sandbox's binaries and libraries (the agent may have replaced ``sh``,
+  ``kill``, the test runner), its configuration (``/etc/passwd``: ``nobody`` may have
+  been made uid 0), and anything the agent's root could do before the stop (e.g. load
+  state into files the verifier reads). Judge in place only with binaries from a
+  read-only layer and an answer that is plain data.
 - A harness that runs the answer *in its own process* (a shell that sources it, a Python
   harness that imports it) can be ended early by the answer: ``exit 0`` looks like a pass
   to :func:`exit_code_score`. ``require_marker=True`` closes that: the judge passes a
@@ -46,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from dsec.errors import DsecError, InvalidArgument
-from dsec.rl.access import SandboxAccess
+from dsec.rl.access import SandboxAccess, is_infra_error
 from dsec.wire.spec import ExecRequest, ExecResult, SandboxSpec
 
 __all__ = [
@@ -60,15 +78,17 @@ class Verdict:
     reward: float
     passed: bool
     detail: str = ""
+    infra_error: bool = False    # the judge could not judge (platform failure): mask it
 
 
 @dataclass(slots=True)
 class JudgeContext:
     answer: str                                  # what the agent submitted ("" if none)
     transcript: Sequence[str] = ()               # observations of the episode, in order
-    access: SandboxAccess | None = None
+    access: SandboxAccess | None = None          # (the prompt is not one of them)
     sandbox_id: str | None = None
     spec: SandboxSpec | None = None              # the episode sandbox's spec
+    prompt: str = ""                             # what the agent was told
 
 
 class Judge(Protocol):
@@ -185,6 +205,28 @@ def exit_code_score(res: ExecResult) -> float:
     return 1.0 if res.exit_code == 0 and not res.timed_out else 0.0
 
 
+# Kill everything but init (1) and this shell, until kill finds nothing to signal; then
+# check /proc until no process but those two is alive (a zombie is dead: its entry
+# lingers until init reaps it; one that forked during a round is killed the next).
+_STOP_OTHERS = """\
+i=0
+while kill -9 -1 2>/dev/null; do i=$((i+1)); [ $i -lt 200 ] || break; done
+i=0
+while :; do
+  left=
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = 1 ] || [ "$p" = $$ ] || ! read -r st < "$d/stat" 2>/dev/null && continue
+    st=${st##*) }; st=${st%% *}
+    [ "$st" = Z ] || [ "$st" = X ] || left="$left $p"
+  done
+  [ -z "$left" ] && exit 0
+  i=$((i+1)); [ $i -lt 300 ] || { echo "still running:$left"; exit 1; }
+  kill -9 -1 2>/dev/null; sleep 0.01 2>/dev/null
+done
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutableJudge:
     """Run hidden tests in the sandbox and map the verifier's result to a reward.
@@ -207,6 +249,9 @@ class ExecutableJudge:
     carry: Sequence[str] = ()
     judge_spec: SandboxSpec | None = None
     require_marker: bool = False
+    answer_command: Sequence[str] | None = None    # argv, run as answer_user first
+    answer_user: str = "nobody"
+    stop_agent: bool = True                        # in place: kill the agent's processes
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -220,6 +265,14 @@ class ExecutableJudge:
                 "ExecutableJudge judges in a fresh sandbox by default and needs "
                 "carry=[answer paths] to copy into it; pass isolate=False to judge in the "
                 "agent's own sandbox (which trusts the binaries the agent could replace)")
+        if self.answer_command is not None and (
+                not self.answer_command or any("{tests}" in a for a in self.answer_command)):
+            raise InvalidArgument("answer_command must be a non-empty argv that does not "
+                                  "name {tests}: the answer runs before the hidden tests "
+                                  "exist, and never sees them")
+        if self.answer_user in ("", "root", "0") or self.answer_user.startswith("0:"):
+            raise InvalidArgument(f"answer_user={self.answer_user!r}: answer code must run "
+                                  "as an unprivileged user (e.g. 'nobody')")
         if self.require_marker and not any("{nonce}" in a for a in self.command):
             raise InvalidArgument("require_marker=True needs '{nonce}' in the verifier command "
                                   "(the harness prints 'DSEC-PASS <nonce>' last)")
@@ -229,7 +282,7 @@ class ExecutableJudge:
             raise InvalidArgument("ExecutableJudge needs the episode's sandbox access and id")
         access = ctx.access
         if not self.isolate:
-            return self._run(access, ctx.sandbox_id)
+            return self._run(access, ctx.sandbox_id, in_place=True)
         spec = self.judge_spec or ctx.spec or SandboxSpec()
         carried: dict[str, bytes] = {}
         for path in self.carry:
@@ -242,7 +295,7 @@ class ExecutableJudge:
             for path, data in carried.items():
                 self._mkdirs(access, fresh, path.rsplit("/", 1)[0])
                 access.write_file(fresh, path, data)
-            return self._run(access, fresh)
+            return self._run(access, fresh, in_place=False)
         finally:
             access.destroy(fresh)
 
@@ -253,21 +306,78 @@ class ExecutableJudge:
             if isinstance(r, DsecError):
                 raise r
 
-    def _run(self, access: SandboxAccess, sid: str) -> Verdict:
-        tests = f"{self.tests_root.rstrip('/')}/.judge-{secrets.token_hex(8)}"
-        dirs = sorted({tests} | {f"{tests}/{p.rsplit('/', 1)[0]}"
-                                 for p in self.hidden_files if "/" in p})
+    def _exec(self, access: SandboxAccess, sid: str, req: ExecRequest) -> ExecResult:
+        r = access.exec_batch([(sid, req)])[0]
+        if isinstance(r, DsecError):
+            raise r
+        return r
+
+    def _stop_others(self, access: SandboxAccess, sid: str) -> str | None:
+        """Kill every process of the sandbox but init and this one; None when none is
+        left, else what went wrong. SIGKILL to ``-1`` until nothing answers, then a
+        check through /proc (a forking process may have raced one round)."""
+        res = self._exec(access, sid, ExecRequest(argv=("sh", "-c", _STOP_OTHERS), user="0",
+                                                  env=dict(self.env), timeout_s=20.0))
+        if res.exit_code == 0 and not res.timed_out:
+            return None
+        out = (res.stdout + res.stderr).decode(errors="replace").strip()[-200:]
+        return f"exit {res.exit_code}{' (timed out)' if res.timed_out else ''}: {out}"
+
+    def _run(self, access: SandboxAccess, sid: str, *, in_place: bool) -> Verdict:
+        stop = self.stop_agent and (in_place or self.answer_command is not None)
+        answer: ExecResult | None = None
+        try:
+            if stop and (why := self._stop_others(access, sid)) is not None:
+                return Verdict(0.0, False, "could not stop the agent's processes before "
+                                           f"judging in place ({why}); nothing was judged")
+            if self.answer_command is not None:
+                answer = self._exec(access, sid, ExecRequest(
+                    argv=tuple(self.answer_command), user=self.answer_user, cwd=self.cwd,
+                    env=dict(self.env), timeout_s=self.timeout_s))
+                if stop and (why := self._stop_others(access, sid)) is not None:
+                    return Verdict(0.0, False, "could not stop what the answer left running "
+                                               f"({why}); nothing was judged")
+        except DsecError as exc:
+            return Verdict(0.0, False, f"judging could not start: {exc}",
+                           infra_error=is_infra_error(exc))
+        root = self.tests_root.rstrip("/") or "/"
+        if root != "/":
+            # e.g. "/.dsec-judge", hidden from the agent's commands (ExecRequest.hide):
+            # made by the judge (as root, 0700) if it is not there yet
+            made = access.exec_batch([(sid, ExecRequest(
+                argv=("mkdir", "-p", "-m700", root), user="0", env=dict(self.env),
+                timeout_s=10.0))])[0]
+            if isinstance(made, DsecError):
+                return Verdict(0.0, False, f"test root {root} could not be made: {made}",
+                               infra_error=is_infra_error(made))
+        tests = f"{root.rstrip('/')}/.judge-{secrets.token_hex(8)}"
+        subdirs = {"/".join(p.split("/")[:k]) for p in self.hidden_files
+                   for k in range(1, p.count("/") + 1)}
+        dirs = [tests, *(f"{tests}/{d}" for d in sorted(subdirs))]
         for d in dirs:
-            self._mkdirs(access, sid, d)
-        for rel, data in self.hidden_files.items():
-            access.write_file(sid, f"{tests}/{rel}", data, mode=0o644)
+            # Fresh and private: no -p (a directory that exists was planted: fail), 0700.
+            made = access.exec_batch([(sid, ExecRequest(
+                argv=("mkdir", "-m700", d), user="0", env=dict(self.env), timeout_s=10.0))])[0]
+            if isinstance(made, DsecError):
+                return Verdict(0.0, False, f"test directory {d} could not be made: {made}",
+                               infra_error=is_infra_error(made))
+            if made.exit_code != 0:
+                return Verdict(0.0, False, f"test directory {d} could not be made fresh "
+                                           f"(exit {made.exit_code}); nothing was judged")
+        files = dict(self.hidden_files)
+        if answer is not None:
+            files.update({"answer.stdout": answer.stdout, "answer.stderr": answer.stderr,
+                          "answer.exit": b"%d\n" % answer.exit_code})
+        for rel, data in files.items():
+            access.write_file(sid, f"{tests}/{rel}", data, mode=0o600)
         nonce = secrets.token_hex(16)
         argv = tuple(a.replace("{tests}", tests).replace("{nonce}", nonce)
-                     for a in self.command)
+                     .replace("{answer_user}", self.answer_user) for a in self.command)
         req = ExecRequest(argv=argv, cwd=self.cwd, env=dict(self.env), timeout_s=self.timeout_s)
         res = access.exec_batch([(sid, req)])[0]
         if isinstance(res, DsecError):
-            return Verdict(0.0, False, f"verifier could not run: {res}")
+            return Verdict(0.0, False, f"verifier could not run: {res}",
+                           infra_error=is_infra_error(res))
         for rel, data in self.hidden_files.items():
             try:
                 now = access.read_file(sid, f"{tests}/{rel}")

@@ -9,6 +9,7 @@ vectorised path against the per-env path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -40,15 +41,17 @@ class TrivialEnv(gym.Env[Any, Any]):
               options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         super().reset(seed=seed)
         self._t = 0
-        return np.float32(0.0), {}
+        return np.zeros((), dtype=np.float32), {}
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        # Types as the spaces say (Gymnasium's checker): the observation is a 0-d float32
+        # ndarray of the Box (not a numpy scalar), reward a Python float, flags Python bools.
         self._t += 1
         reward = 1.0 if int(action) == (self._t & 1) else 0.0
         # float32(t) * float32(1/L), exactly what the vectorised form computes.
-        obs = np.float32(self._t) * np.float32(1.0 / self.episode_len)
-        return (np.float32(obs), reward,
-                self._t >= self.episode_len, False, {})
+        obs = np.array(np.float32(self._t) * np.float32(1.0 / self.episode_len),
+                       dtype=np.float32)
+        return obs, reward, bool(self._t >= self.episode_len), False, {}
 
 
 class TrivialBatchEnv:
@@ -75,7 +78,7 @@ class TrivialBatchEnv:
     def bind(self, obs: Array, rewards: Array, terminated: Array, truncated: Array) -> None:
         self._out = (obs, rewards, terminated, truncated)
 
-    def reset_all(self, seed: int | None) -> None:
+    def reset_all(self, seed: int | Sequence[int | None] | None) -> None:
         obs = self._bound()[0]
         self._t[:] = 0
         obs[:] = 0.0

@@ -34,9 +34,13 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -86,13 +90,24 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.cluster import (
+    JoinedNodeList,
+    JoinTokenCreate,
+    JoinTokenList,
+    JoinTokenRevoke,
+    JoinTokenView,
+    NodeMigration,
+)
 from dsec.wire.layers import (
+    ImagePin,
+    ImagePinRef,
     LayerChain,
     LayerFetch,
     LayerFetched,
     LayerPut,
     LayerRef,
     LayerStored,
+    NodePins,
 )
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
@@ -122,6 +137,11 @@ __all__ = [
     "ALL_OPS",
     "API_DOORS",
     "BY_NAME",
+    "CLUSTER_NODES",
+    "CLUSTER_NODE_REVOKE",
+    "CLUSTER_TOKENS",
+    "CLUSTER_TOKEN_CREATE",
+    "CLUSTER_TOKEN_REVOKE",
     "CREATE",
     "CREATE_KEY",
     "CREATE_MANY",
@@ -142,8 +162,12 @@ __all__ = [
     "IMAGE_DELETE",
     "IMAGE_GET",
     "IMAGE_IMPORT",
+    "IMAGE_PIN",
+    "IMAGE_PINS",
     "IMAGE_PROMOTE",
+    "IMAGE_PUSH",
     "IMAGE_TAG",
+    "IMAGE_UNPIN",
     "INFO",
     "LAYER_CHAIN",
     "LAYER_FETCH",
@@ -157,6 +181,7 @@ __all__ = [
     "NODES",
     "NODE_DRAIN",
     "NODE_INFO",
+    "NODE_MIGRATE",
     "NODE_UNDRAIN",
     "PAUSE",
     "PORT_CLOSE",
@@ -813,6 +838,96 @@ LAYER_FETCH: Op[LayerFetch, LayerFetched] = Op(
     rest=Rest(method="POST", path="/v1/nodes/{node}/layers", operation_id="fetchLayer",
               body="*", tag="nodes"))
 
+# Issue 16: cluster administration (join tokens, joined nodes) at every door, not REST
+# only. A superuser's (role None: the policy is ApiService's): a token admits a machine
+# into every project's placement, and revoking a node writes off its sandboxes.
+CLUSTER_TOKENS: Op[Empty, JoinTokenList] = Op(
+    "cluster_tokens", Empty, JoinTokenList,
+    summary="List join tokens (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/cluster/tokens", operation_id="clusterTokens",
+              tag="cluster"))
+
+CLUSTER_TOKEN_CREATE: Op[JoinTokenCreate, JoinTokenView] = Op(
+    "cluster_token_create", JoinTokenCreate, JoinTokenView,
+    summary="Create a join token (superuser only; its secret is shown once)",
+    role=None, target="cluster", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/cluster/tokens", operation_id="clusterTokenCreate",
+              status=201, body="*", tag="cluster"))
+
+CLUSTER_TOKEN_REVOKE: Op[JoinTokenRevoke, None] = Op(
+    "cluster_token_revoke", JoinTokenRevoke, None,
+    summary="Revoke a join token, and with nodes=true every node that joined with it "
+            "(superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/cluster/tokens/{id}",
+              operation_id="clusterTokenRevoke", query=_q("nodes"), status=204,
+              reply="empty", tag="cluster"))
+
+CLUSTER_NODES: Op[Empty, JoinedNodeList] = Op(
+    "cluster_nodes", Empty, JoinedNodeList,
+    summary="List the edges that joined with a token (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/cluster/nodes", operation_id="clusterNodes",
+              tag="cluster"))
+
+CLUSTER_NODE_REVOKE: Op[NodeRef, None] = Op(
+    "cluster_node_revoke", NodeRef, None,
+    summary="Revoke a joined node: its certificate is refused at every replica and its "
+            "sandboxes are written off (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/cluster/nodes/{id}/revoke",
+              operation_id="clusterNodeRevoke", status=204, reply="empty", tag="cluster"))
+
+# Issue 16 (Operations): `dsec node drain ID --migrate`. A superuser's, like the drain: it
+# snapshots every project's sandboxes on the node and starts them elsewhere. Safe to
+# repeat (its progress is stored; the new sandboxes are created under keys).
+NODE_MIGRATE: Op[NodeRef, NodeMigration] = Op(
+    "node_migrate", NodeRef, NodeMigration,
+    summary="Move every sandbox off a drained node: snapshot it, start it from the "
+            "snapshot on another node, end the original (reason migrated, naming the new "
+            "id); superuser only",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{id}/migrate", operation_id="migrateNode",
+              tag="nodes"))
+
+
+# Issue 17: images pushed to the cluster's blob store, where nodes that lack a layer read
+# it (lazily, 256 KiB at a time, or whole). The store is the operator's (--blob-store):
+# a caller names an image, never a store URL. Write right on the image's namespace, as a
+# tag (member of its project; superuser for a cluster-wide layer).
+IMAGE_PUSH: Op[ImagePushRequest, ImagePushed] = Op(
+    "image_push", ImagePushRequest, ImagePushed,
+    summary="Push an image (its layer and every layer below it, with chunk tables and "
+            "manifests) to the cluster's blob store; layers already there are skipped",
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/push", operation_id="pushImage",
+              body="*", tag="images"))
+
+# Issue 17: an image kept fully cached on chosen nodes (their lazy layers fetch it whole
+# and never evict it). An operator's (role None, the policy is ControlPlane.pin_image's:
+# a superuser only), stored in the state store so every replica answers the same pins.
+IMAGE_PIN: Op[ImagePin, ImagePinView] = Op(
+    "image_pin", ImagePin, ImagePinView,
+    summary="Keep an image (every layer of it, pushed to the blob store) fully cached on "
+            "a node (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{node}/pins", operation_id="pinImage",
+              body="*", tag="nodes"))
+
+IMAGE_UNPIN: Op[ImagePinRef, None] = Op(
+    "image_unpin", ImagePinRef, None,
+    summary="Stop keeping an image fully cached on a node (superuser only)",
+    role=None, target="cluster", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/nodes/{node}/pins/{image}",
+              operation_id="unpinImage", status=204, reply="empty", tag="nodes"))
+
+IMAGE_PINS: Op[NodePins, ImagePinList] = Op(
+    "image_pins", NodePins, ImagePinList,
+    summary="The images pinned on a node (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/nodes/{node}/pins", operation_id="listImagePins",
+              tag="nodes"))
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -833,6 +948,16 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     LAYER_GET,
     LAYER_PUT,
     LAYER_FETCH,
+    IMAGE_PUSH,
+    IMAGE_PIN,
+    IMAGE_UNPIN,
+    IMAGE_PINS,
+    CLUSTER_TOKENS,
+    CLUSTER_TOKEN_CREATE,
+    CLUSTER_TOKEN_REVOKE,
+    CLUSTER_NODES,
+    CLUSTER_NODE_REVOKE,
+    NODE_MIGRATE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

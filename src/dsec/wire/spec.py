@@ -580,6 +580,23 @@ def backend_of(spec: SandboxSpec) -> BackendName:
     return spec.backend
 
 
+MAX_HIDE_ENTRIES = 16
+
+
+def _check_hide(hide: tuple[str, ...]) -> None:
+    if len(hide) > MAX_HIDE_ENTRIES:
+        raise InvalidArgument(f"exec hide has {len(hide)} entries, over the limit of "
+                              f"{MAX_HIDE_ENTRIES}", field="hide", size=len(hide),
+                              limit=MAX_HIDE_ENTRIES)
+    for name in hide:
+        if (not name or name in (".", "..") or "/" in name or ":" in name or "\0" in name
+                or len(name.encode("utf-8", "surrogatepass")) > 255):
+            raise InvalidArgument(f"exec hide entry {name[:60]!r} must be the name of a "
+                                  "top-level entry of the sandbox root (no '/', ':' or NUL, "
+                                  "not '.' or '..', at most 255 bytes), e.g. '.dsec-judge'",
+                                  field="hide")
+
+
 class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                   forbid_unknown_fields=True):
     """One command. Exactly one of ``argv`` / ``shell``."""
@@ -593,6 +610,11 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     timeout_s: float | None = 60.0          # command timeout; kills the process group
     output_cap_bytes: int = 1 << 20         # per stream; beyond it output is dropped
     background: bool = False                # start and return at once (pid in result)
+    # Top-level entries of the sandbox root this command's whole process tree can never
+    # reach, whatever its uid (Landlock, applied before execve): e.g. (".dsec-judge",)
+    # keeps a judge's or harness's files out of an agent's reach even as root. Needs the
+    # container backend's native runtime; refused elsewhere. Issue 18.
+    hide: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Runs on construction, msgspec.structs.replace, convert and every decode, so an
@@ -601,6 +623,8 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
         # plain-case test below ~0.6 us; decoding the struct itself costs ~0.4 us.
         if not self._plainly_valid():
             self._check()
+        if self.hide:
+            _check_hide(self.hide)
 
     def validate(self) -> ExecRequest:
         """Return self: an ExecRequest that exists has passed every limit (checked in

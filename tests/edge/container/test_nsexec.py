@@ -49,8 +49,8 @@ def test_exec_request_is_a_header_and_the_child_argv() -> None:
     strings = raw[16:].split(b"\0")
     assert strings[-1] == b""  # every string is NUL-terminated
     assert [s.decode() for s in strings[:-1]] == [
-        "exec", "", "agent", "2", "/cg/a/cgroup.procs", "/cg/b/cgroup.procs", "-1", "", "1",
-        "A=1", "--", "sh", "-c", "echo hi"]
+        "exec", "", "agent", "2", "/cg/a/cgroup.procs", "/cg/b/cgroup.procs", "-1", "",
+        "", "1", "A=1", "--", "sh", "-c", "echo hi"]       # "": nothing hidden (hide)
 
 
 def test_create_and_kill_requests() -> None:

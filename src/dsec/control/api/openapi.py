@@ -226,6 +226,8 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
     Param("expect_generation", {"type": "integer", "minimum": 0, "maximum": MAX_GENERATION},
           description="compare-and-set: update only if the live policy still has the "
                       "generation network_get gave (409 otherwise)"),
+    Param("nodes", {"type": "boolean"},
+          description="also revoke the nodes that joined with the token"),
 )}
 
 

@@ -57,6 +57,7 @@ from dsec.control.api.admin import Admin
 from dsec.control.api.images import ImageAdmin
 from dsec.control.api.service import ApiService, Caller, EdgeOps
 from dsec.control.ceiling import Ceiling, NodeSize
+from dsec.control.claims import clamp_capacity, trusted_layers
 from dsec.control.drain import Drains
 from dsec.control.iam import Iam
 from dsec.control.layers import LayerMeaning, LayerMover
@@ -82,6 +83,7 @@ from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
 from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
+    ImagePinRow,
     LostSandboxRow,
     SnapshotChargeRow,
     StateStore,
@@ -105,6 +107,7 @@ from dsec.errors import (
     ConnectionLost,
     DsecError,
     ImageNotFound,
+    InternalError,
     InvalidArgument,
     NoCapacity,
     NotFound,
@@ -115,14 +118,18 @@ from dsec.errors import (
     Unavailable,
 )
 from dsec.ids import NodeId, node_of
-from dsec.image.manifest import PROJECT_LABEL, parse_ref
+from dsec.image.manifest import PROJECT_LABEL, layer_namespace, parse_ref
 from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -131,7 +138,8 @@ from dsec.wire.api import (
     QuotaBody,
     SessionView,
 )
-from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.cluster import NodeMigration
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     SandboxEvent,
@@ -263,6 +271,12 @@ class EdgeEntry:
     # between lists, and when that list was taken (PlaneConfig.sandbox_list_interval_s).
     live: tuple[Any, ...] = ()
     listed_at: float = float("-inf")
+    # Whether its heartbeat's claims are taken as they are (an edge of this host or the
+    # operator's --edge list) or checked (a joined node: dsec.control.claims), and the
+    # capacity it registered with (the first this apiserver heard) for the check.
+    trusted: bool = True
+    registered: Any = None
+    clamp_noted: bool = False
 
 
 class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
@@ -324,7 +338,7 @@ class ControlPlane:
                            registry=self.registry, limits=self.config, clock=self.clock,
                            sync_snapshots=self._sync_snapshots, caches=lambda: self.service,
                            image_bytes=lambda project: self.images.image_bytes(project))
-        self.images = ImageAdmin(self)
+        self.images = ImageAdmin(self, state=self.store)
         self.mover = LayerMover(link=lambda n: self.edge(NodeId(n)),
                                 holders=self._holders, holds=self._node_holds,
                                 nodes=self._healthy_nodes, copied=self._copied_layer,
@@ -378,10 +392,14 @@ class ControlPlane:
 
     # -------------------------------------------------------------- edges
     def add_edge(self, node: str, address: str, link: EdgeOps, *,
-                 token: bytes | str | None = None, tls: Any = None) -> None:
-        """Register an edge; ``token`` and ``tls`` are what :meth:`_link` reconnects with."""
+                 token: bytes | str | None = None, tls: Any = None,
+                 trusted: bool | None = None) -> None:
+        """Register an edge; ``token`` and ``tls`` are what :meth:`_link` reconnects with.
+        ``trusted``: take its heartbeat's capacity and held-layer claims as they are
+        (default: unless it is a joined node, ``tls``; see dsec.control.claims)."""
         self.edges[node] = EdgeEntry(node=node, address=address, link=link, token=token,
-                                     tls=tls)
+                                     tls=tls, trusted=tls is None if trusted is None
+                                     else trusted)
 
     async def revoke_edge(self, node: str, *, reason: str, detail: str) -> int:
         """Stop using edge ``node`` for good (a revoked joined node): out of placement,
@@ -502,6 +520,66 @@ class ControlPlane:
         if view is not None and not self.watcher.is_expired(node):
             self._place_view(view)     # now, not at its next heartbeat
         return self._view(e, self.clock())
+
+    # ------------------------------------------------------------- image pins
+    # Issue 17: an operator keeps an image fully cached on chosen nodes (the node's lazy
+    # layers fetch it whole and never evict it). Stored (image_pins), so every replica
+    # and a restarted apiserver answer the same pins; the node reads its own
+    # (pins_for), the lazy layers act on them.
+    def _pin_node(self, caller: Caller, node: str, verb: str) -> None:
+        if not caller.superuser:
+            raise PermissionDenied(
+                f"cannot {verb} an image on node {node!r}: a node's cache serves every "
+                f"project, so only a superuser may (principal {caller.name!r} is not one)")
+        if node not in self.edges:
+            raise NotFound(f"no edge node {node!r} in this cluster; known: "
+                           f"{', '.join(sorted(self.edges)) or 'none'} (dsec node ls)",
+                           node=node)
+
+    @staticmethod
+    def _pin_view(r: ImagePinRow) -> ImagePinView:
+        return ImagePinView(node=r.node, image=r.image, ref=r.ref, layers=list(r.layers),
+                            pinned_at=r.pinned_at, by=r.by)
+
+    async def pin_image(self, caller: Caller, req: ImagePin) -> ImagePinView:
+        """Pin the image ``req.ref`` on ``req.node`` (again: unchanged). The image must be
+        in the blob store whole (every layer: ``dsec image push`` first), since that is
+        where the node fetches it from. Durable before answered."""
+        self._pin_node(caller, req.node, "pin")
+        top, chain = await self.images.pushed_chain(caller, req.ref)
+        self.store.put_pin(ImagePinRow(node=req.node, image=top, ref=req.ref,
+                                       layers=tuple(chain), pinned_at=self.clock(),
+                                       by=caller.id))
+        log.warning("image %s (%s) pinned on node %s by %s", req.ref, top, req.node,
+                    caller.name)
+        for r in self.store.list_pins(req.node):
+            if r.image == top:
+                return self._pin_view(r)
+        raise InternalError(f"pin of {top} on {req.node} was written but not read back")
+
+    async def unpin_image(self, caller: Caller, req: ImagePinRef) -> None:
+        self._pin_node(caller, req.node, "unpin")
+        if not self.store.delete_pin(req.node, req.image):
+            raise NotFound(f"image {req.image} is not pinned on node {req.node} "
+                           "(dsec image pins NODE)", node=req.node, image=req.image)
+        log.warning("image %s unpinned on node %s by %s", req.image, req.node, caller.name)
+
+    def list_pins(self, caller: Caller, req: NodePins) -> ImagePinList:
+        self._pin_node(caller, req.node, "list the pinned images of")
+        return ImagePinList(items=[self._pin_view(r) for r in self.store.list_pins(req.node)])
+
+    def pins_for(self, node: str) -> list[ImagePinRow]:
+        """The images pinned on ``node`` (what its lazy layers keep whole)."""
+        return self.store.list_pins(node)
+    async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
+        """``node_migrate``: move the sandboxes off a drained node (dsec.control.migrate)."""
+        from dsec.control.migrate import migrate_node
+        if node not in self.edges:
+            raise NotFound(f"no node {node!r} in this cluster; GET /v1/nodes lists them",
+                           node=node)
+        return await migrate_node(service, caller, node,
+                                  records=self.registry.sandboxes_on(node), store=self.store,
+                                  drained=node in self.drains.nodes(), clock=self.clock)
 
     # ----------------------------------------------------------- placement
     # dsec.control.placement decides; the edge's backends travel as node labels
@@ -1093,6 +1171,9 @@ class ControlPlane:
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         return await self.images.pull_image(caller, req)
 
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        return await self.images.push_image(caller, req)
+
     # ------------------------------------------------------------- loops
     async def start(self) -> None:
         self._started_at = self._last_sweep = self.clock()
@@ -1226,6 +1307,45 @@ class ControlPlane:
             meter.tick(loop.time())
             await asyncio.sleep(meter.interval_s)
 
+    def _checked_capacity(self, e: EdgeEntry, hb: Any) -> Any:
+        """A joined node's heartbeat with its capacity clamped to what it registered
+        with (dsec.control.claims)."""
+        if e.registered is None:
+            e.registered = hb.capacity
+            return hb
+        capacity = clamp_capacity(hb.capacity, e.registered)
+        if capacity == hb.capacity:
+            return hb
+        if not e.clamp_noted:
+            e.clamp_noted = True
+            log.warning("edge %s claims capacity %s above the %s it registered with: "
+                        "clamped (revoke it and join again if the machine grew)", e.node,
+                        hb.capacity, e.registered)
+        return msgspec.structs.replace(hb, capacity=capacity)
+
+    def _checked_layers(self, e: EdgeEntry, claimed: Any) -> frozenset[str]:
+        """The layers a joined node holds as far as placement believes it: a project's
+        layer only where this control plane put it (dsec.control.claims)."""
+        charges = {r.id: r for r in self.store.list_snapshot_charges()}
+        index = self.images._index()
+
+        def project_of(digest: str) -> str | None:
+            row = charges.get(digest)
+            if row is not None:
+                return row.project
+            m = index.manifest(digest.removeprefix("sha256:")) if index else None
+            return layer_namespace(m) if m is not None else None
+
+        def granted(digest: str) -> bool:
+            row = charges.get(digest)
+            return (digest in e.fetched or digest in e.noted
+                    or (row is not None and row.node == e.node))
+        trusted = trusted_layers(claimed, granted=granted, project_of=project_of)
+        if len(trusted) != len(set(claimed)):
+            log.warning("edge %s claims %d layer(s) of projects it was never given: not "
+                        "believed", e.node, len(set(claimed)) - len(trusted))
+        return trusted
+
     async def _poll(self, e: EdgeEntry) -> None:
         t = self.config.poll_timeout_s
         loop = asyncio.get_running_loop()
@@ -1260,11 +1380,14 @@ class ControlPlane:
                         "silent" if e.failure == "silent" else "unreachable", e.problem)
         e.failure = e.problem = e.held_why = ""
         e.held_until = 0.0
+        if not e.trusted:
+            hb = self._checked_capacity(e, hb)
         e.heartbeat = hb
         e.last_seen = now = self.clock()
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
         if not hb.images_same:
-            e.images = frozenset(hb.images)
+            e.images = (frozenset(hb.images) if e.trusted
+                        else self._checked_layers(e, hb.images))
             e.images_gen = hb.images_gen
         if e.noted:
             e.noted -= e.images

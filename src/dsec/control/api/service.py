@@ -45,6 +45,7 @@ from dsec.control.sweeper import SESSION_LABEL
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
     CapacityExceeded,
+    Conflict,
     ConnectFailed,
     DsecError,
     EdgeUnreachable,
@@ -80,9 +81,13 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -125,7 +130,16 @@ from dsec.wire.calls import (
     create_of,
     rest_form,
 )
-from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.cluster import (
+    JoinedNode,
+    JoinedNodeList,
+    JoinTokenCreate,
+    JoinTokenList,
+    JoinTokenRevoke,
+    JoinTokenView,
+    NodeMigration,
+)
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
@@ -335,10 +349,32 @@ class AdminOps(Protocol):
         raise NotImplementedError
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         raise NotImplementedError
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        raise NotImplementedError
+    async def pin_image(self, caller: Caller, req: ImagePin) -> ImagePinView:
+        raise NotImplementedError
+    async def unpin_image(self, caller: Caller, req: ImagePinRef) -> None:
+        raise NotImplementedError
+    def list_pins(self, caller: Caller, req: NodePins) -> ImagePinList:
+        raise NotImplementedError
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
     async def fetch_layer(self, caller: Caller, req: LayerFetch) -> LayerFetched:
         raise NotImplementedError
+    async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
+        raise NotImplementedError
+
+
+class JoinAdmin(Protocol):
+    """Join tokens and joined nodes (:class:`dsec.cluster.join.JoinAuthority`), behind
+    the catalogue's ``cluster_*`` rows."""
+
+    def create_token(self, *, ttl_s: float = ..., uses: int = ...,
+                     description: str = ...) -> tuple[Any, Any]: ...
+    def list_tokens(self) -> list[Any]: ...
+    def revoke_token(self, token_id: str, *, nodes: bool = False) -> list[str]: ...
+    def list_nodes(self) -> list[Any]: ...
+    def revoke_node(self, node_id: str) -> None: ...
 
 
 #: What a door calls for one operation: the policy of :meth:`ApiService.handler`.
@@ -434,6 +470,9 @@ class ApiService:
     # Projects, quotas, keys, sessions, images (the control plane); None: those
     # operations answer Unavailable (an apiserver wired without them, as in some tests).
     admin: AdminOps | None = None
+    # Join tokens and joined nodes (dsec.cluster.join.JoinAuthority); None: this
+    # apiserver has no cluster CA, the cluster_* operations answer Conflict.
+    joins: JoinAdmin | None = None
     _policies: dict[str, Policy] = field(init=False)
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
@@ -1593,6 +1632,15 @@ class ApiService:
             "image_pull": self._image_pull_op,
             "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
             "layer_fetch": self._layer_fetch_op,
+            "image_push": self._image_push_op,
+            "image_pin": self._image_pin_op, "image_unpin": self._image_unpin_op,
+            "image_pins": self._image_pins_op,
+            "cluster_tokens": self._cluster_tokens_op,
+            "cluster_token_create": self._cluster_token_create_op,
+            "cluster_token_revoke": self._cluster_token_revoke_op,
+            "cluster_nodes": self._cluster_nodes_op,
+            "cluster_node_revoke": self._cluster_node_revoke_op,
+            "node_migrate": self._node_migrate_op,
         }
 
     # ------------------------------------------------------------------ ports
@@ -1825,14 +1873,58 @@ class ApiService:
     async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
         return await self._admin().pull_image(caller, b)
 
+    async def _image_push_op(self, caller: Caller, b: ImagePushRequest) -> ImagePushed:
+        return await self._admin().push_image(caller, b)
+
+    async def _image_pin_op(self, caller: Caller, b: ImagePin) -> ImagePinView:
+        return await self._admin().pin_image(caller, b)
+
+    async def _image_unpin_op(self, caller: Caller, b: ImagePinRef) -> None:
+        await self._admin().unpin_image(caller, b)
+
+    async def _image_pins_op(self, caller: Caller, b: NodePins) -> ImagePinList:
+        return self._admin().list_pins(caller, b)
+
     async def _node_drain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=True)
 
     async def _node_undrain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=False)
 
+    async def _node_migrate_op(self, caller: Caller, b: NodeRef) -> NodeMigration:
+        return await self._admin().migrate_node(caller, b.id, self)
+
     async def _layer_fetch_op(self, caller: Caller, b: LayerFetch) -> LayerFetched:
         return await self._admin().fetch_layer(caller, b)
+
+    # -------------------------------------------------------- cluster membership
+    def _joins(self, caller: Caller) -> JoinAdmin:
+        if not caller.superuser:
+            raise PermissionDenied("cluster administration (join tokens, joined nodes) is "
+                                   "a superuser's: a token admits a machine into every "
+                                   "project's placement; ask an operator")
+        if self.joins is None:
+            raise Conflict("this apiserver takes no joined edges: it has no cluster CA "
+                           "(`dsec cluster init`, or `dsec up --hosts`)")
+        return self.joins
+
+    async def _cluster_tokens_op(self, caller: Caller, b: Empty) -> JoinTokenList:
+        return JoinTokenList(items=[_token_view(r) for r in self._joins(caller).list_tokens()])
+
+    async def _cluster_token_create_op(self, caller: Caller,
+                                       b: JoinTokenCreate) -> JoinTokenView:
+        tok, row = self._joins(caller).create_token(ttl_s=b.ttl_s, uses=b.uses,
+                                                    description=b.description)
+        return _token_view(row, str(tok))
+
+    async def _cluster_token_revoke_op(self, caller: Caller, b: JoinTokenRevoke) -> None:
+        self._joins(caller).revoke_token(b.id, nodes=b.nodes)
+
+    async def _cluster_nodes_op(self, caller: Caller, b: Empty) -> JoinedNodeList:
+        return JoinedNodeList(items=[_joined_node(r) for r in self._joins(caller).list_nodes()])
+
+    async def _cluster_node_revoke_op(self, caller: Caller, b: NodeRef) -> None:
+        self._joins(caller).revoke_node(b.id)
 
     async def _upload_refused(self, caller: Caller, b: Any) -> Any:
         raise InvalidArgument("an image upload streams its tar as the request body: use "
@@ -1999,3 +2091,17 @@ def snapshot_view(info: SnapshotInfo, nodes: list[str]) -> SnapshotView:
                         size_bytes=info.size_bytes, created_at=info.created,
                         unchanged=info.unchanged, build_step=info.build_step,
                         stack=list(info.stack))
+
+
+def _token_view(row: Any, token: str | None = None) -> JoinTokenView:
+    """A stored join token (``JoinTokenRow``) as the API shows it."""
+    return JoinTokenView(id=row.id, uses=row.uses, used=row.used, created_at=row.created_at,
+                         expires_at=row.expires_at, revoked=row.revoked,
+                         description=row.description, token=token)
+
+
+def _joined_node(row: Any) -> JoinedNode:
+    """A joined node's row (``NodeRow``) as the API shows it."""
+    return JoinedNode(node_id=row.node_id, address=row.address,
+                      cert_fingerprint=row.cert_fingerprint, token_id=row.token_id,
+                      joined_at=row.joined_at, revoked=row.revoked)

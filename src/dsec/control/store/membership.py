@@ -5,6 +5,8 @@ Two tables, portable SQL through the dialect of :class:`~dsec.control.store.sql.
 SQLite and PostgreSQL stores both have them:
 
 - ``join_tokens``: id, sha256 of the secret, uses allowed/used, expiry, revoked.
+- ``spent_nonces``: challenge nonces a join or rejoin used, until they expire: a nonce
+  is good once across every replica (a replay to another replica is refused).
 - ``nodes``: one row per joined edge: its advertised address, its certificate's
   fingerprint, the token it joined with, when, and whether it is revoked. Every
   apiserver replica dials the rows that are not revoked; a revoked row's fingerprint is
@@ -60,6 +62,11 @@ MEMBERSHIP_SCHEMA = [
         token_id TEXT NOT NULL, joined_at DOUBLE PRECISION NOT NULL,
         revoked INTEGER NOT NULL, revoked_at DOUBLE PRECISION,
         key_fingerprint TEXT NOT NULL DEFAULT '')""",
+    # Challenge nonces spent by a join or rejoin, kept until they expire (issue 16: per
+    # replica before, so a replay to another replica within the window was taken).
+    """CREATE TABLE IF NOT EXISTS spent_nonces (
+        nonce TEXT PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS spent_nonces_expiry ON spent_nonces (expires_at)",
     # Every fingerprint a node ever had: a revoked edge's old certificate stays refused
     # even after its node id joins again with a new one.
     """CREATE TABLE IF NOT EXISTS revoked_certs (
@@ -161,6 +168,20 @@ class MembershipTables:
             "key_fingerprint = excluded.key_fingerprint"),
             (row.node_id, row.address, row.cert_fingerprint, row.token_id, row.joined_at,
              row.key_fingerprint))
+
+    # --- nonces -----------------------------------------------------------------------
+    def spend_nonce(self, nonce: str, expires_at: float, now: float) -> bool:
+        """Spend ``nonce`` (kept until ``expires_at``); False when it was spent already,
+        by any replica. Expired ones go in the same transaction."""
+        with self._tx() as cur:
+            cur.execute(self._s("DELETE FROM spent_nonces WHERE expires_at <= ?"), (now,))
+            cur.execute(self._s("INSERT INTO spent_nonces (nonce, expires_at) VALUES (?, ?) "
+                                "ON CONFLICT (nonce) DO NOTHING"), (nonce, expires_at))
+            return int(cur.rowcount) == 1
+
+    def nonce_spent(self, nonce: str, now: float) -> bool:
+        return bool(self._all("SELECT 1 FROM spent_nonces WHERE nonce = ? AND expires_at > ?",
+                              (nonce, now)))
 
     # --- nodes ------------------------------------------------------------------------
     def get_node(self, node_id: str) -> NodeRow | None:

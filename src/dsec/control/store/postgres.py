@@ -43,12 +43,13 @@ from dsec.control.store import IdempotencyRow, redact_url
 from dsec.control.store.sql import Dialect, SqlStore
 from dsec.errors import InvalidArgument, Unavailable
 
-__all__ = ["CHANNEL", "POSTGRES", "PostgresStore"]
+__all__ = ["CHANNEL", "POSTGRES", "TAG_CHANNEL", "PostgresStore"]
 
 log = logging.getLogger("dsec.store")
 
 #: The NOTIFY channel commits announce their newest event version on.
 CHANNEL = "dsec_events"
+TAG_CHANNEL = "dsec_tags"    # image tag table versions (control/store/tags.py)
 
 POSTGRES = Dialect(
     name="postgresql", param="%s", blob="BYTEA",
@@ -114,6 +115,7 @@ class PostgresStore(SqlStore):
         self._probe_at = 0.0
         self._last_error = ""
         self._callbacks: list[Callable[[int], None]] = []
+        self._tag_callbacks: list[Callable[[int], None]] = []
         self._listener: threading.Thread | None = None
         self._closing = threading.Event()
         self.listening = False     # True while the LISTEN connection is up
@@ -189,6 +191,9 @@ class PostgresStore(SqlStore):
         # Delivered to listeners at commit, in commit order, never for a rollback.
         cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(newest)))
 
+    def _tags_changed(self, cur: Any, version: int) -> None:
+        cur.execute("SELECT pg_notify(%s, %s)", (TAG_CHANNEL, str(version)))
+
     # ------------------------------------------------------------ idempotency keys
     # The apiserver scopes a key by its principal with a NUL separator (see
     # dsec.control.idempotency), which SQLite's TEXT holds and PostgreSQL's refuses. The
@@ -214,14 +219,22 @@ class PostgresStore(SqlStore):
     # ------------------------------------------------------------------ watch
     def listen_versions(self, callback: Callable[[int], None]) -> bool:
         self._callbacks.append(callback)
+        self._start_listener()
+        return True
+
+    def listen_tags(self, callback: Callable[[int], None]) -> bool:
+        self._tag_callbacks.append(callback)
+        self._start_listener()
+        return True
+
+    def _start_listener(self) -> None:
         if self._listener is None:
             self._listener = threading.Thread(target=self._listen_loop,
                                               name="dsec-store-listen", daemon=True)
             self._listener.start()
-        return True
 
-    def _fire(self, version: int) -> None:
-        for cb in list(self._callbacks):
+    def _fire(self, version: int, channel: str = CHANNEL) -> None:
+        for cb in list(self._tag_callbacks if channel == TAG_CHANNEL else self._callbacks):
             try:
                 cb(version)
             except Exception:  # a watcher's bug must not stop the others
@@ -238,19 +251,22 @@ class PostgresStore(SqlStore):
                                      connect_timeout=self._connect_kw["connect_timeout"],
                                      application_name="dsec-listen") as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    conn.execute(f"LISTEN {TAG_CHANNEL}")
                     self.listening = True
                     backoff = 0.05
                     if missed:
                         self._fire(-1)
+                        self._fire(-1, TAG_CHANNEL)
                         missed = False
                     while not self._closing.is_set():
                         # timeout: how often close() is noticed; a notification wakes
                         # it at once.
                         for n in conn.notifies(timeout=0.2):
                             try:
-                                self._fire(int(n.payload))
+                                version = int(n.payload)
                             except ValueError:
-                                self._fire(-1)
+                                version = -1
+                            self._fire(version, n.channel)
             except psycopg.Error as exc:
                 self.listening = False
                 if self._closing.is_set():

@@ -12,6 +12,7 @@ later if needed (``json_extract`` / ``jsonb``).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from dsec.control.store import (
     ApiKeyRow,
     EventRow,
     IdempotencyRow,
+    ImagePinRow,
     LostSandboxRow,
     NodeDrainRow,
     PrincipalRow,
@@ -35,6 +37,8 @@ from dsec.control.store import (
     SnapshotChargeRow,
 )
 from dsec.control.store.membership import MembershipTables  # [join] nodes, join_tokens
+from dsec.control.store.migrations import MigrationTables  # drain --migrate
+from dsec.control.store.tags import ImageTagTables  # image tags shared by replicas
 
 __all__ = ["Dialect", "SqlStore"]
 
@@ -117,6 +121,11 @@ _SCHEMA = [
     # Edge nodes drained by an administrator (issue 16): no new placements there.
     """CREATE TABLE IF NOT EXISTS node_drains (
         node TEXT PRIMARY KEY, drained_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL)""",
+    # Images pinned fully cached on a node by an operator (issue 17).
+    """CREATE TABLE IF NOT EXISTS image_pins (
+        node TEXT NOT NULL, image TEXT NOT NULL, ref TEXT NOT NULL, layers TEXT NOT NULL,
+        pinned_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL,
+        PRIMARY KEY (node, image))""",
 ]
 
 # Columns added after a table first shipped: (table, column, definition). A store made by
@@ -130,10 +139,10 @@ _ADDED_COLUMNS = [
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
            "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges",
-           "node_drains")
+           "node_drains", "image_pins", "image_tags")
 
 
-class SqlStore(MembershipTables):
+class SqlStore(MembershipTables, ImageTagTables, MigrationTables):
     """A :class:`StateStore` over one DB-API connection, serialised by a lock.
 
     One connection with a lock is enough for the management plane: statements take
@@ -153,6 +162,8 @@ class SqlStore(MembershipTables):
             for stmt in _SCHEMA:
                 cur.execute(stmt.format(blob=dialect.blob))
         self._create_membership_tables()  # [join] control/store/membership.py
+        self._create_tag_tables()         # control/store/tags.py
+        self._create_migration_tables()   # control/store/migrations.py
 
     def _add_column(self, table: str, column: str, definition: str) -> None:
         """Add ``column`` to an existing ``table`` that lacks it (a store written by an
@@ -622,6 +633,24 @@ class SqlStore(MembershipTables):
     def list_drains(self) -> list[NodeDrainRow]:
         rows = self._all("SELECT node, drained_at, by_principal FROM node_drains ORDER BY node")
         return [NodeDrainRow(node=r[0], drained_at=float(r[1]), by=r[2]) for r in rows]
+
+    # --- images pinned on nodes (issue 17) -------------------------------------------------
+    def put_pin(self, row: ImagePinRow) -> None:
+        self._exec("INSERT INTO image_pins (node, image, ref, layers, pinned_at, by_principal) "
+                   "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node, image) DO NOTHING",
+                   (row.node, row.image, row.ref, json.dumps(list(row.layers)),
+                    row.pinned_at, row.by))
+
+    def delete_pin(self, node: str, image: str) -> bool:
+        return self._exec("DELETE FROM image_pins WHERE node = ? AND image = ?",
+                          (node, image)) > 0
+
+    def list_pins(self, node: str | None = None) -> list[ImagePinRow]:
+        cols = "SELECT node, image, ref, layers, pinned_at, by_principal FROM image_pins"
+        rows = (self._all(cols + " ORDER BY node, image") if node is None else
+                self._all(cols + " WHERE node = ? ORDER BY image", (node,)))
+        return [ImagePinRow(node=r[0], image=r[1], ref=r[2], layers=tuple(json.loads(r[3])),
+                            pinned_at=float(r[4]), by=r[5]) for r in rows]
 
     def reclaim_space(self, pages: int) -> None:
         """Give up to ``pages`` pages freed by deletes back to the filesystem (after

@@ -793,6 +793,35 @@ class ContainerBackend:
                        f"{self._notices.interval_s:g} s were folded into this one)")
         self._report(box, reason, detail)
 
+    def lazy_event(self, ev: dict[str, Any]) -> None:
+        """An event of the node's lazy layer daemon (:mod:`dsec.edge.lazy.layers`; call
+        on the event loop): a failed fetch or a daemon restart becomes a
+        ``layer_unavailable`` notice for every sandbox whose image holds the layer."""
+        kind = ev.get("ev")
+        if kind == "fetch_failed" and not ev.get("prefetch"):
+            digest = "sha256:" + str(ev.get("layer"))
+            detail = (f"reads of image layer {digest} failed with EIO inside the sandbox: "
+                      f"{ev.get('cause')}; the node and other layers are unaffected, "
+                      "retry when the blob store is reachable")
+        elif kind == "daemon_restarted":
+            digest = None
+            detail = ("the node's lazy layer daemon died and was restarted: pages of lazily "
+                      "loaded layers this sandbox had not read yet fail with EIO in it "
+                      "(its mounts were bound to the old daemon); recreate the sandbox, "
+                      "new sandboxes read through the new daemon")
+        else:
+            return
+        for box in list(self._boxes.values()):
+            token = box.layers.token
+            digests = getattr(token, "digests", ())
+            lazy = getattr(self.images, "lazy", None)
+            if digest is None:
+                hit = lazy is not None and any(lazy.knows(d) for d in digests)
+            else:
+                hit = digest in digests
+            if hit:
+                self._notice(box, "layer_unavailable", detail)
+
     def _report(self, box: Box, reason: str, detail: str) -> None:
         if self._sink is not None:
             self._sink(box.sid, reason, detail)
@@ -844,6 +873,7 @@ class ContainerBackend:
         box.pids_seen = self.governor.pids_limit_hits(cg)
         self._boxes[sid] = box
         self._watch_box(box)
+        self._lazy_adopted(box)
         if self.network is not None and spec.net.net_mode != "none":
             # Its slot (netns held by its processes, veth end by the pinned router) is
             # checked against the router, with every other adopted one, by reconcile()
@@ -860,6 +890,21 @@ class ContainerBackend:
         """The node's word, before :meth:`adopt`, on the project ceilings' deny entries
         the sandbox's policy was loaded with (journaled beside it)."""
         self._adopt_ceiling[sid] = ceiling_deny
+
+    def _lazy_adopted(self, box: Box) -> None:
+        """An adopted sandbox on lazily read layers: its overlay still stands on the
+        layers the previous edge's FUSE daemon served, and that daemon went with its
+        edge (it exits when its edge does), so pages it had not read fail with EIO. Say
+        so (issue 17); new sandboxes read through this edge's daemon."""
+        lazy = getattr(self.images, "lazy", None)
+        digests = getattr(box.layers.token, "digests", ())
+        remote = [d for d in digests if lazy is not None and lazy.knows(d)]
+        if remote:
+            self._notice(box, "layer_unavailable", (
+                f"sandbox {box.sid} was adopted after an edge restart; its lazily loaded "
+                f"layers ({', '.join(remote)}) were served by the previous edge's FUSE "
+                "daemon, so pages it had not read yet fail with EIO in it; recreate the "
+                "sandbox to read them through this edge's daemon"))
 
     def _network_lost(self, box: Box, why: str) -> None:
         assert self.network is not None
@@ -1193,6 +1238,12 @@ class ContainerBackend:
             if not task.done():
                 task.cancel()
 
+    @property
+    def supports_hide(self) -> bool:
+        """``ExecRequest.hide`` is kept: native runtime (nsexec applies Landlock before
+        execve) on a kernel with Landlock."""
+        return self._runc is None and linux.landlock_abi() > 0
+
     async def _exec(self, sid: str, req: ExecRequest,
                     on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
         box = self.box(sid)
@@ -1205,6 +1256,9 @@ class ContainerBackend:
             # the sandbox's defaults (the image config's, or the create's) under the exec's
             req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
                                           user=req.user or box.spec.user)
+        if req.hide and self._runc is not None:
+            raise InvalidArgument("exec hide (Landlock) needs the native container runtime; "
+                                  "this edge runs containers with runc", field="hide")
         try:
             if self._runc is not None:
                 return await self._runc_exec(box, req, argv, env, on_chunk)
@@ -1265,7 +1319,8 @@ class ContainerBackend:
                 Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
                      cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
                      background=req.background, userns=box.spec.user_namespace,
-                     pids_index=target.pids_index, home_procs=self.governor.home_procs()),
+                     pids_index=target.pids_index, home_procs=self.governor.home_procs(),
+                     hide=req.hide),
                 send_fds, on_reply)
         except BaseException:
             for fd in local:

@@ -258,3 +258,18 @@ def load_seccomp(bpf: bytes) -> None:
                        ctypes.byref(prog), ctypes.c_ulong(0), ctypes.c_ulong(0)),
            "prctl(PR_SET_SECCOMP)")
 
+
+
+_landlock_abi: int | None = None
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none, or disabled at boot). Asked once."""
+    global _landlock_abi
+    if _landlock_abi is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION), x86_64/arm64
+        nr = {"x86_64": 444, "aarch64": 444}.get(os.uname().machine)
+        v = libc.syscall(nr, None, ctypes.c_size_t(0), ctypes.c_uint32(1)) if nr else -1
+        _landlock_abi = max(0, int(v))
+    return _landlock_abi

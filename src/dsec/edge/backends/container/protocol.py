@@ -75,6 +75,8 @@ class Exec(msgspec.Struct, tag="exec", frozen=True):
     #: (nsexec.c, spawn_final); -1 / "": no fallback
     pids_index: int = -1
     home_procs: str = ""
+    #: top-level names of the sandbox root the command's tree never reaches (Landlock)
+    hide: tuple[str, ...] = ()
 
 
 class Kill(msgspec.Struct, tag="kill", frozen=True):
@@ -155,8 +157,8 @@ def request_argv(req: Request) -> list[str]:
                 *((str(req.userns[0]), str(req.userns[1])) if req.userns else ())]
     if isinstance(req, Exec):
         return ["exec", req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
-                *req.cgroup_procs, str(req.pids_index), req.home_procs, str(len(req.env)),
-                *req.env, "--", *req.argv]
+                *req.cgroup_procs, str(req.pids_index), req.home_procs, ":".join(req.hide),
+                str(len(req.env)), *req.env, "--", *req.argv]
     return []
 
 
