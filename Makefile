@@ -63,8 +63,9 @@ debian-repo: setup
 # counts, timing, exhaustion) are left out of the parallel pass by tests/conftest.py and
 # run alone afterwards. Both passes always run; `make test` fails if either fails
 # (exit 5 = "no test selected" counts as a pass for the serial one). tests/README.md.
-# Measured on the 2-core dev VM (load ~12 from other users): 1 process ~29 min, 4 workers
-# ~14 min.
+# Measured on the 2-core dev VM shared with 7 other engineers (1-min load median ~12,
+# peaks >30): one process ~29 min; 4 workers 16.7 min + 1.5 min serial pass (2,711 tests);
+# 6 workers were slower (29 min at load ~30) and flakier: keep 4 unless the machine is idle.
 # TEST_BASETEMP: a dir for the runs' temp dirs (each pass gets its own below it: a pass
 # starts by emptying its basetemp, which must not be the other's).
 TEST_WORKERS ?= 4
