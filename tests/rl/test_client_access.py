@@ -139,6 +139,7 @@ def test_check_env_over_the_api(access: ClientAccess) -> None:
         env.close()
 
 
+@pytest.mark.serial  # placement spreads by heartbeat-reported load: slow heartbeats put every sandbox on one edge
 def test_pool_steps_with_one_exec_many_per_tick_across_edges(
         access: ClientAccess, client: Client) -> None:
     task = Task(prompt="count", max_turns=100, files={"/workspace/seed": b"s\n"})

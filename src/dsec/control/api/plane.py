@@ -1258,25 +1258,38 @@ class ControlPlane:
                 loop.call_soon_threadsafe(wake.set)
 
         push = self.store.listen_versions(pushed)
+        behind = False    # the last catch_up failed: what it missed is still unread
         while True:
             # While the store's LISTEN connection is down (a restart, or LISTEN refused,
-            # as behind a transaction-pooling proxy), poll as SQLite is polled.
+            # as behind a transaction-pooling proxy), poll as SQLite is polled. So too
+            # after a failed read: the listener's "you missed something" (-1) after its
+            # reconnect can meet a pool that has not reconnected yet, and no push comes
+            # for what was missed (another replica listed nothing for store_push_poll_s).
             listening = push and getattr(self.store, "listening", True)
-            every = (self.config.store_push_poll_s if listening
+            every = (self.config.store_push_poll_s if listening and not behind
                      else self.config.store_poll_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of
+            # a wait that finished as the task was being cancelled and drops the
+            # cancellation (gh-86296); a push arriving during close() did that, and the
+            # loop then waited store_push_poll_s again with close() gathering it (a
+            # replica's close hung for the whole 300 s test timeout).
             try:
-                await asyncio.wait_for(wake.wait(), timeout=every)
+                async with asyncio.timeout(every):
+                    await wake.wait()
             except TimeoutError:
                 pass
             wake.clear()
             newest, heard[0] = heard[0], 0
-            if 0 < newest <= registry.applied_version:
+            if not behind and 0 < newest <= registry.applied_version:
                 continue      # our own commit's notification: nothing new to read
             try:
                 registry.catch_up()
+                behind = False
             except DsecError as exc:
-                log.warning("reading other replicas' changes from the store failed: %s",
-                            exc)
+                if not behind:
+                    log.warning("reading other replicas' changes from the store failed "
+                                "(retried every %.2f s): %s", self.config.store_poll_s, exc)
+                behind = True
 
     async def _flush_loop(self) -> None:
         """Commit queued registry mutations ``flush_delay_s`` after the first of them."""
