@@ -12,6 +12,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+import msgspec
 import pytest
 
 from dsec.errors import CorruptLayer, ImageNotFound, InvalidArgument
@@ -61,7 +62,9 @@ def image(tmp_path: os.PathLike[str]) -> tuple[LayerStore, LayerManifest, LayerM
 
 def _check_published(blob: BlobStore, store: LayerStore, m: LayerManifest) -> None:
     got, table = read_remote_layer(blob, m.digest)
-    assert got == m
+    # the published manifest is the pusher's record, which pins the chunk table
+    assert got == store.get(m.digest) == msgspec.structs.replace(m, chunk_table=got.chunk_table)
+    assert got.chunk_table is not None and got.chunk_table.chunk_size == table.chunk_size
     with open(store.layer_path(m), "rb") as f:
         local = f.read()
     assert blob.head(layer_key(m.digest)) == len(local) == m.size_bytes
@@ -107,6 +110,7 @@ def test_incomplete_or_wrong_remote_layers_are_pushed_again(
         read_remote_layer(blob, top.digest)
     # a layer file of the wrong size under the key: not complete either
     blob.put_bytes(layer_key(base.digest), b"short")
+    base = store.get(base.digest)               # as pushed: the chunk table recorded
     assert not remote_complete(blob, base, chunk_size=262144)
     with pytest.raises(CorruptLayer, match="5 bytes"):
         read_remote_layer(blob, base.digest)

@@ -54,10 +54,18 @@ from typing import IO, Any, Self
 
 import msgspec
 
-from dsec.errors import BlobNotFound, CorruptLayer, DsecError, ImageError, ImageNotFound, InUse
+from dsec.errors import (
+    BlobNotFound,
+    CorruptLayer,
+    DsecError,
+    ImageError,
+    ImageNotFound,
+    InUse,
+    InvalidArgument,
+)
 from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
-from dsec.image.chunks import ChunkTable
+from dsec.image.chunks import MIN_CHUNK_SIZE, check_table, table_bytes_bound
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
 from dsec.image.mount import RUN_ROOT, sys_umount
 from dsec.ownership import claim, disown
@@ -67,6 +75,10 @@ __all__ = ["LazyConfig", "LazyLayers"]
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 20.0
+#: The largest chunk a node reads lazily: one fetch holds a run of chunks in memory, so
+#: the push's chunk size (the control plane's record) is bounded here, not only by the
+#: 64 MiB any table may have (red team 17 F2).
+MAX_LAZY_CHUNK_SIZE = 4 << 20
 _manifest_dec = msgspec.json.Decoder(LayerManifest)
 
 
@@ -296,25 +308,48 @@ class LazyLayers:
 
     def register(self, manifest: LayerManifest) -> None:
         """Fetch the layer's chunk table into the cache dir (once), so the daemon serves
-        it; the table must describe exactly the manifest's file."""
+        it. The table must be exactly the one ``manifest.chunk_table`` records (its
+        sha256, written by the push that hashed the whole file): the hashes each chunk
+        is checked against never come from the blob store alone (red team 17 F1), and
+        the store is asked for that many bytes, never for what its HEAD announces (F2)."""
+        ref = manifest.chunk_table
+        if ref is None:
+            raise CorruptLayer(
+                f"layer {manifest.digest} has no recorded chunk table (pushed by an older "
+                "dsec, or its manifest did not come from its pusher): its chunks cannot be "
+                "verified; push it again (dsec image push)", digest=manifest.digest)
+        if not MIN_CHUNK_SIZE <= ref.chunk_size <= MAX_LAZY_CHUNK_SIZE \
+                or ref.size > table_bytes_bound(manifest.size_bytes, ref.chunk_size):
+            raise CorruptLayer(
+                f"layer {manifest.digest}: a {ref.size}-byte chunk table in "
+                f"{ref.chunk_size}-byte chunks is not one a node reads lazily (chunks "
+                f"{MIN_CHUNK_SIZE}..{MAX_LAZY_CHUNK_SIZE} bytes, table at most "
+                f"{table_bytes_bound(manifest.size_bytes, ref.chunk_size)} bytes for "
+                f"{manifest.size_bytes}); push it with --chunk-size 262144",
+                digest=manifest.digest)
         path = self.table_path(manifest.digest)
-        if os.path.exists(path):
-            return
+        try:
+            with open(path, "rb") as f:
+                check_table(f.read(ref.size + 1), ref, digest=manifest.digest,
+                            size=manifest.size_bytes)
+            return                      # registered before, and still the recorded one
+        except FileNotFoundError:
+            pass
+        except CorruptLayer:
+            log.warning("cached chunk table of %s is not the recorded one; fetching it "
+                        "again", manifest.digest)
         key = layer_chunks_key(manifest.digest)
         try:
-            size = self.blob.head(key)
-            if size is None:
-                raise BlobNotFound(f"no chunk table for {manifest.digest}")
-            raw = self.blob.get_range(key, 0, size)
+            raw = self.blob.get_range(key, 0, ref.size)
         except BlobNotFound:
             raise ImageNotFound(f"layer {manifest.digest} has no chunk table in the blob "
                                 f"store {self.blob.url}; push it again (dsec image push)",
                                 ref=manifest.digest) from None
-        table = ChunkTable.decode(raw)
-        if table.digest != manifest.digest or table.size != manifest.size_bytes:
-            raise CorruptLayer(f"the chunk table of {manifest.digest} describes "
-                               f"{table.digest} of {table.size} bytes, not the manifest's "
-                               f"{manifest.size_bytes}", digest=manifest.digest)
+        except InvalidArgument as exc:     # shorter than recorded
+            raise CorruptLayer(f"the blob store's chunk table of {manifest.digest} is not "
+                               f"the {ref.size} bytes its push recorded: {exc}",
+                               digest=manifest.digest) from exc
+        check_table(raw, ref, digest=manifest.digest, size=manifest.size_bytes)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(raw)
