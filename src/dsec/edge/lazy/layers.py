@@ -67,7 +67,7 @@ from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, ope
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
 from dsec.image.chunks import MIN_CHUNK_SIZE, check_table, table_bytes_bound
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
-from dsec.image.mount import RUN_ROOT, sys_umount
+from dsec.image.mount import RUN_ROOT, is_mountpoint, sys_mount, sys_umount
 from dsec.ownership import claim, disown
 
 __all__ = ["LazyConfig", "LazyLayers"]
@@ -75,6 +75,8 @@ __all__ = ["LazyConfig", "LazyLayers"]
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 20.0
+#: The lazy FUSE connection's ``max_background`` (kernel default from libfuse: 12).
+FUSE_MAX_BACKGROUND = 512
 #: The largest chunk a node reads lazily: one fetch holds a run of chunks in memory, so
 #: the push's chunk size (the control plane's record) is bounded here, not only by the
 #: 64 MiB any table may have (red team 17 F2).
@@ -180,7 +182,8 @@ class LazyLayers:
             self._drop_mount(self.mount)
             raise ImageError(f"the lazy layer daemon did not start (said {line[:300]!r}); "
                              "is /dev/fuse there and pyfuse3 installed?")
-        self._conn = os.minor(os.stat(self.mount).st_dev)
+        self._conn = os.minor(os.stat(self.mount).st_dev)    # answered: INIT is done
+        self._tune(self._conn)
         self._proc = proc
         threading.Thread(target=self._watch, args=(proc, self.mount, self._conn),
                          name=f"lazy-daemon-{proc.pid}", daemon=True).start()
@@ -233,6 +236,22 @@ class LazyLayers:
                 fn()
             except Exception:
                 log.exception("re-binding lazy layers after a daemon restart failed")
+
+    @staticmethod
+    def _tune(conn: int) -> None:
+        _ensure_fusectl()
+        """Raise the connection's background request limit from libfuse's 12: readahead
+        and async direct I/O of every sandbox share it, so a few misses waiting on a slow
+        store held every slot and reads of cached chunks queued in the kernel behind
+        them (red team 17 F11). The daemon sheds misses past ``max_waiting_reads``
+        (below this), so a cached read always finds a slot."""
+        for name, value in (("max_background", FUSE_MAX_BACKGROUND),
+                            ("congestion_threshold", FUSE_MAX_BACKGROUND * 3 // 4)):
+            try:
+                with open(f"/sys/fs/fuse/connections/{conn}/{name}", "w") as f:
+                    f.write(str(value))
+            except OSError as exc:
+                log.warning("cannot set %s of FUSE connection %d: %s", name, conn, exc)
 
     @staticmethod
     def _abort(conn: int) -> None:
@@ -488,7 +507,8 @@ class LazyLayers:
 
 _COUNTERS = ("reads", "bytes_read", "chunk_hits", "chunk_misses", "waits", "requests",
              "chunk_fetches", "bytes_fetched", "retries", "verify_failures", "failed_reads",
-             "evictions", "prefetched_chunks", "fetch_seconds_sum")
+             "evictions", "prefetched_chunks", "fetch_seconds_sum", "shed_reads",
+             "abandoned_fetches")
 
 
 def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
@@ -506,6 +526,25 @@ def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
         out["fetch_buckets"] = cb
         out["fetch_bounds"] = carried.get("fetch_bounds")
     return out
+
+
+FUSECTL = "/sys/fs/fuse/connections"
+_fusectl_lock = threading.Lock()
+
+
+def _ensure_fusectl() -> None:
+    """Mount the FUSE control filesystem where the kernel expects it when the host has
+    not (systemd mounts it at boot; minimal hosts and VMs may not): the edge needs it to
+    raise a connection's request limits (:meth:`LazyLayers._tune`) and to abort the
+    connection of a dead daemon (:meth:`LazyLayers._abort`). Host-wide, idempotent and
+    what every systemd host already has; nothing else changes."""
+    with _fusectl_lock:
+        if is_mountpoint(FUSECTL) or not os.path.isdir(FUSECTL):
+            return
+        try:
+            sys_mount("fusectl", FUSECTL, "fusectl")
+        except OSError as exc:
+            log.warning("cannot mount fusectl on %s: %s", FUSECTL, exc)
 
 
 def _readline_timeout(stream: IO[bytes], timeout_s: float) -> bytes:
