@@ -62,6 +62,7 @@ from dsec.errors import (
     ImageNotFound,
     InUse,
     InvalidArgument,
+    PermissionDenied,
 )
 from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
@@ -70,7 +71,7 @@ from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
 from dsec.image.mount import RUN_ROOT, is_mountpoint, sys_mount, sys_umount
 from dsec.ownership import claim, disown
 
-__all__ = ["LazyConfig", "LazyLayers"]
+__all__ = ["LazyConfig", "LazyLayers", "TraceWrites"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,11 @@ class LazyLayers:
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.config = config
         self.blob = blob if blob is not None else open_blobstore(config.blob_url)
+        # The one thing a node writes to the blob store is an access trace: everything
+        # else it reads is what a pusher wrote. Writes go through this guard, so no code
+        # path of the edge ever writes a layer key, and an operator can give nodes a
+        # credential that may write ``traces/`` only (docs/blobs.md, red team 17 F1).
+        self.trace_store = TraceWrites(self.blob)
         self.on_event = on_event
         self._listeners: list[Callable[[], object]] = []
         os.makedirs(config.cache_dir, mode=0o700, exist_ok=True)
@@ -411,7 +417,7 @@ class LazyLayers:
         if not per or self._closing:
             return
         try:
-            record_trace(self.blob, new_trace(image, self.config.node, per,
+            record_trace(self.trace_store, new_trace(image, self.config.node, per,
                                               window_s=self.config.trace_window_s))
         except DsecError as exc:
             log.warning("access trace of image %s not stored in %s: %s", image,
@@ -528,6 +534,40 @@ def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
     return out
 
 
+class TraceWrites:
+    """A blob store seen through a node's rights: reads of anything, writes of access
+    traces (``traces/...``) only; a write of any other key is ``PermissionDenied``."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def _check(self, key: str) -> None:
+        if not key.startswith(TRACES_PREFIX):
+            raise PermissionDenied(f"a node writes only access traces ({TRACES_PREFIX}...) "
+                                   f"to the blob store {self.url}, not {key[:200]!r}",
+                                   key=key)
+
+    def head(self, key: str) -> int | None:
+        return self.inner.head(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self.inner.get_range(key, offset, length)
+
+    def put_file(self, key: str, path: str) -> None:
+        self._check(key)
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._check(key)
+        self.inner.put_bytes(key, data)
+
+    def delete(self, key: str) -> None:
+        self._check(key)
+        self.inner.delete(key)
+
+
+TRACES_PREFIX = "traces/"
 FUSECTL = "/sys/fs/fuse/connections"
 _fusectl_lock = threading.Lock()
 
