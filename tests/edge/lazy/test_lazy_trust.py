@@ -92,3 +92,21 @@ def test_a_node_writes_only_access_traces(remote: Remote) -> None:
     assert os.path.getsize(os.path.join(remote.blob_dir, layer_key(ws.digest))) == before
     store.put_bytes("traces/" + ws.hex + "/latest", b"hint")
     assert store.get_range("traces/" + ws.hex + "/latest", 0, 4) == b"hint"
+
+
+def test_one_request_never_asks_for_more_than_max_run_bytes(tmp_path: object) -> None:
+    """Red team 17 F2: runs are capped in bytes as well as chunks, whatever the table's
+    chunk size (a run is held in memory whole, per request in flight)."""
+    from types import SimpleNamespace
+
+    from dsec.edge.lazy.fs import MAX_RUN_BYTES, FsConfig, LazyFs
+    from dsec.image.blob import open_blobstore
+
+    fs = LazyFs(open_blobstore(f"file://{tmp_path}/blob"),
+                FsConfig(cache_dir=os.path.join(str(tmp_path), "c")))
+    for chunk_size, want in ((256 << 10, 16), (1 << 20, 4), (4 << 20, 1), (64 << 20, 1)):
+        lay = SimpleNamespace(table=SimpleNamespace(chunk_size=chunk_size))
+        got = fs._run_cap(lay, None)  # type: ignore[arg-type]
+        assert got == want and got * chunk_size <= max(MAX_RUN_BYTES, chunk_size)
+    assert fs._run_cap(SimpleNamespace(table=SimpleNamespace(chunk_size=256 << 10)),  # type: ignore[arg-type]
+                       4) == 4
