@@ -1298,8 +1298,11 @@ class ControlPlane:
         """A joined node's heartbeat with its capacity clamped to what it registered
         with (dsec.control.claims)."""
         if e.registered is None:
-            e.registered = hb.capacity
-            return hb
+            # the size is recorded where every replica (and this one after a restart)
+            # reads it: the first heartbeat any replica heard since the node joined
+            got = self.store.register_capacity(
+                e.node, msgspec.json.encode(hb.capacity).decode(), self.clock())
+            e.registered = msgspec.json.decode(got, type=type(hb.capacity))
         capacity = clamp_capacity(hb.capacity, e.registered)
         if capacity == hb.capacity:
             return hb
