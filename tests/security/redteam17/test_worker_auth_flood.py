@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -68,6 +69,54 @@ def test_a_flood_of_junk_keys_is_not_a_flood_of_apiserver_calls(tmp_path: Path) 
         assert _Counting.calls <= 10, (
             f"60 requests with distinct junk keys made {_Counting.calls} apiserver calls "
             "from the worker")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_flood_of_well_formed_junk_keys_costs_a_bounded_number_of_calls(
+        tmp_path: Path) -> None:
+    """Keys of the right shape pass the local check: the lookup budget bounds them (the
+    rest get 429 at once), whatever the number of distinct keys."""
+    import secrets
+
+    from dsec.errors import RateLimited
+    from dsec.rl.worker.auth import AuthLimits
+
+    _Counting.calls = 0
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        cfg = WorkerConfig(url=url, api_key="dsec-worker-key", project="p",
+                           worker_id="w-red17")
+        limits = AuthLimits()
+
+        async def flood() -> tuple[int, int, float]:
+            w = Worker(cfg, str(tmp_path))
+            refused = limited = 0
+            t0 = time.monotonic()
+            try:
+                for i in range(200):
+                    key = f"dsk_{secrets.token_hex(8)}_{secrets.token_urlsafe(32)[:43]}"
+                    try:
+                        await w._authorize(f"Bearer {key}", "reader", f"10.0.0.{i % 50}")
+                    except Unauthenticated:
+                        refused += 1
+                    except RateLimited:
+                        limited += 1
+            finally:
+                await w.client.close()
+                w.queue.close()
+            return refused, limited, time.monotonic() - t0
+
+        refused, limited, took = asyncio.run(flood())
+        assert refused + limited == 200
+        bound = limits.global_burst + limits.global_per_s * took + 1
+        assert refused == _Counting.calls <= bound, (
+            f"200 well-formed junk keys from 50 peers made {_Counting.calls} apiserver "
+            f"calls in {took:.1f} s (budget {bound:.0f})")
     finally:
         srv.shutdown()
         srv.server_close()
