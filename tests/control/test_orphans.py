@@ -89,7 +89,8 @@ async def test_a_quarantined_sandbox_is_destroyed_after_the_grace(tmp_path: Path
     clock = FakeClock()
     store = open_store(f"sqlite://{tmp_path / 'state.db'}")
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock,
-                              config=PlaneConfig(quarantine_grace_s=100.0))
+                              config=PlaneConfig(quarantine_grace_s=100.0,
+                                                 sandbox_list_interval_s=0.0))
     async with served_edge(tmp_path, node="e0") as edge:
         link = await EdgeClient.connect(edge.addr)
         plane.add_edge("e0", edge.addr, link)
