@@ -107,3 +107,33 @@ def test_the_claim_rules() -> None:
     assert got == {OPEN, "base:latest"}
     assert VICTIM in trusted_layers([VICTIM], granted=lambda d: True,
                                     project_of=projects.get)
+
+
+def test_the_registered_capacity_is_the_first_recorded_until_the_node_joins_again(
+        tmp_path: Path) -> None:
+    """Every replica reads the one recorded size (first writer wins); revoking a node and
+    joining it again (a machine that really grew) starts the registration over."""
+    from dsec.control.store.membership import JoinTokenRow, NodeRow
+
+    store = open_store(f"sqlite://{tmp_path / 'state.db'}")
+    try:
+        assert store.register_capacity("h1", '{"a": 1}', 1.0) == '{"a": 1}'
+        assert store.register_capacity("h1", '{"a": 100}', 2.0) == '{"a": 1}'
+        other = open_store(f"sqlite://{tmp_path / 'state.db'}")    # another replica
+        try:
+            assert other.register_capacity("h1", '{"a": 100}', 3.0) == '{"a": 1}'
+        finally:
+            other.close()
+        for tok in ("t0000000001", "t0000000002"):
+            store.put_join_token(JoinTokenRow(id=tok, secret_hash=b"x", uses=1,
+                                              expires_at=1e12))
+        row = NodeRow(node_id="h1", address="tcp:127.0.0.1:1", cert_fingerprint="0",
+                      token_id="t0000000001", joined_at=4.0)
+        assert store.join_node("t0000000001", b"x", 4.0, row) == ""
+        assert store.register_capacity("h1", '{"a": 100}', 5.0) == '{"a": 100}'
+        assert store.revoke_node("h1", 6.0)
+        assert store.join_node("t0000000002", b"x", 7.0, msgspec.structs.replace(
+            row, token_id="t0000000002", cert_fingerprint="1")) == ""
+        assert store.register_capacity("h1", '{"a": 200}', 8.0) == '{"a": 200}'
+    finally:
+        store.close()

@@ -125,3 +125,28 @@ def test_migrate_refuses_a_node_not_drained_and_a_tenant(cluster: LocalCluster) 
         with Client(cluster.url, tenant, protocol=protocol, session_lease_s=None) as t, \
                 pytest.raises(DsecError, match="superuser"):
             t.migrate_node("edge-0")
+
+
+def test_a_migrated_sandbox_keeps_its_remaining_ttl(cluster: LocalCluster) -> None:
+    """The new sandbox expires when the original would have (the TTL left at its
+    snapshot), not a whole TTL after the move."""
+    with Client(cluster.url, cluster.api_key, protocol="http", session_lease_s=None) as c:
+        c.drain_node("edge-1")
+        old = c.sandboxes.create(image="base", ttl=3600)
+        c.undrain_node("edge-1")
+        time.sleep(2.0)                          # some of its life has passed
+        c.drain_node("edge-0")
+        report = c.migrate_node("edge-0")
+        (item,) = report.items
+        assert not item.error and item.new_id is not None, item
+        new = c.sandboxes.get(item.new_id)
+        assert node_of(new.id) == "edge-1"
+        old_deadline = old.info.created_at + 3600
+        spec = new.info.spec
+        assert spec is not None and spec.ttl_s is not None
+        new_deadline = new.info.created_at + spec.ttl_s
+        # within the few seconds between the snapshot and the new sandbox's start
+        assert old_deadline - 5 <= new_deadline <= old_deadline + 5, (
+            f"the moved sandbox expires at {new_deadline:.0f}, the original at "
+            f"{old_deadline:.0f} (ttl {spec.ttl_s})")
+        assert spec.ttl_s < 3600 - 1

@@ -3,7 +3,9 @@ trusted claims). Pure functions; the plane applies them to each heartbeat of an 
 whose word it does not take (a joined node: another machine, whose root may be hostile).
 
 - **Capacity**: a node's capacity claim is clamped to the size it registered with (the
-  first size this control plane heard from it): a node cannot grow itself into taking
+  first size any replica heard from it after it joined, recorded in the state store's
+  ``node_capacity`` so every replica and a restart use the same one): a node cannot grow
+  itself into taking
   more of the cluster's placements than it announced. A node that really grew is
   revoked and joins again.
 - **Held layers**: placement prefers nodes that hold an image's layers. A claim to hold a

@@ -28,7 +28,7 @@ from dsec.errors import Conflict, DsecError, PermissionDenied, SandboxNotFound
 from dsec.wire.calls import CreateSandbox
 from dsec.wire.cluster import Migrated, NodeMigration
 
-__all__ = ["migrate_node", "migration_key"]
+__all__ = ["migrate_node", "migration_key", "remaining_ttl"]
 
 log = logging.getLogger("dsec.control.migrate")
 
@@ -36,6 +36,18 @@ log = logging.getLogger("dsec.control.migrate")
 def migration_key(sandbox_id: str) -> str:
     """The Idempotency-Key the new sandbox of ``sandbox_id`` is created under."""
     return f"dsec-migrate-{sandbox_id}"
+
+
+def remaining_ttl(rec: SandboxRecord, row: MigrationRow) -> float | None:
+    """The new sandbox's ``ttl_s``: what the original had left when it was snapshotted,
+    so a move does not extend a sandbox's life (None: it had no TTL). From the stored
+    snapshot time, not the clock, so a run carried on after a crash asks the very same
+    create (its Idempotency-Key binds the request); at least 1 s (a sandbox due to
+    expire during its move still starts, and expires at once)."""
+    assert rec.spec is not None
+    if rec.spec.ttl_s is None:
+        return None
+    return max(1.0, round(rec.created_at + rec.spec.ttl_s - row.updated_at, 3))
 
 
 async def migrate_node(service: Any, caller: Any, node: str, *,
@@ -83,7 +95,8 @@ async def _move(service: Any, caller: Any, node: str, sid: str, rec: SandboxReco
         if rec is None or rec.spec is None:
             raise Conflict(f"sandbox {sid} on {node}: the control plane has no record of "
                            "its spec to start it again from its snapshot")
-        spec = msgspec.structs.replace(rec.spec, snapshot=row.snapshot_id)
+        spec = msgspec.structs.replace(rec.spec, snapshot=row.snapshot_id,
+                                       ttl_s=remaining_ttl(rec, row))
         info = await service.create(caller, CreateSandbox(
             spec=spec, idempotency_key=migration_key(sid)))
         row = msgspec.structs.replace(row, state="created", new_id=info.id,

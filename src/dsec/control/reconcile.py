@@ -35,9 +35,11 @@ An edge is a network peer, not the authority on who owns a sandbox (red team 16,
   ``sandboxes`` table, which every create through any replica writes) is *quarantined*
   (:class:`Quarantine`): held aside by the runner, not charged to any project and not
   listed, whatever project the edge claims; it is recorded the moment a record of it
-  appears in the store (a replica's batch committed late). It is not destroyed: a
-  create acknowledged by a replica that crashed before its batch reached the store
-  leaves such a sandbox, and destroying it would lose an answered create.
+  appears in the store (a replica's batch committed late). It is destroyed (reason
+  ``orphaned``) only once it has had no record for ``PlaneConfig.quarantine_grace_s``
+  (well past any create in flight): before that, destroying it could lose a create
+  still on its way to the store; after it, it is an orphan (a create cut off after the
+  edge made it) that nobody is charged for and nothing would ever end.
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
     "shutdown",         # the node was drained
     "node_revoked",     # the node was revoked from the cluster (docs/cluster.md)
     "migrated",         # moved off a drained node: the detail names its new sandbox
+    "orphaned",         # the control plane had no record of it past its quarantine
 })
 
 # Reasons a backend may report for a sandbox that lives on: recorded as an event whose

@@ -191,6 +191,13 @@ class PlaneConfig:
     # `dsec apiserver --sandbox-list-interval`.
     sandbox_list_interval_s: float = 5.0
     sweep_interval_s: float = 5.0
+    # A sandbox an edge lists with no record in the store is quarantined (not charged,
+    # not listed); still without a record this long after it was first seen, it is an
+    # orphan (a create cut off after the edge made it: its caller gone, a create that
+    # outlived the edge link's 60 s call deadline and was placed elsewhere) and is
+    # destroyed (reason ``orphaned``). Well past any create still in flight (2x the
+    # link's 60 s call deadline, plus a slow image fetch). None: never destroyed.
+    quarantine_grace_s: float | None = 300.0
     unknown_session_grace_s: float = 180.0
     session_retention_s: float = 86_400.0  # a lapsed session's row is kept (renewable) this long
     min_lease_s: float = 5.0
@@ -1358,8 +1365,11 @@ class ControlPlane:
         """A joined node's heartbeat with its capacity clamped to what it registered
         with (dsec.control.claims)."""
         if e.registered is None:
-            e.registered = hb.capacity
-            return hb
+            # the size is recorded where every replica (and this one after a restart)
+            # reads it: the first heartbeat any replica heard since the node joined
+            got = self.store.register_capacity(
+                e.node, msgspec.json.encode(hb.capacity).decode(), self.clock())
+            e.registered = msgspec.json.decode(got, type=type(hb.capacity))
         capacity = clamp_capacity(hb.capacity, e.registered)
         if capacity == hb.capacity:
             return hb
@@ -1670,6 +1680,37 @@ class ControlPlane:
             for probe, answer in zip(chunk, answers, strict=True):
                 self._settle(settle_probe(probe, answer, node=e.node, lost=self._lost.keys()))
         self._settle_unknown(e.node, unknown, dict(listed))
+        await self._end_quarantine(e.node, link)
+
+    async def _end_quarantine(self, node: str, link: Any) -> None:
+        """Destroy the sandboxes of ``node`` quarantined longer than the grace: the store
+        was read for each of them at this very poll and had no record."""
+        grace = self.config.quarantine_grace_s
+        held = self._quarantined.get(node)
+        if grace is None or not held:
+            return
+        now = self.clock()
+        old = sorted(sid for sid, since in held.items() if now - since >= grace)
+        if not old:
+            return
+        log.warning("edge %s: destroying %d sandbox(es) with no record in the store after "
+                    "%g s of quarantine (e.g. %s): orphans of creates cut off after the "
+                    "edge made them", node, len(old), grace, ", ".join(old[:3]))
+        detail = (f"no record of this sandbox in the control plane's store {grace:g} s "
+                  "after it was first listed: its create never completed (the caller went "
+                  "away, or it was given up on and placed elsewhere); nothing was charged")
+        for sid in old:
+            try:
+                await link.destroy(sid, reason="orphaned", detail=detail,
+                                   timeout=self.config.poll_timeout_s)
+            except SandboxNotFound:
+                pass
+            except DsecError as exc:
+                log.warning("could not destroy orphaned %s on %s: %s", sid, node, exc)
+                continue
+            held.pop(sid, None)
+        if not held:
+            self._quarantined.pop(node, None)
 
     def _settle_unknown(self, node: str, unknown: list[str], states: dict[str, str]) -> None:
         """Live sandboxes ``node`` lists that the registry does not hold: recorded from the

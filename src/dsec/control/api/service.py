@@ -777,8 +777,15 @@ class ApiService:
         spec = await self.images.pull_on_create(principal, spec)
         spec = self.images.resolve_layers(principal, spec)
         if idempotency_key is None:
-            info = await self._create_placed(spec)
-            await self._durable()
+            # Shielded like a keyed create's work: a caller that goes away (an HTTP client
+            # killed, a gateway handler cancelled) after the edge was asked must not cut
+            # the create between the edge's "created" and its record; cancelled there, the
+            # sandbox lived on the edge with no record (quarantined, never charged).
+            work = asyncio.ensure_future(self._create_unkeyed(spec))
+            self._keyed.add(work)
+            work.add_done_callback(_settle_keyed(self._keyed))
+            info = await asyncio.shield(work)
+            assert info is not None
             return info
         scoped = IdempotencyCache.scoped(principal.id, idempotency_key)
         # Of the decoded request, not of its bytes (``raw`` is unused): one request is
@@ -797,6 +804,12 @@ class ApiService:
             f"the Idempotency-Key was taken over by other apiservers {_RETAKES} times while "
             "this one worked on it; retry the request to get their answer",
             field="Idempotency-Key")
+
+    async def _create_unkeyed(self, spec: SandboxSpec) -> SandboxInfo | None:
+        """A create without an Idempotency-Key, to its end: placed, recorded, durable."""
+        info = await self._create_placed(spec)
+        await self._durable()
+        return info
 
     async def _create_keyed(self, spec: SandboxSpec, scoped: str,
                             fp: str) -> SandboxInfo | None:

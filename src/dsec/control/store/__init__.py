@@ -323,6 +323,12 @@ class StateStore(Protocol):
         """The pins of ``node`` (None: of every node), by node then image."""
         ...
 
+    # the capacity each joined node registered with (red17 F5; membership.py)
+    def register_capacity(self, node_id: str, capacity: str, now: float) -> str:
+        """Record ``capacity`` (JSON) for ``node_id`` unless one is recorded; return the
+        recorded one."""
+        ...
+
     def table_rows(self) -> dict[str, int]:
         """Row count of every table (what retention keeps bounded; for metrics/tests)."""
         ...

@@ -72,6 +72,13 @@ MEMBERSHIP_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS revoked_certs (
         fingerprint TEXT PRIMARY KEY, node_id TEXT NOT NULL,
         revoked_at DOUBLE PRECISION NOT NULL)""",
+    # The capacity each joined node registered with (its first heartbeat any replica
+    # heard after its join), as msgspec JSON of dsec.wire.node.Resources: every replica
+    # clamps the node's later claims to it, and a restart keeps it (red17 F5: it lived
+    # in one apiserver process's memory). A fresh join starts it over.
+    """CREATE TABLE IF NOT EXISTS node_capacity (
+        node_id TEXT PRIMARY KEY, capacity TEXT NOT NULL,
+        registered_at DOUBLE PRECISION NOT NULL)""",
 ]
 
 _NODE_COLS = ("node_id, address, cert_fingerprint, token_id, joined_at, revoked, revoked_at, "
@@ -160,6 +167,9 @@ class MembershipTables:
             if old is not None and not old[0]:
                 # the token use is given back: the whole transaction is rolled back
                 raise _Refused("taken")
+            # a new membership: the size it registers with is its next first heartbeat
+            cur.execute(self._s("DELETE FROM node_capacity WHERE node_id = ?"),
+                        (row.node_id,))
         cur.execute(self._s(
             f"INSERT INTO nodes ({_NODE_COLS}) VALUES (?, ?, ?, ?, ?, 0, NULL, ?) "
             "ON CONFLICT (node_id) DO UPDATE SET address = excluded.address, "
@@ -211,6 +221,17 @@ class MembershipTables:
                                 "VALUES (?, ?, ?) ON CONFLICT (fingerprint) DO NOTHING"),
                         (got[0], node_id, now))
         return True
+
+    def register_capacity(self, node_id: str, capacity: str, now: float) -> str:
+        """Record ``capacity`` as what ``node_id`` registered with unless a size is
+        recorded already; return the recorded one (the first replica to write wins)."""
+        with self._tx() as cur:
+            cur.execute(self._s("INSERT INTO node_capacity (node_id, capacity, registered_at) "
+                                "VALUES (?, ?, ?) ON CONFLICT (node_id) DO NOTHING"),
+                        (node_id, capacity, now))
+            cur.execute(self._s("SELECT capacity FROM node_capacity WHERE node_id = ?"),
+                        (node_id,))
+            return str(cur.fetchone()[0])
 
     def revoked_fingerprints(self) -> set[str]:
         return {str(r[0]) for r in self._all("SELECT fingerprint FROM revoked_certs")}

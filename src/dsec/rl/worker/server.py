@@ -49,6 +49,7 @@ from dsec.errors import (
     DsecError,
     InvalidArgument,
     PermissionDenied,
+    RateLimited,
     TransportError,
     Unauthenticated,
     Unavailable,
@@ -63,6 +64,7 @@ from dsec.rl.agent.types import (
     VerdictRecord,
     trajectory_to_json,
 )
+from dsec.rl.worker.auth import KeyVerdict, KeyVerdicts, looks_like_api_key
 from dsec.rl.worker.queue import RolloutQueue, TaskRow
 from dsec.rl.worker.types import WorkerConfig, WorkerTask
 from dsec.wire.api import ApiError
@@ -77,17 +79,6 @@ _MAX_BODY = 16 << 20
 _RETRYABLE = (TransportError, Unavailable)
 
 
-class _Auth(msgspec.Struct, frozen=True):
-    ok: bool
-    role: str | None
-    until: float
-    unknown: bool = False       # the apiserver did not know the key (401)
-
-#: how long a key the apiserver refused stays refused here without asking again (an
-#: unauthenticated flood must not become a flood of apiserver calls)
-_UNKNOWN_KEY_S = 5.0
-
-
 class Worker:
     """One worker process's state. ``run()`` serves until SIGTERM/SIGINT."""
 
@@ -98,7 +89,10 @@ class Worker:
         self.state_dir = state_dir
         self.queue = RolloutQueue(os.path.join(state_dir, "queue.sqlite"))
         self.client = AsyncClient(config.url, config.api_key, protocol="http")
-        self._auth: dict[str, _Auth] = {}
+        self._verdicts = KeyVerdicts()
+        self._asking: dict[str, asyncio.Future[KeyVerdict]] = {}
+        #: lookups in flight at once (each is a client and a request to the apiserver)
+        self._lookups = asyncio.Semaphore(4)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._warm: list[Any] = []          # AsyncSandbox, fresh, unused
         self._paused: set[str] = set()
@@ -117,24 +111,18 @@ class Worker:
             time.monotonic() - self._last_seen > self.cfg.away_after_s)
 
     # -- auth --------------------------------------------------------------------------
-    async def _authorize(self, header: str | None, need: str) -> None:
+    async def _authorize(self, header: str | None, need: str, peer: str = "") -> None:
         """Raise Unauthenticated/PermissionDenied unless the bearer key belongs to this
-        worker's project (or an ancestor) with role ``need`` or more."""
+        worker's project (or an ancestor) with role ``need`` or more. ``peer``: the
+        caller's address, for the per-peer lookup budget (:mod:`.auth`)."""
         if not header or not header.lower().startswith("bearer "):
             raise Unauthenticated("this rollout worker needs a project API key: send "
                                   "`Authorization: Bearer <key>`")
         key = header[7:].strip()
-        h = hashlib.sha256(key.encode()).hexdigest()
-        now = time.monotonic()
-        got = self._auth.get(h)
-        if got is None or got.until < now:
-            try:
-                got = await self._ask_apiserver(key, now)
-            except Unauthenticated:
-                got = _Auth(ok=False, role=None, until=now + _UNKNOWN_KEY_S, unknown=True)
-            if len(self._auth) > 10_000:
-                self._auth.clear()
-            self._auth[h] = got
+        if not looks_like_api_key(key):
+            raise Unauthenticated("malformed API key: expected 'dsk_<16 hex>_<43 chars>', "
+                                  "a key of this worker's project")
+        got = await self._verdict(hashlib.sha256(key.encode()).hexdigest(), key, peer)
         if got.unknown:
             raise Unauthenticated("the apiserver does not know this API key (wrong or "
                                   "revoked); use a key of this worker's project")
@@ -147,7 +135,48 @@ class Worker:
             raise PermissionDenied(f"role {got.role!r} on project {self.cfg.project!r} "
                                    f"cannot do this; it needs {need!r} or more")
 
-    async def _ask_apiserver(self, key: str, now: float) -> _Auth:
+    async def _verdict(self, h: str, key: str, peer: str) -> KeyVerdict:
+        """The cached verdict on a key, else the apiserver's: one lookup per key at a
+        time (concurrent requests with it wait for that one), within the budget."""
+        now = time.monotonic()
+        got = self._verdicts.get(h, now)
+        if got is not None:
+            return got
+        pending = self._asking.get(h)
+        if pending is not None:
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if pending.cancelled():     # the lookup's own request went away
+                    raise Unavailable("the check of this API key was abandoned; "
+                                      "retry the request") from None
+                raise
+        if not self._verdicts.may_ask(h, peer, now):
+            raise RateLimited("too many unknown API keys presented to this rollout worker "
+                              "right now; retry in a few seconds with a valid key")
+        fut: asyncio.Future[KeyVerdict] = asyncio.get_running_loop().create_future()
+        self._asking[h] = fut
+        try:
+            async with self._lookups:
+                try:
+                    got = await self._ask_apiserver(key, time.monotonic())
+                except Unauthenticated:
+                    got = KeyVerdict(ok=False, role=None, unknown=True,
+                                     until=time.monotonic() + self._verdicts.limits.unknown_s)
+            self._verdicts.put(h, got)
+            fut.set_result(got)
+            return got
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except Exception as exc:
+            fut.set_exception(exc)
+            fut.exception()     # retrieved: nobody else may be waiting
+            raise
+        finally:
+            del self._asking[h]
+
+    async def _ask_apiserver(self, key: str, now: float) -> KeyVerdict:
         from dsec.client.core import AsyncClient
 
         c = AsyncClient(self.cfg.url, key, protocol="http", session_lease_s=None, retries=1)
@@ -157,7 +186,7 @@ class Worker:
             await c.close()
         p, mine = info.project or "", self.cfg.project
         ok = info.principal is not None and (p == mine or mine.startswith(p.rstrip("/") + "/"))
-        return _Auth(ok=ok, role=info.role, until=now + self.cfg.auth_cache_s)
+        return KeyVerdict(ok=ok, role=info.role, until=now + self.cfg.auth_cache_s)
 
     # -- episodes ----------------------------------------------------------------------
     async def _sandbox(self, row: TaskRow, task: WorkerTask) -> Any:
@@ -406,7 +435,9 @@ class Worker:
                 self._seq += 1
                 rid = f"rlw-{self._seq:x}"
                 try:
-                    await self._authorize(request.headers.get("authorization"), need)
+                    peer = request.client.host if request.client is not None else ""
+                    await self._authorize(request.headers.get("authorization"), need,
+                                          peer)
                     self._last_seen = time.monotonic()
                     return answer(await fn(request))
                 except DsecError as exc:
