@@ -1158,10 +1158,15 @@ class ControlPlane:
             listening = push and getattr(self.store, "listening", True)
             every = (self.config.store_push_poll_s if listening
                      else self.config.store_poll_s)
-            try:
-                await asyncio.wait_for(wake.wait(), timeout=every)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel
+            # that arrives as its inner wait completes (a NOTIFY set `wake` that same
+            # instant), so close() cancelled this loop and it went on for ever: a
+            # PostgreSQL-backed replica took > 60 s to exit on SIGTERM under load
+            # (tests/control/test_rolling_upgrade.py; PostgreSQL pushes a NOTIFY at every
+            # commit of every replica, SQLite never sets `wake` from another thread).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(every):
+                    await wake.wait()
             wake.clear()
             newest, heard[0] = heard[0], 0
             if 0 < newest <= registry.applied_version:
