@@ -269,7 +269,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._stopping = True
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
+            # Only while its head is still to go: a head already sent without
+            # `Connection: close` has told the client it may reuse the connection, so
+            # closing after this response could cut the next request the client sends on
+            # it; that next one is answered with the close instead (on_headers_complete).
+            if not self.cycle.response_started:
+                self.cycle.keep_alive = False
         elif self.timeout_keep_alive_task is None:
             # no request yet (its keep-alive timer arms after a response): close it if
             # none comes within the keep-alive time
