@@ -244,6 +244,7 @@ class ClusterRuntime:
         self._gateway: Any = None
         self._uvicorn: Any = None
         self._serve_task: asyncio.Task[None] | None = None
+        self._http_sock: socket.socket | None = None
         self._store: Any = None
         self.http_admission: Any = None       # the REST listener's Admission (counters)
         self._images: Any = None              # StoreImages shared by in-process container edges
@@ -773,6 +774,7 @@ class ClusterRuntime:
             app, cfg.http_limits, name=f"REST listener {cfg.listen}",
             access_log=cfg.access_log)
         self._uvicorn = server
+        self._http_sock = sock if sock.family in (socket.AF_INET, socket.AF_INET6) else None
         self._serve_task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self._serve_task.done():
@@ -819,12 +821,17 @@ class ClusterRuntime:
         and stop the edges."""
         keep = self.config.keep if keep is None else keep
         if self._uvicorn is not None:
+            if self._http_sock is not None:
+                from dsec.control.api.http_limits import drain_accept_queue
+                await _bounded("accepting the queued connections",
+                               drain_accept_queue(self._http_sock), 1.0)
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
                 # in-flight requests, and idle kept-alive connections until their
                 # keep-alive timeout (GuardedHttpProtocol.shutdown)
                 await _bounded("draining the REST listener", self._serve_task, HTTP_DRAIN_S)
             self._uvicorn = None
+            self._http_sock = None
         if self._gateway is not None:
             await _bounded("closing the gateway", self._gateway.close(), STOP_STEP_S)
             self._gateway = None
