@@ -13,13 +13,17 @@ APT_STAMP := .apt-installed
 # distribution registry) is the tests' local registry.
 # postgresql-15: the PostgreSQL state store's tests and the cluster bench start throwaway
 # servers from its initdb/pg_ctl (dsec.cluster.pgserver; never the system cluster).
+# fuse3 + libfuse3-dev + pkg-config: lazy image layers (issue 17) are FUSE files served by
+# a pyfuse3 daemon, which builds from source against libfuse3.
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
                 wrk openssl \
                 skopeo docker-registry umoci \
                 mmdebstrap apt-utils \
-                postgresql-15
+                postgresql-15 \
+                nginx-light \
+                fuse3 libfuse3-dev pkg-config
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.
@@ -43,7 +47,7 @@ $(APT_STAMP): Makefile
 $(STAMP): pyproject.toml $(APT_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3]'
+	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3,lazy]'
 	@touch $@
 
 setup: $(STAMP)

@@ -55,6 +55,7 @@ from dsec.wire.api import (
     ExecStreamLine,
     ImagePromoteRequest,
     ImagePullRequest,
+    ImagePushRequest,
     ImageTagRequest,
     QuotaBody,
 )
@@ -96,7 +97,7 @@ from dsec.wire.calls import (
 )
 from dsec.wire.cluster import JoinTokenCreate, JoinTokenRevoke
 from dsec.wire.jsonform import stream_item
-from dsec.wire.layers import LayerFetch, LayerPut, LayerRef
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerPut, LayerRef, NodePins
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -204,6 +205,16 @@ class World:
                                                "role": "reader"})
         return str(r.json()["key_id"])
 
+    def pushed(self) -> str:
+        """The built layer, pushed to the cluster's blob store (what a pin needs)."""
+        self.ok("POST", "/v1/images/push", json={"ref": self.image})
+        return self.image
+
+    def pinned(self) -> str:
+        """The built layer, pinned on edge-0 (a victim for unpin)."""
+        self.ok("POST", "/v1/nodes/edge-0/pins", json={"ref": self.pushed()})
+        return self.image
+
     def image_name(self) -> str:
         """A fresh name on the built layer."""
         name = f"cat-del-{self.n()}:latest"
@@ -278,6 +289,9 @@ EXAMPLES: dict[str, Example] = {
     "image_pull": lambda w: ImagePullRequest(ref=f"{w.registry}/cat/pulled:1",
                                              insecure=True),
     "image_prune": lambda w: ImagePrune(dry_run=True),
+    "image_push": lambda w: ImagePushRequest(ref="cat-tool:latest"),
+    "image_pin": lambda w: ImagePin(node="edge-0", ref=w.pushed()),
+    "image_pins": lambda w: NodePins(node="edge-0"),
     "image_promote": lambda w: ImagePromoteRequest(
         top=w.built, base="cat-base", target=f"cat-promoted-{w.n()}:1", env={"A": "1"},
         workdir="/srv"),
@@ -293,6 +307,7 @@ EXAMPLES: dict[str, Example] = {
     "revoke_key": lambda w: KeyRef(id=w.key()),
     "image_delete": lambda w: ImageRef(ref=w.image_name()),
     "destroy_many": lambda w: DestroyMany(ids=[w.sandbox(), w.sandbox()]),
+    "image_unpin": lambda w: ImagePinRef(node="edge-0", image=w.pinned()),
     # last of all (the catalogue's last rows): drain the world's one edge, then undrain
     # it, so no create of another example finds it drained
     "node_drain": lambda w: NodeRef(id="edge-0"),
@@ -312,7 +327,7 @@ EXAMPLES: dict[str, Example] = {
     "node_migrate": lambda w: NodeRef(id="edge-0"),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
-               "image_delete", "destroy_many", "node_drain", "node_undrain",
+               "image_delete", "destroy_many", "image_unpin", "node_drain", "node_undrain",
                "cluster_token_revoke", "cluster_node_revoke", "node_migrate")
 
 _RESOLVED = {"backend": "simulated", "project": "default"}
@@ -472,7 +487,8 @@ def _call(w: World, op: Op[Any, Any], door: str, req: Any) -> Any:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from dsec.image.localregistry import Entry, push, registry, tar_entries, write_image
     tmp = str(tmp_path_factory.mktemp("catalogue"))
-    with LocalCluster(edges=1, registries=("127.0.0.1",)) as cl, \
+    with LocalCluster(edges=1, registries=("127.0.0.1",),
+                      blob_store=f"file://{tmp}/blobs") as cl, \
             registry(os.path.join(tmp, "registry")) as reg:
         w = World(cluster=cl, tmp=tmp, registry=reg.host)
         layout = os.path.join(tmp, "pull-layout")
@@ -605,6 +621,11 @@ _EXEC_BAD = [
     _exec_bad("output cap", {"shell": "true",
                              "output_cap_bytes": wspec.MAX_OUTPUT_CAP_BYTES + 1},
               "output_cap_bytes", "MAX_OUTPUT_CAP_BYTES"),
+    _exec_bad("hide count", {"shell": "true", "hide": [f"d{i}" for i in range(
+        wspec.MAX_HIDE_ENTRIES + 1)]}, f"over the limit of {wspec.MAX_HIDE_ENTRIES}",
+        "MAX_HIDE_ENTRIES"),
+    _exec_bad("hide entry", {"shell": "true", "hide": ["../etc"]},
+              "must be the name of a top-level entry"),
 ]
 _API = frozenset({"rest", "gateway"})
 

@@ -16,7 +16,8 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     ├── NotFound                                                                  404
     │   ├── SandboxNotFound
     │   ├── ImageNotFound
-    │   └── ProjectNotFound
+    │   ├── ProjectNotFound
+    │   └── BlobNotFound           a blob store has no object under that key
     ├── Conflict                   the object is not in a state that allows it    409
     │   ├── InvalidTransition      lifecycle table says no (names sandbox/event/state)
     │   │   └── SandboxLost        written off with its node (node expired, or it
@@ -32,8 +33,10 @@ receiving side re-raises the same class) and the HTTP status the apiserver answe
     │   └── RateLimited            per-key rate limit; carries retry_after
     ├── Unavailable                a part of the cluster the request needs cannot
     │   │                          be reached right now; retry later              503
-    │   └── EdgeUnreachable        the apiserver's link to the sandbox's node failed
-    │                              (never the caller's own connection)
+    │   ├── EdgeUnreachable        the apiserver's link to the sandbox's node failed
+    │   │                          (never the caller's own connection)
+    │   └── BlobUnavailable        a blob store did not answer (connect, 5xx, timeout,
+    │                              short body) after bounded retries
     ├── Timeout                                                                   504
     │   └── RequestTimeout         the *request* deadline (not a command timeout)
     ├── ProtocolError              the Aether/HTTP conversation broke
@@ -67,6 +70,8 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackendError",
+    "BlobNotFound",
+    "BlobUnavailable",
     "BuildStepFailed",
     "CannotRun",
     "CapacityExceeded",
@@ -219,6 +224,13 @@ class ProjectNotFound(NotFound):
     code = "project_not_found"
 
 
+class BlobNotFound(NotFound):
+    """A blob store has no object under the key (``detail``: ``store``, ``key``): not
+    retryable, the layer was never pushed there (or was deleted)."""
+
+    code = "blob_not_found"
+
+
 class Conflict(DsecError):
     code = "conflict"
     http_status = 409
@@ -289,6 +301,14 @@ class EdgeUnreachable(Unavailable):
     and ``may_have_run`` for an exec). Not the caller's connection: that one is fine."""
 
     code = "edge_unreachable"
+
+
+class BlobUnavailable(Unavailable):
+    """A blob store could not serve a request after bounded retries: connection refused or
+    reset, timeout, a 5xx, or a body shorter/longer than asked (``detail``: ``store``,
+    ``key``, ``attempts``). Retryable later; never a partial answer served as data."""
+
+    code = "blob_unavailable"
 
 
 class Timeout(DsecError, TimeoutError):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from dsec.errors import DsecError
 from dsec.wire import spec
-from dsec.wire.layers import LayerFetch, LayerRef
+from dsec.wire.layers import ImagePinRef, LayerFetch, LayerRef
 from dsec.wire.spec import SandboxSpec
 
 _I64 = (-(2**63), 2**63 - 1)
@@ -158,6 +158,10 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
         node = st.text("abcdefgh0123456789-", min_size=1, max_size=12)
         return (st.builds(LayerRef, digest=digest) if tp is LayerRef else
                 st.builds(LayerFetch, node=node, digest=digest, source=st.none() | node))
+    if tp is ImagePinRef:              # likewise: a pin names an image by its digest
+        return st.builds(ImagePinRef,
+                         node=st.text("abcdefgh0123456789-", min_size=1, max_size=12),
+                         image=st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True))
     if tp is spec.NetworkPolicy:   # likewise: NetworkUpdate validates its policy
         return st.one_of(valid_policy(), _struct(tp, {}))
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):

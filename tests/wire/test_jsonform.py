@@ -57,6 +57,16 @@ def test_an_exec_request_crosses_rest_unchanged(cmd: tuple[str, ...] | str, stdi
     assert got == req
 
 
+def test_every_exec_request_field_crosses_rest() -> None:
+    """A field ExecRequest grows must reach the server over REST too: ``hide`` (Landlock)
+    was dropped silently by the REST form once, so a judge's files were hidden over the
+    gateway and readable over REST."""
+    assert set(ExecRequest.__struct_fields__) - {"stdin"} <= set(ExecBody.__struct_fields__)
+    req = ExecRequest(shell="true", hide=(".dsec-judge", "secret"), user="nobody")
+    got = exec_request(msgspec.json.decode(_json.encode(exec_body(req)), type=ExecBody))
+    assert got == req
+
+
 @given(st.integers(-255, 255), st.binary(max_size=200), st.binary(max_size=200),
        st.booleans(), st.one_of(st.none(), st.integers(1, 1 << 22)))
 def test_an_exec_result_crosses_rest_unchanged(code: int, out: bytes, err: bytes,

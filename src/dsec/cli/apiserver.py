@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from dsec.cli.edge import net_default_option, secret_in_argv
+from dsec.cli.edge import blob_store_option, net_default_option, secret_in_argv
 
 
 def _edges(values: tuple[str, ...]) -> dict[str, str]:
@@ -75,10 +75,11 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
                    "Another replica's new sandboxes show in this one's lists and quota "
                    "usage up to this much later (docs/deploy.md).")
 @net_default_option
+@blob_store_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
               node_ttl: float, sandbox_list_interval: float, net_default: Any,
-              cluster_dir: str | None = None) -> None:
+              cluster_dir: str | None = None, blob_store: str | None = None) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -95,6 +96,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
                         gateway=None if gateway == "off" else gateway, backend=backend,
                         edges=0, remote_edges=remote, edge_token=token,
                         net_default=net_default, cluster_dir=cluster_dir,
+                        blob_store=blob_store,
                         plane=PlaneConfig(node_ttl_s=node_ttl,
                                           sandbox_list_interval_s=sandbox_list_interval))
     uvloop.run(_run(cfg, quiet))

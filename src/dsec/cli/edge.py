@@ -57,8 +57,10 @@ def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str,
 
 
 def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None,
-                  layer_store: str | None, owned: list[Any]) -> dict[str, Any]:
-    """``make_backend`` options; what must be closed at exit is appended to ``owned``."""
+                  layer_store: str | None, owned: list[Any], *,
+                  lazy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``make_backend`` options; what must be closed at exit is appended to ``owned``.
+    ``lazy``: ``blob_url``, ``cache_bytes``, ``node`` of the node's lazy layers."""
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
 
@@ -81,11 +83,35 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
             from dsec.edge.backends.container.images import StoreImages
             from dsec.image import LayerStore, MountCache
 
-            mounts = MountCache()   # layers mounted once for all this node's sandboxes
+            lazy_layers = _lazy_layers(lazy, state_dir, layer_store)
+            # layers mounted once for all this node's sandboxes
+            mounts = MountCache(lazy=lazy_layers)
             owned.append(mounts)
-            opts["images"] = StoreImages(LayerStore(layer_store), mounts)
+            if lazy_layers is not None:
+                lazy_layers.on_restart(mounts.rebind_lazy)
+                owned.append(lazy_layers)   # after the mounts: EROFS holds its files open
+            opts["images"] = StoreImages(LayerStore(layer_store), mounts, lazy_layers)
+        elif lazy is not None:
+            from dsec.errors import InvalidArgument
+
+            raise InvalidArgument("--blob-store needs --layer-store: a node records the "
+                                  "manifests of the layers it reads lazily in its store")
         return opts
     return {}
+
+
+def _lazy_layers(lazy: dict[str, Any] | None, state_dir: str | None,
+                 layer_store: str) -> Any:
+    """[lazy] The node's lazy layers (issue 17: layers read 256 KiB at a time from the
+    blob store through a FUSE daemon), or None without ``--blob-store``."""
+    if lazy is None:
+        return None
+    from dsec.edge.lazy.layers import LazyConfig, LazyLayers
+
+    return LazyLayers(LazyConfig(
+        blob_url=lazy["blob_url"], cache_bytes=lazy.get("cache_bytes"),
+        node=lazy.get("node", "node"),
+        cache_dir=os.path.join(state_dir or layer_store, "lazy-chunks")))
 
 
 def _check_pool(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -149,6 +175,37 @@ def image_budget_option(f: Any) -> Any:
              "recently used layers nothing references (no name, snapshot, mount or running "
              "build) are removed. Recorded in the store for every process sharing it; "
              "'off' clears it [default: leave as recorded; none on a new store].")(f)
+
+
+def _check_blob_store(ctx: click.Context, param: click.Parameter,
+                      value: str | None) -> str | None:
+    """Parse the blob store URL at start (a bad one fails here, not at the first pull);
+    nothing is contacted."""
+    if value is None:
+        return None
+    from dsec.errors import DsecError
+    from dsec.image.blob import open_blobstore
+
+    try:
+        open_blobstore(value)
+    except DsecError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return value
+
+
+def blob_store_option(fn: F) -> F:
+    """``--blob-store URL`` (or ``$DSEC_BLOB_STORE``): where layers live off-node
+    (:mod:`dsec.image.blob`), one definition for ``dsec edge``, ``dsec up``,
+    ``dsec apiserver`` and ``dsec image push``. An operator's setting: its host is
+    trusted as given (loopback and private addresses included); tenants never name a
+    blob store URL, only images, which become digest keys under it."""
+    return click.option(
+        "--blob-store", "blob_store", default=None, envvar="DSEC_BLOB_STORE",
+        metavar="URL", callback=_check_blob_store,
+        help="Blob store for image layers: file:///dir, s3://bucket/prefix?endpoint_url="
+             "...&region=... (credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) or "
+             "http(s)://host/prefix (token in $DSEC_BLOB_TOKEN). Pushed images are read "
+             "from it by nodes that lack their layers.")(fn)
 
 
 class _NetPolicy(click.ParamType[Any]):
@@ -390,6 +447,10 @@ def _die_with_supervisor(pid: int) -> None:
                    "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
                    "[default: off]. Sandbox ids are labels: bind it to loopback or a "
                    "monitoring network.")
+@click.option("--lazy-cache-bytes", type=SIZE, default=None, metavar="SIZE",
+              help="[lazy] Budget of the node's chunk cache for layers read lazily from "
+                   "--blob-store (least recently used chunks go; pinned layers stay) "
+                   "[default: no limit].")
 @click.option("--join", "join_url", default=None, metavar="URL",
               help="[join] Join the cluster whose apiserver REST is at URL (first start: "
                    "with --token; later starts rejoin from the key and certificate kept in "
@@ -402,6 +463,7 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--advertise", default=None, metavar="HOST:PORT",
               help="[join] The address the apiserver replicas dial [default: --listen's; "
                    "a 0.0.0.0 host becomes the address the join came from].")
+@blob_store_option
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -414,7 +476,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          net_max: Any, net_uplink: str | None, net_link: str, net_egress: str | None,
          net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
          metrics_listen: str | None, join_url: str | None, join_token: str | None,
-         advertise: str | None) -> None:
+         advertise: str | None, blob_store: str | None,
+         lazy_cache_bytes: int | None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -457,7 +520,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    memory_bytes, disk_bytes, max_sandboxes, labels, profile, fncall_pool_size,
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
                    ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
-                   net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx)
+                   net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
+                   blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -501,7 +565,10 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                disk_pool: str | None, ready_fd: int | None, net_default: Any, net_max: Any,
                net_uplink: str | None, net_link: str, net_egress: str | None,
                net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
-               metrics_listen: str | None, ssl_ctx: Any = None) -> None:
+               metrics_listen: str | None, ssl_ctx: Any = None,
+               blob_store: str | None = None, lazy_cache_bytes: int | None = None) -> None:
+    # blob_store: validated by --blob-store's callback; the node's lazy layers
+    # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
@@ -536,8 +603,10 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                                               ipv6=net_ipv6)
             extra["container"] = {**extra.get("container", {}), "network": network}
         for name in dict.fromkeys(backends):
+            lazy = None if blob_store is None else {
+                "blob_url": blob_store, "cache_bytes": lazy_cache_bytes, "node": node_id}
             built[name] = make_backend(name, **{**_backend_opts(
-                name, profile, fncall_pool_size, state_dir, layer_store, owned),
+                name, profile, fncall_pool_size, state_dir, layer_store, owned, lazy=lazy),
                 **extra.get(name, {})})
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
@@ -703,6 +772,13 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
     log = logging.getLogger("dsec.edge")
     node = EdgeNode(cfg, backends)
     await node.start()   # a failure here: edge() releases the backends
+    container: Any = backends.get("container")
+    lazy = getattr(getattr(container, "images", None), "lazy", None)
+    if lazy is not None:
+        # [lazy] the FUSE daemon's events (failed fetches, a restart) become sandbox
+        # events; they arrive on its watcher thread
+        loop = asyncio.get_running_loop()
+        lazy.on_event = lambda ev: loop.call_soon_threadsafe(container.lazy_event, ev)
     try:
         server = await serve_edge(node, listen, token=token, insecure=insecure, ssl=ssl_ctx)
         cap = cfg.capacity
@@ -718,7 +794,7 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
             from dsec.edge.metrics import EdgeMetrics, serve_metrics
 
             em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
-                             resolver=resolver, live=lambda: node.live_count)
+                             resolver=resolver, live=lambda: node.live_count, lazy=lazy)
             metrics = await serve_metrics(metrics_listen, em.render)
             addr = metrics.sockets[0].getsockname()
             click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",

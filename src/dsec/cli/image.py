@@ -27,6 +27,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from dsec.cli.edge import blob_store_option
+from dsec.cli.sandbox import conn_options
 from dsec.errors import DsecError
 from dsec.image.erofs import ProgressFn
 from dsec.image.manifest import LAYER_KINDS, LayerManifest
@@ -270,6 +272,111 @@ def pull(root: str | None, ref: str, name: str | None, insecure: bool, platform:
     reused = len(res.layers) - len(res.made)
     click.echo(f"{res.key} {m.digest} {len(res.layers)} layers ({len(res.made)} new, "
                f"{reused} shared), {res.fetched_bytes} bytes fetched")
+
+
+@image.command("push")
+@click.argument("ref")
+@blob_store_option
+@click.option("--chunk-size", type=click.IntRange(4096), default=262144, show_default=True,
+              metavar="BYTES", help="Chunk size of the layers' chunk tables (lazy reads "
+                                    "fetch and verify this much at a time).")
+@click.option("--verify", is_flag=True,
+              help="Read back layers the store already has and check every chunk, instead "
+                   "of trusting a complete manifest + chunk table + size.")
+@click.option("--json", "as_json", is_flag=True, help="The result as one JSON object.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.pass_obj
+def push(root: str | None, ref: str, blob_store: str | None, chunk_size: int, verify: bool,
+         as_json: bool, quiet: bool) -> None:
+    """Push REF (its layer and every layer below it) to a blob store: each layer file,
+    its chunk table and its manifest, lowest layer first. Layers the store already has
+    whole are skipped; a push killed midway leaves nothing a node would use."""
+    import json
+
+    from dsec.image.blob import open_blobstore
+    from dsec.image.blob.push import push_image
+
+    if blob_store is None:
+        raise click.UsageError("give --blob-store URL (or set $DSEC_BLOB_STORE)")
+    console = Console(stderr=True)
+    try:
+        blob = open_blobstore(blob_store)
+        with _progress(console, quiet or as_json) as progress:
+            res = push_image(blob, _store(root), ref, chunk_size=chunk_size, verify=verify,
+                             progress=progress)
+    except DsecError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps({
+            "ref": res.ref, "digest": res.digest, "store": res.store,
+            "bytes_uploaded": res.bytes_uploaded, "seconds": round(res.seconds, 3),
+            "layers": [{"digest": p.digest, "size_bytes": p.size_bytes,
+                        "chunk_size": p.chunk_size, "uploaded": p.uploaded}
+                       for p in res.layers]}, sort_keys=True))
+        return
+    new = sum(p.uploaded for p in res.layers)
+    click.echo(f"{ref} {res.digest} -> {res.store}: {len(res.layers)} layers ({new} "
+               f"uploaded, {len(res.layers) - new} already there), {res.bytes_uploaded} "
+               f"bytes in {res.seconds:.2f} s")
+
+
+@image.command("pin")
+@click.argument("ref")
+@click.option("--node", required=True, help="The edge node to keep it cached on.")
+@conn_options
+def pin(ref: str, node: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Keep REF (every layer of it) fully cached on NODE: its lazily loaded layers are
+    fetched whole there and never evicted. Push it to the blob store first. An
+    operator's (superuser); stored in the cluster's state store."""
+    from dsec.cli.sandbox import client, emit_json
+
+    with client(url, api_key) as c:
+        view = c.images.pin(ref, node=node)
+    if as_json:
+        emit_json(view)
+        return
+    click.echo(f"{ref} ({view.image}) pinned on {view.node}: {len(view.layers)} layer(s) "
+               "kept fully cached")
+
+
+@image.command("unpin")
+@click.argument("image_ref")
+@click.option("--node", required=True, help="The edge node it is pinned on.")
+@conn_options
+def unpin(image_ref: str, node: str, url: str | None, api_key: str | None,
+          as_json: bool) -> None:
+    """Stop keeping IMAGE (its digest, or the ref it was pinned as) fully cached on NODE."""
+    from dsec.cli.sandbox import client, emit_json
+
+    with client(url, api_key) as c:
+        digest = image_ref
+        if not image_ref.startswith("sha256:") or len(image_ref) != 71:
+            hits = [p.image for p in c.images.pins(node) if p.ref == image_ref]
+            if not hits:
+                raise click.ClickException(f"{image_ref!r} is not pinned on {node} "
+                                           "(dsec image pins --node NODE)")
+            digest = hits[0]
+        c.images.unpin(digest, node=node)
+    if as_json:
+        emit_json({"node": node, "image": digest, "unpinned": True})
+        return
+    click.echo(f"{digest} unpinned on {node}")
+
+
+@image.command("pins")
+@click.option("--node", required=True, help="The edge node.")
+@conn_options
+def pins(node: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """List the images pinned on NODE."""
+    from dsec.cli.sandbox import client, emit_json
+
+    with client(url, api_key) as c:
+        items = c.images.pins(node)
+    if as_json:
+        emit_json(items)
+        return
+    for p in items:
+        click.echo(f"{p.image} {p.ref} {len(p.layers)} layer(s) by {p.by}")
 
 
 @image.command("inspect")

@@ -28,13 +28,18 @@ from dsec.errors import InvalidArgument
 from dsec.wire import ops
 from dsec.wire.api import (
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
 )
 from dsec.wire.calls import Empty, ImagePrune, ImageRef, ImageUpload
+from dsec.wire.layers import ImagePin, ImagePinRef, NodePins
 from dsec.wire.ops import UploadOp
 
 __all__ = ["AsyncImages", "LayerKind"]
@@ -136,6 +141,31 @@ class AsyncImages:
         if not page.items:
             raise InvalidArgument(f"the server pulled no layer for {ref[:200]!r}")
         return page.items[0]
+
+    async def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
+        """Push the image (its layer and every layer below it, with chunk tables and
+        manifests) to the cluster's blob store, where nodes that lack a layer read it
+        lazily; layers already there whole are skipped (``verify``: read them back and
+        check every chunk). Needs the write right on the image's namespace."""
+        key = ref.digest if isinstance(ref, ImageView) else ref
+        return await self._c.call(ops.IMAGE_PUSH, ImagePushRequest(ref=_ref(key),
+                                                                  verify=verify))
+
+    async def pin(self, ref: str | ImageView, *, node: str) -> ImagePinView:
+        """Keep the image (every layer of it) fully cached on ``node``: its lazily loaded
+        layers are fetched whole there and never evicted. The image must be pushed to the
+        blob store first (:meth:`push`). A superuser's; stored (survives restarts)."""
+        key = ref.digest if isinstance(ref, ImageView) else ref
+        return await self._c.call(ops.IMAGE_PIN, ImagePin(node=node, ref=_ref(key)))
+
+    async def unpin(self, image: str, *, node: str) -> None:
+        """Stop keeping the image ``image`` (its digest) fully cached on ``node``."""
+        await self._c.call(ops.IMAGE_UNPIN, ImagePinRef(node=node, image=image))
+
+    async def pins(self, node: str) -> builtins.list[ImagePinView]:
+        """The images pinned on ``node``."""
+        page: ImagePinList = await self._c.call(ops.IMAGE_PINS, NodePins(node=node))
+        return page.items
 
     async def _upload(self, op: UploadOp[ImageUpload, ImageList], body: ImageUpload,
                       f: IO[bytes]) -> ImageView:

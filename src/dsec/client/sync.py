@@ -31,7 +31,15 @@ from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
-from dsec.wire.api import ImagePromoteRequest, ImagePruned, ImageView, Info, NodeView
+from dsec.wire.api import (
+    ImagePinView,
+    ImagePromoteRequest,
+    ImagePruned,
+    ImagePushed,
+    ImageView,
+    Info,
+    NodeView,
+)
 from dsec.wire.cluster import JoinedNode, JoinTokenView, NodeMigration
 from dsec.wire.layers import LayerFetched
 from dsec.wire.netpolicy import NetMode
@@ -138,6 +146,13 @@ class Client:
 
     def info(self) -> Info:
         return self._run(self._a.info())
+
+    @property
+    def rl(self) -> Any:
+        """``client.rl.workers.create(state_dir, ...)``: rollout workers that outlive the
+        trainer (:class:`dsec.rl.worker.trainer.Workers`)."""
+        from dsec.rl.worker.trainer import RL
+        return RL(self.url, self._a._key, self.info)
 
     def fetch_layer(self, node_id: str, digest: str, *,
                     source: str | None = None) -> LayerFetched:
@@ -313,6 +328,22 @@ class Images:
 
     def delete(self, ref: str | ImageView) -> None:
         self._c._run(self._a.delete(ref))
+
+    def pin(self, ref: str | ImageView, *, node: str) -> ImagePinView:
+        """See :meth:`~dsec.client.images.AsyncImages.pin`."""
+        return self._c._run(self._a.pin(ref, node=node))
+
+    def unpin(self, image: str, *, node: str) -> None:
+        """See :meth:`~dsec.client.images.AsyncImages.unpin`."""
+        self._c._run(self._a.unpin(image, node=node))
+
+    def pins(self, node: str) -> builtins.list[ImagePinView]:
+        """See :meth:`~dsec.client.images.AsyncImages.pins`."""
+        return self._c._run(self._a.pins(node))
+
+    def push(self, ref: str | ImageView, *, verify: bool = False) -> ImagePushed:
+        """See :meth:`~dsec.client.images.AsyncImages.push`."""
+        return self._c._run(self._a.push(ref, verify=verify))
 
     def prune(self, *, dry_run: bool = False) -> ImagePruned:
         """See :meth:`~dsec.client.images.AsyncImages.prune`."""

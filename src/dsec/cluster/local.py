@@ -59,7 +59,7 @@ def _up_flags(config: dict[str, Any]) -> list[str]:
         flags += ["--cpu-overcommit", repr(oc.cpu), "--memory-overcommit", repr(oc.memory)]
     for key, flag in (("net_uplink", "--net-uplink"), ("net_egress", "--net-egress"),
                       ("net_pool", "--net-pool"), ("net_link", "--net-link"),
-                      ("store", "--store")):
+                      ("store", "--store"), ("blob_store", "--blob-store")):
         if config.get(key) is not None:
             flags += [flag, str(config[key])]
     for up in config.get("net_dns_upstream") or ():
@@ -67,7 +67,7 @@ def _up_flags(config: dict[str, Any]) -> list[str]:
     unknown = set(config) - {"cpu_milli", "memory_bytes", "disk_bytes", "edge_max_sandboxes",
                              "overcommit", "disk_default_bytes", "disk_pool_bytes",
                              "net_uplink", "net_egress", "net_pool", "net_dns_upstream",
-                             "net_link", "store"}
+                             "net_link", "store", "blob_store"}
     if unknown:
         raise InvalidArgument(f"LocalCluster(subprocess=True) cannot pass {sorted(unknown)} "
                               "to `dsec up`; drop them or use subprocess=False")

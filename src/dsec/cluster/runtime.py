@@ -164,6 +164,10 @@ class ClusterConfig:
     # reach (its blob CDN, its auth service); no ref may name them. Every other hop is
     # refused without being contacted (red team F16).
     registry_blob_hosts: tuple[str, ...] = ()
+    # [blob] The blob store layers are pushed to (`images.push`) and read from by nodes
+    # that lack them (`--blob-store`, dsec.image.blob): an operator's URL, trusted as
+    # given; passed on to the local edges. None: no blob store.
+    blob_store: str | None = None
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -320,6 +324,7 @@ class ClusterRuntime:
                 await asyncio.to_thread(self._ensure_base_layer, plane.images.layers())
             plane.images.registries = cfg.registries
             plane.images.registry_blob_hosts = cfg.registry_blob_hosts
+            plane.images.blob_store = cfg.blob_store
             if cfg.image_store_budget is not None:
                 from dsec.image import LayerStore
 
@@ -456,6 +461,8 @@ class ClusterRuntime:
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
+        if cfg.blob_store is not None:
+            argv += ["--blob-store", cfg.blob_store]      # never carries a secret (refused)
         return argv + self._net_argv(self.node_ids.index(node))
 
     def _net_argv(self, index: int = 0) -> list[str]:

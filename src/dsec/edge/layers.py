@@ -32,7 +32,7 @@ import msgspec
 
 from dsec.errors import CapacityExceeded, CorruptLayer, ImageNotFound, StreamReset
 from dsec.image import diskroom
-from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
+from dsec.image.manifest import LayerManifest
 from dsec.image.transfer import CHUNK_BYTES, LayerCheck, chain_order, decode_manifest
 from dsec.wire.layers import MAX_CHAIN, LayerChain, LayerStored
 
@@ -64,16 +64,11 @@ def find_store(backends: dict[str, Any]) -> LayerStore | None:
 
 
 def held_layers(store: LayerStore) -> list[str]:
-    """Digests of every layer in ``store`` and its names (one listdir and refs.json): what
-    a node reports in its heartbeat so placement prefers it and the control plane knows
-    where to fetch from."""
-    try:
-        names = os.listdir(os.path.join(store.root, "manifests"))
-    except FileNotFoundError:
-        return []
-    out = [DIGEST_PREFIX + n[:-5] for n in names if n.endswith(".json")]
-    out += store.refs()
-    return out
+    """Digests of every layer stored whole in ``store`` and its names (two listdirs and
+    refs.json): what a node reports in its heartbeat so placement prefers it and the
+    control plane knows where to fetch from. Layers this node reads lazily from a blob
+    store are left out: it could not hand them to another node."""
+    return store.stored_digests() + list(store.refs())
 
 
 class EdgeLayers:

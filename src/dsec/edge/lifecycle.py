@@ -88,6 +88,8 @@ NOTICE_REASONS: frozenset[str] = frozenset({
     "network_lost",     # adopted after an edge restart without its router slot: cut off
     "network_ipv6_inert",  # its policy names IPv6 entries this node cannot carry (no
                         # IPv6 for sandboxes): accepted, inert, and said so
+    "layer_unavailable",  # a lazily loaded image layer could not be read (blob store
+                        # outage, corrupt chunks, its FUSE daemon died): reads got EIO
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

@@ -10,6 +10,12 @@ knows lives here, in a registry of its own:
 - ``dsec_net_dns_refused_total``: names the node's resolver refused (not allowlisted,
   rebinding, rate limits), all sandboxes together.
 - ``dsec_edge_sandboxes``: sandboxes this edge runs.
+- ``dsec_lazy_*`` (with ``--blob-store``: layers read lazily, issue 17): chunk reads that
+  hit the node's chunk cache and that missed (``dsec_lazy_chunk_hit_ratio``: hits over
+  both), bytes fetched from the blob store and bytes served, the latency of each ranged
+  fetch (histogram), retries, chunks that failed their sha256, reads failed with EIO,
+  the chunk cache's size and daemon restarts. Read from the FUSE daemon's stats file
+  (written every 0.5 s), summed over daemons that died, so the counters never go back.
 
 Collected on the edge's event loop (the server below is an asyncio one), where the
 counters' owners are changed, so a scrape never reads them mid-update. Labels are
@@ -25,13 +31,17 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
 from dsec.errors import InvalidArgument
 
-__all__ = ["EdgeMetrics", "denied_samples", "serve_metrics"]
+__all__ = ["EdgeMetrics", "denied_samples", "lazy_families", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +87,57 @@ class _Collector(Collector):
             value=resolver.stats.refused if resolver is not None else 0)
         yield GaugeMetricFamily("dsec_edge_sandboxes", "sandboxes this edge runs",
                                 value=self.m.live())
+        if self.m.lazy is not None:
+            yield from lazy_families(self.m.lazy.stats(), self.m.lazy.restarts)
+
+
+def lazy_families(st: Mapping[str, Any], restarts: int) -> Iterator[Any]:
+    """The ``dsec_lazy_*`` metric families from a lazy layer daemon's stats (pure)."""
+    def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, value=float(st.get(key, 0)))
+
+    hits, misses = float(st.get("chunk_hits", 0)), float(st.get("chunk_misses", 0))
+    yield counter("dsec_lazy_chunk_hits", "chunk reads served from the node's chunk cache",
+                  "chunk_hits")
+    yield counter("dsec_lazy_chunk_misses", "chunk reads that had to fetch (or wait for a "
+                  "fetch)", "chunk_misses")
+    yield GaugeMetricFamily("dsec_lazy_chunk_hit_ratio", "chunk cache hits / chunk reads "
+                            "(1 when nothing was read yet)",
+                            value=hits / (hits + misses) if hits + misses else 1.0)
+    yield counter("dsec_lazy_bytes_fetched", "bytes fetched from the blob store, verified",
+                  "bytes_fetched")
+    yield counter("dsec_lazy_bytes_read", "bytes the FUSE daemon served", "bytes_read")
+    yield counter("dsec_lazy_fetch_retries", "ranged fetches retried after a failure",
+                  "retries")
+    yield counter("dsec_lazy_verify_failures", "fetched chunks that failed their sha256",
+                  "verify_failures")
+    yield counter("dsec_lazy_failed_reads", "reads answered EIO (blob store unreachable "
+                  "past the retry budget, or corrupt chunks)", "failed_reads")
+    yield GaugeMetricFamily("dsec_lazy_cache_bytes", "bytes in the node's chunk cache",
+                            value=float(st.get("cache_bytes", 0)))
+    yield CounterMetricFamily("dsec_lazy_daemon_restarts", "times the lazy layer FUSE "
+                              "daemon died and was restarted", value=float(restarts))
+    bounds, counts = st.get("fetch_bounds") or [], st.get("fetch_buckets") or []
+    h = HistogramMetricFamily("dsec_lazy_fetch_seconds", "latency of one ranged fetch from "
+                              "the blob store")
+    if bounds and len(counts) == len(bounds) + 1:
+        acc, buckets = 0, []
+        for b, c in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+            acc += c
+            buckets.append((b, float(acc)))
+        h.add_metric([], buckets, sum_value=float(st.get("fetch_seconds_sum", 0.0)))
+    yield h
 
 
 class EdgeMetrics:
     """The edge's registry. ``network`` is the container backend's SandboxNetwork (or
-    None), ``resolver`` the node's Resolver (or None), ``live`` counts its sandboxes."""
+    None), ``resolver`` the node's Resolver (or None), ``live`` counts its sandboxes,
+    ``lazy`` the node's :class:`~dsec.edge.lazy.layers.LazyLayers` (or None)."""
 
     def __init__(self, *, network: Any = None, resolver: Any = None,
-                 live: Callable[[], int] = lambda: 0) -> None:
+                 live: Callable[[], int] = lambda: 0, lazy: Any = None) -> None:
         self.network, self.resolver, self.live = network, resolver, live
+        self.lazy = lazy
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 

@@ -316,6 +316,9 @@ class EdgeNode:
         self._feed: collections.deque[tuple[int, str, EventTuple]] = collections.deque(
             maxlen=config.feed_size)
         self._seq = 0
+        # Notices a backend reports while it adopts a sandbox (before the node lists it
+        # live again: network_lost, layer_unavailable), handed out once it is.
+        self._adopt_notices: dict[str, list[tuple[str, str]]] = {}
         self._deadlines: builtins.list[tuple[float, str]] = []
         if journal is None and config.state_dir is not None:
             journal = SandboxJournal(config.state_dir, sync=config.journal_sync,
@@ -415,12 +418,14 @@ class EdgeNode:
             adopting = getattr(backend, "adopting", None)
             if adopting is not None and r.ceiling_deny:
                 adopting(r.id, r.ceiling_deny)  # the policy's deny entries, for its slot
+            self._adopt_notices[r.id] = []
             try:
                 alive = await backend.adopt(SandboxId(r.id), r.spec)
             except Exception as exc:  # noqa: BLE001 - a broken one must not stop the others
                 alive, why = False, f"adopt failed: {exc!r}"
             else:
                 why = "the backend no longer has it after an edge restart"
+            notices = self._adopt_notices.pop(r.id, [])
             if not alive or r.state in ("creating", "destroying", "failed"):
                 if alive:
                     why = f"was {r.state} when the edge stopped"
@@ -459,6 +464,8 @@ class EdgeNode:
             if r.state == "resuming":
                 state = "paused"  # a paused backend accepts resume; the next exec resumes it
             self._move(rec, "created", "adopted", f"journal state {r.state}")
+            for reason, detail in notices:
+                self._event(rec, rec.state, rec.state, reason, detail)
             if state == "paused":
                 rec.state = "paused"
             self._arm(rec)
@@ -900,6 +907,9 @@ class EdgeNode:
     def _on_death(self, sid: SandboxId, reason: str, detail: str) -> None:
         """Backend sink: a sandbox died on its own (OOM, exited, crash), or a notice."""
         rec = self._live.get(sid)
+        if rec is None and reason in NOTICE_REASONS and sid in self._adopt_notices:
+            self._adopt_notices[sid].append((reason, detail))   # being adopted right now
+            return
         if rec is None or rec.state in ("destroying", "destroyed"):
             return
         if reason in NOTICE_REASONS:

@@ -7,6 +7,8 @@ call mount(2) ourselves. Each layer is mounted once per node at a short path
 string), shared by every sandbox, reference-counted and unmounted when the last user
 releases it. The file's sha256 is verified before its first mount on this node, so a
 corrupt or truncated layer raises :class:`~dsec.errors.CorruptLayer` and mounts nothing.
+A layer this node serves lazily (``lazy=``, :class:`dsec.edge.lazy.layers.LazyLayers`) is
+mounted from its FUSE file instead, and checked chunk by chunk as it is read.
 
 Crashes: refcounts live in the process, so a process killed with -9 leaves its mount root
 (``/run/dsec/m*``) mounted. Each root has an owner file beside it (``<root>.owner``: pid +
@@ -32,15 +34,15 @@ import stat
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Self
+from typing import Protocol, Self
 
-from dsec.errors import CorruptLayer, ImageError, InUse, InvalidArgument
+from dsec.errors import BlobUnavailable, CorruptLayer, ImageError, InUse, InvalidArgument
 from dsec.image.erofs import hash_file
 from dsec.image.manifest import LayerManifest, short_digest
 from dsec.ownership import claim, disown, owner_alive
 from dsec.rmtree import unescape_mountinfo
 
-__all__ = ["MS_RDONLY", "MountCache", "is_mountpoint", "mounts_below", "reclaim_dead_roots",
+__all__ = ["MS_RDONLY", "LazySource", "MountCache", "is_mountpoint", "mounts_below", "reclaim_dead_roots",
            "sys_mount", "sys_umount"]
 
 RUN_ROOT = "/run/dsec"
@@ -145,6 +147,15 @@ def reclaim_dead_roots(parent: str = RUN_ROOT) -> list[str]:
 class _Entry:
     path: str
     refs: int
+    manifest: LayerManifest | None = None   # set for a lazy layer (rebound on restart)
+
+
+class LazySource(Protocol):
+    """Where a layer this node serves lazily can be mounted from
+    (:class:`dsec.edge.lazy.layers.LazyLayers`)."""
+
+    def path(self, manifest: LayerManifest) -> str | None:
+        """The (FUSE-backed) file to mount for ``manifest``, or None if not lazy here."""
 
 
 def _not_writable_by_others(path: str) -> None:
@@ -172,7 +183,9 @@ class MountCache:
     it still holds.
     """
 
-    def __init__(self, *, mount_root: str | None = None, verify: bool = True) -> None:
+    def __init__(self, *, mount_root: str | None = None, verify: bool = True,
+                 lazy: LazySource | None = None) -> None:
+        self.lazy = lazy
         self._own_root = mount_root is None
         if mount_root is None:
             # mkdtemp makes the cache's own root 0700: the mounted layers below it are
@@ -208,7 +221,16 @@ class MountCache:
                 ent.refs += 1
                 return ent.path
             target = os.path.join(self.root, short_digest(manifest.digest))
-            self._check(manifest, layer_path)
+            lazy_path = (self.lazy.path(manifest)
+                         if self.lazy is not None and not os.path.exists(layer_path) else None)
+            if lazy_path is not None:
+                # A remote layer: a FUSE file whose every chunk is checked against the
+                # layer's chunk table as it arrives (dsec.edge.lazy.fs), so no whole-file
+                # hash here (it would fetch the whole layer); the size still must match.
+                layer_path = lazy_path
+                self._check_size(manifest, layer_path)
+            else:
+                self._check(manifest, layer_path)
             os.makedirs(target, exist_ok=True)
             try:
                 sys_mount(layer_path, target, "erofs", MS_RDONLY)
@@ -217,26 +239,64 @@ class MountCache:
                     os.rmdir(target)
                 except OSError:
                     pass
+                if lazy_path is not None and exc.errno in (errno.EIO, errno.ENOTCONN,
+                                                           errno.ECONNABORTED):
+                    raise BlobUnavailable(
+                        f"layer {manifest.digest} could not be read from the blob store "
+                        f"({os.strerror(exc.errno or 0)}): its first chunks did not arrive; "
+                        "retry when the blob store is reachable", digest=manifest.digest,
+                    ) from exc
                 if exc.errno in (errno.EINVAL, errno.EUCLEAN, errno.EIO, errno.EFBIG):
                     raise CorruptLayer(
                         f"layer {manifest.digest} at {layer_path} is not a mountable EROFS "
                         f"image ({os.strerror(exc.errno or 0)}); rebuild or re-import it",
                         digest=manifest.digest) from exc
                 raise ImageError(f"mounting layer {manifest.digest} failed: {exc}") from exc
-            self._mounts[manifest.digest] = _Entry(target, 1)
+            self._mounts[manifest.digest] = _Entry(
+                target, 1, manifest if lazy_path is not None else None)
             return target
 
-    def _check(self, manifest: LayerManifest, layer_path: str) -> None:
+    def rebind_lazy(self) -> list[str]:
+        """Mount every lazy layer this cache holds afresh from the lazy source's current
+        file (its daemon was restarted: the old FUSE connection is gone), at the same
+        mount point, so new sandboxes read through the new daemon. The old EROFS mount is
+        detached: sandboxes already running keep it (their overlay holds it) and read
+        what it has cached. Returns the digests rebound."""
+        done = []
+        with self._lock:
+            for digest, ent in self._mounts.items():
+                if ent.manifest is None or self.lazy is None:
+                    continue
+                src = self.lazy.path(ent.manifest)
+                if src is None:
+                    continue
+                try:
+                    sys_umount(ent.path, detach=True)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                sys_mount(src, ent.path, "erofs", MS_RDONLY)
+                done.append(digest)
+        return done
+
+    def _check_size(self, manifest: LayerManifest, layer_path: str) -> os.stat_result:
         try:
             st = os.stat(layer_path)
         except FileNotFoundError:
             raise CorruptLayer(f"layer file {layer_path} of {manifest.digest} is missing",
                                digest=manifest.digest) from None
+        except OSError as exc:
+            raise ImageError(f"layer {manifest.digest}: cannot stat {layer_path}: "
+                             f"{exc.strerror}") from exc
         if st.st_size != manifest.size_bytes:
             raise CorruptLayer(
                 f"layer {manifest.digest} is {st.st_size} bytes on disk but its manifest "
                 f"says {manifest.size_bytes} (truncated or replaced); rebuild it",
                 digest=manifest.digest)
+        return st
+
+    def _check(self, manifest: LayerManifest, layer_path: str) -> None:
+        st = self._check_size(manifest, layer_path)
         key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if not self.verify or self._verified.get(manifest.digest) == key:
             return

@@ -637,6 +637,35 @@ class LayerStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def stored_digests(self) -> list[str]:
+        """Digests of the layers whose file is in this store (two listdirs): what this
+        node can hand to another. A layer read lazily from a blob store (issue 17) has a
+        manifest here but no file, so it is not one of them."""
+        try:
+            files = {n[:-6] for n in os.listdir(os.path.join(self.root, "layers"))
+                     if n.endswith(".erofs")}
+            names = os.listdir(os.path.join(self.root, "manifests"))
+        except FileNotFoundError:
+            return []
+        return [DIGEST_PREFIX + n[:-5] for n in names
+                if n.endswith(".json") and n[:-5] in files]
+
+    def add_remote(self, manifest: LayerManifest) -> LayerManifest:
+        """Record a layer this node reads lazily from a blob store (issue 17): its
+        manifest only, no layer file (:meth:`layer_path` does not exist). The layers
+        below it must be known here first (lowest first, as :meth:`adopt`). Idempotent."""
+        hx = manifest.digest.removeprefix(DIGEST_PREFIX)
+        with self._locked():
+            existing = self._load_opt(hx)
+            if existing is not None:
+                return existing
+            for below in (*manifest.stack, *((manifest.parent,) if manifest.parent else ())):
+                if self._load_opt(below.removeprefix(DIGEST_PREFIX)) is None:
+                    raise ImageError(f"cannot record layer {manifest.digest}: the layer "
+                                     f"{below} it stands on is not in {self.root}")
+            _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+            return manifest
+
     @staticmethod
     def _too_big(what: str, size: int, limit: int, qualifier: str) -> QuotaExceeded:
         return QuotaExceeded(

@@ -31,6 +31,7 @@ from dsec.wire.spec import (
     MAX_DISK_BYTES,
     MAX_ENV_ITEMS,
     MAX_EXEC_TIMEOUT_S,
+    MAX_HIDE_ENTRIES,
     MAX_MEMORY_BYTES,
     MAX_OUTPUT_CAP_BYTES,
     MAX_PRIORITY,
@@ -69,9 +70,13 @@ __all__ = [
     "ExecStreamLine",
     "FileList",
     "ImageList",
+    "ImagePinList",
+    "ImagePinView",
     "ImagePromoteRequest",
     "ImagePruned",
     "ImagePullRequest",
+    "ImagePushRequest",
+    "ImagePushed",
     "ImageTagRequest",
     "ImageView",
     "Info",
@@ -79,6 +84,7 @@ __all__ = [
     "NodeView",
     "ProjectList",
     "ProjectView",
+    "PushedLayerView",
     "QuotaBody",
     "Role",
     "SandboxList",
@@ -221,6 +227,9 @@ class ExecBody(_Strict):
         None = 60.0
     output_cap_bytes: Annotated[int, _doc(minimum=0, maximum=MAX_OUTPUT_CAP_BYTES)] = 1 << 20
     background: bool = False
+    # top-level entries of the sandbox root the command's tree can never reach (Landlock);
+    # ExecRequest.hide. Carried here so the REST door cannot drop the protection silently.
+    hide: Annotated[list[str], _doc(maxItems=MAX_HIDE_ENTRIES)] = []
 
 
 class ExecOutput(msgspec.Struct, kw_only=True):
@@ -372,6 +381,47 @@ class ImagePromoteRequest(_Strict):
     # the steps as one layer over the base's own layers, which stay shared on disk and
     # in every node's mount cache with every other image on that base
     squash: bool = False
+
+
+class ImagePushRequest(_Strict):
+    """Body of ``POST /v1/images/push``: push the image ``ref`` (its layer and every layer
+    below it, each with its chunk table and manifest) to the apiserver's blob store - the
+    one its operator configured (``--blob-store``); a caller never names a store URL.
+    ``verify``: read back layers the store already has and check every chunk."""
+
+    ref: Annotated[str, msgspec.Meta(min_length=1, max_length=1200)]
+    verify: bool = False
+
+
+class PushedLayerView(msgspec.Struct, kw_only=True):
+    digest: str
+    size_bytes: int
+    chunk_size: int
+    uploaded: bool                     # False: the store already had it whole
+
+
+class ImagePushed(msgspec.Struct, kw_only=True):
+    """What ``image_push`` published: the layers lowest first, what went up."""
+
+    ref: str
+    digest: str
+    store: str                         # the blob store's URL (no credentials in it)
+    layers: list[PushedLayerView]
+    bytes_uploaded: int
+    seconds: float
+
+
+class ImagePinView(msgspec.Struct, kw_only=True):
+    node: str
+    image: str                         # the image's (top layer's) digest
+    ref: str                           # as the operator named it
+    layers: list[str]                  # every layer of it, lowest first
+    pinned_at: float
+    by: str                            # the principal id that pinned it
+
+
+class ImagePinList(msgspec.Struct, kw_only=True):
+    items: list[ImagePinView]
 
 
 class ImageList(msgspec.Struct, kw_only=True):

@@ -64,7 +64,8 @@ def exec_body(req: ExecRequest) -> ExecBody:
     return ExecBody(argv=None if req.shell is not None else list(req.argv), shell=req.shell,
                     env=dict(req.env), cwd=req.cwd, user=req.user, stdin=stdin,
                     stdin_encoding=enc, timeout_s=req.timeout_s,
-                    output_cap_bytes=req.output_cap_bytes, background=req.background)
+                    output_cap_bytes=req.output_cap_bytes, background=req.background,
+                    hide=list(req.hide))
 
 
 def exec_request(body: ExecBody) -> ExecRequest:
@@ -78,7 +79,8 @@ def exec_request(body: ExecBody) -> ExecRequest:
     stdin = from_text(body.stdin, body.stdin_encoding, field="stdin")
     req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
                       cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
-                      output_cap_bytes=body.output_cap_bytes, background=body.background)
+                      output_cap_bytes=body.output_cap_bytes, background=body.background,
+                      hide=tuple(body.hide))
     return req.validate()
 
 

@@ -29,12 +29,15 @@ from dsec.wire.calls import _Call
 __all__ = [
     "MAX_CHAIN",
     "MAX_MANIFEST_BYTES",
+    "ImagePin",
+    "ImagePinRef",
     "LayerChain",
     "LayerFetch",
     "LayerFetched",
     "LayerPut",
     "LayerRef",
     "LayerStored",
+    "NodePins",
     "check_digest",
 ]
 
@@ -117,3 +120,43 @@ class LayerFetched(msgspec.Struct, kw_only=True):
     copied: list[str] = []
     present: list[str] = []
     bytes: int = 0
+
+
+def _check_node(v: str) -> None:
+    if not v or len(v) > 128 or not v.isprintable() or "/" in v:
+        raise InvalidArgument(f"invalid node {v[:60]!r}: a node id is 1..128 printable "
+                              "characters without '/'", field="node")
+
+
+class ImagePin(_Call, kw_only=True):
+    """``image_pin`` (an operator's): keep the image ``ref`` - every layer of it - fully
+    cached on ``node``: its lazily loaded layers are fetched whole there and never
+    evicted from the node's chunk cache (issue 17)."""
+
+    node: str
+    ref: str
+
+    def __post_init__(self) -> None:
+        _check_node(self.node)
+        if not self.ref or len(self.ref) > 1200:
+            raise InvalidArgument("ref: 1..1200 characters", field="ref")
+
+
+class ImagePinRef(_Call, kw_only=True):
+    """``image_unpin``: the pin of image ``image`` (its digest) on ``node``."""
+
+    node: str
+    image: str
+
+    def __post_init__(self) -> None:
+        _check_node(self.node)
+        check_digest(self.image, "image")
+
+
+class NodePins(_Call, kw_only=True):
+    """``image_pins``: the images pinned on ``node``."""
+
+    node: str
+
+    def __post_init__(self) -> None:
+        _check_node(self.node)

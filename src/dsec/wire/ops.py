@@ -34,9 +34,13 @@ from dsec.wire.api import (
     EventList,
     FileList,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -95,12 +99,15 @@ from dsec.wire.cluster import (
     NodeMigration,
 )
 from dsec.wire.layers import (
+    ImagePin,
+    ImagePinRef,
     LayerChain,
     LayerFetch,
     LayerFetched,
     LayerPut,
     LayerRef,
     LayerStored,
+    NodePins,
 )
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
@@ -155,8 +162,12 @@ __all__ = [
     "IMAGE_DELETE",
     "IMAGE_GET",
     "IMAGE_IMPORT",
+    "IMAGE_PIN",
+    "IMAGE_PINS",
     "IMAGE_PROMOTE",
+    "IMAGE_PUSH",
     "IMAGE_TAG",
+    "IMAGE_UNPIN",
     "INFO",
     "LAYER_CHAIN",
     "LAYER_FETCH",
@@ -881,6 +892,43 @@ NODE_MIGRATE: Op[NodeRef, NodeMigration] = Op(
               tag="nodes"))
 
 
+# Issue 17: images pushed to the cluster's blob store, where nodes that lack a layer read
+# it (lazily, 256 KiB at a time, or whole). The store is the operator's (--blob-store):
+# a caller names an image, never a store URL. Write right on the image's namespace, as a
+# tag (member of its project; superuser for a cluster-wide layer).
+IMAGE_PUSH: Op[ImagePushRequest, ImagePushed] = Op(
+    "image_push", ImagePushRequest, ImagePushed,
+    summary="Push an image (its layer and every layer below it, with chunk tables and "
+            "manifests) to the cluster's blob store; layers already there are skipped",
+    role=None, target="project", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/images/push", operation_id="pushImage",
+              body="*", tag="images"))
+
+# Issue 17: an image kept fully cached on chosen nodes (their lazy layers fetch it whole
+# and never evict it). An operator's (role None, the policy is ControlPlane.pin_image's:
+# a superuser only), stored in the state store so every replica answers the same pins.
+IMAGE_PIN: Op[ImagePin, ImagePinView] = Op(
+    "image_pin", ImagePin, ImagePinView,
+    summary="Keep an image (every layer of it, pushed to the blob store) fully cached on "
+            "a node (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="POST", path="/v1/nodes/{node}/pins", operation_id="pinImage",
+              body="*", tag="nodes"))
+
+IMAGE_UNPIN: Op[ImagePinRef, None] = Op(
+    "image_unpin", ImagePinRef, None,
+    summary="Stop keeping an image fully cached on a node (superuser only)",
+    role=None, target="cluster", idempotent=False, doors=API_DOORS,
+    rest=Rest(method="DELETE", path="/v1/nodes/{node}/pins/{image}",
+              operation_id="unpinImage", status=204, reply="empty", tag="nodes"))
+
+IMAGE_PINS: Op[NodePins, ImagePinList] = Op(
+    "image_pins", NodePins, ImagePinList,
+    summary="The images pinned on a node (superuser only)",
+    role=None, target="cluster", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/nodes/{node}/pins", operation_id="listImagePins",
+              tag="nodes"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -900,6 +948,10 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     LAYER_GET,
     LAYER_PUT,
     LAYER_FETCH,
+    IMAGE_PUSH,
+    IMAGE_PIN,
+    IMAGE_UNPIN,
+    IMAGE_PINS,
     CLUSTER_TOKENS,
     CLUSTER_TOKEN_CREATE,
     CLUSTER_TOKEN_REVOKE,

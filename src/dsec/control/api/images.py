@@ -38,6 +38,7 @@ from dsec.errors import (
     QuotaExceeded,
 )
 from dsec.ids import parse_project_path
+from dsec.image.blob import BlobStore
 from dsec.image.catalog import (
     CanSee,
     LayerRole,
@@ -56,8 +57,11 @@ from dsec.wire.api import (
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
+    PushedLayerView,
 )
 from dsec.wire.spec import SandboxSpec
 
@@ -65,6 +69,9 @@ __all__ = ["ImageAdmin", "SnapshotCharges"]
 
 #: Threads running registry pulls (fetch + unpack + mkfs) for one apiserver.
 PULL_WORKERS = 8
+#: Threads pushing images to the blob store (each uploads one layer at a time; an S3
+#: multipart upload moves several parts at once on its own).
+PUSH_WORKERS = 2
 #: Pulls of one project at once; the rest wait their turn (a project cannot take
 #: every pull thread).
 PULLS_PER_PROJECT = 2
@@ -114,6 +121,13 @@ class ImageAdmin:
         self.registries: tuple[str, ...] | None = None
         # patterns only redirects and token realms of those registries may reach
         self.registry_blob_hosts: tuple[str, ...] = ()
+        # [blob] The operator's blob store URL (`--blob-store`; dsec.image.blob): images
+        # are pushed there. Never a caller's: a request names an image, not a store.
+        self.blob_store: str | None = None
+        self._blob_cache: tuple[str, BlobStore] | None = None
+        # pushes run in a pool of their own: a slow blob store holds these threads, never
+        # the event loop's default executor other routes share
+        self._push_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # Image names are namespaced per project (docs/images.md, "Names and tenancy"): the
     # rules live in dsec.image.catalog (who sees what, what a ref names) and
@@ -622,6 +636,68 @@ class ImageAdmin:
         _require_write(caller, ns, what=f"pull {req.ref[:200]} into "
                        + (f"project {ns!r}" if ns else "a cluster-wide name"))
         return ns, name, tag
+
+    def blob(self) -> BlobStore:
+        """The operator's blob store (``Conflict`` when none is configured)."""
+        from dsec.image.blob import open_blobstore
+
+        if self.blob_store is None:
+            raise Conflict("this apiserver has no blob store configured: its operator "
+                           "starts it with --blob-store URL (dsec up / dsec apiserver)")
+        if self._blob_cache is None or self._blob_cache[0] != self.blob_store:
+            self._blob_cache = (self.blob_store, open_blobstore(self.blob_store))
+        return self._blob_cache[1]
+
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        """Push an image the caller may see to the blob store: its layer and every layer
+        below it (:func:`dsec.image.blob.push.push_image`). The caller needs the write
+        right on the image's namespace (a project's member; a superuser for a
+        cluster-wide layer), as for a tag: a push copies the layer where every node reads
+        it. Idempotent: layers already there whole are skipped."""
+        from dsec.image.blob.push import push_image
+
+        _, m = self._find_image(caller, req.ref)
+        _require_write(caller, layer_namespace(m), what=f"push {req.ref[:200]}")
+        blob = self.blob()
+        store = self._layers()
+        res = await asyncio.get_running_loop().run_in_executor(
+            self._pool(), functools.partial(push_image, blob, store, m.digest,
+                                               verify=req.verify))
+        return ImagePushed(ref=req.ref, digest=res.digest, store=res.store,
+                           layers=[PushedLayerView(digest=p.digest, size_bytes=p.size_bytes,
+                                                   chunk_size=p.chunk_size,
+                                                   uploaded=p.uploaded)
+                                   for p in res.layers],
+                           bytes_uploaded=res.bytes_uploaded, seconds=res.seconds)
+
+    async def pushed_chain(self, caller: Caller, ref: str) -> tuple[str, list[str]]:
+        """The image ``ref`` (as the caller sees it) and every layer of it, lowest first,
+        each checked to be in the blob store whole (``InvalidArgument`` naming the first
+        that is not: push the image first)."""
+        from dsec.errors import ImageNotFound
+        from dsec.image.blob.push import layer_chain, read_remote_layer
+
+        _, m = self._find_image(caller, ref)
+        blob = self.blob()
+        chain = [x.digest for x in layer_chain(self._layers(), m)]
+
+        def check() -> None:
+            for d in chain:
+                try:
+                    read_remote_layer(blob, d)
+                except ImageNotFound as exc:
+                    raise InvalidArgument(
+                        f"image {ref[:200]!r}: its layer {d} is not in the blob store "
+                        f"{blob.url}; push the image first (dsec image push / "
+                        "images.push)", field="ref", layer=d) from exc
+        await asyncio.get_running_loop().run_in_executor(self._pool(), check)
+        return m.digest, chain
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._push_pool is None:
+            self._push_pool = concurrent.futures.ThreadPoolExecutor(
+                PUSH_WORKERS, thread_name_prefix="dsec-push")
+        return self._push_pool
 
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         """Pull a registry image into the layer store (``dsec.image.pull``) as the

@@ -83,6 +83,7 @@ from dsec.control.records import SandboxRecord
 from dsec.control.registry import Registry
 from dsec.control.retention import RetentionConfig, RetentionReport, retain
 from dsec.control.store import (
+    ImagePinRow,
     LostSandboxRow,
     SnapshotChargeRow,
     StateStore,
@@ -106,6 +107,7 @@ from dsec.errors import (
     ConnectionLost,
     DsecError,
     ImageNotFound,
+    InternalError,
     InvalidArgument,
     NoCapacity,
     NotFound,
@@ -121,9 +123,13 @@ from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     NodeView,
@@ -133,7 +139,7 @@ from dsec.wire.api import (
     SessionView,
 )
 from dsec.wire.cluster import NodeMigration
-from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import (
     SandboxEvent,
@@ -515,6 +521,56 @@ class ControlPlane:
             self._place_view(view)     # now, not at its next heartbeat
         return self._view(e, self.clock())
 
+    # ------------------------------------------------------------- image pins
+    # Issue 17: an operator keeps an image fully cached on chosen nodes (the node's lazy
+    # layers fetch it whole and never evict it). Stored (image_pins), so every replica
+    # and a restarted apiserver answer the same pins; the node reads its own
+    # (pins_for), the lazy layers act on them.
+    def _pin_node(self, caller: Caller, node: str, verb: str) -> None:
+        if not caller.superuser:
+            raise PermissionDenied(
+                f"cannot {verb} an image on node {node!r}: a node's cache serves every "
+                f"project, so only a superuser may (principal {caller.name!r} is not one)")
+        if node not in self.edges:
+            raise NotFound(f"no edge node {node!r} in this cluster; known: "
+                           f"{', '.join(sorted(self.edges)) or 'none'} (dsec node ls)",
+                           node=node)
+
+    @staticmethod
+    def _pin_view(r: ImagePinRow) -> ImagePinView:
+        return ImagePinView(node=r.node, image=r.image, ref=r.ref, layers=list(r.layers),
+                            pinned_at=r.pinned_at, by=r.by)
+
+    async def pin_image(self, caller: Caller, req: ImagePin) -> ImagePinView:
+        """Pin the image ``req.ref`` on ``req.node`` (again: unchanged). The image must be
+        in the blob store whole (every layer: ``dsec image push`` first), since that is
+        where the node fetches it from. Durable before answered."""
+        self._pin_node(caller, req.node, "pin")
+        top, chain = await self.images.pushed_chain(caller, req.ref)
+        self.store.put_pin(ImagePinRow(node=req.node, image=top, ref=req.ref,
+                                       layers=tuple(chain), pinned_at=self.clock(),
+                                       by=caller.id))
+        log.warning("image %s (%s) pinned on node %s by %s", req.ref, top, req.node,
+                    caller.name)
+        for r in self.store.list_pins(req.node):
+            if r.image == top:
+                return self._pin_view(r)
+        raise InternalError(f"pin of {top} on {req.node} was written but not read back")
+
+    async def unpin_image(self, caller: Caller, req: ImagePinRef) -> None:
+        self._pin_node(caller, req.node, "unpin")
+        if not self.store.delete_pin(req.node, req.image):
+            raise NotFound(f"image {req.image} is not pinned on node {req.node} "
+                           "(dsec image pins NODE)", node=req.node, image=req.image)
+        log.warning("image %s unpinned on node %s by %s", req.image, req.node, caller.name)
+
+    def list_pins(self, caller: Caller, req: NodePins) -> ImagePinList:
+        self._pin_node(caller, req.node, "list the pinned images of")
+        return ImagePinList(items=[self._pin_view(r) for r in self.store.list_pins(req.node)])
+
+    def pins_for(self, node: str) -> list[ImagePinRow]:
+        """The images pinned on ``node`` (what its lazy layers keep whole)."""
+        return self.store.list_pins(node)
     async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
         """``node_migrate``: move the sandboxes off a drained node (dsec.control.migrate)."""
         from dsec.control.migrate import migrate_node
@@ -1114,6 +1170,9 @@ class ControlPlane:
 
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
         return await self.images.pull_image(caller, req)
+
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        return await self.images.push_image(caller, req)
 
     # ------------------------------------------------------------- loops
     async def start(self) -> None:

@@ -81,9 +81,13 @@ from dsec.wire.api import (
     CreateSandboxRequest,
     EventList,
     ImageList,
+    ImagePinList,
+    ImagePinView,
     ImagePromoteRequest,
     ImagePruned,
     ImagePullRequest,
+    ImagePushed,
+    ImagePushRequest,
     ImageTagRequest,
     ImageView,
     Info,
@@ -135,7 +139,7 @@ from dsec.wire.cluster import (
     JoinTokenView,
     NodeMigration,
 )
-from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
 from dsec.wire.outcome import Batch
@@ -344,6 +348,14 @@ class AdminOps(Protocol):
     async def prune_images(self, caller: Caller, *, dry_run: bool) -> ImagePruned:
         raise NotImplementedError
     async def pull_image(self, caller: Caller, req: ImagePullRequest) -> ImageList:
+        raise NotImplementedError
+    async def push_image(self, caller: Caller, req: ImagePushRequest) -> ImagePushed:
+        raise NotImplementedError
+    async def pin_image(self, caller: Caller, req: ImagePin) -> ImagePinView:
+        raise NotImplementedError
+    async def unpin_image(self, caller: Caller, req: ImagePinRef) -> None:
+        raise NotImplementedError
+    def list_pins(self, caller: Caller, req: NodePins) -> ImagePinList:
         raise NotImplementedError
     def drain_node(self, caller: Caller, node: str, *, drained: bool) -> NodeView:
         raise NotImplementedError
@@ -1620,6 +1632,9 @@ class ApiService:
             "image_pull": self._image_pull_op,
             "node_drain": self._node_drain_op, "node_undrain": self._node_undrain_op,
             "layer_fetch": self._layer_fetch_op,
+            "image_push": self._image_push_op,
+            "image_pin": self._image_pin_op, "image_unpin": self._image_unpin_op,
+            "image_pins": self._image_pins_op,
             "cluster_tokens": self._cluster_tokens_op,
             "cluster_token_create": self._cluster_token_create_op,
             "cluster_token_revoke": self._cluster_token_revoke_op,
@@ -1857,6 +1872,18 @@ class ApiService:
 
     async def _image_pull_op(self, caller: Caller, b: ImagePullRequest) -> ImageList:
         return await self._admin().pull_image(caller, b)
+
+    async def _image_push_op(self, caller: Caller, b: ImagePushRequest) -> ImagePushed:
+        return await self._admin().push_image(caller, b)
+
+    async def _image_pin_op(self, caller: Caller, b: ImagePin) -> ImagePinView:
+        return await self._admin().pin_image(caller, b)
+
+    async def _image_unpin_op(self, caller: Caller, b: ImagePinRef) -> None:
+        await self._admin().unpin_image(caller, b)
+
+    async def _image_pins_op(self, caller: Caller, b: NodePins) -> ImagePinList:
+        return self._admin().list_pins(caller, b)
 
     async def _node_drain_op(self, caller: Caller, b: NodeRef) -> NodeView:
         return self._admin().drain_node(caller, b.id, drained=True)

@@ -25,6 +25,7 @@ __all__ = [
     "ApiKeyRow",
     "EventRow",
     "IdempotencyRow",
+    "ImagePinRow",
     "LostSandboxRow",
     "NodeDrainRow",
     "PrincipalRow",
@@ -163,6 +164,19 @@ class NodeDrainRow(msgspec.Struct, frozen=True, kw_only=True):
     by: str = ""                # the principal id that drained it
 
 
+class ImagePinRow(msgspec.Struct, frozen=True, kw_only=True):
+    """An image pinned on a node by an operator (``dsec image pin``): the node keeps every
+    layer of it fully in its lazy chunk cache (issue 17). Stored so every replica and a
+    restarted apiserver answer the same pins."""
+
+    node: str
+    image: str                  # the image's (top layer's) digest
+    ref: str                    # as the operator named it
+    layers: tuple[str, ...]     # every layer of the image, lowest first
+    pinned_at: float
+    by: str = ""                # the principal id that pinned it
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Durable state of the management plane. See the module docstring for semantics."""
@@ -299,6 +313,15 @@ class StateStore(Protocol):
         ...
     def delete_drain(self, node: str) -> bool: ...
     def list_drains(self) -> list[NodeDrainRow]: ...
+
+    # images pinned on nodes (issue 17, blob stream)
+    def put_pin(self, row: ImagePinRow) -> None:
+        """Record ``row`` (a pin already there keeps its first ``pinned_at``)."""
+        ...
+    def delete_pin(self, node: str, image: str) -> bool: ...
+    def list_pins(self, node: str | None = None) -> list[ImagePinRow]:
+        """The pins of ``node`` (None: of every node), by node then image."""
+        ...
 
     def table_rows(self) -> dict[str, int]:
         """Row count of every table (what retention keeps bounded; for metrics/tests)."""

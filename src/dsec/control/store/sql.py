@@ -12,6 +12,7 @@ later if needed (``json_extract`` / ``jsonb``).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from dsec.control.store import (
     ApiKeyRow,
     EventRow,
     IdempotencyRow,
+    ImagePinRow,
     LostSandboxRow,
     NodeDrainRow,
     PrincipalRow,
@@ -119,6 +121,11 @@ _SCHEMA = [
     # Edge nodes drained by an administrator (issue 16): no new placements there.
     """CREATE TABLE IF NOT EXISTS node_drains (
         node TEXT PRIMARY KEY, drained_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL)""",
+    # Images pinned fully cached on a node by an operator (issue 17).
+    """CREATE TABLE IF NOT EXISTS image_pins (
+        node TEXT NOT NULL, image TEXT NOT NULL, ref TEXT NOT NULL, layers TEXT NOT NULL,
+        pinned_at DOUBLE PRECISION NOT NULL, by_principal TEXT NOT NULL,
+        PRIMARY KEY (node, image))""",
 ]
 
 # Columns added after a table first shipped: (table, column, definition). A store made by
@@ -132,7 +139,7 @@ _ADDED_COLUMNS = [
 # Every table the store keeps (for table_rows).
 _TABLES = ("principals", "api_keys", "role_bindings", "quotas", "events", "sandboxes",
            "idempotency", "process_leases", "sessions", "lost_sandboxes", "snapshot_charges",
-           "node_drains", "image_tags")
+           "node_drains", "image_pins", "image_tags")
 
 
 class SqlStore(MembershipTables, ImageTagTables, MigrationTables):
@@ -626,6 +633,24 @@ class SqlStore(MembershipTables, ImageTagTables, MigrationTables):
     def list_drains(self) -> list[NodeDrainRow]:
         rows = self._all("SELECT node, drained_at, by_principal FROM node_drains ORDER BY node")
         return [NodeDrainRow(node=r[0], drained_at=float(r[1]), by=r[2]) for r in rows]
+
+    # --- images pinned on nodes (issue 17) -------------------------------------------------
+    def put_pin(self, row: ImagePinRow) -> None:
+        self._exec("INSERT INTO image_pins (node, image, ref, layers, pinned_at, by_principal) "
+                   "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node, image) DO NOTHING",
+                   (row.node, row.image, row.ref, json.dumps(list(row.layers)),
+                    row.pinned_at, row.by))
+
+    def delete_pin(self, node: str, image: str) -> bool:
+        return self._exec("DELETE FROM image_pins WHERE node = ? AND image = ?",
+                          (node, image)) > 0
+
+    def list_pins(self, node: str | None = None) -> list[ImagePinRow]:
+        cols = "SELECT node, image, ref, layers, pinned_at, by_principal FROM image_pins"
+        rows = (self._all(cols + " ORDER BY node, image") if node is None else
+                self._all(cols + " WHERE node = ? ORDER BY image", (node,)))
+        return [ImagePinRow(node=r[0], image=r[1], ref=r[2], layers=tuple(json.loads(r[3])),
+                            pinned_at=float(r[4]), by=r[5]) for r in rows]
 
     def reclaim_space(self, pages: int) -> None:
         """Give up to ``pages`` pages freed by deletes back to the filesystem (after

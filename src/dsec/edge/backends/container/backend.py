@@ -65,6 +65,7 @@ from dsec.edge.backends.container.protocol import (
     Exec,
     Exited,
     Failed,
+    Helper,
     Kill,
     Reply,
     Started,
@@ -137,6 +138,11 @@ USERNS_BASE = 100000
 USERNS_SIZE = 65536
 
 
+#: exec helpers of one sandbox that may die or fail to start before it is served by the
+#: per-exec path for good (a sandbox that keeps OOM-killing its helper).
+HELPER_MAX_FAILS = 3
+
+
 def _exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -183,6 +189,7 @@ class ContainerBackend:
                  denied_notice_s: float = 10.0,
                  exec_start_timeout_s: float = 30.0,
                  network: SandboxNetwork | None = None,
+                 exec_helper: bool | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -208,11 +215,22 @@ class ContainerBackend:
         ``exec_start_timeout_s``: how long a background exec may take to start its command
         (milliseconds normally; a process in the sandbox can stop it before it runs, and
         the call must not wait for ever) - then it is killed and the call fails.
+        ``exec_helper``: fork foreground execs from a per-sandbox helper that entered the
+        sandbox (namespaces, cgroups, capabilities, seccomp) once, instead of an
+        intermediate per exec that does it every time (nsexec.c, do_helper; the helper
+        is invisible inside and counts one task and a few pages in the sandbox's cgroups).
+        Anything it cannot serve - a user namespace, nested sandboxes, background execs,
+        the task limit, a helper gone - takes the per-exec path. ``None`` (default): on,
+        unless the environment says ``DSEC_EXEC_HELPER=0`` (how `dsec bench rl` runs the
+        old path beside the new one through `dsec up`).
         ``network``: the node's router slots (dsec.net); a sandbox whose policy needs
         more than loopback joins a slot's netns. None: only loopback-only sandboxes."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
+        if exec_helper is None:
+            exec_helper = os.environ.get("DSEC_EXEC_HELPER", "1") != "0"
+        self.exec_helper = exec_helper and runtime == "native"
         pids_total, per_sandbox = pids_budget(kernel_pid_max(), headroom=pids_headroom,
                                               max_sandbox=max_sandbox_pids)
         if not 1 << 20 <= default_disk_bytes:
@@ -793,6 +811,35 @@ class ContainerBackend:
                        f"{self._notices.interval_s:g} s were folded into this one)")
         self._report(box, reason, detail)
 
+    def lazy_event(self, ev: dict[str, Any]) -> None:
+        """An event of the node's lazy layer daemon (:mod:`dsec.edge.lazy.layers`; call
+        on the event loop): a failed fetch or a daemon restart becomes a
+        ``layer_unavailable`` notice for every sandbox whose image holds the layer."""
+        kind = ev.get("ev")
+        if kind == "fetch_failed" and not ev.get("prefetch"):
+            digest = "sha256:" + str(ev.get("layer"))
+            detail = (f"reads of image layer {digest} failed with EIO inside the sandbox: "
+                      f"{ev.get('cause')}; the node and other layers are unaffected, "
+                      "retry when the blob store is reachable")
+        elif kind == "daemon_restarted":
+            digest = None
+            detail = ("the node's lazy layer daemon died and was restarted: pages of lazily "
+                      "loaded layers this sandbox had not read yet fail with EIO in it "
+                      "(its mounts were bound to the old daemon); recreate the sandbox, "
+                      "new sandboxes read through the new daemon")
+        else:
+            return
+        for box in list(self._boxes.values()):
+            token = box.layers.token
+            digests = getattr(token, "digests", ())
+            lazy = getattr(self.images, "lazy", None)
+            if digest is None:
+                hit = lazy is not None and any(lazy.knows(d) for d in digests)
+            else:
+                hit = digest in digests
+            if hit:
+                self._notice(box, "layer_unavailable", detail)
+
     def _report(self, box: Box, reason: str, detail: str) -> None:
         if self._sink is not None:
             self._sink(box.sid, reason, detail)
@@ -844,6 +891,7 @@ class ContainerBackend:
         box.pids_seen = self.governor.pids_limit_hits(cg)
         self._boxes[sid] = box
         self._watch_box(box)
+        self._lazy_adopted(box)
         if self.network is not None and spec.net.net_mode != "none":
             # Its slot (netns held by its processes, veth end by the pinned router) is
             # checked against the router, with every other adopted one, by reconcile()
@@ -860,6 +908,21 @@ class ContainerBackend:
         """The node's word, before :meth:`adopt`, on the project ceilings' deny entries
         the sandbox's policy was loaded with (journaled beside it)."""
         self._adopt_ceiling[sid] = ceiling_deny
+
+    def _lazy_adopted(self, box: Box) -> None:
+        """An adopted sandbox on lazily read layers: its overlay still stands on the
+        layers the previous edge's FUSE daemon served, and that daemon went with its
+        edge (it exits when its edge does), so pages it had not read fail with EIO. Say
+        so (issue 17); new sandboxes read through this edge's daemon."""
+        lazy = getattr(self.images, "lazy", None)
+        digests = getattr(box.layers.token, "digests", ())
+        remote = [d for d in digests if lazy is not None and lazy.knows(d)]
+        if remote:
+            self._notice(box, "layer_unavailable", (
+                f"sandbox {box.sid} was adopted after an edge restart; its lazily loaded "
+                f"layers ({', '.join(remote)}) were served by the previous edge's FUSE "
+                "daemon, so pages it had not read yet fail with EIO in it; recreate the "
+                "sandbox to read them through this edge's daemon"))
 
     def _network_lost(self, box: Box, why: str) -> None:
         assert self.network is not None
@@ -1228,9 +1291,57 @@ class ContainerBackend:
             if not box.dying:
                 self._check_limits(box)
 
+    def _helper(self, box: Box) -> int:
+        """The id of ``box``'s running exec helper, or 0: then this exec takes the per-exec
+        path, and a helper is started for the next ones. Not waiting for it keeps a
+        sandbox's first exec as fast as before and costs one-exec sandboxes nothing
+        (waiting made the first exec pay the helper's start too); none is started once
+        helpers kept failing here."""
+        if box.helper:
+            return box.helper
+        if box.helper_fails >= HELPER_MAX_FAILS or box.dying:
+            return 0
+        if box.helper_start is None:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            rid = self._zygote.next_id()
+
+            def on_reply(reply: Reply, fds: list[int]) -> None:
+                for fd in fds:
+                    os.close(fd)
+                if isinstance(reply, Started):
+                    box.helper = rid
+                    if not fut.done():
+                        fut.set_result(rid)
+                    return
+                # Exited (it is gone: the sandbox went, or it died) or Failed (no start)
+                self._zygote.done(rid)
+                if box.helper == rid:
+                    box.helper = 0
+                if box.helper_start is fut:
+                    box.helper_start = None
+                if not box.dying:
+                    box.helper_fails += 1
+                if not fut.done():
+                    fut.set_result(0)
+
+            box.helper_start = fut
+            try:
+                self._zygote.send(Helper(id=rid, cgroup_procs=box.cg.procs_files),
+                                  [box.pidfd], on_reply)
+            except DsecError:
+                box.helper_start = None
+                box.helper_fails += 1
+        return 0
+
     async def _native_exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
-                           on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
+                           on_chunk: Callable[[ExecChunk], None] | None,
+                           *, via_helper: bool = True) -> ExecResult:
         loop = asyncio.get_running_loop()
+        helper = 0
+        if (via_helper and self.exec_helper and not req.background
+                and not box.spec.user_namespace and not box.spec.allow_nested
+                and not req.hide):  # red17 merge: the helper path cannot apply Landlock
+            helper = self._helper(box)
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
@@ -1275,7 +1386,7 @@ class ContainerBackend:
                      cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
                      background=req.background, userns=box.spec.user_namespace,
                      pids_index=target.pids_index, home_procs=self.governor.home_procs(),
-                     hide=req.hide),
+                     hide=req.hide, helper=helper),
                 send_fds, on_reply)
         except BaseException:
             for fd in local:
@@ -1303,6 +1414,15 @@ class ContainerBackend:
         timed_out = False
         try:
             reply = await started
+            if isinstance(reply, Failed) and helper:
+                # The helper refused it (gone, at the task limit, too big): the command
+                # never ran - a Failed comes only before the helper reported a pid.
+                pump.finish()
+                if feeder is not None:
+                    feeder.close()
+                await self._clear_exec_cgroup(box, ec)
+                return await self._native_exec(box, req, argv, env, on_chunk,
+                                               via_helper=False)
             if isinstance(reply, Failed):
                 raise BackendError(f"exec in sandbox {box.sid} failed to start: "
                                    f"{reply.message}")
@@ -1338,6 +1458,9 @@ class ContainerBackend:
             feeder.close()
         if isinstance(reply, Failed):
             await self._clear_exec_cgroup(box, ec)
+            if helper and not timed_out:  # the helper went before it forked the command
+                return await self._native_exec(box, req, argv, env, on_chunk,
+                                               via_helper=False)
             raise BackendError(f"exec in sandbox {box.sid} failed: {reply.message}")
         assert isinstance(reply, Exited)
         if not timed_out:

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dsec.errors import ImageNotFound, InvalidArgument
+from dsec.errors import CorruptLayer, DsecError, ImageNotFound, InvalidArgument
 from dsec.image.compose import RootStack, acquire_stack, compose
+from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache
 from dsec.image.packdiff import restore_stack
 from dsec.image.store import LayerStore
 from dsec.wire.spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from dsec.edge.lazy.layers import LazyLayers
 
 __all__ = ["DirectoryImages", "ImageResolver", "RootLayers", "StoreImages"]
 
@@ -49,6 +54,8 @@ class ImageResolver(Protocol):
         """The sandbox that used ``layers`` is gone (a resolver may unmount at refcount 0)."""
 
 
+_FULL_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_REMOTE_DEPTH = 128
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
@@ -99,9 +106,45 @@ class StoreImages:
     which is also the ``base`` a sandbox's first :func:`~dsec.image.packdiff.snapshot` needs.
     """
 
-    def __init__(self, store: LayerStore, mount_cache: MountCache) -> None:
+    def __init__(self, store: LayerStore, mount_cache: MountCache,
+                 lazy: LazyLayers | None = None) -> None:
         self.store = store
         self.cache = mount_cache
+        self.lazy = lazy
+
+    def _get(self, ref: str) -> LayerManifest:
+        """The manifest of ``ref``; a digest this node lacks is looked up in the blob
+        store (``lazy``) with every layer it stands on, and recorded as remote: its
+        chunks are fetched when a sandbox reads them, never the whole layer here."""
+        try:
+            m = self.store.get(ref)
+        except ImageNotFound:
+            if self.lazy is None or not _FULL_DIGEST.fullmatch(ref):
+                raise
+            return self._resolve_remote(ref, depth=0)
+        self._lazy_here(m)
+        return m
+
+    def _lazy_here(self, m: LayerManifest) -> None:
+        """A layer recorded remote by another process sharing the store (``dsec up``'s
+        edges share one): this node's daemon needs its chunk table too."""
+        if self.lazy is not None and not os.path.exists(self.store.layer_path(m)):
+            self.lazy.register(m)
+
+    def _resolve_remote(self, digest: str, depth: int) -> LayerManifest:
+        if depth > MAX_REMOTE_DEPTH:
+            raise CorruptLayer(f"layer {digest} stands on more than {MAX_REMOTE_DEPTH} "
+                               "layers in the blob store", digest=digest)
+        if self.store.has(digest):
+            m = self.store.get(digest)
+            self._lazy_here(m)
+            return m
+        assert self.lazy is not None
+        m = self.lazy.fetch_manifest(digest)
+        for below in (*m.stack, *((m.parent,) if m.parent else ())):
+            self._resolve_remote(below, depth + 1)
+        self.lazy.register(m)
+        return self.store.add_remote(m)
 
     def stack_for(self, spec: SandboxSpec) -> RootStack:
         """The layer stack ``spec`` asks for (no mounting)."""
@@ -111,14 +154,70 @@ class StoreImages:
                     "a sandbox started from a snapshot takes the snapshot's own image; "
                     "leave workspace and toolkits empty", field="snapshot")
             return restore_stack(self.store, spec.snapshot)
-        base = self.store.get(spec.image)
+        base = self._get(spec.image)
         return compose(base,
-                       self.store.get(spec.workspace) if spec.workspace else None,
-                       [self.store.get(t) for t in spec.toolkits],
-                       [self.store.get(d) for d in base.stack] if base.kind == "base" else ())
+                       self._get(spec.workspace) if spec.workspace else None,
+                       [self._get(t) for t in spec.toolkits],
+                       [self._get(d) for d in base.stack] if base.kind == "base" else ())
+
+    def pin(self, ref: str) -> list[str]:
+        """Keep the image ``ref`` fully cached on this node (``image_pin``, issue 17):
+        every layer of it this node reads lazily is fetched whole in the background and
+        never evicted. Resolves from the blob store what the node lacks. Returns the
+        digests pinned (layers stored whole here need nothing)."""
+        if self.lazy is None:
+            return []
+        m = self._get(ref)
+        out = []
+        for d in (m.digest, *m.stack):
+            if self.lazy.knows(d):
+                self.lazy.pin(d)
+                out.append(d)
+        return out
+
+    def apply_pins(self, images: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Make the node's pins exactly the layers of ``images`` (the control plane's
+        pins for this node, ``ControlPlane.pins_for``): pin what is new, unpin what is
+        no longer named. Idempotent, so it can ride every heartbeat. Returns (pinned,
+        unpinned) layer digests. An image the blob store cannot resolve now is skipped
+        (the next call tries again); its already pinned layers stay pinned."""
+        if self.lazy is None:
+            return [], []
+        want: set[str] = set()
+        keep: set[str] = set()
+        for ref in images:
+            try:
+                m = self._get(ref)
+            except DsecError:
+                keep |= set(self.lazy.pinned)    # unknown now: unpin nothing
+                continue
+            want |= {d for d in (m.digest, *m.stack) if self.lazy.knows(d)}
+        have = set(self.lazy.pinned)
+        new, gone = sorted(want - have), sorted(have - want - keep)
+        for d in new:
+            self.lazy.pin(d)
+        for d in gone:
+            self.lazy.unpin(d)
+        return new, gone
+
+    def unpin(self, ref: str) -> list[str]:
+        """Undo :meth:`pin`: the image's chunks may be evicted again."""
+        if self.lazy is None:
+            return []
+        m = self._get(ref)
+        out = [d for d in (m.digest, *m.stack) if d in self.lazy.pinned]
+        for d in out:
+            self.lazy.unpin(d)
+        return out
 
     def acquire(self, spec: SandboxSpec) -> RootLayers:
         stack = self.stack_for(spec)
+        if self.lazy is not None:
+            # prefetch the image's access trace (in the background, racing the mounts
+            # below), or record one; keyed by the image layer (a task's workspace and
+            # toolkits vary around it). A hint: never fails the create.
+            image = stack.layers[0] if spec.snapshot is not None else self._get(spec.image)
+            self.lazy.image_started(image.digest, stack.digests)
         lowers = acquire_stack(self.store, self.cache, stack)
         return RootLayers(tuple(lowers), token=stack)
 

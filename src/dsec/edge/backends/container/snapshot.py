@@ -76,7 +76,7 @@ from dsec.image import diskroom
 from dsec.image.build import BUILD_STEP_LABEL
 from dsec.image.catalog import StoreIndex
 from dsec.image.compose import RootStack
-from dsec.image.manifest import DIGEST_PREFIX, LayerManifest, layer_namespace
+from dsec.image.manifest import LayerManifest, layer_namespace
 from dsec.image.packdiff import snapshot as pack_diff
 from dsec.wire.spec import SnapshotInfo, project_of
 
@@ -451,19 +451,14 @@ class ContainerSnapshots:
         return info
 
     def images_present(self) -> Iterable[str]:
-        """Every layer digest in the store plus its ``name:tag`` refs (one listdir and
+        """Every layer digest stored whole plus the ``name:tag`` refs (two listdirs and
         one small file read), so placement can route snapshot creates here."""
         images = self.images
         if images is None:
             return ()
         store = images.store
-        try:
-            names = os.listdir(os.path.join(store.root, "manifests"))
-        except FileNotFoundError:
-            return ()
-        out = [DIGEST_PREFIX + n[:-5] for n in names if n.endswith(".json")]
-        out += store.refs()
-        return out
+        # layers read lazily (a manifest, no file) are not here to hand out (issue 17)
+        return store.stored_digests() + list(store.refs())
 
 
 def _discard(_: object) -> None:

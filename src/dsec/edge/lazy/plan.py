@@ -1,0 +1,121 @@
+"""Pure arithmetic of the chunk path: which chunks a read covers, how misses merge into
+ranged requests, how long to back off, and the LRU that decides what the chunk cache
+drops. No I/O, no clock: the daemon (:mod:`dsec.edge.lazy.fs`) feeds these."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["ChunkLru", "Run", "backoff_delays", "chunk_span", "merge_runs"]
+
+ChunkKey = tuple[str, int]
+"""(layer digest hex, chunk index)."""
+
+
+def chunk_span(offset: int, size: int, chunk_size: int, file_size: int) -> range:
+    """Indices of the chunks that bytes ``[offset, offset+size)`` of a ``file_size``
+    file touch (clipped at the end of the file; empty past it)."""
+    end = min(offset + size, file_size)
+    if size <= 0 or offset >= end:
+        return range(0)
+    return range(offset // chunk_size, (end - 1) // chunk_size + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """``count`` adjacent chunks starting at ``first``: one ranged request."""
+
+    first: int
+    count: int
+
+    def byte_range(self, chunk_size: int, file_size: int) -> tuple[int, int]:
+        """(offset, length) of the run in the layer file (the last chunk may be short)."""
+        off = self.first * chunk_size
+        return off, min((self.first + self.count) * chunk_size, file_size) - off
+
+
+def merge_runs(indices: Iterable[int], max_chunks: int) -> list[Run]:
+    """Adjacent chunk indices merged into runs of at most ``max_chunks`` (each one ranged
+    request), in ascending order; duplicates collapse."""
+    if max_chunks < 1:
+        raise ValueError(f"max_chunks={max_chunks} must be >= 1")
+    runs: list[Run] = []
+    for i in sorted(set(indices)):
+        if runs and runs[-1].first + runs[-1].count == i and runs[-1].count < max_chunks:
+            runs[-1] = Run(runs[-1].first, runs[-1].count + 1)
+        else:
+            runs.append(Run(i, 1))
+    return runs
+
+
+def backoff_delays(budget_s: float, *, first_s: float = 0.05, cap_s: float = 2.0,
+                   rng: random.Random) -> Iterator[float]:
+    """Sleeps between attempts of one fetch: exponential from ``first_s``, capped at
+    ``cap_s``, with full jitter (AWS's "full jitter": each sleep uniform in [d/2, d]), and
+    ending when the sleeps would pass ``budget_s`` in total: the bound on how long a read
+    waits for an unreachable blob store before it fails with EIO."""
+    spent, d = 0.0, first_s
+    while True:
+        s = rng.uniform(d / 2, d)
+        if spent + s > budget_s:
+            return
+        spent += s
+        yield s
+        d = min(d * 2, cap_s)
+
+
+class ChunkLru:
+    """Which cached chunks go first when the cache is over its byte budget: least
+    recently used, never a pinned layer's (an image pinned to this node stays whole)."""
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"chunk cache budget {budget_bytes} must be >= 0 bytes")
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self._order: OrderedDict[ChunkKey, int] = OrderedDict()
+        self.pinned: set[str] = set()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def touch(self, key: ChunkKey) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def add(self, key: ChunkKey, size: int) -> list[ChunkKey]:
+        """Record a stored chunk; returns the chunks to evict to fit the budget (never
+        ``key`` itself, never a pinned layer's), already forgotten here."""
+        old = self._order.pop(key, None)
+        if old is not None:
+            self.bytes -= old
+        self._order[key] = size
+        self.bytes += size
+        return self._fit(keep=key)
+
+    def discard(self, key: ChunkKey) -> None:
+        size = self._order.pop(key, None)
+        if size is not None:
+            self.bytes -= size
+
+    def _fit(self, keep: ChunkKey) -> list[ChunkKey]:
+        if self.budget_bytes is None or self.bytes <= self.budget_bytes:
+            return []
+        out: list[ChunkKey] = []
+        for k in list(self._order):
+            if self.bytes <= self.budget_bytes:
+                break
+            if k == keep or k[0] in self.pinned:
+                continue
+            self.bytes -= self._order.pop(k)
+            out.append(k)
+        return out
+
+    def keys(self) -> list[ChunkKey]:
+        return list(self._order)

@@ -1,0 +1,57 @@
+"""The chunk path's pure arithmetic: spans, merged runs, backoff, the LRU."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsec.edge.lazy.plan import ChunkLru, Run, backoff_delays, chunk_span, merge_runs
+
+CS = 256 * 1024
+
+
+def test_chunk_span_clips_at_the_end() -> None:
+    assert chunk_span(0, 1, CS, 10 * CS) == range(1)
+    assert chunk_span(CS - 1, 2, CS, 10 * CS) == range(2)
+    assert chunk_span(9 * CS, 4 * CS, CS, 9 * CS + 5) == range(9, 10)
+    assert chunk_span(10 * CS, 10, CS, 10 * CS) == range(0)
+    assert chunk_span(5, 0, CS, 10 * CS) == range(0)
+
+
+@given(st.sets(st.integers(0, 300)), st.integers(1, 20))
+def test_merge_runs_covers_each_index_once_in_adjacent_runs(idx: set[int], mx: int) -> None:
+    runs = merge_runs(idx, mx)
+    covered = [i for r in runs for i in range(r.first, r.first + r.count)]
+    assert covered == sorted(idx)
+    assert all(1 <= r.count <= mx for r in runs)
+    # two runs only split where there is a gap or the run was full
+    for a, b in itertools.pairwise(runs):
+        assert b.first > a.first + a.count or a.count == mx
+
+
+def test_run_byte_range_last_chunk_short() -> None:
+    assert Run(2, 3).byte_range(CS, 4 * CS + 7) == (2 * CS, 2 * CS + 7)
+
+
+def test_backoff_stays_within_budget_and_grows() -> None:
+    d = list(backoff_delays(3.0, first_s=0.1, cap_s=1.0, rng=random.Random(1)))
+    assert d and sum(d) <= 3.0
+    assert max(d) <= 1.0
+    assert list(backoff_delays(0.01, first_s=0.1, rng=random.Random(1))) == []
+
+
+def test_lru_evicts_oldest_never_pinned_nor_the_new_one() -> None:
+    lru = ChunkLru(3 * CS)
+    for i in range(3):
+        assert lru.add(("a", i), CS) == []
+    lru.touch(("a", 0))
+    assert lru.add(("a", 3), CS) == [("a", 1)]
+    lru.pinned.add("p")
+    assert lru.add(("p", 0), CS) == [("a", 2)]
+    assert lru.add(("p", 1), CS) == [("a", 0)]
+    assert lru.add(("p", 2), CS) == [("a", 3)]
+    assert lru.add(("p", 3), CS) == []            # only pinned left: over budget, kept
+    assert lru.bytes == 4 * CS and len(lru) == 4
