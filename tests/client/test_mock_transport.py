@@ -10,7 +10,7 @@ import pytest
 
 from dsec.client.core import AsyncClient
 from dsec.client.testing import MockTransport
-from dsec.errors import ConnectionLost, SandboxNotFound
+from dsec.errors import ConnectFailed, ConnectionLost, Overloaded, SandboxNotFound
 from dsec.wire import ops
 from dsec.wire.api import EventList, FileList
 from dsec.wire.calls import CreateSandbox, ExecCall, Mkdir, SandboxRef, WriteFile
@@ -70,6 +70,32 @@ async def test_every_call_is_one_row_with_its_request_object() -> None:
     assert bodies["write_file"] == WriteFile(id=SID, path="/f", data=b"x")
     assert bodies["destroy"] == SandboxRef(id=SID)
     assert mock.closed
+
+
+async def test_an_exec_is_repeated_only_when_it_provably_never_reached_the_server() -> None:
+    """An exec is not idempotent: it is sent again after a failed connect (nothing was
+    sent), a refusal at a listener's limit (nothing was read) or an Aether GOAWAY (the
+    peer says it did not process it), never after a connection dropped with the request
+    on it (the server may have run it). Found by the rolling-upgrade test: an exec whose
+    new connection found the stopping replica gone was raised to the caller."""
+    fails: list[Exception] = [ConnectFailed("refused"), Overloaded("full"),
+                              ConnectionLost("goaway", retryable=True),
+                              ConnectionLost("dropped mid-request")]
+
+    def handler(op: Op[Any, Any], body: Any) -> Any:
+        if op is ops.EXEC:
+            if fails:
+                raise fails.pop(0)
+            return ExecResult(exit_code=0, stdout=b"ok\n")
+        return _info(SandboxSpec())
+
+    mock = MockTransport(handler)
+    async with AsyncClient(transport=mock, session_lease_s=None, retries=3) as c:
+        sb = await c.sandboxes.get(SID)
+        with pytest.raises(ConnectionLost, match="dropped mid-request"):
+            await sb.exec("echo ok")          # 3 unsent attempts repeated, the 4th raised
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+    assert [name for name, _ in mock.calls] == ["get"] + ["exec"] * 5
 
 
 def test_the_sync_client_takes_the_same_transport() -> None:

@@ -49,10 +49,13 @@ import msgspec
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
 from dsec.errors import (
+    ConnectFailed,
+    ConnectionLost,
     DsecError,
     EdgeUnreachable,
     InvalidArgument,
     NotFound,
+    Overloaded,
     RateLimited,
     RequestTimeout,
     TransportError,
@@ -348,12 +351,18 @@ class AsyncClient:
         re-established, e.g. the edge just restarted: the apiserver reconnects at most
         once per ``reconnect_interval_s``, 1 s by default), at least that long apart. Only
         idempotent calls come here, so repeating one the link may have carried is safe."""
+        return await self._retry_if(fn, lambda exc: isinstance(
+            exc, (TransportError, EdgeUnreachable)))
+
+    async def _retry_if(self, fn: Callable[[], Awaitable[T]],
+                        retryable: Callable[[DsecError], bool]) -> T:
+        """:meth:`_retry` for the errors ``retryable`` accepts."""
         delay = 0.05
         for attempt in range(self.retries + 1):
             try:
                 return await fn()
-            except (TransportError, EdgeUnreachable) as exc:
-                if attempt >= self.retries:
+            except DsecError as exc:
+                if attempt >= self.retries or not retryable(exc):
                     raise
                 wait = delay * (0.5 + random.random())
                 if isinstance(exc, EdgeUnreachable):
@@ -411,7 +420,9 @@ class AsyncClient:
         t = await self._transport()
         if op.idempotent if idempotent is None else idempotent:
             return await self._retry(lambda: t.call(op, body, timeout=timeout))
-        return await t.call(op, body, timeout=timeout)
+        # Not safe to repeat (exec): again only when the server provably never read it.
+        return await self._retry_if(lambda: t.call(op, body, timeout=timeout),
+                                    never_processed)
 
     async def upload(self, op: UploadOp[Req, Rep], body: Req,
                      chunks: AsyncIterator[bytes]) -> Rep:
@@ -1035,3 +1046,15 @@ class AsyncSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.kill()
+
+
+def never_processed(exc: DsecError) -> bool:
+    """Whether a failed call provably never reached the server's handler, so repeating
+    even a non-idempotent one (exec) cannot run it twice: the connection could not be
+    opened (:class:`ConnectFailed`: nothing was sent), a listener refused it at a limit
+    before reading it (:class:`Overloaded`), or the peer said it did not process it (an
+    Aether GOAWAY: ``retryable``). A connection that dropped with the request written on
+    it (a plain :class:`ConnectionLost`) proves nothing: the server may have read and run
+    it, so that is raised to the caller, who checks before running the command again."""
+    return (isinstance(exc, (ConnectFailed, Overloaded))
+            or (isinstance(exc, ConnectionLost) and exc.detail.get("retryable") is True))

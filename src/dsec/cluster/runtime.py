@@ -84,6 +84,13 @@ __all__ = ["ClusterConfig", "ClusterRuntime"]
 log = logging.getLogger("dsec.cluster")
 
 LOCK_FILE = "up.lock"
+# Bounds of the steps of stopping (SIGTERM: a rolling upgrade, docs/deploy.md). Serving
+# drains in-flight requests and idle kept-alive connections (their keep-alive timeout:
+# 5 s) with a margin; every later step (closing the service, the plane's loops, the
+# store's pool and LISTEN connection) normally takes milliseconds, and one that overruns
+# its bound is logged and left behind, so a replica always exits.
+HTTP_DRAIN_S = 8.0
+STOP_STEP_S = 10.0
 # How long a restarted edge process takes to serve again: measured 0.3-0.8 s (Python
 # start-up, imports, journal re-adoption) on the 2-core dev VM under load; doubled.
 EDGE_RESTART_BUDGET_S = 2.0
@@ -241,6 +248,7 @@ class ClusterRuntime:
         self._gateway: Any = None
         self._uvicorn: Any = None
         self._serve_task: asyncio.Task[None] | None = None
+        self._http_sock: socket.socket | None = None
         self._store: Any = None
         self.http_admission: Any = None       # the REST listener's Admission (counters)
         self._images: Any = None              # StoreImages shared by in-process container edges
@@ -773,6 +781,7 @@ class ClusterRuntime:
             app, cfg.http_limits, name=f"REST listener {cfg.listen}",
             access_log=cfg.access_log)
         self._uvicorn = server
+        self._http_sock = sock if sock.family in (socket.AF_INET, socket.AF_INET6) else None
         self._serve_task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self._serve_task.done():
@@ -819,24 +828,30 @@ class ClusterRuntime:
         and stop the edges."""
         keep = self.config.keep if keep is None else keep
         if self._uvicorn is not None:
+            if self._http_sock is not None:
+                from dsec.control.api.http_limits import drain_accept_queue
+                await _bounded("accepting the queued connections",
+                               drain_accept_queue(self._http_sock), 1.0)
             self._uvicorn.should_exit = True
             if self._serve_task is not None:
                 # in-flight requests, and idle kept-alive connections until their
-                # keep-alive timeout (GuardedHttpProtocol.shutdown): 5 s, plus a margin
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._serve_task, 8.0)
+                # keep-alive timeout (GuardedHttpProtocol.shutdown)
+                await _bounded("draining the REST listener", self._serve_task, HTTP_DRAIN_S)
             self._uvicorn = None
+            self._http_sock = None
         if self._gateway is not None:
-            await self._gateway.close()
+            await _bounded("closing the gateway", self._gateway.close(), STOP_STEP_S)
             self._gateway = None
         if self.service is not None:
-            await self.service.close()
-            await self.service.idempotency.close()
+            await _bounded("stopping keyed creates", self.service.close(), STOP_STEP_S)
+            await _bounded("closing the idempotency cache",
+                           self.service.idempotency.close(), STOP_STEP_S)
         for t in self._bg:
             t.cancel()
-        await asyncio.gather(*self._bg, return_exceptions=True)
+        await _bounded("stopping background tasks",
+                       asyncio.gather(*self._bg, return_exceptions=True), STOP_STEP_S)
         if self.plane is not None:
-            await self.plane.close()
+            await _bounded("closing the control plane", self.plane.close(), STOP_STEP_S)
             for e in self.plane.edges.values():   # links the plane redialled itself
                 with contextlib.suppress(Exception):
                     await e.link.close()
@@ -854,8 +869,10 @@ class ClusterRuntime:
                 self._mounts.close()
             self._mounts = self._images = None
         if self._store is not None:
-            with contextlib.suppress(Exception):
-                self._store.close()
+            # a thread: closing a PostgreSQL store joins its LISTEN thread and its pool's
+            # workers (each bounded at 5 s by the store); SQLite closes at once
+            await _bounded("closing the state store", asyncio.to_thread(self._store.close),
+                           STOP_STEP_S)
             self._store = None
         if self.config.write_local:
             with contextlib.suppress(FileNotFoundError):
@@ -907,3 +924,23 @@ class ClusterRuntime:
                     await node.destroy_many(ids, reason="shutdown")
             await node.close()
         self.nodes.clear()
+
+
+async def _bounded(what: str, step: Any, bound_s: float) -> None:
+    """Await one step of stopping for at most ``bound_s``: one that overruns is cancelled,
+    logged with its bound and left behind (never awaited again: a step that swallows its
+    cancel must not hold the process), one that fails is logged. Stopping goes on either
+    way, so SIGTERM ends the process within the sum of the bounds."""
+    task = asyncio.ensure_future(step)
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait({task}, timeout=bound_s)
+    took = time.monotonic() - t0
+    if not done:
+        task.cancel()
+        log.warning("stopping: %s did not finish within %gs; left behind, going on", what,
+                    bound_s)
+        return
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("stopping: %s failed after %.1fs: %s", what, took, exc)
+    elif took > 1.0:
+        log.info("stopping: %s took %.1fs", what, took)

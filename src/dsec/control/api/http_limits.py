@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,7 +48,8 @@ from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_b
 from dsec.aether.transport import peer_key
 from dsec.errors import InvalidArgument, Overloaded
 
-__all__ = ["GuardedHttpProtocol", "HttpLimits", "guarded_protocol", "uvicorn_server"]
+__all__ = ["GuardedHttpProtocol", "HttpLimits", "drain_accept_queue", "guarded_protocol",
+           "uvicorn_server"]
 
 # Seconds a refused connection may stay open to flush its 503 before it is aborted, and
 # how many may linger at once (beyond that a refusal is closed at once).
@@ -269,7 +273,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._stopping = True
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
+            # Only while its head is still to go: a head already sent without
+            # `Connection: close` has told the client it may reuse the connection, so
+            # closing after this response could cut the next request the client sends on
+            # it; that next one is answered with the close instead (on_headers_complete).
+            if not self.cycle.response_started:
+                self.cycle.keep_alive = False
         elif self.timeout_keep_alive_task is None:
             # no request yet (its keep-alive timer arms after a response): close it if
             # none comes within the keep-alive time
@@ -342,7 +351,8 @@ def uvicorn_server(app: Any, limits: HttpLimits | None = None, *, name: str = "R
     :class:`Admission`. It installs no signal handlers: the caller owns SIGINT/SIGTERM
     and stops it with ``server.should_exit = True`` (in-flight requests finish; idle
     kept-alive connections are answered once more with ``Connection: close`` or closed by
-    the keep-alive timeout: :meth:`GuardedHttpProtocol.shutdown`). ``dsec up`` and the ``api`` bench build it here,
+    the keep-alive timeout: :meth:`GuardedHttpProtocol.shutdown`; before that the caller lets
+    it accept what is queued: :func:`drain_accept_queue`). ``dsec up`` and the ``api`` bench build it here,
     so the benchmark measures what ships.
 
     Why uvicorn and not granian (measured in the ``api`` bench, docs/benchmarks.md):
@@ -361,3 +371,36 @@ def uvicorn_server(app: Any, limits: HttpLimits | None = None, *, name: str = "R
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
     return server, admission
+
+
+# A classic BPF program of one instruction, `ret #0`: drop every packet.
+_DROP_ALL = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))
+_SO_ATTACH_FILTER = 26
+
+
+def refuse_new_connections(sock: socket.socket) -> None:
+    """Make the listening ``sock`` drop new SYNs, keeping the connections already queued
+    for accept. Closing a listener resets what is still in its accept queue: a client
+    whose connect completed there has sent its request and sees the connection drop
+    with it written (an exec it cannot tell from one that ran). With the filter, a new
+    client's SYN goes unanswered, is retransmitted and then refused once the listener
+    is closed: a failed connect, which the SDK repeats (nothing was sent)."""
+    prog = struct.pack("HL", 1, ctypes.addressof(_DROP_ALL))
+    sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, prog)
+
+
+def accept_queue_length(sock: socket.socket) -> int:
+    """Connections waiting in the listening ``sock``'s accept queue (Linux: TCP_INFO's
+    ``tcpi_unacked`` on a listener)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    return int(struct.unpack_from("I", info, 24)[0])
+
+
+async def drain_accept_queue(sock: socket.socket, *, poll_s: float = 0.01) -> None:
+    """Before a graceful stop closes the listener: refuse new connections
+    (:func:`refuse_new_connections`) and wait until the server has accepted every
+    queued one (it then answers their requests with ``Connection: close``). The caller
+    bounds the wait."""
+    refuse_new_connections(sock)
+    while accept_queue_length(sock) > 0:
+        await asyncio.sleep(poll_s)

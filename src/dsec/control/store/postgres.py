@@ -60,7 +60,12 @@ POSTGRES = Dialect(
 )
 
 _CONN_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
-_PROBE_S = 0.2      # while the server is down, how often a call asks it again
+# SQLSTATE class 40: the server rolled the transaction back (psycopg 3 puts the deadlock
+# and serialization classes under OperationalError, not under TransactionRollback).
+_ROLLED_BACK = (psycopg.errors.TransactionRollback, psycopg.errors.DeadlockDetected,
+                psycopg.errors.SerializationFailure)
+_PROBE_S = 0.2
+_SCHEMA_ATTEMPTS = 5    # schema set-up runs, when PostgreSQL rolls it back (a deadlock)      # while the server is down, how often a call asks it again
 
 
 class PostgresStore(SqlStore):
@@ -120,7 +125,20 @@ class PostgresStore(SqlStore):
         self._closing = threading.Event()
         self.listening = False     # True while the LISTEN connection is up
         try:
-            super().__init__(None, POSTGRES)
+            # The schema's CREATE ... IF NOT EXISTS take table locks even when everything
+            # exists; a replica starting while another writes can deadlock with it
+            # (found by tests/control/test_rolling_upgrade.py: the restarted replica
+            # exited "deadlock detected"). PostgreSQL rolls one side back: run it again.
+            for attempt in range(_SCHEMA_ATTEMPTS):
+                try:
+                    super().__init__(None, POSTGRES)
+                    break
+                except Unavailable as exc:
+                    if not exc.detail.get("rolled_back") or attempt + 1 == _SCHEMA_ATTEMPTS:
+                        raise
+                    log.warning("store: setting up the schema at %s: %s; again", self.where,
+                                exc.message)
+                    time.sleep(0.05 * (attempt + 1))
         except BaseException:
             self._pool.close()
             raise
@@ -157,6 +175,13 @@ class PostgresStore(SqlStore):
         try:
             with pool.connection() as conn, conn.cursor() as cur:
                 yield cur
+        except _ROLLED_BACK as exc:
+            # A deadlock or serialization failure: the server is up and rolled this
+            # transaction back; it may be run again (not an outage: the store stays up).
+            raise Unavailable(
+                f"the PostgreSQL state store at {self.where} rolled a transaction back "
+                f"({self._clean(exc)}); retry it", retry_after=0.1, store="postgresql",
+                rolled_back=True) from None
         except _CONN_ERRORS as exc:
             self._last_error = self._clean(exc)
             if not self._down:
