@@ -135,3 +135,117 @@ def test_no_hidden_state() -> None:
     em = buf.episode_major()
     assert em.actor_h is None and em.critic_h is None
     assert set(em.arrays()) == {"obs", "action", "reward", "done", "start", "logprob", "value"}
+
+
+# -- LSTM state at sequence starts only (R2D2) -------------------------------------------
+
+def _lstm_step(w: np.ndarray, x: np.ndarray, h: np.ndarray,
+               c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A real LSTM cell in float32 (gates i, f, g, o from [x, h] @ w)."""
+    z = np.concatenate([x, h], axis=1) @ w
+    hs = h.shape[1]
+    i, f, g, o = (z[:, j * hs:(j + 1) * hs] for j in range(4))
+    sig = lambda v: (1.0 / (1.0 + np.exp(-v))).astype(np.float32)
+    c2 = (sig(f) * c + sig(i) * np.tanh(g)).astype(np.float32)
+    return (sig(o) * np.tanh(c2)).astype(np.float32), c2
+
+
+def _roll(bufs: list[ReplayBuffer], steps: int, seed: int = 0) -> None:
+    """The driver's loop: state in, step, reset on done; the same data into every buffer."""
+    rng = np.random.default_rng(seed)
+    n, hs, od = bufs[0].num_envs, bufs[0].hidden_size or 1, 2
+    w = rng.normal(scale=0.5, size=(od + hs, 4 * hs)).astype(np.float32)
+    h = np.zeros((n, hs), np.float32)
+    c = np.zeros((n, hs), np.float32)
+    for _ in range(steps):
+        obs = rng.normal(size=(n, od)).astype(np.float32)
+        done = rng.random(n) < 0.15
+        for b in bufs:
+            b.add(obs, 0, 1.0, done, actor_h=h, actor_c=c)
+        h, c = _lstm_step(w, obs, h, c)
+        h[done] = 0.0
+        c[done] = 0.0
+    for b in bufs:
+        b.w = w  # type: ignore[attr-defined]
+
+
+def _unroll(buf: ReplayBuffer) -> tuple[np.ndarray, np.ndarray]:
+    """Every step's state recomputed from the stored sequence-start states, resetting
+    at start rows (what a trainer does for BPTT)."""
+    sm = buf.step_major()
+    assert sm.state_steps is not None and sm.actor_h is not None and sm.actor_c is not None
+    t_len, n = sm.reward.shape
+    out_h = np.full((t_len, n, buf.hidden_size or 1), np.nan, np.float32)
+    out_c = out_h.copy()
+    h = c = None
+    stored = dict(zip(sm.state_steps.tolist(), range(len(sm.state_steps))))
+    for t in range(t_len):
+        if t in stored:
+            h, c = sm.actor_h[stored[t]].copy(), sm.actor_c[stored[t]].copy()
+        elif h is not None:
+            assert c is not None
+            h, c = _lstm_step(buf.w, sm.obs[t - 1], h, c)  # type: ignore[attr-defined]
+        if h is None or c is None:
+            continue  # before the first stored state of a window that starts mid-sequence
+        h[sm.start[t]] = 0.0
+        c[sm.start[t]] = 0.0
+        out_h[t], out_c[t] = h, c
+    return out_h, out_c
+
+
+@pytest.mark.parametrize("steps", [16, 37, 64])  # fills, wraps mid-sequence, wraps twice
+def test_sequence_start_states_recompute_every_step_exactly(steps: int) -> None:
+    full = ReplayBuffer(num_envs=5, capacity=24, obs_shape=(2,), hidden_size=6,
+                        critic_hidden_size=None)
+    sparse = ReplayBuffer(num_envs=5, capacity=24, obs_shape=(2,), hidden_size=6,
+                          critic_hidden_size=None, state_interval=4)
+    assert sparse.actor_h is not None and sparse.actor_h.shape == (6, 5, 6)
+    _roll([full, sparse], steps)
+    fm, sm = full.step_major(), sparse.step_major()
+    assert sm.state_steps is not None and fm.state_steps is None
+    phys = (sparse.oldest + sm.state_steps) % sparse.capacity
+    assert (phys % 4 == 0).all() and len(sm.state_steps) == len(set(phys.tolist()))
+    np.testing.assert_array_equal(fm.start, sm.start)
+    # the stored rows are the full buffer's rows, zero at episode starts
+    assert fm.actor_h is not None and sm.actor_h is not None
+    np.testing.assert_array_equal(sm.actor_h, fm.actor_h[sm.state_steps])
+    assert (sm.actor_h[sm.start[sm.state_steps]] == 0).all()
+    # and every other step's state is recomputed bit for bit (LSTM resets included)
+    uh, uc = _unroll(sparse)
+    first = int(sm.state_steps[0])
+    assert fm.actor_c is not None
+    np.testing.assert_array_equal(uh[first:], fm.actor_h[first:])
+    np.testing.assert_array_equal(uc[first:], fm.actor_c[first:])
+    assert np.isnan(uh[:first]).all()
+    assert sparse.check() == [] and full.check() == []
+    # the episode-major view carries the same rows, env-major
+    em = sparse.episode_major()
+    assert em.actor_h is not None and em.state_steps is not None
+    np.testing.assert_array_equal(em.actor_h, np.swapaxes(sm.actor_h, 0, 1))
+
+
+def test_sequence_start_segments_and_checker() -> None:
+    buf = ReplayBuffer(num_envs=3, capacity=8, obs_shape=(2,), hidden_size=4, state_interval=2)
+    _fill(buf, 8)
+    seg = buf.segments(4)
+    assert seg.actor_h is not None and seg.actor_h.shape == (3, 2, 4)
+    sm = buf.step_major()
+    assert sm.actor_h is not None
+    np.testing.assert_array_equal(seg.actor_h[:, 1], sm.actor_h[2])  # step 4 = slot 2
+    assert np.shares_memory(seg.actor_h, buf.actor_h)
+    with pytest.raises(InvalidArgument, match="multiple"):
+        buf.segments(1)
+    # a leaked state at a stored start row is found at its chronological step, repaired
+    assert sm.state_steps is not None
+    starts = np.argwhere(sm.start[sm.state_steps])
+    i, n = starts[-1]
+    buf.critic_c[i, n] = 3.0  # type: ignore[index]
+    [v] = buf.check(repair=True)
+    assert (v.kind, v.step, v.env, v.repaired) == ("hidden_at_start", int(sm.state_steps[i]),
+                                                   int(n), True)
+    assert buf.check() == []
+    _fill(buf, 3)  # window now starts mid-sequence
+    with pytest.raises(InvalidArgument, match="sequence start"):
+        buf.segments(4)
+    with pytest.raises(InvalidArgument, match="divide"):
+        ReplayBuffer(num_envs=1, capacity=10, hidden_size=2, state_interval=4)

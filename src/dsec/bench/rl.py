@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +13,25 @@ import numpy as np
 
 from dsec.bench import BenchContext, suite
 from dsec.bench.rl_agent import agent_figures
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and every descendant: the live ones' own time plus what each
+    collected from children it reaped (no double count). Linux /proc only."""
+    tck = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in st[11:15]) / tck
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def _rate(fn: Callable[[], int], budget_s: float) -> float:
@@ -91,8 +112,12 @@ def buffer_enqueue(ctx: BenchContext) -> None:
     done[::17] = True
     lp = np.ones(n, np.float32)
     val = np.ones(n, np.float32)
-    for hidden in (None, 32, 128):
-        buf = ReplayBuffer(num_envs=n, capacity=cap, obs_shape=(16,), hidden_size=hidden)
+    runs: list[tuple[int | None, int, Any]] = [
+        (None, 1, np.float32), (32, 1, np.float32), (128, 1, np.float32),
+        (128, 16, np.float32), (128, 1, np.float16)]
+    for hidden, interval, sdt in runs:
+        buf = ReplayBuffer(num_envs=n, capacity=cap, obs_shape=(16,), hidden_size=hidden,
+                           state_interval=interval, state_dtype=sdt)
         h = np.ones((n, hidden or 1), np.float32)
         states = (h, h, h, h) if hidden else ()
         for _ in range(cap):        # steady state: every ring page already faulted in
@@ -105,10 +130,15 @@ def buffer_enqueue(ctx: BenchContext) -> None:
 
         ctx.record("rl_buffer_enqueue", _rate(go, budget), "transitions/s", envs=n,
                    obs_dim=16, lstm_hidden=hidden or 0, lstm_states=4 if hidden else 0,
-                   capacity=cap)
-    ctx.note("rl_buffer_enqueue: one add() per tick of 64 envs. With LSTM state the row "
-             "carries 4 x hidden float32 per env (2 KiB at hidden=128), so that figure is "
-             "bounded by memory bandwidth, not by Python overhead.")
+                   capacity=cap, state_dtype=np.dtype(sdt).name,
+                   state_storage=("every step" if interval == 1 else
+                                  f"sequence starts only (R2D2), every {interval} steps"))
+    ctx.note("rl_buffer_enqueue: one add() per tick of 64 envs. With LSTM state stored "
+             "every step a row carries 4 x hidden float32 per env (2 KiB at hidden=128), so "
+             "that figure is bounded by memory bandwidth; storing it at sequence starts "
+             "only (state_interval=16; the trainer recomputes the rest with its LSTM, "
+             "bit-identical) removes 15/16 of those bytes; float16 halves them but rounds "
+             "the state and pays a conversion.")
 
 
 def _serve_sim_edge(path: str, node_id: str, ready: Any) -> None:
@@ -132,7 +162,9 @@ def _serve_sim_edge(path: str, node_id: str, ready: Any) -> None:
 
 
 def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
-                   n_envs: int, budget: float, tasks: list[Any] | None = None) -> None:
+                   n_envs: int, budget: float, tasks: list[Any] | None = None,
+                   batch_only: bool = False, cpu: Callable[[], float] | None = None,
+                   **extra: Any) -> float:
     from dsec.rl.sandbox import SandboxEnv, SandboxEnvPool, Task
 
     tasks = tasks or [Task(prompt="bench", max_turns=1_000_000)]
@@ -159,8 +191,23 @@ def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
                 pool.step(acts)
             return 5 * n_envs
 
-        ctx.record("rl_sandbox_env", _rate(batched, budget), "steps/s", envs=n_envs,
-                   mode="pool: 1 exec batch per tick", backend=backend, transport=transport)
+        batched()
+        c0, n = (cpu() if cpu else 0.0), 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < budget:
+            n += batched()
+        rate = n / (time.perf_counter() - t0)
+        ctx.record("rl_sandbox_env", rate, "steps/s", envs=n_envs,
+                   mode="pool: 1 exec batch per tick", backend=backend, transport=transport,
+                   **extra)
+        if cpu is not None:
+            # CPU per step is what a loaded machine cannot blur: steps/s on 2 shared
+            # cores is the share of them we got as much as what a step costs
+            ctx.record("rl_sandbox_env_cpu_per_step", (cpu() - c0) / n * 1e3, "ms",
+                       envs=n_envs, mode="pool: 1 exec batch per tick", backend=backend,
+                       transport=transport, **extra)
+    if batch_only:
+        return rate
     envs = [SandboxEnv(access, tasks) for _ in range(n_envs)]
     try:
         for e in envs:
@@ -172,10 +219,12 @@ def _sandbox_rates(ctx: BenchContext, access: Any, backend: str, transport: str,
             return n_envs
 
         ctx.record("rl_sandbox_env", _rate(one_by_one, budget), "steps/s", envs=n_envs,
-                   mode="one exec call per env", backend=backend, transport=transport)
+                   mode="one exec call per env", backend=backend, transport=transport,
+                   **extra)
     finally:
         for e in envs:
             e.close()
+    return rate
 
 
 def sandbox_env(ctx: BenchContext) -> None:
@@ -248,8 +297,7 @@ def container_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
     from dsec.edge.backends.container import ContainerBackend, DirectoryImages
     from dsec.edge.backends.container.testimage import build_busybox_root
     from dsec.edge.node import EdgeNode, NodeConfig
-    from dsec.rl.access import EdgeAccess, LoopThread
-    from dsec.rl.sandbox import Task
+    from dsec.rl.access import LoopThread
     from dsec.wire.spec import SandboxSpec
 
     spec = SandboxSpec(backend="container", image="base", memory_bytes=128 << 20,
@@ -259,25 +307,49 @@ def container_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
         lt = LoopThread()
         holder: dict[str, Any] = {}
 
-        async def start() -> EdgeNode:
-            b = ContainerBackend(root_dir=os.path.join(d, "root"),
-                                 images=DirectoryImages(os.path.join(d, "images")))
+        async def start(helper: bool) -> EdgeNode:
+            b = ContainerBackend(root_dir=os.path.join(d, f"root{int(helper)}"),
+                                 images=DirectoryImages(os.path.join(d, "images")),
+                                 exec_helper=helper, disk_pool_bytes=2 << 30)
             holder["b"] = b
             node = EdgeNode(NodeConfig(node_id="bench-ct", capacity=Capacity(
                 cpu_milli=10**7, memory_bytes=1 << 44, max_sandboxes=10_000)),
                 {"container": b})
             return await node.start()
 
+        rates: dict[bool, list[float]] = {False: [], True: []}
         try:
-            node = lt.run(start())
+            _container_runs(ctx, lt, start, holder, rates, n_envs, budget, spec)
+        finally:
+            lt.close()
+        ctx.record("rl_sandbox_env_exec_helper_speedup",
+                   sum(rates[True]) / max(sum(rates[False]), 1e-9), "x", envs=n_envs,
+                   backend="container", transport="in-process EdgeNode",
+                   mode="pool: 1 exec batch per tick, helper / per-exec, 2 runs each "
+                        "interleaved")
+
+
+def _container_runs(ctx: BenchContext, lt: Any, start: Any, holder: dict[str, Any],
+                    rates: dict[bool, list[float]], n_envs: int, budget: float,
+                    spec: Any) -> None:
+    from dsec.rl.access import EdgeAccess
+    from dsec.rl.sandbox import Task
+
+    for helper in (False, True, False, True):   # interleaved: the same load for both
+        try:
+            node = lt.run(start(helper))
             try:
-                _sandbox_rates(ctx, EdgeAccess({"bench-ct": node}, lt), "container",
-                               "in-process EdgeNode", n_envs, budget,
-                               tasks=[Task(prompt="bench", spec=spec, max_turns=1_000_000)])
+                b = holder["b"]
+                rates[helper].append(_sandbox_rates(
+                    ctx, EdgeAccess({"bench-ct": node}, lt), "container",
+                    "in-process EdgeNode", n_envs, budget,
+                    tasks=[Task(prompt="bench", spec=spec, max_turns=1_000_000)],
+                    batch_only=len(rates[helper]) > 0, exec_path=_EXEC_PATH[helper],
+                    cpu=functools.partial(_cpu_with_zygote, b)))
             finally:
                 lt.run(node.close())
         finally:
-            b = holder.get("b")
+            b = holder.pop("b", None)
             if b is not None:
                 for sid in b.sandbox_ids():
                     try:
@@ -286,7 +358,23 @@ def container_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
                         pass
                 lt.run(b.close())
                 b.governor.remove_base()
-            lt.close()
+
+
+def _cpu_with_zygote(b: Any) -> float:
+    """CPU seconds of this process (trainer, in-process edge) and the backend's zygote
+    tree (execs' processes, exec helpers)."""
+    return _cpu_with(b._zygote.pid) if b._zygote.pid is not None else _cpu_with(None)
+
+
+def _cpu_with(pid: int | None) -> float:
+    """CPU seconds of this process (trainer side, in-process edge) and ``pid``'s tree."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime + (tree_cpu_s(pid) if pid is not None else 0.0)
+
+
+_EXEC_PATH = {False: "per-exec intermediate (old)",
+              True: "per-sandbox exec helper (new)"}
 
 
 def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
@@ -299,24 +387,51 @@ def sdk_env(ctx: BenchContext, n_envs: int, budget: float) -> None:
     from dsec.rl.sandbox import Task
     from dsec.wire.spec import SandboxSpec
 
-    runs: list[tuple[str, str]] = [("simulated", "aether"), ("simulated", "http")]
+    runs: list[tuple[str, list[str], str | None]] = [
+        ("simulated", ["aether", "http"], None)]
     if os.geteuid() == 0:
-        runs.append(("container", "aether"))
+        # the old exec path and the new one, interleaved, each in its own `dsec up`
+        runs += [("container", ["aether"], h) for h in ("0", "1", "0", "1")]
     else:
         ctx.note("rl_sandbox_env SDK container figures skipped: needs root")
-    by_backend: dict[str, list[str]] = {}
-    for backend, transport in runs:
-        by_backend.setdefault(backend, []).append(transport)
-    for backend, transports in by_backend.items():
+    rates: dict[str, list[float]] = {"0": [], "1": []}
+    for backend, transports, helper in runs:
         spec = SandboxSpec(backend=backend, memory_bytes=128 << 20, pids_max=128)  # type: ignore[arg-type]
         tasks = [Task(prompt="bench", spec=spec, max_turns=1_000_000)]
-        with LocalCluster(edges=1, backend=backend, subprocess=True,
-                          start_timeout_s=60.0) as cluster:
-            for transport in transports:
-                with cluster.client(protocol=transport) as client:
-                    _sandbox_rates(ctx, ClientAccess(client), backend,
-                                   f"SDK ClientAccess, {transport}, dsec up in a subprocess",
-                                   n_envs, budget, tasks=tasks)
+        extra = {} if helper is None else {"exec_path": _EXEC_PATH[helper == "1"]}
+        before = os.environ.get("DSEC_EXEC_HELPER")
+        if helper is not None:
+            os.environ["DSEC_EXEC_HELPER"] = helper   # read by the edge in `dsec up`
+        try:
+            with LocalCluster(edges=1, backend=backend, subprocess=True,
+                              start_timeout_s=60.0,
+                              # a 2 GiB sandbox disk pool: the default (90% of free
+                              # space) fails when other clusters share the disk
+                              disk_pool_bytes=(2 << 30) if backend == "container"
+                              else None) as cluster:
+                for transport in transports:
+                    with cluster.client(protocol=transport) as client:
+                        up = cluster._proc.pid
+                        r = _sandbox_rates(
+                            ctx, ClientAccess(client), backend,
+                            f"SDK ClientAccess, {transport}, dsec up in a subprocess",
+                            n_envs, budget, tasks=tasks,
+                            batch_only=helper is not None and len(rates[helper]) > 0,
+                            cpu=functools.partial(_cpu_with, up), **extra)
+                        if helper is not None:
+                            rates[helper].append(r)
+        finally:
+            if helper is not None:
+                if before is None:
+                    os.environ.pop("DSEC_EXEC_HELPER", None)
+                else:
+                    os.environ["DSEC_EXEC_HELPER"] = before
+    if rates["0"] and rates["1"]:
+        ctx.record("rl_sandbox_env_exec_helper_speedup", sum(rates["1"]) / sum(rates["0"]),
+                   "x", envs=n_envs, backend="container",
+                   transport="SDK ClientAccess, aether, dsec up in a subprocess",
+                   mode="pool: 1 exec batch per tick, helper / per-exec, 2 runs each "
+                        "interleaved")
     ctx.note("rl_sandbox_env SDK rows: the trainer process holds the pool and a sync "
              "Client; `dsec up` (apiserver, gateway, one edge) runs in a child process on "
              "the same 2 cores. 'aether' sends a tick as one api.exec_many that the "

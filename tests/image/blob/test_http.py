@@ -201,3 +201,41 @@ def test_server_ignoring_range_is_refused() -> None:
     store = HttpBlobStore(base_url="http://blob.test", transport=httpx.MockTransport(handler))
     with pytest.raises(RemoteProtocolError, match="ignored the Range"):
         store.get_range("k", 2, 3)
+
+
+_PUTTER = """
+import sys
+from dsec.image.blob import open_blobstore
+open_blobstore(sys.argv[1]).put_file("big", sys.argv[2])
+"""
+
+
+def test_kill_9_mid_put_leaves_no_visible_object(
+        nginx_server: Nginx, http_dir: tuple[str, str], tmp_path: os.PathLike[str]) -> None:
+    """nginx takes a PUT body into its temp dir and renames it into place only whole."""
+    import signal
+    import subprocess
+    import sys
+    d, url = http_dir
+    src = os.path.join(str(tmp_path), "layer")
+    with open(src, "wb") as f:
+        f.truncate(1 << 30)                    # 1 GiB sparse: read fast, sent slowly
+    body_tmp = os.path.join(nginx_server.prefix, "tmp", "body")
+    before = set(os.listdir(body_tmp)) if os.path.isdir(body_tmp) else set()
+    proc = subprocess.Popen([sys.executable, "-c", _PUTTER, url, src])
+    try:
+        deadline = time.monotonic() + 30
+        while not (os.path.isdir(body_tmp) and set(os.listdir(body_tmp)) - before):
+            assert proc.poll() is None, "the upload ended before it could be killed"
+            assert time.monotonic() < deadline, "nginx never started receiving the body"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    store = open_blobstore(url)
+    assert store.head("big") is None and not os.path.exists(os.path.join(d, "big"))
+    with pytest.raises(BlobNotFound):
+        store.get_range("big", 0, 1)

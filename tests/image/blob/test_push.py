@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -208,3 +209,48 @@ def test_traces_round_trip_bounded_and_never_fatal(tmp_path: os.PathLike[str]) -
                         window_s=1.0, layers={})
     blob.put_bytes(f"traces/{'1' * 64}/latest", other.encode())
     assert load_trace(blob, img) is None                  # names another image
+
+
+class _GatedStore(FileBlobStore):
+    """A file store whose first layer upload waits for the test (an upload in flight)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root=root)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def put_file(self, key: str, path: str) -> None:
+        self.entered.set()
+        assert self.go.wait(30)
+        super().put_file(key, path)
+
+
+def test_a_push_holds_no_store_lock_and_prunes_keep_its_layers(
+        image: tuple[LayerStore, LayerManifest, LayerManifest],
+        tmp_path: os.PathLike[str]) -> None:
+    store, base, top = image
+    blob = _GatedStore(os.path.join(str(tmp_path), "blobs"))
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(push_image(blob, store, "app")))
+    t.start()
+    try:
+        assert blob.entered.wait(30)
+        # a build finishes while the upload is in flight (no lock held by the push) ...
+        built: list[LayerManifest] = []
+        b = threading.Thread(target=lambda: built.append(store.add_tree(
+            _tree(os.path.join(str(tmp_path), "o"), {"x": b"1"}), kind="base",
+            name="other")))
+        b.start()
+        b.join(20)
+        assert built and store.has(built[0].digest), "a build waited for the push"
+        # ... and a prune keeps the layers going up, though nothing names them now
+        store.untag("app:latest")
+        store.untag("base:latest")
+        store.prune()
+        assert store.has(base.digest) and store.has(top.digest)
+    finally:
+        blob.go.set()
+        t.join(60)
+    assert [p.digest for p in out[0].layers] == [base.digest, top.digest]  # type: ignore[attr-defined]
+    _check_published(blob, store, top)
+    assert store.prune().removed                        # unpinned once the push ended

@@ -157,7 +157,11 @@ def push_layer(blob: BlobStore, layers: LayerStore, m: LayerManifest, *,
     if remote_complete(blob, m, chunk_size=chunk_size, verify=verify):
         return PushedLayer(m.digest, m.size_bytes, chunk_size, uploaded=False)
     path = layers.layer_path(m)
-    table = build_chunk_table(path, chunk_size, expect_digest=m.digest)
+    try:
+        table = build_chunk_table(path, chunk_size, expect_digest=m.digest)
+    except OSError as exc:
+        raise ImageNotFound(f"layer file of {m.digest} cannot be read ({exc.strerror}): "
+                            "removed while it was pushed?", ref=m.digest) from exc
     if table.size != m.size_bytes:
         raise CorruptLayer(f"layer file {path} is {table.size} bytes, its manifest says "
                            f"{m.size_bytes}", digest=m.digest)
@@ -173,9 +177,13 @@ def push_image(blob: BlobStore, layers: LayerStore, ref: str, *,
                clock: Callable[[], float] = time.monotonic) -> PushResult:
     """Push the image ``ref`` names in ``layers`` (its layer and every layer below it)."""
     t0 = clock()
-    with layers.using():               # no prune removes a layer while it goes up
+    # Pinned, not locked: a prune keeps the layers while they go up, and builds and
+    # prunes are not held off for the length of an upload (the store's lock would).
+    with layers.pinned() as pin:
         top = layers.get(ref)
         chain = layer_chain(layers, top)
+        for m in chain:
+            pin.add(m.digest)          # ImageNotFound if a prune took it just now
         total = sum(m.size_bytes for m in chain)
         done = 0
         out: list[PushedLayer] = []

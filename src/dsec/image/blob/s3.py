@@ -188,12 +188,13 @@ class S3BlobStore:
             raise InvalidArgument(f"range of {key}: offset {offset}, length {length}: "
                                   "negative")
 
+        if length == 0:
+            if self.head(key) is None:
+                raise BlobNotFound(f"blob store {self.url} has no object {key}",
+                                   store=self.url, key=key)
+            return b""
+
         def once() -> bytes:
-            if length == 0:
-                if self.head(key) is None:
-                    raise BlobNotFound(f"blob store {self.url} has no object {key}",
-                                       store=self.url, key=key)
-                return b""
             try:
                 data = obstore.get_range(self._read, key, start=offset, length=length)
             except FileNotFoundError as exc:

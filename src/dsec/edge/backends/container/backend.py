@@ -65,6 +65,7 @@ from dsec.edge.backends.container.protocol import (
     Exec,
     Exited,
     Failed,
+    Helper,
     Kill,
     Reply,
     Started,
@@ -137,6 +138,11 @@ USERNS_BASE = 100000
 USERNS_SIZE = 65536
 
 
+#: exec helpers of one sandbox that may die or fail to start before it is served by the
+#: per-exec path for good (a sandbox that keeps OOM-killing its helper).
+HELPER_MAX_FAILS = 3
+
+
 def _exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -183,6 +189,7 @@ class ContainerBackend:
                  denied_notice_s: float = 10.0,
                  exec_start_timeout_s: float = 30.0,
                  network: SandboxNetwork | None = None,
+                 exec_helper: bool | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -208,11 +215,22 @@ class ContainerBackend:
         ``exec_start_timeout_s``: how long a background exec may take to start its command
         (milliseconds normally; a process in the sandbox can stop it before it runs, and
         the call must not wait for ever) - then it is killed and the call fails.
+        ``exec_helper``: fork foreground execs from a per-sandbox helper that entered the
+        sandbox (namespaces, cgroups, capabilities, seccomp) once, instead of an
+        intermediate per exec that does it every time (nsexec.c, do_helper; the helper
+        is invisible inside and counts one task and a few pages in the sandbox's cgroups).
+        Anything it cannot serve - a user namespace, nested sandboxes, background execs,
+        the task limit, a helper gone - takes the per-exec path. ``None`` (default): on,
+        unless the environment says ``DSEC_EXEC_HELPER=0`` (how `dsec bench rl` runs the
+        old path beside the new one through `dsec up`).
         ``network``: the node's router slots (dsec.net); a sandbox whose policy needs
         more than loopback joins a slot's netns. None: only loopback-only sandboxes."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
+        if exec_helper is None:
+            exec_helper = os.environ.get("DSEC_EXEC_HELPER", "1") != "0"
+        self.exec_helper = exec_helper and runtime == "native"
         pids_total, per_sandbox = pids_budget(kernel_pid_max(), headroom=pids_headroom,
                                               max_sandbox=max_sandbox_pids)
         if not 1 << 20 <= default_disk_bytes:
@@ -1292,9 +1310,57 @@ class ContainerBackend:
             if not box.dying:
                 self._check_limits(box)
 
+    def _helper(self, box: Box) -> int:
+        """The id of ``box``'s running exec helper, or 0: then this exec takes the per-exec
+        path, and a helper is started for the next ones. Not waiting for it keeps a
+        sandbox's first exec as fast as before and costs one-exec sandboxes nothing
+        (waiting made the first exec pay the helper's start too); none is started once
+        helpers kept failing here."""
+        if box.helper:
+            return box.helper
+        if box.helper_fails >= HELPER_MAX_FAILS or box.dying:
+            return 0
+        if box.helper_start is None:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            rid = self._zygote.next_id()
+
+            def on_reply(reply: Reply, fds: list[int]) -> None:
+                for fd in fds:
+                    os.close(fd)
+                if isinstance(reply, Started):
+                    box.helper = rid
+                    if not fut.done():
+                        fut.set_result(rid)
+                    return
+                # Exited (it is gone: the sandbox went, or it died) or Failed (no start)
+                self._zygote.done(rid)
+                if box.helper == rid:
+                    box.helper = 0
+                if box.helper_start is fut:
+                    box.helper_start = None
+                if not box.dying:
+                    box.helper_fails += 1
+                if not fut.done():
+                    fut.set_result(0)
+
+            box.helper_start = fut
+            try:
+                self._zygote.send(Helper(id=rid, cgroup_procs=box.cg.procs_files),
+                                  [box.pidfd], on_reply)
+            except DsecError:
+                box.helper_start = None
+                box.helper_fails += 1
+        return 0
+
     async def _native_exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
-                           on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
+                           on_chunk: Callable[[ExecChunk], None] | None,
+                           *, via_helper: bool = True) -> ExecResult:
         loop = asyncio.get_running_loop()
+        helper = 0
+        if (via_helper and self.exec_helper and not req.background
+                and not box.spec.user_namespace and not box.spec.allow_nested
+                and not req.hide):  # red17 merge: the helper path cannot apply Landlock
+            helper = self._helper(box)
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
@@ -1339,7 +1405,7 @@ class ContainerBackend:
                      cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
                      background=req.background, userns=box.spec.user_namespace,
                      pids_index=target.pids_index, home_procs=self.governor.home_procs(),
-                     hide=req.hide),
+                     hide=req.hide, helper=helper),
                 send_fds, on_reply)
         except BaseException:
             for fd in local:
@@ -1367,6 +1433,15 @@ class ContainerBackend:
         timed_out = False
         try:
             reply = await started
+            if isinstance(reply, Failed) and helper:
+                # The helper refused it (gone, at the task limit, too big): the command
+                # never ran - a Failed comes only before the helper reported a pid.
+                pump.finish()
+                if feeder is not None:
+                    feeder.close()
+                await self._clear_exec_cgroup(box, ec)
+                return await self._native_exec(box, req, argv, env, on_chunk,
+                                               via_helper=False)
             if isinstance(reply, Failed):
                 raise BackendError(f"exec in sandbox {box.sid} failed to start: "
                                    f"{reply.message}")
@@ -1402,6 +1477,9 @@ class ContainerBackend:
             feeder.close()
         if isinstance(reply, Failed):
             await self._clear_exec_cgroup(box, ec)
+            if helper and not timed_out:  # the helper went before it forked the command
+                return await self._native_exec(box, req, argv, env, on_chunk,
+                                               via_helper=False)
             raise BackendError(f"exec in sandbox {box.sid} failed: {reply.message}")
         assert isinstance(reply, Exited)
         if not timed_out:

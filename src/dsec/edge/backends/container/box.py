@@ -44,6 +44,12 @@ class Box:
     lingering: list[ExecCgroup] = field(default_factory=list)
     lingering_checked: float = 0.0
     paused: bool = False
+    # the exec helper (nsexec.c, do_helper): the id of the request that started it while
+    # it runs (0: none), a start in flight, and how often one died or failed to start
+    # (at HELPER_MAX_FAILS the per-exec path serves this sandbox for good)
+    helper: int = 0
+    helper_start: asyncio.Future[int] | None = None
+    helper_fails: int = 0
     dying: bool = False
     adopted: bool = False
     exited: asyncio.Event = field(default_factory=asyncio.Event)

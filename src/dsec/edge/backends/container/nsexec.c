@@ -517,6 +517,162 @@ static int exec_final(void *arg) {
     return 126;
 }
 
+/* ---- exec helper: a warm intermediate per sandbox ------------------------------------
+ *
+ *   helper ncg cg...     (fds: 3 init pidfd, 4 seccomp BPF, 5 request socket, 6 report)
+ *
+ * The per-exec intermediate above pays, every exec, a fork of the zygote, the cgroup
+ * joins, setns into six namespaces, the capability drop and the seccomp load, then its
+ * exit and reap. A helper does all of that once per sandbox and then forks each exec's
+ * command from there: it stays in the host's pid namespace (nothing inside can see or
+ * signal it; its children are born in the sandbox's), in the sandbox's cgroups, with the
+ * sandbox's capability set, no_new_privs and seccomp filter (inherited by every child:
+ * the same filter the per-exec path loads), and non-dumpable. It was re-executed from
+ * the zygote's binary before any of that, so its image is a few pages and forking it is
+ * cheap. It holds nothing a command may not have but its request socket and the report
+ * socket, both closed in the child before the go byte; the exec cgroup's procs files
+ * arrive per request as fds the zygote opened. A child is CLONE_PARENT, so the zygote
+ * reaps it and reports its exit exactly as for the per-exec path; the helper reports its
+ * pid (report pid 0: it could not fork - at the task limit - and the edge falls back).
+ * Start handshake as run_exec_final: nothing runs before the go byte.
+ */
+#define FD_HSOCK 5
+
+struct fwd_hdr { uint32_t slot, gen, ncg, nstr; };
+
+static int helper_final(void *arg);
+struct helper_args { char **s; int n; int ncg; int *cgfds; int stdio[3]; };
+
+static int do_helper(int argc, char **argv) {
+    exec_mode = 1;
+    exec_what = "(exec helper)";
+    if (argc < 3) { errno = EINVAL; die(126, "usage"); }
+    int ncg = atoi(argv[2]);
+    if (ncg < 0 || 3 + ncg > argc) { errno = EINVAL; die(126, "usage"); }
+    join_cgroups(ncg, &argv[3]);
+    if (setns(FD_PIDFD, NS_ENTER | CLONE_NEWPID) < 0) die(126, "setns");
+    close(FD_PIDFD);
+    drop_caps();
+    load_seccomp();
+    signal(SIGPIPE, SIG_IGN);
+    static char buf[1 << 17];
+    static char *strs[4096];
+    union { char b[CMSG_SPACE(64 * sizeof(int))]; struct cmsghdr align; } u;
+    for (;;) {
+        struct iovec iov = {buf, sizeof buf - 1};
+        struct msghdr m = {0};
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = u.b;
+        m.msg_controllen = sizeof u.b;
+        ssize_t r = recvmsg(FD_HSOCK, &m, MSG_CMSG_CLOEXEC);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) _exit(0);  /* the zygote is gone */
+        int fds[64], nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                for (int q = 0; q < k && nfds < 64; q++)
+                    memcpy(&fds[nfds++], CMSG_DATA(c) + q * sizeof(int), sizeof(int));
+            }
+        struct fwd_hdr h;
+        int have_hdr = (size_t)r >= sizeof h;
+        int ok = have_hdr && !(m.msg_flags & (MSG_TRUNC | MSG_CTRUNC));
+        int n = 0;
+        if (have_hdr) {
+            memcpy(&h, buf, sizeof h);
+            my_slot = h.slot;
+            my_gen = h.gen;
+        }
+        if (ok) {
+            buf[r] = 0;
+            for (size_t off = sizeof h; off < (size_t)r && n < 4095;) {
+                char *z = memchr(buf + off, 0, (size_t)r - off);
+                if (!z) { ok = 0; break; }
+                strs[n++] = buf + off;
+                off = (size_t)(z - buf) + 1;
+            }
+            strs[n] = NULL;
+            ok = ok && (int)h.nstr == n && (int)h.ncg + 3 == nfds && h.ncg <= 32;
+        }
+        pid_t pid = 0;
+        if (ok) {
+            struct helper_args a = {strs, n, (int)h.ncg, &fds[3], {fds[0], fds[1], fds[2]}};
+            if (pipe2(go_fds, O_CLOEXEC) == 0) {
+                pid = clone_parent();
+                if (pid == 0) _exit(helper_final(&a));
+                if (pid < 0) pid = 0;
+                if (pid) send_report(pid);
+                if (pid && write(go_fds[1], "g", 1) < 0) {}
+                close(go_fds[0]);
+                close(go_fds[1]);
+            }
+        }
+        /* could not fork (or a malformed request): the edge takes the per-exec path */
+        if (!pid && have_hdr) send_report(0);
+        for (int k = 0; k < nfds; k++) close(fds[k]);
+    }
+}
+
+/* The command's process, forked by the helper (a copy of it: the helper goes on). */
+static int helper_final(void *arg) {
+    const struct helper_args *a = arg;
+    /* first: a failure message (die) must not go down the request socket (fd 5) */
+    close(FD_HSOCK);
+    close(FD_REPORT);
+    /* argv strings: cwd user nenv env... -- target... */
+    for (int k = 0; k < 3; k++)
+        if (dup2(a->stdio[k], k) < 0) die(126, "dup2");
+    for (int k = 0; k < a->ncg; k++)
+        if (write(a->cgfds[k], "0", 1) < 0) die(126, "join the exec's cgroup");
+    int keep = go_fds[0];
+    /* nothing of the helper's reaches the command: request/report sockets, cgroup fds */
+    if (dup2(keep, 3) < 0) die(126, "dup2");
+    go_fds[0] = 3;
+    syscall(SYS_close_range, 4, ~0U, 0);
+    go_fds[1] = -1;
+    char c = 0;
+    ssize_t r;
+    while ((r = read(3, &c, 1)) < 0 && errno == EINTR) {}
+    close(3);
+    if (r != 1) { errno = ECHILD; die(126, "the exec helper died before the command started"); }
+    signal(SIGPIPE, SIG_DFL);
+    if (a->n < 4) { errno = EINVAL; die(126, "usage"); }
+    const char *cwd = a->s[0], *user = a->s[1];
+    int nenv = atoi(a->s[2]);
+    if (nenv < 0 || 3 + nenv + 1 >= a->n || strcmp(a->s[3 + nenv], "--")) {
+        errno = EINVAL;
+        die(126, "usage");
+    }
+    char **env = &a->s[3], **target = &a->s[4 + nenv];
+    exec_what = target[0];
+    if (setsid() < 0) die(126, "setsid");
+    uid_t uid = 0;
+    gid_t gid = 0;
+    char home[1024];
+    int switch_user = user[0] != 0;
+    if (switch_user) lookup_user(user, &uid, &gid, home, sizeof home);
+    if (chdir(cwd[0] ? cwd : "/") < 0) die(126, "chdir %s", cwd);
+    char **envp = calloc((size_t)nenv + 2, sizeof(char *));
+    if (!envp) die(126, "calloc");
+    int ne = 0;
+    for (int k = 0; k < nenv; k++) {
+        if (switch_user && strncmp(env[k], "HOME=", 5) == 0) continue;
+        envp[ne++] = env[k];
+    }
+    static char homevar[1100];
+    if (switch_user) {
+        snprintf(homevar, sizeof homevar, "HOME=%s", home);
+        envp[ne++] = homevar;
+        if (setgroups(0, NULL) < 0) die(126, "setgroups");
+        if (setgid(gid) < 0) die(126, "setgid(%u)", gid);
+        if (setuid(uid) < 0) die(126, "setuid(%u)", uid);
+    }
+    envp[ne] = NULL;
+    exec_path(target, envp);
+    return 126;
+}
+
 /* ---- create ----------------------------------------------------------------------- */
 
 static char root_path[4096];
@@ -853,16 +1009,16 @@ static int create_init(void *arg) {
  * create -> none, or [slot netns] with F_NETNS; kill -> none.
  * Reply: struct rep_hdr, then `len` bytes of message (Failed); Created carries a pidfd.
  * Exited.pid is the command's pid, or 0 when the intermediate died before forking it. */
-enum { REQ_CREATE = 1, REQ_EXEC = 2, REQ_KILL = 3 };
+enum { REQ_CREATE = 1, REQ_EXEC = 2, REQ_KILL = 3, REQ_HELPER = 4 };
 enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4 };
-enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8 };
+enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8, F_HELPER = 16 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
 /* One in-flight request. A slot lives until its reply is sent and every child we must
  * reap for it is reaped; `gen` changes on reuse, so stale epoll events and reports are
  * recognised. Epoll tags: gen << 32 | slot << 2 | what (what 3 = the fixed fds). */
-enum { J_FREE = 0, J_FG, J_BG, J_CREATE };
+enum { J_FREE = 0, J_FG, J_BG, J_CREATE, J_HELPER };
 enum { W_STATUS = 0, W_MID = 1, W_FINAL = 2, W_FIXED = 3 };
 enum { T_SOCK = 0, T_SIG = 1, T_REPORT = 2 };
 struct job {
@@ -880,6 +1036,9 @@ struct job {
     int replied;        /* the last reply for this request was sent */
     int killed;         /* Kill arrived: kill the final process as soon as it is known */
     int ns_pid;         /* BG: the command's pid inside */
+    int pend;           /* counted in pending_mids: its report has not come */
+    uint32_t via, via_gen; /* FG sent to an exec helper: that helper's slot + 1, gen */
+    int hsock;          /* J_HELPER: our end of its request socket */
 };
 static struct job *jobs;
 static size_t njobs;
@@ -1040,9 +1199,19 @@ static void finish_start(struct job *j, const char *msg) {
 static void on_report(const struct report *r) {
     if (r->slot >= njobs) return;
     struct job *j = &jobs[r->slot];
-    if (j->kind == J_FREE || j->gen != r->gen || j->pid || r->pid <= 0) return;
+    if (j->kind == J_FREE || j->gen != r->gen || j->pid || r->pid < 0) return;
+    if (r->pid == 0) {  /* an exec helper could not fork the command: it never ran */
+        if (!j->via || j->replied) return;
+        if (j->pend) { pending_mids--; j->pend = 0; }
+        if (sweep_deferred) sweep_deferred = 2;
+        send_reply(REP_FAILED, j->id, 0, 0, 0, EAGAIN,
+                   "the exec helper could not fork the command", -1);
+        j->replied = 1;
+        maybe_free(j);
+        return;
+    }
     j->pid = r->pid;
-    if (j->mid) pending_mids--;
+    if (j->pend) { pending_mids--; j->pend = 0; }
     /* An unreaped child of ours: its pid cannot be reused, so this pidfd is exact. */
     if (j->kind == J_FG) {
         j->pid_fd = (int)syscall(SYS_pidfd_open, j->pid, 0);
@@ -1089,6 +1258,26 @@ static void fg_exited(struct job *j) {
     j->replied = 1;
 }
 
+/* An exec helper is gone (the sandbox went, or it was OOM-killed): execs sent to it that
+ * have no command yet never ran - Failed, and the edge runs them the per-exec way. */
+static void helper_exited(struct job *h, int st) {
+    uint32_t slot = (uint32_t)(h - jobs) + 1;
+    for (size_t k = 0; k < njobs; k++) {
+        struct job *j = &jobs[k];
+        if (j->kind != J_FG || j->via != slot || j->via_gen != h->gen || j->pid
+                || j->replied) continue;
+        if (j->pend) { pending_mids--; j->pend = 0; }
+        send_reply(REP_FAILED, j->id, 0, 0, 0, ESRCH, "the exec helper is gone", -1);
+        j->replied = 1;
+        maybe_free(j);
+    }
+    if (sweep_deferred) sweep_deferred = 2;
+    if (h->hsock >= 0) { close(h->hsock); h->hsock = -1; }
+    send_reply(REP_EXITED, h->id, 0, 0, st, 0, NULL, -1);
+    h->replied = 1;
+    maybe_free(h);
+}
+
 static void on_mid_exit(struct job *j) {
     if (!j->mid) return;
     int st = 0;
@@ -1097,8 +1286,9 @@ static void on_mid_exit(struct job *j) {
     drain_reports();     /* a report it sent just before exiting */
     unwatch_close(&j->mid_fd);
     j->mid = 0;
+    if (j->kind == J_HELPER) { helper_exited(j, st); return; }
     if (!j->pid) {
-        pending_mids--;
+        if (j->pend) { pending_mids--; j->pend = 0; }
         if (sweep_deferred) sweep_deferred = 2;
         if (j->kind == J_FG) {  /* it failed (message on stderr) or was killed */
             send_reply(REP_EXITED, j->id, 0, 0, st, 0, NULL, -1);
@@ -1218,12 +1408,93 @@ static pid_t fork_mid(struct job *j, const int *dups, int n) {
     if (pid < 0) return -1;
     j->mid = pid;
     pending_mids++;
+    j->pend = 1;
     j->mid_fd = (int)syscall(SYS_pidfd_open, pid, 0);
     if (j->mid_fd >= 0) {
         fcntl(j->mid_fd, F_SETFD, FD_CLOEXEC);
         watch(j->mid_fd, tag(j, W_MID));
     }  /* else sweep() finds its exit */
     return pid;
+}
+
+/* An exec for a sandbox with a helper: hand the command to the helper (with the stdio
+ * pipes and the exec cgroup's procs files, opened here as the host's root) instead of
+ * forking an intermediate. argv: exec HELPER_ID cwd user ncg cg... pids_index home
+ * nenv env... -- target... Any refusal is Failed; the edge then takes the per-exec path. */
+static void forward_exec(const struct req_hdr *h, int argc, int *fds, int nfds) {
+    static char out[1 << 17];
+    char err[128];
+    int e = EINVAL;
+    const char *why = "malformed helper exec";
+    int cgfds[32] = {0}, ncgfd = 0;
+    if (nfds != 4 || argc < 11 || strcmp(req_argv[1], "exec")) goto fail;
+    uint64_t hid = strtoull(req_argv[2], NULL, 10);
+    struct job *hj = NULL;
+    for (size_t k = 0; k < njobs; k++)
+        if (jobs[k].kind == J_HELPER && jobs[k].id == hid && jobs[k].mid) hj = &jobs[k];
+    if (!hj) { e = ESRCH; why = "the exec helper is gone"; goto fail; }
+    int i = 3;
+    const char *cwd = req_argv[i++], *user = req_argv[i++];
+    int ncg = atoi(req_argv[i++]);
+    if (ncg < 0 || ncg > 32 || i + ncg + 3 > argc) goto fail;
+    char **cgs = &req_argv[i];
+    i += ncg + 2;  /* pids_index, home_procs: the per-exec path's task-limit fallback */
+    int rest = argc - i;  /* nenv env... -- target... */
+    /* The helper is in the sandbox's cgroups already and its children inherit them: the
+     * command joins only the exec's own (the first: its freezer on v1, its v2 cgroup). */
+    if (ncg > 1) ncg = 1;
+    struct fwd_hdr fh = {0, 0, (uint32_t)ncg, (uint32_t)(rest + 2)};
+    size_t len = sizeof fh;
+    const char *parts[2] = {cwd, user};
+    for (int k = 0; k < 2 + rest; k++) {
+        const char *str = k < 2 ? parts[k] : req_argv[i + k - 2];
+        size_t l = strlen(str) + 1;
+        if (len + l > sizeof out - 1) { e = E2BIG; why = "too big for the exec helper"; goto fail; }
+        memcpy(out + len, str, l);
+        len += l;
+    }
+    for (; ncgfd < ncg; ncgfd++) {
+        cgfds[ncgfd] = open(cgs[ncgfd], O_WRONLY | O_CLOEXEC);
+        if (cgfds[ncgfd] < 0) { e = errno; why = "open the exec's cgroup"; goto fail; }
+    }
+    size_t hk = (size_t)(hj - jobs);
+    struct job *j = new_job();  /* may move the table */
+    if (!j) { e = ENOMEM; why = "no memory"; goto fail; }
+    hj = &jobs[hk];
+    fh.slot = (uint32_t)(j - jobs);
+    fh.gen = j->gen;
+    memcpy(out, &fh, sizeof fh);
+    int pass[35] = {fds[1], fds[2], fds[3]};
+    for (int k = 0; k < ncg; k++) pass[3 + k] = cgfds[k];
+    struct iovec iov = {out, len};
+    union { char b[CMSG_SPACE(35 * sizeof(int))]; struct cmsghdr align; } u;
+    struct msghdr m = {0};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = u.b;
+    m.msg_controllen = CMSG_SPACE((size_t)(3 + ncg) * sizeof(int));
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN((size_t)(3 + ncg) * sizeof(int));
+    memcpy(CMSG_DATA(c), pass, (size_t)(3 + ncg) * sizeof(int));
+    ssize_t r;
+    while ((r = sendmsg(hj->hsock, &m, MSG_DONTWAIT | MSG_NOSIGNAL)) < 0 && errno == EINTR) {}
+    if (r < 0) { e = errno; why = "send to the exec helper"; goto fail; }
+    j->kind = J_FG;
+    j->id = h->id;
+    j->mid_fd = j->pid_fd = j->status_fd = -1;
+    j->via = (uint32_t)(hj - jobs) + 1;
+    j->via_gen = hj->gen;
+    j->pend = 1;
+    pending_mids++;
+    for (int k = 0; k < ncgfd; k++) close(cgfds[k]);
+    send_reply(REP_STARTED, h->id, 0, 0, 0, 0, NULL, -1);
+    return;
+fail:
+    for (int k = 0; k < ncgfd; k++) close(cgfds[k]);
+    snprintf(err, sizeof err, "%s", why);
+    send_reply(REP_FAILED, h->id, 0, 0, 0, e, err, -1);
 }
 
 static void handle(char *data, size_t len, int *fds, int nfds) {
@@ -1261,6 +1532,40 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
                     else kill(j->pid, SIGKILL);  /* unreaped child: exact */
                 }
             }
+        goto out;
+    }
+    if (h.type == REQ_HELPER) {
+        if (nfds != 1 || argc < 3 || strcmp(req_argv[1], "helper")) {
+            snprintf(err, sizeof err, "helper needs 1 fd and a helper argv, got %d fds", nfds);
+            send_reply(REP_FAILED, h.id, 0, 0, 0, EINVAL, err, -1);
+            goto out;
+        }
+        int sp[2];
+        if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) goto sys;
+        struct job *j = new_job();
+        if (!j) { close(sp[0]); close(sp[1]); errno = ENOMEM; goto sys; }
+        j->kind = J_HELPER;
+        j->id = h.id;
+        j->mid_fd = j->pid_fd = j->status_fd = -1;
+        j->hsock = sp[0];
+        int dups[7] = {devnull, devnull, devnull, fds[0], bpf_fds[0], sp[1], rep_fds[1]};
+        pid_t pid = fork_mid(j, dups, 7);
+        if (pid == 0) {
+            /* a fresh image: forking the helper per exec then copies a few pages, not
+             * the zygote's buffers */
+            req_argv[0] = "dsec-nsexec";
+            execv("/proc/self/exe", req_argv);
+            _exit(126);
+        }
+        close(sp[1]);
+        if (pid < 0) { close(sp[0]); j->kind = J_FREE; goto sys; }
+        j->pend = 0;      /* a helper reports no command of its own */
+        pending_mids--;
+        send_reply(REP_STARTED, h.id, pid, 0, 0, 0, NULL, -1);
+        goto out;
+    }
+    if (h.type == REQ_EXEC && (h.flags & F_HELPER)) {
+        forward_exec(&h, argc, fds, nfds);
         goto out;
     }
     if (h.type == REQ_EXEC) {
@@ -1434,6 +1739,7 @@ int main(int argc, char **argv) {
      * the file's name carries a build hash). */
     prctl(PR_SET_NAME, "dsec-nsexec", 0, 0, 0);
     if (argc >= 2 && strcmp(argv[1], "serve") == 0) return do_serve(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "helper") == 0) return do_helper(argc, argv);
     fprintf(stderr, "usage: dsec-nsexec serve SOCK BPF BPF_NESTED INIT (started by the dsec edge)\n");
     return 2;
 }

@@ -27,6 +27,7 @@ __all__ = [
     "Exec",
     "Exited",
     "Failed",
+    "Helper",
     "Kill",
     "Reply",
     "Request",
@@ -77,6 +78,19 @@ class Exec(msgspec.Struct, tag="exec", frozen=True):
     home_procs: str = ""
     #: top-level names of the sandbox root the command's tree never reaches (Landlock)
     hide: tuple[str, ...] = ()
+    #: the id of the request that started this sandbox's exec helper: the zygote hands the
+    #: command to it (nsexec.c, forward_exec) instead of forking an intermediate. 0: none
+    helper: int = 0
+
+
+class Helper(msgspec.Struct, tag="helper", frozen=True):
+    """Start a sandbox's exec helper (nsexec.c, do_helper): in the sandbox's namespaces
+    (pid: for its children only), ``cgroup_procs`` (the sandbox's), capabilities,
+    no_new_privs and seccomp, once; then every exec sent with ``helper=id`` is forked from
+    it. fds: [init pidfd]. Replies: Started (its host pid), Exited when it is gone."""
+
+    id: int
+    cgroup_procs: list[str]
 
 
 class Kill(msgspec.Struct, tag="kill", frozen=True):
@@ -86,7 +100,7 @@ class Kill(msgspec.Struct, tag="kill", frozen=True):
     id: int
 
 
-Request = Create | Exec | Kill
+Request = Create | Exec | Kill | Helper
 
 
 class Created(msgspec.Struct, tag="created", frozen=True):
@@ -129,9 +143,9 @@ _REQ = struct.Struct("=IIQ")
 # struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err;
 #                  uint32_t len; }  (natural alignment: no padding with these sizes)
 _REP = struct.Struct("=iiQiiiI")
-REQ_CREATE, REQ_EXEC, REQ_KILL = 1, 2, 3
+REQ_CREATE, REQ_EXEC, REQ_KILL, REQ_HELPER = 1, 2, 3, 4
 REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED = 1, 2, 3, 4
-F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS = 1, 2, 4, 8
+F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS, F_HELPER = 1, 2, 4, 8, 16
 
 
 def _strings(items: list[str]) -> bytes:
@@ -155,7 +169,14 @@ def request_argv(req: Request) -> list[str]:
                 req.work, req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
                 str(len(req.cgroup_procs)), *req.cgroup_procs,
                 *((str(req.userns[0]), str(req.userns[1])) if req.userns else ())]
+    if isinstance(req, Helper):
+        return ["helper", str(len(req.cgroup_procs)), *req.cgroup_procs]
     if isinstance(req, Exec):
+        if req.helper:
+            return ["exec", str(req.helper),
+                    req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
+                    *req.cgroup_procs, str(req.pids_index), req.home_procs, str(len(req.env)),
+                    *req.env, "--", *req.argv]
         return ["exec", req.cwd or "", req.user or "", str(len(req.cgroup_procs)),
                 *req.cgroup_procs, str(req.pids_index), req.home_procs, ":".join(req.hide),
                 str(len(req.env)), *req.env, "--", *req.argv]
@@ -170,7 +191,9 @@ def encode(req: Request) -> bytes:
     elif isinstance(req, Exec):
         kind = REQ_EXEC
         flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \
-            | (F_USERNS if req.userns else 0)
+            | (F_USERNS if req.userns else 0) | (F_HELPER if req.helper else 0)
+    elif isinstance(req, Helper):
+        kind, flags = REQ_HELPER, 0
     else:
         kind, flags = REQ_KILL, 0
     data = _REQ.pack(kind, flags, req.id) + _strings(request_argv(req))
