@@ -1,4 +1,11 @@
-"""Shared fixtures. Tests that need root or a kernel feature use ``requires_root``."""
+"""Shared fixtures. Tests that need root or a kernel feature use ``requires_root``.
+
+The suite runs in parallel (pytest-xdist, ``make test``): read tests/README.md before
+adding a test that makes host resources (cgroups, mounts, netns, nft tables, servers) or
+looks at the whole host. In short: name everything per test (uuid or pid), bind port 0,
+keep files under ``tmp_path``, and mark ``@pytest.mark.serial`` a test that reaps or
+counts host-wide, measures time, or exhausts a shared resource.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +27,23 @@ os.environ.setdefault("DSEC_DISK_POOL_BYTES", str(2 << 30))
 settings.register_profile("dsec", deadline=None)
 settings.load_profile("dsec")
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, leave out the tests marked ``serial``: they must not run
+    beside other tests, and `make test` runs them in a pass of their own
+    (``pytest -n 0 -m serial``). Deselected, not skipped: the count shows in the summary."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    serial = [i for i in items if i.get_closest_marker("serial") is not None]
+    if serial:
+        config.hook.pytest_deselected(items=serial)
+        items[:] = [i for i in items if i.get_closest_marker("serial") is None]
+
+
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")
 
 
-# --- PostgreSQL (stream pg): one throwaway server per test session, a fresh database
+# --- PostgreSQL (stream pg): one throwaway server per test session (so one per xdist
+# worker: each worker is a session of its own), a fresh database
 # per test (CREATE DATABASE ... TEMPLATE: ~50 ms). The server runs in a short /tmp dir
 # (a Unix socket path must stay under 108 bytes; the server account must be able to
 # enter it), which is removed with everything in it at the end of the session.

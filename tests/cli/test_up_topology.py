@@ -281,6 +281,7 @@ def test_dsec_apiserver_serves_edges_given_by_address(tmp_path: Any) -> None:
             p.wait(30)
 
 
+@pytest.mark.serial  # placement spreads by heartbeat-reported load: slow heartbeats put every sandbox on one edge
 def test_an_edge_that_cannot_start_fails_dsec_up_clearly_and_destroys_nothing(
         state: str) -> None:
     """A ``dsec up`` whose edge cannot start exits with the edge's own words, and does
@@ -291,7 +292,13 @@ def test_an_edge_that_cannot_start_fails_dsec_up_clearly_and_destroys_nothing(
     up = Up(state, *big, "--keep").start()
     with up.client() as c:
         # Both edges must hold sandboxes. Placement spreads over healthy nodes; under load
-        # an edge's first heartbeat can lag its start, so create until both are used.
+        # an edge's first heartbeat can lag its start (4 test workers beside other users:
+        # 40 creates all went to edge-0), so wait until both are listed healthy, then
+        # create until both are used.
+        deadline = time.monotonic() + 60
+        while sum(1 for n in c.nodes() if n.healthy and n.status == "healthy") < 2:
+            assert time.monotonic() < deadline, f"both edges never reported: {c.nodes()}"
+            time.sleep(0.1)
         ids: set[str] = set()
         for i in range(40):
             ids.add(c.sandboxes.create(project=f"p/{i}", detached=True).id)

@@ -249,6 +249,7 @@ async def test_wrong_ca_edge_is_refused(tmp_path: Path) -> None:
             await edge.stop()
 
 
+@pytest.mark.serial  # its flood must outrun a wall-time token bucket (beside 6 workers: only 401s)
 async def test_join_routes_refuse_non_superusers_and_garbage(tmp_path: Path) -> None:
     async with apiserver(tmp_path / "cp") as rt, rest(rt) as http:
         anon = httpx.AsyncClient(base_url=rt.url, timeout=10)

@@ -75,19 +75,32 @@ async def test_light_polls_follow_the_feed_and_list_on_schedule(tmp_path: Path,
             store.close()
 
 
-async def test_default_lists_at_every_poll(tmp_path: Path, store_url: str) -> None:
-    """0 (the default): every poll takes the whole list, as before the setting."""
+async def test_default_lists_every_5_s_and_0_at_every_poll(tmp_path: Path,
+                                                           store_url: str) -> None:
+    """The default: a full list at the first poll, then light polls until 5 s passed
+    (another replica's sandboxes come from the store watch, not from these lists);
+    0 lists at every poll."""
     clock = FakeClock()
     store = open_store(store_url)
     plane = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock)
+    every = ControlPlane.open(store, metrics=ApiMetrics(), clock=clock,
+                              config=PlaneConfig(sandbox_list_interval_s=0.0))
     async with served_edge(tmp_path, node="e0") as edge:
         link = CountingLink(await EdgeClient.connect(edge.addr))
+        link0 = CountingLink(await EdgeClient.connect(edge.addr))
         plane.add_edge("e0", edge.addr, link)  # type: ignore[arg-type]
+        every.add_edge("e0", edge.addr, link0)  # type: ignore[arg-type]
         try:
-            for _ in range(3):
+            for _ in range(5):
                 await plane.poll_edges()
-            assert link.full == 3
+                await every.poll_edges()
+                clock.t += 1
+            assert link.full == 1 and link0.full == 5
+            await plane.poll_edges()                  # 5 s since the first list
+            assert link.full == 2
         finally:
             await plane.close()
+            await every.close()
             await link.close()
+            await link0.close()
             store.close()

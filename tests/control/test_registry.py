@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsec.control.quota import Quota, QuotaIndex
@@ -150,3 +152,44 @@ def test_pages_walk_projects_in_id_order_with_filters(store: StateStore,
     reg.remove_sandbox(f"sb-{0:012x}-n1")
     assert f"sb-{0:012x}-n1" not in reg and len(reg) == 39
     assert reg.page(after="", limit=1, projects=["nope"]) == ([], False)
+
+
+def test_node_digest_follows_every_change_of_the_records(tmp_path: Path) -> None:
+    """Registry.node_digest is what a full list is compared with before reconciling it
+    (ControlPlane._poll): it must equal the digest recomputed from the records after
+    adds, pauses, resumes, removals and another writer's events."""
+    from dsec.control.registry import brief_hash
+    from dsec.control.store.sqlite import SqliteStore
+
+    def fresh(reg: Registry, node: str) -> tuple[int, int]:
+        x = 0
+        recs = reg.sandboxes_on(node)
+        for r in recs:
+            x ^= brief_hash(r.id, r.paused)
+        return len(recs), x
+
+    store = SqliteStore(str(tmp_path / "c.sqlite"))
+    other = SqliteStore(str(tmp_path / "c.sqlite"))
+    try:
+        a = Registry(store, clock=lambda: 1.0)
+        b = Registry(other, clock=lambda: 1.0)
+        ids = [f"sb-{i:012x}-n{i % 2}" for i in range(6)]
+        for sid in ids:
+            a.add_sandbox(SandboxRecord(id=sid, node=sid[-2:], project="p"))
+        a.set_paused(ids[0], True)
+        a.set_paused(ids[2], True)
+        a.set_paused(ids[2], False)
+        a.remove_sandbox(ids[4])
+        a.flush()
+        b.catch_up()
+        a.set_paused(ids[1], True)
+        a.remove_sandbox(ids[3])
+        a.flush()
+        b.catch_up()
+        for reg in (a, b):
+            for node in ("n0", "n1"):
+                assert reg.node_digest(node) == fresh(reg, node)
+        assert a.node_digest("n0")[0] == 2 and a.node_digest("nx") == (0, 0)
+    finally:
+        store.close()
+        other.close()

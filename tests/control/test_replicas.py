@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.control.api.plane import PlaneConfig
 from dsec.control.api.service import Caller
 from dsec.control.idempotency import IdempotencyCache, Retry, fingerprint
 from dsec.control.store import open_store
@@ -58,8 +59,9 @@ async def test_create_retried_on_the_other_replica_returns_the_same_sandbox(
     b.plane.registry.flush()
     versions = [e.version for e in a.store.read_events(0, 100)]
     assert versions == list(range(1, len(versions) + 1)) and len(versions) == 2
-    # Each replica learns the other's sandboxes from the edge's heartbeat.
-    await a.plane.poll_edges()
+    # Each replica learns the other's sandboxes from the store (Registry.catch_up: the
+    # store watch runs it), not from the edge's lists.
+    a.plane.registry.catch_up()
     page, _ = a.service.directory.list_sandboxes(caller_a, project=None, labels={},
                                                  state=None, after="", limit=10)
     assert {i.id for i in page} == {first.id, other.id}
@@ -168,3 +170,41 @@ async def test_a_quota_or_ceiling_set_on_one_replica_binds_the_other(
     with pytest.raises(QuotaExceeded):
         await b.service.create(cb, CreateSandboxRequest(project="lab/x"))
     assert node.live_count == 1
+
+
+async def test_a_sandbox_is_recorded_once_by_the_replica_that_created_it(
+        tmp_path: Path, store_url: str) -> None:
+    """Replica B meets A's sandbox in the edge's listing before reading A's commit: it
+    holds A's stored record (listed, charged) and writes nothing of its own, so the
+    store gets one row write and one ``sandbox_added`` per create, not one per replica."""
+    async with served_edge(tmp_path) as edge:
+        every = PlaneConfig(sandbox_list_interval_s=0.0)     # a full list at each poll
+        a = await replica(store_url, edge.addr, plane=every)
+        b = await replica(store_url, edge.addr, plane=every)
+        try:
+            await _recorded_once(a, b, edge.node, a.plane.bootstrap_admin())
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def _recorded_once(a: Replica, b: Replica, node: EdgeNode, key: str) -> None:
+    ca, cb = (r.service.authenticate(f"Bearer {key}") for r in (a, b))
+    made = await a.service.create(ca, CreateSandboxRequest(labels={"once": "1"}))
+    a.plane.registry.flush()
+    before = b.plane.registry.version
+    await b.plane.poll_edges()                     # a full list: B discovers it
+    assert made.id in b.plane.registry
+    page, _ = b.service.directory.list_sandboxes(cb, project=None, labels={"once": "1"},
+                                                 state=None, after="", limit=10)
+    assert [i.id for i in page] == [made.id]
+    assert b.plane.registry.version == before      # no event of B's own
+    b.plane.registry.flush()
+    b.plane.registry.catch_up()                    # A's event: skipped, known already
+    added = [e for e in a.store.read_events(0, 100)
+             if e.kind == "sandbox_added" and e.sandbox_id == made.id]
+    assert len(added) == 1
+    # a pause B hears of from the edge is a change of B's: written once
+    await node.pause(made.id)
+    await b.plane.poll_edges()
+    assert b.plane.registry.sandbox(made.id).paused

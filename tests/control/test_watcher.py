@@ -59,6 +59,21 @@ def hb(node: str, t: float, sandboxes: tuple[LiveSandbox, ...] = (), *,
         memory_bytes_used=sum(s.memory_bytes for s in sandboxes), max_sandboxes=max_sandboxes))
 
 
+def test_next_expiry_is_the_oldest_nodes_deadline_and_expiring_what_a_tick_takes() -> None:
+    """The plane's expiry timer sleeps until next_expiry() and ticks then, so a node is
+    lost ttl_s after its last sign of life, not at the next poll round."""
+    w = Watcher(WatcherConfig(ttl_s=3.0))
+    assert w.next_expiry() is None
+    w.handle(hb("n1", 1.0), hb("n2", 2.0))
+    assert w.next_expiry() == 4.0
+    assert w.expiring(4.0) == [] and w.expiring(4.01) == ["n1"]
+    assert w.expiring(5.5) == ["n1", "n2"]
+    w.handle(LinkFailed(node="n1", time=4.0, cause="answered"))   # held: seen at 4.0
+    assert w.next_expiry() == 5.0 and w.expiring(5.5) == ["n2"]
+    assert w.handle(Tick(5.01)) == [EvictNode("n2", ())]
+    assert w.next_expiry() == 7.0
+
+
 def test_heartbeat_updates_the_placement_view() -> None:
     w = Watcher()
     out = w.handle(hb("n1", 0.0, (sb("1"), sb("2", project="org/b"), sb("3"))))

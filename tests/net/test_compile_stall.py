@@ -24,7 +24,8 @@ from .test_egress_hostile import SPEC, Env, env, images_dir, policy
 
 __all__ = ["env", "images_dir"]  # fixtures shared with test_egress_hostile
 
-pytestmark = [pytest.mark.root,
+# serial: asserts an event-loop stall bound, which other tests' CPU use breaks
+pytestmark = [pytest.mark.root, pytest.mark.serial,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")]
 
 

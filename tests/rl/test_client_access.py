@@ -139,6 +139,7 @@ def test_check_env_over_the_api(access: ClientAccess) -> None:
         env.close()
 
 
+@pytest.mark.serial  # placement spreads by heartbeat-reported load: slow heartbeats put every sandbox on one edge
 def test_pool_steps_with_one_exec_many_per_tick_across_edges(
         access: ClientAccess, client: Client) -> None:
     task = Task(prompt="count", max_turns=100, files={"/workspace/seed": b"s\n"})
@@ -353,11 +354,39 @@ TEST_SH = b'test "$(cat /workspace/answer)" = 42 || { echo "wrong answer"; exit 
 
 
 @pytest.fixture(scope="module")
-def container_client() -> Iterator[Client]:
+def container_cluster() -> Iterator[LocalCluster]:
     if os.geteuid() != 0:
         pytest.skip("needs root (CI runs as root)")
-    with LocalCluster(edges=1, backend="container") as cl, cl.client() as c:
+    with LocalCluster(edges=1, backend="container") as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def container_client(container_cluster: LocalCluster) -> Iterator[Client]:
+    with container_cluster.client() as c:
         yield c
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("transport", ["aether", "http"])
+def test_hide_reaches_the_edge_through_every_door(container_cluster: LocalCluster,
+                                                  transport: str) -> None:
+    """ExecRequest.hide over the SDK, the Aether gateway and REST (whose body type once
+    had no such field and would have dropped it): the command is confined."""
+    with container_cluster.client(protocol=transport) as c:
+        sb = c.sandboxes.create(spec=SPEC)
+        try:
+            made = c.sandboxes.exec_many([(sb, ExecRequest(
+                shell="mkdir -m700 /.dsec-judge && echo s3cr3t > /.dsec-judge/secret"))])[0]
+            assert isinstance(made, ExecResult) and made.exit_code == 0, made
+            hidden, plain = c.sandboxes.exec_many([
+                (sb, ExecRequest(shell="cat /.dsec-judge/secret", hide=(".dsec-judge",))),
+                (sb, ExecRequest(shell="cat /.dsec-judge/secret"))])
+            assert isinstance(hidden, ExecResult) and hidden.exit_code != 0, hidden
+            assert b"s3cr3t" not in hidden.stdout
+            assert isinstance(plain, ExecResult) and plain.stdout == b"s3cr3t\n"
+        finally:
+            sb.kill()
 
 
 def _episode(container_client: Client, access: ClientAccess, judge: ExecutableJudge,

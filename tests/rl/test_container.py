@@ -131,6 +131,26 @@ def test_in_place_judge_kills_the_agents_processes_first(
         access.destroy(sid)
 
 
+def test_in_place_judge_stops_a_forking_agent(container: tuple[EdgeAccess, EdgeNode]) -> None:
+    """A respawner forking as fast as it can (bounded by the sandbox's pids_max) is no
+    way around the stop: SIGKILL to every process until /proc shows none."""
+    access, _ = container
+    sid = access.create(SPEC)
+    try:
+        access.exec_batch([(sid, ExecRequest(shell=(
+            "mkdir -p /workspace && echo 42 > /workspace/answer && "
+            "/bin/busybox setsid /bin/busybox ash -c 'while :; do (sleep 30 &); done' "
+            "</dev/null >/dev/null 2>&1 &")))])
+        access.exec_batch([(sid, ExecRequest(shell="sleep 0.2"))])   # let it get going
+        assert len(_procs(access, sid)) >= 2                          # init + respawner(s)
+        v = _judge(False).judge(JudgeContext(answer="", access=access, sandbox_id=sid,
+                                             spec=SPEC))
+        assert v.reward == 1.0, v
+        assert _procs(access, sid) == ["1"]
+    finally:
+        access.destroy(sid)
+
+
 CHEAT_SH = (b"# the 'answer': reads the hidden expectation instead of computing it\n"
             b"cat /tmp/.judge-*/expected 2>/dev/null || echo 'cannot read'\n")
 HARNESS_SH = (b'# the harness runs the answer as nobody\n'

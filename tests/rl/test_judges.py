@@ -185,3 +185,17 @@ def test_isolated_judging_sees_only_carried_files(sim_access: EdgeAccess,
         ExecutableJudge(hidden_files={}, command=["true"], isolate=True)
     with pytest.raises(InvalidArgument, match="relative"):
         ExecutableJudge(hidden_files={"../x": b""}, command=["true"], isolate=False)
+
+
+def test_a_judge_whose_sandbox_is_gone_says_infra_error(sim_access: EdgeAccess) -> None:
+    """A lost episode sandbox is the platform's failure, a missing answer file the
+    agent's; an env flags the former (infra_error), never blames the agent."""
+    judge = ExecutableJudge(hidden_files={"expected": b"expect 42\n"},
+                            command=["cat", "{tests}/expected", "/workspace/answer"],
+                            score=_score, cwd="/workspace", carry=["/workspace/answer"])
+    sid = sim_access.create(SandboxSpec())
+    v = judge.judge(JudgeContext(answer="", access=sim_access, sandbox_id=sid))
+    assert v.reward == 0.0 and not v.infra_error and "could not be read" in v.detail
+    sim_access.destroy(sid)
+    v = judge.judge(JudgeContext(answer="", access=sim_access, sandbox_id=sid))
+    assert v.reward == 0.0 and v.infra_error, v

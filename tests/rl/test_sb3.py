@@ -165,3 +165,13 @@ def test_sandbox_pool_through_the_adapter(sim_access: EdgeAccess) -> None:
         assert venv.get_attr("turn") == [0, 0]
     finally:
         venv.close()
+
+
+def test_vector_infos_become_per_env_dicts() -> None:
+    from dsec.rl.sb3 import _per_env
+
+    infos = {"episode": {"r": np.array([1.0, 0.0]), "l": np.array([3, 0])},
+             "_episode": np.array([True, False]),
+             "x": np.array([5, 6]), "_x": np.array([False, True]), "plain": np.array([7, 8])}
+    assert _per_env(infos, 0) == {"episode": {"r": 1.0, "l": 3}, "plain": 7}
+    assert _per_env(infos, 1) == {"x": 6, "plain": 8}

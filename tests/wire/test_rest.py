@@ -35,7 +35,8 @@ class _Names:
 
     def __getattr__(self, name: str) -> Any:   # sandbox(), session(), key(), dir(), ...
         return lambda: {"session": "ses-0123456789abcdef", "key": "0123456789abcdef",
-                        "dir": "/tmp/d", "image_name": "cat-x:latest"}.get(name, self.sid)
+                        "dir": "/tmp/d", "image_name": "cat-x:latest",
+                        "pinned": self.image}.get(name, self.sid)
 
 
 def _path_params(op: Op[Any, Any], path: str) -> dict[str, str]:

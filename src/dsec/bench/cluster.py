@@ -67,8 +67,8 @@ class ScaleConfig:
     samples: int = 40                  # calls per latency figure
     profile_s: float = 0.0             # >0: py-spy record replica 0 this long while filling
     # `dsec apiserver --sandbox-list-interval`: full edge lists at most this often
-    # (PlaneConfig.sandbox_list_interval_s; 0 = at every poll, the default)
-    list_interval_s: float = 10.0
+    # (PlaneConfig.sandbox_list_interval_s, whose default this is; 0 = at every poll)
+    list_interval_s: float = 5.0
 
 
 QUICK = ScaleConfig(edges=10, per_edge=300, edges_per_process=5, levels=(500, 1_500, 3_000),
@@ -232,15 +232,25 @@ def _store_mb(state_dir: str) -> float:
     return total / 2**20
 
 
-def _pg_rss_mb(state_dir: str) -> float:
-    """RSS of the PostgreSQL server (postmaster and its backends); 0 without one."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pg_pids(state_dir: str) -> list[int]:
+    """The PostgreSQL server's processes (postmaster and its backends)."""
     try:
         with open(os.path.join(os.path.dirname(state_dir), "pg", "data",
                                "postmaster.pid")) as f:
             root = int(f.readline())
     except (OSError, ValueError):
-        return 0.0
-    total = 0.0
+        return []
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -250,8 +260,16 @@ def _pg_rss_mb(state_dir: str) -> float:
         except (OSError, ValueError, IndexError):
             continue
         if int(entry) == root or ppid == root:
-            with contextlib.suppress(OSError):
-                total += _rss_mb(int(entry))
+            pids.append(int(entry))
+    return pids
+
+
+def _pg_rss_mb(state_dir: str) -> float:
+    """RSS of the PostgreSQL server (postmaster and its backends); 0 without one."""
+    total = 0.0
+    for pid in _pg_pids(state_dir):
+        with contextlib.suppress(OSError):
+            total += _rss_mb(pid)
     return total
 
 
@@ -282,6 +300,9 @@ class Level:
     store_mb: float
     store_rss_mb: float = 0.0       # PostgreSQL's memory (0 with SQLite: in the replicas)
     live_reported: int = 0
+    # CPU seconds each part of the cluster spent filling this level (what bounds the
+    # rate on a machine they all share): replicas, edges, loaders, store
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -363,6 +384,8 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
     procs: list[Any] = []
     replicas: list[Replica] = []
     d = tempfile.mkdtemp(prefix="dsec-bench-cluster-")
+    # PgServer runs PostgreSQL as its own account, which must enter the directory
+    os.chmod(d, 0o711)
     try:
         with _store(cfg.store, d) as store_url:
             state = os.path.join(d, "state")
@@ -419,11 +442,17 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
                         [spy, "record", "-p", str(replicas[0].proc.pid), "-d",
                          str(int(cfg.profile_s)), "-f", "raw", "-o", out.profile],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                parts = {"replicas": [r.proc.pid for r in replicas],
+                         "edges": [p.pid for p in procs[:len(procs) - len(replicas)]],
+                         "loaders": [p.pid for p in procs[len(procs) - len(replicas):]],
+                         "store": _pg_pids(state)}
+                cpu0 = {k: sum(_cpu_s(p) for p in v) for k, v in parts.items()}
                 t0 = time.perf_counter()
                 for q, n in zip(cmds, share, strict=True):
                     q.put(n)
                 got = [res.get(timeout=3600) for _ in replicas]
                 dt = time.perf_counter() - t0
+                cpu = {k: sum(_cpu_s(p) for p in v) - cpu0[k] for k, v in parts.items()}
                 made = sum(g[0] for g in got)
                 out.created += made
                 out.failed += sum(g[1] for g in got)
@@ -439,6 +468,7 @@ def run_scale(cfg: ScaleConfig) -> ScaleRun:
                 time.sleep(cfg.list_interval_s + 2.5)
                 lv = _measure(http, have, sample, cfg, replicas, state)
                 lv.live_reported = _live(http)
+                lv.cpu_s = {**cpu, "wall": dt}
                 out.levels.append(lv)
             out.live_sandboxes = _live(http)
             for q in cmds:
@@ -490,6 +520,13 @@ def scale_cluster(ctx: BenchContext) -> None:
         ctx.record("cluster_store_mb", lv.store_mb, "MB", **at)
         if lv.store_rss_mb:
             ctx.record("cluster_store_rss_mb", lv.store_rss_mb, "MB", **at)
+        made = lv.live - (run.levels[run.levels.index(lv) - 1].live if run.levels.index(lv)
+                          else 0)
+        if made > 0 and lv.cpu_s:
+            ctx.record("cluster_cpu_ms_per_create", 1000 * sum(
+                v for k, v in lv.cpu_s.items() if k != "wall") / made, "ms",
+                **at, **{k: round(1000 * v / made, 3) for k, v in lv.cpu_s.items()
+                         if k != "wall"}, note="CPU of every part per sandbox created")
     last = run.levels[-1]
     per = last.live / 10_000
     if per > 0:

@@ -68,12 +68,12 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
               show_default=True, metavar="SECONDS",
               help="An edge silent this long is lost: its sandboxes are evicted (node_lost) "
                    "and destroyed when it returns (as `dsec up --node-ttl`).")
-@click.option("--sandbox-list-interval", type=click.FloatRange(min=0), default=0.0,
+@click.option("--sandbox-list-interval", type=click.FloatRange(min=0), default=5.0,
               show_default=True, metavar="SECONDS",
               help="Ask each edge for its whole sandbox list at most this often (0: at "
                    "every 1 s poll); in between, polls cost O(changes), not O(sandboxes). "
-                   "Another replica's new sandboxes show in this one's lists and quota "
-                   "usage up to this much later (docs/deploy.md).")
+                   "It repairs what an edge's event feed missed; another replica's "
+                   "sandboxes arrive through the state store (docs/deploy.md).")
 @net_default_option
 @blob_store_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,

@@ -147,13 +147,6 @@ class Client:
     def info(self) -> Info:
         return self._run(self._a.info())
 
-    @property
-    def rl(self) -> Any:
-        """``client.rl.workers.create(state_dir, ...)``: rollout workers that outlive the
-        trainer (:class:`dsec.rl.worker.trainer.Workers`)."""
-        from dsec.rl.worker.trainer import RL
-        return RL(self.url, self._a._key, self.info)
-
     def fetch_layer(self, node_id: str, digest: str, *,
                     source: str | None = None) -> LayerFetched:
         """See :meth:`AsyncClient.fetch_layer`."""

@@ -123,6 +123,7 @@ class Record:
     (the store's row) says it is."""
 
     record: SandboxRecord
+    stored_paused: bool = False     # the pause state the stored record says
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,4 +222,5 @@ def settle_unknown(sandbox_id: str, stored_record: SandboxRecord | None, *, node
         return None
     if stored_record is None or stored_record.id != sandbox_id or stored_record.node != node:
         return Quarantine(sandbox_id)
-    return Record(msgspec.structs.replace(stored_record, paused=paused))
+    return Record(msgspec.structs.replace(stored_record, paused=paused),
+                  stored_paused=stored_record.paused)

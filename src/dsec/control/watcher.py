@@ -569,6 +569,26 @@ class Watcher:
         """The current snapshot of live nodes (for a full placement resync)."""
         return [self._view(n.hb, n) for n in self._live.values()]
 
+    def next_expiry(self) -> float | None:
+        """When the next node expires if it stays silent (its last sign of life plus
+        ``ttl_s``); None with no live node. O(1): nodes are kept in receipt order. The
+        runner ticks at this time, so a node is lost ``ttl_s`` after it was last heard,
+        not at the first tick after that."""
+        for node in self._live.values():
+            return node.last_seen + self.config.ttl_s
+        return None
+
+    def expiring(self, now: float) -> list[str]:
+        """The nodes a :class:`Tick` at ``now`` would expire, oldest first (the runner
+        checks whether a poll in flight has heard from one before it ticks)."""
+        deadline = now - self.config.ttl_s
+        out = []
+        for name, node in self._live.items():
+            if node.last_seen >= deadline:
+                break
+            out.append(name)
+        return out
+
     def live_nodes(self) -> list[str]:
         return list(self._live)
 

@@ -51,7 +51,7 @@ from dsec.wire.calls import (
     WriteFile,
     exec_request,
 )
-from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
+from dsec.wire.node import EDGE_PROTOCOL, MAX_LIST_PAGE, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import (
     USE_CLIENT_DEFAULT,
     Deadline,
@@ -208,11 +208,13 @@ class EdgeClient:
         return await self.call(ops.NODE_INFO, Empty(), timeout=timeout)
 
     async def heartbeat(self, *, include_sandboxes: bool = True,
-                        images_gen: int | None = None,
+                        images_gen: int | None = None, list_after: str = "",
+                        list_limit: int = MAX_LIST_PAGE,
                         timeout: Deadline = USE_CLIENT_DEFAULT) -> Heartbeat:
         return await self.call(ops.HEARTBEAT,
                                HeartbeatRequest(include_sandboxes=include_sandboxes,
-                                                images_gen=images_gen),
+                                                images_gen=images_gen, list_after=list_after,
+                                                list_limit=list_limit),
                                timeout=timeout)
 
     async def feed(self, after: int = 0, limit: int = 1000, *,

@@ -91,7 +91,15 @@ from dsec.image.store import LayerStore
 from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
 from dsec.wire.netpolicy import NetworkPolicy, within
-from dsec.wire.node import EventFeed, Heartbeat, PoolStats, SandboxBrief, labels_match
+from dsec.wire.node import (
+    MAX_FEED_EVENTS,
+    MAX_LIST_PAGE,
+    EventFeed,
+    Heartbeat,
+    PoolStats,
+    SandboxBrief,
+    labels_match,
+)
 from dsec.wire.ports import (
     MAX_EXPOSED_PORTS,
     MAX_TUNNELS_PER_SANDBOX,
@@ -1545,6 +1553,7 @@ class EdgeNode:
         """Node-wide events with sequence number > ``after`` (for watchers)."""
         if limit <= 0:
             raise InvalidArgument(f"feed limit={limit} must be positive")
+        limit = min(limit, MAX_FEED_EVENTS)     # what a reader's EventFeed type accepts
         feed = self._feed
         first = feed[0][0] if feed else self._seq + 1
         lost = max(0, first - after - 1) if after < first - 1 else 0
@@ -1602,13 +1611,24 @@ class EdgeNode:
         return images, gen
 
     def heartbeat(self, *, include_sandboxes: bool = True,
-                  images_gen: int | None = None) -> Heartbeat:
-        """What the watcher/placement needs to (re)build their view of this node."""
+                  images_gen: int | None = None, list_after: str = "",
+                  list_limit: int = MAX_LIST_PAGE) -> Heartbeat:
+        """What the watcher/placement needs to (re)build their view of this node. The
+        sandbox list is a page: ids after ``list_after`` in id order, at most
+        ``list_limit`` (``list_more`` says more follow)."""
         briefs = None
+        more = False
         if include_sandboxes:
-            briefs = [SandboxBrief(r.id, r.state, project_of(r.spec), r.spec.priority,
-                                   r.spec.cpu_milli, r.spec.memory_bytes)
-                      for r in self._live.values()]
+            limit = max(1, min(list_limit, MAX_LIST_PAGE))
+            live = self._live
+            ids = heapq.nsmallest(limit + 1, (i for i in live if i > list_after))
+            more = len(ids) > limit
+            briefs = []
+            for sid in ids[:limit]:
+                r = live[sid]
+                briefs.append(SandboxBrief(r.id, r.state, project_of(r.spec),
+                                           r.spec.priority, r.spec.cpu_milli,
+                                           r.spec.memory_bytes))
         # Warm-pool stats from backends that have a pool (optional ``pool_stats()``
         # capability, e.g. fncall); the control plane turns them into a hit-rate gauge.
         pools: dict[str, PoolStats] = {}
@@ -1625,7 +1645,7 @@ class EdgeNode:
             counts=self.counts(), labels=dict(self.config.labels),
             images=[] if same else images, images_gen=gen, images_same=same,
             backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs,
-            pools=pools, pins_gen=self._pins_gen)
+            list_more=more, pools=pools, pins_gen=self._pins_gen)
 
     async def apply_pins(self, images: builtins.list[str], gen: int) -> None:
         """``node_pins``: make the images pinned on this node exactly ``images`` (issue

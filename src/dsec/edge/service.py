@@ -87,7 +87,8 @@ class EdgeHandlers:
 
     def heartbeat(self, b: HeartbeatRequest) -> Heartbeat:
         return self.node.heartbeat(include_sandboxes=b.include_sandboxes,
-                                   images_gen=b.images_gen)
+                                   images_gen=b.images_gen, list_after=b.list_after,
+                                   list_limit=b.list_limit)
 
     def feed(self, b: FeedRequest) -> EventFeed:
         return self.node.feed(b.after, b.limit)

@@ -18,6 +18,7 @@ import re
 import msgspec
 
 from dsec.errors import CorruptLayer, InvalidArgument
+from dsec.image.manifest import ChunkTableRef
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -25,6 +26,9 @@ __all__ = [
     "MIN_CHUNK_SIZE",
     "ChunkTable",
     "build_chunk_table",
+    "check_table",
+    "table_bytes_bound",
+    "table_ref",
     "verify_chunk",
 ]
 
@@ -140,3 +144,36 @@ def verify_chunk(table: ChunkTable, index: int, data: bytes | bytearray | memory
     if len(data) != length:
         return False
     return hashlib.sha256(data).digest() == table.hashes[index]
+
+
+def table_bytes_bound(size: int, chunk_size: int) -> int:
+    """The most bytes an encoded table of a ``size``-byte file in ``chunk_size`` chunks
+    takes (msgpack: 34 bytes a hash, a few dozen for the rest): what a reader may ask a
+    blob store for, whatever the store announces."""
+    return 256 + 34 * chunk_count(size, chunk_size)
+
+
+def table_ref(table: ChunkTable) -> tuple[bytes, ChunkTableRef]:
+    """The encoded table and the record that pins it (:class:`ChunkTableRef`)."""
+    raw = table.encode()
+    return raw, ChunkTableRef(sha256="sha256:" + hashlib.sha256(raw).hexdigest(),
+                              size=len(raw), chunk_size=table.chunk_size)
+
+
+def check_table(raw: bytes, ref: ChunkTableRef, *, digest: str, size: int) -> ChunkTable:
+    """The table ``raw`` (as fetched from a blob store) if it is exactly the one ``ref``
+    records for the layer ``digest`` of ``size`` bytes, else :class:`CorruptLayer`: the
+    hashes every chunk is verified against are never the store's own choice."""
+    got = "sha256:" + hashlib.sha256(raw).hexdigest()
+    if len(raw) != ref.size or got != ref.sha256:
+        raise CorruptLayer(
+            f"the chunk table fetched for {digest} ({len(raw)} bytes, {got[:23]}..) is not "
+            f"the one its push recorded ({ref.size} bytes, {ref.sha256[:23]}..): the blob "
+            "store holds other bytes than were pushed; push the layer again",
+            digest=digest)
+    table = ChunkTable.decode(raw)
+    if table.digest != digest or table.size != size or table.chunk_size != ref.chunk_size:
+        raise CorruptLayer(f"the chunk table recorded for {digest} describes "
+                           f"{table.digest} of {table.size} bytes in {table.chunk_size}-byte "
+                           f"chunks, not {size} bytes in {ref.chunk_size}", digest=digest)
+    return table

@@ -31,6 +31,7 @@ __all__ = [
     "DIGEST_PREFIX",
     "LAYER_KINDS",
     "PROJECT_LABEL",
+    "ChunkTableRef",
     "LayerKind",
     "LayerManifest",
     "ParsedRef",
@@ -50,6 +51,26 @@ MAX_REF_LEN = 1200                      # 16 project levels of 63 + name 128 + t
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _HEX_RE = re.compile(r"[0-9a-f]{12,64}")
+
+
+class ChunkTableRef(msgspec.Struct, frozen=True, kw_only=True):
+    """The chunk table a push published for a layer (``layers/sha256/<hex>.chunks``),
+    pinned by its own sha256. Recorded by whoever pushed the layer from a store that
+    hashed the whole file (the control plane's manifest), so a node that reads the layer
+    lazily checks the table it fetches against this before trusting a single chunk hash:
+    the blob store cannot choose the hashes it is checked against (red team 17 F1)."""
+
+    sha256: str                              # "sha256:<64 hex>" of the encoded table
+    size: int                                # bytes of the encoded table
+    chunk_size: int                          # the table's chunk size
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", self.sha256):
+            raise InvalidArgument(f"chunk table sha256 {self.sha256[:80]!r} is not "
+                                  "sha256:<64 lowercase hex>")
+        if self.size <= 0 or self.chunk_size <= 0:
+            raise InvalidArgument(f"chunk table of {self.size} bytes in "
+                                  f"{self.chunk_size}-byte chunks: both must be positive")
 
 
 class LayerManifest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -75,6 +96,9 @@ class LayerManifest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # Special files left out of the tree, per kind ("devices", "sockets"): the one rule
     # of dsec.image.tree.special_skip, whichever door the tree came through.
     skipped: dict[str, int] = {}
+    # The chunk table published with the layer by a push (issue 17): what a lazy node
+    # checks the fetched table against. None: never pushed (or pushed by an older dsec).
+    chunk_table: ChunkTableRef | None = None
 
     @property
     def hex(self) -> str:

@@ -75,6 +75,7 @@ from dsec.image.manifest import (
     DIGEST_PREFIX,
     LAYER_KINDS,
     PROJECT_LABEL,
+    ChunkTableRef,
     LayerKind,
     LayerManifest,
     layer_namespace,
@@ -649,6 +650,19 @@ class LayerStore:
             return []
         return [DIGEST_PREFIX + n[:-5] for n in names
                 if n.endswith(".json") and n[:-5] in files]
+
+    def record_chunk_table(self, digest: str, ref: ChunkTableRef) -> LayerManifest:
+        """Note in a stored layer's manifest the chunk table a push published for it
+        (:mod:`dsec.image.blob.push`, after hashing the whole file): the record a lazy
+        node checks the blob store's table against. Returns the updated manifest."""
+        hx = digest.removeprefix(DIGEST_PREFIX)
+        with self._locked():
+            m = self._load(hx, digest)
+            if m.chunk_table == ref:
+                return m
+            m = msgspec.structs.replace(m, chunk_table=ref)
+            _write_private(self._manifest_path(hx), _json_enc.encode(m))
+            return m
 
     def add_remote(self, manifest: LayerManifest) -> LayerManifest:
         """Record a layer this node reads lazily from a blob store (issue 17): its

@@ -315,8 +315,10 @@ class EnvPool(VectorEnv[Any, Any, Any]):
                 s.reset_all(shard_seed, **extra)
         except TypeError as exc:
             self.state = "failed"
-            raise InvalidArgument(f"env pool: a shard does not take these reset options "
-                                  f"({sorted(options or {})}): {exc}") from exc
+            if not (extra or mask is not None):
+                raise
+            raise InvalidArgument(f"env pool: a shard may not take these reset options or "
+                                  f"per-env seeds ({sorted(options or {})}): {exc}") from exc
         except BaseException:
             self.state = "failed"
             raise

@@ -280,16 +280,24 @@ class ExecutableJudge:
     def judge(self, ctx: JudgeContext) -> Verdict:
         if ctx.access is None or ctx.sandbox_id is None:
             raise InvalidArgument("ExecutableJudge needs the episode's sandbox access and id")
-        access = ctx.access
+        # The judge's own operations failing (no capacity for the judging sandbox, a
+        # lost node) raise: the caller flags the episode (SandboxEpisodes: an infra_error
+        # verdict; the agent engine: end="infra_error"). Only what the verifier's run
+        # itself says comes back as a verdict.
+        return self._judge(ctx.access, ctx.sandbox_id, ctx.spec)
+
+    def _judge(self, access: SandboxAccess, sandbox_id: str,
+               episode_spec: SandboxSpec | None) -> Verdict:
         if not self.isolate:
-            return self._run(access, ctx.sandbox_id, in_place=True)
-        spec = self.judge_spec or ctx.spec or SandboxSpec()
+            return self._run(access, sandbox_id, in_place=True)
+        spec = self.judge_spec or episode_spec or SandboxSpec()
         carried: dict[str, bytes] = {}
         for path in self.carry:
             try:
-                carried[path] = access.read_file(ctx.sandbox_id, path)
+                carried[path] = access.read_file(sandbox_id, path)
             except DsecError as exc:
-                return Verdict(0.0, False, f"answer file {path} could not be read: {exc}")
+                return Verdict(0.0, False, f"answer file {path} could not be read: {exc}",
+                               infra_error=is_infra_error(exc))
         fresh = access.create(spec)
         try:
             for path, data in carried.items():

@@ -50,14 +50,15 @@ def _per_env(infos: dict[str, Any], i: int) -> dict[str, Any]:
     for k, v in infos.items():
         if k.startswith("_"):
             continue
-        if isinstance(v, dict):
+        mask = infos.get(f"_{k}")
+        if mask is not None and not mask[i]:
+            continue
+        if isinstance(v, dict):          # e.g. RecordEpisodeStatistics' "episode"
             sub = _per_env(v, i)
-            if sub:
+            if sub or mask is not None:
                 out[k] = sub
             continue
-        mask = infos.get(f"_{k}")
-        if mask is None or mask[i]:
-            out[k] = v[i]
+        out[k] = v[i]
     return out
 
 

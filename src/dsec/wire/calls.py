@@ -16,6 +16,7 @@ import msgspec
 from dsec.errors import InvalidArgument
 from dsec.wire.api import CreateSandboxRequest, QuotaBody
 from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
     ExecRequest,
     SandboxSpec,
@@ -390,7 +391,12 @@ class ListRequest(_Call, kw_only=True):
 
 class FeedRequest(_Call, kw_only=True):
     after: int = 0              # sequence number of the last event already seen
-    limit: int = 1000
+    limit: int = 1000           # 1..MAX_FEED_EVENTS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.limit <= MAX_FEED_EVENTS:
+            raise InvalidArgument(f"feed limit={self.limit} must be 1..{MAX_FEED_EVENTS}",
+                                  field="limit")
 
 
 class HeartbeatRequest(_Call, kw_only=True):
@@ -398,6 +404,18 @@ class HeartbeatRequest(_Call, kw_only=True):
     #: the ``Heartbeat.images_gen`` the caller holds: an edge whose images are still
     #: that set answers ``images_same`` instead of the list (None: send the list)
     images_gen: int | None = None
+    #: the page of the sandbox list: ids after ``list_after``, at most ``list_limit``
+    #: (1..MAX_LIST_PAGE), in id order (Heartbeat.list_more: more follow)
+    list_after: str = ""
+    list_limit: int = MAX_LIST_PAGE
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.list_limit <= MAX_LIST_PAGE:
+            raise InvalidArgument(f"heartbeat list_limit={self.list_limit} must be "
+                                  f"1..{MAX_LIST_PAGE}", field="list_limit")
+        if len(self.list_after) > 256:
+            raise InvalidArgument("heartbeat list_after is longer than any sandbox id "
+                                  "(256 characters)", field="list_after")
 
 
 # ------------------------------------------------------------------ network

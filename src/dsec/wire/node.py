@@ -8,7 +8,7 @@ sends 100k of them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -22,8 +22,18 @@ from dsec.wire.spec import SandboxEvent, SandboxState
 #: take for corruption; the network policy and port rows).
 EDGE_PROTOCOL: Final = 3
 
+#: The most sandboxes one heartbeat lists (a page: ``HeartbeatRequest.list_after`` /
+#: ``list_limit`` ask for the next) and the most events one feed read carries. In the
+#: types, so a reply that says more is refused at its array header, before any of it is
+#: decoded: an edge is a network peer (a hostile one listing 3 million sandboxes cost
+#: the control plane 0.5 s of decoding per poll; refused at the header, 0.1 ms).
+MAX_LIST_PAGE: Final = 10_000
+MAX_FEED_EVENTS: Final = 10_000
+
 __all__ = [
     "EDGE_PROTOCOL",
+    "MAX_FEED_EVENTS",
+    "MAX_LIST_PAGE",
     "EventFeed",
     "Heartbeat",
     "NodeInfo",
@@ -112,7 +122,7 @@ class EventFeed(msgspec.Struct, kw_only=True):
     """Node-wide events after ``FeedRequest.after``. ``next`` is the cursor for the next
     read; ``lost`` counts events that fell out of the bounded feed before being read."""
 
-    events: list[SandboxEvent]
+    events: Annotated[list[SandboxEvent], msgspec.Meta(max_length=MAX_FEED_EVENTS)]
     next: int
     lost: int = 0
 
@@ -155,7 +165,10 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     images_same: bool = False
     backends: list[str] = []
     feed_seq: int = 0               # last event sequence number (see EventFeed)
-    sandboxes: list[SandboxBrief] | None = None
+    # A page of the node's live sandboxes in id order (HeartbeatRequest.list_after,
+    # list_limit); ``list_more``: sandboxes with larger ids follow.
+    sandboxes: Annotated[list[SandboxBrief], msgspec.Meta(max_length=MAX_LIST_PAGE)] | None = None
+    list_more: bool = False
     pools: dict[str, PoolStats] = {}    # backend name -> warm-pool stats (optional capability)
     physical: Resources | None = None   # the machine before overcommit (capacity / physical)
     # The image pins this node applied (issue 17): dsec.wire.layers.pins_fingerprint of

@@ -526,7 +526,7 @@ def test_a_dead_backends_empty_cgroups_go_but_busy_ones_and_the_binding_stay(
     proc = subprocess.Popen(["sleep", "60"])
     try:
         (busy / "cgroup.procs").write_text(str(proc.pid))
-        got = reap_orphan_names(names_dir=str(names))
+        got = reap_orphan_names(names_dir=str(names), unbound_scope=lambda n: False)
         assert str(empty) in got.get(name, [])
         assert not empty.exists() and busy.exists() and base.exists()
         assert proc.poll() is None, "a task of an idle name's cgroup was killed"
@@ -561,24 +561,33 @@ def test_unbound_empty_dsec_cgroups_go_once_old_enough(tmp_path: Path) -> None:
         pytest.skip("needs root and the v1 pids hierarchy (CI has both)")
     names = tmp_path / "names"
     names.mkdir()
-    old = Path("/sys/fs/cgroup/pids") / f"dsec-unbound-{uuid.uuid4().hex[:8]}"
-    busy = Path("/sys/fs/cgroup/pids") / f"dsec-unbound-{uuid.uuid4().hex[:8]}"
+    tag = f"unbound-{uuid.uuid4().hex[:8]}"
+    old = Path("/sys/fs/cgroup/pids") / f"dsec-{tag}-old"
+    busy = Path("/sys/fs/cgroup/pids") / f"dsec-{tag}-busy"
+
+    def mine(name: str) -> bool:
+        # names holds no binding of the host's live backends: without a scope every
+        # one of their idle base cgroups would look unbound (and go, at age 0)
+        return name.startswith(tag)
+    other = Path("/sys/fs/cgroup/pids") / f"dsec-{uuid.uuid4().hex[:10]}"  # another's idle base
     (old / "sb-x").mkdir(parents=True)
     (busy / "sb-y").mkdir(parents=True)
+    other.mkdir()
     proc = subprocess.Popen(["sleep", "60"])
     try:
         (busy / "sb-y" / "cgroup.procs").write_text(str(proc.pid))
-        reap_orphan_names(names_dir=str(names))     # default age: both too fresh
+        reap_orphan_names(names_dir=str(names), unbound_scope=mine)  # default age: too fresh
         assert old.exists()
-        got = reap_orphan_names(names_dir=str(names), unbound_min_age_s=0)
+        got = reap_orphan_names(names_dir=str(names), unbound_min_age_s=0, unbound_scope=mine)
         assert str(old) in got.get(old.name[len("dsec-"):], [])
         assert not old.exists() and (busy / "sb-y").exists()
+        assert other.exists(), "the sweep went outside its scope"
         assert proc.poll() is None
     finally:
         proc.kill()
         proc.wait()
         import time as _t
-        for d in (busy / "sb-y", busy, old / "sb-x", old):
+        for d in (busy / "sb-y", busy, old / "sb-x", old, other):
             for _ in range(100):
                 try:
                     d.rmdir()

@@ -105,6 +105,7 @@ async def test_acknowledged_creates_survive_kill_9(edge: EdgeProcess) -> None:
         assert r.stdout == b"alive\n"
 
 
+@pytest.mark.serial  # needs 20 creates acknowledged within its window before the kill (0 beside 6 workers)
 async def test_kill_9_under_load_keeps_every_answer_and_leaks_nothing(
         edge: EdgeProcess) -> None:
     """Concurrent create/pause/destroy (some with a small disk cap), kill -9 at a random
@@ -245,7 +246,11 @@ async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed
         edge.kill()
         edge.wait()
         cache = MountCache()
-        assert [os.path.dirname(m) for m in cache.reclaimed] == [old_root]
+        # Every cache start reclaims the host's dead roots, so another cache starting
+        # beside this test (another test, another edge) may have reclaimed it first:
+        # what holds is that none of its mounts is left and the root itself is gone.
+        mounts = await asyncio.to_thread(Path("/proc/self/mountinfo").read_text)
+        assert not [ln for ln in mounts.splitlines() if ln.split()[4].startswith(old_root + "/")]
         assert not os.path.exists(old_root)
         b = ContainerBackend(root_dir=root, images=StoreImages(LayerStore(store_dir), cache),
                              runtime=runtime)  # type: ignore[arg-type]
@@ -263,6 +268,13 @@ async def test_adopted_sandbox_reads_its_layers_after_the_dead_root_is_reclaimed
         if edge.poll() is None:
             edge.kill()
             edge.wait()
+        if b is None and cache is not None:
+            # failed before adopting: the killed edge's sandbox (its process, overlay and
+            # disk pool under root) is still there; a backend over root destroys it
+            b = ContainerBackend(root_dir=root, images=StoreImages(LayerStore(store_dir), cache),
+                                 runtime=runtime)  # type: ignore[arg-type]
+            for s in b.census().sandboxes():
+                await b.destroy(SandboxId(s))
         if b is not None:
             for s in b.sandbox_ids():
                 await b.destroy(SandboxId(s))

@@ -106,6 +106,7 @@ def _pool_device(b: ContainerBackend) -> tuple[int, int]:
     raise AssertionError(f"{b.disk.path} is not mounted")
 
 
+@pytest.mark.serial  # asserts event-loop hold times: other tests' CPU use breaks them
 async def test_a_d_state_task_does_not_block_the_event_loop(
         backend: ContainerBackend, caplog: pytest.LogCaptureFixture) -> None:
     """The command is killed at its timeout; a process it started is held in the kernel
@@ -205,6 +206,7 @@ async def test_a_timed_out_command_held_in_the_kernel_does_not_hold_the_call(
     assert r.stdout.endswith(b"ok\n"), r
 
 
+@pytest.mark.serial  # asserts event-loop hold times: other tests' CPU use breaks them
 async def test_pausing_a_sandbox_with_a_held_task_does_not_block_the_event_loop(
         backend: ContainerBackend, caplog: pytest.LogCaptureFixture) -> None:
     """Pause waits for the v1 freezer to report FROZEN (up to ~1 s), which a task held in

@@ -21,20 +21,24 @@ from dsec.image.blob import (
     layer_manifest_key,
     open_blobstore,
 )
-from dsec.image.chunks import build_chunk_table
+from dsec.image.chunks import build_chunk_table, table_ref
 from dsec.image.manifest import LayerManifest
 from tests.image.conftest import sweep_mounts, write_tree
 
 __all__ = ["Remote", "fuse_mounts", "push_layer"]
 
 
-def push_layer(blob: BlobStore, store: LayerStore, m: LayerManifest) -> None:
-    """The layer file, its chunk table and its manifest, as ``dsec image push`` stores them."""
+def push_layer(blob: BlobStore, store: LayerStore, m: LayerManifest) -> LayerManifest:
+    """The layer file, its chunk table and its manifest, as ``dsec image push`` stores them;
+    returns the pusher's manifest, which records the table's sha256 (what a node gets
+    from the control plane)."""
     path = store.layer_path(m)
+    raw, ref = table_ref(build_chunk_table(path, expect_digest=m.digest))
     blob.put_file(layer_key(m.digest), path)
-    blob.put_bytes(layer_chunks_key(m.digest),
-                   build_chunk_table(path, expect_digest=m.digest).encode())
+    blob.put_bytes(layer_chunks_key(m.digest), raw)
+    m = store.record_chunk_table(m.digest, ref)
     blob.put_bytes(layer_manifest_key(m.digest), msgspec.json.encode(m))
+    return m
 
 
 def fuse_mounts() -> list[str]:
@@ -67,8 +71,7 @@ def remote(tmp_path: object) -> Iterator[Remote]:
     tk = src.add_tree(os.path.join(tmp, "tk"), kind="toolkit", name="tk")
     blob_dir = os.path.join(tmp, "blob")
     blob = open_blobstore("file://" + blob_dir)
-    for m in (base, ws, tk):
-        push_layer(blob, src, m)
+    base, ws, tk = (push_layer(blob, src, m) for m in (base, ws, tk))
     yield Remote("file://" + blob_dir, blob_dir, base, ws, tk, big)
 
 

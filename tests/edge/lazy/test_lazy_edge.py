@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.service import EdgeClient
@@ -62,6 +63,7 @@ def _stop(proc: subprocess.Popen[bytes], tmp: str) -> None:
         umount2(pool, MNT_DETACH)
 
 
+@pytest.mark.serial  # compares the host's fuse.dsec mounts before/after: another test's edge beside it adds some
 async def test_edge_starts_a_sandbox_from_the_blob_store(remote: Remote, tmp_path: object) -> None:
     tmp = str(tmp_path)
     sock, port = os.path.join(tmp, "edge.sock"), _port()
@@ -97,6 +99,7 @@ async def test_edge_starts_a_sandbox_from_the_blob_store(remote: Remote, tmp_pat
     assert set(fuse_mounts()) <= before          # its FUSE mount went with it
 
 
+@pytest.mark.serial  # compares the host's fuse.dsec mounts before/after: another test's edge beside it adds some
 async def test_edge_kill_9_adopted_sandbox_is_told_and_fails_cleanly(
         remote: Remote, tmp_path: object) -> None:
     """kill -9 of the edge takes its FUSE daemon with it (EOF on its stdin): the next

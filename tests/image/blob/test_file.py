@@ -104,3 +104,35 @@ def test_write_error_maps_to_unavailable(tmp_path: os.PathLike[str]) -> None:
     with pytest.raises(BlobUnavailable):        # "a" is a file: "a/b" cannot be created
         store.put_bytes("a/b", b"2")
     assert os.listdir(os.path.join(str(tmp_path), ".partial")) == []
+
+
+def test_objects_are_private_or_shared_with_one_group_only(tmp_path: os.PathLike[str]) -> None:
+    """Red team 17 F10: objects 0600 in 0700 dirs whatever the umask; ``?group=`` (the
+    group of a server that serves the directory) gives that group read access, never
+    other users."""
+    import grp
+
+    old = os.umask(0)
+    try:
+        root = os.path.join(str(tmp_path), "private")
+        store = open_blobstore("file://" + root)
+        store.put_bytes("layers/sha256/x", b"secret")
+        for p, mode in ((root, 0o700), (os.path.join(root, "layers"), 0o700),
+                        (os.path.join(root, "layers", "sha256"), 0o700),
+                        (os.path.join(root, "layers", "sha256", "x"), 0o600)):
+            assert os.stat(p).st_mode & 0o777 == mode, p
+        gid = grp.getgrnam("nogroup").gr_gid
+        shared = os.path.join(str(tmp_path), "shared")
+        store = open_blobstore("file://" + shared + "?group=nogroup")
+        store.put_bytes("a/b", b"served")
+        for p, mode in ((shared, 0o750), (os.path.join(shared, "a"), 0o750),
+                        (os.path.join(shared, "a", "b"), 0o640)):
+            st = os.stat(p)
+            assert (st.st_mode & 0o777, st.st_gid) == (mode, gid), p
+        assert store.get_range("a/b", 0, 6) == b"served"
+    finally:
+        os.umask(old)
+    with pytest.raises(InvalidArgument, match="no such group"):
+        open_blobstore("file://" + os.path.join(str(tmp_path), "g") + "?group=no-such-group-dsec")
+    with pytest.raises(InvalidArgument, match="no other query"):
+        open_blobstore("file://" + os.path.join(str(tmp_path), "g") + "?mode=0777")

@@ -56,7 +56,7 @@ def test_serves_what_a_file_store_published(http_dir: tuple[str, str],
                                             tmp_path: os.PathLike[str]) -> None:
     """The usual deployment: push to a directory (file://, NFS), nginx serves it."""
     d, url = http_dir
-    FileBlobStore(root=d).put_bytes("x/y", b"hello world")
+    FileBlobStore(root=d, group="nogroup").put_bytes("x/y", b"hello world")
     src = os.path.join(str(tmp_path), "src")
     with open(src, "wb") as f:
         f.write(os.urandom(3 << 20))
@@ -104,7 +104,7 @@ def test_5xx_cut_and_stalled_answers_are_retried(
         fault_proxy: list[FaultProxy]) -> None:
     d, url = http_dir
     data = os.urandom(262144 * 3)
-    FileBlobStore(root=d).put_bytes("k", data)
+    FileBlobStore(root=d, group="nogroup").put_bytes("k", data)
     store, proxy = _proxied(nginx_server, url, fault_proxy, timeout_s=0.5)
     proxy.faults.extend([Fault(status=503), Fault(cut_after=5000), Fault(status=502),
                          Fault(stall=True)])
@@ -130,7 +130,7 @@ def test_corrupted_bytes_fail_the_chunk_check(
     with open(src, "wb") as f:
         f.write(os.urandom(262144 * 2))
     table = build_chunk_table(src)
-    FileBlobStore(root=d).put_file("layer", src)
+    FileBlobStore(root=d, group="nogroup").put_file("layer", src)
     store, proxy = _proxied(nginx_server, url, fault_proxy)
     proxy.faults.append(Fault(flip_at=4000))
     bad = store.get_range("layer", 262144, 262144)

@@ -12,6 +12,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+import msgspec
 import pytest
 
 from dsec.errors import CorruptLayer, ImageNotFound, InvalidArgument
@@ -33,7 +34,7 @@ from dsec.image.blob.traces import (
     new_trace,
     record_trace,
 )
-from dsec.image.chunks import verify_chunk
+from dsec.image.chunks import ChunkTable, build_chunk_table, verify_chunk
 from dsec.image.manifest import LayerManifest
 from tests.image.blob.servers import MotoServer
 
@@ -61,7 +62,9 @@ def image(tmp_path: os.PathLike[str]) -> tuple[LayerStore, LayerManifest, LayerM
 
 def _check_published(blob: BlobStore, store: LayerStore, m: LayerManifest) -> None:
     got, table = read_remote_layer(blob, m.digest)
-    assert got == m
+    # the published manifest is the pusher's record, which pins the chunk table
+    assert got == store.get(m.digest) == msgspec.structs.replace(m, chunk_table=got.chunk_table)
+    assert got.chunk_table is not None and got.chunk_table.chunk_size == table.chunk_size
     with open(store.layer_path(m), "rb") as f:
         local = f.read()
     assert blob.head(layer_key(m.digest)) == len(local) == m.size_bytes
@@ -107,6 +110,7 @@ def test_incomplete_or_wrong_remote_layers_are_pushed_again(
         read_remote_layer(blob, top.digest)
     # a layer file of the wrong size under the key: not complete either
     blob.put_bytes(layer_key(base.digest), b"short")
+    base = store.get(base.digest)               # as pushed: the chunk table recorded
     assert not remote_complete(blob, base, chunk_size=262144)
     with pytest.raises(CorruptLayer, match="5 bytes"):
         read_remote_layer(blob, base.digest)
@@ -254,3 +258,30 @@ def test_a_push_holds_no_store_lock_and_prunes_keep_its_layers(
     assert [p.digest for p in out[0].layers] == [base.digest, top.digest]  # type: ignore[attr-defined]
     _check_published(blob, store, top)
     assert store.prune().removed                        # unpinned once the push ended
+
+
+def test_a_swapped_remote_chunk_table_is_refused_and_pushed_again(
+        image: tuple[LayerStore, LayerManifest, LayerManifest],
+        tmp_path: os.PathLike[str]) -> None:
+    """Red team 17 F1: the pusher records the sha256 of the table it published; a table
+    the store holds in its place (the table of other bytes labelled with the digest)
+    is not the layer's, and the next push replaces it."""
+    store, base, _ = image
+    blob = FileBlobStore(root=os.path.join(str(tmp_path), "blobs"))
+    push_image(blob, store, "app")
+    recorded = store.get(base.digest).chunk_table
+    assert recorded is not None
+    other = os.path.join(str(tmp_path), "other")
+    with open(other, "wb") as f:
+        f.write(os.urandom(base.size_bytes))
+    lie = build_chunk_table(other)
+    blob.put_bytes(layer_chunks_key(base.digest), ChunkTable(
+        digest=base.digest, size=lie.size, chunk_size=lie.chunk_size,
+        hashes=list(lie.hashes)).encode())
+    with pytest.raises(CorruptLayer, match="not the one its push recorded"):
+        read_remote_layer(blob, base.digest)
+    assert not remote_complete(blob, store.get(base.digest), chunk_size=262144)
+    res = push_image(blob, store, "app")
+    assert [p.uploaded for p in res.layers] == [True, False]
+    _check_published(blob, store, base)
+    assert store.get(base.digest).chunk_table == recorded

@@ -21,7 +21,7 @@ import pytest
 
 from dsec.cluster.local import LocalCluster
 from dsec.errors import PermissionDenied, TransportError, Unauthenticated
-from dsec.rl.worker import TrainerClient, WorkerHandle, WorkerTask, start_worker
+from dsec.rl.worker import TrainerClient, WorkerHandle, WorkerTask, start_worker, workers
 
 N_TASKS = 48
 
@@ -194,9 +194,9 @@ def test_kill9_trainer_and_worker_lose_and_duplicate_nothing(
 def test_idle_sandboxes_pause_while_the_trainer_is_away(
         cluster: LocalCluster, tmp_path: Path) -> None:
     key = cluster.api_key
-    with cluster.client() as c:        # through the SDK: client.rl.workers
-        h = c.rl.workers.create(str(tmp_path / "w"), warm=2, away_after_s=0.5)
-        assert c.rl.workers.attach(str(tmp_path / "w")) == h
+    with cluster.client() as c:        # through the SDK's client: workers(client)
+        h = workers(c).create(str(tmp_path / "w"), warm=2, away_after_s=0.5)
+        assert workers(c).attach(str(tmp_path / "w")) == h
     try:
         wid = _status(h, key)["worker_id"]
 

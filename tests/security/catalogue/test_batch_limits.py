@@ -18,6 +18,10 @@ import pytest
 
 from tests.security.catalogue.conftest import Doors, LocalCluster
 
+# serial: per-principal token buckets refilled by wall time (rate 2/s, burst 4): beside
+# other tests the requests are slower than the refill and none is refused
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[Doors]:

@@ -47,7 +47,13 @@ class Stall:
                 self.conns.append(c)
 
     def close(self) -> None:
+        # shutdown wakes the accept() blocked in _run; a bare close() did not (the blocked
+        # call keeps the socket listening), so a hog that connected after it was never
+        # cut and the test waited out its 60 s stall timeout
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        self.t.join(5.0)
         for c in self.conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)

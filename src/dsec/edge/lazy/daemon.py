@@ -50,6 +50,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-window-s", type=float, default=5.0)
     p.add_argument("--stats", default=None)
     p.add_argument("--workers", type=int, default=32)
+    # Idle workers kept (--workers) and the most at once: a read waiting on a fetch holds
+    # its worker, so there must be more workers than waiting reads (FsConfig
+    # max_waiting_reads) for reads of cached chunks to be answered (red team 17 F11).
+    p.add_argument("--max-workers", type=int, default=1024)
     return p.parse_args(argv)
 
 
@@ -84,13 +88,13 @@ async def _commands(fs: LazyFs, nursery: trio.Nursery) -> None:
     nursery.cancel_scope.cancel()
 
 
-async def _run(fs: LazyFs, workers: int) -> None:
+async def _run(fs: LazyFs, workers: int, max_workers: int) -> None:
     async with trio.open_nursery() as n:
         n.start_soon(fs.stats_loop)
         n.start_soon(fs.trace_loop)
         n.start_soon(_commands, fs, n)
         print(json.dumps({"ev": "ready"}), flush=True)
-        await pyfuse3.main(min_tasks=workers, max_tasks=workers)
+        await pyfuse3.main(min_tasks=workers, max_tasks=max(workers, max_workers))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM: leave the main loop and unmount (pyfuse3.terminate is its clean exit)
     signal.signal(signal.SIGTERM, lambda *_: pyfuse3.terminate())
     try:
-        trio.run(_run, fs, args.workers)
+        trio.run(_run, fs, args.workers, args.max_workers)
     finally:
         pyfuse3.close(unmount=True)
         fs.close()

@@ -50,11 +50,11 @@ import pyfuse3
 import trio
 
 from dsec.edge.lazy.plan import ChunkLru, Run, backoff_delays, chunk_span, merge_runs
-from dsec.errors import DsecError
+from dsec.errors import BlobUnavailable, DsecError
 from dsec.image.blob import BlobStore, layer_key
 from dsec.image.chunks import ChunkTable, verify_chunk
 
-__all__ = ["FETCH_BUCKETS_S", "FsConfig", "LazyFs"]
+__all__ = ["FETCH_BUCKETS_S", "MAX_RUN_BYTES", "FsConfig", "LazyFs"]
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -63,6 +63,8 @@ SEEK_DATA, SEEK_HOLE = 3, 4
 #: Fetch latency histogram bounds (seconds) for ``dsec_lazy_fetch_seconds``.
 FETCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0)
+#: The most bytes one ranged request asks for (16 default chunks).
+MAX_RUN_BYTES = 4 << 20
 _TIMEOUT_S = 86400.0   # layers never change: the kernel may cache entries and attrs a day
 
 
@@ -84,6 +86,16 @@ class FsConfig:
     """Adjacent missing chunks merged into one ranged request, at most (4 MiB)."""
     prefetch_run_chunks: int = 4
     """The same for background prefetch (1 MiB): reads may wait on these."""
+    max_layer_inflight: int = 6
+    """Of ``max_inflight``, at most this many for one layer, so the misses of one
+    sandbox's layer on a slow store leave slots to every other layer (red team 17 F11)."""
+    max_waiting_reads: int = 384
+    """Reads waiting on fetches at once, all layers; past it a miss fails with EIO at
+    once. Below the kernel's ``max_background`` the edge sets (512,
+    :data:`dsec.edge.lazy.layers.FUSE_MAX_BACKGROUND`) and the daemon's worker tasks, so
+    reads of cached chunks always find a free request slot and worker (F11)."""
+    max_waiting_per_layer: int = 192
+    """The same for one layer: one sandbox's misses never take every waiting slot."""
     trace_window_s: float = 5.0
     """A layer's access trace is the chunks first read within this long of its first read."""
     stats_path: str | None = None
@@ -102,6 +114,8 @@ class _Layer:
     trace: list[int] = field(default_factory=list)
     traced: set[int] = field(default_factory=set)
     trace_done: bool = False
+    waiting: int = 0                                 # reads of this layer waiting on fetches
+    limiter: trio.CapacityLimiter | None = None      # its share of the fetch slots
 
 
 @dataclass(slots=True)
@@ -119,6 +133,8 @@ class Stats:
     failed_reads: int = 0
     evictions: int = 0
     prefetched_chunks: int = 0
+    shed_reads: int = 0                  # misses refused at once: too many already waiting
+    abandoned_fetches: int = 0           # blob reads given up at the retry budget
     fetch_buckets: list[int] = field(default_factory=lambda: [0] * (len(FETCH_BUCKETS_S) + 1))
     fetch_seconds_sum: float = 0.0
     per_chunk: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -161,6 +177,7 @@ class LazyFs(pyfuse3.Operations):
         self.inflight: dict[tuple[str, int], trio.Event] = {}
         self.fetch_limiter = trio.CapacityLimiter(config.max_inflight)
         self.prefetch_limiter = trio.CapacityLimiter(config.max_prefetch_inflight)
+        self.waiting = 0
         os.makedirs(os.path.join(config.cache_dir, "traces"), mode=0o700, exist_ok=True)
 
     # ----------------------------------------------------------------- layers
@@ -181,7 +198,8 @@ class LazyFs(pyfuse3.Operations):
                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if os.fstat(fd).st_size != table.size:
             os.ftruncate(fd, table.size)
-        lay = _Layer(hx, table, self._next_ino, fd)
+        lay = _Layer(hx, table, self._next_ino, fd, limiter=trio.CapacityLimiter(
+            max(1, min(self.cfg.max_layer_inflight, self.cfg.max_inflight))))
         self._next_ino += 1
         lay.stale = set(_data_chunks(fd, table))
         for i in sorted(lay.stale):
@@ -277,11 +295,23 @@ class LazyFs(pyfuse3.Operations):
             if not missing:
                 break
             self.stats.chunk_misses += len(missing)
+            if self.waiting >= self.cfg.max_waiting_reads \
+                    or lay.waiting >= self.cfg.max_waiting_per_layer:
+                # Every request slot held by a miss would leave reads of cached chunks
+                # (other sandboxes') queued in the kernel behind a slow store: shed.
+                self.stats.shed_reads += 1
+                self.stats.failed_reads += 1
+                raise pyfuse3.FUSEError(errno.EIO)
+            self.waiting += 1
+            lay.waiting += 1
             try:
                 await self._ensure(lay, missing, prefetch=False)
             except _FetchFailed:
                 self.stats.failed_reads += 1
                 raise pyfuse3.FUSEError(errno.EIO) from None
+            finally:
+                self.waiting -= 1
+                lay.waiting -= 1
         else:
             # the budget is smaller than the chunks of one read: they evict each other
             self.stats.failed_reads += 1
@@ -313,6 +343,13 @@ class LazyFs(pyfuse3.Operations):
                 dropped = True
         return dropped
 
+    def _run_cap(self, lay: _Layer, max_run: int | None) -> int:
+        """Chunks one ranged request may merge: the configured count, and never more than
+        :data:`MAX_RUN_BYTES` (a run is held in memory whole, once per request in flight;
+        with 64 MiB chunks 16 of them were 1 GiB each, red team 17 F2)."""
+        want = max_run or self.cfg.max_run_chunks
+        return max(1, min(want, MAX_RUN_BYTES // lay.table.chunk_size))
+
     async def _ensure(self, lay: _Layer, missing: list[int], *, prefetch: bool,
                       max_run: int | None = None) -> None:
         """Make ``missing`` present: fetch the ones nobody fetches, wait for the rest.
@@ -330,7 +367,7 @@ class LazyFs(pyfuse3.Operations):
         failures: list[str] = []
         if mine:
             async with trio.open_nursery() as n:
-                for run in merge_runs(mine, max_run or self.cfg.max_run_chunks):
+                for run in merge_runs(mine, self._run_cap(lay, max_run)):
                     n.start_soon(self._fetch_run, lay, run, prefetch, failures)
         for ev in waits:
             await ev.wait()
@@ -350,9 +387,10 @@ class LazyFs(pyfuse3.Operations):
         try:
             while todo:
                 unreachable = False
-                for r in merge_runs(todo, self.cfg.max_run_chunks):
+                for r in merge_runs(todo, self._run_cap(lay, None)):
                     try:
-                        got = await self._request(lay, r, prefetch)
+                        got = await self._request(lay, r, prefetch,
+                                                  started + self.cfg.retry_budget_s)
                     except (DsecError, OSError) as exc:
                         cause = f"{type(exc).__name__}: {exc}"
                         unreachable = True
@@ -399,9 +437,14 @@ class LazyFs(pyfuse3.Operations):
         good: list[int]
         bad: list[int]
 
-    async def _request(self, lay: _Layer, run: Run, prefetch: bool) -> LazyFs._Got:
+    async def _request(self, lay: _Layer, run: Run, prefetch: bool,
+                       deadline: float) -> LazyFs._Got:
         """One ranged GET of ``run``, verified and written to the cache file (in a
-        worker thread); the chunks are not yet marked present."""
+        worker thread); the chunks are not yet marked present. Given up (BlobUnavailable)
+        at ``deadline`` (monotonic), whatever the blob call is doing: a store that
+        trickles its answer cannot hold a reader past the retry budget (red team 17 F8).
+        The abandoned thread ends within its client's own per-attempt bound; what it
+        writes is verified chunk data that nobody marks present (re-verified if read)."""
         t = lay.table
         off, length = run.byte_range(t.chunk_size, t.size)
         limiter = self.prefetch_limiter if prefetch else None
@@ -422,13 +465,21 @@ class LazyFs(pyfuse3.Operations):
                     bad.append(i)
             return LazyFs._Got(good, bad)
 
+        assert lay.limiter is not None
         self.stats.requests += 1
-        if limiter is not None:
-            async with limiter, self.fetch_limiter:
-                got = await trio.to_thread.run_sync(work)
-        else:
-            async with self.fetch_limiter:
-                got = await trio.to_thread.run_sync(work)
+        with trio.move_on_after(max(0.0, deadline - time.monotonic())) as scope:
+            async with contextlib.AsyncExitStack() as slots:
+                if limiter is not None:
+                    await slots.enter_async_context(limiter)
+                await slots.enter_async_context(lay.limiter)
+                await slots.enter_async_context(self.fetch_limiter)
+                got = await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            self.stats.abandoned_fetches += 1
+            raise BlobUnavailable(
+                f"blob store {self.blob.url}: no answer for {length} bytes at {off} of "
+                f"layer {t.digest} within the retry budget of {self.cfg.retry_budget_s:g}s",
+                store=self.blob.url)
         self.stats.bytes_fetched += sum(t.chunk_range(i)[1] for i in got.good)
         return got
 
@@ -523,6 +574,7 @@ class LazyFs(pyfuse3.Operations):
             "bytes_fetched": s.bytes_fetched, "retries": s.retries,
             "verify_failures": s.verify_failures, "failed_reads": s.failed_reads,
             "evictions": s.evictions, "prefetched_chunks": s.prefetched_chunks,
+            "shed_reads": s.shed_reads, "abandoned_fetches": s.abandoned_fetches,
             "cache_bytes": self.lru.bytes, "cache_budget_bytes": self.lru.budget_bytes,
             "fetch_buckets": list(s.fetch_buckets), "fetch_bounds": list(FETCH_BUCKETS_S),
             "fetch_seconds_sum": s.fetch_seconds_sum,

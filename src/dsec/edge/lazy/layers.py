@@ -54,19 +54,34 @@ from typing import IO, Any, Self
 
 import msgspec
 
-from dsec.errors import BlobNotFound, CorruptLayer, DsecError, ImageError, ImageNotFound, InUse
+from dsec.errors import (
+    BlobNotFound,
+    CorruptLayer,
+    DsecError,
+    ImageError,
+    ImageNotFound,
+    InUse,
+    InvalidArgument,
+    PermissionDenied,
+)
 from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
-from dsec.image.chunks import ChunkTable
+from dsec.image.chunks import MIN_CHUNK_SIZE, check_table, table_bytes_bound
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
-from dsec.image.mount import RUN_ROOT, sys_umount
+from dsec.image.mount import RUN_ROOT, is_mountpoint, sys_mount, sys_umount
 from dsec.ownership import claim, disown
 
-__all__ = ["LazyConfig", "LazyLayers"]
+__all__ = ["LazyConfig", "LazyLayers", "TraceWrites"]
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 20.0
+#: The lazy FUSE connection's ``max_background`` (kernel default from libfuse: 12).
+FUSE_MAX_BACKGROUND = 512
+#: The largest chunk a node reads lazily: one fetch holds a run of chunks in memory, so
+#: the push's chunk size (the control plane's record) is bounded here, not only by the
+#: 64 MiB any table may have (red team 17 F2).
+MAX_LAZY_CHUNK_SIZE = 4 << 20
 _manifest_dec = msgspec.json.Decoder(LayerManifest)
 
 
@@ -100,6 +115,11 @@ class LazyLayers:
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.config = config
         self.blob = blob if blob is not None else open_blobstore(config.blob_url)
+        # The one thing a node writes to the blob store is an access trace: everything
+        # else it reads is what a pusher wrote. Writes go through this guard, so no code
+        # path of the edge ever writes a layer key, and an operator can give nodes a
+        # credential that may write ``traces/`` only (docs/blobs.md, red team 17 F1).
+        self.trace_store = TraceWrites(self.blob)
         self.on_event = on_event
         self._listeners: list[Callable[[], object]] = []
         os.makedirs(config.cache_dir, mode=0o700, exist_ok=True)
@@ -168,7 +188,8 @@ class LazyLayers:
             self._drop_mount(self.mount)
             raise ImageError(f"the lazy layer daemon did not start (said {line[:300]!r}); "
                              "is /dev/fuse there and pyfuse3 installed?")
-        self._conn = os.minor(os.stat(self.mount).st_dev)
+        self._conn = os.minor(os.stat(self.mount).st_dev)    # answered: INIT is done
+        self._tune(self._conn)
         self._proc = proc
         threading.Thread(target=self._watch, args=(proc, self.mount, self._conn),
                          name=f"lazy-daemon-{proc.pid}", daemon=True).start()
@@ -221,6 +242,22 @@ class LazyLayers:
                 fn()
             except Exception:
                 log.exception("re-binding lazy layers after a daemon restart failed")
+
+    @staticmethod
+    def _tune(conn: int) -> None:
+        _ensure_fusectl()
+        """Raise the connection's background request limit from libfuse's 12: readahead
+        and async direct I/O of every sandbox share it, so a few misses waiting on a slow
+        store held every slot and reads of cached chunks queued in the kernel behind
+        them (red team 17 F11). The daemon sheds misses past ``max_waiting_reads``
+        (below this), so a cached read always finds a slot."""
+        for name, value in (("max_background", FUSE_MAX_BACKGROUND),
+                            ("congestion_threshold", FUSE_MAX_BACKGROUND * 3 // 4)):
+            try:
+                with open(f"/sys/fs/fuse/connections/{conn}/{name}", "w") as f:
+                    f.write(str(value))
+            except OSError as exc:
+                log.warning("cannot set %s of FUSE connection %d: %s", name, conn, exc)
 
     @staticmethod
     def _abort(conn: int) -> None:
@@ -296,25 +333,48 @@ class LazyLayers:
 
     def register(self, manifest: LayerManifest) -> None:
         """Fetch the layer's chunk table into the cache dir (once), so the daemon serves
-        it; the table must describe exactly the manifest's file."""
+        it. The table must be exactly the one ``manifest.chunk_table`` records (its
+        sha256, written by the push that hashed the whole file): the hashes each chunk
+        is checked against never come from the blob store alone (red team 17 F1), and
+        the store is asked for that many bytes, never for what its HEAD announces (F2)."""
+        ref = manifest.chunk_table
+        if ref is None:
+            raise CorruptLayer(
+                f"layer {manifest.digest} has no recorded chunk table (pushed by an older "
+                "dsec, or its manifest did not come from its pusher): its chunks cannot be "
+                "verified; push it again (dsec image push)", digest=manifest.digest)
+        if not MIN_CHUNK_SIZE <= ref.chunk_size <= MAX_LAZY_CHUNK_SIZE \
+                or ref.size > table_bytes_bound(manifest.size_bytes, ref.chunk_size):
+            raise CorruptLayer(
+                f"layer {manifest.digest}: a {ref.size}-byte chunk table in "
+                f"{ref.chunk_size}-byte chunks is not one a node reads lazily (chunks "
+                f"{MIN_CHUNK_SIZE}..{MAX_LAZY_CHUNK_SIZE} bytes, table at most "
+                f"{table_bytes_bound(manifest.size_bytes, ref.chunk_size)} bytes for "
+                f"{manifest.size_bytes}); push it with --chunk-size 262144",
+                digest=manifest.digest)
         path = self.table_path(manifest.digest)
-        if os.path.exists(path):
-            return
+        try:
+            with open(path, "rb") as f:
+                check_table(f.read(ref.size + 1), ref, digest=manifest.digest,
+                            size=manifest.size_bytes)
+            return                      # registered before, and still the recorded one
+        except FileNotFoundError:
+            pass
+        except CorruptLayer:
+            log.warning("cached chunk table of %s is not the recorded one; fetching it "
+                        "again", manifest.digest)
         key = layer_chunks_key(manifest.digest)
         try:
-            size = self.blob.head(key)
-            if size is None:
-                raise BlobNotFound(f"no chunk table for {manifest.digest}")
-            raw = self.blob.get_range(key, 0, size)
+            raw = self.blob.get_range(key, 0, ref.size)
         except BlobNotFound:
             raise ImageNotFound(f"layer {manifest.digest} has no chunk table in the blob "
                                 f"store {self.blob.url}; push it again (dsec image push)",
                                 ref=manifest.digest) from None
-        table = ChunkTable.decode(raw)
-        if table.digest != manifest.digest or table.size != manifest.size_bytes:
-            raise CorruptLayer(f"the chunk table of {manifest.digest} describes "
-                               f"{table.digest} of {table.size} bytes, not the manifest's "
-                               f"{manifest.size_bytes}", digest=manifest.digest)
+        except InvalidArgument as exc:     # shorter than recorded
+            raise CorruptLayer(f"the blob store's chunk table of {manifest.digest} is not "
+                               f"the {ref.size} bytes its push recorded: {exc}",
+                               digest=manifest.digest) from exc
+        check_table(raw, ref, digest=manifest.digest, size=manifest.size_bytes)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(raw)
@@ -357,7 +417,7 @@ class LazyLayers:
         if not per or self._closing:
             return
         try:
-            record_trace(self.blob, new_trace(image, self.config.node, per,
+            record_trace(self.trace_store, new_trace(image, self.config.node, per,
                                               window_s=self.config.trace_window_s))
         except DsecError as exc:
             log.warning("access trace of image %s not stored in %s: %s", image,
@@ -453,7 +513,8 @@ class LazyLayers:
 
 _COUNTERS = ("reads", "bytes_read", "chunk_hits", "chunk_misses", "waits", "requests",
              "chunk_fetches", "bytes_fetched", "retries", "verify_failures", "failed_reads",
-             "evictions", "prefetched_chunks", "fetch_seconds_sum")
+             "evictions", "prefetched_chunks", "fetch_seconds_sum", "shed_reads",
+             "abandoned_fetches")
 
 
 def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
@@ -471,6 +532,59 @@ def _add_counters(carried: dict[str, Any], now: dict[str, Any]) -> dict[str, Any
         out["fetch_buckets"] = cb
         out["fetch_bounds"] = carried.get("fetch_bounds")
     return out
+
+
+class TraceWrites:
+    """A blob store seen through a node's rights: reads of anything, writes of access
+    traces (``traces/...``) only; a write of any other key is ``PermissionDenied``."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def _check(self, key: str) -> None:
+        if not key.startswith(TRACES_PREFIX):
+            raise PermissionDenied(f"a node writes only access traces ({TRACES_PREFIX}...) "
+                                   f"to the blob store {self.url}, not {key[:200]!r}",
+                                   key=key)
+
+    def head(self, key: str) -> int | None:
+        return self.inner.head(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self.inner.get_range(key, offset, length)
+
+    def put_file(self, key: str, path: str) -> None:
+        self._check(key)
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._check(key)
+        self.inner.put_bytes(key, data)
+
+    def delete(self, key: str) -> None:
+        self._check(key)
+        self.inner.delete(key)
+
+
+TRACES_PREFIX = "traces/"
+FUSECTL = "/sys/fs/fuse/connections"
+_fusectl_lock = threading.Lock()
+
+
+def _ensure_fusectl() -> None:
+    """Mount the FUSE control filesystem where the kernel expects it when the host has
+    not (systemd mounts it at boot; minimal hosts and VMs may not): the edge needs it to
+    raise a connection's request limits (:meth:`LazyLayers._tune`) and to abort the
+    connection of a dead daemon (:meth:`LazyLayers._abort`). Host-wide, idempotent and
+    what every systemd host already has; nothing else changes."""
+    with _fusectl_lock:
+        if is_mountpoint(FUSECTL) or not os.path.isdir(FUSECTL):
+            return
+        try:
+            sys_mount("fusectl", FUSECTL, "fusectl")
+        except OSError as exc:
+            log.warning("cannot mount fusectl on %s: %s", FUSECTL, exc)
 
 
 def _readline_timeout(stream: IO[bytes], timeout_s: float) -> bytes:

@@ -11,6 +11,7 @@ writer killed mid-copy leaves only a ``.partial`` file, which no key can name
 from __future__ import annotations
 
 import errno
+import grp
 import os
 import secrets
 import shutil
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from dsec.errors import BlobNotFound, BlobUnavailable, InvalidArgument
 from dsec.image.blob.keys import check_key
@@ -27,6 +28,24 @@ __all__ = ["FileBlobStore"]
 
 _PARTIAL = ".partial"
 _COPY = 1 << 20
+
+
+def _private_dirs(root: str, path: str, gid: int | None) -> None:
+    """Make the directories from ``root`` down to ``path`` that are missing, each 0700
+    (or 0750 of group ``gid``) whatever the umask. Directories that exist keep their
+    mode: an operator's root (say, one nginx writes too) is the operator's choice."""
+    mode = 0o750 if gid is not None else 0o700
+    rel = os.path.relpath(path, root)
+    todo = [root] + [os.path.join(root, *rel.split(os.sep)[:k + 1])
+                     for k in range(0 if rel == "." else len(rel.split(os.sep)))]
+    for p in todo:
+        try:
+            os.mkdir(p, mode)
+        except FileExistsError:
+            continue
+        if gid is not None:
+            os.chown(p, -1, gid)
+        os.chmod(p, mode)
 
 
 def _fsync_dir(path: str) -> None:
@@ -44,6 +63,11 @@ class FileBlobStore:
     root: str
     url: str = ""
     clock: Callable[[], float] = field(default=time.time, repr=False)
+    group: str | int | None = None
+    """Objects are the projects' layers, so they are the service user's only: dirs 0700,
+    files 0600 (F10 of red team 17). ``group`` (``file:///dir?group=www-data``): the
+    group of a server that serves the directory (nginx), given read access: dirs 0750,
+    files 0640 of that group; never other users."""
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.root):
@@ -51,9 +75,20 @@ class FileBlobStore:
                                   f"{self.root[:200]!r}")
         self.root = os.path.normpath(self.root)
         if not self.url:
-            self.url = "file://" + self.root
+            self.url = "file://" + self.root + (
+                f"?group={self.group}" if self.group is not None else "")
+        self._gid: int | None = None
+        if self.group is not None:
+            try:
+                self._gid = (self.group if isinstance(self.group, int)
+                             else grp.getgrnam(self.group).gr_gid)
+            except KeyError:
+                raise InvalidArgument(f"file:// blob store group {self.group!r}: no such "
+                                      "group on this host") from None
         try:
-            os.makedirs(os.path.join(self.root, _PARTIAL), mode=0o700, exist_ok=True)
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            _private_dirs(self.root, self.root, self._gid)
+            _private_dirs(self.root, os.path.join(self.root, _PARTIAL), None)
         except OSError as exc:
             raise BlobUnavailable(f"blob store {self.url}: cannot create {self.root}: "
                                   f"{exc.strerror}", store=self.url) from exc
@@ -61,9 +96,13 @@ class FileBlobStore:
     @classmethod
     def from_url(cls, url: str, **opts: Any) -> FileBlobStore:
         parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or parts.query:
+        query = parse_qs(parts.query, keep_blank_values=True)
+        if parts.netloc not in ("", "localhost") or set(query) - {"group"} \
+                or any(len(v) != 1 for v in query.values()):
             raise InvalidArgument(f"file blob store URL {url[:200]!r}: use file:///abs/dir "
-                                  "(no host, no query)")
+                                  "or file:///abs/dir?group=NAME (no host, no other query)")
+        if "group" in query:
+            opts.setdefault("group", query["group"][0])
         return cls(root=unquote(parts.path), **opts)
 
     def _path(self, key: str) -> str:
@@ -118,14 +157,17 @@ class FileBlobStore:
         dest = self._path(key)
         tmp = os.path.join(self.root, _PARTIAL, secrets.token_hex(8))
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            if self._gid is not None:
+                os.fchown(fd, -1, self._gid)
+                os.fchmod(fd, 0o640)
             try:
                 write(fd)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             parent = os.path.dirname(dest)
-            os.makedirs(parent, exist_ok=True)
+            _private_dirs(self.root, parent, self._gid)
             os.replace(tmp, dest)
             _fsync_dir(parent)
         except OSError as exc:

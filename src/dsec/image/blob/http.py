@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 from urllib.parse import quote, urlsplit
@@ -60,6 +61,7 @@ class HttpBlobStore:
 
     def __init__(self, *, base_url: str, token: str | None = None,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 min_bytes_per_s: float = 256 * 1024,
                  max_connections: int = 32, verify: bool | str = True,
                  retry: RetryPolicy = DEFAULT_RETRY,
                  transport: httpx.BaseTransport | None = None) -> None:
@@ -74,6 +76,14 @@ class HttpBlobStore:
         self.base = base_url.rstrip("/")
         self.url = self.base
         self.retry = retry
+        # One attempt's wall-clock bound: httpx's timeout is between two reads, so a
+        # store (or a middlebox) trickling a byte a second would hold a 256 KiB read for
+        # days and the retry deadline, checked only between attempts, never fires (F8 of
+        # red team 17). An attempt gets timeout_s plus its bytes at min_bytes_per_s.
+        self.timeout_s = timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
+        if min_bytes_per_s <= 0:
+            raise InvalidArgument(f"min_bytes_per_s {min_bytes_per_s}: must be > 0")
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(
@@ -152,15 +162,21 @@ class HttpBlobStore:
         last = offset + length - 1
 
         def once() -> bytes:
+            until = time.monotonic() + self.attempt_s(length)
             try:
                 with self._client.stream(
                         "GET", url, headers={"Range": f"bytes={offset}-{last}"}) as r:
-                    return self._range_body(key, offset, length, r)
+                    return self._range_body(key, offset, length, r, until)
             except httpx.HTTPError as exc:    # refused, reset, timed out, cut mid-body
                 self._unavailable(key, f"read {length} bytes at {offset} of", exc)
         return self.retry.call(once)
 
-    def _range_body(self, key: str, offset: int, length: int, r: httpx.Response) -> bytes:
+    def attempt_s(self, length: int) -> float:
+        """The wall-clock bound of one attempt moving ``length`` bytes."""
+        return self.timeout_s + length / self.min_bytes_per_s
+
+    def _range_body(self, key: str, offset: int, length: int, r: httpx.Response,
+                    until: float) -> bytes:
         what = f"read {length} bytes at {offset} of"
         if r.status_code == 404:
             raise BlobNotFound(f"blob store {self.url} has no object {key}",
@@ -201,6 +217,9 @@ class HttpBlobStore:
         buf = bytearray()
         for piece in r.iter_bytes():
             buf += piece
+            if time.monotonic() > until and len(buf) < length:
+                self._unavailable(key, f"{what} (only {len(buf)} bytes within "
+                                       f"{self.attempt_s(length):.1f}s: too slow)")
             if len(buf) > length:
                 raise RemoteProtocolError(f"blob store {self.url}: {what} {key}: the body "
                                           f"ran past {length} bytes", store=self.url, key=key)
@@ -212,8 +231,16 @@ class HttpBlobStore:
         url = self._url(key)
 
         def once() -> None:
+            until = time.monotonic() + self.attempt_s(size)
+
+            def timed() -> Iterator[bytes]:
+                for piece in body():
+                    if time.monotonic() > until:
+                        self._unavailable(key, f"upload ({size} bytes) not done within "
+                                               f"{self.attempt_s(size):.1f}s: too slow")
+                    yield piece
             try:
-                r = self._client.put(url, content=body(),
+                r = self._client.put(url, content=timed(),
                                      headers={"Content-Length": str(size)})
             except httpx.HTTPError as exc:
                 self._unavailable(key, "upload", exc)
@@ -224,7 +251,7 @@ class HttpBlobStore:
         self.retry.call(once)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._put(key, len(data), lambda: data)
+        self._put(key, len(data), lambda: iter((data,)))
 
     def put_file(self, key: str, path: str) -> None:
         try:

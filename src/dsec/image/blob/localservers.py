@@ -102,7 +102,7 @@ class Nginx:
             os.chmod(prefix, 0o755)
         user = "user nobody nogroup;" if os.geteuid() == 0 else ""
         dav_conf = ("dav_methods PUT DELETE; create_full_put_path on; "
-                    "dav_access user:rw group:r all:r;") if dav else ""
+                    "dav_access user:rw;") if dav else ""
         conf = os.path.join(prefix, "nginx.conf")
         with open(conf, "w") as f:
             f.write(f"""

@@ -29,7 +29,14 @@ import msgspec
 from dsec.errors import BlobNotFound, CorruptLayer, ImageNotFound
 from dsec.image.blob import BlobStore
 from dsec.image.blob.keys import layer_chunks_key, layer_key, layer_manifest_key
-from dsec.image.chunks import DEFAULT_CHUNK_SIZE, ChunkTable, build_chunk_table, verify_chunk
+from dsec.image.chunks import (
+    DEFAULT_CHUNK_SIZE,
+    ChunkTable,
+    build_chunk_table,
+    check_table,
+    table_ref,
+    verify_chunk,
+)
 from dsec.image.manifest import LayerManifest
 from dsec.image.store import LayerStore
 from dsec.image.transfer import chain_order
@@ -107,6 +114,8 @@ def read_remote_layer(blob: BlobStore, digest: str) -> tuple[LayerManifest, Chun
     if traw is None:
         raise CorruptLayer(f"blob store {blob.url}: layer {digest} has a manifest but no "
                            "chunk table; push it again", digest=digest)
+    if m.chunk_table is not None:
+        check_table(traw, m.chunk_table, digest=digest, size=m.size_bytes)
     table = ChunkTable.decode(traw)
     if table.digest != digest or table.size != m.size_bytes:
         raise CorruptLayer(f"blob store {blob.url}: the chunk table of {digest} describes "
@@ -122,12 +131,14 @@ def read_remote_layer(blob: BlobStore, digest: str) -> tuple[LayerManifest, Chun
 
 def remote_complete(blob: BlobStore, m: LayerManifest, *, chunk_size: int,
                     verify: bool = False) -> bool:
-    """Whether the store holds ``m`` whole, as a push with ``chunk_size`` leaves it."""
+    """Whether the store holds ``m`` whole, as a push with ``chunk_size`` leaves it, with
+    the chunk table ``m`` (the pusher's record) pins."""
     try:
-        _, table = read_remote_layer(blob, m.digest)
+        remote, table = read_remote_layer(blob, m.digest)
     except (ImageNotFound, CorruptLayer):
         return False
-    if table.chunk_size != chunk_size:
+    if table.chunk_size != chunk_size or m.chunk_table is None \
+            or remote.chunk_table != m.chunk_table:
         return False
     if verify:
         for i in range(table.count):
@@ -153,7 +164,9 @@ def layer_chain(layers: LayerStore, top: LayerManifest) -> list[LayerManifest]:
 
 def push_layer(blob: BlobStore, layers: LayerStore, m: LayerManifest, *,
                chunk_size: int = DEFAULT_CHUNK_SIZE, verify: bool = False) -> PushedLayer:
-    """Publish one layer (file, chunk table, manifest - in that order)."""
+    """Publish one layer (file, chunk table, manifest - in that order) and record in
+    ``layers`` (the pusher's manifest: the control plane's when the apiserver pushes)
+    the sha256 of the chunk table, which lazy nodes check the fetched table against."""
     if remote_complete(blob, m, chunk_size=chunk_size, verify=verify):
         return PushedLayer(m.digest, m.size_bytes, chunk_size, uploaded=False)
     path = layers.layer_path(m)
@@ -165,8 +178,10 @@ def push_layer(blob: BlobStore, layers: LayerStore, m: LayerManifest, *,
     if table.size != m.size_bytes:
         raise CorruptLayer(f"layer file {path} is {table.size} bytes, its manifest says "
                            f"{m.size_bytes}", digest=m.digest)
+    raw, ref = table_ref(table)
     blob.put_file(layer_key(m.digest), path)
-    blob.put_bytes(layer_chunks_key(m.digest), table.encode())
+    blob.put_bytes(layer_chunks_key(m.digest), raw)
+    m = layers.record_chunk_table(m.digest, ref)
     blob.put_bytes(layer_manifest_key(m.digest), _manifest_enc.encode(m))
     return PushedLayer(m.digest, m.size_bytes, chunk_size, uploaded=True)
 

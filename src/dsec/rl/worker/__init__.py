@@ -2,8 +2,8 @@
 (issue 18 section 4; docs/rl.md, "Rollouts that outlive the trainer")."""
 
 from dsec.rl.worker.queue import RolloutQueue
-from dsec.rl.worker.trainer import TrainerClient, WorkerHandle, start_worker
+from dsec.rl.worker.trainer import TrainerClient, WorkerHandle, Workers, start_worker, workers
 from dsec.rl.worker.types import WorkerConfig, WorkerTask
 
 __all__ = ["RolloutQueue", "TrainerClient", "WorkerConfig", "WorkerHandle", "WorkerTask",
-           "start_worker"]
+           "Workers", "start_worker", "workers"]

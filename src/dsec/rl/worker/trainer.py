@@ -28,7 +28,7 @@ from dsec.errors import DsecError, InvalidArgument, TransportError, error_from_w
 from dsec.rl.agent.types import Trajectory
 from dsec.rl.worker.types import WorkerConfig, WorkerTask
 
-__all__ = ["RL", "TrainerClient", "WorkerHandle", "Workers", "start_worker"]
+__all__ = ["TrainerClient", "WorkerHandle", "Workers", "start_worker", "workers"]
 
 _traj = msgspec.json.Decoder(Trajectory)
 
@@ -136,7 +136,9 @@ def start_worker(state_dir: str, *, url: str, api_key: str, project: str,
 
 
 class Workers:
-    """``client.rl.workers``: start rollout workers with the client's cluster and key."""
+    """``dsec.rl.worker.workers(client)``: start rollout workers with the client's cluster
+    and key. (Not ``client.rl``: the SDK sits a floor below the RL toolkit and imports none
+    of it; pyproject.toml's import contracts.)"""
 
     def __init__(self, url: str, api_key: str, info: Callable[[], Any]) -> None:
         self._url, self._key, self._info = url, api_key, info
@@ -162,11 +164,10 @@ class Workers:
         return WorkerHandle(state_dir, int(got["pid"]), str(got["address"]))
 
 
-class RL:
-    """``client.rl``: the RL toolkit's server-side pieces."""
-
-    def __init__(self, url: str, api_key: str, info: Callable[[], Any]) -> None:
-        self.workers = Workers(url, api_key, info)
+def workers(client: Any) -> Workers:
+    """Rollout workers acting with ``client``'s cluster and key (a sync
+    :class:`dsec.client.sync.Client`): ``workers(client).create(state_dir, ...)``."""
+    return Workers(client.url, client._a._key, client.info)
 
 
 class TrainerClient:

@@ -271,12 +271,22 @@ def find_named_cgroups(mountinfo: str, names: AbstractSet[str] | None) -> list[s
 def reap_orphan_names(*, names_dir: str = NAMES_DIR,
                       exists: Callable[[str], bool] = os.path.isdir,
                       alive: Callable[[str], bool] = _owner_alive,
-                      unbound_min_age_s: float = 600.0) -> dict[str, list[str]]:
+                      unbound_min_age_s: float = 600.0,
+                      unbound_scope: Callable[[str], bool] | None = None,
+                      ) -> dict[str, list[str]]:
     """Remove the cgroups (killing any task left in them, pidfd-verified) and the
     binding of every cgroup name whose root dir is gone, and the empty cgroups of names
     whose root dir exists but whose claimer died (:func:`idle_names`); returns name ->
     the cgroup dirs removed. Called at each container backend's start, so a crashed backend whose root
-    dir was deleted leaves nothing on the host for longer than the next start."""
+    dir was deleted leaves nothing on the host for longer than the next start.
+
+    The unbound sweep (empty ``dsec-<name>`` cgroups no binding in ``names_dir`` names)
+    looks at every name of the host, which is right only for the host's own
+    ``names_dir``: against another one, every live backend's base cgroup looks unbound.
+    ``unbound_scope`` (a predicate on ``<name>``) limits that sweep; a caller with a
+    ``names_dir`` of its own must pass one (a test that swept with an empty names dir
+    and ``unbound_min_age_s=0`` removed the idle base cgroups of live edges of other
+    tests running beside it, whose next create then failed)."""
     if not os.path.isdir(names_dir):
         return {}
     with _names_locked(names_dir):
@@ -300,7 +310,7 @@ def reap_orphan_names(*, names_dir: str = NAMES_DIR,
         now = time.time()
         for d in found:
             name = os.path.basename(d)[len("dsec-"):]
-            if name in bindings:
+            if name in bindings or (unbound_scope is not None and not unbound_scope(name)):
                 continue
             try:
                 if now - os.stat(d).st_mtime < unbound_min_age_s:
