@@ -51,8 +51,7 @@ def world() -> Iterator[tuple[LocalCluster, LayerManifest, LayerManifest]]:
         for name in ("pa", "pb"):
             write_tree(os.path.join(work, name), {"data/f": os.urandom(3 << 20)})
             m = src.add_tree(os.path.join(work, name), kind="base", name=name)
-            push_layer(blob, src, m)
-            images.append(m)
+            images.append(push_layer(blob, src, m))   # records the chunk table
         with LocalCluster(edges=1, backend="container", blob_store=blob.url,
                           edge_processes=True, lazy_cache_bytes=BUDGET) as cl:
             store = LayerStore(os.path.join(cl.state_dir, "layers"))

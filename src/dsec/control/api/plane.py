@@ -641,6 +641,7 @@ class ControlPlane:
             with contextlib.suppress(ValueError):
                 self._tasks.remove(t)
         task.add_done_callback(done)
+
     async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
         """``node_migrate``: move the sandboxes off a drained node (dsec.control.migrate)."""
         from dsec.control.migrate import migrate_node
