@@ -97,7 +97,15 @@ from dsec.wire.calls import (
 )
 from dsec.wire.cluster import JoinTokenCreate, JoinTokenRevoke
 from dsec.wire.jsonform import stream_item
-from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerPut, LayerRef, NodePins
+from dsec.wire.layers import (
+    ImagePin,
+    ImagePinRef,
+    LayerFetch,
+    LayerPut,
+    LayerRef,
+    NodePins,
+    PinSet,
+)
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -325,6 +333,7 @@ EXAMPLES: dict[str, Example] = {
     "cluster_nodes": lambda w: Empty(),
     "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
     "node_migrate": lambda w: NodeRef(id="edge-0"),
+    "node_pins": lambda w: PinSet(images=[], gen=0),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
                "image_delete", "destroy_many", "image_unpin", "node_drain", "node_undrain",

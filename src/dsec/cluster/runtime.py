@@ -168,6 +168,9 @@ class ClusterConfig:
     # that lack them (`--blob-store`, dsec.image.blob): an operator's URL, trusted as
     # given; passed on to the local edges. None: no blob store.
     blob_store: str | None = None
+    # [lazy2] The LRU budget of each local edge process's chunk cache in bytes
+    # (`dsec edge --lazy-cache-bytes`; None: the edge's default, no limit).
+    lazy_cache_bytes: int | None = None
     # The network flags every local edge process gets (`dsec edge --net-*`; `dsec up`
     # takes the same): node ceiling, uplink (None: no router, policy 'none' only), the
     # host uplink's egress device, the slot pool and the resolver's upstreams.
@@ -463,6 +466,8 @@ class ClusterRuntime:
                 argv += ["--disk-pool", str(pool)]
         if cfg.blob_store is not None:
             argv += ["--blob-store", cfg.blob_store]      # never carries a secret (refused)
+            if cfg.lazy_cache_bytes is not None:
+                argv += ["--lazy-cache-bytes", str(cfg.lazy_cache_bytes)]
         return argv + self._net_argv(self.node_ids.index(node))
 
     def _net_argv(self, index: int = 0) -> list[str]:

@@ -346,6 +346,8 @@ class EdgeNode:
         self._own_store: LayerStore | None = None
         self._images_cache: tuple[tuple[object, ...], builtins.list[str], int] | None = None
         self.layers = EdgeLayers(self._layer_store)
+        self._pins_gen = 0                   # the PinSet last applied whole (heartbeat)
+        self._pins_lock = asyncio.Lock()
 
     def _layer_store(self) -> LayerStore | None:
         store = find_store(self.backends)
@@ -1643,7 +1645,27 @@ class EdgeNode:
             counts=self.counts(), labels=dict(self.config.labels),
             images=[] if same else images, images_gen=gen, images_same=same,
             backends=sorted(self.backends), feed_seq=self._seq, sandboxes=briefs,
-            list_more=more, pools=pools)
+            list_more=more, pools=pools, pins_gen=self._pins_gen)
+
+    async def apply_pins(self, images: builtins.list[str], gen: int) -> None:
+        """``node_pins``: make the images pinned on this node exactly ``images`` (issue
+        17) in every backend whose image resolver keeps pins (``apply_pins``), in a
+        worker thread (resolving an image may read the blob store). ``gen`` is reported
+        in the heartbeat only once every image resolved, so an unresolved one is sent
+        again with the next heartbeat; sets are applied one at a time, last one wins."""
+        async with self._pins_lock:
+            whole = True
+            for b in self.backends.values():
+                fn = getattr(getattr(b, "images", None), "apply_pins", None)
+                if not callable(fn):
+                    continue
+                change = await asyncio.to_thread(fn, list(images))
+                if change.unresolved:
+                    whole = False
+                    log.warning("node %s: pinned images %s not resolved from the blob "
+                                "store yet; the control plane sends them again",
+                                self.node_id, ", ".join(change.unresolved)[:400])
+            self._pins_gen = gen if whole else 0
 
     # ================================================================ reaping
     def due(self, now: float | None = None) -> builtins.list[ReapAction]:

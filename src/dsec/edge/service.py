@@ -50,7 +50,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
-from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored
+from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored, PinSet
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
@@ -121,6 +121,10 @@ class EdgeHandlers:
 
     async def destroy_many(self, b: DestroyMany) -> Batch[SandboxInfo]:
         return Batch.of(await self.node.destroy_many(b.ids, reason=b.reason))
+
+    async def node_pins(self, b: PinSet) -> Empty:
+        await self.node.apply_pins(b.images, b.gen)
+        return Empty()
 
     async def stats(self, b: SandboxRef) -> SandboxStats:
         return await self.node.stats(b.id)

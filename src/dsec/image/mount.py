@@ -208,53 +208,80 @@ class MountCache:
         self.root = mount_root
         self.verify = verify
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._mounts: dict[str, _Entry] = {}
+        self._pending: set[str] = set()      # digests being mounted (lock not held)
         # (ino, size, mtime_ns, ctime_ns) of files already verified, so a layer that is
         # unmounted and mounted again is not re-hashed (sha256 runs ~1 GB/s here).
         self._verified: dict[str, tuple[int, int, int, int]] = {}
 
     def acquire(self, manifest: LayerManifest, layer_path: str) -> str:
-        """Mount (or share) the layer; returns its read-only mount point."""
-        with self._lock:
-            ent = self._mounts.get(manifest.digest)
-            if ent is not None:
-                ent.refs += 1
-                return ent.path
-            target = os.path.join(self.root, short_digest(manifest.digest))
-            lazy_path = (self.lazy.path(manifest)
-                         if self.lazy is not None and not os.path.exists(layer_path) else None)
-            if lazy_path is not None:
-                # A remote layer: a FUSE file whose every chunk is checked against the
-                # layer's chunk table as it arrives (dsec.edge.lazy.fs), so no whole-file
-                # hash here (it would fetch the whole layer); the size still must match.
-                layer_path = lazy_path
-                self._check_size(manifest, layer_path)
-            else:
-                self._check(manifest, layer_path)
-            os.makedirs(target, exist_ok=True)
+        """Mount (or share) the layer; returns its read-only mount point.
+
+        Thread-safe, and the cache's lock is not held while a layer is mounted: the first
+        mount of a lazy layer reads its superblock through FUSE from the blob store
+        (seconds when the store is slow), and meanwhile other layers are shared and
+        released at once. A second caller for the same layer waits for that mount."""
+        digest = manifest.digest
+        with self._cv:
+            while True:
+                ent = self._mounts.get(digest)
+                if ent is not None:
+                    ent.refs += 1
+                    return ent.path
+                if digest not in self._pending:
+                    break
+                self._cv.wait()
+            self._pending.add(digest)
+        try:
+            target, lazy = self._mount(manifest, layer_path)
+        except BaseException:
+            with self._cv:
+                self._pending.discard(digest)
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            self._pending.discard(digest)
+            self._mounts[digest] = _Entry(target, 1, manifest if lazy else None)
+            self._cv.notify_all()
+        return target
+
+    def _mount(self, manifest: LayerManifest, layer_path: str) -> tuple[str, bool]:
+        """Check and mount one layer (the caller holds its pending mark, not the lock);
+        returns the mount point and whether it is served lazily."""
+        target = os.path.join(self.root, short_digest(manifest.digest))
+        lazy_path = (self.lazy.path(manifest)
+                     if self.lazy is not None and not os.path.exists(layer_path) else None)
+        if lazy_path is not None:
+            # A remote layer: a FUSE file whose every chunk is checked against the
+            # layer's chunk table as it arrives (dsec.edge.lazy.fs), so no whole-file
+            # hash here (it would fetch the whole layer); the size still must match.
+            layer_path = lazy_path
+            self._check_size(manifest, layer_path)
+        else:
+            self._check(manifest, layer_path)
+        os.makedirs(target, exist_ok=True)
+        try:
+            sys_mount(layer_path, target, "erofs", MS_RDONLY)
+        except OSError as exc:
             try:
-                sys_mount(layer_path, target, "erofs", MS_RDONLY)
-            except OSError as exc:
-                try:
-                    os.rmdir(target)
-                except OSError:
-                    pass
-                if lazy_path is not None and exc.errno in (errno.EIO, errno.ENOTCONN,
-                                                           errno.ECONNABORTED):
-                    raise BlobUnavailable(
-                        f"layer {manifest.digest} could not be read from the blob store "
-                        f"({os.strerror(exc.errno or 0)}): its first chunks did not arrive; "
-                        "retry when the blob store is reachable", digest=manifest.digest,
-                    ) from exc
-                if exc.errno in (errno.EINVAL, errno.EUCLEAN, errno.EIO, errno.EFBIG):
-                    raise CorruptLayer(
-                        f"layer {manifest.digest} at {layer_path} is not a mountable EROFS "
-                        f"image ({os.strerror(exc.errno or 0)}); rebuild or re-import it",
-                        digest=manifest.digest) from exc
-                raise ImageError(f"mounting layer {manifest.digest} failed: {exc}") from exc
-            self._mounts[manifest.digest] = _Entry(
-                target, 1, manifest if lazy_path is not None else None)
-            return target
+                os.rmdir(target)
+            except OSError:
+                pass
+            if lazy_path is not None and exc.errno in (errno.EIO, errno.ENOTCONN,
+                                                       errno.ECONNABORTED):
+                raise BlobUnavailable(
+                    f"layer {manifest.digest} could not be read from the blob store "
+                    f"({os.strerror(exc.errno or 0)}): its first chunks did not arrive; "
+                    "retry when the blob store is reachable", digest=manifest.digest,
+                ) from exc
+            if exc.errno in (errno.EINVAL, errno.EUCLEAN, errno.EIO, errno.EFBIG):
+                raise CorruptLayer(
+                    f"layer {manifest.digest} at {layer_path} is not a mountable EROFS "
+                    f"image ({os.strerror(exc.errno or 0)}); rebuild or re-import it",
+                    digest=manifest.digest) from exc
+            raise ImageError(f"mounting layer {manifest.digest} failed: {exc}") from exc
+        return target, lazy_path is not None
 
     def rebind_lazy(self) -> list[str]:
         """Mount every lazy layer this cache holds afresh from the lazy source's current
@@ -344,7 +371,8 @@ class MountCache:
         return {d: e.path for d, e in self._mounts.items()}
 
     def close(self) -> None:
-        with self._lock:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._pending)
             for ent in self._mounts.values():
                 self._unmount(ent.path)
             self._mounts.clear()

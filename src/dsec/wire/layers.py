@@ -19,7 +19,9 @@ package; the receiving edge decodes and checks it.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Sequence
 
 import msgspec
 
@@ -38,7 +40,9 @@ __all__ = [
     "LayerRef",
     "LayerStored",
     "NodePins",
+    "PinSet",
     "check_digest",
+    "pins_fingerprint",
 ]
 
 MAX_MANIFEST_BYTES = 256 * 1024
@@ -160,3 +164,39 @@ class NodePins(_Call, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_node(self.node)
+
+
+MAX_PINNED_IMAGES = 1024
+"""Images pinned on one node: each is fetched whole into its chunk cache."""
+
+
+def pins_fingerprint(images: Sequence[str]) -> int:
+    """The fingerprint of a node's pin set (``Heartbeat.pins_gen``, :class:`PinSet`):
+    0 for none (what an edge reports after a start), else a 63-bit hash of the sorted
+    digests (pure)."""
+    if not images:
+        return 0
+    h = hashlib.blake2b("\n".join(sorted(set(images))).encode(), digest_size=8).digest()
+    return (int.from_bytes(h) >> 1) or 1
+
+
+class PinSet(_Call, kw_only=True):
+    """``node_pins`` (control plane -> edge): the images (top-layer digests) pinned on
+    this node, the whole set; the edge pins their lazily read layers and unpins the rest
+    (issue 17). ``gen`` is :func:`pins_fingerprint` of ``images``; the edge reports the
+    one it applied in its heartbeat (``pins_gen``), so the set is sent again when it
+    changed on any replica or the edge restarted."""
+
+    images: list[str]
+    gen: int
+
+    def __post_init__(self) -> None:
+        if len(self.images) > MAX_PINNED_IMAGES:
+            raise InvalidArgument(f"{len(self.images)} pinned images is over the limit of "
+                                  f"{MAX_PINNED_IMAGES} per node", field="images",
+                                  limit=MAX_PINNED_IMAGES)
+        for d in self.images:
+            check_digest(d, "images")
+        if self.gen != pins_fingerprint(self.images):
+            raise InvalidArgument(f"gen {self.gen} is not the fingerprint of the images "
+                                  "sent", field="gen")

@@ -171,6 +171,10 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     list_more: bool = False
     pools: dict[str, PoolStats] = {}    # backend name -> warm-pool stats (optional capability)
     physical: Resources | None = None   # the machine before overcommit (capacity / physical)
+    # The image pins this node applied (issue 17): dsec.wire.layers.pins_fingerprint of
+    # the last PinSet it carried out whole, 0 after a start; the control plane sends the
+    # set again (node_pins) when this is not the fingerprint of the stored pins.
+    pins_gen: int = 0
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):

@@ -108,6 +108,7 @@ from dsec.wire.layers import (
     LayerRef,
     LayerStored,
     NodePins,
+    PinSet,
 )
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
@@ -182,6 +183,7 @@ __all__ = [
     "NODE_DRAIN",
     "NODE_INFO",
     "NODE_MIGRATE",
+    "NODE_PINS",
     "NODE_UNDRAIN",
     "PAUSE",
     "PORT_CLOSE",
@@ -929,6 +931,13 @@ IMAGE_PINS: Op[NodePins, ImagePinList] = Op(
     rest=Rest(method="GET", path="/v1/nodes/{node}/pins", operation_id="listImagePins",
               tag="nodes"))
 
+# Issue 17: the control plane hands a node its image pins (the whole set, again after
+# the node restarted: Heartbeat.pins_gen); the edge applies them off its loop.
+NODE_PINS: Op[PinSet, Empty] = Op(
+    "node_pins", PinSet, Empty,
+    summary="Make the node's pinned images exactly this set (control plane only)",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -958,6 +967,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODES,
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
+    NODE_PINS,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+from dsec.edge.backends.container.images import PinChange
 from dsec.edge.layers import held_layers
 from dsec.image import mount_overlay
 from dsec.image.mount import sys_umount
@@ -206,10 +207,11 @@ def test_two_nodes_sharing_one_store_each_serve_a_layer_the_other_recorded_remot
 
 def test_apply_pins_reconciles_the_nodes_pin_set(node: Node, remote: Remote) -> None:
     ws, tk = remote.workspace.digest, remote.toolkit.digest
-    assert node.images.apply_pins([ws, tk]) == (sorted([ws, tk]), [])
-    assert node.images.apply_pins([ws, tk]) == ([], [])            # idempotent
-    assert node.images.apply_pins([tk]) == ([], [ws])
-    # an image the store cannot resolve right now unpins nothing
-    assert node.images.apply_pins(["sha256:" + "0" * 64]) == ([], [])
+    assert node.images.apply_pins([ws, tk]) == PinChange(tuple(sorted([ws, tk])))
+    assert node.images.apply_pins([ws, tk]) == PinChange()            # idempotent
+    assert node.images.apply_pins([tk]) == PinChange(unpinned=(ws,))
+    # an image the store cannot resolve right now unpins nothing, and is named
+    gone = "sha256:" + "0" * 64
+    assert node.images.apply_pins([gone]) == PinChange(unresolved=(gone,))
     assert node.lazy.pinned == {tk}
-    assert node.images.apply_pins([]) == ([], [tk])
+    assert node.images.apply_pins([]) == PinChange(unpinned=(tk,))

@@ -125,6 +125,7 @@ from dsec.errors import (
 )
 from dsec.ids import NodeId, node_of
 from dsec.image.manifest import PROJECT_LABEL, layer_namespace, parse_ref
+from dsec.wire import ops
 from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
@@ -145,7 +146,15 @@ from dsec.wire.api import (
     SessionView,
 )
 from dsec.wire.cluster import NodeMigration
-from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
+from dsec.wire.layers import (
+    ImagePin,
+    ImagePinRef,
+    LayerFetch,
+    LayerFetched,
+    NodePins,
+    PinSet,
+    pins_fingerprint,
+)
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
@@ -169,6 +178,10 @@ BACKEND_LABEL = "dsec.io/backend."
 @dataclass(slots=True, frozen=True, kw_only=True)
 class PlaneConfig:
     heartbeat_interval_s: float = 1.0      # how often the apiserver polls each edge
+    # [lazy2] Image pins another replica stored reach a node within this long (this
+    # replica's own pin/unpin at its next heartbeat): the stored set is read again per
+    # edge this often (one small query), not on every heartbeat.
+    pins_refresh_s: float = 5.0
     # Silent this long -> the node is lost: its sandboxes are evicted (node_lost) and
     # destroyed if it returns. An edge restarted (upgraded) within this grace keeps them;
     # `dsec up --node-ttl` sets it. Only silence counts (see the module docstring).
@@ -299,6 +312,11 @@ class EdgeEntry:
     trusted: bool = True
     registered: Any = None
     clamp_noted: bool = False
+    # [lazy2] The images pinned on it as last read from the store (None: read at the
+    # next heartbeat), when, and the node_pins call in flight (see _deliver_pins).
+    pins: tuple[str, ...] | None = None
+    pins_read_at: float = float("-inf")
+    pins_task: Any = None
 
 
 class LostSandbox(msgspec.Struct, frozen=True, kw_only=True):
@@ -581,6 +599,7 @@ class ControlPlane:
                                        by=caller.id))
         log.warning("image %s (%s) pinned on node %s by %s", req.ref, top, req.node,
                     caller.name)
+        self.edges[req.node].pins = None        # sent with its next heartbeat
         for r in self.store.list_pins(req.node):
             if r.image == top:
                 return self._pin_view(r)
@@ -592,6 +611,7 @@ class ControlPlane:
             raise NotFound(f"image {req.image} is not pinned on node {req.node} "
                            "(dsec image pins NODE)", node=req.node, image=req.image)
         log.warning("image %s unpinned on node %s by %s", req.image, req.node, caller.name)
+        self.edges[req.node].pins = None
 
     def list_pins(self, caller: Caller, req: NodePins) -> ImagePinList:
         self._pin_node(caller, req.node, "list the pinned images of")
@@ -600,6 +620,35 @@ class ControlPlane:
     def pins_for(self, node: str) -> list[ImagePinRow]:
         """The images pinned on ``node`` (what its lazy layers keep whole)."""
         return self.store.list_pins(node)
+
+    def _deliver_pins(self, e: EdgeEntry, link: Any, pins_gen: int) -> None:
+        """After a heartbeat: when the pin set the node reports applied (``pins_gen``)
+        is not the stored one - a pin or unpin on any replica, or the edge restarted
+        (it reports 0) - send it the whole set (``node_pins``), in the background (the
+        edge resolves the images from the blob store), one call per edge at a time."""
+        now = self.clock()
+        if e.pins is None or now - e.pins_read_at >= self.config.pins_refresh_s:
+            e.pins = tuple(sorted({r.image for r in self.store.list_pins(e.node)}))
+            e.pins_read_at = now
+        gen = pins_fingerprint(e.pins)
+        if pins_gen == gen or (e.pins_task is not None and not e.pins_task.done()):
+            return
+        body = PinSet(images=list(e.pins), gen=gen)
+
+        async def send() -> None:
+            try:
+                await link.call(ops.NODE_PINS, body, timeout=60.0)
+            except DsecError as exc:
+                log.warning("image pins not delivered to node %s (retried at its next "
+                            "heartbeat): %s", e.node, exc)
+        e.pins_task = task = asyncio.create_task(send(), name=f"dsec-pins-{e.node}")
+        self._tasks.append(task)            # cancelled by close()
+
+        def done(t: asyncio.Task[None]) -> None:
+            with contextlib.suppress(ValueError):
+                self._tasks.remove(t)
+        task.add_done_callback(done)
+
     async def migrate_node(self, caller: Caller, node: str, service: Any) -> NodeMigration:
         """``node_migrate``: move the sandboxes off a drained node (dsec.control.migrate)."""
         from dsec.control.migrate import migrate_node
@@ -1445,6 +1494,7 @@ class ControlPlane:
             hb = self._checked_capacity(e, hb)
         e.heartbeat = hb
         e.last_seen = now = self.clock()
+        self._deliver_pins(e, link, hb.pins_gen)
         self.ceiling.update(NodeSize(e.node, frozenset(hb.backends), hb.capacity, hb.physical))
         if not hb.images_same:
             e.images = (frozenset(hb.images) if e.trusted

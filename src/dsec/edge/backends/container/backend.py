@@ -453,7 +453,7 @@ class ContainerBackend:
                 raise
             await self._settled()     # space of just-destroyed sandboxes coming back
             self.disk.check_fit(cap)
-        layers = self.images.acquire(spec)
+        layers = await self._acquire_layers(spec)
         box: Box | None = None
         try:
             os.mkdir(d, 0o700)
@@ -844,6 +844,25 @@ class ContainerBackend:
         if self._sink is not None:
             self._sink(box.sid, reason, detail)
 
+    async def _acquire_layers(self, spec: SandboxSpec) -> RootLayers:
+        """``images.acquire(spec)`` in a worker thread. A cold create on lazy layers
+        resolves manifests and chunk tables from the blob store and its first mount reads
+        the superblock through FUSE: seconds on a slow store, during which this loop
+        serves every other sandbox of the node (it used to run here and stall them all).
+        A thread cannot be interrupted, so a create cancelled meanwhile waits for it and
+        gives back what it acquired: once the cancellation surfaces, no mount reference
+        of the create is left."""
+        task = asyncio.ensure_future(asyncio.to_thread(self.images.acquire, spec))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is None:
+                self.images.release(task.result())
+            raise
+
     async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
         """Take back a sandbox a previous edge process created (after a kill -9).
 
@@ -861,7 +880,7 @@ class ContainerBackend:
         cg = SandboxCgroup(rec.cgroup_version, dict(rec.cgroup_dirs))  # type: ignore[arg-type]
         layers = RootLayers(tuple(rec.lowerdirs))
         try:
-            layers = self.images.acquire(spec)
+            layers = await self._acquire_layers(spec)
         except DsecError:
             pass  # the image went away; the running sandbox still has its mounts
         upper, work = self._rw_dirs(sid)

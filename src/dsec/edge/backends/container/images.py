@@ -30,7 +30,7 @@ from dsec.wire.spec import SandboxSpec
 if TYPE_CHECKING:
     from dsec.edge.lazy.layers import LazyLayers
 
-__all__ = ["DirectoryImages", "ImageResolver", "RootLayers", "StoreImages"]
+__all__ = ["DirectoryImages", "ImageResolver", "PinChange", "RootLayers", "StoreImages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,16 @@ class RootLayers:
 
     lowerdirs: tuple[str, ...]
     token: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class PinChange:
+    """What :meth:`StoreImages.apply_pins` did: layer digests pinned and unpinned, and
+    the images it could not resolve (tried again with the next set)."""
+
+    pinned: tuple[str, ...] = ()
+    unpinned: tuple[str, ...] = ()
+    unresolved: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -175,30 +185,32 @@ class StoreImages:
                 out.append(d)
         return out
 
-    def apply_pins(self, images: Sequence[str]) -> tuple[list[str], list[str]]:
+    def apply_pins(self, images: Sequence[str]) -> PinChange:
         """Make the node's pins exactly the layers of ``images`` (the control plane's
-        pins for this node, ``ControlPlane.pins_for``): pin what is new, unpin what is
-        no longer named. Idempotent, so it can ride every heartbeat. Returns (pinned,
-        unpinned) layer digests. An image the blob store cannot resolve now is skipped
-        (the next call tries again); its already pinned layers stay pinned."""
+        pins for this node, ``ControlPlane.pins_for``, delivered by ``node_pins``): pin
+        what is new, unpin what is no longer named. Idempotent. An image the blob store
+        cannot resolve now is skipped and named in ``unresolved`` (the edge then does not
+        report the set applied, so the control plane sends it again); while any is, no
+        layer is unpinned (its layers are not known)."""
         if self.lazy is None:
-            return [], []
+            return PinChange()
         want: set[str] = set()
-        keep: set[str] = set()
+        unresolved: list[str] = []
         for ref in images:
             try:
                 m = self._get(ref)
             except DsecError:
-                keep |= set(self.lazy.pinned)    # unknown now: unpin nothing
+                unresolved.append(ref)
                 continue
             want |= {d for d in (m.digest, *m.stack) if self.lazy.knows(d)}
         have = set(self.lazy.pinned)
+        keep = have if unresolved else set()
         new, gone = sorted(want - have), sorted(have - want - keep)
         for d in new:
             self.lazy.pin(d)
         for d in gone:
             self.lazy.unpin(d)
-        return new, gone
+        return PinChange(tuple(new), tuple(gone), tuple(unresolved))
 
     def unpin(self, ref: str) -> list[str]:
         """Undo :meth:`pin`: the image's chunks may be evicted again."""
