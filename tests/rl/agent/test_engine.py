@@ -182,7 +182,9 @@ async def test_infra_errors_are_flagged_not_scored(aclient: AsyncClient) -> None
         eng = RolloutEngine(ClientSandboxes(aclient), OpenAIPolicy(PolicyConfig(
             base_url=ep.base_url, model="slow")))
         ep_task = asyncio.ensure_future(eng.episode(task()))
-        while not await _running(aclient):
+        # the first model request comes after the sandbox is made and set up: killing it
+        # then (while the slow policy thinks) fails the next tool, not the set-up
+        while ep.stats.requests < 1 or not await _running(aclient):
             await asyncio.sleep(0.02)
         for sid in await _running(aclient):
             await (await aclient.sandboxes.get(sid)).kill()
