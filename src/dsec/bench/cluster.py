@@ -525,8 +525,9 @@ def scale_cluster(ctx: BenchContext) -> None:
         if made > 0 and lv.cpu_s:
             ctx.record("cluster_cpu_ms_per_create", 1000 * sum(
                 v for k, v in lv.cpu_s.items() if k != "wall") / made, "ms",
-                **at, **{k: round(1000 * v / made, 3) for k, v in lv.cpu_s.items()
-                         if k != "wall"}, note="CPU of every part per sandbox created")
+                **at, **{f"cpu_ms_{k}": round(1000 * v / made, 3)
+                         for k, v in lv.cpu_s.items() if k != "wall"},
+                note="CPU of every part per sandbox created")
     last = run.levels[-1]
     per = last.live / 10_000
     if per > 0:
