@@ -45,3 +45,24 @@ def test_stream_modules_run_when_present_and_are_skipped_when_not(
     finally:
         for name in [m for m in sys.modules if m.startswith("fakebench")]:
             del sys.modules[name]
+
+
+@pytest.mark.serial     # 3,000 creates against heartbeat TTLs: not beside 4 busy workers
+@pytest.mark.skipif(not Path("/usr/lib/postgresql/15/bin/initdb").exists(),
+                    reason="needs PostgreSQL 15 (make setup installs it)")
+def test_the_scale_run_records_its_figures_quick() -> None:
+    """The scale part end to end at the quick size (10 simulated edges x 300, 2 replicas,
+    PostgreSQL): every figure recorded, nothing failed. (A recording bug once lost a
+    whole full-size run after its 100,000 creates.)"""
+    from dsec.bench.cluster import scale_cluster
+
+    ctx = BenchContext("cluster", quick=True)
+    scale_cluster(ctx)
+    got = {r.name: r for r in ctx.results}
+    for name in ("cluster_create_e2e", "cluster_live_sandboxes", "cluster_create_e2e_level",
+                 "cluster_list_first_page_ms", "cluster_quota_check_ms",
+                 "cluster_apiserver_rss_per_10k_mb"):
+        assert name in got, name
+    assert got["cluster_create_e2e"].params["failed"] == 0
+    assert got["cluster_create_e2e"].value > 0
+    assert got["cluster_live_sandboxes"].value == got["cluster_live_sandboxes"].params["target"]
