@@ -95,3 +95,44 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_server_whose_owner_was_killed_is_stopped_by_the_next_start(
+        short_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of the process that started a server (a bench killed mid-run) leaves the
+    server running; the next PgServer start on the host stops it and removes its dir."""
+    import subprocess
+    import sys
+    import time
+
+    from dsec.cluster.pgserver import reap_orphan_servers
+
+    orphan_dir = Path(tempfile.mkdtemp(prefix="dsec-pgo-", dir="/tmp"))   # traversable parent
+    ready = tmp_path / "ready"
+    code = ("import sys, time, pathlib; from dsec.cluster.pgserver import PgServer\n"
+            f"s = PgServer({str(orphan_dir)!r}, fsync=False, remove=True); s.start()\n"
+            f"pathlib.Path({str(ready)!r}).write_text(str(s.pid())); time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert owner.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        postmaster = int(ready.read_text())
+        assert reap_orphan_servers() == []                 # its owner lives: left alone
+        owner.kill()
+        owner.wait(10)
+        assert os.path.exists(f"/proc/{postmaster}")       # the server outlived its owner
+        with PgServer(short_dir, fsync=False):
+            pass                                           # a start reaps first
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{postmaster}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{postmaster}")
+        assert not orphan_dir.exists()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        if (orphan_dir / "data").exists():
+            PgServer(orphan_dir).kill9()
+        shutil.rmtree(orphan_dir, ignore_errors=True)

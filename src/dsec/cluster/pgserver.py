@@ -22,7 +22,9 @@ before commit returns; only the OS's flush to disk is skipped).
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import os
 import pwd
 import re
@@ -37,12 +39,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from dsec import ownership
 from dsec.errors import InvalidArgument, Unavailable
 
-__all__ = ["PgServer", "find_pg_bin"]
+__all__ = ["PgServer", "find_pg_bin", "reap_orphan_servers"]
 
 SERVER_USER = "dsec-pg"
 SUPERUSER = "dsec"
+# Running servers, one file each, named by the owning process (dsec.ownership.token): a
+# server whose owner died (kill -9, SIGTERM past its cleanup) is stopped by the next
+# PgServer.start on the host, as dead edges' mounts and cgroups are reaped.
+REGISTRY = "/run/dsec/pgserver"
 _SOCKET_MAX = 100   # sun_path is 108 bytes; ".s.PGSQL.NNNNN" is appended to the directory
 
 
@@ -128,6 +135,7 @@ class PgServer:
         self._bin = find_pg_bin()
         self._acct = _server_account()
         self._password = secrets.token_urlsafe(18) if tcp_port is not None else None
+        self._entry: str | None = None     # this server's file under REGISTRY while it runs
         if len(str(self.dir)) + len("/.s.PGSQL.65535") > _SOCKET_MAX:
             raise InvalidArgument(
                 f"PostgreSQL server directory {self.dir} is too long for a Unix socket path "
@@ -207,7 +215,9 @@ class PgServer:
 
     def start(self) -> str:
         """initdb (first time) and start; returns the DSN of database ``postgres``."""
+        reap_orphan_servers()
         self._initdb()
+        self._register()
         r = self._run("pg_ctl", "start", "-w", "-t", "60", "-D", str(self.data),
                       "-l", str(self.log), timeout=90.0)
         if r.returncode != 0:
@@ -234,6 +244,21 @@ class PgServer:
                 self.kill9()
         if self.remove:
             shutil.rmtree(self.dir, ignore_errors=True)
+        if self._entry is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._entry)
+            self._entry = None
+
+    def _register(self) -> None:
+        """Record this server under :data:`REGISTRY` as this process's (once)."""
+        if self._entry is not None:
+            return
+        os.makedirs(REGISTRY, mode=0o700, exist_ok=True)
+        entry = os.path.join(REGISTRY, f"{ownership.token()}-{secrets.token_hex(4)}")
+        with open(entry + ".tmp", "w") as f:
+            json.dump({"dir": str(self.dir), "remove": self.remove}, f)
+        os.replace(entry + ".tmp", entry)
+        self._entry = entry
 
     def restart(self) -> str:
         """A clean restart (every client connection is cut); returns the same DSN."""
@@ -272,6 +297,37 @@ class PgServer:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def reap_orphan_servers(registry: str = REGISTRY) -> list[str]:
+    """Stop the servers whose owning process is gone (and remove their directories when
+    they were made with ``remove=True``); returns their directories. Servers of live
+    owners, of owners in another pid namespace, and files not this user's are left."""
+    try:
+        st = os.stat(registry)
+        names = os.listdir(registry)
+    except OSError:
+        return []
+    if st.st_uid != os.geteuid():
+        return []                       # not ours: never act on what another user wrote
+    reaped = []
+    for name in names:
+        owner = name.rsplit("-", 1)[0]
+        if name.endswith(".tmp") or ownership.token_alive(owner) is not False:
+            continue
+        path = os.path.join(registry, name)
+        try:
+            with open(path) as f:
+                got = json.load(f)
+            server = PgServer(str(got["dir"]), remove=bool(got.get("remove")))
+        except (OSError, ValueError, KeyError, TypeError, InvalidArgument):
+            server = None
+        if server is not None and server.data.is_dir():
+            server.stop()
+            reaped.append(str(server.dir))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return reaped
 
 
 def _children(pid: int) -> list[int]:
