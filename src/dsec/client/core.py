@@ -98,6 +98,7 @@ from dsec.wire.cluster import (
     NodeMigration,
 )
 from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort, PortExpose, PortRef
@@ -1032,6 +1033,19 @@ class AsyncSandbox:
         """Resource use now: memory (and how much of it tmpfs holds), cpu seconds,
         processes, disk use against its cap (``disk_full`` when writes fail)."""
         return await self._c.call(ops.STATS, SandboxRef(id=self.id))
+
+    # issue 19, lifetimes (docs/sdk.md "Lifetimes")
+    async def set_timeout(self, seconds: float) -> SandboxInfo:
+        """End the sandbox ``seconds`` from now (E2B's ``set_timeout``); paused, its
+        clock is stopped and this is what it will have left when it resumes. The answer
+        has ``expires_at`` (running) or ``ttl_left_s`` (paused)."""
+        return await self._c.call(ops.SET_TIMEOUT, SetTimeout(id=self.id, timeout_s=seconds))
+
+    async def extend(self, seconds: float) -> SandboxInfo:
+        """Give the sandbox ``seconds`` more than it has left (from now if it has no
+        timeout), in one call on its edge (no read-then-write race)."""
+        return await self._c.call(ops.SET_TIMEOUT,
+                                  SetTimeout(id=self.id, timeout_s=seconds, extend=True))
 
     async def kill(self) -> None:
         """Destroy the sandbox; killing a gone sandbox is not an error."""

@@ -473,6 +473,12 @@ class Sandbox:
     def stats(self) -> SandboxStats:
         return self._c._run(self._a.stats())
 
+    def set_timeout(self, seconds: float) -> SandboxInfo:
+        return self._c._run(self._a.set_timeout(seconds))
+
+    def extend(self, seconds: float) -> SandboxInfo:
+        return self._c._run(self._a.extend(seconds))
+
     def kill(self) -> None:
         self._c._run(self._a.kill())
 

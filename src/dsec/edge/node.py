@@ -67,8 +67,12 @@ from dsec.edge.lifecycle import (
     TABLE,
     EventTuple,
     LifecycleEvent,
+    adopted_lifetime,
     event_structs,
+    moved_lifetime,
     next_state,
+    start_clock,
+    stop_clock,
 )
 from dsec.errors import (
     BackendError,
@@ -109,6 +113,7 @@ from dsec.wire.ports import (
 )
 from dsec.wire.spec import (
     LEGACY_PROJECT,
+    MAX_TTL_S,
     BackendName,
     ExecChunk,
     ExecRequest,
@@ -216,7 +221,7 @@ class ReapAction:
 
     sandbox_id: str
     action: str        # "destroy" | "pause"
-    reason: str        # "ttl" | "idle_timeout"
+    reason: str        # "ttl" | "idle_timeout" (destroy) | "idle" (pause)
 
 
 class _Sandbox:
@@ -233,15 +238,18 @@ class _Sandbox:
         "doomed",
         "events",
         "execs",
+        "expires_at",
         "id",
         "last_active_at",
         "net_generation",
         "net_lock",
+        "paused_reason",
         "ports",
         "reason",
         "snap_lock",
         "spec",
         "state",
+        "ttl_left",
         "tunnels",
     )
 
@@ -259,6 +267,11 @@ class _Sandbox:
         self.execs = 0           # of which commands (see NodeConfig.max_execs_per_sandbox)
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
         self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
+        # The lifetime (issue 19): a running clock (expires_at, unix seconds) or, while
+        # paused, a stopped one (ttl_left seconds); both None: no TTL. set_timeout moves it.
+        self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
+        self.ttl_left: float | None = None
+        self.paused_reason = ""                  # "requested" | "idle" while paused
         # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
         # a destroy waits for the one in flight (its final write renames files inside the
         # sandbox's directory, which the destroy removes).
@@ -418,6 +431,9 @@ class EdgeNode:
             # the line's last_active_at may be far older than the last use (a sandbox in
             # use a moment before a crash was idle-reaped by the first pass after it).
             rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
+            rec.expires_at, rec.ttl_left = adopted_lifetime(
+                r.expires_at, r.ttl_left_s, created_at=r.created_at, ttl_s=spec.ttl_s)
+            rec.paused_reason = r.paused_reason
             rec.ports = {p.port: p for p in r.ports}
             rec.net_generation, rec.ceiling_deny = r.net_generation, r.ceiling_deny
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
@@ -478,6 +494,11 @@ class EdgeNode:
                 self._event(rec, rec.state, rec.state, reason, detail)
             if state == "paused":
                 rec.state = "paused"
+                stop_clock(rec, now)
+                rec.paused_reason = rec.paused_reason or "requested"
+            else:
+                start_clock(rec, now)
+                rec.paused_reason = ""
             self._arm(rec)
             self.journal.put(rec)  # type: ignore[union-attr]
 
@@ -641,7 +662,8 @@ class EdgeNode:
     def _info(self, rec: _Sandbox) -> SandboxInfo:
         return SandboxInfo(id=rec.id, node=self.node_id, state=rec.state, spec=rec.spec,
                            created_at=rec.created_at, last_active_at=rec.last_active_at,
-                           reason=rec.reason)
+                           reason=rec.reason, expires_at=rec.expires_at,
+                           ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
         # an ended sandbox's URLs and tunnels end with it
@@ -662,7 +684,7 @@ class EdgeNode:
     @staticmethod
     def _deadline_of(rec: _Sandbox) -> float | None:
         spec = rec.spec
-        d = None if spec.ttl_s is None else rec.created_at + spec.ttl_s
+        d = rec.expires_at
         if spec.idle_timeout_s is not None and rec.state == "running":
             i = rec.last_active_at + spec.idle_timeout_s
             d = i if d is None or i < d else d
@@ -808,7 +830,7 @@ class EdgeNode:
             self._event(rec, rec.state, rec.state, "network_ipv6_inert", note[:500])
         if rec.doomed is not None:  # the backend reported its death while we created it
             self._spawn(self._die(rec, *rec.doomed))
-        elif rec.spec.ttl_s is not None or rec.spec.idle_timeout_s is not None:
+        elif rec.expires_at is not None or rec.spec.idle_timeout_s is not None:
             self._arm(rec)
         return self._info(rec)
 
@@ -1056,17 +1078,46 @@ class EdgeNode:
             if self._durable is not None:
                 await self._durable.commit()
 
+    # ================================================================ lifetimes
+    async def set_timeout(self, sandbox_id: str, timeout_s: float, *,
+                          extend: bool = False) -> SandboxInfo:
+        """End the sandbox ``timeout_s`` seconds from now (``extend``: after its current
+        deadline). Paused, its clock is stopped: this sets the time it will have left
+        when it resumes. Durable before acknowledged (journaled and fsynced)."""
+        rec = self._find(sandbox_id)
+        if rec.state in ("destroying", "destroyed", "failed"):
+            raise InvalidTransition(
+                f"sandbox {rec.id} is {rec.state} (reason: {rec.reason}): its lifetime can "
+                "no longer change", sandbox_id=rec.id, event="set_timeout", state=rec.state)
+        now = self.clock.time()
+        old = (rec.expires_at, rec.ttl_left)
+        rec.expires_at, rec.ttl_left = moved_lifetime(
+            rec.expires_at, rec.ttl_left, stopped=rec.state in ("paused", "resuming"),
+            now=now, timeout_s=timeout_s, extend=extend, cap_s=MAX_TTL_S)
+        try:
+            await self._journal_now(rec)
+        except BaseException:
+            rec.expires_at, rec.ttl_left = old
+            raise
+        self._arm(rec)
+        self._event(rec, rec.state, rec.state, "timeout_set",
+                    f"expires_at={rec.expires_at}" if rec.expires_at is not None
+                    else f"ttl_left_s={rec.ttl_left} (paused: the clock runs from resume)")
+        return self._info(rec)
+
     # ================================================================ pause / resume
-    async def pause(self, sandbox_id: str) -> PauseStats:
+    async def pause(self, sandbox_id: str, *, reason: str = "requested") -> PauseStats:
         """Freeze the sandbox and give back its memory (backend-dependent). Idempotent
         like :meth:`resume`: a sandbox already paused (an idle pause, another caller's)
-        is success with nothing more given back; one in flight is waited for first."""
+        is success with nothing more given back; one in flight is waited for first.
+        ``reason``: "requested", or "idle" for the reaper's idle pause. Its TTL clock
+        stops once it is paused and runs again from its resume."""
         rec = self._find(sandbox_id)
         while rec.state in ("pausing", "resuming") and rec.busy is not None:
             await asyncio.shield(rec.busy)
         if rec.state == "paused":
             return PauseStats()
-        self._move(rec, "pause", "requested")
+        self._move(rec, "pause", reason)
         rec.busy = asyncio.get_running_loop().create_future()
         try:
             stats = await rec.backend.pause(SandboxId(rec.id))
@@ -1078,7 +1129,9 @@ class EdgeNode:
         if rec.state != "pausing":  # destroyed while pausing
             raise InvalidTransition(f"sandbox {rec.id} was {rec.state} while it paused",
                                     sandbox_id=rec.id, state=rec.state)
-        self._move(rec, "paused", "requested")
+        self._move(rec, "paused", reason)
+        stop_clock(rec, self.clock.time())
+        rec.paused_reason = reason
         if self.journal is not None:  # acknowledged paused = adopted paused after a crash
             self.journal.put(rec)
             if self._durable is not None:
@@ -1112,6 +1165,8 @@ class EdgeNode:
                                     sandbox_id=rec.id, state=rec.state)
         rec.last_active_at = self.clock.time()
         self._move(rec, "resumed", reason)
+        start_clock(rec, rec.last_active_at)
+        rec.paused_reason = ""
         self._arm(rec)
         if self.journal is not None:
             self.journal.put(rec)
@@ -1680,8 +1735,8 @@ class EdgeNode:
                 continue
             rec.deadline = None
             spec = rec.spec
-            if spec.ttl_s is not None and now >= rec.created_at + spec.ttl_s:
-                if rec.state in ("running", "paused", "failed"):
+            if rec.expires_at is not None and now >= rec.expires_at:
+                if rec.state in ("running", "failed"):
                     out.append(ReapAction(sid, "destroy", "ttl"))
                 else:
                     self._retry_later(rec, now)
@@ -1691,7 +1746,9 @@ class EdgeNode:
                 if rec.active:  # a command is still running: not idle, look again later
                     self._retry_later(rec, now)
                 else:
-                    out.append(ReapAction(sid, spec.idle_action, "idle_timeout"))
+                    out.append(ReapAction(sid, spec.idle_action,
+                                          "idle" if spec.idle_action == "pause"
+                                          else "idle_timeout"))
                 continue
             if rec.state in ("creating", "pausing", "resuming", "destroying"):
                 self._retry_later(rec, now)
@@ -1709,7 +1766,7 @@ class EdgeNode:
         coros: builtins.list[Coroutine[Any, Any, object]] = []
         for a in actions:
             if a.action == "pause":
-                coros.append(self.pause(a.sandbox_id))
+                coros.append(self.pause(a.sandbox_id, reason=a.reason))
             else:
                 coros.append(self.destroy(a.sandbox_id, reason=a.reason))
         for a, r in zip(actions, await gather_eager(coros)):

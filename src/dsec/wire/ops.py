@@ -110,6 +110,7 @@ from dsec.wire.layers import (
     NodePins,
     PinSet,
 )
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -201,6 +202,7 @@ __all__ = [
     "SESSION_CLOSE",
     "SESSION_OPEN",
     "SESSION_RENEW",
+    "SET_TIMEOUT",
     "SNAPSHOT",
     "SNAPSHOTS",
     "SNAPSHOT_DELETE",
@@ -938,6 +940,14 @@ NODE_PINS: Op[PinSet, Empty] = Op(
     summary="Make the node's pinned images exactly this set (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 19, lifetimes: move a sandbox's deadline (its TTL clock stops while paused).
+SET_TIMEOUT: Op[SetTimeout, SandboxInfo] = Op(
+    "set_timeout", SetTimeout, SandboxInfo,
+    summary="Set a sandbox's lifetime: end it timeout_s from now (extend: add to it)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/timeout", operation_id="setTimeout",
+              body="*"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -968,6 +978,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
     NODE_PINS,
+    SET_TIMEOUT,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -768,6 +768,12 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float
     last_active_at: float
     reason: str = ""                        # reason of the last transition
+    # Lifetimes (issue 19, docs/sdk.md "Lifetimes"): when the edge ends it (unix seconds;
+    # None: no TTL, or paused), what is left while paused (the clock stops), and why it
+    # was paused ("requested", or "idle": its idle_timeout_s with idle_action=pause).
+    expires_at: float | None = None
+    ttl_left_s: float | None = None
+    paused_reason: str = ""
 
 
 class NetworkView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -1654,6 +1654,7 @@ class ApiService:
             "cluster_nodes": self._cluster_nodes_op,
             "cluster_node_revoke": self._cluster_node_revoke_op,
             "node_migrate": self._node_migrate_op,
+            "set_timeout": functools.partial(fwd, ops.SET_TIMEOUT),   # issue 19 (life)
         }
 
     # ------------------------------------------------------------------ ports
