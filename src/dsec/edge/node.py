@@ -35,6 +35,7 @@ import heapq
 import logging
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self, TypeVar
@@ -74,6 +75,7 @@ from dsec.edge.lifecycle import (
     start_clock,
     stop_clock,
 )
+from dsec.edge.usage import CpuUsage
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -341,6 +343,7 @@ class EdgeNode:
         # live again: network_lost, layer_unavailable), handed out once it is.
         self._adopt_notices: dict[str, list[tuple[str, str]]] = {}
         self._deadlines: builtins.list[tuple[float, str]] = []
+        self._cpu = CpuUsage()          # each sandbox's previous CPU reading (stats)
         if journal is None and config.state_dir is not None:
             journal = SandboxJournal(config.state_dir, sync=config.journal_sync,
                                      keep_ended=config.tombstones)
@@ -666,6 +669,7 @@ class EdgeNode:
                            ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
+        self._cpu.forget(rec.id)
         # an ended sandbox's URLs and tunnels end with it
         rec.cut_tunnels(f"sandbox {rec.id} ended ({rec.state})")
         rec.ports = {}
@@ -1463,11 +1467,19 @@ class EdgeNode:
                             lambda b, s: b.remove(s, path, recursive=recursive), path)
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
+        """The backend's reading, with the CPU usage over the interval since this
+        sandbox's previous stats call (or over a short sample: dsec.edge.usage)."""
         rec = self._find(sandbox_id)
         try:
-            return await rec.backend.stats(SandboxId(rec.id))
+            st = await rec.backend.stats(SandboxId(rec.id))
+            pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
+            if pct is None:
+                await asyncio.sleep(self._cpu.sample_s)
+                st = await rec.backend.stats(SandboxId(rec.id))
+                pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
         except Exception as exc:
             raise self._backend_error(rec, "read stats of", exc) from exc
+        return msgspec.structs.replace(st, cpu_percent=pct, cpu_interval_s=dt)
 
     # ================================================================ snapshots
     def _snapshotters(self) -> builtins.list[SnapshotBackend]:
