@@ -794,7 +794,8 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
             from dsec.edge.metrics import EdgeMetrics, serve_metrics
 
             em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
-                             resolver=resolver, live=lambda: node.live_count, lazy=lazy)
+                             resolver=resolver, live=lambda: node.live_count, lazy=lazy,
+                             node=node)
             metrics = await serve_metrics(metrics_listen, em.render)
             addr = metrics.sockets[0].getsockname()
             click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",
