@@ -76,6 +76,7 @@ from dsec.edge.admission import (
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
+from dsec.logs import AUDIT_FILE, AuditLog
 from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
 from dsec.wire.netpolicy import NetworkPolicy
 
@@ -321,6 +322,8 @@ class ClusterRuntime:
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
             service.joins = self.join_authority     # the cluster_* rows (None: no CA)
+            # issue 19: admin actions, durable, 0600 in the state dir (dsec.logs)
+            service.audit = AuditLog(os.path.join(cfg.state_dir, AUDIT_FILE))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             if "container" in self._local_backends():
                 # the base's names in the state store's tag table too (every replica's)
@@ -851,6 +854,8 @@ class ClusterRuntime:
             await _bounded("stopping keyed creates", self.service.close(), STOP_STEP_S)
             await _bounded("closing the idempotency cache",
                            self.service.idempotency.close(), STOP_STEP_S)
+            if self.service.audit is not None:
+                self.service.audit.close()
         for t in self._bg:
             t.cancel()
         await _bounded("stopping background tasks",

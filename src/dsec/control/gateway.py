@@ -32,6 +32,7 @@ from dsec.aether import Router, Server, StreamSender, serve
 from dsec.aether.limits import ServerLimits
 from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.errors import DsecError, InvalidArgument
+from dsec.logs import access, access_enabled
 from dsec.wire.ops import GATEWAY_OPS, Op, StreamOp, UploadOp
 
 __all__ = ["GatewaySession", "gateway_router", "serve_gateway"]
@@ -93,11 +94,11 @@ def _bound(service: ApiService, op: Op[Any, Any]) -> Callable[[GatewaySession, A
             outcome = exc.code
             raise redact(exc) from None
         finally:
-            count(outcome, time.perf_counter() - t0)
+            count(outcome, time.perf_counter() - t0, session.peer)
     return handle
 
 
-def _counter(service: ApiService, op: Op[Any, Any]) -> Callable[[str, float], None]:
+def _counter(service: ApiService, op: Op[Any, Any]) -> Callable[..., None]:
     """Count and time one call of ``op`` (``dsec_gateway_calls_total{op,outcome}``,
     ``dsec_gateway_call_seconds{op}``); the ok series exist from the start so a
     dashboard shows 0, not "no data"."""
@@ -105,9 +106,12 @@ def _counter(service: ApiService, op: Op[Any, Any]) -> Callable[[str, float], No
     ok = m.gateway_calls.labels(op.name, "ok")
     seconds = m.gateway_latency.labels(op.name)
 
-    def count(outcome: str, dt: float) -> None:
+    def count(outcome: str, dt: float, peer: str = "-") -> None:
         (ok if outcome == "ok" else m.gateway_calls.labels(op.name, outcome)).inc()
         seconds.observe(dt)
+        if access_enabled():    # issue 19: --access-log
+            access(f"{op.api_method} {outcome}", door="gateway", op=op.name,
+                   outcome=outcome, duration_ms=round(dt * 1000, 3), client=peer)
     return count
 
 
@@ -137,7 +141,7 @@ def _streamed(service: ApiService, op: StreamOp[Any, Any, Any],
             outcome = exc.code
             raise redact(exc) from None
         finally:
-            count(outcome, time.perf_counter() - t0)
+            count(outcome, time.perf_counter() - t0, session.peer)
         return final
     return handle
 
