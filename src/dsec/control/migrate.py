@@ -26,8 +26,8 @@ from dsec.control.records import SandboxRecord
 from dsec.control.store.migrations import MigrationRow
 from dsec.errors import Conflict, DsecError, PermissionDenied, SandboxNotFound
 from dsec.wire.calls import CreateSandbox
-from dsec.wire.spec import SandboxInfo
 from dsec.wire.cluster import Migrated, NodeMigration
+from dsec.wire.spec import SandboxInfo
 
 __all__ = ["migrate_node", "migration_key", "remaining_ttl"]
 
