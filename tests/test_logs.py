@@ -143,6 +143,10 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
         err = p.stderr.read().decode() if p.stderr else ""
         logged = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
         assert logged and all({"ts", "level", "logger", "msg"} <= set(x) for x in logged)
+        with open(os.path.join(state, "edges", "edge-0.log")) as f:   # its edges' too
+            edge = [json.loads(x) for x in f if x.startswith("{")]
+        assert any(x["logger"].startswith("dsec.edge") and x["level"] == "info"
+                   for x in edge), edge
     finally:
         if p.poll() is None:
             p.kill()

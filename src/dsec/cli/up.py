@@ -148,7 +148,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
         image_store_budget=image_store_budget, registries=tuple(registries) or None,
-        registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store)
+        registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store,
+        edge_log_level=log_level, edge_log_format=log_format)
     uvloop.run(_run(cfg, quiet, logs))
 
 

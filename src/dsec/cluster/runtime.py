@@ -169,6 +169,10 @@ class ClusterConfig:
     # that lack them (`--blob-store`, dsec.image.blob): an operator's URL, trusted as
     # given; passed on to the local edges. None: no blob store.
     blob_store: str | None = None
+    # [life] the local edge processes' --log-level and --log-format (dsec up's own; their
+    # output goes to DIR/edges/<node>.log)
+    edge_log_level: str = "warning"
+    edge_log_format: str = "text"
     # [lazy2] The LRU budget of each local edge process's chunk cache in bytes
     # (`dsec edge --lazy-cache-bytes`; None: the edge's default, no limit).
     lazy_cache_bytes: int | None = None
@@ -452,7 +456,8 @@ class ClusterRuntime:
                 "--memory-bytes", str(cap.physical.memory_bytes),
                 "--cpu-overcommit", repr(cfg.overcommit.cpu),
                 "--memory-overcommit", repr(cfg.overcommit.memory),
-                "--max-sandboxes", str(cap.max_sandboxes), "--log-level", "warning"]
+                "--max-sandboxes", str(cap.max_sandboxes), "--log-level", cfg.edge_log_level,
+                "--log-format", cfg.edge_log_format]
         if cap.disk_bytes is not None:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():
