@@ -672,12 +672,12 @@ class EdgeNode:
                            ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
-        self._cpu.forget(rec.id)
         # an ended sandbox's URLs and tunnels end with it
         rec.cut_tunnels(f"sandbox {rec.id} ended ({rec.state})")
         rec.ports = {}
         dead = self._dead
         dead[rec.id] = rec
+        self._cpu.forget(rec.id)          # its previous CPU reading (stats)
         if len(dead) > self.config.tombstones:
             dead.popitem(last=False)
 
