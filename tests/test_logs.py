@@ -11,11 +11,13 @@ import logging
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from dsec.logs import AuditLog, configure
@@ -101,8 +103,11 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
 
     state = str(tmp_path / "st")
     access = str(tmp_path / "access.log")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mport = s.getsockname()[1]
     p, local = _start(state, "--log-level", "info", "--log-format", "json",
-                      "--access-log", access)
+                      "--access-log", access, "--edge-metrics-port", str(mport))
     try:
         with Client(local["url"], local["api_key"], protocol="aether") as c:
             made = c.call(ops.CREATE_KEY, CreateKeyRequest(name="alice", project="team/a",
@@ -114,6 +119,9 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
                 alice.call(ops.QUOTA_SET, QuotaSet(path="team", quota=QuotaBody(
                     max_sandboxes=500)))
             assert alice.call(ops.PROJECTS, Empty()).items is not None
+        # the edge's own metrics (dsec up --edge-metrics-port): the create above, timed
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=30).text
+        assert re.search(r'dsec_edge_operation_seconds_count\{op="create"\} [1-9]', text), text
         with Client(local["url"], local["api_key"], protocol="http") as c:
             c.call(ops.REVOKE_KEY, KeyRef(id=made.key_id))
             # answered: now kill -9 the whole dsec up, at once

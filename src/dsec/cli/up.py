@@ -87,6 +87,9 @@ from dsec.cli.logopts import access_log_option, log_format_option, log_level_opt
 @log_level_option()
 @log_format_option
 @access_log_option
+@click.option("--edge-metrics-port", type=click.IntRange(1, 65535), default=None,
+              metavar="PORT", help="Edge i serves its Prometheus metrics at "
+              "http://127.0.0.1:<PORT+i>/metrics (dsec edge --metrics-listen) [default: off].")
 def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str,
        edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
@@ -98,7 +101,7 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
        net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None,
        log_level: str = "warning", log_format: str = "text",
-       access_log: str | None = None) -> None:
+       access_log: str | None = None, edge_metrics_port: int | None = None) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     logs = (log_level, log_format, access_log)     # issue 19: dsec.logs
     if hosts is not None and blob_store is not None:
@@ -149,7 +152,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
         image_store_budget=image_store_budget, registries=tuple(registries) or None,
         registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store,
-        edge_log_level=log_level, edge_log_format=log_format)
+        edge_log_level=log_level, edge_log_format=log_format,
+        edge_metrics_port=edge_metrics_port)
     uvloop.run(_run(cfg, quiet, logs))
 
 

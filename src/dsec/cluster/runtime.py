@@ -173,6 +173,9 @@ class ClusterConfig:
     # output goes to DIR/edges/<node>.log)
     edge_log_level: str = "warning"
     edge_log_format: str = "text"
+    # [life] local edge i serves its Prometheus metrics on 127.0.0.1:<port + i>
+    # (`dsec up --edge-metrics-port`; None: off)
+    edge_metrics_port: int | None = None
     # [lazy2] The LRU budget of each local edge process's chunk cache in bytes
     # (`dsec edge --lazy-cache-bytes`; None: the edge's default, no limit).
     lazy_cache_bytes: int | None = None
@@ -458,6 +461,9 @@ class ClusterRuntime:
                 "--memory-overcommit", repr(cfg.overcommit.memory),
                 "--max-sandboxes", str(cap.max_sandboxes), "--log-level", cfg.edge_log_level,
                 "--log-format", cfg.edge_log_format]
+        if cfg.edge_metrics_port is not None and node in self.node_ids:
+            argv += ["--metrics-listen",
+                     f"127.0.0.1:{cfg.edge_metrics_port + self.node_ids.index(node)}"]
         if cap.disk_bytes is not None:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():
