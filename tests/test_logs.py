@@ -123,6 +123,8 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
         text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=30).text
         assert re.search(r'dsec_edge_operation_seconds_count\{op="create"\} [1-9]', text), text
         with Client(local["url"], local["api_key"], protocol="http") as c:
+            kept = c.sandboxes.create(ttl=3600)
+            deadline = kept.set_timeout(777).expires_at
             c.call(ops.REVOKE_KEY, KeyRef(id=made.key_id))
             # answered: now kill -9 the whole dsec up, at once
             os.kill(p.pid, signal.SIGKILL)
@@ -155,6 +157,13 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
             edge = [json.loads(x) for x in f if x.startswith("{")]
         assert any(x["logger"].startswith("dsec.edge") and x["level"] == "info"
                    for x in edge), edge
+        # the timeout set just before the kill -9 is the restarted cluster's too
+        p, local = _start(state)
+        with Client(local["url"], local["api_key"], protocol="http") as c:
+            got = c.sandboxes.get(kept.id).info
+            assert got.state == "running" and got.expires_at == deadline, got
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
     finally:
         if p.poll() is None:
             p.kill()
