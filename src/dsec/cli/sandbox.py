@@ -348,8 +348,3 @@ def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool)
     _table(sandbox_id, ["time", "from", "to", "reason", "detail"],
            [[time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time * 1000) % 1000:03d}",
              e.from_state or "-", e.to_state, e.reason, e.detail] for e in evs])
-
-
-from dsec.cli.lifetime import register as _register_lifetime  # issue 19 (life)
-
-_register_lifetime(sandbox)
