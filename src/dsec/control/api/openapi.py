@@ -44,7 +44,7 @@ __all__ = [
     "path_param_schema",
 ]
 
-Body = type | Literal["binary"] | None
+Body = type | Literal["binary", "text"] | None
 
 # Patterns and limits the server enforces on identifiers and paths, as JSON schema. The
 # server's own checks are dsec.ids (parse_sandbox_id, parse_project_path), the shared
@@ -109,11 +109,18 @@ class Op:
     # No API key, but a credential in the body (a join token, a signature): 401/403 are
     # documented answers though ``auth`` is False.
     body_credential: bool = False
+    # No API key, but an optional bearer token of its own (``/metrics``: the metrics
+    # token, 401 when wrong; 403 from a non-loopback client without one): the scheme
+    # it names, documented as optional security, with its 401/403.
+    token_scheme: str | None = None
 
 
+# Every route may answer these (431 and 413 come from the HTTP limits in front of the
+# routes, dsec.control.api.http_limits, before any route is chosen).
 _ERROR_CODES = {400: "bad input", 401: "missing or invalid API key",
                 403: "role not sufficient", 404: "not found (or not visible to this key)",
                 409: "conflict", 413: "body too large", 429: "rate limit or quota",
+                431: "request line and headers too large (http_limits.max_header_bytes)",
                 503: "no capacity, or a node the request needs is unreachable (retry)",
                 504: "request timeout"}
 
@@ -122,7 +129,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
     types: list[Any] = [ApiError]
     for op in ops:
         for t in (op.request, op.response):
-            if isinstance(t, type) or (t is not None and t != "binary"):
+            if isinstance(t, type) or (t is not None and t not in ("binary", "text")):
                 types.append(t)
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
@@ -132,6 +139,8 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
         if t == "binary":
             return {"application/octet-stream": {"schema": {"type": "string",
                                                             "format": "binary"}}}
+        if t == "text":
+            return {media: {"schema": {"type": "string"}}}
         return {media: {"schema": ref[id(t)]}}
 
     paths: dict[str, dict[str, Any]] = {}
@@ -153,7 +162,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
             responses[str(op.status)] = {"description": "success",
                                          "content": content(op.response, op.response_media)}
         for code, what in _ERROR_CODES.items():
-            if code in (401, 403) and not (op.auth or op.body_credential):
+            if code in (401, 403) and not (op.auth or op.body_credential or op.token_scheme):
                 continue
             responses[str(code)] = {"description": what,
                                     "content": {"application/json": {"schema": ref[id(ApiError)]}}}
@@ -163,7 +172,9 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
         if op.request is not None:
             entry["requestBody"] = {"required": op.body_required,
                                     "content": content(op.request, "application/json")}
-        if not op.auth:
+        if op.token_scheme is not None:     # optional: {} is "no credential"
+            entry["security"] = [{}, {op.token_scheme: []}]
+        elif not op.auth:
             entry["security"] = []
         paths.setdefault(op.path.replace(":path}", "}"), {})[op.method.lower()] = entry
     return {
@@ -175,10 +186,19 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
         "components": {
             "schemas": components,
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                           "description": "dsk_<id>_<secret> API key"}},
+                                           "description": "dsk_<id>_<secret> API key"},
+                                **{op.token_scheme: _TOKEN_SCHEMES[op.token_scheme]
+                                   for op in ops if op.token_scheme is not None}},
         },
         "security": [{"apiKey": []}],
     }
+
+
+_TOKEN_SCHEMES: dict[str, dict[str, Any]] = {
+    "metricsToken": {"type": "http", "scheme": "bearer",
+                     "description": "the metrics token (RestConfig.metrics_token, dsec up: "
+                                    "$DSEC_METRICS_TOKEN); without one configured, "
+                                    "/metrics answers loopback clients only (403)"}}
 
 
 def _path_params(path: str) -> list[Param]:
