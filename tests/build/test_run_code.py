@@ -86,6 +86,6 @@ def test_async_client_and_an_image_without_python(debian: Debian) -> None:
                 await sb.kill()
     asyncio.run(main())
     client = debian.cluster.client()
-    with client.sandboxes.create(image="base", detached=True) as sb:   # busybox: no python
-        with pytest.raises(CannotRun, match="needs python3"):
-            sb.run_code("1")
+    with (client.sandboxes.create(image="base", detached=True) as sb,  # busybox: no python
+          pytest.raises(CannotRun, match="needs python3")):
+        sb.run_code("1")
