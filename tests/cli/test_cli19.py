@@ -213,8 +213,19 @@ def test_admin_key_project_quota(cluster: LocalCluster) -> None:
     # revoke by id or by the whole key; the key stops working at once
     code, out = _run(cluster, "key", "revoke", bob, key=alice["api_key"])
     assert code == 1 and "not_found" in out      # not hers: looks missing
+    bob_id = bob.split("_")[1]
+    code, out = _run(cluster, "key", "ls", "--json", key=bob)
+    assert code == 0 and [k["key_id"] for k in json.loads(out)] == [bob_id], out
+    code, out = _run(cluster, "key", "ls", "--principal", "bob19", key=alice["api_key"])
+    assert code == 1 and "not_found" in out      # another principal's: not hers to list
     code, out = _run(cluster, "key", "revoke", bob)
     assert code == 0, out
+    code, out = _run(cluster, "key", "ls", "--principal", "bob19", "--json")  # superuser
+    assert [(k["key_id"], k["revoked"]) for k in json.loads(out)] == [(bob_id, True)]
+    code, out = _run(cluster, "key", "ls", "--principal", "bob19", "-q")
+    assert code == 0 and out == ""               # no live key left
+    code, out = _run(cluster, "key", "ls", "--principal", "Bob 19")
+    assert code == 2 and "invalid principal" in out
     code, out = _run(cluster, "sandbox", "ls", key=bob)
     assert code == 1 and "unauthenticated" in out, out
     code, out = _run(cluster, "key", "revoke", "nothex")
@@ -237,14 +248,18 @@ def test_dsec_up_prints_eval_able_export_lines(tmp_path) -> None:  # type: ignor
     state = str(tmp_path / "st")
     p = subprocess.Popen([*DSEC, "up", "--state-dir", state, "--listen", "127.0.0.1:0",
                           "--backend", "simulated"], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+                         stderr=subprocess.DEVNULL)
     try:
         assert p.stdout is not None
-        lines = []
+        fd, got = p.stdout.fileno(), b""
         deadline = time.monotonic() + 60      # an up that prints nothing must not hang us
-        while len(lines) < 2 and time.monotonic() < deadline:
-            if select.select([p.stdout], [], [], 1)[0]:
-                lines.append(p.stdout.readline())
+        while got.count(b"\n") < 2 and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                got += chunk
+        lines = got.decode().splitlines(keepends=True)
         assert len(lines) == 2, lines
         assert lines[0].startswith("export DSEC_URL=") and lines[1].startswith(
             "export DSEC_API_KEY=dsk_"), lines

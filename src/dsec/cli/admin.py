@@ -18,7 +18,7 @@ from dsec.cli.sandbox import _table, client, conn_options, emit_json
 
 @click.group()
 def key() -> None:
-    """Create and revoke API keys."""
+    """Create, list and revoke API keys."""
 
 
 @key.command("create")
@@ -48,6 +48,32 @@ def key_create(name: str, project: str, role: str, existing: bool, quiet: bool,
         click.echo(f"key {got.key_id} for {got.name} ({got.role} on {got.project}):")
         click.echo(got.api_key)
         click.echo(f"revoke with: dsec key revoke {got.key_id}", err=True)
+
+
+@key.command("ls")
+@click.option("--principal", default=None,
+              help="Whose keys (default: yours; a superuser: any non-superuser's).")
+@click.option("-q", "--quiet", "quiet", is_flag=True, help="Only the ids of live keys.")
+@conn_options
+def key_ls(principal: str | None, quiet: bool, url: str | None, api_key: str | None,
+           as_json: bool) -> None:
+    """List API keys: ids, owner, age, revoked or not (never a secret)."""
+    import time
+
+    from dsec.wire import ops
+    from dsec.wire.calls import KeyQuery
+
+    with client(url, api_key) as c:
+        items = c.call(ops.KEYS, _checked(KeyQuery, principal=principal)).items
+    if as_json:
+        emit_json(items)
+    elif quiet:
+        click.echo("".join(f"{k.key_id}\n" for k in items if not k.revoked), nl=False)
+    else:
+        _table(f"{len(items)} key(s)", ["key id", "principal", "created", "state"],
+               [[k.key_id, k.principal,
+                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(k.created_at)),
+                 "revoked" if k.revoked else "live"] for k in items])
 
 
 @key.command("revoke")

@@ -17,6 +17,7 @@ import msgspec
 
 from dsec.errors import InternalError
 from dsec.wire.api import (
+    PRINCIPAL_PATTERN,
     PROJECT_PATTERN,
     SNAPSHOT_PATTERN,
     ApiError,
@@ -246,6 +247,8 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
     Param("expect_generation", {"type": "integer", "minimum": 0, "maximum": MAX_GENERATION},
           description="compare-and-set: update only if the live policy still has the "
                       "generation network_get gave (409 otherwise)"),
+    Param("principal", {"type": "string", "pattern": PRINCIPAL_PATTERN},
+          description="whose keys (default: the caller's own)"),
     Param("nodes", {"type": "boolean"},
           description="also revoke the nodes that joined with the token"),
 )}
