@@ -231,6 +231,13 @@ async def _run(ctx: BenchContext, root: str) -> None:
         lazy.on_restart(cache.rebind_lazy)
         return store, lazy, cache
 
+    def granted(store: LayerStore, cache: MountCache, lazy: LazyLayers) -> StoreImages:
+        """A lazy node's images as a create finds them: the control plane granted the
+        image's pushed manifests first (``layer_grant``, red team 17 F1)."""
+        images = StoreImages(store, cache, lazy)
+        images.grant([base, ws])
+        return images
+
     def close_node(lazy: LazyLayers, cache: MountCache) -> None:
         cache.close()
         lazy.close()
@@ -241,7 +248,7 @@ async def _run(ctx: BenchContext, root: str) -> None:
     _drop_cache(blob_dir)
     store, lazy, cache = lazy_node("first", trace_window_s=2.0)
     try:
-        lazy_s, got = await first_exec(StoreImages(store, cache, lazy), "lazy")
+        lazy_s, got = await first_exec(granted(store, cache, lazy), "lazy")
         if got != want:
             raise RuntimeError("bench: lazy and eager tasks read different bytes")
         st = lazy.stats(fresh=True)
@@ -269,7 +276,7 @@ async def _run(ctx: BenchContext, root: str) -> None:
             _drop_cache(blob_dir)
             store, lazy, cache = lazy_node(f"cold-{i}-{use}", traces=use)
             try:
-                took, _ = await first_exec(StoreImages(store, cache, lazy), f"cold-{i}-{use}")
+                took, _ = await first_exec(granted(store, cache, lazy), f"cold-{i}-{use}")
                 out.append(took)
                 reqs.append(lazy.stats(fresh=True).get("requests", 0))
             finally:
@@ -286,7 +293,7 @@ async def _run(ctx: BenchContext, root: str) -> None:
     _drop_cache(blob_dir)
     store, lazy, cache = lazy_node("sixteen")
     b = ContainerBackend(root_dir=os.path.join(root, "c-16"),
-                         images=StoreImages(store, cache, lazy))
+                         images=granted(store, cache, lazy))
     try:
         sids = [sid() for _ in range(16)]
         await asyncio.gather(*(b.create(s, spec) for s in sids))

@@ -4,9 +4,12 @@ stored, reading 256 KiB chunks from the blob store as the sandbox touches them.
 :class:`LazyLayers` runs the FUSE daemon (:mod:`dsec.edge.lazy.daemon`) as a child
 process and hands :class:`~dsec.image.mount.MountCache` the path of a remote layer's file
 in its mount (:meth:`LazyLayers.path`); the mount cache mounts that file as EROFS exactly
-like a local layer file. A layer becomes remote-known by :meth:`LazyLayers.resolve`: its
-manifest goes into the node's layer store (no layer file: ``LayerStore.add_remote``) and
-its chunk table into the chunk cache directory, where the daemon finds it.
+like a local layer file. A layer becomes remote-known when the control plane grants it
+(``layer_grant``, :meth:`dsec.edge.backends.container.images.StoreImages.grant`): the
+control plane's manifest goes into the node's layer store (no layer file:
+``LayerStore.add_remote``) and its chunk table, checked against the sha256 that manifest
+records (:meth:`LazyLayers.register`), into the chunk cache directory, where the daemon
+finds it. A node never reads a layer's ``.manifest`` from the blob store.
 
 The daemon is watched. When it dies (a crash, kill -9), the kernel has already aborted its
 FUSE connection (its /dev/fuse fd closed; we also write the connection's ``abort`` file in
@@ -64,7 +67,7 @@ from dsec.errors import (
     InvalidArgument,
     PermissionDenied,
 )
-from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
+from dsec.image.blob import BlobStore, layer_chunks_key, open_blobstore
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
 from dsec.image.chunks import MIN_CHUNK_SIZE, check_table, table_bytes_bound
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
@@ -82,7 +85,6 @@ FUSE_MAX_BACKGROUND = 512
 #: the push's chunk size (the control plane's record) is bounded here, not only by the
 #: 64 MiB any table may have (red team 17 F2).
 MAX_LAZY_CHUNK_SIZE = 4 << 20
-_manifest_dec = msgspec.json.Decoder(LayerManifest)
 
 
 class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -310,26 +312,6 @@ class LazyLayers:
         if not self.knows(manifest.digest):
             return None
         return os.path.join(self.mount, manifest.hex)
-
-    def fetch_manifest(self, digest: str) -> LayerManifest:
-        """The layer's manifest from the blob store (``ImageNotFound`` if it is not there)."""
-        try:
-            size = self.blob.head(layer_manifest_key(digest))
-            if size is None or size > (1 << 20):
-                raise BlobNotFound(f"no manifest for {digest}")
-            raw = self.blob.get_range(layer_manifest_key(digest), 0, size)
-            m = _manifest_dec.decode(raw)
-        except BlobNotFound:
-            raise ImageNotFound(f"layer {digest} is neither on this node nor in the blob "
-                                f"store {self.blob.url}; push it there (dsec image push)",
-                                ref=digest) from None
-        except msgspec.DecodeError as exc:
-            raise CorruptLayer(f"the blob store's manifest of {digest} is malformed: {exc}",
-                               digest=digest) from exc
-        if m.digest != digest:
-            raise CorruptLayer(f"the blob store's manifest for {digest} names {m.digest}",
-                               digest=digest)
-        return m
 
     def register(self, manifest: LayerManifest) -> None:
         """Fetch the layer's chunk table into the cache dir (once), so the daemon serves
