@@ -122,3 +122,26 @@ def test_a_restarted_edge_gets_its_pins_again(
         and plane.edges[node].heartbeat.pins_gen == gen
         and _stats(cl).get("pid") not in (None, old)
         and _present(cl, b) == -(-b.size_bytes // CHUNK)))
+
+
+def test_a_create_through_the_api_is_granted_the_pushed_layers(
+        world: tuple[LocalCluster, LayerManifest, LayerManifest]) -> None:
+    """The create door: the control plane grants the lazy node the image's pushed
+    manifests (layer_grant) instead of relaying the layer, and the node reads it from
+    the blob store; nothing was copied whole."""
+    cl, a, _ = world
+    node = cl.runtime.node_ids[0]
+    plane = cl.runtime.plane
+    _wait("the node's heartbeat says it reads layers lazily",
+          lambda: plane.edges[node].heartbeat is not None
+          and plane.edges[node].heartbeat.lazy)
+    with cl.client(session_lease_s=None) as c:
+        sb = c.sandboxes.create(image=a.digest, backend="container")
+        try:
+            # the image has no shell: read through the file API (the edge's own reads
+            # of the sandbox's root, through overlayfs, EROFS and the FUSE file)
+            assert len(sb.files.read("/data/f")) == 3 << 20
+        finally:
+            sb.kill()
+    assert a.digest in plane.edges[node].fetched          # granted, by digest
+    assert plane.mover.stats.layers == 0                   # nothing relayed whole
