@@ -107,6 +107,9 @@ class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Record access traces and prefetch the stored ones (False: neither)."""
     node: str = "node"
     """This node's name, in the access traces it records."""
+    read_ahead_kb: int | None = None
+    """Readahead window of the FUSE file in KiB (its connection's ``read_ahead_kb``;
+    None: the kernel's 128). Measured, and left alone: :data:`READ_AHEAD_TRADE_OFF`."""
 
 
 class LazyLayers:
@@ -190,8 +193,13 @@ class LazyLayers:
             self._drop_mount(self.mount)
             raise ImageError(f"the lazy layer daemon did not start (said {line[:300]!r}); "
                              "is /dev/fuse there and pyfuse3 installed?")
-        self._conn = os.minor(os.stat(self.mount).st_dev)    # answered: INIT is done
+        dev = os.stat(self.mount).st_dev                      # answered: INIT is done
+        self._conn = os.minor(dev)
         self._tune(self._conn)
+        if c.read_ahead_kb is not None:
+            # before any EROFS mount opens the FUSE file: a file's readahead window is
+            # taken from its device when it is opened
+            _set_read_ahead(dev, c.read_ahead_kb)
         self._proc = proc
         threading.Thread(target=self._watch, args=(proc, self.mount, self._conn),
                          name=f"lazy-daemon-{proc.pid}", daemon=True).start()
@@ -547,6 +555,38 @@ class TraceWrites:
     def delete(self, key: str) -> None:
         self._check(key)
         self.inner.delete(key)
+
+
+READ_AHEAD_TRADE_OFF = """
+Measured 2026-12-02 (2 shared vCPUs, load 4-8; side by side in one process, one daemon
+per setting over the same cached chunks, EROFS and FUSE pages dropped before each read,
+96 MiB of 4 MiB files): with the kernel's 128 KiB readahead on the FUSE file every
+FUSE_READ is <= 128 KiB (528 requests for 64 MiB); py-spy of the daemon then shows ~50%
+in pyfuse3's request wrapper (/dev/fuse read, dispatch, reply copy), ~15% in the pread
+of the chunk cache file, ~25% waiting - little Python of dsec's own. Raising
+``read_ahead_kb`` (set before EROFS opens the FUSE file: a file takes its window from
+its device at open) makes requests of up to 1 MiB (~520 KiB on average) but bought only
+1.04x (256 KiB), 1.06x (512 KiB), 1.11x (1 MiB) on those warm reads (one quick bench run
+even 0.74x: noise at 2 MiB of reads), while cold reads fetched more ahead from the blob
+store: fetch amplification 1.06 (128 KiB), 1.10, 1.21, 1.50 (1 MiB); the quick bench's
+small task went from ~1.1 to 4.2. Not worth it: the default stays the kernel's. The
+rest of the gap to a local layer file is FUSE's own (two copies and a context switch
+per request): the minimal C libfuse3 daemon is 1.2-2.8x (lazy_warm_read_ratio_c_reference)
+- the measured bound of a C front end for cached chunks, which would also have to hand
+misses, verification and stats across a process boundary: not built.
+"""
+
+
+def _set_read_ahead(dev: int, kb: int) -> None:
+    """Set the readahead window of the FUSE connection's backing device (its bdi,
+    ``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``): trade-off in
+    :data:`READ_AHEAD_TRADE_OFF`."""
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        log.warning("cannot set the lazy FUSE file's readahead (%s): %s", path, exc)
 
 
 TRACES_PREFIX = "traces/"
