@@ -204,3 +204,26 @@ def test_a_grant_is_checked(bare: Bare, remote: Remote) -> None:
     with pytest.raises(ImageError, match="stands on"):
         bare.images.grant([on_unknown])
     assert not bare.store.has(ws.digest) and not bare.store.has(remote.toolkit.digest)
+
+
+def test_a_grant_overrides_a_record_an_older_node_took_from_the_store(
+        bare: Bare, remote: Remote, tmp_path: object) -> None:
+    """Upgrade path: a node that resolved a layer from the blob store's own .manifest
+    (the old code) holds that record; the control plane's grant replaces it, chunk table
+    and meaning, before anything is served from it."""
+    honest = forge(remote, str(tmp_path))
+    forged = msgspec.json.decode(manifest_in_store(remote), type=type(remote.workspace))
+    bare.images.grant([remote.base])
+    bare.store.add_remote(forged)                  # what the old _resolve_remote wrote
+    restore(remote, honest)
+    assert bare.images.grant(remote.manifests) == [m.digest for m in remote.manifests]
+    assert bare.store.get(remote.workspace.digest).chunk_table == \
+        remote.workspace.chunk_table
+    assert _served_big(bare.images, spec_of(remote)) == remote.big
+
+
+def manifest_in_store(remote: Remote) -> bytes:
+    """The forged manifest ``forge`` left in the store."""
+    with open(os.path.join(remote.blob_dir, layer_manifest_key(remote.workspace.digest)),
+              "rb") as f:
+        return f.read()

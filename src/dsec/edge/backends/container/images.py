@@ -66,6 +66,13 @@ class ImageResolver(Protocol):
 
 
 _FULL_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _meaning(m: LayerManifest) -> tuple[object, ...]:
+    """What a lazily read layer's manifest says that the node acts on (names, owners
+    and timestamps are the store's own business: a store shared with the control plane
+    keeps its richer record when it says the same)."""
+    return (m.kind, m.parent, m.stack, m.size_bytes, m.chunk_table, m.namespace)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
@@ -175,15 +182,11 @@ class StoreImages:
                 if os.path.exists(self.store.layer_path(have)):
                     out.append(m.digest)        # whole here: nothing to read lazily
                     continue
-                if have.chunk_table != m.chunk_table:
-                    # recorded remote before with another table (a re-push after a
-                    # forged one was found): the control plane's record wins
-                    self.lazy.register(m)
-                    if m.chunk_table is not None:
-                        self.store.record_chunk_table(m.digest, m.chunk_table)
-                    out.append(m.digest)
-                    continue
-                self.lazy.register(have)
+                # recorded remote before: by a grant, or (an older node) from the blob
+                # store's own .manifest - the control plane's record wins either way
+                self.lazy.register(m)
+                if _meaning(have) != _meaning(m):
+                    self.store.replace_remote(m)
                 out.append(m.digest)
                 continue
             self.lazy.register(m)           # CorruptLayer/ImageNotFound: nothing recorded
