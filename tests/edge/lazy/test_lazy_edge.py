@@ -18,6 +18,7 @@ import pytest
 
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.service import EdgeClient
+from dsec.errors import ImageNotFound
 from dsec.wire import ops
 from dsec.wire.layers import LayerGrant
 from dsec.wire.spec import SandboxSpec
@@ -83,10 +84,18 @@ async def test_edge_starts_a_sandbox_from_the_blob_store(remote: Remote, tmp_pat
     try:
         await _listening(proc, sock)
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
-            await _grant(c, remote)
-            sb = await c.create(SandboxSpec(
+            spec = SandboxSpec(
                 backend="container", memory_bytes=256 << 20, image=remote.base.digest,
-                workspace=remote.workspace.digest, toolkits=(remote.toolkit.digest,)))
+                workspace=remote.workspace.digest, toolkits=(remote.toolkit.digest,))
+            # every create door of the edge refuses a layer the control plane did not
+            # grant (red team 17 F1): nothing read from the store's .manifest
+            with pytest.raises(ImageNotFound, match="granted no manifest"):
+                await c.create(spec)
+            (one,) = await c.create_many([spec])
+            assert isinstance(one, ImageNotFound), one
+            assert os.listdir(os.path.join(tmp, "layers", "manifests")) == []
+            await _grant(c, remote)
+            sb = await c.create(spec)
             r = await c.exec(sb.id, "cat /opt/tool /work/readme && busybox | head -1")
             assert r.exit_code == 0, r.stderr
             assert r.stdout.startswith(b"toolkit layer\nworkspace layer\nBusyBox")
