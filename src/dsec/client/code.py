@@ -22,14 +22,26 @@ import base64
 import hashlib
 import importlib.resources
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
 
 from dsec.errors import CannotRun, InternalError, InvalidArgument
+from dsec.wire.spec import ExecResult, SandboxInfo
 
-if TYPE_CHECKING:
-    from dsec.client.core import AsyncSandbox
+
+class AsyncSandbox(Protocol):
+    """What the kernel needs of a sandbox (``dsec.client.core.AsyncSandbox``): its id,
+    its info and exec. A Protocol, so this module does not import the core (which
+    imports it)."""
+
+    id: str
+    info: SandboxInfo
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   stdin: bytes | str | None = None, output_cap: int | None = None
+                   ) -> ExecResult: ...
 
 __all__ = ["CodeError", "CodeResult", "Execution", "restart", "run_code"]
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from dsec.errors import InternalError
+from dsec.image.manifest import MAX_REF_LEN
 from dsec.wire.api import (
     PRINCIPAL_PATTERN,
     PROJECT_PATTERN,
@@ -69,14 +70,45 @@ IDEMPOTENCY_KEY: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength"
                                    "description": "1-255 printable ASCII characters"}
 
 
+# An id the server checks with dsec.wire.spec.check_id (1..N printable characters, no
+# '/'), documented as its printable-ASCII part: every value of the document is one the
+# server takes, and the rest (non-ASCII printable) the server refuses or does not find
+# (404), which is a rejection either way. '%', '?' and '#' are left out of the document
+# (they would change the URL they travel in unless a client escapes them).
+_SEGMENT = r"[\x20-\x22\x24\x26-\x2e\x30-\x3e\x40-\x7e]"
+NODE_ID: dict[str, Any] = {"type": "string", "pattern": rf"^{_SEGMENT}{{1,255}}$",
+                           "description": "a node id"}
+PIN_NODE: dict[str, Any] = {"type": "string", "pattern": rf"^{_SEGMENT}{{1,128}}$",
+                            "description": "a node id (at most 128 characters)"}
+LAYER_DIGEST: dict[str, Any] = {"type": "string", "pattern": r"^sha256:[0-9a-f]{64}$",
+                                "description": "a layer's full digest"}
+JOIN_TOKEN_ID: dict[str, Any] = {"type": "string", "pattern": r"^[0-9a-f]{12}$",
+                                 "description": "a join token's id (its first part)"}
+# dsec.image.manifest.parse_ref: sha256:<12-64 hex>, or [project/]name[:tag]
+_PART_RE = PROJECT_PATTERN.removeprefix("^").removesuffix("$")
+IMAGE_REF: dict[str, Any] = {
+    "type": "string", "maxLength": MAX_REF_LEN,
+    "pattern": (r"^(?:sha256:[0-9a-f]{12,64}|(?!sha256:)(?:" + _PART_RE + r"/)?"
+                r"[a-z0-9][a-z0-9._-]{0,127}(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?)$"),
+    "description": "[project/]name[:tag] or sha256:<digest or a 12+ hex prefix>"}
+
+
 def path_param_schema(path: str, name: str) -> dict[str, Any]:
     """The schema of path parameter ``name`` of route ``path`` (by what it names)."""
     if name == "path":
         return PROJECT_PATH
     if name == "port":
         return {"type": "integer", "minimum": 1, "maximum": 65535}
+    if name == "ref":
+        return IMAGE_REF
+    if name == "image":
+        return LAYER_DIGEST
+    if name == "node":
+        return PIN_NODE
     for prefix, schema in (("/v1/sandboxes/", SANDBOX_ID), ("/v1/snapshots/", SNAPSHOT_ID),
-                           ("/v1/keys/", KEY_ID), ("/v1/sessions/", SESSION_ID)):
+                           ("/v1/keys/", KEY_ID), ("/v1/sessions/", SESSION_ID),
+                           ("/v1/nodes/", NODE_ID), ("/v1/cluster/nodes/", NODE_ID),
+                           ("/v1/cluster/tokens/", JOIN_TOKEN_ID)):
         if path.startswith(prefix):
             return schema
     return {"type": "string", "minLength": 1}
