@@ -140,8 +140,10 @@ class Kernel:
         try:
             tree = ast.parse(code, f"<cell {self.count}>", "exec")
             last = None
-            if tree.body and isinstance(tree.body[-1], ast.Expr):
-                last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
+            tail = tree.body[-1] if tree.body else None
+            if isinstance(tail, ast.Expr):
+                tree.body.pop()
+                last = ast.Expression(tail.value)
             exec(compile(tree, f"<cell {self.count}>", "exec"), self.ns)  # noqa: S102
             if last is not None:
                 value = eval(compile(last, f"<cell {self.count}>", "eval"), self.ns)
