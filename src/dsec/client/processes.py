@@ -87,6 +87,9 @@ class AsyncProcessHandle:
         self._follow: asyncio.Task[ExecResult] | None = None
         if on_stdout is not None or on_stderr is not None:
             self._follow = asyncio.ensure_future(self._consume())
+            # nobody may ever wait() for it: its error (a closed client) is not a warning
+            self._follow.add_done_callback(
+                lambda t: None if t.cancelled() else t.exception())
 
     def __repr__(self) -> str:
         return f"ProcessHandle(pid={self.pid}, sandbox={self._sb.id!r})"
