@@ -44,6 +44,7 @@ from dsec.wire.api import (
     ImageTagRequest,
     ImageView,
     Info,
+    KeyList,
     NodeList,
     NodeView,
     ProjectList,
@@ -70,6 +71,7 @@ from dsec.wire.calls import (
     ImagePrune,
     ImageRef,
     ImageUpload,
+    KeyQuery,
     KeyRef,
     ListRequest,
     ListSandboxes,
@@ -180,6 +182,7 @@ __all__ = [
     "IMAGE_TAG",
     "IMAGE_UNPIN",
     "INFO",
+    "KEYS",
     "LAYER_CHAIN",
     "LAYER_FETCH",
     "LAYER_GET",
@@ -965,6 +968,15 @@ LAYER_GRANT: Op[LayerGrant, LayerGranted] = Op(
             "plane's manifests (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 19 (cli19): `dsec key ls`.
+KEYS: Op[KeyQuery, KeyList] = Op(
+    "keys", KeyQuery, KeyList,
+    summary="API keys of a principal, never their secrets (your own; a superuser: any "
+            "non-superuser's)",
+    role=None, target="self", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/keys", operation_id="listKeys", query=_q("principal"),
+              tag="admin"))
+
 
 # Issue 19: processes and terminals (dsec.wire.process, dsec.edge.processes). The edge
 # keeps each sandbox's process table (bounded output rings, stdin pipes, ptys); every
@@ -1062,6 +1074,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     NODE_MIGRATE,
     NODE_PINS,
     LAYER_GRANT,
+    KEYS,
     PROCESS_START,
     PROCESS_LIST,
     PROCESS_CONNECT,
