@@ -359,6 +359,9 @@ class EdgeNode:
         self._suffix = f"-{self.node_id}"
         for b in self.backends.values():
             b.watch(self._on_death)
+        # Issue 19: background processes with output rings, stdin, ptys (edge/processes.py)
+        from dsec.edge.processes import ProcessTable
+        self.processes = ProcessTable(self)
         # Layer transfer (issue 16): this node's store, through its container backend
         self._own_store: LayerStore | None = None
         self._images_cache: tuple[tuple[object, ...], builtins.list[str], int] | None = None
@@ -403,6 +406,7 @@ class EdgeNode:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._bg, return_exceptions=True)
+        await self.processes.close()
         if self.journal is not None:
             await self.journal.drain()
             try:
@@ -672,8 +676,9 @@ class EdgeNode:
                            ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
-        # an ended sandbox's URLs and tunnels end with it
+        # an ended sandbox's URLs and tunnels end with it, and its process table
         rec.cut_tunnels(f"sandbox {rec.id} ended ({rec.state})")
+        self.processes.drop(rec.id, f"{rec.state}: {rec.reason}")
         rec.ports = {}
         dead = self._dead
         dead[rec.id] = rec
@@ -1352,9 +1357,21 @@ class EdgeNode:
                 "hide paths from a command (exec hide needs the container backend's native "
                 "runtime and a kernel with Landlock)", field="hide", sandbox_id=rec.id)
 
+    @staticmethod
+    def _plain_exec(req: ExecRequest) -> None:
+        """A terminal or an open stdin needs a process of the table (process_start):
+        nothing could write to it during a plain exec."""
+        if req.pty is not None or req.stdin_open:
+            raise InvalidArgument("pty and stdin_open are for process_start (a process "
+                                  "that input can be sent to); a plain exec takes its "
+                                  "whole stdin up front", field="pty" if req.pty else
+                                  "stdin_open")
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
+        if req.pty is not None or req.stdin_open:
+            self._plain_exec(req)
         if req.hide:
             self._check_hide(rec)
         room = self.config.max_reply_output_bytes
@@ -1433,6 +1450,7 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
+        self._plain_exec(req)
         if req.hide:
             self._check_hide(rec)
         if rec.state != "running":
