@@ -94,6 +94,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
        net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None) -> None:
     """Run a single-machine dsec cluster in the foreground."""
+    from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
+    raise_nofile()
     if hosts is not None and blob_store is not None:
         # the test hosts live in their own network namespaces: a loopback blob store
         # of this host is not theirs (and nothing passes the flag to their edges yet)

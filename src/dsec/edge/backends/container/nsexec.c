@@ -1049,35 +1049,41 @@ static int pending_mids = 0;   /* intermediates not yet reported nor reaped */
 static int sweep_deferred = 0;
 
 /* Pids of our children nobody waits on for a status (inits, background commands):
- * reaped by sweep(). Sorted, for binary search. */
-static pid_t *reapable;
+ * reaped by sweep(). Sorted, for binary search. `id` is the create request's id for an
+ * init (its exit is reported to the edge as Exited with that id, so the edge holds no
+ * descriptor per idle sandbox to learn of its death - issue 22), 0 for the rest. */
+struct reap { pid_t pid; uint64_t id; };
+static struct reap *reapable;
 static size_t nreapable, capreapable;
 
 static size_t reapable_pos(pid_t p) {
     size_t lo = 0, hi = nreapable;
     while (lo < hi) {
         size_t m = (lo + hi) / 2;
-        if (reapable[m] < p) lo = m + 1; else hi = m;
+        if (reapable[m].pid < p) lo = m + 1; else hi = m;
     }
     return lo;
 }
-static void reapable_add(pid_t p) {
+static void reapable_add(pid_t p, uint64_t id) {
     size_t k = reapable_pos(p);
-    if (k < nreapable && reapable[k] == p) return;
+    if (k < nreapable && reapable[k].pid == p) return;
     if (nreapable == capreapable) {
         size_t n = capreapable ? capreapable * 2 : 256;
-        pid_t *r = realloc(reapable, n * sizeof *r);
+        struct reap *r = realloc(reapable, n * sizeof *r);
         if (!r) return;  /* then sweep() reaps it as an orphan once nothing is pending */
         reapable = r;
         capreapable = n;
     }
     memmove(reapable + k + 1, reapable + k, (nreapable - k) * sizeof *reapable);
-    reapable[k] = p;
+    reapable[k].pid = p;
+    reapable[k].id = id;
     nreapable++;
 }
-static int reapable_take(pid_t p) {
+/* 1 and the entry's id if `p` is one of ours nobody waits on (removed), else 0. */
+static int reapable_take(pid_t p, uint64_t *id) {
     size_t k = reapable_pos(p);
-    if (k >= nreapable || reapable[k] != p) return 0;
+    if (k >= nreapable || reapable[k].pid != p) return 0;
+    *id = reapable[k].id;
     memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
     nreapable--;
     return 1;
@@ -1225,7 +1231,7 @@ static void on_report(const struct report *r) {
         }
         return;  /* without a pidfd (EMFILE) sweep() finds its exit */
     }
-    reapable_add(j->pid);
+    reapable_add(j->pid, j->kind == J_CREATE ? j->id : 0);
     if (j->kind == J_BG) {
         if (j->killed) kill(j->pid, SIGKILL);  /* unreaped child: exact */
         j->ns_pid = ns_pid_of(j->pid);
@@ -1342,9 +1348,12 @@ static struct job *job_of_pid(pid_t p) {
  * waitpid of one pid is O(1) in the kernel. */
 static void reap_known(void) {
     for (size_t k = 0; k < nreapable;) {
-        if (waitpid(reapable[k], NULL, WNOHANG) == reapable[k]) {
+        int st = 0;
+        if (waitpid(reapable[k].pid, &st, WNOHANG) == reapable[k].pid) {
+            struct reap r = reapable[k];
             memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
             nreapable--;
+            if (r.id) send_reply(REP_EXITED, r.id, r.pid, 0, st, 0, NULL, -1);
             continue;
         }
         k++;
@@ -1371,8 +1380,11 @@ static void sweep(void) {
         memset(&si, 0, sizeof si);
         if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 || si.si_pid == 0) return;
         pid_t p = si.si_pid;
-        if (reapable_take(p)) {
-            waitpid(p, NULL, WNOHANG);
+        uint64_t rid = 0;
+        if (reapable_take(p, &rid)) {
+            int st = 0;
+            waitpid(p, &st, WNOHANG);
+            if (rid) send_reply(REP_EXITED, rid, p, 0, st, 0, NULL, -1);  /* an init died */
             continue;
         }
         struct job *j = job_of_pid(p);
