@@ -321,6 +321,8 @@ class ContainerBackend:
             # exec cgroup names: unique across edge restarts (a lingering one may survive)
             self._exec_seq = itertools.count(time.time_ns() // 1000)
             self._cleanups: set[asyncio.Task[None]] = set()
+            # destroys that failed, retried in the background (cancelled by close())
+            self._removers: set[asyncio.Task[None]] = set()
             # file operations run beside the loop (see _file_op); made on first use
             self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
             self._file_ops: set[asyncio.Future[Any]] = set()
@@ -1037,7 +1039,63 @@ class ContainerBackend:
             if os.path.isdir(d) and await self.adopt(sid, SandboxSpec()):
                 await self.destroy(sid)
             return
-        await self._teardown(sid, d, box, box.layers)
+        try:
+            await self._teardown(sid, d, box, box.layers)
+        except BackendError as exc:
+            await self._destroy_again(sid, exc.message)
+        except OSError as exc:   # a step that does not collect its errors (EMFILE in rmtree)
+            await self._destroy_again(sid, f"{type(exc).__name__}: {exc}")
+
+    #: pauses between the attempts of a destroy whose teardown failed (each attempt
+    #: looks at the host afresh: census + removal of whatever it finds, processes first)
+    DESTROY_RETRY_S: tuple[float, ...] = (0.05, 0.25, 1.0)
+    #: after those, the same in the background every this often until clean (or close)
+    DESTROY_BACKGROUND_S = 15.0
+
+    async def _destroy_again(self, sid: str, first: str) -> None:
+        """A teardown left something (EMFILE, EBUSY on a cgroup, a stuck unmount...):
+        retry from what the host holds (the census - the same removal reconcile does,
+        which kills every process its cgroups list, race-free), then report. Nothing is
+        left running silently: if it is still there the caller gets a ``BackendError``
+        naming what is left (the node records the sandbox ``failed`` with that reason),
+        and a background task keeps trying (then reconcile at the next start)."""
+        log.warning("destroy of sandbox %s failed (%s); retrying", sid, first)
+        for delay in self.DESTROY_RETRY_S:
+            await asyncio.sleep(delay)
+            if await self._remove_what_is_left(sid):
+                log.warning("destroy of sandbox %s: done on retry", sid)
+                return
+        left = self._census_of(sid)
+        task = asyncio.get_running_loop().create_task(self._remove_later(sid))
+        self._removers.add(task)
+        task.add_done_callback(self._removers.discard)
+        raise BackendError(f"destroying sandbox {sid} failed ({first}) and "
+                           f"{1 + len(self.DESTROY_RETRY_S)} attempts left {left}; the edge "
+                           f"retries every {self.DESTROY_BACKGROUND_S:g} s and at its next "
+                           "start (reconcile)", sandbox_id=sid)
+
+    def _census_of(self, sid: str) -> str:
+        try:
+            c = self.census(sid)
+        except OSError as exc:
+            return f"an unknown part of it (census failed: {exc})"
+        return c.describe(sid) if sid in c.sandboxes() else "nothing"
+
+    async def _remove_what_is_left(self, sid: str) -> bool:
+        """One attempt: remove what the host holds for ``sid``; True if nothing is left."""
+        try:
+            census = self.census(sid)
+            if sid in census.sandboxes():
+                await self._remove_leftover(sid, census)
+            return sid not in self.census(sid).sandboxes()
+        except (OSError, DsecError) as exc:
+            log.warning("removing what is left of sandbox %s failed: %s", sid, exc)
+            return False
+
+    async def _remove_later(self, sid: str) -> None:
+        while not await self._remove_what_is_left(sid):
+            await asyncio.sleep(self.DESTROY_BACKGROUND_S)
+        log.warning("destroy of sandbox %s: what was left is removed now", sid)
 
     async def _teardown(self, sid: str, d: str, box: Box | None,
                         layers: RootLayers | None) -> None:
@@ -1202,6 +1260,10 @@ class ContainerBackend:
         if self._dpoll is not None:
             self._dpoll.cancel()
             self._dpoll = None
+        for task in list(self._removers):  # reconcile at the next start takes over
+            task.cancel()
+        if self._removers:
+            await asyncio.gather(*self._removers, return_exceptions=True)
         if self._cleanups:  # timed-out/cancelled execs still being cleared
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._file_pool is not None:  # file operations in flight finish first
