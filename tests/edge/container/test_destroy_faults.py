@@ -81,9 +81,8 @@ async def test_a_destroy_that_keeps_failing_reports_and_cleans_up_after(
     backend.DESTROY_BACKGROUND_S = 0.1
     sid, pids = await _busy_sandbox(backend)
     other, other_pids = await _busy_sandbox(backend)   # must not be touched
-    with _no_fds_left():
-        with pytest.raises(BackendError) as info:
-            await backend.destroy(sid)
+    with _no_fds_left(), pytest.raises(BackendError) as info:
+        await backend.destroy(sid)
     assert "retries every" in info.value.message and "left" in info.value.message
     deadline = asyncio.get_running_loop().time() + 10
     while sid in backend.census(sid).sandboxes():
