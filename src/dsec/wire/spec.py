@@ -832,6 +832,10 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     disk_bytes: int = 0
     disk_cap_bytes: int | None = None
     disk_full: bool = False
+    #: dens (issue 22): memory_bytes plus the kernel memory the host spends on the sandbox
+    #: outside its memory cgroup (its cgroups, superblocks and the memcg's shrinker map:
+    #: an estimate, see docs/container.md "Density"); 0 where the backend does not know
+    memory_host_bytes: int = 0
 
 
 class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):

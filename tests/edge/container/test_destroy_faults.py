@@ -27,7 +27,8 @@ pytestmark = pytest.mark.root
 @contextmanager
 def _no_fds_left() -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+    # every slot taken (the listing counts its own, closed again, descriptor)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
     try:
         yield
     finally:

@@ -54,6 +54,7 @@ from dsec.edge.backends.container.census import (
     remove_cgroup_dirs,
     take_census,
 )
+from dsec.edge.backends.container.density import uncharged_bytes
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
@@ -307,6 +308,7 @@ class ContainerBackend:
                     self.disk.remove(name)
             raise_nofile()  # descriptors are per operation, none per idle sandbox (issue 22)
             self._boxes: dict[str, Box] = {}
+            self._peak_boxes = 0   # the most held at once (stats: the shrinker-map estimate)
             self._sink: DeathSink | None = None
             self.limits_poll_s = limits_poll_s
             if not exec_start_timeout_s > 0:
@@ -510,6 +512,7 @@ class ContainerBackend:
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
+            self._peak_boxes = max(self._peak_boxes, len(self._boxes))
             if self.network is not None:
                 slot = self.network.attach(sid, spec)
                 if slot is not None:
@@ -987,6 +990,7 @@ class ContainerBackend:
         box.oom_seen = self.governor.oom_kills(cg)
         box.pids_seen = self.governor.pids_limit_hits(cg)
         self._boxes[sid] = box
+        self._peak_boxes = max(self._peak_boxes, len(self._boxes))
         self._watch_box(box)
         self._lazy_adopted(box)
         if self.network is not None and spec.net.net_mode != "none":
@@ -1887,7 +1891,8 @@ class ContainerBackend:
             disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                             pids=pids, disk_bytes=disk, disk_cap_bytes=cap, disk_full=full,
-                            memory_tmpfs_bytes=self.governor.memory_shmem(box.cg))
+                            memory_tmpfs_bytes=self.governor.memory_shmem(box.cg),
+                            memory_host_bytes=mem + uncharged_bytes(self._peak_boxes))
 
     # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),

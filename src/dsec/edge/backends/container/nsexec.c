@@ -826,7 +826,46 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     for (size_t k = 0; k < 4; k++) xmkdir(at_root(subdirs[k]), 0755);
     char dev[4200];
     snprintf(dev, sizeof dev, "%s/dev", root_path);
-    xmount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=755,size=64k,nr_inodes=64");
+    /* One tmpfs ("scratch") for /dev, /dev/shm, /tmp and the masks below, where there
+     * were four: every superblock on the host costs EVERY memory cgroup a shrinker slot
+     * (the kernel's per-memcg shrinker_info grows with the highest shrinker id and never
+     * shrinks), so superblocks-per-sandbox x sandboxes is the term that grew the
+     * per-sandbox kernel memory with the sandbox count (issue 22; docs/container.md,
+     * Density). It is made detached (fsopen/fsmount) and only its dev/ and tmp/ dirs are
+     * attached (open_tree clones), so neither shows the other; /dev/shm is a bind of
+     * dev/shm with nosuid,nodev,noexec. Its size is what the three had: 64 KiB + the
+     * /dev/shm size + tmp_bytes, now shared (all of it is charged to the sandbox's
+     * memory cgroup either way). */
+    {
+        char tmp[4200];
+        snprintf(tmp, sizeof tmp, "%s/tmp", root_path);
+        int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC);
+        if (fs < 0) die(1, "fsopen tmpfs");
+        snprintf(opts, sizeof opts, "%lld", (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes);
+        if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "tmpfs", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "size", opts, 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "755", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+            die(1, "fsconfig tmpfs size=%s", opts);
+        int scratch = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID);
+        if (scratch < 0) die(1, "fsmount tmpfs");
+        close(fs);
+        if (mkdirat(scratch, "dev", 0755) < 0 || fchmodat(scratch, "dev", 0755, 0) < 0 ||
+            mkdirat(scratch, "tmp", 01777) < 0 || fchmodat(scratch, "tmp", 01777, 0) < 0)
+            die(1, "mkdir in the scratch tmpfs");
+        static const char *sub[2] = {"dev", "tmp"};
+        const char *at[2] = {dev, tmp};
+        unsigned long fl[2] = {MS_NOSUID, MS_NOSUID | MS_NODEV};
+        for (int k = 0; k < 2; k++) {
+            int t = (int)syscall(SYS_open_tree, scratch, sub[k], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+            if (t < 0) die(1, "open_tree scratch/%s", sub[k]);
+            if (syscall(SYS_move_mount, t, "", AT_FDCWD, at[k], MOVE_MOUNT_F_EMPTY_PATH) < 0)
+                die(1, "move_mount %s", at[k]);
+            close(t);
+            xmount(NULL, at[k], NULL, MS_BIND | MS_REMOUNT | fl[k], NULL);
+        }
+        close(scratch);
+    }
     for (size_t k = 0; k < sizeof DSEC_DEVICES / sizeof DSEC_DEVICES[0]; k++) {
         snprintf(p, sizeof p, "%s/%s", dev, DSEC_DEVICES[k].name);
         if (mknod(p, S_IFCHR | DSEC_DEVICES[k].mode,
@@ -841,8 +880,11 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     if (symlink("pts/ptmx", p) < 0) die(1, "symlink %s", p);
     snprintf(p, sizeof p, "%s/shm", dev);
     xmkdir(p, 01777);
-    snprintf(opts, sizeof opts, "mode=1777,size=%lld", (long long)DSEC_SHM_BYTES);
-    xmount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts);
+    if (chmod(p, 01777) < 0) die(1, "chmod %s", p);   /* mkdir applies the umask */
+    xmount(p, p, NULL, MS_BIND, NULL);
+    xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    snprintf(p, sizeof p, "%s/.mask", dev);    /* the masks' empty dir (build_root_inner) */
+    xmkdir(p, 0555);
     static const char *links[][2] = {{"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"},
                                      {"stdout", "/proc/self/fd/1"},
                                      {"stderr", "/proc/self/fd/2"}};
@@ -856,8 +898,6 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     close(fd);
     xmount(init_bin, p, NULL, MS_BIND, NULL);
     xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
-    snprintf(opts, sizeof opts, "mode=1777,size=%lld", tmp_bytes);
-    xmount("tmpfs", at_root("/tmp"), "tmpfs", MS_NOSUID | MS_NODEV, opts);
     xmount("sysfs", at_root("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 }
 
@@ -871,24 +911,23 @@ static void build_root_inner(void) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_FILES[k]));
         if (exists(p)) xmount(q, p, NULL, MS_BIND, NULL);
     }
-    /* One empty read-only tmpfs, bind-mounted over every masked directory: each extra
-     * superblock per sandbox adds to the kernel's per-memcg list_lru reparenting work when
-     * any sandbox cgroup is removed (measured: that walk dominated destroy at 1,500
-     * sandboxes), binds add none. */
-    char first[8192] = "";
+    /* An empty directory of the sandbox's /dev tmpfs, bound read-only over every masked
+     * directory and then removed from /dev: the binds keep the deleted directory, in
+     * which nothing can be created (ENOENT), so each mask is an empty read-only dir with
+     * no superblock of its own (each superblock per sandbox costs every memory cgroup a
+     * shrinker slot, and adds to the per-memcg list_lru reparenting work of every
+     * sandbox cgroup removal - measured: that walk dominated destroy at 1,500 sandboxes;
+     * binds add none). It was a tmpfs of its own per sandbox. */
+    char mask[8192];
+    snprintf(mask, sizeof mask, "%s/dev/.mask", root_path);
     for (size_t k = 0; k < sizeof DSEC_MASKED_DIRS / sizeof DSEC_MASKED_DIRS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_DIRS[k]));
         if (!is_dir(p)) continue;
-        if (!first[0]) {
-            xmount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   "size=0,nr_inodes=1");
-            snprintf(first, sizeof first, "%s", p);
-        } else {
-            xmount(first, p, NULL, MS_BIND, NULL);
-            xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
-                   | MS_NOEXEC, NULL);
-        }
+        xmount(mask, p, NULL, MS_BIND, NULL);
+        xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+               | MS_NOEXEC, NULL);
     }
+    if (rmdir(mask) < 0) die(1, "rmdir %s", mask);
     for (size_t k = 0; k < sizeof DSEC_READONLY_PATHS / sizeof DSEC_READONLY_PATHS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_READONLY_PATHS[k]));
         if (exists(p)) {
