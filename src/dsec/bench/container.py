@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 
+from dsec import ownership
 from dsec.bench import BenchContext, suite
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
 from dsec.rmtree import remove_tree
@@ -292,6 +293,35 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
         raise RuntimeError(f"density run: {errors} errors (first: {first})")
 
 
+async def _sweep_dead_runs(ctx: BenchContext, base: str) -> None:
+    """A run killed with -9 leaves its sandboxes running (nothing of it runs to clean
+    up): the next run removes every sandbox of a run whose owner process is gone (its
+    ``.owner`` record, dsec.ownership), through the backend's reconcile (processes
+    first), then the directory."""
+    from dsec.edge.backends.container import ContainerBackend, DirectoryImages
+
+    for name in sorted(os.listdir(base)):
+        work = os.path.join(base, name)
+        if not name.startswith("dsec-bench-container-") or name.endswith(ownership.SUFFIX) \
+                or ownership.owner_alive(work) is not False:
+            continue
+        for runtime in ("native", "runc"):
+            root = os.path.join(work, runtime)
+            if not os.path.isdir(root):
+                continue
+            b = ContainerBackend(root_dir=root, runtime=runtime,
+                                 images=DirectoryImages(os.path.join(work, "images")))
+            try:
+                left = await b.reconcile(set())
+                ctx.note(f"removed {len(left)} sandboxes a killed run left in {root}")
+            finally:
+                gov = b.governor
+                await b.close()
+                gov.remove_base()
+        remove_tree(work)
+        ownership.disown(work)
+
+
 @suite("container")
 def container_suite(ctx: BenchContext) -> None:
     """Container backend: native vs runc create/exec, density, pause/resume."""
@@ -299,11 +329,14 @@ def container_suite(ctx: BenchContext) -> None:
         ctx.note("skipped: needs root")
         return
     base = os.environ.get("DSEC_BENCH_CONTAINER_DIR") or "/var/tmp"
+    asyncio.run(_sweep_dead_runs(ctx, base))
     work = tempfile.mkdtemp(prefix="dsec-bench-container-", dir=base)
+    ownership.claim(work)
     try:
         asyncio.run(_run(ctx, work))
     finally:
         remove_tree(work)
+        ownership.disown(work)
     ctx.note("Native create/exec: the edge sends one SEQPACKET message to dsec-nsexec serve "
              "(a static C zygote), which switches its pid namespace for children, fork()s, and "
              "the child joins cgroups, enters/creates namespaces, builds the root, drops caps, "
