@@ -277,15 +277,20 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
                        "growth; the kernel's memory outside the memcg is not in it")
     finally:
         t0 = time.perf_counter()
-        for s in made:
-            try:
-                await b.destroy(s)
-            except Exception as exc:  # noqa: BLE001 - counted, and reconcile below
-                fail("destroy", exc)
+        dsem = asyncio.Semaphore(8)   # the kill waits and the kernel's teardown overlap
+
+        async def gone(sid: SandboxId) -> None:
+            async with dsem:
+                try:
+                    await b.destroy(sid)
+                except Exception as exc:  # noqa: BLE001 - counted, and reconcile below
+                    fail("destroy", exc)
+        await asyncio.gather(*(gone(s) for s in made))
         dt = time.perf_counter() - t0
         left = await b.reconcile(set())    # whatever a failed destroy left (processes first)
         census = b.census()
         ctx.record("density_destroy_rate", len(made) / max(dt, 1e-9), "destroys/s", n=n,
+                   concurrency=8,
                    destroyed=len(made), destroy_errors=errors["destroy"],
                    leftovers_reconciled=len(left), host_traces_after=len(census.sandboxes()),
                    **{f"first_{k}_error": v[:300] for k, v in first.items()})
