@@ -226,8 +226,17 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
     sem = asyncio.Semaphore(16)
     load0 = os.getloadavg()
 
+    # A guard for the shared machine: stop creating (and say so) before the host runs
+    # short of memory - this is kernel memory, nothing reclaims it, and the OOM killer
+    # would pick other people's processes.
+    floor_kib = int(os.environ.get("DSEC_BENCH_DENSITY_MIN_AVAILABLE_MIB") or 2048) * 1024
+    low: list[int] = []
+
     async def one(sid: SandboxId) -> None:
         async with sem:
+            if low or (len(made) % 64 == 0 and _kernel_kib()["MemAvailable"] < floor_kib):
+                low.append(len(made))
+                return
             try:
                 await b.create(sid, spec)
                 made.append(sid)
@@ -258,6 +267,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
         ctx.record("density_sandboxes", len(made), "sandboxes", n=n, answering=ok,
                    create_errors=errors["create"], exec_errors=errors["exec"],
                    create_s=round(t_create, 2), creates_per_s=round(len(made) / t_create, 1),
+                   stopped_at_low_memory=low[0] if low else None,
                    load_avg_1m=round(os.getloadavg()[0], 2), load_avg_1m_before=round(load0[0], 2))
         ctx.record("density_host_memory_per_sandbox", used / m / 1024, "KiB", n=n,
                    slab_kib=round(kern["Slab"], 1), unreclaimable_slab_kib=round(kern["SUnreclaim"], 1),
