@@ -44,6 +44,7 @@ from dsec.wire.api import (
     ImageTagRequest,
     ImageView,
     Info,
+    KeyList,
     NodeList,
     NodeView,
     ProjectList,
@@ -70,6 +71,7 @@ from dsec.wire.calls import (
     ImagePrune,
     ImageRef,
     ImageUpload,
+    KeyQuery,
     KeyRef,
     ListRequest,
     ListSandboxes,
@@ -104,6 +106,8 @@ from dsec.wire.layers import (
     LayerChain,
     LayerFetch,
     LayerFetched,
+    LayerGrant,
+    LayerGranted,
     LayerPut,
     LayerRef,
     LayerStored,
@@ -170,9 +174,11 @@ __all__ = [
     "IMAGE_TAG",
     "IMAGE_UNPIN",
     "INFO",
+    "KEYS",
     "LAYER_CHAIN",
     "LAYER_FETCH",
     "LAYER_GET",
+    "LAYER_GRANT",
     "LAYER_PUT",
     "LIST",
     "LIST_DIR",
@@ -938,6 +944,24 @@ NODE_PINS: Op[PinSet, Empty] = Op(
     summary="Make the node's pinned images exactly this set (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 17 (red team 17 F1): the control plane hands a node the manifests of the pushed
+# layers it may read lazily (before a create, a snapshot relay, the pins); a node never
+# takes a layer's meaning or chunk hashes from the blob store itself.
+LAYER_GRANT: Op[LayerGrant, LayerGranted] = Op(
+    "layer_grant", LayerGrant, LayerGranted,
+    summary="Record layers this node reads lazily from the blob store, by the control "
+            "plane's manifests (control plane only)",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+# Issue 19 (cli19): `dsec key ls`.
+KEYS: Op[KeyQuery, KeyList] = Op(
+    "keys", KeyQuery, KeyList,
+    summary="API keys of a principal, never their secrets (your own; a superuser: any "
+            "non-superuser's)",
+    role=None, target="self", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/keys", operation_id="listKeys", query=_q("principal"),
+              tag="admin"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -968,6 +992,8 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
     NODE_PINS,
+    LAYER_GRANT,
+    KEYS,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
