@@ -482,6 +482,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          advertise: str | None, blob_store: str | None,
          lazy_cache_bytes: int | None, log_format: str = "text") -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
+    from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
+    raise_nofile()
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
     # attached or pinned (the default action would end the process mid-start).

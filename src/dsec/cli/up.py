@@ -103,6 +103,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        log_level: str = "warning", log_format: str = "text",
        access_log: str | None = None, edge_metrics_port: int | None = None) -> None:
     """Run a single-machine dsec cluster in the foreground."""
+    from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
+    raise_nofile()
     logs = (log_level, log_format, access_log)     # issue 19: dsec.logs
     if hosts is not None and blob_store is not None:
         # the test hosts live in their own network namespaces: a loopback blob store

@@ -896,6 +896,10 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     net_rx_bytes: int | None = None
     net_tx_bytes: int | None = None
     oom_kills: int = 0
+    #: dens (issue 22): memory_bytes plus the kernel memory the host spends on the sandbox
+    #: outside its memory cgroup (its cgroups, superblocks and the memcg's shrinker map:
+    #: an estimate, see docs/container.md "Density"); 0 where the backend does not know
+    memory_host_bytes: int = 0
 
 
 class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):

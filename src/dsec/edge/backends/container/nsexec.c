@@ -878,7 +878,46 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     for (size_t k = 0; k < 4; k++) xmkdir(at_root(subdirs[k]), 0755);
     char dev[4200];
     snprintf(dev, sizeof dev, "%s/dev", root_path);
-    xmount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=755,size=64k,nr_inodes=64");
+    /* One tmpfs ("scratch") for /dev, /dev/shm, /tmp and the masks below, where there
+     * were four: every superblock on the host costs EVERY memory cgroup a shrinker slot
+     * (the kernel's per-memcg shrinker_info grows with the highest shrinker id and never
+     * shrinks), so superblocks-per-sandbox x sandboxes is the term that grew the
+     * per-sandbox kernel memory with the sandbox count (issue 22; docs/container.md,
+     * Density). It is made detached (fsopen/fsmount) and only its dev/ and tmp/ dirs are
+     * attached (open_tree clones), so neither shows the other; /dev/shm is a bind of
+     * dev/shm with nosuid,nodev,noexec. Its size is what the three had: 64 KiB + the
+     * /dev/shm size + tmp_bytes, now shared (all of it is charged to the sandbox's
+     * memory cgroup either way). */
+    {
+        char tmp[4200];
+        snprintf(tmp, sizeof tmp, "%s/tmp", root_path);
+        int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC);
+        if (fs < 0) die(1, "fsopen tmpfs");
+        snprintf(opts, sizeof opts, "%lld", (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes);
+        if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "tmpfs", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "size", opts, 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "755", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+            die(1, "fsconfig tmpfs size=%s", opts);
+        int scratch = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID);
+        if (scratch < 0) die(1, "fsmount tmpfs");
+        close(fs);
+        if (mkdirat(scratch, "dev", 0755) < 0 || fchmodat(scratch, "dev", 0755, 0) < 0 ||
+            mkdirat(scratch, "tmp", 01777) < 0 || fchmodat(scratch, "tmp", 01777, 0) < 0)
+            die(1, "mkdir in the scratch tmpfs");
+        static const char *sub[2] = {"dev", "tmp"};
+        const char *at[2] = {dev, tmp};
+        unsigned long fl[2] = {MS_NOSUID, MS_NOSUID | MS_NODEV};
+        for (int k = 0; k < 2; k++) {
+            int t = (int)syscall(SYS_open_tree, scratch, sub[k], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+            if (t < 0) die(1, "open_tree scratch/%s", sub[k]);
+            if (syscall(SYS_move_mount, t, "", AT_FDCWD, at[k], MOVE_MOUNT_F_EMPTY_PATH) < 0)
+                die(1, "move_mount %s", at[k]);
+            close(t);
+            xmount(NULL, at[k], NULL, MS_BIND | MS_REMOUNT | fl[k], NULL);
+        }
+        close(scratch);
+    }
     for (size_t k = 0; k < sizeof DSEC_DEVICES / sizeof DSEC_DEVICES[0]; k++) {
         snprintf(p, sizeof p, "%s/%s", dev, DSEC_DEVICES[k].name);
         if (mknod(p, S_IFCHR | DSEC_DEVICES[k].mode,
@@ -893,8 +932,11 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     if (symlink("pts/ptmx", p) < 0) die(1, "symlink %s", p);
     snprintf(p, sizeof p, "%s/shm", dev);
     xmkdir(p, 01777);
-    snprintf(opts, sizeof opts, "mode=1777,size=%lld", (long long)DSEC_SHM_BYTES);
-    xmount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts);
+    if (chmod(p, 01777) < 0) die(1, "chmod %s", p);   /* mkdir applies the umask */
+    xmount(p, p, NULL, MS_BIND, NULL);
+    xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    snprintf(p, sizeof p, "%s/.mask", dev);    /* the masks' empty dir (build_root_inner) */
+    xmkdir(p, 0555);
     static const char *links[][2] = {{"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"},
                                      {"stdout", "/proc/self/fd/1"},
                                      {"stderr", "/proc/self/fd/2"}};
@@ -908,8 +950,6 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     close(fd);
     xmount(init_bin, p, NULL, MS_BIND, NULL);
     xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
-    snprintf(opts, sizeof opts, "mode=1777,size=%lld", tmp_bytes);
-    xmount("tmpfs", at_root("/tmp"), "tmpfs", MS_NOSUID | MS_NODEV, opts);
     xmount("sysfs", at_root("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 }
 
@@ -923,24 +963,23 @@ static void build_root_inner(void) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_FILES[k]));
         if (exists(p)) xmount(q, p, NULL, MS_BIND, NULL);
     }
-    /* One empty read-only tmpfs, bind-mounted over every masked directory: each extra
-     * superblock per sandbox adds to the kernel's per-memcg list_lru reparenting work when
-     * any sandbox cgroup is removed (measured: that walk dominated destroy at 1,500
-     * sandboxes), binds add none. */
-    char first[8192] = "";
+    /* An empty directory of the sandbox's /dev tmpfs, bound read-only over every masked
+     * directory and then removed from /dev: the binds keep the deleted directory, in
+     * which nothing can be created (ENOENT), so each mask is an empty read-only dir with
+     * no superblock of its own (each superblock per sandbox costs every memory cgroup a
+     * shrinker slot, and adds to the per-memcg list_lru reparenting work of every
+     * sandbox cgroup removal - measured: that walk dominated destroy at 1,500 sandboxes;
+     * binds add none). It was a tmpfs of its own per sandbox. */
+    char mask[8192];
+    snprintf(mask, sizeof mask, "%s/dev/.mask", root_path);
     for (size_t k = 0; k < sizeof DSEC_MASKED_DIRS / sizeof DSEC_MASKED_DIRS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_DIRS[k]));
         if (!is_dir(p)) continue;
-        if (!first[0]) {
-            xmount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   "size=0,nr_inodes=1");
-            snprintf(first, sizeof first, "%s", p);
-        } else {
-            xmount(first, p, NULL, MS_BIND, NULL);
-            xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
-                   | MS_NOEXEC, NULL);
-        }
+        xmount(mask, p, NULL, MS_BIND, NULL);
+        xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+               | MS_NOEXEC, NULL);
     }
+    if (rmdir(mask) < 0) die(1, "rmdir %s", mask);
     for (size_t k = 0; k < sizeof DSEC_READONLY_PATHS / sizeof DSEC_READONLY_PATHS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_READONLY_PATHS[k]));
         if (exists(p)) {
@@ -1110,35 +1149,41 @@ static int pending_mids = 0;   /* intermediates not yet reported nor reaped */
 static int sweep_deferred = 0;
 
 /* Pids of our children nobody waits on for a status (inits, background commands):
- * reaped by sweep(). Sorted, for binary search. */
-static pid_t *reapable;
+ * reaped by sweep(). Sorted, for binary search. `id` is the create request's id for an
+ * init (its exit is reported to the edge as Exited with that id, so the edge holds no
+ * descriptor per idle sandbox to learn of its death - issue 22), 0 for the rest. */
+struct reap { pid_t pid; uint64_t id; };
+static struct reap *reapable;
 static size_t nreapable, capreapable;
 
 static size_t reapable_pos(pid_t p) {
     size_t lo = 0, hi = nreapable;
     while (lo < hi) {
         size_t m = (lo + hi) / 2;
-        if (reapable[m] < p) lo = m + 1; else hi = m;
+        if (reapable[m].pid < p) lo = m + 1; else hi = m;
     }
     return lo;
 }
-static void reapable_add(pid_t p) {
+static void reapable_add(pid_t p, uint64_t id) {
     size_t k = reapable_pos(p);
-    if (k < nreapable && reapable[k] == p) return;
+    if (k < nreapable && reapable[k].pid == p) return;
     if (nreapable == capreapable) {
         size_t n = capreapable ? capreapable * 2 : 256;
-        pid_t *r = realloc(reapable, n * sizeof *r);
+        struct reap *r = realloc(reapable, n * sizeof *r);
         if (!r) return;  /* then sweep() reaps it as an orphan once nothing is pending */
         reapable = r;
         capreapable = n;
     }
     memmove(reapable + k + 1, reapable + k, (nreapable - k) * sizeof *reapable);
-    reapable[k] = p;
+    reapable[k].pid = p;
+    reapable[k].id = id;
     nreapable++;
 }
-static int reapable_take(pid_t p) {
+/* 1 and the entry's id if `p` is one of ours nobody waits on (removed), else 0. */
+static int reapable_take(pid_t p, uint64_t *id) {
     size_t k = reapable_pos(p);
-    if (k >= nreapable || reapable[k] != p) return 0;
+    if (k >= nreapable || reapable[k].pid != p) return 0;
+    *id = reapable[k].id;
     memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
     nreapable--;
     return 1;
@@ -1309,7 +1354,7 @@ static void on_report(const struct report *r) {
         }
         return;  /* without a pidfd (EMFILE) sweep() finds its exit */
     }
-    reapable_add(j->pid);
+    reapable_add(j->pid, j->kind == J_CREATE ? j->id : 0);
     if (j->kind == J_BG) {
         if (j->killed) kill(j->pid, SIGKILL);  /* unreaped child: exact */
         j->ns_pid = ns_pid_of(j->pid);
@@ -1441,9 +1486,12 @@ static struct job *job_of_pid(pid_t p) {
  * waitpid of one pid is O(1) in the kernel. */
 static void reap_known(void) {
     for (size_t k = 0; k < nreapable;) {
-        if (waitpid(reapable[k], NULL, WNOHANG) == reapable[k]) {
+        int st = 0;
+        if (waitpid(reapable[k].pid, &st, WNOHANG) == reapable[k].pid) {
+            struct reap r = reapable[k];
             memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
             nreapable--;
+            if (r.id) send_reply(REP_EXITED, r.id, r.pid, 0, st, 0, NULL, -1);
             continue;
         }
         k++;
@@ -1470,8 +1518,11 @@ static void sweep(void) {
         memset(&si, 0, sizeof si);
         if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 || si.si_pid == 0) return;
         pid_t p = si.si_pid;
-        if (reapable_take(p)) {
-            waitpid(p, NULL, WNOHANG);
+        uint64_t rid = 0;
+        if (reapable_take(p, &rid)) {
+            int st = 0;
+            waitpid(p, &st, WNOHANG);
+            if (rid) send_reply(REP_EXITED, rid, p, 0, st, 0, NULL, -1);  /* an init died */
             continue;
         }
         struct job *j = job_of_pid(p);
