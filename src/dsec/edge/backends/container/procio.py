@@ -397,7 +397,7 @@ async def spawn(backend: ContainerBackend, box: Box, req: ExecRequest, argv: lis
             sock_ours, sock_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             local.append(sock_theirs.detach())
             theirs.append(local[-1])
-            send_fds = [box.pidfd, local[-1], err_w, err_w]
+            send_fds = [-1, local[-1], err_w, err_w]      # [0]: the init's pidfd, below
         else:
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             local += [out_r, out_w]
@@ -408,13 +408,16 @@ async def spawn(backend: ContainerBackend, box: Box, req: ExecRequest, argv: lis
                 theirs.append(in_r)
             else:
                 in_r, in_w = backend._devnull, -1
-            send_fds = [box.pidfd, in_r, out_w, err_w]
-        zyg.send(Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
-                      cgroup_procs=ec.procs_files, nested=box.spec.allow_nested,
-                      background=False, userns=box.spec.user_namespace,
-                      pids_index=ec.pids_index, home_procs=backend.governor.home_procs(),
-                      hide=req.hide, helper=0, track=True, pty=pty),
-                 send_fds, p.on_reply)
+            send_fds = [-1, in_r, out_w, err_w]
+        # a native sandbox holds no pidfd while idle (issue 22): one for this send only
+        with backend._init_fd(box) as pidfd:
+            send_fds[0] = pidfd
+            zyg.send(Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
+                          cgroup_procs=ec.procs_files, nested=box.spec.allow_nested,
+                          background=False, userns=box.spec.user_namespace,
+                          pids_index=ec.pids_index, home_procs=backend.governor.home_procs(),
+                          hide=req.hide, helper=0, track=True, pty=pty),
+                     send_fds, p.on_reply)
     except BaseException:
         if sock_ours is not None:
             sock_ours.close()
