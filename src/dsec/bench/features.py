@@ -30,7 +30,7 @@ def features(ctx: BenchContext) -> None:
         mod, _, fn = part.partition(":")
         try:
             getattr(importlib.import_module(mod), fn)(ctx)
-        except Exception as exc:  # noqa: BLE001 - one part failing must not hide the rest
+        except Exception as exc:
             log.exception("features part %s failed", part)
             ctx.note(f"part {part} failed: {type(exc).__name__}: {exc}")
             failed.append(part)
