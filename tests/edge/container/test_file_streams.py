@@ -228,6 +228,11 @@ async def test_watch_reports_changes_and_ends_with_its_directory(edge: Edge) -> 
                  ("create", "/work/w/sub/new"), ("create", "/work/w/sub/new/c"),
                  ("remove", "/work/w/b")]:
         assert want in kinds, (want, kinds)
+    # an atomic upload is one create of its target: its temporary file is never shown
+    await _upload(edge.client, sid, "/work/w/up", b"x" * 100)
+    await asyncio.sleep(0.3)
+    assert ("create", "/work/w/up") in [(e.type, e.path) for e in got]
+    assert not [e for e in got if ".dsec-upload" in e.path], got
     await _sh(edge.node, sid, "rm -rf /work/w")
     await asyncio.wait_for(task, 5)
     assert ended == [WatchEnd(reason="removed")]
@@ -274,3 +279,26 @@ async def test_a_destroy_ends_a_stream_with_a_reason(edge: Edge) -> None:
     await edge.node.destroy(sid)
     with pytest.raises(StreamReset, match="ended"):
         await s.result()
+
+
+async def test_a_dead_uploads_temporary_file_is_swept_a_live_ones_is_not(edge: Edge) -> None:
+    """An edge killed mid-upload leaves its temporary file in the sandbox (the kernel
+    drops the writer's flock with it). The next streamed write into that directory
+    removes it; a live upload's (locked) temporary file is left alone."""
+    sid = (await edge.node.create(SPEC)).id
+    await _sh(edge.node, sid, "mkdir -p /work && echo junk > /work/.dsec-upload-dead")
+    live = edge.client.tunnel(ops.FILE_WRITE_STREAM, WriteStream(id=sid, path="/work/a"))
+    await live.send(b"a" * 1000)
+    for _ in range(100):
+        names = (await _sh(edge.node, sid, "ls -a /work")).split()
+        if len([n for n in names if n.startswith(".dsec-upload-")]) == 2:
+            break
+        await asyncio.sleep(0.02)
+    await _upload(edge.client, sid, "/work/b", b"b")
+    names = (await _sh(edge.node, sid, "ls -a /work")).split()
+    assert ".dsec-upload-dead" not in names, names
+    assert len([n for n in names if n.startswith(".dsec-upload-")]) == 1, names  # live
+    live.close_write()
+    await live.result()
+    assert (await _sh(edge.node, sid, "ls -a /work")).split() == [".", "..", "a", "b"]
+    assert await edge.node.read_file(sid, "/work/a") == b"a" * 1000

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import posixpath
 import secrets
@@ -64,8 +65,11 @@ def split_path(path: str) -> tuple[str, str]:
 
 # Streamed writes land in a temporary file next to their target, renamed over it only
 # once complete (issue 19): its name says what it is, so one left by an edge killed
-# mid-upload is recognisable (and removed by the next streamed write into that directory).
+# mid-upload is recognisable; the next streamed write into that directory removes it
+# (SandboxFiles._sweep_stale: not flock'ed by a live upload).
 TEMP_PREFIX = ".dsec-upload-"
+# Entries of the target's directory an upload looks at for stale temporary files.
+SWEEP_ENTRIES = 65536
 _RENAME_NOREPLACE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
@@ -402,9 +406,13 @@ class SandboxFiles:
                                           "directory", path=path)
             except FileNotFoundError:
                 pass
+            self._sweep_stale(pfd)
             tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                          os.O_CLOEXEC | os.O_NOCTTY, mode & 0o7777, dir_fd=pfd)
+            # held while the upload runs: a temporary file nobody holds locked is one
+            # whose writer died (an edge killed mid-upload), see _sweep_stale
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(pfd)
             raise self._err(exc, "write", path) from exc
@@ -420,6 +428,41 @@ class SandboxFiles:
             pending.abort()
             raise self._err(exc, "write", path) from exc
         return pending
+
+    def _sweep_stale(self, pfd: int) -> None:
+        """Remove the temporary files of uploads whose writer died (an edge killed
+        mid-upload leaves one in the sandbox; a live upload holds an flock on its own,
+        which the kernel releases when its process dies). Only regular files, opened
+        without following anything; at most SWEEP_ENTRIES entries are looked at, so a
+        huge directory costs a bounded scan per upload."""
+        try:
+            with os.scandir(f"/proc/self/fd/{pfd}") as it:
+                names = []
+                for i, e in enumerate(it):
+                    if i >= SWEEP_ENTRIES:
+                        break
+                    if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
+                        names.append(e.name)
+        except OSError:
+            return
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                             os.O_NOCTTY | os.O_CLOEXEC, dir_fd=pfd)
+            except OSError:
+                continue
+            try:
+                if not st.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue        # a live upload
+                os.unlink(name, dir_fd=pfd)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> FileInfo:
         """Move ``src`` to ``dst``: both parents resolved confined, the final components
