@@ -60,6 +60,22 @@ async def _cat(cl: Any, sid: str, n: int) -> tuple[int, float]:
         return got, time.perf_counter() - t0
 
 
+def _cat_part(ctx: BenchContext, cl: Any, sid: str, n: int, mib: int) -> None:
+    """``exec_cat_read_mbps``; a failure is noted, not fatal to the file figures. Seen
+    at load average 34 on the 2-core VM: exec_stream has no per-stream credit, the
+    starved apiserver read the edge link too slowly, and the edge closed the link at
+    64 MiB of unread replies (every call on it failed) - the reason file streams are
+    duplex."""
+    try:
+        got, dt = asyncio.run(_cat(cl, sid, n))
+    except Exception as exc:  # noqa: BLE001 - recorded as a note
+        ctx.note(f"exec_cat_read_mbps not measured: {type(exc).__name__}: {exc}")
+        return
+    ctx.record("exec_cat_read_mbps", got / dt / 1e6, "MB/s", transport="aether", mib=mib)
+    if got != n:
+        ctx.note(f"cat through exec_stream delivered {got} of {n} bytes")
+
+
 def files(ctx: BenchContext) -> None:
     """File transfer MB/s both ways over Aether and REST vs cat through exec."""
     from dsec.client.sync import Client
@@ -98,12 +114,7 @@ def files(ctx: BenchContext) -> None:
                 ctx.record("file_transfer_server_rss_growth_mb", _hwm_mb(pid) - base, "MB",
                            transport=label, mib=mib)
                 if label == "aether":
-                    got, dt = asyncio.run(_cat(cl, sb.id, n))
-                    ctx.record("exec_cat_read_mbps", got / dt / 1e6, "MB/s",
-                               transport=label, mib=mib)
-                    if got != n:
-                        raise RuntimeError(f"cat through exec_stream delivered {got} of "
-                                           f"{n} bytes")
+                    _cat_part(ctx, cl, sb.id, n, mib)
     ctx.note("file transfer: SDK -> gateway/REST -> edge link -> edge -> the sandbox's "
              "overlay, each hop under credit (Aether duplex: 256 KiB window per stream) "
              "or TCP's window (REST); figures on the loaded dev VM are relative")
