@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import tempfile
 import time
-from typing import Any
+from typing import Any, Literal
 
 from dsec.bench import BenchContext
 
@@ -90,7 +90,9 @@ def files(ctx: BenchContext) -> None:
             LocalCluster(backend="container", subprocess=True, state_dir=state,
                          disk_pool_bytes=(2 * mib + 1024) << 20) as cl:
         pid = cl._proc.pid
-        for proto, label in (("aether", "aether"), ("http", "rest")):
+        runs: tuple[tuple[Literal["aether", "http"], str], ...] = (
+            ("aether", "aether"), ("http", "rest"))
+        for proto, label in runs:
             with Client(cl.url, cl.api_key, gateway=cl.gateway, protocol=proto,
                         session_lease_s=None) as c, \
                     c.sandboxes.create(disk=f"{mib + 256}MiB", memory="512MiB") as sb:
