@@ -109,6 +109,7 @@ from dsec.wire.layers import (
     NodePins,
     PinSet,
 )
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -349,6 +350,7 @@ EXAMPLES: dict[str, Example] = {
     "file_write_stream": lambda w: WriteStream(id=w.sid, path="/tmp/up", size=3),
     "file_rename": lambda w: Rename(id=w.sid, src=w.file(), dst=f"/tmp/moved{w.n()}"),
     "file_watch": lambda w: Watch(id=w.sid, path="/tmp", timeout_s=0.2),
+    "set_timeout": lambda w: SetTimeout(id=w.sid, timeout_s=3600.0),
     "layer_grant": lambda w: LayerGrant(manifests=[w.manifest_json()]),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
@@ -856,6 +858,10 @@ INVALID: dict[str, list[Bad]] = {
                         f"dst is {wspec.MAX_PATH_BYTES + 1} bytes", "MAX_PATH_BYTES")],
     "file_watch": [Bad("timeout", lambda w: {"id": w.sid, "path": "/tmp",
                                              "timeout_s": 1e9}, "timeout_s=")],
+    "set_timeout": [Bad("timeout past 30 days", lambda w: {
+        "id": w.sid, "timeout_s": wspec.MAX_TTL_S + 1}, "timeout_s=", "MAX_TTL_S"),
+                    Bad("timeout zero", lambda w: {"id": w.sid, "timeout_s": 0},
+                        "must be within (0, ")],
 }
 INVALID["create"] += [_spec_bad(f"network{suffix}", {"network": raw},
                                 needle.replace("policy", "network", 1), limit)

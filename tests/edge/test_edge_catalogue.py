@@ -23,6 +23,7 @@ from dsec.wire import ops
 from dsec.wire.calls import ExecCall, FileRef, NetworkUpdateOnNode, ReadFile, WriteFile
 from dsec.wire.files import ReadStream, Rename, Watch, WriteStream
 from dsec.wire.layers import MAX_MANIFEST_BYTES, LayerPut, LayerRef
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
 from dsec.wire.ops import EDGE_OPS, Op, StreamOp, TunnelOp
 from dsec.wire.ports import PortExpose, PortRef
@@ -91,6 +92,7 @@ EXAMPLES: dict[str, Example] = {
     "file_rename": lambda w: {"id": w.sid, "src": "/tmp/f",
                               "dst": "/tmp/f2"},
     "file_watch": lambda w: {"id": w.sid, "path": "/tmp", "timeout_s": 0.3},
+    "set_timeout": lambda w: {"id": w.sid, "timeout_s": 3600.0},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -142,6 +144,8 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
                     lambda w: Watch(id=w.sid, path="/tmp", timeout_s=0.0))],
     "layer_put": [(lambda w: {"manifest": b" " * (MAX_MANIFEST_BYTES + 1)},
                    lambda w: LayerPut(manifest=b" " * (MAX_MANIFEST_BYTES + 1)))],
+    "set_timeout": [(lambda w: {"id": w.sid, "timeout_s": -1.0},
+                     lambda w: SetTimeout(id=w.sid, timeout_s=-1.0))],
 }
 
 

@@ -115,6 +115,7 @@ from dsec.wire.layers import (
     NodePins,
     PinSet,
 )
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -212,6 +213,7 @@ __all__ = [
     "SESSION_CLOSE",
     "SESSION_OPEN",
     "SESSION_RENEW",
+    "SET_TIMEOUT",
     "SNAPSHOT",
     "SNAPSHOTS",
     "SNAPSHOT_DELETE",
@@ -986,6 +988,14 @@ FILE_WATCH: StreamOp[Watch, FileEvent, WatchEnd] = StreamOp(
               operation_id="watchFiles", query=_q("path", "recursive", "timeout_s"),
               reply="ndjson"))
 
+# Issue 19, lifetimes: move a sandbox's deadline (its TTL clock stops while paused).
+SET_TIMEOUT: Op[SetTimeout, SandboxInfo] = Op(
+    "set_timeout", SetTimeout, SandboxInfo,
+    summary="Set a sandbox's lifetime: end it timeout_s from now (extend: add to it)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/timeout", operation_id="setTimeout",
+              body="*"))
+
 # Issue 17 (red team 17 F1): the control plane hands a node the manifests of the pushed
 # layers it may read lazily (before a create, a snapshot relay, the pins); a node never
 # takes a layer's meaning or chunk hashes from the blob store itself.
@@ -1038,6 +1048,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     FILE_WRITE_STREAM,
     FILE_RENAME,
     FILE_WATCH,
+    SET_TIMEOUT,
     LAYER_GRANT,
     KEYS,
 )

@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar, cast, get_args
 import msgspec
 
 from dsec.aether.connection import DuplexStream
+from dsec.control.audit import AUDITED, audited
 from dsec.control.idempotency import (
     Claim,
     ClaimLost,
@@ -479,6 +480,8 @@ class ApiService:
     # Join tokens and joined nodes (dsec.cluster.join.JoinAuthority); None: this
     # apiserver has no cluster CA, the cluster_* operations answer Conflict.
     joins: JoinAdmin | None = None
+    # issue 19: the audit log of admin actions (dsec.logs.AuditLog; None: not kept)
+    audit: Any = None
     _policies: dict[str, Policy] = field(init=False)
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
@@ -492,7 +495,8 @@ class ApiService:
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
         self.port_tokens = TokenKey(self.config.port_token_key or secrets.token_bytes(32))
-        self._policies = self._policy_table()
+        self._policies = {name: audited(name, p, lambda: self.audit) if name in AUDITED
+                          else p for name, p in self._policy_table().items()}
 
     async def close(self) -> None:
         """Stop keyed creates still at work (their claims are released, with the sandbox
@@ -1608,7 +1612,8 @@ class ApiService:
         async def upload(caller: Caller, b: ImageUpload, tar_path: str) -> ImageList:
             return await self._admin().build_image(caller, tar_path, name=b.name,
                                                    kind=b.kind, tag=b.tag, oci=oci)
-        return cast(Callable[[Caller, Req, str], Awaitable[Rep]], upload)
+        return cast(Callable[[Caller, Req, str], Awaitable[Rep]],
+                    audited(op.name, upload, lambda: self.audit))
 
     def _admin(self) -> AdminOps:
         if self.admin is None:
@@ -1666,6 +1671,7 @@ class ApiService:
             "file_write_stream": self._file_write_refused,
             "file_rename": functools.partial(fwd, ops.FILE_RENAME),
             "file_watch": self._file_watch_op,
+            "set_timeout": functools.partial(fwd, ops.SET_TIMEOUT),   # issue 19 (life)
         }
 
     # ------------------------------------------------------- streamed files (issue 19)
