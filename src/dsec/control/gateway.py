@@ -157,16 +157,21 @@ def _tunneled(service: ApiService, op: TunnelOp[Any, Any],
     after the access check, the relay moves bytes both ways under both streams' credit
     (dsec.control.filedoors), the edge's answer ends the call."""
     authenticate, redact = service.authenticate, service.redact
-    calls = service.metrics.gateway_calls.labels(op.api_method)
+    count = _counter(service, op)
 
     async def handle(session: GatewaySession, body: Any, stream: DuplexStream) -> Any:
-        calls.inc()
+        t0, outcome = time.perf_counter(), "internal"
         try:
             edge, done = await service.open_file_stream(
                 authenticate(session.key, session.peer), op, body)
-            return await gateway_relay(stream, edge, done)
+            info = await gateway_relay(stream, edge, done)
+            outcome = "ok"
+            return info
         except DsecError as exc:
+            outcome = exc.code
             raise redact(exc) from None
+        finally:
+            count(outcome, time.perf_counter() - t0, session.peer)
     return handle
 
 
