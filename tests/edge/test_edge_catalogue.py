@@ -31,7 +31,6 @@ from dsec.wire.process import ProcessInput, ProcessSignal, PtyResize
 from dsec.wire.spec import (
     MAX_PATH_BYTES,
     MAX_PROCESS_INPUT_BYTES,
-    ExecChunk,
     ExecRequest,
     PtySize,
     SandboxSpec,

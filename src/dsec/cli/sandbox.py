@@ -467,5 +467,5 @@ def run_code(sandbox_id: str, code: str, timeout: float | None, restart: bool,
         sys.exit(1)
 
 
-from dsec.cli import shell as _shell  # noqa: F401  (registers `sandbox shell`)
 import dsec.cli.cp  # noqa: F401 - issue 19: `dsec sandbox cp` (registers itself)
+from dsec.cli import shell as _shell  # noqa: F401  (registers `sandbox shell`)
