@@ -23,7 +23,8 @@ APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables
                 mmdebstrap apt-utils \
                 postgresql-15 \
                 nginx-light \
-                fuse3 libfuse3-dev pkg-config
+                fuse3 libfuse3-dev pkg-config \
+                chromium fonts-dejavu-core
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.

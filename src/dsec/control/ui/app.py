@@ -45,7 +45,7 @@ from dsec.errors import (
 from dsec.wire import ops
 from dsec.wire.calls import Empty, ListSandboxes, SandboxRef
 
-__all__ = ["CSP", "Dashboard", "NODE_SCAN_MAX"]
+__all__ = ["CSP", "NODE_SCAN_MAX", "Dashboard"]
 
 log = logging.getLogger("dsec.ui")
 
@@ -57,7 +57,9 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
 # into <style> elements it creates (xterm 6 has no nonce option), which 'self' refuses.
 # Scripts stay 'self' only; styles cannot run code.
 CSP_TERMINAL = CSP.replace("style-src 'self'", "style-src 'self' 'unsafe-inline'")
-_HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
+# Referrer-Policy same-origin, not no-referrer: under no-referrer Chromium sends
+# "Origin: null" with the dashboard's own form POSTs, which the origin check refuses.
+_HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "same-origin",
             "x-frame-options": "DENY", "cache-control": "no-store",
             "cross-origin-opener-policy": "same-origin"}
 NODE_SCAN_MAX = 2000
@@ -233,7 +235,7 @@ class Dashboard:
         q = request.query_params
         unknown = set(q) - {"state", "project", "label", "node", "limit", "cursor"}
         if unknown:
-            raise InvalidArgument(f"unknown query parameter {sorted(unknown)[0][:60]!r} (the "
+            raise InvalidArgument(f"unknown query parameter {min(unknown)[:60]!r} (the "
                                   "page takes state, project, label, node, limit, cursor)")
         try:
             limit = int(q.get("limit") or 50)
@@ -297,8 +299,9 @@ class Dashboard:
         stats_error = ""
         if info.state in ("running", "paused"):
             try:
-                raw = msgspec.to_builtins(await self._stats(caller, ref))
-                stats = sorted(raw.items()) if isinstance(raw, dict) else None
+                # every field, zeros included (the wire form omits defaults)
+                raw = msgspec.structs.asdict(await self._stats(caller, ref))
+                stats = [(k, msgspec.to_builtins(v)) for k, v in raw.items()]
             except DsecError as exc:
                 stats_error = self.service.redact(exc).message
         return self._html(render("sandbox.html", info=info, events=events, stats=stats,

@@ -37,7 +37,7 @@ class CreationSeries:
         """Count one creation at ``time`` in ``project`` (ignored when outside the window
         ending at ``now``)."""
         b = int(time // self.bucket_s)
-        if time < now - self.window_s or time > now + self.bucket_s:
+        if b < self._oldest(now) or time > now + self.bucket_s:
             return
         per = self._buckets.get(b)
         if per is None:
@@ -45,8 +45,12 @@ class CreationSeries:
             self._trim(now)
         per[project] = per.get(project, 0) + 1
 
+    def _oldest(self, now: float) -> int:
+        """The first bucket of the window: the one ``now`` falls in is its last."""
+        return int(now // self.bucket_s) - int(self.window_s // self.bucket_s) + 1
+
     def _trim(self, now: float) -> None:
-        oldest = int((now - self.window_s) // self.bucket_s)
+        oldest = self._oldest(now)
         for b in [b for b in self._buckets if b < oldest]:
             del self._buckets[b]
 
@@ -55,10 +59,9 @@ class CreationSeries:
         buckets as 0), counting only projects ``visible`` accepts."""
         self._trim(now)
         last = int(now // self.bucket_s)
-        n = int(self.window_s // self.bucket_s)
         seen: dict[str, bool] = {}
         out: list[Point] = []
-        for b in range(last - n + 1, last + 1):
+        for b in range(self._oldest(now), last + 1):
             total = 0
             for project, c in self._buckets.get(b, {}).items():
                 ok = seen.get(project)

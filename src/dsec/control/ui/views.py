@@ -25,7 +25,7 @@ __all__ = ["Filters", "SandboxesPage", "chart", "env", "render", "sandboxes_link
 _TEMPLATES = Path(__file__).with_name("templates")
 
 
-def _size(n: float | int | None) -> str:
+def _size(n: float | None) -> str:
     if not n:
         return "0 B"
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
