@@ -244,6 +244,17 @@ def test_paging_and_filters_match_rest(browser: Browser, tenants: Tenants) -> No
         for node in ("edge-0", "edge-1"):
             page.goto(f"{t.url}/ui/sandboxes?limit=200&node={node}")
             assert _ids_on_page(page) == [s["id"] for s in every if s["node"] == node]
+        # the node filter pages too: never more than the limit a page, nothing twice
+        page.goto(f"{t.url}/ui/sandboxes?limit=5&node=edge-1")
+        on_node: list[str] = []
+        while True:
+            rows = _ids_on_page(page)
+            assert len(rows) <= 5
+            on_node += rows
+            if not page.eval("!!document.getElementById('next')"):
+                break
+            page.act("document.getElementById('next').click()")
+        assert on_node == [s["id"] for s in every if s["node"] == "edge-1"]
         page.goto(f"{t.url}/ui/sandboxes?limit=200&project={t.a_project}")
         assert _ids_on_page(page) == [s["id"] for s in every]
         page.goto(f"{t.url}/ui/sandboxes?label=nonsense")

@@ -262,8 +262,7 @@ class Dashboard:
         try:
             req = msgspec.convert({"project": f.project or None, "labels": labels,
                                    "state": f.state or None, "cursor": f.cursor or None,
-                                   "limit": f.limit if not f.node else min(
-                                       self.service.config.list_page_max, 500)},
+                                   "limit": f.limit},
                                   ListSandboxes)
         except msgspec.ValidationError as exc:
             if isinstance(exc.__cause__, DsecError):
@@ -272,14 +271,19 @@ class Dashboard:
         if not f.node:
             rep = await self._list(caller, req)
             return SandboxesPage(rep.items, rep.next_cursor)
-        # the node filter: scan list pages, keep that node's rows
+        # The node filter: scan list pages of `limit` records and keep that node's
+        # rows. A page that would overflow the limit is left for the next page (its
+        # cursor stays before it), so a page never holds more than `limit` rows.
         items: list[Any] = []
         scanned = 0
         cursor = req.cursor
         while True:
             rep = await self._list(caller, msgspec.structs.replace(req, cursor=cursor))
+            hits = [s for s in rep.items if s.node == f.node]
+            if items and len(items) + len(hits) > f.limit:
+                return SandboxesPage(items, cursor, scanned=scanned)
             scanned += len(rep.items)
-            items += [s for s in rep.items if s.node == f.node]
+            items += hits
             cursor = rep.next_cursor
             if cursor is None or len(items) >= f.limit or scanned >= NODE_SCAN_MAX:
                 return SandboxesPage(items, cursor, scanned=scanned)
