@@ -7,6 +7,7 @@ cross-origin refusals."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -281,3 +282,52 @@ def test_a_revoked_key_ends_the_session(browser: Browser, tenants: Tenants) -> N
         assert page.url.endswith("/ui/login")
         page.goto(f"{t.url}/ui/sandboxes")
         assert page.url.endswith("/ui/login")
+
+
+def _ws(url: str, path: str, headers: dict[str, str]) -> list[str | bytes]:
+    """Every frame the dashboard's WebSocket at ``path`` sends, and how it closed."""
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+    from websockets.sync.client import connect
+    frames: list[str | bytes] = []
+    try:
+        with connect("ws" + url[4:] + path, additional_headers=headers,
+                     open_timeout=20) as ws:
+            try:
+                while True:
+                    frames.append(ws.recv(timeout=20))
+            except ConnectionClosed as exc:
+                frames.append(f"close {exc.rcvd.code if exc.rcvd else None}")
+    except InvalidStatus as exc:      # refused at the handshake
+        frames.append(f"http {exc.response.status_code}")
+    return frames
+
+
+def test_the_terminal_socket_checks_session_origin_and_project(tenants: Tenants) -> None:
+    t = tenants
+    sid = t.create(t.a_key, t.a_project)[0]
+    with httpx.Client(base_url=t.url, timeout=30) as c:
+        r = c.post("/ui/login", data={"key": t.a_key}, headers={"origin": t.url})
+        r = c.post(f"/ui/sandboxes/{sid}/terminal", data={"csrf": csrf_token(t.a_key)},
+                   headers={"origin": t.url})
+        assert r.status_code == 303, r.text
+        path = r.headers["location"].replace("/terminal/", "/processes/") + "/ws"
+        assert re.fullmatch(rf"/ui/sandboxes/{sid}/processes/\d+/ws", path)
+    mine = {"cookie": f"dsec_ui={t.a_key}", "origin": t.url}
+    # the owner: the process's output (the simulated shell has no /bin/sh), its exit
+    frames = _ws(t.url, path, mine)
+    assert b"".join(f for f in frames if isinstance(f, bytes)).startswith(b"sh: /bin/sh")
+    assert json.loads(str(frames[-2]))["exit_code"] == 127 and frames[-1] == "close 1000"
+    # no session, another origin, no origin: refused before anything is handed on
+    for headers in ({"origin": t.url}, {**mine, "origin": "http://evil.test"},
+                    {"cookie": mine["cookie"]}):
+        assert _ws(t.url, path, headers) == ["http 403"], headers
+    # another project's session: the REST socket's own 404, nothing of the process
+    frames = _ws(t.url, path, {"cookie": f"dsec_ui={t.b_key}", "origin": t.url})
+    assert json.loads(str(frames[0]))["error"]["code"] == "sandbox_not_found"
+    assert frames[1:] == ["close 4404"]
+    # nor may it start a terminal there
+    with httpx.Client(base_url=t.url, timeout=30) as c:
+        c.cookies.set("dsec_ui", t.b_key, path="/ui")
+        r = c.post(f"/ui/sandboxes/{sid}/terminal", data={"csrf": csrf_token(t.b_key)},
+                   headers={"origin": t.url})
+        assert r.status_code == 404

@@ -40,10 +40,10 @@ from dsec.errors import (
     InvalidArgument,
     PermissionDenied,
     Unauthenticated,
-    Unavailable,
 )
 from dsec.wire import ops
-from dsec.wire.calls import Empty, ListSandboxes, SandboxRef
+from dsec.wire.calls import Empty, ExecCall, ListSandboxes, SandboxRef
+from dsec.wire.spec import ExecRequest, PtySize
 
 __all__ = ["CSP", "NODE_SCAN_MAX", "Dashboard"]
 
@@ -63,6 +63,8 @@ _HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "same-origin
             "x-frame-options": "DENY", "cache-control": "no-store",
             "cross-origin-opener-policy": "same-origin"}
 NODE_SCAN_MAX = 2000
+# What the terminal runs: a login-less shell (every image has /bin/sh).
+TERMINAL_ARGV = ("/bin/sh",)
 MAX_FORM_BYTES = 4096
 _STATIC = Path(__file__).with_name("static")
 
@@ -84,6 +86,7 @@ class Dashboard:
         h = service.handler
         self._list, self._get, self._events = h(ops.LIST), h(ops.GET), h(ops.EVENTS)
         self._stats, self._nodes = h(ops.STATS), h(ops.NODES)
+        self._process_start = h(ops.PROCESS_START)
         self._actions: dict[str, Callable[[Caller, Any], Awaitable[Any]]] = {
             "pause": h(ops.PAUSE), "resume": h(ops.RESUME), "destroy": h(ops.DESTROY)}
         self.series = CreationSeries()
@@ -328,8 +331,12 @@ class Dashboard:
         return self._redirect(f"/ui/sandboxes/{quote(ref.id, safe='')}")
 
     async def _start_terminal(self, caller: Caller, ref: SandboxRef) -> int:
-        raise Unavailable("terminals need the process operations (process_start with a "
-                          "pty), which this apiserver does not serve yet")
+        """A shell on a terminal in the sandbox (``process_start`` with a pty: member, as
+        through REST); the page then attaches to it by pid."""
+        info = await self._process_start(caller, ExecCall(id=ref.id, req=ExecRequest(
+            argv=TERMINAL_ARGV, pty=PtySize(cols=100, rows=30), timeout_s=None,
+            env={"TERM": "xterm-256color"}, tag="dashboard")))
+        return int(info.pid)
 
     async def _terminal_page(self, request: Request, caller: Caller, key: str) -> Response:
         ref = _ref(request)

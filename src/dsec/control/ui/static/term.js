@@ -23,7 +23,7 @@
       let msg = {};
       try { msg = JSON.parse(ev.data); } catch (e) { return; }
       if ("exit_code" in msg) status.textContent = "exited with code " + msg.exit_code;
-      else if ("error" in msg) status.textContent = "error: " + msg.error;
+      else if (msg.error) status.textContent = "error: " + (msg.error.message || msg.error.code);
       return;
     }
     term.write(new Uint8Array(ev.data));
