@@ -98,6 +98,11 @@ def test_every_response_carries_a_strict_csp(tenants: Tenants) -> None:
             assert r.headers["x-frame-options"] == "DENY"
             assert r.headers["x-content-type-options"] == "nosniff"
             assert t.a_key not in r.text
+        for path in ("/ui/static/term.js", "/ui/static/ui.js", "/ui/static/vendor/xterm.js"):
+            r = c.get(path)
+            assert r.status_code == 200 and "javascript" in r.headers["content-type"]
+            assert r.headers["x-content-type-options"] == "nosniff"
+        assert c.get("/ui/static/../app.py").status_code == 404
 
 
 def test_hostile_strings_are_shown_as_text(browser: Browser, tenants: Tenants,

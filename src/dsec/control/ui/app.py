@@ -63,6 +63,7 @@ _HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "same-origin
             "x-frame-options": "DENY", "cache-control": "no-store",
             "cross-origin-opener-policy": "same-origin"}
 NODE_SCAN_MAX = 2000
+FOLLOW_MAX_BEHIND = 20_000
 # What the terminal runs: a login-less shell (every image has /bin/sh).
 TERMINAL_ARGV = ("/bin/sh",)
 MAX_FORM_BYTES = 4096
@@ -105,7 +106,8 @@ class Dashboard:
             Route("/sandboxes/{id}/terminal/{pid:int}", self._page(self._terminal_page)),
             WebSocketRoute("/sandboxes/{id}/processes/{pid:int}/ws", _Asgi(self._terminal_ws)),
             Route("/rate", self._page(self._rate_page)),
-            Mount("/static", app=StaticFiles(directory=str(_STATIC)), name="static"),
+            Mount("/static", app=_Headers(StaticFiles(directory=str(_STATIC))),
+                  name="static"),
         ])]
 
     # ------------------------------------------------------------------ plumbing
@@ -352,15 +354,17 @@ class Dashboard:
         return self._html(render("rate.html", bucket_label="minute", window_label="hour",
                                  **c, **self._chrome(caller, key, "rate")))
 
-    def follow(self, now: float, *, rounds: int = 50) -> None:
+    def follow(self, now: float, *, rounds: int = 10) -> None:
         """Read the registry's event log from where the series left off and count its
-        ``sandbox_added`` events (at most ``rounds`` x 1,000 events per call)."""
+        ``sandbox_added`` events: at most ``rounds`` x 1,000 events per page view (from
+        the registry's in-memory ring when recent, else one indexed store read per
+        1,000), and never more than ``FOLLOW_MAX_BEHIND`` back: a dashboard nobody
+        looked at while the cluster made more events than that counts from there."""
         reg = getattr(self.service.directory, "registry", None)
         if reg is None:
             return
         s = self.series
-        if s.position < 0:
-            s.position = max(0, reg.committed_version - 20_000)
+        s.position = max(s.position, reg.committed_version - FOLLOW_MAX_BEHIND, 0)
         for _ in range(rounds):
             try:
                 batch = reg.read(s.position, 1000)
@@ -417,6 +421,22 @@ class _Asgi:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.fn(scope, receive, send)
+
+
+class _Headers:
+    """Adds ``nosniff`` (and no framing) to the static files' responses."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_with(msg: Any) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []),
+                                          (b"x-content-type-options", b"nosniff"),
+                                          (b"x-frame-options", b"DENY")]}
+            await send(msg)
+        await self.app(scope, receive, send_with)
 
 
 def _ref(request: Request) -> SandboxRef:
