@@ -169,7 +169,8 @@ class StreamedIO:
         await self._go.wait()
         req = self._req
         if self._input is not None:
-            req = msgspec.structs.replace(req, stdin=bytes(self._input), stdin_open=False)
+            req = msgspec.structs.replace(req, stdin=bytes(self._input))
+        req = msgspec.structs.replace(req, stdin_open=False, pty=None)
         async for item in self._backend.exec_stream(SandboxId(self._sid), req):
             if isinstance(item, ExecResult):
                 return ExitStatus(item.exit_code, timed_out=item.timed_out)
