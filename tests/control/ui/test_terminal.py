@@ -67,6 +67,17 @@ def test_typing_in_the_terminal_runs_in_the_sandbox(browser: Browser, cluster: L
                       if (b.getLine(i).translateToString(true).trim() === t.rows + ' ' + t.cols)
                         return true;
                     return false; })()""")
+                # output is terminal data, never markup (an OSC 8 link to javascript:
+                # is a link's text, nothing runs)
+                page.key("printf '<img src=x onerror=window.__pwned=1>\\033]8;;"
+                         "javascript:window.__pwned=2\\033\\\\click\\033]8;;\\033\\\\\\n'\r")
+                page.wait_for("""(() => { const b = window.dsecTerminal.buffer.active;
+                    for (let i = 0; i < b.length; i++)
+                      if (b.getLine(i).translateToString(true).startsWith('<img src=x'))
+                        return true;
+                    return false; })()""")
+                assert page.eval("typeof window.__pwned") == "undefined"
+                assert page.eval("document.querySelectorAll('#term img').length") == 0
                 page.key("exit 3\r")
                 page.wait_for("document.getElementById('term-status').textContent"
                               " === 'exited with code 3'")

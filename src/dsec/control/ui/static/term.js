@@ -7,7 +7,16 @@
   const el = document.getElementById("term");
   const status = document.getElementById("term-status");
   if (!el || !window.Terminal) { if (status) status.textContent = "terminal unavailable"; return; }
-  const term = new window.Terminal({ cols: 100, rows: 30, convertEol: false, cursorBlink: true });
+  // Output is the sandbox's, so hostile: it is terminal data, never HTML; a hyperlink it
+  // prints (OSC 8) opens only if it is http(s), in a new tab without an opener.
+  const term = new window.Terminal({
+    cols: 100, rows: 30, convertEol: false, cursorBlink: true,
+    linkHandler: {
+      activate: (ev, uri) => {
+        if (/^https?:\/\//i.test(uri)) window.open(uri, "_blank", "noopener,noreferrer");
+      },
+    },
+  });
   term.open(el);
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
   const ws = new WebSocket(proto + "//" + location.host + el.getAttribute("data-ws"));
