@@ -6,6 +6,7 @@ cross-origin refusals."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -336,3 +337,25 @@ def test_the_terminal_socket_checks_session_origin_and_project(tenants: Tenants)
         r = c.post(f"/ui/sandboxes/{sid}/terminal", data={"csrf": csrf_token(t.b_key)},
                    headers={"origin": t.url})
         assert r.status_code == 404
+
+
+def test_a_reader_may_look_but_not_act(tenants: Tenants) -> None:
+    t = tenants
+    sid = t.create(t.a_key, t.a_project)[0]
+    with t.rest(t.admin) as admin:
+        r = admin.post("/v1/keys", json={"name": f"reader-{t.a_project}",
+                                         "project": t.a_project, "role": "reader"})
+        assert r.status_code in (200, 201), r.text
+        key = r.json()["api_key"]
+    with t.rest(key) as rest:
+        refused = rest.post(f"/v1/sandboxes/{sid}/pause").json()
+    with httpx.Client(base_url=t.url, timeout=30) as c:
+        assert c.post("/ui/login", data={"key": key},
+                      headers={"origin": t.url}).status_code == 303
+        assert sid in c.get(f"/ui/sandboxes/{sid}").text
+        for action in ("pause", "destroy", "terminal"):
+            r = c.post(f"/ui/sandboxes/{sid}/{action}", data={"csrf": csrf_token(key)},
+                       headers={"origin": t.url})
+            assert r.status_code == 403, (action, r.status_code)
+            assert refused["message"] in html.unescape(r.text)     # REST's words
+    assert _state(t, sid) == "running"
