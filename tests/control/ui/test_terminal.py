@@ -14,6 +14,7 @@ import pytest
 
 from dsec.bench._browser import Browser
 from dsec.cluster.local import LocalCluster
+from dsec.control.ui.session import csrf_token
 from tests.control.ui.conftest import login
 
 pytestmark = [pytest.mark.root,
@@ -84,3 +85,64 @@ def test_typing_in_the_terminal_runs_in_the_sandbox(browser: Browser, cluster: L
                 assert "hi42" in _rows(page)
         finally:
             rest.delete(f"/v1/sandboxes/{sid}")
+
+
+ATTACK = """<!doctype html><title>waiting</title><script>
+(async () => {
+  const out = [];
+  try { const r = await fetch('/ui/sandboxes', {credentials: 'include'});
+        out.push('read ' + (await r.text()).length); } catch (e) { out.push('fetch blocked'); }
+  try { const r = await fetch('/ui/sandboxes/SID/destroy', {method: 'POST',
+          credentials: 'include', body: 'csrf=x'}); out.push('post ' + r.status); }
+  catch (e) { out.push('post blocked'); }
+  await new Promise((done) => {
+    const ws = new WebSocket('ws://' + location.host + '/ui/sandboxes/SID/processes/PID/ws');
+    ws.onmessage = () => { out.push('ws read'); done(); };
+    ws.onerror = () => { out.push('ws blocked'); done(); };
+    setTimeout(done, 5000);
+  });
+  document.title = 'done: ' + out.join(', ');
+})();
+</script>"""
+
+
+def test_a_sandboxs_page_behind_the_proxy_cannot_use_the_session(
+        browser: Browser, cluster: LocalCluster) -> None:
+    """Exposed ports share the apiserver's origin (docs/ports.md): a hostile sandbox's
+    page, opened by a logged-in user, must neither read the dashboard, nor act through
+    it, nor open its terminal socket (the proxy's CSP sandbox gives it an opaque origin:
+    no SameSite cookie, no readable answer, Origin: null)."""
+    with httpx.Client(base_url=cluster.url, timeout=60,
+                      headers={"authorization": f"Bearer {cluster.api_key}"}) as rest:
+        victim = rest.post("/v1/sandboxes", json={"backend": "container"}).json()["id"]
+        evil = rest.post("/v1/sandboxes", json={"backend": "container"}).json()["id"]
+        try:
+            with httpx.Client(base_url=cluster.url, timeout=60) as ui:
+                ui.post("/ui/login", data={"key": cluster.api_key},
+                        headers={"origin": cluster.url})
+                r = ui.post(f"/ui/sandboxes/{victim}/terminal",
+                            data={"csrf": csrf_token(cluster.api_key)},
+                            headers={"origin": cluster.url})
+                pid = r.headers["location"].rsplit("/", 1)[1]
+            page_html = ATTACK.replace("SID", victim).replace("PID", pid)
+            w = rest.put(f"/v1/sandboxes/{evil}/files", params={"path": "/tmp/www/index.html"},
+                         content=page_html.encode(),
+                         headers={"content-type": "application/octet-stream"})
+            assert w.status_code in (200, 204), w.text
+            x = rest.post(f"/v1/sandboxes/{evil}/exec",
+                          json={"shell": "httpd -p 127.0.0.1:8000 -h /tmp/www", "timeout_s": 10})
+            assert x.json()["exit_code"] == 0, x.text
+            url = rest.post(f"/v1/sandboxes/{evil}/ports", json={"port": 8000}).json()["url"]
+            if url.startswith("/"):
+                url = cluster.url + url
+            assert url.startswith(f"{cluster.url}/v1/proxy/"), url    # the dashboard's origin
+            with browser.context() as page:
+                login(page, cluster.url, cluster.api_key)
+                page.goto(url)
+                title = page.wait_for("document.title.startsWith('done') && document.title",
+                                      timeout=30)
+                assert title == "done: fetch blocked, post blocked, ws blocked", title
+            assert rest.get(f"/v1/sandboxes/{victim}").json()["state"] == "running"
+        finally:
+            for sid in (victim, evil):
+                rest.delete(f"/v1/sandboxes/{sid}")
