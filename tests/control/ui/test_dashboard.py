@@ -323,6 +323,13 @@ def test_the_terminal_socket_checks_session_origin_and_project(tenants: Tenants)
     frames = _ws(t.url, path, mine)
     assert b"".join(f for f in frames if isinstance(f, bytes)).startswith(b"sh: /bin/sh")
     assert json.loads(str(frames[-2]))["exit_code"] == 127 and frames[-1] == "close 1000"
+    # the sandbox page lists the process (any client's connect finds it there)
+    with httpx.Client(base_url=t.url, timeout=30) as c:
+        c.cookies.set("dsec_ui", t.a_key, path="/ui")
+        procs = html.unescape(c.get(f"/ui/sandboxes/{sid}").text.split('id="processes"')[1])
+        pid = path.split("/")[-2]
+        assert f"<td>{pid}</td>" in procs and "/bin/sh" in procs and "exited 127" in procs
+        assert f'href="/ui/sandboxes/{sid}/terminal/{pid}"' in procs
     # no session, another origin, no origin: refused before anything is handed on
     for headers in ({"origin": t.url}, {**mine, "origin": "http://evil.test"},
                     {"cookie": mine["cookie"]}):

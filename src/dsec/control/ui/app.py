@@ -87,7 +87,7 @@ class Dashboard:
         h = service.handler
         self._list, self._get, self._events = h(ops.LIST), h(ops.GET), h(ops.EVENTS)
         self._stats, self._nodes = h(ops.STATS), h(ops.NODES)
-        self._process_start = h(ops.PROCESS_START)
+        self._process_start, self._processes = h(ops.PROCESS_START), h(ops.PROCESS_LIST)
         self._actions: dict[str, Callable[[Caller, Any], Awaitable[Any]]] = {
             "pause": h(ops.PAUSE), "resume": h(ops.RESUME), "destroy": h(ops.DESTROY)}
         self.series = CreationSeries()
@@ -306,15 +306,17 @@ class Dashboard:
         events = (await self._events(caller, ref)).items
         stats: list[tuple[str, Any]] | None = None
         stats_error = ""
+        procs: list[Any] = []
         if info.state in ("running", "paused"):
             try:
                 # every field, zeros included (the wire form omits defaults)
                 raw = msgspec.structs.asdict(await self._stats(caller, ref))
                 stats = [(k, msgspec.to_builtins(v)) for k, v in raw.items()]
+                procs = (await self._processes(caller, ref)).items
             except DsecError as exc:
                 stats_error = self.service.redact(exc).message
         return self._html(render("sandbox.html", info=info, events=events, stats=stats,
-                                 stats_error=stats_error,
+                                 stats_error=stats_error, procs=procs,
                                  **self._chrome(caller, key, "sandboxes")))
 
     async def _action(self, request: Request, caller: Caller, key: str) -> Response:
