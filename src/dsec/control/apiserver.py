@@ -435,7 +435,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     # terminal WebSocket is handed on to the REST process WebSocket through the front.
     from dsec.control.ui import Dashboard
     dashboard = Dashboard(service)
-    routes += dashboard.routes()
+    routes += dashboard.routes()  # type: ignore[arg-type]  # a Mount
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
