@@ -16,7 +16,13 @@ from dsec.edge.admission import Capacity
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.processes import ProcessLimits, ProcessTable
-from dsec.errors import CannotRun, CapacityExceeded, InvalidTransition, RateLimited
+from dsec.errors import (
+    CannotRun,
+    CapacityExceeded,
+    InvalidTransition,
+    RateLimited,
+    ResourceExhausted,
+)
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
 
 from .conftest import _cleanup
@@ -198,3 +204,40 @@ async def test_caps_and_processes_die_with_their_sandbox(node: EdgeNode) -> None
     assert res is not None and res.exit_code == 137
     assert node.processes.count(a) == 0
     assert node._execs == 2         # b's two sleeps hold the node's command slots
+
+
+async def test_a_hostile_reader_or_writer_cannot_make_the_edge_buffer(node: EdgeNode) -> None:
+    """Input to a process that never reads waits in a bounded buffer (then the writer is
+    told), queued writes are few; readers that never read are cut off (each alone, and
+    the node's readers together, furthest behind first); no more than 16 follow one
+    process."""
+    node.processes = ProcessTable(node, ProcessLimits(
+        input_pending=64 << 10, input_wait_s=0.5, follower_backlog=1 << 20,
+        backlog_budget=3 << 20, followers=4))
+    sid = (await node.create(SPEC)).id
+    deaf = await node.processes.start(sid, ExecRequest(shell="sleep 100", stdin_open=True))
+    await node.processes.input(sid, deaf.pid, b"x" * (60 << 10))   # the pipe takes 64 KiB
+    await node.processes.input(sid, deaf.pid, b"x" * (60 << 10))   # then the buffer
+    with pytest.raises(ResourceExhausted, match="has not read"):
+        await node.processes.input(sid, deaf.pid, b"x" * (60 << 10))
+    writers = [asyncio.ensure_future(node.processes.input(sid, deaf.pid, b"y" * (60 << 10)))
+               for _ in range(8)]
+    done = await asyncio.gather(*writers, return_exceptions=True)
+    assert all(isinstance(d, ResourceExhausted) for d in done), done
+    assert sum("queued behind" in str(d) for d in done) == 4          # 4 may wait
+    # readers: a chatty process, five connects that read nothing after their first item
+    chatty = await node.processes.start(sid, ExecRequest(shell="yes"))
+    readers = [node.processes.connect(sid, chatty.pid) for _ in range(4)]
+    for r in readers:
+        await r.__anext__()
+    with pytest.raises(RateLimited, match="readers following it"):
+        await node.processes.connect(sid, chatty.pid).__anext__()
+    await asyncio.sleep(1.0)
+    assert node.processes._backlog.total <= 3 << 20
+    for r in readers:
+        with pytest.raises(ResourceExhausted, match="cut off"):
+            while True:
+                await r.__anext__()
+    assert node.processes._backlog.total == 0
+    node.processes.signal(sid, chatty.pid, signal.SIGKILL)
+    node.processes.signal(sid, deaf.pid, signal.SIGKILL)

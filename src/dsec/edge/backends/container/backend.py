@@ -1284,7 +1284,8 @@ class ContainerBackend:
         return self._runc is None
 
     async def spawn_process(self, sid: SandboxId, req: ExecRequest,
-                            sink: Callable[[Literal["stdout", "stderr"], bytes], None],
+                            sink: Callable[[Literal["stdout", "stderr"], bytes], None], *,
+                            input_pending: int = 1 << 20, input_wait_s: float = 30.0,
                             ) -> ContainerProcess:
         from dsec.edge.backends.container.procio import spawn
         box = self.box(sid)
@@ -1294,7 +1295,8 @@ class ContainerBackend:
         env = build_env(box.sid[:63], box.spec.env, req.env)
         req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
                                       user=req.user or box.spec.user)
-        return await spawn(self, box, req, argv, env, sink)
+        return await spawn(self, box, req, argv, env, sink, input_pending=input_pending,
+                           input_wait_s=input_wait_s)
 
     @property
     def supports_hide(self) -> bool:

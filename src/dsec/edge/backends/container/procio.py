@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 __all__ = ["ContainerProcess", "spawn"]
 
 _READ = 1 << 16
+#: writes that may wait for room in one process's input buffer at once
+MAX_WAITERS = 4
 StreamName = Literal["stdout", "stderr"]
 
 
@@ -85,6 +87,7 @@ class ContainerProcess:
         self.pending = bytearray()
         self.closing_stdin = False
         self.input_pending, self.input_wait_s = input_pending, input_wait_s
+        self.waiters = 0
         self.drained = asyncio.Event()
         self.drained.set()
         self.started: asyncio.Future[Reply] = self.loop.create_future()
@@ -217,8 +220,27 @@ class ContainerProcess:
             raise InvalidTransition(f"stdin of process {self.pid} in sandbox "
                                     f"{self.box.sid} is closed", sandbox_id=self.box.sid,
                                     pid=self.pid)
+        if len(self.pending) + len(data) > self.input_pending and self.waiters >= MAX_WAITERS:
+            # each waiting write holds its data here: a flood of them must not
+            raise ResourceExhausted(
+                f"process {self.pid} in sandbox {self.box.sid} has {len(self.pending)} "
+                f"bytes of input waiting and {self.waiters} more writes queued behind "
+                "them; send input in order, one write at a time",
+                sandbox_id=self.box.sid, limit=MAX_WAITERS)
+        self.waiters += 1
+        try:
+            await self._room(len(data))
+        finally:
+            self.waiters -= 1
+        self.pending += data
+        if self.stdin_fd >= 0:
+            self._writable()
+            if self.pending:
+                self.loop.add_writer(self.stdin_fd, self._writable)
+
+    async def _room(self, n: int) -> None:
         deadline = time.monotonic() + self.input_wait_s
-        while len(self.pending) + len(data) > self.input_pending and self.pending:
+        while len(self.pending) + n > self.input_pending and self.pending:
             left = deadline - time.monotonic()
             try:
                 self.drained.clear()
@@ -232,11 +254,6 @@ class ContainerProcess:
             if self.gone or self.exited.done():
                 raise InvalidTransition(f"process {self.pid} in sandbox {self.box.sid} "
                                         "has exited", sandbox_id=self.box.sid, pid=self.pid)
-        self.pending += data
-        if self.stdin_fd >= 0:
-            self._writable()
-            if self.pending:
-                self.loop.add_writer(self.stdin_fd, self._writable)
 
     def _writable(self) -> None:
         fd = self.stdin_fd
@@ -316,7 +333,9 @@ class ContainerProcess:
                 self.timer.cancel()
         self._drain()
         self._release()
-        if self.killed:
+        if self.gone:
+            pass                  # its sandbox went, its cgroups with it
+        elif self.killed:
             await self.backend._clear_exec_cgroup(self.box, self.ec)
         else:
             self.backend._release_exec_cgroup(self.box, self.ec)
