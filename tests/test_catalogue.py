@@ -101,6 +101,7 @@ from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
     LayerFetch,
+    LayerGrant,
     LayerPut,
     LayerRef,
     NodePins,
@@ -357,6 +358,7 @@ EXAMPLES: dict[str, Example] = {
     "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
     "node_migrate": lambda w: NodeRef(id="edge-0"),
     "node_pins": lambda w: PinSet(images=[], gen=0),
+    "layer_grant": lambda w: LayerGrant(manifests=[w.manifest_json()]),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
                "image_delete", "destroy_many", "image_unpin", "node_drain", "node_undrain",

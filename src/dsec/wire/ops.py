@@ -104,6 +104,8 @@ from dsec.wire.layers import (
     LayerChain,
     LayerFetch,
     LayerFetched,
+    LayerGrant,
+    LayerGranted,
     LayerPut,
     LayerRef,
     LayerStored,
@@ -181,6 +183,7 @@ __all__ = [
     "LAYER_CHAIN",
     "LAYER_FETCH",
     "LAYER_GET",
+    "LAYER_GRANT",
     "LAYER_PUT",
     "LIST",
     "LIST_DIR",
@@ -953,6 +956,16 @@ NODE_PINS: Op[PinSet, Empty] = Op(
     summary="Make the node's pinned images exactly this set (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 17 (red team 17 F1): the control plane hands a node the manifests of the pushed
+# layers it may read lazily (before a create, a snapshot relay, the pins); a node never
+# takes a layer's meaning or chunk hashes from the blob store itself.
+LAYER_GRANT: Op[LayerGrant, LayerGranted] = Op(
+    "layer_grant", LayerGrant, LayerGranted,
+    summary="Record layers this node reads lazily from the blob store, by the control "
+            "plane's manifests (control plane only)",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
+
 # Issue 19: processes and terminals (dsec.wire.process, dsec.edge.processes). The edge
 # keeps each sandbox's process table (bounded output rings, stdin pipes, ptys); every
 # door forwards these by the sandbox's project. process_connect follows a process until
@@ -1048,6 +1061,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
     NODE_PINS,
+    LAYER_GRANT,
     PROCESS_START,
     PROCESS_LIST,
     PROCESS_CONNECT,
