@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from dsec.cli.e2b_options import e2b_banner, e2b_config, e2b_options
 from dsec.cli.edge import (
     blob_store_option,
     capacity_options,
@@ -83,6 +84,7 @@ from dsec.cli.edge import (
 @click.option("--replicas", type=click.IntRange(1, 8), default=1, show_default=True,
               help="With --hosts: apiserver replicas over one store, behind --listen.")
 @blob_store_option
+@e2b_options
 def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str,
        edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
@@ -92,7 +94,9 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        quiet: bool, registries: tuple[str, ...], registry_blob_hosts: tuple[str, ...],
        image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
-       net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None) -> None:
+       net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None,
+       e2b: str | None = None, e2b_domain: str | None = None,
+       e2b_tls_cert: str | None = None, e2b_tls_key: str | None = None) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     if hosts is not None and blob_store is not None:
         # the test hosts live in their own network namespaces: a loopback blob store
@@ -139,7 +143,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
         image_store_budget=image_store_budget, registries=tuple(registries) or None,
-        registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store)
+        registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store,
+        **e2b_config(e2b, e2b_domain, e2b_tls_cert, e2b_tls_key))
     uvloop.run(_run(cfg, quiet))
 
 
@@ -189,6 +194,8 @@ async def _run(cfg: Any, quiet: bool) -> None:
         console.print(f"admin key: {rt.admin_key}  (also in "
                       f"{rt.config.state_dir}/local.json)")
         console.print(_sizes(rt))
+        if (banner := e2b_banner(rt)) is not None:
+            console.print(banner, markup=False, highlight=False)
 
     async def serve(rt: Any, stop: asyncio.Event) -> None:
         if quiet:
