@@ -196,9 +196,17 @@ class E2BApp:
                     await resp(scope, receive, send)
                     return
                 sandbox = m.group(2)
-        if sandbox is None and (path.startswith(_ENVD_PREFIXES) or path in ("/files",
-                                                                               "/health")):
-            sandbox = request.headers.get("e2b-sandbox-id") or ""
+        if sandbox is None:
+            port = request.headers.get("e2b-sandbox-port")
+            if port is not None and port != str(ENVD_PORT):
+                # E2B_SANDBOX_URL set-ups reach any sandbox port through these headers
+                resp = _json({"code": 502, "message": f"port {port[:8]} is not open: "
+                              "dsec's E2B layer serves envd's port "
+                              f"{ENVD_PORT} only (docs/e2b.md, 'Gaps')"}, 502)
+                await resp(scope, receive, send)
+                return
+            if path.startswith(_ENVD_PREFIXES) or path in ("/files", "/health"):
+                sandbox = request.headers.get("e2b-sandbox-id") or ""
         if sandbox is not None:
             resp = await self._envd(request, sandbox)
         else:
