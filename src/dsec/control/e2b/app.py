@@ -159,6 +159,7 @@ class E2BApp:
         self._pause = h(ops.PAUSE)
         self._resume = h(ops.RESUME)
         self._set_timeout = h(ops.SET_TIMEOUT)
+        self._stats = h(ops.STATS)
         self._read = h(ops.READ_FILE)
         self._write = h(ops.WRITE_FILE)
         self._list_dir = h(ops.LIST_DIR)
@@ -247,8 +248,8 @@ class E2BApp:
         if parts and parts[0] == "v2":
             parts = parts[1:]
         if not parts or parts[0] != "sandboxes":
-            raise _E2BError(404, f"no route {method} {request.url.path} in dsec's E2B "
-                                 "layer (docs/e2b.md lists what it serves)")
+            raise _E2BError(501, f"{method} {request.url.path[:120]} is not served by "
+                                 "dsec's E2B layer (docs/e2b.md, 'Gaps')")
         token = request.headers.get("x-api-key") or ""
         if len(parts) == 1:
             if method == "POST":
@@ -256,6 +257,10 @@ class E2BApp:
             if method == "GET":
                 return await self._list_sandboxes(request, caller,
                                                   paged=request.url.path.startswith("/v2"))
+        elif len(parts) == 3 and parts[2] == "metrics" and method == "GET":
+            info = await self._live(caller, parts[1])
+            stats = await self._stats(caller, SandboxRef(id=parts[1]))
+            return _json([mapping.metrics(info, stats, time.time())])
         elif len(parts) == 2 and parts[1] != "metrics":
             sid = parts[1]
             if method == "GET":
@@ -291,9 +296,10 @@ class E2BApp:
                 return Response(status_code=204)
             if verb == "resume":
                 return await self._connect(request, caller, sid, token)
-        raise _E2BError(404 if method in ("GET", "POST", "DELETE", "PUT") else 405,
-                        f"{method} {request.url.path} is not served by dsec's E2B layer "
-                        "(docs/e2b.md, 'Gaps')")
+        # 501, never 404: the SDK reads a 404 on a sandbox's route as "sandbox not
+        # found" (a snapshot of a live sandbox said SandboxNotFoundException)
+        raise _E2BError(501, f"{method} {request.url.path[:120]} is not served by dsec's "
+                             "E2B layer (docs/e2b.md, 'Gaps')")
 
     async def _json_body(self, request: Request) -> dict[str, Any]:
         raw = await _body(request, 4 << 20)

@@ -19,10 +19,10 @@ from typing import Any
 
 from dsec.errors import InvalidArgument
 from dsec.wire.api import CreateSandboxRequest
-from dsec.wire.spec import FileInfo, SandboxInfo
+from dsec.wire.spec import FileInfo, SandboxInfo, SandboxStats
 
 __all__ = ["ENVD_VERSION", "create_request", "entry_info", "listed", "metadata_filter",
-           "sandbox_created", "sandbox_detail", "state_of"]
+           "metrics", "sandbox_created", "sandbox_detail", "state_of"]
 
 #: The envd version this layer reports. The SDK gates features on it: >= 0.4.0 sends no
 #: user when none is given (the image's default user runs), >= 0.5.7 uploads file-like
@@ -153,6 +153,22 @@ def metadata_filter(raw: str | None) -> dict[str, str]:
     for k, v in parse_qsl(raw, keep_blank_values=True, strict_parsing=False):
         out[k] = v
     return out
+
+
+def metrics(info: SandboxInfo, stats: SandboxStats, now: float) -> dict[str, Any]:
+    """One ``SandboxMetric`` (``GET /sandboxes/{id}/metrics``) from dsec's ``stats``:
+    memory and disk now; CPU as the average use since the sandbox started (dsec keeps
+    no history of samples)."""
+    spec = info.spec
+    cores = max(1, -(-spec.cpu_milli // 1000))
+    up = max(now - info.created_at, 1e-3)
+    return {"cpuCount": cores,
+            "cpuUsedPct": round(100.0 * stats.cpu_seconds / up / cores, 2),
+            "memTotal": spec.memory_bytes, "memUsed": stats.memory_bytes,
+            "memCache": stats.memory_tmpfs_bytes,
+            "diskTotal": stats.disk_cap_bytes or spec.disk_bytes or 0,
+            "diskUsed": stats.disk_bytes, "timestamp": _iso(now),
+            "timestampUnix": int(now)}
 
 
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY",
