@@ -506,8 +506,9 @@ def _c_cmd_connect(t: E2BTarget) -> None:
 def _c_unsupported(t: E2BTarget) -> None:
     """Each refused with a message that names it (never dropped silently), and an
     unserved route on a live sandbox is never "sandbox not found"."""
-    from e2b import Sandbox
     from e2b.exceptions import InvalidArgumentException, SandboxException
+
+    from e2b import Sandbox
     o = t.opts()
     for fn, words in (
             (lambda: Sandbox.create(t.template, lifecycle={"on_timeout": "pause"}, **o),
