@@ -111,6 +111,7 @@ from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
 from dsec.wire.ports import PortConnect, PortExpose, PortRef
+from dsec.wire.process import ProcessInput, ProcessRef, ProcessSignal, PtyResize
 from dsec.wire.rest import decode_reply, encode_request
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, SandboxSpec
 
@@ -224,6 +225,17 @@ class World:
         self.ok("POST", "/v1/nodes/edge-0/pins", json={"ref": self.pushed()})
         return self.image
 
+    def process(self, shell: str = "echo hi", *, stdin: bool = False) -> int:
+        """A fresh process of the world's sandbox (issue 19), its pid."""
+        r = self.ok("POST", f"/v1/sandboxes/{self.sid}/processes",
+                    json={"shell": shell, "stdin_open": stdin, "timeout_s": None})
+        return int(r.json()["pid"])
+
+    def pty_process(self) -> int:
+        r = self.ok("POST", f"/v1/sandboxes/{self.sid}/processes",
+                    json={"shell": "sleep 30", "pty": {"cols": 80, "rows": 24}})
+        return int(r.json()["pid"])
+
     def image_name(self) -> str:
         """A fresh name on the built layer."""
         name = f"cat-del-{self.n()}:latest"
@@ -308,6 +320,17 @@ EXAMPLES: dict[str, Example] = {
     "port_list": lambda w: SandboxRef(id=w.sid),
     "port_connect": lambda w: PortConnect(id=w.sid, port=8000, generation=w.port_gen()),
     "port_close": lambda w: PortRef(id=w.sid, port=8000),
+    # issue 19: processes (the simulated backend runs them through exec_stream)
+    "process_start": lambda w: ExecCall(id=w.sid, req=ExecRequest(shell="echo hi",
+                                                                  tag="cat")),
+    "process_list": lambda w: SandboxRef(id=w.sid),
+    "process_connect": lambda w: ProcessRef(id=w.sid, pid=w.process()),
+    "process_input": lambda w: ProcessInput(id=w.sid, pid=w.process("cat", stdin=True),
+                                            data=b"\x00\xffin"),
+    "process_close_stdin": lambda w: ProcessRef(id=w.sid, pid=w.process("cat", stdin=True)),
+    "process_signal": lambda w: ProcessSignal(id=w.sid, pid=w.process("sleep 30"),
+                                              signal=15),
+    "pty_resize": lambda w: PtyResize(id=w.sid, pid=w.pty_process(), cols=120, rows=40),
     # destructive: each call makes its own victim
     "remove": lambda w: Remove(id=w.sid, path=w.dir(), recursive=True),
     "destroy": lambda w: SandboxRef(id=w.sandbox()),
@@ -461,6 +484,10 @@ def _sdk_call(w: World, op: Op[Any, Any], req: Any, transport: str) -> Any:
     with w.cluster.client(protocol=transport, session_lease_s=None) as c:
         if op is ops.EXEC_STREAM:
             items = list(c.sandboxes.get(req.id).exec_stream(req.req.shell))
+            assert len(items) > 1 and all(isinstance(i, ExecChunk) for i in items[:-1])
+            return items[-1]
+        if op is ops.PROCESS_CONNECT:
+            items = list(c.sandboxes.get(req.id).processes.connect(req.pid).stream())
             assert len(items) > 1 and all(isinstance(i, ExecChunk) for i in items[:-1])
             return items[-1]
         if op is ops.IMAGE_BUILD:
@@ -771,6 +798,21 @@ INVALID: dict[str, list[Bad]] = {
     ],
     "port_close": [Bad("port", lambda w: {"id": w.sid, "port": 70000},
                        "port=70000 must be within 1..65535")],
+    "process_start": [
+        _exec_bad("pty cols", {"shell": "sh", "pty": {"cols": wspec.MAX_PTY_CELLS + 1,
+                                                       "rows": 24}},
+                  f"pty cols={wspec.MAX_PTY_CELLS + 1} must be within", "MAX_PTY_CELLS"),
+        _exec_bad("tag", {"shell": "sh", "tag": "t" * (wspec.MAX_PROCESS_TAG_BYTES + 1)},
+                  f"process tag is {wspec.MAX_PROCESS_TAG_BYTES + 1} bytes",
+                  "MAX_PROCESS_TAG_BYTES"),
+    ],
+    "process_input": [Bad("data", lambda w: {"id": w.sid, "pid": 1, "data": b"x" * (
+        wspec.MAX_PROCESS_INPUT_BYTES + 1)}, f"over the {wspec.MAX_PROCESS_INPUT_BYTES}-byte "
+        "limit for one write", "MAX_PROCESS_INPUT_BYTES")],
+    "process_signal": [Bad("signal", lambda w: {"id": w.sid, "pid": 1, "signal": 65},
+                           "signal=65 is not a signal number")],
+    "pty_resize": [Bad("rows", lambda w: {"id": w.sid, "pid": 1, "cols": 80, "rows": 0},
+                       "pty rows=0 must be within", "MAX_PTY_CELLS")],
     "destroy_many": [Bad("batch size", lambda w: {"ids": ["s"] * (wspec.MAX_BATCH_ITEMS + 1)},
                          f"{wspec.MAX_BATCH_ITEMS + 1}", "MAX_BATCH_ITEMS"),
                      Bad("reason", lambda w: {"ids": ["s"], "reason": "r" * (

@@ -26,7 +26,15 @@ from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
 from dsec.wire.ops import EDGE_OPS, Op, StreamOp, TunnelOp
 from dsec.wire.ports import PortExpose, PortRef
-from dsec.wire.spec import MAX_PATH_BYTES, ExecChunk, ExecRequest, SandboxSpec
+from dsec.wire.process import ProcessInput, ProcessSignal, PtyResize
+from dsec.wire.spec import (
+    MAX_PATH_BYTES,
+    MAX_PROCESS_INPUT_BYTES,
+    ExecChunk,
+    ExecRequest,
+    PtySize,
+    SandboxSpec,
+)
 
 from .conftest import make_node
 
@@ -41,6 +49,10 @@ class World:
     port_gen: int = 0   # the generation of port 8000 of `keep`, once exposed
     layer: str = ""     # a layer in the node's store (the layer rows)
     manifest: bytes = b""   # its manifest, as a holder sends it
+    pid: int = 0            # processes of `keep` (issue 19): an ended `echo`,
+    stdin_pid: int = 0      # a `cat` with stdin open,
+    sleep_pid: int = 0      # a `sleep` to signal,
+    pty_pid: int = 0        # one on a terminal
 
 
 Example = Callable[[World], dict[str, Any]]
@@ -86,6 +98,13 @@ EXAMPLES: dict[str, Example] = {
     "layer_get": lambda w: {"digest": w.layer},
     "layer_put": lambda w: {"manifest": w.manifest},
     "set_timeout": lambda w: {"id": w.sid, "timeout_s": 3600.0},
+    "process_start": lambda w: {"id": w.keep, "req": {"shell": "echo hi", "tag": "t"}},
+    "process_list": lambda w: {"id": w.keep},
+    "process_connect": lambda w: {"id": w.keep, "pid": w.pid},
+    "process_input": lambda w: {"id": w.keep, "pid": w.stdin_pid, "data": b"in"},
+    "process_close_stdin": lambda w: {"id": w.keep, "pid": w.stdin_pid},
+    "process_signal": lambda w: {"id": w.keep, "pid": w.sleep_pid, "signal": 15},
+    "pty_resize": lambda w: {"id": w.keep, "pid": w.pty_pid, "cols": 100, "rows": 30},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -131,6 +150,13 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
                    lambda w: LayerPut(manifest=b" " * (MAX_MANIFEST_BYTES + 1)))],
     "set_timeout": [(lambda w: {"id": w.sid, "timeout_s": -1.0},
                      lambda w: SetTimeout(id=w.sid, timeout_s=-1.0))],
+    "process_input": [(lambda w: {"id": w.keep, "pid": 1, "data": b"x" * (
+        MAX_PROCESS_INPUT_BYTES + 1)}, lambda w: ProcessInput(id=w.keep, pid=1, data=b"x" * (
+            MAX_PROCESS_INPUT_BYTES + 1)))],
+    "pty_resize": [(lambda w: {"id": w.keep, "pid": 1, "cols": 0, "rows": 1},
+                    lambda w: PtyResize(id=w.keep, pid=1, cols=0, rows=1))],
+    "process_signal": [(lambda w: {"id": w.keep, "pid": 0, "signal": 9},
+                        lambda w: ProcessSignal(id=w.keep, pid=0, signal=9))],
 }
 
 
@@ -156,6 +182,11 @@ async def world(tmp_path: Any) -> AsyncIterator[tuple[Connection, World]]:
                   spare_snap=(await node.snapshot(spare)).id,
                   keep=(await node.create(SandboxSpec())).id, layer=layer.digest,
                   manifest=msgspec.json.encode(layer))
+        start = node.processes.start
+        w.pid = (await start(w.keep, ExecRequest(shell="echo hi"))).pid
+        w.stdin_pid = (await start(w.keep, ExecRequest(shell="cat", stdin_open=True))).pid
+        w.sleep_pid = (await start(w.keep, ExecRequest(shell="sleep 30"))).pid
+        w.pty_pid = (await start(w.keep, ExecRequest(shell="sleep 30", pty=PtySize()))).pid
         yield conn, w
     finally:
         await conn.close()

@@ -42,12 +42,13 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 import msgspec
 
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
+from dsec.client.processes import AsyncProcesses, AsyncProcessHandle, AsyncPty, OutputCallback
 from dsec.errors import (
     ConnectFailed,
     ConnectionLost,
@@ -57,6 +58,7 @@ from dsec.errors import (
     NotFound,
     Overloaded,
     RateLimited,
+    RemoteProtocolError,
     RequestTimeout,
     TransportError,
     Unauthenticated,
@@ -974,6 +976,8 @@ class AsyncSandbox:
         self.files = AsyncFiles(self)
         self.ports = AsyncPorts(self)
         self.network = AsyncNetwork(self)
+        self.processes = AsyncProcesses(self)
+        self.pty = AsyncPty(self)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, state={self.info.state!r})"
@@ -986,14 +990,57 @@ class AsyncSandbox:
         self.info = await self._c.call(ops.GET, SandboxRef(id=self.id))
         return self.info
 
+    @overload
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    stdin: bytes | str | None = None, user: str | None = None,
-                   background: bool = False, output_cap: int | None = None) -> ExecResult:
+                   background: Literal[False] = False, output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None) -> ExecResult: ...
+
+    @overload
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: Literal[True], output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None) -> AsyncProcessHandle: ...
+
+    @overload
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: bool = False, output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   ) -> ExecResult | AsyncProcessHandle: ...
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: bool = False, output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   ) -> ExecResult | AsyncProcessHandle:
         """Run ``cmd`` (a string runs in a shell, a list is an argv). ``timeout`` is the
-        *command* timeout: when it fires the result has ``timed_out=True``."""
+        *command* timeout: when it fires the result has ``timed_out=True``.
+
+        ``on_stdout``/``on_stderr``: called with each piece of output as it arrives (the
+        command streams, as ``exec_stream``); the result still holds all of it.
+        ``background=True``: start it and return a :class:`AsyncProcessHandle` at once
+        (``.pid``, ``wait``, ``kill``, output; ``sb.processes.start`` with a command
+        timeout); ``stdin`` is then its first input."""
+        if background:
+            # as before: a background command has no command timeout (processes.start
+            # takes one)
+            req = _exec_req(cmd, timeout=None, env=env, cwd=cwd, stdin=stdin, user=user,
+                            output_cap=output_cap)
+            info = await self._c.call(ops.PROCESS_START, WireExecCall(id=self.id, req=req))
+            return AsyncProcessHandle(self, info, on_stdout=on_stdout, on_stderr=on_stderr)
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
-                        background=background, output_cap=output_cap)
+                        output_cap=output_cap)
+        if on_stdout is not None or on_stderr is not None:
+            return await _streamed_exec(self, req, on_stdout, on_stderr)
         return await self._c.call(ops.EXEC, WireExecCall(id=self.id, req=req),
                                   timeout=_deadline(self._c.timeout, timeout))
 
@@ -1060,6 +1107,28 @@ class AsyncSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.kill()
+
+
+async def _streamed_exec(sb: AsyncSandbox, req: ExecRequest,
+                         on_stdout: OutputCallback | None,
+                         on_stderr: OutputCallback | None) -> ExecResult:
+    """An exec through ``exec_stream``, each chunk handed to its callback as it comes;
+    the result carries the whole output, as a plain exec's does (capped alike)."""
+    t = await sb._c._transport()
+    out, err = bytearray(), bytearray()
+    async for item in t.stream(ops.EXEC_STREAM, WireExecCall(id=sb.id, req=req),
+                               timeout=_deadline(sb._c.timeout, req.timeout_s)):
+        if isinstance(item, ExecResult):
+            return msgspec.structs.replace(item, stdout=bytes(out), stderr=bytes(err))
+        if item.stream == "stdout":
+            out += item.data
+            if on_stdout is not None:
+                on_stdout(item.data)
+        else:
+            err += item.data
+            if on_stderr is not None:
+                on_stderr(item.data)
+    raise RemoteProtocolError(f"exec_stream of sandbox {sb.id} ended without a result")
 
 
 def never_processed(exc: DsecError) -> bool:

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, overload
 
 from dsec.client.core import (
     AsyncClient,
@@ -29,6 +29,13 @@ from dsec.client.core import (
 )
 from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
+from dsec.client.processes import (
+    AsyncProcessHandle,
+    OutputCallback,
+    Processes,
+    ProcessHandle,
+    Pty,
+)
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import (
@@ -420,6 +427,8 @@ class Sandbox:
         self.files = Files(client, a.files)
         self.ports = Ports(client, a.ports)
         self.network = Network(client, a.network)
+        self.processes = Processes(client, a.processes)
+        self.pty = Pty(client, a.pty)
 
     def __repr__(self) -> str:
         return repr(self._a)
@@ -435,14 +444,45 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         return self._c._run(self._a.refresh())
 
+    @overload
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              stdin: bytes | str | None = None, user: str | None = None,
-             background: bool = False, output_cap: int | None = None) -> ExecResult:
-        """See :meth:`~dsec.client.core.AsyncSandbox.exec`."""
-        return self._c._run(self._a.exec(cmd, timeout=timeout, env=env, cwd=cwd,
-                                         stdin=stdin, user=user, background=background,
-                                         output_cap=output_cap))
+             background: Literal[False] = False, output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult: ...
+
+    @overload
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: Literal[True], output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ProcessHandle: ...
+
+    @overload
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: bool = False, output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult | ProcessHandle: ...
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: bool = False, output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult | ProcessHandle:
+        """See :meth:`~dsec.client.core.AsyncSandbox.exec` (callbacks run on the
+        client's loop thread)."""
+        r: ExecResult | AsyncProcessHandle = self._c._run(self._a.exec(cmd, timeout=timeout, env=env, cwd=cwd,
+                                      stdin=stdin, user=user, background=background,
+                                      output_cap=output_cap, on_stdout=on_stdout,
+                                      on_stderr=on_stderr))
+        if isinstance(r, AsyncProcessHandle):
+            return ProcessHandle(self._c, r)
+        return r
 
     def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                     env: Mapping[str, str] | None = None, cwd: str | None = None,

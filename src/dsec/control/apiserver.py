@@ -339,8 +339,37 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     route(doc_of(ops.EXEC_STREAM, request=ExecBody, response=ExecStreamLine,
                  media="application/x-ndjson"), exec_stream)
 
+    # Issue 19: process_connect's NDJSON lines (as exec_stream's) and the processes'
+    # WebSocket attach route (dsec.control.api.process_ws).
+    connect_policy = service.stream_handler(ops.PROCESS_CONNECT)
+
+    async def process_connect(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.PROCESS_CONNECT, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        stream = await connect_policy(caller, req)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in stream:
+                    yield _json.encode(stream_line(item)) + b"\n"
+            except DsecError as exc:
+                exc = service.redact(exc)
+                detail = {k: v for k, v in exc.detail.items()
+                          if isinstance(v, (str, int, float, bool)) or v is None}
+                yield _json.encode(ExecStreamLine(error=ApiError(
+                    code=exc.code, message=exc.message, request_id=rid,
+                    detail=detail))) + b"\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                 headers={"x-request-id": rid})
+
+    route(doc_of(ops.PROCESS_CONNECT, response=ExecStreamLine,
+                 media="application/x-ndjson"), process_connect)
+    from dsec.control.api.process_ws import attach_route
+    routes.append(attach_route(service))  # type: ignore[arg-type]  # a WebSocketRoute
+
     # Every other row is served from the row alone (admin rows when admin is given).
-    by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT}
+    by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT,
+               ops.PROCESS_CONNECT}
     for row in ops.REST_OPS:
         if row not in by_hand and (admin is not None or row not in _ADMIN_ROWS):
             serve(row)

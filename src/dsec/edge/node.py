@@ -355,6 +355,9 @@ class EdgeNode:
         self._suffix = f"-{self.node_id}"
         for b in self.backends.values():
             b.watch(self._on_death)
+        # Issue 19: background processes with output rings, stdin, ptys (edge/processes.py)
+        from dsec.edge.processes import ProcessTable
+        self.processes = ProcessTable(self)
         # Layer transfer (issue 16): this node's store, through its container backend
         self._own_store: LayerStore | None = None
         self._images_cache: tuple[tuple[object, ...], builtins.list[str], int] | None = None
@@ -399,6 +402,7 @@ class EdgeNode:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._bg, return_exceptions=True)
+        await self.processes.close()
         if self.journal is not None:
             await self.journal.drain()
             try:
@@ -666,8 +670,9 @@ class EdgeNode:
                            ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
-        # an ended sandbox's URLs and tunnels end with it
+        # an ended sandbox's URLs and tunnels end with it, and its process table
         rec.cut_tunnels(f"sandbox {rec.id} ended ({rec.state})")
+        self.processes.drop(rec.id, f"{rec.state}: {rec.reason}")
         rec.ports = {}
         dead = self._dead
         dead[rec.id] = rec

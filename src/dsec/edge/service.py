@@ -56,6 +56,14 @@ from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import PortConnect, PortExpose, PortRecord, PortRecordList, PortRef
+from dsec.wire.process import (
+    ProcessInfo,
+    ProcessInput,
+    ProcessList,
+    ProcessRef,
+    ProcessSignal,
+    PtyResize,
+)
 from dsec.wire.spec import (
     ExecResult,
     FileInfo,
@@ -150,6 +158,32 @@ class EdgeHandlers:
         if final is None:
             raise RemoteProtocolError(f"backend stream for {b.id} ended without a result")
         return final
+
+    # ---------------------------------------------------------------- processes (19)
+    async def process_start(self, b: ExecCall) -> ProcessInfo:
+        return await self.node.processes.start(b.id, b.req)
+
+    def process_list(self, b: SandboxRef) -> ProcessList:
+        return ProcessList(items=self.node.processes.list(b.id))
+
+    async def process_connect(self, b: ProcessRef, out: StreamSender) -> ExecResult:
+        async for item in self.node.processes.connect(b.id, b.pid):
+            if isinstance(item, ExecResult):
+                return item
+            await out.send(item)
+        raise RemoteProtocolError(f"process {b.pid} of {b.id} ended without a result")
+
+    async def process_input(self, b: ProcessInput) -> None:
+        await self.node.processes.input(b.id, b.pid, b.data)
+
+    def process_close_stdin(self, b: ProcessRef) -> None:
+        self.node.processes.close_stdin(b.id, b.pid)
+
+    def process_signal(self, b: ProcessSignal) -> None:
+        self.node.processes.signal(b.id, b.pid, b.signal)
+
+    def pty_resize(self, b: PtyResize) -> None:
+        self.node.processes.resize(b.id, b.pid, b.cols, b.rows)
 
     # ---------------------------------------------------------------- files
     async def read_file(self, b: ReadFile) -> bytes:

@@ -122,6 +122,14 @@ from dsec.wire.ports import (
     PortRecordList,
     PortRef,
 )
+from dsec.wire.process import (
+    ProcessInfo,
+    ProcessInput,
+    ProcessList,
+    ProcessRef,
+    ProcessSignal,
+    PtyResize,
+)
 from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
@@ -191,8 +199,15 @@ __all__ = [
     "PORT_CONNECT",
     "PORT_EXPOSE",
     "PORT_LIST",
+    "PROCESS_CLOSE_STDIN",
+    "PROCESS_CONNECT",
+    "PROCESS_INPUT",
+    "PROCESS_LIST",
+    "PROCESS_SIGNAL",
+    "PROCESS_START",
     "PROJECTS",
     "PROJECT_GET",
+    "PTY_RESIZE",
     "QUOTA_SET",
     "READ_FILE",
     "REMOVE",
@@ -948,6 +963,72 @@ SET_TIMEOUT: Op[SetTimeout, SandboxInfo] = Op(
     rest=Rest(method="POST", path="/v1/sandboxes/{id}/timeout", operation_id="setTimeout",
               body="*"))
 
+
+# Issue 19: processes and terminals (dsec.wire.process, dsec.edge.processes). The edge
+# keeps each sandbox's process table (bounded output rings, stdin pipes, ptys); every
+# door forwards these by the sandbox's project. process_connect follows a process until
+# it exits, however long: no deadline.
+def _no_deadline(body: object) -> float | None:
+    return None
+
+
+PROCESS_START: Op[ExecCall, ProcessInfo] = Op(
+    "process_start", ExecCall, ProcessInfo,
+    summary="Start a background process (output kept in a bounded ring for "
+            "process_connect; stdin kept open with stdin_open; a terminal with pty)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes",
+              operation_id="startProcess", status=201, body="req", body_limit="exec",
+              tag="processes"))
+
+PROCESS_LIST: Op[SandboxRef, ProcessList] = Op(
+    "process_list", SandboxRef, ProcessList,
+    summary="The sandbox's processes started with process_start (running and ended)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/processes",
+              operation_id="listProcesses", tag="processes"))
+
+PROCESS_CONNECT: StreamOp[ProcessRef, ExecChunk, ExecResult] = StreamOp(
+    "process_connect", ProcessRef, ExecResult, item=ExecChunk,
+    summary="A process's output: what its ring holds, then live output until it exits, "
+            "then its exit",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    deadline=_no_deadline,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/processes/{pid}/output",
+              operation_id="connectProcess", reply="ndjson", tag="processes"))
+
+PROCESS_INPUT: Op[ProcessInput, None] = Op(
+    "process_input", ProcessInput, None,
+    summary="Write bytes to a process's stdin (or its terminal)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/{pid}/stdin",
+              operation_id="writeProcessStdin", status=204, body="data",
+              body_limit="exec", reply="empty", tag="processes"))
+
+PROCESS_CLOSE_STDIN: Op[ProcessRef, None] = Op(
+    "process_close_stdin", ProcessRef, None,
+    summary="Close a process's stdin (it reads end of file)",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="DELETE", path="/v1/sandboxes/{id}/processes/{pid}/stdin",
+              operation_id="closeProcessStdin", status=204, reply="empty",
+              tag="processes"))
+
+PROCESS_SIGNAL: Op[ProcessSignal, None] = Op(
+    "process_signal", ProcessSignal, None,
+    summary="Send a signal to a process's process group",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/{pid}/signal",
+              operation_id="signalProcess", status=204, body="*", reply="empty",
+              tag="processes"))
+
+PTY_RESIZE: Op[PtyResize, None] = Op(
+    "pty_resize", PtyResize, None,
+    summary="Resize a PTY process's terminal (its foreground group gets SIGWINCH)",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/{pid}/resize",
+              operation_id="resizePty", status=204, body="*", reply="empty",
+              tag="processes"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -979,6 +1060,13 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     NODE_MIGRATE,
     NODE_PINS,
     SET_TIMEOUT,
+    PROCESS_START,
+    PROCESS_LIST,
+    PROCESS_CONNECT,
+    PROCESS_INPUT,
+    PROCESS_CLOSE_STDIN,
+    PROCESS_SIGNAL,
+    PTY_RESIZE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -151,6 +151,7 @@ from dsec.wire.ports import (
     PortExpose,
     PortRecord,
 )
+from dsec.wire.process import ProcessRef
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
     BackendName,
@@ -1655,6 +1656,14 @@ class ApiService:
             "cluster_node_revoke": self._cluster_node_revoke_op,
             "node_migrate": self._node_migrate_op,
             "set_timeout": functools.partial(fwd, ops.SET_TIMEOUT),   # issue 19 (life)
+            # issue 19: processes, each by the row's role on the sandbox's project
+            "process_start": functools.partial(fwd, ops.PROCESS_START),
+            "process_list": functools.partial(fwd, ops.PROCESS_LIST),
+            "process_connect": self._process_connect_op,
+            "process_input": functools.partial(fwd, ops.PROCESS_INPUT),
+            "process_close_stdin": functools.partial(fwd, ops.PROCESS_CLOSE_STDIN),
+            "process_signal": functools.partial(fwd, ops.PROCESS_SIGNAL),
+            "pty_resize": functools.partial(fwd, ops.PTY_RESIZE),
         }
 
     # ------------------------------------------------------------------ ports
@@ -1804,6 +1813,27 @@ class ApiService:
     async def _exec_stream_op(self, caller: Caller,
                               b: ExecCall) -> AsyncIterator[ExecChunk | ExecResult]:
         return await self.exec_stream(caller, b.id, b.req)
+
+    async def _process_connect_op(self, caller: Caller, b: ProcessRef,
+                                  ) -> AsyncIterator[ExecChunk | ExecResult]:
+        """Reader on the sandbox's project, checked before the stream starts; the edge's
+        errors mapped as :meth:`_stream` maps an exec's."""
+        edge, _ = await self._edge_for(caller, b.id, "reader")
+        return self._process_stream(edge, b)
+
+    async def _process_stream(self, edge: EdgeOps,
+                              b: ProcessRef) -> AsyncIterator[ExecChunk | ExecResult]:
+        try:
+            async for item in edge.stream(ops.PROCESS_CONNECT, b, timeout=None):
+                yield item
+        except SandboxNotFound:
+            lost = self._vanished(b.id)
+            if lost is not None:
+                raise _lost_error(lost) from None
+            raise _not_found(b.id) from None
+        except _LINK_ERRORS as exc:
+            raise _unreachable(node_of(b.id), "process_connect", b.id, exc, effect=False,
+                               sent=True) from exc
 
     async def _read_file_op(self, caller: Caller, b: ReadFile) -> bytes:
         return await self.read_file(caller, b.id, b.path, b.offset, b.length)
