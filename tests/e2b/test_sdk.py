@@ -8,22 +8,37 @@ from __future__ import annotations
 import pytest
 
 from dsec import LocalCluster
-from dsec.bench._e2b_calls import CALLS, E2BTarget, harness_dsec, harness_e2b, run_calls
+from dsec.bench._e2b_calls import (
+    CALLS,
+    Call,
+    E2BTarget,
+    Gap,
+    harness_dsec,
+    harness_e2b,
+    run_calls,
+)
 
 
 @pytest.mark.parametrize("call", CALLS, ids=[c.name for c in CALLS])
-def test_stock_sdk_call(e2b_target: E2BTarget, call) -> None:  # type: ignore[no-untyped-def]
-    call.fn(e2b_target)
+def test_stock_sdk_call(e2b_target: E2BTarget, call: Call) -> None:
+    """Behaves as E2B documents, or is a documented gap whose exact error the call
+    checked (docs/e2b.md 'Gaps')."""
+    try:
+        call.fn(e2b_target)
+    except Gap:
+        pass
 
 
 def test_compatible_fraction_is_computed_from_a_run(e2b_target: E2BTarget) -> None:
     """The ratio the bench records is counted over outcomes, not written down: a call
     that fails counts against it, a gap never counts for it."""
-    quick = [c for c in CALLS if c.name in ("Sandbox.kill", "files.exists", "pty.create")]
+    quick = [c for c in CALLS if c.name in ("Sandbox.kill", "files.exists",
+                                            "unsupported create options and routes")]
     out = run_calls(e2b_target, quick)
     assert all(o.ok for o in out), out
     assert {o.name: o.compatible for o in out} == {
-        "Sandbox.kill": True, "files.exists": True, "pty.create": False}
+        "Sandbox.kill": True, "files.exists": True,
+        "unsupported create options and routes": False}
     broken = run_calls(e2b_target, [type(quick[0])("broken", lambda t: 1 / 0)])
     assert not broken[0].ok and not broken[0].compatible
     assert "ZeroDivisionError" in broken[0].error

@@ -59,7 +59,15 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.lifetime import SetTimeout
-from dsec.wire.spec import MAX_TTL_S, ExecChunk, ExecRequest, ExecResult, SandboxInfo
+from dsec.wire.process import ProcessInfo, ProcessInput, ProcessRef, ProcessSignal, PtyResize
+from dsec.wire.spec import (
+    MAX_TTL_S,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    PtySize,
+    SandboxInfo,
+)
 
 __all__ = ["E2BApp", "E2BConfig"]
 
@@ -134,16 +142,30 @@ def _user_of(request: Request) -> str | None:
 _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
 
-class _Proc:
-    """A process started through envd ``Start`` in this apiserver: its output stream
-    (dsec's ``exec_stream``) and the task pumping it to the client."""
+def _process_info(p: ProcessInfo) -> dict[str, Any]:
+    """envd's ``ProcessInfo`` for an entry of dsec's process table."""
+    argv = p.cmd if isinstance(p.cmd, list) else ["/bin/sh", "-c", p.cmd]
+    out: dict[str, Any] = {"pid": p.pid, "config": {"cmd": argv[0], "args": argv[1:],
+                                                    "envs": {}}}
+    if p.cwd:
+        out["config"]["cwd"] = p.cwd
+    if p.tag:
+        out["tag"] = p.tag
+    return out
 
-    __slots__ = ("config", "pid", "sandbox", "tag", "task")
 
-    def __init__(self, pid: int, sandbox: str, config: dict[str, Any],
-                 tag: str | None) -> None:
-        self.pid, self.sandbox, self.config, self.tag = pid, sandbox, config, tag
-        self.task: asyncio.Task[Any] | None = None
+def _end_event(r: ExecResult) -> dict[str, Any]:
+    """envd's ``EndEvent``: a process a signal killed (dsec: exit code 128+N) reads as
+    envd reports it, ``exitCode -1``, ``status "signal: killed"``."""
+    if r.exit_code > 128 and r.exit_code - 128 in (9, 15):
+        name = "killed" if r.exit_code == 137 else "terminated"
+        return {"exitCode": -1, "exited": False, "status": f"signal: {name}",
+                "error": f"signal: {name}"}
+    end: dict[str, Any] = {"exitCode": r.exit_code, "exited": True,
+                           "status": f"exit status {r.exit_code}"}
+    if r.exit_code != 0:
+        end["error"] = f"exit status {r.exit_code}"
+    return end
 
 
 class E2BApp:
@@ -166,14 +188,17 @@ class E2BApp:
         self._stat = h(ops.STAT)
         self._mkdir = h(ops.MKDIR)
         self._remove = h(ops.REMOVE)
-        self._exec = h(ops.EXEC)
-        self._exec_stream: Callable[[Caller, ExecCall], Awaitable[AsyncIterator[
-            ExecChunk | ExecResult]]] = service.stream_handler(ops.EXEC_STREAM)  # type: ignore[arg-type]
+        self._pstart = h(ops.PROCESS_START)
+        self._plist = h(ops.PROCESS_LIST)
+        self._psignal = h(ops.PROCESS_SIGNAL)
+        self._pinput = h(ops.PROCESS_INPUT)
+        self._pclose = h(ops.PROCESS_CLOSE_STDIN)
+        self._presize = h(ops.PTY_RESIZE)
+        self._pconnect: Callable[[Caller, ProcessRef], Awaitable[AsyncIterator[
+            ExecChunk | ExecResult]]] = service.stream_handler(ops.PROCESS_CONNECT)  # type: ignore[arg-type]
         dom = self.config.domain
         self._host = (re.compile(r"^(\d+)-([^.]+)\." + re.escape(dom) + r"(?::\d+)?$")
                       if dom else None)
-        self._procs: dict[tuple[str, int], _Proc] = {}
-        self._next_pid = 1000
         self.calls = 0
 
     # ----------------------------------------------------------------- routing
@@ -454,118 +479,146 @@ class E2BApp:
     # ---------------------------------------------------------------- processes
     async def _process(self, request: Request, caller: Caller, sandbox: str, method: str,
                        msg: dict[str, Any], streaming: bool) -> Response:
+        """envd's ``process.Process`` on dsec's process table (the ``process_*`` rows:
+        the sandbox's edge keeps each process, its output ring and its stdin, so any
+        apiserver replica, and any client, reaches it)."""
         if method == "Start" and streaming:
             return await self._start(request, caller, sandbox, msg)
+        if method == "Connect" and streaming:
+            pid = await self._pid(caller, sandbox, msg)
+            return self._follow(request, caller, sandbox, pid, pty=await self._is_pty(
+                caller, sandbox, pid), timeout_s=None)
         if method == "List":
-            procs = [{"pid": p.pid, "config": p.config, **({"tag": p.tag} if p.tag else {})}
-                     for (sid, _), p in self._procs.items() if sid == sandbox]
-            await self._live_rpc(caller, sandbox)
-            return _json({"processes": procs})
+            table = await self._plist(caller, SandboxRef(id=sandbox))
+            return _json({"processes": [_process_info(p) for p in table.items
+                                        if p.running]})
         if method == "SendSignal":
-            p = self._proc(sandbox, msg)
-            await self._live_rpc(caller, sandbox)
+            pid = await self._pid(caller, sandbox, msg, running=True)
             sig = _SIGNALS.get(msg.get("signal", "SIGNAL_SIGKILL"))
             if sig is None:
-                raise InvalidArgument(f"signal {msg.get('signal')!r} is not SIGKILL or "
-                                      "SIGTERM")
-            if p.task is not None:
-                p.task.cancel()
+                raise InvalidArgument(f"signal {str(msg.get('signal'))[:40]!r} is not "
+                                      "SIGNAL_SIGKILL or SIGNAL_SIGTERM", field="signal")
+            await self._psignal(caller, ProcessSignal(id=sandbox, pid=pid, signal=sig))
             return _json({})
-        raise _E2BError(501, f"process.Process/{method} is not supported by dsec's E2B "
-                             "layer yet (docs/e2b.md, 'Gaps')")
+        if method == "SendInput":
+            pid = await self._pid(caller, sandbox, msg)
+            inp = msg.get("input") or {}
+            data = mapping.unb64(inp.get("stdin", inp.get("pty", "")), "input")
+            await self._pinput(caller, ProcessInput(id=sandbox, pid=pid, data=data))
+            return _json({})
+        if method == "CloseStdin":
+            pid = await self._pid(caller, sandbox, msg)
+            await self._pclose(caller, ProcessRef(id=sandbox, pid=pid))
+            return _json({})
+        if method == "Update":
+            pid = await self._pid(caller, sandbox, msg)
+            size = ((msg.get("pty") or {}).get("size") or {})
+            await self._presize(caller, PtyResize(id=sandbox, pid=pid,
+                                                  cols=int(size.get("cols", 0)),
+                                                  rows=int(size.get("rows", 0))))
+            return _json({})
+        raise _E2BError(501, f"process.Process/{method[:40]} is not supported by dsec's E2B "
+                             "layer (docs/e2b.md, 'Gaps')")
 
-    def _proc(self, sandbox: str, msg: dict[str, Any]) -> _Proc:
+    async def _pid(self, caller: Caller, sandbox: str, msg: dict[str, Any], *,
+                   running: bool = False) -> int:
+        """The pid a ``ProcessSelector`` names (by pid or by tag). ``running``: an
+        ended process is "not found", as envd answers (the SDK's kill returns False)."""
         sel = msg.get("process") or {}
-        pid = sel.get("pid")
-        if isinstance(pid, int):
-            p = self._procs.get((sandbox, pid))
-            if p is not None:
-                return p
-        elif isinstance(sel.get("tag"), str):
-            for (sid, _), p in self._procs.items():
-                if sid == sandbox and p.tag == sel["tag"]:
-                    return p
-        raise NotFound(f"process {sel!r} not found in sandbox {sandbox[:80]}")
+        pid, tag = sel.get("pid"), sel.get("tag")
+        if not isinstance(pid, int) and not isinstance(tag, str):
+            raise InvalidArgument("process (a selector: pid or tag) is required",
+                                  field="process")
+        if isinstance(pid, int) and not running:
+            return pid
+        table = await self._plist(caller, SandboxRef(id=sandbox))
+        for p in table.items:
+            if (p.pid == pid if isinstance(pid, int) else p.tag == tag) and (
+                    p.running or not running):
+                return p.pid
+        raise NotFound(f"process {pid if isinstance(pid, int) else tag!r} is not running "
+                       f"in sandbox {sandbox[:80]}")
 
-    async def _live_rpc(self, caller: Caller, sandbox: str) -> None:
-        try:
-            await self._live(caller, sandbox)
-        except _E2BError:
-            raise _E2BError(502, f"The sandbox {sandbox[:80]} was not found") from None
+    async def _is_pty(self, caller: Caller, sandbox: str, pid: int) -> bool:
+        table = await self._plist(caller, SandboxRef(id=sandbox))
+        return any(p.pid == pid and p.pty for p in table.items)
 
     async def _start(self, request: Request, caller: Caller, sandbox: str,
                      msg: dict[str, Any]) -> Response:
         cfg = msg.get("process") or {}
-        if msg.get("pty"):
-            raise _E2BError(501, "PTY processes are not supported by dsec's E2B layer yet "
-                                 "(docs/e2b.md, 'Gaps')")
-        if msg.get("stdin"):
-            raise _E2BError(501, "commands.run(stdin=True) is not supported by dsec's E2B "
-                                 "layer yet (docs/e2b.md, 'Gaps')")
         cmd = cfg.get("cmd")
         args = cfg.get("args") or []
         if not isinstance(cmd, str) or not cmd or not isinstance(args, list):
-            raise InvalidArgument("process.cmd (a program) is required")
+            raise InvalidArgument("process.cmd (a program) is required", field="cmd")
+        # The SDK's command timeout bounds the stream (Connect-Timeout-Ms); dsec makes it
+        # the command's timeout too, so a command never outlives its caller's wait.
         timeout_ms = request.headers.get("connect-timeout-ms")
         timeout_s = None
         if timeout_ms and timeout_ms.isdigit() and int(timeout_ms) > 0:
             timeout_s = int(timeout_ms) / 1000.0
+        pty = None
+        if msg.get("pty"):
+            size = msg["pty"].get("size") or {}
+            pty = PtySize(cols=int(size.get("cols", 80)), rows=int(size.get("rows", 24)))
+        tag = msg.get("tag")
         req = ExecRequest(argv=(cmd, *map(str, args)), env=dict(cfg.get("envs") or {}),
                           cwd=cfg.get("cwd") or None, user=_user_of(request),
-                          timeout_s=timeout_s, output_cap_bytes=64 << 20)
-        stream = await self._exec_stream(caller, ExecCall(id=sandbox, req=req))
-        self._next_pid += 1
-        proc = _Proc(self._next_pid, sandbox, cfg, msg.get("tag"))
-        self._procs[(sandbox, proc.pid)] = proc
+                          timeout_s=timeout_s, pty=pty, tag=tag if tag else None,
+                          stdin_open=bool(msg.get("stdin")))
+        info = await self._pstart(caller, ExecCall(id=sandbox, req=req))
+        return self._follow(request, caller, sandbox, info.pid, pty=pty is not None,
+                            timeout_s=timeout_s)
+
+    def _follow(self, request: Request, caller: Caller, sandbox: str, pid: int, *,
+                pty: bool, timeout_s: float | None) -> Response:
+        """The Connect stream of process ``pid``: its start event, its output (what its
+        ring holds, then live), its end; a keep-alive event on a quiet stream."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
 
         async def pump() -> None:
             try:
-                await queue.put(rpc.envelope({"event": {"start": {"pid": proc.pid}}}))
+                await queue.put(rpc.envelope({"event": {"start": {"pid": pid}}}))
+                stream = await self._pconnect(caller, ProcessRef(id=sandbox, pid=pid))
                 async for item in stream:
                     if isinstance(item, ExecChunk):
+                        key = "pty" if pty else item.stream
                         await queue.put(rpc.envelope({"event": {"data": {
-                            item.stream: mapping.b64(item.data)}}}))
-                    elif isinstance(item, ExecResult):
-                        if item.timed_out:
-                            why = (f"the command ran past its timeout of {timeout_s}s and "
-                                   "was killed")
-                            await queue.put(rpc.end_stream(("deadline_exceeded", why)))
-                            return
-                        end: dict[str, Any] = {"exitCode": item.exit_code, "exited": True,
-                                               "status": f"exit status {item.exit_code}"}
-                        if item.exit_code != 0:
-                            end["error"] = f"exit status {item.exit_code}"
-                        await queue.put(rpc.envelope({"event": {"end": end}}))
-                await queue.put(rpc.end_stream())
-            except asyncio.CancelledError:
-                await queue.put(rpc.envelope({"event": {"end": {
-                    "exitCode": -1, "exited": False, "status": "signal: killed",
-                    "error": "signal: killed"}}}))
+                            key: mapping.b64(item.data)}}}))
+                    elif item.timed_out:
+                        why = (f"the command ran past its timeout of {timeout_s}s and was "
+                               "killed")
+                        await queue.put(rpc.end_stream(("deadline_exceeded", why)))
+                        return
+                    else:
+                        await queue.put(rpc.envelope({"event": {"end": _end_event(item)}}))
                 await queue.put(rpc.end_stream())
             except DsecError as exc:
                 await queue.put(rpc.end_stream(self._rpc_code(exc, request)))
             except Exception as exc:  # a bug: logged, ends the stream as internal
-                log.exception("E2B envd Start in %s failed", sandbox)
+                log.exception("E2B envd stream of process %s in %s failed", pid, sandbox)
                 await queue.put(rpc.end_stream(self._rpc_code(exc, request)))
             finally:
-                self._procs.pop((sandbox, proc.pid), None)
                 await queue.put(None)
 
-        proc.task = asyncio.create_task(pump())
         keepalive = rpc.envelope({"event": {"keepalive": {}}})
         ka = self.config.keepalive_s
 
         async def body() -> AsyncIterator[bytes]:
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), ka)
-                except TimeoutError:
-                    yield keepalive
-                    continue
-                if item is None:
-                    return
-                yield item
+            task = asyncio.create_task(pump())
+            try:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), ka)
+                    except TimeoutError:
+                        yield keepalive
+                        continue
+                    if item is None:
+                        return
+                    yield item
+            finally:
+                # the client went away (disconnect(), a closed stream): stop following;
+                # the process runs on, as envd's do, and a Connect reads it again
+                task.cancel()
 
         return StreamingResponse(body(), media_type="application/connect+json")
 
