@@ -816,7 +816,8 @@ class ClusterRuntime:
         with os.fdopen(fd, "w") as f:
             json.dump({"url": self.url, "gateway": self.gateway_address,
                        "api_key": self.admin_key, "pid": os.getpid(),
-                       "state_dir": self.config.state_dir}, f)
+                       "state_dir": self.config.state_dir,
+                       **({"e2b": self.e2b_url} if self.e2b_url else {})}, f)  # [e2b]
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ status
