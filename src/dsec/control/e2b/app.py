@@ -674,8 +674,6 @@ class E2BApp:
         if request.method == "GET":
             if not path:
                 raise _E2BError(400, "query parameter path is required")
-            if _user_of(request) not in (None, "root", "user"):
-                pass   # files are read from the sandbox's root view whatever the user
             return await self._download(caller, sandbox, path)
         if request.method == "POST":
             return await self._upload(request, caller, sandbox, path)
