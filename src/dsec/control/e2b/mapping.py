@@ -19,6 +19,7 @@ from typing import Any
 
 from dsec.errors import InvalidArgument
 from dsec.wire.api import CreateSandboxRequest
+from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import FileInfo, SandboxInfo, SandboxStats
 
 __all__ = ["ENVD_VERSION", "create_request", "entry_info", "listed", "metadata_filter",
@@ -118,11 +119,12 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
         if body.get(name):
             raise InvalidArgument(f"{name} is not supported by dsec's E2B layer "
                                   "(docs/e2b.md, 'Gaps')", field=name)
-    if body.get("allow_internet_access") is True:
-        raise InvalidArgument(
-            "allow_internet_access=True is not supported by dsec's E2B layer: sandboxes "
-            "get the cluster's default egress policy (dsec's network settings)",
-            field="allow_internet_access")
+    internet = body.get("allow_internet_access")
+    network: NetworkPolicy | None = None
+    if isinstance(internet, bool):
+        # E2B's switch is dsec's egress mode: any public address, or loopback only;
+        # left out, the cluster's default policy (dsec up --net-default) applies
+        network = NetworkPolicy(mode="open" if internet else "none")
     timeout = body.get("timeout")
     ttl: float | None = None
     if timeout is not None:
@@ -140,7 +142,7 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
                                               for k, v in d.items()):
             raise InvalidArgument(f"{name} must map strings to strings", field=name)
     return CreateSandboxRequest(image=template, labels=dict(meta), env=dict(env),
-                                ttl_s=ttl)
+                                ttl_s=ttl, network=network)
 
 
 def metadata_filter(raw: str | None) -> dict[str, str]:
