@@ -98,6 +98,7 @@ from dsec.wire.cluster import (
     JoinTokenView,
     NodeMigration,
 )
+from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
@@ -164,6 +165,10 @@ __all__ = [
     "EXEC_MANY",
     "EXEC_STREAM",
     "FEED",
+    "FILE_READ_STREAM",
+    "FILE_RENAME",
+    "FILE_WATCH",
+    "FILE_WRITE_STREAM",
     "GATEWAY_OPS",
     "GET",
     "HEARTBEAT",
@@ -1029,6 +1034,44 @@ PTY_RESIZE: Op[PtyResize, None] = Op(
               operation_id="resizePty", status=204, body="*", reply="empty",
               tag="processes"))
 
+
+# Issue 19 (Files): files of any size in pieces, rename and watch (dsec.wire.files). The
+# stream rows are duplex (raw bytes under per-stream credit: bounded memory on every hop,
+# however big the file and however slow the reader); their REST forms are hand-written
+# routes (a streamed raw body each way), the gateway serves them as duplex methods.
+FILE_READ_STREAM: TunnelOp[ReadStream, FileInfo] = TunnelOp(
+    "file_read_stream", ReadStream, FileInfo,
+    summary="Read a file of any size as a byte stream (the reply: the file as opened)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/content",
+              operation_id="readFileStream", query=_q("path", "offset", "length"),
+              reply="raw"))
+
+FILE_WRITE_STREAM: TunnelOp[WriteStream, FileInfo] = TunnelOp(
+    "file_write_stream", WriteStream, FileInfo,
+    summary="Replace a file atomically with a byte stream of any size (a temporary file "
+            "renamed into place once every byte arrived)",
+    # the whole content each time: repeating it leaves the same file
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="PUT", path="/v1/sandboxes/{id}/files/content",
+              operation_id="writeFileStream", query=_q("path", "mode", "size")))
+
+FILE_RENAME: Op[Rename, FileInfo] = Op(
+    "file_rename", Rename, FileInfo,
+    summary="Rename (move) a file or directory inside the sandbox",
+    # a repeat after success answers NotFound (src is gone): not idempotent
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/files/rename",
+              operation_id="renameFile", body="*"))
+
+FILE_WATCH: StreamOp[Watch, FileEvent, WatchEnd] = StreamOp(
+    "file_watch", Watch, WatchEnd, item=FileEvent,
+    summary="Watch a directory: create/write/remove/rename/chmod events (inotify)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/watch",
+              operation_id="watchFiles", query=_q("path", "recursive", "timeout_s"),
+              reply="ndjson"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -1067,6 +1110,10 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     PROCESS_CLOSE_STDIN,
     PROCESS_SIGNAL,
     PTY_RESIZE,
+    FILE_READ_STREAM,
+    FILE_WRITE_STREAM,
+    FILE_RENAME,
+    FILE_WATCH,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)
