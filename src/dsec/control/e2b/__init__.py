@@ -22,6 +22,7 @@ class E2BServer:
         self.server, self.task, self.url, self.app = server, task, url, app
 
     async def stop(self) -> None:
+        await self.app.watchers.close()
         self.server.should_exit = True
         try:
             await asyncio.wait_for(self.task, 10.0)

@@ -36,9 +36,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from dsec.control import filedoors
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.e2b import connect as rpc
 from dsec.control.e2b import mapping
+from dsec.control.e2b.watchers import Watchers
 from dsec.errors import (
     DsecError,
     InvalidArgument,
@@ -53,11 +55,11 @@ from dsec.wire.calls import (
     FileRef,
     ListSandboxes,
     Mkdir,
-    ReadFile,
     Remove,
     SandboxRef,
     WriteFile,
 )
+from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.lifetime import SetTimeout
 from dsec.wire.process import ProcessInfo, ProcessInput, ProcessRef, ProcessSignal, PtyResize
 from dsec.wire.spec import (
@@ -75,7 +77,6 @@ log = logging.getLogger("dsec.e2b")
 
 ENVD_PORT = 49983
 _MAX_MESSAGE = 16 << 20
-_READ_PIECE = 8 << 20        # /files downloads: one read_file call per piece (bounded)
 _ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 
 
@@ -182,8 +183,11 @@ class E2BApp:
         self._resume = h(ops.RESUME)
         self._set_timeout = h(ops.SET_TIMEOUT)
         self._stats = h(ops.STATS)
-        self._read = h(ops.READ_FILE)
-        self._write = h(ops.WRITE_FILE)
+        self._rename = h(ops.FILE_RENAME)
+        self._watch_policy: Callable[[Caller, Watch], Awaitable[AsyncIterator[
+            FileEvent | WatchEnd]]] = service.stream_handler(ops.FILE_WATCH)  # type: ignore[arg-type]
+        self.watchers = Watchers()
+        self._put = h(ops.WRITE_FILE)
         self._list_dir = h(ops.LIST_DIR)
         self._stat = h(ops.STAT)
         self._mkdir = h(ops.MKDIR)
@@ -626,7 +630,8 @@ class E2BApp:
     async def _filesystem(self, caller: Caller, sandbox: str, method: str,
                           msg: dict[str, Any], streaming: bool) -> Response:
         raw_path = msg.get("path")
-        if method in ("Stat", "ListDir", "MakeDir", "Remove") and (
+        if method in ("Stat", "ListDir", "MakeDir", "Remove", "WatchDir",
+                      "CreateWatcher") and (
                 not isinstance(raw_path, str) or not raw_path):
             raise InvalidArgument("path is required")
         path = str(raw_path)
@@ -651,6 +656,35 @@ class E2BApp:
             return _json({"entry": mapping.entry_info(fi)})
         if method == "Remove":
             await self._remove(caller, Remove(id=sandbox, path=path, recursive=True))
+            return _json({})
+        if method == "Move":
+            src, dst = msg.get("source"), msg.get("destination")
+            if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
+                raise InvalidArgument("source and destination are required")
+            # envd's Move is a rename(2): it replaces an existing destination
+            fi = await self._rename(caller, Rename(id=sandbox, src=src, dst=dst,
+                                                   overwrite=True))
+            return _json({"entry": mapping.entry_info(fi)})
+        if method == "WatchDir" and streaming:
+            return self._watch_stream(caller, sandbox, path or "/",
+                                      bool(msg.get("recursive")))
+        if method == "CreateWatcher":
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            if fi.type != "dir":
+                raise InvalidArgument(f"{path} is not a directory", field="path")
+
+            async def probe(p: str) -> None:
+                await self._put(caller, WriteFile(id=sandbox, path=p, data=b""))
+                await self._remove(caller, Remove(id=sandbox, path=p))
+            wid = await self.watchers.create(caller, Watch(
+                id=sandbox, path=path, recursive=bool(msg.get("recursive"))),
+                self._watch_policy, probe)
+            return _json({"watcherId": wid})
+        if method == "GetWatcherEvents":
+            events = self.watchers.take(caller, str(msg.get("watcherId") or ""))
+            return _json({"events": events})
+        if method == "RemoveWatcher":
+            self.watchers.remove(caller, str(msg.get("watcherId") or ""))
             return _json({})
         raise _E2BError(501, f"filesystem.Filesystem/{method} is not supported by dsec's "
                              "E2B layer yet (docs/e2b.md, 'Gaps')")
@@ -680,33 +714,29 @@ class E2BApp:
         raise _E2BError(405, f"{request.method} /files: use GET or POST")
 
     async def _download(self, caller: Caller, sandbox: str, path: str) -> Response:
-        fi = await self._stat(caller, FileRef(id=sandbox, path=path))
-        if fi.type == "dir":
+        """The file streamed from the sandbox (``file_read_stream``: bounded memory on
+        every hop, whatever the size), its length said up front."""
+        req, info = await filedoors.sized_read(self.service, caller,
+                                               ReadStream(id=sandbox, path=path))
+        if info.type == "dir":
             raise _E2BError(400, f"{path} is a directory")
-        first = await self._read(caller, ReadFile(id=sandbox, path=path, offset=0,
-                                                  length=_READ_PIECE))
-        if len(first) < _READ_PIECE:
-            return Response(first, media_type="application/octet-stream")
+        first, more = await filedoors.read_chunks(self.service, caller, req)
 
-        async def rest() -> AsyncIterator[bytes]:
-            yield first
-            off = len(first)
-            while True:
-                piece = await self._read(caller, ReadFile(id=sandbox, path=path,
-                                                          offset=off, length=_READ_PIECE))
-                if piece:
-                    yield piece
-                off += len(piece)
-                if len(piece) < _READ_PIECE:
-                    return
-        return StreamingResponse(rest(), media_type="application/octet-stream")
+        async def body() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for chunk in more:
+                yield chunk
+        assert req.length is not None
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={"content-length": str(req.length)})
 
     async def _upload(self, request: Request, caller: Caller, sandbox: str,
                       path: str | None) -> Response:
         ctype = request.headers.get("content-type", "")
-        limit = self.config.max_upload
         results: list[dict[str, Any]] = []
         if ctype.startswith("multipart/form-data"):
+            limit = self.config.max_upload
             async with request.form(max_files=1000, max_fields=1000,
                                     max_part_size=limit) as form:
                 for _, item in form.multi_items():
@@ -718,8 +748,8 @@ class E2BApp:
                     if not target:
                         raise _E2BError(400, "a multipart file part needs a filename (the "
                                              "path) or ?path=")
-                    results.append(await self._write_piecewise(
-                        caller, sandbox, target, _aiter_file(item.file)))
+                    results.append(await self._write(caller, sandbox, target,
+                                                     _aiter_file(item.file), item.size))
         else:
             if not path:
                 raise _E2BError(400, "query parameter path is required for an "
@@ -727,37 +757,54 @@ class E2BApp:
             if request.headers.get("content-encoding"):
                 raise _E2BError(400, "compressed uploads (gzip=True) are not supported by "
                                      "dsec's E2B layer: upload uncompressed")
-            results.append(await self._write_piecewise(caller, sandbox, path,
-                                                       request.stream(), limit=limit))
+            size = request.headers.get("content-length")
+            results.append(await self._write(caller, sandbox, path, request.stream(),
+                                             int(size) if size and size.isdigit() else None))
         return _json(results)
 
-    async def _write_piecewise(self, caller: Caller, sandbox: str, path: str,
-                               chunks: AsyncIterator[bytes], *,
-                               limit: int | None = None) -> dict[str, Any]:
-        """Write a file from ``chunks`` in 8 MiB ``write_file`` pieces (the first
-        replaces, the rest append): memory stays one piece whatever the size. Parents
-        are made first, as envd does."""
+    async def _write(self, caller: Caller, sandbox: str, path: str,
+                     chunks: AsyncIterator[bytes], size: int | None) -> dict[str, Any]:
+        """Stream ``chunks`` into ``path`` (``file_write_stream``: the edge writes a
+        temporary file and renames it into place, so a cut upload leaves the old file);
+        missing parents are made first, as envd does."""
         parent = path.rpartition("/")[0]
         if parent:
             await self._mkdir(caller, Mkdir(id=sandbox, path=parent, parents=True))
-        buf = bytearray()
-        first, total = True, 0
-        async for chunk in chunks:
-            total += len(chunk)
-            if limit is not None and total > limit:
-                raise _E2BError(413, f"upload exceeds {limit} bytes")
-            buf += chunk
-            while len(buf) >= _READ_PIECE:
-                await self._write(caller, WriteFile(id=sandbox, path=path,
-                                                    data=bytes(buf[:_READ_PIECE]),
-                                                    append=not first))
-                del buf[:_READ_PIECE]
-                first = False
-        if buf or first:
-            await self._write(caller, WriteFile(id=sandbox, path=path, data=bytes(buf),
-                                                append=not first))
-        fi = await self._stat(caller, FileRef(id=sandbox, path=path))
-        return mapping.write_info(fi)
+        info = await filedoors.write_chunks(self.service, caller,
+                                            WriteStream(id=sandbox, path=path, size=size),
+                                            chunks)
+        return mapping.write_info(info)
+
+    # ------------------------------------------------------------------ watches
+    def _watch_stream(self, caller: Caller, sandbox: str, path: str,
+                      recursive: bool) -> Response:
+        """envd's streaming WatchDir on ``file_watch``: a start event, then one
+        ``filesystem`` event per change (a keep-alive on a quiet stream)."""
+        async def body() -> AsyncIterator[bytes]:
+            yield rpc.envelope({"event": {"start": {}}})
+            try:
+                stream = await self._watch_policy(caller, Watch(id=sandbox, path=path,
+                                                                recursive=recursive))
+                it = aiter(stream)
+                while True:
+                    try:
+                        item = await asyncio.wait_for(anext(it), self.config.keepalive_s)
+                    except TimeoutError:
+                        yield rpc.envelope({"event": {"keepalive": {}}})
+                        continue
+                    except StopAsyncIteration:
+                        break
+                    if isinstance(item, FileEvent):
+                        ev = mapping.fs_event(item, path)
+                        if ev is not None:
+                            yield rpc.envelope({"event": {"filesystem": ev}})
+                    else:
+                        break
+                yield rpc.end_stream()
+            except DsecError as exc:
+                exc = self.service.redact(exc)
+                yield rpc.end_stream((rpc.code_of(exc), exc.message))
+        return StreamingResponse(body(), media_type="application/connect+json")
 
 
 async def _aiter_file(f: Any) -> AsyncIterator[bytes]:

@@ -19,11 +19,22 @@ from typing import Any
 
 from dsec.errors import InvalidArgument
 from dsec.wire.api import CreateSandboxRequest
+from dsec.wire.files import FileEvent
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.spec import FileInfo, SandboxInfo, SandboxStats
 
-__all__ = ["ENVD_VERSION", "create_request", "entry_info", "listed", "metadata_filter",
-           "metrics", "sandbox_created", "sandbox_detail", "state_of"]
+__all__ = [
+    "ENVD_VERSION",
+    "create_request",
+    "entry_info",
+    "fs_event",
+    "listed",
+    "metadata_filter",
+    "metrics",
+    "sandbox_created",
+    "sandbox_detail",
+    "state_of",
+]
 
 #: The envd version this layer reports. The SDK gates features on it: >= 0.4.0 sends no
 #: user when none is given (the image's default user runs), >= 0.5.7 uploads file-like
@@ -193,6 +204,22 @@ def entry_info(fi: FileInfo) -> dict[str, Any]:
     if fi.link_target is not None:
         out["symlinkTarget"] = fi.link_target
     return out
+
+
+_EVENTS = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
+           "remove": "EVENT_TYPE_REMOVE", "rename": "EVENT_TYPE_RENAME",
+           "chmod": "EVENT_TYPE_CHMOD"}
+
+
+def fs_event(ev: FileEvent, watched: str) -> dict[str, Any] | None:
+    """envd's ``FilesystemEvent``: ``name`` relative to the watched directory (None for
+    dsec's ``overflow``, which envd has no event for)."""
+    kind = _EVENTS.get(ev.type)
+    if kind is None:
+        return None
+    base = watched.rstrip("/") + "/"
+    name = ev.path[len(base):] if ev.path.startswith(base) else (ev.name or ev.path)
+    return {"name": name, "type": kind}
 
 
 def write_info(fi: FileInfo) -> dict[str, Any]:
