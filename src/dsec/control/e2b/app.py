@@ -203,7 +203,6 @@ class E2BApp:
         dom = self.config.domain
         self._host = (re.compile(r"^(\d+)-([^.]+)\." + re.escape(dom) + r"(?::\d+)?$")
                       if dom else None)
-        self.calls = 0
 
     # ----------------------------------------------------------------- routing
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -213,7 +212,6 @@ class E2BApp:
             await Response(status_code=404)(scope, receive, send)
             return
         request = Request(scope, receive)
-        self.calls += 1
         path: str = scope["path"]
         sandbox: str | None = None
         if self._host is not None:
