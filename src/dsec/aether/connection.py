@@ -1303,7 +1303,7 @@ class Connection:
             self._fail_protocol(exc)
             return
         if (not self._process_scheduled and not self._pause & _PAUSE_OUTPUT
-                and not self._calls_full):
+                and not self._request_waits()):
             self._process()
         elif self._decoder.buffered > self._read_high:
             self._pause_reading(_PAUSE_INPUT)
@@ -1312,10 +1312,20 @@ class Connection:
             if self._guard is not None and (self._held or self._decoder.buffered):
                 self._account()   # the common case holds nothing
 
+    def _request_waits(self) -> bool:
+        """At max_calls_in_flight with a REQUEST next: it (and what follows it) waits for
+        a handler to end. Other frames (a duplex stream's bytes and credit, CANCEL, PING)
+        are still handled at the cap: a duplex upload's own bytes must not wait behind
+        the calls that filled it."""
+        if not self._calls_full:
+            return False
+        nxt = self._decoder.next_type()
+        return nxt is None or nxt == _REQUEST
+
     def _process(self) -> None:
         """Handle up to FRAMES_PER_WAKEUP frames, then write every reply in one go."""
         self._process_scheduled = False
-        if self._closed or self._pause & _PAUSE_OUTPUT or self._calls_full:
+        if self._closed or self._pause & _PAUSE_OUTPUT or self._request_waits():
             return
         next_raw = self._decoder.next_raw
         on_frame = self._on_frame
@@ -1327,7 +1337,7 @@ class Connection:
                 on_frame(*f)
                 if self._closed:
                     return
-                if self._calls_full:
+                if self._request_waits():
                     break   # at max_calls_in_flight: the rest waits for a handler to end
                 if not self._established and not self._auth_required:
                     self._establish()  # a no-token endpoint: the first valid frame admits

@@ -348,3 +348,6 @@ def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool)
     _table(sandbox_id, ["time", "from", "to", "reason", "detail"],
            [[time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time * 1000) % 1000:03d}",
              e.from_state or "-", e.to_state, e.reason, e.detail] for e in evs])
+
+
+import dsec.cli.cp  # noqa: F401 - issue 19: `dsec sandbox cp` (registers itself)

@@ -29,7 +29,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
-from dsec.edge.backends.container.files import SandboxFiles
+from dsec.edge.backends.container.files import TEMP_PREFIX, SandboxFiles
 from dsec.errors import DsecError, InvalidArgument, ResourceExhausted
 from dsec.ids import SandboxId
 from dsec.wire.files import FileEvent, FileEventType
@@ -276,6 +276,9 @@ async def watch(files: SandboxFiles, path: str, recursive: bool,
                     if kind is None:
                         continue
                     nm = name.decode("utf-8", "surrogateescape")
+                    if nm.startswith(TEMP_PREFIX):
+                        continue    # the file API's own temporary files: its atomic
+                        # writes show as one create (the rename into place)
                     full = where.rstrip("/") + "/" + nm
                     yield FileEvent(type=kind, path=full, name=nm)
                     if recursive and kind == "create" and mask & _IN_ISDIR:
