@@ -1333,9 +1333,21 @@ class EdgeNode:
                 "hide paths from a command (exec hide needs the container backend's native "
                 "runtime and a kernel with Landlock)", field="hide", sandbox_id=rec.id)
 
+    @staticmethod
+    def _plain_exec(req: ExecRequest) -> None:
+        """A terminal or an open stdin needs a process of the table (process_start):
+        nothing could write to it during a plain exec."""
+        if req.pty is not None or req.stdin_open:
+            raise InvalidArgument("pty and stdin_open are for process_start (a process "
+                                  "that input can be sent to); a plain exec takes its "
+                                  "whole stdin up front", field="pty" if req.pty else
+                                  "stdin_open")
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run one command (resuming a paused sandbox first)."""
         rec = self._live.get(sandbox_id) or self._find(sandbox_id)
+        if req.pty is not None or req.stdin_open:
+            self._plain_exec(req)
         if req.hide:
             self._check_hide(rec)
         room = self.config.max_reply_output_bytes
@@ -1410,6 +1422,7 @@ class EdgeNode:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yield output chunks as they come, then one final ExecResult."""
         rec = self._find(sandbox_id)
+        self._plain_exec(req)
         if req.hide:
             self._check_hide(rec)
         if rec.state != "running":

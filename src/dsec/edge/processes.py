@@ -97,11 +97,13 @@ class ProcessLimits:
     input_pending: int = 1 << 20          # stdin bytes the edge holds for one process
     input_wait_s: float = 30.0            # a write waits this long for the pipe to drain
     follower_backlog: int = 8 << 20       # live output a connect may fall behind by
+    followers: int = 16                   # connects following one process at once
+    backlog_budget: int = 64 << 20        # all connects of the node, furthest behind cut
     keep_ended_s: float = 3600.0          # an ended entry is kept at most this long
 
     def __post_init__(self) -> None:
         for name in ("per_sandbox", "ring_bytes", "ring_budget", "input_pending",
-                     "follower_backlog"):
+                     "follower_backlog", "followers", "backlog_budget"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"process limit {name} must be >= 1")
 
@@ -169,7 +171,8 @@ class StreamedIO:
         await self._go.wait()
         req = self._req
         if self._input is not None:
-            req = msgspec.structs.replace(req, stdin=bytes(self._input), stdin_open=False)
+            req = msgspec.structs.replace(req, stdin=bytes(self._input))
+        req = msgspec.structs.replace(req, stdin_open=False, pty=None)
         async for item in self._backend.exec_stream(SandboxId(self._sid), req):
             if isinstance(item, ExecResult):
                 return ExitStatus(item.exit_code, timed_out=item.timed_out)
@@ -225,6 +228,38 @@ class _Follower:
         self.wake = asyncio.Event()
 
 
+class _Backlog:
+    """What every follower of the node holds, together: over the budget, the one
+    furthest behind is cut (as Aether cuts the stream furthest behind)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.total = 0
+        self.followers: set[_Follower] = set()
+
+    def add(self, f: _Follower, n: int) -> None:
+        self.total += n
+        while self.total > self.budget:
+            worst = max((x for x in self.followers if not x.cut), default=None,
+                        key=lambda x: x.backlog)
+            if worst is None:
+                return
+            worst.cut = True
+            worst.queue.clear()
+            worst.wake.set()
+            self.total -= worst.backlog
+
+    def taken(self, f: _Follower, n: int) -> None:
+        if not f.cut:
+            self.total -= n
+
+    def leave(self, f: _Follower) -> None:
+        if f in self.followers:
+            self.followers.discard(f)
+            if not f.cut:
+                self.total -= f.backlog
+
+
 class _Process:
     """One entry of a sandbox's table."""
 
@@ -240,7 +275,8 @@ class _Process:
         self.t0 = time.monotonic()
         self.ended_mono: float | None = None
 
-    def take(self, stream: StreamName, data: bytes, backlog_cap: int) -> None:
+    def take(self, stream: StreamName, data: bytes, backlog_cap: int,
+             backlog: _Backlog | None = None) -> None:
         if not data:
             return
         chunk = ExecChunk(stream=stream, data=data)
@@ -249,8 +285,13 @@ class _Process:
                 continue
             f.queue.append(chunk)
             f.backlog += len(data)
-            if f.backlog > backlog_cap:
+            if backlog is not None:
+                backlog.add(f, len(data))
+            if not f.cut and f.backlog > backlog_cap:
                 f.cut = True
+                f.queue.clear()        # its memory goes now; the reader hears at once
+                if backlog is not None:
+                    backlog.total -= f.backlog
             f.wake.set()
         if len(data) >= self.ring_cap:  # one read larger than the ring: keep its tail
             dropped = self.ring_size + len(data) - self.ring_cap
@@ -298,6 +339,7 @@ class ProcessTable:
         self._reserved = 0          # ring bytes reserved by every entry on the node
         self._tasks: set[asyncio.Task[None]] = set()
         self._fake_pids = itertools.count(1000)
+        self._backlog = _Backlog(self.limits.backlog_budget)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -386,8 +428,10 @@ class ProcessTable:
                            stdin_open=req.stdin_open or req.pty is not None)
         proc = _Process(info, lim.ring_bytes)
 
+        backlog = self._backlog
+
         def sink(stream: StreamName, data: bytes) -> None:
-            proc.take(stream, data, lim.follower_backlog)
+            proc.take(stream, data, lim.follower_backlog, backlog)
 
         try:
             io = await self._spawn(rec, req, sink)
@@ -412,7 +456,9 @@ class ProcessTable:
         backend = rec.backend
         spawn = getattr(backend, "spawn_process", None)
         if spawn is not None and getattr(backend, "supports_processes", False):
-            io: ProcessIO = await spawn(SandboxId(rec.id), req, sink)
+            io: ProcessIO = await spawn(SandboxId(rec.id), req, sink,
+                                        input_pending=self.limits.input_pending,
+                                        input_wait_s=self.limits.input_wait_s)
             return io
         return StreamedIO(backend, rec.id, req, next(self._fake_pids), sink)
 
@@ -451,21 +497,30 @@ class ProcessTable:
                 yield c
             yield p.result
             return
+        if len(p.followers) >= self.limits.followers:
+            raise RateLimited(f"process {pid} in sandbox {sid} already has "
+                              f"{len(p.followers)} readers following it, the limit; close "
+                              "one", sandbox_id=sid, limit=self.limits.followers,
+                              retry_after=1.0)
         f = _Follower()
         p.followers.add(f)   # no await since the ring was copied: nothing is missed
+        self._backlog.followers.add(f)
         try:
             for c in replay:
                 yield c
             while True:
-                while f.queue:
+                while f.queue and not f.cut:
                     c = f.queue.popleft()
                     f.backlog -= len(c.data)
+                    self._backlog.taken(f, len(c.data))
                     yield c
                 if f.cut:
                     raise ResourceExhausted(
-                        f"this reader of process {pid} in sandbox {sid} fell more than "
-                        f"{self.limits.follower_backlog} bytes behind its output and was "
-                        "cut off; connect again (the ring holds the newest output)",
+                        f"this reader of process {pid} in sandbox {sid} fell "
+                        f"{f.backlog} bytes behind its output (at most "
+                        f"{self.limits.follower_backlog} each, {self.limits.backlog_budget} "
+                        "for every reader of the node) and was cut off; connect again "
+                        "(the ring holds the newest output)",
                         sandbox_id=sid, limit=self.limits.follower_backlog)
                 if p.result is not None:
                     yield p.result
@@ -474,6 +529,8 @@ class ProcessTable:
                 await f.wake.wait()
         finally:
             p.followers.discard(f)
+            self._backlog.leave(f)
+            f.queue.clear()
 
     async def input(self, sid: str, pid: int, data: bytes) -> None:
         p = self._get(sid, pid)

@@ -117,6 +117,7 @@ from dsec.wire.spec import (
 )
 
 if TYPE_CHECKING:
+    from dsec.edge.backends.container.procio import ContainerProcess
     from dsec.edge.backends.container.runc import RuncDriver
 
 __all__ = ["ContainerBackend", "Runtime"]
@@ -1276,6 +1277,28 @@ class ContainerBackend:
         finally:
             if not task.done():
                 task.cancel()
+
+    # -- processes (issue 19: the edge's process table, dsec.edge.processes) ----------
+    @property
+    def supports_processes(self) -> bool:
+        """The native runtime spawns the table's processes itself (pipes, ptys, signals);
+        under runc the table runs them through exec_stream."""
+        return self._runc is None
+
+    async def spawn_process(self, sid: SandboxId, req: ExecRequest,
+                            sink: Callable[[Literal["stdout", "stderr"], bytes], None], *,
+                            input_pending: int = 1 << 20, input_wait_s: float = 30.0,
+                            ) -> ContainerProcess:
+        from dsec.edge.backends.container.procio import spawn
+        box = self.box(sid)
+        if box.paused:
+            await self.resume(sid)
+        argv = list(req.argv) if req.argv else ["/bin/sh", "-c", req.shell or ""]
+        env = build_env(box.sid[:63], box.spec.env, req.env)
+        req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
+                                      user=req.user or box.spec.user)
+        return await spawn(self, box, req, argv, env, sink, input_pending=input_pending,
+                           input_wait_s=input_wait_s)
 
     @property
     def supports_hide(self) -> bool:
