@@ -17,6 +17,7 @@ import click
 
 from dsec.cli.e2b_options import e2b_banner, e2b_config, e2b_options
 from dsec.cli.edge import blob_store_option, net_default_option, secret_in_argv
+from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
 
 
 def _edges(values: tuple[str, ...]) -> dict[str, str]:
@@ -77,11 +78,16 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
                    "sandboxes arrive through the state store (docs/deploy.md).")
 @net_default_option
 @blob_store_option
+@log_level_option()
+@log_format_option
+@access_log_option
 @e2b_options
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
               node_ttl: float, sandbox_list_interval: float, net_default: Any,
               cluster_dir: str | None = None, blob_store: str | None = None,
+              log_level: str = "warning", log_format: str = "text",
+              access_log: str | None = None,
               e2b: str | None = None, e2b_domain: str | None = None,
               e2b_tls_cert: str | None = None, e2b_tls_key: str | None = None) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
@@ -104,16 +110,13 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
                         **e2b_config(e2b, e2b_domain, e2b_tls_cert, e2b_tls_key),
                         plane=PlaneConfig(node_ttl_s=node_ttl,
                                           sandbox_list_interval_s=sandbox_list_interval))
+    from dsec.logs import configure
+    configure(log_level, log_format, access_log=access_log)   # issue 19
     uvloop.run(_run(cfg, quiet))
 
 
 async def _run(cfg: Any, quiet: bool) -> None:
-    import logging
-
     from dsec.cluster.run import run_until_signalled
-
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def failed(exc: Exception) -> None:
         click.echo(f"dsec apiserver failed: {exc}", err=True)

@@ -359,3 +359,6 @@ def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool)
 
 import dsec.cli.cp  # noqa: F401 - issue 19: `dsec sandbox cp` (registers itself)
 from dsec.cli import shell as _shell  # noqa: F401  (registers `sandbox shell`)
+from dsec.cli.lifetime import register as _register_lifetime  # issue 19 (life)
+
+_register_lifetime(sandbox)

@@ -35,6 +35,7 @@ import heapq
 import logging
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self, TypeVar
@@ -75,6 +76,7 @@ from dsec.edge.lifecycle import (
     start_clock,
     stop_clock,
 )
+from dsec.edge.usage import CpuUsage, OpTimings
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -351,6 +353,8 @@ class EdgeNode:
         # live again: network_lost, layer_unavailable), handed out once it is.
         self._adopt_notices: dict[str, list[tuple[str, str]]] = {}
         self._deadlines: builtins.list[tuple[float, str]] = []
+        self._cpu = CpuUsage()          # each sandbox's previous CPU reading (stats)
+        self.timings = OpTimings()      # operation durations and notices (/metrics)
         if journal is None and config.state_dir is not None:
             journal = SandboxJournal(config.state_dir, sync=config.journal_sync,
                                      keep_ended=config.tombstones)
@@ -621,6 +625,8 @@ class EdgeNode:
     def _event(self, rec: _Sandbox, frm: SandboxState | None, to: SandboxState, reason: str,
                detail: str) -> None:
         ev = (self.clock.time(), frm, to, reason, detail)
+        if frm == to and reason in NOTICE_REASONS:
+            self.timings.notice(reason)
         events = rec.events
         events.append(ev)
         if len(events) > self.config.events_per_sandbox:
@@ -686,6 +692,7 @@ class EdgeNode:
         rec.ports = {}
         dead = self._dead
         dead[rec.id] = rec
+        self._cpu.forget(rec.id)          # its previous CPU reading (stats)
         if len(dead) > self.config.tombstones:
             dead.popitem(last=False)
 
@@ -728,11 +735,17 @@ class EdgeNode:
 
         Durable before acknowledged: the intent (``creating``) is in the journal before
         the backend starts, the ``running`` record before the answer."""
-        rec = self._admit(spec, sandbox_id, ceiling_deny)
-        await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
-        await self._build(rec)
-        await self._commit_or_abort(rec)
-        return self._created(rec)
+        t0, ok = time.monotonic(), False
+        try:
+            rec = self._admit(spec, sandbox_id, ceiling_deny)
+            await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
+            await self._build(rec)
+            await self._commit_or_abort(rec)
+            info = self._created(rec)
+            ok = True
+            return info
+        finally:
+            self.timings.observe("create", time.monotonic() - t0, ok=ok)
 
     async def create_many(self, specs: Sequence[SandboxSpec]) -> builtins.list[SandboxInfo | DsecError]:
         """Create each spec; one result per spec in order, failures as error objects.
@@ -878,10 +891,15 @@ class EdgeNode:
         An id this node has no record of, but whose traces a backend still finds on the
         host, is cleaned up too (and answered with a tombstone) instead of
         ``SandboxNotFound``."""
-        info = await self._destroy(sandbox_id, reason, detail)
-        if self._durable is not None:
-            await self._durable.commit()
-        return info
+        t0, ok = time.monotonic(), False
+        try:
+            info = await self._destroy(sandbox_id, reason, detail)
+            if self._durable is not None:
+                await self._durable.commit()
+            ok = True
+            return info
+        finally:
+            self.timings.observe("destroy", time.monotonic() - t0, ok=ok)
 
     async def _destroy(self, sandbox_id: str, reason: str, detail: str) -> SandboxInfo:
         """:meth:`destroy` up to noting the tombstone (the caller commits)."""
@@ -1132,6 +1150,15 @@ class EdgeNode:
             await asyncio.shield(rec.busy)
         if rec.state == "paused":
             return PauseStats()
+        t0, ok = time.monotonic(), False
+        try:
+            stats = await self._pause(rec, reason)
+            ok = True
+            return stats
+        finally:
+            self.timings.observe("pause", time.monotonic() - t0, ok=ok)
+
+    async def _pause(self, rec: _Sandbox, reason: str) -> PauseStats:
         self._move(rec, "pause", reason)
         rec.busy = asyncio.get_running_loop().create_future()
         try:
@@ -1166,6 +1193,14 @@ class EdgeNode:
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:
+        t0, ok = time.monotonic(), False
+        try:
+            await self._resume_now(rec, reason)
+            ok = True
+        finally:
+            self.timings.observe("resume", time.monotonic() - t0, ok=ok)
+
+    async def _resume_now(self, rec: _Sandbox, reason: str) -> None:
         self._move(rec, "resume", reason)
         rec.busy = asyncio.get_running_loop().create_future()
         try:
@@ -1360,11 +1395,15 @@ class EdgeNode:
         self._admit_exec(rec)
         rec.active += 1
         rec.last_active_at = self.clock.time()
+        t0, ok = time.monotonic(), False
         try:
-            return await rec.backend.exec(SandboxId(rec.id), req)
+            result = await rec.backend.exec(SandboxId(rec.id), req)
+            ok = True
+            return result
         except Exception as exc:
             raise self._interrupted(rec, "exec", exc) from exc
         finally:
+            self.timings.observe("exec", time.monotonic() - t0, ok=ok)
             rec.active -= 1
             self._exec_ended(rec)
             rec.last_active_at = self.clock.time()
@@ -1430,12 +1469,15 @@ class EdgeNode:
         self._admit_exec(rec)
         rec.active += 1
         rec.last_active_at = self.clock.time()
+        t0, ok = time.monotonic(), False
         try:
             async for item in rec.backend.exec_stream(SandboxId(rec.id), req):
                 yield item
+            ok = True
         except Exception as exc:
             raise self._interrupted(rec, "exec", exc) from exc
         finally:
+            self.timings.observe("exec_stream", time.monotonic() - t0, ok=ok)
             rec.active -= 1
             self._exec_ended(rec)
             rec.last_active_at = self.clock.time()
@@ -1599,11 +1641,19 @@ class EdgeNode:
             return "removed"
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
+        """The backend's reading, with the CPU usage over the interval since this
+        sandbox's previous stats call (or over a short sample: dsec.edge.usage)."""
         rec = self._find(sandbox_id)
         try:
-            return await rec.backend.stats(SandboxId(rec.id))
+            st = await rec.backend.stats(SandboxId(rec.id))
+            pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
+            if pct is None:
+                await asyncio.sleep(self._cpu.sample_s)
+                st = await rec.backend.stats(SandboxId(rec.id))
+                pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
         except Exception as exc:
             raise self._backend_error(rec, "read stats of", exc) from exc
+        return msgspec.structs.replace(st, cpu_percent=pct, cpu_interval_s=dt)
 
     # ================================================================ snapshots
     def _snapshotters(self) -> builtins.list[SnapshotBackend]:
@@ -1857,6 +1907,27 @@ class EdgeNode:
                                 "store yet; the control plane sends them again",
                                 self.node_id, ", ".join(change.unresolved)[:400])
             self._pins_gen = gen if whole else 0
+
+    # ================================================================ metrics (issue 19)
+    def state_counts(self) -> dict[str, int]:
+        """Live sandboxes by lifecycle state (the edge's /metrics)."""
+        out: dict[str, int] = {}
+        for rec in self._live.values():
+            out[rec.state] = out.get(rec.state, 0) + 1
+        return out
+
+    def layer_counts(self) -> tuple[int, int, int, int] | None:
+        """``(layers stored, their bytes, layer puts hit, missed)`` or None without a
+        layer store (the edge's /metrics; one listdir and a manifest read per layer)."""
+        store = self._layer_store()
+        if store is None:
+            return None
+        digests = store.stored_digests()
+        size = 0
+        for d in digests:
+            with contextlib.suppress(OSError):     # pruned since the listdir
+                size += os.stat(store.layer_path(d)).st_size
+        return len(digests), size, self.layers.hits, self.layers.misses
 
     # ================================================================ reaping
     def due(self, now: float | None = None) -> builtins.list[ReapAction]:

@@ -787,6 +787,10 @@ class ExecResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     timed_out: bool = False
     duration_s: float = 0.0
     pid: int | None = None                  # set for background execs
+    # issue 19: the OOM killer killed a process of the sandbox while this command ran (the
+    # sandbox's counter moved during it: with concurrent execs, maybe another's process);
+    # the sandbox's events carry an "oom_kill" notice as before
+    oom_killed: bool = False
 
 
 class SandboxEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -880,6 +884,18 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     disk_bytes: int = 0
     disk_cap_bytes: int | None = None
     disk_full: bool = False
+    # issue 19: cpu use in percent of one core over the last ``cpu_interval_s`` seconds
+    # (since the previous stats call, or a short sample when there was none: 100 = one
+    # core busy); memory_limit_bytes the cgroup's limit; network bytes through the
+    # sandbox's own network namespace (None: the backend gives it none); oom_kills: the
+    # processes the OOM killer killed in it so far
+    cpu_percent: float | None = None
+    cpu_interval_s: float | None = None
+    memory_limit_bytes: int | None = None
+    pids_max: int | None = None
+    net_rx_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    oom_kills: int = 0
 
 
 class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
