@@ -157,16 +157,22 @@ def _tunneled(service: ApiService, op: TunnelOp[Any, Any],
     after the access check, the relay moves bytes both ways under both streams' credit
     (dsec.control.filedoors), the edge's answer ends the call."""
     authenticate, redact = service.authenticate, service.redact
-    calls = service.metrics.gateway_calls.labels(op.api_method)
+    count = _counter(service, op)   # counted and timed as every other row (life's metrics)
 
     async def handle(session: GatewaySession, body: Any, stream: DuplexStream) -> Any:
-        calls.inc()
+        t0 = time.perf_counter()
+        outcome = "error"
         try:
             edge, done = await service.open_file_stream(
                 authenticate(session.key, session.peer), op, body)
-            return await gateway_relay(stream, edge, done)
+            reply = await gateway_relay(stream, edge, done)
+            outcome = "ok"
+            return reply
         except DsecError as exc:
+            outcome = exc.code
             raise redact(exc) from None
+        finally:
+            count(outcome, time.perf_counter() - t0, session.peer)
     return handle
 
 
