@@ -102,6 +102,7 @@ from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
     LayerFetch,
+    LayerGrant,
     LayerPut,
     LayerRef,
     NodePins,
@@ -371,6 +372,7 @@ EXAMPLES: dict[str, Example] = {
     "file_write_stream": lambda w: WriteStream(id=w.sid, path="/tmp/up", size=3),
     "file_rename": lambda w: Rename(id=w.sid, src=w.file(), dst=f"/tmp/moved{w.n()}"),
     "file_watch": lambda w: Watch(id=w.sid, path="/tmp", timeout_s=0.2),
+    "layer_grant": lambda w: LayerGrant(manifests=[w.manifest_json()]),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
                "image_delete", "destroy_many", "image_unpin", "node_drain", "node_undrain",

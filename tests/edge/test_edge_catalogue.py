@@ -86,6 +86,7 @@ EXAMPLES: dict[str, Example] = {
     "destroy": lambda w: {"id": w.spare, "reason": "requested"},
     "destroy_many": lambda w: {"ids": [w.sid]},
     "node_pins": lambda w: {"images": [], "gen": 0},
+    "layer_grant": lambda w: {"manifests": [w.manifest]},
     "network_get": lambda w: {"id": w.sid},
     "network_update": lambda w: {"id": w.sid, "policy": {"mode": "policy",
                                                           "allow": ["pypi.org:443"]},

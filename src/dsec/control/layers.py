@@ -38,7 +38,14 @@ from dsec.errors import (
 from dsec.image.manifest import LayerManifest
 from dsec.image.transfer import CHUNK_BYTES, decode_manifest
 from dsec.wire import ops
-from dsec.wire.layers import MAX_CHAIN, LayerFetched, LayerPut, LayerRef, LayerStored
+from dsec.wire.layers import (
+    MAX_CHAIN,
+    LayerFetched,
+    LayerGrant,
+    LayerPut,
+    LayerRef,
+    LayerStored,
+)
 
 __all__ = ["LayerMeaning", "LayerMover", "MoveStats", "relay"]
 
@@ -77,6 +84,20 @@ def meant_manifest(digest: str, meaning: LayerMeaning, held: LayerManifest) -> L
         content_bytes=held.content_bytes, entries=held.entries,
         compression=held.compression, skipped=dict(held.skipped))
 
+def granted_manifest(digest: str, meaning: LayerMeaning,
+                     pushed: LayerManifest) -> LayerManifest | None:
+    """The manifest a node with a blob store gets for a layer it may read lazily
+    (``layer_grant``; red team 17 F1): the control plane's meaning, and from the
+    control plane's own record of the push the size and the chunk table's sha256 - the
+    hashes every chunk is checked against are bound to the digest by whoever pushed
+    it, never by the blob store. None: the layer cannot be read lazily (a snapshot,
+    or never pushed with a recorded chunk table)."""
+    if meaning.kind == "snapshot" or pushed.kind == "snapshot" or pushed.chunk_table is None:
+        return None
+    return msgspec.structs.replace(meant_manifest(digest, meaning, pushed),
+                                   chunk_table=pushed.chunk_table)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -111,6 +132,14 @@ async def relay(src: EdgeClient, dst: EdgeClient, raw_manifest: bytes, digest: s
     return stored
 
 
+def _check_kind(digest: str, top: LayerMeaning, kind: str | None) -> None:
+    if kind == "snapshot" and top.kind != "snapshot":
+        raise ImageNotFound(f"{digest} is a {top.kind} layer, not a snapshot", ref=digest)
+    if kind == "image" and top.kind == "snapshot":
+        raise ImageNotFound(f"no image {digest}: it is a snapshot; start from it "
+                            "with snapshot=", ref=digest)
+
+
 @dataclass(slots=True)
 class MoveStats:
     """Counters of one apiserver's relays (the bench reads them)."""
@@ -139,6 +168,12 @@ class LayerMover:
     #: what a layer is, from the control plane's records (None: it has none, and the
     #: layer does not move). Unset (None) only in relay unit tests: the holder's chain.
     meaning: Callable[[str], LayerMeaning | None] | None = None
+    #: [lazy3] whether a node reads layers lazily from the cluster's blob store
+    #: (Heartbeat.lazy): such a node is granted pushed layers, not sent their bytes
+    lazy: Callable[[str], bool] = lambda node: False
+    #: [lazy3] the control plane's own manifest of a layer it pushed (its chunk table
+    #: recorded), or None
+    pushed: Callable[[str], LayerManifest | None] = lambda digest: None
     idle_timeout_s: float = 30.0
     stats: MoveStats = field(default_factory=MoveStats)
     _inflight: dict[tuple[str, str], asyncio.Future[LayerStored]] = field(
@@ -160,6 +195,16 @@ class LayerMover:
         if self.holds(node, digest):
             out.present.append(digest)
             return out
+        if self.meaning is not None and self.lazy(node):
+            # A node with a blob store reads pushed layers lazily: the control plane
+            # grants it their manifests (lowest first) and relays only what was never
+            # pushed - a snapshot's own layer, whose image layers stay remote.
+            with contextlib.suppress(ImageNotFound):
+                meant = self._chain(digest)
+                _check_kind(digest, meant[-1][1], kind)
+                await self._grant(node, meant, out)
+                if digest in out.remote:
+                    return out
         sources = [source] if source is not None else [
             n for n in self.holders(digest) if n != node]
         dst = self._edge(node)
@@ -247,22 +292,43 @@ class LayerMover:
         visit(digest)
         return out
 
+    async def _grant(self, node: str, chain: list[tuple[str, LayerMeaning]],
+                     out: LayerFetched) -> None:
+        """Grant ``node`` the pushed layers at the bottom of ``chain`` it lacks, up to
+        the first one that cannot be read lazily (what stands on that must be relayed
+        after it); each granted layer goes to ``out.remote``."""
+        send: list[bytes] = []
+        want: list[str] = []
+        for d, meaning in chain:
+            if self.holds(node, d):
+                out.present.append(d)
+                continue
+            pushed = self.pushed(d)
+            m = granted_manifest(d, meaning, pushed) if pushed is not None else None
+            if m is None:
+                break
+            send.append(_enc.encode(m))
+            want.append(d)
+        if not send:
+            return
+        got = await self._edge(node).call(ops.LAYER_GRANT, LayerGrant(manifests=send))
+        for d in got.digests:
+            if d in want and d not in out.remote:
+                out.remote.append(d)
+                # there by digest only, like a copy; never a holder others copy from
+                self.copied(node, d)
+
     async def _fetch_meant(self, node: str, digest: str, dst: EdgeClient,
                            sources: Sequence[str], kind: str | None,
                            out: LayerFetched) -> LayerFetched:
         chain = self._chain(digest)
-        top = chain[-1][1]
-        if kind == "snapshot" and top.kind != "snapshot":
-            raise ImageNotFound(f"{digest} is a {top.kind} layer, not a snapshot", ref=digest)
-        if kind == "image" and top.kind == "snapshot":
-            raise ImageNotFound(f"no image {digest}: it is a snapshot; start from it "
-                                "with snapshot=", ref=digest)
+        _check_kind(digest, chain[-1][1], kind)
         last: DsecError | None = None
         for src_node in sources:
             src = self._edge(src_node)
             try:
                 for d, meaning in chain:
-                    if d in out.present or d in out.copied:
+                    if d in out.present or d in out.copied or d in out.remote:
                         continue
                     if self.holds(node, d):
                         out.present.append(d)

@@ -51,7 +51,15 @@ from dsec.wire.calls import (
     WriteFile,
 )
 from dsec.wire.files import ReadStream, Rename, Watch, WatchEnd, WriteStream
-from dsec.wire.layers import LayerChain, LayerPut, LayerRef, LayerStored, PinSet
+from dsec.wire.layers import (
+    LayerChain,
+    LayerGrant,
+    LayerGranted,
+    LayerPut,
+    LayerRef,
+    LayerStored,
+    PinSet,
+)
 from dsec.wire.lifetime import SetTimeout
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
@@ -135,6 +143,9 @@ class EdgeHandlers:
     async def node_pins(self, b: PinSet) -> Empty:
         await self.node.apply_pins(b.images, b.gen)
         return Empty()
+
+    async def layer_grant(self, b: LayerGrant) -> LayerGranted:
+        return LayerGranted(digests=await self.node.grant_layers(b.manifests))
 
     async def stats(self, b: SandboxRef) -> SandboxStats:
         return await self.node.stats(b.id)

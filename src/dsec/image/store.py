@@ -680,6 +680,27 @@ class LayerStore:
             _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
             return manifest
 
+    def replace_remote(self, manifest: LayerManifest) -> LayerManifest:
+        """[lazy3] Make the manifest of a layer this node reads lazily (no layer file
+        here) exactly ``manifest``: the control plane's grant wins over a record made
+        before (an older node resolved it from the blob store's own ``.manifest``). A
+        layer stored whole is left alone (its file is the truth). Returns what is
+        recorded."""
+        hx = manifest.digest.removeprefix(DIGEST_PREFIX)
+        with self._locked():
+            existing = self._load_opt(hx)
+            if existing is None:
+                raise ImageNotFound(f"layer {manifest.digest} is not in {self.root}",
+                                    ref=manifest.digest)
+            if os.path.exists(self.layer_path(hx)) or existing == manifest:
+                return existing
+            for below in (*manifest.stack, *((manifest.parent,) if manifest.parent else ())):
+                if self._load_opt(below.removeprefix(DIGEST_PREFIX)) is None:
+                    raise ImageError(f"cannot record layer {manifest.digest}: the layer "
+                                     f"{below} it stands on is not in {self.root}")
+            _write_private(self._manifest_path(hx), _json_enc.encode(manifest))
+            return manifest
+
     @staticmethod
     def _too_big(what: str, size: int, limit: int, qualifier: str) -> QuotaExceeded:
         return QuotaExceeded(

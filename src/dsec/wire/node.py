@@ -176,6 +176,10 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the last PinSet it carried out whole, 0 after a start; the control plane sends the
     # set again (node_pins) when this is not the fingerprint of the stored pins.
     pins_gen: int = 0
+    # [lazy3] The node reads layers lazily from the cluster's blob store (dsec edge
+    # --blob-store): the control plane grants it pushed layers (layer_grant) instead of
+    # relaying them whole.
+    lazy: bool = False
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):

@@ -105,6 +105,8 @@ from dsec.wire.layers import (
     LayerChain,
     LayerFetch,
     LayerFetched,
+    LayerGrant,
+    LayerGranted,
     LayerPut,
     LayerRef,
     LayerStored,
@@ -187,6 +189,7 @@ __all__ = [
     "LAYER_CHAIN",
     "LAYER_FETCH",
     "LAYER_GET",
+    "LAYER_GRANT",
     "LAYER_PUT",
     "LIST",
     "LIST_DIR",
@@ -1072,6 +1075,16 @@ FILE_WATCH: StreamOp[Watch, FileEvent, WatchEnd] = StreamOp(
               operation_id="watchFiles", query=_q("path", "recursive", "timeout_s"),
               reply="ndjson"))
 
+
+# Issue 17 (red team 17 F1): the control plane hands a node the manifests of the pushed
+# layers it may read lazily (before a create, a snapshot relay, the pins); a node never
+# takes a layer's meaning or chunk hashes from the blob store itself.
+LAYER_GRANT: Op[LayerGrant, LayerGranted] = Op(
+    "layer_grant", LayerGrant, LayerGranted,
+    summary="Record layers this node reads lazily from the blob store, by the control "
+            "plane's manifests (control plane only)",
+    role=None, target="node", idempotent=True, doors=_EDGE)
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -1114,6 +1127,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     FILE_WRITE_STREAM,
     FILE_RENAME,
     FILE_WATCH,
+    LAYER_GRANT,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

@@ -58,6 +58,12 @@ class Remote:
     toolkit: LayerManifest
     big: bytes
 
+    @property
+    def manifests(self) -> list[LayerManifest]:
+        """The pusher's manifests, lowest first: what the control plane grants a node
+        (``layer_grant``) before a create needs them."""
+        return [self.base, self.workspace, self.toolkit]
+
 
 @pytest.fixture
 def remote(tmp_path: object) -> Iterator[Remote]:
@@ -92,7 +98,9 @@ def node(tmp_path: object, remote: Remote) -> Iterator[Node]:
     cache = MountCache(lazy=lazy)
     lazy.on_restart(cache.rebind_lazy)
     try:
-        yield Node(store, lazy, cache, StoreImages(store, cache, lazy))
+        images = StoreImages(store, cache, lazy)
+        images.grant(remote.manifests)       # as the control plane does before a create
+        yield Node(store, lazy, cache, images)
     finally:
         sweep_mounts(tmp)
         cache.close()

@@ -108,16 +108,23 @@ def _erofs_mounts_under(root: str) -> list[str]:
 async def test_cold_create_waiting_on_the_blob_store_does_not_stall_other_sandboxes(
         gated_backend: ContainerBackend, gated: tuple[Node, GatedBlob],
         remote: Remote) -> None:
-    b, (_, blob) = gated_backend, gated
+    b, (node, blob) = gated_backend, gated
+    node.images.grant([remote.base])
     other = new_sid()
     await b.create(other, msgspec.structs.replace(spec_of(remote), workspace=None,
                                                   toolkits=()))
     blob.hold = remote.workspace.hex            # the workspace layer: not on this node yet
     timer = threading.Timer(SAFETY_S, blob.gate.set)
     timer.start()
+
+    async def grant_then_create() -> None:
+        # what the control plane asks: layer_grant (the edge runs it off its loop:
+        # EdgeNode.grant_layers), then the create
+        await asyncio.to_thread(node.images.grant, remote.manifests)
+        await b.create(cold_sid, spec_of(remote))
     try:
         cold_sid = new_sid()
-        cold = asyncio.create_task(b.create(cold_sid, spec_of(remote)))
+        cold = asyncio.create_task(grant_then_create())
         assert await asyncio.to_thread(blob.entered.wait, SAFETY_S)
         r = await sh(b, other, "echo still here")
         # answered while the cold create still waits on the blob store
@@ -136,22 +143,27 @@ async def test_cancelled_cold_create_leaves_no_mount(
         gated_backend: ContainerBackend, gated: tuple[Node, GatedBlob],
         remote: Remote) -> None:
     b, (node, blob) = gated_backend, gated
+    node.images.grant(remote.manifests)         # the control plane's layer_grant
     before = set(fuse_mounts())
-    # the workspace's chunk table is fetched after the base layer was resolved: the
-    # cancel lands mid-acquire, and the thread goes on to mount all three layers
-    blob.hold = remote.workspace.hex + ".chunks"
+    # the workspace's first mount (its superblock read through FUSE) waits after the
+    # base layer was mounted: the cancel lands mid-acquire, and the thread goes on to
+    # mount all three layers
+    src = GatedSource(node.lazy, hold=remote.workspace.digest)
+    node.cache.lazy = src
     sid = new_sid()
     cold = asyncio.create_task(b.create(sid, spec_of(remote)))
-    assert await asyncio.to_thread(blob.entered.wait, SAFETY_S)
+    assert await asyncio.to_thread(src.entered.wait, SAFETY_S)
     cold.cancel()
-    opener = threading.Timer(0.2, blob.gate.set)  # the store answers after the cancel
+    opener = threading.Timer(0.2, src.gate.set)  # the mount goes on after the cancel
     opener.start()
     try:
         with pytest.raises(asyncio.CancelledError):
             await cold
     finally:
         opener.cancel()
+        src.gate.set()
         blob.gate.set()
+        node.cache.lazy = node.lazy
     assert node.cache.mounted() == {}
     assert _erofs_mounts_under(node.cache.root) == []
     assert sid not in b.sandbox_ids() and not os.path.exists(b._dir(sid))

@@ -13,10 +13,14 @@ import subprocess
 import sys
 
 import httpx
+import msgspec
 import pytest
 
 from dsec.edge.backends.container.linux import MNT_DETACH, umount2
 from dsec.edge.service import EdgeClient
+from dsec.errors import ImageNotFound
+from dsec.wire import ops
+from dsec.wire.layers import LayerGrant
 from dsec.wire.spec import SandboxSpec
 from tests.conftest import requires_root
 from tests.edge.lazy.conftest import Remote, fuse_mounts
@@ -50,6 +54,14 @@ async def _listening(proc: subprocess.Popen[bytes], sock: str) -> None:
     raise AssertionError("dsec edge did not listen")
 
 
+async def _grant(c: EdgeClient, remote: Remote) -> None:
+    """What the control plane sends before a create on a lazy node: the pushed layers'
+    manifests (``layer_grant``); the node never reads them from the blob store."""
+    got = await c.call(ops.LAYER_GRANT, LayerGrant(
+        manifests=[msgspec.json.encode(m) for m in remote.manifests]))
+    assert got.digests == [m.digest for m in remote.manifests]
+
+
 def _stop(proc: subprocess.Popen[bytes], tmp: str) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -72,9 +84,18 @@ async def test_edge_starts_a_sandbox_from_the_blob_store(remote: Remote, tmp_pat
     try:
         await _listening(proc, sock)
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
-            sb = await c.create(SandboxSpec(
+            spec = SandboxSpec(
                 backend="container", memory_bytes=256 << 20, image=remote.base.digest,
-                workspace=remote.workspace.digest, toolkits=(remote.toolkit.digest,)))
+                workspace=remote.workspace.digest, toolkits=(remote.toolkit.digest,))
+            # every create door of the edge refuses a layer the control plane did not
+            # grant (red team 17 F1): nothing read from the store's .manifest
+            with pytest.raises(ImageNotFound, match="granted no manifest"):
+                await c.create(spec)
+            (one,) = await c.create_many([spec])
+            assert isinstance(one, ImageNotFound), one
+            assert os.listdir(os.path.join(tmp, "layers", "manifests")) == []
+            await _grant(c, remote)
+            sb = await c.create(spec)
             r = await c.exec(sb.id, "cat /opt/tool /work/readme && busybox | head -1")
             assert r.exit_code == 0, r.stderr
             assert r.stdout.startswith(b"toolkit layer\nworkspace layer\nBusyBox")
@@ -114,6 +135,7 @@ async def test_edge_kill_9_adopted_sandbox_is_told_and_fails_cleanly(
     try:
         await _listening(proc, sock)
         async with await EdgeClient.connect(f"unix:{sock}", timeout=30) as c:
+            await _grant(c, remote)
             old = await c.create(spec)
             assert (await c.exec(old.id, "cat /work/readme")).exit_code == 0
         proc.kill()

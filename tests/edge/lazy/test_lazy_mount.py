@@ -142,6 +142,7 @@ def test_access_trace_is_stored_with_the_image_and_prefetched_on_a_cold_node(
     cache2 = MountCache(lazy=lazy2)
     try:
         images2 = StoreImages(store2, cache2, lazy2)
+        images2.grant(remote.manifests)
         got = images2.acquire(spec)
         want = sum(len(c) for c in trace.layers.values())
         while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from dsec import LocalCluster
@@ -122,3 +123,66 @@ def test_a_restarted_edge_gets_its_pins_again(
         and plane.edges[node].heartbeat.pins_gen == gen
         and _stats(cl).get("pid") not in (None, old)
         and _present(cl, b) == -(-b.size_bytes // CHUNK)))
+
+
+def test_a_create_through_the_api_is_granted_the_pushed_layers(
+        world: tuple[LocalCluster, LayerManifest, LayerManifest]) -> None:
+    """The create door: the control plane grants the lazy node the image's pushed
+    manifests (layer_grant) instead of relaying the layer, and the node reads it from
+    the blob store; nothing was copied whole."""
+    cl, a, _ = world
+    node = cl.runtime.node_ids[0]
+    plane = cl.runtime.plane
+    _wait("the node's heartbeat says it reads layers lazily",
+          lambda: plane.edges[node].heartbeat is not None
+          and plane.edges[node].heartbeat.lazy)
+    with cl.client(session_lease_s=None) as c:
+        sb = c.sandboxes.create(image=a.digest, backend="container")
+        try:
+            # the image has no shell: read through the file API (the edge's own reads
+            # of the sandbox's root, through overlayfs, EROFS and the FUSE file)
+            assert len(sb.files.read("/data/f")) == 3 << 20
+        finally:
+            sb.kill()
+    assert a.digest in plane.edges[node].fetched          # granted, by digest
+    assert plane.mover.stats.layers == 0                   # nothing relayed whole
+
+
+def test_a_forged_chunk_table_fails_the_create_with_a_clear_error(
+        world: tuple[LocalCluster, LayerManifest, LayerManifest]) -> None:
+    """Red team 17 F1 at the API door: a writer of the blob store swaps a pushed layer's
+    chunk table (and its .manifest, to agree); the create through the control plane is
+    refused with an error naming the layer and the table - never a sandbox on other
+    bytes - and nothing is left recorded on the node."""
+    from dsec.errors import DsecError
+    from dsec.image.blob import layer_chunks_key, layer_manifest_key
+    from dsec.image.chunks import ChunkTable, table_ref
+
+    cl, _, _ = world
+    node = cl.runtime.node_ids[0]
+    work = tempfile.mkdtemp(prefix="dsec-forge-")
+    try:
+        src = LayerStore(os.path.join(work, "src"))
+        write_tree(os.path.join(work, "pc"), {"data/f": os.urandom(1 << 20)})
+        m = src.add_tree(os.path.join(work, "pc"), kind="base", name="pc")
+        blob = open_blobstore(cl.runtime.plane.images.blob_store)
+        m = push_layer(blob, src, m)
+        LayerStore(os.path.join(cl.state_dir, "layers")).add_remote(m)
+        root = blob.url.removeprefix("file://")
+        table = ChunkTable.decode(blob.get_range(layer_chunks_key(m.digest), 0,
+                                                 m.chunk_table.size))   # type: ignore[union-attr]
+        hashes = list(table.hashes)
+        hashes[0] = bytes(32)                     # the chunk the forger wants to serve
+        raw, ref = table_ref(ChunkTable(digest=m.digest, size=table.size,
+                                        chunk_size=table.chunk_size, hashes=hashes))
+        with open(os.path.join(root, layer_chunks_key(m.digest)), "wb") as f:
+            f.write(raw)
+        with open(os.path.join(root, layer_manifest_key(m.digest)), "wb") as f:
+            f.write(msgspec.json.encode(msgspec.structs.replace(m, chunk_table=ref)))
+        with cl.client(session_lease_s=None) as c, \
+                pytest.raises(DsecError, match="chunk table") as err:
+            c.sandboxes.create(image=m.digest, backend="container")
+        assert m.digest in str(err.value)
+        assert m.digest not in cl.runtime.plane.edges[node].fetched
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

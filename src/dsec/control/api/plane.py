@@ -124,7 +124,7 @@ from dsec.errors import (
     Unavailable,
 )
 from dsec.ids import NodeId, node_of
-from dsec.image.manifest import PROJECT_LABEL, layer_namespace, parse_ref
+from dsec.image.manifest import PROJECT_LABEL, LayerManifest, layer_namespace, parse_ref
 from dsec.wire import ops
 from dsec.wire.api import (
     CreateKeyRequest,
@@ -387,9 +387,10 @@ class ControlPlane:
                            image_bytes=lambda project: self.images.image_bytes(project))
         self.images = ImageAdmin(self, state=self.store)
         self.mover = LayerMover(link=lambda n: self.edge(NodeId(n)),
-                                holders=self._holders, holds=self._node_holds,
+                                holders=self._holders, holds=self._node_has,
                                 nodes=self._healthy_nodes, copied=self._copied_layer,
-                                note=self._note_layer, meaning=self._layer_meaning)
+                                note=self._note_layer, meaning=self._layer_meaning,
+                                lazy=self._node_lazy, pushed=self._pushed_manifest)
 
     @property
     def layer_dir(self) -> str | None:
@@ -636,6 +637,15 @@ class ControlPlane:
         body = PinSet(images=list(e.pins), gen=gen)
 
         async def send() -> None:
+            if self._node_lazy(e.node):
+                # [lazy3] the node resolves pinned images only from the control plane's
+                # manifests (red team 17 F1): grant each image's layers first
+                for image in body.images:
+                    try:
+                        await self.mover.fetch(e.node, image, kind="image")
+                    except DsecError as exc:
+                        log.warning("pinned image %s not granted to node %s: %s", image,
+                                    e.node, exc)
             try:
                 await link.call(ops.NODE_PINS, body, timeout=60.0)
             except DsecError as exc:
@@ -749,6 +759,35 @@ class ControlPlane:
         e = self.edges.get(node)
         return e is not None and _holds(e, ref)
 
+    def _node_has(self, node: str, digest: str) -> bool:
+        """Whether ``node`` holds ``digest`` (reported) or was given it by digest (a copy,
+        or a grant to read it lazily): nothing to move there. Only reported layers make
+        a node a holder others copy from (``_holders``)."""
+        e = self.edges.get(node)
+        return e is not None and (_holds(e, digest) or digest in e.fetched)
+
+    def _node_lazy(self, node: str) -> bool:
+        """[lazy3] Whether ``node`` reads layers lazily from the blob store (its last
+        heartbeat says so): it is granted pushed layers instead of their bytes."""
+        e = self.edges.get(node)
+        return e is not None and bool(getattr(e.heartbeat, "lazy", False))
+
+    def _pushed_manifest(self, digest: str) -> LayerManifest | None:
+        """[lazy3] This control plane's own manifest of a layer pushed to the blob store
+        (the push recorded its chunk table's sha256: ``LayerStore.record_chunk_table``),
+        or None. What a lazy node is granted comes from here, never from the blob
+        store's ``.manifest`` (red team 17 F1)."""
+        if self.images.layer_dir is None:
+            return None
+        try:
+            store = self.images._layers()
+            if not store.has(digest):
+                return None
+            m = store.get(digest)
+        except DsecError:
+            return None
+        return m if m.chunk_table is not None else None
+
     def _note_layer(self, node: str, digest: str) -> None:
         e = self.edges.get(node)
         if e is not None:
@@ -820,10 +859,10 @@ class ControlPlane:
             if self._node_holds(node, digest):
                 return ref      # its store has the layer, and the name with it
             got = await self.mover.fetch(node, digest, kind="image")
-            # Copied: the node has the layer by digest only. Found there by asking (a
-            # layer made since its last heartbeat: a store it shares, which has the
-            # name too): the name stays, as the caller wrote it.
-            return digest if digest in got.copied else ref
+            # Copied, or granted to read lazily: the node has the layer by digest only.
+            # Found there by asking (a layer made since its last heartbeat: a store it
+            # shares, which has the name too): the name stays, as the caller wrote it.
+            return digest if digest in got.copied or digest in got.remote else ref
 
         image = await one(spec.image)
         if image != spec.image:

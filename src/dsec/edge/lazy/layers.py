@@ -4,9 +4,12 @@ stored, reading 256 KiB chunks from the blob store as the sandbox touches them.
 :class:`LazyLayers` runs the FUSE daemon (:mod:`dsec.edge.lazy.daemon`) as a child
 process and hands :class:`~dsec.image.mount.MountCache` the path of a remote layer's file
 in its mount (:meth:`LazyLayers.path`); the mount cache mounts that file as EROFS exactly
-like a local layer file. A layer becomes remote-known by :meth:`LazyLayers.resolve`: its
-manifest goes into the node's layer store (no layer file: ``LayerStore.add_remote``) and
-its chunk table into the chunk cache directory, where the daemon finds it.
+like a local layer file. A layer becomes remote-known when the control plane grants it
+(``layer_grant``, :meth:`dsec.edge.backends.container.images.StoreImages.grant`): the
+control plane's manifest goes into the node's layer store (no layer file:
+``LayerStore.add_remote``) and its chunk table, checked against the sha256 that manifest
+records (:meth:`LazyLayers.register`), into the chunk cache directory, where the daemon
+finds it. A node never reads a layer's ``.manifest`` from the blob store.
 
 The daemon is watched. When it dies (a crash, kill -9), the kernel has already aborted its
 FUSE connection (its /dev/fuse fd closed; we also write the connection's ``abort`` file in
@@ -64,7 +67,7 @@ from dsec.errors import (
     InvalidArgument,
     PermissionDenied,
 )
-from dsec.image.blob import BlobStore, layer_chunks_key, layer_manifest_key, open_blobstore
+from dsec.image.blob import BlobStore, layer_chunks_key, open_blobstore
 from dsec.image.blob.traces import load_trace, new_trace, record_trace
 from dsec.image.chunks import MIN_CHUNK_SIZE, check_table, table_bytes_bound
 from dsec.image.manifest import DIGEST_PREFIX, LayerManifest
@@ -82,7 +85,6 @@ FUSE_MAX_BACKGROUND = 512
 #: the push's chunk size (the control plane's record) is bounded here, not only by the
 #: 64 MiB any table may have (red team 17 F2).
 MAX_LAZY_CHUNK_SIZE = 4 << 20
-_manifest_dec = msgspec.json.Decoder(LayerManifest)
 
 
 class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,6 +107,9 @@ class LazyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Record access traces and prefetch the stored ones (False: neither)."""
     node: str = "node"
     """This node's name, in the access traces it records."""
+    read_ahead_kb: int | None = None
+    """Readahead window of the FUSE file in KiB (its connection's ``read_ahead_kb``;
+    None: the kernel's 128). Measured, and left alone: :data:`READ_AHEAD_TRADE_OFF`."""
 
 
 class LazyLayers:
@@ -188,8 +193,13 @@ class LazyLayers:
             self._drop_mount(self.mount)
             raise ImageError(f"the lazy layer daemon did not start (said {line[:300]!r}); "
                              "is /dev/fuse there and pyfuse3 installed?")
-        self._conn = os.minor(os.stat(self.mount).st_dev)    # answered: INIT is done
+        dev = os.stat(self.mount).st_dev                      # answered: INIT is done
+        self._conn = os.minor(dev)
         self._tune(self._conn)
+        if c.read_ahead_kb is not None:
+            # before any EROFS mount opens the FUSE file: a file's readahead window is
+            # taken from its device when it is opened
+            _set_read_ahead(dev, c.read_ahead_kb)
         self._proc = proc
         threading.Thread(target=self._watch, args=(proc, self.mount, self._conn),
                          name=f"lazy-daemon-{proc.pid}", daemon=True).start()
@@ -310,26 +320,6 @@ class LazyLayers:
         if not self.knows(manifest.digest):
             return None
         return os.path.join(self.mount, manifest.hex)
-
-    def fetch_manifest(self, digest: str) -> LayerManifest:
-        """The layer's manifest from the blob store (``ImageNotFound`` if it is not there)."""
-        try:
-            size = self.blob.head(layer_manifest_key(digest))
-            if size is None or size > (1 << 20):
-                raise BlobNotFound(f"no manifest for {digest}")
-            raw = self.blob.get_range(layer_manifest_key(digest), 0, size)
-            m = _manifest_dec.decode(raw)
-        except BlobNotFound:
-            raise ImageNotFound(f"layer {digest} is neither on this node nor in the blob "
-                                f"store {self.blob.url}; push it there (dsec image push)",
-                                ref=digest) from None
-        except msgspec.DecodeError as exc:
-            raise CorruptLayer(f"the blob store's manifest of {digest} is malformed: {exc}",
-                               digest=digest) from exc
-        if m.digest != digest:
-            raise CorruptLayer(f"the blob store's manifest for {digest} names {m.digest}",
-                               digest=digest)
-        return m
 
     def register(self, manifest: LayerManifest) -> None:
         """Fetch the layer's chunk table into the cache dir (once), so the daemon serves
@@ -565,6 +555,38 @@ class TraceWrites:
     def delete(self, key: str) -> None:
         self._check(key)
         self.inner.delete(key)
+
+
+READ_AHEAD_TRADE_OFF = """
+Measured 2026-12-02 (2 shared vCPUs, load 4-8; side by side in one process, one daemon
+per setting over the same cached chunks, EROFS and FUSE pages dropped before each read,
+96 MiB of 4 MiB files): with the kernel's 128 KiB readahead on the FUSE file every
+FUSE_READ is <= 128 KiB (528 requests for 64 MiB); py-spy of the daemon then shows ~50%
+in pyfuse3's request wrapper (/dev/fuse read, dispatch, reply copy), ~15% in the pread
+of the chunk cache file, ~25% waiting - little Python of dsec's own. Raising
+``read_ahead_kb`` (set before EROFS opens the FUSE file: a file takes its window from
+its device at open) makes requests of up to 1 MiB (~520 KiB on average) but bought only
+1.04x (256 KiB), 1.06x (512 KiB), 1.11x (1 MiB) on those warm reads (one quick bench run
+even 0.74x: noise at 2 MiB of reads), while cold reads fetched more ahead from the blob
+store: fetch amplification 1.06 (128 KiB), 1.10, 1.21, 1.50 (1 MiB); the quick bench's
+small task went from ~1.1 to 4.2. Not worth it: the default stays the kernel's. The
+rest of the gap to a local layer file is FUSE's own (two copies and a context switch
+per request): the minimal C libfuse3 daemon is 1.2-2.8x (lazy_warm_read_ratio_c_reference)
+- the measured bound of a C front end for cached chunks, which would also have to hand
+misses, verification and stats across a process boundary: not built.
+"""
+
+
+def _set_read_ahead(dev: int, kb: int) -> None:
+    """Set the readahead window of the FUSE connection's backing device (its bdi,
+    ``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``): trade-off in
+    :data:`READ_AHEAD_TRADE_OFF`."""
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        log.warning("cannot set the lazy FUSE file's readahead (%s): %s", path, exc)
 
 
 TRACES_PREFIX = "traces/"

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dsec.errors import CorruptLayer, DsecError, ImageNotFound, InvalidArgument
+from dsec.errors import DsecError, ImageNotFound, InvalidArgument
 from dsec.image.compose import RootStack, acquire_stack, compose
 from dsec.image.manifest import LayerManifest
 from dsec.image.mount import MountCache
 from dsec.image.packdiff import restore_stack
 from dsec.image.store import LayerStore
+from dsec.wire.layers import MAX_CHAIN
 from dsec.wire.spec import SandboxSpec
 
 if TYPE_CHECKING:
@@ -65,7 +66,13 @@ class ImageResolver(Protocol):
 
 
 _FULL_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-MAX_REMOTE_DEPTH = 128
+
+
+def _meaning(m: LayerManifest) -> tuple[object, ...]:
+    """What a lazily read layer's manifest says that the node acts on (names, owners
+    and timestamps are the store's own business: a store shared with the control plane
+    keeps its richer record when it says the same)."""
+    return (m.kind, m.parent, m.stack, m.size_bytes, m.chunk_table, m.namespace)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
@@ -123,15 +130,20 @@ class StoreImages:
         self.lazy = lazy
 
     def _get(self, ref: str) -> LayerManifest:
-        """The manifest of ``ref``; a digest this node lacks is looked up in the blob
-        store (``lazy``) with every layer it stands on, and recorded as remote: its
-        chunks are fetched when a sandbox reads them, never the whole layer here."""
+        """The manifest of ``ref`` in the node's store. A layer the node reads lazily is
+        there only once the control plane granted it (:meth:`grant`): a digest the store
+        does not know is ``ImageNotFound`` - never looked up in the blob store, whose
+        ``.manifest`` any writer of the store could forge (red team 17 F1)."""
         try:
             m = self.store.get(ref)
         except ImageNotFound:
             if self.lazy is None or not _FULL_DIGEST.fullmatch(ref):
                 raise
-            return self._resolve_remote(ref, depth=0)
+            raise ImageNotFound(
+                f"layer {ref} is not on this node and the control plane granted no "
+                "manifest for it: a node reads a layer from the blob store only with the "
+                "control plane's record of it (sent with the create or the pins); create "
+                "through the control plane, or push the image and retry", ref=ref) from None
         self._lazy_here(m)
         return m
 
@@ -141,20 +153,46 @@ class StoreImages:
         if self.lazy is not None and not os.path.exists(self.store.layer_path(m)):
             self.lazy.register(m)
 
-    def _resolve_remote(self, digest: str, depth: int) -> LayerManifest:
-        if depth > MAX_REMOTE_DEPTH:
-            raise CorruptLayer(f"layer {digest} stands on more than {MAX_REMOTE_DEPTH} "
-                               "layers in the blob store", digest=digest)
-        if self.store.has(digest):
-            m = self.store.get(digest)
-            self._lazy_here(m)
-            return m
-        assert self.lazy is not None
-        m = self.lazy.fetch_manifest(digest)
-        for below in (*m.stack, *((m.parent,) if m.parent else ())):
-            self._resolve_remote(below, depth + 1)
-        self.lazy.register(m)
-        return self.store.add_remote(m)
+    def grant(self, manifests: Sequence[LayerManifest]) -> list[str]:
+        """Record layers the control plane says this node may read lazily (``layer_grant``,
+        sent before a create, a snapshot relay or the pins that need them): each is the
+        control plane's own manifest of a pushed layer, lowest first, with the sha256 of
+        the chunk table its push published. The node fetches that table from the blob
+        store, checks it against the record (:meth:`LazyLayers.register`) and only then
+        records the layer remote in its store (no file). The blob store's ``.manifest``
+        is never read: what a layer stands on, its kind and its chunk hashes all come
+        from the control plane. Returns the digests now readable here (whole or lazily).
+        """
+        if self.lazy is None:
+            raise InvalidArgument(
+                "this node has no blob store (dsec edge --blob-store URL), so it cannot "
+                "read layers lazily; the control plane relays them whole instead",
+                field="manifests")
+        if len(manifests) > MAX_CHAIN:
+            raise InvalidArgument(f"{len(manifests)} layers granted at once is over the "
+                                  f"limit of {MAX_CHAIN}", field="manifests")
+        out = []
+        for m in manifests:
+            if m.kind == "snapshot":
+                raise InvalidArgument(
+                    f"layer {m.digest} is a snapshot: snapshots are relayed whole from the "
+                    "node that took them, never read from the blob store", field="manifests")
+            if self.store.has(m.digest):
+                have = self.store.get(m.digest)
+                if os.path.exists(self.store.layer_path(have)):
+                    out.append(m.digest)        # whole here: nothing to read lazily
+                    continue
+                # recorded remote before: by a grant, or (an older node) from the blob
+                # store's own .manifest - the control plane's record wins either way
+                self.lazy.register(m)
+                if _meaning(have) != _meaning(m):
+                    self.store.replace_remote(m)
+                out.append(m.digest)
+                continue
+            self.lazy.register(m)           # CorruptLayer/ImageNotFound: nothing recorded
+            self.store.add_remote(m)        # ImageError if what it stands on is unknown
+            out.append(m.digest)
+        return out
 
     def stack_for(self, spec: SandboxSpec) -> RootStack:
         """The layer stack ``spec`` asks for (no mounting)."""
