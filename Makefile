@@ -52,7 +52,7 @@ $(APT_STAMP): Makefile
 $(STAMP): pyproject.toml $(APT_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3,lazy]'
+	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3,lazy,e2b]'
 	@touch $@
 
 setup: $(STAMP)
