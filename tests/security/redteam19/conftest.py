@@ -14,3 +14,6 @@ def e2b_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     state = str(tmp_path_factory.mktemp("red19a-e2b"))
     with LocalCluster(backend="simulated", state_dir=state, e2b="127.0.0.1:0") as cl:
         yield cl
+
+
+from tests.edge.container.conftest import images_dir  # noqa: E402,F401  (pytest fixture)
