@@ -16,4 +16,4 @@ def e2b_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield cl
 
 
-from tests.edge.container.conftest import images_dir  # noqa: E402,F401  (pytest fixture)
+from tests.edge.container.conftest import images_dir  # noqa: F401  (pytest fixture)

@@ -23,20 +23,20 @@ from dsec.errors import DsecError
 def test_tmpfs_upload_is_charged_to_the_sandbox(tmp_path: object) -> None:
     if os.geteuid() != 0:
         raise AssertionError("needs root (CI runs as root)")
-    with LocalCluster(backend="container", state_dir=str(tmp_path)) as cl:
-        with cl.client(session_lease_s=None) as c:
-            sb = c.sandboxes.create(memory="64MiB")
+    with LocalCluster(backend="container", state_dir=str(tmp_path)) as cl, \
+            cl.client(session_lease_s=None) as c:
+        sb = c.sandboxes.create(memory="64MiB")
+        try:
             try:
-                try:
-                    sb.files.write("/tmp/blob", os.urandom(48 << 20))
-                except DsecError:
-                    return                       # refused: also a fix
-                st = sb.stats()
-                charged = max(st.memory_bytes, st.memory_tmpfs_bytes or 0)
-                assert charged >= 40 << 20, (
-                    f"48 MiB written to /tmp of a 64 MiB sandbox through the files API; "
-                    f"the sandbox is charged {charged} bytes (memory_bytes="
-                    f"{st.memory_bytes}, memory_tmpfs_bytes={st.memory_tmpfs_bytes}): the "
-                    "edge's memory cgroup holds the tmpfs pages")
-            finally:
-                sb.kill()
+                sb.files.write("/tmp/blob", os.urandom(48 << 20))
+            except DsecError:
+                return                       # refused: also a fix
+            st = sb.stats()
+            charged = max(st.memory_bytes, st.memory_tmpfs_bytes or 0)
+            assert charged >= 40 << 20, (
+                f"48 MiB written to /tmp of a 64 MiB sandbox through the files API; "
+                f"the sandbox is charged {charged} bytes (memory_bytes="
+                f"{st.memory_bytes}, memory_tmpfs_bytes={st.memory_tmpfs_bytes}): the "
+                "edge's memory cgroup holds the tmpfs pages")
+        finally:
+            sb.kill()
