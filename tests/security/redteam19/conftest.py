@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from dsec import LocalCluster
+from tests.edge.container.conftest import images_dir  # noqa: F401  (pytest fixture)
 
 
 @pytest.fixture(scope="module")
@@ -15,5 +16,3 @@ def e2b_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(backend="simulated", state_dir=state, e2b="127.0.0.1:0") as cl:
         yield cl
 
-
-from tests.edge.container.conftest import images_dir  # noqa: F401  (pytest fixture)

@@ -45,7 +45,7 @@ async def node() -> AsyncIterator[EdgeNode]:
 
 
 async def _sandbox(node: EdgeNode, project: str) -> str:
-    return (await node.create(SandboxSpec(backend="simulated", project=project))).id
+    return str((await node.create(SandboxSpec(backend="simulated", project=project))).id)
 
 
 async def test_one_tenant_cannot_take_every_ring_of_the_node(node: EdgeNode) -> None:

@@ -31,9 +31,9 @@ def test_node_filter_page_costs_a_bounded_number_of_list_calls(tmp_path: object)
         async def counting(caller: object, req: object) -> object:
             nonlocal calls
             calls += 1
-            return await inner(caller, req)  # type: ignore[arg-type]
+            return await inner(caller, req)
 
-        dash._list = counting  # type: ignore[method-assign]
+        dash._list = counting
         r = httpx.get(f"{cl.url}/ui/sandboxes", params={"node": "nosuch", "limit": "1"},
                       cookies={"dsec_ui": cl.api_key}, timeout=120)
         assert r.status_code == 200, r.text[:300]
