@@ -70,6 +70,7 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
+from dsec.edge.qos import node_qos
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -191,6 +192,11 @@ class NodeConfig:
     # backend mounts from one (a simulated node beside the cluster's store); None: the
     # container backend's store, if any.
     layer_store: str | None = None
+    # Projects (with their subprojects) whose sandboxes this node runs best-effort only
+    # (``dsec edge --qos-be-only PROJECT``, issue 22): a create naming no QoS class gets
+    # "be", one asking "ls" is refused, whoever asks (the control plane's project quota
+    # ``qos_ls`` binds what comes through the apiserver).
+    qos_be_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -738,6 +744,7 @@ class EdgeNode:
                        project=LEGACY_PROJECT, network=self.config.net_default)
         assert spec.network is not None  # stored resolved: a later default moves nothing
         self._check_node_ceiling(spec.network, "network")
+        spec = node_qos(spec, self.config.qos_be_only, self.node_id)
         backend = self.backends.get(backend_of(spec))
         if backend is None:
             raise InvalidArgument(

@@ -87,6 +87,7 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
+from dsec.edge.qos import memory_held, qos_process
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -112,6 +113,7 @@ from dsec.wire.spec import (
     SandboxSpec,
     SandboxStats,
     SnapshotInfo,
+    qos_of,
 )
 
 if TYPE_CHECKING:
@@ -468,7 +470,8 @@ class ContainerBackend:
             if self._runc is not None:  # runc makes (and removes) its own cgroups
                 cg = self.governor.paths(sid)
             else:
-                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids))
+                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids,
+                                                      qos_of(spec), spec.cpu_quota_milli))
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
@@ -483,6 +486,7 @@ class ContainerBackend:
                 box.pidfd = os.pidfd_open(box.init_pid)
             else:
                 box.init_pid, box.pidfd = await self._native_create(box)
+            qos_process(spec, box.init_pid)   # SCHED_IDLE for BE: inherited by its forks
             box.oom_fd = self.governor.oom_eventfd(cg)
             box.oom_seen = self.governor.oom_kills(cg)
             box.pids_seen = self.governor.pids_limit_hits(cg)
@@ -1328,6 +1332,7 @@ class ContainerBackend:
                 for fd in fds:
                     os.close(fd)
                 if isinstance(reply, Started):
+                    qos_process(box.spec, reply.pid)   # before any exec is forwarded to it
                     box.helper = rid
                     if not fut.done():
                         fut.set_result(rid)
@@ -1370,6 +1375,8 @@ class ContainerBackend:
             for fd in fds:
                 os.close(fd)
             if isinstance(reply, Started) and not started.done():
+                if not helper:   # forked from the helper: inherited already
+                    qos_process(box.spec, reply.pid)
                 started.set_result(reply)
                 if req.background:
                     self._zygote.done(rid)
@@ -1732,9 +1739,12 @@ class ContainerBackend:
             full = self._check_disk(box)
         else:  # a sandbox made before the disk pool existed
             disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
+        held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                             pids=pids, disk_bytes=disk, disk_cap_bytes=cap, disk_full=full,
-                            memory_tmpfs_bytes=self.governor.memory_shmem(box.cg))
+                            memory_tmpfs_bytes=self.governor.memory_shmem(box.cg),
+                            qos=qos_of(box.spec), memory_rss_bytes=held.rss,
+                            memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 
     # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
