@@ -111,6 +111,7 @@ from dsec.wire.spec import (
     IdleAction,
     NetworkPolicy,
     PauseStats,
+    QosClass,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -573,7 +574,8 @@ class AsyncSandboxes:
         pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
         cwd: str | None = None, user: str | None = None,
-        build_step: str | None = None,
+        build_step: str | None = None, qos: QosClass | None = None,
+        cpu_quota: float | None = None,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
         server's to decide: backend, project, lifetime)."""
@@ -587,7 +589,8 @@ class AsyncSandboxes:
             labels=dict(labels or {}), project=project, ttl_s=ttl,
             idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
-            user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step)
+            user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step,
+            qos=qos, cpu_quota_milli=None if cpu_quota is None else round(cpu_quota * 1000))
 
     def _given_spec(self, spec: SandboxSpec | None, kw: Mapping[str, Any]) -> SandboxSpec:
         """``spec`` as it is, or the one the keywords build; both at once only when the
@@ -618,7 +621,8 @@ class AsyncSandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
-        build_step: str | None = None,
+        build_step: str | None = None, qos: QosClass | None = None,
+        cpu_quota: float | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
@@ -627,6 +631,10 @@ class AsyncSandboxes:
         ``detached``: not bound to this client's session (outlives the client);
         ``env``/``cwd``/``user``: every exec's defaults, over the image config's (its
         ``Env``, ``WorkingDir``, ``User``; an exec's own win over both).
+        ``qos``: "ls" (latency-sensitive) or "be" (best-effort: SCHED_IDLE, lowest CPU
+        weight, paused first under memory pressure); None: "ls" unless the project's
+        quota restricts it (docs/container.md "QoS classes"). ``cpu_quota``: the CPU cap
+        in cores (None: capped at ``cpu``).
         ``build_step``: an image build step's cache key (the builder sets it: the edge
         records it in this sandbox's snapshots with the stack it ran on).
 
@@ -645,7 +653,7 @@ class AsyncSandboxes:
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user, "build_step": build_step})
+            "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota})
         c = self._c
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",

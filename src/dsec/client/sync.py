@@ -54,6 +54,7 @@ from dsec.wire.spec import (
     IdleAction,
     NetworkPolicy,
     PauseStats,
+    QosClass,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -223,7 +224,8 @@ class Sandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
-        build_step: str | None = None,
+        build_step: str | None = None, qos: QosClass | None = None,
+        cpu_quota: float | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
@@ -232,7 +234,8 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step)))
+            idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
+            qos=qos, cpu_quota=cpu_quota)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",

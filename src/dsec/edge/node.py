@@ -70,7 +70,7 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.qos import node_qos
+from dsec.edge.qos import node_qos, qos_of
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -193,7 +193,7 @@ class NodeConfig:
     # container backend's store, if any.
     layer_store: str | None = None
     # Projects (with their subprojects) whose sandboxes this node runs best-effort only
-    # (``dsec edge --qos-be-only PROJECT``, issue 22): a create naming no QoS class gets
+    # (NodeConfig only, no CLI flag yet; issue 22): a create naming no QoS class gets
     # "be", one asking "ls" is refused, whoever asks (the control plane's project quota
     # ``qos_ls`` binds what comes through the apiserver).
     qos_be_only: tuple[str, ...] = ()
@@ -1417,9 +1417,11 @@ class EdgeNode:
     async def stats(self, sandbox_id: str) -> SandboxStats:
         rec = self._find(sandbox_id)
         try:
-            return await rec.backend.stats(SandboxId(rec.id))
+            st = await rec.backend.stats(SandboxId(rec.id))
         except Exception as exc:
             raise self._backend_error(rec, "read stats of", exc) from exc
+        # the class, whichever backend answered (issue 22)
+        return st if st.qos else msgspec.structs.replace(st, qos=qos_of(rec.spec))
 
     # ================================================================ snapshots
     def _snapshotters(self) -> builtins.list[SnapshotBackend]:

@@ -56,6 +56,7 @@ __all__ = [
     "node_qos",
     "parse_psi",
     "plan_relief",
+    "qos_features",
     "qos_process",
     "qos_writes",
     "read_psi",
@@ -134,7 +135,7 @@ def core_sched_available() -> bool:
     cookie = ctypes.c_ulong(0)
     rc = _libc.prctl(PR_SCHED_CORE, PR_SCHED_CORE_GET, 0, PIDTYPE_TGID,
                      ctypes.byref(cookie))
-    return rc == 0 or ctypes.get_errno() != errno.EINVAL
+    return bool(rc == 0 or ctypes.get_errno() != errno.EINVAL)
 
 
 def core_sched_cookie(pid: int) -> bool:
@@ -142,12 +143,12 @@ def core_sched_cookie(pid: int) -> bool:
     then never runs another sandbox's task; children inherit it). False where the kernel
     lacks core scheduling or the process is gone."""
     rc = _libc.prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, pid, PIDTYPE_TGID, 0)
-    return rc == 0
+    return bool(rc == 0)
 
 
 def node_qos(spec: SandboxSpec, be_only: Sequence[str], node: str) -> SandboxSpec:
     """The edge door's QoS rule (pure): a resolved spec's class, "be" for a project
-    under one of ``be_only`` (a node setting, ``dsec edge --qos-be-only``), else "ls"
+    under one of ``be_only`` (a node setting, NodeConfig.qos_be_only), else "ls"
     when unset; "ls" asked there is refused (:class:`PermissionDenied`)."""
     project = spec.project or ""
     restricted = next((p for p in be_only
@@ -157,7 +158,7 @@ def node_qos(spec: SandboxSpec, be_only: Sequence[str], node: str) -> SandboxSpe
     if spec.qos == "ls" and restricted is not None:
         raise PermissionDenied(
             f"qos='ls' is refused on node {node} for project {project!r}: the node runs "
-            f"project {restricted!r} and its subprojects best-effort only (--qos-be-only); "
+            f"project {restricted!r} and its subprojects best-effort only (NodeConfig.qos_be_only); "
             "ask for qos='be' or leave qos unset", field="qos")
     return spec
 
@@ -177,6 +178,38 @@ def qos_process(spec: SandboxSpec, pid: int) -> None:
         _CORE_SCHED = core_sched_available()
     if _CORE_SCHED:
         core_sched_cookie(pid)
+
+
+_FEATURES: dict[str, bool] | None = None
+
+
+def qos_features(sys_root: str = "/sys") -> dict[str, bool]:
+    """What this kernel offers QoS classes (reported in node info, computed once):
+    ``core_sched`` (CONFIG_SCHED_CORE; this dev VM: no), ``cpu_idle`` (the cgroup
+    ``cpu.idle`` file, v1 or v2), ``psi`` (/proc/pressure/memory), ``io_weight`` (some
+    disk runs bfq, the scheduler that honours blkio/io weights; this VM: ``none``)."""
+    global _FEATURES
+    if _FEATURES is not None:
+        return dict(_FEATURES)
+    cg = os.path.join(sys_root, "fs", "cgroup")
+    io = False
+    try:
+        for dev in os.listdir(os.path.join(sys_root, "block")):
+            try:
+                with open(os.path.join(sys_root, "block", dev, "queue", "scheduler")) as f:
+                    io = io or "[bfq]" in f.read()
+            except OSError:
+                continue
+    except OSError:
+        pass
+    _FEATURES = {
+        "core_sched": core_sched_available(),
+        "cpu_idle": any(os.path.exists(os.path.join(cg, d, "cpu.idle"))
+                        for d in ("cpu", "cpu,cpuacct", "")),
+        "psi": os.path.exists("/proc/pressure/memory"),
+        "io_weight": io,
+    }
+    return dict(_FEATURES)
 
 
 # ------------------------------------------------------------------ memory held
