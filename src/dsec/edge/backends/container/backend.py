@@ -729,9 +729,13 @@ class ContainerBackend:
             return False
         n, box.oom_seen = kills - box.oom_seen, kills
         if report:
+            # what the sandbox held right then, by kind (issue 22): which kind to cut
+            held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
             self._notice(box, "oom_kill", f"the OOM killer killed {n} process(es) in sandbox "
                          f"{box.sid}, which hit its memory limit of {box.spec.memory_bytes} "
-                         "bytes; the sandbox itself is still running - raise memory_bytes")
+                         f"bytes (at the kill it held rss={held.rss} cache={held.cache} "
+                         f"shm={held.shm} bytes, qos={qos_of(box.spec)}); the sandbox "
+                         "itself is still running - raise memory_bytes")
             self._check_tmpfs(box)
         return True
 
