@@ -70,7 +70,7 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.qos import node_qos, qos_of
+from dsec.edge.qos import node_qos
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -130,6 +130,7 @@ from dsec.wire.spec import (
     check_snapshot_ref,
     check_strip,
     project_of,
+    qos_of,
     resolve,
     stored,
 )
