@@ -157,3 +157,34 @@ def test_spec_refuses_a_bad_class() -> None:
         SandboxSpec(qos="gold").validate()  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="cpu_quota_milli"):
         SandboxSpec(cpu_quota_milli=0).validate()
+
+
+async def test_node_relieves_memory_pressure_on_best_effort_only() -> None:
+    """EdgeNode.relieve_pressure (what the node's pressure loop runs): under PSI pressure
+    the idle BE sandbox is paused and gets a ``memory_pressure`` notice; the LS one and the
+    recently active BE one keep running; calm PSI pauses nothing."""
+    from dsec.edge.clock import FakeClock
+    from tests.edge.conftest import make_node
+
+    clock = FakeClock()
+    node = make_node(clock=clock, memory_pressure=PressurePolicy(min_idle_s=5.0,
+                                                                 cooldown_s=0.0))
+    await node.start()
+    try:
+        psi = [Psi(0.0, 0.0, 0.0, 0.0)]
+        node.pressure.read = lambda: psi[0]
+        ls = await node.create(SandboxSpec(qos="ls"))
+        be_old = await node.create(SandboxSpec(qos="be"))
+        clock.advance(60)
+        be_new = await node.create(SandboxSpec(qos="be"))
+        clock.advance(1)
+        assert (await node.relieve_pressure()).pause == ()
+        psi[0] = Psi(40.0, 20.0, 3.0, 1.0)
+        r = await node.relieve_pressure()
+        assert r.pause == (be_old.id,)
+        assert node.get(be_old.id).state == "paused"
+        assert node.get(ls.id).state == node.get(be_new.id).state == "running"
+        notes = [e for e in node.events(be_old.id) if e.reason == "memory_pressure"]
+        assert len(notes) == 1 and "memory pressure" in notes[0].detail
+    finally:
+        await node.close()

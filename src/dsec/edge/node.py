@@ -70,7 +70,14 @@ from dsec.edge.lifecycle import (
     event_structs,
     next_state,
 )
-from dsec.edge.qos import node_qos
+from dsec.edge.qos import (
+    PressureDriver,
+    PressurePolicy,
+    QosView,
+    Relief,
+    node_qos,
+    read_psi,
+)
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -198,6 +205,10 @@ class NodeConfig:
     # "be", one asking "ls" is refused, whoever asks (the control plane's project quota
     # ``qos_ls`` binds what comes through the apiserver).
     qos_be_only: tuple[str, ...] = ()
+    # Relieve node memory pressure (PSI) by pausing idle best-effort sandboxes
+    # (dsec.edge.qos.plan_relief), checked every pressure_interval_s; None: off.
+    memory_pressure: PressurePolicy | None = None
+    pressure_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -355,6 +366,11 @@ class EdgeNode:
         self.layers = EdgeLayers(self._layer_store)
         self._pins_gen = 0                   # the PinSet last applied whole (heartbeat)
         self._pins_lock = asyncio.Lock()
+        # memory-pressure relief (issue 22); ``pressure.read`` is the PSI source
+        self.pressure = PressureDriver(
+            read=read_psi, views=self._qos_views, pause=self._pause_for_pressure,
+            notify=self._pressure_notice, clock=self.clock.time,
+            policy=config.memory_pressure or PressurePolicy())
 
     def _layer_store(self) -> LayerStore | None:
         store = find_store(self.backends)
@@ -383,7 +399,39 @@ class EdgeNode:
             await journal.commit()  # what start decided is on disk before anyone is served
             self._tasks.append(asyncio.create_task(self._flush_loop(), name="edge-journal"))
         self._tasks.append(asyncio.create_task(self._reap_loop(), name="edge-reaper"))
+        if self.config.memory_pressure is not None:
+            self._tasks.append(asyncio.create_task(self._pressure_loop(), name="edge-pressure"))
         return self
+
+    # ================================================================ qos (issue 22)
+    def _qos_views(self) -> builtins.list[QosView]:
+        """What the pressure policy weighs: a sandbox with an operation in flight counts
+        as active now; resident memory is estimated by its memory_bytes reservation."""
+        now = self.clock.time()
+        return [QosView(r.id, qos_of(r.spec), r.state,
+                        now if r.active else r.last_active_at, r.spec.memory_bytes)
+                for r in self._live.values()]
+
+    def _pressure_notice(self, sid: str, detail: str) -> None:
+        rec = self._live.get(sid)
+        if rec is not None:
+            self._event(rec, rec.state, rec.state, "memory_pressure", detail)
+
+    async def _pause_for_pressure(self, sid: str) -> None:
+        await self.pause(sid)
+
+    async def relieve_pressure(self) -> Relief:
+        """One round of the memory-pressure policy: read PSI, pause idle best-effort
+        sandboxes (idle longest first), then a ``memory_pressure`` notice on each."""
+        return await self.pressure.tick()
+
+    async def _pressure_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.pressure_interval_s)
+            try:
+                await self.relieve_pressure()
+            except Exception:
+                log.exception("memory pressure round failed")
 
     async def close(self) -> None:
         """Stop background work and flush records. Sandboxes stay (a restart adopts them)."""
