@@ -51,15 +51,36 @@ def emit_json(obj: Any) -> None:
 
 
 def _table(title: str, cols: list[str], rows: list[list[str]]) -> None:
+    """Print rows under ``cols``. Never truncates a cell: to a terminal a rich table whose
+    first column (ids) keeps its full width and whose other cells fold; piped (a script,
+    ``| grep``, ``| less``), plain columns as wide as their widest cell, no width limit."""
+    if not sys.stdout.isatty():
+        sys.stdout.write(plain_table(cols, rows))
+        return
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=title)
-    for c in cols:
-        t.add_column(c)
+    for i, c in enumerate(cols):
+        if i == 0:   # ids: never shortened, never wrapped
+            t.add_column(c, no_wrap=True, overflow="ignore",
+                         min_width=max([len(c)] + [len(r[0]) for r in rows]))
+        else:
+            t.add_column(c, overflow="fold")
     for r in rows:
         t.add_row(*r)
     Console().print(t)
+
+
+def plain_table(cols: list[str], rows: list[list[str]]) -> str:
+    """``cols`` and ``rows`` as left-aligned columns separated by two spaces (the last
+    column unpadded), every cell whole: what ``ls`` prints to a pipe."""
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    out = []
+    for r in [[c.upper() for c in cols], *rows]:
+        cells = [v.ljust(w) for v, w in zip(r[:-1], widths, strict=False)] + r[-1:]
+        out.append("  ".join(cells).rstrip() + "\n")
+    return "".join(out)
 
 
 def _row(info: Any) -> list[str]:
@@ -89,6 +110,14 @@ def sandbox() -> None:
 @click.option("--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True)
 @click.option("--ttl", type=float, default=None, help="Lifetime in seconds.")
 @click.option("--label", "labels", multiple=True, help="key=value, repeatable.")
+@click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+              help="Environment of every exec in the sandbox (repeatable).")
+@click.option("--disk", default=None, help="Disk cap, bytes or e.g. '2GiB' (default: the "
+                                            "server's).")
+@click.option("--idle-timeout", "idle_timeout", type=float, default=None, metavar="SECONDS",
+              help="Act on the sandbox after this long without an API call.")
+@click.option("--idle-action", "idle_action", type=click.Choice(["destroy", "pause"]),
+              default="destroy", show_default=True, help="What --idle-timeout does.")
 @click.option("--project", default=None)
 @click.option("-n", "count", type=click.IntRange(1, 100_000), default=1, show_default=True)
 @click.option("--network", "net_mode", type=click.Choice(["none", "open", "policy"]),
@@ -102,12 +131,14 @@ def sandbox() -> None:
 @conn_options
 def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapshot: str | None,
            backend: str | None, cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
+           env: tuple[str, ...], disk: str | None, idle_timeout: float | None, idle_action: str,
            project: str | None, count: int, net_mode: str | None, allow: tuple[str, ...],
            deny: tuple[str, ...], url: str | None, api_key: str | None,
            as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
-    kw = {"image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
+    kw = {"env": dict(_kv(x) for x in env), "disk": disk, "idle_timeout": idle_timeout,
+          "idle_action": idle_action, "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
           "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
           "project": project, "detached": True,
           "network": _policy(net_mode, allow, deny) if (net_mode or allow or deny) else None}
@@ -163,6 +194,28 @@ def network(sandbox_id: str, mode: str | None, allow: tuple[str, ...], deny: tup
     _table(f"network of {sandbox_id}", ["", ""], rows)
 
 
+class _Timeout(click.ParamType[Any]):
+    """Seconds (> 0), or ``none``/``inf`` for no command timeout."""
+
+    name = "SECONDS|none"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float | None:
+        if value is None or (isinstance(value, str)
+                             and value.strip().lower() in ("none", "inf")):
+            return None
+        try:
+            t = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds or 'none'", param, ctx)
+        if not t > 0:
+            self.fail(f"{value!r}: a timeout is > 0 seconds, or 'none'", param, ctx)
+        return t
+
+
+TIMEOUT = _Timeout()
+
+
 def _kv(text: str) -> tuple[str, str]:
     k, sep, v = text.partition("=")
     if not sep or not k:
@@ -174,14 +227,17 @@ def _kv(text: str) -> tuple[str, str]:
 @click.option("--project", default=None)
 @click.option("--label", "labels", multiple=True)
 @click.option("--state", default=None)
+@click.option("-q", "--quiet", "quiet", is_flag=True, help="Only the ids, one per line.")
 @conn_options
-def ls(project: str | None, labels: tuple[str, ...], state: str | None, url: str | None,
-       api_key: str | None, as_json: bool) -> None:
-    """List sandboxes."""
+def ls(project: str | None, labels: tuple[str, ...], state: str | None, quiet: bool,
+       url: str | None, api_key: str | None, as_json: bool) -> None:
+    """List sandboxes (ids are never shortened, also when piped)."""
     with client(url, api_key) as c:
         sbs = c.sandboxes.list(project=project, labels=dict(_kv(x) for x in labels),
                                state=state)
-        if as_json:
+        if quiet:
+            sys.stdout.write("".join(s.id + "\n" for s in sbs))
+        elif as_json:
             emit_json([s.info for s in sbs])
         else:
             _table(f"{len(sbs)} sandbox(es)", _COLS, [_row(s.info) for s in sbs])
@@ -203,13 +259,14 @@ def get(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) ->
 @sandbox.command("exec", context_settings={"ignore_unknown_options": True})
 @click.argument("sandbox_id")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.option("--timeout", type=float, default=60.0, show_default=True,
-              help="Command timeout in seconds.")
+@click.option("--timeout", type=TIMEOUT, default="60", show_default=True,
+              help="Command timeout in seconds, or 'none' (runs until it ends; the "
+                   "sandbox's TTL still applies).")
 @click.option("--cwd", default=None)
 @click.option("--env", "env", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--shell", is_flag=True, help="Run COMMAND joined as one shell string.")
 @conn_options
-def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float, cwd: str | None,
+def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd: str | None,
           env: tuple[str, ...], shell: bool, url: str | None, api_key: str | None,
           as_json: bool) -> None:
     """Run COMMAND in a sandbox; exits with the command's exit code."""
@@ -225,7 +282,7 @@ def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float, cwd: str | 
     sys.stdout.buffer.write(res.stdout)
     sys.stderr.buffer.write(res.stderr)
     if res.timed_out:
-        click.echo(f"command timed out after {timeout:g}s (command timeout)", err=True)
+        click.echo(f"command timed out after {timeout or 0:g}s (command timeout)", err=True)
     sys.exit(res.exit_code)
 
 
@@ -348,3 +405,56 @@ def events(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool)
     _table(sandbox_id, ["time", "from", "to", "reason", "detail"],
            [[time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time * 1000) % 1000:03d}",
              e.from_state or "-", e.to_state, e.reason, e.detail] for e in evs])
+
+
+@sandbox.command("logs")
+@click.argument("sandbox_id")
+@conn_options
+def logs(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) -> None:
+    """What happened to a sandbox, one line per event, oldest first: its lifecycle events
+    (created, paused, resumed, OOM kills, why it died). Output of processes is not
+    retained by the server yet (it is the exec's own result), so it is not shown here."""
+    with client(url, api_key) as c:
+        evs = c.sandboxes.get(sandbox_id).events()
+    if as_json:
+        emit_json(evs)
+        return
+    for e in evs:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(e.time))
+        line = (f"{stamp}.{int(e.time * 1000) % 1000:03d}Z  {e.from_state or '-'} -> "
+                f"{e.to_state}  {e.reason}")
+        click.echo(line + (f"  {e.detail}" if e.detail else ""))
+
+
+@sandbox.command("run-code")
+@click.argument("sandbox_id")
+@click.argument("code")
+@click.option("--timeout", type=TIMEOUT, default="60", show_default=True,
+              help="Seconds the code may run (then it is interrupted), or 'none'.")
+@click.option("--restart", is_flag=True, help="Restart the interpreter first (its "
+                                                "variables are lost).")
+@conn_options
+def run_code(sandbox_id: str, code: str, timeout: float | None, restart: bool,
+             url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Run Python CODE in the sandbox's interpreter, which keeps its state between calls
+    (`run-code ID 'x = 41'`, then `run-code ID 'x + 1'` prints 42). Prints the code's
+    output, then the value of its last expression; an error's traceback goes to stderr
+    and the exit code is 1. Needs python3 in the image."""
+    with client(url, api_key) as c:
+        sb = c.sandboxes.get(sandbox_id)
+        if restart:
+            sb.restart_code()
+        ex = sb.run_code(code, timeout=timeout)
+    if as_json:
+        emit_json(ex)
+        sys.exit(1 if ex.error else 0)
+    sys.stdout.write(ex.stdout)
+    sys.stderr.write(ex.stderr)
+    for r in ex.results:
+        if r.text is not None:
+            sys.stdout.write(r.text + "\n")
+        else:
+            sys.stdout.write(f"<{', '.join(sorted(r.data))}>\n")
+    if ex.error is not None:
+        sys.stderr.write(ex.error.traceback or f"{ex.error.name}: {ex.error.value}\n")
+        sys.exit(1)

@@ -156,6 +156,18 @@ def _sizes(rt: Any) -> str:
             f"{format_bytes(cap.memory_bytes)} (memory x{oc.memory:g}){per}")
 
 
+def export_lines(url: str, api_key: str) -> None:
+    """The cluster's address and admin key as shell ``export`` lines on stdout (the
+    banner is on stderr), for another shell: paste them, or
+    ``eval "$(grep ^export up.out)"``."""
+    import shlex
+    import sys
+
+    sys.stdout.write(f"export DSEC_URL={shlex.quote(url)}\n"
+                     f"export DSEC_API_KEY={shlex.quote(api_key)}\n")
+    sys.stdout.flush()
+
+
 def _log_to(console: Any) -> None:
     """Warnings (and the supervisor's restart notes) print above the status line."""
     import logging
@@ -189,6 +201,7 @@ async def _run(cfg: Any, quiet: bool) -> None:
         console.print(f"admin key: {rt.admin_key}  (also in "
                       f"{rt.config.state_dir}/local.json)")
         console.print(_sizes(rt))
+        export_lines(rt.url, rt.admin_key)
 
     async def serve(rt: Any, stop: asyncio.Event) -> None:
         if quiet:
@@ -262,6 +275,7 @@ def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, store: str | 
             click.echo(f"  apiserver {k}: netns {m.name} ({m.address})", err=True)
         click.echo(f"admin key: {hc.admin_key}  (also in {hc.state_dir}/local.json)",
                    err=True)
+        export_lines(hc.url, hc.admin_key)
 
     try:
         serve(cfg, started=started)

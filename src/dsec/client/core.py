@@ -126,6 +126,7 @@ __all__ = ["AsyncClient", "AsyncFiles", "AsyncPorts", "AsyncSandbox", "AsyncSand
            "parse_memory", "resolve_target"]
 
 if TYPE_CHECKING:
+    from dsec.client.code import Execution
     from dsec.client.transport import Transport
 
 T = TypeVar("T")
@@ -171,8 +172,10 @@ def resolve_target(url: str | None, api_key: str | None) -> tuple[str, str, str 
     if not url:
         raise TransportError(
             "no dsec cluster given: pass Client(url=..., api_key=...), set DSEC_URL and "
-            f"DSEC_API_KEY, or start a local one with `dsec up` (it writes "
-            f"{os.path.join(default_state_dir(), 'local.json')})")
+            "DSEC_API_KEY, or start a local one with `dsec up` (found no "
+            f"{os.path.join(default_state_dir(), 'local.json')}: a `dsec up` with another "
+            "state dir is found with DSEC_STATE_DIR=<its --state-dir>, now "
+            f"{os.environ.get('DSEC_STATE_DIR', 'unset')})")
     if not api_key:
         raise Unauthenticated(f"no API key for {url}: pass api_key=... or set DSEC_API_KEY")
     return url, api_key, gateway
@@ -1040,6 +1043,20 @@ class AsyncSandbox:
         """Resource use now: memory (and how much of it tmpfs holds), cpu seconds,
         processes, disk use against its cap (``disk_full`` when writes fail)."""
         return await self._c.call(ops.STATS, SandboxRef(id=self.id))
+
+    async def run_code(self, code: str, *, timeout: float | None = 60.0) -> Execution:
+        """Run Python ``code`` in this sandbox's stateful interpreter (a kernel process
+        inside the sandbox, started on first use): ``run_code("x = 41")`` then
+        ``run_code("x + 1").text == "42"``. ``timeout``: the code is interrupted after
+        this long (``KeyboardInterrupt`` in it; ``timed_out=True``). Needs python3 in the
+        image. See :mod:`dsec.client.code`."""
+        from dsec.client.code import run_code
+        return await run_code(self, code, timeout=timeout)
+
+    async def restart_code(self) -> None:
+        """Restart the interpreter of :meth:`run_code`: its variables are gone."""
+        from dsec.client.code import restart
+        await restart(self)
 
     async def kill(self) -> None:
         """Destroy the sandbox; killing a gone sandbox is not an error."""

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequenc
 from concurrent.futures import Future
 from typing import Any, Self, TypeVar
 
+from dsec.client.code import Execution
 from dsec.client.core import (
     AsyncClient,
     AsyncFiles,
@@ -475,6 +476,14 @@ class Sandbox:
 
     def stats(self) -> SandboxStats:
         return self._c._run(self._a.stats())
+
+    def run_code(self, code: str, *, timeout: float | None = 60.0) -> Execution:
+        """See :meth:`~dsec.client.core.AsyncSandbox.run_code`."""
+        return self._c._run(self._a.run_code(code, timeout=timeout))
+
+    def restart_code(self) -> None:
+        """See :meth:`~dsec.client.core.AsyncSandbox.restart_code`."""
+        self._c._run(self._a.restart_code())
 
     def kill(self) -> None:
         self._c._run(self._a.kill())

@@ -373,8 +373,9 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
 
     documented.append(Op("GET", "/healthz", "healthz", "Liveness", None, None, tag="meta",
                   auth=False))
-    documented.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, None, tag="meta",
-                  auth=False))
+    documented.append(Op("GET", "/metrics", "metrics", "Prometheus metrics", None, "text",
+                         tag="meta", auth=False, token_scheme="metricsToken",
+                         response_media="text/plain"))
     for extra_route, extra_op in cfg.extra_routes:
         routes.append(extra_route)
         documented.append(extra_op)

@@ -81,6 +81,8 @@ __all__ = [
     "ImageTagRequest",
     "ImageView",
     "Info",
+    "KeyList",
+    "KeyView",
     "NodeList",
     "NodeView",
     "ProjectList",
@@ -561,6 +563,21 @@ class CreateKeyResponse(msgspec.Struct, kw_only=True):
     role: Role
     api_key: str
     key_id: str = ""
+
+
+class KeyView(msgspec.Struct, kw_only=True):
+    """An API key as ``keys`` lists it: its id (the 16 hex digits after ``dsk_``), whose
+    it is, when it was made and whether it is revoked. Never the secret (only its hash
+    is stored)."""
+
+    key_id: str
+    principal: str
+    created_at: float = 0.0
+    revoked: bool = False
+
+
+class KeyList(msgspec.Struct, kw_only=True):
+    items: list[KeyView] = []
 
 
 class SessionView(msgspec.Struct, kw_only=True):

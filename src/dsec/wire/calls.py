@@ -8,13 +8,14 @@ Replies are records of :mod:`dsec.wire.spec`, :mod:`dsec.wire.node` and, for bat
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from dsec.errors import InvalidArgument
-from dsec.wire.api import CreateSandboxRequest, QuotaBody
+from dsec.wire.api import PRINCIPAL_PATTERN, CreateSandboxRequest, QuotaBody
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
@@ -51,6 +52,7 @@ __all__ = [
     "ImagePrune",
     "ImageRef",
     "ImageUpload",
+    "KeyQuery",
     "KeyRef",
     "ListRequest",
     "ListSandboxes",
@@ -475,6 +477,17 @@ class KeyRef(_Call, kw_only=True):
 
     def __post_init__(self) -> None:
         check_id(self.id)
+
+
+class KeyQuery(_Call, kw_only=True):
+    """``keys``: the API keys of ``principal`` (``None``: the caller's own)."""
+
+    principal: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.principal is not None and not re.fullmatch(PRINCIPAL_PATTERN, self.principal):
+            raise InvalidArgument(f"invalid principal {self.principal[:60]!r}: 1-128 "
+                                  "lowercase letters, digits and '_.@-'", field="principal")
 
 
 class NodeRef(_Call, kw_only=True):

@@ -44,6 +44,7 @@ from dsec.wire.api import (
     ImageTagRequest,
     ImageView,
     Info,
+    KeyList,
     NodeList,
     NodeView,
     ProjectList,
@@ -70,6 +71,7 @@ from dsec.wire.calls import (
     ImagePrune,
     ImageRef,
     ImageUpload,
+    KeyQuery,
     KeyRef,
     ListRequest,
     ListSandboxes,
@@ -172,6 +174,7 @@ __all__ = [
     "IMAGE_TAG",
     "IMAGE_UNPIN",
     "INFO",
+    "KEYS",
     "LAYER_CHAIN",
     "LAYER_FETCH",
     "LAYER_GET",
@@ -950,6 +953,15 @@ LAYER_GRANT: Op[LayerGrant, LayerGranted] = Op(
             "plane's manifests (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 19 (cli19): `dsec key ls`.
+KEYS: Op[KeyQuery, KeyList] = Op(
+    "keys", KeyQuery, KeyList,
+    summary="API keys of a principal, never their secrets (your own; a superuser: any "
+            "non-superuser's)",
+    role=None, target="self", idempotent=True, doors=API_DOORS,
+    rest=Rest(method="GET", path="/v1/keys", operation_id="listKeys", query=_q("principal"),
+              tag="admin"))
+
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
     READ_FILE, WRITE_FILE, LIST_DIR, STAT, MKDIR, REMOVE, PAUSE, RESUME, STATS, EVENTS,
@@ -981,6 +993,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     NODE_MIGRATE,
     NODE_PINS,
     LAYER_GRANT,
+    KEYS,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

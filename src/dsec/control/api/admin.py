@@ -27,6 +27,8 @@ from dsec.ids import parse_project_path
 from dsec.wire.api import (
     CreateKeyRequest,
     CreateKeyResponse,
+    KeyList,
+    KeyView,
     ProjectList,
     ProjectView,
     QuotaBody,
@@ -209,6 +211,24 @@ class Admin:
                 f"principal {principal_id!r} has {have} API keys (revoked ones included), "
                 f"the limit is {cap}: reuse a key you hold instead of minting more",
                 resource="api_keys", used=have, limit=cap, requested=1)
+
+    def list_keys(self, caller: Caller, principal: str | None) -> KeyList:
+        """The API keys of ``principal`` (default: the caller), oldest first, revoked
+        ones included (their rows stay): the same rule as revoking, so a principal sees
+        its own keys and a superuser those of non-superusers; any other principal
+        answers exactly like a missing one. Ids, owner and times only, never a secret."""
+        target = principal or caller.id
+        allowed = target == caller.id
+        if not allowed and caller.superuser:
+            owner = self.store.get_principal(target)
+            allowed = owner is not None and not owner.superuser
+        if not allowed:
+            raise NotFound(f"no principal {target!r} whose keys this API key may list (your "
+                           "own keys: leave principal out)", principal=target)
+        rows = sorted(self.store.list_api_keys(target), key=lambda r: (r.created_at, r.key_id))
+        return KeyList(items=[KeyView(key_id=r.key_id, principal=r.principal_id,
+                                      created_at=r.created_at, revoked=r.revoked)
+                              for r in rows])
 
     def revoke_key(self, caller: Caller, key_id: str) -> None:
         """Revoke key ``key_id`` (its id, the 16 hex digits after ``dsk_``): the same

@@ -16,7 +16,9 @@ from typing import Any, Literal
 import msgspec
 
 from dsec.errors import InternalError
+from dsec.image.manifest import MAX_REF_LEN
 from dsec.wire.api import (
+    PRINCIPAL_PATTERN,
     PROJECT_PATTERN,
     SNAPSHOT_PATTERN,
     ApiError,
@@ -44,7 +46,7 @@ __all__ = [
     "path_param_schema",
 ]
 
-Body = type | Literal["binary"] | None
+Body = type | Literal["binary", "text"] | None
 
 # Patterns and limits the server enforces on identifiers and paths, as JSON schema. The
 # server's own checks are dsec.ids (parse_sandbox_id, parse_project_path), the shared
@@ -68,14 +70,45 @@ IDEMPOTENCY_KEY: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength"
                                    "description": "1-255 printable ASCII characters"}
 
 
+# An id the server checks with dsec.wire.spec.check_id (1..N printable characters, no
+# '/'), documented as its printable-ASCII part: every value of the document is one the
+# server takes, and the rest (non-ASCII printable) the server refuses or does not find
+# (404), which is a rejection either way. '%', '?' and '#' are left out of the document
+# (they would change the URL they travel in unless a client escapes them).
+_SEGMENT = r"[\x20-\x22\x24\x26-\x2e\x30-\x3e\x40-\x7e]"
+NODE_ID: dict[str, Any] = {"type": "string", "pattern": rf"^{_SEGMENT}{{1,255}}$",
+                           "description": "a node id"}
+PIN_NODE: dict[str, Any] = {"type": "string", "pattern": rf"^{_SEGMENT}{{1,128}}$",
+                            "description": "a node id (at most 128 characters)"}
+LAYER_DIGEST: dict[str, Any] = {"type": "string", "pattern": r"^sha256:[0-9a-f]{64}$",
+                                "description": "a layer's full digest"}
+JOIN_TOKEN_ID: dict[str, Any] = {"type": "string", "pattern": r"^[0-9a-f]{12}$",
+                                 "description": "a join token's id (its first part)"}
+# dsec.image.manifest.parse_ref: sha256:<12-64 hex>, or [project/]name[:tag]
+_PART_RE = PROJECT_PATTERN.removeprefix("^").removesuffix("$")
+IMAGE_REF: dict[str, Any] = {
+    "type": "string", "maxLength": MAX_REF_LEN,
+    "pattern": (r"^(?:sha256:[0-9a-f]{12,64}|(?!sha256:)(?:" + _PART_RE + r"/)?"
+                r"[a-z0-9][a-z0-9._-]{0,127}(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?)$"),
+    "description": "[project/]name[:tag] or sha256:<digest or a 12+ hex prefix>"}
+
+
 def path_param_schema(path: str, name: str) -> dict[str, Any]:
     """The schema of path parameter ``name`` of route ``path`` (by what it names)."""
     if name == "path":
         return PROJECT_PATH
     if name == "port":
         return {"type": "integer", "minimum": 1, "maximum": 65535}
+    if name == "ref":
+        return IMAGE_REF
+    if name == "image":
+        return LAYER_DIGEST
+    if name == "node":
+        return PIN_NODE
     for prefix, schema in (("/v1/sandboxes/", SANDBOX_ID), ("/v1/snapshots/", SNAPSHOT_ID),
-                           ("/v1/keys/", KEY_ID), ("/v1/sessions/", SESSION_ID)):
+                           ("/v1/keys/", KEY_ID), ("/v1/sessions/", SESSION_ID),
+                           ("/v1/nodes/", NODE_ID), ("/v1/cluster/nodes/", NODE_ID),
+                           ("/v1/cluster/tokens/", JOIN_TOKEN_ID)):
         if path.startswith(prefix):
             return schema
     return {"type": "string", "minLength": 1}
@@ -109,11 +142,18 @@ class Op:
     # No API key, but a credential in the body (a join token, a signature): 401/403 are
     # documented answers though ``auth`` is False.
     body_credential: bool = False
+    # No API key, but an optional bearer token of its own (``/metrics``: the metrics
+    # token, 401 when wrong; 403 from a non-loopback client without one): the scheme
+    # it names, documented as optional security, with its 401/403.
+    token_scheme: str | None = None
 
 
+# Every route may answer these (431 and 413 come from the HTTP limits in front of the
+# routes, dsec.control.api.http_limits, before any route is chosen).
 _ERROR_CODES = {400: "bad input", 401: "missing or invalid API key",
                 403: "role not sufficient", 404: "not found (or not visible to this key)",
                 409: "conflict", 413: "body too large", 429: "rate limit or quota",
+                431: "request line and headers too large (http_limits.max_header_bytes)",
                 503: "no capacity, or a node the request needs is unreachable (retry)",
                 504: "request timeout"}
 
@@ -122,7 +162,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
     types: list[Any] = [ApiError]
     for op in ops:
         for t in (op.request, op.response):
-            if isinstance(t, type) or (t is not None and t != "binary"):
+            if isinstance(t, type) or (t is not None and t not in ("binary", "text")):
                 types.append(t)
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
@@ -132,6 +172,8 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
         if t == "binary":
             return {"application/octet-stream": {"schema": {"type": "string",
                                                             "format": "binary"}}}
+        if t == "text":
+            return {media: {"schema": {"type": "string"}}}
         return {media: {"schema": ref[id(t)]}}
 
     paths: dict[str, dict[str, Any]] = {}
@@ -153,7 +195,7 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
             responses[str(op.status)] = {"description": "success",
                                          "content": content(op.response, op.response_media)}
         for code, what in _ERROR_CODES.items():
-            if code in (401, 403) and not (op.auth or op.body_credential):
+            if code in (401, 403) and not (op.auth or op.body_credential or op.token_scheme):
                 continue
             responses[str(code)] = {"description": what,
                                     "content": {"application/json": {"schema": ref[id(ApiError)]}}}
@@ -163,7 +205,9 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
         if op.request is not None:
             entry["requestBody"] = {"required": op.body_required,
                                     "content": content(op.request, "application/json")}
-        if not op.auth:
+        if op.token_scheme is not None:     # optional: {} is "no credential"
+            entry["security"] = [{}, {op.token_scheme: []}]
+        elif not op.auth:
             entry["security"] = []
         paths.setdefault(op.path.replace(":path}", "}"), {})[op.method.lower()] = entry
     return {
@@ -175,10 +219,19 @@ def build_openapi(ops: list[Op], *, version: str) -> dict[str, Any]:
         "components": {
             "schemas": components,
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                           "description": "dsk_<id>_<secret> API key"}},
+                                           "description": "dsk_<id>_<secret> API key"},
+                                **{op.token_scheme: _TOKEN_SCHEMES[op.token_scheme]
+                                   for op in ops if op.token_scheme is not None}},
         },
         "security": [{"apiKey": []}],
     }
+
+
+_TOKEN_SCHEMES: dict[str, dict[str, Any]] = {
+    "metricsToken": {"type": "http", "scheme": "bearer",
+                     "description": "the metrics token (RestConfig.metrics_token, dsec up: "
+                                    "$DSEC_METRICS_TOKEN); without one configured, "
+                                    "/metrics answers loopback clients only (403)"}}
 
 
 def _path_params(path: str) -> list[Param]:
@@ -226,6 +279,8 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
     Param("expect_generation", {"type": "integer", "minimum": 0, "maximum": MAX_GENERATION},
           description="compare-and-set: update only if the live policy still has the "
                       "generation network_get gave (409 otherwise)"),
+    Param("principal", {"type": "string", "pattern": PRINCIPAL_PATTERN},
+          description="whose keys (default: the caller's own)"),
     Param("nodes", {"type": "boolean"},
           description="also revoke the nodes that joined with the token"),
 )}

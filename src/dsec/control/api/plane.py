@@ -139,6 +139,7 @@ from dsec.wire.api import (
     ImagePushRequest,
     ImageTagRequest,
     ImageView,
+    KeyList,
     NodeView,
     ProjectList,
     ProjectView,
@@ -1264,6 +1265,9 @@ class ControlPlane:
 
     def revoke_key(self, caller: Caller, key_id: str) -> None:
         self.admin.revoke_key(caller, key_id)
+
+    def list_keys(self, caller: Caller, principal: str | None) -> KeyList:
+        return self.admin.list_keys(caller, principal)
 
     def open_session(self, caller: Caller, lease_s: float) -> SessionView:
         return self.admin.open_session(caller, lease_s)

@@ -91,6 +91,7 @@ from dsec.wire.api import (
     ImageTagRequest,
     ImageView,
     Info,
+    KeyList,
     NodeList,
     NodeView,
     ProjectList,
@@ -112,6 +113,7 @@ from dsec.wire.calls import (
     ImagePrune,
     ImageRef,
     ImageUpload,
+    KeyQuery,
     KeyRef,
     ListSandboxes,
     NetworkUpdate,
@@ -333,6 +335,8 @@ class AdminOps(Protocol):
     def create_key(self, caller: Caller, req: CreateKeyRequest) -> CreateKeyResponse:
         raise NotImplementedError
     def revoke_key(self, caller: Caller, key_id: str) -> None: raise NotImplementedError
+    def list_keys(self, caller: Caller, principal: str | None) -> KeyList:
+        raise NotImplementedError
     def open_session(self, caller: Caller, lease_s: float) -> SessionView:
         raise NotImplementedError
     def renew_session(self, caller: Caller, sid: str) -> SessionView: raise NotImplementedError
@@ -1649,7 +1653,8 @@ class ApiService:
             "info": self._info_op, "nodes": self._nodes_op,
             "session_open": self._session_open_op, "session_renew": self._session_renew_op,
             "session_close": self._session_close_op, "create_key": self._create_key_op,
-            "revoke_key": self._revoke_key_op, "projects": self._projects_op,
+            "revoke_key": self._revoke_key_op, "keys": self._keys_op,
+            "projects": self._projects_op,
             "project_get": self._project_get_op, "quota_set": self._quota_set_op,
             "images": self._images_op, "image_get": self._image_get_op,
             "image_tag": self._image_tag_op, "image_delete": self._image_delete_op,
@@ -1873,6 +1878,9 @@ class ApiService:
 
     async def _revoke_key_op(self, caller: Caller, b: KeyRef) -> None:
         self._admin().revoke_key(caller, b.id)
+
+    async def _keys_op(self, caller: Caller, b: KeyQuery) -> KeyList:
+        return self._admin().list_keys(caller, b.principal)
 
     async def _projects_op(self, caller: Caller, b: Empty) -> ProjectList:
         return self._admin().list_projects(caller)

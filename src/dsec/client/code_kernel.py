@@ -1,0 +1,303 @@
+"""The code interpreter's kernel: a stateful Python REPL that lives inside a sandbox.
+
+This file is copied into the sandbox (``dsec.client.code`` writes it on first use) and run
+there by the sandbox's own ``python3``; it imports nothing from dsec and only the standard
+library, so any python3 >= 3.10 in any image runs it. Three commands:
+
+``serve DIR``   the kernel: holds ``DIR/lock`` (one kernel per DIR), listens on
+                ``DIR/sock`` and runs one request at a time in one namespace, so
+                ``x = 41`` then ``x + 1`` gives 42. Started in the background by an exec.
+``run DIR T``   one request: the code (JSON on stdin) goes to the kernel, the result (JSON,
+                one line) comes out on stdout. After T seconds (``none``: never) the code
+                is interrupted (SIGINT: ``KeyboardInterrupt`` inside it); a kernel that does
+                not answer within 2 s more is killed (its state is lost, said in the
+                error). Exit 91: no kernel listens (the caller starts one and asks again).
+``stop DIR``    kill the kernel (restart = stop, then the next run starts a fresh one).
+
+Output is captured at the Python level (``sys.stdout``/``sys.stderr`` while the code runs),
+as Jupyter kernels do: what a child process or C code writes to fd 1/2 directly is not in
+the result. Why a socket and not the exec's own pipes: the kernel outlives each exec (that
+is the point), and the edge's exec already gives us the sandbox's isolation, user, cgroup
+and timeouts, so the kernel needs no door of its own to the outside.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import fcntl
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+OUTPUT_CAP = 1 << 20          # characters kept per stream per run
+DISPLAY_CAP = 8 << 20         # bytes of display data per run
+EXIT_NO_KERNEL = 91
+GRACE_S = 2.0                 # after the timeout's SIGINT, before the kernel is killed
+
+_MIME = (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
+         ("_repr_svg_", "image/svg+xml"), ("_repr_png_", "image/png"),
+         ("_repr_jpeg_", "image/jpeg"), ("_repr_latex_", "text/latex"),
+         ("_repr_json_", "application/json"), ("_repr_javascript_", "application/javascript"))
+
+
+class _Capped(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def write(self, s: str) -> int:
+        room = OUTPUT_CAP - self.tell()
+        if len(s) > room:
+            self.dropped += len(s) - max(room, 0)
+            s = s[:max(room, 0)]
+        super().write(s)
+        return len(s)
+
+    def text(self) -> str:
+        v = self.getvalue()
+        return v + (f"\n[... {self.dropped} characters dropped]\n" if self.dropped else "")
+
+
+class Kernel:
+    def __init__(self) -> None:
+        self.ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.ns["display"] = self.display
+        self.count = 0
+        self.results: list[dict[str, Any]] = []
+        self.display_bytes = 0
+        self.executing = False
+
+    def display(self, *objs: Any) -> None:
+        """``display(obj)`` inside the code: adds obj's rich forms to the results."""
+        for o in objs:
+            self._add(o, main=False)
+
+    def _add(self, value: Any, *, main: bool) -> None:
+        data: dict[str, Any] = {"text/plain": repr(value)}
+        bundle = getattr(value, "_repr_mimebundle_", None)
+        if callable(bundle):
+            with contextlib.suppress(Exception):
+                got = bundle()
+                if isinstance(got, tuple):
+                    got = got[0]
+                if isinstance(got, dict):
+                    for k, v in got.items():
+                        data[str(k)] = v
+        for attr, mime in _MIME:
+            fn = getattr(value, attr, None)
+            if not callable(fn) or mime in data:
+                continue
+            with contextlib.suppress(Exception):
+                v = fn()
+                if v is not None:
+                    data[mime] = v
+        self._put(data, main)
+
+    def _put(self, data: dict[str, Any], main: bool) -> None:
+        out: dict[str, Any] = {}
+        for mime, v in data.items():
+            if isinstance(v, bytes):
+                v = base64.b64encode(v).decode()
+            elif not isinstance(v, str):
+                v = json.dumps(v) if mime == "application/json" else str(v)
+            if self.display_bytes + len(v) > DISPLAY_CAP:
+                continue
+            self.display_bytes += len(v)
+            out[mime] = v
+        self.results.append({"data": out, "is_main_result": main})
+
+    def _figures(self) -> None:
+        """matplotlib figures the code left open, as image/png (then closed), as
+        e2b-code-interpreter and Jupyter's inline backend show them."""
+        plt = sys.modules.get("matplotlib.pyplot")
+        if plt is None:
+            return
+        with contextlib.suppress(Exception):
+            for num in plt.get_fignums():
+                fig = plt.figure(num)
+                buf = io.BytesIO()
+                fig.savefig(buf, format="png")
+                self._put({"text/plain": repr(fig), "image/png": buf.getvalue()}, False)
+            plt.close("all")
+
+    def run(self, code: str) -> dict[str, Any]:
+        self.count += 1
+        self.results, self.display_bytes = [], 0
+        out, err = _Capped(), _Capped()
+        error = None
+        t0 = time.monotonic()
+        old = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = out, err
+        self.executing = True
+        try:
+            tree = ast.parse(code, f"<cell {self.count}>", "exec")
+            last = None
+            tail = tree.body[-1] if tree.body else None
+            if isinstance(tail, ast.Expr):
+                tree.body.pop()
+                last = ast.Expression(tail.value)
+            exec(compile(tree, f"<cell {self.count}>", "exec"), self.ns)  # noqa: S102
+            if last is not None:
+                value = eval(compile(last, f"<cell {self.count}>", "eval"), self.ns)
+                if value is not None:
+                    self.ns["_"] = value
+                    self._add(value, main=True)
+        except BaseException as exc:  # noqa: BLE001 - the user's error is the answer
+            tb = exc.__traceback__
+            # drop this kernel's own frames: the user's code starts at <cell N>
+            while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell"):
+                tb = tb.tb_next
+            te = traceback.TracebackException(type(exc), exc, tb)
+            te.stack = traceback.StackSummary.from_list(
+                [f for f in te.stack if f.filename != __file__])   # nor the SIGINT handler
+            error = {"name": type(exc).__name__, "value": str(exc),
+                     "traceback": "".join(te.format())}
+        finally:
+            self.executing = False
+            sys.stdout, sys.stderr = old
+        self._figures()
+        return {"stdout": out.text(), "stderr": err.text(), "results": self.results,
+                "error": error, "execution_count": self.count,
+                "duration_s": time.monotonic() - t0}
+
+
+def _sigint(k: Kernel) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        if k.executing:
+            raise KeyboardInterrupt("interrupted: the code ran past its timeout")
+    return handler
+
+
+def serve(d: str) -> None:
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    lock = open(os.path.join(d, "lock"), "a")  # noqa: SIM115 - held for the kernel's life
+    deadline = time.monotonic() + 5         # a kernel just killed may still hold it
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return                          # another kernel serves this DIR
+            time.sleep(0.02)
+    os.environ.setdefault("MPLBACKEND", "Agg")  # plt.show() must not block
+    path = os.path.join(d, "sock")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path + ".new")
+    srv.listen(16)
+    with open(os.path.join(d, "pid.new"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(d, "pid.new"), os.path.join(d, "pid"))
+    os.replace(path + ".new", path)             # clients see the socket once it listens
+    k = Kernel()
+    signal.signal(signal.SIGINT, _sigint(k))
+    while True:
+        try:
+            conn, _ = srv.accept()
+        except KeyboardInterrupt:
+            continue
+        with conn:
+            try:
+                conn.settimeout(60)             # a client that sends nothing, or reads nothing
+                req = _Lines(conn).read()
+                conn.sendall(json.dumps({"started": True}).encode() + b"\n")
+                res = k.run(req["code"])
+                conn.sendall(json.dumps(res).encode() + b"\n")
+            except (OSError, ValueError, KeyError, KeyboardInterrupt):
+                continue
+
+
+class _Lines:
+    """JSON lines from a socket, each read bounded by the socket's timeout (a plain
+    ``makefile`` is unusable after its first timeout, and we read on after one)."""
+
+    def __init__(self, s: socket.socket) -> None:
+        self.s, self.buf = s, b""
+
+    def read(self) -> Any:
+        while b"\n" not in self.buf:
+            got = self.s.recv(1 << 16)
+            if not got:
+                raise ConnectionError("the kernel closed the connection")
+            self.buf += got
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+
+def _failed(name: str, value: str, duration: float) -> dict[str, Any]:
+    return {"stdout": "", "stderr": "", "results": [], "execution_count": 0,
+            "duration_s": duration, "error": {"name": name, "value": value, "traceback": ""}}
+
+
+def run(d: str, timeout: str) -> int:
+    req = sys.stdin.buffer.read()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lines = _Lines(s)
+    try:
+        s.connect(os.path.join(d, "sock"))
+        s.sendall(req.rstrip(b"\n") + b"\n")
+        lines.read()                            # started: the clock starts now
+    except (OSError, ValueError):
+        return EXIT_NO_KERNEL
+    limit = None if timeout == "none" else float(timeout)
+    s.settimeout(limit)
+    timed_out = False
+    t0 = time.monotonic()
+    try:
+        res = lines.read()
+    except TimeoutError:
+        timed_out = True
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(d, "pid")) as f:
+            os.kill(int(f.read()), signal.SIGINT)
+        s.settimeout(GRACE_S)
+        try:
+            res = lines.read()
+        except (OSError, ValueError):
+            stop(d)
+            res = _failed("TimeoutError", f"the code ran past its timeout of {timeout}s and "
+                          f"did not stop on an interrupt within {GRACE_S:g}s: the kernel was "
+                          "killed (its variables are lost; the next run starts a fresh one)",
+                          time.monotonic() - t0)
+    except (OSError, ValueError) as exc:
+        res = _failed("KernelDied", f"the kernel died while running the code ({exc}): its "
+                      "variables are lost; the next run starts a fresh one",
+                      time.monotonic() - t0)
+    res["timed_out"] = timed_out
+    sys.stdout.write(json.dumps(res) + "\n")
+    return 0
+
+
+def stop(d: str) -> None:
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(d, "pid")) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+    for name in ("sock", "pid"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(d, name))
+
+
+def main(argv: list[str]) -> int:
+    cmd, d = argv[1], argv[2]
+    if cmd == "serve":
+        serve(d)
+        return 0
+    if cmd == "run":
+        return run(d, argv[3])
+    if cmd == "stop":
+        stop(d)
+        return 0
+    sys.stderr.write(f"unknown command {cmd!r}\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
