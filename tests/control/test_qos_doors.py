@@ -104,3 +104,22 @@ async def test_edge_door() -> None:
         assert (await node.create(SandboxSpec(project="other"))).spec.qos == "ls"
     finally:
         await node.close()
+
+
+def test_cli(cluster: LocalCluster) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from dsec.cli.main import cli
+
+    env = {"DSEC_URL": cluster.url, "DSEC_API_KEY": cluster.api_key}
+    r = CliRunner().invoke(cli, ["sandbox", "create", "--project", BE_ONLY, "--qos", "ls"],
+                           env=env)
+    assert r.exit_code != 0 and "qos_ls=false" in r.output, r.output
+    r = CliRunner().invoke(cli, ["sandbox", "create", "--project", BE_ONLY, "-n", "2",
+                                 "--cpu-quota", "1.5", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    made = json.loads(r.output)
+    assert [m["spec"]["qos"] for m in made] == ["be", "be"]
+    assert {m["spec"]["cpu_quota_milli"] for m in made} == {1500}

@@ -683,6 +683,7 @@ class AsyncSandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list: a keyword dict laid over the keywords
@@ -698,7 +699,7 @@ class AsyncSandboxes:
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user}
+            "user": user, "qos": qos, "cpu_quota": cpu_quota}
         c = self._c
         specs: list[SandboxSpec]
         if isinstance(n, int) and not isinstance(n, bool):

@@ -250,6 +250,7 @@ class Sandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(
@@ -258,7 +259,7 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            cwd=cwd, user=user))]
+            cwd=cwd, user=user, qos=qos, cpu_quota=cpu_quota))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
