@@ -201,12 +201,13 @@ class NodeConfig:
     # container backend's store, if any.
     layer_store: str | None = None
     # Projects (with their subprojects) whose sandboxes this node runs best-effort only
-    # (NodeConfig only, no CLI flag yet; issue 22): a create naming no QoS class gets
+    # (``dsec edge --qos-be-only PROJECT``, issue 22): a create naming no QoS class gets
     # "be", one asking "ls" is refused, whoever asks (the control plane's project quota
     # ``qos_ls`` binds what comes through the apiserver).
     qos_be_only: tuple[str, ...] = ()
     # Relieve node memory pressure (PSI) by pausing idle best-effort sandboxes
-    # (dsec.edge.qos.plan_relief), checked every pressure_interval_s; None: off.
+    # (dsec.edge.qos.plan_relief), checked every pressure_interval_s; None: off
+    # (``dsec edge --memory-pressure``: the default PressurePolicy).
     memory_pressure: PressurePolicy | None = None
     pressure_interval_s: float = 5.0
 

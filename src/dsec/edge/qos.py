@@ -148,7 +148,7 @@ def core_sched_cookie(pid: int) -> bool:
 
 def node_qos(spec: SandboxSpec, be_only: Sequence[str], node: str) -> SandboxSpec:
     """The edge door's QoS rule (pure): a resolved spec's class, "be" for a project
-    under one of ``be_only`` (a node setting, NodeConfig.qos_be_only), else "ls"
+    under one of ``be_only`` (a node setting, ``dsec edge --qos-be-only``), else "ls"
     when unset; "ls" asked there is refused (:class:`PermissionDenied`)."""
     project = spec.project or ""
     restricted = next((p for p in be_only
@@ -158,7 +158,7 @@ def node_qos(spec: SandboxSpec, be_only: Sequence[str], node: str) -> SandboxSpe
     if spec.qos == "ls" and restricted is not None:
         raise PermissionDenied(
             f"qos='ls' is refused on node {node} for project {project!r}: the node runs "
-            f"project {restricted!r} and its subprojects best-effort only (NodeConfig.qos_be_only); "
+            f"project {restricted!r} and its subprojects best-effort only (--qos-be-only); "
             "ask for qos='be' or leave qos unset", field="qos")
     return spec
 
