@@ -108,6 +108,7 @@ from dsec.wire.layers import (
     NodePins,
     PinSet,
 )
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.ops import ALL_OPS, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch, undecodable
@@ -337,6 +338,7 @@ EXAMPLES: dict[str, Example] = {
     "cluster_node_revoke": lambda w: NodeRef(id=w.joined_node()),
     "node_migrate": lambda w: NodeRef(id="edge-0"),
     "node_pins": lambda w: PinSet(images=[], gen=0),
+    "set_timeout": lambda w: SetTimeout(id=w.sid, timeout_s=3600.0),
     "layer_grant": lambda w: LayerGrant(manifests=[w.manifest_json()]),
 }
 DESTRUCTIVE = ("remove", "destroy", "snapshot_delete", "session_close", "revoke_key",
@@ -798,6 +800,10 @@ INVALID: dict[str, list[Bad]] = {
                       "source", decode=True)],
     "network_update": [_net_bad(f"policy{suffix}", raw, needle, limit)
                        for suffix, raw, needle, limit in _NET_BAD],
+    "set_timeout": [Bad("timeout past 30 days", lambda w: {
+        "id": w.sid, "timeout_s": wspec.MAX_TTL_S + 1}, "timeout_s=", "MAX_TTL_S"),
+                    Bad("timeout zero", lambda w: {"id": w.sid, "timeout_s": 0},
+                        "must be within (0, ")],
 }
 INVALID["create"] += [_spec_bad(f"network{suffix}", {"network": raw},
                                 needle.replace("policy", "network", 1), limit)

@@ -126,18 +126,53 @@ async def test_async_client_mirrors_sync(cluster: LocalCluster) -> None:
 
 
 def test_session_bound_sandboxes_die_with_their_client(cluster: LocalCluster) -> None:
+    """Opt-in (issue 19): Client(session=True), or session=True on one create."""
     import asyncio
-    with cluster.client(session_lease_s=30) as c:
+    with cluster.client(session=True, session_lease_s=30) as c:
         bound = c.sandboxes.create()
         detached = c.sandboxes.create(detached=True)
+        with pytest.raises(InvalidArgument, match="contradict"):
+            c.sandboxes.create(detached=True, session=True)
+    with cluster.client() as c:
+        asked = c.sandboxes.create(session=True)
+        lives = c.sandboxes.create()
     assert bound.info.spec.labels["dsec.io/session"].startswith("ses-")
+    assert asked.info.spec.labels["dsec.io/session"].startswith("ses-")
     assert "dsec.io/session" not in detached.info.spec.labels
+    assert "dsec.io/session" not in lives.info.spec.labels
     assert cluster._loop is not None
     asyncio.run_coroutine_threadsafe(cluster.runtime.plane.sweep(), cluster._loop).result(10)
     with cluster.client(session_lease_s=None) as c:
         assert c.sandboxes.get(bound.id).state == "destroyed"
+        assert c.sandboxes.get(asked.id).state == "destroyed"
         assert c.sandboxes.get(detached.id).state == "running"
+        assert c.sandboxes.get(lives.id).state == "running"
         c.sandboxes.get(detached.id).kill()
+        c.sandboxes.get(lives.id).kill()
+
+
+def test_sandboxes_outlive_the_client_process_by_default(cluster: LocalCluster) -> None:
+    """E2B/Modal semantics (issue 19): a sandbox made by a client process that exited
+    lives on until its timeout; before, it was swept seconds after the client exited.
+    The client here is a real process that creates, prints the id and exits."""
+    import subprocess
+    import sys
+    code = ("from dsec import Client\n"
+            f"c = Client({cluster.url!r}, {cluster.api_key!r}, gateway={cluster.gateway!r})\n"
+            "sb = c.sandboxes.create(ttl=600)\nprint(sb.id)\nc.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    sid = out[-1]
+    import asyncio
+    assert cluster._loop is not None
+    swept = asyncio.run_coroutine_threadsafe(cluster.runtime.plane.sweep(),
+                                             cluster._loop).result(10)
+    assert all(s != sid for s, _ in swept)
+    with cluster.client() as c:
+        sb = c.sandboxes.get(sid)
+        assert sb.state == "running" and sb.info.expires_at is not None
+        assert sb.exec("echo alive").stdout == b"alive\n"
+        sb.kill()
 
 
 def test_create_retries_reuse_one_idempotency_key(cluster: LocalCluster) -> None:
@@ -210,7 +245,7 @@ async def test_a_forgotten_session_is_replaced_not_reused(cluster: LocalCluster)
     import httpx
 
     async with AsyncClient(cluster.url, cluster.api_key, gateway=cluster.gateway,
-                           session_lease_s=5) as c:
+                           session_lease_s=5, session=True) as c:
         first = await c.sandboxes.create()
         old = first.info.spec.labels["dsec.io/session"]
         async with httpx.AsyncClient() as http:

@@ -150,3 +150,22 @@ def test_a_migrated_sandbox_keeps_its_remaining_ttl(cluster: LocalCluster) -> No
             f"the moved sandbox expires at {new_deadline:.0f}, the original at "
             f"{old_deadline:.0f} (ttl {spec.ttl_s})")
         assert spec.ttl_s < 3600 - 1
+
+
+def test_a_migrated_sandbox_keeps_the_deadline_set_timeout_gave_it(
+        cluster: LocalCluster) -> None:
+    """Issue 19: the deadline is the edge's (set_timeout moved it), not created + ttl."""
+    with Client(cluster.url, cluster.api_key, protocol="http", session_lease_s=None) as c:
+        c.undrain_node("edge-0")
+        c.drain_node("edge-1")
+        old = c.sandboxes.create(image="base", ttl=3600)
+        c.undrain_node("edge-1")
+        deadline = old.set_timeout(600).expires_at
+        assert deadline is not None
+        c.drain_node("edge-0")
+        (item,) = c.migrate_node("edge-0").items
+        assert not item.error and item.new_id is not None, item
+        new = c.sandboxes.get(item.new_id).info
+        assert new.expires_at is not None
+        assert deadline - 5 <= new.expires_at <= deadline + 5, (new.expires_at, deadline)
+        c.undrain_node("edge-0")

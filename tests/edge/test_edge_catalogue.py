@@ -22,6 +22,7 @@ from dsec.image import LayerStore
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, FileRef, NetworkUpdateOnNode, ReadFile, WriteFile
 from dsec.wire.layers import MAX_MANIFEST_BYTES, LayerPut, LayerRef
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
 from dsec.wire.ops import EDGE_OPS, Op, StreamOp, TunnelOp
 from dsec.wire.ports import PortExpose, PortRef
@@ -85,6 +86,7 @@ EXAMPLES: dict[str, Example] = {
     "layer_chain": lambda w: {"digest": w.layer},
     "layer_get": lambda w: {"digest": w.layer},
     "layer_put": lambda w: {"manifest": w.manifest},
+    "set_timeout": lambda w: {"id": w.sid, "timeout_s": 3600.0},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -128,6 +130,8 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
                      lambda w: LayerRef(digest=w.layer[:20]))],
     "layer_put": [(lambda w: {"manifest": b" " * (MAX_MANIFEST_BYTES + 1)},
                    lambda w: LayerPut(manifest=b" " * (MAX_MANIFEST_BYTES + 1)))],
+    "set_timeout": [(lambda w: {"id": w.sid, "timeout_s": -1.0},
+                     lambda w: SetTimeout(id=w.sid, timeout_s=-1.0))],
 }
 
 

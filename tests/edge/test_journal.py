@@ -179,6 +179,10 @@ def test_a_line_of_each_earlier_layout_still_reads() -> None:
                         ceiling_deny=("198.51.100.0/24",),
                         ports=(PortRecord(port=8000, generation=7, exposed_at=1.5),))
     line = msgspec.json.decode(_encoder.encode(rec))
+    # issue 19's lifetime fields (expires_at, ttl_left_s, paused_reason) come after ports
+    assert line[-3:] == [None, None, ""], line
+    assert _decoder.decode(_encoder.encode(line)) == rec
+    line = line[:-3]                       # the line as written before issue 19
     assert line[-3:-1] == [3, ["198.51.100.0/24"]], line
     assert _decoder.decode(_encoder.encode(line)) == rec
     before_ports = _decoder.decode(msgspec.json.encode(line[:-1]))

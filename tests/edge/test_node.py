@@ -231,7 +231,7 @@ async def test_ttl_and_idle_timeout_reaping(clock: FakeClock, node: EdgeNode) ->
     clock.advance(2)  # t=6
     acts = await node.reap()
     assert {(a.sandbox_id, a.action, a.reason) for a in acts} == {
-        (idle_p.id, "pause", "idle_timeout")}
+        (idle_p.id, "pause", "idle")}
     assert node.get(idle_p.id).state == "paused"
     clock.advance(5)  # t=11
     acts = await node.reap()

@@ -183,6 +183,7 @@ async def test_node_relieves_memory_pressure_on_best_effort_only() -> None:
         r = await node.relieve_pressure()
         assert r.pause == (be_old.id,)
         assert node.get(be_old.id).state == "paused"
+        assert node.get(be_old.id).paused_reason == "memory_pressure"
         assert node.get(ls.id).state == node.get(be_new.id).state == "running"
         notes = [e for e in node.events(be_old.id) if e.reason == "memory_pressure"]
         assert len(notes) == 1 and "memory pressure" in notes[0].detail

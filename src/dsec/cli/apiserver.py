@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from dsec.cli.edge import blob_store_option, net_default_option, secret_in_argv
+from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
 
 
 def _edges(values: tuple[str, ...]) -> dict[str, str]:
@@ -76,10 +77,15 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
                    "sandboxes arrive through the state store (docs/deploy.md).")
 @net_default_option
 @blob_store_option
+@log_level_option()
+@log_format_option
+@access_log_option
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
               node_ttl: float, sandbox_list_interval: float, net_default: Any,
-              cluster_dir: str | None = None, blob_store: str | None = None) -> None:
+              cluster_dir: str | None = None, blob_store: str | None = None,
+              log_level: str = "warning", log_format: str = "text",
+              access_log: str | None = None) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -99,16 +105,13 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
                         blob_store=blob_store,
                         plane=PlaneConfig(node_ttl_s=node_ttl,
                                           sandbox_list_interval_s=sandbox_list_interval))
+    from dsec.logs import configure
+    configure(log_level, log_format, access_log=access_log)   # issue 19
     uvloop.run(_run(cfg, quiet))
 
 
 async def _run(cfg: Any, quiet: bool) -> None:
-    import logging
-
     from dsec.cluster.run import run_until_signalled
-
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def failed(exc: Exception) -> None:
         click.echo(f"dsec apiserver failed: {exc}", err=True)

@@ -470,6 +470,9 @@ def _die_with_supervisor(pid: int) -> None:
               help="[join] The address the apiserver replicas dial [default: --listen's; "
                    "a 0.0.0.0 host becomes the address the join came from].")
 @blob_store_option
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="text: 'ISO-time LEVEL logger: message' lines; json: "
+                                      "one object per line (dsec.logs; issue 19).")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -483,8 +486,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
          metrics_listen: str | None, join_url: str | None, join_token: str | None,
          advertise: str | None, blob_store: str | None,
-         lazy_cache_bytes: int | None, qos_be_only: tuple[str, ...] = (),
-         memory_pressure: bool = False) -> None:
+         lazy_cache_bytes: int | None, log_format: str = "text",
+         qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
@@ -499,7 +502,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
             None if image_store_budget == "off" else image_store_budget)
     if supervisor_pid is not None:
         _die_with_supervisor(supervisor_pid)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from dsec.logs import configure
+    configure(log_level, log_format)
     ssl_ctx = None
     if join_url is not None or (state_dir is not None and os.path.exists(
             os.path.join(state_dir, "cluster", "node.crt"))):
@@ -807,7 +811,8 @@ async def _serve_node(cfg: Any, backends: dict[str, Any], listen: str, token: by
             from dsec.edge.metrics import EdgeMetrics, serve_metrics
 
             em = EdgeMetrics(network=getattr(backends.get("container"), "network", None),
-                             resolver=resolver, live=lambda: node.live_count, lazy=lazy)
+                             resolver=resolver, live=lambda: node.live_count, lazy=lazy,
+                             node=node)
             metrics = await serve_metrics(metrics_listen, em.render)
             addr = metrics.sockets[0].getsockname()
             click.echo(f"edge {cfg.node_id} metrics on http://{addr[0]}:{addr[1]}/metrics",

@@ -29,6 +29,13 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# Commands another module adds to a group (`register(group)`), so that module may import
+# the group's helpers without an import cycle (issue 19: `dsec sandbox stats|timeout`).
+EXTENSIONS: dict[str, tuple[str, ...]] = {
+    "sandbox": ("dsec.cli.lifetime:register",),
+}
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -39,6 +46,9 @@ class LazyGroup(click.Group):
             return None
         mod, _, attr = target.partition(":")
         cmd: click.Command = getattr(importlib.import_module(mod), attr)
+        for ext in EXTENSIONS.get(name, ()):
+            emod, _, fn = ext.partition(":")
+            getattr(importlib.import_module(emod), fn)(cmd)
         return cmd
 
 

@@ -24,6 +24,7 @@ from dsec.cli.edge import (
     net_node_options,
     secret_in_argv,
 )
+from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
 
 
 @click.command()
@@ -83,6 +84,12 @@ from dsec.cli.edge import (
 @click.option("--replicas", type=click.IntRange(1, 8), default=1, show_default=True,
               help="With --hosts: apiserver replicas over one store, behind --listen.")
 @blob_store_option
+@log_level_option()
+@log_format_option
+@access_log_option
+@click.option("--edge-metrics-port", type=click.IntRange(1, 65535), default=None,
+              metavar="PORT", help="Edge i serves its Prometheus metrics at "
+              "http://127.0.0.1:<PORT+i>/metrics (dsec edge --metrics-listen) [default: off].")
 def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str,
        edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
@@ -92,13 +99,18 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        quiet: bool, registries: tuple[str, ...], registry_blob_hosts: tuple[str, ...],
        image_store_budget: Any, net_default: Any, net_max: Any, net_uplink: str | None, net_link: str,
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
-       net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None) -> None:
+       net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None,
+       log_level: str = "warning", log_format: str = "text",
+       access_log: str | None = None, edge_metrics_port: int | None = None) -> None:
     """Run a single-machine dsec cluster in the foreground."""
+    logs = (log_level, log_format, access_log)     # issue 19: dsec.logs
     if hosts is not None and blob_store is not None:
         # the test hosts live in their own network namespaces: a loopback blob store
         # of this host is not theirs (and nothing passes the flag to their edges yet)
         raise click.BadParameter("not with --hosts yet", param_hint="--blob-store")
     if hosts is not None:
+        from dsec.logs import configure
+        configure(log_level, log_format, access_log=access_log)
         _up_hosts(hosts=hosts, replicas=replicas, state_dir=state_dir, store=store,
                   listen=listen,
                   backend=backend, edges=edges, node_ttl=node_ttl, quiet=quiet,
@@ -139,8 +151,10 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         net_uplink=net_uplink, net_link=net_link, net_egress=net_egress, net_pool=net_pool,
         net_dns_upstream=net_dns_upstream, net_ipv6=net_ipv6,
         image_store_budget=image_store_budget, registries=tuple(registries) or None,
-        registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store)
-    uvloop.run(_run(cfg, quiet))
+        registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store,
+        edge_log_level=log_level, edge_log_format=log_format,
+        edge_metrics_port=edge_metrics_port)
+    uvloop.run(_run(cfg, quiet, logs))
 
 
 def _sizes(rt: Any) -> str:
@@ -168,27 +182,36 @@ def export_lines(url: str, api_key: str) -> None:
     sys.stdout.flush()
 
 
-def _log_to(console: Any) -> None:
-    """Warnings (and the supervisor's restart notes) print above the status line."""
+def _log_to(console: Any, level: str = "warning", fmt: str = "text",
+            access_log: str | None = None) -> None:
+    """Warnings (and the supervisor's restart notes) print above the status line, with
+    their time and level (``--log-format json``: JSON lines on stderr instead)."""
     import logging
 
     from rich.logging import RichHandler
 
-    handler = RichHandler(console=console, show_path=False, markup=False,
-                          rich_tracebacks=False)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s",
-                        handlers=[handler])
-    logging.getLogger("dsec.supervisor").setLevel(logging.INFO)
+    from dsec.logs import configure
+
+    if fmt == "json":
+        configure(level, "json", access_log=access_log)
+    else:
+        handler = RichHandler(console=console, show_path=False, markup=False,
+                              rich_tracebacks=False, log_time_format="%Y-%m-%dT%H:%M:%S")
+        configure(level, "text", access_log=access_log, handler=handler)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))  # rich: time, level
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger("dsec.supervisor").setLevel(logging.INFO)
 
 
-async def _run(cfg: Any, quiet: bool) -> None:
+async def _run(cfg: Any, quiet: bool,
+               logs: tuple[str, str, str | None] = ("warning", "text", None)) -> None:
     from rich.console import Console
     from rich.markup import escape
 
     from dsec.cluster.run import run_until_signalled
 
     console = Console(stderr=True)
-    _log_to(console)
+    _log_to(console, *logs)
 
     def failed(exc: Exception) -> None:
         console.print(f"[red]dsec up failed:[/red] {escape(str(exc))}")
@@ -236,7 +259,6 @@ def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, store: str | 
               edges: int, node_ttl: float, quiet: bool, profile: str, max_sandboxes: int,
               net_uplink: str | None, in_process_edges: bool) -> None:
     """``dsec up --hosts N`` (stream ``hosts``): :func:`dsec.cluster.hosts.serve`."""
-    import logging
     import os
 
     from dsec.cluster.hosts import HostsConfig, serve
@@ -255,7 +277,6 @@ def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, store: str | 
                                  param_hint="--listen")
     if os.geteuid() != 0:
         raise click.ClickException("--hosts needs root (it creates network namespaces)")
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     cfg = HostsConfig(state_dir=state_dir or default_state_dir(), hosts=hosts,
                       store=store, replicas=replicas, backends=tuple(sorted({"simulated", backend})),
                       default_backend=backend, node_ttl_s=node_ttl, rest_port=int(port),

@@ -98,6 +98,7 @@ from dsec.wire.cluster import (
     NodeMigration,
 )
 from dsec.wire.layers import LayerFetch, LayerFetched
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort, PortExpose, PortRef
@@ -258,10 +259,14 @@ class AsyncClient:
     advertises one it speaks, else REST), ``"http"`` or ``"aether"``. ``transport``: a
     :class:`~dsec.client.transport.Transport` object to go through instead
     (``url``/``api_key`` are then not needed, ``protocol`` is unused), e.g. an in-memory
-    :class:`dsec.client.testing.MockTransport` in tests. ``session_lease_s``: sandboxes this client creates
-    are bound to a session that the client renews in the background; if the client dies,
-    the server's sweeper destroys them after the lease (``None`` disables; ``detached=True``
-    on a create opts one sandbox out). ``retries``: attempts after a connection error for
+    :class:`dsec.client.testing.MockTransport` in tests. Sandboxes outlive the client
+    that made them, until their timeout (``ttl``, else the server's default; E2B and Modal
+    semantics; issue 19). ``session=True`` opts in to session-bound cleanup: the
+    sandboxes this client creates are bound to a session it renews in the background
+    every ``session_lease_s``/3; when the client closes they are destroyed at once, and
+    if it dies the server's sweeper destroys them after the lease (``session=`` on one
+    create overrides the client's choice, ``detached=True`` opts one sandbox out).
+    ``retries``: attempts after a connection error for
     idempotent calls. ``create_retry_s``: how long one ``create()`` keeps retrying (same
     Idempotency-Key) through connection errors, request timeouts and 503s (default 120 s,
     enough to span an apiserver restart; ``None``: ``retries`` attempts only).
@@ -272,7 +277,7 @@ class AsyncClient:
         protocol: WireProtocol = "auto", transport: Transport | None = None,
         gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
-        _http_transport: Any = None,
+        session: bool = False, _http_transport: Any = None,
     ) -> None:
         if isinstance(transport, str):
             raise InvalidArgument(f"transport={transport!r}: transport= takes a Transport "
@@ -297,6 +302,10 @@ class AsyncClient:
         self.create_retry_s = create_retry_s
         self._rediscover = False
         self.session_lease_s = session_lease_s
+        if session and session_lease_s is None:
+            raise InvalidArgument("session=True binds sandboxes to a session lease: pass a "
+                                  "session_lease_s (seconds), not None", field="session")
+        self.session = session           # bind creates to a session (opt-in, issue 19)
         self.protocol: WireProtocol = protocol
         self._mode = protocol if injected is None else "injected"
         self._http_transport = _http_transport
@@ -447,6 +456,20 @@ class AsyncClient:
             return await http.upload(op, body, chunks)
         finally:
             await http.close()
+
+    async def _bound_session(self, detached: bool, session: bool | None) -> str | None:
+        """The session a create binds its sandboxes to: none unless this client was made
+        with ``session=True`` or the create asks (``session=True``); never ``detached``."""
+        if detached and session:
+            raise InvalidArgument("detached=True and session=True contradict each other: a "
+                                  "detached sandbox outlives this client's session",
+                                  field="detached")
+        if detached or not (self.session if session is None else session):
+            return None
+        if self.session_lease_s is None:
+            raise InvalidArgument("session=True needs a session lease: this client was "
+                                  "made with session_lease_s=None", field="session")
+        return await self._retry_until(self._ensure_session, self.create_retry_s)
 
     async def _ensure_session(self) -> str | None:
         if self.session_lease_s is None:
@@ -624,14 +647,16 @@ class AsyncSandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
-        build_step: str | None = None, qos: QosClass | None = None,
-        cpu_quota: float | None = None,
+        build_step: str | None = None, session: bool | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
         bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
         "destroy" or "pause"); ``project``: the key's default project when None;
-        ``detached``: not bound to this client's session (outlives the client);
+        ``session``: bind it to this client's session (destroyed when the client closes
+        or dies; None: the client's ``session`` choice, False by default: it lives until
+        its timeout); ``detached=True``: never bound (as ``session=False``);
         ``env``/``cwd``/``user``: every exec's defaults, over the image config's (its
         ``Env``, ``WorkingDir``, ``User``; an exec's own win over both).
         ``qos``: "ls" (latency-sensitive) or "be" (best-effort: SCHED_IDLE, lowest CPU
@@ -664,9 +689,8 @@ class AsyncSandboxes:
         check_idempotency_key(idempotency_key)
         key = idempotency_key or "sdk-" + uuid.uuid4().hex  # one key for every retry
         # the session it is bound to is opened first: retried as a create
-        session = None if detached else await c._retry_until(c._ensure_session,
-                                                             c.create_retry_s)
-        body = CreateSandbox(spec=asked, session=session, idempotency_key=key)
+        bound = await c._bound_session(detached, session)
+        body = CreateSandbox(spec=asked, session=bound, idempotency_key=key)
         info = await c._retry_until(lambda: c.call(ops.CREATE, body, idempotent=False),
                                     c.create_retry_s)
         return AsyncSandbox(c, info)
@@ -682,7 +706,7 @@ class AsyncSandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
-        cwd: str | None = None, user: str | None = None,
+        cwd: str | None = None, user: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
@@ -715,13 +739,12 @@ class AsyncSandboxes:
             raise InvalidArgument(f"create_many takes a count (1..100000) or a list of up to "
                                   f"100000 keyword dicts or SandboxSpecs, not "
                                   f"{type(n).__name__}")
-        session = None if detached else await c._retry_until(c._ensure_session,
-                                                             c.create_retry_s)
+        bound = await c._bound_session(detached, session)
         keys = ["sdk-" + uuid.uuid4().hex for _ in specs]   # one per item, for every retry
         results: list[SandboxInfo | DsecError] = []
         for start in range(0, len(specs), 1024):
             results += await self._create_batch(specs[start:start + 1024],
-                                                keys[start:start + 1024], session)
+                                                keys[start:start + 1024], bound)
         ok = [AsyncSandbox(self._c, r) for r in results if isinstance(r, SandboxInfo)]
         errors = [r for r in results if not isinstance(r, SandboxInfo)]
         if errors:
@@ -1044,6 +1067,19 @@ class AsyncSandbox:
         """Resource use now: memory (and how much of it tmpfs holds), cpu seconds,
         processes, disk use against its cap (``disk_full`` when writes fail)."""
         return await self._c.call(ops.STATS, SandboxRef(id=self.id))
+
+    # issue 19, lifetimes (docs/sdk.md "Lifetimes")
+    async def set_timeout(self, seconds: float) -> SandboxInfo:
+        """End the sandbox ``seconds`` from now (E2B's ``set_timeout``); paused, its
+        clock is stopped and this is what it will have left when it resumes. The answer
+        has ``expires_at`` (running) or ``ttl_left_s`` (paused)."""
+        return await self._c.call(ops.SET_TIMEOUT, SetTimeout(id=self.id, timeout_s=seconds))
+
+    async def extend(self, seconds: float) -> SandboxInfo:
+        """Give the sandbox ``seconds`` more than it has left (from now if it has no
+        timeout), in one call on its edge (no read-then-write race)."""
+        return await self._c.call(ops.SET_TIMEOUT,
+                                  SetTimeout(id=self.id, timeout_s=seconds, extend=True))
 
     async def run_code(self, code: str, *, timeout: float | None = 60.0) -> Execution:
         """Run Python ``code`` in this sandbox's stateful interpreter (a kernel process

@@ -110,7 +110,7 @@ class Client:
         protocol: WireProtocol = "auto", transport: Transport | None = None,
         gateway: str | None = None, retries: int = 3,
         session_lease_s: float | None = 60.0, create_retry_s: float | None = 120.0,
-        _http_transport: Any = None,
+        session: bool = False, _http_transport: Any = None,
     ) -> None:
         self._loop = _Loop()
         try:
@@ -118,7 +118,7 @@ class Client:
                                   transport=transport,
                                   gateway=gateway, retries=retries,
                                   session_lease_s=session_lease_s,
-                                  create_retry_s=create_retry_s,
+                                  create_retry_s=create_retry_s, session=session,
                                   _http_transport=_http_transport)
         except BaseException:
             self._loop.stop()
@@ -225,8 +225,8 @@ class Sandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
-        build_step: str | None = None, qos: QosClass | None = None,
-        cpu_quota: float | None = None,
+        build_step: str | None = None, session: bool | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
@@ -236,7 +236,7 @@ class Sandboxes:
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
-            qos=qos, cpu_quota=cpu_quota)))
+            session=session, qos=qos, cpu_quota=cpu_quota)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
@@ -249,7 +249,7 @@ class Sandboxes:
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
-        cwd: str | None = None, user: str | None = None,
+        cwd: str | None = None, user: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
@@ -259,7 +259,7 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            cwd=cwd, user=user, qos=qos, cpu_quota=cpu_quota))]
+            cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
@@ -477,6 +477,12 @@ class Sandbox:
 
     def stats(self) -> SandboxStats:
         return self._c._run(self._a.stats())
+
+    def set_timeout(self, seconds: float) -> SandboxInfo:
+        return self._c._run(self._a.set_timeout(seconds))
+
+    def extend(self, seconds: float) -> SandboxInfo:
+        return self._c._run(self._a.extend(seconds))
 
     def run_code(self, code: str, *, timeout: float | None = 60.0) -> Execution:
         """See :meth:`~dsec.client.core.AsyncSandbox.run_code`."""

@@ -76,6 +76,7 @@ from dsec.edge.admission import (
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
+from dsec.logs import AUDIT_FILE, AuditLog
 from dsec.statedir import LOCAL_FILE, ensure_private_dir, read_local
 from dsec.wire.netpolicy import NetworkPolicy
 
@@ -168,6 +169,13 @@ class ClusterConfig:
     # that lack them (`--blob-store`, dsec.image.blob): an operator's URL, trusted as
     # given; passed on to the local edges. None: no blob store.
     blob_store: str | None = None
+    # [life] the local edge processes' --log-level and --log-format (dsec up's own; their
+    # output goes to DIR/edges/<node>.log)
+    edge_log_level: str = "warning"
+    edge_log_format: str = "text"
+    # [life] local edge i serves its Prometheus metrics on 127.0.0.1:<port + i>
+    # (`dsec up --edge-metrics-port`; None: off)
+    edge_metrics_port: int | None = None
     # [lazy2] The LRU budget of each local edge process's chunk cache in bytes
     # (`dsec edge --lazy-cache-bytes`; None: the edge's default, no limit).
     lazy_cache_bytes: int | None = None
@@ -321,6 +329,8 @@ class ClusterRuntime:
                                  port_token_key=_port_token_key(cfg.state_dir),
                                  net_default=cfg.net_default))
             service.joins = self.join_authority     # the cluster_* rows (None: no CA)
+            # issue 19: admin actions, durable, 0600 in the state dir (dsec.logs)
+            service.audit = AuditLog(os.path.join(cfg.state_dir, AUDIT_FILE))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
             if "container" in self._local_backends():
                 # the base's names in the state store's tag table too (every replica's)
@@ -449,7 +459,11 @@ class ClusterRuntime:
                 "--memory-bytes", str(cap.physical.memory_bytes),
                 "--cpu-overcommit", repr(cfg.overcommit.cpu),
                 "--memory-overcommit", repr(cfg.overcommit.memory),
-                "--max-sandboxes", str(cap.max_sandboxes), "--log-level", "warning"]
+                "--max-sandboxes", str(cap.max_sandboxes), "--log-level", cfg.edge_log_level,
+                "--log-format", cfg.edge_log_format]
+        if cfg.edge_metrics_port is not None and node in self.node_ids:
+            argv += ["--metrics-listen",
+                     f"127.0.0.1:{cfg.edge_metrics_port + self.node_ids.index(node)}"]
         if cap.disk_bytes is not None:
             argv += ["--disk-bytes", str(cap.disk_bytes)]
         for b in self._local_backends():
@@ -851,6 +865,8 @@ class ClusterRuntime:
             await _bounded("stopping keyed creates", self.service.close(), STOP_STEP_S)
             await _bounded("closing the idempotency cache",
                            self.service.idempotency.close(), STOP_STEP_S)
+            if self.service.audit is not None:
+                self.service.audit.close()
         for t in self._bg:
             t.cancel()
         await _bounded("stopping background tasks",

@@ -57,6 +57,7 @@ from dsec.errors import (
     RateLimited,
     Unavailable,
 )
+from dsec.logs import access, access_enabled
 from dsec.net.expose import PROXY_PREFIX
 from dsec.wire import ops
 from dsec.wire.api import (
@@ -222,6 +223,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         async def endpoint(request: Request) -> Response:
             t0 = time.perf_counter()
             rid = _request_id(request)
+            caller = None
             try:
                 caller = (service.authenticate(request.headers.get("authorization"),
                                                _client_host(request.scope))
@@ -241,7 +243,11 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                 c = counters[resp.status_code] = requests.labels(template, op.method,
                                                                   str(resp.status_code))
             c.inc()
-            lat.observe(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            lat.observe(dt)
+            if access_enabled():    # issue 19: --access-log
+                _access_line(op.method, template, request.url.path, resp.status_code, dt,
+                             _client_host(request.scope), rid, caller)
             return resp
 
         routes.append(Route(op.path, endpoint, methods=[op.method]))
@@ -507,9 +513,10 @@ class FastPaths:
         if rid is None:
             rid = _new_rid(None)
         svc = self._service
+        caller = None
         try:
-            info = await self._policy(svc.authenticate(auth, _client_host(scope)),
-                                      self._request(id=sid))
+            caller = svc.authenticate(auth, _client_host(scope))
+            info = await self._policy(caller, self._request(id=sid))
             status, body = 200, _json.encode(info)
             headers = [_JSON_CT, (b"content-length", str(len(body)).encode()),
                        (b"x-request-id", rid.encode())]
@@ -529,7 +536,21 @@ class FastPaths:
             c = self._counters[status] = self._service.metrics.requests.labels(
                 self._template, self._method, str(status))
         c.inc()
-        self._lat.observe(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._lat.observe(dt)
+        if access_enabled():    # issue 19: --access-log
+            _access_line(self._method, self._template, scope.get("path", ""), status, dt,
+                         _client_host(scope), rid, caller)
+
+
+def _access_line(method: str, route: str, path: str, status: int, seconds: float,
+                 client: str | None, rid: str, caller: Caller | None) -> None:
+    """One REST access-log line (dsec.logs.access): the concrete path is logged, the
+    metrics keep the template."""
+    access(f"{method} {path} {status}", door="rest", method=method, route=route,
+           path=path, status=status, duration_ms=round(seconds * 1000, 3),
+           client=client or "-", request_id=rid,
+           principal=caller.name if caller is not None else "-")
 
 
 def _admin_routes(route: Callable[[Op, Handler], None], service: ApiService,

@@ -23,6 +23,7 @@ advertised by ``/v1/info``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from dsec.aether import Router, Server, StreamSender, serve
 from dsec.aether.limits import ServerLimits
 from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.errors import DsecError, InvalidArgument
+from dsec.logs import access, access_enabled
 from dsec.wire.ops import GATEWAY_OPS, Op, StreamOp, UploadOp
 
 __all__ = ["GatewaySession", "gateway_router", "serve_gateway"]
@@ -80,15 +82,37 @@ def _bound(service: ApiService, op: Op[Any, Any]) -> Callable[[GatewaySession, A
     answer its reply; errors pass through ``service.redact`` (no host paths)."""
     policy = service.handler(op)
     authenticate, redact = service.authenticate, service.redact
-    calls = service.metrics.gateway_calls.labels(op.api_method)
+    count = _counter(service, op)
 
     async def handle(session: GatewaySession, body: Any) -> Any:
-        calls.inc()
+        t0, outcome = time.perf_counter(), "internal"
         try:
-            return await policy(authenticate(session.key, session.peer), body)
+            reply = await policy(authenticate(session.key, session.peer), body)
+            outcome = "ok"
+            return reply
         except DsecError as exc:
+            outcome = exc.code
             raise redact(exc) from None
+        finally:
+            count(outcome, time.perf_counter() - t0, session.peer)
     return handle
+
+
+def _counter(service: ApiService, op: Op[Any, Any]) -> Callable[..., None]:
+    """Count and time one call of ``op`` (``dsec_gateway_calls_total{op,outcome}``,
+    ``dsec_gateway_call_seconds{op}``); the ok series exist from the start so a
+    dashboard shows 0, not "no data"."""
+    m = service.metrics
+    ok = m.gateway_calls.labels(op.name, "ok")
+    seconds = m.gateway_latency.labels(op.name)
+
+    def count(outcome: str, dt: float, peer: str = "-") -> None:
+        (ok if outcome == "ok" else m.gateway_calls.labels(op.name, outcome)).inc()
+        seconds.observe(dt)
+        if access_enabled():    # issue 19: --access-log
+            access(f"{op.api_method} {outcome}", door="gateway", op=op.name,
+                   outcome=outcome, duration_ms=round(dt * 1000, 3), client=peer)
+    return count
 
 
 def _streamed(service: ApiService, op: StreamOp[Any, Any, Any],
@@ -96,11 +120,11 @@ def _streamed(service: ApiService, op: StreamOp[Any, Any, Any],
     """The handler of a streaming row: items as STREAM frames, then the final reply."""
     policy = service.stream_handler(op)
     authenticate, redact = service.authenticate, service.redact
-    calls = service.metrics.gateway_calls.labels(op.api_method)
+    count = _counter(service, op)
     final_type = op.reply
 
     async def handle(session: GatewaySession, body: Any, out: StreamSender) -> Any:
-        calls.inc()
+        t0, outcome = time.perf_counter(), "internal"
         caller: Caller
         try:
             caller = authenticate(session.key, session.peer)
@@ -110,10 +134,14 @@ def _streamed(service: ApiService, op: StreamOp[Any, Any, Any],
                     final = item
                 else:
                     await out.send(item)
+            if final is None:
+                raise InvalidArgument(f"{op.name} stream ended without a result")
+            outcome = "ok"
         except DsecError as exc:
+            outcome = exc.code
             raise redact(exc) from None
-        if final is None:
-            raise InvalidArgument(f"{op.name} stream ended without a result")
+        finally:
+            count(outcome, time.perf_counter() - t0, session.peer)
         return final
     return handle
 

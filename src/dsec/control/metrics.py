@@ -63,8 +63,14 @@ class ApiMetrics:
         self.registry_sandboxes = Gauge(
             "dsec_registry_sandboxes", "live sandboxes in the control plane's registry "
             "(what GET /v1/sandboxes lists)", registry=r)
-        self.gateway_calls = Counter("dsec_gateway_calls_total", "Aether gateway calls",
-                                     ("method",), registry=r)
+        # issue 19: the SDK's default path (the gateway) counted and timed like REST
+        # (op: the catalogue row; outcome: "ok" or the error code, a bounded set)
+        self.gateway_calls = Counter("dsec_gateway_calls_total",
+                                     "Aether gateway calls by operation and outcome",
+                                     ("op", "outcome"), registry=r)
+        self.gateway_latency = Histogram("dsec_gateway_call_seconds",
+                                         "Aether gateway call latency by operation",
+                                         ("op",), buckets=_LATENCY_BUCKETS, registry=r)
         self._refreshers: list[Callable[[ApiMetrics], None]] = []
 
     def on_scrape(self, fn: Callable[[ApiMetrics], None]) -> None:

@@ -27,6 +27,7 @@ from dsec.control.store.migrations import MigrationRow
 from dsec.errors import Conflict, DsecError, PermissionDenied, SandboxNotFound
 from dsec.wire.calls import CreateSandbox
 from dsec.wire.cluster import Migrated, NodeMigration
+from dsec.wire.spec import SandboxInfo
 
 __all__ = ["migrate_node", "migration_key", "remaining_ttl"]
 
@@ -38,12 +39,19 @@ def migration_key(sandbox_id: str) -> str:
     return f"dsec-migrate-{sandbox_id}"
 
 
-def remaining_ttl(rec: SandboxRecord, row: MigrationRow) -> float | None:
+def remaining_ttl(rec: SandboxRecord, row: MigrationRow,
+                  info: SandboxInfo | None = None) -> float | None:
     """The new sandbox's ``ttl_s``: what the original had left when it was snapshotted,
     so a move does not extend a sandbox's life (None: it had no TTL). From the stored
     snapshot time, not the clock, so a run carried on after a crash asks the very same
     create (its Idempotency-Key binds the request); at least 1 s (a sandbox due to
-    expire during its move still starts, and expires at once)."""
+    expire during its move still starts, and expires at once). ``info``: the original
+    as its edge answers it (issue 19): its deadline moved by ``set_timeout``, or, paused,
+    the time it has left (its clock stopped); without it, the creation time + ttl_s."""
+    if info is not None and info.ttl_left_s is not None:
+        return max(1.0, round(info.ttl_left_s, 3))
+    if info is not None and info.expires_at is not None:
+        return max(1.0, round(info.expires_at - row.updated_at, 3))
     assert rec.spec is not None
     if rec.spec.ttl_s is None:
         return None
@@ -95,8 +103,12 @@ async def _move(service: Any, caller: Any, node: str, sid: str, rec: SandboxReco
         if rec is None or rec.spec is None:
             raise Conflict(f"sandbox {sid} on {node}: the control plane has no record of "
                            "its spec to start it again from its snapshot")
+        try:    # its deadline as its edge keeps it (set_timeout, paused clock)
+            now: SandboxInfo | None = await service.get(caller, sid)
+        except DsecError:
+            now = None
         spec = msgspec.structs.replace(rec.spec, snapshot=row.snapshot_id,
-                                       ttl_s=remaining_ttl(rec, row))
+                                       ttl_s=remaining_ttl(rec, row, now))
         info = await service.create(caller, CreateSandbox(
             spec=spec, idempotency_key=migration_key(sid)))
         row = msgspec.structs.replace(row, state="created", new_id=info.id,

@@ -7,7 +7,9 @@ Three lines of defence against leaks, from cheapest to broadest:
    the whole management plane is down.
 2. **Idle timeout** (opt-in per sandbox, ``idle_timeout_s`` + ``idle_action``), also reaped
    by the edge.
-3. **Session leases** (this module). The SDK opens a session (``POST /v1/sessions``,
+3. **Session leases** (this module; opt-in since issue 19: by default a sandbox outlives
+   its client until its TTL, as on E2B and Modal). An SDK client made with
+   ``session=True`` (and the RL toolkit's pools) opens a session (``POST /v1/sessions``,
    lease 60 s by default) and renews it every lease/3 from a background task; sandboxes it
    creates carry the label ``dsec.io/session=<id>``. When a lease has not been renewed
    for ``lease_s`` seconds (the client crashed or lost the network for that long), the

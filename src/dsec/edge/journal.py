@@ -84,10 +84,20 @@ class JournalRecord(msgspec.Struct, array_like=True, tag="put"):
     ceiling_deny: tuple[str, ...] = ()
     # nc's exposed ports, after nb's fields (array_like: appended, defaulted)
     ports: tuple[PortRecord, ...] = ()
+    # issue 19's lifetime (appended, defaulted): the running clock's deadline (unix
+    # seconds) or, paused, the stopped clock's time left; why it is paused. A line
+    # without them had created_at + spec.ttl_s (dsec.edge.lifecycle.adopted_lifetime).
+    expires_at: float | None = None
+    ttl_left_s: float | None = None
+    paused_reason: str = ""
 
     @property
     def port_records(self) -> tuple[PortRecord, ...]:
         return self.ports
+
+    @property
+    def ttl_left(self) -> float | None:
+        return self.ttl_left_s
 
 
 class JournalEnd(msgspec.Struct, array_like=True, tag="end", frozen=True):
@@ -117,6 +127,11 @@ class Journaled(Protocol):
     last_active_at: float
     net_generation: int
     ceiling_deny: tuple[str, ...]
+    expires_at: float | None
+    paused_reason: str
+
+    @property
+    def ttl_left(self) -> float | None: ...
 
     @property
     def port_records(self) -> tuple[PortRecord, ...]: ...
@@ -554,4 +569,5 @@ def _record(r: Journaled, state: SandboxState | None) -> JournalRecord:
     return JournalRecord(id=r.id, state=state or r.state, spec=r.spec,
                          created_at=r.created_at, last_active_at=r.last_active_at,
                          net_generation=r.net_generation, ceiling_deny=r.ceiling_deny,
-                         ports=r.port_records)
+                         ports=r.port_records, expires_at=r.expires_at,
+                         ttl_left_s=r.ttl_left, paused_reason=r.paused_reason)

@@ -82,6 +82,8 @@ class EdgeLayers:
         self.chunk_bytes = chunk_bytes
         self._free = free_bytes or _free_bytes
         self._receiving: dict[str, asyncio.Future[LayerManifest]] = {}
+        self.hits = 0       # layer_put of a layer already stored (the edge's /metrics)
+        self.misses = 0     # ... that had to be transferred
 
     def store(self) -> LayerStore:
         s = self._store()
@@ -134,7 +136,9 @@ class EdgeLayers:
         store = self.store()
         if store.has(m.digest) and os.path.exists(store.layer_path(m.digest)):
             store.touch(m.digest)
+            self.hits += 1
             return LayerStored(digest=m.digest, size_bytes=m.size_bytes, already=True)
+        self.misses += 1
         while (other := self._receiving.get(m.digest)) is not None:
             with contextlib.suppress(Exception):
                 got = await asyncio.shield(other)

@@ -18,7 +18,7 @@ only when someone reads them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 from dsec.errors import InvalidTransition
 from dsec.wire.spec import SandboxEvent, SandboxState
@@ -30,9 +30,13 @@ __all__ = [
     "TABLE",
     "EventTuple",
     "LifecycleEvent",
+    "adopted_lifetime",
     "allowed_from",
     "event_structs",
+    "moved_lifetime",
     "next_state",
+    "start_clock",
+    "stop_clock",
 ]
 
 LifecycleEvent = Literal[
@@ -121,3 +125,54 @@ def event_structs(sandbox_id: str, events: list[EventTuple]) -> list[SandboxEven
         SandboxEvent(time=t, sandbox_id=sandbox_id, from_state=f, to_state=to, reason=r, detail=d)
         for (t, f, to, r, d) in events
     ]
+
+
+# ---------------------------------------------------------------- lifetimes (issue 19)
+# A sandbox's TTL is a clock: running (``expires_at``, unix seconds) while the sandbox
+# runs, stopped (``ttl_left``, seconds) while it is paused, both None without a TTL.
+# Pausing stops it, resuming starts it again: a paused sandbox is never reaped for its
+# TTL (before, a sandbox paused with ttl=4 was destroyed with reason ``ttl`` while
+# paused), and E2B/Modal users get the whole time they asked for as running time.
+
+
+class HasClock(Protocol):
+    expires_at: float | None
+    ttl_left: float | None
+
+
+def stop_clock(rec: HasClock, now: float) -> None:
+    """Pausing: keep what is left of the running clock (never negative)."""
+    if rec.expires_at is not None:
+        rec.ttl_left = max(0.0, rec.expires_at - now)
+        rec.expires_at = None
+
+
+def start_clock(rec: HasClock, now: float) -> None:
+    """Resuming (or adopted running): the time left runs again from ``now``."""
+    if rec.ttl_left is not None:
+        rec.expires_at = now + rec.ttl_left
+        rec.ttl_left = None
+
+
+def moved_lifetime(expires_at: float | None, ttl_left: float | None, *, stopped: bool,
+                   now: float, timeout_s: float, extend: bool,
+                   cap_s: float) -> tuple[float | None, float | None]:
+    """``set_timeout``: the new ``(expires_at, ttl_left)``. ``stopped``: the sandbox is
+    paused (its clock does not run). ``extend`` adds to what is left (a sandbox without
+    a TTL gets ``timeout_s``); the result never exceeds ``cap_s`` of lifetime."""
+    if stopped or ttl_left is not None:
+        left = ttl_left if ttl_left is not None else (
+            None if expires_at is None else max(0.0, expires_at - now))
+        base = (left or 0.0) if extend else 0.0
+        return None, min(base + timeout_s, cap_s)
+    base = max(expires_at, now) if extend and expires_at is not None else now
+    return min(base + timeout_s, now + cap_s), None
+
+
+def adopted_lifetime(expires_at: float | None, ttl_left: float | None, *,
+                     created_at: float, ttl_s: float | None) -> tuple[float | None, float | None]:
+    """A journal line's clock ``(expires_at, ttl_left)``. A line written before
+    lifetimes were journaled (neither field) had the creation time plus ``ttl_s``."""
+    if expires_at is None and ttl_left is None and ttl_s is not None:
+        return created_at + ttl_s, None
+    return expires_at, ttl_left

@@ -9,7 +9,12 @@ knows lives here, in a registry of its own:
   it: the collector yields only sandboxes that hold a slot now.
 - ``dsec_net_dns_refused_total``: names the node's resolver refused (not allowlisted,
   rebinding, rate limits), all sandboxes together.
-- ``dsec_edge_sandboxes``: sandboxes this edge runs.
+- ``dsec_edge_sandboxes``: sandboxes this edge runs; ``dsec_edge_sandboxes_by_state``.
+- ``dsec_edge_operation_seconds{op}`` (histogram) and ``dsec_edge_operation_errors_total``:
+  create, pause, resume, exec, exec_stream, destroy as the node ran them (issue 19);
+  ``dsec_edge_oom_kills_total``, ``dsec_edge_notices_total{reason}``; the layer store:
+  ``dsec_edge_layers_stored``, ``dsec_edge_layer_store_bytes``,
+  ``dsec_edge_layer_puts_total{result="hit|miss"}``.
 - ``dsec_lazy_*`` (with ``--blob-store``: layers read lazily, issue 17): chunk reads that
   hit the node's chunk cache and that missed (``dsec_lazy_chunk_hit_ratio``: hits over
   both), bytes fetched from the blob store and bytes served, the latency of each ranged
@@ -39,9 +44,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dsec.aether.limits import Admission, ProcessBudget, ServerLimits, process_budget
+from dsec.edge.usage import OP_BUCKETS, OpTimings
 from dsec.errors import InvalidArgument
 
-__all__ = ["EdgeMetrics", "denied_samples", "lazy_families", "serve_metrics"]
+__all__ = ["OP_BUCKETS", "EdgeMetrics", "OpTimings", "denied_samples", "lazy_families",
+           "node_families", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,54 @@ METRICS_LIMITS: Final = ServerLimits(max_connections=64, max_connections_per_pee
 #: a rendering is reused this long (a scrape flood would otherwise run generate_latest
 #: over every sandbox of the edge, on its loop, for each request)
 RENDER_CACHE_S: Final = 1.0
+
+
+def node_families(t: OpTimings, states: Mapping[str, int],
+                  layers: tuple[int, int, int, int] | None) -> Iterator[Any]:
+    """The node's own families (pure): operation durations and failures, sandboxes by
+    state, notices (OOM kills among them), and the layer store (``layers``: layers
+    stored, their bytes, puts answered from the store, puts that had to transfer)."""
+    h = HistogramMetricFamily("dsec_edge_operation_seconds", "duration of the edge's "
+                              "operations on sandboxes (create, pause, resume, exec, "
+                              "destroy), from the request to the answer", labels=["op"])
+    for op in sorted(t.counts):
+        acc, buckets = 0, []
+        for b, n in zip([*map(str, t.buckets), "+Inf"], t.counts[op], strict=True):
+            acc += n
+            buckets.append((b, float(acc)))
+        h.add_metric([op], buckets, sum_value=t.sums[op])
+    yield h
+    e = CounterMetricFamily("dsec_edge_operation_errors", "edge operations that failed",
+                            labels=["op"])
+    for op in sorted(t.counts):
+        e.add_metric([op], float(t.errors.get(op, 0)))
+    yield e
+    g = GaugeMetricFamily("dsec_edge_sandboxes_by_state", "sandboxes of this edge by "
+                          "lifecycle state", labels=["state"])
+    for state in ("creating", "running", "pausing", "paused", "resuming", "destroying",
+                  "failed"):
+        g.add_metric([state], float(states.get(state, 0)))
+    yield g
+    yield CounterMetricFamily("dsec_edge_oom_kills", "OOM kills inside this edge's "
+                              "sandboxes (oom_kill notices: each one or more processes)",
+                              value=float(t.notices.get("oom_kill", 0)))
+    nf = CounterMetricFamily("dsec_edge_notices", "sandbox notices by reason (events of a "
+                             "sandbox that lives on: oom_kill, pids_limit, disk_full, ...)",
+                             labels=["reason"])
+    for reason in sorted(t.notices):
+        nf.add_metric([reason], float(t.notices[reason]))
+    yield nf
+    stored, nbytes, hits, misses = layers if layers is not None else (0, 0, 0, 0)
+    yield GaugeMetricFamily("dsec_edge_layers_stored", "image layers held whole in this "
+                            "node's layer store", value=float(stored))
+    yield GaugeMetricFamily("dsec_edge_layer_store_bytes", "bytes of the layers held in "
+                            "this node's layer store", value=float(nbytes))
+    lc = CounterMetricFamily("dsec_edge_layer_puts", "layers sent to this node (layer_put):"
+                             " already in its store (hit) or transferred (miss)",
+                             labels=["result"])
+    lc.add_metric(["hit"], float(hits))
+    lc.add_metric(["miss"], float(misses))
+    yield lc
 
 
 def denied_samples(owners: Mapping[int, tuple[str, int, int]]) -> list[tuple[str, int]]:
@@ -87,6 +142,9 @@ class _Collector(Collector):
             value=resolver.stats.refused if resolver is not None else 0)
         yield GaugeMetricFamily("dsec_edge_sandboxes", "sandboxes this edge runs",
                                 value=self.m.live())
+        node = self.m.node
+        if node is not None:
+            yield from node_families(node.timings, node.state_counts(), node.layer_counts())
         if self.m.lazy is not None:
             yield from lazy_families(self.m.lazy.stats(), self.m.lazy.restarts)
 
@@ -135,9 +193,11 @@ class EdgeMetrics:
     ``lazy`` the node's :class:`~dsec.edge.lazy.layers.LazyLayers` (or None)."""
 
     def __init__(self, *, network: Any = None, resolver: Any = None,
-                 live: Callable[[], int] = lambda: 0, lazy: Any = None) -> None:
+                 live: Callable[[], int] = lambda: 0, lazy: Any = None,
+                 node: Any = None) -> None:
         self.network, self.resolver, self.live = network, resolver, live
         self.lazy = lazy
+        self.node = node        # the EdgeNode: its timings, states and layer store
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 

@@ -35,6 +35,7 @@ import heapq
 import logging
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self, TypeVar
@@ -67,8 +68,12 @@ from dsec.edge.lifecycle import (
     TABLE,
     EventTuple,
     LifecycleEvent,
+    adopted_lifetime,
     event_structs,
+    moved_lifetime,
     next_state,
+    start_clock,
+    stop_clock,
 )
 from dsec.edge.qos import (
     PressureDriver,
@@ -78,6 +83,7 @@ from dsec.edge.qos import (
     node_qos,
     read_psi,
 )
+from dsec.edge.usage import CpuUsage, OpTimings
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -117,6 +123,7 @@ from dsec.wire.ports import (
 )
 from dsec.wire.spec import (
     LEGACY_PROJECT,
+    MAX_TTL_S,
     BackendName,
     ExecChunk,
     ExecRequest,
@@ -235,7 +242,7 @@ class ReapAction:
 
     sandbox_id: str
     action: str        # "destroy" | "pause"
-    reason: str        # "ttl" | "idle_timeout"
+    reason: str        # "ttl" | "idle_timeout" (destroy) | "idle" (pause)
 
 
 class _Sandbox:
@@ -252,15 +259,18 @@ class _Sandbox:
         "doomed",
         "events",
         "execs",
+        "expires_at",
         "id",
         "last_active_at",
         "net_generation",
         "net_lock",
+        "paused_reason",
         "ports",
         "reason",
         "snap_lock",
         "spec",
         "state",
+        "ttl_left",
         "tunnels",
     )
 
@@ -278,6 +288,11 @@ class _Sandbox:
         self.execs = 0           # of which commands (see NodeConfig.max_execs_per_sandbox)
         self.deadline: float | None = None  # earliest TTL/idle deadline queued
         self.doomed: tuple[str, str] | None = None  # died (reason, detail) while creating
+        # The lifetime (issue 19): a running clock (expires_at, unix seconds) or, while
+        # paused, a stopped one (ttl_left seconds); both None: no TTL. set_timeout moves it.
+        self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
+        self.ttl_left: float | None = None
+        self.paused_reason = ""                  # "requested" | "idle" while paused
         # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
         # a destroy waits for the one in flight (its final write renames files inside the
         # sandbox's directory, which the destroy removes).
@@ -347,6 +362,8 @@ class EdgeNode:
         # live again: network_lost, layer_unavailable), handed out once it is.
         self._adopt_notices: dict[str, list[tuple[str, str]]] = {}
         self._deadlines: builtins.list[tuple[float, str]] = []
+        self._cpu = CpuUsage()          # each sandbox's previous CPU reading (stats)
+        self.timings = OpTimings()      # operation durations and notices (/metrics)
         if journal is None and config.state_dir is not None:
             journal = SandboxJournal(config.state_dir, sync=config.journal_sync,
                                      keep_ended=config.tombstones)
@@ -419,7 +436,7 @@ class EdgeNode:
             self._event(rec, rec.state, rec.state, "memory_pressure", detail)
 
     async def _pause_for_pressure(self, sid: str) -> None:
-        await self.pause(sid)
+        await self.pause(sid, reason="memory_pressure")   # info.paused_reason says so
 
     async def relieve_pressure(self) -> Relief:
         """One round of the memory-pressure policy: read PSI, pause idle best-effort
@@ -474,6 +491,9 @@ class EdgeNode:
             # the line's last_active_at may be far older than the last use (a sandbox in
             # use a moment before a crash was idle-reaped by the first pass after it).
             rec.created_at, rec.last_active_at = r.created_at, max(now, r.last_active_at)
+            rec.expires_at, rec.ttl_left = adopted_lifetime(
+                r.expires_at, r.ttl_left_s, created_at=r.created_at, ttl_s=spec.ttl_s)
+            rec.paused_reason = r.paused_reason
             rec.ports = {p.port: p for p in r.ports}
             rec.net_generation, rec.ceiling_deny = r.net_generation, r.ceiling_deny
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
@@ -534,6 +554,11 @@ class EdgeNode:
                 self._event(rec, rec.state, rec.state, reason, detail)
             if state == "paused":
                 rec.state = "paused"
+                stop_clock(rec, now)
+                rec.paused_reason = rec.paused_reason or "requested"
+            else:
+                start_clock(rec, now)
+                rec.paused_reason = ""
             self._arm(rec)
             self.journal.put(rec)  # type: ignore[union-attr]
 
@@ -642,6 +667,8 @@ class EdgeNode:
     def _event(self, rec: _Sandbox, frm: SandboxState | None, to: SandboxState, reason: str,
                detail: str) -> None:
         ev = (self.clock.time(), frm, to, reason, detail)
+        if frm == to and reason in NOTICE_REASONS:
+            self.timings.notice(reason)
         events = rec.events
         events.append(ev)
         if len(events) > self.config.events_per_sandbox:
@@ -697,7 +724,8 @@ class EdgeNode:
     def _info(self, rec: _Sandbox) -> SandboxInfo:
         return SandboxInfo(id=rec.id, node=self.node_id, state=rec.state, spec=rec.spec,
                            created_at=rec.created_at, last_active_at=rec.last_active_at,
-                           reason=rec.reason)
+                           reason=rec.reason, expires_at=rec.expires_at,
+                           ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
 
     def _tomb(self, rec: _Sandbox) -> None:
         # an ended sandbox's URLs and tunnels end with it
@@ -705,6 +733,7 @@ class EdgeNode:
         rec.ports = {}
         dead = self._dead
         dead[rec.id] = rec
+        self._cpu.forget(rec.id)          # its previous CPU reading (stats)
         if len(dead) > self.config.tombstones:
             dead.popitem(last=False)
 
@@ -718,7 +747,7 @@ class EdgeNode:
     @staticmethod
     def _deadline_of(rec: _Sandbox) -> float | None:
         spec = rec.spec
-        d = None if spec.ttl_s is None else rec.created_at + spec.ttl_s
+        d = rec.expires_at
         if spec.idle_timeout_s is not None and rec.state == "running":
             i = rec.last_active_at + spec.idle_timeout_s
             d = i if d is None or i < d else d
@@ -747,11 +776,17 @@ class EdgeNode:
 
         Durable before acknowledged: the intent (``creating``) is in the journal before
         the backend starts, the ``running`` record before the answer."""
-        rec = self._admit(spec, sandbox_id, ceiling_deny)
-        await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
-        await self._build(rec)
-        await self._commit_or_abort(rec)
-        return self._created(rec)
+        t0, ok = time.monotonic(), False
+        try:
+            rec = self._admit(spec, sandbox_id, ceiling_deny)
+            await self._commit_or_abort(rec, sync=False)   # the intent: written, not fsynced
+            await self._build(rec)
+            await self._commit_or_abort(rec)
+            info = self._created(rec)
+            ok = True
+            return info
+        finally:
+            self.timings.observe("create", time.monotonic() - t0, ok=ok)
 
     async def create_many(self, specs: Sequence[SandboxSpec]) -> builtins.list[SandboxInfo | DsecError]:
         """Create each spec; one result per spec in order, failures as error objects.
@@ -865,7 +900,7 @@ class EdgeNode:
             self._event(rec, rec.state, rec.state, "network_ipv6_inert", note[:500])
         if rec.doomed is not None:  # the backend reported its death while we created it
             self._spawn(self._die(rec, *rec.doomed))
-        elif rec.spec.ttl_s is not None or rec.spec.idle_timeout_s is not None:
+        elif rec.expires_at is not None or rec.spec.idle_timeout_s is not None:
             self._arm(rec)
         return self._info(rec)
 
@@ -898,10 +933,15 @@ class EdgeNode:
         An id this node has no record of, but whose traces a backend still finds on the
         host, is cleaned up too (and answered with a tombstone) instead of
         ``SandboxNotFound``."""
-        info = await self._destroy(sandbox_id, reason, detail)
-        if self._durable is not None:
-            await self._durable.commit()
-        return info
+        t0, ok = time.monotonic(), False
+        try:
+            info = await self._destroy(sandbox_id, reason, detail)
+            if self._durable is not None:
+                await self._durable.commit()
+            ok = True
+            return info
+        finally:
+            self.timings.observe("destroy", time.monotonic() - t0, ok=ok)
 
     async def _destroy(self, sandbox_id: str, reason: str, detail: str) -> SandboxInfo:
         """:meth:`destroy` up to noting the tombstone (the caller commits)."""
@@ -1113,17 +1153,55 @@ class EdgeNode:
             if self._durable is not None:
                 await self._durable.commit()
 
+    # ================================================================ lifetimes
+    async def set_timeout(self, sandbox_id: str, timeout_s: float, *,
+                          extend: bool = False) -> SandboxInfo:
+        """End the sandbox ``timeout_s`` seconds from now (``extend``: after its current
+        deadline). Paused, its clock is stopped: this sets the time it will have left
+        when it resumes. Durable before acknowledged (journaled and fsynced)."""
+        rec = self._find(sandbox_id)
+        if rec.state in ("destroying", "destroyed", "failed"):
+            raise InvalidTransition(
+                f"sandbox {rec.id} is {rec.state} (reason: {rec.reason}): its lifetime can "
+                "no longer change", sandbox_id=rec.id, event="set_timeout", state=rec.state)
+        now = self.clock.time()
+        old = (rec.expires_at, rec.ttl_left)
+        rec.expires_at, rec.ttl_left = moved_lifetime(
+            rec.expires_at, rec.ttl_left, stopped=rec.state in ("paused", "resuming"),
+            now=now, timeout_s=timeout_s, extend=extend, cap_s=MAX_TTL_S)
+        try:
+            await self._journal_now(rec)
+        except BaseException:
+            rec.expires_at, rec.ttl_left = old
+            raise
+        self._arm(rec)
+        self._event(rec, rec.state, rec.state, "timeout_set",
+                    f"expires_at={rec.expires_at}" if rec.expires_at is not None
+                    else f"ttl_left_s={rec.ttl_left} (paused: the clock runs from resume)")
+        return self._info(rec)
+
     # ================================================================ pause / resume
-    async def pause(self, sandbox_id: str) -> PauseStats:
+    async def pause(self, sandbox_id: str, *, reason: str = "requested") -> PauseStats:
         """Freeze the sandbox and give back its memory (backend-dependent). Idempotent
         like :meth:`resume`: a sandbox already paused (an idle pause, another caller's)
-        is success with nothing more given back; one in flight is waited for first."""
+        is success with nothing more given back; one in flight is waited for first.
+        ``reason``: "requested", or "idle" for the reaper's idle pause. Its TTL clock
+        stops once it is paused and runs again from its resume."""
         rec = self._find(sandbox_id)
         while rec.state in ("pausing", "resuming") and rec.busy is not None:
             await asyncio.shield(rec.busy)
         if rec.state == "paused":
             return PauseStats()
-        self._move(rec, "pause", "requested")
+        t0, ok = time.monotonic(), False
+        try:
+            stats = await self._pause(rec, reason)
+            ok = True
+            return stats
+        finally:
+            self.timings.observe("pause", time.monotonic() - t0, ok=ok)
+
+    async def _pause(self, rec: _Sandbox, reason: str) -> PauseStats:
+        self._move(rec, "pause", reason)
         rec.busy = asyncio.get_running_loop().create_future()
         try:
             stats = await rec.backend.pause(SandboxId(rec.id))
@@ -1135,7 +1213,9 @@ class EdgeNode:
         if rec.state != "pausing":  # destroyed while pausing
             raise InvalidTransition(f"sandbox {rec.id} was {rec.state} while it paused",
                                     sandbox_id=rec.id, state=rec.state)
-        self._move(rec, "paused", "requested")
+        self._move(rec, "paused", reason)
+        stop_clock(rec, self.clock.time())
+        rec.paused_reason = reason
         if self.journal is not None:  # acknowledged paused = adopted paused after a crash
             self.journal.put(rec)
             if self._durable is not None:
@@ -1155,6 +1235,14 @@ class EdgeNode:
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:
+        t0, ok = time.monotonic(), False
+        try:
+            await self._resume_now(rec, reason)
+            ok = True
+        finally:
+            self.timings.observe("resume", time.monotonic() - t0, ok=ok)
+
+    async def _resume_now(self, rec: _Sandbox, reason: str) -> None:
         self._move(rec, "resume", reason)
         rec.busy = asyncio.get_running_loop().create_future()
         try:
@@ -1169,6 +1257,8 @@ class EdgeNode:
                                     sandbox_id=rec.id, state=rec.state)
         rec.last_active_at = self.clock.time()
         self._move(rec, "resumed", reason)
+        start_clock(rec, rec.last_active_at)
+        rec.paused_reason = ""
         self._arm(rec)
         if self.journal is not None:
             self.journal.put(rec)
@@ -1334,11 +1424,15 @@ class EdgeNode:
         self._admit_exec(rec)
         rec.active += 1
         rec.last_active_at = self.clock.time()
+        t0, ok = time.monotonic(), False
         try:
-            return await rec.backend.exec(SandboxId(rec.id), req)
+            result = await rec.backend.exec(SandboxId(rec.id), req)
+            ok = True
+            return result
         except Exception as exc:
             raise self._interrupted(rec, "exec", exc) from exc
         finally:
+            self.timings.observe("exec", time.monotonic() - t0, ok=ok)
             rec.active -= 1
             self._exec_ended(rec)
             rec.last_active_at = self.clock.time()
@@ -1403,12 +1497,15 @@ class EdgeNode:
         self._admit_exec(rec)
         rec.active += 1
         rec.last_active_at = self.clock.time()
+        t0, ok = time.monotonic(), False
         try:
             async for item in rec.backend.exec_stream(SandboxId(rec.id), req):
                 yield item
+            ok = True
         except Exception as exc:
             raise self._interrupted(rec, "exec", exc) from exc
         finally:
+            self.timings.observe("exec_stream", time.monotonic() - t0, ok=ok)
             rec.active -= 1
             self._exec_ended(rec)
             rec.last_active_at = self.clock.time()
@@ -1465,13 +1562,21 @@ class EdgeNode:
                             lambda b, s: b.remove(s, path, recursive=recursive), path)
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
+        """The backend's reading, with the CPU usage over the interval since this
+        sandbox's previous stats call (or over a short sample: dsec.edge.usage)."""
         rec = self._find(sandbox_id)
         try:
             st = await rec.backend.stats(SandboxId(rec.id))
+            pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
+            if pct is None:
+                await asyncio.sleep(self._cpu.sample_s)
+                st = await rec.backend.stats(SandboxId(rec.id))
+                pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
         except Exception as exc:
             raise self._backend_error(rec, "read stats of", exc) from exc
         # the class, whichever backend answered (issue 22)
-        return st if st.qos else msgspec.structs.replace(st, qos=qos_of(rec.spec))
+        return msgspec.structs.replace(st, cpu_percent=pct, cpu_interval_s=dt,
+                                       qos=st.qos or qos_of(rec.spec))
 
     # ================================================================ snapshots
     def _snapshotters(self) -> builtins.list[SnapshotBackend]:
@@ -1755,6 +1860,27 @@ class EdgeNode:
                                 self.node_id, ", ".join(change.unresolved)[:400])
             self._pins_gen = gen if whole else 0
 
+    # ================================================================ metrics (issue 19)
+    def state_counts(self) -> dict[str, int]:
+        """Live sandboxes by lifecycle state (the edge's /metrics)."""
+        out: dict[str, int] = {}
+        for rec in self._live.values():
+            out[rec.state] = out.get(rec.state, 0) + 1
+        return out
+
+    def layer_counts(self) -> tuple[int, int, int, int] | None:
+        """``(layers stored, their bytes, layer puts hit, missed)`` or None without a
+        layer store (the edge's /metrics; one listdir and a manifest read per layer)."""
+        store = self._layer_store()
+        if store is None:
+            return None
+        digests = store.stored_digests()
+        size = 0
+        for d in digests:
+            with contextlib.suppress(OSError):     # pruned since the listdir
+                size += os.stat(store.layer_path(d)).st_size
+        return len(digests), size, self.layers.hits, self.layers.misses
+
     # ================================================================ reaping
     def due(self, now: float | None = None) -> builtins.list[ReapAction]:
         """Sandboxes whose TTL or idle timeout has passed at ``now`` (pure decision)."""
@@ -1768,8 +1894,8 @@ class EdgeNode:
                 continue
             rec.deadline = None
             spec = rec.spec
-            if spec.ttl_s is not None and now >= rec.created_at + spec.ttl_s:
-                if rec.state in ("running", "paused", "failed"):
+            if rec.expires_at is not None and now >= rec.expires_at:
+                if rec.state in ("running", "failed"):
                     out.append(ReapAction(sid, "destroy", "ttl"))
                 else:
                     self._retry_later(rec, now)
@@ -1779,7 +1905,9 @@ class EdgeNode:
                 if rec.active:  # a command is still running: not idle, look again later
                     self._retry_later(rec, now)
                 else:
-                    out.append(ReapAction(sid, spec.idle_action, "idle_timeout"))
+                    out.append(ReapAction(sid, spec.idle_action,
+                                          "idle" if spec.idle_action == "pause"
+                                          else "idle_timeout"))
                 continue
             if rec.state in ("creating", "pausing", "resuming", "destroying"):
                 self._retry_later(rec, now)
@@ -1797,7 +1925,7 @@ class EdgeNode:
         coros: builtins.list[Coroutine[Any, Any, object]] = []
         for a in actions:
             if a.action == "pause":
-                coros.append(self.pause(a.sandbox_id))
+                coros.append(self.pause(a.sandbox_id, reason=a.reason))
             else:
                 coros.append(self.destroy(a.sandbox_id, reason=a.reason))
         for a, r in zip(actions, await gather_eager(coros)):

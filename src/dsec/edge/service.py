@@ -60,6 +60,7 @@ from dsec.wire.layers import (
     LayerStored,
     PinSet,
 )
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
@@ -140,6 +141,9 @@ class EdgeHandlers:
 
     async def stats(self, b: SandboxRef) -> SandboxStats:
         return await self.node.stats(b.id)
+
+    async def set_timeout(self, b: SetTimeout) -> SandboxInfo:   # issue 19, lifetimes
+        return await self.node.set_timeout(b.id, b.timeout_s, extend=b.extend)
 
     # ---------------------------------------------------------------- exec
     async def exec(self, b: ExecCall) -> ExecResult:

@@ -341,7 +341,10 @@ class ClientAccess:
       are merged. A name that is not a field of :class:`SandboxSpec` is refused here.
     - ``detached=True`` when a preempted rollout is to be resumed by another trainer
       process: otherwise the sandboxes are bound to this client's session lease and
-      swept after the client closes.
+      swept after the client closes or dies, whatever the client's own ``session``
+      default (sandboxes outlive a plain client since issue 19; a trainer that crashes
+      must not leave its pool running until the TTL). A client made with
+      ``session_lease_s=None`` has no lease to bind to: its sandboxes live to their TTL.
 
     ``exec_batch`` is one ``client.sandboxes.exec_many`` per call (per tick of a
     :class:`~dsec.rl.sandbox.SandboxEnvPool`); the apiserver sends one batched call to each
@@ -406,10 +409,14 @@ class ClientAccess:
             over = {**over, "labels": {**spec.labels, **over["labels"]}}
         return msgspec.structs.replace(spec, **over)
 
+    def _session(self) -> bool:
+        """Bind creates to the client's session lease unless detached (or no lease)."""
+        return not self.detached and self.client.session_lease_s is not None
+
     def create(self, spec: SandboxSpec) -> str:
         self.calls["create"] += 1
         sb = self._run(self.client.sandboxes.create(spec=self._spec(spec),
-                                                    detached=self.detached))
+                                                    session=self._session()))
         self._handles[sb.id] = sb
         return sb.id
 
@@ -438,7 +445,7 @@ class ClientAccess:
             return []
         items = [self._spec(spec) for spec in specs]
         self.calls["create_many"] += 1
-        made = self._run(self.client.sandboxes.create_many(items, detached=self.detached))
+        made = self._run(self.client.sandboxes.create_many(items, session=self._session()))
         self._handles.update((sb.id, sb) for sb in made)
         return [sb.id for sb in made]
 

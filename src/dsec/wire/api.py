@@ -252,6 +252,7 @@ class ExecOutput(msgspec.Struct, kw_only=True):
     timed_out: bool = False
     duration_s: float = 0.0
     pid: int | None = None
+    oom_killed: bool = False        # issue 19: the OOM killer struck while it ran
 
 
 class ExecCallBody(_Strict):
@@ -281,6 +282,7 @@ class ExecStreamLine(msgspec.Struct, kw_only=True, omit_defaults=True):
     timed_out: bool = False
     duration_s: float | None = None
     error: ApiError | None = None
+    oom_killed: bool = False        # on the exit_code line (issue 19)
 
 
 class EventList(msgspec.Struct, kw_only=True):

@@ -96,7 +96,7 @@ def exec_output(res: ExecResult) -> ExecOutput:
     return ExecOutput(exit_code=res.exit_code, stdout=out, stderr=err, encoding=enc,
                       stdout_truncated=res.stdout_truncated,
                       stderr_truncated=res.stderr_truncated, timed_out=res.timed_out,
-                      duration_s=res.duration_s, pid=res.pid)
+                      duration_s=res.duration_s, pid=res.pid, oom_killed=res.oom_killed)
 
 
 def exec_result(o: ExecOutput) -> ExecResult:
@@ -107,14 +107,14 @@ def exec_result(o: ExecOutput) -> ExecResult:
                       stderr=from_text(o.stderr, o.encoding, field="stderr"),
                       stdout_truncated=o.stdout_truncated,
                       stderr_truncated=o.stderr_truncated, timed_out=o.timed_out,
-                      duration_s=o.duration_s, pid=o.pid)
+                      duration_s=o.duration_s, pid=o.pid, oom_killed=o.oom_killed)
 
 
 def stream_line(item: ExecChunk | ExecResult) -> ExecStreamLine:
     """One NDJSON line of a streamed exec: an output chunk, or the final result."""
     if isinstance(item, ExecResult):
         return ExecStreamLine(exit_code=item.exit_code, timed_out=item.timed_out,
-                              duration_s=item.duration_s)
+                              duration_s=item.duration_s, oom_killed=item.oom_killed)
     data, enc = text_or_base64(item.data)
     return ExecStreamLine(stream=item.stream, data=data, encoding=enc)
 
@@ -126,7 +126,7 @@ def stream_item(line: ExecStreamLine) -> ExecChunk | ExecResult:
         raise error_from_wire(line.error.code, line.error.message, dict(line.error.detail))
     if line.exit_code is not None:
         return ExecResult(exit_code=line.exit_code, timed_out=line.timed_out,
-                          duration_s=line.duration_s or 0.0)
+                          duration_s=line.duration_s or 0.0, oom_killed=line.oom_killed)
     return ExecChunk(stream=line.stream or "stdout",
                      data=from_text(line.data or "", line.encoding, field="data"))
 

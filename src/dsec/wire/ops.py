@@ -114,6 +114,7 @@ from dsec.wire.layers import (
     NodePins,
     PinSet,
 )
+from dsec.wire.lifetime import SetTimeout
 from dsec.wire.node import EventFeed, Heartbeat, NodeInfo
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
@@ -207,6 +208,7 @@ __all__ = [
     "SESSION_CLOSE",
     "SESSION_OPEN",
     "SESSION_RENEW",
+    "SET_TIMEOUT",
     "SNAPSHOT",
     "SNAPSHOTS",
     "SNAPSHOT_DELETE",
@@ -944,6 +946,14 @@ NODE_PINS: Op[PinSet, Empty] = Op(
     summary="Make the node's pinned images exactly this set (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 19, lifetimes: move a sandbox's deadline (its TTL clock stops while paused).
+SET_TIMEOUT: Op[SetTimeout, SandboxInfo] = Op(
+    "set_timeout", SetTimeout, SandboxInfo,
+    summary="Set a sandbox's lifetime: end it timeout_s from now (extend: add to it)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/timeout", operation_id="setTimeout",
+              body="*"))
+
 # Issue 17 (red team 17 F1): the control plane hands a node the manifests of the pushed
 # layers it may read lazily (before a create, a snapshot relay, the pins); a node never
 # takes a layer's meaning or chunk hashes from the blob store itself.
@@ -992,6 +1002,7 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
     NODE_PINS,
+    SET_TIMEOUT,
     LAYER_GRANT,
     KEYS,
 )

@@ -769,6 +769,10 @@ class ExecResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     timed_out: bool = False
     duration_s: float = 0.0
     pid: int | None = None                  # set for background execs
+    # issue 19: the OOM killer killed a process of the sandbox while this command ran (the
+    # sandbox's counter moved during it: with concurrent execs, maybe another's process);
+    # the sandbox's events carry an "oom_kill" notice as before
+    oom_killed: bool = False
 
 
 class SandboxEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -792,6 +796,12 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float
     last_active_at: float
     reason: str = ""                        # reason of the last transition
+    # Lifetimes (issue 19, docs/sdk.md "Lifetimes"): when the edge ends it (unix seconds;
+    # None: no TTL, or paused), what is left while paused (the clock stops), and why it
+    # was paused ("requested", or "idle": its idle_timeout_s with idle_action=pause).
+    expires_at: float | None = None
+    ttl_left_s: float | None = None
+    paused_reason: str = ""
 
 
 class NetworkView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -856,6 +866,18 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     disk_bytes: int = 0
     disk_cap_bytes: int | None = None
     disk_full: bool = False
+    # issue 19: cpu use in percent of one core over the last ``cpu_interval_s`` seconds
+    # (since the previous stats call, or a short sample when there was none: 100 = one
+    # core busy); memory_limit_bytes the cgroup's limit; network bytes through the
+    # sandbox's own network namespace (None: the backend gives it none); oom_kills: the
+    # processes the OOM killer killed in it so far
+    cpu_percent: float | None = None
+    cpu_interval_s: float | None = None
+    memory_limit_bytes: int | None = None
+    pids_max: int | None = None
+    net_rx_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    oom_kills: int = 0
     # QoS (issue 22): the class, and what the sandbox really holds (dsec.edge.qos.
     # MemoryHeld): of memory_bytes, anonymous/RSS, page cache charged to it, and the
     # shared memory (tmpfs files, SysV and POSIX segments) it created; its writable

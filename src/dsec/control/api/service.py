@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar, cast, get_args
 import msgspec
 
 from dsec.aether.connection import DuplexStream
+from dsec.control.audit import AUDITED, audited
 from dsec.control.idempotency import (
     Claim,
     ClaimLost,
@@ -480,6 +481,8 @@ class ApiService:
     # Join tokens and joined nodes (dsec.cluster.join.JoinAuthority); None: this
     # apiserver has no cluster CA, the cluster_* operations answer Conflict.
     joins: JoinAdmin | None = None
+    # issue 19: the audit log of admin actions (dsec.logs.AuditLog; None: not kept)
+    audit: Any = None
     _policies: dict[str, Policy] = field(init=False)
     _projects: _ProjectCache = field(init=False)
     _principals: OrderedDict[str, tuple[float, Caller]] = field(init=False)
@@ -493,7 +496,8 @@ class ApiService:
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
         self.port_tokens = TokenKey(self.config.port_token_key or secrets.token_bytes(32))
-        self._policies = self._policy_table()
+        self._policies = {name: audited(name, p, lambda: self.audit) if name in AUDITED
+                          else p for name, p in self._policy_table().items()}
 
     async def close(self) -> None:
         """Stop keyed creates still at work (their claims are released, with the sandbox
@@ -1624,7 +1628,8 @@ class ApiService:
         async def upload(caller: Caller, b: ImageUpload, tar_path: str) -> ImageList:
             return await self._admin().build_image(caller, tar_path, name=b.name,
                                                    kind=b.kind, tag=b.tag, oci=oci)
-        return cast(Callable[[Caller, Req, str], Awaitable[Rep]], upload)
+        return cast(Callable[[Caller, Req, str], Awaitable[Rep]],
+                    audited(op.name, upload, lambda: self.audit))
 
     def _admin(self) -> AdminOps:
         if self.admin is None:
@@ -1677,6 +1682,7 @@ class ApiService:
             "cluster_nodes": self._cluster_nodes_op,
             "cluster_node_revoke": self._cluster_node_revoke_op,
             "node_migrate": self._node_migrate_op,
+            "set_timeout": functools.partial(fwd, ops.SET_TIMEOUT),   # issue 19 (life)
         }
 
     # ------------------------------------------------------------------ ports

@@ -1078,7 +1078,10 @@ class FncallBackend:
             return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                                 pids=pids, disk_bytes=use.used_bytes,
                                 disk_cap_bytes=use.cap_bytes,
-                                disk_full=self._check_disk(sid, box))
+                                disk_full=self._check_disk(sid, box),
+                                memory_limit_bytes=box.spec.memory_bytes,
+                                pids_max=box.spec.pids_max,
+                                oom_kills=self.governor.oom_kills(box.cg))
         size = 0
         for dirpath, _, files in os.walk(box.dir):
             for f in files:
@@ -1324,10 +1327,13 @@ class FncallBackend:
         cwd = self._cwd(box, req.cwd)
         if cwd is None:
             return ExecResult(exit_code=2, stderr=f"cwd {req.cwd}: no such directory\n".encode())
+        gov, cg = self.governor, box.cg
+        oom_before = gov.oom_kills(cg) if gov is not None and cg is not None else 0
         r = await self._run(sid, box, {"code": code, "cwd": cwd,
                                        "env": {**box.spec.env, **req.env},
                                        "stdin": req.stdin, "cap": req.output_cap_bytes},
                             req.timeout_s, value_cap=0)  # an exec prints its value
+        oom = gov is not None and cg is not None and gov.oom_kills(cg) > oom_before
         cap = req.output_cap_bytes
         stderr = r.stderr
         if r.died and r.error:
@@ -1335,7 +1341,7 @@ class FncallBackend:
         return ExecResult(exit_code=r.exit_code, stdout=r.stdout[:cap], stderr=stderr[:cap],
                           stdout_truncated=r.stdout_truncated or len(r.stdout) > cap,
                           stderr_truncated=r.stderr_truncated or len(stderr) > cap,
-                          timed_out=r.timed_out, duration_s=r.duration_s)
+                          timed_out=r.timed_out, duration_s=r.duration_s, oom_killed=oom)
 
     async def exec_stream(self, sid: SandboxId,
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:

@@ -95,6 +95,11 @@ class ClientSandboxes:
             over = {**over, "labels": {**spec.labels, **over["labels"]}}
         return msgspec.structs.replace(spec, **over)
 
+    def _session(self) -> bool:
+        """Bound to the client's session lease (swept when the trainer dies) unless
+        detached: sandboxes outlive a plain client since issue 19, an RL pool's must not."""
+        return not self.detached and self.client.session_lease_s is not None
+
     # ------------------------------------------------------------------------- creates
     async def create(self, spec: SandboxSpec) -> str:
         """A running sandbox from ``spec`` (coalesced with concurrent creates)."""
@@ -163,9 +168,9 @@ class ClientSandboxes:
         full = [self._spec(s) for s in specs]
         if len(full) == 1:
             sbs = [await self._on_client(c.sandboxes.create(spec=full[0],
-                                                            detached=self.detached))]
+                                                            session=self._session()))]
         else:
-            sbs = await self._on_client(c.sandboxes.create_many(full, detached=self.detached))
+            sbs = await self._on_client(c.sandboxes.create_many(full, session=self._session()))
         for sb in sbs:
             self._handles[sb.id] = sb
         return [sb.id for sb in sbs]

@@ -88,7 +88,9 @@ class Worker:
         self.cfg = config
         self.state_dir = state_dir
         self.queue = RolloutQueue(os.path.join(state_dir, "queue.sqlite"))
-        self.client = AsyncClient(config.url, config.api_key, protocol="http")
+        # session=True: a dead worker's sandboxes are swept after its lease (issue 19
+        # made sandboxes outlive their client by default)
+        self.client = AsyncClient(config.url, config.api_key, protocol="http", session=True)
         self._verdicts = KeyVerdicts()
         self._asking: dict[str, asyncio.Future[KeyVerdict]] = {}
         #: lookups in flight at once (each is a client and a request to the apiserver)

@@ -88,6 +88,7 @@ from dsec.edge.governor import (
 )
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import memory_held, qos_process
+from dsec.edge.usage import net_bytes
 from dsec.errors import (
     BackendError,
     CapacityExceeded,
@@ -1304,10 +1305,16 @@ class ContainerBackend:
         if req.hide and self._runc is not None:
             raise InvalidArgument("exec hide (Landlock) needs the native container runtime; "
                                   "this edge runs containers with runc", field="hide")
+        oom_before = self.governor.oom_kills(box.cg)
         try:
             if self._runc is not None:
-                return await self._runc_exec(box, req, argv, env, on_chunk)
-            return await self._native_exec(box, req, argv, env, on_chunk)
+                result = await self._runc_exec(box, req, argv, env, on_chunk)
+            else:
+                result = await self._native_exec(box, req, argv, env, on_chunk)
+            if not req.background and self.governor.oom_kills(box.cg) > oom_before:
+                # the counter is bumped at the kill, before the victim's exit is seen
+                result.oom_killed = True
+            return result
         finally:
             # The v1 OOM eventfd does not always fire although memory.oom_control's
             # oom_kill counter rose (measured: ~1 run in 4 of the OOM test), and v1
@@ -1743,10 +1750,14 @@ class ContainerBackend:
             full = self._check_disk(box)
         else:  # a sandbox made before the disk pool existed
             disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
+        rx, tx = (None, None) if box.dying else net_bytes(box.init_pid)
         held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                             pids=pids, disk_bytes=disk, disk_cap_bytes=cap, disk_full=full,
                             memory_tmpfs_bytes=self.governor.memory_shmem(box.cg),
+                            memory_limit_bytes=box.spec.memory_bytes,
+                            pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
+                            oom_kills=self.governor.oom_kills(box.cg),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 

@@ -1,0 +1,170 @@
+"""Logs (issue 19): ``--log-level``/``--log-format text|json`` with timestamps and levels,
+the access log (REST and gateway), and the audit log of admin actions: who/what/when and
+the outcome, at every door, durable (there after kill -9 of ``dsec up`` the instant the
+answer came), mode 0600, with no secret in it."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from dsec.logs import AuditLog, configure
+from dsec.wire import ops
+from dsec.wire.api import CreateKeyRequest, QuotaBody
+from dsec.wire.calls import Empty, KeyRef, QuotaSet
+
+
+@pytest.fixture
+def restore_logging():  # type: ignore[no-untyped-def]
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    configure("warning", "text")          # drops our handlers (and the access log's)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_text_and_json_lines_carry_time_and_level(restore_logging) -> None:  # type: ignore[no-untyped-def]
+    out = io.StringIO()
+    configure("info", "text", stream=out)
+    logging.getLogger("dsec.t").info("hello %s", "there")
+    logging.getLogger("dsec.t").debug("not shown")
+    line = out.getvalue().strip()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO dsec\.t: hello there",
+                        line), line
+    out = io.StringIO()
+    configure("warning", "json", stream=out)
+    logging.getLogger("dsec.t").info("quiet")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("dsec.t").exception("failed %d", 7)
+    rec = json.loads(out.getvalue())
+    assert rec["level"] == "error" and rec["logger"] == "dsec.t" and rec["msg"] == "failed 7"
+    assert rec["ts"].endswith("Z") and "ValueError: boom" in rec["exc"]
+    with pytest.raises(ValueError, match="log level"):
+        configure("loud", "text")
+
+
+def test_audit_log_appends_fsyncs_and_is_0600(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "audit.log")
+    with open(path, "w"):
+        pass
+    os.chmod(path, 0o644)                     # a looser file from before is tightened
+    synced: list[int] = []
+    a = AuditLog(path, clock=lambda: 0.0, fsync=synced.append)
+    a.record(actor="root", actor_id="p-1", action="quota_set", target={"path": "t"},
+             outcome="ok")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(synced) == 1
+    a.close()
+    assert AuditLog.read(path) == [{"ts": "1970-01-01T00:00:00.000Z", "actor": "root",
+                                    "actor_id": "p-1", "action": "quota_set",
+                                    "target": {"path": "t"}, "outcome": "ok"}]
+
+
+def _start(state: str, *args: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    p = subprocess.Popen([sys.executable, "-c", "from dsec.cli.main import main; main()",
+                          "up", "--state-dir", state, "--listen", "127.0.0.1:0", "--quiet",
+                          "--backend", "simulated", *args],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(state, "local.json")) as f:
+                local = json.load(f)
+            if local["pid"] == p.pid:
+                return p, local
+        except (OSError, ValueError, KeyError):
+            pass
+        assert p.poll() is None, p.stderr.read() if p.stderr else b""
+        time.sleep(0.05)
+    p.kill()
+    raise AssertionError("dsec up did not start")
+
+
+def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dsec import Client
+    from dsec.errors import PermissionDenied
+
+    state = str(tmp_path / "st")
+    access = str(tmp_path / "access.log")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mport = s.getsockname()[1]
+    p, local = _start(state, "--log-level", "info", "--log-format", "json",
+                      "--access-log", access, "--edge-metrics-port", str(mport))
+    try:
+        with Client(local["url"], local["api_key"], protocol="aether") as c:
+            made = c.call(ops.CREATE_KEY, CreateKeyRequest(name="alice", project="team/a",
+                                                           role="member"))
+            c.call(ops.QUOTA_SET, QuotaSet(path="team/a", quota=QuotaBody(max_sandboxes=5)))
+            c.sandboxes.create().kill()
+        with Client(local["url"], made.api_key, protocol="http") as alice:
+            with pytest.raises(PermissionDenied):   # a refused attempt is audited too
+                alice.call(ops.QUOTA_SET, QuotaSet(path="team", quota=QuotaBody(
+                    max_sandboxes=500)))
+            assert alice.call(ops.PROJECTS, Empty()).items is not None
+        # the edge's own metrics (dsec up --edge-metrics-port): the create above, timed
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=30).text
+        assert re.search(r'dsec_edge_operation_seconds_count\{op="create"\} [1-9]', text), text
+        with Client(local["url"], local["api_key"], protocol="http") as c:
+            kept = c.sandboxes.create(ttl=3600)
+            deadline = kept.set_timeout(777).expires_at
+            c.call(ops.REVOKE_KEY, KeyRef(id=made.key_id))
+            # answered: now kill -9 the whole dsec up, at once
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        audit = os.path.join(state, "audit.log")
+        assert stat.S_IMODE(os.stat(audit).st_mode) == 0o600
+        recs = AuditLog.read(audit)
+        got = [(r["actor"], r["action"], r["outcome"]) for r in recs]
+        assert got == [("admin", "create_key", "ok"), ("admin", "quota_set", "ok"),
+                       ("alice", "quota_set", "permission_denied"),
+                       ("admin", "revoke_key", "ok")], got
+        assert recs[0]["target"] == {"name": "alice", "project": "team/a", "role": "member",
+                                     "made": made.key_id}
+        assert recs[1]["target"] == {"path": "team/a", "quota": {"max_sandboxes": 5}}
+        assert all(r["ts"].endswith("Z") for r in recs)
+        with open(audit) as f:
+            assert made.api_key not in f.read()                # never the secret
+        with open(access) as f:
+            lines = [json.loads(x) for x in f if x.strip()]
+        doors = {(x["door"], x.get("op") or x.get("route"), x.get("outcome") or x["status"])
+                 for x in lines}
+        assert ("gateway", "create_key", "ok") in doors and ("gateway", "create", "ok") in doors
+        assert any(d[0] == "rest" and d[2] == 403 for d in doors), doors
+        assert all("ts" in x and x["level"] == "info" for x in lines)
+        assert stat.S_IMODE(os.stat(access).st_mode) == 0o600
+        err = p.stderr.read().decode() if p.stderr else ""
+        logged = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+        assert logged and all({"ts", "level", "logger", "msg"} <= set(x) for x in logged)
+        with open(os.path.join(state, "edges", "edge-0.log")) as f:   # its edges' too
+            edge = [json.loads(x) for x in f if x.startswith("{")]
+        assert any(x["logger"].startswith("dsec.edge") and x["level"] == "info"
+                   for x in edge), edge
+        # the timeout set just before the kill -9 is the restarted cluster's too
+        p, local = _start(state)
+        with Client(local["url"], local["api_key"], protocol="http") as c:
+            got = c.sandboxes.get(kept.id).info
+            assert got.state == "running" and got.expires_at == deadline, got
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
