@@ -186,6 +186,9 @@ async def test_node_relieves_memory_pressure_on_best_effort_only() -> None:
         assert node.get(be_old.id).paused_reason == "memory_pressure"
         assert node.get(ls.id).state == node.get(be_new.id).state == "running"
         notes = [e for e in node.events(be_old.id) if e.reason == "memory_pressure"]
-        assert len(notes) == 1 and "memory pressure" in notes[0].detail
+        # pausing and paused (the transitions' reason), then the notice with the PSI figures
+        assert [(e.from_state, e.to_state) for e in notes] == [
+            ("running", "pausing"), ("pausing", "paused"), ("paused", "paused")]
+        assert "some avg10=40.0%" in notes[-1].detail
     finally:
         await node.close()

@@ -49,7 +49,8 @@ async def test_class_reaches_every_process_and_the_cgroup(
     await backend.create(sid, msgspec.structs.replace(SPEC, qos=qos, cpu_milli=500))
     box = backend.box(sid)
     assert os.sched_getscheduler(box.init_pid) == want
-    # the first exec takes the zygote's per-exec path (and starts the helper)
+    # LS: the first exec takes the zygote's per-exec path (and starts the helper); BE
+    # waits for its SCHED_IDLE helper, so not even the command's first instant is OTHER
     assert await _policy_inside(backend, sid) == want
     await _helper_up(backend, sid)
     assert backend.box(sid).helper

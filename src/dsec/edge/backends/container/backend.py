@@ -1377,6 +1377,11 @@ class ContainerBackend:
                 and not box.spec.user_namespace and not box.spec.allow_nested
                 and not req.hide):  # red17 merge: the helper path cannot apply Landlock
             helper = self._helper(box)
+            if not helper and box.helper_start is not None and qos_of(box.spec) == "be":
+                # best-effort waits for its (SCHED_IDLE) helper: a command the zygote
+                # forks itself gets the policy only once it reported started, an instant
+                # in which it runs (and could fork) as SCHED_OTHER (issue 22)
+                helper = await asyncio.shield(box.helper_start)
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
