@@ -18,12 +18,21 @@ import pytest
 from dsec.client.core import AsyncClient, AsyncFiles, AsyncSandbox, AsyncSandboxes, AsyncSnapshots
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork, Network
+from dsec.client.processes import (
+    AsyncProcesses,
+    AsyncProcessHandle,
+    AsyncPty,
+    Processes,
+    ProcessHandle,
+    Pty,
+)
 from dsec.client.sync import Client, Files, Images, Sandbox, Sandboxes, Snapshots
 
 PAIRS: list[tuple[type, type]] = [
     (Client, AsyncClient), (Sandboxes, AsyncSandboxes), (Sandbox, AsyncSandbox),
     (Files, AsyncFiles), (Snapshots, AsyncSnapshots), (Images, AsyncImages),
-    (Network, AsyncNetwork),
+    (Network, AsyncNetwork), (Processes, AsyncProcesses), (ProcessHandle, AsyncProcessHandle),
+    (Pty, AsyncPty),
 ]
 # Async-only by nature: the async context manager protocol.
 ASYNC_ONLY = {"__aenter__", "__aexit__"}
@@ -42,7 +51,7 @@ def _public(cls: type) -> dict[str, Any]:
 
 def _norm(annotation: Any) -> str:
     text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
-    text = re.sub(r"\bAsync(Client|Sandbox|Sandboxes|Files|Snapshots|Images|Network)\b", r"\1", text)
+    text = re.sub(r"\bAsync(Client|Sandbox|Sandboxes|Files|Snapshots|Images|Network|ProcessHandle|Processes|Pty)\b", r"\1", text)
     text = re.sub(r"\bAsync(Generator|Iterator)\[(.*), None\]$", r"Iterator[\2]", text)
     text = re.sub(r"\bAsyncIterator\[", "Iterator[", text)
     return text.replace("builtins.", "")

@@ -21,12 +21,20 @@ from dsec.errors import DsecError, InvalidArgument
 from dsec.image import LayerStore
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, FileRef, NetworkUpdateOnNode, ReadFile, WriteFile
+from dsec.wire.files import ReadStream, Rename, Watch, WriteStream
 from dsec.wire.layers import MAX_MANIFEST_BYTES, LayerPut, LayerRef
 from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
 from dsec.wire.ops import EDGE_OPS, Op, StreamOp, TunnelOp
 from dsec.wire.ports import PortExpose, PortRef
-from dsec.wire.spec import MAX_PATH_BYTES, ExecChunk, ExecRequest, SandboxSpec
+from dsec.wire.process import ProcessInput, ProcessSignal, PtyResize
+from dsec.wire.spec import (
+    MAX_PATH_BYTES,
+    MAX_PROCESS_INPUT_BYTES,
+    ExecRequest,
+    PtySize,
+    SandboxSpec,
+)
 
 from .conftest import make_node
 
@@ -41,6 +49,10 @@ class World:
     port_gen: int = 0   # the generation of port 8000 of `keep`, once exposed
     layer: str = ""     # a layer in the node's store (the layer rows)
     manifest: bytes = b""   # its manifest, as a holder sends it
+    pid: int = 0            # processes of `keep` (issue 19): an ended `echo`,
+    stdin_pid: int = 0      # a `cat` with stdin open,
+    sleep_pid: int = 0      # a `sleep` to signal,
+    pty_pid: int = 0        # one on a terminal
 
 
 Example = Callable[[World], dict[str, Any]]
@@ -86,7 +98,19 @@ EXAMPLES: dict[str, Example] = {
     "layer_chain": lambda w: {"digest": w.layer},
     "layer_get": lambda w: {"digest": w.layer},
     "layer_put": lambda w: {"manifest": w.manifest},
+    "file_read_stream": lambda w: {"id": w.sid, "path": "/tmp/f"},
+    "file_write_stream": lambda w: {"id": w.sid, "path": "/tmp/up", "size": 3},
+    "file_rename": lambda w: {"id": w.sid, "src": "/tmp/f",
+                              "dst": "/tmp/f2"},
+    "file_watch": lambda w: {"id": w.sid, "path": "/tmp", "timeout_s": 0.3},
     "set_timeout": lambda w: {"id": w.sid, "timeout_s": 3600.0},
+    "process_start": lambda w: {"id": w.keep, "req": {"shell": "echo hi", "tag": "t"}},
+    "process_list": lambda w: {"id": w.keep},
+    "process_connect": lambda w: {"id": w.keep, "pid": w.pid},
+    "process_input": lambda w: {"id": w.keep, "pid": w.stdin_pid, "data": b"in"},
+    "process_close_stdin": lambda w: {"id": w.keep, "pid": w.stdin_pid},
+    "process_signal": lambda w: {"id": w.keep, "pid": w.sleep_pid, "signal": 15},
+    "pty_resize": lambda w: {"id": w.keep, "pid": w.pty_pid, "cols": 100, "rows": 30},
 }
 
 LONG = "/" + "p" * MAX_PATH_BYTES
@@ -128,10 +152,25 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
     "port_close": [(lambda w: {"id": w.sid, "port": -1}, lambda w: PortRef(id=w.sid, port=-1))],
     "layer_chain": [(lambda w: {"digest": w.layer[:20]},
                      lambda w: LayerRef(digest=w.layer[:20]))],
+    "file_read_stream": [(lambda w: {"id": w.sid, "path": "/f", "length": -1},
+                          lambda w: ReadStream(id=w.sid, path="/f", length=-1))],
+    "file_write_stream": [(lambda w: {"id": w.sid, "path": "/f", "size": -1},
+                           lambda w: WriteStream(id=w.sid, path="/f", size=-1))],
+    "file_rename": [(lambda w: {"id": w.sid, "src": "/f", "dst": LONG},
+                     lambda w: Rename(id=w.sid, src="/f", dst=LONG))],
+    "file_watch": [(lambda w: {"id": w.sid, "path": "/tmp", "timeout_s": 0.0},
+                    lambda w: Watch(id=w.sid, path="/tmp", timeout_s=0.0))],
     "layer_put": [(lambda w: {"manifest": b" " * (MAX_MANIFEST_BYTES + 1)},
                    lambda w: LayerPut(manifest=b" " * (MAX_MANIFEST_BYTES + 1)))],
     "set_timeout": [(lambda w: {"id": w.sid, "timeout_s": -1.0},
                      lambda w: SetTimeout(id=w.sid, timeout_s=-1.0))],
+    "process_input": [(lambda w: {"id": w.keep, "pid": 1, "data": b"x" * (
+        MAX_PROCESS_INPUT_BYTES + 1)}, lambda w: ProcessInput(id=w.keep, pid=1, data=b"x" * (
+            MAX_PROCESS_INPUT_BYTES + 1)))],
+    "pty_resize": [(lambda w: {"id": w.keep, "pid": 1, "cols": 0, "rows": 1},
+                    lambda w: PtyResize(id=w.keep, pid=1, cols=0, rows=1))],
+    "process_signal": [(lambda w: {"id": w.keep, "pid": 0, "signal": 9},
+                        lambda w: ProcessSignal(id=w.keep, pid=0, signal=9))],
 }
 
 
@@ -157,6 +196,11 @@ async def world(tmp_path: Any) -> AsyncIterator[tuple[Connection, World]]:
                   spare_snap=(await node.snapshot(spare)).id,
                   keep=(await node.create(SandboxSpec())).id, layer=layer.digest,
                   manifest=msgspec.json.encode(layer))
+        start = node.processes.start
+        w.pid = (await start(w.keep, ExecRequest(shell="echo hi"))).pid
+        w.stdin_pid = (await start(w.keep, ExecRequest(shell="cat", stdin_open=True))).pid
+        w.sleep_pid = (await start(w.keep, ExecRequest(shell="sleep 30"))).pid
+        w.pty_pid = (await start(w.keep, ExecRequest(shell="sleep 30", pty=PtySize()))).pid
         yield conn, w
     finally:
         await conn.close()
@@ -187,6 +231,19 @@ async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any
         stored = await s.result()
         assert stored.already
         return stored
+    if op is ops.FILE_READ_STREAM:
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        s.close_write()
+        data = b""
+        while chunk := await s.recv():
+            data += chunk
+        assert data == b"abc"
+        return await s.result()
+    if op is ops.FILE_WRITE_STREAM:
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        await s.send(b"xyz")
+        s.close_write()
+        return await s.result()
     if isinstance(op, TunnelOp):
         # A duplex row; the simulated backend has no network namespace, so the edge
         # answers that (after the port and generation checks passed); a container
@@ -200,7 +257,7 @@ async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any
                         timeout=30)
         async with s:
             items = [i async for i in s]
-        assert all(isinstance(i, ExecChunk) for i in items)
+        assert all(isinstance(i, op.item) for i in items)
         return s.result
     return await conn.call(op.edge_method, body, response_type=op.edge_reply_type, timeout=30)
 

@@ -35,6 +35,7 @@ import pytest
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
 from dsec.edge.backends.container.protocol import Exec, Exited, Failed, Reply
 from dsec.errors import BackendError
+from dsec.ids import SandboxId
 from dsec.wire.spec import ExecRequest, SandboxSpec
 from tests.edge.container.conftest import _cleanup
 from tests.security.conftest import PROBE_SPEC, new_sid
@@ -147,15 +148,15 @@ class _RawExec:
         self.err_r, err_w = os.pipe2(os.O_CLOEXEC)
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.rid = b._zygote.next_id()
-        box = b._boxes[sid]
+        pidfd = b.netns_fd(SandboxId(sid))  # the init's pidfd (dens: none is held)
         try:
             b._zygote.send(Exec(id=self.rid, argv=argv, env=["PATH=/bin:/usr/bin"],
                                 cwd=None, user=None, cgroup_procs=procs, nested=False,
                                 background=False, pids_index=pids_index,
                                 home_procs=home_procs),
-                           [box.pidfd, null, out_w, err_w], self._on_reply)
+                           [pidfd, null, out_w, err_w], self._on_reply)
         finally:
-            for fd in (out_w, err_w, null):
+            for fd in (out_w, err_w, null, pidfd):
                 os.close(fd)
 
     def _on_reply(self, reply: Reply, fds: list[int]) -> None:

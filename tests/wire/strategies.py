@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from dsec.errors import DsecError
 from dsec.wire import spec
 from dsec.wire.layers import ImagePinRef, LayerFetch, LayerRef
+from dsec.wire.process import ProcessSignal, PtyResize
 from dsec.wire.spec import SandboxSpec
 
 _I64 = (-(2**63), 2**63 - 1)
@@ -162,6 +163,16 @@ def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:
         return st.builds(ImagePinRef,
                          node=st.text("abcdefgh0123456789-", min_size=1, max_size=12),
                          image=st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True))
+    if tp in (ProcessSignal, PtyResize):   # narrow ranges: drawn within them
+        sid = st.from_regex(r"sb-[0-9a-f]{12}-n1", fullmatch=True)
+        pid = st.integers(1, 4_194_304)
+        if tp is ProcessSignal:
+            return st.builds(ProcessSignal, id=sid, pid=pid, signal=st.integers(1, 64))
+        cells = st.integers(1, spec.MAX_PTY_CELLS)
+        return st.builds(PtyResize, id=sid, pid=pid, cols=cells, rows=cells)
+    if tp is spec.PtySize:
+        return st.builds(spec.PtySize, cols=st.integers(1, spec.MAX_PTY_CELLS),
+                         rows=st.integers(1, spec.MAX_PTY_CELLS))
     if tp is spec.NetworkPolicy:   # likewise: NetworkUpdate validates its policy
         return st.one_of(valid_policy(), _struct(tp, {}))
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):

@@ -34,9 +34,10 @@ class _Names:
         return 7
 
     def __getattr__(self, name: str) -> Any:   # sandbox(), session(), key(), dir(), ...
-        return lambda: {"session": "ses-0123456789abcdef", "key": "0123456789abcdef",
-                        "dir": "/tmp/d", "image_name": "cat-x:latest",
-                        "pinned": self.image}.get(name, self.sid)
+        return lambda *a, **kw: {"session": "ses-0123456789abcdef",
+                                 "key": "0123456789abcdef", "dir": "/tmp/d",
+                                 "image_name": "cat-x:latest", "pinned": self.image,
+                                 "process": 42, "pty_process": 43}.get(name, self.sid)
 
 
 def _path_params(op: Op[Any, Any], path: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ from dsec.wire.calls import (
     SnapshotCall,
     WriteFile,
 )
+from dsec.wire.process import ProcessInput
 from dsec.wire.spec import (
     MAX_ARG_BYTES,
     MAX_ARGV_BYTES,
@@ -207,6 +208,12 @@ PAST_EACH_LIMIT: dict[str, Any] = {
     "MAX_OUTPUT_CAP_BYTES": lambda: ExecRequest(
         shell="true", output_cap_bytes=spec.MAX_OUTPUT_CAP_BYTES + 1),
     "MAX_PATH_BYTES": lambda: FileRef(id="s", path=LONG),
+    "MAX_PTY_CELLS": lambda: ExecRequest(shell="sh", pty=spec.PtySize(
+        cols=spec.MAX_PTY_CELLS + 1)),
+    "MAX_PROCESS_TAG_BYTES": lambda: ExecRequest(shell="sh", tag="t" * (
+        spec.MAX_PROCESS_TAG_BYTES + 1)),
+    "MAX_PROCESS_INPUT_BYTES": lambda: ProcessInput(id="s", pid=1, data=b"x" * (
+        spec.MAX_PROCESS_INPUT_BYTES + 1)),
     "MAX_FILE_READ_BYTES": _read_too_much,
     "MAX_FILE_MODE": lambda: WriteFile(id="s", path="/f", data=b"",
                                        mode=spec.MAX_FILE_MODE + 1),

@@ -34,6 +34,8 @@ def bench(suite_names: tuple[str, ...], quick: bool, json_path: str | None,
     suite can be refreshed without re-running the others.
     """
     console = Console(soft_wrap=True)  # one line per figure, whatever the terminal width
+    from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
+    raise_nofile()
     registry = suites()
     if list_only:
         for name, (_, doc) in registry.items():

@@ -489,6 +489,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          lazy_cache_bytes: int | None, log_format: str = "text",
          qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
+    from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
+    raise_nofile()
     # A stop before the loop serves (SIGTERM from a supervisor, ^C) unwinds like one
     # after: every finally below runs, so nothing the start made stays mounted,
     # attached or pinned (the default action would end the process mid-start).

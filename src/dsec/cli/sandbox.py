@@ -274,11 +274,18 @@ def get(sandbox_id: str, url: str | None, api_key: str | None, as_json: bool) ->
 def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd: str | None,
           env: tuple[str, ...], shell: bool, url: str | None, api_key: str | None,
           as_json: bool) -> None:
-    """Run COMMAND in a sandbox; exits with the command's exit code."""
+    """Run COMMAND in a sandbox; exits with the command's exit code. Piped stdin is
+    streamed to it (cli/shell.py)."""
+    from dsec.cli.shell import exec_piped, stdin_to_forward
+    cmd: str | list[str] = " ".join(command) if shell else list(command)
+    src = stdin_to_forward()
+    if isinstance(src, int):
+        exec_piped(url, api_key, sandbox_id, cmd, src, timeout=timeout, cwd=cwd,
+                   env=dict(_kv(x) for x in env), as_json=as_json)
     with client(url, api_key) as c:
         sb = c.sandboxes.get(sandbox_id)
-        cmd: str | list[str] = " ".join(command) if shell else list(command)
-        res = sb.exec(cmd, timeout=timeout, cwd=cwd, env=dict(_kv(x) for x in env))
+        res = sb.exec(cmd, timeout=timeout, cwd=cwd, env=dict(_kv(x) for x in env),
+                      stdin=src)
     if as_json:
         emit_json({"exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
                    "stderr": res.stderr.decode(errors="replace"), "timed_out": res.timed_out,
@@ -463,3 +470,7 @@ def run_code(sandbox_id: str, code: str, timeout: float | None, restart: bool,
     if ex.error is not None:
         sys.stderr.write(ex.error.traceback or f"{ex.error.name}: {ex.error.value}\n")
         sys.exit(1)
+
+
+import dsec.cli.cp  # noqa: F401 - issue 19: `dsec sandbox cp` (registers itself)
+from dsec.cli import shell as _shell  # noqa: F401  (registers `sandbox shell`)

@@ -42,12 +42,14 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 import msgspec
 
+from dsec.client.files import AsyncFiles
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
+from dsec.client.processes import AsyncProcesses, AsyncProcessHandle, AsyncPty, OutputCallback
 from dsec.errors import (
     ConnectFailed,
     ConnectionLost,
@@ -57,6 +59,7 @@ from dsec.errors import (
     NotFound,
     Overloaded,
     RateLimited,
+    RemoteProtocolError,
     RequestTimeout,
     TransportError,
     Unauthenticated,
@@ -75,19 +78,14 @@ from dsec.wire.calls import (
     CreateSandbox,
     Empty,
     ExecMany,
-    FileRef,
     ListSandboxes,
-    Mkdir,
     NodeRef,
-    ReadFile,
-    Remove,
     SandboxRef,
     SessionOpen,
     SessionRef,
     SnapshotCall,
     SnapshotQuery,
     SnapshotRef,
-    WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
 from dsec.wire.cluster import (
@@ -103,12 +101,10 @@ from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort, PortExpose, PortRef
 from dsec.wire.spec import (
-    FILE_CHUNK_BYTES,
     BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
-    FileInfo,
     IdleAction,
     NetworkPolicy,
     PauseStats,
@@ -119,7 +115,6 @@ from dsec.wire.spec import (
     SandboxState,
     SandboxStats,
     check_idempotency_key,
-    read_in_chunks,
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncPorts", "AsyncSandbox", "AsyncSandboxes",
@@ -914,57 +909,6 @@ def _exec_req(cmd: str | Sequence[str], *, timeout: float | None = 60.0,
     return req.validate()
 
 
-class AsyncFiles:
-    """``sandbox.files``: read, write, list, stat, mkdir, remove (raw bytes)."""
-
-    def __init__(self, sb: AsyncSandbox) -> None:
-        self._sb = sb
-
-    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        """Up to 64 MiB (``MAX_FILE_READ_BYTES``) per call; fetched in 8 MiB pieces so any
-        transport carries it."""
-        async def piece(at: int, n: int) -> bytes:
-            return await self._sb._c.call(ops.READ_FILE, ReadFile(
-                id=self._sb.id, path=path, offset=at, length=n))
-        return await read_in_chunks(piece, offset, length)
-
-    async def read_text(self, path: str) -> str:
-        return (await self.read(path)).decode()
-
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
-                    append: bool = False) -> None:
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        # in 8 MiB pieces (an Aether frame is 16 MiB); the first truncates unless appending
-        for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
-            more = append or at > 0
-            await self._sb._c.call(ops.WRITE_FILE, WriteFile(
-                id=self._sb.id, path=path, data=raw[at:at + FILE_CHUNK_BYTES], mode=mode,
-                append=more), idempotent=not more)
-
-    async def list(self, path: str = "/") -> list[FileInfo]:
-        return (await self._sb._c.call(ops.LIST_DIR, FileRef(id=self._sb.id, path=path))).items
-
-    async def stat(self, path: str) -> FileInfo:
-        return await self._sb._c.call(ops.STAT, FileRef(id=self._sb.id, path=path))
-
-    async def exists(self, path: str) -> bool:
-        try:
-            await self.stat(path)
-            return True
-        except NotFound:
-            return False
-
-    async def mkdir(self, path: str, *, parents: bool = True) -> None:
-        """Create directory ``path``; ``parents=False``: ``NotFound`` when its parent is
-        missing (else the missing parents are created too, like ``mkdir -p``)."""
-        await self._sb._c.call(ops.MKDIR, Mkdir(id=self._sb.id, path=path, parents=parents))
-
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        # not retried on a lost connection: a repeat after it happened says NotFound
-        await self._sb._c.call(ops.REMOVE, Remove(id=self._sb.id, path=path,
-                                                  recursive=recursive))
-
-
 class AsyncPorts:
     """``sandbox.ports``: reach a server inside the sandbox through the apiserver (HTTP
     and WebSocket; docs/networking.md). A URL carries a token: whoever holds it reaches
@@ -1008,6 +952,8 @@ class AsyncSandbox:
         self.files = AsyncFiles(self)
         self.ports = AsyncPorts(self)
         self.network = AsyncNetwork(self)
+        self.processes = AsyncProcesses(self)
+        self.pty = AsyncPty(self)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, state={self.info.state!r})"
@@ -1020,14 +966,57 @@ class AsyncSandbox:
         self.info = await self._c.call(ops.GET, SandboxRef(id=self.id))
         return self.info
 
+    @overload
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    stdin: bytes | str | None = None, user: str | None = None,
-                   background: bool = False, output_cap: int | None = None) -> ExecResult:
+                   background: Literal[False] = False, output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None) -> ExecResult: ...
+
+    @overload
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: Literal[True], output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None) -> AsyncProcessHandle: ...
+
+    @overload
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: bool = False, output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   ) -> ExecResult | AsyncProcessHandle: ...
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: bytes | str | None = None, user: str | None = None,
+                   background: bool = False, output_cap: int | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   ) -> ExecResult | AsyncProcessHandle:
         """Run ``cmd`` (a string runs in a shell, a list is an argv). ``timeout`` is the
-        *command* timeout: when it fires the result has ``timed_out=True``."""
+        *command* timeout: when it fires the result has ``timed_out=True``.
+
+        ``on_stdout``/``on_stderr``: called with each piece of output as it arrives (the
+        command streams, as ``exec_stream``); the result still holds all of it.
+        ``background=True``: start it and return a :class:`AsyncProcessHandle` at once
+        (``.pid``, ``wait``, ``kill``, output; ``sb.processes.start`` with a command
+        timeout); ``stdin`` is then its first input."""
+        if background:
+            # as before: a background command has no command timeout (processes.start
+            # takes one)
+            req = _exec_req(cmd, timeout=None, env=env, cwd=cwd, stdin=stdin, user=user,
+                            output_cap=output_cap)
+            info = await self._c.call(ops.PROCESS_START, WireExecCall(id=self.id, req=req))
+            return AsyncProcessHandle(self, info, on_stdout=on_stdout, on_stderr=on_stderr)
         req = _exec_req(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, user=user,
-                        background=background, output_cap=output_cap)
+                        output_cap=output_cap)
+        if on_stdout is not None or on_stderr is not None:
+            return await _streamed_exec(self, req, on_stdout, on_stderr)
         return await self._c.call(ops.EXEC, WireExecCall(id=self.id, req=req),
                                   timeout=_deadline(self._c.timeout, timeout))
 
@@ -1108,6 +1097,28 @@ class AsyncSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.kill()
+
+
+async def _streamed_exec(sb: AsyncSandbox, req: ExecRequest,
+                         on_stdout: OutputCallback | None,
+                         on_stderr: OutputCallback | None) -> ExecResult:
+    """An exec through ``exec_stream``, each chunk handed to its callback as it comes;
+    the result carries the whole output, as a plain exec's does (capped alike)."""
+    t = await sb._c._transport()
+    out, err = bytearray(), bytearray()
+    async for item in t.stream(ops.EXEC_STREAM, WireExecCall(id=sb.id, req=req),
+                               timeout=_deadline(sb._c.timeout, req.timeout_s)):
+        if isinstance(item, ExecResult):
+            return msgspec.structs.replace(item, stdout=bytes(out), stderr=bytes(err))
+        if item.stream == "stdout":
+            out += item.data
+            if on_stdout is not None:
+                on_stdout(item.data)
+        else:
+            err += item.data
+            if on_stderr is not None:
+                on_stderr(item.data)
+    raise RemoteProtocolError(f"exec_stream of sandbox {sb.id} ended without a result")
 
 
 def never_processed(exc: DsecError) -> bool:

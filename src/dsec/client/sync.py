@@ -15,12 +15,11 @@ import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, overload
 
 from dsec.client.code import Execution
 from dsec.client.core import (
     AsyncClient,
-    AsyncFiles,
     AsyncPorts,
     AsyncSandbox,
     AsyncSandboxes,
@@ -28,8 +27,16 @@ from dsec.client.core import (
     Snapshot,
     WireProtocol,
 )
+from dsec.client.files import Files
 from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
+from dsec.client.processes import (
+    AsyncProcessHandle,
+    OutputCallback,
+    Processes,
+    ProcessHandle,
+    Pty,
+)
 from dsec.client.transport import Transport
 from dsec.errors import DsecError
 from dsec.wire.api import (
@@ -51,7 +58,6 @@ from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
-    FileInfo,
     IdleAction,
     NetworkPolicy,
     PauseStats,
@@ -364,37 +370,6 @@ class Images:
                                          insecure=insecure, creds=creds))
 
 
-class Files:
-    def __init__(self, client: Client, a: AsyncFiles) -> None:
-        self._c = client
-        self._a = a
-
-    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return self._c._run(self._a.read(path, offset=offset, length=length))
-
-    def read_text(self, path: str) -> str:
-        return self._c._run(self._a.read_text(path))
-
-    def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
-              append: bool = False) -> None:
-        self._c._run(self._a.write(path, data, mode=mode, append=append))
-
-    def list(self, path: str = "/") -> list[FileInfo]:
-        return self._c._run(self._a.list(path))
-
-    def stat(self, path: str) -> FileInfo:
-        return self._c._run(self._a.stat(path))
-
-    def exists(self, path: str) -> bool:
-        return self._c._run(self._a.exists(path))
-
-    def mkdir(self, path: str, *, parents: bool = True) -> None:
-        self._c._run(self._a.mkdir(path, parents=parents))
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._c._run(self._a.remove(path, recursive=recursive))
-
-
 class Ports:
     """See :class:`~dsec.client.core.AsyncPorts`."""
 
@@ -425,6 +400,8 @@ class Sandbox:
         self.files = Files(client, a.files)
         self.ports = Ports(client, a.ports)
         self.network = Network(client, a.network)
+        self.processes = Processes(client, a.processes)
+        self.pty = Pty(client, a.pty)
 
     def __repr__(self) -> str:
         return repr(self._a)
@@ -440,14 +417,45 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         return self._c._run(self._a.refresh())
 
+    @overload
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              stdin: bytes | str | None = None, user: str | None = None,
-             background: bool = False, output_cap: int | None = None) -> ExecResult:
-        """See :meth:`~dsec.client.core.AsyncSandbox.exec`."""
-        return self._c._run(self._a.exec(cmd, timeout=timeout, env=env, cwd=cwd,
-                                         stdin=stdin, user=user, background=background,
-                                         output_cap=output_cap))
+             background: Literal[False] = False, output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult: ...
+
+    @overload
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: Literal[True], output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ProcessHandle: ...
+
+    @overload
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: bool = False, output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult | ProcessHandle: ...
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, user: str | None = None,
+             background: bool = False, output_cap: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult | ProcessHandle:
+        """See :meth:`~dsec.client.core.AsyncSandbox.exec` (callbacks run on the
+        client's loop thread)."""
+        r: ExecResult | AsyncProcessHandle = self._c._run(self._a.exec(cmd, timeout=timeout, env=env, cwd=cwd,
+                                      stdin=stdin, user=user, background=background,
+                                      output_cap=output_cap, on_stdout=on_stdout,
+                                      on_stderr=on_stderr))
+        if isinstance(r, AsyncProcessHandle):
+            return ProcessHandle(self._c, r)
+        return r
 
     def exec_stream(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                     env: Mapping[str, str] | None = None, cwd: str | None = None,

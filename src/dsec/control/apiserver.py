@@ -345,8 +345,90 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     route(doc_of(ops.EXEC_STREAM, request=ExecBody, response=ExecStreamLine,
                  media="application/x-ndjson"), exec_stream)
 
+    # Issue 19: process_connect's NDJSON lines (as exec_stream's) and the processes'
+    # WebSocket attach route (dsec.control.api.process_ws).
+    connect_policy = service.stream_handler(ops.PROCESS_CONNECT)
+
+    async def process_connect(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.PROCESS_CONNECT, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        stream = await connect_policy(caller, req)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in stream:
+                    yield _json.encode(stream_line(item)) + b"\n"
+            except DsecError as exc:
+                exc = service.redact(exc)
+                detail = {k: v for k, v in exc.detail.items()
+                          if isinstance(v, (str, int, float, bool)) or v is None}
+                yield _json.encode(ExecStreamLine(error=ApiError(
+                    code=exc.code, message=exc.message, request_id=rid,
+                    detail=detail))) + b"\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                 headers={"x-request-id": rid})
+
+    route(doc_of(ops.PROCESS_CONNECT, response=ExecStreamLine,
+                 media="application/x-ndjson"), process_connect)
+    from dsec.control.api.process_ws import attach_route
+    routes.append(attach_route(service))  # type: ignore[arg-type]  # a WebSocketRoute
+
+
+    # By hand (issue 19): streamed file content both ways (a raw body streamed in or
+    # out, no body cap: the sandbox's disk cap is the limit) and the watch's NDJSON.
+    from dsec.control import filedoors
+    file_rows = (ops.FILE_READ_STREAM, ops.FILE_WRITE_STREAM, ops.FILE_WATCH)
+
+    async def file_read(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.FILE_READ_STREAM, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        req, info = await filedoors.sized_read(service, caller, req)
+        first, more = await filedoors.read_chunks(service, caller, req)
+
+        async def body() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for chunk in more:
+                yield chunk
+        # Content-Length: a body cut short (the sandbox ended, the file shrank) is an
+        # error at the client, never a short file
+        assert req.length is not None
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={"x-request-id": rid,
+                                          "content-length": str(req.length),
+                                          "x-dsec-file": _json.encode(info).decode()})
+
+    async def file_write(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.FILE_WRITE_STREAM, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        info = await filedoors.write_chunks(service, caller, req, request.stream())
+        return _json_response(info, rid)
+
+    watch_policy = service.stream_handler(ops.FILE_WATCH)
+
+    async def file_watch(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.FILE_WATCH, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        stream = await watch_policy(caller, req)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in stream:
+                    yield _json.encode(filedoors.watch_line(item)) + b"\n"
+            except DsecError as exc:
+                exc = service.redact(exc)
+                yield _json.encode({"error": {"code": exc.code, "message": exc.message,
+                                              "request_id": rid}}) + b"\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                 headers={"x-request-id": rid})
+
+    route(doc_of(ops.FILE_READ_STREAM, response="binary"), file_read)
+    route(doc_of(ops.FILE_WRITE_STREAM, request="binary"), file_write)
+    route(doc_of(ops.FILE_WATCH, media="application/x-ndjson"), file_watch)
+
     # Every other row is served from the row alone (admin rows when admin is given).
-    by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT}
+    by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT,
+               ops.PROCESS_CONNECT, *file_rows}
     for row in ops.REST_OPS:
         if row not in by_hand and (admin is not None or row not in _ADMIN_ROWS):
             serve(row)
@@ -409,12 +491,20 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         resp.headers["allow"] = ", ".join(allow)
         return resp
 
+    # The web dashboard (/ui, dsec.control.ui): pages over the same policies; its
+    # terminal WebSocket is handed on to the REST process WebSocket through the front.
+    from dsec.control.ui import Dashboard
+    dashboard = Dashboard(service)
+    routes += dashboard.routes()  # type: ignore[arg-type]  # a Mount
+
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
-    return FastPaths(app, service, PortProxy(
+    front = FastPaths(app, service, PortProxy(
         service, max_tunnels=cfg.max_proxy_tunnels, per_sandbox=cfg.proxy_tunnels_per_sandbox,
         per_project=cfg.proxy_tunnels_per_project, per_client=cfg.proxy_tunnels_per_client,
         idle_s=cfg.proxy_idle_s))
+    dashboard.root = front
+    return front
 
 
 _JSON_CT = (b"content-type", b"application/json")

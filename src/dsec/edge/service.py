@@ -51,6 +51,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.files import ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.layers import (
     LayerChain,
     LayerGrant,
@@ -65,6 +66,14 @@ from dsec.wire.node import EDGE_PROTOCOL, EventFeed, Heartbeat, NodeInfo
 from dsec.wire.ops import EDGE_OPS, StreamOp, TunnelOp
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import PortConnect, PortExpose, PortRecord, PortRecordList, PortRef
+from dsec.wire.process import (
+    ProcessInfo,
+    ProcessInput,
+    ProcessList,
+    ProcessRef,
+    ProcessSignal,
+    PtyResize,
+)
 from dsec.wire.spec import (
     ExecResult,
     FileInfo,
@@ -163,6 +172,32 @@ class EdgeHandlers:
             raise RemoteProtocolError(f"backend stream for {b.id} ended without a result")
         return final
 
+    # ---------------------------------------------------------------- processes (19)
+    async def process_start(self, b: ExecCall) -> ProcessInfo:
+        return await self.node.processes.start(b.id, b.req)
+
+    def process_list(self, b: SandboxRef) -> ProcessList:
+        return ProcessList(items=self.node.processes.list(b.id))
+
+    async def process_connect(self, b: ProcessRef, out: StreamSender) -> ExecResult:
+        async for item in self.node.processes.connect(b.id, b.pid):
+            if isinstance(item, ExecResult):
+                return item
+            await out.send(item)
+        raise RemoteProtocolError(f"process {b.pid} of {b.id} ended without a result")
+
+    async def process_input(self, b: ProcessInput) -> None:
+        await self.node.processes.input(b.id, b.pid, b.data)
+
+    def process_close_stdin(self, b: ProcessRef) -> None:
+        self.node.processes.close_stdin(b.id, b.pid)
+
+    def process_signal(self, b: ProcessSignal) -> None:
+        self.node.processes.signal(b.id, b.pid, b.signal)
+
+    def pty_resize(self, b: PtyResize) -> None:
+        self.node.processes.resize(b.id, b.pid, b.cols, b.rows)
+
     # ---------------------------------------------------------------- files
     async def read_file(self, b: ReadFile) -> bytes:
         return await self.node.read_file(b.id, b.path, offset=b.offset, length=b.length)
@@ -181,6 +216,19 @@ class EdgeHandlers:
 
     async def remove(self, b: Remove) -> None:
         await self.node.remove(b.id, b.path, recursive=b.recursive)
+
+    # ---------------------------------------------------- streams, rename, watch (issue 19)
+    async def file_read_stream(self, b: ReadStream, stream: DuplexStream) -> FileInfo:
+        return await self.node.file_read_stream(b, stream)
+
+    async def file_write_stream(self, b: WriteStream, stream: DuplexStream) -> FileInfo:
+        return await self.node.file_write_stream(b, stream)
+
+    async def file_rename(self, b: Rename) -> FileInfo:
+        return await self.node.file_rename(b)
+
+    async def file_watch(self, b: Watch, out: StreamSender) -> WatchEnd:
+        return WatchEnd(reason=await self.node.file_watch(b, out.send))
 
     # ---------------------------------------------------------------- ports
     async def port_expose(self, b: PortExpose) -> PortRecord:

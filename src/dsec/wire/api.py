@@ -43,6 +43,7 @@ from dsec.wire.spec import (
     FileInfo,
     IdleAction,
     NetworkPolicy,
+    PtySize,
     QosClass,
     SandboxEvent,
     SandboxInfo,
@@ -237,6 +238,10 @@ class ExecBody(_Strict):
     # top-level entries of the sandbox root the command's tree can never reach (Landlock);
     # ExecRequest.hide. Carried here so the REST door cannot drop the protection silently.
     hide: Annotated[list[str], _doc(maxItems=MAX_HIDE_ENTRIES)] = []
+    # processes (issue 19; process_start takes them, plain exec refuses them)
+    pty: PtySize | None = None
+    stdin_open: bool = False
+    tag: str | None = None
 
 
 class ExecOutput(msgspec.Struct, kw_only=True):

@@ -65,7 +65,8 @@ def exec_body(req: ExecRequest) -> ExecBody:
                     env=dict(req.env), cwd=req.cwd, user=req.user, stdin=stdin,
                     stdin_encoding=enc, timeout_s=req.timeout_s,
                     output_cap_bytes=req.output_cap_bytes, background=req.background,
-                    hide=list(req.hide))
+                    hide=list(req.hide), pty=req.pty, stdin_open=req.stdin_open,
+                    tag=req.tag)
 
 
 def exec_request(body: ExecBody) -> ExecRequest:
@@ -80,7 +81,8 @@ def exec_request(body: ExecBody) -> ExecRequest:
     req = ExecRequest(argv=tuple(body.argv or ()), shell=body.shell, env=dict(body.env),
                       cwd=body.cwd, user=body.user, stdin=stdin, timeout_s=body.timeout_s,
                       output_cap_bytes=body.output_cap_bytes, background=body.background,
-                      hide=tuple(body.hide))
+                      hide=tuple(body.hide), pty=body.pty, stdin_open=body.stdin_open,
+                      tag=body.tag)
     return req.validate()
 
 

@@ -19,8 +19,9 @@ from dsec.wire.spec import SandboxEvent, SandboxState
 #: misread. 1: before issue 13 (``edge.info``, per-type batch items); 2: the catalogue
 #: (``edge.node_info``, ``Batch[T]``, request bodies refuse unknown fields); 3: issue 14
 #: (Aether duplex streams and their ``WINDOW`` frame, which an edge of release 2 would
-#: take for corruption; the network policy and port rows).
-EDGE_PROTOCOL: Final = 3
+#: take for corruption; the network policy and port rows); 4: issue 19 (the process rows
+#: and the file rows: file_read_stream, file_write_stream, file_rename, file_watch).
+EDGE_PROTOCOL: Final = 4
 
 #: The most sandboxes one heartbeat lists (a page: ``HeartbeatRequest.list_after`` /
 #: ``list_limit`` ask for the next) and the most events one feed read carries. In the

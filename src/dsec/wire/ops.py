@@ -100,6 +100,7 @@ from dsec.wire.cluster import (
     JoinTokenView,
     NodeMigration,
 )
+from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
@@ -125,6 +126,14 @@ from dsec.wire.ports import (
     PortRecord,
     PortRecordList,
     PortRef,
+)
+from dsec.wire.process import (
+    ProcessInfo,
+    ProcessInput,
+    ProcessList,
+    ProcessRef,
+    ProcessSignal,
+    PtyResize,
 )
 from dsec.wire.spec import (
     ExecChunk,
@@ -160,6 +169,10 @@ __all__ = [
     "EXEC_MANY",
     "EXEC_STREAM",
     "FEED",
+    "FILE_READ_STREAM",
+    "FILE_RENAME",
+    "FILE_WATCH",
+    "FILE_WRITE_STREAM",
     "GATEWAY_OPS",
     "GET",
     "HEARTBEAT",
@@ -197,8 +210,15 @@ __all__ = [
     "PORT_CONNECT",
     "PORT_EXPOSE",
     "PORT_LIST",
+    "PROCESS_CLOSE_STDIN",
+    "PROCESS_CONNECT",
+    "PROCESS_INPUT",
+    "PROCESS_LIST",
+    "PROCESS_SIGNAL",
+    "PROCESS_START",
     "PROJECTS",
     "PROJECT_GET",
+    "PTY_RESIZE",
     "QUOTA_SET",
     "READ_FILE",
     "REMOVE",
@@ -946,6 +966,43 @@ NODE_PINS: Op[PinSet, Empty] = Op(
     summary="Make the node's pinned images exactly this set (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 19 (Files): files of any size in pieces, rename and watch (dsec.wire.files). The
+# stream rows are duplex (raw bytes under per-stream credit: bounded memory on every hop,
+# however big the file and however slow the reader); their REST forms are hand-written
+# routes (a streamed raw body each way), the gateway serves them as duplex methods.
+FILE_READ_STREAM: TunnelOp[ReadStream, FileInfo] = TunnelOp(
+    "file_read_stream", ReadStream, FileInfo,
+    summary="Read a file of any size as a byte stream (the reply: the file as opened)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/content",
+              operation_id="readFileStream", query=_q("path", "offset", "length"),
+              reply="raw"))
+
+FILE_WRITE_STREAM: TunnelOp[WriteStream, FileInfo] = TunnelOp(
+    "file_write_stream", WriteStream, FileInfo,
+    summary="Replace a file atomically with a byte stream of any size (a temporary file "
+            "renamed into place once every byte arrived)",
+    # the whole content each time: repeating it leaves the same file
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="PUT", path="/v1/sandboxes/{id}/files/content",
+              operation_id="writeFileStream", query=_q("path", "mode", "size")))
+
+FILE_RENAME: Op[Rename, FileInfo] = Op(
+    "file_rename", Rename, FileInfo,
+    summary="Rename (move) a file or directory inside the sandbox",
+    # a repeat after success answers NotFound (src is gone): not idempotent
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/files/rename",
+              operation_id="renameFile", body="*"))
+
+FILE_WATCH: StreamOp[Watch, FileEvent, WatchEnd] = StreamOp(
+    "file_watch", Watch, WatchEnd, item=FileEvent,
+    summary="Watch a directory: create/write/remove/rename/chmod events (inotify)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/watch",
+              operation_id="watchFiles", query=_q("path", "recursive", "timeout_s"),
+              reply="ndjson"))
+
 # Issue 19, lifetimes: move a sandbox's deadline (its TTL clock stops while paused).
 SET_TIMEOUT: Op[SetTimeout, SandboxInfo] = Op(
     "set_timeout", SetTimeout, SandboxInfo,
@@ -971,6 +1028,72 @@ KEYS: Op[KeyQuery, KeyList] = Op(
     role=None, target="self", idempotent=True, doors=API_DOORS,
     rest=Rest(method="GET", path="/v1/keys", operation_id="listKeys", query=_q("principal"),
               tag="admin"))
+
+
+# Issue 19: processes and terminals (dsec.wire.process, dsec.edge.processes). The edge
+# keeps each sandbox's process table (bounded output rings, stdin pipes, ptys); every
+# door forwards these by the sandbox's project. process_connect follows a process until
+# it exits, however long: no deadline.
+def _no_deadline(body: object) -> float | None:
+    return None
+
+
+PROCESS_START: Op[ExecCall, ProcessInfo] = Op(
+    "process_start", ExecCall, ProcessInfo,
+    summary="Start a background process (output kept in a bounded ring for "
+            "process_connect; stdin kept open with stdin_open; a terminal with pty)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes",
+              operation_id="startProcess", status=201, body="req", body_limit="exec",
+              tag="processes"))
+
+PROCESS_LIST: Op[SandboxRef, ProcessList] = Op(
+    "process_list", SandboxRef, ProcessList,
+    summary="The sandbox's processes started with process_start (running and ended)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/processes",
+              operation_id="listProcesses", tag="processes"))
+
+PROCESS_CONNECT: StreamOp[ProcessRef, ExecChunk, ExecResult] = StreamOp(
+    "process_connect", ProcessRef, ExecResult, item=ExecChunk,
+    summary="A process's output: what its ring holds, then live output until it exits, "
+            "then its exit",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    deadline=_no_deadline,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/processes/{pid}/output",
+              operation_id="connectProcess", reply="ndjson", tag="processes"))
+
+PROCESS_INPUT: Op[ProcessInput, None] = Op(
+    "process_input", ProcessInput, None,
+    summary="Write bytes to a process's stdin (or its terminal)",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/{pid}/stdin",
+              operation_id="writeProcessStdin", status=204, body="data",
+              body_limit="exec", reply="empty", tag="processes"))
+
+PROCESS_CLOSE_STDIN: Op[ProcessRef, None] = Op(
+    "process_close_stdin", ProcessRef, None,
+    summary="Close a process's stdin (it reads end of file)",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="DELETE", path="/v1/sandboxes/{id}/processes/{pid}/stdin",
+              operation_id="closeProcessStdin", status=204, reply="empty",
+              tag="processes"))
+
+PROCESS_SIGNAL: Op[ProcessSignal, None] = Op(
+    "process_signal", ProcessSignal, None,
+    summary="Send a signal to a process's process group",
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/{pid}/signal",
+              operation_id="signalProcess", status=204, body="*", reply="empty",
+              tag="processes"))
+
+PTY_RESIZE: Op[PtyResize, None] = Op(
+    "pty_resize", PtyResize, None,
+    summary="Resize a PTY process's terminal (its foreground group gets SIGWINCH)",
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/processes/{pid}/resize",
+              operation_id="resizePty", status=204, body="*", reply="empty",
+              tag="processes"))
 
 ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CREATE, CREATE_MANY, GET, LIST, DESTROY, EXEC, EXEC_MANY, EXEC_STREAM,
@@ -1002,9 +1125,20 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
     NODE_PINS,
+    FILE_READ_STREAM,
+    FILE_WRITE_STREAM,
+    FILE_RENAME,
+    FILE_WATCH,
     SET_TIMEOUT,
     LAYER_GRANT,
     KEYS,
+    PROCESS_START,
+    PROCESS_LIST,
+    PROCESS_CONNECT,
+    PROCESS_INPUT,
+    PROCESS_CLOSE_STDIN,
+    PROCESS_SIGNAL,
+    PTY_RESIZE,
 )
 BY_NAME: Final[Mapping[str, Op[Any, Any]]] = {op.name: op for op in ALL_OPS}
 EDGE_OPS: Final[tuple[Op[Any, Any], ...]] = tuple(op for op in ALL_OPS if "edge" in op.doors)

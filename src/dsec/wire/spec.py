@@ -605,6 +605,40 @@ def backend_of(spec: SandboxSpec) -> BackendName:
 
 
 MAX_HIDE_ENTRIES = 16
+# Processes and terminals (issue 19, dsec.wire.process): a terminal's size in character
+# cells (TIOCSWINSZ takes unsigned shorts; no terminal is wider than this), a process
+# tag (a caller's label for `processes.list`), one stdin write.
+MAX_PTY_CELLS = 1000
+MAX_PROCESS_TAG_BYTES = 256
+MAX_PROCESS_INPUT_BYTES = 1 << 20
+
+
+class PtySize(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A terminal's size: ``cols`` x ``rows`` character cells, each within
+    1..``MAX_PTY_CELLS``."""
+
+    cols: int = 80
+    rows: int = 24
+
+    def __post_init__(self) -> None:
+        check_pty_size(self.cols, self.rows)
+
+
+def check_pty_size(cols: int, rows: int) -> None:
+    for name, v in (("cols", cols), ("rows", rows)):
+        if not 1 <= v <= MAX_PTY_CELLS:
+            raise InvalidArgument(f"pty {name}={v!r} must be within 1..{MAX_PTY_CELLS} "
+                                  "character cells", field=name, limit=MAX_PTY_CELLS)
+
+
+def check_process_tag(tag: str | None) -> None:
+    if tag is None:
+        return
+    n = len(tag.encode("utf-8", "surrogatepass"))
+    if not tag or n > MAX_PROCESS_TAG_BYTES or "\0" in tag:
+        raise InvalidArgument(f"process tag is {n} bytes; a tag is 1..{MAX_PROCESS_TAG_BYTES} "
+                              "bytes of UTF-8 without NUL", field="tag", size=n,
+                              limit=MAX_PROCESS_TAG_BYTES)
 
 
 def _check_hide(hide: tuple[str, ...]) -> None:
@@ -639,6 +673,12 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     # keeps a judge's or harness's files out of an agent's reach even as root. Needs the
     # container backend's native runtime; refused elsewhere. Issue 18.
     hide: tuple[str, ...] = ()
+    # Processes (issue 19, `process_start`; refused by plain exec): run the command on a
+    # terminal of this size inside the sandbox (stdin/stdout/stderr are the pty), keep
+    # stdin a pipe for `process_input`, and a caller's label shown by `process_list`.
+    pty: PtySize | None = None
+    stdin_open: bool = False
+    tag: str | None = None
 
     def __post_init__(self) -> None:
         # Runs on construction, msgspec.structs.replace, convert and every decode, so an
@@ -649,6 +689,8 @@ class ExecRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             self._check()
         if self.hide:
             _check_hide(self.hide)
+        if self.tag is not None:
+            check_process_tag(self.tag)
 
     def validate(self) -> ExecRequest:
         """Return self: an ExecRequest that exists has passed every limit (checked in
@@ -878,6 +920,10 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     net_rx_bytes: int | None = None
     net_tx_bytes: int | None = None
     oom_kills: int = 0
+    #: dens (issue 22): memory_bytes plus the kernel memory the host spends on the sandbox
+    #: outside its memory cgroup (its cgroups, superblocks and the memcg's shrinker map:
+    #: an estimate, see docs/container.md "Density"); 0 where the backend does not know
+    memory_host_bytes: int = 0
     # QoS (issue 22): the class, and what the sandbox really holds (dsec.edge.qos.
     # MemoryHeld): of memory_bytes, anonymous/RSS, page cache charged to it, and the
     # shared memory (tmpfs files, SysV and POSIX segments) it created; its writable

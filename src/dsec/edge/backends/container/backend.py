@@ -33,12 +33,13 @@ import os
 import resource
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 
+from dsec.edge import filestream
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
@@ -54,6 +55,7 @@ from dsec.edge.backends.container.census import (
     remove_cgroup_dirs,
     take_census,
 )
+from dsec.edge.backends.container.density import uncharged_bytes
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
@@ -102,8 +104,10 @@ from dsec.errors import (
 )
 from dsec.ids import SandboxId
 from dsec.net.attach import SandboxNetwork
+from dsec.nofile import raise_nofile
 from dsec.ownership import start_time
 from dsec.rmtree import remove_tree
+from dsec.wire.files import FileEvent
 from dsec.wire.spec import (
     BackendName,
     ExecChunk,
@@ -118,6 +122,7 @@ from dsec.wire.spec import (
 )
 
 if TYPE_CHECKING:
+    from dsec.edge.backends.container.procio import ContainerProcess
     from dsec.edge.backends.container.runc import RuncDriver
 
 __all__ = ["ContainerBackend", "Runtime"]
@@ -173,6 +178,12 @@ def network_refusal(mode: str, *, runtime: str, router: bool) -> str | None:
 
 class ContainerBackend:
     """Sandboxes as Linux containers. See the module docstring and docs/container.md."""
+
+    #: The most exec helpers alive at once (issue 22). A helper is a process of ~100 KiB
+    #: of kernel memory and holds two descriptors in the zygote (its request socket and a
+    #: pidfd); 10,000 sandboxes that each answered one exec made 10,000 of them. Sandboxes
+    #: past the budget take the per-exec path (~0.3 ms more CPU per exec), nothing fails.
+    max_exec_helpers: int = 1024
 
     def __init__(self, *, root_dir: str, images: ImageResolver, runtime: Runtime = "native",
                  cgroup_name: str | None = None, governor: Governor | None = None,
@@ -301,10 +312,9 @@ class ContainerBackend:
                 # removes the subvolume before the dir, create makes the dir first.
                 if not os.path.isdir(os.path.join(sb_dir, name)):
                     self.disk.remove(name)
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            if soft < hard:  # three fds per sandbox (pidfd, oom eventfd, exec pipes)
-                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            raise_nofile()  # descriptors are per operation, none per idle sandbox (issue 22)
             self._boxes: dict[str, Box] = {}
+            self._peak_boxes = 0   # the most held at once (stats: the shrinker-map estimate)
             self._sink: DeathSink | None = None
             self.limits_poll_s = limits_poll_s
             if not exec_start_timeout_s > 0:
@@ -319,12 +329,21 @@ class ContainerBackend:
             # exec cgroup names: unique across edge restarts (a lingering one may survive)
             self._exec_seq = itertools.count(time.time_ns() // 1000)
             self._cleanups: set[asyncio.Task[None]] = set()
+            # destroys that failed, retried in the background (cancelled by close())
+            self._removers: set[asyncio.Task[None]] = set()
             # file operations run beside the loop (see _file_op); made on first use
             self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
             self._file_ops: set[asyncio.Future[Any]] = set()
             self._settling: asyncio.Task[None] | None = None
             self._settle_again = False
             self._zygote = ZygoteClient()
+            #: request ids of the exec helpers started and not yet gone (at most
+            #: max_exec_helpers: each costs the zygote two descriptors and a process)
+            self._helpers: set[int] = set()
+            # ... and at most an eighth of the descriptors the zygote may open (it inherits
+            # our RLIMIT_NOFILE): two each, the rest for execs in flight
+            self._helper_budget = min(self.max_exec_helpers,
+                                      resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16)
             self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
             self._runc: RuncDriver | None = None
             if runtime == "runc":
@@ -424,9 +443,33 @@ class ContainerBackend:
         with CLONE_NEWNET enters the sandbox's network namespace, and unlike
         /proc/PID/ns/net it cannot name a recycled pid (dsec.net.tunnel)."""
         box = self.box(sid)
-        if box.pidfd < 0:
+        if box.pidfd >= 0:
+            return os.dup(box.pidfd)
+        if not box.init_pid:
             raise SandboxNotFound(f"sandbox {sid} has no init process yet", sandbox_id=sid)
-        return os.dup(box.pidfd)
+        try:
+            return linux.open_init_pidfd(box.init_pid, box.init_start)
+        except OSError as exc:
+            raise SandboxNotFound(f"sandbox {sid}'s init is gone: {exc}",
+                                  sandbox_id=sid) from exc
+
+    @contextlib.contextmanager
+    def _init_fd(self, box: Box) -> Iterator[int]:
+        """A pidfd of ``box``'s init for one operation: the held one (runc, adopted), else
+        one opened now and checked against the init's start time (~10 µs), closed after.
+        A native sandbox holds no descriptor while idle (issue 22)."""
+        if box.pidfd >= 0:
+            yield box.pidfd
+            return
+        try:
+            fd = linux.open_init_pidfd(box.init_pid, box.init_start)
+        except OSError as exc:
+            raise BackendError(f"sandbox {box.sid} is not running (its init, pid "
+                               f"{box.init_pid}, is gone: {exc})") from exc
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def init_pid(self, sid: str) -> int:
         """Host pid of the sandbox's init (tests, diagnostics)."""
@@ -476,6 +519,7 @@ class ContainerBackend:
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
+            self._peak_boxes = max(self._peak_boxes, len(self._boxes))
             if self.network is not None:
                 slot = self.network.attach(sid, spec)
                 if slot is not None:
@@ -485,10 +529,20 @@ class ContainerBackend:
             if self._runc is not None:
                 box.init_pid = await self._runc.create(box)
                 box.pidfd = os.pidfd_open(box.init_pid)
+                box.init_start = start_time(box.init_pid) or 0
             else:
-                box.init_pid, box.pidfd = await self._native_create(box)
+                box.init_pid, fd = await self._native_create(box)
+                try:   # read while the pidfd proves the pid still names the init
+                    box.init_start = start_time(box.init_pid, running=True) or 0
+                    linux.pidfd_send_signal(fd, 0)
+                finally:
+                    os.close(fd)   # no descriptor per idle sandbox: the zygote reports exit
+                if not box.init_start:
+                    raise BackendError(f"sandbox {sid}'s init (pid {box.init_pid}) exited "
+                                       "as it started")
             qos_process(spec, box.init_pid)   # SCHED_IDLE for BE: inherited by its forks
-            box.oom_fd = self.governor.oom_eventfd(cg)
+            # OOM kills: no v1 eventfd (a descriptor per sandbox); the counter is read after
+            # every exec, on stats and by the limits timer (as on v2)
             box.oom_seen = self.governor.oom_kills(cg)
             box.pids_seen = self.governor.pids_limit_hits(cg)
             self._watch_box(box)
@@ -573,7 +627,7 @@ class ContainerBackend:
     def _record(self, box: Box) -> BoxRecord:
         return BoxRecord(sid=box.sid, runtime=self.runtime, spec=box.spec,
                          init_pid=box.init_pid,
-                         init_start=start_time(box.init_pid) or 0,
+                         init_start=box.init_start,
                          cgroup_version=box.cg.version, cgroup_dirs=box.cg.dirs,
                          lowerdirs=list(box.layers.lowerdirs), created_at=self.clock())
 
@@ -591,12 +645,16 @@ class ContainerBackend:
                      netns=box.netns_fd >= 0)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
-            self._zygote.done(rid)
-            if fut.done():
+            if fut.done():   # after Created: the init's exit (Exited) or the zygote's death
                 for fd in fds:
                     os.close(fd)
+                self._on_init_report(box, rid, reply)
+                return
+            if not isinstance(reply, Created):
+                self._zygote.done(rid)
             else:
-                fut.set_result((reply, fds))
+                box.watch_rid = rid
+            fut.set_result((reply, fds))
 
         self._zygote.send(req, [box.netns_fd] if box.netns_fd >= 0 else [], on_reply)
         reply, fds = await fut
@@ -609,7 +667,8 @@ class ContainerBackend:
 
     def _watch_box(self, box: Box) -> None:
         loop = asyncio.get_running_loop()
-        loop.add_reader(box.pidfd, self._on_init_exit, box)
+        if box.pidfd >= 0:
+            loop.add_reader(box.pidfd, self._on_init_exit, box)
         if box.oom_fd is not None:
             loop.add_reader(box.oom_fd, self._on_oom_event, box)
         if self._poll is None and self.limits_poll_s is not None:
@@ -632,6 +691,10 @@ class ContainerBackend:
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
         for box in chunk:
+            if not box.dying and box.pidfd < 0 and not box.watch_rid and not box.exited.is_set() \
+                    and start_time(box.init_pid, running=True) != box.init_start:
+                # nobody reports this init's exit (the zygote that was its parent died)
+                self._init_died(box)
             if not box.dying:
                 self._check_pids(box)
                 if box.oom_fd is None:  # v2: no OOM eventfd to wake us
@@ -701,9 +764,30 @@ class ContainerBackend:
             loop.remove_reader(box.pidfd)
         if box.oom_fd is not None:
             loop.remove_reader(box.oom_fd)
+        if box.watch_rid:
+            self._zygote.done(box.watch_rid)
+            box.watch_rid = 0
+
+    def _on_init_report(self, box: Box, rid: int, reply: Reply) -> None:
+        """What the zygote says about a running sandbox's init: Exited (it was reaped), or
+        Failed (the zygote died: the init lives on, reparented; the limits timer then
+        watches it by its start time)."""
+        self._zygote.done(rid)
+        if box.watch_rid == rid:
+            box.watch_rid = 0
+        if isinstance(reply, Exited):
+            self._init_died(box)
+        elif self._poll is None and self.limits_poll_s is not None and not box.dying:
+            self._poll = asyncio.get_running_loop().call_later(self.limits_poll_s,
+                                                               self._poll_limits)
 
     def _on_init_exit(self, box: Box) -> None:
         asyncio.get_running_loop().remove_reader(box.pidfd)
+        self._init_died(box)
+
+    def _init_died(self, box: Box) -> None:
+        if box.exited.is_set():
+            return
         box.exited.set()
         if box.dying:
             return
@@ -894,7 +978,8 @@ class ContainerBackend:
             pass  # the image went away; the running sandbox still has its mounts
         upper, work = self._rw_dirs(sid)
         box = Box(sid, spec, d, cg, layers, upper=upper, work=work,
-                   pids_max=rec.spec.pids_max, init_pid=rec.init_pid, adopted=True)
+                   pids_max=rec.spec.pids_max, init_pid=rec.init_pid,
+                   init_start=rec.init_start, adopted=True)
         if os.path.isdir(self.disk.sandbox_path(sid)):
             box.disk_q = self.disk.qgroup_dir(sid)
             box.disk_cap = DiskPool.usage_at(box.disk_q).cap_bytes
@@ -914,10 +999,10 @@ class ContainerBackend:
             await self._teardown(sid, d, box, layers)
             return False
         box.paused = self.governor.is_frozen(cg)
-        box.oom_fd = self.governor.oom_eventfd(cg)
         box.oom_seen = self.governor.oom_kills(cg)
         box.pids_seen = self.governor.pids_limit_hits(cg)
         self._boxes[sid] = box
+        self._peak_boxes = max(self._peak_boxes, len(self._boxes))
         self._watch_box(box)
         self._lazy_adopted(box)
         if self.network is not None and spec.net.net_mode != "none":
@@ -970,7 +1055,63 @@ class ContainerBackend:
             if os.path.isdir(d) and await self.adopt(sid, SandboxSpec()):
                 await self.destroy(sid)
             return
-        await self._teardown(sid, d, box, box.layers)
+        try:
+            await self._teardown(sid, d, box, box.layers)
+        except BackendError as exc:
+            await self._destroy_again(sid, exc.message)
+        except OSError as exc:   # a step that does not collect its errors (EMFILE in rmtree)
+            await self._destroy_again(sid, f"{type(exc).__name__}: {exc}")
+
+    #: pauses between the attempts of a destroy whose teardown failed (each attempt
+    #: looks at the host afresh: census + removal of whatever it finds, processes first)
+    DESTROY_RETRY_S: tuple[float, ...] = (0.05, 0.25, 1.0)
+    #: after those, the same in the background every this often until clean (or close)
+    DESTROY_BACKGROUND_S = 15.0
+
+    async def _destroy_again(self, sid: str, first: str) -> None:
+        """A teardown left something (EMFILE, EBUSY on a cgroup, a stuck unmount...):
+        retry from what the host holds (the census - the same removal reconcile does,
+        which kills every process its cgroups list, race-free), then report. Nothing is
+        left running silently: if it is still there the caller gets a ``BackendError``
+        naming what is left (the node records the sandbox ``failed`` with that reason),
+        and a background task keeps trying (then reconcile at the next start)."""
+        log.warning("destroy of sandbox %s failed (%s); retrying", sid, first)
+        for delay in self.DESTROY_RETRY_S:
+            await asyncio.sleep(delay)
+            if await self._remove_what_is_left(sid):
+                log.warning("destroy of sandbox %s: done on retry", sid)
+                return
+        left = self._census_of(sid)
+        task = asyncio.get_running_loop().create_task(self._remove_later(sid))
+        self._removers.add(task)
+        task.add_done_callback(self._removers.discard)
+        raise BackendError(f"destroying sandbox {sid} failed ({first}) and "
+                           f"{1 + len(self.DESTROY_RETRY_S)} attempts left {left}; the edge "
+                           f"retries every {self.DESTROY_BACKGROUND_S:g} s and at its next "
+                           "start (reconcile)", sandbox_id=sid)
+
+    def _census_of(self, sid: str) -> str:
+        try:
+            c = self.census(sid)
+        except OSError as exc:
+            return f"an unknown part of it (census failed: {exc})"
+        return c.describe(sid) if sid in c.sandboxes() else "nothing"
+
+    async def _remove_what_is_left(self, sid: str) -> bool:
+        """One attempt: remove what the host holds for ``sid``; True if nothing is left."""
+        try:
+            census = self.census(sid)
+            if sid in census.sandboxes():
+                await self._remove_leftover(sid, census)
+            return sid not in self.census(sid).sandboxes()
+        except (OSError, DsecError) as exc:
+            log.warning("removing what is left of sandbox %s failed: %s", sid, exc)
+            return False
+
+    async def _remove_later(self, sid: str) -> None:
+        while not await self._remove_what_is_left(sid):
+            await asyncio.sleep(self.DESTROY_BACKGROUND_S)
+        log.warning("destroy of sandbox %s: what was left is removed now", sid)
 
     async def _teardown(self, sid: str, d: str, box: Box | None,
                         layers: RootLayers | None) -> None:
@@ -985,6 +1126,11 @@ class ContainerBackend:
             # lets it run. The other order left a window (kill -9 of the edge between the
             # thaw and the signal) where a sandbox the journal says is paused ran on,
             # thawed, after the restart (found by test_kill_9_at_random_points_...).
+            if box.pidfd < 0 and box.init_pid and not box.exited.is_set():
+                try:  # held for the rest of the teardown: the kill and the wait for exit
+                    box.pidfd = linux.open_init_pidfd(box.init_pid, box.init_start)
+                except OSError:
+                    pass  # gone already; its cgroups are killed below all the same
             if box.pidfd >= 0:
                 try:
                     linux.pidfd_send_signal(box.pidfd, signal.SIGKILL)
@@ -1130,6 +1276,10 @@ class ContainerBackend:
         if self._dpoll is not None:
             self._dpoll.cancel()
             self._dpoll = None
+        for task in list(self._removers):  # reconcile at the next start takes over
+            task.cancel()
+        if self._removers:
+            await asyncio.gather(*self._removers, return_exceptions=True)
         if self._cleanups:  # timed-out/cancelled execs still being cleared
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._file_pool is not None:  # file operations in flight finish first
@@ -1284,6 +1434,28 @@ class ContainerBackend:
             if not task.done():
                 task.cancel()
 
+    # -- processes (issue 19: the edge's process table, dsec.edge.processes) ----------
+    @property
+    def supports_processes(self) -> bool:
+        """The native runtime spawns the table's processes itself (pipes, ptys, signals);
+        under runc the table runs them through exec_stream."""
+        return self._runc is None
+
+    async def spawn_process(self, sid: SandboxId, req: ExecRequest,
+                            sink: Callable[[Literal["stdout", "stderr"], bytes], None], *,
+                            input_pending: int = 1 << 20, input_wait_s: float = 30.0,
+                            ) -> ContainerProcess:
+        from dsec.edge.backends.container.procio import spawn
+        box = self.box(sid)
+        if box.paused:
+            await self.resume(sid)
+        argv = list(req.argv) if req.argv else ["/bin/sh", "-c", req.shell or ""]
+        env = build_env(box.sid[:63], box.spec.env, req.env)
+        req = msgspec.structs.replace(req, cwd=req.cwd or box.spec.cwd,
+                                      user=req.user or box.spec.user)
+        return await spawn(self, box, req, argv, env, sink, input_pending=input_pending,
+                           input_wait_s=input_wait_s)
+
     @property
     def supports_hide(self) -> bool:
         """``ExecRequest.hide`` is kept: native runtime (nsexec applies Landlock before
@@ -1335,6 +1507,8 @@ class ContainerBackend:
             return box.helper
         if box.helper_fails >= HELPER_MAX_FAILS or box.dying:
             return 0
+        if box.helper_start is None and len(self._helpers) >= self._helper_budget:
+            return 0   # the budget (see max_exec_helpers): this one takes the per-exec path
         if box.helper_start is None:
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             rid = self._zygote.next_id()
@@ -1345,11 +1519,14 @@ class ContainerBackend:
                 if isinstance(reply, Started):
                     qos_process(box.spec, reply.pid)   # before any exec is forwarded to it
                     box.helper = rid
+                    if box.dying:
+                        self._helpers.discard(rid)
                     if not fut.done():
                         fut.set_result(rid)
                     return
                 # Exited (it is gone: the sandbox went, or it died) or Failed (no start)
                 self._zygote.done(rid)
+                self._helpers.discard(rid)
                 if box.helper == rid:
                     box.helper = 0
                 if box.helper_start is fut:
@@ -1360,10 +1537,13 @@ class ContainerBackend:
                     fut.set_result(0)
 
             box.helper_start = fut
+            self._helpers.add(rid)
             try:
-                self._zygote.send(Helper(id=rid, cgroup_procs=box.cg.procs_files),
-                                  [box.pidfd], on_reply)
+                with self._init_fd(box) as pidfd:
+                    self._zygote.send(Helper(id=rid, cgroup_procs=box.cg.procs_files),
+                                      [pidfd], on_reply)
             except DsecError:
+                self._helpers.discard(rid)
                 box.helper_start = None
                 box.helper_fails += 1
         return 0
@@ -1409,27 +1589,28 @@ class ContainerBackend:
         target: SandboxCgroup | ExecCgroup = box.cg if ec is None else ec
         local: list[int] = []
         try:
-            if req.background:
-                send_fds = [box.pidfd, self._devnull, self._devnull, self._devnull]
-                pump = None
-            else:
-                out_r, out_w = os.pipe2(os.O_CLOEXEC)
-                local += [out_r, out_w]
-                err_r, err_w = os.pipe2(os.O_CLOEXEC)
-                local += [err_r, err_w]
-                if req.stdin:
-                    in_r, in_w = os.pipe2(os.O_CLOEXEC)
-                    local += [in_r, in_w]
+            with self._init_fd(box) as pidfd:
+                if req.background:
+                    send_fds = [pidfd, self._devnull, self._devnull, self._devnull]
+                    pump = None
                 else:
-                    in_r, in_w = self._devnull, -1
-                send_fds = [box.pidfd, in_r, out_w, err_w]
-            self._zygote.send(
-                Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
-                     cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
-                     background=req.background, userns=box.spec.user_namespace,
-                     pids_index=target.pids_index, home_procs=self.governor.home_procs(),
-                     hide=req.hide, helper=helper),
-                send_fds, on_reply)
+                    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+                    local += [out_r, out_w]
+                    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+                    local += [err_r, err_w]
+                    if req.stdin:
+                        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+                        local += [in_r, in_w]
+                    else:
+                        in_r, in_w = self._devnull, -1
+                    send_fds = [pidfd, in_r, out_w, err_w]
+                self._zygote.send(
+                    Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
+                         cgroup_procs=target.procs_files, nested=box.spec.allow_nested,
+                         background=req.background, userns=box.spec.user_namespace,
+                         pids_index=target.pids_index, home_procs=self.governor.home_procs(),
+                         hide=req.hide, helper=helper),
+                    send_fds, on_reply)
         except BaseException:
             for fd in local:
                 os.close(fd)
@@ -1642,10 +1823,11 @@ class ContainerBackend:
     def _files(self, sid: str) -> SandboxFiles:
         box = self.box(sid)
         try:
-            return SandboxFiles.of_process(
-                box.pidfd, box.init_pid, sid,
-                owner=self.userns_range[0] if box.spec.user_namespace else None,
-                disk_room=(lambda: self._disk_room(box)) if box.disk_q else None)
+            with self._init_fd(box) as pidfd:
+                return SandboxFiles.of_process(
+                    pidfd, box.init_pid, sid,
+                    owner=self.userns_range[0] if box.spec.user_namespace else None,
+                    disk_room=(lambda: self._disk_room(box)) if box.disk_q else None)
         except OSError as exc:
             raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
                                ) from exc
@@ -1701,6 +1883,38 @@ class ContainerBackend:
                 "or create the sandbox with a larger disk_bytes",
                 resource="disk_bytes", sandbox_id=sid,
                 limit=use.cap_bytes if use is not None else None) from exc
+
+    # streamed transfer, rename, watch (issue 19; dsec.edge.filestream drives them)
+    async def _in_pool(self, fn: Callable[[], _T]) -> _T:
+        if self._file_pool is None:
+            self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="dsec-container-files")
+        fut = asyncio.get_running_loop().run_in_executor(self._file_pool, fn)
+        self._file_ops.add(fut)
+        fut.add_done_callback(self._file_ops.discard)
+        return await fut
+
+    async def read_stream(self, sid: SandboxId, path: str, offset: int, length: int | None,
+                          sink: Callable[[bytes], Awaitable[None]]) -> FileInfo:
+        with self._files(sid) as files:
+            return await filestream.read_stream(files, path, offset, length, sink,
+                                                self._in_pool)
+
+    async def write_stream(self, sid: SandboxId, path: str, mode: int, size: int | None,
+                           source: AsyncIterator[bytes]) -> FileInfo:
+        with self._files(sid) as files:
+            return await filestream.write_stream(files, path, mode, size, source,
+                                                 self._in_pool)
+
+    async def rename_file(self, sid: SandboxId, src: str, dst: str,
+                          overwrite: bool) -> FileInfo:
+        return await self._file_op(sid, lambda f: f.rename(src, dst, overwrite=overwrite))
+
+    async def watch_files(self, sid: SandboxId, path: str,
+                          recursive: bool) -> AsyncIterator[FileEvent]:
+        with self._files(sid) as files:
+            async for ev in filestream.watch(files, path, recursive, self._in_pool):
+                yield ev
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
         return await self._file_op(sid, lambda f: f.list(path))
@@ -1763,6 +1977,7 @@ class ContainerBackend:
                             memory_limit_bytes=box.spec.memory_bytes,
                             pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
                             oom_kills=self.governor.oom_kills(box.cg),
+                            memory_host_bytes=mem + uncharged_bytes(self._peak_boxes),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 

@@ -34,7 +34,14 @@ class Box:
     disk_cap: int = 0             # the effective disk cap (spec.disk_bytes or the default)
     disk_q: str = ""              # sysfs dir of its qgroup (usage counters), "" if none
     init_pid: int = 0
+    init_start: int = 0           # the init's start time (/proc/<pid>/stat): who init_pid is
+    # A pidfd of the init held for the sandbox's life: only for the runc driver and adopted
+    # sandboxes (-1 otherwise). A native sandbox holds no descriptor while idle (issue 22:
+    # 10,000 sandboxes ran the edge out of them): its init's death is reported by the
+    # zygote (the create request's id, ``watch_rid``), and a pidfd is opened per operation
+    # and checked against ``init_start`` (Backend._init_fd).
     pidfd: int = -1
+    watch_rid: int = 0            # the zygote reports the init's exit under this id (0: not)
     netns_fd: int = -1            # the router slot's netns it joined (the router's fd)
     oom_fd: int | None = None
     oom_seen: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "fstatfs_type",
     "load_seccomp",
     "mount",
+    "open_init_pidfd",
     "openat2",
     "pidfd_open",
     "pidfd_send_signal",
@@ -273,3 +275,24 @@ def landlock_abi() -> int:
         v = libc.syscall(nr, None, ctypes.c_size_t(0), ctypes.c_uint32(1)) if nr else -1
         _landlock_abi = max(0, int(v))
     return _landlock_abi
+
+
+def open_init_pidfd(pid: int, start: int) -> int:
+    """A pidfd of process ``pid`` if it is still the one that started at ``start`` (clock
+    ticks since boot, /proc/<pid>/stat field 22), else ``ProcessLookupError``.
+
+    Race-free: the pidfd is opened first, then the start time read, then the pidfd
+    signalled with 0. If that signal succeeds, the pidfd's process was alive after the
+    read, so the pid named it during the read: the start time read was its own. (A pidfd
+    does not keep a pid number from being reused; this check is what makes it exact.)"""
+    from dsec.ownership import start_time
+
+    fd = os.pidfd_open(pid)
+    try:
+        if start_time(pid, running=True) != start:
+            raise ProcessLookupError(errno.ESRCH, f"pid {pid} is no longer the sandbox's init")
+        pidfd_send_signal(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -93,6 +93,8 @@ static int status_fd = -1;   /* where failures are reported (create) */
 static int userns_req = 0;   /* F_USERNS on the request being served (inherited by fork) */
 static int netns_req = 0;    /* F_NETNS: join the passed netns instead of a new one */
 static int exec_mode = 0;
+static int pty_req = 0;      /* F_PTY on the request being served */
+static unsigned short pty_cols = 80, pty_rows = 24;
 static const char *exec_what = "";
 static const char *init_bin = "";
 /* The job slot and generation the intermediate reports for (set before its fork). */
@@ -478,6 +480,55 @@ static int do_exec(int argc, char **argv) {
     return 126;
 }
 
+#ifndef TIOCGPTPEER
+#define TIOCGPTPEER _IO('T', 0x41)
+#endif
+/* F_PTY: a terminal inside the sandbox (its own devpts instance, so nothing of the host's
+ * ptys is reachable or counted), made the command's controlling terminal and stdio. The
+ * master goes to the edge over fd 0, which for a pty exec is a socket the edge made for
+ * this (SCM_RIGHTS); the edge reads output and writes input there, and resizes it
+ * (TIOCSWINSZ: the kernel signals SIGWINCH to the foreground group). The slave is opened
+ * from the master (TIOCGPTPEER: no path lookup in /dev/pts, which the sandbox owns), and
+ * the master must be the real multiplexer (char 5:2), else nothing is sent. */
+static void setup_pty(uid_t uid, gid_t gid, int chown_it) {
+    int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (m < 0) die(126, "open /dev/pts/ptmx");
+    struct stat st;
+    if (fstat(m, &st) < 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) != 5
+            || minor(st.st_rdev) != 2) {
+        errno = ENOTTY;
+        die(126, "/dev/pts/ptmx is not the pty multiplexer");
+    }
+    int unlock = 0;
+    if (ioctl(m, TIOCSPTLCK, &unlock) < 0) die(126, "unlock the pty");
+    struct winsize ws = {pty_rows ? pty_rows : 24, pty_cols ? pty_cols : 80, 0, 0};
+    if (ioctl(m, TIOCSWINSZ, &ws) < 0) die(126, "TIOCSWINSZ");
+    int s = ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (s < 0) die(126, "open the pty's terminal");
+    if (chown_it && fchown(s, uid, gid) < 0) die(126, "chown the terminal");
+    if (ioctl(s, TIOCSCTTY, 0) < 0) die(126, "TIOCSCTTY");
+    char one = 'm';
+    struct iovec iov = {&one, 1};
+    union { char b[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } u;
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = u.b;
+    msg.msg_controllen = sizeof u.b;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &m, sizeof m);
+    ssize_t w;
+    while ((w = sendmsg(0, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {}
+    if (w != 1) die(126, "hand the terminal to the edge");
+    close(m);
+    for (int k = 0; k < 3; k++)
+        if (dup2(s, k) < 0) die(126, "dup2 the terminal");
+    if (s > 2) close(s);
+}
+
 /* The command's process: visible inside from its birth, and already all inside. */
 static int exec_final(void *arg) {
     const struct final_args *a = arg;
@@ -493,6 +544,7 @@ static int exec_final(void *arg) {
     int switch_user = user[0] != 0;
     if (switch_user) lookup_user(user, &uid, &gid, home, sizeof home);
     if (chdir(cwd[0] ? cwd : "/") < 0) die(126, "chdir %s", cwd);
+    if (pty_req) setup_pty(uid, gid, switch_user);
     drop_caps();
     /* env: the request's, HOME replaced when switching user (as the Python helper did). */
     char **envp = calloc((size_t)nenv + 2, sizeof(char *));
@@ -826,7 +878,46 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     for (size_t k = 0; k < 4; k++) xmkdir(at_root(subdirs[k]), 0755);
     char dev[4200];
     snprintf(dev, sizeof dev, "%s/dev", root_path);
-    xmount("tmpfs", dev, "tmpfs", MS_NOSUID, "mode=755,size=64k,nr_inodes=64");
+    /* One tmpfs ("scratch") for /dev, /dev/shm, /tmp and the masks below, where there
+     * were four: every superblock on the host costs EVERY memory cgroup a shrinker slot
+     * (the kernel's per-memcg shrinker_info grows with the highest shrinker id and never
+     * shrinks), so superblocks-per-sandbox x sandboxes is the term that grew the
+     * per-sandbox kernel memory with the sandbox count (issue 22; docs/container.md,
+     * Density). It is made detached (fsopen/fsmount) and only its dev/ and tmp/ dirs are
+     * attached (open_tree clones), so neither shows the other; /dev/shm is a bind of
+     * dev/shm with nosuid,nodev,noexec. Its size is what the three had: 64 KiB + the
+     * /dev/shm size + tmp_bytes, now shared (all of it is charged to the sandbox's
+     * memory cgroup either way). */
+    {
+        char tmp[4200];
+        snprintf(tmp, sizeof tmp, "%s/tmp", root_path);
+        int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC);
+        if (fs < 0) die(1, "fsopen tmpfs");
+        snprintf(opts, sizeof opts, "%lld", (long long)DSEC_SHM_BYTES + (64 << 10) + tmp_bytes);
+        if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "tmpfs", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "size", opts, 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "mode", "755", 0) < 0 ||
+            syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+            die(1, "fsconfig tmpfs size=%s", opts);
+        int scratch = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID);
+        if (scratch < 0) die(1, "fsmount tmpfs");
+        close(fs);
+        if (mkdirat(scratch, "dev", 0755) < 0 || fchmodat(scratch, "dev", 0755, 0) < 0 ||
+            mkdirat(scratch, "tmp", 01777) < 0 || fchmodat(scratch, "tmp", 01777, 0) < 0)
+            die(1, "mkdir in the scratch tmpfs");
+        static const char *sub[2] = {"dev", "tmp"};
+        const char *at[2] = {dev, tmp};
+        unsigned long fl[2] = {MS_NOSUID, MS_NOSUID | MS_NODEV};
+        for (int k = 0; k < 2; k++) {
+            int t = (int)syscall(SYS_open_tree, scratch, sub[k], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+            if (t < 0) die(1, "open_tree scratch/%s", sub[k]);
+            if (syscall(SYS_move_mount, t, "", AT_FDCWD, at[k], MOVE_MOUNT_F_EMPTY_PATH) < 0)
+                die(1, "move_mount %s", at[k]);
+            close(t);
+            xmount(NULL, at[k], NULL, MS_BIND | MS_REMOUNT | fl[k], NULL);
+        }
+        close(scratch);
+    }
     for (size_t k = 0; k < sizeof DSEC_DEVICES / sizeof DSEC_DEVICES[0]; k++) {
         snprintf(p, sizeof p, "%s/%s", dev, DSEC_DEVICES[k].name);
         if (mknod(p, S_IFCHR | DSEC_DEVICES[k].mode,
@@ -841,8 +932,11 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     if (symlink("pts/ptmx", p) < 0) die(1, "symlink %s", p);
     snprintf(p, sizeof p, "%s/shm", dev);
     xmkdir(p, 01777);
-    snprintf(opts, sizeof opts, "mode=1777,size=%lld", (long long)DSEC_SHM_BYTES);
-    xmount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts);
+    if (chmod(p, 01777) < 0) die(1, "chmod %s", p);   /* mkdir applies the umask */
+    xmount(p, p, NULL, MS_BIND, NULL);
+    xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    snprintf(p, sizeof p, "%s/.mask", dev);    /* the masks' empty dir (build_root_inner) */
+    xmkdir(p, 0555);
     static const char *links[][2] = {{"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"},
                                      {"stdout", "/proc/self/fd/1"},
                                      {"stderr", "/proc/self/fd/2"}};
@@ -856,8 +950,6 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     close(fd);
     xmount(init_bin, p, NULL, MS_BIND, NULL);
     xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
-    snprintf(opts, sizeof opts, "mode=1777,size=%lld", tmp_bytes);
-    xmount("tmpfs", at_root("/tmp"), "tmpfs", MS_NOSUID | MS_NODEV, opts);
     xmount("sysfs", at_root("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 }
 
@@ -871,24 +963,23 @@ static void build_root_inner(void) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_FILES[k]));
         if (exists(p)) xmount(q, p, NULL, MS_BIND, NULL);
     }
-    /* One empty read-only tmpfs, bind-mounted over every masked directory: each extra
-     * superblock per sandbox adds to the kernel's per-memcg list_lru reparenting work when
-     * any sandbox cgroup is removed (measured: that walk dominated destroy at 1,500
-     * sandboxes), binds add none. */
-    char first[8192] = "";
+    /* An empty directory of the sandbox's /dev tmpfs, bound read-only over every masked
+     * directory and then removed from /dev: the binds keep the deleted directory, in
+     * which nothing can be created (ENOENT), so each mask is an empty read-only dir with
+     * no superblock of its own (each superblock per sandbox costs every memory cgroup a
+     * shrinker slot, and adds to the per-memcg list_lru reparenting work of every
+     * sandbox cgroup removal - measured: that walk dominated destroy at 1,500 sandboxes;
+     * binds add none). It was a tmpfs of its own per sandbox. */
+    char mask[8192];
+    snprintf(mask, sizeof mask, "%s/dev/.mask", root_path);
     for (size_t k = 0; k < sizeof DSEC_MASKED_DIRS / sizeof DSEC_MASKED_DIRS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_MASKED_DIRS[k]));
         if (!is_dir(p)) continue;
-        if (!first[0]) {
-            xmount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   "size=0,nr_inodes=1");
-            snprintf(first, sizeof first, "%s", p);
-        } else {
-            xmount(first, p, NULL, MS_BIND, NULL);
-            xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
-                   | MS_NOEXEC, NULL);
-        }
+        xmount(mask, p, NULL, MS_BIND, NULL);
+        xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+               | MS_NOEXEC, NULL);
     }
+    if (rmdir(mask) < 0) die(1, "rmdir %s", mask);
     for (size_t k = 0; k < sizeof DSEC_READONLY_PATHS / sizeof DSEC_READONLY_PATHS[0]; k++) {
         snprintf(p, sizeof p, "%s", at_root(DSEC_READONLY_PATHS[k]));
         if (exists(p)) {
@@ -1010,8 +1101,15 @@ static int create_init(void *arg) {
  * Reply: struct rep_hdr, then `len` bytes of message (Failed); Created carries a pidfd.
  * Exited.pid is the command's pid, or 0 when the intermediate died before forking it. */
 enum { REQ_CREATE = 1, REQ_EXEC = 2, REQ_KILL = 3, REQ_HELPER = 4 };
-enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4 };
-enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8, F_HELPER = 16 };
+enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4, REP_RUNNING = 5 };
+/* F_TRACK (a foreground exec the edge keeps as a process, issue 19): a status pipe as a
+ * background exec has; once its command runs (the pipe read EOF at its execve) the
+ * zygote sends Running with its host and namespace pids, or Failed with the reason it
+ * could not start - then Exited as for any foreground exec. F_PTY: the command gets a
+ * terminal of its own inside the sandbox (setup_pty); its size rides in the flags' top
+ * bits: cols in 12..21, rows in 22..31. */
+enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8, F_HELPER = 16,
+       F_TRACK = 32, F_PTY = 64 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
@@ -1039,6 +1137,8 @@ struct job {
     int pend;           /* counted in pending_mids: its report has not come */
     uint32_t via, via_gen; /* FG sent to an exec helper: that helper's slot + 1, gen */
     int hsock;          /* J_HELPER: our end of its request socket */
+    int track;          /* FG with F_TRACK: Running/Failed once the command runs */
+    int track_done;     /* ... and that reply was sent */
 };
 static struct job *jobs;
 static size_t njobs;
@@ -1049,35 +1149,41 @@ static int pending_mids = 0;   /* intermediates not yet reported nor reaped */
 static int sweep_deferred = 0;
 
 /* Pids of our children nobody waits on for a status (inits, background commands):
- * reaped by sweep(). Sorted, for binary search. */
-static pid_t *reapable;
+ * reaped by sweep(). Sorted, for binary search. `id` is the create request's id for an
+ * init (its exit is reported to the edge as Exited with that id, so the edge holds no
+ * descriptor per idle sandbox to learn of its death - issue 22), 0 for the rest. */
+struct reap { pid_t pid; uint64_t id; };
+static struct reap *reapable;
 static size_t nreapable, capreapable;
 
 static size_t reapable_pos(pid_t p) {
     size_t lo = 0, hi = nreapable;
     while (lo < hi) {
         size_t m = (lo + hi) / 2;
-        if (reapable[m] < p) lo = m + 1; else hi = m;
+        if (reapable[m].pid < p) lo = m + 1; else hi = m;
     }
     return lo;
 }
-static void reapable_add(pid_t p) {
+static void reapable_add(pid_t p, uint64_t id) {
     size_t k = reapable_pos(p);
-    if (k < nreapable && reapable[k] == p) return;
+    if (k < nreapable && reapable[k].pid == p) return;
     if (nreapable == capreapable) {
         size_t n = capreapable ? capreapable * 2 : 256;
-        pid_t *r = realloc(reapable, n * sizeof *r);
+        struct reap *r = realloc(reapable, n * sizeof *r);
         if (!r) return;  /* then sweep() reaps it as an orphan once nothing is pending */
         reapable = r;
         capreapable = n;
     }
     memmove(reapable + k + 1, reapable + k, (nreapable - k) * sizeof *reapable);
-    reapable[k] = p;
+    reapable[k].pid = p;
+    reapable[k].id = id;
     nreapable++;
 }
-static int reapable_take(pid_t p) {
+/* 1 and the entry's id if `p` is one of ours nobody waits on (removed), else 0. */
+static int reapable_take(pid_t p, uint64_t *id) {
     size_t k = reapable_pos(p);
-    if (k >= nreapable || reapable[k] != p) return 0;
+    if (k >= nreapable || reapable[k].pid != p) return 0;
+    *id = reapable[k].id;
     memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
     nreapable--;
     return 1;
@@ -1196,6 +1302,25 @@ static void finish_start(struct job *j, const char *msg) {
     j->replied = 1;
 }
 
+static void track_running(struct job *j) {
+    if (j->track_done || j->replied) return;
+    j->track_done = 1;
+    send_reply(REP_RUNNING, j->id, j->pid, j->ns_pid, 0, 0, NULL, -1);
+}
+
+/* F_TRACK: its status pipe was read (`msg`: why it could not start; NULL: EOF). */
+static void drain_reports(void);
+static void track_status(struct job *j, const char *msg) {
+    if (msg && msg[0]) {
+        if (!j->track_done && !j->replied)
+            send_reply(REP_FAILED, j->id, j->pid, 0, 0, 0, msg, -1);
+        j->track_done = 1;
+        return;
+    }
+    drain_reports();
+    if (j->pid) track_running(j);
+}
+
 static void on_report(const struct report *r) {
     if (r->slot >= njobs) return;
     struct job *j = &jobs[r->slot];
@@ -1223,9 +1348,13 @@ static void on_report(const struct report *r) {
             if (j->pid_fd >= 0) pidfd_signal(j->pid_fd, SIGKILL);
             else kill(j->pid, SIGKILL);
         }
+        if (j->track) {
+            j->ns_pid = ns_pid_of(j->pid);  /* unreaped (it waits for its go byte) */
+            if (j->eof) track_running(j);
+        }
         return;  /* without a pidfd (EMFILE) sweep() finds its exit */
     }
-    reapable_add(j->pid);
+    reapable_add(j->pid, j->kind == J_CREATE ? j->id : 0);
     if (j->kind == J_BG) {
         if (j->killed) kill(j->pid, SIGKILL);  /* unreaped child: exact */
         j->ns_pid = ns_pid_of(j->pid);
@@ -1254,6 +1383,16 @@ static void drain_reports(void) {
  * cgroup holds neither when the edge removes it. */
 static void fg_exited(struct job *j) {
     if (j->replied || !j->final_done || j->mid) return;
+    if (j->track && j->status_fd >= 0) {
+        /* its exit came before its status pipe's event: every writer is gone, so this
+         * read does not block; Running or Failed go before Exited */
+        char msg[4096];
+        ssize_t n = read(j->status_fd, msg, sizeof msg - 1);
+        msg[n > 0 ? n : 0] = 0;
+        unwatch_close(&j->status_fd);
+        j->eof = 1;
+        track_status(j, n > 0 ? msg : NULL);
+    }
     send_reply(REP_EXITED, j->id, j->pid, j->pid, j->final_status, 0, NULL, -1);
     j->replied = 1;
 }
@@ -1318,6 +1457,11 @@ static void on_status(struct job *j) {
     msg[n > 0 ? n : 0] = 0;
     unwatch_close(&j->status_fd);
     j->eof = 1;
+    if (j->kind == J_FG) {  /* F_TRACK: the command runs, or could not start */
+        track_status(j, n > 0 ? msg : NULL);
+        maybe_free(j);
+        return;
+    }
     if (n > 0) {
         finish_start(j, msg);
     } else {
@@ -1342,9 +1486,12 @@ static struct job *job_of_pid(pid_t p) {
  * waitpid of one pid is O(1) in the kernel. */
 static void reap_known(void) {
     for (size_t k = 0; k < nreapable;) {
-        if (waitpid(reapable[k], NULL, WNOHANG) == reapable[k]) {
+        int st = 0;
+        if (waitpid(reapable[k].pid, &st, WNOHANG) == reapable[k].pid) {
+            struct reap r = reapable[k];
             memmove(reapable + k, reapable + k + 1, (nreapable - k - 1) * sizeof *reapable);
             nreapable--;
+            if (r.id) send_reply(REP_EXITED, r.id, r.pid, 0, st, 0, NULL, -1);
             continue;
         }
         k++;
@@ -1371,8 +1518,11 @@ static void sweep(void) {
         memset(&si, 0, sizeof si);
         if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 || si.si_pid == 0) return;
         pid_t p = si.si_pid;
-        if (reapable_take(p)) {
-            waitpid(p, NULL, WNOHANG);
+        uint64_t rid = 0;
+        if (reapable_take(p, &rid)) {
+            int st = 0;
+            waitpid(p, &st, WNOHANG);
+            if (rid) send_reply(REP_EXITED, rid, p, 0, st, 0, NULL, -1);  /* an init died */
             continue;
         }
         struct job *j = job_of_pid(p);
@@ -1515,6 +1665,9 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
     int bpf = bpf_fds[(h.flags & F_NESTED) ? 1 : 0];
     userns_req = (h.flags & F_USERNS) != 0;
     netns_req = (h.flags & F_NETNS) != 0;
+    pty_req = (h.flags & F_PTY) != 0;
+    pty_cols = (unsigned short)((h.flags >> 12) & 1023);
+    pty_rows = (unsigned short)((h.flags >> 22) & 1023);
     if (h.type == REQ_KILL) {
         /* The exec's intermediate and command, by pidfd (the edge kills the rest of a
          * foreground exec's cgroup); a command reported later is killed on arrival. A
@@ -1575,10 +1728,11 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
             goto out;
         }
         int bg = h.flags & F_BACKGROUND;
+        int track = !bg && (h.flags & F_TRACK);
         int sp[2] = {-1, -1};
-        if (bg && pipe2(sp, O_CLOEXEC) < 0) goto sys;
+        if ((bg || track) && pipe2(sp, O_CLOEXEC) < 0) goto sys;
         int dups[7] = {bg ? devnull : fds[1], bg ? devnull : fds[2], bg ? devnull : fds[3],
-                       fds[0], bpf, bg ? sp[1] : devnull, rep_fds[1]};
+                       fds[0], bpf, (bg || track) ? sp[1] : devnull, rep_fds[1]};
         struct job *j = new_job();
         if (!j) { errno = ENOMEM; goto sys_pipe; }
         j->kind = bg ? J_BG : J_FG;
@@ -1589,6 +1743,12 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
         if (pid < 0) { j->kind = J_FREE; goto sys_pipe; }
         if (!bg) {
             send_reply(REP_STARTED, h.id, pid, 0, 0, 0, NULL, -1);
+            if (track) {
+                close(sp[1]);
+                j->track = 1;
+                j->status_fd = sp[0];
+                watch(sp[0], tag(j, W_STATUS));
+            }
         } else {
             close(sp[1]);
             j->status_fd = sp[0];

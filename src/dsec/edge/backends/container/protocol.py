@@ -31,6 +31,7 @@ __all__ = [
     "Kill",
     "Reply",
     "Request",
+    "Running",
     "Started",
     "decode_reply",
     "encode",
@@ -81,6 +82,12 @@ class Exec(msgspec.Struct, tag="exec", frozen=True):
     #: the id of the request that started this sandbox's exec helper: the zygote hands the
     #: command to it (nsexec.c, forward_exec) instead of forking an intermediate. 0: none
     helper: int = 0
+    #: a process of the edge's table (issue 19): Running (host and namespace pids) once
+    #: the command runs, or Failed with why it could not start; then Exited
+    track: bool = False
+    #: (cols, rows): the command on a terminal inside the sandbox; fds[1] (stdin) is then
+    #: a socket over which the command's side sends the terminal's master (SCM_RIGHTS)
+    pty: tuple[int, int] | None = None
 
 
 class Helper(msgspec.Struct, tag="helper", frozen=True):
@@ -116,6 +123,14 @@ class Started(msgspec.Struct, tag="started", frozen=True):
     ns_pid: int
 
 
+class Running(msgspec.Struct, tag="running", frozen=True):
+    """A tracked exec's command runs (its execve succeeded): host and namespace pids."""
+
+    id: int
+    pid: int
+    ns_pid: int
+
+
 class Exited(msgspec.Struct, tag="exited", frozen=True):
     id: int
     status: int         # raw wait status
@@ -130,7 +145,7 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     errno: int = 0
 
 
-Reply = Created | Started | Exited | Failed
+Reply = Created | Started | Exited | Failed | Running
 
 #: The largest request the helper takes: its receive buffer (``buf`` in nsexec.c's
 #: ``do_serve``). The edge sizes its socket's send buffer to carry one this big and
@@ -144,8 +159,10 @@ _REQ = struct.Struct("=IIQ")
 #                  uint32_t len; }  (natural alignment: no padding with these sizes)
 _REP = struct.Struct("=iiQiiiI")
 REQ_CREATE, REQ_EXEC, REQ_KILL, REQ_HELPER = 1, 2, 3, 4
-REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED = 1, 2, 3, 4
+REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED, REP_RUNNING = 1, 2, 3, 4, 5
 F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS, F_HELPER = 1, 2, 4, 8, 16
+F_TRACK, F_PTY = 32, 64
+_PTY_MAX = 1023       # cols and rows ride in the flags' bits 12..21 and 22..31
 
 
 def _strings(items: list[str]) -> bytes:
@@ -191,7 +208,14 @@ def encode(req: Request) -> bytes:
     elif isinstance(req, Exec):
         kind = REQ_EXEC
         flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \
-            | (F_USERNS if req.userns else 0) | (F_HELPER if req.helper else 0)
+            | (F_USERNS if req.userns else 0) | (F_HELPER if req.helper else 0) \
+            | (F_TRACK if req.track else 0)
+        if req.pty is not None:
+            cols, rows = req.pty
+            if not (0 < cols <= _PTY_MAX and 0 < rows <= _PTY_MAX):
+                raise ValueError(f"a terminal of {cols}x{rows} cells is beyond what the "
+                                 f"helper carries (1..{_PTY_MAX} each)")
+            flags |= F_PTY | cols << 12 | rows << 22
     elif isinstance(req, Helper):
         kind, flags = REQ_HELPER, 0
     else:
@@ -216,6 +240,8 @@ def decode_reply(data: bytes) -> Reply:
         return Started(rid, pid, ns_pid)
     if kind == REP_EXITED:
         return Exited(rid, status, pid)
+    if kind == REP_RUNNING:
+        return Running(rid, pid, ns_pid)
     if kind == REP_FAILED:
         return Failed(rid, data[_REP.size:_REP.size + n].decode(errors="replace").strip(), err)
     raise ValueError(f"unknown reply type {kind}")

@@ -1,0 +1,588 @@
+"""A sandbox's process table (issue 19): background processes another client can find,
+read, feed and signal.
+
+``process_start`` runs a command the way ``exec`` does, but answers at once with the
+process's :class:`~dsec.wire.process.ProcessInfo`; the edge keeps it in the sandbox's
+table. Its output goes into a **ring** (the newest ``ring_bytes``; older bytes fall off
+the front and are counted in ``output_dropped``), kept after the exit until the entry is
+evicted, so ``process_connect`` from any client, at any time, replays the ring and then
+follows the live output until the exit, which ends the stream with an
+:class:`~dsec.wire.spec.ExecResult`. ``process_input`` writes to its stdin (a pipe kept
+open with ``ExecRequest.stdin_open``, or the terminal of a ``pty`` process);
+``process_signal`` signals its process group; ``pty_resize`` sets its terminal's size.
+
+What a hostile sandbox or tenant cannot do with it (each bound is a :class:`ProcessLimits`
+field, checked before anything is started):
+
+- hold more than ``per_sandbox`` entries per sandbox: a start evicts the oldest *ended*
+  entry, and is refused (``RateLimited``) when every entry still runs;
+- hold more ring memory than ``ring_budget`` on the node: each entry reserves its ring's
+  full size when it starts (``ring_bytes``), ended entries of any sandbox are evicted
+  oldest first to make room, and a start is refused (``CapacityExceeded``) when only
+  running ones are left;
+- take the node's descriptors: a running process is one of the node's commands, admitted
+  and counted by the same caps as ``exec`` (``NodeConfig.max_execs*``: per sandbox, per
+  tenant, per node), and released at its exit;
+- make the edge buffer without bound: input waits for the pipe to drain past
+  ``input_pending`` bytes (the caller's ``process_input`` waits, then fails with
+  ``ResourceExhausted`` after ``input_wait_s``); a ``process_connect`` reader that falls
+  ``follower_backlog`` bytes behind the live output is cut off with
+  ``ResourceExhausted`` (it may connect again: the ring holds the newest output).
+
+Processes die with their sandbox (their table goes with it, :meth:`ProcessTable.drop`),
+freeze with it (a paused sandbox's processes are frozen in its cgroup; input and signals
+wait in the kernel until it resumes). The table lives in the edge's memory: an edge
+restart forgets it (the processes, whose pipes the edge held, see their output pipe
+close).
+
+Backends: the container backend's native runtime spawns the process itself
+(``ContainerBackend.spawn_process``: pipes or a pty inside the sandbox, signals to the
+process group). Any other backend runs it through its ``exec_stream`` (:class:`StreamedIO`):
+no terminal, only SIGKILL-like signals (the exec is cancelled), and stdin, when kept open,
+is collected and handed to the command when it is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import signal as _signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import msgspec
+
+from dsec.errors import (
+    CapacityExceeded,
+    DsecError,
+    InvalidArgument,
+    InvalidTransition,
+    NotFound,
+    RateLimited,
+    ResourceExhausted,
+)
+from dsec.ids import SandboxId
+from dsec.wire.process import ProcessInfo
+from dsec.wire.spec import MAX_STDIN_BYTES, ExecChunk, ExecRequest, ExecResult
+
+if TYPE_CHECKING:
+    from dsec.edge.node import EdgeNode, _Sandbox
+
+__all__ = [
+    "ExitStatus",
+    "ProcessIO",
+    "ProcessLimits",
+    "ProcessTable",
+    "StreamedIO",
+]
+
+log = logging.getLogger(__name__)
+
+StreamName = Literal["stdout", "stderr"]
+OutputSink = Callable[[StreamName, bytes], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessLimits:
+    """What one edge's process tables may hold (module docstring)."""
+
+    per_sandbox: int = 32                 # table entries per sandbox, running or ended
+    ring_bytes: int = 1 << 20             # output kept per process (both streams)
+    ring_budget: int = 256 << 20          # all rings of the node together
+    input_pending: int = 1 << 20          # stdin bytes the edge holds for one process
+    input_wait_s: float = 30.0            # a write waits this long for the pipe to drain
+    follower_backlog: int = 8 << 20       # live output a connect may fall behind by
+    followers: int = 16                   # connects following one process at once
+    backlog_budget: int = 64 << 20        # all connects of the node, furthest behind cut
+    keep_ended_s: float = 3600.0          # an ended entry is kept at most this long
+
+    def __post_init__(self) -> None:
+        for name in ("per_sandbox", "ring_bytes", "ring_budget", "input_pending",
+                     "follower_backlog", "followers", "backlog_budget"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"process limit {name} must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How a process ended: ``exit_code`` (128+N for signal N), the signal, timed out."""
+
+    exit_code: int
+    signal: int | None = None
+    timed_out: bool = False
+
+
+class ProcessIO(Protocol):
+    """A running process as its backend drives it."""
+
+    pid: int
+
+    async def write(self, data: bytes) -> None:
+        """Queue ``data`` for its stdin/terminal (waits while too much is pending)."""
+
+    def close_stdin(self) -> None: ...
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to its process group (no-op once it ended)."""
+
+    def resize(self, cols: int, rows: int) -> None: ...
+
+    async def wait(self) -> ExitStatus:
+        """Its end; its output has all been handed to the sink before this returns."""
+
+    def abandon(self) -> None:
+        """Its sandbox is gone: drop every descriptor held for it."""
+
+
+_NO_STDIN = "stdin of process {pid} in sandbox {sid} is not open: start it with " \
+            "stdin_open=True (or a pty) to write to it"
+
+
+class StreamedIO:
+    """A process on a backend without its own process support, run through
+    ``backend.exec_stream``: output streams as it comes; signals cancel the exec (which
+    kills its process group); with ``stdin_open`` the input is collected (at most
+    ``MAX_STDIN_BYTES``) and the command starts when stdin is closed."""
+
+    def __init__(self, backend: Any, sid: str, req: ExecRequest, pid: int,
+                 sink: OutputSink) -> None:
+        # The simulated backend emulates a terminal as it emulates everything (output as
+        # it comes, the size kept); a real backend without terminals refuses a pty.
+        if req.pty is not None and getattr(backend, "name", "") != "simulated":
+            raise InvalidArgument(
+                f"sandbox {sid}'s backend has no terminals: a pty process needs the "
+                "container backend's native runtime", field="pty", sandbox_id=sid)
+        self.size = (req.pty.cols, req.pty.rows) if req.pty is not None else None
+        self.pid, self._sid, self._backend, self._sink = pid, sid, backend, sink
+        self._req = req
+        self._input: bytearray | None = bytearray(req.stdin) if req.stdin_open else None
+        self._go = asyncio.Event()
+        self._killed: int | None = None
+        if self._input is None:
+            self._go.set()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> ExitStatus:
+        await self._go.wait()
+        req = self._req
+        if self._input is not None:
+            req = msgspec.structs.replace(req, stdin=bytes(self._input))
+        req = msgspec.structs.replace(req, stdin_open=False, pty=None)
+        async for item in self._backend.exec_stream(SandboxId(self._sid), req):
+            if isinstance(item, ExecResult):
+                return ExitStatus(item.exit_code, timed_out=item.timed_out)
+            self._sink(item.stream, item.data)
+        return ExitStatus(-1)
+
+    async def write(self, data: bytes) -> None:
+        if self._input is None or self._go.is_set():
+            raise InvalidTransition(_NO_STDIN.format(pid=self.pid, sid=self._sid),
+                                    sandbox_id=self._sid, pid=self.pid)
+        if len(self._input) + len(data) > MAX_STDIN_BYTES:
+            raise ResourceExhausted(
+                f"process {self.pid} in sandbox {self._sid} holds {len(self._input)} bytes "
+                f"of input for a backend that delivers stdin when it is closed; at most "
+                f"{MAX_STDIN_BYTES} bytes", sandbox_id=self._sid, limit=MAX_STDIN_BYTES)
+        self._input += data
+
+    def close_stdin(self) -> None:
+        self._go.set()
+
+    def signal(self, sig: int) -> None:
+        if not self._task.done():
+            self._killed = sig
+            self._task.cancel()
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self.size is None:
+            raise InvalidArgument(f"process {self.pid} in sandbox {self._sid} has no "
+                                  "terminal", field="pid", sandbox_id=self._sid)
+        self.size = (cols, rows)
+
+    async def wait(self) -> ExitStatus:
+        try:
+            return await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if self._killed is None or not self._task.cancelled():
+                raise
+            return ExitStatus(128 + self._killed, signal=self._killed)
+
+    def abandon(self) -> None:
+        self.signal(_signal.SIGKILL)
+
+
+class _Follower:
+    """One ``process_connect`` reading live output: a queue bounded by bytes."""
+
+    __slots__ = ("backlog", "cut", "queue", "wake")
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[ExecChunk] = collections.deque()
+        self.backlog = 0
+        self.cut = False
+        self.wake = asyncio.Event()
+
+
+class _Backlog:
+    """What every follower of the node holds, together: over the budget, the one
+    furthest behind is cut (as Aether cuts the stream furthest behind)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.total = 0
+        self.followers: set[_Follower] = set()
+
+    def add(self, f: _Follower, n: int) -> None:
+        self.total += n
+        while self.total > self.budget:
+            worst = max((x for x in self.followers if not x.cut), default=None,
+                        key=lambda x: x.backlog)
+            if worst is None:
+                return
+            worst.cut = True
+            worst.queue.clear()
+            worst.wake.set()
+            self.total -= worst.backlog
+
+    def taken(self, f: _Follower, n: int) -> None:
+        if not f.cut:
+            self.total -= n
+
+    def leave(self, f: _Follower) -> None:
+        if f in self.followers:
+            self.followers.discard(f)
+            if not f.cut:
+                self.total -= f.backlog
+
+
+class _Process:
+    """One entry of a sandbox's table."""
+
+    def __init__(self, info: ProcessInfo, ring_cap: int) -> None:
+        self.info = info
+        self.ring: collections.deque[ExecChunk] = collections.deque()
+        self.ring_size = 0
+        self.ring_cap = ring_cap
+        self.followers: set[_Follower] = set()
+        self.io: ProcessIO | None = None
+        self.result: ExecResult | None = None
+        self.done = asyncio.Event()
+        self.t0 = time.monotonic()
+        self.ended_mono: float | None = None
+
+    def take(self, stream: StreamName, data: bytes, backlog_cap: int,
+             backlog: _Backlog | None = None) -> None:
+        if not data:
+            return
+        chunk = ExecChunk(stream=stream, data=data)
+        for f in self.followers:
+            if f.cut:
+                continue
+            f.queue.append(chunk)
+            f.backlog += len(data)
+            if backlog is not None:
+                backlog.add(f, len(data))
+            if not f.cut and f.backlog > backlog_cap:
+                f.cut = True
+                f.queue.clear()        # its memory goes now; the reader hears at once
+                if backlog is not None:
+                    backlog.total -= f.backlog
+            f.wake.set()
+        if len(data) >= self.ring_cap:  # one read larger than the ring: keep its tail
+            dropped = self.ring_size + len(data) - self.ring_cap
+            self.ring.clear()
+            chunk = ExecChunk(stream=stream, data=data[-self.ring_cap:])
+            self.ring.append(chunk)
+            self.ring_size = self.ring_cap
+            self.info.output_dropped += dropped
+            return
+        self.ring.append(chunk)
+        self.ring_size += len(data)
+        while self.ring_size > self.ring_cap:
+            head = self.ring[0]
+            over = self.ring_size - self.ring_cap
+            if len(head.data) <= over:
+                self.ring.popleft()
+                self.ring_size -= len(head.data)
+                self.info.output_dropped += len(head.data)
+            else:
+                self.ring[0] = ExecChunk(stream=head.stream, data=head.data[over:])
+                self.ring_size -= over
+                self.info.output_dropped += over
+
+    def end(self, result: ExecResult, status: ExitStatus, now: float) -> None:
+        info = self.info
+        info.running = False
+        info.stdin_open = False
+        info.exit_code = status.exit_code
+        info.signal = status.signal
+        info.ended_at = now
+        self.result = result
+        self.ended_mono = time.monotonic()
+        self.done.set()
+        for f in self.followers:
+            f.wake.set()
+
+
+class ProcessTable:
+    """Every sandbox's process table on one edge node (module docstring)."""
+
+    def __init__(self, node: EdgeNode, limits: ProcessLimits | None = None) -> None:
+        self.node = node
+        self.limits = limits or ProcessLimits()
+        self._tables: dict[str, collections.OrderedDict[int, _Process]] = {}
+        self._reserved = 0          # ring bytes reserved by every entry on the node
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._fake_pids = itertools.count(1000)
+        self._backlog = _Backlog(self.limits.backlog_budget)
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    def count(self, sid: str | None = None) -> int:
+        if sid is not None:
+            return len(self._tables.get(sid, ()))
+        return sum(len(t) for t in self._tables.values())
+
+    def _evict(self, sid: str, pid: int) -> None:
+        table = self._tables.get(sid)
+        if table is None:
+            return
+        p = table.pop(pid, None)
+        if p is not None:
+            self._reserved -= p.ring_cap
+        if not table:
+            self._tables.pop(sid, None)
+
+    def _expire(self) -> None:
+        keep = self.limits.keep_ended_s
+        now = time.monotonic()
+        for sid, table in list(self._tables.items()):
+            for pid, p in list(table.items()):
+                if p.ended_mono is not None and now - p.ended_mono > keep:
+                    self._evict(sid, pid)
+
+    def _make_room(self, sid: str) -> None:
+        """Evict ended entries until one more fits, or refuse with the bound."""
+        lim = self.limits
+        self._expire()
+        table = self._tables.get(sid)
+        if table is not None and len(table) >= lim.per_sandbox:
+            ended = [pid for pid, p in table.items() if p.ended_mono is not None]
+            if not ended:
+                raise RateLimited(
+                    f"sandbox {sid} already runs {len(table)} processes started with "
+                    f"process_start, the per-sandbox limit; kill some or wait for them "
+                    "to exit", sandbox_id=sid, limit=lim.per_sandbox, retry_after=1.0)
+            self._evict(sid, ended[0])
+        while self._reserved + lim.ring_bytes > lim.ring_budget:
+            oldest: tuple[float, str, int] | None = None
+            for s, t in self._tables.items():
+                for pid, p in t.items():
+                    if p.ended_mono is not None and (oldest is None or p.ended_mono < oldest[0]):
+                        oldest = (p.ended_mono, s, pid)
+            if oldest is None:
+                raise CapacityExceeded(
+                    f"node {self.node.node_id} keeps output rings for "
+                    f"{self._reserved // lim.ring_bytes} running processes "
+                    f"({self._reserved} bytes), its budget of {lim.ring_budget}; retry "
+                    "when some have ended", sandbox_id=sid, limit=lim.ring_budget,
+                    retry_after=1.0)
+            self._evict(oldest[1], oldest[2])
+
+    def _get(self, sid: str, pid: int) -> _Process:
+        self.node._find(sid)  # the sandbox's own error first (gone, another node's)
+        table = self._tables.get(sid)
+        p = table.get(pid) if table is not None else None
+        if p is None:
+            raise NotFound(f"sandbox {sid} has no process {pid} started with process_start "
+                           "(ended ones are kept until evicted; see process_list)",
+                           sandbox_id=sid, pid=pid)
+        return p
+
+    # ------------------------------------------------------------------ operations
+    async def start(self, sid: str, req: ExecRequest) -> ProcessInfo:
+        node = self.node
+        rec = node._find(sid)
+        if req.hide:
+            node._check_hide(rec)
+        if req.background:
+            raise InvalidArgument("process_start runs every process in the background; "
+                                  "leave background unset", field="background")
+        if rec.state != "running":
+            await node._ready(rec, "process_start")
+        self._make_room(sid)
+        node._admit_exec(rec)
+        admitted = True
+        lim = self.limits
+        info = ProcessInfo(pid=0, cmd=list(req.argv) if req.argv else (req.shell or ""),
+                           cwd=req.cwd, tag=req.tag, pty=req.pty is not None,
+                           started_at=node.clock.time(), running=True,
+                           stdin_open=req.stdin_open or req.pty is not None)
+        proc = _Process(info, lim.ring_bytes)
+
+        backlog = self._backlog
+
+        def sink(stream: StreamName, data: bytes) -> None:
+            proc.take(stream, data, lim.follower_backlog, backlog)
+
+        try:
+            io = await self._spawn(rec, req, sink)
+        except BaseException:
+            node._exec_ended(rec)
+            raise
+        proc.io = io
+        info.pid = io.pid
+        table = self._tables.setdefault(sid, collections.OrderedDict())
+        old = table.pop(io.pid, None)   # a reused pid: the ended entry goes
+        if old is not None:
+            self._reserved -= old.ring_cap
+        table[io.pid] = proc
+        self._reserved += proc.ring_cap
+        rec.last_active_at = node.clock.time()
+        task = asyncio.ensure_future(self._watch(rec, proc, io, admitted))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return msgspec.structs.replace(info)
+
+    async def _spawn(self, rec: _Sandbox, req: ExecRequest, sink: OutputSink) -> ProcessIO:
+        backend = rec.backend
+        spawn = getattr(backend, "spawn_process", None)
+        if spawn is not None and getattr(backend, "supports_processes", False):
+            io: ProcessIO = await spawn(SandboxId(rec.id), req, sink,
+                                        input_pending=self.limits.input_pending,
+                                        input_wait_s=self.limits.input_wait_s)
+            return io
+        return StreamedIO(backend, rec.id, req, next(self._fake_pids), sink)
+
+    async def _watch(self, rec: _Sandbox, proc: _Process, io: ProcessIO,
+                     admitted: bool) -> None:
+        status: ExitStatus
+        try:
+            status = await io.wait()
+        except asyncio.CancelledError:
+            status = ExitStatus(128 + _signal.SIGKILL, signal=_signal.SIGKILL)
+        except Exception as exc:  # noqa: BLE001 - the backend's failure ends the process
+            log.warning("process %d in sandbox %s ended with an error: %r", io.pid, rec.id,
+                        exc)
+            msg = f"dsec: process failed: {type(exc).__name__}: {exc}\n".encode()
+            proc.take("stderr", msg, self.limits.follower_backlog)
+            status = ExitStatus(-1) if not isinstance(exc, DsecError) else ExitStatus(126)
+        finally:
+            if admitted:
+                self.node._exec_ended(rec)
+        result = ExecResult(exit_code=status.exit_code, timed_out=status.timed_out,
+                            duration_s=time.monotonic() - proc.t0, pid=io.pid)
+        proc.end(result, status, self.node.clock.time())
+        rec.last_active_at = self.node.clock.time()
+
+    def list(self, sid: str) -> list[ProcessInfo]:
+        self.node._find(sid)
+        table = self._tables.get(sid)
+        return [msgspec.structs.replace(p.info) for p in (table or {}).values()]
+
+    async def connect(self, sid: str, pid: int) -> AsyncIterator[ExecChunk | ExecResult]:
+        """The ring, then live output, then the result (as :meth:`exec_stream` yields)."""
+        p = self._get(sid, pid)
+        replay = list(p.ring)
+        if p.result is not None:
+            for c in replay:
+                yield c
+            yield p.result
+            return
+        if len(p.followers) >= self.limits.followers:
+            raise RateLimited(f"process {pid} in sandbox {sid} already has "
+                              f"{len(p.followers)} readers following it, the limit; close "
+                              "one", sandbox_id=sid, limit=self.limits.followers,
+                              retry_after=1.0)
+        f = _Follower()
+        p.followers.add(f)   # no await since the ring was copied: nothing is missed
+        self._backlog.followers.add(f)
+        try:
+            for c in replay:
+                yield c
+            while True:
+                while f.queue and not f.cut:
+                    c = f.queue.popleft()
+                    f.backlog -= len(c.data)
+                    self._backlog.taken(f, len(c.data))
+                    yield c
+                if f.cut:
+                    raise ResourceExhausted(
+                        f"this reader of process {pid} in sandbox {sid} fell "
+                        f"{f.backlog} bytes behind its output (at most "
+                        f"{self.limits.follower_backlog} each, {self.limits.backlog_budget} "
+                        "for every reader of the node) and was cut off; connect again "
+                        "(the ring holds the newest output)",
+                        sandbox_id=sid, limit=self.limits.follower_backlog)
+                if p.result is not None:
+                    yield p.result
+                    return
+                f.wake.clear()
+                await f.wake.wait()
+        finally:
+            p.followers.discard(f)
+            self._backlog.leave(f)
+            f.queue.clear()
+
+    async def input(self, sid: str, pid: int, data: bytes) -> None:
+        p = self._get(sid, pid)
+        if p.io is None or not p.info.stdin_open:
+            raise InvalidTransition(_NO_STDIN.format(pid=pid, sid=sid), sandbox_id=sid,
+                                    pid=pid)
+        if p.result is not None:
+            raise InvalidTransition(f"process {pid} in sandbox {sid} has exited "
+                                    f"(exit code {p.info.exit_code})", sandbox_id=sid,
+                                    pid=pid)
+        await p.io.write(data)
+
+    def close_stdin(self, sid: str, pid: int) -> None:
+        p = self._get(sid, pid)
+        if p.io is not None and p.result is None:
+            p.io.close_stdin()
+        p.info.stdin_open = False
+
+    def signal(self, sid: str, pid: int, sig: int) -> None:
+        p = self._get(sid, pid)
+        if p.io is not None and p.result is None:
+            p.io.signal(sig)
+
+    def resize(self, sid: str, pid: int, cols: int, rows: int) -> None:
+        p = self._get(sid, pid)
+        if not p.info.pty:
+            raise InvalidArgument(f"process {pid} in sandbox {sid} has no terminal (start "
+                                  "it with pty=...)", field="pid", sandbox_id=sid)
+        if p.io is not None and p.result is None:
+            p.io.resize(cols, rows)
+
+    # ------------------------------------------------------------------ lifecycle
+    def drop(self, sid: str, why: str) -> None:
+        """Sandbox ``sid`` ended: its processes are gone; readers get the end now."""
+        table = self._tables.pop(sid, None)
+        if not table:
+            return
+        now = self.node.clock.time()
+        for p in table.values():
+            self._reserved -= p.ring_cap
+            if p.io is not None:
+                with contextlib.suppress(Exception):
+                    p.io.abandon()
+            if p.result is None:
+                status = ExitStatus(128 + _signal.SIGKILL, signal=_signal.SIGKILL)
+                p.take("stderr", f"dsec: the sandbox ended ({why})\n".encode(),
+                       self.limits.follower_backlog)
+                p.end(ExecResult(exit_code=status.exit_code,
+                                 duration_s=time.monotonic() - p.t0, pid=p.info.pid),
+                      status, now)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
