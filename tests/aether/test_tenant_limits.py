@@ -308,3 +308,59 @@ async def test_a_peer_that_leaves_its_replies_unread_is_cut_not_buffered(
     finally:
         s.close()
         await server.close()
+
+
+async def test_duplex_streams_keep_flowing_at_max_calls_in_flight_and_have_their_own_cap(
+        ) -> None:
+    """A duplex handler waits for its peer's frames. Counted toward
+    ``max_calls_in_flight``, a client at the cap (a duplex upload plus 3 long calls, at
+    cap 4) had its connection paused: the upload's own bytes were never read and it
+    stalled until the other calls ended. Duplex streams now run beside the cap, capped on
+    their own (``max_calls_in_flight // 16``, at least 1): one more is refused at once."""
+    from dsec.aether.connection import DuplexStream
+    from dsec.errors import ResourceExhausted
+    gate = asyncio.Event()
+
+    async def hold(_: object) -> None:
+        await gate.wait()
+
+    async def count(_: object, stream: DuplexStream) -> int:
+        n = 0
+        async for chunk in stream:
+            n += len(chunk)
+        return n
+
+    r = Router(token=TOKEN)
+    r.add("hold", hold)
+    r.add("count", count, duplex=True)
+    budget = ProcessBudget(nofile=lambda: 100_000)
+    server = await serve(r, "tcp:127.0.0.1:0", budget=budget,
+                         limits=ServerLimits(max_calls_in_flight=4))
+    conn = await connect(str(server.address), token=TOKEN)
+    try:
+        up = conn.duplex("count", None, response_type=int)
+        held = asyncio.ensure_future(conn.call_batch([("hold", None)] * 4, timeout=30,
+                                                     return_exceptions=True))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if next(iter(server.connections)).handlers_running == 5:
+                break
+        # 4 calls at the cap: the upload's 2 MiB (8 windows) still gets through
+        await asyncio.wait_for(up.send(b"x" * (2 << 20)), 10)
+        up.close_write()
+        assert await asyncio.wait_for(up.result(), 10) == 2 << 20
+        gate.set()
+        await held
+        # the duplex cap: 4 // 16 -> 1 stream at once (a new REQUEST, duplex or not,
+        # waits while the connection is at max_calls_in_flight, like any other)
+        first = conn.duplex("count", None, response_type=int)
+        await first.send(b"a")
+        second = conn.duplex("count", None, response_type=int)
+        with pytest.raises(ResourceExhausted, match="duplex streams open, the limit is 1"):
+            await asyncio.wait_for(second.result(), 10)
+        first.close_write()
+        assert await asyncio.wait_for(first.result(), 10) == 1
+    finally:
+        gate.set()
+        await conn.close()
+        await server.close()

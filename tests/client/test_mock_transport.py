@@ -13,9 +13,10 @@ from dsec.client.testing import MockTransport
 from dsec.errors import ConnectFailed, ConnectionLost, Overloaded, SandboxNotFound
 from dsec.wire import ops
 from dsec.wire.api import EventList, FileList
-from dsec.wire.calls import CreateSandbox, ExecCall, Mkdir, SandboxRef, WriteFile
+from dsec.wire.calls import CreateSandbox, ExecCall, Mkdir, SandboxRef
+from dsec.wire.files import WriteStream
 from dsec.wire.ops import Op
-from dsec.wire.spec import ExecResult, SandboxInfo, SandboxSpec
+from dsec.wire.spec import ExecResult, FileInfo, SandboxInfo, SandboxSpec
 
 SID = "sb-0123456789ab-edge-0"
 
@@ -44,8 +45,10 @@ async def test_every_call_is_one_row_with_its_request_object() -> None:
             return FileList(items=[])
         if op is ops.EVENTS:
             return EventList(items=[])
-        if op in (ops.MKDIR, ops.WRITE_FILE, ops.DESTROY):
+        if op in (ops.MKDIR, ops.DESTROY):
             return None
+        if op is ops.FILE_WRITE_STREAM:
+            return FileInfo(name="f", path="/f", type="file", size=1)
         raise SandboxNotFound(f"no {op.name}")
 
     mock = MockTransport(handler)
@@ -63,11 +66,12 @@ async def test_every_call_is_one_row_with_its_request_object() -> None:
             await sb.pause()
         await sb.kill()
     names = [name for name, _ in mock.calls]
-    assert names == ["create", "get", "get", "exec", "exec", "mkdir", "write_file",
+    assert names == ["create", "get", "get", "exec", "exec", "mkdir", "file_write_stream",
                      "list_dir", "events", "pause", "destroy"]
     bodies = dict(mock.calls)
     assert bodies["mkdir"] == Mkdir(id=SID, path="/a/b", parents=False)
-    assert bodies["write_file"] == WriteFile(id=SID, path="/f", data=b"x")
+    assert bodies["file_write_stream"] == WriteStream(id=SID, path="/f", size=1)
+    assert mock.uploaded == [b"x"]
     assert bodies["destroy"] == SandboxRef(id=SID)
     assert mock.closed
 

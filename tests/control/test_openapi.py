@@ -125,12 +125,16 @@ def test_schemathesis_finds_the_server_and_the_document_in_agreement(
     cmd = [str(st), "run", f"{cluster.url}/openapi.json",
            "-H", f"Authorization: Bearer {cluster.api_key}", "--checks", checks,
            "--phases", "coverage,fuzzing", "--mode", "all", "--max-examples", "6",
-           "--seed", "1", "--no-color", "--workers", "1", "--generation-database", "none"]
+           "--seed", "1", "--no-color", "--workers", "1", "--generation-database", "none",
+           # a watch streams until its directory goes away or its timeout_s: fuzzed
+           # without one on a live sandbox it never ends (REST's watch is exercised in
+           # tests/test_catalogue.py and tests/client/test_files.py)
+           "--exclude-path", "/v1/sandboxes/{id}/files/watch"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
                        check=False)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
-    operations = sum(len(ops) for ops in doc["paths"].values())
+    operations = sum(len(ops) for ops in doc["paths"].values()) - 1   # the watch
     assert re.search(rf"Tested: {operations}\b", out), out[-3000:]   # every operation ran
     assert "❌" not in out, out[-3000:]
 
@@ -190,7 +194,8 @@ def test_each_operation_is_documented_from_its_row(doc: dict[str, Any]) -> None:
         assert {p["name"] for p in entry["parameters"] if p["in"] == "path"} == set(
             path_params(op.rest.path)), op.name
         assert ("requestBody" in entry) == (op.rest.body is not None
-                                             or op.name in ("image_build", "image_import")
+                                             or op.name in ("image_build", "image_import",
+                                                            "file_write_stream")
                                              ), op.name
         ok = entry["responses"][str(op.rest.status)]
         assert ("content" in ok) == (op.rest.reply != "empty"), op.name

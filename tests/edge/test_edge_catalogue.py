@@ -21,6 +21,7 @@ from dsec.errors import DsecError, InvalidArgument
 from dsec.image import LayerStore
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, FileRef, NetworkUpdateOnNode, ReadFile, WriteFile
+from dsec.wire.files import ReadStream, Rename, Watch, WriteStream
 from dsec.wire.layers import MAX_MANIFEST_BYTES, LayerPut, LayerRef
 from dsec.wire.lifetime import SetTimeout
 from dsec.wire.netpolicy import MAX_NET_RULES, NetworkPolicy
@@ -30,7 +31,6 @@ from dsec.wire.process import ProcessInput, ProcessSignal, PtyResize
 from dsec.wire.spec import (
     MAX_PATH_BYTES,
     MAX_PROCESS_INPUT_BYTES,
-    ExecChunk,
     ExecRequest,
     PtySize,
     SandboxSpec,
@@ -98,6 +98,11 @@ EXAMPLES: dict[str, Example] = {
     "layer_chain": lambda w: {"digest": w.layer},
     "layer_get": lambda w: {"digest": w.layer},
     "layer_put": lambda w: {"manifest": w.manifest},
+    "file_read_stream": lambda w: {"id": w.sid, "path": "/tmp/f"},
+    "file_write_stream": lambda w: {"id": w.sid, "path": "/tmp/up", "size": 3},
+    "file_rename": lambda w: {"id": w.sid, "src": "/tmp/f",
+                              "dst": "/tmp/f2"},
+    "file_watch": lambda w: {"id": w.sid, "path": "/tmp", "timeout_s": 0.3},
     "set_timeout": lambda w: {"id": w.sid, "timeout_s": 3600.0},
     "process_start": lambda w: {"id": w.keep, "req": {"shell": "echo hi", "tag": "t"}},
     "process_list": lambda w: {"id": w.keep},
@@ -147,6 +152,14 @@ INVALID: dict[str, list[tuple[Example, Callable[[World], Any]]]] = {
     "port_close": [(lambda w: {"id": w.sid, "port": -1}, lambda w: PortRef(id=w.sid, port=-1))],
     "layer_chain": [(lambda w: {"digest": w.layer[:20]},
                      lambda w: LayerRef(digest=w.layer[:20]))],
+    "file_read_stream": [(lambda w: {"id": w.sid, "path": "/f", "length": -1},
+                          lambda w: ReadStream(id=w.sid, path="/f", length=-1))],
+    "file_write_stream": [(lambda w: {"id": w.sid, "path": "/f", "size": -1},
+                           lambda w: WriteStream(id=w.sid, path="/f", size=-1))],
+    "file_rename": [(lambda w: {"id": w.sid, "src": "/f", "dst": LONG},
+                     lambda w: Rename(id=w.sid, src="/f", dst=LONG))],
+    "file_watch": [(lambda w: {"id": w.sid, "path": "/tmp", "timeout_s": 0.0},
+                    lambda w: Watch(id=w.sid, path="/tmp", timeout_s=0.0))],
     "layer_put": [(lambda w: {"manifest": b" " * (MAX_MANIFEST_BYTES + 1)},
                    lambda w: LayerPut(manifest=b" " * (MAX_MANIFEST_BYTES + 1)))],
     "set_timeout": [(lambda w: {"id": w.sid, "timeout_s": -1.0},
@@ -218,6 +231,19 @@ async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any
         stored = await s.result()
         assert stored.already
         return stored
+    if op is ops.FILE_READ_STREAM:
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        s.close_write()
+        data = b""
+        while chunk := await s.recv():
+            data += chunk
+        assert data == b"abc"
+        return await s.result()
+    if op is ops.FILE_WRITE_STREAM:
+        s = conn.duplex(op.edge_method, body, response_type=op.reply)
+        await s.send(b"xyz")
+        s.close_write()
+        return await s.result()
     if isinstance(op, TunnelOp):
         # A duplex row; the simulated backend has no network namespace, so the edge
         # answers that (after the port and generation checks passed); a container
@@ -231,7 +257,7 @@ async def _call(conn: Connection, op: Op[Any, Any], body: dict[str, Any]) -> Any
                         timeout=30)
         async with s:
             items = [i async for i in s]
-        assert all(isinstance(i, ExecChunk) for i in items)
+        assert all(isinstance(i, op.item) for i in items)
         return s.result
     return await conn.call(op.edge_method, body, response_type=op.edge_reply_type, timeout=30)
 

@@ -113,6 +113,10 @@ CLOSE_LINGER = 1.0              # seconds a closed socket may take to flush befo
 # this a gateway client that never read its exec_stream made the apiserver hold the
 # whole output (600 MB for one `head -c 600M /dev/zero`, output cap up to 1 GiB).
 STREAM_BACKLOG_MAX = 16 * 1024 * 1024
+# On a listener with max_calls_in_flight: the peer's duplex streams served at once per
+# connection are at most that cap // MAX_DUPLEX_SHARE (1,024 -> 64). Each holds at most
+# one credit window (256 KiB) of input, so 64 are <= 16 MiB per connection.
+MAX_DUPLEX_SHARE = 16
 # ... and all streaming calls of one connection together (the largest backlog goes first).
 STREAMS_BACKLOG_MAX = 64 * 1024 * 1024
 # Bytes of our replies a listener's peer may leave unread before it is cut. Reading stops
@@ -818,6 +822,13 @@ class Connection:
         # (_calls_full) frames are not handled until one finishes (see _on_request).
         self._max_calls = guard.limits.max_calls_in_flight if guard is not None else None
         self._calls_full = False
+        # The peer's duplex streams being served. They do not count toward _max_calls: a
+        # duplex handler waits for the peer's frames, which a connection paused at the
+        # cap would never read (every stream of a client at the cap stalled for good).
+        # Capped on their own instead: one more is refused at once, reading goes on.
+        self._served_duplex: set[int] = set()    # their stream ids
+        self._max_duplex = (None if self._max_calls is None
+                            else max(1, self._max_calls // MAX_DUPLEX_SHARE))
         self._opened_at = 0.0               # loop time the listener accepted it
         self._last_rx = 0.0                 # loop time of the last bytes received
         self._partial_since: float | None = None
@@ -1292,7 +1303,7 @@ class Connection:
             self._fail_protocol(exc)
             return
         if (not self._process_scheduled and not self._pause & _PAUSE_OUTPUT
-                and not self._calls_full):
+                and not self._request_waits()):
             self._process()
         elif self._decoder.buffered > self._read_high:
             self._pause_reading(_PAUSE_INPUT)
@@ -1301,10 +1312,20 @@ class Connection:
             if self._guard is not None and (self._held or self._decoder.buffered):
                 self._account()   # the common case holds nothing
 
+    def _request_waits(self) -> bool:
+        """At max_calls_in_flight with a REQUEST next: it (and what follows it) waits for
+        a handler to end. Other frames (a duplex stream's bytes and credit, CANCEL, PING)
+        are still handled at the cap: a duplex upload's own bytes must not wait behind
+        the calls that filled it."""
+        if not self._calls_full:
+            return False
+        nxt = self._decoder.next_type()
+        return nxt is None or nxt == _REQUEST
+
     def _process(self) -> None:
         """Handle up to FRAMES_PER_WAKEUP frames, then write every reply in one go."""
         self._process_scheduled = False
-        if self._closed or self._pause & _PAUSE_OUTPUT or self._calls_full:
+        if self._closed or self._pause & _PAUSE_OUTPUT or self._request_waits():
             return
         next_raw = self._decoder.next_raw
         on_frame = self._on_frame
@@ -1316,7 +1337,7 @@ class Connection:
                 on_frame(*f)
                 if self._closed:
                     return
-                if self._calls_full:
+                if self._request_waits():
                     break   # at max_calls_in_flight: the rest waits for a handler to end
                 if not self._established and not self._auth_required:
                     self._establish()  # a no-token endpoint: the first valid frame admits
@@ -1517,12 +1538,20 @@ class Connection:
                     return
                 self._reply(sid, route.method, result)
                 return
+            if route.duplex and self._max_duplex is not None \
+                    and len(self._served_duplex) >= self._max_duplex:
+                self._reply_error(sid, ResourceExhausted(
+                    f"this connection already has {len(self._served_duplex)} duplex streams "
+                    f"open, the limit is {self._max_duplex}; end one (or open another "
+                    "connection)", limit=self._max_duplex, method=route.method))
+                return
             try:
                 if route.kind:
                     extra: StreamSender | DuplexStream
                     if route.streaming:
                         extra = StreamSender(self, sid)
                     else:
+                        self._served_duplex.add(sid)
                         extra = self._duplex[sid] = DuplexStream(self, sid, route.method,
                                                                  caller=False)
                     coro = (route.handler(self._auth_context, body, extra) if route.with_context
@@ -1533,6 +1562,7 @@ class Connection:
                     coro = route.handler(body)
             except Exception as exc:  # noqa: BLE001 - e.g. a handler with the wrong signature
                 d = self._duplex.pop(sid, None)
+                self._served_duplex.discard(sid)
                 if d is not None:
                     d._on_reset(StreamReset(f"handler for {route.method!r} failed to start"))
                 self._reply_handler_error(sid, route.method, exc)
@@ -1543,7 +1573,7 @@ class Connection:
         tasks = self._tasks
         tasks[sid] = task
         task.add_done_callback(functools.partial(self._handler_done, sid, route.method))
-        if self._max_calls is not None and len(tasks) >= self._max_calls:
+        if self._max_calls is not None and len(tasks) - len(self._served_duplex) >= self._max_calls:
             # Like HTTP/2's MAX_CONCURRENT_STREAMS, but as backpressure: the peer's further
             # frames are not handled until one of these calls ends. They wait undecoded
             # (up to the read high-water mark, then in the peer's socket), not as tasks;
@@ -1556,8 +1586,10 @@ class Connection:
             if d is not None and not d._caller:
                 # The handler's answer ends the stream: no more bytes either way.
                 d._on_end()
+        self._served_duplex.discard(sid)
         if self._calls_full:
-            self._calls_ended(len(self._tasks) - (self._tasks.get(sid) is task))
+            self._calls_ended(len(self._tasks) - (self._tasks.get(sid) is task)
+                              - len(self._served_duplex))
         if self._tasks.get(sid) is not task:
             return  # the caller cancelled it, or the connection closed: nobody to tell
         del self._tasks[sid]

@@ -213,6 +213,14 @@ class FrameDecoder:
         else:
             self._buf, self._pos = (data if type(data) is bytes else bytes(data)), 0
 
+    def next_type(self) -> int | None:
+        """The type byte of the next frame, once its header is in (None before)."""
+        if self._acc:
+            return self._acc[14] if len(self._acc) > 14 else None
+        if len(self._buf) - self._pos > 14:
+            return self._buf[self._pos + 14]
+        return None
+
     def next_raw(self) -> RawFrame | None:
         """The next complete frame as ``(type, stream_id, payload, flags)``, or None."""
         if self._error is not None:

@@ -465,4 +465,3 @@ def run_code(sandbox_id: str, code: str, timeout: float | None, restart: bool,
     if ex.error is not None:
         sys.stderr.write(ex.error.traceback or f"{ex.error.name}: {ex.error.value}\n")
         sys.exit(1)
-

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 import msgspec
 
+from dsec.client.files import AsyncFiles
 from dsec.client.images import AsyncImages
 from dsec.client.network import AsyncNetwork
 from dsec.client.processes import AsyncProcesses, AsyncProcessHandle, AsyncPty, OutputCallback
@@ -77,19 +78,14 @@ from dsec.wire.calls import (
     CreateSandbox,
     Empty,
     ExecMany,
-    FileRef,
     ListSandboxes,
-    Mkdir,
     NodeRef,
-    ReadFile,
-    Remove,
     SandboxRef,
     SessionOpen,
     SessionRef,
     SnapshotCall,
     SnapshotQuery,
     SnapshotRef,
-    WriteFile,
 )
 from dsec.wire.calls import ExecCall as WireExecCall
 from dsec.wire.cluster import (
@@ -105,12 +101,10 @@ from dsec.wire.netpolicy import NetMode
 from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, UploadOp
 from dsec.wire.ports import ExposedPort, PortExpose, PortRef
 from dsec.wire.spec import (
-    FILE_CHUNK_BYTES,
     BackendName,
     ExecChunk,
     ExecRequest,
     ExecResult,
-    FileInfo,
     IdleAction,
     NetworkPolicy,
     PauseStats,
@@ -120,7 +114,6 @@ from dsec.wire.spec import (
     SandboxState,
     SandboxStats,
     check_idempotency_key,
-    read_in_chunks,
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncPorts", "AsyncSandbox", "AsyncSandboxes",
@@ -905,57 +898,6 @@ def _exec_req(cmd: str | Sequence[str], *, timeout: float | None = 60.0,
     if output_cap is not None:      # left out otherwise: the default stays the default
         req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
     return req.validate()
-
-
-class AsyncFiles:
-    """``sandbox.files``: read, write, list, stat, mkdir, remove (raw bytes)."""
-
-    def __init__(self, sb: AsyncSandbox) -> None:
-        self._sb = sb
-
-    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        """Up to 64 MiB (``MAX_FILE_READ_BYTES``) per call; fetched in 8 MiB pieces so any
-        transport carries it."""
-        async def piece(at: int, n: int) -> bytes:
-            return await self._sb._c.call(ops.READ_FILE, ReadFile(
-                id=self._sb.id, path=path, offset=at, length=n))
-        return await read_in_chunks(piece, offset, length)
-
-    async def read_text(self, path: str) -> str:
-        return (await self.read(path)).decode()
-
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
-                    append: bool = False) -> None:
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        # in 8 MiB pieces (an Aether frame is 16 MiB); the first truncates unless appending
-        for at in range(0, max(1, len(raw)), FILE_CHUNK_BYTES):
-            more = append or at > 0
-            await self._sb._c.call(ops.WRITE_FILE, WriteFile(
-                id=self._sb.id, path=path, data=raw[at:at + FILE_CHUNK_BYTES], mode=mode,
-                append=more), idempotent=not more)
-
-    async def list(self, path: str = "/") -> list[FileInfo]:
-        return (await self._sb._c.call(ops.LIST_DIR, FileRef(id=self._sb.id, path=path))).items
-
-    async def stat(self, path: str) -> FileInfo:
-        return await self._sb._c.call(ops.STAT, FileRef(id=self._sb.id, path=path))
-
-    async def exists(self, path: str) -> bool:
-        try:
-            await self.stat(path)
-            return True
-        except NotFound:
-            return False
-
-    async def mkdir(self, path: str, *, parents: bool = True) -> None:
-        """Create directory ``path``; ``parents=False``: ``NotFound`` when its parent is
-        missing (else the missing parents are created too, like ``mkdir -p``)."""
-        await self._sb._c.call(ops.MKDIR, Mkdir(id=self._sb.id, path=path, parents=parents))
-
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        # not retried on a lost connection: a repeat after it happened says NotFound
-        await self._sb._c.call(ops.REMOVE, Remove(id=self._sb.id, path=path,
-                                                  recursive=recursive))
 
 
 class AsyncPorts:

@@ -15,23 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import signal as _signal
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Callable,
-    Coroutine,
-    Iterator,
-    Mapping,
-    Sequence,
-)
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 
+from dsec.client.parts import Runs, SandboxPart
 from dsec.errors import InvalidArgument, RequestTimeout
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
-from dsec.wire.ops import Op
 from dsec.wire.process import (
     ProcessInfo,
     ProcessInput,
@@ -41,9 +33,6 @@ from dsec.wire.process import (
     PtySize,
 )
 from dsec.wire.spec import MAX_PROCESS_INPUT_BYTES, ExecChunk, ExecRequest, ExecResult
-
-if TYPE_CHECKING:
-    from dsec.client.transport import Transport
 
 __all__ = [
     "AsyncProcessHandle",
@@ -60,36 +49,15 @@ OutputCallback = Callable[[bytes], object]
 #: output a handle keeps for :meth:`AsyncProcessHandle.wait`'s result, per stream
 KEEP_OUTPUT_BYTES = 16 << 20
 
-T = TypeVar("T")
-Req = TypeVar("Req")
-Rep = TypeVar("Rep")
 
-
-# What this module needs of the client and its sandboxes, as Protocols: ``client.core``
-# and ``client.sync`` build sandboxes with ``processes``/``pty`` from here, so importing
-# them back (even for annotations) would be a cycle.
-class _Calls(Protocol):
-    """The client (``AsyncClient``): a typed call, and its transport for streaming rows."""
-
-    async def call(self, op: Op[Req, Rep], body: Req) -> Rep: ...
-    async def _transport(self) -> Transport: ...
-
-
-class _Sandbox(Protocol):
+# What this module needs of its sandbox (client.parts, plus ``processes`` for ``pty``):
+# client.core builds sandboxes with ``processes``/``pty`` from here, so importing it back
+# (even for annotations) would be a cycle.
+class _Sandbox(SandboxPart, Protocol):
     """A sandbox of the async SDK (``dsec.client.core.AsyncSandbox``)."""
 
     @property
-    def id(self) -> str: ...
-    @property
-    def _c(self) -> _Calls: ...
-    @property
     def processes(self) -> AsyncProcesses: ...
-
-
-class _Runs(Protocol):
-    """The sync client (``dsec.client.sync.Client``): runs a coroutine on its loop."""
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T: ...
 
 
 def process_request(cmd: str | Sequence[str], *, pty: PtySize | None = None,
@@ -295,7 +263,7 @@ class ProcessHandle:
     """See :class:`AsyncProcessHandle` (sync; ``for chunk in handle`` iterates output).
     Callbacks run on the client's loop thread, as the output arrives."""
 
-    def __init__(self, client: _Runs, a: AsyncProcessHandle) -> None:
+    def __init__(self, client: Runs, a: AsyncProcessHandle) -> None:
         self._c = client
         self._a = a
         self.pid: int = a.pid
@@ -353,7 +321,7 @@ class ProcessHandle:
 class Processes:
     """See :class:`AsyncProcesses`."""
 
-    def __init__(self, client: _Runs, a: AsyncProcesses) -> None:
+    def __init__(self, client: Runs, a: AsyncProcesses) -> None:
         self._c = client
         self._a = a
 
@@ -379,7 +347,7 @@ class Processes:
 class Pty:
     """See :class:`AsyncPty`."""
 
-    def __init__(self, client: _Runs, a: AsyncPty) -> None:
+    def __init__(self, client: Runs, a: AsyncPty) -> None:
         self._c = client
         self._a = a
 

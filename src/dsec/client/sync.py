@@ -20,7 +20,6 @@ from typing import Any, Literal, Self, TypeVar, overload
 from dsec.client.code import Execution
 from dsec.client.core import (
     AsyncClient,
-    AsyncFiles,
     AsyncPorts,
     AsyncSandbox,
     AsyncSandboxes,
@@ -28,6 +27,7 @@ from dsec.client.core import (
     Snapshot,
     WireProtocol,
 )
+from dsec.client.files import Files
 from dsec.client.images import AsyncImages, LayerKind
 from dsec.client.network import Network
 from dsec.client.processes import (
@@ -58,7 +58,6 @@ from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
-    FileInfo,
     IdleAction,
     NetworkPolicy,
     PauseStats,
@@ -366,37 +365,6 @@ class Images:
         """See :meth:`~dsec.client.images.AsyncImages.pull`."""
         return self._c._run(self._a.pull(ref, name=name, project=project, platform=platform,
                                          insecure=insecure, creds=creds))
-
-
-class Files:
-    def __init__(self, client: Client, a: AsyncFiles) -> None:
-        self._c = client
-        self._a = a
-
-    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
-        return self._c._run(self._a.read(path, offset=offset, length=length))
-
-    def read_text(self, path: str) -> str:
-        return self._c._run(self._a.read_text(path))
-
-    def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
-              append: bool = False) -> None:
-        self._c._run(self._a.write(path, data, mode=mode, append=append))
-
-    def list(self, path: str = "/") -> list[FileInfo]:
-        return self._c._run(self._a.list(path))
-
-    def stat(self, path: str) -> FileInfo:
-        return self._c._run(self._a.stat(path))
-
-    def exists(self, path: str) -> bool:
-        return self._c._run(self._a.exists(path))
-
-    def mkdir(self, path: str, *, parents: bool = True) -> None:
-        self._c._run(self._a.mkdir(path, parents=parents))
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._c._run(self._a.remove(path, recursive=recursive))
 
 
 class Ports:

@@ -65,5 +65,18 @@ class MockTransport:
         self.uploaded.append(b"".join([c async for c in chunks]))
         return await self.call(op, body)
 
+    async def read_stream(self, op: Op[Req, Any], body: Req) -> AsyncIterator[Any]:
+        """A streamed file read: the handler returns the pieces, then the FileInfo."""
+        items: Any = await self.call(op, body)
+        for item in items:
+            yield item
+
+    async def write_stream(self, op: Op[Req, Rep], body: Req,
+                           chunks: AsyncIterator[bytes]) -> Rep:
+        """A streamed file write: the chunks are read first and recorded in
+        :attr:`uploaded`; the handler gets ``(op, body)``."""
+        self.uploaded.append(b"".join([c async for c in chunks]))
+        return await self.call(op, body)
+
     async def close(self) -> None:
         self.closed = True

@@ -39,9 +39,19 @@ from dsec.wire.api import (
 from dsec.wire.calls import (
     Empty,
 )
+from dsec.wire.files import FileEvent, WatchEnd
 from dsec.wire.jsonform import stream_item
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp, UseClientDefault
+from dsec.wire.ops import (
+    USE_CLIENT_DEFAULT,
+    Deadline,
+    Op,
+    StreamOp,
+    TunnelOp,
+    UploadOp,
+    UseClientDefault,
+)
 from dsec.wire.rest import decode_reply, encode_request
+from dsec.wire.spec import FileInfo
 
 __all__ = ["AetherTransport", "HttpTransport", "OpCaller", "Transport"]
 
@@ -65,6 +75,10 @@ class Transport(Protocol):
                    timeout: Deadline = USE_CLIENT_DEFAULT) -> Rep: ...
     def stream(self, op: StreamOp[Req, Item, Rep], body: Req, *,
                timeout: Deadline = USE_CLIENT_DEFAULT) -> AsyncIterator[Item | Rep]: ...
+    def read_stream(self, op: TunnelOp[Req, FileInfo], body: Req
+                    ) -> AsyncIterator[bytes | FileInfo]: ...
+    async def write_stream(self, op: TunnelOp[Req, FileInfo], body: Req,
+                           chunks: AsyncIterator[bytes]) -> FileInfo: ...
     async def close(self) -> None: ...
 
 
@@ -139,7 +153,13 @@ class HttpTransport:
         items, then the final reply."""
         r = encode_request(op, body)
         t = self.timeout if isinstance(timeout, UseClientDefault) else timeout
-        dec = msgspec.json.Decoder(ExecStreamLine)
+        if op is ops.FILE_WATCH:
+            item_of: Any = _watch_item
+        else:
+            dec = msgspec.json.Decoder(ExecStreamLine)
+
+            def item_of(line: str) -> Any:
+                return stream_item(dec.decode(line))
         try:
             async with self._http.stream(r.method, r.path, params=tuple(r.params),
                                          content=r.content,
@@ -150,12 +170,43 @@ class HttpTransport:
                 async for line in resp.aiter_lines():
                     if not line:
                         continue
-                    item: Any = stream_item(dec.decode(line))
+                    item: Any = item_of(line)
                     yield item
                     if isinstance(item, op.reply):
                         return
         except httpx.HTTPError as exc:
             raise _http_failure(exc, f"{op.name} {r.path}", t, _COMMAND) from exc
+
+    async def read_stream(self, op: TunnelOp[Req, FileInfo], body: Req
+                          ) -> AsyncIterator[bytes | FileInfo]:
+        """A streamed file read over REST: the raw body as it arrives (httpx reads the
+        socket as the caller iterates: TCP's window is the flow control), then the
+        file's FileInfo (from the response headers; the body's own length is checked
+        against it, so a truncated body is an error, never a short file)."""
+        r = encode_request(op, body)
+        try:
+            async with self._http.stream(r.method, r.path, params=tuple(r.params),
+                                         headers=r.headers, timeout=self.timeout) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _http_error(resp)
+                async for chunk in resp.aiter_raw():
+                    if chunk:
+                        yield chunk
+                yield _file_info_of(resp.headers)
+        except httpx.HTTPError as exc:
+            raise _http_failure(exc, f"{op.name} {r.path}", self.timeout,
+                                "the operation") from exc
+
+    async def write_stream(self, op: TunnelOp[Req, FileInfo], body: Req,
+                           chunks: AsyncIterator[bytes]) -> FileInfo:
+        """A streamed file write over REST: ``chunks`` as the raw body (no request
+        timeout: it may be gigabytes); the file as written."""
+        r = encode_request(op, body)
+        resp = await self._req(r.method, r.path, timeout=None, params=r.params,
+                               headers=r.headers, content=chunks)
+        info: FileInfo = msgspec.json.decode(resp.content, type=FileInfo)
+        return info
 
     async def info(self) -> Info:
         self._info = await self.call(ops.INFO, Empty())
@@ -163,6 +214,33 @@ class HttpTransport:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+
+_WATCH_LINE = msgspec.json.Decoder(dict[str, Any])
+
+
+def _watch_item(line: str) -> FileEvent | WatchEnd:
+    """One NDJSON line of REST's watch (dsec.control.filedoors.watch_line)."""
+    d = _WATCH_LINE.decode(line)
+    if "event" in d:
+        return msgspec.convert(d["event"], FileEvent)
+    if "end" in d:
+        return msgspec.convert(d["end"], WatchEnd)
+    err = d.get("error") or {}
+    raise error_from_wire(str(err.get("code", "internal_error")),
+                          str(err.get("message", f"bad watch line {line[:200]!r}")),
+                          {"request_id": err.get("request_id")})
+
+
+def _file_info_of(headers: httpx.Headers) -> FileInfo:
+    """REST's streamed read says what it read in trailing headers-as-JSON:
+    ``x-dsec-file`` (sent before the body, from the file as opened)."""
+    raw = headers.get("x-dsec-file")
+    if raw is None:
+        raise RemoteProtocolError("the streamed read's answer has no x-dsec-file header "
+                                  "(an apiserver of an older release?)")
+    info: FileInfo = msgspec.json.decode(raw.encode(), type=FileInfo)
+    return info
 
 
 _COMMAND = "the command"
@@ -273,6 +351,41 @@ class AetherTransport:
             if exc.detail.get("retryable"):
                 raise
             raise _aether_lost(exc, op.api_method, self.address, _COMMAND) from exc
+
+    async def read_stream(self, op: TunnelOp[Req, FileInfo], body: Req
+                          ) -> AsyncIterator[bytes | FileInfo]:
+        """A streamed file read through the gateway: a duplex stream whose bytes arrive
+        under this side's credit (at most one 256 KiB window is buffered here, however
+        slowly the caller iterates), then the file's FileInfo."""
+        conn = await self._c()
+        s = conn.duplex(op.api_method, body, response_type=op.reply)
+        try:
+            s.close_write()
+            while chunk := await s.recv():
+                yield chunk
+            yield await s.result()
+        except ConnectionLost as exc:
+            raise _aether_lost(exc, op.api_method, self.address, "the operation") from exc
+        finally:
+            s.reset("the reader stopped")   # a no-op once the call is over
+
+    async def write_stream(self, op: TunnelOp[Req, FileInfo], body: Req,
+                           chunks: AsyncIterator[bytes]) -> FileInfo:
+        """A streamed file write through the gateway: ``chunks`` as a duplex stream
+        (each ``send`` waits for the gateway's credit), FIN, then the file as written."""
+        conn = await self._c()
+        s = conn.duplex(op.api_method, body, response_type=op.reply)
+        try:
+            async for chunk in chunks:
+                if chunk:
+                    await s.send(chunk)
+            s.close_write()
+            info: FileInfo = await s.result()
+            return info
+        except ConnectionLost as exc:
+            raise _aether_lost(exc, op.api_method, self.address, "the operation") from exc
+        finally:
+            s.reset("the writer stopped")
 
     async def info(self) -> Info:
         self._info = await self.call(ops.INFO, Empty())

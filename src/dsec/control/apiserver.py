@@ -373,9 +373,62 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     from dsec.control.api.process_ws import attach_route
     routes.append(attach_route(service))  # type: ignore[arg-type]  # a WebSocketRoute
 
+
+    # By hand (issue 19): streamed file content both ways (a raw body streamed in or
+    # out, no body cap: the sandbox's disk cap is the limit) and the watch's NDJSON.
+    from dsec.control import filedoors
+    file_rows = (ops.FILE_READ_STREAM, ops.FILE_WRITE_STREAM, ops.FILE_WATCH)
+
+    async def file_read(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.FILE_READ_STREAM, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        req, info = await filedoors.sized_read(service, caller, req)
+        first, more = await filedoors.read_chunks(service, caller, req)
+
+        async def body() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for chunk in more:
+                yield chunk
+        # Content-Length: a body cut short (the sandbox ended, the file shrank) is an
+        # error at the client, never a short file
+        assert req.length is not None
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={"x-request-id": rid,
+                                          "content-length": str(req.length),
+                                          "x-dsec-file": _json.encode(info).decode()})
+
+    async def file_write(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.FILE_WRITE_STREAM, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        info = await filedoors.write_chunks(service, caller, req, request.stream())
+        return _json_response(info, rid)
+
+    watch_policy = service.stream_handler(ops.FILE_WATCH)
+
+    async def file_watch(request: Request, caller: Caller, rid: str) -> Response:
+        req = decode_request(ops.FILE_WATCH, request.path_params,
+                             request.query_params.multi_items(), request.headers, None)
+        stream = await watch_policy(caller, req)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for item in stream:
+                    yield _json.encode(filedoors.watch_line(item)) + b"\n"
+            except DsecError as exc:
+                exc = service.redact(exc)
+                yield _json.encode({"error": {"code": exc.code, "message": exc.message,
+                                              "request_id": rid}}) + b"\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                 headers={"x-request-id": rid})
+
+    route(doc_of(ops.FILE_READ_STREAM, response="binary"), file_read)
+    route(doc_of(ops.FILE_WRITE_STREAM, request="binary"), file_write)
+    route(doc_of(ops.FILE_WATCH, media="application/x-ndjson"), file_watch)
+
     # Every other row is served from the row alone (admin rows when admin is given).
     by_hand = {ops.CREATE, ops.EXEC, ops.EXEC_STREAM, ops.IMAGE_BUILD, ops.IMAGE_IMPORT,
-               ops.PROCESS_CONNECT}
+               ops.PROCESS_CONNECT, *file_rows}
     for row in ops.REST_OPS:
         if row not in by_hand and (admin is not None or row not in _ADMIN_ROWS):
             serve(row)

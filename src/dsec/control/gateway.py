@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsec.aether import Router, Server, StreamSender, serve
+from dsec.aether.connection import DuplexStream
 from dsec.aether.limits import ServerLimits
 from dsec.control.api.service import AdminOps, ApiService, Caller
+from dsec.control.filedoors import gateway_relay
 from dsec.errors import DsecError, InvalidArgument
 from dsec.logs import access, access_enabled
-from dsec.wire.ops import GATEWAY_OPS, Op, StreamOp, UploadOp
+from dsec.wire.ops import GATEWAY_OPS, Op, StreamOp, TunnelOp, UploadOp
 
 __all__ = ["GatewaySession", "gateway_router", "serve_gateway"]
 
@@ -67,7 +69,10 @@ def gateway_router(service: ApiService, admin: AdminOps | None = None) -> Router
     for op in GATEWAY_OPS:
         if isinstance(op, UploadOp):
             raise InvalidArgument(f"{op.name}: uploads are REST-only (a raw body stream)")
-        if isinstance(op, StreamOp):
+        if isinstance(op, TunnelOp):
+            r.add(op.api_method, _tunneled(service, op), request_type=op.request,
+                  duplex=True, with_context=True)
+        elif isinstance(op, StreamOp):
             r.add(op.api_method, _streamed(service, op), request_type=op.request,
                   streaming=True, with_context=True)
         else:
@@ -143,6 +148,30 @@ def _streamed(service: ApiService, op: StreamOp[Any, Any, Any],
         finally:
             count(outcome, time.perf_counter() - t0, session.peer)
         return final
+    return handle
+
+
+def _tunneled(service: ApiService, op: TunnelOp[Any, Any],
+              ) -> Callable[[GatewaySession, Any, DuplexStream], Awaitable[Any]]:
+    """The handler of a duplex row (streamed files): the policy opens the edge's stream
+    after the access check, the relay moves bytes both ways under both streams' credit
+    (dsec.control.filedoors), the edge's answer ends the call."""
+    authenticate, redact = service.authenticate, service.redact
+    count = _counter(service, op)
+
+    async def handle(session: GatewaySession, body: Any, stream: DuplexStream) -> Any:
+        t0, outcome = time.perf_counter(), "internal"
+        try:
+            edge, done = await service.open_file_stream(
+                authenticate(session.key, session.peer), op, body)
+            info = await gateway_relay(stream, edge, done)
+            outcome = "ok"
+            return info
+        except DsecError as exc:
+            outcome = exc.code
+            raise redact(exc) from None
+        finally:
+            count(outcome, time.perf_counter() - t0, session.peer)
     return handle
 
 

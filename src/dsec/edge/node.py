@@ -54,6 +54,7 @@ from dsec.edge.backend import (
 )
 from dsec.edge.clock import Clock, SystemClock
 from dsec.edge.eager import gather_eager
+from dsec.edge.filestream import FileStreamBackend
 from dsec.edge.journal import (
     JOURNAL_SYNC_MODES,
     JournalEnd,
@@ -88,6 +89,7 @@ from dsec.errors import (
     NotFound,
     PermissionDenied,
     RateLimited,
+    ResourceExhausted,
     SandboxNotFound,
     StreamReset,
     WrongNode,
@@ -96,6 +98,14 @@ from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.image.store import LayerStore
 from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
+from dsec.wire.files import (
+    MAX_WATCHES_PER_SANDBOX,
+    FileEvent,
+    ReadStream,
+    Rename,
+    Watch,
+    WriteStream,
+)
 from dsec.wire.netpolicy import NetworkPolicy, within
 from dsec.wire.node import (
     MAX_FEED_EVENTS,
@@ -1317,9 +1327,10 @@ class EdgeNode:
                 + ("" if pr is None else " under this URL (closed and exposed again since)")
                 + "; expose it and use the new URL", sandbox_id=rec.id, port=port)
         cap = self.config.max_tunnels_per_sandbox
-        if len(rec.tunnels) >= cap:
+        n_tunnels = sum(1 for p in rec.tunnels.values() if p > 0)  # not file streams
+        if n_tunnels >= cap:
             raise RateLimited(
-                f"sandbox {rec.id} has {len(rec.tunnels)} open connections to its exposed "
+                f"sandbox {rec.id} has {n_tunnels} open connections to its exposed "
                 f"ports (the limit is {cap}); close some or retry later",
                 sandbox_id=rec.id, limit=cap, retry_after=1.0)
         backend = self._port_backend(rec)
@@ -1475,11 +1486,15 @@ class EdgeNode:
 
     # ================================================================ files
     async def _file_op(self, sandbox_id: str, op: str,
-                       call: Callable[[Backend, SandboxId], Awaitable[_T]], path: str) -> _T:
+                       call: Callable[[Backend, SandboxId], Awaitable[_T]], path: str,
+                       *, read: bool = False) -> _T:
         rec = self._find(sandbox_id)
         check_path(path)  # the same limits whatever door the request came through
         if rec.state != "running":
-            await self._ready(rec, op)
+            if read:
+                await self._readable(rec, op)
+            else:
+                await self._ready(rec, op)
         rec.active += 1
         rec.last_active_at = self.clock.time()
         try:
@@ -1497,7 +1512,7 @@ class EdgeNode:
         check_read_range(offset, length)
         return await self._file_op(
             sandbox_id, "read_file",
-            lambda b, s: b.read_file(s, path, offset=offset, length=length), path)
+            lambda b, s: b.read_file(s, path, offset=offset, length=length), path, read=True)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
@@ -1508,11 +1523,11 @@ class EdgeNode:
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
         return await self._file_op(
-            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path)
+            sandbox_id, "list_dir", lambda b, s: b.list_dir(s, path), path, read=True)
 
     async def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return await self._file_op(
-            sandbox_id, "stat", lambda b, s: b.stat(s, path), path)
+            sandbox_id, "stat", lambda b, s: b.stat(s, path), path, read=True)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> None:
         await self._file_op(sandbox_id, "mkdir", lambda b, s: b.mkdir(s, path, parents=parents),
@@ -1521,6 +1536,109 @@ class EdgeNode:
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         await self._file_op(sandbox_id, "remove",
                             lambda b, s: b.remove(s, path, recursive=recursive), path)
+
+    # ---------------------------------------------- streams, rename, watch (issue 19)
+    async def _readable(self, rec: _Sandbox, op: str) -> None:
+        """The paused-sandbox rule for reads (docs/sdk.md "Paused sandboxes"): a read
+        (read, list, stat, streamed read, watch) works on a running or a paused sandbox
+        without resuming it, from the host side (its files stay where they are while it
+        is frozen); a pause or resume in flight is waited for first."""
+        while True:
+            state = rec.state
+            if state in ("running", "paused"):
+                return
+            if state in ("pausing", "resuming") and rec.busy is not None:
+                await asyncio.shield(rec.busy)
+                continue
+            raise InvalidTransition(
+                f"sandbox {rec.id} cannot {op} while it is {state}; it must be running "
+                "or paused", sandbox_id=rec.id, event=op, state=state)
+
+    def _streams(self, rec: _Sandbox) -> FileStreamBackend:
+        backend = rec.backend
+        if not isinstance(backend, FileStreamBackend):
+            raise InvalidArgument(f"sandbox {rec.id} runs on the {rec.spec.backend!r} "
+                                  "backend, which streams no files", backend=rec.spec.backend)
+        return backend
+
+    @contextlib.asynccontextmanager
+    async def _file_stream(self, sandbox_id: str, op: str, *, read: bool,
+                           kind: int = 0) -> AsyncIterator[tuple[_Sandbox, FileStreamBackend]]:
+        """A long file call (a transfer, a watch): ready (reads: readable) first, counted
+        as activity, and ended with StreamReset when the sandbox ends (its task sits
+        with the sandbox's tunnels under ``kind``: 0 transfers, -1 watches)."""
+        rec = self._find(sandbox_id)
+        backend = self._streams(rec)
+        if kind == -1:
+            open_ = sum(1 for p in rec.tunnels.values() if p == -1)
+            if open_ >= MAX_WATCHES_PER_SANDBOX:
+                raise ResourceExhausted(
+                    f"sandbox {rec.id} has {open_} file watches open, the limit; close one "
+                    "(leave its iterator) first", sandbox_id=rec.id,
+                    limit=MAX_WATCHES_PER_SANDBOX)
+        if read:
+            await self._readable(rec, op)
+        else:
+            await self._ready(rec, op)
+        task = asyncio.current_task()
+        assert task is not None
+        rec.tunnels[task] = kind
+        rec.active += 1
+        rec.last_active_at = self.clock.time()
+        try:
+            yield rec, backend
+        except asyncio.CancelledError:
+            why = rec.cut.pop(task, None)
+            if why is None:
+                raise            # the caller's CANCEL, or the connection going away
+            raise StreamReset(why, sandbox_id=rec.id) from None
+        except DsecError:
+            raise
+        except Exception as exc:
+            raise self._interrupted(rec, op, exc) from exc
+        finally:
+            rec.tunnels.pop(task, None)
+            rec.cut.pop(task, None)
+            rec.active -= 1
+            rec.last_active_at = self.clock.time()
+            if rec.spec.idle_timeout_s is not None:
+                self._arm(rec)
+
+    async def file_read_stream(self, b: ReadStream, stream: DuplexStream) -> FileInfo:
+        """Send the file's bytes on ``stream`` (under the caller's credit), half-close,
+        answer the file as it was opened."""
+        async with self._file_stream(b.id, "read", read=True) as (rec, backend):
+            info = await backend.read_stream(SandboxId(rec.id), b.path, b.offset, b.length,
+                                             stream.send)
+            stream.close_write()
+            return info
+
+    async def file_write_stream(self, b: WriteStream, stream: DuplexStream) -> FileInfo:
+        """Replace the file with the bytes the caller sends until its FIN (atomically)."""
+        async with self._file_stream(b.id, "write", read=False) as (rec, backend):
+            return await backend.write_stream(SandboxId(rec.id), b.path, b.mode, b.size,
+                                              aiter(stream))
+
+    async def file_rename(self, b: Rename) -> FileInfo:
+        check_path(b.dst, field="dst")
+        return await self._file_op(
+            b.id, "rename",
+            lambda be, s: self._streams(self._find(b.id)).rename_file(
+                s, b.src, b.dst, b.overwrite), b.src)
+
+    async def file_watch(self, b: Watch, send: Callable[[FileEvent], Awaitable[None]]
+                         ) -> str:
+        """Send changes below ``b.path`` until it goes away (``removed``), ``b.timeout_s``
+        passes (``timeout``) or the caller ends the call; answers why it ended."""
+        async with self._file_stream(b.id, "watch", read=True, kind=-1) as (rec, backend):
+            try:
+                async with asyncio.timeout(b.timeout_s):
+                    async for ev in backend.watch_files(SandboxId(rec.id), b.path,
+                                                        b.recursive):
+                        await send(ev)
+            except TimeoutError:
+                return "timeout"
+            return "removed"
 
     async def stats(self, sandbox_id: str) -> SandboxStats:
         """The backend's reading, with the CPU usage over the interval since this

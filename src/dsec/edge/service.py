@@ -50,6 +50,7 @@ from dsec.wire.calls import (
     SnapshotRef,
     WriteFile,
 )
+from dsec.wire.files import ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.layers import (
     LayerChain,
     LayerGrant,
@@ -214,6 +215,19 @@ class EdgeHandlers:
 
     async def remove(self, b: Remove) -> None:
         await self.node.remove(b.id, b.path, recursive=b.recursive)
+
+    # ---------------------------------------------------- streams, rename, watch (issue 19)
+    async def file_read_stream(self, b: ReadStream, stream: DuplexStream) -> FileInfo:
+        return await self.node.file_read_stream(b, stream)
+
+    async def file_write_stream(self, b: WriteStream, stream: DuplexStream) -> FileInfo:
+        return await self.node.file_write_stream(b, stream)
+
+    async def file_rename(self, b: Rename) -> FileInfo:
+        return await self.node.file_rename(b)
+
+    async def file_watch(self, b: Watch, out: StreamSender) -> WatchEnd:
+        return WatchEnd(reason=await self.node.file_watch(b, out.send))
 
     # ---------------------------------------------------------------- ports
     async def port_expose(self, b: PortExpose) -> PortRecord:

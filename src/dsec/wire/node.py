@@ -19,7 +19,8 @@ from dsec.wire.spec import SandboxEvent, SandboxState
 #: misread. 1: before issue 13 (``edge.info``, per-type batch items); 2: the catalogue
 #: (``edge.node_info``, ``Batch[T]``, request bodies refuse unknown fields); 3: issue 14
 #: (Aether duplex streams and their ``WINDOW`` frame, which an edge of release 2 would
-#: take for corruption; the network policy and port rows); 4: issue 19 (the process rows).
+#: take for corruption; the network policy and port rows); 4: issue 19 (the process rows
+#: and the file rows: file_read_stream, file_write_stream, file_rename, file_watch).
 EDGE_PROTOCOL: Final = 4
 
 #: The most sandboxes one heartbeat lists (a page: ``HeartbeatRequest.list_after`` /

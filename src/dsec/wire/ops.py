@@ -100,6 +100,7 @@ from dsec.wire.cluster import (
     JoinTokenView,
     NodeMigration,
 )
+from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.layers import (
     ImagePin,
     ImagePinRef,
@@ -168,6 +169,10 @@ __all__ = [
     "EXEC_MANY",
     "EXEC_STREAM",
     "FEED",
+    "FILE_READ_STREAM",
+    "FILE_RENAME",
+    "FILE_WATCH",
+    "FILE_WRITE_STREAM",
     "GATEWAY_OPS",
     "GET",
     "HEARTBEAT",
@@ -961,6 +966,43 @@ NODE_PINS: Op[PinSet, Empty] = Op(
     summary="Make the node's pinned images exactly this set (control plane only)",
     role=None, target="node", idempotent=True, doors=_EDGE)
 
+# Issue 19 (Files): files of any size in pieces, rename and watch (dsec.wire.files). The
+# stream rows are duplex (raw bytes under per-stream credit: bounded memory on every hop,
+# however big the file and however slow the reader); their REST forms are hand-written
+# routes (a streamed raw body each way), the gateway serves them as duplex methods.
+FILE_READ_STREAM: TunnelOp[ReadStream, FileInfo] = TunnelOp(
+    "file_read_stream", ReadStream, FileInfo,
+    summary="Read a file of any size as a byte stream (the reply: the file as opened)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/content",
+              operation_id="readFileStream", query=_q("path", "offset", "length"),
+              reply="raw"))
+
+FILE_WRITE_STREAM: TunnelOp[WriteStream, FileInfo] = TunnelOp(
+    "file_write_stream", WriteStream, FileInfo,
+    summary="Replace a file atomically with a byte stream of any size (a temporary file "
+            "renamed into place once every byte arrived)",
+    # the whole content each time: repeating it leaves the same file
+    role="member", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="PUT", path="/v1/sandboxes/{id}/files/content",
+              operation_id="writeFileStream", query=_q("path", "mode", "size")))
+
+FILE_RENAME: Op[Rename, FileInfo] = Op(
+    "file_rename", Rename, FileInfo,
+    summary="Rename (move) a file or directory inside the sandbox",
+    # a repeat after success answers NotFound (src is gone): not idempotent
+    role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    rest=Rest(method="POST", path="/v1/sandboxes/{id}/files/rename",
+              operation_id="renameFile", body="*"))
+
+FILE_WATCH: StreamOp[Watch, FileEvent, WatchEnd] = StreamOp(
+    "file_watch", Watch, WatchEnd, item=FileEvent,
+    summary="Watch a directory: create/write/remove/rename/chmod events (inotify)",
+    role="reader", target="sandbox", idempotent=True, doors=ALL_DOORS,
+    rest=Rest(method="GET", path="/v1/sandboxes/{id}/files/watch",
+              operation_id="watchFiles", query=_q("path", "recursive", "timeout_s"),
+              reply="ndjson"))
+
 # Issue 19, lifetimes: move a sandbox's deadline (its TTL clock stops while paused).
 SET_TIMEOUT: Op[SetTimeout, SandboxInfo] = Op(
     "set_timeout", SetTimeout, SandboxInfo,
@@ -1083,6 +1125,10 @@ ALL_OPS: Final[tuple[Op[Any, Any], ...]] = (
     CLUSTER_NODE_REVOKE,
     NODE_MIGRATE,
     NODE_PINS,
+    FILE_READ_STREAM,
+    FILE_WRITE_STREAM,
+    FILE_RENAME,
+    FILE_WATCH,
     SET_TIMEOUT,
     LAYER_GRANT,
     KEYS,

@@ -283,6 +283,13 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
           description="whose keys (default: the caller's own)"),
     Param("nodes", {"type": "boolean"},
           description="also revoke the nodes that joined with the token"),
+    # issue 19: streamed files, watches
+    Param("size", {"type": "integer", "minimum": 0, "maximum": 1 << 40},
+          description="the upload's size in bytes, when known: refused up front if the "
+                      "disk cannot take it, and the write fails unless exactly this much "
+                      "arrives"),
+    Param("timeout_s", {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
+          description="end the watch after this many seconds"),
 )}
 
 

@@ -142,9 +142,10 @@ from dsec.wire.cluster import (
     JoinTokenView,
     NodeMigration,
 )
+from dsec.wire.files import FileEvent, ReadStream, Watch, WatchEnd, WriteStream
 from dsec.wire.layers import ImagePin, ImagePinRef, LayerFetch, LayerFetched, NodePins
 from dsec.wire.netpolicy import NetworkPolicy, ceiling_deny, check_within
-from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, UploadOp
+from dsec.wire.ops import USE_CLIENT_DEFAULT, Deadline, Op, StreamOp, TunnelOp, UploadOp
 from dsec.wire.outcome import Batch
 from dsec.wire.ports import (
     MAX_TOKEN_TTL_S,
@@ -161,6 +162,7 @@ from dsec.wire.spec import (
     ExecChunk,
     ExecRequest,
     ExecResult,
+    FileInfo,
     NetworkView,
     PauseStats,
     SandboxEvent,
@@ -1665,6 +1667,11 @@ class ApiService:
             "cluster_nodes": self._cluster_nodes_op,
             "cluster_node_revoke": self._cluster_node_revoke_op,
             "node_migrate": self._node_migrate_op,
+            # issue 19: streamed files (the duplex rows' doors: dsec.control.filedoors)
+            "file_read_stream": self._file_read_refused,
+            "file_write_stream": self._file_write_refused,
+            "file_rename": functools.partial(fwd, ops.FILE_RENAME),
+            "file_watch": self._file_watch_op,
             "set_timeout": functools.partial(fwd, ops.SET_TIMEOUT),   # issue 19 (life)
             # issue 19: processes, each by the row's role on the sandbox's project
             "process_start": functools.partial(fwd, ops.PROCESS_START),
@@ -1675,6 +1682,50 @@ class ApiService:
             "process_signal": functools.partial(fwd, ops.PROCESS_SIGNAL),
             "pty_resize": functools.partial(fwd, ops.PTY_RESIZE),
         }
+
+    # ------------------------------------------------------- streamed files (issue 19)
+    async def open_file_stream(self, caller: Caller, op: TunnelOp[Any, FileInfo], body: Any,
+                               ) -> tuple[DuplexStream, Callable[[], Awaitable[FileInfo]]]:
+        """Check ``caller`` may ``op`` (the row's role on the sandbox's project) and open
+        the edge's duplex stream for it: (the stream, its answer with errors mapped as
+        :meth:`_via` maps them). The doors move the bytes (dsec.control.filedoors)."""
+        assert op.role is not None
+        edge, _ = await self._edge_for(caller, body.id, op.role)
+        stream = edge.tunnel(op, body)
+
+        async def done() -> FileInfo:
+            info: FileInfo = await self._via(edge, body.id, op.name, stream.result,
+                                             effect=op.effect)
+            return info
+        return stream, done
+
+    # The duplex rows' bytes do not fit a request-reply policy: every door calls
+    # open_file_stream instead (a door that called these would be a wiring bug).
+    async def _file_read_refused(self, caller: Caller, b: ReadStream) -> FileInfo:
+        raise InvalidArgument("file_read_stream is a duplex call: open it with "
+                              "open_file_stream (the gateway and REST doors do)")
+
+    async def _file_write_refused(self, caller: Caller, b: WriteStream) -> FileInfo:
+        raise InvalidArgument("file_write_stream is a duplex call: open it with "
+                              "open_file_stream (the gateway and REST doors do)")
+
+    async def _file_watch_op(self, caller: Caller, b: Watch
+                             ) -> AsyncIterator[FileEvent | WatchEnd]:
+        edge, _ = await self._edge_for(caller, b.id, "reader")
+        return self._watch(edge, b)
+
+    async def _watch(self, edge: EdgeOps, b: Watch) -> AsyncIterator[FileEvent | WatchEnd]:
+        try:
+            async for item in edge.stream(ops.FILE_WATCH, b, timeout=None):
+                yield item
+        except SandboxNotFound:
+            lost = self._vanished(b.id)
+            if lost is not None:
+                raise _lost_error(lost) from None
+            raise _not_found(b.id) from None
+        except _LINK_ERRORS as exc:
+            raise _unreachable(node_of(b.id), "file_watch", b.id, exc, effect=False,
+                               sent=True) from exc
 
     # ------------------------------------------------------------------ ports
     def _exposed(self, sid: str, rec: PortRecord, ttl: float | None) -> ExposedPort:

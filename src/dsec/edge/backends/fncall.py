@@ -53,7 +53,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from dsec import ownership
+from dsec.edge import filestream
 from dsec.edge.backend import DeathSink, Leftover, replay_as_stream
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.census import (
@@ -97,6 +98,7 @@ from dsec.edge.notices import NoticeLimiter
 from dsec.errors import BackendError, CapacityExceeded, InUse, InvalidArgument, SandboxNotFound
 from dsec.ids import SandboxId
 from dsec.rmtree import remove_tree
+from dsec.wire.files import FileEvent
 from dsec.wire.node import PoolStats
 from dsec.wire.spec import (
     TIMEOUT_EXIT_CODE,
@@ -1384,6 +1386,45 @@ class FncallBackend:
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
         await self._files(sid, lambda f: f.write(path, data, mode=mode, append=append))
+
+    # streamed transfer, rename, watch (issue 19; dsec.edge.filestream drives them)
+    def _handle(self, sid: SandboxId) -> WorkFiles:
+        """A handle of the sandbox's work dir for one long call (its own dup of the fd,
+        closed by the caller)."""
+        box = self._box(sid)
+        return WorkFiles(os.dup(box.files.root_fd), box.files.sid, owner=box.files.owner,
+                         disk_room=box.files.disk_room)
+
+    async def _in_pool(self, fn: Callable[[], _T]) -> _T:
+        if self._file_pool is None:
+            self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="dsec-fncall-files")
+        fut = asyncio.get_running_loop().run_in_executor(self._file_pool, fn)
+        self._file_ops.add(fut)
+        fut.add_done_callback(self._file_ops.discard)
+        return await fut
+
+    async def read_stream(self, sid: SandboxId, path: str, offset: int, length: int | None,
+                          sink: Callable[[bytes], Awaitable[None]]) -> FileInfo:
+        with self._handle(sid) as files:
+            return await filestream.read_stream(files, path, offset, length, sink,
+                                                self._in_pool)
+
+    async def write_stream(self, sid: SandboxId, path: str, mode: int, size: int | None,
+                           source: AsyncIterator[bytes]) -> FileInfo:
+        with self._handle(sid) as files:
+            return await filestream.write_stream(files, path, mode, size, source,
+                                                 self._in_pool)
+
+    async def rename_file(self, sid: SandboxId, src: str, dst: str,
+                          overwrite: bool) -> FileInfo:
+        return await self._files(sid, lambda f: f.rename(src, dst, overwrite=overwrite))
+
+    async def watch_files(self, sid: SandboxId, path: str,
+                          recursive: bool) -> AsyncIterator[FileEvent]:
+        with self._handle(sid) as files:
+            async for ev in filestream.watch(files, path, recursive, self._in_pool):
+                yield ev
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
         return await self._files(sid, lambda f: f.list(path))

@@ -13,12 +13,13 @@ without creating tasks.
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import hashlib
 import posixpath
 import shlex
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,9 +34,11 @@ from dsec.errors import (
     InvalidArgument,
     NotFound,
     QuotaExceeded,
+    ResourceExhausted,
     SandboxNotFound,
 )
 from dsec.ids import SandboxId
+from dsec.wire.files import MAX_WATCHES_PER_SANDBOX, FileEvent, FileEventType
 from dsec.wire.spec import (
     TIMEOUT_EXIT_CODE,
     ExecChunk,
@@ -121,6 +124,9 @@ class _Box:
     dead: bool = False          # destroyed: commands still running in it are "killed"
     origin: str | None = None   # the snapshot it was started from
     last: str | None = None     # its latest snapshot
+    # file watches (issue 19): (directory, recursive, queue of events; None ends it)
+    watchers: list[tuple[str, bool, asyncio.Queue[FileEvent | None]]] = field(
+        default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -461,7 +467,7 @@ class SimulatedBackend:
 
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        box = self._box(sid, running=True)
+        box = self._box(sid)  # reads work on a paused sandbox
         await self._file_delay()
         p = _abs(path)
         data = box.fs.files.get(p)
@@ -487,11 +493,12 @@ class SimulatedBackend:
         box.fs.dirs.update(missing)
         if p not in box.fs.files:  # like open(O_CREAT): the mode applies on creation
             box.fs.modes[p] = mode & 0o7777
+        _emit(box, "write" if p in box.fs.files else "create", p)
         box.fs.files[p] = (box.fs.files.get(p, b"") + data) if append else bytes(data)
         box.fs.mtimes[p] = self.clock.time()
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        box = self._box(sid, running=True)
+        box = self._box(sid)  # reads work on a paused sandbox
         await self._file_delay()
         p = _abs(path)
         if p not in box.fs.dirs:
@@ -499,7 +506,7 @@ class SimulatedBackend:
         return [self._info(box, posixpath.join(p, n)) for n in sorted(_children(box.fs, p))]
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        box = self._box(sid, running=True)
+        box = self._box(sid)  # reads work on a paused sandbox
         await self._file_delay()
         p = _abs(path)
         if p not in box.fs.dirs and p not in box.fs.files:
@@ -525,6 +532,7 @@ class SimulatedBackend:
         fs = box.fs
         if p in fs.files:
             del fs.files[p]
+            _emit(box, "remove", p)
             return
         if p not in fs.dirs:
             raise NotFound(f"no such path {p} in sandbox {sid}", sandbox_id=sid, path=p)
@@ -540,12 +548,100 @@ class SimulatedBackend:
         fs.dirs.difference_update(subdirs)
         fs.dirs.discard(p)
 
+    # -------------------------------------------------- streams, rename, watch (issue 19)
+    async def read_stream(self, sid: SandboxId, path: str, offset: int, length: int | None,
+                          sink: Callable[[bytes], Awaitable[None]]) -> FileInfo:
+        box = self._box(sid)
+        await self._file_delay()
+        p = _abs(path)
+        data = box.fs.files.get(p)
+        if data is None:
+            raise NotFound(f"no file {p} in sandbox {sid}", sandbox_id=sid, path=p)
+        info = self._info(box, p)
+        end = len(data) if length is None else min(len(data), offset + length)
+        for at in range(offset, end, 1 << 20):
+            await sink(data[at:min(end, at + (1 << 20))])
+        return info
+
+    async def write_stream(self, sid: SandboxId, path: str, mode: int, size: int | None,
+                           source: AsyncIterator[bytes]) -> FileInfo:
+        self._box(sid, running=True)
+        buf = bytearray()
+        async for chunk in source:
+            buf += chunk
+            if size is not None and len(buf) > size:
+                raise InvalidArgument(f"write {path!r}: more than the announced size={size} "
+                                      "bytes arrived; nothing was changed", field="size")
+        if size is not None and len(buf) != size:
+            raise InvalidArgument(f"write {path!r}: {len(buf)} bytes arrived, size={size} "
+                                  "was announced; nothing was changed", field="size")
+        box = self._box(sid, running=True)
+        p = _abs(path)
+        if p in box.fs.dirs:
+            raise InvalidArgument(f"{p} in sandbox {sid} is a directory", path=p)
+        box.fs.files.pop(p, None)   # a new file: the mode applies
+        await self.write_file(sid, p, bytes(buf), mode=mode)
+        box.fs.modes[p] = mode & 0o7777
+        return self._info(box, p)
+
+    async def rename_file(self, sid: SandboxId, src: str, dst: str,
+                          overwrite: bool) -> FileInfo:
+        box = self._box(sid, running=True)
+        await self._file_delay()
+        s, d, fs = _abs(src), _abs(dst), box.fs
+        if s not in fs.files:
+            if s in fs.dirs:
+                raise InvalidArgument(f"the simulated backend renames files only ({s} is a "
+                                      "directory)", path=s)
+            raise NotFound(f"no such path {s} in sandbox {sid}", sandbox_id=sid, path=s)
+        if d in fs.dirs or (d in fs.files and not overwrite):
+            raise InvalidArgument(f"rename {s!r} -> {d!r} in sandbox {sid}: {d!r} exists; "
+                                  "pass overwrite=True to replace it", path=d, field="dst")
+        if posixpath.dirname(d) not in fs.dirs:
+            raise NotFound(f"parent of {d} does not exist in sandbox {sid}", path=d)
+        fs.files[d] = fs.files.pop(s)
+        fs.modes[d] = fs.modes.pop(s, 0o644)
+        fs.mtimes[d] = fs.mtimes.pop(s, 0.0)
+        _emit(box, "rename", s)
+        _emit(box, "create", d)
+        return self._info(box, d)
+
+    async def watch_files(self, sid: SandboxId, path: str,
+                          recursive: bool) -> AsyncIterator[FileEvent]:
+        box = self._box(sid)
+        p = _abs(path)
+        if p not in box.fs.dirs:
+            raise NotFound(f"no directory {p} in sandbox {sid}", sandbox_id=sid, path=p)
+        if len(box.watchers) >= MAX_WATCHES_PER_SANDBOX:
+            raise ResourceExhausted(f"sandbox {sid} has {len(box.watchers)} watches open, "
+                                    "its limit", limit=MAX_WATCHES_PER_SANDBOX)
+        entry: tuple[str, bool, asyncio.Queue[FileEvent | None]] = (p, recursive,
+                                                                     asyncio.Queue(4096))
+        box.watchers.append(entry)
+        try:
+            while (ev := await entry[2].get()) is not None:
+                yield ev
+        finally:
+            box.watchers.remove(entry)
+
     def _info(self, box: _Box, p: str) -> FileInfo:
         if p in box.fs.dirs:
             return FileInfo(name=posixpath.basename(p) or "/", path=p, type="dir", mode=0o755)
         return FileInfo(name=posixpath.basename(p), path=p, type="file",
                         size=len(box.fs.files[p]), mode=box.fs.modes.get(p, 0o644),
                         mtime=box.fs.mtimes.get(p, 0.0))
+
+
+def _emit(box: _Box, kind: FileEventType, path: str) -> None:
+    """Tell the box's watches of ``path`` about a change (a full queue: overflow)."""
+    parent = posixpath.dirname(path)
+    for d, recursive, q in box.watchers:
+        if parent == d or (recursive and parent.startswith(d.rstrip("/") + "/")):
+            ev = FileEvent(type=kind, path=path, name=posixpath.basename(path))
+            try:
+                q.put_nowait(ev)
+            except asyncio.QueueFull:
+                pass
 
 
 def _strip(fs: _Fs, patterns: tuple[str, ...]) -> _Fs:

@@ -33,12 +33,13 @@ import os
 import resource
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 
+from dsec.edge import filestream
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container import linux
 from dsec.edge.backends.container.box import Box
@@ -105,6 +106,7 @@ from dsec.net.attach import SandboxNetwork
 from dsec.nofile import raise_nofile
 from dsec.ownership import start_time
 from dsec.rmtree import remove_tree
+from dsec.wire.files import FileEvent
 from dsec.wire.spec import (
     BackendName,
     ExecChunk,
@@ -1865,6 +1867,38 @@ class ContainerBackend:
                 "or create the sandbox with a larger disk_bytes",
                 resource="disk_bytes", sandbox_id=sid,
                 limit=use.cap_bytes if use is not None else None) from exc
+
+    # streamed transfer, rename, watch (issue 19; dsec.edge.filestream drives them)
+    async def _in_pool(self, fn: Callable[[], _T]) -> _T:
+        if self._file_pool is None:
+            self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="dsec-container-files")
+        fut = asyncio.get_running_loop().run_in_executor(self._file_pool, fn)
+        self._file_ops.add(fut)
+        fut.add_done_callback(self._file_ops.discard)
+        return await fut
+
+    async def read_stream(self, sid: SandboxId, path: str, offset: int, length: int | None,
+                          sink: Callable[[bytes], Awaitable[None]]) -> FileInfo:
+        with self._files(sid) as files:
+            return await filestream.read_stream(files, path, offset, length, sink,
+                                                self._in_pool)
+
+    async def write_stream(self, sid: SandboxId, path: str, mode: int, size: int | None,
+                           source: AsyncIterator[bytes]) -> FileInfo:
+        with self._files(sid) as files:
+            return await filestream.write_stream(files, path, mode, size, source,
+                                                 self._in_pool)
+
+    async def rename_file(self, sid: SandboxId, src: str, dst: str,
+                          overwrite: bool) -> FileInfo:
+        return await self._file_op(sid, lambda f: f.rename(src, dst, overwrite=overwrite))
+
+    async def watch_files(self, sid: SandboxId, path: str,
+                          recursive: bool) -> AsyncIterator[FileEvent]:
+        with self._files(sid) as files:
+            async for ev in filestream.watch(files, path, recursive, self._in_pool):
+                yield ev
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
         return await self._file_op(sid, lambda f: f.list(path))

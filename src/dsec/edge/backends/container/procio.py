@@ -70,7 +70,7 @@ StreamName = Literal["stdout", "stderr"]
 
 class ProcessBackend(Protocol):
     """What a process needs of its backend (``ContainerBackend``): the zygote that
-    starts it, the governor and exec cgroups it runs in, and how a command is killed
+    starts it, a pidfd of the sandbox's init for the start, the governor and exec cgroups it runs in, and how a command is killed
     and its cgroup cleared. A Protocol: the backend imports this module (spawn_process),
     so importing it back (even for annotations) would be a cycle."""
 
@@ -83,6 +83,7 @@ class ProcessBackend(Protocol):
     @property
     def exec_start_timeout_s(self) -> float: ...
 
+    def _init_fd(self, box: Box) -> contextlib.AbstractContextManager[int]: ...
     def _new_exec_cgroup(self, box: Box) -> ExecCgroup: ...
     def _kill_exec(self, rid: int, ec: ExecCgroup) -> None: ...
     async def _clear_exec_cgroup(self, box: Box, ec: ExecCgroup) -> None: ...
@@ -418,7 +419,7 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
             sock_ours, sock_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             local.append(sock_theirs.detach())
             theirs.append(local[-1])
-            send_fds = [box.pidfd, local[-1], err_w, err_w]
+            send_fds = [-1, local[-1], err_w, err_w]      # [0]: the init's pidfd, below
         else:
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             local += [out_r, out_w]
@@ -429,13 +430,16 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
                 theirs.append(in_r)
             else:
                 in_r, in_w = backend._devnull, -1
-            send_fds = [box.pidfd, in_r, out_w, err_w]
-        zyg.send(Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
-                      cgroup_procs=ec.procs_files, nested=box.spec.allow_nested,
-                      background=False, userns=box.spec.user_namespace,
-                      pids_index=ec.pids_index, home_procs=backend.governor.home_procs(),
-                      hide=req.hide, helper=0, track=True, pty=pty),
-                 send_fds, p.on_reply)
+            send_fds = [-1, in_r, out_w, err_w]
+        # a native sandbox holds no pidfd while idle (issue 22): one for this send only
+        with backend._init_fd(box) as pidfd:
+            send_fds[0] = pidfd
+            zyg.send(Exec(id=rid, argv=argv, env=env, cwd=req.cwd, user=req.user,
+                          cgroup_procs=ec.procs_files, nested=box.spec.allow_nested,
+                          background=False, userns=box.spec.user_namespace,
+                          pids_index=ec.pids_index, home_procs=backend.governor.home_procs(),
+                          hide=req.hide, helper=0, track=True, pty=pty),
+                     send_fds, p.on_reply)
     except BaseException:
         if sock_ours is not None:
             sock_ours.close()
