@@ -16,6 +16,8 @@ APT_STAMP := .apt-installed
 # fuse3 + libfuse3-dev + pkg-config: lazy image layers (issue 17) are FUSE files served by
 # a pyfuse3 daemon, which builds from source against libfuse3.
 # tmux: `dsec sandbox shell` is tested in a real terminal (tests/client/test_processes.py).
+# chromium (+ a font for its screenshots): the dashboard is tested in it, headless over CDP
+# (tests/control/ui).
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
@@ -25,7 +27,8 @@ APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables
                 postgresql-15 \
                 nginx-light \
                 fuse3 libfuse3-dev pkg-config \
-                tmux
+                tmux \
+                chromium fonts-dejavu-core
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.
@@ -49,7 +52,7 @@ $(APT_STAMP): Makefile
 $(STAMP): pyproject.toml $(APT_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3,lazy]'
+	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3,lazy,e2b]'
 	@touch $@
 
 setup: $(STAMP)

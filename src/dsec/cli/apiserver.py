@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from dsec.cli.e2b_options import e2b_banner, e2b_config, e2b_options
 from dsec.cli.edge import blob_store_option, net_default_option, secret_in_argv
 from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
 
@@ -80,12 +81,15 @@ def _edges(values: tuple[str, ...]) -> dict[str, str]:
 @log_level_option()
 @log_format_option
 @access_log_option
+@e2b_options
 def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, listen: str,
               gateway: str, backend: str, edge_token_file: str | None, quiet: bool,
               node_ttl: float, sandbox_list_interval: float, net_default: Any,
               cluster_dir: str | None = None, blob_store: str | None = None,
               log_level: str = "warning", log_format: str = "text",
-              access_log: str | None = None) -> None:
+              access_log: str | None = None,
+              e2b: str | None = None, e2b_domain: str | None = None,
+              e2b_tls_cert: str | None = None, e2b_tls_key: str | None = None) -> None:
     """Run the API (REST, gateway, control plane) against edges given by address."""
     import uvloop
 
@@ -103,6 +107,7 @@ def apiserver(edges: tuple[str, ...], state_dir: str | None, store: str | None, 
                         edges=0, remote_edges=remote, edge_token=token,
                         net_default=net_default, cluster_dir=cluster_dir,
                         blob_store=blob_store,
+                        **e2b_config(e2b, e2b_domain, e2b_tls_cert, e2b_tls_key),
                         plane=PlaneConfig(node_ttl_s=node_ttl,
                                           sandbox_list_interval_s=sandbox_list_interval))
     from dsec.logs import configure
@@ -125,5 +130,7 @@ async def _run(cfg: Any, quiet: bool) -> None:
                    f"{where}  edges {', '.join(cfg.remote_edges) or '(joined only)'}", err=True)
         click.echo(f"admin key: {rt.admin_key}  (also in {cfg.state_dir}/local.json)",
                    err=True)
+        if (banner := e2b_banner(rt)) is not None:
+            click.echo(banner, err=True)
 
     await run_until_signalled(cfg, failed=failed, started=started)

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from dsec.cli.e2b_options import e2b_banner, e2b_config, e2b_options
 from dsec.cli.edge import (
     blob_store_option,
     capacity_options,
@@ -90,6 +91,7 @@ from dsec.cli.logopts import access_log_option, log_format_option, log_level_opt
 @click.option("--edge-metrics-port", type=click.IntRange(1, 65535), default=None,
               metavar="PORT", help="Edge i serves its Prometheus metrics at "
               "http://127.0.0.1:<PORT+i>/metrics (dsec edge --metrics-listen) [default: off].")
+@e2b_options
 def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str,
        edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
@@ -101,7 +103,9 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
        net_egress: str | None, net_pool: str, net_dns_upstream: tuple[str, ...],
        net_ipv6: str, hosts: int | None, replicas: int, blob_store: str | None,
        log_level: str = "warning", log_format: str = "text",
-       access_log: str | None = None, edge_metrics_port: int | None = None) -> None:
+       access_log: str | None = None, edge_metrics_port: int | None = None,
+       e2b: str | None = None, e2b_domain: str | None = None,
+       e2b_tls_cert: str | None = None, e2b_tls_key: str | None = None) -> None:
     """Run a single-machine dsec cluster in the foreground."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
     raise_nofile()
@@ -155,7 +159,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         image_store_budget=image_store_budget, registries=tuple(registries) or None,
         registry_blob_hosts=tuple(registry_blob_hosts), blob_store=blob_store,
         edge_log_level=log_level, edge_log_format=log_format,
-        edge_metrics_port=edge_metrics_port)
+        edge_metrics_port=edge_metrics_port,
+        **e2b_config(e2b, e2b_domain, e2b_tls_cert, e2b_tls_key))
     uvloop.run(_run(cfg, quiet, logs))
 
 
@@ -227,6 +232,8 @@ async def _run(cfg: Any, quiet: bool,
                       f"{rt.config.state_dir}/local.json)")
         console.print(_sizes(rt))
         export_lines(rt.url, rt.admin_key)
+        if (banner := e2b_banner(rt)) is not None:
+            console.print(banner, markup=False, highlight=False)
 
     async def serve(rt: Any, stop: asyncio.Event) -> None:
         if quiet:

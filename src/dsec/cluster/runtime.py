@@ -197,6 +197,13 @@ class ClusterConfig:
     cluster_dir: str | None = None
     #: ``--net-ipv6`` of every edge: "auto" (IPv6 where the uplink has it) or "off"
     net_ipv6: str = "auto"
+    # [e2b] The E2B-compatible API (dsec.control.e2b, docs/e2b.md) on its own listener,
+    # HOST:PORT (port 0 picks one); None: off. ``e2b_domain`` routes
+    # {port}-{id}.{domain} host names to envd; ``e2b_tls_*`` serve it over TLS.
+    e2b: str | None = None
+    e2b_domain: str | None = None
+    e2b_tls_cert: str | None = None
+    e2b_tls_key: str | None = None
 
 
 def _port_token_key(state_dir: str) -> bytes:
@@ -258,6 +265,8 @@ class ClusterRuntime:
         self._clients: list[Any] = []
         self._gateway: Any = None
         self._uvicorn: Any = None
+        self.e2b: Any = None          # [e2b] dsec.control.e2b.E2BServer when serving
+        self.e2b_url: str | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._http_sock: socket.socket | None = None
         self._store: Any = None
@@ -807,6 +816,12 @@ class ClusterRuntime:
                 self._serve_task.result()
                 raise TransportError(f"the HTTP server on {cfg.listen} stopped at start-up")
             await asyncio.sleep(0.005)
+        if cfg.e2b is not None:   # [e2b]
+            from dsec.control.e2b import E2BConfig, start_e2b
+            self.e2b = await start_e2b(service, cfg.e2b, config=E2BConfig(
+                domain=cfg.e2b_domain), tls_cert=cfg.e2b_tls_cert,
+                tls_key=cfg.e2b_tls_key, limits=cfg.http_limits)
+            self.e2b_url = self.e2b.url
 
     def _write_local(self) -> None:
         path = os.path.join(self.config.state_dir, LOCAL_FILE)
@@ -815,7 +830,8 @@ class ClusterRuntime:
         with os.fdopen(fd, "w") as f:
             json.dump({"url": self.url, "gateway": self.gateway_address,
                        "api_key": self.admin_key, "pid": os.getpid(),
-                       "state_dir": self.config.state_dir}, f)
+                       "state_dir": self.config.state_dir,
+                       **({"e2b": self.e2b_url} if self.e2b_url else {})}, f)  # [e2b]
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ status
@@ -846,6 +862,9 @@ class ClusterRuntime:
         """Stop serving, then destroy sandboxes (unless ``keep``, default the config's)
         and stop the edges."""
         keep = self.config.keep if keep is None else keep
+        if self.e2b is not None:   # [e2b]
+            await _bounded("stopping the E2B listener", self.e2b.stop(), HTTP_DRAIN_S)
+            self.e2b = None
         if self._uvicorn is not None:
             if self._http_sock is not None:
                 from dsec.control.api.http_limits import drain_accept_queue

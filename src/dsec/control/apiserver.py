@@ -491,12 +491,20 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
         resp.headers["allow"] = ", ".join(allow)
         return resp
 
+    # The web dashboard (/ui, dsec.control.ui): pages over the same policies; its
+    # terminal WebSocket is handed on to the REST process WebSocket through the front.
+    from dsec.control.ui import Dashboard
+    dashboard = Dashboard(service)
+    routes += dashboard.routes()  # type: ignore[arg-type]  # a Mount
+
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     app.state.openapi = doc
-    return FastPaths(app, service, PortProxy(
+    front = FastPaths(app, service, PortProxy(
         service, max_tunnels=cfg.max_proxy_tunnels, per_sandbox=cfg.proxy_tunnels_per_sandbox,
         per_project=cfg.proxy_tunnels_per_project, per_client=cfg.proxy_tunnels_per_client,
         idle_s=cfg.proxy_idle_s))
+    dashboard.root = front
+    return front
 
 
 _JSON_CT = (b"content-type", b"application/json")

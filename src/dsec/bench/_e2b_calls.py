@@ -1,0 +1,690 @@
+"""The stock E2B SDK's public calls, each checked against what E2B documents, run against
+dsec's E2B layer (issue 20). Shared by ``tests/e2b`` (one test per call) and the ``e2b``
+bench suite (``e2b_calls_compatible_ratio``: the fraction of these calls that behave as
+E2B documents, computed from a run, never written down).
+
+A :class:`Call` checks E2B's documented behaviour; where dsec's layer does not (yet) do
+what E2B documents, it checks that the SDK raises the exact error docs/e2b.md names and
+raises :class:`Gap`: the call then passes its test but never counts as compatible.
+
+Needs the ``e2b`` extra (``pip install -e '.[e2b]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CALLS", "Call", "E2BTarget", "Gap", "Outcome", "harness_dsec", "harness_e2b",
+           "run_calls"]
+
+
+@dataclass(frozen=True)
+class E2BTarget:
+    """Where the stock SDK is pointed: ``url`` (E2B_API_URL = E2B_SANDBOX_URL), a member
+    key of the default project, a reader key there, an admin key of another project,
+    and the template (dsec image) with /bin/bash that commands run in."""
+
+    url: str
+    api_key: str
+    reader_key: str
+    stranger_key: str
+    template: str
+
+    def opts(self, key: str | None = None) -> dict[str, Any]:
+        return {"api_url": self.url, "sandbox_url": self.url,
+                "api_key": key or self.api_key}
+
+
+class Gap(Exception):
+    """The call met a documented gap: the SDK raised exactly the error docs/e2b.md names."""
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    fn: Callable[[E2BTarget], None]
+
+
+@dataclass
+class Outcome:
+    name: str
+    ok: bool
+    compatible: bool
+    error: str = ""
+    seconds: float = 0.0
+
+
+CALLS: list[Call] = []
+
+
+def _call(name: str) -> Callable[[Callable[[E2BTarget], None]],
+                                  Callable[[E2BTarget], None]]:
+    def deco(fn: Callable[[E2BTarget], None]) -> Callable[[E2BTarget], None]:
+        CALLS.append(Call(name, fn))
+        return fn
+    return deco
+
+
+def _gap(exc: BaseException, words: str) -> Gap:
+    """``exc`` must carry ``words`` (the documented error); the Gap to raise."""
+    assert words in str(exc), f"expected the documented error {words!r}, got {exc!r}"
+    return Gap(str(exc)[:300])
+
+
+def _create(t: E2BTarget, **kw: Any) -> Any:
+    from e2b import Sandbox
+    return Sandbox.create(t.template, timeout=kw.pop("timeout", 120), **t.opts(), **kw)
+
+
+# ------------------------------------------------------------------ control (sync)
+@_call("Sandbox.create")
+def _c_create(t: E2BTarget) -> None:
+    sb = _create(t, metadata={"run": "e2b-create"}, envs={"GREETING": "hi there"})
+    try:
+        assert sb.sandbox_id and sb.is_running()
+        assert sb.commands.run("echo $GREETING").stdout == "hi there\n"
+    finally:
+        sb.kill()
+
+
+@_call("Sandbox.get_info")
+def _c_info(t: E2BTarget) -> None:
+    sb = _create(t, metadata={"run": "e2b-info"}, timeout=200)
+    try:
+        info = sb.get_info()
+        assert info.sandbox_id == sb.sandbox_id and info.state.value == "running"
+        assert info.metadata == {"run": "e2b-info"}, info.metadata
+        assert info.template_id.endswith(t.template)
+        left = (info.end_at - info.started_at).total_seconds()
+        assert 190 <= left <= 210, left
+    finally:
+        sb.kill()
+
+
+@_call("Sandbox.connect")
+def _c_connect(t: E2BTarget) -> None:
+    from e2b.exceptions import SandboxNotFoundException
+
+    from e2b import Sandbox
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/mark", "x")
+        again = Sandbox.connect(sb.sandbox_id, **t.opts())
+        assert again.sandbox_id == sb.sandbox_id
+        assert again.files.read("/tmp/mark") == "x"
+    finally:
+        sb.kill()
+    try:
+        Sandbox.connect(sb.sandbox_id, **t.opts())
+    except SandboxNotFoundException:
+        return
+    raise AssertionError("connect to a killed sandbox did not raise SandboxNotFound")
+
+
+@_call("Sandbox.list")
+def _c_list(t: E2BTarget) -> None:
+    from e2b import Sandbox, SandboxQuery, SandboxState
+    tag = f"list-{os.getpid()}-{time.monotonic_ns()}"
+    sbs = [_create(t, metadata={"tag": tag}) for _ in range(3)]
+    try:
+        pager = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}), limit=2,
+                             **t.opts())
+        seen: list[str] = []
+        pages = 0
+        while pager.has_next:
+            seen += [s.sandbox_id for s in pager.next_items()]
+            pages += 1
+        assert sorted(seen) == sorted(s.sandbox_id for s in sbs), seen
+        assert pages >= 2, pages
+        sbs[0].pause()
+        paused = Sandbox.list(query=SandboxQuery(metadata={"tag": tag},
+                                                 state=[SandboxState.PAUSED]),
+                              **t.opts()).next_items()
+        assert [s.sandbox_id for s in paused] == [sbs[0].sandbox_id], paused
+        running = Sandbox.list(query=SandboxQuery(metadata={"tag": tag},
+                                                  state=[SandboxState.RUNNING]),
+                               **t.opts()).next_items()
+        assert sorted(s.sandbox_id for s in running) == sorted(
+            s.sandbox_id for s in sbs[1:])
+    finally:
+        for s in sbs:
+            s.kill()
+
+
+@_call("Sandbox.set_timeout")
+def _c_timeout(t: E2BTarget) -> None:
+    sb = _create(t, timeout=60)
+    try:
+        sb.set_timeout(900)
+        info = sb.get_info()
+        left = (info.end_at.timestamp() - time.time())
+        assert 880 <= left <= 905, left
+    finally:
+        sb.kill()
+
+
+@_call("Sandbox.pause")
+def _c_pause(t: E2BTarget) -> None:
+    from e2b import Sandbox
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/kept", "state")
+        assert sb.pause() is True
+        assert sb.get_info().state.value == "paused"
+        assert Sandbox.pause(sb.sandbox_id, **t.opts()) is False   # already paused: 409
+        Sandbox.connect(sb.sandbox_id, **t.opts())                 # resumes
+        assert sb.get_info().state.value == "running"
+        assert sb.files.read("/tmp/kept") == "state"
+    finally:
+        sb.kill()
+
+
+@_call("Sandbox.kill")
+def _c_kill(t: E2BTarget) -> None:
+    from e2b.exceptions import SandboxNotFoundException
+
+    from e2b import Sandbox
+    sb = _create(t)
+    assert sb.kill() is True
+    assert Sandbox.kill(sb.sandbox_id, **t.opts()) is False    # 404: already gone
+    assert Sandbox.kill("sb-000000000000-nowhere", **t.opts()) is False
+    assert sb.is_running() is False
+    try:
+        sb.get_info()
+    except SandboxNotFoundException:
+        return
+    raise AssertionError("get_info of a killed sandbox did not raise SandboxNotFound")
+
+
+@_call("another project's key sees nothing")
+def _c_tenancy(t: E2BTarget) -> None:
+    from e2b.exceptions import SandboxNotFoundException
+
+    from e2b import Sandbox
+    sb = _create(t)
+    try:
+        stranger = t.opts(t.stranger_key)
+        for fn in (lambda: Sandbox.get_info(sb.sandbox_id, **stranger),
+                   lambda: Sandbox.connect(sb.sandbox_id, **stranger),
+                   lambda: Sandbox.set_timeout(sb.sandbox_id, 10, **stranger),
+                   lambda: Sandbox.pause(sb.sandbox_id, **stranger)):
+            try:
+                fn()
+            except SandboxNotFoundException:
+                continue
+            raise AssertionError("another project's key reached the sandbox")
+        assert Sandbox.kill(sb.sandbox_id, **stranger) is False
+        listed = Sandbox.list(**stranger).next_items()
+        assert sb.sandbox_id not in [s.sandbox_id for s in listed]
+        assert sb.is_running()
+    finally:
+        sb.kill()
+
+
+@_call("a reader key cannot create; no key is AuthenticationException")
+def _c_auth(t: E2BTarget) -> None:
+    from e2b.exceptions import AuthenticationException, SandboxException
+
+    from e2b import Sandbox
+    try:
+        Sandbox.create(t.template, **t.opts(t.reader_key))
+    except SandboxException as exc:
+        assert "403" in str(exc), exc
+    else:
+        raise AssertionError("a reader key created a sandbox")
+    try:
+        Sandbox.list(**t.opts("dsk_0000000000000000_wrong")).next_items()
+    except AuthenticationException:
+        return
+    raise AssertionError("a wrong key was not refused with AuthenticationException")
+
+
+# ---------------------------------------------------------------------- commands
+@_call("commands.run foreground")
+def _c_run(t: E2BTarget) -> None:
+    from e2b import CommandExitException
+    sb = _create(t)
+    try:
+        r = sb.commands.run("echo out; echo err >&2", cwd="/tmp", envs={"A": "1"})
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "out\n", "err\n"), r
+        assert sb.commands.run("pwd; echo $A", cwd="/tmp", envs={"A": "1"}).stdout == \
+            "/tmp\n1\n"
+        try:
+            sb.commands.run("echo nope; exit 3")
+        except CommandExitException as exc:
+            assert exc.exit_code == 3 and exc.stdout == "nope\n", exc
+        else:
+            raise AssertionError("a failing command did not raise CommandExitException")
+    finally:
+        sb.kill()
+
+
+@_call("commands.run background")
+def _c_background(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        h = sb.commands.run("sleep 0.5; echo done", background=True)
+        assert h.pid > 0
+        assert h.wait().stdout == "done\n"
+    finally:
+        sb.kill()
+
+
+@_call("commands.run streaming callbacks")
+def _c_callbacks(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        out: list[str] = []
+        err: list[str] = []
+        r = sb.commands.run("for i in 1 2 3; do echo o$i; echo e$i >&2; sleep 0.1; done",
+                            on_stdout=out.append, on_stderr=err.append)
+        assert "".join(out) == "o1\no2\no3\n" == r.stdout, (out, r)
+        assert "".join(err) == "e1\ne2\ne3\n", err
+        assert len(out) >= 2, out     # streamed in pieces, not one at the end
+    finally:
+        sb.kill()
+
+
+@_call("commands.run timeout")
+def _c_cmd_timeout(t: E2BTarget) -> None:
+    from e2b.exceptions import TimeoutException
+    sb = _create(t)
+    try:
+        t0 = time.monotonic()
+        try:
+            sb.commands.run("sleep 30", timeout=1)
+        except TimeoutException:
+            assert time.monotonic() - t0 < 15
+        else:
+            raise AssertionError("a command past its timeout did not raise Timeout")
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()
+
+
+@_call("commands.kill")
+def _c_cmd_kill(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        h = sb.commands.run("sleep 60", background=True)
+        assert h.pid in [p.pid for p in sb.commands.list()]
+        assert h.kill() is True
+        deadline = time.monotonic() + 10
+        while h.pid in [p.pid for p in sb.commands.list()]:
+            assert time.monotonic() < deadline, "killed command still listed"
+            time.sleep(0.1)
+        assert sb.commands.kill(h.pid) is False     # gone: NOT_FOUND -> False
+        ps = sb.commands.run("ps -o pid,args").stdout
+        assert "sleep 60" not in ps, ps              # killed in the sandbox, not just here
+    finally:
+        sb.kill()
+
+
+@_call("commands.run stdin")
+def _c_stdin(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        h = sb.commands.run("cat; echo end", background=True, stdin=True)
+        h.send_stdin("hello ")
+        sb.commands.send_stdin(h.pid, b"world\n")
+        h.close_stdin()
+        assert h.wait().stdout == "hello world\nend\n"
+    finally:
+        sb.kill()
+
+
+@_call("commands.connect")
+def _c_cmd_connect(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        h = sb.commands.run("echo first; sleep 1; echo second", background=True)
+        h.disconnect()
+        again = sb.commands.connect(h.pid)          # output kept, then followed live
+        assert again.wait().stdout == "first\nsecond\n"
+        assert h.pid not in [p.pid for p in sb.commands.list()]
+    finally:
+        sb.kill()
+
+
+@_call("pty.create/send_stdin/resize/kill")
+def _c_pty(t: E2BTarget) -> None:
+    from e2b.exceptions import InvalidArgumentException
+
+    from e2b import PtySize
+    sb = _create(t)
+    try:
+        out = bytearray()
+        try:
+            h = sb.pty.create(PtySize(rows=24, cols=80))
+        except InvalidArgumentException as exc:
+            raise _gap(exc, "backend has no terminals") from None
+        sb.pty.resize(h.pid, PtySize(rows=30, cols=100))
+        sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((6*7)); exit 3\n")
+        try:
+            h.wait(on_pty=out.extend)
+        except Exception as exc:   # noqa: BLE001 - exit 3: CommandExitException
+            assert getattr(exc, "exit_code", None) == 3, exc
+        text = out.decode(errors="replace")
+        assert "30 100" in text and "pty-42" in text, text
+        h2 = sb.pty.create(PtySize(rows=24, cols=80))
+        assert sb.pty.kill(h2.pid) is True
+    finally:
+        sb.kill()
+
+
+# ------------------------------------------------------------------------ files
+@_call("files.write/read")
+def _c_rw(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        info = sb.files.write("/tmp/w/a.txt", "héllo")      # parents made, as envd does
+        assert info.path == "/tmp/w/a.txt" and info.name == "a.txt", info
+        assert sb.files.read("/tmp/w/a.txt") == "héllo"
+        sb.files.write("/tmp/w/b.bin", b"\x00\xff\x01")
+        assert bytes(sb.files.read("/tmp/w/b.bin", format="bytes")) == b"\x00\xff\x01"
+        assert b"".join(sb.files.read("/tmp/w/b.bin", format="stream")) == b"\x00\xff\x01"
+    finally:
+        sb.kill()
+
+
+@_call("files.list")
+def _c_list_files(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/l/x.txt", "12345")
+        sb.files.make_dir("/tmp/l/sub")
+        sb.files.write("/tmp/l/sub/y.txt", "y")
+        top = {e.name: e for e in sb.files.list("/tmp/l")}
+        assert set(top) == {"x.txt", "sub"}, top
+        assert top["x.txt"].size == 5 and top["x.txt"].type.value == "file"
+        assert top["sub"].type.value == "dir"
+        deep = {e.path for e in sb.files.list("/tmp/l", depth=2)}
+        assert "/tmp/l/sub/y.txt" in deep, deep
+    finally:
+        sb.kill()
+
+
+@_call("files.exists")
+def _c_exists(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/e.txt", "e")
+        assert sb.files.exists("/tmp/e.txt") is True
+        assert sb.files.exists("/tmp/none.txt") is False
+    finally:
+        sb.kill()
+
+
+@_call("files.make_dir")
+def _c_mkdir(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        assert sb.files.make_dir("/tmp/m/n") is True
+        assert sb.files.make_dir("/tmp/m/n") is False       # exists: False
+        assert sb.files.get_info("/tmp/m/n").type.value == "dir"
+    finally:
+        sb.kill()
+
+
+@_call("files.remove")
+def _c_remove(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/r/f.txt", "f")
+        sb.files.remove("/tmp/r/f.txt")
+        assert not sb.files.exists("/tmp/r/f.txt")
+        sb.files.write("/tmp/r/d/g.txt", "g")
+        sb.files.remove("/tmp/r")                          # a whole tree
+        assert not sb.files.exists("/tmp/r")
+    finally:
+        sb.kill()
+
+
+@_call("files.rename")
+def _c_rename(t: E2BTarget) -> None:
+    from e2b.exceptions import SandboxException
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/a.txt", "a")
+        try:
+            sb.files.rename("/tmp/a.txt", "/tmp/b.txt")
+        except SandboxException as exc:
+            raise _gap(exc, "filesystem.Filesystem/Move is not supported") from None
+        assert not sb.files.exists("/tmp/a.txt") and sb.files.read("/tmp/b.txt") == "a"
+    finally:
+        sb.kill()
+
+
+@_call("files.watch_dir")
+def _c_watch(t: E2BTarget) -> None:
+    from e2b.exceptions import SandboxException
+    sb = _create(t)
+    try:
+        try:
+            w = sb.files.watch_dir("/tmp")
+        except SandboxException as exc:
+            raise _gap(exc, "filesystem.Filesystem/CreateWatcher is not supported"
+                       ) from None
+        sb.files.write("/tmp/watched.txt", "w")
+        deadline = time.monotonic() + 10
+        names: set[str] = set()
+        while "watched.txt" not in names:
+            assert time.monotonic() < deadline, names
+            names |= {e.name for e in w.get_new_events()}
+            time.sleep(0.1)
+        w.stop()
+    finally:
+        sb.kill()
+
+
+@_call("big file upload/download")
+def _c_big(t: E2BTarget) -> None:
+    import io
+    sb = _create(t)
+    try:
+        data = os.urandom(40 << 20)
+        digest = hashlib.sha256(data).hexdigest()
+        sb.files.write("/tmp/big.bin", io.BytesIO(data))        # streamed (octet-stream)
+        r = sb.commands.run("sha256sum /tmp/big.bin")
+        assert r.stdout.split()[0] == digest
+        back = hashlib.sha256()
+        for chunk in sb.files.read("/tmp/big.bin", format="stream"):
+            back.update(chunk)
+        assert back.hexdigest() == digest
+        sb.files.write("/tmp/big2.bin", data[: 20 << 20])          # multipart, in memory
+        assert hashlib.sha256(bytes(sb.files.read("/tmp/big2.bin", format="bytes"))
+                              ).digest() == hashlib.sha256(data[: 20 << 20]).digest()
+    finally:
+        sb.kill()
+
+
+@_call("Sandbox.get_metrics")
+def _c_metrics(t: E2BTarget) -> None:
+    sb = _create(t)
+    try:
+        sb.commands.run("dd if=/dev/zero of=/var/z bs=1M count=8 2>/dev/null; sync")
+        (m,) = sb.get_metrics()
+        assert m.cpu_count >= 1 and m.mem_total > 0 and 0 < m.mem_used <= m.mem_total, m
+        assert m.disk_used >= 8 << 20 and 0 <= m.cpu_used_pct <= 100 * m.cpu_count, m
+    finally:
+        sb.kill()
+
+
+@_call("unsupported create options and routes")
+def _c_unsupported(t: E2BTarget) -> None:
+    """Each refused with a message that names it (never dropped silently), and an
+    unserved route on a live sandbox is never "sandbox not found"."""
+    from e2b.exceptions import InvalidArgumentException, SandboxException
+
+    from e2b import Sandbox
+    o = t.opts()
+    for fn, words in (
+            (lambda: Sandbox.create(t.template, lifecycle={"on_timeout": "pause"}, **o),
+             "400: autoPause/autoResume are not supported"),
+            # the test cluster's nodes have no uplink: 'open' egress is refused by name
+            (lambda: Sandbox.create(t.template, allow_internet_access=True, **o),
+             "network mode 'open' needs this node's network router"),
+            (lambda: Sandbox.list(order="desc", **o).next_items(),
+             "400: query parameter 'order' is not supported")):
+        try:
+            fn()
+        except SandboxException as exc:
+            assert words in str(exc), exc
+        else:
+            raise AssertionError(f"not refused: {words}")
+    sb = _create(t)
+    try:
+        try:
+            sb.create_snapshot()
+        except SandboxException as exc:
+            assert type(exc) is SandboxException and "501:" in str(exc), exc
+        else:
+            raise AssertionError("create_snapshot answered")
+        try:
+            sb.files.write("/tmp/z", b"abc", gzip=True)
+        except InvalidArgumentException as exc:
+            assert "compressed uploads (gzip=True) are not supported" in str(exc), exc
+        else:
+            raise AssertionError("gzip upload answered")
+    finally:
+        sb.kill()
+    raise Gap("refused as documented: lifecycle pause, list order, snapshots, gzip "
+              "uploads")
+
+
+# ------------------------------------------------------------------------ async
+@_call("AsyncSandbox create/connect/list/get_info/set_timeout/pause/kill")
+def _c_async(t: E2BTarget) -> None:
+    asyncio.run(_async_lifecycle(t))
+
+
+async def _async_lifecycle(t: E2BTarget) -> None:
+    from e2b import AsyncSandbox, SandboxQuery
+    tag = f"async-{os.getpid()}-{time.monotonic_ns()}"
+    sb = await AsyncSandbox.create(t.template, timeout=120, metadata={"tag": tag},
+                                   **t.opts())
+    try:
+        assert (await sb.get_info()).metadata == {"tag": tag}
+        listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"tag": tag}),
+                                         **t.opts()).next_items()
+        assert [s.sandbox_id for s in listed] == [sb.sandbox_id]
+        await sb.set_timeout(600)
+        assert await sb.pause() is True
+        assert (await sb.get_info()).state.value == "paused"
+        again = await AsyncSandbox.connect(sb.sandbox_id, **t.opts())
+        assert (await again.get_info()).state.value == "running"
+        r = await again.commands.run("echo async")
+        assert r.stdout == "async\n"
+        await again.files.write("/tmp/a.txt", "A")
+        assert await again.files.read("/tmp/a.txt") == "A"
+        chunks: list[str] = []
+        h = await again.commands.run("echo 1; sleep 0.2; echo 2", background=True,
+                                     on_stdout=chunks.append)
+        assert (await h.wait()).stdout == "1\n2\n" and "".join(chunks) == "1\n2\n"
+    finally:
+        assert await sb.kill() is True
+    assert await AsyncSandbox.kill(sb.sandbox_id, **t.opts()) is False
+
+
+# -------------------------------------------------------------- code interpreter
+@_call("e2b_code_interpreter run_code")
+def _c_code(t: E2BTarget) -> None:
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+    sb = CodeSandbox.create(t.template, timeout=120, **t.opts())
+    try:
+        from e2b.exceptions import TimeoutException
+        try:
+            sb.run_code("x = 41\nx + 1", request_timeout=10)
+        except TimeoutException as exc:
+            raise _gap(exc, "port 49999 is not open") from None
+        raise AssertionError("run_code answered: check it, then count it")
+    finally:
+        sb.kill()
+
+
+# ------------------------------------------------------------------------ runner
+def run_calls(target: E2BTarget, calls: list[Call] | None = None) -> list[Outcome]:
+    """Run ``calls`` (all of :data:`CALLS`) against ``target``; one Outcome each."""
+    out: list[Outcome] = []
+    for c in calls if calls is not None else CALLS:
+        t0 = time.perf_counter()
+        try:
+            c.fn(target)
+        except Gap as gap:
+            out.append(Outcome(c.name, True, False, f"gap: {gap}",
+                               time.perf_counter() - t0))
+            continue
+        except Exception as exc:  # noqa: BLE001 - an outcome, reported by name
+            out.append(Outcome(c.name, False, False, f"{type(exc).__name__}: {exc}"[:500],
+                               time.perf_counter() - t0))
+            continue
+        out.append(Outcome(c.name, True, True, "", time.perf_counter() - t0))
+    return out
+
+
+# ---------------------------------------------------------------- agent harness
+HARNESS_REPO = {
+    "calc.sh": "add() { echo $(( $1 + $2 )); }\n",
+    "test_calc.sh": (". ./calc.sh\nfail=0\n"
+                     "[ \"$(add 2 3)\" = 5 ] && echo 'PASS add' || { echo 'FAIL add'; fail=1; }\n"
+                     "[ \"$(add -1 1)\" = 0 ] && echo 'PASS neg' || { echo 'FAIL neg'; fail=1; }\n"
+                     "echo \"result=$fail\" > results.txt\nexit $fail\n"),
+}
+
+
+@dataclass
+class HarnessReport:
+    exit_code: int
+    stdout: str
+    results: str
+    steps: list[str] = field(default_factory=list)
+
+
+def _harness(create: Callable[[], Any], write: Callable[[Any, str, str], None],
+             run: Callable[[Any, str], tuple[int, str]],
+             read: Callable[[Any, str], str], kill: Callable[[Any], None]) -> HarnessReport:
+    """An agent harness's episode, written once: create a sandbox, write a repo, run its
+    tests, read the results file, kill the sandbox. The two SDKs differ only in the five
+    verbs passed in (one line each)."""
+    sb = create()
+    try:
+        for name, text in HARNESS_REPO.items():
+            write(sb, f"/tmp/repo/{name}", text)
+        code, out = run(sb, "cd /tmp/repo && sh test_calc.sh")
+        return HarnessReport(code, out, read(sb, "/tmp/repo/results.txt"))
+    finally:
+        kill(sb)
+
+
+def harness_e2b(target: E2BTarget) -> HarnessReport:
+    """The harness on the stock E2B SDK pointed at dsec."""
+    from e2b import CommandExitException, Sandbox
+
+    def run(sb: Any, cmd: str) -> tuple[int, str]:
+        try:
+            r = sb.commands.run(cmd)
+        except CommandExitException as exc:
+            return exc.exit_code, exc.stdout
+        return r.exit_code, r.stdout
+    return _harness(lambda: Sandbox.create(target.template, **target.opts()),
+                    lambda sb, p, s: sb.files.write(p, s), run,
+                    lambda sb, p: sb.files.read(p), lambda sb: sb.kill())
+
+
+def harness_dsec(client: Any, image: str) -> HarnessReport:
+    """The same harness on dsec's own SDK."""
+    def run(sb: Any, cmd: str) -> tuple[int, str]:
+        r = sb.exec(cmd)
+        return r.exit_code, r.stdout.decode()
+
+    def write(sb: Any, path: str, text: str) -> None:
+        sb.files.mkdir(path.rpartition("/")[0])
+        sb.files.write(path, text)
+    return _harness(lambda: client.sandboxes.create(image=image), write, run,
+                    lambda sb, p: sb.files.read(p).decode(), lambda sb: sb.kill())

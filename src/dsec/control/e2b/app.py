@@ -1,0 +1,814 @@
+"""The E2B-compatible front door (``dsec up --e2b``): E2B's control REST and envd's
+Connect-RPC and ``/files`` API, served on their own listener by dsec's own operations.
+
+Every request is authenticated as a dsec API key and carried out by the policy of a row
+of the operation catalogue (``ApiService.handler(op)``): the same role checks, project
+visibility (another project's sandbox is "not found"), limits and errors as REST and
+the Aether gateway. Nothing here touches a sandbox any other way.
+
+Routing (one listener serves both APIs, so ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` are
+the same URL):
+
+- ``Host: {port}-{sandboxID}.{domain}`` (``E2B_DOMAIN`` set-ups; ``domain`` configured
+  here): envd of that sandbox;
+- otherwise the envd paths (``/process.Process/*``, ``/filesystem.Filesystem/*``,
+  ``/files``, ``/health``) name the sandbox by the ``E2b-Sandbox-Id`` header the SDK
+  sends with ``E2B_SANDBOX_URL``;
+- everything else is E2B's control REST (``/sandboxes``, ``/v2/sandboxes``, ...).
+
+Auth: control calls send ``X-API-KEY`` (a dsec key); envd calls send ``X-Access-Token``,
+which this layer's create/connect answers set to the caller's own key (an envd
+``Authorization: Basic <user>:`` header names the user to run as, never a credential).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from dsec.control import filedoors
+from dsec.control.api.service import ApiService, Caller
+from dsec.control.e2b import connect as rpc
+from dsec.control.e2b import mapping
+from dsec.control.e2b.watchers import Watchers
+from dsec.errors import (
+    DsecError,
+    InvalidArgument,
+    InvalidTransition,
+    NotFound,
+    SandboxNotFound,
+    Unauthenticated,
+)
+from dsec.wire import ops
+from dsec.wire.calls import (
+    ExecCall,
+    FileRef,
+    ListSandboxes,
+    Mkdir,
+    Remove,
+    SandboxRef,
+    WriteFile,
+)
+from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
+from dsec.wire.lifetime import SetTimeout
+from dsec.wire.process import ProcessInfo, ProcessInput, ProcessRef, ProcessSignal, PtyResize
+from dsec.wire.spec import (
+    MAX_TTL_S,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    PtySize,
+    SandboxInfo,
+)
+
+__all__ = ["E2BApp", "E2BConfig"]
+
+log = logging.getLogger("dsec.e2b")
+
+ENVD_PORT = 49983
+_MAX_MESSAGE = 16 << 20
+_ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class E2BConfig:
+    """The E2B layer's settings. ``domain``: route ``{port}-{id}.{domain}`` host names
+    to envd (``E2B_DOMAIN`` set-ups); ``max_upload``: bytes of one ``/files`` upload."""
+
+    domain: str | None = None
+    max_upload: int = 256 << 20
+    keepalive_s: float = 50.0
+
+
+class _E2BError(Exception):
+    """An answer in E2B's control error shape: ``{"code": <status>, "message"}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _control_error(exc: BaseException) -> Response:
+    if isinstance(exc, _E2BError):
+        status, msg = exc.status, exc.message
+    elif isinstance(exc, DsecError):
+        status, msg = exc.http_status, f"{exc.code}: {exc.message}"
+    else:
+        status, msg = 500, f"internal error ({type(exc).__name__})"
+    return Response(json.dumps({"code": status, "message": msg}), status_code=status,
+                    media_type="application/json")
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(obj), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    n = 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise _E2BError(413, f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _user_of(request: Request) -> str | None:
+    """The user an envd call runs as: ``Authorization: Basic base64(user:)``."""
+    auth = request.headers.get("authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        user = base64.b64decode(value.strip()).decode().partition(":")[0]
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument("the Authorization: Basic header is not base64 of "
+                              "'user:'") from None
+    return user or None
+
+
+_SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
+
+
+def _process_info(p: ProcessInfo) -> dict[str, Any]:
+    """envd's ``ProcessInfo`` for an entry of dsec's process table."""
+    argv = p.cmd if isinstance(p.cmd, list) else ["/bin/sh", "-c", p.cmd]
+    out: dict[str, Any] = {"pid": p.pid, "config": {"cmd": argv[0], "args": argv[1:],
+                                                    "envs": {}}}
+    if p.cwd:
+        out["config"]["cwd"] = p.cwd
+    if p.tag:
+        out["tag"] = p.tag
+    return out
+
+
+def _end_event(r: ExecResult) -> dict[str, Any]:
+    """envd's ``EndEvent``: a process a signal killed (dsec: exit code 128+N) reads as
+    envd reports it, ``exitCode -1``, ``status "signal: killed"``."""
+    if r.exit_code > 128 and r.exit_code - 128 in (9, 15):
+        name = "killed" if r.exit_code == 137 else "terminated"
+        return {"exitCode": -1, "exited": False, "status": f"signal: {name}",
+                "error": f"signal: {name}"}
+    end: dict[str, Any] = {"exitCode": r.exit_code, "exited": True,
+                           "status": f"exit status {r.exit_code}"}
+    if r.exit_code != 0:
+        end["error"] = f"exit status {r.exit_code}"
+    return end
+
+
+class E2BApp:
+    """The ASGI app of the E2B layer over ``service`` (an :class:`ApiService`)."""
+
+    def __init__(self, service: ApiService, config: E2BConfig | None = None) -> None:
+        self.service = service
+        self.config = config or E2BConfig()
+        h = service.handler
+        self._get = h(ops.GET)
+        self._list = h(ops.LIST)
+        self._destroy = h(ops.DESTROY)
+        self._pause = h(ops.PAUSE)
+        self._resume = h(ops.RESUME)
+        self._set_timeout = h(ops.SET_TIMEOUT)
+        self._stats = h(ops.STATS)
+        self._rename = h(ops.FILE_RENAME)
+        self._watch_policy: Callable[[Caller, Watch], Awaitable[AsyncIterator[
+            FileEvent | WatchEnd]]] = service.stream_handler(ops.FILE_WATCH)  # type: ignore[arg-type]
+        self.watchers = Watchers()
+        self._put = h(ops.WRITE_FILE)
+        self._list_dir = h(ops.LIST_DIR)
+        self._stat = h(ops.STAT)
+        self._mkdir = h(ops.MKDIR)
+        self._remove = h(ops.REMOVE)
+        self._pstart = h(ops.PROCESS_START)
+        self._plist = h(ops.PROCESS_LIST)
+        self._psignal = h(ops.PROCESS_SIGNAL)
+        self._pinput = h(ops.PROCESS_INPUT)
+        self._pclose = h(ops.PROCESS_CLOSE_STDIN)
+        self._presize = h(ops.PTY_RESIZE)
+        self._pconnect: Callable[[Caller, ProcessRef], Awaitable[AsyncIterator[
+            ExecChunk | ExecResult]]] = service.stream_handler(ops.PROCESS_CONNECT)  # type: ignore[arg-type]
+        dom = self.config.domain
+        self._host = (re.compile(r"^(\d+)-([^.]+)\." + re.escape(dom) + r"(?::\d+)?$")
+                      if dom else None)
+
+    # ----------------------------------------------------------------- routing
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return
+        if scope["type"] != "http":
+            await Response(status_code=404)(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        path: str = scope["path"]
+        sandbox: str | None = None
+        if self._host is not None:
+            m = self._host.match(request.headers.get("host", ""))
+            if m is not None:
+                if int(m.group(1)) != ENVD_PORT:
+                    resp = _json({"code": 502, "message": f"port {m.group(1)} is not "
+                                  "open: dsec's E2B layer serves envd's port "
+                                  f"{ENVD_PORT} only (docs/e2b.md)"}, 502)
+                    await resp(scope, receive, send)
+                    return
+                sandbox = m.group(2)
+        if sandbox is None:
+            port = request.headers.get("e2b-sandbox-port")
+            if port is not None and port != str(ENVD_PORT):
+                # E2B_SANDBOX_URL set-ups reach any sandbox port through these headers
+                resp = _json({"code": 502, "message": f"port {port[:8]} is not open: "
+                              "dsec's E2B layer serves envd's port "
+                              f"{ENVD_PORT} only (docs/e2b.md, 'Gaps')"}, 502)
+                await resp(scope, receive, send)
+                return
+            if path.startswith(_ENVD_PREFIXES) or path in ("/files", "/health"):
+                sandbox = request.headers.get("e2b-sandbox-id") or ""
+        if sandbox is not None:
+            resp = await self._envd(request, sandbox)
+        else:
+            resp = await self._control(request)
+        await resp(scope, receive, send)
+
+    def _caller(self, request: Request, *names: str) -> Caller:
+        key = None
+        for name in names:
+            key = request.headers.get(name)
+            if key:
+                break
+        if not key:
+            auth = request.headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                key = auth
+        if not key:
+            raise Unauthenticated(f"no API key: send a dsec API key as {names[0]} "
+                                  "(E2B_API_KEY)")
+        client = request.client.host if request.client else None
+        return self.service.authenticate(key, client)
+
+    # ------------------------------------------------------------ control REST
+    async def _control(self, request: Request) -> Response:
+        try:
+            caller = self._caller(request, "x-api-key")
+            return await self._control_route(request, caller)
+        except (DsecError, _E2BError) as exc:
+            if isinstance(exc, DsecError):
+                exc = self.service.redact(exc)
+            return _control_error(exc)
+        except Exception as exc:
+            log.exception("E2B control %s %s failed", request.method, request.url.path)
+            return _control_error(exc)
+
+    async def _control_route(self, request: Request, caller: Caller) -> Response:
+        method, parts = request.method, request.url.path.strip("/").split("/")
+        if parts and parts[0] == "v2":
+            parts = parts[1:]
+        if not parts or parts[0] != "sandboxes":
+            raise _E2BError(501, f"{method} {request.url.path[:120]} is not served by "
+                                 "dsec's E2B layer (docs/e2b.md, 'Gaps')")
+        token = request.headers.get("x-api-key") or ""
+        if len(parts) == 1:
+            if method == "POST":
+                return await self._create(request, caller, token)
+            if method == "GET":
+                return await self._list_sandboxes(request, caller,
+                                                  paged=request.url.path.startswith("/v2"))
+        elif len(parts) == 3 and parts[2] == "metrics" and method == "GET":
+            info = await self._live(caller, parts[1])
+            stats = await self._stats(caller, SandboxRef(id=parts[1]))
+            return _json([mapping.metrics(info, stats, time.time())])
+        elif len(parts) == 2 and parts[1] != "metrics":
+            sid = parts[1]
+            if method == "GET":
+                info = await self._live(caller, sid)
+                return _json(mapping.sandbox_detail(info, token))
+            if method == "DELETE":
+                await self._live(caller, sid)
+                await self._destroy(caller, SandboxRef(id=sid))
+                return Response(status_code=204)
+        elif len(parts) == 3 and method == "POST":
+            sid, verb = parts[1], parts[2]
+            if verb == "connect":
+                return await self._connect(request, caller, sid, token)
+            if verb == "timeout":
+                body = await self._json_body(request)
+                t = body.get("timeout")
+                if not isinstance(t, int) or isinstance(t, bool) or t <= 0:
+                    raise _E2BError(400, f"timeout={t!r} must be a positive whole number "
+                                         "of seconds")
+                await self._live(caller, sid)
+                await self._set_timeout(caller, SetTimeout(id=sid, timeout_s=float(
+                    min(t, MAX_TTL_S))))
+                return Response(status_code=204)
+            if verb == "pause":
+                info = await self._live(caller, sid)
+                if mapping.state_of(info) == "paused":
+                    raise _E2BError(409, f"sandbox {sid} is already paused")
+                try:
+                    await self._pause(caller, SandboxRef(id=sid))
+                except InvalidTransition as exc:
+                    raise _E2BError(409, f"sandbox {sid} cannot be paused now: "
+                                         f"{exc.message}") from None
+                return Response(status_code=204)
+            if verb == "resume":
+                return await self._connect(request, caller, sid, token)
+        # 501, never 404: the SDK reads a 404 on a sandbox's route as "sandbox not
+        # found" (a snapshot of a live sandbox said SandboxNotFoundException)
+        raise _E2BError(501, f"{method} {request.url.path[:120]} is not served by dsec's "
+                             "E2B layer (docs/e2b.md, 'Gaps')")
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        raw = await _body(request, 4 << 20)
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            raise _E2BError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _E2BError(400, "the body must be a JSON object")
+        return body
+
+    async def _live(self, caller: Caller, sid: str) -> SandboxInfo:
+        """The sandbox ``sid`` as its edge reports it; a destroyed one is E2B's 404."""
+        try:
+            info = await self._get(caller, SandboxRef(id=sid))
+        except (SandboxNotFound, InvalidArgument):
+            raise _E2BError(404, f"sandbox {sid[:80]} not found") from None
+        except InvalidTransition:   # lost with its node
+            raise _E2BError(404, f"sandbox {sid[:80]} not found (lost with its node)"
+                            ) from None
+        if mapping.state_of(info) is None:
+            raise _E2BError(404, f"sandbox {sid[:80]} not found ({info.state})")
+        return info
+
+    async def _create(self, request: Request, caller: Caller, token: str) -> Response:
+        body = await self._json_body(request)
+        try:
+            req = mapping.create_request(body, max_ttl_s=MAX_TTL_S)
+        except InvalidArgument as exc:
+            raise _E2BError(400, exc.message) from None
+        key = request.headers.get("idempotency-key")
+        info = await self.service.create(caller, req, idempotency_key=key)
+        return _json(mapping.sandbox_created(info, token), 201)
+
+    async def _connect(self, request: Request, caller: Caller, sid: str,
+                       token: str) -> Response:
+        body = await self._json_body(request)
+        info = await self._live(caller, sid)
+        status = 200
+        if mapping.state_of(info) == "paused" or info.state == "pausing":
+            info = await self._resume(caller, SandboxRef(id=sid))
+            status = 201
+        t = body.get("timeout")
+        if isinstance(t, int) and not isinstance(t, bool) and t > 0:
+            # E2B: a running sandbox's timeout only ever grows on connect
+            left = info.ttl_left_s if info.ttl_left_s is not None else (
+                None if info.expires_at is None else info.expires_at - time.time())
+            if left is None or left < t:
+                info = await self._set_timeout(caller, SetTimeout(
+                    id=sid, timeout_s=float(min(t, MAX_TTL_S))))
+        return _json(mapping.sandbox_created(info, token), status)
+
+    async def _list_sandboxes(self, request: Request, caller: Caller, *,
+                              paged: bool) -> Response:
+        q = request.query_params
+        for name in q:
+            if name not in ("metadata", "state", "limit", "nextToken", "query"):
+                raise _E2BError(400, f"query parameter {name[:40]!r} is not supported by "
+                                     "dsec's E2B layer (it takes metadata, state, limit, "
+                                     "nextToken)")
+        labels = mapping.metadata_filter(q.get("metadata") or q.get("query"))
+        states = {s for s in (q.get("state") or "").split(",") if s}
+        if states - {"running", "paused"}:
+            raise _E2BError(400, f"state must be running and/or paused, not {q['state']!r}")
+        state: Any = states.pop() if len(states) == 1 else None
+        limit = 100
+        if "limit" in q:
+            try:
+                limit = int(q["limit"])
+            except ValueError:
+                raise _E2BError(400, f"limit={q['limit'][:20]!r} is not a number") from None
+            if not 1 <= limit <= 1000:
+                raise _E2BError(400, f"limit={limit} must be within 1..1000")
+        cursor = q.get("nextToken") or None
+        items: list[dict[str, Any]] = []
+        while True:
+            page = await self._list(caller, ListSandboxes(labels=labels, state=state,
+                                                          limit=limit - len(items),
+                                                          cursor=cursor))
+            items += [mapping.listed(i) for i in page.items if mapping.state_of(i)]
+            cursor = page.next_cursor
+            if cursor is None or len(items) >= limit or not paged:
+                if not paged and cursor is not None:
+                    continue
+                break
+        headers = {"x-next-token": cursor} if paged and cursor else None
+        return _json(items, 200, headers)
+
+    # --------------------------------------------------------------------- envd
+    async def _envd(self, request: Request, sandbox: str) -> Response:
+        path = request.url.path
+        streaming = request.headers.get("content-type", "").startswith(
+            "application/connect+")
+        try:
+            if not sandbox:
+                raise _E2BError(400, "no sandbox named: send E2b-Sandbox-Id (with "
+                                     "E2B_SANDBOX_URL) or use a {port}-{id}.{domain} host")
+            if path == "/health":
+                return await self._health(request, sandbox)
+            caller = self._caller(request, "x-access-token", "x-api-key")
+            if path == "/files":
+                return await self._files(request, caller, sandbox)
+            if not path.startswith(_ENVD_PREFIXES):
+                raise _E2BError(404, f"no envd route {path[:80]}")
+            raw = await _body(request, _MAX_MESSAGE + 5)
+            msg = (rpc.decode_envelope(raw, limit=_MAX_MESSAGE) if streaming
+                   else rpc.parse_message(raw))
+            method = path.rpartition("/")[2]
+            if path.startswith("/process.Process/"):
+                return await self._process(request, caller, sandbox, method, msg,
+                                           streaming)
+            return await self._filesystem(caller, sandbox, method, msg, streaming)
+        except (DsecError, _E2BError) as exc:
+            return self._rpc_error(exc, streaming, request)
+        except Exception as exc:  # a bug: logged, answered as internal, never a trace
+            log.exception("E2B envd %s failed", path)
+            return self._rpc_error(exc, streaming, request)
+
+    def _rpc_error(self, exc: BaseException, streaming: bool, request: Request) -> Response:
+        code, message = self._rpc_code(exc, request)
+        if request.url.path in ("/files", "/health"):
+            status = rpc.HTTP_STATUS.get(code, 500)
+            return _json({"code": status, "message": message}, status)
+        if streaming:
+            return Response(rpc.end_stream((code, message)),
+                            media_type="application/connect+json")
+        return _json(rpc.error_body(code, message), rpc.HTTP_STATUS.get(code, 500))
+
+    def _rpc_code(self, exc: BaseException, request: Request) -> tuple[str, str]:
+        if isinstance(exc, _E2BError):
+            code = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found",
+                    409: "already_exists", 413: "resource_exhausted",
+                    501: "unimplemented", 502: "unavailable"}.get(exc.status, "internal")
+            return code, exc.message
+        if isinstance(exc, DsecError):
+            exc = self.service.redact(exc)
+            return rpc.code_of(exc), exc.message
+        return "internal", f"internal error ({type(exc).__name__})"
+
+    async def _health(self, request: Request, sandbox: str) -> Response:
+        """204 while the sandbox runs; 502 "... was not found" once it is gone (the
+        message the SDK reads as "not running"). Unauthenticated, as envd's is: it says
+        no more than whether that id is live for the key sent, if any."""
+        try:
+            caller = self._caller(request, "x-access-token", "x-api-key")
+            await self._live(caller, sandbox)
+        except (_E2BError, DsecError):
+            return _json({"code": 502, "message": f"The sandbox {sandbox[:80]} was not "
+                          "found"}, 502)
+        return Response(status_code=204)
+
+    # ---------------------------------------------------------------- processes
+    async def _process(self, request: Request, caller: Caller, sandbox: str, method: str,
+                       msg: dict[str, Any], streaming: bool) -> Response:
+        """envd's ``process.Process`` on dsec's process table (the ``process_*`` rows:
+        the sandbox's edge keeps each process, its output ring and its stdin, so any
+        apiserver replica, and any client, reaches it)."""
+        if method == "Start" and streaming:
+            return await self._start(request, caller, sandbox, msg)
+        if method == "Connect" and streaming:
+            pid = await self._pid(caller, sandbox, msg)
+            return self._follow(request, caller, sandbox, pid, pty=await self._is_pty(
+                caller, sandbox, pid), timeout_s=None)
+        if method == "List":
+            table = await self._plist(caller, SandboxRef(id=sandbox))
+            return _json({"processes": [_process_info(p) for p in table.items
+                                        if p.running]})
+        if method == "SendSignal":
+            pid = await self._pid(caller, sandbox, msg, running=True)
+            sig = _SIGNALS.get(msg.get("signal", "SIGNAL_SIGKILL"))
+            if sig is None:
+                raise InvalidArgument(f"signal {str(msg.get('signal'))[:40]!r} is not "
+                                      "SIGNAL_SIGKILL or SIGNAL_SIGTERM", field="signal")
+            await self._psignal(caller, ProcessSignal(id=sandbox, pid=pid, signal=sig))
+            return _json({})
+        if method == "SendInput":
+            pid = await self._pid(caller, sandbox, msg)
+            inp = msg.get("input") or {}
+            data = mapping.unb64(inp.get("stdin", inp.get("pty", "")), "input")
+            await self._pinput(caller, ProcessInput(id=sandbox, pid=pid, data=data))
+            return _json({})
+        if method == "CloseStdin":
+            pid = await self._pid(caller, sandbox, msg)
+            await self._pclose(caller, ProcessRef(id=sandbox, pid=pid))
+            return _json({})
+        if method == "Update":
+            pid = await self._pid(caller, sandbox, msg)
+            size = ((msg.get("pty") or {}).get("size") or {})
+            await self._presize(caller, PtyResize(id=sandbox, pid=pid,
+                                                  cols=int(size.get("cols", 0)),
+                                                  rows=int(size.get("rows", 0))))
+            return _json({})
+        raise _E2BError(501, f"process.Process/{method[:40]} is not supported by dsec's E2B "
+                             "layer (docs/e2b.md, 'Gaps')")
+
+    async def _pid(self, caller: Caller, sandbox: str, msg: dict[str, Any], *,
+                   running: bool = False) -> int:
+        """The pid a ``ProcessSelector`` names (by pid or by tag). ``running``: an
+        ended process is "not found", as envd answers (the SDK's kill returns False)."""
+        sel = msg.get("process") or {}
+        pid, tag = sel.get("pid"), sel.get("tag")
+        if not isinstance(pid, int) and not isinstance(tag, str):
+            raise InvalidArgument("process (a selector: pid or tag) is required",
+                                  field="process")
+        if isinstance(pid, int) and not running:
+            return pid
+        table = await self._plist(caller, SandboxRef(id=sandbox))
+        for p in table.items:
+            if (p.pid == pid if isinstance(pid, int) else p.tag == tag) and (
+                    p.running or not running):
+                return p.pid
+        raise NotFound(f"process {pid if isinstance(pid, int) else tag!r} is not running "
+                       f"in sandbox {sandbox[:80]}")
+
+    async def _is_pty(self, caller: Caller, sandbox: str, pid: int) -> bool:
+        table = await self._plist(caller, SandboxRef(id=sandbox))
+        return any(p.pid == pid and p.pty for p in table.items)
+
+    async def _start(self, request: Request, caller: Caller, sandbox: str,
+                     msg: dict[str, Any]) -> Response:
+        cfg = msg.get("process") or {}
+        cmd = cfg.get("cmd")
+        args = cfg.get("args") or []
+        if not isinstance(cmd, str) or not cmd or not isinstance(args, list):
+            raise InvalidArgument("process.cmd (a program) is required", field="cmd")
+        # The SDK's command timeout bounds the stream (Connect-Timeout-Ms); dsec makes it
+        # the command's timeout too, so a command never outlives its caller's wait.
+        timeout_ms = request.headers.get("connect-timeout-ms")
+        timeout_s = None
+        if timeout_ms and timeout_ms.isdigit() and int(timeout_ms) > 0:
+            timeout_s = int(timeout_ms) / 1000.0
+        pty = None
+        if msg.get("pty"):
+            size = msg["pty"].get("size") or {}
+            pty = PtySize(cols=int(size.get("cols", 80)), rows=int(size.get("rows", 24)))
+        tag = msg.get("tag")
+        req = ExecRequest(argv=(cmd, *map(str, args)), env=dict(cfg.get("envs") or {}),
+                          cwd=cfg.get("cwd") or None, user=_user_of(request),
+                          timeout_s=timeout_s, pty=pty, tag=tag if tag else None,
+                          stdin_open=bool(msg.get("stdin")))
+        info = await self._pstart(caller, ExecCall(id=sandbox, req=req))
+        return self._follow(request, caller, sandbox, info.pid, pty=pty is not None,
+                            timeout_s=timeout_s)
+
+    def _follow(self, request: Request, caller: Caller, sandbox: str, pid: int, *,
+                pty: bool, timeout_s: float | None) -> Response:
+        """The Connect stream of process ``pid``: its start event, its output (what its
+        ring holds, then live), its end; a keep-alive event on a quiet stream."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
+
+        async def pump() -> None:
+            try:
+                await queue.put(rpc.envelope({"event": {"start": {"pid": pid}}}))
+                stream = await self._pconnect(caller, ProcessRef(id=sandbox, pid=pid))
+                async for item in stream:
+                    if isinstance(item, ExecChunk):
+                        key = "pty" if pty else item.stream
+                        await queue.put(rpc.envelope({"event": {"data": {
+                            key: mapping.b64(item.data)}}}))
+                    elif item.timed_out:
+                        why = (f"the command ran past its timeout of {timeout_s}s and was "
+                               "killed")
+                        await queue.put(rpc.end_stream(("deadline_exceeded", why)))
+                        return
+                    else:
+                        await queue.put(rpc.envelope({"event": {"end": _end_event(item)}}))
+                await queue.put(rpc.end_stream())
+            except DsecError as exc:
+                await queue.put(rpc.end_stream(self._rpc_code(exc, request)))
+            except Exception as exc:  # a bug: logged, ends the stream as internal
+                log.exception("E2B envd stream of process %s in %s failed", pid, sandbox)
+                await queue.put(rpc.end_stream(self._rpc_code(exc, request)))
+            finally:
+                await queue.put(None)
+
+        keepalive = rpc.envelope({"event": {"keepalive": {}}})
+        ka = self.config.keepalive_s
+
+        async def body() -> AsyncIterator[bytes]:
+            task = asyncio.create_task(pump())
+            try:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), ka)
+                    except TimeoutError:
+                        yield keepalive
+                        continue
+                    if item is None:
+                        return
+                    yield item
+            finally:
+                # the client went away (disconnect(), a closed stream): stop following;
+                # the process runs on, as envd's do, and a Connect reads it again
+                task.cancel()
+
+        return StreamingResponse(body(), media_type="application/connect+json")
+
+    # --------------------------------------------------------------- filesystem
+    async def _filesystem(self, caller: Caller, sandbox: str, method: str,
+                          msg: dict[str, Any], streaming: bool) -> Response:
+        raw_path = msg.get("path")
+        if method in ("Stat", "ListDir", "MakeDir", "Remove", "WatchDir",
+                      "CreateWatcher") and (
+                not isinstance(raw_path, str) or not raw_path):
+            raise InvalidArgument("path is required")
+        path = str(raw_path)
+        if method == "Stat":
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            return _json({"entry": mapping.entry_info(fi)})
+        if method == "ListDir":
+            depth = msg.get("depth") or 1
+            entries = await self._walk(caller, sandbox, path, int(depth))
+            return _json({"entries": entries})
+        if method == "MakeDir":
+            try:
+                await self._stat(caller, FileRef(id=sandbox, path=path))
+            except (NotFound, SandboxNotFound) as exc:
+                if isinstance(exc, SandboxNotFound):
+                    raise
+            else:
+                return _json(rpc.error_body("already_exists", f"{path} already exists"),
+                             409)
+            await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True))
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            return _json({"entry": mapping.entry_info(fi)})
+        if method == "Remove":
+            await self._remove(caller, Remove(id=sandbox, path=path, recursive=True))
+            return _json({})
+        if method == "Move":
+            src, dst = msg.get("source"), msg.get("destination")
+            if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
+                raise InvalidArgument("source and destination are required")
+            # envd's Move is a rename(2): it replaces an existing destination
+            fi = await self._rename(caller, Rename(id=sandbox, src=src, dst=dst,
+                                                   overwrite=True))
+            return _json({"entry": mapping.entry_info(fi)})
+        if method == "WatchDir" and streaming:
+            return self._watch_stream(caller, sandbox, path or "/",
+                                      bool(msg.get("recursive")))
+        if method == "CreateWatcher":
+            fi = await self._stat(caller, FileRef(id=sandbox, path=path))
+            if fi.type != "dir":
+                raise InvalidArgument(f"{path} is not a directory", field="path")
+
+            async def probe(p: str) -> None:
+                await self._put(caller, WriteFile(id=sandbox, path=p, data=b""))
+                await self._remove(caller, Remove(id=sandbox, path=p))
+            wid = await self.watchers.create(caller, Watch(
+                id=sandbox, path=path, recursive=bool(msg.get("recursive"))),
+                self._watch_policy, probe)
+            return _json({"watcherId": wid})
+        if method == "GetWatcherEvents":
+            events = self.watchers.take(caller, str(msg.get("watcherId") or ""))
+            return _json({"events": events})
+        if method == "RemoveWatcher":
+            self.watchers.remove(caller, str(msg.get("watcherId") or ""))
+            return _json({})
+        raise _E2BError(501, f"filesystem.Filesystem/{method} is not supported by dsec's "
+                             "E2B layer yet (docs/e2b.md, 'Gaps')")
+
+    async def _walk(self, caller: Caller, sandbox: str, path: str,
+                    depth: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        todo = [(path, 1)]
+        while todo:
+            d, level = todo.pop(0)
+            listing = await self._list_dir(caller, FileRef(id=sandbox, path=d))
+            for fi in listing.items:
+                out.append(mapping.entry_info(fi))
+                if fi.type == "dir" and level < depth:
+                    todo.append((fi.path, level + 1))
+        return out
+
+    # -------------------------------------------------------------------- files
+    async def _files(self, request: Request, caller: Caller, sandbox: str) -> Response:
+        path = request.query_params.get("path")
+        if request.method == "GET":
+            if not path:
+                raise _E2BError(400, "query parameter path is required")
+            return await self._download(caller, sandbox, path)
+        if request.method == "POST":
+            return await self._upload(request, caller, sandbox, path)
+        raise _E2BError(405, f"{request.method} /files: use GET or POST")
+
+    async def _download(self, caller: Caller, sandbox: str, path: str) -> Response:
+        """The file streamed from the sandbox (``file_read_stream``: bounded memory on
+        every hop, whatever the size), its length said up front."""
+        req, info = await filedoors.sized_read(self.service, caller,
+                                               ReadStream(id=sandbox, path=path))
+        if info.type == "dir":
+            raise _E2BError(400, f"{path} is a directory")
+        first, more = await filedoors.read_chunks(self.service, caller, req)
+
+        async def body() -> AsyncIterator[bytes]:
+            if first:
+                yield first
+            async for chunk in more:
+                yield chunk
+        assert req.length is not None
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={"content-length": str(req.length)})
+
+    async def _upload(self, request: Request, caller: Caller, sandbox: str,
+                      path: str | None) -> Response:
+        ctype = request.headers.get("content-type", "")
+        results: list[dict[str, Any]] = []
+        if ctype.startswith("multipart/form-data"):
+            limit = self.config.max_upload
+            async with request.form(max_files=1000, max_fields=1000,
+                                    max_part_size=limit) as form:
+                for _, item in form.multi_items():
+                    if isinstance(item, str):
+                        continue
+                    target = item.filename or ""
+                    if not target.startswith("/") and path:
+                        target = path
+                    if not target:
+                        raise _E2BError(400, "a multipart file part needs a filename (the "
+                                             "path) or ?path=")
+                    results.append(await self._write(caller, sandbox, target,
+                                                     _aiter_file(item.file), item.size))
+        else:
+            if not path:
+                raise _E2BError(400, "query parameter path is required for an "
+                                     "octet-stream upload")
+            if request.headers.get("content-encoding"):
+                raise _E2BError(400, "compressed uploads (gzip=True) are not supported by "
+                                     "dsec's E2B layer: upload uncompressed")
+            size = request.headers.get("content-length")
+            results.append(await self._write(caller, sandbox, path, request.stream(),
+                                             int(size) if size and size.isdigit() else None))
+        return _json(results)
+
+    async def _write(self, caller: Caller, sandbox: str, path: str,
+                     chunks: AsyncIterator[bytes], size: int | None) -> dict[str, Any]:
+        """Stream ``chunks`` into ``path`` (``file_write_stream``: the edge writes a
+        temporary file and renames it into place, so a cut upload leaves the old file);
+        missing parents are made first, as envd does."""
+        parent = path.rpartition("/")[0]
+        if parent:
+            await self._mkdir(caller, Mkdir(id=sandbox, path=parent, parents=True))
+        info = await filedoors.write_chunks(self.service, caller,
+                                            WriteStream(id=sandbox, path=path, size=size),
+                                            chunks)
+        return mapping.write_info(info)
+
+    # ------------------------------------------------------------------ watches
+    def _watch_stream(self, caller: Caller, sandbox: str, path: str,
+                      recursive: bool) -> Response:
+        """envd's streaming WatchDir on ``file_watch``: a start event, then one
+        ``filesystem`` event per change (a keep-alive on a quiet stream)."""
+        async def body() -> AsyncIterator[bytes]:
+            yield rpc.envelope({"event": {"start": {}}})
+            try:
+                stream = await self._watch_policy(caller, Watch(id=sandbox, path=path,
+                                                                recursive=recursive))
+                it = aiter(stream)
+                while True:
+                    try:
+                        item = await asyncio.wait_for(anext(it), self.config.keepalive_s)
+                    except TimeoutError:
+                        yield rpc.envelope({"event": {"keepalive": {}}})
+                        continue
+                    except StopAsyncIteration:
+                        break
+                    if isinstance(item, FileEvent):
+                        ev = mapping.fs_event(item, path)
+                        if ev is not None:
+                            yield rpc.envelope({"event": {"filesystem": ev}})
+                    else:
+                        break
+                yield rpc.end_stream()
+            except DsecError as exc:
+                exc = self.service.redact(exc)
+                yield rpc.end_stream((rpc.code_of(exc), exc.message))
+        return StreamingResponse(body(), media_type="application/connect+json")
+
+
+async def _aiter_file(f: Any) -> AsyncIterator[bytes]:
+    while True:
+        piece = await asyncio.to_thread(f.read, 1 << 20)
+        if not piece:
+            return
+        yield piece
+

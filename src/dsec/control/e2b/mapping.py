@@ -1,0 +1,241 @@
+"""E2B's control REST and envd messages <-> dsec's wire types (pure: no I/O).
+
+What maps to what (docs/e2b.md has the table and the gaps):
+
+- a *template id* is a dsec image ref (``base`` is dsec's busybox ``base``);
+- ``metadata`` are sandbox labels (dsec's own ``dsec.io/...`` labels are never shown);
+- ``timeout`` (seconds) is the sandbox TTL; ``envVars`` the sandbox env;
+- ``autoPause`` (pause instead of kill on timeout) is refused: dsec's TTL destroys;
+- states ``running``/``paused`` are dsec's; a sandbox in a transition shows the state
+  it is leaving, a destroyed one is "not found", as E2B answers for a killed sandbox.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import stat as stat_mod
+from typing import Any
+
+from dsec.errors import InvalidArgument
+from dsec.wire.api import CreateSandboxRequest
+from dsec.wire.files import FileEvent
+from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import FileInfo, SandboxInfo, SandboxStats
+
+__all__ = [
+    "ENVD_VERSION",
+    "create_request",
+    "entry_info",
+    "fs_event",
+    "listed",
+    "metadata_filter",
+    "metrics",
+    "sandbox_created",
+    "sandbox_detail",
+    "state_of",
+]
+
+#: The envd version this layer reports. The SDK gates features on it: >= 0.4.0 sends no
+#: user when none is given (the image's default user runs), >= 0.5.7 uploads file-like
+#: data as a raw octet stream; < 0.6.2 makes file metadata and < 0.6.3 watch entry info
+#: a client-side TemplateException (features dsec does not carry).
+ENVD_VERSION = "0.5.7"
+
+_PLATFORM_LABELS = ("dsec.io/",)
+_CREATE_FIELDS = frozenset({"templateID", "timeout", "autoPause", "autoPauseMemory",
+                            "autoResume", "allow_internet_access", "network", "metadata",
+                            "envVars", "mcp", "iam", "volumeMounts", "secure"})
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace(
+        "+00:00", "Z")
+
+
+def state_of(info: SandboxInfo) -> str | None:
+    """E2B's state of a dsec sandbox, or None when E2B would not list it (gone)."""
+    s = info.state
+    if s in ("paused", "pausing"):
+        return "paused"
+    if s in ("running", "creating", "resuming"):
+        return "running"
+    return None
+
+
+def _metadata(info: SandboxInfo) -> dict[str, str]:
+    return {k: v for k, v in info.spec.labels.items()
+            if not any(k.startswith(p) or ".dsec.io/" in k for p in _PLATFORM_LABELS)}
+
+
+def _end_at(info: SandboxInfo) -> float:
+    expires = getattr(info, "expires_at", None)
+    if isinstance(expires, (int, float)):
+        return float(expires)
+    ttl = info.spec.ttl_s
+    return info.created_at + (ttl if ttl is not None else 0.0)
+
+
+def _common(info: SandboxInfo) -> dict[str, Any]:
+    spec = info.spec
+    return {
+        "templateID": spec.image,
+        "sandboxID": info.id,
+        "clientID": info.node,
+        "startedAt": _iso(info.created_at),
+        "endAt": _iso(_end_at(info)),
+        "cpuCount": max(1, -(-spec.cpu_milli // 1000)),
+        "memoryMB": spec.memory_bytes >> 20,
+        "diskSizeMB": (spec.disk_bytes or 0) >> 20,
+        "envdVersion": ENVD_VERSION,
+        "metadata": _metadata(info),
+    }
+
+
+def listed(info: SandboxInfo) -> dict[str, Any]:
+    """``ListedSandbox`` (``GET /v2/sandboxes``)."""
+    return {**_common(info), "state": state_of(info) or "running"}
+
+
+def sandbox_detail(info: SandboxInfo, token: str) -> dict[str, Any]:
+    """``SandboxDetail`` (``GET /sandboxes/{id}``)."""
+    return {**listed(info), "envdAccessToken": token}
+
+
+def sandbox_created(info: SandboxInfo, token: str) -> dict[str, Any]:
+    """``Sandbox`` (create and connect answers). ``envdAccessToken``: what the SDK sends
+    back as ``X-Access-Token`` on every envd call (the caller's own API key: envd calls
+    are authorized as the caller, with every rule dsec's REST applies)."""
+    return {"templateID": info.spec.image, "sandboxID": info.id, "clientID": info.node,
+            "envdVersion": ENVD_VERSION, "envdAccessToken": token}
+
+
+def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRequest:
+    """dsec's create request for E2B's ``NewSandbox``/``NewSandboxV2`` body. Fields dsec
+    cannot honour are refused by name (never dropped silently)."""
+    unknown = set(body) - _CREATE_FIELDS
+    if unknown:
+        raise InvalidArgument(f"unknown field {min(unknown)!r} in the create body",
+                              field=min(unknown))
+    template = body.get("templateID")
+    if not isinstance(template, str) or not template:
+        raise InvalidArgument("templateID (a dsec image name) is required",
+                              field="templateID")
+    if body.get("autoPause") or body.get("autoResume"):
+        raise InvalidArgument(
+            "autoPause/autoResume are not supported by dsec's E2B layer: a sandbox's "
+            "timeout destroys it (pause it yourself with Sandbox.pause())",
+            field="autoPause")
+    for name in ("mcp", "iam", "volumeMounts", "network"):
+        if body.get(name):
+            raise InvalidArgument(f"{name} is not supported by dsec's E2B layer "
+                                  "(docs/e2b.md, 'Gaps')", field=name)
+    internet = body.get("allow_internet_access")
+    network: NetworkPolicy | None = None
+    if isinstance(internet, bool):
+        # E2B's switch is dsec's egress mode: any public address, or loopback only;
+        # left out, the cluster's default policy (dsec up --net-default) applies
+        network = NetworkPolicy(mode="open" if internet else "none")
+    timeout = body.get("timeout")
+    ttl: float | None = None
+    if timeout is not None:
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or \
+                not 0 < timeout <= max_ttl_s:
+            raise InvalidArgument(f"timeout={timeout!r} must be whole seconds in "
+                                  f"(0, {max_ttl_s:g}]", field="timeout")
+        ttl = float(timeout)
+    else:
+        ttl = 300.0   # E2B's default sandbox timeout (SandboxBase.default_sandbox_timeout)
+    meta = body.get("metadata") or {}
+    env = body.get("envVars") or {}
+    for name, d in (("metadata", meta), ("envVars", env)):
+        if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in d.items()):
+            raise InvalidArgument(f"{name} must map strings to strings", field=name)
+    return CreateSandboxRequest(image=template, labels=dict(meta), env=dict(env),
+                                ttl_s=ttl, network=network)
+
+
+def metadata_filter(raw: str | None) -> dict[str, str]:
+    """The ``metadata`` query parameter (``k1=v1&k2=v2``, each part percent-encoded,
+    then the whole percent-encoded once more by the query string) as label filters."""
+    if not raw:
+        return {}
+    from urllib.parse import parse_qsl
+    out: dict[str, str] = {}
+    for k, v in parse_qsl(raw, keep_blank_values=True, strict_parsing=False):
+        out[k] = v
+    return out
+
+
+def metrics(info: SandboxInfo, stats: SandboxStats, now: float) -> dict[str, Any]:
+    """One ``SandboxMetric`` (``GET /sandboxes/{id}/metrics``) from dsec's ``stats``:
+    memory and disk now; CPU as the average use since the sandbox started (dsec keeps
+    no history of samples)."""
+    spec = info.spec
+    cores = max(1, -(-spec.cpu_milli // 1000))
+    up = max(now - info.created_at, 1e-3)
+    return {"cpuCount": cores,
+            "cpuUsedPct": round(100.0 * stats.cpu_seconds / up / cores, 2),
+            "memTotal": spec.memory_bytes, "memUsed": stats.memory_bytes,
+            "memCache": stats.memory_tmpfs_bytes,
+            "diskTotal": stats.disk_cap_bytes or spec.disk_bytes or 0,
+            "diskUsed": stats.disk_bytes, "timestamp": _iso(now),
+            "timestampUnix": int(now)}
+
+
+_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY",
+          "symlink": "FILE_TYPE_SYMLINK"}
+
+
+def entry_info(fi: FileInfo) -> dict[str, Any]:
+    """envd's ``EntryInfo`` (protobuf JSON) for a dsec ``FileInfo``."""
+    kind = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR,
+            "symlink": stat_mod.S_IFLNK}.get(fi.type, 0)
+    mtime = datetime.datetime.fromtimestamp(fi.mtime, datetime.UTC)
+    out: dict[str, Any] = {
+        "name": fi.name, "path": fi.path, "size": str(fi.size), "mode": fi.mode,
+        "permissions": stat_mod.filemode(kind | fi.mode),
+        "owner": "", "group": "",
+        "modifiedTime": mtime.isoformat().replace("+00:00", "Z"),
+    }
+    if fi.type in _TYPES:
+        out["type"] = _TYPES[fi.type]
+    if fi.link_target is not None:
+        out["symlinkTarget"] = fi.link_target
+    return out
+
+
+_EVENTS = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
+           "remove": "EVENT_TYPE_REMOVE", "rename": "EVENT_TYPE_RENAME",
+           "chmod": "EVENT_TYPE_CHMOD"}
+
+
+def fs_event(ev: FileEvent, watched: str) -> dict[str, Any] | None:
+    """envd's ``FilesystemEvent``: ``name`` relative to the watched directory (None for
+    dsec's ``overflow``, which envd has no event for)."""
+    kind = _EVENTS.get(ev.type)
+    if kind is None:
+        return None
+    base = watched.rstrip("/") + "/"
+    name = ev.path[len(base):] if ev.path.startswith(base) else (ev.name or ev.path)
+    return {"name": name, "type": kind}
+
+
+def write_info(fi: FileInfo) -> dict[str, Any]:
+    """One entry of a ``/files`` upload answer."""
+    return {"name": fi.name, "path": fi.path,
+            "type": {"file": "file", "dir": "dir"}.get(fi.type, "file")}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: Any, field: str) -> bytes:
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{field} must be base64 text", field=field)
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise InvalidArgument(f"{field} is not valid base64", field=field) from None

@@ -1,0 +1,163 @@
+"""dsec's E2B layer at the wire: E2B's control statuses and JSON error bodies, the
+X-API-KEY / X-Access-Token rules, Connect-RPC's envelopes and error forms, and
+``dsec up --e2b`` itself. (tests/e2b/test_sdk.py drives the same through the stock SDK.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from dsec.bench._e2b_calls import E2BTarget
+from dsec.control.e2b import connect as rpc
+from dsec.errors import InvalidArgument
+
+
+def _env(obj: dict, flags: int = 0) -> bytes:  # type: ignore[type-arg]
+    data = json.dumps(obj).encode()
+    return struct.pack(">BI", flags, len(data)) + data
+
+
+def _frames(body: bytes) -> list[tuple[int, dict]]:  # type: ignore[type-arg]
+    out = []
+    while body:
+        flags, n = struct.unpack(">BI", body[:5])
+        out.append((flags, json.loads(body[5:5 + n])))
+        body = body[5 + n:]
+    return out
+
+
+def test_envelopes_round_trip_and_refuse_bad_framing() -> None:
+    assert rpc.decode_envelope(_env({"a": 1}), limit=100) == {"a": 1}
+    assert _frames(rpc.end_stream()) == [(2, {})]
+    assert _frames(rpc.end_stream(("not_found", "x"))) == [
+        (2, {"error": {"code": "not_found", "message": "x"}})]
+    for bad in (b"\x00\x00", _env({"a": 1}, flags=1), _env({"a": 1})[:-1],
+                _env({"a": "x" * 200}), struct.pack(">BI", 0, 2) + b"[]"):
+        with pytest.raises(InvalidArgument):
+            rpc.decode_envelope(bad, limit=100)
+
+
+@pytest.fixture
+def api(e2b_target: E2BTarget):  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=e2b_target.url, timeout=30,
+                      headers={"x-api-key": e2b_target.api_key}) as c:
+        yield c
+
+
+def _create(api: httpx.Client, **body: object) -> str:
+    r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", "timeout": 120, **body})
+    assert r.status_code == 201, r.text
+    got = r.json()
+    assert got["envdVersion"] and got["envdAccessToken"] == api.headers["x-api-key"]
+    return str(got["sandboxID"])
+
+
+def test_control_statuses_and_error_bodies(api: httpx.Client, e2b_target: E2BTarget) -> None:
+    sid = _create(api, metadata={"k": "v"})
+    assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+    r = api.post(f"/sandboxes/{sid}/pause")
+    assert r.status_code == 409 and r.json() == {
+        "code": 409, "message": f"sandbox {sid} is already paused"}
+    assert api.post(f"/v2/sandboxes/{sid}/connect", json={}).status_code == 201  # resumed
+    assert api.post(f"/v2/sandboxes/{sid}/connect", json={}).status_code == 200
+    assert api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 0}).status_code == 400
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    for method, path in (("DELETE", f"/sandboxes/{sid}"), ("GET", f"/sandboxes/{sid}"),
+                         ("POST", f"/sandboxes/{sid}/pause")):
+        r = api.request(method, path)
+        assert r.status_code == 404 and r.json()["code"] == 404, (method, r.text)
+    r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", "imagee": 1})
+    assert r.status_code == 400 and "unknown field 'imagee'" in r.json()["message"]
+    r = api.post("/v2/sandboxes", json={"templateID": "no-such-image"})
+    assert r.status_code == 404 and "no-such-image" in r.json()["message"]
+    r = api.get("/v2/sandboxes", params={"startedAfter": "x"})
+    assert r.status_code == 400 and "'startedAfter' is not supported" in r.json()["message"]
+    r = api.get("/templates")
+    assert r.status_code == 501 and "not served by dsec's E2B layer" in r.json()["message"]
+    r = httpx.get(f"{e2b_target.url}/v2/sandboxes")
+    assert r.status_code == 401 and r.json()["code"] == 401
+    # dsec's own Bearer form works too; a key of another project lists nothing of ours
+    r = httpx.get(f"{e2b_target.url}/v2/sandboxes",
+                  headers={"authorization": f"Bearer {e2b_target.stranger_key}"})
+    assert r.status_code == 200 and r.json() == []
+
+
+def test_envd_auth_and_connect_errors(api: httpx.Client, e2b_target: E2BTarget) -> None:
+    sid = _create(api)
+    try:
+        url = e2b_target.url
+        hdr = {"e2b-sandbox-id": sid, "e2b-sandbox-port": "49983"}
+        stat = f"{url}/filesystem.Filesystem/Stat"
+        r = httpx.post(stat, json={"path": "/"}, headers=hdr)             # no token
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+        r = httpx.post(stat, json={"path": "/"},
+                       headers={**hdr, "x-access-token": e2b_target.stranger_key})
+        assert r.status_code == 404 and r.json()["code"] == "not_found"   # not theirs
+        r = httpx.post(stat, json={"path": "/"},
+                       headers={**hdr, "x-access-token": e2b_target.reader_key})
+        assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+        r = httpx.post(f"{url}/filesystem.Filesystem/MakeDir", json={"path": "/tmp/x"},
+                       headers={**hdr, "x-access-token": e2b_target.reader_key})
+        assert r.status_code == 403 and r.json()["code"] == "permission_denied"
+        ok = {**hdr, "x-access-token": e2b_target.api_key}
+        r = httpx.post(stat, json={"path": "/nope"}, headers=ok)
+        assert r.status_code == 404 and r.json()["code"] == "not_found"
+        r = httpx.post(f"{url}/process.Process/Start", headers={
+            **ok, "content-type": "application/connect+json"}, content=_env({
+                "process": {"cmd": "/bin/sh", "args": ["-c", "echo hi; exit 2"]}}))
+        frames = _frames(r.content)
+        assert r.status_code == 200 and frames[-1] == (2, {})
+        assert "start" in frames[0][1]["event"]
+        assert frames[-2][1]["event"]["end"]["exitCode"] == 2
+        # an error inside a stream: still 200, the end-of-stream envelope carries it
+        r = httpx.post(f"{url}/process.Process/Start", headers={
+            **ok, "content-type": "application/connect+json"}, content=_env({
+                "process": {"cmd": "/bin/sh"}}, flags=1))
+        assert r.status_code == 200 and _frames(r.content)[-1][1]["error"]["code"] == \
+            "invalid_argument"
+        r = httpx.post(f"{url}/filesystem.Filesystem/Nope", json={}, headers=ok)
+        assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+        r = httpx.get(f"{url}/health", headers=ok)
+        assert r.status_code == 204
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    r = httpx.get(f"{url}/health", headers=ok)
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_dsec_up_e2b_serves_the_stock_sdk(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`dsec up --e2b` (a real process): the URL in local.json, the SDK against it."""
+    from e2b import Sandbox
+    state = str(tmp_path / "st")
+    p = subprocess.Popen([sys.executable, "-c", "from dsec.cli.main import main; main()",
+                          "up", "--state-dir", state, "--listen", "127.0.0.1:0", "--quiet",
+                          "--e2b", "127.0.0.1:0"], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with open(os.path.join(state, "local.json")) as f:
+                    local = json.load(f)
+                if local["pid"] == p.pid:
+                    break
+            except (OSError, ValueError):
+                pass
+            assert p.poll() is None, p.stderr.read() if p.stderr else b""
+            assert time.monotonic() < deadline, "dsec up --e2b did not start"
+            time.sleep(0.05)
+        opts = {"api_url": local["e2b"], "sandbox_url": local["e2b"],
+                "api_key": local["api_key"]}
+        sb = Sandbox.create("base", **opts)          # simulated backend: its base image
+        assert sb.sandbox_id in [s.sandbox_id for s in Sandbox.list(**opts).next_items()]
+        assert sb.kill() is True and Sandbox.kill(sb.sandbox_id, **opts) is False
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
