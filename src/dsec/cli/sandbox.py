@@ -275,8 +275,8 @@ def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd:
           env: tuple[str, ...], shell: bool, url: str | None, api_key: str | None,
           as_json: bool) -> None:
     """Run COMMAND in a sandbox; exits with the command's exit code. Piped stdin is
-    streamed to it (cli/shell.py)."""
-    from dsec.cli.shell import exec_piped, stdin_to_forward
+    streamed to it (cli/stdio.py)."""
+    from dsec.cli.stdio import exec_piped, stdin_to_forward
     cmd: str | list[str] = " ".join(command) if shell else list(command)
     src = stdin_to_forward()
     if isinstance(src, int):
@@ -470,7 +470,3 @@ def run_code(sandbox_id: str, code: str, timeout: float | None, restart: bool,
     if ex.error is not None:
         sys.stderr.write(ex.error.traceback or f"{ex.error.name}: {ex.error.value}\n")
         sys.exit(1)
-
-
-import dsec.cli.cp  # noqa: F401 - issue 19: `dsec sandbox cp` (registers itself)
-from dsec.cli import shell as _shell  # noqa: F401  (registers `sandbox shell`)
