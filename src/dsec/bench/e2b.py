@@ -36,8 +36,9 @@ def bench_e2b(ctx: BenchContext) -> None:
         ctx.note("e2b suite skipped: the e2b extra is not installed "
                  "(pip install -e '.[e2b]')")
         return
-    from dsec import Image, LocalCluster
     from dsec.bench._e2b_calls import E2BTarget, run_calls
+    from dsec.client.build import Image
+    from dsec.cluster.local import LocalCluster
 
     n_create = ctx.scale(40, 10)
     n_exec = ctx.scale(300, 60)

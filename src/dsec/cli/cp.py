@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
-from dsec.cli.sandbox import client, conn_options, emit_json, sandbox
+from dsec.cli.sandbox import client, conn_options, emit_json
 
-__all__ = ["cp", "parse_target"]
+__all__ = ["cp", "parse_target", "register"]
 
 
 def parse_target(arg: str) -> tuple[str | None, str]:
@@ -127,4 +127,7 @@ def _download(c: Any, sid: str, remote: str, local: str, quiet: bool) -> dict[st
     return {"from": f"{sid}:{remote}", "to": dest, "bytes": got.size}
 
 
-sandbox.add_command(cp)
+def register(group: click.Group) -> None:
+    """Add ``cp`` to the ``sandbox`` group (:data:`dsec.cli.main.EXTENSIONS`: this module
+    imports :mod:`dsec.cli.sandbox`, which must not import it back)."""
+    group.add_command(cp)

@@ -1,6 +1,6 @@
 """``dsec sandbox stats ID`` and ``dsec sandbox timeout ID SECONDS [--extend]`` (issue
 19: a sandbox's resource use now, and its lifetime). Registered on the ``sandbox`` group
-by one line in :mod:`dsec.cli.sandbox`."""
+through :data:`dsec.cli.main.EXTENSIONS`."""
 
 from __future__ import annotations
 

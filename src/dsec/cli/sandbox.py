@@ -128,19 +128,24 @@ def sandbox() -> None:
                    "[2001:db8::/32]:443/udp (repeatable).")
 @click.option("--deny", "deny", multiple=True, metavar="ENTRY",
               help="Egress denied, wins over --allow (repeatable).")
+@click.option("--qos", type=click.Choice(["ls", "be"]), default=None,
+              help="QoS class: ls latency-sensitive, be best-effort (default: ls, unless "
+                   "the project's quota says qos_ls=false).")
+@click.option("--cpu-quota", "cpu_quota", type=float, default=None,
+              help="CPU cap in cores (default: --cpu).")
 @conn_options
 def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapshot: str | None,
            backend: str | None, cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
            env: tuple[str, ...], disk: str | None, idle_timeout: float | None, idle_action: str,
            project: str | None, count: int, net_mode: str | None, allow: tuple[str, ...],
-           deny: tuple[str, ...], url: str | None, api_key: str | None,
-           as_json: bool) -> None:
+           deny: tuple[str, ...], qos: str | None, cpu_quota: float | None,
+           url: str | None, api_key: str | None, as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
     kw = {"env": dict(_kv(x) for x in env), "disk": disk, "idle_timeout": idle_timeout,
           "idle_action": idle_action, "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
           "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
-          "project": project, "detached": True,
+          "project": project, "detached": True, "qos": qos, "cpu_quota": cpu_quota,
           "network": _policy(net_mode, allow, deny) if (net_mode or allow or deny) else None}
     with client(url, api_key) as c:
         sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]
@@ -270,8 +275,8 @@ def exec_(sandbox_id: str, command: tuple[str, ...], timeout: float | None, cwd:
           env: tuple[str, ...], shell: bool, url: str | None, api_key: str | None,
           as_json: bool) -> None:
     """Run COMMAND in a sandbox; exits with the command's exit code. Piped stdin is
-    streamed to it (cli/shell.py)."""
-    from dsec.cli.shell import exec_piped, stdin_to_forward
+    streamed to it (cli/stdio.py)."""
+    from dsec.cli.stdio import exec_piped, stdin_to_forward
     cmd: str | list[str] = " ".join(command) if shell else list(command)
     src = stdin_to_forward()
     if isinstance(src, int):
@@ -465,7 +470,3 @@ def run_code(sandbox_id: str, code: str, timeout: float | None, restart: bool,
     if ex.error is not None:
         sys.stderr.write(ex.error.traceback or f"{ex.error.name}: {ex.error.value}\n")
         sys.exit(1)
-
-
-import dsec.cli.cp  # noqa: F401 - issue 19: `dsec sandbox cp` (registers itself)
-from dsec.cli import shell as _shell  # noqa: F401  (registers `sandbox shell`)

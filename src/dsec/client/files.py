@@ -24,17 +24,14 @@ import builtins
 import os
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from typing import IO, TYPE_CHECKING, Any, Literal, overload
+from typing import IO, Any, Literal, overload
 
+from dsec.client.parts import Runs, SandboxPart
 from dsec.errors import NotFound, PayloadTooLarge
 from dsec.wire import ops
 from dsec.wire.calls import FileRef, Mkdir, ReadFile, Remove, WriteFile
 from dsec.wire.files import FileEvent, ReadStream, Rename, Watch, WatchEnd, WriteStream
 from dsec.wire.spec import FILE_CHUNK_BYTES, FileInfo, read_in_chunks
-
-if TYPE_CHECKING:
-    from dsec.client.core import AsyncSandbox
-    from dsec.client.sync import Client
 
 __all__ = ["PIECE", "AsyncFiles", "Files", "Progress", "WriteData"]
 
@@ -92,7 +89,7 @@ class AsyncFiles:
     """``sandbox.files``: read, write, upload, download, list, stat, exists, mkdir,
     rename, remove, watch (raw bytes; see the module docstring)."""
 
-    def __init__(self, sb: AsyncSandbox) -> None:
+    def __init__(self, sb: SandboxPart) -> None:
         self._sb = sb
 
     async def _transport(self) -> Any:
@@ -247,7 +244,7 @@ class AsyncFiles:
 class Files:
     """See :class:`AsyncFiles` (the same methods, blocking; streams are iterators)."""
 
-    def __init__(self, client: Client, a: AsyncFiles) -> None:
+    def __init__(self, client: Runs, a: AsyncFiles) -> None:
         self._c = client
         self._a = a
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import signal as _signal
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
+from dsec.client.parts import Runs, SandboxPart
 from dsec.errors import InvalidArgument, RequestTimeout
 from dsec.wire import ops
 from dsec.wire.calls import ExecCall, SandboxRef
@@ -32,10 +33,6 @@ from dsec.wire.process import (
     PtySize,
 )
 from dsec.wire.spec import MAX_PROCESS_INPUT_BYTES, ExecChunk, ExecRequest, ExecResult
-
-if TYPE_CHECKING:
-    from dsec.client.core import AsyncSandbox
-    from dsec.client.sync import Client
 
 __all__ = [
     "AsyncProcessHandle",
@@ -51,6 +48,16 @@ OutputCallback = Callable[[bytes], object]
 
 #: output a handle keeps for :meth:`AsyncProcessHandle.wait`'s result, per stream
 KEEP_OUTPUT_BYTES = 16 << 20
+
+
+# What this module needs of its sandbox (client.parts, plus ``processes`` for ``pty``):
+# client.core builds sandboxes with ``processes``/``pty`` from here, so importing it back
+# (even for annotations) would be a cycle.
+class _Sandbox(SandboxPart, Protocol):
+    """A sandbox of the async SDK (``dsec.client.core.AsyncSandbox``)."""
+
+    @property
+    def processes(self) -> AsyncProcesses: ...
 
 
 def process_request(cmd: str | Sequence[str], *, pty: PtySize | None = None,
@@ -75,7 +82,7 @@ class AsyncProcessHandle:
     look (``info``), and what to do with it. ``async for chunk in handle`` yields its
     output (what the ring holds, then live) as :class:`ExecChunk`; :meth:`wait` its end."""
 
-    def __init__(self, sb: AsyncSandbox, info: ProcessInfo, *,
+    def __init__(self, sb: _Sandbox, info: ProcessInfo, *,
                  on_stdout: OutputCallback | None = None,
                  on_stderr: OutputCallback | None = None) -> None:
         self._sb = sb
@@ -192,7 +199,7 @@ class AsyncProcessHandle:
 class AsyncProcesses:
     """``sandbox.processes``: start, list and connect to background processes."""
 
-    def __init__(self, sb: AsyncSandbox) -> None:
+    def __init__(self, sb: _Sandbox) -> None:
         self._sb = sb
 
     async def start(self, cmd: str | Sequence[str], *, pty: PtySize | None = None,
@@ -232,7 +239,7 @@ class AsyncProcesses:
 class AsyncPty:
     """``sandbox.pty``: interactive terminals inside the sandbox."""
 
-    def __init__(self, sb: AsyncSandbox) -> None:
+    def __init__(self, sb: _Sandbox) -> None:
         self._sb = sb
 
     async def create(self, cols: int = 80, rows: int = 24, cmd: str | Sequence[str] = "/bin/sh",
@@ -256,7 +263,7 @@ class ProcessHandle:
     """See :class:`AsyncProcessHandle` (sync; ``for chunk in handle`` iterates output).
     Callbacks run on the client's loop thread, as the output arrives."""
 
-    def __init__(self, client: Client, a: AsyncProcessHandle) -> None:
+    def __init__(self, client: Runs, a: AsyncProcessHandle) -> None:
         self._c = client
         self._a = a
         self.pid: int = a.pid
@@ -314,7 +321,7 @@ class ProcessHandle:
 class Processes:
     """See :class:`AsyncProcesses`."""
 
-    def __init__(self, client: Client, a: AsyncProcesses) -> None:
+    def __init__(self, client: Runs, a: AsyncProcesses) -> None:
         self._c = client
         self._a = a
 
@@ -340,7 +347,7 @@ class Processes:
 class Pty:
     """See :class:`AsyncPty`."""
 
-    def __init__(self, client: Client, a: AsyncPty) -> None:
+    def __init__(self, client: Runs, a: AsyncPty) -> None:
         self._c = client
         self._a = a
 

@@ -29,14 +29,46 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
-from dsec.edge.backends.container.files import TEMP_PREFIX, SandboxFiles
 from dsec.errors import DsecError, InvalidArgument, ResourceExhausted
 from dsec.ids import SandboxId
 from dsec.wire.files import FileEvent, FileEventType
 from dsec.wire.spec import FileInfo
 
-__all__ = ["CHUNK", "MAX_WATCH_DIRS", "FileStreamBackend", "Run", "read_stream", "watch",
-           "write_stream"]
+# Streamed writes land in a temporary file next to their target, renamed over it only
+# once complete (issue 19): its name says what it is, so one left by an edge killed
+# mid-upload is recognisable; the next streamed write into that directory removes it
+# (SandboxFiles._sweep_stale: not flock'ed by a live upload). Here, below the backends
+# (which import this module), so a watch can skip them without importing a backend.
+TEMP_PREFIX = ".dsec-upload-"
+
+
+# What the streams need of a confined file handle, as Protocols: the backends that hand
+# one out (``dsec.edge.backends.container.files.SandboxFiles``) import this module, so
+# importing them back (even for annotations) would be a cycle.
+class AtomicWrite(Protocol):
+    """An atomic replacement in progress (``SandboxFiles.begin_write``)."""
+
+    @property
+    def written(self) -> int: ...
+    def write(self, data: bytes | memoryview) -> None: ...
+    def commit(self) -> FileInfo: ...
+    def abort(self) -> None: ...
+
+
+class ConfinedFiles(Protocol):
+    """A sandbox's files, confined to its root (``SandboxFiles`` of the container
+    backend, which the fncall backend uses too)."""
+
+    @property
+    def sid(self) -> str: ...
+    def open_read(self, path: str) -> tuple[int, FileInfo]: ...
+    def begin_write(self, path: str, *, mode: int = 0o644,
+                    size: int | None = None) -> AtomicWrite: ...
+    def open_dir(self, path: str) -> int: ...
+    def open_subdir(self, dir_fd: int, name: str) -> int | None: ...
+
+__all__ = ["CHUNK", "MAX_WATCH_DIRS", "TEMP_PREFIX", "AtomicWrite", "ConfinedFiles",
+           "FileStreamBackend", "Run", "read_stream", "watch", "write_stream"]
 
 _T = TypeVar("_T")
 class Run(Protocol):
@@ -74,7 +106,7 @@ class FileStreamBackend(Protocol):
                     recursive: bool) -> AsyncIterator[FileEvent]: ...
 
 
-async def read_stream(files: SandboxFiles, path: str, offset: int, length: int | None,
+async def read_stream(files: ConfinedFiles, path: str, offset: int, length: int | None,
                       sink: Callable[[bytes], Awaitable[None]], run: Run) -> FileInfo:
     """Stream ``path`` from ``offset`` (``length`` bytes, None: to its end) into ``sink``."""
     fd, info = await run(functools.partial(files.open_read, path))
@@ -94,7 +126,7 @@ async def read_stream(files: SandboxFiles, path: str, offset: int, length: int |
     return info
 
 
-async def write_stream(files: SandboxFiles, path: str, mode: int, size: int | None,
+async def write_stream(files: ConfinedFiles, path: str, mode: int, size: int | None,
                        source: AsyncIterator[bytes], run: Run) -> FileInfo:
     """Write what ``source`` yields to a temporary file, then rename it over ``path``."""
     pending = await run(functools.partial(files.begin_write, path, mode=mode, size=size))
@@ -171,7 +203,7 @@ class _Inotify:
     (IN_DELETE_SELF) only when the fd closes - a watch never learned its directory was
     gone. The watch itself pins the inode, not the name."""
 
-    def __init__(self, files: SandboxFiles) -> None:
+    def __init__(self, files: ConfinedFiles) -> None:
         fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             e = ctypes.get_errno()
@@ -229,7 +261,7 @@ class _Inotify:
             self.fd = -1
 
 
-async def watch(files: SandboxFiles, path: str, recursive: bool,
+async def watch(files: ConfinedFiles, path: str, recursive: bool,
                 run: Run) -> AsyncIterator[FileEvent]:
     """Yield changes below directory ``path`` until it goes away (then return)."""
     ino = _Inotify(files)

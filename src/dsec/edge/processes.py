@@ -53,7 +53,7 @@ import signal as _signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -71,13 +71,16 @@ from dsec.wire.process import ProcessInfo
 from dsec.wire.spec import MAX_STDIN_BYTES, ExecChunk, ExecRequest, ExecResult
 
 if TYPE_CHECKING:
-    from dsec.edge.node import EdgeNode, _Sandbox
+    from dsec.edge.backend import Backend
+    from dsec.edge.clock import Clock
 
 __all__ = [
     "ExitStatus",
+    "ProcessHost",
     "ProcessIO",
     "ProcessLimits",
     "ProcessTable",
+    "SandboxRecord",
     "StreamedIO",
 ]
 
@@ -137,6 +140,42 @@ class ProcessIO(Protocol):
 
     def abandon(self) -> None:
         """Its sandbox is gone: drop every descriptor held for it."""
+
+
+# What the table needs of its node and of a sandbox's record, as Protocols: the node
+# (dsec.edge.node) builds the table, so importing it back (even for annotations) would be
+# a cycle.
+class SandboxRecord(Protocol):
+    """A sandbox's live record on the node (``dsec.edge.node._Sandbox``)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def backend(self) -> Backend: ...
+
+    last_active_at: float    # the table marks the sandbox active when a process starts/ends
+
+
+R = TypeVar("R", bound=SandboxRecord)
+
+
+class ProcessHost(Protocol[R]):
+    """The edge node (``dsec.edge.node.EdgeNode``), as the table uses it: find a sandbox's
+    record (its own errors: gone, another node's), make it running, and admit and
+    release a command under the node's exec caps."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def clock(self) -> Clock: ...
+
+    def _find(self, sid: str) -> R: ...
+    def _check_hide(self, rec: R) -> None: ...
+    async def _ready(self, rec: R, op: str) -> None: ...
+    def _admit_exec(self, rec: R) -> None: ...
+    def _exec_ended(self, rec: R) -> None: ...
 
 
 _NO_STDIN = "stdin of process {pid} in sandbox {sid} is not open: start it with " \
@@ -329,10 +368,10 @@ class _Process:
             f.wake.set()
 
 
-class ProcessTable:
+class ProcessTable(Generic[R]):
     """Every sandbox's process table on one edge node (module docstring)."""
 
-    def __init__(self, node: EdgeNode, limits: ProcessLimits | None = None) -> None:
+    def __init__(self, node: ProcessHost[R], limits: ProcessLimits | None = None) -> None:
         self.node = node
         self.limits = limits or ProcessLimits()
         self._tables: dict[str, collections.OrderedDict[int, _Process]] = {}
@@ -452,7 +491,7 @@ class ProcessTable:
         task.add_done_callback(self._tasks.discard)
         return msgspec.structs.replace(info)
 
-    async def _spawn(self, rec: _Sandbox, req: ExecRequest, sink: OutputSink) -> ProcessIO:
+    async def _spawn(self, rec: R, req: ExecRequest, sink: OutputSink) -> ProcessIO:
         backend = rec.backend
         spawn = getattr(backend, "spawn_process", None)
         if spawn is not None and getattr(backend, "supports_processes", False):
@@ -462,7 +501,7 @@ class ProcessTable:
             return io
         return StreamedIO(backend, rec.id, req, next(self._fake_pids), sink)
 
-    async def _watch(self, rec: _Sandbox, proc: _Process, io: ProcessIO,
+    async def _watch(self, rec: R, proc: _Process, io: ProcessIO,
                      admitted: bool) -> None:
         status: ExitStatus
         try:

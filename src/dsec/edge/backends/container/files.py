@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Self
 
 from dsec.edge.backends.container import linux
+from dsec.edge.filestream import TEMP_PREFIX
 from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
 from dsec.rmtree import remove_tree_at
 from dsec.wire.spec import FileInfo, FileType
@@ -63,11 +64,8 @@ def split_path(path: str) -> tuple[str, str]:
     return posixpath.dirname(norm), posixpath.basename(norm)
 
 
-# Streamed writes land in a temporary file next to their target, renamed over it only
-# once complete (issue 19): its name says what it is, so one left by an edge killed
-# mid-upload is recognisable; the next streamed write into that directory removes it
-# (SandboxFiles._sweep_stale: not flock'ed by a live upload).
-TEMP_PREFIX = ".dsec-upload-"
+# TEMP_PREFIX (imported above): the temporary files of streamed writes, defined in
+# dsec.edge.filestream so that module need not import this one back.
 # Entries of the target's directory an upload looks at for stale temporary files.
 SWEEP_ENTRIES = 65536
 _RENAME_NOREPLACE = 1

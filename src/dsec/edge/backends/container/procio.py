@@ -35,7 +35,7 @@ import socket
 import struct
 import termios
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from dsec.edge.backends.container.protocol import (
     Exec,
@@ -43,9 +43,11 @@ from dsec.edge.backends.container.protocol import (
     Failed,
     Reply,
     Running,
+    Started,
     exec_failure,
 )
 from dsec.edge.processes import ExitStatus, OutputSink
+from dsec.edge.qos import qos_process
 from dsec.errors import (
     BackendError,
     DsecError,
@@ -55,12 +57,12 @@ from dsec.errors import (
 )
 
 if TYPE_CHECKING:
-    from dsec.edge.backends.container.backend import ContainerBackend
     from dsec.edge.backends.container.box import Box
-    from dsec.edge.governor import ExecCgroup
+    from dsec.edge.backends.container.native import ZygoteClient
+    from dsec.edge.governor import ExecCgroup, Governor
     from dsec.wire.spec import ExecRequest
 
-__all__ = ["ContainerProcess", "spawn"]
+__all__ = ["ContainerProcess", "ProcessBackend", "spawn"]
 
 _READ = 1 << 16
 #: writes that may wait for room in one process's input buffer at once
@@ -68,10 +70,32 @@ MAX_WAITERS = 4
 StreamName = Literal["stdout", "stderr"]
 
 
+class ProcessBackend(Protocol):
+    """What a process needs of its backend (``ContainerBackend``): the zygote that
+    starts it, a pidfd of the sandbox's init for the start, the governor and exec cgroups it runs in, and how a command is killed
+    and its cgroup cleared. A Protocol: the backend imports this module (spawn_process),
+    so importing it back (even for annotations) would be a cycle."""
+
+    @property
+    def _zygote(self) -> ZygoteClient: ...
+    @property
+    def _devnull(self) -> int: ...
+    @property
+    def governor(self) -> Governor: ...
+    @property
+    def exec_start_timeout_s(self) -> float: ...
+
+    def _init_fd(self, box: Box) -> contextlib.AbstractContextManager[int]: ...
+    def _new_exec_cgroup(self, box: Box) -> ExecCgroup: ...
+    def _kill_exec(self, rid: int, ec: ExecCgroup) -> None: ...
+    async def _clear_exec_cgroup(self, box: Box, ec: ExecCgroup) -> None: ...
+    def _release_exec_cgroup(self, box: Box, ec: ExecCgroup) -> None: ...
+
+
 class ContainerProcess:
     """One process of the table on the container backend (module docstring)."""
 
-    def __init__(self, backend: ContainerBackend, box: Box, rid: int, ec: ExecCgroup,
+    def __init__(self, backend: ProcessBackend, box: Box, rid: int, ec: ExecCgroup,
                  sink: OutputSink, *, pty: tuple[int, int] | None, input_pending: int,
                  input_wait_s: float) -> None:
         self.loop = asyncio.get_running_loop()
@@ -102,6 +126,8 @@ class ContainerProcess:
     def on_reply(self, reply: Reply, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
+        if isinstance(reply, (Started, Running)):   # qos (issue 22): BE runs SCHED_IDLE
+            qos_process(self.box.spec, reply.pid)
         if isinstance(reply, Running):
             if not self.started.done():
                 self.started.set_result(reply)
@@ -376,7 +402,7 @@ class ContainerProcess:
             self.exited.set_result(Exited(self.rid, signal.SIGKILL, self.host_pid))
 
 
-async def spawn(backend: ContainerBackend, box: Box, req: ExecRequest, argv: list[str],
+async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[str],
                 env: list[str], sink: OutputSink, *, input_pending: int = 1 << 20,
                 input_wait_s: float = 30.0) -> ContainerProcess:
     """Start ``req`` as a process of the table; answered once its command runs."""
