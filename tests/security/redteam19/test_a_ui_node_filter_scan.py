@@ -24,16 +24,23 @@ def test_node_filter_page_costs_a_bounded_number_of_list_calls(tmp_path: object)
         with cl.client(session_lease_s=None) as c:
             for _ in range(4):
                 c.sandboxes.create_many(100, cpu=0.01, memory="8MiB")
-        dash = next(o for o in gc.get_objects() if isinstance(o, Dashboard))
+        # every live dashboard (other tests' clusters may still be up): only this
+        # cluster's serves the request below
         calls = 0
-        inner = dash._list
 
-        async def counting(caller: object, req: object) -> object:
-            nonlocal calls
-            calls += 1
-            return await inner(caller, req)
+        def wrap(dash: Dashboard) -> None:
+            inner = dash._list
 
-        dash._list = counting
+            async def counting(caller: object, req: object) -> object:
+                nonlocal calls
+                calls += 1
+                return await inner(caller, req)
+
+            dash._list = counting
+
+        for o in gc.get_objects():
+            if isinstance(o, Dashboard):
+                wrap(o)
         r = httpx.get(f"{cl.url}/ui/sandboxes", params={"node": "nosuch", "limit": "1"},
                       cookies={"dsec_ui": cl.api_key}, timeout=120)
         assert r.status_code == 200, r.text[:300]
