@@ -63,9 +63,9 @@ def test_stream_floods_do_not_drop_the_link_for_other_projects(tmp_path: object)
                         await asyncio.sleep(0.2)
                     return out
 
-                *ends, v = await asyncio.gather(*[flood(s.id) for s in floods],
-                                                victim_execs())
-                return list(ends), v
+                v = asyncio.ensure_future(victim_execs())
+                ends = await asyncio.gather(*[flood(s.id) for s in floods])
+                return list(ends), await v
 
         ends, victim_codes = asyncio.run(main())
         assert all(code == 200 for code in victim_codes), (
