@@ -376,3 +376,35 @@ async def test_watches_share_one_inotify_instance_and_a_tenant_share(edge: Edge)
         for t in held:
             t.cancel()
         await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_tmpfs_writes_are_charged_to_the_sandbox_and_bounded_by_it(edge: Edge) -> None:
+    """A3: bytes the file API writes into a sandbox's tmpfs (/tmp, /dev/shm) are RAM; they
+    are written by a helper in the sandbox's memory cgroup, so the sandbox is charged
+    (memory_tmpfs_bytes) and its limit bounds them: a write that cannot fit is refused
+    up front (write_file, a sized stream) or, streamed without a size, fails when the
+    limit is hit - the sandbox's own processes live, nothing is left behind."""
+    from dsec.edge.backends.container.files import TEMP_PREFIX
+    spec = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64)
+    sid = (await edge.node.create(spec)).id
+    box = edge.backend.box(sid)
+    base = edge.backend.governor.memory_shmem(box.cg)
+    await edge.node.write_file(sid, "/tmp/a", _pattern(16 << 20))
+    await _upload(edge.client, sid, "/dev/shm/b", _pattern(16 << 20, 1))
+    held = edge.backend.governor.memory_shmem(box.cg) - base
+    assert held >= 30 << 20, f"32 MiB written to the sandbox's tmpfs, it is charged {held}"
+    assert (await edge.node.stats(sid)).memory_tmpfs_bytes >= 30 << 20
+    # refused before anything changed: write_file and a sized stream
+    with pytest.raises(QuotaExceeded, match="memory limit"):
+        await edge.node.write_file(sid, "/tmp/a", _pattern(60 << 20))
+    assert _pattern(16 << 20) == (await _download(edge.client, sid, "/tmp/a"))[0]
+    with pytest.raises(QuotaExceeded, match="memory limit"):
+        await _upload(edge.client, sid, "/tmp/c", _pattern(40 << 20), size=40 << 20)
+    # a stream without a size: cut when the limit is hit, its temporary file removed
+    with pytest.raises((QuotaExceeded, StreamReset)):
+        await _upload(edge.client, sid, "/tmp/d", _pattern(48 << 20, 2))
+    out = await _sh(edge.node, sid, "echo alive; ls -a /tmp")
+    assert out.startswith("alive"), out
+    assert "d" not in out.split() and TEMP_PREFIX not in out, out
+    # the disk is not memory: the same bytes to /home are not refused by it
+    await edge.node.write_file(sid, "/home/big", _pattern(60 << 20, 3))
