@@ -116,7 +116,7 @@ class MemoryHome:
 class ChargedWriter:
     """Bytes written into ``out_fd`` by a process in the sandbox's memory cgroup.
 
-    A ``cat`` (posix_spawn'ed: vfork + exec, no fork of the edge's big address space)
+    A ``cat`` (spawned by subprocess with vfork + exec: no copy of the edge's memory)
     with a pipe as stdin and ``out_fd`` as stdout is moved into the sandbox's memory
     cgroup before it gets its first byte, so every tmpfs page it writes is charged to
     the sandbox (memory_tmpfs_bytes in its stats) and bounded by its limit - an
