@@ -61,7 +61,7 @@ def test_b_a_peer_cannot_forge_access_log_lines(cluster_with_access_log) -> None
         f"/v1/sandboxes/sb-x%0A{forged}",          # the fast GET path: scope["path"] raw
         "/v1/sandboxes/sb-y%1B%5B2J%1B%5B31mowned",  # ANSI: clear screen, red
         f"/v1/sandboxes/sb-z%0D%0A{forged}/events",  # a Starlette route (CR LF)
-        f"/v1/sandboxes/sb-w%0B%0C%1B%5D0%3Btitle%07/events",  # VT FF, an OSC title
+        "/v1/sandboxes/sb-w%0B%0C%1B%5D0%3Btitle%07/events",  # VT FF, an OSC title
     ]
     for t in targets:
         answer = _raw_get(cl.url, t)

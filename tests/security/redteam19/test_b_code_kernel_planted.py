@@ -28,8 +28,8 @@ def test_b_an_agent_cannot_plant_the_judges_code_kernel(debian: Debian) -> None:
     client = debian.cluster.client()
     with client.sandboxes.create(image=debian.image, detached=True) as sb:
         # the agent goes first, as an unprivileged user
-        r = sb.exec(["sh", "-c", f"mkdir -p {KERNEL_DIR} && chmod 0777 {KERNEL_DIR} && "
-                     f"cat > {KERNEL_PATH}"], stdin=FAKE, user="65534")
+        r = sb.exec(["sh", "-c", (f"mkdir -p {KERNEL_DIR} && chmod 0777 {KERNEL_DIR} && "
+                     f"cat > {KERNEL_PATH}")], stdin=FAKE, user="65534")
         assert r.exit_code == 0, r.stderr
         # the judge (root, the default user) evaluates
         ex = sb.run_code("import os\nos.getuid()")
