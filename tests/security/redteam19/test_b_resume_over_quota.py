@@ -54,3 +54,25 @@ def test_b_resume_cannot_exceed_the_cpu_quota(cluster: LocalCluster) -> None:
         assert resumed.status_code == 429, (
             f"resume answered {resumed.status_code}: project rq (cpu quota 1000m) now runs "
             f"{running} = {len(running) * 1000}m; usage {usage}")
+
+
+def test_b_an_exec_cannot_resume_past_the_cpu_quota(cluster: LocalCluster) -> None:
+    """The other door: an exec on a paused sandbox resumes it at the edge (transparent
+    resume), which the control plane's quota never sees either."""
+    cl = cluster
+    admin = {"authorization": f"Bearer {cl.api_key}"}
+    with httpx.Client(base_url=cl.url, timeout=30) as http:
+        assert http.put("/v1/quotas/rq2", json={"cpu_milli": 1000},
+                        headers=admin).status_code == 200
+        key = cl.create_key("rq2-member", "rq2", "member")
+        h = {"authorization": f"Bearer {key}"}
+        body = {"project": "rq2", "image": "base", "cpu_milli": 1000}
+        sa = http.post("/v1/sandboxes", json=body, headers=h).json()["id"]
+        assert http.post(f"/v1/sandboxes/{sa}/pause", headers=h).status_code in (200, 204)
+        assert http.post("/v1/sandboxes", json=body, headers=h).status_code == 201
+        r = http.post(f"/v1/sandboxes/{sa}/exec", json={"argv": ["true"]}, headers=h)
+        state = http.get(f"/v1/sandboxes/{sa}", headers=h).json()["state"]
+        assert r.status_code != 400, r.text                  # the request itself is valid
+        assert not (r.status_code == 200 and state == "running"), (
+            f"exec on paused {sa} answered {r.status_code} and left it {state}: project "
+            "rq2 (cpu quota 1000m) runs two 1000m sandboxes")
