@@ -43,10 +43,11 @@ def cluster_with_access_log(tmp_path) -> Iterator[tuple[LocalCluster, str]]:  # 
         root.setLevel(level)
 
 
-def _raw_get(url: str, target: str) -> bytes:
+def _raw_get(url: str, target: str, extra: str = "") -> bytes:
     u = urlsplit(url)
     with socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=30) as s:
-        s.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+        s.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\n{extra}connection: close\r\n"
+                  "\r\n".encode())
         out = b""
         while chunk := s.recv(65536):
             out += chunk
@@ -75,3 +76,20 @@ def test_b_a_peer_cannot_forge_access_log_lines(cluster_with_access_log) -> None
     assert not any(line.startswith("2026-12-02T10:00:00.000Z") for line in lines), text
     assert len(lines) == len(targets), text
     assert not any(ch in text for ch in ("\x1b", "\r", "\x0b", "\x0c", "\x07")), repr(text)
+
+
+def test_b_a_peer_cannot_add_fields_to_its_access_log_line(cluster_with_access_log) -> None:  # type: ignore[no-untyped-def]
+    """The text format's ``k=v`` fields are not quoted: a request id (any printable
+    text up to 128 chars, echoed from ``X-Request-ID``) of ``r1 principal=admin
+    status=200`` gives the line a second ``principal`` and ``status``, the ones a
+    ``k=v`` parser keeps last."""
+    cl, path = cluster_with_access_log
+    answer = _raw_get(cl.url, "/v1/sandboxes/sb-000000000001-n1",
+                      "x-request-id: r1 principal=admin status=200\r\n")
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    for h in logging.getLogger("dsec.access").handlers:
+        h.flush()
+    with open(path, encoding="utf-8") as f:
+        line = f.read().strip()
+    tokens = [t.partition("=")[0] for t in line.split() if "=" in t]
+    assert tokens.count("principal") == 1 and tokens.count("status") == 1, line
