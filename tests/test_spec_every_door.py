@@ -34,7 +34,8 @@ SAMPLE = SandboxSpec(
     labels={"team": "rl"}, project="default/sub", ttl_s=3600.0, idle_timeout_s=600.0,
     idle_action="pause", env={"E": "1"},
     network=NetworkPolicy(mode="allowlist", allow=("example.com:443",)), allow_nested=True,
-    user_namespace=True, cwd="/srv", user="1000:1000", build_step="b" * 64)
+    user_namespace=True, cwd="/srv", user="1000:1000", build_step="b" * 64, qos="be",
+    cpu_quota_milli=2500)
 
 
 def test_the_sample_sets_every_field() -> None:
@@ -63,7 +64,9 @@ def _sdk_kwargs(spec: SandboxSpec) -> dict[str, Any]:
             "ttl": spec.ttl_s, "idle_timeout": spec.idle_timeout_s,
             "idle_action": spec.idle_action, "env": spec.env, "network": spec.network,
             "allow_nested": spec.allow_nested, "user_namespace": spec.user_namespace,
-            "cwd": spec.cwd, "user": spec.user, "build_step": spec.build_step}
+            "cwd": spec.cwd, "user": spec.user, "build_step": spec.build_step,
+            "qos": spec.qos, "cpu_quota": None if spec.cpu_quota_milli is None
+            else spec.cpu_quota_milli / 1000}
 
 
 def _edge_address(cluster: LocalCluster) -> str:

@@ -304,3 +304,24 @@ class PlacementIndexMachine(RuleBasedStateMachine):
 PlacementIndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                                    deadline=None)
 TestPlacementIndex = PlacementIndexMachine.TestCase
+
+
+def test_qos_best_effort_packs_latency_sensitive_spreads() -> None:
+    """Issue 22: with one busy and one quiet node, a BE request lands on the busy node,
+    an LS request on the quiet one; without a class (older callers) packing decides."""
+    from dsec.control.placement import qos_term
+
+    assert qos_term("be", 0.5, 0.5, 1.5) == 0.75 and qos_term("ls", 0.5, 0.5, 1.5) == -0.75
+    pl = Placement(rng=random.Random(1), config=PlacementConfig(k=2, jitter=0.0))
+    gib = 1 << 30
+    pl.update(PlacementNode(node="busy", cpu_milli_capacity=8000,
+                            memory_bytes_capacity=32 * gib, cpu_milli_used=6000,
+                            memory_bytes_used=24 * gib))
+    pl.update(PlacementNode(node="quiet", cpu_milli_capacity=8000,
+                            memory_bytes_capacity=32 * gib))
+
+    def best(qos: str | None) -> str | None:
+        return pl.best(PlacementRequest(cpu_milli=500, memory_bytes=gib, qos=qos))
+    assert best("be") == "busy"
+    assert best("ls") == "quiet"
+    assert best(None) == "busy"

@@ -92,3 +92,28 @@ def test_backend_registry_errors_are_typed() -> None:
     r = subprocess.run([*DSEC, "edge", "--listen", "unix:/tmp/x.sock", "--backend-opt", "x=1"],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode != 0 and "BACKEND.KEY=VALUE" in r.stderr
+
+
+async def test_edge_cli_qos_flags(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``dsec edge --qos-be-only batch --memory-pressure`` (issue 22): the edge door refuses
+    qos 'ls' for batch/..., gives 'be' when unset, 'ls' elsewhere."""
+    from dsec.errors import PermissionDenied
+
+    sock, state = str(tmp_path / "edge.sock"), str(tmp_path / "state")
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [*DSEC, "edge", "--listen", f"unix:{sock}", "--state-dir", state, "--node-id",
+         "qos-node", "--log-level", "warning", "--qos-be-only", "batch",
+         "--memory-pressure"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(300):
+            if proc.poll() is not None or os.path.exists(sock):
+                break
+            await asyncio.sleep(0.02)
+        assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+        async with await EdgeClient.connect(f"unix:{sock}", timeout=10) as c:
+            with pytest.raises(PermissionDenied, match="qos='ls' is refused on node qos-node"):
+                await c.create(SandboxSpec(project="batch/evals", qos="ls"))
+            assert (await c.create(SandboxSpec(project="batch/evals"))).spec.qos == "be"
+            assert (await c.create(SandboxSpec(project="agents"))).spec.qos == "ls"
+    finally:
+        assert _stop(proc) == 0

@@ -389,3 +389,31 @@ async def test_reconcile_removes_unknown_sandboxes_with_their_processes(tmp_path
         if stray is not None and stray.poll() is None:
             stray.kill()
             stray.wait()
+
+
+@needs_root
+async def test_a_best_effort_sandbox_gets_the_idle_cgroup() -> None:
+    """Issue 22: the fncall backend applies a class's cgroup side like the container one
+    (BE: lowest weight + cpu.idle, soft limit 0; LS keeps the request's weight)."""
+    fn = FncallBackend(pool_size=1, isolate=True)
+    be, ls = "sb-00000000000b-n1", "sb-00000000000c-n1"
+    try:
+        await fn.create(be, SandboxSpec(backend="fncall", qos="be"))  # type: ignore[arg-type]
+        await fn.create(ls, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        cg, ls_cg = fn._boxes[be].cg, fn._boxes[ls].cg
+        assert cg is not None and ls_cg is not None
+
+        def read(c: object, ctrl: str, f: str) -> str:
+            with open(os.path.join(c.dirs[ctrl], f)) as fh:  # type: ignore[attr-defined]
+                return fh.read().strip()
+        if cg.version == 1:
+            assert read(cg, "cpu", "cpu.shares") in ("2", "3")   # 3: the kernel's idle weight
+            assert read(ls_cg, "cpu", "cpu.shares") == "1024"
+            assert read(cg, "memory", "memory.soft_limit_in_bytes") == "0"
+            if os.path.exists(os.path.join(cg.dirs["cpu"], "cpu.idle")):
+                assert read(cg, "cpu", "cpu.idle") == "1"
+                assert read(ls_cg, "cpu", "cpu.idle") == "0"
+        else:
+            assert read(cg, "unified", "cpu.weight") == "1"
+    finally:
+        await fn.close()

@@ -50,6 +50,7 @@ def bench(suite_names: tuple[str, ...], quick: bool, json_path: str | None,
     root = _repo_root()
     json_path = json_path or os.path.join(root, "bench-results.json")
     md_path = md_path or os.path.join(root, "bench-results.md")
+    os.environ.setdefault("DSEC_BENCH_OUT_DIR", os.path.dirname(os.path.abspath(json_path)))  # qos: plots beside the results
 
     def echo(r: Result) -> None:
         params = " ".join(f"{k}={v}" for k, v in r.params.items())

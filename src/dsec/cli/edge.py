@@ -447,6 +447,12 @@ def _die_with_supervisor(pid: int) -> None:
                    "refused DNS names, live sandboxes) at http://HOST:PORT/metrics "
                    "[default: off]. Sandbox ids are labels: bind it to loopback or a "
                    "monitoring network.")
+@click.option("--qos-be-only", "qos_be_only", multiple=True, metavar="PROJECT",
+              help="[qos] Run this project's (and its subprojects') sandboxes best-effort "
+                   "only: a create asking qos 'ls' is refused (repeatable).")
+@click.option("--memory-pressure/--no-memory-pressure", "memory_pressure", default=False,
+              help="[qos] Pause idle best-effort sandboxes (idle longest first) while PSI "
+                   "shows node memory pressure [default: off].")
 @click.option("--lazy-cache-bytes", type=SIZE, default=None, metavar="SIZE",
               help="[lazy] Budget of the node's chunk cache for layers read lazily from "
                    "--blob-store (least recently used chunks go; pinned layers stay) "
@@ -480,7 +486,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
          metrics_listen: str | None, join_url: str | None, join_token: str | None,
          advertise: str | None, blob_store: str | None,
-         lazy_cache_bytes: int | None, log_format: str = "text") -> None:
+         lazy_cache_bytes: int | None, log_format: str = "text",
+         qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
     raise_nofile()
@@ -527,7 +534,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    layer_store, backend_opts, token_file, insecure, disk_default, disk_pool,
                    ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
                    net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
-                   blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes)
+                   blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes,
+                   qos_be_only=qos_be_only, memory_pressure=memory_pressure)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -572,12 +580,14 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                net_uplink: str | None, net_link: str, net_egress: str | None,
                net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
                metrics_listen: str | None, ssl_ctx: Any = None,
-               blob_store: str | None = None, lazy_cache_bytes: int | None = None) -> None:
+               blob_store: str | None = None, lazy_cache_bytes: int | None = None,
+               qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False) -> None:
     # blob_store: validated by --blob-store's callback; the node's lazy layers
     # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
     from dsec.edge.backends import make_backend
     from dsec.edge.node import NodeConfig
+    from dsec.edge.qos import PressurePolicy
     from dsec.errors import DsecError
 
     try:
@@ -619,7 +629,10 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                          journal_sync=journal_sync,  # type: ignore[arg-type]
                          net_default=net_default, net_max=net_max,
                          # issue 16: layers move in and out of it whatever the backend
-                         layer_store=layer_store)
+                         layer_store=layer_store,
+                         # issue 22 (dsec.edge.qos)
+                         qos_be_only=qos_be_only,
+                         memory_pressure=PressurePolicy() if memory_pressure else None)
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

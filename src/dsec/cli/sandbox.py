@@ -128,19 +128,24 @@ def sandbox() -> None:
                    "[2001:db8::/32]:443/udp (repeatable).")
 @click.option("--deny", "deny", multiple=True, metavar="ENTRY",
               help="Egress denied, wins over --allow (repeatable).")
+@click.option("--qos", type=click.Choice(["ls", "be"]), default=None,
+              help="QoS class: ls latency-sensitive, be best-effort (default: ls, unless "
+                   "the project's quota says qos_ls=false).")
+@click.option("--cpu-quota", "cpu_quota", type=float, default=None,
+              help="CPU cap in cores (default: --cpu).")
 @conn_options
 def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapshot: str | None,
            backend: str | None, cpu: float, memory: str, ttl: float | None, labels: tuple[str, ...],
            env: tuple[str, ...], disk: str | None, idle_timeout: float | None, idle_action: str,
            project: str | None, count: int, net_mode: str | None, allow: tuple[str, ...],
-           deny: tuple[str, ...], url: str | None, api_key: str | None,
-           as_json: bool) -> None:
+           deny: tuple[str, ...], qos: str | None, cpu_quota: float | None,
+           url: str | None, api_key: str | None, as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
     kw = {"env": dict(_kv(x) for x in env), "disk": disk, "idle_timeout": idle_timeout,
           "idle_action": idle_action, "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
           "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
-          "project": project, "detached": True,
+          "project": project, "detached": True, "qos": qos, "cpu_quota": cpu_quota,
           "network": _policy(net_mode, allow, deny) if (net_mode or allow or deny) else None}
     with client(url, api_key) as c:
         sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]

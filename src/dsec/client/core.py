@@ -108,6 +108,7 @@ from dsec.wire.spec import (
     IdleAction,
     NetworkPolicy,
     PauseStats,
+    QosClass,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -594,7 +595,8 @@ class AsyncSandboxes:
         pids_max: int | None = 1024, network: NetworkPolicy | NetMode | None = None,
         allow_nested: bool = False, user_namespace: bool = False,
         cwd: str | None = None, user: str | None = None,
-        build_step: str | None = None,
+        build_step: str | None = None, qos: QosClass | None = None,
+        cpu_quota: float | None = None,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
         server's to decide: backend, project, lifetime)."""
@@ -608,7 +610,8 @@ class AsyncSandboxes:
             labels=dict(labels or {}), project=project, ttl_s=ttl,
             idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
-            user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step)
+            user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step,
+            qos=qos, cpu_quota_milli=None if cpu_quota is None else round(cpu_quota * 1000))
 
     def _given_spec(self, spec: SandboxSpec | None, kw: Mapping[str, Any]) -> SandboxSpec:
         """``spec`` as it is, or the one the keywords build; both at once only when the
@@ -640,6 +643,7 @@ class AsyncSandboxes:
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, session: bool | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
@@ -650,6 +654,10 @@ class AsyncSandboxes:
         its timeout); ``detached=True``: never bound (as ``session=False``);
         ``env``/``cwd``/``user``: every exec's defaults, over the image config's (its
         ``Env``, ``WorkingDir``, ``User``; an exec's own win over both).
+        ``qos``: "ls" (latency-sensitive) or "be" (best-effort: SCHED_IDLE, lowest CPU
+        weight, paused first under memory pressure); None: "ls" unless the project's
+        quota restricts it (docs/container.md "QoS classes"). ``cpu_quota``: the CPU cap
+        in cores (None: capped at ``cpu``).
         ``build_step``: an image build step's cache key (the builder sets it: the edge
         records it in this sandbox's snapshots with the stack it ran on).
 
@@ -668,7 +676,7 @@ class AsyncSandboxes:
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user, "build_step": build_step})
+            "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota})
         c = self._c
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
@@ -694,6 +702,7 @@ class AsyncSandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list: a keyword dict laid over the keywords
@@ -709,7 +718,7 @@ class AsyncSandboxes:
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user}
+            "user": user, "qos": qos, "cpu_quota": cpu_quota}
         c = self._c
         specs: list[SandboxSpec]
         if isinstance(n, int) and not isinstance(n, bool):

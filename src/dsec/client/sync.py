@@ -61,6 +61,7 @@ from dsec.wire.spec import (
     IdleAction,
     NetworkPolicy,
     PauseStats,
+    QosClass,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -231,6 +232,7 @@ class Sandboxes:
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, session: bool | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
@@ -240,7 +242,7 @@ class Sandboxes:
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
-            session=session)))
+            session=session, qos=qos, cpu_quota=cpu_quota)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
@@ -254,6 +256,7 @@ class Sandboxes:
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
+        qos: QosClass | None = None, cpu_quota: float | None = None,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(
@@ -262,7 +265,7 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            cwd=cwd, user=user, session=session))]
+            cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))

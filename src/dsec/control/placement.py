@@ -32,6 +32,7 @@ Score (higher is better), with ``fc``/``fm`` the node's CPU/memory fraction in u
   + locality * (layers present / layers wanted)
   - spread * (same-group sandboxes on node / (sandboxes on node + 1))
   - cost * node.cost - cloud_penalty [cloud]
+  ± qos * (fc + fm) / 2                 + for best-effort (packs), - for LS (spreads)
   + jitter * u,  u uniform in [0, 1)   (seeded; breaks ties between equal nodes)
 """
 
@@ -53,7 +54,19 @@ __all__ = [
     "PlacementNode",
     "PlacementRequest",
     "ScoreWeights",
+    "qos_term",
 ]
+
+
+def qos_term(qos: str, fc: float, fm: float, weight: float) -> float:
+    """The QoS class's part of a node's score (pure; ``fc``/``fm``: the node's CPU and
+    memory fractions in use after placing). Best-effort work *packs*: it runs SCHED_IDLE
+    at the lowest weight, so a busy node's spare cycles are exactly what it should soak
+    up, and it keeps quiet nodes quiet. Latency-sensitive work *spreads*: with the
+    default weight (1.5 against packing's 1.0) its net pull is toward emptier nodes,
+    where its steps meet the fewest competitors."""
+    load = 0.5 * (fc + fm)
+    return weight * load if qos == "be" else -weight * load
 
 
 class PlacementNode(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +111,9 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
     selector: dict[str, str] = {}
     allow_burst: bool = False
     group: str = ""
+    # QoS class (issue 22): "be" packs onto busy nodes, "ls" spreads (see qos_term);
+    # None: no QoS term (callers that predate classes)
+    qos: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +125,7 @@ class ScoreWeights:
     locality: float = 0.5
     spread: float = 0.3
     cost: float = 0.5
+    qos: float = 1.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -575,6 +592,8 @@ class Placement:
             score += w.locality / len(req.layers) * hits
         if req.group:
             score -= w.spread * s.groups.get(req.group, 0) / (s.n + 1)
+        if req.qos is not None:
+            score += qos_term(req.qos, fc, fm, w.qos)
         return score
 
     def _scan(self, req: PlacementRequest, A: list[_Slot], B: list[_Slot],

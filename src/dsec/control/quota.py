@@ -63,6 +63,8 @@ class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
     # create(image=<registry ref>) pulls on first use (None: as the parent says; see
     # QuotaIndex.registry_pull)
     registry_pull: bool | None = None
+    # may sandboxes here be qos "ls" (None: as the parent says; see QuotaIndex.qos_ls)
+    qos_ls: bool | None = None
 
     def validate(self, where: str = "quota") -> None:
         Limits.validate(self, where)
@@ -150,6 +152,14 @@ class QuotaIndex:
         for n in reversed(self._chain(project)):
             if n.quota is not None and n.quota.registry_pull is not None:
                 return n.quota.registry_pull, n.path
+        return True, None
+
+    def qos_ls(self, project: str) -> tuple[bool, str | None]:
+        """Whether sandboxes of ``project`` may be latency-sensitive, and the project whose
+        quota said so (nearest first; None: nobody did, default yes)."""
+        for n in reversed(self._chain(project)):
+            if n.quota is not None and n.quota.qos_ls is not None:
+                return n.quota.qos_ls, n.path
         return True, None
 
     def network_ceilings(self, project: str) -> list[tuple[str, NetworkPolicy]]:

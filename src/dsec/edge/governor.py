@@ -102,6 +102,9 @@ class Limits:
     cpu_milli: int
     memory_bytes: int
     pids_max: int | None
+    # QoS (issue 22, dsec.edge.qos.qos_writes): the class and an optional CPU cap
+    qos: Literal["ls", "be"] = "ls"
+    cpu_quota_milli: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,11 +533,29 @@ class Governor:
             for ctrl, fname, value in limit_writes(self.version, limits,
                                                    memsw=self.layout.memsw):
                 _write(os.path.join(cg.dirs[ctrl], fname), value)
+            self._apply_qos(cg, limits)
         except OSError as exc:
             self.remove(cg)
             raise BackendError(f"cannot create cgroups for sandbox {sid} under "
                                f"{sorted(self.layout.bases.values())}: {exc}") from exc
         return cg
+
+    @staticmethod
+    def _apply_qos(cg: SandboxCgroup, limits: Limits) -> None:
+        """The QoS class's writes (issue 22); optional ones skipped where the controller
+        or file is absent (this VM: no managed blkio hierarchy)."""
+        from dsec.edge.qos import qos_writes
+
+        for ctrl, fname, value, optional in qos_writes(
+                cg.version, limits.qos, cpu_milli=limits.cpu_milli,
+                memory_bytes=limits.memory_bytes, cpu_quota_milli=limits.cpu_quota_milli):
+            d = cg.dirs.get(ctrl)
+            if d is None or (optional and not os.path.exists(os.path.join(d, fname))):
+                if optional:
+                    continue
+                raise BackendError(f"cgroup controller {ctrl} needed for {fname} is not "
+                                   "managed on this node")
+            _write(os.path.join(d, fname), value)
 
     def _main(self, cg: SandboxCgroup, ctrl: str) -> str:
         return cg.dirs["unified" if cg.version == 2 else ctrl]
@@ -804,6 +825,13 @@ class Governor:
         except (OSError, ValueError):
             return 0, None
         return cur, None if mx == "max" else int(mx)
+
+    def memory_stat(self, cg: SandboxCgroup) -> dict[str, int]:
+        """The sandbox's parsed ``memory.stat`` ({} if the cgroup is gone)."""
+        try:
+            return parse_keyed(_read(os.path.join(self._main(cg, "memory"), "memory.stat")))
+        except OSError:
+            return {}
 
     def memory_shmem(self, cg: SandboxCgroup) -> int:
         """Bytes of tmpfs/shared memory charged to the sandbox (its /tmp, /dev/shm, a

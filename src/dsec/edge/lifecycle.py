@@ -95,6 +95,8 @@ NOTICE_REASONS: frozenset[str] = frozenset({
                         # IPv6 for sandboxes): accepted, inert, and said so
     "layer_unavailable",  # a lazily loaded image layer could not be read (blob store
                         # outage, corrupt chunks, its FUSE daemon died): reads got EIO
+    "memory_pressure",  # qos (issue 22): paused (and reclaimed) to relieve node memory
+                        # pressure, a best-effort sandbox idle longest; resume to go on
 })
 
 EventTuple = tuple[float, "SandboxState | None", SandboxState, str, str]

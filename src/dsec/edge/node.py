@@ -76,6 +76,14 @@ from dsec.edge.lifecycle import (
     start_clock,
     stop_clock,
 )
+from dsec.edge.qos import (
+    PressureDriver,
+    PressurePolicy,
+    QosView,
+    Relief,
+    node_qos,
+    read_psi,
+)
 from dsec.edge.usage import CpuUsage, OpTimings
 from dsec.errors import (
     BackendError,
@@ -146,6 +154,7 @@ from dsec.wire.spec import (
     check_snapshot_ref,
     check_strip,
     project_of,
+    qos_of,
     resolve,
     stored,
 )
@@ -208,6 +217,16 @@ class NodeConfig:
     # backend mounts from one (a simulated node beside the cluster's store); None: the
     # container backend's store, if any.
     layer_store: str | None = None
+    # Projects (with their subprojects) whose sandboxes this node runs best-effort only
+    # (``dsec edge --qos-be-only PROJECT``, issue 22): a create naming no QoS class gets
+    # "be", one asking "ls" is refused, whoever asks (the control plane's project quota
+    # ``qos_ls`` binds what comes through the apiserver).
+    qos_be_only: tuple[str, ...] = ()
+    # Relieve node memory pressure (PSI) by pausing idle best-effort sandboxes
+    # (dsec.edge.qos.plan_relief), checked every pressure_interval_s; None: off
+    # (``dsec edge --memory-pressure``: the default PressurePolicy).
+    memory_pressure: PressurePolicy | None = None
+    pressure_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         parse_node_id(self.node_id)
@@ -378,6 +397,11 @@ class EdgeNode:
         self.layers = EdgeLayers(self._layer_store)
         self._pins_gen = 0                   # the PinSet last applied whole (heartbeat)
         self._pins_lock = asyncio.Lock()
+        # memory-pressure relief (issue 22); ``pressure.read`` is the PSI source
+        self.pressure = PressureDriver(
+            read=read_psi, views=self._qos_views, pause=self._pause_for_pressure,
+            notify=self._pressure_notice, clock=self.clock.time,
+            policy=config.memory_pressure or PressurePolicy())
 
     def _layer_store(self) -> LayerStore | None:
         store = find_store(self.backends)
@@ -406,7 +430,39 @@ class EdgeNode:
             await journal.commit()  # what start decided is on disk before anyone is served
             self._tasks.append(asyncio.create_task(self._flush_loop(), name="edge-journal"))
         self._tasks.append(asyncio.create_task(self._reap_loop(), name="edge-reaper"))
+        if self.config.memory_pressure is not None:
+            self._tasks.append(asyncio.create_task(self._pressure_loop(), name="edge-pressure"))
         return self
+
+    # ================================================================ qos (issue 22)
+    def _qos_views(self) -> builtins.list[QosView]:
+        """What the pressure policy weighs: a sandbox with an operation in flight counts
+        as active now; resident memory is estimated by its memory_bytes reservation."""
+        now = self.clock.time()
+        return [QosView(r.id, qos_of(r.spec), r.state,
+                        now if r.active else r.last_active_at, r.spec.memory_bytes)
+                for r in self._live.values()]
+
+    def _pressure_notice(self, sid: str, detail: str) -> None:
+        rec = self._live.get(sid)
+        if rec is not None:
+            self._event(rec, rec.state, rec.state, "memory_pressure", detail)
+
+    async def _pause_for_pressure(self, sid: str) -> None:
+        await self.pause(sid, reason="memory_pressure")   # info.paused_reason says so
+
+    async def relieve_pressure(self) -> Relief:
+        """One round of the memory-pressure policy: read PSI, pause idle best-effort
+        sandboxes (idle longest first), then a ``memory_pressure`` notice on each."""
+        return await self.pressure.tick()
+
+    async def _pressure_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.pressure_interval_s)
+            try:
+                await self.relieve_pressure()
+            except Exception:
+                log.exception("memory pressure round failed")
 
     async def close(self) -> None:
         """Stop background work and flush records. Sandboxes stay (a restart adopts them)."""
@@ -788,6 +844,7 @@ class EdgeNode:
                        project=LEGACY_PROJECT, network=self.config.net_default)
         assert spec.network is not None  # stored resolved: a later default moves nothing
         self._check_node_ceiling(spec.network, "network")
+        spec = node_qos(spec, self.config.qos_be_only, self.node_id)
         backend = self.backends.get(backend_of(spec))
         if backend is None:
             raise InvalidArgument(
@@ -1653,7 +1710,9 @@ class EdgeNode:
                 pct, dt = self._cpu.update(rec.id, time.monotonic(), st.cpu_seconds)
         except Exception as exc:
             raise self._backend_error(rec, "read stats of", exc) from exc
-        return msgspec.structs.replace(st, cpu_percent=pct, cpu_interval_s=dt)
+        # the class, whichever backend answered (issue 22)
+        return msgspec.structs.replace(st, cpu_percent=pct, cpu_interval_s=dt,
+                                       qos=st.qos or qos_of(rec.spec))
 
     # ================================================================ snapshots
     def _snapshotters(self) -> builtins.list[SnapshotBackend]:

@@ -26,6 +26,7 @@ from dsec.aether.connection import DuplexStream
 from dsec.aether.limits import DEFAULT_LIMITS, ServerLimits
 from dsec.edge.client import EdgeClient
 from dsec.edge.node import EdgeNode
+from dsec.edge.qos import qos_features
 from dsec.errors import InvalidArgument, RemoteProtocolError
 from dsec.wire.api import EventList, FileList
 from dsec.wire.calls import (
@@ -101,7 +102,7 @@ class EdgeHandlers:
         return NodeInfo(node=n.node_id, backends=sorted(n.backends),
                         capacity=n.pool.capacity.as_resources(), labels=dict(n.config.labels),
                         methods=list(self._methods), physical=n.pool.capacity.physical,
-                        protocol=EDGE_PROTOCOL)
+                        protocol=EDGE_PROTOCOL, qos=qos_features())
 
     def heartbeat(self, b: HeartbeatRequest) -> Heartbeat:
         return self.node.heartbeat(include_sandboxes=b.include_sandboxes,

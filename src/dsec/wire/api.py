@@ -44,6 +44,7 @@ from dsec.wire.spec import (
     IdleAction,
     NetworkPolicy,
     PtySize,
+    QosClass,
     SandboxEvent,
     SandboxInfo,
     SandboxState,
@@ -206,6 +207,10 @@ class CreateSandboxRequest(_Strict):
     user: str | None = None             # every exec's default user (default: the image's)
     # an image build step's cache key (dsec.image.build.step_key); see docs/images.md
     build_step: Annotated[str, _doc(pattern="^[0-9a-f]{64}$")] | None = None
+    # QoS class (docs/container.md "QoS classes"); null: "ls" unless the project's quota
+    # says qos_ls=false, then "be"
+    qos: QosClass | None = None
+    cpu_quota_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] | None = None
     session: str | None = None          # client session lease; see docs/api.md "Sweeper"
 
 
@@ -502,6 +507,10 @@ class QuotaBody(_Strict):
     # on first use? ``null``: as the nearest ancestor says; nowhere said: yes (the
     # creator is a member, who may pull with images.pull anyway; docs/images.md).
     registry_pull: bool | None = None
+    # May the subtree's sandboxes be latency-sensitive (qos "ls")? ``false``: only
+    # best-effort ("be"; a create naming no class gets it, one asking "ls" is refused).
+    # ``null``: as the nearest ancestor says; nowhere said: yes (docs/container.md).
+    qos_ls: bool | None = None
 
     def __post_init__(self) -> None:
         for name in _QUOTA_COUNTS:
@@ -515,11 +524,12 @@ class QuotaBody(_Strict):
 
     @classmethod
     def clamped(cls, *, network: NetworkPolicy | None = None,
-                registry_pull: bool | None = None, **counts: int | None) -> QuotaBody:
+                registry_pull: bool | None = None, qos_ls: bool | None = None,
+                **counts: int | None) -> QuotaBody:
         """A quota read back from storage, each count clamped into 0..MAX_QUOTA: an
         out-of-range value an older release stored (it checked no bound) reads as the
         nearest value every door can carry, instead of failing the project's readers."""
-        return cls(network=network, registry_pull=registry_pull,
+        return cls(network=network, registry_pull=registry_pull, qos_ls=qos_ls,
                    **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
                       for k, v in counts.items()})
 

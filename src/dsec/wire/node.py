@@ -193,6 +193,10 @@ class NodeInfo(msgspec.Struct, kw_only=True):
     methods: list[str]
     physical: Resources | None = None
     protocol: int = 0               # 0: an edge from before the field existed
+    # What the node's kernel offers QoS classes (issue 22, dsec.edge.qos.qos_features):
+    # core_sched (CONFIG_SCHED_CORE), cpu_idle (cgroup cpu.idle), psi (memory pressure),
+    # io_weight (a disk whose scheduler honours weights)
+    qos: dict[str, bool] = {}
 
 
 def labels_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:

@@ -81,6 +81,7 @@ __all__ = [
     "NetworkPolicy",
     "NetworkView",
     "PauseStats",
+    "QosClass",
     "SandboxEvent",
     "SandboxInfo",
     "SandboxSpec",
@@ -100,6 +101,7 @@ __all__ = [
     "check_snapshot_ref",
     "check_strip",
     "project_of",
+    "qos_of",
     "read_in_chunks",
     "reserved_label",
     "resolve",
@@ -111,6 +113,8 @@ SandboxState = Literal[
 ]
 BackendName = Literal["simulated", "fncall", "container", "runc", "vm"]
 IdleAction = Literal["destroy", "pause"]
+#: A sandbox's QoS class (issue 22, dsec.edge.qos): latency-sensitive or best-effort
+QosClass = Literal["ls", "be"]
 
 # What a sandbox gets when its create names no size: one core, 512 MiB, 1024 tasks (a
 # fork-bomb guard). The spec's defaults, the API's create body, the registry's record,
@@ -417,6 +421,14 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     # writes it into the snapshot layer's manifest beside the stack the sandbox really
     # ran on, which a builder checks on a cache hit (never a label: see reserved_label).
     build_step: str | None = None
+    # QoS (issue 22, docs/container.md "QoS classes"): "ls" latency-sensitive, "be"
+    # best-effort (SCHED_IDLE, lowest CPU weight, reclaimed first). None: the serving
+    # side decides (the apiserver: "ls" unless the project's quota says qos_ls=false,
+    # then "be"; an edge reached directly: "ls"); see :func:`qos_of`.
+    qos: QosClass | None = None
+    # The CPU cap in millicores (cpu.cfs_quota_us / cpu.max); None: capped at cpu_milli.
+    # Above cpu_milli lets a sandbox burst into idle CPU while its weight stays its request.
+    cpu_quota_milli: int | None = None
 
     def validate(self) -> SandboxSpec:
         """Raise :class:`InvalidArgument` naming the field and the fix; return the spec,
@@ -426,6 +438,13 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                                    field=field, **limit)
         if not (1 <= self.cpu_milli <= MAX_CPU_MILLI):
             raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores",
+                      limit=MAX_CPU_MILLI)
+        if self.qos is not None and self.qos not in ("ls", "be"):
+            raise bad("qos", self.qos, 'use "ls" (latency-sensitive) or "be" (best-effort)')
+        if self.cpu_quota_milli is not None and not (
+                1 <= self.cpu_quota_milli <= MAX_CPU_MILLI):
+            raise bad("cpu_quota_milli", self.cpu_quota_milli,
+                      f"use 1..{MAX_CPU_MILLI} millicores or null (capped at cpu_milli)",
                       limit=MAX_CPU_MILLI)
         if not (1 << 20 <= self.memory_bytes <= MAX_MEMORY_BYTES):
             raise bad("memory_bytes", self.memory_bytes, "use 1 MiB..16 TiB (bytes)",
@@ -560,6 +579,11 @@ def stored(spec: SandboxSpec) -> SandboxSpec:
     ``backend``/``project`` meaning what it meant when written (:data:`LEGACY_BACKEND`,
     :data:`LEGACY_PROJECT`)."""
     return resolve(spec, backend=LEGACY_BACKEND, project=LEGACY_PROJECT)
+
+
+def qos_of(spec: SandboxSpec) -> QosClass:
+    """The QoS class a sandbox runs in: its spec's, "ls" when it names none."""
+    return spec.qos or "ls"
 
 
 def project_of(spec: SandboxSpec) -> str:
@@ -900,6 +924,14 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     #: outside its memory cgroup (its cgroups, superblocks and the memcg's shrinker map:
     #: an estimate, see docs/container.md "Density"); 0 where the backend does not know
     memory_host_bytes: int = 0
+    # QoS (issue 22): the class, and what the sandbox really holds (dsec.edge.qos.
+    # MemoryHeld): of memory_bytes, anonymous/RSS, page cache charged to it, and the
+    # shared memory (tmpfs files, SysV and POSIX segments) it created; its writable
+    # (upper) layer's bytes are disk_bytes
+    qos: str = ""
+    memory_rss_bytes: int = 0
+    memory_cache_bytes: int = 0
+    memory_shm_bytes: int = 0
 
 
 class SnapshotInfo(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import AsyncIterator
 
 import pytest
@@ -48,6 +49,9 @@ async def test_oom_kill_inside_is_an_event_and_the_sandbox_keeps_running(node: E
     assert len(notices) == 1
     assert notices[0].from_state == notices[0].to_state == "running"
     assert "memory limit of 67108864" in notices[0].detail
+    # the usage at that moment, by kind (issue 22): rss was what hit the limit here
+    m = re.search(r"rss=(\d+) cache=(\d+) shm=(\d+) bytes, qos=ls", notices[0].detail)
+    assert m is not None, notices[0].detail
     assert node.get(info.id).state == "running"
     r = await node.exec(info.id, ExecRequest(argv=("echo", "ok")))
     assert r.stdout == b"ok\n"

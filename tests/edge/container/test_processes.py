@@ -241,3 +241,24 @@ async def test_a_hostile_reader_or_writer_cannot_make_the_edge_buffer(node: Edge
     assert node.processes._backlog.total == 0
     node.processes.signal(sid, chatty.pid, signal.SIGKILL)
     node.processes.signal(sid, deaf.pid, signal.SIGKILL)
+
+
+async def test_a_best_effort_sandbox_s_processes_and_ptys_run_sched_idle(
+        node: EdgeNode) -> None:
+    """Issue 22: a process of the table (background, pty) in a BE sandbox is SCHED_IDLE,
+    and what it forks later inherits it; in an LS sandbox SCHED_OTHER. (The zygote forks
+    these itself: the edge sets the policy when it reports the command running, so the
+    shell sleeps first; what runs in that instant is held by the cgroup's cpu.idle.)"""
+    import msgspec
+
+    for qos, want in (("be", 5), ("ls", 0)):
+        sid = (await node.create(msgspec.structs.replace(SPEC, qos=qos))).id
+        info = await node.processes.start(sid, ExecRequest(
+            shell="sleep 0.3; grep '^policy' /proc/self/sched; sleep 5"))
+        out, _ = await _collect(node, sid, info.pid, until=b"\n")
+        assert int(out.split(b":")[1]) == want, (qos, out)
+        tty = await node.processes.start(sid, ExecRequest(
+            shell="sleep 0.3; grep '^policy' /proc/self/sched; sleep 5",
+            pty=PtySize(cols=80, rows=24)))
+        out, _ = await _collect(node, sid, tty.pid, until=b"\n")
+        assert int(out.split(b":")[1]) == want, (qos, out)

@@ -15,8 +15,15 @@ def test_oci_config_carries_the_spec() -> None:
     cfg = oci_config(spec=SandboxSpec(cpu_milli=500, memory_bytes=64 << 20, pids_max=10),
                      hostname="sb-x", cgroups_path="dsec-n/sb-x", init_path="/usr/bin/catatonit")
     res = cfg["linux"]["resources"]
-    assert res["memory"] == {"limit": 64 << 20, "swap": 64 << 20}
+    assert res["memory"] == {"limit": 64 << 20, "swap": 64 << 20, "reservation": 64 << 20}
     assert res["cpu"]["quota"] == 50_000 and res["pids"] == {"limit": 10}
+    assert res["cpu"]["shares"] == 512
+    # best-effort (issue 22): lowest weight, soft limit 0; cpu_quota_milli is the cap
+    be = oci_config(spec=SandboxSpec(cpu_milli=500, memory_bytes=64 << 20, qos="be",
+                                     cpu_quota_milli=2000),
+                    hostname="sb-x", cgroups_path="p", init_path="/i")["linux"]["resources"]
+    assert be["cpu"]["shares"] == 2 and be["cpu"]["quota"] == 200_000
+    assert be["memory"]["reservation"] == 0
     assert "/proc/kcore" in cfg["linux"]["maskedPaths"]
     assert "CAP_SYS_ADMIN" not in cfg["process"]["capabilities"]["bounding"]
     assert cfg["process"]["noNewPrivileges"] is True

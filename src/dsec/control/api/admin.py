@@ -108,7 +108,8 @@ class Admin:
                                                             snapshot_bytes=q.snapshot_bytes,
                                                             image_bytes=q.image_bytes,
                                                             network=q.network,
-                                                            registry_pull=q.registry_pull),
+                                                            registry_pull=q.registry_pull,
+                                                            qos_ls=q.qos_ls),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
                    "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes,
                    **({} if (img := self._image_bytes(path)) is None
@@ -141,7 +142,7 @@ class Admin:
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes,
                       image_bytes=q.image_bytes, network=q.network,
-                      registry_pull=q.registry_pull)
+                      registry_pull=q.registry_pull, qos_ls=q.qos_ls)
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
         self._sync_snapshots()

@@ -691,7 +691,7 @@ class ControlPlane:
             refs = tuple(self._digest_of(r) for r in refs)
         req = PlacementRequest(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
                                selector={f"{BACKEND_LABEL}{spec.backend}": "1"},
-                               group=project_of(spec), layers=refs)
+                               group=project_of(spec), layers=refs, qos=spec.qos)
         drained = self.drains.nodes()
         if drained:
             exclude = exclude | drained
@@ -917,6 +917,11 @@ class ControlPlane:
         """The network ceilings binding ``project`` (its own and its ancestors')."""
         self._fresh_quotas()
         return self.quota.network_ceilings(project)
+
+    def qos_ls(self, project: str) -> tuple[bool, str | None]:
+        """May ``project``'s sandboxes be qos "ls" (nearest quota's ``qos_ls``)."""
+        self._fresh_quotas()
+        return self.quota.qos_ls(project)
 
     def _fresh_quotas(self) -> None:
         """Re-read the quotas from the store when this copy is older than

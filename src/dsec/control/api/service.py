@@ -307,6 +307,9 @@ class QuotaGate(Protocol):
     def network_ceilings(self, project: str) -> Sequence[tuple[str, NetworkPolicy]]:
         """The network ceilings binding ``project``: its own and every ancestor's."""
         ...
+    def qos_ls(self, project: str) -> tuple[bool, str | None]:
+        """May ``project``'s sandboxes be qos "ls", and whose quota said so."""
+        ...
     def admit(self, project: str, spec: SandboxSpec) -> object: ...
     def commit(self, token: object, info: SandboxInfo) -> None: ...
     def abort(self, token: object) -> None: ...
@@ -761,6 +764,21 @@ class ApiService:
                 f"guard for the node); ask for 1..{cap}", field="pids_max", limit=cap)
         assert spec.network is not None
         check_within(spec.network, self.network_ceilings(project))
+        return self._resolve_qos(spec, project)
+
+    def _resolve_qos(self, spec: SandboxSpec, project: str) -> SandboxSpec:
+        """The QoS class by the project's ``qos_ls`` (issue 22): unset -> "ls" where the
+        project allows it, else "be"; "ls" asked where it does not -> refused. Every door
+        that creates (REST, the gateway, the SDK, create_many) builds its spec here."""
+        allowed, said_by = (True, None) if self.quotas is None else self.quotas.qos_ls(project)
+        if spec.qos is None:
+            return msgspec.structs.replace(spec, qos="ls" if allowed else "be")
+        if spec.qos == "ls" and not allowed:
+            raise PermissionDenied(
+                f"qos='ls' is refused for project {project!r}: its quota (set on project "
+                f"{said_by!r}) says qos_ls=false, so its sandboxes run best-effort; ask "
+                "for qos='be' (or leave qos unset), or ask an admin of the parent project "
+                "to set qos_ls", field="qos")
         return spec
 
     def network_ceilings(self, project: str) -> Sequence[tuple[str, NetworkPolicy]]:

@@ -109,6 +109,7 @@ from dsec.wire.spec import (
     PauseStats,
     SandboxSpec,
     SandboxStats,
+    qos_of,
 )
 
 __all__ = ["FNCALL_UIDS", "MAX_VALUE_BYTES", "FncallBackend", "FncallResult", "WorkerPool",
@@ -988,7 +989,8 @@ class FncallBackend:
         gov = self.governor
         if gov is not None:
             limits = Limits(cpu_milli=spec.cpu_milli, memory_bytes=spec.memory_bytes,
-                            pids_max=pids)
+                            pids_max=pids, qos=qos_of(spec),   # cgroup side (issue 22)
+                            cpu_quota_milli=spec.cpu_quota_milli)
             cg = gov.paths(sid)
             if fresh or not gov.exists(cg):
                 gov.remove(cg)  # a leftover of a crashed create with the same id

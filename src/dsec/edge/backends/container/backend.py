@@ -89,6 +89,7 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
+from dsec.edge.qos import memory_held, qos_process
 from dsec.edge.usage import net_bytes
 from dsec.errors import (
     BackendError,
@@ -117,6 +118,7 @@ from dsec.wire.spec import (
     SandboxSpec,
     SandboxStats,
     SnapshotInfo,
+    qos_of,
 )
 
 if TYPE_CHECKING:
@@ -512,7 +514,8 @@ class ContainerBackend:
             if self._runc is not None:  # runc makes (and removes) its own cgroups
                 cg = self.governor.paths(sid)
             else:
-                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids))
+                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids,
+                                                      qos_of(spec), spec.cpu_quota_milli))
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
@@ -537,6 +540,7 @@ class ContainerBackend:
                 if not box.init_start:
                     raise BackendError(f"sandbox {sid}'s init (pid {box.init_pid}) exited "
                                        "as it started")
+            qos_process(spec, box.init_pid)   # SCHED_IDLE for BE: inherited by its forks
             # OOM kills: no v1 eventfd (a descriptor per sandbox); the counter is read after
             # every exec, on stats and by the limits timer (as on v2)
             box.oom_seen = self.governor.oom_kills(cg)
@@ -810,9 +814,13 @@ class ContainerBackend:
             return False
         n, box.oom_seen = kills - box.oom_seen, kills
         if report:
+            # what the sandbox held right then, by kind (issue 22): which kind to cut
+            held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
             self._notice(box, "oom_kill", f"the OOM killer killed {n} process(es) in sandbox "
                          f"{box.sid}, which hit its memory limit of {box.spec.memory_bytes} "
-                         "bytes; the sandbox itself is still running - raise memory_bytes")
+                         f"bytes (at the kill it held rss={held.rss} cache={held.cache} "
+                         f"shm={held.shm} bytes, qos={qos_of(box.spec)}); the sandbox "
+                         "itself is still running - raise memory_bytes")
             self._check_tmpfs(box)
         return True
 
@@ -1509,6 +1517,7 @@ class ContainerBackend:
                 for fd in fds:
                     os.close(fd)
                 if isinstance(reply, Started):
+                    qos_process(box.spec, reply.pid)   # before any exec is forwarded to it
                     box.helper = rid
                     if box.dying:
                         self._helpers.discard(rid)
@@ -1548,6 +1557,11 @@ class ContainerBackend:
                 and not box.spec.user_namespace and not box.spec.allow_nested
                 and not req.hide):  # red17 merge: the helper path cannot apply Landlock
             helper = self._helper(box)
+            if not helper and box.helper_start is not None and qos_of(box.spec) == "be":
+                # best-effort waits for its (SCHED_IDLE) helper: a command the zygote
+                # forks itself gets the policy only once it reported started, an instant
+                # in which it runs (and could fork) as SCHED_OTHER (issue 22)
+                helper = await asyncio.shield(box.helper_start)
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
@@ -1557,6 +1571,8 @@ class ContainerBackend:
             for fd in fds:
                 os.close(fd)
             if isinstance(reply, Started) and not started.done():
+                if not helper:   # forked from the helper: inherited already
+                    qos_process(box.spec, reply.pid)
                 started.set_result(reply)
                 if req.background:
                     self._zygote.done(rid)
@@ -1954,13 +1970,16 @@ class ContainerBackend:
         else:  # a sandbox made before the disk pool existed
             disk = await asyncio.to_thread(_tree_bytes, self.upper_dir(sid))
         rx, tx = (None, None) if box.dying else net_bytes(box.init_pid)
+        held = memory_held(box.cg.version, self.governor.memory_stat(box.cg))
         return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu,
                             pids=pids, disk_bytes=disk, disk_cap_bytes=cap, disk_full=full,
                             memory_tmpfs_bytes=self.governor.memory_shmem(box.cg),
                             memory_limit_bytes=box.spec.memory_bytes,
                             pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
                             oom_kills=self.governor.oom_kills(box.cg),
-                            memory_host_bytes=mem + uncharged_bytes(self._peak_boxes))
+                            memory_host_bytes=mem + uncharged_bytes(self._peak_boxes),
+                            qos=qos_of(box.spec), memory_rss_bytes=held.rss,
+                            memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 
     # -- snapshots (pack_diff; needs images=StoreImages, see snapshot.py) -----------------
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),

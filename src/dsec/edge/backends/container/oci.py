@@ -68,10 +68,15 @@ def oci_config(*, spec: SandboxSpec, hostname: str, cgroups_path: str, init_path
     decided (spec.pids_max capped by the node); None falls back to ``spec.pids_max``."""
     caps = [CAP_NAMES[c] for c in DEFAULT_CAPS]
     namespaces = [{"type": t} for t in ("pid", "mount", "network", "uts", "ipc", "cgroup")]
+    # QoS (issue 22, dsec.edge.qos): best-effort gets the lowest weight and soft limit 0;
+    # runc 1.1 has no SCHED_IDLE process field, so the edge sets it on the init itself
+    be = spec.qos == "be"
+    cap = spec.cpu_milli if spec.cpu_quota_milli is None else spec.cpu_quota_milli
     resources: dict[str, Any] = {
-        "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes},
-        "cpu": {"shares": max(2, spec.cpu_milli * 1024 // 1000),
-                "quota": max(1000, spec.cpu_milli * CFS_PERIOD_US // 1000),
+        "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes,
+                   "reservation": 0 if be else spec.memory_bytes},
+        "cpu": {"shares": 2 if be else max(2, spec.cpu_milli * 1024 // 1000),
+                "quota": max(1000, cap * CFS_PERIOD_US // 1000),
                 "period": CFS_PERIOD_US},
         "devices": [{"allow": False, "access": "rwm"}],
     }

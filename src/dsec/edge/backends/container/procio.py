@@ -43,9 +43,11 @@ from dsec.edge.backends.container.protocol import (
     Failed,
     Reply,
     Running,
+    Started,
     exec_failure,
 )
 from dsec.edge.processes import ExitStatus, OutputSink
+from dsec.edge.qos import qos_process
 from dsec.errors import (
     BackendError,
     DsecError,
@@ -124,6 +126,8 @@ class ContainerProcess:
     def on_reply(self, reply: Reply, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
+        if isinstance(reply, (Started, Running)):   # qos (issue 22): BE runs SCHED_IDLE
+            qos_process(self.box.spec, reply.pid)
         if isinstance(reply, Running):
             if not self.started.done():
                 self.started.set_result(reply)

@@ -1,0 +1,378 @@
+"""QoS classes on a node (issue 22): latency-sensitive (``ls``) and best-effort (``be``).
+
+A burst of best-effort work (environment builds, background judging, batch evaluation)
+must not slow the latency-sensitive sandboxes an agent (and a GPU behind it) waits on.
+What a class means on this node:
+
+* **CPU.** A BE sandbox's cgroup gets the lowest weight (v1 ``cpu.shares=2``, v2
+  ``cpu.weight=1``) and ``cpu.idle=1`` (the cgroup's group entity is SCHED_IDLE: every
+  task in it, however it got there, runs only when nothing else wants the CPU; the file
+  exists on v1 and v2 since Linux 5.15). Its processes also run SCHED_IDLE themselves:
+  :func:`set_sched_idle` on the sandbox's init and exec helper (inherited by everything
+  they fork) and on each exec's command. LS sandboxes keep a weight proportional to
+  their request and an optional cap (``cpu_quota_milli``).
+* **Core scheduling** (``prctl(PR_SCHED_CORE)``) where the kernel has CONFIG_SCHED_CORE:
+  :func:`core_sched_available` says whether it has (this dev VM's 6.18 kernel lacks it:
+  EINVAL), reported in node info.
+* **Memory.** BE gets soft limit 0 (v1 ``memory.soft_limit_in_bytes``: reclaimed first
+  under global pressure), LS its limit; v2 ``memory.high`` at 15/16 of the limit
+  throttles (reclaims) a sandbox before ``memory.max`` OOM-kills it. Under node memory
+  pressure (PSI, ``/proc/pressure/memory``) :func:`plan_relief` picks BE sandboxes to
+  pause-and-reclaim, idle longest first; :class:`PressureDriver` carries it out with an
+  injected clock and reports each pause.
+* **Block I/O.** A proportional weight (v2 ``io.weight``, v1 ``blkio.bfq.weight``) where
+  the controller and the disk's scheduler support it. This VM: the governor manages no
+  v1 blkio hierarchy (a per-sandbox cgroup there costs kernel memory, issue 22 density)
+  and vda runs the ``none`` scheduler, so weights would do nothing; written as optional.
+
+Pure functions take numbers and text; the few syscalls are in small wrappers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+
+from dsec.errors import PermissionDenied
+from dsec.wire.spec import QosClass, SandboxSpec, qos_of
+
+__all__ = [
+    "CFS_PERIOD_US",
+    "MemoryHeld",
+    "PressureDriver",
+    "PressurePolicy",
+    "Psi",
+    "QosView",
+    "Relief",
+    "core_sched_available",
+    "core_sched_cookie",
+    "memory_held",
+    "node_qos",
+    "parse_psi",
+    "plan_relief",
+    "qos_features",
+    "qos_process",
+    "qos_writes",
+    "read_psi",
+    "sched_policy",
+    "set_sched_idle",
+]
+
+CFS_PERIOD_US: Final = 100_000
+BE_SHARES: Final = 2          # v1 minimum
+BE_WEIGHT: Final = 1          # v2 minimum
+IO_WEIGHT: Final[dict[str, int]] = {"ls": 100, "be": 10}   # v2 io.weight 1..10000
+BFQ_WEIGHT: Final[dict[str, int]] = {"ls": 100, "be": 10}  # v1 blkio.bfq.weight 1..1000
+
+#: A cgroup write: (controller key, file, value, optional). Optional writes are skipped
+#: when the file does not exist (an older kernel's cpu.idle, an unmanaged io controller).
+QosWrite = tuple[str, str, str, bool]
+
+
+def qos_writes(version: Literal[1, 2], qos: QosClass, *, cpu_milli: int,
+               memory_bytes: int, cpu_quota_milli: int | None = None) -> list[QosWrite]:
+    """The cgroup writes that make ``qos`` of a sandbox, applied after the governor's
+    limit writes (so a BE sandbox's weight replaces the request-proportional one) (pure).
+
+    ``cpu_quota_milli`` replaces the cap at ``cpu_milli`` (None: keep it)."""
+    out: list[QosWrite] = []
+    if version == 2:
+        if qos == "be":
+            out += [("unified", "cpu.weight", str(BE_WEIGHT), False),
+                    ("unified", "cpu.idle", "1", True)]
+        if cpu_quota_milli is not None:
+            quota = max(1000, cpu_quota_milli * CFS_PERIOD_US // 1000)
+            out.append(("unified", "cpu.max", f"{quota} {CFS_PERIOD_US}", False))
+        high = memory_bytes * 15 // 16   # throttled (reclaimed) before OOM-killed
+        out += [("unified", "memory.high", str(high), False),
+                ("unified", "io.weight", f"default {IO_WEIGHT[qos]}", True)]
+        return out
+    if qos == "be":
+        out += [("cpu", "cpu.shares", str(BE_SHARES), False),
+                ("cpu", "cpu.idle", "1", True)]
+    if cpu_quota_milli is not None:
+        quota = max(1000, cpu_quota_milli * CFS_PERIOD_US // 1000)
+        out.append(("cpu", "cpu.cfs_quota_us", str(quota), False))
+    soft = 0 if qos == "be" else memory_bytes
+    out += [("memory", "memory.soft_limit_in_bytes", str(soft), False),
+            ("blkio", "blkio.bfq.weight", str(BFQ_WEIGHT[qos]), True)]
+    return out
+
+
+# ------------------------------------------------------------------ scheduling policy
+def set_sched_idle(pid: int) -> bool:
+    """Put ``pid`` under SCHED_IDLE (children it forks afterwards inherit it). False if
+    the process is gone."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def sched_policy(pid: int) -> int:
+    """``pid``'s scheduling policy (``os.SCHED_OTHER``, ``os.SCHED_IDLE``, ...)."""
+    return os.sched_getscheduler(pid)
+
+
+PR_SCHED_CORE: Final = 62
+PR_SCHED_CORE_GET: Final = 0
+PR_SCHED_CORE_CREATE: Final = 1
+PIDTYPE_TGID: Final = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def core_sched_available() -> bool:
+    """Whether the kernel has core scheduling (CONFIG_SCHED_CORE): ``PR_SCHED_CORE_GET``
+    on ourselves answers; EINVAL means the kernel was built without it."""
+    cookie = ctypes.c_ulong(0)
+    rc = _libc.prctl(PR_SCHED_CORE, PR_SCHED_CORE_GET, 0, PIDTYPE_TGID,
+                     ctypes.byref(cookie))
+    return bool(rc == 0 or ctypes.get_errno() != errno.EINVAL)
+
+
+def core_sched_cookie(pid: int) -> bool:
+    """Give ``pid``'s thread group a core-scheduling cookie of its own (its SMT sibling
+    then never runs another sandbox's task; children inherit it). False where the kernel
+    lacks core scheduling or the process is gone."""
+    rc = _libc.prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, pid, PIDTYPE_TGID, 0)
+    return bool(rc == 0)
+
+
+def node_qos(spec: SandboxSpec, be_only: Sequence[str], node: str) -> SandboxSpec:
+    """The edge door's QoS rule (pure): a resolved spec's class, "be" for a project
+    under one of ``be_only`` (a node setting, ``dsec edge --qos-be-only``), else "ls"
+    when unset; "ls" asked there is refused (:class:`PermissionDenied`)."""
+    project = spec.project or ""
+    restricted = next((p for p in be_only
+                       if project == p or project.startswith(p + "/")), None)
+    if spec.qos is None:
+        return msgspec.structs.replace(spec, qos="be" if restricted else "ls")
+    if spec.qos == "ls" and restricted is not None:
+        raise PermissionDenied(
+            f"qos='ls' is refused on node {node} for project {project!r}: the node runs "
+            f"project {restricted!r} and its subprojects best-effort only (--qos-be-only); "
+            "ask for qos='be' or leave qos unset", field="qos")
+    return spec
+
+
+_CORE_SCHED: bool | None = None
+
+
+def qos_process(spec: SandboxSpec, pid: int) -> None:
+    """What a sandbox's class means for one of its processes the edge started (its init,
+    its exec helper, a command forked by the zygote): BE runs SCHED_IDLE; where the
+    kernel has core scheduling, every such process gets a cookie of its own, so no other
+    sandbox's task shares its core's SMT sibling. Children inherit both."""
+    global _CORE_SCHED
+    if qos_of(spec) == "be":
+        set_sched_idle(pid)
+    if _CORE_SCHED is None:
+        _CORE_SCHED = core_sched_available()
+    if _CORE_SCHED:
+        core_sched_cookie(pid)
+
+
+_FEATURES: dict[str, bool] | None = None
+
+
+def qos_features(sys_root: str = "/sys") -> dict[str, bool]:
+    """What this kernel offers QoS classes (reported in node info, computed once):
+    ``core_sched`` (CONFIG_SCHED_CORE; this dev VM: no), ``cpu_idle`` (the cgroup
+    ``cpu.idle`` file, v1 or v2), ``psi`` (/proc/pressure/memory), ``io_weight`` (some
+    disk runs bfq, the scheduler that honours blkio/io weights; this VM: ``none``)."""
+    global _FEATURES
+    if _FEATURES is not None:
+        return dict(_FEATURES)
+    cg = os.path.join(sys_root, "fs", "cgroup")
+    io = False
+    try:
+        for dev in os.listdir(os.path.join(sys_root, "block")):
+            try:
+                with open(os.path.join(sys_root, "block", dev, "queue", "scheduler")) as f:
+                    io = io or "[bfq]" in f.read()
+            except OSError:
+                continue
+    except OSError:
+        pass
+    _FEATURES = {
+        "core_sched": core_sched_available(),
+        "cpu_idle": any(os.path.exists(os.path.join(cg, d, "cpu.idle"))
+                        for d in ("cpu", "cpu,cpuacct", "")),
+        "psi": os.path.exists("/proc/pressure/memory"),
+        "io_weight": io,
+    }
+    return dict(_FEATURES)
+
+
+# ------------------------------------------------------------------ memory held
+@dataclass(frozen=True, slots=True)
+class MemoryHeld:
+    """What a sandbox's memory cgroup holds, by kind: anonymous memory (RSS), page
+    cache charged to it (file pages, including what its writable layer caches), and
+    shared memory (tmpfs files such as /tmp and /dev/shm, SysV and POSIX segments it
+    created: all shmem pages charged to the cgroup)."""
+
+    rss: int
+    cache: int
+    shm: int
+
+
+def memory_held(version: Literal[1, 2], stat: dict[str, int]) -> MemoryHeld:
+    """Split a ``memory.stat`` (parsed) into :class:`MemoryHeld` (pure). v1 uses the
+    ``total_*`` (hierarchical: the sandbox's exec cgroups included) counters."""
+    if version == 2:
+        return MemoryHeld(rss=stat.get("anon", 0), cache=stat.get("file", 0),
+                          shm=stat.get("shmem", 0))
+    return MemoryHeld(rss=stat.get("total_rss", stat.get("rss", 0)),
+                      cache=stat.get("total_cache", stat.get("cache", 0)),
+                      shm=stat.get("total_shmem", stat.get("shmem", 0)))
+
+
+# ------------------------------------------------------------------ pressure
+@dataclass(frozen=True, slots=True)
+class Psi:
+    """``/proc/pressure/memory``: share of wall time (percent) some / all tasks stalled
+    on memory over 10 s and 60 s."""
+
+    some_avg10: float
+    some_avg60: float
+    full_avg10: float
+    full_avg60: float
+
+
+def parse_psi(text: str) -> Psi:
+    """Parse a PSI file (pure). A missing ``full`` line (the cpu file) reads as 0."""
+    vals: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        kind, _, rest = line.partition(" ")
+        vals[kind] = {k: float(v) for k, _, v in (f.partition("=") for f in rest.split())
+                      if k.startswith("avg")}
+    some, full = vals.get("some", {}), vals.get("full", {})
+    return Psi(some_avg10=some.get("avg10", 0.0), some_avg60=some.get("avg60", 0.0),
+               full_avg10=full.get("avg10", 0.0), full_avg60=full.get("avg60", 0.0))
+
+
+def read_psi(path: str = "/proc/pressure/memory") -> Psi | None:
+    """The node's memory pressure, or None where the kernel has no PSI."""
+    try:
+        with open(path) as f:
+            return parse_psi(f.read())
+    except (FileNotFoundError, OSError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class QosView:
+    """What the pressure policy knows of one sandbox."""
+
+    id: str
+    qos: QosClass
+    state: str                 # "running", "paused", ...
+    last_active_at: float      # unix seconds of its last operation
+    memory_bytes: int          # resident now
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PressurePolicy:
+    """When the node is under memory pressure and how hard to relieve it.
+
+    ``some_avg10_pct``: stalled-time share (10 s average) that counts as pressure;
+    ``relieve_bytes``: resident memory to pause away per round; ``max_per_round``:
+    sandboxes paused per round at most; ``min_idle_s``: a BE sandbox active more recently
+    than this is left alone (it is mid-step); ``cooldown_s``: wait between rounds, so PSI
+    (a 10 s average) can show the effect of the last one."""
+
+    some_avg10_pct: float = 10.0
+    full_avg10_pct: float = 2.0
+    relieve_bytes: int = 512 << 20
+    max_per_round: int = 8
+    min_idle_s: float = 5.0
+    cooldown_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Relief:
+    """One round's decision: pause these BE sandboxes (in order), and why."""
+
+    pause: tuple[str, ...]
+    reason: str
+
+
+def under_pressure(psi: Psi, policy: PressurePolicy) -> bool:
+    return (psi.some_avg10 >= policy.some_avg10_pct
+            or psi.full_avg10 >= policy.full_avg10_pct)
+
+
+def plan_relief(psi: Psi, views: Sequence[QosView], *, now: float,
+                policy: PressurePolicy) -> Relief:
+    """Which sandboxes to pause-and-reclaim now (pure). Nothing below the thresholds.
+    Only running BE sandboxes idle at least ``min_idle_s`` qualify, idle longest first,
+    until ``relieve_bytes`` of resident memory is covered or ``max_per_round`` are
+    picked. LS sandboxes are never paused for pressure: a latency-sensitive sandbox is
+    what the pressure is relieved *for*."""
+    if not under_pressure(psi, policy):
+        return Relief((), "")
+    cands = sorted((v for v in views if v.qos == "be" and v.state == "running"
+                    and now - v.last_active_at >= policy.min_idle_s),
+                   key=lambda v: (v.last_active_at, -v.memory_bytes, v.id))
+    out: list[str] = []
+    freed = 0
+    for v in cands:
+        if len(out) >= policy.max_per_round or freed >= policy.relieve_bytes:
+            break
+        out.append(v.id)
+        freed += v.memory_bytes
+    reason = (f"memory pressure: some avg10={psi.some_avg10:.1f}% full avg10="
+              f"{psi.full_avg10:.1f}% (thresholds {policy.some_avg10_pct:g}%/"
+              f"{policy.full_avg10_pct:g}%); pausing {len(out)} best-effort sandbox(es) "
+              f"holding {freed >> 20} MiB, idle longest first")
+    return Relief(tuple(out), reason)
+
+
+class PressureDriver:
+    """Runs :func:`plan_relief` on a schedule: ``tick()`` reads PSI, asks the policy,
+    pauses (with reclaim) what it picked, then notifies once per paused sandbox. Every
+    dependency is injected (PSI reader, the sandboxes' views, pause, notify, clock), so
+    the driver is tested without a loaded machine. The caller (the edge node) calls
+    ``tick()`` every few seconds."""
+
+    def __init__(self, *, read: Callable[[], Psi | None],
+                 views: Callable[[], Sequence[QosView]],
+                 pause: Callable[[str], Awaitable[None]],
+                 notify: Callable[[str, str], None],
+                 clock: Callable[[], float],
+                 policy: PressurePolicy | None = None) -> None:
+        self.read, self.views, self.pause, self.notify = read, views, pause, notify
+        self.clock = clock
+        self.policy = policy or PressurePolicy()
+        self._last_round: float | None = None
+        self.paused: list[str] = []
+
+    async def tick(self) -> Relief:
+        now = self.clock()
+        if self._last_round is not None and now - self._last_round < self.policy.cooldown_s:
+            return Relief((), "cooling down")
+        psi = self.read()
+        if psi is None:
+            return Relief((), "no PSI on this kernel")
+        relief = plan_relief(psi, self.views(), now=now, policy=self.policy)
+        if not relief.pause:
+            return relief
+        self._last_round = now
+        for sid in relief.pause:
+            try:
+                await self.pause(sid)
+            except Exception as exc:  # noqa: BLE001 - one sandbox's failure stops no other
+                self.notify(sid, f"memory pressure: pause failed: {exc}")
+                continue
+            self.paused.append(sid)
+            self.notify(sid, relief.reason)
+        return relief

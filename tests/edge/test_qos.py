@@ -1,0 +1,194 @@
+"""QoS classes, the pure parts (issue 22): the cgroup writes of each class on v1 and v2
+(v2 applied to a fake cgroupfs dir: this machine's v2 mount offers no cpu/memory
+controller), the memory-pressure policy and its driver (injected clock), the edge door's
+class rule, PSI and memory.stat parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgspec
+import pytest
+
+from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.edge.qos import (
+    MemoryHeld,
+    PressureDriver,
+    PressurePolicy,
+    Psi,
+    QosView,
+    memory_held,
+    node_qos,
+    parse_psi,
+    plan_relief,
+    qos_writes,
+)
+from dsec.errors import PermissionDenied
+from dsec.wire.spec import SandboxSpec
+
+MiB = 1 << 20
+
+
+def _files(writes: list[tuple[str, str, str, bool]]) -> dict[str, str]:
+    return {f: v for _, f, v, _ in writes}
+
+
+def test_v1_writes_per_class() -> None:
+    be = _files(qos_writes(1, "be", cpu_milli=500, memory_bytes=256 * MiB))
+    assert be["cpu.shares"] == "2" and be["cpu.idle"] == "1"
+    assert be["memory.soft_limit_in_bytes"] == "0"       # reclaimed first
+    ls = _files(qos_writes(1, "ls", cpu_milli=500, memory_bytes=256 * MiB))
+    assert "cpu.shares" not in ls and "cpu.idle" not in ls   # the governor's weight stays
+    assert ls["memory.soft_limit_in_bytes"] == str(256 * MiB)
+    q = _files(qos_writes(1, "ls", cpu_milli=500, memory_bytes=MiB, cpu_quota_milli=2000))
+    assert q["cpu.cfs_quota_us"] == "200000"
+    assert int(be["blkio.bfq.weight"]) < int(ls["blkio.bfq.weight"])
+
+
+def test_v2_writes_on_a_fake_cgroupfs(tmp_path: object) -> None:
+    """The v2 file names, written by the governor into a directory laid out like a v2
+    cgroup (no real v2 cpu/memory controller here). Optional files absent are skipped;
+    a required one absent fails."""
+    d = os.path.join(str(tmp_path), "sb")
+    os.mkdir(d)
+    for f in ("cpu.weight", "cpu.idle", "cpu.max", "memory.high"):   # no io.weight
+        open(os.path.join(d, f), "w").close()
+    cg = SandboxCgroup(2, {"unified": d})
+    Governor._apply_qos(cg, Limits(500, 256 * MiB, 64, "be", 1500))
+
+    def read(f: str) -> str:
+        with open(os.path.join(d, f)) as fh:
+            return fh.read()
+    assert read("cpu.weight") == "1" and read("cpu.idle") == "1"
+    assert read("cpu.max") == "150000 100000"
+    assert read("memory.high") == str(256 * MiB * 15 // 16)   # throttled before OOM
+    assert not os.path.exists(os.path.join(d, "io.weight"))
+    os.unlink(os.path.join(d, "memory.high"))
+    with pytest.raises(OSError):
+        Governor._apply_qos(cg, Limits(500, 256 * MiB, 64, "ls"))
+
+
+def test_psi_and_memory_stat_parsing() -> None:
+    psi = parse_psi("some avg10=12.50 avg60=3.00 avg300=1.00 total=5\n"
+                    "full avg10=0.40 avg60=0.10 avg300=0.00 total=2\n")
+    assert psi == Psi(12.5, 3.0, 0.4, 0.1)
+    assert parse_psi("some avg10=1.00 avg60=0.00 avg300=0.00 total=1\n").full_avg10 == 0
+    assert memory_held(1, {"total_rss": 5, "total_cache": 7, "total_shmem": 3,
+                           "rss": 1}) == MemoryHeld(5, 7, 3)
+    assert memory_held(2, {"anon": 5, "file": 7, "shmem": 3}) == MemoryHeld(5, 7, 3)
+
+
+def _views() -> list[QosView]:
+    return [
+        QosView("ls-idle", "ls", "running", 0.0, 900 * MiB),      # never paused
+        QosView("be-new", "be", "running", 98.0, 100 * MiB),      # active 2 s ago
+        QosView("be-old", "be", "running", 10.0, 300 * MiB),
+        QosView("be-older", "be", "running", 5.0, 300 * MiB),
+        QosView("be-paused", "be", "paused", 1.0, 50 * MiB),
+        QosView("be-mid", "be", "running", 50.0, 300 * MiB),
+    ]
+
+
+def test_pressure_policy_pauses_idle_best_effort_longest_idle_first() -> None:
+    pol = PressurePolicy(relieve_bytes=500 * MiB, min_idle_s=5.0)
+    calm = Psi(1.0, 1.0, 0.0, 0.0)
+    assert plan_relief(calm, _views(), now=100.0, policy=pol).pause == ()
+    hot = Psi(30.0, 10.0, 0.5, 0.1)
+    r = plan_relief(hot, _views(), now=100.0, policy=pol)
+    assert r.pause == ("be-older", "be-old")       # 600 MiB >= 500 MiB: stop
+    assert "memory pressure" in r.reason and "30.0%" in r.reason
+    # full stalls alone count as pressure too; max_per_round caps a round
+    full = Psi(0.0, 0.0, 5.0, 1.0)
+    one = plan_relief(full, _views(), now=100.0,
+                      policy=PressurePolicy(relieve_bytes=10 << 30, max_per_round=1))
+    assert one.pause == ("be-older",)
+    # everything qualifying when the target is large: never LS, paused or recently active
+    every = plan_relief(hot, _views(), now=100.0,
+                        policy=PressurePolicy(relieve_bytes=10 << 30))
+    assert every.pause == ("be-older", "be-old", "be-mid")
+
+
+def test_pressure_driver_pauses_then_notifies_and_cools_down() -> None:
+    now = [100.0]
+    psi = [Psi(40.0, 5.0, 1.0, 0.0)]
+    paused: list[str] = []
+    notes: list[tuple[str, str]] = []
+    views = _views()
+
+    async def pause(sid: str) -> None:
+        if sid == "be-old":
+            raise RuntimeError("frozen cgroup is gone")
+        paused.append(sid)
+
+    drv = PressureDriver(read=lambda: psi[0], views=lambda: views, pause=pause,
+                         notify=lambda s, why: notes.append((s, why)), clock=lambda: now[0],
+                         policy=PressurePolicy(relieve_bytes=500 * MiB, cooldown_s=10.0))
+    r = asyncio.run(drv.tick())
+    assert r.pause == ("be-older", "be-old")
+    assert paused == ["be-older"] and drv.paused == ["be-older"]
+    assert [s for s, _ in notes] == ["be-older", "be-old"]      # pause first, then notify
+    assert "pause failed" in notes[1][1]
+    now[0] = 105.0                                              # within the cool-down
+    assert asyncio.run(drv.tick()).pause == ()
+    now[0] = 111.0
+    psi[0] = Psi(0.5, 0.5, 0.0, 0.0)                            # relieved
+    assert asyncio.run(drv.tick()).pause == ()
+    assert paused == ["be-older"]
+    drv_none = PressureDriver(read=lambda: None, views=lambda: views, pause=pause,
+                              notify=lambda s, w: None, clock=lambda: 0.0)
+    assert asyncio.run(drv_none.tick()).reason == "no PSI on this kernel"
+
+
+def test_edge_door_class_rule() -> None:
+    spec = SandboxSpec(project="batch/evals")
+    assert node_qos(spec, (), "n1").qos == "ls"
+    assert node_qos(spec, ("batch",), "n1").qos == "be"       # a subproject: bound too
+    assert node_qos(spec, ("batchx",), "n1").qos == "ls"      # a prefix is not a parent
+    with pytest.raises(PermissionDenied, match="qos='ls' is refused on node n1"):
+        node_qos(msgspec.structs.replace(spec, qos="ls"), ("batch",), "n1")
+    be = msgspec.structs.replace(spec, qos="be")
+    assert node_qos(be, ("batch",), "n1") is be
+
+
+def test_spec_refuses_a_bad_class() -> None:
+    from dsec.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="qos"):
+        SandboxSpec(qos="gold").validate()  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="cpu_quota_milli"):
+        SandboxSpec(cpu_quota_milli=0).validate()
+
+
+async def test_node_relieves_memory_pressure_on_best_effort_only() -> None:
+    """EdgeNode.relieve_pressure (what the node's pressure loop runs): under PSI pressure
+    the idle BE sandbox is paused and gets a ``memory_pressure`` notice; the LS one and the
+    recently active BE one keep running; calm PSI pauses nothing."""
+    from dsec.edge.clock import FakeClock
+    from tests.edge.conftest import make_node
+
+    clock = FakeClock()
+    node = make_node(clock=clock, memory_pressure=PressurePolicy(min_idle_s=5.0,
+                                                                 cooldown_s=0.0))
+    await node.start()
+    try:
+        psi = [Psi(0.0, 0.0, 0.0, 0.0)]
+        node.pressure.read = lambda: psi[0]
+        ls = await node.create(SandboxSpec(qos="ls"))
+        be_old = await node.create(SandboxSpec(qos="be"))
+        clock.advance(60)
+        be_new = await node.create(SandboxSpec(qos="be"))
+        clock.advance(1)
+        assert (await node.relieve_pressure()).pause == ()
+        psi[0] = Psi(40.0, 20.0, 3.0, 1.0)
+        r = await node.relieve_pressure()
+        assert r.pause == (be_old.id,)
+        assert node.get(be_old.id).state == "paused"
+        assert node.get(be_old.id).paused_reason == "memory_pressure"
+        assert node.get(ls.id).state == node.get(be_new.id).state == "running"
+        notes = [e for e in node.events(be_old.id) if e.reason == "memory_pressure"]
+        # pausing and paused (the transitions' reason), then the notice with the PSI figures
+        assert [(e.from_state, e.to_state) for e in notes] == [
+            ("running", "pausing"), ("pausing", "paused"), ("paused", "paused")]
+        assert "some avg10=40.0%" in notes[-1].detail
+    finally:
+        await node.close()
