@@ -256,7 +256,7 @@ class _Hub:
             raise ResourceExhausted(f"cannot watch files of sandbox {sid}: "
                                     f"inotify_init1: {os.strerror(e)}")
         self.fd, self.loop = fd, loop
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.subs: dict[int, set[_Inotify]] = {}
         self.users = 0
         loop.add_reader(fd, self._readable)
@@ -282,6 +282,10 @@ class _Hub:
 
     def add(self, sub: _Inotify, path: str, dir_fd: int) -> int:
         with self.lock:
+            if sub.closed or self.fd < 0:
+                # a recursive add still running on a file thread after its watch was
+                # cancelled: nothing may be added for a subscriber that is gone
+                raise ResourceExhausted(f"watch of sandbox {sub.files.sid} was closed")
             budget = watch_dir_budget()
             if len(self.subs) >= budget:
                 raise ResourceExhausted(
@@ -349,6 +353,7 @@ class _Inotify:
         self.dirs: dict[int, str] = {}
         self.queue: collections.deque[tuple[int, int, bytes]] = collections.deque()
         self.ready = asyncio.Event()
+        self.closed = False
         self.hub: _Hub | None = _Hub.acquire(files.sid)
 
     def push(self, wd: int, mask: int, name: bytes) -> None:
@@ -392,8 +397,10 @@ class _Inotify:
 
     def close(self) -> None:
         if self.hub is not None:
-            self.hub.drop(self, list(self.dirs))
-            self.dirs.clear()
+            with self.hub.lock:     # no add (a file thread) after this
+                self.closed = True
+                self.hub.drop(self, list(self.dirs))
+                self.dirs.clear()
             self.hub.release()
             self.hub = None
 
