@@ -1,13 +1,14 @@
 """``sb.run_code(...)``: a stateful Python interpreter per sandbox.
 
 ``sb.run_code("x = 41")`` then ``sb.run_code("x + 1").text == "42"``: the code runs in a
-kernel process living inside the sandbox (:mod:`dsec.client.code_kernel`, copied in and
-started in the background on first use, by whichever client gets there first), so its
-variables, imports and open files persist between calls and between client processes,
-until :func:`restart` or the sandbox goes. Every call is an ordinary exec of the sandbox
-(the kernel's ``run`` command, the code on its stdin), so the sandbox's isolation, user,
-cgroup limits, and every door's auth and rate limits apply unchanged: the kernel is
-just a process of the sandbox, with no door of its own.
+kernel process living inside the sandbox (:mod:`dsec.client.code_kernel`, run as
+``python3 -c SOURCE`` and started in the background on first use, by whichever client
+gets there first), so its variables, imports and open files persist between calls and
+between client processes with the same API key, until :func:`restart` or the sandbox
+goes. Every call is an ordinary exec of the sandbox (the kernel's ``run`` command, the
+code on stdin), so the sandbox's isolation, user, cgroup limits, and every door's auth
+and rate limits apply unchanged. The kernel answers only holders of its token (see
+:func:`_token`), from a directory only its user made (red team 19, B1/B2; docs/sdk.md).
 
 Needs ``python3`` in the image (the ``base`` image is busybox: no python; see
 docs/images.md for a Debian image). The result mirrors e2b-code-interpreter's

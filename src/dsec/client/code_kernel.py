@@ -1,17 +1,24 @@
 """The code interpreter's kernel: a stateful Python REPL that lives inside a sandbox.
 
-This file is copied into the sandbox (``dsec.client.code`` writes it on first use) and run
-there by the sandbox's own ``python3``; it imports nothing from dsec and only the standard
-library, so any python3 >= 3.10 in any image runs it. Three commands:
+Never a file in the sandbox: ``dsec.client.code`` runs this source as ``python3 -c
+SOURCE CMD DIR ...`` in each exec (so nothing can be planted in its place); it imports
+nothing from dsec and only the standard library, so any python3 >= 3.10 in any image
+runs it. Three commands:
 
-``serve DIR``   the kernel: holds ``DIR/lock`` (one kernel per DIR), listens on
-                ``DIR/sock`` and runs one request at a time in one namespace, so
-                ``x = 41`` then ``x + 1`` gives 42. Started in the background by an exec.
-``run DIR T``   one request: the code (JSON on stdin) goes to the kernel, the result (JSON,
-                one line) comes out on stdout. After T seconds (``none``: never) the code
-                is interrupted (SIGINT: ``KeyboardInterrupt`` inside it); a kernel that does
-                not answer within 2 s more is killed (its state is lost, said in the
-                error). Exit 91: no kernel listens (the caller starts one and asks again).
+``start DIR``   make DIR (mkdir, 0700, checked: :func:`_check_dir`), read the kernel's
+                token from stdin and fork the kernel: it holds ``DIR/lock`` (one kernel
+                per DIR), listens on ``DIR/sock`` and runs one request at a time in one
+                namespace, so ``x = 41`` then ``x + 1`` gives 42. The token lives only in
+                its memory. Per connection: the client says ``hello`` with a nonce; the
+                kernel answers HMAC(token, nonce, its pid); the client checks it against
+                the pid SO_PEERCRED gives (so neither another listener nor a relay
+                passes), then sends the token with the code, which the kernel checks.
+``run DIR T``   one request: ``{"token", "code"}`` (JSON on stdin) goes to the kernel,
+                the result (JSON, one line) comes out on stdout. After T seconds
+                (``none``: never) the code is interrupted (SIGINT: ``KeyboardInterrupt``
+                inside it); a kernel that does not answer within 2 s more is killed (its
+                state is lost, said in the error). Exit 91: no kernel listens (the caller
+                starts one and asks again); 92: DIR or the listener is not ours: refused.
 ``stop DIR``    kill the kernel (restart = stop, then the next run starts a fresh one).
 
 Output is captured at the Python level (``sys.stdout``/``sys.stderr`` while the code runs),
@@ -41,6 +48,7 @@ import time
 import traceback
 from typing import Any
 
+REQUEST_CAP = 2 << 20        # a request line (the SDK sends at most 1 MiB of code)
 OUTPUT_CAP = 1 << 20          # characters kept per stream per run
 DISPLAY_CAP = 8 << 20         # bytes of display data per run
 EXIT_NO_KERNEL = 91
@@ -291,10 +299,10 @@ def serve(d: str, token: str) -> None:
             continue
         with conn:
             try:
-                conn.settimeout(60)             # a client that sends nothing, or reads nothing
+                conn.settimeout(10)             # a client that sends nothing, or reads nothing
                 if _peer(conn)[1] != os.geteuid():
                     continue                    # another uid: not even a handshake
-                lines = _Lines(conn)
+                lines = _Lines(conn, REQUEST_CAP)
                 # prove we hold the token, bound to our pid (the client checks it against
                 # SO_PEERCRED: a relay by another listener fails), then demand it back
                 nonce = str(lines.read()["hello"])[:64]
@@ -305,6 +313,7 @@ def serve(d: str, token: str) -> None:
                                            token.encode()):
                     conn.sendall(b'{"refused": "bad token"}\n')
                     continue
+                conn.settimeout(60)
                 conn.sendall(json.dumps({"started": True}).encode() + b"\n")
                 res = k.run(req["code"])
                 conn.sendall(json.dumps(res).encode() + b"\n")
@@ -316,11 +325,13 @@ class _Lines:
     """JSON lines from a socket, each read bounded by the socket's timeout (a plain
     ``makefile`` is unusable after its first timeout, and we read on after one)."""
 
-    def __init__(self, s: socket.socket) -> None:
-        self.s, self.buf = s, b""
+    def __init__(self, s: socket.socket, limit: int | None = None) -> None:
+        self.s, self.buf, self.limit = s, b"", limit
 
     def read(self) -> Any:
         while b"\n" not in self.buf:
+            if self.limit is not None and len(self.buf) > self.limit:
+                raise ValueError(f"a line of more than {self.limit} bytes")
             got = self.s.recv(1 << 16)
             if not got:
                 raise ConnectionError("the kernel closed the connection")
@@ -343,7 +354,8 @@ def _connect(d: str, token: str) -> tuple[socket.socket, _Lines, int]:
     the listener runs as our uid and proves it holds the token for its own pid."""
     _check_dir(d)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
+    # no timeout: the kernel runs one request at a time, another client's code may run
+    # for long before it answers our hello (the exec's own timeout bounds the wait)
     s.connect(os.path.join(d, "sock"))
     pid, uid = _peer(s)
     lines = _Lines(s)
