@@ -17,7 +17,9 @@ It used to scan list pages of the display limit and keep that node's rows: with
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -44,6 +46,7 @@ from dsec.errors import (
 )
 from dsec.wire import ops
 from dsec.wire.calls import Empty, ExecCall, ListSandboxes, SandboxRef
+from dsec.wire.process import ProcessSignal
 from dsec.wire.spec import ExecRequest, PtySize
 
 __all__ = ["CSP", "Dashboard"]
@@ -66,6 +69,17 @@ _HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "same-origin
 FOLLOW_MAX_BEHIND = 20_000
 # What the terminal runs: a login-less shell (every image has /bin/sh).
 TERMINAL_ARGV = ("/bin/sh",)
+# A dashboard shell ends (SIGKILL to its process group) once nobody has had its terminal
+# open for TERMINAL_IDLE_S (counted by the apiserver that started it, from the moment it
+# starts or its last viewer's socket closes), and in any case after TERMINAL_TIMEOUT_S
+# (the process's own timeout, enforced by its edge: it holds after an apiserver restart,
+# and the session that opened it cannot outlive it either). Each click on "Terminal"
+# reuses the caller's running dashboard shell in that sandbox (tag
+# "dashboard:<principal>") instead of starting another: a page left open, closed or
+# reloaded no longer leaves a /bin/sh (a ring and one of the sandbox's process slots)
+# behind for good (red team 19, noted).
+TERMINAL_IDLE_S = 600.0
+TERMINAL_TIMEOUT_S = float(sess.SESSION_MAX_AGE_S)
 MAX_FORM_BYTES = 4096
 _STATIC = Path(__file__).with_name("static")
 
@@ -88,6 +102,13 @@ class Dashboard:
         self._list, self._get, self._events = h(ops.LIST), h(ops.GET), h(ops.EVENTS)
         self._stats, self._nodes = h(ops.STATS), h(ops.NODES)
         self._process_start, self._processes = h(ops.PROCESS_START), h(ops.PROCESS_LIST)
+        self._psignal = h(ops.PROCESS_SIGNAL)
+        self.terminal_idle_s = TERMINAL_IDLE_S
+        # dashboard shells this apiserver started or reused: who started them (the key
+        # their end is sent with), open terminal sockets, the pending idle end
+        self._shells: dict[tuple[str, int], Caller] = {}
+        self._viewers: dict[tuple[str, int], int] = {}
+        self._idle: dict[tuple[str, int], asyncio.TimerHandle] = {}
         self._actions: dict[str, Callable[[Caller, Any], Awaitable[Any]]] = {
             "pause": h(ops.PAUSE), "resume": h(ops.RESUME), "destroy": h(ops.DESTROY)}
         self.series = CreationSeries()
@@ -319,11 +340,50 @@ class Dashboard:
 
     async def _start_terminal(self, caller: Caller, ref: SandboxRef) -> int:
         """A shell on a terminal in the sandbox (``process_start`` with a pty: member, as
-        through REST); the page then attaches to it by pid."""
-        info = await self._process_start(caller, ExecCall(id=ref.id, req=ExecRequest(
-            argv=TERMINAL_ARGV, pty=PtySize(cols=100, rows=30), timeout_s=None,
-            env={"TERM": "xterm-256color"}, tag="dashboard")))
-        return int(info.pid)
+        through REST), or the caller's dashboard shell already running there; the page
+        then attaches to it by pid. See ``TERMINAL_IDLE_S`` for its end."""
+        tag = _terminal_tag(caller)
+        for p in (await self._processes(caller, ref)).items:
+            if p.running and p.pty and p.tag == tag:
+                pid = int(p.pid)
+                break
+        else:
+            info = await self._process_start(caller, ExecCall(id=ref.id, req=ExecRequest(
+                argv=TERMINAL_ARGV, pty=PtySize(cols=100, rows=30),
+                timeout_s=TERMINAL_TIMEOUT_S, env={"TERM": "xterm-256color"}, tag=tag)))
+            pid = int(info.pid)
+        key = (ref.id, pid)
+        self._shells[key] = caller
+        if not self._viewers.get(key):
+            self._arm_idle(key)           # ends unless a terminal connects in time
+        return pid
+
+    def _arm_idle(self, key: tuple[str, int]) -> None:
+        old = self._idle.pop(key, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._idle[key] = loop.call_later(
+            self.terminal_idle_s, lambda: loop.create_task(self._end_idle(key)))
+
+    async def _end_idle(self, key: tuple[str, int]) -> None:
+        """The idle timer fired: end the shell if nobody has opened its terminal since."""
+        self._idle.pop(key, None)
+        if self._viewers.get(key):
+            return
+        caller = self._shells.pop(key, None)
+        if caller is None:
+            return
+        sid, pid = key
+        try:
+            for p in (await self._processes(caller, SandboxRef(id=sid))).items:
+                if p.pid == pid and p.running and p.tag == _terminal_tag(caller):
+                    await self._psignal(caller, ProcessSignal(id=sid, pid=pid,
+                                                              signal=signal.SIGKILL))
+                    log.info("dashboard shell %d in %s ended: no terminal open for %g s",
+                             pid, sid, self.terminal_idle_s)
+        except DsecError as exc:          # gone with its sandbox, key revoked: nothing left
+            log.info("dashboard shell %d in %s not ended: %s", pid, sid, exc.message)
 
     async def _terminal_page(self, request: Request, caller: Caller, key: str) -> Response:
         ref = _ref(request)
@@ -385,6 +445,7 @@ class Dashboard:
             await send({"type": "websocket.close", "code": 1008})
             return
         sid, pid = scope["path_params"]["id"], scope["path_params"]["pid"]
+        shell = (sid, int(pid))
         path = f"/v1/sandboxes/{quote(sid, safe='')}/processes/{pid}/ws"
         inner = dict(scope)
         inner["path"] = path
@@ -394,7 +455,25 @@ class Dashboard:
         inner["headers"] = [(k, v) for k, v in scope["headers"]
                             if k not in (b"cookie", b"authorization")]
         inner["headers"].append((b"authorization", f"Bearer {key}".encode()))
-        await self.root(inner, receive, send)
+        self._viewers[shell] = self._viewers.get(shell, 0) + 1
+        idle = self._idle.pop(shell, None)
+        if idle is not None:
+            idle.cancel()
+        try:
+            await self.root(inner, receive, send)
+        finally:
+            left = self._viewers.get(shell, 0) - 1
+            if left > 0:
+                self._viewers[shell] = left
+            else:
+                self._viewers.pop(shell, None)
+                if shell in self._shells:     # only the shells the dashboard started
+                    self._arm_idle(shell)
+
+
+def _terminal_tag(caller: Caller) -> str:
+    """The tag of ``caller``'s dashboard shells (reused per principal and sandbox)."""
+    return f"dashboard:{caller.name[:200]}"
 
 
 class _Asgi:
