@@ -689,9 +689,12 @@ class E2BApp:
             async def probe(p: str) -> None:
                 await self._put(caller, WriteFile(id=sandbox, path=p, data=b""))
                 await self._remove(caller, Remove(id=sandbox, path=p))
+            recorded = getattr(self.service.directory, "recorded_project", None)
+            project = recorded(sandbox) if recorded is not None else None
             wid = await self.watchers.create(caller, Watch(
                 id=sandbox, path=path, recursive=bool(msg.get("recursive"))),
-                self._watch_policy, probe)
+                self._watch_policy, probe,
+                tenant=project.partition("/")[0] if project else None)
             return _json({"watcherId": wid})
         if method == "GetWatcherEvents":
             events = self.watchers.take(caller, str(msg.get("watcherId") or ""))
