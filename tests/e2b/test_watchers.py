@@ -85,7 +85,8 @@ async def test_concurrent_creates_and_a_tenants_share() -> None:
             if fail:
                 raise SandboxNotFound("gone")
             opened += 1
-            return await _policy([])(caller, w)
+            it: AsyncIterator[FileEvent | WatchEnd] = await _policy([])(caller, w)
+            return it
         return policy
 
     res = await asyncio.gather(*[ws.create(ALICE, W, slow()) for _ in range(10)],
