@@ -221,9 +221,7 @@ class StreamedIO:
         self.size = (req.pty.cols, req.pty.rows) if req.pty is not None else None
         self.pid, self._sid, self._backend, self._sink = pid, sid, backend, sink
         self._req = req
-        # a terminal is open input too (as ProcessInfo.stdin_open says), until closed
-        keep = req.stdin_open or req.pty is not None
-        self._input: bytearray | None = bytearray(req.stdin) if keep else None
+        self._input: bytearray | None = bytearray(req.stdin) if req.stdin_open else None
         self._go = asyncio.Event()
         self._killed: int | None = None
         if self._input is None:

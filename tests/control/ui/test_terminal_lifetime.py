@@ -3,12 +3,11 @@ start another ``/bin/sh`` with no timeout, left running when the tab closed (a r
 one of the sandbox's process slots each, forever). Now a click reuses the caller's
 running dashboard shell, and a shell whose terminal nobody has had open for
 ``terminal_idle_s`` is killed; another process viewed through the dashboard's socket is
-never touched. Real in-process cluster (simulated edge); the shell is ``cat`` on a
-terminal (the simulated backend has no /bin/sh), which runs until it is ended."""
+never touched. Real in-process cluster (simulated edge); the shell is ``sleep 3600`` on
+a terminal (the simulated backend has no /bin/sh), which runs until it is ended."""
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +17,6 @@ import pytest
 
 import dsec.control.ui.app as ui_app
 from dsec.cluster.local import LocalCluster
-from dsec.control.ui import Dashboard
 from dsec.control.ui.session import csrf_token
 
 IDLE_S = 1.0
@@ -27,12 +25,9 @@ IDLE_S = 1.0
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ui_app, "TERMINAL_ARGV", ("cat",))
+        mp.setattr(ui_app, "TERMINAL_ARGV", ("sleep", "3600"))
+        mp.setattr(ui_app, "TERMINAL_IDLE_S", IDLE_S)   # read when the dashboard is made
         with LocalCluster(edges=1) as cl:
-            mine = [o for o in gc.get_objects()   # this cluster's dashboard: short idle
-                    if isinstance(o, Dashboard) and o.service is cl.runtime.service]
-            assert len(mine) == 1
-            mine[0].terminal_idle_s = IDLE_S
             yield cl
 
 
@@ -87,7 +82,7 @@ def test_a_click_reuses_the_shell_and_an_unviewed_shell_ends(cluster: LocalClust
             assert _ended_within(c, sid, pid2, IDLE_S + 10)
             # another process, viewed and left through the dashboard's socket: untouched
             r = c.post(f"/v1/sandboxes/{sid}/processes",
-                       json={"argv": ["cat"], "stdin_open": True})
+                       json={"argv": ["sleep", "3600"]})
             assert r.status_code == 201, r.text
             other = r.json()["pid"]
             ws_url = f"ws{cluster.url[4:]}/ui/sandboxes/{sid}/processes/{other}/ws"
