@@ -107,6 +107,45 @@ def test_list_filters_and_pagination(http: httpx.Client) -> None:
         http.delete(f"/v1/sandboxes/{i}")
 
 
+def test_list_node_filter_at_every_door(cluster: LocalCluster, http: httpx.Client) -> None:
+    """``list`` takes ``node`` (the registry's per-node index; red team 19, A9): REST
+    ``?node=``, the SDK over the Aether gateway, paged, and a malformed node is a 400."""
+    ids = [http.post("/v1/sandboxes", json={"labels": {"bynode": "yes"}}).json()["id"]
+           for _ in range(6)]
+    try:
+        every = http.get("/v1/sandboxes", params={"label": "bynode=yes",
+                                                  "limit": 1000}).json()["items"]
+        nodes = {n["id"] for n in http.get("/v1/nodes").json()["items"]}
+        assert len(nodes) == 2 and {i["node"] for i in every} <= nodes, nodes
+        for node in nodes:
+            want = sorted(i["id"] for i in every if i["node"] == node)
+            seen: list[str] = []
+            cursor = None
+            while True:
+                params: dict[str, Any] = {"label": "bynode=yes", "node": node, "limit": 1}
+                if cursor:
+                    params["cursor"] = cursor
+                page = http.get("/v1/sandboxes", params=params).json()
+                seen += [i["id"] for i in page["items"]]
+                assert all(i["node"] == node for i in page["items"])
+                cursor = page["next_cursor"]
+                if cursor is None:
+                    break
+            assert seen == want
+            with cluster.client(session_lease_s=None) as c:
+                got = sorted(s.id for s in c.sandboxes.list(labels={"bynode": "yes"},
+                                                            node=node))
+            assert got == want
+        assert http.get("/v1/sandboxes", params={"node": "nosuch"}).json()["items"] == []
+        bad = http.get("/v1/sandboxes", params={"node": "Not A Node!"})
+        assert bad.status_code == 400 and "node" in bad.text, bad.text
+    finally:
+        for i in ids:
+            http.delete(f"/v1/sandboxes/{i}")
+    gone = http.get("/v1/sandboxes", params={"label": "bynode=yes", "node": every[0]["node"]})
+    assert gone.json()["items"] == []          # unindexed with the sandbox
+
+
 def test_idempotency_key_returns_the_same_sandbox(http: httpx.Client) -> None:
     before = _count(http, label="idem=1")
     body = {"labels": {"idem": "1"}}

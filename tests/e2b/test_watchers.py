@@ -68,3 +68,41 @@ async def test_buffer_cap_names_and_errors_after_events() -> None:
         ws.take(ALICE, wid)
     with pytest.raises(NotFound):            # and the watcher is gone with it
         ws.take(ALICE, wid)
+
+
+async def test_concurrent_creates_and_a_tenants_share() -> None:
+    """The slot is taken before the watch is opened (concurrent creates cannot all pass
+    one check), released when it cannot be opened; one tenant (the watched sandbox's
+    top-level project, whatever keys it mints) holds at most half of max_total
+    (red team 19, A4/A5 class)."""
+    ws = Watchers(max_per_principal=100, max_total=4)
+    opened = 0
+
+    def slow(fail: bool = False):  # type: ignore[no-untyped-def]
+        async def policy(caller: Caller, w: Watch) -> AsyncIterator[FileEvent | WatchEnd]:
+            nonlocal opened
+            await asyncio.sleep(0.05)          # the edge's answer
+            if fail:
+                raise SandboxNotFound("gone")
+            opened += 1
+            it: AsyncIterator[FileEvent | WatchEnd] = await _policy([])(caller, w)
+            return it
+        return policy
+
+    res = await asyncio.gather(*[ws.create(ALICE, W, slow()) for _ in range(10)],
+                               return_exceptions=True)
+    assert sum(isinstance(r, str) for r in res) == 4 and len(ws) == 4 and opened == 4
+    assert all(isinstance(r, (str, RateLimited)) for r in res), res
+    await ws.close()
+    # a failed open gives its slot back
+    with pytest.raises(SandboxNotFound):
+        await ws.create(ALICE, W, slow(fail=True))
+    assert len(ws) == 0
+    # tenant "acme" (many principals) gets half; tenant "other" still finds room
+    keys = [Caller(id=f"p-{i}", name=f"k{i}", roles={}) for i in range(4)]
+    for k in keys[:2]:
+        await ws.create(k, W, _policy([]), tenant="acme")
+    with pytest.raises(RateLimited, match="on project 'acme'"):
+        await ws.create(keys[2], W, _policy([]), tenant="acme")
+    await ws.create(keys[3], W, _policy([]), tenant="other")
+    await ws.close()

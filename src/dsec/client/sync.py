@@ -271,10 +271,12 @@ class Sandboxes:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
 
     def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
-             state: SandboxState | None = None, limit: int | None = None) -> list[Sandbox]:
-        """Every matching sandbox (pages through the server's cursor)."""
+             state: SandboxState | None = None, limit: int | None = None,
+             node: str | None = None) -> list[Sandbox]:
+        """Every matching sandbox (pages through the server's cursor); ``node``: only
+        those on that node."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.list(
-            project=project, labels=labels, state=state, limit=limit))]
+            project=project, labels=labels, state=state, limit=limit, node=node))]
 
     def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,

@@ -103,6 +103,9 @@ class Registry:
         # Sorted ids per project, for list pages in id order without sorting per call
         # (insort/remove is a memmove: ~10 us at 100k ids in one project).
         self._by_project: dict[str, list[str]] = {}
+        # ... and per node, per project: a node-filtered list page (the dashboard's node
+        # filter, ``list?node=``) walks only that node's ids, O(projects + page).
+        self._by_node_project: dict[str, dict[str, list[str]]] = {}
         # Ids per session label (dsec.io/session): the sweeper visits the sessions that
         # lapsed or closed and finds their sandboxes here, O(sessions + swept), instead
         # of listing every sandbox of every edge each pass (see ControlPlane.sweep).
@@ -151,6 +154,8 @@ class Registry:
         self._toggle(rec)
         self._by_node.setdefault(rec.node, set()).add(rec.id)
         bisect.insort(self._by_project.setdefault(rec.project, []), rec.id)
+        bisect.insort(self._by_node_project.setdefault(rec.node, {}).setdefault(
+            rec.project, []), rec.id)
         session = _session_of(rec)
         if session is not None:
             self._by_session.setdefault(session, set()).add(rec.id)
@@ -182,6 +187,16 @@ class Registry:
                 del plist[i]
             if not plist:
                 del self._by_project[rec.project]
+        on_node = self._by_node_project.get(rec.node)
+        nlist = on_node.get(rec.project) if on_node is not None else None
+        if on_node is not None and nlist is not None:
+            i = bisect.bisect_left(nlist, rec.id)
+            if i < len(nlist) and nlist[i] == rec.id:
+                del nlist[i]
+            if not nlist:
+                del on_node[rec.project]
+                if not on_node:
+                    del self._by_node_project[rec.node]
 
     def _put(self, rec: SandboxRecord) -> None:
         self._deletes.discard(rec.id)
@@ -483,19 +498,22 @@ class Registry:
 
     def page(
         self, *, after: str, limit: int, projects: Iterable[str] | None = None,
-        match: Callable[[SandboxRecord], bool] | None = None,
+        match: Callable[[SandboxRecord], bool] | None = None, node: str | None = None,
     ) -> tuple[list[SandboxRecord], bool]:
         """Up to ``limit`` records with id > ``after`` in id order, from ``projects``
-        (None: all) that satisfy ``match``; and whether more follow.
+        (None: all) on ``node`` (None: any) that satisfy ``match``; and whether more
+        follow.
 
         Cost: O(log n) per project to find the start, then one step per record looked at:
         O(limit) when nothing is filtered out, more only for records ``match`` rejects
         (a label or state filter). Nothing is sorted or copied per call."""
-        keys = list(self._by_project) if projects is None else [
-            p for p in projects if p in self._by_project]
+        index = self._by_project if node is None else self._by_node_project.get(node, {})
+        keys = list(index) if projects is None else [p for p in projects if p in index]
+        if not keys:
+            return [], False
         runs: list[Iterator[str]] = []
         for p in keys:
-            ids = self._by_project[p]
+            ids = index[p]
             runs.append(itertools.islice(ids, bisect.bisect_right(ids, after), None))
         stream: Iterator[str] = runs[0] if len(runs) == 1 else heapq.merge(*runs)
         out: list[SandboxRecord] = []

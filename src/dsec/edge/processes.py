@@ -16,18 +16,30 @@ field, checked before anything is started):
 
 - hold more than ``per_sandbox`` entries per sandbox: a start evicts the oldest *ended*
   entry, and is refused (``RateLimited``) when every entry still runs;
-- hold more ring memory than ``ring_budget`` on the node: each entry reserves its ring's
-  full size when it starts (``ring_bytes``), ended entries of any sandbox are evicted
-  oldest first to make room, and a start is refused (``CapacityExceeded``) when only
-  running ones are left;
+- hold more ring memory than ``ring_budget`` on the node, or more than its **fair share**
+  of it while other tenants (top-level projects) need room: each entry reserves its ring's
+  full size (``ring_bytes``) *before* anything awaits (concurrent starts cannot all pass
+  one check), released on every failure path. A start that does not fit first evicts the
+  starting tenant's own ended entries (oldest first); then, while the starting tenant
+  stays within its share (the budget divided among the tenants holding rings, itself
+  included), it takes room from the tenant furthest over its share: that tenant's ended
+  entries first, then its running processes' rings are shrunk (the oldest output falls
+  off, counted in ``output_dropped``) down to a quarter of ``ring_bytes``. Otherwise it
+  is refused (``CapacityExceeded``). So one tenant may use the whole budget while nobody
+  else needs it, but cannot refuse another tenant's start or evict another tenant's ended
+  output while that tenant is within its share (red team 19, A4/A5);
 - take the node's descriptors: a running process is one of the node's commands, admitted
   and counted by the same caps as ``exec`` (``NodeConfig.max_execs*``: per sandbox, per
   tenant, per node), and released at its exit;
 - make the edge buffer without bound: input waits for the pipe to drain past
   ``input_pending`` bytes (the caller's ``process_input`` waits, then fails with
-  ``ResourceExhausted`` after ``input_wait_s``); a ``process_connect`` reader that falls
-  ``follower_backlog`` bytes behind the live output is cut off with
-  ``ResourceExhausted`` (it may connect again: the ring holds the newest output).
+  ``ResourceExhausted`` after ``input_wait_s``); input in flight (a write waiting for
+  its pipe, or input a backend without processes collects until stdin closes) is counted
+  node-wide against ``input_budget``, a tenant at most half of it (``ResourceExhausted``
+  beyond); a ``process_connect`` reader that falls ``follower_backlog`` bytes behind the
+  live output is cut off with ``ResourceExhausted`` (it may connect again: the ring holds
+  the newest output), and when every reader of the node together holds more than
+  ``backlog_budget``, the furthest-behind reader *of the tenant holding the most* is cut.
 
 Processes die with their sandbox (their table goes with it, :meth:`ProcessTable.drop`),
 freeze with it (a paused sandbox's processes are frozen in its cgroup; input and signals
@@ -68,7 +80,14 @@ from dsec.errors import (
 )
 from dsec.ids import SandboxId
 from dsec.wire.process import ProcessInfo
-from dsec.wire.spec import MAX_STDIN_BYTES, ExecChunk, ExecRequest, ExecResult
+from dsec.wire.spec import (
+    MAX_STDIN_BYTES,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    SandboxSpec,
+    project_of,
+)
 
 if TYPE_CHECKING:
     from dsec.edge.backend import Backend
@@ -103,10 +122,11 @@ class ProcessLimits:
     followers: int = 16                   # connects following one process at once
     backlog_budget: int = 64 << 20        # all connects of the node, furthest behind cut
     keep_ended_s: float = 3600.0          # an ended entry is kept at most this long
+    input_budget: int = 64 << 20          # stdin in flight on the node (a tenant: half)
 
     def __post_init__(self) -> None:
         for name in ("per_sandbox", "ring_bytes", "ring_budget", "input_pending",
-                     "follower_backlog", "followers", "backlog_budget"):
+                     "follower_backlog", "followers", "backlog_budget", "input_budget"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"process limit {name} must be >= 1")
 
@@ -154,6 +174,8 @@ class SandboxRecord(Protocol):
     def state(self) -> str: ...
     @property
     def backend(self) -> Backend: ...
+    @property
+    def spec(self) -> SandboxSpec: ...
 
     last_active_at: float    # the table marks the sandbox active when a process starts/ends
 
@@ -258,18 +280,21 @@ class StreamedIO:
 class _Follower:
     """One ``process_connect`` reading live output: a queue bounded by bytes."""
 
-    __slots__ = ("backlog", "cut", "queue", "wake")
+    __slots__ = ("backlog", "cut", "queue", "tenant", "wake")
 
-    def __init__(self) -> None:
+    def __init__(self, tenant: str = "") -> None:
         self.queue: collections.deque[ExecChunk] = collections.deque()
         self.backlog = 0
         self.cut = False
+        self.tenant = tenant
         self.wake = asyncio.Event()
 
 
 class _Backlog:
     """What every follower of the node holds, together: over the budget, the one
-    furthest behind is cut (as Aether cuts the stream furthest behind)."""
+    furthest behind *of the tenant holding the most* is cut (as Aether cuts the stream
+    furthest behind): one tenant's many slow readers cannot get another tenant's reader
+    cut."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -279,34 +304,45 @@ class _Backlog:
     def add(self, f: _Follower, n: int) -> None:
         self.total += n
         while self.total > self.budget:
-            worst = max((x for x in self.followers if not x.cut), default=None,
-                        key=lambda x: x.backlog)
-            if worst is None:
+            held: dict[str, int] = {}
+            for x in self.followers:
+                if not x.cut:
+                    held[x.tenant] = held.get(x.tenant, 0) + x.backlog
+            if not held:
                 return
-            worst.cut = True
-            worst.queue.clear()
-            worst.wake.set()
-            self.total -= worst.backlog
+            top = max(held, key=held.__getitem__)
+            worst = max((x for x in self.followers if not x.cut and x.tenant == top),
+                        key=lambda x: x.backlog)
+            self.cut(worst)
+
+    def cut(self, f: _Follower) -> None:
+        f.cut = True
+        f.queue.clear()        # its memory goes now; the reader hears at once
+        f.wake.set()
+        if f in self.followers:
+            self.total -= f.backlog
 
     def taken(self, f: _Follower, n: int) -> None:
-        if not f.cut:
+        if not f.cut and f in self.followers:
             self.total -= n
 
     def leave(self, f: _Follower) -> None:
         if f in self.followers:
-            self.followers.discard(f)
             if not f.cut:
                 self.total -= f.backlog
+            self.followers.discard(f)
 
 
 class _Process:
     """One entry of a sandbox's table."""
 
-    def __init__(self, info: ProcessInfo, ring_cap: int) -> None:
+    def __init__(self, info: ProcessInfo, ring_cap: int, tenant: str = "") -> None:
         self.info = info
+        self.tenant = tenant
         self.ring: collections.deque[ExecChunk] = collections.deque()
         self.ring_size = 0
         self.ring_cap = ring_cap
+        self.input_held = 0      # input_budget bytes charged until the process ends
         self.followers: set[_Follower] = set()
         self.io: ProcessIO | None = None
         self.result: ExecResult | None = None
@@ -327,10 +363,11 @@ class _Process:
             if backlog is not None:
                 backlog.add(f, len(data))
             if not f.cut and f.backlog > backlog_cap:
-                f.cut = True
-                f.queue.clear()        # its memory goes now; the reader hears at once
                 if backlog is not None:
-                    backlog.total -= f.backlog
+                    backlog.cut(f)
+                else:
+                    f.cut = True
+                    f.queue.clear()    # its memory goes now; the reader hears at once
             f.wake.set()
         if len(data) >= self.ring_cap:  # one read larger than the ring: keep its tail
             dropped = self.ring_size + len(data) - self.ring_cap
@@ -342,6 +379,14 @@ class _Process:
             return
         self.ring.append(chunk)
         self.ring_size += len(data)
+        self._trim()
+
+    def shrink(self, cap: int) -> None:
+        """Keep only the newest ``cap`` bytes from now on (another tenant needs room)."""
+        self.ring_cap = cap
+        self._trim()
+
+    def _trim(self) -> None:
         while self.ring_size > self.ring_cap:
             head = self.ring[0]
             over = self.ring_size - self.ring_cap
@@ -376,6 +421,10 @@ class ProcessTable(Generic[R]):
         self.limits = limits or ProcessLimits()
         self._tables: dict[str, collections.OrderedDict[int, _Process]] = {}
         self._reserved = 0          # ring bytes reserved by every entry on the node
+        self._by_tenant: dict[str, int] = {}   # ... by top-level project
+        self._starting: dict[str, int] = {}    # starts past their check, by sandbox
+        self._input = 0                        # input_budget bytes in flight
+        self._input_by_tenant: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._fake_pids = itertools.count(1000)
         self._backlog = _Backlog(self.limits.backlog_budget)
@@ -390,15 +439,41 @@ class ProcessTable(Generic[R]):
             return len(self._tables.get(sid, ()))
         return sum(len(t) for t in self._tables.values())
 
+    @staticmethod
+    def _tenant(rec: SandboxRecord) -> str:
+        """The top-level project: the unit of every share (as ``_admit_exec`` counts)."""
+        return project_of(rec.spec).partition("/")[0]
+
+    def _reserve(self, tenant: str, n: int) -> None:
+        self._reserved += n
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + n
+
+    def _release(self, tenant: str, n: int) -> None:
+        self._reserved -= n
+        left = self._by_tenant.get(tenant, 0) - n
+        if left > 0:
+            self._by_tenant[tenant] = left
+        else:
+            self._by_tenant.pop(tenant, None)
+
     def _evict(self, sid: str, pid: int) -> None:
         table = self._tables.get(sid)
         if table is None:
             return
         p = table.pop(pid, None)
         if p is not None:
-            self._reserved -= p.ring_cap
+            self._release(p.tenant, p.ring_cap)
         if not table:
             self._tables.pop(sid, None)
+
+    def _oldest_ended(self, tenant: str) -> tuple[str, int] | None:
+        oldest: tuple[float, str, int] | None = None
+        for s, t in self._tables.items():
+            for pid, p in t.items():
+                if (p.tenant == tenant and p.ended_mono is not None
+                        and (oldest is None or p.ended_mono < oldest[0])):
+                    oldest = (p.ended_mono, s, pid)
+        return None if oldest is None else (oldest[1], oldest[2])
 
     def _expire(self) -> None:
         keep = self.limits.keep_ended_s
@@ -408,33 +483,67 @@ class ProcessTable(Generic[R]):
                 if p.ended_mono is not None and now - p.ended_mono > keep:
                     self._evict(sid, pid)
 
-    def _make_room(self, sid: str) -> None:
-        """Evict ended entries until one more fits, or refuse with the bound."""
+    def _make_room(self, sid: str, tenant: str) -> None:
+        """Evict/shrink until one more entry fits, or refuse with the bound (module
+        docstring). Synchronous: the caller reserves before its first await."""
         lim = self.limits
         self._expire()
         table = self._tables.get(sid)
-        if table is not None and len(table) >= lim.per_sandbox:
-            ended = [pid for pid, p in table.items() if p.ended_mono is not None]
+        held = (len(table) if table is not None else 0) + self._starting.get(sid, 0)
+        if held >= lim.per_sandbox:
+            ended = [pid for pid, p in (table or {}).items() if p.ended_mono is not None]
             if not ended:
                 raise RateLimited(
-                    f"sandbox {sid} already runs {len(table)} processes started with "
+                    f"sandbox {sid} already runs {held} processes started with "
                     f"process_start, the per-sandbox limit; kill some or wait for them "
                     "to exit", sandbox_id=sid, limit=lim.per_sandbox, retry_after=1.0)
             self._evict(sid, ended[0])
-        while self._reserved + lim.ring_bytes > lim.ring_budget:
-            oldest: tuple[float, str, int] | None = None
-            for s, t in self._tables.items():
-                for pid, p in t.items():
-                    if p.ended_mono is not None and (oldest is None or p.ended_mono < oldest[0]):
-                        oldest = (p.ended_mono, s, pid)
-            if oldest is None:
-                raise CapacityExceeded(
-                    f"node {self.node.node_id} keeps output rings for "
-                    f"{self._reserved // lim.ring_bytes} running processes "
-                    f"({self._reserved} bytes), its budget of {lim.ring_budget}; retry "
-                    "when some have ended", sandbox_id=sid, limit=lim.ring_budget,
-                    retry_after=1.0)
-            self._evict(oldest[1], oldest[2])
+        need = lim.ring_bytes
+        floor = max(1, lim.ring_bytes // 4)
+        while self._reserved + need > lim.ring_budget:
+            mine = self._oldest_ended(tenant)
+            if mine is not None:
+                self._evict(*mine)
+                continue
+            tenants = set(self._by_tenant) | {tenant}
+            share = lim.ring_budget // len(tenants)
+            have = self._by_tenant.get(tenant, 0)
+            over = {t: n - share for t, n in self._by_tenant.items()
+                    if t != tenant and n > share}
+            if have + need <= share and over and self._reclaim(
+                    max(over, key=over.__getitem__), over,
+                    self._reserved + need - lim.ring_budget, floor):
+                continue
+            raise CapacityExceeded(
+                f"node {self.node_id} keeps output rings of {self._reserved} bytes, its "
+                f"budget of {lim.ring_budget} ({lim.ring_bytes} per process); project "
+                f"{tenant} holds {have} of them (its share while {len(tenants)} projects "
+                f"hold rings: {share}); retry when some of its processes have ended",
+                sandbox_id=sid, limit=lim.ring_budget, retry_after=1.0)
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    def _reclaim(self, victim: str, over: dict[str, int], want: int, floor: int) -> bool:
+        """Take up to ``want`` ring bytes (at most its excess) from tenant ``victim``:
+        its oldest ended entry, else its largest running ring shrunk toward ``floor``."""
+        ended = self._oldest_ended(victim)
+        if ended is not None:
+            self._evict(*ended)
+            return True
+        biggest: _Process | None = None
+        for t in self._tables.values():
+            for p in t.values():
+                if p.tenant == victim and p.ring_cap > floor and (
+                        biggest is None or p.ring_cap > biggest.ring_cap):
+                    biggest = p
+        if biggest is None:
+            return False
+        cut = min(biggest.ring_cap - floor, want, over[victim])
+        biggest.shrink(biggest.ring_cap - cut)
+        self._release(victim, cut)
+        return True
 
     def _get(self, sid: str, pid: int) -> _Process:
         self.node._find(sid)  # the sandbox's own error first (gone, another node's)
@@ -457,7 +566,10 @@ class ProcessTable(Generic[R]):
                                   "leave background unset", field="background")
         if rec.state != "running":
             await node._ready(rec, "process_start")
-        self._make_room(sid)
+        tenant = self._tenant(rec)
+        # Check and reserve with no await between (red team 19, A5): the ring bytes and
+        # the table slot are held from here, released on every failure path below.
+        self._make_room(sid, tenant)
         node._admit_exec(rec)
         admitted = True
         lim = self.limits
@@ -465,7 +577,9 @@ class ProcessTable(Generic[R]):
                            cwd=req.cwd, tag=req.tag, pty=req.pty is not None,
                            started_at=node.clock.time(), running=True,
                            stdin_open=req.stdin_open or req.pty is not None)
-        proc = _Process(info, lim.ring_bytes)
+        proc = _Process(info, lim.ring_bytes, tenant)
+        self._reserve(tenant, proc.ring_cap)
+        self._starting[sid] = self._starting.get(sid, 0) + 1
 
         backlog = self._backlog
 
@@ -476,15 +590,35 @@ class ProcessTable(Generic[R]):
             io = await self._spawn(rec, req, sink)
         except BaseException:
             node._exec_ended(rec)
+            self._release(tenant, proc.ring_cap)
             raise
+        finally:
+            left = self._starting.get(sid, 0) - 1
+            if left > 0:
+                self._starting[sid] = left
+            else:
+                self._starting.pop(sid, None)
         proc.io = io
         info.pid = io.pid
+        try:
+            gone = node._find(sid) is not rec
+        except DsecError:
+            gone = True
+        if gone:
+            # the sandbox ended during the spawn: drop() ran without this entry, which
+            # would otherwise hold its ring (and the process) forever
+            with contextlib.suppress(Exception):
+                io.abandon()
+            node._exec_ended(rec)
+            self._release(tenant, proc.ring_cap)
+            node._find(sid)   # the sandbox's own error (ended, with its reason)
+            raise InvalidTransition(f"sandbox {sid} ended while process_start ran",
+                                    sandbox_id=sid)
         table = self._tables.setdefault(sid, collections.OrderedDict())
         old = table.pop(io.pid, None)   # a reused pid: the ended entry goes
         if old is not None:
-            self._reserved -= old.ring_cap
+            self._release(old.tenant, old.ring_cap)
         table[io.pid] = proc
-        self._reserved += proc.ring_cap
         rec.last_active_at = node.clock.time()
         task = asyncio.ensure_future(self._watch(rec, proc, io, admitted))
         self._tasks.add(task)
@@ -520,6 +654,7 @@ class ProcessTable(Generic[R]):
         result = ExecResult(exit_code=status.exit_code, timed_out=status.timed_out,
                             duration_s=time.monotonic() - proc.t0, pid=io.pid)
         proc.end(result, status, self.node.clock.time())
+        self._uncharge_input(proc)
         rec.last_active_at = self.node.clock.time()
 
     def list(self, sid: str) -> list[ProcessInfo]:
@@ -541,7 +676,7 @@ class ProcessTable(Generic[R]):
                               f"{len(p.followers)} readers following it, the limit; close "
                               "one", sandbox_id=sid, limit=self.limits.followers,
                               retry_after=1.0)
-        f = _Follower()
+        f = _Follower(p.tenant)
         p.followers.add(f)   # no await since the ring was copied: nothing is missed
         self._backlog.followers.add(f)
         try:
@@ -580,7 +715,48 @@ class ProcessTable(Generic[R]):
             raise InvalidTransition(f"process {pid} in sandbox {sid} has exited "
                                     f"(exit code {p.info.exit_code})", sandbox_id=sid,
                                     pid=pid)
-        await p.io.write(data)
+        n = len(data)
+        self._charge_input(sid, p.tenant, n)
+        # a backend without processes keeps what it collected until stdin closes: the
+        # charge stays with the process until it ends
+        keep = isinstance(p.io, StreamedIO)
+        try:
+            await p.io.write(data)
+        except BaseException:
+            self._uncharge(p.tenant, n)
+            raise
+        if keep and p.result is None:
+            p.input_held += n
+        else:
+            self._uncharge(p.tenant, n)
+
+    def _charge_input(self, sid: str, tenant: str, n: int) -> None:
+        """Count ``n`` bytes of stdin in flight, or refuse past the node's
+        ``input_budget`` (a tenant: half of it)."""
+        lim = self.limits
+        mine = self._input_by_tenant.get(tenant, 0)
+        half = max(1, lim.input_budget // 2)
+        if mine + n > half or self._input + n > lim.input_budget:
+            raise ResourceExhausted(
+                f"node {self.node_id} holds {self._input} bytes of process input in flight "
+                f"(project {tenant}: {mine}); the budget is {lim.input_budget} ({half} per "
+                f"project): wait for the processes to read their input, then write "
+                f"{n} bytes again", sandbox_id=sid, limit=lim.input_budget)
+        self._input += n
+        self._input_by_tenant[tenant] = mine + n
+
+    def _uncharge(self, tenant: str, n: int) -> None:
+        self._input -= n
+        left = self._input_by_tenant.get(tenant, 0) - n
+        if left > 0:
+            self._input_by_tenant[tenant] = left
+        else:
+            self._input_by_tenant.pop(tenant, None)
+
+    def _uncharge_input(self, p: _Process) -> None:
+        if p.input_held:
+            self._uncharge(p.tenant, p.input_held)
+            p.input_held = 0
 
     def close_stdin(self, sid: str, pid: int) -> None:
         p = self._get(sid, pid)
@@ -609,7 +785,8 @@ class ProcessTable(Generic[R]):
             return
         now = self.node.clock.time()
         for p in table.values():
-            self._reserved -= p.ring_cap
+            self._release(p.tenant, p.ring_cap)
+            self._uncharge_input(p)
             if p.io is not None:
                 with contextlib.suppress(Exception):
                     p.io.abandon()

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from dsec.errors import InvalidArgument
+from dsec.ids import parse_node_id
 from dsec.wire.api import PRINCIPAL_PATTERN, CreateSandboxRequest, QuotaBody
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
@@ -219,16 +220,21 @@ class CreateManyOnNode(_Call, kw_only=True):
 
 class ListSandboxes(_Call, kw_only=True):
     """``list``: filters, then a page of at most ``limit`` sandboxes sorted by id
-    (``cursor``: the ``next_cursor`` of the previous page)."""
+    (``cursor``: the ``next_cursor`` of the previous page). ``node``: only the
+    sandboxes the registry places on that node (an index, so a filtered page costs
+    O(page), not a scan of every sandbox)."""
 
     project: str | None = None
     labels: dict[str, str] = {}
     state: SandboxState | None = None
     limit: int = 100
     cursor: str | None = None
+    node: str | None = None
 
     def __post_init__(self) -> None:
         check_label_filter(self.labels)
+        if self.node is not None:
+            parse_node_id(self.node)
 
 
 class SnapshotCall(_Call, kw_only=True):

@@ -263,6 +263,8 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
                              "pausing", "resuming", "running"]}),
     Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
     Param("cursor", {"type": "string"}),
+    Param("node", {"type": "string", "pattern": r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"},
+          description="only the sandboxes on this node"),
     Param("strip", {"type": "array", "items": {"type": "string", "minLength": 1}},
           description="path patterns left out (reuse safety), repeatable"),
     Param("sandbox_id", SANDBOX_ID),

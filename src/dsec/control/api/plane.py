@@ -1098,8 +1098,10 @@ class ControlPlane:
     # ------------------------------------------------------------ listing
     def list_sandboxes(self, caller: Caller, *, project: str | None,
                        labels: Mapping[str, str], state: SandboxState | None, after: str,
-                       limit: int) -> tuple[list[SandboxInfo], bool]:
-        """A page of live sandboxes from the registry, in id order after ``after``.
+                       limit: int, node: str | None = None,
+                       ) -> tuple[list[SandboxInfo], bool]:
+        """A page of live sandboxes from the registry, in id order after ``after``
+        (``node``: only those the registry places there, from its per-node index).
 
         Only projects the caller holds a role on are walked (a per-project sorted index),
         so a call costs O(projects + page + rows the label/state filter skips), not a
@@ -1130,7 +1132,7 @@ class ControlPlane:
                     if have.get(k) != v:
                         return False
             return True
-        recs, more = reg.page(after=after, limit=limit, projects=projects,
+        recs, more = reg.page(after=after, limit=limit, projects=projects, node=node,
                               match=match if want_paused is not None or items else None)
         return [_info_of(r) for r in recs], more
 

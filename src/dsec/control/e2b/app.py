@@ -403,16 +403,18 @@ class E2BApp:
             if not 1 <= limit <= 1000:
                 raise _E2BError(400, f"limit={limit} must be within 1..1000")
         cursor = q.get("nextToken") or None
+        # v2 (paged): one page of at most ``limit`` rows and its token; v1 (unpaged, as
+        # E2B's): every sandbox, or the first ``limit`` when the caller names one. Each
+        # list call asks for what is still missing (never 0 rows: red team 19, A8).
+        bounded = paged or "limit" in q
         items: list[dict[str, Any]] = []
         while True:
+            want = limit - len(items) if bounded else 1000
             page = await self._list(caller, ListSandboxes(labels=labels, state=state,
-                                                          limit=limit - len(items),
-                                                          cursor=cursor))
+                                                          limit=want, cursor=cursor))
             items += [mapping.listed(i) for i in page.items if mapping.state_of(i)]
             cursor = page.next_cursor
-            if cursor is None or len(items) >= limit or not paged:
-                if not paged and cursor is not None:
-                    continue
+            if cursor is None or (bounded and len(items) >= limit):
                 break
         headers = {"x-next-token": cursor} if paged and cursor else None
         return _json(items, 200, headers)
@@ -509,7 +511,7 @@ class E2BApp:
             return _json({})
         if method == "SendInput":
             pid = await self._pid(caller, sandbox, msg)
-            inp = msg.get("input") or {}
+            inp = _obj(msg, "input")
             data = mapping.unb64(inp.get("stdin", inp.get("pty", "")), "input")
             await self._pinput(caller, ProcessInput(id=sandbox, pid=pid, data=data))
             return _json({})
@@ -519,10 +521,10 @@ class E2BApp:
             return _json({})
         if method == "Update":
             pid = await self._pid(caller, sandbox, msg)
-            size = ((msg.get("pty") or {}).get("size") or {})
-            await self._presize(caller, PtyResize(id=sandbox, pid=pid,
-                                                  cols=int(size.get("cols", 0)),
-                                                  rows=int(size.get("rows", 0))))
+            size = _obj(_obj(msg, "pty"), "size", "pty.size")
+            await self._presize(caller, PtyResize(
+                id=sandbox, pid=pid, cols=_int(size, "cols", 0, "pty.size.cols"),
+                rows=_int(size, "rows", 0, "pty.size.rows")))
             return _json({})
         raise _E2BError(501, f"process.Process/{method[:40]} is not supported by dsec's E2B "
                              "layer (docs/e2b.md, 'Gaps')")
@@ -531,7 +533,7 @@ class E2BApp:
                    running: bool = False) -> int:
         """The pid a ``ProcessSelector`` names (by pid or by tag). ``running``: an
         ended process is "not found", as envd answers (the SDK's kill returns False)."""
-        sel = msg.get("process") or {}
+        sel = _obj(msg, "process")
         pid, tag = sel.get("pid"), sel.get("tag")
         if not isinstance(pid, int) and not isinstance(tag, str):
             raise InvalidArgument("process (a selector: pid or tag) is required",
@@ -552,11 +554,21 @@ class E2BApp:
 
     async def _start(self, request: Request, caller: Caller, sandbox: str,
                      msg: dict[str, Any]) -> Response:
-        cfg = msg.get("process") or {}
+        cfg = _obj(msg, "process")
         cmd = cfg.get("cmd")
         args = cfg.get("args") or []
-        if not isinstance(cmd, str) or not cmd or not isinstance(args, list):
+        if not isinstance(cmd, str) or not cmd:
             raise InvalidArgument("process.cmd (a program) is required", field="cmd")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise InvalidArgument("process.args must be a list of strings",
+                                  field="process.args")
+        envs = _obj(cfg, "envs", "process.envs")
+        if not all(isinstance(v, str) for v in envs.values()):
+            raise InvalidArgument("process.envs must map names to string values",
+                                  field="process.envs")
+        cwd = cfg.get("cwd")
+        if cwd is not None and not isinstance(cwd, str):
+            raise InvalidArgument("process.cwd must be a string", field="process.cwd")
         # The SDK's command timeout bounds the stream (Connect-Timeout-Ms); dsec makes it
         # the command's timeout too, so a command never outlives its caller's wait.
         timeout_ms = request.headers.get("connect-timeout-ms")
@@ -565,11 +577,14 @@ class E2BApp:
             timeout_s = int(timeout_ms) / 1000.0
         pty = None
         if msg.get("pty"):
-            size = msg["pty"].get("size") or {}
-            pty = PtySize(cols=int(size.get("cols", 80)), rows=int(size.get("rows", 24)))
+            size = _obj(_obj(msg, "pty"), "size", "pty.size")
+            pty = PtySize(cols=_int(size, "cols", 80, "pty.size.cols"),
+                          rows=_int(size, "rows", 24, "pty.size.rows"))
         tag = msg.get("tag")
-        req = ExecRequest(argv=(cmd, *map(str, args)), env=dict(cfg.get("envs") or {}),
-                          cwd=cfg.get("cwd") or None, user=_user_of(request),
+        if tag is not None and not isinstance(tag, str):
+            raise InvalidArgument("tag must be a string", field="tag")
+        req = ExecRequest(argv=(cmd, *args), env=dict(envs),
+                          cwd=cwd or None, user=_user_of(request),
                           timeout_s=timeout_s, pty=pty, tag=tag if tag else None,
                           stdin_open=bool(msg.get("stdin")))
         info = await self._pstart(caller, ExecCall(id=sandbox, req=req))
@@ -642,8 +657,8 @@ class E2BApp:
             fi = await self._stat(caller, FileRef(id=sandbox, path=path))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "ListDir":
-            depth = msg.get("depth") or 1
-            entries = await self._walk(caller, sandbox, path, int(depth))
+            depth = _int(msg, "depth", 1, "depth") or 1
+            entries = await self._walk(caller, sandbox, path, depth)
             return _json({"entries": entries})
         if method == "MakeDir":
             try:
@@ -679,9 +694,12 @@ class E2BApp:
             async def probe(p: str) -> None:
                 await self._put(caller, WriteFile(id=sandbox, path=p, data=b""))
                 await self._remove(caller, Remove(id=sandbox, path=p))
+            recorded = getattr(self.service.directory, "recorded_project", None)
+            project = recorded(sandbox) if recorded is not None else None
             wid = await self.watchers.create(caller, Watch(
                 id=sandbox, path=path, recursive=bool(msg.get("recursive"))),
-                self._watch_policy, probe)
+                self._watch_policy, probe,
+                tenant=project.partition("/")[0] if project else None)
             return _json({"watcherId": wid})
         if method == "GetWatcherEvents":
             events = self.watchers.take(caller, str(msg.get("watcherId") or ""))
@@ -980,3 +998,28 @@ class _Parts:
                 raise _E2BError(413, self.over)
             yield data
 
+
+def _obj(msg: dict[str, Any], key: str, field: str | None = None) -> dict[str, Any]:
+    """``msg[key]`` as an object ({} when absent/null), or invalid_argument: caller data
+    never reaches ``dict()``/``.get`` unchecked (red team 19, A8)."""
+    v = msg.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise InvalidArgument(f"{field or key} must be an object, not "
+                              f"{type(v).__name__}", field=field or key)
+    return v
+
+
+def _int(msg: dict[str, Any], key: str, default: int, field: str) -> int:
+    """``msg[key]`` as an integer (``default`` when absent), or invalid_argument.
+    Connect's JSON mapping may send 64-bit integers as decimal strings."""
+    v = msg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, str) and v.lstrip("-").isdigit() and len(v) <= 20:
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise InvalidArgument(f"{field} must be an integer, not {str(v)[:40]!r}",
+                              field=field)
+    return v

@@ -5,8 +5,10 @@
 A watcher is a ``file_watch`` stream this apiserver reads into a bounded buffer until
 its owner polls it. So it is state of this apiserver process (behind several replicas,
 send one client's E2B traffic to one replica), and it is bounded: at most
-``max_per_principal`` watchers per principal and ``max_total`` in all (beyond:
-``429 resource_exhausted``), ``max_events`` buffered per watcher (beyond: the oldest are
+``max_per_principal`` watchers per principal, half of ``max_total`` per tenant (the
+top-level project of the watched sandbox: an admin minting keys cannot take them all)
+and ``max_total`` in all (beyond: ``429 resource_exhausted``; the slot is taken before
+the watch is opened, so concurrent creates cannot all pass one check), ``max_events`` buffered per watcher (beyond: the oldest are
 dropped and one event says so), and a watcher nobody polled for ``idle_s`` is closed.
 Only the principal that created a watcher sees it; any other gets "not found", as for
 an id that never existed.
@@ -42,6 +44,7 @@ WatchPolicy = Callable[[Caller, Watch], Awaitable[AsyncIterator[FileEvent | Watc
 class _Watcher:
     owner: str
     path: str
+    tenant: str | None
     probe: str
     events: collections.deque[dict[str, Any]]
     last_poll: float
@@ -64,23 +67,38 @@ class Watchers:
         return len(self._w)
 
     async def create(self, caller: Caller, watch: Watch, policy: WatchPolicy,
-                     probe: Callable[[str], Awaitable[None]] | None = None) -> str:
+                     probe: Callable[[str], Awaitable[None]] | None = None, *,
+                     tenant: str | None = None) -> str:
         """Open ``watch`` for ``caller``; its id. ``probe(path)`` writes and removes the
-        probe file (None: answer without waiting for the watch to be in place)."""
+        probe file (None: answer without waiting for the watch to be in place).
+        ``tenant``: the top-level project of the watched sandbox (None: the caller)."""
         self._expire()
         mine = sum(1 for w in self._w.values() if w.owner == caller.id)
-        if mine >= self.max_per_principal or len(self._w) >= self.max_total:
+        ours = 0 if tenant is None else sum(1 for w in self._w.values() if w.tenant == tenant)
+        share = max(1, self.max_total // 2)
+        if mine >= self.max_per_principal or ours >= share or len(self._w) >= self.max_total:
             raise RateLimited(
                 f"too many directory watchers open ({mine} of principal {caller.name!r}, "
-                f"{len(self._w)} in all; limits {self.max_per_principal} and "
-                f"{self.max_total}): remove watchers you no longer poll",
-                limit=self.max_per_principal, retry_after=1.0)
-        stream = await policy(caller, watch)
+                f"{ours} on project {tenant!r}, {len(self._w)} in all; limits "
+                f"{self.max_per_principal}, {share} and {self.max_total}): remove "
+                "watchers you no longer poll", limit=self.max_per_principal,
+                retry_after=1.0)
+        # the slot is held from here (no await since the check), released if the watch
+        # cannot be opened
         wid = secrets.token_hex(12)
         probe_name = PROBE_PREFIX + wid
-        w = _Watcher(owner=caller.id, path=watch.path, probe=probe_name,
+        w = _Watcher(owner=caller.id, path=watch.path, tenant=tenant, probe=probe_name,
                      events=collections.deque(), last_poll=self.clock())
         self._w[wid] = w
+        try:
+            stream = await policy(caller, watch)
+        except BaseException:
+            self._w.pop(wid, None)
+            raise
+        if self._w.get(wid) is not w:       # closed meanwhile (close(), expiry)
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+            raise NotFound(f"watcher for {watch.path[:80]} was closed while it opened")
         w.task = asyncio.create_task(self._pump(w, stream))
         if probe is not None:
             base = watch.path.rstrip("/") or ""

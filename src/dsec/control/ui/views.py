@@ -98,7 +98,6 @@ class Filters:
 class SandboxesPage:
     items: Sequence[Any]
     next_cursor: str | None
-    scanned: int = 0     # records a node filter looked at for this page (0: no scan)
 
 
 def sandboxes_links(f: Filters, page: SandboxesPage) -> dict[str, Any]:
