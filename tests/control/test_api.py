@@ -249,6 +249,40 @@ def test_quota_is_enforced_before_create(http: httpx.Client) -> None:
     assert http.post("/v1/sandboxes", json={"project": "team/q"}).status_code == 201
 
 
+def test_resume_is_admitted_by_the_quota_through_every_door(cluster: LocalCluster,
+                                                            http: httpx.Client) -> None:
+    """Red team 19, B3: pause A, create B in the CPU A gave back; resuming A (REST, the
+    Aether gateway through the SDK, a file write or process start that would resume it)
+    is refused with 429 naming the project and what to free; the refused resume holds
+    nothing (usage unchanged) and A stays paused; once B is gone A resumes."""
+    from dsec.errors import QuotaExceeded
+
+    assert http.put("/v1/quotas/team/rq", json={"cpu_milli": 1000}).status_code == 200
+    body = {"project": "team/rq", "cpu_milli": 1000}
+    a = http.post("/v1/sandboxes", json=body).json()["id"]
+    assert http.post(f"/v1/sandboxes/{a}/pause").status_code in (200, 204)
+    b = http.post("/v1/sandboxes", json=body).json()["id"]
+    r = http.post(f"/v1/sandboxes/{a}/resume")
+    assert r.status_code == 429 and r.json()["code"] == "quota_exceeded", r.text
+    msg = r.json()["message"]
+    assert f"cannot resume sandbox {a}" in msg and "'team/rq'" in msg, msg
+    assert "pause or destroy another sandbox" in msg, msg
+    for path, req in ((f"/v1/sandboxes/{a}/files?path=/x.txt", "put"),
+                      (f"/v1/sandboxes/{a}/files/content?path=/y.txt&size=1", "put"),
+                      (f"/v1/sandboxes/{a}/processes", "post")):
+        got = (http.put(path, content=b"x") if req == "put"
+               else http.post(path, json={"argv": ["sleep", "1"]}))
+        assert got.status_code == 429, (path, got.status_code, got.text)
+    with cluster.client() as c, pytest.raises(QuotaExceeded, match="cannot resume"):
+        c.sandboxes.get(a).resume()
+    assert http.get("/v1/projects/team/rq").json()["usage"]["cpu_milli"] == 1000
+    assert http.get(f"/v1/sandboxes/{a}").json()["state"] == "paused"
+    http.delete(f"/v1/sandboxes/{b}")
+    assert http.post(f"/v1/sandboxes/{a}/resume").status_code == 200
+    assert http.get("/v1/projects/team/rq").json()["usage"]["cpu_milli"] == 1000
+    http.delete(f"/v1/sandboxes/{a}")
+
+
 def test_ttl_from_create_is_reaped_by_the_edge(http: httpx.Client) -> None:
     sid = http.post("/v1/sandboxes", json={"ttl_s": 0.3, "labels": {"ttl": "1"}}).json()["id"]
     deadline = time.monotonic() + 10

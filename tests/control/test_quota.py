@@ -65,6 +65,34 @@ def test_paused_sandboxes_free_cpu_but_keep_memory_by_default() -> None:
     assert (q2.usage("p").cpu_milli, q2.usage("p").memory_bytes) == (1000, 0)
 
 
+def test_a_resume_is_checked_and_held_in_one_step() -> None:
+    """Red team 19, B3: hold_resume checks the quota chain and charges the resume at
+    once (a second resume or a create sees it); release_hold gives it back once."""
+    q = QuotaIndex()
+    q.set_quota("org", Quota(cpu_milli=2000))
+    a, b = rec(1, "org/a"), rec(2, "org/b")
+    q.insert(a)
+    q.insert(b)
+    q.set_paused(a.id, True)
+    q.set_paused(b.id, True)
+    q.insert(rec(3, "org/c"))                                  # 1000m running
+    assert q.hold_resume(rec(9).id) is None                    # unknown: nothing held
+    assert q.hold_resume(rec(3, "org/c").id) is None           # running: nothing held
+    hold = q.hold_resume(a.id)
+    assert hold is not None and q.usage("org").cpu_milli == 2000
+    with pytest.raises(QuotaExceeded, match="'org'.*cpu_milli.*used 2000"):
+        q.hold_resume(b.id)                                    # the held resume counts
+    q.release_hold(hold)                                       # the resume failed
+    q.release_hold(hold)                                       # (once only)
+    assert q.usage("org").cpu_milli == 1000
+    hold = q.hold_resume(b.id)
+    assert hold is not None
+    q.release_hold(hold)                                       # it succeeded: the hold
+    q.set_paused(b.id, False)                                  # becomes its charge
+    assert q.usage("org").cpu_milli == q.usage("org/b").cpu_milli + 1000 == 2000
+    assert q.usage("org").sandboxes == 3
+
+
 def test_node_lost_uncounts_its_sandboxes() -> None:
     q = QuotaIndex()
     q.insert(rec(1, "a", node="n1"))

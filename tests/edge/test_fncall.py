@@ -417,3 +417,28 @@ async def test_a_best_effort_sandbox_gets_the_idle_cgroup() -> None:
             assert read(cg, "unified", "cpu.weight") == "1"
     finally:
         await fn.close()
+
+
+@needs_root
+async def test_a_jailed_call_does_not_inherit_the_edges_raised_nofile() -> None:
+    """Red team 19, B5: user code in a jailed call gets RLIMIT_NOFILE = SANDBOX_NOFILE
+    (soft = hard), not the edge's raised limit, and cannot raise it."""
+    import resource
+
+    from dsec.edge.backends.container.linux import SANDBOX_NOFILE
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    big = max(before[1], 8 * SANDBOX_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (big, big))
+    b = FncallBackend(pool_size=1)
+    try:
+        await b.create(SID, SandboxSpec(backend="fncall"))  # type: ignore[arg-type]
+        r = await b.exec(SID, ExecRequest(  # type: ignore[arg-type]
+            shell="import resource; resource.getrlimit(resource.RLIMIT_NOFILE)"))
+        assert r.stdout == f"({SANDBOX_NOFILE}, {SANDBOX_NOFILE})\n".encode(), r
+        r = await b.exec(SID, ExecRequest(  # type: ignore[arg-type]
+            shell=f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, "
+                  f"({SANDBOX_NOFILE}, {4 * SANDBOX_NOFILE}))"))
+        assert r.exit_code != 0 and b"ValueError" in r.stderr + r.stdout, r
+    finally:
+        await b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)

@@ -179,8 +179,11 @@ def test_a_line_of_each_earlier_layout_still_reads() -> None:
                         ceiling_deny=("198.51.100.0/24",),
                         ports=(PortRecord(port=8000, generation=7, exposed_at=1.5),))
     line = msgspec.json.decode(_encoder.encode(rec))
-    # issue 19's lifetime fields (expires_at, ttl_left_s, paused_reason) come after ports
-    assert line[-3:] == [None, None, ""], line
+    # issue 19's lifetime fields (expires_at, ttl_left_s, paused_reason) come after ports,
+    # then the pause time of the paused retention (red team 19, B4)
+    assert line[-4:] == [None, None, "", None], line
+    assert _decoder.decode(_encoder.encode(line)) == rec
+    line = line[:-1]                       # the line as written before paused_at
     assert _decoder.decode(_encoder.encode(line)) == rec
     line = line[:-3]                       # the line as written before issue 19
     assert line[-3:-1] == [3, ["198.51.100.0/24"]], line

@@ -10,7 +10,7 @@ from dsec.edge.lifecycle import moved_lifetime
 from dsec.edge.node import EdgeNode
 from dsec.errors import InvalidArgument, InvalidTransition
 from dsec.wire.lifetime import SetTimeout
-from dsec.wire.spec import MAX_TTL_S, ExecRequest, SandboxSpec
+from dsec.wire.spec import MAX_TTL_S, PAUSED_RETENTION_S, ExecRequest, SandboxSpec
 
 from .conftest import make_node
 
@@ -117,3 +117,56 @@ async def test_timeout_survives_an_edge_restart(tmp_path: object, clock: FakeClo
         assert got.state == "paused" and got.ttl_left_s == pytest.approx(70)
         clock.advance(41)
         assert [x.sandbox_id for x in await node.reap()] == [a.id]
+
+
+async def test_a_paused_sandbox_is_destroyed_after_the_paused_retention(
+        clock: FakeClock) -> None:
+    """Red team 19, B4: paused, the TTL clock stops, and the node's paused_retention_s
+    (default PAUSED_RETENTION_S, 7 days) bounds how long it stays paused, measured from
+    the pause; then it is destroyed with reason paused_retention (an event). A resume
+    ends the retention; the next pause starts a new one."""
+    async with make_node(clock=clock, paused_retention_s=100) as node:
+        a = await node.create(SandboxSpec(ttl_s=50))
+        await node.pause(a.id)
+        got = node.get(a.id)
+        assert got.paused_until == pytest.approx(clock.time() + 100)
+        assert got.ttl_left_s == pytest.approx(50)      # the TTL clock still stops
+        clock.advance(60)
+        assert await node.reap() == []
+        await node.resume(a.id)
+        assert node.get(a.id).paused_until is None
+        clock.advance(10)
+        await node.pause(a.id)                          # a new retention, from now
+        clock.advance(99)
+        assert await node.reap() == []
+        clock.advance(2)
+        assert [(x.sandbox_id, x.reason) for x in await node.reap()] == [
+            (a.id, "paused_retention")]
+        end = node.get(a.id)
+        assert end.state == "destroyed" and end.reason == "paused_retention"
+    async with make_node(clock=clock) as node:
+        b = await node.create(SandboxSpec())
+        await node.pause(b.id)
+        assert node.get(b.id).paused_until == pytest.approx(
+            clock.time() + PAUSED_RETENTION_S)
+    with pytest.raises(InvalidArgument, match="paused_retention_s"):
+        make_node(paused_retention_s=0)
+
+
+async def test_the_paused_retention_survives_an_edge_restart(tmp_path: object,
+                                                             clock: FakeClock) -> None:
+    """Durable: the pause time is journaled, so a restart neither restarts nor drops the
+    retention (measured from the pause, with the node's setting at adoption)."""
+    state = str(tmp_path)
+    async with make_node(clock=clock, state_dir=state, paused_retention_s=100) as node:
+        a = await node.create(SandboxSpec())
+        await node.pause(a.id)
+        t = clock.time()
+    clock.advance(80)
+    async with make_node(clock=clock, state_dir=state, paused_retention_s=100) as node:
+        assert node.get(a.id).paused_until == pytest.approx(t + 100)
+        clock.advance(19)
+        assert await node.reap() == []
+        clock.advance(2)
+        assert [(x.sandbox_id, x.reason) for x in await node.reap()] == [
+            (a.id, "paused_retention")]

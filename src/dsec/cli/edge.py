@@ -473,6 +473,11 @@ def _die_with_supervisor(pid: int) -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="text: 'ISO-time LEVEL logger: message' lines; json: "
                                       "one object per line (dsec.logs; issue 19).")
+@click.option("--paused-retention", "paused_retention_s", type=float, default=None,
+              metavar="SECONDS",
+              help="Destroy a sandbox paused this long (from its pause; reason "
+                   "'paused_retention') [default: 604800, 7 days]; 0: keep paused "
+                   "sandboxes forever.")
 def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[str, ...],
          node_id: str, cpus: float | None, memory: int | None, disk: int | None,
          cpu_overcommit: float, memory_overcommit: float, cpu_milli: int | None,
@@ -487,7 +492,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          metrics_listen: str | None, join_url: str | None, join_token: str | None,
          advertise: str | None, blob_store: str | None,
          lazy_cache_bytes: int | None, log_format: str = "text",
-         qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False) -> None:
+         qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
+         paused_retention_s: float | None = None) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
     raise_nofile()
@@ -535,7 +541,8 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    ready_fd, net_default, net_max, net_uplink, net_link, net_egress,
                    net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
                    blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes,
-                   qos_be_only=qos_be_only, memory_pressure=memory_pressure)
+                   qos_be_only=qos_be_only, memory_pressure=memory_pressure,
+                   paused_retention_s=paused_retention_s)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -581,7 +588,8 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                net_pool: str, net_ipv6: str, net_dns_upstream: tuple[str, ...],
                metrics_listen: str | None, ssl_ctx: Any = None,
                blob_store: str | None = None, lazy_cache_bytes: int | None = None,
-               qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False) -> None:
+               qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
+               paused_retention_s: float | None = None) -> None:
     # blob_store: validated by --blob-store's callback; the node's lazy layers
     # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
@@ -589,6 +597,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
     from dsec.edge.node import NodeConfig
     from dsec.edge.qos import PressurePolicy
     from dsec.errors import DsecError
+    from dsec.wire.spec import PAUSED_RETENTION_S
 
     try:
         if state_dir is not None:
@@ -632,7 +641,10 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                          layer_store=layer_store,
                          # issue 22 (dsec.edge.qos)
                          qos_be_only=qos_be_only,
-                         memory_pressure=PressurePolicy() if memory_pressure else None)
+                         memory_pressure=PressurePolicy() if memory_pressure else None,
+                         # red team 19, B4: paused sandboxes are kept a bounded time
+                         paused_retention_s=(PAUSED_RETENTION_S if paused_retention_s is None
+                                             else paused_retention_s or None))
     except DsecError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyError as exc:

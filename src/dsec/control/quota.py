@@ -93,6 +93,18 @@ class Usage:
     snapshot_bytes: int = 0
 
 
+@dataclass(slots=True)
+class ResumeHold:
+    """CPU/memory charged for a resume in flight (:meth:`QuotaIndex.hold_resume`)."""
+
+    sandbox_id: str
+    project: str
+    backend: str
+    cpu_milli: int
+    memory_bytes: int
+    released: bool = False
+
+
 class _Node:
     """Usage of one project-tree node. ``b`` maps backend -> [count, cpu, memory]."""
 
@@ -348,6 +360,45 @@ class QuotaIndex:
         rc, rm = self._charge(rec, False)
         self.check(rec.project, backend=rec.backend, cpu_milli=rc - pc, memory_bytes=rm - pm,
                    count=0)
+
+    def hold_resume(self, sandbox_id: str) -> ResumeHold | None:
+        """Check that resuming paused ``sandbox_id`` fits its project's quota chain and
+        charge the difference (what a running sandbox holds that a paused one does not)
+        at once, in the same step, so a concurrent create or resume sees it (red team 19,
+        B3: a resume was never checked, so pause, create, resume ran a project past its
+        CPU quota). Returns the hold, to :meth:`release_hold` when the resume failed or
+        when :meth:`set_paused` (False) takes it over; None when nothing is to hold (not
+        paused here, or unknown to this index: the edge is the judge of existence)."""
+        rec = self._live.get(sandbox_id)
+        if rec is None or not rec.paused:
+            return None
+        pc, pm = self._charge(rec, True)
+        rc, rm = self._charge(rec, False)
+        cpu, mem = rc - pc, rm - pm
+        self.check(rec.project, backend=rec.backend, cpu_milli=cpu, memory_bytes=mem,
+                   count=0)
+        hold = ResumeHold(sandbox_id, rec.project, rec.backend, cpu, mem)
+        self._apply_delta(hold, +1)
+        return hold
+
+    def release_hold(self, hold: ResumeHold) -> None:
+        """Give back a :meth:`hold_resume` charge (the resume failed, or it is now
+        counted as running by :meth:`set_paused`). Idempotent per hold."""
+        if hold.released:
+            return
+        hold.released = True
+        self._apply_delta(hold, -1)
+
+    def _apply_delta(self, hold: ResumeHold, sign: int) -> None:
+        cpu, mem = hold.cpu_milli * sign, hold.memory_bytes * sign
+        for node in self._chain(hold.project):
+            node.cpu += cpu
+            node.mem += mem
+            u = node.b.get(hold.backend)
+            if u is None:
+                u = node.b[hold.backend] = [0, 0, 0]
+            u[1] += cpu
+            u[2] += mem
 
     @staticmethod
     def _exceeded(node: _Node, project: str, resource: str, used: int, limit: int,

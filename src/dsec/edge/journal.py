@@ -90,6 +90,9 @@ class JournalRecord(msgspec.Struct, array_like=True, tag="put"):
     expires_at: float | None = None
     ttl_left_s: float | None = None
     paused_reason: str = ""
+    # when it was paused (appended, defaulted): its paused retention runs from here
+    # (NodeConfig.paused_retention_s); a paused line without it is retained from adoption
+    paused_at: float | None = None
 
     @property
     def port_records(self) -> tuple[PortRecord, ...]:
@@ -129,6 +132,7 @@ class Journaled(Protocol):
     ceiling_deny: tuple[str, ...]
     expires_at: float | None
     paused_reason: str
+    paused_at: float | None
 
     @property
     def ttl_left(self) -> float | None: ...
@@ -570,4 +574,5 @@ def _record(r: Journaled, state: SandboxState | None) -> JournalRecord:
                          created_at=r.created_at, last_active_at=r.last_active_at,
                          net_generation=r.net_generation, ceiling_deny=r.ceiling_deny,
                          ports=r.port_records, expires_at=r.expires_at,
-                         ttl_left_s=r.ttl_left, paused_reason=r.paused_reason)
+                         ttl_left_s=r.ttl_left, paused_reason=r.paused_reason,
+                         paused_at=r.paused_at)

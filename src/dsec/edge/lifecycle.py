@@ -65,6 +65,7 @@ FINAL_REASONS: frozenset[str] = frozenset({
     "requested",        # a client asked for destroy
     "ttl",              # spec.ttl_s passed
     "idle_timeout",     # spec.idle_timeout_s passed with idle_action=destroy
+    "paused_retention",  # paused longer than the node's paused_retention_s (red team 19 B4)
     "evicted",          # the control plane took the capacity back
     "preempted",        # a higher-priority sandbox needed the room
     "oom",              # the backend reported an out-of-memory kill

@@ -134,6 +134,7 @@ from dsec.wire.ports import (
 from dsec.wire.spec import (
     LEGACY_PROJECT,
     MAX_TTL_S,
+    PAUSED_RETENTION_S,
     BackendName,
     ExecChunk,
     ExecRequest,
@@ -179,6 +180,13 @@ class NodeConfig:
     journal_sync: JournalSync = "fsync"
     flush_interval_s: float = 0.05        # journal tick: writes what nobody waits for
     reap_interval_s: float = 0.5          # TTL / idle check tick
+    # How long a sandbox may stay paused, measured from its pause (``dsec edge
+    # --paused-retention-s``): then it is destroyed with reason "paused_retention". The
+    # TTL clock stops while paused, so without this a paused sandbox (an idle pause by
+    # the edge itself, a client that paused and exited) lived forever, holding its
+    # project's sandbox count and memory quota, its upper layer and its kernel objects
+    # (red team 19, B4). E2B keeps a paused sandbox a bounded time too. None: forever.
+    paused_retention_s: float | None = PAUSED_RETENTION_S
     events_per_sandbox: int = 64          # bounded per-sandbox event log (first event kept)
     feed_size: int = 65_536               # bounded node-wide event feed
     tombstones: int = 10_000              # destroyed sandboxes still answerable by id
@@ -236,6 +244,10 @@ class NodeConfig:
         if self.journal_sync not in JOURNAL_SYNC_MODES:
             raise InvalidArgument(f"node config journal_sync={self.journal_sync!r} must be "
                                   f"one of {', '.join(JOURNAL_SYNC_MODES)}")
+        if self.paused_retention_s is not None and not self.paused_retention_s > 0:
+            raise InvalidArgument(f"node config paused_retention_s="
+                                  f"{self.paused_retention_s!r} must be positive seconds "
+                                  "or None (paused sandboxes are kept forever)")
         for name in ("flush_interval_s", "reap_interval_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"node config {name} must be positive seconds")
@@ -252,7 +264,7 @@ class ReapAction:
 
     sandbox_id: str
     action: str        # "destroy" | "pause"
-    reason: str        # "ttl" | "idle_timeout" (destroy) | "idle" (pause)
+    reason: str        # "ttl" | "idle_timeout" | "paused_retention" (destroy) | "idle" (pause)
 
 
 class _Sandbox:
@@ -274,7 +286,9 @@ class _Sandbox:
         "last_active_at",
         "net_generation",
         "net_lock",
+        "paused_at",
         "paused_reason",
+        "paused_until",
         "ports",
         "reason",
         "snap_lock",
@@ -303,6 +317,8 @@ class _Sandbox:
         self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
         self.ttl_left: float | None = None
         self.paused_reason = ""                  # "requested" | "idle" while paused
+        self.paused_at: float | None = None      # when it was paused (retention clock)
+        self.paused_until: float | None = None   # ... and when that retention ends
         # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
         # a destroy waits for the one in flight (its final write renames files inside the
         # sandbox's directory, which the destroy removes).
@@ -510,6 +526,7 @@ class EdgeNode:
             rec.expires_at, rec.ttl_left = adopted_lifetime(
                 r.expires_at, r.ttl_left_s, created_at=r.created_at, ttl_s=spec.ttl_s)
             rec.paused_reason = r.paused_reason
+            rec.paused_at = r.paused_at
             rec.ports = {p.port: p for p in r.ports}
             rec.net_generation, rec.ceiling_deny = r.net_generation, r.ceiling_deny
             rec.events = [(now, None, "creating", "adopted", f"journal state {r.state}")]
@@ -572,9 +589,12 @@ class EdgeNode:
                 rec.state = "paused"
                 stop_clock(rec, now)
                 rec.paused_reason = rec.paused_reason or "requested"
+                # a line written before paused_at was journaled: retention from now
+                self._hold_paused(rec, now if rec.paused_at is None else rec.paused_at)
             else:
                 start_clock(rec, now)
                 rec.paused_reason = ""
+                rec.paused_at = rec.paused_until = None
             self._arm(rec)
             self.journal.put(rec)  # type: ignore[union-attr]
 
@@ -741,7 +761,8 @@ class EdgeNode:
         return SandboxInfo(id=rec.id, node=self.node_id, state=rec.state, spec=rec.spec,
                            created_at=rec.created_at, last_active_at=rec.last_active_at,
                            reason=rec.reason, expires_at=rec.expires_at,
-                           ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason)
+                           ttl_left_s=rec.ttl_left, paused_reason=rec.paused_reason,
+                           paused_until=rec.paused_until)
 
     def _tomb(self, rec: _Sandbox) -> None:
         # an ended sandbox's URLs and tunnels end with it, and its process table
@@ -753,6 +774,14 @@ class EdgeNode:
         self._cpu.forget(rec.id)          # its previous CPU reading (stats)
         if len(dead) > self.config.tombstones:
             dead.popitem(last=False)
+
+    def _hold_paused(self, rec: _Sandbox, paused_at: float) -> None:
+        """Start ``rec``'s paused retention (:attr:`NodeConfig.paused_retention_s`),
+        measured from ``paused_at``; journaled with the record, so it survives a
+        restart (the deadline is re-derived from the node's setting at adoption)."""
+        keep = self.config.paused_retention_s
+        rec.paused_at = paused_at
+        rec.paused_until = None if keep is None else paused_at + keep
 
     def _arm(self, rec: _Sandbox) -> None:
         """Queue the sandbox's next TTL/idle deadline (lazy heap: checked when popped)."""
@@ -768,6 +797,8 @@ class EdgeNode:
         if spec.idle_timeout_s is not None and rec.state == "running":
             i = rec.last_active_at + spec.idle_timeout_s
             d = i if d is None or i < d else d
+        if rec.paused_until is not None:
+            d = rec.paused_until if d is None or rec.paused_until < d else d
         return d
 
     def _backend_error(self, rec: _Sandbox, op: str, exc: BaseException) -> DsecError:
@@ -1231,8 +1262,11 @@ class EdgeNode:
             raise InvalidTransition(f"sandbox {rec.id} was {rec.state} while it paused",
                                     sandbox_id=rec.id, state=rec.state)
         self._move(rec, "paused", reason)
-        stop_clock(rec, self.clock.time())
+        now = self.clock.time()
+        stop_clock(rec, now)
         rec.paused_reason = reason
+        self._hold_paused(rec, now)
+        self._arm(rec)
         if self.journal is not None:  # acknowledged paused = adopted paused after a crash
             self.journal.put(rec)
             if self._durable is not None:
@@ -1276,6 +1310,7 @@ class EdgeNode:
         self._move(rec, "resumed", reason)
         start_clock(rec, rec.last_active_at)
         rec.paused_reason = ""
+        rec.paused_at = rec.paused_until = None
         self._arm(rec)
         if self.journal is not None:
             self.journal.put(rec)
@@ -2076,6 +2111,12 @@ class EdgeNode:
                 continue
             rec.deadline = None
             spec = rec.spec
+            if rec.paused_until is not None and now >= rec.paused_until:
+                if rec.state == "paused":
+                    out.append(ReapAction(sid, "destroy", "paused_retention"))
+                else:
+                    self._retry_later(rec, now)
+                continue
             if rec.expires_at is not None and now >= rec.expires_at:
                 if rec.state in ("running", "failed"):
                     out.append(ReapAction(sid, "destroy", "ttl"))

@@ -69,6 +69,7 @@ __all__ = [
     "MAX_TTL_S",
     "MAX_USER_BYTES",
     "MIN_PRIORITY",
+    "PAUSED_RETENTION_S",
     "RESERVED_LABEL_DOMAIN",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
@@ -128,6 +129,10 @@ MAX_CPU_MILLI = 1024 * 1000          # 1024 cores
 MAX_MEMORY_BYTES = 16 * 2**40         # 16 TiB
 MAX_DISK_BYTES = 1024 * 2**40         # 1 PiB
 MAX_TTL_S = 30 * 24 * 3600.0          # 30 days
+# How long an edge keeps a paused sandbox (from its pause) unless configured otherwise
+# (NodeConfig.paused_retention_s, ``dsec edge --paused-retention``): then it is destroyed
+# with reason "paused_retention" (red team 19, B4; E2B bounds paused sandboxes too).
+PAUSED_RETENTION_S = 7 * 24 * 3600.0  # 7 days
 MAX_PIDS = 4_194_304                  # the kernel's pid_max ceiling (PID_MAX_LIMIT)
 
 # Exec and file limits: one set of rules whatever the door (REST, the Aether gateway, the
@@ -844,6 +849,9 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     expires_at: float | None = None
     ttl_left_s: float | None = None
     paused_reason: str = ""
+    # paused: when the edge destroys it if nobody resumes it first (reason
+    # "paused_retention", the node's paused_retention_s from the pause; None: never)
+    paused_until: float | None = None
 
 
 class NetworkView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -68,7 +68,7 @@ from dsec.control.iam import Iam
 from dsec.control.layers import LayerMeaning, LayerMover
 from dsec.control.metrics import ApiMetrics
 from dsec.control.placement import Decision, Placement, PlacementNode, PlacementRequest
-from dsec.control.quota import Quota, QuotaIndex
+from dsec.control.quota import Quota, QuotaIndex, ResumeHold
 from dsec.control.reconcile import (
     Forget,
     Probe,
@@ -1081,6 +1081,33 @@ class ControlPlane:
             self.registry.set_paused(sandbox_id, paused)
         except SandboxNotFound:
             pass
+
+    def admit_resume(self, sandbox_id: str) -> object | None:
+        """Check that resuming paused ``sandbox_id`` fits its project's quota chain and
+        hold the charge it adds, in one step with the check (no await between: a create
+        or another resume admitted meanwhile sees it). ``resumed``/``abort_resume``
+        settle the hold. None: this plane does not know it as paused (nothing to hold).
+        ``QuotaExceeded`` names the project and what to free (red team 19, B3)."""
+        self._fresh_quotas()
+        try:
+            return self.quota.hold_resume(sandbox_id)
+        except QuotaExceeded as exc:
+            raise QuotaExceeded(
+                f"cannot resume sandbox {sandbox_id}: {exc.message} (a paused sandbox "
+                "holds no CPU; running it again needs its CPU back); pause or destroy "
+                f"another sandbox of project {exc.detail.get('project')!r} first",
+                sandbox_id=sandbox_id, **exc.detail) from None
+
+    def resumed(self, token: object) -> None:
+        """The resume ``token`` held succeeded: count the sandbox as running (its held
+        charge becomes the running charge in the same step)."""
+        assert isinstance(token, ResumeHold)
+        self.quota.release_hold(token)
+        self.paused(token.sandbox_id, False)
+
+    def abort_resume(self, token: object) -> None:
+        assert isinstance(token, ResumeHold)
+        self.quota.release_hold(token)
 
     def abort(self, token: object) -> None:
         try:

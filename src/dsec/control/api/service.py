@@ -316,6 +316,12 @@ class QuotaGate(Protocol):
     def abort(self, token: object) -> None: ...
     def forget(self, sandbox_id: str, reason: str) -> None: ...
     def paused(self, sandbox_id: str, paused: bool) -> None: ...
+    def admit_resume(self, sandbox_id: str) -> object | None:
+        """Check and hold a paused sandbox's resume charge (``QuotaExceeded``); None
+        when it is not known paused. Settled by ``resumed`` or ``abort_resume``."""
+        ...
+    def resumed(self, token: object) -> None: ...
+    def abort_resume(self, token: object) -> None: ...
     def snapshot_room(self, project: str) -> int | None: ...
     def check_snapshot(self, project: str, size_bytes: int) -> None: ...
     def charge_snapshot(self, snapshot_id: str, project: str, node: str,
@@ -638,11 +644,16 @@ class ApiService:
                 f"principal {principal.name!r} needs role {need!r} on project {project!r} "
                 f"(has {have or 'none'}); ask an admin of the project for a role binding")
 
-    async def _edge_for(self, principal: Caller, sid: str, need: Role) -> tuple[EdgeOps, str]:
-        """Route ``sid`` to its edge after checking ``principal`` may ``need`` it."""
+    async def _edge_for(self, principal: Caller, sid: str, need: Role, *,
+                        wake: bool = False) -> tuple[EdgeOps, str]:
+        """Route ``sid`` to its edge after checking ``principal`` may ``need`` it.
+        ``wake``: the operation needs it running (the edge would resume a paused sandbox
+        for it): resume it first here, within its project's quota (red team 19, B3)."""
         edge, lost, project = await self._route(principal, sid, need)
         if lost is not None:
             raise _lost_error(lost)
+        if wake:
+            await self._resume_admitted(edge, sid)
         return edge, project
 
     def _vanished(self, sid: str) -> Lost | None:
@@ -1270,7 +1281,7 @@ class ApiService:
     async def exec_stream(
         self, principal: Caller, sid: str, req: ExecRequest,
     ) -> AsyncIterator[ExecChunk | ExecResult]:
-        edge, _ = await self._edge_for(principal, sid, "member")
+        edge, _ = await self._edge_for(principal, sid, "member", wake=True)
         return self._stream(edge, sid, req)
 
     async def _stream(self, edge: EdgeOps, sid: str,
@@ -1298,7 +1309,7 @@ class ApiService:
         out: list[ExecResult | DsecError] = [InvalidArgument("not attempted")] * len(items)
         for i, (sid, _) in enumerate(items):
             try:
-                edge, _ = await self._edge_for(principal, sid, "member")
+                edge, _ = await self._edge_for(principal, sid, "member", wake=True)
             except DsecError as exc:
                 out[i] = exc
                 continue
@@ -1328,7 +1339,7 @@ class ApiService:
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
                         length: int | None) -> bytes:
         check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader")
+        edge, _ = await self._edge_for(principal, sid, "reader", wake=True)
 
         async def piece(at: int, n: int) -> bytes:
             return await self._via(edge, sid, "read_file", lambda: edge.read_file(
@@ -1339,7 +1350,7 @@ class ApiService:
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
         check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "member")
+        edge, _ = await self._edge_for(principal, sid, "member", wake=True)
         # in pieces that fit an Aether frame (the first one truncates unless appending):
         # not atomic, a failure midway leaves the pieces written so far
         for at in range(0, max(1, len(data)), FILE_CHUNK_BYTES):
@@ -1357,9 +1368,34 @@ class ApiService:
 
     async def resume(self, principal: Caller, sid: str) -> None:
         edge, _ = await self._edge_for(principal, sid, "member")
-        await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
-        if self.quotas is not None:
-            self.quotas.paused(sid, False)
+        if not await self._resume_admitted(edge, sid):
+            # not known paused here (already running, or paused behind this plane's
+            # back and not reported yet: its running charge is still counted)
+            await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
+            if self.quotas is not None:
+                self.quotas.paused(sid, False)
+
+    async def _resume_admitted(self, edge: EdgeOps, sid: str) -> bool:
+        """Resume ``sid`` if the control plane knows it paused, within its project's
+        quota: check and hold the charge (one step), resume at the edge, then count it
+        running, or give the hold back if the resume failed. False when it is not known
+        paused (nothing was done). Every door that makes a paused sandbox run goes
+        through here: resume (REST, gateway, E2B, dashboard) and every operation the
+        edge would otherwise resume it for transparently (exec, files, processes,
+        ports: :data:`_WAKES`), which the edge's own auto-resume never checked
+        (red team 19, B3)."""
+        if self.quotas is None:
+            return False
+        hold = self.quotas.admit_resume(sid)
+        if hold is None:
+            return False
+        try:
+            await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
+        except BaseException:
+            self.quotas.abort_resume(hold)
+            raise
+        self.quotas.resumed(hold)
+        return True
 
     async def snapshot(self, principal: Caller, sid: str,
                        strip: Sequence[str] = ()) -> SnapshotView:
@@ -1712,7 +1748,7 @@ class ApiService:
         the edge's duplex stream for it: (the stream, its answer with errors mapped as
         :meth:`_via` maps them). The doors move the bytes (dsec.control.filedoors)."""
         assert op.role is not None
-        edge, _ = await self._edge_for(caller, body.id, op.role)
+        edge, _ = await self._edge_for(caller, body.id, op.role, wake=True)
         stream = edge.tunnel(op, body)
 
         async def done() -> FileInfo:
@@ -1733,7 +1769,7 @@ class ApiService:
 
     async def _file_watch_op(self, caller: Caller, b: Watch
                              ) -> AsyncIterator[FileEvent | WatchEnd]:
-        edge, _ = await self._edge_for(caller, b.id, "reader")
+        edge, _ = await self._edge_for(caller, b.id, "reader", wake=True)
         return self._watch(edge, b)
 
     async def _watch(self, edge: EdgeOps, b: Watch) -> AsyncIterator[FileEvent | WatchEnd]:
@@ -1814,7 +1850,7 @@ class ApiService:
                 project = project_of(info.spec)
                 self._projects.put(sid, project)
         elif caller is not None:
-            edge, project = await self._edge_for(caller, sid, "member")
+            edge, project = await self._edge_for(caller, sid, "member", wake=True)
             recs = await self._via(edge, sid, "port_list", lambda: edge.port_list(sid))
             found = [r.generation for r in recs.items if r.port == port]
             if not found:
@@ -1826,6 +1862,8 @@ class ApiService:
                 f"reaching an exposed port needs its URL token (?{TOKEN_PARAM}= or "
                 "X-Dsec-Token) or an API key of a member of the sandbox's project")
         self._ports_within_ceilings(project, sid)
+        if token is not None:   # the URL-token door wakes it too (caller's done above)
+            await self._resume_admitted(edge, sid)
         if admit is not None:
             admit(project)
         return edge.tunnel(ops.PORT_CONNECT, PortConnect(id=sid, port=port, generation=gen))
@@ -1836,7 +1874,7 @@ class ApiService:
         error says whether it may have happened)."""
         sid: str = body.id
         assert op.role is not None
-        edge, _ = await self._edge_for(caller, sid, op.role)
+        edge, _ = await self._edge_for(caller, sid, op.role, wake=op.name in _WAKES)
         deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
         return await self._via(edge, sid, op.name,
                                lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
@@ -2064,6 +2102,14 @@ class ApiService:
 
 # Failures of the apiserver's own link to an edge (never the caller's connection).
 _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
+
+# Operations the edge resumes a paused sandbox for (its transparent resume, ``_ready``;
+# ``processes.start``): the control plane resumes it first, within the project's quota
+# (red team 19, B3). Pause, get, stats, destroy, snapshot, ports listing do not wake.
+_WAKES = frozenset(o.name for o in (
+    ops.EXEC, ops.EXEC_MANY, ops.EXEC_STREAM, ops.READ_FILE, ops.WRITE_FILE, ops.LIST_DIR,
+    ops.STAT, ops.MKDIR, ops.REMOVE, ops.FILE_READ_STREAM, ops.FILE_WRITE_STREAM,
+    ops.FILE_RENAME, ops.FILE_WATCH, ops.PROCESS_START, ops.PORT_CONNECT))
 
 
 def _edge_lied(node: str, what: str) -> RemoteProtocolError:

@@ -481,6 +481,7 @@ def prestart_call(cfg: JailConfig) -> None:
             if r < 0 and ctypes.get_errno() != errno.EINVAL:
                 _check(r, f"prctl(PR_CAPBSET_DROP, {cap})")
     os.setpriority(os.PRIO_PROCESS, 0, 0)  # it serves a call: back from prestart_nice
+    linux.limit_nofile()   # not the edge's raised RLIMIT_NOFILE (red team 19, B5)
     linux.set_no_new_privs()
     if cfg.seccomp:
         linux.load_seccomp(cfg.seccomp)

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import resource
 
 __all__ = [
     "CAP_LAST_CAP",
@@ -95,6 +96,22 @@ _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
 
 CAP_LAST_CAP = 40
+# RLIMIT_NOFILE (soft = hard) of every sandbox process, set before its execve by nsexec.c
+# (SANDBOX_NOFILE there: keep in step) and in runc's config (oci.py), never the edge's own
+# raised limit (dsec.nofile): a sandbox holds at most pids_max x this many open files of
+# the node's file table (fs.file-max), 1,048,576 at the default pids_max (red team 19, B5;
+# docs/container.md "Node budget"). DEFAULT_CAPS has no CAP_SYS_RESOURCE to raise it.
+SANDBOX_NOFILE = 1024
+
+
+def limit_nofile(limit: int = SANDBOX_NOFILE) -> None:
+    """Set this process's RLIMIT_NOFILE to ``limit`` (soft = hard; a lower inherited hard
+    limit is kept): a sandbox process's, before it runs sandbox code (nsexec.c does the
+    same in C for the container backend's processes)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
 # The usual container default set (Docker/containerd/runc "default" profile) minus
 # CAP_MKNOD: the v2 device controller needs a BPF program we do not install, so instead of
 # relying on a devices cgroup we make device-node creation impossible (see docs/container.md).

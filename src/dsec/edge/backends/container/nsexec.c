@@ -70,6 +70,7 @@
 #include <stdint.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <sys/socket.h>
@@ -529,6 +530,28 @@ static void setup_pty(uid_t uid, gid_t gid, int chown_it) {
     if (s > 2) close(s);
 }
 
+/* Open files one sandbox process may hold (soft = hard; red team 19, B5). The zygote
+ * runs with the edge's raised RLIMIT_NOFILE (dsec.nofile.raise_nofile: the edge holds
+ * fds for thousands of sandboxes) and every sandbox process inherited it, so one 4 GiB
+ * sandbox could hold more open files than the node's whole file table (fs.file-max,
+ * node-wide: full, every other tenant gets ENFILE). Each sandbox process (its init,
+ * every exec, every helper-forked command, process-table starts) gets this limit before
+ * its execve instead, so a sandbox holds at most pids_max x SANDBOX_NOFILE open files
+ * (1,048,576 at the default pids_max 1,024; docs/container.md "Node budget"), and no
+ * sandbox can raise it (raising a hard limit needs CAP_SYS_RESOURCE, never granted).
+ * 1,024 is the soft limit most programs are written for (select(2)'s FD_SETSIZE). A
+ * lower inherited hard limit is kept. Keep in step with
+ * dsec.edge.backends.container.SANDBOX_NOFILE. */
+#define SANDBOX_NOFILE 1024
+
+static void sandbox_rlimits(int fail_code) {
+    struct rlimit r = {SANDBOX_NOFILE, SANDBOX_NOFILE}, cur;
+    if (getrlimit(RLIMIT_NOFILE, &cur) == 0 && cur.rlim_max < r.rlim_max)
+        r.rlim_cur = r.rlim_max = cur.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &r) < 0) die(fail_code, "setrlimit(RLIMIT_NOFILE, %d)",
+                                              SANDBOX_NOFILE);
+}
+
 /* The command's process: visible inside from its birth, and already all inside. */
 static int exec_final(void *arg) {
     const struct final_args *a = arg;
@@ -564,6 +587,7 @@ static int exec_final(void *arg) {
     }
     envp[ne] = NULL;
     if (a->hide[0]) hide_paths(a->hide);
+    sandbox_rlimits(126);
     load_seccomp();
     exec_path(target, envp);
     return 126;
@@ -721,6 +745,7 @@ static int helper_final(void *arg) {
         if (setuid(uid) < 0) die(126, "setuid(%u)", uid);
     }
     envp[ne] = NULL;
+    sandbox_rlimits(126);   /* the helper runs with the zygote's limit; its commands not */
     exec_path(target, envp);
     return 126;
 }
@@ -1082,6 +1107,7 @@ static int create_init(void *arg) {
         if (dup2(null, k) < 0) die(1, "dup2");
     if (null > 2) close(null);
     drop_caps();
+    sandbox_rlimits(1);
     load_seccomp();
     /* Nothing but stdio and the (close-on-exec) status pipe may reach the init. */
     syscall(SYS_close_range, FD_BPF, ~0U, 0);

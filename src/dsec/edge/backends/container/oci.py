@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from dsec.edge.backends.container.linux import DEFAULT_CAPS
+from dsec.edge.backends.container.linux import DEFAULT_CAPS, SANDBOX_NOFILE
 from dsec.edge.backends.container.rootfs import MASKED_DIRS, MASKED_FILES, READONLY_PATHS
 from dsec.edge.governor import CFS_PERIOD_US
 from dsec.net.seccomp import profile_rules
@@ -93,6 +93,10 @@ def oci_config(*, spec: SandboxSpec, hostname: str, cgroups_path: str, init_path
             "cwd": "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
+            # not the edge's raised limit: a sandbox's open files stay a share of the
+            # node's file table (red team 19, B5; nsexec.c SANDBOX_NOFILE)
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": SANDBOX_NOFILE,
+                         "soft": SANDBOX_NOFILE}],
         },
         "root": {"path": rootfs, "readonly": False},
         "hostname": hostname,
