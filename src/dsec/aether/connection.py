@@ -1802,7 +1802,10 @@ class Connection:
         g = self._guard
         assert g is not None
         dec = self._decoder
-        held = dec.buffered
+        # An established shared link (the apiserver's, on an edge) is not a holder: its
+        # input is bounded by READ_HIGH_WATER plus one frame, and cutting it as "the
+        # largest holder" would fail every tenant on the node for strangers' bytes.
+        held = 0 if self._established and g.limits.shared_link else dec.buffered
         delta = held - self._held
         if delta:
             self._held = held

@@ -88,6 +88,11 @@ class ServerLimits:
     # certificate: root in every sandbox anyway), whose link carries every tenant; one
     # tenant's big replies there wait their turn (backpressure), they never close it.
     unread_replies_max: int | None = 64 << 20
+    # The authenticated peer multiplexes many tenants over one connection (the apiserver,
+    # on an edge): once established it is not counted as a holder of the process's
+    # buffer budget (so never cut as the largest one); its input is bounded by the read
+    # high-water mark plus one frame.
+    shared_link: bool = False
     # Largest frame (bytes) accepted before authentication; an auth call is < 200 bytes.
     pending_max_frame: int = 4096
     # Largest frame (bytes) accepted after it.
