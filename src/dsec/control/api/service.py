@@ -455,6 +455,22 @@ class _ProjectCache:
 _msgpack = msgspec.msgpack.Encoder()
 # How often one create asks its key again after losing its claim to another apiserver.
 _RETAKES = 3
+# read_file pieces (up to 16 MiB each) of one top-level project in flight at once through
+# this apiserver, per node; the next wait their turn. A node's edge parks finished
+# replies behind the link's write buffer (it never cuts the shared link for them), so
+# this is what bounds the reply bytes one tenant keeps on a node at once (4 x 16 MiB),
+# and other tenants' reads interleave with a reader that asks for 300 at once
+# (redteam-19 A1: 24 concurrent 8 MiB reads made the edge close the apiserver's link).
+READS_PER_TENANT = 4
+
+
+@dataclass(slots=True)
+class _Gate:
+    """One tenant's read_file pieces on one node: the semaphore, and how many calls hold
+    or wait for it (the entry goes when that is 0)."""
+
+    sem: asyncio.Semaphore
+    users: int = 0
 _info_dec = msgspec.msgpack.Decoder(SandboxInfo)
 
 
@@ -492,9 +508,12 @@ class ApiService:
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
     _keyed: set[asyncio.Future[SandboxInfo | None]] = field(init=False)  # claims at work
     port_tokens: TokenKey = field(init=False)
+    # (node, top-level project) -> its read_file pieces in flight (READS_PER_TENANT)
+    _reads: dict[tuple[str, str], _Gate] = field(init=False)
 
     def __post_init__(self) -> None:
         self._keyed = set()
+        self._reads = {}
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
@@ -1324,11 +1343,22 @@ class ApiService:
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
                         length: int | None) -> bytes:
         check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader")
+        edge, project = await self._edge_for(principal, sid, "reader")
+        key = (str(node_of(sid)), project.partition("/")[0])
 
         async def piece(at: int, n: int) -> bytes:
-            return await self._via(edge, sid, "read_file", lambda: edge.read_file(
-                sid, path, offset=at, length=n))
+            gate = self._reads.get(key)
+            if gate is None:
+                gate = self._reads[key] = _Gate(asyncio.Semaphore(READS_PER_TENANT))
+            gate.users += 1
+            try:
+                async with gate.sem:
+                    return await self._via(edge, sid, "read_file", lambda: edge.read_file(
+                        sid, path, offset=at, length=n))
+            finally:
+                gate.users -= 1
+                if not gate.users:
+                    del self._reads[key]      # idle: the table holds busy tenants only
         # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
         return await read_in_chunks(piece, offset, length)
 
