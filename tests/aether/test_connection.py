@@ -513,7 +513,7 @@ async def test_the_peer_is_answered_pings_and_cancels_frames_flow(raw_pair: Pair
     assert await peer.frame() == (FrameType.CANCEL, req[1], b"", 0)
     s = conn.stream("tail", "x")
     req = await peer.frame()
-    assert req[0] == FrameType.REQUEST and req[3] == FrameFlags.STREAMING
+    assert req[0] == FrameType.REQUEST and req[3] == FrameFlags.STREAMING | FrameFlags.CREDIT
     s.cancel()
     assert await peer.frame() == (FrameType.CANCEL, req[1], b"", 0)
 

@@ -409,3 +409,40 @@ def test_out_of_fds_refuses_with_a_reason_without_spinning(tmp_path: Any) -> Non
     finally:
         child.kill()
         child.wait()
+
+
+async def test_an_established_shared_link_is_not_cut_as_the_largest_holder() -> None:
+    """The apiserver's link to an edge (``shared_link``) carries every tenant; it used to
+    be eligible as "the largest holder" of the process's buffer budget - mid-way
+    through one tenant's 16 MiB write_file frame while strangers held partial frames on
+    another listener of the process - and cutting it failed every tenant on the node.
+    Once established it is not counted; the strangers are cut instead."""
+    budget = ProcessBudget(nofile=lambda: 100_000, max_buffered_bytes=7 << 19)  # 3.5 MiB
+    edge = await serve(_router(), "tcp:127.0.0.1:0", budget=budget,
+                       limits=ServerLimits(frame_timeout_s=30.0, shared_link=True))
+    other = await serve(_router(), "tcp:127.0.0.1:0", budget=budget,
+                        limits=ServerLimits(frame_timeout_s=30.0))
+    peers: list[RawPeer] = []
+    try:
+        link = await _raw(edge)
+        peers.append(link)
+        link.send_raw(_auth_frame())
+        assert (await link.frame())[0] == FrameType.RESPONSE
+        # the link is mid-way through a big frame: 3 MiB of 4 MiB in
+        link.send_raw(encode_parts(FrameType.REQUEST, 3, b"\0" * (4 << 20)) + b"\0" * (3 << 20))
+        await asyncio.sleep(0.2)
+        assert budget.buffered == 0        # not counted
+        for _ in range(4):                 # strangers: 1 MiB partial frames each
+            p = await _raw(other)
+            peers.append(p)
+            p.send_raw(_auth_frame())
+            assert (await p.frame())[0] == FrameType.RESPONSE
+            p.send_raw(encode_parts(FrameType.REQUEST, 3, b"\0" * (4 << 20)) + b"\0" * (1 << 20))
+        await _until(lambda: other.stats.closed.get("buffer_budget", 0) >= 1)
+        assert edge.stats.closed.get("buffer_budget") is None
+        assert len(edge.connections) == 1
+    finally:
+        for p in peers:
+            await p.close()
+        await edge.close()
+        await other.close()

@@ -262,19 +262,17 @@ async def test_when_the_fd_share_is_full_of_strangers_a_client_still_gets_in() -
         await other.close()
 
 
-async def test_a_peer_that_leaves_its_replies_unread_is_cut_not_buffered(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_peer_that_leaves_its_replies_unread_is_cut_not_buffered() -> None:
     """Reading stops at the write high-water mark, but the calls already running still
     answer: 300 pipelined read_file calls of an 8 MiB file, never read, grew dsec up by
-    1.5 GB. Past UNREAD_REPLIES_MAX unread bytes the listener cuts the connection."""
+    1.5 GB. Past ``ServerLimits.unread_replies_max`` unread bytes (written, or finished
+    and parked behind the write buffer) the listener cuts the connection."""
     import socket
 
-    import dsec.aether.connection as aconn
     from dsec.aether.connection import AUTH_METHOD
     from dsec.aether.frame import FrameType, encode_parts
     from dsec.aether.messages import encode_request
 
-    monkeypatch.setattr(aconn, "UNREAD_REPLIES_MAX", 8 << 20, raising=False)
 
     async def blob(n: int) -> bytes:
         await asyncio.sleep(0)
@@ -283,7 +281,8 @@ async def test_a_peer_that_leaves_its_replies_unread_is_cut_not_buffered(
     r = Router(token=TOKEN)
     r.add("blob", blob)
     budget = ProcessBudget(nofile=lambda: 100_000)
-    server = await serve(r, "tcp:127.0.0.1:0", budget=budget)
+    server = await serve(r, "tcp:127.0.0.1:0", budget=budget,
+                         limits=ServerLimits(unread_replies_max=8 << 20))
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect((server.address.host, server.address.port))

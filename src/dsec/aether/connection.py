@@ -119,12 +119,22 @@ STREAM_BACKLOG_MAX = 16 * 1024 * 1024
 MAX_DUPLEX_SHARE = 16
 # ... and all streaming calls of one connection together (the largest backlog goes first).
 STREAMS_BACKLOG_MAX = 64 * 1024 * 1024
-# Bytes of our replies a listener's peer may leave unread before it is cut. Reading stops
-# at WRITE_HIGH_WATER, but the calls already running still answer: a tenant that
-# pipelined 300 read_file calls of an 8 MiB file and never read grew dsec up by 1.5 GB
-# (and by up to max_calls_in_flight x 16 MiB per connection). Dialed connections (our
-# own links) are never cut for this.
-UNREAD_REPLIES_MAX = 64 * 1024 * 1024
+# Credit of one server-push stream whose caller grants it (FrameFlags.CREDIT on the
+# REQUEST; WINDOW frames on the call's stream id as its reader takes items, batched per
+# quarter window). The sender waits at zero, so a reader that falls behind holds at most
+# this (plus one item) and stops its own producer - never the link, never another
+# stream. Without it six `head -c 400M /dev/zero` exec_streams, read at full speed over
+# REST, outran the apiserver's loop and were cancelled 16 MiB behind (or, with the
+# unflushed bytes not counted, made the edge cut the shared link). 4 MiB: below the
+# 16 MiB per-stream cut with room for one 1 MiB item; throughput measured in the report
+# of branch fixlink (exec_stream 400 MB over REST: no loss against no credit).
+STREAM_WINDOW = 4 * 1024 * 1024
+# Bytes of our replies a listener's peer may leave unread before it is cut:
+# ServerLimits.unread_replies_max (64 MiB; edges: none, they park replies instead).
+# Replies up to this size are written at once even while the link's write buffer is over
+# its high-water mark; larger ones wait their turn in order (Connection._park): a
+# 16-byte exec result must not queue behind 190 MB of another tenant's file reads.
+PARK_MIN = 64 * 1024
 # Write buffer marks of a connection that has not authenticated yet: its replies are
 # small ERROR/PONG frames; a peer that does not read them stops being read far sooner.
 PENDING_WRITE_HIGH = 64 * 1024
@@ -147,6 +157,7 @@ _WINDOW = int(FrameType.WINDOW)
 _STREAMING = int(FrameFlags.STREAMING)
 _DUPLEX = int(FrameFlags.DUPLEX)
 _FIN = int(FrameFlags.FIN)
+_CREDIT = int(FrameFlags.CREDIT)
 _CALL_KIND = _STREAMING | _DUPLEX   # the REQUEST flags that must match the route's kind
 
 # Why reading is paused (bit mask): too much undigested input, or too much unsent output
@@ -360,11 +371,12 @@ class _Batch(_Slot):
 
 
 class _StreamSlot(_Slot):
-    __slots__ = ("backlog", "done", "error", "items", "result", "waiter")
+    __slots__ = ("backlog", "done", "error", "items", "result", "taken", "waiter")
 
     def __init__(self) -> None:
         self.items: collections.deque[bytes] = collections.deque()
         self.backlog = 0     # bytes of items received and not yet taken by the reader
+        self.taken = 0       # bytes taken by the reader not yet given back as credit
         self.waiter: asyncio.Future[None] | None = None
         self.done = False
         self.result: bytes | None = None
@@ -405,14 +417,32 @@ def _reject(slot: asyncio.Future[bytes] | _Slot, sid: int, exc: BaseException) -
         slot.set_exception(exc)
 
 
+class _SendCredit:
+    """What a server-push stream may still send before the caller's next WINDOW."""
+
+    __slots__ = ("credit", "waiter")
+
+    def __init__(self, credit: int) -> None:
+        self.credit = credit
+        self.waiter: asyncio.Future[None] | None = None
+
+    def grant(self, increment: int) -> None:
+        self.credit += increment
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
 class StreamSender:
-    """Given to streaming handlers: ``await stream.send(item)`` pushes a STREAM frame."""
+    """Given to streaming handlers: ``await stream.send(item)`` pushes a STREAM frame
+    (waiting for the caller's credit when it grants some, and for the link's buffer)."""
 
-    __slots__ = ("_conn", "_sid")
+    __slots__ = ("_conn", "_credit", "_sid")
 
-    def __init__(self, conn: Connection, sid: int) -> None:
+    def __init__(self, conn: Connection, sid: int, credit: _SendCredit | None = None) -> None:
         self._conn = conn
         self._sid = sid
+        self._credit = credit
 
     async def send(self, item: Any) -> None:
         conn = self._conn
@@ -423,8 +453,22 @@ class StreamSender:
             raise PayloadTooLarge(
                 f"stream item of {len(data)} bytes exceeds the connection's max_frame of "
                 f"{conn._max_frame} bytes; send it in smaller pieces", size=len(data))
+        credit = self._credit
+        if credit is not None:
+            # The caller grants credit per stream (WINDOW frames as its reader takes
+            # items): wait for it, so a slow reader stops this producer only, never the
+            # link. One item may overdraw the credit (items are not split).
+            while credit.credit <= 0:
+                if conn._closed:
+                    raise conn._lost_error()
+                w = credit.waiter = conn._loop.create_future()
+                try:
+                    await w
+                finally:
+                    credit.waiter = None
+            credit.credit -= len(data)
         conn._send(_STREAM, self._sid, data)
-        if conn._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+        if conn._wbytes + conn._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
             await conn._drain()
 
 
@@ -451,7 +495,13 @@ class CallStream:
             if slot.items:
                 raw = slot.items.popleft()
                 slot.backlog -= len(raw)
-                self._conn._stream_backlog -= len(raw)
+                conn = self._conn
+                conn._stream_backlog -= len(raw)
+                slot.taken += len(raw)
+                if slot.taken >= STREAM_WINDOW // 4 and not slot.done and not conn._closed:
+                    # credit back for what the reader took (the server waits at zero)
+                    conn._send(_WINDOW, self._sid, encode_window(slot.taken))
+                    slot.taken = 0
                 try:
                     return self._item_decoder.decode(raw)
                 except msgspec.DecodeError as exc:
@@ -568,7 +618,7 @@ class DuplexStream(_Slot):
             flow.sent(n)
             conn._send(_STREAM, self.sid, bytes(view[off : off + n]))
             off += n
-            if conn._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+            if conn._wbytes + conn._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
                 await conn._drain()
 
     def close_write(self) -> None:
@@ -827,6 +877,12 @@ class Connection:
         # cap would never read (every stream of a client at the cap stalled for good).
         # Capped on their own instead: one more is refused at once, reading goes on.
         self._served_duplex: set[int] = set()    # their stream ids
+        # The peer's streaming calls being served whose caller grants credit, by stream id.
+        self._push_credit: dict[int, _SendCredit] = {}
+        # Large replies waiting for the write buffer to fall below high water (_park).
+        self._parked: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._parked_bytes = 0
+        self._unparker: asyncio.Task[None] | None = None
         self._max_duplex = (None if self._max_calls is None
                             else max(1, self._max_calls // MAX_DUPLEX_SHARE))
         self._opened_at = 0.0               # loop time the listener accepted it
@@ -943,7 +999,7 @@ class Connection:
             raise self._too_large(method, len(payload))
         if timeout is not None:
             _check_timeout(timeout)
-        if self._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+        if self._wbytes + self._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
             await self._drain()
             if not st.can_open:
                 raise self._unusable()
@@ -994,7 +1050,7 @@ class Connection:
             payloads.append(p)
         if not payloads:
             return []
-        if self._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+        if self._wbytes + self._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
             await self._drain()
             if not st.can_open:
                 raise self._unusable()
@@ -1053,7 +1109,7 @@ class Connection:
             raise self._too_large(method, len(payload))
         slot = _StreamSlot()
         sid = self._state.open(slot)
-        self._send(_REQUEST, sid, payload, _STREAMING)
+        self._send(_REQUEST, sid, payload, _STREAMING | _CREDIT)
         timer = None
         if timeout is not None:
             timer = self._loop.call_later(timeout, self._expire, sid, timeout, method)
@@ -1266,12 +1322,8 @@ class Connection:
             self._shutdown(ConnectionLost(f"write on connection {self.name} failed: {exc}"))
             return
         buf.clear()
-        if self._guard is not None and self._state.goaway_sent is None:
-            unread = self._transport.get_write_buffer_size()
-            if unread > UNREAD_REPLIES_MAX:
-                self._cut("unread_replies", (
-                    f"the peer left {unread} bytes of replies unread (the limit is "
-                    f"{UNREAD_REPLIES_MAX}); read replies as they come"), code=Overloaded.code)
+        if self._guard is not None:
+            self._check_unread()
 
     async def _drain(self) -> None:
         """Wait until the transport's write buffer is below its low-water mark."""
@@ -1421,6 +1473,10 @@ class Connection:
             d = self._duplex.get(sid)
             if d is not None:
                 d._on_window(increment)
+            else:
+                c = self._push_credit.get(sid)
+                if c is not None:
+                    c.grant(increment)
         else:  # _GOAWAY; the decoder lets no other type through
             self._on_goaway(payload)
 
@@ -1549,7 +1605,10 @@ class Connection:
                 if route.kind:
                     extra: StreamSender | DuplexStream
                     if route.streaming:
-                        extra = StreamSender(self, sid)
+                        credit = None
+                        if flags & _CREDIT:
+                            credit = self._push_credit[sid] = _SendCredit(STREAM_WINDOW)
+                        extra = StreamSender(self, sid, credit)
                     else:
                         self._served_duplex.add(sid)
                         extra = self._duplex[sid] = DuplexStream(self, sid, route.method,
@@ -1581,6 +1640,8 @@ class Connection:
             self._calls_full = True
 
     def _handler_done(self, sid: int, method: str, task: asyncio.Task[Any]) -> None:
+        if self._push_credit:
+            self._push_credit.pop(sid, None)
         if self._duplex:
             d = self._duplex.get(sid)
             if d is not None and not d._caller:
@@ -1603,7 +1664,55 @@ class Connection:
         if exc is not None:
             self._reply_handler_error(sid, method, exc)
             return
-        self._reply(sid, method, task.result())
+        data = self._encode_reply(sid, method, task.result())
+        if data is None:
+            return
+        if len(data) > PARK_MIN and (self._parked or self._wbytes
+                                     + self._transport.get_write_buffer_size() > self._write_high):
+            self._park(sid, data)
+        else:
+            self._send(_RESPONSE, sid, data)
+
+    def _park(self, sid: int, data: bytes) -> None:
+        """Hold a large reply until the link's write buffer is below its high-water mark
+        (then write the parked ones in order, one high-water mark at a time). Replies used
+        to be written whole as handlers finished: 24 concurrent 8 MiB read_file calls put
+        190 MB in the edge's write buffer at once, and the guard below cut the apiserver's
+        shared link - failing every tenant's calls on the node."""
+        self._parked.append((sid, data))
+        self._parked_bytes += len(data)
+        self._check_unread()
+        if self._unparker is None and not self._closed:
+            self._unparker = self._loop.create_task(self._unpark())
+
+    async def _unpark(self) -> None:
+        try:
+            while self._parked and not self._closed:
+                if self._wbytes + self._transport.get_write_buffer_size() > self._write_high:
+                    await self._drain()
+                    continue
+                sid, data = self._parked.popleft()
+                self._parked_bytes -= len(data)
+                self._send(_RESPONSE, sid, data)
+        except DsecError:
+            pass    # the connection is gone; _shutdown dropped what was parked
+        finally:
+            self._unparker = None
+
+    def _check_unread(self) -> None:
+        """On a listener with ``unread_replies_max``: cut a peer that leaves more of our
+        replies unread (written or parked) than that."""
+        g = self._guard
+        if g is None or self._state.goaway_sent is not None:
+            return
+        limit = g.limits.unread_replies_max
+        if limit is None:
+            return
+        unread = self._transport.get_write_buffer_size() + self._parked_bytes
+        if unread > limit:
+            self._cut("unread_replies", (
+                f"the peer left {unread} bytes of replies unread (the limit is "
+                f"{limit}); read replies as they come"), code=Overloaded.code)
 
     def _calls_ended(self, running: int) -> None:
         """A handler ended while reading was paused at max_calls_in_flight (``running``
@@ -1693,7 +1802,10 @@ class Connection:
         g = self._guard
         assert g is not None
         dec = self._decoder
-        held = dec.buffered
+        # An established shared link (the apiserver's, on an edge) is not a holder: its
+        # input is bounded by READ_HIGH_WATER plus one frame, and cutting it as "the
+        # largest holder" would fail every tenant on the node for strangers' bytes.
+        held = 0 if self._established and g.limits.shared_link else dec.buffered
         delta = held - self._held
         if delta:
             self._held = held
@@ -1803,6 +1915,12 @@ class Connection:
         self._loop.create_task(self.close(reason))
 
     def _reply(self, sid: int, method: str, result: Any) -> None:
+        data = self._encode_reply(sid, method, result)
+        if data is not None:
+            self._send(_RESPONSE, sid, data)
+
+    def _encode_reply(self, sid: int, method: str, result: Any) -> bytes | None:
+        """The RESPONSE payload of ``result``, or None after answering an ERROR instead."""
         try:
             data = _NIL if result is None else _encode_body(result)
         except LocalProtocolError as exc:
@@ -1816,14 +1934,14 @@ class Connection:
             self._reply_error(sid, InternalError(
                 f"handler for {method!r} returned a value that cannot be encoded: {why}",
                 method=method))
-            return
+            return None
         if len(data) > self._max_frame:
             self._reply_error(sid, PayloadTooLarge(
                 f"reply to {method!r} is {len(data)} bytes, over the connection's max_frame of "
                 f"{self._max_frame} bytes; page the result or raise max_frame on both ends",
                 method=method, size=len(data)))
-            return
-        self._send(_RESPONSE, sid, data)
+            return None
+        return data
 
     def _reply_handler_error(self, sid: int, method: str, exc: BaseException) -> None:
         if not isinstance(exc, DsecError):
@@ -1964,6 +2082,9 @@ class Connection:
                 pass
             buf.clear()
             self._wbytes = 0
+        self._parked.clear()
+        self._parked_bytes = 0
+        self._push_credit.clear()
         pending = self._state.close()
         self._pending = self._state.pending
         for sid, slot in pending.items():

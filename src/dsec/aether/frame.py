@@ -70,6 +70,7 @@ class FrameFlags(enum.IntFlag):
     STREAMING = 0x1   # on REQUEST: the caller accepts STREAM frames before the final reply
     DUPLEX = 0x2      # on REQUEST: a duplex stream, raw bytes both ways under per-stream credit
     FIN = 0x4         # on STREAM of a duplex stream: the sender's last bytes (half-close)
+    CREDIT = 0x8      # on a STREAMING REQUEST: the caller grants per-stream credit (WINDOW)
 
 
 _TYPES = frozenset(int(t) for t in FrameType)

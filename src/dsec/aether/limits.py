@@ -81,6 +81,18 @@ class ServerLimits:
     # timed out until the node was written off (node_lost). Edges leave it off: their
     # one peer, the apiserver, multiplexes every tenant over a link it must keep read.
     max_calls_in_flight: int | None = 1024
+    # Bytes of our replies the peer may leave unread (in the write buffer, or finished and
+    # waiting for it to drain) before it is closed: a tenant that pipelined 300 read_file
+    # calls of an 8 MiB file and never read grew dsec up by 1.5 GB. Edges leave it off:
+    # their one authenticated peer is the apiserver (it holds the edge's token or
+    # certificate: root in every sandbox anyway), whose link carries every tenant; one
+    # tenant's big replies there wait their turn (backpressure), they never close it.
+    unread_replies_max: int | None = 64 << 20
+    # The authenticated peer multiplexes many tenants over one connection (the apiserver,
+    # on an edge): once established it is not counted as a holder of the process's
+    # buffer budget (so never cut as the largest one); its input is bounded by the read
+    # high-water mark plus one frame.
+    shared_link: bool = False
     # Largest frame (bytes) accepted before authentication; an auth call is < 200 bytes.
     pending_max_frame: int = 4096
     # Largest frame (bytes) accepted after it.
@@ -88,7 +100,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_connections_per_peer", "max_pending",
-                     "max_pending_per_peer", "max_calls_in_flight"):
+                     "max_pending_per_peer", "max_calls_in_flight", "unread_replies_max"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise InvalidArgument(f"ServerLimits.{name}={v} must be >= 1 or None")

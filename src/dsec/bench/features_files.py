@@ -62,10 +62,9 @@ async def _cat(cl: Any, sid: str, n: int) -> tuple[int, float]:
 
 def _cat_part(ctx: BenchContext, cl: Any, sid: str, n: int, mib: int) -> None:
     """``exec_cat_read_mbps``; a failure is noted, not fatal to the file figures. Seen
-    at load average 34 on the 2-core VM: exec_stream has no per-stream credit, the
-    starved apiserver read the edge link too slowly, and the edge closed the link at
-    64 MiB of unread replies (every call on it failed) - the reason file streams are
-    duplex."""
+    at load average 34 on the 2-core VM before exec_stream had per-stream credit
+    (redteam-19 A2): the starved apiserver read the edge link too slowly, and the edge
+    closed the link at 64 MiB of unread replies (every call on it failed)."""
     try:
         got, dt = asyncio.run(_cat(cl, sid, n))
     except Exception as exc:  # noqa: BLE001 - recorded as a note

@@ -313,7 +313,12 @@ async def serve_edge(node: EdgeNode, address: str, *, token: bytes | str | None 
     # No max_calls_in_flight here: the edge's peer is the apiserver, whose one link
     # carries every tenant's calls and its own polls; pausing it at a cap would let long
     # execs hold up the heartbeat. Tenants are capped at the gateway, per connection.
-    lim = dataclasses.replace(limits or DEFAULT_LIMITS, max_calls_in_flight=None)
+    # Nor unread_replies_max, nor a buffer-budget cut (shared_link): an authenticated
+    # peer here is the apiserver (or holds its credential: root in every sandbox anyway),
+    # and one tenant's big replies on that shared link wait their turn (the connection
+    # parks them); they never close it for every tenant (redteam-19 A1).
+    lim = dataclasses.replace(limits or DEFAULT_LIMITS, max_calls_in_flight=None,
+                              unread_replies_max=None, shared_link=True)
     # ``ssl``: mutual TLS (a joined edge, dsec.cluster.ca.server_context): only a client
     # certificate of the cluster CA with clientAuth (the apiserver's) gets through the
     # handshake, so no token is needed on top.

@@ -8,8 +8,8 @@ frame, and ``MAX_FILE_READ_BYTES``). The stream rows carry any size in pieces:
   (Aether DUPLEX, docs/aether.md "Duplex streams"): the file's raw bytes ride STREAM
   frames under per-stream credit, so on every hop (SDK, gateway, edge) at most one window
   (256 KiB) per stream is held, whatever the file's size and however slow the reader.
-  A server-push stream (``StreamOp``) has no per-stream credit: a slow reader is cut at
-  16 MiB behind, and all streams of the apiserver's one edge link share 64 MiB.
+  (Server-push streams, ``StreamOp``, are credited per stream too since redteam-19, with
+  a 4 MiB window, one way only.)
 - A write lands in a temporary file next to its target, renamed over it only once the
   writer half-closed and every byte (``size``, when given) arrived: no half-written file
   is ever visible, and a dropped connection leaves nothing behind.

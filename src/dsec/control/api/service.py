@@ -462,6 +462,22 @@ class _ProjectCache:
 _msgpack = msgspec.msgpack.Encoder()
 # How often one create asks its key again after losing its claim to another apiserver.
 _RETAKES = 3
+# read_file pieces (up to 16 MiB each) of one top-level project in flight at once through
+# this apiserver, per node; the next wait their turn. A node's edge parks finished
+# replies behind the link's write buffer (it never cuts the shared link for them), so
+# this is what bounds the reply bytes one tenant keeps on a node at once (4 x 16 MiB),
+# and other tenants' reads interleave with a reader that asks for 300 at once
+# (redteam-19 A1: 24 concurrent 8 MiB reads made the edge close the apiserver's link).
+READS_PER_TENANT = 4
+
+
+@dataclass(slots=True)
+class _Gate:
+    """One tenant's read_file pieces on one node: the semaphore, and how many calls hold
+    or wait for it (the entry goes when that is 0)."""
+
+    sem: asyncio.Semaphore
+    users: int = 0
 _info_dec = msgspec.msgpack.Decoder(SandboxInfo)
 
 
@@ -499,9 +515,12 @@ class ApiService:
     _snapshots: OrderedDict[str, tuple[str, str]] = field(init=False)  # ref -> (id, project)
     _keyed: set[asyncio.Future[SandboxInfo | None]] = field(init=False)  # claims at work
     port_tokens: TokenKey = field(init=False)
+    # (node, top-level project) -> its read_file pieces in flight (READS_PER_TENANT)
+    _reads: dict[tuple[str, str], _Gate] = field(init=False)
 
     def __post_init__(self) -> None:
         self._keyed = set()
+        self._reads = {}
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
@@ -1339,11 +1358,22 @@ class ApiService:
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
                         length: int | None) -> bytes:
         check_path(path)
-        edge, _ = await self._edge_for(principal, sid, "reader", wake=True)
+        edge, project = await self._edge_for(principal, sid, "reader")
+        key = (str(node_of(sid)), project.partition("/")[0])
 
         async def piece(at: int, n: int) -> bytes:
-            return await self._via(edge, sid, "read_file", lambda: edge.read_file(
-                sid, path, offset=at, length=n))
+            gate = self._reads.get(key)
+            if gate is None:
+                gate = self._reads[key] = _Gate(asyncio.Semaphore(READS_PER_TENANT))
+            gate.users += 1
+            try:
+                async with gate.sem:
+                    return await self._via(edge, sid, "read_file", lambda: edge.read_file(
+                        sid, path, offset=at, length=n))
+            finally:
+                gate.users -= 1
+                if not gate.users:
+                    del self._reads[key]      # idle: the table holds busy tenants only
         # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
         return await read_in_chunks(piece, offset, length)
 
@@ -1748,7 +1778,10 @@ class ApiService:
         the edge's duplex stream for it: (the stream, its answer with errors mapped as
         :meth:`_via` maps them). The doors move the bytes (dsec.control.filedoors)."""
         assert op.role is not None
-        edge, _ = await self._edge_for(caller, body.id, op.role, wake=True)
+        # a streamed read of a paused sandbox reads it paused (the edge never resumes for
+        # reads: docs/sdk.md's paused rule); a write resumes it, within the quota
+        edge, _ = await self._edge_for(caller, body.id, op.role,
+                                       wake=op.name in _WAKES)
         stream = edge.tunnel(op, body)
 
         async def done() -> FileInfo:
@@ -1769,7 +1802,7 @@ class ApiService:
 
     async def _file_watch_op(self, caller: Caller, b: Watch
                              ) -> AsyncIterator[FileEvent | WatchEnd]:
-        edge, _ = await self._edge_for(caller, b.id, "reader", wake=True)
+        edge, _ = await self._edge_for(caller, b.id, "reader")   # reads: no resume
         return self._watch(edge, b)
 
     async def _watch(self, edge: EdgeOps, b: Watch) -> AsyncIterator[FileEvent | WatchEnd]:
@@ -2107,9 +2140,8 @@ _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
 # ``processes.start``): the control plane resumes it first, within the project's quota
 # (red team 19, B3). Pause, get, stats, destroy, snapshot, ports listing do not wake.
 _WAKES = frozenset(o.name for o in (
-    ops.EXEC, ops.EXEC_MANY, ops.EXEC_STREAM, ops.READ_FILE, ops.WRITE_FILE, ops.LIST_DIR,
-    ops.STAT, ops.MKDIR, ops.REMOVE, ops.FILE_READ_STREAM, ops.FILE_WRITE_STREAM,
-    ops.FILE_RENAME, ops.FILE_WATCH, ops.PROCESS_START, ops.PORT_CONNECT))
+    ops.EXEC, ops.EXEC_MANY, ops.EXEC_STREAM, ops.WRITE_FILE, ops.MKDIR, ops.REMOVE,
+    ops.FILE_WRITE_STREAM, ops.FILE_RENAME, ops.PROCESS_START, ops.PORT_CONNECT))
 
 
 def _edge_lied(node: str, what: str) -> RemoteProtocolError:
