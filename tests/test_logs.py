@@ -131,7 +131,13 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
         p.wait(30)
         audit = os.path.join(state, "audit.log")
         assert stat.S_IMODE(os.stat(audit).st_mode) == 0o600
-        recs = AuditLog.read(audit)
+        lines = AuditLog.read(audit)
+        # audited before acting: every outcome line follows an intent line of its op
+        intents = {r["op"]: r for r in lines if r.get("phase") == "intent"}
+        recs = [r for r in lines if r.get("phase") == "outcome"]
+        assert len(intents) == len(recs) == len(lines) // 2, lines
+        assert all(lines.index(intents[r["op"]]) < lines.index(r) for r in recs), lines
+        assert all(intents[r["op"]]["action"] == r["action"] for r in recs), lines
         got = [(r["actor"], r["action"], r["outcome"]) for r in recs]
         assert got == [("admin", "create_key", "ok"), ("admin", "quota_set", "ok"),
                        ("alice", "quota_set", "permission_denied"),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -127,9 +128,19 @@ _rid_prefix = secrets.token_hex(3)
 _rid_counter = 0
 
 
+#: a client's own ``x-request-id`` is echoed and logged only when it is 1-128 of these
+#: (no space, ``=``, quote or control character: it cannot add a field or a line to a
+#: log, red team 19 B7); anything else gets a request id of ours
+_RID_OK = re.compile(r"[A-Za-z0-9._:@/+-]{1,128}")
+
+
+def _sane_rid(rid: str | None) -> bool:
+    return rid is not None and _RID_OK.fullmatch(rid) is not None
+
+
 def _request_id(request: Request) -> str:
     rid = request.headers.get("x-request-id")
-    if rid and len(rid) <= 128 and rid.isprintable():
+    if rid is not None and _sane_rid(rid):
         return rid
     global _rid_counter
     _rid_counter += 1
@@ -518,7 +529,7 @@ def _new_rid(scope: Any) -> str:
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 r: str = v.decode("latin-1")
-                if len(r) <= 128 and r.isprintable():
+                if _sane_rid(r):
                     return r
     _rid_counter += 1
     return f"req-{_rid_prefix}-{_rid_counter:x}"
@@ -598,7 +609,7 @@ class FastPaths:
                 auth = v.decode("latin-1")
             elif k == b"x-request-id":
                 r = v.decode("latin-1")
-                if len(r) <= 128 and r.isprintable():
+                if _sane_rid(r):
                     rid = r
         if rid is None:
             rid = _new_rid(None)
