@@ -65,7 +65,6 @@ def _table(title: str, cols: list[str], rows: list[list[str]]) -> None:
         return
     from rich.console import Console
     from rich.table import Table
-
     from rich.text import Text
 
     t = Table(title=Text(escape_text(title)))
