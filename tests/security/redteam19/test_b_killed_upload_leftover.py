@@ -49,10 +49,15 @@ def test_b_a_killed_upload_is_reconciled_at_restart() -> None:
                     failed.append(exc)
             t = threading.Thread(target=upload)
             t.start()
+            def used_k() -> int:      # the sandbox disk's used KiB (named or not)
+                out = sb.exec(["sh", "-c", "df -Pk /root | tail -1"]).stdout.decode()
+                return int(out.split()[2])
+            before = used_k()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:       # wait until bytes are on its disk
+                # (an upload's temporary file may be unnamed (O_TMPFILE): counted by df)
                 r = sb.exec(["sh", "-c", "cat /root/.dsec-upload-* 2>/dev/null | wc -c"])
-                if int(r.stdout or 0) > (8 << 20):
+                if int(r.stdout or 0) > (8 << 20) or used_k() - before > 8 << 10:
                     break
                 time.sleep(0.1)
             cl.kill_edge("edge-0")
