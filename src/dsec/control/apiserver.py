@@ -257,6 +257,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
             dt = time.perf_counter() - t0
             lat.observe(dt)
             if access_enabled():    # issue 19: --access-log
+                request.scope["dsec.logged"] = True
                 _access_line(op.method, template, request.url.path, resp.status_code, dt,
                              _client_host(request.scope), rid, caller)
             return resp
@@ -596,7 +597,15 @@ class FastPaths:
         if self.proxy is not None and scope["type"] in ("http", "websocket") and \
                 scope["path"].startswith(PROXY_PREFIX):
             # Exposed ports (every method, and WebSocket): dsec.control.proxy.
-            await self.proxy(scope, receive, send)
+            if access_enabled():
+                await _logged(self.proxy, "proxy", scope, receive, send)
+            else:
+                await self.proxy(scope, receive, send)
+            return
+        if access_enabled() and scope["type"] in ("http", "websocket"):
+            # the routes that log their own line mark the scope; the others (WebSocket
+            # routes, /ui, /metrics, /healthz, a 404) get one here (red team 19 B9)
+            await _logged(self.app, "rest", scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -642,6 +651,35 @@ class FastPaths:
         if access_enabled():    # issue 19: --access-log
             _access_line(self._method, self._template, scope.get("path", ""), status, dt,
                          _client_host(scope), rid, caller)
+
+
+async def _logged(app: Any, door: str, scope: Any, receive: Any, send: Any) -> None:
+    """``app`` serving ``scope``, with one access-log line for it unless the route wrote
+    its own (``scope["dsec.logged"]``): the status sent (a WebSocket: 101 once accepted,
+    else the close code or the HTTP status it was refused with)."""
+    t0 = time.perf_counter()
+    status = 0
+
+    async def sent(message: Any) -> None:
+        nonlocal status
+        kind = message["type"]
+        if kind in ("http.response.start", "websocket.http.response.start"):
+            status = message["status"]
+        elif kind == "websocket.accept":
+            status = 101
+        elif kind == "websocket.close" and not status:
+            status = message.get("code", 1000)
+        await send(message)
+    try:
+        await app(scope, receive, sent)
+    finally:
+        if not scope.get("dsec.logged"):
+            method = scope.get("method", "WS") if scope["type"] == "http" else "WS"
+            path = scope.get("path", "")
+            client = _client_host(scope)
+            access(f"{method} {path} {status}", door=door, method=method, path=path,
+                   status=status, duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+                   client=client or "-", request_id="-", principal="-")
 
 
 def _access_line(method: str, route: str, path: str, status: int, seconds: float,
