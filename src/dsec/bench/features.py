@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 
 #: "module:function" of each part, in run order
 PARTS: list[str] = [
+    "dsec.bench.processes:terminals",    # proc: PTY keystroke round trip, exec_stream first byte
     "dsec.bench.features_files:files",   # files: transfer MB/s both ways vs cat (issue 19)
+    "dsec.bench.ui:ui_page_load",        # ui: the dashboard's pages with 10,000 sandboxes
 ]
 
 

@@ -20,9 +20,9 @@ import os
 import statistics
 import time
 
-from dsec.bench import BenchContext, suite
+from dsec.bench import BenchContext
 
-__all__ = ["features"]
+__all__ = ["terminals"]
 
 
 async def _pty_rtt(url: str, key: str, gateway: str | None, sid: str, n: int) -> list[float]:
@@ -102,9 +102,7 @@ async def _first_byte(url: str, key: str, gateway: str | None, sid: str,
         return out
 
 
-@suite("features", "Sandbox features (issue 19): PTY keystroke round trip, exec_stream "
-                   "first byte")
-def features(ctx: BenchContext) -> None:
+def terminals(ctx: BenchContext) -> None:
     """Sandbox features (issue 19): PTY keystroke round trip, exec_stream first byte."""
     if os.geteuid() != 0:
         ctx.note("processes: skipped (the container backend needs root)")

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 import httpx
 
-from dsec.bench import _SUITES, BenchContext, suite
+from dsec.bench import BenchContext
 
 __all__ = ["ui_page_load"]
 
@@ -99,20 +98,3 @@ def ui_page_load(ctx: BenchContext) -> None:
                  f"the HTML over HTTP alone; median of {rounds}; {limit} rows a page.")
     finally:
         c.stop()
-
-
-def _add(name: str, doc: str, fn: Any) -> None:
-    """Join suite ``name`` (several modules add parts to ``features``): run what is
-    there already, then ``fn``."""
-    prev = _SUITES.get(name)
-    if prev is None:
-        suite(name, doc)(fn)
-        return
-
-    def both(ctx: BenchContext) -> None:
-        prev[0](ctx)
-        fn(ctx)
-    _SUITES[name] = (both, prev[1])
-
-
-_add("features", "Issue 19 features: dashboard page load, ...", ui_page_load)

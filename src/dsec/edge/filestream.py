@@ -21,14 +21,16 @@ memory per stream is one piece plus the stream's credit window however large the
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import errno
 import functools
 import os
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 from dsec.errors import DsecError, InvalidArgument, ResourceExhausted
 from dsec.ids import SandboxId
@@ -48,22 +50,25 @@ TEMP_PREFIX = ".dsec-upload-"
 # rename away) after the commit that released it.
 _TEMP_LINGER_S = 30.0
 _held: dict[str, float] = {}     # name -> hidden until (monotonic; inf while held)
+_held_lock = threading.Lock()    # the file threads hold and release; watches read
 
 
 def hold_temp(name: str) -> None:
     """``name`` (a temporary file this process made) is hidden from watches until
     :func:`release_temp` (names are random: one process's set, no directory needed)."""
-    _held[name] = float("inf")
+    with _held_lock:
+        _held[name] = float("inf")
 
 
 def release_temp(name: str, *, now: float | None = None) -> None:
     """``name`` is done with (committed or removed): hidden a little longer, then not."""
     t = time.monotonic() if now is None else now
-    _held[name] = t + _TEMP_LINGER_S
-    if len(_held) > 4096:
-        for k, until in list(_held.items()):
-            if until < t:
-                del _held[k]
+    with _held_lock:
+        _held[name] = t + _TEMP_LINGER_S
+        if len(_held) > 4096:
+            for k, until in list(_held.items()):
+                if until < t:
+                    del _held[k]
 
 
 def held_temp(name: str, *, now: float | None = None) -> bool:
@@ -100,9 +105,11 @@ class ConfinedFiles(Protocol):
     def open_dir(self, path: str) -> int: ...
     def open_subdir(self, dir_fd: int, name: str) -> int | None: ...
 
-__all__ = ["CHUNK", "MAX_WATCH_DIRS", "TEMP_PREFIX", "AtomicWrite", "ConfinedFiles",
-           "FileStreamBackend", "Run", "held_temp", "hold_temp", "read_stream",
-           "release_temp", "watch", "write_stream"]
+__all__ = ["CHUNK", "MAX_QUEUED_EVENTS", "MAX_WATCH_DIRS", "TEMP_PREFIX", "WATCH_BUDGET_MAX",
+           "AtomicWrite", "ConfinedFiles",
+           "FileStreamBackend", "Run", "held_temp", "hold_temp", "read_stream", "release_temp",
+           "watch", "watch_budget",
+           "watch_dir_budget", "write_stream"]
 
 _T = TypeVar("_T")
 class Run(Protocol):
@@ -117,6 +124,35 @@ class Run(Protocol):
 CHUNK = 1 << 20
 # Directories one recursive watch follows (each an inotify watch and an O_PATH fd).
 MAX_WATCH_DIRS = 4096
+# Watches open at once on one node: half of the host's per-uid inotify instance budget
+# (fs.inotify.max_user_instances, 128 by default, shared by every root process of the
+# host), however many sandboxes; one top-level project may hold half of that. The edge
+# itself uses ONE inotify instance for all of them (dsec.edge.filestream), so this
+# bounds the edge's share of kernel watches and queues, not instances; tied to the
+# host's instance budget so a host that raised it for inotify-heavy use allows more.
+WATCH_BUDGET_MAX = 4096
+
+
+def watch_budget() -> int:
+    """File watches one node keeps open (see above): max_user_instances / 2."""
+    try:
+        with open("/proc/sys/fs/inotify/max_user_instances") as f:
+            n = int(f.read())
+    except (OSError, ValueError):
+        n = 128
+    return max(2, min(WATCH_BUDGET_MAX, n // 2))
+
+
+def watch_dir_budget() -> int:
+    """inotify watches (directories) the edge's one instance holds over every watch:
+    half of the host's per-uid fs.inotify.max_user_watches (shared with every root
+    process); past it a watch is refused with ResourceExhausted."""
+    try:
+        with open("/proc/sys/fs/inotify/max_user_watches") as f:
+            n = int(f.read())
+    except (OSError, ValueError):
+        n = 8192
+    return max(MAX_WATCH_DIRS, n // 2)
 
 
 @runtime_checkable
@@ -229,8 +265,120 @@ def _event_type(mask: int) -> FileEventType | None:
     return None
 
 
+# Events one watch may have queued (its consumer behind): past it they are dropped and
+# the watch gets one "overflow" event, as the kernel does for a whole instance.
+MAX_QUEUED_EVENTS = 16384
+
+
+class _Hub:
+    """The edge's ONE inotify instance (per event loop), shared by every watch of every
+    sandbox (A6). inotify instances are a per-uid budget of the whole host
+    (fs.inotify.max_user_instances, 128 by default) which the edge - root - shares with
+    systemd, udev and every other root daemon; one instance per watch let one tenant's
+    watches take all of them. Here a watch is a subscriber of the kernel watches (wds)
+    it added: the kernel gives the same wd for the same inode, so a wd is refcounted
+    over its subscribers and removed when the last one leaves; events are read once on
+    the loop and queued to each subscriber of their wd. The directories watched over
+    the whole instance are bounded by :func:`watch_dir_budget`.
+
+    ``add``/``drop`` run on file threads (a recursive watch adds thousands of
+    directories off the loop), hence the lock around the wd table."""
+
+    _by_loop: ClassVar[dict[asyncio.AbstractEventLoop, _Hub]] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sid: str) -> None:
+        fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            e = ctypes.get_errno()
+            raise ResourceExhausted(f"cannot watch files of sandbox {sid}: "
+                                    f"inotify_init1: {os.strerror(e)}")
+        self.fd, self.loop = fd, loop
+        self.lock = threading.RLock()
+        self.subs: dict[int, set[_Inotify]] = {}
+        self.users = 0
+        loop.add_reader(fd, self._readable)
+
+    @classmethod
+    def acquire(cls, sid: str) -> _Hub:
+        loop = asyncio.get_running_loop()
+        hub = cls._by_loop.get(loop)
+        if hub is None or hub.fd < 0:
+            hub = cls._by_loop[loop] = cls(loop, sid)
+        hub.users += 1
+        return hub
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0 and self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            self.subs.clear()
+            if self._by_loop.get(self.loop) is self:
+                del self._by_loop[self.loop]
+
+    def add(self, sub: _Inotify, path: str, dir_fd: int) -> int:
+        with self.lock:
+            if sub.closed or self.fd < 0:
+                # a recursive add still running on a file thread after its watch was
+                # cancelled: nothing may be added for a subscriber that is gone
+                raise ResourceExhausted(f"watch of sandbox {sub.files.sid} was closed")
+            budget = watch_dir_budget()
+            if len(self.subs) >= budget:
+                raise ResourceExhausted(
+                    f"cannot watch {path!r} in sandbox {sub.files.sid}: the node's file "
+                    f"watches follow {len(self.subs)} directories, its budget ({budget}: "
+                    "half of fs.inotify.max_user_watches); retry later", limit=budget)
+            wd = _libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(),
+                                         ctypes.c_uint32(_MASK))
+            if wd < 0:
+                e = ctypes.get_errno()
+                if e == errno.ENOSPC:
+                    raise ResourceExhausted(f"cannot watch {path!r} in sandbox "
+                                            f"{sub.files.sid}: the node's inotify watch "
+                                            "limit is reached")
+                raise InvalidArgument(f"cannot watch {path!r} in sandbox {sub.files.sid}: "
+                                      f"{os.strerror(e)}", path=path)
+            self.subs.setdefault(wd, set()).add(sub)
+            sub.dirs[wd] = path
+            return int(wd)
+
+    def drop(self, sub: _Inotify, wds: list[int]) -> None:
+        with self.lock:
+            for wd in wds:
+                users = self.subs.get(wd)
+                if users is None or sub not in users:
+                    continue
+                users.discard(sub)
+                if not users:
+                    del self.subs[wd]
+                    if self.fd >= 0:
+                        _libc.inotify_rm_watch(self.fd, wd)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 64 * 1024)
+        except OSError:
+            return          # EAGAIN (read by a racing wakeup) or closed
+        off = 0
+        while off + _EVENT.size <= len(data):
+            wd, mask, _cookie, n = _EVENT.unpack_from(data, off)
+            name = data[off + _EVENT.size: off + _EVENT.size + n].split(b"\0", 1)[0]
+            off += _EVENT.size + n
+            with self.lock:
+                if mask & _IN_Q_OVERFLOW:
+                    targets = {s for users in self.subs.values() for s in users}
+                else:
+                    targets = set(self.subs.get(wd, ()))
+                    if mask & _IN_IGNORED:
+                        self.subs.pop(wd, None)
+            for t in targets:
+                t.push(wd, mask, name)
+
+
 class _Inotify:
-    """One inotify instance and the confined directories it watches (wd -> path).
+    """One watch: the confined directories it follows (wd -> path) on the edge's shared
+    instance (:class:`_Hub`) and the events queued for it.
 
     The O_PATH fd a directory was resolved to is closed once its watch is added: an open
     fd holds the directory's dentry, and the kernel then reports its removal
@@ -238,14 +386,19 @@ class _Inotify:
     gone. The watch itself pins the inode, not the name."""
 
     def __init__(self, files: ConfinedFiles) -> None:
-        fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        if fd < 0:
-            e = ctypes.get_errno()
-            raise ResourceExhausted(f"cannot watch files of sandbox {files.sid}: "
-                                    f"inotify_init1: {os.strerror(e)}")
-        self.fd = fd
         self.files = files
         self.dirs: dict[int, str] = {}
+        self.queue: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self.ready = asyncio.Event()
+        self.closed = False
+        self.hub: _Hub | None = _Hub.acquire(files.sid)
+
+    def push(self, wd: int, mask: int, name: bytes) -> None:
+        if len(self.queue) >= MAX_QUEUED_EVENTS:
+            self.queue.clear()
+            mask = _IN_Q_OVERFLOW
+        self.queue.append((wd, mask, name))
+        self.ready.set()
 
     def add(self, path: str, dir_fd: int) -> None:
         """Watch directory ``dir_fd`` (an O_PATH fd, left open) as ``path``."""
@@ -253,17 +406,8 @@ class _Inotify:
             raise ResourceExhausted(
                 f"watch of sandbox {self.files.sid} follows {MAX_WATCH_DIRS} directories, "
                 "its limit; watch a smaller tree", limit=MAX_WATCH_DIRS)
-        wd = _libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(),
-                                     ctypes.c_uint32(_MASK))
-        if wd < 0:
-            e = ctypes.get_errno()
-            if e == errno.ENOSPC:
-                raise ResourceExhausted(f"cannot watch {path!r} in sandbox {self.files.sid}: "
-                                        "the node's inotify watch limit is reached")
-            raise InvalidArgument(f"cannot watch {path!r} in sandbox {self.files.sid}: "
-                                  f"{os.strerror(e)}", path=path)
-        self.dirs[wd] = path
-
+        assert self.hub is not None, "add after close"
+        self.hub.add(self, path, dir_fd)
     def add_tree(self, path: str, dir_fd: int) -> None:
         """Watch ``dir_fd`` and every directory below it (same filesystem, no symlinks
         followed); closes ``dir_fd`` and every fd it opens."""
@@ -289,18 +433,19 @@ class _Inotify:
                 os.close(fd)
 
     def close(self) -> None:
-        self.dirs.clear()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.hub is not None:
+            with self.hub.lock:     # no add (a file thread) after this
+                self.closed = True
+                self.hub.drop(self, list(self.dirs))
+                self.dirs.clear()
+            self.hub.release()
+            self.hub = None
 
 
 async def watch(files: ConfinedFiles, path: str, recursive: bool,
                 run: Run) -> AsyncIterator[FileEvent]:
     """Yield changes below directory ``path`` until it goes away (then return)."""
     ino = _Inotify(files)
-    loop = asyncio.get_running_loop()
-    ready = asyncio.Event()
     try:
         root_fd = await run(functools.partial(files.open_dir, path))
         root = "/" + path.strip("/") if path.strip("/") else "/"
@@ -312,52 +457,41 @@ async def watch(files: ConfinedFiles, path: str, recursive: bool,
             finally:
                 os.close(root_fd)
         root_wd = next(iter(ino.dirs))
-        loop.add_reader(ino.fd, ready.set)
-        try:
-            while True:
-                await ready.wait()
-                ready.clear()
-                try:
-                    data = os.read(ino.fd, 64 * 1024)
-                except BlockingIOError:
+        while True:
+            await ino.ready.wait()
+            ino.ready.clear()
+            while ino.queue:
+                wd, mask, name = ino.queue.popleft()
+                if mask & _IN_Q_OVERFLOW:
+                    yield FileEvent(type="overflow", path=root)
                     continue
-                off = 0
-                while off + _EVENT.size <= len(data):
-                    wd, mask, _cookie, n = _EVENT.unpack_from(data, off)
-                    name = data[off + _EVENT.size: off + _EVENT.size + n].split(b"\0", 1)[0]
-                    off += _EVENT.size + n
-                    if mask & _IN_Q_OVERFLOW:
-                        yield FileEvent(type="overflow", path=root)
+                where = ino.dirs.get(wd)
+                if where is None:
+                    continue
+                if mask & (_IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF):
+                    if wd == root_wd:
+                        return          # the watched directory itself went away
+                    if mask & _IN_IGNORED:
+                        ino.dirs.pop(wd, None)
+                    continue
+                kind = _event_type(mask)
+                if kind is None:
+                    continue
+                nm = name.decode("utf-8", "surrogateescape")
+                if nm.startswith(TEMP_PREFIX) and held_temp(nm):
+                    continue    # the file API's own temporary files: its atomic
+                    # writes show as one create (the rename into place); a file
+                    # the sandbox names so is the sandbox's, and shown
+                full = where.rstrip("/") + "/" + nm
+                yield FileEvent(type=kind, path=full, name=nm)
+                if recursive and kind == "create" and mask & _IN_ISDIR:
+                    # resolved again from the root, confined (a name swapped for a
+                    # symlink meanwhile resolves inside the sandbox, and a kernel
+                    # filesystem is refused by open_dir's fstatfs check)
+                    try:
+                        sub = files.open_dir(full)
+                    except DsecError:
                         continue
-                    where = ino.dirs.get(wd)
-                    if where is None:
-                        continue
-                    if mask & (_IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF):
-                        if wd == root_wd:
-                            return          # the watched directory itself went away
-                        if mask & _IN_IGNORED:
-                            ino.dirs.pop(wd, None)
-                        continue
-                    kind = _event_type(mask)
-                    if kind is None:
-                        continue
-                    nm = name.decode("utf-8", "surrogateescape")
-                    if nm.startswith(TEMP_PREFIX) and held_temp(nm):
-                        continue    # the file API's own temporary files: its atomic
-                        # writes show as one create (the rename into place); a file
-                        # the sandbox names so is the sandbox's, and shown
-                    full = where.rstrip("/") + "/" + nm
-                    yield FileEvent(type=kind, path=full, name=nm)
-                    if recursive and kind == "create" and mask & _IN_ISDIR:
-                        # resolved again from the root, confined (a name swapped for a
-                        # symlink meanwhile resolves inside the sandbox, and a kernel
-                        # filesystem is refused by open_dir's fstatfs check)
-                        try:
-                            sub = files.open_dir(full)
-                        except DsecError:
-                            continue
-                        ino.add_tree(full, sub)
-        finally:
-            loop.remove_reader(ino.fd)
+                    ino.add_tree(full, sub)
     finally:
         ino.close()

@@ -54,7 +54,7 @@ from dsec.edge.backend import (
 )
 from dsec.edge.clock import Clock, SystemClock
 from dsec.edge.eager import gather_eager
-from dsec.edge.filestream import FileStreamBackend
+from dsec.edge.filestream import FileStreamBackend, watch_budget
 from dsec.edge.journal import (
     JOURNAL_SYNC_MODES,
     JournalEnd,
@@ -383,6 +383,8 @@ class EdgeNode:
         self._bg: set[asyncio.Task[Any]] = set()
         self._execs = 0          # commands running on this node (NodeConfig.max_execs)
         self._execs_by_tenant: dict[str, int] = {}   # ... by top-level project
+        self._watches_by_tenant: dict[str, int] = {}  # file watches open, by tenant
+        self._watches_by_sandbox: dict[str, int] = {}
         self._started = False
         self._closed = False
         self._suffix = f"-{self.node_id}"
@@ -1626,13 +1628,57 @@ class EdgeNode:
         with the sandbox's tunnels under ``kind``: 0 transfers, -1 watches)."""
         rec = self._find(sandbox_id)
         backend = self._streams(rec)
-        if kind == -1:
-            open_ = sum(1 for p in rec.tunnels.values() if p == -1)
-            if open_ >= MAX_WATCHES_PER_SANDBOX:
-                raise ResourceExhausted(
-                    f"sandbox {rec.id} has {open_} file watches open, the limit; close one "
-                    "(leave its iterator) first", sandbox_id=rec.id,
-                    limit=MAX_WATCHES_PER_SANDBOX)
+        tenant = ""
+        if kind == -1:      # reserved here, before any await (no check-then-await race)
+            tenant = self._admit_watch(rec)
+        try:
+            async with self._file_stream_open(rec, op, read=read, kind=kind):
+                yield rec, backend
+        finally:
+            if kind == -1:
+                self._release_watch(rec.id, tenant)
+
+    def _admit_watch(self, rec: _Sandbox) -> str:
+        """Reserve one file watch of ``rec`` under the node's budgets (A6): at most
+        MAX_WATCHES_PER_SANDBOX per sandbox, ``watch_budget()`` on the node and half of
+        that per top-level project. Watches share one inotify instance per edge (see
+        dsec.edge.filestream), but each holds kernel watches, a task and a queue, and a
+        tenant must not take them all. Answers the tenant to release with."""
+        open_ = self._watches_by_sandbox.get(rec.id, 0)
+        if open_ >= MAX_WATCHES_PER_SANDBOX:
+            raise ResourceExhausted(
+                f"sandbox {rec.id} has {open_} file watches open, the limit; close one "
+                "(leave its iterator) first", sandbox_id=rec.id,
+                limit=MAX_WATCHES_PER_SANDBOX)
+        budget = watch_budget()
+        tenant = project_of(rec.spec).partition("/")[0]
+        mine = self._watches_by_tenant.get(tenant, 0)
+        share = max(1, budget // 2)
+        if mine >= share:
+            raise ResourceExhausted(
+                f"project {tenant} has {mine} file watches open on node {self.node_id}, "
+                f"half of the node's budget of {budget}; close some first",
+                sandbox_id=rec.id, limit=share)
+        total = sum(self._watches_by_tenant.values())
+        if total >= budget:
+            raise ResourceExhausted(
+                f"node {self.node_id} has {total} file watches open, its budget "
+                f"({budget}); retry later", sandbox_id=rec.id, limit=budget)
+        self._watches_by_sandbox[rec.id] = open_ + 1
+        self._watches_by_tenant[tenant] = mine + 1
+        return tenant
+
+    def _release_watch(self, sid: str, tenant: str) -> None:
+        for table, key in ((self._watches_by_sandbox, sid), (self._watches_by_tenant, tenant)):
+            n = table.get(key, 0) - 1
+            if n > 0:
+                table[key] = n
+            else:
+                table.pop(key, None)
+
+    @contextlib.asynccontextmanager
+    async def _file_stream_open(self, rec: _Sandbox, op: str, *, read: bool,
+                                kind: int) -> AsyncIterator[None]:
         if read:
             await self._readable(rec, op)
         else:
@@ -1643,7 +1689,7 @@ class EdgeNode:
         rec.active += 1
         rec.last_active_at = self.clock.time()
         try:
-            yield rec, backend
+            yield
         except asyncio.CancelledError:
             why = rec.cut.pop(task, None)
             if why is None:

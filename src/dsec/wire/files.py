@@ -45,8 +45,8 @@ __all__ = [
 # A declared upload size: a wire sanity bound (1 TiB); the sandbox's disk cap is the
 # real one, checked by the edge before anything is written.
 MAX_WRITE_STREAM_BYTES = 1 << 40
-# Watches open at once on one sandbox (each holds an inotify instance and a thread of
-# the edge); the edge refuses one more with ResourceExhausted.
+# Watches open at once on one sandbox (each holds kernel inotify watches, a task and an
+# event queue of the edge); the edge refuses one more with ResourceExhausted.
 MAX_WATCHES_PER_SANDBOX = 8
 
 # A watch's own deadline, when it asks for one (a day).

@@ -300,3 +300,109 @@ async def test_a_live_upload_has_no_name_and_sandbox_files_named_like_one_stay(
     assert (await _sh(edge.node, sid, "ls -a /work")).split() == [
         ".", "..", ".dsec-upload-dead", "a", "b"]
     assert await edge.node.read_file(sid, "/work/a") == b"a" * 1000
+
+
+def _inotify_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
+                n += 1
+        except OSError:
+            continue
+    return n
+
+
+async def _node_watch(node: EdgeNode, sid: str, path: str,
+                      into: list[str]) -> None:
+    """A watch at the edge door, the paths it reports appended to ``into``."""
+    async def send(ev: FileEvent) -> None:
+        into.append(ev.path)
+    await node.file_watch(Watch(id=sid, path=path), send)
+
+
+async def test_watches_share_one_inotify_instance_and_a_tenant_share(edge: Edge) -> None:
+    """A6: every watch of every sandbox multiplexes the edge's ONE inotify instance (the
+    host's per-uid instance budget is not the edge's to spend per watch); two watches of
+    the same directory share its kernel watch, and closing one leaves the other
+    working; a project is refused past half of the node's watch budget (a clear
+    ResourceExhausted) while another project may still watch."""
+    from dsec.edge.filestream import watch_budget
+    from dsec.errors import ResourceExhausted
+    before = _inotify_fds()
+    a = (await edge.node.create(SPEC)).id
+    b = (await edge.node.create(SPEC)).id
+    got: dict[str, list[str]] = {"a1": [], "a2": [], "b": []}
+    tasks = {k: asyncio.create_task(_node_watch(edge.node, sid, "/tmp", got[k]))
+             for k, sid in (("a1", a), ("a2", a), ("b", b))}
+    try:
+        await asyncio.sleep(0.3)
+        assert _inotify_fds() - before == 1, "not one shared inotify instance"
+        await _sh(edge.node, a, "echo x > /tmp/one")
+        await _sh(edge.node, b, "echo x > /tmp/other")
+        await asyncio.sleep(0.3)
+        assert "/tmp/one" in got["a1"] and "/tmp/one" in got["a2"], got
+        assert "/tmp/other" in got["b"] and "/tmp/one" not in got["b"], got
+        tasks.pop("a1").cancel()
+        await asyncio.sleep(0.1)
+        await _sh(edge.node, a, "echo y > /tmp/two")
+        await asyncio.sleep(0.3)
+        assert "/tmp/two" in got["a2"], got        # the shared wd stayed for a2
+    finally:
+        for t in tasks.values():
+            t.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    assert _inotify_fds() == before, "the shared instance outlived its last watch"
+    # a tenant's share: half the node's budget (8 per sandbox, spread out)
+    share = max(1, watch_budget() // 2)
+    spec = SandboxSpec(backend="container", project="greedy", memory_bytes=128 << 20)
+    sids = [(await edge.node.create(spec)).id for _ in range(share // 8 + 1)]
+    sink: list[str] = []
+    held = [asyncio.create_task(_node_watch(edge.node, sids[i // 8], "/tmp", sink))
+            for i in range(share)]
+    try:
+        await asyncio.sleep(0.5)
+        assert not [t for t in held if t.done()], "refused within the share"
+        with pytest.raises(ResourceExhausted, match="half of the node's budget"):
+            await _node_watch(edge.node, sids[-1], "/tmp", sink)
+        other = asyncio.create_task(_node_watch(edge.node, b, "/tmp", sink))
+        await asyncio.sleep(0.3)
+        assert not other.done(), "another project was refused by the greedy one's share"
+        other.cancel()
+        await asyncio.gather(other, return_exceptions=True)
+    finally:
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_tmpfs_writes_are_charged_to_the_sandbox_and_bounded_by_it(edge: Edge) -> None:
+    """A3: bytes the file API writes into a sandbox's tmpfs (/tmp, /dev/shm) are RAM; they
+    are written by a helper in the sandbox's memory cgroup, so the sandbox is charged
+    (memory_tmpfs_bytes) and its limit bounds them: a write that cannot fit is refused
+    up front (write_file, a sized stream) or, streamed without a size, fails when the
+    limit is hit - the sandbox's own processes live, nothing is left behind."""
+    from dsec.edge.backends.container.files import TEMP_PREFIX
+    spec = SandboxSpec(backend="container", memory_bytes=64 << 20, pids_max=64)
+    sid = (await edge.node.create(spec)).id
+    box = edge.backend.box(sid)
+    base = edge.backend.governor.memory_shmem(box.cg)
+    await edge.node.write_file(sid, "/tmp/a", _pattern(16 << 20))
+    await _upload(edge.client, sid, "/dev/shm/b", _pattern(16 << 20, 1))
+    held = edge.backend.governor.memory_shmem(box.cg) - base
+    assert held >= 30 << 20, f"32 MiB written to the sandbox's tmpfs, it is charged {held}"
+    assert (await edge.node.stats(sid)).memory_tmpfs_bytes >= 30 << 20
+    # refused before anything changed: write_file and a sized stream
+    with pytest.raises(QuotaExceeded, match="memory limit"):
+        await edge.node.write_file(sid, "/tmp/a", _pattern(60 << 20))
+    assert _pattern(16 << 20) == (await _download(edge.client, sid, "/tmp/a"))[0]
+    with pytest.raises(QuotaExceeded, match="memory limit"):
+        await _upload(edge.client, sid, "/tmp/c", _pattern(40 << 20), size=40 << 20)
+    # a stream without a size: cut when the limit is hit, its temporary file removed
+    with pytest.raises((QuotaExceeded, StreamReset)):
+        await _upload(edge.client, sid, "/tmp/d", _pattern(48 << 20, 2))
+    out = await _sh(edge.node, sid, "echo alive; ls -a /tmp")
+    assert out.startswith("alive"), out
+    assert "d" not in out.split() and TEMP_PREFIX not in out, out
+    # the disk is not memory: the same bytes to /home are not refused by it
+    await edge.node.write_file(sid, "/home/big", _pattern(60 << 20, 3))

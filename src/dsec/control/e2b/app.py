@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import json
 import logging
 import re
@@ -33,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -477,7 +479,10 @@ class E2BApp:
     def _rpc_error(self, exc: BaseException, streaming: bool, request: Request) -> Response:
         code, message = self._rpc_code(exc, request)
         if request.url.path in ("/files", "/health"):
-            status = rpc.HTTP_STATUS.get(code, 500)
+            # plain HTTP routes: an error of this layer keeps its own status (413 for an
+            # upload past max_upload, 405 for a wrong method), not the Connect code's
+            status = exc.status if isinstance(exc, _E2BError) else \
+                rpc.HTTP_STATUS.get(code, 500)
             return _json({"code": status, "message": message}, status)
         if streaming:
             return Response(rpc.end_stream((code, message)),
@@ -762,21 +767,21 @@ class E2BApp:
                       path: str | None) -> Response:
         ctype = request.headers.get("content-type", "")
         results: list[dict[str, Any]] = []
+        limit = self.config.max_upload
+        clen = request.headers.get("content-length")
         if ctype.startswith("multipart/form-data"):
-            limit = self.config.max_upload
-            async with request.form(max_files=1000, max_fields=1000,
-                                    max_part_size=limit) as form:
-                for _, item in form.multi_items():
-                    if isinstance(item, str):
-                        continue
-                    target = item.filename or ""
-                    if not target.startswith("/") and path:
-                        target = path
-                    if not target:
-                        raise _E2BError(400, "a multipart file part needs a filename (the "
-                                             "path) or ?path=")
-                    results.append(await self._write(caller, sandbox, target,
-                                                     _aiter_file(item.file), item.size))
+            # Bounded before a byte is read: the body may carry max_upload bytes of files
+            # plus MULTIPART_FRAMING bytes of boundaries and part headers. Parts are then
+            # streamed one by one straight into file_write_stream (nothing is spooled on
+            # the apiserver), counting file bytes as they pass (a chunked body has no
+            # length to check up front: past max_upload the part being written is
+            # abandoned - its temporary file removed - and the answer is 413).
+            if clen and clen.isdigit() and \
+                    int(clen) > limit + MULTIPART_FRAMING:
+                raise _E2BError(413, f"upload of {clen} bytes exceeds max_upload={limit} "
+                                     "bytes of files (plus multipart framing)")
+            results = await self._upload_multipart(request, caller, sandbox, path, ctype,
+                                                   limit)
         else:
             if not path:
                 raise _E2BError(400, "query parameter path is required for an "
@@ -784,10 +789,56 @@ class E2BApp:
             if request.headers.get("content-encoding"):
                 raise _E2BError(400, "compressed uploads (gzip=True) are not supported by "
                                      "dsec's E2B layer: upload uncompressed")
-            size = request.headers.get("content-length")
-            results.append(await self._write(caller, sandbox, path, request.stream(),
-                                             int(size) if size and size.isdigit() else None))
+            size = int(clen) if clen and clen.isdigit() else None
+            if size is not None and size > limit:
+                raise _E2BError(413, f"upload of {size} bytes exceeds max_upload={limit}")
+            counted = _Counted(request.stream(), limit)
+            try:
+                results.append(await self._write(caller, sandbox, path, counted.chunks(),
+                                                 size))
+            except Exception:
+                if counted.over:
+                    raise _E2BError(413, f"upload exceeds max_upload={limit} bytes; "
+                                         "nothing was changed") from None
+                raise
         return _json(results)
+
+    async def _upload_multipart(self, request: Request, caller: Caller, sandbox: str,
+                                path: str | None, ctype: str,
+                                limit: int) -> list[dict[str, Any]]:
+        """Parse the multipart body as it arrives (python-multipart's streaming parser)
+        and write each file part through ``file_write_stream`` while it is read: memory
+        per request is one body chunk, and at most MULTIPART_MAX_PARTS parts and
+        max_upload bytes of files are taken."""
+        _, params = parse_options_header(ctype)
+        boundary = params.get(b"boundary")
+        if not boundary:
+            raise _E2BError(400, "multipart/form-data without a boundary")
+        parts = _Parts(request.stream(), boundary, limit)
+        results: list[dict[str, Any]] = []
+        while True:
+            headers = await parts.next_part()
+            if headers is None:
+                return results
+            _, disp = parse_options_header(headers.get(b"content-disposition", b""))
+            fname = disp.get(b"filename")
+            if fname is None:          # a plain field: read (bounded) and ignored
+                async for _ in parts.data(field=True):
+                    pass
+                continue
+            target = fname.decode("utf-8", "surrogateescape")
+            if not target.startswith("/") and path:
+                target = path
+            if not target:
+                raise _E2BError(400, "a multipart file part needs a filename (the path) "
+                                     "or ?path=")
+            try:
+                results.append(await self._write(caller, sandbox, target, parts.data(),
+                                                 None))
+            except Exception:
+                if parts.over:
+                    raise _E2BError(413, parts.over) from None
+                raise
 
     async def _write(self, caller: Caller, sandbox: str, path: str,
                      chunks: AsyncIterator[bytes], size: int | None) -> dict[str, Any]:
@@ -834,10 +885,127 @@ class E2BApp:
         return StreamingResponse(body(), media_type="application/connect+json")
 
 
-async def _aiter_file(f: Any) -> AsyncIterator[bytes]:
-    while True:
-        piece = await asyncio.to_thread(f.read, 1 << 20)
-        if not piece:
-            return
-        yield piece
+# Multipart /files bounds (A7): parts in one request (E2B's SDK sends one per file of a
+# write_files call) and bytes of boundaries + part headers (~150 per part) allowed on top
+# of max_upload when the request's length is checked up front. A field (non-file part)
+# may hold FIELD_MAX bytes.
+MULTIPART_MAX_PARTS = 64
+MULTIPART_FRAMING = 64 << 10
+FIELD_MAX = 64 << 10
+
+
+class _Counted:
+    """A request body passed on while counting it; past ``limit`` it stops (``over``)."""
+
+    def __init__(self, stream: AsyncIterator[bytes], limit: int) -> None:
+        self.stream, self.limit, self.seen, self.over = stream, limit, 0, False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in self.stream:
+            self.seen += len(chunk)
+            if self.seen > self.limit:
+                self.over = True
+                raise _E2BError(413, f"upload exceeds max_upload={self.limit} bytes")
+            yield chunk
+
+
+class _Parts:
+    """A multipart body parsed as it streams in (pull-driven: a chunk of the request is
+    read only when the consumer of the current part wants more), so a file part goes to
+    the sandbox while it arrives. ``over`` says why a bound was hit (then 413)."""
+
+    def __init__(self, stream: AsyncIterator[bytes], boundary: bytes, limit: int) -> None:
+        self.stream = aiter(stream)
+        self.limit = limit
+        self.file_bytes = 0
+        self.count = 0
+        self.over = ""
+        self.events: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._field = b""
+        self._value = b""
+
+        def on_data(kind: str) -> Callable[[bytes, int, int], None]:
+            def cb(data: bytes, start: int, end: int) -> None:
+                self.events.append((kind, bytes(data[start:end])))
+            return cb
+
+        def on(kind: str) -> Callable[[], None]:
+            def cb() -> None:
+                self.events.append((kind, b""))
+            return cb
+
+        self.parser = MultipartParser(boundary, {
+            "on_part_begin": on("begin"), "on_part_data": on_data("data"),
+            "on_part_end": on("end"), "on_header_field": on_data("hfield"),
+            "on_header_value": on_data("hvalue"), "on_header_end": on("hend"),
+            "on_end": on("eof")})
+        self.done = False
+
+    async def _event(self) -> tuple[str, bytes]:
+        while not self.events:
+            if self.done:
+                return ("eof", b"")
+            chunk = await anext(self.stream, None)
+            if chunk is None:
+                self.done = True
+                self.parser.finalize()
+                continue
+            try:
+                self.parser.write(chunk)
+            except Exception as exc:     # python-multipart's MultipartParseError & co
+                raise _E2BError(400, f"malformed multipart body: {exc}") from exc
+        return self.events.popleft()
+
+    async def next_part(self) -> dict[bytes, bytes] | None:
+        """The headers of the next part (lower-cased names), None at the end."""
+        while True:
+            kind, _ = await self._event()
+            if kind == "eof":
+                return None
+            if kind == "begin":
+                break
+        self.count += 1
+        if self.count > MULTIPART_MAX_PARTS:
+            self.over = f"more than {MULTIPART_MAX_PARTS} parts in one upload"
+            raise _E2BError(413, self.over)
+        headers: dict[bytes, bytes] = {}
+        field, value = b"", b""
+        while True:
+            kind, data = await self._event()
+            if kind == "hfield":
+                field += data
+            elif kind == "hvalue":
+                value += data
+            elif kind == "hend":
+                headers[field.lower()] = value
+                field, value = b"", b""
+            elif kind == "eof":
+                raise _E2BError(400, "multipart body ends inside a part's headers")
+            else:                       # the first data (or the end) of the part
+                self.events.appendleft((kind, data))
+                return headers
+
+    async def data(self, *, field: bool = False) -> AsyncIterator[bytes]:
+        """The current part's bytes, counted against the bounds."""
+        seen = 0
+        while True:
+            kind, data = await self._event()
+            if kind == "end":
+                return
+            if kind == "eof":
+                raise _E2BError(400, "multipart body ends inside a part")
+            if kind != "data":
+                continue
+            seen += len(data)
+            if field:
+                if seen > FIELD_MAX:
+                    self.over = f"a multipart field exceeds {FIELD_MAX} bytes"
+                    raise _E2BError(413, self.over)
+                continue
+            self.file_bytes += len(data)
+            if self.file_bytes > self.limit:
+                self.over = (f"upload exceeds max_upload={self.limit} bytes of files; the "
+                             "part being written was not kept")
+                raise _E2BError(413, self.over)
+            yield data
 

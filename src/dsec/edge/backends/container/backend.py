@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import resource
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -58,7 +59,7 @@ from dsec.edge.backends.container.census import (
 from dsec.edge.backends.container.density import uncharged_bytes
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
-from dsec.edge.backends.container.files import SandboxFiles
+from dsec.edge.backends.container.files import MemoryHome, SandboxFiles
 from dsec.edge.backends.container.images import ImageResolver, RootLayers
 from dsec.edge.backends.container.native import ZygoteClient
 from dsec.edge.backends.container.protocol import (
@@ -857,6 +858,37 @@ class ContainerBackend:
         if pool_free < room:
             return pool_free, "the node's sandbox disk pool"
         return room, (f"its disk cap of {use.cap_bytes} bytes ({use.used_bytes} used)")
+
+    def _memory_room(self, box: Box) -> tuple[int, str]:
+        """Bytes ``box``'s memory limit has left (for writes into its tmpfs)."""
+        limit = box.spec.memory_bytes
+        try:
+            used = self.governor.memory_usage(box.cg)
+        except (OSError, ValueError):
+            used = 0
+        return max(0, limit - used), f"its memory limit of {limit} bytes ({used} used)"
+
+    def _enter_memcg(self, box: Box, pid: int) -> Callable[[], None]:
+        """Move the edge's writer ``pid`` into ``box``'s memory cgroup (files.py,
+        ChargedWriter: tmpfs pages are charged to the writer). v1: the memory hierarchy
+        only (not the freezer: a paused sandbox must not freeze the edge's write). v2:
+        a leaf of its own below the sandbox's cgroup (the no-internal-process rule),
+        removed after the writer exited; charges stay with the sandbox."""
+        if box.cg.version == 2:
+            ec = self.governor.exec_cgroup(box.cg, f"files-{secrets.token_hex(4)}")
+            try:
+                with open(os.path.join(ec.dir, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except BaseException:
+                self.governor.remove_exec(ec)
+                raise
+
+            def undo() -> None:
+                self.governor.remove_exec(ec)
+            return undo
+        with open(os.path.join(box.cg.dirs["memory"], "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        return lambda: None
 
     def _check_tmpfs(self, box: Box) -> None:
         """After an OOM kill: if tmpfs files (/tmp and /dev/shm are sized by memory, and
@@ -1827,7 +1859,9 @@ class ContainerBackend:
                 return SandboxFiles.of_process(
                     pidfd, box.init_pid, sid,
                     owner=self.userns_range[0] if box.spec.user_namespace else None,
-                    disk_room=(lambda: self._disk_room(box)) if box.disk_q else None)
+                    disk_room=(lambda: self._disk_room(box)) if box.disk_q else None,
+                    memory=MemoryHome(room=lambda: self._memory_room(box),
+                                      enter=lambda pid: self._enter_memcg(box, pid)))
         except OSError as exc:
             raise BackendError(f"sandbox {sid} is not running (its init is gone): {exc}"
                                ) from exc

@@ -17,6 +17,14 @@ only the sandbox's own data filesystems pass (the overlay root, and tmpfs for /t
 /dev/shm); procfs, sysfs, devpts, cgroupfs, debugfs, the host
 filesystem behind the read-only /dev/.init bind, ... are refused with InvalidArgument.
 Cost: one fstatfs per opened fd, ~1 µs (measured 0.6-1.2 µs here).
+
+Bytes written into a sandbox's **memory-backed** filesystem (the tmpfs of /tmp, /dev/shm,
+/dev) are pages of RAM charged to the memory cgroup of the process that writes them
+(the kernel charges a tmpfs page to the writer's mm): written by the edge, they were
+the edge's, outside the sandbox's limit and stats (red team 19, A3). So every write to
+a tmpfs fd goes through a :class:`ChargedWriter` - a short-lived ``cat`` moved into the
+sandbox's memory cgroup before it is given a byte - and is refused up front when it
+cannot fit the room the sandbox's memory limit has left (:class:`MemoryHome`).
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ import errno
 import os
 import posixpath
 import secrets
+import signal
 import stat as st
+import subprocess
 from collections.abc import Callable
-from typing import Self
+from dataclasses import dataclass
+from typing import NoReturn, Self
 
 from dsec.edge.backends.container import linux
 from dsec.edge.filestream import TEMP_PREFIX, hold_temp, release_temp
@@ -37,7 +48,7 @@ from dsec.rmtree import remove_tree_at
 from dsec.wire.spec import FileInfo, FileType
 
 __all__ = ["MAX_LIST_ENTRIES", "MAX_READ_BYTES", "SANDBOX_FS_TYPES", "TEMP_PREFIX",
-           "PendingWrite", "SandboxFiles", "split_path"]
+           "ChargedWriter", "MemoryHome", "PendingWrite", "SandboxFiles", "split_path"]
 
 MAX_READ_BYTES = 64 << 20
 # Entries of one listing. A sandbox decides how many files a directory holds (a 10 GiB
@@ -88,20 +99,157 @@ def _kind(mode: int) -> FileType:
     return "other"
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryHome:
+    """Where a sandbox's memory is charged, for writes into its tmpfs: ``room()`` is the
+    bytes its memory limit has left and a phrase naming that limit; ``enter(pid)`` moves
+    process ``pid`` into the sandbox's memory cgroup and answers how to undo whatever it
+    made for that (v2: the leaf cgroup it made; v1: nothing)."""
+
+    room: Callable[[], tuple[int, str]]
+    enter: Callable[[int], Callable[[], None]]
+
+
+class ChargedWriter:
+    """Bytes written into ``out_fd`` by a process in the sandbox's memory cgroup.
+
+    A ``cat`` (spawned by subprocess with vfork + exec: no copy of the edge's memory)
+    with a pipe as stdin and ``out_fd`` as stdout is moved into the sandbox's memory
+    cgroup before it gets its first byte, so every tmpfs page it writes is charged to
+    the sandbox (memory_tmpfs_bytes in its stats) and bounded by its limit - an
+    overrun is the sandbox's own OOM, as if it had written the file itself. Only the
+    memory cgroup is joined: never the freezer (a write to a paused sandbox must not
+    freeze), and the task limit is not the sandbox's to pay for the edge's helper.
+
+    Cost, measured on the dev VM at load ~4 (a 4 KiB ``sb.files.write`` through REST,
+    median of 40): /tmp 0.45-0.51 ms before (the edge's own write), 1.8-2.0 ms after
+    (spawn + oom_score_adj + cgroup join + pipe + wait); /home (overlay, unchanged
+    path) 0.72-0.80 ms both. Only tmpfs targets pay it."""
+
+    def __init__(self, out_fd: int, home: MemoryHome) -> None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self.proc = subprocess.Popen(
+                ["cat"], executable=_CAT, stdin=r, stdout=out_fd, stderr=subprocess.PIPE,
+                close_fds=True, env={}, start_new_session=True)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        self.w = w
+        self.undo: Callable[[], None] | None = None
+        try:
+            # the first the memory cgroup's OOM killer takes when a write overruns the
+            # limit: the write fails (QuotaExceeded), the sandbox's processes live
+            with open(f"/proc/{self.proc.pid}/oom_score_adj", "w") as f:
+                f.write("1000")
+            self.undo = home.enter(self.proc.pid)
+        except BaseException:
+            self.kill()
+            raise
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Pipe ``data`` to the writer; answers the bytes taken (all of them)."""
+        view = memoryview(data)
+        total = len(view)
+        try:
+            while view:
+                n = os.write(self.w, view)
+                view = view[n:]
+        except BrokenPipeError:
+            self._close_pipe()
+            self._wait()      # raises what the writer died of
+            raise OSError(errno.EPIPE, "the writer ended early") from None
+        return total
+
+    def finish(self) -> None:
+        """Wait for every byte to be written; raise OSError with what went wrong."""
+        self._close_pipe()
+        self._wait()
+
+    def _close_pipe(self) -> None:
+        if self.w >= 0:
+            os.close(self.w)
+            self.w = -1
+
+    def _wait(self) -> None:
+        try:
+            _, err = self.proc.communicate(timeout=_WRITER_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise OSError(errno.ETIMEDOUT, "the writer did not finish") from None
+        self._undo()
+        rc = self.proc.returncode
+        if rc == 0:
+            return
+        if rc == -signal.SIGKILL:
+            raise OSError(errno.ENOMEM, "the write was OOM-killed in the sandbox's memory "
+                                        "cgroup (its memory limit is full)")
+        text = err.decode("utf-8", "replace").strip()
+        for code in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG, errno.EIO):
+            if os.strerror(code) in text:
+                raise OSError(code, os.strerror(code))
+        raise OSError(errno.EIO, f"the writer failed ({rc}): {text[:200]}")
+
+    def kill(self) -> None:
+        """Stop the writer (the bytes it wrote stay in the file; the caller removes it)."""
+        self._close_pipe()
+        if self.proc.returncode is None:
+            self.proc.kill()
+            self.proc.communicate()
+        self._undo()
+
+    def _undo(self) -> None:
+        if self.undo is not None:
+            undo, self.undo = self.undo, None
+            try:
+                undo()
+            except OSError:
+                pass
+
+
+_CAT = "/bin/cat"
+_WRITER_WAIT_S = 120.0
+
+
+def _check_memory(home: MemoryHome | None, sid: str, path: str, size: int,
+                  freed: int = 0) -> None:
+    """Refuse a tmpfs write of ``size`` bytes that the sandbox's memory cannot hold
+    (``freed``: bytes the write gives back first, an overwritten file's), before
+    anything changed: written anyway, it would OOM-kill the sandbox's processes."""
+    if home is None or size <= freed:
+        return
+    room, limit = home.room()
+    if size - freed > room:
+        raise QuotaExceeded(
+            f"write {path[:200]!r} ({size} bytes) in sandbox {sid} refused: it is on a "
+            f"tmpfs, i.e. in the sandbox's memory, and {limit} has {room} bytes left; "
+            "nothing was changed - write it to the sandbox's disk (e.g. /home or /work), "
+            "remove files from /tmp or /dev/shm, or create the sandbox with more memory",
+            resource="memory_bytes", sandbox_id=sid, requested=size, available=room,
+            path=path[:200])
+
+
 class SandboxFiles:
     """Confined file I/O below ``root_fd`` (an O_PATH fd of the sandbox root)."""
 
     def __init__(self, root_fd: int, sid: str, *, owner: int | None = None,
-                 disk_room: Callable[[], tuple[int, str]] | None = None) -> None:
+                 disk_room: Callable[[], tuple[int, str]] | None = None,
+                 memory: MemoryHome | None = None) -> None:
         """``owner``: host uid=gid of the sandbox's root when it runs in a user namespace;
         files and directories made here as host root (uid 0, unmapped in there, so the
         sandbox's root could not change them) are given to it. ``disk_room``: the bytes
         a write to the sandbox's disk (its overlay root) may still take, and a phrase
-        naming that limit; a write bigger than that is refused before anything changes."""
+        naming that limit; a write bigger than that is refused before anything changes.
+        ``memory``: where writes into the sandbox's tmpfs are charged (see
+        :class:`ChargedWriter`); None writes them as the calling process (a backend
+        whose sandboxes have no memory cgroup of their own)."""
         self.root_fd = root_fd
         self.sid = sid
         self.owner = owner
         self.disk_room = disk_room
+        self.memory = memory
 
     def _own(self, fd: int) -> None:
         if self.owner is not None and os.fstat(fd).st_uid == 0:
@@ -109,13 +257,14 @@ class SandboxFiles:
 
     @classmethod
     def of_process(cls, pidfd: int, pid: int, sid: str, *, owner: int | None = None,
-                   disk_room: Callable[[], tuple[int, str]] | None = None) -> SandboxFiles:
+                   disk_room: Callable[[], tuple[int, str]] | None = None,
+                   memory: MemoryHome | None = None) -> SandboxFiles:
         """Files of the sandbox whose init is ``pid`` (its root as its mount namespace sees
         it). The pidfd check first makes sure ``/proc/<pid>`` is still that process.
         Close with :meth:`close` (or use as a context manager)."""
         linux.pidfd_send_signal(pidfd, 0)
         return cls(os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
-                   sid, owner=owner, disk_room=disk_room)
+                   sid, owner=owner, disk_room=disk_room, memory=memory)
 
     def close(self) -> None:
         if self.root_fd >= 0:
@@ -137,6 +286,13 @@ class SandboxFiles:
             return InvalidArgument(f"{what} {path!r} in sandbox {self.sid}: {exc.strerror}",
                                    path=path)
         return SandboxError(f"{what} {path!r} in sandbox {self.sid} failed: {exc}", path=path)
+
+    def _oom(self, path: str, exc: OSError) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"write {path[:200]!r} in sandbox {self.sid} failed: {exc.strerror}; the file "
+            "is on a tmpfs (the sandbox's memory) - write it to the disk, remove files "
+            "from /tmp or /dev/shm, or create the sandbox with more memory",
+            resource="memory_bytes", sandbox_id=self.sid, path=path[:200])
 
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
         """openat2 confined to the root, then refuse (closing it) any fd that is not on
@@ -206,18 +362,36 @@ class SandboxFiles:
         except OSError as exc:
             raise self._err(exc, "write", path) from exc
         try:
-            if not st.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not st.S_ISREG(info.st_mode):
                 raise InvalidArgument(f"write {path!r} in sandbox {self.sid}: not a regular "
                                       "file", path=path)
+            charged = self.memory is not None and bool(data) and \
+                linux.fstatfs_type(fd) == TMPFS_MAGIC
+            if charged:
+                _check_memory(self.memory, self.sid, path, len(data),
+                              0 if append else info.st_blocks * 512)
             self._own(fd)
             if not append:  # an append keeps the mode the file has
                 os.ftruncate(fd, 0)
                 os.fchmod(fd, mode & 0o7777)
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            if charged:
+                assert self.memory is not None
+                writer = ChargedWriter(fd, self.memory)
+                try:
+                    writer.write(data)
+                    writer.finish()
+                except BaseException:
+                    writer.kill()
+                    raise
+            else:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
         except OSError as exc:
+            if exc.errno == errno.ENOMEM:
+                raise self._oom(path, exc) from exc
             raise self._err(exc, "write", path) from exc
         finally:
             os.close(fd)
@@ -413,9 +587,16 @@ class SandboxFiles:
         try:
             self._own(fd)
             os.fchmod(fd, mode & 0o7777)   # the umask must not narrow what was asked
+            if self.memory is not None and linux.fstatfs_type(fd) == TMPFS_MAGIC:
+                if size:
+                    _check_memory(self.memory, self.sid, path, size)
+                pending.writer = ChargedWriter(fd, self.memory)
         except OSError as exc:
             pending.abort()
             raise self._err(exc, "write", path) from exc
+        except BaseException:
+            pending.abort()
+            raise
         return pending
 
     @staticmethod
@@ -423,8 +604,8 @@ class SandboxFiles:
         """The file an upload writes: unnamed (O_TMPFILE, in the target's directory so the
         commit is a link to the returned name and a rename on one filesystem); or, on a
         filesystem without O_TMPFILE, a new file of that name (O_EXCL: it never follows
-        or reuses anything); and whether it is named already. Either name is registered (:func:`hold_temp`) so a watch
-        hides it; an edge killed mid-upload leaves no unnamed file behind (the named
+        or reuses anything); and whether it is named already. Either name is registered
+        (:func:`hold_temp`) so a watch hides it; an edge killed mid-upload leaves no unnamed file behind (the named
         fallback's stays: sandbox files are never deleted by their name alone)."""
         tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
@@ -511,29 +692,47 @@ class PendingWrite:
         self.name, self.path, self.mode = name, path, mode
         self.named = named          # whether ``tmp`` exists in the directory yet
         self.written = 0
+        # set when the file is on a tmpfs: the bytes go through the sandbox's memory
+        # cgroup (SandboxFiles / ChargedWriter)
+        self.writer: ChargedWriter | None = None
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         try:
+            if self.writer is not None:
+                self.written += self.writer.write(view)
+                return
             while view:
                 n = os.write(self.fd, view)
                 view = view[n:]
                 self.written += n
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise QuotaExceeded(
-                    f"write {self.path[:200]!r} in sandbox {self.files.sid} failed after "
-                    f"{self.written} bytes: {exc.strerror}: the sandbox's disk is full; "
-                    "nothing was changed (the partial upload was removed) - remove files "
-                    "in it or create the sandbox with a larger disk_bytes",
-                    resource="disk_bytes", sandbox_id=self.files.sid,
-                    written=self.written, path=self.path[:200]) from exc
-            raise self.files._err(exc, "write", self.path) from exc
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> NoReturn:
+        if exc.errno == errno.ENOMEM:
+            raise self.files._oom(self.path, exc) from exc
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise QuotaExceeded(
+                f"write {self.path[:200]!r} in sandbox {self.files.sid} failed after "
+                f"{self.written} bytes: {exc.strerror}: the sandbox's disk is full; "
+                "nothing was changed (the partial upload was removed) - remove files "
+                "in it or create the sandbox with a larger disk_bytes",
+                resource="disk_bytes", sandbox_id=self.files.sid,
+                written=self.written, path=self.path[:200]) from exc
+        raise self.files._err(exc, "write", self.path) from exc
 
     def commit(self) -> FileInfo:
         """Make the file visible under its name (one rename: readers see the old file or
         the whole new one, never a part). An unnamed file is first linked as the held
         temporary name (a link cannot replace a file; the rename can)."""
+        if self.writer is not None:
+            try:
+                self.writer.finish()
+            except OSError as exc:
+                self.abort()
+                self._failed(exc)
+            self.writer = None
         try:
             if not self.named:
                 hold_temp(self.tmp)
@@ -553,6 +752,9 @@ class PendingWrite:
     def abort(self) -> None:
         """Remove the temporary file (if named and not committed) and close everything;
         idempotent."""
+        if self.writer is not None:
+            self.writer.kill()
+            self.writer = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
