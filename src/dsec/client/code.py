@@ -1,13 +1,14 @@
 """``sb.run_code(...)``: a stateful Python interpreter per sandbox.
 
 ``sb.run_code("x = 41")`` then ``sb.run_code("x + 1").text == "42"``: the code runs in a
-kernel process living inside the sandbox (:mod:`dsec.client.code_kernel`, copied in and
-started in the background on first use, by whichever client gets there first), so its
-variables, imports and open files persist between calls and between client processes,
-until :func:`restart` or the sandbox goes. Every call is an ordinary exec of the sandbox
-(the kernel's ``run`` command, the code on its stdin), so the sandbox's isolation, user,
-cgroup limits, and every door's auth and rate limits apply unchanged: the kernel is
-just a process of the sandbox, with no door of its own.
+kernel process living inside the sandbox (:mod:`dsec.client.code_kernel`, run as
+``python3 -c SOURCE`` and started in the background on first use, by whichever client
+gets there first), so its variables, imports and open files persist between calls and
+between client processes with the same API key, until :func:`restart` or the sandbox
+goes. Every call is an ordinary exec of the sandbox (the kernel's ``run`` command, the
+code on stdin), so the sandbox's isolation, user, cgroup limits, and every door's auth
+and rate limits apply unchanged. The kernel answers only holders of its token (see
+:func:`_token`), from a directory only its user made (red team 19, B1/B2; docs/sdk.md).
 
 Needs ``python3`` in the image (the ``base`` image is busybox: no python; see
 docs/images.md for a Debian image). The result mirrors e2b-code-interpreter's
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import importlib.resources
 import json
+import secrets
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -46,24 +49,47 @@ class AsyncSandbox(Protocol):
 __all__ = ["CodeError", "CodeResult", "Execution", "restart", "run_code"]
 
 KERNEL_SOURCE = (importlib.resources.files("dsec.client") / "code_kernel.py").read_text()
-# One directory per kernel version: an upgraded SDK never talks to an older kernel.
-KERNEL_DIR = "/tmp/.dsec-code/" + hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:12]
+_VERSION = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:12]
+# The kernel's source is never a file in the sandbox: every exec runs it as
+# ``python3 -c KERNEL_SOURCE ...`` (argv: ~14 KB a call), so there is nothing to plant.
+# Each kernel's directory is KERNEL_DIR + "-" + a digest of its token (one directory per
+# kernel version and caller context; see _token): made by the kernel's own user with
+# mkdir (never -p), mode 0700, and checked (owner, mode, not a symlink, in a sticky
+# root-owned /tmp) before every use; it holds only the socket and a lock.
+KERNEL_DIR = "/tmp/.dsec-code-" + _VERSION
+# Where kernel.py lived before red team 19 (B1): nothing reads or runs it now.
 KERNEL_PATH = KERNEL_DIR + "/kernel.py"
-EXIT_NOT_INSTALLED = 90
 EXIT_NO_KERNEL = 91                  # code_kernel.EXIT_NO_KERNEL
+EXIT_BAD_DIR = 92                    # code_kernel.EXIT_BAD_DIR: not ours, refused
 MAX_CODE_BYTES = 1 << 20
 # Each run is one exec: its output cap bounds the result (output + display data).
 RESULT_CAP_BYTES = 12 << 20
-START_WAIT_S = 15.0                  # a kernel's start (python3's import time, loaded box)
+START_WAIT_S = 15.0                  # code_kernel.START_WAIT_S
 
-# sh: is this kernel version installed? then its run command, the code on stdin.
-_RUN = (f'test -f {KERNEL_PATH} || exit {EXIT_NOT_INSTALLED}; '
-        f'exec python3 {KERNEL_PATH} run {KERNEL_DIR} "$1"')
-# sh: start the kernel (the exec is a background one: it returns at once) and wait until
-# its socket is there, so the next run finds it.
-_START = (f'python3 {KERNEL_PATH} serve {KERNEL_DIR} </dev/null >/dev/null 2>&1 & '
-          f'i=0; while [ ! -S {KERNEL_DIR}/sock ] && [ $i -lt {int(START_WAIT_S * 20)} ]; '
-          'do sleep 0.05; i=$((i+1)); done; test -S ' + KERNEL_DIR + '/sock')
+# sh: python3 there? then the kernel's command ($1 the source, the rest its arguments).
+_KERNEL = 'command -v python3 >/dev/null || exit 127; exec python3 -c "$@"'
+# A secret of this process, for clients with no API key (an in-memory transport).
+_LOCAL_SECRET = secrets.token_bytes(32)
+
+
+def _token(sb: AsyncSandbox) -> str:
+    """The kernel's secret: who holds it reaches the kernel (``run``), nobody else (a
+    less-privileged user, an exec confined with ``hide``, any other process of the
+    sandbox: the kernel refuses a connection without it, and proves it holds it to the
+    client, bound to its pid, before the client sends anything). Derived from the
+    client's API key, so every client process with that key shares the sandbox's kernel
+    (the CLI sees the SDK's variables) and no one else does; it is sent on each exec's
+    stdin and kept only in the kernel's memory, never in the sandbox's files, argv or
+    environment. The context (the exec's default user, no ``hide``) is part of the
+    message: a kernel per caller context."""
+    key = getattr(getattr(sb, "_c", None), "_key", "") or ""
+    secret = key.encode() if key else _LOCAL_SECRET
+    msg = f"dsec-run-code|{_VERSION}|{sb.id}|user=|hide=".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def _kernel_dir(token: str) -> str:
+    return KERNEL_DIR + "-" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 class CodeResult(msgspec.Struct, kw_only=True):
@@ -133,22 +159,22 @@ async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0
         raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds or None",
                               field="timeout")
     arg = "none" if timeout is None else repr(float(timeout))
+    token = _token(sb)
+    d = _kernel_dir(token)
+    body = json.dumps({"token": token, "code": code}).encode()
     # the exec's own timeout: the code's, plus the interrupt grace and the kernel's start
     exec_timeout = None if timeout is None else timeout + 10.0
     for attempt in range(3):
-        r = await sb.exec(["sh", "-c", _RUN, "sh", arg], stdin=body, timeout=exec_timeout,
-                          output_cap=RESULT_CAP_BYTES)
+        r = await sb.exec(["sh", "-c", _KERNEL, "sh", KERNEL_SOURCE, "run", d, arg],
+                          stdin=body, timeout=exec_timeout, output_cap=RESULT_CAP_BYTES)
         if r.exit_code == 0 and not r.timed_out:
             try:
                 return msgspec.json.decode(r.stdout, type=Execution)
             except msgspec.DecodeError as exc:
                 raise InternalError(f"the code kernel in {sb.id} answered something that is "
                                     f"not a result ({exc}): {r.stdout[:200]!r}") from exc
-        if r.exit_code == EXIT_NOT_INSTALLED and attempt < 2:
-            await _install(sb)
-            await _start(sb)
-        elif r.exit_code == EXIT_NO_KERNEL and attempt < 2:
-            await _start(sb)
+        if r.exit_code == EXIT_NO_KERNEL and attempt < 2:
+            await _start(sb, d, token)
         else:
             break
     _refuse(sb, r.exit_code, r.stderr)
@@ -158,26 +184,16 @@ async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0
 async def restart(sb: AsyncSandbox) -> None:
     """Stop the sandbox's kernel: its variables are gone; the next run starts a fresh
     one."""
-    r = await sb.exec(["sh", "-c", (f"test -f {KERNEL_PATH} || exit 0; "
-                                    f"exec python3 {KERNEL_PATH} stop {KERNEL_DIR}")],
-                      timeout=30.0)
+    r = await sb.exec(["sh", "-c", _KERNEL, "sh", KERNEL_SOURCE, "stop",
+                       _kernel_dir(_token(sb))], timeout=30.0)
     if r.exit_code != 0:
         _refuse(sb, r.exit_code, r.stderr)
 
 
-async def _install(sb: AsyncSandbox) -> None:
-    # written by exec (stdin) rather than files.write: one call, and the same user and
-    # mode rules as the kernel's own execs
-    r = await sb.exec(["sh", "-c", (f"umask 077; mkdir -p {KERNEL_DIR} && cat > "
-                                    f"{KERNEL_PATH}.$$ && mv {KERNEL_PATH}.$$ {KERNEL_PATH}")],
-                      stdin=KERNEL_SOURCE.encode(), timeout=30.0)
-    if r.exit_code != 0:
-        _refuse(sb, r.exit_code, r.stderr)
-
-
-async def _start(sb: AsyncSandbox) -> None:
-    r = await sb.exec(["sh", "-c", "command -v python3 >/dev/null || exit 127; " + _START],
-                      timeout=START_WAIT_S + 10)
+async def _start(sb: AsyncSandbox, d: str, token: str) -> None:
+    # the token on stdin: it never touches the sandbox's files, argv or environment
+    r = await sb.exec(["sh", "-c", _KERNEL, "sh", KERNEL_SOURCE, "start", d],
+                      stdin=(token + "\n").encode(), timeout=START_WAIT_S + 10)
     if r.exit_code != 0:
         _refuse(sb, r.exit_code, r.stderr)
 
@@ -187,5 +203,8 @@ def _refuse(sb: AsyncSandbox, code: int, stderr: bytes) -> None:
         raise CannotRun(f"run_code needs python3 in the sandbox, and {sb.id}'s image "
                         f"({sb.info.spec.image!r}) has none: use an image with python3 "
                         "(e.g. a Debian one, docs/images.md)", sandbox_id=sb.id)
+    if code == EXIT_BAD_DIR:
+        raise CannotRun(f"run_code in {sb.id} refused its kernel: "
+                        f"{stderr[-500:].decode(errors='replace').strip()}", sandbox_id=sb.id)
     raise InternalError(f"the code kernel in {sb.id} failed (exit {code}): "
                         f"{stderr[-500:].decode(errors='replace')}", sandbox_id=sb.id)
