@@ -131,7 +131,13 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
         p.wait(30)
         audit = os.path.join(state, "audit.log")
         assert stat.S_IMODE(os.stat(audit).st_mode) == 0o600
-        recs = AuditLog.read(audit)
+        lines = AuditLog.read(audit)
+        # audited before acting: every outcome line follows an intent line of its op
+        intents = {r["op"]: r for r in lines if r.get("phase") == "intent"}
+        recs = [r for r in lines if r.get("phase") == "outcome"]
+        assert len(intents) == len(recs) == len(lines) // 2, lines
+        assert all(lines.index(intents[r["op"]]) < lines.index(r) for r in recs), lines
+        assert all(intents[r["op"]]["action"] == r["action"] for r in recs), lines
         got = [(r["actor"], r["action"], r["outcome"]) for r in recs]
         assert got == [("admin", "create_key", "ok"), ("admin", "quota_set", "ok"),
                        ("alice", "quota_set", "permission_denied"),
@@ -168,3 +174,97 @@ def test_dsec_up_json_logs_access_log_and_durable_audit(tmp_path) -> None:  # ty
         if p.poll() is None:
             p.kill()
             p.wait(30)
+
+
+def test_text_lines_escape_peer_text_and_quote_fields() -> None:
+    """Red team 19 B7: one record is one line; no control character reaches the file;
+    a field value cannot add a field (logfmt quoting)."""
+    from dsec.logs import TextFormatter
+
+    rec = logging.LogRecord("dsec.access", logging.INFO, __file__, 1,
+                            "GET /v1/sandboxes/x\n2026 INFO forged \x1b[2J\\ %d", (404,), None)
+    rec.fields = {"path": "/x\r\n\x07", "request_id": "r1 principal=admin status=200",
+                  "quote": 'a"b', "empty": "", "n": 3}
+    line = TextFormatter().format(rec)
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\x07" not in line
+    assert line.endswith(r': GET /v1/sandboxes/x\n2026 INFO forged \x1b[2J\\ 404 '
+                         r'path=/x\r\n\x07 request_id="r1 principal=admin status=200" '
+                         r'quote="a\"b" empty="" n=3'), line
+
+
+def test_an_audit_intent_precedes_the_action_and_a_failed_one_refuses_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Red team 19 B6: audited before acting (intent, then outcome, one op id); an intent
+    that cannot be written refuses the action (the policy never runs); a write that
+    fails mid-line leaves no half line."""
+    import asyncio
+    import errno
+    from types import SimpleNamespace
+
+    from dsec.control.audit import audited
+    from dsec.errors import Unavailable
+
+    path = str(tmp_path / "audit.log")
+    log = AuditLog(path, clock=lambda: 0.0)
+    ran: list[str] = []
+
+    async def policy(caller: object, body: object) -> str:
+        ran.append("ran")
+        assert [r["phase"] for r in AuditLog.read(path)][-1] == "intent"   # already there
+        return "reply"
+    caller = SimpleNamespace(name="root", id="k1")
+    run = audited("quota_set", policy, lambda: log)
+    assert asyncio.run(run(caller, None)) == "reply"
+    recs = AuditLog.read(path)
+    assert [(r["phase"], r["outcome"]) for r in recs] == [("intent", "pending"),
+                                                           ("outcome", "ok")]
+    assert recs[0]["op"] == recs[1]["op"]
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    log_full = AuditLog(path, clock=lambda: 0.0, fsync=full)
+    with pytest.raises(Unavailable, match="cannot be written .ENOSPC"):
+        asyncio.run(audited("quota_set", policy, lambda: log_full)(caller, None))
+    assert ran == ["ran"]                       # the second action was never done
+    assert len(AuditLog.read(path)) == 2        # and no half line was left behind
+    log.close()
+    log_full.close()
+
+
+def test_private_log_files_are_0600_from_the_start_and_never_a_symlink(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Red team 19 B8: created 0600 by the open (umask-proof), tightened if looser, not
+    through a symlink, not a file another user owns."""
+    from dsec.logs import open_private
+
+    old = os.umask(0)
+    try:
+        f = open_private(str(tmp_path / "a.log"))
+        f.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "a.log").st_mode) == 0o600
+    os.chmod(tmp_path / "a.log", 0o644)
+    open_private(str(tmp_path / "a.log")).close()
+    assert stat.S_IMODE(os.stat(tmp_path / "a.log").st_mode) == 0o600
+    os.symlink(tmp_path / "a.log", tmp_path / "link.log")
+    with pytest.raises(OSError):
+        open_private(str(tmp_path / "link.log"))
+    if os.geteuid() == 0:
+        os.chown(tmp_path / "a.log", 65534, 65534)
+        with pytest.raises(PermissionError, match="owned by uid 65534"):
+            open_private(str(tmp_path / "a.log"))
+
+
+def test_cli_tables_escape_cells_and_labels_are_printable() -> None:
+    """Red team 19 B10: a label cannot forge a row in (or write into) a terminal."""
+    from dsec.cli.sandbox import plain_table
+    from dsec.errors import InvalidArgument
+    from dsec.logs import escape_text
+    from dsec.wire.spec import SandboxSpec
+
+    assert escape_text("a\nb\x1b]0;t\x07\\") == r"a\nb\x1b]0;t\x07\\"
+    assert plain_table(["id"], [[escape_text("x\nsb-fake")]]).splitlines() == [
+        "ID", r"x\nsb-fake"]
+    for bad in ({"note": "x\ny"}, {"note": "\x1b[2K"}, {"k\t": "v"}):
+        with pytest.raises(InvalidArgument, match="printable"):
+            SandboxSpec(labels=bad).validate()
+    SandboxSpec(labels={"note": "ünïcode ok"}).validate()

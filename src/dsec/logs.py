@@ -12,8 +12,10 @@ issue 19): levels and formats, the access log, and the audit log of admin action
   Off unless asked: :func:`access_enabled` is one attribute read on the hot path.
 - **Audit log** (:class:`AuditLog`, ``<state dir>/audit.log``): who did what to which
   admin object (keys, quotas and projects, images, join tokens and joined nodes, node
-  drains), when, and whether it succeeded, as JSON lines. Durable before acknowledged:
-  the line is written and fsynced before the answer goes out (an admin action that was
+  drains), when, and whether it succeeded, as JSON lines. Audited before acting: an
+  intent line is fsynced before the action runs (if it cannot be, the action is refused:
+  :func:`dsec.control.audit.audited`); durable before acknowledged: the outcome line is
+  written and fsynced before the answer goes out (an admin action that was
   answered is in the log after a kill -9). The file is created mode 0600 in the state dir
   (0700): only the state dir's owner (the admin running the cluster) reads it; an
   existing file with looser bits is tightened at open. Secrets never enter it: a created
@@ -22,6 +24,7 @@ issue 19): levels and formats, the access log, and the audit log of admin action
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -41,6 +44,9 @@ __all__ = [
     "access",
     "access_enabled",
     "configure",
+    "escape_text",
+    "open_private",
+    "private_fd",
 ]
 
 LogFormat = Literal["text", "json"]
@@ -58,14 +64,47 @@ def _iso(t: float) -> str:
         .replace("+00:00", "Z")
 
 
+def escape_text(s: str) -> str:
+    """``s`` with every non-printable character escaped (``\\n``, ``\\r``, ``\\t``,
+    ``\\xNN``, ``\\uNNNN``) and backslashes doubled: peer-chosen text (a path, a label,
+    an error message) can neither end a log line nor reach an operator's terminal as a
+    control sequence (red team 19, B7/B10)."""
+    if s.isprintable() and "\\" not in s:
+        return s
+    out = []
+    for ch in s:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])
+    return "".join(out)
+
+
+def _logfmt_value(v: Any) -> str:
+    """A ``k=v`` value, logfmt rules: escaped (:func:`escape_text`) and double-quoted
+    when empty or holding a space, ``=`` or ``"`` (so a request id ``r1 status=200``
+    stays one field)."""
+    s = escape_text(v if isinstance(v, str) else str(v))
+    if s == "" or any(c in s for c in ' ="'):
+        return '"' + s.replace('"', '\\"') + '"'
+    return s
+
+
 class TextFormatter(logging.Formatter):
-    """``2026-12-02T08:30:00.123Z WARNING dsec.edge: message`` (UTC, milliseconds)."""
+    """``2026-12-02T08:30:00.123Z WARNING dsec.edge: message`` (UTC, milliseconds). The
+    message and the ``k=v`` fields are escaped (:func:`escape_text`; values quoted by
+    logfmt rules): one record is one line, whatever a peer put into it; a traceback
+    (``exc_info``, the server's own) follows on its own lines."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_iso(record.created)} {record.levelname} {record.name}: {record.getMessage()}"
+        line = (f"{_iso(record.created)} {record.levelname} {record.name}: "
+                f"{escape_text(record.getMessage())}")
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            line += " " + " ".join(f"{escape_text(str(k))}={_logfmt_value(v)}"
+                                   for k, v in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -115,10 +154,40 @@ def configure(level: str = "warning", fmt: str = "text", *, access_log: str | No
         if access_log == "-":
             ah = logging.StreamHandler(stream or sys.stderr)
         else:
-            ah = logging.FileHandler(access_log, encoding="utf-8")
-            os.chmod(access_log, 0o600)   # client addresses and principals: not for others
+            # client addresses and principals: not for others. Created 0600 by the open
+            # itself (never 0644-then-chmod: a reader could open it in between), never
+            # through a symlink, and not a file another user owns (red team 19, B8).
+            ah = logging.StreamHandler(open_private(access_log))
         ah.setFormatter(f)
         _access.addHandler(ah)
+
+
+def open_private(path: str) -> TextIO:
+    """``path`` opened for appending text, created mode 0600 whatever the umask (the
+    mode is the ``open``'s own, so the file never exists with looser bits), never
+    through a symlink (``O_NOFOLLOW``); an existing file with looser bits is tightened,
+    one owned by another user is refused (its owner could read it)."""
+    fd = private_fd(path)
+    return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+
+
+def private_fd(path: str) -> int:
+    """The descriptor of :func:`open_private` (``O_WRONLY|O_APPEND``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        stt = os.fstat(fd)
+        if stt.st_uid != os.geteuid():
+            raise PermissionError(
+                f"{path} is owned by uid {stt.st_uid}, not by this process's uid "
+                f"{os.geteuid()}: a log another user owns is readable by them; remove it "
+                "or choose another path")
+        if stt.st_mode & 0o077:
+            os.fchmod(fd, 0o600)     # a file made before, or by someone's looser umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def access_enabled() -> bool:
@@ -143,25 +212,36 @@ class AuditLog:
         self._clock = clock or time.time
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.fchmod(self._fd, 0o600)     # a file made before, or by a looser umask
+        self._fd = private_fd(path)
         self.records = 0
 
     def record(self, *, actor: str, actor_id: str, action: str, target: Mapping[str, Any],
-               outcome: str, peer: str | None = None, detail: str = "") -> None:
+               outcome: str, peer: str | None = None, detail: str = "",
+               phase: str | None = None, op: str | None = None) -> None:
         """Append one line and fsync it: ``actor`` (the principal's name), ``action``
         (the operation), ``target`` (what it named: project, key id, image ref, node),
-        ``outcome`` ("ok" or the error code)."""
+        ``outcome`` ("ok" or the error code), ``phase`` ("intent" before the action,
+        "outcome" after it) and ``op`` (the id pairing the two). Raises OSError when
+        the line cannot be written and synced."""
         line = json.dumps({"ts": _iso(self._clock()), "actor": actor, "actor_id": actor_id,
                            "action": action, "target": dict(target), "outcome": outcome,
                            **({"peer": peer} if peer else {}),
+                           **({"phase": phase} if phase else {}),
+                           **({"op": op} if op else {}),
                            **({"detail": detail[:500]} if detail else {})},
                           default=str, sort_keys=True).encode() + b"\n"
         with self._lock:
+            end = os.fstat(self._fd).st_size
             view = memoryview(line)
-            while view:
-                view = view[os.write(self._fd, view):]
-            self._fsync(self._fd)
+            try:
+                while view:
+                    view = view[os.write(self._fd, view):]
+                self._fsync(self._fd)
+            except OSError:
+                # a disk that filled mid-line: no half line is left for a reader to trip on
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, end)
+                raise
             self.records += 1
 
     async def arecord(self, **kw: Any) -> None:

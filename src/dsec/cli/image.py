@@ -445,14 +445,20 @@ def ls(root: str | None, as_json: bool) -> None:
     from dsec.image.manifest import layer_namespace
 
     table = Table("REFS", "DIGEST", "KIND", "NAMESPACE", "OWNER", "SIZE", "CREATED", "PARENT")
+    from rich.text import Text
+
+    from dsec.logs import escape_text
+
     for m in layers:
         ns = layer_namespace(m)
-        table.add_row(", ".join(sorted(refs_by_digest.get(m.digest, []))) or "-",
+        # refs, namespaces and owners are tenant-chosen: escaped, plain Text (no markup)
+        table.add_row(*(Text(escape_text(c)) for c in (
+                      ", ".join(sorted(refs_by_digest.get(m.digest, []))) or "-",
                       m.digest[:19], m.kind,
                       "(cluster-wide)" if ns is None else ns or "(none)", m.owner or "-",
                       f"{m.size_bytes / 2**20:.1f} MiB",
                       datetime.datetime.fromtimestamp(m.created).strftime("%Y-%m-%d %H:%M"),
-                      (m.parent or "")[:19])
+                      (m.parent or "")[:19])))
     Console().print(table)
 
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
+from dsec.logs import escape_text
 from dsec.wire.spec import DEFAULT_CPU_MILLI, DEFAULT_MEMORY_BYTES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,14 +54,20 @@ def emit_json(obj: Any) -> None:
 def _table(title: str, cols: list[str], rows: list[list[str]]) -> None:
     """Print rows under ``cols``. Never truncates a cell: to a terminal a rich table whose
     first column (ids) keeps its full width and whose other cells fold; piped (a script,
-    ``| grep``, ``| less``), plain columns as wide as their widest cell, no width limit."""
+    ``| grep``, ``| less``), plain columns as wide as their widest cell, no width limit.
+    Every cell is escaped (:func:`dsec.logs.escape_text`): labels, names, event details
+    and image refs are tenant-chosen, and a newline or a terminal escape in one would
+    forge rows in, or write into, the terminal of whoever lists them (red team 19, B10);
+    rich cells are plain ``Text``, never console markup."""
+    rows = [[escape_text(c) for c in r] for r in rows]
     if not sys.stdout.isatty():
         sys.stdout.write(plain_table(cols, rows))
         return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=title)
+    t = Table(title=Text(escape_text(title)))
     for i, c in enumerate(cols):
         if i == 0:   # ids: never shortened, never wrapped
             t.add_column(c, no_wrap=True, overflow="ignore",
@@ -68,7 +75,7 @@ def _table(title: str, cols: list[str], rows: list[list[str]]) -> None:
         else:
             t.add_column(c, overflow="fold")
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(Text(c) for c in r))
     Console().print(t)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -127,9 +128,19 @@ _rid_prefix = secrets.token_hex(3)
 _rid_counter = 0
 
 
+#: a client's own ``x-request-id`` is echoed and logged only when it is 1-128 of these
+#: (no space, ``=``, quote or control character: it cannot add a field or a line to a
+#: log, red team 19 B7); anything else gets a request id of ours
+_RID_OK = re.compile(r"[A-Za-z0-9._:@/+-]{1,128}")
+
+
+def _sane_rid(rid: str | None) -> bool:
+    return rid is not None and _RID_OK.fullmatch(rid) is not None
+
+
 def _request_id(request: Request) -> str:
     rid = request.headers.get("x-request-id")
-    if rid and len(rid) <= 128 and rid.isprintable():
+    if rid is not None and _sane_rid(rid):
         return rid
     global _rid_counter
     _rid_counter += 1
@@ -246,6 +257,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
             dt = time.perf_counter() - t0
             lat.observe(dt)
             if access_enabled():    # issue 19: --access-log
+                request.scope["dsec.logged"] = True
                 _access_line(op.method, template, request.url.path, resp.status_code, dt,
                              _client_host(request.scope), rid, caller)
             return resp
@@ -518,7 +530,7 @@ def _new_rid(scope: Any) -> str:
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 r: str = v.decode("latin-1")
-                if len(r) <= 128 and r.isprintable():
+                if _sane_rid(r):
                     return r
     _rid_counter += 1
     return f"req-{_rid_prefix}-{_rid_counter:x}"
@@ -585,7 +597,15 @@ class FastPaths:
         if self.proxy is not None and scope["type"] in ("http", "websocket") and \
                 scope["path"].startswith(PROXY_PREFIX):
             # Exposed ports (every method, and WebSocket): dsec.control.proxy.
-            await self.proxy(scope, receive, send)
+            if access_enabled():
+                await _logged(self.proxy, "proxy", scope, receive, send)
+            else:
+                await self.proxy(scope, receive, send)
+            return
+        if access_enabled() and scope["type"] in ("http", "websocket"):
+            # the routes that log their own line mark the scope; the others (WebSocket
+            # routes, /ui, /metrics, /healthz, a 404) get one here (red team 19 B9)
+            await _logged(self.app, "rest", scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -598,7 +618,7 @@ class FastPaths:
                 auth = v.decode("latin-1")
             elif k == b"x-request-id":
                 r = v.decode("latin-1")
-                if len(r) <= 128 and r.isprintable():
+                if _sane_rid(r):
                     rid = r
         if rid is None:
             rid = _new_rid(None)
@@ -631,6 +651,35 @@ class FastPaths:
         if access_enabled():    # issue 19: --access-log
             _access_line(self._method, self._template, scope.get("path", ""), status, dt,
                          _client_host(scope), rid, caller)
+
+
+async def _logged(app: Any, door: str, scope: Any, receive: Any, send: Any) -> None:
+    """``app`` serving ``scope``, with one access-log line for it unless the route wrote
+    its own (``scope["dsec.logged"]``): the status sent (a WebSocket: 101 once accepted,
+    else the close code or the HTTP status it was refused with)."""
+    t0 = time.perf_counter()
+    status = 0
+
+    async def sent(message: Any) -> None:
+        nonlocal status
+        kind = message["type"]
+        if kind in ("http.response.start", "websocket.http.response.start"):
+            status = message["status"]
+        elif kind == "websocket.accept":
+            status = 101
+        elif kind == "websocket.close" and not status:
+            status = message.get("code", 1000)
+        await send(message)
+    try:
+        await app(scope, receive, sent)
+    finally:
+        if not scope.get("dsec.logged"):
+            method = scope.get("method", "WS") if scope["type"] == "http" else "WS"
+            path = scope.get("path", "")
+            client = _client_host(scope)
+            access(f"{method} {path} {status}", door=door, method=method, path=path,
+                   status=status, duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+                   client=client or "-", request_id="-", principal="-")
 
 
 def _access_line(method: str, route: str, path: str, status: int, seconds: float,

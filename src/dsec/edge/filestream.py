@@ -28,6 +28,7 @@ import functools
 import os
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
@@ -36,12 +37,47 @@ from dsec.ids import SandboxId
 from dsec.wire.files import FileEvent, FileEventType
 from dsec.wire.spec import FileInfo
 
-# Streamed writes land in a temporary file next to their target, renamed over it only
-# once complete (issue 19): its name says what it is, so one left by an edge killed
-# mid-upload is recognisable; the next streamed write into that directory removes it
-# (SandboxFiles._sweep_stale: not flock'ed by a live upload). Here, below the backends
-# (which import this module), so a watch can skip them without importing a backend.
+# Streamed writes land in an unnamed file (O_TMPFILE) in their target's directory, given
+# a name only at commit (linked as ``<TEMP_PREFIX><random hex>``, then renamed over the
+# target): an edge killed mid-upload leaves nothing behind (red team 19, B11: the kernel
+# frees an unnamed file with its last descriptor). A filesystem without O_TMPFILE gets a
+# named temporary file from the start. A watch hides only the names this edge process
+# holds (:func:`held_temp`), never a name by its prefix alone: sandbox code may name its
+# own files so (red team 19, B12). Here, below the backends (which import this module),
+# so a watch can ask without importing a backend.
 TEMP_PREFIX = ".dsec-upload-"
+# A released name stays hidden this long: the watch reads its events (the link, the
+# rename away) after the commit that released it.
+_TEMP_LINGER_S = 30.0
+_held: dict[str, float] = {}     # name -> hidden until (monotonic; inf while held)
+_held_lock = threading.Lock()    # the file threads hold and release; watches read
+
+
+def hold_temp(name: str) -> None:
+    """``name`` (a temporary file this process made) is hidden from watches until
+    :func:`release_temp` (names are random: one process's set, no directory needed)."""
+    with _held_lock:
+        _held[name] = float("inf")
+
+
+def release_temp(name: str, *, now: float | None = None) -> None:
+    """``name`` is done with (committed or removed): hidden a little longer, then not."""
+    t = time.monotonic() if now is None else now
+    with _held_lock:
+        _held[name] = t + _TEMP_LINGER_S
+        if len(_held) > 4096:
+            for k, until in list(_held.items()):
+                if until < t:
+                    del _held[k]
+
+
+def held_temp(name: str, *, now: float | None = None) -> bool:
+    """Whether ``name`` is one of this process's upload temporaries (in flight, or
+    released in the last few seconds)."""
+    until = _held.get(name)
+    if until is None:
+        return False
+    return until >= (time.monotonic() if now is None else now)
 
 
 # What the streams need of a confined file handle, as Protocols: the backends that hand
@@ -71,7 +107,8 @@ class ConfinedFiles(Protocol):
 
 __all__ = ["CHUNK", "MAX_QUEUED_EVENTS", "MAX_WATCH_DIRS", "TEMP_PREFIX", "WATCH_BUDGET_MAX",
            "AtomicWrite", "ConfinedFiles",
-           "FileStreamBackend", "Run", "read_stream", "watch", "watch_budget",
+           "FileStreamBackend", "Run", "held_temp", "hold_temp", "read_stream", "release_temp",
+           "watch", "watch_budget",
            "watch_dir_budget", "write_stream"]
 
 _T = TypeVar("_T")
@@ -441,9 +478,10 @@ async def watch(files: ConfinedFiles, path: str, recursive: bool,
                 if kind is None:
                     continue
                 nm = name.decode("utf-8", "surrogateescape")
-                if nm.startswith(TEMP_PREFIX):
+                if nm.startswith(TEMP_PREFIX) and held_temp(nm):
                     continue    # the file API's own temporary files: its atomic
-                    # writes show as one create (the rename into place)
+                    # writes show as one create (the rename into place); a file
+                    # the sandbox names so is the sandbox's, and shown
                 full = where.rstrip("/") + "/" + nm
                 yield FileEvent(type=kind, path=full, name=nm)
                 if recursive and kind == "create" and mask & _IN_ISDIR:

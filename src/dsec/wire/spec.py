@@ -527,6 +527,12 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise bad("labels", k[:40], f"values are up to {MAX_LABEL_VALUE_CHARS} chars",
                           limit=MAX_LABEL_VALUE_CHARS)
+            if not k.isprintable() or not v.isprintable():
+                # a newline or a terminal escape in a label forges rows in (and writes
+                # into) another user's `dsec sandbox ls` (red team 19, B10): refused here,
+                # at every door; the CLI escapes what it prints regardless
+                raise bad("labels", k[:40], "label keys and values are printable "
+                          "text: no newline, tab or other control character")
             if reserved_label(k):
                 raise bad("labels", k[:80], f"label keys in the {RESERVED_LABEL_DOMAIN} "
                           "domains are set by the platform only (an image build step's "

@@ -281,26 +281,24 @@ async def test_a_destroy_ends_a_stream_with_a_reason(edge: Edge) -> None:
         await s.result()
 
 
-async def test_a_dead_uploads_temporary_file_is_swept_a_live_ones_is_not(edge: Edge) -> None:
-    """An edge killed mid-upload leaves its temporary file in the sandbox (the kernel
-    drops the writer's flock with it). The next streamed write into that directory
-    removes it; a live upload's (locked) temporary file is left alone."""
+async def test_a_live_upload_has_no_name_and_sandbox_files_named_like_one_stay(
+        edge: Edge) -> None:
+    """An upload in flight writes an unnamed file (O_TMPFILE): nothing in the directory
+    for an edge killed mid-upload to leave behind (red team 19, B11). A file the
+    sandbox itself names like a temporary one is the sandbox's: no upload removes it
+    (B12: the old by-name sweep deleted it)."""
     sid = (await edge.node.create(SPEC)).id
     await _sh(edge.node, sid, "mkdir -p /work && echo junk > /work/.dsec-upload-dead")
     live = edge.client.tunnel(ops.FILE_WRITE_STREAM, WriteStream(id=sid, path="/work/a"))
     await live.send(b"a" * 1000)
-    for _ in range(100):
-        names = (await _sh(edge.node, sid, "ls -a /work")).split()
-        if len([n for n in names if n.startswith(".dsec-upload-")]) == 2:
-            break
-        await asyncio.sleep(0.02)
-    await _upload(edge.client, sid, "/work/b", b"b")
+    await asyncio.sleep(0.3)
     names = (await _sh(edge.node, sid, "ls -a /work")).split()
-    assert ".dsec-upload-dead" not in names, names
-    assert len([n for n in names if n.startswith(".dsec-upload-")]) == 1, names  # live
+    assert names == [".", "..", ".dsec-upload-dead"], names     # the live one: unnamed
+    await _upload(edge.client, sid, "/work/b", b"b")
     live.close_write()
     await live.result()
-    assert (await _sh(edge.node, sid, "ls -a /work")).split() == [".", "..", "a", "b"]
+    assert (await _sh(edge.node, sid, "ls -a /work")).split() == [
+        ".", "..", ".dsec-upload-dead", "a", "b"]
     assert await edge.node.read_file(sid, "/work/a") == b"a" * 1000
 
 

@@ -51,6 +51,7 @@ from dsec.errors import (
     SandboxNotFound,
     Unauthenticated,
 )
+from dsec.logs import access, access_enabled
 from dsec.wire import ops
 from dsec.wire.calls import (
     ExecCall,
@@ -208,6 +209,32 @@ class E2BApp:
 
     # ----------------------------------------------------------------- routing
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not access_enabled():
+            await self._serve(scope, receive, send)
+            return
+        # --access-log (issue 19; red team 19 B9: every door): one line per request, as
+        # the REST door writes them, refused ones included
+        t0 = time.perf_counter()
+        status = 0
+
+        async def sent(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self._serve(scope, receive, sent)
+        finally:
+            caller: Caller | None = scope.get("dsec.caller")
+            client = scope.get("client")
+            path = scope.get("path", "")
+            access(f"{scope['method']} {path} {status}", door="e2b", method=scope["method"],
+                   path=path, status=status,
+                   duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+                   client=client[0] if client else "-",
+                   principal=caller.name if caller is not None else "-")
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             return
         if scope["type"] != "http":
@@ -257,7 +284,9 @@ class E2BApp:
             raise Unauthenticated(f"no API key: send a dsec API key as {names[0]} "
                                   "(E2B_API_KEY)")
         client = request.client.host if request.client else None
-        return self.service.authenticate(key, client)
+        caller = self.service.authenticate(key, client)
+        request.scope["dsec.caller"] = caller       # for the access-log line
+        return caller
 
     # ------------------------------------------------------------ control REST
     async def _control(self, request: Request) -> Response:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import posixpath
 import secrets
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Self
 
 from dsec.edge.backends.container import linux
-from dsec.edge.filestream import TEMP_PREFIX
+from dsec.edge.filestream import TEMP_PREFIX, hold_temp, release_temp
 from dsec.errors import InvalidArgument, NotFound, PayloadTooLarge, QuotaExceeded, SandboxError
 from dsec.rmtree import remove_tree_at
 from dsec.wire.spec import FileInfo, FileType
@@ -77,8 +76,6 @@ def split_path(path: str) -> tuple[str, str]:
 
 # TEMP_PREFIX (imported above): the temporary files of streamed writes, defined in
 # dsec.edge.filestream so that module need not import this one back.
-# Entries of the target's directory an upload looks at for stale temporary files.
-SWEEP_ENTRIES = 65536
 _RENAME_NOREPLACE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
@@ -553,8 +550,8 @@ class SandboxFiles:
     def begin_write(self, path: str, *, mode: int = 0o644,
                     size: int | None = None) -> PendingWrite:
         """Start an atomic replacement of ``path``: a temporary file in its (confined)
-        directory, made with O_EXCL (it never follows or reuses anything), renamed over
-        ``path`` by :meth:`PendingWrite.commit`. ``size`` (when known) is checked
+        directory (unnamed: :meth:`_temp_file`), renamed over ``path`` by
+        :meth:`PendingWrite.commit`. ``size`` (when known) is checked
         against the disk's room first, so an upload that cannot fit is refused before a
         byte is written. Missing parent directories are made, as :meth:`write` does."""
         parent, name = split_path(path)
@@ -578,13 +575,7 @@ class SandboxFiles:
                                           "directory", path=path)
             except FileNotFoundError:
                 pass
-            self._sweep_stale(pfd)
-            tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                         os.O_CLOEXEC | os.O_NOCTTY, mode & 0o7777, dir_fd=pfd)
-            # held while the upload runs: a temporary file nobody holds locked is one
-            # whose writer died (an edge killed mid-upload), see _sweep_stale
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd, tmp, named = self._temp_file(pfd, mode & 0o7777)
         except OSError as exc:
             os.close(pfd)
             raise self._err(exc, "write", path) from exc
@@ -592,7 +583,7 @@ class SandboxFiles:
             os.close(pfd)
             raise
         pending = PendingWrite(self, pfd, fd, tmp, name, posixpath.join(parent, name),
-                               mode & 0o7777)
+                               mode & 0o7777, named=named)
         try:
             self._own(fd)
             os.fchmod(fd, mode & 0o7777)   # the umask must not narrow what was asked
@@ -608,40 +599,29 @@ class SandboxFiles:
             raise
         return pending
 
-    def _sweep_stale(self, pfd: int) -> None:
-        """Remove the temporary files of uploads whose writer died (an edge killed
-        mid-upload leaves one in the sandbox; a live upload holds an flock on its own,
-        which the kernel releases when its process dies). Only regular files, opened
-        without following anything; at most SWEEP_ENTRIES entries are looked at, so a
-        huge directory costs a bounded scan per upload."""
+    @staticmethod
+    def _temp_file(pfd: int, mode: int) -> tuple[int, str, bool]:
+        """The file an upload writes: unnamed (O_TMPFILE, in the target's directory so the
+        commit is a link to the returned name and a rename on one filesystem); or, on a
+        filesystem without O_TMPFILE, a new file of that name (O_EXCL: it never follows
+        or reuses anything); and whether it is named already. Either name is registered
+        (:func:`hold_temp`) so a watch hides it; an edge killed mid-upload leaves no unnamed file behind (the named
+        fallback's stays: sandbox files are never deleted by their name alone)."""
+        tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
-            with os.scandir(f"/proc/self/fd/{pfd}") as it:
-                names = []
-                for i, e in enumerate(it):
-                    if i >= SWEEP_ENTRIES:
-                        break
-                    if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
-                        names.append(e.name)
-        except OSError:
-            return
-        for name in names:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
-                             os.O_NOCTTY | os.O_CLOEXEC, dir_fd=pfd)
-            except OSError:
-                continue
-            try:
-                if not st.S_ISREG(os.fstat(fd).st_mode):
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue        # a live upload
-                os.unlink(name, dir_fd=pfd)
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
+            return os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY,
+                           mode, dir_fd=pfd), tmp, False
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        hold_temp(tmp)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                         os.O_CLOEXEC | os.O_NOCTTY, mode, dir_fd=pfd)
+        except BaseException:
+            release_temp(tmp)
+            raise
+        return fd, tmp, True
 
     def rename(self, src: str, dst: str, *, overwrite: bool = False) -> FileInfo:
         """Move ``src`` to ``dst``: both parents resolved confined, the final components
@@ -702,13 +682,15 @@ class SandboxFiles:
 
 class PendingWrite:
     """An atomic file replacement in progress (:meth:`SandboxFiles.begin_write`): bytes
-    go to a temporary file in the target's directory; :meth:`commit` renames it over
-    the target, :meth:`abort` removes it. Either closes everything."""
+    go to a temporary file in the target's directory (unnamed until the commit, see
+    :meth:`SandboxFiles._temp_file`); :meth:`commit` names it and renames it over the
+    target, :meth:`abort` removes it. Either closes everything."""
 
     def __init__(self, files: SandboxFiles, pfd: int, fd: int, tmp: str, name: str,
-                 path: str, mode: int) -> None:
+                 path: str, mode: int, *, named: bool = True) -> None:
         self.files, self.pfd, self.fd, self.tmp = files, pfd, fd, tmp
         self.name, self.path, self.mode = name, path, mode
+        self.named = named          # whether ``tmp`` exists in the directory yet
         self.written = 0
         # set when the file is on a tmpfs: the bytes go through the sandbox's memory
         # cgroup (SandboxFiles / ChargedWriter)
@@ -742,7 +724,8 @@ class PendingWrite:
 
     def commit(self) -> FileInfo:
         """Make the file visible under its name (one rename: readers see the old file or
-        the whole new one, never a part)."""
+        the whole new one, never a part). An unnamed file is first linked as the held
+        temporary name (a link cannot replace a file; the rename can)."""
         if self.writer is not None:
             try:
                 self.writer.finish()
@@ -751,10 +734,15 @@ class PendingWrite:
                 self._failed(exc)
             self.writer = None
         try:
+            if not self.named:
+                hold_temp(self.tmp)
+                os.link(f"/proc/self/fd/{self.fd}", self.tmp, dst_dir_fd=self.pfd,
+                        follow_symlinks=True)
+                self.named = True
             os.close(self.fd)
             self.fd = -1
             os.rename(self.tmp, self.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
-            self.tmp = ""
+            self.named = False
             return self.files._info(self.pfd, self.name, self.path)
         except OSError as exc:
             raise self.files._err(exc, "write", self.path) from exc
@@ -762,18 +750,22 @@ class PendingWrite:
             self.abort()
 
     def abort(self) -> None:
-        """Remove the temporary file (if not committed) and close everything; idempotent."""
+        """Remove the temporary file (if named and not committed) and close everything;
+        idempotent."""
         if self.writer is not None:
             self.writer.kill()
             self.writer = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self.tmp:
+        if self.named:
             try:
                 os.unlink(self.tmp, dir_fd=self.pfd)
             except OSError:
                 pass
+            self.named = False
+        if self.tmp:
+            release_temp(self.tmp)
             self.tmp = ""
         if self.pfd >= 0:
             os.close(self.pfd)
