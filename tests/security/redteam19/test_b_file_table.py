@@ -46,7 +46,8 @@ def test_b_one_4gib_sandbox_cannot_hold_half_the_nodes_file_table() -> None:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 r = sb.exec(["sh", "-c", "cat /tmp/opened 2>/dev/null || echo 0"], timeout=30)
-                opened = int(r.stdout.split()[0])
+                # the shell's `>` creates the file before wc writes into it: empty means not yet
+                opened = int((r.stdout.split() or [b"0"])[0])
                 if opened:
                     break
                 time.sleep(0.5)
