@@ -181,7 +181,15 @@ async def test_kill_9_with_live_sandboxes_restart_and_destroy_leave_nothing(
         assert conntrack[0] <= conntrack[1] + 4  # dead flows time out in the kernel
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        assert left_on_host(root) == [] and not os.path.exists(pin)
+        # the kernel detaches an autoclear loop device after the pool's unmount from a
+        # workqueue (6.x loop driver): give it a moment under load, then nothing may remain
+        left = left_on_host(root)
+        for _ in range(50):
+            if not left:
+                break
+            await asyncio.sleep(0.1)
+            left = left_on_host(root)
+        assert left == [] and not os.path.exists(pin)
         assert not loops_of(os.path.join(root, "state", "container", "pool.img"))
         assert await no_uplink_peers(internet) == []
     finally:
