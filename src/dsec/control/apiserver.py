@@ -333,18 +333,15 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
     # By hand: exec's JSON forms (base64 or text stdin and output, wire.jsonform).
     route(doc_of(ops.EXEC, request=ExecBody, response=ExecOutput), exec_)
 
-    async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
-        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body),
-                       ops.EXEC_STREAM)
-        stream = await stream_policy(caller, ExecCall(id=sid_of(request),
-                                                      req=exec_request(body)))
-
+    def exec_lines(stream: AsyncIterator[Any], rid: str) -> StreamingResponse:
+        """exec_stream's and process_connect's NDJSON answer: an output line per item,
+        then the final line; an error mid-stream is one last line, redacted and with its
+        detail (may_have_run), as every other answer."""
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for item in stream:
                     yield _json.encode(stream_line(item)) + b"\n"
             except DsecError as exc:
-                # as every other answer: redacted, and with its detail (may_have_run)
                 exc = service.redact(exc)
                 detail = {k: v for k, v in exc.detail.items()
                           if isinstance(v, (str, int, float, bool)) or v is None}
@@ -353,6 +350,14 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                     detail=detail))) + b"\n"
         return StreamingResponse(lines(), media_type="application/x-ndjson",
                                  headers={"x-request-id": rid})
+
+    async def exec_stream(request: Request, caller: Caller, rid: str) -> Response:
+        body = _decode(ExecBody, await _read_body(request, cfg.max_exec_body),
+                       ops.EXEC_STREAM)
+        stream = await stream_policy(caller, ExecCall(id=sid_of(request),
+                                                      req=exec_request(body)))
+
+        return exec_lines(stream, rid)
 
     route(doc_of(ops.EXEC_STREAM, request=ExecBody, response=ExecStreamLine,
                  media="application/x-ndjson"), exec_stream)
@@ -366,19 +371,7 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                              request.query_params.multi_items(), request.headers, None)
         stream = await connect_policy(caller, req)
 
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                async for item in stream:
-                    yield _json.encode(stream_line(item)) + b"\n"
-            except DsecError as exc:
-                exc = service.redact(exc)
-                detail = {k: v for k, v in exc.detail.items()
-                          if isinstance(v, (str, int, float, bool)) or v is None}
-                yield _json.encode(ExecStreamLine(error=ApiError(
-                    code=exc.code, message=exc.message, request_id=rid,
-                    detail=detail))) + b"\n"
-        return StreamingResponse(lines(), media_type="application/x-ndjson",
-                                 headers={"x-request-id": rid})
+        return exec_lines(stream, rid)
 
     route(doc_of(ops.PROCESS_CONNECT, response=ExecStreamLine,
                  media="application/x-ndjson"), process_connect)
