@@ -58,6 +58,8 @@ extern char **environ;
 
 enum { T_REQUEST = 1, T_RESPONSE, T_ERROR, T_STREAM, T_CANCEL, T_PING, T_PONG, T_GOAWAY, T_WINDOW };
 #define F_STREAMING 1
+#define F_CREDIT 8
+#define STREAM_WINDOW (4LL * 1024 * 1024)   /* Aether's per-stream push credit */
 
 static void logf_(const char *fmt, ...) {
     char b[512];
@@ -419,11 +421,14 @@ typedef struct {
     double start, deadline, exit_at;
     int timed_out;
     size_t cnt[2];                  /* exec_stream: stdout/stderr bytes sent (for the cap) */
+    int64_t credit;                 /* STREAM bytes the caller still accepts (Aether CREDIT) */
     uint64_t streamed;              /* diff: bytes sent */
     uint64_t counts[3];             /* diff: entries, skipped, (unused) */
     int oom_before;
 } job_t;
 static job_t jobs[MAX_EXECS];
+static int cur_flags = 0;           /* flags of the REQUEST being dispatched */
+static int64_t initial_credit(void) { return (cur_flags & F_CREDIT) ? STREAM_WINDOW : INT64_MAX; }
 
 static long read_vmstat(const char *key) {
     FILE *f = fopen("/proc/vmstat", "re");
@@ -1003,7 +1008,7 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
         send_body(T_RESPONSE, sid, &b); buf_free(&b);
         goto out;
     }
-    j->kind = streaming ? 1 : 0; j->sid = sid;
+    j->kind = streaming ? 1 : 0; j->sid = sid; j->credit = initial_credit();
     j->deadline = (nil_to || to <= 0) ? 0 : j->start + to;
     close(pout[1]); close(perr[1]);
     j->out_fd = pout[0]; j->err_fd = perr[0]; set_nb(j->out_fd); set_nb(j->err_fd);
@@ -1072,8 +1077,10 @@ static int job_pump(job_t *j, int which) {
                 buf_t b = {0};
                 mp_map(&b, 1); mp_str(&b, "data"); mp_bin(&b, tmp, r);
                 send_frame(T_STREAM, j->sid, b.p, b.len, 0);
+                j->credit -= (int64_t)b.len;
                 buf_free(&b);
                 j->streamed += r;
+                if (j->credit <= 0) return 0;
             } else {                  /* counts from the writer: "entries skipped\n" */
                 buf_put(&j->err, tmp, r);
                 buf_u8(&j->err, 0); j->err.len--;
@@ -1096,9 +1103,11 @@ static int job_pump(job_t *j, int which) {
                 mp_str(&b, "stream"); mp_str(&b, which ? "stderr" : "stdout");
                 mp_str(&b, "data"); mp_bin(&b, tmp, keep);
                 send_frame(T_STREAM, j->sid, b.p, b.len, 0);
+                j->credit -= (int64_t)b.len;
                 buf_free(&b);
             }
             j->cnt[which] += keep;
+            if (j->credit <= 0) return 0;
         } else if (keep) buf_put(acc, tmp, keep);
         if (outb.len > OUT_HIGH) return 0;
     }
@@ -1266,7 +1275,7 @@ static void h_diff(uint64_t sid, int streaming) {
     if (pid == 0) { close(po[0]); close(pc[0]); diff_child(po[1], pc[1]); }
     close(po[1]); close(pc[1]);
     if (pid < 0) { close(po[0]); close(pc[0]); job_free(j); send_errno(sid, errno, "diff: fork", ""); return; }
-    j->kind = 2; j->sid = sid; j->pid = pid; j->start = now_mono(); j->cap = INT64_MAX;
+    j->kind = 2; j->sid = sid; j->pid = pid; j->credit = initial_credit(); j->start = now_mono(); j->cap = INT64_MAX;
     j->out_fd = po[0]; j->err_fd = pc[0]; set_nb(po[0]); set_nb(pc[0]);
 }
 
@@ -1352,6 +1361,7 @@ static void dispatch(uint64_t sid, const uint8_t *pl, size_t n, int flags) {
     if (body.p == body.e) { static const uint8_t nil = 0xc0; body.p = &nil; body.e = &nil + 1; }
     if (!mp_skip(body.p, body.e, 0)) { send_error(sid, "invalid_argument", "%s: the body is not valid msgpack", m); return; }
     int streaming = flags & F_STREAMING;
+    cur_flags = flags;
     int wants_stream = !strcmp(m, "exec_stream") || !strcmp(m, "diff");
     if (wants_stream != !!streaming) {
         send_error(sid, "invalid_argument", "%s %s called with%s the STREAMING flag", m, wants_stream ? "is a streaming method but was" : "is a unary method but was", streaming ? "" : "out");
@@ -1393,7 +1403,16 @@ static void on_frame(int type, uint64_t sid, const uint8_t *pl, size_t n, int fl
             if (jobs[i].pid > 0 && !jobs[i].exited) kill(-jobs[i].pid, SIGKILL);
         }
         break;
-    default: break;  /* GOAWAY, WINDOW, replies: nothing to do for an acceptor without calls */
+    case T_WINDOW:
+        if (n == 4) {
+            uint32_t inc = (uint32_t)rd_be(pl, 4);
+            for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid == sid && jobs[i].credit < INT64_MAX / 2) {
+                jobs[i].credit += inc;
+                if (jobs[i].credit > (1LL << 31)) jobs[i].credit = 1LL << 31;
+            }
+        }
+        break;
+    default: break;  /* GOAWAY, replies: nothing to do for an acceptor that makes no calls */
     }
 }
 
@@ -1547,7 +1566,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < MAX_EXECS; i++) {
             job_t *j = &jobs[i];
             if (!j->used) continue;
-            if (outb.len <= OUT_HIGH) {
+            if (outb.len <= OUT_HIGH && (j->credit > 0 || j->sid == 0 || j->kind == 0 || j->kind == 3)) {
                 if (j->out_fd >= 0) { pf[n] = (struct pollfd){ j->out_fd, POLLIN, 0 }; pj[n] = j; pw[n] = 0; n++; }
                 if (j->err_fd >= 0) { pf[n] = (struct pollfd){ j->err_fd, POLLIN, 0 }; pj[n] = j; pw[n] = 1; n++; }
             }
