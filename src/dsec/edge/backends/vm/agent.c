@@ -399,6 +399,7 @@ static void flush_out(void) {
 
 /* ---------------------------------------------------------------- state */
 static int setup_done = 0;
+static pid_t modules_pid = 0;       /* the child loading kernel modules at boot (0: done) */
 static int root_fd = -1;            /* O_PATH of the sandbox root (/sb), after setup */
 static char sb_path[PATH_MAX] = SB;
 static char **base_env = NULL;
@@ -762,6 +763,11 @@ static void h_setup(uint64_t sid, mp_t body) {
         *eq = '=';
     }
     if (!test_mode) {
+        if (modules_pid > 0) {      /* boot's module loading still running: wait for it */
+            int st;
+            while (waitpid(modules_pid, &st, 0) < 0 && errno == EINTR) {}
+            modules_pid = 0;
+        }
         mkdir("/layers", 0755);
         for (size_t i = 0; i < nl; i++) {
             char mp[64];
@@ -1029,6 +1035,15 @@ out:
     free_strv(argv); free_strv(env); free(shell); free(cwd); free(user);
 }
 
+/* the job's caller is gone (CANCEL, disconnect, new connection): nobody can receive its
+ * result, so a foreground command's process group (or the diff writer) is killed and
+ * whatever it still prints is discarded; background commands are not affected */
+static void job_abandon(job_t *j) {
+    if (!j->used || j->sid == 0) return;
+    j->sid = 0;
+    if (j->pid > 0 && !j->exited) { kill(-j->pid, SIGKILL); kill(j->pid, SIGKILL); }
+}
+
 static void job_finish(job_t *j) {
     if (j->kind == 3 || j->sid == 0) { job_free(j); return; }
     buf_t b = {0};
@@ -1072,6 +1087,7 @@ static int job_pump(job_t *j, int which) {
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && errno == EAGAIN) return 0;
         if (r <= 0) { close(*fd); *fd = -1; return 1; }
+        if (j->sid == 0) continue;   /* abandoned: drain and drop */
         if (j->kind == 2) {          /* diff: tar bytes */
             if (which == 0) {
                 buf_t b = {0};
@@ -1393,15 +1409,20 @@ static void on_frame(int type, uint64_t sid, const uint8_t *pl, size_t n, int fl
     switch (type) {
     case T_REQUEST:
         if (!(sid & 1)) { logf_("REQUEST on even stream %llu ignored", (unsigned long long)sid); return; }
+        if (sid <= last_sid) {
+            /* Aether stream ids only grow on one connection: this is a new host connection
+             * whose close/open the agent did not see (both happened between two polls).
+             * The old calls are abandoned so that no stale reply can answer a new call
+             * that reuses their stream id. */
+            for (int i = 0; i < MAX_EXECS; i++) job_abandon(&jobs[i]);
+            connections++;
+        }
         last_sid = sid;
         dispatch(sid, pl, n, flags);
         break;
     case T_PING: send_frame(T_PONG, sid, pl, n, 0); break;
     case T_CANCEL:
-        for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid == sid) {
-            jobs[i].sid = 0;
-            if (jobs[i].pid > 0 && !jobs[i].exited) kill(-jobs[i].pid, SIGKILL);
-        }
+        for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid == sid) job_abandon(&jobs[i]);
         break;
     case T_WINDOW:
         if (n == 4) {
@@ -1448,18 +1469,15 @@ static void on_disconnect(void) {
     if (!connected) return;
     connected = 0;
     buf_free(&inb); buf_free(&outb);
-    for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid) {
-        /* the caller is gone with the connection: a foreground exec's result can never
-         * be delivered, so its process group is killed; background ones keep running */
-        jobs[i].sid = 0;
-        if (jobs[i].pid > 0 && !jobs[i].exited) kill(-jobs[i].pid, SIGKILL);
-    }
+    last_sid = 0;
+    for (int i = 0; i < MAX_EXECS; i++) job_abandon(&jobs[i]);
 }
 
 static void reap(void) {
     int st;
     pid_t p;
     while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+        if (p == modules_pid) { modules_pid = 0; continue; }
         for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].pid == p && !jobs[i].exited) {
             jobs[i].exited = 1; jobs[i].status = st; jobs[i].exit_at = now_mono();
             break;
@@ -1510,7 +1528,11 @@ static void boot(void) {
     mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, NULL);
     int c = open("/dev/console", O_RDWR | O_NOCTTY);
     if (c >= 0) { dup2(c, 0); dup2(c, 1); dup2(c, 2); if (c > 2) close(c); }
-    load_modules();
+    /* modules load in a child while the agent looks for its port and answers hello
+     * (~0.15 s under TCG); setup waits for it */
+    modules_pid = fork();
+    if (modules_pid == 0) { load_modules(); _exit(0); }
+    if (modules_pid < 0) { modules_pid = 0; load_modules(); }
     write_file("/proc/sys/kernel/panic_on_oom", "0");
 }
 
