@@ -1583,7 +1583,8 @@ int main(int argc, char **argv) {
         }
         int n = 0;
         pf[n] = (struct pollfd){ sfd, POLLIN, 0 }; pj[n] = NULL; n++;
-        if (connected) { pf[n] = (struct pollfd){ port_fd, POLLIN | (outb.len ? POLLOUT : 0), 0 }; pj[n] = NULL; n++; }
+        /* the host not reading its replies stops the agent reading its requests */
+        if (connected) { pf[n] = (struct pollfd){ port_fd, (outb.len < 4 * OUT_HIGH ? POLLIN : 0) | (outb.len ? POLLOUT : 0), 0 }; pj[n] = NULL; n++; }
         double now = now_mono(), wake = now + (connected ? 3600 : 1.0);
         for (int i = 0; i < MAX_EXECS; i++) {
             job_t *j = &jobs[i];
