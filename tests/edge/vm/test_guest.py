@@ -273,8 +273,10 @@ async def test_host_mode_diff_tar_format(tmp_path: object, agent_bin: str) -> No
 # ---------------------------------------------------------------------------- real guest
 class Guest:
     def __init__(self, d: str, proc: subprocess.Popen[bytes], sock: str,
-                 boot_to_hello_s: float) -> None:
+                 boot_to_hello_s: float, argv: list[str]) -> None:
         self.dir, self.proc, self.sock, self.boot_to_hello_s = d, proc, sock, boot_to_hello_s
+        self.argv = argv
+        self.qmp = os.path.join(d, "qmp.sock")
 
     async def dial(self) -> Connection:
         conn = await connect("unix:" + self.sock, max_frame=ap.DEFAULT_MAX_FRAME)
@@ -313,7 +315,8 @@ def _boot(d: str, layer: str) -> Guest:
             "-drive", f"file={layer},if=none,id=l0,format=raw,readonly=on",
             "-device", "virtio-blk-pci,drive=l0",
             "-drive", f"file={scratch},if=none,id=s0,format=raw",
-            "-device", "virtio-blk-pci,drive=s0"]
+            "-device", "virtio-blk-pci,drive=s0",
+            "-qmp", f"unix:{d}/qmp.sock,server=on,wait=off"]
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
@@ -348,7 +351,7 @@ def _boot(d: str, layer: str) -> Guest:
         proc.kill()
         proc.wait()
         raise
-    return Guest(d, proc, sock, took)
+    return Guest(d, proc, sock, took, argv)
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +392,10 @@ async def test_guest_exec(vm: Guest) -> None:
                                                    output_cap_bytes=100),
                             timeout=30, response_type=ap.ExecResult)
         assert len(r.stdout) == 100 and r.stdout_truncated
+        r = await conn.call("exec", ap.ExecRequest(shell="head -c 3000000 /dev/zero",
+                                                   output_cap_bytes=8 << 20),
+                            timeout=30, response_type=ap.ExecResult)
+        assert len(r.stdout) == ap.MAX_EXEC_OUTPUT and r.stdout_truncated   # fits one frame
         with pytest.raises(CannotRun) as ei:
             await conn.call("exec", ap.ExecRequest(argv=("/no/such",)), timeout=30)
         assert ei.value.detail.get("exit_code") == 127
@@ -516,3 +523,94 @@ async def test_guest_survives_host_disconnect(vm: Guest) -> None:
     finally:
         await conn.close()
     assert vm.proc.poll() is None, vm.serial()
+
+
+class _Qmp:
+    """Just enough QMP (JSON lines over the -qmp unix socket) for a migration."""
+
+    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.r, self.w = r, w
+
+    @classmethod
+    async def open(cls, path: str) -> _Qmp:
+        for _ in range(500):
+            try:
+                r, w = await asyncio.open_unix_connection(path)
+                break
+            except OSError:
+                await asyncio.sleep(0.01)
+        q = cls(r, w)
+        await r.readline()                                  # greeting
+        await q.cmd("qmp_capabilities")
+        return q
+
+    async def cmd(self, name: str, **args: object) -> object:
+        self.w.write(msgspec.json.encode({"execute": name, "arguments": args}) + b"\n")
+        while True:
+            async with asyncio.timeout(30):
+                line = await self.r.readline()
+            msg = msgspec.json.decode(line)
+            if "return" in msg:
+                return msg["return"]
+            if "error" in msg:
+                raise AssertionError(f"QMP {name}: {msg['error']}")
+
+    async def close(self) -> None:
+        self.w.close()
+        with contextlib.suppress(OSError):
+            await self.w.wait_closed()
+
+
+async def _wait_status(q: _Qmp, key: str, want: tuple[str, ...]) -> str:
+    for _ in range(600):
+        st = await q.cmd(key)
+        status = st.get("status") if isinstance(st, dict) else None
+        if status in want:
+            return str(status)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{key} never reached {want}")
+
+
+@pytest_root
+async def test_guest_pause_resume_by_migration(vm: Guest) -> None:
+    """What pause/resume does to the agent: quiesce, the stopped guest migrated into a
+    memory file, QEMU gone, a new QEMU started from that file. The restored agent keeps
+    its boot, setup, files and background processes, and serves the new socket."""
+    conn = await vm.dial()
+    h1 = await conn.call("hello", None, timeout=30, response_type=ap.Hello)
+    await conn.call("write", ap.WriteRequest(path="/tmp/paused", data=b"p"), timeout=30)
+    bg = await conn.call("exec", ap.ExecRequest(argv=("sleep", "305"), background=True),
+                         timeout=30, response_type=ap.ExecResult)
+    await conn.call("quiesce", ap.QuiesceRequest(), timeout=30)
+    await conn.close()
+    mem = os.path.join(vm.dir, "mem")
+    q = await _Qmp.open(vm.qmp)
+    await q.cmd("stop")
+    await q.cmd("migrate", uri=f"exec:cat > {mem}")
+    assert await _wait_status(q, "query-migrate", ("completed", "failed")) == "completed"
+    await q.close()
+    vm.proc.kill()
+    vm.proc.wait()
+    for p in (vm.sock, vm.qmp):
+        os.unlink(p)
+    t0 = time.monotonic()
+    vm.proc = subprocess.Popen([*vm.argv, "-incoming", f"exec:cat {mem}"],  # noqa: ASYNC220
+                               stdin=subprocess.DEVNULL)
+    q = await _Qmp.open(vm.qmp)
+    await _wait_status(q, "query-status", ("paused", "postmigrate"))
+    await q.cmd("cont")
+    await q.close()
+    conn = await vm.dial()
+    try:
+        print(f"\nresume-to-hello {time.monotonic() - t0:.2f} s")
+        h2 = await conn.call("hello", None, timeout=30, response_type=ap.Hello)
+        assert h2.boot_id == h1.boot_id and h2.setup_done and h2.uptime_s > h1.uptime_s
+        r = await conn.call("read", ap.ReadRequest(path="/tmp/paused"), timeout=30,
+                            response_type=ap.ReadResult)
+        assert r.data == b"p"
+        ps = await conn.call("exec", ap.ExecRequest(shell="ps -o args | grep -c '^sleep 305'"),
+                             timeout=30, response_type=ap.ExecResult)
+        assert ps.stdout.strip() == b"1"
+        await conn.call("signal", ap.SignalRequest(pid=bg.pid, sig=9), timeout=30)
+    finally:
+        await conn.close()

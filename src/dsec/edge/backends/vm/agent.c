@@ -51,6 +51,8 @@ extern char **environ;
 #define PROTO_VERSION 1
 #define MAX_FRAME (4u * 1024 * 1024)
 #define MAX_READ (2u * 1024 * 1024)
+/* per-stream output a unary exec keeps: both streams must fit one reply frame */
+#define MAX_EXEC_OUTPUT ((MAX_FRAME - 64u * 1024) / 2)
 #define HDR 25
 #define OUT_HIGH (2u * 1024 * 1024)      /* stop reading exec pipes above this */
 #define MAX_EXECS 256
@@ -918,10 +920,11 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
     int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pst[2] = {-1, -1};
     if (body_err[0]) { send_error(sid, "invalid_argument", "exec: %s", body_err); goto out; }
     if (mp_get(body, "hide", &v) == 1 && *v.p != 0x90 && *v.p != 0xc0) { send_error(sid, "invalid_argument", "exec: hide needs the container backend's native runtime; the vm tier does not support it"); goto out; }
-    if (mp_get(body, "pty", &v) == 1 && *v.p != 0xc0) { send_error(sid, "invalid_argument", "exec: pty is not supported by the vm tier's agent"); goto out; }
+    if ((mp_get(body, "pty", &v) == 1 && *v.p != 0xc0) || get_bool(body, "stdin_open", 0)) { send_error(sid, "invalid_argument", "exec: pty and stdin_open (processes) are not supported by the vm tier's agent"); goto out; }
     if ((argc == 0) == (shell == NULL)) { send_error(sid, "invalid_argument", "exec: give exactly one of argv and shell"); goto out; }
     if (!setup_done) { send_error(sid, "conflict", "exec before setup: call setup first"); goto out; }
     if (cap < 0) cap = 0;
+    if (!streaming && cap > (int64_t)MAX_EXEC_OUTPUT) cap = MAX_EXEC_OUTPUT;  /* use exec_stream for more */
     uid_t uid; gid_t gid; char home[512];
     if (resolve_user(user, &uid, &gid, home, sizeof home) < 0) {
         buf_t b = {0};
