@@ -248,6 +248,24 @@ def _upper_tree(root: str) -> str:
     return long
 
 
+async def test_host_mode_exec_stream_waits_for_credit(tmp_path: object, agent_bin: str) -> None:
+    """A reader that lags stops the command, not the link: 24 MB streamed to a caller
+    that reads nothing for 1.5 s arrive whole. Without the agent honouring Aether's
+    per-stream credit the caller's connection would hold more than STREAM_BACKLOG_MAX
+    (16 MiB) unread and cancel the call (ResourceExhausted)."""
+    async with _host_agent(agent_bin, str(tmp_path)) as (conn, _):
+        await conn.call("setup", ap.SetupRequest(), timeout=5)
+        n = 24 << 20
+        s = conn.stream("exec_stream", ap.ExecRequest(argv=("head", "-c", str(n), "/dev/zero"),
+                                                      output_cap_bytes=n),
+                        timeout=60, item_type=ap.ExecChunk, response_type=ap.ExecResult)
+        await asyncio.sleep(1.5)
+        got = 0
+        async for c in s:
+            got += len(c.data)
+        assert got == n and s.result.exit_code == 0 and not s.result.stdout_truncated
+
+
 @pytest.mark.root
 async def test_host_mode_diff_tar_format(tmp_path: object, agent_bin: str) -> None:
     root = os.path.join(str(tmp_path), "upper")
