@@ -42,6 +42,7 @@ from dsec.errors import (
     InvalidArgument,
     NotFound,
     RequestTimeout,
+    ResourceExhausted,
     UnknownMethod,
 )
 
@@ -541,6 +542,52 @@ async def test_guest_survives_host_disconnect(vm: Guest) -> None:
     finally:
         await conn.close()
     assert vm.proc.poll() is None, vm.serial()
+
+
+@pytest_root
+async def test_guest_faults_full_disk_and_oom(vm: Guest) -> None:
+    """A full scratch disk is resource_exhausted for the host's write and a failing
+    command for the sandbox, and clears when files go; a command eating more than the
+    guest's RAM is OOM-killed inside the guest (reported), the agent (PID 1, exempt from
+    the OOM killer) keeps serving."""
+    conn = await vm.dial()
+    try:
+        # fill the disk without writing it (TCG writes a few MB/s under load): fallocate
+        # files, halving the size at each refusal, down to 256 KiB
+        r = await conn.call("exec", ap.ExecRequest(shell=(
+            "s=67108864; i=0; while [ $s -ge 262144 ]; do "
+            "if fallocate -l $s /workspace/fill$i 2>/dev/null; then i=$((i+1)); "
+            "else s=$((s/2)); fi; done")), timeout=60, response_type=ap.ExecResult)
+        assert r.exit_code == 0, r
+        r = await conn.call("exec", ap.ExecRequest(
+            argv=("dd", "if=/dev/zero", "of=/workspace/dd", "bs=1M", "count=4")), timeout=60,
+            response_type=ap.ExecResult)
+        assert r.exit_code != 0 and b"No space left" in r.stderr, r
+        with pytest.raises(ResourceExhausted):
+            await conn.call("write", ap.WriteRequest(path="/workspace/more", data=b"x" * (2 << 20)),
+                            timeout=30)
+        await conn.call("exec", ap.ExecRequest(shell="rm -f /workspace/fill* /workspace/dd"),
+                        timeout=30)
+        await conn.call("write", ap.WriteRequest(path="/workspace/more", data=b"x" * (1 << 20)),
+                        timeout=30)
+        # (overcommit on, so that the allocation succeeds and touching it is what fails)
+        await conn.call("exec", ap.ExecRequest(shell="echo 1 > /proc/sys/vm/overcommit_memory"),
+                        timeout=30)
+        try:
+            r = await conn.call("exec", ap.ExecRequest(
+                shell="exec dd if=/dev/zero of=/dev/null bs=300M count=1"), timeout=60,
+                response_type=ap.ExecResult)
+        finally:
+            await conn.call("exec", ap.ExecRequest(
+                shell="echo 0 > /proc/sys/vm/overcommit_memory"), timeout=30)
+        assert r.exit_code == 137 and r.oom_killed, r
+        st = await conn.call("stats", None, timeout=30, response_type=ap.GuestStats)
+        assert st.oom_kills >= 1
+        r = await conn.call("exec", ap.ExecRequest(argv=("echo", "alive")), timeout=30,
+                            response_type=ap.ExecResult)
+        assert r.stdout == b"alive\n"
+    finally:
+        await conn.close()
 
 
 class _Qmp:
