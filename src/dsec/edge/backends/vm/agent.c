@@ -546,7 +546,7 @@ static void h_read(uint64_t sid, mp_t body) {
     int fd = open_in_root(path, O_RDONLY | O_NONBLOCK, 0);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0) { send_errno(sid, errno, "read", path); if (fd >= 0) close(fd); free(path); return; }
-    if (!S_ISREG(st.st_mode)) { send_error(sid, S_ISDIR(st.st_mode) ? "invalid_argument" : "invalid_argument", "read %s: not a regular file", path); close(fd); free(path); return; }
+    if (!S_ISREG(st.st_mode)) { send_error(sid, "invalid_argument", "read %s: not a regular file", path); close(fd); free(path); return; }
     uint8_t *data = malloc(len ? len : 1);
     size_t got = 0;
     while ((int64_t)got < len) {
@@ -1598,7 +1598,8 @@ int main(int argc, char **argv) {
             }
             if (j->in_fd >= 0) { pf[n] = (struct pollfd){ j->in_fd, POLLOUT, 0 }; pj[n] = j; pw[n] = 2; n++; }
             if (j->deadline && !j->timed_out && !j->exited && j->deadline < wake) wake = j->deadline;
-            if (j->exited && j->exit_at + 0.2 < wake) wake = j->exit_at + 0.2;
+            if (j->exited && (j->out_fd >= 0 || j->err_fd >= 0) && j->exit_at + 0.2 > now && j->exit_at + 0.2 < wake)
+                wake = j->exit_at + 0.2;
         }
         int to = (int)((wake - now) * 1000) + 1;
         if (to < 0) to = 0;
@@ -1645,6 +1646,7 @@ int main(int argc, char **argv) {
             if (j->kind == 3) { job_free(j); continue; }
             int open_ = (j->out_fd >= 0) + (j->err_fd >= 0);
             if (open_ && now < j->exit_at + 0.2) continue;   /* drain what the pipes still hold */
+            if (open_ && j->kind == 1 && j->sid && j->credit <= 0) continue;  /* the reader first */
             if (open_ && j->kind != 2) { if (j->out_fd >= 0) job_pump(j, 0); if (j->err_fd >= 0) job_pump(j, 1); }
             if (j->kind == 2 && open_) continue;               /* diff: always read to EOF */
             if (outb.len > OUT_HIGH && j->kind == 1) continue;
