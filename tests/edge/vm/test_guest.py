@@ -404,9 +404,11 @@ async def test_guest_exec(vm: Guest) -> None:
                             response_type=ap.ExecResult)
         assert (r.exit_code, r.stdout, r.stderr) == (0, b"hi\n", b"")
         r = await conn.call("exec", ap.ExecRequest(
-            shell="cat; echo $DSEC_T $X $(id -u) $(pwd) >&2; exit 3", env={"X": "y"},
-            stdin=b"in", cwd="/tmp", user="agent"), timeout=30, response_type=ap.ExecResult)
-        assert (r.exit_code, r.stdout, r.stderr) == (3, b"in", b"1 y 1000 /tmp\n")
+            shell="cat; echo $DSEC_T $X $(id -u) $(pwd) $HOME $LANG >&2; exit 3",
+            env={"X": "y"}, stdin=b"in", cwd="/tmp", user="agent"), timeout=30,
+            response_type=ap.ExecResult)
+        assert (r.exit_code, r.stdout, r.stderr) == (
+            3, b"in", b"1 y 1000 /tmp /home/agent C.UTF-8\n")
         r = await conn.call("exec", ap.ExecRequest(shell="head -c 5000 /dev/zero",
                                                    output_cap_bytes=100),
                             timeout=30, response_type=ap.ExecResult)
@@ -494,7 +496,8 @@ async def test_guest_files_and_diff(vm: Guest) -> None:
         with pytest.raises(NotFound):
             await conn.call("read", ap.ReadRequest(path="/../init"), timeout=30)
         await conn.call("exec", ap.ExecRequest(
-            shell="rm /linuxrc && rm -rf /var && mkdir -p /var/new && echo v > /var/new/f"),
+            shell="rm /linuxrc && rm -rf /var && mkdir -p /var/new && echo v > /var/new/f"
+                  " && mv /home /home2"),
             timeout=30)
         s = conn.stream("diff", None, timeout=60, item_type=ap.DiffChunk,
                         response_type=ap.DiffResult)
@@ -505,6 +508,8 @@ async def test_guest_files_and_diff(vm: Guest) -> None:
         assert m["var"].pax_headers.get("SCHILY.xattr.trusted.overlay.opaque") == "y"
         assert m["workspace/big.bin"].size == len(data)
         assert "bin/busybox" not in m                   # lower-layer files are not in the diff
+        # a renamed lower dir is copied, never an overlay redirect (redirect_dir=nofollow)
+        assert m["home"].ischr() and m["home2/agent"].isdir()
     finally:
         await conn.close()
 

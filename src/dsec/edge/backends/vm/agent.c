@@ -804,7 +804,10 @@ static void h_setup(uint64_t sid, mp_t body) {
                 int k = snprintf(mp, sizeof mp, "%s/layers/%zu", i + 1 < nl ? ":" : "", i);
                 buf_put(&o, mp, k);
             }
-            const char *rest = ",upperdir=/scratch/upper,workdir=/scratch/work";
+            /* the flags the container backend uses (dsec.image.compose.OVERLAY_FLAGS):
+             * directory renames are neither written as redirects nor followed, so the
+             * upper dir is plain overlay encoding that pack_diff understands */
+            const char *rest = ",upperdir=/scratch/upper,workdir=/scratch/work,redirect_dir=nofollow,metacopy=off";
             buf_put(&o, rest, strlen(rest) + 1);
             int r = mount("overlay", SB, "overlay", 0, (char *)o.p);
             if (r < 0) snprintf(err, sizeof err, "mount overlay at /sb (%s): %s", (char *)o.p, strerror(errno));
@@ -942,11 +945,13 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
     }
     /* envp: PATH/HOME defaults, then setup env, then the request's */
     size_t en = 0;
-    char **envp = calloc(base_env_n + envc + 4, sizeof *envp);
+    char **envp = calloc(base_env_n + envc + 8, sizeof *envp);
+    /* defaults as the container backend's (container/rootfs.py DEFAULT_ENV + HOSTNAME) */
     char pathv[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
     char homev[600]; snprintf(homev, sizeof homev, "HOME=%s", home);
-    char *defs[] = {pathv, homev, "TERM=xterm"};
-    for (int d = 0; d < 3; d++) envp[en++] = defs[d];
+    char hostv[80] = "HOSTNAME="; gethostname(hostv + 9, sizeof hostv - 10);
+    char *defs[] = {pathv, homev, "TERM=xterm", "LANG=C.UTF-8", hostv};
+    for (int d = 0; d < 5; d++) envp[en++] = defs[d];
     char **srcs[2] = {base_env, env};
     for (int s = 0; s < 2; s++) for (size_t i = 0; srcs[s] && srcs[s][i]; i++) {
         size_t kl = strchr(srcs[s][i], '=') - srcs[s][i];
