@@ -237,6 +237,49 @@ async def test_host_mode_survives_garbage_and_answers_pings(tmp_path: object,
         proc.wait(timeout=5)
 
 
+def _raw_call(a: socket.socket, sid: int, method: str, body: bytes) -> tuple[int, dict[str, object]]:
+    """One REQUEST with a raw msgpack body; (frame type, decoded reply body)."""
+    payload = encode_request(method, body)
+    a.sendall(encode_parts(FrameType.REQUEST, sid, payload) + payload)
+    data = b""
+    while len(data) < 25 or len(data) < 25 + int.from_bytes(data[15:19], "big"):
+        chunk = a.recv(65536)
+        assert chunk, "agent closed the connection"
+        data += chunk
+    assert int.from_bytes(data[6:14], "big") == sid
+    return data[14], msgspec.msgpack.decode(data[25:25 + int.from_bytes(data[15:19], "big")])
+
+
+async def test_host_mode_malformed_bodies_are_invalid_argument(tmp_path: object,
+                                                              agent_bin: str) -> None:
+    """The agent's msgpack reader bounds every read: truncated values, wrong types, huge
+    announced counts and deep nesting are invalid_argument, and it keeps serving."""
+    a, proc = _spawn(agent_bin, str(tmp_path))
+    a.settimeout(10)
+    try:
+        assert _raw_call(a, 1, "setup", _enc({}))[0] == FrameType.RESPONSE
+        bad = [
+            ("read", b"\x81\xa4path\xda\xff\xff"),          # str of 65535 bytes, 0 present
+            ("read", _enc({"path": 7})),
+            ("read", b"\xdf\xff\xff\xff\xff"),              # map of 4G entries
+            ("exec", _enc({"argv": ["a", 1]})),
+            ("exec", _enc({"env": {"A=B": "c"}, "argv": ["true"]})),
+            ("exec", _enc({"argv": ["tr\x00ue"]})),
+            ("write", b"\x91" * 100 + b"\xc0"),                # 100 nested arrays
+            ("stat", b"\xc1"),                                  # never-used msgpack byte
+        ]
+        sid = 3
+        for method, body in bad:
+            t, reply = _raw_call(a, sid, method, body)
+            assert t == FrameType.ERROR and reply["code"] == "invalid_argument", (method, reply)
+            sid += 2
+        t, reply = _raw_call(a, sid, "hello", _enc(None))
+        assert t == FrameType.RESPONSE and reply["setup_done"] is True
+    finally:
+        a.close()
+        proc.wait(timeout=5)
+
+
 def _upper_tree(root: str) -> str:
     os.makedirs(os.path.join(root, "d", "opq"))
     long = "n" * 150
