@@ -111,8 +111,9 @@ def test_agentproto_and_agent_c_name_the_same_methods() -> None:
         assert m is not None, const
         n = int(m.group(1)) << 20 if m.group(1) else int(m.group(2))
         assert n == value, const
-    codes = set(re.findall(r'return "([a-z_]+)";', src)) | set(
-        re.findall(r'send_error\([a-z_>-]+, "([a-z_]+)"', src))
+    codes = (set(re.findall(r'return "([a-z_]+)";', src))
+             | set(re.findall(r'send_error\([a-z_>-]+, "([a-z_]+)"', src))
+             | set(re.findall(r'mp_str\(&b, "code"\); mp_str\(&b, "([a-z_]+)"\)', src)))
     assert codes <= ap.ERROR_CODES and "cannot_run" in codes, codes
 
 
