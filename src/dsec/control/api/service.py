@@ -123,6 +123,7 @@ from dsec.wire.calls import (
     ProjectRef,
     QuotaSet,
     ReadFile,
+    ResumeReason,
     SandboxRef,
     SessionOpen,
     SessionRef,
@@ -1398,14 +1399,15 @@ class ApiService:
 
     async def resume(self, principal: Caller, sid: str) -> None:
         edge, _ = await self._edge_for(principal, sid, "member")
-        if not await self._resume_admitted(edge, sid):
+        if not await self._resume_admitted(edge, sid, "requested"):
             # not known paused here (already running, or paused behind this plane's
             # back and not reported yet: its running charge is still counted)
             await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
             if self.quotas is not None:
                 self.quotas.paused(sid, False)
 
-    async def _resume_admitted(self, edge: EdgeOps, sid: str) -> bool:
+    async def _resume_admitted(self, edge: EdgeOps, sid: str,
+                               reason: ResumeReason = "auto_resume") -> bool:
         """Resume ``sid`` if the control plane knows it paused, within its project's
         quota: check and hold the charge (one step), resume at the edge, then count it
         running, or give the hold back if the resume failed. False when it is not known
@@ -1413,14 +1415,16 @@ class ApiService:
         through here: resume (REST, gateway, E2B, dashboard) and every operation the
         edge would otherwise resume it for transparently (exec, files, processes,
         ports: :data:`_WAKES`), which the edge's own auto-resume never checked
-        (red team 19, B3)."""
+        (red team 19, B3). ``reason`` goes on the sandbox's events: ``auto_resume``
+        for a wake (as if the edge had resumed it itself), ``requested`` for resume."""
         if self.quotas is None:
             return False
         hold = self.quotas.admit_resume(sid)
         if hold is None:
             return False
         try:
-            await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
+            await self._via(edge, sid, "resume", lambda: edge.resume(sid, reason=reason),
+                            effect=True)
         except BaseException:
             self.quotas.abort_resume(hold)
             raise
