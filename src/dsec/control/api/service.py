@@ -42,6 +42,7 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
+from dsec.control.replybudget import ReplyGate, keep_or_release, tenant_of
 from dsec.control.sweeper import SESSION_LABEL
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
@@ -436,6 +437,19 @@ class ApiConfig:
     # The egress policy of a create that names none (``dsec up|apiserver --net-default``):
     # "none", loopback only, unless the operator opens it. A project's ceiling still binds.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # Bytes of large unary replies (exec output, list_dir, events) one tenant (top-level
+    # project) holds in this apiserver at once, from the edge's answer until its client
+    # has read it (dsec.control.replybudget); None: no budget. 1 GiB: 256 concurrent
+    # execs at the largest output an edge returns (2 x 4 MiB... reserved as their worst
+    # case) or 512 at the default 1 MiB cap, per tenant, before the next waits.
+    reply_budget_bytes: int | None = 1 << 30
+    # How long a call waits for room in its tenant's budget before RateLimited.
+    reply_budget_wait_s: float = 30.0
+    # What a list_dir or events call reserves before its reply arrives (then its size).
+    reply_reserve_bytes: int = 1 << 20
+    # The most output per stream an edge puts in an exec's reply (its
+    # EdgeConfig.max_reply_output_bytes): an exec reserves twice min(its cap, this).
+    reply_output_bytes: int = 4 << 20
 
 
 class _ProjectCache:
@@ -518,10 +532,14 @@ class ApiService:
     port_tokens: TokenKey = field(init=False)
     # (node, top-level project) -> its read_file pieces in flight (READS_PER_TENANT)
     _reads: dict[tuple[str, str], _Gate] = field(init=False)
+    # Per-tenant bytes of large unary replies held until written (ApiConfig.reply_budget_*)
+    replies: ReplyGate = field(init=False)
 
     def __post_init__(self) -> None:
         self._keyed = set()
         self._reads = {}
+        self.replies = ReplyGate(self.config.reply_budget_bytes,
+                                 wait_s=self.config.reply_budget_wait_s)
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
@@ -1652,8 +1670,10 @@ class ApiService:
         if lost is not None:
             return list(lost.events)
         try:
-            edge, _ = await self._edge_for(principal, sid, "reader")
-            return await self._via(edge, sid, "events", lambda: edge.events(sid))
+            edge, project = await self._edge_for(principal, sid, "reader")
+            return await self._budgeted(
+                project, self.config.reply_reserve_bytes,
+                lambda: self._via(edge, sid, "events", lambda: edge.events(sid)))
         except SandboxLost:
             lost = self.directory.lost(sid)
             if lost is None:
@@ -1911,10 +1931,40 @@ class ApiService:
         error says whether it may have happened)."""
         sid: str = body.id
         assert op.role is not None
-        edge, _ = await self._edge_for(caller, sid, op.role, wake=op.name in _WAKES)
+        edge, project = await self._edge_for(caller, sid, op.role, wake=op.name in _WAKES)
         deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
-        return await self._via(edge, sid, op.name,
-                               lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+
+        def call() -> Awaitable[Any]:
+            return self._via(edge, sid, op.name,
+                             lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+        if op.name in _BIG_REPLIES:
+            return await self._budgeted(project, self._reply_reserve(op, body), call)
+        return await call()
+
+    def _reply_reserve(self, op: Op[Any, Any], body: Any) -> int:
+        """What ``op``'s reply may be at most (exec), or the estimate reserved for it."""
+        cfg = self.config
+        if op is ops.EXEC:
+            req: ExecRequest = body.req
+            if req.background:
+                return _REPLY_OVERHEAD
+            return 2 * min(req.output_cap_bytes, cfg.reply_output_bytes) + _REPLY_OVERHEAD
+        return cfg.reply_reserve_bytes
+
+    async def _budgeted(self, project: str, reserve: int,
+                        call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call`` (one edge call with a large unary reply) within its tenant's budget
+        of reply bytes: reserve, charge the real size, and leave the lease to the door
+        that writes the reply out (dsec.control.replybudget)."""
+        lease = await self.replies.acquire(tenant_of(project), reserve)
+        try:
+            rep = await call()
+            lease.resize(_reply_size(rep))
+        except BaseException:
+            lease.release()
+            raise
+        keep_or_release(lease)
+        return rep
 
     async def _network_update_op(self, caller: Caller, b: NetworkUpdate) -> NetworkView:
         """Member on the sandbox's project, and the new policy within every network
@@ -2143,6 +2193,19 @@ _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
 # Operations the edge resumes a paused sandbox for (its transparent resume, ``_ready``;
 # ``processes.start``): the control plane resumes it first, within the project's quota
 # (red team 19, B3). Pause, get, stats, destroy, snapshot, ports listing do not wake.
+# Sandbox rows forwarded as they are whose unary replies can be large: held within their
+# tenant's reply budget (events too, in ApiService.events; read_file has its own gate).
+_BIG_REPLIES = frozenset(o.name for o in (ops.EXEC, ops.LIST_DIR, ops.PROCESS_LIST))
+_REPLY_OVERHEAD = 4096    # an exec reply's fields besides its output (msgpack or JSON)
+
+
+def _reply_size(rep: object) -> int:
+    """Bytes a reply holds: an exec's output (and its fields), else its msgpack size."""
+    if isinstance(rep, ExecResult):
+        return len(rep.stdout) + len(rep.stderr) + _REPLY_OVERHEAD
+    return len(_msgpack.encode(rep))
+
+
 _WAKES = frozenset(o.name for o in (
     ops.EXEC, ops.EXEC_MANY, ops.EXEC_STREAM, ops.WRITE_FILE, ops.MKDIR, ops.REMOVE,
     ops.FILE_WRITE_STREAM, ops.FILE_RENAME, ops.PROCESS_START, ops.PORT_CONNECT))

@@ -1,0 +1,191 @@
+"""Bytes of large unary replies each tenant holds in one apiserver at once.
+
+A unary reply (an exec's output, a ``list_dir``, a sandbox's events) is whole in the
+apiserver's memory from the moment its edge answers until the client has read it: over
+REST the body waits in the transport's buffer while the client reads slowly or not at all;
+over the gateway a connection parks up to 64 MiB of them (``unread_replies_max``) and a
+tenant opens as many connections as it likes. So a tenant that asks for N big replies and
+never reads them held N times 16 MiB (an exec: up to 2 x 4 MiB of output) of the apiserver,
+whatever the per-connection caps, and could take every other tenant's apiserver with it.
+
+Each tenant (a top-level project, with its subprojects: as the edge counts execs) gets a
+budget of such bytes. A call *reserves* what its reply can be at most before it is sent to
+the edge (an exec: twice its output cap, within what an edge ever returns; other rows a
+fixed estimate), the reservation becomes the reply's real size when it arrives, and it is
+given back when the reply has been written out (REST: the body sent; the gateway:
+``dsec.aether.after_reply_written``), or at once if the call fails. A call that does not
+fit waits (FIFO-fair enough: every release wakes the waiters, the first that fits goes)
+up to ``wait_s``, then is refused with :class:`~dsec.errors.RateLimited` naming the
+tenant, the bytes held and what to do. One reply larger than the whole budget still goes
+when the tenant holds nothing (a budget never makes a call impossible, only serial).
+
+Bounds: the reservation of an exec is its worst case, so execs never overshoot; the other
+rows reserve an estimate (``reserve_bytes``) and are charged their real size on arrival, so
+a tenant can overshoot by (calls already at the edge) x (their size beyond the estimate)
+once, and then waits until its clients read.
+
+:class:`ReplyBudget` is the pure accounting; :class:`ReplyGate` adds the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from dsec.errors import InvalidArgument, RateLimited
+
+__all__ = ["ReplyBudget", "ReplyGate", "ReplyLease", "hold_replies", "keep_or_release",
+           "tenant_of"]
+
+
+def tenant_of(project: str) -> str:
+    """The tenant a project's replies count against: its top-level project."""
+    return project.partition("/")[0]
+
+
+@dataclass(slots=True)
+class ReplyBudget:
+    """Bytes held per tenant against ``limit_bytes`` (None: no limit, only counted)."""
+
+    limit_bytes: int | None
+    _held: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes is not None and self.limit_bytes < 1:
+            raise InvalidArgument(f"reply budget of {self.limit_bytes} bytes: give a "
+                                  "positive number of bytes, or None for no budget")
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def fits(self, tenant: str, n: int) -> bool:
+        """``n`` more bytes are within ``tenant``'s budget (or it holds nothing)."""
+        held = self._held.get(tenant, 0)
+        return self.limit_bytes is None or held == 0 or held + n <= self.limit_bytes
+
+    def take(self, tenant: str, n: int) -> None:
+        self._held[tenant] = self._held.get(tenant, 0) + n
+
+    def give(self, tenant: str, n: int) -> None:
+        left = self._held.get(tenant, 0) - n
+        if left > 0:
+            self._held[tenant] = left
+        else:
+            self._held.pop(tenant, None)
+
+    def tenants(self) -> dict[str, int]:
+        return dict(self._held)
+
+
+class ReplyLease:
+    """One call's bytes in its tenant's budget: resized to the reply's real size when it
+    arrives, released once (later releases do nothing)."""
+
+    __slots__ = ("_gate", "bytes", "tenant")
+
+    def __init__(self, gate: ReplyGate, tenant: str, n: int) -> None:
+        self._gate: ReplyGate | None = gate
+        self.tenant = tenant
+        self.bytes = n
+
+    def resize(self, n: int) -> None:
+        gate = self._gate
+        if gate is None:
+            return
+        budget = gate.budget
+        if n > self.bytes:
+            budget.take(self.tenant, n - self.bytes)
+        elif n < self.bytes:
+            budget.give(self.tenant, self.bytes - n)
+            gate._wake(self.tenant)
+        self.bytes = n
+
+    def release(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.budget.give(self.tenant, self.bytes)
+            gate._wake(self.tenant)
+
+
+class ReplyGate:
+    """:class:`ReplyBudget` with waiting: :meth:`acquire` returns a lease once the bytes
+    fit, or raises RateLimited after ``wait_s``."""
+
+    def __init__(self, limit_bytes: int | None, *, wait_s: float = 30.0) -> None:
+        if not wait_s >= 0:
+            raise InvalidArgument(f"reply budget wait of {wait_s} s: give 0 or more seconds")
+        self.budget = ReplyBudget(limit_bytes)
+        self.wait_s = wait_s
+        self._changed: dict[str, asyncio.Event] = {}
+        self.refused = 0        # calls refused after waiting wait_s (a metric's source)
+
+    async def acquire(self, tenant: str, n: int) -> ReplyLease:
+        budget = self.budget
+        if not budget.fits(tenant, n):
+            await self._wait(tenant, n)
+        budget.take(tenant, n)
+        return ReplyLease(self, tenant, n)
+
+    async def _wait(self, tenant: str, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while not self.budget.fits(tenant, n):
+            left = deadline - loop.time()
+            if left <= 0:
+                self.refused += 1
+                held, limit = self.budget.held(tenant), self.budget.limit_bytes
+                raise RateLimited(
+                    f"tenant {tenant!r} holds {held} bytes of replies its clients have not "
+                    f"read yet at this apiserver (its budget is {limit}); this call's reply "
+                    f"may be {n} bytes and did not fit within {self.wait_s:g} s. Read the "
+                    "replies of earlier calls (exec output, list_dir, events) before asking "
+                    "for more, ask for less (a smaller output_cap_bytes), or ask the "
+                    "operator to raise the apiserver's reply_budget_bytes",
+                    retry_after=1.0, tenant=tenant, held=held, limit=limit, size=n)
+            ev = self._changed.get(tenant)
+            if ev is None:
+                ev = self._changed[tenant] = asyncio.Event()
+            try:
+                async with asyncio.timeout(left):
+                    await ev.wait()
+            except TimeoutError:
+                pass
+
+    def _wake(self, tenant: str) -> None:
+        ev = self._changed.pop(tenant, None)
+        if ev is not None:
+            ev.set()
+
+
+# The leases of the call a door is serving, kept until the door has written its reply
+# (None: no door keeps them; the policy gives its lease back as it returns).
+_HELD: contextvars.ContextVar[list[ReplyLease] | None] = contextvars.ContextVar(
+    "dsec_reply_leases", default=None)
+
+
+@contextlib.contextmanager
+def hold_replies() -> Iterator[list[ReplyLease]]:
+    """A door around one policy call: the leases the policy took are in the list when
+    it returns; the door releases them once the reply is written (and on any error)."""
+    leases: list[ReplyLease] = []
+    token = _HELD.set(leases)
+    try:
+        yield leases
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    finally:
+        _HELD.reset(token)
+
+
+def keep_or_release(lease: ReplyLease) -> None:
+    """Hand ``lease`` to the door serving this call, or release it now if none keeps it."""
+    held = _HELD.get()
+    if held is None:
+        lease.release()
+    else:
+        held.append(lease)
