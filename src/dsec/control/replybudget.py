@@ -30,9 +30,7 @@ once, and then waits until its clients read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dsec.errors import InvalidArgument, RateLimited
@@ -166,20 +164,23 @@ _HELD: contextvars.ContextVar[list[ReplyLease] | None] = contextvars.ContextVar(
     "dsec_reply_leases", default=None)
 
 
-@contextlib.contextmanager
-def hold_replies() -> Iterator[list[ReplyLease]]:
+class hold_replies:
     """A door around one policy call: the leases the policy took are in the list when
-    it returns; the door releases them once the reply is written (and on any error)."""
-    leases: list[ReplyLease] = []
-    token = _HELD.set(leases)
-    try:
-        yield leases
-    except BaseException:
-        for lease in leases:
-            lease.release()
-        raise
-    finally:
-        _HELD.reset(token)
+    it returns; the door releases them once the reply is written (and on any error).
+    A class, not a generator: it wraps every REST request and gateway call."""
+
+    __slots__ = ("_token", "leases")
+
+    def __enter__(self) -> list[ReplyLease]:
+        self.leases: list[ReplyLease] = []
+        self._token = _HELD.set(self.leases)
+        return self.leases
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        _HELD.reset(self._token)
+        if exc_type is not None:
+            for lease in self.leases:
+                lease.release()
 
 
 def keep_or_release(lease: ReplyLease) -> None:
