@@ -67,6 +67,29 @@ async def test_gate_waits_for_a_release_then_refuses_after_wait_s() -> None:
     other.release()
 
 
+async def test_waiters_go_in_order_and_a_cancelled_one_leaves_the_queue() -> None:
+    gate = ReplyGate(100, wait_s=5.0)
+    held = await gate.acquire("a", 100)
+    order: list[str] = []
+
+    async def want(name: str, n: int) -> None:
+        lease = await gate.acquire("a", n)
+        order.append(name)
+        lease.release()
+    big = asyncio.create_task(want("big", 90))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(want("gone", 10))
+    await asyncio.sleep(0)
+    small = asyncio.create_task(want("small", 10))    # fits after big: does not pass it
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    held.release()
+    async with asyncio.timeout(2):
+        await asyncio.gather(big, small)
+    assert gone.cancelled() and order == ["big", "small"]
+    assert gate.budget.held("a") == 0 and not gate._queues
+
+
 async def test_a_lease_outside_a_door_is_given_back_at_once_inside_one_kept() -> None:
     gate = ReplyGate(10, wait_s=0)
     keep_or_release(await gate.acquire("a", 5))

@@ -14,8 +14,8 @@ the edge (an exec: twice its output cap, within what an edge ever returns; other
 fixed estimate), the reservation becomes the reply's real size when it arrives, and it is
 given back when the reply has been written out (REST: the body sent; the gateway:
 ``dsec.aether.after_reply_written``), or at once if the call fails. A call that does not
-fit waits (FIFO-fair enough: every release wakes the waiters, the first that fits goes)
-up to ``wait_s``, then is refused with :class:`~dsec.errors.RateLimited` naming the
+fit waits in its tenant's queue (first come, first served; a release grants the head
+of the queue as far as it makes room) up to ``wait_s``, then is refused with :class:`~dsec.errors.RateLimited` naming the
 tenant, the bytes held and what to do. One reply larger than the whole budget still goes
 when the tenant holds nothing (a budget never makes a call impossible, only serial).
 
@@ -30,6 +30,8 @@ once, and then waits until its clients read.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
 
@@ -110,52 +112,76 @@ class ReplyLease:
 
 class ReplyGate:
     """:class:`ReplyBudget` with waiting: :meth:`acquire` returns a lease once the bytes
-    fit, or raises RateLimited after ``wait_s``."""
+    fit, or raises RateLimited after ``wait_s``. Waiters of a tenant queue in order and
+    are granted by releases (no thundering herd: a release wakes only the waiters it
+    makes room for; a newcomer does not pass a queue)."""
 
     def __init__(self, limit_bytes: int | None, *, wait_s: float = 30.0) -> None:
         if not wait_s >= 0:
             raise InvalidArgument(f"reply budget wait of {wait_s} s: give 0 or more seconds")
         self.budget = ReplyBudget(limit_bytes)
         self.wait_s = wait_s
-        self._changed: dict[str, asyncio.Event] = {}
+        self._queues: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
         self.refused = 0        # calls refused after waiting wait_s (a metric's source)
 
     async def acquire(self, tenant: str, n: int) -> ReplyLease:
         budget = self.budget
-        if not budget.fits(tenant, n):
-            await self._wait(tenant, n)
-        budget.take(tenant, n)
+        if tenant not in self._queues and budget.fits(tenant, n):
+            budget.take(tenant, n)
+            return ReplyLease(self, tenant, n)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        q = self._queues.setdefault(tenant, collections.deque())
+        q.append((n, fut))
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await fut
+        except BaseException as exc:
+            granted = fut.done() and not fut.cancelled()
+            if granted and isinstance(exc, TimeoutError):
+                return ReplyLease(self, tenant, n)   # granted as the wait ran out: take it
+            if granted:
+                budget.give(tenant, n)               # the caller went away: give it back
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    q.remove((n, fut))
+            self._grant(tenant)                      # it may have held up the queue
+            if not isinstance(exc, TimeoutError):
+                raise
+            self.refused += 1
+            held, limit = budget.held(tenant), budget.limit_bytes
+            raise RateLimited(
+                f"tenant {tenant!r} holds {held} bytes of replies its clients have not "
+                f"read yet at this apiserver (its budget is {limit}); this call's reply "
+                f"may be {n} bytes and did not fit within {self.wait_s:g} s. Read the "
+                "replies of earlier calls (exec output, list_dir, events) before asking "
+                "for more, ask for less (a smaller output_cap_bytes), or ask the "
+                "operator to raise the apiserver's reply_budget_bytes",
+                retry_after=1.0, tenant=tenant, held=held, limit=limit, size=n) from None
         return ReplyLease(self, tenant, n)
 
-    async def _wait(self, tenant: str, n: int) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait_s
-        while not self.budget.fits(tenant, n):
-            left = deadline - loop.time()
-            if left <= 0:
-                self.refused += 1
-                held, limit = self.budget.held(tenant), self.budget.limit_bytes
-                raise RateLimited(
-                    f"tenant {tenant!r} holds {held} bytes of replies its clients have not "
-                    f"read yet at this apiserver (its budget is {limit}); this call's reply "
-                    f"may be {n} bytes and did not fit within {self.wait_s:g} s. Read the "
-                    "replies of earlier calls (exec output, list_dir, events) before asking "
-                    "for more, ask for less (a smaller output_cap_bytes), or ask the "
-                    "operator to raise the apiserver's reply_budget_bytes",
-                    retry_after=1.0, tenant=tenant, held=held, limit=limit, size=n)
-            ev = self._changed.get(tenant)
-            if ev is None:
-                ev = self._changed[tenant] = asyncio.Event()
-            try:
-                async with asyncio.timeout(left):
-                    await ev.wait()
-            except TimeoutError:
-                pass
-
     def _wake(self, tenant: str) -> None:
-        ev = self._changed.pop(tenant, None)
-        if ev is not None:
-            ev.set()
+        if tenant in self._queues:
+            self._grant(tenant)
+
+    def _grant(self, tenant: str) -> None:
+        """Take the bytes for the waiters at the head of ``tenant``'s queue that fit now."""
+        q = self._queues.get(tenant)
+        if q is None:
+            return
+        budget = self.budget
+        while q:
+            n, fut = q[0]
+            if fut.done():
+                q.popleft()
+                continue
+            if not budget.fits(tenant, n):
+                break
+            q.popleft()
+            budget.take(tenant, n)
+            fut.set_result(None)
+        if not q:
+            del self._queues[tenant]
 
 
 # The leases of the call a door is serving, kept until the door has written its reply
