@@ -111,7 +111,8 @@ def cluster() -> Iterator[LocalCluster]:
         rt = cl.runtime
         svc = rt.service
         svc.config = dataclasses.replace(svc.config, reply_output_bytes=OUT)
-        svc.replies = ReplyGate(LIMIT, wait_s=0.3)
+        svc.replies = ReplyGate(LIMIT, wait_s=0.3,
+                                on_refused=svc.metrics.reply_budget_refused.inc)
         for node in rt.nodes:       # let an edge return 12 MiB of output in one reply
             node.config = dataclasses.replace(node.config, max_reply_output_bytes=OUT)
         yield cl
@@ -182,7 +183,11 @@ def _check_budget_holds(cluster: LocalCluster, boxes: dict[str, str],
     big exec is refused, acme's runs; once read, default's runs again."""
     _until(lambda: OUT <= _held(cluster, "default") < 2 * OUT,
            "the unread reply is charged its size (no longer its reservation)")
+    metrics = cluster.runtime.service.metrics.registry
+    refused = metrics.get_sample_value("dsec_reply_budget_refused_total")
+    assert metrics.get_sample_value("dsec_reply_budget_bytes") >= OUT
     assert _exec_status(cluster, boxes["default"]) == 429
+    assert metrics.get_sample_value("dsec_reply_budget_refused_total") == refused + 1
     assert _exec_status(cluster, boxes["acme"]) == 200
     assert _held(cluster, "acme") == 0
     _drain(s, OUT)

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsec.errors import InvalidArgument, RateLimited
@@ -79,6 +80,9 @@ class ReplyBudget:
     def tenants(self) -> dict[str, int]:
         return dict(self._held)
 
+    def total(self) -> int:
+        return sum(self._held.values())
+
 
 class ReplyLease:
     """One call's bytes in its tenant's budget: resized to the reply's real size when it
@@ -116,11 +120,13 @@ class ReplyGate:
     are granted by releases (no thundering herd: a release wakes only the waiters it
     makes room for; a newcomer does not pass a queue)."""
 
-    def __init__(self, limit_bytes: int | None, *, wait_s: float = 30.0) -> None:
+    def __init__(self, limit_bytes: int | None, *, wait_s: float = 30.0,
+                 on_refused: Callable[[], object] | None = None) -> None:
         if not wait_s >= 0:
             raise InvalidArgument(f"reply budget wait of {wait_s} s: give 0 or more seconds")
         self.budget = ReplyBudget(limit_bytes)
         self.wait_s = wait_s
+        self.on_refused = on_refused
         self._queues: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
         self.refused = 0        # calls refused after waiting wait_s (a metric's source)
 
@@ -149,6 +155,8 @@ class ReplyGate:
             if not isinstance(exc, TimeoutError):
                 raise
             self.refused += 1
+            if self.on_refused is not None:
+                self.on_refused()
             held, limit = budget.held(tenant), budget.limit_bytes
             raise RateLimited(
                 f"tenant {tenant!r} holds {held} bytes of replies its clients have not "

@@ -539,7 +539,9 @@ class ApiService:
         self._keyed = set()
         self._reads = {}
         self.replies = ReplyGate(self.config.reply_budget_bytes,
-                                 wait_s=self.config.reply_budget_wait_s)
+                                 wait_s=self.config.reply_budget_wait_s,
+                                 on_refused=self.metrics.reply_budget_refused.inc)
+        self.metrics.reply_budget_bytes.set_function(lambda: self.replies.budget.total())
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
