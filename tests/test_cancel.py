@@ -20,9 +20,11 @@ from dsec.wire.layers import LayerStored
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "dsec"
 
-# Files another stream owns this session (plan-21: e2b); drop each entry once it is
-# rewritten. A listed file that no longer calls wait_for fails the guard (a ratchet).
-ALLOWED = {"control/e2b/__init__.py", "control/e2b/app.py"}
+# Files another stream owns this session (plan-21: e2b; gv's new runsc.py, not on this
+# branch yet); drop each entry once it is rewritten. A listed file that exists and no
+# longer calls wait_for fails the guard (a ratchet).
+ALLOWED = {"control/e2b/__init__.py", "control/e2b/app.py",
+           "edge/backends/container/runsc.py"}
 
 
 def _wait_for_calls(path: pathlib.Path) -> list[int]:
@@ -42,8 +44,8 @@ def test_no_asyncio_wait_for_in_src() -> None:
     assert not bad, (f"asyncio.wait_for in {bad}: on Python 3.11 it swallows a cancel that "
                      "arrives as the awaited thing finishes; use `async with "
                      "asyncio.timeout(t): x = await aw`")
-    assert ALLOWED <= set(found), f"no longer call wait_for, drop them from ALLOWED: " \
-                                  f"{sorted(ALLOWED - set(found))}"
+    fixed = sorted(f for f in ALLOWED - set(found) if (SRC / f).exists())
+    assert not fixed, f"no longer call wait_for, drop them from ALLOWED: {fixed}"
 
 
 class _Tunnel:
