@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
-from dsec.aether import Router, after_reply_written
+from dsec.aether import Router, after_reply_written, serve
+from dsec.aether.frame import FrameType
+from dsec.aether.messages import encode_request
 from dsec.errors import InvalidArgument
 
-from .conftest import Served
+from .conftest import RawPeer, Served
 
 
 def _router(log: list[str]) -> Router:
@@ -78,3 +81,32 @@ def test_outside_a_handler_the_hook_runs_at_once() -> None:
     log: list[int] = []
     after_reply_written(lambda: log.append(1))
     assert log == [1]
+
+
+async def test_a_peer_that_does_not_read_keeps_them_pending_parked_ones_too(
+        tmp_path: object) -> None:
+    """Two 6 MiB replies to a peer that reads nothing: the first fills the write buffer
+    (writing pauses), the second is parked behind it; neither hook runs until the peer
+    reads them both; a peer that hangs up instead releases them too."""
+    log: list[str] = []
+    srv = await serve(_router(log), f"unix:{tmp_path}/s")
+    try:
+        for ending in ("read", "hang up"):
+            log.clear()
+            reader, writer = await asyncio.open_unix_connection(f"{tmp_path}/s")
+            peer = RawPeer(reader, writer)
+            for sid in (1, 3):
+                payload = encode_request("big", msgspec.msgpack.encode(6 << 20))
+                peer.send(int(FrameType.REQUEST), sid, payload)
+            await asyncio.sleep(0.5)               # both answered, nothing read
+            assert log == [], log
+            if ending == "read":
+                for _ in range(2):
+                    assert (await peer.frame_of(FrameType.RESPONSE, timeout=10))[0]
+            else:
+                await peer.close()
+            await _until(lambda: len(log) == 2)
+            assert log == ["written 6291456"] * 2
+            await peer.close()
+    finally:
+        await srv.close()
