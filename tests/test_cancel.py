@@ -6,6 +6,12 @@ the task carries on as if nobody had cancelled it. That hung a replica's ``close
 once (commit 88eb8b0); every timeout in src/ is now ``async with asyncio.timeout(...)``,
 which delivers such a cancel. Two tests: one on a real loop that used to swallow it
 (the apiserver's layer relay), and a guard that keeps ``wait_for`` out of src/.
+
+One 3.11 caveat of ``asyncio.timeout`` (fixed in 3.12): it turns its own cancel into
+TimeoutError only when the task has no other cancel pending (``uncancel() == 0``), so in a
+task that caught a cancel of itself and went on, an expiring timeout raises CancelledError.
+The two such places in src/ (cleanup after a cancelled exec, in procio and the container
+backend) suppress both, as they did with wait_for.
 """
 
 from __future__ import annotations
