@@ -128,9 +128,10 @@ def boxes(cluster: LocalCluster) -> dict[str, str]:
             r = http.post("/v1/sandboxes", json={"project": project})
             assert r.status_code == 201, r.text
             sid = out[project] = r.json()["id"]
-            r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/q"},
-                         content=b"q" * (4 * MiB))
-            assert r.status_code in (200, 204), r.text
+            for path, size in (("/tmp/q", 4 * MiB), ("/tmp/r", OUT)):
+                r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": path},
+                             content=b"q" * size)
+                assert r.status_code in (200, 204), r.text
     return out
 
 
@@ -206,6 +207,20 @@ def test_rest_an_unread_exec_reply_counts_against_its_tenant(
                   f"Host: {host}\r\nAuthorization: Bearer {cluster.api_key}\r\n"
                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                   "\r\n".encode() + body)
+        _check_budget_holds(cluster, boxes, s)
+    finally:
+        s.close()
+
+
+def test_rest_an_unread_read_file_counts_too(cluster: LocalCluster,
+                                            boxes: dict[str, str]) -> None:
+    host, port = httpx.URL(cluster.url).host, httpx.URL(cluster.url).port
+    assert port is not None
+    s = _slow_socket((host, port))
+    try:
+        s.sendall(f"GET /v1/sandboxes/{boxes['default']}/files?path=/tmp/r HTTP/1.1\r\n"
+                  f"Host: {host}\r\nAuthorization: Bearer {cluster.api_key}\r\n"
+                  "\r\n".encode())
         _check_budget_holds(cluster, boxes, s)
     finally:
         s.close()

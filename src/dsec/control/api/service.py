@@ -160,6 +160,7 @@ from dsec.wire.ports import (
 from dsec.wire.process import ProcessRef
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
+    MAX_FILE_READ_BYTES,
     BackendName,
     ExecChunk,
     ExecRequest,
@@ -1395,8 +1396,11 @@ class ApiService:
                 gate.users -= 1
                 if not gate.users:
                     del self._reads[key]      # idle: the table holds busy tenants only
-        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
-        return await read_in_chunks(piece, offset, length)
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec);
+        # the whole answer within the tenant's reply budget (its length, if it says one)
+        reserve = self.config.reply_reserve_bytes if length is None else length
+        return await self._budgeted(project, min(reserve, MAX_FILE_READ_BYTES),
+                                    lambda: read_in_chunks(piece, offset, length))
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
@@ -2196,7 +2200,7 @@ _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
 # ``processes.start``): the control plane resumes it first, within the project's quota
 # (red team 19, B3). Pause, get, stats, destroy, snapshot, ports listing do not wake.
 # Sandbox rows forwarded as they are whose unary replies can be large: held within their
-# tenant's reply budget (events too, in ApiService.events; read_file has its own gate).
+# tenant's reply budget (events and read_file too, in ApiService.events/read_file).
 _BIG_REPLIES = frozenset(o.name for o in (ops.EXEC, ops.LIST_DIR, ops.PROCESS_LIST))
 _REPLY_OVERHEAD = 4096    # an exec reply's fields besides its output (msgpack or JSON)
 
@@ -2205,6 +2209,8 @@ def _reply_size(rep: object) -> int:
     """Bytes a reply holds: an exec's output (and its fields), else its msgpack size."""
     if isinstance(rep, ExecResult):
         return len(rep.stdout) + len(rep.stderr) + _REPLY_OVERHEAD
+    if isinstance(rep, bytes):
+        return len(rep)
     return len(_msgpack.encode(rep))
 
 
