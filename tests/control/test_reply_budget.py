@@ -226,6 +226,25 @@ def test_rest_an_unread_read_file_counts_too(cluster: LocalCluster,
         s.close()
 
 
+def test_rest_an_unread_exec_many_counts_too(cluster: LocalCluster,
+                                            boxes: dict[str, str]) -> None:
+    """A batch reserves an estimate per tenant (its worst case would serialise RL
+    ticks), then is charged what its results hold, until read."""
+    host, port = httpx.URL(cluster.url).host, httpx.URL(cluster.url).port
+    assert port is not None
+    body = json.dumps({"calls": [{"id": boxes["default"], "req": _big_exec(boxes["default"])}]
+                       }).encode()
+    s = _slow_socket((host, port))
+    try:
+        s.sendall(f"POST /v1/batch/exec HTTP/1.1\r\n"
+                  f"Host: {host}\r\nAuthorization: Bearer {cluster.api_key}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                  "\r\n".encode() + body)
+        _check_budget_holds(cluster, boxes, s)
+    finally:
+        s.close()
+
+
 def _frame(sid: int, method: str, body: Any) -> bytes:
     p = method_prefix(method) + msgspec.msgpack.encode(body)
     return encode_parts(int(FrameType.REQUEST), sid, p) + p

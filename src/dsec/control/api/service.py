@@ -42,7 +42,7 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
-from dsec.control.replybudget import ReplyGate, keep_or_release, tenant_of
+from dsec.control.replybudget import ReplyGate, ReplyLease, keep_or_release, tenant_of
 from dsec.control.sweeper import SESSION_LABEL
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
@@ -1348,13 +1348,26 @@ class ApiService:
         self._check_batch_cap(len(items), self.config.max_exec_batch, "calls")
         groups: dict[int, tuple[EdgeOps, list[int]]] = {}
         out: list[ExecResult | DsecError] = [InvalidArgument("not attempted")] * len(items)
+        tenants: dict[str, list[int]] = {}
         for i, (sid, _) in enumerate(items):
             try:
-                edge, _ = await self._edge_for(principal, sid, "member", wake=True)
+                edge, project = await self._edge_for(principal, sid, "member", wake=True)
             except DsecError as exc:
                 out[i] = exc
                 continue
             groups.setdefault(id(edge), (edge, []))[1].append(i)
+            tenants.setdefault(tenant_of(project), []).append(i)
+        # the reply within each tenant's reply budget: an estimate per tenant before,
+        # what its results hold after (a batch's worst case would serialise RL ticks)
+        leases: list[tuple[ReplyLease, list[int]]] = []
+        try:
+            for tenant in sorted(tenants):
+                leases.append((await self.replies.acquire(
+                    tenant, self.config.reply_reserve_bytes), tenants[tenant]))
+        except BaseException:
+            for lease, _ in leases:
+                lease.release()
+            raise
 
         async def run(edge: EdgeOps, idx: list[int]) -> None:
             deadlines = [ops.exec_deadline(items[i][1]) for i in idx]
@@ -1374,7 +1387,17 @@ class ApiService:
                     lost = self._vanished(items[i][0])
                     r = _not_found(items[i][0]) if lost is None else _lost_error(lost)
                 out[i] = r
-        await asyncio.gather(*(run(e, idx) for e, idx in groups.values()))
+        try:
+            await asyncio.gather(*(run(e, idx) for e, idx in groups.values()))
+            for lease, idx in leases:
+                lease.resize(sum(_reply_size(out[i]) for i in idx
+                                 if isinstance(out[i], ExecResult)))
+        except BaseException:
+            for lease, _ in leases:
+                lease.release()
+            raise
+        for lease, _ in leases:
+            keep_or_release(lease)
         return out
 
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
