@@ -248,7 +248,8 @@ async def _run(cfg: Any, quiet: bool,
                 status.update(f"{len(rt.node_ids)} edge(s){f' ({odd})' if odd else ''}, "
                               f"backend {rt.config.backend}: {line}  (Ctrl-C to stop)")
                 try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
                 except TimeoutError:
                     pass
 

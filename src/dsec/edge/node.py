@@ -106,6 +106,7 @@ from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.image.store import LayerStore
 from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
+from dsec.wire.calls import ResumeReason
 from dsec.wire.files import (
     MAX_WATCHES_PER_SANDBOX,
     FileEvent,
@@ -1273,16 +1274,19 @@ class EdgeNode:
                 await self._durable.commit()
         return stats
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
+    async def resume(self, sandbox_id: str, *,
+                     reason: ResumeReason = "requested") -> SandboxInfo:
         """Make the sandbox running. Idempotent: a sandbox that is already running (an
         exec resumed it transparently, another caller resumed it first) is success, so
         a trainer resuming every sandbox of a preempted rollout never fails on the few a
-        stray exec woke (issue 18). A pause or resume in flight is waited for first."""
+        stray exec woke (issue 18). A pause or resume in flight is waited for first.
+        ``reason`` goes on the events: ``auto_resume`` when the control plane resumes
+        it ahead of a write or exec (within the quota), as ``_ready`` would here."""
         rec = self._find(sandbox_id)
         while rec.state in ("pausing", "resuming") and rec.busy is not None:
             await asyncio.shield(rec.busy)
         if rec.state != "running":
-            await self._resume(rec, "requested")
+            await self._resume(rec, reason)
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:

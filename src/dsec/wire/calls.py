@@ -66,6 +66,8 @@ __all__ = [
     "ReadFile",
     "ReadFileRequest",
     "Remove",
+    "ResumeOnNode",
+    "ResumeReason",
     "SandboxRef",
     "SessionOpen",
     "SessionRef",
@@ -295,6 +297,24 @@ class DestroyOnNode(_Call, kw_only=True):
         check_id(self.id)
         check_reason(self.reason)
         check_reason(self.detail, "detail")
+
+
+#: Why a paused sandbox was resumed, as its ``resuming``/``running`` events say:
+#: ``requested`` - a caller asked for it (``resume()``); ``auto_resume`` - an operation
+#: that needs it running (a write, an exec: docs/sdk.md "Paused sandboxes") woke it,
+#: whether the edge did so itself or the control plane did first, within the quota.
+ResumeReason = Literal["requested", "auto_resume"]
+
+
+class ResumeOnNode(_Call, kw_only=True):
+    """``edge.resume``: the control plane says why (a caller of the API only names the
+    sandbox: its explicit resume is always ``requested``)."""
+
+    id: str
+    reason: ResumeReason = "requested"
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class DestroyMany(_Call, kw_only=True):

@@ -83,6 +83,7 @@ from dsec.wire.calls import (
     QuotaSet,
     ReadFile,
     Remove,
+    ResumeOnNode,
     SandboxRef,
     SessionOpen,
     SessionRef,
@@ -537,6 +538,7 @@ PAUSE: Op[SandboxRef, PauseStats] = Op(
 RESUME: Op[SandboxRef, SandboxInfo] = Op(
     "resume", SandboxRef, SandboxInfo, summary="Resume",
     role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    edge_request=ResumeOnNode,
     rest=Rest(method="POST", path="/v1/sandboxes/{id}/resume", operation_id="resumeSandbox"))
 
 STATS: Op[SandboxRef, SandboxStats] = Op(
