@@ -30,7 +30,8 @@ from dsec.errors import InvalidArgument, RateLimited
 
 MiB = 1 << 20
 OUT = 12 * MiB          # each held reply: more than the kernel's socket buffers absorb
-LIMIT = 32 * MiB        # one such exec reserves 24 MiB (2 x its cap), holds 12 MiB
+LIMIT = OUT + 32 * 1024  # an exec reserves an estimate (64 KiB), then holds 12 MiB unread:
+#                          the next one of that tenant no longer fits
 
 
 # ------------------------------------------------------------------ the pure budget

@@ -10,8 +10,8 @@ whatever the per-connection caps, and could take every other tenant's apiserver 
 
 Each tenant (a top-level project, with its subprojects: as the edge counts execs) gets a
 budget of such bytes. A call *reserves* what its reply can be at most before it is sent to
-the edge (an exec: twice its output cap, within what an edge ever returns; other rows a
-fixed estimate), the reservation becomes the reply's real size when it arrives, and it is
+the edge (an estimate: ``ApiConfig.reply_exec_reserve_bytes`` for an exec, at most its
+worst case; ``reply_reserve_bytes`` for the other rows), the reservation becomes the reply's real size when it arrives, and it is
 given back when the reply has been written out (REST: the body sent; the gateway:
 ``dsec.aether.after_reply_written``), or at once if the call fails. A call that does not
 fit waits in its tenant's queue (first come, first served; a release grants the head
@@ -19,10 +19,11 @@ of the queue as far as it makes room) up to ``wait_s``, then is refused with :cl
 tenant, the bytes held and what to do. One reply larger than the whole budget still goes
 when the tenant holds nothing (a budget never makes a call impossible, only serial).
 
-Bounds: the reservation of an exec is its worst case, so execs never overshoot; the other
-rows reserve an estimate (``reserve_bytes``) and are charged their real size on arrival, so
-a tenant can overshoot by (calls already at the edge) x (their size beyond the estimate)
-once, and then waits until its clients read.
+Bounds: every row reserves an estimate and is charged its real size on arrival, so a
+tenant can overshoot by (calls already at the edge) x (their size beyond the estimate)
+once, and then waits until its clients read. Reserving an exec's worst case (2 x its
+output cap) would rule that out but serialised RL-sized fan-outs: 512 unary execs in
+flight per tenant at the default cap.
 
 :class:`ReplyBudget` is the pure accounting; :class:`ReplyGate` adds the waiting.
 """

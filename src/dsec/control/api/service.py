@@ -440,16 +440,20 @@ class ApiConfig:
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
     # Bytes of large unary replies (exec output, list_dir, events) one tenant (top-level
     # project) holds in this apiserver at once, from the edge's answer until its client
-    # has read it (dsec.control.replybudget); None: no budget. 1 GiB: 256 concurrent
-    # execs at the largest output an edge returns (2 x 4 MiB... reserved as their worst
-    # case) or 512 at the default 1 MiB cap, per tenant, before the next waits.
+    # has read it (dsec.control.replybudget); None: no budget.
     reply_budget_bytes: int | None = 1 << 30
     # How long a call waits for room in its tenant's budget before RateLimited.
     reply_budget_wait_s: float = 30.0
     # What a list_dir or events call reserves before its reply arrives (then its size).
     reply_reserve_bytes: int = 1 << 20
+    # What an exec reserves before its reply arrives (then its size), at most its worst
+    # case. Not the worst case itself: at 2 x the 1 MiB default cap that let only 512
+    # unary execs of one tenant be in flight per apiserver (an RL run's env pool has
+    # more), and a tenant that does not read overshoots once by at most its execs in
+    # flight x their real size, then waits for its clients (docs/api.md).
+    reply_exec_reserve_bytes: int = 64 << 10
     # The most output per stream an edge puts in an exec's reply (its
-    # EdgeConfig.max_reply_output_bytes): an exec reserves twice min(its cap, this).
+    # EdgeConfig.max_reply_output_bytes): an exec's worst case is twice min(its cap, this).
     reply_output_bytes: int = 4 << 20
 
 
@@ -1971,13 +1975,15 @@ class ApiService:
         return await call()
 
     def _reply_reserve(self, op: Op[Any, Any], body: Any) -> int:
-        """What ``op``'s reply may be at most (exec), or the estimate reserved for it."""
+        """The estimate ``op``'s call reserves before its reply arrives (an exec: at most
+        its worst case)."""
         cfg = self.config
         if op is ops.EXEC:
             req: ExecRequest = body.req
             if req.background:
                 return _REPLY_OVERHEAD
-            return 2 * min(req.output_cap_bytes, cfg.reply_output_bytes) + _REPLY_OVERHEAD
+            return min(2 * min(req.output_cap_bytes, cfg.reply_output_bytes),
+                       cfg.reply_exec_reserve_bytes) + _REPLY_OVERHEAD
         return cfg.reply_reserve_bytes
 
     async def _budgeted(self, project: str, reserve: int,
