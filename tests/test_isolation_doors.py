@@ -30,7 +30,7 @@ from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import serve_edge
-from dsec.errors import InvalidArgument
+from dsec.errors import InvalidArgument, QuotaExceeded
 from dsec.rl.access import LoopThread
 from dsec.wire import ops
 from dsec.wire.calls import CreateSandbox
@@ -177,3 +177,19 @@ def test_the_openapi_schema_lists_the_tiers(tiered: Tiered) -> None:
     body = doc["components"]["schemas"]["CreateSandboxRequest"]["properties"]["isolation"]
     assert "container" in json.dumps(body) and "gvisor" in json.dumps(body)
     assert "vm" in json.dumps(body)
+
+
+def test_a_projects_quota_can_forbid_a_tier(tiered: Tiered) -> None:
+    code, out = tiered.cli("quota", "set", "tierq", "--tier", "gvisor=0", "--sandboxes", "10")
+    assert code == 0 and "gvisor<=0" in out, out
+    with tiered.cluster.client(protocol="aether") as c:
+        with pytest.raises(QuotaExceeded, match="'tierq' does not allow isolation tier "
+                           "'gvisor'"):
+            c.sandboxes.create(isolation="gvisor", project="tierq", detached=True)
+        c.sandboxes.create(isolation="container", project="tierq", detached=True)
+        code, out = tiered.cli("quota", "set", "tierq", "--tier", "gvisor=none")
+        assert code == 0 and "gvisor" not in out, out
+        sb = c.sandboxes.create(isolation="gvisor", project="tierq", detached=True)
+        assert sb.info.node == TIER_NODE
+    code, out = tiered.cli("project", "get", "tierq", "--json")
+    assert code == 0 and json.loads(out)["quota"]["max_sandboxes"] == 10, out
