@@ -28,6 +28,7 @@ from dsec.cli.main import cli
 from dsec.client.core import AsyncClient
 from dsec.edge.admission import Capacity
 from dsec.edge.backends.simulated import NodeLatencyProfile, SimulatedBackend
+from dsec.edge.client import EdgeClient
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.edge.service import serve_edge
 from dsec.errors import InvalidArgument, QuotaExceeded
@@ -40,8 +41,9 @@ TIER_NODE = "tier-0"
 
 
 class Tiered:
-    def __init__(self, cluster: LocalCluster) -> None:
+    def __init__(self, cluster: LocalCluster, edge_address: str) -> None:
         self.cluster = cluster
+        self.edge_address = edge_address
 
     def rest(self, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{self.cluster.url}/v1/sandboxes", json=body, timeout=60,
@@ -74,7 +76,7 @@ def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiered]:
                     if "gvisor" in {b for n in c.nodes() for b in n.backends}:
                         break
                     time.sleep(0.05)
-            yield Tiered(cl)
+            yield Tiered(cl, f"unix:{sock}")
     finally:
         lt.run(server.close(), 30)
         lt.run(node.close(), 30)
@@ -193,3 +195,17 @@ def test_a_projects_quota_can_forbid_a_tier(tiered: Tiered) -> None:
         assert sb.info.node == TIER_NODE
     code, out = tiered.cli("project", "get", "tierq", "--json")
     assert code == 0 and json.loads(out)["quota"]["max_sandboxes"] == 10, out
+
+
+def test_an_edge_reached_directly_resolves_and_refuses_tiers_the_same_way(
+        tiered: Tiered) -> None:
+    async def direct() -> None:
+        async with await EdgeClient.connect(tiered.edge_address) as edge:
+            info = await edge.create(isolation="gvisor")
+            assert (info.spec.backend, info.spec.isolation) == ("gvisor", "gvisor")
+            info = await edge.create()          # the node's default backend and its tier
+            assert (info.spec.backend, info.spec.isolation) == ("simulated", "container")
+            with pytest.raises(InvalidArgument, match=r"isolation 'vm' \(backend 'vm'\) is "
+                               "not offered by node tier-0; offered: gvisor \\(gvisor\\)"):
+                await edge.create(isolation="vm")
+    tiered.cluster._on_loop(direct(), timeout=60)
