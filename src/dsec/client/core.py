@@ -795,15 +795,16 @@ class AsyncSandboxes:
 
     async def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
                    state: SandboxState | None = None, limit: int | None = None,
-                   node: str | None = None) -> list[AsyncSandbox]:
+                   node: str | None = None,
+                   isolation: Isolation | None = None) -> list[AsyncSandbox]:
         """Every matching sandbox (pages through the server's cursor); ``node``: only
-        those on that node."""
+        those on that node; ``isolation``: only those of that tier."""
         out: list[AsyncSandbox] = []
         cursor: str | None = None
         while True:
             page = await self._c._retry(
                 functools.partial(self._list_page, project, labels or {}, state, cursor,
-                                  node))
+                                  node, isolation))
             out += [AsyncSandbox(self._c, i) for i in page.items]
             cursor = page.next_cursor
             if cursor is None or (limit is not None and len(out) >= limit):
@@ -811,10 +812,11 @@ class AsyncSandboxes:
 
     async def _list_page(self, project: str | None, labels: Mapping[str, str],
                          state: SandboxState | None, cursor: str | None,
-                         node: str | None = None) -> SandboxList:
+                         node: str | None = None,
+                         isolation: Isolation | None = None) -> SandboxList:
         return await self._c.call(ops.LIST, ListSandboxes(
             project=project, labels=dict(labels), state=state,
-            limit=1000, cursor=cursor, node=node))
+            limit=1000, cursor=cursor, node=node, isolation=isolation))
 
     async def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,

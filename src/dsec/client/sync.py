@@ -276,11 +276,13 @@ class Sandboxes:
 
     def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
              state: SandboxState | None = None, limit: int | None = None,
-             node: str | None = None) -> list[Sandbox]:
+             node: str | None = None,
+             isolation: Isolation | None = None) -> list[Sandbox]:
         """Every matching sandbox (pages through the server's cursor); ``node``: only
-        those on that node."""
+        those on that node; ``isolation``: only those of that tier."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.list(
-            project=project, labels=labels, state=state, limit=limit, node=node))]
+            project=project, labels=labels, state=state, limit=limit, node=node,
+            isolation=isolation))]
 
     def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
