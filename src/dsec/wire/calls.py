@@ -21,11 +21,13 @@ from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
     ExecRequest,
+    Isolation,
     SandboxSpec,
     SandboxState,
     check_batch,
     check_id,
     check_idempotency_key,
+    check_isolation,
     check_label_filter,
     check_mode,
     check_path,
@@ -232,11 +234,15 @@ class ListSandboxes(_Call, kw_only=True):
     limit: int = 100
     cursor: str | None = None
     node: str | None = None
+    # only sandboxes of this isolation tier (issue 21): their backend gives it
+    isolation: Isolation | None = None
 
     def __post_init__(self) -> None:
         check_label_filter(self.labels)
         if self.node is not None:
             parse_node_id(self.node)
+        if self.isolation is not None:
+            check_isolation(self.isolation)
 
 
 class SnapshotCall(_Call, kw_only=True):

@@ -457,7 +457,8 @@ LIST: Op[ListSandboxes, SandboxList] = Op(
     role="reader", target="project", idempotent=True, doors=ALL_DOORS,
     edge_request=ListRequest, edge_reply=list[SandboxInfo],
     rest=Rest(method="GET", path="/v1/sandboxes", operation_id="listSandboxes",
-              query=_q("project", "state", "limit", "cursor", "node", labels="label")))
+              query=_q("project", "state", "limit", "cursor", "node", "isolation",
+                     labels="label")))
 
 DESTROY: Op[SandboxRef, None] = Op(
     "destroy", SandboxRef, None, summary="Destroy a sandbox (idempotent)",

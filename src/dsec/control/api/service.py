@@ -247,7 +247,7 @@ class NodeDirectory(Protocol):
     def nodes(self) -> list[NodeView]: ...
     def list_sandboxes(self, caller: Caller, *, project: str | None,
                        labels: Mapping[str, str], state: SandboxState | None, after: str,
-                       limit: int, node: str | None = None,
+                       limit: int, node: str | None = None, isolation: str | None = None,
                        ) -> tuple[list[SandboxInfo], bool]: ...
     def lost(self, sandbox_id: str) -> Lost | None: ...
     def vanished(self, sandbox_id: str) -> Lost | None:
@@ -1285,12 +1285,12 @@ class ApiService:
     async def list(
         self, principal: Caller, *, project: str | None, labels: Mapping[str, str],
         state: SandboxState | None, limit: int, cursor: str | None,
-        node: str | None = None,
+        node: str | None = None, isolation: str | None = None,
     ) -> tuple[list[SandboxInfo], str | None]:
         """Live sandboxes the principal may see, from the control plane's registry (no
         edge is asked), ordered by id and paged with an opaque cursor (the last id of the
         previous page). Filters: project subtree, labels (all must match), state, node
-        (the registry's per-node index: O(page) too)."""
+        (the registry's per-node index: O(page) too), isolation tier."""
         if not (1 <= limit <= self.config.list_page_max):
             raise InvalidArgument(f"limit={limit} must be within 1..{self.config.list_page_max}",
                                   field="limit")
@@ -1300,7 +1300,7 @@ class ApiService:
         after = _decode_cursor(cursor) if cursor else ""
         page, more = self.directory.list_sandboxes(principal, project=project, labels=labels,
                                                    state=state, after=after, limit=limit,
-                                                   node=node)
+                                                   node=node, isolation=isolation)
         return page, (_encode_cursor(page[-1].id) if more and page else None)
 
     # ------------------------------------------------------------- mutate
@@ -2029,7 +2029,7 @@ class ApiService:
     async def _list_op(self, caller: Caller, b: ListSandboxes) -> SandboxList:
         items, nxt = await self.list(caller, project=b.project, labels=b.labels,
                                      state=b.state, limit=b.limit, cursor=b.cursor,
-                                     node=b.node)
+                                     node=b.node, isolation=b.isolation)
         return SandboxList(items=items, next_cursor=nxt)
 
     async def _destroy_op(self, caller: Caller, b: SandboxRef) -> None:
