@@ -1,7 +1,9 @@
-"""``sb.run_code(...)``: a stateful Python interpreter per sandbox.
+"""``sb.run_code(...)``: a stateful Python interpreter per sandbox (the protocol of its
+kernel and the driver over an injected ``exec``; the SDK's ``sb.run_code`` and the E2B
+layer's code interpreter, port 49999, both run it: ``dsec.client.code`` re-exports it).
 
 ``sb.run_code("x = 41")`` then ``sb.run_code("x + 1").text == "42"``: the code runs in a
-kernel process living inside the sandbox (:mod:`dsec.client.code_kernel`, run as
+kernel process living inside the sandbox (``dsec/wire/code_kernel.py``, run as
 ``python3 -c SOURCE`` and started in the background on first use, by whichever client
 gets there first), so its variables, imports and open files persist between calls and
 between client processes with the same API key, until :func:`restart` or the sandbox
@@ -48,7 +50,7 @@ class AsyncSandbox(Protocol):
 
 __all__ = ["CodeError", "CodeResult", "Execution", "restart", "run_code"]
 
-KERNEL_SOURCE = (importlib.resources.files("dsec.client") / "code_kernel.py").read_text()
+KERNEL_SOURCE = (importlib.resources.files("dsec.wire") / "code_kernel.py").read_text()
 _VERSION = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:12]
 # The kernel's source is never a file in the sandbox: every exec runs it as
 # ``python3 -c KERNEL_SOURCE ...`` (argv: ~14 KB a call), so there is nothing to plant.
@@ -72,7 +74,7 @@ _KERNEL = 'command -v python3 >/dev/null || exit 127; exec python3 -c "$@"'
 _LOCAL_SECRET = secrets.token_bytes(32)
 
 
-def _token(sb: AsyncSandbox) -> str:
+def _token(sb: AsyncSandbox, key: str | None = None, context: str = "") -> str:
     """The kernel's secret: who holds it reaches the kernel (``run``), nobody else (a
     less-privileged user, an exec confined with ``hide``, any other process of the
     sandbox: the kernel refuses a connection without it, and proves it holds it to the
@@ -81,10 +83,14 @@ def _token(sb: AsyncSandbox) -> str:
     (the CLI sees the SDK's variables) and no one else does; it is sent on each exec's
     stdin and kept only in the kernel's memory, never in the sandbox's files, argv or
     environment. The context (the exec's default user, no ``hide``) is part of the
-    message: a kernel per caller context."""
-    key = getattr(getattr(sb, "_c", None), "_key", "") or ""
+    message: a kernel per caller context. ``key``: the caller's API key (default: the
+    SDK client's, ``sb._c._key``); ``context``: a named interpreter beside the default
+    one (E2B's code contexts), its own kernel with its own variables."""
+    if key is None:
+        key = getattr(getattr(sb, "_c", None), "_key", "") or ""
     secret = key.encode() if key else _LOCAL_SECRET
-    msg = f"dsec-run-code|{_VERSION}|{sb.id}|user=|hide=".encode()
+    ctx = f"|ctx={context}" if context else ""
+    msg = f"dsec-run-code|{_VERSION}|{sb.id}|user=|hide={ctx}".encode()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
@@ -145,9 +151,10 @@ class Execution(msgspec.Struct, kw_only=True):
         return None
 
 
-async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0
-                   ) -> Execution:
-    """Run ``code`` in the sandbox's kernel (started on first use); see the module."""
+async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0,
+                   key: str | None = None, context: str = "") -> Execution:
+    """Run ``code`` in the sandbox's kernel (started on first use); see the module.
+    ``key``/``context`` pick the kernel (:func:`_token`)."""
     if not isinstance(code, str):
         raise InvalidArgument(f"code must be a str, not {type(code).__name__}", field="code")
     body = json.dumps({"code": code}).encode()
@@ -159,7 +166,7 @@ async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0
         raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds or None",
                               field="timeout")
     arg = "none" if timeout is None else repr(float(timeout))
-    token = _token(sb)
+    token = _token(sb, key, context)
     d = _kernel_dir(token)
     body = json.dumps({"token": token, "code": code}).encode()
     # the exec's own timeout: the code's, plus the interrupt grace and the kernel's start
@@ -181,11 +188,11 @@ async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0
     raise AssertionError("unreachable")
 
 
-async def restart(sb: AsyncSandbox) -> None:
+async def restart(sb: AsyncSandbox, *, key: str | None = None, context: str = "") -> None:
     """Stop the sandbox's kernel: its variables are gone; the next run starts a fresh
     one."""
     r = await sb.exec(["sh", "-c", _KERNEL, "sh", KERNEL_SOURCE, "stop",
-                       _kernel_dir(_token(sb))], timeout=30.0)
+                       _kernel_dir(_token(sb, key, context))], timeout=30.0)
     if r.exit_code != 0:
         _refuse(sb, r.exit_code, r.stderr)
 

@@ -1,6 +1,6 @@
 """The code interpreter's kernel: a stateful Python REPL that lives inside a sandbox.
 
-Never a file in the sandbox: ``dsec.client.code`` runs this source as ``python3 -c
+Never a file in the sandbox: ``dsec.wire.code`` runs this source as ``python3 -c
 SOURCE CMD DIR ...`` in each exec (so nothing can be planted in its place); it imports
 nothing from dsec and only the standard library, so any python3 >= 3.10 in any image
 runs it. Three commands:
