@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["CALLS", "Call", "E2BTarget", "Gap", "Outcome", "harness_dsec", "harness_e2b",
-           "run_calls"]
+           "run_calls", "stage_python_root"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class E2BTarget:
     reader_key: str
     stranger_key: str
     template: str
+    # an image with python3 (the code interpreter's kernel); None: its calls are skipped
+    # as failures naming the missing image
+    python_template: str | None = None
 
     def opts(self, key: str | None = None) -> dict[str, Any]:
         return {"api_url": self.url, "sandbox_url": self.url,
@@ -596,16 +599,113 @@ async def _async_lifecycle(t: E2BTarget) -> None:
 @_call("e2b_code_interpreter run_code")
 def _c_code(t: E2BTarget) -> None:
     from e2b_code_interpreter import Sandbox as CodeSandbox
-    sb = CodeSandbox.create(t.template, timeout=120, **t.opts())
+    assert t.python_template, "no python3 template given (E2BTarget.python_template)"
+    sb = CodeSandbox.create(t.python_template, timeout=120, **t.opts())
     try:
-        from e2b.exceptions import TimeoutException
+        first = sb.run_code("x = 41\nprint('hi')\nimport sys; print('oops', file=sys.stderr)")
+        assert first.error is None, first.error
+        assert first.logs.stdout == ["hi\n"] and first.logs.stderr == ["oops\n"], first.logs
+        out: list[str] = []
+        results: list[Any] = []
+        ex = sb.run_code("x + 1", on_stdout=lambda m: out.append(m.line),
+                         on_result=results.append)
+        assert ex.text == "42" and ex.results[0].is_main_result, ex
+        assert results and results[0].text == "42", results
+        assert ex.execution_count is not None and first.execution_count is not None
+        assert ex.execution_count == first.execution_count + 1
+        rich = sb.run_code("class P:\n    def _repr_html_(self): return '<b>p</b>'\n"
+                           "    def __repr__(self): return 'P()'\nP()")
+        assert rich.results[0].html == "<b>p</b>" and rich.text == "P()", rich
+        err = sb.run_code("1 / 0")
+        assert err.error is not None and err.error.name == "ZeroDivisionError", err
+        assert "division by zero" in err.error.value and err.error.traceback
+        env = sb.run_code("import os; os.environ.get('RUN_VAR')", envs={"RUN_VAR": "v1"})
+        assert env.text == "'v1'", env
+        assert sb.run_code("import os; os.environ.get('RUN_VAR')").text is None  # this run only
+        from e2b.exceptions import SandboxException
         try:
-            sb.run_code("x = 41\nx + 1", request_timeout=10)
-        except TimeoutException as exc:
-            raise _gap(exc, "port 49999 is not open") from None
-        raise AssertionError("run_code answered: check it, then count it")
+            sb.run_code("1", language="r")
+        except SandboxException as exc:
+            assert "language 'r' is not supported" in str(exc), exc
+        else:
+            raise AssertionError("language r answered")
     finally:
         sb.kill()
+
+
+@_call("e2b_code_interpreter contexts")
+def _c_code_contexts(t: E2BTarget) -> None:
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+    assert t.python_template, "no python3 template given (E2BTarget.python_template)"
+    sb = CodeSandbox.create(t.python_template, timeout=120, **t.opts())
+    try:
+        sb.run_code("y = 'default'")
+        ctx = sb.create_code_context(cwd="/tmp")
+        assert ctx.language == "python" and ctx.cwd == "/tmp", ctx
+        assert sb.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert sb.run_code("y = 'ctx'; y", context=ctx).text == "'ctx'"
+        assert sb.run_code("y").text == "'default'"           # contexts are apart
+        assert ctx.id in [c.id for c in sb.list_code_contexts()]
+        sb.restart_code_context(ctx)
+        gone = sb.run_code("y", context=ctx)
+        assert gone.error is not None and gone.error.name == "NameError", gone
+        assert sb.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        sb.remove_code_context(ctx.id)
+        assert ctx.id not in [c.id for c in sb.list_code_contexts()]
+        from e2b.exceptions import NotFoundException
+        try:
+            sb.run_code("1", context=ctx)
+        except NotFoundException:
+            pass
+        else:
+            raise AssertionError("a removed context ran code")
+    finally:
+        sb.kill()
+
+
+# ------------------------------------------------------------- python image
+# What the minimal python image leaves out of the host's stdlib: big packages the code
+# interpreter's kernel and the checks never import (keeps the COPY layer ~10 MB).
+_STDLIB_SKIP = {"__pycache__", "site-packages", "dist-packages", "test", "idlelib",
+                "tkinter", "ensurepip", "lib2to3", "pydoc_data", "turtledemo", "distutils",
+                "venv", "curses", "sqlite3"}
+
+
+def stage_python_root(dest: str, python: str = "/usr/bin/python3.11") -> str:
+    """A root tree at ``dest`` holding the host's Debian ``python3`` (binary, stdlib
+    without tests and big packages, the shared libraries it links), to COPY over the
+    busybox ``base`` image: a python3 image built in a second, with no network (the
+    tests' and the bench's code-interpreter template)."""
+    import shutil
+    import subprocess
+    import sysconfig  # noqa: F401 - the layout below is Debian's /usr/lib/python3.X
+    ver = os.path.basename(python).removeprefix("python")
+    lib = f"/usr/lib/python{ver}"
+    if not os.path.exists(python) or not os.path.isdir(lib):
+        raise FileNotFoundError(f"no Debian python at {python} with {lib}: install "
+                                "python3 (apt-get install -y python3)")
+    os.makedirs(dest + "/usr/bin", exist_ok=True)
+    shutil.copy2(python, dest + "/usr/bin/python3")
+    shutil.copytree(lib, dest + lib, symlinks=True, dirs_exist_ok=True,
+                    ignore=lambda d, names: [n for n in names if n in _STDLIB_SKIP
+                                             or n.startswith("config-")])
+    libs = set()
+    # the libraries of the interpreter and of hashlib's OpenSSL module; an extension
+    # module whose libraries are left out (sqlite, curses, ...) fails only when imported
+    for exe in [python, *[os.path.join(lib, "lib-dynload", n)
+                          for n in os.listdir(lib + "/lib-dynload")
+                          if n.startswith("_hashlib")]]:
+        out = subprocess.run(["ldd", exe], capture_output=True, text=True, check=False)
+        for line in out.stdout.splitlines():
+            parts = line.split()
+            path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+            if path.startswith("/"):
+                libs.add(path)
+    for path in libs:
+        real = os.path.realpath(path)
+        os.makedirs(dest + os.path.dirname(path), exist_ok=True)
+        shutil.copy2(real, dest + path)
+    return dest
 
 
 # ------------------------------------------------------------------------ runner

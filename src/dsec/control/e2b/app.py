@@ -23,14 +23,16 @@ which this layer's create/connect answers set to the caller's own key (an envd
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import collections
 import json
 import logging
 import re
+import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ from starlette.responses import Response, StreamingResponse
 
 from dsec.control import filedoors
 from dsec.control.api.service import ApiService, Caller
+from dsec.control.e2b import code as codeapi
 from dsec.control.e2b import connect as rpc
 from dsec.control.e2b import mapping
 from dsec.control.e2b.watchers import Watchers
@@ -52,12 +55,14 @@ from dsec.errors import (
     Unauthenticated,
 )
 from dsec.logs import access, access_enabled
+from dsec.wire import code as code_kernel
 from dsec.wire import ops
 from dsec.wire.calls import (
     ExecCall,
     FileRef,
     ListSandboxes,
     Mkdir,
+    ReadFile,
     Remove,
     SandboxRef,
     WriteFile,
@@ -79,6 +84,7 @@ __all__ = ["E2BApp", "E2BConfig"]
 log = logging.getLogger("dsec.e2b")
 
 ENVD_PORT = 49983
+CODE_PORT = 49999           # e2b-code-interpreter's (JUPYTER_PORT): dsec's run_code kernel
 _MAX_MESSAGE = 16 << 20
 _ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 
@@ -91,6 +97,10 @@ class E2BConfig:
     domain: str | None = None
     max_upload: int = 256 << 20
     keepalive_s: float = 50.0
+    # one code-interpreter run's bound (seconds): the SDK's own ``timeout`` is a client
+    # read deadline it never sends, and a run its client gave up on still holds the
+    # kernel (one run at a time): past this the code is interrupted (KeyboardInterrupt)
+    code_timeout_s: float = 3600.0
 
 
 class _E2BError(Exception):
@@ -191,6 +201,8 @@ class E2BApp:
             FileEvent | WatchEnd]]] = service.stream_handler(ops.FILE_WATCH)  # type: ignore[arg-type]
         self.watchers = Watchers()
         self._put = h(ops.WRITE_FILE)
+        self._read = h(ops.READ_FILE)
+        self._exec = h(ops.EXEC)
         self._list_dir = h(ops.LIST_DIR)
         self._stat = h(ops.STAT)
         self._mkdir = h(ops.MKDIR)
@@ -246,20 +258,29 @@ class E2BApp:
         if self._host is not None:
             m = self._host.match(request.headers.get("host", ""))
             if m is not None:
+                if int(m.group(1)) == CODE_PORT:
+                    await (await self._code(request, m.group(2)))(scope, receive, send)
+                    return
                 if int(m.group(1)) != ENVD_PORT:
                     resp = _json({"code": 502, "message": f"port {m.group(1)} is not "
-                                  "open: dsec's E2B layer serves envd's port "
-                                  f"{ENVD_PORT} only (docs/e2b.md)"}, 502)
+                                  f"open: dsec's E2B layer serves envd's port {ENVD_PORT} "
+                                  f"and the code interpreter's {CODE_PORT} only "
+                                  "(docs/e2b.md)"}, 502)
                     await resp(scope, receive, send)
                     return
                 sandbox = m.group(2)
         if sandbox is None:
             port = request.headers.get("e2b-sandbox-port")
+            if port == str(CODE_PORT):
+                sid = request.headers.get("e2b-sandbox-id") or ""
+                await (await self._code(request, sid))(scope, receive, send)
+                return
             if port is not None and port != str(ENVD_PORT):
                 # E2B_SANDBOX_URL set-ups reach any sandbox port through these headers
                 resp = _json({"code": 502, "message": f"port {port[:8]} is not open: "
-                              "dsec's E2B layer serves envd's port "
-                              f"{ENVD_PORT} only (docs/e2b.md, 'Gaps')"}, 502)
+                              f"dsec's E2B layer serves envd's port {ENVD_PORT} and the "
+                              f"code interpreter's {CODE_PORT} only (docs/e2b.md, "
+                              "'Gaps')"}, 502)
                 await resp(scope, receive, send)
                 return
             if path.startswith(_ENVD_PREFIXES) or path in ("/files", "/health"):
@@ -752,6 +773,164 @@ class E2BApp:
                     todo.append((fi.path, level + 1))
         return out
 
+    # --------------------------------------------------------- code interpreter
+    async def _code(self, request: Request, sandbox: str) -> Response:
+        """e2b-code-interpreter's port 49999 (:mod:`dsec.control.e2b.code`): ``/execute``
+        and ``/contexts`` on dsec's run_code kernel, run by the sandbox's ``exec`` as the
+        caller. The SDK authenticates these with the create answer's tokens: the
+        ``X-Access-Token`` (run) or ``E2B-Traffic-Access-Token`` (contexts), both the
+        caller's key."""
+        path = request.url.path.rstrip("/")
+        try:
+            if not sandbox:
+                raise _E2BError(400, "no sandbox named: send E2b-Sandbox-Id (with "
+                                     "E2B_SANDBOX_URL) or use a 49999-{id}.{domain} host")
+            caller = self._caller(request, "x-access-token", "e2b-traffic-access-token",
+                                  "x-api-key")
+            key = (request.headers.get("x-access-token")
+                   or request.headers.get("e2b-traffic-access-token")
+                   or request.headers.get("x-api-key") or "")
+            info = await self._live(caller, sandbox)
+            kernel = _KernelSandbox(self, caller, info)
+            method = request.method
+            if path == "/execute" and method == "POST":
+                return await self._execute(request, kernel, key)
+            if path == "/contexts" and method == "POST":
+                body = await self._json_body(request)
+                return _json(await self._new_context(kernel, key, body))
+            if path == "/contexts" and method == "GET":
+                return _json(await self._contexts(kernel))
+            parts = path.strip("/").split("/")
+            if len(parts) in (2, 3) and parts[0] == "contexts":
+                cid = codeapi.check_context_id(parts[1])
+                rec = await self._context(kernel, cid)
+                if len(parts) == 3 and parts[2] == "restart" and method == "POST":
+                    await code_kernel.restart(kernel, key=key, context=cid)
+                    await self._init_context(kernel, key, cid, rec["cwd"])
+                    return _json({})
+                if len(parts) == 2 and method == "DELETE":
+                    await code_kernel.restart(kernel, key=key, context=cid)
+                    await self._remove(caller, Remove(
+                        id=sandbox, path=f"{codeapi.CONTEXT_DIR}/{cid}.json"))
+                    return Response(status_code=204)
+            raise _E2BError(404, f"no code interpreter route {method} {path[:80]}")
+        except (DsecError, _E2BError) as exc:
+            if isinstance(exc, DsecError):
+                exc = self.service.redact(exc)
+            return _control_error(exc)
+        except Exception as exc:  # a bug: logged, answered as internal, never a trace
+            log.exception("E2B code interpreter %s failed", path)
+            return _control_error(exc)
+
+    async def _execute(self, request: Request, kernel: _KernelSandbox,
+                       key: str) -> Response:
+        body = await self._json_body(request)
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise InvalidArgument("code (a string) is required", field="code")
+        cid = body.get("context_id")
+        if cid is not None and body.get("language") is not None:
+            raise InvalidArgument("give context_id or language, not both",
+                                  field="language")
+        context = ""
+        if cid is not None:
+            context = codeapi.check_context_id(cid)
+            await self._context(kernel, context)
+        else:
+            codeapi.check_language(body.get("language"))
+        env = _obj(body, "env_vars")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise InvalidArgument("env_vars must map names to string values",
+                                  field="env_vars")
+        timeout = self.config.code_timeout_s
+        if env:
+            # E2B: the variables hold for this run only. Set before, restored after
+            # (two small runs of the same kernel), so the code itself runs unchanged
+            # (its last expression is still its result, its line numbers its own).
+            await self._run_quiet(kernel, key, context, _ENV_SET.format(env=repr(env)))
+        try:
+            ex = await code_kernel.run_code(kernel, code, timeout=timeout, key=key,
+                                            context=context)
+        finally:
+            if env:
+                await self._run_quiet(kernel, key, context, _ENV_RESTORE)
+        lines = codeapi.execute_lines(ex, time.time_ns())
+
+        async def stream() -> AsyncIterator[bytes]:
+            for line in lines:
+                yield line
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    async def _run_quiet(self, kernel: _KernelSandbox, key: str, context: str,
+                         code: str) -> code_kernel.Execution:
+        ex = await code_kernel.run_code(kernel, code, timeout=30.0, key=key,
+                                        context=context)
+        if ex.error is not None:
+            raise InvalidArgument(f"the code interpreter could not prepare the run: "
+                                  f"{ex.error.name}: {ex.error.value}"[:500])
+        return ex
+
+    async def _init_context(self, kernel: _KernelSandbox, key: str, cid: str,
+                            cwd: str | None) -> str:
+        """Start context ``cid``'s kernel in ``cwd`` (None: the exec's default); its
+        working directory."""
+        ex = await self._run_quiet(kernel, key, cid, "import os as _dsec_os\n" + (
+            f"_dsec_os.chdir({cwd!r})\n" if cwd else "") + "_dsec_os.getcwd()")
+        text = ex.text or "''"
+        try:
+            out = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out = None
+        return out if isinstance(out, str) else (cwd or "/")
+
+    async def _new_context(self, kernel: _KernelSandbox, key: str,
+                           body: dict[str, Any]) -> dict[str, str]:
+        language = codeapi.check_language(body.get("language"))
+        cwd = body.get("cwd")
+        if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
+            raise InvalidArgument("cwd must be an absolute path", field="cwd")
+        if len(await self._contexts(kernel)) >= codeapi.MAX_CONTEXTS:
+            raise _E2BError(429, f"sandbox {kernel.id} has {codeapi.MAX_CONTEXTS} code "
+                                 "contexts: remove one first")
+        cid = "ctx-" + secrets.token_hex(8)
+        real = await self._init_context(kernel, key, cid, cwd)
+        rec = codeapi.context_record(cid, language, real)
+        await self._mkdir(kernel.caller, Mkdir(id=kernel.id, path=codeapi.CONTEXT_DIR,
+                                               parents=True))
+        await self._put(kernel.caller, WriteFile(
+            id=kernel.id, path=f"{codeapi.CONTEXT_DIR}/{cid}.json",
+            data=json.dumps(rec).encode()))
+        return rec
+
+    async def _context(self, kernel: _KernelSandbox, cid: str) -> dict[str, str]:
+        try:
+            raw = await self._read(kernel.caller, ReadFile(
+                id=kernel.id, path=f"{codeapi.CONTEXT_DIR}/{cid}.json",
+                length=codeapi.MAX_CONTEXT_RECORD + 1))
+        except NotFound:
+            raw = b""
+        rec = codeapi.parse_context(raw, cid) if raw else None
+        if rec is None:
+            raise _E2BError(404, f"context {cid} not found in sandbox {kernel.id}")
+        return rec
+
+    async def _contexts(self, kernel: _KernelSandbox) -> list[dict[str, str]]:
+        try:
+            listing = await self._list_dir(kernel.caller, FileRef(
+                id=kernel.id, path=codeapi.CONTEXT_DIR))
+        except NotFound:
+            return []
+        out = []
+        for fi in listing.items[:codeapi.MAX_CONTEXTS * 2]:
+            cid = fi.name.removesuffix(".json")
+            if fi.type != "file" or not cid.startswith("ctx-"):
+                continue
+            try:
+                out.append(await self._context(kernel, codeapi.check_context_id(cid)))
+            except (_E2BError, InvalidArgument):
+                continue
+        return out
+
     # -------------------------------------------------------------------- files
     async def _files(self, request: Request, caller: Caller, sandbox: str) -> Response:
         path = request.query_params.get("path")
@@ -901,6 +1080,34 @@ class E2BApp:
                 exc = self.service.redact(exc)
                 yield rpc.end_stream((rpc.code_of(exc), exc.message))
         return StreamingResponse(body(), media_type="application/connect+json")
+
+
+_ENV_SET = ("import os as _dsec_os\n_dsec_env = {env}\n"
+            "_dsec_env_saved = {{k: _dsec_os.environ.get(k) for k in _dsec_env}}\n"
+            "_dsec_os.environ.update(_dsec_env)\ndel _dsec_env\n")
+_ENV_RESTORE = ("for _k, _v in _dsec_env_saved.items():\n"
+                "    if _v is None: _dsec_os.environ.pop(_k, None)\n"
+                "    else: _dsec_os.environ[_k] = _v\n"
+                "del _dsec_env_saved, _k, _v\n")
+
+
+class _KernelSandbox:
+    """What :mod:`dsec.wire.code`'s driver needs of a sandbox (id, info, exec), carried
+    out as ``caller`` through the ``exec`` row of the catalogue: the kernel runs with
+    the sandbox's isolation, user and limits, and every rule an exec has."""
+
+    def __init__(self, app: E2BApp, caller: Caller, info: SandboxInfo) -> None:
+        self.app, self.caller, self.info, self.id = app, caller, info, info.id
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   stdin: bytes | str | None = None, output_cap: int | None = None
+                   ) -> ExecResult:
+        argv = (cmd,) if isinstance(cmd, str) else tuple(cmd)
+        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        req = ExecRequest(argv=argv, stdin=data, timeout_s=timeout,
+                          **({"output_cap_bytes": output_cap} if output_cap else {}))
+        result: ExecResult = await self.app._exec(self.caller, ExecCall(id=self.id, req=req))
+        return result
 
 
 # Multipart /files bounds (A7): parts in one request (E2B's SDK sends one per file of a

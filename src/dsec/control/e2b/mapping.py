@@ -105,9 +105,13 @@ def sandbox_detail(info: SandboxInfo, token: str) -> dict[str, Any]:
 def sandbox_created(info: SandboxInfo, token: str) -> dict[str, Any]:
     """``Sandbox`` (create and connect answers). ``envdAccessToken``: what the SDK sends
     back as ``X-Access-Token`` on every envd call (the caller's own API key: envd calls
-    are authorized as the caller, with every rule dsec's REST applies)."""
+    are authorized as the caller, with every rule dsec's REST applies);
+    ``trafficAccessToken``, the same key: what e2b-code-interpreter sends as
+    ``E2B-Traffic-Access-Token`` on its context calls (port 49999), which carry no other
+    credential."""
     return {"templateID": info.spec.image, "sandboxID": info.id, "clientID": info.node,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": token}
+            "envdVersion": ENVD_VERSION, "envdAccessToken": token,
+            "trafficAccessToken": token}
 
 
 def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRequest:
