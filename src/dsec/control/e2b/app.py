@@ -436,10 +436,10 @@ class E2BApp:
                               paged: bool) -> Response:
         q = request.query_params
         for name in q:
-            if name not in ("metadata", "state", "limit", "nextToken", "query"):
+            if name not in _LIST_PARAMS:
                 raise _E2BError(400, f"query parameter {name[:40]!r} is not supported by "
-                                     "dsec's E2B layer (it takes metadata, state, limit, "
-                                     "nextToken)")
+                                     "dsec's E2B layer (it takes "
+                                     f"{', '.join(sorted(_LIST_PARAMS))})")
         labels = mapping.metadata_filter(q.get("metadata") or q.get("query"))
         states = {s for s in (q.get("state") or "").split(",") if s}
         if states - {"running", "paused"}:
@@ -453,11 +453,20 @@ class E2BApp:
                 raise _E2BError(400, f"limit={q['limit'][:20]!r} is not a number") from None
             if not 1 <= limit <= 1000:
                 raise _E2BError(400, f"limit={limit} must be within 1..1000")
+        try:
+            view = mapping.ListView.of(order=q.get("order"),
+                                       started_after=q.get("startedAfter"),
+                                       template=q.get("template"))
+        except InvalidArgument as exc:
+            raise _E2BError(400, exc.message) from None
         cursor = q.get("nextToken") or None
+        bounded = paged or "limit" in q
+        if view is not None:
+            return await self._list_view(caller, view, labels, state, limit, cursor,
+                                         bounded=bounded, paged=paged)
         # v2 (paged): one page of at most ``limit`` rows and its token; v1 (unpaged, as
         # E2B's): every sandbox, or the first ``limit`` when the caller names one. Each
         # list call asks for what is still missing (never 0 rows: red team 19, A8).
-        bounded = paged or "limit" in q
         items: list[dict[str, Any]] = []
         while True:
             want = limit - len(items) if bounded else 1000
@@ -469,6 +478,35 @@ class E2BApp:
                 break
         headers = {"x-next-token": cursor} if paged and cursor else None
         return _json(items, 200, headers)
+
+    async def _list_view(self, caller: Caller, view: mapping.ListView,
+                         labels: dict[str, str], state: Any, limit: int,
+                         token: str | None, *, bounded: bool, paged: bool) -> Response:
+        """``order``/``startedAfter``/``template``: E2B orders by start time across the
+        whole result, before paging, so every match is read (dsec lists by id), at most
+        ``mapping.MAX_VIEW`` of them, then sorted, and paged by a key token (the last
+        row's start time and id: a sandbox created or gone meanwhile moves no other)."""
+        after = mapping.ListView.token_key(token) if token else None
+        if token and after is None:
+            raise _E2BError(400, "nextToken is not one this listing gave")
+        rows: list[SandboxInfo] = []
+        cursor: str | None = None
+        while True:
+            page = await self._list(caller, ListSandboxes(labels=labels, state=state,
+                                                          limit=1000, cursor=cursor))
+            rows += [i for i in page.items if mapping.state_of(i) and view.keeps(i)]
+            if len(rows) > mapping.MAX_VIEW:
+                raise _E2BError(400, f"more than {mapping.MAX_VIEW} sandboxes match: "
+                                     "narrow the list with metadata or state to order it")
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        rows = view.sorted(rows, after)
+        more = bounded and len(rows) > limit
+        rows = rows[:limit] if bounded else rows
+        headers = ({"x-next-token": view.token(rows[-1])} if paged and more and rows
+                   else None)
+        return _json([mapping.listed(i) for i in rows], 200, headers)
 
     # --------------------------------------------------------------------- envd
     async def _envd(self, request: Request, sandbox: str) -> Response:
@@ -1088,6 +1126,9 @@ class E2BApp:
                 yield rpc.end_stream((rpc.code_of(exc), exc.message))
         return StreamingResponse(body(), media_type="application/connect+json")
 
+
+_LIST_PARAMS = frozenset({"metadata", "state", "limit", "nextToken", "query", "order",
+                          "startedAfter", "template"})
 
 _ENV_SET = ("import os as _dsec_os\n_dsec_env = {env}\n"
             "_dsec_env_saved = {{k: _dsec_os.environ.get(k) for k in _dsec_env}}\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import datetime
 import stat as stat_mod
+from dataclasses import dataclass
 from typing import Any
 
 from dsec.errors import InvalidArgument
@@ -158,6 +159,82 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
             raise InvalidArgument(f"{name} must map strings to strings", field=name)
     return CreateSandboxRequest(image=template, labels=dict(meta), env=dict(env),
                                 ttl_s=ttl, network=network)
+
+
+#: the most sandboxes an ordered or filtered list reads (E2B orders across the whole
+#: result before paging; dsec's own list pages by id)
+MAX_VIEW = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class ListView:
+    """E2B's list ``order`` (by start time: ``asc``/``desc``), ``startedAfter`` (ISO
+    8601; naive: local time, as the SDK documents) and ``template`` (the image name,
+    with or without its tag) over dsec's list rows."""
+
+    descending: bool
+    started_after: float | None
+    template: str | None
+
+    @classmethod
+    def of(cls, *, order: str | None, started_after: str | None,
+           template: str | None) -> ListView | None:
+        """The view the query asks for; None when it asks for none (dsec's order)."""
+        if order is None and started_after is None and template is None:
+            return None
+        if order not in (None, "asc", "desc"):
+            raise InvalidArgument(f"order={order[:20]!r} must be asc or desc",
+                                  field="order")
+        after = None
+        if started_after is not None:
+            try:
+                after = datetime.datetime.fromisoformat(started_after).timestamp()
+            except ValueError:
+                raise InvalidArgument(f"startedAfter={started_after[:40]!r} is not an ISO "
+                                      "8601 time", field="startedAfter") from None
+        return cls(order == "desc", after, template or None)
+
+    def keeps(self, info: SandboxInfo) -> bool:
+        # at the microsecond E2B's times are given in (startedAt's ISO form)
+        if self.started_after is not None and \
+                round(info.created_at, 6) < self.started_after - 5e-7:
+            return False
+        if self.template is not None:
+            # the image as stored ("[project/]name[:tag]") or as named without its
+            # project and/or tag
+            image = info.spec.image
+            bare = image.rpartition("/")[2]
+            names = {image, bare, *(x.rpartition(":")[0] for x in (image, bare)
+                                    if ":" in x)}
+            return self.template in names
+        return True
+
+    def sorted(self, rows: list[SandboxInfo],
+               after: tuple[float, str] | None) -> list[SandboxInfo]:
+        """``rows`` by (start time, id) in the view's direction, those past ``after``."""
+        out = sorted(rows, key=lambda i: (i.created_at, i.id), reverse=self.descending)
+        if after is None:
+            return out
+        if self.descending:
+            return [i for i in out if (i.created_at, i.id) < after]
+        return [i for i in out if (i.created_at, i.id) > after]
+
+    @staticmethod
+    def token(info: SandboxInfo) -> str:
+        return f"k:{info.created_at!r}:{info.id}"
+
+    @staticmethod
+    def token_key(token: str) -> tuple[float, str] | None:
+        """The key a :meth:`token` names, or None when it is not one."""
+        kind, _, rest = token.partition(":")
+        when, _, sid = rest.partition(":")
+        try:
+            t = float(when)
+        except ValueError:
+            return None
+        if kind != "k" or not sid or len(sid) > 128:
+            return None
+        return t, sid
 
 
 def metadata_filter(raw: str | None) -> dict[str, str]:
