@@ -287,6 +287,20 @@ def _c_run(t: E2BTarget) -> None:
         sb.kill()
 
 
+@_call("commands.run on an image without bash")
+def _c_no_bash(t: E2BTarget) -> None:
+    from e2b import Sandbox
+    sb = Sandbox.create("base", timeout=120, **t.opts())     # busybox: no /bin/bash
+    try:
+        r = sb.commands.run("echo $((6 * 7)) in $PWD; echo $V >&2", cwd="/tmp",
+                            envs={"V": "env"})
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "42 in /tmp\n", "env\n"), r
+        h = sb.commands.run("sleep 0.2; echo bg", background=True)
+        assert h.wait().stdout == "bg\n"
+    finally:
+        sb.kill()
+
+
 @_call("commands.run background")
 def _c_background(t: E2BTarget) -> None:
     sb = _create(t)

@@ -201,6 +201,7 @@ class E2BApp:
         self._watch_policy: Callable[[Caller, Watch], Awaitable[AsyncIterator[
             FileEvent | WatchEnd]]] = service.stream_handler(ops.FILE_WATCH)  # type: ignore[arg-type]
         self.watchers = Watchers()
+        self._bash: dict[str, None] = {}     # sandboxes seen with /bin/bash (insertion order)
         self._put = h(ops.WRITE_FILE)
         self._read = h(ops.READ_FILE)
         self._exec = h(ops.EXEC)
@@ -672,6 +673,11 @@ class E2BApp:
         tag = msg.get("tag")
         if tag is not None and not isinstance(tag, str):
             raise InvalidArgument("tag must be a string", field="tag")
+        if cmd == "/bin/bash" and not await self._has_bash(caller, sandbox):
+            # the SDK runs every command as /bin/bash -l -c CMD (a pty as /bin/bash -i
+            # -l): an image without bash (busybox, alpine, distroless-ish) gets the same
+            # flags on /bin/sh, which POSIX shells and busybox ash all take
+            cmd = "/bin/sh"
         req = ExecRequest(argv=(cmd, *args), env=dict(envs),
                           cwd=cwd or None, user=_user_of(request),
                           timeout_s=timeout_s, pty=pty, tag=tag if tag else None,
@@ -679,6 +685,24 @@ class E2BApp:
         info = await self._pstart(caller, ExecCall(id=sandbox, req=req))
         return self._follow(request, caller, sandbox, info.pid, pty=pty is not None,
                             timeout_s=timeout_s)
+
+    async def _has_bash(self, caller: Caller, sandbox: str) -> bool:
+        """Whether ``/bin/bash`` exists in the sandbox. A yes is remembered (bounded, per
+        sandbox: images do not lose bash in practice, and a removed one fails the
+        command as it would on E2B); a no is asked again each time, so a bash
+        installed later is used."""
+        if sandbox in self._bash:
+            return True
+        try:
+            await self._stat(caller, FileRef(id=sandbox, path="/bin/bash"))
+        except NotFound as exc:
+            if isinstance(exc, SandboxNotFound):
+                raise
+            return False
+        if len(self._bash) >= 4096:
+            self._bash.pop(next(iter(self._bash)))
+        self._bash[sandbox] = None
+        return True
 
     def _follow(self, request: Request, caller: Caller, sandbox: str, pid: int, *,
                 pty: bool, timeout_s: float | None) -> Response:
