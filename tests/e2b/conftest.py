@@ -16,9 +16,7 @@ import pytest
 pytest.importorskip("e2b", reason="the e2b test extra: pip install -e '.[e2b]'")
 
 from dsec import Image, LocalCluster
-from dsec.bench._e2b_calls import E2BTarget, stage_python_root
-
-BASH = "printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && chmod 755 /bin/bash"
+from dsec.bench._e2b_calls import TEMPLATE_SETUP, E2BTarget, stage_python_root
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +27,7 @@ def e2b_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
     root = stage_python_root(str(tmp_path_factory.mktemp("e2b-python")))
     with LocalCluster(backend="container", state_dir=state, e2b="127.0.0.1:0") as cl:
         with cl.client(session_lease_s=None) as c:
-            Image.from_image("base").run(BASH).build(c, name="e2b-base")
+            Image.from_image("base").run(TEMPLATE_SETUP).build(c, name="e2b-base")
             Image.from_image("base").copy(root, "/").build(c, name="e2b-python")
         yield cl
 

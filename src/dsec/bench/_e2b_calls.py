@@ -20,8 +20,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CALLS", "Call", "E2BTarget", "Gap", "Outcome", "harness_dsec", "harness_e2b",
-           "run_calls", "stage_python_root"]
+__all__ = [
+    "CALLS",
+    "TEMPLATE_SETUP",
+    "Call",
+    "E2BTarget",
+    "Gap",
+    "Outcome",
+    "harness_dsec",
+    "harness_e2b",
+    "run_calls",
+    "stage_python_root",
+]
+
+
+#: What the tests' and the bench's ``e2b-base`` template adds to busybox ``base``: a
+#: ``/bin/bash`` that runs busybox ``sh`` (the SDK's ``/bin/bash -l -c CMD`` then runs as
+#: on E2B; ``base`` itself serves the no-bash fallback's check) and E2B's usual non-root
+#: ``user`` (uid 1000) for ``user=`` calls.
+TEMPLATE_SETUP = (
+    "printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && chmod 755 /bin/bash && "
+    "mkdir -p /etc /home/user && touch /etc/passwd /etc/group && "
+    "{ grep -q '^root:' /etc/passwd || echo 'root:x:0:0:root:/root:/bin/sh' >> /etc/passwd; } && "
+    "{ grep -q '^root:' /etc/group || echo 'root:x:0:' >> /etc/group; } && "
+    "echo 'user:x:1000:1000:user:/home/user:/bin/sh' >> /etc/passwd && "
+    "echo 'user:x:1000:' >> /etc/group && chown 1000:1000 /home/user")
 
 
 @dataclass(frozen=True)
@@ -446,6 +469,37 @@ def _c_list_files(t: E2BTarget) -> None:
         assert top["sub"].type.value == "dir"
         deep = {e.path for e in sb.files.list("/tmp/l", depth=2)}
         assert "/tmp/l/sub/y.txt" in deep, deep
+    finally:
+        sb.kill()
+
+
+@_call("files with user=")
+def _c_files_user(t: E2BTarget) -> None:
+    """Files written and directories made with ``user=`` are that user's (the busybox
+    template's ``user``, uid 1000: TEMPLATE_SETUP); a directory the user may not write refuses."""
+    from e2b.exceptions import SandboxException
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/u/deep/owned.txt", "mine", user="user")
+        sb.files.make_dir("/tmp/ud", user="user")
+        sb.files.write("/tmp/rootfile", "root's")              # no user: root, as before
+        out = sb.commands.run("stat -c '%U:%G %n' /tmp/u /tmp/u/deep /tmp/u/deep/owned.txt "
+                              "/tmp/ud /tmp/rootfile").stdout
+        assert out == ("user:user /tmp/u\nuser:user /tmp/u/deep\n"
+                       "user:user /tmp/u/deep/owned.txt\nuser:user /tmp/ud\n"
+                       "root:root /tmp/rootfile\n"), out
+        assert sb.files.read("/tmp/u/deep/owned.txt", user="user") == "mine"
+        sb.commands.run("mkdir -m 700 /tmp/closed")
+        for fn in (lambda: sb.files.write("/tmp/closed/x", "no", user="user"),
+                   lambda: sb.files.write("/tmp/rootfile", "no", user="user"),
+                   lambda: sb.files.make_dir("/tmp/closed/d", user="user")):
+            try:
+                fn()
+            except SandboxException as exc:
+                assert "as user 'user'" in str(exc), exc
+            else:
+                raise AssertionError("a user wrote where it may not")
+        assert sb.files.read("/tmp/rootfile") == "root's"
     finally:
         sb.kill()
 

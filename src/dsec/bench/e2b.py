@@ -24,8 +24,6 @@ from typing import Any
 
 from dsec.bench import BenchContext, suite
 
-BASH = "printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && chmod 755 /bin/bash"
-
 
 @suite("e2b")
 def bench_e2b(ctx: BenchContext) -> None:
@@ -38,7 +36,12 @@ def bench_e2b(ctx: BenchContext) -> None:
         return
     import tempfile
 
-    from dsec.bench._e2b_calls import E2BTarget, run_calls, stage_python_root
+    from dsec.bench._e2b_calls import (
+        TEMPLATE_SETUP,
+        E2BTarget,
+        run_calls,
+        stage_python_root,
+    )
     from dsec.client.build import Image
     from dsec.cluster.local import LocalCluster
 
@@ -47,7 +50,7 @@ def bench_e2b(ctx: BenchContext) -> None:
     with LocalCluster(backend="container", e2b="127.0.0.1:0") as cl, \
             tempfile.TemporaryDirectory(prefix="dsec-e2b-python-") as pyroot:
         with cl.client(session_lease_s=None) as c:
-            Image.from_image("base").run(BASH).build(c, name="e2b-base")
+            Image.from_image("base").run(TEMPLATE_SETUP).build(c, name="e2b-base")
             # the code interpreter's template: base + the host's python3
             Image.from_image("base").copy(stage_python_root(pyroot), "/").build(
                 c, name="e2b-python")

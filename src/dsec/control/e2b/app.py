@@ -52,6 +52,7 @@ from dsec.errors import (
     InvalidArgument,
     InvalidTransition,
     NotFound,
+    PermissionDenied,
     SandboxNotFound,
     Unauthenticated,
 )
@@ -532,7 +533,8 @@ class E2BApp:
             if path.startswith("/process.Process/"):
                 return await self._process(request, caller, sandbox, method, msg,
                                            streaming)
-            return await self._filesystem(caller, sandbox, method, msg, streaming)
+            return await self._filesystem(caller, sandbox, method, msg, streaming,
+                                          user=_user_of(request))
         except (DsecError, _E2BError) as exc:
             return self._rpc_error(exc, streaming, request)
         except Exception as exc:  # a bug: logged, answered as internal, never a trace
@@ -759,7 +761,8 @@ class E2BApp:
 
     # --------------------------------------------------------------- filesystem
     async def _filesystem(self, caller: Caller, sandbox: str, method: str,
-                          msg: dict[str, Any], streaming: bool) -> Response:
+                          msg: dict[str, Any], streaming: bool, *,
+                          user: str | None = None) -> Response:
         raw_path = msg.get("path")
         if method in ("Stat", "ListDir", "MakeDir", "Remove", "WatchDir",
                       "CreateWatcher") and (
@@ -782,7 +785,10 @@ class E2BApp:
             else:
                 return _json(rpc.error_body("already_exists", f"{path} already exists"),
                              409)
-            await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True))
+            if _other_user(user):
+                await self._mkdir_as(caller, sandbox, path, user)   # type: ignore[arg-type]
+            else:
+                await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True))
             fi = await self._stat(caller, FileRef(id=sandbox, path=path))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "Remove":
@@ -997,6 +1003,8 @@ class E2BApp:
     # -------------------------------------------------------------------- files
     async def _files(self, request: Request, caller: Caller, sandbox: str) -> Response:
         path = request.query_params.get("path")
+        request.scope["dsec.e2b.user"] = (request.query_params.get("username")
+                                          or _user_of(request))
         if request.method == "GET":
             if not path:
                 raise _E2BError(400, "query parameter path is required")
@@ -1061,7 +1069,8 @@ class E2BApp:
                 counted = _Counted(_gunzip(chunks), limit)
                 chunks, size = counted.chunks(), None
             try:
-                results.append(await self._write(caller, sandbox, path, chunks, size))
+                results.append(await self._write(caller, sandbox, path, chunks, size,
+                                                 user=request.scope["dsec.e2b.user"]))
             except Exception:
                 if counted.over:
                     raise _E2BError(413, f"upload exceeds max_upload={limit} bytes; "
@@ -1100,24 +1109,49 @@ class E2BApp:
                                      "or ?path=")
             try:
                 results.append(await self._write(caller, sandbox, target, parts.data(),
-                                                 None))
+                                                 None, user=request.scope["dsec.e2b.user"]))
             except Exception:
                 if parts.over:
                     raise _E2BError(413, parts.over) from None
                 raise
 
     async def _write(self, caller: Caller, sandbox: str, path: str,
-                     chunks: AsyncIterator[bytes], size: int | None) -> dict[str, Any]:
+                     chunks: AsyncIterator[bytes], size: int | None, *,
+                     user: str | None = None) -> dict[str, Any]:
         """Stream ``chunks`` into ``path`` (``file_write_stream``: the edge writes a
         temporary file and renames it into place, so a cut upload leaves the old file);
-        missing parents are made first, as envd does."""
+        missing parents are made first, as envd does. ``user`` (the SDK's ``user=``):
+        the parents are made by that user (an exec as them: their rights, their
+        ownership) and the file is then given to them (``chown``, an exec as root)."""
         parent = path.rpartition("/")[0]
-        if parent:
+        other = _other_user(user)
+        if other:
+            # as the user: make the parents, and may they write the file there?
+            await self._shell(caller, sandbox, _MAY_WRITE, [parent or "/", path],
+                              user)  # type: ignore[arg-type]
+        elif parent:
             await self._mkdir(caller, Mkdir(id=sandbox, path=parent, parents=True))
         info = await filedoors.write_chunks(self.service, caller,
                                             WriteStream(id=sandbox, path=path, size=size),
                                             chunks)
+        if other:
+            await self._shell(caller, sandbox, _CHOWN, [user, path], "root")  # type: ignore[list-item]
         return mapping.write_info(info)
+
+    async def _mkdir_as(self, caller: Caller, sandbox: str, path: str, user: str) -> None:
+        await self._shell(caller, sandbox, 'mkdir -p -- "$1"', [path], user)
+
+    async def _shell(self, caller: Caller, sandbox: str, script: str, args: list[str],
+                     user: str) -> None:
+        """``script`` (sh, ``$1``...: ``args``) as ``user`` through the ``exec`` row; a
+        failure is the user's to see (their rights: permission_denied)."""
+        r: ExecResult = await self._exec(caller, ExecCall(id=sandbox, req=ExecRequest(
+            argv=("/bin/sh", "-c", script, "sh", *args), user=user, timeout_s=30.0,
+            output_cap_bytes=4096)))
+        if r.exit_code != 0:
+            why = r.stderr.decode(errors="replace").strip()[-300:] or \
+                f"exit {r.exit_code}"
+            raise PermissionDenied(f"as user {user!r} in sandbox {sandbox}: {why}")
 
     # ------------------------------------------------------------------ watches
     def _watch_stream(self, caller: Caller, sandbox: str, path: str,
@@ -1149,6 +1183,22 @@ class E2BApp:
                 exc = self.service.redact(exc)
                 yield rpc.end_stream((rpc.code_of(exc), exc.message))
         return StreamingResponse(body(), media_type="application/connect+json")
+
+
+# the file's owner becomes the user, its group the user's (busybox and GNU id/chown alike)
+_CHOWN = 'g=$(id -g "$1" 2>/dev/null) && chown -h "$1:$g" "$2" || chown -h "$1" "$2"'
+_MAY_WRITE = ('mkdir -p -- "$1" && [ -w "$1" ] && { [ ! -e "$2" ] || [ -w "$2" ]; } || '
+              '{ echo "permission denied: cannot write $2" >&2; exit 1; }')
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
+
+
+def _other_user(user: str | None) -> bool:
+    """Whether file calls must act as ``user`` (a name other than root's)."""
+    if user is None or user in ("root", "0"):
+        return False
+    if not _USER.match(user):
+        raise InvalidArgument(f"user {user[:40]!r} is not a user name", field="user")
+    return True
 
 
 _LIST_PARAMS = frozenset({"metadata", "state", "limit", "nextToken", "query", "order",
