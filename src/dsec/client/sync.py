@@ -228,6 +228,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
@@ -239,7 +240,8 @@ class Sandboxes:
             spec=spec, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
-            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            idle_timeout=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
             session=session, qos=qos, cpu_quota=cpu_quota)))
@@ -253,6 +255,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
@@ -263,7 +266,8 @@ class Sandboxes:
             n, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
-            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            idle_timeout=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota))]
 
