@@ -76,6 +76,14 @@ def test_control_statuses_and_error_bodies(api: httpx.Client, e2b_target: E2BTar
         assert r.status_code == 404 and r.json()["code"] == 404, (method, r.text)
     r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", "imagee": 1})
     assert r.status_code == 400 and "unknown field 'imagee'" in r.json()["message"]
+    for bad, words in (({"autoPause": "yes"}, "autoPause must be true or false"),
+                       ({"autoResume": True}, 'autoResume must be {"enabled"')):
+        r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", **bad})
+        assert r.status_code == 400 and words in r.json()["message"], r.text
+    r = api.get("/v2/sandboxes", params={"order": "asc", "nextToken": "k:x:y"})
+    assert r.status_code == 400 and "nextToken is not one" in r.json()["message"]
+    r = api.get("/v2/sandboxes", params={"order": "sideways"})
+    assert r.status_code == 400 and "must be asc or desc" in r.json()["message"]
     r = api.post("/v2/sandboxes", json={"templateID": "no-such-image"})
     assert r.status_code == 404 and "no-such-image" in r.json()["message"]
     r = api.get("/v2/sandboxes", params={"startedAfter": "x"})

@@ -230,6 +230,35 @@ def _c_pause(t: E2BTarget) -> None:
         sb.kill()
 
 
+@_call("Sandbox lifecycle on_timeout pause, auto_resume")
+def _c_lifecycle(t: E2BTarget) -> None:
+    """The timeout pauses instead of killing (autoPause); the sandbox, its files and its
+    processes come back on connect, or on a command (autoResume)."""
+    from e2b import Sandbox
+    sb = _create(t, timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        info = sb.get_info()
+        assert info.lifecycle is not None and info.lifecycle["on_timeout"] == "pause", info
+        sb.files.write("/tmp/kept", "state")
+        sb.commands.run("sleep 600", background=True)
+        deadline = time.monotonic() + 15
+        while sb.get_info().state.value != "paused":
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(0.2)
+        assert sb.sandbox_id in [s.sandbox_id for s in Sandbox.list(**t.opts()).next_items()]
+        assert sb.commands.run("cat /tmp/kept").stdout == "state"     # auto-resumed
+        assert sb.get_info().state.value == "running"
+        assert "sleep 600" in sb.commands.run("ps -o args").stdout     # its processes too
+        sb.set_timeout(60)
+    finally:
+        sb.kill()
+    plain = _create(t)
+    try:
+        assert plain.get_info().lifecycle["on_timeout"] == "kill"
+    finally:
+        plain.kill()
+
+
 @_call("Sandbox.kill")
 def _c_kill(t: E2BTarget) -> None:
     from e2b.exceptions import SandboxNotFoundException
@@ -619,11 +648,9 @@ def _c_unsupported(t: E2BTarget) -> None:
     from e2b import Sandbox
     o = t.opts()
     for fn, words in (
-            (lambda: Sandbox.create(t.template, lifecycle={"on_timeout": "pause"}, **o),
-             "400: autoPause/autoResume are not supported"),
             # the test cluster's nodes have no uplink: 'open' egress is refused by name
             (lambda: Sandbox.create(t.template, allow_internet_access=True, **o),
-             "network mode 'open' needs this node's network router")):
+             "network mode 'open' needs this node's network router"),):
         try:
             fn()
         except SandboxException as exc:
@@ -640,7 +667,7 @@ def _c_unsupported(t: E2BTarget) -> None:
             raise AssertionError("create_snapshot answered")
     finally:
         sb.kill()
-    raise Gap("refused as documented: lifecycle pause, snapshots")
+    raise Gap("refused as documented: network rules without an uplink, snapshots")
 
 
 # ------------------------------------------------------------------------ async

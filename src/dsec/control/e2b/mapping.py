@@ -5,7 +5,7 @@ What maps to what (docs/e2b.md has the table and the gaps):
 - a *template id* is a dsec image ref (``base`` is dsec's busybox ``base``);
 - ``metadata`` are sandbox labels (dsec's own ``dsec.io/...`` labels are never shown);
 - ``timeout`` (seconds) is the sandbox TTL; ``envVars`` the sandbox env;
-- ``autoPause`` (pause instead of kill on timeout) is refused: dsec's TTL destroys;
+- ``autoPause`` (pause instead of kill on timeout) is the spec's ``ttl_action="pause"``;
 - states ``running``/``paused`` are dsec's; a sandbox in a transition shows the state
   it is leaving, a destroyed one is "not found", as E2B answers for a killed sandbox.
 """
@@ -99,8 +99,12 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
 
 
 def sandbox_detail(info: SandboxInfo, token: str) -> dict[str, Any]:
-    """``SandboxDetail`` (``GET /sandboxes/{id}``)."""
-    return {**listed(info), "envdAccessToken": token}
+    """``SandboxDetail`` (``GET /sandboxes/{id}``), with its ``lifecycle``: what its
+    timeout does, and ``autoResume`` true (dsec resumes any paused sandbox on a command
+    or a write)."""
+    return {**listed(info), "envdAccessToken": token, "lifecycle": {
+        "autoResume": True,
+        "onTimeout": "pause" if info.spec.ttl_action == "pause" else "kill"}}
 
 
 def sandbox_created(info: SandboxInfo, token: str) -> dict[str, Any]:
@@ -126,11 +130,18 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
     if not isinstance(template, str) or not template:
         raise InvalidArgument("templateID (a dsec image name) is required",
                               field="templateID")
-    if body.get("autoPause") or body.get("autoResume"):
-        raise InvalidArgument(
-            "autoPause/autoResume are not supported by dsec's E2B layer: a sandbox's "
-            "timeout destroys it (pause it yourself with Sandbox.pause())",
-            field="autoPause")
+    auto_pause = body.get("autoPause")
+    if auto_pause is not None and not isinstance(auto_pause, bool):
+        raise InvalidArgument("autoPause must be true or false", field="autoPause")
+    resume = body.get("autoResume")
+    if resume is not None and not (isinstance(resume, dict)
+                                   and isinstance(resume.get("enabled"), bool)):
+        raise InvalidArgument('autoResume must be {"enabled": true|false}',
+                              field="autoResume")
+    # autoPause: the timeout pauses (dsec's ttl_action="pause"); the pause keeps memory
+    # whatever autoPauseMemory says. autoResume: dsec resumes a paused sandbox on any
+    # command or write (reads leave it paused: docs/sdk.md "Paused sandboxes"), asked
+    # for or not: accepted either way, never refused
     for name in ("mcp", "iam", "volumeMounts", "network"):
         if body.get(name):
             raise InvalidArgument(f"{name} is not supported by dsec's E2B layer "
@@ -158,7 +169,8 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
                                               for k, v in d.items()):
             raise InvalidArgument(f"{name} must map strings to strings", field=name)
     return CreateSandboxRequest(image=template, labels=dict(meta), env=dict(env),
-                                ttl_s=ttl, network=network)
+                                ttl_s=ttl, network=network,
+                                ttl_action="pause" if auto_pause else "destroy")
 
 
 #: the most sandboxes an ordered or filtered list reads (E2B orders across the whole
