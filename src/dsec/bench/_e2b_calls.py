@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "CALLS",
@@ -170,8 +170,10 @@ def _c_list(t: E2BTarget) -> None:
         assert pages >= 2, pages
         # order by start time across the whole result, before paging; startedAfter and
         # template filter it
-        for order, want in (("asc", [s.sandbox_id for s in sbs]),
-                            ("desc", [s.sandbox_id for s in reversed(sbs)])):
+        orders: list[tuple[Literal["asc", "desc"], list[str]]] = [
+            ("asc", [s.sandbox_id for s in sbs]),
+            ("desc", [s.sandbox_id for s in reversed(sbs)])]
+        for order, want in orders:
             pager = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}), order=order,
                                  limit=2, **t.opts())
             got: list[str] = []
@@ -519,9 +521,11 @@ def _c_files_user(t: E2BTarget) -> None:
                        "root:root /tmp/rootfile\n"), out
         assert sb.files.read("/tmp/u/deep/owned.txt", user="user") == "mine"
         sb.commands.run("mkdir -m 700 /tmp/closed")
-        for fn in (lambda: sb.files.write("/tmp/closed/x", "no", user="user"),
-                   lambda: sb.files.write("/tmp/rootfile", "no", user="user"),
-                   lambda: sb.files.make_dir("/tmp/closed/d", user="user")):
+        refused: list[Callable[[], object]] = [
+            lambda: sb.files.write("/tmp/closed/x", "no", user="user"),
+            lambda: sb.files.write("/tmp/rootfile", "no", user="user"),
+            lambda: sb.files.make_dir("/tmp/closed/d", user="user")]
+        for fn in refused:
             try:
                 fn()
             except SandboxException as exc:
@@ -647,16 +651,14 @@ def _c_unsupported(t: E2BTarget) -> None:
 
     from e2b import Sandbox
     o = t.opts()
-    for fn, words in (
-            # the test cluster's nodes have no uplink: 'open' egress is refused by name
-            (lambda: Sandbox.create(t.template, allow_internet_access=True, **o),
-             "network mode 'open' needs this node's network router"),):
-        try:
-            fn()
-        except SandboxException as exc:
-            assert words in str(exc), exc
-        else:
-            raise AssertionError(f"not refused: {words}")
+    # the test cluster's nodes have no uplink: 'open' egress is refused by name
+    words = "network mode 'open' needs this node's network router"
+    try:
+        Sandbox.create(t.template, allow_internet_access=True, **o)
+    except SandboxException as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(f"not refused: {words}")
     sb = _create(t)
     try:
         try:

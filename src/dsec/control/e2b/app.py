@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -1226,8 +1227,9 @@ class _KernelSandbox:
                    ) -> ExecResult:
         argv = (cmd,) if isinstance(cmd, str) else tuple(cmd)
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        req = ExecRequest(argv=argv, stdin=data, timeout_s=timeout,
-                          **({"output_cap_bytes": output_cap} if output_cap else {}))
+        req = ExecRequest(argv=argv, stdin=data, timeout_s=timeout)
+        if output_cap:
+            req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
         result: ExecResult = await self.app._exec(self.caller, ExecCall(id=self.id, req=req))
         return result
 

@@ -194,7 +194,7 @@ class ListView:
         """The view the query asks for; None when it asks for none (dsec's order)."""
         if order is None and started_after is None and template is None:
             return None
-        if order not in (None, "asc", "desc"):
+        if order is not None and order not in ("asc", "desc"):
             raise InvalidArgument(f"order={order[:20]!r} must be asc or desc",
                                   field="order")
         after = None
