@@ -1136,7 +1136,9 @@ class E2BApp:
                                             WriteStream(id=sandbox, path=path, size=size),
                                             chunks)
         if other:
-            await self._shell(caller, sandbox, _CHOWN, [user, path], "root")  # type: ignore[list-item]
+            parent_dir, _, base = path.rpartition("/")
+            await self._shell(caller, sandbox, CHOWN_SCRIPT,
+                              [user, parent_dir or "/", base], "root")  # type: ignore[list-item]
         return mapping.write_info(info)
 
     async def _mkdir_as(self, caller: Caller, sandbox: str, path: str, user: str) -> None:
@@ -1186,8 +1188,20 @@ class E2BApp:
         return StreamingResponse(body(), media_type="application/connect+json")
 
 
-# the file's owner becomes the user, its group the user's (busybox and GNU id/chown alike)
-_CHOWN = 'g=$(id -g "$1" 2>/dev/null) && chown -h "$1:$g" "$2" || chown -h "$1" "$2"'
+# The file written for ``user=`` becomes the user's (group: theirs), by root, in a
+# directory the user may write to: so the user may race it. The directory is pinned
+# first (cd -P: later swaps of any path component change nothing) and must be the one
+# named, or the user's own (a symlinked directory of theirs); the name must be a plain
+# file with one link (a hard link to a file the user does not own is refused by the
+# kernel anyway: fs.protected_hardlinks=1, checked on the dev VM) and ``chown -h``
+# never follows a symlink. $1 user, $2 directory, $3 file name.
+CHOWN_SCRIPT = (
+    'cd -P -- "$2" || exit 3\n'
+    '[ "$(pwd -P)" = "$2" ] || [ "$(stat -c %u .)" = "$(id -u "$1")" ] || '
+    '{ echo "refused: $2 is not where it was when the file was written" >&2; exit 4; }\n'
+    '[ -f "./$3" ] && [ ! -L "./$3" ] && [ "$(stat -c %h "./$3")" = 1 ] || '
+    '{ echo "refused: $2/$3 is no longer the plain file written" >&2; exit 4; }\n'
+    'g=$(id -g "$1" 2>/dev/null) && chown -h "$1:$g" "./$3" || chown -h "$1" "./$3"\n')
 _MAY_WRITE = ('mkdir -p -- "$1" && [ -w "$1" ] && { [ ! -e "$2" ] || [ -w "$2" ]; } || '
               '{ echo "permission denied: cannot write $2" >&2; exit 1; }')
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
