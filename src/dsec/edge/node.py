@@ -317,7 +317,7 @@ class _Sandbox:
         # paused, a stopped one (ttl_left seconds); both None: no TTL. set_timeout moves it.
         self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
         self.ttl_left: float | None = None
-        self.paused_reason = ""                  # "requested" | "idle" while paused
+        self.paused_reason = ""                  # "requested" | "idle" | "ttl" while paused
         self.paused_at: float | None = None      # when it was paused (retention clock)
         self.paused_until: float | None = None   # ... and when that retention ends
         # Held while a snapshot writes the sandbox's state: snapshots run one at a time and

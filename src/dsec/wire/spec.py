@@ -857,7 +857,8 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str = ""                        # reason of the last transition
     # Lifetimes (issue 19, docs/sdk.md "Lifetimes"): when the edge ends it (unix seconds;
     # None: no TTL, or paused), what is left while paused (the clock stops), and why it
-    # was paused ("requested", or "idle": its idle_timeout_s with idle_action=pause).
+    # was paused ("requested", "idle": its idle_timeout_s with idle_action=pause, or
+    # "ttl": its TTL with ttl_action=pause).
     expires_at: float | None = None
     ttl_left_s: float | None = None
     paused_reason: str = ""
