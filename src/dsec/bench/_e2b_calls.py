@@ -533,6 +533,26 @@ def _c_files_user(t: E2BTarget) -> None:
             else:
                 raise AssertionError("a user wrote where it may not")
         assert sb.files.read("/tmp/rootfile") == "root's"
+        # reads, lists, removes and renames with user= are checked (or done) as the user
+        sb.commands.run("echo s > /tmp/closed/secret && chmod 600 /tmp/rootfile")
+        denied: list[tuple[Callable[[], object], str]] = [
+            (lambda: sb.files.read("/tmp/rootfile", user="user"), "cannot read"),
+            (lambda: sb.files.list("/tmp/closed", user="user"), "cannot list"),
+            (lambda: sb.files.remove("/tmp/rootfile", user="user"), "Operation not permitted"),
+            (lambda: sb.files.rename("/tmp/rootfile", "/tmp/mine", user="user"),
+             "Operation not permitted")]
+        for fn, words in denied:
+            try:
+                fn()
+            except SandboxException as exc:
+                assert "as user 'user'" in str(exc) and words in str(exc), exc
+            else:
+                raise AssertionError(f"user= did not refuse: {words}")
+        assert sb.files.exists("/tmp/rootfile")
+        sb.files.rename("/tmp/u/deep/owned.txt", "/tmp/u/moved.txt", user="user")
+        assert [e.name for e in sb.files.list("/tmp/u", user="user")] == ["deep", "moved.txt"]
+        sb.files.remove("/tmp/u/deep", user="user")
+        assert not sb.files.exists("/tmp/u/deep")
     finally:
         sb.kill()
 

@@ -773,8 +773,11 @@ class E2BApp:
         if method == "Stat":
             fi = await self._stat(caller, FileRef(id=sandbox, path=path))
             return _json({"entry": mapping.entry_info(fi)})
+        other = _other_user(user)
         if method == "ListDir":
             depth = _int(msg, "depth", 1, "depth") or 1
+            if other:
+                await self._shell(caller, sandbox, _MAY_LIST, [path], user)  # type: ignore[arg-type]
             entries = await self._walk(caller, sandbox, path, depth)
             return _json({"entries": entries})
         if method == "MakeDir":
@@ -793,6 +796,11 @@ class E2BApp:
             fi = await self._stat(caller, FileRef(id=sandbox, path=path))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "Remove":
+            if other:       # removed by the user: their rights decide
+                await self._stat(caller, FileRef(id=sandbox, path=path))   # NotFound
+                await self._shell(caller, sandbox, 'rm -rf -- "$1"', [path],
+                                  user)  # type: ignore[arg-type]
+                return _json({})
             await self._remove(caller, Remove(id=sandbox, path=path, recursive=True))
             return _json({})
         if method == "Move":
@@ -800,6 +808,12 @@ class E2BApp:
             if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
                 raise InvalidArgument("source and destination are required")
             # envd's Move is a rename(2): it replaces an existing destination
+            if other:       # moved by the user: their rights decide
+                await self._stat(caller, FileRef(id=sandbox, path=src))    # NotFound
+                await self._shell(caller, sandbox, 'mv -f -- "$1" "$2"', [src, dst],
+                                  user)  # type: ignore[arg-type]
+                fi = await self._stat(caller, FileRef(id=sandbox, path=dst))
+                return _json({"entry": mapping.entry_info(fi)})
             fi = await self._rename(caller, Rename(id=sandbox, src=src, dst=dst,
                                                    overwrite=True))
             return _json({"entry": mapping.entry_info(fi)})
@@ -1009,6 +1023,9 @@ class E2BApp:
         if request.method == "GET":
             if not path:
                 raise _E2BError(400, "query parameter path is required")
+            user = request.scope["dsec.e2b.user"]
+            if _other_user(user):
+                await self._shell(caller, sandbox, _MAY_READ, [path], user)
             return await self._download(caller, sandbox, path)
         if request.method == "POST":
             return await self._upload(request, caller, sandbox, path)
@@ -1204,6 +1221,12 @@ CHOWN_SCRIPT = (
     'g=$(id -g "$1" 2>/dev/null) && chown -h "$1:$g" "./$3" || chown -h "$1" "./$3"\n')
 _MAY_WRITE = ('mkdir -p -- "$1" && [ -w "$1" ] && { [ ! -e "$2" ] || [ -w "$2" ]; } || '
               '{ echo "permission denied: cannot write $2" >&2; exit 1; }')
+# as the user: may they read the file / list the directory? (a missing path passes:
+# the read or list that follows answers not found, as for anyone)
+_MAY_READ = ('[ ! -e "$1" ] || [ -r "$1" ] || '
+             '{ echo "permission denied: cannot read $1" >&2; exit 1; }')
+_MAY_LIST = ('[ ! -e "$1" ] || { [ -r "$1" ] && [ -x "$1" ]; } || '
+             '{ echo "permission denied: cannot list $1" >&2; exit 1; }')
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
 
 
