@@ -871,9 +871,12 @@ class E2BApp:
                                      "E2B_SANDBOX_URL) or use a 49999-{id}.{domain} host")
             caller = self._caller(request, "x-access-token", "e2b-traffic-access-token",
                                   "x-api-key")
+            auth = request.headers.get("authorization", "")
+            # the key picks the kernel (dsec.wire.code._token): the one authenticated
             key = (request.headers.get("x-access-token")
                    or request.headers.get("e2b-traffic-access-token")
-                   or request.headers.get("x-api-key") or "")
+                   or request.headers.get("x-api-key")
+                   or (auth[7:].strip() if auth.lower().startswith("bearer ") else ""))
             info = await self._live(caller, sandbox)
             kernel = _KernelSandbox(self, caller, info)
             method = request.method
