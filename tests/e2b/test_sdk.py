@@ -69,6 +69,10 @@ def test_default_code_context_is_dsecs_run_code_kernel(e2b_cluster: LocalCluster
             native = c.sandboxes.get(sb.sandbox_id)
             assert native.run_code("shared * 6").text == "42"
             native.run_code("back = 'from dsec'")
+            # the kernel's timeout still interrupts (the run loop streams or not alike)
+            slow = native.run_code("import time\nprint('before')\ntime.sleep(30)", timeout=1)
+            assert slow.timed_out and slow.error is not None, slow
+            assert slow.error.name == "KeyboardInterrupt" and slow.stdout == "before\n"
         assert sb.run_code("back").text == "'from dsec'"
         ctx = sb.create_code_context()
         missing = sb.run_code("shared", context=ctx)

@@ -736,14 +736,21 @@ def _c_code(t: E2BTarget) -> None:
         first = sb.run_code("x = 41\nprint('hi')\nimport sys; print('oops', file=sys.stderr)")
         assert first.error is None, first.error
         assert first.logs.stdout == ["hi\n"] and first.logs.stderr == ["oops\n"], first.logs
-        out: list[str] = []
+        # output streams while the code runs: the first line long before the end
+        seen: list[tuple[str, float]] = []
+        t0 = time.monotonic()
+        slow = sb.run_code("import time\nfor i in range(3):\n    print(i)\n    time.sleep(0.4)",
+                           on_stdout=lambda m: seen.append((m.line, time.monotonic())))
+        done = time.monotonic()
+        assert [line for line, _ in seen] == ["0\n", "1\n", "2\n"], seen
+        assert slow.logs.stdout == ["0\n", "1\n", "2\n"] and done - t0 >= 1.2, slow
+        assert done - seen[0][1] >= 0.7, (seen, done)
         results: list[Any] = []
-        ex = sb.run_code("x + 1", on_stdout=lambda m: out.append(m.line),
-                         on_result=results.append)
+        ex = sb.run_code("x + 1", on_result=results.append)
         assert ex.text == "42" and ex.results[0].is_main_result, ex
         assert results and results[0].text == "42", results
         assert ex.execution_count is not None and first.execution_count is not None
-        assert ex.execution_count == first.execution_count + 1
+        assert ex.execution_count == first.execution_count + 2
         rich = sb.run_code("class P:\n    def _repr_html_(self): return '<b>p</b>'\n"
                            "    def __repr__(self): return 'P()'\nP()")
         assert rich.results[0].html == "<b>p</b>" and rich.text == "P()", rich

@@ -27,13 +27,13 @@ import hmac
 import importlib.resources
 import json
 import secrets
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Literal, Protocol
 
 import msgspec
 
 from dsec.errors import CannotRun, InternalError, InvalidArgument
-from dsec.wire.spec import ExecResult, SandboxInfo
+from dsec.wire.spec import ExecChunk, ExecResult, SandboxInfo
 
 
 class AsyncSandbox(Protocol):
@@ -48,7 +48,8 @@ class AsyncSandbox(Protocol):
                    stdin: bytes | str | None = None, output_cap: int | None = None
                    ) -> ExecResult: ...
 
-__all__ = ["CodeError", "CodeResult", "Execution", "restart", "run_code"]
+__all__ = ["CodeError", "CodeResult", "Execution", "StreamingSandbox", "restart", "run_code",
+           "run_code_stream"]
 
 KERNEL_SOURCE = (importlib.resources.files("dsec.wire") / "code_kernel.py").read_text()
 _VERSION = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:12]
@@ -186,6 +187,91 @@ async def run_code(sb: AsyncSandbox, code: str, *, timeout: float | None = 60.0,
             break
     _refuse(sb, r.exit_code, r.stderr)
     raise AssertionError("unreachable")
+
+
+class StreamingSandbox(AsyncSandbox, Protocol):
+    """A sandbox whose exec also streams (the ``exec_stream`` row): output chunks as they
+    come, then the result."""
+
+    def exec_stream(self, cmd: Sequence[str], *, timeout: float | None, stdin: bytes,
+                    output_cap: int) -> AsyncIterator[ExecChunk | ExecResult]: ...
+
+
+async def run_code_stream(sb: StreamingSandbox, code: str, *,
+                          timeout: float | None = 60.0, key: str | None = None,
+                          context: str = ""
+                          ) -> AsyncGenerator[tuple[str, str] | Execution, None]:
+    """:func:`run_code`, with the output as the code writes it: ``("stdout", text)`` /
+    ``("stderr", text)`` pieces while it runs (the kernel's stream mode), then the
+    :class:`Execution` (which holds all of the output too). The kernel's lines are
+    checked: anything but an output piece or the result is an error."""
+    if not isinstance(code, str):
+        raise InvalidArgument(f"code must be a str, not {type(code).__name__}", field="code")
+    if len(json.dumps({"code": code}).encode()) > MAX_CODE_BYTES:
+        raise InvalidArgument(f"code of more than {MAX_CODE_BYTES} bytes (JSON): write it to "
+                              "a file and run that", field="code", limit=MAX_CODE_BYTES)
+    if timeout is not None and not timeout > 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be > 0 seconds or None",
+                              field="timeout")
+    arg = "none" if timeout is None else repr(float(timeout))
+    token = _token(sb, key, context)
+    d = _kernel_dir(token)
+    body = json.dumps({"token": token, "code": code, "stream": True}).encode()
+    exec_timeout = None if timeout is None else timeout + 10.0
+    for attempt in range(3):
+        buf = b""
+        answer: bytes | None = None
+        final: ExecResult | None = None
+        err = b""
+        async for item in sb.exec_stream(
+                ["sh", "-c", _KERNEL, "sh", KERNEL_SOURCE, "run", d, arg], stdin=body,
+                timeout=exec_timeout, output_cap=RESULT_CAP_BYTES):
+            if isinstance(item, ExecResult):
+                final = item
+                continue
+            if item.stream == "stderr":
+                err = (err + item.data)[-4096:]
+                continue
+            buf += item.data
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
+                piece = _piece(line)
+                if piece is None:
+                    answer = line
+                else:
+                    yield piece
+        if final is None:
+            raise InternalError(f"the code kernel's exec in {sb.id} ended without a result")
+        if final.exit_code == 0 and not final.timed_out and answer is not None:
+            try:
+                yield msgspec.json.decode(answer, type=Execution)
+            except msgspec.DecodeError as exc:
+                raise InternalError(f"the code kernel in {sb.id} answered something that is "
+                                    f"not a result ({exc}): {answer[:200]!r}") from exc
+            return
+        if final.exit_code == EXIT_NO_KERNEL and attempt < 2:
+            await _start(sb, d, token)
+        else:
+            break
+    assert final is not None
+    _refuse(sb, final.exit_code, err or final.stderr)
+
+
+class _Piece(msgspec.Struct):
+    out: Literal["stdout", "stderr"]
+    text: str
+
+
+def _piece(line: bytes) -> tuple[str, str] | None:
+    """An output line of the kernel's stream mode as ``(stream, text)``; None for the
+    result line."""
+    if not line.startswith(b'{"out"'):
+        return None
+    try:
+        p = msgspec.json.decode(line, type=_Piece)
+    except msgspec.DecodeError as exc:
+        raise InternalError(f"the code kernel sent a malformed output line ({exc})") from exc
+    return p.out, p.text
 
 
 async def restart(sb: AsyncSandbox, *, key: str | None = None, context: str = "") -> None:

@@ -27,6 +27,7 @@ import ast
 import asyncio
 import base64
 import collections
+import contextlib
 import json
 import logging
 import re
@@ -207,6 +208,8 @@ class E2BApp:
         self._put = h(ops.WRITE_FILE)
         self._read = h(ops.READ_FILE)
         self._exec = h(ops.EXEC)
+        self._exec_stream: Callable[[Caller, ExecCall], Awaitable[AsyncIterator[
+            ExecChunk | ExecResult]]] = service.stream_handler(ops.EXEC_STREAM)  # type: ignore[arg-type]
         self._list_dir = h(ops.LIST_DIR)
         self._stat = h(ops.STAT)
         self._mkdir = h(ops.MKDIR)
@@ -935,17 +938,39 @@ class E2BApp:
             # (two small runs of the same kernel), so the code itself runs unchanged
             # (its last expression is still its result, its line numbers its own).
             await self._run_quiet(kernel, key, context, _ENV_SET.format(env=repr(env)))
+        # the output streams as the code writes it (the kernel's stream mode): the first
+        # item is awaited here, so a run that cannot start is an HTTP error, as E2B's
+        run = code_kernel.run_code_stream(kernel, code, timeout=timeout, key=key,
+                                          context=context)
         try:
-            ex = await code_kernel.run_code(kernel, code, timeout=timeout, key=key,
-                                            context=context)
-        finally:
+            first = await anext(run)
+        except BaseException:
             if env:
                 await self._run_quiet(kernel, key, context, _ENV_RESTORE)
-        lines = codeapi.execute_lines(ex, time.time_ns())
+            raise
 
         async def stream() -> AsyncIterator[bytes]:
-            for line in lines:
-                yield line
+            item: tuple[str, str] | code_kernel.Execution | None = first
+            try:
+                while item is not None:
+                    if isinstance(item, code_kernel.Execution):
+                        for line in codeapi.execute_lines(item, time.time_ns(),
+                                                          output=False):
+                            yield line
+                        break
+                    yield codeapi.output_line(*item, now_ns=time.time_ns())
+                    item = await anext(run, None)
+            except DsecError as exc:
+                exc = self.service.redact(exc)
+                yield codeapi.failure_line(exc.code, exc.message)
+            finally:
+                # best effort: a client gone mid-run (the SDK's timeout) leaves the code
+                # running; the restore then waits for the kernel, and may fail
+                with contextlib.suppress(Exception):
+                    await run.aclose()          # the exec stream, if still open
+                if env:
+                    with contextlib.suppress(Exception):
+                        await self._run_quiet(kernel, key, context, _ENV_RESTORE)
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
     async def _run_quiet(self, kernel: _KernelSandbox, key: str, context: str,
@@ -1272,6 +1297,15 @@ class _KernelSandbox:
             req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
         result: ExecResult = await self.app._exec(self.caller, ExecCall(id=self.id, req=req))
         return result
+
+    async def exec_stream(self, cmd: Sequence[str], *, timeout: float | None,
+                          stdin: bytes, output_cap: int
+                          ) -> AsyncIterator[ExecChunk | ExecResult]:
+        req = ExecRequest(argv=tuple(cmd), stdin=stdin, timeout_s=timeout,
+                          output_cap_bytes=output_cap)
+        stream = await self.app._exec_stream(self.caller, ExecCall(id=self.id, req=req))
+        async for item in stream:
+            yield item
 
 
 # Multipart /files bounds (A7): parts in one request (E2B's SDK sends one per file of a

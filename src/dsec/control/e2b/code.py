@@ -17,8 +17,8 @@ The stock ``e2b_code_interpreter`` SDK speaks plain HTTP/JSON to port 49999 of a
 dsec runs the code in :mod:`dsec.wire.code`'s kernel: the default context is the kernel
 ``sb.run_code`` of dsec's SDK reaches with the same API key (same variables), a created
 context is a kernel of its own (``context=`` its id). Only Python: that is the kernel.
-A run answers when the code is done (dsec's kernel returns one result), so the events of
-one run arrive together at its end, in E2B's order.
+Output streams as the code writes it (the kernel's stream mode: ``stdout``/``stderr``
+events while it runs), then the results, the error and the count when it is done.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dsec.errors import InvalidArgument
 from dsec.wire.code import CodeResult, Execution
 
 __all__ = ["CONTEXT_DIR", "MAX_CONTEXT_RECORD", "check_context_id", "check_language",
-           "context_record", "execute_lines", "parse_context"]
+           "context_record", "execute_lines", "failure_line", "output_line", "parse_context"]
 
 #: Where created contexts are recorded, in the sandbox itself (one small JSON file each):
 #: every apiserver replica and a restarted one list the same contexts, and they go with
@@ -106,13 +106,29 @@ def _result(r: CodeResult) -> dict[str, Any]:
     return out
 
 
-def execute_lines(ex: Execution, now_ns: int) -> list[bytes]:
+def _line(event: dict[str, Any]) -> bytes:
+    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+
+def output_line(stream: str, text: str, *, now_ns: int) -> bytes:
+    """One ``stdout``/``stderr`` event, sent while the code runs."""
+    return _line({"type": stream, "text": text, "timestamp": now_ns})
+
+
+def failure_line(name: str, message: str) -> bytes:
+    """An ``error`` event for a run that failed once its answer had begun (the status
+    was sent): the kernel's exec broke, the sandbox went away."""
+    return _line({"type": "error", "name": name, "value": message, "traceback": ""})
+
+
+def execute_lines(ex: Execution, now_ns: int, *, output: bool = True) -> list[bytes]:
     """The NDJSON lines of one run, in the order e2b-code-interpreter's server sends
-    them: output, results, the error, the execution count, the end."""
+    them: output (unless it was streamed already: ``output=False``), results, the
+    error, the execution count, the end."""
     events: list[dict[str, Any]] = []
-    if ex.stdout:
+    if ex.stdout and output:
         events.append({"type": "stdout", "text": ex.stdout, "timestamp": now_ns})
-    if ex.stderr:
+    if ex.stderr and output:
         events.append({"type": "stderr", "text": ex.stderr, "timestamp": now_ns})
     events += [_result(r) for r in ex.results]
     if ex.error is not None:
@@ -120,4 +136,4 @@ def execute_lines(ex: Execution, now_ns: int) -> list[bytes]:
                        "traceback": ex.error.traceback})
     events.append({"type": "number_of_executions", "execution_count": ex.execution_count})
     events.append({"type": "end_of_execution"})
-    return [json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in events]
+    return [_line(e) for e in events]
