@@ -267,7 +267,8 @@ class ReapAction:
 
     sandbox_id: str
     action: str        # "destroy" | "pause"
-    reason: str        # "ttl" | "idle_timeout" | "paused_retention" (destroy) | "idle" (pause)
+    reason: str        # "ttl" | "idle_timeout" | "paused_retention" (destroy) | "idle" |
+    #                    "ttl" (pause: ttl_action="pause")
 
 
 class _Sandbox:
@@ -319,7 +320,7 @@ class _Sandbox:
         # paused, a stopped one (ttl_left seconds); both None: no TTL. set_timeout moves it.
         self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
         self.ttl_left: float | None = None
-        self.paused_reason = ""                  # "requested" | "idle" while paused
+        self.paused_reason = ""                  # "requested" | "idle" | "ttl" while paused
         self.paused_at: float | None = None      # when it was paused (retention clock)
         self.paused_until: float | None = None   # ... and when that retention ends
         # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
@@ -1265,6 +1266,10 @@ class EdgeNode:
         self._move(rec, "paused", reason)
         now = self.clock.time()
         stop_clock(rec, now)
+        if reason == "ttl" and rec.spec.ttl_s is not None:
+            # paused by its TTL (ttl_action="pause", E2B's autoPause): resumed, it runs
+            # a whole ttl_s again (else it would pause again at once: nothing was left)
+            rec.ttl_left = rec.spec.ttl_s
         rec.paused_reason = reason
         self._hold_paused(rec, now)
         self._arm(rec)
@@ -2109,10 +2114,15 @@ class EdgeNode:
         now = self.clock.time() if now is None else now
         heap = self._deadlines
         out: builtins.list[ReapAction] = []
+        acted: set[str] = set()
         while heap and heap[0][0] <= now:
             _, sid = heapq.heappop(heap)
+            if out and out[-1].sandbox_id not in acted:
+                acted.add(out[-1].sandbox_id)
             rec = self._live.get(sid)
-            if rec is None:
+            if rec is None or sid in acted:
+                # a stale entry of the lazy heap (a pause, resume and pause again leave
+                # two paused-retention deadlines): one action per sandbox per pass
                 continue
             rec.deadline = None
             spec = rec.spec
@@ -2123,7 +2133,9 @@ class EdgeNode:
                     self._retry_later(rec, now)
                 continue
             if rec.expires_at is not None and now >= rec.expires_at:
-                if rec.state in ("running", "failed"):
+                if rec.state == "running" and spec.ttl_action == "pause":
+                    out.append(ReapAction(sid, "pause", "ttl"))
+                elif rec.state in ("running", "failed"):
                     out.append(ReapAction(sid, "destroy", "ttl"))
                 else:
                     self._retry_later(rec, now)
