@@ -13,18 +13,22 @@ import pytest
 
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.edge.qos import (
+    ClassCpus,
     MemoryHeld,
     PressureDriver,
     PressurePolicy,
     Psi,
     QosView,
+    format_cpulist,
     memory_held,
     node_qos,
+    parse_class_cpus,
+    parse_cpulist,
     parse_psi,
     plan_relief,
     qos_writes,
 )
-from dsec.errors import PermissionDenied
+from dsec.errors import InvalidArgument, PermissionDenied
 from dsec.wire.spec import SandboxSpec
 
 MiB = 1 << 20
@@ -67,6 +71,37 @@ def test_v2_writes_on_a_fake_cgroupfs(tmp_path: object) -> None:
     os.unlink(os.path.join(d, "memory.high"))
     with pytest.raises(OSError):
         Governor._apply_qos(cg, Limits(500, 256 * MiB, 64, "ls"))
+
+
+def test_class_cpus_parse_and_refuse() -> None:
+    node = frozenset({0, 1, 2, 3})
+    assert parse_cpulist("0-2,5") == {0, 1, 2, 5} and format_cpulist({0, 1, 2, 5}) == "0-2,5"
+    assert parse_class_cpus("be=0", node) == ClassCpus(be="0")
+    assert parse_class_cpus("ls=1-3; be=0", node) == ClassCpus(ls="1-3", be="0")
+    assert parse_class_cpus("ls=3,1,2 be=0", node).of("ls") == "1-3"
+    for bad, says in [("be=4", "not among this node's CPUs 0-3"), ("xx=0", "ls=CPUS"),
+                      ("be=", "gets no CPU"), ("be=0 be=1", "twice"), ("be=a", "not a number"),
+                      ("be=3-1", "empty or negative")]:
+        with pytest.raises(InvalidArgument, match=says):
+            parse_class_cpus(bad, node)
+
+
+def test_cpuset_writes_v1_and_v2(tmp_path: object) -> None:
+    """v1 writes mems before cpus (a v1 cpuset cgroup refuses tasks until both are set);
+    v2 writes the sandbox's cpuset.cpus; unpinned, nothing is written."""
+    w1 = qos_writes(1, "be", cpu_milli=500, memory_bytes=MiB, cpus="0", mems="0")
+    files = [f for _, f, _, _ in w1]
+    assert files.index("cpuset.mems") < files.index("cpuset.cpus")
+    assert _files(w1)["cpuset.cpus"] == "0"
+    assert "cpuset.cpus" not in _files(qos_writes(1, "be", cpu_milli=500, memory_bytes=MiB))
+    d = os.path.join(str(tmp_path), "sb")
+    os.mkdir(d)
+    for f in ("cpu.weight", "cpu.idle", "cpu.max", "memory.high", "cpuset.cpus"):
+        open(os.path.join(d, f), "w").close()
+    Governor._apply_qos(SandboxCgroup(2, {"unified": d}),
+                        Limits(500, MiB, 64, "be", cpus="1-3"), cpus="1-3")
+    with open(os.path.join(d, "cpuset.cpus")) as f:
+        assert f.read() == "1-3"
 
 
 def test_psi_and_memory_stat_parsing() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "Remount",
     "SandboxCgroup",
     "all_leaf_dirs",
+    "cpuset_base",
     "detect_layout",
     "enable_favordynmods",
     "ensure_compressed_swap",
@@ -105,6 +106,8 @@ class Limits:
     # QoS (issue 22, dsec.edge.qos.qos_writes): the class and an optional CPU cap
     qos: Literal["ls", "be"] = "ls"
     cpu_quota_milli: int | None = None
+    # the CPUs it may run on (a kernel CPU list; None: not pinned - dsec.edge.qos.ClassCpus)
+    cpus: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +269,18 @@ def detect_layout(mountinfo: str, proc_cgroup: str, *, name: str,
     memsw = os.path.exists(os.path.join(os.path.dirname(bases["memory"]),
                                         "memory.memsw.limit_in_bytes"))
     return CgroupLayout(version=1, bases=bases, memsw=memsw)
+
+
+def cpuset_base(mountinfo: str, proc_cgroup: str, *, name: str) -> str | None:
+    """v1: ``<own cpuset cgroup>/dsec-<name>`` in the cpuset hierarchy, None where no
+    cpuset hierarchy is mounted (pure). Managed only when CPU pinning is asked for
+    (:class:`Governor` ``cpuset=True``): a cgroup per sandbox is kernel memory."""
+    paths = parse_proc_cgroup(proc_cgroup)
+    m = next((m for m in parse_mountinfo(mountinfo)
+              if m.fstype == "cgroup" and "cpuset" in m.super_options), None)
+    if m is None or "cpuset" not in paths:
+        return None
+    return os.path.join(_join(m, paths["cpuset"]), f"dsec-{name}")
 
 
 def all_leaf_dirs(mountinfo: str, proc_cgroup: str, *, name: str) -> list[str]:
@@ -455,9 +470,12 @@ class Governor:
     """Creates, limits, freezes, reclaims and removes sandbox cgroups."""
 
     def __init__(self, *, name: str = "dsec", layout: CgroupLayout | None = None,
-                 favor_dynmods: Remount | None = None) -> None:
+                 favor_dynmods: Remount | None = None, cpuset: bool = False) -> None:
         """``favor_dynmods``: how to remount the cgroup2 mount to turn ``favordynmods`` on
-        (see :func:`enable_favordynmods`); None leaves the mount as it is."""
+        (see :func:`enable_favordynmods`); None leaves the mount as it is. ``cpuset``:
+        manage the cpuset controller too (CPU pinning, :class:`Limits` ``cpus``): v1 a
+        cpuset cgroup per sandbox (~3 KiB of kernel memory each, no memcg), v2
+        ``+cpuset`` delegated below the edge's cgroup."""
         self.name = name
         mountinfo = _read("/proc/self/mountinfo")
         self.favordynmods = False
@@ -469,16 +487,49 @@ class Governor:
             if os.path.exists(os.path.join(d, "cgroup.controllers")) else set())
         self.version: CgroupVersion = self.layout.version
         self._home_procs: str | None = None
+        self.cpuset = cpuset
+        if cpuset and self.version == 1 and "cpuset" not in self.layout.bases:
+            base = cpuset_base(mountinfo, _read("/proc/self/cgroup"), name=name)
+            if base is None:
+                raise BackendError("CPU pinning (qos_cpus) needs the cpuset controller, and "
+                                   "no cgroup v1 cpuset hierarchy is mounted here; mount it "
+                                   "or leave qos_cpus unset")
+            self.layout = CgroupLayout(version=1, bases={**self.layout.bases, "cpuset": base},
+                                       memsw=self.layout.memsw)
         if self.version == 2:
             self._prepare_v2()
         for base in self.layout.bases.values():
             os.makedirs(base, exist_ok=True)
         if self.version == 2:
             self._enable_subtree(self.layout.bases["unified"])
+        #: the CPUs and memory nodes sandboxes may use (the cpuset the edge itself is
+        #: in); "" where the cpuset controller is not managed
+        self.node_cpus = self.node_mems = ""
+        if cpuset:
+            self._prepare_cpuset()
+
+    def _prepare_cpuset(self) -> None:
+        """Read the edge's own cpuset (what pinned sandboxes may get) and, on v1, give the
+        sandboxes' parent the same CPUs and memory nodes: a v1 cpuset cgroup starts empty
+        and refuses tasks until both are written."""
+        if self.version == 2:
+            own = self.layout.v2_own
+            self._enable_subtree(self.layout.bases["unified"], ("cpuset",))
+            self.node_cpus = _read(os.path.join(own, "cpuset.cpus.effective")).strip()
+            self.node_mems = _read(os.path.join(own, "cpuset.mems.effective")).strip()
+            return
+        base = self.layout.bases["cpuset"]
+        parent = os.path.dirname(base)
+        self.node_cpus = _read(os.path.join(parent, "cpuset.effective_cpus")).strip()
+        self.node_mems = _read(os.path.join(parent, "cpuset.effective_mems")).strip()
+        if _read(os.path.join(base, "cpuset.mems")).strip() != self.node_mems:
+            _write(os.path.join(base, "cpuset.mems"), self.node_mems)
+        if _read(os.path.join(base, "cpuset.cpus")).strip() != self.node_cpus:
+            _write(os.path.join(base, "cpuset.cpus"), self.node_cpus)
 
     # -- v2 delegation ---------------------------------------------------------------
-    def _enable_subtree(self, d: str) -> None:
-        want = " ".join(f"+{c}" for c in V2_REQUIRED)
+    def _enable_subtree(self, d: str, ctrls: tuple[str, ...] = V2_REQUIRED) -> None:
+        want = " ".join(f"+{c}" for c in ctrls)
         try:
             _write(os.path.join(d, "cgroup.subtree_control"), want)
         except OSError as exc:
@@ -533,22 +584,38 @@ class Governor:
             for ctrl, fname, value in limit_writes(self.version, limits,
                                                    memsw=self.layout.memsw):
                 _write(os.path.join(cg.dirs[ctrl], fname), value)
-            self._apply_qos(cg, limits)
+            self._apply_qos(cg, limits, cpus=self._cpus_of(limits))
         except OSError as exc:
             self.remove(cg)
             raise BackendError(f"cannot create cgroups for sandbox {sid} under "
                                f"{sorted(self.layout.bases.values())}: {exc}") from exc
         return cg
 
+    def _cpus_of(self, limits: Limits) -> str | None:
+        """The cpuset.cpus to write: the sandbox's pin; v1 with the cpuset hierarchy
+        managed needs one even unpinned (a v1 cpuset cgroup starts empty): the node's."""
+        if limits.cpus is not None and not self.cpuset:
+            raise BackendError(f"sandbox pinned to CPUs {limits.cpus} but this governor does "
+                               "not manage the cpuset controller (Governor(cpuset=True))")
+        if limits.cpus is None and self.cpuset and self.version == 1:
+            return self.node_cpus
+        return limits.cpus
+
     @staticmethod
-    def _apply_qos(cg: SandboxCgroup, limits: Limits) -> None:
+    def _apply_qos(cg: SandboxCgroup, limits: Limits, *, cpus: str | None = None,
+                   mems: str | None = None) -> None:
         """The QoS class's writes (issue 22); optional ones skipped where the controller
-        or file is absent (this VM: no managed blkio hierarchy)."""
+        or file is absent (this VM: no managed blkio hierarchy). ``cpus``/``mems``: the
+        sandbox's cpuset (see :meth:`_cpus_of`)."""
         from dsec.edge.qos import qos_writes
 
+        if cpus is not None and mems is None and cg.version == 1:
+            mems = _read(os.path.join(os.path.dirname(cg.dirs["cpuset"]),
+                                      "cpuset.mems")).strip()
         for ctrl, fname, value, optional in qos_writes(
                 cg.version, limits.qos, cpu_milli=limits.cpu_milli,
-                memory_bytes=limits.memory_bytes, cpu_quota_milli=limits.cpu_quota_milli):
+                memory_bytes=limits.memory_bytes, cpu_quota_milli=limits.cpu_quota_milli,
+                cpus=cpus, mems=mems):
             d = cg.dirs.get(ctrl)
             if d is None or (optional and not os.path.exists(os.path.join(d, fname))):
                 if optional:

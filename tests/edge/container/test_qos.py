@@ -106,3 +106,45 @@ async def test_cpu_quota_milli_replaces_the_cap(backend: ContainerBackend) -> No
         assert _read(os.path.join(cg.dirs["cpu"], "cpu.shares")) == "256"
     else:
         assert _read(os.path.join(cg.dirs["unified"], "cpu.max")) == "150000 100000"
+
+
+async def test_class_cpus_pin_best_effort_and_hold_inside(tmp_path: object,
+                                                          images_dir: str) -> None:
+    """``qos_cpus="be=0"``: a BE sandbox's processes (init, helper- and zygote-forked
+    commands) may run on CPU 0 only, and a process inside cannot widen that (the cpuset
+    cgroup bounds sched_setaffinity); an LS sandbox keeps every CPU; destroy leaves no
+    cpuset cgroup."""
+    from dsec.edge.backends.container import DirectoryImages
+    from dsec.edge.qos import format_cpulist, parse_cpulist
+    from tests.edge.container.conftest import _cleanup
+
+    node = parse_cpulist(_read("/sys/fs/cgroup/cpuset/cpuset.effective_cpus")) \
+        if os.path.exists("/sys/fs/cgroup/cpuset/cpuset.effective_cpus") else frozenset()
+    if len(node) < 2:
+        pytest.skip("needs a v1 cpuset hierarchy and 2 CPUs")
+    first = min(node)
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), qos_cpus=f"be={first}")
+    try:
+        be, ls = new_sid(), new_sid()
+        await b.create(be, msgspec.structs.replace(SPEC, qos="be"))
+        await b.create(ls, msgspec.structs.replace(SPEC, qos="ls"))
+        allowed = "grep Cpus_allowed_list /proc/self/status | cut -f2"
+        for _ in range(3):   # zygote-forked first, then the helper's
+            r = await b.exec(be, ExecRequest(shell=allowed))
+            assert r.stdout.decode().strip() == str(first), r
+            r = await b.exec(ls, ExecRequest(shell=allowed))
+            assert r.stdout.decode().strip() == format_cpulist(node), r
+        # widening from inside: taskset asks for every CPU; the kernel intersects it
+        # with the cgroup's cpuset, so the command still runs on CPU `first` only
+        r = await b.exec(be, ExecRequest(shell=f"taskset -p {1 << max(node) | 1} $$ "
+                                               f">/dev/null 2>&1; {allowed}"))
+        assert r.stdout.decode().strip() == str(first), r
+        box = b.box(be)
+        assert os.sched_getaffinity(box.init_pid) == {first}
+        cg = b.governor.paths(be)
+        assert _read(os.path.join(cg.dirs["cpuset"], "cpuset.cpus")) == str(first)
+        await b.destroy(be)
+        assert not os.path.exists(cg.dirs["cpuset"])
+    finally:
+        await _cleanup(b)

@@ -90,7 +90,7 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
-from dsec.edge.qos import memory_held, qos_process
+from dsec.edge.qos import memory_held, parse_class_cpus, parse_cpulist, qos_process
 from dsec.edge.usage import net_bytes
 from dsec.errors import (
     BackendError,
@@ -205,6 +205,7 @@ class ContainerBackend:
                  exec_start_timeout_s: float = 30.0,
                  network: SandboxNetwork | None = None,
                  exec_helper: bool | None = None,
+                 qos_cpus: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -239,7 +240,11 @@ class ContainerBackend:
         unless the environment says ``DSEC_EXEC_HELPER=0`` (how `dsec bench rl` runs the
         old path beside the new one through `dsec up`).
         ``network``: the node's router slots (dsec.net); a sandbox whose policy needs
-        more than loopback joins a slot's netns. None: only loopback-only sandboxes."""
+        more than loopback joins a slot's netns. None: only loopback-only sandboxes.
+        ``qos_cpus``: CPU pinning per QoS class, a node policy (``"be=0"``: best-effort
+        sandboxes run on CPU 0 only, leaving the rest to latency-sensitive ones;
+        ``"ls=1;be=0"`` partitions; :func:`dsec.edge.qos.parse_class_cpus`), enforced by
+        the cpuset controller (managed only then). None: nothing pinned."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -282,7 +287,12 @@ class ContainerBackend:
         except OSError as exc:
             raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
         try:  # whatever __init__ made is released if it fails or a stop interrupts it
-            self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
+            self.governor = governor or Governor(name=self.cgroup_name,
+                                                 favor_dynmods=linux.remount,
+                                                 cpuset=qos_cpus is not None)
+            #: CPU pinning per QoS class (issue 22; None: none)
+            self.qos_cpus = None if qos_cpus is None else parse_class_cpus(
+                qos_cpus, parse_cpulist(self.governor.node_cpus))
             try:
                 self.governor.limit_total_pids(self.pids_total)
             except OSError as exc:
@@ -515,8 +525,10 @@ class ContainerBackend:
             if self._runc is not None:  # runc makes (and removes) its own cgroups
                 cg = self.governor.paths(sid)
             else:
+                cpus = None if self.qos_cpus is None else self.qos_cpus.of(qos_of(spec))
                 cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids,
-                                                      qos_of(spec), spec.cpu_quota_milli))
+                                                      qos_of(spec), spec.cpu_quota_milli,
+                                                      cpus))
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
