@@ -14,15 +14,19 @@ import pytest
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.edge.qos import (
     ClassCpus,
+    IoLimits,
     MemoryHeld,
     PressureDriver,
     PressurePolicy,
     Psi,
     QosView,
     format_cpulist,
+    io_writes,
     memory_held,
+    mount_source,
     node_qos,
     parse_class_cpus,
+    parse_class_io,
     parse_cpulist,
     parse_psi,
     plan_relief,
@@ -102,6 +106,25 @@ def test_cpuset_writes_v1_and_v2(tmp_path: object) -> None:
                         Limits(500, MiB, 64, "be", cpus="1-3"), cpus="1-3")
     with open(os.path.join(d, "cpuset.cpus")) as f:
         assert f.read() == "1-3"
+
+
+def test_class_io_parse_writes_and_device() -> None:
+    got = parse_class_io("be:wbps=10M,rbps=20m;ls:riops=2000")
+    assert got["be"] == IoLimits(rbps=20 << 20, wbps=10 << 20)
+    assert got["ls"] == IoLimits(riops=2000)
+    for bad in ("xx:wbps=1", "be:wbps=0", "be:wbps=1X", "be:bps=1", "be:wbps=1 be:rbps=1",
+                "be"):
+        with pytest.raises(InvalidArgument, match="qos_io"):
+            parse_class_io(bad)
+    assert io_writes(1, "7:0", got["be"]) == [
+        ("blkio", "blkio.throttle.read_bps_device", f"7:0 {20 << 20}", False),
+        ("blkio", "blkio.throttle.write_bps_device", f"7:0 {10 << 20}", False)]
+    assert io_writes(2, "7:0", got["ls"]) == [
+        ("unified", "io.max", "7:0 rbps=max wbps=max riops=2000 wiops=max", False)]
+    info = ("30 1 0:40 / /var/tmp/a\\040b/pool rw - btrfs /dev/loop0 rw\n"
+            "31 1 0:41 / /var/tmp/a\\040b/pool rw - btrfs /dev/loop3 rw\n")
+    assert mount_source(info, "/var/tmp/a b/pool") == "/dev/loop3"   # the visible one
+    assert mount_source(info, "/var/tmp") is None
 
 
 def test_psi_and_memory_stat_parsing() -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dsec.edge.qos import IoLimits
 from dsec.errors import BackendError, InvalidArgument
 from dsec.rmtree import unescape_mountinfo
 
@@ -36,7 +37,6 @@ __all__ = [
     "Remount",
     "SandboxCgroup",
     "all_leaf_dirs",
-    "cpuset_base",
     "detect_layout",
     "enable_favordynmods",
     "ensure_compressed_swap",
@@ -48,6 +48,7 @@ __all__ = [
     "parse_proc_cgroup",
     "pids_budget",
     "sandbox_pids",
+    "v1_base",
 ]
 
 CgroupVersion = Literal[1, 2]
@@ -108,6 +109,8 @@ class Limits:
     cpu_quota_milli: int | None = None
     # the CPUs it may run on (a kernel CPU list; None: not pinned - dsec.edge.qos.ClassCpus)
     cpus: str | None = None
+    # block I/O throttle: (device "major:minor", IoLimits); None: none
+    io: tuple[str, IoLimits] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,16 +274,17 @@ def detect_layout(mountinfo: str, proc_cgroup: str, *, name: str,
     return CgroupLayout(version=1, bases=bases, memsw=memsw)
 
 
-def cpuset_base(mountinfo: str, proc_cgroup: str, *, name: str) -> str | None:
-    """v1: ``<own cpuset cgroup>/dsec-<name>`` in the cpuset hierarchy, None where no
-    cpuset hierarchy is mounted (pure). Managed only when CPU pinning is asked for
-    (:class:`Governor` ``cpuset=True``): a cgroup per sandbox is kernel memory."""
+def v1_base(mountinfo: str, proc_cgroup: str, ctrl: str, *, name: str) -> str | None:
+    """v1: ``<own cgroup>/dsec-<name>`` in the hierarchy of ``ctrl`` (cpuset, blkio),
+    None where it is not mounted (pure). Those are managed only when asked for (CPU
+    pinning, I/O limits: :class:`Governor` ``cpuset``/``blkio``): a cgroup per sandbox
+    in one more hierarchy is kernel memory."""
     paths = parse_proc_cgroup(proc_cgroup)
     m = next((m for m in parse_mountinfo(mountinfo)
-              if m.fstype == "cgroup" and "cpuset" in m.super_options), None)
-    if m is None or "cpuset" not in paths:
+              if m.fstype == "cgroup" and ctrl in m.super_options), None)
+    if m is None or ctrl not in paths:
         return None
-    return os.path.join(_join(m, paths["cpuset"]), f"dsec-{name}")
+    return os.path.join(_join(m, paths[ctrl]), f"dsec-{name}")
 
 
 def all_leaf_dirs(mountinfo: str, proc_cgroup: str, *, name: str) -> list[str]:
@@ -470,12 +474,14 @@ class Governor:
     """Creates, limits, freezes, reclaims and removes sandbox cgroups."""
 
     def __init__(self, *, name: str = "dsec", layout: CgroupLayout | None = None,
-                 favor_dynmods: Remount | None = None, cpuset: bool = False) -> None:
+                 favor_dynmods: Remount | None = None, cpuset: bool = False,
+                 blkio: bool = False) -> None:
         """``favor_dynmods``: how to remount the cgroup2 mount to turn ``favordynmods`` on
         (see :func:`enable_favordynmods`); None leaves the mount as it is. ``cpuset``:
         manage the cpuset controller too (CPU pinning, :class:`Limits` ``cpus``): v1 a
         cpuset cgroup per sandbox (~3 KiB of kernel memory each, no memcg), v2
-        ``+cpuset`` delegated below the edge's cgroup."""
+        ``+cpuset`` delegated below the edge's cgroup. ``blkio``: manage block I/O
+        throttling (:class:`Limits` ``io``) the same way (v1 blkio, v2 ``+io``)."""
         self.name = name
         mountinfo = _read("/proc/self/mountinfo")
         self.favordynmods = False
@@ -487,14 +493,17 @@ class Governor:
             if os.path.exists(os.path.join(d, "cgroup.controllers")) else set())
         self.version: CgroupVersion = self.layout.version
         self._home_procs: str | None = None
-        self.cpuset = cpuset
-        if cpuset and self.version == 1 and "cpuset" not in self.layout.bases:
-            base = cpuset_base(mountinfo, _read("/proc/self/cgroup"), name=name)
+        self.cpuset, self.blkio = cpuset, blkio
+        for ctrl, on, knob in (("cpuset", cpuset, "CPU pinning (qos_cpus)"),
+                               ("blkio", blkio, "I/O limits (qos_io)")):
+            if not on or self.version != 1 or ctrl in self.layout.bases:
+                continue
+            base = v1_base(mountinfo, _read("/proc/self/cgroup"), ctrl, name=name)
             if base is None:
-                raise BackendError("CPU pinning (qos_cpus) needs the cpuset controller, and "
-                                   "no cgroup v1 cpuset hierarchy is mounted here; mount it "
-                                   "or leave qos_cpus unset")
-            self.layout = CgroupLayout(version=1, bases={**self.layout.bases, "cpuset": base},
+                raise BackendError(f"{knob} needs the {ctrl} controller, and no cgroup v1 "
+                                   f"{ctrl} hierarchy is mounted here; mount it or leave "
+                                   f"{knob.split('(')[1][:-1]} unset")
+            self.layout = CgroupLayout(version=1, bases={**self.layout.bases, ctrl: base},
                                        memsw=self.layout.memsw)
         if self.version == 2:
             self._prepare_v2()
@@ -507,6 +516,8 @@ class Governor:
         self.node_cpus = self.node_mems = ""
         if cpuset:
             self._prepare_cpuset()
+        if blkio and self.version == 2:
+            self._enable_subtree(self.layout.bases["unified"], ("io",))
 
     def _prepare_cpuset(self) -> None:
         """Read the edge's own cpuset (what pinned sandboxes may get) and, on v1, give the
@@ -585,6 +596,14 @@ class Governor:
                                                    memsw=self.layout.memsw):
                 _write(os.path.join(cg.dirs[ctrl], fname), value)
             self._apply_qos(cg, limits, cpus=self._cpus_of(limits))
+            if limits.io is not None:
+                from dsec.edge.qos import io_writes
+
+                if not self.blkio:
+                    raise BackendError("sandbox has I/O limits but this governor does not "
+                                       "manage block I/O (Governor(blkio=True))")
+                for ctrl, fname, value, _ in io_writes(self.version, *limits.io):
+                    _write(os.path.join(cg.dirs[ctrl], fname), value)
         except OSError as exc:
             self.remove(cg)
             raise BackendError(f"cannot create cgroups for sandbox {sid} under "

@@ -47,11 +47,13 @@ from typing import Final, Literal
 import msgspec
 
 from dsec.errors import InvalidArgument, PermissionDenied
+from dsec.rmtree import unescape_mountinfo
 from dsec.wire.spec import QosClass, SandboxSpec, qos_of
 
 __all__ = [
     "CFS_PERIOD_US",
     "ClassCpus",
+    "IoLimits",
     "MemoryHeld",
     "PressureDriver",
     "PressurePolicy",
@@ -61,9 +63,12 @@ __all__ = [
     "core_sched_available",
     "core_sched_cookie",
     "format_cpulist",
+    "io_writes",
     "memory_held",
+    "mount_source",
     "node_qos",
     "parse_class_cpus",
+    "parse_class_io",
     "parse_cpulist",
     "parse_psi",
     "plan_relief",
@@ -156,6 +161,80 @@ def parse_class_cpus(text: str, node_cpus: frozenset[int]) -> ClassCpus:
                 field="qos_cpus")
         got[cls] = format_cpulist(want)
     return ClassCpus(ls=got.get("ls"), be=got.get("be"))
+
+
+# ------------------------------------------------------------------ block I/O limits
+@dataclass(frozen=True, slots=True)
+class IoLimits:
+    """Per-sandbox block I/O throttle on the node's sandbox disk (bytes/s, I/O ops/s;
+    None: unlimited). Where it holds (measured, docs/container.md "Block I/O"): on cgroup
+    v1 only on I/O a sandbox's task submits itself - reads, O_DIRECT writes, writes it
+    fsync()s - never on buffered writes left to the kernel's background writeback."""
+
+    rbps: int | None = None
+    wbps: int | None = None
+    riops: int | None = None
+    wiops: int | None = None
+
+
+_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_class_io(text: str) -> dict[QosClass, IoLimits]:
+    """``"be:wbps=10M,rbps=20M;ls:riops=2000"`` -> {class: :class:`IoLimits`} (pure;
+    K/M/G are binary multiples). What it refuses it names."""
+    out: dict[QosClass, IoLimits] = {}
+    for item in text.replace(";", " ").split():
+        cls, colon, rest = item.partition(":")
+        if cls not in ("ls", "be") or not colon or not rest:
+            raise InvalidArgument(f"qos_io {text!r}: {item!r} must be CLASS:KEY=N,... with "
+                                  "CLASS ls or be (e.g. 'be:wbps=10M,rbps=20M')",
+                                  field="qos_io")
+        if cls in out:
+            raise InvalidArgument(f"qos_io {text!r} names class {cls!r} twice", field="qos_io")
+        vals: dict[str, int] = {}
+        for kv in rest.split(","):
+            k, eq, v = kv.partition("=")
+            unit = v[-1:].lower() if v[-1:].isalpha() else ""
+            num = v[:-1] if unit else v
+            if k not in ("rbps", "wbps", "riops", "wiops") or not eq or unit not in _UNITS \
+                    or not num.isdigit() or int(num) == 0:
+                raise InvalidArgument(
+                    f"qos_io {text!r}: {kv!r} must be rbps|wbps|riops|wiops=N (N > 0, "
+                    "optional K/M/G)", field="qos_io")
+            vals[k] = int(num) * _UNITS[unit]
+        out["ls" if cls == "ls" else "be"] = IoLimits(
+            rbps=vals.get("rbps"), wbps=vals.get("wbps"), riops=vals.get("riops"),
+            wiops=vals.get("wiops"))
+    return out
+
+
+def io_writes(version: Literal[1, 2], device: str, limits: IoLimits) -> list[QosWrite]:
+    """The throttle writes for one sandbox on block device ``device`` (``"7:0"``) (pure):
+    v1 ``blkio.throttle.*_device``, v2 one ``io.max`` line."""
+    if version == 2:
+        parts = [f"{k}={'max' if v is None else v}" for k, v in
+                 (("rbps", limits.rbps), ("wbps", limits.wbps),
+                  ("riops", limits.riops), ("wiops", limits.wiops))]
+        return [("unified", "io.max", f"{device} {' '.join(parts)}", False)]
+    out: list[QosWrite] = []
+    for fname, v in (("read_bps", limits.rbps), ("write_bps", limits.wbps),
+                     ("read_iops", limits.riops), ("write_iops", limits.wiops)):
+        if v is not None:
+            out.append(("blkio", f"blkio.throttle.{fname}_device", f"{device} {v}", False))
+    return out
+
+
+def mount_source(mountinfo: str, path: str) -> str | None:
+    """The source (``/dev/loop3``) of the mount at exactly ``path`` in a
+    ``/proc/self/mountinfo`` text, the last one listed (the visible one) (pure)."""
+    found = None
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) >= 5 and len(rfields) >= 2 and unescape_mountinfo(fields[4]) == path:
+            found = rfields[1]
+    return found
 
 
 #: A cgroup write: (controller key, file, value, optional). Optional writes are skipped

@@ -148,3 +148,39 @@ async def test_class_cpus_pin_best_effort_and_hold_inside(tmp_path: object,
         assert not os.path.exists(cg.dirs["cpuset"])
     finally:
         await _cleanup(b)
+
+
+async def test_io_throttle_on_the_disk_pool(tmp_path: object, images_dir: str) -> None:
+    """``qos_io="be:wbps=1M"``: a BE sandbox's cgroup throttles writes on the disk
+    pool's block device; a direct write of 3 MiB inside takes >= 1.5 s (unthrottled:
+    milliseconds) and is counted on that device in the sandbox's blkio cgroup; an LS
+    sandbox has no throttle."""
+    from dsec.edge.backends.container import DirectoryImages
+    from tests.edge.container.conftest import _cleanup
+
+    if not os.path.isdir("/sys/fs/cgroup/blkio"):
+        pytest.skip("needs the v1 blkio hierarchy")
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), qos_io="be:wbps=1M")
+    try:
+        be, ls = new_sid(), new_sid()
+        await b.create(be, msgspec.structs.replace(SPEC, qos="be"))
+        await b.create(ls, msgspec.structs.replace(SPEC, qos="ls"))
+        dev = b.io_device
+        cg = b.governor.paths(be)
+        assert _read(os.path.join(cg.dirs["blkio"], "blkio.throttle.write_bps_device")) \
+            == f"{dev} {1 << 20}"
+        assert _read(os.path.join(b.governor.paths(ls).dirs["blkio"],
+                                  "blkio.throttle.write_bps_device")) == ""
+        t0 = time.monotonic()
+        r = await b.exec(be, ExecRequest(shell="dd if=/dev/zero of=/big bs=64k count=48 "
+                                               "oflag=direct 2>&1"))
+        took = time.monotonic() - t0
+        assert r.exit_code == 0, r
+        assert took >= 1.5, (took, r.stdout)
+        served = _read(os.path.join(cg.dirs["blkio"], "blkio.throttle.io_service_bytes"))
+        written = next(int(line.split()[2]) for line in served.splitlines()
+                       if line.startswith(f"{dev} Write"))
+        assert written >= 3 << 20
+    finally:
+        await _cleanup(b)

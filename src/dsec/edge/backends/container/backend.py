@@ -33,6 +33,7 @@ import os
 import resource
 import secrets
 import signal
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
@@ -90,7 +91,14 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
-from dsec.edge.qos import memory_held, parse_class_cpus, parse_cpulist, qos_process
+from dsec.edge.qos import (
+    memory_held,
+    mount_source,
+    parse_class_cpus,
+    parse_class_io,
+    parse_cpulist,
+    qos_process,
+)
 from dsec.edge.usage import net_bytes
 from dsec.errors import (
     BackendError,
@@ -206,6 +214,7 @@ class ContainerBackend:
                  network: SandboxNetwork | None = None,
                  exec_helper: bool | None = None,
                  qos_cpus: str | None = None,
+                 qos_io: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -244,7 +253,11 @@ class ContainerBackend:
         ``qos_cpus``: CPU pinning per QoS class, a node policy (``"be=0"``: best-effort
         sandboxes run on CPU 0 only, leaving the rest to latency-sensitive ones;
         ``"ls=1;be=0"`` partitions; :func:`dsec.edge.qos.parse_class_cpus`), enforced by
-        the cpuset controller (managed only then). None: nothing pinned."""
+        the cpuset controller (managed only then). None: nothing pinned.
+        ``qos_io``: block I/O throttle per sandbox of a class on the disk pool's device
+        (``"be:wbps=10M,rbps=20M;ls:riops=2000"``, :func:`dsec.edge.qos.parse_class_io`;
+        v1 blkio / v2 io.max, managed only then; what it does and does not throttle:
+        docs/container.md "Block I/O"). None: no limit."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -289,7 +302,8 @@ class ContainerBackend:
         try:  # whatever __init__ made is released if it fails or a stop interrupts it
             self.governor = governor or Governor(name=self.cgroup_name,
                                                  favor_dynmods=linux.remount,
-                                                 cpuset=qos_cpus is not None)
+                                                 cpuset=qos_cpus is not None,
+                                                 blkio=qos_io is not None)
             #: CPU pinning per QoS class (issue 22; None: none)
             self.qos_cpus = None if qos_cpus is None else parse_class_cpus(
                 qos_cpus, parse_cpulist(self.governor.node_cpus))
@@ -303,6 +317,9 @@ class ContainerBackend:
             self.default_disk_bytes = default_disk_bytes
             #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
             self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
+            #: I/O throttle per QoS class on the pool's block device (issue 22)
+            self.qos_io = {} if qos_io is None else parse_class_io(qos_io)
+            self.io_device = self._pool_device() if self.qos_io else ""
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -404,6 +421,22 @@ class ContainerBackend:
                 release_cgroup_name(self.cgroup_name, self.root_dir)
 
     # -- plumbing ----------------------------------------------------------------------
+    def _pool_device(self) -> str:
+        """``major:minor`` of the block device under the disk pool (the loop device of
+        its image): where a sandbox's reads and writes are submitted, so where a v1
+        throttle holds (measured: a limit on the device under the loop's backing file
+        caught reads only)."""
+        with open("/proc/self/mountinfo") as f:
+            src = mount_source(f.read(), self.disk.path)
+        try:
+            st = os.stat(src) if src else None
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISBLK(st.st_mode):
+            raise BackendError(f"qos_io: the disk pool {self.disk.path} is not on a block "
+                               f"device (mount source {src!r}); I/O limits need one")
+        return f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+
     def watch(self, sink: DeathSink) -> None:
         self._sink = sink
 
@@ -526,9 +559,11 @@ class ContainerBackend:
                 cg = self.governor.paths(sid)
             else:
                 cpus = None if self.qos_cpus is None else self.qos_cpus.of(qos_of(spec))
-                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids,
-                                                      qos_of(spec), spec.cpu_quota_milli,
-                                                      cpus))
+                io = self.qos_io.get(qos_of(spec))
+                cg = self.governor.create(sid, Limits(
+                    spec.cpu_milli, spec.memory_bytes, pids, qos_of(spec),
+                    spec.cpu_quota_milli, cpus,
+                    None if io is None else (self.io_device, io)))
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
