@@ -261,6 +261,12 @@ class ContainerBackend:
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
+        if runtime != "native" and (qos_cpus is not None or qos_io is not None):
+            # runc makes its own cgroups from config.json; these node policies are
+            # applied by the governor, which only the native driver's cgroups go through
+            raise InvalidArgument(f"qos_cpus/qos_io are applied by the native driver only; "
+                                  f"runtime {runtime!r} makes its own cgroups - leave them "
+                                  "unset or use runtime 'native'", field="qos_cpus")
         if exec_helper is None:
             exec_helper = os.environ.get("DSEC_EXEC_HELPER", "1") != "0"
         self.exec_helper = exec_helper and runtime == "native"
