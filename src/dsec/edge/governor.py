@@ -956,6 +956,19 @@ class Governor:
         ctrl = "unified" if self.version == 2 else "pids"
         _write(os.path.join(self.layout.bases[ctrl], "pids.max"), str(n))
 
+    def limit_total_memory(self, n: int | None) -> None:
+        """Cap the memory of all this edge's sandboxes together at ``n`` bytes (None: no
+        cap): v1 ``memory.limit_in_bytes`` of their parent (swap beyond it allowed, so a
+        full node reclaims into swap instead of OOM-killing), v2 ``memory.max``. Used by
+        the qos bench to put a node's worth of sandboxes under memory pressure without
+        pressing the whole host."""
+        if self.version == 2:
+            _write(os.path.join(self.layout.bases["unified"], "memory.max"),
+                   "max" if n is None else str(n))
+            return
+        _write(os.path.join(self.layout.bases["memory"], "memory.limit_in_bytes"),
+               "-1" if n is None else str(n))
+
     def remove_base(self) -> None:
         """rmdir this edge's (empty) parent cgroups - for edge shutdown with no sandboxes
         left, tests and node decommission. v1: in every hierarchy (and the v2 mount of a

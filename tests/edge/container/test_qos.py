@@ -184,3 +184,17 @@ async def test_io_throttle_on_the_disk_pool(tmp_path: object, images_dir: str) -
         assert written >= 3 << 20
     finally:
         await _cleanup(b)
+
+
+async def test_limit_total_memory_caps_the_sandboxes_parent(backend: ContainerBackend) -> None:
+    """The cap the qos bench's memory half puts on all sandboxes together, and its
+    removal (v1: -1 reads back as the kernel's 'unlimited')."""
+    gov = backend.governor
+    ctrl = "unified" if gov.version == 2 else "memory"
+    f = os.path.join(gov.layout.bases[ctrl],
+                     "memory.max" if gov.version == 2 else "memory.limit_in_bytes")
+    unlimited = _read(f)
+    gov.limit_total_memory(256 << 20)
+    assert _read(f) == str(256 << 20)
+    gov.limit_total_memory(None)
+    assert _read(f) == unlimited
