@@ -57,7 +57,12 @@ from dsec.edge.backends.container.census import (
     remove_cgroup_dirs,
     take_census,
 )
-from dsec.edge.backends.container.density import uncharged_bytes
+from dsec.edge.backends.container.density import (
+    SUPERBLOCKS_PER_SANDBOX,
+    mount_shared_sysfs,
+    uncharged_bytes,
+    unmount_shared_sysfs,
+)
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import MemoryHome, SandboxFiles
@@ -215,6 +220,7 @@ class ContainerBackend:
                  exec_helper: bool | None = None,
                  qos_cpus: str | None = None,
                  qos_io: str | None = None,
+                 shared_sysfs: bool = True,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -257,7 +263,11 @@ class ContainerBackend:
         ``qos_io``: block I/O throttle per sandbox of a class on the disk pool's device
         (``"be:wbps=10M,rbps=20M;ls:riops=2000"``, :func:`dsec.edge.qos.parse_class_io`;
         v1 blkio / v2 io.max, managed only then; what it does and does not throttle:
-        docs/container.md "Block I/O"). None: no limit."""
+        docs/container.md "Block I/O"). None: no limit.
+        ``shared_sysfs``: loopback-only sandboxes (native driver) get the node's one
+        read-only sysfs of an empty network namespace at /sys instead of their own - one
+        superblock less per sandbox (:func:`.density.mount_shared_sysfs` says what they
+        see); False: each its own, as before."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -326,6 +336,9 @@ class ContainerBackend:
             #: I/O throttle per QoS class on the pool's block device (issue 22)
             self.qos_io = {} if qos_io is None else parse_class_io(qos_io)
             self.io_device = self._pool_device() if self.qos_io else ""
+            #: the node's shared sysfs, bound at loopback-only sandboxes' /sys ("": none)
+            self.shared_sysfs = mount_shared_sysfs(os.path.join(self.root_dir, "sysfs")) \
+                if shared_sysfs and runtime == "native" else ""
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -411,6 +424,10 @@ class ContainerBackend:
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.close()
+        if getattr(self, "shared_sysfs", ""):
+            with contextlib.suppress(Exception):
+                if not self.governor.list_sandboxes():
+                    unmount_shared_sysfs(self.shared_sysfs)
         for attr in ("_devnull", "_lock_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -696,7 +713,9 @@ class ContainerBackend:
                      loopback=True,   # mode "none": lo up (the old "none", lo down, is gone)
                      nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes,
                      userns=self.userns_range if box.spec.user_namespace else None,
-                     netns=box.netns_fd >= 0)
+                     netns=box.netns_fd >= 0,
+                     # a slot's netns has interfaces of its own: its sysfs shows them
+                     sysfs="" if box.netns_fd >= 0 else self.shared_sysfs)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             if fut.done():   # after Created: the init's exit (Exited) or the zygote's death
@@ -1386,6 +1405,8 @@ class ContainerBackend:
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
             release_cgroup_name(self.cgroup_name, self.root_dir)
+            if self.shared_sysfs:
+                unmount_shared_sysfs(self.shared_sysfs)
         await self._settled()
         self._snapshots.close()
         self.disk.close()
@@ -2064,7 +2085,9 @@ class ContainerBackend:
                             memory_limit_bytes=box.spec.memory_bytes,
                             pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
                             oom_kills=self.governor.oom_kills(box.cg),
-                            memory_host_bytes=mem + uncharged_bytes(self._peak_boxes),
+                            memory_host_bytes=mem + uncharged_bytes(
+                                self._peak_boxes,
+                                SUPERBLOCKS_PER_SANDBOX - (1 if self.shared_sysfs else 0)),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 
