@@ -28,9 +28,11 @@ What a class means on this node:
   policy is set; v2: ``cpuset.cpus`` of the sandbox's cgroup), so a process inside cannot
   widen its affinity with ``sched_setaffinity``.
 * **Block I/O.** A proportional weight (v2 ``io.weight``, v1 ``blkio.bfq.weight``) where
-  the controller and the disk's scheduler support it. This VM: the governor manages no
-  v1 blkio hierarchy (a per-sandbox cgroup there costs kernel memory, issue 22 density)
-  and vda runs the ``none`` scheduler, so weights would do nothing; written as optional.
+  the controller and the disk's scheduler support it (this VM: every disk runs ``none``,
+  so weights would do nothing; written as optional), and per-sandbox throttle limits per
+  class (:func:`parse_class_io`, a node policy ``qos_io``) on the disk pool's block
+  device: v1 ``blkio.throttle.*``, v2 ``io.max``. Measured: on v1 they hold for reads,
+  O_DIRECT and fsync'd writes, not for buffered writes the kernel writes back later.
 
 Pure functions take numbers and text; the few syscalls are in small wrappers.
 """
