@@ -198,3 +198,18 @@ async def test_limit_total_memory_caps_the_sandboxes_parent(backend: ContainerBa
     assert _read(f) == str(256 << 20)
     gov.limit_total_memory(None)
     assert _read(f) == unlimited
+
+
+async def test_runc_best_effort_execs_run_sched_idle(runc_backend: ContainerBackend) -> None:
+    """runc driver: a BE sandbox's exec'd commands (foreground and background) run
+    SCHED_IDLE (runc started under chrt --idle: runc init and the command inherit it);
+    an LS sandbox's stay SCHED_OTHER."""
+    for qos, want in (("be", SCHED_IDLE), ("ls", SCHED_OTHER)):
+        sid = new_sid()
+        await runc_backend.create(sid, msgspec.structs.replace(SPEC, qos=qos))
+        assert await _policy_inside(runc_backend, sid) == want
+        bg = await runc_backend.exec(sid, ExecRequest(argv=["sleep", "30"], background=True))
+        assert bg.pid is not None
+        r = await runc_backend.exec(sid, ExecRequest(
+            shell=f"grep '^policy' /proc/{bg.pid}/sched"))
+        assert int(r.stdout.decode().split(":")[1]) == want, r
