@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dsec.edge.qos import IoLimits
+from dsec.edge.qos import IoLimits, io_writes
 from dsec.errors import BackendError, InvalidArgument
 from dsec.rmtree import unescape_mountinfo
 
@@ -589,19 +589,18 @@ class Governor:
     def create(self, sid: str, limits: Limits) -> SandboxCgroup:
         """mkdir the sandbox's cgroups and apply ``limits``; on failure remove them."""
         cg = self.paths(sid)
+        cpus = self._cpus_of(limits)   # refusals first: nothing made yet
+        if limits.io is not None and not self.blkio:
+            raise BackendError("sandbox has I/O limits but this governor does not manage "
+                               "block I/O (Governor(blkio=True))")
         try:
             for d in cg.dirs.values():
                 os.mkdir(d)
             for ctrl, fname, value in limit_writes(self.version, limits,
                                                    memsw=self.layout.memsw):
                 _write(os.path.join(cg.dirs[ctrl], fname), value)
-            self._apply_qos(cg, limits, cpus=self._cpus_of(limits))
+            self._apply_qos(cg, limits, cpus=cpus)
             if limits.io is not None:
-                from dsec.edge.qos import io_writes
-
-                if not self.blkio:
-                    raise BackendError("sandbox has I/O limits but this governor does not "
-                                       "manage block I/O (Governor(blkio=True))")
                 for ctrl, fname, value, _ in io_writes(self.version, *limits.io):
                     _write(os.path.join(cg.dirs[ctrl], fname), value)
         except OSError as exc:

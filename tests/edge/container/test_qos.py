@@ -213,3 +213,21 @@ async def test_runc_best_effort_execs_run_sched_idle(runc_backend: ContainerBack
         r = await runc_backend.exec(sid, ExecRequest(
             shell=f"grep '^policy' /proc/{bg.pid}/sched"))
         assert int(r.stdout.decode().split(":")[1]) == want, r
+
+
+async def test_pin_or_io_limit_refused_by_a_governor_not_managing_them(
+        backend: ContainerBackend) -> None:
+    """A Limits asking for CPUs or I/O limits from a governor made without cpuset/blkio
+    is refused before anything is made: no cgroup directory is left."""
+    from dsec.edge.governor import Limits
+    from dsec.edge.qos import IoLimits
+    from dsec.errors import BackendError
+
+    gov = backend.governor
+    assert not gov.cpuset and not gov.blkio
+    sid = new_sid()
+    for lim in (Limits(500, 64 << 20, 64, cpus="0"),
+                Limits(500, 64 << 20, 64, io=("7:0", IoLimits(wbps=1 << 20)))):
+        with pytest.raises(BackendError, match="does not manage"):
+            gov.create(sid, lim)
+        assert not any(os.path.exists(d) for d in gov.paths(sid).dirs.values())
