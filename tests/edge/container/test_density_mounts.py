@@ -7,6 +7,8 @@ own root and its dev/tmp split are invisible."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
@@ -90,7 +92,7 @@ async def test_shared_sysfs_is_one_superblock_read_only_and_shows_no_host_interf
     await backend.create(b, SPEC)
     devs = set()
     for sid in (a, b):
-        code, out = await _sh(backend, sid, "awk '$5 == \"/sys\"' /proc/self/mountinfo; "
+        _code, out = await _sh(backend, sid, "awk '$5 == \"/sys\"' /proc/self/mountinfo; "
                               "ls /sys/class/net; touch /sys/x 2>/dev/null || echo refused")
         line = out.splitlines()[0].split()
         devs.add(line[2])
@@ -98,16 +100,42 @@ async def test_shared_sysfs_is_one_superblock_read_only_and_shows_no_host_interf
             line[5].split(",")), line
         assert out.splitlines()[1:] == ["lo", "refused"], out
     assert len(devs) == 1, devs   # one superblock for both
-    with open("/proc/self/mountinfo") as f:
-        host_sys = next(ln.split()[2] for ln in f if ln.split()[4] == "/sys")
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    host_sys = next(ln.split()[2] for ln in mountinfo.splitlines() if ln.split()[4] == "/sys")
     assert host_sys not in devs   # not the host's sysfs (its netns shows the host's eth0)
     own = ContainerBackend(root_dir=os.path.join(str(tmp_path), "own"),
                            images=DirectoryImages(images_dir), shared_sysfs=False)
     try:
         c = new_sid()
         await own.create(c, SPEC)
-        code, out = await _sh(own, c, "awk '$5 == \"/sys\"' /proc/self/mountinfo")
+        _code, out = await _sh(own, c, "awk '$5 == \"/sys\"' /proc/self/mountinfo")
         assert out.split()[2] not in devs | {host_sys}, out
         assert not own.shared_sysfs
     finally:
         await _cleanup(own)
+
+
+async def test_shared_sysfs_is_unmounted_at_close_even_with_sandboxes_left(
+        tmp_path: object, images_dir: str) -> None:
+    """close() leaves sandboxes running for a later adopt(); the shared sysfs and its
+    namespace holder go anyway (a sandbox keeps its own bind); the next backend on the
+    root mounts a new one, and its reconcile removes the sandbox nobody adopted."""
+    import os
+
+    from dsec.edge.backends.container import DirectoryImages
+    from tests.edge.container.conftest import _cleanup
+
+    root = os.path.join(str(tmp_path), "r")
+    b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    path = b.shared_sysfs
+    assert os.path.ismount(path) and os.path.ismount(path + ".netns")
+    await b.create(new_sid(), SPEC)
+    await b.close()
+    assert not os.path.ismount(path) and not os.path.ismount(path + ".netns")
+    b2 = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    try:
+        assert os.path.ismount(b2.shared_sysfs)
+        assert len(await b2.reconcile(set())) == 1
+    finally:
+        await _cleanup(b2)
+    assert not os.path.ismount(path)

@@ -426,8 +426,7 @@ class ContainerBackend:
                     part.close()
         if getattr(self, "shared_sysfs", ""):
             with contextlib.suppress(Exception):
-                if not self.governor.list_sandboxes():
-                    unmount_shared_sysfs(self.shared_sysfs)
+                unmount_shared_sysfs(self.shared_sysfs)
         for attr in ("_devnull", "_lock_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -1405,8 +1404,11 @@ class ContainerBackend:
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
             release_cgroup_name(self.cgroup_name, self.root_dir)
-            if self.shared_sysfs:
-                unmount_shared_sysfs(self.shared_sysfs)
+        if self.shared_sysfs:
+            # Always: sandboxes left running for a later adopt() keep their own binds of
+            # it (their /sys/class/net reads empty once its namespace goes); the next
+            # backend mounts a new one.
+            unmount_shared_sysfs(self.shared_sysfs)
         await self._settled()
         self._snapshots.close()
         self.disk.close()
