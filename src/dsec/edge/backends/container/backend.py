@@ -220,7 +220,7 @@ class ContainerBackend:
                  exec_helper: bool | None = None,
                  qos_cpus: str | None = None,
                  qos_io: str | None = None,
-                 shared_sysfs: bool = True,
+                 shared_sysfs: bool | str = True,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -336,6 +336,9 @@ class ContainerBackend:
             #: I/O throttle per QoS class on the pool's block device (issue 22)
             self.qos_io = {} if qos_io is None else parse_class_io(qos_io)
             self.io_device = self._pool_device() if self.qos_io else ""
+            if isinstance(shared_sysfs, str):   # `dsec edge --backend-opt` gives strings
+                shared_sysfs = shared_sysfs.strip().lower() not in ("", "0", "false", "no",
+                                                                    "off")
             #: the node's shared sysfs, bound at loopback-only sandboxes' /sys ("": none)
             self.shared_sysfs = mount_shared_sysfs(os.path.join(self.root_dir, "sysfs")) \
                 if shared_sysfs and runtime == "native" else ""
