@@ -221,6 +221,7 @@ class ContainerBackend:
                  qos_cpus: str | None = None,
                  qos_io: str | None = None,
                  shared_sysfs: bool | str = True,
+                 helper_idle_s: float | None = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -267,7 +268,10 @@ class ContainerBackend:
         ``shared_sysfs``: loopback-only sandboxes (native driver) get the node's one
         read-only sysfs of an empty network namespace at /sys instead of their own - one
         superblock less per sandbox (:func:`.density.mount_shared_sysfs` says what they
-        see); False: each its own, as before."""
+        see); False: each its own, as before.
+        ``helper_idle_s``: an exec helper unused this long is stopped (checked by the
+        limits timer, so within ``limits_poll_s`` more); the sandbox's next exec starts a
+        new one. None: helpers stay while their sandbox lives."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
@@ -367,6 +371,7 @@ class ContainerBackend:
             self._peak_boxes = 0   # the most held at once (stats: the shrinker-map estimate)
             self._sink: DeathSink | None = None
             self.limits_poll_s = limits_poll_s
+            self.helper_idle_s = None if helper_idle_s is None else float(helper_idle_s)
             if not exec_start_timeout_s > 0:
                 raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
                                       field="exec_start_timeout_s")
@@ -765,6 +770,7 @@ class ContainerBackend:
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
+        now = time.monotonic()
         for box in chunk:
             if not box.dying and box.pidfd < 0 and not box.watch_rid and not box.exited.is_set() \
                     and start_time(box.init_pid, running=True) != box.init_start:
@@ -774,8 +780,35 @@ class ContainerBackend:
                 self._check_pids(box)
                 if box.oom_fd is None:  # v2: no OOM eventfd to wake us
                     self._check_oom(box, report=True)
+                if box.helper and not box.helper_busy and self.helper_idle_s is not None \
+                        and now - box.helper_used >= self.helper_idle_s:
+                    self._retire_idle_helper(box)
         delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
         self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
+
+    def _retire_idle_helper(self, box: Box) -> None:
+        """Stop ``box``'s exec helper, idle for ``helper_idle_s`` (density, issue 22: a
+        helper is a process - measured +35-44 KiB of unreclaimable slab per sandbox at
+        n=1,000 - that an idle sandbox does not need; its next exec takes the per-exec
+        path and starts a new one). Signalled through a pidfd checked against the start
+        time recorded when it started, so never another process that got its number; its
+        exit (reaped and reported by the zygote) is then not counted as a failure."""
+        rid, pid = box.helper, box.helper_pid
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return   # gone already: the zygote's Exited reply clears it
+        try:
+            if start_time(pid, running=True) != box.helper_pid_start:
+                return
+            box.helper_retiring = rid
+            box.helper = 0   # no exec goes to it any more, not even a BE one waiting on
+            box.helper_start = None   # its start: the next exec starts a new helper
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _poll_denied_tick(self) -> None:
         self._dpoll = None
@@ -1630,6 +1663,9 @@ class ContainerBackend:
                 if isinstance(reply, Started):
                     qos_process(box.spec, reply.pid)   # before any exec is forwarded to it
                     box.helper = rid
+                    box.helper_pid = reply.pid   # its identity, for a later retirement
+                    box.helper_pid_start = start_time(reply.pid, running=True) or 0
+                    box.helper_used = time.monotonic()
                     if box.dying:
                         self._helpers.discard(rid)
                     if not fut.done():
@@ -1642,7 +1678,9 @@ class ContainerBackend:
                     box.helper = 0
                 if box.helper_start is fut:
                     box.helper_start = None
-                if not box.dying:
+                if box.helper_retiring == rid:   # retired for idleness: not a failure
+                    box.helper_retiring = 0
+                elif not box.dying:
                     box.helper_fails += 1
                 if not fut.done():
                     fut.set_result(0)
@@ -1673,6 +1711,18 @@ class ContainerBackend:
                 # forks itself gets the policy only once it reported started, an instant
                 # in which it runs (and could fork) as SCHED_OTHER (issue 22)
                 helper = await asyncio.shield(box.helper_start)
+        if not helper:
+            return await self._native_exec_run(box, req, argv, env, on_chunk, loop, helper)
+        box.helper_busy += 1   # never retired while it serves (see _retire_idle_helper)
+        try:
+            return await self._native_exec_run(box, req, argv, env, on_chunk, loop, helper)
+        finally:
+            box.helper_busy -= 1
+            box.helper_used = time.monotonic()
+
+    async def _native_exec_run(self, box: Box, req: ExecRequest, argv: list[str],
+                               env: list[str], on_chunk: Callable[[ExecChunk], None] | None,
+                               loop: asyncio.AbstractEventLoop, helper: int) -> ExecResult:
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
