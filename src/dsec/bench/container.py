@@ -57,7 +57,9 @@ async def _run(ctx: BenchContext, work: str) -> None:
     n_burst = ctx.scale(3000, 300)
     for runtime in ("native", "runc"):
         b = ContainerBackend(root_dir=os.path.join(work, runtime), runtime=runtime,
-                             images=DirectoryImages(images))
+                             images=DirectoryImages(images),
+                             # density: helpers of idle sandboxes go within the run
+                             helper_idle_s=20.0)
         try:
             warm = new_sandbox_id(node)
             await b.create(warm, spec)
@@ -311,6 +313,21 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
                    how="as density_host_memory_per_sandbox, after every sandbox answered an "
                        "exec: includes the exec helpers that exec started (at most "
                        "max_exec_helpers)")
+        idle_s = b.helper_idle_s
+        if idle_s is not None and idle_s <= 120 and b.limits_poll_s is not None:
+            # ... and once the exec helpers are retired (idle sandboxes again)
+            deadline = time.perf_counter() + idle_s + b.limits_poll_s * 2 + 30
+            await asyncio.sleep(idle_s + b.limits_poll_s)
+            while b._helpers and time.perf_counter() < deadline:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(1.0)
+            k3 = _kernel_kib()
+            ctx.record("density_host_memory_after_idle_per_sandbox",
+                       (_meminfo_used() - before) / m / 1024, "KiB", n=n,
+                       helpers_left=len(b._helpers), helper_idle_s=idle_s,
+                       unreclaimable_slab_kib=round((k3["SUnreclaim"] - k0["SUnreclaim"]) / m, 1),
+                       how="as density_host_memory_per_sandbox, after the exec pass and "
+                           "helper_idle_s: the exec helpers retired")
         ctx.record("density_accounted_memory_per_sandbox", (cg + rss) / m / 1024, "KiB", n=n,
                    cgroup_kib=round(cg / m / 1024), edge_and_zygote_rss_kib=round(rss / m / 1024),
                    how="sandbox cgroup usage (what the memcg is charged) + edge/zygote RSS "
