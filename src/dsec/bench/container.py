@@ -189,6 +189,14 @@ async def _exec_burst(ctx: BenchContext, b: object, spec: SandboxSpec, node: Nod
         await b.destroy(s)
 
 
+def _kernel_sum(k1: dict[str, int], k0: dict[str, int], m: int) -> float:
+    """Unreclaimable kernel memory per sandbox between two readings (KiB): SUnreclaim +
+    Percpu + KernelStack + PageTables - what other work on a shared machine moves least
+    (MemUsed swings by hundreds of KiB per sandbox between runs there)."""
+    return round(sum(k1[k] - k0[k] for k in ("SUnreclaim", "Percpu", "KernelStack",
+                                              "PageTables")) / m, 1)
+
+
 def _kernel_kib() -> dict[str, int]:
     """The /proc/meminfo fields of kernel memory no cgroup of a sandbox is charged for in
     full (KiB): slab (SUnreclaim: namespaces, cgroups, superblocks, ...), per-cpu
@@ -300,6 +308,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
                    kernel_stack_kib=round(kern["KernelStack"], 1),
                    page_tables_kib=round(kern["PageTables"], 1),
                    mem_available_drop_kib=round(-kern["MemAvailable"], 1),
+                   kernel_kib=_kernel_sum(k1, k0, m),
                    cgroup_charged_kib=round(cg / m / 1024, 1),
                    stats_memory_host_kib=round(est / m / 1024, 1),
                    edge_and_zygote_rss_kib=round(rss / m / 1024, 1),
@@ -308,7 +317,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
                        "tables; noisy: other work on the machine counts); the kernel parts "
                        "are broken out")
         ctx.record("density_host_memory_after_exec_per_sandbox", used_x / m / 1024, "KiB",
-                   n=n, helpers=len(b._helpers),
+                   n=n, helpers=len(b._helpers), kernel_kib=_kernel_sum(k2, k0, m),
                    unreclaimable_slab_kib=round((k2["SUnreclaim"] - k0["SUnreclaim"]) / m, 1),
                    how="as density_host_memory_per_sandbox, after every sandbox answered an "
                        "exec: includes the exec helpers that exec started (at most "
@@ -325,6 +334,7 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
             ctx.record("density_host_memory_after_idle_per_sandbox",
                        (_meminfo_used() - before) / m / 1024, "KiB", n=n,
                        helpers_left=len(b._helpers), helper_idle_s=idle_s,
+                       kernel_kib=_kernel_sum(k3, k0, m),
                        unreclaimable_slab_kib=round((k3["SUnreclaim"] - k0["SUnreclaim"]) / m, 1),
                        how="as density_host_memory_per_sandbox, after the exec pass and "
                            "helper_idle_s: the exec helpers retired")
