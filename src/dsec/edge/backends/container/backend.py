@@ -788,8 +788,8 @@ class ContainerBackend:
 
     def _retire_idle_helper(self, box: Box) -> None:
         """Stop ``box``'s exec helper, idle for ``helper_idle_s`` (density, issue 22: a
-        helper is a process - measured +35-44 KiB of unreclaimable slab per sandbox at
-        n=1,000 - that an idle sandbox does not need; its next exec takes the per-exec
+        helper is a process - measured ~93 KiB of kernel memory per sandbox at n=1,000 -
+        that an idle sandbox does not need; its next exec takes the per-exec
         path and starts a new one). Signalled through a pidfd checked against the start
         time recorded when it started, so never another process that got its number; its
         exit (reaped and reported by the zygote) is then not counted as a failure."""
@@ -2142,7 +2142,8 @@ class ContainerBackend:
                             oom_kills=self.governor.oom_kills(box.cg),
                             memory_host_bytes=mem + uncharged_bytes(
                                 self._peak_boxes,
-                                SUPERBLOCKS_PER_SANDBOX - (1 if self.shared_sysfs else 0)),
+                                SUPERBLOCKS_PER_SANDBOX
+                                - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 
