@@ -250,3 +250,28 @@ async def test_node_relieves_memory_pressure_on_best_effort_only() -> None:
         assert "some avg10=40.0%" in notes[-1].detail
     finally:
         await node.close()
+
+
+def test_v2_governor_delegates_cpuset_and_io_on_a_fake_cgroupfs(tmp_path: object) -> None:
+    """cgroup v2 (no real v2 cpu/memory controller here): with CPU pinning and I/O limits
+    asked for, the governor delegates +cpuset and +io below the edge's cgroup and reads
+    the CPUs its sandboxes may get from the edge's cpuset.cpus.effective."""
+    from dsec.edge.governor import CgroupLayout
+
+    own = os.path.join(str(tmp_path), "own")
+    base = os.path.join(own, "dsec-t")
+    os.makedirs(base)
+    for d, f, v in ((own, "cgroup.subtree_control", "cpu memory pids"),
+                    (own, "cgroup.procs", ""), (own, "cpuset.cpus.effective", "0-3\n"),
+                    (own, "cpuset.mems.effective", "0\n"),
+                    (base, "cgroup.subtree_control", "")):
+        with open(os.path.join(d, f), "w") as fh:
+            fh.write(v)
+    gov = Governor(name="t", layout=CgroupLayout(version=2, bases={"unified": base},
+                                                 v2_own=own), cpuset=True, blkio=True)
+    assert gov.node_cpus == "0-3" and gov.node_mems == "0"
+    assert parse_class_cpus("be=0", parse_cpulist(gov.node_cpus)).be == "0"
+    with open(os.path.join(base, "cgroup.subtree_control")) as fh:
+        # a plain file is not truncated by the writes, so they overlay in order:
+        # "+memory +cpu +pids", then "+cpuset", then "+io"
+        assert fh.read() == "+iouset +cpu +pids"
