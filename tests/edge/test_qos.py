@@ -13,18 +13,26 @@ import pytest
 
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.edge.qos import (
+    ClassCpus,
+    IoLimits,
     MemoryHeld,
     PressureDriver,
     PressurePolicy,
     Psi,
     QosView,
+    format_cpulist,
+    io_writes,
     memory_held,
+    mount_source,
     node_qos,
+    parse_class_cpus,
+    parse_class_io,
+    parse_cpulist,
     parse_psi,
     plan_relief,
     qos_writes,
 )
-from dsec.errors import PermissionDenied
+from dsec.errors import InvalidArgument, PermissionDenied
 from dsec.wire.spec import SandboxSpec
 
 MiB = 1 << 20
@@ -67,6 +75,56 @@ def test_v2_writes_on_a_fake_cgroupfs(tmp_path: object) -> None:
     os.unlink(os.path.join(d, "memory.high"))
     with pytest.raises(OSError):
         Governor._apply_qos(cg, Limits(500, 256 * MiB, 64, "ls"))
+
+
+def test_class_cpus_parse_and_refuse() -> None:
+    node = frozenset({0, 1, 2, 3})
+    assert parse_cpulist("0-2,5") == {0, 1, 2, 5} and format_cpulist({0, 1, 2, 5}) == "0-2,5"
+    assert parse_class_cpus("be=0", node) == ClassCpus(be="0")
+    assert parse_class_cpus("ls=1-3; be=0", node) == ClassCpus(ls="1-3", be="0")
+    assert parse_class_cpus("ls=3,1,2 be=0", node).of("ls") == "1-3"
+    for bad, says in [("be=4", "not among this node's CPUs 0-3"), ("xx=0", "ls=CPUS"),
+                      ("be=", "gets no CPU"), ("be=0 be=1", "twice"), ("be=a", "not a number"),
+                      ("be=3-1", "empty or negative")]:
+        with pytest.raises(InvalidArgument, match=says):
+            parse_class_cpus(bad, node)
+
+
+def test_cpuset_writes_v1_and_v2(tmp_path: object) -> None:
+    """v1 writes mems before cpus (a v1 cpuset cgroup refuses tasks until both are set);
+    v2 writes the sandbox's cpuset.cpus; unpinned, nothing is written."""
+    w1 = qos_writes(1, "be", cpu_milli=500, memory_bytes=MiB, cpus="0", mems="0")
+    files = [f for _, f, _, _ in w1]
+    assert files.index("cpuset.mems") < files.index("cpuset.cpus")
+    assert _files(w1)["cpuset.cpus"] == "0"
+    assert "cpuset.cpus" not in _files(qos_writes(1, "be", cpu_milli=500, memory_bytes=MiB))
+    d = os.path.join(str(tmp_path), "sb")
+    os.mkdir(d)
+    for f in ("cpu.weight", "cpu.idle", "cpu.max", "memory.high", "cpuset.cpus"):
+        open(os.path.join(d, f), "w").close()
+    Governor._apply_qos(SandboxCgroup(2, {"unified": d}),
+                        Limits(500, MiB, 64, "be", cpus="1-3"), cpus="1-3")
+    with open(os.path.join(d, "cpuset.cpus")) as f:
+        assert f.read() == "1-3"
+
+
+def test_class_io_parse_writes_and_device() -> None:
+    got = parse_class_io("be:wbps=10M,rbps=20m;ls:riops=2000")
+    assert got["be"] == IoLimits(rbps=20 << 20, wbps=10 << 20)
+    assert got["ls"] == IoLimits(riops=2000)
+    for bad in ("xx:wbps=1", "be:wbps=0", "be:wbps=1X", "be:bps=1", "be:wbps=1 be:rbps=1",
+                "be"):
+        with pytest.raises(InvalidArgument, match="qos_io"):
+            parse_class_io(bad)
+    assert io_writes(1, "7:0", got["be"]) == [
+        ("blkio", "blkio.throttle.read_bps_device", f"7:0 {20 << 20}", False),
+        ("blkio", "blkio.throttle.write_bps_device", f"7:0 {10 << 20}", False)]
+    assert io_writes(2, "7:0", got["ls"]) == [
+        ("unified", "io.max", "7:0 rbps=max wbps=max riops=2000 wiops=max", False)]
+    info = ("30 1 0:40 / /var/tmp/a\\040b/pool rw - btrfs /dev/loop0 rw\n"
+            "31 1 0:41 / /var/tmp/a\\040b/pool rw - btrfs /dev/loop3 rw\n")
+    assert mount_source(info, "/var/tmp/a b/pool") == "/dev/loop3"   # the visible one
+    assert mount_source(info, "/var/tmp") is None
 
 
 def test_psi_and_memory_stat_parsing() -> None:
@@ -192,3 +250,28 @@ async def test_node_relieves_memory_pressure_on_best_effort_only() -> None:
         assert "some avg10=40.0%" in notes[-1].detail
     finally:
         await node.close()
+
+
+def test_v2_governor_delegates_cpuset_and_io_on_a_fake_cgroupfs(tmp_path: object) -> None:
+    """cgroup v2 (no real v2 cpu/memory controller here): with CPU pinning and I/O limits
+    asked for, the governor delegates +cpuset and +io below the edge's cgroup and reads
+    the CPUs its sandboxes may get from the edge's cpuset.cpus.effective."""
+    from dsec.edge.governor import CgroupLayout
+
+    own = os.path.join(str(tmp_path), "own")
+    base = os.path.join(own, "dsec-t")
+    os.makedirs(base)
+    for d, f, v in ((own, "cgroup.subtree_control", "cpu memory pids"),
+                    (own, "cgroup.procs", ""), (own, "cpuset.cpus.effective", "0-3\n"),
+                    (own, "cpuset.mems.effective", "0\n"),
+                    (base, "cgroup.subtree_control", "")):
+        with open(os.path.join(d, f), "w") as fh:
+            fh.write(v)
+    gov = Governor(name="t", layout=CgroupLayout(version=2, bases={"unified": base},
+                                                 v2_own=own), cpuset=True, blkio=True)
+    assert gov.node_cpus == "0-3" and gov.node_mems == "0"
+    assert parse_class_cpus("be=0", parse_cpulist(gov.node_cpus)).be == "0"
+    with open(os.path.join(base, "cgroup.subtree_control")) as fh:
+        # a plain file is not truncated by the writes, so they overlay in order:
+        # "+memory +cpu +pids", then "+cpuset", then "+io"
+        assert fh.read() == "+iouset +cpu +pids"

@@ -57,7 +57,9 @@ async def _run(ctx: BenchContext, work: str) -> None:
     n_burst = ctx.scale(3000, 300)
     for runtime in ("native", "runc"):
         b = ContainerBackend(root_dir=os.path.join(work, runtime), runtime=runtime,
-                             images=DirectoryImages(images))
+                             images=DirectoryImages(images),
+                             # density: helpers of idle sandboxes go within the run
+                             helper_idle_s=20.0)
         try:
             warm = new_sandbox_id(node)
             await b.create(warm, spec)
@@ -187,6 +189,14 @@ async def _exec_burst(ctx: BenchContext, b: object, spec: SandboxSpec, node: Nod
         await b.destroy(s)
 
 
+def _kernel_sum(k1: dict[str, int], k0: dict[str, int], m: int) -> float:
+    """Unreclaimable kernel memory per sandbox between two readings (KiB): SUnreclaim +
+    Percpu + KernelStack + PageTables - what other work on a shared machine moves least
+    (MemUsed swings by hundreds of KiB per sandbox between runs there)."""
+    return round(sum(k1[k] - k0[k] for k in ("SUnreclaim", "Percpu", "KernelStack",
+                                              "PageTables")) / m, 1)
+
+
 def _kernel_kib() -> dict[str, int]:
     """The /proc/meminfo fields of kernel memory no cgroup of a sandbox is charged for in
     full (KiB): slab (SUnreclaim: namespaces, cgroups, superblocks, ...), per-cpu
@@ -246,13 +256,10 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
         t0 = time.perf_counter()
         await asyncio.gather(*(one(s) for s in sids))
         t_create = time.perf_counter() - t0
-        ok = 0
-        for s in made:
-            try:
-                r = await b.exec(s, ExecRequest(argv=("true",)))
-                ok += r.exit_code == 0
-            except Exception as exc:  # noqa: BLE001 - counted and reported
-                fail("exec", exc)
+        # Idle first: what N sandboxes that have done nothing yet cost the host. An exec
+        # starts the sandbox's exec helper (a process that stays for the next execs, up
+        # to max_exec_helpers of them), so the memory after the exec pass is recorded
+        # apart (density_host_memory_after_exec_per_sandbox).
         await asyncio.sleep(1.0)
         used = _meminfo_used() - before
         k1 = _kernel_kib()
@@ -264,23 +271,73 @@ async def _density(ctx: BenchContext, b: object, spec: SandboxSpec, node: NodeId
             est += st.memory_host_bytes
         m = max(1, len(made))
         kern = {k: (k1[k] - k0[k]) / m for k in k1}
+        # ... then every sandbox answers an exec, 16 in flight (the issue's "all answering")
+        lat: list[float] = []
+        ok = 0
+
+        async def answer(sid: SandboxId) -> None:
+            nonlocal ok
+            async with sem:
+                t = time.perf_counter()
+                try:
+                    r = await b.exec(sid, ExecRequest(argv=("true",)))
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    fail("exec", exc)
+                    return
+                lat.append(time.perf_counter() - t)
+                ok += r.exit_code == 0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(answer(s) for s in made))
+        t_exec = time.perf_counter() - t0
+        await asyncio.sleep(1.0)
+        used_x = _meminfo_used() - before
+        k2 = _kernel_kib()
         ctx.record("density_sandboxes", len(made), "sandboxes", n=n, answering=ok,
                    create_errors=errors["create"], exec_errors=errors["exec"],
                    create_s=round(t_create, 2), creates_per_s=round(len(made) / t_create, 1),
                    stopped_at_low_memory=low[0] if low else None,
                    load_avg_1m=round(os.getloadavg()[0], 2), load_avg_1m_before=round(load0[0], 2))
+        ctx.record("density_answering", ok, "sandboxes", n=n, made=len(made),
+                   exec_errors=errors["exec"], concurrency=16,
+                   execs_per_s=round(len(made) / max(t_exec, 1e-9), 1),
+                   exec_p50_ms=round(_pct(lat, 50) * 1e3, 2) if lat else None,
+                   exec_p99_ms=round(_pct(lat, 99) * 1e3, 2) if lat else None)
         ctx.record("density_host_memory_per_sandbox", used / m / 1024, "KiB", n=n,
                    slab_kib=round(kern["Slab"], 1), unreclaimable_slab_kib=round(kern["SUnreclaim"], 1),
                    percpu_kib=round(kern["Percpu"], 1),
                    kernel_stack_kib=round(kern["KernelStack"], 1),
                    page_tables_kib=round(kern["PageTables"], 1),
                    mem_available_drop_kib=round(-kern["MemAvailable"], 1),
+                   kernel_kib=_kernel_sum(k1, k0, m),
                    cgroup_charged_kib=round(cg / m / 1024, 1),
                    stats_memory_host_kib=round(est / m / 1024, 1),
                    edge_and_zygote_rss_kib=round(rss / m / 1024, 1),
-                   how="host MemUsed delta after every sandbox answered an exec (includes "
-                       "kernel memory: slab, per-cpu, stacks, page tables; noisy: other work "
-                       "on the machine counts); the kernel parts are broken out")
+                   how="host MemUsed delta with every sandbox created and idle, before the "
+                       "exec pass (includes kernel memory: slab, per-cpu, stacks, page "
+                       "tables; noisy: other work on the machine counts); the kernel parts "
+                       "are broken out")
+        ctx.record("density_host_memory_after_exec_per_sandbox", used_x / m / 1024, "KiB",
+                   n=n, helpers=len(b._helpers), kernel_kib=_kernel_sum(k2, k0, m),
+                   unreclaimable_slab_kib=round((k2["SUnreclaim"] - k0["SUnreclaim"]) / m, 1),
+                   how="as density_host_memory_per_sandbox, after every sandbox answered an "
+                       "exec: includes the exec helpers that exec started (at most "
+                       "max_exec_helpers)")
+        idle_s = b.helper_idle_s
+        if idle_s is not None and idle_s <= 120 and b.limits_poll_s is not None:
+            # ... and once the exec helpers are retired (idle sandboxes again)
+            deadline = time.perf_counter() + idle_s + b.limits_poll_s * 2 + 30
+            await asyncio.sleep(idle_s + b.limits_poll_s)
+            while b._helpers and time.perf_counter() < deadline:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(1.0)
+            k3 = _kernel_kib()
+            ctx.record("density_host_memory_after_idle_per_sandbox",
+                       (_meminfo_used() - before) / m / 1024, "KiB", n=n,
+                       helpers_left=len(b._helpers), helper_idle_s=idle_s,
+                       kernel_kib=_kernel_sum(k3, k0, m),
+                       unreclaimable_slab_kib=round((k3["SUnreclaim"] - k0["SUnreclaim"]) / m, 1),
+                       how="as density_host_memory_per_sandbox, after the exec pass and "
+                           "helper_idle_s: the exec helpers retired")
         ctx.record("density_accounted_memory_per_sandbox", (cg + rss) / m / 1024, "KiB", n=n,
                    cgroup_kib=round(cg / m / 1024), edge_and_zygote_rss_kib=round(rss / m / 1024),
                    how="sandbox cgroup usage (what the memcg is charged) + edge/zygote RSS "

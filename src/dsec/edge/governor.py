@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dsec.edge.qos import IoLimits, io_writes
 from dsec.errors import BackendError, InvalidArgument
 from dsec.rmtree import unescape_mountinfo
 
@@ -47,6 +48,7 @@ __all__ = [
     "parse_proc_cgroup",
     "pids_budget",
     "sandbox_pids",
+    "v1_base",
 ]
 
 CgroupVersion = Literal[1, 2]
@@ -105,6 +107,10 @@ class Limits:
     # QoS (issue 22, dsec.edge.qos.qos_writes): the class and an optional CPU cap
     qos: Literal["ls", "be"] = "ls"
     cpu_quota_milli: int | None = None
+    # the CPUs it may run on (a kernel CPU list; None: not pinned - dsec.edge.qos.ClassCpus)
+    cpus: str | None = None
+    # block I/O throttle: (device "major:minor", IoLimits); None: none
+    io: tuple[str, IoLimits] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +272,19 @@ def detect_layout(mountinfo: str, proc_cgroup: str, *, name: str,
     memsw = os.path.exists(os.path.join(os.path.dirname(bases["memory"]),
                                         "memory.memsw.limit_in_bytes"))
     return CgroupLayout(version=1, bases=bases, memsw=memsw)
+
+
+def v1_base(mountinfo: str, proc_cgroup: str, ctrl: str, *, name: str) -> str | None:
+    """v1: ``<own cgroup>/dsec-<name>`` in the hierarchy of ``ctrl`` (cpuset, blkio),
+    None where it is not mounted (pure). Those are managed only when asked for (CPU
+    pinning, I/O limits: :class:`Governor` ``cpuset``/``blkio``): a cgroup per sandbox
+    in one more hierarchy is kernel memory."""
+    paths = parse_proc_cgroup(proc_cgroup)
+    m = next((m for m in parse_mountinfo(mountinfo)
+              if m.fstype == "cgroup" and ctrl in m.super_options), None)
+    if m is None or ctrl not in paths:
+        return None
+    return os.path.join(_join(m, paths[ctrl]), f"dsec-{name}")
 
 
 def all_leaf_dirs(mountinfo: str, proc_cgroup: str, *, name: str) -> list[str]:
@@ -455,9 +474,14 @@ class Governor:
     """Creates, limits, freezes, reclaims and removes sandbox cgroups."""
 
     def __init__(self, *, name: str = "dsec", layout: CgroupLayout | None = None,
-                 favor_dynmods: Remount | None = None) -> None:
+                 favor_dynmods: Remount | None = None, cpuset: bool = False,
+                 blkio: bool = False) -> None:
         """``favor_dynmods``: how to remount the cgroup2 mount to turn ``favordynmods`` on
-        (see :func:`enable_favordynmods`); None leaves the mount as it is."""
+        (see :func:`enable_favordynmods`); None leaves the mount as it is. ``cpuset``:
+        manage the cpuset controller too (CPU pinning, :class:`Limits` ``cpus``): v1 a
+        cpuset cgroup per sandbox (~3 KiB of kernel memory each, no memcg), v2
+        ``+cpuset`` delegated below the edge's cgroup. ``blkio``: manage block I/O
+        throttling (:class:`Limits` ``io``) the same way (v1 blkio, v2 ``+io``)."""
         self.name = name
         mountinfo = _read("/proc/self/mountinfo")
         self.favordynmods = False
@@ -469,16 +493,54 @@ class Governor:
             if os.path.exists(os.path.join(d, "cgroup.controllers")) else set())
         self.version: CgroupVersion = self.layout.version
         self._home_procs: str | None = None
+        self.cpuset, self.blkio = cpuset, blkio
+        for ctrl, on, knob in (("cpuset", cpuset, "CPU pinning (qos_cpus)"),
+                               ("blkio", blkio, "I/O limits (qos_io)")):
+            if not on or self.version != 1 or ctrl in self.layout.bases:
+                continue
+            base = v1_base(mountinfo, _read("/proc/self/cgroup"), ctrl, name=name)
+            if base is None:
+                raise BackendError(f"{knob} needs the {ctrl} controller, and no cgroup v1 "
+                                   f"{ctrl} hierarchy is mounted here; mount it or leave "
+                                   f"{knob.split('(')[1][:-1]} unset")
+            self.layout = CgroupLayout(version=1, bases={**self.layout.bases, ctrl: base},
+                                       memsw=self.layout.memsw)
         if self.version == 2:
             self._prepare_v2()
         for base in self.layout.bases.values():
             os.makedirs(base, exist_ok=True)
         if self.version == 2:
             self._enable_subtree(self.layout.bases["unified"])
+        #: the CPUs and memory nodes sandboxes may use (the cpuset the edge itself is
+        #: in); "" where the cpuset controller is not managed
+        self.node_cpus = self.node_mems = ""
+        if cpuset:
+            self._prepare_cpuset()
+        if blkio and self.version == 2:
+            self._enable_subtree(self.layout.bases["unified"], ("io",))
+
+    def _prepare_cpuset(self) -> None:
+        """Read the edge's own cpuset (what pinned sandboxes may get) and, on v1, give the
+        sandboxes' parent the same CPUs and memory nodes: a v1 cpuset cgroup starts empty
+        and refuses tasks until both are written."""
+        if self.version == 2:
+            own = self.layout.v2_own
+            self._enable_subtree(self.layout.bases["unified"], ("cpuset",))
+            self.node_cpus = _read(os.path.join(own, "cpuset.cpus.effective")).strip()
+            self.node_mems = _read(os.path.join(own, "cpuset.mems.effective")).strip()
+            return
+        base = self.layout.bases["cpuset"]
+        parent = os.path.dirname(base)
+        self.node_cpus = _read(os.path.join(parent, "cpuset.effective_cpus")).strip()
+        self.node_mems = _read(os.path.join(parent, "cpuset.effective_mems")).strip()
+        if _read(os.path.join(base, "cpuset.mems")).strip() != self.node_mems:
+            _write(os.path.join(base, "cpuset.mems"), self.node_mems)
+        if _read(os.path.join(base, "cpuset.cpus")).strip() != self.node_cpus:
+            _write(os.path.join(base, "cpuset.cpus"), self.node_cpus)
 
     # -- v2 delegation ---------------------------------------------------------------
-    def _enable_subtree(self, d: str) -> None:
-        want = " ".join(f"+{c}" for c in V2_REQUIRED)
+    def _enable_subtree(self, d: str, ctrls: tuple[str, ...] = V2_REQUIRED) -> None:
+        want = " ".join(f"+{c}" for c in ctrls)
         try:
             _write(os.path.join(d, "cgroup.subtree_control"), want)
         except OSError as exc:
@@ -527,28 +589,51 @@ class Governor:
     def create(self, sid: str, limits: Limits) -> SandboxCgroup:
         """mkdir the sandbox's cgroups and apply ``limits``; on failure remove them."""
         cg = self.paths(sid)
+        cpus = self._cpus_of(limits)   # refusals first: nothing made yet
+        if limits.io is not None and not self.blkio:
+            raise BackendError("sandbox has I/O limits but this governor does not manage "
+                               "block I/O (Governor(blkio=True))")
         try:
             for d in cg.dirs.values():
                 os.mkdir(d)
             for ctrl, fname, value in limit_writes(self.version, limits,
                                                    memsw=self.layout.memsw):
                 _write(os.path.join(cg.dirs[ctrl], fname), value)
-            self._apply_qos(cg, limits)
+            self._apply_qos(cg, limits, cpus=cpus)
+            if limits.io is not None:
+                for ctrl, fname, value, _ in io_writes(self.version, *limits.io):
+                    _write(os.path.join(cg.dirs[ctrl], fname), value)
         except OSError as exc:
             self.remove(cg)
             raise BackendError(f"cannot create cgroups for sandbox {sid} under "
                                f"{sorted(self.layout.bases.values())}: {exc}") from exc
         return cg
 
+    def _cpus_of(self, limits: Limits) -> str | None:
+        """The cpuset.cpus to write: the sandbox's pin; v1 with the cpuset hierarchy
+        managed needs one even unpinned (a v1 cpuset cgroup starts empty): the node's."""
+        if limits.cpus is not None and not self.cpuset:
+            raise BackendError(f"sandbox pinned to CPUs {limits.cpus} but this governor does "
+                               "not manage the cpuset controller (Governor(cpuset=True))")
+        if limits.cpus is None and self.cpuset and self.version == 1:
+            return self.node_cpus
+        return limits.cpus
+
     @staticmethod
-    def _apply_qos(cg: SandboxCgroup, limits: Limits) -> None:
+    def _apply_qos(cg: SandboxCgroup, limits: Limits, *, cpus: str | None = None,
+                   mems: str | None = None) -> None:
         """The QoS class's writes (issue 22); optional ones skipped where the controller
-        or file is absent (this VM: no managed blkio hierarchy)."""
+        or file is absent (this VM: no managed blkio hierarchy). ``cpus``/``mems``: the
+        sandbox's cpuset (see :meth:`_cpus_of`)."""
         from dsec.edge.qos import qos_writes
 
+        if cpus is not None and mems is None and cg.version == 1:
+            mems = _read(os.path.join(os.path.dirname(cg.dirs["cpuset"]),
+                                      "cpuset.mems")).strip()
         for ctrl, fname, value, optional in qos_writes(
                 cg.version, limits.qos, cpu_milli=limits.cpu_milli,
-                memory_bytes=limits.memory_bytes, cpu_quota_milli=limits.cpu_quota_milli):
+                memory_bytes=limits.memory_bytes, cpu_quota_milli=limits.cpu_quota_milli,
+                cpus=cpus, mems=mems):
             d = cg.dirs.get(ctrl)
             if d is None or (optional and not os.path.exists(os.path.join(d, fname))):
                 if optional:
@@ -869,6 +954,19 @@ class Governor:
         keep ``kernel.pid_max - n``)."""
         ctrl = "unified" if self.version == 2 else "pids"
         _write(os.path.join(self.layout.bases[ctrl], "pids.max"), str(n))
+
+    def limit_total_memory(self, n: int | None) -> None:
+        """Cap the memory of all this edge's sandboxes together at ``n`` bytes (None: no
+        cap): v1 ``memory.limit_in_bytes`` of their parent (swap beyond it allowed, so a
+        full node reclaims into swap instead of OOM-killing), v2 ``memory.max``. Used by
+        the qos bench to put a node's worth of sandboxes under memory pressure without
+        pressing the whole host."""
+        if self.version == 2:
+            _write(os.path.join(self.layout.bases["unified"], "memory.max"),
+                   "max" if n is None else str(n))
+            return
+        _write(os.path.join(self.layout.bases["memory"], "memory.limit_in_bytes"),
+               "-1" if n is None else str(n))
 
     def remove_base(self) -> None:
         """rmdir this edge's (empty) parent cgroups - for edge shutdown with no sandboxes

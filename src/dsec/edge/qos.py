@@ -20,10 +20,19 @@ What a class means on this node:
   pressure (PSI, ``/proc/pressure/memory``) :func:`plan_relief` picks BE sandboxes to
   pause-and-reclaim, idle longest first; :class:`PressureDriver` carries it out with an
   injected clock and reports each pause.
+* **CPU pinning** (:class:`ClassCpus`, a node policy): the CPUs each class may run on,
+  e.g. ``be=0`` keeps best-effort work off CPU 1 (reserved for LS) and ``ls=1;be=0``
+  partitions the node. Per class rather than per sandbox (no spec field): what a core is
+  reserved *for* is the node operator's decision, and one knob keeps placement honest.
+  Enforced by the cpuset controller (v1: a per-sandbox cpuset cgroup, made only when the
+  policy is set; v2: ``cpuset.cpus`` of the sandbox's cgroup), so a process inside cannot
+  widen its affinity with ``sched_setaffinity``.
 * **Block I/O.** A proportional weight (v2 ``io.weight``, v1 ``blkio.bfq.weight``) where
-  the controller and the disk's scheduler support it. This VM: the governor manages no
-  v1 blkio hierarchy (a per-sandbox cgroup there costs kernel memory, issue 22 density)
-  and vda runs the ``none`` scheduler, so weights would do nothing; written as optional.
+  the controller and the disk's scheduler support it (this VM: every disk runs ``none``,
+  so weights would do nothing; written as optional), and per-sandbox throttle limits per
+  class (:func:`parse_class_io`, a node policy ``qos_io``) on the disk pool's block
+  device: v1 ``blkio.throttle.*``, v2 ``io.max``. Measured: on v1 they hold for reads,
+  O_DIRECT and fsync'd writes, not for buffered writes the kernel writes back later.
 
 Pure functions take numbers and text; the few syscalls are in small wrappers.
 """
@@ -39,11 +48,14 @@ from typing import Final, Literal
 
 import msgspec
 
-from dsec.errors import PermissionDenied
+from dsec.errors import InvalidArgument, PermissionDenied
+from dsec.rmtree import unescape_mountinfo
 from dsec.wire.spec import QosClass, SandboxSpec, qos_of
 
 __all__ = [
     "CFS_PERIOD_US",
+    "ClassCpus",
+    "IoLimits",
     "MemoryHeld",
     "PressureDriver",
     "PressurePolicy",
@@ -52,8 +64,14 @@ __all__ = [
     "Relief",
     "core_sched_available",
     "core_sched_cookie",
+    "format_cpulist",
+    "io_writes",
     "memory_held",
+    "mount_source",
     "node_qos",
+    "parse_class_cpus",
+    "parse_class_io",
+    "parse_cpulist",
     "parse_psi",
     "plan_relief",
     "qos_features",
@@ -70,18 +88,178 @@ BE_WEIGHT: Final = 1          # v2 minimum
 IO_WEIGHT: Final[dict[str, int]] = {"ls": 100, "be": 10}   # v2 io.weight 1..10000
 BFQ_WEIGHT: Final[dict[str, int]] = {"ls": 100, "be": 10}  # v1 blkio.bfq.weight 1..1000
 
+# ------------------------------------------------------------------ cpu pinning
+def parse_cpulist(text: str) -> frozenset[int]:
+    """A kernel CPU list (``"0-3,6"``, as in ``cpuset.cpus``) -> CPU numbers (pure).
+    Raises :class:`InvalidArgument` naming what is wrong."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise InvalidArgument(f"CPU list {text!r}: {part!r} is not a number or a range "
+                                  "like 0-3", field="qos_cpus") from None
+        if a < 0 or b < a or b - a > 65535:
+            raise InvalidArgument(f"CPU list {text!r}: range {part!r} is empty or "
+                                  "negative", field="qos_cpus")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def format_cpulist(cpus: frozenset[int] | set[int]) -> str:
+    """CPU numbers -> the kernel's compact list (``{0,1,2,5}`` -> ``"0-2,5"``) (pure)."""
+    out: list[str] = []
+    run: list[int] = []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassCpus:
+    """The CPUs each class may run on (None: every CPU the node gives its sandboxes),
+    as kernel CPU lists already checked against the node's CPUs."""
+
+    ls: str | None = None
+    be: str | None = None
+
+    def of(self, qos: QosClass) -> str | None:
+        return self.ls if qos == "ls" else self.be
+
+
+def parse_class_cpus(text: str, node_cpus: frozenset[int]) -> ClassCpus:
+    """``"be=0"`` / ``"ls=1;be=0"`` (``;`` or spaces between classes) -> :class:`ClassCpus`,
+    each list a non-empty subset of ``node_cpus`` (the CPUs the edge's own cpuset
+    allows) (pure). What it refuses it names, with the node's CPUs."""
+    have = format_cpulist(node_cpus)
+    got: dict[str, str] = {}
+    for item in text.replace(";", " ").split():
+        cls, eq, cpus = item.partition("=")
+        if cls not in ("ls", "be") or not eq:
+            raise InvalidArgument(f"qos_cpus {text!r}: {item!r} must be ls=CPUS or be=CPUS "
+                                  "(e.g. 'be=0' or 'ls=1;be=0')", field="qos_cpus")
+        if cls in got:
+            raise InvalidArgument(f"qos_cpus {text!r} names class {cls!r} twice",
+                                  field="qos_cpus")
+        want = parse_cpulist(cpus)
+        if not want:
+            raise InvalidArgument(f"qos_cpus {text!r}: class {cls!r} gets no CPU",
+                                  field="qos_cpus")
+        if not want <= node_cpus:
+            raise InvalidArgument(
+                f"qos_cpus {text!r}: CPUs {format_cpulist(want - node_cpus)} of class "
+                f"{cls!r} are not among this node's CPUs {have} (the edge's cpuset)",
+                field="qos_cpus")
+        got[cls] = format_cpulist(want)
+    return ClassCpus(ls=got.get("ls"), be=got.get("be"))
+
+
+# ------------------------------------------------------------------ block I/O limits
+@dataclass(frozen=True, slots=True)
+class IoLimits:
+    """Per-sandbox block I/O throttle on the node's sandbox disk (bytes/s, I/O ops/s;
+    None: unlimited). Where it holds (measured, docs/container.md "Block I/O"): on cgroup
+    v1 only on I/O a sandbox's task submits itself - reads, O_DIRECT writes, writes it
+    fsync()s - never on buffered writes left to the kernel's background writeback."""
+
+    rbps: int | None = None
+    wbps: int | None = None
+    riops: int | None = None
+    wiops: int | None = None
+
+
+_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_class_io(text: str) -> dict[QosClass, IoLimits]:
+    """``"be:wbps=10M,rbps=20M;ls:riops=2000"`` -> {class: :class:`IoLimits`} (pure;
+    K/M/G are binary multiples). What it refuses it names."""
+    out: dict[QosClass, IoLimits] = {}
+    for item in text.replace(";", " ").split():
+        cls, colon, rest = item.partition(":")
+        if cls not in ("ls", "be") or not colon or not rest:
+            raise InvalidArgument(f"qos_io {text!r}: {item!r} must be CLASS:KEY=N,... with "
+                                  "CLASS ls or be (e.g. 'be:wbps=10M,rbps=20M')",
+                                  field="qos_io")
+        if cls in out:
+            raise InvalidArgument(f"qos_io {text!r} names class {cls!r} twice", field="qos_io")
+        vals: dict[str, int] = {}
+        for kv in rest.split(","):
+            k, eq, v = kv.partition("=")
+            unit = v[-1:].lower() if v[-1:].isalpha() else ""
+            num = v[:-1] if unit else v
+            if k not in ("rbps", "wbps", "riops", "wiops") or not eq or unit not in _UNITS \
+                    or not num.isdigit() or int(num) == 0:
+                raise InvalidArgument(
+                    f"qos_io {text!r}: {kv!r} must be rbps|wbps|riops|wiops=N (N > 0, "
+                    "optional K/M/G)", field="qos_io")
+            vals[k] = int(num) * _UNITS[unit]
+        out["ls" if cls == "ls" else "be"] = IoLimits(
+            rbps=vals.get("rbps"), wbps=vals.get("wbps"), riops=vals.get("riops"),
+            wiops=vals.get("wiops"))
+    return out
+
+
+def io_writes(version: Literal[1, 2], device: str, limits: IoLimits) -> list[QosWrite]:
+    """The throttle writes for one sandbox on block device ``device`` (``"7:0"``) (pure):
+    v1 ``blkio.throttle.*_device``, v2 one ``io.max`` line."""
+    if version == 2:
+        parts = [f"{k}={'max' if v is None else v}" for k, v in
+                 (("rbps", limits.rbps), ("wbps", limits.wbps),
+                  ("riops", limits.riops), ("wiops", limits.wiops))]
+        return [("unified", "io.max", f"{device} {' '.join(parts)}", False)]
+    out: list[QosWrite] = []
+    for fname, v in (("read_bps", limits.rbps), ("write_bps", limits.wbps),
+                     ("read_iops", limits.riops), ("write_iops", limits.wiops)):
+        if v is not None:
+            out.append(("blkio", f"blkio.throttle.{fname}_device", f"{device} {v}", False))
+    return out
+
+
+def mount_source(mountinfo: str, path: str) -> str | None:
+    """The source (``/dev/loop3``) of the mount at exactly ``path`` in a
+    ``/proc/self/mountinfo`` text, the last one listed (the visible one) (pure)."""
+    found = None
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) >= 5 and len(rfields) >= 2 and unescape_mountinfo(fields[4]) == path:
+            found = rfields[1]
+    return found
+
+
 #: A cgroup write: (controller key, file, value, optional). Optional writes are skipped
 #: when the file does not exist (an older kernel's cpu.idle, an unmanaged io controller).
 QosWrite = tuple[str, str, str, bool]
 
 
 def qos_writes(version: Literal[1, 2], qos: QosClass, *, cpu_milli: int,
-               memory_bytes: int, cpu_quota_milli: int | None = None) -> list[QosWrite]:
+               memory_bytes: int, cpu_quota_milli: int | None = None,
+               cpus: str | None = None, mems: str | None = None) -> list[QosWrite]:
     """The cgroup writes that make ``qos`` of a sandbox, applied after the governor's
     limit writes (so a BE sandbox's weight replaces the request-proportional one) (pure).
 
-    ``cpu_quota_milli`` replaces the cap at ``cpu_milli`` (None: keep it)."""
+    ``cpu_quota_milli`` replaces the cap at ``cpu_milli`` (None: keep it). ``cpus`` /
+    ``mems``: the sandbox's cpuset (None: not pinned; v1 needs both written before a task
+    can join a cpuset cgroup, so the governor passes the node's when the class is not
+    pinned but the cpuset hierarchy is managed)."""
     out: list[QosWrite] = []
+    if version == 2 and cpus is not None:
+        out.append(("unified", "cpuset.cpus", cpus, False))
+    elif version == 1 and cpus is not None:
+        out += [("cpuset", "cpuset.mems", mems or "0", False),
+                ("cpuset", "cpuset.cpus", cpus, False)]
     if version == 2:
         if qos == "be":
             out += [("unified", "cpu.weight", str(BE_WEIGHT), False),

@@ -7,6 +7,8 @@ own root and its dev/tmp split are invisible."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsec.edge.backends.container import ContainerBackend
@@ -67,7 +69,73 @@ async def test_stats_report_host_memory_beyond_the_cgroup(backend: ContainerBack
     await backend.create(sid, SPEC)
     st = await backend.stats(sid)
     assert st.memory_bytes > 0
-    assert st.memory_host_bytes == st.memory_bytes + uncharged_bytes(1)
+    assert backend.shared_sysfs   # the default: 5 superblocks of its own
+    assert st.memory_host_bytes == st.memory_bytes + uncharged_bytes(1, 5)
     # the quadratic term: each sandbox's map grows by 1 KiB per 64 superblocks held
     assert SUPERBLOCKS_PER_SANDBOX == 6
     assert uncharged_bytes(10_000) - uncharged_bytes(1_000) == (938 - 94) * 1024
+
+
+async def test_shared_sysfs_is_one_superblock_read_only_and_shows_no_host_interface(
+        backend: ContainerBackend, tmp_path: object, images_dir: str) -> None:
+    """The node's shared sysfs (issue 22, the next density cut): every loopback-only
+    sandbox's /sys is the same superblock, from an empty network namespace (its lo only,
+    never the host's interfaces), read-only and nosuid/nodev/noexec; nothing written
+    anywhere in it; a backend with shared_sysfs=False gives each sandbox its own."""
+    import os
+
+    from dsec.edge.backends.container import DirectoryImages
+    from tests.edge.container.conftest import _cleanup
+
+    a, b = new_sid(), new_sid()
+    await backend.create(a, SPEC)
+    await backend.create(b, SPEC)
+    devs = set()
+    for sid in (a, b):
+        _code, out = await _sh(backend, sid, "awk '$5 == \"/sys\"' /proc/self/mountinfo; "
+                              "ls /sys/class/net; touch /sys/x 2>/dev/null || echo refused")
+        line = out.splitlines()[0].split()
+        devs.add(line[2])
+        assert "ro" in line[5].split(",") and {"nosuid", "nodev", "noexec"} <= set(
+            line[5].split(",")), line
+        assert out.splitlines()[1:] == ["lo", "refused"], out
+    assert len(devs) == 1, devs   # one superblock for both
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    host_sys = next(ln.split()[2] for ln in mountinfo.splitlines() if ln.split()[4] == "/sys")
+    assert host_sys not in devs   # not the host's sysfs (its netns shows the host's eth0)
+    own = ContainerBackend(root_dir=os.path.join(str(tmp_path), "own"),
+                           images=DirectoryImages(images_dir), shared_sysfs=False)
+    try:
+        c = new_sid()
+        await own.create(c, SPEC)
+        _code, out = await _sh(own, c, "awk '$5 == \"/sys\"' /proc/self/mountinfo")
+        assert out.split()[2] not in devs | {host_sys}, out
+        assert not own.shared_sysfs
+    finally:
+        await _cleanup(own)
+
+
+async def test_shared_sysfs_is_unmounted_at_close_even_with_sandboxes_left(
+        tmp_path: object, images_dir: str) -> None:
+    """close() leaves sandboxes running for a later adopt(); the shared sysfs and its
+    namespace holder go anyway (a sandbox keeps its own bind); the next backend on the
+    root mounts a new one, and its reconcile removes the sandbox nobody adopted."""
+    import os
+
+    from dsec.edge.backends.container import DirectoryImages
+    from tests.edge.container.conftest import _cleanup
+
+    root = os.path.join(str(tmp_path), "r")
+    b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    path = b.shared_sysfs
+    assert os.path.ismount(path) and os.path.ismount(path + ".netns")
+    await b.create(new_sid(), SPEC)
+    await b.close()
+    assert not os.path.ismount(path) and not os.path.ismount(path + ".netns")
+    b2 = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir))
+    try:
+        assert os.path.ismount(b2.shared_sysfs)
+        assert len(await b2.reconcile(set())) == 1
+    finally:
+        await _cleanup(b2)
+    assert not os.path.ismount(path)

@@ -221,3 +221,44 @@ async def test_an_exec_with_hide_never_goes_through_the_helper(
     r = await backend.exec(sid, ExecRequest(shell="cat /etc/passwd"))
     assert b"root:" in r.stdout
     assert [getattr(q, "helper", None) for q in sent] == [backend.box(sid).helper]
+
+
+async def test_idle_helper_is_retired_and_the_next_exec_starts_a_new_one(
+        tmp_path: object, images_dir: str) -> None:
+    """helper_idle_s (density, issue 22): a helper unused that long is stopped (its
+    process gone, not counted as a failure); one serving a long exec is not; the next
+    exec still answers and a new helper starts."""
+    from dsec.edge.backends.container import DirectoryImages
+    from dsec.ownership import start_time
+    from tests.edge.container.conftest import _cleanup
+
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), helper_idle_s=0.3,
+                         limits_poll_s=0.1)
+    try:
+        sid = new_sid()
+        await b.create(sid, SPEC)
+
+        async def helper_up() -> int:
+            for _ in range(250):
+                await b.exec(sid, ExecRequest(argv=["true"]))
+                if b.box(sid).helper:
+                    return b.box(sid).helper_pid
+                await asyncio.sleep(0.02)
+            raise AssertionError("no helper started")
+        first = await helper_up()
+        r = await b.exec(sid, ExecRequest(shell="sleep 1; echo done"))  # busy > idle_s
+        assert r.stdout == b"done\n" and b.box(sid).helper_pid == first
+        assert start_time(first, running=True) is not None
+        deadline = time.monotonic() + 10
+        while (b.box(sid).helper or start_time(first, running=True) is not None) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not b.box(sid).helper and start_time(first, running=True) is None
+        assert b.box(sid).helper_fails == 0
+        second = await helper_up()
+        assert second != first
+        r = await b.exec(sid, ExecRequest(shell="echo again"))
+        assert r.stdout == b"again\n"
+    finally:
+        await _cleanup(b)

@@ -106,3 +106,128 @@ async def test_cpu_quota_milli_replaces_the_cap(backend: ContainerBackend) -> No
         assert _read(os.path.join(cg.dirs["cpu"], "cpu.shares")) == "256"
     else:
         assert _read(os.path.join(cg.dirs["unified"], "cpu.max")) == "150000 100000"
+
+
+async def test_class_cpus_pin_best_effort_and_hold_inside(tmp_path: object,
+                                                          images_dir: str) -> None:
+    """``qos_cpus="be=0"``: a BE sandbox's processes (init, helper- and zygote-forked
+    commands) may run on CPU 0 only, and a process inside cannot widen that (the cpuset
+    cgroup bounds sched_setaffinity); an LS sandbox keeps every CPU; destroy leaves no
+    cpuset cgroup."""
+    from dsec.edge.backends.container import DirectoryImages
+    from dsec.edge.qos import format_cpulist, parse_cpulist
+    from tests.edge.container.conftest import _cleanup
+
+    node = parse_cpulist(_read("/sys/fs/cgroup/cpuset/cpuset.effective_cpus")) \
+        if os.path.exists("/sys/fs/cgroup/cpuset/cpuset.effective_cpus") else frozenset()
+    if len(node) < 2:
+        pytest.skip("needs a v1 cpuset hierarchy and 2 CPUs")
+    first = min(node)
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), qos_cpus=f"be={first}")
+    try:
+        be, ls = new_sid(), new_sid()
+        await b.create(be, msgspec.structs.replace(SPEC, qos="be"))
+        await b.create(ls, msgspec.structs.replace(SPEC, qos="ls"))
+        allowed = "grep Cpus_allowed_list /proc/self/status | cut -f2"
+        for _ in range(3):   # zygote-forked first, then the helper's
+            r = await b.exec(be, ExecRequest(shell=allowed))
+            assert r.stdout.decode().strip() == str(first), r
+            r = await b.exec(ls, ExecRequest(shell=allowed))
+            assert r.stdout.decode().strip() == format_cpulist(node), r
+        # widening from inside: taskset asks for every CPU; the kernel intersects it
+        # with the cgroup's cpuset, so the command still runs on CPU `first` only
+        r = await b.exec(be, ExecRequest(shell=f"taskset -p {1 << max(node) | 1} $$ "
+                                               f">/dev/null 2>&1; {allowed}"))
+        assert r.stdout.decode().strip() == str(first), r
+        box = b.box(be)
+        assert os.sched_getaffinity(box.init_pid) == {first}
+        cg = b.governor.paths(be)
+        assert _read(os.path.join(cg.dirs["cpuset"], "cpuset.cpus")) == str(first)
+        await b.destroy(be)
+        assert not os.path.exists(cg.dirs["cpuset"])
+    finally:
+        await _cleanup(b)
+
+
+async def test_io_throttle_on_the_disk_pool(tmp_path: object, images_dir: str) -> None:
+    """``qos_io="be:wbps=1M"``: a BE sandbox's cgroup throttles writes on the disk
+    pool's block device; a direct write of 3 MiB inside takes >= 1.5 s (unthrottled:
+    milliseconds) and is counted on that device in the sandbox's blkio cgroup; an LS
+    sandbox has no throttle."""
+    from dsec.edge.backends.container import DirectoryImages
+    from tests.edge.container.conftest import _cleanup
+
+    if not os.path.isdir("/sys/fs/cgroup/blkio"):
+        pytest.skip("needs the v1 blkio hierarchy")
+    b = ContainerBackend(root_dir=os.path.join(str(tmp_path), "root"),
+                         images=DirectoryImages(images_dir), qos_io="be:wbps=1M")
+    try:
+        be, ls = new_sid(), new_sid()
+        await b.create(be, msgspec.structs.replace(SPEC, qos="be"))
+        await b.create(ls, msgspec.structs.replace(SPEC, qos="ls"))
+        dev = b.io_device
+        cg = b.governor.paths(be)
+        assert _read(os.path.join(cg.dirs["blkio"], "blkio.throttle.write_bps_device")) \
+            == f"{dev} {1 << 20}"
+        assert _read(os.path.join(b.governor.paths(ls).dirs["blkio"],
+                                  "blkio.throttle.write_bps_device")) == ""
+        t0 = time.monotonic()
+        r = await b.exec(be, ExecRequest(shell="dd if=/dev/zero of=/big bs=64k count=48 "
+                                               "oflag=direct 2>&1"))
+        took = time.monotonic() - t0
+        assert r.exit_code == 0, r
+        assert took >= 1.5, (took, r.stdout)
+        served = _read(os.path.join(cg.dirs["blkio"], "blkio.throttle.io_service_bytes"))
+        written = next(int(line.split()[2]) for line in served.splitlines()
+                       if line.startswith(f"{dev} Write"))
+        assert written >= 3 << 20
+    finally:
+        await _cleanup(b)
+
+
+async def test_limit_total_memory_caps_the_sandboxes_parent(backend: ContainerBackend) -> None:
+    """The cap the qos bench's memory half puts on all sandboxes together, and its
+    removal (v1: -1 reads back as the kernel's 'unlimited')."""
+    gov = backend.governor
+    ctrl = "unified" if gov.version == 2 else "memory"
+    f = os.path.join(gov.layout.bases[ctrl],
+                     "memory.max" if gov.version == 2 else "memory.limit_in_bytes")
+    unlimited = _read(f)
+    gov.limit_total_memory(256 << 20)
+    assert _read(f) == str(256 << 20)
+    gov.limit_total_memory(None)
+    assert _read(f) == unlimited
+
+
+async def test_runc_best_effort_execs_run_sched_idle(runc_backend: ContainerBackend) -> None:
+    """runc driver: a BE sandbox's exec'd commands (foreground and background) run
+    SCHED_IDLE (runc started under chrt --idle: runc init and the command inherit it);
+    an LS sandbox's stay SCHED_OTHER."""
+    for qos, want in (("be", SCHED_IDLE), ("ls", SCHED_OTHER)):
+        sid = new_sid()
+        await runc_backend.create(sid, msgspec.structs.replace(SPEC, qos=qos))
+        assert await _policy_inside(runc_backend, sid) == want
+        bg = await runc_backend.exec(sid, ExecRequest(argv=["sleep", "30"], background=True))
+        assert bg.pid is not None
+        r = await runc_backend.exec(sid, ExecRequest(
+            shell=f"grep '^policy' /proc/{bg.pid}/sched"))
+        assert int(r.stdout.decode().split(":")[1]) == want, r
+
+
+async def test_pin_or_io_limit_refused_by_a_governor_not_managing_them(
+        backend: ContainerBackend) -> None:
+    """A Limits asking for CPUs or I/O limits from a governor made without cpuset/blkio
+    is refused before anything is made: no cgroup directory is left."""
+    from dsec.edge.governor import Limits
+    from dsec.edge.qos import IoLimits
+    from dsec.errors import BackendError
+
+    gov = backend.governor
+    assert not gov.cpuset and not gov.blkio
+    sid = new_sid()
+    for lim in (Limits(500, 64 << 20, 64, cpus="0"),
+                Limits(500, 64 << 20, 64, io=("7:0", IoLimits(wbps=1 << 20)))):
+        with pytest.raises(BackendError, match="does not manage"):
+            gov.create(sid, lim)
+        assert not any(os.path.exists(d) for d in gov.paths(sid).dirs.values())

@@ -33,6 +33,7 @@ import os
 import resource
 import secrets
 import signal
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
@@ -56,7 +57,12 @@ from dsec.edge.backends.container.census import (
     remove_cgroup_dirs,
     take_census,
 )
-from dsec.edge.backends.container.density import uncharged_bytes
+from dsec.edge.backends.container.density import (
+    SUPERBLOCKS_PER_SANDBOX,
+    mount_shared_sysfs,
+    uncharged_bytes,
+    unmount_shared_sysfs,
+)
 from dsec.edge.backends.container.disk import DEFAULT_DISK_BYTES, DiskPool, near_cap
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import MemoryHome, SandboxFiles
@@ -90,7 +96,14 @@ from dsec.edge.governor import (
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
-from dsec.edge.qos import memory_held, qos_process
+from dsec.edge.qos import (
+    memory_held,
+    mount_source,
+    parse_class_cpus,
+    parse_class_io,
+    parse_cpulist,
+    qos_process,
+)
 from dsec.edge.usage import net_bytes
 from dsec.errors import (
     BackendError,
@@ -205,6 +218,10 @@ class ContainerBackend:
                  exec_start_timeout_s: float = 30.0,
                  network: SandboxNetwork | None = None,
                  exec_helper: bool | None = None,
+                 qos_cpus: str | None = None,
+                 qos_io: str | None = None,
+                 shared_sysfs: bool | str = True,
+                 helper_idle_s: float | None = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
@@ -239,10 +256,31 @@ class ContainerBackend:
         unless the environment says ``DSEC_EXEC_HELPER=0`` (how `dsec bench rl` runs the
         old path beside the new one through `dsec up`).
         ``network``: the node's router slots (dsec.net); a sandbox whose policy needs
-        more than loopback joins a slot's netns. None: only loopback-only sandboxes."""
+        more than loopback joins a slot's netns. None: only loopback-only sandboxes.
+        ``qos_cpus``: CPU pinning per QoS class, a node policy (``"be=0"``: best-effort
+        sandboxes run on CPU 0 only, leaving the rest to latency-sensitive ones;
+        ``"ls=1;be=0"`` partitions; :func:`dsec.edge.qos.parse_class_cpus`), enforced by
+        the cpuset controller (managed only then). None: nothing pinned.
+        ``qos_io``: block I/O throttle per sandbox of a class on the disk pool's device
+        (``"be:wbps=10M,rbps=20M;ls:riops=2000"``, :func:`dsec.edge.qos.parse_class_io`;
+        v1 blkio / v2 io.max, managed only then; what it does and does not throttle:
+        docs/container.md "Block I/O"). None: no limit.
+        ``shared_sysfs``: loopback-only sandboxes (native driver) get the node's one
+        read-only sysfs of an empty network namespace at /sys instead of their own - one
+        superblock less per sandbox (:func:`.density.mount_shared_sysfs` says what they
+        see); False: each its own, as before.
+        ``helper_idle_s``: an exec helper unused this long is stopped (checked by the
+        limits timer, so within ``limits_poll_s`` more); the sandbox's next exec starts a
+        new one. None: helpers stay while their sandbox lives."""
         if runtime not in ("native", "runc"):
             raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
                                   "or 'runc'", field="runtime")
+        if runtime != "native" and (qos_cpus is not None or qos_io is not None):
+            # runc makes its own cgroups from config.json; these node policies are
+            # applied by the governor, which only the native driver's cgroups go through
+            raise InvalidArgument(f"qos_cpus/qos_io are applied by the native driver only; "
+                                  f"runtime {runtime!r} makes its own cgroups - leave them "
+                                  "unset or use runtime 'native'", field="qos_cpus")
         if exec_helper is None:
             exec_helper = os.environ.get("DSEC_EXEC_HELPER", "1") != "0"
         self.exec_helper = exec_helper and runtime == "native"
@@ -282,7 +320,13 @@ class ContainerBackend:
         except OSError as exc:
             raise BackendError(f"cannot claim cgroup name {self.cgroup_name!r}: {exc}") from exc
         try:  # whatever __init__ made is released if it fails or a stop interrupts it
-            self.governor = governor or Governor(name=self.cgroup_name, favor_dynmods=linux.remount)
+            self.governor = governor or Governor(name=self.cgroup_name,
+                                                 favor_dynmods=linux.remount,
+                                                 cpuset=qos_cpus is not None,
+                                                 blkio=qos_io is not None)
+            #: CPU pinning per QoS class (issue 22; None: none)
+            self.qos_cpus = None if qos_cpus is None else parse_class_cpus(
+                qos_cpus, parse_cpulist(self.governor.node_cpus))
             try:
                 self.governor.limit_total_pids(self.pids_total)
             except OSError as exc:
@@ -293,6 +337,15 @@ class ContainerBackend:
             self.default_disk_bytes = default_disk_bytes
             #: the btrfs pool holding every sandbox's upper layer (one subvolume each)
             self.disk = DiskPool(self.root_dir, size_bytes=disk_pool_bytes)
+            #: I/O throttle per QoS class on the pool's block device (issue 22)
+            self.qos_io = {} if qos_io is None else parse_class_io(qos_io)
+            self.io_device = self._pool_device() if self.qos_io else ""
+            if isinstance(shared_sysfs, str):   # `dsec edge --backend-opt` gives strings
+                shared_sysfs = shared_sysfs.strip().lower() not in ("", "0", "false", "no",
+                                                                    "off")
+            #: the node's shared sysfs, bound at loopback-only sandboxes' /sys ("": none)
+            self.shared_sysfs = mount_shared_sysfs(os.path.join(self.root_dir, "sysfs")) \
+                if shared_sysfs and runtime == "native" else ""
             self._notices = NoticeLimiter(notice_interval_s)
             # Denied packets (plan-14 §4.7): the slots' counters are read every
             # ``denied_poll_s`` (one netlink dump, 0.28 ms for 1,000 slots), a
@@ -318,6 +371,7 @@ class ContainerBackend:
             self._peak_boxes = 0   # the most held at once (stats: the shrinker-map estimate)
             self._sink: DeathSink | None = None
             self.limits_poll_s = limits_poll_s
+            self.helper_idle_s = None if helper_idle_s is None else float(helper_idle_s)
             if not exec_start_timeout_s > 0:
                 raise InvalidArgument(f"exec_start_timeout_s={exec_start_timeout_s} must be > 0",
                                       field="exec_start_timeout_s")
@@ -378,6 +432,9 @@ class ContainerBackend:
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.close()
+        if getattr(self, "shared_sysfs", ""):
+            with contextlib.suppress(Exception):
+                unmount_shared_sysfs(self.shared_sysfs)
         for attr in ("_devnull", "_lock_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -394,6 +451,22 @@ class ContainerBackend:
                 release_cgroup_name(self.cgroup_name, self.root_dir)
 
     # -- plumbing ----------------------------------------------------------------------
+    def _pool_device(self) -> str:
+        """``major:minor`` of the block device under the disk pool (the loop device of
+        its image): where a sandbox's reads and writes are submitted, so where a v1
+        throttle holds (measured: a limit on the device under the loop's backing file
+        caught reads only)."""
+        with open("/proc/self/mountinfo") as f:
+            src = mount_source(f.read(), self.disk.path)
+        try:
+            st = os.stat(src) if src else None
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISBLK(st.st_mode):
+            raise BackendError(f"qos_io: the disk pool {self.disk.path} is not on a block "
+                               f"device (mount source {src!r}); I/O limits need one")
+        return f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+
     def watch(self, sink: DeathSink) -> None:
         self._sink = sink
 
@@ -515,8 +588,12 @@ class ContainerBackend:
             if self._runc is not None:  # runc makes (and removes) its own cgroups
                 cg = self.governor.paths(sid)
             else:
-                cg = self.governor.create(sid, Limits(spec.cpu_milli, spec.memory_bytes, pids,
-                                                      qos_of(spec), spec.cpu_quota_milli))
+                cpus = None if self.qos_cpus is None else self.qos_cpus.of(qos_of(spec))
+                io = self.qos_io.get(qos_of(spec))
+                cg = self.governor.create(sid, Limits(
+                    spec.cpu_milli, spec.memory_bytes, pids, qos_of(spec),
+                    spec.cpu_quota_milli, cpus,
+                    None if io is None else (self.io_device, io)))
             box = Box(sid, spec, d, cg, layers, upper=upper, work=work, pids_max=pids,
                        disk_cap=cap, disk_q=self.disk.qgroup_dir(sid))
             self._boxes[sid] = box
@@ -643,7 +720,9 @@ class ContainerBackend:
                      loopback=True,   # mode "none": lo up (the old "none", lo down, is gone)
                      nested=box.spec.allow_nested, tmp_bytes=box.spec.memory_bytes,
                      userns=self.userns_range if box.spec.user_namespace else None,
-                     netns=box.netns_fd >= 0)
+                     netns=box.netns_fd >= 0,
+                     # a slot's netns has interfaces of its own: its sysfs shows them
+                     sysfs="" if box.netns_fd >= 0 else self.shared_sysfs)
 
         def on_reply(reply: Reply, fds: list[int]) -> None:
             if fut.done():   # after Created: the init's exit (Exited) or the zygote's death
@@ -691,6 +770,7 @@ class ContainerBackend:
         start = self._poll_next % len(boxes)
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
+        now = time.monotonic()
         for box in chunk:
             if not box.dying and box.pidfd < 0 and not box.watch_rid and not box.exited.is_set() \
                     and start_time(box.init_pid, running=True) != box.init_start:
@@ -700,8 +780,35 @@ class ContainerBackend:
                 self._check_pids(box)
                 if box.oom_fd is None:  # v2: no OOM eventfd to wake us
                     self._check_oom(box, report=True)
+                if box.helper and not box.helper_busy and self.helper_idle_s is not None \
+                        and now - box.helper_used >= self.helper_idle_s:
+                    self._retire_idle_helper(box)
         delay = self.limits_poll_s * min(1.0, self._POLL_SLICE / len(boxes))
         self._poll = asyncio.get_running_loop().call_later(delay, self._poll_limits)
+
+    def _retire_idle_helper(self, box: Box) -> None:
+        """Stop ``box``'s exec helper, idle for ``helper_idle_s`` (density, issue 22: a
+        helper is a process - measured ~93 KiB of kernel memory per sandbox at n=1,000 -
+        that an idle sandbox does not need; its next exec takes the per-exec
+        path and starts a new one). Signalled through a pidfd checked against the start
+        time recorded when it started, so never another process that got its number; its
+        exit (reaped and reported by the zygote) is then not counted as a failure."""
+        rid, pid = box.helper, box.helper_pid
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return   # gone already: the zygote's Exited reply clears it
+        try:
+            if start_time(pid, running=True) != box.helper_pid_start:
+                return
+            box.helper_retiring = rid
+            box.helper = 0   # no exec goes to it any more, not even a BE one waiting on
+            box.helper_start = None   # its start: the next exec starts a new helper
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _poll_denied_tick(self) -> None:
         self._dpoll = None
@@ -1334,6 +1441,11 @@ class ContainerBackend:
                 and not self.governor.list_sandboxes():
             self.governor.remove_base()
             release_cgroup_name(self.cgroup_name, self.root_dir)
+        if self.shared_sysfs:
+            # Always: sandboxes left running for a later adopt() keep their own binds of
+            # it (their /sys/class/net reads empty once its namespace goes); the next
+            # backend mounts a new one.
+            unmount_shared_sysfs(self.shared_sysfs)
         await self._settled()
         self._snapshots.close()
         self.disk.close()
@@ -1552,6 +1664,9 @@ class ContainerBackend:
                 if isinstance(reply, Started):
                     qos_process(box.spec, reply.pid)   # before any exec is forwarded to it
                     box.helper = rid
+                    box.helper_pid = reply.pid   # its identity, for a later retirement
+                    box.helper_pid_start = start_time(reply.pid, running=True) or 0
+                    box.helper_used = time.monotonic()
                     if box.dying:
                         self._helpers.discard(rid)
                     if not fut.done():
@@ -1564,7 +1679,9 @@ class ContainerBackend:
                     box.helper = 0
                 if box.helper_start is fut:
                     box.helper_start = None
-                if not box.dying:
+                if box.helper_retiring == rid:   # retired for idleness: not a failure
+                    box.helper_retiring = 0
+                elif not box.dying:
                     box.helper_fails += 1
                 if not fut.done():
                     fut.set_result(0)
@@ -1595,6 +1712,18 @@ class ContainerBackend:
                 # forks itself gets the policy only once it reported started, an instant
                 # in which it runs (and could fork) as SCHED_OTHER (issue 22)
                 helper = await asyncio.shield(box.helper_start)
+        if not helper:
+            return await self._native_exec_run(box, req, argv, env, on_chunk, loop, helper)
+        box.helper_busy += 1   # never retired while it serves (see _retire_idle_helper)
+        try:
+            return await self._native_exec_run(box, req, argv, env, on_chunk, loop, helper)
+        finally:
+            box.helper_busy -= 1
+            box.helper_used = time.monotonic()
+
+    async def _native_exec_run(self, box: Box, req: ExecRequest, argv: list[str],
+                               env: list[str], on_chunk: Callable[[ExecChunk], None] | None,
+                               loop: asyncio.AbstractEventLoop, helper: int) -> ExecResult:
         t0 = time.monotonic()
         started: asyncio.Future[Reply] = loop.create_future()
         exited: asyncio.Future[Reply] = loop.create_future()
@@ -2016,7 +2145,10 @@ class ContainerBackend:
                             memory_limit_bytes=box.spec.memory_bytes,
                             pids_max=box.spec.pids_max, net_rx_bytes=rx, net_tx_bytes=tx,
                             oom_kills=self.governor.oom_kills(box.cg),
-                            memory_host_bytes=mem + uncharged_bytes(self._peak_boxes),
+                            memory_host_bytes=mem + uncharged_bytes(
+                                self._peak_boxes,
+                                SUPERBLOCKS_PER_SANDBOX
+                                - (1 if self.shared_sysfs and box.netns_fd < 0 else 0)),
                             qos=qos_of(box.spec), memory_rss_bytes=held.rss,
                             memory_cache_bytes=held.cache, memory_shm_bytes=held.shm)
 

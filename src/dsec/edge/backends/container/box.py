@@ -57,6 +57,14 @@ class Box:
     helper: int = 0
     helper_start: asyncio.Future[int] | None = None
     helper_fails: int = 0
+    # its host pid and that pid's start time (a retirement signals only that process),
+    # execs it serves now, when it last served one (monotonic), and the request id of a
+    # helper being retired for idleness (its exit is then no failure)
+    helper_pid: int = 0
+    helper_pid_start: int = 0
+    helper_busy: int = 0
+    helper_used: float = 0.0
+    helper_retiring: int = 0
     dying: bool = False
     adopted: bool = False
     exited: asyncio.Event = field(default_factory=asyncio.Event)

@@ -19,10 +19,18 @@ bench prints the measured host delta next to this estimate.
 
 from __future__ import annotations
 
-__all__ = ["SUPERBLOCKS_PER_SANDBOX", "uncharged_bytes"]
+import os
+import subprocess
+
+from dsec.edge.backends.container import linux
+from dsec.errors import BackendError
+
+__all__ = ["SUPERBLOCKS_PER_SANDBOX", "mount_shared_sysfs", "uncharged_bytes",
+           "unmount_shared_sysfs"]
 
 #: overlay root, the scratch tmpfs (/dev, /dev/shm, /tmp, masks), devpts, sysfs, proc and
-#: the mqueue superblock of its ipc namespace (native driver; 9 before issue 22)
+#: the mqueue superblock of its ipc namespace (native driver; 9 before issue 22; 5 with
+#: the shared sysfs, :func:`mount_shared_sysfs`)
 SUPERBLOCKS_PER_SANDBOX = 6
 #: struct mem_cgroup + per-node info + per-cpu stats, outside the shrinker map (estimate)
 _MEMCG_BASE = 16 << 10
@@ -32,9 +40,61 @@ _OTHER_CGROUPS = 17 << 10
 _SUPERBLOCK = 4 << 10
 
 
-def uncharged_bytes(peak_sandboxes: int) -> int:
+def uncharged_bytes(peak_sandboxes: int, superblocks: int = SUPERBLOCKS_PER_SANDBOX) -> int:
     """Kernel memory the host spends on one sandbox outside its memory cgroup, with
-    ``peak_sandboxes`` the most sandboxes this backend has held at once. Pure."""
-    ids = max(1, peak_sandboxes) * SUPERBLOCKS_PER_SANDBOX
+    ``peak_sandboxes`` the most sandboxes this backend has held at once and
+    ``superblocks`` each one mounts. Pure."""
+    ids = max(1, peak_sandboxes) * superblocks
     shrinker_map = -(-ids // 64) * 1024
-    return _MEMCG_BASE + _OTHER_CGROUPS + SUPERBLOCKS_PER_SANDBOX * _SUPERBLOCK + shrinker_map
+    return _MEMCG_BASE + _OTHER_CGROUPS + superblocks * _SUPERBLOCK + shrinker_map
+
+
+def mount_shared_sysfs(path: str) -> str:
+    """Mount the node's shared sysfs at ``path`` (made if missing; kept if mounted
+    already, e.g. by a dead edge of the same root) and return ``path``.
+
+    A sysfs superblock belongs to the network namespace of whoever mounts it, so every
+    sandbox mounting its own /sys adds one superblock - and every superblock costs every
+    memory cgroup on the host a shrinker slot (the quadratic term of Density in
+    docs/container.md). This one is mounted read-only from a new, empty network
+    namespace (util-linux ``unshare --net=<path>.netns``, which keeps it)
+    and bound read-only at each loopback-only sandbox's /sys. What a sandbox sees there
+    is what any sysfs shows (devices, kernel, modules: host-wide, read-only) plus the
+    empty namespace's ``lo`` under /sys/class/net - its own ``lo`` counters are not
+    there; nothing of another sandbox or of the host's interfaces is. Sandboxes in a
+    router slot's network namespace keep a sysfs of their own (their eth0 is theirs)."""
+    os.makedirs(path, mode=0o555, exist_ok=True)
+    if os.path.ismount(path):
+        return path
+    # The superblock holds only a passive reference on its namespace: with nothing else
+    # holding it the namespace is torn down when ``unshare`` exits and /sys/class/net
+    # reads empty (measured). ``--net=FILE`` bind-mounts it there, keeping it (and its lo).
+    holder = path + ".netns"
+    if not os.path.exists(holder):
+        with open(holder, "x"):
+            pass
+    if os.path.ismount(holder):
+        linux.umount2(holder, linux.MNT_DETACH)
+    try:
+        subprocess.run(["unshare", f"--net={holder}", "--", "mount", "-t", "sysfs", "-o",
+                        "ro,nosuid,nodev,noexec", "sysfs", path],
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        raise BackendError(f"cannot mount the shared sysfs at {path}: {exc} "
+                           f"{detail.decode(errors='replace').strip()}; set "
+                           "shared_sysfs=False to give each sandbox its own") from exc
+    return path
+
+
+def unmount_shared_sysfs(path: str) -> None:
+    """Detach the shared sysfs and its namespace's holder (sandboxes still running keep
+    their binds of it)."""
+    for p in (path, path + ".netns"):
+        if os.path.ismount(p):
+            linux.umount2(p, linux.MNT_DETACH)
+    for remove in (os.rmdir, os.unlink):
+        try:
+            remove(path if remove is os.rmdir else path + ".netns")
+        except OSError:
+            pass

@@ -93,6 +93,7 @@
 static int status_fd = -1;   /* where failures are reported (create) */
 static int userns_req = 0;   /* F_USERNS on the request being served (inherited by fork) */
 static int netns_req = 0;    /* F_NETNS: join the passed netns instead of a new one */
+static int sysfs_req = 0;    /* F_SYSFS: bind the node's shared sysfs (last argv) at /sys */
 static int exec_mode = 0;
 static int pty_req = 0;      /* F_PTY on the request being served */
 static unsigned short pty_cols = 80, pty_rows = 24;
@@ -895,7 +896,7 @@ static void mount_overlay(int nlower, char **lowers, const char *upper, const ch
 /* The part of the root the intermediate builds: everything that does not depend on the
  * pid namespace (overlay, /dev, /tmp, /sys - sysfs follows the network namespace). */
 static void build_root_outer(int nlower, char **lowers, const char *upper, const char *work,
-                             long long tmp_bytes, int userns_fd) {
+                             long long tmp_bytes, int userns_fd, const char *sysfs_src) {
     char p[8192], opts[256];
     xmount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
     mount_overlay(nlower, lowers, upper, work, userns_fd);
@@ -975,7 +976,18 @@ static void build_root_outer(int nlower, char **lowers, const char *upper, const
     close(fd);
     xmount(init_bin, p, NULL, MS_BIND, NULL);
     xmount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
-    xmount("sysfs", at_root("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    if (sysfs_src) {
+        /* F_SYSFS: the node's one read-only sysfs of an empty network namespace (it shows
+         * that namespace's lo, never the host's or another sandbox's interfaces), bound
+         * here instead of a sysfs of our own: each superblock per sandbox costs every
+         * memory cgroup a shrinker slot (docs/container.md, Density). */
+        xmount(sysfs_src, at_root("/sys"), NULL, MS_BIND, NULL);
+        xmount(NULL, at_root("/sys"), NULL,
+               MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    } else {
+        xmount("sysfs", at_root("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               NULL);
+    }
 }
 
 /* The part PID 1 of the new pid namespace builds: /proc (procfs shows the pid namespace
@@ -1036,7 +1048,7 @@ static int create_init(void *arg);
 
 static int do_create(int argc, char **argv) {
     /* argv: create root nlower lower... upper work hostname loopback tmp_bytes ncg cg...
-     *       [uid_base uid_count: with F_USERNS] */
+     *       [uid_base uid_count: with F_USERNS] [shared sysfs path: with F_SYSFS] */
     status_fd = FD_STATUS_CREATE;
     fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     syscall(SYS_close_range, FD_REPORT + 1, ~0U, 0);
@@ -1051,7 +1063,11 @@ static int do_create(int argc, char **argv) {
     int loopback = atoi(argv[i++]);
     long long tmp_bytes = atoll(argv[i++]);
     int ncg = atoi(argv[i++]);
-    if (ncg < 0 || i + ncg + (userns_req ? 2 : 0) != argc) { errno = EINVAL; die(1, "usage"); }
+    if (ncg < 0 || i + ncg + (userns_req ? 2 : 0) + (sysfs_req ? 1 : 0) != argc) {
+        errno = EINVAL;
+        die(1, "usage");
+    }
+    const char *sysfs_src = sysfs_req ? argv[argc - 1] : NULL;
     char **cgs = &argv[i];
     i += ncg;
     /* Intermediate (host pid namespace): cgroups, then every namespace but pid. */
@@ -1078,7 +1094,7 @@ static int do_create(int argc, char **argv) {
     }
     if (unshare(unshared) < 0) die(1, "unshare(0x%x)", unshared);
     umask(0);
-    build_root_outer(nlower, lowers, upper, work, tmp_bytes, userns_fd);
+    build_root_outer(nlower, lowers, upper, work, tmp_bytes, userns_fd, sysfs_src);
     if (sethostname(hostname, strnlen(hostname, 64)) < 0) die(1, "sethostname");
     if (loopback) loopback_up();
     if (unshare(CLONE_NEWPID) < 0) die(1, "unshare(CLONE_NEWPID)");
@@ -1135,7 +1151,7 @@ enum { REP_CREATED = 1, REP_STARTED = 2, REP_EXITED = 3, REP_FAILED = 4, REP_RUN
  * terminal of its own inside the sandbox (setup_pty); its size rides in the flags' top
  * bits: cols in 12..21, rows in 22..31. */
 enum { F_BACKGROUND = 1, F_NESTED = 2, F_USERNS = 4, F_NETNS = 8, F_HELPER = 16,
-       F_TRACK = 32, F_PTY = 64 };
+       F_TRACK = 32, F_PTY = 64, F_SYSFS = 128 };
 struct req_hdr { uint32_t type, flags; uint64_t id; };
 struct rep_hdr { uint32_t type; int32_t pid; uint64_t id; int32_t ns_pid, status, err; uint32_t len; };
 
@@ -1691,6 +1707,7 @@ static void handle(char *data, size_t len, int *fds, int nfds) {
     int bpf = bpf_fds[(h.flags & F_NESTED) ? 1 : 0];
     userns_req = (h.flags & F_USERNS) != 0;
     netns_req = (h.flags & F_NETNS) != 0;
+    sysfs_req = (h.flags & F_SYSFS) != 0;
     pty_req = (h.flags & F_PTY) != 0;
     pty_cols = (unsigned short)((h.flags >> 12) & 1023);
     pty_rows = (unsigned short)((h.flags >> 22) & 1023);

@@ -58,6 +58,10 @@ class Create(msgspec.Struct, tag="create", frozen=True):
     userns: tuple[int, int] | None = None
     #: join the network namespace passed as the request's one fd (a router slot)
     netns: bool = False
+    #: bind this node-wide read-only sysfs (mounted from an empty network namespace) at
+    #: /sys instead of a sysfs of the sandbox's own: one superblock less per sandbox
+    #: (docs/container.md, Density). "": its own sysfs.
+    sysfs: str = ""
 
 
 class Exec(msgspec.Struct, tag="exec", frozen=True):
@@ -161,7 +165,7 @@ _REP = struct.Struct("=iiQiiiI")
 REQ_CREATE, REQ_EXEC, REQ_KILL, REQ_HELPER = 1, 2, 3, 4
 REP_CREATED, REP_STARTED, REP_EXITED, REP_FAILED, REP_RUNNING = 1, 2, 3, 4, 5
 F_BACKGROUND, F_NESTED, F_USERNS, F_NETNS, F_HELPER = 1, 2, 4, 8, 16
-F_TRACK, F_PTY = 32, 64
+F_TRACK, F_PTY, F_SYSFS = 32, 64, 128
 _PTY_MAX = 1023       # cols and rows ride in the flags' bits 12..21 and 22..31
 
 
@@ -185,7 +189,8 @@ def request_argv(req: Request) -> list[str]:
         return ["create", req.root, str(len(req.lowerdirs)), *req.lowerdirs, req.upper,
                 req.work, req.hostname, "1" if req.loopback else "0", str(req.tmp_bytes),
                 str(len(req.cgroup_procs)), *req.cgroup_procs,
-                *((str(req.userns[0]), str(req.userns[1])) if req.userns else ())]
+                *((str(req.userns[0]), str(req.userns[1])) if req.userns else ()),
+                *((req.sysfs,) if req.sysfs else ())]
     if isinstance(req, Helper):
         return ["helper", str(len(req.cgroup_procs)), *req.cgroup_procs]
     if isinstance(req, Exec):
@@ -204,7 +209,7 @@ def encode(req: Request) -> bytes:
     if isinstance(req, Create):
         kind = REQ_CREATE
         flags = (F_NESTED if req.nested else 0) | (F_USERNS if req.userns else 0) \
-            | (F_NETNS if req.netns else 0)
+            | (F_NETNS if req.netns else 0) | (F_SYSFS if req.sysfs else 0)
     elif isinstance(req, Exec):
         kind = REQ_EXEC
         flags = (F_NESTED if req.nested else 0) | (F_BACKGROUND if req.background else 0) \
