@@ -112,7 +112,7 @@ __all__ = [
 SandboxState = Literal[
     "creating", "running", "pausing", "paused", "resuming", "destroying", "destroyed", "failed"
 ]
-BackendName = Literal["simulated", "fncall", "container", "runc", "vm"]
+BackendName = Literal["simulated", "fncall", "container", "runc", "gvisor", "vm"]
 IdleAction = Literal["destroy", "pause"]
 #: A sandbox's QoS class (issue 22, dsec.edge.qos): latency-sensitive or best-effort
 QosClass = Literal["ls", "be"]
