@@ -90,23 +90,31 @@ SENTRY_PIDS = 256
 CREATE_TIMEOUT_S = 60.0           # a platform that hangs (kvm on PVM) must not hang create
 
 # Kills, from inside the sandbox, every task of session/process group $1 and every
-# descendant of one (by ppid), until none is left (bounded rounds). busybox ash: `kill` and
+# descendant of one (by ppid), until none is left (bounded rounds). The whole set is found
+# before anything is killed, then stopped, then killed: a parent killed first would have
+# its children reparented to init before they were seen as its. busybox ash: `kill` and
 # `read` are builtins, so nothing from the image is needed.
 KILL_SCRIPT = r"""
 s=$1; keep=" $s "; r=0
 while [ $r -lt 50 ]; do
-  found=
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    read -r st < $d/stat 2>/dev/null || continue
-    set -- ${st##*) }
-    case "$keep" in *" $p "*|*" $2 "*) hit=1;; *) hit=;; esac
-    if [ -n "$hit" ] || [ "$3" = "$s" ] || [ "$4" = "$s" ]; then
-      [ "$1" = Z ] && continue
-      keep="$keep$p "; kill -9 $p 2>/dev/null && found=1
-    fi
+  live=; grow=1
+  while [ -n "$grow" ]; do
+    grow=
+    for d in /proc/[0-9]*; do
+      p=${d#/proc/}
+      read -r st < $d/stat 2>/dev/null || continue
+      set -- ${st##*) }
+      case "$keep" in
+        *" $p "*) ;;
+        *" $2 "*) keep="$keep$p "; grow=1;;
+        *) if [ "$3" = "$s" ] || [ "$4" = "$s" ]; then keep="$keep$p "; grow=1; else continue; fi;;
+      esac
+      [ "$1" = Z ] || case " $live " in *" $p "*) ;; *) live="$live $p";; esac
+    done
   done
-  [ -z "$found" ] && exit 0
+  [ -z "$live" ] && exit 0
+  for p in $live; do kill -STOP $p 2>/dev/null; done
+  for p in $live; do kill -9 $p 2>/dev/null; done
   r=$((r+1))
 done
 """
