@@ -271,6 +271,35 @@ async def test_sandbox_is_adopted_after_an_edge_restart(tmp_path: Path,
         _rmdir_everywhere(f"dsec-{b.cgroup_name}")
 
 
+async def test_a_sandbox_nobody_keeps_is_removed_at_restart(tmp_path: Path,
+                                                       images_dir: str) -> None:
+    """After an edge crash, reconcile removes a gvisor sandbox the node does not keep:
+    its Sentry and gofer, its state files, its cgroups, its mount."""
+    why = runsc_missing()
+    if why:
+        pytest.skip(why)
+    root = str(tmp_path / "groot")
+    b = make_backend("gvisor", root_dir=root, images=DirectoryImages(images_dir))
+    assert isinstance(b, ContainerBackend)
+    b2: ContainerBackend | None = None
+    sid = new_sid()
+    try:
+        await b.create(sid, SPEC)
+        await b.exec(sid, ExecRequest(argv=("sleep", "60"), background=True))
+        await b.close()
+        b2 = make_backend("gvisor", root_dir=root, images=DirectoryImages(images_dir))
+        assert isinstance(b2, ContainerBackend)
+        left = await b2.reconcile(set())
+        assert [x.sandbox_id for x in left] == [sid] and left[0].backend == "gvisor"
+        assert sid not in b2.census().sandboxes()
+        assert not [n for n in os.listdir(os.path.join(root, "runc-state")) if sid in n]
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and sid.encode() in
+                    _cmdline(p)]
+    finally:
+        await _cleanup(b2 if b2 is not None else b)
+        _rmdir_everywhere(f"dsec-{b.cgroup_name}")
+
+
 async def test_privileged_calls_fail_or_stay_in_the_sentry(
         backend: ContainerBackend) -> None:
     sid = new_sid()

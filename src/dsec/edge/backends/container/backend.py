@@ -1426,7 +1426,8 @@ class ContainerBackend:
             with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
                 # escapes, no pid number is signalled; in a thread (the freeze waits)
                 await asyncio.to_thread(self.governor.kill_all, managed)
-        if sid in census.runc and self._runc is not None:
+        if self._runc is not None and (sid in census.runc or self._runsc is not None):
+            # (runsc keeps its state as files, not a directory the census lists)
             # after the kill: `delete --force` of a running container signals its init by
             # pid number; of a stopped one it only removes state, cgroups and the rootfs
             await self._runc.destroy(sid, d)
