@@ -137,7 +137,14 @@ async def test_it_is_gvisor(backend: ContainerBackend) -> None:
     # the host process is runsc's sandbox, in the sandbox's cgroup
     argv0 = Path(f"/proc/{backend.init_pid(sid)}/cmdline").read_bytes().split(b"\0")[0]
     assert argv0 == b"runsc-sandbox", argv0
-    assert backend.init_pid(sid) in backend.governor.pids(backend.box(sid).cg)
+    cg = backend.box(sid).cg
+    assert backend.init_pid(sid) in backend.governor.pids(cg)
+    # the limits are the host cgroup's, as for runc (pids: plus the Sentry's own threads)
+    assert Path(cg.dirs["memory"], "memory.limit_in_bytes").read_text().strip() == \
+        str(SPEC.memory_bytes)
+    assert SPEC.pids_max is not None
+    assert Path(cg.dirs["pids"], "pids.max").read_text().strip() == \
+        str(SPEC.pids_max + runsc_mod.SENTRY_PIDS)
 
 
 async def test_host_file_api_and_the_sentry_see_the_same_files(
@@ -269,6 +276,29 @@ async def test_sandbox_is_adopted_after_an_edge_restart(tmp_path: Path,
     finally:
         await _cleanup(b2 if b2 is not None else b)
         _rmdir_everywhere(f"dsec-{b.cgroup_name}")
+
+
+async def test_a_killed_sentry_is_a_backend_crash_event(backend: ContainerBackend) -> None:
+    """kill -9 of the Sentry from the host (a crash of gVisor itself): the sandbox is
+    reported dead (``backend_crash``), its exec fails instead of hanging, destroy
+    cleans up."""
+    events: list[tuple[str, str]] = []
+    backend.watch(lambda sid, reason, detail: events.append((sid, reason)))
+    sid = new_sid()
+    await backend.create(sid, SPEC)
+    running = asyncio.ensure_future(backend.exec(sid, ExecRequest(argv=("sleep", "30"),
+                                                                  timeout_s=60)))
+    await asyncio.sleep(0.3)
+    os.kill(backend.init_pid(sid), 9)
+    with pytest.raises(DsecError, match="stopped"):
+        await asyncio.wait_for(running, 20)
+    for _ in range(100):
+        if events:
+            break
+        await asyncio.sleep(0.05)
+    assert events == [(sid, "backend_crash")]
+    await backend.destroy(sid)
+    assert sid not in backend.census().sandboxes()
 
 
 async def test_a_sandbox_nobody_keeps_is_removed_at_restart(tmp_path: Path,
