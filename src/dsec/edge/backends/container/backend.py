@@ -1526,7 +1526,8 @@ class ContainerBackend:
                                           user=req.user or box.spec.user)
         if req.hide and self._runc is not None:
             raise InvalidArgument("exec hide (Landlock) needs the native container runtime; "
-                                  "this edge runs containers with runc", field="hide")
+                                  f"this backend ({self.name}) runs containers with "
+                                  f"{self.runtime}", field="hide")
         oom_before = self.governor.oom_kills(box.cg)
         try:
             if self._runc is not None:

@@ -48,11 +48,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -86,6 +89,7 @@ BUSYBOX_IN = "/dev/.dsec/busybox"  # its basename must be "busybox" to dispatch 
 #: the image's mount point directories under them (writes would be invisible inside)
 HIDDEN_PREFIXES = ("/dev", "/proc", "/sys")
 LOG_MAX_BYTES = 1 << 20
+log = logging.getLogger("dsec.edge.container.runsc")
 #: host tasks of the Sentry itself (Go threads; ~100 measured idle with ptrace) added to
 #: the sandbox's pids.max on the host, so ``pids_max`` still means about what the
 #: sandbox's own processes may number (each of them is also a host stub task on ptrace)
@@ -190,7 +194,6 @@ def _probe_cached(binary: str, cache_dir: str, timeout_s: float) -> str:
         raise BackendError(f"cannot run {binary} to probe gVisor's platforms: {exc}; "
                            "install runsc (make setup) or give platform=") from exc
     key = f"{ver[0] if ver else '?'} / {os.uname().release}"
-    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     path = os.path.join(cache_dir, "runsc-platform.json")
     try:
         with open(path) as f:
@@ -202,17 +205,23 @@ def _probe_cached(binary: str, cache_dir: str, timeout_s: float) -> str:
             return str(rec["platform"])
     except (OSError, ValueError, AttributeError):
         pass
-    state = os.path.join(cache_dir, ".runsc-probe")
-    os.makedirs(state, mode=0o700, exist_ok=True)
-    chosen = choose_platform(listed, lambda p: _probe_one(binary, state, p, timeout_s))
+    state = tempfile.mkdtemp(prefix="dsec-runsc-probe-")
+    try:
+        chosen = choose_platform(listed, lambda p: _probe_one(binary, state, p, timeout_s))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
     if chosen is None:
         raise BackendError(f"no gVisor platform works on this node ({binary} lists "
                            f"{listed or 'none'}; each was tried with `runsc do /bin/true`): "
                            "the gvisor tier is unavailable here")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"key": key, "platform": chosen, "listed": listed}, f)
-    os.replace(tmp, path)
+    try:  # the next edge start skips the probe; not fatal if the cache is not writable
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"key": key, "platform": chosen, "listed": listed}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("gVisor platform %s not cached in %s: %s", chosen, cache_dir, exc)
     return chosen
 
 
