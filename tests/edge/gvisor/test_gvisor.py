@@ -301,6 +301,28 @@ async def test_a_killed_sentry_is_a_backend_crash_event(backend: ContainerBacken
     assert sid not in backend.census().sandboxes()
 
 
+async def test_a_fork_bomb_stops_only_its_own_sandbox(backend: ContainerBackend) -> None:
+    """Past the host task limit the Sentry cannot start a process and exits: the
+    sandbox stops (``backend_crash`` naming the task limit) - the node and the other
+    sandboxes go on."""
+    events: list[tuple[str, str, str]] = []
+    backend.watch(lambda sid, reason, detail: events.append((sid, reason, detail)))
+    sid, other = new_sid(), new_sid()
+    await backend.create(sid, SandboxSpec(backend="container", memory_bytes=512 << 20,
+                                          pids_max=64))
+    await backend.create(other, SPEC)
+    with pytest.raises(DsecError, match="stopped"):
+        await backend.exec(sid, ExecRequest(
+            shell="n=0; while [ $n -lt 400 ]; do sleep 100 & n=$((n+1)); done", timeout_s=30))
+    for _ in range(100):
+        if any(e[0] == sid and e[1] == "backend_crash" for e in events):
+            break
+        await asyncio.sleep(0.05)
+    crash = [e for e in events if e[0] == sid and e[1] == "backend_crash"]
+    assert crash and "task limit" in crash[0][2], events
+    assert await sh(backend, other, "echo fine") == "fine\n"
+
+
 async def test_a_sandbox_nobody_keeps_is_removed_at_restart(tmp_path: Path,
                                                        images_dir: str) -> None:
     """After an edge crash, reconcile removes a gvisor sandbox the node does not keep:

@@ -814,6 +814,13 @@ class ContainerBackend:
         detail = (f"the sandbox's init (pid {box.init_pid}) exited"
                   + (f" after the OOM killer fired in its cgroup (memory limit "
                      f"{box.spec.memory_bytes} bytes)" if oom else ""))
+        if not oom and self._runsc is not None \
+                and self.governor.pids_limit_hits(box.cg) > box.pids_seen:
+            # gVisor's Sentry cannot go on when the host refuses it a task (a stub for a
+            # new process): the whole sandbox stops instead of one fork failing
+            detail += (f" after its host task limit was hit (pids_max {box.spec.pids_max}"
+                       " plus the Sentry's own threads): on the gvisor tier too many "
+                       "processes stop the whole sandbox - raise pids_max")
         self._report(box, reason, detail)
 
     def _on_oom_event(self, box: Box) -> None:

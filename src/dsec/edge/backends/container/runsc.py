@@ -513,7 +513,8 @@ class RunscDriver(RuncDriver):
             code, stderr = mistake, f"cannot run: {err.strip()[:300]}\n".encode()
         elif box.exited.is_set() and not timed_out:
             raise BackendError(f"sandbox {box.sid} stopped while its exec ran (its Sentry "
-                               "exited; an OOM kill of the Sentry stops the whole sandbox)")
+                               "exited: an OOM kill, or too many processes for its task "
+                               "limit, stops a gvisor sandbox; its events say which)")
         return ExecResult(
             exit_code=code, stdout=bytes(pump.bufs["stdout"]), stderr=stderr,
             stdout_truncated=pump.truncated["stdout"], stderr_truncated=pump.truncated["stderr"],
