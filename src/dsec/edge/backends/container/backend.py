@@ -709,7 +709,11 @@ class ContainerBackend:
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
         for box in chunk:
-            if not box.dying and box.pidfd < 0 and not box.watch_rid and not box.exited.is_set() \
+            # (init_pid 0: still being created - its init is not started yet; the runc
+            # and runsc drivers register the box before `run` answers, 0.1-0.4 s for
+            # runsc, and a tick then declared it dead: "init (pid 0) exited")
+            if not box.dying and box.init_pid and box.pidfd < 0 and not box.watch_rid \
+                    and not box.exited.is_set() \
                     and start_time(box.init_pid, running=True) != box.init_start:
                 # nobody reports this init's exit (the zygote that was its parent died)
                 self._init_died(box)
