@@ -19,8 +19,10 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   measured: with ``exclusive`` a file the file API had removed was still listed and read
   inside; ``find / -xdev`` p50 58-87 ms with either, no difference above the noise of a
   loaded 2-core box), ``--oci-seccomp`` (the deny list of ``linux.seccomp`` applied by
-  the Sentry - to the init only in this runsc: exec'd processes run without it, see
-  tests/security/test_gvisor_sandbox.py for what the Sentry refuses by itself).
+  the Sentry - to the init only: runsc starts an exec'd process with no filter, so
+  every exec runs ``nsexec filter`` first (the native driver's static helper and the
+  compiled profile, bind-mounted read-only at :data:`NSEXEC_IN`, :data:`SECCOMP_IN`),
+  which loads the same profile and execs the command - one more execve inside, ~ms).
 - **/tmp is on the sandbox's disk**, not a tmpfs: a tmpfs would live in the Sentry's
   memory, out of the host file API's reach (the edge could neither read nor write it).
   runsc mounts such a tmpfs over an empty /tmp by itself unless the spec mounts /tmp, so
