@@ -214,9 +214,15 @@ async def test_pause_freezes_and_resume_thaws(backend: ContainerBackend) -> None
     sid = new_sid()
     await backend.create(sid, SPEC)
     await backend.exec(sid, ExecRequest(
-        shell="i=0; while true; do i=$((i+1)); echo $i > /workspace/n; sleep 0.05; done",
+        # renamed into place: a freeze between truncate and write cannot leave it empty
+        shell="i=0; while true; do i=$((i+1)); echo $i > /workspace/n.t; "
+              "mv /workspace/n.t /workspace/n; sleep 0.05; done",
         background=True))
-    await asyncio.sleep(0.3)
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if backend.box(sid) and os.path.exists(os.path.join(backend.upper_dir(sid),
+                                                            "workspace/n")):
+            break
     stats = await backend.pause(sid)
     assert stats.resident_before_bytes > 0 and stats.reclaimed_bytes >= 0
     assert backend.governor.is_frozen(backend.box(sid).cg)
@@ -225,7 +231,10 @@ async def test_pause_freezes_and_resume_thaws(backend: ContainerBackend) -> None
     assert await backend.read_file(sid, "/workspace/n") == n1 and int(n1) > 0
     await backend.resume(sid)
     assert not backend.governor.is_frozen(backend.box(sid).cg)
-    await asyncio.sleep(0.4)
+    for _ in range(200):   # it counts on (slowly on a loaded node)
+        await asyncio.sleep(0.05)
+        if int(await backend.read_file(sid, "/workspace/n")) > int(n1):
+            break
     assert int(await backend.read_file(sid, "/workspace/n")) > int(n1)
     await backend.pause(sid)   # an exec on a paused sandbox resumes it
     assert await sh(backend, sid, "echo up") == "up\n"
