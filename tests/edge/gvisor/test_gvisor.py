@@ -437,24 +437,33 @@ async def test_snapshot_chain_restores_exact_trees(env: Env) -> None:
     await _chain(env)
 
 
-async def test_node_reports_the_oom_stop_as_an_event(env: Env) -> None:
-    """A memory limit hit OOM-kills the Sentry: the sandbox stops (``destroyed`` with
-    reason ``oom``, the exec interrupted), and only that sandbox."""
+async def test_a_memory_bomb_is_contained_in_its_sandbox(env: Env) -> None:
+    """A memory bomb meets one of two ends, both inside its own sandbox: the Sentry
+    refuses the memory (its ``--total-memory`` is the limit: ENOMEM inside, the sandbox
+    lives on), or the Sentry's own overhead tips the cgroup over and the host OOM-kills
+    it - the sandbox stops (``destroyed``, reason ``oom``, the exec interrupted). Which
+    one is a race (seen 1 in 4 runs here for the first)."""
     node = env.node
     sb = await node.create(SandboxSpec(image="base", backend="container",
                                        memory_bytes=96 << 20, pids_max=256))
     other = await node.create(SandboxSpec(image="base", backend="container",
                                           memory_bytes=96 << 20, pids_max=256))
-    with pytest.raises(DsecError, match="oom"):
+    try:
         # tail -c keeps the last 300 MB it read: it grows until the limit
-        await node.exec(sb.id, ExecRequest(
+        r = await node.exec(sb.id, ExecRequest(
             shell="head -c 300000000 /dev/zero | tail -c 300000000 | wc -c", timeout_s=60))
-    for _ in range(200):
-        if node.get(sb.id).state == "destroyed":
-            break
-        await asyncio.sleep(0.05)
-    info = node.get(sb.id)
-    assert (info.state, info.reason) == ("destroyed", "oom"), info
-    assert "oom" in [e.reason for e in node.events(sb.id)]
+    except DsecError as exc:
+        assert "oom" in str(exc), exc
+        for _ in range(200):
+            if node.get(sb.id).state == "destroyed":
+                break
+            await asyncio.sleep(0.05)
+        info = node.get(sb.id)
+        assert (info.state, info.reason) == ("destroyed", "oom"), info
+        assert "oom" in [e.reason for e in node.events(sb.id)]
+    else:
+        assert int(r.stdout) < 300_000_000, r     # tail got ENOMEM from the Sentry
+        assert node.get(sb.id).state == "running"
+        assert (await node.exec(sb.id, ExecRequest(shell="echo alive"))).stdout == b"alive\n"
     r = await node.exec(other.id, ExecRequest(shell="echo fine"))
     assert r.stdout == b"fine\n"

@@ -37,9 +37,11 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   :data:`BUSYBOX_IN` - any image works, with or without a shell). A process that left
   the session (setsid) and was reparented to init escapes the timeout kill; it dies with
   the sandbox.
-- **OOM** is the host's: the Sentry and its memory are one process in the sandbox's
-  memory cgroup, so hitting ``memory_bytes`` OOM-kills the Sentry and the whole sandbox
-  stops (reported as ``oom``), where a native sandbox loses one process.
+- **OOM**: the Sentry and its memory are one process in the sandbox's memory cgroup.
+  runsc gives the Sentry ``--total-memory`` = the limit, so an allocation past it may
+  fail inside (ENOMEM); but the Sentry's own overhead can tip the cgroup over first,
+  and then the host OOM-kills the Sentry and the whole sandbox stops (reported as
+  ``oom``), where a native sandbox loses one process. Which happens is a race.
 - **Logs**: ``run``'s log goes to a pipe read only while ``run`` runs, then closed: the
   Sentry and gofer keep the log descriptor for their lives, and a file there would be
   host disk a sandbox could fill (warnings it provokes) after its unlink.
