@@ -30,8 +30,10 @@ from dsec.wire.spec import NetworkPolicy, SandboxInfo, SandboxSpec
 
 SAMPLE = SandboxSpec(
     image="python", workspace="ws:1", toolkits=("tk:1", "tk:2"), backend="simulated",
+    isolation="container",  # the simulated backend stands in for the container tier
     cpu_milli=1500, memory_bytes=256 << 20, disk_bytes=1 << 30, pids_max=512, priority=7,
-    labels={"team": "rl"}, project="default/sub", ttl_s=3600.0, idle_timeout_s=600.0,
+    labels={"team": "rl"}, project="default/sub", ttl_s=3600.0, ttl_action="pause",
+    idle_timeout_s=600.0,
     idle_action="pause", env={"E": "1"},
     network=NetworkPolicy(mode="allowlist", allow=("example.com:443",)), allow_nested=True,
     user_namespace=True, cwd="/srv", user="1000:1000", build_step="b" * 64, qos="be",
@@ -58,10 +60,12 @@ def cluster() -> Iterator[LocalCluster]:
 def _sdk_kwargs(spec: SandboxSpec) -> dict[str, Any]:
     """The SDK's create keywords for ``spec``, written out here (not derived)."""
     return {"image": spec.image, "workspace": spec.workspace, "toolkits": list(spec.toolkits),
-            "snapshot": spec.snapshot, "backend": spec.backend, "cpu": spec.cpu_milli / 1000,
+            "snapshot": spec.snapshot, "backend": spec.backend, "isolation": spec.isolation,
+            "cpu": spec.cpu_milli / 1000,
             "memory": spec.memory_bytes, "disk": spec.disk_bytes, "pids_max": spec.pids_max,
             "priority": spec.priority, "labels": spec.labels, "project": spec.project,
-            "ttl": spec.ttl_s, "idle_timeout": spec.idle_timeout_s,
+            "ttl": spec.ttl_s, "ttl_action": spec.ttl_action,
+            "idle_timeout": spec.idle_timeout_s,
             "idle_action": spec.idle_action, "env": spec.env, "network": spec.network,
             "allow_nested": spec.allow_nested, "user_namespace": spec.user_namespace,
             "cwd": spec.cwd, "user": spec.user, "build_step": spec.build_step,

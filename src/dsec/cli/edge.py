@@ -58,9 +58,12 @@ def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str,
 
 def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None,
                   layer_store: str | None, owned: list[Any], *,
-                  lazy: dict[str, Any] | None = None) -> dict[str, Any]:
+                  lazy: dict[str, Any] | None = None,
+                  shared: dict[str, Any] | None = None) -> dict[str, Any]:
     """``make_backend`` options; what must be closed at exit is appended to ``owned``.
-    ``lazy``: ``blob_url``, ``cache_bytes``, ``node`` of the node's lazy layers."""
+    ``lazy``: ``blob_url``, ``cache_bytes``, ``node`` of the node's lazy layers.
+    ``shared``: what the node's backends share, filled on first use (the images object:
+    pass the same dict for every backend of one node)."""
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
 
@@ -75,22 +78,17 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
         # and reconciles the rest (a temp dir per process could do neither).
         root = {"root": os.path.join(state_dir, "fncall")} if state_dir else {}
         return {"pool_size": pool_size, **root}
-    if name == "container":
+    from dsec.edge.backends import LAYERED
+
+    if name in LAYERED:
         opts: dict[str, Any] = {}
         if state_dir is not None:
-            opts["root_dir"] = os.path.join(state_dir, "container")
+            opts["root_dir"] = os.path.join(state_dir, name)
         if layer_store is not None:
-            from dsec.edge.backends.container.images import StoreImages
-            from dsec.image import LayerStore, MountCache
-
-            lazy_layers = _lazy_layers(lazy, state_dir, layer_store)
-            # layers mounted once for all this node's sandboxes
-            mounts = MountCache(lazy=lazy_layers)
-            owned.append(mounts)
-            if lazy_layers is not None:
-                lazy_layers.on_restart(mounts.rebind_lazy)
-                owned.append(lazy_layers)   # after the mounts: EROFS holds its files open
-            opts["images"] = StoreImages(LayerStore(layer_store), mounts, lazy_layers)
+            shared = {} if shared is None else shared
+            if "images" not in shared:
+                shared["images"] = _node_images(layer_store, state_dir, owned, lazy)
+            opts["images"] = shared["images"]
         elif lazy is not None:
             from dsec.errors import InvalidArgument
 
@@ -98,6 +96,50 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
                                   "manifests of the layers it reads lazily in its store")
         return opts
     return {}
+
+
+def pool_split(n: int, total: int | None, state_dir: str | None) -> int | None:
+    """Each pooled backend's disk pool size on a node running ``n`` of them (container
+    and gvisor each keep a preallocated btrfs pool in their own root): ``total`` (the
+    node's ``--disk-pool``, else $DSEC_DISK_POOL_BYTES, else the default share of the
+    state dir's free space, measured once here) split evenly. Each backend sizing its
+    own pool took the default share of what was free *then*, so the second found the
+    disk already reserved by the first and the edge did not start. None: each backend's
+    own rule (one pooled backend; or no state dir; or the free space no longer allows a
+    new pool, as on a restart whose pools exist already: their size is kept)."""
+    from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
+    from dsec.errors import DsecError
+
+    if n < 2:
+        return total
+    if total is None and os.environ.get(POOL_SIZE_ENV, "").isdigit():
+        total = int(os.environ[POOL_SIZE_ENV])
+    if total is None:
+        if state_dir is None:
+            return None
+        vfs = os.statvfs(state_dir)
+        try:
+            total = pool_size_for(vfs.f_bavail * vfs.f_frsize)
+        except DsecError:
+            return None
+    return max(MIN_POOL_BYTES, total // n)
+
+
+def _node_images(layer_store: str, state_dir: str | None, owned: list[Any],
+                 lazy: dict[str, Any] | None) -> Any:
+    """The node's images object (StoreImages over the layer store, one MountCache, the
+    lazy layers if any): made once per node and handed to every layered backend."""
+    from dsec.edge.backends.container.images import StoreImages
+    from dsec.image import LayerStore, MountCache
+
+    lazy_layers = _lazy_layers(lazy, state_dir, layer_store)
+    # layers mounted once for all this node's sandboxes
+    mounts = MountCache(lazy=lazy_layers)
+    owned.append(mounts)
+    if lazy_layers is not None:
+        lazy_layers.on_restart(mounts.rebind_lazy)
+        owned.append(lazy_layers)   # after the mounts: EROFS holds its files open
+    return StoreImages(LayerStore(layer_store), mounts, lazy_layers)
 
 
 def _lazy_layers(lazy: dict[str, Any] | None, state_dir: str | None,
@@ -403,7 +445,10 @@ def _die_with_supervisor(pid: int) -> None:
                    "the answer (survives kill -9 and power loss), write before it (kill -9 "
                    "only), or tick (up to 50 ms later: a crash loses that tick).")
 @click.option("--backend", "backends", multiple=True, default=("simulated",), show_default=True,
-              help="Backend to offer (repeatable): simulated, fncall, container, ...")
+              help="Backend to offer (repeatable): simulated, fncall, container, gvisor, vm. "
+                   "The isolation tiers are backends: container, gvisor (runsc) and vm "
+                   "(QEMU) each get a root dir <state-dir>/<name> and share the node's "
+                   "--layer-store (one mount of each layer).")
 @click.option("--node-id", default=_default_node_id, show_default="hostname",
               help="This node's id; it is part of every sandbox id it creates.")
 @capacity_options("this node")
@@ -433,7 +478,8 @@ def _die_with_supervisor(pid: int) -> None:
               help="Disk cap of a container sandbox created without one.")
 @click.option("--disk-pool", default=None, metavar="SIZE",
               help="Size of the container backend's sandbox disk pool when first made "
-                   "[default: 90% of its root dir's free space].")
+                   "[default: 90% of its root dir's free space]; with --backend container "
+                   "--backend gvisor, split evenly between their two pools.")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -610,12 +656,14 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
             memory_overcommit=memory_overcommit, max_sandboxes=max_sandboxes)
         extra = _extra_opts(backend_opts, backends)
         from dsec.client.core import parse_memory
+        from dsec.edge.backends import DISK_POOLED
+        pooled = [n for n in dict.fromkeys(backends) if n in DISK_POOLED]
         disk_opts: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
-                                     "disk_pool_bytes": None if disk_pool is None
-                                     else parse_memory(disk_pool)}
-        for name in backends:
-            if name == "container":
-                extra[name] = {**disk_opts, **extra.get(name, {})}
+                                     "disk_pool_bytes": pool_split(
+                                         len(pooled), None if disk_pool is None
+                                         else parse_memory(disk_pool), state_dir)}
+        for name in pooled:
+            extra[name] = {**disk_opts, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
         if net_egress is not None and net_uplink != "host":
             raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
@@ -627,12 +675,13 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                                               egress=net_egress, link=net_link,
                                               ipv6=net_ipv6)
             extra["container"] = {**extra.get("container", {}), "network": network}
+        shared: dict[str, Any] = {}   # one images object for every tier of the node
         for name in dict.fromkeys(backends):
             lazy = None if blob_store is None else {
                 "blob_url": blob_store, "cache_bytes": lazy_cache_bytes, "node": node_id}
             built[name] = make_backend(name, **{**_backend_opts(
-                name, profile, fncall_pool_size, state_dir, layer_store, owned, lazy=lazy),
-                **extra.get(name, {})})
+                name, profile, fncall_pool_size, state_dir, layer_store, owned, lazy=lazy,
+                shared=shared), **extra.get(name, {})})
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]

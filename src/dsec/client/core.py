@@ -106,6 +106,7 @@ from dsec.wire.spec import (
     ExecRequest,
     ExecResult,
     IdleAction,
+    Isolation,
     NetworkPolicy,
     PauseStats,
     QosClass,
@@ -115,6 +116,7 @@ from dsec.wire.spec import (
     SandboxState,
     SandboxStats,
     check_idempotency_key,
+    isolation_of,
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncPorts", "AsyncSandbox", "AsyncSandboxes",
@@ -589,6 +591,7 @@ class AsyncSandboxes:
         toolkits: Sequence[str] = (), backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, disk: int | str | None = None,
@@ -596,7 +599,7 @@ class AsyncSandboxes:
         allow_nested: bool = False, user_namespace: bool = False,
         cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, qos: QosClass | None = None,
-        cpu_quota: float | None = None,
+        cpu_quota: float | None = None, isolation: Isolation | None = None,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
         server's to decide: backend, project, lifetime)."""
@@ -605,10 +608,12 @@ class AsyncSandboxes:
         return SandboxSpec(
             image=image, workspace=workspace, toolkits=tuple(toolkits),
             snapshot=None if snapshot is None else _snap_id(snapshot),
-            backend=backend, cpu_milli=round(cpu * 1000), memory_bytes=parse_memory(memory),
+            backend=backend, isolation=isolation, cpu_milli=round(cpu * 1000),
+            memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl,
-            idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
+            idle_timeout_s=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
             user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step,
             qos=qos, cpu_quota_milli=None if cpu_quota is None else round(cpu_quota * 1000))
@@ -639,16 +644,19 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
-        bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
-        "destroy" or "pause"); ``project``: the key's default project when None;
+        bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``,
+        ``ttl_action``: "destroy" or "pause" when it runs out); ``project``: the key's
+        default project when None;
         ``session``: bind it to this client's session (destroyed when the client closes
         or dies; None: the client's ``session`` choice, False by default: it lives until
         its timeout); ``detached=True``: never bound (as ``session=False``);
@@ -658,6 +666,11 @@ class AsyncSandboxes:
         weight, paused first under memory pressure); None: "ls" unless the project's
         quota restricts it (docs/container.md "QoS classes"). ``cpu_quota``: the CPU cap
         in cores (None: capped at ``cpu``).
+        ``isolation``: the isolation tier, "container" (namespaces on the host kernel),
+        "gvisor" (gVisor's user-space kernel) or "vm" (a microVM with its own kernel; see
+        docs/isolation.md); it picks the backend when ``backend`` is None (with both,
+        they must agree). None: the server's default backend and its tier. A tier no
+        node of the cluster offers is refused (InvalidArgument naming what is offered).
         ``build_step``: an image build step's cache key (the builder sets it: the edge
         records it in this sandbox's snapshots with the stack it ran on).
 
@@ -675,8 +688,10 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "ttl_action": ttl_action,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota})
+            "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota,
+            "isolation": isolation})
         c = self._c
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
@@ -699,10 +714,12 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list: a keyword dict laid over the keywords
@@ -717,8 +734,9 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "ttl_action": ttl_action,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user, "qos": qos, "cpu_quota": cpu_quota}
+            "user": user, "qos": qos, "cpu_quota": cpu_quota, "isolation": isolation}
         c = self._c
         specs: list[SandboxSpec]
         if isinstance(n, int) and not isinstance(n, bool):
@@ -784,15 +802,16 @@ class AsyncSandboxes:
 
     async def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
                    state: SandboxState | None = None, limit: int | None = None,
-                   node: str | None = None) -> list[AsyncSandbox]:
+                   node: str | None = None,
+                   isolation: Isolation | None = None) -> list[AsyncSandbox]:
         """Every matching sandbox (pages through the server's cursor); ``node``: only
-        those on that node."""
+        those on that node; ``isolation``: only those of that tier."""
         out: list[AsyncSandbox] = []
         cursor: str | None = None
         while True:
             page = await self._c._retry(
                 functools.partial(self._list_page, project, labels or {}, state, cursor,
-                                  node))
+                                  node, isolation))
             out += [AsyncSandbox(self._c, i) for i in page.items]
             cursor = page.next_cursor
             if cursor is None or (limit is not None and len(out) >= limit):
@@ -800,10 +819,11 @@ class AsyncSandboxes:
 
     async def _list_page(self, project: str | None, labels: Mapping[str, str],
                          state: SandboxState | None, cursor: str | None,
-                         node: str | None = None) -> SandboxList:
+                         node: str | None = None,
+                         isolation: Isolation | None = None) -> SandboxList:
         return await self._c.call(ops.LIST, ListSandboxes(
             project=project, labels=dict(labels), state=state,
-            limit=1000, cursor=cursor, node=node))
+            limit=1000, cursor=cursor, node=node, isolation=isolation))
 
     async def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
@@ -965,6 +985,12 @@ class AsyncSandbox:
     @property
     def state(self) -> str:
         return self.info.state
+
+    @property
+    def isolation(self) -> Isolation | None:
+        """The isolation tier it runs in ("container", "gvisor", "vm"; None for a backend
+        in no tier, fncall), from its spec: what was asked, else its backend's tier."""
+        return isolation_of(self.info.spec)
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._c.call(ops.GET, SandboxRef(id=self.id))

@@ -59,6 +59,7 @@ from dsec.wire.spec import (
     ExecRequest,
     ExecResult,
     IdleAction,
+    Isolation,
     NetworkPolicy,
     PauseStats,
     QosClass,
@@ -228,21 +229,24 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
             spec=spec, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
-            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            idle_timeout=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
-            session=session, qos=qos, cpu_quota=cpu_quota)))
+            session=session, qos=qos, cpu_quota=cpu_quota, isolation=isolation)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
@@ -253,30 +257,36 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(
             n, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
-            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            idle_timeout=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota))]
+            cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota,
+            isolation=isolation))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
 
     def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
              state: SandboxState | None = None, limit: int | None = None,
-             node: str | None = None) -> list[Sandbox]:
+             node: str | None = None,
+             isolation: Isolation | None = None) -> list[Sandbox]:
         """Every matching sandbox (pages through the server's cursor); ``node``: only
-        those on that node."""
+        those on that node; ``isolation``: only those of that tier."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.list(
-            project=project, labels=labels, state=state, limit=limit, node=node))]
+            project=project, labels=labels, state=state, limit=limit, node=node,
+            isolation=isolation))]
 
     def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,
@@ -415,6 +425,11 @@ class Sandbox:
     @property
     def state(self) -> str:
         return self._a.state
+
+    @property
+    def isolation(self) -> Isolation | None:
+        """See :attr:`~dsec.client.core.AsyncSandbox.isolation`."""
+        return self._a.isolation
 
     def refresh(self) -> SandboxInfo:
         return self._c._run(self._a.refresh())

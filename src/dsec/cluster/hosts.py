@@ -70,6 +70,7 @@ from dsec import ownership
 from dsec.cluster import DSEC_ARGV
 from dsec.cluster.edge_process import EdgePaths, EdgeProcess
 from dsec.control.supervisor import RestartPolicy
+from dsec.edge.backends import LAYERED
 from dsec.errors import InvalidArgument, TransportError
 from dsec.net import netns
 
@@ -326,7 +327,8 @@ class Relay:
             fd, host, port = self.targets[(start + k) % n]
             s = _socket_in(fd)
             try:
-                await asyncio.wait_for(loop.sock_connect(s, (host, port)), RELAY_CONNECT_S)
+                async with asyncio.timeout(RELAY_CONNECT_S):
+                    await loop.sock_connect(s, (host, port))
                 return await asyncio.open_connection(sock=s)
             except (OSError, TimeoutError):
                 s.close()
@@ -540,7 +542,7 @@ class HostCluster:
             argv += ["--backend", b]
         if cfg.simulated_profile != "zero":
             argv += ["--profile", cfg.simulated_profile]
-        if "container" in cfg.backends:
+        if any(b in LAYERED for b in cfg.backends):
             argv += ["--layer-store", os.path.join(d, "layers"),
                      "--disk-pool", str(cfg.disk_pool_bytes),
                      "--disk-default", str(cfg.disk_default_bytes)]
@@ -587,7 +589,7 @@ class HostCluster:
         os.makedirs(self.api_dir, mode=0o700, exist_ok=True)
         for node in self.node_ids:
             os.makedirs(self._host_dir(node), mode=0o700, exist_ok=True)
-        if "container" in self.config.backends:
+        if any(b in LAYERED for b in self.config.backends):
             await asyncio.to_thread(self._layers)
         # The relays first: their ports are the ones the replicas listen on in their
         # namespaces, so the addresses a replica advertises work from here too.
@@ -738,7 +740,8 @@ class HostCluster:
 
     async def _stop_async(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._destroy_everything(), 60)
+            async with asyncio.timeout(60):
+                await self._destroy_everything()
         for k in range(len(self.replicas)):
             await asyncio.to_thread(self._kill_replica, k, signal.SIGTERM)
         await asyncio.gather(*(p.stop() for p in self.edges.values()),
@@ -839,13 +842,14 @@ class HostCluster:
         proc = self.edges[node]
 
         async def back() -> int:
-            while True:
-                await proc.wait_state("running", timeout=timeout)
-                pid = proc.pid
-                if pid is not None and pid != old_pid:
-                    return pid
-                await asyncio.sleep(0.02)
-        return self.run(asyncio.wait_for(back(), timeout), timeout=timeout + 5)
+            async with asyncio.timeout(timeout):
+                while True:
+                    await proc.wait_state("running", timeout=timeout)
+                    pid = proc.pid
+                    if pid is not None and pid != old_pid:
+                        return pid
+                    await asyncio.sleep(0.02)
+        return self.run(back(), timeout=timeout + 5)
 
     def kill_replica(self, k: int) -> int:
         """kill -9 apiserver replica ``k`` (not restarted). Returns its pid."""

@@ -42,6 +42,7 @@ from dsec.wire.spec import (
     BackendName,
     FileInfo,
     IdleAction,
+    Isolation,
     NetworkPolicy,
     PtySize,
     QosClass,
@@ -95,6 +96,7 @@ __all__ = [
     "SessionView",
     "SnapshotList",
     "SnapshotView",
+    "TierQuota",
     "role_on",
 ]
 
@@ -187,6 +189,9 @@ class CreateSandboxRequest(_Strict):
     toolkits: list[str] = []
     snapshot: Annotated[str, _doc(pattern=SNAPSHOT_PATTERN)] | None = None
     backend: BackendName | None = None   # default: the server's default backend
+    # isolation tier (docs/isolation.md): picks the backend when backend is null; with
+    # both, they must agree. null: the backend's tier
+    isolation: Isolation | None = None
     cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = DEFAULT_CPU_MILLI
     memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = DEFAULT_MEMORY_BYTES
     disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None
@@ -197,6 +202,7 @@ class CreateSandboxRequest(_Strict):
     project: Project | None = None      # default: the key's default project
     # default: the server's default TTL (6 h)
     ttl_s: PositiveSeconds | None = None
+    ttl_action: IdleAction = "destroy"  # "pause": the TTL pauses instead (E2B's autoPause)
     idle_timeout_s: PositiveSeconds | None = None
     idle_action: IdleAction = "destroy"
     env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}
@@ -489,6 +495,23 @@ MAX_QUOTA = 2**63 - 1
 NonNegative = Annotated[int, _doc(minimum=0, maximum=MAX_QUOTA)]
 
 
+class TierQuota(_Strict):
+    """Limits on one isolation tier's sandboxes in a project subtree (``null``: none);
+    ``max_sandboxes: 0`` forbids the tier (e.g. no microVMs for a project)."""
+
+    max_sandboxes: NonNegative | None = None
+    cpu_milli: NonNegative | None = None
+    memory_bytes: NonNegative | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_sandboxes", "cpu_milli", "memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_QUOTA:
+                raise InvalidArgument(f"tier quota {name}={str(v)[:40]} is out of range: use "
+                                      f"0..{MAX_QUOTA} or null (no limit)", field=name,
+                                      limit=MAX_QUOTA)
+
+
 class QuotaBody(_Strict):
     """A quota on a project (and, through the tree, on its descendants). ``null`` = none.
     ``network``: the project's network ceiling, the most open egress policy its sandboxes
@@ -511,6 +534,9 @@ class QuotaBody(_Strict):
     # best-effort ("be"; a create naming no class gets it, one asking "ls" is refused).
     # ``null``: as the nearest ancestor says; nowhere said: yes (docs/container.md).
     qos_ls: bool | None = None
+    # Per isolation tier (issue 21): the tier's sandboxes in the subtree, whatever backend
+    # runs them; e.g. {"vm": {"max_sandboxes": 0}} forbids microVMs (docs/isolation.md)
+    tiers: dict[Isolation, TierQuota] = {}
 
     def __post_init__(self) -> None:
         for name in _QUOTA_COUNTS:
@@ -525,12 +551,13 @@ class QuotaBody(_Strict):
     @classmethod
     def clamped(cls, *, network: NetworkPolicy | None = None,
                 registry_pull: bool | None = None, qos_ls: bool | None = None,
+                tiers: Mapping[Isolation, TierQuota] | None = None,
                 **counts: int | None) -> QuotaBody:
         """A quota read back from storage, each count clamped into 0..MAX_QUOTA: an
         out-of-range value an older release stored (it checked no bound) reads as the
         nearest value every door can carry, instead of failing the project's readers."""
         return cls(network=network, registry_pull=registry_pull, qos_ls=qos_ls,
-                   **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
+                   tiers=dict(tiers or {}), **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
                       for k, v in counts.items()})
 
 

@@ -8,7 +8,7 @@ Units are in the field names; ``None`` means "none/unlimited", never 0 or -1.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 import msgspec
@@ -26,6 +26,7 @@ from dsec.wire.netpolicy import (
 )
 
 __all__ = [
+    "BACKEND_ISOLATION",
     "CALLER_DSEC_LABELS",
     "DEFAULT_CPU_MILLI",
     "DEFAULT_MEMORY_BYTES",
@@ -71,6 +72,7 @@ __all__ = [
     "MIN_PRIORITY",
     "PAUSED_RETENTION_S",
     "RESERVED_LABEL_DOMAIN",
+    "TIER_BACKENDS",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
@@ -79,6 +81,7 @@ __all__ = [
     "FileInfo",
     "FileType",
     "IdleAction",
+    "Isolation",
     "NetworkPolicy",
     "NetworkView",
     "PauseStats",
@@ -89,10 +92,12 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotInfo",
+    "backend_for",
     "backend_of",
     "check_batch",
     "check_id",
     "check_idempotency_key",
+    "check_isolation",
     "check_label_filter",
     "check_mode",
     "check_path",
@@ -101,6 +106,8 @@ __all__ = [
     "check_reason",
     "check_snapshot_ref",
     "check_strip",
+    "isolation_of",
+    "not_offered",
     "project_of",
     "qos_of",
     "read_in_chunks",
@@ -113,6 +120,24 @@ SandboxState = Literal[
     "creating", "running", "pausing", "paused", "resuming", "destroying", "destroyed", "failed"
 ]
 BackendName = Literal["simulated", "fncall", "container", "runc", "gvisor", "vm"]
+#: Isolation tiers (issue 21, docs/isolation.md): what stands between a sandbox and the
+#: host kernel. "container": namespaces + cgroups + seccomp on the host kernel (native or
+#: runc); "gvisor": the same, with gVisor's user-space kernel (runsc) answering the
+#: sandbox's syscalls; "vm": a microVM (QEMU) with its own guest kernel. A tier IS a
+#: backend (a node offers it by running that backend): see :data:`TIER_BACKENDS`.
+Isolation = Literal["container", "gvisor", "vm"]
+#: The backend a tier asks for when the create names no backend (and the serving side's
+#: default backend is not of that tier: :func:`resolve`).
+TIER_BACKENDS: dict[Isolation, BackendName] = {
+    "container": "container", "gvisor": "gvisor", "vm": "vm"}
+#: The tier each backend gives. ``simulated`` stands in for a container (no real
+#: isolation: it is the test and benchmark backend, and a cluster of simulated nodes
+#: answers ``isolation="container"``); ``runc`` is the container tier through Debian's
+#: runc. ``fncall`` is in no tier (a jailed function call, not a sandbox with a root
+#: filesystem): a create asking for a tier never lands on it.
+BACKEND_ISOLATION: dict[BackendName, Isolation] = {
+    "simulated": "container", "container": "container", "runc": "container",
+    "gvisor": "gvisor", "vm": "vm"}
 IdleAction = Literal["destroy", "pause"]
 #: A sandbox's QoS class (issue 22, dsec.edge.qos): latency-sensitive or best-effort
 QosClass = Literal["ls", "be"]
@@ -398,6 +423,12 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     # edge reached directly: its own default). Stored specs are always resolved
     # (:func:`resolve`), so ``info.spec.backend`` is set.
     backend: BackendName | None = None
+    # The isolation tier (:data:`Isolation`). None: whatever ``backend`` gives (the
+    # default backend's when both are None). Given alone it picks the backend
+    # (:func:`resolve`); given with ``backend`` the two must agree (:meth:`validate`).
+    # Stored specs are resolved: ``info.spec.isolation`` is the tier the sandbox runs in
+    # (None only for a backend in no tier, fncall; see :func:`isolation_of`).
+    isolation: Isolation | None = None
     cpu_milli: int = DEFAULT_CPU_MILLI      # millicores (1000 = one core)
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
@@ -409,6 +440,9 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     # lifetime from creation. None: no lifetime asked; the apiserver's policy gives such a
     # sandbox its default TTL (6 h, per-project override), an edge keeps it forever
     ttl_s: float | None = None
+    # what the TTL does when it runs out: "destroy", or "pause" (E2B's autoPause; a
+    # sandbox its TTL paused gets its whole ttl_s again when it resumes)
+    ttl_action: IdleAction = "destroy"
     idle_timeout_s: float | None = None     # no operation for this long -> idle_action
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
@@ -441,6 +475,8 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
         def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
                                    field=field, **limit)
+        if self.isolation is not None:
+            check_isolation(self.isolation, self.backend)
         if not (1 <= self.cpu_milli <= MAX_CPU_MILLI):
             raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores",
                       limit=MAX_CPU_MILLI)
@@ -459,6 +495,9 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                       limit=MAX_DISK_BYTES)
         if self.pids_max is not None and not (1 <= self.pids_max <= MAX_PIDS):
             raise bad("pids_max", self.pids_max, f"use 1..{MAX_PIDS} or null", limit=MAX_PIDS)
+        for name in ("ttl_action", "idle_action"):
+            if getattr(self, name) not in ("destroy", "pause"):
+                raise bad(name, getattr(self, name), 'use "destroy" or "pause"')
         for name in ("ttl_s", "idle_timeout_s"):
             v = getattr(self, name)
             if v is not None and not (0 < v <= MAX_TTL_S):
@@ -565,6 +604,38 @@ LEGACY_BACKEND: BackendName = "simulated"
 LEGACY_PROJECT = "default"
 
 
+def check_isolation(isolation: object, backend: object = None) -> Isolation:
+    """``isolation`` is a tier (:data:`Isolation`) and, when ``backend`` is given, the tier
+    that backend gives; raise :class:`InvalidArgument` naming the fix. Pure. Returns it."""
+    tier = next((t for t in TIER_BACKENDS if t == isolation), None)
+    if tier is None:
+        raise InvalidArgument(
+            f"sandbox spec field isolation={str(isolation)[:40]!r} is invalid: use one of "
+            f"{', '.join(repr(t) for t in TIER_BACKENDS)} (or leave it unset for the default "
+            "backend's tier)", field="isolation")
+    if backend is not None:
+        gives = next((i for b, i in BACKEND_ISOLATION.items() if b == backend), None)
+        if gives != tier:
+            raise InvalidArgument(
+                f"sandbox spec asks for isolation={tier!r} and backend={str(backend)[:40]!r}, "
+                f"but that backend gives "
+                + (f"isolation {gives!r}" if gives else "no isolation tier")
+                + f": leave backend unset (isolation {tier!r} picks backend "
+                f"{TIER_BACKENDS[tier]!r}) or drop isolation", field="isolation",
+                backend=str(backend)[:40])
+    return tier
+
+
+def backend_for(isolation: Isolation | None, default: BackendName) -> BackendName:
+    """The backend a create with no backend runs on: ``default`` when it gives
+    ``isolation`` (or no tier is asked), else the tier's own (:data:`TIER_BACKENDS`). So a
+    cluster whose default backend is ``runc`` keeps runc for ``isolation="container"``,
+    and a simulated test cluster answers it with ``simulated``. Pure."""
+    if isolation is None or BACKEND_ISOLATION.get(default) == isolation:
+        return default
+    return TIER_BACKENDS[isolation]
+
+
 def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
             ttl_s: float | None = None,
             network: NetworkPolicy | None = None) -> SandboxSpec:
@@ -573,13 +644,23 @@ def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
     and a default policy is given. Every other field is the caller's, unchanged. Both
     doors that create (the apiserver, an edge reached directly) resolve through this one
     function, so a stored spec names its backend, project and policy (a later change
-    of a default moves nothing already made)."""
+    of a default moves nothing already made).
+
+    ``isolation`` and ``backend`` (issue 21): a spec naming a tier but no backend gets
+    :func:`backend_for` (the default backend if it gives that tier, else the tier's
+    backend); one naming neither gets the default backend; then ``isolation`` is set to
+    the tier the backend gives (None for a backend in no tier). A spec naming both must
+    already agree (:meth:`SandboxSpec.validate`; resolve does not check)."""
     if spec.backend is not None and spec.project is not None and (
             spec.ttl_s is not None or ttl_s is None) and (
-            spec.network is not None or network is None):
+            spec.network is not None or network is None) and (
+            spec.isolation is not None or spec.backend not in BACKEND_ISOLATION):
         return spec
+    chosen = backend_for(spec.isolation, backend) if spec.backend is None else spec.backend
     return msgspec.structs.replace(
-        spec, backend=backend if spec.backend is None else spec.backend,
+        spec, backend=chosen,
+        isolation=spec.isolation if spec.isolation is not None
+        else BACKEND_ISOLATION.get(chosen),
         project=project if spec.project is None else spec.project,
         ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s,
         network=network if spec.network is None else spec.network)
@@ -604,6 +685,34 @@ def project_of(spec: SandboxSpec) -> str:
         raise InternalError("a sandbox spec reached storage without a project (it was "
                             "not resolved)")
     return spec.project
+
+
+def isolation_of(spec: SandboxSpec) -> Isolation | None:
+    """The isolation tier a sandbox runs in: its spec's, else the tier its backend gives
+    (a spec stored before issue 21 names only a backend); None for a backend in no tier
+    (fncall) or an unresolved spec that names neither."""
+    if spec.isolation is not None:
+        return spec.isolation
+    return None if spec.backend is None else BACKEND_ISOLATION.get(spec.backend)
+
+
+def not_offered(spec: SandboxSpec, offered: Iterable[str], where: str) -> InvalidArgument:
+    """The error for a resolved ``spec`` whose backend ``where`` (a node, "any node of
+    this cluster") does not offer: it names the tier when the backend is one's, what is
+    offered (with each backend's tier) and how a node comes to offer it. A request
+    problem (400), never a lack of capacity a retry could fix."""
+    have = sorted(set(offered))
+    listed = ", ".join(f"{b} ({BACKEND_ISOLATION[b]})" if b in BACKEND_ISOLATION else b
+                       for b in have) or "nothing"
+    tier = isolation_of(spec)
+    what = (f"isolation {tier!r} (backend {spec.backend!r})" if tier is not None
+            else f"backend {spec.backend!r}")
+    return InvalidArgument(
+        f"{what} is not offered by {where}; offered: {listed}. A node offers it by running "
+        f"that backend (`dsec edge --backend {spec.backend}`"
+        + (f", or `dsec up --tiers {tier}`" if tier in ("gvisor", "vm") else "") + ")",
+        field="isolation" if tier is not None else "backend",
+        backend=str(spec.backend), isolation=tier, offered=have)
 
 
 def backend_of(spec: SandboxSpec) -> BackendName:
@@ -851,7 +960,8 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str = ""                        # reason of the last transition
     # Lifetimes (issue 19, docs/sdk.md "Lifetimes"): when the edge ends it (unix seconds;
     # None: no TTL, or paused), what is left while paused (the clock stops), and why it
-    # was paused ("requested", or "idle": its idle_timeout_s with idle_action=pause).
+    # was paused ("requested", "idle": its idle_timeout_s with idle_action=pause, or
+    # "ttl": its TTL with ttl_action=pause).
     expires_at: float | None = None
     ttl_left_s: float | None = None
     paused_reason: str = ""
@@ -943,6 +1053,9 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # shared memory (tmpfs files, SysV and POSIX segments) it created; its writable
     # (upper) layer's bytes are disk_bytes
     qos: str = ""
+    # issue 21: the isolation tier it runs in ("container", "gvisor", "vm"; "" for a
+    # backend in no tier), filled in by the edge whichever backend answered
+    isolation: str = ""
     memory_rss_bytes: int = 0
     memory_cache_bytes: int = 0
     memory_shm_bytes: int = 0

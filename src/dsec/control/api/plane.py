@@ -159,11 +159,13 @@ from dsec.wire.layers import (
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
+    BACKEND_ISOLATION,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
     backend_of,
+    not_offered,
     project_of,
     resolve,
     stored,
@@ -679,9 +681,7 @@ class ControlPlane:
         if offered and spec.backend not in offered:
             # Asking for a backend nobody runs is a request problem (400), not a lack of
             # capacity (503) that a retry could fix.
-            raise InvalidArgument(
-                f"backend {spec.backend!r} is not offered by any node of this cluster; "
-                f"available: {', '.join(sorted(offered))}", field="backend")
+            raise not_offered(spec, offered, "any node of this cluster")
         self.ceiling.check(backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                            memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
@@ -1125,10 +1125,11 @@ class ControlPlane:
     # ------------------------------------------------------------ listing
     def list_sandboxes(self, caller: Caller, *, project: str | None,
                        labels: Mapping[str, str], state: SandboxState | None, after: str,
-                       limit: int, node: str | None = None,
+                       limit: int, node: str | None = None, isolation: str | None = None,
                        ) -> tuple[list[SandboxInfo], bool]:
         """A page of live sandboxes from the registry, in id order after ``after``
-        (``node``: only those the registry places there, from its per-node index).
+        (``node``: only those the registry places there, from its per-node index;
+        ``isolation``: only those whose backend gives that tier).
 
         Only projects the caller holds a role on are walked (a per-project sorted index),
         so a call costs O(projects + page + rows the label/state filter skips), not a
@@ -1153,6 +1154,8 @@ class ControlPlane:
         def match(r: SandboxRecord) -> bool:
             if want_paused is not None and r.paused != want_paused:
                 return False
+            if isolation is not None and BACKEND_ISOLATION.get(r.backend) != isolation:  # type: ignore[call-overload]
+                return False
             if items:
                 have = r.spec.labels if r.spec is not None else {}
                 for k, v in items:
@@ -1160,7 +1163,8 @@ class ControlPlane:
                         return False
             return True
         recs, more = reg.page(after=after, limit=limit, projects=projects, node=node,
-                              match=match if want_paused is not None or items else None)
+                              match=match if want_paused is not None or items
+                              or isolation is not None else None)
         return [_info_of(r) for r in recs], more
 
     def recorded_project(self, sandbox_id: str) -> str | None:
@@ -2268,7 +2272,7 @@ def _info_of(rec: SandboxRecord) -> SandboxInfo:
                        spec=spec, created_at=rec.created_at, last_active_at=rec.created_at)
 
 
-LAYERED_BACKENDS = frozenset({"container", "runc", "vm"})
+LAYERED_BACKENDS = frozenset({"container", "runc", "gvisor", "vm"})
 """Backends whose sandboxes mount layers of the node's store (and whose snapshots are
 layers): the ones a create may fetch layers for."""
 

@@ -200,7 +200,7 @@ class Worker:
             return sb
         return await self.client.sandboxes.create(
             image=task.image, backend=self.cfg.backend,  # type: ignore[arg-type]
-            memory=self.cfg.memory_bytes,
+            isolation=self.cfg.isolation, memory=self.cfg.memory_bytes,
             project=self.cfg.project, pids_max=256,
             labels={WORKER_LABEL: self.cfg.worker_id, TASK_LABEL: row.task_id},
             idempotency_key=f"rlw-{self.cfg.worker_id}-{row.task_id}-{row.attempt}"[:255])
@@ -226,6 +226,8 @@ class Worker:
                                     "labels": {WORKER_LABEL: self.cfg.worker_id}}
             if self.cfg.backend is not None:
                 over["backend"] = self.cfg.backend
+            if self.cfg.isolation is not None:
+                over["isolation"] = self.cfg.isolation
             self._engine_obj = RolloutEngine(
                 ClientSandboxes(self.client, spec_overrides=over), policy,
                 EngineConfig(max_concurrent_episodes=self.cfg.concurrency,
@@ -364,7 +366,8 @@ class Worker:
                     t.add_done_callback(functools.partial(self._done, row.task_id))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await self._wake.wait()
 
     def _done(self, task_id: str, t: asyncio.Task[None]) -> None:
         self._running.pop(task_id, None)
@@ -381,6 +384,7 @@ class Worker:
                 while len(self._warm) < self.cfg.warm and not away:
                     self._warm.append(await self.client.sandboxes.create(
                         image="base", backend=self.cfg.backend,  # type: ignore[arg-type]
+                        isolation=self.cfg.isolation,
                         memory=self.cfg.memory_bytes, project=self.cfg.project,
                         pids_max=256,
                         labels={WORKER_LABEL: self.cfg.worker_id, TASK_LABEL: "warm"}))
@@ -396,7 +400,8 @@ class Worker:
                 log.warning("warm pool: %s", exc)
                 pause_s = 2.0       # quota, no capacity, apiserver away: no busy loop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), pause_s)
+                async with asyncio.timeout(pause_s):
+                    await self._stop.wait()
 
     async def recover(self) -> int:
         """Requeue what a killed predecessor had in flight and destroy every sandbox
@@ -490,7 +495,8 @@ class Worker:
                     if got or left <= 0:
                         break
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._finished.wait(), min(left, 1.0))
+                        async with asyncio.timeout(min(left, 1.0)):
+                            await self._finished.wait()
             finally:
                 self._streams -= 1
                 self._last_seen = time.monotonic()
