@@ -1,0 +1,304 @@
+"""The microVM guest agent's protocol: method names and msgpack bodies (docs/vm.md).
+
+The agent (``agent.c``, PID 1 in the guest) is an Aether *acceptor* on the virtio-serial
+port named ``dsec.agent``: the host dials QEMU's chardev unix socket and calls the methods
+below (odd stream ids); the agent never calls the host. Every frame is an ordinary Aether
+frame (dsec.aether.frame: 25-byte header, CRC-32) and every body is msgpack, so the host
+side is a plain :class:`dsec.aether.Connection` with ``response_type=`` from this module.
+
+The guest is hostile from the host's point of view: everything decoded from the agent is
+bounded (``max_frame``) and validated by msgspec against these structs, and the host side
+(vm/backend.py) never trusts a size, a path or a count it reports. The host, in turn, is
+trusted by the agent (it owns the guest), but the agent still keeps file paths inside the
+sandbox root ``/sb`` exactly (no ``..``, no symlink escape) because a path is the
+sandbox user's input.
+
+Bodies that the container backend already defines (ExecRequest, ExecResult, ExecChunk,
+FileInfo) are reused from :mod:`dsec.wire.spec`, so the vm backend passes them through.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, FileInfo
+
+__all__ = [
+    "AGENT_PORT_NAME",
+    "DEFAULT_MAX_FRAME",
+    "METHODS",
+    "MAX_READ",
+    "PROTOCOL_VERSION",
+    "STREAMING_METHODS",
+    "SANDBOX_ROOT",
+    "ERROR_CODES",
+    "DiffChunk",
+    "DiffResult",
+    "ExecChunk",
+    "ExecRequest",
+    "ExecResult",
+    "FileInfo",
+    "GuestStats",
+    "Hello",
+    "ListRequest",
+    "ListResult",
+    "MkdirRequest",
+    "Ok",
+    "PathRequest",
+    "QuiesceRequest",
+    "QuiesceResult",
+    "ReadRequest",
+    "ReadResult",
+    "RemoveRequest",
+    "RenameRequest",
+    "SetupRequest",
+    "SetupResult",
+    "SignalRequest",
+    "WriteRequest",
+    "WriteResult",
+]
+
+#: The virtio-serial port name (``-device virtserialport,name=dsec.agent``); the agent
+#: finds ``/dev/vportNpM`` through ``/sys/class/virtio-ports/*/name``.
+AGENT_PORT_NAME: Final = "dsec.agent"
+#: Bumped on any incompatible change; ``hello`` reports it and the host refuses others.
+PROTOCOL_VERSION: Final = 1
+#: The frame payload limit both ends use (the agent enforces it on what it receives and
+#: never sends more). 4 MiB: a ``read`` reply carries at most MAX_READ bytes plus a header.
+DEFAULT_MAX_FRAME: Final = 4 * 1024 * 1024
+#: Largest ``read`` length the agent serves per call (the host loops for more).
+MAX_READ: Final = 2 * 1024 * 1024
+#: Where ``setup`` mounts the sandbox's overlay; exec runs chrooted here and file paths
+#: are relative to it.
+SANDBOX_ROOT: Final = "/sb"
+
+
+class Hello(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Reply of ``hello`` (request body: nil). Cheap; the host calls it after every
+    (re)connect. ``boot_id`` is random per boot, so a host reconnecting after resume can
+    tell it talks to the same guest; ``setup_done`` says whether ``setup`` already ran."""
+
+    version: int
+    kernel: str = ""                    # uname -r
+    mem_total: int = 0                  # bytes, /proc/meminfo MemTotal
+    boot_id: str = ""
+    uptime_s: float = 0.0
+    setup_done: bool = False
+    connections: int = 0                # host (re)connections seen, this one included
+
+
+class SetupRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                   forbid_unknown_fields=True):
+    """Body of ``setup``: mount the sandbox. Once per boot (a second call: ``conflict``).
+
+    ``layers``: block devices holding the image's EROFS layers, **lowest first** (the base
+    layer first, the image's top layer last: the order of an OCI manifest), e.g.
+    ``["/dev/vda", "/dev/vdb"]`` or ``["/dev/pmem0"]``. Each is mounted read-only at
+    ``/layers/<i>`` (``-o dax=always`` when ``dax``); overlay's lowerdir is their reverse.
+    ``scratch``: block device with an ext4 filesystem the host already formatted (the
+    guest never runs mkfs); mounted at ``/scratch``, overlay upper ``/scratch/upper`` and
+    work ``/scratch/work`` (created if missing, kept if present: a resumed or re-setup
+    disk keeps its changes). With no layers the upper dir alone is the root.
+    ``env``: default environment of every exec (an exec's own env overrides it).
+    ``tunables``: writes done before anything else, path -> value, paths only under
+    ``/proc/sys/`` or ``/sys/`` (e.g. DAMON_RECLAIM's ``/sys/module/damon_reclaim/
+    parameters/enabled``: "Y"); a failed write fails setup naming the path.
+    Inside ``/sb`` the agent mounts proc, sysfs (read-only) and a tmpfs /dev holding
+    null, zero, full, random, urandom, tty and a devpts at /dev/pts; /tmp is an ordinary
+    directory of the overlay (created 1777 if missing), so its files land in snapshots.
+    """
+
+    layers: list[str] = []
+    scratch: str = ""
+    dax: bool = False
+    env: dict[str, str] = {}
+    hostname: str = "sandbox"
+    tunables: dict[str, str] = {}
+
+
+class SetupResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    duration_s: float = 0.0
+    mounts: list[str] = []              # what was mounted, for diagnostics
+
+
+class SignalRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``signal``: send ``sig`` to the process group of exec ``pid`` (the pid an
+    ``exec`` with background=True returned, or a pid seen in the sandbox). ``group``
+    False sends to the process alone. pid <= 1 is refused."""
+
+    pid: int
+    sig: int = 15
+    group: bool = True
+
+
+class PathRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``stat`` (reply: FileInfo; the final symlink is not followed)."""
+
+    path: str
+
+
+class ReadRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                  forbid_unknown_fields=True):
+    """Body of ``read``: at most ``min(length, MAX_READ)`` bytes from ``offset``
+    (length < 0: up to MAX_READ)."""
+
+    path: str
+    offset: int = 0
+    length: int = -1
+
+
+class ReadResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    data: bytes = b""
+    size: int = 0                       # the file's size at the time of the read
+    eof: bool = False                   # offset + len(data) reached the end
+
+
+class WriteRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                   forbid_unknown_fields=True):
+    """Body of ``write``: create or truncate ``path`` (or append to it) with ``data``;
+    ``mode`` applies to a newly created file. ``parents`` creates missing directories
+    (mode 0755). Large files are written as one truncating call then appends."""
+
+    path: str
+    data: bytes = b""
+    mode: int = 0o644
+    append: bool = False
+    parents: bool = True
+
+
+class WriteResult(msgspec.Struct, kw_only=True):
+    size: int                           # the file's size after the write
+
+
+class ListRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                  forbid_unknown_fields=True):
+    """Body of ``list``: the entries of directory ``path`` (not recursive), at most
+    ``limit`` of them (the reply says ``truncated``)."""
+
+    path: str
+    limit: int = 10000
+
+
+class ListResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    entries: list[FileInfo] = []
+    truncated: bool = False
+
+
+class MkdirRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                   forbid_unknown_fields=True):
+    path: str
+    mode: int = 0o755
+    parents: bool = True
+
+
+class RemoveRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                    forbid_unknown_fields=True):
+    """Body of ``remove``: a file, a symlink, or a directory (``recursive`` for a
+    non-empty one). A missing path is ``not_found``."""
+
+    path: str
+    recursive: bool = False
+
+
+class RenameRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    src: str
+    dst: str
+
+
+class Ok(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Reply of mkdir, remove, rename, signal."""
+
+    ok: bool = True
+
+
+class QuiesceRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
+                     forbid_unknown_fields=True):
+    """Body of ``quiesce``, before pause/snapshot: sync(2) always, then optionally drop
+    the page cache (``/proc/sys/vm/drop_caches`` = 3) and compact memory
+    (``/proc/sys/vm/compact_memory``) so a saved memory file or a reported-free page
+    count is small."""
+
+    drop_caches: bool = True
+    compact: bool = True
+
+
+class QuiesceResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    duration_s: float = 0.0
+    mem_available: int = 0              # bytes, after
+
+
+class DiffChunk(msgspec.Struct, kw_only=True):
+    """One STREAM item of ``diff``: the next bytes of the tar archive."""
+
+    data: bytes
+
+
+class DiffResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Final RESPONSE of ``diff`` (request body: nil).
+
+    The STREAM items concatenated are one POSIX ustar archive (tar(5), "ustar\\0" "00"
+    magic, 512-byte blocks, ended by two zero blocks) of the overlay upper directory,
+    member names relative to it without a leading "./" or "/". Types: regular files (0),
+    directories (5), symlinks (2). Hard links are sent as independent regular files.
+    Overlay whiteouts (a char device 0:0 in the upper dir) are sent as they are: a
+    character-device member (type 3) with devmajor 0, devminor 0, exactly what
+    pack_diff expects. Opaque directories (xattr trusted.overlay.opaque = "y") are a
+    directory member preceded by a pax extended header (type x) with the record
+    ``SCHILY.xattr.trusted.overlay.opaque=y``. Other xattrs, devices, fifos and sockets
+    are skipped and counted in ``skipped``. Names longer than ustar's 100 (+155 prefix)
+    bytes get a pax ``path`` record; symlink targets over 100 bytes a ``linkpath`` one.
+    uid/gid/mode/mtime are the upper dir's values."""
+
+    bytes: int = 0
+    entries: int = 0
+    skipped: int = 0
+
+
+class GuestStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Reply of ``stats`` (request body: nil); bytes unless named otherwise."""
+
+    mem_total: int = 0
+    mem_available: int = 0
+    cpu_ns: int = 0                     # busy CPU time of the whole guest (not idle/iowait)
+    pids: int = 0                       # processes in the guest, the agent excluded
+    disk_used: int = 0                  # of the scratch filesystem (statfs)
+    disk_total: int = 0
+    oom_kills: int = 0                  # /proc/vmstat oom_kill
+
+
+#: method -> (request body type or None for nil, reply type). Order: docs/vm.md's table.
+METHODS: Final[dict[str, tuple[type | None, type]]] = {
+    "hello": (None, Hello),
+    "setup": (SetupRequest, SetupResult),
+    "exec": (ExecRequest, ExecResult),
+    "exec_stream": (ExecRequest, ExecResult),       # STREAM ExecChunk, then ExecResult
+    "signal": (SignalRequest, Ok),
+    "read": (ReadRequest, ReadResult),
+    "write": (WriteRequest, WriteResult),
+    "list": (ListRequest, ListResult),
+    "stat": (PathRequest, FileInfo),
+    "mkdir": (MkdirRequest, Ok),
+    "remove": (RemoveRequest, Ok),
+    "rename": (RenameRequest, Ok),
+    "quiesce": (QuiesceRequest, QuiesceResult),
+    "diff": (None, DiffResult),                     # STREAM DiffChunk, then DiffResult
+    "stats": (None, GuestStats),
+}
+
+#: Methods called with ``Connection.stream`` (REQUEST with the STREAMING flag), and the
+#: type of their STREAM items.
+STREAMING_METHODS: Final[dict[str, type]] = {
+    "exec_stream": ExecChunk,
+    "diff": DiffChunk,
+}
+
+ErrorCode = Literal["invalid_argument", "not_found", "conflict", "permission_denied",
+                    "payload_too_large", "resource_exhausted", "unknown_method",
+                    "backend_error", "internal_error"]
+#: The ``code`` values the agent puts in ERROR bodies (dsec.errors classes): errno
+#: ENOENT/ENOTDIR -> not_found, EEXIST/ENOTEMPTY -> conflict, EACCES/EPERM ->
+#: permission_denied, ENOSPC/EDQUOT/ENOMEM/EMFILE -> resource_exhausted, a path escaping
+#: /sb or a bad body -> invalid_argument, anything else -> backend_error.
+ERROR_CODES: Final[frozenset[str]] = frozenset(ErrorCode.__args__)  # type: ignore[attr-defined]
