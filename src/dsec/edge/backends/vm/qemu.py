@@ -29,7 +29,6 @@ import array
 import asyncio
 import json
 import math
-import os
 import socket
 from collections import deque
 from collections.abc import Sequence
@@ -134,14 +133,14 @@ def qemu_argv(spec: VmSpec) -> list[str]:
                 raise BackendError(f"writable disk {i} needs an O_RDWR descriptor (rw_fd)")
             argv += ["-add-fd", f"fd={d.rw_fd},set={i + 1}"]
         argv += [
-                 "-drive", f"file=/dev/fdset/{i + 1},format=raw,if=none,id=d{i},"
-                           f"cache=writeback,file.locking=off{ro}",
+                 "-drive", (f"file=/dev/fdset/{i + 1},format=raw,if=none,id=d{i},"
+                           f"cache=writeback,file.locking=off{ro}"),
                  "-device", f"virtio-blk-pci,drive=d{i},addr={_FIRST_DISK_SLOT + i:#x}"]
     argv += list(spec.extra)
     if spec.incoming_fd is not None:
         argv += ["-incoming", f"fd:{spec.incoming_fd}"]
-    argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
-                         "resourcecontrol=deny"]
+    argv += ["-sandbox", ("on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
+                         "resourcecontrol=deny")]
     return argv
 
 
