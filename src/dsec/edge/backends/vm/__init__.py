@@ -38,7 +38,8 @@ def make_backend(**opts: Any) -> VmBackend:
     if "kernel" not in opts or "initrd" not in opts:
         from dsec.edge.backends.vm import guest
 
-        kernel, initrd = guest.boot_files()  # type: ignore[attr-defined]
-        opts.setdefault("kernel", kernel)
-        opts.setdefault("initrd", initrd)
+        k = guest.find_kernel()
+        opts.setdefault("kernel", k.vmlinuz)
+        opts.setdefault("initrd", guest.ensure_initramfs(k))
+        opts.setdefault("append", guest.kernel_cmdline())
     return VmBackend(**opts)

@@ -144,7 +144,7 @@ class VmBackend:
                  memory_overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, tb_size_mib: int = 32,
                  boot_timeout_s: float = 120.0, qemu_binary: str = "qemu-system-x86_64",
                  console: bool = False, extra_args: tuple[str, ...] = (),
-                 append: str = "panic=-1 quiet", dax: bool = False,
+                 append: str = "quiet panic=-1", dax: bool = False,
                  tunables: dict[str, str] | None = None,
                  max_vcpus: int | None = None) -> None:
         self.root_dir = os.path.abspath(root_dir)
@@ -234,7 +234,7 @@ class VmBackend:
         out = os.path.join(self._erofs_cache, key + ".erofs")
         if not os.path.exists(out):
             tmp = out + f".{os.getpid()}.tmp"
-            r = subprocess.run(["mkfs.erofs", "-q", tmp, path], capture_output=True, check=False)
+            r = subprocess.run(["mkfs.erofs", "-d0", tmp, path], capture_output=True, check=False)
             if r.returncode != 0:
                 raise BackendError(f"mkfs.erofs of image directory {path} failed: "
                                    f"{r.stderr.decode(errors='replace')[:300]}")
@@ -436,7 +436,12 @@ class VmBackend:
             status = st.get("status") if isinstance(st, dict) else None
             if status == "running":
                 return
-            if status not in ("inmigrate", "paused", "prelaunch", "restore-vm"):
+            if status == "paused":
+                # pause stopped the guest before saving it, and the run state travels
+                # with the memory: the restored guest starts stopped
+                await vm.qmp.execute("cont")
+                continue
+            if status not in ("inmigrate", "prelaunch", "restore-vm"):
                 raise BackendError(f"sandbox {vm.sid}: restoring guest memory ended in "
                                    f"state {status!r}: {self._qemu_error(vm)[:300]}")
             if time.monotonic() > deadline:
