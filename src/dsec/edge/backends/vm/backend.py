@@ -38,7 +38,9 @@ from typing import Any
 import msgspec
 
 from dsec.edge.backend import DeathSink, Leftover
+from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
+from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.vm import agentproto as ap
 from dsec.edge.backends.vm.link import AgentLink
 from dsec.edge.backends.vm.qemu import (
@@ -51,6 +53,7 @@ from dsec.edge.backends.vm.qemu import (
     qemu_argv,
     vcpus,
 )
+from dsec.edge.backends.vm.upper import Bounds, extract_upper
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.errors import (
     BackendError,
@@ -58,6 +61,7 @@ from dsec.errors import (
     Conflict,
     DsecError,
     InvalidArgument,
+    QuotaExceeded,
     SandboxNotFound,
     Timeout,
 )
@@ -72,6 +76,7 @@ from dsec.wire.spec import (
     PauseStats,
     SandboxSpec,
     SandboxStats,
+    SnapshotInfo,
     qos_of,
 )
 
@@ -133,6 +138,55 @@ def _refuse(what: str) -> InvalidArgument:
                            "this node; use isolation 'container' for it", field="backend")
 
 
+class _NoDiskPool:
+    """ContainerSnapshots asks whether a disk pool shares the store's filesystem: a vm's
+    disks are plain sparse files, no pool."""
+
+    owned = False
+    image = ""
+
+    def unbacked_bytes(self) -> int:
+        return 0
+
+
+class _SnapshotHost:
+    """What ContainerSnapshots needs of its backend (its SnapshotHost protocol)."""
+
+    def __init__(self, b: VmBackend) -> None:
+        self._b = b
+        self.disk = _NoDiskPool()
+
+    @property
+    def name(self) -> str:
+        return self._b.name
+
+    @property
+    def images(self) -> ImageResolver:
+        return self._b.images
+
+    @property
+    def governor(self) -> Governor:
+        return self._b.governor
+
+    @property
+    def snapshot_max_apparent_bytes(self) -> int:
+        return self._b.snapshot_max_apparent_bytes
+
+    @property
+    def snapshot_max_entries(self) -> int:
+        return self._b.snapshot_max_entries
+
+    @property
+    def snapshot_max_path_bytes(self) -> int:
+        return self._b.snapshot_max_path_bytes
+
+    def box(self, sid: str) -> Box:
+        return self._b.box(sid)
+
+    def upper_dir(self, sid: str) -> str:
+        return self._b.upper_dir(sid)
+
+
 class VmBackend:
     """Sandboxes as microVMs. See the module docstring and docs/vm.md."""
 
@@ -146,7 +200,10 @@ class VmBackend:
                  console: bool = False, extra_args: tuple[str, ...] = (),
                  append: str = "quiet panic=-1", dax: bool = False,
                  tunables: dict[str, str] | None = None,
-                 max_vcpus: int | None = None) -> None:
+                 max_vcpus: int | None = None, snapshot_workers: int = 2,
+                 snapshot_max_apparent_bytes: int = 64 << 30,
+                 snapshot_max_entries: int = 1_000_000,
+                 snapshot_max_path_bytes: int = 128 << 20) -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -170,6 +227,11 @@ class VmBackend:
         self._uids: set[int] = set()
         self._sink: DeathSink | None = None
         self._erofs_cache = os.path.join(self.root_dir, "layers")
+        self.snapshot_workers = snapshot_workers
+        self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
+        self.snapshot_max_entries = snapshot_max_entries
+        self.snapshot_max_path_bytes = snapshot_max_path_bytes
+        self._snapshots: ContainerSnapshots | None = None
 
     # -- plumbing ---------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -584,47 +646,51 @@ class VmBackend:
     async def pause(self, sid: SandboxId) -> PauseStats:
         vm = self._get(sid)
         async with vm.lock:
-            if vm.rec.paused:
-                return PauseStats()
-            t0 = time.monotonic()
-            assert vm.link is not None and vm.qmp is not None
-            before = self.governor.memory_usage(vm.cg)
-            room = shutil.disk_usage(vm.dir).free
-            if room < (vm.rec.memory_mib << 20) + (64 << 20):
-                raise CapacityExceeded(
-                    f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
-                    f"disk for its memory, only {room >> 20} MiB are free")
-            await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
-            await vm.qmp.execute("stop")
-            part = os.path.join(vm.dir, "mem.part")
+            return await self._pause_locked(vm)
+
+    async def _pause_locked(self, vm: _Vm) -> PauseStats:
+        sid = vm.sid
+        if vm.rec.paused:
+            return PauseStats()
+        t0 = time.monotonic()
+        assert vm.link is not None and vm.qmp is not None
+        before = self.governor.memory_usage(vm.cg)
+        room = shutil.disk_usage(vm.dir).free
+        if room < (vm.rec.memory_mib << 20) + (64 << 20):
+            raise CapacityExceeded(
+                f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
+                f"disk for its memory, only {room >> 20} MiB are free")
+        await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
+        await vm.qmp.execute("stop")
+        part = os.path.join(vm.dir, "mem.part")
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
-                finally:
-                    os.close(fd)
-                await vm.qmp.execute("migrate", {"uri": "fd:mig"})
-                await self._wait_migrated(vm)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await vm.qmp.execute("cont")
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(part)
-                raise
-            vm.expected_exit = True
-            with contextlib.suppress(DsecError):
-                await vm.qmp.execute("quit", timeout=5.0)
-            await vm.link.close()
-            vm.link = None
-            if not await self._wait_exit(vm, 10.0):
-                self._kill(vm)
-                await self._wait_exit(vm, 5.0)
-            self._close_handles(vm)
-            os.replace(part, os.path.join(vm.dir, "mem.bin"))
-            vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
-            self._save(vm)
-            return PauseStats(resident_before_bytes=before, reclaimed_bytes=before,
-                              duration_s=time.monotonic() - t0)
+                await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
+            finally:
+                os.close(fd)
+            await vm.qmp.execute("migrate", {"uri": "fd:mig"})
+            await self._wait_migrated(vm)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await vm.qmp.execute("cont")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+            raise
+        vm.expected_exit = True
+        with contextlib.suppress(DsecError):
+            await vm.qmp.execute("quit", timeout=5.0)
+        await vm.link.close()
+        vm.link = None
+        if not await self._wait_exit(vm, 10.0):
+            self._kill(vm)
+            await self._wait_exit(vm, 5.0)
+        self._close_handles(vm)
+        os.replace(part, os.path.join(vm.dir, "mem.bin"))
+        vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
+        self._save(vm)
+        return PauseStats(resident_before_bytes=before, reclaimed_bytes=before,
+                          duration_s=time.monotonic() - t0)
 
     async def _wait_migrated(self, vm: _Vm) -> None:
         assert vm.qmp is not None
@@ -646,18 +712,22 @@ class VmBackend:
     async def resume(self, sid: SandboxId) -> None:
         vm = self._get(sid)
         async with vm.lock:
-            if not vm.rec.paused:
-                return
-            mem = os.path.join(vm.dir, "mem.bin")
-            await self._start(vm, incoming=mem)
-            assert vm.link is not None
-            if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
-                self._kill(vm)
-                raise BackendError(f"sandbox {sid}: the resumed guest is not the one paused "
-                                   "(boot id changed)")
-            vm.rec.paused = False
-            self._save(vm)
-            os.unlink(mem)
+            await self._resume_locked(vm)
+
+    async def _resume_locked(self, vm: _Vm) -> None:
+        sid = vm.sid
+        if not vm.rec.paused:
+            return
+        mem = os.path.join(vm.dir, "mem.bin")
+        await self._start(vm, incoming=mem)
+        assert vm.link is not None
+        if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
+            self._kill(vm)
+            raise BackendError(f"sandbox {sid}: the resumed guest is not the one paused "
+                               "(boot id changed)")
+        vm.rec.paused = False
+        self._save(vm)
+        os.unlink(mem)
 
     # -- exec -------------------------------------------------------------------------
     @staticmethod
@@ -721,6 +791,94 @@ class VmBackend:
         vm = self._running(sid)
         assert vm.link is not None
         await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
+
+    # -- snapshots --------------------------------------------------------------------
+    @property
+    def _snaps(self) -> ContainerSnapshots:
+        if self._snapshots is None:
+            self._snapshots = ContainerSnapshots(_SnapshotHost(self),
+                                                 workers=self.snapshot_workers)
+        return self._snapshots
+
+    def box(self, sid: str) -> Box:
+        """The container-snapshot view of a vm sandbox (ContainerSnapshots' host API):
+        ``paused`` so it never freezes the QEMU cgroup (the upper dir it reads is the
+        host copy :meth:`_pull_upper` made, not live)."""
+        vm = self._get(sid)
+        if vm.layers is None:
+            raise SandboxNotFound(f"sandbox {sid} holds no image layers", sandbox_id=sid)
+        return Box(sid=SandboxId(sid), spec=vm.spec, dir=vm.dir, cg=vm.cg, layers=vm.layers,
+                   disk_cap=vm.rec.disk_bytes, paused=True)
+
+    def upper_dir(self, sid: str) -> str:
+        return os.path.join(self._get(sid).dir, "upper")
+
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
+        vm = self._get(sid)
+        if not isinstance(self.images, StoreImages):
+            raise Conflict("this vm backend resolves images from plain directories, which "
+                           "cannot hold snapshots; construct it with images=StoreImages(...) "
+                           "(dsec up does)")
+        async with vm.lock:
+            paused = vm.rec.paused
+            if paused:  # the changes are in the guest: it must run to send them
+                await self._resume_locked(vm)
+            try:
+                await self._pull_upper(vm)
+            finally:
+                if paused:
+                    await self._pause_locked(vm)
+        return await self._snaps.snapshot(sid, strip=strip, max_bytes=max_bytes)
+
+    async def _pull_upper(self, vm: _Vm) -> None:
+        """The guest's upper dir, streamed by the agent as a tar, unpacked (strictly) into
+        ``<dir>/upper`` (replacing the previous copy)."""
+        assert vm.link is not None
+        bound = ContainerSnapshots.layer_bound(vm.rec.disk_bytes) or vm.rec.disk_bytes
+        # tar framing beyond the data: a 512-byte header (+ pax) per entry, 1 MiB blocks
+        cap = bound + (64 << 20)
+        upper = os.path.join(vm.dir, "upper")
+        tar = os.path.join(vm.dir, "diff.tar")
+        await asyncio.to_thread(remove_tree, upper)
+        os.mkdir(upper, 0o755)
+        try:
+            fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                n = 0
+                async with vm.link.conn.stream("diff", None, timeout=600.0,
+                                               item_type=ap.DiffChunk,
+                                               response_type=ap.DiffResult) as st:
+                    async for chunk in st:
+                        n += len(chunk.data)
+                        if n > cap:
+                            raise QuotaExceeded(
+                                f"the changes of sandbox {vm.sid} exceed {cap} bytes of tar "
+                                f"(its disk cap {vm.rec.disk_bytes} plus framing)",
+                                resource="snapshot_bytes", limit=cap)
+                        await asyncio.to_thread(f.write, chunk.data)
+            bounds = Bounds(data_bytes=bound, entries=self.snapshot_max_entries,
+                            path_bytes=self.snapshot_max_path_bytes)
+
+            def unpack() -> None:
+                with open(tar, "rb") as f:
+                    extract_upper(f, upper, bounds)
+            await asyncio.to_thread(unpack)
+        except BaseException:
+            await asyncio.to_thread(remove_tree, upper)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tar)
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        return await self._snaps.snapshots()
+
+    async def snapshot_info(self, ref: str) -> SnapshotInfo:
+        return await self._snaps.snapshot_info(ref)
+
+    async def delete_snapshot(self, ref: str) -> SnapshotInfo:
+        return await self._snaps.delete_snapshot(ref)
 
     # -- stats ------------------------------------------------------------------------
     async def stats(self, sid: SandboxId) -> SandboxStats:
