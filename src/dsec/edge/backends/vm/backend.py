@@ -128,6 +128,14 @@ class _Vm:
     dead: bool = False
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read(1 << 20)
@@ -686,10 +694,15 @@ class VmBackend:
             self._kill(vm)
             await self._wait_exit(vm, 5.0)
         self._close_handles(vm)
+        await asyncio.to_thread(_fsync, part)     # durable before the pause is recorded
         os.replace(part, os.path.join(vm.dir, "mem.bin"))
         vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
         self._save(vm)
-        return PauseStats(resident_before_bytes=before, reclaimed_bytes=before,
+        # QEMU is gone; what its cgroup still holds is page cache of the memory file and
+        # the scratch disk (measured: ~100 MiB for a 192 MiB guest): drop it
+        _, after = await asyncio.to_thread(self.governor.reclaim, vm.cg)
+        return PauseStats(resident_before_bytes=before,
+                          reclaimed_bytes=max(0, before - after),
                           duration_s=time.monotonic() - t0)
 
     async def _wait_migrated(self, vm: _Vm) -> None:
@@ -728,6 +741,7 @@ class VmBackend:
         vm.rec.paused = False
         self._save(vm)
         os.unlink(mem)
+        self.governor.after_resume(vm.cg)
 
     # -- exec -------------------------------------------------------------------------
     @staticmethod

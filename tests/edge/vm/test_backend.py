@@ -1,0 +1,148 @@
+"""The vm backend on a real QEMU guest: lifecycle, files, snapshots, pause/resume,
+death events and reconcile after the edge is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from dsec.edge.backends.vm.backend import VmBackend
+from dsec.errors import Conflict, InvalidArgument, NotFound
+from dsec.ids import SandboxId
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
+
+pytestmark = pytest.mark.root
+
+SPEC = SandboxSpec(image="base", memory_bytes=192 << 20, disk_bytes=64 << 20, backend="vm",
+                   project="default")
+
+
+def _qemu_alive(b: VmBackend, sid: str) -> bool:
+    return sid in b._qemu_pids()
+
+
+async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> None:
+    b = vm_backend
+    events: list[tuple[str, str, str]] = []
+    b.watch(lambda *a: events.append(a))
+    sid = SandboxId("sb-vh-life")
+    await b.create(sid, SPEC)
+    vm = b._vms[sid]
+    st = os.stat(vm.dir)
+    assert st.st_mode & 0o777 == 0o700 and st.st_uid == 0
+    # QEMU runs as the sandbox's own unprivileged uid, in its cgroup
+    pst = os.stat(f"/proc/{vm.rec.pid}")          # the process's effective uid and gid
+    assert (pst.st_uid, pst.st_gid) == (vm.rec.uid, vm.rec.uid) and vm.rec.uid >= 300000
+    assert vm.rec.pid in b.governor.pids(vm.cg)
+
+    r = await b.exec(sid, ExecRequest(argv=("sh", "-c", "echo hi; echo err >&2; exit 3")))
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"hi\n", b"err\n")
+    items = [i async for i in b.exec_stream(sid, ExecRequest(shell="echo a; echo b"))]
+    assert b"".join(i.data for i in items if isinstance(i, ExecChunk)) == b"a\nb\n"
+    assert isinstance(items[-1], ExecResult) and items[-1].exit_code == 0
+    with pytest.raises(InvalidArgument, match="'vm'"):
+        await b.exec(sid, ExecRequest(argv=("sh",), pty=PtySize(rows=24, cols=80)))
+
+    await b.write_file(sid, "/root/notes.txt", b"x" * 3_000_000)   # several agent calls
+    assert await b.read_file(sid, "/root/notes.txt") == b"x" * 3_000_000
+    assert await b.read_file(sid, "/root/notes.txt", offset=2_999_998) == b"xx"
+    await b.mkdir(sid, "/work/a")
+    names = {e.name for e in await b.list_dir(sid, "/work")}
+    assert names == {"a"}
+    assert (await b.stat(sid, "/root/notes.txt")).size == 3_000_000
+    await b.remove(sid, "/bin/vi")                                   # a whiteout
+    with pytest.raises(NotFound):
+        await b.stat(sid, "/bin/vi")
+    s = await b.stats(sid)
+    assert s.memory_bytes > 0 and s.disk_cap_bytes == 64 << 20 and s.disk_bytes > 0
+
+    snap = await b.snapshot(sid)
+    assert snap.parent is None and snap.backend == "vm"
+
+    # pause: guest memory saved to a file, QEMU gone, host memory returned
+    ps = await b.pause(sid)
+    assert ps.reclaimed_bytes > 0
+    assert not _qemu_alive(b, sid)
+    assert os.path.getsize(os.path.join(vm.dir, "mem.bin")) > 0
+    assert b.governor.memory_usage(vm.cg) < (8 << 20)
+    with pytest.raises(Conflict, match="paused"):
+        await b.exec(sid, ExecRequest(argv=("true",)))
+    await b.resume(sid)
+    assert not os.path.exists(os.path.join(vm.dir, "mem.bin"))
+    r = await b.exec(sid, ExecRequest(shell="head -c 5 /root/notes.txt; ls /bin/vi"))
+    assert r.stdout == b"xxxxx" and r.exit_code != 0
+
+    # a new sandbox from the snapshot sees the file and the whiteout
+    sid2 = SandboxId("sb-vh-snap")
+    await b.create(sid2, SandboxSpec(snapshot=snap.id, memory_bytes=192 << 20,
+                                     disk_bytes=64 << 20, backend="vm", project="default"))
+    r = await b.exec(sid2, ExecRequest(shell="wc -c < /root/notes.txt; ls /work; "
+                                             "test -e /bin/vi || echo novi"))
+    assert r.stdout.split() == [b"3000000", b"a", b"novi"], r
+    await b.destroy(sid2)
+
+    dirs = (vm.dir, b.governor.paths(sid))
+    await b.destroy(sid)
+    assert not os.path.exists(dirs[0]) and not b.governor.exists(dirs[1])
+    assert not _qemu_alive(b, sid)
+    assert events == []                     # nothing died on its own
+
+
+async def test_qemu_killed_is_a_backend_crash(vm_backend: VmBackend) -> None:
+    b = vm_backend
+    events: list[tuple[str, str, str]] = []
+    b.watch(lambda *a: events.append(a))
+    sid = SandboxId("sb-vh-crash")
+    await b.create(sid, SPEC)
+    os.kill(b._vms[sid].rec.pid, signal.SIGKILL)
+    for _ in range(200):
+        if events:
+            break
+        await asyncio.sleep(0.02)
+    assert events and events[0][:2] == (sid, "backend_crash")
+    await b.destroy(sid)
+    assert not os.path.exists(os.path.join(b.root_dir, "sb", sid))
+
+
+_EDGE = """
+import asyncio, os, signal, sys
+from dsec.edge.backends.container.images import StoreImages
+from dsec.edge.backends.vm.backend import VmBackend
+from dsec.image import LayerStore, MountCache
+from dsec.wire.spec import SandboxSpec
+async def main():
+    b = VmBackend(root_dir=sys.argv[1], images=StoreImages(LayerStore(sys.argv[2]), MountCache()),
+                  kernel=sys.argv[3], initrd=sys.argv[4])
+    await b.create("sb-vh-orphan", SandboxSpec(image="base", memory_bytes=128 << 20,
+                                                 disk_bytes=32 << 20, backend="vm"))
+    print("created", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+
+async def test_reconcile_after_edge_kill9(vm_backend: VmBackend, vm_store: Any,
+                                          boot_files: tuple[str, str]) -> None:
+    """An edge killed with -9 leaves its QEMU running: the next edge's reconcile finds it
+    by its marker and removes the process, cgroup and directory."""
+    b = vm_backend
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _EDGE, b.root_dir, vm_store.root, *boot_files, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await p.communicate()
+    assert p.returncode == -signal.SIGKILL and b"created" in out, err[-2000:]
+    assert _qemu_alive(b, "sb-vh-orphan")
+    left = await b.reconcile(set())
+    assert [x.sandbox_id for x in left] == ["sb-vh-orphan"]
+    assert "QEMU" in left[0].what and "directory" in left[0].what
+    await asyncio.sleep(0.2)
+    assert not _qemu_alive(b, "sb-vh-orphan")
+    assert not os.path.exists(os.path.join(b.root_dir, "sb", "sb-vh-orphan"))
+    assert not b.governor.exists(b.governor.paths("sb-vh-orphan"))
