@@ -146,3 +146,28 @@ async def test_reconcile_after_edge_kill9(vm_backend: VmBackend, vm_store: Any,
     assert not _qemu_alive(b, "sb-vh-orphan")
     assert not os.path.exists(os.path.join(b.root_dir, "sb", "sb-vh-orphan"))
     assert not b.governor.exists(b.governor.paths("sb-vh-orphan"))
+
+
+async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
+    """With the warm pool on, creates restore a guest saved at hello instead of booting;
+    each clone gets its own scratch disk (their files are their own)."""
+    from dsec.edge.backends.vm.pool import WarmPool
+
+    b = vm_backend
+    b.pool = WarmPool(os.path.join(b.root_dir, "pool"))
+    template = await b.warm(SPEC)
+    assert os.path.getsize(template) > 0 and await b.warm(SPEC) == template
+    sids = [SandboxId("sb-vh-warm1"), SandboxId("sb-vh-warm2")]
+    for sid in sids:
+        await b.create(sid, SPEC)
+    await b.write_file(sids[0], "/root/mine", b"1")
+    r = await b.exec(sids[1], ExecRequest(shell="ls /root; cat /etc/hostname 2>/dev/null; "
+                                                "echo ok"))
+    assert r.stdout.split()[-1] == b"ok" and b"mine" not in r.stdout
+    assert await b.read_file(sids[0], "/root/mine") == b"1"
+    # the clones can pause and resume like any guest
+    await b.pause(sids[0])
+    await b.resume(sids[0])
+    assert await b.read_file(sids[0], "/root/mine") == b"1"
+    for sid in sids:
+        await b.destroy(sid)

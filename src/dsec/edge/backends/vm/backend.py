@@ -43,6 +43,7 @@ from dsec.edge.backends.container.images import ImageResolver, RootLayers, Store
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.vm import agentproto as ap
 from dsec.edge.backends.vm.link import AgentLink
+from dsec.edge.backends.vm.pool import PoolKey, WarmPool
 from dsec.edge.backends.vm.qemu import (
     Disk,
     Qmp,
@@ -211,7 +212,8 @@ class VmBackend:
                  max_vcpus: int | None = None, snapshot_workers: int = 2,
                  snapshot_max_apparent_bytes: int = 64 << 30,
                  snapshot_max_entries: int = 1_000_000,
-                 snapshot_max_path_bytes: int = 128 << 20) -> None:
+                 snapshot_max_path_bytes: int = 128 << 20,
+                 warm_pool: bool = False, pool_max_templates: int = 8) -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -240,6 +242,10 @@ class VmBackend:
         self.snapshot_max_entries = snapshot_max_entries
         self.snapshot_max_path_bytes = snapshot_max_path_bytes
         self._snapshots: ContainerSnapshots | None = None
+        # warm pool (pool.py): None when off; keys whose template is being built
+        self.pool = (WarmPool(os.path.join(self.root_dir, "pool"),
+                              max_templates=pool_max_templates) if warm_pool else None)
+        self._building: dict[str, asyncio.Task[str | None]] = {}
 
     # -- plumbing ---------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -556,14 +562,91 @@ class VmBackend:
             await asyncio.to_thread(self._make_scratch, vm)
             vm.cg = self.governor.create(sid, self._limits(spec, mem))
             self._save(vm)
-            await self._start(vm, incoming=None)
+            template = self.pool.get(self._pool_key(rec)) if self.pool is not None else None
+            await self._start(vm, incoming=template)
             assert vm.link is not None
+            if vm.link.hello_reply.setup_done:
+                raise BackendError(f"sandbox {sid}: the warm-pool template {template} holds "
+                                   "a guest that was already set up; remove it")
             rec.boot_id = vm.link.hello_reply.boot_id
             await self._setup(vm)
             self._save(vm)
         except BaseException:
             await self._teardown(vm)
             raise
+        if self.pool is not None and template is None:
+            self._warm_later(rec, spec)
+
+    # -- warm pool --------------------------------------------------------------------
+    def _pool_key(self, rec: _Record) -> PoolKey:
+        return PoolKey(layer_files=tuple(rec.layer_files), memory_mib=rec.memory_mib,
+                       vcpus=rec.vcpus, disk_bytes=rec.disk_bytes, kernel=self.kernel,
+                       initrd=self.initrd, append=self.append, extra=self.extra_args,
+                       console=self.console)
+
+    def _warm_later(self, rec: _Record, spec: SandboxSpec) -> None:
+        key = self._pool_key(rec)
+        d = key.digest()
+        if d not in self._building:
+            task = asyncio.create_task(self._build_template(key, spec, rec))
+            self._building[d] = task
+            task.add_done_callback(lambda t: self._building.pop(d, None))
+
+    async def warm(self, spec: SandboxSpec) -> str:
+        """Make (or find) the warm-pool template for sandboxes like ``spec``; returns its
+        path. Creates use it from then on."""
+        if self.pool is None:
+            raise Conflict("this vm backend runs without a warm pool (warm_pool=False)")
+        layers, files = await asyncio.to_thread(self._layer_files, spec)
+        try:
+            rec = _Record(sid="", uid=0, memory_mib=memory_mib(spec.memory_bytes),
+                          vcpus=vcpus(spec.cpu_milli, max_vcpus=self.max_vcpus),
+                          disk_bytes=spec.disk_bytes or self.default_disk_bytes,
+                          layer_files=files)
+            key = self._pool_key(rec)
+            have = self.pool.get(key)
+            if have is not None:
+                return have
+            running = self._building.get(key.digest())
+            out = await running if running is not None else await self._build_template(
+                key, spec, rec)
+            if out is None:
+                raise BackendError(f"the warm-pool template for image {spec.image!r} could "
+                                   "not be built (see the edge log)")
+            return out
+        finally:
+            self.images.release(layers)
+
+    async def _build_template(self, key: PoolKey, spec: SandboxSpec,
+                              like: _Record) -> str | None:
+        """Boot a guest of ``key``'s shape to ``hello`` and save it as the template."""
+        assert self.pool is not None
+        d = self.pool.build_dir(key)
+        await asyncio.to_thread(remove_tree, d)
+        os.mkdir(d, 0o700)
+        name = "pool-" + key.digest()[:16]
+        rec = _Record(sid=name, uid=self._alloc_uid(), memory_mib=like.memory_mib,
+                      vcpus=like.vcpus, disk_bytes=like.disk_bytes,
+                      layer_files=list(like.layer_files))
+        vm = _Vm(sid=name, spec=spec, dir=d, rec=rec, cg=self.governor.paths(name))
+        try:
+            fd = os.open(os.path.join(d, "scratch.img"),
+                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:   # same size as the clones' disks; never mounted before setup
+                os.ftruncate(fd, rec.disk_bytes)
+            finally:
+                os.close(fd)
+            vm.cg = self.governor.create(name, self._limits(spec, rec.memory_mib))
+            await self._start(vm, incoming=None)
+            part = os.path.join(d, "mem.part")
+            await self._save_memory(vm, part)
+            await asyncio.to_thread(_fsync, part)
+            return self.pool.commit(key, part)
+        except DsecError as exc:
+            log.warning("warm-pool template %s could not be built: %s", name, exc)
+            return None
+        finally:
+            await self._teardown(vm)
 
     async def _setup(self, vm: _Vm) -> None:
         assert vm.link is not None
@@ -668,9 +751,25 @@ class VmBackend:
             raise CapacityExceeded(
                 f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
                 f"disk for its memory, only {room >> 20} MiB are free")
+        part = os.path.join(vm.dir, "mem.part")
+        await self._save_memory(vm, part)
+        await asyncio.to_thread(_fsync, part)     # durable before the pause is recorded
+        os.replace(part, os.path.join(vm.dir, "mem.bin"))
+        vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
+        self._save(vm)
+        # QEMU is gone; what its cgroup still holds is page cache of the memory file and
+        # the scratch disk (measured: ~100 MiB for a 192 MiB guest): drop it
+        _, after = await asyncio.to_thread(self.governor.reclaim, vm.cg)
+        return PauseStats(resident_before_bytes=before,
+                          reclaimed_bytes=max(0, before - after),
+                          duration_s=time.monotonic() - t0)
+
+    async def _save_memory(self, vm: _Vm, part: str) -> None:
+        """Quiesce the guest, stop it, write its memory and device state into ``part``
+        (QMP ``migrate fd:``) and quit QEMU. On failure the guest runs on."""
+        assert vm.link is not None and vm.qmp is not None
         await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
         await vm.qmp.execute("stop")
-        part = os.path.join(vm.dir, "mem.part")
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
@@ -694,16 +793,6 @@ class VmBackend:
             self._kill(vm)
             await self._wait_exit(vm, 5.0)
         self._close_handles(vm)
-        await asyncio.to_thread(_fsync, part)     # durable before the pause is recorded
-        os.replace(part, os.path.join(vm.dir, "mem.bin"))
-        vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
-        self._save(vm)
-        # QEMU is gone; what its cgroup still holds is page cache of the memory file and
-        # the scratch disk (measured: ~100 MiB for a 192 MiB guest): drop it
-        _, after = await asyncio.to_thread(self.governor.reclaim, vm.cg)
-        return PauseStats(resident_before_bytes=before,
-                          reclaimed_bytes=max(0, before - after),
-                          duration_s=time.monotonic() - t0)
 
     async def _wait_migrated(self, vm: _Vm) -> None:
         assert vm.qmp is not None
@@ -938,9 +1027,10 @@ class VmBackend:
         procs = await asyncio.to_thread(self._qemu_pids)
         cgs = set(self.governor.list_sandboxes())
         out = []
-        for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms)):
+        building = {"pool-" + k[:16] for k in self._building}
+        for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms) - building):
             left = await self._discard_one(sid, procs.get(sid, []))
-            if left is not None:
+            if left is not None and not sid.startswith("pool-"):  # a template builder's
                 out.append(left)
         return out
 
@@ -982,6 +1072,10 @@ class VmBackend:
 
     async def close(self) -> None:
         """Node shutdown: VMs keep running (adopted by the next edge); drop our handles."""
+        for task in list(self._building.values()):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         for vm in list(self._vms.values()):
             vm.expected_exit = True
             if vm.link is not None:
