@@ -42,6 +42,15 @@ from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.vm import agentproto as ap
+from dsec.edge.backends.vm.density import (
+    DensityOptions,
+    PmemLayer,
+    guest_layer_devices,
+    host_overhead_bytes,
+    prepare_pmem_layer,
+    qemu_args,
+)
+from dsec.edge.backends.vm.density import kernel_cmdline as density_cmdline
 from dsec.edge.backends.vm.link import AgentLink
 from dsec.edge.backends.vm.pool import PoolKey, WarmPool
 from dsec.edge.backends.vm.qemu import (
@@ -204,7 +213,8 @@ class VmBackend:
     def __init__(self, *, root_dir: str, images: ImageResolver, kernel: str, initrd: str,
                  governor: Governor | None = None, cgroup_name: str | None = None,
                  uid_base: int = UID_BASE, default_disk_bytes: int = DEFAULT_DISK_BYTES,
-                 memory_overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, tb_size_mib: int = 32,
+                 memory_overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                 tb_size_mib: int | None = 32,
                  boot_timeout_s: float = 120.0, qemu_binary: str = "qemu-system-x86_64",
                  console: bool = False, extra_args: tuple[str, ...] = (),
                  append: str = "quiet panic=-1", dax: bool = False,
@@ -213,7 +223,8 @@ class VmBackend:
                  snapshot_max_apparent_bytes: int = 64 << 30,
                  snapshot_max_entries: int = 1_000_000,
                  snapshot_max_path_bytes: int = 128 << 20,
-                 warm_pool: bool = False, pool_max_templates: int = 8) -> None:
+                 warm_pool: bool = False, pool_max_templates: int = 8,
+                 density: DensityOptions | None = None) -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -229,6 +240,15 @@ class VmBackend:
         self.qemu_binary = qemu_binary
         self.console = console
         self.extra_args = tuple(extra_args)
+        # density (vm/density.py): layers on virtio-pmem with DAX, the free-page-reporting
+        # balloon, DAMON_RECLAIM in the guest, the TCG cache cap
+        self.density = density
+        if density is not None:
+            append = " ".join([append, *density_cmdline(density)])
+            self.tb_size_mib = density.tb_size_mib
+            memory_overhead_bytes = max(memory_overhead_bytes, host_overhead_bytes(density))
+            self.memory_overhead_bytes = memory_overhead_bytes
+            dax = density.pmem_dax
         self.append = append
         self.dax = dax
         self.tunables = dict(tunables or {})
@@ -246,6 +266,10 @@ class VmBackend:
         self.pool = (WarmPool(os.path.join(self.root_dir, "pool"),
                               max_templates=pool_max_templates) if warm_pool else None)
         self._building: dict[str, asyncio.Task[str | None]] = {}
+
+    @property
+    def _pmem(self) -> bool:
+        return self.density is not None and self.density.pmem_dax
 
     # -- plumbing ---------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -342,7 +366,23 @@ class VmBackend:
             return s
 
         try:
-            disks = [Disk(ro(p)) for p in vm.rec.layer_files]
+            extra = list(self.extra_args)
+            extra_fds: list[int] = []
+            if self._pmem:
+                # layers as virtio-pmem regions (mapped, DAX in the guest), by descriptor:
+                # QEMU opens mem-path itself and cannot reach our private dirs
+                pmem = []
+                for p in vm.rec.layer_files:
+                    pl = prepare_pmem_layer(p, os.path.join(self.root_dir, "pmem"))
+                    fd = ro(pl.path)
+                    extra_fds.append(fd)
+                    pmem.append(PmemLayer(f"/proc/self/fd/{fd}", pl.size))
+                disks = []
+            else:
+                pmem = []
+                disks = [Disk(ro(p)) for p in vm.rec.layer_files]
+            if self.density is not None:
+                extra += qemu_args(self.density, pmem, ram_bytes=vm.rec.memory_mib << 20)
             scratch = os.path.join(d, "scratch.img")
             rw = os.open(scratch, os.O_RDWR | os.O_CLOEXEC)
             fds.append(rw)
@@ -357,9 +397,9 @@ class VmBackend:
                 marker=marker_of(self.key, vm.sid), kernel_fd=ro(self.kernel),
                 initrd_fd=ro(self.initrd), memory_mib=vm.rec.memory_mib, vcpus=vm.rec.vcpus,
                 agent_fd=listener("a").fileno(), qmp_fd=listener("q").fileno(),
-                disks=tuple(disks), incoming_fd=ro(incoming) if incoming else None,
+                disks=tuple(disks), incoming_defer=incoming is not None,
                 console_fd=console, tb_size_mib=self.tb_size_mib, append=self.append,
-                extra=self.extra_args, binary=self.qemu_binary)
+                extra=tuple(extra), extra_fds=tuple(extra_fds), binary=self.qemu_binary)
             procs = vm.cg.procs_files
             uid = vm.rec.uid
 
@@ -473,7 +513,7 @@ class VmBackend:
             vm.qmp = await self._race_exit(vm, Qmp.connect(os.path.join(vm.dir, "q"),
                                                            what=f"sandbox {vm.sid}"))
             if incoming is not None:
-                await self._race_exit(vm, self._wait_incoming(vm))
+                await self._race_exit(vm, self._incoming(vm, incoming))
             vm.link = await self._race_exit(vm, AgentLink.open(
                 os.path.join(vm.dir, "a"), vm.sid, timeout=self.boot_timeout_s))
         except BaseException:
@@ -493,7 +533,16 @@ class VmBackend:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.05)
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except DsecError:
+                        # a refused or reset connection often means QEMU is exiting:
+                        # then its own message is the one worth reading
+                        if await self._wait_exit(vm, 1.0):
+                            raise BackendError(
+                                f"sandbox {vm.sid}: QEMU exited while starting: "
+                                f"{self._qemu_error(vm)[:500] or 'no message'}") from None
+                        raise
                 if not self._alive(vm):
                     task.cancel()
                     with contextlib.suppress(BaseException):
@@ -503,6 +552,29 @@ class VmBackend:
         finally:
             if not task.done():
                 task.cancel()
+
+    async def _migration_caps(self, vm: _Vm) -> None:
+        """Capabilities both ends of a save/restore must agree on: with layers on pmem,
+        ``x-ignore-shared`` leaves the (shared, read-only, file-backed) regions out of
+        the memory file - they are the layer files themselves (QEMU 7.2 takes it only
+        over QMP, not as ``-global``: measured)."""
+        assert vm.qmp is not None
+        if self._pmem:
+            await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
+                {"capability": "x-ignore-shared", "state": True}]})
+
+    async def _incoming(self, vm: _Vm, path: str) -> None:
+        """Restore the guest from the memory file ``path`` (QEMU started ``-incoming
+        defer``) and get it running."""
+        assert vm.qmp is not None
+        await self._migration_caps(vm)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await vm.qmp.execute("getfd", {"fdname": "in"}, fds=[fd])
+        finally:
+            os.close(fd)
+        await vm.qmp.execute("migrate-incoming", {"uri": "fd:in"})
+        await self._wait_incoming(vm)
 
     async def _wait_incoming(self, vm: _Vm) -> None:
         assert vm.qmp is not None
@@ -581,8 +653,8 @@ class VmBackend:
     def _pool_key(self, rec: _Record) -> PoolKey:
         return PoolKey(layer_files=tuple(rec.layer_files), memory_mib=rec.memory_mib,
                        vcpus=rec.vcpus, disk_bytes=rec.disk_bytes, kernel=self.kernel,
-                       initrd=self.initrd, append=self.append, extra=self.extra_args,
-                       console=self.console)
+                       initrd=self.initrd, append=self.append,
+                       extra=(*self.extra_args, repr(self.density)), console=self.console)
 
     def _warm_later(self, rec: _Record, spec: SandboxSpec) -> None:
         key = self._pool_key(rec)
@@ -651,10 +723,15 @@ class VmBackend:
     async def _setup(self, vm: _Vm) -> None:
         assert vm.link is not None
         n = len(vm.rec.layer_files)
-        devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
+        if self._pmem:
+            assert self.density is not None
+            layers, scratch = guest_layer_devices(self.density, n), "/dev/vda"
+        else:
+            devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
+            layers, scratch = devs[:n], devs[n]
         env = dict(vm.spec.env)
         await vm.link.call("setup", ap.SetupRequest(
-            layers=devs[:n], scratch=devs[n], dax=self.dax, env=env,
+            layers=layers, scratch=scratch, dax=self.dax, env=env,
             tunables=self.tunables), ap.SetupResult, timeout=60.0)
 
     def _make_scratch(self, vm: _Vm) -> None:
@@ -771,6 +848,7 @@ class VmBackend:
         await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
         await vm.qmp.execute("stop")
         try:
+            await self._migration_caps(vm)
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
