@@ -23,6 +23,11 @@ SPEC = SandboxSpec(image="base", memory_bytes=192 << 20, disk_bytes=64 << 20, ba
                    project="default")
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")
+
+
 def _qemu_alive(b: VmBackend, sid: str) -> bool:
     return sid in b._qemu_pids()
 
@@ -94,20 +99,46 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
     assert events == []                     # nothing died on its own
 
 
-async def test_qemu_killed_is_a_backend_crash(vm_backend: VmBackend) -> None:
-    b = vm_backend
+async def test_density_guest_then_qemu_killed_is_a_backend_crash(
+        vm_backend: VmBackend) -> None:
+    """With density on (layers on virtio-pmem + DAX, balloon, DAMON): the image is read
+    through pmem, pause leaves the regions out of the memory file and resume works; then
+    QEMU killed from outside is reported as a backend crash."""
+    from dsec.edge.backends.vm.density import DensityOptions
+
+    b = VmBackend(root_dir=vm_backend.root_dir + "-dens", images=vm_backend.images,
+                  kernel=vm_backend.kernel, initrd=vm_backend.initrd,
+                  append=vm_backend.append, density=DensityOptions())
     events: list[tuple[str, str, str]] = []
     b.watch(lambda *a: events.append(a))
     sid = SandboxId("sb-vh-crash")
-    await b.create(sid, SPEC)
-    os.kill(b._vms[sid].rec.pid, signal.SIGKILL)
-    for _ in range(200):
-        if events:
-            break
-        await asyncio.sleep(0.02)
-    assert events and events[0][:2] == (sid, "backend_crash")
-    await b.destroy(sid)
-    assert not os.path.exists(os.path.join(b.root_dir, "sb", sid))
+    try:
+        await b.create(sid, SPEC)
+        argv = _cmdline(b._vms[sid].rec.pid)
+        assert any(a.startswith(b"virtio-pmem-pci") for a in argv)
+        assert not any(a.startswith(b"virtio-blk-pci,drive=d1") for a in argv)  # scratch only
+        setup = b._vms[sid].setup
+        # the one layer is mounted, and the only virtio-blk disk is the scratch: the layer
+        # came from the pmem region
+        assert setup is not None and "/layers/0" in setup.mounts, setup
+        r = await b.exec(sid, ExecRequest(shell="ls /bin | wc -l"))
+        assert r.exit_code == 0 and int(r.stdout) > 50, r
+        await b.write_file(sid, "/root/f", b"dens")
+        await b.pause(sid)
+        await b.resume(sid)
+        assert await b.read_file(sid, "/root/f") == b"dens"
+        os.kill(b._vms[sid].rec.pid, signal.SIGKILL)
+        for _ in range(200):
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert events and events[0][:2] == (sid, "backend_crash")
+        await b.destroy(sid)
+        assert not os.path.exists(os.path.join(b.root_dir, "sb", sid))
+    finally:
+        for s in list(b._vms):
+            await b.destroy(s)  # type: ignore[arg-type]
+        await b.close()
 
 
 _EDGE = """

@@ -136,6 +136,7 @@ class _Vm:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     oom_seen: int = 0
     dead: bool = False
+    setup: ap.SetupResult | None = None     # what the agent mounted (diagnostics)
 
 
 def _fsync(path: str) -> None:
@@ -730,7 +731,7 @@ class VmBackend:
             devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
             layers, scratch = devs[:n], devs[n]
         env = dict(vm.spec.env)
-        await vm.link.call("setup", ap.SetupRequest(
+        vm.setup = await vm.link.call("setup", ap.SetupRequest(
             layers=layers, scratch=scratch, dax=self.dax, env=env,
             tunables=self.tunables), ap.SetupResult, timeout=60.0)
 
