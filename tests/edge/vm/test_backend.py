@@ -181,7 +181,8 @@ async def test_reconcile_after_edge_kill9(vm_backend: VmBackend, vm_store: Any,
 
 async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
     """With the warm pool on, creates restore a guest saved at hello instead of booting;
-    each clone gets its own scratch disk (their files are their own)."""
+    each clone gets its own scratch disk (their files are their own). Then an edge
+    restart adopts them (one running, one paused)."""
     from dsec.edge.backends.vm.pool import WarmPool
 
     b = vm_backend
@@ -200,5 +201,22 @@ async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
     await b.pause(sids[0])
     await b.resume(sids[0])
     assert await b.read_file(sids[0], "/root/mine") == b"1"
-    for sid in sids:
-        await b.destroy(sid)
+
+    # an edge restart: the next backend object adopts the running VM and the paused one
+    await b.pause(sids[1])
+    pid = b._vms[sids[0]].rec.pid
+    await b.close()
+    b2 = VmBackend(root_dir=b.root_dir, images=b.images, kernel=b.kernel, initrd=b.initrd,
+                   append=b.append, console=True)
+    try:
+        assert await b2.adopt(sids[0], SPEC) and await b2.adopt(sids[1], SPEC)
+        assert b2._vms[sids[0]].rec.pid == pid                  # the same QEMU
+        assert await b2.read_file(sids[0], "/root/mine") == b"1"
+        await b2.resume(sids[1])
+        assert (await b2.exec(sids[1], ExecRequest(argv=("true",)))).exit_code == 0
+        assert not await b2.adopt(SandboxId("sb-vh-never"), SPEC)
+        assert await b2.reconcile(set(sids)) == []
+    finally:
+        for sid in sids:
+            await b2.destroy(sid)
+        await b2.close()
