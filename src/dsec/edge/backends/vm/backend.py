@@ -225,7 +225,8 @@ class VmBackend:
                  snapshot_max_entries: int = 1_000_000,
                  snapshot_max_path_bytes: int = 128 << 20,
                  warm_pool: bool = False, pool_max_templates: int = 8,
-                 density: DensityOptions | None = None) -> None:
+                 density: DensityOptions | None = None,
+                 uid_dir: str = "/run/dsec/vm-uids") -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -234,6 +235,7 @@ class VmBackend:
         self.key = hashlib.sha256(self.root_dir.encode()).hexdigest()[:12]
         self.governor = governor or Governor(name=cgroup_name or f"dsec-vm-{self.key}")
         self.uid_base = uid_base
+        self.uid_dir = uid_dir
         self.default_disk_bytes = default_disk_bytes
         self.memory_overhead_bytes = memory_overhead_bytes
         self.tb_size_mib = tb_size_mib
@@ -288,13 +290,57 @@ class VmBackend:
             raise Conflict(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         return vm
 
-    def _alloc_uid(self) -> int:
+    def _alloc_uid(self, sid: str) -> int:
+        """A uid no other VM on this host runs as, for ``sid``: claimed by creating
+        ``<uid_dir>/<uid>`` (O_EXCL) naming this backend and the sandbox, so two edges
+        (``dsec up`` runs several) never hand out the same one."""
+        os.makedirs(self.uid_dir, mode=0o700, exist_ok=True)
         for slot in range(UID_SLOTS):
             uid = self.uid_base + slot
-            if uid not in self._uids:
-                self._uids.add(uid)
-                return uid
-        raise CapacityExceeded(f"all {UID_SLOTS} vm uids of this node are in use")
+            if uid in self._uids:
+                continue
+            try:
+                fd = os.open(os.path.join(self.uid_dir, str(uid)),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            try:
+                os.write(fd, f"{self.key} {sid}\n".encode())
+            finally:
+                os.close(fd)
+            self._uids.add(uid)
+            return uid
+        raise CapacityExceeded(f"all {UID_SLOTS} vm uids from {self.uid_base} are claimed "
+                               f"in {self.uid_dir}")
+
+    def _release_uid(self, uid: int) -> None:
+        self._uids.discard(uid)
+        path = os.path.join(self.uid_dir, str(uid))
+        try:
+            with open(path, "rb") as f:
+                mine = f.read(200).split(b" ", 1)[0] == self.key.encode()
+            if mine:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _stale_uid_claims(self, live: AbstractSet[str]) -> None:
+        """Remove this backend's uid claims whose sandbox is not in ``live``."""
+        try:
+            names = os.listdir(self.uid_dir)
+        except FileNotFoundError:
+            return
+        for n in names:
+            path = os.path.join(self.uid_dir, n)
+            try:
+                with open(path, "rb") as f:
+                    key, _, sid = f.read(200).decode(errors="replace").strip().partition(" ")
+            except OSError:
+                continue
+            if key == self.key and sid not in live and n.isdigit() \
+                    and int(n) not in self._uids:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def _save(self, vm: _Vm) -> None:
         tmp = os.path.join(vm.dir, "vm.json.tmp")
@@ -622,7 +668,7 @@ class VmBackend:
         except FileExistsError:
             raise Conflict(f"sandbox {sid} already has a directory {d}",
                            sandbox_id=sid) from None
-        uid = self._alloc_uid()
+        uid = self._alloc_uid(sid)
         mem = memory_mib(spec.memory_bytes)
         rec = _Record(sid=sid, uid=uid, memory_mib=mem,
                       vcpus=vcpus(spec.cpu_milli, max_vcpus=self.max_vcpus),
@@ -698,7 +744,7 @@ class VmBackend:
         await asyncio.to_thread(remove_tree, d)
         os.mkdir(d, 0o700)
         name = "pool-" + key.digest()[:16]
-        rec = _Record(sid=name, uid=self._alloc_uid(), memory_mib=like.memory_mib,
+        rec = _Record(sid=name, uid=self._alloc_uid(name), memory_mib=like.memory_mib,
                       vcpus=like.vcpus, disk_bytes=like.disk_bytes,
                       layer_files=list(like.layer_files))
         vm = _Vm(sid=name, spec=spec, dir=d, rec=rec, cg=self.governor.paths(name))
@@ -767,7 +813,7 @@ class VmBackend:
         if vm.layers is not None:
             self.images.release(vm.layers)
             vm.layers = None
-        self._uids.discard(vm.rec.uid)
+        self._release_uid(vm.rec.uid)
         self._vms.pop(vm.sid, None)
 
     async def destroy(self, sid: SandboxId) -> None:
@@ -1105,6 +1151,7 @@ class VmBackend:
             names = {e.name for e in os.scandir(os.path.join(self.root_dir, "sb"))}
         procs = await asyncio.to_thread(self._qemu_pids)
         cgs = set(self.governor.list_sandboxes())
+        await asyncio.to_thread(self._stale_uid_claims, set(keep) | set(self._vms))
         out = []
         building = {"pool-" + k[:16] for k in self._building}
         for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms) - building):
