@@ -4,6 +4,7 @@ death events and reconcile after the edge is killed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from dsec.edge.backends.vm.backend import VmBackend
-from dsec.errors import Conflict, InvalidArgument, NotFound
+from dsec.errors import Conflict, DsecError, InvalidArgument, NotFound
 from dsec.ids import SandboxId
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
 
@@ -216,6 +217,18 @@ async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
         assert (await b2.exec(sids[1], ExecRequest(argv=("true",)))).exit_code == 0
         assert not await b2.adopt(SandboxId("sb-vh-never"), SPEC)
         assert await b2.reconcile(set(sids)) == []
+        # the guest kernel dying (a panic reboots; -no-reboot makes that an exit) is the
+        # sandbox exiting, reported on the adopted VM too
+        events: list[tuple[str, str, str]] = []
+        b2.watch(lambda *a: events.append(a))
+        with contextlib.suppress(DsecError):
+            await b2.exec(sids[1], ExecRequest(shell="echo c > /proc/sysrq-trigger",
+                                               timeout_s=5))
+        for _ in range(500):
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert [e[:2] for e in events] == [(sids[1], "exited")]
     finally:
         for sid in sids:
             await b2.destroy(sid)
