@@ -42,6 +42,7 @@ from dsec.errors import (
     InvalidArgument,
     NotFound,
     RequestTimeout,
+    ResourceExhausted,
     UnknownMethod,
 )
 
@@ -236,6 +237,49 @@ async def test_host_mode_survives_garbage_and_answers_pings(tmp_path: object,
         proc.wait(timeout=5)
 
 
+def _raw_call(a: socket.socket, sid: int, method: str, body: bytes) -> tuple[int, dict[str, object]]:
+    """One REQUEST with a raw msgpack body; (frame type, decoded reply body)."""
+    payload = encode_request(method, body)
+    a.sendall(encode_parts(FrameType.REQUEST, sid, payload) + payload)
+    data = b""
+    while len(data) < 25 or len(data) < 25 + int.from_bytes(data[15:19], "big"):
+        chunk = a.recv(65536)
+        assert chunk, "agent closed the connection"
+        data += chunk
+    assert int.from_bytes(data[6:14], "big") == sid
+    return data[14], msgspec.msgpack.decode(data[25:25 + int.from_bytes(data[15:19], "big")])
+
+
+async def test_host_mode_malformed_bodies_are_invalid_argument(tmp_path: object,
+                                                              agent_bin: str) -> None:
+    """The agent's msgpack reader bounds every read: truncated values, wrong types, huge
+    announced counts and deep nesting are invalid_argument, and it keeps serving."""
+    a, proc = _spawn(agent_bin, str(tmp_path))
+    a.settimeout(10)
+    try:
+        assert _raw_call(a, 1, "setup", _enc({}))[0] == FrameType.RESPONSE
+        bad = [
+            ("read", b"\x81\xa4path\xda\xff\xff"),          # str of 65535 bytes, 0 present
+            ("read", _enc({"path": 7})),
+            ("read", b"\xdf\xff\xff\xff\xff"),              # map of 4G entries
+            ("exec", _enc({"argv": ["a", 1]})),
+            ("exec", _enc({"env": {"A=B": "c"}, "argv": ["true"]})),
+            ("exec", _enc({"argv": ["tr\x00ue"]})),
+            ("write", b"\x91" * 100 + b"\xc0"),                # 100 nested arrays
+            ("stat", b"\xc1"),                                  # never-used msgpack byte
+        ]
+        sid = 3
+        for method, body in bad:
+            t, reply = _raw_call(a, sid, method, body)
+            assert t == FrameType.ERROR and reply["code"] == "invalid_argument", (method, reply)
+            sid += 2
+        t, reply = _raw_call(a, sid, "hello", _enc(None))
+        assert t == FrameType.RESPONSE and reply["setup_done"] is True
+    finally:
+        a.close()
+        proc.wait(timeout=5)
+
+
 def _upper_tree(root: str) -> str:
     os.makedirs(os.path.join(root, "d", "opq"))
     long = "n" * 150
@@ -246,6 +290,24 @@ def _upper_tree(root: str) -> str:
     os.setxattr(os.path.join(root, "d", "opq"), "trusted.overlay.opaque", b"y")
     os.mkfifo(os.path.join(root, "fifo"))
     return long
+
+
+async def test_host_mode_exec_stream_waits_for_credit(tmp_path: object, agent_bin: str) -> None:
+    """A reader that lags stops the command, not the link: 24 MB streamed to a caller
+    that reads nothing for 1.5 s arrive whole. Without the agent honouring Aether's
+    per-stream credit the caller's connection would hold more than STREAM_BACKLOG_MAX
+    (16 MiB) unread and cancel the call (ResourceExhausted)."""
+    async with _host_agent(agent_bin, str(tmp_path)) as (conn, _):
+        await conn.call("setup", ap.SetupRequest(), timeout=5)
+        n = 24 << 20
+        s = conn.stream("exec_stream", ap.ExecRequest(argv=("head", "-c", str(n), "/dev/zero"),
+                                                      output_cap_bytes=n),
+                        timeout=60, item_type=ap.ExecChunk, response_type=ap.ExecResult)
+        await asyncio.sleep(1.5)
+        got = 0
+        async for c in s:
+            got += len(c.data)
+        assert got == n and s.result.exit_code == 0 and not s.result.stdout_truncated
 
 
 @pytest.mark.root
@@ -385,9 +447,11 @@ async def test_guest_exec(vm: Guest) -> None:
                             response_type=ap.ExecResult)
         assert (r.exit_code, r.stdout, r.stderr) == (0, b"hi\n", b"")
         r = await conn.call("exec", ap.ExecRequest(
-            shell="cat; echo $DSEC_T $X $(id -u) $(pwd) >&2; exit 3", env={"X": "y"},
-            stdin=b"in", cwd="/tmp", user="agent"), timeout=30, response_type=ap.ExecResult)
-        assert (r.exit_code, r.stdout, r.stderr) == (3, b"in", b"1 y 1000 /tmp\n")
+            shell="cat; echo $DSEC_T $X $(id -u) $(pwd) $HOME $LANG >&2; exit 3",
+            env={"X": "y"}, stdin=b"in", cwd="/tmp", user="agent"), timeout=30,
+            response_type=ap.ExecResult)
+        assert (r.exit_code, r.stdout, r.stderr) == (
+            3, b"in", b"1 y 1000 /tmp /home/agent C.UTF-8\n")
         r = await conn.call("exec", ap.ExecRequest(shell="head -c 5000 /dev/zero",
                                                    output_cap_bytes=100),
                             timeout=30, response_type=ap.ExecResult)
@@ -475,7 +539,8 @@ async def test_guest_files_and_diff(vm: Guest) -> None:
         with pytest.raises(NotFound):
             await conn.call("read", ap.ReadRequest(path="/../init"), timeout=30)
         await conn.call("exec", ap.ExecRequest(
-            shell="rm /linuxrc && rm -rf /var && mkdir -p /var/new && echo v > /var/new/f"),
+            shell="rm /linuxrc && rm -rf /var && mkdir -p /var/new && echo v > /var/new/f"
+                  " && mv /home /home2"),
             timeout=30)
         s = conn.stream("diff", None, timeout=60, item_type=ap.DiffChunk,
                         response_type=ap.DiffResult)
@@ -486,6 +551,8 @@ async def test_guest_files_and_diff(vm: Guest) -> None:
         assert m["var"].pax_headers.get("SCHILY.xattr.trusted.overlay.opaque") == "y"
         assert m["workspace/big.bin"].size == len(data)
         assert "bin/busybox" not in m                   # lower-layer files are not in the diff
+        # a renamed lower dir is copied, never an overlay redirect (redirect_dir=nofollow)
+        assert m["home"].ischr() and m["home2/agent"].isdir()
     finally:
         await conn.close()
 
@@ -523,6 +590,52 @@ async def test_guest_survives_host_disconnect(vm: Guest) -> None:
     finally:
         await conn.close()
     assert vm.proc.poll() is None, vm.serial()
+
+
+@pytest_root
+async def test_guest_faults_full_disk_and_oom(vm: Guest) -> None:
+    """A full scratch disk is resource_exhausted for the host's write and a failing
+    command for the sandbox, and clears when files go; a command eating more than the
+    guest's RAM is OOM-killed inside the guest (reported), the agent (PID 1, exempt from
+    the OOM killer) keeps serving."""
+    conn = await vm.dial()
+    try:
+        # fill the disk without writing it (TCG writes a few MB/s under load): fallocate
+        # files, halving the size at each refusal, down to 256 KiB
+        r = await conn.call("exec", ap.ExecRequest(shell=(
+            "s=67108864; i=0; while [ $s -ge 262144 ]; do "
+            "if fallocate -l $s /workspace/fill$i 2>/dev/null; then i=$((i+1)); "
+            "else s=$((s/2)); fi; done")), timeout=60, response_type=ap.ExecResult)
+        assert r.exit_code == 0, r
+        r = await conn.call("exec", ap.ExecRequest(
+            argv=("dd", "if=/dev/zero", "of=/workspace/dd", "bs=1M", "count=4")), timeout=60,
+            response_type=ap.ExecResult)
+        assert r.exit_code != 0 and b"No space left" in r.stderr, r
+        with pytest.raises(ResourceExhausted):
+            await conn.call("write", ap.WriteRequest(path="/workspace/more", data=b"x" * (2 << 20)),
+                            timeout=30)
+        await conn.call("exec", ap.ExecRequest(shell="rm -f /workspace/fill* /workspace/dd"),
+                        timeout=30)
+        await conn.call("write", ap.WriteRequest(path="/workspace/more", data=b"x" * (1 << 20)),
+                        timeout=30)
+        # (overcommit on, so that the allocation succeeds and touching it is what fails)
+        await conn.call("exec", ap.ExecRequest(shell="echo 1 > /proc/sys/vm/overcommit_memory"),
+                        timeout=30)
+        try:
+            r = await conn.call("exec", ap.ExecRequest(
+                shell="exec dd if=/dev/zero of=/dev/null bs=300M count=1"), timeout=60,
+                response_type=ap.ExecResult)
+        finally:
+            await conn.call("exec", ap.ExecRequest(
+                shell="echo 0 > /proc/sys/vm/overcommit_memory"), timeout=30)
+        assert r.exit_code == 137 and r.oom_killed, r
+        st = await conn.call("stats", None, timeout=30, response_type=ap.GuestStats)
+        assert st.oom_kills >= 1
+        r = await conn.call("exec", ap.ExecRequest(argv=("echo", "alive")), timeout=30,
+                            response_type=ap.ExecResult)
+        assert r.stdout == b"alive\n"
+    finally:
+        await conn.close()
 
 
 class _Qmp:

@@ -546,7 +546,7 @@ static void h_read(uint64_t sid, mp_t body) {
     int fd = open_in_root(path, O_RDONLY | O_NONBLOCK, 0);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0) { send_errno(sid, errno, "read", path); if (fd >= 0) close(fd); free(path); return; }
-    if (!S_ISREG(st.st_mode)) { send_error(sid, S_ISDIR(st.st_mode) ? "invalid_argument" : "invalid_argument", "read %s: not a regular file", path); close(fd); free(path); return; }
+    if (!S_ISREG(st.st_mode)) { send_error(sid, "invalid_argument", "read %s: not a regular file", path); close(fd); free(path); return; }
     uint8_t *data = malloc(len ? len : 1);
     size_t got = 0;
     while ((int64_t)got < len) {
@@ -804,7 +804,10 @@ static void h_setup(uint64_t sid, mp_t body) {
                 int k = snprintf(mp, sizeof mp, "%s/layers/%zu", i + 1 < nl ? ":" : "", i);
                 buf_put(&o, mp, k);
             }
-            const char *rest = ",upperdir=/scratch/upper,workdir=/scratch/work";
+            /* the flags the container backend uses (dsec.image.compose.OVERLAY_FLAGS):
+             * directory renames are neither written as redirects nor followed, so the
+             * upper dir is plain overlay encoding that pack_diff understands */
+            const char *rest = ",upperdir=/scratch/upper,workdir=/scratch/work,redirect_dir=nofollow,metacopy=off";
             buf_put(&o, rest, strlen(rest) + 1);
             int r = mount("overlay", SB, "overlay", 0, (char *)o.p);
             if (r < 0) snprintf(err, sizeof err, "mount overlay at /sb (%s): %s", (char *)o.p, strerror(errno));
@@ -942,11 +945,13 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
     }
     /* envp: PATH/HOME defaults, then setup env, then the request's */
     size_t en = 0;
-    char **envp = calloc(base_env_n + envc + 4, sizeof *envp);
+    char **envp = calloc(base_env_n + envc + 8, sizeof *envp);
+    /* defaults as the container backend's (container/rootfs.py DEFAULT_ENV + HOSTNAME) */
     char pathv[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
     char homev[600]; snprintf(homev, sizeof homev, "HOME=%s", home);
-    char *defs[] = {pathv, homev, "TERM=xterm"};
-    for (int d = 0; d < 3; d++) envp[en++] = defs[d];
+    char hostv[80] = "HOSTNAME="; gethostname(hostv + 9, sizeof hostv - 10);
+    char *defs[] = {pathv, homev, "TERM=xterm", "LANG=C.UTF-8", hostv};
+    for (int d = 0; d < 5; d++) envp[en++] = defs[d];
     char **srcs[2] = {base_env, env};
     for (int s = 0; s < 2; s++) for (size_t i = 0; srcs[s] && srcs[s][i]; i++) {
         size_t kl = strchr(srcs[s][i], '=') - srcs[s][i];
@@ -1598,7 +1603,8 @@ int main(int argc, char **argv) {
             }
             if (j->in_fd >= 0) { pf[n] = (struct pollfd){ j->in_fd, POLLOUT, 0 }; pj[n] = j; pw[n] = 2; n++; }
             if (j->deadline && !j->timed_out && !j->exited && j->deadline < wake) wake = j->deadline;
-            if (j->exited && j->exit_at + 0.2 < wake) wake = j->exit_at + 0.2;
+            if (j->exited && (j->out_fd >= 0 || j->err_fd >= 0) && j->exit_at + 0.2 > now && j->exit_at + 0.2 < wake)
+                wake = j->exit_at + 0.2;
         }
         int to = (int)((wake - now) * 1000) + 1;
         if (to < 0) to = 0;
@@ -1645,6 +1651,7 @@ int main(int argc, char **argv) {
             if (j->kind == 3) { job_free(j); continue; }
             int open_ = (j->out_fd >= 0) + (j->err_fd >= 0);
             if (open_ && now < j->exit_at + 0.2) continue;   /* drain what the pipes still hold */
+            if (open_ && j->kind == 1 && j->sid && j->credit <= 0) continue;  /* the reader first */
             if (open_ && j->kind != 2) { if (j->out_fd >= 0) job_pump(j, 0); if (j->err_fd >= 0) job_pump(j, 1); }
             if (j->kind == 2 && open_) continue;               /* diff: always read to EOF */
             if (outb.len > OUT_HIGH && j->kind == 1) continue;
