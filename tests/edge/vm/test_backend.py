@@ -79,6 +79,10 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
     assert b.governor.memory_usage(vm.cg) < (8 << 20)
     with pytest.raises(Conflict, match="paused"):
         await b.exec(sid, ExecRequest(argv=("true",)))
+    # a paused sandbox can be snapshotted (resumed for it, paused again); nothing changed
+    again = await b.snapshot(sid)
+    assert again.unchanged and again.id == snap.id
+    assert vm.rec.paused and not _qemu_alive(b, sid)
     await b.resume(sid)
     assert not os.path.exists(os.path.join(vm.dir, "mem.bin"))
     r = await b.exec(sid, ExecRequest(shell="head -c 5 /root/notes.txt; ls /bin/vi"))

@@ -147,6 +147,13 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read(1 << 20)
@@ -1048,21 +1055,47 @@ class VmBackend:
             raise Conflict("this vm backend resolves images from plain directories, which "
                            "cannot hold snapshots; construct it with images=StoreImages(...) "
                            "(dsec up does)")
+        # one snapshot of a sandbox at a time, and no pause/resume under it: the host
+        # copy of the upper dir is rewritten by each
         async with vm.lock:
             paused = vm.rec.paused
             if paused:  # the changes are in the guest: it must run to send them
                 await self._resume_locked(vm)
             try:
-                await self._pull_upper(vm)
+                digest = await self._pull_upper(vm)
             finally:
                 if paused:
                     await self._pause_locked(vm)
-        return await self._snaps.snapshot(sid, strip=strip, max_bytes=max_bytes)
+            # The unpacked dir is new each time, so pack_diff cannot tell an unchanged
+            # sandbox (its index keys on inodes): the tar's hash can (same bytes, same
+            # tree: the agent walks a dir nothing changed in the same way).
+            same = await asyncio.to_thread(self._same_diff, vm, digest, strip)
+            if same is not None:
+                return same
+            info = await self._snaps.snapshot(sid, strip=strip, max_bytes=max_bytes)
+            await asyncio.to_thread(_write_text, os.path.join(vm.dir, "diff.sha"),
+                                    f"{digest} {info.id} {','.join(strip)}")
+            return info
 
-    async def _pull_upper(self, vm: _Vm) -> None:
+    def _same_diff(self, vm: _Vm, digest: str, strip: tuple[str, ...]) -> SnapshotInfo | None:
+        try:
+            with open(os.path.join(vm.dir, "diff.sha")) as f:
+                was, snap, was_strip = (f.read(4096).split(" ") + ["", ""])[:3]
+        except FileNotFoundError:
+            return None
+        if was != digest or was_strip.strip() != ",".join(strip):
+            return None
+        try:
+            m = self._snaps._get(snap)
+        except DsecError:
+            return None                   # deleted since: take it again
+        return self._snaps._unchanged(m)
+
+    async def _pull_upper(self, vm: _Vm) -> str:
         """The guest's upper dir, streamed by the agent as a tar, unpacked (strictly) into
-        ``<dir>/upper`` (replacing the previous copy)."""
+        ``<dir>/upper`` (replacing the previous copy); returns the tar's sha256."""
         assert vm.link is not None
+        h = hashlib.sha256()
         bound = ContainerSnapshots.layer_bound(vm.rec.disk_bytes) or vm.rec.disk_bytes
         # tar framing beyond the data: a 512-byte header (+ pax) per entry, 1 MiB blocks
         cap = bound + (64 << 20)
@@ -1084,6 +1117,7 @@ class VmBackend:
                                 f"the changes of sandbox {vm.sid} exceed {cap} bytes of tar "
                                 f"(its disk cap {vm.rec.disk_bytes} plus framing)",
                                 resource="snapshot_bytes", limit=cap)
+                        h.update(chunk.data)
                         await asyncio.to_thread(f.write, chunk.data)
             bounds = Bounds(data_bytes=bound, entries=self.snapshot_max_entries,
                             path_bytes=self.snapshot_max_path_bytes)
@@ -1092,6 +1126,7 @@ class VmBackend:
                 with open(tar, "rb") as f:
                     extract_upper(f, upper, bounds)
             await asyncio.to_thread(unpack)
+            return h.hexdigest()
         except BaseException:
             await asyncio.to_thread(remove_tree, upper)
             raise
