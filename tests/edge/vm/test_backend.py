@@ -65,6 +65,10 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
     await b.remove(sid, "/bin/vi")                                   # a whiteout
     with pytest.raises(NotFound):
         await b.stat(sid, "/bin/vi")
+    # a channel that closed (a guest that sent garbage gets it closed) is dialled again
+    assert vm.link is not None
+    await vm.link.close()
+    assert (await b.exec(sid, ExecRequest(argv=("true",)))).exit_code == 0
     s = await b.stats(sid)
     assert s.memory_bytes > 0 and s.disk_cap_bytes == 64 << 20 and s.disk_bytes > 0
 

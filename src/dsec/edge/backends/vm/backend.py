@@ -102,7 +102,8 @@ DEFAULT_OVERHEAD_BYTES = 96 << 20
 QEMU_PIDS = 256
 UID_BASE = 300000
 UID_SLOTS = 65536
-MAX_READ_BYTES = 64 << 20       # read_file without a length: larger files -> ranges
+MAX_READ_BYTES = 64 << 20
+PAUSE_DRAIN_S = 10.0            # how long a pause waits for the agent's calls in flight       # read_file without a length: larger files -> ranges
 
 
 class _Record(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -295,6 +296,21 @@ class VmBackend:
         vm = self._get(sid)
         if vm.rec.paused or vm.link is None:
             raise Conflict(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
+        return vm
+
+    async def _ready(self, sid: str) -> _Vm:
+        """A running sandbox with a live agent channel. A channel the guest broke (bad
+        frames close it) is dialled again: the agent takes a new connection at any time
+        (docs/vm.md), and a guest that keeps breaking it only fails its own calls."""
+        vm = self._running(sid)
+        assert vm.link is not None
+        if vm.link.closed:
+            async with vm.lock:
+                if vm.link is not None and vm.link.closed and not vm.rec.paused:
+                    log.info("vm sandbox %s: agent channel closed, reconnecting", sid)
+                    vm.link = await AgentLink.open(os.path.join(vm.dir, "a"), sid,
+                                                   timeout=10.0)
+            vm = self._running(sid)
         return vm
 
     def _alloc_uid(self, sid: str) -> int:
@@ -899,6 +915,12 @@ class VmBackend:
         """Quiesce the guest, stop it, write its memory and device state into ``part``
         (QMP ``migrate fd:``) and quit QEMU. On failure the guest runs on."""
         assert vm.link is not None and vm.qmp is not None
+        # The agent's port state travels with the memory: a call in flight now would be
+        # answered into a socket that no longer exists (docs/vm.md). Let calls end first
+        # (the node admits no new ones while it pauses); those still running fail.
+        deadline = time.monotonic() + PAUSE_DRAIN_S
+        while vm.link.conn.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
         await vm.qmp.execute("stop")
         try:
@@ -974,7 +996,7 @@ class VmBackend:
 
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
         self._check_exec(req)
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         res = await vm.link.exec(req)
         if res.oom_killed:
@@ -984,7 +1006,7 @@ class VmBackend:
     async def exec_stream(self, sid: SandboxId,
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         self._check_exec(req)
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         async for item in vm.link.exec_stream(req):
             yield item
@@ -997,33 +1019,33 @@ class VmBackend:
     # -- files ------------------------------------------------------------------------
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         return await vm.link.read(path, offset, length, max_bytes=MAX_READ_BYTES)
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         await vm.link.write(path, data, mode=mode, append=append)
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         return await vm.link.list(path)
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         return await vm.link.call("stat", ap.PathRequest(path=path), FileInfo)
 
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         await vm.link.call("mkdir", ap.MkdirRequest(path=path, parents=parents), ap.Ok)
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
 
@@ -1150,6 +1172,8 @@ class VmBackend:
         if vm.rec.paused or vm.link is None:
             return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu_s,
                                 disk_cap_bytes=vm.rec.disk_bytes)
+        vm = await self._ready(sid)
+        assert vm.link is not None
         g = await vm.link.call("stats", None, ap.GuestStats, timeout=10.0)
         if g.oom_kills > vm.oom_seen:
             if vm.oom_seen or g.oom_kills:
@@ -1187,6 +1211,10 @@ class VmBackend:
         procs = await asyncio.to_thread(self._qemu_pids)
         cgs = set(self.governor.list_sandboxes())
         await asyncio.to_thread(self._stale_uid_claims, set(keep) | set(self._vms))
+        if self.pool is not None:   # template builds an edge crash interrupted
+            for e in os.scandir(self.pool.root):
+                if e.name.endswith(".build") and e.name[:-6] not in self._building:
+                    await asyncio.to_thread(remove_tree, e.path)
         out = []
         building = {"pool-" + k[:16] for k in self._building}
         for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms) - building):
