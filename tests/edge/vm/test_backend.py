@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -89,6 +90,9 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
     assert vm.rec.paused and not _qemu_alive(b, sid)
     await b.resume(sid)
     assert not os.path.exists(os.path.join(vm.dir, "mem.bin"))
+    # the restored guest's clock is the host's again (it ran on the saved virtual clock)
+    r = await b.exec(sid, ExecRequest(argv=("date", "+%s")))
+    assert abs(int(r.stdout) - time.time()) < 5
     r = await b.exec(sid, ExecRequest(shell="head -c 5 /root/notes.txt; ls /bin/vi"))
     assert r.stdout == b"xxxxx" and r.exit_code != 0
 
