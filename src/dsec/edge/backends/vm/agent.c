@@ -1534,7 +1534,11 @@ static void boot(void) {
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, NULL);
+    /* fds 0-2 must be open before anything else is: without a console (no serial
+     * device) the port could otherwise become fd 2 and the agent's log lines would be
+     * written into the protocol stream */
     int c = open("/dev/console", O_RDWR | O_NOCTTY);
+    if (c < 0) c = open("/dev/null", O_RDWR);
     if (c >= 0) { dup2(c, 0); dup2(c, 1); dup2(c, 2); if (c > 2) close(c); }
     /* modules load in a child while the agent looks for its port and answers hello
      * (~0.15 s under TCG); setup waits for it */
@@ -1593,7 +1597,9 @@ int main(int argc, char **argv) {
         pf[n] = (struct pollfd){ sfd, POLLIN, 0 }; pj[n] = NULL; n++;
         /* the host not reading its replies stops the agent reading its requests */
         if (connected) { pf[n] = (struct pollfd){ port_fd, (outb.len < 4 * OUT_HIGH ? POLLIN : 0) | (outb.len ? POLLOUT : 0), 0 }; pj[n] = NULL; n++; }
-        double now = now_mono(), wake = now + (connected ? 3600 : 1.0);
+        /* disconnected: SIGIO (port open/close) wakes the loop; the 10 s probe is a fallback
+         * that costs an idle guest one wakeup per 10 s, not per second */
+        double now = now_mono(), wake = now + (connected ? 3600 : 10.0);
         for (int i = 0; i < MAX_EXECS; i++) {
             job_t *j = &jobs[i];
             if (!j->used) continue;
