@@ -129,7 +129,11 @@ def qemu_argv(spec: VmSpec) -> list[str]:
              "-device", "virtio-serial-pci,id=vser0,addr=0x2",
              "-device", "virtserialport,bus=vser0.0,chardev=agent,name=dsec.agent"]
     for i, d in enumerate(spec.disks):
-        ro = ",readonly=on" if d.readonly else ""
+        # writable: a full host filesystem is an I/O error in the guest, not a VM
+        # silently stopped (QEMU's default werror=enospc pauses it); blocks the guest
+        # discards are punched out of the sparse file
+        ro = (",readonly=on" if d.readonly else
+              ",werror=report,rerror=report,discard=unmap,detect-zeroes=unmap")
         argv += ["-add-fd", f"fd={d.fd},set={i + 1}"]
         if not d.readonly:
             if d.rw_fd is None:
