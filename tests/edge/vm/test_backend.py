@@ -17,6 +17,7 @@ import pytest
 from dsec.edge.backends.vm.backend import VmBackend
 from dsec.errors import Conflict, DsecError, InvalidArgument, NotFound
 from dsec.ids import SandboxId
+from dsec.image.mount import sys_mount, sys_umount
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
 
 pytestmark = pytest.mark.root
@@ -115,11 +116,16 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
 async def test_density_guest_then_qemu_killed_is_a_backend_crash(
         vm_backend: VmBackend) -> None:
     """With density on (layers on virtio-pmem + DAX, balloon, DAMON): the image is read
-    through pmem, pause leaves the regions out of the memory file and resume works; then
-    QEMU killed from outside is reported as a backend crash."""
+    through pmem, pause leaves the regions out of the memory file and resume works; a
+    full host filesystem under the guest is I/O errors inside, the VM runs on; then QEMU
+    killed from outside is reported as a backend crash."""
     from dsec.edge.backends.vm.density import DensityOptions
 
-    b = VmBackend(root_dir=vm_backend.root_dir + "-dens", images=vm_backend.images,
+    root = vm_backend.root_dir + "-dens"
+    os.makedirs(root)
+    # a small filesystem of its own, so the host can run out of room under the guest
+    sys_mount("vmdens", root, "tmpfs", 0, "size=400m,mode=0700")
+    b = VmBackend(root_dir=root, images=vm_backend.images,
                   kernel=vm_backend.kernel, initrd=vm_backend.initrd,
                   append=vm_backend.append, density=DensityOptions())
     events: list[tuple[str, str, str]] = []
@@ -140,6 +146,22 @@ async def test_density_guest_then_qemu_killed_is_a_backend_crash(
         await b.pause(sid)
         await b.resume(sid)
         assert await b.read_file(sid, "/root/f") == b"dens"
+
+        # the host filesystem fills under the guest's disk: the guest gets I/O errors
+        # and runs on (QEMU's default would stop the VM for good, silently)
+        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+        fd = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.posix_fallocate(fd, 0, free - (8 << 20))
+        os.close(fd)
+        await b.exec(sid, ExecRequest(
+            shell="dd if=/dev/zero bs=1M count=16 2>/dev/null | tr '\\0' x > /root/big; "
+                  "sync", timeout_s=60))
+        vm = b._vms[sid]
+        assert vm.qmp is not None
+        assert (await vm.qmp.execute("query-status"))["status"] == "running"
+        assert (await b.exec(sid, ExecRequest(argv=("echo", "alive")))).stdout == b"alive\n"
+        os.unlink(os.path.join(root, "filler"))
+
         os.kill(b._vms[sid].rec.pid, signal.SIGKILL)
         for _ in range(200):
             if events:
@@ -152,6 +174,7 @@ async def test_density_guest_then_qemu_killed_is_a_backend_crash(
         for s in list(b._vms):
             await b.destroy(s)  # type: ignore[arg-type]
         await b.close()
+        sys_umount(root, detach=True)
 
 
 _EDGE = """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -138,6 +139,24 @@ class _Vm:
     oom_seen: int = 0
     dead: bool = False
     setup: ap.SetupResult | None = None     # what the agent mounted (diagnostics)
+
+
+def _drain_pipe(r: int, out: int) -> int:
+    """Copy pipe ``r`` into file ``out`` until EOF (splice: no copy through userspace)."""
+    n = 0
+    while True:
+        try:
+            got = os.splice(r, out, 1 << 20)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise
+            data = os.read(r, 1 << 20)
+            if data:
+                os.write(out, data)
+            got = len(data)
+        if got == 0:
+            return n
+        n += got
 
 
 def _fsync(path: str) -> None:
@@ -945,21 +964,48 @@ class VmBackend:
             await asyncio.sleep(0.01)
         await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
         await vm.qmp.execute("stop")
+        # QEMU writes the memory into a pipe and the edge copies it into the file: the
+        # file's pages are then charged to the edge, not to the VM's cgroup, which its
+        # guest RAM already fills (measured: QEMU writing a 75 MiB memory file itself
+        # into a tmpfs root was OOM-killed in its cgroup; on a disk its dirty pages
+        # throttle it against its own limit)
+        out = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        copier = asyncio.ensure_future(asyncio.to_thread(_drain_pipe, r, out))
         try:
-            await self._migration_caps(vm)
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
+                await self._migration_caps(vm)
+                await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[w])
             finally:
-                os.close(fd)
+                os.close(w)     # QEMU holds its own copy: EOF when it closes it
             await vm.qmp.execute("migrate", {"uri": "fd:mig"})
             await self._wait_migrated(vm)
-        except BaseException:
+            # QEMU closes the migration fd when it completes: the copy ends with it
+            # (before QEMU quits: a copy that failed must leave the guest running)
+            async with asyncio.timeout(60.0):
+                await asyncio.shield(copier)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await vm.qmp.execute("migrate_cancel")
+            with contextlib.suppress(Exception):
+                await vm.qmp.execute("closefd", {"fdname": "mig"})
             with contextlib.suppress(Exception):
                 await vm.qmp.execute("cont")
+            await self._end_copier(vm, copier)
+            os.close(r)
+            os.close(out)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(part)
+            if isinstance(exc, OSError):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityExceeded(
+                        f"pausing sandbox {vm.sid}: the host filesystem of {self.root_dir} "
+                        "filled while its memory was saved; it runs on") from exc
+                raise BackendError(f"pausing sandbox {vm.sid}: saving its memory failed: "
+                                   f"{exc.strerror or exc}; it runs on") from exc
             raise
+        os.close(r)
+        os.close(out)
         vm.expected_exit = True
         with contextlib.suppress(DsecError):
             await vm.qmp.execute("quit", timeout=5.0)
@@ -969,6 +1015,20 @@ class VmBackend:
             self._kill(vm)
             await self._wait_exit(vm, 5.0)
         self._close_handles(vm)
+
+    async def _end_copier(self, vm: _Vm, copier: asyncio.Future[int]) -> None:
+        """Let a memory-file copy thread end (QEMU closing its end of the pipe); if QEMU
+        keeps it open, kill QEMU: the thread must not outlive the descriptors it uses."""
+        try:
+            async with asyncio.timeout(10.0):
+                await asyncio.shield(copier)
+            return
+        except TimeoutError:
+            self._kill(vm)
+        except Exception:  # noqa: BLE001 - the copy's own failure: it has ended
+            return
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(copier)
 
     async def _wait_migrated(self, vm: _Vm) -> None:
         assert vm.qmp is not None
