@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -77,6 +77,7 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import SandboxId
+from dsec.image.compose import RootStack
 from dsec.ownership import start_time
 from dsec.rmtree import remove_tree
 from dsec.wire.spec import (
@@ -90,6 +91,9 @@ from dsec.wire.spec import (
     SnapshotInfo,
     qos_of,
 )
+
+if TYPE_CHECKING:
+    from dsec.edge.backends.container.disk import DiskPool
 
 __all__ = ["VmBackend"]
 
@@ -200,7 +204,7 @@ class _SnapshotHost:
 
     def __init__(self, b: VmBackend) -> None:
         self._b = b
-        self.disk = _NoDiskPool()
+        self.disk = cast("DiskPool", _NoDiskPool())
 
     @property
     def name(self) -> str:
@@ -400,8 +404,9 @@ class VmBackend:
             if isinstance(self.images, StoreImages):
                 store = self.images.store
                 stack = layers.token
+                assert isinstance(stack, RootStack)
                 files = []
-                for m in reversed(stack.layers):  # type: ignore[union-attr]
+                for m in reversed(stack.layers):
                     p = store.layer_path(m)
                     if not os.path.exists(p):
                         raise InvalidArgument(
