@@ -233,6 +233,13 @@ async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
                                                 "echo ok"))
     assert r.stdout.split()[-1] == b"ok" and b"mine" not in r.stdout
     assert await b.read_file(sids[0], "/root/mine") == b"1"
+    # a template that cannot be restored is removed and the create boots cold
+    os.truncate(template, 4096)
+    bad = SandboxId("sb-vh-warm3")
+    await b.create(bad, SPEC)
+    assert not os.path.exists(template)
+    assert (await b.exec(bad, ExecRequest(argv=("true",)))).exit_code == 0
+    await b.destroy(bad)
     # the clones can pause and resume like any guest
     await b.pause(sids[0])
     await b.resume(sids[0])

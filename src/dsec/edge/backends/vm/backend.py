@@ -729,11 +729,11 @@ class VmBackend:
             vm.cg = self.governor.create(sid, self._limits(spec, mem))
             self._save(vm)
             template = self.pool.get(self._pool_key(rec)) if self.pool is not None else None
-            await self._start(vm, incoming=template)
+            if template is not None:
+                template = await self._start_warm(vm, template)
+            if template is None:
+                await self._start(vm, incoming=None)
             assert vm.link is not None
-            if vm.link.hello_reply.setup_done:
-                raise BackendError(f"sandbox {sid}: the warm-pool template {template} holds "
-                                   "a guest that was already set up; remove it")
             rec.boot_id = vm.link.hello_reply.boot_id
             await self._setup(vm)
             if template is not None:
@@ -746,6 +746,29 @@ class VmBackend:
             self._warm_later(rec, spec)
 
     # -- warm pool --------------------------------------------------------------------
+    async def _start_warm(self, vm: _Vm, template: str) -> str | None:
+        """Start ``vm`` from the warm-pool ``template``; a template that cannot be
+        restored (or holds a guest already set up) is removed and None returned, and the
+        create boots cold instead of failing every time."""
+        try:
+            await self._start(vm, incoming=template)
+            assert vm.link is not None
+            if not vm.link.hello_reply.setup_done:
+                return template
+            why = "it holds a guest that was already set up"
+            await vm.link.close()
+            vm.link = None
+            self._kill(vm)
+            await self._wait_exit(vm, 5.0)
+            self._close_handles(vm)
+        except DsecError as exc:
+            why = str(exc)[:300]
+        log.warning("vm sandbox %s: warm-pool template %s not usable (%s): removed, "
+                    "booting cold", vm.sid, template, why)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(template)
+        return None
+
     def _pool_key(self, rec: _Record) -> PoolKey:
         return PoolKey(layer_files=tuple(rec.layer_files), memory_mib=rec.memory_mib,
                        vcpus=rec.vcpus, disk_bytes=rec.disk_bytes, kernel=self.kernel,
