@@ -50,6 +50,7 @@ def test_every_file_is_a_descriptor_and_the_sandbox_is_on() -> None:
     assert _after(argv, "-sandbox") == [
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
     assert "-runas" not in argv                  # started unprivileged instead
+    assert "vmgenid,guid=auto" in _after(argv, "-device")   # clones reseed their RNG
     assert _after(argv, "-accel") == ["tcg,tb-size=32"]
     assert _after(argv, "-M") == ["pc"]
     assert sorted(s.fds()) == [3, 4, 5, 6, 7, 8, 9, 10, 11]
