@@ -103,3 +103,16 @@ def test_agent_results_are_held_to_the_request() -> None:
     bg = checked_result(ExecResult(exit_code=0, pid=77),
                         ExecRequest(argv=("x",), background=True))
     assert bg.pid == 77
+
+
+def test_exec_defaults_come_from_the_spec() -> None:
+    from dsec.edge.backends.vm.backend import VmBackend, _Record, _Vm
+    from dsec.edge.governor import SandboxCgroup
+    from dsec.wire.spec import SandboxSpec
+
+    vm = _Vm(sid="sb-1", spec=SandboxSpec(cwd="/work", user="agent"), dir="",
+             rec=_Record(sid="sb-1", uid=0), cg=SandboxCgroup(1, {}))
+    got = VmBackend._with_defaults(vm, ExecRequest(argv=("x",)))
+    assert (got.cwd, got.user) == ("/work", "agent")
+    own = VmBackend._with_defaults(vm, ExecRequest(argv=("x",), cwd="/tmp", user="root"))
+    assert (own.cwd, own.user) == ("/tmp", "root")

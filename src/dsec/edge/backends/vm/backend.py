@@ -1105,9 +1105,20 @@ class VmBackend:
         if req.hide:
             raise _refuse("exec hide= (Landlock on the host kernel)")
 
+    @staticmethod
+    def _with_defaults(vm: _Vm, req: ExecRequest) -> ExecRequest:
+        """The sandbox's default cwd and user (spec.cwd/user: the image's WorkingDir and
+        User) where the exec names none, as the container backend does."""
+        if (req.cwd is None and vm.spec.cwd is not None) or (
+                req.user is None and vm.spec.user is not None):
+            req = msgspec.structs.replace(req, cwd=req.cwd or vm.spec.cwd,
+                                          user=req.user or vm.spec.user)
+        return req
+
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
         self._check_exec(req)
         vm = await self._ready(sid)
+        req = self._with_defaults(vm, req)
         assert vm.link is not None
         res = await vm.link.exec(req)
         if res.oom_killed:
@@ -1118,6 +1129,7 @@ class VmBackend:
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         self._check_exec(req)
         vm = await self._ready(sid)
+        req = self._with_defaults(vm, req)
         assert vm.link is not None
         async for item in vm.link.exec_stream(req):
             yield item
