@@ -462,8 +462,21 @@ async def test_a_memory_bomb_is_contained_in_its_sandbox(env: Env) -> None:
         assert (info.state, info.reason) == ("destroyed", "oom"), info
         assert "oom" in [e.reason for e in node.events(sb.id)]
     else:
-        assert int(r.stdout) < 300_000_000, r     # tail got ENOMEM from the Sentry
-        assert node.get(sb.id).state == "running"
-        assert (await node.exec(sb.id, ExecRequest(shell="echo alive"))).stdout == b"alive\n"
+        if not r.stdout.strip():
+            # a third end, seen under load: the Sentry's own OOM handling killed the
+            # pipeline (wc with it) - the command failed, nothing outside it did
+            assert r.exit_code != 0, r
+            for _ in range(200):
+                if node.get(sb.id).state in ("running", "destroyed"):
+                    break
+                await asyncio.sleep(0.05)
+            info = node.get(sb.id)
+            assert info.state == "running" or (info.state, info.reason) == (
+                "destroyed", "oom"), info
+        else:
+            assert int(r.stdout) < 300_000_000, r     # tail got ENOMEM from the Sentry
+            assert node.get(sb.id).state == "running"
+            assert (await node.exec(sb.id, ExecRequest(shell="echo alive"))).stdout \
+                == b"alive\n"
     r = await node.exec(other.id, ExecRequest(shell="echo fine"))
     assert r.stdout == b"fine\n"
