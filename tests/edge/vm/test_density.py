@@ -25,8 +25,9 @@ def test_pmem_bytes_rounds_up_to_2mib() -> None:
 def test_qemu_args_default_has_every_mechanism() -> None:
     opts = d.DensityOptions()
     pm = [d.PmemLayer("/l/a,b.erofs", 4 * MIB), d.PmemLayer("/l/c", 2 * MIB)]
-    args = d.qemu_args(opts, pm)
-    assert args[:2] == ["-accel", "tcg,tb-size=32"]
+    args = d.qemu_args(opts, pm, ram_bytes=512 * MIB)
+    assert d.accel_args(opts) == ["-accel", "tcg,tb-size=32"]
+    assert args[:2] == ["-m", "512M,slots=2,maxmem=518M"]
     objs = [args[i + 1] for i, a in enumerate(args) if a == "-object"]
     devs = [args[i + 1] for i, a in enumerate(args) if a == "-device"]
     # a comma in a path must not start a new QEMU option
@@ -44,7 +45,8 @@ def test_qemu_args_default_has_every_mechanism() -> None:
 def test_everything_off_is_plain_tcg() -> None:
     opts = d.DensityOptions(pmem_dax=False, free_page_reporting=False, deflate_on_oom=False,
                             damon_reclaim=False, tb_size_mib=None)
-    assert d.qemu_args(opts) == ["-accel", "tcg"]
+    assert d.accel_args(opts) == ["-accel", "tcg"]
+    assert d.qemu_args(opts, ram_bytes=256 * MIB) == []
     assert d.kernel_cmdline(opts) == []
     assert d.memory_arg(256 * MIB, []) == "256M"
     assert d.guest_layer_devices(opts, 2, first_blk=1) == ["/dev/vdb", "/dev/vdc"]
@@ -110,8 +112,13 @@ def test_prepare_pmem_layer_aligned_file_used_as_is(tmp_path: os.PathLike[str]) 
     layer = os.path.join(tmp_path, "l.erofs")
     with open(layer, "wb") as f:
         f.truncate(2 * MIB)
+    os.chmod(layer, 0o644)
     assert d.prepare_pmem_layer(layer, os.path.join(tmp_path, "c")) == d.PmemLayer(layer, 2 * MIB)
     assert not os.path.exists(os.path.join(tmp_path, "c"))
+    # QEMU (an unprivileged uid) reopens the region by path: a 0600 layer gets a clone
+    os.chmod(layer, 0o600)
+    p = d.prepare_pmem_layer(layer, os.path.join(tmp_path, "c"))
+    assert p.path != layer and os.stat(p.path).st_mode & 0o777 == 0o444
 
 
 def test_prepare_pmem_layer_concurrent_callers_agree(tmp_path: os.PathLike[str]) -> None:

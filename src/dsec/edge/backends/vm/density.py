@@ -36,8 +36,9 @@ docs/isolation.md, "Density"):
    with the code the guest runs and its pages stay resident; a cap flushes instead.
 
 Pure functions build argv pieces; :func:`prepare_pmem_layer` is the one that touches the
-disk. The host side (``backend.py``) calls :func:`qemu_args`, :func:`memory_arg` and
-:func:`kernel_cmdline` and passes ``dax=True`` and :func:`guest_layer_devices` to the
+disk. The host side (``backend.py``) puts :func:`qemu_args` into ``VmSpec.extra``,
+:func:`kernel_cmdline` into the kernel command line and ``tb_size_mib`` into its
+``-accel``, and passes ``dax=opts.pmem_dax`` and :func:`guest_layer_devices` to the
 agent's ``setup``.
 """
 
@@ -135,17 +136,21 @@ def pmem_layer_name(layer_path: str, size: int, mtime_ns: int) -> str:
 
 
 def prepare_pmem_layer(layer_path: str, cache_dir: str) -> PmemLayer:
-    """The layer as a pmem region: the file itself when its size is already aligned, else
-    a padded clone in ``cache_dir`` (a reflink where the filesystem has them, a copy
+    """The layer as a pmem region: the file itself when its size is already aligned and
+    it is world-readable, else a padded (0444) clone in ``cache_dir`` (a reflink where the filesystem has them, a copy
     otherwise; the padding is a hole), made once and shared by every VM of the layer —
     sharing the host page cache of one file is the point. Idempotent, safe against
-    concurrent callers (temp file + rename)."""
+    concurrent callers (temp file + rename).
+
+    World-readable because QEMU opens ``mem-path`` itself (memory-backend-file has no
+    ``fd=`` in 7.2) and runs as an unprivileged uid: pass it ``/proc/self/fd/N`` of a
+    descriptor the edge opened, and the reopen checks only the inode's mode."""
     try:
         st = os.stat(layer_path)
     except OSError as exc:
         raise SandboxError(f"layer {layer_path} cannot be used as a pmem region: {exc}") from exc
     want = pmem_bytes(st.st_size)
-    if want == st.st_size:
+    if want == st.st_size and st.st_mode & 0o004:
         return PmemLayer(layer_path, want)
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     dst = os.path.join(cache_dir, pmem_layer_name(layer_path, st.st_size, st.st_mtime_ns))
@@ -229,10 +234,15 @@ def device_args(opts: DensityOptions, pmem: Sequence[PmemLayer]) -> list[str]:
     return args
 
 
-def qemu_args(opts: DensityOptions, pmem: Sequence[PmemLayer] = ()) -> list[str]:
-    """Every QEMU argument density adds (accelerator, pmem regions, balloon); the caller
-    adds ``-m`` from :func:`memory_arg` and everything else."""
-    return accel_args(opts) + device_args(opts, pmem)
+def qemu_args(opts: DensityOptions, pmem: Sequence[PmemLayer] = (), *,
+              ram_bytes: int) -> list[str]:
+    """The QEMU arguments density adds to a command line that already has ``-accel`` (use
+    :func:`accel_args` or ``tb_size_mib``) and ``-m <ram>``: with pmem regions, a second
+    ``-m`` giving ``slots``/``maxmem`` (QEMU merges repeated ``-m`` options, the later
+    value winning: measured on 7.2, base memory stays ``ram_bytes`` and the regions are
+    plugged), then the pmem regions and the balloon."""
+    extra = ["-m", memory_arg(ram_bytes, pmem)] if pmem else []
+    return extra + device_args(opts, pmem)
 
 
 def kernel_cmdline(opts: DensityOptions) -> list[str]:
