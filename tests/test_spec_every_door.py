@@ -30,6 +30,7 @@ from dsec.wire.spec import NetworkPolicy, SandboxInfo, SandboxSpec
 
 SAMPLE = SandboxSpec(
     image="python", workspace="ws:1", toolkits=("tk:1", "tk:2"), backend="simulated",
+    isolation="container",  # the simulated backend stands in for the container tier
     cpu_milli=1500, memory_bytes=256 << 20, disk_bytes=1 << 30, pids_max=512, priority=7,
     labels={"team": "rl"}, project="default/sub", ttl_s=3600.0, idle_timeout_s=600.0,
     idle_action="pause", env={"E": "1"},

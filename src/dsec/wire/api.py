@@ -42,6 +42,7 @@ from dsec.wire.spec import (
     BackendName,
     FileInfo,
     IdleAction,
+    Isolation,
     NetworkPolicy,
     PtySize,
     QosClass,
@@ -187,6 +188,9 @@ class CreateSandboxRequest(_Strict):
     toolkits: list[str] = []
     snapshot: Annotated[str, _doc(pattern=SNAPSHOT_PATTERN)] | None = None
     backend: BackendName | None = None   # default: the server's default backend
+    # isolation tier (docs/isolation.md): picks the backend when backend is null; with
+    # both, they must agree. null: the backend's tier
+    isolation: Isolation | None = None
     cpu_milli: Annotated[int, _int(1, MAX_CPU_MILLI)] = DEFAULT_CPU_MILLI
     memory_bytes: Annotated[int, _int(1 << 20, MAX_MEMORY_BYTES)] = DEFAULT_MEMORY_BYTES
     disk_bytes: Annotated[int, _int(1 << 20, MAX_DISK_BYTES)] | None = None

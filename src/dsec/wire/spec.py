@@ -26,6 +26,7 @@ from dsec.wire.netpolicy import (
 )
 
 __all__ = [
+    "BACKEND_ISOLATION",
     "CALLER_DSEC_LABELS",
     "DEFAULT_CPU_MILLI",
     "DEFAULT_MEMORY_BYTES",
@@ -71,6 +72,7 @@ __all__ = [
     "MIN_PRIORITY",
     "PAUSED_RETENTION_S",
     "RESERVED_LABEL_DOMAIN",
+    "TIER_BACKENDS",
     "TIMEOUT_EXIT_CODE",
     "BackendName",
     "ExecChunk",
@@ -79,6 +81,7 @@ __all__ = [
     "FileInfo",
     "FileType",
     "IdleAction",
+    "Isolation",
     "NetworkPolicy",
     "NetworkView",
     "PauseStats",
@@ -89,10 +92,12 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "SnapshotInfo",
+    "backend_for",
     "backend_of",
     "check_batch",
     "check_id",
     "check_idempotency_key",
+    "check_isolation",
     "check_label_filter",
     "check_mode",
     "check_path",
@@ -101,6 +106,7 @@ __all__ = [
     "check_reason",
     "check_snapshot_ref",
     "check_strip",
+    "isolation_of",
     "project_of",
     "qos_of",
     "read_in_chunks",
@@ -112,7 +118,25 @@ __all__ = [
 SandboxState = Literal[
     "creating", "running", "pausing", "paused", "resuming", "destroying", "destroyed", "failed"
 ]
-BackendName = Literal["simulated", "fncall", "container", "runc", "vm"]
+BackendName = Literal["simulated", "fncall", "container", "runc", "gvisor", "vm"]
+#: Isolation tiers (issue 21, docs/isolation.md): what stands between a sandbox and the
+#: host kernel. "container": namespaces + cgroups + seccomp on the host kernel (native or
+#: runc); "gvisor": the same, with gVisor's user-space kernel (runsc) answering the
+#: sandbox's syscalls; "vm": a microVM (QEMU) with its own guest kernel. A tier IS a
+#: backend (a node offers it by running that backend): see :data:`TIER_BACKENDS`.
+Isolation = Literal["container", "gvisor", "vm"]
+#: The backend a tier asks for when the create names no backend (and the serving side's
+#: default backend is not of that tier: :func:`resolve`).
+TIER_BACKENDS: dict[Isolation, BackendName] = {
+    "container": "container", "gvisor": "gvisor", "vm": "vm"}
+#: The tier each backend gives. ``simulated`` stands in for a container (no real
+#: isolation: it is the test and benchmark backend, and a cluster of simulated nodes
+#: answers ``isolation="container"``); ``runc`` is the container tier through Debian's
+#: runc. ``fncall`` is in no tier (a jailed function call, not a sandbox with a root
+#: filesystem): a create asking for a tier never lands on it.
+BACKEND_ISOLATION: dict[BackendName, Isolation] = {
+    "simulated": "container", "container": "container", "runc": "container",
+    "gvisor": "gvisor", "vm": "vm"}
 IdleAction = Literal["destroy", "pause"]
 #: A sandbox's QoS class (issue 22, dsec.edge.qos): latency-sensitive or best-effort
 QosClass = Literal["ls", "be"]
@@ -398,6 +422,12 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     # edge reached directly: its own default). Stored specs are always resolved
     # (:func:`resolve`), so ``info.spec.backend`` is set.
     backend: BackendName | None = None
+    # The isolation tier (:data:`Isolation`). None: whatever ``backend`` gives (the
+    # default backend's when both are None). Given alone it picks the backend
+    # (:func:`resolve`); given with ``backend`` the two must agree (:meth:`validate`).
+    # Stored specs are resolved: ``info.spec.isolation`` is the tier the sandbox runs in
+    # (None only for a backend in no tier, fncall; see :func:`isolation_of`).
+    isolation: Isolation | None = None
     cpu_milli: int = DEFAULT_CPU_MILLI      # millicores (1000 = one core)
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     disk_bytes: int | None = None           # upper-layer size cap; None = the node's default
@@ -441,6 +471,8 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
         def bad(field: str, value: object, why: str, **limit: object) -> InvalidArgument:
             return InvalidArgument(f"sandbox spec field {field}={value!r} is invalid: {why}",
                                    field=field, **limit)
+        if self.isolation is not None:
+            check_isolation(self.isolation, self.backend)
         if not (1 <= self.cpu_milli <= MAX_CPU_MILLI):
             raise bad("cpu_milli", self.cpu_milli, f"use 1..{MAX_CPU_MILLI} millicores",
                       limit=MAX_CPU_MILLI)
@@ -565,6 +597,38 @@ LEGACY_BACKEND: BackendName = "simulated"
 LEGACY_PROJECT = "default"
 
 
+def check_isolation(isolation: object, backend: object = None) -> Isolation:
+    """``isolation`` is a tier (:data:`Isolation`) and, when ``backend`` is given, the tier
+    that backend gives; raise :class:`InvalidArgument` naming the fix. Pure. Returns it."""
+    tier = next((t for t in TIER_BACKENDS if t == isolation), None)
+    if tier is None:
+        raise InvalidArgument(
+            f"sandbox spec field isolation={str(isolation)[:40]!r} is invalid: use one of "
+            f"{', '.join(repr(t) for t in TIER_BACKENDS)} (or leave it unset for the default "
+            "backend's tier)", field="isolation")
+    if backend is not None:
+        gives = next((i for b, i in BACKEND_ISOLATION.items() if b == backend), None)
+        if gives != tier:
+            raise InvalidArgument(
+                f"sandbox spec asks for isolation={tier!r} and backend={str(backend)[:40]!r}, "
+                f"but that backend gives "
+                + (f"isolation {gives!r}" if gives else "no isolation tier")
+                + f": leave backend unset (isolation {tier!r} picks backend "
+                f"{TIER_BACKENDS[tier]!r}) or drop isolation", field="isolation",
+                backend=str(backend)[:40])
+    return tier
+
+
+def backend_for(isolation: Isolation | None, default: BackendName) -> BackendName:
+    """The backend a create with no backend runs on: ``default`` when it gives
+    ``isolation`` (or no tier is asked), else the tier's own (:data:`TIER_BACKENDS`). So a
+    cluster whose default backend is ``runc`` keeps runc for ``isolation="container"``,
+    and a simulated test cluster answers it with ``simulated``. Pure."""
+    if isolation is None or BACKEND_ISOLATION.get(default) == isolation:
+        return default
+    return TIER_BACKENDS[isolation]
+
+
 def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
             ttl_s: float | None = None,
             network: NetworkPolicy | None = None) -> SandboxSpec:
@@ -573,13 +637,23 @@ def resolve(spec: SandboxSpec, *, backend: BackendName, project: str,
     and a default policy is given. Every other field is the caller's, unchanged. Both
     doors that create (the apiserver, an edge reached directly) resolve through this one
     function, so a stored spec names its backend, project and policy (a later change
-    of a default moves nothing already made)."""
+    of a default moves nothing already made).
+
+    ``isolation`` and ``backend`` (issue 21): a spec naming a tier but no backend gets
+    :func:`backend_for` (the default backend if it gives that tier, else the tier's
+    backend); one naming neither gets the default backend; then ``isolation`` is set to
+    the tier the backend gives (None for a backend in no tier). A spec naming both must
+    already agree (:meth:`SandboxSpec.validate`; resolve does not check)."""
     if spec.backend is not None and spec.project is not None and (
             spec.ttl_s is not None or ttl_s is None) and (
-            spec.network is not None or network is None):
+            spec.network is not None or network is None) and (
+            spec.isolation is not None or spec.backend not in BACKEND_ISOLATION):
         return spec
+    chosen = backend_for(spec.isolation, backend) if spec.backend is None else spec.backend
     return msgspec.structs.replace(
-        spec, backend=backend if spec.backend is None else spec.backend,
+        spec, backend=chosen,
+        isolation=spec.isolation if spec.isolation is not None
+        else BACKEND_ISOLATION.get(chosen),
         project=project if spec.project is None else spec.project,
         ttl_s=ttl_s if spec.ttl_s is None else spec.ttl_s,
         network=network if spec.network is None else spec.network)
@@ -604,6 +678,15 @@ def project_of(spec: SandboxSpec) -> str:
         raise InternalError("a sandbox spec reached storage without a project (it was "
                             "not resolved)")
     return spec.project
+
+
+def isolation_of(spec: SandboxSpec) -> Isolation | None:
+    """The isolation tier a sandbox runs in: its spec's, else the tier its backend gives
+    (a spec stored before issue 21 names only a backend); None for a backend in no tier
+    (fncall) or an unresolved spec that names neither."""
+    if spec.isolation is not None:
+        return spec.isolation
+    return None if spec.backend is None else BACKEND_ISOLATION.get(spec.backend)
 
 
 def backend_of(spec: SandboxSpec) -> BackendName:

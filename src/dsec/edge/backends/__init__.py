@@ -22,7 +22,7 @@ BackendFactory = Callable[..., Backend]
 
 _FACTORIES: dict[str, BackendFactory] = {}
 # Names tried as lazily imported modules when not registered (listed in error messages).
-_LAZY = ("container", "runc", "vm")
+_LAZY = ("container", "runc", "gvisor", "vm")
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:
