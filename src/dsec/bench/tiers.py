@@ -34,11 +34,11 @@ from dsec import ownership
 from dsec.bench import BenchContext, suite
 from dsec.ids import NodeId, SandboxId, new_sandbox_id
 from dsec.rmtree import remove_tree
-from dsec.wire.spec import ExecRequest, SandboxSpec
+from dsec.wire.spec import TIER_BACKENDS, ExecRequest, Isolation, SandboxSpec
 
 __all__ = ["TIERS", "TierPlan", "density_in", "pct", "plan", "tiers_suite"]
 
-TIERS = ("container", "gvisor", "vm")
+TIERS: tuple[Isolation, ...] = ("container", "gvisor", "vm")
 _GIB = 1 << 30
 
 
@@ -148,8 +148,8 @@ def _backend(tier: str, work: str, images: str) -> tuple[Any, str]:
 
     root = os.path.join(work, tier)
     opts: dict[str, Any] = {"root_dir": root, "images": DirectoryImages(images)}
-    name = "container" if tier == "container" else tier
-    if tier == "container":
+    name: str = TIER_BACKENDS.get(tier, tier)  # type: ignore[call-overload]
+    if name == "container":
         opts["runtime"] = "native"
     try:
         return make_backend(name, **opts), ""
@@ -163,10 +163,11 @@ async def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-async def _measure(ctx: BenchContext, tier: str, b: Any, p: TierPlan, usr_files: int,
+async def _measure(ctx: BenchContext, tier: Isolation, b: Any, p: TierPlan, usr_files: int,
                    root_dir: str) -> None:
     node = NodeId("bench")
-    spec = SandboxSpec(backend=tier, memory_bytes=512 << 20, pids_max=256)  # type: ignore[arg-type]
+    spec = SandboxSpec(backend=TIER_BACKENDS[tier], isolation=tier, memory_bytes=512 << 20,
+                       pids_max=256)
     made: list[SandboxId] = []
 
     async def create() -> SandboxId:
@@ -275,7 +276,7 @@ async def _measure(ctx: BenchContext, tier: str, b: Any, p: TierPlan, usr_files:
             gov.remove_base()
 
 
-async def _run(ctx: BenchContext, work: str, tiers: list[str]) -> None:
+async def _run(ctx: BenchContext, work: str, tiers: list[Isolation]) -> None:
     images = os.path.join(work, "images")
     os.makedirs(images)
     usr_files = _build_image(images)
@@ -305,11 +306,12 @@ def tiers_suite(ctx: BenchContext) -> None:
     unknown = [t for t in tiers if t not in TIERS]
     if unknown:
         raise ValueError(f"DSEC_BENCH_TIERS names {unknown}: known tiers are {list(TIERS)}")
+    chosen = [t for t in TIERS if t in tiers]
     base = os.environ.get("DSEC_BENCH_CONTAINER_DIR") or "/var/tmp"
     work = tempfile.mkdtemp(prefix="dsec-bench-tiers-", dir=base)
     ownership.claim(work)
     try:
-        asyncio.run(_run(ctx, work, tiers))
+        asyncio.run(_run(ctx, work, chosen))
     finally:
         remove_tree(work)
         ownership.disown(work)
