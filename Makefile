@@ -18,6 +18,8 @@ APT_STAMP := .apt-installed
 # tmux: `dsec sandbox shell` is tested in a real terminal (tests/client/test_processes.py).
 # chromium (+ a font for its screenshots): the dashboard is tested in it, headless over CDP
 # (tests/control/ui).
+# qemu-system-x86: the vm isolation tier (src/dsec/edge/backends/vm, docs/vm.md) runs each
+# sandbox in a QEMU guest; its kernel is fetched by the vm-kernel step below.
 APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
@@ -28,13 +30,14 @@ APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables
                 nginx-light \
                 fuse3 libfuse3-dev pkg-config \
                 tmux \
-                chromium fonts-dejavu-core
+                chromium fonts-dejavu-core \
+                qemu-system-x86
 # The Debian packages the tests bootstrap an image from (tests/build), fetched once into
 # a local apt repo under /var/cache/dsec/debian/ (keyed by suite + package list), which
 # the tests serve on loopback: tests never download.
 TEST_DEBIAN := --suite bookworm --include python3,python3-pytest
 
-.PHONY: all setup demo test bench clean lint debian-repo
+.PHONY: all setup demo test bench clean lint debian-repo vm-kernel
 
 all: setup
 
@@ -55,7 +58,19 @@ $(STAMP): pyproject.toml $(APT_STAMP)
 	$(PY) -m pip install -q -e '.[dev,rl,bench,sb3,lazy,e2b]'
 	@touch $@
 
-setup: $(STAMP)
+# The vm tier's guest kernel: Debian's newest linux-image-6.12.*+deb12-cloud-amd64-unsigned
+# (DAMON_RECLAIM, page reporting, FS_DAX; the 6.1 cloud kernel lacks DAMON), downloaded
+# with apt-get and unpacked into $(VM_KERNEL_DIR)/<version>/ with `current` pointing at
+# it. Idempotent: a complete `current` is kept (pass --refresh by hand to update).
+VM_KERNEL_DIR ?= /var/cache/dsec/vm-kernel
+VM_KERNEL_STAMP := $(VM_KERNEL_DIR)/current/.complete
+
+$(VM_KERNEL_STAMP): | $(STAMP)
+	$(PY) -m dsec.edge.backends.vm.guest fetch-kernel $(VM_KERNEL_DIR)
+
+vm-kernel: $(VM_KERNEL_STAMP)
+
+setup: $(STAMP) $(VM_KERNEL_STAMP)
 
 demo: setup
 	$(VENV)/bin/dsec demo

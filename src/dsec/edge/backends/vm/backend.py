@@ -1,0 +1,818 @@
+"""VmBackend: each sandbox is its own guest kernel under QEMU (TCG here), reached through
+its agent over virtio-serial (docs/vm.md).
+
+Per sandbox on disk, ``<root_dir>/sb/<sid>/`` (0700, root): ``vm.json`` (what adopt and
+reconcile need: pid and start time, uid, state), ``scratch.img`` (sparse raw ext4 made by
+the host, the overlay upper in the guest), the agent's and QMP's listening sockets ``a``
+and ``q``, ``mem.bin`` while paused, ``console.log`` when asked for.
+
+The QEMU process runs as a uid of its own (``uid_base + slot``; two VMs never share one,
+so an escapee of one QEMU cannot signal or ptrace another) from its first instruction,
+with every file it needs passed as a descriptor (:mod:`.qemu`), inside the sandbox's
+cgroup (memory = guest RAM + ``memory_overhead_bytes`` for QEMU itself and its TCG cache;
+CPU from ``cpu_milli``; a few hundred tasks for QEMU's threads).
+
+Read-only layers are attached as the image's EROFS layer files (virtio-blk, read-only,
+lowest first: /dev/vda is the base) and the scratch disk last. Pause saves guest memory
+with QMP ``migrate fd:`` into ``mem.bin`` and quits QEMU, so a paused sandbox holds no
+host memory; resume starts a new QEMU with ``-incoming`` from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from dsec.edge.backend import DeathSink, Leftover
+from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
+from dsec.edge.backends.vm import agentproto as ap
+from dsec.edge.backends.vm.link import AgentLink
+from dsec.edge.backends.vm.qemu import (
+    Disk,
+    Qmp,
+    VmSpec,
+    marker_of,
+    memory_mib,
+    parse_marker,
+    qemu_argv,
+    vcpus,
+)
+from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.errors import (
+    BackendError,
+    CapacityExceeded,
+    Conflict,
+    DsecError,
+    InvalidArgument,
+    SandboxNotFound,
+    Timeout,
+)
+from dsec.ids import SandboxId
+from dsec.ownership import start_time
+from dsec.rmtree import remove_tree
+from dsec.wire.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PauseStats,
+    SandboxSpec,
+    SandboxStats,
+    qos_of,
+)
+
+__all__ = ["VmBackend"]
+
+log = logging.getLogger("dsec.edge.vm")
+
+DEFAULT_DISK_BYTES = 1 << 30
+#: QEMU's own memory beside guest RAM: the TCG cache (tb_size_mib) plus ~40 MiB of QEMU
+#: (measured RSS of an idle 128 MiB guest: ~60 MiB beyond its touched RAM).
+DEFAULT_OVERHEAD_BYTES = 96 << 20
+#: Tasks of one QEMU: main loop, one TCG thread per vCPU, RCU, worker threads for I/O.
+QEMU_PIDS = 256
+UID_BASE = 300000
+UID_SLOTS = 65536
+MAX_READ_BYTES = 64 << 20       # read_file without a length: larger files -> ranges
+
+
+class _Record(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``vm.json``: what an edge restarted after kill -9 needs to find its VM again."""
+
+    sid: str
+    uid: int
+    pid: int = 0
+    start: int = 0
+    paused: bool = False
+    memory_mib: int = 0
+    vcpus: int = 1
+    disk_bytes: int = 0
+    layer_files: list[str] = []
+    boot_id: str = ""
+
+
+@dataclass(eq=False)
+class _Vm:
+    sid: str
+    spec: SandboxSpec
+    dir: str
+    rec: _Record
+    cg: SandboxCgroup
+    layers: RootLayers | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    pidfd: int | None = None
+    qmp: Qmp | None = None
+    link: AgentLink | None = None
+    expected_exit: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    oom_seen: int = 0
+    dead: bool = False
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(1 << 20)
+
+
+def _refuse(what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what} is not offered by isolation tier 'vm' (backend vm) on "
+                           "this node; use isolation 'container' for it", field="backend")
+
+
+class VmBackend:
+    """Sandboxes as microVMs. See the module docstring and docs/vm.md."""
+
+    name = "vm"
+
+    def __init__(self, *, root_dir: str, images: ImageResolver, kernel: str, initrd: str,
+                 governor: Governor | None = None, cgroup_name: str | None = None,
+                 uid_base: int = UID_BASE, default_disk_bytes: int = DEFAULT_DISK_BYTES,
+                 memory_overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, tb_size_mib: int = 32,
+                 boot_timeout_s: float = 120.0, qemu_binary: str = "qemu-system-x86_64",
+                 console: bool = False, extra_args: tuple[str, ...] = (),
+                 append: str = "panic=-1 quiet", dax: bool = False,
+                 tunables: dict[str, str] | None = None,
+                 max_vcpus: int | None = None) -> None:
+        self.root_dir = os.path.abspath(root_dir)
+        os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
+        os.chmod(self.root_dir, 0o700)
+        self.images = images
+        self.kernel, self.initrd = kernel, initrd
+        self.key = hashlib.sha256(self.root_dir.encode()).hexdigest()[:12]
+        self.governor = governor or Governor(name=cgroup_name or f"dsec-vm-{self.key}")
+        self.uid_base = uid_base
+        self.default_disk_bytes = default_disk_bytes
+        self.memory_overhead_bytes = memory_overhead_bytes
+        self.tb_size_mib = tb_size_mib
+        self.boot_timeout_s = boot_timeout_s
+        self.qemu_binary = qemu_binary
+        self.console = console
+        self.extra_args = tuple(extra_args)
+        self.append = append
+        self.dax = dax
+        self.tunables = dict(tunables or {})
+        self.max_vcpus = max_vcpus or (os.cpu_count() or 1)
+        self._vms: dict[str, _Vm] = {}
+        self._uids: set[int] = set()
+        self._sink: DeathSink | None = None
+        self._erofs_cache = os.path.join(self.root_dir, "layers")
+
+    # -- plumbing ---------------------------------------------------------------------
+    def watch(self, sink: DeathSink) -> None:
+        self._sink = sink
+
+    def _get(self, sid: str) -> _Vm:
+        vm = self._vms.get(sid)
+        if vm is None or vm.dead:
+            raise SandboxNotFound(f"sandbox {sid} is not a vm of this node", sandbox_id=sid)
+        return vm
+
+    def _running(self, sid: str) -> _Vm:
+        vm = self._get(sid)
+        if vm.rec.paused or vm.link is None:
+            raise Conflict(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
+        return vm
+
+    def _alloc_uid(self) -> int:
+        for slot in range(UID_SLOTS):
+            uid = self.uid_base + slot
+            if uid not in self._uids:
+                self._uids.add(uid)
+                return uid
+        raise CapacityExceeded(f"all {UID_SLOTS} vm uids of this node are in use")
+
+    def _save(self, vm: _Vm) -> None:
+        tmp = os.path.join(vm.dir, "vm.json.tmp")
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(vm.rec))
+        os.replace(tmp, os.path.join(vm.dir, "vm.json"))
+
+    # -- layers -----------------------------------------------------------------------
+    def _layer_files(self, spec: SandboxSpec) -> tuple[RootLayers, list[str]]:
+        """The sandbox's read-only layers as EROFS files, lowest first. From the layer
+        store these are the layer files themselves; a plain-directory image
+        (DirectoryImages, tests) is packed once into ``<root_dir>/layers``."""
+        layers = self.images.acquire(spec)
+        try:
+            if isinstance(self.images, StoreImages):
+                store = self.images.store
+                stack = layers.token
+                files = []
+                for m in reversed(stack.layers):  # type: ignore[union-attr]
+                    p = store.layer_path(m)
+                    if not os.path.exists(p):
+                        raise InvalidArgument(
+                            f"layer {m.digest} of sandbox image {spec.image!r} is read lazily "
+                            "on this node (no local file); the vm tier attaches whole layer "
+                            "files: pin the image on this node first", field="image")
+                    files.append(p)
+            else:
+                files = [self._pack_dir(d) for d in reversed(layers.lowerdirs)]
+        except BaseException:
+            self.images.release(layers)
+            raise
+        return layers, files
+
+    def _pack_dir(self, path: str) -> str:
+        st = os.stat(path)
+        key = hashlib.sha256(f"{path}\0{st.st_ino}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        os.makedirs(self._erofs_cache, mode=0o700, exist_ok=True)
+        out = os.path.join(self._erofs_cache, key + ".erofs")
+        if not os.path.exists(out):
+            tmp = out + f".{os.getpid()}.tmp"
+            r = subprocess.run(["mkfs.erofs", "-q", tmp, path], capture_output=True, check=False)
+            if r.returncode != 0:
+                raise BackendError(f"mkfs.erofs of image directory {path} failed: "
+                                   f"{r.stderr.decode(errors='replace')[:300]}")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out)
+        return out
+
+    # -- QEMU process -----------------------------------------------------------------
+    def _launch(self, vm: _Vm, *, incoming: str | None) -> None:
+        """Start QEMU for ``vm`` (blocking: run in a thread). Binds the agent and QMP
+        sockets, opens every file, spawns QEMU into the cgroup as ``vm.rec.uid``."""
+        d = vm.dir
+        fds: list[int] = []
+        socks: list[socket.socket] = []
+
+        def ro(path: str) -> int:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(fd)
+            return fd
+
+        def listener(name: str) -> socket.socket:
+            path = os.path.join(d, name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(path)
+            s.listen(2)
+            return s
+
+        try:
+            disks = [Disk(ro(p)) for p in vm.rec.layer_files]
+            scratch = os.path.join(d, "scratch.img")
+            rw = os.open(scratch, os.O_RDWR | os.O_CLOEXEC)
+            fds.append(rw)
+            disks.append(Disk(ro(scratch), readonly=False, rw_fd=rw))
+            console = None
+            if self.console:
+                console = os.open(os.path.join(d, "console.log"),
+                                  os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                fds.append(console)
+                os.fchown(console, vm.rec.uid, vm.rec.uid)
+            spec = VmSpec(
+                marker=marker_of(self.key, vm.sid), kernel_fd=ro(self.kernel),
+                initrd_fd=ro(self.initrd), memory_mib=vm.rec.memory_mib, vcpus=vm.rec.vcpus,
+                agent_fd=listener("a").fileno(), qmp_fd=listener("q").fileno(),
+                disks=tuple(disks), incoming_fd=ro(incoming) if incoming else None,
+                console_fd=console, tb_size_mib=self.tb_size_mib, append=self.append,
+                extra=self.extra_args, binary=self.qemu_binary)
+            procs = vm.cg.procs_files
+            uid = vm.rec.uid
+
+            def child() -> None:  # after fork, before exec: os calls only
+                for p in procs:
+                    fd = os.open(p, os.O_WRONLY)
+                    os.write(fd, b"0")
+                    os.close(fd)
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+
+            # preexec_fn after fork in a threaded process: child() calls only async-signal
+            # safe os functions (no locks, no allocation-heavy Python code paths)
+            err = os.open(os.path.join(d, "qemu.err"),
+                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fds.append(err)
+            vm.popen = subprocess.Popen(
+                qemu_argv(spec), pass_fds=spec.fds(),
+                preexec_fn=child,  # noqa: PLW1509
+                start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            vm.expected_exit = False
+            vm.rec.pid = vm.popen.pid
+            vm.rec.start = start_time(vm.popen.pid) or 0
+            vm.pidfd = os.pidfd_open(vm.popen.pid)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            for s in socks:
+                s.close()
+
+    def _qemu_error(self, vm: _Vm) -> str:
+        try:
+            with open(os.path.join(vm.dir, "qemu.err"), "rb") as f:
+                return f.read(2000).decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _arm_death(self, vm: _Vm) -> None:
+        loop = asyncio.get_running_loop()
+        fd = vm.pidfd
+        if fd is None:
+            return
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            status = None
+            if vm.popen is not None:
+                status = vm.popen.poll()
+            if vm.expected_exit or vm.dead:
+                return
+            vm.dead = True
+            if status == 0:
+                reason, detail = "exited", "the guest shut down or its agent (PID 1) died"
+            else:
+                reason = "backend_crash"
+                detail = (f"QEMU exited with status {status}" if status is not None
+                          else "QEMU exited")
+                err = self._qemu_error(vm)
+                if err:
+                    detail += f": {err[:300]}"
+            log.warning("vm sandbox %s: %s (%s)", vm.sid, reason, detail)
+            if self._sink is not None:
+                self._sink(SandboxId(vm.sid), reason, detail)
+
+        loop.add_reader(fd, exited)
+
+    async def _wait_exit(self, vm: _Vm, timeout: float) -> bool:
+        """Wait for QEMU to exit (True) or ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if not self._alive(vm):
+                return True
+            await asyncio.sleep(0.01)
+        return not self._alive(vm)
+
+    def _alive(self, vm: _Vm) -> bool:
+        if vm.popen is not None:
+            return vm.popen.poll() is None
+        return vm.rec.pid > 0 and start_time(vm.rec.pid, running=True) == vm.rec.start
+
+    def _kill(self, vm: _Vm) -> None:
+        vm.expected_exit = True
+        if vm.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(vm.pidfd, signal.SIGKILL)
+        elif self._alive(vm):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.rec.pid, signal.SIGKILL)
+        if self.governor.exists(vm.cg):
+            self.governor.kill_all(vm.cg)
+
+    def _close_handles(self, vm: _Vm) -> None:
+        if vm.pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(vm.pidfd)
+            os.close(vm.pidfd)
+            vm.pidfd = None
+        if vm.qmp is not None:
+            vm.qmp.close()
+            vm.qmp = None
+        if vm.popen is not None:
+            vm.popen.poll()
+
+    async def _start(self, vm: _Vm, *, incoming: str | None) -> None:
+        """Launch QEMU, connect QMP and the agent (``hello``); on failure kill it."""
+        await asyncio.to_thread(self._launch, vm, incoming=incoming)
+        try:
+            vm.qmp = await self._race_exit(vm, Qmp.connect(os.path.join(vm.dir, "q"),
+                                                           what=f"sandbox {vm.sid}"))
+            if incoming is not None:
+                await self._race_exit(vm, self._wait_incoming(vm))
+            vm.link = await self._race_exit(vm, AgentLink.open(
+                os.path.join(vm.dir, "a"), vm.sid, timeout=self.boot_timeout_s))
+        except BaseException:
+            if vm.link is not None:
+                await vm.link.close()
+                vm.link = None
+            self._kill(vm)
+            await self._wait_exit(vm, 5.0)
+            self._close_handles(vm)
+            raise
+        self._arm_death(vm)
+
+    async def _race_exit(self, vm: _Vm, aw: Any) -> Any:
+        """Await ``aw`` unless QEMU exits first (then BackendError with its stderr)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.05)
+                if done:
+                    return task.result()
+                if not self._alive(vm):
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    raise BackendError(f"sandbox {vm.sid}: QEMU exited while starting: "
+                                       f"{self._qemu_error(vm)[:500] or 'no message'}")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _wait_incoming(self, vm: _Vm) -> None:
+        assert vm.qmp is not None
+        deadline = time.monotonic() + self.boot_timeout_s
+        while True:
+            st = await vm.qmp.execute("query-status")
+            status = st.get("status") if isinstance(st, dict) else None
+            if status == "running":
+                return
+            if status not in ("inmigrate", "paused", "prelaunch", "restore-vm"):
+                raise BackendError(f"sandbox {vm.sid}: restoring guest memory ended in "
+                                   f"state {status!r}: {self._qemu_error(vm)[:300]}")
+            if time.monotonic() > deadline:
+                raise Timeout(f"sandbox {vm.sid}: restoring guest memory took over "
+                              f"{self.boot_timeout_s:.0f}s")
+            await asyncio.sleep(0.02)
+
+    # -- lifecycle --------------------------------------------------------------------
+    def _check_spec(self, spec: SandboxSpec) -> None:
+        net = spec.network
+        if net is not None and getattr(net, "mode", "none") != "none":
+            raise _refuse(f"network mode {net.mode!r}")
+        if spec.user_namespace:
+            raise _refuse("user_namespace (the guest kernel already separates it)")
+
+    def _limits(self, spec: SandboxSpec, mem_mib: int) -> Limits:
+        return Limits(cpu_milli=spec.cpu_milli,
+                      memory_bytes=(mem_mib << 20) + self.memory_overhead_bytes,
+                      pids_max=QEMU_PIDS, qos=qos_of(spec),
+                      cpu_quota_milli=spec.cpu_quota_milli)
+
+    async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
+        self._check_spec(spec)
+        if sid in self._vms:
+            raise Conflict(f"sandbox {sid} already exists on this vm backend", sandbox_id=sid)
+        d = os.path.join(self.root_dir, "sb", sid)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            raise Conflict(f"sandbox {sid} already has a directory {d}",
+                           sandbox_id=sid) from None
+        uid = self._alloc_uid()
+        mem = memory_mib(spec.memory_bytes)
+        rec = _Record(sid=sid, uid=uid, memory_mib=mem,
+                      vcpus=vcpus(spec.cpu_milli, max_vcpus=self.max_vcpus),
+                      disk_bytes=spec.disk_bytes or self.default_disk_bytes)
+        vm = _Vm(sid=sid, spec=spec, dir=d, rec=rec, cg=self.governor.paths(sid))
+        self._vms[sid] = vm
+        try:
+            vm.layers, files = await asyncio.to_thread(self._layer_files, spec)
+            rec.layer_files = files
+            await asyncio.to_thread(self._make_scratch, vm)
+            vm.cg = self.governor.create(sid, self._limits(spec, mem))
+            self._save(vm)
+            await self._start(vm, incoming=None)
+            assert vm.link is not None
+            rec.boot_id = vm.link.hello_reply.boot_id
+            await self._setup(vm)
+            self._save(vm)
+        except BaseException:
+            await self._teardown(vm)
+            raise
+
+    async def _setup(self, vm: _Vm) -> None:
+        assert vm.link is not None
+        n = len(vm.rec.layer_files)
+        devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
+        env = dict(vm.spec.env)
+        await vm.link.call("setup", ap.SetupRequest(
+            layers=devs[:n], scratch=devs[n], dax=self.dax, env=env,
+            tunables=self.tunables), ap.SetupResult, timeout=60.0)
+
+    def _make_scratch(self, vm: _Vm) -> None:
+        """A sparse raw file of the disk cap holding a fresh ext4 (the guest never runs
+        mkfs: a hostile guest gets a filesystem the host made)."""
+        path = os.path.join(vm.dir, "scratch.img")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, vm.rec.disk_bytes)
+        finally:
+            os.close(fd)
+        r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E",
+                            "lazy_itable_init=1,lazy_journal_init=1,nodiscard", path],
+                           capture_output=True, check=False)
+        if r.returncode != 0:
+            raise BackendError(f"mkfs.ext4 of the scratch disk of sandbox {vm.sid} failed: "
+                               f"{r.stderr.decode(errors='replace')[:300]}")
+
+    async def _teardown(self, vm: _Vm) -> None:
+        """Kill and remove everything of ``vm`` (idempotent)."""
+        vm.dead = True
+        if vm.link is not None:
+            with contextlib.suppress(Exception):
+                await vm.link.close()
+            vm.link = None
+        self._kill(vm)
+        await self._wait_exit(vm, 5.0)
+        self._close_handles(vm)
+        with contextlib.suppress(DsecError):
+            self.governor.remove(vm.cg)
+        await asyncio.to_thread(remove_tree, vm.dir)
+        if vm.layers is not None:
+            self.images.release(vm.layers)
+            vm.layers = None
+        self._uids.discard(vm.rec.uid)
+        self._vms.pop(vm.sid, None)
+
+    async def destroy(self, sid: SandboxId) -> None:
+        vm = self._vms.get(sid)
+        if vm is None:
+            await self.discard(sid)
+            return
+        await self._teardown(vm)
+
+    async def adopt(self, sid: SandboxId, spec: SandboxSpec) -> bool:
+        d = os.path.join(self.root_dir, "sb", sid)
+        try:
+            raw = await asyncio.to_thread(_read_bytes, os.path.join(d, "vm.json"))
+            rec = msgspec.json.decode(raw, type=_Record)
+        except (OSError, msgspec.DecodeError):
+            return False
+        vm = _Vm(sid=sid, spec=spec, dir=d, rec=rec, cg=self.governor.paths(sid))
+        self._uids.add(rec.uid)
+        self._vms[sid] = vm
+        try:
+            vm.layers = self.images.acquire(spec)
+            if rec.paused:
+                return os.path.exists(os.path.join(d, "mem.bin"))
+            if not self._alive(vm) or self._marker_sid(rec.pid) != sid:
+                await self._teardown(vm)
+                return False
+            vm.pidfd = os.pidfd_open(rec.pid)
+            vm.qmp = await Qmp.connect(os.path.join(d, "q"), what=f"sandbox {sid}")
+            vm.link = await AgentLink.open(os.path.join(d, "a"), sid, timeout=30.0)
+            self._arm_death(vm)
+            return True
+        except DsecError as exc:
+            log.warning("vm sandbox %s could not be adopted: %s", sid, exc)
+            await self._teardown(vm)
+            return False
+
+    def _marker_sid(self, pid: int) -> str | None:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return parse_marker(f.read(), self.key)
+        except OSError:
+            return None
+
+    # -- pause / resume ---------------------------------------------------------------
+    async def pause(self, sid: SandboxId) -> PauseStats:
+        vm = self._get(sid)
+        async with vm.lock:
+            if vm.rec.paused:
+                return PauseStats()
+            t0 = time.monotonic()
+            assert vm.link is not None and vm.qmp is not None
+            before = self.governor.memory_usage(vm.cg)
+            room = shutil.disk_usage(vm.dir).free
+            if room < (vm.rec.memory_mib << 20) + (64 << 20):
+                raise CapacityExceeded(
+                    f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
+                    f"disk for its memory, only {room >> 20} MiB are free")
+            await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
+            await vm.qmp.execute("stop")
+            part = os.path.join(vm.dir, "mem.part")
+            try:
+                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
+                finally:
+                    os.close(fd)
+                await vm.qmp.execute("migrate", {"uri": "fd:mig"})
+                await self._wait_migrated(vm)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await vm.qmp.execute("cont")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+                raise
+            vm.expected_exit = True
+            with contextlib.suppress(DsecError):
+                await vm.qmp.execute("quit", timeout=5.0)
+            await vm.link.close()
+            vm.link = None
+            if not await self._wait_exit(vm, 10.0):
+                self._kill(vm)
+                await self._wait_exit(vm, 5.0)
+            self._close_handles(vm)
+            os.replace(part, os.path.join(vm.dir, "mem.bin"))
+            vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
+            self._save(vm)
+            return PauseStats(resident_before_bytes=before, reclaimed_bytes=before,
+                              duration_s=time.monotonic() - t0)
+
+    async def _wait_migrated(self, vm: _Vm) -> None:
+        assert vm.qmp is not None
+        deadline = time.monotonic() + 300.0
+        while True:
+            r = await vm.qmp.execute("query-migrate")
+            status = r.get("status") if isinstance(r, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled", None):
+                raise BackendError(f"saving the memory of sandbox {vm.sid} failed: "
+                                   f"{str(r.get('error-desc', status))[:300]}")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(DsecError):
+                    await vm.qmp.execute("migrate_cancel")
+                raise Timeout(f"saving the memory of sandbox {vm.sid} took over 300s")
+            await asyncio.sleep(0.01)
+
+    async def resume(self, sid: SandboxId) -> None:
+        vm = self._get(sid)
+        async with vm.lock:
+            if not vm.rec.paused:
+                return
+            mem = os.path.join(vm.dir, "mem.bin")
+            await self._start(vm, incoming=mem)
+            assert vm.link is not None
+            if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
+                self._kill(vm)
+                raise BackendError(f"sandbox {sid}: the resumed guest is not the one paused "
+                                   "(boot id changed)")
+            vm.rec.paused = False
+            self._save(vm)
+            os.unlink(mem)
+
+    # -- exec -------------------------------------------------------------------------
+    @staticmethod
+    def _check_exec(req: ExecRequest) -> None:
+        if req.pty is not None or req.stdin_open:
+            raise _refuse("a process with a terminal or open stdin (process_start)")
+        if req.hide:
+            raise _refuse("exec hide= (Landlock on the host kernel)")
+
+    async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
+        self._check_exec(req)
+        vm = self._running(sid)
+        assert vm.link is not None
+        res = await vm.link.exec(req)
+        if res.oom_killed:
+            self._notice_oom(vm, "an exec")
+        return res
+
+    async def exec_stream(self, sid: SandboxId,
+                          req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
+        self._check_exec(req)
+        vm = self._running(sid)
+        assert vm.link is not None
+        async for item in vm.link.exec_stream(req):
+            yield item
+
+    def _notice_oom(self, vm: _Vm, what: str) -> None:
+        if self._sink is not None:
+            self._sink(SandboxId(vm.sid), "oom_kill",
+                       f"the guest kernel's OOM killer killed a process during {what}")
+
+    # -- files ------------------------------------------------------------------------
+    async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
+                        length: int | None = None) -> bytes:
+        vm = self._running(sid)
+        assert vm.link is not None
+        return await vm.link.read(path, offset, length, max_bytes=MAX_READ_BYTES)
+
+    async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
+                         append: bool = False) -> None:
+        vm = self._running(sid)
+        assert vm.link is not None
+        await vm.link.write(path, data, mode=mode, append=append)
+
+    async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
+        vm = self._running(sid)
+        assert vm.link is not None
+        return await vm.link.list(path)
+
+    async def stat(self, sid: SandboxId, path: str) -> FileInfo:
+        vm = self._running(sid)
+        assert vm.link is not None
+        return await vm.link.call("stat", ap.PathRequest(path=path), FileInfo)
+
+    async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
+        vm = self._running(sid)
+        assert vm.link is not None
+        await vm.link.call("mkdir", ap.MkdirRequest(path=path, parents=parents), ap.Ok)
+
+    async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
+        vm = self._running(sid)
+        assert vm.link is not None
+        await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
+
+    # -- stats ------------------------------------------------------------------------
+    async def stats(self, sid: SandboxId) -> SandboxStats:
+        vm = self._get(sid)
+        mem, peak, cpu_s, _ = self.governor.stats(vm.cg)
+        if vm.rec.paused or vm.link is None:
+            return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu_s,
+                                disk_cap_bytes=vm.rec.disk_bytes)
+        g = await vm.link.call("stats", None, ap.GuestStats, timeout=10.0)
+        if g.oom_kills > vm.oom_seen:
+            if vm.oom_seen or g.oom_kills:
+                self._notice_oom(vm, "the sandbox's life")
+            vm.oom_seen = g.oom_kills
+        cap = vm.rec.disk_bytes
+        used = min(max(g.disk_used, 0), cap)
+        return SandboxStats(
+            memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu_s,
+            pids=min(max(g.pids, 0), 1 << 22), disk_bytes=used, disk_cap_bytes=cap,
+            disk_full=g.disk_total > 0 and used >= min(cap, g.disk_total) - (1 << 20),
+            memory_limit_bytes=(vm.rec.memory_mib << 20) + self.memory_overhead_bytes,
+            oom_kills=max(0, g.oom_kills), memory_host_bytes=mem, qos=qos_of(vm.spec))
+
+    # -- reconcile --------------------------------------------------------------------
+    def _qemu_pids(self) -> dict[str, list[int]]:
+        """QEMU processes of this backend on the host, by sandbox id (/proc scan)."""
+        out: dict[str, list[int]] = {}
+        for e in os.scandir("/proc"):
+            if not e.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{e.name}/cmdline", "rb") as f:
+                    sid = parse_marker(f.read(), self.key)
+            except OSError:
+                continue
+            if sid is not None:
+                out.setdefault(sid, []).append(int(e.name))
+        return out
+
+    async def reconcile(self, keep: AbstractSet[str]) -> list[Leftover]:
+        names = set()
+        with contextlib.suppress(FileNotFoundError):
+            names = {e.name for e in os.scandir(os.path.join(self.root_dir, "sb"))}
+        procs = await asyncio.to_thread(self._qemu_pids)
+        cgs = set(self.governor.list_sandboxes())
+        out = []
+        for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms)):
+            left = await self._discard_one(sid, procs.get(sid, []))
+            if left is not None:
+                out.append(left)
+        return out
+
+    async def discard(self, sid: SandboxId) -> Leftover | None:
+        if sid in self._vms:
+            return None
+        procs = await asyncio.to_thread(self._qemu_pids)
+        return await self._discard_one(sid, procs.get(sid, []))
+
+    async def _discard_one(self, sid: str, pids: list[int]) -> Leftover | None:
+        what = []
+        killed = 0
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                fd = os.pidfd_open(pid)
+                try:
+                    # the pid could have been reused since the scan: check the marker
+                    # again through the pidfd-held process
+                    if self._marker_sid(pid) == sid:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                        killed += 1
+                finally:
+                    os.close(fd)
+        if killed:
+            what.append(f"{killed} QEMU process(es)")
+        cg = self.governor.paths(sid)
+        if self.governor.exists(cg):
+            self.governor.kill_all(cg)
+            with contextlib.suppress(DsecError):
+                self.governor.remove(cg, wait_s=5.0)
+            what.append("cgroup")
+        d = os.path.join(self.root_dir, "sb", sid)
+        if os.path.isdir(d):
+            await asyncio.to_thread(remove_tree, d)
+            what.append("directory")
+        if not what:
+            return None
+        return Leftover(sandbox_id=sid, backend="vm", what=", ".join(what))
+
+    async def close(self) -> None:
+        """Node shutdown: VMs keep running (adopted by the next edge); drop our handles."""
+        for vm in list(self._vms.values()):
+            vm.expected_exit = True
+            if vm.link is not None:
+                with contextlib.suppress(Exception):
+                    await vm.link.close()
+                vm.link = None
+            self._close_handles(vm)
+            if vm.layers is not None:
+                self.images.release(vm.layers)
+                vm.layers = None
+        self._vms.clear()
