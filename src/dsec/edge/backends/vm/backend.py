@@ -40,6 +40,7 @@ import msgspec
 from dsec.edge.backend import DeathSink, Leftover
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
 from dsec.edge.backends.vm import agentproto as ap
+from dsec.edge.backends.vm import density as dens
 from dsec.edge.backends.vm.link import AgentLink
 from dsec.edge.backends.vm.qemu import (
     Disk,
@@ -146,7 +147,8 @@ class VmBackend:
                  console: bool = False, extra_args: tuple[str, ...] = (),
                  append: str = "panic=-1 quiet", dax: bool = False,
                  tunables: dict[str, str] | None = None,
-                 max_vcpus: int | None = None) -> None:
+                 max_vcpus: int | None = None,
+                 density: dens.DensityOptions | None = None) -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -170,6 +172,17 @@ class VmBackend:
         self._uids: set[int] = set()
         self._sink: DeathSink | None = None
         self._erofs_cache = os.path.join(self.root_dir, "layers")
+        # vd: density mechanisms (vm/density.py). pmem_dax attaches the read-only layers
+        # as virtio-pmem regions (guest /dev/pmemN, erofs dax=always) instead of
+        # virtio-blk disks; the scratch disk is then /dev/vda.
+        self.density = density
+        self._pmem = density is not None and density.pmem_dax
+        self._pmem_cache = os.path.join(self.root_dir, "pmem")
+        if density is not None:
+            self.dax = density.pmem_dax
+            if density.tb_size_mib is not None:
+                self.tb_size_mib = density.tb_size_mib
+            self.append = " ".join([self.append, *dens.kernel_cmdline(density)]).strip()
 
     # -- plumbing ---------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -266,7 +279,20 @@ class VmBackend:
             return s
 
         try:
-            disks = [Disk(ro(p)) for p in vm.rec.layer_files]
+            pmem: list[dens.PmemLayer] = []
+            pmem_fds: list[int] = []
+            if self._pmem:
+                for p in vm.rec.layer_files:
+                    region = dens.prepare_pmem_layer(p, self._pmem_cache)
+                    pmem_fds.append(ro(region.path))
+                    pmem.append(dens.PmemLayer(f"/proc/self/fd/{pmem_fds[-1]}", region.size))
+                disks = []
+            else:
+                disks = [Disk(ro(p)) for p in vm.rec.layer_files]
+            extra = self.extra_args
+            if self.density is not None:
+                extra += tuple(dens.qemu_args(self.density, pmem,
+                                              ram_bytes=vm.rec.memory_mib << 20))
             scratch = os.path.join(d, "scratch.img")
             rw = os.open(scratch, os.O_RDWR | os.O_CLOEXEC)
             fds.append(rw)
@@ -283,7 +309,7 @@ class VmBackend:
                 agent_fd=listener("a").fileno(), qmp_fd=listener("q").fileno(),
                 disks=tuple(disks), incoming_fd=ro(incoming) if incoming else None,
                 console_fd=console, tb_size_mib=self.tb_size_mib, append=self.append,
-                extra=self.extra_args, binary=self.qemu_binary)
+                extra=extra, binary=self.qemu_binary)
             procs = vm.cg.procs_files
             uid = vm.rec.uid
 
@@ -302,7 +328,7 @@ class VmBackend:
                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             fds.append(err)
             vm.popen = subprocess.Popen(
-                qemu_argv(spec), pass_fds=spec.fds(),
+                qemu_argv(spec), pass_fds=[*spec.fds(), *pmem_fds],
                 preexec_fn=child,  # noqa: PLW1509
                 start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
@@ -493,7 +519,11 @@ class VmBackend:
     async def _setup(self, vm: _Vm) -> None:
         assert vm.link is not None
         n = len(vm.rec.layer_files)
-        devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
+        if self._pmem:
+            devs = [*dens.guest_layer_devices(self.density or dens.DensityOptions(), n),
+                    "/dev/vda"]
+        else:
+            devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
         env = dict(vm.spec.env)
         await vm.link.call("setup", ap.SetupRequest(
             layers=devs[:n], scratch=devs[n], dax=self.dax, env=env,
