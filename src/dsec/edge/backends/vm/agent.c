@@ -51,6 +51,8 @@ extern char **environ;
 #define PROTO_VERSION 1
 #define MAX_FRAME (4u * 1024 * 1024)
 #define MAX_READ (2u * 1024 * 1024)
+/* per-stream output a unary exec keeps: both streams must fit one reply frame */
+#define MAX_EXEC_OUTPUT ((MAX_FRAME - 64u * 1024) / 2)
 #define HDR 25
 #define OUT_HIGH (2u * 1024 * 1024)      /* stop reading exec pipes above this */
 #define MAX_EXECS 256
@@ -58,6 +60,8 @@ extern char **environ;
 
 enum { T_REQUEST = 1, T_RESPONSE, T_ERROR, T_STREAM, T_CANCEL, T_PING, T_PONG, T_GOAWAY, T_WINDOW };
 #define F_STREAMING 1
+#define F_CREDIT 8
+#define STREAM_WINDOW (4LL * 1024 * 1024)   /* Aether's per-stream push credit */
 
 static void logf_(const char *fmt, ...) {
     char b[512];
@@ -397,6 +401,7 @@ static void flush_out(void) {
 
 /* ---------------------------------------------------------------- state */
 static int setup_done = 0;
+static pid_t modules_pid = 0;       /* the child loading kernel modules at boot (0: done) */
 static int root_fd = -1;            /* O_PATH of the sandbox root (/sb), after setup */
 static char sb_path[PATH_MAX] = SB;
 static char **base_env = NULL;
@@ -419,11 +424,14 @@ typedef struct {
     double start, deadline, exit_at;
     int timed_out;
     size_t cnt[2];                  /* exec_stream: stdout/stderr bytes sent (for the cap) */
+    int64_t credit;                 /* STREAM bytes the caller still accepts (Aether CREDIT) */
     uint64_t streamed;              /* diff: bytes sent */
     uint64_t counts[3];             /* diff: entries, skipped, (unused) */
     int oom_before;
 } job_t;
 static job_t jobs[MAX_EXECS];
+static int cur_flags = 0;           /* flags of the REQUEST being dispatched */
+static int64_t initial_credit(void) { return (cur_flags & F_CREDIT) ? STREAM_WINDOW : INT64_MAX; }
 
 static long read_vmstat(const char *key) {
     FILE *f = fopen("/proc/vmstat", "re");
@@ -538,7 +546,7 @@ static void h_read(uint64_t sid, mp_t body) {
     int fd = open_in_root(path, O_RDONLY | O_NONBLOCK, 0);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0) { send_errno(sid, errno, "read", path); if (fd >= 0) close(fd); free(path); return; }
-    if (!S_ISREG(st.st_mode)) { send_error(sid, S_ISDIR(st.st_mode) ? "invalid_argument" : "invalid_argument", "read %s: not a regular file", path); close(fd); free(path); return; }
+    if (!S_ISREG(st.st_mode)) { send_error(sid, "invalid_argument", "read %s: not a regular file", path); close(fd); free(path); return; }
     uint8_t *data = malloc(len ? len : 1);
     size_t got = 0;
     while ((int64_t)got < len) {
@@ -757,6 +765,11 @@ static void h_setup(uint64_t sid, mp_t body) {
         *eq = '=';
     }
     if (!test_mode) {
+        if (modules_pid > 0) {      /* boot's module loading still running: wait for it */
+            int st;
+            while (waitpid(modules_pid, &st, 0) < 0 && errno == EINTR) {}
+            modules_pid = 0;
+        }
         mkdir("/layers", 0755);
         for (size_t i = 0; i < nl; i++) {
             char mp[64];
@@ -791,7 +804,10 @@ static void h_setup(uint64_t sid, mp_t body) {
                 int k = snprintf(mp, sizeof mp, "%s/layers/%zu", i + 1 < nl ? ":" : "", i);
                 buf_put(&o, mp, k);
             }
-            const char *rest = ",upperdir=/scratch/upper,workdir=/scratch/work";
+            /* the flags the container backend uses (dsec.image.compose.OVERLAY_FLAGS):
+             * directory renames are neither written as redirects nor followed, so the
+             * upper dir is plain overlay encoding that pack_diff understands */
+            const char *rest = ",upperdir=/scratch/upper,workdir=/scratch/work,redirect_dir=nofollow,metacopy=off";
             buf_put(&o, rest, strlen(rest) + 1);
             int r = mount("overlay", SB, "overlay", 0, (char *)o.p);
             if (r < 0) snprintf(err, sizeof err, "mount overlay at /sb (%s): %s", (char *)o.p, strerror(errno));
@@ -907,10 +923,11 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
     int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, pst[2] = {-1, -1};
     if (body_err[0]) { send_error(sid, "invalid_argument", "exec: %s", body_err); goto out; }
     if (mp_get(body, "hide", &v) == 1 && *v.p != 0x90 && *v.p != 0xc0) { send_error(sid, "invalid_argument", "exec: hide needs the container backend's native runtime; the vm tier does not support it"); goto out; }
-    if (mp_get(body, "pty", &v) == 1 && *v.p != 0xc0) { send_error(sid, "invalid_argument", "exec: pty is not supported by the vm tier's agent"); goto out; }
+    if ((mp_get(body, "pty", &v) == 1 && *v.p != 0xc0) || get_bool(body, "stdin_open", 0)) { send_error(sid, "invalid_argument", "exec: pty and stdin_open (processes) are not supported by the vm tier's agent"); goto out; }
     if ((argc == 0) == (shell == NULL)) { send_error(sid, "invalid_argument", "exec: give exactly one of argv and shell"); goto out; }
     if (!setup_done) { send_error(sid, "conflict", "exec before setup: call setup first"); goto out; }
     if (cap < 0) cap = 0;
+    if (!streaming && cap > (int64_t)MAX_EXEC_OUTPUT) cap = MAX_EXEC_OUTPUT;  /* use exec_stream for more */
     uid_t uid; gid_t gid; char home[512];
     if (resolve_user(user, &uid, &gid, home, sizeof home) < 0) {
         buf_t b = {0};
@@ -928,11 +945,13 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
     }
     /* envp: PATH/HOME defaults, then setup env, then the request's */
     size_t en = 0;
-    char **envp = calloc(base_env_n + envc + 4, sizeof *envp);
+    char **envp = calloc(base_env_n + envc + 8, sizeof *envp);
+    /* defaults as the container backend's (container/rootfs.py DEFAULT_ENV + HOSTNAME) */
     char pathv[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
     char homev[600]; snprintf(homev, sizeof homev, "HOME=%s", home);
-    char *defs[] = {pathv, homev, "TERM=xterm"};
-    for (int d = 0; d < 3; d++) envp[en++] = defs[d];
+    char hostv[80] = "HOSTNAME="; gethostname(hostv + 9, sizeof hostv - 10);
+    char *defs[] = {pathv, homev, "TERM=xterm", "LANG=C.UTF-8", hostv};
+    for (int d = 0; d < 5; d++) envp[en++] = defs[d];
     char **srcs[2] = {base_env, env};
     for (int s = 0; s < 2; s++) for (size_t i = 0; srcs[s] && srcs[s][i]; i++) {
         size_t kl = strchr(srcs[s][i], '=') - srcs[s][i];
@@ -1003,7 +1022,7 @@ static void h_exec(uint64_t sid, mp_t body, int streaming) {
         send_body(T_RESPONSE, sid, &b); buf_free(&b);
         goto out;
     }
-    j->kind = streaming ? 1 : 0; j->sid = sid;
+    j->kind = streaming ? 1 : 0; j->sid = sid; j->credit = initial_credit();
     j->deadline = (nil_to || to <= 0) ? 0 : j->start + to;
     close(pout[1]); close(perr[1]);
     j->out_fd = pout[0]; j->err_fd = perr[0]; set_nb(j->out_fd); set_nb(j->err_fd);
@@ -1022,6 +1041,15 @@ fail:
     if (pst[1] >= 0) close(pst[1]);
 out:
     free_strv(argv); free_strv(env); free(shell); free(cwd); free(user);
+}
+
+/* the job's caller is gone (CANCEL, disconnect, new connection): nobody can receive its
+ * result, so a foreground command's process group (or the diff writer) is killed and
+ * whatever it still prints is discarded; background commands are not affected */
+static void job_abandon(job_t *j) {
+    if (!j->used || j->sid == 0) return;
+    j->sid = 0;
+    if (j->pid > 0 && !j->exited) { kill(-j->pid, SIGKILL); kill(j->pid, SIGKILL); }
 }
 
 static void job_finish(job_t *j) {
@@ -1067,13 +1095,16 @@ static int job_pump(job_t *j, int which) {
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && errno == EAGAIN) return 0;
         if (r <= 0) { close(*fd); *fd = -1; return 1; }
+        if (j->sid == 0) continue;   /* abandoned: drain and drop */
         if (j->kind == 2) {          /* diff: tar bytes */
             if (which == 0) {
                 buf_t b = {0};
                 mp_map(&b, 1); mp_str(&b, "data"); mp_bin(&b, tmp, r);
                 send_frame(T_STREAM, j->sid, b.p, b.len, 0);
+                j->credit -= (int64_t)b.len;
                 buf_free(&b);
                 j->streamed += r;
+                if (j->credit <= 0) return 0;
             } else {                  /* counts from the writer: "entries skipped\n" */
                 buf_put(&j->err, tmp, r);
                 buf_u8(&j->err, 0); j->err.len--;
@@ -1096,9 +1127,11 @@ static int job_pump(job_t *j, int which) {
                 mp_str(&b, "stream"); mp_str(&b, which ? "stderr" : "stdout");
                 mp_str(&b, "data"); mp_bin(&b, tmp, keep);
                 send_frame(T_STREAM, j->sid, b.p, b.len, 0);
+                j->credit -= (int64_t)b.len;
                 buf_free(&b);
             }
             j->cnt[which] += keep;
+            if (j->credit <= 0) return 0;
         } else if (keep) buf_put(acc, tmp, keep);
         if (outb.len > OUT_HIGH) return 0;
     }
@@ -1266,7 +1299,7 @@ static void h_diff(uint64_t sid, int streaming) {
     if (pid == 0) { close(po[0]); close(pc[0]); diff_child(po[1], pc[1]); }
     close(po[1]); close(pc[1]);
     if (pid < 0) { close(po[0]); close(pc[0]); job_free(j); send_errno(sid, errno, "diff: fork", ""); return; }
-    j->kind = 2; j->sid = sid; j->pid = pid; j->start = now_mono(); j->cap = INT64_MAX;
+    j->kind = 2; j->sid = sid; j->pid = pid; j->credit = initial_credit(); j->start = now_mono(); j->cap = INT64_MAX;
     j->out_fd = po[0]; j->err_fd = pc[0]; set_nb(po[0]); set_nb(pc[0]);
 }
 
@@ -1352,6 +1385,7 @@ static void dispatch(uint64_t sid, const uint8_t *pl, size_t n, int flags) {
     if (body.p == body.e) { static const uint8_t nil = 0xc0; body.p = &nil; body.e = &nil + 1; }
     if (!mp_skip(body.p, body.e, 0)) { send_error(sid, "invalid_argument", "%s: the body is not valid msgpack", m); return; }
     int streaming = flags & F_STREAMING;
+    cur_flags = flags;
     int wants_stream = !strcmp(m, "exec_stream") || !strcmp(m, "diff");
     if (wants_stream != !!streaming) {
         send_error(sid, "invalid_argument", "%s %s called with%s the STREAMING flag", m, wants_stream ? "is a streaming method but was" : "is a unary method but was", streaming ? "" : "out");
@@ -1383,17 +1417,31 @@ static void on_frame(int type, uint64_t sid, const uint8_t *pl, size_t n, int fl
     switch (type) {
     case T_REQUEST:
         if (!(sid & 1)) { logf_("REQUEST on even stream %llu ignored", (unsigned long long)sid); return; }
+        if (sid <= last_sid) {
+            /* Aether stream ids only grow on one connection: this is a new host connection
+             * whose close/open the agent did not see (both happened between two polls).
+             * The old calls are abandoned so that no stale reply can answer a new call
+             * that reuses their stream id. */
+            for (int i = 0; i < MAX_EXECS; i++) job_abandon(&jobs[i]);
+            connections++;
+        }
         last_sid = sid;
         dispatch(sid, pl, n, flags);
         break;
     case T_PING: send_frame(T_PONG, sid, pl, n, 0); break;
     case T_CANCEL:
-        for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid == sid) {
-            jobs[i].sid = 0;
-            if (jobs[i].pid > 0 && !jobs[i].exited) kill(-jobs[i].pid, SIGKILL);
+        for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid == sid) job_abandon(&jobs[i]);
+        break;
+    case T_WINDOW:
+        if (n == 4) {
+            uint32_t inc = (uint32_t)rd_be(pl, 4);
+            for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid == sid && jobs[i].credit < INT64_MAX / 2) {
+                jobs[i].credit += inc;
+                if (jobs[i].credit > (1LL << 31)) jobs[i].credit = 1LL << 31;
+            }
         }
         break;
-    default: break;  /* GOAWAY, WINDOW, replies: nothing to do for an acceptor without calls */
+    default: break;  /* GOAWAY, replies: nothing to do for an acceptor that makes no calls */
     }
 }
 
@@ -1429,18 +1477,15 @@ static void on_disconnect(void) {
     if (!connected) return;
     connected = 0;
     buf_free(&inb); buf_free(&outb);
-    for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].sid) {
-        /* the caller is gone with the connection: a foreground exec's result can never
-         * be delivered, so its process group is killed; background ones keep running */
-        jobs[i].sid = 0;
-        if (jobs[i].pid > 0 && !jobs[i].exited) kill(-jobs[i].pid, SIGKILL);
-    }
+    last_sid = 0;
+    for (int i = 0; i < MAX_EXECS; i++) job_abandon(&jobs[i]);
 }
 
 static void reap(void) {
     int st;
     pid_t p;
     while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+        if (p == modules_pid) { modules_pid = 0; continue; }
         for (int i = 0; i < MAX_EXECS; i++) if (jobs[i].used && jobs[i].pid == p && !jobs[i].exited) {
             jobs[i].exited = 1; jobs[i].status = st; jobs[i].exit_at = now_mono();
             break;
@@ -1491,7 +1536,11 @@ static void boot(void) {
     mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, NULL);
     int c = open("/dev/console", O_RDWR | O_NOCTTY);
     if (c >= 0) { dup2(c, 0); dup2(c, 1); dup2(c, 2); if (c > 2) close(c); }
-    load_modules();
+    /* modules load in a child while the agent looks for its port and answers hello
+     * (~0.15 s under TCG); setup waits for it */
+    modules_pid = fork();
+    if (modules_pid == 0) { load_modules(); _exit(0); }
+    if (modules_pid < 0) { modules_pid = 0; load_modules(); }
     write_file("/proc/sys/kernel/panic_on_oom", "0");
 }
 
@@ -1542,18 +1591,20 @@ int main(int argc, char **argv) {
         }
         int n = 0;
         pf[n] = (struct pollfd){ sfd, POLLIN, 0 }; pj[n] = NULL; n++;
-        if (connected) { pf[n] = (struct pollfd){ port_fd, POLLIN | (outb.len ? POLLOUT : 0), 0 }; pj[n] = NULL; n++; }
+        /* the host not reading its replies stops the agent reading its requests */
+        if (connected) { pf[n] = (struct pollfd){ port_fd, (outb.len < 4 * OUT_HIGH ? POLLIN : 0) | (outb.len ? POLLOUT : 0), 0 }; pj[n] = NULL; n++; }
         double now = now_mono(), wake = now + (connected ? 3600 : 1.0);
         for (int i = 0; i < MAX_EXECS; i++) {
             job_t *j = &jobs[i];
             if (!j->used) continue;
-            if (outb.len <= OUT_HIGH) {
+            if (outb.len <= OUT_HIGH && (j->credit > 0 || j->sid == 0 || j->kind == 0 || j->kind == 3)) {
                 if (j->out_fd >= 0) { pf[n] = (struct pollfd){ j->out_fd, POLLIN, 0 }; pj[n] = j; pw[n] = 0; n++; }
                 if (j->err_fd >= 0) { pf[n] = (struct pollfd){ j->err_fd, POLLIN, 0 }; pj[n] = j; pw[n] = 1; n++; }
             }
             if (j->in_fd >= 0) { pf[n] = (struct pollfd){ j->in_fd, POLLOUT, 0 }; pj[n] = j; pw[n] = 2; n++; }
             if (j->deadline && !j->timed_out && !j->exited && j->deadline < wake) wake = j->deadline;
-            if (j->exited && j->exit_at + 0.2 < wake) wake = j->exit_at + 0.2;
+            if (j->exited && (j->out_fd >= 0 || j->err_fd >= 0) && j->exit_at + 0.2 > now && j->exit_at + 0.2 < wake)
+                wake = j->exit_at + 0.2;
         }
         int to = (int)((wake - now) * 1000) + 1;
         if (to < 0) to = 0;
@@ -1600,6 +1651,7 @@ int main(int argc, char **argv) {
             if (j->kind == 3) { job_free(j); continue; }
             int open_ = (j->out_fd >= 0) + (j->err_fd >= 0);
             if (open_ && now < j->exit_at + 0.2) continue;   /* drain what the pipes still hold */
+            if (open_ && j->kind == 1 && j->sid && j->credit <= 0) continue;  /* the reader first */
             if (open_ && j->kind != 2) { if (j->out_fd >= 0) job_pump(j, 0); if (j->err_fd >= 0) job_pump(j, 1); }
             if (j->kind == 2 && open_) continue;               /* diff: always read to EOF */
             if (outb.len > OUT_HIGH && j->kind == 1) continue;

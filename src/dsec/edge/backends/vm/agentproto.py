@@ -29,6 +29,7 @@ __all__ = [
     "AGENT_PORT_NAME",
     "DEFAULT_MAX_FRAME",
     "ERROR_CODES",
+    "MAX_EXEC_OUTPUT",
     "MAX_READ",
     "METHODS",
     "PROTOCOL_VERSION",
@@ -70,6 +71,10 @@ PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_FRAME: Final = 4 * 1024 * 1024
 #: Largest ``read`` length the agent serves per call (the host loops for more).
 MAX_READ: Final = 2 * 1024 * 1024
+#: Output a unary ``exec`` keeps per stream, whatever ``output_cap_bytes`` asks: stdout
+#: and stderr must fit one reply frame. Larger caps: use ``exec_stream`` (chunks of at
+#: most 64 KiB, the cap applied to the bytes streamed).
+MAX_EXEC_OUTPUT: Final = (DEFAULT_MAX_FRAME - 64 * 1024) // 2
 #: Where ``setup`` mounts the sandbox's overlay; exec runs chrooted here and file paths
 #: are relative to it.
 SANDBOX_ROOT: Final = "/sb"

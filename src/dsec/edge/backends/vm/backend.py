@@ -38,10 +38,21 @@ from typing import Any
 import msgspec
 
 from dsec.edge.backend import DeathSink, Leftover
+from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.images import ImageResolver, RootLayers, StoreImages
+from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.vm import agentproto as ap
-from dsec.edge.backends.vm import density as dens
+from dsec.edge.backends.vm.density import (
+    DensityOptions,
+    PmemLayer,
+    guest_layer_devices,
+    host_overhead_bytes,
+    prepare_pmem_layer,
+    qemu_args,
+)
+from dsec.edge.backends.vm.density import kernel_cmdline as density_cmdline
 from dsec.edge.backends.vm.link import AgentLink
+from dsec.edge.backends.vm.pool import PoolKey, WarmPool
 from dsec.edge.backends.vm.qemu import (
     Disk,
     Qmp,
@@ -52,6 +63,7 @@ from dsec.edge.backends.vm.qemu import (
     qemu_argv,
     vcpus,
 )
+from dsec.edge.backends.vm.upper import Bounds, extract_upper
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.errors import (
     BackendError,
@@ -59,6 +71,7 @@ from dsec.errors import (
     Conflict,
     DsecError,
     InvalidArgument,
+    QuotaExceeded,
     SandboxNotFound,
     Timeout,
 )
@@ -73,6 +86,7 @@ from dsec.wire.spec import (
     PauseStats,
     SandboxSpec,
     SandboxStats,
+    SnapshotInfo,
     qos_of,
 )
 
@@ -122,6 +136,22 @@ class _Vm:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     oom_seen: int = 0
     dead: bool = False
+    setup: ap.SetupResult | None = None     # what the agent mounted (diagnostics)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _read_bytes(path: str) -> bytes:
@@ -134,6 +164,55 @@ def _refuse(what: str) -> InvalidArgument:
                            "this node; use isolation 'container' for it", field="backend")
 
 
+class _NoDiskPool:
+    """ContainerSnapshots asks whether a disk pool shares the store's filesystem: a vm's
+    disks are plain sparse files, no pool."""
+
+    owned = False
+    image = ""
+
+    def unbacked_bytes(self) -> int:
+        return 0
+
+
+class _SnapshotHost:
+    """What ContainerSnapshots needs of its backend (its SnapshotHost protocol)."""
+
+    def __init__(self, b: VmBackend) -> None:
+        self._b = b
+        self.disk = _NoDiskPool()
+
+    @property
+    def name(self) -> str:
+        return self._b.name
+
+    @property
+    def images(self) -> ImageResolver:
+        return self._b.images
+
+    @property
+    def governor(self) -> Governor:
+        return self._b.governor
+
+    @property
+    def snapshot_max_apparent_bytes(self) -> int:
+        return self._b.snapshot_max_apparent_bytes
+
+    @property
+    def snapshot_max_entries(self) -> int:
+        return self._b.snapshot_max_entries
+
+    @property
+    def snapshot_max_path_bytes(self) -> int:
+        return self._b.snapshot_max_path_bytes
+
+    def box(self, sid: str) -> Box:
+        return self._b.box(sid)
+
+    def upper_dir(self, sid: str) -> str:
+        return self._b.upper_dir(sid)
+
+
 class VmBackend:
     """Sandboxes as microVMs. See the module docstring and docs/vm.md."""
 
@@ -142,13 +221,19 @@ class VmBackend:
     def __init__(self, *, root_dir: str, images: ImageResolver, kernel: str, initrd: str,
                  governor: Governor | None = None, cgroup_name: str | None = None,
                  uid_base: int = UID_BASE, default_disk_bytes: int = DEFAULT_DISK_BYTES,
-                 memory_overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, tb_size_mib: int = 32,
+                 memory_overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                 tb_size_mib: int | None = 32,
                  boot_timeout_s: float = 120.0, qemu_binary: str = "qemu-system-x86_64",
                  console: bool = False, extra_args: tuple[str, ...] = (),
-                 append: str = "panic=-1 quiet", dax: bool = False,
+                 append: str = "quiet panic=-1", dax: bool = False,
                  tunables: dict[str, str] | None = None,
-                 max_vcpus: int | None = None,
-                 density: dens.DensityOptions | None = None) -> None:
+                 max_vcpus: int | None = None, snapshot_workers: int = 2,
+                 snapshot_max_apparent_bytes: int = 64 << 30,
+                 snapshot_max_entries: int = 1_000_000,
+                 snapshot_max_path_bytes: int = 128 << 20,
+                 warm_pool: bool = False, pool_max_templates: int = 8,
+                 density: DensityOptions | None = None,
+                 uid_dir: str = "/run/dsec/vm-uids") -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -157,6 +242,7 @@ class VmBackend:
         self.key = hashlib.sha256(self.root_dir.encode()).hexdigest()[:12]
         self.governor = governor or Governor(name=cgroup_name or f"dsec-vm-{self.key}")
         self.uid_base = uid_base
+        self.uid_dir = uid_dir
         self.default_disk_bytes = default_disk_bytes
         self.memory_overhead_bytes = memory_overhead_bytes
         self.tb_size_mib = tb_size_mib
@@ -164,6 +250,15 @@ class VmBackend:
         self.qemu_binary = qemu_binary
         self.console = console
         self.extra_args = tuple(extra_args)
+        # density (vm/density.py): layers on virtio-pmem with DAX, the free-page-reporting
+        # balloon, DAMON_RECLAIM in the guest, the TCG cache cap
+        self.density = density
+        if density is not None:
+            append = " ".join([append, *density_cmdline(density)])
+            self.tb_size_mib = density.tb_size_mib
+            memory_overhead_bytes = max(memory_overhead_bytes, host_overhead_bytes(density))
+            self.memory_overhead_bytes = memory_overhead_bytes
+            dax = density.pmem_dax
         self.append = append
         self.dax = dax
         self.tunables = dict(tunables or {})
@@ -172,17 +267,19 @@ class VmBackend:
         self._uids: set[int] = set()
         self._sink: DeathSink | None = None
         self._erofs_cache = os.path.join(self.root_dir, "layers")
-        # vd: density mechanisms (vm/density.py). pmem_dax attaches the read-only layers
-        # as virtio-pmem regions (guest /dev/pmemN, erofs dax=always) instead of
-        # virtio-blk disks; the scratch disk is then /dev/vda.
-        self.density = density
-        self._pmem = density is not None and density.pmem_dax
-        self._pmem_cache = os.path.join(self.root_dir, "pmem")
-        if density is not None:
-            self.dax = density.pmem_dax
-            if density.tb_size_mib is not None:
-                self.tb_size_mib = density.tb_size_mib
-            self.append = " ".join([self.append, *dens.kernel_cmdline(density)]).strip()
+        self.snapshot_workers = snapshot_workers
+        self.snapshot_max_apparent_bytes = snapshot_max_apparent_bytes
+        self.snapshot_max_entries = snapshot_max_entries
+        self.snapshot_max_path_bytes = snapshot_max_path_bytes
+        self._snapshots: ContainerSnapshots | None = None
+        # warm pool (pool.py): None when off; keys whose template is being built
+        self.pool = (WarmPool(os.path.join(self.root_dir, "pool"),
+                              max_templates=pool_max_templates) if warm_pool else None)
+        self._building: dict[str, asyncio.Task[str | None]] = {}
+
+    @property
+    def _pmem(self) -> bool:
+        return self.density is not None and self.density.pmem_dax
 
     # -- plumbing ---------------------------------------------------------------------
     def watch(self, sink: DeathSink) -> None:
@@ -200,13 +297,57 @@ class VmBackend:
             raise Conflict(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         return vm
 
-    def _alloc_uid(self) -> int:
+    def _alloc_uid(self, sid: str) -> int:
+        """A uid no other VM on this host runs as, for ``sid``: claimed by creating
+        ``<uid_dir>/<uid>`` (O_EXCL) naming this backend and the sandbox, so two edges
+        (``dsec up`` runs several) never hand out the same one."""
+        os.makedirs(self.uid_dir, mode=0o700, exist_ok=True)
         for slot in range(UID_SLOTS):
             uid = self.uid_base + slot
-            if uid not in self._uids:
-                self._uids.add(uid)
-                return uid
-        raise CapacityExceeded(f"all {UID_SLOTS} vm uids of this node are in use")
+            if uid in self._uids:
+                continue
+            try:
+                fd = os.open(os.path.join(self.uid_dir, str(uid)),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            try:
+                os.write(fd, f"{self.key} {sid}\n".encode())
+            finally:
+                os.close(fd)
+            self._uids.add(uid)
+            return uid
+        raise CapacityExceeded(f"all {UID_SLOTS} vm uids from {self.uid_base} are claimed "
+                               f"in {self.uid_dir}")
+
+    def _release_uid(self, uid: int) -> None:
+        self._uids.discard(uid)
+        path = os.path.join(self.uid_dir, str(uid))
+        try:
+            with open(path, "rb") as f:
+                mine = f.read(200).split(b" ", 1)[0] == self.key.encode()
+            if mine:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _stale_uid_claims(self, live: AbstractSet[str]) -> None:
+        """Remove this backend's uid claims whose sandbox is not in ``live``."""
+        try:
+            names = os.listdir(self.uid_dir)
+        except FileNotFoundError:
+            return
+        for n in names:
+            path = os.path.join(self.uid_dir, n)
+            try:
+                with open(path, "rb") as f:
+                    key, _, sid = f.read(200).decode(errors="replace").strip().partition(" ")
+            except OSError:
+                continue
+            if key == self.key and sid not in live and n.isdigit() \
+                    and int(n) not in self._uids:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def _save(self, vm: _Vm) -> None:
         tmp = os.path.join(vm.dir, "vm.json.tmp")
@@ -247,7 +388,7 @@ class VmBackend:
         out = os.path.join(self._erofs_cache, key + ".erofs")
         if not os.path.exists(out):
             tmp = out + f".{os.getpid()}.tmp"
-            r = subprocess.run(["mkfs.erofs", "-q", tmp, path], capture_output=True, check=False)
+            r = subprocess.run(["mkfs.erofs", "-d0", tmp, path], capture_output=True, check=False)
             if r.returncode != 0:
                 raise BackendError(f"mkfs.erofs of image directory {path} failed: "
                                    f"{r.stderr.decode(errors='replace')[:300]}")
@@ -279,20 +420,23 @@ class VmBackend:
             return s
 
         try:
-            pmem: list[dens.PmemLayer] = []
-            pmem_fds: list[int] = []
+            extra = list(self.extra_args)
+            extra_fds: list[int] = []
             if self._pmem:
+                # layers as virtio-pmem regions (mapped, DAX in the guest), by descriptor:
+                # QEMU opens mem-path itself and cannot reach our private dirs
+                pmem = []
                 for p in vm.rec.layer_files:
-                    region = dens.prepare_pmem_layer(p, self._pmem_cache)
-                    pmem_fds.append(ro(region.path))
-                    pmem.append(dens.PmemLayer(f"/proc/self/fd/{pmem_fds[-1]}", region.size))
+                    pl = prepare_pmem_layer(p, os.path.join(self.root_dir, "pmem"))
+                    fd = ro(pl.path)
+                    extra_fds.append(fd)
+                    pmem.append(PmemLayer(f"/proc/self/fd/{fd}", pl.size))
                 disks = []
             else:
+                pmem = []
                 disks = [Disk(ro(p)) for p in vm.rec.layer_files]
-            extra = self.extra_args
             if self.density is not None:
-                extra += tuple(dens.qemu_args(self.density, pmem,
-                                              ram_bytes=vm.rec.memory_mib << 20))
+                extra += qemu_args(self.density, pmem, ram_bytes=vm.rec.memory_mib << 20)
             scratch = os.path.join(d, "scratch.img")
             rw = os.open(scratch, os.O_RDWR | os.O_CLOEXEC)
             fds.append(rw)
@@ -307,9 +451,9 @@ class VmBackend:
                 marker=marker_of(self.key, vm.sid), kernel_fd=ro(self.kernel),
                 initrd_fd=ro(self.initrd), memory_mib=vm.rec.memory_mib, vcpus=vm.rec.vcpus,
                 agent_fd=listener("a").fileno(), qmp_fd=listener("q").fileno(),
-                disks=tuple(disks), incoming_fd=ro(incoming) if incoming else None,
+                disks=tuple(disks), incoming_defer=incoming is not None,
                 console_fd=console, tb_size_mib=self.tb_size_mib, append=self.append,
-                extra=extra, binary=self.qemu_binary)
+                extra=tuple(extra), extra_fds=tuple(extra_fds), binary=self.qemu_binary)
             procs = vm.cg.procs_files
             uid = vm.rec.uid
 
@@ -328,7 +472,7 @@ class VmBackend:
                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             fds.append(err)
             vm.popen = subprocess.Popen(
-                qemu_argv(spec), pass_fds=[*spec.fds(), *pmem_fds],
+                qemu_argv(spec), pass_fds=spec.fds(),
                 preexec_fn=child,  # noqa: PLW1509
                 start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
@@ -423,7 +567,7 @@ class VmBackend:
             vm.qmp = await self._race_exit(vm, Qmp.connect(os.path.join(vm.dir, "q"),
                                                            what=f"sandbox {vm.sid}"))
             if incoming is not None:
-                await self._race_exit(vm, self._wait_incoming(vm))
+                await self._race_exit(vm, self._incoming(vm, incoming))
             vm.link = await self._race_exit(vm, AgentLink.open(
                 os.path.join(vm.dir, "a"), vm.sid, timeout=self.boot_timeout_s))
         except BaseException:
@@ -443,7 +587,16 @@ class VmBackend:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.05)
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except DsecError:
+                        # a refused or reset connection often means QEMU is exiting:
+                        # then its own message is the one worth reading
+                        if await self._wait_exit(vm, 1.0):
+                            raise BackendError(
+                                f"sandbox {vm.sid}: QEMU exited while starting: "
+                                f"{self._qemu_error(vm)[:500] or 'no message'}") from None
+                        raise
                 if not self._alive(vm):
                     task.cancel()
                     with contextlib.suppress(BaseException):
@@ -454,6 +607,29 @@ class VmBackend:
             if not task.done():
                 task.cancel()
 
+    async def _migration_caps(self, vm: _Vm) -> None:
+        """Capabilities both ends of a save/restore must agree on: with layers on pmem,
+        ``x-ignore-shared`` leaves the (shared, read-only, file-backed) regions out of
+        the memory file - they are the layer files themselves (QEMU 7.2 takes it only
+        over QMP, not as ``-global``: measured)."""
+        assert vm.qmp is not None
+        if self._pmem:
+            await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
+                {"capability": "x-ignore-shared", "state": True}]})
+
+    async def _incoming(self, vm: _Vm, path: str) -> None:
+        """Restore the guest from the memory file ``path`` (QEMU started ``-incoming
+        defer``) and get it running."""
+        assert vm.qmp is not None
+        await self._migration_caps(vm)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await vm.qmp.execute("getfd", {"fdname": "in"}, fds=[fd])
+        finally:
+            os.close(fd)
+        await vm.qmp.execute("migrate-incoming", {"uri": "fd:in"})
+        await self._wait_incoming(vm)
+
     async def _wait_incoming(self, vm: _Vm) -> None:
         assert vm.qmp is not None
         deadline = time.monotonic() + self.boot_timeout_s
@@ -462,7 +638,12 @@ class VmBackend:
             status = st.get("status") if isinstance(st, dict) else None
             if status == "running":
                 return
-            if status not in ("inmigrate", "paused", "prelaunch", "restore-vm"):
+            if status == "paused":
+                # pause stopped the guest before saving it, and the run state travels
+                # with the memory: the restored guest starts stopped
+                await vm.qmp.execute("cont")
+                continue
+            if status not in ("inmigrate", "prelaunch", "restore-vm"):
                 raise BackendError(f"sandbox {vm.sid}: restoring guest memory ended in "
                                    f"state {status!r}: {self._qemu_error(vm)[:300]}")
             if time.monotonic() > deadline:
@@ -494,7 +675,7 @@ class VmBackend:
         except FileExistsError:
             raise Conflict(f"sandbox {sid} already has a directory {d}",
                            sandbox_id=sid) from None
-        uid = self._alloc_uid()
+        uid = self._alloc_uid(sid)
         mem = memory_mib(spec.memory_bytes)
         rec = _Record(sid=sid, uid=uid, memory_mib=mem,
                       vcpus=vcpus(spec.cpu_milli, max_vcpus=self.max_vcpus),
@@ -507,26 +688,104 @@ class VmBackend:
             await asyncio.to_thread(self._make_scratch, vm)
             vm.cg = self.governor.create(sid, self._limits(spec, mem))
             self._save(vm)
-            await self._start(vm, incoming=None)
+            template = self.pool.get(self._pool_key(rec)) if self.pool is not None else None
+            await self._start(vm, incoming=template)
             assert vm.link is not None
+            if vm.link.hello_reply.setup_done:
+                raise BackendError(f"sandbox {sid}: the warm-pool template {template} holds "
+                                   "a guest that was already set up; remove it")
             rec.boot_id = vm.link.hello_reply.boot_id
             await self._setup(vm)
             self._save(vm)
         except BaseException:
             await self._teardown(vm)
             raise
+        if self.pool is not None and template is None:
+            self._warm_later(rec, spec)
+
+    # -- warm pool --------------------------------------------------------------------
+    def _pool_key(self, rec: _Record) -> PoolKey:
+        return PoolKey(layer_files=tuple(rec.layer_files), memory_mib=rec.memory_mib,
+                       vcpus=rec.vcpus, disk_bytes=rec.disk_bytes, kernel=self.kernel,
+                       initrd=self.initrd, append=self.append,
+                       extra=(*self.extra_args, repr(self.density)), console=self.console)
+
+    def _warm_later(self, rec: _Record, spec: SandboxSpec) -> None:
+        key = self._pool_key(rec)
+        d = key.digest()
+        if d not in self._building:
+            task = asyncio.create_task(self._build_template(key, spec, rec))
+            self._building[d] = task
+            task.add_done_callback(lambda t: self._building.pop(d, None))
+
+    async def warm(self, spec: SandboxSpec) -> str:
+        """Make (or find) the warm-pool template for sandboxes like ``spec``; returns its
+        path. Creates use it from then on."""
+        if self.pool is None:
+            raise Conflict("this vm backend runs without a warm pool (warm_pool=False)")
+        layers, files = await asyncio.to_thread(self._layer_files, spec)
+        try:
+            rec = _Record(sid="", uid=0, memory_mib=memory_mib(spec.memory_bytes),
+                          vcpus=vcpus(spec.cpu_milli, max_vcpus=self.max_vcpus),
+                          disk_bytes=spec.disk_bytes or self.default_disk_bytes,
+                          layer_files=files)
+            key = self._pool_key(rec)
+            have = self.pool.get(key)
+            if have is not None:
+                return have
+            running = self._building.get(key.digest())
+            out = await running if running is not None else await self._build_template(
+                key, spec, rec)
+            if out is None:
+                raise BackendError(f"the warm-pool template for image {spec.image!r} could "
+                                   "not be built (see the edge log)")
+            return out
+        finally:
+            self.images.release(layers)
+
+    async def _build_template(self, key: PoolKey, spec: SandboxSpec,
+                              like: _Record) -> str | None:
+        """Boot a guest of ``key``'s shape to ``hello`` and save it as the template."""
+        assert self.pool is not None
+        d = self.pool.build_dir(key)
+        await asyncio.to_thread(remove_tree, d)
+        os.mkdir(d, 0o700)
+        name = "pool-" + key.digest()[:16]
+        rec = _Record(sid=name, uid=self._alloc_uid(name), memory_mib=like.memory_mib,
+                      vcpus=like.vcpus, disk_bytes=like.disk_bytes,
+                      layer_files=list(like.layer_files))
+        vm = _Vm(sid=name, spec=spec, dir=d, rec=rec, cg=self.governor.paths(name))
+        try:
+            fd = os.open(os.path.join(d, "scratch.img"),
+                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:   # same size as the clones' disks; never mounted before setup
+                os.ftruncate(fd, rec.disk_bytes)
+            finally:
+                os.close(fd)
+            vm.cg = self.governor.create(name, self._limits(spec, rec.memory_mib))
+            await self._start(vm, incoming=None)
+            part = os.path.join(d, "mem.part")
+            await self._save_memory(vm, part)
+            await asyncio.to_thread(_fsync, part)
+            return self.pool.commit(key, part)
+        except DsecError as exc:
+            log.warning("warm-pool template %s could not be built: %s", name, exc)
+            return None
+        finally:
+            await self._teardown(vm)
 
     async def _setup(self, vm: _Vm) -> None:
         assert vm.link is not None
         n = len(vm.rec.layer_files)
         if self._pmem:
-            devs = [*dens.guest_layer_devices(self.density or dens.DensityOptions(), n),
-                    "/dev/vda"]
+            assert self.density is not None
+            layers, scratch = guest_layer_devices(self.density, n), "/dev/vda"
         else:
             devs = [f"/dev/vd{chr(ord('a') + i)}" for i in range(n + 1)]
+            layers, scratch = devs[:n], devs[n]
         env = dict(vm.spec.env)
-        await vm.link.call("setup", ap.SetupRequest(
-            layers=devs[:n], scratch=devs[n], dax=self.dax, env=env,
+        vm.setup = await vm.link.call("setup", ap.SetupRequest(
+            layers=layers, scratch=scratch, dax=self.dax, env=env,
             tunables=self.tunables), ap.SetupResult, timeout=60.0)
 
     def _make_scratch(self, vm: _Vm) -> None:
@@ -561,7 +820,7 @@ class VmBackend:
         if vm.layers is not None:
             self.images.release(vm.layers)
             vm.layers = None
-        self._uids.discard(vm.rec.uid)
+        self._release_uid(vm.rec.uid)
         self._vms.pop(vm.sid, None)
 
     async def destroy(self, sid: SandboxId) -> None:
@@ -609,47 +868,63 @@ class VmBackend:
     async def pause(self, sid: SandboxId) -> PauseStats:
         vm = self._get(sid)
         async with vm.lock:
-            if vm.rec.paused:
-                return PauseStats()
-            t0 = time.monotonic()
-            assert vm.link is not None and vm.qmp is not None
-            before = self.governor.memory_usage(vm.cg)
-            room = shutil.disk_usage(vm.dir).free
-            if room < (vm.rec.memory_mib << 20) + (64 << 20):
-                raise CapacityExceeded(
-                    f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
-                    f"disk for its memory, only {room >> 20} MiB are free")
-            await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
-            await vm.qmp.execute("stop")
-            part = os.path.join(vm.dir, "mem.part")
+            return await self._pause_locked(vm)
+
+    async def _pause_locked(self, vm: _Vm) -> PauseStats:
+        sid = vm.sid
+        if vm.rec.paused:
+            return PauseStats()
+        t0 = time.monotonic()
+        assert vm.link is not None and vm.qmp is not None
+        before = self.governor.memory_usage(vm.cg)
+        room = shutil.disk_usage(vm.dir).free
+        if room < (vm.rec.memory_mib << 20) + (64 << 20):
+            raise CapacityExceeded(
+                f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
+                f"disk for its memory, only {room >> 20} MiB are free")
+        part = os.path.join(vm.dir, "mem.part")
+        await self._save_memory(vm, part)
+        await asyncio.to_thread(_fsync, part)     # durable before the pause is recorded
+        os.replace(part, os.path.join(vm.dir, "mem.bin"))
+        vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
+        self._save(vm)
+        # QEMU is gone; what its cgroup still holds is page cache of the memory file and
+        # the scratch disk (measured: ~100 MiB for a 192 MiB guest): drop it
+        _, after = await asyncio.to_thread(self.governor.reclaim, vm.cg)
+        return PauseStats(resident_before_bytes=before,
+                          reclaimed_bytes=max(0, before - after),
+                          duration_s=time.monotonic() - t0)
+
+    async def _save_memory(self, vm: _Vm, part: str) -> None:
+        """Quiesce the guest, stop it, write its memory and device state into ``part``
+        (QMP ``migrate fd:``) and quit QEMU. On failure the guest runs on."""
+        assert vm.link is not None and vm.qmp is not None
+        await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
+        await vm.qmp.execute("stop")
+        try:
+            await self._migration_caps(vm)
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
-                finally:
-                    os.close(fd)
-                await vm.qmp.execute("migrate", {"uri": "fd:mig"})
-                await self._wait_migrated(vm)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await vm.qmp.execute("cont")
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(part)
-                raise
-            vm.expected_exit = True
-            with contextlib.suppress(DsecError):
-                await vm.qmp.execute("quit", timeout=5.0)
-            await vm.link.close()
-            vm.link = None
-            if not await self._wait_exit(vm, 10.0):
-                self._kill(vm)
-                await self._wait_exit(vm, 5.0)
-            self._close_handles(vm)
-            os.replace(part, os.path.join(vm.dir, "mem.bin"))
-            vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
-            self._save(vm)
-            return PauseStats(resident_before_bytes=before, reclaimed_bytes=before,
-                              duration_s=time.monotonic() - t0)
+                await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
+            finally:
+                os.close(fd)
+            await vm.qmp.execute("migrate", {"uri": "fd:mig"})
+            await self._wait_migrated(vm)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await vm.qmp.execute("cont")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+            raise
+        vm.expected_exit = True
+        with contextlib.suppress(DsecError):
+            await vm.qmp.execute("quit", timeout=5.0)
+        await vm.link.close()
+        vm.link = None
+        if not await self._wait_exit(vm, 10.0):
+            self._kill(vm)
+            await self._wait_exit(vm, 5.0)
+        self._close_handles(vm)
 
     async def _wait_migrated(self, vm: _Vm) -> None:
         assert vm.qmp is not None
@@ -671,18 +946,23 @@ class VmBackend:
     async def resume(self, sid: SandboxId) -> None:
         vm = self._get(sid)
         async with vm.lock:
-            if not vm.rec.paused:
-                return
-            mem = os.path.join(vm.dir, "mem.bin")
-            await self._start(vm, incoming=mem)
-            assert vm.link is not None
-            if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
-                self._kill(vm)
-                raise BackendError(f"sandbox {sid}: the resumed guest is not the one paused "
-                                   "(boot id changed)")
-            vm.rec.paused = False
-            self._save(vm)
-            os.unlink(mem)
+            await self._resume_locked(vm)
+
+    async def _resume_locked(self, vm: _Vm) -> None:
+        sid = vm.sid
+        if not vm.rec.paused:
+            return
+        mem = os.path.join(vm.dir, "mem.bin")
+        await self._start(vm, incoming=mem)
+        assert vm.link is not None
+        if vm.rec.boot_id and vm.link.hello_reply.boot_id != vm.rec.boot_id:
+            self._kill(vm)
+            raise BackendError(f"sandbox {sid}: the resumed guest is not the one paused "
+                               "(boot id changed)")
+        vm.rec.paused = False
+        self._save(vm)
+        os.unlink(mem)
+        self.governor.after_resume(vm.cg)
 
     # -- exec -------------------------------------------------------------------------
     @staticmethod
@@ -747,6 +1027,122 @@ class VmBackend:
         assert vm.link is not None
         await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
 
+    # -- snapshots --------------------------------------------------------------------
+    @property
+    def _snaps(self) -> ContainerSnapshots:
+        if self._snapshots is None:
+            self._snapshots = ContainerSnapshots(_SnapshotHost(self),
+                                                 workers=self.snapshot_workers)
+        return self._snapshots
+
+    def box(self, sid: str) -> Box:
+        """The container-snapshot view of a vm sandbox (ContainerSnapshots' host API):
+        ``paused`` so it never freezes the QEMU cgroup (the upper dir it reads is the
+        host copy :meth:`_pull_upper` made, not live)."""
+        vm = self._get(sid)
+        if vm.layers is None:
+            raise SandboxNotFound(f"sandbox {sid} holds no image layers", sandbox_id=sid)
+        return Box(sid=SandboxId(sid), spec=vm.spec, dir=vm.dir, cg=vm.cg, layers=vm.layers,
+                   disk_cap=vm.rec.disk_bytes, paused=True)
+
+    def upper_dir(self, sid: str) -> str:
+        return os.path.join(self._get(sid).dir, "upper")
+
+    async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
+                       max_bytes: int | None = None) -> SnapshotInfo:
+        vm = self._get(sid)
+        if not isinstance(self.images, StoreImages):
+            raise Conflict("this vm backend resolves images from plain directories, which "
+                           "cannot hold snapshots; construct it with images=StoreImages(...) "
+                           "(dsec up does)")
+        # one snapshot of a sandbox at a time, and no pause/resume under it: the host
+        # copy of the upper dir is rewritten by each
+        async with vm.lock:
+            paused = vm.rec.paused
+            if paused:  # the changes are in the guest: it must run to send them
+                await self._resume_locked(vm)
+            try:
+                digest = await self._pull_upper(vm)
+            finally:
+                if paused:
+                    await self._pause_locked(vm)
+            # The unpacked dir is new each time, so pack_diff cannot tell an unchanged
+            # sandbox (its index keys on inodes): the tar's hash can (same bytes, same
+            # tree: the agent walks a dir nothing changed in the same way).
+            same = await asyncio.to_thread(self._same_diff, vm, digest, strip)
+            if same is not None:
+                return same
+            info = await self._snaps.snapshot(sid, strip=strip, max_bytes=max_bytes)
+            await asyncio.to_thread(_write_text, os.path.join(vm.dir, "diff.sha"),
+                                    f"{digest} {info.id} {','.join(strip)}")
+            return info
+
+    def _same_diff(self, vm: _Vm, digest: str, strip: tuple[str, ...]) -> SnapshotInfo | None:
+        try:
+            with open(os.path.join(vm.dir, "diff.sha")) as f:
+                was, snap, was_strip = (f.read(4096).split(" ") + ["", ""])[:3]
+        except FileNotFoundError:
+            return None
+        if was != digest or was_strip.strip() != ",".join(strip):
+            return None
+        try:
+            m = self._snaps._get(snap)
+        except DsecError:
+            return None                   # deleted since: take it again
+        return self._snaps._unchanged(m)
+
+    async def _pull_upper(self, vm: _Vm) -> str:
+        """The guest's upper dir, streamed by the agent as a tar, unpacked (strictly) into
+        ``<dir>/upper`` (replacing the previous copy); returns the tar's sha256."""
+        assert vm.link is not None
+        h = hashlib.sha256()
+        bound = ContainerSnapshots.layer_bound(vm.rec.disk_bytes) or vm.rec.disk_bytes
+        # tar framing beyond the data: a 512-byte header (+ pax) per entry, 1 MiB blocks
+        cap = bound + (64 << 20)
+        upper = os.path.join(vm.dir, "upper")
+        tar = os.path.join(vm.dir, "diff.tar")
+        await asyncio.to_thread(remove_tree, upper)
+        os.mkdir(upper, 0o755)
+        try:
+            fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                n = 0
+                async with vm.link.conn.stream("diff", None, timeout=600.0,
+                                               item_type=ap.DiffChunk,
+                                               response_type=ap.DiffResult) as st:
+                    async for chunk in st:
+                        n += len(chunk.data)
+                        if n > cap:
+                            raise QuotaExceeded(
+                                f"the changes of sandbox {vm.sid} exceed {cap} bytes of tar "
+                                f"(its disk cap {vm.rec.disk_bytes} plus framing)",
+                                resource="snapshot_bytes", limit=cap)
+                        h.update(chunk.data)
+                        await asyncio.to_thread(f.write, chunk.data)
+            bounds = Bounds(data_bytes=bound, entries=self.snapshot_max_entries,
+                            path_bytes=self.snapshot_max_path_bytes)
+
+            def unpack() -> None:
+                with open(tar, "rb") as f:
+                    extract_upper(f, upper, bounds)
+            await asyncio.to_thread(unpack)
+            return h.hexdigest()
+        except BaseException:
+            await asyncio.to_thread(remove_tree, upper)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tar)
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        return await self._snaps.snapshots()
+
+    async def snapshot_info(self, ref: str) -> SnapshotInfo:
+        return await self._snaps.snapshot_info(ref)
+
+    async def delete_snapshot(self, ref: str) -> SnapshotInfo:
+        return await self._snaps.delete_snapshot(ref)
+
     # -- stats ------------------------------------------------------------------------
     async def stats(self, sid: SandboxId) -> SandboxStats:
         vm = self._get(sid)
@@ -790,10 +1186,12 @@ class VmBackend:
             names = {e.name for e in os.scandir(os.path.join(self.root_dir, "sb"))}
         procs = await asyncio.to_thread(self._qemu_pids)
         cgs = set(self.governor.list_sandboxes())
+        await asyncio.to_thread(self._stale_uid_claims, set(keep) | set(self._vms))
         out = []
-        for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms)):
+        building = {"pool-" + k[:16] for k in self._building}
+        for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms) - building):
             left = await self._discard_one(sid, procs.get(sid, []))
-            if left is not None:
+            if left is not None and not sid.startswith("pool-"):  # a template builder's
                 out.append(left)
         return out
 
@@ -835,6 +1233,10 @@ class VmBackend:
 
     async def close(self) -> None:
         """Node shutdown: VMs keep running (adopted by the next edge); drop our handles."""
+        for task in list(self._building.values()):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         for vm in list(self._vms.values()):
             vm.expected_exit = True
             if vm.link is not None:

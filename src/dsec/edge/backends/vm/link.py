@@ -11,6 +11,7 @@ and output lengths are checked against what was asked.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -30,7 +31,6 @@ from dsec.errors import (
     RemoteProtocolError,
     ResourceExhausted,
     Timeout,
-    TransportError,
 )
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, FileInfo
 
@@ -115,33 +115,45 @@ class AgentLink:
 
     async def call(self, method: str, body: Any, rtype: type[_T], *,
                    timeout: float = CALL_TIMEOUT_S) -> _T:
+        # The deadline is ours (asyncio.timeout), not the connection's: then every
+        # DsecError out of conn.call on an open connection came from an ERROR frame the
+        # guest wrote - which may claim any code, "request_timeout" and "overloaded" too.
         try:
-            out = await self.conn.call(method, body, timeout=timeout, response_type=rtype)
-        except RemoteProtocolError as exc:
-            raise GuestError(f"sandbox {self.sid}: the guest agent broke the protocol in "
-                             f"{method}: {str(exc)[:MAX_GUEST_MESSAGE]}") from exc
-        except (Timeout, TransportError):
-            raise
+            async with asyncio.timeout(timeout):
+                out = await self.conn.call(method, body, response_type=rtype)
+        except TimeoutError:
+            raise Timeout(f"sandbox {self.sid}: the guest agent did not answer {method} "
+                          f"within {timeout:g}s") from None
         except DsecError as exc:
-            raise _guest_error(exc, f"sandbox {self.sid}: {method} in the guest") from None
+            raise self._mapped(exc, method) from None
         if not isinstance(out, rtype):  # pragma: no cover - msgspec guarantees it
             raise GuestError(f"sandbox {self.sid}: {method} reply of the wrong type")
         return out
 
+    def _mapped(self, exc: DsecError, method: str) -> DsecError:
+        if self.conn.closed:
+            return GuestError(f"sandbox {self.sid}: lost the guest agent during {method} "
+                              f"(the guest died or broke the channel): "
+                              f"{str(exc)[:MAX_GUEST_MESSAGE]}")
+        if isinstance(exc, RemoteProtocolError):
+            return GuestError(f"sandbox {self.sid}: the guest agent broke the protocol in "
+                              f"{method}: {str(exc)[:MAX_GUEST_MESSAGE]}")
+        return _guest_error(exc, f"sandbox {self.sid}: {method} in the guest")
+
     # -- exec -------------------------------------------------------------------------
     async def exec(self, req: ExecRequest) -> ExecResult:
-        timeout = None if req.timeout_s is None else req.timeout_s + EXEC_SLACK_S
-        res = await self.call("exec", req, ExecResult, timeout=timeout or 24 * 3600.0)
+        timeout = 24 * 3600.0 if req.timeout_s is None else req.timeout_s + EXEC_SLACK_S
+        res = await self.call("exec", req, ExecResult, timeout=timeout)
         return checked_result(res, req)
 
     async def exec_stream(self, req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
-        timeout = None if req.timeout_s is None else req.timeout_s + EXEC_SLACK_S
+        timeout = (req.timeout_s + EXEC_SLACK_S) if req.timeout_s is not None else None
         cap = req.output_cap_bytes
         seen = {"stdout": 0, "stderr": 0}
         over = {"stdout": False, "stderr": False}
         try:
-            async with self.conn.stream("exec_stream", req, timeout=timeout,
-                                        item_type=ExecChunk, response_type=ExecResult) as st:
+            async with asyncio.timeout(timeout), self.conn.stream(
+                    "exec_stream", req, item_type=ExecChunk, response_type=ExecResult) as st:
                 async for chunk in st:
                     n = seen[chunk.stream]
                     if n >= cap:
@@ -153,13 +165,11 @@ class AgentLink:
                     seen[chunk.stream] = n + len(data)
                     yield ExecChunk(stream=chunk.stream, data=data)
                 res = st.result
-        except RemoteProtocolError as exc:
-            raise GuestError(f"sandbox {self.sid}: the guest agent broke the protocol in "
-                             f"exec_stream: {str(exc)[:MAX_GUEST_MESSAGE]}") from exc
-        except (Timeout, TransportError):
-            raise
+        except TimeoutError:
+            raise Timeout(f"sandbox {self.sid}: the guest agent did not end exec_stream "
+                          f"within {timeout:g}s") from None
         except DsecError as exc:
-            raise _guest_error(exc, f"sandbox {self.sid}: exec_stream in the guest") from None
+            raise self._mapped(exc, "exec_stream") from None
         res = checked_result(res, req)
         res.stdout = res.stderr = b""
         res.stdout_truncated = res.stdout_truncated or over["stdout"]

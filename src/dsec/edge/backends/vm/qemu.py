@@ -77,8 +77,10 @@ class VmSpec:
     qmp_fd: int                          # listening unix socket (QMP)
     disks: tuple[Disk, ...] = ()         # guest /dev/vda, vdb, ... in this order
     incoming_fd: int | None = None       # a memory file written by migrate (resume)
+    incoming_defer: bool = False         # wait for QMP migrate-incoming (capabilities first)
     console_fd: int | None = None        # serial console output (a file of the VM's uid)
-    tb_size_mib: int = 32
+    extra_fds: tuple[int, ...] = ()      # descriptors ``extra`` names (/proc/self/fd/N)
+    tb_size_mib: int | None = 32         # None: QEMU's default translation cache
     append: str = "panic=-1 quiet"       # kernel command line (console= added as needed)
     extra: tuple[str, ...] = ()          # more arguments (vm/density.py's qemu_args)
     binary: str = "qemu-system-x86_64"
@@ -90,7 +92,7 @@ class VmSpec:
         for fd in (self.incoming_fd, self.console_fd):
             if fd is not None:
                 fds.append(fd)
-        return fds
+        return fds + list(self.extra_fds)
 
 
 #: First PCI slot of the disks (slot 0 host bridge, 1 PIIX3, 2 the virtio-serial
@@ -105,8 +107,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         raise BackendError(f"{len(spec.disks)} disks exceed the {_MAX_DISKS} PCI slots this "
                            "machine type gives the vm backend; merge image layers")
     append = spec.append
+    accel = "tcg" if spec.tb_size_mib is None else f"tcg,tb-size={spec.tb_size_mib}"
     argv = [
-        spec.binary, "-M", "pc", "-accel", f"tcg,tb-size={spec.tb_size_mib}",
+        spec.binary, "-M", "pc", "-accel", accel,
         "-m", str(spec.memory_mib), "-smp", str(spec.vcpus),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         "-name", f"guest={spec.marker}",
@@ -137,7 +140,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
                            f"cache=writeback,file.locking=off{ro}"),
                  "-device", f"virtio-blk-pci,drive=d{i},addr={_FIRST_DISK_SLOT + i:#x}"]
     argv += list(spec.extra)
-    if spec.incoming_fd is not None:
+    if spec.incoming_defer:
+        argv += ["-incoming", "defer"]
+    elif spec.incoming_fd is not None:
         argv += ["-incoming", f"fd:{spec.incoming_fd}"]
     argv += ["-sandbox", ("on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
                          "resourcecontrol=deny")]

@@ -1,0 +1,239 @@
+"""The vm backend on a real QEMU guest: lifecycle, files, snapshots, pause/resume,
+death events and reconcile after the edge is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from dsec.edge.backends.vm.backend import VmBackend
+from dsec.errors import Conflict, DsecError, InvalidArgument, NotFound
+from dsec.ids import SandboxId
+from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
+
+pytestmark = pytest.mark.root
+
+SPEC = SandboxSpec(image="base", memory_bytes=192 << 20, disk_bytes=64 << 20, backend="vm",
+                   project="default")
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def _qemu_alive(b: VmBackend, sid: str) -> bool:
+    return sid in b._qemu_pids()
+
+
+async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> None:
+    b = vm_backend
+    events: list[tuple[str, str, str]] = []
+    b.watch(lambda *a: events.append(a))
+    sid = SandboxId("sb-vh-life")
+    await b.create(sid, SPEC)
+    vm = b._vms[sid]
+    st = os.stat(vm.dir)
+    assert st.st_mode & 0o777 == 0o700 and st.st_uid == 0
+    # QEMU runs as the sandbox's own unprivileged uid, in its cgroup
+    pst = os.stat(f"/proc/{vm.rec.pid}")          # the process's effective uid and gid
+    assert (pst.st_uid, pst.st_gid) == (vm.rec.uid, vm.rec.uid) and vm.rec.uid >= 300000
+    assert vm.rec.pid in b.governor.pids(vm.cg)
+
+    r = await b.exec(sid, ExecRequest(argv=("sh", "-c", "echo hi; echo err >&2; exit 3")))
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"hi\n", b"err\n")
+    items = [i async for i in b.exec_stream(sid, ExecRequest(shell="echo a; echo b"))]
+    assert b"".join(i.data for i in items if isinstance(i, ExecChunk)) == b"a\nb\n"
+    assert isinstance(items[-1], ExecResult) and items[-1].exit_code == 0
+    with pytest.raises(InvalidArgument, match="'vm'"):
+        await b.exec(sid, ExecRequest(argv=("sh",), pty=PtySize(rows=24, cols=80)))
+
+    await b.write_file(sid, "/root/notes.txt", b"x" * 3_000_000)   # several agent calls
+    assert await b.read_file(sid, "/root/notes.txt") == b"x" * 3_000_000
+    assert await b.read_file(sid, "/root/notes.txt", offset=2_999_998) == b"xx"
+    await b.mkdir(sid, "/work/a")
+    names = {e.name for e in await b.list_dir(sid, "/work")}
+    assert names == {"a"}
+    assert (await b.stat(sid, "/root/notes.txt")).size == 3_000_000
+    await b.remove(sid, "/bin/vi")                                   # a whiteout
+    with pytest.raises(NotFound):
+        await b.stat(sid, "/bin/vi")
+    s = await b.stats(sid)
+    assert s.memory_bytes > 0 and s.disk_cap_bytes == 64 << 20 and s.disk_bytes > 0
+
+    snap = await b.snapshot(sid)
+    assert snap.parent is None and snap.backend == "vm"
+
+    # pause: guest memory saved to a file, QEMU gone, host memory returned
+    ps = await b.pause(sid)
+    assert ps.reclaimed_bytes > 0
+    assert not _qemu_alive(b, sid)
+    assert os.path.getsize(os.path.join(vm.dir, "mem.bin")) > 0
+    assert b.governor.memory_usage(vm.cg) < (8 << 20)
+    with pytest.raises(Conflict, match="paused"):
+        await b.exec(sid, ExecRequest(argv=("true",)))
+    # a paused sandbox can be snapshotted (resumed for it, paused again); nothing changed
+    again = await b.snapshot(sid)
+    assert again.unchanged and again.id == snap.id
+    assert vm.rec.paused and not _qemu_alive(b, sid)
+    await b.resume(sid)
+    assert not os.path.exists(os.path.join(vm.dir, "mem.bin"))
+    r = await b.exec(sid, ExecRequest(shell="head -c 5 /root/notes.txt; ls /bin/vi"))
+    assert r.stdout == b"xxxxx" and r.exit_code != 0
+
+    # a new sandbox from the snapshot sees the file and the whiteout
+    sid2 = SandboxId("sb-vh-snap")
+    await b.create(sid2, SandboxSpec(snapshot=snap.id, memory_bytes=192 << 20,
+                                     disk_bytes=64 << 20, backend="vm", project="default"))
+    r = await b.exec(sid2, ExecRequest(shell="wc -c < /root/notes.txt; ls /work; "
+                                             "test -e /bin/vi || echo novi"))
+    assert r.stdout.split() == [b"3000000", b"a", b"novi"], r
+    await b.destroy(sid2)
+
+    dirs = (vm.dir, b.governor.paths(sid))
+    await b.destroy(sid)
+    assert not os.path.exists(dirs[0]) and not b.governor.exists(dirs[1])
+    assert not _qemu_alive(b, sid)
+    assert events == []                     # nothing died on its own
+
+
+async def test_density_guest_then_qemu_killed_is_a_backend_crash(
+        vm_backend: VmBackend) -> None:
+    """With density on (layers on virtio-pmem + DAX, balloon, DAMON): the image is read
+    through pmem, pause leaves the regions out of the memory file and resume works; then
+    QEMU killed from outside is reported as a backend crash."""
+    from dsec.edge.backends.vm.density import DensityOptions
+
+    b = VmBackend(root_dir=vm_backend.root_dir + "-dens", images=vm_backend.images,
+                  kernel=vm_backend.kernel, initrd=vm_backend.initrd,
+                  append=vm_backend.append, density=DensityOptions())
+    events: list[tuple[str, str, str]] = []
+    b.watch(lambda *a: events.append(a))
+    sid = SandboxId("sb-vh-crash")
+    try:
+        await b.create(sid, SPEC)
+        argv = _cmdline(b._vms[sid].rec.pid)
+        assert any(a.startswith(b"virtio-pmem-pci") for a in argv)
+        assert not any(a.startswith(b"virtio-blk-pci,drive=d1") for a in argv)  # scratch only
+        setup = b._vms[sid].setup
+        # the one layer is mounted, and the only virtio-blk disk is the scratch: the layer
+        # came from the pmem region
+        assert setup is not None and "/layers/0" in setup.mounts, setup
+        r = await b.exec(sid, ExecRequest(shell="ls /bin | wc -l"))
+        assert r.exit_code == 0 and int(r.stdout) > 50, r
+        await b.write_file(sid, "/root/f", b"dens")
+        await b.pause(sid)
+        await b.resume(sid)
+        assert await b.read_file(sid, "/root/f") == b"dens"
+        os.kill(b._vms[sid].rec.pid, signal.SIGKILL)
+        for _ in range(200):
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert events and events[0][:2] == (sid, "backend_crash")
+        await b.destroy(sid)
+        assert not os.path.exists(os.path.join(b.root_dir, "sb", sid))
+    finally:
+        for s in list(b._vms):
+            await b.destroy(s)  # type: ignore[arg-type]
+        await b.close()
+
+
+_EDGE = """
+import asyncio, os, signal, sys
+from dsec.edge.backends.container.images import StoreImages
+from dsec.edge.backends.vm.backend import VmBackend
+from dsec.image import LayerStore, MountCache
+from dsec.wire.spec import SandboxSpec
+async def main():
+    b = VmBackend(root_dir=sys.argv[1], images=StoreImages(LayerStore(sys.argv[2]), MountCache()),
+                  kernel=sys.argv[3], initrd=sys.argv[4])
+    await b.create("sb-vh-orphan", SandboxSpec(image="base", memory_bytes=128 << 20,
+                                                 disk_bytes=32 << 20, backend="vm"))
+    print("created", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+
+async def test_reconcile_after_edge_kill9(vm_backend: VmBackend, vm_store: Any,
+                                          boot_files: tuple[str, str]) -> None:
+    """An edge killed with -9 leaves its QEMU running: the next edge's reconcile finds it
+    by its marker and removes the process, cgroup and directory."""
+    b = vm_backend
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _EDGE, b.root_dir, vm_store.root, *boot_files, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await p.communicate()
+    assert p.returncode == -signal.SIGKILL and b"created" in out, err[-2000:]
+    assert _qemu_alive(b, "sb-vh-orphan")
+    left = await b.reconcile(set())
+    assert [x.sandbox_id for x in left] == ["sb-vh-orphan"]
+    assert "QEMU" in left[0].what and "directory" in left[0].what
+    await asyncio.sleep(0.2)
+    assert not _qemu_alive(b, "sb-vh-orphan")
+    assert not os.path.exists(os.path.join(b.root_dir, "sb", "sb-vh-orphan"))
+    assert not b.governor.exists(b.governor.paths("sb-vh-orphan"))
+
+
+async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
+    """With the warm pool on, creates restore a guest saved at hello instead of booting;
+    each clone gets its own scratch disk (their files are their own). Then an edge
+    restart adopts them (one running, one paused)."""
+    from dsec.edge.backends.vm.pool import WarmPool
+
+    b = vm_backend
+    b.pool = WarmPool(os.path.join(b.root_dir, "pool"))
+    template = await b.warm(SPEC)
+    assert os.path.getsize(template) > 0 and await b.warm(SPEC) == template
+    sids = [SandboxId("sb-vh-warm1"), SandboxId("sb-vh-warm2")]
+    for sid in sids:
+        await b.create(sid, SPEC)
+    await b.write_file(sids[0], "/root/mine", b"1")
+    r = await b.exec(sids[1], ExecRequest(shell="ls /root; cat /etc/hostname 2>/dev/null; "
+                                                "echo ok"))
+    assert r.stdout.split()[-1] == b"ok" and b"mine" not in r.stdout
+    assert await b.read_file(sids[0], "/root/mine") == b"1"
+    # the clones can pause and resume like any guest
+    await b.pause(sids[0])
+    await b.resume(sids[0])
+    assert await b.read_file(sids[0], "/root/mine") == b"1"
+
+    # an edge restart: the next backend object adopts the running VM and the paused one
+    await b.pause(sids[1])
+    pid = b._vms[sids[0]].rec.pid
+    await b.close()
+    b2 = VmBackend(root_dir=b.root_dir, images=b.images, kernel=b.kernel, initrd=b.initrd,
+                   append=b.append, console=True)
+    try:
+        assert await b2.adopt(sids[0], SPEC) and await b2.adopt(sids[1], SPEC)
+        assert b2._vms[sids[0]].rec.pid == pid                  # the same QEMU
+        assert await b2.read_file(sids[0], "/root/mine") == b"1"
+        await b2.resume(sids[1])
+        assert (await b2.exec(sids[1], ExecRequest(argv=("true",)))).exit_code == 0
+        assert not await b2.adopt(SandboxId("sb-vh-never"), SPEC)
+        assert await b2.reconcile(set(sids)) == []
+        # the guest kernel dying (a panic reboots; -no-reboot makes that an exit) is the
+        # sandbox exiting, reported on the adopted VM too
+        events: list[tuple[str, str, str]] = []
+        b2.watch(lambda *a: events.append(a))
+        with contextlib.suppress(DsecError):
+            await b2.exec(sids[1], ExecRequest(shell="echo c > /proc/sysrq-trigger",
+                                               timeout_s=5))
+        for _ in range(500):
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert [e[:2] for e in events] == [(sids[1], "exited")]
+    finally:
+        for sid in sids:
+            await b2.destroy(sid)
+        await b2.close()
