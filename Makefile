@@ -15,12 +15,13 @@ APT_STAMP := .apt-installed
 # servers from its initdb/pg_ctl (dsec.cluster.pgserver; never the system cluster).
 # fuse3 + libfuse3-dev + pkg-config: lazy image layers (issue 17) are FUSE files served by
 # a pyfuse3 daemon, which builds from source against libfuse3.
+# runsc: the gvisor isolation tier (dsec.edge.backends.gvisor; --platform=ptrace here).
 # tmux: `dsec sandbox shell` is tested in a real terminal (tests/client/test_processes.py).
 # chromium (+ a font for its screenshots): the dashboard is tested in it, headless over CDP
 # (tests/control/ui).
 # qemu-system-x86: the vm isolation tier (src/dsec/edge/backends/vm, docs/vm.md) runs each
 # sandbox in a QEMU guest; its kernel is fetched by the vm-kernel step below.
-APT_PACKAGES := erofs-utils busybox-static tini catatonit runc iproute2 nftables libseccomp2 \
+APT_PACKAGES := erofs-utils busybox-static tini catatonit runc runsc iproute2 nftables libseccomp2 \
                 util-linux e2fsprogs btrfs-progs procps psmisc \
                 gcc libc6-dev \
                 wrk openssl \

@@ -6,6 +6,9 @@ protocol, with two drivers that share everything but process start:
   built by :mod:`.nsexec`). create ~ms, exec ~ms.
 - ``runtime="runc"``: the same spec as an OCI bundle run by Debian's runc - the reference
   the fast path is measured against, and a compatibility fallback.
+- ``runtime="runsc"``: that OCI bundle run by gVisor (:mod:`.runsc`): the sandbox's
+  processes on a user-space kernel; the "gvisor" backend and isolation tier
+  (:mod:`dsec.edge.backends.gvisor`).
 
 Per sandbox on disk: ``<root_dir>/sb/<sid>/{root,state.json}`` and its overlay upper and
 work dirs in ``<root_dir>/pool/<sid>``, a btrfs subvolume of the backend's disk pool whose
@@ -125,12 +128,15 @@ from dsec.wire.spec import (
 if TYPE_CHECKING:
     from dsec.edge.backends.container.procio import ContainerProcess
     from dsec.edge.backends.container.runc import RuncDriver
+    from dsec.edge.backends.container.runsc import RunscDriver
 
 __all__ = ["ContainerBackend", "Runtime"]
 
 log = logging.getLogger("dsec.edge.container")
 
-Runtime = Literal["native", "runc"]
+Runtime = Literal["native", "runc", "runsc"]
+#: the backend name each runtime serves (the node's backend table, BackendName)
+RUNTIME_NAMES: dict[str, str] = {"native": "container", "runc": "runc", "runsc": "gvisor"}
 
 
 _T = TypeVar("_T")
@@ -189,6 +195,7 @@ class ContainerBackend:
     def __init__(self, *, root_dir: str, images: ImageResolver, runtime: Runtime = "native",
                  cgroup_name: str | None = None, governor: Governor | None = None,
                  zram_swap_bytes: int | None = 4 << 30, runc_binary: str = "runc",
+                 runsc_binary: str = "runsc", gvisor_platform: str | None = None,
                  max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
                  pids_headroom: int = DEFAULT_PIDS_HEADROOM,
                  userns_range: tuple[int, int] = (USERNS_BASE, USERNS_SIZE),
@@ -239,10 +246,12 @@ class ContainerBackend:
         unless the environment says ``DSEC_EXEC_HELPER=0`` (how `dsec bench rl` runs the
         old path beside the new one through `dsec up`).
         ``network``: the node's router slots (dsec.net); a sandbox whose policy needs
-        more than loopback joins a slot's netns. None: only loopback-only sandboxes."""
-        if runtime not in ("native", "runc"):
-            raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native' "
-                                  "or 'runc'", field="runtime")
+        more than loopback joins a slot's netns. None: only loopback-only sandboxes.
+        ``runsc_binary``, ``gvisor_platform``: gVisor's runsc and its platform for
+        ``runtime="runsc"`` (None: probed once per node, see :mod:`.runsc`)."""
+        if runtime not in RUNTIME_NAMES:
+            raise InvalidArgument(f"container runtime {runtime!r} is unknown; use 'native', "
+                                  "'runc' or 'runsc'", field="runtime")
         if exec_helper is None:
             exec_helper = os.environ.get("DSEC_EXEC_HELPER", "1") != "0"
         self.exec_helper = exec_helper and runtime == "native"
@@ -262,7 +271,7 @@ class ContainerBackend:
         self.max_sandbox_pids = per_sandbox
         self.runtime: Runtime = runtime
         self.network = network
-        self.name = "container" if runtime == "native" else "runc"
+        self.name = RUNTIME_NAMES[runtime]
         self.root_dir = os.path.abspath(root_dir)
         self.images = images
         self.clock = clock
@@ -347,11 +356,19 @@ class ContainerBackend:
                                       resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16)
             self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
             self._runc: RuncDriver | None = None
+            #: the same driver as _runc when it is gVisor's (None otherwise)
+            self._runsc: RunscDriver | None = None
             if runtime == "runc":
                 from dsec.edge.backends.container.runc import RuncDriver
 
                 self._runc = RuncDriver(binary=runc_binary, root_dir=self.root_dir,
                                         cgroup_parent=f"dsec-{self.cgroup_name}")
+            elif runtime == "runsc":
+                from dsec.edge.backends.container.runsc import RunscDriver
+
+                self._runc = self._runsc = RunscDriver(
+                    binary=runsc_binary, root_dir=self.root_dir,
+                    cgroup_parent=f"dsec-{self.cgroup_name}", platform=gvisor_platform)
             self._snapshots = ContainerSnapshots(self, workers=snapshot_workers)
             # One live backend per root_dir (last, so a failed __init__ holds nothing):
             # reconcile() removes whatever this backend does not hold.
@@ -797,6 +814,13 @@ class ContainerBackend:
         detail = (f"the sandbox's init (pid {box.init_pid}) exited"
                   + (f" after the OOM killer fired in its cgroup (memory limit "
                      f"{box.spec.memory_bytes} bytes)" if oom else ""))
+        if not oom and self._runsc is not None \
+                and self.governor.pids_limit_hits(box.cg) > box.pids_seen:
+            # gVisor's Sentry cannot go on when the host refuses it a task (a stub for a
+            # new process): the whole sandbox stops instead of one fork failing
+            detail += (f" after its host task limit was hit (pids_max {box.spec.pids_max}"
+                       " plus the Sentry's own threads): on the gvisor tier too many "
+                       "processes stop the whole sandbox - raise pids_max")
         self._report(box, reason, detail)
 
     def _on_oom_event(self, box: Box) -> None:
@@ -1385,7 +1409,7 @@ class ContainerBackend:
 
     @property
     def _kind(self) -> BackendName:
-        return "container" if self._runc is None else "runc"
+        return self.name  # type: ignore[return-value]
 
     async def discard(self, sid: SandboxId) -> Leftover | None:
         """Remove what the host holds for ``sid``, which the node has no record of; None
@@ -1409,7 +1433,8 @@ class ContainerBackend:
             with contextlib.suppress(OSError):  # freeze, verified kill, thaw: no fork
                 # escapes, no pid number is signalled; in a thread (the freeze waits)
                 await asyncio.to_thread(self.governor.kill_all, managed)
-        if sid in census.runc and self._runc is not None:
+        if self._runc is not None and (sid in census.runc or self._runsc is not None):
+            # (runsc keeps its state as files, not a directory the census lists)
             # after the kill: `delete --force` of a running container signals its init by
             # pid number; of a stopped one it only removes state, cgroups and the rootfs
             await self._runc.destroy(sid, d)
@@ -1508,7 +1533,8 @@ class ContainerBackend:
                                           user=req.user or box.spec.user)
         if req.hide and self._runc is not None:
             raise InvalidArgument("exec hide (Landlock) needs the native container runtime; "
-                                  "this edge runs containers with runc", field="hide")
+                                  f"this backend ({self.name}) runs containers with "
+                                  f"{self.runtime}", field="hide")
         oom_before = self.governor.oom_kills(box.cg)
         try:
             if self._runc is not None:
@@ -1751,9 +1777,11 @@ class ContainerBackend:
 
     async def _runc_exec(self, box: Box, req: ExecRequest, argv: list[str], env: list[str],
                          on_chunk: Callable[[ExecChunk], None] | None) -> ExecResult:
-        """``runc exec``, a foreground one in its own cgroup (the same rule as native)."""
+        """``runc exec``, a foreground one in its own cgroup (the same rule as native);
+        ``runsc exec`` kills a timed-out exec's session from inside instead (its tasks are
+        the Sentry's, in no cgroup of their own)."""
         assert self._runc is not None
-        if req.background:
+        if req.background or self._runsc is not None:
             return await self._runc.exec(box, req, argv, env, on_chunk,
                                          start_timeout_s=self.exec_start_timeout_s)
         ec = self._new_exec_cgroup(box)
@@ -1854,6 +1882,12 @@ class ContainerBackend:
     # -- files -------------------------------------------------------------------------
     def _files(self, sid: str) -> SandboxFiles:
         box = self.box(sid)
+        if self._runsc is not None:  # the bundle root; no tmpfs of the host's in reach
+            try:
+                return self._runsc.files(
+                    box, disk_room=(lambda: self._disk_room(box)) if box.disk_q else None)
+            except OSError as exc:
+                raise BackendError(f"sandbox {sid}'s root is gone: {exc}") from exc
         try:
             with self._init_fd(box) as pidfd:
                 return SandboxFiles.of_process(

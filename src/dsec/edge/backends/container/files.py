@@ -236,7 +236,7 @@ class SandboxFiles:
 
     def __init__(self, root_fd: int, sid: str, *, owner: int | None = None,
                  disk_room: Callable[[], tuple[int, str]] | None = None,
-                 memory: MemoryHome | None = None) -> None:
+                 memory: MemoryHome | None = None, hidden: tuple[str, ...] = ()) -> None:
         """``owner``: host uid=gid of the sandbox's root when it runs in a user namespace;
         files and directories made here as host root (uid 0, unmapped in there, so the
         sandbox's root could not change them) are given to it. ``disk_room``: the bytes
@@ -244,7 +244,11 @@ class SandboxFiles:
         naming that limit; a write bigger than that is refused before anything changes.
         ``memory``: where writes into the sandbox's tmpfs are charged (see
         :class:`ChargedWriter`); None writes them as the calling process (a backend
-        whose sandboxes have no memory cgroup of their own)."""
+        whose sandboxes have no memory cgroup of their own). ``hidden``: absolute paths
+        (and what is below them) the sandbox sees as mounts of its own kernel, which the
+        root here does not show (gVisor's /dev, /proc, /sys: a write there would land in
+        the image's mount point directory, unseen inside); refused with InvalidArgument."""
+        self.hidden = hidden
         self.root_fd = root_fd
         self.sid = sid
         self.owner = owner
@@ -297,6 +301,7 @@ class SandboxFiles:
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
         """openat2 confined to the root, then refuse (closing it) any fd that is not on
         one of the sandbox's own filesystems (see the module docstring)."""
+        self._check_hidden(path)
         fd = linux.openat2(self.root_fd, path, flags | os.O_CLOEXEC, mode, _RESOLVE)
         try:
             fs = linux.fstatfs_type(fd)
@@ -310,6 +315,17 @@ class SandboxFiles:
                 f"(statfs type 0x{fs:x}); the file API only acts on the sandbox's own files "
                 "- read it from inside the sandbox with exec", path=path)
         return fd
+
+    def _check_hidden(self, path: str) -> None:
+        if not self.hidden:
+            return
+        norm = posixpath.join(*split_path(path))
+        for h in self.hidden:
+            if norm == h or norm.startswith(h + "/"):
+                raise InvalidArgument(
+                    f"{path!r} in sandbox {self.sid} is below {h}, which this sandbox's own "
+                    "kernel (gVisor) serves: the file API cannot reach it - use exec",
+                    path=path)
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         if offset < 0 or (length is not None and length < 0):
@@ -508,6 +524,7 @@ class SandboxFiles:
         parent, name = split_path(path)
         if not name:
             raise InvalidArgument(f"remove {path!r}: refusing to remove the sandbox root")
+        self._check_hidden(path)
         pfd = self._parent(parent, path, "remove")
         try:
             s = os.stat(name, dir_fd=pfd, follow_symlinks=False)

@@ -47,8 +47,16 @@ class RuncDriver:
         self._seq = itertools.count()
         self._owner = ownership.token()  # names this process's --log files
 
+    #: the flag of ``run``/``exec`` that returns once the process started (runsc: --detach)
+    detach_flag = "-d"
+
+    def _global_args(self) -> list[str]:
+        """Flags before the subcommand besides --root/--log (none for runc; runsc's
+        platform, network and file access: :class:`.runsc.RunscDriver`)."""
+        return []
+
     def _cmd(self, *args: str) -> list[str]:
-        return [self.binary, "--root", self.state_root, *args]
+        return [self.binary, "--root", self.state_root, *self._global_args(), *args]
 
     async def _run(self, *args: str, timeout_s: float | None = None) -> tuple[int, str]:
         """Run a runc command with /dev/null as stdin, stdout and stderr.
@@ -67,7 +75,7 @@ class RuncDriver:
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.binary, "--root", self.state_root, "--log", log, "--log-format", "json",
-                *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                *self._global_args(), *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL)
             try:
                 await asyncio.wait_for(proc.wait(), timeout_s)
@@ -86,19 +94,24 @@ class RuncDriver:
     async def create(self, box: Box) -> int:
         root = os.path.join(box.dir, "root")
         _mount_overlay(root, box.layers.lowerdirs, box.upper, box.work)
-        cfg = oci_config(spec=box.spec, hostname=box.sid[:63],
-                         cgroups_path=f"{self.cgroup_parent}/{box.sid}", init_path=INIT,
-                         pids_max=box.pids_max)
+        cfg = self._config(box)
         # Small local files (a few KiB config, a pid): blocking I/O is cheaper than a thread hop.
         with open(os.path.join(box.dir, "config.json"), "w") as f:  # noqa: ASYNC230
             json.dump(cfg, f)
         pid_file = os.path.join(box.dir, "init.pid")
-        code, err = await self._run("run", "-d", "--bundle", box.dir, "--pid-file", pid_file,
-                                    box.sid)
+        code, err = await self._run("run", self.detach_flag, "--bundle", box.dir,
+                                    "--pid-file", pid_file, box.sid)
         if code != 0:
-            raise BackendError(f"runc run failed for sandbox {box.sid}: {err}")
+            raise BackendError(f"{os.path.basename(self.binary)} run failed for sandbox "
+                               f"{box.sid}: {err}")
         with open(pid_file) as f:  # noqa: ASYNC230 - a few bytes on local disk
             return int(f.read().strip())
+
+    def _config(self, box: Box) -> dict[str, object]:
+        """The bundle's ``config.json`` (a runtime may adjust it: runsc)."""
+        return oci_config(spec=box.spec, hostname=box.sid[:63],
+                          cgroups_path=f"{self.cgroup_parent}/{box.sid}", init_path=INIT,
+                          pids_max=box.pids_max)
 
     def sweep_logs(self) -> int:
         """Remove ``--log`` files of edge processes that died mid-command (a crash skips
@@ -261,17 +274,21 @@ def _log_errors(path: str) -> str:
     return "; ".join(msgs)
 
 
-def _numeric_user(box: Box, user: str) -> str:
+def _numeric_user(box: Box, user: str,
+                  files: Callable[[], SandboxFiles] | None = None) -> str:
     """``uid:gid`` for ``user`` from the sandbox's own /etc/passwd, read through the
     confined file API (openat2 RESOLVE_IN_ROOT under /proc/<init>/root, non-blocking,
-    regular files only, at most PASSWD_MAX_BYTES): a symlink the sandbox planted resolves
+    regular files only, at most PASSWD_MAX_BYTES; ``files`` opens the root another way,
+    runsc's): a symlink the sandbox planted resolves
     inside it, a FIFO or device is refused instead of blocking the edge."""
     name, _, group = user.partition(":")
     if name.isdigit():
         return user
     try:
-        with SandboxFiles.of_process(box.pidfd, box.init_pid, box.sid) as files:
-            data = files.read("/etc/passwd", 0, PASSWD_MAX_BYTES)
+        opened = (files() if files is not None
+                  else SandboxFiles.of_process(box.pidfd, box.init_pid, box.sid))
+        with opened as f:
+            data = f.read("/etc/passwd", 0, PASSWD_MAX_BYTES)
     except OSError as exc:
         raise BackendError(f"sandbox {box.sid} is not running (its init is gone): {exc}"
                            ) from exc
