@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import io
 import os
+import re
 import shutil
 import socket
 import stat
@@ -93,6 +94,27 @@ def test_module_depends_reads_modinfo() -> None:
     blob = b"\x00license=GPL\x00depends=libnvdimm,nd-btt\x00intree=Y\x00"
     assert guest.module_depends(blob) == ["libnvdimm", "nd_btt"]
     assert guest.module_depends(b"\x00depends=\x00") == []
+
+
+def test_agentproto_and_agent_c_name_the_same_methods() -> None:
+    """The method table the host codes against is the one the agent dispatches."""
+    src = guest.agent_source()
+    dispatched = set(re.findall(r'!strcmp\(m, "([a-z_]+)"\)\) h_', src))
+    assert dispatched == set(ap.METHODS)
+    streaming = set(re.findall(r'!strcmp\(m, "([a-z_]+)"\)', src.split("wants_stream =")[1]
+                               .split(";")[0]))
+    assert streaming == set(ap.STREAMING_METHODS)
+    assert f'"{ap.AGENT_PORT_NAME}"' in src
+    for const, value in (("MAX_READ", ap.MAX_READ), ("MAX_FRAME", ap.DEFAULT_MAX_FRAME),
+                         ("PROTO_VERSION", ap.PROTOCOL_VERSION)):
+        m = re.search(rf"#define {const} \(?(\d+)u? \* 1024 \* 1024\)|#define {const} (\d+)", src)
+        assert m is not None, const
+        n = int(m.group(1)) << 20 if m.group(1) else int(m.group(2))
+        assert n == value, const
+    codes = (set(re.findall(r'return "([a-z_]+)";', src))
+             | set(re.findall(r'send_error\([a-z_>-]+, "([a-z_]+)"', src))
+             | set(re.findall(r'mp_str\(&b, "code"\); mp_str\(&b, "([a-z_]+)"\)', src)))
+    assert codes <= ap.ERROR_CODES and "cannot_run" in codes, codes
 
 
 def _kernel_or_skip() -> guest.GuestKernel:

@@ -1534,7 +1534,11 @@ static void boot(void) {
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, NULL);
+    /* fds 0-2 must be open before anything else is: without a console (no serial
+     * device) the port could otherwise become fd 2 and the agent's log lines would be
+     * written into the protocol stream */
     int c = open("/dev/console", O_RDWR | O_NOCTTY);
+    if (c < 0) c = open("/dev/null", O_RDWR);
     if (c >= 0) { dup2(c, 0); dup2(c, 1); dup2(c, 2); if (c > 2) close(c); }
     /* modules load in a child while the agent looks for its port and answers hello
      * (~0.15 s under TCG); setup waits for it */

@@ -301,9 +301,13 @@ STREAMING_METHODS: Final[dict[str, type]] = {
 
 ErrorCode = Literal["invalid_argument", "not_found", "conflict", "permission_denied",
                     "payload_too_large", "resource_exhausted", "unknown_method",
-                    "backend_error", "internal_error"]
+                    "cannot_run", "remote_protocol_error", "backend_error",
+                    "internal_error"]
 #: The ``code`` values the agent puts in ERROR bodies (dsec.errors classes): errno
-#: ENOENT/ENOTDIR -> not_found, EEXIST/ENOTEMPTY -> conflict, EACCES/EPERM ->
-#: permission_denied, ENOSPC/EDQUOT/ENOMEM/EMFILE -> resource_exhausted, a path escaping
-#: /sb or a bad body -> invalid_argument, anything else -> backend_error.
+#: ENOENT/ENOTDIR -> not_found, EEXIST/ENOTEMPTY/EBUSY -> conflict, EACCES/EPERM/EROFS ->
+#: permission_denied, ENOSPC/EDQUOT/ENOMEM/EMFILE -> resource_exhausted, a bad path or
+#: body -> invalid_argument, a command that could not start -> cannot_run (detail
+#: exit_code 127 or 126), a REQUEST too short for its method name ->
+#: remote_protocol_error, anything else -> backend_error. The host maps them onto its
+#: own errors and never lets the guest choose a class freely (vm/link.py).
 ERROR_CODES: Final[frozenset[str]] = frozenset(ErrorCode.__args__)  # type: ignore[attr-defined]
