@@ -59,7 +59,8 @@ def cluster() -> Iterator[LocalCluster]:
 def _sdk_kwargs(spec: SandboxSpec) -> dict[str, Any]:
     """The SDK's create keywords for ``spec``, written out here (not derived)."""
     return {"image": spec.image, "workspace": spec.workspace, "toolkits": list(spec.toolkits),
-            "snapshot": spec.snapshot, "backend": spec.backend, "cpu": spec.cpu_milli / 1000,
+            "snapshot": spec.snapshot, "backend": spec.backend, "isolation": spec.isolation,
+            "cpu": spec.cpu_milli / 1000,
             "memory": spec.memory_bytes, "disk": spec.disk_bytes, "pids_max": spec.pids_max,
             "priority": spec.priority, "labels": spec.labels, "project": spec.project,
             "ttl": spec.ttl_s, "idle_timeout": spec.idle_timeout_s,

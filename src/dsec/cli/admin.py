@@ -120,10 +120,12 @@ def _quota_cells(p: Any) -> list[str]:
             cell("cpu_milli", q.cpu_milli if q else None, cpu),
             cell("memory_bytes", q.memory_bytes if q else None, format_bytes),
             cell("snapshot_bytes", q.snapshot_bytes if q else None, format_bytes),
-            cell("image_bytes", q.image_bytes if q else None, format_bytes)]
+            cell("image_bytes", q.image_bytes if q else None, format_bytes),
+            ",".join(f"{t}<={'-' if lim.max_sandboxes is None else lim.max_sandboxes}"
+                     for t, lim in sorted(q.tiers.items())) if q and q.tiers else "-"]
 
 
-_PCOLS = ["project", "sandboxes", "cpu", "memory", "snapshots", "images"]
+_PCOLS = ["project", "sandboxes", "cpu", "memory", "snapshots", "images", "tiers"]
 
 
 @project.command("ls")
@@ -168,21 +170,26 @@ def quota() -> None:
 @click.option("--image-bytes", default=None, metavar="SIZE|none")
 @click.option("--registry-pull/--no-registry-pull", default=None,
               help="May creates pull registry images on first use.")
+@click.option("--tier", "tiers", multiple=True, metavar="TIER=N|none",
+              help="Most sandboxes of an isolation tier (container, gvisor, vm) in the "
+                   "subtree; 0 forbids the tier, none lifts the limit (repeatable).")
 @click.option("--replace", is_flag=True,
               help="Replace the whole quota (limits not given: none). Default: change only "
                    "the limits given, keep the others.")
 @conn_options
 def quota_set(path: str, max_sandboxes: str | None, cpu: str | None, memory: str | None,
               snapshot_bytes: str | None, image_bytes: str | None,
-              registry_pull: bool | None, replace: bool, url: str | None,
+              registry_pull: bool | None, tiers: tuple[str, ...], replace: bool,
+              url: str | None,
               api_key: str | None, as_json: bool) -> None:
     """Set limits on project PATH ('none' lifts one). Its usage is checked against them
     at each create, for the whole subtree."""
     from dsec.client.core import parse_memory
     from dsec.errors import DsecError
     from dsec.wire import ops
-    from dsec.wire.api import QuotaBody
+    from dsec.wire.api import QuotaBody, TierQuota
     from dsec.wire.calls import ProjectRef, QuotaSet
+    from dsec.wire.spec import TIER_BACKENDS
 
     def num(text: str, conv: Any) -> int | None:
         if text.strip().lower() == "none":
@@ -203,13 +210,29 @@ def quota_set(path: str, max_sandboxes: str | None, cpu: str | None, memory: str
             given[name] = num(text, parse_memory)
     if registry_pull is not None:
         given["registry_pull"] = registry_pull
-    if not given and not replace:
+    tier_caps: dict[str, int | None] = {}
+    for text in tiers:
+        name, sep, n = text.partition("=")
+        if not sep or name not in TIER_BACKENDS:
+            raise click.BadParameter(f"{text!r} must be TIER=N|none with TIER one of "
+                                     f"{', '.join(TIER_BACKENDS)}", param_hint="--tier")
+        tier_caps[name] = num(n, int)
+    if not given and not tier_caps and not replace:
         raise click.UsageError("give at least one limit (or --replace to lift them all)")
     with client(url, api_key) as c:
         base: dict[str, Any] = {}
         if not replace:
             cur = c.call(ops.PROJECT_GET, _checked(ProjectRef, path=path)).quota
             base = msgspec.structs.asdict(cur) if cur is not None else {}
+        if tier_caps:
+            kept = dict(base.get("tiers") or {})
+            for name, cap in tier_caps.items():
+                prev = kept.pop(name, None)
+                lim = _checked(TierQuota, **{**(msgspec.structs.asdict(prev) if prev
+                                                else {}), "max_sandboxes": cap})
+                if lim != TierQuota():
+                    kept[name] = lim
+            given["tiers"] = kept
         q = _checked(QuotaBody, **{**base, **given})
         p = c.call(ops.QUOTA_SET, _checked(QuotaSet, path=path, quota=q))
     emit_json(p) if as_json else _table(path, _PCOLS, [_quota_cells(p)])

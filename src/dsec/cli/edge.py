@@ -58,9 +58,12 @@ def _extra_opts(values: tuple[str, ...], backends: tuple[str, ...]) -> dict[str,
 
 def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None,
                   layer_store: str | None, owned: list[Any], *,
-                  lazy: dict[str, Any] | None = None) -> dict[str, Any]:
+                  lazy: dict[str, Any] | None = None,
+                  shared: dict[str, Any] | None = None) -> dict[str, Any]:
     """``make_backend`` options; what must be closed at exit is appended to ``owned``.
-    ``lazy``: ``blob_url``, ``cache_bytes``, ``node`` of the node's lazy layers."""
+    ``lazy``: ``blob_url``, ``cache_bytes``, ``node`` of the node's lazy layers.
+    ``shared``: what the node's backends share, filled on first use (the images object:
+    pass the same dict for every backend of one node)."""
     if name == "simulated":
         from dsec.edge.backends.simulated import NodeLatencyProfile
 
@@ -75,22 +78,17 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
         # and reconciles the rest (a temp dir per process could do neither).
         root = {"root": os.path.join(state_dir, "fncall")} if state_dir else {}
         return {"pool_size": pool_size, **root}
-    if name == "container":
+    from dsec.edge.backends import LAYERED
+
+    if name in LAYERED:
         opts: dict[str, Any] = {}
         if state_dir is not None:
-            opts["root_dir"] = os.path.join(state_dir, "container")
+            opts["root_dir"] = os.path.join(state_dir, name)
         if layer_store is not None:
-            from dsec.edge.backends.container.images import StoreImages
-            from dsec.image import LayerStore, MountCache
-
-            lazy_layers = _lazy_layers(lazy, state_dir, layer_store)
-            # layers mounted once for all this node's sandboxes
-            mounts = MountCache(lazy=lazy_layers)
-            owned.append(mounts)
-            if lazy_layers is not None:
-                lazy_layers.on_restart(mounts.rebind_lazy)
-                owned.append(lazy_layers)   # after the mounts: EROFS holds its files open
-            opts["images"] = StoreImages(LayerStore(layer_store), mounts, lazy_layers)
+            shared = {} if shared is None else shared
+            if "images" not in shared:
+                shared["images"] = _node_images(layer_store, state_dir, owned, lazy)
+            opts["images"] = shared["images"]
         elif lazy is not None:
             from dsec.errors import InvalidArgument
 
@@ -98,6 +96,23 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
                                   "manifests of the layers it reads lazily in its store")
         return opts
     return {}
+
+
+def _node_images(layer_store: str, state_dir: str | None, owned: list[Any],
+                 lazy: dict[str, Any] | None) -> Any:
+    """The node's images object (StoreImages over the layer store, one MountCache, the
+    lazy layers if any): made once per node and handed to every layered backend."""
+    from dsec.edge.backends.container.images import StoreImages
+    from dsec.image import LayerStore, MountCache
+
+    lazy_layers = _lazy_layers(lazy, state_dir, layer_store)
+    # layers mounted once for all this node's sandboxes
+    mounts = MountCache(lazy=lazy_layers)
+    owned.append(mounts)
+    if lazy_layers is not None:
+        lazy_layers.on_restart(mounts.rebind_lazy)
+        owned.append(lazy_layers)   # after the mounts: EROFS holds its files open
+    return StoreImages(LayerStore(layer_store), mounts, lazy_layers)
 
 
 def _lazy_layers(lazy: dict[str, Any] | None, state_dir: str | None,
@@ -403,7 +418,10 @@ def _die_with_supervisor(pid: int) -> None:
                    "the answer (survives kill -9 and power loss), write before it (kill -9 "
                    "only), or tick (up to 50 ms later: a crash loses that tick).")
 @click.option("--backend", "backends", multiple=True, default=("simulated",), show_default=True,
-              help="Backend to offer (repeatable): simulated, fncall, container, ...")
+              help="Backend to offer (repeatable): simulated, fncall, container, gvisor, vm. "
+                   "The isolation tiers are backends: container, gvisor (runsc) and vm "
+                   "(QEMU) each get a root dir <state-dir>/<name> and share the node's "
+                   "--layer-store (one mount of each layer).")
 @click.option("--node-id", default=_default_node_id, show_default="hostname",
               help="This node's id; it is part of every sandbox id it creates.")
 @capacity_options("this node")
@@ -613,8 +631,9 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
         disk_opts: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
                                      "disk_pool_bytes": None if disk_pool is None
                                      else parse_memory(disk_pool)}
+        from dsec.edge.backends import DISK_POOLED
         for name in backends:
-            if name == "container":
+            if name in DISK_POOLED:
                 extra[name] = {**disk_opts, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
         if net_egress is not None and net_uplink != "host":
@@ -627,12 +646,13 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                                               egress=net_egress, link=net_link,
                                               ipv6=net_ipv6)
             extra["container"] = {**extra.get("container", {}), "network": network}
+        shared: dict[str, Any] = {}   # one images object for every tier of the node
         for name in dict.fromkeys(backends):
             lazy = None if blob_store is None else {
                 "blob_url": blob_store, "cache_bytes": lazy_cache_bytes, "node": node_id}
             built[name] = make_backend(name, **{**_backend_opts(
-                name, profile, fncall_pool_size, state_dir, layer_store, owned, lazy=lazy),
-                **extra.get(name, {})})
+                name, profile, fncall_pool_size, state_dir, layer_store, owned, lazy=lazy,
+                shared=shared), **extra.get(name, {})})
         cfg = NodeConfig(node_id=node_id, capacity=bound_disk(capacity, built.values()),
                          labels=_labels(labels), state_dir=state_dir,
                          journal_sync=journal_sync,  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import click
 import msgspec
 
 from dsec.logs import escape_text
-from dsec.wire.spec import DEFAULT_CPU_MILLI, DEFAULT_MEMORY_BYTES
+from dsec.wire.spec import DEFAULT_CPU_MILLI, DEFAULT_MEMORY_BYTES, TIER_BACKENDS, isolation_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,11 +94,12 @@ def _row(info: Any) -> list[str]:
     s = info.spec
     age = time.time() - info.created_at
     labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if not k.startswith("dsec.io/"))
-    return [info.id, info.state, s.backend, s.image, s.project, f"{s.cpu_milli / 1000:g}",
-            f"{s.memory_bytes / 2**20:.0f}Mi", f"{age:.0f}s", labels]
+    return [info.id, info.state, s.backend, isolation_of(s) or "-", s.image, s.project,
+            f"{s.cpu_milli / 1000:g}", f"{s.memory_bytes / 2**20:.0f}Mi", f"{age:.0f}s", labels]
 
 
-_COLS = ["id", "state", "backend", "image", "project", "cpu", "memory", "age", "labels"]
+_COLS = ["id", "state", "backend", "isolation", "image", "project", "cpu", "memory", "age",
+         "labels"]
 
 
 @click.group()
@@ -112,6 +113,10 @@ def sandbox() -> None:
 @click.option("--toolkit", "toolkits", multiple=True)
 @click.option("--snapshot", default=None, help="Start from this snapshot (sha256:...).")
 @click.option("--backend", default=None, help="Default: the server's.")
+@click.option("--isolation", type=click.Choice(list(TIER_BACKENDS)), default=None,
+              help="Isolation tier: container (host kernel), gvisor (gVisor's user-space "
+                   "kernel), vm (a microVM with its own kernel). Picks the backend when "
+                   "--backend is not given (default: the server's backend and its tier).")
 @click.option("--cpu", type=float, default=DEFAULT_CPU_MILLI / 1000, show_default=True,
               help="Cores.")
 @click.option("--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True)
@@ -146,13 +151,15 @@ def create(image: str, workspace: str | None, toolkits: tuple[str, ...], snapsho
            env: tuple[str, ...], disk: str | None, idle_timeout: float | None, idle_action: str,
            project: str | None, count: int, net_mode: str | None, allow: tuple[str, ...],
            deny: tuple[str, ...], qos: str | None, cpu_quota: float | None,
-           url: str | None, api_key: str | None, as_json: bool) -> None:
+           isolation: str | None, url: str | None, api_key: str | None,
+           as_json: bool) -> None:
     """Create sandbox(es) and print them."""
     lab = dict(_kv(x) for x in labels)
     kw = {"env": dict(_kv(x) for x in env), "disk": disk, "idle_timeout": idle_timeout,
           "idle_action": idle_action, "image": image, "workspace": workspace, "toolkits": toolkits, "snapshot": snapshot,
           "backend": backend, "cpu": cpu, "memory": memory, "ttl": ttl, "labels": lab,
           "project": project, "detached": True, "qos": qos, "cpu_quota": cpu_quota,
+          "isolation": isolation,
           "network": _policy(net_mode, allow, deny) if (net_mode or allow or deny) else None}
     with client(url, api_key) as c:
         sbs = c.sandboxes.create_many(count, **kw) if count > 1 else [c.sandboxes.create(**kw)]

@@ -28,6 +28,22 @@ from dsec.cli.edge import (
 from dsec.cli.logopts import access_log_option, log_format_option, log_level_option
 
 
+def _check_tiers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    """--tiers as the backends of its tiers (dsec.wire.spec.TIER_BACKENDS), refused at
+    parse time when it names something else."""
+    from dsec.wire.spec import TIER_BACKENDS
+
+    out: list[str] = []
+    for t in (x.strip() for x in value.split(",")):
+        if not t:
+            continue
+        if t not in TIER_BACKENDS:
+            raise click.BadParameter(f"{t!r} is no isolation tier; use "
+                                     f"{', '.join(TIER_BACKENDS)} (comma-separated)")
+        out.append(TIER_BACKENDS[t])
+    return tuple(dict.fromkeys(out))
+
+
 @click.command()
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where state lives (default $DSEC_STATE_DIR or ~/.dsec).")
@@ -40,8 +56,14 @@ from dsec.cli.logopts import access_log_option, log_format_option, log_level_opt
               help="REST address HOST:PORT (port 0 picks a free one).")
 @click.option("--gateway", default="tcp:127.0.0.1:0", show_default=True,
               help="Aether gateway address ('off' to disable).")
-@click.option("--backend", type=click.Choice(["container", "simulated", "fncall"]),
+@click.option("--backend", type=click.Choice(["container", "simulated", "fncall", "gvisor",
+                                              "vm"]),
               default="simulated", show_default=True, help="Default sandbox backend.")
+@click.option("--tiers", default="", metavar="TIER[,TIER]", callback=_check_tiers,
+              help="Isolation tiers every edge offers besides --backend's: container, "
+                   "gvisor, vm (comma-separated; each runs its backend, sharing the "
+                   "edge's layer store). A create with isolation=TIER goes to an edge "
+                   "offering it (docs/isolation.md).")
 @click.option("--edges", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Edge nodes to run (each its own process on its own Unix socket; they "
                    "share the machine's capacity evenly).")
@@ -93,7 +115,7 @@ from dsec.cli.logopts import access_log_option, log_format_option, log_level_opt
               "http://127.0.0.1:<PORT+i>/metrics (dsec edge --metrics-listen) [default: off].")
 @e2b_options
 def up(state_dir: str | None, store: str | None, listen: str, gateway: str, backend: str,
-       edges: int,
+       tiers: tuple[str, ...], edges: int,
        cpus: float | None, memory: int | None, disk: int | None, cpu_overcommit: float,
        memory_overcommit: float, cpu_milli: int | None, memory_bytes: int | None,
        disk_bytes: int | None, max_sandboxes: int, in_process_edges: bool, keep: bool,
@@ -120,7 +142,7 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         _up_hosts(hosts=hosts, replicas=replicas, state_dir=state_dir, store=store,
                   listen=listen,
                   backend=backend, edges=edges, node_ttl=node_ttl, quiet=quiet,
-                  profile=profile, max_sandboxes=max_sandboxes,
+                  profile=profile, max_sandboxes=max_sandboxes, tiers=tiers,
                   net_uplink=net_uplink, in_process_edges=in_process_edges)
         return
     if replicas != 1:
@@ -146,8 +168,8 @@ def up(state_dir: str | None, store: str | None, listen: str, gateway: str, back
         raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")
     cfg = ClusterConfig(
         state_dir=state_dir or default_state_dir(), store=store, listen=listen,
-        gateway=None if gateway == "off" else gateway, backend=backend, edges=edges,
-        edge_processes=not in_process_edges, keep=keep,
+        gateway=None if gateway == "off" else gateway, backend=backend, tiers=tiers,
+        edges=edges, edge_processes=not in_process_edges, keep=keep,
         cpu_milli=cpu_milli or (round(cpus * 1000) if cpus is not None else None),
         memory_bytes=memory_bytes or memory, disk_bytes=disk_bytes or disk,
         overcommit=Overcommit(cpu=cpu_overcommit, memory=memory_overcommit),
@@ -246,7 +268,9 @@ async def _run(cfg: Any, quiet: bool,
                 states = rt.edge_states()
                 odd = ", ".join(f"{n} {s}" for n, s in states.items() if s != "running")
                 status.update(f"{len(rt.node_ids)} edge(s){f' ({odd})' if odd else ''}, "
-                              f"backend {rt.config.backend}: {line}  (Ctrl-C to stop)")
+                              f"backend {rt.config.backend}"
+                              + "".join(f" +{t}" for t in rt.config.tiers)
+                              + f": {line}  (Ctrl-C to stop)")
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)
                 except TimeoutError:
@@ -264,7 +288,7 @@ async def _run(cfg: Any, quiet: bool,
 
 
 def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, store: str | None,
-              listen: str, backend: str,
+              listen: str, backend: str, tiers: tuple[str, ...],
               edges: int, node_ttl: float, quiet: bool, profile: str, max_sandboxes: int,
               net_uplink: str | None, in_process_edges: bool) -> None:
     """``dsec up --hosts N`` (stream ``hosts``): :func:`dsec.cluster.hosts.serve`."""
@@ -287,7 +311,7 @@ def _up_hosts(*, hosts: int, replicas: int, state_dir: str | None, store: str | 
     if os.geteuid() != 0:
         raise click.ClickException("--hosts needs root (it creates network namespaces)")
     cfg = HostsConfig(state_dir=state_dir or default_state_dir(), hosts=hosts,
-                      store=store, replicas=replicas, backends=tuple(sorted({"simulated", backend})),
+                      store=store, replicas=replicas, backends=tuple(sorted({"simulated", backend, *tiers})),
                       default_backend=backend, node_ttl_s=node_ttl, rest_port=int(port),
                       simulated_profile=profile, max_sandboxes_per_host=max_sandboxes)
 

@@ -106,6 +106,7 @@ from dsec.wire.spec import (
     ExecRequest,
     ExecResult,
     IdleAction,
+    Isolation,
     NetworkPolicy,
     PauseStats,
     QosClass,
@@ -115,6 +116,7 @@ from dsec.wire.spec import (
     SandboxState,
     SandboxStats,
     check_idempotency_key,
+    isolation_of,
 )
 
 __all__ = ["AsyncClient", "AsyncFiles", "AsyncPorts", "AsyncSandbox", "AsyncSandboxes",
@@ -596,7 +598,7 @@ class AsyncSandboxes:
         allow_nested: bool = False, user_namespace: bool = False,
         cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, qos: QosClass | None = None,
-        cpu_quota: float | None = None,
+        cpu_quota: float | None = None, isolation: Isolation | None = None,
     ) -> SandboxSpec:
         """The spec the create keywords ask for (what they leave out, None, is the
         server's to decide: backend, project, lifetime)."""
@@ -605,7 +607,8 @@ class AsyncSandboxes:
         return SandboxSpec(
             image=image, workspace=workspace, toolkits=tuple(toolkits),
             snapshot=None if snapshot is None else _snap_id(snapshot),
-            backend=backend, cpu_milli=round(cpu * 1000), memory_bytes=parse_memory(memory),
+            backend=backend, isolation=isolation, cpu_milli=round(cpu * 1000),
+            memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl,
             idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
@@ -644,6 +647,7 @@ class AsyncSandboxes:
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
@@ -658,6 +662,11 @@ class AsyncSandboxes:
         weight, paused first under memory pressure); None: "ls" unless the project's
         quota restricts it (docs/container.md "QoS classes"). ``cpu_quota``: the CPU cap
         in cores (None: capped at ``cpu``).
+        ``isolation``: the isolation tier, "container" (namespaces on the host kernel),
+        "gvisor" (gVisor's user-space kernel) or "vm" (a microVM with its own kernel; see
+        docs/isolation.md); it picks the backend when ``backend`` is None (with both,
+        they must agree). None: the server's default backend and its tier. A tier no
+        node of the cluster offers is refused (InvalidArgument naming what is offered).
         ``build_step``: an image build step's cache key (the builder sets it: the edge
         records it in this sandbox's snapshots with the stack it ran on).
 
@@ -676,7 +685,8 @@ class AsyncSandboxes:
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota})
+            "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota,
+            "isolation": isolation})
         c = self._c
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidArgument("idempotency_key must be 1..255 printable ASCII characters",
@@ -703,6 +713,7 @@ class AsyncSandboxes:
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> list[AsyncSandbox]:
         """Many sandboxes in batched calls: ``n`` identical ones (the keywords as for
         :meth:`create`), or one per item of a list: a keyword dict laid over the keywords
@@ -718,7 +729,7 @@ class AsyncSandboxes:
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
-            "user": user, "qos": qos, "cpu_quota": cpu_quota}
+            "user": user, "qos": qos, "cpu_quota": cpu_quota, "isolation": isolation}
         c = self._c
         specs: list[SandboxSpec]
         if isinstance(n, int) and not isinstance(n, bool):
@@ -965,6 +976,12 @@ class AsyncSandbox:
     @property
     def state(self) -> str:
         return self.info.state
+
+    @property
+    def isolation(self) -> Isolation | None:
+        """The isolation tier it runs in ("container", "gvisor", "vm"; None for a backend
+        in no tier, fncall), from its spec: what was asked, else its backend's tier."""
+        return isolation_of(self.info.spec)
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._c.call(ops.GET, SandboxRef(id=self.id))

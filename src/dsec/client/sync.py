@@ -59,6 +59,7 @@ from dsec.wire.spec import (
     ExecRequest,
     ExecResult,
     IdleAction,
+    Isolation,
     NetworkPolicy,
     PauseStats,
     QosClass,
@@ -233,6 +234,7 @@ class Sandboxes:
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
         build_step: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> Sandbox:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create`."""
         return Sandbox(self._c, self._c._run(self._a.create(
@@ -242,7 +244,7 @@ class Sandboxes:
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
-            session=session, qos=qos, cpu_quota=cpu_quota)))
+            session=session, qos=qos, cpu_quota=cpu_quota, isolation=isolation)))
 
     def create_many(
         self, n: int | Sequence[Mapping[str, Any] | SandboxSpec], *, image: str = "base",
@@ -257,6 +259,7 @@ class Sandboxes:
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
         qos: QosClass | None = None, cpu_quota: float | None = None,
+        isolation: Isolation | None = None,
     ) -> list[Sandbox]:
         """See :meth:`~dsec.client.core.AsyncSandboxes.create_many`."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.create_many(
@@ -265,7 +268,8 @@ class Sandboxes:
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
             idle_timeout=idle_timeout, idle_action=idle_action, network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
-            cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota))]
+            cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota,
+            isolation=isolation))]
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._c, self._c._run(self._a.get(sandbox_id)))
@@ -415,6 +419,11 @@ class Sandbox:
     @property
     def state(self) -> str:
         return self._a.state
+
+    @property
+    def isolation(self) -> Isolation | None:
+        """See :attr:`~dsec.client.core.AsyncSandbox.isolation`."""
+        return self._a.isolation
 
     def refresh(self) -> SandboxInfo:
         return self._c._run(self._a.refresh())

@@ -70,6 +70,7 @@ from dsec import ownership
 from dsec.cluster import DSEC_ARGV
 from dsec.cluster.edge_process import EdgePaths, EdgeProcess
 from dsec.control.supervisor import RestartPolicy
+from dsec.edge.backends import LAYERED
 from dsec.errors import InvalidArgument, TransportError
 from dsec.net import netns
 
@@ -540,7 +541,7 @@ class HostCluster:
             argv += ["--backend", b]
         if cfg.simulated_profile != "zero":
             argv += ["--profile", cfg.simulated_profile]
-        if "container" in cfg.backends:
+        if any(b in LAYERED for b in cfg.backends):
             argv += ["--layer-store", os.path.join(d, "layers"),
                      "--disk-pool", str(cfg.disk_pool_bytes),
                      "--disk-default", str(cfg.disk_default_bytes)]
@@ -587,7 +588,7 @@ class HostCluster:
         os.makedirs(self.api_dir, mode=0o700, exist_ok=True)
         for node in self.node_ids:
             os.makedirs(self._host_dir(node), mode=0o700, exist_ok=True)
-        if "container" in self.config.backends:
+        if any(b in LAYERED for b in self.config.backends):
             await asyncio.to_thread(self._layers)
         # The relays first: their ports are the ones the replicas listen on in their
         # namespaces, so the addresses a replica advertises work from here too.

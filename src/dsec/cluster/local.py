@@ -64,7 +64,9 @@ def _up_flags(config: dict[str, Any]) -> list[str]:
             flags += [flag, str(config[key])]
     for up in config.get("net_dns_upstream") or ():
         flags += ["--net-dns-upstream", str(up)]
-    unknown = set(config) - {"cpu_milli", "memory_bytes", "disk_bytes", "edge_max_sandboxes",
+    if config.get("tiers"):   # the tiers' backends are named as the tiers (TIER_BACKENDS)
+        flags += ["--tiers", ",".join(config["tiers"])]
+    unknown = set(config) - {"tiers", "cpu_milli", "memory_bytes", "disk_bytes", "edge_max_sandboxes",
                              "overcommit", "disk_default_bytes", "disk_pool_bytes",
                              "net_uplink", "net_egress", "net_pool", "net_dns_upstream",
                              "net_link", "store", "blob_store"}

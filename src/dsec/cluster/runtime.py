@@ -73,6 +73,7 @@ from dsec.edge.admission import (
     measure_host,
     plan_capacity,
 )
+from dsec.edge.backends import DISK_POOLED, LAYERED
 from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
 from dsec.errors import DsecError, InUse, InvalidArgument, TransportError
 from dsec.ids import parse_node_id
@@ -108,6 +109,10 @@ class ClusterConfig:
     store: str | None = None
     gateway: str | None = "tcp:127.0.0.1:0"   # Aether gateway address; None = off
     backend: str = "simulated"                # default backend for creates
+    # Isolation tiers (issue 21) every local edge offers besides ``backend`` and the
+    # simulated one: backend names, e.g. ("gvisor", "vm") (`dsec up --tiers gvisor,vm`).
+    # A create with isolation="vm" is placed on an edge offering "vm".
+    tiers: tuple[str, ...] = ()
     edges: int = 1                            # local edges to run (0: remote_edges only)
     # Each local edge in its own supervised `dsec edge` process (False: in this process,
     # for tests that reach into an EdgeNode).
@@ -341,7 +346,7 @@ class ClusterRuntime:
             # issue 19: admin actions, durable, 0600 in the state dir (dsec.logs)
             service.audit = AuditLog(os.path.join(cfg.state_dir, AUDIT_FILE))
             plane.layer_dir = os.path.join(cfg.state_dir, "layers")
-            if "container" in self._local_backends():
+            if self._layered():
                 # the base's names in the state store's tag table too (every replica's)
                 await asyncio.to_thread(self._ensure_base_layer, plane.images.layers())
             plane.images.registries = cfg.registries
@@ -443,7 +448,11 @@ class ClusterRuntime:
         return os.path.join(self.config.state_dir, "edges", f"{node_id}.sock")
 
     def _local_backends(self) -> list[str]:
-        return sorted({"simulated", self.config.backend})
+        return sorted({"simulated", self.config.backend, *self.config.tiers})
+
+    def _layered(self) -> bool:
+        """A local edge runs a backend that starts sandboxes from the layer store."""
+        return any(b in LAYERED for b in self._local_backends())
 
     def _ensure_base_layer(self, store: Any = None) -> None:
         """``base`` (busybox) in the cluster's layer store, built on first use (~0.1 s) so
@@ -479,11 +488,13 @@ class ClusterRuntime:
             argv += ["--backend", b]
         if cfg.simulated_profile != "zero":
             argv += ["--profile", cfg.simulated_profile]
-        if "container" in self._local_backends():
+        if self._layered():
             argv += ["--layer-store", os.path.join(cfg.state_dir, "layers"),
-                     "--backend-opt",
-                     f"container.root_dir={os.path.join(cfg.state_dir, 'container', node)}",
                      "--disk-default", str(cfg.disk_default_bytes)]
+            for b in self._local_backends():
+                if b in LAYERED:
+                    argv += ["--backend-opt",
+                             f"{b}.root_dir={os.path.join(cfg.state_dir, b, node)}"]
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
@@ -629,14 +640,14 @@ class ClusterRuntime:
                 node, self._edge_argv(node), paths, policy=cfg.restart,
                 on_report=self._on_report, on_ready=self._on_ready)
             proc.begin()
-        if "container" in self._local_backends():
+        if self._layered():
             # While the edges boot: they need the base layer only at their first create,
             # which cannot come before this runtime serves.
             await asyncio.to_thread(self._ensure_base_layer)
 
     # ------------------------------------------------------ in-process edges
     async def _start_edges(self) -> None:
-        if "container" in self._local_backends():
+        if self._layered():
             await asyncio.to_thread(self._ensure_base_layer)
         for node_id in self.node_ids:
             node, server = await self._run_edge(node_id)
@@ -688,7 +699,7 @@ class ClusterRuntime:
                 raise InvalidArgument(f"simulated_profile={prof!r}: use 'zero' or "
                                       "'paper[-container|-fncall|-microvm]'")
             return {"profile": NodeLatencyProfile.paper(kind)}  # type: ignore[arg-type]
-        if name != "container":
+        if name not in LAYERED:
             return {}
         from dsec.edge.backends.container.images import StoreImages
         from dsec.image import LayerStore, MountCache
@@ -697,10 +708,14 @@ class ClusterRuntime:
             self._mounts = MountCache()
             self._images = StoreImages(
                 LayerStore(os.path.join(self.config.state_dir, "layers")), self._mounts)
-        return {"root_dir": os.path.join(self.config.state_dir, "container", node_id),
-                "images": self._images,
-                "default_disk_bytes": self.config.disk_default_bytes,
-                "disk_pool_bytes": self._pool_share()}
+        # every tier of every in-process edge: one images object (issue 21)
+        opts: dict[str, Any] = {
+            "root_dir": os.path.join(self.config.state_dir, name, node_id),
+            "images": self._images}
+        if name in DISK_POOLED:
+            opts |= {"default_disk_bytes": self.config.disk_default_bytes,
+                     "disk_pool_bytes": self._pool_share()}
+        return opts
 
     # --------------------------------------------------------- edge outages
     def _check_node(self, node_id: str) -> None:

@@ -29,6 +29,7 @@ from dsec.control.records import SandboxRecord
 from dsec.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
 from dsec.ids import ProjectPath, parse_project_path, project_ancestors
 from dsec.wire.netpolicy import NetworkPolicy
+from dsec.wire.spec import BACKEND_ISOLATION, TIER_BACKENDS
 
 __all__ = ["Limits", "Quota", "QuotaIndex", "QuotaPolicy", "Usage"]
 
@@ -59,6 +60,9 @@ class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
     subproject) may ask for (None: no ceiling of its own; every ancestor's binds too)."""
 
     backends: dict[str, Limits] = {}
+    # per isolation tier (issue 21): the tier's sandboxes whatever backend runs them
+    # (container: native, runc and simulated together); max_sandboxes=0 forbids a tier
+    tiers: dict[str, Limits] = {}
     network: NetworkPolicy | None = None
     # create(image=<registry ref>) pulls on first use (None: as the parent says; see
     # QuotaIndex.registry_pull)
@@ -70,6 +74,11 @@ class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
         Limits.validate(self, where)
         for b, lim in self.backends.items():
             lim.validate(f"{where}.backends[{b}]")
+        for t, lim in self.tiers.items():
+            if t not in TIER_BACKENDS:
+                raise InvalidArgument(f"quota {where}.tiers[{t[:40]!r}]: no such isolation "
+                                      f"tier; use {', '.join(TIER_BACKENDS)}", field="tiers")
+            lim.validate(f"{where}.tiers[{t}]")
         if self.network is not None:
             self.network.validate("quota.network")
 
@@ -329,6 +338,8 @@ class QuotaIndex:
             if q.memory_bytes is not None and node.mem + memory_bytes > q.memory_bytes:
                 self._exceeded(node, project, "memory_bytes", node.mem, q.memory_bytes,
                                memory_bytes, None)
+            if q.tiers:
+                self._check_tier(node, project, q, backend, cpu_milli, memory_bytes, count)
             if q.backends:
                 lim = q.backends.get(backend)
                 if lim is not None:
@@ -342,6 +353,35 @@ class QuotaIndex:
                     if lim.memory_bytes is not None and u[2] + memory_bytes > lim.memory_bytes:
                         self._exceeded(node, project, "memory_bytes", u[2], lim.memory_bytes,
                                        memory_bytes, backend)
+
+    def _check_tier(self, node: _Node, project: str, q: Quota, backend: str, cpu_milli: int,
+                    memory_bytes: int, count: int) -> None:
+        """The limits of the isolation tier ``backend`` gives (Quota.tiers): its usage is
+        the sum over the tier's backends (a handful), computed only where a tier quota is
+        set."""
+        tier = BACKEND_ISOLATION.get(backend)  # type: ignore[call-overload]
+        lim = None if tier is None else q.tiers.get(tier)
+        if lim is None:
+            return
+        used = [0, 0, 0]
+        for b, u in node.b.items():
+            if BACKEND_ISOLATION.get(b) == tier:  # type: ignore[call-overload]
+                used = [used[0] + u[0], used[1] + u[1], used[2] + u[2]]
+        what = f"isolation {tier}"
+        if lim.max_sandboxes is not None and used[0] + count > lim.max_sandboxes:
+            if lim.max_sandboxes == 0:
+                raise QuotaExceeded(
+                    f"project {node.path!r} does not allow isolation tier {tier!r} (its quota "
+                    f"gives the tier 0 sandboxes); use another tier or ask an admin of its "
+                    "parent project to allow it", project=node.path, requested_in=project,
+                    resource="sandboxes", backend=what, used=used[0], limit=0,
+                    requested=count)
+            self._exceeded(node, project, "sandboxes", used[0], lim.max_sandboxes, count, what)
+        if lim.cpu_milli is not None and used[1] + cpu_milli > lim.cpu_milli:
+            self._exceeded(node, project, "cpu_milli", used[1], lim.cpu_milli, cpu_milli, what)
+        if lim.memory_bytes is not None and used[2] + memory_bytes > lim.memory_bytes:
+            self._exceeded(node, project, "memory_bytes", used[2], lim.memory_bytes,
+                           memory_bytes, what)
 
     def check_record(self, rec: SandboxRecord) -> None:
         """:meth:`check` for the charge ``rec`` would add if inserted."""
@@ -403,7 +443,8 @@ class QuotaIndex:
     @staticmethod
     def _exceeded(node: _Node, project: str, resource: str, used: int, limit: int,
                   requested: int, backend: str | None) -> None:
-        what = resource if backend is None else f"{resource} for backend {backend!r}"
+        what = (resource if backend is None else f"{resource} for {backend}"
+                if backend.startswith("isolation ") else f"{resource} for backend {backend!r}")
         where = (f"project {node.path!r}" if node.path == project
                  else f"project {node.path!r} (an ancestor of {project!r})")
         raise QuotaExceeded(

@@ -154,6 +154,8 @@ from dsec.wire.spec import (
     check_read_range,
     check_snapshot_ref,
     check_strip,
+    isolation_of,
+    not_offered,
     project_of,
     qos_of,
     resolve,
@@ -880,9 +882,7 @@ class EdgeNode:
         spec = node_qos(spec, self.config.qos_be_only, self.node_id)
         backend = self.backends.get(backend_of(spec))
         if backend is None:
-            raise InvalidArgument(
-                f"backend {spec.backend!r} is not available on node {self.node_id}; "
-                f"it offers: {', '.join(sorted(self.backends))}", field="backend")
+            raise not_offered(spec, self.backends, f"node {self.node_id}")
         sid = self._new_id() if sandbox_id is None else self._claim_id(sandbox_id)
         self.pool.reserve(sid, spec.cpu_milli, spec.memory_bytes, disk_bytes=spec.disk_bytes)
         rec = _Sandbox(sid, spec, backend, self.clock.time())
@@ -1793,7 +1793,8 @@ class EdgeNode:
             raise self._backend_error(rec, "read stats of", exc) from exc
         # the class, whichever backend answered (issue 22)
         return msgspec.structs.replace(st, cpu_percent=pct, cpu_interval_s=dt,
-                                       qos=st.qos or qos_of(rec.spec))
+                                       qos=st.qos or qos_of(rec.spec),
+                                       isolation=isolation_of(rec.spec) or "")
 
     # ================================================================ snapshots
     def _snapshotters(self) -> builtins.list[SnapshotBackend]:

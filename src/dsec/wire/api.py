@@ -96,6 +96,7 @@ __all__ = [
     "SessionView",
     "SnapshotList",
     "SnapshotView",
+    "TierQuota",
     "role_on",
 ]
 
@@ -493,6 +494,23 @@ MAX_QUOTA = 2**63 - 1
 NonNegative = Annotated[int, _doc(minimum=0, maximum=MAX_QUOTA)]
 
 
+class TierQuota(_Strict):
+    """Limits on one isolation tier's sandboxes in a project subtree (``null``: none);
+    ``max_sandboxes: 0`` forbids the tier (e.g. no microVMs for a project)."""
+
+    max_sandboxes: NonNegative | None = None
+    cpu_milli: NonNegative | None = None
+    memory_bytes: NonNegative | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_sandboxes", "cpu_milli", "memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_QUOTA:
+                raise InvalidArgument(f"tier quota {name}={str(v)[:40]} is out of range: use "
+                                      f"0..{MAX_QUOTA} or null (no limit)", field=name,
+                                      limit=MAX_QUOTA)
+
+
 class QuotaBody(_Strict):
     """A quota on a project (and, through the tree, on its descendants). ``null`` = none.
     ``network``: the project's network ceiling, the most open egress policy its sandboxes
@@ -515,6 +533,9 @@ class QuotaBody(_Strict):
     # best-effort ("be"; a create naming no class gets it, one asking "ls" is refused).
     # ``null``: as the nearest ancestor says; nowhere said: yes (docs/container.md).
     qos_ls: bool | None = None
+    # Per isolation tier (issue 21): the tier's sandboxes in the subtree, whatever backend
+    # runs them; e.g. {"vm": {"max_sandboxes": 0}} forbids microVMs (docs/isolation.md)
+    tiers: dict[Isolation, TierQuota] = {}
 
     def __post_init__(self) -> None:
         for name in _QUOTA_COUNTS:
@@ -529,12 +550,13 @@ class QuotaBody(_Strict):
     @classmethod
     def clamped(cls, *, network: NetworkPolicy | None = None,
                 registry_pull: bool | None = None, qos_ls: bool | None = None,
+                tiers: Mapping[Isolation, TierQuota] | None = None,
                 **counts: int | None) -> QuotaBody:
         """A quota read back from storage, each count clamped into 0..MAX_QUOTA: an
         out-of-range value an older release stored (it checked no bound) reads as the
         nearest value every door can carry, instead of failing the project's readers."""
         return cls(network=network, registry_pull=registry_pull, qos_ls=qos_ls,
-                   **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
+                   tiers=dict(tiers or {}), **{k: None if v is None else min(max(v, 0), MAX_QUOTA)
                       for k, v in counts.items()})
 
 

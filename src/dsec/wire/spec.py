@@ -8,7 +8,7 @@ Units are in the field names; ``None`` means "none/unlimited", never 0 or -1.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 import msgspec
@@ -107,6 +107,7 @@ __all__ = [
     "check_snapshot_ref",
     "check_strip",
     "isolation_of",
+    "not_offered",
     "project_of",
     "qos_of",
     "read_in_chunks",
@@ -689,6 +690,25 @@ def isolation_of(spec: SandboxSpec) -> Isolation | None:
     return None if spec.backend is None else BACKEND_ISOLATION.get(spec.backend)
 
 
+def not_offered(spec: SandboxSpec, offered: Iterable[str], where: str) -> InvalidArgument:
+    """The error for a resolved ``spec`` whose backend ``where`` (a node, "any node of
+    this cluster") does not offer: it names the tier when the backend is one's, what is
+    offered (with each backend's tier) and how a node comes to offer it. A request
+    problem (400), never a lack of capacity a retry could fix."""
+    have = sorted(set(offered))
+    listed = ", ".join(f"{b} ({BACKEND_ISOLATION[b]})" if b in BACKEND_ISOLATION else b
+                       for b in have) or "nothing"
+    tier = isolation_of(spec)
+    what = (f"isolation {tier!r} (backend {spec.backend!r})" if tier is not None
+            else f"backend {spec.backend!r}")
+    return InvalidArgument(
+        f"{what} is not offered by {where}; offered: {listed}. A node offers it by running "
+        f"that backend (`dsec edge --backend {spec.backend}`"
+        + (f", or `dsec up --tiers {tier}`" if tier in ("gvisor", "vm") else "") + ")",
+        field="isolation" if tier is not None else "backend",
+        backend=str(spec.backend), isolation=tier, offered=have)
+
+
 def backend_of(spec: SandboxSpec) -> BackendName:
     """The backend of a resolved spec."""
     if spec.backend is None:
@@ -1026,6 +1046,9 @@ class SandboxStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # shared memory (tmpfs files, SysV and POSIX segments) it created; its writable
     # (upper) layer's bytes are disk_bytes
     qos: str = ""
+    # issue 21: the isolation tier it runs in ("container", "gvisor", "vm"; "" for a
+    # backend in no tier), filled in by the edge whichever backend answered
+    isolation: str = ""
     memory_rss_bytes: int = 0
     memory_cache_bytes: int = 0
     memory_shm_bytes: int = 0

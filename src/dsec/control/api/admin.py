@@ -12,19 +12,20 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from dsec.control.api.service import ApiService, Caller
 from dsec.control.iam import Iam
-from dsec.control.quota import Quota, QuotaIndex
+from dsec.control.quota import Limits, Quota, QuotaIndex
 from dsec.control.registry import Registry
 from dsec.control.store import QuotaRow, SessionRow, StateStore
 from dsec.control.sweeper import Session
 from dsec.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, QuotaExceeded
 from dsec.ids import parse_project_path
 from dsec.wire.api import (
+    MAX_QUOTA,
     CreateKeyRequest,
     CreateKeyResponse,
     KeyList,
@@ -33,6 +34,7 @@ from dsec.wire.api import (
     ProjectView,
     QuotaBody,
     SessionView,
+    TierQuota,
 )
 
 __all__ = ["Admin", "AdminLimits", "AuthCaches"]
@@ -109,7 +111,8 @@ class Admin:
                                                             image_bytes=q.image_bytes,
                                                             network=q.network,
                                                             registry_pull=q.registry_pull,
-                                                            qos_ls=q.qos_ls),
+                                                            qos_ls=q.qos_ls,
+                                                            tiers=_tier_views(q)),
             usage={"sandboxes": u.sandboxes, "cpu_milli": u.cpu_milli,
                    "memory_bytes": u.memory_bytes, "snapshot_bytes": u.snapshot_bytes,
                    **({} if (img := self._image_bytes(path)) is None
@@ -142,7 +145,10 @@ class Admin:
         quota = Quota(max_sandboxes=q.max_sandboxes, cpu_milli=q.cpu_milli,
                       memory_bytes=q.memory_bytes, snapshot_bytes=q.snapshot_bytes,
                       image_bytes=q.image_bytes, network=q.network,
-                      registry_pull=q.registry_pull, qos_ls=q.qos_ls)
+                      registry_pull=q.registry_pull, qos_ls=q.qos_ls,
+                      tiers={t: Limits(max_sandboxes=lim.max_sandboxes,
+                                       cpu_milli=lim.cpu_milli, memory_bytes=lim.memory_bytes)
+                             for t, lim in q.tiers.items()})
         self.quota.set_quota(path, quota)
         self.store.put_quota(QuotaRow(project=path, quota=msgspec.to_builtins(quota)))
         self._sync_snapshots()
@@ -322,3 +328,12 @@ class Admin:
         """Every session in the store (what the sweeper decides on)."""
         return {r.id: Session(r.id, r.principal_id, r.lease_s, r.expires_at, r.closed)
                 for r in self.store.list_sessions()}
+
+
+def _tier_views(q: Quota) -> dict[Any, TierQuota]:
+    """A stored quota's tier limits as the API shows them, each clamped into
+    0..MAX_QUOTA as :meth:`QuotaBody.clamped` does for the overall ones."""
+    def c(v: int | None) -> int | None:
+        return None if v is None else min(max(v, 0), MAX_QUOTA)
+    return {t: TierQuota(max_sandboxes=c(lim.max_sandboxes), cpu_milli=c(lim.cpu_milli),
+                         memory_bytes=c(lim.memory_bytes)) for t, lim in q.tiers.items()}

@@ -164,6 +164,7 @@ from dsec.wire.spec import (
     SandboxSpec,
     SandboxState,
     backend_of,
+    not_offered,
     project_of,
     resolve,
     stored,
@@ -679,9 +680,7 @@ class ControlPlane:
         if offered and spec.backend not in offered:
             # Asking for a backend nobody runs is a request problem (400), not a lack of
             # capacity (503) that a retry could fix.
-            raise InvalidArgument(
-                f"backend {spec.backend!r} is not offered by any node of this cluster; "
-                f"available: {', '.join(sorted(offered))}", field="backend")
+            raise not_offered(spec, offered, "any node of this cluster")
         self.ceiling.check(backend=backend_of(spec), cpu_milli=spec.cpu_milli,
                            memory_bytes=spec.memory_bytes, disk_bytes=spec.disk_bytes)
         # Image refs as the edges report them (Heartbeat.images): placement scores nodes
@@ -2268,7 +2267,7 @@ def _info_of(rec: SandboxRecord) -> SandboxInfo:
                        spec=spec, created_at=rec.created_at, last_active_at=rec.created_at)
 
 
-LAYERED_BACKENDS = frozenset({"container", "runc", "vm"})
+LAYERED_BACKENDS = frozenset({"container", "runc", "gvisor", "vm"})
 """Backends whose sandboxes mount layers of the node's store (and whose snapshots are
 layers): the ones a create may fetch layers for."""
 

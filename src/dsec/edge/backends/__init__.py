@@ -16,13 +16,22 @@ from typing import Any
 from dsec.edge.backend import Backend
 from dsec.errors import InvalidArgument
 
-__all__ = ["BackendFactory", "known_backends", "make_backend", "register_backend"]
+__all__ = ["DISK_POOLED", "LAYERED", "BackendFactory", "known_backends", "make_backend",
+           "register_backend"]
 
 BackendFactory = Callable[..., Backend]
 
 _FACTORIES: dict[str, BackendFactory] = {}
 # Names tried as lazily imported modules when not registered (listed in error messages).
 _LAZY = ("container", "runc", "gvisor", "vm")
+# Backends whose sandboxes start from the node's layer store (the isolation tiers, issue
+# 21): each gets a root dir of its own (``<state-dir>/<name>``) and the ONE images object
+# of its node (``images=``: a layer is mounted once, whichever tier's sandbox reads it).
+LAYERED = ("container", "gvisor", "vm")
+# ... of which those keeping their sandboxes' upper layers in a btrfs disk pool of their
+# own (``default_disk_bytes``/``disk_pool_bytes``; the vm tier's scratch disk is a file
+# per sandbox, sized by the spec).
+DISK_POOLED = ("container", "gvisor")
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:

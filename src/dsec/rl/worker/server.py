@@ -200,7 +200,7 @@ class Worker:
             return sb
         return await self.client.sandboxes.create(
             image=task.image, backend=self.cfg.backend,  # type: ignore[arg-type]
-            memory=self.cfg.memory_bytes,
+            isolation=self.cfg.isolation, memory=self.cfg.memory_bytes,
             project=self.cfg.project, pids_max=256,
             labels={WORKER_LABEL: self.cfg.worker_id, TASK_LABEL: row.task_id},
             idempotency_key=f"rlw-{self.cfg.worker_id}-{row.task_id}-{row.attempt}"[:255])
@@ -226,6 +226,8 @@ class Worker:
                                     "labels": {WORKER_LABEL: self.cfg.worker_id}}
             if self.cfg.backend is not None:
                 over["backend"] = self.cfg.backend
+            if self.cfg.isolation is not None:
+                over["isolation"] = self.cfg.isolation
             self._engine_obj = RolloutEngine(
                 ClientSandboxes(self.client, spec_overrides=over), policy,
                 EngineConfig(max_concurrent_episodes=self.cfg.concurrency,
@@ -381,6 +383,7 @@ class Worker:
                 while len(self._warm) < self.cfg.warm and not away:
                     self._warm.append(await self.client.sandboxes.create(
                         image="base", backend=self.cfg.backend,  # type: ignore[arg-type]
+                        isolation=self.cfg.isolation,
                         memory=self.cfg.memory_bytes, project=self.cfg.project,
                         pids_max=256,
                         labels={WORKER_LABEL: self.cfg.worker_id, TASK_LABEL: "warm"}))

@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from dsec.wire.spec import Isolation
+
 __all__ = ["TASK_ID_PATTERN", "ExecutableJudgeSpec", "JudgeSpec", "PolicySpec",
            "RegexJudgeSpec", "WorkerConfig", "WorkerTask"]
 
@@ -86,8 +88,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     - ``warm``: fresh sandboxes kept ready ahead of tasks (each serves one episode).
     - ``away_after_s``: seconds without a trainer request or open stream after which the
       trainer counts as away and idle (warm) sandboxes are paused; resumed when it is back.
-    - ``backend``/``memory_bytes``: of the episodes' sandboxes (backend ``None``: the
-      server's default).
+    - ``backend``/``isolation``/``memory_bytes``: of the episodes' sandboxes (backend
+      ``None``: the server's default; ``isolation``: the tier, "container", "gvisor" or
+      "vm", which picks the backend when ``backend`` is None: docs/sdk.md "Isolation
+      tiers").
     - ``policy``: the model endpoint for tasks without scripted ``commands``.
     - ``max_attempts``: an episode that fails on infrastructure (sandbox lost, apiserver
       unreachable) is retried from scratch this many times in all, then reported as an
@@ -103,6 +107,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     warm: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     away_after_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     backend: str | None = None
+    isolation: Isolation | None = None
     memory_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 128 << 20
     policy: PolicySpec | None = None
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
