@@ -62,6 +62,7 @@ def test_kernel_cmdline_damon_always_on_with_wide_intervals() -> None:
     assert "damon_reclaim.sample_interval=100000" in cmd
     assert "damon_reclaim.aggr_interval=2000000" in cmd
     # the kernel's default watermarks (500/400/200) reclaim only under 40% free memory
+    assert cmd[0] == "swiotlb=noforce"   # pmem above 4 GiB: no 64 MiB bounce buffer
     assert {"damon_reclaim.wmarks_high=1000", "damon_reclaim.wmarks_mid=999",
             "damon_reclaim.wmarks_low=0"} <= set(cmd)
 
