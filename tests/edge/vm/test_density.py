@@ -55,8 +55,9 @@ def test_everything_off_is_plain_tcg() -> None:
 
 
 def test_kernel_cmdline_damon_always_on_with_wide_intervals() -> None:
-    cmd = d.kernel_cmdline(d.DensityOptions(damon_min_age_s=5, damon_sample_ms=100,
-                                            damon_aggr_ms=2000))
+    assert d.kernel_cmdline(d.DensityOptions()) == ["swiotlb=noforce"]  # DAMON off by default
+    cmd = d.kernel_cmdline(d.DensityOptions(damon_reclaim=True, damon_min_age_s=5,
+                                            damon_sample_ms=100, damon_aggr_ms=2000))
     assert "damon_reclaim.enabled=Y" in cmd
     assert "damon_reclaim.min_age=5000000" in cmd
     assert "damon_reclaim.sample_interval=100000" in cmd
