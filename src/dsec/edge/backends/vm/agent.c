@@ -775,7 +775,7 @@ static void h_setup(uint64_t sid, mp_t body) {
             char mp[64];
             snprintf(mp, sizeof mp, "/layers/%zu", i);
             mkdir(mp, 0755);
-            if (wait_path(layers[i], 5) < 0) { snprintf(err, sizeof err, "layer device %s did not appear within 5 s", layers[i]); code = "not_found"; goto fail; }
+            if (wait_path(layers[i], 30) < 0) { snprintf(err, sizeof err, "layer device %s did not appear within 30 s (device probing under TCG on a loaded host took >5 s)", layers[i]); code = "not_found"; goto fail; }
             if (mount(layers[i], mp, "erofs", MS_RDONLY | MS_NODEV, dax ? "dax=always" : NULL) < 0) {
                 snprintf(err, sizeof err, "mount erofs %s%s at %s: %s", layers[i], dax ? " (dax=always)" : "", mp, strerror(errno)); goto fail;
             }
@@ -783,7 +783,7 @@ static void h_setup(uint64_t sid, mp_t body) {
         }
         if (scratch[0]) {
             mkdir("/scratch", 0755);
-            if (wait_path(scratch, 5) < 0) { snprintf(err, sizeof err, "scratch device %s did not appear within 5 s", scratch); code = "not_found"; goto fail; }
+            if (wait_path(scratch, 30) < 0) { snprintf(err, sizeof err, "scratch device %s did not appear within 30 s", scratch); code = "not_found"; goto fail; }
             if (mount(scratch, "/scratch", "ext4", MS_NOATIME, NULL) < 0) {
                 snprintf(err, sizeof err, "mount ext4 %s at /scratch: %s (the host formats it with mkfs.ext4)", scratch, strerror(errno)); goto fail;
             }
