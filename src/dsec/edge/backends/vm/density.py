@@ -46,6 +46,12 @@ docs/isolation.md, "Density"):
 4. **TCG translation cache cap** (``-accel tcg,tb-size=N`` MiB): the default cache grows
    with the code the guest runs and its pages stay resident; a cap flushes instead.
 
+Measured (QEMU RssAnon of one 512 MiB VM after reading its 91 MiB image and freeing a
+128 MiB tmpfs file): 423 MiB with none of this, 160 MiB with the defaults (plus the
+layer's host page cache, 98 MiB shared by every VM of the image); idle 204 -> 156 MiB.
+Per mechanism: tb-size cap -26 MiB; reporting returns the freed 128 MiB within 10 s;
+pmem+DAX keeps the image out of guest RAM (5 MiB of guest page cache instead of 104).
+
 Pure functions build argv pieces; :func:`prepare_pmem_layer` is the one that touches the
 disk. The host side (``backend.py``) puts :func:`qemu_args` into ``VmSpec.extra``,
 :func:`kernel_cmdline` into the kernel command line and ``tb_size_mib`` into its
