@@ -56,6 +56,8 @@ def test_everything_off_is_plain_tcg() -> None:
 
 def test_kernel_cmdline_damon_always_on_with_wide_intervals() -> None:
     assert d.kernel_cmdline(d.DensityOptions()) == ["swiotlb=noforce"]  # DAMON off by default
+    assert d.kernel_cmdline(d.DensityOptions(page_reporting_order=0)) == [
+        "swiotlb=noforce", "page_reporting.page_reporting_order=0"]
     cmd = d.kernel_cmdline(d.DensityOptions(damon_reclaim=True, damon_min_age_s=5,
                                             damon_sample_ms=100, damon_aggr_ms=2000))
     assert "damon_reclaim.enabled=Y" in cmd
@@ -73,6 +75,7 @@ def test_kernel_cmdline_damon_always_on_with_wide_intervals() -> None:
     ({"damon_min_age_s": 0}, "damon_min_age_s"),
     ({"damon_sample_ms": 500, "damon_aggr_ms": 100}, "sample <= aggregation"),
     ({"damon_quota_bytes_per_s": 1000}, "1 MiB/s"),
+    ({"page_reporting_order": 11}, "page order"),
 ])
 def test_options_refuse_nonsense(kw: dict[str, float], match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
