@@ -15,7 +15,8 @@ the reason and measured no further: never a figure from something else. Needs ro
 Environment: ``DSEC_BENCH_TIERS`` (comma list, default all three), ``DSEC_BENCH_CONTAINER_DIR``
 (where backend roots go, default /var/tmp), ``DSEC_BENCH_TIER_IDLE_S`` (settle time before
 the idle memory reading; default 40 s full, 10 s quick: a VM returns its boot-time memory
-to the host over ~30 s, see vm/density.py).
+to the host over ~30 s, see vm/density.py), ``DSEC_BENCH_VM_WARM_POOL`` (0/1: the vm
+backend's warm pool; default: the backend's own default, on).
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ def _backend(tier: str, work: str, images: str) -> tuple[Any, str]:
     name: str = TIER_BACKENDS.get(tier, tier)  # type: ignore[call-overload]
     if name == "container":
         opts["runtime"] = "native"
+    pool = os.environ.get("DSEC_BENCH_VM_WARM_POOL")
+    if name == "vm" and pool:
+        opts["warm_pool"] = pool not in ("0", "false", "no")
     try:
         return make_backend(name, **opts), ""
     except Exception as exc:  # noqa: BLE001 - the reason is the figure
@@ -283,8 +287,10 @@ async def _run(ctx: BenchContext, work: str, tiers: list[Isolation]) -> None:
     idle_env = os.environ.get("DSEC_BENCH_TIER_IDLE_S")
     for tier in tiers:
         b, why = _backend(tier, work, images)
-        ctx.record("tier_available", 0 if b is None else 1, "bool", isolation=tier,
-                   **({"reason": why} if why else {}))
+        extra: dict[str, Any] = {"reason": why} if why else {}
+        if b is not None and hasattr(b, "pool"):
+            extra["warm_pool"] = b.pool is not None
+        ctx.record("tier_available", 0 if b is None else 1, "bool", isolation=tier, **extra)
         if b is None:
             ctx.note(f"{tier}: not available on this node ({why}); not measured")
             continue
