@@ -118,9 +118,10 @@ def _build_image(images: str) -> int:
     return n
 
 
-def _qemu_memory(root_dir: str) -> tuple[float, float] | None:
-    """(private, shared file) bytes per QEMU process whose command line names
-    ``root_dir`` (the vm backend's sandboxes), or None when there is none."""
+def _qemu_memory(marker: str) -> tuple[float, float] | None:
+    """(private, shared file) bytes per QEMU process whose command line holds ``marker``
+    (the vm backend's ``-name guest=dsec-vm.<key>.<sid>``, excluding warm-pool template
+    builders), or None when there is none."""
     anon: list[int] = []
     shared: list[int] = []
     for pid in os.listdir("/proc"):
@@ -129,7 +130,8 @@ def _qemu_memory(root_dir: str) -> tuple[float, float] | None:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read()
-            if b"qemu-system" not in argv.split(b"\0", 1)[0] or root_dir.encode() not in argv:
+            if b"qemu-system" not in argv.split(b"\0", 1)[0] or marker.encode() not in argv \
+                    or f"{marker}pool-".encode() in argv:
                 continue
             with open(f"/proc/{pid}/status") as f:
                 status = dict(line.split(":", 1) for line in f if ":" in line)
@@ -167,8 +169,8 @@ async def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-async def _measure(ctx: BenchContext, tier: Isolation, b: Any, p: TierPlan, usr_files: int,
-                   root_dir: str) -> None:
+async def _measure(ctx: BenchContext, tier: Isolation, b: Any, p: TierPlan,
+                   usr_files: int) -> None:
     node = NodeId("bench")
     spec = SandboxSpec(backend=TIER_BACKENDS[tier], isolation=tier, memory_bytes=512 << 20,
                        pids_max=256)
@@ -245,7 +247,8 @@ async def _measure(ctx: BenchContext, tier: Isolation, b: Any, p: TierPlan, usr_
         delta = (_used() - before) / p.n_idle
         st = [await b.stats(s) for s in made]
         charged = sum(x.memory_host_bytes or x.memory_bytes for x in st) / len(st)
-        qemu = _qemu_memory(root_dir) if tier == "vm" else None
+        key = getattr(b, "key", None)
+        qemu = _qemu_memory(f"guest=dsec-vm.{key}.") if tier == "vm" and key else None
         # What one sandbox is answerable for: its cgroup charge (plus the kernel memory the
         # backend knows it spends outside it); for a VM, QEMU's private memory (guest RAM
         # it touched, its heap, the translation cache): the layer pages it maps are the
@@ -296,7 +299,7 @@ async def _run(ctx: BenchContext, work: str, tiers: list[Isolation]) -> None:
             continue
         p = plan(tier, quick=ctx.quick, idle_s=float(idle_env) if idle_env else None)
         try:
-            await _measure(ctx, tier, b, p, usr_files, os.path.join(work, tier))
+            await _measure(ctx, tier, b, p, usr_files)
         except Exception as exc:  # noqa: BLE001 - one tier failing keeps the others
             ctx.note(f"{tier}: measurement failed: {type(exc).__name__}: {exc}"[:400])
 
