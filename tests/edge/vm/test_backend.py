@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from dsec.edge.backends.vm.backend import VmBackend
 from dsec.errors import Conflict, DsecError, InvalidArgument, NotFound
 from dsec.ids import SandboxId
+from dsec.image.mount import sys_mount, sys_umount
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult, PtySize, SandboxSpec
 
 pytestmark = pytest.mark.root
@@ -65,6 +67,10 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
     await b.remove(sid, "/bin/vi")                                   # a whiteout
     with pytest.raises(NotFound):
         await b.stat(sid, "/bin/vi")
+    # a channel that closed (a guest that sent garbage gets it closed) is dialled again
+    assert vm.link is not None
+    await vm.link.close()
+    assert (await b.exec(sid, ExecRequest(argv=("true",)))).exit_code == 0
     s = await b.stats(sid)
     assert s.memory_bytes > 0 and s.disk_cap_bytes == 64 << 20 and s.disk_bytes > 0
 
@@ -85,6 +91,9 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
     assert vm.rec.paused and not _qemu_alive(b, sid)
     await b.resume(sid)
     assert not os.path.exists(os.path.join(vm.dir, "mem.bin"))
+    # the restored guest's clock is the host's again (it ran on the saved virtual clock)
+    r = await b.exec(sid, ExecRequest(argv=("date", "+%s")))
+    assert abs(int(r.stdout) - time.time()) < 5
     r = await b.exec(sid, ExecRequest(shell="head -c 5 /root/notes.txt; ls /bin/vi"))
     assert r.stdout == b"xxxxx" and r.exit_code != 0
 
@@ -107,11 +116,16 @@ async def test_lifecycle_files_snapshot_pause_resume(vm_backend: VmBackend) -> N
 async def test_density_guest_then_qemu_killed_is_a_backend_crash(
         vm_backend: VmBackend) -> None:
     """With density on (layers on virtio-pmem + DAX, balloon, DAMON): the image is read
-    through pmem, pause leaves the regions out of the memory file and resume works; then
-    QEMU killed from outside is reported as a backend crash."""
+    through pmem, pause leaves the regions out of the memory file and resume works; a
+    full host filesystem under the guest is I/O errors inside, the VM runs on; then QEMU
+    killed from outside is reported as a backend crash."""
     from dsec.edge.backends.vm.density import DensityOptions
 
-    b = VmBackend(root_dir=vm_backend.root_dir + "-dens", images=vm_backend.images,
+    root = vm_backend.root_dir + "-dens"
+    os.makedirs(root)
+    # a small filesystem of its own, so the host can run out of room under the guest
+    sys_mount("vmdens", root, "tmpfs", 0, "size=400m,mode=0700")
+    b = VmBackend(root_dir=root, images=vm_backend.images,
                   kernel=vm_backend.kernel, initrd=vm_backend.initrd,
                   append=vm_backend.append, density=DensityOptions())
     events: list[tuple[str, str, str]] = []
@@ -132,6 +146,22 @@ async def test_density_guest_then_qemu_killed_is_a_backend_crash(
         await b.pause(sid)
         await b.resume(sid)
         assert await b.read_file(sid, "/root/f") == b"dens"
+
+        # the host filesystem fills under the guest's disk: the guest gets I/O errors
+        # and runs on (QEMU's default would stop the VM for good, silently)
+        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+        fd = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.posix_fallocate(fd, 0, free - (8 << 20))
+        os.close(fd)
+        await b.exec(sid, ExecRequest(
+            shell="dd if=/dev/zero bs=1M count=16 2>/dev/null | tr '\\0' x > /root/big; "
+                  "sync", timeout_s=60))
+        vm = b._vms[sid]
+        assert vm.qmp is not None
+        assert (await vm.qmp.execute("query-status"))["status"] == "running"
+        assert (await b.exec(sid, ExecRequest(argv=("echo", "alive")))).stdout == b"alive\n"
+        os.unlink(os.path.join(root, "filler"))
+
         os.kill(b._vms[sid].rec.pid, signal.SIGKILL)
         for _ in range(200):
             if events:
@@ -144,6 +174,7 @@ async def test_density_guest_then_qemu_killed_is_a_backend_crash(
         for s in list(b._vms):
             await b.destroy(s)  # type: ignore[arg-type]
         await b.close()
+        sys_umount(root, detach=True)
 
 
 _EDGE = """
@@ -202,6 +233,13 @@ async def test_warm_pool_clones_a_saved_guest(vm_backend: VmBackend) -> None:
                                                 "echo ok"))
     assert r.stdout.split()[-1] == b"ok" and b"mine" not in r.stdout
     assert await b.read_file(sids[0], "/root/mine") == b"1"
+    # a template that cannot be restored is removed and the create boots cold
+    os.truncate(template, 4096)
+    bad = SandboxId("sb-vh-warm3")
+    await b.create(bad, SPEC)
+    assert not os.path.exists(template)
+    assert (await b.exec(bad, ExecRequest(argv=("true",)))).exit_code == 0
+    await b.destroy(bad)
     # the clones can pause and resume like any guest
     await b.pause(sids[0])
     await b.resume(sids[0])

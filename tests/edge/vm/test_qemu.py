@@ -42,6 +42,7 @@ def test_every_file_is_a_descriptor_and_the_sandbox_is_on() -> None:
     assert [d.split(",")[0] for d in drives] == ["file=/dev/fdset/1", "file=/dev/fdset/2",
                                                  "file=/dev/fdset/3"]
     assert ["readonly=on" in d for d in drives] == [True, True, False]
+    assert "werror=report" in drives[2] and "discard=unmap" in drives[2]
     # /dev/vda, vdb, vdc in command-line order: fixed, increasing PCI slots
     blk = [d for d in _after(argv, "-device") if d.startswith("virtio-blk-pci")]
     assert [d.rsplit("addr=", 1)[1] for d in blk] == ["0x4", "0x5", "0x6"]
@@ -49,6 +50,7 @@ def test_every_file_is_a_descriptor_and_the_sandbox_is_on() -> None:
     assert _after(argv, "-sandbox") == [
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
     assert "-runas" not in argv                  # started unprivileged instead
+    assert "vmgenid,guid=auto" in _after(argv, "-device")   # clones reseed their RNG
     assert _after(argv, "-accel") == ["tcg,tb-size=32"]
     assert _after(argv, "-M") == ["pc"]
     assert sorted(s.fds()) == [3, 4, 5, 6, 7, 8, 9, 10, 11]
@@ -101,3 +103,16 @@ def test_agent_results_are_held_to_the_request() -> None:
     bg = checked_result(ExecResult(exit_code=0, pid=77),
                         ExecRequest(argv=("x",), background=True))
     assert bg.pid == 77
+
+
+def test_exec_defaults_come_from_the_spec() -> None:
+    from dsec.edge.backends.vm.backend import VmBackend, _Record, _Vm
+    from dsec.edge.governor import SandboxCgroup
+    from dsec.wire.spec import SandboxSpec
+
+    vm = _Vm(sid="sb-1", spec=SandboxSpec(cwd="/work", user="agent"), dir="",
+             rec=_Record(sid="sb-1", uid=0), cg=SandboxCgroup(1, {}))
+    got = VmBackend._with_defaults(vm, ExecRequest(argv=("x",)))
+    assert (got.cwd, got.user) == ("/work", "agent")
+    own = VmBackend._with_defaults(vm, ExecRequest(argv=("x",), cwd="/tmp", user="root"))
+    assert (own.cwd, own.user) == ("/tmp", "root")

@@ -1632,7 +1632,9 @@ int main(int argc, char **argv) {
         pf[n] = (struct pollfd){ sfd, POLLIN, 0 }; pj[n] = NULL; n++;
         /* the host not reading its replies stops the agent reading its requests */
         if (connected) { pf[n] = (struct pollfd){ port_fd, (outb.len < 4 * OUT_HIGH ? POLLIN : 0) | (outb.len ? POLLOUT : 0), 0 }; pj[n] = NULL; n++; }
-        double now = now_mono(), wake = now + (connected ? 3600 : 1.0);
+        /* disconnected: SIGIO (port open/close) wakes the loop; the 10 s probe is a fallback
+         * that costs an idle guest one wakeup per 10 s, not per second */
+        double now = now_mono(), wake = now + (connected ? 3600 : 10.0);
         for (int i = 0; i < MAX_EXECS; i++) {
             job_t *j = &jobs[i];
             if (!j->used) continue;

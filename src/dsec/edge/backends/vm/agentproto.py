@@ -252,9 +252,10 @@ class DiffResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     pack_diff expects. Opaque directories (xattr trusted.overlay.opaque = "y") are a
     directory member preceded by a pax extended header (type x) with the record
     ``SCHILY.xattr.trusted.overlay.opaque=y``. Other xattrs, devices, fifos and sockets
-    are skipped and counted in ``skipped``. Names longer than ustar's 100 (+155 prefix)
-    bytes get a pax ``path`` record; symlink targets over 100 bytes a ``linkpath`` one.
-    uid/gid/mode/mtime are the upper dir's values."""
+    are skipped and counted in ``skipped``. Names of 100 bytes or more get a pax
+    ``path`` record (ustar's prefix field is not used), symlink targets of 100 or more a
+    ``linkpath`` one, files of 8 GiB or more a ``size`` one. uid/gid/mode/mtime are the
+    upper dir's values. docs/vm.md has the table."""
 
     bytes: int = 0
     entries: int = 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -33,7 +34,7 @@ import time
 from collections.abc import AsyncIterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -77,6 +78,7 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.ids import SandboxId
+from dsec.image.compose import RootStack
 from dsec.ownership import start_time
 from dsec.rmtree import remove_tree
 from dsec.wire.spec import (
@@ -91,6 +93,9 @@ from dsec.wire.spec import (
     qos_of,
 )
 
+if TYPE_CHECKING:
+    from dsec.edge.backends.container.disk import DiskPool
+
 __all__ = ["VmBackend"]
 
 log = logging.getLogger("dsec.edge.vm")
@@ -103,7 +108,8 @@ DEFAULT_OVERHEAD_BYTES = 96 << 20
 QEMU_PIDS = 256
 UID_BASE = 300000
 UID_SLOTS = 65536
-MAX_READ_BYTES = 64 << 20       # read_file without a length: larger files -> ranges
+MAX_READ_BYTES = 64 << 20
+PAUSE_DRAIN_S = 10.0            # how long a pause waits for the agent's calls in flight       # read_file without a length: larger files -> ranges
 
 
 class _Record(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -138,6 +144,24 @@ class _Vm:
     oom_seen: int = 0
     dead: bool = False
     setup: ap.SetupResult | None = None     # what the agent mounted (diagnostics)
+
+
+def _drain_pipe(r: int, out: int) -> int:
+    """Copy pipe ``r`` into file ``out`` until EOF (splice: no copy through userspace)."""
+    n = 0
+    while True:
+        try:
+            got = os.splice(r, out, 1 << 20)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise
+            data = os.read(r, 1 << 20)
+            if data:
+                os.write(out, data)
+            got = len(data)
+        if got == 0:
+            return n
+        n += got
 
 
 def _fsync(path: str) -> None:
@@ -181,7 +205,7 @@ class _SnapshotHost:
 
     def __init__(self, b: VmBackend) -> None:
         self._b = b
-        self.disk = _NoDiskPool()
+        self.disk = cast("DiskPool", _NoDiskPool())
 
     @property
     def name(self) -> str:
@@ -298,6 +322,21 @@ class VmBackend:
             raise Conflict(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         return vm
 
+    async def _ready(self, sid: str) -> _Vm:
+        """A running sandbox with a live agent channel. A channel the guest broke (bad
+        frames close it) is dialled again: the agent takes a new connection at any time
+        (docs/vm.md), and a guest that keeps breaking it only fails its own calls."""
+        vm = self._running(sid)
+        assert vm.link is not None
+        if vm.link.closed:
+            async with vm.lock:
+                if vm.link is not None and vm.link.closed and not vm.rec.paused:
+                    log.info("vm sandbox %s: agent channel closed, reconnecting", sid)
+                    vm.link = await AgentLink.open(os.path.join(vm.dir, "a"), sid,
+                                                   timeout=10.0)
+            vm = self._running(sid)
+        return vm
+
     def _alloc_uid(self, sid: str) -> int:
         """A uid no other VM on this host runs as, for ``sid``: claimed by creating
         ``<uid_dir>/<uid>`` (O_EXCL) naming this backend and the sandbox, so two edges
@@ -366,8 +405,9 @@ class VmBackend:
             if isinstance(self.images, StoreImages):
                 store = self.images.store
                 stack = layers.token
+                assert isinstance(stack, RootStack)
                 files = []
-                for m in reversed(stack.layers):  # type: ignore[union-attr]
+                for m in reversed(stack.layers):
                     p = store.layer_path(m)
                     if not os.path.exists(p):
                         raise InvalidArgument(
@@ -692,13 +732,15 @@ class VmBackend:
             vm.cg = self.governor.create(sid, self._limits(spec, mem))
             self._save(vm)
             template = self.pool.get(self._pool_key(rec)) if self.pool is not None else None
-            await self._start(vm, incoming=template)
+            if template is not None:
+                template = await self._start_warm(vm, template)
+            if template is None:
+                await self._start(vm, incoming=None)
             assert vm.link is not None
-            if vm.link.hello_reply.setup_done:
-                raise BackendError(f"sandbox {sid}: the warm-pool template {template} holds "
-                                   "a guest that was already set up; remove it")
             rec.boot_id = vm.link.hello_reply.boot_id
             await self._setup(vm)
+            if template is not None:
+                await self._sync_clock(vm)
             self._save(vm)
         except BaseException:
             await self._teardown(vm)
@@ -707,6 +749,29 @@ class VmBackend:
             self._warm_later(rec, spec)
 
     # -- warm pool --------------------------------------------------------------------
+    async def _start_warm(self, vm: _Vm, template: str) -> str | None:
+        """Start ``vm`` from the warm-pool ``template``; a template that cannot be
+        restored (or holds a guest already set up) is removed and None returned, and the
+        create boots cold instead of failing every time."""
+        try:
+            await self._start(vm, incoming=template)
+            assert vm.link is not None
+            if not vm.link.hello_reply.setup_done:
+                return template
+            why = "it holds a guest that was already set up"
+            await vm.link.close()
+            vm.link = None
+            self._kill(vm)
+            await self._wait_exit(vm, 5.0)
+            self._close_handles(vm)
+        except DsecError as exc:
+            why = str(exc)[:300]
+        log.warning("vm sandbox %s: warm-pool template %s not usable (%s): removed, "
+                    "booting cold", vm.sid, template, why)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(template)
+        return None
+
     def _pool_key(self, rec: _Record) -> PoolKey:
         return PoolKey(layer_files=tuple(rec.layer_files), memory_mib=rec.memory_mib,
                        vcpus=rec.vcpus, disk_bytes=rec.disk_bytes, kernel=self.kernel,
@@ -776,6 +841,26 @@ class VmBackend:
             return None
         finally:
             await self._teardown(vm)
+
+    async def _sync_clock(self, vm: _Vm) -> None:
+        """Set the guest's wall clock to the host's after a restore. Under TCG the guest
+        clock runs on QEMU's virtual clock, which the memory file carries: a restored
+        guest lags by however long it was saved (measured: -13.6 s after an 8 s pause; a
+        warm-pool clone by the template's age). Stopgap until the agent has a time call:
+        ``date -u -s @<seconds>`` as root in the sandbox (busybox and coreutils both
+        take it); without a ``date`` the clock stays behind (logged)."""
+        if vm.link is None or not vm.link.hello_reply.setup_done and vm.setup is None:
+            return
+        try:
+            res = await vm.link.exec(ExecRequest(
+                argv=("date", "-u", "-s", f"@{int(time.time())}"), user="root", cwd="/",
+                timeout_s=10.0, output_cap_bytes=4096))
+        except DsecError as exc:
+            log.info("vm sandbox %s: guest clock not set after restore: %s", vm.sid, exc)
+            return
+        if res.exit_code != 0:
+            log.info("vm sandbox %s: guest clock not set after restore (date exited %d: "
+                     "%s)", vm.sid, res.exit_code, res.stderr[:200])
 
     async def _setup(self, vm: _Vm) -> None:
         assert vm.link is not None
@@ -902,23 +987,56 @@ class VmBackend:
         """Quiesce the guest, stop it, write its memory and device state into ``part``
         (QMP ``migrate fd:``) and quit QEMU. On failure the guest runs on."""
         assert vm.link is not None and vm.qmp is not None
+        # The agent's port state travels with the memory: a call in flight now would be
+        # answered into a socket that no longer exists (docs/vm.md). Let calls end first
+        # (the node admits no new ones while it pauses); those still running fail.
+        deadline = time.monotonic() + PAUSE_DRAIN_S
+        while vm.link.conn.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await vm.link.call("quiesce", ap.QuiesceRequest(), ap.QuiesceResult, timeout=60.0)
         await vm.qmp.execute("stop")
+        # QEMU writes the memory into a pipe and the edge copies it into the file: the
+        # file's pages are then charged to the edge, not to the VM's cgroup, which its
+        # guest RAM already fills (measured: QEMU writing a 75 MiB memory file itself
+        # into a tmpfs root was OOM-killed in its cgroup; on a disk its dirty pages
+        # throttle it against its own limit)
+        out = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        copier = asyncio.ensure_future(asyncio.to_thread(_drain_pipe, r, out))
         try:
-            await self._migration_caps(vm)
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[fd])
+                await self._migration_caps(vm)
+                await vm.qmp.execute("getfd", {"fdname": "mig"}, fds=[w])
             finally:
-                os.close(fd)
+                os.close(w)     # QEMU holds its own copy: EOF when it closes it
             await vm.qmp.execute("migrate", {"uri": "fd:mig"})
             await self._wait_migrated(vm)
-        except BaseException:
+            # QEMU closes the migration fd when it completes: the copy ends with it
+            # (before QEMU quits: a copy that failed must leave the guest running)
+            async with asyncio.timeout(60.0):
+                await asyncio.shield(copier)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await vm.qmp.execute("migrate_cancel")
+            with contextlib.suppress(Exception):
+                await vm.qmp.execute("closefd", {"fdname": "mig"})
             with contextlib.suppress(Exception):
                 await vm.qmp.execute("cont")
+            await self._end_copier(vm, copier)
+            os.close(r)
+            os.close(out)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(part)
+            if isinstance(exc, OSError):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityExceeded(
+                        f"pausing sandbox {vm.sid}: the host filesystem of {self.root_dir} "
+                        "filled while its memory was saved; it runs on") from exc
+                raise BackendError(f"pausing sandbox {vm.sid}: saving its memory failed: "
+                                   f"{exc.strerror or exc}; it runs on") from exc
             raise
+        os.close(r)
+        os.close(out)
         vm.expected_exit = True
         with contextlib.suppress(DsecError):
             await vm.qmp.execute("quit", timeout=5.0)
@@ -928,6 +1046,20 @@ class VmBackend:
             self._kill(vm)
             await self._wait_exit(vm, 5.0)
         self._close_handles(vm)
+
+    async def _end_copier(self, vm: _Vm, copier: asyncio.Future[int]) -> None:
+        """Let a memory-file copy thread end (QEMU closing its end of the pipe); if QEMU
+        keeps it open, kill QEMU: the thread must not outlive the descriptors it uses."""
+        try:
+            async with asyncio.timeout(10.0):
+                await asyncio.shield(copier)
+            return
+        except TimeoutError:
+            self._kill(vm)
+        except Exception:  # noqa: BLE001 - the copy's own failure: it has ended
+            return
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(copier)
 
     async def _wait_migrated(self, vm: _Vm) -> None:
         assert vm.qmp is not None
@@ -965,6 +1097,7 @@ class VmBackend:
         vm.rec.paused = False
         self._save(vm)
         os.unlink(mem)
+        await self._sync_clock(vm)
         self.governor.after_resume(vm.cg)
 
     # -- exec -------------------------------------------------------------------------
@@ -975,9 +1108,20 @@ class VmBackend:
         if req.hide:
             raise _refuse("exec hide= (Landlock on the host kernel)")
 
+    @staticmethod
+    def _with_defaults(vm: _Vm, req: ExecRequest) -> ExecRequest:
+        """The sandbox's default cwd and user (spec.cwd/user: the image's WorkingDir and
+        User) where the exec names none, as the container backend does."""
+        if (req.cwd is None and vm.spec.cwd is not None) or (
+                req.user is None and vm.spec.user is not None):
+            req = msgspec.structs.replace(req, cwd=req.cwd or vm.spec.cwd,
+                                          user=req.user or vm.spec.user)
+        return req
+
     async def exec(self, sid: SandboxId, req: ExecRequest) -> ExecResult:
         self._check_exec(req)
-        vm = self._running(sid)
+        vm = await self._ready(sid)
+        req = self._with_defaults(vm, req)
         assert vm.link is not None
         res = await vm.link.exec(req)
         if res.oom_killed:
@@ -987,7 +1131,8 @@ class VmBackend:
     async def exec_stream(self, sid: SandboxId,
                           req: ExecRequest) -> AsyncIterator[ExecChunk | ExecResult]:
         self._check_exec(req)
-        vm = self._running(sid)
+        vm = await self._ready(sid)
+        req = self._with_defaults(vm, req)
         assert vm.link is not None
         async for item in vm.link.exec_stream(req):
             yield item
@@ -1000,33 +1145,33 @@ class VmBackend:
     # -- files ------------------------------------------------------------------------
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
                         length: int | None = None) -> bytes:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         return await vm.link.read(path, offset, length, max_bytes=MAX_READ_BYTES)
 
     async def write_file(self, sid: SandboxId, path: str, data: bytes, *, mode: int = 0o644,
                          append: bool = False) -> None:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         await vm.link.write(path, data, mode=mode, append=append)
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         return await vm.link.list(path)
 
     async def stat(self, sid: SandboxId, path: str) -> FileInfo:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         return await vm.link.call("stat", ap.PathRequest(path=path), FileInfo)
 
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         await vm.link.call("mkdir", ap.MkdirRequest(path=path, parents=parents), ap.Ok)
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
-        vm = self._running(sid)
+        vm = await self._ready(sid)
         assert vm.link is not None
         await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
 
@@ -1153,6 +1298,8 @@ class VmBackend:
         if vm.rec.paused or vm.link is None:
             return SandboxStats(memory_bytes=mem, memory_peak_bytes=peak, cpu_seconds=cpu_s,
                                 disk_cap_bytes=vm.rec.disk_bytes)
+        vm = await self._ready(sid)
+        assert vm.link is not None
         g = await vm.link.call("stats", None, ap.GuestStats, timeout=10.0)
         if g.oom_kills > vm.oom_seen:
             if vm.oom_seen or g.oom_kills:
@@ -1190,6 +1337,10 @@ class VmBackend:
         procs = await asyncio.to_thread(self._qemu_pids)
         cgs = set(self.governor.list_sandboxes())
         await asyncio.to_thread(self._stale_uid_claims, set(keep) | set(self._vms))
+        if self.pool is not None:   # template builds an edge crash interrupted
+            for e in os.scandir(self.pool.root):
+                if e.name.endswith(".build") and e.name[:-6] not in self._building:
+                    await asyncio.to_thread(remove_tree, e.path)
         out = []
         building = {"pool-" + k[:16] for k in self._building}
         for sid in sorted((names | set(procs) | cgs) - set(keep) - set(self._vms) - building):

@@ -10,8 +10,9 @@ is keyed by everything that shapes them: the layer files, the guest RAM and vCPU
 scratch disk size (virtio-blk's capacity is read once by the guest driver at boot), the
 kernel, initramfs and command line, and the extra QEMU arguments (density options).
 
-Clones share the template's kernel state, including its random-number generator state
-until the guest reseeds it; the host passes no entropy to a clone yet (see docs/vm.md).
+Clones share the template's kernel state. Its random-number generator state is not
+replayed: every QEMU start gets a new ``vmgenid`` generation id (qemu.py), on which the
+guest kernel reseeds (docs/vm-host.md).
 """
 
 from __future__ import annotations

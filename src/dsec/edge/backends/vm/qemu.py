@@ -126,10 +126,18 @@ def qemu_argv(spec: VmSpec) -> list[str]:
              "-chardev", f"socket,id=qmp,fd={spec.qmp_fd},server=on,wait=off",
              "-mon", "chardev=qmp,mode=control",
              "-chardev", f"socket,id=agent,fd={spec.agent_fd},server=on,wait=off",
+             # a new generation id per QEMU start, restores included: the guest kernel
+             # (CONFIG_VMGENID=y) reseeds its RNG, so warm-pool clones and a resumed
+             # sandbox do not replay the saved guest's random numbers
+             "-device", "vmgenid,guid=auto",
              "-device", "virtio-serial-pci,id=vser0,addr=0x2",
              "-device", "virtserialport,bus=vser0.0,chardev=agent,name=dsec.agent"]
     for i, d in enumerate(spec.disks):
-        ro = ",readonly=on" if d.readonly else ""
+        # writable: a full host filesystem is an I/O error in the guest, not a VM
+        # silently stopped (QEMU's default werror=enospc pauses it); blocks the guest
+        # discards are punched out of the sparse file
+        ro = (",readonly=on" if d.readonly else
+              ",werror=report,rerror=report,discard=unmap,detect-zeroes=unmap")
         argv += ["-add-fd", f"fd={d.fd},set={i + 1}"]
         if not d.readonly:
             if d.rw_fd is None:
