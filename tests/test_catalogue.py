@@ -87,6 +87,7 @@ from dsec.wire.calls import (
     QuotaSet,
     ReadFile,
     Remove,
+    ResumeOnNode,
     SandboxRef,
     SessionOpen,
     SessionRef,
@@ -397,6 +398,8 @@ def _edge_body(op: Op[Any, Any], req: Any) -> Any:
         return ListRequest(project=req.project, labels=req.labels, state=req.state)
     if op is ops.DESTROY:
         return DestroyOnNode(id=req.id)
+    if op is ops.RESUME:
+        return ResumeOnNode(id=req.id)
     if isinstance(req, SnapshotCall):
         return SnapshotOnNode(id=req.id, strip=req.strip)
     if isinstance(req, NetworkUpdate):

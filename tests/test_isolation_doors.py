@@ -209,3 +209,21 @@ def test_an_edge_reached_directly_resolves_and_refuses_tiers_the_same_way(
                                "not offered by node tier-0; offered: gvisor \\(gvisor\\)"):
                 await edge.create(isolation="vm")
     tiered.cluster._on_loop(direct(), timeout=60)
+
+
+def test_listings_filter_by_tier_at_every_door(tiered: Tiered) -> None:
+    with tiered.cluster.client(protocol="aether") as c:
+        g = c.sandboxes.create(isolation="gvisor", labels={"lf": "1"}, detached=True)
+        k = c.sandboxes.create(isolation="container", labels={"lf": "1"}, detached=True)
+        for transport in ("aether", "http"):
+            with tiered.cluster.client(protocol=transport) as t:
+                assert [s.id for s in t.sandboxes.list(labels={"lf": "1"},
+                                                       isolation="gvisor")] == [g.id]
+                assert [s.id for s in t.sandboxes.list(labels={"lf": "1"},
+                                                       isolation="container")] == [k.id]
+                assert t.sandboxes.list(labels={"lf": "1"}, isolation="vm") == []
+    r = httpx.get(f"{tiered.cluster.url}/v1/sandboxes", params={"isolation": "kvm"},
+                  headers={"authorization": f"Bearer {tiered.cluster.api_key}"}, timeout=30)
+    assert r.status_code == 400 and "isolation" in r.text, r.text
+    code, out = tiered.cli("sandbox", "ls", "--isolation", "gvisor", "--label", "lf=1", "-q")
+    assert code == 0 and out.split() == [g.id], out

@@ -94,3 +94,28 @@ def test_dsec_up_tiers_are_checked_and_passed_on() -> None:
     r = CliRunner().invoke(up, ["--tiers", "gvisor,kvm"])
     assert r.exit_code == 2 and "'kvm' is no isolation tier" in r.output, r.output
     assert _up_flags({"tiers": ("gvisor", "vm")}) == ["--tiers", "gvisor,vm"]
+
+
+def test_two_pooled_tiers_split_the_nodes_disk_pool(tmp_path: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """container and gvisor each preallocate a btrfs pool: sized on their own, each took
+    the default share of the free space and the second found none left (measured: the
+    edge did not start). The node's pool is split between them instead."""
+    from dsec.cli.edge import pool_split
+    from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
+
+    monkeypatch.delenv(POOL_SIZE_ENV, raising=False)
+    d = str(tmp_path)
+    assert pool_split(1, 4 << 30, d) == 4 << 30 and pool_split(1, None, d) is None
+    assert pool_split(2, 4 << 30, d) == 2 << 30
+    assert pool_split(2, 300 << 20, d) == MIN_POOL_BYTES
+    vfs = os.statvfs(d)
+    assert pool_split(2, None, d) == max(MIN_POOL_BYTES,
+                                         pool_size_for(vfs.f_bavail * vfs.f_frsize) // 2)
+    assert pool_split(2, None, None) is None
+    monkeypatch.setenv(POOL_SIZE_ENV, str(6 << 30))
+    assert pool_split(2, None, d) == 3 << 30
+    rt = ClusterRuntime(ClusterConfig(state_dir=d, backend="container", tiers=("gvisor",),
+                                      disk_pool_bytes=4 << 30))
+    assert rt._backend_opts("gvisor", "edge-0")["disk_pool_bytes"] == 2 << 30
+    assert rt._backend_opts("container", "edge-0")["disk_pool_bytes"] == 2 << 30

@@ -138,6 +138,12 @@ sb.files.write("/tmp/d.txt", "tls")
 out["read"] = sb.files.read("/tmp/d.txt")
 out["listed"] = sb.sandbox_id in [s.sandbox_id for s in Sandbox.list(proxy=proxy).next_items()]
 out["killed"] = sb.kill()
+from e2b_code_interpreter import Sandbox as CodeSandbox
+cs = CodeSandbox.create("e2b-python", timeout=120, proxy=proxy)
+out["code_id"] = cs.sandbox_id
+out["code"] = cs.run_code("6 * 7").text
+out["contexts"] = [c.cwd for c in [cs.create_code_context(cwd="/tmp")]]
+cs.kill()
 print(json.dumps(out))
 """
 
@@ -177,6 +183,9 @@ def test_sdk_over_tls_by_host_name(e2b_cluster: LocalCluster,
         "via-domain\n", "tls", True, True), got
     # every request went by host name over TLS: the API's and the sandbox's
     assert f"api.{DOMAIN}:443" in proxy.hosts and f"49983-{sid}.{DOMAIN}:443" in proxy.hosts
+    # the code interpreter's port by host name too
+    assert (got["code"], got["contexts"]) == ("42", ["/tmp"]), got
+    assert f"49999-{got['code_id']}.{DOMAIN}:443" in proxy.hosts
 
 
 def test_host_routing_refuses_other_ports_and_unknown_ids(

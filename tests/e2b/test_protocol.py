@@ -76,10 +76,20 @@ def test_control_statuses_and_error_bodies(api: httpx.Client, e2b_target: E2BTar
         assert r.status_code == 404 and r.json()["code"] == 404, (method, r.text)
     r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", "imagee": 1})
     assert r.status_code == 400 and "unknown field 'imagee'" in r.json()["message"]
+    for bad, words in (({"autoPause": "yes"}, "autoPause must be true or false"),
+                       ({"autoResume": True}, 'autoResume must be {"enabled"')):
+        r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", **bad})
+        assert r.status_code == 400 and words in r.json()["message"], r.text
+    r = api.get("/v2/sandboxes", params={"order": "asc", "nextToken": "k:x:y"})
+    assert r.status_code == 400 and "nextToken is not one" in r.json()["message"]
+    r = api.get("/v2/sandboxes", params={"order": "sideways"})
+    assert r.status_code == 400 and "must be asc or desc" in r.json()["message"]
     r = api.post("/v2/sandboxes", json={"templateID": "no-such-image"})
     assert r.status_code == 404 and "no-such-image" in r.json()["message"]
     r = api.get("/v2/sandboxes", params={"startedAfter": "x"})
-    assert r.status_code == 400 and "'startedAfter' is not supported" in r.json()["message"]
+    assert r.status_code == 400 and "startedAfter" in r.json()["message"]
+    r = api.get("/v2/sandboxes", params={"sortBy": "x"})
+    assert r.status_code == 400 and "'sortBy' is not supported" in r.json()["message"]
     r = api.get("/templates")
     assert r.status_code == 501 and "not served by dsec's E2B layer" in r.json()["message"]
     r = httpx.get(f"{e2b_target.url}/v2/sandboxes")
@@ -161,3 +171,126 @@ def test_dsec_up_e2b_serves_the_stock_sdk(tmp_path) -> None:  # type: ignore[no-
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+
+
+def test_gzip_inflation_is_bounded_and_checked() -> None:
+    """A gzip bomb stops at max_upload (413) having inflated at most one piece past it;
+    a cut or foreign stream is a 400."""
+    import asyncio
+    import gzip as gz
+
+    from dsec.control.e2b.app import _INFLATE_PIECE, _Counted, _E2BError, _gunzip
+
+    async def feed(data: bytes, limit: int) -> tuple[int, _E2BError | None]:
+        async def src():  # type: ignore[no-untyped-def]
+            for i in range(0, len(data), 65536):
+                yield data[i:i + 65536]
+        seen = 0
+        try:
+            async for piece in _Counted(_gunzip(src()), limit).chunks():
+                assert len(piece) <= _INFLATE_PIECE
+                seen += len(piece)
+        except _E2BError as exc:
+            return seen, exc
+        return seen, None
+
+    bomb = gz.compress(b"\0" * (64 << 20))            # 64 MiB of zeros in ~64 KiB
+    seen, err = asyncio.run(feed(bomb, 4 << 20))
+    assert err is not None and err.status == 413 and seen <= 4 << 20
+    text = os.urandom(3000)
+    assert asyncio.run(feed(gz.compress(text), 1 << 20)) == (3000, None)
+    for bad, words in ((gz.compress(text)[:-20], "ended before its end"),
+                       (b"not gzip at all", "not valid gzip"),
+                       (gz.compress(text) * 2, "after the end")):
+        _, err = asyncio.run(feed(bad, 1 << 20))
+        assert err is not None and err.status == 400 and words in err.message, err
+
+
+def test_gzip_upload_and_refused_encodings(api: httpx.Client, e2b_target: E2BTarget) -> None:
+    import gzip as gz
+    sid = _create(api)
+    try:
+        hdr = {"e2b-sandbox-id": sid, "x-access-token": e2b_target.api_key,
+               "content-type": "application/octet-stream"}
+        files = f"{e2b_target.url}/files"
+        r = httpx.post(files, params={"path": "/tmp/g"}, content=gz.compress(b"x" * 9999),
+                       headers={**hdr, "content-encoding": "gzip"})
+        assert r.status_code == 200, r.text
+        assert httpx.get(files, params={"path": "/tmp/g"}, headers=hdr).content == \
+            b"x" * 9999
+        r = httpx.post(files, params={"path": "/tmp/g"}, content=b"garbage",
+                       headers={**hdr, "content-encoding": "gzip"})
+        assert r.status_code == 400 and "not valid gzip" in r.json()["message"]
+        assert httpx.get(files, params={"path": "/tmp/g"}, headers=hdr).content == \
+            b"x" * 9999                          # a refused upload changed nothing
+        r = httpx.post(files, params={"path": "/tmp/g"}, content=b"x",
+                       headers={**hdr, "content-encoding": "br"})
+        assert r.status_code == 400 and "'br' is not accepted" in r.json()["message"]
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_code_interpreter_port_at_the_wire(api: httpx.Client, e2b_target: E2BTarget) -> None:
+    """Port 49999: auth, the context id's form, an unknown context, an image without
+    python3 (the exact error), a language other than python."""
+    sid = _create(api)
+    try:
+        url = e2b_target.url
+        hdr = {"e2b-sandbox-id": sid, "e2b-sandbox-port": "49999"}
+        r = httpx.post(f"{url}/execute", json={"code": "1"}, headers=hdr)
+        assert r.status_code == 401
+        ok = {**hdr, "e2b-traffic-access-token": e2b_target.api_key}
+        r = httpx.post(f"{url}/execute", json={"code": "1"},
+                       headers={**hdr, "x-access-token": e2b_target.stranger_key})
+        assert r.status_code == 404                 # another project's: not found
+        r = httpx.post(f"{url}/execute", json={"code": "1"}, headers=ok)
+        assert r.status_code == 400 and "run_code needs python3" in r.json()["message"]
+        r = httpx.post(f"{url}/execute", json={"code": "1", "language": "r"}, headers=ok)
+        assert r.status_code == 400 and "language 'r' is not supported" in r.text
+        r = httpx.post(f"{url}/execute", json={"code": "1", "context_id": "../../x"},
+                       headers=ok)
+        assert r.status_code == 400 and "is not one this layer made" in r.text
+        r = httpx.post(f"{url}/contexts/ctx-0123456789abcdef/restart", headers=ok)
+        assert r.status_code == 404 and "not found" in r.text
+        assert httpx.get(f"{url}/contexts", headers=ok).json() == []
+        # a sandbox process forging a context record names only a kernel of its own
+        # sandbox; a malformed one is not listed
+        httpx.post(f"{url}/files", params={"path": "/tmp/.dsec-e2b-contexts/ctx-"
+                                           "0123456789abcdef.json"}, content=b"{nope",
+                   headers={"e2b-sandbox-id": sid, "x-access-token": e2b_target.api_key,
+                            "content-type": "application/octet-stream"})
+        assert httpx.get(f"{url}/contexts", headers=ok).json() == []
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_user_chown_refuses_a_swapped_directory_or_a_linked_file(
+        e2b_target: E2BTarget) -> None:
+    """Red-team shape of ``files.write(user=...)``: the user owns the directory the file
+    lands in, so it can swap a path component for a symlink to /etc, or the file for a
+    hard link, between the write and root's chown. The chown script (what the layer runs
+    as root) refuses both, and a plain case still works."""
+    import shlex
+
+    from dsec.control.e2b.app import CHOWN_SCRIPT
+    from e2b import CommandExitException, Sandbox
+    sb = Sandbox.create(e2b_target.template, timeout=120, **e2b_target.opts())
+    try:
+        def chown(*args: str) -> str:
+            cmd = f"sh -c {shlex.quote(CHOWN_SCRIPT)} sh " + " ".join(map(shlex.quote, args))
+            try:
+                return sb.commands.run(cmd).stdout
+            except CommandExitException as exc:
+                return f"exit {exc.exit_code}: {exc.stderr}"
+        sb.commands.run("mkdir -p /tmp/u && chown user /tmp/u && ln -s /etc /tmp/u/swapped "
+                        "&& mkdir -p /var/h && chown user /var/h && ln /etc/passwd /var/h/f "
+                        "&& echo x > /tmp/u/plain")
+        assert "exit 4: refused: /tmp/u/swapped is not where" in chown(
+            "user", "/tmp/u/swapped", "passwd")
+        assert "exit 4: refused: /var/h/f is no longer the plain file" in chown(
+            "user", "/var/h", "f")
+        assert chown("user", "/tmp/u", "plain") == ""
+        out = sb.commands.run("stat -c '%U %n' /etc/passwd /tmp/u/plain").stdout
+        assert out == "root /etc/passwd\nuser /tmp/u/plain\n", out
+    finally:
+        sb.kill()

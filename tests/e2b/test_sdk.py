@@ -53,3 +53,29 @@ def test_agent_harness_runs_on_both_sdks(e2b_cluster: LocalCluster,
         assert rep.exit_code == 0, rep
         assert rep.stdout == "PASS add\nPASS neg\n", rep
         assert rep.results == "result=0\n", rep
+
+
+def test_default_code_context_is_dsecs_run_code_kernel(e2b_cluster: LocalCluster,
+                                                       e2b_target: E2BTarget) -> None:
+    """One kernel, two doors: what e2b-code-interpreter's default context defines, dsec's
+    own ``sb.run_code`` with the same API key sees (and the other way round); a created
+    context is apart from both."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+    assert e2b_target.python_template
+    sb = CodeSandbox.create(e2b_target.python_template, timeout=120, **e2b_target.opts())
+    try:
+        assert sb.run_code("shared = 7").error is None
+        with e2b_cluster.client(session_lease_s=None) as c:
+            native = c.sandboxes.get(sb.sandbox_id)
+            assert native.run_code("shared * 6").text == "42"
+            native.run_code("back = 'from dsec'")
+            # the kernel's timeout still interrupts (the run loop streams or not alike)
+            slow = native.run_code("import time\nprint('before')\ntime.sleep(30)", timeout=1)
+            assert slow.timed_out and slow.error is not None, slow
+            assert slow.error.name == "KeyboardInterrupt" and slow.stdout == "before\n"
+        assert sb.run_code("back").text == "'from dsec'"
+        ctx = sb.create_code_context()
+        missing = sb.run_code("shared", context=ctx)
+        assert missing.error is not None and missing.error.name == "NameError"
+    finally:
+        sb.kill()

@@ -99,6 +99,29 @@ async def test_idle_pause_records_reason_idle(clock: FakeClock, node: EdgeNode) 
     assert got.ttl_left_s == pytest.approx(14)             # its TTL stopped too
 
 
+async def test_a_ttl_that_pauses(clock: FakeClock, node: EdgeNode) -> None:
+    """ttl_action="pause" (E2B's autoPause): the TTL pauses (reason ``ttl``) instead of
+    destroying; resumed (explicitly or by an exec), it runs a whole ttl_s again; the
+    paused retention still ends it, so it is never kept forever."""
+    info = await node.create(SandboxSpec(ttl_s=20, ttl_action="pause"))
+    clock.advance(21)
+    assert [(a.action, a.reason) for a in await node.reap()] == [("pause", "ttl")]
+    got = node.get(info.id)
+    assert got.state == "paused" and got.paused_reason == "ttl"
+    assert got.ttl_left_s == pytest.approx(20)
+    clock.advance(500)
+    assert await node.reap() == []                       # paused: its clock stopped
+    await node.exec(info.id, ExecRequest(shell="true"))   # resumes it
+    assert node.get(info.id).expires_at == pytest.approx(clock.time() + 20)
+    clock.advance(20.5)
+    assert [(a.action, a.reason) for a in await node.reap()] == [("pause", "ttl")]
+    clock.advance(PAUSED_RETENTION_S + 1)
+    assert [(a.action, a.reason) for a in await node.reap()] == [
+        ("destroy", "paused_retention")]
+    with pytest.raises(InvalidArgument, match="ttl_action"):
+        SandboxSpec(ttl_action="sleep").validate()  # type: ignore[arg-type]
+
+
 async def test_timeout_survives_an_edge_restart(tmp_path: object, clock: FakeClock) -> None:
     """Durable before acknowledged: the deadline set (running) and the time left
     (paused) come back from the journal; a line of the old layout gets created+ttl."""

@@ -53,7 +53,8 @@ async def test_bad_input_gets_typed_errors_and_creates_nothing(node: EdgeNode) -
         await node.create(SandboxSpec(cpu_milli=-5))
     with pytest.raises(InvalidArgument, match="memory_bytes"):
         await node.create(SandboxSpec(memory_bytes=2**62))
-    with pytest.raises(InvalidArgument, match="backend 'vm' is not available.*simulated"):
+    with pytest.raises(InvalidArgument, match=r"isolation 'vm' \(backend 'vm'\) is not "
+                       r"offered by node n1; offered: simulated \(container\)"):
         await node.create(SandboxSpec(backend="vm"))
     with pytest.raises(WrongNode):
         await node.create(SandboxSpec(), sandbox_id="sb-000000000001-other")

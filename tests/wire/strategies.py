@@ -113,7 +113,10 @@ def valid_spec() -> st.SearchStrategy[SandboxSpec]:
         idle_action=st.sampled_from(typing.get_args(spec.IdleAction)),
         env=st.dictionaries(env_name, no_nul, max_size=2),
         network=st.none() | valid_policy(), allow_nested=st.booleans(),
-        user_namespace=st.booleans())
+        user_namespace=st.booleans()).flatmap(
+        # isolation: unset, or the tier the backend gives (the two must agree)
+        lambda sp: st.sampled_from([None, spec.BACKEND_ISOLATION.get(sp.backend)]).map(
+            lambda iso: msgspec.structs.replace(sp, isolation=iso)))
 
 
 def _of(tp: Any, meta: list[msgspec.Meta]) -> st.SearchStrategy[Any]:

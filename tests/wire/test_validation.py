@@ -26,6 +26,7 @@ from dsec.wire.calls import (
     Mkdir,
     ReadFile,
     Remove,
+    ResumeOnNode,
     SandboxRef,
     SnapshotCall,
     WriteFile,
@@ -278,6 +279,20 @@ def test_a_field_this_release_does_not_know_is_refused_by_name(tp: Any, raw: Any
     for codec in (msgspec.msgpack, msgspec.json):
         with pytest.raises(msgspec.ValidationError, match="unknown field"):
             codec.decode(codec.encode(raw), type=tp)
+
+
+def test_only_the_control_plane_says_why_a_sandbox_resumed() -> None:
+    """The API's resume takes SandboxRef (a caller cannot claim ``auto_resume``); the
+    edge's takes ResumeOnNode, whose reason is one of the known ones."""
+    sid = "sb-0123456789ab-edge-0"
+    for codec in (msgspec.msgpack, msgspec.json):
+        with pytest.raises(msgspec.ValidationError, match="unknown field"):
+            codec.decode(codec.encode({"id": sid, "reason": "auto_resume"}), type=SandboxRef)
+        assert codec.decode(codec.encode({"id": sid}), type=ResumeOnNode).reason == "requested"
+        assert codec.decode(codec.encode({"id": sid, "reason": "auto_resume"}),
+                            type=ResumeOnNode).reason == "auto_resume"
+        with pytest.raises(msgspec.ValidationError, match="reason"):
+            codec.decode(codec.encode({"id": sid, "reason": "idle"}), type=ResumeOnNode)
 
 
 # ------------------------------------------------------------------ snapshot refs

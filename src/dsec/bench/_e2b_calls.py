@@ -18,10 +18,33 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["CALLS", "Call", "E2BTarget", "Gap", "Outcome", "harness_dsec", "harness_e2b",
-           "run_calls"]
+__all__ = [
+    "CALLS",
+    "TEMPLATE_SETUP",
+    "Call",
+    "E2BTarget",
+    "Gap",
+    "Outcome",
+    "harness_dsec",
+    "harness_e2b",
+    "run_calls",
+    "stage_python_root",
+]
+
+
+#: What the tests' and the bench's ``e2b-base`` template adds to busybox ``base``: a
+#: ``/bin/bash`` that runs busybox ``sh`` (the SDK's ``/bin/bash -l -c CMD`` then runs as
+#: on E2B; ``base`` itself serves the no-bash fallback's check) and E2B's usual non-root
+#: ``user`` (uid 1000) for ``user=`` calls.
+TEMPLATE_SETUP = (
+    "printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && chmod 755 /bin/bash && "
+    "mkdir -p /etc /home/user && touch /etc/passwd /etc/group && "
+    "{ grep -q '^root:' /etc/passwd || echo 'root:x:0:0:root:/root:/bin/sh' >> /etc/passwd; } && "
+    "{ grep -q '^root:' /etc/group || echo 'root:x:0:' >> /etc/group; } && "
+    "echo 'user:x:1000:1000:user:/home/user:/bin/sh' >> /etc/passwd && "
+    "echo 'user:x:1000:' >> /etc/group && chown 1000:1000 /home/user")
 
 
 @dataclass(frozen=True)
@@ -35,6 +58,9 @@ class E2BTarget:
     reader_key: str
     stranger_key: str
     template: str
+    # an image with python3 (the code interpreter's kernel); None: its calls are skipped
+    # as failures naming the missing image
+    python_template: str | None = None
 
     def opts(self, key: str | None = None) -> dict[str, Any]:
         return {"api_url": self.url, "sandbox_url": self.url,
@@ -142,6 +168,27 @@ def _c_list(t: E2BTarget) -> None:
             pages += 1
         assert sorted(seen) == sorted(s.sandbox_id for s in sbs), seen
         assert pages >= 2, pages
+        # order by start time across the whole result, before paging; startedAfter and
+        # template filter it
+        orders: list[tuple[Literal["asc", "desc"], list[str]]] = [
+            ("asc", [s.sandbox_id for s in sbs]),
+            ("desc", [s.sandbox_id for s in reversed(sbs)])]
+        for order, want in orders:
+            pager = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}), order=order,
+                                 limit=2, **t.opts())
+            got: list[str] = []
+            while pager.has_next:
+                got += [s.sandbox_id for s in pager.next_items()]
+            assert got == want, (order, got, want)
+        second = sbs[1].get_info().started_at
+        later = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}, started_after=second),
+                             order="asc", **t.opts()).next_items()
+        assert [s.sandbox_id for s in later] == [s.sandbox_id for s in sbs[1:]], later
+        assert len(Sandbox.list(query=SandboxQuery(metadata={"tag": tag},
+                                                   template=t.template),
+                                **t.opts()).next_items()) == 3
+        assert Sandbox.list(query=SandboxQuery(metadata={"tag": tag}, template="nope"),
+                            **t.opts()).next_items() == []
         sbs[0].pause()
         paused = Sandbox.list(query=SandboxQuery(metadata={"tag": tag},
                                                  state=[SandboxState.PAUSED]),
@@ -183,6 +230,35 @@ def _c_pause(t: E2BTarget) -> None:
         assert sb.files.read("/tmp/kept") == "state"
     finally:
         sb.kill()
+
+
+@_call("Sandbox lifecycle on_timeout pause, auto_resume")
+def _c_lifecycle(t: E2BTarget) -> None:
+    """The timeout pauses instead of killing (autoPause); the sandbox, its files and its
+    processes come back on connect, or on a command (autoResume)."""
+    from e2b import Sandbox
+    sb = _create(t, timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        info = sb.get_info()
+        assert info.lifecycle is not None and info.lifecycle["on_timeout"] == "pause", info
+        sb.files.write("/tmp/kept", "state")
+        sb.commands.run("sleep 600", background=True)
+        deadline = time.monotonic() + 15
+        while sb.get_info().state.value != "paused":
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(0.2)
+        assert sb.sandbox_id in [s.sandbox_id for s in Sandbox.list(**t.opts()).next_items()]
+        assert sb.commands.run("cat /tmp/kept").stdout == "state"     # auto-resumed
+        assert sb.get_info().state.value == "running"
+        assert "sleep 600" in sb.commands.run("ps -o args").stdout     # its processes too
+        sb.set_timeout(60)
+    finally:
+        sb.kill()
+    plain = _create(t)
+    try:
+        assert plain.get_info().lifecycle["on_timeout"] == "kill"
+    finally:
+        plain.kill()
 
 
 @_call("Sandbox.kill")
@@ -261,6 +337,20 @@ def _c_run(t: E2BTarget) -> None:
             assert exc.exit_code == 3 and exc.stdout == "nope\n", exc
         else:
             raise AssertionError("a failing command did not raise CommandExitException")
+    finally:
+        sb.kill()
+
+
+@_call("commands.run on an image without bash")
+def _c_no_bash(t: E2BTarget) -> None:
+    from e2b import Sandbox
+    sb = Sandbox.create("base", timeout=120, **t.opts())     # busybox: no /bin/bash
+    try:
+        r = sb.commands.run("echo $((6 * 7)) in $PWD; echo $V >&2", cwd="/tmp",
+                            envs={"V": "env"})
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "42 in /tmp\n", "env\n"), r
+        h = sb.commands.run("sleep 0.2; echo bg", background=True)
+        assert h.wait().stdout == "bg\n"
     finally:
         sb.kill()
 
@@ -389,6 +479,10 @@ def _c_rw(t: E2BTarget) -> None:
         sb.files.write("/tmp/w/b.bin", b"\x00\xff\x01")
         assert bytes(sb.files.read("/tmp/w/b.bin", format="bytes")) == b"\x00\xff\x01"
         assert b"".join(sb.files.read("/tmp/w/b.bin", format="stream")) == b"\x00\xff\x01"
+        text = "zipped line\n" * 5000                      # gzip=True: inflated on the way
+        sb.files.write("/tmp/w/g.txt", text, gzip=True)
+        assert sb.files.read("/tmp/w/g.txt", gzip=True) == text
+        assert sb.commands.run("wc -c < /tmp/w/g.txt").stdout.strip() == str(len(text))
     finally:
         sb.kill()
 
@@ -406,6 +500,59 @@ def _c_list_files(t: E2BTarget) -> None:
         assert top["sub"].type.value == "dir"
         deep = {e.path for e in sb.files.list("/tmp/l", depth=2)}
         assert "/tmp/l/sub/y.txt" in deep, deep
+    finally:
+        sb.kill()
+
+
+@_call("files with user=")
+def _c_files_user(t: E2BTarget) -> None:
+    """Files written and directories made with ``user=`` are that user's (the busybox
+    template's ``user``, uid 1000: TEMPLATE_SETUP); a directory the user may not write refuses."""
+    from e2b.exceptions import SandboxException
+    sb = _create(t)
+    try:
+        sb.files.write("/tmp/u/deep/owned.txt", "mine", user="user")
+        sb.files.make_dir("/tmp/ud", user="user")
+        sb.files.write("/tmp/rootfile", "root's")              # no user: root, as before
+        out = sb.commands.run("stat -c '%U:%G %n' /tmp/u /tmp/u/deep /tmp/u/deep/owned.txt "
+                              "/tmp/ud /tmp/rootfile").stdout
+        assert out == ("user:user /tmp/u\nuser:user /tmp/u/deep\n"
+                       "user:user /tmp/u/deep/owned.txt\nuser:user /tmp/ud\n"
+                       "root:root /tmp/rootfile\n"), out
+        assert sb.files.read("/tmp/u/deep/owned.txt", user="user") == "mine"
+        sb.commands.run("mkdir -m 700 /tmp/closed")
+        refused: list[Callable[[], object]] = [
+            lambda: sb.files.write("/tmp/closed/x", "no", user="user"),
+            lambda: sb.files.write("/tmp/rootfile", "no", user="user"),
+            lambda: sb.files.make_dir("/tmp/closed/d", user="user")]
+        for fn in refused:
+            try:
+                fn()
+            except SandboxException as exc:
+                assert "as user 'user'" in str(exc), exc
+            else:
+                raise AssertionError("a user wrote where it may not")
+        assert sb.files.read("/tmp/rootfile") == "root's"
+        # reads, lists, removes and renames with user= are checked (or done) as the user
+        sb.commands.run("echo s > /tmp/closed/secret && chmod 600 /tmp/rootfile")
+        denied: list[tuple[Callable[[], object], str]] = [
+            (lambda: sb.files.read("/tmp/rootfile", user="user"), "cannot read"),
+            (lambda: sb.files.list("/tmp/closed", user="user"), "cannot list"),
+            (lambda: sb.files.remove("/tmp/rootfile", user="user"), "Operation not permitted"),
+            (lambda: sb.files.rename("/tmp/rootfile", "/tmp/mine", user="user"),
+             "Operation not permitted")]
+        for fn, words in denied:
+            try:
+                fn()
+            except SandboxException as exc:
+                assert "as user 'user'" in str(exc) and words in str(exc), exc
+            else:
+                raise AssertionError(f"user= did not refuse: {words}")
+        assert sb.files.exists("/tmp/rootfile")
+        sb.files.rename("/tmp/u/deep/owned.txt", "/tmp/u/moved.txt", user="user")
+        assert [e.name for e in sb.files.list("/tmp/u", user="user")] == ["deep", "moved.txt"]
+        sb.files.remove("/tmp/u/deep", user="user")
+        assert not sb.files.exists("/tmp/u/deep")
     finally:
         sb.kill()
 
@@ -520,24 +667,18 @@ def _c_metrics(t: E2BTarget) -> None:
 def _c_unsupported(t: E2BTarget) -> None:
     """Each refused with a message that names it (never dropped silently), and an
     unserved route on a live sandbox is never "sandbox not found"."""
-    from e2b.exceptions import InvalidArgumentException, SandboxException
+    from e2b.exceptions import SandboxException
 
     from e2b import Sandbox
     o = t.opts()
-    for fn, words in (
-            (lambda: Sandbox.create(t.template, lifecycle={"on_timeout": "pause"}, **o),
-             "400: autoPause/autoResume are not supported"),
-            # the test cluster's nodes have no uplink: 'open' egress is refused by name
-            (lambda: Sandbox.create(t.template, allow_internet_access=True, **o),
-             "network mode 'open' needs this node's network router"),
-            (lambda: Sandbox.list(order="desc", **o).next_items(),
-             "400: query parameter 'order' is not supported")):
-        try:
-            fn()
-        except SandboxException as exc:
-            assert words in str(exc), exc
-        else:
-            raise AssertionError(f"not refused: {words}")
+    # the test cluster's nodes have no uplink: 'open' egress is refused by name
+    words = "network mode 'open' needs this node's network router"
+    try:
+        Sandbox.create(t.template, allow_internet_access=True, **o)
+    except SandboxException as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(f"not refused: {words}")
     sb = _create(t)
     try:
         try:
@@ -546,16 +687,9 @@ def _c_unsupported(t: E2BTarget) -> None:
             assert type(exc) is SandboxException and "501:" in str(exc), exc
         else:
             raise AssertionError("create_snapshot answered")
-        try:
-            sb.files.write("/tmp/z", b"abc", gzip=True)
-        except InvalidArgumentException as exc:
-            assert "compressed uploads (gzip=True) are not supported" in str(exc), exc
-        else:
-            raise AssertionError("gzip upload answered")
     finally:
         sb.kill()
-    raise Gap("refused as documented: lifecycle pause, list order, snapshots, gzip "
-              "uploads")
+    raise Gap("refused as documented: network rules without an uplink, snapshots")
 
 
 # ------------------------------------------------------------------------ async
@@ -596,16 +730,120 @@ async def _async_lifecycle(t: E2BTarget) -> None:
 @_call("e2b_code_interpreter run_code")
 def _c_code(t: E2BTarget) -> None:
     from e2b_code_interpreter import Sandbox as CodeSandbox
-    sb = CodeSandbox.create(t.template, timeout=120, **t.opts())
+    assert t.python_template, "no python3 template given (E2BTarget.python_template)"
+    sb = CodeSandbox.create(t.python_template, timeout=120, **t.opts())
     try:
-        from e2b.exceptions import TimeoutException
+        first = sb.run_code("x = 41\nprint('hi')\nimport sys; print('oops', file=sys.stderr)")
+        assert first.error is None, first.error
+        assert first.logs.stdout == ["hi\n"] and first.logs.stderr == ["oops\n"], first.logs
+        # output streams while the code runs: the first line long before the end
+        seen: list[tuple[str, float]] = []
+        t0 = time.monotonic()
+        slow = sb.run_code("import time\nfor i in range(3):\n    print(i)\n    time.sleep(0.4)",
+                           on_stdout=lambda m: seen.append((m.line, time.monotonic())))
+        done = time.monotonic()
+        assert [line for line, _ in seen] == ["0\n", "1\n", "2\n"], seen
+        assert slow.logs.stdout == ["0\n", "1\n", "2\n"] and done - t0 >= 1.2, slow
+        assert done - seen[0][1] >= 0.7, (seen, done)
+        results: list[Any] = []
+        ex = sb.run_code("x + 1", on_result=results.append)
+        assert ex.text == "42" and ex.results[0].is_main_result, ex
+        assert results and results[0].text == "42", results
+        assert ex.execution_count is not None and first.execution_count is not None
+        assert ex.execution_count == first.execution_count + 2
+        rich = sb.run_code("class P:\n    def _repr_html_(self): return '<b>p</b>'\n"
+                           "    def __repr__(self): return 'P()'\nP()")
+        assert rich.results[0].html == "<b>p</b>" and rich.text == "P()", rich
+        err = sb.run_code("1 / 0")
+        assert err.error is not None and err.error.name == "ZeroDivisionError", err
+        assert "division by zero" in err.error.value and err.error.traceback
+        env = sb.run_code("import os; os.environ.get('RUN_VAR')", envs={"RUN_VAR": "v1"})
+        assert env.text == "'v1'", env
+        assert sb.run_code("import os; os.environ.get('RUN_VAR')").text is None  # this run only
+        from e2b.exceptions import SandboxException
         try:
-            sb.run_code("x = 41\nx + 1", request_timeout=10)
-        except TimeoutException as exc:
-            raise _gap(exc, "port 49999 is not open") from None
-        raise AssertionError("run_code answered: check it, then count it")
+            sb.run_code("1", language="r")
+        except SandboxException as exc:
+            assert "language 'r' is not supported" in str(exc), exc
+        else:
+            raise AssertionError("language r answered")
     finally:
         sb.kill()
+
+
+@_call("e2b_code_interpreter contexts")
+def _c_code_contexts(t: E2BTarget) -> None:
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+    assert t.python_template, "no python3 template given (E2BTarget.python_template)"
+    sb = CodeSandbox.create(t.python_template, timeout=120, **t.opts())
+    try:
+        sb.run_code("y = 'default'")
+        ctx = sb.create_code_context(cwd="/tmp")
+        assert ctx.language == "python" and ctx.cwd == "/tmp", ctx
+        assert sb.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert sb.run_code("y = 'ctx'; y", context=ctx).text == "'ctx'"
+        assert sb.run_code("y").text == "'default'"           # contexts are apart
+        assert ctx.id in [c.id for c in sb.list_code_contexts()]
+        sb.restart_code_context(ctx)
+        gone = sb.run_code("y", context=ctx)
+        assert gone.error is not None and gone.error.name == "NameError", gone
+        assert sb.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        sb.remove_code_context(ctx.id)
+        assert ctx.id not in [c.id for c in sb.list_code_contexts()]
+        from e2b.exceptions import NotFoundException
+        try:
+            sb.run_code("1", context=ctx)
+        except NotFoundException:
+            pass
+        else:
+            raise AssertionError("a removed context ran code")
+    finally:
+        sb.kill()
+
+
+# ------------------------------------------------------------- python image
+# What the minimal python image leaves out of the host's stdlib: big packages the code
+# interpreter's kernel and the checks never import (keeps the COPY layer ~10 MB).
+_STDLIB_SKIP = {"__pycache__", "site-packages", "dist-packages", "test", "idlelib",
+                "tkinter", "ensurepip", "lib2to3", "pydoc_data", "turtledemo", "distutils",
+                "venv", "curses", "sqlite3"}
+
+
+def stage_python_root(dest: str, python: str = "/usr/bin/python3.11") -> str:
+    """A root tree at ``dest`` holding the host's Debian ``python3`` (binary, stdlib
+    without tests and big packages, the shared libraries it links), to COPY over the
+    busybox ``base`` image: a python3 image built in a second, with no network (the
+    tests' and the bench's code-interpreter template)."""
+    import shutil
+    import subprocess
+    import sysconfig  # noqa: F401 - the layout below is Debian's /usr/lib/python3.X
+    ver = os.path.basename(python).removeprefix("python")
+    lib = f"/usr/lib/python{ver}"
+    if not os.path.exists(python) or not os.path.isdir(lib):
+        raise FileNotFoundError(f"no Debian python at {python} with {lib}: install "
+                                "python3 (apt-get install -y python3)")
+    os.makedirs(dest + "/usr/bin", exist_ok=True)
+    shutil.copy2(python, dest + "/usr/bin/python3")
+    shutil.copytree(lib, dest + lib, symlinks=True, dirs_exist_ok=True,
+                    ignore=lambda d, names: [n for n in names if n in _STDLIB_SKIP
+                                             or n.startswith("config-")])
+    libs = set()
+    # the libraries of the interpreter and of hashlib's OpenSSL module; an extension
+    # module whose libraries are left out (sqlite, curses, ...) fails only when imported
+    for exe in [python, *[os.path.join(lib, "lib-dynload", n)
+                          for n in os.listdir(lib + "/lib-dynload")
+                          if n.startswith("_hashlib")]]:
+        out = subprocess.run(["ldd", exe], capture_output=True, text=True, check=False)
+        for line in out.stdout.splitlines():
+            parts = line.split()
+            path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+            if path.startswith("/"):
+                libs.add(path)
+    for path in libs:
+        real = os.path.realpath(path)
+        os.makedirs(dest + os.path.dirname(path), exist_ok=True)
+        shutil.copy2(real, dest + path)
+    return dest
 
 
 # ------------------------------------------------------------------------ runner

@@ -24,8 +24,6 @@ from typing import Any
 
 from dsec.bench import BenchContext, suite
 
-BASH = "printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && chmod 755 /bin/bash"
-
 
 @suite("e2b")
 def bench_e2b(ctx: BenchContext) -> None:
@@ -36,21 +34,32 @@ def bench_e2b(ctx: BenchContext) -> None:
         ctx.note("e2b suite skipped: the e2b extra is not installed "
                  "(pip install -e '.[e2b]')")
         return
-    from dsec.bench._e2b_calls import E2BTarget, run_calls
+    import tempfile
+
+    from dsec.bench._e2b_calls import (
+        TEMPLATE_SETUP,
+        E2BTarget,
+        run_calls,
+        stage_python_root,
+    )
     from dsec.client.build import Image
     from dsec.cluster.local import LocalCluster
 
     n_create = ctx.scale(40, 10)
     n_exec = ctx.scale(300, 60)
-    with LocalCluster(backend="container", e2b="127.0.0.1:0") as cl:
+    with LocalCluster(backend="container", e2b="127.0.0.1:0") as cl, \
+            tempfile.TemporaryDirectory(prefix="dsec-e2b-python-") as pyroot:
         with cl.client(session_lease_s=None) as c:
-            Image.from_image("base").run(BASH).build(c, name="e2b-base")
+            Image.from_image("base").run(TEMPLATE_SETUP).build(c, name="e2b-base")
+            # the code interpreter's template: base + the host's python3
+            Image.from_image("base").copy(stage_python_root(pyroot), "/").build(
+                c, name="e2b-python")
             target = E2BTarget(
                 url=cl.runtime.e2b_url, api_key=cl.api_key,
                 reader_key=cl.create_key("e2b-bench-reader", "default", "reader"),
                 stranger_key=cl.create_key("e2b-bench-stranger", "e2b-bench-other",
                                            "admin"),
-                template="e2b-base")
+                template="e2b-base", python_template="e2b-python")
             opts = target.opts()
             creates: list[float] = []
             for _ in range(n_create):

@@ -392,7 +392,8 @@ async def _run(ctx: BenchContext, work: str) -> None:
                 pkt = DNSRecord.question(name).pack()
                 t0 = time.perf_counter()
                 await loop.sock_sendall(u, pkt)
-                await asyncio.wait_for(loop.sock_recv(u, 4096), 5)
+                async with asyncio.timeout(5):
+                    await loop.sock_recv(u, 4096)
                 return time.perf_counter() - t0
             await ask("allowed.test")
             hit: list[float] = []

@@ -43,7 +43,8 @@ async def _pty_rtt(url: str, key: str, gateway: str | None, sid: str, n: int) ->
                 t0 = time.perf_counter()
                 await term.send_stdin(key_b)
                 while key_b not in pending:
-                    item = await asyncio.wait_for(stream.__anext__(), 10)
+                    async with asyncio.timeout(10):
+                        item = await stream.__anext__()
                     pending += getattr(item, "data", b"")
                 pending = pending[pending.index(key_b) + 1:]
                 if i >= 5:       # warm-up keys left out
@@ -72,7 +73,8 @@ async def _ws_rtt(url: str, key: str, sid: str, n: int) -> list[float]:
             t0 = time.perf_counter()
             await ws.send(key_b)
             while key_b not in pending:
-                m = await asyncio.wait_for(ws.recv(), 10)
+                async with asyncio.timeout(10):
+                    m = await ws.recv()
                 if isinstance(m, bytes):
                     pending += m
             pending = pending[pending.index(key_b) + 1:]

@@ -98,6 +98,33 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
     return {}
 
 
+def pool_split(n: int, total: int | None, state_dir: str | None) -> int | None:
+    """Each pooled backend's disk pool size on a node running ``n`` of them (container
+    and gvisor each keep a preallocated btrfs pool in their own root): ``total`` (the
+    node's ``--disk-pool``, else $DSEC_DISK_POOL_BYTES, else the default share of the
+    state dir's free space, measured once here) split evenly. Each backend sizing its
+    own pool took the default share of what was free *then*, so the second found the
+    disk already reserved by the first and the edge did not start. None: each backend's
+    own rule (one pooled backend; or no state dir; or the free space no longer allows a
+    new pool, as on a restart whose pools exist already: their size is kept)."""
+    from dsec.edge.backends.container.disk import MIN_POOL_BYTES, POOL_SIZE_ENV, pool_size_for
+    from dsec.errors import DsecError
+
+    if n < 2:
+        return total
+    if total is None and os.environ.get(POOL_SIZE_ENV, "").isdigit():
+        total = int(os.environ[POOL_SIZE_ENV])
+    if total is None:
+        if state_dir is None:
+            return None
+        vfs = os.statvfs(state_dir)
+        try:
+            total = pool_size_for(vfs.f_bavail * vfs.f_frsize)
+        except DsecError:
+            return None
+    return max(MIN_POOL_BYTES, total // n)
+
+
 def _node_images(layer_store: str, state_dir: str | None, owned: list[Any],
                  lazy: dict[str, Any] | None) -> Any:
     """The node's images object (StoreImages over the layer store, one MountCache, the
@@ -451,7 +478,8 @@ def _die_with_supervisor(pid: int) -> None:
               help="Disk cap of a container sandbox created without one.")
 @click.option("--disk-pool", default=None, metavar="SIZE",
               help="Size of the container backend's sandbox disk pool when first made "
-                   "[default: 90% of its root dir's free space].")
+                   "[default: 90% of its root dir's free space]; with --backend container "
+                   "--backend gvisor, split evenly between their two pools.")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -628,13 +656,14 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
             memory_overcommit=memory_overcommit, max_sandboxes=max_sandboxes)
         extra = _extra_opts(backend_opts, backends)
         from dsec.client.core import parse_memory
-        disk_opts: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
-                                     "disk_pool_bytes": None if disk_pool is None
-                                     else parse_memory(disk_pool)}
         from dsec.edge.backends import DISK_POOLED
-        for name in backends:
-            if name in DISK_POOLED:
-                extra[name] = {**disk_opts, **extra.get(name, {})}
+        pooled = [n for n in dict.fromkeys(backends) if n in DISK_POOLED]
+        disk_opts: dict[str, Any] = {"default_disk_bytes": parse_memory(disk_default),
+                                     "disk_pool_bytes": pool_split(
+                                         len(pooled), None if disk_pool is None
+                                         else parse_memory(disk_pool), state_dir)}
+        for name in pooled:
+            extra[name] = {**disk_opts, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
         if net_egress is not None and net_uplink != "host":
             raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")

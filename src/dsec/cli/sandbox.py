@@ -247,14 +247,18 @@ def _kv(text: str) -> tuple[str, str]:
 @click.option("--label", "labels", multiple=True)
 @click.option("--state", default=None)
 @click.option("--node", default=None, help="Only the sandboxes on this node.")
+@click.option("--isolation", type=click.Choice(list(TIER_BACKENDS)), default=None,
+              help="Only the sandboxes of this isolation tier.")
 @click.option("-q", "--quiet", "quiet", is_flag=True, help="Only the ids, one per line.")
 @conn_options
 def ls(project: str | None, labels: tuple[str, ...], state: str | None, node: str | None,
-       quiet: bool, url: str | None, api_key: str | None, as_json: bool) -> None:
+       isolation: str | None, quiet: bool, url: str | None, api_key: str | None,
+       as_json: bool) -> None:
     """List sandboxes (ids are never shortened, also when piped)."""
     with client(url, api_key) as c:
         sbs = c.sandboxes.list(project=project, labels=dict(_kv(x) for x in labels),
-                               state=state, node=node)
+                               state=state, node=node,
+                               isolation=isolation)
         if quiet:
             sys.stdout.write("".join(s.id + "\n" for s in sbs))
         elif as_json:

@@ -272,7 +272,8 @@ async def _run(cfg: Any, quiet: bool,
                               + "".join(f" +{t}" for t in rt.config.tiers)
                               + f": {line}  (Ctrl-C to stop)")
                 try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
                 except TimeoutError:
                     pass
 

@@ -591,6 +591,7 @@ class AsyncSandboxes:
         toolkits: Sequence[str] = (), backend: BackendName | None = None, cpu: float = 1,
         memory: int | str = "512MiB", ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, snapshot: Snapshot | str | None = None,
         priority: int = 0, disk: int | str | None = None,
@@ -611,7 +612,8 @@ class AsyncSandboxes:
             memory_bytes=parse_memory(memory),
             disk_bytes=None if disk is None else parse_memory(disk), priority=priority,
             labels=dict(labels or {}), project=project, ttl_s=ttl,
-            idle_timeout_s=idle_timeout, idle_action=idle_action, env=dict(env or {}),
+            idle_timeout_s=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            env=dict(env or {}),
             pids_max=pids_max, network=NetworkPolicy.of(network), allow_nested=allow_nested,
             user_namespace=user_namespace, cwd=cwd, user=user, build_step=build_step,
             qos=qos, cpu_quota_milli=None if cpu_quota is None else round(cpu_quota * 1000))
@@ -642,6 +644,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
@@ -651,8 +654,9 @@ class AsyncSandboxes:
     ) -> AsyncSandbox:
         """Create one sandbox from ``image`` (plus an optional ``workspace`` layer and
         ``toolkits``), or from ``snapshot``. ``cpu`` in cores, ``memory``/``disk`` in
-        bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``:
-        "destroy" or "pause"); ``project``: the key's default project when None;
+        bytes or as "1GiB"; ``ttl``/``idle_timeout`` in seconds (``idle_action``,
+        ``ttl_action``: "destroy" or "pause" when it runs out); ``project``: the key's
+        default project when None;
         ``session``: bind it to this client's session (destroyed when the client closes
         or dies; None: the client's ``session`` choice, False by default: it lives until
         its timeout); ``detached=True``: never bound (as ``session=False``);
@@ -684,6 +688,7 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "ttl_action": ttl_action,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
             "user": user, "build_step": build_step, "qos": qos, "cpu_quota": cpu_quota,
             "isolation": isolation})
@@ -709,6 +714,7 @@ class AsyncSandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
@@ -728,6 +734,7 @@ class AsyncSandboxes:
             "backend": backend, "cpu": cpu, "memory": memory, "disk": disk, "pids_max": pids_max,
             "priority": priority, "labels": labels, "env": env, "project": project, "ttl": ttl,
             "idle_timeout": idle_timeout, "idle_action": idle_action, "network": network,
+            "ttl_action": ttl_action,
             "allow_nested": allow_nested, "user_namespace": user_namespace, "cwd": cwd,
             "user": user, "qos": qos, "cpu_quota": cpu_quota, "isolation": isolation}
         c = self._c
@@ -795,15 +802,16 @@ class AsyncSandboxes:
 
     async def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
                    state: SandboxState | None = None, limit: int | None = None,
-                   node: str | None = None) -> list[AsyncSandbox]:
+                   node: str | None = None,
+                   isolation: Isolation | None = None) -> list[AsyncSandbox]:
         """Every matching sandbox (pages through the server's cursor); ``node``: only
-        those on that node."""
+        those on that node; ``isolation``: only those of that tier."""
         out: list[AsyncSandbox] = []
         cursor: str | None = None
         while True:
             page = await self._c._retry(
                 functools.partial(self._list_page, project, labels or {}, state, cursor,
-                                  node))
+                                  node, isolation))
             out += [AsyncSandbox(self._c, i) for i in page.items]
             cursor = page.next_cursor
             if cursor is None or (limit is not None and len(out) >= limit):
@@ -811,10 +819,11 @@ class AsyncSandboxes:
 
     async def _list_page(self, project: str | None, labels: Mapping[str, str],
                          state: SandboxState | None, cursor: str | None,
-                         node: str | None = None) -> SandboxList:
+                         node: str | None = None,
+                         isolation: Isolation | None = None) -> SandboxList:
         return await self._c.call(ops.LIST, ListSandboxes(
             project=project, labels=dict(labels), state=state,
-            limit=1000, cursor=cursor, node=node))
+            limit=1000, cursor=cursor, node=node, isolation=isolation))
 
     async def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,

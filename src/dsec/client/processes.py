@@ -162,7 +162,8 @@ class AsyncProcessHandle:
         if self._follow is None or (self._follow.done() and self._follow.cancelled()):
             self._follow = asyncio.ensure_future(self._consume())
         try:
-            return await asyncio.wait_for(asyncio.shield(self._follow), timeout)
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(self._follow)
         except TimeoutError:
             raise RequestTimeout(f"process {self.pid} in sandbox {self._sb.id} did not exit "
                                  f"within {timeout:g} s; it keeps running",

@@ -229,6 +229,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         idempotency_key: str | None = None, cwd: str | None = None, user: str | None = None,
@@ -241,7 +242,8 @@ class Sandboxes:
             spec=spec, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
-            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            idle_timeout=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             idempotency_key=idempotency_key, cwd=cwd, user=user, build_step=build_step,
             session=session, qos=qos, cpu_quota=cpu_quota, isolation=isolation)))
@@ -255,6 +257,7 @@ class Sandboxes:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         project: str | None = None, ttl: float | None = None,
         idle_timeout: float | None = None, idle_action: IdleAction = "destroy",
+        ttl_action: IdleAction = "destroy",
         network: NetworkPolicy | NetMode | None = None, allow_nested: bool = False,
         user_namespace: bool = False, detached: bool = False,
         cwd: str | None = None, user: str | None = None, session: bool | None = None,
@@ -266,7 +269,8 @@ class Sandboxes:
             n, image=image, workspace=workspace, toolkits=toolkits, snapshot=snapshot,
             backend=backend, cpu=cpu, memory=memory, disk=disk, pids_max=pids_max,
             priority=priority, labels=labels, env=env, project=project, ttl=ttl,
-            idle_timeout=idle_timeout, idle_action=idle_action, network=network,
+            idle_timeout=idle_timeout, idle_action=idle_action, ttl_action=ttl_action,
+            network=network,
             allow_nested=allow_nested, user_namespace=user_namespace, detached=detached,
             cwd=cwd, user=user, session=session, qos=qos, cpu_quota=cpu_quota,
             isolation=isolation))]
@@ -276,11 +280,13 @@ class Sandboxes:
 
     def list(self, *, project: str | None = None, labels: Mapping[str, str] | None = None,
              state: SandboxState | None = None, limit: int | None = None,
-             node: str | None = None) -> list[Sandbox]:
+             node: str | None = None,
+             isolation: Isolation | None = None) -> list[Sandbox]:
         """Every matching sandbox (pages through the server's cursor); ``node``: only
-        those on that node."""
+        those on that node; ``isolation``: only those of that tier."""
         return [Sandbox(self._c, s) for s in self._c._run(self._a.list(
-            project=project, labels=labels, state=state, limit=limit, node=node))]
+            project=project, labels=labels, state=state, limit=limit, node=node,
+            isolation=isolation))]
 
     def exec_many(
         self, calls: Sequence[ExecCall], *, timeout: float | None = 60.0,

@@ -174,7 +174,8 @@ class EdgeProcess:
         return True
 
     async def wait_state(self, *states: ChildState, timeout: float = 30.0) -> ChildState:
-        await asyncio.wait_for(self._until(lambda: self.state in states), timeout)
+        async with asyncio.timeout(timeout):
+            await self._until(lambda: self.state in states)
         return self.state
 
     # ---------------------------------------------------------- state machine

@@ -327,7 +327,8 @@ class Relay:
             fd, host, port = self.targets[(start + k) % n]
             s = _socket_in(fd)
             try:
-                await asyncio.wait_for(loop.sock_connect(s, (host, port)), RELAY_CONNECT_S)
+                async with asyncio.timeout(RELAY_CONNECT_S):
+                    await loop.sock_connect(s, (host, port))
                 return await asyncio.open_connection(sock=s)
             except (OSError, TimeoutError):
                 s.close()
@@ -739,7 +740,8 @@ class HostCluster:
 
     async def _stop_async(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._destroy_everything(), 60)
+            async with asyncio.timeout(60):
+                await self._destroy_everything()
         for k in range(len(self.replicas)):
             await asyncio.to_thread(self._kill_replica, k, signal.SIGTERM)
         await asyncio.gather(*(p.stop() for p in self.edges.values()),
@@ -840,13 +842,14 @@ class HostCluster:
         proc = self.edges[node]
 
         async def back() -> int:
-            while True:
-                await proc.wait_state("running", timeout=timeout)
-                pid = proc.pid
-                if pid is not None and pid != old_pid:
-                    return pid
-                await asyncio.sleep(0.02)
-        return self.run(asyncio.wait_for(back(), timeout), timeout=timeout + 5)
+            async with asyncio.timeout(timeout):
+                while True:
+                    await proc.wait_state("running", timeout=timeout)
+                    pid = proc.pid
+                    if pid is not None and pid != old_pid:
+                        return pid
+                    await asyncio.sleep(0.02)
+        return self.run(back(), timeout=timeout + 5)
 
     def kill_replica(self, k: int) -> int:
         """kill -9 apiserver replica ``k`` (not restarted). Returns its pid."""

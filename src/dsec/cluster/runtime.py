@@ -713,8 +713,12 @@ class ClusterRuntime:
             "root_dir": os.path.join(self.config.state_dir, name, node_id),
             "images": self._images}
         if name in DISK_POOLED:
+            # the edge's share split among its pooled tiers, as `dsec edge` does
+            pooled = sum(1 for b in self._local_backends() if b in DISK_POOLED)
+            share = self._pool_share()
             opts |= {"default_disk_bytes": self.config.disk_default_bytes,
-                     "disk_pool_bytes": self._pool_share()}
+                     "disk_pool_bytes": share if share is None or pooled < 2
+                     else max(MIN_POOL_BYTES, share // pooled)}
         return opts
 
     # --------------------------------------------------------- edge outages

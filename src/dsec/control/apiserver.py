@@ -49,6 +49,7 @@ from dsec.control.api.openapi import (
 )
 from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.control.proxy import PortProxy
+from dsec.control.replybudget import ReplyLease, hold_replies
 from dsec.errors import (
     DsecError,
     InternalError,
@@ -202,6 +203,35 @@ def _decode(tp: type, raw: bytes, op: CatalogueOp[Any, Any]) -> Any:
         raise undecodable(op.name, exc, at="" if body in (None, "*") else str(body)) from None
 
 
+class _Released(Response):
+    """``inner``, with the reply budget's leases of its body (dsec.control.replybudget)
+    given back once it has been sent: a client that does not read keeps it charged. The
+    body goes as a non-final message and then an empty final one, because uvicorn waits
+    for the transport's buffer to drain only before a message, never after the last
+    (measured: a 12 MiB reply nobody read was "sent" at once, 9 MiB of it still in the
+    process)."""
+
+    def __init__(self, inner: Response, leases: list[ReplyLease]) -> None:
+        # no Response.__init__: everything is the inner response's
+        self.inner, self.leases = inner, leases
+        self.status_code = inner.status_code
+
+    def __getattr__(self, name: str) -> Any:    # headers, body, ...: the inner response's
+        return getattr(self.inner, name)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_drained(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                await send({**message, "more_body": True})
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+        try:
+            await self.inner(scope, receive, send_drained)
+        finally:
+            for lease in self.leases:
+                lease.release()
+
+
 def _json_response(obj: Any, rid: str, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json",
                     headers={"x-request-id": rid})
@@ -235,13 +265,15 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
             t0 = time.perf_counter()
             rid = _request_id(request)
             caller = None
+            leases: list[ReplyLease] = []
             try:
                 caller = (service.authenticate(request.headers.get("authorization"),
                                                _client_host(request.scope))
                           if op.auth else _ANON)
                 if request.scope.get("query_string"):
                     _known_query(request, known, row)
-                resp = await handler(request, caller, rid)
+                with hold_replies() as leases:
+                    resp = await handler(request, caller, rid)
             except DsecError as exc:
                 resp = _error_response(service.redact(exc), rid)
             except Exception as exc:  # a bug: say so, log it, never leak the trace
@@ -260,6 +292,8 @@ def build_app(service: ApiService, admin: AdminOps | None = None,
                 request.scope["dsec.logged"] = True
                 _access_line(op.method, template, request.url.path, resp.status_code, dt,
                              _client_host(request.scope), rid, caller)
+            if leases:      # the reply's bytes count against its tenant until sent
+                return _Released(resp, leases)
             return resp
 
         routes.append(Route(op.path, endpoint, methods=[op.method]))

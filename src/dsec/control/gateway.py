@@ -28,11 +28,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dsec.aether import Router, Server, StreamSender, serve
+from dsec.aether import Router, Server, StreamSender, after_reply_written, serve
 from dsec.aether.connection import DuplexStream
 from dsec.aether.limits import ServerLimits
 from dsec.control.api.service import AdminOps, ApiService, Caller
 from dsec.control.filedoors import gateway_relay
+from dsec.control.replybudget import hold_replies
 from dsec.errors import DsecError, InvalidArgument
 from dsec.logs import access, access_enabled
 from dsec.wire.ops import GATEWAY_OPS, Op, StreamOp, TunnelOp, UploadOp
@@ -92,7 +93,10 @@ def _bound(service: ApiService, op: Op[Any, Any]) -> Callable[[GatewaySession, A
     async def handle(session: GatewaySession, body: Any) -> Any:
         t0, outcome = time.perf_counter(), "internal"
         try:
-            reply = await policy(authenticate(session.key, session.peer), body)
+            with hold_replies() as leases:
+                reply = await policy(authenticate(session.key, session.peer), body)
+            for lease in leases:    # the reply counts against its tenant until written
+                after_reply_written(lease.release)
             outcome = "ok"
             return reply
         except DsecError as exc:

@@ -111,7 +111,8 @@ async def relay(src: EdgeClient, dst: EdgeClient, raw_manifest: bytes, digest: s
     try:
         while True:
             try:
-                data = await asyncio.wait_for(get.recv(chunk_bytes), idle_timeout_s)
+                async with asyncio.timeout(idle_timeout_s):
+                    data = await get.recv(chunk_bytes)
             except TimeoutError:
                 raise CorruptLayer(
                     f"layer {digest}: its holder sent nothing for {idle_timeout_s:g}s; the "

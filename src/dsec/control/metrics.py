@@ -71,6 +71,14 @@ class ApiMetrics:
         self.gateway_latency = Histogram("dsec_gateway_call_seconds",
                                          "Aether gateway call latency by operation",
                                          ("op",), buckets=_LATENCY_BUCKETS, registry=r)
+        # the per-tenant reply budget (dsec.control.replybudget): bytes held now, all
+        # tenants together (a tenant label would be unbounded), and calls refused
+        self.reply_budget_bytes = Gauge(
+            "dsec_reply_budget_bytes", "bytes of large unary replies reserved or not yet "
+            "read by their clients, all tenants", registry=r)
+        self.reply_budget_refused = Counter(
+            "dsec_reply_budget_refused_total", "calls refused (429) after waiting for room "
+            "in their tenant's reply budget", registry=r)
         self._refreshers: list[Callable[[ApiMetrics], None]] = []
 
     def on_scrape(self, fn: Callable[[ApiMetrics], None]) -> None:

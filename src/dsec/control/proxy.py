@@ -422,7 +422,8 @@ class PortProxy:
         target = t.inner + (b"?" + query.encode("latin-1") if query else b"")
         try:
             # (a client announcing a body and sending none holds its place only so long)
-            first = await asyncio.wait_for(receive(), self.idle_s)
+            async with asyncio.timeout(self.idle_s):
+                first = await receive()
         except TimeoutError:
             raise self._idle(t) from None
         body = first.get("body", b"")

@@ -44,6 +44,8 @@ from dsec.wire.calls import (
     NetworkUpdateOnNode,
     ReadFile,
     Remove,
+    ResumeOnNode,
+    ResumeReason,
     SandboxRef,
     SnapshotOnNode,
     SnapshotQuery,
@@ -261,9 +263,11 @@ class EdgeClient:
                     timeout: Deadline = USE_CLIENT_DEFAULT) -> PauseStats:
         return await self.call(ops.PAUSE, SandboxRef(id=sandbox_id), timeout=timeout)
 
-    async def resume(self, sandbox_id: str, *,
+    async def resume(self, sandbox_id: str, *, reason: ResumeReason = "requested",
                      timeout: Deadline = USE_CLIENT_DEFAULT) -> SandboxInfo:
-        return await self.call(ops.RESUME, SandboxRef(id=sandbox_id), timeout=timeout)
+        info: SandboxInfo = await self._edge(
+            ops.RESUME, ResumeOnNode(id=sandbox_id, reason=reason), timeout)
+        return info
 
     async def destroy(self, sandbox_id: str, *, reason: str = "requested", detail: str = "",
                       timeout: Deadline = USE_CLIENT_DEFAULT) -> SandboxInfo:

@@ -194,8 +194,8 @@ class EdgeLayers:
             with os.fdopen(fd, "wb") as f:
                 while True:
                     try:
-                        data = await asyncio.wait_for(stream.recv(self.chunk_bytes),
-                                                      self.idle_timeout_s)
+                        async with asyncio.timeout(self.idle_timeout_s):
+                            data = await stream.recv(self.chunk_bytes)
                     except TimeoutError:
                         raise CorruptLayer(
                             f"layer {m.digest}: no bytes for {self.idle_timeout_s:g}s after "

@@ -246,7 +246,8 @@ async def serve_metrics(listen: str, render: Callable[[], bytes], *,
             writer.transport.abort()  # closed now: a refused peer holds no fd
             return
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), head_timeout)
+            async with asyncio.timeout(head_timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
             line = head.split(b"\r\n", 1)[0].split()
             if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
                 body, status, ctype = rendered(), b"200 OK", CONTENT_TYPE_LATEST.encode()
@@ -255,7 +256,8 @@ async def serve_metrics(listen: str, render: Callable[[], bytes], *,
             writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype
                          + b"\r\nContent-Length: " + str(len(body)).encode()
                          + b"\r\nConnection: close\r\n\r\n" + body)
-            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError):
             pass
@@ -263,7 +265,8 @@ async def serve_metrics(listen: str, render: Callable[[], bytes], *,
             adm.release(peer, established=False)
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await writer.wait_closed()
 
     return await asyncio.start_server(handle, host.strip("[]"), int(port),
                                       limit=MAX_REQUEST_BYTES)

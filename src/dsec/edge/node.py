@@ -106,6 +106,7 @@ from dsec.ids import NodeId, SandboxId, node_of, parse_node_id, parse_sandbox_id
 from dsec.image.store import LayerStore
 from dsec.net.compile import ipv6_inert_note
 from dsec.net.tunnel import connect_in_netns, relay
+from dsec.wire.calls import ResumeReason
 from dsec.wire.files import (
     MAX_WATCHES_PER_SANDBOX,
     FileEvent,
@@ -266,7 +267,8 @@ class ReapAction:
 
     sandbox_id: str
     action: str        # "destroy" | "pause"
-    reason: str        # "ttl" | "idle_timeout" | "paused_retention" (destroy) | "idle" (pause)
+    reason: str        # "ttl" | "idle_timeout" | "paused_retention" (destroy) | "idle" |
+    #                    "ttl" (pause: ttl_action="pause")
 
 
 class _Sandbox:
@@ -318,7 +320,7 @@ class _Sandbox:
         # paused, a stopped one (ttl_left seconds); both None: no TTL. set_timeout moves it.
         self.expires_at: float | None = None if spec.ttl_s is None else now + spec.ttl_s
         self.ttl_left: float | None = None
-        self.paused_reason = ""                  # "requested" | "idle" while paused
+        self.paused_reason = ""                  # "requested" | "idle" | "ttl" while paused
         self.paused_at: float | None = None      # when it was paused (retention clock)
         self.paused_until: float | None = None   # ... and when that retention ends
         # Held while a snapshot writes the sandbox's state: snapshots run one at a time and
@@ -1264,6 +1266,10 @@ class EdgeNode:
         self._move(rec, "paused", reason)
         now = self.clock.time()
         stop_clock(rec, now)
+        if reason == "ttl" and rec.spec.ttl_s is not None:
+            # paused by its TTL (ttl_action="pause", E2B's autoPause): resumed, it runs
+            # a whole ttl_s again (else it would pause again at once: nothing was left)
+            rec.ttl_left = rec.spec.ttl_s
         rec.paused_reason = reason
         self._hold_paused(rec, now)
         self._arm(rec)
@@ -1273,16 +1279,19 @@ class EdgeNode:
                 await self._durable.commit()
         return stats
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
+    async def resume(self, sandbox_id: str, *,
+                     reason: ResumeReason = "requested") -> SandboxInfo:
         """Make the sandbox running. Idempotent: a sandbox that is already running (an
         exec resumed it transparently, another caller resumed it first) is success, so
         a trainer resuming every sandbox of a preempted rollout never fails on the few a
-        stray exec woke (issue 18). A pause or resume in flight is waited for first."""
+        stray exec woke (issue 18). A pause or resume in flight is waited for first.
+        ``reason`` goes on the events: ``auto_resume`` when the control plane resumes
+        it ahead of a write or exec (within the quota), as ``_ready`` would here."""
         rec = self._find(sandbox_id)
         while rec.state in ("pausing", "resuming") and rec.busy is not None:
             await asyncio.shield(rec.busy)
         if rec.state != "running":
-            await self._resume(rec, "requested")
+            await self._resume(rec, reason)
         return self._info(rec)
 
     async def _resume(self, rec: _Sandbox, reason: str) -> None:
@@ -2105,10 +2114,15 @@ class EdgeNode:
         now = self.clock.time() if now is None else now
         heap = self._deadlines
         out: builtins.list[ReapAction] = []
+        acted: set[str] = set()
         while heap and heap[0][0] <= now:
             _, sid = heapq.heappop(heap)
+            if out and out[-1].sandbox_id not in acted:
+                acted.add(out[-1].sandbox_id)
             rec = self._live.get(sid)
-            if rec is None:
+            if rec is None or sid in acted:
+                # a stale entry of the lazy heap (a pause, resume and pause again leave
+                # two paused-retention deadlines): one action per sandbox per pass
                 continue
             rec.deadline = None
             spec = rec.spec
@@ -2119,7 +2133,9 @@ class EdgeNode:
                     self._retry_later(rec, now)
                 continue
             if rec.expires_at is not None and now >= rec.expires_at:
-                if rec.state in ("running", "failed"):
+                if rec.state == "running" and spec.ttl_action == "pause":
+                    out.append(ReapAction(sid, "pause", "ttl"))
+                elif rec.state in ("running", "failed"):
                     out.append(ReapAction(sid, "destroy", "ttl"))
                 else:
                     self._retry_later(rec, now)

@@ -45,6 +45,7 @@ from dsec.wire.calls import (
     NetworkUpdateOnNode,
     ReadFile,
     Remove,
+    ResumeOnNode,
     SandboxRef,
     SnapshotOnNode,
     SnapshotQuery,
@@ -132,8 +133,8 @@ class EdgeHandlers:
     async def pause(self, b: SandboxRef) -> PauseStats:
         return await self.node.pause(b.id)
 
-    async def resume(self, b: SandboxRef) -> SandboxInfo:
-        return await self.node.resume(b.id)
+    async def resume(self, b: ResumeOnNode) -> SandboxInfo:
+        return await self.node.resume(b.id, reason=b.reason)
 
     async def destroy(self, b: DestroyOnNode) -> SandboxInfo:
         return await self.node.destroy(b.id, reason=b.reason, detail=b.detail)

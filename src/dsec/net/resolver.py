@@ -203,9 +203,11 @@ class Resolver:
         self._tcp_held[src] = held + 1
         try:
             while True:
-                head = await asyncio.wait_for(r.readexactly(2), 10)
+                async with asyncio.timeout(10):
+                    head = await r.readexactly(2)
                 (n,) = struct.unpack("!H", head)
-                data = await asyncio.wait_for(r.readexactly(n), 10)
+                async with asyncio.timeout(10):
+                    data = await r.readexactly(n)
                 reply = await self.answer(peer[0], data)
                 if reply is None:
                     return
@@ -430,19 +432,22 @@ class Resolver:
                     s = socket.socket(socket.AF_INET, kind)
             s.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(s, (host, port)), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await loop.sock_connect(s, (host, port))
                 if tcp:
                     await loop.sock_sendall(s, struct.pack("!H", len(pkt)) + pkt)
                     buf = b""
                     while len(buf) < 2 or len(buf) < 2 + struct.unpack("!H", buf[:2])[0]:
-                        chunk = await asyncio.wait_for(loop.sock_recv(s, 65537), self.timeout_s)
+                        async with asyncio.timeout(self.timeout_s):
+                            chunk = await loop.sock_recv(s, 65537)
                         if not chunk:
                             raise OSError("upstream closed the TCP connection")
                         buf += chunk
                     data = buf[2:]
                 else:
                     await loop.sock_sendall(s, pkt)
-                    data = await asyncio.wait_for(loop.sock_recv(s, 65535), self.timeout_s)
+                    async with asyncio.timeout(self.timeout_s):
+                        data = await loop.sock_recv(s, 65535)
                 r = DNSRecord.parse(data)
                 if r.header.id != qid:
                     raise OSError("upstream answered another query id")

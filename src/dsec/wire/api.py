@@ -202,6 +202,7 @@ class CreateSandboxRequest(_Strict):
     project: Project | None = None      # default: the key's default project
     # default: the server's default TTL (6 h)
     ttl_s: PositiveSeconds | None = None
+    ttl_action: IdleAction = "destroy"  # "pause": the TTL pauses instead (E2B's autoPause)
     idle_timeout_s: PositiveSeconds | None = None
     idle_action: IdleAction = "destroy"
     env: Annotated[dict[str, str], _doc(propertyNames={"pattern": "^[^=\\x00]+$"})] = {}

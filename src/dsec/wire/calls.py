@@ -21,11 +21,13 @@ from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
     ExecRequest,
+    Isolation,
     SandboxSpec,
     SandboxState,
     check_batch,
     check_id,
     check_idempotency_key,
+    check_isolation,
     check_label_filter,
     check_mode,
     check_path,
@@ -66,6 +68,8 @@ __all__ = [
     "ReadFile",
     "ReadFileRequest",
     "Remove",
+    "ResumeOnNode",
+    "ResumeReason",
     "SandboxRef",
     "SessionOpen",
     "SessionRef",
@@ -230,11 +234,15 @@ class ListSandboxes(_Call, kw_only=True):
     limit: int = 100
     cursor: str | None = None
     node: str | None = None
+    # only sandboxes of this isolation tier (issue 21): their backend gives it
+    isolation: Isolation | None = None
 
     def __post_init__(self) -> None:
         check_label_filter(self.labels)
         if self.node is not None:
             parse_node_id(self.node)
+        if self.isolation is not None:
+            check_isolation(self.isolation)
 
 
 class SnapshotCall(_Call, kw_only=True):
@@ -295,6 +303,24 @@ class DestroyOnNode(_Call, kw_only=True):
         check_id(self.id)
         check_reason(self.reason)
         check_reason(self.detail, "detail")
+
+
+#: Why a paused sandbox was resumed, as its ``resuming``/``running`` events say:
+#: ``requested`` - a caller asked for it (``resume()``); ``auto_resume`` - an operation
+#: that needs it running (a write, an exec: docs/sdk.md "Paused sandboxes") woke it,
+#: whether the edge did so itself or the control plane did first, within the quota.
+ResumeReason = Literal["requested", "auto_resume"]
+
+
+class ResumeOnNode(_Call, kw_only=True):
+    """``edge.resume``: the control plane says why (a caller of the API only names the
+    sandbox: its explicit resume is always ``requested``)."""
+
+    id: str
+    reason: ResumeReason = "requested"
+
+    def __post_init__(self) -> None:
+        check_id(self.id)
 
 
 class DestroyMany(_Call, kw_only=True):

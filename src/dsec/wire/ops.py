@@ -83,6 +83,7 @@ from dsec.wire.calls import (
     QuotaSet,
     ReadFile,
     Remove,
+    ResumeOnNode,
     SandboxRef,
     SessionOpen,
     SessionRef,
@@ -456,7 +457,8 @@ LIST: Op[ListSandboxes, SandboxList] = Op(
     role="reader", target="project", idempotent=True, doors=ALL_DOORS,
     edge_request=ListRequest, edge_reply=list[SandboxInfo],
     rest=Rest(method="GET", path="/v1/sandboxes", operation_id="listSandboxes",
-              query=_q("project", "state", "limit", "cursor", "node", labels="label")))
+              query=_q("project", "state", "limit", "cursor", "node", "isolation",
+                     labels="label")))
 
 DESTROY: Op[SandboxRef, None] = Op(
     "destroy", SandboxRef, None, summary="Destroy a sandbox (idempotent)",
@@ -537,6 +539,7 @@ PAUSE: Op[SandboxRef, PauseStats] = Op(
 RESUME: Op[SandboxRef, SandboxInfo] = Op(
     "resume", SandboxRef, SandboxInfo, summary="Resume",
     role="member", target="sandbox", idempotent=False, doors=ALL_DOORS,
+    edge_request=ResumeOnNode,
     rest=Rest(method="POST", path="/v1/sandboxes/{id}/resume", operation_id="resumeSandbox"))
 
 STATS: Op[SandboxRef, SandboxStats] = Op(

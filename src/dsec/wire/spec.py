@@ -440,6 +440,9 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     # lifetime from creation. None: no lifetime asked; the apiserver's policy gives such a
     # sandbox its default TTL (6 h, per-project override), an edge keeps it forever
     ttl_s: float | None = None
+    # what the TTL does when it runs out: "destroy", or "pause" (E2B's autoPause; a
+    # sandbox its TTL paused gets its whole ttl_s again when it resumes)
+    ttl_action: IdleAction = "destroy"
     idle_timeout_s: float | None = None     # no operation for this long -> idle_action
     idle_action: IdleAction = "destroy"
     env: dict[str, str] = {}
@@ -492,6 +495,9 @@ class SandboxSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
                       limit=MAX_DISK_BYTES)
         if self.pids_max is not None and not (1 <= self.pids_max <= MAX_PIDS):
             raise bad("pids_max", self.pids_max, f"use 1..{MAX_PIDS} or null", limit=MAX_PIDS)
+        for name in ("ttl_action", "idle_action"):
+            if getattr(self, name) not in ("destroy", "pause"):
+                raise bad(name, getattr(self, name), 'use "destroy" or "pause"')
         for name in ("ttl_s", "idle_timeout_s"):
             v = getattr(self, name)
             if v is not None and not (0 < v <= MAX_TTL_S):
@@ -954,7 +960,8 @@ class SandboxInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str = ""                        # reason of the last transition
     # Lifetimes (issue 19, docs/sdk.md "Lifetimes"): when the edge ends it (unix seconds;
     # None: no TTL, or paused), what is left while paused (the clock stops), and why it
-    # was paused ("requested", or "idle": its idle_timeout_s with idle_action=pause).
+    # was paused ("requested", "idle": its idle_timeout_s with idle_action=pause, or
+    # "ttl": its TTL with ttl_action=pause).
     expires_at: float | None = None
     ttl_left_s: float | None = None
     paused_reason: str = ""

@@ -9,7 +9,6 @@ restart's reconcile (the bench left 9,997 running)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 from collections.abc import Iterator
 from contextlib import contextmanager

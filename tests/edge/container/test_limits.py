@@ -63,9 +63,12 @@ def _cgroup_dirs_named(leaf: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("runtime", ["native", "runc"])
+@pytest.mark.parametrize("runtime", ["native", "runc", "runsc"])
 async def test_idle_close_removes_the_parent_cgroups_and_busy_close_keeps_them(
         tmp_path: object, images_dir: str, runtime: str) -> None:
+    import shutil
+    if runtime != "native" and shutil.which(runtime) is None:
+        pytest.skip(f"needs {runtime}")
     root = os.path.join(str(tmp_path), "root")
     b = ContainerBackend(root_dir=root, images=DirectoryImages(images_dir),
                          runtime=runtime)  # type: ignore[arg-type]

@@ -8,10 +8,10 @@ Not run here, and why:
 - test_files.test_escapes_resolve_inside_the_root: the same escapes, except that
   ``/proc/1/root/...`` is refused by path (InvalidArgument) before any resolution, not by
   the magic-link rule: test_gvisor.py::test_file_escapes_stay_inside.
-- test_hostile.test_privileged_calls_are_denied: `unshare -U`/`-n` succeed on gVisor -
-  they make namespaces of the Sentry's own kernel, never the host's - and an exec'd
-  process shows ``Seccomp: 0`` (this runsc applies the OCI filter to the init only):
-  test_gvisor.py::test_privileged_calls_fail_or_stay_in_the_sentry checks the rest.
+- test_hostile.test_privileged_calls_are_denied: every attempt fails on gVisor too (the
+  native seccomp profile applies to execs there, see runsc.py), but it reads
+  ``NoNewPrivs`` from /proc/self/status, a line gVisor's procfs does not have:
+  test_gvisor.py::test_privileged_calls_fail_or_stay_in_the_sentry runs the same attempts.
 - test_lifecycle.test_pause_reclaims_and_resume_thaws: it fills /tmp as memory and
   expects it not on the disk; on gVisor /tmp is the disk (see runsc.py):
   test_gvisor.py::test_pause_freezes_and_resume_thaws.

@@ -130,10 +130,12 @@ async def test_it_is_gvisor(backend: ContainerBackend) -> None:
     assert backend._runsc.platform in runsc_mod.PLATFORMS
     sid = new_sid()
     await backend.create(sid, SPEC)
-    # the Sentry's kernel, not the host's: its dmesg and version are gVisor's
-    out = await sh(backend, sid, "dmesg | head -1; uname -r")
-    assert "gVisor" in out or "Starting" in out, out
-    assert out.split()[-1] != os.uname().release
+    # the Sentry's kernel, not the host's
+    assert (await sh(backend, sid, "uname -r")).strip() != os.uname().release
+    # an exec'd process runs under the native seccomp profile (through nsexec's filter
+    # mode: runsc gives it none), with no_new_privs
+    out = await sh(backend, sid, "grep Seccomp: /proc/self/status; unshare -U true; echo $?")
+    assert out.split()[-3:] == ["Seccomp:", "2", "1"], out
     # the host process is runsc's sandbox, in the sandbox's cgroup
     argv0 = Path(f"/proc/{backend.init_pid(sid)}/cmdline").read_bytes().split(b"\0")[0]
     assert argv0 == b"runsc-sandbox", argv0
@@ -212,9 +214,15 @@ async def test_pause_freezes_and_resume_thaws(backend: ContainerBackend) -> None
     sid = new_sid()
     await backend.create(sid, SPEC)
     await backend.exec(sid, ExecRequest(
-        shell="i=0; while true; do i=$((i+1)); echo $i > /workspace/n; sleep 0.05; done",
+        # renamed into place: a freeze between truncate and write cannot leave it empty
+        shell="i=0; while true; do i=$((i+1)); echo $i > /workspace/n.t; "
+              "mv /workspace/n.t /workspace/n; sleep 0.05; done",
         background=True))
-    await asyncio.sleep(0.3)
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if backend.box(sid) and os.path.exists(os.path.join(backend.upper_dir(sid),
+                                                            "workspace/n")):
+            break
     stats = await backend.pause(sid)
     assert stats.resident_before_bytes > 0 and stats.reclaimed_bytes >= 0
     assert backend.governor.is_frozen(backend.box(sid).cg)
@@ -223,7 +231,10 @@ async def test_pause_freezes_and_resume_thaws(backend: ContainerBackend) -> None
     assert await backend.read_file(sid, "/workspace/n") == n1 and int(n1) > 0
     await backend.resume(sid)
     assert not backend.governor.is_frozen(backend.box(sid).cg)
-    await asyncio.sleep(0.4)
+    for _ in range(200):   # it counts on (slowly on a loaded node)
+        await asyncio.sleep(0.05)
+        if int(await backend.read_file(sid, "/workspace/n")) > int(n1):
+            break
     assert int(await backend.read_file(sid, "/workspace/n")) > int(n1)
     await backend.pause(sid)   # an exec on a paused sandbox resumes it
     assert await sh(backend, sid, "echo up") == "up\n"
@@ -373,11 +384,10 @@ async def test_privileged_calls_fail_or_stay_in_the_sentry(
         assert r.exit_code != 0, f"{name}: {cmd!r} succeeded inside the sandbox: {r}"
     caps = await sh(backend, sid, "grep CapEff /proc/self/status")
     assert int(caps.split()[1], 16) & (1 << 21) == 0   # no CAP_SYS_ADMIN
-    # namespaces are the Sentry's own: making one touches nothing on the host
-    before = sorted(os.listdir("/proc"))
-    await backend.exec(sid, ExecRequest(shell="unshare -n -U true", timeout_s=20))
+    for cmd in ("unshare -U true", "unshare -n true", "strace true"):  # the profile's
+        r = await backend.exec(sid, ExecRequest(shell=cmd, timeout_s=20))
+        assert r.exit_code != 0, (cmd, r)
     assert os.uname().nodename != "evil"
-    assert len(sorted(os.listdir("/proc"))) - len(before) < 50
     assert await sh(backend, sid, "echo alive") == "alive\n"
 
 
@@ -427,24 +437,33 @@ async def test_snapshot_chain_restores_exact_trees(env: Env) -> None:
     await _chain(env)
 
 
-async def test_node_reports_the_oom_stop_as_an_event(env: Env) -> None:
-    """A memory limit hit OOM-kills the Sentry: the sandbox stops (``destroyed`` with
-    reason ``oom``, the exec interrupted), and only that sandbox."""
+async def test_a_memory_bomb_is_contained_in_its_sandbox(env: Env) -> None:
+    """A memory bomb meets one of two ends, both inside its own sandbox: the Sentry
+    refuses the memory (its ``--total-memory`` is the limit: ENOMEM inside, the sandbox
+    lives on), or the Sentry's own overhead tips the cgroup over and the host OOM-kills
+    it - the sandbox stops (``destroyed``, reason ``oom``, the exec interrupted). Which
+    one is a race (seen 1 in 4 runs here for the first)."""
     node = env.node
     sb = await node.create(SandboxSpec(image="base", backend="container",
                                        memory_bytes=96 << 20, pids_max=256))
     other = await node.create(SandboxSpec(image="base", backend="container",
                                           memory_bytes=96 << 20, pids_max=256))
-    with pytest.raises(DsecError, match="oom"):
+    try:
         # tail -c keeps the last 300 MB it read: it grows until the limit
-        await node.exec(sb.id, ExecRequest(
+        r = await node.exec(sb.id, ExecRequest(
             shell="head -c 300000000 /dev/zero | tail -c 300000000 | wc -c", timeout_s=60))
-    for _ in range(200):
-        if node.get(sb.id).state == "destroyed":
-            break
-        await asyncio.sleep(0.05)
-    info = node.get(sb.id)
-    assert (info.state, info.reason) == ("destroyed", "oom"), info
-    assert "oom" in [e.reason for e in node.events(sb.id)]
+    except DsecError as exc:
+        assert "oom" in str(exc), exc
+        for _ in range(200):
+            if node.get(sb.id).state == "destroyed":
+                break
+            await asyncio.sleep(0.05)
+        info = node.get(sb.id)
+        assert (info.state, info.reason) == ("destroyed", "oom"), info
+        assert "oom" in [e.reason for e in node.events(sb.id)]
+    else:
+        assert int(r.stdout) < 300_000_000, r     # tail got ENOMEM from the Sentry
+        assert node.get(sb.id).state == "running"
+        assert (await node.exec(sb.id, ExecRequest(shell="echo alive"))).stdout == b"alive\n"
     r = await node.exec(other.id, ExecRequest(shell="echo fine"))
     assert r.stdout == b"fine\n"

@@ -143,7 +143,8 @@ class _Flood:
             s.close()
             return
         try:
-            data = await asyncio.wait_for(loop.sock_recv(s, 4096), 0.25)
+            async with asyncio.timeout(0.25):
+                data = await loop.sock_recv(s, 4096)
         except TimeoutError:
             self.parked.append(s)   # admitted, waiting to authenticate: hold it idle
             self.held_max = max(self.held_max, len(self.parked))
@@ -300,8 +301,10 @@ async def _slow_senders(up: dict[str, Any], n: int, *, authed: bool,
                 await loop.sock_connect(s, (host, int(port)))
                 if authed:
                     await loop.sock_sendall(s, _auth_frame(up["api_key"]))
-                    await asyncio.wait_for(loop.sock_recv(s, 4096), 10)
-                await asyncio.wait_for(loop.sock_sendall(s, chunk), 10)
+                    async with asyncio.timeout(10):
+                        await loop.sock_recv(s, 4096)
+                async with asyncio.timeout(10):
+                    await loop.sock_sendall(s, chunk)
             except (OSError, TimeoutError):
                 pass    # refused or cut: what the server does not hold
             hold.append(s)

@@ -28,7 +28,7 @@ from dsec.wire.api import (
 from dsec.wire.calls import MAX_GENERATION, ExecMany
 from dsec.wire.ops import Op as CatalogueOp
 from dsec.wire.outcome import Batch
-from dsec.wire.spec import MAX_PATH_BYTES, ExecResult
+from dsec.wire.spec import MAX_PATH_BYTES, TIER_BACKENDS, ExecResult
 
 __all__ = [
     "FILE_PATH",
@@ -265,6 +265,8 @@ QUERY_DOCS: dict[str, Param] = {p.name: p for p in (
     Param("cursor", {"type": "string"}),
     Param("node", {"type": "string", "pattern": r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"},
           description="only the sandboxes on this node"),
+    Param("isolation", {"enum": list(TIER_BACKENDS)},
+          description="only the sandboxes of this isolation tier"),
     Param("strip", {"type": "array", "items": {"type": "string", "minLength": 1}},
           description="path patterns left out (reuse safety), repeatable"),
     Param("sandbox_id", SANDBOX_ID),

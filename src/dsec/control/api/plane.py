@@ -159,6 +159,7 @@ from dsec.wire.layers import (
 from dsec.wire.netpolicy import NetworkPolicy
 from dsec.wire.node import MAX_FEED_EVENTS, MAX_LIST_PAGE
 from dsec.wire.spec import (
+    BACKEND_ISOLATION,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -1124,10 +1125,11 @@ class ControlPlane:
     # ------------------------------------------------------------ listing
     def list_sandboxes(self, caller: Caller, *, project: str | None,
                        labels: Mapping[str, str], state: SandboxState | None, after: str,
-                       limit: int, node: str | None = None,
+                       limit: int, node: str | None = None, isolation: str | None = None,
                        ) -> tuple[list[SandboxInfo], bool]:
         """A page of live sandboxes from the registry, in id order after ``after``
-        (``node``: only those the registry places there, from its per-node index).
+        (``node``: only those the registry places there, from its per-node index;
+        ``isolation``: only those whose backend gives that tier).
 
         Only projects the caller holds a role on are walked (a per-project sorted index),
         so a call costs O(projects + page + rows the label/state filter skips), not a
@@ -1152,6 +1154,8 @@ class ControlPlane:
         def match(r: SandboxRecord) -> bool:
             if want_paused is not None and r.paused != want_paused:
                 return False
+            if isolation is not None and BACKEND_ISOLATION.get(r.backend) != isolation:  # type: ignore[call-overload]
+                return False
             if items:
                 have = r.spec.labels if r.spec is not None else {}
                 for k, v in items:
@@ -1159,7 +1163,8 @@ class ControlPlane:
                         return False
             return True
         recs, more = reg.page(after=after, limit=limit, projects=projects, node=node,
-                              match=match if want_paused is not None or items else None)
+                              match=match if want_paused is not None or items
+                              or isolation is not None else None)
         return [_info_of(r) for r in recs], more
 
     def recorded_project(self, sandbox_id: str) -> str | None:

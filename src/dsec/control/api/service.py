@@ -42,6 +42,7 @@ from dsec.control.idempotency import (
 )
 from dsec.control.metrics import ApiMetrics
 from dsec.control.ratelimit import RateLimiter
+from dsec.control.replybudget import ReplyGate, ReplyLease, keep_or_release, tenant_of
 from dsec.control.sweeper import SESSION_LABEL
 from dsec.edge.client import EdgeClient
 from dsec.errors import (
@@ -123,6 +124,7 @@ from dsec.wire.calls import (
     ProjectRef,
     QuotaSet,
     ReadFile,
+    ResumeReason,
     SandboxRef,
     SessionOpen,
     SessionRef,
@@ -158,6 +160,7 @@ from dsec.wire.ports import (
 from dsec.wire.process import ProcessRef
 from dsec.wire.spec import (
     FILE_CHUNK_BYTES,
+    MAX_FILE_READ_BYTES,
     BackendName,
     ExecChunk,
     ExecRequest,
@@ -244,7 +247,7 @@ class NodeDirectory(Protocol):
     def nodes(self) -> list[NodeView]: ...
     def list_sandboxes(self, caller: Caller, *, project: str | None,
                        labels: Mapping[str, str], state: SandboxState | None, after: str,
-                       limit: int, node: str | None = None,
+                       limit: int, node: str | None = None, isolation: str | None = None,
                        ) -> tuple[list[SandboxInfo], bool]: ...
     def lost(self, sandbox_id: str) -> Lost | None: ...
     def vanished(self, sandbox_id: str) -> Lost | None:
@@ -435,6 +438,23 @@ class ApiConfig:
     # The egress policy of a create that names none (``dsec up|apiserver --net-default``):
     # "none", loopback only, unless the operator opens it. A project's ceiling still binds.
     net_default: NetworkPolicy = field(default_factory=NetworkPolicy)
+    # Bytes of large unary replies (exec output, list_dir, events) one tenant (top-level
+    # project) holds in this apiserver at once, from the edge's answer until its client
+    # has read it (dsec.control.replybudget); None: no budget.
+    reply_budget_bytes: int | None = 1 << 30
+    # How long a call waits for room in its tenant's budget before RateLimited.
+    reply_budget_wait_s: float = 30.0
+    # What a list_dir or events call reserves before its reply arrives (then its size).
+    reply_reserve_bytes: int = 1 << 20
+    # What an exec reserves before its reply arrives (then its size), at most its worst
+    # case. Not the worst case itself: at 2 x the 1 MiB default cap that let only 512
+    # unary execs of one tenant be in flight per apiserver (an RL run's env pool has
+    # more), and a tenant that does not read overshoots once by at most its execs in
+    # flight x their real size, then waits for its clients (docs/api.md).
+    reply_exec_reserve_bytes: int = 64 << 10
+    # The most output per stream an edge puts in an exec's reply (its
+    # EdgeConfig.max_reply_output_bytes): an exec's worst case is twice min(its cap, this).
+    reply_output_bytes: int = 4 << 20
 
 
 class _ProjectCache:
@@ -517,10 +537,16 @@ class ApiService:
     port_tokens: TokenKey = field(init=False)
     # (node, top-level project) -> its read_file pieces in flight (READS_PER_TENANT)
     _reads: dict[tuple[str, str], _Gate] = field(init=False)
+    # Per-tenant bytes of large unary replies held until written (ApiConfig.reply_budget_*)
+    replies: ReplyGate = field(init=False)
 
     def __post_init__(self) -> None:
         self._keyed = set()
         self._reads = {}
+        self.replies = ReplyGate(self.config.reply_budget_bytes,
+                                 wait_s=self.config.reply_budget_wait_s,
+                                 on_refused=self.metrics.reply_budget_refused.inc)
+        self.metrics.reply_budget_bytes.set_function(lambda: self.replies.budget.total())
         self._projects = _ProjectCache(self.config.project_cache_entries)
         self._principals = OrderedDict()
         self._snapshots = OrderedDict()
@@ -1259,12 +1285,12 @@ class ApiService:
     async def list(
         self, principal: Caller, *, project: str | None, labels: Mapping[str, str],
         state: SandboxState | None, limit: int, cursor: str | None,
-        node: str | None = None,
+        node: str | None = None, isolation: str | None = None,
     ) -> tuple[list[SandboxInfo], str | None]:
         """Live sandboxes the principal may see, from the control plane's registry (no
         edge is asked), ordered by id and paged with an opaque cursor (the last id of the
         previous page). Filters: project subtree, labels (all must match), state, node
-        (the registry's per-node index: O(page) too)."""
+        (the registry's per-node index: O(page) too), isolation tier."""
         if not (1 <= limit <= self.config.list_page_max):
             raise InvalidArgument(f"limit={limit} must be within 1..{self.config.list_page_max}",
                                   field="limit")
@@ -1274,7 +1300,7 @@ class ApiService:
         after = _decode_cursor(cursor) if cursor else ""
         page, more = self.directory.list_sandboxes(principal, project=project, labels=labels,
                                                    state=state, after=after, limit=limit,
-                                                   node=node)
+                                                   node=node, isolation=isolation)
         return page, (_encode_cursor(page[-1].id) if more and page else None)
 
     # ------------------------------------------------------------- mutate
@@ -1326,13 +1352,26 @@ class ApiService:
         self._check_batch_cap(len(items), self.config.max_exec_batch, "calls")
         groups: dict[int, tuple[EdgeOps, list[int]]] = {}
         out: list[ExecResult | DsecError] = [InvalidArgument("not attempted")] * len(items)
+        tenants: dict[str, list[int]] = {}
         for i, (sid, _) in enumerate(items):
             try:
-                edge, _ = await self._edge_for(principal, sid, "member", wake=True)
+                edge, project = await self._edge_for(principal, sid, "member", wake=True)
             except DsecError as exc:
                 out[i] = exc
                 continue
             groups.setdefault(id(edge), (edge, []))[1].append(i)
+            tenants.setdefault(tenant_of(project), []).append(i)
+        # the reply within each tenant's reply budget: an estimate per tenant before,
+        # what its results hold after (a batch's worst case would serialise RL ticks)
+        leases: list[tuple[ReplyLease, list[int]]] = []
+        try:
+            for tenant in sorted(tenants):
+                leases.append((await self.replies.acquire(
+                    tenant, self.config.reply_reserve_bytes), tenants[tenant]))
+        except BaseException:
+            for lease, _ in leases:
+                lease.release()
+            raise
 
         async def run(edge: EdgeOps, idx: list[int]) -> None:
             deadlines = [ops.exec_deadline(items[i][1]) for i in idx]
@@ -1352,7 +1391,17 @@ class ApiService:
                     lost = self._vanished(items[i][0])
                     r = _not_found(items[i][0]) if lost is None else _lost_error(lost)
                 out[i] = r
-        await asyncio.gather(*(run(e, idx) for e, idx in groups.values()))
+        try:
+            await asyncio.gather(*(run(e, idx) for e, idx in groups.values()))
+            for lease, idx in leases:
+                lease.resize(sum(_reply_size(out[i]) for i in idx
+                                 if isinstance(out[i], ExecResult)))
+        except BaseException:
+            for lease, _ in leases:
+                lease.release()
+            raise
+        for lease, _ in leases:
+            keep_or_release(lease)
         return out
 
     async def read_file(self, principal: Caller, sid: str, path: str, offset: int,
@@ -1374,8 +1423,11 @@ class ApiService:
                 gate.users -= 1
                 if not gate.users:
                     del self._reads[key]      # idle: the table holds busy tenants only
-        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec)
-        return await read_in_chunks(piece, offset, length)
+        # in pieces that fit an Aether frame, up to the one-read limit (dsec.wire.spec);
+        # the whole answer within the tenant's reply budget (its length, if it says one)
+        reserve = self.config.reply_reserve_bytes if length is None else length
+        return await self._budgeted(project, min(reserve, MAX_FILE_READ_BYTES),
+                                    lambda: read_in_chunks(piece, offset, length))
 
     async def write_file(self, principal: Caller, sid: str, path: str, data: bytes,
                          mode: int, append: bool) -> None:
@@ -1398,14 +1450,15 @@ class ApiService:
 
     async def resume(self, principal: Caller, sid: str) -> None:
         edge, _ = await self._edge_for(principal, sid, "member")
-        if not await self._resume_admitted(edge, sid):
+        if not await self._resume_admitted(edge, sid, "requested"):
             # not known paused here (already running, or paused behind this plane's
             # back and not reported yet: its running charge is still counted)
             await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
             if self.quotas is not None:
                 self.quotas.paused(sid, False)
 
-    async def _resume_admitted(self, edge: EdgeOps, sid: str) -> bool:
+    async def _resume_admitted(self, edge: EdgeOps, sid: str,
+                               reason: ResumeReason = "auto_resume") -> bool:
         """Resume ``sid`` if the control plane knows it paused, within its project's
         quota: check and hold the charge (one step), resume at the edge, then count it
         running, or give the hold back if the resume failed. False when it is not known
@@ -1413,14 +1466,16 @@ class ApiService:
         through here: resume (REST, gateway, E2B, dashboard) and every operation the
         edge would otherwise resume it for transparently (exec, files, processes,
         ports: :data:`_WAKES`), which the edge's own auto-resume never checked
-        (red team 19, B3)."""
+        (red team 19, B3). ``reason`` goes on the sandbox's events: ``auto_resume``
+        for a wake (as if the edge had resumed it itself), ``requested`` for resume."""
         if self.quotas is None:
             return False
         hold = self.quotas.admit_resume(sid)
         if hold is None:
             return False
         try:
-            await self._via(edge, sid, "resume", lambda: edge.resume(sid), effect=True)
+            await self._via(edge, sid, "resume", lambda: edge.resume(sid, reason=reason),
+                            effect=True)
         except BaseException:
             self.quotas.abort_resume(hold)
             raise
@@ -1648,8 +1703,10 @@ class ApiService:
         if lost is not None:
             return list(lost.events)
         try:
-            edge, _ = await self._edge_for(principal, sid, "reader")
-            return await self._via(edge, sid, "events", lambda: edge.events(sid))
+            edge, project = await self._edge_for(principal, sid, "reader")
+            return await self._budgeted(
+                project, self.config.reply_reserve_bytes,
+                lambda: self._via(edge, sid, "events", lambda: edge.events(sid)))
         except SandboxLost:
             lost = self.directory.lost(sid)
             if lost is None:
@@ -1907,10 +1964,42 @@ class ApiService:
         error says whether it may have happened)."""
         sid: str = body.id
         assert op.role is not None
-        edge, _ = await self._edge_for(caller, sid, op.role, wake=op.name in _WAKES)
+        edge, project = await self._edge_for(caller, sid, op.role, wake=op.name in _WAKES)
         deadline: Deadline = USE_CLIENT_DEFAULT if op.deadline is None else op.deadline(body)
-        return await self._via(edge, sid, op.name,
-                               lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+
+        def call() -> Awaitable[Any]:
+            return self._via(edge, sid, op.name,
+                             lambda: edge.call(op, body, timeout=deadline), effect=op.effect)
+        if op.name in _BIG_REPLIES:
+            return await self._budgeted(project, self._reply_reserve(op, body), call)
+        return await call()
+
+    def _reply_reserve(self, op: Op[Any, Any], body: Any) -> int:
+        """The estimate ``op``'s call reserves before its reply arrives (an exec: at most
+        its worst case)."""
+        cfg = self.config
+        if op is ops.EXEC:
+            req: ExecRequest = body.req
+            if req.background:
+                return _REPLY_OVERHEAD
+            return min(2 * min(req.output_cap_bytes, cfg.reply_output_bytes),
+                       cfg.reply_exec_reserve_bytes) + _REPLY_OVERHEAD
+        return cfg.reply_reserve_bytes
+
+    async def _budgeted(self, project: str, reserve: int,
+                        call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call`` (one edge call with a large unary reply) within its tenant's budget
+        of reply bytes: reserve, charge the real size, and leave the lease to the door
+        that writes the reply out (dsec.control.replybudget)."""
+        lease = await self.replies.acquire(tenant_of(project), reserve)
+        try:
+            rep = await call()
+            lease.resize(_reply_size(rep))
+        except BaseException:
+            lease.release()
+            raise
+        keep_or_release(lease)
+        return rep
 
     async def _network_update_op(self, caller: Caller, b: NetworkUpdate) -> NetworkView:
         """Member on the sandbox's project, and the new policy within every network
@@ -1940,7 +2029,7 @@ class ApiService:
     async def _list_op(self, caller: Caller, b: ListSandboxes) -> SandboxList:
         items, nxt = await self.list(caller, project=b.project, labels=b.labels,
                                      state=b.state, limit=b.limit, cursor=b.cursor,
-                                     node=b.node)
+                                     node=b.node, isolation=b.isolation)
         return SandboxList(items=items, next_cursor=nxt)
 
     async def _destroy_op(self, caller: Caller, b: SandboxRef) -> None:
@@ -2139,6 +2228,21 @@ _LINK_ERRORS = (TransportError, ProtocolError, RequestTimeout)
 # Operations the edge resumes a paused sandbox for (its transparent resume, ``_ready``;
 # ``processes.start``): the control plane resumes it first, within the project's quota
 # (red team 19, B3). Pause, get, stats, destroy, snapshot, ports listing do not wake.
+# Sandbox rows forwarded as they are whose unary replies can be large: held within their
+# tenant's reply budget (events and read_file too, in ApiService.events/read_file).
+_BIG_REPLIES = frozenset(o.name for o in (ops.EXEC, ops.LIST_DIR, ops.PROCESS_LIST))
+_REPLY_OVERHEAD = 4096    # an exec reply's fields besides its output (msgpack or JSON)
+
+
+def _reply_size(rep: object) -> int:
+    """Bytes a reply holds: an exec's output (and its fields), else its msgpack size."""
+    if isinstance(rep, ExecResult):
+        return len(rep.stdout) + len(rep.stderr) + _REPLY_OVERHEAD
+    if isinstance(rep, bytes):
+        return len(rep)
+    return len(_msgpack.encode(rep))
+
+
 _WAKES = frozenset(o.name for o in (
     ops.EXEC, ops.EXEC_MANY, ops.EXEC_STREAM, ops.WRITE_FILE, ops.MKDIR, ops.REMOVE,
     ops.FILE_WRITE_STREAM, ops.FILE_RENAME, ops.PROCESS_START, ops.PORT_CONNECT))

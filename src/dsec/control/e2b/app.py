@@ -23,23 +23,29 @@ which this layer's create/connect answers set to the caller's own key (an envd
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import collections
+import contextlib
 import json
 import logging
 import re
+import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from dsec.control import filedoors
 from dsec.control.api.service import ApiService, Caller
+from dsec.control.e2b import code as codeapi
 from dsec.control.e2b import connect as rpc
 from dsec.control.e2b import mapping
 from dsec.control.e2b.watchers import Watchers
@@ -48,16 +54,19 @@ from dsec.errors import (
     InvalidArgument,
     InvalidTransition,
     NotFound,
+    PermissionDenied,
     SandboxNotFound,
     Unauthenticated,
 )
 from dsec.logs import access, access_enabled
+from dsec.wire import code as code_kernel
 from dsec.wire import ops
 from dsec.wire.calls import (
     ExecCall,
     FileRef,
     ListSandboxes,
     Mkdir,
+    ReadFile,
     Remove,
     SandboxRef,
     WriteFile,
@@ -79,6 +88,7 @@ __all__ = ["E2BApp", "E2BConfig"]
 log = logging.getLogger("dsec.e2b")
 
 ENVD_PORT = 49983
+CODE_PORT = 49999           # e2b-code-interpreter's (JUPYTER_PORT): dsec's run_code kernel
 _MAX_MESSAGE = 16 << 20
 _ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 
@@ -91,6 +101,10 @@ class E2BConfig:
     domain: str | None = None
     max_upload: int = 256 << 20
     keepalive_s: float = 50.0
+    # one code-interpreter run's bound (seconds): the SDK's own ``timeout`` is a client
+    # read deadline it never sends, and a run its client gave up on still holds the
+    # kernel (one run at a time): past this the code is interrupted (KeyboardInterrupt)
+    code_timeout_s: float = 3600.0
 
 
 class _E2BError(Exception):
@@ -190,7 +204,12 @@ class E2BApp:
         self._watch_policy: Callable[[Caller, Watch], Awaitable[AsyncIterator[
             FileEvent | WatchEnd]]] = service.stream_handler(ops.FILE_WATCH)  # type: ignore[arg-type]
         self.watchers = Watchers()
+        self._bash: dict[str, None] = {}     # sandboxes seen with /bin/bash (insertion order)
         self._put = h(ops.WRITE_FILE)
+        self._read = h(ops.READ_FILE)
+        self._exec = h(ops.EXEC)
+        self._exec_stream: Callable[[Caller, ExecCall], Awaitable[AsyncIterator[
+            ExecChunk | ExecResult]]] = service.stream_handler(ops.EXEC_STREAM)  # type: ignore[arg-type]
         self._list_dir = h(ops.LIST_DIR)
         self._stat = h(ops.STAT)
         self._mkdir = h(ops.MKDIR)
@@ -246,20 +265,29 @@ class E2BApp:
         if self._host is not None:
             m = self._host.match(request.headers.get("host", ""))
             if m is not None:
+                if int(m.group(1)) == CODE_PORT:
+                    await (await self._code(request, m.group(2)))(scope, receive, send)
+                    return
                 if int(m.group(1)) != ENVD_PORT:
                     resp = _json({"code": 502, "message": f"port {m.group(1)} is not "
-                                  "open: dsec's E2B layer serves envd's port "
-                                  f"{ENVD_PORT} only (docs/e2b.md)"}, 502)
+                                  f"open: dsec's E2B layer serves envd's port {ENVD_PORT} "
+                                  f"and the code interpreter's {CODE_PORT} only "
+                                  "(docs/e2b.md)"}, 502)
                     await resp(scope, receive, send)
                     return
                 sandbox = m.group(2)
         if sandbox is None:
             port = request.headers.get("e2b-sandbox-port")
+            if port == str(CODE_PORT):
+                sid = request.headers.get("e2b-sandbox-id") or ""
+                await (await self._code(request, sid))(scope, receive, send)
+                return
             if port is not None and port != str(ENVD_PORT):
                 # E2B_SANDBOX_URL set-ups reach any sandbox port through these headers
                 resp = _json({"code": 502, "message": f"port {port[:8]} is not open: "
-                              "dsec's E2B layer serves envd's port "
-                              f"{ENVD_PORT} only (docs/e2b.md, 'Gaps')"}, 502)
+                              f"dsec's E2B layer serves envd's port {ENVD_PORT} and the "
+                              f"code interpreter's {CODE_PORT} only (docs/e2b.md, "
+                              "'Gaps')"}, 502)
                 await resp(scope, receive, send)
                 return
             if path.startswith(_ENVD_PREFIXES) or path in ("/files", "/health"):
@@ -414,10 +442,10 @@ class E2BApp:
                               paged: bool) -> Response:
         q = request.query_params
         for name in q:
-            if name not in ("metadata", "state", "limit", "nextToken", "query"):
+            if name not in _LIST_PARAMS:
                 raise _E2BError(400, f"query parameter {name[:40]!r} is not supported by "
-                                     "dsec's E2B layer (it takes metadata, state, limit, "
-                                     "nextToken)")
+                                     "dsec's E2B layer (it takes "
+                                     f"{', '.join(sorted(_LIST_PARAMS))})")
         labels = mapping.metadata_filter(q.get("metadata") or q.get("query"))
         states = {s for s in (q.get("state") or "").split(",") if s}
         if states - {"running", "paused"}:
@@ -431,11 +459,20 @@ class E2BApp:
                 raise _E2BError(400, f"limit={q['limit'][:20]!r} is not a number") from None
             if not 1 <= limit <= 1000:
                 raise _E2BError(400, f"limit={limit} must be within 1..1000")
+        try:
+            view = mapping.ListView.of(order=q.get("order"),
+                                       started_after=q.get("startedAfter"),
+                                       template=q.get("template"))
+        except InvalidArgument as exc:
+            raise _E2BError(400, exc.message) from None
         cursor = q.get("nextToken") or None
+        bounded = paged or "limit" in q
+        if view is not None:
+            return await self._list_view(caller, view, labels, state, limit, cursor,
+                                         bounded=bounded, paged=paged)
         # v2 (paged): one page of at most ``limit`` rows and its token; v1 (unpaged, as
         # E2B's): every sandbox, or the first ``limit`` when the caller names one. Each
         # list call asks for what is still missing (never 0 rows: red team 19, A8).
-        bounded = paged or "limit" in q
         items: list[dict[str, Any]] = []
         while True:
             want = limit - len(items) if bounded else 1000
@@ -447,6 +484,35 @@ class E2BApp:
                 break
         headers = {"x-next-token": cursor} if paged and cursor else None
         return _json(items, 200, headers)
+
+    async def _list_view(self, caller: Caller, view: mapping.ListView,
+                         labels: dict[str, str], state: Any, limit: int,
+                         token: str | None, *, bounded: bool, paged: bool) -> Response:
+        """``order``/``startedAfter``/``template``: E2B orders by start time across the
+        whole result, before paging, so every match is read (dsec lists by id), at most
+        ``mapping.MAX_VIEW`` of them, then sorted, and paged by a key token (the last
+        row's start time and id: a sandbox created or gone meanwhile moves no other)."""
+        after = mapping.ListView.token_key(token) if token else None
+        if token and after is None:
+            raise _E2BError(400, "nextToken is not one this listing gave")
+        rows: list[SandboxInfo] = []
+        cursor: str | None = None
+        while True:
+            page = await self._list(caller, ListSandboxes(labels=labels, state=state,
+                                                          limit=1000, cursor=cursor))
+            rows += [i for i in page.items if mapping.state_of(i) and view.keeps(i)]
+            if len(rows) > mapping.MAX_VIEW:
+                raise _E2BError(400, f"more than {mapping.MAX_VIEW} sandboxes match: "
+                                     "narrow the list with metadata or state to order it")
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        rows = view.sorted(rows, after)
+        more = bounded and len(rows) > limit
+        rows = rows[:limit] if bounded else rows
+        headers = ({"x-next-token": view.token(rows[-1])} if paged and more and rows
+                   else None)
+        return _json([mapping.listed(i) for i in rows], 200, headers)
 
     # --------------------------------------------------------------------- envd
     async def _envd(self, request: Request, sandbox: str) -> Response:
@@ -471,7 +537,8 @@ class E2BApp:
             if path.startswith("/process.Process/"):
                 return await self._process(request, caller, sandbox, method, msg,
                                            streaming)
-            return await self._filesystem(caller, sandbox, method, msg, streaming)
+            return await self._filesystem(caller, sandbox, method, msg, streaming,
+                                          user=_user_of(request))
         except (DsecError, _E2BError) as exc:
             return self._rpc_error(exc, streaming, request)
         except Exception as exc:  # a bug: logged, answered as internal, never a trace
@@ -612,6 +679,11 @@ class E2BApp:
         tag = msg.get("tag")
         if tag is not None and not isinstance(tag, str):
             raise InvalidArgument("tag must be a string", field="tag")
+        if cmd == "/bin/bash" and not await self._has_bash(caller, sandbox):
+            # the SDK runs every command as /bin/bash -l -c CMD (a pty as /bin/bash -i
+            # -l): an image without bash (busybox, alpine, distroless-ish) gets the same
+            # flags on /bin/sh, which POSIX shells and busybox ash all take
+            cmd = "/bin/sh"
         req = ExecRequest(argv=(cmd, *args), env=dict(envs),
                           cwd=cwd or None, user=_user_of(request),
                           timeout_s=timeout_s, pty=pty, tag=tag if tag else None,
@@ -619,6 +691,24 @@ class E2BApp:
         info = await self._pstart(caller, ExecCall(id=sandbox, req=req))
         return self._follow(request, caller, sandbox, info.pid, pty=pty is not None,
                             timeout_s=timeout_s)
+
+    async def _has_bash(self, caller: Caller, sandbox: str) -> bool:
+        """Whether ``/bin/bash`` exists in the sandbox. A yes is remembered (bounded, per
+        sandbox: images do not lose bash in practice, and a removed one fails the
+        command as it would on E2B); a no is asked again each time, so a bash
+        installed later is used."""
+        if sandbox in self._bash:
+            return True
+        try:
+            await self._stat(caller, FileRef(id=sandbox, path="/bin/bash"))
+        except NotFound as exc:
+            if isinstance(exc, SandboxNotFound):
+                raise
+            return False
+        if len(self._bash) >= 4096:
+            self._bash.pop(next(iter(self._bash)))
+        self._bash[sandbox] = None
+        return True
 
     def _follow(self, request: Request, caller: Caller, sandbox: str, pid: int, *,
                 pty: bool, timeout_s: float | None) -> Response:
@@ -675,7 +765,8 @@ class E2BApp:
 
     # --------------------------------------------------------------- filesystem
     async def _filesystem(self, caller: Caller, sandbox: str, method: str,
-                          msg: dict[str, Any], streaming: bool) -> Response:
+                          msg: dict[str, Any], streaming: bool, *,
+                          user: str | None = None) -> Response:
         raw_path = msg.get("path")
         if method in ("Stat", "ListDir", "MakeDir", "Remove", "WatchDir",
                       "CreateWatcher") and (
@@ -685,8 +776,11 @@ class E2BApp:
         if method == "Stat":
             fi = await self._stat(caller, FileRef(id=sandbox, path=path))
             return _json({"entry": mapping.entry_info(fi)})
+        other = _other_user(user)
         if method == "ListDir":
             depth = _int(msg, "depth", 1, "depth") or 1
+            if other:
+                await self._shell(caller, sandbox, _MAY_LIST, [path], user)  # type: ignore[arg-type]
             entries = await self._walk(caller, sandbox, path, depth)
             return _json({"entries": entries})
         if method == "MakeDir":
@@ -698,10 +792,18 @@ class E2BApp:
             else:
                 return _json(rpc.error_body("already_exists", f"{path} already exists"),
                              409)
-            await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True))
+            if _other_user(user):
+                await self._mkdir_as(caller, sandbox, path, user)   # type: ignore[arg-type]
+            else:
+                await self._mkdir(caller, Mkdir(id=sandbox, path=path, parents=True))
             fi = await self._stat(caller, FileRef(id=sandbox, path=path))
             return _json({"entry": mapping.entry_info(fi)})
         if method == "Remove":
+            if other:       # removed by the user: their rights decide
+                await self._stat(caller, FileRef(id=sandbox, path=path))   # NotFound
+                await self._shell(caller, sandbox, 'rm -rf -- "$1"', [path],
+                                  user)  # type: ignore[arg-type]
+                return _json({})
             await self._remove(caller, Remove(id=sandbox, path=path, recursive=True))
             return _json({})
         if method == "Move":
@@ -709,6 +811,12 @@ class E2BApp:
             if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
                 raise InvalidArgument("source and destination are required")
             # envd's Move is a rename(2): it replaces an existing destination
+            if other:       # moved by the user: their rights decide
+                await self._stat(caller, FileRef(id=sandbox, path=src))    # NotFound
+                await self._shell(caller, sandbox, 'mv -f -- "$1" "$2"', [src, dst],
+                                  user)  # type: ignore[arg-type]
+                fi = await self._stat(caller, FileRef(id=sandbox, path=dst))
+                return _json({"entry": mapping.entry_info(fi)})
             fi = await self._rename(caller, Rename(id=sandbox, src=src, dst=dst,
                                                    overwrite=True))
             return _json({"entry": mapping.entry_info(fi)})
@@ -752,12 +860,200 @@ class E2BApp:
                     todo.append((fi.path, level + 1))
         return out
 
+    # --------------------------------------------------------- code interpreter
+    async def _code(self, request: Request, sandbox: str) -> Response:
+        """e2b-code-interpreter's port 49999 (:mod:`dsec.control.e2b.code`): ``/execute``
+        and ``/contexts`` on dsec's run_code kernel, run by the sandbox's ``exec`` as the
+        caller. The SDK authenticates these with the create answer's tokens: the
+        ``X-Access-Token`` (run) or ``E2B-Traffic-Access-Token`` (contexts), both the
+        caller's key."""
+        path = request.url.path.rstrip("/")
+        try:
+            if not sandbox:
+                raise _E2BError(400, "no sandbox named: send E2b-Sandbox-Id (with "
+                                     "E2B_SANDBOX_URL) or use a 49999-{id}.{domain} host")
+            caller = self._caller(request, "x-access-token", "e2b-traffic-access-token",
+                                  "x-api-key")
+            auth = request.headers.get("authorization", "")
+            # the key picks the kernel (dsec.wire.code._token): the one authenticated
+            key = (request.headers.get("x-access-token")
+                   or request.headers.get("e2b-traffic-access-token")
+                   or request.headers.get("x-api-key")
+                   or (auth[7:].strip() if auth.lower().startswith("bearer ") else ""))
+            info = await self._live(caller, sandbox)
+            kernel = _KernelSandbox(self, caller, info)
+            method = request.method
+            if path == "/execute" and method == "POST":
+                return await self._execute(request, kernel, key)
+            if path == "/contexts" and method == "POST":
+                body = await self._json_body(request)
+                return _json(await self._new_context(kernel, key, body))
+            if path == "/contexts" and method == "GET":
+                return _json(await self._contexts(kernel))
+            parts = path.strip("/").split("/")
+            if len(parts) in (2, 3) and parts[0] == "contexts":
+                cid = codeapi.check_context_id(parts[1])
+                rec = await self._context(kernel, cid)
+                if len(parts) == 3 and parts[2] == "restart" and method == "POST":
+                    await code_kernel.restart(kernel, key=key, context=cid)
+                    await self._init_context(kernel, key, cid, rec["cwd"])
+                    return _json({})
+                if len(parts) == 2 and method == "DELETE":
+                    await code_kernel.restart(kernel, key=key, context=cid)
+                    await self._remove(caller, Remove(
+                        id=sandbox, path=f"{codeapi.CONTEXT_DIR}/{cid}.json"))
+                    return Response(status_code=204)
+            raise _E2BError(404, f"no code interpreter route {method} {path[:80]}")
+        except (DsecError, _E2BError) as exc:
+            if isinstance(exc, DsecError):
+                exc = self.service.redact(exc)
+            return _control_error(exc)
+        except Exception as exc:  # a bug: logged, answered as internal, never a trace
+            log.exception("E2B code interpreter %s failed", path)
+            return _control_error(exc)
+
+    async def _execute(self, request: Request, kernel: _KernelSandbox,
+                       key: str) -> Response:
+        body = await self._json_body(request)
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise InvalidArgument("code (a string) is required", field="code")
+        cid = body.get("context_id")
+        if cid is not None and body.get("language") is not None:
+            raise InvalidArgument("give context_id or language, not both",
+                                  field="language")
+        context = ""
+        if cid is not None:
+            context = codeapi.check_context_id(cid)
+            await self._context(kernel, context)
+        else:
+            codeapi.check_language(body.get("language"))
+        env = _obj(body, "env_vars")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise InvalidArgument("env_vars must map names to string values",
+                                  field="env_vars")
+        timeout = self.config.code_timeout_s
+        if env:
+            # E2B: the variables hold for this run only. Set before, restored after
+            # (two small runs of the same kernel), so the code itself runs unchanged
+            # (its last expression is still its result, its line numbers its own).
+            await self._run_quiet(kernel, key, context, _ENV_SET.format(env=repr(env)))
+        # the output streams as the code writes it (the kernel's stream mode): the first
+        # item is awaited here, so a run that cannot start is an HTTP error, as E2B's
+        run = code_kernel.run_code_stream(kernel, code, timeout=timeout, key=key,
+                                          context=context)
+        try:
+            first = await anext(run)
+        except BaseException:
+            if env:
+                await self._run_quiet(kernel, key, context, _ENV_RESTORE)
+            raise
+
+        async def stream() -> AsyncIterator[bytes]:
+            item: tuple[str, str] | code_kernel.Execution | None = first
+            try:
+                while item is not None:
+                    if isinstance(item, code_kernel.Execution):
+                        for line in codeapi.execute_lines(item, time.time_ns(),
+                                                          output=False):
+                            yield line
+                        break
+                    yield codeapi.output_line(*item, now_ns=time.time_ns())
+                    item = await anext(run, None)
+            except DsecError as exc:
+                exc = self.service.redact(exc)
+                yield codeapi.failure_line(exc.code, exc.message)
+            finally:
+                # best effort: a client gone mid-run (the SDK's timeout) leaves the code
+                # running; the restore then waits for the kernel, and may fail
+                with contextlib.suppress(Exception):
+                    await run.aclose()          # the exec stream, if still open
+                if env:
+                    with contextlib.suppress(Exception):
+                        await self._run_quiet(kernel, key, context, _ENV_RESTORE)
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    async def _run_quiet(self, kernel: _KernelSandbox, key: str, context: str,
+                         code: str) -> code_kernel.Execution:
+        ex = await code_kernel.run_code(kernel, code, timeout=30.0, key=key,
+                                        context=context)
+        if ex.error is not None:
+            raise InvalidArgument(f"the code interpreter could not prepare the run: "
+                                  f"{ex.error.name}: {ex.error.value}"[:500])
+        return ex
+
+    async def _init_context(self, kernel: _KernelSandbox, key: str, cid: str,
+                            cwd: str | None) -> str:
+        """Start context ``cid``'s kernel in ``cwd`` (None: the exec's default); its
+        working directory."""
+        ex = await self._run_quiet(kernel, key, cid, "import os as _dsec_os\n" + (
+            f"_dsec_os.chdir({cwd!r})\n" if cwd else "") + "_dsec_os.getcwd()")
+        text = ex.text or "''"
+        try:
+            out = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out = None
+        return out if isinstance(out, str) else (cwd or "/")
+
+    async def _new_context(self, kernel: _KernelSandbox, key: str,
+                           body: dict[str, Any]) -> dict[str, str]:
+        language = codeapi.check_language(body.get("language"))
+        cwd = body.get("cwd")
+        if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
+            raise InvalidArgument("cwd must be an absolute path", field="cwd")
+        if len(await self._contexts(kernel)) >= codeapi.MAX_CONTEXTS:
+            raise _E2BError(429, f"sandbox {kernel.id} has {codeapi.MAX_CONTEXTS} code "
+                                 "contexts: remove one first")
+        cid = "ctx-" + secrets.token_hex(8)
+        real = await self._init_context(kernel, key, cid, cwd)
+        rec = codeapi.context_record(cid, language, real)
+        await self._mkdir(kernel.caller, Mkdir(id=kernel.id, path=codeapi.CONTEXT_DIR,
+                                               parents=True))
+        await self._put(kernel.caller, WriteFile(
+            id=kernel.id, path=f"{codeapi.CONTEXT_DIR}/{cid}.json",
+            data=json.dumps(rec).encode()))
+        return rec
+
+    async def _context(self, kernel: _KernelSandbox, cid: str) -> dict[str, str]:
+        try:
+            raw = await self._read(kernel.caller, ReadFile(
+                id=kernel.id, path=f"{codeapi.CONTEXT_DIR}/{cid}.json",
+                length=codeapi.MAX_CONTEXT_RECORD + 1))
+        except NotFound:
+            raw = b""
+        rec = codeapi.parse_context(raw, cid) if raw else None
+        if rec is None:
+            raise _E2BError(404, f"context {cid} not found in sandbox {kernel.id}")
+        return rec
+
+    async def _contexts(self, kernel: _KernelSandbox) -> list[dict[str, str]]:
+        try:
+            listing = await self._list_dir(kernel.caller, FileRef(
+                id=kernel.id, path=codeapi.CONTEXT_DIR))
+        except NotFound:
+            return []
+        out = []
+        for fi in listing.items[:codeapi.MAX_CONTEXTS * 2]:
+            cid = fi.name.removesuffix(".json")
+            if fi.type != "file" or not cid.startswith("ctx-"):
+                continue
+            try:
+                out.append(await self._context(kernel, codeapi.check_context_id(cid)))
+            except (_E2BError, InvalidArgument):
+                continue
+        return out
+
     # -------------------------------------------------------------------- files
     async def _files(self, request: Request, caller: Caller, sandbox: str) -> Response:
         path = request.query_params.get("path")
+        request.scope["dsec.e2b.user"] = (request.query_params.get("username")
+                                          or _user_of(request))
         if request.method == "GET":
             if not path:
                 raise _E2BError(400, "query parameter path is required")
+            user = request.scope["dsec.e2b.user"]
+            if _other_user(user):
+                await self._shell(caller, sandbox, _MAY_READ, [path], user)
             return await self._download(caller, sandbox, path)
         if request.method == "POST":
             return await self._upload(request, caller, sandbox, path)
@@ -804,16 +1100,23 @@ class E2BApp:
             if not path:
                 raise _E2BError(400, "query parameter path is required for an "
                                      "octet-stream upload")
-            if request.headers.get("content-encoding"):
-                raise _E2BError(400, "compressed uploads (gzip=True) are not supported by "
-                                     "dsec's E2B layer: upload uncompressed")
+            encoding = request.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("identity", "gzip"):
+                raise _E2BError(400, f"Content-Encoding {encoding[:40]!r} is not accepted: "
+                                     "upload gzip (gzip=True) or uncompressed")
             size = int(clen) if clen and clen.isdigit() else None
             if size is not None and size > limit:
                 raise _E2BError(413, f"upload of {size} bytes exceeds max_upload={limit}")
             counted = _Counted(request.stream(), limit)
+            chunks = counted.chunks()
+            if encoding == "gzip":
+                # gzip=True: inflated as it streams, max_upload bounding the inflated
+                # bytes too (a small bomb is refused, 413, once past it; nothing kept)
+                counted = _Counted(_gunzip(chunks), limit)
+                chunks, size = counted.chunks(), None
             try:
-                results.append(await self._write(caller, sandbox, path, counted.chunks(),
-                                                 size))
+                results.append(await self._write(caller, sandbox, path, chunks, size,
+                                                 user=request.scope["dsec.e2b.user"]))
             except Exception:
                 if counted.over:
                     raise _E2BError(413, f"upload exceeds max_upload={limit} bytes; "
@@ -852,24 +1155,51 @@ class E2BApp:
                                      "or ?path=")
             try:
                 results.append(await self._write(caller, sandbox, target, parts.data(),
-                                                 None))
+                                                 None, user=request.scope["dsec.e2b.user"]))
             except Exception:
                 if parts.over:
                     raise _E2BError(413, parts.over) from None
                 raise
 
     async def _write(self, caller: Caller, sandbox: str, path: str,
-                     chunks: AsyncIterator[bytes], size: int | None) -> dict[str, Any]:
+                     chunks: AsyncIterator[bytes], size: int | None, *,
+                     user: str | None = None) -> dict[str, Any]:
         """Stream ``chunks`` into ``path`` (``file_write_stream``: the edge writes a
         temporary file and renames it into place, so a cut upload leaves the old file);
-        missing parents are made first, as envd does."""
+        missing parents are made first, as envd does. ``user`` (the SDK's ``user=``):
+        the parents are made by that user (an exec as them: their rights, their
+        ownership) and the file is then given to them (``chown``, an exec as root)."""
         parent = path.rpartition("/")[0]
-        if parent:
+        other = _other_user(user)
+        if other:
+            # as the user: make the parents, and may they write the file there?
+            await self._shell(caller, sandbox, _MAY_WRITE, [parent or "/", path],
+                              user)  # type: ignore[arg-type]
+        elif parent:
             await self._mkdir(caller, Mkdir(id=sandbox, path=parent, parents=True))
         info = await filedoors.write_chunks(self.service, caller,
                                             WriteStream(id=sandbox, path=path, size=size),
                                             chunks)
+        if other:
+            parent_dir, _, base = path.rpartition("/")
+            await self._shell(caller, sandbox, CHOWN_SCRIPT,
+                              [user, parent_dir or "/", base], "root")  # type: ignore[list-item]
         return mapping.write_info(info)
+
+    async def _mkdir_as(self, caller: Caller, sandbox: str, path: str, user: str) -> None:
+        await self._shell(caller, sandbox, 'mkdir -p -- "$1"', [path], user)
+
+    async def _shell(self, caller: Caller, sandbox: str, script: str, args: list[str],
+                     user: str) -> None:
+        """``script`` (sh, ``$1``...: ``args``) as ``user`` through the ``exec`` row; a
+        failure is the user's to see (their rights: permission_denied)."""
+        r: ExecResult = await self._exec(caller, ExecCall(id=sandbox, req=ExecRequest(
+            argv=("/bin/sh", "-c", script, "sh", *args), user=user, timeout_s=30.0,
+            output_cap_bytes=4096)))
+        if r.exit_code != 0:
+            why = r.stderr.decode(errors="replace").strip()[-300:] or \
+                f"exit {r.exit_code}"
+            raise PermissionDenied(f"as user {user!r} in sandbox {sandbox}: {why}")
 
     # ------------------------------------------------------------------ watches
     def _watch_stream(self, caller: Caller, sandbox: str, path: str,
@@ -903,6 +1233,81 @@ class E2BApp:
         return StreamingResponse(body(), media_type="application/connect+json")
 
 
+# The file written for ``user=`` becomes the user's (group: theirs), by root, in a
+# directory the user may write to: so the user may race it. The directory is pinned
+# first (cd -P: later swaps of any path component change nothing) and must be the one
+# named, or the user's own (a symlinked directory of theirs); the name must be a plain
+# file with one link (a hard link to a file the user does not own is refused by the
+# kernel anyway: fs.protected_hardlinks=1, checked on the dev VM) and ``chown -h``
+# never follows a symlink. $1 user, $2 directory, $3 file name.
+CHOWN_SCRIPT = (
+    'cd -P -- "$2" || exit 3\n'
+    '[ "$(pwd -P)" = "$2" ] || [ "$(stat -c %u .)" = "$(id -u "$1")" ] || '
+    '{ echo "refused: $2 is not where it was when the file was written" >&2; exit 4; }\n'
+    '[ -f "./$3" ] && [ ! -L "./$3" ] && [ "$(stat -c %h "./$3")" = 1 ] || '
+    '{ echo "refused: $2/$3 is no longer the plain file written" >&2; exit 4; }\n'
+    'g=$(id -g "$1" 2>/dev/null) && chown -h "$1:$g" "./$3" || chown -h "$1" "./$3"\n')
+_MAY_WRITE = ('mkdir -p -- "$1" && [ -w "$1" ] && { [ ! -e "$2" ] || [ -w "$2" ]; } || '
+              '{ echo "permission denied: cannot write $2" >&2; exit 1; }')
+# as the user: may they read the file / list the directory? (a missing path passes:
+# the read or list that follows answers not found, as for anyone)
+_MAY_READ = ('[ ! -e "$1" ] || [ -r "$1" ] || '
+             '{ echo "permission denied: cannot read $1" >&2; exit 1; }')
+_MAY_LIST = ('[ ! -e "$1" ] || { [ -r "$1" ] && [ -x "$1" ]; } || '
+             '{ echo "permission denied: cannot list $1" >&2; exit 1; }')
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
+
+
+def _other_user(user: str | None) -> bool:
+    """Whether file calls must act as ``user`` (a name other than root's)."""
+    if user is None or user in ("root", "0"):
+        return False
+    if not _USER.match(user):
+        raise InvalidArgument(f"user {user[:40]!r} is not a user name", field="user")
+    return True
+
+
+_LIST_PARAMS = frozenset({"metadata", "state", "limit", "nextToken", "query", "order",
+                          "startedAfter", "template"})
+
+_ENV_SET = ("import os as _dsec_os\n_dsec_env = {env}\n"
+            "_dsec_env_saved = {{k: _dsec_os.environ.get(k) for k in _dsec_env}}\n"
+            "_dsec_os.environ.update(_dsec_env)\ndel _dsec_env\n")
+_ENV_RESTORE = ("for _k, _v in _dsec_env_saved.items():\n"
+                "    if _v is None: _dsec_os.environ.pop(_k, None)\n"
+                "    else: _dsec_os.environ[_k] = _v\n"
+                "del _dsec_env_saved, _k, _v\n")
+
+
+class _KernelSandbox:
+    """What :mod:`dsec.wire.code`'s driver needs of a sandbox (id, info, exec), carried
+    out as ``caller`` through the ``exec`` row of the catalogue: the kernel runs with
+    the sandbox's isolation, user and limits, and every rule an exec has."""
+
+    def __init__(self, app: E2BApp, caller: Caller, info: SandboxInfo) -> None:
+        self.app, self.caller, self.info, self.id = app, caller, info, info.id
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                   stdin: bytes | str | None = None, output_cap: int | None = None
+                   ) -> ExecResult:
+        argv = (cmd,) if isinstance(cmd, str) else tuple(cmd)
+        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        req = ExecRequest(argv=argv, stdin=data, timeout_s=timeout)
+        if output_cap:
+            req = msgspec.structs.replace(req, output_cap_bytes=output_cap)
+        result: ExecResult = await self.app._exec(self.caller, ExecCall(id=self.id, req=req))
+        return result
+
+    async def exec_stream(self, cmd: Sequence[str], *, timeout: float | None,
+                          stdin: bytes, output_cap: int
+                          ) -> AsyncIterator[ExecChunk | ExecResult]:
+        req = ExecRequest(argv=tuple(cmd), stdin=stdin, timeout_s=timeout,
+                          output_cap_bytes=output_cap)
+        stream = await self.app._exec_stream(self.caller, ExecCall(id=self.id, req=req))
+        async for item in stream:
+            yield item
+
+
 # Multipart /files bounds (A7): parts in one request (E2B's SDK sends one per file of a
 # write_files call) and bytes of boundaries + part headers (~150 per part) allowed on top
 # of max_upload when the request's length is checked up front. A field (non-file part)
@@ -910,6 +1315,32 @@ class E2BApp:
 MULTIPART_MAX_PARTS = 64
 MULTIPART_FRAMING = 64 << 10
 FIELD_MAX = 64 << 10
+
+
+_INFLATE_PIECE = 1 << 20
+
+
+async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A gzip body inflated as it arrives, at most ``_INFLATE_PIECE`` bytes of output at a
+    time (memory stays bounded whatever the ratio); malformed or cut input is a 400."""
+    d = zlib.decompressobj(wbits=31)
+    try:
+        async for chunk in chunks:
+            data = chunk
+            while data:
+                out = d.decompress(data, _INFLATE_PIECE)
+                data = d.unconsumed_tail
+                if out:
+                    yield out
+                if d.eof:
+                    if data or d.unused_data:
+                        raise _E2BError(400, "bytes after the end of the gzip stream "
+                                             "(one member only)")
+                    break
+        if not d.eof:
+            raise _E2BError(400, "the gzip upload ended before its end (cut or not gzip)")
+    except zlib.error as exc:
+        raise _E2BError(400, f"the upload is not valid gzip ({exc})") from None
 
 
 class _Counted:

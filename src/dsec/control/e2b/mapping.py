@@ -5,7 +5,7 @@ What maps to what (docs/e2b.md has the table and the gaps):
 - a *template id* is a dsec image ref (``base`` is dsec's busybox ``base``);
 - ``metadata`` are sandbox labels (dsec's own ``dsec.io/...`` labels are never shown);
 - ``timeout`` (seconds) is the sandbox TTL; ``envVars`` the sandbox env;
-- ``autoPause`` (pause instead of kill on timeout) is refused: dsec's TTL destroys;
+- ``autoPause`` (pause instead of kill on timeout) is the spec's ``ttl_action="pause"``;
 - states ``running``/``paused`` are dsec's; a sandbox in a transition shows the state
   it is leaving, a destroyed one is "not found", as E2B answers for a killed sandbox.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import datetime
 import stat as stat_mod
+from dataclasses import dataclass
 from typing import Any
 
 from dsec.errors import InvalidArgument
@@ -98,16 +99,24 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
 
 
 def sandbox_detail(info: SandboxInfo, token: str) -> dict[str, Any]:
-    """``SandboxDetail`` (``GET /sandboxes/{id}``)."""
-    return {**listed(info), "envdAccessToken": token}
+    """``SandboxDetail`` (``GET /sandboxes/{id}``), with its ``lifecycle``: what its
+    timeout does, and ``autoResume`` true (dsec resumes any paused sandbox on a command
+    or a write)."""
+    return {**listed(info), "envdAccessToken": token, "lifecycle": {
+        "autoResume": True,
+        "onTimeout": "pause" if info.spec.ttl_action == "pause" else "kill"}}
 
 
 def sandbox_created(info: SandboxInfo, token: str) -> dict[str, Any]:
     """``Sandbox`` (create and connect answers). ``envdAccessToken``: what the SDK sends
     back as ``X-Access-Token`` on every envd call (the caller's own API key: envd calls
-    are authorized as the caller, with every rule dsec's REST applies)."""
+    are authorized as the caller, with every rule dsec's REST applies);
+    ``trafficAccessToken``, the same key: what e2b-code-interpreter sends as
+    ``E2B-Traffic-Access-Token`` on its context calls (port 49999), which carry no other
+    credential."""
     return {"templateID": info.spec.image, "sandboxID": info.id, "clientID": info.node,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": token}
+            "envdVersion": ENVD_VERSION, "envdAccessToken": token,
+            "trafficAccessToken": token}
 
 
 def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRequest:
@@ -121,11 +130,18 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
     if not isinstance(template, str) or not template:
         raise InvalidArgument("templateID (a dsec image name) is required",
                               field="templateID")
-    if body.get("autoPause") or body.get("autoResume"):
-        raise InvalidArgument(
-            "autoPause/autoResume are not supported by dsec's E2B layer: a sandbox's "
-            "timeout destroys it (pause it yourself with Sandbox.pause())",
-            field="autoPause")
+    auto_pause = body.get("autoPause")
+    if auto_pause is not None and not isinstance(auto_pause, bool):
+        raise InvalidArgument("autoPause must be true or false", field="autoPause")
+    resume = body.get("autoResume")
+    if resume is not None and not (isinstance(resume, dict)
+                                   and isinstance(resume.get("enabled"), bool)):
+        raise InvalidArgument('autoResume must be {"enabled": true|false}',
+                              field="autoResume")
+    # autoPause: the timeout pauses (dsec's ttl_action="pause"); the pause keeps memory
+    # whatever autoPauseMemory says. autoResume: dsec resumes a paused sandbox on any
+    # command or write (reads leave it paused: docs/sdk.md "Paused sandboxes"), asked
+    # for or not: accepted either way, never refused
     for name in ("mcp", "iam", "volumeMounts", "network"):
         if body.get(name):
             raise InvalidArgument(f"{name} is not supported by dsec's E2B layer "
@@ -153,7 +169,84 @@ def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRe
                                               for k, v in d.items()):
             raise InvalidArgument(f"{name} must map strings to strings", field=name)
     return CreateSandboxRequest(image=template, labels=dict(meta), env=dict(env),
-                                ttl_s=ttl, network=network)
+                                ttl_s=ttl, network=network,
+                                ttl_action="pause" if auto_pause else "destroy")
+
+
+#: the most sandboxes an ordered or filtered list reads (E2B orders across the whole
+#: result before paging; dsec's own list pages by id)
+MAX_VIEW = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class ListView:
+    """E2B's list ``order`` (by start time: ``asc``/``desc``), ``startedAfter`` (ISO
+    8601; naive: local time, as the SDK documents) and ``template`` (the image name,
+    with or without its tag) over dsec's list rows."""
+
+    descending: bool
+    started_after: float | None
+    template: str | None
+
+    @classmethod
+    def of(cls, *, order: str | None, started_after: str | None,
+           template: str | None) -> ListView | None:
+        """The view the query asks for; None when it asks for none (dsec's order)."""
+        if order is None and started_after is None and template is None:
+            return None
+        if order is not None and order not in ("asc", "desc"):
+            raise InvalidArgument(f"order={order[:20]!r} must be asc or desc",
+                                  field="order")
+        after = None
+        if started_after is not None:
+            try:
+                after = datetime.datetime.fromisoformat(started_after).timestamp()
+            except ValueError:
+                raise InvalidArgument(f"startedAfter={started_after[:40]!r} is not an ISO "
+                                      "8601 time", field="startedAfter") from None
+        return cls(order == "desc", after, template or None)
+
+    def keeps(self, info: SandboxInfo) -> bool:
+        # at the microsecond E2B's times are given in (startedAt's ISO form)
+        if self.started_after is not None and \
+                round(info.created_at, 6) < self.started_after - 5e-7:
+            return False
+        if self.template is not None:
+            # the image as stored ("[project/]name[:tag]") or as named without its
+            # project and/or tag
+            image = info.spec.image
+            bare = image.rpartition("/")[2]
+            names = {image, bare, *(x.rpartition(":")[0] for x in (image, bare)
+                                    if ":" in x)}
+            return self.template in names
+        return True
+
+    def sorted(self, rows: list[SandboxInfo],
+               after: tuple[float, str] | None) -> list[SandboxInfo]:
+        """``rows`` by (start time, id) in the view's direction, those past ``after``."""
+        out = sorted(rows, key=lambda i: (i.created_at, i.id), reverse=self.descending)
+        if after is None:
+            return out
+        if self.descending:
+            return [i for i in out if (i.created_at, i.id) < after]
+        return [i for i in out if (i.created_at, i.id) > after]
+
+    @staticmethod
+    def token(info: SandboxInfo) -> str:
+        return f"k:{info.created_at!r}:{info.id}"
+
+    @staticmethod
+    def token_key(token: str) -> tuple[float, str] | None:
+        """The key a :meth:`token` names, or None when it is not one."""
+        kind, _, rest = token.partition(":")
+        when, _, sid = rest.partition(":")
+        try:
+            t = float(when)
+        except ValueError:
+            return None
+        if kind != "k" or not sid or len(sid) > 128:
+            return None
+        return t, sid
 
 
 def metadata_filter(raw: str | None) -> dict[str, str]:

@@ -366,7 +366,8 @@ class Worker:
                     t.add_done_callback(functools.partial(self._done, row.task_id))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await self._wake.wait()
 
     def _done(self, task_id: str, t: asyncio.Task[None]) -> None:
         self._running.pop(task_id, None)
@@ -399,7 +400,8 @@ class Worker:
                 log.warning("warm pool: %s", exc)
                 pause_s = 2.0       # quota, no capacity, apiserver away: no busy loop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), pause_s)
+                async with asyncio.timeout(pause_s):
+                    await self._stop.wait()
 
     async def recover(self) -> int:
         """Requeue what a killed predecessor had in flight and destroy every sandbox
@@ -493,7 +495,8 @@ class Worker:
                     if got or left <= 0:
                         break
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._finished.wait(), min(left, 1.0))
+                        async with asyncio.timeout(min(left, 1.0)):
+                            await self._finished.wait()
             finally:
                 self._streams -= 1
                 self._last_seen = time.monotonic()

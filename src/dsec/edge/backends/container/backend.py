@@ -709,7 +709,11 @@ class ContainerBackend:
         chunk = (boxes[start:] + boxes[:start])[:self._POLL_SLICE]
         self._poll_next = start + len(chunk)
         for box in chunk:
-            if not box.dying and box.pidfd < 0 and not box.watch_rid and not box.exited.is_set() \
+            # (init_pid 0: still being created - its init is not started yet; the runc
+            # and runsc drivers register the box before `run` answers, 0.1-0.4 s for
+            # runsc, and a tick then declared it dead: "init (pid 0) exited")
+            if not box.dying and box.init_pid and box.pidfd < 0 and not box.watch_rid \
+                    and not box.exited.is_set() \
                     and start_time(box.init_pid, running=True) != box.init_start:
                 # nobody reports this init's exit (the zygote that was its parent died)
                 self._init_died(box)
@@ -1297,7 +1301,8 @@ class ContainerBackend:
                 fut.set_result(None)
         loop.add_reader(box.pidfd, ready)
         try:
-            await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await fut
         except TimeoutError:
             pass
         finally:
@@ -1677,8 +1682,8 @@ class ContainerBackend:
             raise
         if req.background:
             try:
-                reply = await asyncio.wait_for(asyncio.shield(started),
-                                               self.exec_start_timeout_s)
+                async with asyncio.timeout(self.exec_start_timeout_s):
+                    reply = await asyncio.shield(started)
             except TimeoutError:
                 reply = await self._kill_unstarted(box, rid, started)
             if not isinstance(reply, Started):
@@ -1711,12 +1716,14 @@ class ContainerBackend:
                 if req.timeout_s is None:
                     reply = await asyncio.shield(exited)
                 else:
-                    reply = await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
+                    async with asyncio.timeout(req.timeout_s):
+                        reply = await asyncio.shield(exited)
             except TimeoutError:
                 timed_out = True
                 self._kill_exec(rid, ec)
                 try:
-                    reply = await asyncio.wait_for(asyncio.shield(exited), self.kill_wait_s)
+                    async with asyncio.timeout(self.kill_wait_s):
+                        reply = await asyncio.shield(exited)
                 except TimeoutError:
                     # SIGKILLed but held by the kernel (D state): it dies when let go; the
                     # zygote still reaps it. The call does not wait for that (it waited
@@ -1763,7 +1770,8 @@ class ContainerBackend:
         (Started if it started meanwhile; else Failed, raised here with the reason)."""
         try:
             self._zygote.send(Kill(id=rid), [], None)
-            reply = await asyncio.wait_for(asyncio.shield(started), 10.0)
+            async with asyncio.timeout(10.0):
+                reply = await asyncio.shield(started)
         except (DsecError, TimeoutError):
             self._zygote.done(rid)
             reply = Failed(rid, "no answer from the container helper")
@@ -1860,7 +1868,8 @@ class ContainerBackend:
                            exited: asyncio.Future[Reply]) -> None:
         """A cancelled exec: once the zygote reports the end, clear its cgroup."""
         try:
-            await asyncio.wait_for(asyncio.shield(exited), 10.0)
+            async with asyncio.timeout(10.0):
+                await asyncio.shield(exited)
         except (TimeoutError, asyncio.CancelledError):
             pass
         await self._clear_exec_cgroup(box, ec)

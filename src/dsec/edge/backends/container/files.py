@@ -458,6 +458,19 @@ class SandboxFiles:
         except OSError as exc:
             raise self._err(exc, what, path) from exc
 
+    def executable(self, path: str) -> bool:
+        """Whether ``path`` (symlinks followed, inside the root) is a regular file with an
+        execute bit - what an execve of it needs, checked from the host."""
+        try:
+            fd = self._open(path, os.O_PATH)
+        except (OSError, InvalidArgument):
+            return False
+        try:
+            s = os.fstat(fd)
+            return st.S_ISREG(s.st_mode) and bool(s.st_mode & 0o111)
+        finally:
+            os.close(fd)
+
     def stat(self, path: str) -> FileInfo:
         parent, name = split_path(path)
         if not name:

@@ -1916,6 +1916,37 @@ static int do_serve(int argc, char **argv) {
     }
 }
 
+/* dsec-nsexec filter BPF_FILE PROG [ARGS...]: no_new_privs, the seccomp program in
+ * BPF_FILE, then execvp PROG (the gvisor tier, runsc.py). runsc exec starts a process
+ * without the container's OCI seccomp filter - only its init has it - so every exec
+ * there goes through this, inside the Sentry, and gets the same deny list as a native
+ * sandbox's processes. A program that cannot be run: 127 (not found) or 126, with
+ * "dsec: cannot run" on stderr, as the native exec path reports it. */
+static int do_filter(int argc, char **argv) {
+    static struct sock_filter prog[BPF_MAXINSNS];
+    if (argc < 4) {
+        fprintf(stderr, "usage: dsec-nsexec filter BPF PROG [ARGS...]\n");
+        return 2;
+    }
+    exec_mode = 1;
+    exec_what = argv[3];
+    int fd = open(argv[2], O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) die(126, "open %s", argv[2]);
+    ssize_t n = read(fd, prog, sizeof prog);
+    close(fd);
+    if (n <= 0 || n % (ssize_t)sizeof(struct sock_filter)) {
+        errno = EINVAL;
+        die(126, "seccomp program of %zd bytes", n);
+    }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die(126, "prctl(PR_SET_NO_NEW_PRIVS)");
+    struct sock_fprog fprog = {(unsigned short)(n / sizeof(struct sock_filter)), prog};
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0) < 0)
+        die(126, "prctl(PR_SET_SECCOMP)");
+    execvp(argv[3], argv + 3);
+    die(errno == ENOENT ? 127 : 126, "execve");
+    return 126;
+}
+
 int main(int argc, char **argv) {
     /* Non-dumpable, inherited by every fork until its final execve: a sandbox process
      * cannot open /proc/<child>/root, cwd or fd/N while the child still holds host state
@@ -1926,6 +1957,7 @@ int main(int argc, char **argv) {
     prctl(PR_SET_NAME, "dsec-nsexec", 0, 0, 0);
     if (argc >= 2 && strcmp(argv[1], "serve") == 0) return do_serve(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "helper") == 0) return do_helper(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "filter") == 0) return do_filter(argc, argv);
     fprintf(stderr, "usage: dsec-nsexec serve SOCK BPF BPF_NESTED INIT (started by the dsec edge)\n");
     return 2;
 }

@@ -270,7 +270,8 @@ class ContainerProcess:
             left = deadline - time.monotonic()
             try:
                 self.drained.clear()
-                await asyncio.wait_for(self.drained.wait(), max(left, 0.001))
+                async with asyncio.timeout(max(left, 0.001)):
+                    await self.drained.wait()
             except TimeoutError:
                 raise ResourceExhausted(
                     f"process {self.pid} in sandbox {self.box.sid} has not read the "
@@ -468,8 +469,8 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
                 p.close_stdin()
     try:
         try:
-            reply = await asyncio.wait_for(asyncio.shield(p.started),
-                                           backend.exec_start_timeout_s)
+            async with asyncio.timeout(backend.exec_start_timeout_s):
+                reply = await asyncio.shield(p.started)
         except TimeoutError:
             p.killed = True
             backend._kill_exec(rid, ec)
@@ -486,7 +487,8 @@ async def spawn(backend: ProcessBackend, box: Box, req: ExecRequest, argv: list[
         if isinstance(exc, (DsecError, asyncio.CancelledError)):
             backend._kill_exec(rid, ec)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(p.exited), 10.0)
+            async with asyncio.timeout(10.0):
+                await asyncio.shield(p.exited)
         zyg.done(rid)
         p.abandon()
         await backend._clear_exec_cgroup(box, ec)

@@ -78,7 +78,8 @@ class RuncDriver:
                 *self._global_args(), *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL)
             try:
-                await asyncio.wait_for(proc.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await proc.wait()
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
@@ -208,7 +209,8 @@ class RuncDriver:
         feeder = StdinFeeder(loop, in_w, req.stdin) if req.stdin else None
         timed_out = False
         try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), req.timeout_s)
+            async with asyncio.timeout(req.timeout_s):
+                await asyncio.shield(proc.wait())
         except TimeoutError:
             timed_out = True
             # runc exec returns once its command is dead; the command may not be in its
@@ -217,7 +219,8 @@ class RuncDriver:
             while time.monotonic() < deadline:  # bounded: runc itself may hang
                 kill()
                 try:
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), 0.05)
+                    async with asyncio.timeout(0.05):
+                        await asyncio.shield(proc.wait())
                     break
                 except TimeoutError:
                     continue

@@ -19,8 +19,10 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   measured: with ``exclusive`` a file the file API had removed was still listed and read
   inside; ``find / -xdev`` p50 58-87 ms with either, no difference above the noise of a
   loaded 2-core box), ``--oci-seccomp`` (the deny list of ``linux.seccomp`` applied by
-  the Sentry - to the init only in this runsc: exec'd processes run without it, see
-  tests/security/test_gvisor_sandbox.py for what the Sentry refuses by itself).
+  the Sentry - to the init only: runsc starts an exec'd process with no filter, so
+  every exec runs ``nsexec filter`` first (the native driver's static helper and the
+  compiled profile, bind-mounted read-only at :data:`NSEXEC_IN`, :data:`SECCOMP_IN`),
+  which loads the same profile and execs the command - one more execve inside, ~ms).
 - **/tmp is on the sandbox's disk**, not a tmpfs: a tmpfs would live in the Sentry's
   memory, out of the host file API's reach (the edge could neither read nor write it).
   runsc mounts such a tmpfs over an empty /tmp by itself unless the spec mounts /tmp, so
@@ -35,9 +37,11 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   :data:`BUSYBOX_IN` - any image works, with or without a shell). A process that left
   the session (setsid) and was reparented to init escapes the timeout kill; it dies with
   the sandbox.
-- **OOM** is the host's: the Sentry and its memory are one process in the sandbox's
-  memory cgroup, so hitting ``memory_bytes`` OOM-kills the Sentry and the whole sandbox
-  stops (reported as ``oom``), where a native sandbox loses one process.
+- **OOM**: the Sentry and its memory are one process in the sandbox's memory cgroup.
+  runsc gives the Sentry ``--total-memory`` = the limit, so an allocation past it may
+  fail inside (ENOMEM); but the Sentry's own overhead can tip the cgroup over first,
+  and then the host OOM-kills the Sentry and the whole sandbox stops (reported as
+  ``oom``), where a native sandbox loses one process. Which happens is a race.
 - **Logs**: ``run``'s log goes to a pipe read only while ``run`` runs, then closed: the
   Sentry and gofer keep the log descriptor for their lives, and a file there would be
   host disk a sandbox could fill (warnings it provokes) after its unlink.
@@ -50,6 +54,7 @@ import contextlib
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import signal
@@ -64,6 +69,7 @@ from dsec.edge.backends.container.box import Box
 from dsec.edge.backends.container.census import cgroup_parents, remove_cgroup_dirs
 from dsec.edge.backends.container.execio import OutputPump, StdinFeeder
 from dsec.edge.backends.container.files import SandboxFiles
+from dsec.edge.backends.container.nsexec import ensure_nsexec
 from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.runc import (
     INIT,
@@ -74,6 +80,7 @@ from dsec.edge.backends.container.runc import (
 )
 from dsec.edge.governor import ExecCgroup
 from dsec.errors import BackendError, CannotRun, DsecError, InvalidArgument
+from dsec.net.seccomp import compile_profile
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
 __all__ = ["BUSYBOX", "BUSYBOX_IN", "HIDDEN_PREFIXES", "KILL_SCRIPT", "PLATFORMS",
@@ -85,6 +92,8 @@ __all__ = ["BUSYBOX", "BUSYBOX_IN", "HIDDEN_PREFIXES", "KILL_SCRIPT", "PLATFORMS
 PLATFORMS = ("systrap", "kvm", "ptrace")
 BUSYBOX = "/bin/busybox"          # Debian's busybox-static (make setup)
 BUSYBOX_IN = "/dev/.dsec/busybox"  # its basename must be "busybox" to dispatch applets
+NSEXEC_IN = "/dev/.dsec/nsexec"    # the native driver's static helper: `filter` mode
+SECCOMP_IN = "/dev/.dsec/seccomp"  # the sandbox's seccomp program (BPF), read-only
 #: paths the sandbox sees as Sentry-internal mounts: the host file API must not act on
 #: the image's mount point directories under them (writes would be invisible inside)
 HIDDEN_PREFIXES = ("/dev", "/proc", "/sys")
@@ -226,17 +235,23 @@ def _probe_cached(binary: str, cache_dir: str, timeout_s: float) -> str:
 
 
 def runsc_config(cfg: dict[str, object], *, tmp_dir: str | None,
-                 busybox: str = BUSYBOX) -> dict[str, object]:
+                 busybox: str = BUSYBOX, nsexec: str | None = None,
+                 seccomp: str | None = None) -> dict[str, object]:
     """The runc bundle config adjusted for runsc (pure; a new dict): /tmp on the disk -
     ``tmp_dir``, the root's own /tmp, bound over it (None: the image has no /tmp
-    directory; runsc then makes a Sentry tmpfs) - and the host's static busybox read-only
-    at :data:`BUSYBOX_IN`."""
+    directory; runsc then makes a Sentry tmpfs) - the host's static busybox read-only
+    at :data:`BUSYBOX_IN`, and (both given) the static ``nsexec`` helper and the
+    ``seccomp`` program file read-only at :data:`NSEXEC_IN` and :data:`SECCOMP_IN`."""
     mounts = [m for m in cfg["mounts"] if m["destination"] != "/tmp"]  # type: ignore[attr-defined]
     if tmp_dir is not None:
         mounts.append({"destination": "/tmp", "type": "bind", "source": tmp_dir,
                        "options": ["rbind", "rw", "nosuid", "nodev"]})
-    mounts.append({"destination": BUSYBOX_IN, "type": "bind", "source": busybox,
-                   "options": ["bind", "ro", "nosuid", "nodev"]})
+    binds = [(BUSYBOX_IN, busybox)]
+    if nsexec is not None and seccomp is not None:
+        binds += [(NSEXEC_IN, nsexec), (SECCOMP_IN, seccomp)]
+    for dest, src in binds:
+        mounts.append({"destination": dest, "type": "bind", "source": src,
+                       "options": ["bind", "ro", "nosuid", "nodev"]})
     return {**cfg, "mounts": mounts}
 
 
@@ -268,6 +283,8 @@ class RunscDriver(RuncDriver):
                                   field="platform")
         self.platform = platform or probe_platform(binary)
         self.busybox = busybox
+        self.nsexec = ensure_nsexec()
+        self._bpf: dict[bool, bytes] = {}
 
     def _global_args(self) -> list[str]:
         return [f"--platform={self.platform}", "--network=none", "--overlay2=none",
@@ -280,7 +297,19 @@ class RunscDriver(RuncDriver):
                                        pids_max=None if box.pids_max is None
                                        else box.pids_max + SENTRY_PIDS),
                             tmp_dir=_tmp_dir(os.path.join(box.dir, "root")),
-                            busybox=self.busybox)
+                            busybox=self.busybox, nsexec=self.nsexec,
+                            seccomp=self._seccomp_file(box))
+
+    def _seccomp_file(self, box: Box) -> str:
+        """The sandbox's seccomp program (the native profile, compiled once per
+        ``allow_nested`` value) in its directory, for :data:`SECCOMP_IN`."""
+        nested = box.spec.allow_nested
+        if nested not in self._bpf:
+            self._bpf[nested] = compile_profile(allow_nested=nested)
+        path = os.path.join(box.dir, "seccomp.bpf")
+        with open(path, "wb") as f:
+            f.write(self._bpf[nested])
+        return path
 
     def files(self, box: Box, **kw: object) -> SandboxFiles:
         """The sandbox's files: its overlay root as the gofer serves it (the Sentry's own
@@ -394,11 +423,16 @@ class RunscDriver(RuncDriver):
         ipid_file = os.path.join(box.dir, f"exec-{stamp}.ipid")
         args += ["--internal-pid-file", ipid_file]
         pid_file = os.path.join(box.dir, f"exec-{stamp}.pid")
+        if req.background and not self._runnable(box, argv[0], env, req.cwd or "/"):
+            raise CannotRun(f"exec in sandbox {box.sid} could not start: {argv[0][:200]!r} "
+                            "is not an executable file in the sandbox (nor in its PATH); "
+                            "check the program", sandbox_id=box.sid, exit_code=127)
         if req.background:
             # --pid-file is needed: without it this runsc appends its own --pid-file to
             # the command's argv (`sleep: invalid number '--pid-file=...'`)
             args += ["--detach", "--pid-file", pid_file]
-        args += [box.sid, *argv]
+        # through the filter: runsc gives an exec'd process no OCI seccomp filter
+        args += [box.sid, NSEXEC_IN, "filter", SECCOMP_IN, *argv]
         try:
             if req.background:
                 return await self._background(box, args, ipid_file, pid_file,
@@ -424,6 +458,22 @@ class RunscDriver(RuncDriver):
             if len(parts) >= 6 and name in (parts[0], parts[2]):
                 return parts[5]
         return "/"
+
+    def _runnable(self, box: Box, prog: str, env: list[str], cwd: str) -> bool:
+        """Whether ``prog`` names an executable file in the sandbox, looked up as execvp
+        would (in the exec's PATH unless it has a slash): a background exec of a
+        missing program is refused here (CannotRun), since the filter helper that
+        runs it would only fail after the exec was answered."""
+        if "/" in prog:
+            candidates = [prog if prog.startswith("/") else posixpath.join(cwd, prog)]
+        else:
+            path = next((e[5:] for e in env if e.startswith("PATH=")), "")
+            candidates = [posixpath.join(d or ".", prog) for d in path.split(":")]
+        try:
+            with self.files(box) as f:
+                return any(f.executable(c) for c in candidates)
+        except OSError:
+            return False
 
     def _user(self, box: Box, user: str) -> str:
         return _numeric_user(box, user, files=lambda: self.files(box))

@@ -1,6 +1,6 @@
 """The code interpreter's kernel: a stateful Python REPL that lives inside a sandbox.
 
-Never a file in the sandbox: ``dsec.client.code`` runs this source as ``python3 -c
+Never a file in the sandbox: ``dsec.wire.code`` runs this source as ``python3 -c
 SOURCE CMD DIR ...`` in each exec (so nothing can be planted in its place); it imports
 nothing from dsec and only the standard library, so any python3 >= 3.10 in any image
 runs it. Three commands:
@@ -14,7 +14,9 @@ runs it. Three commands:
                 the pid SO_PEERCRED gives (so neither another listener nor a relay
                 passes), then sends the token with the code, which the kernel checks.
 ``run DIR T``   one request: ``{"token", "code"}`` (JSON on stdin) goes to the kernel,
-                the result (JSON, one line) comes out on stdout. After T seconds
+                the result (JSON, one line) comes out on stdout. With ``"stream": true``
+                the output comes first, as it is written: lines ``{"out": "stdout" |
+                "stderr", "text"}`` (the result still holds all of it). After T seconds
                 (``none``: never) the code is interrupted (SIGINT: ``KeyboardInterrupt``
                 inside it); a kernel that does not answer within 2 s more is killed (its
                 state is lost, said in the error). Exit 91: no kernel listens (the caller
@@ -64,9 +66,11 @@ _MIME = (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
 
 
 class _Capped(io.StringIO):
-    def __init__(self) -> None:
+    def __init__(self, sink: Any = None) -> None:
         super().__init__()
         self.dropped = 0
+        self.sink = sink                # stream mode: kept output also goes out now
+        self.pending = ""
 
     def write(self, s: str) -> int:
         room = OUTPUT_CAP - self.tell()
@@ -74,7 +78,17 @@ class _Capped(io.StringIO):
             self.dropped += len(s) - max(room, 0)
             s = s[:max(room, 0)]
         super().write(s)
+        if s and self.sink is not None:     # whole lines go out (print writes "x", "\n")
+            self.pending += s
+            if "\n" in self.pending:
+                head, nl, self.pending = self.pending.rpartition("\n")
+                self.sink(head + nl)
         return len(s)
+
+    def flush_sink(self) -> None:
+        if self.pending and self.sink is not None:
+            self.sink(self.pending)
+        self.pending = ""
 
     def text(self) -> str:
         v = self.getvalue()
@@ -143,10 +157,15 @@ class Kernel:
                 self._put({"text/plain": repr(fig), "image/png": buf.getvalue()}, False)
             plt.close("all")
 
-    def run(self, code: str) -> dict[str, Any]:
+    def run(self, code: str, send: Any = None) -> dict[str, Any]:
+        """Run ``code``; ``send`` (stream mode): called with ``(stream, text)`` for each
+        piece of output as it is written, besides the result's copy."""
         self.count += 1
         self.results, self.display_bytes = [], 0
         out, err = _Capped(), _Capped()
+        if send is not None:
+            out.sink = lambda t: send("stdout", t)
+            err.sink = lambda t: send("stderr", t)
         error = None
         t0 = time.monotonic()
         old = sys.stdout, sys.stderr
@@ -178,6 +197,8 @@ class Kernel:
         finally:
             self.executing = False
             sys.stdout, sys.stderr = old
+            out.flush_sink()
+            err.flush_sink()
         self._figures()
         return {"stdout": out.text(), "stderr": err.text(), "results": self.results,
                 "error": error, "execution_count": self.count,
@@ -315,10 +336,25 @@ def serve(d: str, token: str) -> None:
                     continue
                 conn.settimeout(60)
                 conn.sendall(json.dumps({"started": True}).encode() + b"\n")
-                res = k.run(req["code"])
+                res = k.run(req["code"], _sender(conn) if req.get("stream") else None)
                 conn.sendall(json.dumps(res).encode() + b"\n")
             except (OSError, ValueError, KeyError, AttributeError, KeyboardInterrupt):
                 continue
+
+
+def _sender(conn: socket.socket) -> Any:
+    """Stream mode: output lines ``{"out": stream, "text"}`` to the client as the code
+    writes; a client gone (or too slow for the socket's timeout) stops the stream, never
+    the code (its output is still in the result)."""
+    alive = [True]
+
+    def send(stream: str, text: str) -> None:
+        if alive[0]:
+            try:
+                conn.sendall(json.dumps({"out": stream, "text": text}).encode() + b"\n")
+            except OSError:
+                alive[0] = False
+    return send
 
 
 class _Lines:
@@ -387,18 +423,28 @@ def run(d: str, timeout: str) -> int:
         sys.stderr.write(f"run_code: the kernel refused: {first}\n")
         return EXIT_BAD_DIR
     limit = None if timeout == "none" else float(timeout)
-    s.settimeout(limit)
     timed_out = False
     t0 = time.monotonic()
     try:
-        res = lines.read()
+        while True:             # stream mode: output lines, passed on at once, then the result
+            s.settimeout(None if limit is None else max(limit - (time.monotonic() - t0),
+                                                        1e-3))
+            res = lines.read()
+            if not isinstance(res, dict) or "out" not in res:
+                break
+            sys.stdout.write(json.dumps(res) + "\n")
+            sys.stdout.flush()
     except TimeoutError:
         timed_out = True
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGINT)         # the pid the handshake proved
-        s.settimeout(GRACE_S)
+        grace_end = time.monotonic() + GRACE_S
         try:
-            res = lines.read()
+            while True:         # output still coming is skipped: the result has it
+                s.settimeout(max(grace_end - time.monotonic(), 1e-3))
+                res = lines.read()
+                if not isinstance(res, dict) or "out" not in res:
+                    break
         except (OSError, ValueError):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,227 @@
+"""Bytes of large unary replies each tenant holds in one apiserver at once.
+
+A unary reply (an exec's output, a ``list_dir``, a sandbox's events) is whole in the
+apiserver's memory from the moment its edge answers until the client has read it: over
+REST the body waits in the transport's buffer while the client reads slowly or not at all;
+over the gateway a connection parks up to 64 MiB of them (``unread_replies_max``) and a
+tenant opens as many connections as it likes. So a tenant that asks for N big replies and
+never reads them held N times 16 MiB (an exec: up to 2 x 4 MiB of output) of the apiserver,
+whatever the per-connection caps, and could take every other tenant's apiserver with it.
+
+Each tenant (a top-level project, with its subprojects: as the edge counts execs) gets a
+budget of such bytes. A call *reserves* what its reply can be at most before it is sent to
+the edge (an estimate: ``ApiConfig.reply_exec_reserve_bytes`` for an exec, at most its
+worst case; ``reply_reserve_bytes`` for the other rows), the reservation becomes the reply's real size when it arrives, and it is
+given back when the reply has been written out (REST: the body sent; the gateway:
+``dsec.aether.after_reply_written``), or at once if the call fails. A call that does not
+fit waits in its tenant's queue (first come, first served; a release grants the head
+of the queue as far as it makes room) up to ``wait_s``, then is refused with :class:`~dsec.errors.RateLimited` naming the
+tenant, the bytes held and what to do. One reply larger than the whole budget still goes
+when the tenant holds nothing (a budget never makes a call impossible, only serial).
+
+Bounds: every row reserves an estimate and is charged its real size on arrival, so a
+tenant can overshoot by (calls already at the edge) x (their size beyond the estimate)
+once, and then waits until its clients read. Reserving an exec's worst case (2 x its
+output cap) would rule that out but serialised RL-sized fan-outs: 512 unary execs in
+flight per tenant at the default cap.
+
+:class:`ReplyBudget` is the pure accounting; :class:`ReplyGate` adds the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dsec.errors import InvalidArgument, RateLimited
+
+__all__ = ["ReplyBudget", "ReplyGate", "ReplyLease", "hold_replies", "keep_or_release",
+           "tenant_of"]
+
+
+def tenant_of(project: str) -> str:
+    """The tenant a project's replies count against: its top-level project."""
+    return project.partition("/")[0]
+
+
+@dataclass(slots=True)
+class ReplyBudget:
+    """Bytes held per tenant against ``limit_bytes`` (None: no limit, only counted)."""
+
+    limit_bytes: int | None
+    _held: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes is not None and self.limit_bytes < 1:
+            raise InvalidArgument(f"reply budget of {self.limit_bytes} bytes: give a "
+                                  "positive number of bytes, or None for no budget")
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def fits(self, tenant: str, n: int) -> bool:
+        """``n`` more bytes are within ``tenant``'s budget (or it holds nothing)."""
+        held = self._held.get(tenant, 0)
+        return self.limit_bytes is None or held == 0 or held + n <= self.limit_bytes
+
+    def take(self, tenant: str, n: int) -> None:
+        self._held[tenant] = self._held.get(tenant, 0) + n
+
+    def give(self, tenant: str, n: int) -> None:
+        left = self._held.get(tenant, 0) - n
+        if left > 0:
+            self._held[tenant] = left
+        else:
+            self._held.pop(tenant, None)
+
+    def tenants(self) -> dict[str, int]:
+        return dict(self._held)
+
+    def total(self) -> int:
+        return sum(self._held.values())
+
+
+class ReplyLease:
+    """One call's bytes in its tenant's budget: resized to the reply's real size when it
+    arrives, released once (later releases do nothing)."""
+
+    __slots__ = ("_gate", "bytes", "tenant")
+
+    def __init__(self, gate: ReplyGate, tenant: str, n: int) -> None:
+        self._gate: ReplyGate | None = gate
+        self.tenant = tenant
+        self.bytes = n
+
+    def resize(self, n: int) -> None:
+        gate = self._gate
+        if gate is None:
+            return
+        budget = gate.budget
+        if n > self.bytes:
+            budget.take(self.tenant, n - self.bytes)
+        elif n < self.bytes:
+            budget.give(self.tenant, self.bytes - n)
+            gate._wake(self.tenant)
+        self.bytes = n
+
+    def release(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.budget.give(self.tenant, self.bytes)
+            gate._wake(self.tenant)
+
+
+class ReplyGate:
+    """:class:`ReplyBudget` with waiting: :meth:`acquire` returns a lease once the bytes
+    fit, or raises RateLimited after ``wait_s``. Waiters of a tenant queue in order and
+    are granted by releases (no thundering herd: a release wakes only the waiters it
+    makes room for; a newcomer does not pass a queue)."""
+
+    def __init__(self, limit_bytes: int | None, *, wait_s: float = 30.0,
+                 on_refused: Callable[[], object] | None = None) -> None:
+        if not wait_s >= 0:
+            raise InvalidArgument(f"reply budget wait of {wait_s} s: give 0 or more seconds")
+        self.budget = ReplyBudget(limit_bytes)
+        self.wait_s = wait_s
+        self.on_refused = on_refused
+        self._queues: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+        self.refused = 0        # calls refused after waiting wait_s (a metric's source)
+
+    async def acquire(self, tenant: str, n: int) -> ReplyLease:
+        budget = self.budget
+        if tenant not in self._queues and budget.fits(tenant, n):
+            budget.take(tenant, n)
+            return ReplyLease(self, tenant, n)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        q = self._queues.setdefault(tenant, collections.deque())
+        q.append((n, fut))
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await fut
+        except BaseException as exc:
+            granted = fut.done() and not fut.cancelled()
+            if granted and isinstance(exc, TimeoutError):
+                return ReplyLease(self, tenant, n)   # granted as the wait ran out: take it
+            if granted:
+                budget.give(tenant, n)               # the caller went away: give it back
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    q.remove((n, fut))
+            self._grant(tenant)                      # it may have held up the queue
+            if not isinstance(exc, TimeoutError):
+                raise
+            self.refused += 1
+            if self.on_refused is not None:
+                self.on_refused()
+            held, limit = budget.held(tenant), budget.limit_bytes
+            raise RateLimited(
+                f"tenant {tenant!r} holds {held} bytes of replies its clients have not "
+                f"read yet at this apiserver (its budget is {limit}); this call's reply "
+                f"may be {n} bytes and did not fit within {self.wait_s:g} s. Read the "
+                "replies of earlier calls (exec output, list_dir, events) before asking "
+                "for more, ask for less (a smaller output_cap_bytes), or ask the "
+                "operator to raise the apiserver's reply_budget_bytes",
+                retry_after=1.0, tenant=tenant, held=held, limit=limit, size=n) from None
+        return ReplyLease(self, tenant, n)
+
+    def _wake(self, tenant: str) -> None:
+        if tenant in self._queues:
+            self._grant(tenant)
+
+    def _grant(self, tenant: str) -> None:
+        """Take the bytes for the waiters at the head of ``tenant``'s queue that fit now."""
+        q = self._queues.get(tenant)
+        if q is None:
+            return
+        budget = self.budget
+        while q:
+            n, fut = q[0]
+            if fut.done():
+                q.popleft()
+                continue
+            if not budget.fits(tenant, n):
+                break
+            q.popleft()
+            budget.take(tenant, n)
+            fut.set_result(None)
+        if not q:
+            del self._queues[tenant]
+
+
+# The leases of the call a door is serving, kept until the door has written its reply
+# (None: no door keeps them; the policy gives its lease back as it returns).
+_HELD: contextvars.ContextVar[list[ReplyLease] | None] = contextvars.ContextVar(
+    "dsec_reply_leases", default=None)
+
+
+class hold_replies:
+    """A door around one policy call: the leases the policy took are in the list when
+    it returns; the door releases them once the reply is written (and on any error).
+    A class, not a generator: it wraps every REST request and gateway call."""
+
+    __slots__ = ("_token", "leases")
+
+    def __enter__(self) -> list[ReplyLease]:
+        self.leases: list[ReplyLease] = []
+        self._token = _HELD.set(self.leases)
+        return self.leases
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        _HELD.reset(self._token)
+        if exc_type is not None:
+            for lease in self.leases:
+                lease.release()
+
+
+def keep_or_release(lease: ReplyLease) -> None:
+    """Hand ``lease`` to the door serving this call, or release it now if none keeps it."""
+    held = _HELD.get()
+    if held is None:
+        lease.release()
+    else:
+        held.append(lease)
