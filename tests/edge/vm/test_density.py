@@ -55,13 +55,17 @@ def test_everything_off_is_plain_tcg() -> None:
 
 
 def test_kernel_cmdline_damon_always_on_with_wide_intervals() -> None:
-    cmd = d.kernel_cmdline(d.DensityOptions(damon_min_age_s=5, damon_sample_ms=100,
-                                            damon_aggr_ms=2000))
+    assert d.kernel_cmdline(d.DensityOptions()) == ["swiotlb=noforce"]  # DAMON off by default
+    assert d.kernel_cmdline(d.DensityOptions(page_reporting_order=0)) == [
+        "swiotlb=noforce", "page_reporting.page_reporting_order=0"]
+    cmd = d.kernel_cmdline(d.DensityOptions(damon_reclaim=True, damon_min_age_s=5,
+                                            damon_sample_ms=100, damon_aggr_ms=2000))
     assert "damon_reclaim.enabled=Y" in cmd
     assert "damon_reclaim.min_age=5000000" in cmd
     assert "damon_reclaim.sample_interval=100000" in cmd
     assert "damon_reclaim.aggr_interval=2000000" in cmd
     # the kernel's default watermarks (500/400/200) reclaim only under 40% free memory
+    assert cmd[0] == "swiotlb=noforce"   # pmem above 4 GiB: no 64 MiB bounce buffer
     assert {"damon_reclaim.wmarks_high=1000", "damon_reclaim.wmarks_mid=999",
             "damon_reclaim.wmarks_low=0"} <= set(cmd)
 
@@ -71,6 +75,7 @@ def test_kernel_cmdline_damon_always_on_with_wide_intervals() -> None:
     ({"damon_min_age_s": 0}, "damon_min_age_s"),
     ({"damon_sample_ms": 500, "damon_aggr_ms": 100}, "sample <= aggregation"),
     ({"damon_quota_bytes_per_s": 1000}, "1 MiB/s"),
+    ({"page_reporting_order": 11}, "page order"),
 ])
 def test_options_refuse_nonsense(kw: dict[str, float], match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):

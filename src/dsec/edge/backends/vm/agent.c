@@ -775,7 +775,7 @@ static void h_setup(uint64_t sid, mp_t body) {
             char mp[64];
             snprintf(mp, sizeof mp, "/layers/%zu", i);
             mkdir(mp, 0755);
-            if (wait_path(layers[i], 5) < 0) { snprintf(err, sizeof err, "layer device %s did not appear within 5 s", layers[i]); code = "not_found"; goto fail; }
+            if (wait_path(layers[i], 30) < 0) { snprintf(err, sizeof err, "layer device %s did not appear within 30 s (device probing under TCG on a loaded host took >5 s)", layers[i]); code = "not_found"; goto fail; }
             if (mount(layers[i], mp, "erofs", MS_RDONLY | MS_NODEV, dax ? "dax=always" : NULL) < 0) {
                 snprintf(err, sizeof err, "mount erofs %s%s at %s: %s", layers[i], dax ? " (dax=always)" : "", mp, strerror(errno)); goto fail;
             }
@@ -783,7 +783,7 @@ static void h_setup(uint64_t sid, mp_t body) {
         }
         if (scratch[0]) {
             mkdir("/scratch", 0755);
-            if (wait_path(scratch, 5) < 0) { snprintf(err, sizeof err, "scratch device %s did not appear within 5 s", scratch); code = "not_found"; goto fail; }
+            if (wait_path(scratch, 30) < 0) { snprintf(err, sizeof err, "scratch device %s did not appear within 30 s", scratch); code = "not_found"; goto fail; }
             if (mount(scratch, "/scratch", "ext4", MS_NOATIME, NULL) < 0) {
                 snprintf(err, sizeof err, "mount ext4 %s at /scratch: %s (the host formats it with mkfs.ext4)", scratch, strerror(errno)); goto fail;
             }
@@ -1359,9 +1359,44 @@ static void h_stats(uint64_t sid) {
     send_body(T_RESPONSE, sid, &b);
     buf_free(&b);
 }
+/* vd: virtio-pmem regions (DAX layers) probe asynchronously on the nvdimm bus. A memory
+ * image saved before that probe finished (the warm pool saves a guest right after hello,
+ * while boot's module loader may still run) restored guests whose /dev/pmemN never
+ * appeared (2 of 2 runs at load ~12). quiesce therefore waits for the module loader and
+ * for one /dev/pmemN per virtio-pmem device (virtio device id 27), at most `secs`. */
+static void settle_pmem(double secs) {
+    if (modules_pid > 0) {
+        int st;
+        while (waitpid(modules_pid, &st, 0) < 0 && errno == EINTR) {}
+        modules_pid = 0;
+    }
+    int n = 0;
+    DIR *d = opendir("/sys/bus/virtio/devices");
+    if (d) {
+        struct dirent *de;
+        while ((de = readdir(d))) {
+            if (de->d_name[0] == '.') continue;
+            char p[320], v[32] = {0};
+            snprintf(p, sizeof p, "/sys/bus/virtio/devices/%s/device", de->d_name);
+            FILE *f = fopen(p, "re");
+            if (!f) continue;
+            if (fgets(v, sizeof v, f) && strtol(v, NULL, 0) == 27) n++;
+            fclose(f);
+        }
+        closedir(d);
+    }
+    double end = now_mono() + secs;
+    for (int i = 0; i < n; i++) {
+        char p[64];
+        snprintf(p, sizeof p, "/dev/pmem%d", i);
+        while (access(p, F_OK) < 0 && now_mono() < end) usleep(5000);
+    }
+}
+
 static void h_quiesce(uint64_t sid, mp_t body) {
     double t0 = now_mono();
     int drop = get_bool(body, "drop_caches", 1), compact = get_bool(body, "compact", 1);
+    if (!test_mode) settle_pmem(20.0);
     sync();
     if (!test_mode) {
         if (drop) write_file("/proc/sys/vm/drop_caches", "3");

@@ -44,6 +44,7 @@ from dsec.edge.backends.container.images import ImageResolver, RootLayers, Store
 from dsec.edge.backends.container.snapshot import ContainerSnapshots
 from dsec.edge.backends.vm import agentproto as ap
 from dsec.edge.backends.vm.density import (
+    MKFS_DAX_ARGS,
     DensityOptions,
     PmemLayer,
     guest_layer_devices,
@@ -428,7 +429,9 @@ class VmBackend:
         out = os.path.join(self._erofs_cache, key + ".erofs")
         if not os.path.exists(out):
             tmp = out + f".{os.getpid()}.tmp"
-            r = subprocess.run(["mkfs.erofs", "-d0", tmp, path], capture_output=True, check=False)
+            dax = MKFS_DAX_ARGS if self._pmem else ()  # vd: DAX needs no inline tails
+            r = subprocess.run(["mkfs.erofs", "-d0", *dax, tmp, path], capture_output=True,
+                               check=False)
             if r.returncode != 0:
                 raise BackendError(f"mkfs.erofs of image directory {path} failed: "
                                    f"{r.stderr.decode(errors='replace')[:300]}")

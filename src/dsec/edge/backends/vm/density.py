@@ -14,8 +14,16 @@ docs/isolation.md, "Density"):
    copies in guest RAM, so N VMs of one image hold its files once (host page cache) instead
    of N times (each guest's page cache, as with virtio-blk). Costs: the guest's
    ``struct page`` array for the region (64 bytes per 4 KiB page = 1/64 of the layer,
-   :func:`guest_struct_page_bytes`), and DAX applies to uncompressed files only (a
-   ``-zlz4`` layer still goes through the guest page cache). Alignment: the guest maps a
+   :func:`guest_struct_page_bytes`), and DAX applies to uncompressed files stored
+   without an inline tail only (erofs gives S_DAX to the FLAT_PLAIN layout alone):
+   mkfs.erofs packs file tails into the inode by default, which left 104 of 104 MiB read
+   in the guest page cache (measured); build layers for the vm tier with
+   :data:`MKFS_DAX_ARGS` (``-Enoinline_data``: the 91 MiB layer grew 7%, then 5 MiB
+   stayed in the guest page cache). A ``-zlz4`` layer never gets DAX.
+   Placing the regions above 4 GiB makes the guest allocate (and touch) a 64 MiB SWIOTLB
+   bounce buffer: 64 MiB more resident per VM, measured; virtio devices do not use it
+   (no VIRTIO_F_ACCESS_PLATFORM), so :func:`kernel_cmdline` turns it off
+   (``swiotlb=noforce``). Alignment: the guest maps a
    region in 2 MiB subsections and refuses a misaligned one ("misaligned, unable to map",
    no /dev/pmem0), QEMU refuses a ``size`` larger than the file, so a layer whose size is
    not a multiple of 2 MiB is used through a padded clone (:func:`prepare_pmem_layer`).
@@ -27,13 +35,22 @@ docs/isolation.md, "Density"):
    guest reports 1/16 of a free list per pass, one pass every 2 s, so it takes ~30 s to
    return everything after a burst.
 3. **DAMON_RECLAIM** in the guest (built into the 6.12 cloud kernel, set on the kernel
-   command line): pages not accessed for ``min_age`` are reclaimed (clean page cache is
+   command line; **off by default**: in our runs it started - kdamond running, enabled=Y -
+   but tried 0 regions in 90 s with 5 s min_age and always-on watermarks, leaving 104 MiB
+   of cold page cache, and cost ~10% of a host core per idle VM with 100 ms sampling
+   under TCG, 0.3-0.4% without it): pages not accessed for ``min_age`` are reclaimed (clean page cache is
    dropped; anonymous pages would need guest swap, which we do not configure), and with
    reporting they reach the host. Its watermarks default to reclaiming only when free
    memory is under 40%, which an idle sandbox never is: we make it always on. Its sampling
    costs guest CPU, which under TCG is host CPU: intervals are widened (100 ms / 2 s).
 4. **TCG translation cache cap** (``-accel tcg,tb-size=N`` MiB): the default cache grows
    with the code the guest runs and its pages stay resident; a cap flushes instead.
+
+Measured (QEMU RssAnon of one 512 MiB VM after reading its 91 MiB image and freeing a
+128 MiB tmpfs file): 423 MiB with none of this, 160 MiB with the defaults (plus the
+layer's host page cache, 98 MiB shared by every VM of the image); idle 204 -> 156 MiB.
+Per mechanism: tb-size cap -26 MiB; reporting returns the freed 128 MiB within 10 s;
+pmem+DAX keeps the image out of guest RAM (5 MiB of guest page cache instead of 104).
 
 Pure functions build argv pieces; :func:`prepare_pmem_layer` is the one that touches the
 disk. The host side (``backend.py``) puts :func:`qemu_args` into ``VmSpec.extra``,
@@ -56,7 +73,7 @@ from dataclasses import dataclass
 from dsec.errors import InvalidArgument, SandboxError
 
 __all__ = [
-    "PMEM_ALIGN", "DensityOptions", "PmemLayer", "accel_args", "device_args",
+    "MKFS_DAX_ARGS", "PMEM_ALIGN", "DensityOptions", "PmemLayer", "accel_args", "device_args",
     "guest_layer_devices", "guest_struct_page_bytes", "host_overhead_bytes", "kernel_cmdline",
     "memory_arg", "pmem_bytes", "pmem_layer_name", "prepare_pmem_layer", "qemu_args",
 ]
@@ -64,6 +81,9 @@ __all__ = [
 #: the guest maps pmem in memory-hotplug subsections (2 MiB on x86-64): a region whose
 #: size or start is not a multiple is refused (measured: nd_pmem "misaligned, unable to map")
 PMEM_ALIGN = 2 << 20
+#: mkfs.erofs options for a layer the vm tier maps with DAX: no inline file tails (erofs
+#: only gives DAX to FLAT_PLAIN files)
+MKFS_DAX_ARGS: tuple[str, ...] = ("-Enoinline_data",)
 #: ``struct page`` is 64 bytes per 4 KiB page: the guest RAM a DAX region costs
 _STRUCT_PAGE_RATIO = 64
 _MIB = 1 << 20
@@ -72,18 +92,27 @@ _FICLONE = 0x40049409
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DensityOptions:
-    """Which density mechanisms a VM gets (all on by default: each was measured to help
-    and none changes what the sandbox sees, except ``pmem_dax``'s device names)."""
+    """Which density mechanisms a VM gets. On by default: the ones measured to help
+    (pmem+DAX, free page reporting, the TCG cache cap); DAMON_RECLAIM is off (see
+    ``damon_reclaim``). None changes what the sandbox sees."""
 
     #: read-only EROFS layers on virtio-pmem, mounted ``dax=always`` (else virtio-blk)
     pmem_dax: bool = True
     #: virtio-balloon with free page reporting: freed guest memory returns to the host
     free_page_reporting: bool = True
+    #: smallest free block the guest reports, as a page order (None: the kernel's 9,
+    #: 2 MiB). Measured idle: 0 (4 KiB) -> 137 MiB against 158 MiB with 9: boot leaves
+    #: free memory fragmented. Not the default: its cost on a busy guest (a report and a
+    #: host refault per small block, no host huge pages) is not measured yet
+    page_reporting_order: int | None = None
     #: the balloon gives its pages back when the guest would OOM (the balloon is never
     #: inflated by us; this only makes a future inflation safe)
     deflate_on_oom: bool = True
-    #: DAMON_RECLAIM in the guest: reclaim pages idle for ``damon_min_age_s``
-    damon_reclaim: bool = True
+    #: DAMON_RECLAIM in the guest: reclaim pages idle for ``damon_min_age_s``. Off by
+    #: default: measured here it reclaimed nothing in 90 s (0 regions tried, 104 MiB of
+    #: cold page cache left) while its sampling cost ~10% of a host core per idle VM
+    #: under TCG (0.3-0.4% without it)
+    damon_reclaim: bool = False
     #: seconds a region must go unaccessed before DAMON_RECLAIM reclaims it
     damon_min_age_s: float = 30.0
     #: DAMON's sampling interval (kernel default 5 ms: ~2% host CPU per idle VM under TCG)
@@ -106,6 +135,9 @@ class DensityOptions:
             raise InvalidArgument(
                 f"damon_sample_ms={self.damon_sample_ms}, damon_aggr_ms={self.damon_aggr_ms}: "
                 "need 1 <= sample <= aggregation <= 60000 ms")
+        if self.page_reporting_order is not None and not 0 <= self.page_reporting_order <= 10:
+            raise InvalidArgument(f"page_reporting_order={self.page_reporting_order}: give "
+                                  "0..10 (a page order), or None for the kernel's default")
         if self.damon_quota_bytes_per_s < _MIB:
             raise InvalidArgument(f"damon_quota_bytes_per_s={self.damon_quota_bytes_per_s} "
                                   "is below 1 MiB/s: DAMON_RECLAIM would reclaim nothing useful")
@@ -249,11 +281,15 @@ def kernel_cmdline(opts: DensityOptions) -> list[str]:
     """Guest kernel parameters (``-append``). DAMON_RECLAIM is built in, so its module
     parameters are set here and it starts at boot (a VM restored from a memory file keeps
     them). Watermarks 1000/999/0 per mille keep it always active (its defaults only work
-    when free memory is under 40%)."""
+    when free memory is under 40%). With pmem regions, ``swiotlb=noforce``: see the module
+    doc (64 MiB of bounce buffer nothing uses)."""
+    out = ["swiotlb=noforce"] if opts.pmem_dax else []
+    if opts.free_page_reporting and opts.page_reporting_order is not None:
+        out.append(f"page_reporting.page_reporting_order={opts.page_reporting_order}")
     if not opts.damon_reclaim:
-        return []
+        return out
     p = "damon_reclaim."
-    return [f"{p}enabled=Y",
+    return [*out, f"{p}enabled=Y",
             f"{p}min_age={int(opts.damon_min_age_s * 1_000_000)}",
             f"{p}sample_interval={opts.damon_sample_ms * 1000}",
             f"{p}aggr_interval={opts.damon_aggr_ms * 1000}",
