@@ -37,3 +37,27 @@ def test_user_write_with_dotdot_after_a_symlink_stays_where_the_user_may_write(
         assert after == before, f"root wrote /etc/passwd for user=: {after[:40]!r}"
     finally:
         sb.kill()
+
+
+def test_user_list_with_dotdot_after_a_symlink_lists_what_the_user_may_list(
+        e2b_target: E2BTarget) -> None:
+    """The same for ``files.list(user=...)``: the edge's ``list`` normalises lexically too
+    (``split_path``), so ``/tmp/u/l/../../../srv/task/hidden-tests`` is checked as the
+    agent's own ``/tmp/u/srv/task/hidden-tests`` and listed as the root-only one."""
+    from e2b import Sandbox
+
+    sb = Sandbox.create(e2b_target.template, timeout=120, **e2b_target.opts())
+    try:
+        sb.commands.run("mkdir -p /tmp/u /srv/task/hidden-tests && chown user /tmp/u && "
+                        ": > /srv/task/hidden-tests/expected-42 && "
+                        "chmod 700 /srv/task/hidden-tests", user="root")
+        sb.commands.run("mkdir -p /tmp/u/a/b/c /tmp/u/srv/task/hidden-tests && "
+                        "ln -s /tmp/u/a/b/c /tmp/u/l", user="user")
+        try:
+            names = [e.name for e in sb.files.list(
+                "/tmp/u/l/../../../srv/task/hidden-tests", user="user")]
+        except Exception as exc:
+            names = [f"refused: {exc}"]
+        assert "expected-42" not in names, f"root-only entries listed for user=: {names}"
+    finally:
+        sb.kill()
