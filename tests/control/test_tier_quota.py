@@ -1,5 +1,6 @@
 """Quotas per isolation tier (issue 21, Quota.tiers): a tier's usage is the sum over the
-backends that give it (container: native, runc and simulated together), an ancestor's
+backends that give it (container: native, runc and simulated together, and fncall, which
+gives no tier and is counted in the container tier), an ancestor's
 tier limit binds its subtree, 0 forbids the tier in words that say so, and a tier quota
 survives the store round trip and reads back through the API's view."""
 
@@ -27,13 +28,19 @@ def test_a_tier_counts_every_backend_that_gives_it() -> None:
     with pytest.raises(QuotaExceeded, match="sandboxes for isolation container") as exc:
         q.check("org/c", backend="container", cpu_milli=1, memory_bytes=1)
     assert exc.value.detail["used"] == 2 and exc.value.detail["project"] == "org"
-    # other tiers and tierless backends are not counted against it
+    # other tiers are not counted against it
     q.check("org/c", backend="gvisor", cpu_milli=1, memory_bytes=1 << 40)
-    q.check("org/c", backend="fncall", cpu_milli=1, memory_bytes=1 << 40)
+    # fncall gives no tier and runs on the host kernel: counted in the container tier
+    # (red team 21, B6)
+    with pytest.raises(QuotaExceeded, match="sandboxes for isolation container"):
+        q.check("org/c", backend="fncall", cpu_milli=1, memory_bytes=1)
     q.remove(rec(1, "org/a", "runc").id)
     with pytest.raises(QuotaExceeded, match="memory_bytes for isolation container"):
         q.check("org/c", backend="container", cpu_milli=1, memory_bytes=(2 << 30) + 1)
     q.check("org/c", backend="container", cpu_milli=1, memory_bytes=2 << 30)
+    q.insert(rec(3, "org/d", "fncall"))         # and its sandboxes use the tier's room
+    with pytest.raises(QuotaExceeded, match="sandboxes for isolation container"):
+        q.check("org/c", backend="container", cpu_milli=1, memory_bytes=1)
 
 
 def test_zero_forbids_a_tier_and_says_so() -> None:
@@ -42,6 +49,9 @@ def test_zero_forbids_a_tier_and_says_so() -> None:
     with pytest.raises(QuotaExceeded, match="'org' does not allow isolation tier 'vm'"):
         q.check("org/team", backend="vm", cpu_milli=1, memory_bytes=1)
     q.check("org/team", backend="gvisor", cpu_milli=1, memory_bytes=1)
+    q.set_quota("org", Quota(tiers={"container": Limits(max_sandboxes=0)}))
+    with pytest.raises(QuotaExceeded, match="in which backend 'fncall' counts"):
+        q.check("org/team", backend="fncall", cpu_milli=1, memory_bytes=1)
 
 
 def test_a_tier_quota_names_a_tier() -> None:

@@ -13,6 +13,7 @@ from dsec.edge.backends import known_backends, make_backend
 from dsec.errors import InvalidArgument
 from dsec.wire.spec import (
     BACKEND_ISOLATION,
+    QUOTA_TIER,
     TIER_BACKENDS,
     BackendName,
     Isolation,
@@ -20,6 +21,7 @@ from dsec.wire.spec import (
     backend_for,
     check_isolation,
     isolation_of,
+    quota_tier,
     resolve,
     stored,
 )
@@ -33,6 +35,17 @@ def test_every_tier_has_its_backend_and_every_backend_but_fncall_a_tier() -> Non
         assert BACKEND_ISOLATION[backend] == tier      # a tier's backend gives that tier
     assert set(typing.get_args(BackendName)) - set(BACKEND_ISOLATION) == {"fncall"}
     assert {"gvisor", "vm"} <= set(known_backends())
+
+
+def test_tier_quotas_count_every_backend_in_a_tier() -> None:
+    """Red team 21, B6: a backend in no tier is still counted in one by tier quotas
+    (fncall, a process on the host kernel: the container tier), so no backend is outside
+    every tier quota; a backend's own tier is the one it counts in when it has one."""
+    assert set(QUOTA_TIER) == set(typing.get_args(BackendName))
+    for backend in typing.get_args(BackendName):
+        assert quota_tier(backend) == BACKEND_ISOLATION.get(backend, "container")
+    assert quota_tier("fncall") == "container"
+    assert quota_tier("some-future-backend") == "container"
 
 
 @pytest.mark.parametrize(("isolation", "default", "want"), [

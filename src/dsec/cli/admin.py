@@ -172,7 +172,8 @@ def quota() -> None:
               help="May creates pull registry images on first use.")
 @click.option("--tier", "tiers", multiple=True, metavar="TIER=N|none",
               help="Most sandboxes of an isolation tier (container, gvisor, vm) in the "
-                   "subtree; 0 forbids the tier, none lifts the limit (repeatable).")
+                   "subtree; 0 forbids the tier, none lifts the limit (repeatable). "
+                   "fncall sandboxes count in the container tier.")
 @click.option("--replace", is_flag=True,
               help="Replace the whole quota (limits not given: none). Default: change only "
                    "the limits given, keep the others.")

@@ -29,7 +29,7 @@ from dsec.control.records import SandboxRecord
 from dsec.errors import InvalidArgument, QuotaExceeded, SandboxNotFound
 from dsec.ids import ProjectPath, parse_project_path, project_ancestors
 from dsec.wire.netpolicy import NetworkPolicy
-from dsec.wire.spec import BACKEND_ISOLATION, TIER_BACKENDS
+from dsec.wire.spec import BACKEND_ISOLATION, TIER_BACKENDS, quota_tier
 
 __all__ = ["Limits", "Quota", "QuotaIndex", "QuotaPolicy", "Usage"]
 
@@ -61,7 +61,8 @@ class Quota(Limits, frozen=True, kw_only=True, omit_defaults=True):
 
     backends: dict[str, Limits] = {}
     # per isolation tier (issue 21): the tier's sandboxes whatever backend runs them
-    # (container: native, runc and simulated together); max_sandboxes=0 forbids a tier
+    # (container: native, runc, simulated and fncall together: fncall gives no tier and
+    # is counted in the weakest, spec.quota_tier); max_sandboxes=0 forbids a tier
     tiers: dict[str, Limits] = {}
     network: NetworkPolicy | None = None
     # create(image=<registry ref>) pulls on first use (None: as the parent says; see
@@ -356,24 +357,27 @@ class QuotaIndex:
 
     def _check_tier(self, node: _Node, project: str, q: Quota, backend: str, cpu_milli: int,
                     memory_bytes: int, count: int) -> None:
-        """The limits of the isolation tier ``backend`` gives (Quota.tiers): its usage is
-        the sum over the tier's backends (a handful), computed only where a tier quota is
-        set."""
-        tier = BACKEND_ISOLATION.get(backend)  # type: ignore[call-overload]
-        lim = None if tier is None else q.tiers.get(tier)
+        """The limits of the isolation tier ``backend`` is counted in (Quota.tiers;
+        :func:`dsec.wire.spec.quota_tier`: its own tier, the container tier for fncall,
+        which gives none): its usage is the sum over the backends counted in that tier
+        (a handful), computed only where a tier quota is set."""
+        tier = quota_tier(backend)
+        lim = q.tiers.get(tier)
         if lim is None:
             return
         used = [0, 0, 0]
         for b, u in node.b.items():
-            if BACKEND_ISOLATION.get(b) == tier:  # type: ignore[call-overload]
+            if quota_tier(b) == tier:
                 used = [used[0] + u[0], used[1] + u[1], used[2] + u[2]]
         what = f"isolation {tier}"
         if lim.max_sandboxes is not None and used[0] + count > lim.max_sandboxes:
             if lim.max_sandboxes == 0:
+                counted = ("" if backend in BACKEND_ISOLATION else f", in which backend {backend[:40]!r} counts "
+                    "(it gives no tier of its own and runs on the host kernel)")
                 raise QuotaExceeded(
                     f"project {node.path!r} does not allow isolation tier {tier!r} (its quota "
-                    f"gives the tier 0 sandboxes); use another tier or ask an admin of its "
-                    "parent project to allow it", project=node.path, requested_in=project,
+                    f"gives the tier 0 sandboxes{counted}); use another tier or ask an "
+                    "admin of its parent project to allow it", project=node.path, requested_in=project,
                     resource="sandboxes", backend=what, used=used[0], limit=0,
                     requested=count)
             self._exceeded(node, project, "sandboxes", used[0], lim.max_sandboxes, count, what)

@@ -71,6 +71,7 @@ __all__ = [
     "MAX_USER_BYTES",
     "MIN_PRIORITY",
     "PAUSED_RETENTION_S",
+    "QUOTA_TIER",
     "RESERVED_LABEL_DOMAIN",
     "TIER_BACKENDS",
     "TIMEOUT_EXIT_CODE",
@@ -110,6 +111,7 @@ __all__ = [
     "not_offered",
     "project_of",
     "qos_of",
+    "quota_tier",
     "read_in_chunks",
     "reserved_label",
     "resolve",
@@ -134,10 +136,18 @@ TIER_BACKENDS: dict[Isolation, BackendName] = {
 #: isolation: it is the test and benchmark backend, and a cluster of simulated nodes
 #: answers ``isolation="container"``); ``runc`` is the container tier through Debian's
 #: runc. ``fncall`` is in no tier (a jailed function call, not a sandbox with a root
-#: filesystem): a create asking for a tier never lands on it.
+#: filesystem): a create asking for a tier never lands on it; tier quotas count it in
+#: the container tier (:data:`QUOTA_TIER`).
 BACKEND_ISOLATION: dict[BackendName, Isolation] = {
     "simulated": "container", "container": "container", "runc": "container",
     "gvisor": "gvisor", "vm": "vm"}
+#: The tier each backend is COUNTED in by tier quotas (``Quota.tiers``): its own tier, and
+#: for a backend in no tier (``fncall``: a jailed process on the host kernel, no more
+#: than the container tier gives) the container tier, the weakest. So a project whose
+#: quota forbids the container tier ("microVMs only") is refused fncall too (red team 21,
+#: B6). Total over :data:`BackendName` (tests/wire check it); :func:`quota_tier` also
+#: counts a name it does not know as the container tier.
+QUOTA_TIER: dict[BackendName, Isolation] = {**BACKEND_ISOLATION, "fncall": "container"}
 IdleAction = Literal["destroy", "pause"]
 #: A sandbox's QoS class (issue 22, dsec.edge.qos): latency-sensitive or best-effort
 QosClass = Literal["ls", "be"]
@@ -685,6 +695,13 @@ def project_of(spec: SandboxSpec) -> str:
         raise InternalError("a sandbox spec reached storage without a project (it was "
                             "not resolved)")
     return spec.project
+
+
+def quota_tier(backend: str) -> Isolation:
+    """The tier quotas count a sandbox of ``backend`` in (:data:`QUOTA_TIER`): the tier
+    it gives, else the container tier (fncall, or any backend in no tier: never outside
+    every tier, so a tier quota cannot be walked around by picking such a backend)."""
+    return QUOTA_TIER.get(backend, "container")  # type: ignore[call-overload, no-any-return]
 
 
 def isolation_of(spec: SandboxSpec) -> Isolation | None:
