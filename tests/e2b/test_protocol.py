@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from dsec import LocalCluster
 from dsec.bench._e2b_calls import E2BTarget
 from dsec.control.e2b import connect as rpc
 from dsec.errors import InvalidArgument
@@ -53,11 +54,76 @@ def api(e2b_target: E2BTarget):  # type: ignore[no-untyped-def]
 
 
 def _create(api: httpx.Client, **body: object) -> str:
+    return str(_created(api, **body)["sandboxID"])
+
+
+def _created(api: httpx.Client, **body: object) -> dict[str, str]:
     r = api.post("/v2/sandboxes", json={"templateID": "e2b-base", "timeout": 120, **body})
     assert r.status_code == 201, r.text
     got = r.json()
-    assert got["envdVersion"] and got["envdAccessToken"] == api.headers["x-api-key"]
-    return str(got["sandboxID"])
+    key = api.headers["x-api-key"]
+    # per-sandbox tokens, never the caller's key (red team 21, B8)
+    assert got["envdVersion"] and got["envdAccessToken"].startswith("dse2b1.envd.")
+    assert got["trafficAccessToken"].startswith("dse2b1.traffic.")
+    assert key not in got["envdAccessToken"] + got["trafficAccessToken"]
+    return got  # type: ignore[no-any-return]
+
+
+def test_access_tokens_open_one_sandbox_and_one_door(
+        api: httpx.Client, e2b_target: E2BTarget, e2b_cluster: LocalCluster) -> None:
+    """The envd token works on its sandbox's envd (and code interpreter), the traffic
+    token on its code interpreter only; neither on another sandbox, nor as an API key on
+    the control REST or dsec's REST; a revoked key's tokens stop working."""
+    a, b = _created(api), _created(api)
+    url, sid = e2b_target.url, a["sandboxID"]
+    try:
+        def stat(sandbox: str, token: str) -> httpx.Response:
+            return httpx.post(f"{url}/filesystem.Filesystem/Stat", json={"path": "/"},
+                              headers={"e2b-sandbox-id": sandbox, "x-access-token": token})
+
+        assert stat(sid, a["envdAccessToken"]).status_code == 200
+        assert httpx.get(f"{url}/health", headers={
+            "e2b-sandbox-id": sid, "x-access-token": a["envdAccessToken"]}
+            ).status_code == 204
+        r = stat(b["sandboxID"], a["envdAccessToken"])        # another sandbox
+        assert r.status_code == 401 and "not valid for sandbox" in r.json()["message"]
+        r = stat(sid, a["trafficAccessToken"])                # the traffic token: no envd
+        assert r.status_code == 401 and "not accepted here" in r.json()["message"]
+        code = {"e2b-sandbox-id": sid, "e2b-sandbox-port": "49999"}
+        for tok in (a["trafficAccessToken"], a["envdAccessToken"]):
+            r = httpx.get(f"{url}/contexts",
+                          headers={**code, "e2b-traffic-access-token": tok})
+            assert r.status_code == 200 and r.json() == [], r.text
+        r = httpx.get(f"{url}/contexts", headers={
+            **code, "e2b-sandbox-id": b["sandboxID"],
+            "e2b-traffic-access-token": a["trafficAccessToken"]})
+        assert r.status_code == 401
+        for tok in (a["envdAccessToken"], a["trafficAccessToken"]):
+            r = httpx.get(f"{url}/sandboxes", headers={"x-api-key": tok})
+            assert r.status_code == 401 and "not an API key" in r.json()["message"]
+            r = httpx.get(f"{e2b_cluster.url}/v1/sandboxes",
+                          headers={"authorization": f"Bearer {tok}"})
+            assert r.status_code == 401
+        # GET /sandboxes/{id} answers the envd token too, not the key
+        detail = api.get(f"/sandboxes/{sid}").json()
+        assert detail["envdAccessToken"].startswith("dse2b1.envd.")
+        assert stat(sid, detail["envdAccessToken"]).status_code == 200
+        # a token is its key: revoked, the key's tokens stop working
+        key = e2b_cluster.create_key(f"e2b-revoked-{os.getpid()}", "default", "member")
+        kid = key.split("_")[1]
+        with httpx.Client(base_url=url, timeout=30, headers={"x-api-key": key}) as other:
+            c = _created(other)
+        try:
+            assert stat(c["sandboxID"], c["envdAccessToken"]).status_code == 200
+            r = httpx.delete(f"{e2b_cluster.url}/v1/keys/{kid}",
+                             headers={"authorization": f"Bearer {e2b_cluster.api_key}"})
+            assert r.status_code == 204, r.text
+            assert stat(c["sandboxID"], c["envdAccessToken"]).status_code == 401
+        finally:
+            api.delete(f"/sandboxes/{c['sandboxID']}")
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+        api.delete(f"/sandboxes/{b['sandboxID']}")
 
 
 def test_control_statuses_and_error_bodies(api: httpx.Client, e2b_target: E2BTarget) -> None:

@@ -17,8 +17,11 @@ the same URL):
 - everything else is E2B's control REST (``/sandboxes``, ``/v2/sandboxes``, ...).
 
 Auth: control calls send ``X-API-KEY`` (a dsec key); envd calls send ``X-Access-Token``,
-which this layer's create/connect answers set to the caller's own key (an envd
-``Authorization: Basic <user>:`` header names the user to run as, never a credential).
+which this layer's create/connect answers set to a token of that sandbox alone
+(:mod:`dsec.control.e2b.tokens`: the caller's key sealed under the apiserver's key, opened
+only for that sandbox's envd; ``trafficAccessToken`` likewise for its code interpreter),
+or a dsec key itself (an envd ``Authorization: Basic <user>:`` header names the user to
+run as, never a credential).
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from dsec.control import filedoors
-from dsec.control.api.service import ApiService, Caller
+from dsec.control.api.service import ApiService, Caller, api_key_of
 from dsec.control.e2b import code as codeapi
 from dsec.control.e2b import connect as rpc
 from dsec.control.e2b import mapping
+from dsec.control.e2b.tokens import SandboxTokens, Scope, is_token
 from dsec.control.e2b.watchers import Watchers
 from dsec.errors import (
     DsecError,
@@ -204,6 +208,11 @@ class E2BApp:
         self._watch_policy: Callable[[Caller, Watch], Awaitable[AsyncIterator[
             FileEvent | WatchEnd]]] = service.stream_handler(ops.FILE_WATCH)  # type: ignore[arg-type]
         self.watchers = Watchers()
+        # per-sandbox access tokens, keyed from the port-URL key every replica shares
+        # (a service without one: a key of this process)
+        port_key = getattr(getattr(service, "port_tokens", None), "key", None)
+        self.tokens = SandboxTokens(port_key if isinstance(port_key, bytes)
+                                    else secrets.token_bytes(32))
         self._bash: dict[str, None] = {}     # sandboxes seen with /bin/bash (insertion order)
         self._put = h(ops.WRITE_FILE)
         self._read = h(ops.READ_FILE)
@@ -298,7 +307,18 @@ class E2BApp:
             resp = await self._control(request)
         await resp(scope, receive, send)
 
-    def _caller(self, request: Request, *names: str) -> Caller:
+    def _caller(self, request: Request, *names: str, sandbox: str | None = None,
+                scopes: tuple[Scope, ...] = ()) -> Caller:
+        return self._authenticate(request, names, sandbox=sandbox, scopes=scopes)[0]
+
+    def _authenticate(self, request: Request, names: Sequence[str], *,
+                      sandbox: str | None = None, scopes: tuple[Scope, ...] = (),
+                      ) -> tuple[Caller, str]:
+        """The caller and the API key it authenticated with, from the first of the
+        headers ``names`` present (else ``Authorization: Bearer``). A per-sandbox token
+        (:mod:`dsec.control.e2b.tokens`) is accepted only with ``scopes`` and only for
+        ``sandbox``: opened, it is the key it was minted for; anywhere else (the control
+        REST, another sandbox, another scope) it is refused, never taken as a key."""
         key = None
         for name in names:
             key = request.headers.get(name)
@@ -312,15 +332,34 @@ class E2BApp:
             raise Unauthenticated(f"no API key: send a dsec API key as {names[0]} "
                                   "(E2B_API_KEY)")
         client = request.client.host if request.client else None
+        with contextlib.suppress(Unauthenticated):    # else authenticate says why
+            key = api_key_of(key)
+        if is_token(key):
+            try:
+                if sandbox is None or not scopes:
+                    raise Unauthenticated(
+                        "an E2B access token (envdAccessToken, trafficAccessToken) opens "
+                        "one sandbox's envd or code interpreter; it is not an API key: "
+                        "send a dsec API key (E2B_API_KEY) here")
+                key = self.tokens.open(key, sandbox, scopes)
+            except Unauthenticated:
+                if client is not None:     # as a bad key: guessing costs the guesser
+                    self.service.check_anonymous(client, charge=True)
+                raise
         caller = self.service.authenticate(key, client)
         request.scope["dsec.caller"] = caller       # for the access-log line
-        return caller
+        return caller, key
+
+    def _tokens_for(self, key: str, sandbox: str) -> tuple[str, str]:
+        """The envd and traffic tokens of ``sandbox`` for the caller holding ``key``."""
+        return (self.tokens.mint(key, sandbox, "envd"),
+                self.tokens.mint(key, sandbox, "traffic"))
 
     # ------------------------------------------------------------ control REST
     async def _control(self, request: Request) -> Response:
         try:
-            caller = self._caller(request, "x-api-key")
-            return await self._control_route(request, caller)
+            caller, key = self._authenticate(request, ("x-api-key",))
+            return await self._control_route(request, caller, key)
         except (DsecError, _E2BError) as exc:
             if isinstance(exc, DsecError):
                 exc = self.service.redact(exc)
@@ -329,14 +368,14 @@ class E2BApp:
             log.exception("E2B control %s %s failed", request.method, request.url.path)
             return _control_error(exc)
 
-    async def _control_route(self, request: Request, caller: Caller) -> Response:
+    async def _control_route(self, request: Request, caller: Caller,
+                             token: str) -> Response:
         method, parts = request.method, request.url.path.strip("/").split("/")
         if parts and parts[0] == "v2":
             parts = parts[1:]
         if not parts or parts[0] != "sandboxes":
             raise _E2BError(501, f"{method} {request.url.path[:120]} is not served by "
                                  "dsec's E2B layer (docs/e2b.md, 'Gaps')")
-        token = request.headers.get("x-api-key") or ""
         if len(parts) == 1:
             if method == "POST":
                 return await self._create(request, caller, token)
@@ -351,7 +390,7 @@ class E2BApp:
             sid = parts[1]
             if method == "GET":
                 info = await self._live(caller, sid)
-                return _json(mapping.sandbox_detail(info, token))
+                return _json(mapping.sandbox_detail(info, self._tokens_for(token, sid)[0]))
             if method == "DELETE":
                 await self._live(caller, sid)
                 await self._destroy(caller, SandboxRef(id=sid))
@@ -418,7 +457,7 @@ class E2BApp:
             raise _E2BError(400, exc.message) from None
         key = request.headers.get("idempotency-key")
         info = await self.service.create(caller, req, idempotency_key=key)
-        return _json(mapping.sandbox_created(info, token), 201)
+        return _json(mapping.sandbox_created(info, *self._tokens_for(token, info.id)), 201)
 
     async def _connect(self, request: Request, caller: Caller, sid: str,
                        token: str) -> Response:
@@ -436,7 +475,7 @@ class E2BApp:
             if left is None or left < t:
                 info = await self._set_timeout(caller, SetTimeout(
                     id=sid, timeout_s=float(min(t, MAX_TTL_S))))
-        return _json(mapping.sandbox_created(info, token), status)
+        return _json(mapping.sandbox_created(info, *self._tokens_for(token, info.id)), status)
 
     async def _list_sandboxes(self, request: Request, caller: Caller, *,
                               paged: bool) -> Response:
@@ -525,7 +564,8 @@ class E2BApp:
                                      "E2B_SANDBOX_URL) or use a {port}-{id}.{domain} host")
             if path == "/health":
                 return await self._health(request, sandbox)
-            caller = self._caller(request, "x-access-token", "x-api-key")
+            caller = self._caller(request, "x-access-token", "x-api-key", sandbox=sandbox,
+                                  scopes=("envd",))
             if path == "/files":
                 return await self._files(request, caller, sandbox)
             if not path.startswith(_ENVD_PREFIXES):
@@ -574,7 +614,8 @@ class E2BApp:
         message the SDK reads as "not running"). Unauthenticated, as envd's is: it says
         no more than whether that id is live for the key sent, if any."""
         try:
-            caller = self._caller(request, "x-access-token", "x-api-key")
+            caller = self._caller(request, "x-access-token", "x-api-key", sandbox=sandbox,
+                                  scopes=("envd",))
             await self._live(caller, sandbox)
         except (_E2BError, DsecError):
             return _json({"code": 502, "message": f"The sandbox {sandbox[:80]} was not "
@@ -865,21 +906,18 @@ class E2BApp:
         """e2b-code-interpreter's port 49999 (:mod:`dsec.control.e2b.code`): ``/execute``
         and ``/contexts`` on dsec's run_code kernel, run by the sandbox's ``exec`` as the
         caller. The SDK authenticates these with the create answer's tokens: the
-        ``X-Access-Token`` (run) or ``E2B-Traffic-Access-Token`` (contexts), both the
-        caller's key."""
+        ``X-Access-Token`` (run) or ``E2B-Traffic-Access-Token`` (contexts), both
+        tokens of this sandbox sealing the caller's key (or a dsec key itself)."""
         path = request.url.path.rstrip("/")
         try:
             if not sandbox:
                 raise _E2BError(400, "no sandbox named: send E2b-Sandbox-Id (with "
                                      "E2B_SANDBOX_URL) or use a 49999-{id}.{domain} host")
-            caller = self._caller(request, "x-access-token", "e2b-traffic-access-token",
-                                  "x-api-key")
-            auth = request.headers.get("authorization", "")
             # the key picks the kernel (dsec.wire.code._token): the one authenticated
-            key = (request.headers.get("x-access-token")
-                   or request.headers.get("e2b-traffic-access-token")
-                   or request.headers.get("x-api-key")
-                   or (auth[7:].strip() if auth.lower().startswith("bearer ") else ""))
+            # (a token's sealed key: the kernel dsec's SDK reaches with that key)
+            caller, key = self._authenticate(
+                request, ("x-access-token", "e2b-traffic-access-token", "x-api-key"),
+                sandbox=sandbox, scopes=("envd", "traffic"))
             info = await self._live(caller, sandbox)
             kernel = _KernelSandbox(self, caller, info)
             method = request.method

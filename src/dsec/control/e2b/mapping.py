@@ -101,22 +101,23 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
 def sandbox_detail(info: SandboxInfo, token: str) -> dict[str, Any]:
     """``SandboxDetail`` (``GET /sandboxes/{id}``), with its ``lifecycle``: what its
     timeout does, and ``autoResume`` true (dsec resumes any paused sandbox on a command
-    or a write)."""
+    or a write). ``token``: the sandbox's envd token (as the create answer's)."""
     return {**listed(info), "envdAccessToken": token, "lifecycle": {
         "autoResume": True,
         "onTimeout": "pause" if info.spec.ttl_action == "pause" else "kill"}}
 
 
-def sandbox_created(info: SandboxInfo, token: str) -> dict[str, Any]:
+def sandbox_created(info: SandboxInfo, envd_token: str,
+                    traffic_token: str) -> dict[str, Any]:
     """``Sandbox`` (create and connect answers). ``envdAccessToken``: what the SDK sends
-    back as ``X-Access-Token`` on every envd call (the caller's own API key: envd calls
-    are authorized as the caller, with every rule dsec's REST applies);
-    ``trafficAccessToken``, the same key: what e2b-code-interpreter sends as
-    ``E2B-Traffic-Access-Token`` on its context calls (port 49999), which carry no other
-    credential."""
+    back as ``X-Access-Token`` on every envd call; ``trafficAccessToken``: what
+    e2b-code-interpreter sends as ``E2B-Traffic-Access-Token`` on its context calls (port
+    49999), which carry no other credential. Both are tokens of this sandbox alone
+    (:mod:`dsec.control.e2b.tokens`), never the caller's key: opened by the layer, the
+    call is authorized as the caller, with every rule dsec's REST applies."""
     return {"templateID": info.spec.image, "sandboxID": info.id, "clientID": info.node,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": token,
-            "trafficAccessToken": token}
+            "envdVersion": ENVD_VERSION, "envdAccessToken": envd_token,
+            "trafficAccessToken": traffic_token}
 
 
 def create_request(body: dict[str, Any], *, max_ttl_s: float) -> CreateSandboxRequest:
