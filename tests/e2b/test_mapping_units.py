@@ -11,7 +11,7 @@ import pytest
 from dsec.control.e2b import code as codeapi
 from dsec.control.e2b import mapping
 from dsec.errors import InvalidArgument
-from dsec.wire.code import CodeError, CodeResult, Execution
+from dsec.code import CodeError, CodeResult, Execution
 from dsec.wire.spec import SandboxInfo, SandboxSpec
 
 

@@ -1,8 +1,8 @@
 """``sb.run_code(...)``: a stateful Python interpreter per sandbox. The kernel's protocol
-and driver live in :mod:`dsec.wire.code` (the E2B layer's code interpreter runs the same
+and driver live in :mod:`dsec.code` (the E2B layer's code interpreter runs the same
 kernel); this module is the SDK's name for them."""
 
-from dsec.wire.code import (
+from dsec.code import (
     EXIT_BAD_DIR,
     EXIT_NO_KERNEL,
     KERNEL_DIR,

@@ -63,7 +63,7 @@ from dsec.errors import (
     Unauthenticated,
 )
 from dsec.logs import access, access_enabled
-from dsec.wire import code as code_kernel
+import dsec.code as code_kernel
 from dsec.wire import ops
 from dsec.wire.calls import (
     ExecCall,
@@ -913,7 +913,7 @@ class E2BApp:
             if not sandbox:
                 raise _E2BError(400, "no sandbox named: send E2b-Sandbox-Id (with "
                                      "E2B_SANDBOX_URL) or use a 49999-{id}.{domain} host")
-            # the key picks the kernel (dsec.wire.code._token): the one authenticated
+            # the key picks the kernel (dsec.code._token): the one authenticated
             # (a token's sealed key: the kernel dsec's SDK reaches with that key)
             caller, key = self._authenticate(
                 request, ("x-access-token", "e2b-traffic-access-token", "x-api-key"),
@@ -1318,7 +1318,7 @@ _ENV_RESTORE = ("for _k, _v in _dsec_env_saved.items():\n"
 
 
 class _KernelSandbox:
-    """What :mod:`dsec.wire.code`'s driver needs of a sandbox (id, info, exec), carried
+    """What :mod:`dsec.code`'s driver needs of a sandbox (id, info, exec), carried
     out as ``caller`` through the ``exec`` row of the catalogue: the kernel runs with
     the sandbox's isolation, user and limits, and every rule an exec has."""
 

@@ -14,7 +14,7 @@ The stock ``e2b_code_interpreter`` SDK speaks plain HTTP/JSON to port 49999 of a
   ``GET /contexts`` (a list of those); ``POST /contexts/{id}/restart``;
   ``DELETE /contexts/{id}``.
 
-dsec runs the code in :mod:`dsec.wire.code`'s kernel: the default context is the kernel
+dsec runs the code in :mod:`dsec.code`'s kernel: the default context is the kernel
 ``sb.run_code`` of dsec's SDK reaches with the same API key (same variables), a created
 context is a kernel of its own (``context=`` its id). Only Python: that is the kernel.
 Output streams as the code writes it (the kernel's stream mode: ``stdout``/``stderr``
@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from dsec.errors import InvalidArgument
-from dsec.wire.code import CodeResult, Execution
+from dsec.code import CodeResult, Execution
 
 __all__ = ["CONTEXT_DIR", "MAX_CONTEXT_RECORD", "check_context_id", "check_language",
            "context_record", "execute_lines", "failure_line", "output_line", "parse_context"]

@@ -16,7 +16,7 @@ associated data:
 - opened, it is the caller's key again, authenticated like any key: a revoked key's
   tokens stop working, the principal's roles apply as they are now, and the code
   interpreter still picks the kernel dsec's own SDK reaches with that key
-  (:func:`dsec.wire.code._token` derives it from the key).
+  (:func:`dsec.code._token` derives it from the key).
 
 The key is derived from the port-URL key (``ApiConfig.port_token_key``: the state dir's
 ``port-token.key``, the ``dsec-port-token-key`` Secret on Kubernetes), so tokens survive

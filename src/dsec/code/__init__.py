@@ -3,7 +3,7 @@ kernel and the driver over an injected ``exec``; the SDK's ``sb.run_code`` and t
 layer's code interpreter, port 49999, both run it: ``dsec.client.code`` re-exports it).
 
 ``sb.run_code("x = 41")`` then ``sb.run_code("x + 1").text == "42"``: the code runs in a
-kernel process living inside the sandbox (``dsec/wire/code_kernel.py``, run as
+kernel process living inside the sandbox (``dsec/code/kernel.py``, run as
 ``python3 -c SOURCE`` and started in the background on first use, by whichever client
 gets there first), so its variables, imports and open files persist between calls and
 between client processes with the same API key, until :func:`restart` or the sandbox
@@ -51,7 +51,7 @@ class AsyncSandbox(Protocol):
 __all__ = ["CodeError", "CodeResult", "Execution", "StreamingSandbox", "restart", "run_code",
            "run_code_stream"]
 
-KERNEL_SOURCE = (importlib.resources.files("dsec.wire") / "code_kernel.py").read_text()
+KERNEL_SOURCE = (importlib.resources.files("dsec.code") / "kernel.py").read_text()
 _VERSION = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:12]
 # The kernel's source is never a file in the sandbox: every exec runs it as
 # ``python3 -c KERNEL_SOURCE ...`` (argv: ~14 KB a call), so there is nothing to plant.
