@@ -16,6 +16,7 @@ the image's layer files must be byte for byte what they were before any guest ra
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -32,6 +33,7 @@ from dsec.edge.backends.container.images import StoreImages
 from dsec.edge.node import EdgeNode, NodeConfig
 from dsec.errors import DsecError
 from dsec.image import LayerStore, MountCache
+from dsec.wire.spec import SandboxSpec
 from tests.edge.container.conftest import SPEC
 from tests.edge.container.test_snapshot import Env
 
@@ -72,8 +74,10 @@ async def backend(tmp_path_factory: pytest.TempPathFactory, boot_files: tuple[st
                      initrd=boot_files[1], append=kernel_cmdline())
     assert isinstance(b, VmBackend) and b.pool is not None
     try:
-        await b.warm(SPEC)           # the shape of every SPEC create in the suite
-        # One template per module: a create of another shape boots cold and does not
+        # the shapes the smoke set creates: SPEC's, and a default spec's (512 MiB),
+        # booted side by side
+        await asyncio.gather(b.warm(SPEC), b.warm(SandboxSpec(backend="container")))
+        # No more templates: a create of another shape boots cold and does not
         # start a background template build (another boot competing with the tests for
         # the host's 2 cores, for a shape the module creates once or twice).
         b._warm_later = lambda rec, spec: None  # type: ignore[method-assign]
