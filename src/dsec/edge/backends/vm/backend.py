@@ -31,7 +31,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -1323,6 +1323,11 @@ class VmBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tar)
+
+    def images_present(self) -> Iterable[str]:
+        """Images and snapshots held here, for the node's heartbeat (as the container
+        backend reports them)."""
+        return self._snaps.images_present()
 
     async def snapshots(self) -> list[SnapshotInfo]:
         return await self._snaps.snapshots()
