@@ -3,9 +3,18 @@ of this module is a vm backend as a node makes it: tests/edge/vm/behaviour_fixtu
 
 One backend and one warm-pool template serve the whole module, and after every test
 ``no_leftovers`` asserts the host keeps nothing of the test's sandboxes (no QEMU
-process, directory or cgroup). ``make test`` runs the smoke set (~30-60 s under load);
-``DSEC_VM_FULL=1`` adds the tests that boot VMs of other shapes cold (snapshot clones,
-64 MiB / 512 MiB guests), the symlink race and pause (~2-3 min more).
+process, directory or cgroup). ``make test`` runs the smoke set (two warm-pool
+templates booted side by side, then ~1-2 s per create: 49 s at load 12-15);
+``DSEC_VM_FULL=1`` adds the tests that boot VMs cold (snapshot clones and a backend of
+their own for test_snapshot.py's image, a 64 MiB guest), the symlink race and pause
+(~3-4 min more under load).
+
+Two tests are xfail(strict=True): real gaps of the vm tier, reported:
+- test_hostile.test_memory_bomb_is_oom_killed_and_reported: a sandbox of less than ~80
+  MiB cannot start (QEMU exits at boot with no message; 64 and 72 MiB fail, 80 boots),
+  while qemu.memory_mib's floor is 64 MiB.
+- test_hostile.test_fork_bomb_hits_pids_max[plain]: spec.pids_max is not applied in
+  the guest.
 
 A few tests run unchanged up to one container-only assertion at their end; the wrapper
 here asserts that exactly that assertion is what differs, then checks the vm's own
