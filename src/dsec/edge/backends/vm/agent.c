@@ -826,7 +826,10 @@ static void h_setup(uint64_t sid, mp_t body) {
         symlink("pts/ptmx", SB "/dev/ptmx");
         symlink("/proc/self/fd", SB "/dev/fd");
         symlink("/proc/self/fd/0", SB "/dev/stdin"); symlink("/proc/self/fd/1", SB "/dev/stdout"); symlink("/proc/self/fd/2", SB "/dev/stderr");
-        chmod(SB "/tmp", 01777);
+        /* only when needed: a chmod copies /tmp up into the upper dir, and every
+         * snapshot of an unchanged sandbox would then differ from the one it came from */
+        struct stat tmp_st;
+        if (stat(SB "/tmp", &tmp_st) != 0 || (tmp_st.st_mode & 07777) != 01777) chmod(SB "/tmp", 01777);
         sethostname(hostname, strlen(hostname));
         mp_str(&mounts, SB "/proc"); mp_str(&mounts, SB "/sys"); mp_str(&mounts, SB "/dev"); nm += 3;
     }

@@ -31,7 +31,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -69,6 +69,7 @@ from dsec.edge.backends.vm.upper import Bounds, extract_upper
 from dsec.edge.governor import Governor, Limits, SandboxCgroup
 from dsec.errors import (
     BackendError,
+    CannotRun,
     CapacityExceeded,
     Conflict,
     DsecError,
@@ -182,6 +183,26 @@ def _write_text(path: str, text: str) -> None:
 def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read(1 << 20)
+
+
+def _cannot_run_result(exc: CannotRun) -> ExecResult:
+    """A foreground exec whose command could not start, as the container tiers report
+    it (and a shell would): exit code 127 (no such program) or 126, ``cannot run`` on
+    stderr."""
+    code = exc.detail.get("exit_code")
+    return ExecResult(exit_code=code if code in (126, 127) else 126,
+                      stderr=f"cannot run: {exc.message}\n".encode())
+
+
+@contextlib.contextmanager
+def _as_invalid(path: str) -> Iterator[None]:
+    """The guest's ``conflict`` for a file call (EEXIST, ENOTEMPTY, EBUSY: a directory
+    not empty, a file where a directory was asked) as the container tiers' file API
+    reports it: the caller's mistake, InvalidArgument."""
+    try:
+        yield
+    except Conflict as exc:
+        raise InvalidArgument(exc.message, path=path[:200]) from None
 
 
 def _refuse(what: str) -> InvalidArgument:
@@ -709,7 +730,10 @@ class VmBackend:
                       cpu_quota_milli=spec.cpu_quota_milli)
 
     async def create(self, sid: SandboxId, spec: SandboxSpec) -> None:
+        spec.validate()             # as the container tiers: a bad field is InvalidArgument
         self._check_spec(spec)
+        if not sid or "/" in sid or sid.startswith("."):
+            raise InvalidArgument(f"sandbox id {sid!r} cannot name a directory")
         if sid in self._vms:
             raise Conflict(f"sandbox {sid} already exists on this vm backend", sandbox_id=sid)
         d = os.path.join(self.root_dir, "sb", sid)
@@ -874,6 +898,7 @@ class VmBackend:
         env = dict(vm.spec.env)
         vm.setup = await vm.link.call("setup", ap.SetupRequest(
             layers=layers, scratch=scratch, dax=self.dax, env=env,
+            hostname=vm.sid[:63],   # as the container tiers: the sandbox id (HOST_NAME_MAX)
             tunables=self.tunables), ap.SetupResult, timeout=60.0)
 
     def _make_scratch(self, vm: _Vm) -> None:
@@ -1123,7 +1148,12 @@ class VmBackend:
         vm = await self._ready(sid)
         req = self._with_defaults(vm, req)
         assert vm.link is not None
-        res = await vm.link.exec(req)
+        try:
+            res = await vm.link.exec(req)
+        except CannotRun as exc:
+            if req.background:
+                raise
+            return _cannot_run_result(exc)
         if res.oom_killed:
             self._notice_oom(vm, "an exec")
         return res
@@ -1134,13 +1164,20 @@ class VmBackend:
         vm = await self._ready(sid)
         req = self._with_defaults(vm, req)
         assert vm.link is not None
-        async for item in vm.link.exec_stream(req):
-            yield item
+        try:
+            async for item in vm.link.exec_stream(req):
+                yield item
+        except CannotRun as exc:     # raised before the command ran: nothing was yielded
+            if req.background:
+                raise
+            yield _cannot_run_result(exc)
 
     def _notice_oom(self, vm: _Vm, what: str) -> None:
         if self._sink is not None:
             self._sink(SandboxId(vm.sid), "oom_kill",
-                       f"the guest kernel's OOM killer killed a process during {what}")
+                       f"the guest kernel's OOM killer killed a process during {what}: "
+                       f"the sandbox hit its memory limit of {vm.rec.memory_mib << 20} "
+                       "bytes (guest RAM); raise memory_bytes")
 
     # -- files ------------------------------------------------------------------------
     async def read_file(self, sid: SandboxId, path: str, *, offset: int = 0,
@@ -1153,7 +1190,8 @@ class VmBackend:
                          append: bool = False) -> None:
         vm = await self._ready(sid)
         assert vm.link is not None
-        await vm.link.write(path, data, mode=mode, append=append)
+        with _as_invalid(path):
+            await vm.link.write(path, data, mode=mode, append=append)
 
     async def list_dir(self, sid: SandboxId, path: str) -> list[FileInfo]:
         vm = await self._ready(sid)
@@ -1168,12 +1206,14 @@ class VmBackend:
     async def mkdir(self, sid: SandboxId, path: str, *, parents: bool = True) -> None:
         vm = await self._ready(sid)
         assert vm.link is not None
-        await vm.link.call("mkdir", ap.MkdirRequest(path=path, parents=parents), ap.Ok)
+        with _as_invalid(path):
+            await vm.link.call("mkdir", ap.MkdirRequest(path=path, parents=parents), ap.Ok)
 
     async def remove(self, sid: SandboxId, path: str, *, recursive: bool = False) -> None:
         vm = await self._ready(sid)
         assert vm.link is not None
-        await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
+        with _as_invalid(path):
+            await vm.link.call("remove", ap.RemoveRequest(path=path, recursive=recursive), ap.Ok)
 
     # -- snapshots --------------------------------------------------------------------
     @property
@@ -1194,7 +1234,9 @@ class VmBackend:
                    disk_cap=vm.rec.disk_bytes, paused=True)
 
     def upper_dir(self, sid: str) -> str:
-        return os.path.join(self._get(sid).dir, "upper")
+        """Where a snapshot's host copy of the guest's upper dir goes (a path: like the
+        container backend's, it names a sandbox that may not exist)."""
+        return os.path.join(self.root_dir, "sb", sid, "upper")
 
     async def snapshot(self, sid: SandboxId, *, strip: tuple[str, ...] = (),
                        max_bytes: int | None = None) -> SnapshotInfo:
@@ -1281,6 +1323,11 @@ class VmBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tar)
+
+    def images_present(self) -> Iterable[str]:
+        """Images and snapshots held here, for the node's heartbeat (as the container
+        backend reports them)."""
+        return self._snaps.images_present()
 
     async def snapshots(self) -> list[SnapshotInfo]:
         return await self._snaps.snapshots()

@@ -21,6 +21,7 @@ from dsec.aether.transport import connect
 from dsec.edge.backends.vm import agentproto as ap
 from dsec.errors import (
     BackendError,
+    CannotRun,
     Conflict,
     ConnectFailed,
     DsecError,
@@ -57,6 +58,9 @@ class GuestError(BackendError):
 def _guest_error(exc: DsecError, what: str) -> DsecError:
     """``exc`` as decoded from the agent's ERROR, re-made as a class the agent may use."""
     msg = str(exc.message if hasattr(exc, "message") else exc)[:MAX_GUEST_MESSAGE]
+    if exc.code == "cannot_run":    # the program, user or cwd is missing: the caller's
+        code = getattr(exc, "detail", {}).get("exit_code")   # 127 or 126, nothing else
+        return CannotRun(f"{what}: {msg}", exit_code=code if code in (126, 127) else 126)
     cls = _BY_CODE.get(exc.code, GuestError)
     return cls(f"{what}: {msg}")
 
