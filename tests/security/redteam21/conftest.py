@@ -2,4 +2,5 @@
 
 from __future__ import annotations
 
+from tests.edge.vm.conftest import boot_files, vm_backend, vm_store  # noqa: F401  (fixtures)
 from tests.security.conftest import images_dir, probe_binary  # noqa: F401  (pytest fixtures)

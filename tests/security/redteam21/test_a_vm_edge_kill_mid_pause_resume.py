@@ -32,7 +32,6 @@ import pytest
 from dsec.edge.backends.vm.backend import VmBackend
 from dsec.ids import SandboxId
 from dsec.wire.spec import ExecRequest, SandboxSpec
-from tests.edge.vm.conftest import boot_files, vm_backend, vm_store  # noqa: F401
 
 pytestmark = pytest.mark.root
 

@@ -31,7 +31,7 @@ async def test_a_pmem_copy_of_a_deleted_layer_does_not_stay_on_disk(tmp_path: An
     d = str(tmp_path)
     os.makedirs(os.path.join(d, "images"))
     layer = os.path.join(d, "snapshot-layer.erofs")
-    with open(layer, "wb") as f:
+    with open(layer, "wb") as f:  # noqa: ASYNC230
         f.write(b"tenant secret " * 100_000)            # ~1.4 MiB: not 2 MiB aligned
     b = VmBackend(root_dir=os.path.join(d, "vm"), images=DirectoryImages(
         os.path.join(d, "images")), kernel="/nonexistent", initrd="/nonexistent",

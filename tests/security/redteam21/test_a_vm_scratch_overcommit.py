@@ -20,7 +20,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-from typing import Any
 
 import pytest
 
@@ -29,7 +28,6 @@ from dsec.errors import CapacityExceeded
 from dsec.ids import SandboxId
 from dsec.image.mount import sys_umount
 from dsec.wire.spec import ExecRequest, SandboxSpec
-from tests.edge.vm.conftest import boot_files, vm_backend, vm_store  # noqa: F401
 
 pytestmark = pytest.mark.root
 
@@ -42,11 +40,11 @@ async def test_a_one_tenant_within_its_cap_cannot_fill_the_edges_filesystem(
     root = vm_backend.root_dir + "-small"
     os.makedirs(root)
     img = vm_backend.root_dir + "-small.img"
-    with open(img, "wb") as f:
+    with open(img, "wb") as f:  # noqa: ASYNC230
         f.truncate(64 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", img], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", img], check=True)  # noqa: ASYNC221
     # a loop device: tmpfs pages would be charged to QEMU's memory cgroup
-    subprocess.run(["mount", "-o", "loop", img, root], check=True)
+    subprocess.run(["mount", "-o", "loop", img, root], check=True)  # noqa: ASYNC221
     b = VmBackend(root_dir=root, images=vm_backend.images, kernel=vm_backend.kernel,
                   initrd=vm_backend.initrd, append=vm_backend.append)
     sid = SandboxId("sb-red21a-fill")

@@ -46,9 +46,9 @@ async def test_a_adopted_paused_vm_keeps_its_uid_claim(tmp_path: Any) -> None:
         sb = os.path.join(a.root_dir, "sb", sid)
         os.makedirs(sb, mode=0o700)
         rec = _Record(sid=sid, uid=a.uid_base, paused=True, memory_mib=128)
-        with open(os.path.join(sb, "vm.json"), "wb") as f:
+        with open(os.path.join(sb, "vm.json"), "wb") as f:  # noqa: ASYNC230
             f.write(msgspec.json.encode(rec))
-        with open(os.path.join(sb, "mem.bin"), "wb") as f:
+        with open(os.path.join(sb, "mem.bin"), "wb") as f:  # noqa: ASYNC230
             f.write(b"\0" * 4096)
         spec = SandboxSpec(image="base", backend="vm", memory_bytes=128 << 20)
         assert await a.adopt(sid, spec)
