@@ -98,6 +98,18 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
     return {}
 
 
+def pids_split(backends: tuple[str, ...], share: float = 1.0) -> dict[str, float]:
+    """Each backend's ``pids_share`` on an edge running ``backends`` that may use
+    ``share`` of the host's pid budget: split by the tiers' weights
+    (:data:`dsec.edge.governor.TIER_PIDS_WEIGHTS`) between the backends that cap pids
+    (pure). Each backend on its own assumed every tier might run beside it; each given the
+    whole budget, two tiers together could take the host's last pids (red team 21, A5)."""
+    from dsec.edge.governor import TIER_PIDS_WEIGHTS, pids_share
+
+    capped = [n for n in dict.fromkeys(backends) if n in TIER_PIDS_WEIGHTS]
+    return {n: share * pids_share(n, capped) for n in capped}
+
+
 def pool_split(n: int, total: int | None, state_dir: str | None) -> int | None:
     """Each pooled backend's disk pool size on a node running ``n`` of them (container
     and gvisor each keep a preallocated btrfs pool in their own root): ``total`` (the
@@ -480,6 +492,11 @@ def _die_with_supervisor(pid: int) -> None:
               help="Size of the container backend's sandbox disk pool when first made "
                    "[default: 90% of its root dir's free space]; with --backend container "
                    "--backend gvisor, split evenly between their two pools.")
+@click.option("--pids-share", "pids_share", type=click.FloatRange(0, 1, min_open=True),
+              default=1.0, show_default=True, metavar="FRACTION",
+              help="This edge's fraction of the host's pid budget (kernel.pid_max minus "
+                   "the headroom), split between the tiers it runs; `dsec up` gives each "
+                   "of N edges on one host 1/N.")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -539,7 +556,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          advertise: str | None, blob_store: str | None,
          lazy_cache_bytes: int | None, log_format: str = "text",
          qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-         paused_retention_s: float | None = None) -> None:
+         paused_retention_s: float | None = None, pids_share: float = 1.0) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
     raise_nofile()
@@ -588,7 +605,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
                    blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes,
                    qos_be_only=qos_be_only, memory_pressure=memory_pressure,
-                   paused_retention_s=paused_retention_s)
+                   paused_retention_s=paused_retention_s, pids_share=pids_share)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -635,7 +652,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                metrics_listen: str | None, ssl_ctx: Any = None,
                blob_store: str | None = None, lazy_cache_bytes: int | None = None,
                qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-               paused_retention_s: float | None = None) -> None:
+               paused_retention_s: float | None = None, pids_share: float = 1.0) -> None:
     # blob_store: validated by --blob-store's callback; the node's lazy layers
     # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
@@ -664,6 +681,8 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                                          else parse_memory(disk_pool), state_dir)}
         for name in pooled:
             extra[name] = {**disk_opts, **extra.get(name, {})}
+        for name, share in pids_split(backends, pids_share).items():
+            extra[name] = {"pids_share": share, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
         if net_egress is not None and net_uplink != "host":
             raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")

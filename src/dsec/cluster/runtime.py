@@ -498,6 +498,10 @@ class ClusterRuntime:
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
+        if cfg.edges > 1:
+            # the host's pid budget split between its edges, as the disk pool (red team
+            # 21, A5): each edge's tiers otherwise budget the whole host
+            argv += ["--pids-share", repr(1 / cfg.edges)]
         if cfg.blob_store is not None:
             argv += ["--blob-store", cfg.blob_store]      # never carries a secret (refused)
             if cfg.lazy_cache_bytes is not None:
