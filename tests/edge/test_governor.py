@@ -69,8 +69,7 @@ def test_pids_budget_keeps_the_headroom_and_caps_one_sandbox() -> None:
 def test_the_pid_budget_is_split_between_the_tiers_of_a_host() -> None:
     """Red team 21, A5: each backend took the whole budget, so two tiers on one host could
     together hold twice the host's pids."""
-    from dsec.cli.edge import pids_split
-    from dsec.edge.governor import TIER_PIDS_WEIGHTS, pids_budget, pids_share
+    from dsec.edge.governor import TIER_PIDS_WEIGHTS, pids_budget, pids_share, pids_split
 
     # backends made alone assume every tier may run beside them: all together fit
     assert sum(pids_share(t) for t in TIER_PIDS_WEIGHTS) == pytest.approx(1.0)

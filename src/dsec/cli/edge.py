@@ -98,18 +98,6 @@ def _backend_opts(name: str, profile: str, pool_size: int, state_dir: str | None
     return {}
 
 
-def pids_split(backends: tuple[str, ...], share: float = 1.0) -> dict[str, float]:
-    """Each backend's ``pids_share`` on an edge running ``backends`` that may use
-    ``share`` of the host's pid budget: split by the tiers' weights
-    (:data:`dsec.edge.governor.TIER_PIDS_WEIGHTS`) between the backends that cap pids
-    (pure). Each backend on its own assumed every tier might run beside it; each given the
-    whole budget, two tiers together could take the host's last pids (red team 21, A5)."""
-    from dsec.edge.governor import TIER_PIDS_WEIGHTS, pids_share
-
-    capped = [n for n in dict.fromkeys(backends) if n in TIER_PIDS_WEIGHTS]
-    return {n: share * pids_share(n, capped) for n in capped}
-
-
 def pool_split(n: int, total: int | None, state_dir: str | None) -> int | None:
     """Each pooled backend's disk pool size on a node running ``n`` of them (container
     and gvisor each keep a preallocated btrfs pool in their own root): ``total`` (the
@@ -681,6 +669,8 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                                          else parse_memory(disk_pool), state_dir)}
         for name in pooled:
             extra[name] = {**disk_opts, **extra.get(name, {})}
+        from dsec.edge.governor import pids_split
+
         for name, share in pids_split(backends, pids_share).items():
             extra[name] = {"pids_share": share, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None

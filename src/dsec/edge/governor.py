@@ -49,6 +49,7 @@ __all__ = [
     "parse_proc_cgroup",
     "pids_budget",
     "pids_share",
+    "pids_split",
     "sandbox_pids",
     "v1_base",
 ]
@@ -94,6 +95,14 @@ def pids_share(tier: str, tiers: Iterable[str] | None = None) -> float:
     names = set(TIER_PIDS_WEIGHTS if tiers is None else tiers) | {tier}
     weight = TIER_PIDS_WEIGHTS.get(tier, 1)
     return weight / sum(TIER_PIDS_WEIGHTS.get(t, 1) for t in names)
+
+
+def pids_split(backends: Iterable[str], share: float = 1.0) -> dict[str, float]:
+    """Each backend's ``pids_share`` on an edge running ``backends`` that may use
+    ``share`` of the host's pid budget: split by the tiers' weights between the backends
+    that cap pids (pure; others, e.g. simulated, are left out)."""
+    capped = [n for n in dict.fromkeys(backends) if n in TIER_PIDS_WEIGHTS]
+    return {n: share * pids_share(n, capped) for n in capped}
 
 
 def pids_budget(pid_max: int, *, headroom: int, max_sandbox: int,
