@@ -90,6 +90,18 @@ def test_edge_processes_get_a_backend_and_a_root_per_tier(tmp_path: Any) -> None
     assert "--layer-store" in argv
 
 
+def test_edges_of_one_host_split_its_pid_budget(tmp_path: Any) -> None:
+    """Red team 21, A5: each edge's tiers budgeted the whole host's pids."""
+    for edges, share in ((1, None), (4, 0.25)):
+        rt = ClusterRuntime(ClusterConfig(state_dir=str(tmp_path / str(edges)), edges=edges,
+                                          tiers=("gvisor",)))
+        rt.capacity = Capacity(cpu_milli=1000, memory_bytes=1 << 30, max_sandboxes=10,
+                               physical=Resources(cpu_milli=1000, memory_bytes=1 << 30))
+        argv = rt._edge_argv("edge-0")
+        got = [float(argv[i + 1]) for i, a in enumerate(argv) if a == "--pids-share"]
+        assert got == ([] if share is None else [share])
+
+
 def test_dsec_up_tiers_are_checked_and_passed_on() -> None:
     r = CliRunner().invoke(up, ["--tiers", "gvisor,kvm"])
     assert r.exit_code == 2 and "'kvm' is no isolation tier" in r.output, r.output

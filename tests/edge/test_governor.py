@@ -66,6 +66,29 @@ def test_pids_budget_keeps_the_headroom_and_caps_one_sandbox() -> None:
         pids_budget(32768, headroom=0, max_sandbox=0)
 
 
+def test_the_pid_budget_is_split_between_the_tiers_of_a_host() -> None:
+    """Red team 21, A5: each backend took the whole budget, so two tiers on one host could
+    together hold twice the host's pids."""
+    from dsec.edge.governor import TIER_PIDS_WEIGHTS, pids_budget, pids_share, pids_split
+
+    # backends made alone assume every tier may run beside them: all together fit
+    assert sum(pids_share(t) for t in TIER_PIDS_WEIGHTS) == pytest.approx(1.0)
+    totals = [pids_budget(32768, headroom=4096, max_sandbox=8192, share=pids_share(t))[0]
+              for t in TIER_PIDS_WEIGHTS]
+    assert sum(totals) <= 28672 and min(totals) >= 1024
+    # an edge splits the budget between the tiers it runs; one tier gets all of it
+    assert pids_split(("container",)) == {"container": 1.0}
+    split = pids_split(("container", "gvisor", "simulated", "gvisor"))
+    assert set(split) == {"container", "gvisor"} and sum(split.values()) == pytest.approx(1)
+    assert split["container"] > split["gvisor"]
+    # ... within its own share of the host when several edges share it (dsec up)
+    assert sum(pids_split(("container", "vm", "fncall"), 0.25).values()) == pytest.approx(0.25)
+    assert pids_budget(32768, headroom=4096, max_sandbox=8192, share=0.25) == (7168, 7168)
+    for bad in (0, -0.5, 1.5, 1e-9):
+        with pytest.raises(ValueError, match="pids_share"):
+            pids_budget(32768, headroom=4096, max_sandbox=8192, share=bad)
+
+
 def test_sandbox_pids_is_the_spec_or_the_node_maximum() -> None:
     from dsec.edge.governor import sandbox_pids
     from dsec.errors import InvalidArgument

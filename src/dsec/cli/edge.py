@@ -480,6 +480,11 @@ def _die_with_supervisor(pid: int) -> None:
               help="Size of the container backend's sandbox disk pool when first made "
                    "[default: 90% of its root dir's free space]; with --backend container "
                    "--backend gvisor, split evenly between their two pools.")
+@click.option("--pids-share", "pids_share", type=click.FloatRange(0, 1, min_open=True),
+              default=1.0, show_default=True, metavar="FRACTION",
+              help="This edge's fraction of the host's pid budget (kernel.pid_max minus "
+                   "the headroom), split between the tiers it runs; `dsec up` gives each "
+                   "of N edges on one host 1/N.")
 @click.option("--ready-fd", type=int, default=None, hidden=True,
               help="Write 'ready' to this inherited fd once serving (for a supervisor).")
 @click.option("--supervisor-pid", type=int, default=None, hidden=True,
@@ -539,7 +544,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
          advertise: str | None, blob_store: str | None,
          lazy_cache_bytes: int | None, log_format: str = "text",
          qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-         paused_retention_s: float | None = None) -> None:
+         paused_retention_s: float | None = None, pids_share: float = 1.0) -> None:
     """Run an edge node: sandboxes on this machine, served over Aether."""
     from dsec.nofile import raise_nofile  # dens: soft RLIMIT_NOFILE to hard (issue 22)
     raise_nofile()
@@ -588,7 +593,7 @@ def edge(listen: str, state_dir: str | None, journal_sync: str, backends: tuple[
                    net_pool, net_ipv6, net_dns_upstream, metrics_listen, ssl_ctx,
                    blob_store=blob_store, lazy_cache_bytes=lazy_cache_bytes,
                    qos_be_only=qos_be_only, memory_pressure=memory_pressure,
-                   paused_retention_s=paused_retention_s)
+                   paused_retention_s=paused_retention_s, pids_share=pids_share)
     finally:
         # a second signal must not cut the release short (kill -9 still ends it)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -635,7 +640,7 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                metrics_listen: str | None, ssl_ctx: Any = None,
                blob_store: str | None = None, lazy_cache_bytes: int | None = None,
                qos_be_only: tuple[str, ...] = (), memory_pressure: bool = False,
-               paused_retention_s: float | None = None) -> None:
+               paused_retention_s: float | None = None, pids_share: float = 1.0) -> None:
     # blob_store: validated by --blob-store's callback; the node's lazy layers
     # (dsec.edge.lazy, issue 17) read missing layers from it
     from dsec.edge.admission import bound_disk
@@ -664,6 +669,10 @@ def _edge_main(owned: list[Any], built: dict[str, Any], served: list[bool], list
                                          else parse_memory(disk_pool), state_dir)}
         for name in pooled:
             extra[name] = {**disk_opts, **extra.get(name, {})}
+        from dsec.edge.governor import pids_split
+
+        for name, share in pids_split(backends, pids_share).items():
+            extra[name] = {"pids_share": share, **extra.get(name, {})}
         resolver_args: dict[str, Any] | None = None
         if net_egress is not None and net_uplink != "host":
             raise click.BadParameter("only with --net-uplink host", param_hint="--net-egress")

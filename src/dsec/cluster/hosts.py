@@ -540,6 +540,9 @@ class HostCluster:
                 "--label", f"dsec.io/host={node}", "--log-level", "warning"]
         for b in cfg.backends:
             argv += ["--backend", b]
+        if len(self.host_members) > 1:
+            # emulated hosts share one kernel's pid table (red team 21, A5)
+            argv += ["--pids-share", repr(1 / len(self.host_members))]
         if cfg.simulated_profile != "zero":
             argv += ["--profile", cfg.simulated_profile]
         if any(b in LAYERED for b in cfg.backends):

@@ -498,6 +498,10 @@ class ClusterRuntime:
             pool = self._pool_share()
             if pool is not None:
                 argv += ["--disk-pool", str(pool)]
+        if cfg.edges > 1:
+            # the host's pid budget split between its edges, as the disk pool (red team
+            # 21, A5): each edge's tiers otherwise budget the whole host
+            argv += ["--pids-share", repr(1 / cfg.edges)]
         if cfg.blob_store is not None:
             argv += ["--blob-store", cfg.blob_store]      # never carries a secret (refused)
             if cfg.lazy_cache_bytes is not None:
@@ -658,11 +662,15 @@ class ClusterRuntime:
         """Start edge ``node_id`` in this process (adopting what its journal in the
         state dir holds) and serve it on its Unix socket."""
         from dsec.edge.backends import make_backend
+        from dsec.edge.governor import pids_split
         from dsec.edge.node import EdgeNode, NodeConfig
         from dsec.edge.service import serve_edge
 
         assert self.capacity is not None
-        backends = {n: make_backend(n, **self._backend_opts(n, node_id))
+        # the host's pid budget split between its edges and their tiers (red team 21, A5)
+        shares = pids_split(self._local_backends(), 1 / max(1, self.config.edges))
+        backends = {n: make_backend(n, **self._backend_opts(n, node_id),
+                                    **({"pids_share": shares[n]} if n in shares else {}))
                     for n in self._local_backends()}
         node = EdgeNode(NodeConfig(
             node_id=node_id, capacity=bound_disk(self.capacity, backends.values()),

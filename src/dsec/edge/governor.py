@@ -19,7 +19,7 @@ import errno
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +30,7 @@ from dsec.rmtree import unescape_mountinfo
 __all__ = [
     "DEFAULT_MAX_SANDBOX_PIDS",
     "DEFAULT_PIDS_HEADROOM",
+    "TIER_PIDS_WEIGHTS",
     "CgroupLayout",
     "ExecCgroup",
     "Governor",
@@ -47,6 +48,8 @@ __all__ = [
     "parse_mountinfo",
     "parse_proc_cgroup",
     "pids_budget",
+    "pids_share",
+    "pids_split",
     "sandbox_pids",
     "v1_base",
 ]
@@ -71,17 +74,58 @@ def kernel_pid_max() -> int:
         return int(f.read())
 
 
-def pids_budget(pid_max: int, *, headroom: int, max_sandbox: int) -> tuple[int, int]:
+#: Each tier's weight in the node's pid budget (``kernel.pid_max - headroom``, which ALL
+#: sandboxes of the host together must stay within: the headroom is the edge's and the
+#: host's). Every backend caps its own sandboxes on its own parent cgroup, so the
+#: budget is split between them, not given whole to each (red team 21, A5: container +
+#: gvisor held 2 x 28,672 pids on a 32,768 host): a backend made alone takes its
+#: weight's share of all tiers' weights (:func:`pids_share`; any set of backends on one
+#: host then sums to at most the budget), an edge splits it between the tiers it runs
+#: (``dsec edge``; a single-tier edge gets it all) and ``dsec up`` between its edges.
+#: The weights follow what a sandbox of the tier spends: gvisor's Sentry threads and
+#: ptrace stub tasks, a QEMU's threads, fncall's one process per call.
+TIER_PIDS_WEIGHTS: dict[str, int] = {"container": 8, "gvisor": 4, "runc": 2, "fncall": 1,
+                                     "vm": 1}
+
+
+def pids_share(tier: str, tiers: Iterable[str] | None = None) -> float:
+    """The share of the node's pid budget the backend of ``tier`` takes when the node
+    runs the backends ``tiers`` (None: every tier, what a backend made on its own must
+    assume); ``tier`` must be one of them (pure)."""
+    names = set(TIER_PIDS_WEIGHTS if tiers is None else tiers) | {tier}
+    weight = TIER_PIDS_WEIGHTS.get(tier, 1)
+    return weight / sum(TIER_PIDS_WEIGHTS.get(t, 1) for t in names)
+
+
+def pids_split(backends: Iterable[str], share: float = 1.0) -> dict[str, float]:
+    """Each backend's ``pids_share`` on an edge running ``backends`` that may use
+    ``share`` of the host's pid budget: split by the tiers' weights between the backends
+    that cap pids (pure; others, e.g. simulated, are left out)."""
+    capped = [n for n in dict.fromkeys(backends) if n in TIER_PIDS_WEIGHTS]
+    return {n: share * pids_share(n, capped) for n in capped}
+
+
+def pids_budget(pid_max: int, *, headroom: int, max_sandbox: int,
+                share: float = 1.0) -> tuple[int, int]:
     """``(total, per_sandbox)`` for a backend's sandboxes on a host of ``pid_max`` pids:
-    together they may hold ``pid_max - headroom`` (the rest is the edge's and the host's),
-    one of them at most ``max_sandbox`` of those. Refuses settings that leave nothing."""
+    together they may hold ``share`` of ``pid_max - headroom`` (the rest of the budget is
+    the other backends'; the headroom is the edge's and the host's), one of them at most
+    ``max_sandbox`` of those. Refuses settings that leave nothing."""
     if not 0 <= headroom < pid_max:
         raise InvalidArgument(f"pids_headroom={headroom} must be >= 0 and below "
                               f"kernel.pid_max={pid_max}", field="pids_headroom")
     if max_sandbox < 1:
         raise InvalidArgument(f"max_sandbox_pids={max_sandbox} must be >= 1",
                               field="max_sandbox_pids")
-    total = pid_max - headroom
+    if not 0 < share <= 1:
+        raise InvalidArgument(f"pids_share={share} must be in (0, 1]: the fraction of the "
+                              "node's pid budget this backend's sandboxes may hold",
+                              field="pids_share")
+    total = int((pid_max - headroom) * share)
+    if total < 1:
+        raise InvalidArgument(f"pids_share={share} of kernel.pid_max={pid_max} minus "
+                              f"pids_headroom={headroom} leaves no task; give a larger share",
+                              field="pids_share")
     return total, min(max_sandbox, total)
 
 

@@ -23,6 +23,7 @@ from dsec.edge.backends.container.images import StoreImages
 from dsec.edge.backends.container.oci import oci_config
 from dsec.edge.backends.container.runsc import (
     BUSYBOX_IN,
+    HELPERS_IN,
     choose_platform,
     listed_platforms,
     probe_platform,
@@ -60,10 +61,15 @@ def test_bundle_config_puts_tmp_on_the_disk_and_busybox_read_only() -> None:
     base = oci_config(spec=SandboxSpec(backend="gvisor"), hostname="h", cgroups_path="x/y",
                       init_path="/usr/bin/catatonit")
     assert any(m["destination"] == "/tmp" and m["type"] == "tmpfs" for m in base["mounts"])
-    cfg = runsc_config(base, tmp_dir="/b/root/tmp")
+    cfg = runsc_config(base, tmp_dir="/b/root/tmp", helpers="/s/runsc-helpers/x")
     mounts = {m["destination"]: m for m in cfg["mounts"]}  # type: ignore[attr-defined]
     assert mounts["/tmp"]["type"] == "bind" and mounts["/tmp"]["source"] == "/b/root/tmp"
-    assert mounts[BUSYBOX_IN]["options"][:2] == ["bind", "ro"]
+    # one read-only directory mount, the helpers' directory itself (red team 21, A1:
+    # files bound into a Sentry directory could have their parent renamed away)
+    assert mounts[HELPERS_IN]["options"][:2] == ["bind", "ro"]
+    assert mounts[HELPERS_IN]["source"] == "/s/runsc-helpers/x"
+    assert not [d for d in mounts if d.startswith(HELPERS_IN + "/")]
+    assert os.path.dirname(BUSYBOX_IN) == HELPERS_IN
     assert os.path.basename(BUSYBOX_IN) == "busybox"  # busybox dispatches on its name
     assert base["mounts"] != cfg["mounts"]  # a new dict: the input is not changed
     no_tmp = runsc_config(base, tmp_dir=None)

@@ -92,6 +92,7 @@ from dsec.edge.governor import (
     SandboxCgroup,
     kernel_pid_max,
     pids_budget,
+    pids_share,
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
@@ -735,7 +736,8 @@ class FncallBackend:
     ``pool/<sid>``), unjailed plain directories ``<root>/<sid>``.
     ``default_disk_bytes``: the work dir's cap when the spec has no ``disk_bytes``;
     ``disk_pool_bytes``: the pool's size when first made. ``max_sandbox_pids`` /
-    ``pids_headroom`` / ``notice_interval_s``: as for the container backend.
+    ``pids_headroom`` / ``pids_share`` / ``notice_interval_s``: as for the container
+    backend.
     """
 
     name = "fncall"
@@ -749,6 +751,7 @@ class FncallBackend:
                  disk_pool_bytes: int | None = None,
                  max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
                  pids_headroom: int = DEFAULT_PIDS_HEADROOM,
+                 pids_share: float | None = None,
                  notice_interval_s: float = 60.0,
                  runtime: Iterable[str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -801,7 +804,8 @@ class FncallBackend:
             os.chmod(self.root, 0o700)  # work dirs may hold anything the sandboxes wrote
             try:
                 jail = self._jail_config(runtime)
-                self.governor = governor or self._make_governor(cgroup_name, pids_headroom)
+                self.governor = governor or self._make_governor(cgroup_name, pids_headroom,
+                                                                  pids_share)
                 # Where this process nests sandbox cgroups, beside where earlier ones
                 # did (an edge restarted in another cgroup): reconcile looks in all.
                 self._own_parents = cgroup_parents(self.governor.name)
@@ -853,9 +857,11 @@ class FncallBackend:
                           runtime=paths, mountpoint=self.root,
                           seccomp=bpf, seccomp_admit=bpf_admit)
 
-    def _make_governor(self, cgroup_name: str | None, pids_headroom: int) -> Governor:
+    def _make_governor(self, cgroup_name: str | None, pids_headroom: int,
+                       share: float | None) -> Governor:
         total, self.max_sandbox_pids = pids_budget(
-            kernel_pid_max(), headroom=pids_headroom, max_sandbox=self.max_sandbox_pids)
+            kernel_pid_max(), headroom=pids_headroom, max_sandbox=self.max_sandbox_pids,
+            share=pids_share("fncall") if share is None else share)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
         # one root per cgroup name: reconcile takes every cgroup under it for its own
         claim_cgroup_name(name, self.root)

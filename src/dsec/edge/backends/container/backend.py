@@ -98,6 +98,9 @@ from dsec.edge.governor import (
     pids_budget,
     sandbox_pids,
 )
+from dsec.edge.governor import (
+    pids_share as pids_share_of,
+)
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import (
     memory_held,
@@ -211,6 +214,7 @@ class ContainerBackend:
                  runsc_binary: str = "runsc", gvisor_platform: str | None = None,
                  max_sandbox_pids: int = DEFAULT_MAX_SANDBOX_PIDS,
                  pids_headroom: int = DEFAULT_PIDS_HEADROOM,
+                 pids_share: float | None = None,
                  userns_range: tuple[int, int] = (USERNS_BASE, USERNS_SIZE),
                  default_disk_bytes: int = DEFAULT_DISK_BYTES,
                  disk_pool_bytes: int | None = None,
@@ -233,8 +237,12 @@ class ContainerBackend:
         """``max_sandbox_pids``: the most tasks one sandbox may have; a spec asking for more
         is refused, ``pids_max=None`` ("no cap") gets this. ``pids_headroom``: pids kept
         free for the edge and the host - all sandboxes of this backend together get
-        ``pids.max = kernel.pid_max - pids_headroom`` on their parent cgroup, so fork bombs
-        in many sandboxes cannot take the node's last pids. ``default_disk_bytes``: the
+        ``pids.max = pids_share x (kernel.pid_max - pids_headroom)`` on their parent
+        cgroup, so fork bombs in many sandboxes cannot take the node's last pids.
+        ``pids_share``: this backend's fraction of that budget, the rest being the other
+        tiers' on the host (None: the tier's default share of all tiers,
+        :data:`~dsec.edge.governor.TIER_PIDS_WEIGHTS`; `dsec edge` passes the split between
+        the tiers it runs). ``default_disk_bytes``: the
         disk cap of a sandbox whose spec names none (``disk_bytes=None``; 10 GiB).
         ``disk_pool_bytes``: size of the btrfs pool holding every sandbox's upper layer
         when it is first made (None: 90% of the free space of ``root_dir``'s filesystem;
@@ -293,8 +301,9 @@ class ContainerBackend:
         if exec_helper is None:
             exec_helper = os.environ.get("DSEC_EXEC_HELPER", "1") != "0"
         self.exec_helper = exec_helper and runtime == "native"
-        pids_total, per_sandbox = pids_budget(kernel_pid_max(), headroom=pids_headroom,
-                                              max_sandbox=max_sandbox_pids)
+        pids_total, per_sandbox = pids_budget(
+            kernel_pid_max(), headroom=pids_headroom, max_sandbox=max_sandbox_pids,
+            share=pids_share_of(RUNTIME_NAMES[runtime]) if pids_share is None else pids_share)
         if not 1 << 20 <= default_disk_bytes:
             raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be at least "
                                   "1 MiB", field="default_disk_bytes")
@@ -1048,8 +1057,8 @@ class ContainerBackend:
         cur, limit = self.governor.pids_limit(box.cg)
         self._notice(box, "pids_limit", (
             f"{n} fork(s) in sandbox {box.sid} failed: it has {cur} tasks of its limit of "
-            f"{limit if limit is not None else box.pids_max} (pids_max; all sandboxes of the "
-            f"node together may have {self.pids_total}); the sandbox itself is still "
+            f"{limit if limit is not None else box.pids_max} (pids_max; all sandboxes of this "
+            f"tier together may have {self.pids_total}); the sandbox itself is still "
             "running - raise pids_max or end processes"))
 
     def _check_limits(self, box: Box) -> None:

@@ -21,8 +21,17 @@ the same directories) and the hardening in ``config.json`` are the runc driver's
   loaded 2-core box), ``--oci-seccomp`` (the deny list of ``linux.seccomp`` applied by
   the Sentry - to the init only: runsc starts an exec'd process with no filter, so
   every exec runs ``nsexec filter`` first (the native driver's static helper and the
-  compiled profile, bind-mounted read-only at :data:`NSEXEC_IN`, :data:`SECCOMP_IN`),
-  which loads the same profile and execs the command - one more execve inside, ~ms).
+  compiled profile, at :data:`NSEXEC_IN`, :data:`SECCOMP_IN`), which loads the same
+  profile and execs the command - one more execve inside, ~ms).
+- **What the edge runs inside is one read-only directory mount** at :data:`HELPERS_IN`
+  (the filter helper, the profile, the timeout-kill busybox; a host directory per
+  content, :meth:`RunscDriver._helpers_dir`), not files bound into a directory the
+  Sentry made: root inside cannot write a bound file, but it could rename their
+  (tmpfs, 0777) parent away and plant its own "nsexec" and "busybox" - every later exec
+  then ran unfiltered and timeouts killed nothing (red team 21, A1). A mount point
+  cannot be renamed or removed (EBUSY) and sandbox root has no CAP_SYS_ADMIN to mount
+  or unmount over it; ``runsc exec`` resolves the path in the container's own mount
+  namespace from its root, so a chroot inside changes nothing either.
 - **/tmp is on the sandbox's disk**, not a tmpfs: a tmpfs would live in the Sentry's
   memory, out of the host file API's reach (the edge could neither read nor write it).
   runsc mounts such a tmpfs over an empty /tmp by itself unless the spec mounts /tmp, so
@@ -51,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -83,17 +93,18 @@ from dsec.errors import BackendError, CannotRun, DsecError, InvalidArgument
 from dsec.net.seccomp import compile_profile
 from dsec.wire.spec import ExecChunk, ExecRequest, ExecResult
 
-__all__ = ["BUSYBOX", "BUSYBOX_IN", "HIDDEN_PREFIXES", "KILL_SCRIPT", "PLATFORMS",
+__all__ = ["BUSYBOX", "BUSYBOX_IN", "HELPERS_IN", "HIDDEN_PREFIXES", "KILL_SCRIPT", "PLATFORMS",
            "RunscDriver", "choose_platform", "listed_platforms", "probe_platform",
-           "runsc_config"]
+           "runsc_config", "write_helpers"]
 
 #: platforms by preference (fastest first): systrap (seccomp traps, gVisor >= 2023),
 #: kvm (hardware virtualisation, needs a usable /dev/kvm), ptrace (works everywhere)
 PLATFORMS = ("systrap", "kvm", "ptrace")
 BUSYBOX = "/bin/busybox"          # Debian's busybox-static (make setup)
+HELPERS_IN = "/dev/.dsec"          # one read-only directory mount: nothing in it can move
 BUSYBOX_IN = "/dev/.dsec/busybox"  # its basename must be "busybox" to dispatch applets
 NSEXEC_IN = "/dev/.dsec/nsexec"    # the native driver's static helper: `filter` mode
-SECCOMP_IN = "/dev/.dsec/seccomp"  # the sandbox's seccomp program (BPF), read-only
+SECCOMP_IN = "/dev/.dsec/seccomp"  # the sandbox's seccomp program (BPF)
 #: paths the sandbox sees as Sentry-internal mounts: the host file API must not act on
 #: the image's mount point directories under them (writes would be invisible inside)
 HIDDEN_PREFIXES = ("/dev", "/proc", "/sys")
@@ -235,24 +246,58 @@ def _probe_cached(binary: str, cache_dir: str, timeout_s: float) -> str:
 
 
 def runsc_config(cfg: dict[str, object], *, tmp_dir: str | None,
-                 busybox: str = BUSYBOX, nsexec: str | None = None,
-                 seccomp: str | None = None) -> dict[str, object]:
+                 helpers: str | None = None) -> dict[str, object]:
     """The runc bundle config adjusted for runsc (pure; a new dict): /tmp on the disk -
     ``tmp_dir``, the root's own /tmp, bound over it (None: the image has no /tmp
-    directory; runsc then makes a Sentry tmpfs) - the host's static busybox read-only
-    at :data:`BUSYBOX_IN`, and (both given) the static ``nsexec`` helper and the
-    ``seccomp`` program file read-only at :data:`NSEXEC_IN` and :data:`SECCOMP_IN`."""
+    directory; runsc then makes a Sentry tmpfs) - and the host directory ``helpers``
+    (busybox, nsexec, seccomp: :func:`write_helpers`) read-only at :data:`HELPERS_IN`,
+    the directory itself the mount point (see the module docstring)."""
     mounts = [m for m in cfg["mounts"] if m["destination"] != "/tmp"]  # type: ignore[attr-defined]
     if tmp_dir is not None:
         mounts.append({"destination": "/tmp", "type": "bind", "source": tmp_dir,
                        "options": ["rbind", "rw", "nosuid", "nodev"]})
-    binds = [(BUSYBOX_IN, busybox)]
-    if nsexec is not None and seccomp is not None:
-        binds += [(NSEXEC_IN, nsexec), (SECCOMP_IN, seccomp)]
-    for dest, src in binds:
-        mounts.append({"destination": dest, "type": "bind", "source": src,
+    if helpers is not None:
+        mounts.append({"destination": HELPERS_IN, "type": "bind", "source": helpers,
                        "options": ["bind", "ro", "nosuid", "nodev"]})
     return {**cfg, "mounts": mounts}
+
+
+def write_helpers(parent: str, *, busybox: str, nsexec: str, seccomp: bytes) -> str:
+    """The host directory bound at :data:`HELPERS_IN`: ``parent``/<digest of the
+    contents> holding ``busybox``, ``nsexec`` (copies, 0555) and ``seccomp`` (0444),
+    made once (built aside, renamed into place) and never changed after: running
+    sandboxes keep it mounted, so a new content is a new directory."""
+    with open(busybox, "rb") as f:
+        bb = f.read()
+    with open(nsexec, "rb") as f:
+        nx = f.read()
+    h = hashlib.sha256()
+    for part in (bb, nx, seccomp):
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    path = os.path.join(parent, h.hexdigest()[:16])
+    if os.path.isdir(path):
+        return path
+    os.makedirs(parent, mode=0o755, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=parent)
+    try:
+        for name, data, mode in (("busybox", bb, 0o555), ("nsexec", nx, 0o555),
+                                 ("seccomp", seccomp, 0o444)):
+            fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(os.path.join(tmp, name), mode)
+        os.chmod(tmp, 0o555)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not os.path.isdir(path):   # not a concurrent maker's: a real failure
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            os.chmod(tmp, 0o700)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def _caller_mistake(err: str) -> int | None:
@@ -284,7 +329,8 @@ class RunscDriver(RuncDriver):
         self.platform = platform or probe_platform(binary)
         self.busybox = busybox
         self.nsexec = ensure_nsexec()
-        self._bpf: dict[bool, bytes] = {}
+        self.root_dir = root_dir
+        self._helpers: dict[bool, str] = {}
 
     def _global_args(self) -> list[str]:
         return [f"--platform={self.platform}", "--network=none", "--overlay2=none",
@@ -297,19 +343,16 @@ class RunscDriver(RuncDriver):
                                        pids_max=None if box.pids_max is None
                                        else box.pids_max + SENTRY_PIDS),
                             tmp_dir=_tmp_dir(os.path.join(box.dir, "root")),
-                            busybox=self.busybox, nsexec=self.nsexec,
-                            seccomp=self._seccomp_file(box))
+                            helpers=self._helpers_dir(box.spec.allow_nested))
 
-    def _seccomp_file(self, box: Box) -> str:
-        """The sandbox's seccomp program (the native profile, compiled once per
-        ``allow_nested`` value) in its directory, for :data:`SECCOMP_IN`."""
-        nested = box.spec.allow_nested
-        if nested not in self._bpf:
-            self._bpf[nested] = compile_profile(allow_nested=nested)
-        path = os.path.join(box.dir, "seccomp.bpf")
-        with open(path, "wb") as f:
-            f.write(self._bpf[nested])
-        return path
+    def _helpers_dir(self, nested: bool) -> str:
+        """The read-only directory bound at :data:`HELPERS_IN` for sandboxes of this
+        ``allow_nested`` value (the native profile compiled once per value)."""
+        if nested not in self._helpers:
+            self._helpers[nested] = write_helpers(
+                os.path.join(self.root_dir, "runsc-helpers"), busybox=self.busybox,
+                nsexec=self.nsexec, seccomp=compile_profile(allow_nested=nested))
+        return self._helpers[nested]
 
     def files(self, box: Box, **kw: object) -> SandboxFiles:
         """The sandbox's files: its overlay root as the gofer serves it (the Sentry's own

@@ -66,7 +66,17 @@ from dsec.edge.backends.vm.qemu import (
     vcpus,
 )
 from dsec.edge.backends.vm.upper import Bounds, extract_upper
-from dsec.edge.governor import Governor, Limits, SandboxCgroup
+from dsec.edge.governor import (
+    DEFAULT_PIDS_HEADROOM,
+    Governor,
+    Limits,
+    SandboxCgroup,
+    kernel_pid_max,
+    pids_budget,
+)
+from dsec.edge.governor import (
+    pids_share as _pids_share,
+)
 from dsec.errors import (
     BackendError,
     CannotRun,
@@ -279,7 +289,9 @@ class VmBackend:
                  snapshot_max_path_bytes: int = 128 << 20,
                  warm_pool: bool = False, pool_max_templates: int = 8,
                  density: DensityOptions | None = None,
-                 uid_dir: str = "/run/dsec/vm-uids") -> None:
+                 uid_dir: str = "/run/dsec/vm-uids",
+                 pids_headroom: int = DEFAULT_PIDS_HEADROOM,
+                 pids_share: float | None = None) -> None:
         self.root_dir = os.path.abspath(root_dir)
         os.makedirs(os.path.join(self.root_dir, "sb"), mode=0o700, exist_ok=True)
         os.chmod(self.root_dir, 0o700)
@@ -287,6 +299,16 @@ class VmBackend:
         self.kernel, self.initrd = kernel, initrd
         self.key = hashlib.sha256(self.root_dir.encode()).hexdigest()[:12]
         self.governor = governor or Governor(name=cgroup_name or f"dsec-vm-{self.key}")
+        # all QEMUs together within the tier's share of the node's pid budget, as the
+        # other tiers (governor.TIER_PIDS_WEIGHTS; red team 21, A5: none was set here)
+        self.pids_total, _ = pids_budget(
+            kernel_pid_max(), headroom=pids_headroom, max_sandbox=QEMU_PIDS,
+            share=_pids_share("vm") if pids_share is None else pids_share)
+        try:
+            self.governor.limit_total_pids(self.pids_total)
+        except OSError as exc:
+            raise BackendError(f"cannot set pids.max={self.pids_total} on the VMs' parent "
+                               f"cgroup: {exc}") from exc
         self.uid_base = uid_base
         self.uid_dir = uid_dir
         self.default_disk_bytes = default_disk_bytes
