@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from dsec.code import CodeError, CodeResult, Execution
 from dsec.control.e2b import code as codeapi
 from dsec.control.e2b import mapping
 from dsec.errors import InvalidArgument
-from dsec.code import CodeError, CodeResult, Execution
 from dsec.wire.spec import SandboxInfo, SandboxSpec
 
 

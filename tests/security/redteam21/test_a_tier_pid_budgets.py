@@ -21,7 +21,7 @@ import pytest
 
 from dsec.edge.backends import make_backend
 from dsec.edge.backends.container import ContainerBackend, DirectoryImages
-from dsec.edge.governor import DEFAULT_PIDS_HEADROOM, kernel_pid_max
+from dsec.edge.governor import DEFAULT_PIDS_HEADROOM, kernel_pid_max, pids_split
 from tests.edge.container.conftest import _cleanup
 from tests.security.conftest import _rmdir_everywhere
 
@@ -35,9 +35,12 @@ pytestmark = [pytest.mark.root,
 async def tiers(tmp_path: object, images_dir: str) -> AsyncIterator[list[ContainerBackend]]:
     out: list[ContainerBackend] = []
     try:
-        for name in ("container", "gvisor"):     # as cli/edge.py's _backend_opts does
+        # as cli/edge.py does for an edge running both (and the in-process cluster): a
+        # backend made alone takes the whole budget, the edge splits it between its tiers
+        shares = pids_split(("container", "gvisor"))
+        for name in ("container", "gvisor"):
             b = make_backend(name, root_dir=os.path.join(str(tmp_path), name),
-                             images=DirectoryImages(images_dir))
+                             images=DirectoryImages(images_dir), pids_share=shares[name])
             assert isinstance(b, ContainerBackend)
             out.append(b)
         yield out

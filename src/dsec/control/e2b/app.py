@@ -46,6 +46,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+import dsec.code as code_kernel
 from dsec.control import filedoors
 from dsec.control.api.service import ApiService, Caller, api_key_of
 from dsec.control.e2b import code as codeapi
@@ -63,7 +64,6 @@ from dsec.errors import (
     Unauthenticated,
 )
 from dsec.logs import access, access_enabled
-import dsec.code as code_kernel
 from dsec.wire import ops
 from dsec.wire.calls import (
     ExecCall,

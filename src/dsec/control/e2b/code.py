@@ -27,8 +27,8 @@ import json
 import re
 from typing import Any
 
-from dsec.errors import InvalidArgument
 from dsec.code import CodeResult, Execution
+from dsec.errors import InvalidArgument
 
 __all__ = ["CONTEXT_DIR", "MAX_CONTEXT_RECORD", "check_context_id", "check_language",
            "context_record", "execute_lines", "failure_line", "output_line", "parse_context"]

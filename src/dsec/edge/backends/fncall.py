@@ -92,7 +92,6 @@ from dsec.edge.governor import (
     SandboxCgroup,
     kernel_pid_max,
     pids_budget,
-    pids_share,
     sandbox_pids,
 )
 from dsec.edge.notices import NoticeLimiter
@@ -861,7 +860,7 @@ class FncallBackend:
                        share: float | None) -> Governor:
         total, self.max_sandbox_pids = pids_budget(
             kernel_pid_max(), headroom=pids_headroom, max_sandbox=self.max_sandbox_pids,
-            share=pids_share("fncall") if share is None else share)
+            share=1.0 if share is None else share)
         name = cgroup_name or "fncall-" + hashlib.sha1(self.root.encode()).hexdigest()[:10]
         # one root per cgroup name: reconcile takes every cgroup under it for its own
         claim_cgroup_name(name, self.root)

@@ -24,9 +24,8 @@ SECRET = "hidden-answer-42\n"
 
 def test_user_read_never_returns_what_the_user_may_not_read(
         e2b_target: E2BTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import Sandbox
-
     from dsec.control.e2b import app as e2bapp
+    from e2b import Sandbox
 
     real_shell = e2bapp.E2BApp._shell
     swapped: list[str] = []

@@ -21,9 +21,8 @@ pytestmark = pytest.mark.root
 
 def test_user_write_into_a_swapped_directory_writes_nothing_as_root(
         e2b_target: E2BTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import Sandbox
-
     from dsec.control.e2b import app as e2bapp
+    from e2b import Sandbox
 
     real_shell = e2bapp.E2BApp._shell
     swapped: list[str] = []

@@ -98,9 +98,6 @@ from dsec.edge.governor import (
     pids_budget,
     sandbox_pids,
 )
-from dsec.edge.governor import (
-    pids_share as pids_share_of,
-)
 from dsec.edge.notices import NoticeLimiter
 from dsec.edge.qos import (
     memory_held,
@@ -240,9 +237,9 @@ class ContainerBackend:
         ``pids.max = pids_share x (kernel.pid_max - pids_headroom)`` on their parent
         cgroup, so fork bombs in many sandboxes cannot take the node's last pids.
         ``pids_share``: this backend's fraction of that budget, the rest being the other
-        tiers' on the host (None: the tier's default share of all tiers,
-        :data:`~dsec.edge.governor.TIER_PIDS_WEIGHTS`; `dsec edge` passes the split between
-        the tiers it runs). ``default_disk_bytes``: the
+        tiers' on the host (None: all of it, a backend alone on its host - the density
+        bench's 10,000 sandboxes need it; `dsec edge`, `dsec up` and the in-process cluster
+        pass the split between the tiers they run, :func:`~dsec.edge.governor.pids_split`). ``default_disk_bytes``: the
         disk cap of a sandbox whose spec names none (``disk_bytes=None``; 10 GiB).
         ``disk_pool_bytes``: size of the btrfs pool holding every sandbox's upper layer
         when it is first made (None: 90% of the free space of ``root_dir``'s filesystem;
@@ -303,7 +300,7 @@ class ContainerBackend:
         self.exec_helper = exec_helper and runtime == "native"
         pids_total, per_sandbox = pids_budget(
             kernel_pid_max(), headroom=pids_headroom, max_sandbox=max_sandbox_pids,
-            share=pids_share_of(RUNTIME_NAMES[runtime]) if pids_share is None else pids_share)
+            share=1.0 if pids_share is None else pids_share)
         if not 1 << 20 <= default_disk_bytes:
             raise InvalidArgument(f"default_disk_bytes={default_disk_bytes} must be at least "
                                   "1 MiB", field="default_disk_bytes")

@@ -74,9 +74,6 @@ from dsec.edge.governor import (
     kernel_pid_max,
     pids_budget,
 )
-from dsec.edge.governor import (
-    pids_share as _pids_share,
-)
 from dsec.errors import (
     BackendError,
     CannotRun,
@@ -303,7 +300,7 @@ class VmBackend:
         # other tiers (governor.TIER_PIDS_WEIGHTS; red team 21, A5: none was set here)
         self.pids_total, _ = pids_budget(
             kernel_pid_max(), headroom=pids_headroom, max_sandbox=QEMU_PIDS,
-            share=_pids_share("vm") if pids_share is None else pids_share)
+            share=1.0 if pids_share is None else pids_share)
         try:
             self.governor.limit_total_pids(self.pids_total)
         except OSError as exc:
