@@ -151,6 +151,9 @@ class _Vm:
     oom_seen: int = 0
     dead: bool = False
     setup: ap.SetupResult | None = None     # what the agent mounted (diagnostics)
+    #: a pause's memory file: :meth:`VmBackend._save_memory` fsyncs the copy and renames
+    #: it here before QEMU quits (crash consistency: see adopt)
+    save_final: str | None = None
 
 
 def _drain_pipe(r: int, out: int) -> int:
@@ -1109,6 +1112,9 @@ class VmBackend:
             if rec.boot_id and vm.link.hello_reply.boot_id != rec.boot_id:
                 raise BackendError(f"sandbox {sid}: the guest in QEMU pid {pid} is not the "
                                    "sandbox's (boot id changed)")
+            if not vm.link.hello_reply.setup_done:
+                raise BackendError(f"sandbox {sid}: the guest in QEMU pid {pid} was never "
+                                   "set up (the edge stopped during its create)")
         except DsecError as exc:
             if not was_paused:
                 raise
@@ -1188,12 +1194,11 @@ class VmBackend:
                 f"pausing sandbox {sid} needs up to {vm.rec.memory_mib} MiB on the host's "
                 f"disk for its memory, only {room >> 20} MiB are free")
         part = os.path.join(vm.dir, "mem.part")
-        await self._save_memory(vm, part)
-        await asyncio.to_thread(_fsync, part)     # durable before the pause is recorded
-        # mem.bin exists only complete and fsynced: adopt takes it as "paused" (vm.json
-        # may still say running if the edge dies before the next line)
-        os.replace(part, os.path.join(vm.dir, "mem.bin"))
-        await asyncio.to_thread(_fsync, vm.dir)
+        vm.save_final = os.path.join(vm.dir, "mem.bin")
+        try:
+            await self._save_memory(vm, part)     # mem.bin in place, fsynced, QEMU gone
+        finally:
+            vm.save_final = None
         vm.rec.paused, vm.rec.pid, vm.rec.start = True, 0, 0
         self._save(vm)
         # QEMU is gone; what its cgroup still holds is page cache of the memory file and
@@ -1235,7 +1240,18 @@ class VmBackend:
             # (before QEMU quits: a copy that failed must leave the guest running)
             async with asyncio.timeout(60.0):
                 await asyncio.shield(copier)
+            if vm.save_final is not None:
+                # complete, durable and in place before QEMU quits: an edge killed from
+                # here on leaves the stopped QEMU (adopt continues it, mem.bin is then
+                # stale) or, once it quit, mem.bin (adopt: paused); mem.bin is never
+                # there incomplete
+                await asyncio.to_thread(os.fsync, out)
+                os.replace(part, vm.save_final)
+                await asyncio.to_thread(_fsync, vm.dir)
         except BaseException as exc:
+            if vm.save_final is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(vm.save_final)
             with contextlib.suppress(Exception):
                 await vm.qmp.execute("migrate_cancel")
             with contextlib.suppress(Exception):
