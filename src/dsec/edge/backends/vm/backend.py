@@ -104,6 +104,10 @@ __all__ = ["VmBackend"]
 log = logging.getLogger("dsec.edge.vm")
 
 DEFAULT_DISK_BYTES = 1 << 30
+#: free space a create leaves on the state filesystem beyond the scratch disk it reserves
+#: and the memory file a pause of the sandbox will write (vm.json, snapshot tars, logs)
+SCRATCH_SPARE_BYTES = 64 << 20
+TMPFS_MAGIC = 0x01021994
 #: QEMU's own memory beside guest RAM: the TCG cache (tb_size_mib) plus ~40 MiB of QEMU
 #: (measured RSS of an idle 128 MiB guest: ~60 MiB beyond its touched RAM).
 DEFAULT_OVERHEAD_BYTES = 96 << 20
@@ -112,10 +116,6 @@ QEMU_PIDS = 256
 UID_BASE = 300000
 UID_SLOTS = 65536
 MAX_READ_BYTES = 64 << 20
-#: free space a create leaves on the state filesystem beyond the scratch disk it reserves
-#: and the memory file a pause of the sandbox will write (vm.json, snapshot tars, logs)
-SCRATCH_SPARE_BYTES = 64 << 20
-TMPFS_MAGIC = 0x01021994
 PAUSE_DRAIN_S = 10.0            # how long a pause waits for the agent's calls in flight       # read_file without a length: larger files -> ranges
 
 
